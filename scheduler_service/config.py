@@ -1,0 +1,63 @@
+"""Configuration of the scheduler service: frozen, built once from the command line and the model folder."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the scheduler needs to know of a model: read from config.json, no weights, no torch."""
+
+    name: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    path: str | None = None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, max_model_len: int | None = None) -> ModelSpec:
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        meta_path = folder / "pagedserve_model.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        eos = config.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        gen_path = folder / "generation_config.json"
+        if gen_path.exists():
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+            eos_ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        context = int(config.get("max_position_embeddings", 2048))
+        if max_model_len is not None:
+            context = min(context, max_model_len)
+        return cls(
+            name=meta.get("model_name") or config.get("_name_or_path") or folder.name,
+            vocab_size=int(config["vocab_size"]),
+            max_context=context,
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
+            path=str(folder),
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling policy. The number of blocks is not here: it arrives in the workers' handshake."""
+
+    block_size: int = 16
+    max_num_seqs: int = 64
+    # Per-step token budget: decodes are scheduled first, then prompt chunks fill the rest.
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_queue_len: int = 1024
+    # Check allocator invariants after every step (tests turn it on).
+    debug_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs (one decode token each)")

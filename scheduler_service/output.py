@@ -1,0 +1,75 @@
+"""Per-sample output handling: incremental text, stop conditions, stream deltas.
+
+Stop conditions, checked after every new token: a stop token id or (unless ignore_eos) an eos id
+→ STOP, the token kept; a stop string → STOP, the text cut before it; max_tokens or the model's
+context → LENGTH. While a sample runs, text that might be the start of a stop string is held back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_service.sequence import FinishReason, Sequence
+from scheduler_service.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class Delta:
+    """One stream message: a sample's new tokens and text; finish_reason on its last, usage on the request's last."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+class SampleOutput:
+    def __init__(self, tokenizer: Tokenizer, seq: Sequence, eos_token_ids: tuple[int, ...], max_context: int) -> None:
+        self.seq = seq
+        params = seq.request.sampling
+        self._detok = IncrementalDetokenizer(tokenizer, seq.request.prompt_token_ids)
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._stops = params.stop
+        self._holdback = max((len(s) for s in self._stops), default=1) - 1
+        self._max_tokens = params.max_tokens
+        self._max_context = max_context
+        self.text = ""
+        self._emitted = 0
+
+    def add_token(self, token: int) -> tuple[Delta, FinishReason | None]:
+        """Take one new token; return the stream delta and the finish reason, if it finished."""
+        piece = self._detok.add(token)
+        self.text += piece
+        reason = None
+        if token in self._stop_ids:
+            reason = FinishReason.STOP
+        elif self._stops and piece:
+            start = max(0, len(self.text) - len(piece) - self._holdback)
+            hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                reason = FinishReason.STOP
+        if reason is None and (
+            self.seq.num_output_tokens >= self._max_tokens or self.seq.num_tokens >= self._max_context
+        ):
+            reason = FinishReason.LENGTH
+        delta = Delta(self.seq.index, [token], self._take_text(final=reason is not None), reason)
+        return delta, reason
+
+    def finish(self, reason: FinishReason) -> Delta:
+        """A last delta for a sample ended from outside (abort, error)."""
+        return Delta(self.seq.index, [], self._take_text(final=True), reason)
+
+    def _take_text(self, final: bool) -> str:
+        visible = len(self.text) if final else max(self._emitted, len(self.text) - self._holdback)
+        piece = self.text[self._emitted : visible]
+        self._emitted = visible
+        return piece

@@ -1,0 +1,114 @@
+"""Request and sequence state.
+
+A Request is what a client asked for (prompt, sampling parameters); it owns one Sequence per sample.
+A Sequence is what the scheduler moves through its states and what owns KV blocks:
+
+    WAITING ──admit──▶ RUNNING ──finish/abort──▶ FINISHED
+       ▲                  │
+       └────preempt───────┘   (recompute: blocks freed, generated tokens kept)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Validated sampling parameters of one request (the scheduler's own copy, protobuf-free)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sequence:
+    """One sample's tokens and the KV blocks that hold them."""
+
+    def __init__(self, seq_id: int, request: Request, index: int) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.block_ids: list[int] = []  # the page table: logical block i -> physical block id
+        self.num_computed_tokens = 0  # tokens whose K/V is in the pool
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def sample_seed(self) -> int:
+        return (self.request.sampling.seed + self.index) & 0xFFFFFFFFFFFFFFFF
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request.request_id}#{self.index}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,156 @@
+"""The gRPC front door: pagedserve.v1.Generation, grpc.health.v1 and server reflection.
+
+The servicer is thin: protobuf in → engine call → protobuf out. Errors map to status codes in one
+place (`_status_for`).
+"""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import generation_pb2, generation_pb2_grpc
+from scheduler_service.engine import Engine, EngineUnavailable, QueueFull, StepFailed
+from scheduler_service.output import Delta
+from scheduler_service.scheduler import DuplicateRequestId
+from scheduler_service.sequence import FinishReason
+from scheduler_service.validation import InvalidRequest, request_from_proto
+
+log = structlog.get_logger("scheduler.server")
+
+_CLIENT_ERRORS = (InvalidRequest, QueueFull, EngineUnavailable, StepFailed, DuplicateRequestId)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+_FINISH = {
+    FinishReason.LENGTH: generation_pb2.LENGTH,
+    FinishReason.STOP: generation_pb2.STOP,
+    FinishReason.ABORT: generation_pb2.ABORT,
+    FinishReason.ERROR: generation_pb2.ABORT,
+}
+
+
+def _status_for(error: Exception) -> grpc.StatusCode:
+    if isinstance(error, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, QueueFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, EngineUnavailable):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(error, DuplicateRequestId):
+        return grpc.StatusCode.ALREADY_EXISTS
+    return grpc.StatusCode.INTERNAL
+
+
+def _usage(delta: Delta) -> generation_pb2.Usage:
+    u = delta.usage
+    return generation_pb2.Usage(
+        prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+        cached_prompt_tokens=u.cached_prompt_tokens,
+    )
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def _request(self, msg: generation_pb2.GenerateRequest):
+        if not self.engine.is_serving:
+            raise EngineUnavailable(self.engine.unavailable_reason)
+        return request_from_proto(msg, self.engine.tokenizer, self.engine.limits)
+
+    async def _fail(self, context: grpc.aio.ServicerContext, error: Exception, request_id: str = "") -> None:
+        code = _status_for(error)
+        log.info("request_rejected", request_id=request_id, code=code.name, error=str(error))
+        await context.abort(code, str(error))
+
+    async def Generate(self, msg, context):
+        try:
+            request = self._request(msg)
+            choices = {}
+            usage = None
+            async for delta in self.engine.generate(request):
+                c = choices.setdefault(delta.index, generation_pb2.Completion(index=delta.index))
+                c.token_ids.extend(delta.token_ids)
+                c.text += delta.text
+                if delta.finish_reason is not None:
+                    c.finish_reason = _FINISH[delta.finish_reason]
+                if delta.usage is not None:
+                    usage = _usage(delta)
+        except _CLIENT_ERRORS as e:
+            await self._fail(context, e, msg.request_id)
+            return None
+        return generation_pb2.GenerateResponse(
+            request_id=request.request_id, choices=[choices[i] for i in sorted(choices)], usage=usage
+        )
+
+    async def GenerateStream(self, msg, context):
+        try:
+            request = self._request(msg)
+            async for delta in self.engine.generate(request):
+                out = generation_pb2.GenerateStreamResponse(
+                    request_id=request.request_id, index=delta.index, token_ids=delta.token_ids, text=delta.text
+                )
+                if delta.finish_reason is not None:
+                    out.finish_reason = _FINISH[delta.finish_reason]
+                if delta.usage is not None:
+                    out.usage.CopyFrom(_usage(delta))
+                yield out
+        except _CLIENT_ERRORS as e:
+            await self._fail(context, e, msg.request_id)
+
+    async def Abort(self, msg, context):
+        if not msg.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        return generation_pb2.AbortResponse(aborted=self.engine.abort(msg.request_id, reason="Abort RPC"))
+
+    async def GetModelInfo(self, msg, context):
+        e = self.engine
+        if e.limits is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, e.unavailable_reason or "not ready")
+        hs = e.client.handshake
+        return generation_pb2.ModelInfo(
+            model_name=e.spec.name, max_context=e.limits.max_context, vocab_size=e.spec.vocab_size,
+            eos_token_ids=list(e.spec.eos_token_ids), block_size=e.config.block_size,
+            num_blocks=e.limits.num_blocks, dtype=hs.dtype, num_workers=len(e.client.workers),
+        )
+
+    async def GetCacheStats(self, msg, context):
+        if self.engine.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.unavailable_reason or "not ready")
+        stats = self.engine.cache_stats()
+        requests = [generation_pb2.RequestCacheUsage(**r) for r in stats.pop("requests")]
+        return generation_pb2.CacheStats(**stats, requests=requests)
+
+
+class HealthReporter:
+    """Keeps grpc.health.v1 in step with the engine: SERVING only while workers are live."""
+
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+
+    async def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            result = self.servicer.set(name, status)
+            if hasattr(result, "__await__"):
+                await result
+
+
+def build_server(engine: Engine, address: str) -> tuple[grpc.aio.Server, HealthReporter, int]:
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ])
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+    reporter = HealthReporter()
+    health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {address}")
+    return server, reporter, port

@@ -1,0 +1,170 @@
+"""A compact Llama-family forward driven by positions, slot mapping and block tables.
+
+No per-request cache object: every layer writes this step's K/V at the plan's slots and attends
+through the block tables. Covers Llama, Mistral, SmolLM (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings),
+Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm). Projections are fused (QKV, gate+up) so a layer
+runs four matmuls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention import AttentionBackend
+from worker.kv_pool import KVPool
+from worker.model_config import ModelConfig
+
+
+@dataclass
+class StepInputs:
+    token_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    attn_meta: object  # the backend's per-step metadata (built once, shared by all layers)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class Rotary:
+    """cos/sin tables for every position, indexed by each token's position (rotate-half convention)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float32, device=device)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
+        self.cos, self.sin = freqs.cos(), freqs.sin()
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, n_heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim / 2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, c.hidden_size))
+        self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size)) if c.attention_bias else None
+        self.q_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
+        self.o_proj = nn.Parameter(torch.empty(c.hidden_size, self.q_size))
+        self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.gate_up = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
+        self.down = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
+        self.config = c
+
+    def forward(
+        self, x: torch.Tensor, step: StepInputs, pool: KVPool, rotary: Rotary, attn: AttentionBackend
+    ) -> torch.Tensor:
+        c = self.config
+        num_tokens = x.shape[0]
+        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        qkv = F.linear(h, self.qkv, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        q = qkv[:, : self.q_size].view(num_tokens, c.num_heads, c.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, c.rms_norm_eps)
+        q = rotary(q, step.positions)
+        k = rotary(k, step.positions)
+        k_cache, v_cache = pool.layer(self.layer_idx)
+        attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+        o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.head_dim**-0.5)  # [num_tokens, n_heads, hd]
+        x = x + F.linear(o.reshape(num_tokens, self.q_size), self.o_proj)
+        h = rms_norm(x, self.post_attn_norm, c.rms_norm_eps)
+        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size)
+        )
+        self.rotary: Rotary | None = None
+
+    def forward(self, step: StepInputs, pool: KVPool, attn: AttentionBackend) -> torch.Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden_size]."""
+        if self.rotary is None:
+            self.rotary = Rotary(self.config, self.embed.device)
+        x = F.embedding(step.token_ids, self.embed)
+        for layer in self.layers:
+            x = layer(x, step, pool, self.rotary, attn)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden_size] -> fp32 logits [rows, vocab_size]; only rows that sample are passed."""
+        head = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()
+
+    # --- weights ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors into the fused parameters; every parameter must be covered."""
+        c = self.config
+        dtype = self.embed.dtype
+        loaded: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise KeyError(f"weight {name} is missing from the checkpoint")
+            loaded.add(name)
+            return tensors[name].to(dtype)
+
+        self.embed.copy_(take("model.embed_tokens.weight"))
+        self.norm.copy_(take("model.norm.weight"))
+        if self.lm_head is not None:
+            self.lm_head.copy_(take("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            layer.input_norm.copy_(take(p + "input_layernorm.weight"))
+            layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
+            layer.qkv.copy_(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]))
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.copy_(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
+            if layer.q_norm is not None:
+                layer.q_norm.copy_(take(a + "q_norm.weight"))
+                layer.k_norm.copy_(take(a + "k_norm.weight"))
+            layer.o_proj.copy_(take(a + "o_proj.weight"))
+            m = p + "mlp."
+            layer.gate_up.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
+            layer.down.copy_(take(m + "down_proj.weight"))
+        ignored = {n for n in tensors if n not in loaded and "rotary_emb" not in n}
+        if c.tie_word_embeddings:
+            ignored.discard("lm_head.weight")
+        if ignored:
+            raise KeyError(f"checkpoint has weights this model does not use: {sorted(ignored)[:5]}")
+
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights at the real shapes ("dummy" loading, for benchmarks)."""
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        for name, param in self.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            elif "bias" in name:
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=g) * std)
