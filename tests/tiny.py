@@ -69,27 +69,28 @@ def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
-def hf_greedy(folder: Path, prompt: list[int], max_tokens: int, eos: int | None = None) -> list[int]:
-    """transformers' own solo greedy decode, the reference every batched output must equal."""
+def hf_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' own solo greedy decode (its KV cache, one request alone), eos ignored: the reference
+    every batched output must equal token for token."""
     import torch
-    from transformers import LlamaForCausalLM
 
     model = _load_cached(str(folder))
-    ids = torch.tensor([prompt])
+    out: list[int] = []
     with torch.no_grad():
-        out = model.generate(
-            ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0,
-            attention_mask=torch.ones_like(ids),
-        )
-    return out[0, len(prompt):].tolist()
+        res = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(max_tokens):
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            res = model(torch.tensor([[token]]), past_key_values=res.past_key_values, use_cache=True)
+    return out
 
 
 _MODELS: dict = {}
 
 
 def _load_cached(folder: str):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if folder not in _MODELS:
-        _MODELS[folder] = LlamaForCausalLM.from_pretrained(folder).eval()
+        _MODELS[folder] = AutoModelForCausalLM.from_pretrained(folder).eval()
     return _MODELS[folder]

@@ -1,0 +1,25 @@
+import pytest
+
+from tests.server import ServerProcess
+from tests.tiny import make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=7)
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory):
+    """Start servers on the tiny model; all are stopped at the end of the session."""
+    started = []
+
+    def start(model_dir, *args):
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        server = ServerProcess(model_dir, log, *args).start()
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.stop()

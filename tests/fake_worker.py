@@ -1,0 +1,58 @@
+"""A torch-free stand-in for the worker: its "KV pool" stores token ids at slots, and its "model"
+predicts the next token as a hash of the whole context read back through the block table. A paging
+bug (a block shared by mistake, a slot written twice, a table that misses a block) changes the output."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from protos import wire_pb2
+
+VOCAB = 1000
+
+
+def next_token(context: list[int]) -> int:
+    digest = hashlib.blake2b(np.asarray(context, dtype=np.int64).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % VOCAB
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    ctx = list(prompt)
+    for _ in range(max_tokens):
+        ctx.append(next_token(ctx))
+    return ctx[len(prompt):]
+
+
+class FakeWorker:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.num_steps = 0
+
+    def execute(self, plan: wire_pb2.StepPlan) -> list[int]:
+        self.num_steps += 1
+        tokens = np.frombuffer(plan.token_ids, dtype="<i4")
+        slots = np.frombuffer(plan.slot_mapping, dtype="<i8")
+        tables = np.frombuffer(plan.block_tables, dtype="<i4").reshape(plan.num_seqs, plan.max_blocks_per_seq)
+        seq_lens = np.frombuffer(plan.seq_lens, dtype="<i4")
+        do_sample = np.frombuffer(plan.do_sample, dtype=np.uint8)
+        positions = np.frombuffer(plan.positions, dtype="<i4")
+        qsl = np.frombuffer(plan.query_start_loc, dtype="<i4")
+        assert (slots >= 0).all()
+        for i in range(plan.num_seqs):  # a slot is where the position's block table entry says
+            pos = positions[qsl[i]:qsl[i + 1]].astype(np.int64)
+            expect = tables[i][pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+            assert (slots[qsl[i]:qsl[i + 1]] == expect).all()
+        self.pool[slots] = tokens
+        out = []
+        for i in range(plan.num_seqs):
+            if not do_sample[i]:
+                out.append(-1)
+                continue
+            pos = np.arange(seq_lens[i])
+            ctx = self.pool[tables[i][pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size]
+            assert (ctx >= 0).all(), "read a slot that was never written"
+            out.append(next_token(ctx.tolist()))
+        return out

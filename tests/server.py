@@ -1,0 +1,93 @@
+"""Start a real pagedserve (scheduler process + worker process, gRPC + ZeroMQ on localhost) for a test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import generation_pb2, generation_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.args = list(args)
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.channel: grpc.Channel | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        cmd = [sys.executable, "-m", "deploy.launcher", "--model", str(self.model_dir), "--port", str(self.port),
+               "--debug-invariants", "--threads", "1", *self.args]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        self.channel = grpc.insecure_channel(self.address)
+        health = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                resp = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return self
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not serving within {timeout}s:\n{self.log_tail()}")
+
+    @property
+    def stub(self) -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(self.channel)
+
+    def stats(self) -> generation_pb2.CacheStats:
+        return self.stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=10)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if hasattr(self, "_log"):
+            self._log.close()
+
+
+def greedy_request(prompt: list[int], max_tokens: int, request_id: str = "") -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt,
+        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )

@@ -1,0 +1,247 @@
+"""End to end through real processes and sockets: scheduler process + worker process, gRPC + ZeroMQ."""
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from protos import generation_pb2
+from tests.server import greedy_request
+from tests.tiny import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, tiny_model_dir):
+    # block size 4 and a per-step budget of 32 tokens: long prompts go in chunks, tables grow often
+    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "256",
+                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+
+
+@pytest.fixture(scope="module")
+def tight_server(server_factory, tiny_model_dir):
+    # 40 blocks of 4 tokens: the workload below needs far more at once, so requests wait and are preempted
+    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "40",
+                          "--max-num-batched-tokens", "64")
+
+
+def workload(n, seed, vocab=384):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 60))]
+        out.append((f"req-{seed}-{i}", prompt, rng.randint(4, 40), rng.uniform(0, 0.6)))
+    return out
+
+
+def run_stream(stub, req):
+    tokens, text, finish, usage = {}, {}, {}, None
+    for msg in stub.GenerateStream(req, timeout=120):
+        tokens.setdefault(msg.index, []).extend(msg.token_ids)
+        text[msg.index] = text.get(msg.index, "") + msg.text
+        if msg.finish_reason:
+            finish[msg.index] = msg.finish_reason
+        if msg.HasField("usage"):
+            usage = msg.usage
+    return tokens, text, finish, usage
+
+
+def submit_all(server, items, stream):
+    """items: (id, prompt, max_tokens, delay); requests arrive at their delay, all in flight together."""
+    def one(item):
+        rid, prompt, max_tokens, delay = item
+        time.sleep(delay)
+        req = greedy_request(prompt, max_tokens, rid)
+        if stream:
+            tokens, text, finish, usage = run_stream(server.stub, req)
+            return rid, tokens[0], text[0], finish[0], usage
+        resp = server.stub.Generate(req, timeout=120)
+        c = resp.choices[0]
+        return rid, list(c.token_ids), c.text, c.finish_reason, resp.usage
+
+    with ThreadPoolExecutor(len(items)) as pool:
+        return {r[0]: r[1:] for r in pool.map(one, items)}
+
+
+def assert_all_blocks_back(server):
+    deadline = time.monotonic() + 5
+    while True:
+        stats = server.stats()
+        if stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks and not stats.requests:
+            break
+        assert time.monotonic() < deadline, f"blocks still held: {stats}"
+        time.sleep(0.05)
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.used_bytes == 0
+
+
+def test_concurrent_requests_equal_solo_transformers_greedy(server, tiny_model_dir):
+    items = workload(10, seed=1)
+    unary = submit_all(server, items, stream=False)
+    for rid, prompt, max_tokens, _ in items:
+        tokens, _, finish, usage = unary[rid]
+        assert tokens == hf_greedy(tiny_model_dir, prompt, max_tokens), rid
+        assert finish == generation_pb2.LENGTH
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), max_tokens)
+    assert_all_blocks_back(server)
+
+
+def test_streamed_tokens_equal_unary_tokens(server):
+    items = workload(8, seed=2)
+    streamed = submit_all(server, items, stream=True)
+    unary = submit_all(server, [(rid + "-u", p, m, d) for rid, p, m, d in items], stream=False)
+    for rid, *_ in items:
+        s_tokens, s_text, s_finish, s_usage = streamed[rid]
+        u_tokens, u_text, u_finish, u_usage = unary[rid + "-u"]
+        assert s_tokens == u_tokens
+        assert s_text == u_text
+        assert s_finish == u_finish
+        assert s_usage == u_usage
+    assert_all_blocks_back(server)
+
+
+def test_tight_pool_preempts_and_outputs_stay_identical(tight_server, tiny_model_dir):
+    items = workload(10, seed=3)
+    before = tight_server.stats().num_preemptions
+    results = submit_all(tight_server, items, stream=True)
+    for rid, prompt, max_tokens, _ in items:
+        assert results[rid][0] == hf_greedy(tiny_model_dir, prompt, max_tokens), rid
+    assert tight_server.stats().num_preemptions > before, "this pool is small enough that it must preempt"
+    assert_all_blocks_back(tight_server)
+
+
+def test_text_prompt_goes_through_the_chat_template_and_stops(server):
+    req = generation_pb2.GenerateRequest(
+        prompt="What is the capital of France?",
+        sampling=generation_pb2.SamplingParams(max_tokens=12))
+    resp = server.stub.Generate(req, timeout=60)
+    assert resp.usage.prompt_tokens > 5
+    assert 1 <= resp.usage.completion_tokens <= 12
+    assert resp.request_id  # the server assigned one
+
+
+BAD = [
+    ("empty prompt", dict(), "empty"),
+    ("both prompt kinds", dict(prompt="hi", prompt_token_ids=[5, 6]), "not both"),
+    ("prompt longer than context", dict(prompt_token_ids=[5] * 600), "context"),
+    ("max_tokens 0", dict(prompt_token_ids=[5, 6], sampling=dict(max_tokens=0)), "max_tokens"),
+    ("max_tokens beyond context", dict(prompt_token_ids=[5, 6], sampling=dict(max_tokens=600)), "context"),
+    ("token id outside vocab", dict(prompt_token_ids=[5, 384]), "vocabulary"),
+    ("negative temperature", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, temperature=-0.5)), "temperature"),
+    ("top_p zero", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, top_p=0.0)), "top_p"),
+    ("top_p above one", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, top_p=1.5)), "top_p"),
+    ("empty stop string", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, stop=[""])), "stop"),
+]
+
+
+@pytest.mark.parametrize("name,fields,needle", BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize("rpc", ["Generate", "GenerateStream"])
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(server, name, fields, needle, rpc):
+    fields = dict(fields)
+    sampling = fields.pop("sampling", dict(max_tokens=2))
+    req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(**sampling), **fields)
+    with pytest.raises(grpc.RpcError) as err:
+        call = getattr(server.stub, rpc)(req, timeout=30)
+        if rpc == "GenerateStream":
+            list(call)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert needle in err.value.details()
+    ok = server.stub.Generate(greedy_request([5, 6, 7], 3), timeout=30)
+    assert len(ok.choices[0].token_ids) == 3
+
+
+def test_request_that_could_never_fit_the_pool(tight_server):
+    # 40 blocks x 4 tokens = 160 slots: a 100-token prompt with 100 more tokens can never fit
+    with pytest.raises(grpc.RpcError) as err:
+        tight_server.stub.Generate(greedy_request([5] * 100, 100), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "pool" in err.value.details()
+
+
+def test_cancelled_stream_frees_its_blocks_and_others_finish(server, tiny_model_dir):
+    others = workload(3, seed=5)
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(submit_all, server, others, False)
+        call = server.stub.GenerateStream(greedy_request([9, 8, 7, 6], 400, "to-cancel"), timeout=120)
+        got = 0
+        for msg in call:
+            got += len(msg.token_ids)
+            if got >= 5:
+                break
+        assert any(r.request_id == "to-cancel" for r in server.stats().requests)
+        call.cancel()
+        deadline = time.monotonic() + 5
+        while any(r.request_id == "to-cancel" for r in server.stats().requests):
+            assert time.monotonic() < deadline, "a cancelled request kept its blocks"
+            time.sleep(0.02)
+        results = fut.result()
+    for rid, prompt, max_tokens, _ in others:
+        assert results[rid][0] == hf_greedy(tiny_model_dir, prompt, max_tokens)
+    assert_all_blocks_back(server)
+
+
+def test_abort_rpc_ends_a_request_and_frees_blocks_at_once(server):
+    first = threading.Event()
+    box = {}
+
+    def consume():
+        box["result"] = run_stream_with_signal(server.stub, greedy_request([4, 4, 4], 400, "to-abort"), first)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert first.wait(30)
+    resp = server.stub.Abort(generation_pb2.AbortRequest(request_id="to-abort"), timeout=10)
+    assert resp.aborted
+    stats = server.stats()  # no waiting: Abort returns after the blocks are back
+    assert not any(r.request_id == "to-abort" for r in stats.requests)
+    t.join(30)
+    tokens, finish, usage = box["result"]
+    assert finish == generation_pb2.ABORT
+    assert 1 <= len(tokens) < 400 and usage.completion_tokens == len(tokens)
+    assert not server.stub.Abort(generation_pb2.AbortRequest(request_id="to-abort"), timeout=10).aborted
+    assert_all_blocks_back(server)
+
+
+def run_stream_with_signal(stub, req, first):
+    tokens, finish, usage = [], None, None
+    for msg in stub.GenerateStream(req, timeout=120):
+        tokens.extend(msg.token_ids)
+        first.set()
+        if msg.finish_reason:
+            finish = msg.finish_reason
+        if msg.HasField("usage"):
+            usage = msg.usage
+    return tokens, finish, usage
+
+
+def test_model_info_health_and_reflection(server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    info = server.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert (info.vocab_size, info.max_context, info.block_size, info.num_blocks) == (384, 512, 4, 256)
+    assert list(info.eos_token_ids) == [2]
+    health = health_pb2_grpc.HealthStub(server.channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=10)
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(server.channel)
+    answers = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for a in answers for s in a.list_services_response.service}
+    assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_duplicate_live_request_id_is_refused(server):
+    first = threading.Event()
+    t = threading.Thread(target=run_stream_with_signal,
+                         args=(server.stub, greedy_request([1, 2], 300, "dup"), first))
+    t.start()
+    assert first.wait(30)
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.Generate(greedy_request([1, 2], 3, "dup"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    server.stub.Abort(generation_pb2.AbortRequest(request_id="dup"), timeout=10)
+    t.join(30)
+    assert_all_blocks_back(server)

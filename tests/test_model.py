@@ -1,0 +1,132 @@
+"""Our paged Llama forward against transformers' own, on tiny random models made here."""
+
+import pytest
+import torch
+
+from tests.tiny import make_tiny_llama
+from worker.attention import make_backend
+from worker.kv_pool import KVPool
+from worker.model import StepInputs
+from worker.weights import load_model
+
+BLOCK = 4
+ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = make_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=3)
+    from transformers import LlamaForCausalLM
+
+    ours, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    return ours, config, LlamaForCausalLM.from_pretrained(str(folder)).eval()
+
+
+def run_step(model, config, pool, seqs):
+    """seqs: list of (new_tokens, start_position, block_ids) -> (logits of each seq's last token, hidden)."""
+    attn = make_backend("torch", torch.device("cpu"))
+    tokens, positions, slots, lens, qsl = [], [], [], [], [0]
+    width = max(len(b) for _, _, b in seqs)
+    tables = torch.full((len(seqs), width), -1, dtype=torch.int32)
+    for i, (new, start, blocks) in enumerate(seqs):
+        pos = list(range(start, start + len(new)))
+        tokens += new
+        positions += pos
+        slots += [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in pos]
+        lens.append(start + len(new))
+        qsl.append(qsl[-1] + len(new))
+        tables[i, : len(blocks)] = torch.tensor(blocks)
+    meta = attn.prepare(tables, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32), BLOCK)
+    step = StepInputs(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), meta)
+    with torch.no_grad():
+        hidden = model(step, pool, attn)
+        last = torch.tensor(qsl[1:]) - 1
+        return model.compute_logits(hidden[last]), hidden
+
+
+def test_prefill_logits_match_transformers(tiny):
+    model, config, hf = tiny
+    pool = KVPool(config, 32, BLOCK, torch.float32, torch.device("cpu"))
+    prompt = torch.randint(0, config.vocab_size, (13,), generator=torch.Generator().manual_seed(0)).tolist()
+    blocks = [31, 0, 17, 5]  # scattered, out of order, first and last block of the pool included
+    _, hidden = run_step(model, config, pool, [(prompt, 0, blocks)])
+    ours = model.compute_logits(hidden)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=1e-4)
+
+
+def test_token_by_token_decode_through_the_paged_pool_matches(tiny):
+    """Two interleaved sequences decode token by token in one batch, blocks scattered and interleaved."""
+    model, config, hf = tiny
+    pool = KVPool(config, 32, BLOCK, torch.float32, torch.device("cpu"))
+    pool.k[0].fill_(float("nan"))  # stale bytes anywhere but the written slots must not matter
+    pool.v[1].fill_(float("nan"))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (6, 3)]
+    blocks = [[9, 2, 30, 14, 7, 22], [1, 27, 11, 31, 20, 0]]
+    # Prefill of sequence 0 and 1 together (a mixed-length batch).
+    logits, _ = run_step(model, config, pool, [(prompts[0], 0, blocks[0]), (prompts[1], 0, blocks[1])])
+    seqs = [list(p) for p in prompts]
+    for _ in range(14):
+        nxt = logits.argmax(-1).tolist()
+        starts = [len(s) for s in seqs]
+        for s, t in zip(seqs, nxt):
+            s.append(t)
+        logits, _ = run_step(model, config, pool, [([seqs[i][-1]], starts[i], blocks[i]) for i in range(2)])
+        with torch.no_grad():
+            for i in range(2):
+                ref = hf(torch.tensor([seqs[i]])).logits[0, -1]
+                torch.testing.assert_close(logits[i], ref, atol=ATOL, rtol=1e-4)
+
+
+def test_mixed_prefill_and_decode_rows_in_one_step(tiny):
+    model, config, hf = tiny
+    pool = KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu"))
+    a = [5, 9, 11, 40, 2, 8, 100]
+    b = [7, 3, 3, 250, 61]
+    run_step(model, config, pool, [(a[:6], 0, [3, 8])])
+    # a decodes its 7th token while b prefills from scratch, in the same forward
+    logits, _ = run_step(model, config, pool, [([a[6]], 6, [3, 8]), (b, 0, [12, 4])])
+    with torch.no_grad():
+        torch.testing.assert_close(logits[0], hf(torch.tensor([a])).logits[0, -1], atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(logits[1], hf(torch.tensor([b])).logits[0, -1], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "tied"])
+def test_other_llama_family_variants(tmp_path, family):
+    """Qwen2 (QKV bias), Qwen3 (per-head q/k norm) and tied embeddings load and match too."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128)
+    if family == "qwen2":
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif family == "qwen3":
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common))
+    else:
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=True, **common))
+    with torch.no_grad():  # random biases, so that a dropped bias would show
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    hf.eval().save_pretrained(str(tmp_path))
+    model, config = load_model(str(tmp_path), "auto", torch.float32, torch.device("cpu"))
+    pool = KVPool(config, 8, BLOCK, torch.float32, torch.device("cpu"))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+    _, hidden = run_step(model, config, pool, [(prompt, 0, [6, 1, 3])])
+    with torch.no_grad():
+        torch.testing.assert_close(model.compute_logits(hidden), hf(torch.tensor([prompt])).logits[0],
+                                   atol=ATOL, rtol=1e-4)
+
+
+def test_checkpoint_missing_a_weight_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tiny_llama(tmp_path, seed=0, num_hidden_layers=1)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.0.mlp.down_proj.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(KeyError, match="down_proj"):
+        load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
