@@ -1,0 +1,75 @@
+"""The sampler: greedy, temperature, top-k, top-p, and per-request seeds that make draws repeatable."""
+
+import torch
+
+from worker.sampler import SamplingBatch, mix_seed, sample
+
+
+def batch(rows, temperature=1.0, top_p=1.0, top_k=0, seeds=None, index=None):
+    return SamplingBatch(
+        temperature=torch.full((rows,), temperature),
+        top_p=torch.full((rows,), top_p),
+        top_k=torch.full((rows,), top_k, dtype=torch.int64),
+        seeds=seeds or list(range(rows)),
+        sample_index=index or [0] * rows,
+    )
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample(logits, batch(5, temperature=0.0)), logits.argmax(-1))
+
+
+def test_same_seed_and_index_give_the_same_token_different_index_varies():
+    logits = torch.zeros(1, 1000)  # uniform: any token is possible
+    a = [int(sample(logits, batch(1, seeds=[42], index=[i]))) for i in range(20)]
+    b = [int(sample(logits, batch(1, seeds=[42], index=[i]))) for i in range(20)]
+    c = [int(sample(logits, batch(1, seeds=[43], index=[i]))) for i in range(20)]
+    assert a == b
+    assert a != c
+    assert len(set(a)) > 10
+
+
+def test_rows_do_not_share_random_streams():
+    logits = torch.zeros(3, 1000)
+    together = sample(logits, batch(3, seeds=[1, 2, 3], index=[5, 5, 5])).tolist()
+    alone = [int(sample(logits[i:i + 1], batch(1, seeds=[s], index=[5]))) for i, s in enumerate([1, 2, 3])]
+    assert together == alone  # a row's draw does not depend on what else is in the batch
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sample(logits, batch(4, top_k=1)), logits.argmax(-1))
+    assert torch.equal(sample(logits, batch(4, top_p=1e-6)), logits.argmax(-1))
+
+
+def test_top_k_and_top_p_only_draw_from_the_allowed_set():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    drawn_k = {int(sample(logits, batch(1, top_k=2, seeds=[s]))) for s in range(200)}
+    assert drawn_k == {0, 1}
+    drawn_p = {int(sample(logits, batch(1, top_p=0.8, seeds=[s]))) for s in range(200)}
+    assert drawn_p == {0, 1}  # 0.5 + 0.3 reaches 0.8: token 2 is outside the nucleus
+    drawn_all = {int(sample(logits, batch(1, seeds=[s]))) for s in range(400)}
+    assert drawn_all == {0, 1, 2, 3}
+
+
+def test_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().expand(4000, 3).contiguous()
+    tokens = sample(logits, batch(4000, seeds=list(range(4000))))
+    freq = torch.bincount(tokens, minlength=3).float() / 4000
+    assert torch.allclose(freq, probs, atol=0.03), freq
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[2.0, 1.0, 0.0]]).expand(2000, 3).contiguous()
+    cold = sample(logits, batch(2000, temperature=0.2, seeds=list(range(2000))))
+    hot = sample(logits, batch(2000, temperature=2.0, seeds=list(range(2000))))
+    assert (cold == 0).float().mean() > 0.95
+    assert 0.3 < (hot == 0).float().mean() < 0.7
+
+
+def test_mix_seed_spreads():
+    seeds = {mix_seed(7, i) for i in range(1000)} | {mix_seed(i, 0) for i in range(100, 1100)}
+    assert len(seeds) == 2000 and all(0 <= s < 2**63 for s in seeds)

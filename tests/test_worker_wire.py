@@ -1,0 +1,135 @@
+"""The worker process over its real ZeroMQ socket: handshake, plans, malformed input, shutdown.
+
+A malformed or out-of-range plan gets an error result, never a crash, and never a write outside the pool."""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from protos import WIRE_VERSION, wire_pb2
+from tests.server import ROOT
+
+pytestmark = pytest.mark.slow
+
+NUM_BLOCKS, BLOCK = 8, 4
+
+
+class Peer:
+    """Plays the scheduler: a ROUTER socket, answering heartbeats."""
+
+    def __init__(self):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.worker_id = None
+
+    def recv(self, kind, timeout=120.0, echo_heartbeats=True):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.sock.poll(100):
+                continue
+            identity, frame = self.sock.recv_multipart()
+            msg = wire_pb2.WireMessage.FromString(frame)
+            body = msg.WhichOneof("body")
+            if body == "heartbeat":
+                if echo_heartbeats:
+                    self.sock.send_multipart([identity, frame])
+                continue
+            if body == kind:
+                return identity, getattr(msg, body)
+        raise TimeoutError(f"no {kind} within {timeout}s")
+
+    def send(self, raw: bytes):
+        self.sock.send_multipart([self.worker_id, raw])
+
+    def send_msg(self, **body):
+        self.send(wire_pb2.WireMessage(version=WIRE_VERSION, **body).SerializeToString())
+
+    def close(self):
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def worker(tiny_model_dir):
+    peer = Peer()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler", peer.endpoint,
+         "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK), "--threads", "1", "--scheduler-timeout", "3"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    identity, hs = peer.recv("handshake")
+    peer.worker_id = identity
+    assert (hs.num_blocks, hs.block_size, hs.vocab_size, hs.rank, hs.world_size) == (NUM_BLOCKS, BLOCK, 384, 0, 1)
+    assert hs.model_fingerprint and hs.bytes_per_block == 2 * 3 * 2 * 16 * BLOCK * 4
+    peer.send_msg(handshake_ack=wire_pb2.HandshakeAck(accepted=True, num_blocks=NUM_BLOCKS))
+    yield peer, proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    peer.close()
+
+
+def plan(step_id=1, tokens=(5, 6, 7), blocks=(3,), **override):
+    n = len(tokens)
+    fields = dict(
+        step_id=step_id, num_seqs=1, num_tokens=n,
+        token_ids=np.array(tokens, "<i4").tobytes(),
+        positions=np.arange(n, dtype="<i4").tobytes(),
+        slot_mapping=(blocks[0] * BLOCK + np.arange(n, dtype="<i8")).tobytes(),
+        block_tables=np.array(blocks, "<i4").tobytes(), max_blocks_per_seq=len(blocks),
+        seq_lens=np.array([n], "<i4").tobytes(), query_start_loc=np.array([0, n], "<i4").tobytes(),
+        do_sample=np.array([1], np.uint8).tobytes(), sample_index=np.array([0], "<i4").tobytes(),
+        sampling=[wire_pb2.SamplingRow(temperature=0.0, top_p=1.0)],
+    )
+    fields.update(override)
+    return wire_pb2.StepPlan(**fields)
+
+
+BAD_PLANS = {
+    "slot outside the pool": dict(slot_mapping=np.array([0, 1, NUM_BLOCKS * BLOCK], "<i8").tobytes()),
+    "block id outside the pool": dict(block_tables=np.array([NUM_BLOCKS], "<i4").tobytes()),
+    "token outside the vocabulary": dict(token_ids=np.array([5, 6, 384], "<i4").tobytes()),
+    "truncated array": dict(positions=b"\x00\x00"),
+    "seq_lens beyond the table": dict(seq_lens=np.array([9], "<i4").tobytes()),
+    "sampling rows missing": dict(sampling=[]),
+    "negative position": dict(positions=np.array([0, -1, 2], "<i4").tobytes()),
+}
+
+
+def test_bad_plans_and_frames_get_error_results_and_the_worker_keeps_serving(worker):
+    peer, proc = worker
+    peer.send_msg(plan=plan(step_id=1))
+    _, good = peer.recv("result")
+    assert not good.error and np.frombuffer(good.sampled_token_ids, "<i4").shape == (1,)
+    for i, (name, override) in enumerate(BAD_PLANS.items(), start=2):
+        peer.send_msg(plan=plan(step_id=i, **override))
+        _, res = peer.recv("result")
+        assert res.step_id == i and res.error.startswith("rejected plan"), name
+    peer.send(b"\xff\xfe not a protobuf")
+    _, res = peer.recv("result")
+    assert "malformed" in res.error
+    peer.send(wire_pb2.WireMessage(version=WIRE_VERSION + 1, plan=plan(step_id=50)).SerializeToString())
+    _, res = peer.recv("result")
+    assert "wire version" in res.error
+    peer.send_msg(plan=plan(step_id=99))  # still alive, and the same input gives the same token
+    _, again = peer.recv("result")
+    assert again.step_id == 99 and again.sampled_token_ids == good.sampled_token_ids
+    assert proc.poll() is None
+    peer.send_msg(shutdown=wire_pb2.Shutdown(reason="test over"))
+    assert proc.wait(timeout=30) == 0
+
+
+def test_worker_exits_when_the_scheduler_goes_silent(worker):
+    peer, proc = worker
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        if peer.sock.poll(100):
+            peer.sock.recv_multipart()  # swallow heartbeats without echoing them
+    assert proc.poll() is not None, "an orphaned worker kept running"
