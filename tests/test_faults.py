@@ -1,0 +1,52 @@
+"""Failures: a worker that dies mid-request ends its requests with a clear error, never a hang."""
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.server import greedy_request
+
+pytestmark = pytest.mark.slow
+
+
+def test_killed_worker_fails_requests_with_unavailable_and_health_says_so(server_factory, tiny_model_dir):
+    server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "64", "--heartbeat-timeout", "2")
+    children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 1
+    first = threading.Event()
+    box = {}
+
+    def consume():
+        try:
+            for _ in server.stub.GenerateStream(greedy_request([3, 4, 5], 240), timeout=60):
+                first.set()
+            box["result"] = "finished"
+        except grpc.RpcError as e:
+            box["result"] = e
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert first.wait(30)
+    os.kill(int(children[0]), signal.SIGKILL)
+    t0 = time.monotonic()
+    t.join(30)
+    assert not t.is_alive(), "the request hung after its worker died"
+    err = box["result"]
+    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert "worker" in err.details() and time.monotonic() - t0 < 15
+    health = health_pb2_grpc.HealthStub(server.channel)
+    deadline = time.monotonic() + 5
+    while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    with pytest.raises(grpc.RpcError) as again:
+        server.stub.Generate(greedy_request([1, 2], 2), timeout=10)
+    assert again.value.code() == grpc.StatusCode.UNAVAILABLE
+    stats = server.stats()
+    assert stats.num_free_blocks == stats.num_blocks and not stats.requests

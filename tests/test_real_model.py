@@ -1,0 +1,62 @@
+"""A few checks on the embedded default model (SmolLM2-135M-Instruct, prepared by `make setup`)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from protos import generation_pb2
+from tests.server import ROOT
+from tests.tiny import hf_greedy
+
+MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", ROOT / ".models" / "smollm2-135m-instruct"))
+
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(),
+                       reason=f"default model not prepared in {MODEL_DIR} (run `make setup`)"),
+]
+
+
+def test_own_forward_greedy_equals_transformers_on_the_default_model():
+    from scheduler_service.tokenizer import Tokenizer
+    from worker.attention import make_backend
+    from worker.kv_pool import KVPool
+    from worker.model import StepInputs
+    from worker.weights import load_model
+
+    model, config = load_model(str(MODEL_DIR), "auto", torch.float32, torch.device("cpu"))
+    prompt = Tokenizer(MODEL_DIR).encode_prompt("Name three colors.", raw=False)
+    block = 16
+    pool = KVPool(config, 8, block, torch.float32, torch.device("cpu"))
+    blocks = [6, 2, 7, 0, 5]
+    attn = make_backend("torch", torch.device("cpu"))
+    tokens = list(prompt)
+    start = 0
+    out = []
+    with torch.no_grad():
+        for _ in range(12):
+            new = tokens[start:]
+            pos = list(range(start, len(tokens)))
+            slots = [blocks[p // block] * block + p % block for p in pos]
+            meta = attn.prepare(torch.tensor([blocks], dtype=torch.int32), torch.tensor([len(tokens)], dtype=torch.int32),
+                                torch.tensor([0, len(new)], dtype=torch.int32), block)
+            hidden = model(StepInputs(torch.tensor(new), torch.tensor(pos), torch.tensor(slots), meta), pool, attn)
+            nxt = int(model.compute_logits(hidden[-1:]).argmax())
+            start = len(tokens)
+            tokens.append(nxt)
+            out.append(nxt)
+    assert out == hf_greedy(MODEL_DIR, prompt, 12)
+
+
+@pytest.mark.slow
+def test_make_run_answers_the_capital_of_france(server_factory):
+    server = server_factory(MODEL_DIR, "--kv-cache-memory", "256MiB")
+    req = generation_pb2.GenerateRequest(prompt="What is the capital of France?",
+                                         sampling=generation_pb2.SamplingParams(max_tokens=40))
+    resp = server.stub.Generate(req, timeout=120)
+    assert "Paris" in resp.choices[0].text
+    assert resp.choices[0].finish_reason == generation_pb2.STOP  # it ends on <|im_end|>
+    streamed = "".join(m.text for m in server.stub.GenerateStream(req, timeout=120))
+    assert streamed == resp.choices[0].text
