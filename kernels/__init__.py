@@ -1,9 +1,8 @@
 """Paged-attention kernels and their pure-torch references.
 
-`kernels.reference` holds the plain-torch definitions every kernel is tested against; the
-CPU worker runs them directly.
+`kernels.reference` holds the plain-torch definitions every kernel is tested against.
 """
 
-from kernels.reference import AttentionIndex, paged_attention, paged_attention_indexed, write_kv
+from kernels.reference import kv_slots, paged_attention, write_kv
 
-__all__ = ["AttentionIndex", "paged_attention", "paged_attention_indexed", "write_kv"]
+__all__ = ["kv_slots", "paged_attention", "write_kv"]

@@ -1,7 +1,9 @@
-"""Pure-torch paged attention: the definition every Triton kernel is checked against.
+"""Pure-torch paged attention: the definition every kernel is checked against.
 
 Pool layout (block-tensor): k_cache, v_cache are [num_blocks, block_size, n_kv_heads, head_dim].
 The slot of position p of a sequence is block_table[p // block_size] * block_size + p % block_size.
+Written plainly (gather through the block table, repeat KV heads, masked softmax in fp32) so that it is
+obviously right; speed is the kernels' business.
 """
 
 from __future__ import annotations
@@ -28,35 +30,18 @@ def write_kv(
     flat_v.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-class AttentionIndex:
-    """Per-step indexing shared by every layer: which row of which sequence each query token is,
-    which keys each query may see. Built once per step, used by all layers."""
+def kv_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """int64 [num_seqs, width]: the pool slot of each key position of each sequence.
 
-    def __init__(
-        self,
-        block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
-        seq_lens: torch.Tensor,  # int32 [num_seqs]
-        query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
-        block_size: int,
-        device: torch.device | str,
-    ) -> None:
-        qsl = query_start_loc.to(device=device, dtype=torch.int64)
-        q_lens = qsl[1:] - qsl[:-1]  # [num_seqs]
-        kv_lens = seq_lens.to(device=device, dtype=torch.int64)  # [num_seqs]
-        self.num_seqs = int(kv_lens.shape[0])
-        self.num_tokens = int(qsl[-1])
-        self.max_q = int(q_lens.max()) if self.num_seqs else 0
-        self.max_kv = int(kv_lens.max()) if self.num_seqs else 0
-        num_kv_blocks = (self.max_kv + block_size - 1) // block_size
-        # Unused (-1) entries point at block 0; the key mask below hides whatever they hold.
-        self.tables = block_tables[:, :num_kv_blocks].to(device=device, dtype=torch.int64).clamp(min=0)
-        key_pos = torch.arange(self.max_kv, device=device)
-        self.key_valid = key_pos[None, :] < kv_lens[:, None]  # [num_seqs, max_kv]
-        self.seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=device), q_lens)
-        self.row_of_token = torch.arange(self.num_tokens, device=device) - qsl[self.seq_of_token]
-        query_pos = torch.arange(self.max_q, device=device)
-        limit = kv_lens[:, None] - q_lens[:, None] + query_pos[None, :] + 1  # [num_seqs, max_q]
-        self.visible = key_pos[None, None, :] < limit[:, :, None]  # [num_seqs, max_q, max_kv]
+    Positions at or beyond a sequence's length point at its position 0, a slot that is always
+    written, so a gather never touches a block the sequence does not own (unused table entries and
+    never-written slots may hold anything, NaN included); the attention mask hides them.
+    """
+    pos = torch.arange(width, device=block_tables.device)
+    blocks = block_tables.to(torch.int64)[:, (pos // block_size).clamp(max=block_tables.shape[1] - 1)]
+    slots = blocks * block_size + pos % block_size  # [num_seqs, width]
+    valid = pos[None, :] < seq_lens.to(torch.int64)[:, None]
+    return torch.where(valid, slots, slots[:, :1])
 
 
 def paged_attention(
@@ -71,41 +56,29 @@ def paged_attention(
     """Causal attention of each sequence's new queries over its paged keys.
 
     Query i of a sequence with q_len queries and seq_len keys sees keys j < seq_len - q_len + i + 1.
-    One entry point for prefill, prefill over a cached prefix, and decode. Softmax in fp32; keys
-    beyond seq_len (stale or poisoned bytes) never reach the output.
+    One entry point for prefill, prefill over a cached prefix, and decode.
     Returns [num_tokens, n_heads, head_dim] in q's dtype.
     """
-    index = AttentionIndex(block_tables, seq_lens, query_start_loc, k_cache.shape[1], q.device)
-    return paged_attention_indexed(q, k_cache, v_cache, index, scale)
-
-
-def paged_attention_indexed(
-    q: torch.Tensor,  # [num_tokens, n_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    index: AttentionIndex,
-    scale: float,
-) -> torch.Tensor:
-    """paged_attention with the per-step indexing already built (the worker builds it once per step)."""
     num_tokens, n_heads, head_dim = q.shape
-    n_kv_heads = k_cache.shape[2]
+    num_blocks, block_size, n_kv_heads, _ = k_cache.shape
     group = n_heads // n_kv_heads
-    if num_tokens == 0:
-        return torch.empty_like(q)
-    num_seqs, max_q, max_kv = index.num_seqs, index.max_q, index.max_kv
-
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs, n_kv_heads, max_kv, head_dim]
-        paged = cache[index.tables].reshape(num_seqs, -1, n_kv_heads, head_dim)[:, :max_kv]
-        paged = torch.where(index.key_valid[:, :, None, None], paged.float(), 0.0)
-        return paged.permute(0, 2, 1, 3)
-
-    q_pad = q.new_zeros((num_seqs, max_q, n_heads, head_dim), dtype=torch.float32)
-    q_pad[index.seq_of_token, index.row_of_token] = q.float()
-    # [num_seqs, n_kv_heads, group, max_q, head_dim]: the query heads that share one KV head
-    q_g = q_pad.view(num_seqs, max_q, n_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    scores = torch.matmul(q_g, gather(k_cache).unsqueeze(2).transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~index.visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded query rows are all -inf
-    out = torch.matmul(probs, gather(v_cache).unsqueeze(2))  # [num_seqs, n_kv_heads, group, max_q, head_dim]
-    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, n_heads, head_dim)
-    return out[index.seq_of_token, index.row_of_token].to(q.dtype)
+    out = torch.zeros_like(q)
+    k_flat = k_cache.reshape(num_blocks * block_size, n_kv_heads, head_dim)
+    v_flat = v_cache.reshape(num_blocks * block_size, n_kv_heads, head_dim)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = qsl[i], qsl[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        slots = kv_slots(block_tables[i : i + 1], seq_lens[i : i + 1], block_size, seq_len)[0]  # [seq_len]
+        keys = k_flat[slots].float().repeat_interleave(group, dim=1)  # [seq_len, n_heads, head_dim]
+        values = v_flat[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale  # [n_heads, q_len, seq_len]
+        query_pos = torch.arange(q_len, device=q.device)[:, None]
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        visible = key_pos < seq_len - q_len + query_pos + 1  # [q_len, seq_len]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out

@@ -1,6 +1,6 @@
 import pytest
 
-from tests.server import ServerProcess
+from deploy.local_server import ServerProcess
 from tests.tiny import make_tiny_llama
 
 
@@ -16,7 +16,8 @@ def server_factory(tmp_path_factory):
 
     def start(model_dir, *args):
         log = tmp_path_factory.mktemp("server") / "server.log"
-        server = ServerProcess(model_dir, log, *args).start()
+        # invariants checked every step; one torch thread each, since tests run servers beside each other
+        server = ServerProcess(model_dir, log, "--debug-invariants", "--threads", "1", *args).start()
         started.append(server)
         return server
 

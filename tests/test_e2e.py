@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from protos import generation_pb2
-from tests.server import greedy_request
+from deploy.local_server import greedy_request
 from tests.tiny import hf_greedy
 
 pytestmark = pytest.mark.slow

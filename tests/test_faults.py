@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.server import greedy_request
+from deploy.local_server import greedy_request
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from protos import generation_pb2
-from tests.server import ROOT
+from deploy.local_server import ROOT
 from tests.tiny import hf_greedy
 
 MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", ROOT / ".models" / "smollm2-135m-instruct"))

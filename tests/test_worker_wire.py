@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from protos import WIRE_VERSION, wire_pb2
-from tests.server import ROOT
+from deploy.local_server import ROOT
 
 pytestmark = pytest.mark.slow
 

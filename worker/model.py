@@ -34,7 +34,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin tables for every position, indexed by each token's position (rotate-half convention)."""
+    """cos/sin tables for every position (rotate-half convention); a step looks its tokens up once."""
 
     def __init__(self, config: ModelConfig, device: torch.device) -> None:
         inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float32, device=device)
@@ -42,12 +42,15 @@ class Rotary:
         freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, n_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> cos, sin of each token, [num_tokens, 1, head_dim / 2]."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, n_heads, head_dim]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -69,7 +72,8 @@ class DecoderLayer(nn.Module):
         self.config = c
 
     def forward(
-        self, x: torch.Tensor, step: StepInputs, pool: KVPool, rotary: Rotary, attn: AttentionBackend
+        self, x: torch.Tensor, step: StepInputs, pool: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
     ) -> torch.Tensor:
         c = self.config
         num_tokens = x.shape[0]
@@ -81,8 +85,8 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
-        q = rotary(q, step.positions)
-        k = rotary(k, step.positions)
+        q = apply_rotary(q, *rope)
+        k = apply_rotary(k, *rope)
         k_cache, v_cache = pool.layer(self.layer_idx)
         attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
         o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.head_dim**-0.5)  # [num_tokens, n_heads, hd]
@@ -109,8 +113,9 @@ class LlamaModel(nn.Module):
         if self.rotary is None:
             self.rotary = Rotary(self.config, self.embed.device)
         x = F.embedding(step.token_ids, self.embed)
+        rope = self.rotary.lookup(step.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, step, pool, self.rotary, attn)
+            x = layer(x, step, pool, rope, attn)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Start a real pagedserve (scheduler process + worker process, gRPC + ZeroMQ on localhost) for a test."""
+"""Start a real pagedserve (scheduler + worker processes, gRPC + ZeroMQ on localhost) and wait until it serves.
+
+Used by the end-to-end tests and the benchmarks: the same launcher `make run` uses, in a child process."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
+        """args: extra launcher flags (see `pagedserve serve --help`)."""
         self.model_dir = model_dir
         self.log_path = log_path
         self.args = list(args)
@@ -39,7 +42,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
         cmd = [sys.executable, "-m", "deploy.launcher", "--model", str(self.model_dir), "--port", str(self.port),
-               "--debug-invariants", "--threads", "1", *self.args]
+               *self.args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
