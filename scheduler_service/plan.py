@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protos import WIRE_VERSION, wire_pb2
+from protos import wire_pb2
 from scheduler_service.scheduler import SchedulerOutput
 
 I32 = np.dtype("<i4")

@@ -33,7 +33,7 @@ def test_page_table_grows_exactly_at_block_boundaries():
     sched.add_request(req)
     seq = req.seqs[0]
     history = []
-    for step in range(8):
+    for _ in range(8):
         out = sched.schedule()
         history.append((seq.num_computed_tokens + out.scheduled[0].num_new_tokens, len(seq.block_ids)))
         sched.update(out, [7])

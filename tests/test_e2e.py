@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from protos import generation_pb2
 from deploy.local_server import greedy_request
+from protos import generation_pb2
 from tests.tiny import hf_greedy
 
 pytestmark = pytest.mark.slow

@@ -71,7 +71,7 @@ def test_token_by_token_decode_through_the_paged_pool_matches(tiny):
     for _ in range(14):
         nxt = logits.argmax(-1).tolist()
         starts = [len(s) for s in seqs]
-        for s, t in zip(seqs, nxt):
+        for s, t in zip(seqs, nxt, strict=True):
             s.append(t)
         logits, _ = run_step(model, config, pool, [([seqs[i][-1]], starts[i], blocks[i]) for i in range(2)])
         with torch.no_grad():

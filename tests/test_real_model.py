@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from protos import generation_pb2
 from deploy.local_server import ROOT
+from protos import generation_pb2
 from tests.tiny import hf_greedy
 
 MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", ROOT / ".models" / "smollm2-135m-instruct"))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import zmq
 
-from protos import WIRE_VERSION, wire_pb2
 from deploy.local_server import ROOT
+from protos import WIRE_VERSION, wire_pb2
 
 pytestmark = pytest.mark.slow
 

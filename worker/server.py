@@ -13,8 +13,7 @@ import time
 import structlog
 import zmq
 
-from protos import wire_pb2
-from protos import WIRE_VERSION
+from protos import WIRE_VERSION, wire_pb2
 from worker.runner import ModelRunner
 
 log = structlog.get_logger("worker.server")
