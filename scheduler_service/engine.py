@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from scheduler_service.config import ModelSpec, SchedulerConfig
+from scheduler_service.metrics import Metrics
 from scheduler_service.output import Delta, SampleOutput, Usage
 from scheduler_service.plan import build_plan, sampled_tokens
 from scheduler_service.scheduler import Scheduler, SchedulerOutput
@@ -76,6 +77,7 @@ class Engine:
         self.limits: Limits | None = None
         self.streams: dict[str, RequestStream] = {}
         self.profile = StepProfile()
+        self.metrics = Metrics()
         self.unavailable_reason: str | None = "workers not connected yet"
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -187,8 +189,11 @@ class Engine:
                 self._fail_step(out, str(e))
                 continue
             t3 = time.perf_counter()
-            self._process(out, sched.update(out, tokens))
+            new_tokens = sched.update(out, tokens)
+            self._process(out, new_tokens)
             t4 = time.perf_counter()
+            self.metrics.on_step(t3 - t2, len(new_tokens), len(out.preempted), len(sched.running),
+                                 len(sched.waiting), sched.allocator.num_free_blocks, sched.num_blocks)
             p = self.profile
             p.steps += 1
             p.tokens += out.num_tokens
@@ -228,6 +233,7 @@ class Engine:
                 completion_tokens=sum(s.num_output_tokens for s in request.seqs),
             )
             self.streams.pop(request.request_id, None)
+            self.metrics.on_finish(request, time.monotonic())
             log.info("request_finished", request_id=request.request_id,
                      completion_tokens=delta.usage.completion_tokens,
                      reasons=[s.finish_reason.value for s in request.seqs],

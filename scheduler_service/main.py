@@ -38,6 +38,7 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds to wait for workers at start")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--log-level", default="info")
 
 
@@ -64,6 +65,9 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     endpoint = client.bind()
     log.info("worker_socket_bound", endpoint=endpoint)
     engine = Engine(config, spec, tokenizer, client)
+    if args.metrics_port:
+        engine.metrics.serve(args.metrics_port, args.host)
+        log.info("metrics_serving", port=args.metrics_port)
     server, health, port = build_server(engine, f"{args.host}:{args.port}")
     await server.start()
     await health.set(False)

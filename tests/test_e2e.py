@@ -8,18 +8,22 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from deploy.local_server import greedy_request
+from deploy.local_server import free_port, greedy_request
 from protos import generation_pb2
 from tests.tiny import hf_greedy
 
 pytestmark = pytest.mark.slow
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def server(server_factory, tiny_model_dir):
     # block size 4 and a per-step budget of 32 tokens: long prompts go in chunks, tables grow often
     return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "256",
-                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16",
+                          "--metrics-port", str(METRICS_PORT))
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +249,23 @@ def test_duplicate_live_request_id_is_refused(server):
     server.stub.Abort(generation_pb2.AbortRequest(request_id="dup"), timeout=10)
     t.join(30)
     assert_all_blocks_back(server)
+
+
+def test_prometheus_metrics_count_requests_and_tokens(server):
+    import urllib.request
+
+    def scrape():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    before = scrape()
+    server.stub.Generate(greedy_request([7, 8, 9], 5), timeout=30)
+    after = scrape()
+    key = 'pagedserve_requests_total{finish_reason="length"}'
+    assert after[key] - before.get(key, 0.0) == 1
+    assert after["pagedserve_generation_tokens_total"] - before["pagedserve_generation_tokens_total"] == 5
+    assert after["pagedserve_prompt_tokens_total"] - before["pagedserve_prompt_tokens_total"] == 3
+    assert after["pagedserve_kv_blocks_total"] == 256
+    assert after["pagedserve_time_to_first_token_seconds_count"] > before.get(
+        "pagedserve_time_to_first_token_seconds_count", 0)
