@@ -269,3 +269,42 @@ def test_prometheus_metrics_count_requests_and_tokens(server):
     assert after["pagedserve_kv_blocks_total"] == 256
     assert after["pagedserve_time_to_first_token_seconds_count"] > before.get(
         "pagedserve_time_to_first_token_seconds_count", 0)
+
+
+def sampled_request(prompt, max_tokens, seed, n=1, request_id=""):
+    return generation_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt,
+        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.95, top_k=50,
+                                               seed=seed, n=n, ignore_eos=True))
+
+
+def test_n_samples_each_get_their_own_choice_and_stream_index(server):
+    req = sampled_request([11, 12, 13, 14], 12, seed=5, n=3)
+    resp = server.stub.Generate(req, timeout=60)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 for c in resp.choices)
+    assert len({tuple(c.token_ids) for c in resp.choices}) == 3, "samples with different seeds all agreed"
+    assert resp.usage.completion_tokens == 36 and resp.usage.prompt_tokens == 4
+    tokens, _, finish, usage = run_stream(server.stub, req)
+    assert {i: tokens[i] for i in range(3)} == {c.index: list(c.token_ids) for c in resp.choices}
+    assert set(finish) == {0, 1, 2} and usage.completion_tokens == 36
+    assert_all_blocks_back(server)
+
+
+def test_seeded_sampling_is_reproducible_even_across_preemption(server, tight_server):
+    """A seeded request draws the same tokens alone on a roomy pool and preempted on a tight one."""
+    items = [(rid, p, m, 0.0) for rid, p, m, _ in workload(10, seed=9)]  # all at once: the pool overflows
+    roomy = {rid: server.stub.Generate(sampled_request(p, m, seed=i), timeout=120).choices[0].token_ids
+             for i, (rid, p, m, _) in enumerate(items)}
+    before = tight_server.stats().num_preemptions
+
+    def one(i):
+        rid, p, m, delay = items[i]
+        time.sleep(delay)
+        return rid, tight_server.stub.Generate(sampled_request(p, m, seed=i), timeout=120).choices[0].token_ids
+
+    with ThreadPoolExecutor(len(items)) as pool:
+        tight = dict(pool.map(one, range(len(items))))
+    assert tight_server.stats().num_preemptions > before
+    assert tight == roomy
+    assert_all_blocks_back(tight_server)

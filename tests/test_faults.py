@@ -50,3 +50,40 @@ def test_killed_worker_fails_requests_with_unavailable_and_health_says_so(server
     assert again.value.code() == grpc.StatusCode.UNAVAILABLE
     stats = server.stats()
     assert stats.num_free_blocks == stats.num_blocks and not stats.requests
+
+
+def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
+    server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "128",
+                            "--max-num-seqs", "1", "--max-queue-len", "1")
+    running = threading.Event()
+    calls = []
+
+    def consume(rid):
+        call = server.stub.GenerateStream(greedy_request([1, 2, 3], 300, rid), timeout=60)
+        calls.append(call)
+        try:
+            for _ in call:
+                running.set()
+        except grpc.RpcError:
+            pass
+
+    threads = [threading.Thread(target=consume, args=("long",))]
+    threads[0].start()
+    assert running.wait(30)
+    threads.append(threading.Thread(target=consume, args=("queued",)))
+    threads[1].start()
+    deadline = time.monotonic() + 10
+    while server.stats().num_waiting < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.Generate(greedy_request([1, 2], 2), timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting" in err.value.details()
+    for call in calls:
+        call.cancel()
+    for t in threads:
+        t.join(30)
+    deadline = time.monotonic() + 5
+    while server.stats().num_free_blocks != 128:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)

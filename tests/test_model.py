@@ -130,3 +130,16 @@ def test_checkpoint_missing_a_weight_is_refused(tmp_path):
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(KeyError, match="down_proj"):
         load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+
+
+def test_dummy_weights_have_the_real_shapes_and_run(tmp_path):
+    folder = make_tiny_llama(tmp_path, seed=0, num_hidden_layers=2)
+    real, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    dummy, dummy_config = load_model(str(folder), "dummy", torch.float32, torch.device("cpu"), seed=1)
+    assert dummy_config == config
+    for (name, a), (_, b) in zip(real.named_parameters(), dummy.named_parameters(), strict=True):
+        assert a.shape == b.shape, name
+    assert not torch.equal(real.layers[0].qkv, dummy.layers[0].qkv)
+    pool = KVPool(config, 8, BLOCK, torch.float32, torch.device("cpu"))
+    logits, _ = run_step(dummy, config, pool, [([1, 2, 3, 4, 5], 0, [2, 5])])
+    assert torch.isfinite(logits).all()

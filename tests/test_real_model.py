@@ -60,3 +60,15 @@ def test_make_run_answers_the_capital_of_france(server_factory):
     assert resp.choices[0].finish_reason == generation_pb2.STOP  # it ends on <|im_end|>
     streamed = "".join(m.text for m in server.stub.GenerateStream(req, timeout=120))
     assert streamed == resp.choices[0].text
+
+
+def test_gguf_loads_directly_and_matches_the_prepared_folder():
+    """--model file.gguf: dequantized through transformers, same weights as the prepared folder."""
+    from deploy.prepare_model import find_embedded_gguf
+    from worker.weights import load_model
+
+    gguf_model, gguf_config = load_model(str(find_embedded_gguf()), "auto", torch.float32, torch.device("cpu"))
+    folder_model, folder_config = load_model(str(MODEL_DIR), "auto", torch.float32, torch.device("cpu"))
+    assert gguf_config == folder_config
+    for (name, a), (_, b) in zip(gguf_model.named_parameters(), folder_model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
