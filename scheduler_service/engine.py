@@ -160,6 +160,15 @@ class Engine:
 
     # --- the loop --------------------------------------------------------------------------------
     async def _loop(self) -> None:
+        try:
+            await self._steps()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a dead loop must not leave requests hanging
+            log.exception("engine_loop_failed")
+            self._fail_all(f"engine error: {e!r}")
+
+    async def _steps(self) -> None:
         sched = self.scheduler
         last_profile_log = time.monotonic()
         while True:

@@ -50,7 +50,6 @@ class WorkerClient:
         self._recv_task: asyncio.Task | None = None
         self._handshakes: asyncio.Queue = asyncio.Queue()
         self._pending: dict[int, tuple[asyncio.Future, dict[int, wire_pb2.StepResult]]] = {}
-        self._bad_frames = 0
 
     # --- lifecycle -------------------------------------------------------------------------------
     def bind(self) -> str:
@@ -122,7 +121,10 @@ class WorkerClient:
         self._pending[plan.step_id] = (future, {})
         try:
             for w in self.workers.values():
-                await self._send(w.identity, plan=plan)
+                try:
+                    await self._send(w.identity, plan=plan)
+                except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer's connection is gone
+                    raise WorkerLost(f"worker rank {w.rank} is unreachable: {e}") from e
             while True:
                 done, _ = await asyncio.wait({future}, timeout=min(1.0, self.heartbeat_timeout))
                 if done:
@@ -149,30 +151,37 @@ class WorkerClient:
 
     async def _recv_loop(self) -> None:
         while True:
-            identity, frame = await self._sock.recv_multipart()
-            msg = wire_pb2.WireMessage()
             try:
-                msg.ParseFromString(frame)
-            except Exception:  # noqa: BLE001 - a malformed frame is logged and dropped
-                self._bad_frames += 1
-                log.warning("malformed_frame", identity=identity.decode(errors="replace"), size=len(frame))
-                continue
-            if msg.version != WIRE_VERSION:
-                log.warning("wire_version_mismatch", identity=identity.decode(errors="replace"), version=msg.version)
-                continue
-            kind = msg.WhichOneof("body")
-            if kind == "heartbeat":
-                info = self.workers.get(msg.heartbeat.rank)
-                if info is not None:
-                    info.last_heartbeat = time.monotonic()
-                try:
-                    await self._sock.send_multipart([identity, frame])
-                except zmq.ZMQError:
-                    pass
-            elif kind == "handshake":
-                self._handshakes.put_nowait((identity, msg.handshake))
-            elif kind == "result":
-                self._on_result(msg.result)
+                await self._receive_one()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad message
+                log.exception("receive_failed")
+
+    async def _receive_one(self) -> None:
+        identity, frame = await self._sock.recv_multipart()
+        msg = wire_pb2.WireMessage()
+        try:
+            msg.ParseFromString(frame)
+        except Exception:  # noqa: BLE001 - a malformed frame is logged and dropped
+            log.warning("malformed_frame", identity=identity.decode(errors="replace"), size=len(frame))
+            return
+        if msg.version != WIRE_VERSION:
+            log.warning("wire_version_mismatch", identity=identity.decode(errors="replace"), version=msg.version)
+            return
+        kind = msg.WhichOneof("body")
+        if kind == "heartbeat":
+            info = self.workers.get(msg.heartbeat.rank)
+            if info is not None:
+                info.last_heartbeat = time.monotonic()
+            try:
+                await self._sock.send_multipart([identity, frame])
+            except zmq.ZMQError:
+                pass
+        elif kind == "handshake":
+            self._handshakes.put_nowait((identity, msg.handshake))
+        elif kind == "result":
+            self._on_result(msg.result)
 
     def _on_result(self, result: wire_pb2.StepResult) -> None:
         pending = self._pending.get(result.step_id)
