@@ -26,7 +26,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None)
     g.add_argument("--num-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", default="2GiB")
-    g.add_argument("--attention-backend", default=None)
+    g.add_argument("--attention-backend", default=None, choices=["triton", "torch"],
+                   help="default: triton on CUDA, torch on CPU")
     g.add_argument("--threads", type=int, default=None)
 
 

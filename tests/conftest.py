@@ -1,4 +1,12 @@
+import os
+
 import pytest
+import torch
+
+# Triton kernels run natively on CUDA and in the interpreter everywhere else; the variable must be set
+# before triton is first imported (it is imported lazily, by the kernel tests and the triton backend).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from deploy.local_server import ServerProcess
 from tests.tiny import make_tiny_llama

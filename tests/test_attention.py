@@ -38,7 +38,7 @@ def test_backend_matches_reference_on_mixed_batches(n_heads, n_kv_heads, block_s
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
     q, k, v, tables, lens, qsl = make_case(q_lens, seq_lens, n_heads, n_kv_heads, 16, block_size, num_blocks, 0)
     backend = make_backend("torch", torch.device("cpu"))
-    meta = backend.prepare(tables, lens, qsl, block_size)
+    meta = backend.prepare(tables, lens, qsl, block_size, max(seq_lens), max(q_lens))
     out = backend.forward(q, k, v, meta, 0.25)
     ref = paged_attention(q, k, v, tables, lens, qsl, 0.25)
     assert torch.isfinite(out).all() and torch.isfinite(ref).all()

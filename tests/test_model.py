@@ -22,9 +22,9 @@ def tiny(tmp_path_factory):
     return ours, config, LlamaForCausalLM.from_pretrained(str(folder)).eval()
 
 
-def run_step(model, config, pool, seqs):
+def run_step(model, config, pool, seqs, backend="torch"):
     """seqs: list of (new_tokens, start_position, block_ids) -> (logits of each seq's last token, hidden)."""
-    attn = make_backend("torch", torch.device("cpu"))
+    attn = make_backend(backend, torch.device("cpu"))
     tokens, positions, slots, lens, qsl = [], [], [], [], [0]
     width = max(len(b) for _, _, b in seqs)
     tables = torch.full((len(seqs), width), -1, dtype=torch.int32)
@@ -36,7 +36,8 @@ def run_step(model, config, pool, seqs):
         lens.append(start + len(new))
         qsl.append(qsl[-1] + len(new))
         tables[i, : len(blocks)] = torch.tensor(blocks)
-    meta = attn.prepare(tables, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32), BLOCK)
+    meta = attn.prepare(tables, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32), BLOCK,
+                        max(lens), max(len(new) for new, _, _ in seqs))
     step = StepInputs(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), meta)
     with torch.no_grad():
         hidden = model(step, pool, attn)
@@ -56,8 +57,10 @@ def test_prefill_logits_match_transformers(tiny):
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=1e-4)
 
 
-def test_token_by_token_decode_through_the_paged_pool_matches(tiny):
-    """Two interleaved sequences decode token by token in one batch, blocks scattered and interleaved."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_token_by_token_decode_through_the_paged_pool_matches(tiny, backend):
+    """Two interleaved sequences decode token by token in one batch, blocks scattered and interleaved.
+    The triton backend runs its kernels (under TRITON_INTERPRET=1 without a GPU)."""
     model, config, hf = tiny
     pool = KVPool(config, 32, BLOCK, torch.float32, torch.device("cpu"))
     pool.k[0].fill_(float("nan"))  # stale bytes anywhere but the written slots must not matter
@@ -66,28 +69,30 @@ def test_token_by_token_decode_through_the_paged_pool_matches(tiny):
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (6, 3)]
     blocks = [[9, 2, 30, 14, 7, 22], [1, 27, 11, 31, 20, 0]]
     # Prefill of sequence 0 and 1 together (a mixed-length batch).
-    logits, _ = run_step(model, config, pool, [(prompts[0], 0, blocks[0]), (prompts[1], 0, blocks[1])])
+    logits, _ = run_step(model, config, pool, [(prompts[0], 0, blocks[0]), (prompts[1], 0, blocks[1])], backend)
     seqs = [list(p) for p in prompts]
-    for _ in range(14):
+    for _ in range(14 if backend == "torch" else 6):
         nxt = logits.argmax(-1).tolist()
         starts = [len(s) for s in seqs]
         for s, t in zip(seqs, nxt, strict=True):
             s.append(t)
-        logits, _ = run_step(model, config, pool, [([seqs[i][-1]], starts[i], blocks[i]) for i in range(2)])
+        logits, _ = run_step(model, config, pool, [([seqs[i][-1]], starts[i], blocks[i]) for i in range(2)],
+                             backend)
         with torch.no_grad():
             for i in range(2):
                 ref = hf(torch.tensor([seqs[i]])).logits[0, -1]
                 torch.testing.assert_close(logits[i], ref, atol=ATOL, rtol=1e-4)
 
 
-def test_mixed_prefill_and_decode_rows_in_one_step(tiny):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_prefill_and_decode_rows_in_one_step(tiny, backend):
     model, config, hf = tiny
     pool = KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu"))
     a = [5, 9, 11, 40, 2, 8, 100]
     b = [7, 3, 3, 250, 61]
-    run_step(model, config, pool, [(a[:6], 0, [3, 8])])
+    run_step(model, config, pool, [(a[:6], 0, [3, 8])], backend)
     # a decodes its 7th token while b prefills from scratch, in the same forward
-    logits, _ = run_step(model, config, pool, [([a[6]], 6, [3, 8]), (b, 0, [12, 4])])
+    logits, _ = run_step(model, config, pool, [([a[6]], 6, [3, 8]), (b, 0, [12, 4])], backend)
     with torch.no_grad():
         torch.testing.assert_close(logits[0], hf(torch.tensor([a])).logits[0, -1], atol=ATOL, rtol=1e-4)
         torch.testing.assert_close(logits[1], hf(torch.tensor([b])).logits[0, -1], atol=ATOL, rtol=1e-4)

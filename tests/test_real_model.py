@@ -41,7 +41,7 @@ def test_own_forward_greedy_equals_transformers_on_the_default_model():
             pos = list(range(start, len(tokens)))
             slots = [blocks[p // block] * block + p % block for p in pos]
             meta = attn.prepare(torch.tensor([blocks], dtype=torch.int32), torch.tensor([len(tokens)], dtype=torch.int32),
-                                torch.tensor([0, len(new)], dtype=torch.int32), block)
+                                torch.tensor([0, len(new)], dtype=torch.int32), block, len(tokens), len(new))
             hidden = model(StepInputs(torch.tensor(new), torch.tensor(pos), torch.tensor(slots), meta), pool, attn)
             nxt = int(model.compute_logits(hidden[-1:]).argmax())
             start = len(tokens)

@@ -1,5 +1,7 @@
 """Attention backends: how the model writes K/V into the pool and attends through block tables.
 
+`triton` (the default wherever CUDA is present) runs the kernels of `kernels.triton_attention`
+directly on the pool; on a CPU it runs under TRITON_INTERPRET=1 (slow, for tests).
 `torch` (the CPU default) gathers each sequence's keys through its block table once per layer and
 runs torch's fused scaled_dot_product_attention (GQA-aware, no repeated KV heads). Decode rows of a
 step go in one batched call; prefill rows (few, long) one call per sequence, so a long prompt never
@@ -20,9 +22,10 @@ class AttentionBackend:
     name = "abstract"
 
     def prepare(
-        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int
+        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
+        max_seq_len: int, max_q_len: int,
     ) -> object:
-        """Per-step metadata, built once and shared by every layer."""
+        """Per-step metadata, built once and shared by every layer (the maxima come from the plan, no sync)."""
         raise NotImplementedError
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -61,7 +64,7 @@ DECODE_BUCKET_ROWS = 16
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def prepare(self, block_tables, seq_lens, query_start_loc, block_size):
+    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len):
         device = block_tables.device
         qsl = query_start_loc.to(torch.int64)
         q_lens = qsl[1:] - qsl[:-1]
@@ -109,11 +112,41 @@ class TorchAttention(AttentionBackend):
         return out
 
 
-BACKENDS = {"torch": TorchAttention}
+@dataclass
+class TritonAttentionMeta:
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_seq_len: int
+    max_q_len: int
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels import triton_attention  # imported only when chosen: triton is a GPU dependency
+
+        self._kernels = triton_attention
+
+    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len):
+        return TritonAttentionMeta(block_tables, seq_lens, query_start_loc, max_seq_len, max_q_len)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        self._kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k_cache, v_cache, meta: TritonAttentionMeta, scale):
+        return self._kernels.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+            max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len,
+        )
+
+
+BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}
 
 
 def default_backend_name(device: torch.device) -> str:
-    return "torch"
+    return "triton" if device.type == "cuda" else "torch"
 
 
 def make_backend(name: str | None, device: torch.device) -> AttentionBackend:

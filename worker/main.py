@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory budget)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool memory budget, e.g. 2GiB")
-    p.add_argument("--attention-backend", default=None, help="torch (default on CPU)")
+    p.add_argument("--attention-backend", default=None, choices=["triton", "torch"],
+                   help="default: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
     p.add_argument("--scheduler-timeout", type=float, default=30.0, help="exit when the scheduler is silent this long")

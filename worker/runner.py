@@ -101,7 +101,9 @@ class ModelRunner:
             token_ids=self._tensor(p.token_ids, torch.int64),
             positions=self._tensor(p.positions, torch.int64),
             slot_mapping=self._tensor(p.slot_mapping, torch.int64),
-            attn_meta=self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size),
+            attn_meta=self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size,
+                                        max_seq_len=int(p.seq_lens.max()),
+                                        max_q_len=int(np.diff(p.query_start_loc).max())),
         )
         self.pool.copy_blocks(self._tensor(p.block_copies, torch.int64))
         t1 = time.perf_counter()

@@ -1,0 +1,287 @@
+"""Triton kernels over the paged KV pool: write K/V at slots, and paged attention.
+
+- `write_kv`: one program per (token, KV head) stores the token's K and V at its slot; slot -1 is
+  padding and stores nothing.
+- `paged_attention`: one entry point. When every sequence has one query (decode) it runs the split-KV
+  (flash-decoding) kernel: one program per (sequence, KV head, split) holds all the query heads that
+  share that KV head, so each KV tile is read once, then a second kernel merges the splits by their
+  log-sum-exp. Otherwise it runs the variable-length prefill/extend kernel: one program per
+  (sequence, query head, tile of queries), walking the block table up to the causal limit, so chunked
+  prefill over a cached prefix and mixed batches need nothing special.
+
+Every load outside a sequence's length or a padded head dimension is masked (never-written or poisoned
+bytes are not read), block ids are widened to int64 before they multiply a stride, and non-power-of-two
+head dims and GQA ratios are padded to the next power of two and masked.
+Runs natively on CUDA and on the CPU under TRITON_INTERPRET=1 (fp32/fp16; the interpreter mishandles
+bf16 dots).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    block_size, head_dim,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    limit = tl.where(slot >= 0, head_dim, 0)  # a padding slot (-1) masks every lane
+    slot = tl.maximum(slot, 0)
+    block = slot // block_size
+    offset = slot % block_size
+    d = tl.arange(0, BLOCK_D)
+    mask = d < limit
+    dst = block * stride_cb + offset * stride_cs + head * stride_ch + d * stride_cd
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d * stride_kd, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d * stride_vd, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_bts, stride_btb,
+    stride_mos, stride_moh, stride_mop, stride_mod,
+    stride_mls, stride_mlh, stride_mlp,
+    head_dim, group, split_len,
+    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * split_len
+    if start < seq_len:
+        end = tl.minimum(start + split_len, seq_len)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        g_mask = g < group
+        d_mask = d < head_dim
+        heads = kv_head * group + g  # the query heads that share this KV head
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        offs = tl.arange(0, BLOCK_SIZE)
+        for pos0 in range(start, end, BLOCK_SIZE):
+            block = tl.load(block_tables_ptr + seq * stride_bts + (pos0 // BLOCK_SIZE) * stride_btb).to(tl.int64)
+            pos_mask = pos0 + offs < end
+            kv_off = block * stride_cb + offs[:, None] * stride_cs + kv_head * stride_ch + d[None, :] * stride_cd
+            kv_mask = pos_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, BLOCK_D]
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_SIZE]
+            scores = tl.where(pos_mask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        out = acc / denom[:, None]
+        o_off = seq * stride_mos + heads[:, None] * stride_moh + split * stride_mop + d[None, :] * stride_mod
+        tl.store(mid_o_ptr + o_off, out, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(mid_lse_ptr + seq * stride_mls + heads * stride_mlh + split * stride_mlp, m + tl.log(denom), mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr,
+    stride_mos, stride_moh, stride_mop, stride_mod,
+    stride_mls, stride_mlh, stride_mlp,
+    stride_ot, stride_oh, stride_od,
+    head_dim, split_len,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_splits = tl.cdiv(seq_len, split_len)  # only splits that were written are read
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    m = float("-inf")
+    denom = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for split in range(0, num_splits):
+        lse = tl.load(mid_lse_ptr + seq * stride_mls + head * stride_mlh + split * stride_mlp)
+        o = tl.load(mid_o_ptr + seq * stride_mos + head * stride_moh + split * stride_mop + d * stride_mod,
+                    mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new)
+        acc = acc * alpha + o * w
+        denom = denom * alpha + w
+        m = m_new
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d * stride_od,
+             (acc / denom).to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_bts, stride_btb,
+    stride_ot, stride_oh, stride_od,
+    head_dim, group,
+    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq).to(tl.int64)
+    q_len = tl.load(query_start_ptr + seq + 1) - tl.load(query_start_ptr + seq)
+    if tile * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        prefix = seq_len - q_len  # keys already in the pool before this step's queries
+        kv_head = head // group
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        row_mask = rows < q_len
+        d_mask = d < head_dim
+        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kv_end = prefix + tl.minimum(q_len, (tile + 1) * BLOCK_M)  # the causal limit of this tile's last row
+        offs = tl.arange(0, BLOCK_SIZE)
+        for pos0 in range(0, kv_end, BLOCK_SIZE):
+            block = tl.load(block_tables_ptr + seq * stride_bts + (pos0 // BLOCK_SIZE) * stride_btb).to(tl.int64)
+            pos = pos0 + offs
+            pos_mask = pos < kv_end
+            kv_off = block * stride_cb + offs[:, None] * stride_cs + kv_head * stride_ch + d[None, :] * stride_cd
+            kv_mask = pos_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, BLOCK_D]
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
+            visible = (pos[None, :] <= prefix + rows[:, None]) & pos_mask[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            # key 0 is visible to every row, so after the first tile m is finite and nothing is NaN
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        out = acc / denom[:, None]
+        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+# --- launchers ---------------------------------------------------------------------------------------
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, triton.next_power_of_2(n))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def write_kv(
+    k: torch.Tensor,  # [num_tokens, n_kv_heads, head_dim], may be a strided view
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int32/int64; -1 writes nothing
+) -> None:
+    num_tokens, n_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
+    _write_kv_kernel[(num_tokens, n_kv_heads)](
+        k, v, k_cache, v_cache, slot_mapping,
+        *k.stride(), *v.stride(), *k_cache.stride(),
+        k_cache.shape[1], head_dim,
+        BLOCK_D=_pow2(head_dim),
+    )
+
+
+def decode_workspace(num_seqs: int, n_heads: int, num_splits: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for the split results: partial outputs and their log-sum-exp (never read unwritten)."""
+    mid_o = torch.empty((num_seqs, n_heads, num_splits, head_dim), dtype=torch.float32, device=device)
+    mid_lse = torch.empty((num_seqs, n_heads, num_splits), dtype=torch.float32, device=device)
+    return mid_o, mid_lse
+
+
+def default_num_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, block_size: int, device) -> int:
+    """Enough programs to fill the GPU; never more splits than blocks."""
+    max_splits = triton.cdiv(max_seq_len, block_size)
+    if device.type != "cuda":
+        return min(2, max_splits)  # the interpreter: keep it small
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(2 * sms, max(1, num_seqs * n_kv_heads))
+    return max(1, min(wanted, max_splits, 64))
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, n_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
+    scale: float,
+    max_seq_len: int | None = None,  # pass it to avoid a device sync
+    max_q_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Same contract as kernels.reference.paged_attention. Returns [num_tokens, n_heads, head_dim]."""
+    num_tokens, n_heads, head_dim = q.shape
+    _, block_size, n_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = n_heads // n_kv_heads
+    out = torch.empty((num_tokens, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
+    block_d = _pow2(head_dim, 16)
+    precision = _precision(q.dtype)
+    if num_tokens == num_seqs:  # every sequence decodes one token
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        if num_splits is None:
+            num_splits = default_num_splits(num_seqs, n_kv_heads, max_seq_len, block_size, q.device)
+        split_len = block_size * triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_size)
+        num_splits = triton.cdiv(max_seq_len, split_len)
+        mid_o, mid_lse = decode_workspace(num_seqs, n_heads, num_splits, head_dim, q.device)
+        _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale,
+            *q.stride(), *k_cache.stride(), *block_tables.stride(), *mid_o.stride(), *mid_lse.stride(),
+            head_dim, group, split_len,
+            BLOCK_SIZE=block_size, BLOCK_D=block_d, BLOCK_G=_pow2(group, 16), PRECISION=precision,
+        )
+        _decode_reduce_kernel[(num_seqs, n_heads)](
+            mid_o, mid_lse, out, seq_lens,
+            *mid_o.stride(), *mid_lse.stride(), *out.stride(),
+            head_dim, split_len,
+            BLOCK_D=block_d,
+        )
+        return out
+    if max_q_len is None:
+        max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    block_m = 64 if q.is_cuda else 16
+    _prefill_kernel[(num_seqs, n_heads, triton.cdiv(max_q_len, block_m))](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
+        *q.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
+        head_dim, group,
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_D=block_d, PRECISION=precision,
+    )
+    return out
