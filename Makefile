@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run test test-kernels test-e2e lint bench bench-kernels soak clean
+.PHONY: setup proto run test test-kernels test-e2e lint bench bench-kernels clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model
 
@@ -50,8 +50,9 @@ run: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Worker-only kernel tests: natively on CUDA, under TRITON_INTERPRET=1 elsewhere (tests/conftest.py).
 test-kernels: setup
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m kernels $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m kernels $(PYTEST_ARGS)
 
 test-e2e: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
@@ -62,6 +63,10 @@ lint: setup
 # Fixed CPU workload of ../shared/bench against a server it starts, and transformers static batching, same run.
 bench: setup
 	$(PY) -m deploy.bench --model $(MODEL_DIR) $(ARGS)
+
+# Paged decode/prefill kernels vs a device copy and contiguous SDPA (GPU); interpreter, tiny shapes elsewhere.
+bench-kernels: setup
+	$(PY) -m deploy.bench_kernels $(ARGS)
 
 clean:
 	rm -rf .stamps $(PROTO_OUT) protos/*_pb2.pyi build *.egg-info

@@ -49,6 +49,17 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _tile_offsets(block_tables_ptr, seq, pos, pos_mask, kv_head, d,
+                  stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE: tl.constexpr):
+    """Pool offsets [TILE, BLOCK_D] of key positions `pos` of one sequence, through its block table.
+    Table entries are read only for positions inside the sequence; block ids are widened to int64."""
+    block = tl.load(block_tables_ptr + seq * stride_bts + (pos // BLOCK_SIZE) * stride_btb, mask=pos_mask, other=0)
+    block = block.to(tl.int64)
+    within = pos % BLOCK_SIZE
+    return block[:, None] * stride_cb + within[:, None] * stride_cs + kv_head * stride_ch + d[None, :] * stride_cd
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     scale,
@@ -58,7 +69,8 @@ def _decode_split_kernel(
     stride_mos, stride_moh, stride_mop, stride_mod,
     stride_mls, stride_mlh, stride_mlp,
     head_dim, group, split_len,
-    BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -77,15 +89,16 @@ def _decode_split_kernel(
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        offs = tl.arange(0, BLOCK_SIZE)
-        for pos0 in range(start, end, BLOCK_SIZE):
-            block = tl.load(block_tables_ptr + seq * stride_bts + (pos0 // BLOCK_SIZE) * stride_btb).to(tl.int64)
-            pos_mask = pos0 + offs < end
-            kv_off = block * stride_cb + offs[:, None] * stride_cs + kv_head * stride_ch + d[None, :] * stride_cd
+        offs = tl.arange(0, TILE)  # a tile spans TILE // BLOCK_SIZE pages
+        for pos0 in range(start, end, TILE):
+            pos = pos0 + offs
+            pos_mask = pos < end
+            kv_off = _tile_offsets(block_tables_ptr, seq, pos, pos_mask, kv_head, d,
+                                   stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)
             kv_mask = pos_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, BLOCK_D]
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_SIZE]
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, TILE]
             scores = tl.where(pos_mask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             alpha = tl.exp(m - m_new)
@@ -140,7 +153,8 @@ def _prefill_kernel(
     stride_bts, stride_btb,
     stride_ot, stride_oh, stride_od,
     head_dim, group,
-    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -161,16 +175,16 @@ def _prefill_kernel(
         denom = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_end = prefix + tl.minimum(q_len, (tile + 1) * BLOCK_M)  # the causal limit of this tile's last row
-        offs = tl.arange(0, BLOCK_SIZE)
-        for pos0 in range(0, kv_end, BLOCK_SIZE):
-            block = tl.load(block_tables_ptr + seq * stride_bts + (pos0 // BLOCK_SIZE) * stride_btb).to(tl.int64)
+        offs = tl.arange(0, TILE)
+        for pos0 in range(0, kv_end, TILE):
             pos = pos0 + offs
             pos_mask = pos < kv_end
-            kv_off = block * stride_cb + offs[:, None] * stride_cs + kv_head * stride_ch + d[None, :] * stride_cd
+            kv_off = _tile_offsets(block_tables_ptr, seq, pos, pos_mask, kv_head, d,
+                                   stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)
             kv_mask = pos_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, BLOCK_D]
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_SIZE]
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE]
             visible = (pos[None, :] <= prefix + rows[:, None]) & pos_mask[None, :]
             scores = tl.where(visible, scores, float("-inf"))
             # key 0 is visible to every row, so after the first tile m is finite and nothing is NaN
@@ -193,6 +207,12 @@ def _pow2(n: int, at_least: int = 1) -> int:
 
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _tile(block_size: int, device: torch.device) -> int:
+    """Keys per inner-loop tile: several pages on a GPU (bigger loads), two in the interpreter (so the
+    tests cover tiles that span pages) — always whole pages."""
+    return max(block_size, 64) if device.type == "cuda" else 2 * block_size
 
 
 def write_kv(
@@ -259,14 +279,15 @@ def paged_attention(
             max_seq_len = int(seq_lens.max())
         if num_splits is None:
             num_splits = default_num_splits(num_seqs, n_kv_heads, max_seq_len, block_size, q.device)
-        split_len = block_size * triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_size)
+        tile = _tile(block_size, q.device)
+        split_len = tile * triton.cdiv(triton.cdiv(max_seq_len, num_splits), tile)  # whole tiles per split
         num_splits = triton.cdiv(max_seq_len, split_len)
         mid_o, mid_lse = decode_workspace(num_seqs, n_heads, num_splits, head_dim, q.device)
         _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale,
             *q.stride(), *k_cache.stride(), *block_tables.stride(), *mid_o.stride(), *mid_lse.stride(),
             head_dim, group, split_len,
-            BLOCK_SIZE=block_size, BLOCK_D=block_d, BLOCK_G=_pow2(group, 16), PRECISION=precision,
+            BLOCK_SIZE=block_size, TILE=tile, BLOCK_D=block_d, BLOCK_G=_pow2(group, 16), PRECISION=precision,
         )
         _decode_reduce_kernel[(num_seqs, n_heads)](
             mid_o, mid_lse, out, seq_lens,
@@ -282,6 +303,7 @@ def paged_attention(
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
         *q.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
         head_dim, group,
-        BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_D=block_d, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, TILE=_tile(block_size, q.device), BLOCK_D=block_d,
+        PRECISION=precision,
     )
     return out

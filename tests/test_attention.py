@@ -4,29 +4,8 @@ import pytest
 import torch
 
 from kernels.reference import paged_attention, write_kv
+from tests.paged_case import make_case
 from worker.attention import make_backend
-
-
-def make_case(q_lens, seq_lens, n_heads, n_kv_heads, head_dim, block_size, num_blocks, seed):
-    g = torch.Generator().manual_seed(seed)
-    k_cache = torch.full((num_blocks, block_size, n_kv_heads, head_dim), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    max_blocks = max(-(-s // block_size) for s in seq_lens) + 2
-    tables = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
-    perm = torch.randperm(num_blocks, generator=g)
-    used = 0
-    for i, s in enumerate(seq_lens):
-        n = -(-s // block_size)
-        tables[i, :n] = perm[used : used + n].int()
-        used += n
-        pos = torch.arange(s)
-        slots = tables[i, pos // block_size].long() * block_size + pos % block_size
-        write_kv(torch.randn(s, n_kv_heads, head_dim, generator=g), torch.randn(s, n_kv_heads, head_dim, generator=g),
-                 k_cache, v_cache, slots)
-    tables[:, -1] = num_blocks - 1  # unused entries pointing somewhere poisonous must not matter
-    q = torch.randn(sum(q_lens), n_heads, head_dim, generator=g)
-    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int()
-    return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl
 
 
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (8, 2), (10, 2)])
@@ -35,12 +14,11 @@ def test_backend_matches_reference_on_mixed_batches(n_heads, n_kv_heads, block_s
     # decode rows, a fresh prefill, a chunk over a cached prefix, lengths at block boundaries
     q_lens = [1, 7, 1, 5, 1, 3]
     seq_lens = [1, 7, block_size, block_size + 5, block_size + 1, 3 * block_size - 1]
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    q, k, v, tables, lens, qsl = make_case(q_lens, seq_lens, n_heads, n_kv_heads, 16, block_size, num_blocks, 0)
+    c = make_case(q_lens, seq_lens, n_heads, n_kv_heads, 16, block_size, seed=0)
     backend = make_backend("torch", torch.device("cpu"))
-    meta = backend.prepare(tables, lens, qsl, block_size, max(seq_lens), max(q_lens))
-    out = backend.forward(q, k, v, meta, 0.25)
-    ref = paged_attention(q, k, v, tables, lens, qsl, 0.25)
+    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
+    out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale)
+    ref = paged_attention(*c.args)
     assert torch.isfinite(out).all() and torch.isfinite(ref).all()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -48,7 +26,8 @@ def test_backend_matches_reference_on_mixed_batches(n_heads, n_kv_heads, block_s
 def test_reference_head_mapping_and_causality():
     """One KV head filled with a constant value: exactly its query heads read that constant."""
     block_size, n_heads, n_kv_heads = 4, 6, 3
-    q, k, v, tables, lens, qsl = make_case([3], [6], n_heads, n_kv_heads, 8, block_size, 4, 1)
+    c = make_case([3], [6], n_heads, n_kv_heads, 8, block_size, seed=1)
+    q, k, v, tables, lens, qsl = c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, c.query_start_loc
     slots = tables[0, torch.arange(6) // block_size].long() * block_size + torch.arange(6) % block_size
     v.view(-1, n_kv_heads, 8)[slots, 1] = 7.0
     out = paged_attention(q, k, v, tables, lens, qsl, 0.3)

@@ -308,3 +308,15 @@ def test_seeded_sampling_is_reproducible_even_across_preemption(server, tight_se
     assert tight_server.stats().num_preemptions > before
     assert tight == roomy
     assert_all_blocks_back(tight_server)
+
+
+@pytest.mark.kernels
+def test_triton_backend_gives_the_same_greedy_outputs(server_factory, tiny_model_dir):
+    """The worker with --attention-backend triton (interpreted without a GPU) against transformers."""
+    triton_server = server_factory(tiny_model_dir, "--block-size", "16", "--num-blocks", "64",
+                                   "--attention-backend", "triton")
+    items = [(f"tri-{i}", p, 6, 0.1 * i) for i, (_, p, _, _) in enumerate(workload(3, seed=11))]
+    results = submit_all(triton_server, items, stream=True)
+    for rid, prompt, max_tokens, _ in items:
+        assert results[rid][0] == hf_greedy(tiny_model_dir, prompt, max_tokens), rid
+    assert_all_blocks_back(triton_server)
