@@ -205,8 +205,9 @@ def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _precision(dtype: torch.dtype) -> str | None:
+    """fp32 dots in full precision (the GPU default would be tf32); half types keep the default."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _tile(block_size: int, device: torch.device) -> int:
