@@ -50,6 +50,7 @@ class SchedulerConfig:
     # Per-step token budget: decodes are scheduled first, then prompt chunks fill the rest.
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     max_queue_len: int = 1024
     # Check allocator invariants after every step (tests turn it on).
     debug_invariants: bool = False

@@ -55,6 +55,7 @@ class StepProfile:
 
     steps: int = 0
     tokens: int = 0
+    prefill_tokens: int = 0
     schedule: float = 0.0
     build_plan: float = 0.0
     round_trip: float = 0.0
@@ -89,6 +90,13 @@ class Engine:
         if hs.vocab_size != self.spec.vocab_size:
             raise RuntimeError(f"worker vocab {hs.vocab_size} != model config vocab {self.spec.vocab_size}")
         max_context = min(self.spec.max_context, hs.max_context)
+        pool_tokens = self.client.num_blocks * self.config.block_size
+        if pool_tokens < max_context:
+            raise RuntimeError(
+                f"the KV pool ({self.client.num_blocks} blocks x {self.config.block_size} = {pool_tokens} tokens) "
+                f"cannot hold one request of the full {max_context}-token context: give the workers more KV "
+                "memory (--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len"
+            )
         self.scheduler = Scheduler(self.config, self.client.num_blocks, max_context)
         self.limits = Limits(self.spec.vocab_size, max_context, self.client.num_blocks, self.config.block_size)
         self.unavailable_reason = None
@@ -206,6 +214,7 @@ class Engine:
             p = self.profile
             p.steps += 1
             p.tokens += out.num_tokens
+            p.prefill_tokens += out.num_prefill_tokens
             p.schedule += t1 - t0
             p.build_plan += t2 - t1
             p.round_trip += t3 - t2
@@ -240,6 +249,7 @@ class Engine:
             delta.usage = Usage(
                 prompt_tokens=request.prompt_len,
                 completion_tokens=sum(s.num_output_tokens for s in request.seqs),
+                cached_prompt_tokens=request.cached_prompt_tokens or 0,
             )
             self.streams.pop(request.request_id, None)
             self.metrics.on_finish(request, time.monotonic())
@@ -273,7 +283,7 @@ class Engine:
         bpb = self.bytes_per_block
         per_request = []
         for rid, req in sched.requests.items():
-            blocks = sum(len(s.block_ids) for s in req.seqs)
+            blocks = sched.request_blocks(req)
             per_request.append({
                 "request_id": rid, "num_blocks": blocks,
                 "num_tokens": sum(s.num_computed_tokens for s in req.seqs), "num_bytes": blocks * bpb,
@@ -282,13 +292,13 @@ class Engine:
             "block_size": self.config.block_size,
             "num_blocks": alloc.num_blocks,
             "num_free_blocks": alloc.num_free_blocks,
-            "num_cached_blocks": 0,
+            "num_cached_blocks": alloc.num_cached_blocks,
             "bytes_per_block": bpb,
             "used_bytes": alloc.num_used_blocks * bpb,
             "total_bytes": alloc.num_blocks * bpb,
             "utilization": alloc.num_used_blocks / alloc.num_blocks,
-            "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0,
+            "prefix_cache_queries": sched.prefix_cache_queries,
+            "prefix_cache_hits": sched.prefix_cache_hits,
             "num_preemptions": sched.num_preemptions,
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),

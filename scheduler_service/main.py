@@ -32,7 +32,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="prefill whole prompts in one step (needs --max-num-batched-tokens >= the context)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="never reuse computed blocks across requests")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the model's context")
     p.add_argument("--max-queue-len", type=int, default=1024)
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")
@@ -48,6 +50,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=not args.no_prefix_caching,
         max_queue_len=args.max_queue_len,
         debug_invariants=args.debug_invariants,
     )

@@ -1,14 +1,18 @@
-"""Continuous batching over a paged KV pool.
+"""Continuous batching over a paged KV pool, with prefix caching and copy-on-write.
 
 Each step:
   1. running sequences that decode get their one token first, then running sequences that are part
      way through their prompt get a chunk, all within the per-step token budget;
   2. waiting sequences are admitted (head of the queue first) while free blocks, the budget and
-     max_num_seqs allow — never in a step that had to preempt;
-  3. a sequence's page table grows exactly when its tokens cross a block boundary; when the pool is
-     empty the most recently admitted running sequence is preempted by recompute (blocks freed,
-     generated tokens kept, back to the head of the queue).
-Finish, abort and preemption free blocks through one path (`_release`).
+     max_num_seqs allow — never in a step that had to preempt. An admitted sequence first reuses the
+     longest run of cached full blocks of its prefix (always recomputing at least its last token);
+  3. a sequence's page table grows exactly when its tokens cross a block boundary; a block that is
+     shared or holds a cached prefix is copied before it is written (the plan carries the copies);
+     when the pool is empty the most recently admitted running sequence is preempted by recompute
+     (blocks freed, generated tokens kept, back to the head of the queue).
+A request with n samples prefills once: when sample 0 has its first token the others fork from its
+prompt blocks (shared, refcounted) and recompute only the last prompt token, drawing their own first
+token. Finish, abort and preemption free blocks through one path (`_release`).
 """
 
 from __future__ import annotations
@@ -39,11 +43,15 @@ class SchedulerOutput:
     step_id: int
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.start < s.seq.prompt_len)
 
     @property
     def is_empty(self) -> bool:
@@ -54,11 +62,13 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.allocator = BlockAllocator(num_blocks, config.block_size)
+        self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens found in cached blocks
         self._seq_ids = itertools.count()
         self._step_ids = itertools.count(1)
 
@@ -79,8 +89,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
         request.seqs = [Sequence(next(self._seq_ids), request, i) for i in range(request.sampling.n)]
+        request.pending_forks = request.seqs[1:]
         self.requests[request.request_id] = request
-        self.waiting.extend(request.seqs)
+        self.waiting.append(request.seqs[0])
 
     def abort_request(self, request_id: str) -> Request | None:
         """End every sample of a request; its blocks return at once. None if it is not live."""
@@ -97,7 +108,9 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq in seq.request.pending_forks:
+            seq.request.pending_forks.remove(seq)
+        else:
             self.waiting.remove(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
@@ -125,15 +138,25 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_new = seq.num_uncomputed_tokens
+            hits = self._cached_prefix(seq)
+            num_cached = len(hits) * self.block_size
+            num_new = seq.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            need = self.allocator.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_ids)
-            if not self.allocator.can_allocate(need):
+            need = self.allocator.blocks_for_tokens(num_cached + num_new) - len(hits)
+            revived = sum(1 for b in hits if self.allocator.is_cached_free(b))  # hits that leave the LRU
+            if not self.allocator.can_allocate(need + revived):
                 break
-            seq.block_ids.extend(self.allocator.allocate(need))
+            self.allocator.share(hits)
+            seq.block_ids = hits + self.allocator.allocate(need)
+            seq.num_computed_tokens = num_cached
+            seq.num_registered_blocks = len(hits)
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_cached
+            if seq.request.cached_prompt_tokens is None:
+                seq.request.cached_prompt_tokens = min(num_cached, seq.prompt_len)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -145,17 +168,21 @@ class Scheduler:
         return out
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int]]:
-        """Apply a step's result: advance computed tokens, append sampled tokens. Returns (seq, token)
-        for every sequence that got a new token. Sequences aborted while the step ran are skipped."""
+        """Apply a step's result: advance computed tokens, offer newly full blocks to the prefix cache,
+        append sampled tokens, fork pending samples. Returns (seq, token) for every sequence that got a
+        new token. Sequences aborted while the step ran are skipped."""
         new_tokens: list[tuple[Sequence, int]] = []
         for item, token in zip(out.scheduled, sampled, strict=True):
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != item.start:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
+            self._register_full_blocks(seq)
             if item.do_sample:
                 seq.token_ids.append(int(token))
                 new_tokens.append((seq, int(token)))
+                if seq.request.pending_forks and seq.index == 0:
+                    self._fork(seq)
         return new_tokens
 
     # --- memory ----------------------------------------------------------------------------------
@@ -164,21 +191,69 @@ class Scheduler:
         out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, do_sample))
         scheduled.add(seq.seq_id)
 
-    def _reserve(self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput) -> int:
-        """Grow seq's page table to hold num_new more tokens, preempting if the pool is empty.
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks of the longest cached run of seq's full blocks, leaving at least its last token to compute."""
+        if not self.config.enable_prefix_caching or seq.num_computed_tokens or seq.block_ids:
+            return []
+        hits = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block = self.allocator.lookup(seq.block_hash(i, self.block_size))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
-        A prompt chunk shrinks to what the free blocks hold before anyone is preempted.
-        Returns the number of tokens reserved: 0 when seq itself had to be preempted.
-        """
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_registered_blocks, full):
+            self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size))
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    def _fork(self, leader: Sequence) -> None:
+        """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token."""
+        request = leader.request
+        prompt_blocks = leader.block_ids[: self.allocator.blocks_for_tokens(request.prompt_len)]
+        for seq in request.pending_forks:
+            self.allocator.share(prompt_blocks)
+            seq.block_ids = list(prompt_blocks)
+            seq.num_computed_tokens = request.prompt_len - 1
+            seq.num_registered_blocks = (request.prompt_len - 1) // self.block_size
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        request.pending_forks = []
+
+    def _writes_need_copy(self, seq: Sequence, num_new: int) -> list[int]:
+        """Indices of seq's existing blocks that this step writes into but may not be changed in place:
+        shared with another sequence, or holding a cached prefix."""
+        first = seq.num_computed_tokens // self.block_size
+        last = min(len(seq.block_ids), self.allocator.blocks_for_tokens(seq.num_computed_tokens + num_new))
+        return [i for i in range(first, last)
+                if self.allocator.refcount(seq.block_ids[i]) > 1
+                or self.allocator._hash_of[seq.block_ids[i]] is not None]
+
+    def _reserve(self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput) -> int:
+        """Make seq's page table hold num_new more tokens (grow, copy-on-write), preempting if the pool
+        is empty. A prompt chunk shrinks to what the free blocks hold before anyone is preempted.
+        Returns the number of tokens reserved: 0 when seq itself had to be preempted."""
         while True:
             have = len(seq.block_ids)
-            need = self.allocator.blocks_for_tokens(seq.num_computed_tokens + num_new) - have
+            copies = self._writes_need_copy(seq, num_new)
+            need = self.allocator.blocks_for_tokens(seq.num_computed_tokens + num_new) - have + len(copies)
             if self.allocator.can_allocate(need):
-                seq.block_ids.extend(self.allocator.allocate(need))
+                fresh = self.allocator.allocate(need)
+                for i in copies:
+                    src, dst = seq.block_ids[i], fresh.pop()
+                    out.block_copies.append((src, dst))
+                    seq.block_ids[i] = dst
+                    self.allocator.free([src])
+                seq.block_ids.extend(fresh)
                 return num_new
             if self.config.enable_chunked_prefill and num_new > 1:
-                fits = (have + self.allocator.num_free_blocks) * self.block_size - seq.num_computed_tokens
-                if fits >= 1:
+                fits = (have + self.allocator.num_available_blocks - len(copies)) * self.block_size \
+                    - seq.num_computed_tokens
+                if 1 <= fits < num_new:
                     num_new = fits
                     continue
             victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
@@ -203,19 +278,25 @@ class Scheduler:
             self.allocator.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
 
     # --- accounting ------------------------------------------------------------------------------
+    def request_blocks(self, request: Request) -> int:
+        """Distinct blocks a request holds (samples share their prompt's blocks)."""
+        return len({b for s in request.seqs for b in s.block_ids})
+
     def check_invariants(self) -> None:
+        """free + cached + referenced == num_blocks, no block in two states, refcounts equal owners,
+        every running sequence's table covers its computed tokens, waiting sequences hold nothing."""
         self.allocator.check_invariants()
         owned: dict[int, int] = {}
         for seq in self.running:
             for b in seq.block_ids:
                 owned[b] = owned.get(b, 0) + 1
-            need = self.allocator.blocks_for_tokens(seq.num_computed_tokens)
-            if len(seq.block_ids) < need:
+            if len(seq.block_ids) < self.allocator.blocks_for_tokens(seq.num_computed_tokens):
                 raise AssertionError(f"{seq} holds too few blocks for its computed tokens")
         for seq in self.waiting:
-            if seq.block_ids:
+            if seq.block_ids or seq.num_computed_tokens:
                 raise AssertionError(f"waiting {seq} holds blocks")
         for b in range(self.num_blocks):
             if owned.get(b, 0) != self.allocator.refcount(b):

@@ -14,6 +14,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from scheduler_service.block_allocator import block_hash
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -60,6 +62,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self._block_hashes: list[bytes] = []  # chained hashes of full blocks, computed on demand
 
     @property
     def prompt_len(self) -> int:
@@ -85,6 +89,14 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    def block_hash(self, index: int, block_size: int) -> bytes:
+        """Chained hash of full block `index` of this sequence's tokens (prefix caching)."""
+        while len(self._block_hashes) <= index:
+            i = len(self._block_hashes)
+            parent = self._block_hashes[-1] if self._block_hashes else None
+            self._block_hashes.append(block_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+        return self._block_hashes[index]
+
     @property
     def sample_seed(self) -> int:
         return (self.request.sampling.seed + self.index) & 0xFFFFFFFFFFFFFFFF
@@ -104,6 +116,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
+    # samples 1..n-1 wait here until sample 0 has computed the prompt; then they fork from its blocks
+    pending_forks: list[Sequence] = field(default_factory=list)
+    cached_prompt_tokens: int | None = None  # prefix-cache hit of the first admission
 
     @property
     def prompt_len(self) -> int:

@@ -57,12 +57,13 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
             "least one must be left to generate"
         )
     sampling = _sampling(msg.sampling, prompt_len, limits)
-    seqs_tokens = prompt_len + sampling.max_tokens
-    need = math.ceil(seqs_tokens / limits.block_size) * sampling.n
+    seq_tokens = prompt_len + sampling.max_tokens
+    shared = prompt_len // limits.block_size  # the prompt's full blocks are shared by all samples
+    need = shared + sampling.n * (math.ceil(seq_tokens / limits.block_size) - shared)
     if need > limits.num_blocks:
         raise InvalidRequest(
-            f"the request needs up to {need} KV blocks ({sampling.n} x {seqs_tokens} tokens) but the whole pool "
-            f"has {limits.num_blocks} blocks of {limits.block_size} tokens; lower max_tokens or n"
+            f"the request needs up to {need} KV blocks ({sampling.n} sample(s) of up to {seq_tokens} tokens) but "
+            f"the whole pool has {limits.num_blocks} blocks of {limits.block_size} tokens; lower max_tokens or n"
         )
     request_id = msg.request_id or uuid.uuid4().hex
     if len(request_id) > 256:

@@ -40,7 +40,7 @@ def test_page_table_grows_exactly_at_block_boundaries():
     # (tokens held after the step, blocks held): a new block appears exactly with token 5 and token 9
     assert history == [(3, 1), (4, 1), (5, 2), (6, 2), (7, 2), (8, 2), (9, 3), (10, 3)]
     sched.abort_request("r")
-    assert sched.allocator.num_free_blocks == 16
+    assert sched.allocator.num_available_blocks == 16
 
 
 def test_allocation_that_cannot_be_satisfied_changes_nothing():
@@ -98,4 +98,4 @@ def test_a_request_that_cannot_be_admitted_holds_nothing():
     sched.check_invariants()
     sched.abort_request("small")
     sched.abort_request("big")
-    assert sched.allocator.num_free_blocks == 4
+    assert sched.allocator.num_available_blocks == 4

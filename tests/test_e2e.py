@@ -30,7 +30,7 @@ def server(server_factory, tiny_model_dir):
 def tight_server(server_factory, tiny_model_dir):
     # 40 blocks of 4 tokens: the workload below needs far more at once, so requests wait and are preempted
     return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "40",
-                          "--max-num-batched-tokens", "64")
+                          "--max-num-batched-tokens", "64", "--max-model-len", "160")
 
 
 def workload(n, seed, vocab=384):
@@ -95,6 +95,7 @@ def test_concurrent_requests_equal_solo_transformers_greedy(server, tiny_model_d
 
 def test_streamed_tokens_equal_unary_tokens(server):
     items = workload(8, seed=2)
+    items_by_id = {rid: prompt for rid, prompt, _, _ in items}
     streamed = submit_all(server, items, stream=True)
     unary = submit_all(server, [(rid + "-u", p, m, d) for rid, p, m, d in items], stream=False)
     for rid, *_ in items:
@@ -103,7 +104,9 @@ def test_streamed_tokens_equal_unary_tokens(server):
         assert s_tokens == u_tokens
         assert s_text == u_text
         assert s_finish == u_finish
-        assert s_usage == u_usage
+        assert (s_usage.prompt_tokens, s_usage.completion_tokens) == (u_usage.prompt_tokens, u_usage.completion_tokens)
+        # the unary round came second: its full prompt blocks were cached by the streamed round
+        assert u_usage.cached_prompt_tokens == (len(items_by_id[rid]) - 1) // 4 * 4
     assert_all_blocks_back(server)
 
 
@@ -158,9 +161,12 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(server, name
 
 
 def test_request_that_could_never_fit_the_pool(tight_server):
-    # 40 blocks x 4 tokens = 160 slots: a 100-token prompt with 100 more tokens can never fit
+    # 40 blocks of 4 tokens: 4 samples of 50 prompt tokens (12 full blocks, shared) and 60 new tokens
+    # each need 12 + 4 x 16 = 76 blocks, more than the whole pool
+    req = greedy_request([5] * 50, 60)
+    req.sampling.n = 4
     with pytest.raises(grpc.RpcError) as err:
-        tight_server.stub.Generate(greedy_request([5] * 100, 100), timeout=30)
+        tight_server.stub.Generate(req, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "pool" in err.value.details()
 

@@ -52,7 +52,7 @@ def test_own_forward_greedy_equals_transformers_on_the_default_model():
 
 @pytest.mark.slow
 def test_make_run_answers_the_capital_of_france(server_factory):
-    server = server_factory(MODEL_DIR, "--kv-cache-memory", "256MiB")
+    server = server_factory(MODEL_DIR, "--kv-cache-memory", "256MiB", "--max-model-len", "4096")
     req = generation_pb2.GenerateRequest(prompt="What is the capital of France?",
                                          sampling=generation_pb2.SamplingParams(max_tokens=40))
     resp = server.stub.Generate(req, timeout=120)

@@ -8,7 +8,7 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.plan import build_plan
 from scheduler_service.scheduler import DuplicateRequestId, Scheduler
 from scheduler_service.sequence import FinishReason, Request, SamplingOptions
-from tests.fake_worker import FakeWorker, expected_output
+from deploy.simulate import SimulatedWorker, expected_output
 
 
 def run_to_completion(sched, worker, arrivals, max_steps=10_000):
@@ -50,7 +50,7 @@ def test_small_pool_waits_preempts_and_finishes_everything(chunked):
     config = SchedulerConfig(block_size=block_size, max_num_seqs=16, max_num_batched_tokens=64,
                              enable_chunked_prefill=chunked, debug_invariants=True)
     sched = Scheduler(config, num_blocks, max_model_len=512)
-    worker = FakeWorker(num_blocks, block_size)
+    worker = SimulatedWorker(num_blocks, block_size)
     reqs = make_requests(12, seed=1)
     arrivals = {0: reqs[:6], 3: reqs[6:9], 7: reqs[9:]}
     trace = run_to_completion(sched, worker, arrivals)
@@ -62,14 +62,14 @@ def test_small_pool_waits_preempts_and_finishes_everything(chunked):
         seq = r.seqs[0]
         assert seq.finish_reason is FinishReason.LENGTH
         assert seq.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens), r.request_id
-    assert sched.allocator.num_free_blocks == num_blocks
+    assert sched.allocator.num_available_blocks == num_blocks
     assert not sched.requests
 
 
 def test_chunked_prefill_splits_a_long_prompt_and_keeps_decodes_going():
     config = SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=16, debug_invariants=True)
     sched = Scheduler(config, 64, max_model_len=512)
-    worker = FakeWorker(64, 4)
+    worker = SimulatedWorker(64, 4)
     short = Request("short", [5, 6, 7], SamplingOptions(max_tokens=20))
     long = Request("long", list(range(1, 61)), SamplingOptions(max_tokens=3))
     sched.add_request(short)
@@ -87,7 +87,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_keeps_decodes_going():
     assert chunks == [15, 15, 15, 15]
     sched.abort_request("short")
     sched.abort_request("long")
-    assert sched.allocator.num_free_blocks == 64
+    assert sched.allocator.num_available_blocks == 64
 
 
 def test_abort_frees_blocks_at_once_waiting_or_running():
@@ -101,7 +101,7 @@ def test_abort_frees_blocks_at_once_waiting_or_running():
     assert a.seqs[0].block_ids and not b.seqs[0].block_ids
     sched.abort_request("b")  # waiting
     sched.abort_request("a")  # running
-    assert sched.allocator.num_free_blocks == 16
+    assert sched.allocator.num_available_blocks == 16
     assert [s.finish_reason for s in a.seqs + b.seqs] == [FinishReason.ABORT] * 2
     assert not sched.has_work and not sched.requests
 

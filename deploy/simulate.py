@@ -1,6 +1,9 @@
-"""A torch-free stand-in for the worker: its "KV pool" stores token ids at slots, and its "model"
-predicts the next token as a hash of the whole context read back through the block table. A paging
-bug (a block shared by mistake, a slot written twice, a table that misses a block) changes the output."""
+"""A torch-free simulated worker, for scheduler tests and memory plots.
+
+Its "KV pool" stores token ids at slots and its "model" predicts the next token as a hash of the whole
+context read back through the block table. A paging bug (a block shared by mistake, a slot written
+twice, a table that misses a block, a copy-on-write that did not happen, a cached block that was
+evicted and reused) changes the output, so a test compares against `expected_output`."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
     return ctx[len(prompt):]
 
 
-class FakeWorker:
+class SimulatedWorker:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
@@ -45,6 +48,10 @@ class FakeWorker:
             pos = positions[qsl[i]:qsl[i + 1]].astype(np.int64)
             expect = tables[i][pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
             assert (slots[qsl[i]:qsl[i + 1]] == expect).all()
+        copies = np.frombuffer(plan.block_copies, dtype="<i4").reshape(-1, 2)
+        for src, dst in copies:  # copy-on-write, before the step's writes
+            bs = self.block_size
+            self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
         self.pool[slots] = tokens
         out = []
         for i in range(plan.num_seqs):
