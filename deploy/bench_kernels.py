@@ -13,6 +13,7 @@ the script works and are labelled so; they say nothing about speed.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -77,19 +78,19 @@ def bench_decode(args, interpreted: bool) -> None:
     for batch in batches:
         for context in contexts:
             q, kc, vc, tables, lens, qsl = _paged_inputs(batch, context, n_heads, n_kv, head_dim, block, dtype, device)
-            t_paged = timer(lambda: paged_attention(q, kc, vc, tables, lens, qsl, head_dim**-0.5,
-                                                    max_seq_len=context, max_q_len=1))
+            t_paged = timer(functools.partial(paged_attention, q, kc, vc, tables, lens, qsl, head_dim**-0.5,
+                                              max_seq_len=context, max_q_len=1))
             elem = kc.element_size()
             kv_bytes = 2 * batch * context * n_kv * head_dim * elem
             moved = kv_bytes + 2 * q.numel() * elem
             src = torch.empty(kv_bytes // elem, dtype=dtype, device=device)
             dst = torch.empty_like(src)
-            t_copy = timer(lambda: dst.copy_(src))
+            t_copy = timer(functools.partial(dst.copy_, src))
             copy_gbs = 2 * kv_bytes / t_copy / 1e9  # a copy reads and writes
             k = torch.randn(batch, n_kv, context, head_dim, dtype=dtype, device=device)
             v = torch.randn_like(k)
             qs = q.view(batch, n_heads, 1, head_dim)
-            t_sdpa = timer(lambda: F.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+            t_sdpa = timer(functools.partial(F.scaled_dot_product_attention, qs, k, v, enable_gqa=True))
             gbs = moved / t_paged / 1e9
             print(f"{batch:>6} {context:>6} {t_paged * 1e3:>9.3f} {gbs:>8.1f} {copy_gbs:>10.1f} "
                   f"{gbs / copy_gbs:>7.0%} {t_sdpa * 1e3:>8.3f} {t_sdpa / t_paged:>7.2f}")
@@ -114,7 +115,8 @@ def bench_prefill(args, interpreted: bool) -> None:
         q = torch.randn(n, n_heads, head_dim, dtype=dtype, device=device)
         lens = torch.tensor([n], dtype=torch.int32, device=device)
         qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
-        t = timer(lambda: paged_attention(q, kc, vc, tables, lens, qsl, head_dim**-0.5, max_seq_len=n, max_q_len=n))
+        t = timer(functools.partial(paged_attention, q, kc, vc, tables, lens, qsl, head_dim**-0.5,
+                                    max_seq_len=n, max_q_len=n))
         flops = 4 * n * n * n_heads * head_dim / 2  # QK^T and PV, causal half
         print(f"{n:>7} {t * 1e3:>9.3f} {flops / t / 1e12:>8.2f}")
 

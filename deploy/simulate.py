@@ -16,15 +16,18 @@ from protos import wire_pb2
 VOCAB = 1000
 
 
-def next_token(context: list[int]) -> int:
-    digest = hashlib.blake2b(np.asarray(context, dtype=np.int64).tobytes(), digest_size=8).digest()
+def next_token(context: list[int], seed: int | None = None, index: int = 0) -> int:
+    """Greedy (seed None): a function of the context. Sampled: also of the seed and the token's index,
+    so samples of one prompt diverge, as they do with a real sampler."""
+    key = list(context) if seed is None else list(context) + [seed, index]
+    digest = hashlib.blake2b(np.asarray(key, dtype=np.uint64).tobytes(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % VOCAB
 
 
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+def expected_output(prompt: list[int], max_tokens: int, seed: int | None = None) -> list[int]:
     ctx = list(prompt)
-    for _ in range(max_tokens):
-        ctx.append(next_token(ctx))
+    for i in range(max_tokens):
+        ctx.append(next_token(ctx, seed, i))
     return ctx[len(prompt):]
 
 
@@ -42,6 +45,7 @@ class SimulatedWorker:
         seq_lens = np.frombuffer(plan.seq_lens, dtype="<i4")
         do_sample = np.frombuffer(plan.do_sample, dtype=np.uint8)
         positions = np.frombuffer(plan.positions, dtype="<i4")
+        sample_index = np.frombuffer(plan.sample_index, dtype="<i4")
         qsl = np.frombuffer(plan.query_start_loc, dtype="<i4")
         assert (slots >= 0).all()
         for i in range(plan.num_seqs):  # a slot is where the position's block table entry says
@@ -61,5 +65,7 @@ class SimulatedWorker:
             pos = np.arange(seq_lens[i])
             ctx = self.pool[tables[i][pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size]
             assert (ctx >= 0).all(), "read a slot that was never written"
-            out.append(next_token(ctx.tolist()))
+            row = plan.sampling[i]
+            seed = int(row.seed) if row.temperature > 0 else None
+            out.append(next_token(ctx.tolist(), seed, int(sample_index[i])))
         return out

@@ -4,11 +4,11 @@ import random
 
 import pytest
 
+from deploy.simulate import SimulatedWorker, expected_output
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.plan import build_plan
 from scheduler_service.scheduler import DuplicateRequestId, Scheduler
 from scheduler_service.sequence import FinishReason, Request, SamplingOptions
-from deploy.simulate import SimulatedWorker, expected_output
 
 
 def run_to_completion(sched, worker, arrivals, max_steps=10_000):

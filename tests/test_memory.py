@@ -1,0 +1,200 @@
+"""Memory management at full strength, against the simulated worker (paging-sensitive outputs):
+prefix caching, copy-on-write for n samples, eviction, and a hypothesis state machine over it all."""
+
+import random
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from deploy.simulate import SimulatedWorker, expected_output
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.plan import build_plan
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.sequence import FinishReason, Request, SamplingOptions
+
+
+def expected(req, seq):
+    """What the simulated model gives this sample: greedy, or drawn with the sample's own seed."""
+    seed = seq.sample_seed if req.sampling.temperature > 0 else None
+    return expected_output(req.prompt_token_ids, req.sampling.max_tokens, seed)
+
+
+def step(sched, worker):
+    out = sched.schedule()
+    sched.check_invariants()
+    if out.is_empty:
+        return out
+    for seq, _ in sched.update(out, worker.execute(build_plan(out, sched.block_size))):
+        if seq.num_output_tokens >= seq.request.sampling.max_tokens:
+            sched.finish(seq, FinishReason.LENGTH)
+    sched.check_invariants()
+    return out
+
+
+def drain(sched, worker, limit=20_000):
+    for _ in range(limit):
+        if not sched.has_work:
+            return
+        assert not step(sched, worker).is_empty, "work left but nothing scheduled"
+    raise AssertionError("did not finish")
+
+
+def make(num_blocks, block_size=4, budget=32, caching=True, chunked=True, max_seqs=16):
+    config = SchedulerConfig(block_size=block_size, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                             enable_prefix_caching=caching, enable_chunked_prefill=chunked, debug_invariants=True)
+    return Scheduler(config, num_blocks, max_model_len=4096), SimulatedWorker(num_blocks, block_size)
+
+
+def test_second_request_with_a_shared_prefix_reuses_cached_blocks():
+    sched, worker = make(64)
+    system = list(range(100, 130))  # 30 tokens: 7 full blocks of 4
+    first = Request("a", system + [1, 2, 3], SamplingOptions(max_tokens=3))
+    sched.add_request(first)
+    drain(sched, worker)
+    assert sched.allocator.num_cached_blocks >= 7
+    second = Request("b", system + [7, 8], SamplingOptions(max_tokens=3))
+    sched.add_request(second)
+    out = sched.schedule()
+    assert out.scheduled[0].start == 28 and out.scheduled[0].num_new_tokens == 4  # 7 blocks reused
+    assert second.cached_prompt_tokens == 28
+    sched.update(out, worker.execute(build_plan(out, 4)))
+    drain(sched, worker)
+    assert second.seqs[0].output_token_ids == expected_output(system + [7, 8], 3)
+    assert sched.prefix_cache_hits == 28
+
+
+def test_a_fully_cached_prompt_still_recomputes_its_last_token():
+    sched, worker = make(64)
+    prompt = list(range(200, 216))  # exactly 4 full blocks
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, prompt, SamplingOptions(max_tokens=2)))
+        out = sched.schedule()
+        if rid == "b":
+            # 3 blocks reused; the 4th holds the last prompt token, which is computed again
+            assert (out.scheduled[0].start, out.scheduled[0].num_new_tokens) == (12, 4)
+        sched.update(out, worker.execute(build_plan(out, 4)))
+        drain(sched, worker)
+
+
+def test_n_samples_share_prompt_blocks_and_copy_the_partial_block():
+    sched, worker = make(64)
+    prompt = list(range(300, 310))  # 2 full blocks + a partial one
+    req = Request("n", prompt, SamplingOptions(max_tokens=6, n=4, temperature=1.0, seed=50))
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update(out, worker.execute(build_plan(out, 4)))  # sample 0 prefilled, the others forked
+    assert all(s.block_ids[:3] == req.seqs[0].block_ids[:3] for s in req.seqs)
+    assert sched.allocator.refcount(req.seqs[0].block_ids[0]) == 4
+    partial = req.seqs[0].block_ids[2]
+    out = sched.schedule()
+    # the shared partial block is copied before each write, but the last holder writes it in place
+    assert [src for src, _ in out.block_copies] == [partial] * 3
+    assert len({dst for _, dst in out.block_copies}) == 3
+    sched.update(out, worker.execute(build_plan(out, 4)))
+    shared = sched.request_blocks(req)
+    assert shared < 4 * 3, "samples must share their prompt's full blocks"
+    drain(sched, worker)
+    outputs = [s.output_token_ids for s in req.seqs]
+    assert outputs == [expected_output(prompt, 6, seed=50 + i) for i in range(4)]
+    assert len({tuple(o) for o in outputs}) == 4  # the samples diverged, and none saw another's tokens
+    assert sched.allocator.num_available_blocks == 64
+
+
+def test_n_samples_use_fewer_blocks_than_separate_requests():
+    prompt = list(range(400, 441))  # 41 tokens: 10 full blocks
+    used = {}
+    for label, reqs in (("n=4", [Request("n", prompt, SamplingOptions(max_tokens=20, n=4))]),
+                        ("4 requests", [Request(f"s{i}", prompt, SamplingOptions(max_tokens=20)) for i in range(4)])):
+        sched, worker = make(256, caching=False)
+        for r in reqs:
+            sched.add_request(r)
+        for _ in range(6):
+            step(sched, worker)
+        used[label] = sched.allocator.num_used_blocks
+        drain(sched, worker)
+    assert used["n=4"] < used["4 requests"] / 2, used
+
+
+def test_evicted_blocks_are_never_read_in_a_long_run_with_a_tiny_pool():
+    """Many requests over a few shared prefixes through a pool that forces eviction and preemption."""
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(1, 1000) for _ in range(rng.randint(4, 30))] for _ in range(5)]
+    sched, worker = make(30, budget=24)
+    live = []
+    for i in range(120):
+        prompt = rng.choice(prefixes) + [rng.randrange(1, 1000) for _ in range(rng.randint(1, 8))]
+        n = rng.choice([1, 1, 2])
+        req = Request(f"r{i}", prompt, SamplingOptions(max_tokens=rng.randint(1, 12), n=n,
+                                                       temperature=1.0 if n > 1 else 0.0, seed=i))
+        sched.add_request(req)
+        live.append(req)
+        for _ in range(rng.randint(0, 4)):
+            if sched.has_work:
+                step(sched, worker)
+    drain(sched, worker)
+    assert sched.allocator.num_evictions > 0 and sched.prefix_cache_hits > 0 and sched.num_preemptions > 0
+    for req in live:
+        for s in req.seqs:
+            assert s.output_token_ids == expected(req, s), req.request_id
+    assert sched.allocator.num_available_blocks == 30
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random arrivals (shared prefixes, n samples), steps, aborts; invariants after every step; every
+    sample that ran to its length produced exactly the simulated model's output; nothing leaks."""
+
+    @initialize(num_blocks=st.integers(24, 60), block_size=st.sampled_from([2, 4, 8]),
+                budget=st.integers(16, 64), caching=st.booleans(), chunked=st.booleans())
+    def setup(self, num_blocks, block_size, budget, caching, chunked):
+        self.max_len = num_blocks * block_size // 3  # every request fits the pool on its own
+        budget = budget if chunked else max(budget, self.max_len)
+        self.sched, self.worker = make(num_blocks, block_size, budget, caching, chunked, max_seqs=8)
+        self.prefixes = [[(i * 37 + j * 11) % 997 + 1 for j in range(3 * block_size + i)] for i in range(3)]
+        self.requests = []
+        self.ids = 0
+
+    @rule(prefix=st.integers(0, 2), extra=st.lists(st.integers(1, 999), max_size=6),
+          max_tokens=st.integers(1, 10), n=st.integers(1, 3), sampled=st.booleans())
+    def arrive(self, prefix, extra, max_tokens, n, sampled):
+        prompt = (self.prefixes[prefix] + extra)[: self.max_len // 2]
+        shared = len(prompt) // self.sched.block_size
+        per_seq = self.sched.allocator.blocks_for_tokens(len(prompt) + max_tokens) - shared
+        if shared + n * per_seq > self.sched.num_blocks:
+            n = 1
+        self.ids += 1
+        params = SamplingOptions(max_tokens=max_tokens, n=n, temperature=1.0 if sampled else 0.0, seed=self.ids)
+        req = Request(f"q{self.ids}", prompt, params)
+        self.sched.add_request(req)
+        self.requests.append(req)
+
+    @precondition(lambda self: self.sched.has_work)
+    @rule(times=st.integers(1, 5))
+    def run(self, times):
+        for _ in range(times):
+            if self.sched.has_work:
+                step(self.sched, self.worker)
+
+    @precondition(lambda self: self.sched.requests)
+    @rule(pick=st.integers(0, 1000))
+    def abort(self, pick):
+        ids = sorted(self.sched.requests)
+        self.sched.abort_request(ids[pick % len(ids)])
+
+    @invariant()
+    def accounting_holds(self):
+        self.sched.check_invariants()
+
+    def teardown(self):
+        drain(self.sched, self.worker)
+        assert self.sched.allocator.num_available_blocks == self.sched.num_blocks, "a block leaked"
+        assert not self.sched.requests
+        for req in self.requests:
+            for s in req.seqs:
+                if s.finish_reason is FinishReason.LENGTH:
+                    assert s.output_token_ids == expected(req, s)
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
