@@ -326,3 +326,85 @@ def test_triton_backend_gives_the_same_greedy_outputs(server_factory, tiny_model
     for rid, prompt, max_tokens, _ in items:
         assert results[rid][0] == hf_greedy(tiny_model_dir, prompt, max_tokens), rid
     assert_all_blocks_back(triton_server)
+
+
+@pytest.fixture(scope="module")
+def plain_server(server_factory, tiny_model_dir):
+    # no prefix caching, no chunked prefill: whole prompts in one step
+    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "256", "--no-prefix-caching",
+                          "--no-chunked-prefill", "--max-num-batched-tokens", "512")
+
+
+def shared_prefix_workload(seed, n=10):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 384) for _ in range(rng.randint(9, 40))] for _ in range(3)]
+    return [(f"sp-{seed}-{i}", rng.choice(prefixes) + [rng.randrange(3, 384) for _ in range(rng.randint(1, 6))],
+             rng.randint(3, 20), rng.uniform(0, 0.3)) for i in range(n)]
+
+
+def test_outputs_identical_with_prefix_caching_chunking_and_preemption_on_or_off(
+        server, plain_server, tight_server, tiny_model_dir):
+    items = shared_prefix_workload(seed=21)
+    expected = {rid: hf_greedy(tiny_model_dir, p, m) for rid, p, m, _ in items}
+    hits_before = server.stats().prefix_cache_hits
+    for srv in (plain_server, server, server, tight_server):  # the second round on `server` hits its cache
+        results = submit_all(srv, items, stream=True)
+        assert {rid: r[0] for rid, r in results.items()} == expected
+        assert_all_blocks_back(srv)
+    assert server.stats().prefix_cache_hits > hits_before
+    assert plain_server.stats().prefix_cache_hits == 0 and plain_server.stats().num_cached_blocks == 0
+
+
+def test_n4_holds_fewer_blocks_than_four_separate_requests(server):
+    prompt = list(range(20, 60))  # 40 tokens: 10 full blocks of 4
+
+    def blocks_while_running(requests):
+        first = threading.Event()
+        calls = []
+
+        def consume(req):
+            call = server.stub.GenerateStream(req, timeout=60)
+            calls.append(call)
+            try:
+                for msg in call:
+                    if len(msg.token_ids):
+                        first.set()
+            except grpc.RpcError:
+                pass
+
+        threads = [threading.Thread(target=consume, args=(r,)) for r in requests]
+        for t in threads:
+            t.start()
+        assert first.wait(30)
+        ids = {r.request_id for r in requests}
+        deadline = time.monotonic() + 10
+        while True:
+            stats = server.stats()
+            rows = [r for r in stats.requests if r.request_id in ids]
+            if len(rows) == len(ids) and all(r.num_tokens > len(prompt) for r in rows):
+                break
+            assert time.monotonic() < deadline
+        for rid in ids:
+            server.stub.Abort(generation_pb2.AbortRequest(request_id=rid), timeout=10)
+        for t in threads:
+            t.join(30)
+        return sum(r.num_blocks for r in rows), sum(r.num_bytes for r in rows)
+
+    n4 = sampled_request(prompt, 100, seed=1, n=4, request_id="n4")  # 10 + 4 x 25 blocks at most
+    separate = [sampled_request(prompt, 100, seed=1, request_id=f"sep{i}") for i in range(4)]
+    n4_blocks, n4_bytes = blocks_while_running([n4])
+    sep_blocks, _ = blocks_while_running(separate)
+    assert n4_blocks < sep_blocks, (n4_blocks, sep_blocks)
+    assert n4_blocks < 4 * 10  # fewer than four copies of the prompt
+    assert n4_bytes == n4_blocks * server.stats().bytes_per_block
+    assert_all_blocks_back(server)
+
+
+def test_samples_never_see_each_others_tokens(server):
+    """Sample i of an n=3 request draws exactly what a lone request with seed + i draws."""
+    prompt = [31, 41, 59, 26, 53, 58, 97]
+    together = server.stub.Generate(sampled_request(prompt, 15, seed=100, n=3), timeout=60)
+    alone = [list(server.stub.Generate(sampled_request(prompt, 15, seed=100 + i), timeout=60).choices[0].token_ids)
+             for i in range(3)]
+    assert [list(c.token_ids) for c in together.choices] == alone
+    assert len({tuple(a) for a in alone}) == 3
