@@ -25,7 +25,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     g.add_argument("--dtype", default=None)
     g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", default="2GiB")
+    g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool budget on the CPU")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="on CUDA: share of GPU memory to use")
     g.add_argument("--attention-backend", default=None, choices=["triton", "torch"],
                    help="default: triton on CUDA, torch on CPU")
     g.add_argument("--threads", type=int, default=None)
@@ -35,6 +36,8 @@ def worker_command(args: argparse.Namespace, endpoint: str, rank: int) -> list[s
     cmd = [sys.executable, "-m", "worker.main", "--model", args.model, "--scheduler", endpoint,
            "--rank", str(rank), "--world-size", str(args.world_size), "--block-size", str(args.block_size),
            "--load-format", args.load_format, "--kv-cache-memory", args.kv_cache_memory,
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--log-level", args.log_level]
     for flag, value in (("--device", args.device), ("--dtype", args.dtype), ("--num-blocks", args.num_blocks),
                         ("--attention-backend", args.attention_backend), ("--threads", args.threads)):

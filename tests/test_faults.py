@@ -88,3 +88,14 @@ def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
     while (lambda st: st.num_free_blocks + st.num_cached_blocks)(server.stats()) != 128:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_pool_too_small_for_one_full_context_request_is_refused(tmp_path, tiny_model_dir):
+    from deploy.local_server import ServerProcess
+
+    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--block-size", "4", "--num-blocks", "8", "--threads", "1")
+    with pytest.raises(RuntimeError, match="exited") as err:
+        server.start(timeout=120)
+    server.stop()
+    assert "cannot hold one request of the full 512-token context" in str(err.value)
+    assert server.proc.returncode == 1

@@ -148,3 +148,23 @@ def test_dummy_weights_have_the_real_shapes_and_run(tmp_path):
     pool = KVPool(config, 8, BLOCK, torch.float32, torch.device("cpu"))
     logits, _ = run_step(dummy, config, pool, [([1, 2, 3, 4, 5], 0, [2, 5])])
     assert torch.isfinite(logits).all()
+
+
+def test_gpu_pool_sizing_arithmetic():
+    from worker.sizing import blocks_for_gpu_budget
+
+    gib = 2**30
+    # 80 GiB card at 0.9: 72 GiB, minus 16 GiB of weights and activations, minus 1 GiB used by others
+    assert blocks_for_gpu_budget(80 * gib, 0.9, 16 * gib, 1 * gib, 2 * 2**20) == (72 * gib - 17 * gib) // (2 * 2**20)
+    assert blocks_for_gpu_budget(8 * gib, 0.5, 5 * gib, 0, 2**20) == 0  # the weights alone exceed the share
+    with pytest.raises(ValueError):
+        blocks_for_gpu_budget(8 * gib, 1.5, 0, 0, 1)
+
+
+def test_kv_memory_budget_parsing():
+    from worker.kv_pool import parse_bytes
+
+    assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("1000") == 1000
+    with pytest.raises(ValueError, match="size"):
+        parse_bytes("lots")

@@ -27,7 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory budget)")
-    p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool memory budget, e.g. 2GiB")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool memory budget on the CPU, e.g. 2GiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA: share of the GPU's memory this worker may use (weights, activations, KV pool)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the largest step the scheduler sends (sizes the profiling forward on CUDA)")
     p.add_argument("--attention-backend", default=None, choices=["triton", "torch"],
                    help="default: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -47,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.kv_pool import KVPool, bytes_per_block, parse_bytes
     from worker.runner import ModelRunner
     from worker.server import WorkerServer
+    from worker.sizing import profile_gpu_blocks
     from worker.weights import load_model
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -55,12 +60,19 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed)
     per_block = bytes_per_block(config, args.block_size, dtype)
-    num_blocks = args.num_blocks or parse_bytes(args.kv_cache_memory) // per_block
+    attn = make_backend(args.attention_backend, device)
+    if args.num_blocks:
+        num_blocks = args.num_blocks
+    elif device.type == "cuda":
+        num_blocks = profile_gpu_blocks(model, attn, device, dtype, args.block_size, args.max_num_batched_tokens,
+                                        args.gpu_memory_utilization)
+    else:
+        num_blocks = parse_bytes(args.kv_cache_memory) // per_block
     if num_blocks < 1:
-        log.error("kv_budget_too_small", budget=args.kv_cache_memory, bytes_per_block=per_block)
+        log.error("kv_budget_too_small", kv_cache_memory=args.kv_cache_memory,
+                  gpu_memory_utilization=args.gpu_memory_utilization, bytes_per_block=per_block)
         return 2
     pool = KVPool(config, num_blocks, args.block_size, dtype, device)
-    attn = make_backend(args.attention_backend, device)
     runner = ModelRunner(model, pool, attn, device)
     handshake = wire_pb2.Handshake(
         rank=args.rank,
