@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run test test-kernels test-e2e lint bench bench-kernels clean
+.PHONY: setup proto run test test-kernels test-e2e lint bench bench-kernels bench-memory plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model
 
@@ -67,6 +67,14 @@ bench: setup
 # Paged decode/prefill kernels vs a device copy and contiguous SDPA (GPU); interpreter, tiny shapes elsewhere.
 bench-kernels: setup
 	$(PY) -m deploy.bench_kernels $(ARGS)
+
+# Prefix caching on vs off (shared system prompt); chunked prefill on vs off (long prompts among chats).
+bench-memory: setup
+	$(PY) -m deploy.bench_memory --model $(MODEL_DIR) $(ARGS)
+
+# Blocks in use over time against static reservation, drawn to docs/kv_usage.png.
+plot-kv: setup
+	$(PY) -m deploy.plot_kv $(ARGS)
 
 clean:
 	rm -rf .stamps $(PROTO_OUT) protos/*_pb2.pyi build *.egg-info

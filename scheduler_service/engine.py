@@ -103,6 +103,7 @@ class Engine:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
 
     async def stop(self) -> None:
+        log.info("step_profile", **self.profile.as_dict(), final=True)
         if self._task:
             self._task.cancel()
             try:
@@ -209,7 +210,7 @@ class Engine:
             new_tokens = sched.update(out, tokens)
             self._process(out, new_tokens)
             t4 = time.perf_counter()
-            self.metrics.on_step(t3 - t2, len(new_tokens), len(out.preempted), len(sched.running),
+            self.metrics.on_step(t3 - t2, len(new_tokens), out.num_prefill_tokens, len(out.preempted), len(sched.running),
                                  len(sched.waiting), sched.allocator.num_free_blocks, sched.num_blocks)
             p = self.profile
             p.steps += 1

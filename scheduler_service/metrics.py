@@ -17,6 +17,8 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pagedserve_generation_tokens", "Generated tokens", registry=r)
+        self.prefill_tokens = Counter("pagedserve_prefill_tokens_computed", "Prompt tokens computed (cache misses)",
+                                      registry=r)
         self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted by recompute", registry=r)
         self.running = Gauge("pagedserve_num_running", "Running sequences", registry=r)
         self.waiting = Gauge("pagedserve_num_waiting", "Waiting sequences", registry=r)
@@ -32,10 +34,11 @@ class Metrics:
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
 
-    def on_step(self, seconds: float, num_sampled: int, num_preempted: int, running: int, waiting: int,
-                free_blocks: int, total_blocks: int) -> None:
+    def on_step(self, seconds: float, num_sampled: int, num_prefill: int, num_preempted: int, running: int,
+                waiting: int, free_blocks: int, total_blocks: int) -> None:
         self.step.observe(seconds)
         self.generation_tokens.inc(num_sampled)
+        self.prefill_tokens.inc(num_prefill)
         if num_preempted:
             self.preemptions.inc(num_preempted)
         self.running.set(running)
