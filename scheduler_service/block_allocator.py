@@ -74,6 +74,10 @@ class BlockAllocator:
     def is_cached_free(self, block_id: int) -> bool:
         return block_id in self._cached
 
+    def is_hashed(self, block_id: int) -> bool:
+        """The block holds a registered prefix: other requests may read it, so it is never rewritten."""
+        return self._hash_of[block_id] is not None
+
     # --- check, then act -----------------------------------------------------------------------
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_available_blocks
@@ -132,16 +136,6 @@ class BlockAllocator:
         if h not in self._block_of:
             self._block_of[h] = block_id
             self._hash_of[block_id] = h
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (cached-free blocks become free)."""
-        for b in self._cached:
-            self._free.append(b)
-        self._cached.clear()
-        for b, h in enumerate(self._hash_of):
-            if h is not None and self._refcount[b] == 0:
-                self._hash_of[b] = None
-        self._block_of = {h: b for h, b in self._block_of.items() if self._hash_of[b] == h}
 
     # --- invariants ----------------------------------------------------------------------------
     def check_invariants(self) -> None:

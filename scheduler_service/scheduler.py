@@ -231,7 +231,7 @@ class Scheduler:
         last = min(len(seq.block_ids), self.allocator.blocks_for_tokens(seq.num_computed_tokens + num_new))
         return [i for i in range(first, last)
                 if self.allocator.refcount(seq.block_ids[i]) > 1
-                or self.allocator._hash_of[seq.block_ids[i]] is not None]
+                or self.allocator.is_hashed(seq.block_ids[i])]
 
     def _reserve(self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput) -> int:
         """Make seq's page table hold num_new more tokens (grow, copy-on-write), preempting if the pool
