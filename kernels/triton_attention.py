@@ -60,6 +60,20 @@ def _tile_offsets(block_tables_ptr, seq, pos, pos_mask, kv_head, d,
 
 
 @triton.jit
+def _attend_tile(q, k, v, visible, m, denom, acc, scale, PRECISION: tl.constexpr):
+    """One online-softmax step: fold a tile of keys/values into the running max, denominator and output.
+    q [rows, D], k and v [TILE, D], visible [rows or 1, TILE]."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, denom, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     scale,
@@ -98,14 +112,7 @@ def _decode_split_kernel(
             kv_mask = pos_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_G, TILE]
-            scores = tl.where(pos_mask[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            m, denom, acc = _attend_tile(q, k, v, pos_mask[None, :], m, denom, acc, scale, PRECISION)
         out = acc / denom[:, None]
         o_off = seq * stride_mos + heads[:, None] * stride_moh + split * stride_mop + d[None, :] * stride_mod
         tl.store(mid_o_ptr + o_off, out, mask=g_mask[:, None] & d_mask[None, :])
@@ -184,16 +191,9 @@ def _prefill_kernel(
             kv_mask = pos_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, TILE]
-            visible = (pos[None, :] <= prefix + rows[:, None]) & pos_mask[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
             # key 0 is visible to every row, so after the first tile m is finite and nothing is NaN
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            denom = denom * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            visible = (pos[None, :] <= prefix + rows[:, None]) & pos_mask[None, :]
+            m, denom, acc = _attend_tile(q, k, v, visible, m, denom, acc, scale, PRECISION)
         out = acc / denom[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
