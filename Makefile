@@ -12,12 +12,15 @@ MODEL_DIR   ?= .models/smollm2-135m-instruct
 HOST        ?= 127.0.0.1
 PORT        ?= 50051
 ARGS        ?=
+TP          ?= 1
+DP          ?= 1
+RUN_DIR     ?= run/deploy
 PYTEST_ARGS ?=
 
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run test test-kernels test-e2e lint bench bench-kernels bench-memory plot-kv clean
+.PHONY: setup proto run deploy deploy-stop test test-kernels test-e2e lint bench bench-kernels bench-memory plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model
 
@@ -46,6 +49,18 @@ $(PROTO_OUT): $(PROTO_SRC) .stamps/deps
 
 run: setup
 	$(PY) -m deploy.launcher --model $(MODEL_DIR) --host $(HOST) --port $(PORT) $(ARGS)
+
+# The scheduler and TP x DP workers under the supervisor, logs under $(RUN_DIR); Ctrl-C stops everything.
+deploy: setup
+	$(PY) -m deploy.deploy --model $(MODEL_DIR) --host $(HOST) --port $(PORT) \
+		--tensor-parallel-size $(TP) --data-parallel-size $(DP) --run-dir $(RUN_DIR) $(ARGS)
+
+# Stops a `make deploy` running in another terminal (or in the background) and waits until it is gone.
+deploy-stop:
+	@if [ -f $(RUN_DIR)/deploy.pid ]; then pid=$$(cat $(RUN_DIR)/deploy.pid); kill -TERM $$pid 2>/dev/null; \
+		while kill -0 $$pid 2>/dev/null && [ "$$(ps -o stat= -p $$pid | cut -c1)" != "Z" ]; do sleep 0.2; done; \
+		echo "deployment stopped"; \
+	else echo "no deployment is running from $(RUN_DIR)"; fi
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,8 +1,10 @@
 """pagedserve: serve a model, or talk to a running server.
 
-    pagedserve serve --model .models/smollm2-135m-instruct      # scheduler + one worker
+    pagedserve serve --model .models/smollm2-135m-instruct      # scheduler + its workers (--tp N --dp M)
+    pagedserve deploy --model ... --tp 2 --dp 2                # the same under a supervisor, logs in run/
     pagedserve generate "What is the capital of France?"       # streams the answer
     pagedserve info | stats | abort REQUEST_ID
+    pagedserve keys --out keys/                                 # CurveZMQ keys for a multi-host wire
 """
 
 from __future__ import annotations
@@ -79,12 +81,25 @@ def cmd_abort(args: argparse.Namespace) -> int:
     return 0 if resp.aborted else 1
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    from protos.curve import make_keys
+
+    folder = make_keys(args.out)
+    print(f"keys written to {folder}/: give the scheduler --curve-keys {folder} and each worker the same folder "
+          "(on other hosts: scheduler.key and worker.key_secret are all a worker needs)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         from deploy.launcher import main as serve_main
 
         return serve_main(argv[1:])
+    if argv[:1] == ["deploy"]:
+        from deploy.deploy import main as deploy_main
+
+        return deploy_main(argv[1:])
     if argv[:1] == ["prepare-model"]:
         from deploy.prepare_model import main as prepare_main
 
@@ -92,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="start a scheduler and its workers (see `pagedserve serve --help`)")
+    sub.add_parser("deploy", help="scheduler + TP x DP workers under a supervisor (see `pagedserve deploy --help`)")
     sub.add_parser("prepare-model", help="turn a GGUF into a model folder")
+    k = sub.add_parser("keys", help="make CurveZMQ keys for the scheduler <-> worker wire")
+    k.add_argument("--out", required=True, help="folder to write the keys to")
+    k.set_defaults(func=cmd_keys)
     g = sub.add_parser("generate", help="send a prompt and stream the answer")
     g.add_argument("prompt")
     g.add_argument("--max-tokens", type=int, default=256)
@@ -112,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("abort", help="abort a request")
     a.add_argument("request_id")
     a.set_defaults(func=cmd_abort)
-    for s in sub.choices.values():
+    for name, s in sub.choices.items():
+        if name == "keys":
+            continue
         s.add_argument("--server", default=DEFAULT_SERVER)
         s.add_argument("--timeout", type=float, default=600.0)
     args = p.parse_args(argv)

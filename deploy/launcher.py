@@ -1,75 +1,114 @@
 """Start a scheduler and its workers on one machine: `pagedserve serve` / `make run`.
 
-The scheduler runs in this process; each worker rank is a child process that connects to the
-scheduler's ZeroMQ endpoint. Stopping the launcher (Ctrl-C, SIGTERM) stops the workers too.
+The scheduler runs in this process; the workers are --data-parallel-size groups of
+--tensor-parallel-size ranks, each rank a child process under the group-aware supervisor
+(deploy/supervisor.py): a group any rank of which exits is restarted as a whole. Stopping the
+launcher (Ctrl-C, SIGTERM) stops every worker.
+
+Worker flags are defined once, by the worker (worker/main.py); the launchers pass them through.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
+import socket
 import sys
+from pathlib import Path
 
 import structlog
 
-from deploy.logs import configure_logging
+from deploy.supervisor import FatalExit, Program, Supervisor, Unit
+from protos.logs import configure_logging
 from scheduler_service.main import add_scheduler_args, serve
+from worker.main import add_worker_args
+from worker.main import build_parser as worker_parser
 
 log = structlog.get_logger("launcher")
 
-
-def add_worker_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workers")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    g.add_argument("--dtype", default=None)
-    g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool budget on the CPU")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="on CUDA: share of GPU memory to use")
-    g.add_argument("--attention-backend", default=None, choices=["triton", "torch"],
-                   help="default: triton on CUDA, torch on CPU")
-    g.add_argument("--threads", type=int, default=None)
+# Worker flags the launchers set per rank rather than pass through.
+_PER_RANK = {"model", "scheduler", "replica", "rank", "rendezvous", "local_rank", "curve_keys", "log_level"}
 
 
-def worker_command(args: argparse.Namespace, endpoint: str, rank: int) -> list[str]:
-    cmd = [sys.executable, "-m", "worker.main", "--model", args.model, "--scheduler", endpoint,
-           "--rank", str(rank), "--world-size", str(args.world_size), "--block-size", str(args.block_size),
-           "--load-format", args.load_format, "--kv-cache-memory", args.kv_cache_memory,
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--log-level", args.log_level]
-    for flag, value in (("--device", args.device), ("--dtype", args.dtype), ("--num-blocks", args.num_blocks),
-                        ("--attention-backend", args.attention_backend), ("--threads", args.threads)):
-        if value is not None:
-            cmd += [flag, str(value)]
-    return cmd
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def passthrough(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: set[str]) -> list[str]:
+    """The flags of `parser` whose values in `args` differ from the parser's defaults."""
+    out: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in skip or not hasattr(args, action.dest):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default or value is None:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            out.append(flag)
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def worker_units(args: argparse.Namespace, endpoint: str, replicas: list[int] | None = None,
+                 log_dir: Path | None = None, rendezvous_host: str = "127.0.0.1") -> list[Unit]:
+    """One unit per replica: its tp ranks, each told its replica, rank, rendezvous and local index."""
+    flags = passthrough(worker_parser(), args, _PER_RANK)
+    tp = args.tensor_parallel_size
+    units = []
+    for local_group, d in enumerate(replicas if replicas is not None else range(args.data_parallel_size)):
+        rendezvous = f"tcp://{rendezvous_host}:{free_port()}" if tp > 1 else ""
+        programs = []
+        for r in range(tp):
+            argv = [sys.executable, "-m", "worker.main", "--model", args.model, "--scheduler", endpoint,
+                    "--replica", str(d), "--rank", str(r), "--local-rank", str(local_group * tp + r),
+                    "--log-level", args.log_level, *flags]
+            if rendezvous:
+                argv += ["--rendezvous", rendezvous]
+            if args.curve_keys:
+                argv += ["--curve-keys", args.curve_keys]
+            name = f"worker-{d}.{r}"
+            programs.append(Program(name, argv, log_dir / f"{name}.log" if log_dir else None))
+        units.append(Unit(f"replica-{d}", programs))
+    return units
+
+
+async def supervise(supervisor: Supervisor, stop: asyncio.Event, interval: float = 0.2) -> None:
+    """Poll the supervisor until stopped; a configuration error stops the service."""
+    try:
+        while not stop.is_set():
+            supervisor.poll()
+            await asyncio.sleep(interval)
+    except FatalExit as e:
+        log.error("worker_config_error", error=str(e))
+        stop.set()
 
 
 async def launch(args: argparse.Namespace) -> int:
-    workers: list[subprocess.Popen] = []
+    stop = asyncio.Event()
+    state: dict = {}
 
     def start_workers(endpoint: str) -> None:
-        for rank in range(args.world_size):
-            cmd = worker_command(args, endpoint, rank)
-            workers.append(subprocess.Popen(cmd))
-            log.info("worker_started", rank=rank, pid=workers[-1].pid)
+        supervisor = Supervisor(worker_units(args, endpoint))
+        supervisor.start_all()
+        state["supervisor"] = supervisor
+        state["task"] = asyncio.get_running_loop().create_task(supervise(supervisor, stop))
 
     try:
-        return await serve(args, on_bound=start_workers)
+        return await serve(args, on_bound=start_workers, stop=stop)
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.terminate()
-        for w in workers:
-            try:
-                w.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                w.kill()
+        if "task" in state:
+            state["task"].cancel()
+        if "supervisor" in state:
+            state["supervisor"].stop_all()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve serve", description=__doc__)
+    p = argparse.ArgumentParser(prog="pagedserve serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_scheduler_args(p)
     add_worker_args(p)
     return p

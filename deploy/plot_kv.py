@@ -15,6 +15,7 @@ from pathlib import Path
 
 from deploy.bench import DEFAULT_WORKLOAD
 from deploy.simulate import SimulatedWorker
+from protos.codec import encode_plan
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.plan import build_plan
 from scheduler_service.scheduler import Scheduler
@@ -44,7 +45,7 @@ def simulate(prompts: list[list[int]], max_tokens: int, num_blocks: int, block_s
         if sched.has_work:
             out = sched.schedule()
             if not out.is_empty:
-                for seq, _ in sched.update(out, worker.execute(build_plan(out, block_size))):
+                for seq, _ in sched.update(out, worker.execute(encode_plan(build_plan(out, block_size)))):
                     if seq.num_output_tokens >= seq.request.sampling.max_tokens:
                         sched.finish(seq, FinishReason.LENGTH)
                         live.pop(seq.request.request_id, None)

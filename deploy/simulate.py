@@ -12,6 +12,7 @@ import hashlib
 import numpy as np
 
 from protos import wire_pb2
+from protos.codec import decode_plan
 
 VOCAB = 1000
 
@@ -38,34 +39,26 @@ class SimulatedWorker:
         self.num_steps = 0
 
     def execute(self, plan: wire_pb2.StepPlan) -> list[int]:
+        """Run a plan as it comes off the wire; -1 for rows that do not sample."""
         self.num_steps += 1
-        tokens = np.frombuffer(plan.token_ids, dtype="<i4")
-        slots = np.frombuffer(plan.slot_mapping, dtype="<i8")
-        tables = np.frombuffer(plan.block_tables, dtype="<i4").reshape(plan.num_seqs, plan.max_blocks_per_seq)
-        seq_lens = np.frombuffer(plan.seq_lens, dtype="<i4")
-        do_sample = np.frombuffer(plan.do_sample, dtype=np.uint8)
-        positions = np.frombuffer(plan.positions, dtype="<i4")
-        sample_index = np.frombuffer(plan.sample_index, dtype="<i4")
-        qsl = np.frombuffer(plan.query_start_loc, dtype="<i4")
-        assert (slots >= 0).all()
-        for i in range(plan.num_seqs):  # a slot is where the position's block table entry says
-            pos = positions[qsl[i]:qsl[i + 1]].astype(np.int64)
-            expect = tables[i][pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
-            assert (slots[qsl[i]:qsl[i + 1]] == expect).all()
-        copies = np.frombuffer(plan.block_copies, dtype="<i4").reshape(-1, 2)
-        for src, dst in copies:  # copy-on-write, before the step's writes
-            bs = self.block_size
+        p = decode_plan(plan)
+        bs = self.block_size
+        tables, qsl = p.block_tables.astype(np.int64), p.query_start_loc
+        assert (p.slot_mapping >= 0).all()
+        for i in range(p.num_seqs):  # a slot is where the position's block table entry says
+            pos = p.positions[qsl[i]:qsl[i + 1]].astype(np.int64)
+            assert (p.slot_mapping[qsl[i]:qsl[i + 1]] == tables[i][pos // bs] * bs + pos % bs).all()
+        for src, dst in p.block_copies:  # copy-on-write, before the step's writes
             self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
-        self.pool[slots] = tokens
+        self.pool[p.slot_mapping] = p.token_ids
         out = []
-        for i in range(plan.num_seqs):
-            if not do_sample[i]:
+        for i in range(p.num_seqs):
+            if not p.do_sample[i]:
                 out.append(-1)
                 continue
-            pos = np.arange(seq_lens[i])
-            ctx = self.pool[tables[i][pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size]
+            pos = np.arange(p.seq_lens[i])
+            ctx = self.pool[tables[i][pos // bs] * bs + pos % bs]
             assert (ctx >= 0).all(), "read a slot that was never written"
-            row = plan.sampling[i]
-            seed = int(row.seed) if row.temperature > 0 else None
-            out.append(next_token(ctx.tolist(), seed, int(sample_index[i])))
+            seed = int(p.seed[i]) if p.temperature[i] > 0 else None
+            out.append(next_token(ctx.tolist(), seed, int(p.sample_index[i])))
         return out

@@ -54,6 +54,15 @@ class SchedulerConfig:
     max_queue_len: int = 1024
     # Check allocator invariants after every step (tests turn it on).
     debug_invariants: bool = False
+    # Data parallelism: how much more loaded (waiting x 4 + running) than the least loaded replica the
+    # replica holding a request's cached prefix may be and still get it. None: max_num_seqs / 4.
+    route_overload_slack: int | None = None
+
+    @property
+    def route_slack(self) -> int:
+        if self.route_overload_slack is not None:
+            return self.route_overload_slack
+        return max(1, self.max_num_seqs // 4)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

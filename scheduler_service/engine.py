@@ -1,7 +1,15 @@
-"""The engine loop: schedule a step, ship its plan to the workers, apply the result, stream outputs.
+"""The engine: routes requests to data-parallel replicas, streams their outputs, reports the pool.
 
-Runs as one asyncio task beside the gRPC server in the scheduler process. While a step runs on the
-workers the event loop keeps serving RPCs (new requests, aborts, stats).
+Runs in the scheduler process beside the gRPC server. Each replica (scheduler_service/replica.py) has
+its own step loop; the engine owns what spans them: the live requests and their streams, routing,
+abort by request id, and the service's accounting. While steps run on the workers the event loop keeps
+serving RPCs (new requests, aborts, stats).
+
+Routing: a new request goes to the serving replica that holds the longest cached prefix of its prompt,
+unless that replica's load exceeds the least loaded one's by more than `route_slack`; otherwise (no
+replica holds any of it, or the holder is overloaded) it goes to the least loaded replica. Load is
+waiting x 4 + running sequences: a waiting sequence is a whole prefill away from its first token, and
+its being there means the replica is already full. Ties go to the replica that was sent fewer requests.
 """
 
 from __future__ import annotations
@@ -16,12 +24,12 @@ import structlog
 from scheduler_service.config import ModelSpec, SchedulerConfig
 from scheduler_service.metrics import Metrics
 from scheduler_service.output import Delta, SampleOutput, Usage
-from scheduler_service.plan import build_plan, sampled_tokens
-from scheduler_service.scheduler import Scheduler, SchedulerOutput
+from scheduler_service.replica import Replica, prompt_block_hashes
+from scheduler_service.scheduler import DuplicateRequestId, SchedulerOutput
 from scheduler_service.sequence import FinishReason, Request
 from scheduler_service.tokenizer import Tokenizer
 from scheduler_service.validation import Limits
-from scheduler_service.worker_client import WorkerClient, WorkerError, WorkerLost
+from scheduler_service.worker_client import WorkerClient, WorkerGroup
 
 log = structlog.get_logger("scheduler.engine")
 
@@ -31,7 +39,7 @@ class QueueFull(RuntimeError):
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine cannot serve (no live worker); answered with UNAVAILABLE."""
+    """No replica can serve (no live worker group); answered with UNAVAILABLE."""
 
 
 class StepFailed(RuntimeError):
@@ -42,30 +50,12 @@ class StepFailed(RuntimeError):
 class RequestStream:
     request: Request
     samples: list[SampleOutput]
+    replica: Replica
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_open: int = 0  # samples whose last delta has not been sent
 
     def __post_init__(self) -> None:
         self.num_open = len(self.samples)
-
-
-@dataclass
-class StepProfile:
-    """Where the time of the engine's steps went, cumulative seconds."""
-
-    steps: int = 0
-    tokens: int = 0
-    prefill_tokens: int = 0
-    schedule: float = 0.0
-    build_plan: float = 0.0
-    round_trip: float = 0.0
-    worker_prepare: float = 0.0
-    worker_forward: float = 0.0
-    worker_sample: float = 0.0
-    process_output: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
 
 
 class Engine:
@@ -74,72 +64,115 @@ class Engine:
         self.spec = spec
         self.tokenizer = tokenizer
         self.client = client
-        self.scheduler: Scheduler | None = None
+        self.replicas = [Replica(d, config, client, self) for d in range(len(client.groups))]
         self.limits: Limits | None = None
         self.streams: dict[str, RequestStream] = {}
-        self.profile = StepProfile()
         self.metrics = Metrics()
-        self.unavailable_reason: str | None = "workers not connected yet"
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._starting_reason = "workers not connected yet"
+        self._monitor: asyncio.Task | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self, worker_timeout: float) -> None:
-        await self.client.wait_for_workers(worker_timeout, expected={"block_size": self.config.block_size})
-        hs = self.client.handshake
-        if hs.vocab_size != self.spec.vocab_size:
-            raise RuntimeError(f"worker vocab {hs.vocab_size} != model config vocab {self.spec.vocab_size}")
-        max_context = min(self.spec.max_context, hs.max_context)
-        pool_tokens = self.client.num_blocks * self.config.block_size
-        if pool_tokens < max_context:
-            raise RuntimeError(
-                f"the KV pool ({self.client.num_blocks} blocks x {self.config.block_size} = {pool_tokens} tokens) "
-                f"cannot hold one request of the full {max_context}-token context: give the workers more KV "
-                "memory (--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len"
-            )
-        self.scheduler = Scheduler(self.config, self.client.num_blocks, max_context)
-        self.limits = Limits(self.spec.vocab_size, max_context, self.client.num_blocks, self.config.block_size)
-        self.unavailable_reason = None
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
+        self.client.check_group = self._check_group
+        await self.client.wait_for_workers(worker_timeout)
+        groups = self.client.groups
+        self.limits = Limits(self.spec.vocab_size, self._max_context(groups[0]),
+                             min(g.num_blocks for g in groups), self.config.block_size)
+        for replica in self.replicas:
+            replica.attach(self.limits.max_context)
+        self.client.on_group_ready = self._group_ready
+        self.client.on_group_lost = lambda d, reason: self.on_lost(self.replicas[d], reason)
+        self._monitor = asyncio.get_running_loop().create_task(self._watch_workers(), name="worker-monitor")
+
+    async def _watch_workers(self, interval: float = 0.5) -> None:
+        """Find ranks that went silent while their replica was idle (a step in flight checks its own)."""
+        while True:
+            await asyncio.sleep(interval)
+            for d, reason in self.client.find_lost():
+                await self.on_lost(self.replicas[d], reason)
 
     async def stop(self) -> None:
-        log.info("step_profile", **self.profile.as_dict(), final=True)
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+        if self._monitor is not None:
+            self._monitor.cancel()
+        for replica in self.replicas:
+            await replica.stop()
         for rid in list(self.streams):
             self.abort(rid)
         await self.client.close()
 
+    def _max_context(self, group: WorkerGroup) -> int:
+        return min(self.spec.max_context, group.handshake.max_context)
+
+    def _check_group(self, group: WorkerGroup) -> str:
+        """Why a complete worker group cannot serve this model, or ""."""
+        hs = group.handshake
+        if hs.vocab_size != self.spec.vocab_size:
+            return f"worker vocabulary {hs.vocab_size} differs from the model config's {self.spec.vocab_size}"
+        max_context = self._max_context(group)
+        if self.limits is not None:
+            max_context = self.limits.max_context
+            if group.num_blocks < self.limits.num_blocks:
+                return (f"its pool of {group.num_blocks} blocks is smaller than the {self.limits.num_blocks} "
+                        "the service promised requests at start")
+        pool_tokens = group.num_blocks * self.config.block_size
+        if pool_tokens < max_context:
+            return (f"the KV pool ({group.num_blocks} blocks x {self.config.block_size} = {pool_tokens} tokens) "
+                    f"cannot hold one request of the full {max_context}-token context: give the workers more KV "
+                    "memory (--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len")
+        return ""
+
+    def _group_ready(self, group: WorkerGroup) -> None:
+        """A replica's group rejoined after start (a restarted worker group)."""
+        self.replicas[group.replica].attach(self.limits.max_context)
+
     @property
     def is_serving(self) -> bool:
-        return self.unavailable_reason is None
+        return any(r.is_serving for r in self.replicas)
 
     @property
-    def bytes_per_block(self) -> int:
-        return self.client.handshake.bytes_per_block
+    def unavailable_reason(self) -> str | None:
+        if self.is_serving:
+            return None
+        reasons = {r.down_reason for r in self.replicas}
+        return "; ".join(sorted(reasons)) if self.limits else self._starting_reason
 
     # --- requests --------------------------------------------------------------------------------
+    def route(self, request: Request) -> Replica:
+        serving = [r for r in self.replicas if r.is_serving]
+        if not serving:
+            raise EngineUnavailable(self.unavailable_reason)
+        least = min(serving, key=lambda r: (r.load, r.num_routed))
+        if len(serving) == 1 or not self.config.enable_prefix_caching:
+            return least
+        hashes = prompt_block_hashes(request.prompt_token_ids, self.config.block_size)
+        hits = {r.index: r.cached_blocks(hashes) for r in serving}
+        best = max(serving, key=lambda r: (hits[r.index], -r.load))
+        if hits[best.index] and best.load <= least.load + self.config.route_slack:
+            return best
+        return least
+
     async def generate(self, request: Request) -> AsyncIterator[Delta]:
         """Add a request and yield its deltas until every sample has finished.
 
         Leaving the iteration early (client cancelled or disconnected) aborts the request."""
-        if not self.is_serving:
-            raise EngineUnavailable(self.unavailable_reason)
-        if len(self.scheduler.waiting) >= self.config.max_queue_len:
-            raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting already; try again later")
-        self.scheduler.add_request(request)  # raises ValueError on a duplicate live id
+        replica = self.route(request)
+        waiting = sum(len(r.scheduler.waiting) for r in self.replicas if r.scheduler)
+        if waiting >= self.config.max_queue_len:
+            raise QueueFull(f"{waiting} requests are waiting already; try again later")
+        if request.request_id in self.streams:
+            raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
+        sched = replica.scheduler
+        sched.add_request(request)
         stream = RequestStream(
             request,
-            [SampleOutput(self.tokenizer, s, self.spec.eos_token_ids, self.scheduler.max_model_len) for s in request.seqs],
+            [SampleOutput(self.tokenizer, s, self.spec.eos_token_ids, sched.max_model_len) for s in request.seqs],
+            replica,
         )
         self.streams[request.request_id] = stream
+        replica.num_routed += 1
         log.info("request_added", request_id=request.request_id, prompt_tokens=request.prompt_len,
-                 max_tokens=request.sampling.max_tokens, n=request.sampling.n)
-        self._wake.set()
+                 max_tokens=request.sampling.max_tokens, n=request.sampling.n, replica=replica.index)
+        replica.wake()
         finished = False
         try:
             while True:
@@ -158,89 +191,49 @@ class Engine:
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """End a live request; its blocks return at once; its stream ends with ABORT."""
         stream = self.streams.get(request_id)
-        if stream is None or self.scheduler is None:
+        if stream is None or stream.replica.scheduler is None:
             return False
         unfinished = [o for o in stream.samples if not o.seq.is_finished]
-        self.scheduler.abort_request(request_id)
+        stream.replica.scheduler.abort_request(request_id)
         for out in unfinished:
             self._emit(stream, out.finish(FinishReason.ABORT))
         log.info("request_aborted", request_id=request_id, reason=reason)
         return True
 
-    # --- the loop --------------------------------------------------------------------------------
-    async def _loop(self) -> None:
-        try:
-            await self._steps()
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a dead loop must not leave requests hanging
-            log.exception("engine_loop_failed")
-            self._fail_all(f"engine error: {e!r}")
-
-    async def _steps(self) -> None:
-        sched = self.scheduler
-        last_profile_log = time.monotonic()
-        while True:
-            if not sched.has_work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            t0 = time.perf_counter()
-            out = sched.schedule()
-            for seq in out.preempted:
-                log.info("preempted", request_id=seq.request.request_id, index=seq.index, tokens=seq.num_tokens)
-            if out.is_empty:  # everything waits on blocks held by nobody: cannot happen with validated sizes
-                log.error("no_progress", waiting=len(sched.waiting), free_blocks=sched.allocator.num_free_blocks)
-                await asyncio.sleep(0.05)
-                continue
-            t1 = time.perf_counter()
-            plan = build_plan(out, self.config.block_size)
-            t2 = time.perf_counter()
-            try:
-                result = await self.client.execute(plan)
-                tokens = sampled_tokens(result, len(out.scheduled))
-            except WorkerLost as e:
-                self._fail_all(str(e))
-                return
-            except (WorkerError, ValueError) as e:
-                log.error("step_failed", step_id=out.step_id, error=str(e))
-                self._fail_step(out, str(e))
-                continue
-            t3 = time.perf_counter()
-            new_tokens = sched.update(out, tokens)
-            self._process(out, new_tokens)
-            t4 = time.perf_counter()
-            self.metrics.on_step(t3 - t2, len(new_tokens), out.num_prefill_tokens, len(out.preempted), len(sched.running),
-                                 len(sched.waiting), sched.allocator.num_free_blocks, sched.num_blocks)
-            p = self.profile
-            p.steps += 1
-            p.tokens += out.num_tokens
-            p.prefill_tokens += out.num_prefill_tokens
-            p.schedule += t1 - t0
-            p.build_plan += t2 - t1
-            p.round_trip += t3 - t2
-            p.worker_prepare += result.time_prepare
-            p.worker_forward += result.time_forward
-            p.worker_sample += result.time_sample
-            p.process_output += t4 - t3
-            if self.config.debug_invariants:
-                sched.check_invariants()
-            if time.monotonic() - last_profile_log > 5.0:
-                last_profile_log = time.monotonic()
-                log.info("step_profile", **p.as_dict(), running=len(sched.running), waiting=len(sched.waiting))
-
-    def _process(self, out: SchedulerOutput, new_tokens) -> None:
+    # --- what the replicas report ------------------------------------------------------------------
+    def on_step(self, replica: Replica, out: SchedulerOutput, new_tokens, seconds: float) -> None:
         now = time.monotonic()
+        sched = replica.scheduler
         for seq, token in new_tokens:
             stream = self.streams.get(seq.request.request_id)
-            if stream is None:
+            if stream is None or stream.request is not seq.request:
                 continue
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
             delta, reason = stream.samples[seq.index].add_token(token)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                sched.finish(seq, reason)
             self._emit(stream, delta)
+        live = [r.scheduler for r in self.replicas if r.scheduler]
+        self.metrics.on_step(seconds, len(new_tokens), out.num_prefill_tokens, len(out.preempted),
+                             sum(len(s.running) for s in live), sum(len(s.waiting) for s in live),
+                             sum(s.allocator.num_free_blocks for s in live), sum(s.num_blocks for s in live))
+
+    def on_step_failed(self, replica: Replica, out: SchedulerOutput, message: str) -> None:
+        for request in {id(s.seq.request): s.seq.request for s in out.scheduled}.values():
+            self._fail_request(request, StepFailed(f"the worker failed a step of this request: {message}"))
+
+    async def on_lost(self, replica: Replica, message: str) -> None:
+        """A rank of the replica is gone (found by its step, the monitor or a replacement's handshake): the
+        replica goes down, its requests end with UNAVAILABLE, the other replicas go on."""
+        if not replica.is_serving:
+            return
+        lost = [st for st in self.streams.values() if st.replica is replica]
+        await replica.detach(message)
+        for stream in lost:
+            self._fail_request(stream.request, EngineUnavailable(message))
+        log.error("workers_lost", replica=replica.index, error=message, failed_requests=len(lost),
+                  serving_replicas=sum(r.is_serving for r in self.replicas))
 
     def _emit(self, stream: RequestStream, delta: Delta) -> None:
         request = stream.request
@@ -260,48 +253,52 @@ class Engine:
                      seconds=round(time.monotonic() - request.arrival_time, 3))
         stream.queue.put_nowait(delta)
 
-    def _fail_request(self, request_id: str, error: Exception) -> None:
-        stream = self.streams.pop(request_id, None)
-        if stream is None:
+    def _fail_request(self, request: Request, error: Exception) -> None:
+        """End a request with an error; matched by identity, so a new request that reuses the id of an
+        aborted one is never failed in its place."""
+        stream = self.streams.get(request.request_id)
+        if stream is None or stream.request is not request:
             return
-        self.scheduler.abort_request(request_id)
+        del self.streams[request.request_id]
+        sched = stream.replica.scheduler
+        if sched is not None:
+            sched.abort_request(request.request_id)
         stream.queue.put_nowait(error)
 
-    def _fail_step(self, out: SchedulerOutput, message: str) -> None:
-        for rid in {s.seq.request.request_id for s in out.scheduled}:
-            self._fail_request(rid, StepFailed(f"the worker failed a step of this request: {message}"))
-
-    def _fail_all(self, message: str) -> None:
-        self.unavailable_reason = message
-        log.error("workers_lost", error=message)
-        for rid in list(self.streams):
-            self._fail_request(rid, EngineUnavailable(message))
-
     # --- reporting -------------------------------------------------------------------------------
+    def model_info(self) -> dict:
+        groups = [g for g in self.client.groups if g.is_ready]
+        return {
+            "model_name": self.spec.name, "max_context": self.limits.max_context,
+            "vocab_size": self.spec.vocab_size, "eos_token_ids": list(self.spec.eos_token_ids),
+            "block_size": self.config.block_size, "num_blocks": sum(g.num_blocks for g in groups),
+            "dtype": groups[0].handshake.dtype if groups else "", "num_workers": self.client.num_workers,
+            "tensor_parallel_size": self.client.tp_size, "data_parallel_size": len(self.replicas),
+        }
+
     def cache_stats(self) -> dict:
-        sched = self.scheduler
-        alloc = sched.allocator
-        bpb = self.bytes_per_block
+        rows = [r.stats() for r in self.replicas]
+        live = [row for row in rows if "num_blocks" in row]
+        total = {k: sum(row[k] for row in live) for k in (
+            "num_blocks", "num_free_blocks", "num_cached_blocks", "used_bytes", "total_bytes",
+            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_running", "num_waiting")}
         per_request = []
-        for rid, req in sched.requests.items():
-            blocks = sched.request_blocks(req)
-            per_request.append({
-                "request_id": rid, "num_blocks": blocks,
-                "num_tokens": sum(s.num_computed_tokens for s in req.seqs), "num_bytes": blocks * bpb,
-            })
+        for replica in self.replicas:
+            if replica.scheduler is None:
+                continue
+            bpb = replica.group.bytes_per_block
+            for rid, req in replica.scheduler.requests.items():
+                blocks = replica.scheduler.request_blocks(req)
+                per_request.append({
+                    "request_id": rid, "num_blocks": blocks, "replica": replica.index,
+                    "num_tokens": sum(s.num_computed_tokens for s in req.seqs), "num_bytes": blocks * bpb,
+                })
+        used = total["num_blocks"] - total["num_free_blocks"] - total["num_cached_blocks"]
         return {
             "block_size": self.config.block_size,
-            "num_blocks": alloc.num_blocks,
-            "num_free_blocks": alloc.num_free_blocks,
-            "num_cached_blocks": alloc.num_cached_blocks,
-            "bytes_per_block": bpb,
-            "used_bytes": alloc.num_used_blocks * bpb,
-            "total_bytes": alloc.num_blocks * bpb,
-            "utilization": alloc.num_used_blocks / alloc.num_blocks,
-            "prefix_cache_queries": sched.prefix_cache_queries,
-            "prefix_cache_hits": sched.prefix_cache_hits,
-            "num_preemptions": sched.num_preemptions,
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
+            **total,
+            "bytes_per_block": live[0]["bytes_per_block"] if live else 0,
+            "utilization": used / total["num_blocks"] if total["num_blocks"] else 0.0,
             "requests": per_request,
+            "replicas": rows,
         }

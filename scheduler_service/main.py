@@ -1,6 +1,8 @@
 """pagedserve-scheduler: the scheduler service (gRPC front door + engine), waiting for its workers.
 
-Workers connect to --worker-endpoint; `pagedserve serve` (deploy/launcher.py) starts both at once.
+Workers connect to --worker-endpoint: --data-parallel-size replicas of --tensor-parallel-size ranks each.
+`pagedserve serve` (deploy/launcher.py) starts the scheduler and its workers at once; `pagedserve deploy`
+runs them all under a supervisor.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable
 
 import structlog
 
-from deploy.logs import configure_logging
+from protos.logs import configure_logging
 from scheduler_service.config import ModelSpec, SchedulerConfig
 from scheduler_service.engine import Engine
 from scheduler_service.server import build_server
@@ -27,11 +29,23 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model folder (config.json + tokenizer files)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--worker-endpoint", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint workers connect to")
-    p.add_argument("--world-size", type=int, default=1, help="number of worker ranks")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--worker-endpoint", default="tcp://127.0.0.1:0",
+                   help="ZeroMQ endpoint workers connect to (loopback unless --curve-keys or --insecure-wire)")
+    p.add_argument("--curve-keys", default=None,
+                   help="folder made by `pagedserve keys`: encrypt the wire and accept only workers with its keys")
+    p.add_argument("--insecure-wire", action="store_true",
+                   help="allow a non-loopback worker endpoint without CurveZMQ (anyone reaching it can act as a worker)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size",
+                   help="ranks of one model (heads, MLP and vocabulary split over them)")
+    p.add_argument("--data-parallel-size", "--dp", type=int, default=1, dest="data_parallel_size",
+                   help="replicas of the model, each a tensor-parallel group with its own KV pool")
+    p.add_argument("--route-overload-slack", type=int, default=None,
+                   help="data parallel: extra load (waiting x 4 + running) the replica holding a request's cached "
+                        "prefix may carry over the least loaded one and still get it (default: max-num-seqs / 4)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="per-step token budget: decodes first, then prompt chunks")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill whole prompts in one step (needs --max-num-batched-tokens >= the context)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never reuse computed blocks across requests")
@@ -53,6 +67,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         max_queue_len=args.max_queue_len,
         debug_invariants=args.debug_invariants,
+        route_overload_slack=args.route_overload_slack,
     )
 
 
@@ -64,8 +79,17 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     tokenizer = Tokenizer(args.model)
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < spec.max_context:
         raise SystemExit("without chunked prefill --max-num-batched-tokens must be at least the context length")
-    client = WorkerClient(args.worker_endpoint, args.world_size, args.heartbeat_timeout)
-    endpoint = client.bind()
+    if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
+        raise SystemExit("--tensor-parallel-size and --data-parallel-size must be at least 1")
+    client = WorkerClient(
+        args.worker_endpoint, args.data_parallel_size, args.tensor_parallel_size, args.heartbeat_timeout,
+        expected={"block_size": config.block_size, "max_num_batched_tokens": config.max_num_batched_tokens},
+        curve_keys=args.curve_keys, insecure_wire=args.insecure_wire,
+    )
+    try:
+        endpoint = client.bind()
+    except ValueError as e:
+        raise SystemExit(f"pagedserve-scheduler: {e}") from e
     log.info("worker_socket_bound", endpoint=endpoint)
     engine = Engine(config, spec, tokenizer, client)
     if args.metrics_port:
@@ -83,16 +107,26 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
             pass
     if on_bound is not None:
         on_bound(endpoint)
-    try:
-        await engine.start(args.worker_timeout)
-    except Exception as e:  # noqa: BLE001
-        log.error("workers_failed", error=str(e))
+    starting = loop.create_task(engine.start(args.worker_timeout))
+    stopped = loop.create_task(stop.wait())
+    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    error = None
+    if not starting.done():  # stopped (a signal, or the workers' supervisor gave up) before workers joined
+        starting.cancel()
+        error = "stopped before the workers joined"
+    elif starting.exception() is not None:
+        error = str(starting.exception())
+    if error is not None:
+        log.error("workers_failed", error=error)
         await server.stop(0)
         await client.close()
         return 1
     await health.set(True)
-    log.info("serving", address=f"{args.host}:{port}", model=spec.name, num_blocks=client.num_blocks,
-             block_size=config.block_size, max_context=engine.limits.max_context)
+    log.info("serving", address=f"{args.host}:{port}", model=spec.name,
+             num_blocks=[g.num_blocks for g in client.groups], block_size=config.block_size,
+             max_context=engine.limits.max_context, tensor_parallel_size=args.tensor_parallel_size,
+             data_parallel_size=args.data_parallel_size)
     watcher = loop.create_task(_watch_health(engine, health, stop))
     await stop.wait()
     watcher.cancel()
@@ -104,16 +138,24 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
 
 
 async def _watch_health(engine: Engine, health, stop: asyncio.Event) -> None:
+    """SERVING while any replica serves; NOT_SERVING while none does (and again SERVING when a group rejoins)."""
+    serving = True
     while not stop.is_set():
         await asyncio.sleep(0.5)
-        if not engine.is_serving:
-            await health.set(False)
+        if engine.is_serving != serving:
+            serving = engine.is_serving
+            await health.set(serving)
+            log.warning("health_changed", serving=serving, reason=engine.unavailable_reason)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedserve-scheduler", description=__doc__)
+    add_scheduler_args(p)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pagedserve-scheduler", description=__doc__)
-    add_scheduler_args(p)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     configure_logging(args.log_level, process="scheduler")
     return asyncio.run(serve(args))
 

@@ -1,31 +1,28 @@
-"""Encode a scheduler step as a self-contained StepPlan (and decode the worker's StepResult).
-
-Integer arrays travel as packed little-endian numpy bytes; see protos/wire.proto for dtypes and shapes.
-"""
+"""Turn a scheduler step into the arrays of a self-contained StepPlan (protos/codec.py packs them)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from protos import wire_pb2
+from protos.codec import F32, I32, I64, U64, PlanArrays
 from scheduler_service.scheduler import SchedulerOutput
 
-I32 = np.dtype("<i4")
-I64 = np.dtype("<i8")
 
-
-def build_plan(out: SchedulerOutput, block_size: int) -> wire_pb2.StepPlan:
+def build_plan(out: SchedulerOutput, block_size: int) -> PlanArrays:
     num_seqs = len(out.scheduled)
     token_parts: list[np.ndarray] = []
     position_parts: list[np.ndarray] = []
     slot_parts: list[np.ndarray] = []
     seq_lens = np.empty(num_seqs, dtype=I32)
     q_lens = np.empty(num_seqs, dtype=I32)
-    do_sample = np.empty(num_seqs, dtype=np.uint8)
+    do_sample = np.empty(num_seqs, dtype=bool)
     sample_index = np.empty(num_seqs, dtype=I32)
+    temperature = np.empty(num_seqs, dtype=F32)
+    top_p = np.empty(num_seqs, dtype=F32)
+    top_k = np.empty(num_seqs, dtype=I32)
+    seed = np.empty(num_seqs, dtype=U64)
     max_blocks = max((len(s.seq.block_ids) for s in out.scheduled), default=0)
     block_tables = np.full((num_seqs, max_blocks), -1, dtype=I32)
-    sampling = []
     for i, item in enumerate(out.scheduled):
         seq = item.seq
         end = item.start + item.num_new_tokens
@@ -40,35 +37,26 @@ def build_plan(out: SchedulerOutput, block_size: int) -> wire_pb2.StepPlan:
         do_sample[i] = item.do_sample
         sample_index[i] = seq.num_output_tokens
         params = seq.request.sampling
-        sampling.append(
-            wire_pb2.SamplingRow(
-                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seq.sample_seed
-            )
-        )
+        temperature[i], top_p[i], top_k[i], seed[i] = params.temperature, params.top_p, params.top_k, seq.sample_seed
     query_start_loc = np.zeros(num_seqs + 1, dtype=I32)
     np.cumsum(q_lens, out=query_start_loc[1:])
-    cat = np.concatenate
-    copies = np.asarray(out.block_copies, dtype=I32).reshape(-1, 2)
-    return wire_pb2.StepPlan(
+
+    def cat(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype=dtype)
+
+    return PlanArrays(
         step_id=out.step_id,
-        num_seqs=num_seqs,
-        num_tokens=int(query_start_loc[-1]),
-        token_ids=cat(token_parts).astype(I32).tobytes() if token_parts else b"",
-        positions=cat(position_parts).astype(I32).tobytes() if position_parts else b"",
-        slot_mapping=cat(slot_parts).astype(I64).tobytes() if slot_parts else b"",
-        block_tables=block_tables.tobytes(),
-        max_blocks_per_seq=max_blocks,
-        seq_lens=seq_lens.tobytes(),
-        query_start_loc=query_start_loc.tobytes(),
-        do_sample=do_sample.tobytes(),
-        sample_index=sample_index.tobytes(),
-        sampling=sampling,
-        block_copies=copies.tobytes(),
+        token_ids=cat(token_parts, I32),
+        positions=cat(position_parts, I32),
+        slot_mapping=cat(slot_parts, I64),
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        do_sample=do_sample,
+        sample_index=sample_index,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        block_copies=np.asarray(out.block_copies, dtype=I32).reshape(-1, 2),
     )
-
-
-def sampled_tokens(result: wire_pb2.StepResult, num_seqs: int) -> list[int]:
-    tokens = np.frombuffer(result.sampled_token_ids, dtype=I32)
-    if tokens.shape[0] != num_seqs:
-        raise ValueError(f"step {result.step_id}: {tokens.shape[0]} sampled tokens for {num_seqs} sequences")
-    return tokens.tolist()

@@ -110,19 +110,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         e = self.engine
         if e.limits is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, e.unavailable_reason or "not ready")
-        hs = e.client.handshake
-        return generation_pb2.ModelInfo(
-            model_name=e.spec.name, max_context=e.limits.max_context, vocab_size=e.spec.vocab_size,
-            eos_token_ids=list(e.spec.eos_token_ids), block_size=e.config.block_size,
-            num_blocks=e.limits.num_blocks, dtype=hs.dtype, num_workers=len(e.client.workers),
-        )
+        return generation_pb2.ModelInfo(**e.model_info())
 
     async def GetCacheStats(self, msg, context):
-        if self.engine.scheduler is None:
+        if self.engine.limits is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.unavailable_reason or "not ready")
         stats = self.engine.cache_stats()
         requests = [generation_pb2.RequestCacheUsage(**r) for r in stats.pop("requests")]
-        return generation_pb2.CacheStats(**stats, requests=requests)
+        replicas = [generation_pb2.ReplicaCacheStats(**r) for r in stats.pop("replicas")]
+        return generation_pb2.CacheStats(**stats, requests=requests, replicas=replicas)
 
 
 class HealthReporter:

@@ -1,4 +1,5 @@
-"""Failures: a worker that dies mid-request ends its requests with a clear error, never a hang."""
+"""Failures: a worker that dies mid-request ends its requests with a clear error, never a hang, and the
+supervisor brings a new one that serves again."""
 
 import os
 import signal
@@ -15,7 +16,7 @@ from deploy.local_server import greedy_request
 pytestmark = pytest.mark.slow
 
 
-def test_killed_worker_fails_requests_with_unavailable_and_health_says_so(server_factory, tiny_model_dir):
+def test_killed_worker_fails_requests_with_unavailable_and_is_replaced(server_factory, tiny_model_dir):
     server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "64", "--heartbeat-timeout", "2",
                             "--max-model-len", "256")
     children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
@@ -46,9 +47,16 @@ def test_killed_worker_fails_requests_with_unavailable_and_health_says_so(server
     while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    with pytest.raises(grpc.RpcError) as again:
-        server.stub.Generate(greedy_request([1, 2], 2), timeout=10)
-    assert again.value.code() == grpc.StatusCode.UNAVAILABLE
+    stats = server.stats()
+    assert not stats.replicas[0].serving and "heartbeat" in stats.replicas[0].status
+    deadline = time.monotonic() + 60  # the supervisor restarts the worker; its handshake brings the replica back
+    while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.1)
+    new_children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(new_children) == 1 and new_children != children
+    again = server.stub.Generate(greedy_request([1, 2], 2), timeout=30)
+    assert len(again.choices[0].token_ids) == 2
     stats = server.stats()
     assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks and not stats.requests
 

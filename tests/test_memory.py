@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from deploy.simulate import SimulatedWorker, expected_output
+from protos.codec import encode_plan
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.plan import build_plan
 from scheduler_service.scheduler import Scheduler
@@ -25,7 +26,7 @@ def step(sched, worker):
     sched.check_invariants()
     if out.is_empty:
         return out
-    for seq, _ in sched.update(out, worker.execute(build_plan(out, sched.block_size))):
+    for seq, _ in sched.update(out, worker.execute(encode_plan(build_plan(out, sched.block_size)))):
         if seq.num_output_tokens >= seq.request.sampling.max_tokens:
             sched.finish(seq, FinishReason.LENGTH)
     sched.check_invariants()
@@ -58,7 +59,7 @@ def test_second_request_with_a_shared_prefix_reuses_cached_blocks():
     out = sched.schedule()
     assert out.scheduled[0].start == 28 and out.scheduled[0].num_new_tokens == 4  # 7 blocks reused
     assert second.cached_prompt_tokens == 28
-    sched.update(out, worker.execute(build_plan(out, 4)))
+    sched.update(out, worker.execute(encode_plan(build_plan(out, 4))))
     drain(sched, worker)
     assert second.seqs[0].output_token_ids == expected_output(system + [7, 8], 3)
     assert sched.prefix_cache_hits == 28
@@ -73,7 +74,7 @@ def test_a_fully_cached_prompt_still_recomputes_its_last_token():
         if rid == "b":
             # 3 blocks reused; the 4th holds the last prompt token, which is computed again
             assert (out.scheduled[0].start, out.scheduled[0].num_new_tokens) == (12, 4)
-        sched.update(out, worker.execute(build_plan(out, 4)))
+        sched.update(out, worker.execute(encode_plan(build_plan(out, 4))))
         drain(sched, worker)
 
 
@@ -83,7 +84,7 @@ def test_n_samples_share_prompt_blocks_and_copy_the_partial_block():
     req = Request("n", prompt, SamplingOptions(max_tokens=6, n=4, temperature=1.0, seed=50))
     sched.add_request(req)
     out = sched.schedule()
-    sched.update(out, worker.execute(build_plan(out, 4)))  # sample 0 prefilled, the others forked
+    sched.update(out, worker.execute(encode_plan(build_plan(out, 4))))  # sample 0 prefilled, the others forked
     assert all(s.block_ids[:3] == req.seqs[0].block_ids[:3] for s in req.seqs)
     assert sched.allocator.refcount(req.seqs[0].block_ids[0]) == 4
     partial = req.seqs[0].block_ids[2]
@@ -91,7 +92,7 @@ def test_n_samples_share_prompt_blocks_and_copy_the_partial_block():
     # the shared partial block is copied before each write, but the last holder writes it in place
     assert [src for src, _ in out.block_copies] == [partial] * 3
     assert len({dst for _, dst in out.block_copies}) == 3
-    sched.update(out, worker.execute(build_plan(out, 4)))
+    sched.update(out, worker.execute(encode_plan(build_plan(out, 4))))
     shared = sched.request_blocks(req)
     assert shared < 4 * 3, "samples must share their prompt's full blocks"
     drain(sched, worker)

@@ -72,3 +72,23 @@ def test_gguf_loads_directly_and_matches_the_prepared_folder():
     assert gguf_config == folder_config
     for (name, a), (_, b) in zip(gguf_model.named_parameters(), folder_model.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_tensor_parallel_3_on_the_default_model_equals_tp1_and_transformers(server_factory):
+    """9 query heads and 3 KV heads over three gloo ranks (one thread each): the same greedy tokens."""
+    from deploy.local_server import greedy_request
+    from scheduler_service.tokenizer import Tokenizer
+
+    tok = Tokenizer(MODEL_DIR)
+    prompts = [tok.encode_prompt(p, raw=False) for p in ("Name three colors.", "What is 2 + 2?")]
+    tp3 = server_factory(MODEL_DIR, "--tensor-parallel-size", "3", "--kv-cache-memory", "64MiB",
+                         "--max-model-len", "1024")
+    info = tp3.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert (info.tensor_parallel_size, info.num_workers) == (3, 3)
+    tp1 = server_factory(MODEL_DIR, "--kv-cache-memory", "64MiB", "--max-model-len", "1024")
+    for prompt in prompts:
+        want = hf_greedy(MODEL_DIR, prompt, 10)
+        for server in (tp3, tp1):
+            got = list(server.stub.Generate(greedy_request(prompt, 10), timeout=120).choices[0].token_ids)
+            assert got == want

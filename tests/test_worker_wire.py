@@ -66,7 +66,7 @@ def worker(tiny_model_dir):
     )
     identity, hs = peer.recv("handshake")
     peer.worker_id = identity
-    assert (hs.num_blocks, hs.block_size, hs.vocab_size, hs.rank, hs.world_size) == (NUM_BLOCKS, BLOCK, 384, 0, 1)
+    assert (hs.num_blocks, hs.block_size, hs.vocab_size, hs.tp_rank, hs.tp_size) == (NUM_BLOCKS, BLOCK, 384, 0, 1)
     assert hs.model_fingerprint and hs.bytes_per_block == 2 * 3 * 2 * 16 * BLOCK * 4
     peer.send_msg(handshake_ack=wire_pb2.HandshakeAck(accepted=True, num_blocks=NUM_BLOCKS))
     yield peer, proc
@@ -86,7 +86,8 @@ def plan(step_id=1, tokens=(5, 6, 7), blocks=(3,), **override):
         block_tables=np.array(blocks, "<i4").tobytes(), max_blocks_per_seq=len(blocks),
         seq_lens=np.array([n], "<i4").tobytes(), query_start_loc=np.array([0, n], "<i4").tobytes(),
         do_sample=np.array([1], np.uint8).tobytes(), sample_index=np.array([0], "<i4").tobytes(),
-        sampling=[wire_pb2.SamplingRow(temperature=0.0, top_p=1.0)],
+        temperature=np.zeros(1, "<f4").tobytes(), top_p=np.ones(1, "<f4").tobytes(),
+        top_k=np.zeros(1, "<i4").tobytes(), seed=np.zeros(1, "<u8").tobytes(),
     )
     fields.update(override)
     return wire_pb2.StepPlan(**fields)
@@ -98,7 +99,8 @@ BAD_PLANS = {
     "token outside the vocabulary": dict(token_ids=np.array([5, 6, 384], "<i4").tobytes()),
     "truncated array": dict(positions=b"\x00\x00"),
     "seq_lens beyond the table": dict(seq_lens=np.array([9], "<i4").tobytes()),
-    "sampling rows missing": dict(sampling=[]),
+    "sampling parameters missing": dict(temperature=b""),
+    "top_p out of range": dict(top_p=np.array([1.5], "<f4").tobytes()),
     "negative position": dict(positions=np.array([0, -1, 2], "<i4").tobytes()),
 }
 

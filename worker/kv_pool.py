@@ -20,21 +20,26 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return config.kv_bytes_per_token * block_size * torch.empty((), dtype=dtype).element_size()
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes of one block over all layers; num_kv_heads: the heads this rank holds (default: all)."""
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * config.num_layers * heads * config.head_dim * block_size * torch.empty((), dtype=dtype).element_size()
 
 
 class KVPool:
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+        num_kv_heads: int | None = None,
     ) -> None:
+        """num_kv_heads: the KV heads this rank holds (a tensor-parallel rank holds its slice)."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        self.bytes_per_block = bytes_per_block(config, block_size, dtype)
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+        self.bytes_per_block = bytes_per_block(config, block_size, dtype, heads)
+        shape = (num_blocks, block_size, heads, config.head_dim)
         # Never zeroed: attention masks by sequence length, so stale bytes are never read.
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]

@@ -1,4 +1,9 @@
-"""pagedserve-worker: load a model, size the KV pool, connect to the scheduler and run its plans."""
+"""pagedserve-worker: load a model (or this rank's shard of it), size the KV pool, join the tensor-parallel
+group, connect to the scheduler and run its plans.
+
+On another host: `pagedserve-worker --model M --scheduler tcp://HOST:PORT --replica D --rank R
+--tensor-parallel-size N --rendezvous tcp://RANK0HOST:PORT` (add `--curve-keys DIR` when the scheduler
+requires CurveZMQ)."""
 
 from __future__ import annotations
 
@@ -8,7 +13,8 @@ import sys
 
 import structlog
 
-from deploy.logs import configure_logging
+from protos import EXIT_CONFIG
+from protos.logs import configure_logging
 
 log = structlog.get_logger("worker.main")
 
@@ -16,50 +22,98 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve-worker", description=__doc__)
-    p.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    p.add_argument("--scheduler", required=True, help="ZeroMQ endpoint of the scheduler, e.g. tcp://127.0.0.1:5557")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory budget)")
-    p.add_argument("--kv-cache-memory", default="2GiB", help="KV pool memory budget on the CPU, e.g. 2GiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="on CUDA: share of the GPU's memory this worker may use (weights, activations, KV pool)")
+def add_step_args(p: argparse.ArgumentParser) -> None:
+    """Settings the scheduler and its workers must agree on (checked in the handshake)."""
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="the largest step the scheduler sends (sizes the profiling forward on CUDA)")
-    p.add_argument("--attention-backend", default=None, choices=["triton", "torch"],
+                   help="per-step token budget: decodes first, then prompt chunks (sizes the profiling forward on CUDA)")
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """The worker's own flags; `pagedserve serve` and `pagedserve deploy` pass them through unchanged."""
+    g = p.add_argument_group("workers")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument("--device", default=None,
+                   help="cuda, cuda:N or cpu (default: cuda when present; the launchers give each local rank its own GPU)")
+    g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory budget)")
+    g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool memory budget per rank on the CPU, e.g. 2GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA: share of the GPU's memory this worker may use (weights, activations, KV pool)")
+    g.add_argument("--attention-backend", default=None, choices=["triton", "torch"],
                    help="default: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
-    p.add_argument("--scheduler-timeout", type=float, default=30.0, help="exit when the scheduler is silent this long")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
+    g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    g.add_argument("--scheduler-timeout", type=float, default=30.0, help="exit when the scheduler is silent this long")
+    g.add_argument("--collective-timeout", type=float, default=300.0,
+                   help="seconds a rank waits for its group in a collective before it gives up and exits")
+
+
+def add_group_args(p: argparse.ArgumentParser) -> None:
+    """Flags that describe the parallel layout (the launchers set the per-rank ones)."""
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size",
+                   help="ranks of one model (heads, MLP and vocabulary split over them)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedserve-worker", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
+    p.add_argument("--scheduler", required=True, help="ZeroMQ endpoint of the scheduler, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--replica", type=int, default=0, help="data-parallel replica (worker group) of this rank")
+    p.add_argument("--rank", type=int, default=0, help="rank within the tensor-parallel group")
+    p.add_argument("--rendezvous", default="",
+                   help="torch.distributed rendezvous of the group, tcp://HOST:PORT (needed when --tp > 1)")
+    p.add_argument("--local-rank", type=int, default=0,
+                   help="index of this worker process on its host: picks cuda:N (N = index mod GPUs) when --device "
+                        "names no GPU")
+    p.add_argument("--curve-keys", default=None,
+                   help="folder made by `pagedserve keys`: this worker's key pair and the scheduler's public key")
     p.add_argument("--log-level", default="info")
+    add_group_args(p)
+    add_step_args(p)
+    add_worker_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, process=f"worker-{args.rank}")
+    tp = args.tensor_parallel_size
+    configure_logging(args.log_level, process=f"worker-{args.replica}.{args.rank}")
+    if tp > 1 and not args.rendezvous:
+        log.error("no_rendezvous", tensor_parallel_size=tp)
+        return EXIT_CONFIG
     import torch
 
     from protos import wire_pb2
     from worker.attention import make_backend
     from worker.kv_pool import KVPool, bytes_per_block, parse_bytes
+    from worker.parallel import ParallelConfigError, init_group, make_shard
     from worker.runner import ModelRunner
     from worker.server import WorkerServer
     from worker.sizing import profile_gpu_blocks
-    from worker.weights import load_model
+    from worker.weights import load_config, load_model
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:  # each local rank owns its own GPU
+        device = torch.device("cuda", args.local_rank % torch.cuda.device_count())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton launches on the current device
     dtype = getattr(torch, DTYPES[args.dtype] if args.dtype else ("bfloat16" if device.type == "cuda" else "float32"))
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed)
-    per_block = bytes_per_block(config, args.block_size, dtype)
+    try:
+        config = load_config(args.model, args.load_format)
+        make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size, args.rank, tp)
+    except ParallelConfigError as e:  # refuse before joining a group that could never run
+        log.error("cannot_split_model", error=str(e))
+        print(f"pagedserve-worker: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout)
+    model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
+                               tp_rank=args.rank, tp_size=tp, comm=comm)
+    heads = model.shard.num_kv_heads
+    per_block = bytes_per_block(config, args.block_size, dtype, heads)
     attn = make_backend(args.attention_backend, device)
     if args.num_blocks:
         num_blocks = args.num_blocks
@@ -71,26 +125,31 @@ def main(argv: list[str] | None = None) -> int:
     if num_blocks < 1:
         log.error("kv_budget_too_small", kv_cache_memory=args.kv_cache_memory,
                   gpu_memory_utilization=args.gpu_memory_utilization, bytes_per_block=per_block)
-        return 2
-    pool = KVPool(config, num_blocks, args.block_size, dtype, device)
+        return EXIT_CONFIG
+    pool = KVPool(config, num_blocks, args.block_size, dtype, device, heads)
     runner = ModelRunner(model, pool, attn, device)
     handshake = wire_pb2.Handshake(
-        rank=args.rank,
-        world_size=args.world_size,
+        tp_rank=args.rank,
+        tp_size=tp,
+        replica=args.replica,
+        rendezvous=args.rendezvous,
         num_blocks=num_blocks,
         block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         model_fingerprint=config.fingerprint(os.path.basename(os.path.normpath(args.model)) + args.load_format),
         vocab_size=config.vocab_size,
         max_context=config.max_position_embeddings,
         bytes_per_block=per_block,
+        num_kv_heads=heads,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         attention_backend=attn.name,
         pid=os.getpid(),
     )
     log.info("model_loaded", model=args.model, device=str(device), dtype=handshake.dtype, num_blocks=num_blocks,
-             attention_backend=attn.name)
-    server = WorkerServer(args.scheduler, runner, handshake, scheduler_timeout=args.scheduler_timeout)
+             attention_backend=attn.name, tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads)
+    server = WorkerServer(args.scheduler, runner, handshake, scheduler_timeout=args.scheduler_timeout,
+                          curve_keys=args.curve_keys)
     return server.serve()
 
 

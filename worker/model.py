@@ -3,7 +3,8 @@
 No per-request cache object: every layer writes this step's K/V at the plan's slots and attends
 through the block tables. Covers Llama, Mistral, SmolLM (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings),
 Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm). Projections are fused (QKV, gate+up) so a layer
-runs four matmuls.
+runs four matmuls. Under tensor parallelism (worker/parallel.py) each rank holds its shard of every
+weight and the layer adds one all-reduce after o_proj and one after down.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionBackend
+from worker.checkpoint import TensorSource
 from worker.kv_pool import KVPool
 from worker.model_config import ModelConfig
+from worker.parallel import Collectives, Shard, make_shard
 
 
 @dataclass
@@ -54,12 +57,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, shard: Shard, comm: Collectives) -> None:
         super().__init__()
         c = config
         self.layer_idx = layer_idx
-        self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
+        self.comm = comm
+        self.num_heads = shard.num_q_heads  # this rank's heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.q_size = self.num_heads * c.head_dim
+        self.kv_size = self.num_kv_heads * c.head_dim
         self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, c.hidden_size))
         self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size)) if c.attention_bias else None
@@ -67,8 +73,8 @@ class DecoderLayer(nn.Module):
         self.k_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
         self.o_proj = nn.Parameter(torch.empty(c.hidden_size, self.q_size))
         self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.gate_up = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size))
-        self.down = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size))
+        self.gate_up = nn.Parameter(torch.empty(2 * shard.intermediate_size, c.hidden_size))
+        self.down = nn.Parameter(torch.empty(c.hidden_size, shard.intermediate_size))
         self.config = c
 
     def forward(
@@ -79,9 +85,9 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
         qkv = F.linear(h, self.qkv, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
-        q = qkv[:, : self.q_size].view(num_tokens, c.num_heads, c.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, c.num_kv_heads, c.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, c.num_kv_heads, c.head_dim)
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, c.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, c.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
@@ -90,73 +96,99 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = pool.layer(self.layer_idx)
         attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
         o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.head_dim**-0.5)  # [num_tokens, n_heads, hd]
-        x = x + F.linear(o.reshape(num_tokens, self.q_size), self.o_proj)
+        x = x + self.comm.all_reduce(F.linear(o.reshape(num_tokens, self.q_size), self.o_proj))
         h = rms_norm(x, self.post_attn_norm, c.rms_norm_eps)
         gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        return x + self.comm.all_reduce(F.linear(F.silu(gate) * up, self.down))
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard | None = None, comm: Collectives | None = None) -> None:
         super().__init__()
+        c = config
         self.config = config
-        self.embed = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = nn.Parameter(torch.ones(config.hidden_size))
-        self.lm_head = None if config.tie_word_embeddings else nn.Parameter(
-            torch.empty(config.vocab_size, config.hidden_size)
-        )
+        self.shard = shard or make_shard(c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size)
+        self.comm = comm or Collectives(self.shard.size)
+        rows = self.shard.vocab_shard_size  # this rank's vocabulary rows (all of them with one rank)
+        self.embed = nn.Parameter(torch.empty(rows, c.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, self.shard, self.comm) for i in range(c.num_layers))
+        self.norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(rows, c.hidden_size))
         self.rotary: Rotary | None = None
 
     def forward(self, step: StepInputs, pool: KVPool, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden_size]."""
         if self.rotary is None:
             self.rotary = Rotary(self.config, self.embed.device)
-        x = F.embedding(step.token_ids, self.embed)
+        x = self._embed(step.token_ids)
         rope = self.rotary.lookup(step.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, step, pool, rope, attn)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.size == 1:
+            return F.embedding(token_ids, self.embed)
+        lo = self.shard.vocab[0]
+        local = token_ids - lo
+        outside = (local < 0) | (local >= self.shard.vocab[1] - lo)  # ids another rank holds
+        x = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed)
+        return self.comm.all_reduce(x.masked_fill(outside[:, None], 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden_size] -> fp32 logits [rows, vocab_size]; only rows that sample are passed."""
+        """[rows, hidden_size] -> fp32 logits [rows, vocab_size]; only rows that sample are passed.
+        Every rank of a group calls it with the same rows and gets the same logits."""
         head = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        logits = F.linear(hidden, head).float()  # [rows, vocab_shard_size]
+        if self.shard.size > 1:
+            logits = self.comm.all_gather_last(logits)[:, : self.config.vocab_size]
+        return logits
 
     # --- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors into the fused parameters; every parameter must be covered."""
-        c = self.config
+    def load_hf_weights(self, source: TensorSource) -> None:
+        """Copy this rank's slices of Hugging Face-named tensors into the fused parameters; every
+        parameter must be covered and every checkpoint tensor used."""
+        c, sh = self.config, self.shard
         dtype = self.embed.dtype
+        hd = c.head_dim
         loaded: set[str] = set()
 
-        def take(name: str) -> torch.Tensor:
-            if name not in tensors:
+        def take(name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
+            if name not in source:
                 raise KeyError(f"weight {name} is missing from the checkpoint")
             loaded.add(name)
-            return tensors[name].to(dtype)
+            return source.get(name, rows, cols).to(dtype)
 
-        self.embed.copy_(take("model.embed_tokens.weight"))
+        def vocab_rows(name: str) -> torch.Tensor:
+            t = take(name, sh.vocab)
+            return F.pad(t, (0, 0, 0, sh.vocab_shard_size - t.shape[0]))  # the last shard may be short
+
+        q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
+        kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
+        self.embed.copy_(vocab_rows("model.embed_tokens.weight"))
         self.norm.copy_(take("model.norm.weight"))
         if self.lm_head is not None:
-            self.lm_head.copy_(take("lm_head.weight"))
+            self.lm_head.copy_(vocab_rows("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             layer.input_norm.copy_(take(p + "input_layernorm.weight"))
             layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
-            layer.qkv.copy_(torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]))
-            if layer.qkv_bias is not None:
-                layer.qkv_bias.copy_(torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]))
+            for kind in ("weight", "bias"):
+                target = layer.qkv if kind == "weight" else layer.qkv_bias
+                if target is not None:
+                    target.copy_(torch.cat([take(f"{a}q_proj.{kind}", q_rows), take(f"{a}k_proj.{kind}", kv_rows),
+                                            take(f"{a}v_proj.{kind}", kv_rows)]))
             if layer.q_norm is not None:
                 layer.q_norm.copy_(take(a + "q_norm.weight"))
                 layer.k_norm.copy_(take(a + "k_norm.weight"))
-            layer.o_proj.copy_(take(a + "o_proj.weight"))
+            layer.o_proj.copy_(take(a + "o_proj.weight", cols=q_rows))
             m = p + "mlp."
-            layer.gate_up.copy_(torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]))
-            layer.down.copy_(take(m + "down_proj.weight"))
-        ignored = {n for n in tensors if n not in loaded and "rotary_emb" not in n}
+            layer.gate_up.copy_(torch.cat([take(m + "gate_proj.weight", sh.intermediate),
+                                           take(m + "up_proj.weight", sh.intermediate)]))
+            layer.down.copy_(take(m + "down_proj.weight", cols=sh.intermediate))
+        ignored = {n for n in source.names() if n not in loaded and "rotary_emb" not in n}
         if c.tie_word_embeddings:
             ignored.discard("lm_head.weight")
         if ignored:
@@ -165,7 +197,7 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random weights at the real shapes ("dummy" loading, for benchmarks)."""
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        g = torch.Generator(device="cpu").manual_seed(seed * 1009 + self.shard.rank)
         for name, param in self.named_parameters():
             if "norm" in name:
                 param.fill_(1.0)

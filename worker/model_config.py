@@ -63,11 +63,6 @@ class ModelConfig:
     def from_folder(cls, folder: str | Path) -> ModelConfig:
         return cls.from_dict(json.loads((Path(folder) / "config.json").read_text()))
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers, per byte of element size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
     def fingerprint(self, source: str) -> str:
         blob = json.dumps({"config": asdict(self), "source": source}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]

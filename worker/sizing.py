@@ -30,7 +30,8 @@ def profile_gpu_blocks(model: LlamaModel, attn: AttentionBackend, device: torch.
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    pool = KVPool(config, temp_blocks, block_size, dtype, device)
+    heads = model.shard.num_kv_heads
+    pool = KVPool(config, temp_blocks, block_size, dtype, device, heads)
     tables = torch.arange(temp_blocks, dtype=torch.int32, device=device)[None, :]
     lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
     qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
@@ -50,4 +51,4 @@ def profile_gpu_blocks(model: LlamaModel, attn: AttentionBackend, device: torch.
     free, total = torch.cuda.mem_get_info(device)
     other = max(0, (total - free) - torch.cuda.memory_reserved(device))
     return blocks_for_gpu_budget(total, utilization, peak - temp_pool_bytes, other,
-                                 bytes_per_block(config, block_size, dtype))
+                                 bytes_per_block(config, block_size, dtype, heads))

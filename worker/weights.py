@@ -1,15 +1,16 @@
 """Weight loading: a Hugging Face folder (safetensors), a GGUF file (dequantized through transformers),
-or random weights at the real shapes ("dummy")."""
+or random weights at the real shapes ("dummy"); each rank of a tensor-parallel group loads its shard."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from worker.checkpoint import DictSource, SafetensorsSource
 from worker.model import LlamaModel
 from worker.model_config import ModelConfig
+from worker.parallel import Collectives, make_shard
 
 
 def load_config(source: str, load_format: str) -> ModelConfig:
@@ -22,43 +23,31 @@ def load_config(source: str, load_format: str) -> ModelConfig:
     return ModelConfig.from_folder(path)
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights in {folder}")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(str(folder / name)))
-    return tensors
-
-
-def read_gguf(path: Path) -> dict[str, torch.Tensor]:
+def read_gguf(path: Path) -> DictSource:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return dict(model.state_dict())
+    return DictSource(dict(model.state_dict()))
 
 
 def load_model(
-    source: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0
+    source: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
+    tp_rank: int = 0, tp_size: int = 1, comm: Collectives | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
-    """load_format: 'auto' (folder → safetensors, *.gguf → gguf), 'safetensors', 'gguf' or 'dummy'."""
+    """load_format: 'auto' (folder → safetensors, *.gguf → gguf), 'safetensors', 'gguf' or 'dummy'.
+    With tp_size > 1 the model holds rank tp_rank's shard (ParallelConfigError if it cannot split)."""
     path = Path(source)
     if load_format == "auto":
         load_format = "gguf" if path.suffix == ".gguf" else "safetensors"
     config = load_config(source, load_format)
+    shard = make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size,
+                       tp_rank, tp_size)
     with torch.device("cpu"):
-        model = LlamaModel(config).to(dtype)
+        model = LlamaModel(config, shard, comm).to(dtype)
     if load_format == "dummy":
         model.init_random(seed)
     elif load_format == "safetensors":
-        model.load_hf_weights(read_safetensors(path))
+        model.load_hf_weights(SafetensorsSource(path))
     elif load_format == "gguf":
         model.load_hf_weights(read_gguf(path))
     else:

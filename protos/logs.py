@@ -1,4 +1,5 @@
-"""Structured logging (structlog) shared by every pagedserve process: one JSON event per line."""
+"""Structured logging (structlog) shared by every pagedserve process (scheduler, workers, launcher):
+one JSON event per line, each naming its process."""
 
 from __future__ import annotations
 

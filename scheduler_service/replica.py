@@ -1,0 +1,215 @@
+"""One data-parallel replica: a worker group, its own scheduler (allocator, page tables, prefix cache) and
+its own step loop. Replicas step concurrently in one event loop: a step in flight is an await on the
+wire, so a replica whose workers are slow never holds up another's.
+
+The loop: schedule a step, build its plan, await the group's result, apply it, hand the new tokens to
+the engine (which streams them). A failed step fails only its requests; a lost rank takes the replica
+down (the engine decides what happens to its requests) until a new group joins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from protos.codec import CodecError, decode_result, encode_plan
+from scheduler_service.block_allocator import block_hash
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.plan import build_plan
+from scheduler_service.scheduler import Scheduler, SchedulerOutput
+from scheduler_service.worker_client import WorkerClient, WorkerError, WorkerGroup, WorkerLost
+
+log = structlog.get_logger("scheduler.replica")
+
+
+@dataclass
+class StepProfile:
+    """Where the time of a replica's steps went, cumulative seconds."""
+
+    steps: int = 0
+    tokens: int = 0
+    prefill_tokens: int = 0
+    schedule: float = 0.0
+    build_plan: float = 0.0
+    round_trip: float = 0.0
+    worker_prepare: float = 0.0
+    worker_forward: float = 0.0
+    worker_sample: float = 0.0
+    process_output: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+# Routing load: a waiting sequence counts as this many running ones (it is a whole prefill away from
+# its first token, and its being there means the replica is full).
+WAITING_WEIGHT = 4
+
+
+def prompt_block_hashes(prompt: list[int], block_size: int) -> list[bytes]:
+    """Chained hashes of the prompt's full blocks that prefix caching could reuse (never the last token)."""
+    hashes: list[bytes] = []
+    for i in range((len(prompt) - 1) // block_size):
+        hashes.append(block_hash(hashes[-1] if hashes else None, prompt[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
+class Replica:
+    def __init__(self, index: int, config: SchedulerConfig, client: WorkerClient, sink) -> None:
+        """sink: the engine; gets `on_step(replica, out, new_tokens)`, `on_step_failed(replica, out, error)`
+        and `on_lost(replica, error)`."""
+        self.index = index
+        self.config = config
+        self.client = client
+        self.sink = sink
+        self.scheduler: Scheduler | None = None
+        self.down_reason: str | None = "workers not connected yet"
+        self.profile = StepProfile()
+        self.num_routed = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def group(self) -> WorkerGroup:
+        return self.client.groups[self.index]
+
+    @property
+    def is_serving(self) -> bool:
+        return self.down_reason is None
+
+    @property
+    def load(self) -> int:
+        s = self.scheduler
+        return WAITING_WEIGHT * len(s.waiting) + len(s.running) if s else 0
+
+    def cached_blocks(self, hashes: list[bytes]) -> int:
+        """Leading blocks of a prompt this replica's prefix cache holds (read-only: no LRU touch)."""
+        if self.scheduler is None:
+            return 0
+        n = 0
+        for h in hashes:
+            if self.scheduler.allocator.lookup(h) is None:
+                break
+            n += 1
+        return n
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def attach(self, max_model_len: int) -> None:
+        """A group was accepted: start serving with a fresh scheduler sized to its pool."""
+        self.scheduler = Scheduler(self.config, self.group.num_blocks, max_model_len)
+        self.down_reason = None
+        self.profile = StepProfile()
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"replica-{self.index}")
+        log.info("replica_serving", replica=self.index, num_blocks=self.group.num_blocks, pids=self.group.pids)
+
+    async def detach(self, reason: str) -> None:
+        """Stop serving: end the step loop, drop the group (survivors are told to exit), forget the scheduler."""
+        self.down_reason = reason
+        self.scheduler = None
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+        self._task = None
+        await self.client.drop_group(self.index, reason)
+        log.error("replica_down", replica=self.index, reason=reason)
+
+    async def stop(self) -> None:
+        log.info("step_profile", replica=self.index, **self.profile.as_dict(), final=True)
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # --- the loop --------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        try:
+            await self._steps()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a dead loop must not leave requests hanging
+            log.exception("replica_loop_failed", replica=self.index)
+            await self.sink.on_lost(self, f"replica {self.index} loop error: {e!r}")
+
+    async def _steps(self) -> None:
+        sched = self.scheduler
+        last_profile_log = time.monotonic()
+        while True:
+            if not sched.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            for seq in out.preempted:
+                log.info("preempted", request_id=seq.request.request_id, index=seq.index, tokens=seq.num_tokens,
+                         replica=self.index)
+            if out.is_empty:  # everything waits on blocks held by nobody: cannot happen with validated sizes
+                log.error("no_progress", replica=self.index, waiting=len(sched.waiting),
+                          free_blocks=sched.allocator.num_free_blocks)
+                await asyncio.sleep(0.05)
+                continue
+            t1 = time.perf_counter()
+            plan = encode_plan(build_plan(out, self.config.block_size))
+            t2 = time.perf_counter()
+            try:
+                result = await self.client.execute(self.index, plan)
+                tokens = decode_result(result, len(out.scheduled)).tolist()
+            except WorkerLost as e:
+                await self.sink.on_lost(self, str(e))
+                return
+            except (WorkerError, CodecError) as e:
+                log.error("step_failed", replica=self.index, step_id=out.step_id, error=str(e))
+                self.sink.on_step_failed(self, out, str(e))
+                continue
+            t3 = time.perf_counter()
+            new_tokens = sched.update(out, tokens)
+            self.sink.on_step(self, out, new_tokens, t3 - t2)
+            t4 = time.perf_counter()
+            self._account(out, result, t0, t1, t2, t3, t4)
+            if self.config.debug_invariants:
+                sched.check_invariants()
+            if time.monotonic() - last_profile_log > 5.0:
+                last_profile_log = time.monotonic()
+                log.info("step_profile", replica=self.index, **self.profile.as_dict(), running=len(sched.running),
+                         waiting=len(sched.waiting))
+
+    def _account(self, out: SchedulerOutput, result, t0: float, t1: float, t2: float, t3: float, t4: float) -> None:
+        p = self.profile
+        p.steps += 1
+        p.tokens += out.num_tokens
+        p.prefill_tokens += out.num_prefill_tokens
+        p.schedule += t1 - t0
+        p.build_plan += t2 - t1
+        p.round_trip += t3 - t2
+        p.worker_prepare += result.time_prepare
+        p.worker_forward += result.time_forward
+        p.worker_sample += result.time_sample
+        p.process_output += t4 - t3
+
+    # --- reporting -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """This replica's pool accounting (zeros while it is down)."""
+        s = self.scheduler
+        group = self.group
+        bpb = group.bytes_per_block if group.is_ready else 0
+        row = {"replica": self.index, "serving": self.is_serving, "status": self.down_reason or "serving",
+               "num_requests": self.num_routed, "worker_pids": group.pids if group.is_ready else [],
+               "bytes_per_block": bpb}
+        if s is None:
+            return row
+        a = s.allocator
+        row.update(
+            num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks, num_cached_blocks=a.num_cached_blocks,
+            used_bytes=a.num_used_blocks * bpb, total_bytes=a.num_blocks * bpb,
+            utilization=a.num_used_blocks / a.num_blocks, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
+            num_running=len(s.running), num_waiting=len(s.waiting),
+        )
+        return row

@@ -1,0 +1,76 @@
+"""`make deploy`: the scheduler and TP x DP workers under the supervisor, one log per process, ready when
+health is SERVING, and stopped whole by `make deploy-stop` (SIGTERM) or Ctrl-C (SIGINT)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from deploy.local_server import ROOT, free_port, greedy_request
+from protos import generation_pb2, generation_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+
+def start_deploy(tmp_path, model_dir, *extra):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "deploy.deploy", "--model", str(model_dir), "--port", str(port),
+           "--run-dir", str(run_dir), "--threads", "1", "--block-size", "4", "--num-blocks", "200",
+           "--ready-timeout", "180", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    lines = []
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("stop:"):
+            return proc, port, run_dir, "".join(lines)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("deploy did not report ready:\n" + "".join(lines))
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("how", ["deploy-stop", "ctrl-c"])
+def test_deploy_serves_with_a_log_per_process_and_stops_everything(tmp_path, tiny_model_dir, how):
+    tp, dp = ("2", "1") if how == "deploy-stop" else ("1", "2")
+    proc, port, run_dir, banner = start_deploy(tmp_path, tiny_model_dir, "--tp", tp, "--dp", dp)
+    try:
+        pids = [int(p) for p in re.findall(r"pid (\d+)", banner)]
+        assert f"serving on 127.0.0.1:{port}" in banner and len(pids) == 3  # scheduler + 2 workers
+        for name in ("scheduler", "worker-0.0", "worker-0.1" if tp == "2" else "worker-1.0"):
+            assert f"{run_dir}/{name}.log" in banner and (run_dir / f"{name}.log").exists()
+        assert (run_dir / "deploy.pid").read_text() == str(proc.pid)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+            assert (info.tensor_parallel_size, info.data_parallel_size) == (int(tp), int(dp))
+            assert len(stub.Generate(greedy_request([5, 6, 7], 4), timeout=60).choices[0].token_ids) == 4
+        assert '"event": "serving"' in (run_dir / "scheduler.log").read_text()
+        if how == "deploy-stop":
+            subprocess.run(["make", "-s", "deploy-stop", f"RUN_DIR={run_dir}"], cwd=ROOT, check=True, timeout=60)
+        else:
+            proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "every process of the deployment has exited" in proc.stdout.read()
+        assert not [p for p in pids if alive(p)], "a process outlived the deployment"
+        assert not (run_dir / "deploy.pid").exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -1,0 +1,72 @@
+"""The container recipe and the Kubernetes manifests: valid against the Kubernetes schemas (offline), and
+every flag they pass exists in the program they start."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from deploy.launcher import build_parser as serve_parser
+from scheduler_service.main import build_parser as scheduler_parser
+from worker.main import build_parser as worker_parser
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+PARSERS = {"pagedserve-scheduler": scheduler_parser, "pagedserve-worker": worker_parser, "serve": serve_parser}
+
+
+def documents():
+    yaml = pytest.importorskip("yaml")
+    return [d for path in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def flags_of(program: str, text: str) -> set[str]:
+    """Long flags in a command line (`--name value` or `--name=value`)."""
+    assert program in text, f"{program} is not started here"
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text.split(program, 1)[1]))
+
+
+def known_flags(program: str) -> set[str]:
+    return {s for a in PARSERS[program]()._actions for s in a.option_strings}
+
+
+def test_manifests_validate_against_the_kubernetes_schemas():
+    kv = pytest.importorskip("kubernetes_validate")
+    docs = documents()
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "StatefulSet"}
+    version = kv.utils.latest_version()
+    for doc in docs:
+        kv.validate(doc, version, strict=True)  # raises on any unknown or mistyped field
+
+
+def test_every_flag_the_manifests_pass_exists():
+    containers = [c for d in documents() if d["kind"] in ("Deployment", "StatefulSet")
+                  for c in d["spec"]["template"]["spec"]["containers"]]
+    seen = set()
+    for c in containers:
+        line = " ".join(c.get("command", []) + c.get("args", []))
+        program = re.search(r"(?<![\w/-])(pagedserve-scheduler|pagedserve-worker)(?![\w:])", line).group(1)
+        seen.add(program)
+        unknown = flags_of(program, line) - known_flags(program)
+        assert not unknown, f"{c['name']}: {unknown}"
+    assert seen == {"pagedserve-scheduler", "pagedserve-worker"}
+
+
+def test_workers_statefulset_matches_the_schedulers_parallel_layout():
+    docs = {d["metadata"]["name"] + "/" + d["kind"]: d for d in documents()}
+    sched = docs["pagedserve-scheduler/Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = dict(a.lstrip("-").split("=", 1) for a in sched)
+    workers = docs["pagedserve-worker/StatefulSet"]
+    env = {e["name"]: e.get("value") for e in workers["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert int(env["TP"]) == int(args["tensor-parallel-size"])
+    assert workers["spec"]["replicas"] == int(args["tensor-parallel-size"]) * int(args["data-parallel-size"])
+
+
+def test_the_container_recipe_starts_programs_with_flags_that_exist():
+    text = (DEPLOY / "Dockerfile").read_text()
+    cmd = re.search(r'^CMD (\[.*\])$', text, re.M).group(1)
+    line = " ".join(__import__("json").loads(cmd))
+    assert not flags_of("serve", line) - known_flags("serve")
+    for program in ("pagedserve-scheduler", "pagedserve-worker"):
+        for comment in re.findall(rf"^# \w+:\s+({program} .*)$", text, re.M):
+            assert not flags_of(program, " ".join(shlex.split(comment))) - known_flags(program), comment

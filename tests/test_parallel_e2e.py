@@ -1,0 +1,192 @@
+"""Many workers through real processes: tensor-parallel groups (gloo), data-parallel replicas under one
+scheduler, the group-aware supervisor, and the wire's handshake and security rules."""
+
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deploy.local_server import ServerProcess, free_port, greedy_request
+from protos import generation_pb2
+from tests.test_e2e import assert_all_blocks_back, submit_all, workload
+from tests.tiny import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def dp_server(server_factory, tiny_model_dir):
+    return server_factory(tiny_model_dir, "--data-parallel-size", "2", "--block-size", "4", "--num-blocks", "160",
+                          "--max-num-batched-tokens", "64", "--max-num-seqs", "8")
+
+
+@pytest.fixture(scope="module")
+def tp_server(server_factory, tiny_model_dir):
+    return server_factory(tiny_model_dir, "--tensor-parallel-size", "2", "--block-size", "4", "--num-blocks", "160",
+                          "--max-num-batched-tokens", "64", "--heartbeat-timeout", "3")
+
+
+def test_tensor_parallel_group_outputs_equal_transformers(tp_server, tiny_model_dir):
+    info = tp_server.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert (info.tensor_parallel_size, info.data_parallel_size, info.num_workers) == (2, 1, 2)
+    items = workload(6, seed=31)
+    results = submit_all(tp_server, items, stream=True)
+    for rid, prompt, max_tokens, _ in items:
+        assert results[rid][0] == hf_greedy(tiny_model_dir, prompt, max_tokens), rid
+    stats = tp_server.stats()
+    # each rank holds one of the model's two KV heads: a block over the group is the whole model's block
+    assert stats.bytes_per_block == 2 * 3 * 2 * 16 * 4 * 4
+    assert len(stats.replicas) == 1 and len(stats.replicas[0].worker_pids) == 2
+    assert_all_blocks_back(tp_server)
+
+
+def test_data_parallel_outputs_equal_and_distinct_requests_use_both_replicas(dp_server, tiny_model_dir):
+    info = dp_server.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert (info.tensor_parallel_size, info.data_parallel_size, info.num_blocks) == (1, 2, 320)
+    before = [r.num_requests for r in dp_server.stats().replicas]
+    items = workload(8, seed=32)
+    results = submit_all(dp_server, items, stream=True)
+    for rid, prompt, max_tokens, _ in items:
+        assert results[rid][0] == hf_greedy(tiny_model_dir, prompt, max_tokens), rid
+    stats = dp_server.stats()
+    routed = [r.num_requests - b for r, b in zip(stats.replicas, before, strict=True)]
+    assert sum(routed) == 8 and min(routed) >= 2, routed
+    assert all(r.serving and r.num_blocks == 160 for r in stats.replicas)
+    assert stats.num_blocks == 320 and stats.num_free_blocks + stats.num_cached_blocks == 320
+    assert_all_blocks_back(dp_server)
+
+
+def test_a_shared_prefix_goes_to_the_replica_that_caches_it(dp_server):
+    rng = random.Random(33)
+    prefix = [rng.randrange(3, 384) for _ in range(40)]  # ten full blocks of 4
+    before = {r.replica: r.num_requests for r in dp_server.stats().replicas}
+    first = dp_server.stub.Generate(greedy_request(prefix + [5, 6], 4, "prefix-a"), timeout=60)
+    assert first.usage.cached_prompt_tokens == 0
+    holder = [r.replica for r in dp_server.stats().replicas if r.num_requests > before[r.replica]]
+    assert len(holder) == 1
+    for i in range(4):  # one after another: each lands where the prefix is cached
+        before = {r.replica: r.num_requests for r in dp_server.stats().replicas}
+        resp = dp_server.stub.Generate(greedy_request(prefix + [7 + i, 8], 4, f"prefix-{i}"), timeout=60)
+        assert resp.usage.cached_prompt_tokens >= 40
+        after = {r.replica: r.num_requests for r in dp_server.stats().replicas}
+        assert after[holder[0]] == before[holder[0]] + 1
+    assert_all_blocks_back(dp_server)
+
+
+def test_abort_and_cancel_find_requests_on_any_replica(dp_server):
+    calls = [dp_server.stub.GenerateStream(greedy_request([9, 8, 7, i], 300, f"long-{i}"), timeout=60)
+             for i in range(4)]
+    firsts = [next(iter(c)) for c in calls]  # all four are running
+    assert all(len(f.token_ids) for f in firsts)
+    rows = {r.request_id: r.replica for r in dp_server.stats().requests}
+    assert {rows[f"long-{i}"] for i in range(4)} == {0, 1}
+    for i in (0, 1):
+        assert dp_server.stub.Abort(generation_pb2.AbortRequest(request_id=f"long-{i}"), timeout=10).aborted
+    for c in calls[2:]:
+        c.cancel()
+    deadline = time.monotonic() + 10
+    while dp_server.stats().requests:
+        assert time.monotonic() < deadline, "aborted or cancelled requests kept their blocks"
+        time.sleep(0.05)
+    assert_all_blocks_back(dp_server)
+
+
+def test_a_killed_rank_takes_its_group_down_and_the_supervisor_brings_it_back(tp_server):
+    health = health_pb2_grpc.HealthStub(tp_server.channel)
+    pids = list(tp_server.stats().replicas[0].worker_pids)
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 20  # the lost rank is seen by its heartbeat (3 s here)
+    while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, "health stayed SERVING with a dead rank"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 120  # the whole group restarts, shakes hands and serves again
+    while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() < deadline, f"the group did not come back:\n{tp_server.log_tail()}"
+        time.sleep(0.2)
+    new_pids = list(tp_server.stats().replicas[0].worker_pids)
+    assert len(new_pids) == 2 and not set(new_pids) & set(pids), "both ranks of the group are new processes"
+    for pid in pids:
+        assert not _alive(pid)
+    resp = tp_server.stub.Generate(greedy_request([5, 6, 7], 5), timeout=60)
+    assert len(resp.choices[0].token_ids) == 5
+    assert_all_blocks_back(tp_server)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead
+        return f.read().split()[2] != "Z"
+
+
+def test_a_size_that_cannot_split_the_model_stops_the_service_with_the_numbers(tmp_path, tiny_model_dir):
+    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--tensor-parallel-size", "3", "--threads", "1",
+                           "--num-blocks", "200", "--block-size", "4")
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            server.start(timeout=120)
+    finally:
+        server.stop()
+    assert "tensor-parallel size 3 cannot split the model's 4 query heads evenly" in server.log_path.read_text()
+
+
+def test_curve_keys_encrypt_the_wire_and_a_peer_without_them_is_never_heard(tmp_path, tiny_model_dir):
+    import zmq
+
+    from protos import WIRE_VERSION, wire_pb2
+    from protos.curve import make_keys
+
+    keys = make_keys(tmp_path / "keys")
+    endpoint_port = free_port()
+    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--threads", "1", "--num-blocks", "200",
+                           "--block-size", "4", "--curve-keys", str(keys),
+                           "--worker-endpoint", f"tcp://127.0.0.1:{endpoint_port}")
+    try:
+        server.start(timeout=120)
+        ok = server.stub.Generate(greedy_request([5, 6, 7], 3), timeout=30)
+        assert len(ok.choices[0].token_ids) == 3
+        # a plain (unauthenticated) peer offers itself as the group's rank and forges a result
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, b"w.intruder")
+        sock.connect(f"tcp://127.0.0.1:{endpoint_port}")
+        hs = wire_pb2.Handshake(tp_rank=0, tp_size=1, num_blocks=200, block_size=4, max_num_batched_tokens=2048)
+        sock.send(wire_pb2.WireMessage(version=WIRE_VERSION, handshake=hs).SerializeToString())
+        sock.send(wire_pb2.WireMessage(version=WIRE_VERSION, result=wire_pb2.StepResult(
+            step_id=1, error="forged")).SerializeToString())
+        assert not sock.poll(1500), "the scheduler answered a peer without keys"
+        sock.close()
+        ctx.term()
+        assert server.stats().replicas[0].serving
+        again = server.stub.Generate(greedy_request([5, 6, 7], 3), timeout=30)
+        assert list(again.choices[0].token_ids) == list(ok.choices[0].token_ids)
+    finally:
+        server.stop()
+
+
+def test_a_non_loopback_endpoint_needs_keys_or_an_explicit_insecure_flag(tmp_path, tiny_model_dir):
+    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--threads", "1", "--worker-endpoint", "tcp://0.0.0.0:0")
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            server.start(timeout=60)
+    finally:
+        server.stop()
+    assert "--curve-keys" in server.log_path.read_text() and "--insecure-wire" in server.log_path.read_text()
+
+
+def test_concurrent_load_on_both_replicas_keeps_every_output(dp_server, tiny_model_dir):
+    items = [(rid + "-c", p, m, 0.0) for rid, p, m, _ in workload(12, seed=34)]
+    with ThreadPoolExecutor(2) as pool:  # two rounds at once, all in flight together
+        a, b = pool.map(lambda part: submit_all(dp_server, part, stream=False), (items[:6], items[6:]))
+    results = {**a, **b}
+    for rid, prompt, max_tokens, _ in items:
+        assert results[rid][0] == hf_greedy(tiny_model_dir, prompt, max_tokens), rid
+    assert_all_blocks_back(dp_server)
+

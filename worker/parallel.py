@@ -1,0 +1,119 @@
+"""Tensor parallelism: how a model is split over the ranks of a group, and the group's collectives.
+
+Rank r of N holds 1/N of the query heads and of the KV heads (its slice of the pool), 1/N of the MLP's
+intermediate size and 1/N of the vocabulary:
+  - QKV and gate/up are column-parallel (each rank computes its heads / its slice of the MLP);
+  - o_proj and down are row-parallel: each rank's partial product is summed by one all-reduce;
+  - the embedding is vocabulary-parallel (a rank looks up the ids it holds, zeros elsewhere, all-reduce);
+  - the LM head is vocabulary-parallel: each rank computes its slice of the logits and an all-gather
+    gives every rank the same full logits, so every rank draws the same (seed, index) token.
+When the model has fewer KV heads than ranks, each KV head is replicated on N / n_kv consecutive ranks
+(their query heads all read that head), as vLLM does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+
+class ParallelConfigError(ValueError):
+    """The tensor-parallel size cannot split this model; the message names the numbers."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slices of the model one rank holds (half-open ranges over the full model's dimensions)."""
+
+    rank: int
+    size: int
+    q_heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]  # rows of the embedding / LM head this rank holds (the last shard may be short)
+    vocab_shard_size: int  # ceil(vocab / size): every rank's shard is padded to this many rows
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.intermediate[1] - self.intermediate[0]
+
+
+def make_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
+               rank: int = 0, size: int = 1) -> Shard:
+    """Rank's slices, or ParallelConfigError when `size` cannot split the model."""
+    if size < 1 or not 0 <= rank < size:
+        raise ParallelConfigError(f"tensor-parallel rank {rank} is outside a group of size {size}")
+    if num_heads % size:
+        raise ParallelConfigError(
+            f"tensor-parallel size {size} cannot split the model's {num_heads} query heads evenly")
+    if num_kv_heads >= size and num_kv_heads % size:
+        raise ParallelConfigError(
+            f"tensor-parallel size {size} cannot split the model's {num_kv_heads} KV heads evenly")
+    if num_kv_heads < size and size % num_kv_heads:
+        raise ParallelConfigError(
+            f"tensor-parallel size {size} is not a multiple of the model's {num_kv_heads} KV heads, "
+            "so they cannot be replicated evenly")
+    if intermediate_size % size:
+        raise ParallelConfigError(
+            f"tensor-parallel size {size} cannot split the model's MLP intermediate size {intermediate_size}")
+    q = num_heads // size
+    if num_kv_heads >= size:
+        kv = num_kv_heads // size
+        kv_range = (rank * kv, (rank + 1) * kv)
+    else:  # replicate: ranks r*k .. r*k+k-1 (k = size / n_kv) all hold KV head r
+        head = rank // (size // num_kv_heads)
+        kv_range = (head, head + 1)
+    inter = intermediate_size // size
+    vshard = -(-vocab_size // size)
+    return Shard(
+        rank=rank, size=size,
+        q_heads=(rank * q, (rank + 1) * q),
+        kv_heads=kv_range,
+        intermediate=(rank * inter, (rank + 1) * inter),
+        vocab=(min(rank * vshard, vocab_size), min((rank + 1) * vshard, vocab_size)),
+        vocab_shard_size=vshard,
+    )
+
+
+class Collectives:
+    """The group's all-reduce and all-gather; with one rank they are identities and torch.distributed
+    is never touched."""
+
+    def __init__(self, size: int = 1) -> None:
+        self.size = size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., size * n], rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+def init_group(rendezvous: str, rank: int, size: int, device: torch.device, timeout_s: float) -> Collectives:
+    """Join the tensor-parallel group (gloo on the CPU, NCCL on CUDA) at `rendezvous` (tcp://host:port)."""
+    if size == 1:
+        return Collectives(1)
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    return Collectives(size)
