@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run deploy deploy-stop test test-kernels test-e2e lint bench bench-kernels bench-memory plot-kv clean
+.PHONY: setup proto run deploy deploy-stop bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model
 
@@ -78,6 +78,10 @@ lint: setup
 # Fixed CPU workload of ../shared/bench against a server it starts, and transformers static batching, same run.
 bench: setup
 	$(PY) -m deploy.bench --model $(MODEL_DIR) $(ARGS)
+
+# DP=2 vs DP=1 on the shared workload; TP=2 vs TP=1 on a random model shape (same run each).
+bench-parallel: setup
+	$(PY) -m deploy.bench_parallel --model $(MODEL_DIR) $(ARGS)
 
 # Paged decode/prefill kernels vs a device copy and contiguous SDPA (GPU); interpreter, tiny shapes elsewhere.
 bench-kernels: setup

@@ -120,7 +120,7 @@ def profile_one_step(args, prompts) -> None:
     import numpy as np
     import torch
 
-    from protos import wire_pb2
+    from protos.codec import PlanArrays, encode_plan
     from worker.attention import make_backend
     from worker.kv_pool import KVPool
     from worker.runner import ModelRunner
@@ -142,13 +142,13 @@ def profile_one_step(args, prompts) -> None:
     seq_lens = np.array(lens, dtype="<i4")
     pos = seq_lens - 1
     slots = tables[np.arange(len(prompts)), pos // block].astype("<i8") * block + pos % block
-    plan = wire_pb2.StepPlan(
-        step_id=1, num_seqs=len(prompts), num_tokens=len(prompts),
-        token_ids=np.full(len(prompts), 100, "<i4").tobytes(), positions=pos.astype("<i4").tobytes(),
-        slot_mapping=slots.tobytes(), block_tables=tables.tobytes(), max_blocks_per_seq=max(need),
-        seq_lens=seq_lens.tobytes(), query_start_loc=np.arange(len(prompts) + 1, dtype="<i4").tobytes(),
-        do_sample=np.ones(len(prompts), np.uint8).tobytes(), sample_index=np.zeros(len(prompts), "<i4").tobytes(),
-        sampling=[wire_pb2.SamplingRow(top_p=1.0)] * len(prompts))
+    n = len(prompts)
+    plan = encode_plan(PlanArrays(
+        step_id=1, token_ids=np.full(n, 100, "<i4"), positions=pos.astype("<i4"), slot_mapping=slots,
+        block_tables=tables, seq_lens=seq_lens, query_start_loc=np.arange(n + 1, dtype="<i4"),
+        do_sample=np.ones(n, bool), sample_index=np.zeros(n, "<i4"), temperature=np.zeros(n, "<f4"),
+        top_p=np.ones(n, "<f4"), top_k=np.zeros(n, "<i4"), seed=np.zeros(n, "<u8"),
+        block_copies=np.empty((0, 2), "<i4")))
     for _ in range(3):
         runner.execute(plan)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -21,7 +21,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.launcher import free_port, passthrough, worker_units
+from deploy.launcher import passthrough, worker_units
+from deploy.local_server import free_port
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos.logs import configure_logging
 from scheduler_service.main import add_scheduler_args
@@ -44,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run worker groups only (another host), connecting to --scheduler")
     d.add_argument("--scheduler", default=None, help="with --workers-only: the scheduler's ZeroMQ endpoint")
     d.add_argument("--replicas", default=None,
-                   help="with --workers-only: comma-separated replicas this host runs (default: all)")
+                   help="comma-separated replicas whose workers run on this host (default: all; '' for none, when "
+                        "every worker runs elsewhere)")
     d.add_argument("--rendezvous-host", default="127.0.0.1",
                    help="address of this host that the ranks of its tensor-parallel groups reach each other on")
     return p
@@ -112,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    replicas = None if args.replicas is None else [int(x) for x in args.replicas.split(",") if x.strip()]
     if args.workers_only:
         if not args.scheduler:
             print("--workers-only needs --scheduler tcp://HOST:PORT", file=sys.stderr)
             return 2
-        replicas = [int(x) for x in args.replicas.split(",")] if args.replicas else None
         units = worker_units(args, args.scheduler, replicas, run_dir, args.rendezvous_host)
         address = None
     else:
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             endpoint = f"{endpoint.rsplit(':', 1)[0]}:{free_port()}"
         args.worker_endpoint = endpoint
         units = [Unit("scheduler", [scheduler_program(args, endpoint, run_dir)]),
-                 *worker_units(args, endpoint, None, run_dir, args.rendezvous_host)]
+                 *worker_units(args, endpoint, replicas, run_dir, args.rendezvous_host)]
         address = f"{args.host}:{args.port}"
     supervisor = Supervisor(units, env={"PYTHONUNBUFFERED": "1"}, cwd=ROOT)
     pid_file.write_text(str(os.getpid()))

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import sys
 from pathlib import Path
 
 import structlog
 
+from deploy.local_server import free_port
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos.logs import configure_logging
 from scheduler_service.main import add_scheduler_args, serve
@@ -28,12 +28,6 @@ log = structlog.get_logger("launcher")
 
 # Worker flags the launchers set per rank rather than pass through.
 _PER_RANK = {"model", "scheduler", "replica", "rank", "rendezvous", "local_rank", "curve_keys", "log_level"}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def passthrough(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: set[str]) -> list[str]:

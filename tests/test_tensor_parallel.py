@@ -2,11 +2,11 @@
 (gloo) ranks against the unsplit model on the same steps."""
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
 
+from deploy.local_server import free_port
 from tests.tiny import make_tiny_llama
 from worker.parallel import ParallelConfigError, make_shard
 
@@ -74,12 +74,6 @@ def _rank_main(folder, rank, size, port, out):
     torch.distributed.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,overrides", [
     (2, {}),  # 4 query heads, 2 KV heads: one KV head per rank
@@ -93,7 +87,7 @@ def test_split_forward_through_gloo_ranks_equals_the_unsplit_model(tmp_path, tp,
     expected = _run(folder, 0, 1)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(folder, r, tp, port, out)) for r in range(tp)]
     for p in procs:
         p.start()
