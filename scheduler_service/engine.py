@@ -70,6 +70,9 @@ class Engine:
         self.metrics = Metrics()
         self._starting_reason = "workers not connected yet"
         self._monitor: asyncio.Task | None = None
+        # Every change of "any replica serving" after start, in order (the gRPC health service follows it).
+        self.health_changes: asyncio.Queue[bool] = asyncio.Queue()
+        self._was_serving = False
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self, worker_timeout: float) -> None:
@@ -80,6 +83,7 @@ class Engine:
                              min(g.num_blocks for g in groups), self.config.block_size)
         for replica in self.replicas:
             replica.attach(self.limits.max_context)
+        self._was_serving = True
         self.client.on_group_ready = self._group_ready
         self.client.on_group_lost = lambda d, reason: self.on_lost(self.replicas[d], reason)
         self._monitor = asyncio.get_running_loop().create_task(self._watch_workers(), name="worker-monitor")
@@ -124,6 +128,12 @@ class Engine:
     def _group_ready(self, group: WorkerGroup) -> None:
         """A replica's group rejoined after start (a restarted worker group)."""
         self.replicas[group.replica].attach(self.limits.max_context)
+        self._report_health()
+
+    def _report_health(self) -> None:
+        if self.is_serving != self._was_serving:
+            self._was_serving = self.is_serving
+            self.health_changes.put_nowait(self.is_serving)
 
     @property
     def is_serving(self) -> bool:
@@ -230,6 +240,7 @@ class Engine:
             return
         lost = [st for st in self.streams.values() if st.replica is replica]
         await replica.detach(message)
+        self._report_health()
         for stream in lost:
             self._fail_request(stream.request, EngineUnavailable(message))
         log.error("workers_lost", replica=replica.index, error=message, failed_requests=len(lost),

@@ -127,7 +127,7 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
              num_blocks=[g.num_blocks for g in client.groups], block_size=config.block_size,
              max_context=engine.limits.max_context, tensor_parallel_size=args.tensor_parallel_size,
              data_parallel_size=args.data_parallel_size)
-    watcher = loop.create_task(_watch_health(engine, health, stop))
+    watcher = loop.create_task(_watch_health(engine, health, stop))  # engine.start reported SERVING
     await stop.wait()
     watcher.cancel()
     log.info("stopping")
@@ -138,14 +138,12 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
 
 
 async def _watch_health(engine: Engine, health, stop: asyncio.Event) -> None:
-    """SERVING while any replica serves; NOT_SERVING while none does (and again SERVING when a group rejoins)."""
-    serving = True
+    """SERVING while any replica serves; NOT_SERVING while none does (and SERVING again when a group
+    rejoins). Every change the engine reports is applied, however short."""
     while not stop.is_set():
-        await asyncio.sleep(0.5)
-        if engine.is_serving != serving:
-            serving = engine.is_serving
-            await health.set(serving)
-            log.warning("health_changed", serving=serving, reason=engine.unavailable_reason)
+        serving = await engine.health_changes.get()
+        await health.set(serving)
+        log.warning("health_changed", serving=serving, reason=engine.unavailable_reason)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,6 +66,23 @@ class WorkerInfo:
     heartbeat_identity: bytes  # hb.<nonce>
     handshake: wire_pb2.Handshake
     last_heartbeat: float = field(default_factory=time.monotonic)
+    # The worker's process id when it runs on this host and this process can see it (a loopback wire and
+    # the same pid namespace): its exit is then seen at once, and a lost one can be fenced.
+    local_pid: int | None = None
+
+
+def worker_process_state(pid: int) -> str | None:
+    """'alive', 'dead', or None when pid is not a pagedserve worker this process can see."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "dead"
+    if b"worker.main" not in cmdline and b"pagedserve-worker" not in cmdline:
+        return None
+    return "dead" if state in ("Z", "X") else "alive"
 
 
 @dataclass
@@ -241,6 +260,8 @@ class WorkerClient:
         if old is not None:  # a candidate restarted before its group formed
             self._forget(old)
         info = WorkerInfo(hs.replica, hs.tp_rank, identity, b"hb." + identity[2:], hs)
+        if is_loopback_endpoint(self.endpoint) and worker_process_state(hs.pid) == "alive":
+            info.local_pid = hs.pid
         group.workers[hs.tp_rank] = info
         self._by_identity[identity] = info
         self._by_heartbeat[info.heartbeat_identity] = info
@@ -296,11 +317,15 @@ class WorkerClient:
 
     async def drop_group(self, replica: int, reason: str) -> None:
         """Forget a lost group; its ranks still alive are told to shut down (their supervisor restarts
-        them, and the new group shakes hands again)."""
+        them, and the new group shakes hands again). Ranks on this host are fenced: killed, so a stalled
+        one can never come back and write into a pool the scheduler has given to others."""
         group = self.groups[replica]
         for w in list(group.workers.values()):
             self._forget(w)
             await self._send_quietly(w.identity, shutdown=wire_pb2.Shutdown(reason=reason))
+            if w.local_pid is not None and worker_process_state(w.local_pid) == "alive":
+                os.kill(w.local_pid, signal.SIGKILL)
+                log.warning("worker_fenced", replica=replica, tp_rank=w.tp_rank, pid=w.local_pid)
         group.workers.clear()
         group.is_ready = False
         group.num_blocks = 0
@@ -347,6 +372,8 @@ class WorkerClient:
             raise WorkerLost(f"replica {replica} has no workers connected")
         now = time.monotonic()
         for w in group.workers.values():
+            if w.local_pid is not None and worker_process_state(w.local_pid) != "alive":
+                raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} (pid {w.local_pid}) exited")
             if now - w.last_heartbeat > self.heartbeat_timeout:
                 raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} (pid {w.handshake.pid}) sent no "
                                  f"heartbeat for {now - w.last_heartbeat:.1f}s")

@@ -111,7 +111,8 @@ def test_streamed_tokens_equal_unary_tokens(server):
 
 
 def test_tight_pool_preempts_and_outputs_stay_identical(tight_server, tiny_model_dir):
-    items = workload(10, seed=3)
+    # all at once: with staggered arrivals a fast machine finishes early requests before the pool fills
+    items = [(rid, p, m, 0.0) for rid, p, m, _ in workload(10, seed=3)]
     before = tight_server.stats().num_preemptions
     results = submit_all(tight_server, items, stream=True)
     for rid, prompt, max_tokens, _ in items:
