@@ -26,7 +26,7 @@ from scheduler_service.metrics import Metrics
 from scheduler_service.output import Delta, SampleOutput, Usage
 from scheduler_service.replica import Replica, prompt_block_hashes
 from scheduler_service.scheduler import DuplicateRequestId, SchedulerOutput
-from scheduler_service.sequence import FinishReason, Request
+from scheduler_service.sequence import FinishReason, Request, SequenceStatus
 from scheduler_service.tokenizer import Tokenizer
 from scheduler_service.validation import Limits
 from scheduler_service.worker_client import WorkerClient, WorkerGroup
@@ -50,7 +50,7 @@ class StepFailed(RuntimeError):
 class RequestStream:
     request: Request
     samples: list[SampleOutput]
-    replica: Replica
+    replica: Replica | None  # None while its replica was lost and no other has taken it yet
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_open: int = 0  # samples whose last delta has not been sent
 
@@ -59,7 +59,8 @@ class RequestStream:
 
 
 class Engine:
-    def __init__(self, config: SchedulerConfig, spec: ModelSpec, tokenizer: Tokenizer, client: WorkerClient) -> None:
+    def __init__(self, config: SchedulerConfig, spec: ModelSpec, tokenizer: Tokenizer, client: WorkerClient,
+                 worker_restart_timeout: float = 120.0) -> None:
         self.config = config
         self.spec = spec
         self.tokenizer = tokenizer
@@ -73,6 +74,12 @@ class Engine:
         # Every change of "any replica serving" after start, in order (the gRPC health service follows it).
         self.health_changes: asyncio.Queue[bool] = asyncio.Queue()
         self._was_serving = False
+        # Requests whose replica was lost while no other served: resumed when a group (re)joins, failed at
+        # the deadline.
+        self.worker_restart_timeout = worker_restart_timeout
+        self._orphans: list[Request] = []
+        self._orphan_deadline: float | None = None
+        self._orphan_reason = ""
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self, worker_timeout: float) -> None:
@@ -94,6 +101,7 @@ class Engine:
             await asyncio.sleep(interval)
             for d, reason in self.client.find_lost():
                 await self.on_lost(self.replicas[d], reason)
+            self._expire_orphans()
 
     async def stop(self) -> None:
         if self._monitor is not None:
@@ -129,6 +137,7 @@ class Engine:
         """A replica's group rejoined after start (a restarted worker group)."""
         self.replicas[group.replica].attach(self.limits.max_context)
         self._report_health()
+        self._resume_orphans()
 
     def _report_health(self) -> None:
         if self.is_serving != self._was_serving:
@@ -201,10 +210,15 @@ class Engine:
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """End a live request; its blocks return at once; its stream ends with ABORT."""
         stream = self.streams.get(request_id)
-        if stream is None or stream.replica.scheduler is None:
+        if stream is None:
             return False
         unfinished = [o for o in stream.samples if not o.seq.is_finished]
-        stream.replica.scheduler.abort_request(request_id)
+        if stream.replica is not None:
+            stream.replica.scheduler.abort_request(request_id)
+        else:  # waiting for a replica: it holds no blocks anywhere
+            self._orphans.remove(stream.request)
+            for out in unfinished:
+                out.seq.status, out.seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         for out in unfinished:
             self._emit(stream, out.finish(FinishReason.ABORT))
         log.info("request_aborted", request_id=request_id, reason=reason)
@@ -235,16 +249,49 @@ class Engine:
 
     async def on_lost(self, replica: Replica, message: str) -> None:
         """A rank of the replica is gone (found by its step, the monitor or a replacement's handshake): the
-        replica goes down, its requests end with UNAVAILABLE, the other replicas go on."""
+        replica goes down (its pool and prefix cache are forgotten) and its live requests resume elsewhere:
+        on another serving replica at once, or on this one when its group comes back. Their sequences keep
+        every token already streamed and are recomputed like preempted ones; sampling keyed by (seed, token
+        index) draws the same tokens again, so a client sees a pause, never a repeated or missing token."""
         if not replica.is_serving:
             return
-        lost = [st for st in self.streams.values() if st.replica is replica]
+        moved = sorted(replica.scheduler.requests.values(), key=lambda r: r.arrival_time)
         await replica.detach(message)
         self._report_health()
-        for stream in lost:
-            self._fail_request(stream.request, EngineUnavailable(message))
-        log.error("workers_lost", replica=replica.index, error=message, failed_requests=len(lost),
+        for request in moved:
+            self.streams[request.request_id].replica = None
+        self._orphans.extend(moved)
+        if self._orphans and self._orphan_deadline is None:
+            self._orphan_deadline = time.monotonic() + self.worker_restart_timeout
+            self._orphan_reason = message
+        self._resume_orphans()
+        log.error("workers_lost", replica=replica.index, error=message, requests_to_resume=len(moved),
                   serving_replicas=sum(r.is_serving for r in self.replicas))
+
+    def _resume_orphans(self) -> None:
+        """Give requests whose replica was lost to serving replicas (oldest at the head of the queues)."""
+        if not self._orphans or not self.is_serving:
+            return
+        orphans, self._orphans = self._orphans, []
+        self._orphan_deadline = None
+        for request in reversed(orphans):  # adopt() queues at the head: the oldest is adopted last
+            replica = self.route(request)
+            replica.scheduler.adopt(request)
+            self.streams[request.request_id].replica = replica
+            replica.wake()
+            log.info("request_resumed", request_id=request.request_id, replica=replica.index,
+                     tokens=[s.num_output_tokens for s in request.seqs])
+
+    def _expire_orphans(self) -> None:
+        """No replica came back within --worker-restart-timeout: the waiting requests end with UNAVAILABLE."""
+        if self._orphan_deadline is None or time.monotonic() < self._orphan_deadline:
+            return
+        orphans, self._orphans = self._orphans, []
+        self._orphan_deadline = None
+        message = (f"no worker came back within {self.worker_restart_timeout:g}s after: {self._orphan_reason}")
+        for request in orphans:
+            self._fail_request(request, EngineUnavailable(message))
+        log.error("requests_expired", count=len(orphans), error=message)
 
     def _emit(self, stream: RequestStream, delta: Delta) -> None:
         request = stream.request
@@ -271,9 +318,8 @@ class Engine:
         if stream is None or stream.request is not request:
             return
         del self.streams[request.request_id]
-        sched = stream.replica.scheduler
-        if sched is not None:
-            sched.abort_request(request.request_id)
+        if stream.replica is not None and stream.replica.scheduler is not None:
+            stream.replica.scheduler.abort_request(request.request_id)
         stream.queue.put_nowait(error)
 
     # --- reporting -------------------------------------------------------------------------------

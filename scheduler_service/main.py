@@ -53,7 +53,11 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue-len", type=int, default=1024)
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds to wait for workers at start")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="seconds of silence after which a worker counts as lost (stopped, hung or unreachable)")
+    p.add_argument("--worker-restart-timeout", type=float, default=120.0,
+                   help="seconds a lost replica's requests wait for a worker group to (re)join before they end "
+                        "with UNAVAILABLE (with data parallelism they move to another replica at once)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--log-level", default="info")
 
@@ -91,7 +95,7 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     except ValueError as e:
         raise SystemExit(f"pagedserve-scheduler: {e}") from e
     log.info("worker_socket_bound", endpoint=endpoint)
-    engine = Engine(config, spec, tokenizer, client)
+    engine = Engine(config, spec, tokenizer, client, worker_restart_timeout=args.worker_restart_timeout)
     if args.metrics_port:
         engine.metrics.serve(args.metrics_port, args.host)
         log.info("metrics_serving", port=args.metrics_port)

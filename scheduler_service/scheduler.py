@@ -26,6 +26,11 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.sequence import FinishReason, Request, Sequence, SequenceStatus
 
 
+# Sequence ids are unique in the process, not per scheduler: a request moved to another replica (its
+# workers were lost) keeps its sequences.
+_SEQ_IDS = itertools.count()
+
+
 class DuplicateRequestId(ValueError):
     """A live request already has this id."""
 
@@ -69,7 +74,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found in cached blocks
-        self._seq_ids = itertools.count()
         self._step_ids = itertools.count(1)
 
     # --- requests ------------------------------------------------------------------------------
@@ -88,10 +92,25 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
-        request.seqs = [Sequence(next(self._seq_ids), request, i) for i in range(request.sampling.n)]
+        request.seqs = [Sequence(next(_SEQ_IDS), request, i) for i in range(request.sampling.n)]
         request.pending_forks = request.seqs[1:]
         self.requests[request.request_id] = request
         self.waiting.append(request.seqs[0])
+
+    def adopt(self, request: Request) -> None:
+        """Take over a live request from a scheduler whose workers were lost: its unfinished sequences keep
+        their tokens (prompt and generated) and wait at the head of the queue to be recomputed, exactly as
+        after a preemption; samples not yet forked stay pending."""
+        if request.request_id in self.requests:
+            raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
+        self.requests[request.request_id] = request
+        resumed = [s for s in request.seqs if not s.is_finished and s not in request.pending_forks]
+        for seq in reversed(resumed):
+            seq.block_ids = []
+            seq.num_computed_tokens = 0
+            seq.num_registered_blocks = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
 
     def abort_request(self, request_id: str) -> Request | None:
         """End every sample of a request; its blocks return at once. None if it is not live."""

@@ -1,9 +1,10 @@
-"""Failures: a worker that dies mid-request ends its requests with a clear error, never a hang, and the
-supervisor brings a new one that serves again."""
+"""Faults: a worker that dies or stalls is replaced and its requests resume with identical output; with no
+worker to come back they end with UNAVAILABLE, never a hang."""
 
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -12,53 +13,161 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.local_server import greedy_request
+from tests.tiny import hf_greedy
 
 pytestmark = pytest.mark.slow
 
 
-def test_killed_worker_fails_requests_with_unavailable_and_is_replaced(server_factory, tiny_model_dir):
-    server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "64", "--heartbeat-timeout", "2",
-                            "--max-model-len", "256")
-    children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
-    assert len(children) == 1
-    first = threading.Event()
-    box = {}
+def children_of(pid):
+    return subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
 
-    def consume():
+
+def sampled(prompt, max_tokens, seed):
+    from protos import generation_pb2
+
+    return generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True))
+
+
+class Streams:
+    """Streaming calls in threads; each collects its token deltas in order, or the error."""
+
+    def __init__(self, stub, requests):
+        self.tokens = [[] for _ in requests]
+        self.errors = [None] * len(requests)
+        self.started = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(stub, i, r)) for i, r in enumerate(requests)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, stub, i, req):
         try:
-            for _ in server.stub.GenerateStream(greedy_request([3, 4, 5], 240), timeout=60):
-                first.set()
-            box["result"] = "finished"
+            for msg in stub.GenerateStream(req, timeout=120):
+                self.tokens[i].extend(msg.token_ids)
+                if len(self.tokens[i]) >= 3:
+                    self.started.set()
         except grpc.RpcError as e:
-            box["result"] = e
+            self.errors[i] = e
 
-    t = threading.Thread(target=consume)
-    t.start()
-    assert first.wait(30)
-    os.kill(int(children[0]), signal.SIGKILL)
-    t0 = time.monotonic()
-    t.join(30)
-    assert not t.is_alive(), "the request hung after its worker died"
-    err = box["result"]
-    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
-    assert "worker" in err.details() and time.monotonic() - t0 < 15
+    def join(self, timeout=90):
+        for t in self.threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in self.threads), "a request hung after its worker died"
+
+
+def wait_health(server, serving, timeout):
     health = health_pb2_grpc.HealthStub(server.channel)
+    want = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == want:
+                return
+        except grpc.RpcError:  # not listening yet
+            pass
+        assert time.monotonic() < deadline, f"health never became {'SERVING' if serving else 'NOT_SERVING'}"
+        time.sleep(0.05)
+
+
+def assert_pool_clean(server):
     deadline = time.monotonic() + 5
-    while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    stats = server.stats()
-    assert not stats.replicas[0].serving and "exited" in stats.replicas[0].status  # seen by its process
-    deadline = time.monotonic() + 60  # the supervisor restarts the worker; its handshake brings the replica back
-    while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
-        assert time.monotonic() < deadline, server.log_tail()
-        time.sleep(0.1)
-    new_children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
-    assert len(new_children) == 1 and new_children != children
-    again = server.stub.Generate(greedy_request([1, 2], 2), timeout=30)
-    assert len(again.choices[0].token_ids) == 2
-    stats = server.stats()
-    assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks and not stats.requests
+    while True:
+        stats = server.stats()
+        if stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks and not stats.requests:
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def fault_server(server_factory, tiny_model_dir):
+    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "128", "--heartbeat-timeout", "2",
+                          "--max-model-len", "256")
+
+
+def test_a_killed_worker_is_replaced_and_every_stream_completes_as_if_nothing_happened(fault_server, tiny_model_dir):
+    server = fault_server
+    prompts = [[3, 4, 5], [9, 9, 8, 7, 6, 5, 4, 3, 2, 10, 11], [20, 21]]
+    reqs = [greedy_request(p, 120) for p in prompts] + [sampled(p, 120, seed=40 + i) for i, p in enumerate(prompts)]
+    reference = [list(server.stub.Generate(r, timeout=120).choices[0].token_ids) for r in reqs]
+    assert reference[:3] == [hf_greedy(tiny_model_dir, p, 120) for p in prompts]
+    (old,) = children_of(server.proc.pid)
+    streams = Streams(server.stub, reqs)
+    assert streams.started.wait(30)
+    os.kill(int(old), signal.SIGKILL)
+    wait_health(server, False, 5)  # the process is watched: seen well within a heartbeat timeout
+    wait_health(server, True, 60)  # the supervisor starts a new worker; its handshake brings the replica back
+    streams.join()
+    assert streams.errors == [None] * len(reqs)
+    assert streams.tokens == reference  # nothing repeated, nothing skipped, same draws when sampling
+    (new,) = children_of(server.proc.pid)
+    assert new != old
+    assert_pool_clean(server)
+
+
+def test_a_stall_past_the_deadline_is_fenced_and_replaced_and_a_short_one_changes_nothing(fault_server):
+    server = fault_server
+    reqs = [greedy_request([5, 6, 7, i], 100) for i in range(3)]
+    reference = [list(server.stub.Generate(r, timeout=120).choices[0].token_ids) for r in reqs]
+    (worker,) = children_of(server.proc.pid)
+    streams = Streams(server.stub, reqs)
+    assert streams.started.wait(30)
+    os.kill(int(worker), signal.SIGSTOP)  # shorter than the 2 s heartbeat timeout
+    time.sleep(0.8)
+    os.kill(int(worker), signal.SIGCONT)
+    streams.join()
+    assert streams.errors == [None] * 3 and streams.tokens == reference
+    assert children_of(server.proc.pid) == [worker], "a short stall replaced the worker"
+    streams = Streams(server.stub, reqs)
+    assert streams.started.wait(30)
+    os.kill(int(worker), signal.SIGSTOP)  # past the deadline: declared lost, killed, replaced
+    try:
+        wait_health(server, False, 10)
+        wait_health(server, True, 60)
+    finally:
+        if children_of(server.proc.pid) == [worker]:
+            os.kill(int(worker), signal.SIGCONT)
+    streams.join()
+    assert streams.errors == [None] * 3 and streams.tokens == reference
+    assert children_of(server.proc.pid) != [worker]
+    assert_pool_clean(server)
+
+
+def test_requests_end_unavailable_when_no_worker_comes_back_in_time(tmp_path, tiny_model_dir):
+    """A scheduler on its own and a worker started by hand, with no supervisor to restart it."""
+    from deploy.local_server import ROOT, free_port
+
+    port, wire = free_port(), free_port()
+    log = open(tmp_path / "scheduler.log", "w")
+    sched = subprocess.Popen([sys.executable, "-m", "scheduler_service.main", "--model", str(tiny_model_dir),
+                              "--port", str(port), "--worker-endpoint", f"tcp://127.0.0.1:{wire}",
+                              "--block-size", "4", "--worker-restart-timeout", "3", "--heartbeat-timeout", "2"],
+                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    worker = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler",
+                               f"tcp://127.0.0.1:{wire}", "--block-size", "4", "--num-blocks", "200", "--threads", "1"],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        server = type("S", (), {"channel": channel})()
+        wait_health(server, True, 120)
+        from protos import generation_pb2_grpc
+
+        streams = Streams(generation_pb2_grpc.GenerationStub(channel), [greedy_request([3, 4, 5], 400)])
+        assert streams.started.wait(30)
+        worker.kill()
+        t0 = time.monotonic()
+        streams.join(30)
+        err = streams.errors[0]
+        assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no worker came back within 3s" in err.details() and "exited" in err.details()
+        assert 3 <= time.monotonic() - t0 < 10
+        channel.close()
+    finally:
+        for p in (worker, sched):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        log.close()
 
 
 def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):

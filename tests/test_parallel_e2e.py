@@ -95,25 +95,45 @@ def test_abort_and_cancel_find_requests_on_any_replica(dp_server):
     assert_all_blocks_back(dp_server)
 
 
-def test_a_killed_rank_takes_its_group_down_and_the_supervisor_brings_it_back(tp_server):
-    health = health_pb2_grpc.HealthStub(tp_server.channel)
+def test_a_killed_rank_takes_its_group_down_and_the_group_comes_back_and_resumes(tp_server, tiny_model_dir):
+    from tests.test_faults import Streams, wait_health
+
+    reqs = [greedy_request([5, 6, 7, i], 80) for i in range(3)]
+    reference = [hf_greedy(tiny_model_dir, list(r.prompt_token_ids), 80) for r in reqs]
     pids = list(tp_server.stats().replicas[0].worker_pids)
+    streams = Streams(tp_server.stub, reqs)
+    assert streams.started.wait(30)
     os.kill(pids[1], signal.SIGKILL)
-    deadline = time.monotonic() + 20  # the lost rank is seen by its heartbeat (3 s here)
-    while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
-        assert time.monotonic() < deadline, "health stayed SERVING with a dead rank"
-        time.sleep(0.1)
-    deadline = time.monotonic() + 120  # the whole group restarts, shakes hands and serves again
-    while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING:
-        assert time.monotonic() < deadline, f"the group did not come back:\n{tp_server.log_tail()}"
-        time.sleep(0.2)
+    wait_health(tp_server, False, 5)
+    wait_health(tp_server, True, 120)  # the whole group restarts, shakes hands and serves again
+    streams.join()
+    assert streams.errors == [None] * 3 and streams.tokens == reference
     new_pids = list(tp_server.stats().replicas[0].worker_pids)
     assert len(new_pids) == 2 and not set(new_pids) & set(pids), "both ranks of the group are new processes"
     for pid in pids:
         assert not _alive(pid)
-    resp = tp_server.stub.Generate(greedy_request([5, 6, 7], 5), timeout=60)
-    assert len(resp.choices[0].token_ids) == 5
     assert_all_blocks_back(tp_server)
+
+
+def test_a_lost_replicas_requests_move_to_the_other_one(dp_server, tiny_model_dir):
+    from tests.test_faults import Streams
+
+    reqs = [greedy_request([40, 41, 42, i], 100, f"move-{i}") for i in range(4)]
+    reference = [hf_greedy(tiny_model_dir, list(r.prompt_token_ids), 100) for r in reqs]
+    streams = Streams(dp_server.stub, reqs)
+    assert streams.started.wait(30)
+    stats = dp_server.stats()
+    on = {r.request_id: r.replica for r in stats.requests}
+    assert set(on.values()) == {0, 1}
+    victim = stats.replicas[0].worker_pids[0]
+    os.kill(victim, signal.SIGKILL)
+    streams.join()
+    assert streams.errors == [None] * 4 and streams.tokens == reference
+    deadline = time.monotonic() + 60  # and replica 0 comes back
+    while not all(r.serving for r in dp_server.stats().replicas):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert_all_blocks_back(dp_server)
 
 
 def _alive(pid):
