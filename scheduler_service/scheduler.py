@@ -25,7 +25,6 @@ from scheduler_service.block_allocator import BlockAllocator
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.sequence import FinishReason, Request, Sequence, SequenceStatus
 
-
 # Sequence ids are unique in the process, not per scheduler: a request moved to another replica (its
 # workers were lost) keeps its sequences.
 _SEQ_IDS = itertools.count()

@@ -8,7 +8,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.local_server import ServerProcess, free_port, greedy_request
 from protos import generation_pb2
