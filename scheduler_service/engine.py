@@ -46,6 +46,10 @@ class StepFailed(RuntimeError):
     """A step holding this request failed on a worker; answered with INTERNAL."""
 
 
+class Unschedulable(RuntimeError):
+    """The request can never be admitted to its replica's pool; answered with RESOURCE_EXHAUSTED."""
+
+
 @dataclass
 class RequestStream:
     request: Request
@@ -246,6 +250,9 @@ class Engine:
     def on_step_failed(self, replica: Replica, out: SchedulerOutput, message: str) -> None:
         for request in {id(s.seq.request): s.seq.request for s in out.scheduled}.values():
             self._fail_request(request, StepFailed(f"the worker failed a step of this request: {message}"))
+
+    def on_unschedulable(self, replica: Replica, request: Request, message: str) -> None:
+        self._fail_request(request, Unschedulable(message))
 
     async def on_lost(self, replica: Replica, message: str) -> None:
         """A rank of the replica is gone (found by its step, the monitor or a replacement's handshake): the

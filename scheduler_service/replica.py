@@ -59,8 +59,8 @@ def prompt_block_hashes(prompt: list[int], block_size: int) -> list[bytes]:
 
 class Replica:
     def __init__(self, index: int, config: SchedulerConfig, client: WorkerClient, sink) -> None:
-        """sink: the engine; gets `on_step(replica, out, new_tokens)`, `on_step_failed(replica, out, error)`
-        and `on_lost(replica, error)`."""
+        """sink: the engine; gets `on_step(replica, out, new_tokens, seconds)`, `on_step_failed(replica, out,
+        error)`, `on_unschedulable(replica, request, error)` and `await on_lost(replica, error)`."""
         self.index = index
         self.config = config
         self.client = client
@@ -150,10 +150,18 @@ class Replica:
             for seq in out.preempted:
                 log.info("preempted", request_id=seq.request.request_id, index=seq.index, tokens=seq.num_tokens,
                          replica=self.index)
-            if out.is_empty:  # everything waits on blocks held by nobody: cannot happen with validated sizes
+            if out.is_empty:
+                # Nothing runs and the head of the queue cannot be admitted: it can never be, so it gets an
+                # error rather than a retry forever (validated sizes make this a last line of defence).
                 log.error("no_progress", replica=self.index, waiting=len(sched.waiting),
-                          free_blocks=sched.allocator.num_free_blocks)
-                await asyncio.sleep(0.05)
+                          running=len(sched.running), free_blocks=sched.allocator.num_available_blocks)
+                if not sched.running and sched.waiting:
+                    head = sched.waiting[0]
+                    self.sink.on_unschedulable(self, head.request, (
+                        f"the request cannot be scheduled: its next step needs more than the "
+                        f"{sched.allocator.num_available_blocks} free KV blocks of an otherwise idle pool"))
+                else:
+                    await asyncio.sleep(0.05)
                 continue
             t1 = time.perf_counter()
             plan = encode_plan(build_plan(out, self.config.block_size))

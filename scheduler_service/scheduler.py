@@ -230,16 +230,21 @@ class Scheduler:
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def _fork(self, leader: Sequence) -> None:
-        """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token."""
+        """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token. Those
+        beyond max_num_seqs wait at the head of the queue instead, where admission finds the prompt's
+        full blocks in the prefix cache."""
         request = leader.request
         prompt_blocks = leader.block_ids[: self.allocator.blocks_for_tokens(request.prompt_len)]
-        for seq in request.pending_forks:
+        room = max(0, self.config.max_num_seqs - len(self.running))
+        forks, queued = request.pending_forks[:room], request.pending_forks[room:]
+        for seq in forks:
             self.allocator.share(prompt_blocks)
             seq.block_ids = list(prompt_blocks)
             seq.num_computed_tokens = request.prompt_len - 1
             seq.num_registered_blocks = (request.prompt_len - 1) // self.block_size
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+        self.waiting.extendleft(reversed(queued))
         request.pending_forks = []
 
     def _writes_need_copy(self, seq: Sequence, num_new: int) -> list[int]:
@@ -291,9 +296,10 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """The one path that gives a sequence's blocks back (finish, abort, preemption)."""
+        """The one path that gives a sequence's blocks back (finish, abort, preemption). Last block first:
+        the LRU then evicts a cached chain from its leaf, and its root — which every lookup needs — last."""
         if seq.block_ids:
-            self.allocator.free(seq.block_ids)
+            self.allocator.free(seq.block_ids[::-1])
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

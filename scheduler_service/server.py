@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import generation_pb2, generation_pb2_grpc
-from scheduler_service.engine import Engine, EngineUnavailable, QueueFull, StepFailed
+from scheduler_service.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
 from scheduler_service.output import Delta
 from scheduler_service.scheduler import DuplicateRequestId
 from scheduler_service.sequence import FinishReason
@@ -20,7 +20,7 @@ from scheduler_service.validation import InvalidRequest, request_from_proto
 
 log = structlog.get_logger("scheduler.server")
 
-_CLIENT_ERRORS = (InvalidRequest, QueueFull, EngineUnavailable, StepFailed, DuplicateRequestId)
+_CLIENT_ERRORS = (InvalidRequest, QueueFull, EngineUnavailable, StepFailed, DuplicateRequestId, Unschedulable)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -35,7 +35,7 @@ _FINISH = {
 def _status_for(error: Exception) -> grpc.StatusCode:
     if isinstance(error, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(error, QueueFull):
+    if isinstance(error, (QueueFull, Unschedulable)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(error, EngineUnavailable):
         return grpc.StatusCode.UNAVAILABLE

@@ -58,7 +58,9 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
         )
     sampling = _sampling(msg.sampling, prompt_len, limits)
     seq_tokens = prompt_len + sampling.max_tokens
-    shared = prompt_len // limits.block_size  # the prompt's full blocks are shared by all samples
+    # Samples share the prompt's blocks up to the one holding its last token, which each sample recomputes
+    # to draw its own first token: when the prompt ends on a block boundary that block is copied per sample.
+    shared = (prompt_len - 1) // limits.block_size
     need = shared + sampling.n * (math.ceil(seq_tokens / limits.block_size) - shared)
     if need > limits.num_blocks:
         raise InvalidRequest(
