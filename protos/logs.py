@@ -8,6 +8,16 @@ import sys
 
 import structlog
 
+# Request ids come from clients (up to 256 characters): logs carry at most this many of them.
+MAX_LOGGED_ID = 64
+
+
+def _truncate_request_id(logger, method, event: dict) -> dict:
+    rid = event.get("request_id")
+    if isinstance(rid, str) and len(rid) > MAX_LOGGED_ID:
+        event["request_id"] = rid[:MAX_LOGGED_ID] + "…"
+    return event
+
 
 def configure_logging(level: str = "info", process: str = "pagedserve", json_lines: bool = True) -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
@@ -15,6 +25,7 @@ def configure_logging(level: str = "info", process: str = "pagedserve", json_lin
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _truncate_request_id,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,

@@ -25,7 +25,7 @@ from scheduler_service.config import ModelSpec, SchedulerConfig
 from scheduler_service.metrics import Metrics
 from scheduler_service.output import Delta, SampleOutput, Usage
 from scheduler_service.replica import Replica, prompt_block_hashes
-from scheduler_service.scheduler import DuplicateRequestId, SchedulerOutput
+from scheduler_service.scheduler import DuplicateRequestId, SchedulerOutput, make_sequences
 from scheduler_service.sequence import FinishReason, Request, SequenceStatus
 from scheduler_service.tokenizer import Tokenizer
 from scheduler_service.validation import Limits
@@ -75,6 +75,7 @@ class Engine:
         self.metrics = Metrics()
         self._starting_reason = "workers not connected yet"
         self._monitor: asyncio.Task | None = None
+        self._draining = False
         # Every change of "any replica serving" after start, in order (the gRPC health service follows it).
         self.health_changes: asyncio.Queue[bool] = asyncio.Queue()
         self._was_serving = False
@@ -91,7 +92,8 @@ class Engine:
         await self.client.wait_for_workers(worker_timeout)
         groups = self.client.groups
         self.limits = Limits(self.spec.vocab_size, self._max_context(groups[0]),
-                             min(g.num_blocks for g in groups), self.config.block_size)
+                             min(g.num_blocks for g in groups), self.config.block_size,
+                             self.tokenizer.max_token_bytes)
         for replica in self.replicas:
             replica.attach(self.limits.max_context)
         self._was_serving = True
@@ -106,6 +108,20 @@ class Engine:
             for d, reason in self.client.find_lost():
                 await self.on_lost(self.replicas[d], reason)
             self._expire_orphans()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait up to `timeout` for the running ones; the rest end with UNAVAILABLE.
+        True when every request finished on its own."""
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.streams.values())
+        for stream in left:
+            self._fail_request(stream.request, EngineUnavailable(
+                f"the server is shutting down and this request did not finish within its {timeout:g}s drain"))
+        await asyncio.sleep(0)  # let the handlers send what they were given
+        return not left
 
     async def stop(self) -> None:
         if self._monitor is not None:
@@ -161,6 +177,12 @@ class Engine:
 
     # --- requests --------------------------------------------------------------------------------
     def route(self, request: Request) -> Replica:
+        """The replica a new request goes to (see the module docstring)."""
+        if self._draining:
+            raise EngineUnavailable("the server is shutting down; send the request to another instance")
+        return self._pick(request)
+
+    def _pick(self, request: Request) -> Replica:
         serving = [r for r in self.replicas if r.is_serving]
         if not serving:
             raise EngineUnavailable(self.unavailable_reason)
@@ -178,24 +200,33 @@ class Engine:
         """Add a request and yield its deltas until every sample has finished.
 
         Leaving the iteration early (client cancelled or disconnected) aborts the request."""
-        replica = self.route(request)
-        waiting = sum(len(r.scheduler.waiting) for r in self.replicas if r.scheduler)
+        if self._draining:
+            raise EngineUnavailable("the server is shutting down; send the request to another instance")
+        waiting = len(self._orphans) + sum(len(r.scheduler.waiting) for r in self.replicas if r.scheduler)
         if waiting >= self.config.max_queue_len:
             raise QueueFull(f"{waiting} requests are waiting already; try again later")
         if request.request_id in self.streams:
             raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
-        sched = replica.scheduler
-        sched.add_request(request)
+        max_len = self.limits.max_context
+        if self.is_serving:
+            replica = self.route(request)
+            replica.scheduler.add_request(request)
+            replica.num_routed += 1
+            replica.wake()
+        else:  # every group is being replaced: wait for one (at most --worker-restart-timeout), like the
+            replica = None  # requests that were running on it
+            make_sequences(request)
+            self._orphans.append(request)
+            if self._orphan_deadline is None:
+                self._orphan_deadline = time.monotonic() + self.worker_restart_timeout
+                self._orphan_reason = self.unavailable_reason or "no worker"
         stream = RequestStream(
-            request,
-            [SampleOutput(self.tokenizer, s, self.spec.eos_token_ids, sched.max_model_len) for s in request.seqs],
-            replica,
+            request, [SampleOutput(self.tokenizer, s, self.spec.eos_token_ids, max_len) for s in request.seqs], replica,
         )
         self.streams[request.request_id] = stream
-        replica.num_routed += 1
         log.info("request_added", request_id=request.request_id, prompt_tokens=request.prompt_len,
-                 max_tokens=request.sampling.max_tokens, n=request.sampling.n, replica=replica.index)
-        replica.wake()
+                 max_tokens=request.sampling.max_tokens, n=request.sampling.n,
+                 replica=replica.index if replica else None)
         finished = False
         try:
             while True:
@@ -282,7 +313,7 @@ class Engine:
         orphans, self._orphans = self._orphans, []
         self._orphan_deadline = None
         for request in reversed(orphans):  # adopt() queues at the head: the oldest is adopted last
-            replica = self.route(request)
+            replica = self._pick(request)
             replica.scheduler.adopt(request)
             self.streams[request.request_id].replica = replica
             replica.wake()

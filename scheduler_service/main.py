@@ -12,6 +12,7 @@ import asyncio
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import structlog
 
@@ -55,9 +56,19 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds to wait for workers at start")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="seconds of silence after which a worker counts as lost (stopped, hung or unreachable)")
+    p.add_argument("--step-timeout", type=float, default=60.0,
+                   help="step watchdog: a step of T tokens that takes longer than this + T x --step-timeout-per-token "
+                        "seconds declares its workers lost (they are fenced and replaced)")
+    p.add_argument("--step-timeout-per-token", type=float, default=0.05)
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds running requests get to finish before they end with UNAVAILABLE")
     p.add_argument("--worker-restart-timeout", type=float, default=120.0,
                    help="seconds a lost replica's requests wait for a worker group to (re)join before they end "
                         "with UNAVAILABLE (with data parallelism they move to another replica at once)")
+    p.add_argument("--tls-cert", default=None, help="serve gRPC over TLS with this certificate chain (PEM)")
+    p.add_argument("--tls-key", default=None, help="the private key (PEM) of --tls-cert")
+    p.add_argument("--expose-request-ids", action="store_true",
+                   help="show request ids in GetCacheStats (anyone who sees an id can abort its request)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--log-level", default="info")
 
@@ -89,6 +100,7 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
         args.worker_endpoint, args.data_parallel_size, args.tensor_parallel_size, args.heartbeat_timeout,
         expected={"block_size": config.block_size, "max_num_batched_tokens": config.max_num_batched_tokens},
         curve_keys=args.curve_keys, insecure_wire=args.insecure_wire,
+        step_timeout=args.step_timeout, step_timeout_per_token=args.step_timeout_per_token,
     )
     try:
         endpoint = client.bind()
@@ -99,7 +111,10 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     if args.metrics_port:
         engine.metrics.serve(args.metrics_port, args.host)
         log.info("metrics_serving", port=args.metrics_port)
-    server, health, port = build_server(engine, f"{args.host}:{args.port}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
+    server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls)
     await server.start()
     await health.set(False)
     stop = stop or asyncio.Event()
@@ -134,8 +149,12 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     watcher = loop.create_task(_watch_health(engine, health, stop))  # engine.start reported SERVING
     await stop.wait()
     watcher.cancel()
-    log.info("stopping")
+    # Drain: NOT_SERVING at once (load balancers stop sending), the port stays open, running requests get
+    # --drain-timeout to finish, then the rest end with UNAVAILABLE and a message.
     await health.set(False)
+    log.info("draining", requests=len(engine.streams), timeout_s=args.drain_timeout)
+    finished = await engine.drain(args.drain_timeout)
+    log.info("stopping", drained=finished)
     await server.stop(grace=2.0)
     await engine.stop()
     return 0

@@ -30,6 +30,12 @@ from scheduler_service.sequence import FinishReason, Request, Sequence, Sequence
 _SEQ_IDS = itertools.count()
 
 
+def make_sequences(request: Request) -> None:
+    """One sequence per sample; samples 1..n-1 wait to fork from sample 0's prompt."""
+    request.seqs = [Sequence(next(_SEQ_IDS), request, i) for i in range(request.sampling.n)]
+    request.pending_forks = request.seqs[1:]
+
+
 class DuplicateRequestId(ValueError):
     """A live request already has this id."""
 
@@ -91,8 +97,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
-        request.seqs = [Sequence(next(_SEQ_IDS), request, i) for i in range(request.sampling.n)]
-        request.pending_forks = request.seqs[1:]
+        make_sequences(request)
         self.requests[request.request_id] = request
         self.waiting.append(request.seqs[0])
 

@@ -1,17 +1,25 @@
 """The gRPC front door: pagedserve.v1.Generation, grpc.health.v1 and server reflection.
 
 The servicer is thin: protobuf in → engine call → protobuf out. Errors map to status codes in one
-place (`_status_for`).
+place (`_status_for`). Requests are parsed by a tolerant deserializer, so a malformed message or a
+string that is not UTF-8 is answered with INVALID_ARGUMENT instead of gRPC's UNKNOWN; validation and
+tokenization run off the event loop, so one huge prompt never stalls the other clients.
+
+The API has no authentication of its own: `--tls-cert/--tls-key` serve it over TLS, and anything more
+(client certificates, tokens) belongs in a proxy in front of it. Per-request ids in GetCacheStats are
+shown only with `--expose-request-ids` (an id is all Abort needs).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import generation_pb2, generation_pb2_grpc
+from protos import generation_pb2
 from scheduler_service.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
 from scheduler_service.output import Delta
 from scheduler_service.scheduler import DuplicateRequestId
@@ -52,14 +60,49 @@ def _usage(delta: Delta) -> generation_pb2.Usage:
     )
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+class Malformed:
+    """What the tolerant deserializer returns for bytes that are not a valid request message."""
 
-    def _request(self, msg: generation_pb2.GenerateRequest):
-        if not self.engine.is_serving:
+    def __init__(self, error: str) -> None:
+        self.error = error
+        self.request_id = ""
+
+
+def _tolerant(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError, invalid UTF-8 in a string field, ...
+            return Malformed(f"the request is not a valid {message_cls.DESCRIPTOR.full_name}: {e}")
+
+    return parse
+
+
+class GenerationServicer:
+    def __init__(self, engine: Engine, expose_request_ids: bool = False) -> None:
+        self.engine = engine
+        self.expose_request_ids = expose_request_ids
+
+    async def _request(self, msg: generation_pb2.GenerateRequest):
+        if isinstance(msg, Malformed):
+            raise InvalidRequest(msg.error)
+        if self.engine.limits is None:
             raise EngineUnavailable(self.engine.unavailable_reason)
-        return request_from_proto(msg, self.engine.tokenizer, self.engine.limits)
+        return await asyncio.to_thread(request_from_proto, msg, self.engine.tokenizer, self.engine.limits)
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        pb = generation_pb2
+        methods = {
+            "Generate": (grpc.unary_unary_rpc_method_handler, self.Generate, pb.GenerateRequest),
+            "GenerateStream": (grpc.unary_stream_rpc_method_handler, self.GenerateStream, pb.GenerateRequest),
+            "Abort": (grpc.unary_unary_rpc_method_handler, self.Abort, pb.AbortRequest),
+            "GetModelInfo": (grpc.unary_unary_rpc_method_handler, self.GetModelInfo, pb.GetModelInfoRequest),
+            "GetCacheStats": (grpc.unary_unary_rpc_method_handler, self.GetCacheStats, pb.GetCacheStatsRequest),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            name: kind(fn, request_deserializer=_tolerant(cls), response_serializer=lambda m: m.SerializeToString())
+            for name, (kind, fn, cls) in methods.items()
+        })
 
     async def _fail(self, context: grpc.aio.ServicerContext, error: Exception, request_id: str = "") -> None:
         code = _status_for(error)
@@ -68,7 +111,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, msg, context):
         try:
-            request = self._request(msg)
+            request = await self._request(msg)
             choices = {}
             usage = None
             async for delta in self.engine.generate(request):
@@ -88,7 +131,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def GenerateStream(self, msg, context):
         try:
-            request = self._request(msg)
+            request = await self._request(msg)
             async for delta in self.engine.generate(request):
                 out = generation_pb2.GenerateStreamResponse(
                     request_id=request.request_id, index=delta.index, token_ids=delta.token_ids, text=delta.text
@@ -102,6 +145,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await self._fail(context, e, msg.request_id)
 
     async def Abort(self, msg, context):
+        if isinstance(msg, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.error)
         if not msg.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         return generation_pb2.AbortResponse(aborted=self.engine.abort(msg.request_id, reason="Abort RPC"))
@@ -117,6 +162,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.unavailable_reason or "not ready")
         stats = self.engine.cache_stats()
         requests = [generation_pb2.RequestCacheUsage(**r) for r in stats.pop("requests")]
+        if not self.expose_request_ids:  # blocks and tokens per request, but not ids anyone could abort
+            for r in requests:
+                r.request_id = ""
         replicas = [generation_pb2.ReplicaCacheStats(**r) for r in stats.pop("replicas")]
         return generation_pb2.CacheStats(**stats, requests=requests, replicas=replicas)
 
@@ -135,18 +183,23 @@ class HealthReporter:
                 await result
 
 
-def build_server(engine: Engine, address: str) -> tuple[grpc.aio.Server, HealthReporter, int]:
+def build_server(engine: Engine, address: str, expose_request_ids: bool = False,
+                 tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, HealthReporter, int]:
+    """tls: (private key, certificate chain) in PEM to serve over TLS; None for plaintext."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ])
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+    server.add_generic_rpc_handlers((GenerationServicer(engine, expose_request_ids).handlers(),))
     reporter = HealthReporter()
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
     if port == 0:
         raise RuntimeError(f"cannot listen on {address}")
     return server, reporter, port

@@ -30,6 +30,7 @@ class Tokenizer:
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self._template = None
+        self._max_token_bytes: int | None = None
         if self.chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
@@ -38,6 +39,15 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """Bytes of UTF-8 the longest token can stand for (an upper bound): a text of B bytes has at least
+        B / max_token_bytes tokens, so a prompt can be refused as too long without tokenizing it."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max((len(t.encode()) for t in self._tok.get_vocab(with_added_tokens=True)),
+                                        default=1)
+        return self._max_token_bytes
 
     @property
     def eos_token_id(self) -> int | None:

@@ -12,6 +12,10 @@ from scheduler_service.tokenizer import Tokenizer
 
 MAX_SAMPLES = 16
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_REQUEST_ID_CHARS = 256
+# Temperatures below this are greedy: dividing logits by them overflows to inf and NaN probabilities.
+MIN_TEMPERATURE = 1e-5
 
 
 class InvalidRequest(ValueError):
@@ -21,11 +25,14 @@ class InvalidRequest(ValueError):
 class Limits:
     """What a request must fit: the model's context and vocabulary, and the whole KV pool."""
 
-    def __init__(self, vocab_size: int, max_context: int, num_blocks: int, block_size: int) -> None:
+    def __init__(self, vocab_size: int, max_context: int, num_blocks: int, block_size: int,
+                 max_token_bytes: int | None = None) -> None:
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # A text prompt longer than this cannot fit the context whatever it says: refused before tokenizing.
+        self.max_prompt_bytes = max_context * max_token_bytes if max_token_bytes else None
 
 
 def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> Request:
@@ -44,6 +51,11 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
                 f"e.g. {bad[0]}"
             )
     else:
+        size = len(msg.prompt.encode())
+        if limits.max_prompt_bytes is not None and size > limits.max_prompt_bytes:
+            raise InvalidRequest(
+                f"the prompt is {size} bytes, more than any {limits.max_context}-token context can hold "
+                f"({limits.max_prompt_bytes} bytes at most)")
         try:
             prompt_ids = tokenizer.encode_prompt(msg.prompt, raw=msg.raw_prompt)
         except ValueError as e:
@@ -68,8 +80,8 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
             f"the whole pool has {limits.num_blocks} blocks of {limits.block_size} tokens; lower max_tokens or n"
         )
     request_id = msg.request_id or uuid.uuid4().hex
-    if len(request_id) > 256:
-        raise InvalidRequest("request_id is longer than 256 characters")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling)
 
 
@@ -102,12 +114,14 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}")
     if any(s == "" for s in p.stop):
         raise InvalidRequest("a stop string is empty")
+    if any(len(s) > MAX_STOP_CHARS for s in p.stop):
+        raise InvalidRequest(f"a stop string is longer than {MAX_STOP_CHARS} characters")
     bad = [t for t in p.stop_token_ids if t >= limits.vocab_size]
     if bad:
         raise InvalidRequest(f"stop_token_ids has id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
     return SamplingOptions(
         max_tokens=max_tokens,
-        temperature=float(p.temperature),
+        temperature=float(p.temperature) if p.temperature >= MIN_TEMPERATURE else 0.0,
         top_p=float(top_p),
         top_k=max(0, p.top_k),
         seed=p.seed if p.HasField("seed") else secrets.randbits(63),

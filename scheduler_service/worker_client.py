@@ -125,11 +125,16 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 class WorkerClient:
     def __init__(self, endpoint: str, num_replicas: int = 1, tp_size: int = 1, heartbeat_timeout: float = 10.0,
                  expected: dict[str, object] | None = None, curve_keys: str | None = None,
-                 insecure_wire: bool = False) -> None:
-        """expected: handshake fields the scheduler's own settings fix (block_size, max_num_batched_tokens)."""
+                 insecure_wire: bool = False, step_timeout: float = 60.0,
+                 step_timeout_per_token: float = 0.05) -> None:
+        """expected: handshake fields the scheduler's own settings fix (block_size, max_num_batched_tokens).
+        A step of T tokens must finish within step_timeout + T x step_timeout_per_token seconds, however
+        alive its ranks' heartbeats say they are (a hung kernel or collective beats on)."""
         self.endpoint = endpoint
         self.tp_size = tp_size
         self.heartbeat_timeout = heartbeat_timeout
+        self.step_timeout = step_timeout
+        self.step_timeout_per_token = step_timeout_per_token
         self.expected = dict(expected or {})
         self.curve_keys = curve_keys
         self.insecure_wire = insecure_wire
@@ -164,6 +169,8 @@ class WorkerClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP heartbeats: a dead peer host is disconnected
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         if self.curve_keys:
             from zmq.auth.asyncio import AsyncioAuthenticator
 
@@ -332,6 +339,7 @@ class WorkerClient:
         for (d, _), (future, _) in list(self._pending.items()):
             if d == replica and not future.done():
                 future.set_exception(WorkerLost(reason))
+                future.exception()  # retrieved: its step loop may be cancelled rather than await it
 
     # --- steps -----------------------------------------------------------------------------------
     async def execute(self, replica: int, plan: wire_pb2.StepPlan) -> wire_pb2.StepResult:
@@ -342,6 +350,8 @@ class WorkerClient:
         frame = wire_pb2.WireMessage(version=WIRE_VERSION, plan=plan).SerializeToString()  # once, for every rank
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         key = (replica, plan.step_id)
+        limit = self.step_timeout + self.step_timeout_per_token * plan.num_tokens
+        deadline = time.monotonic() + limit
         self._pending[key] = (future, {})
         try:
             for w in list(group.workers.values()):
@@ -354,6 +364,9 @@ class WorkerClient:
                 if done:
                     break
                 self.check_alive(replica)
+                if time.monotonic() > deadline:
+                    raise WorkerLost(f"replica {replica} did not finish step {plan.step_id} ({plan.num_tokens} "
+                                     f"tokens) within its {limit:.1f}s deadline")
             results = future.result()
         finally:
             self._pending.pop(key, None)

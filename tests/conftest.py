@@ -25,7 +25,8 @@ def server_factory(tmp_path_factory):
     def start(model_dir, *args):
         log = tmp_path_factory.mktemp("server") / "server.log"
         # invariants checked every step; one torch thread each, since tests run servers beside each other
-        server = ServerProcess(model_dir, log, "--debug-invariants", "--threads", "1", *args).start()
+        server = ServerProcess(model_dir, log, "--debug-invariants", "--expose-request-ids", "--threads", "1",
+                               *args).start()
         started.append(server)
         return server
 

@@ -216,3 +216,28 @@ def test_a_pool_too_small_for_one_full_context_request_is_refused(tmp_path, tiny
     server.stop()
     assert "cannot hold one request of the full 512-token context" in str(err.value)
     assert server.proc.returncode == 1
+
+
+@pytest.mark.parametrize("drain,finishes", [(60, True), (0.2, False)])
+def test_sigterm_drains_running_requests_then_every_process_exits(server_factory, tiny_model_dir, drain, finishes):
+    server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "128", "--drain-timeout", str(drain))
+    workers = children_of(server.proc.pid)
+    reference = list(server.stub.Generate(greedy_request([8, 9, 10], 400), timeout=60).choices[0].token_ids)
+    streams = Streams(server.stub, [greedy_request([8, 9, 10], 400)])
+    assert streams.started.wait(30)
+    os.kill(server.proc.pid, signal.SIGTERM)
+    wait_health(server, False, 2)  # at once, with the port still open
+    with pytest.raises(grpc.RpcError) as refused:
+        server.stub.Generate(greedy_request([1, 2], 2), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
+    streams.join()
+    if finishes:
+        assert streams.errors == [None] and streams.tokens[0] == reference
+    else:
+        err = streams.errors[0]
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "did not finish within its 0.2s drain" in err.details()
+        assert 0 < len(streams.tokens[0]) < 400 and streams.tokens[0] == reference[: len(streams.tokens[0])]
+    assert server.proc.wait(timeout=30) == 0
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid), 0)

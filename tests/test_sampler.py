@@ -73,3 +73,22 @@ def test_temperature_sharpens():
 def test_mix_seed_spreads():
     seeds = {mix_seed(7, i) for i in range(1000)} | {mix_seed(i, 0) for i in range(100, 1100)}
     assert len(seeds) == 2000 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_nan_and_inf_logits_never_yield_nan_draws():
+    import pytest
+
+    from worker.sampler import NonFiniteLogits
+
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
+    logits[0, :50] = float("nan")  # NaN never wins, greedy or sampled
+    logits[1, 7] = float("inf")  # +inf always wins
+    logits[2, ::2] = float("-inf")  # only odd tokens are possible
+    for temperature in (0.0, 1e-38, 1e-6, 0.7, 5.0):
+        for index in range(10):
+            got = sample(logits, batch(4, temperature=temperature, index=[index] * 4)).tolist()
+            assert got[0] >= 50 and got[1] == 7 and got[2] % 2 == 1 and 0 <= got[3] < 100
+    assert sample(logits, batch(4, temperature=1e-38)).tolist() == sample(logits, batch(4, temperature=0.0)).tolist()
+    dead = torch.full((1, 10), float("nan"))
+    with pytest.raises(NonFiniteLogits, match="no finite logits"):
+        sample(dead, batch(1))

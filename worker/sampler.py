@@ -30,14 +30,27 @@ class SamplingBatch:
     sample_index: list[int]
 
 
+# Temperatures below this draw greedily: dividing by them overflows logits to inf.
+MIN_TEMPERATURE = 1e-5
+
+
+class NonFiniteLogits(ValueError):
+    """A row of logits has no finite value to choose from (a broken model or weights)."""
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits: fp32 [rows, vocab] -> int64 [rows] token ids."""
+    """logits: fp32 [rows, vocab] -> int64 [rows] token ids. NaN logits never win; +inf ones always do."""
+    logits = torch.nan_to_num(logits, nan=float("-inf"))
+    empty = torch.isneginf(logits).all(dim=-1)
+    if bool(empty.any()):
+        raise NonFiniteLogits(f"the model produced no finite logits for {int(empty.sum())} row(s)")
     tokens = logits.argmax(dim=-1)
-    random_rows = (batch.temperature > 0).nonzero().flatten().tolist()
+    random_rows = (batch.temperature >= MIN_TEMPERATURE).nonzero().flatten().tolist()
     if not random_rows:
         return tokens
     rows = torch.tensor(random_rows, device=logits.device)
     scaled = logits[rows] / batch.temperature[rows].to(logits.device)[:, None]
+    scaled = scaled.clamp(max=torch.finfo(torch.float32).max)  # +inf (or overflow) stays the largest, finite
     scaled = _apply_top_k_top_p(scaled, batch.top_k[rows].to(logits.device), batch.top_p[rows].to(logits.device))
     probs = torch.softmax(scaled, dim=-1)
     noise = torch.empty_like(probs)

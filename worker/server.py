@@ -18,7 +18,9 @@ import threading
 import time
 
 import structlog
+import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from protos import EXIT_CONFIG, EXIT_RETRY, WIRE_VERSION, wire_pb2
 from protos.curve import client_keys
@@ -28,6 +30,20 @@ log = structlog.get_logger("worker.server")
 
 # Largest frame accepted from the scheduler (a plan of a million tokens is ~20 MB).
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+# Exit code of a worker that cannot go on (its supervisor restarts it).
+EXIT_FAILED = 3
+
+
+def is_device_fatal(error: BaseException) -> bool:
+    """A CUDA error (illegal address, device-side assert, ...) leaves the context unusable: every later
+    call fails too. torch raises torch.AcceleratorError (2.8+) or a RuntimeError naming CUDA."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return "CUDA error" in text or "device-side assert" in text or "CUBLAS_STATUS" in text
 
 
 class WorkerServer:
@@ -50,7 +66,6 @@ class WorkerServer:
         self.nonce = secrets.token_hex(8)
         self._curve = client_keys(curve_keys) if curve_keys else None
         self._stop = threading.Event()
-        self._last_from_scheduler = time.monotonic()
         self._ctx = zmq.Context()
 
     def _socket(self, identity: str) -> zmq.Socket:
@@ -58,6 +73,10 @@ class WorkerServer:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDTIMEO, 1000)
+        # ZMTP heartbeats, handled by libzmq's I/O threads on both sides: a dead or frozen peer is dropped.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         if self._curve is not None:
             public, secret, server_public = self._curve
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_public
@@ -68,20 +87,43 @@ class WorkerServer:
         sock.send(wire_pb2.WireMessage(version=WIRE_VERSION, **body).SerializeToString())
 
     def _heartbeats(self) -> None:
+        """Beat every heartbeat_interval; decide whether the scheduler is gone.
+
+        The scheduler counts as gone only when the connection itself is: libzmq's own ZMTP heartbeats
+        (answered by the scheduler's I/O thread, whatever its event loop is busy with) drop a dead or
+        frozen peer, and a connection down for longer than scheduler_timeout ends this worker. A
+        scheduler that is merely slow to echo the application beats never makes a worker quit."""
         sock = self._socket(f"hb.{self.nonce}")
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        down_since: float | None = time.monotonic()  # not connected yet
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 beat = wire_pb2.Heartbeat(tp_rank=self.tp_rank, sent_at_ns=time.time_ns(),
                                           busy_step_id=self.busy_step_id)
-                self._send(sock, heartbeat=beat)
-                if sock.poll(int(self.heartbeat_interval * 1000)):
-                    sock.recv()  # the scheduler echoes each beat: it is alive
-                    self._last_from_scheduler = time.monotonic()
-                    self._stop.wait(self.heartbeat_interval)
-                if time.monotonic() - self._last_from_scheduler > self.scheduler_timeout:
+                try:
+                    self._send(sock, heartbeat=beat)
+                except zmq.Again:
+                    pass
+                deadline = time.monotonic() + self.heartbeat_interval
+                while (left := deadline - time.monotonic()) > 0 and not self._stop.is_set():
+                    ready = dict(poller.poll(left * 1000))
+                    if monitor in ready:
+                        event = recv_monitor_message(monitor)["event"]
+                        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                            down_since = None
+                        elif down_since is None:
+                            down_since = time.monotonic()
+                    if sock in ready:
+                        sock.recv()  # the scheduler's echo
+                if down_since is not None and time.monotonic() - down_since > self.scheduler_timeout:
                     log.error("scheduler_lost", timeout_s=self.scheduler_timeout)
                     self._stop.set()
         finally:
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
 
     def serve(self) -> int:
@@ -95,7 +137,6 @@ class WorkerServer:
             while not self._stop.is_set():
                 if not sock.poll(200):
                     continue
-                self._last_from_scheduler = time.monotonic()
                 code = self._handle(sock, sock.recv())
                 if code is not None:
                     return code
@@ -132,10 +173,13 @@ class WorkerServer:
             except Exception as e:  # noqa: BLE001 - a failed step is reported
                 log.exception("step_failed", step_id=msg.plan.step_id)
                 result = wire_pb2.StepResult(step_id=msg.plan.step_id, error=f"step failed: {e!r}")
-                if self.handshake.tp_size > 1:  # the group may be out of step: leave it, to be restarted
+                # A CUDA error poisons the context for good, and a failed rank leaves its group out of step:
+                # either way this process reports and exits, and its supervisor starts a fresh one.
+                if is_device_fatal(e) or self.handshake.tp_size > 1:
                     result.tp_rank = self.tp_rank
                     self._send(sock, result=result)
-                    return 3
+                    log.error("worker_exiting", reason="device error" if is_device_fatal(e) else "group out of step")
+                    return EXIT_FAILED
             finally:
                 self.busy_step_id = 0
             result.tp_rank = self.tp_rank

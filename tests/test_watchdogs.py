@@ -1,0 +1,113 @@
+"""Watchdogs that need no model: the scheduler's step deadline against a worker that beats but never
+answers, and a worker that exits on a device error instead of answering every later plan with it."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from protos import WIRE_VERSION, wire_pb2
+from protos.codec import PlanArrays, encode_plan
+from scheduler_service.worker_client import WorkerClient, WorkerLost
+
+
+class BeatingButHung:
+    """A worker that shakes hands and keeps its heartbeats going, but never finishes a step."""
+
+    def __init__(self, endpoint):
+        self.endpoint = endpoint
+        self.stop = threading.Event()
+        self.got_plan = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        ctx = zmq.Context()
+        main, beat = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for sock, name in ((main, b"w.hung"), (beat, b"hb.hung")):
+            sock.setsockopt(zmq.IDENTITY, name)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+        hs = wire_pb2.Handshake(tp_rank=0, tp_size=1, num_blocks=64, block_size=4, max_num_batched_tokens=64,
+                                vocab_size=100, max_context=512, pid=1)
+        main.send(wire_pb2.WireMessage(version=WIRE_VERSION, handshake=hs).SerializeToString())
+        while not self.stop.is_set():
+            beat.send(wire_pb2.WireMessage(version=WIRE_VERSION, heartbeat=wire_pb2.Heartbeat()).SerializeToString())
+            if main.poll(100):
+                msg = wire_pb2.WireMessage.FromString(main.recv())
+                if msg.WhichOneof("body") == "plan":
+                    self.got_plan.set()  # ... and never answer
+            while beat.poll(0):
+                beat.recv()
+        main.close()
+        beat.close()
+        ctx.term()
+
+
+def one_token_plan(step_id):
+    one = np.ones(1, "<i4")
+    return encode_plan(PlanArrays(
+        step_id=step_id, token_ids=one, positions=np.zeros(1, "<i4"), slot_mapping=np.zeros(1, "<i8"),
+        block_tables=np.zeros((1, 1), "<i4"), seq_lens=one, query_start_loc=np.array([0, 1], "<i4"),
+        do_sample=np.ones(1, bool), sample_index=np.zeros(1, "<i4"), temperature=np.zeros(1, "<f4"),
+        top_p=np.ones(1, "<f4"), top_k=np.zeros(1, "<i4"), seed=np.zeros(1, "<u8"),
+        block_copies=np.empty((0, 2), "<i4")))
+
+
+def test_a_step_past_its_deadline_loses_the_worker_even_while_it_beats():
+    async def run():
+        client = WorkerClient("tcp://127.0.0.1:0", heartbeat_timeout=5.0, step_timeout=1.0,
+                              step_timeout_per_token=0.5)
+        endpoint = client.bind()
+        worker = BeatingButHung(endpoint)
+        try:
+            await client.wait_for_workers(10)
+            t0 = time.monotonic()
+            with pytest.raises(WorkerLost, match=r"did not finish step 1 \(1 tokens\) within its 1.5s deadline"):
+                await client.execute(0, one_token_plan(1))
+            assert worker.got_plan.is_set() and 1.5 <= time.monotonic() - t0 < 4
+            client.check_alive(0)  # its heartbeats were fresh all along: only the deadline caught it
+        finally:
+            worker.stop.set()
+            await client.close()
+
+    asyncio.run(run())
+
+
+class FailingRunner:
+    def __init__(self, error):
+        self.error = error
+        self.calls = 0
+        self.num_blocks = 8
+
+    def execute(self, plan):
+        self.calls += 1
+        raise self.error
+
+
+class Sent:
+    def __init__(self):
+        self.frames = []
+
+    def send(self, frame):
+        self.frames.append(wire_pb2.WireMessage.FromString(frame))
+
+
+@pytest.mark.parametrize("error,exits", [
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+    (RuntimeError("CUDA error: device-side assert triggered"), True),
+    (ValueError("an ordinary bug in one step"), False),
+])
+def test_a_device_error_makes_the_worker_report_and_exit(error, exits):
+    from worker.server import EXIT_FAILED, WorkerServer
+
+    server = WorkerServer("tcp://127.0.0.1:1", FailingRunner(error), wire_pb2.Handshake(tp_rank=0, tp_size=1))
+    sock = Sent()
+    frame = wire_pb2.WireMessage(version=WIRE_VERSION, plan=one_token_plan(7)).SerializeToString()
+    code = server._handle(sock, frame)
+    assert sock.frames[-1].result.step_id == 7 and "step failed" in sock.frames[-1].result.error
+    assert code == (EXIT_FAILED if exits else None)
+    server._ctx.term()
