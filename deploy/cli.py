@@ -17,10 +17,15 @@ import grpc
 DEFAULT_SERVER = "127.0.0.1:50051"
 
 
-def _stub(server: str):
+def _stub(server: str, tls_ca: str | None = None):
     from protos import generation_pb2_grpc
 
-    return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(server))
+    if tls_ca:
+        with open(tls_ca, "rb") as f:
+            channel = grpc.secure_channel(server, grpc.ssl_channel_credentials(root_certificates=f.read()))
+    else:
+        channel = grpc.insecure_channel(server)
+    return generation_pb2_grpc.GenerationStub(channel)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -35,7 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.seed is not None:
         sampling.seed = args.seed
     req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling, raw_prompt=args.raw)
-    stub = _stub(args.server)
+    stub = _stub(args.server, args.tls_ca)
     try:
         if args.no_stream:
             resp = stub.Generate(req, timeout=args.timeout)
@@ -62,7 +67,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     from protos import generation_pb2
 
-    stub = _stub(args.server)
+    stub = _stub(args.server, args.tls_ca)
     call = stub.GetModelInfo if args.command == "info" else stub.GetCacheStats
     req = generation_pb2.GetModelInfoRequest() if args.command == "info" else generation_pb2.GetCacheStatsRequest()
     try:
@@ -76,7 +81,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_abort(args: argparse.Namespace) -> int:
     from protos import generation_pb2
 
-    resp = _stub(args.server).Abort(generation_pb2.AbortRequest(request_id=args.request_id), timeout=args.timeout)
+    resp = _stub(args.server, args.tls_ca).Abort(generation_pb2.AbortRequest(request_id=args.request_id), timeout=args.timeout)
     print("aborted" if resp.aborted else "no live request with that id")
     return 0 if resp.aborted else 1
 
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "keys":
             continue
         s.add_argument("--server", default=DEFAULT_SERVER)
+        s.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this CA certificate (PEM)")
         s.add_argument("--timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     return args.func(args)

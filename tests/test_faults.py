@@ -241,3 +241,66 @@ def test_sigterm_drains_running_requests_then_every_process_exits(server_factory
     for pid in workers:
         with pytest.raises(ProcessLookupError):
             os.kill(int(pid), 0)
+
+
+def test_a_worker_that_dies_while_idle_is_seen_within_seconds_and_replaced(fault_server):
+    (pid,) = fault_server.stats().replicas[0].worker_pids
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_health(fault_server, False, 5)
+    assert time.monotonic() - t0 < 2.5
+    wait_health(fault_server, True, 60)
+    assert fault_server.stats().replicas[0].worker_pids[0] != pid
+
+
+def test_no_local_process_can_forge_results_or_heartbeats(fault_server):
+    """Without CurveZMQ any local process reaches the wire; still, only the peer that shook hands counts."""
+    import zmq
+
+    from protos import WIRE_VERSION, wire_pb2
+
+    endpoint = next(line.split('"endpoint": "')[1].split('"')[0] for line in fault_server.log_path.read_text()
+                    .splitlines() if '"worker_socket_bound"' in line)
+    reference = list(fault_server.stub.Generate(greedy_request([30, 31, 32], 60), timeout=60).choices[0].token_ids)
+    ctx = zmq.Context()
+    forger = ctx.socket(zmq.DEALER)
+    forger.setsockopt(zmq.LINGER, 0)
+    forger.connect(endpoint)
+    beats = ctx.socket(zmq.DEALER)
+    beats.setsockopt(zmq.LINGER, 0)
+    beats.connect(endpoint)
+    stop = threading.Event()
+
+    def forge():  # fake results for every plausible step, and heartbeats claiming to be rank 0
+        step = 0
+        while not stop.is_set():
+            step += 1
+            res = wire_pb2.StepResult(step_id=step, tp_rank=0, sampled_token_ids=(7).to_bytes(4, "little"))
+            forger.send(wire_pb2.WireMessage(version=WIRE_VERSION, result=res).SerializeToString())
+            beats.send(wire_pb2.WireMessage(version=WIRE_VERSION, heartbeat=wire_pb2.Heartbeat(tp_rank=0))
+                       .SerializeToString())
+            time.sleep(0.002)
+
+    t = threading.Thread(target=forge)
+    t.start()
+    try:
+        streams = Streams(fault_server.stub, [greedy_request([30, 31, 32], 60)])
+        streams.join()
+        assert streams.errors == [None] and streams.tokens == [reference], "a forged result reached a client"
+        (pid,) = fault_server.stats().replicas[0].worker_pids
+        os.kill(pid, signal.SIGSTOP)  # forged heartbeats must not keep a stopped worker alive
+        try:
+            wait_health(fault_server, False, 10)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        wait_health(fault_server, True, 60)
+    finally:
+        stop.set()
+        t.join()
+        forger.close()
+        beats.close()
+        ctx.term()
+    assert_pool_clean(fault_server)

@@ -107,3 +107,38 @@ def test_request_ids_are_not_exposed_and_logged_truncated(plain):
     t.join(30)
     log = plain.log_path.read_text()
     assert rid[:64] in log and rid not in log
+
+
+def test_the_api_can_be_served_over_tls(tmp_path, tiny_model_dir):
+    import subprocess
+    import sys
+
+    from deploy.local_server import ROOT, free_port
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.launcher", "--model", str(tiny_model_dir), "--port",
+                             str(port), "--threads", "1", "--block-size", "4", "--num-blocks", "200",
+                             "--tls-cert", str(cert), "--tls-key", str(key)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    generate = [sys.executable, "-m", "deploy.cli", "generate", "--raw", "the quick", "--max-tokens", "4",
+                "--server", f"localhost:{port}", "--timeout", "10"]
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # UNAVAILABLE while the worker loads
+            out = subprocess.run([*generate, "--tls-ca", str(cert)], cwd=ROOT, capture_output=True, text=True)
+            if out.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert out.returncode == 0, out.stderr
+        plain = subprocess.run(generate, cwd=ROOT, capture_output=True, text=True)
+        assert plain.returncode != 0 and "UNAVAILABLE" in plain.stderr  # no plaintext on a TLS port
+    finally:
+        import os
+        import signal
+
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
