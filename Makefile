@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run deploy deploy-stop bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory plot-kv clean
+.PHONY: setup proto run deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model
 
@@ -78,6 +78,12 @@ lint: setup
 # Fixed CPU workload of ../shared/bench against a server it starts, and transformers static batching, same run.
 bench: setup
 	$(PY) -m deploy.bench --model $(MODEL_DIR) $(ARGS)
+
+# Load test against TARGET=HOST:PORT, or a server it starts on the default model; ARGS replace the default
+# (about a minute here): see `.venv/bin/pagedserve-loadtest --help`.
+LOADTEST_ARGS ?= --num-requests 64 --concurrency 16 --input-len 192 --output-len 64 --range-ratio 0.5
+loadtest: setup
+	$(PY) -m deploy.loadtest $(if $(TARGET),--target $(TARGET),--model $(MODEL_DIR)) $(or $(ARGS),$(LOADTEST_ARGS))
 
 # DP=2 vs DP=1 on the shared workload; TP=2 vs TP=1 on a random model shape (same run each).
 bench-parallel: setup
