@@ -439,12 +439,13 @@ def plot(results: list[dict], folder: Path) -> list[Path]:
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
     if len(results) > 1:
+        curve = sorted(results, key=lambda r: r["output_throughput"])
         fig, ax = plt.subplots(figsize=(7, 5))
-        ax.plot([r["output_throughput"] for r in results], [r["e2el_ms"]["p50"] / 1000 for r in results], "o-",
+        ax.plot([r["output_throughput"] for r in curve], [r["e2el_ms"]["p50"] / 1000 for r in curve], "o-",
                 label="p50 E2E latency")
-        ax.plot([r["output_throughput"] for r in results], [r["ttft_ms"]["p99"] / 1000 for r in results], "s--",
+        ax.plot([r["output_throughput"] for r in curve], [r["ttft_ms"]["p99"] / 1000 for r in curve], "s--",
                 label="p99 TTFT")
-        for r in results:
+        for r in curve:
             ax.annotate(r["label"], (r["output_throughput"], r["e2el_ms"]["p50"] / 1000), fontsize=7)
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel("seconds")
@@ -486,6 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", type=Path, default=None, help="write the result (a list for a sweep) as JSON")
     p.add_argument("--plot", type=Path, default=None, help="draw latency CDFs, timelines and the sweep curve here")
     p.add_argument("--compare", type=Path, default=None, help="print the change against an earlier --output")
+    p.add_argument("--warmup", type=int, default=4,
+                   help="requests sent one at a time (from the same workload) before measuring, not counted")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -500,14 +503,24 @@ async def run_all(args: argparse.Namespace, target: str, results: list[dict]) ->
     async with channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=60)
-        if args.dataset:
-            items = load_dataset(args.dataset, args.output_len, args.shared_prefix_len, info.vocab_size, args.seed)
-            items = (items * math.ceil(args.num_requests / len(items)))[: args.num_requests]
-        else:
-            items = synthetic(args.num_requests, args.input_len, args.output_len, args.range_ratio,
-                              args.shared_prefix_len, info.vocab_size, args.seed)
+        def workload(k: int) -> list[Item]:
+            """Run k's prompts: synthetic ones are fresh for every run of a sweep (a later run must not find
+            an earlier run's prompts in the prefix cache); a dataset is what it is."""
+            if args.dataset:
+                rows = load_dataset(args.dataset, args.output_len, args.shared_prefix_len, info.vocab_size,
+                                    args.seed)
+                return (rows * math.ceil(args.num_requests / len(rows)))[: args.num_requests]
+            return synthetic(args.num_requests, args.input_len, args.output_len, args.range_ratio,
+                             args.shared_prefix_len, info.vocab_size, args.seed + 7919 * k)
+
+        items = workload(0)
         settings = Settings(args.temperature, args.seed, args.ignore_eos, args.abort_fraction)
         slo = parse_slo(args.slo)
+        if args.warmup:  # first requests pay one-time costs (allocations, kernel choices): not measured
+            warm = synthetic(args.warmup, args.input_len, args.output_len, args.range_ratio, 0, info.vocab_size,
+                             args.seed - 1) if not args.dataset else items[: args.warmup]
+            await Run(stub, warm, Settings(args.temperature, args.seed), "warm-up",
+                      progress=False).execute("concurrency", 1, 1.0, args.duration)
         if args.sweep:
             if args.sweep < 2:
                 raise SystemExit("--sweep needs at least 2 points (synchronous and saturating)")
@@ -520,7 +533,7 @@ async def run_all(args: argparse.Namespace, target: str, results: list[dict]) ->
         i = 0
         while i < len(plan):
             mode, value, label = plan[i]
-            run = Run(stub, items, settings, label, progress=not args.no_progress)
+            run = Run(stub, workload(i), settings, label, progress=not args.no_progress)
             try:
                 duration = await run.execute(mode, value, args.burstiness, args.duration)
             except asyncio.CancelledError:  # Ctrl-C: keep what was measured

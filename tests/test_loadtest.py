@@ -85,7 +85,7 @@ def fake():
 
 def run_json(tmp_path, *argv):
     out = tmp_path / "result.json"
-    assert loadtest.main([*argv, "--output", str(out), "--no-progress"]) == 0
+    assert loadtest.main([*argv, "--output", str(out), "--no-progress", "--warmup", "0"]) == 0
     return json.loads(out.read_text())
 
 
@@ -156,7 +156,7 @@ def test_cancels_against_the_real_server_leak_no_block(server_factory, tiny_mode
 def test_a_sweep_draws_its_curve_and_compares_with_an_earlier_run(fake, tmp_path, capsys):
     out = tmp_path / "sweep.json"
     argv = ["--target", f"127.0.0.1:{fake.port}", "--num-requests", "4", "--output-len", "3", "--sweep", "3",
-            "--no-progress", "--output", str(out), "--plot", str(tmp_path / "plots")]
+            "--no-progress", "--warmup", "0", "--output", str(out), "--plot", str(tmp_path / "plots")]
     assert loadtest.main(argv) == 0
     runs = json.loads(out.read_text())
     assert [r["label"] for r in runs][:2] == ["synchronous", "saturating"] and len(runs) == 3
