@@ -22,7 +22,12 @@ PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wir
 
 .PHONY: setup proto run deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory plot-kv clean
 
-setup: .stamps/deps $(PROTO_OUT) .stamps/model
+setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native
+
+# The native CPU kernels, compiled for this machine's vector units (the worker falls back to torch without them).
+.stamps/native: .stamps/deps kernels/cpu/paged_decode.c kernels/cpu_native.py
+	$(PY) -m kernels.cpu_native || echo "native CPU kernels not built: the worker will use its torch attention"
+	@touch $@
 
 $(PY):
 	$(PYTHON_BOOT) -m venv $(VENV)

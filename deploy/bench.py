@@ -123,6 +123,7 @@ def profile_one_step(args, prompts) -> None:
     from protos.codec import PlanArrays, encode_plan
     from worker.attention import make_backend
     from worker.kv_pool import KVPool
+    from worker.linear import choose as choose_matmul
     from worker.runner import ModelRunner
     from worker.weights import load_model
 
@@ -130,6 +131,7 @@ def profile_one_step(args, prompts) -> None:
         torch.set_num_threads(args.threads)
     block = 16
     model, config = load_model(args.model, "auto", torch.float32, torch.device("cpu"))
+    model.use_matmul(choose_matmul("auto", model.matmul_shapes(), torch.device("cpu"), torch.float32))
     lens = [len(p) + args.max_tokens // 2 for p in prompts]  # mid-way through decoding
     need = [-(-n // block) for n in lens]
     pool = KVPool(config, sum(need), block, torch.float32, torch.device("cpu"))

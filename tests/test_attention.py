@@ -1,4 +1,5 @@
-"""The worker's torch attention backend against the plain reference, on adversarial paged inputs."""
+"""The worker's CPU attention backends (torch, and cpu with its native decode kernel) against the plain
+reference, on adversarial paged inputs."""
 
 import pytest
 import torch
@@ -8,14 +9,16 @@ from tests.paged_case import make_case
 from worker.attention import make_backend
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (8, 2), (10, 2)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_backend_matches_reference_on_mixed_batches(n_heads, n_kv_heads, block_size):
+def test_backend_matches_reference_on_mixed_batches(backend_name, n_heads, n_kv_heads, block_size):
     # decode rows, a fresh prefill, a chunk over a cached prefix, lengths at block boundaries
     q_lens = [1, 7, 1, 5, 1, 3]
     seq_lens = [1, 7, block_size, block_size + 5, block_size + 1, 3 * block_size - 1]
     c = make_case(q_lens, seq_lens, n_heads, n_kv_heads, 16, block_size, seed=0)
-    backend = make_backend("torch", torch.device("cpu"))
+    backend = make_backend(backend_name, torch.device("cpu"))
+    assert backend.name == backend_name
     meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
     out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale)
     ref = paged_attention(*c.args)
@@ -47,3 +50,46 @@ def test_write_kv_padding_slots_write_nothing():
     write_kv(torch.ones(3, 1, 2), torch.ones(3, 1, 2), k_cache, v_cache, torch.tensor([-1, 5, -1]))
     changed = (k_cache != before).any(-1).any(-1).flatten().nonzero().flatten().tolist()
     assert changed == [5]
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_native_decode_kernel_on_long_ragged_batches(n_heads, n_kv_heads, head_dim, block_size):
+    """Every decode row at once: lengths from 1 to past 2k (partial last blocks, a block boundary exactly),
+    GQA groups 1-8, head dims on (multiples of 16) and off the vector path, NaN everywhere unwritten."""
+    from kernels import cpu_native
+
+    native = cpu_native.load()
+    seq_lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 300, 2100]
+    c = make_case([1] * len(seq_lens), seq_lens, n_heads, n_kv_heads, head_dim, block_size, seed=4)
+    out = torch.full_like(c.q, float("nan"))
+    native.paged_decode(c.q, c.k_cache, c.v_cache, out, torch.arange(len(seq_lens)), c.block_tables, c.seq_lens,
+                        c.scale)
+    torch.testing.assert_close(out, paged_attention(*c.args), atol=2e-5, rtol=1e-5)
+
+
+def test_native_decode_kernel_writes_only_its_rows_and_rejects_wrong_inputs():
+    from kernels import cpu_native
+
+    native = cpu_native.load()
+    c = make_case([3, 1, 2, 1], [5, 9, 2, 17], 4, 2, 16, 4, seed=5)
+    rows = torch.tensor([3, 6])  # the decode rows' query tokens: sequence 1 (token 3) and 3 (token 6)
+    out = torch.zeros_like(c.q)
+    native.paged_decode(c.q, c.k_cache, c.v_cache, out, rows, c.block_tables[[1, 3]].contiguous(),
+                        c.seq_lens[[1, 3]].contiguous(), c.scale)
+    ref = paged_attention(*c.args)
+    torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
+    others = [i for i in range(c.q.shape[0]) if i not in rows.tolist()]
+    assert torch.equal(out[others], torch.zeros_like(out[others]))
+    with pytest.raises(TypeError, match="float32"):
+        native.paged_decode(c.q.double(), c.k_cache, c.v_cache, out, rows, c.block_tables, c.seq_lens, c.scale)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.paged_decode(c.q.transpose(0, 1), c.k_cache, c.v_cache, out, rows, c.block_tables, c.seq_lens, c.scale)
+
+
+def test_cpu_backend_falls_back_to_torch_where_the_kernel_does_not_cover_the_shape():
+    assert make_backend(None, torch.device("cpu"), (64, 1, 64, 16, torch.float32)).name == "torch"  # group 64
+    assert make_backend(None, torch.device("cpu"), (8, 2, 64, 16, torch.bfloat16)).name == "torch"
+    assert make_backend(None, torch.device("cpu"), (8, 2, 64, 16, torch.float32)).name == "cpu"
+    with pytest.raises(ValueError, match="does not cover"):
+        make_backend("cpu", torch.device("cpu"), (64, 1, 64, 16, torch.float32))

@@ -19,7 +19,24 @@ def tiny(tmp_path_factory):
     from transformers import LlamaForCausalLM
 
     ours, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
-    return ours, config, LlamaForCausalLM.from_pretrained(str(folder)).eval()
+    return ours, config, LlamaForCausalLM.from_pretrained(str(folder)).eval(), folder
+
+
+@pytest.fixture(scope="module")
+def tiny_packed(tiny):
+    """The same weights with the projections on oneDNN, each weight packed once and the loaded copies
+    dropped: what the CPU worker runs where oneDNN is the faster library."""
+    from worker.linear import OneDNNMatmul
+
+    _, _, hf, folder = tiny
+    model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    model.use_matmul(OneDNNMatmul())
+    assert model.layers[0].qkv.numel() == 0  # the forward reads only the packed copies
+    return model, config, hf, folder
+
+
+def model_for(request, packed: bool):
+    return request.getfixturevalue("tiny_packed" if packed else "tiny")
 
 
 def run_step(model, config, pool, seqs, backend="torch"):
@@ -46,7 +63,7 @@ def run_step(model, config, pool, seqs, backend="torch"):
 
 
 def test_prefill_logits_match_transformers(tiny):
-    model, config, hf = tiny
+    model, config, hf, _ = tiny
     pool = KVPool(config, 32, BLOCK, torch.float32, torch.device("cpu"))
     prompt = torch.randint(0, config.vocab_size, (13,), generator=torch.Generator().manual_seed(0)).tolist()
     blocks = [31, 0, 17, 5]  # scattered, out of order, first and last block of the pool included
@@ -57,11 +74,12 @@ def test_prefill_logits_match_transformers(tiny):
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_token_by_token_decode_through_the_paged_pool_matches(tiny, backend):
+@pytest.mark.parametrize("backend,packed", [("torch", False), ("triton", False), ("cpu", True), ("cpu", False)])
+def test_token_by_token_decode_through_the_paged_pool_matches(request, backend, packed):
     """Two interleaved sequences decode token by token in one batch, blocks scattered and interleaved.
-    The triton backend runs its kernels (under TRITON_INTERPRET=1 without a GPU)."""
-    model, config, hf = tiny
+    The triton backend runs its kernels (under TRITON_INTERPRET=1 without a GPU); the cpu backend its native
+    decode kernel, with the projections on packed oneDNN weights or F.linear."""
+    model, config, hf, _ = model_for(request, packed)
     pool = KVPool(config, 32, BLOCK, torch.float32, torch.device("cpu"))
     pool.k[0].fill_(float("nan"))  # stale bytes anywhere but the written slots must not matter
     pool.v[1].fill_(float("nan"))
@@ -71,7 +89,7 @@ def test_token_by_token_decode_through_the_paged_pool_matches(tiny, backend):
     # Prefill of sequence 0 and 1 together (a mixed-length batch).
     logits, _ = run_step(model, config, pool, [(prompts[0], 0, blocks[0]), (prompts[1], 0, blocks[1])], backend)
     seqs = [list(p) for p in prompts]
-    for _ in range(14 if backend == "torch" else 6):
+    for _ in range(6 if backend == "triton" else 14):
         nxt = logits.argmax(-1).tolist()
         starts = [len(s) for s in seqs]
         for s, t in zip(seqs, nxt, strict=True):
@@ -84,9 +102,9 @@ def test_token_by_token_decode_through_the_paged_pool_matches(tiny, backend):
                 torch.testing.assert_close(logits[i], ref, atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_mixed_prefill_and_decode_rows_in_one_step(tiny, backend):
-    model, config, hf = tiny
+@pytest.mark.parametrize("backend,packed", [("torch", False), ("triton", False), ("cpu", True)])
+def test_mixed_prefill_and_decode_rows_in_one_step(request, backend, packed):
+    model, config, hf, _ = model_for(request, packed)
     pool = KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu"))
     a = [5, 9, 11, 40, 2, 8, 100]
     b = [7, 3, 3, 250, 61]

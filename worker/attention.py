@@ -2,7 +2,10 @@
 
 `triton` (the default wherever CUDA is present) runs the kernels of `kernels.triton_attention`
 directly on the pool; on a CPU it runs under TRITON_INTERPRET=1 (slow, for tests).
-`torch` (the CPU default) gathers each sequence's keys through its block table once per layer and
+`cpu` (the CPU default where the native library builds) attends decode rows in place through the
+block tables with the C kernel of `kernels/cpu/paged_decode.c` (no gathered copy, each key read once
+for all heads of its GQA group) and prefill rows as `torch` does.
+`torch` (the CPU fallback) gathers each sequence's keys through its block table once per layer and
 runs torch's fused scaled_dot_product_attention (GQA-aware, no repeated KV heads). Decode rows of a
 step go in one batched call; prefill rows (few, long) one call per sequence, so a long prompt never
 pads the decodes beside it. It is tested against `kernels.reference`.
@@ -56,6 +59,19 @@ class TorchAttentionMeta:
     prefills: list[PrefillRows]
 
 
+def prefill_rows(block_tables: torch.Tensor, lens: torch.Tensor, qsl: torch.Tensor, q_lens: torch.Tensor,
+                 block_size: int) -> list[PrefillRows]:
+    """The slots and causal mask of every sequence with more than one query token this step."""
+    prefills = []
+    for i in (q_lens > 1).nonzero().flatten().tolist():
+        seq_len, q_len = int(lens[i]), int(q_lens[i])
+        slots = reference.kv_slots(block_tables[i : i + 1], lens[i : i + 1], block_size, seq_len)[0]
+        qpos = torch.arange(q_len, device=lens.device)[:, None]
+        mask = torch.arange(seq_len, device=lens.device)[None, :] < seq_len - q_len + qpos + 1
+        prefills.append(PrefillRows(int(qsl[i]), int(qsl[i + 1]), slots, mask))
+    return prefills
+
+
 # Decode rows are sorted by length and cut into buckets of similar length, so that a short sequence is
 # not padded to the longest one of the step: gathering keys is memory-bound on a CPU.
 DECODE_BUCKET_ROWS = 16
@@ -65,36 +81,27 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len):
-        device = block_tables.device
         qsl = query_start_loc.to(torch.int64)
         q_lens = qsl[1:] - qsl[:-1]
         lens = seq_lens.to(torch.int64)
-        is_decode = q_lens == 1
-        dec = is_decode.nonzero().flatten()
+        dec = (q_lens == 1).nonzero().flatten()
         dec = dec[torch.argsort(lens[dec])]
         decodes = []
         for rows in dec.split(DECODE_BUCKET_ROWS) if dec.numel() else ():
             width = int(lens[rows].max())
             slots = reference.kv_slots(block_tables[rows], lens[rows], block_size, width)
-            mask = (torch.arange(width, device=device)[None, :] < lens[rows][:, None])[:, None, None, :]
+            mask = (torch.arange(width, device=lens.device)[None, :] < lens[rows][:, None])[:, None, None, :]
             decodes.append(DecodeBucket(qsl[rows], slots, mask))
-        prefills = []
-        for i in (~is_decode).nonzero().flatten().tolist():
-            seq_len, q_len = int(lens[i]), int(q_lens[i])
-            slots = reference.kv_slots(block_tables[i : i + 1], lens[i : i + 1], block_size, seq_len)[0]
-            qpos = torch.arange(q_len, device=device)[:, None]
-            mask = torch.arange(seq_len, device=device)[None, :] < seq_len - q_len + qpos + 1
-            prefills.append(PrefillRows(int(qsl[i]), int(qsl[i + 1]), slots, mask))
-        return TorchAttentionMeta(decodes, prefills)
+        return TorchAttentionMeta(decodes, prefill_rows(block_tables, lens, qsl, q_lens, block_size))
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta: TorchAttentionMeta, scale):
+    def forward(self, q, k_cache, v_cache, meta: TorchAttentionMeta, scale, out: torch.Tensor | None = None):
         num_blocks, block_size, n_kv_heads, head_dim = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, n_kv_heads, head_dim)
         v_flat = v_cache.view(num_blocks * block_size, n_kv_heads, head_dim)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         for b in meta.decodes:
             shape = (*b.slots.shape, n_kv_heads, head_dim)
             flat_slots = b.slots.flatten()  # index_select copies whole rows: ~2x faster than indexing
@@ -109,6 +116,49 @@ class TorchAttention(AttentionBackend):
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, n_heads, q_len, head_dim]
             o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=p.mask, scale=scale, enable_gqa=True)
             out[p.start : p.end] = o[0].transpose(0, 1)
+        return out
+
+
+@dataclass
+class CpuAttentionMeta:
+    decode_rows: torch.Tensor  # int64 [n]: the query token of each decoding sequence
+    decode_tables: torch.Tensor  # int32 [n, max_blocks]
+    decode_lens: torch.Tensor  # int32 [n]
+    prefills: list[PrefillRows]
+
+
+class CpuAttention(TorchAttention):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from kernels import cpu_native
+
+        self._native = cpu_native.load()
+        if self._native is None:
+            raise RuntimeError("the native CPU kernels could not be built (see the log); use --attention-backend torch")
+
+    def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
+        return self._native.supports(n_heads, n_kv_heads, head_dim, block_size, dtype)
+
+    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len):
+        qsl = query_start_loc.to(torch.int64)
+        q_lens = qsl[1:] - qsl[:-1]
+        dec = (q_lens == 1).nonzero().flatten()
+        tables = block_tables.to(torch.int32)
+        return CpuAttentionMeta(
+            decode_rows=qsl[dec].contiguous(),
+            decode_tables=(tables if dec.numel() == tables.shape[0] else tables[dec]).contiguous(),
+            decode_lens=seq_lens.to(torch.int32)[dec].contiguous(),
+            prefills=prefill_rows(block_tables, seq_lens.to(torch.int64), qsl, q_lens, block_size),
+        )
+
+    def forward(self, q, k_cache, v_cache, meta: CpuAttentionMeta, scale):
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        self._native.paged_decode(q, k_cache, v_cache, out, meta.decode_rows, meta.decode_tables, meta.decode_lens,
+                                  scale)
+        if meta.prefills:
+            TorchAttention.forward(self, q, k_cache, v_cache, TorchAttentionMeta([], meta.prefills), scale, out=out)
         return out
 
 
@@ -142,15 +192,29 @@ class TritonAttention(AttentionBackend):
         )
 
 
-BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}
+BACKENDS = {"torch": TorchAttention, "triton": TritonAttention, "cpu": CpuAttention}
 
 
 def default_backend_name(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "torch"
+    return "triton" if device.type == "cuda" else "cpu"
 
 
-def make_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    name = name or default_backend_name(device)
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
-    return BACKENDS[name]()
+def make_backend(name: str | None, device: torch.device, shape: tuple | None = None) -> AttentionBackend:
+    """name None picks the device's default; on a CPU the native `cpu` backend falls back to `torch` where
+    it cannot be built or does not cover shape = (n_heads, n_kv_heads, head_dim, block_size, dtype)."""
+    chosen = name or default_backend_name(device)
+    if chosen not in BACKENDS:
+        raise ValueError(f"unknown attention backend {chosen!r}; choose from {sorted(BACKENDS)}")
+    if chosen == "cpu":
+        try:
+            backend = CpuAttention()
+        except RuntimeError:
+            if name:
+                raise
+            return TorchAttention()
+        if shape is not None and not backend.supports(*shape):
+            if name:
+                raise ValueError(f"the cpu attention backend does not cover heads/head_dim/block/dtype {shape}")
+            return TorchAttention()
+        return backend
+    return BACKENDS[chosen]()

@@ -40,8 +40,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool memory budget per rank on the CPU, e.g. 2GiB")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA: share of the GPU's memory this worker may use (weights, activations, KV pool)")
-    g.add_argument("--attention-backend", default=None, choices=["triton", "torch"],
-                   help="default: triton on CUDA, torch on CPU (triton on CPU needs TRITON_INTERPRET=1)")
+    g.add_argument("--attention-backend", default=None, choices=["triton", "cpu", "torch"],
+                   help="default: triton on CUDA; on a CPU the native kernel (cpu), else torch "
+                        "(triton on a CPU needs TRITON_INTERPRET=1)")
+    g.add_argument("--matmul", default="auto", choices=["auto", "dense", "onednn"],
+                   help="projection matmuls: auto times the libraries on the model's shapes at start and keeps the "
+                        "fastest; dense is F.linear; onednn packs each weight once (CPU, fp32)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
     g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
     g.add_argument("--scheduler-timeout", type=float, default=30.0, help="exit when the scheduler is silent this long")
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     from protos import wire_pb2
     from worker.attention import make_backend
     from worker.kv_pool import KVPool, bytes_per_block, parse_bytes
+    from worker.linear import choose as choose_matmul
     from worker.parallel import ParallelConfigError, init_group, make_shard
     from worker.runner import ModelRunner
     from worker.server import WorkerServer
@@ -112,9 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout)
     model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
                                tp_rank=args.rank, tp_size=tp, comm=comm)
-    heads = model.shard.num_kv_heads
+    try:
+        model.use_matmul(choose_matmul(args.matmul, model.matmul_shapes(), device, dtype))
+        heads = model.shard.num_kv_heads
+        attn = make_backend(args.attention_backend, device,
+                            (model.shard.num_q_heads, heads, config.head_dim, args.block_size, dtype))
+    except ValueError as e:
+        log.error("bad_worker_option", error=str(e))
+        print(f"pagedserve-worker: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     per_block = bytes_per_block(config, args.block_size, dtype, heads)
-    attn = make_backend(args.attention_backend, device)
     if args.num_blocks:
         num_blocks = args.num_blocks
     elif device.type == "cuda":
@@ -147,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         pid=os.getpid(),
     )
     log.info("model_loaded", model=args.model, device=str(device), dtype=handshake.dtype, num_blocks=num_blocks,
-             attention_backend=attn.name, tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads)
+             attention_backend=attn.name, matmul=model.mm.name, tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads)
     server = WorkerServer(args.scheduler, runner, handshake, scheduler_timeout=args.scheduler_timeout,
                           curve_keys=args.curve_keys)
     return server.serve()

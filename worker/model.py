@@ -18,6 +18,7 @@ from torch import nn
 from worker.attention import AttentionBackend
 from worker.checkpoint import TensorSource
 from worker.kv_pool import KVPool
+from worker.linear import DenseMatmul
 from worker.model_config import ModelConfig
 from worker.parallel import Collectives, Shard, make_shard
 
@@ -76,6 +77,17 @@ class DecoderLayer(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(2 * shard.intermediate_size, c.hidden_size))
         self.down = nn.Parameter(torch.empty(c.hidden_size, shard.intermediate_size))
         self.config = c
+        self.mm = DenseMatmul()  # the matmul library and the weights in its layout (LlamaModel.use_matmul)
+        self.w: dict[str, torch.Tensor] = {}
+
+    MATMUL_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
+
+    def use_matmul(self, lib, drop_dense: bool) -> None:
+        self.mm = lib
+        self.w = {name: lib.prepare(getattr(self, name)) for name in self.MATMUL_WEIGHTS}
+        if drop_dense:  # the prepared copy is all the forward reads: give the loaded layout's memory back
+            for name in self.MATMUL_WEIGHTS:
+                getattr(self, name).data = torch.empty(0, dtype=getattr(self, name).dtype)
 
     def forward(
         self, x: torch.Tensor, step: StepInputs, pool: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
@@ -84,7 +96,8 @@ class DecoderLayer(nn.Module):
         c = self.config
         num_tokens = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
-        qkv = F.linear(h, self.qkv, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        mm, w = self.mm, self.w
+        qkv = mm(h, w["qkv"], self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, c.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, c.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, c.head_dim)
@@ -96,10 +109,10 @@ class DecoderLayer(nn.Module):
         k_cache, v_cache = pool.layer(self.layer_idx)
         attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
         o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.head_dim**-0.5)  # [num_tokens, n_heads, hd]
-        x = x + self.comm.all_reduce(F.linear(o.reshape(num_tokens, self.q_size), self.o_proj))
+        x = x + self.comm.all_reduce(mm(o.reshape(num_tokens, self.q_size), w["o_proj"]))
         h = rms_norm(x, self.post_attn_norm, c.rms_norm_eps)
-        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
-        return x + self.comm.all_reduce(F.linear(F.silu(gate) * up, self.down))
+        gate, up = mm(h, w["gate_up"]).chunk(2, dim=-1)
+        return x + self.comm.all_reduce(mm(F.silu(gate) * up, w["down"]))
 
 
 class LlamaModel(nn.Module):
@@ -115,11 +128,32 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(rows, c.hidden_size))
         self.rotary: Rotary | None = None
+        self.mm = None  # set by use_matmul (dense F.linear on the loaded weights unless told otherwise)
+        self._head: torch.Tensor | None = None
+
+    def use_matmul(self, lib, drop_dense: bool = True) -> None:
+        """Run the projections and the LM head through `lib` (worker/linear.py) with every weight prepared
+        once in its layout; unless told to keep them, the loaded copies of the layers' weights are freed
+        (the embedding table stays: token lookup reads it)."""
+        drop = drop_dense and lib.name != "dense"
+        for layer in self.layers:
+            layer.use_matmul(lib, drop)
+        self._head = lib.prepare(self.embed if self.lm_head is None else self.lm_head)
+        if drop and self.lm_head is not None:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+        self.mm = lib
+
+    def matmul_shapes(self) -> list[tuple[int, int]]:
+        """(out, in) of each projection of a layer, for choosing a matmul library by measurement."""
+        layer = self.layers[0]
+        return [tuple(getattr(layer, n).shape) for n in DecoderLayer.MATMUL_WEIGHTS]
 
     def forward(self, step: StepInputs, pool: KVPool, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden_size]."""
         if self.rotary is None:
             self.rotary = Rotary(self.config, self.embed.device)
+        if self.mm is None:
+            self.use_matmul(DenseMatmul())
         x = self._embed(step.token_ids)
         rope = self.rotary.lookup(step.positions, x.dtype)
         for layer in self.layers:
@@ -138,8 +172,9 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden_size] -> fp32 logits [rows, vocab_size]; only rows that sample are passed.
         Every rank of a group calls it with the same rows and gets the same logits."""
-        head = self.embed if self.lm_head is None else self.lm_head
-        logits = F.linear(hidden, head).float()  # [rows, vocab_shard_size]
+        if self.mm is None:
+            self.use_matmul(DenseMatmul())
+        logits = self.mm(hidden, self._head).float()  # [rows, vocab_shard_size]
         if self.shard.size > 1:
             logits = self.comm.all_gather_last(logits)[:, : self.config.vocab_size]
         return logits

@@ -1,0 +1,204 @@
+/* Paged decode attention for CPUs: one query token per sequence, attending in place through the block
+ * table (no gathered copy of the keys), all query heads of a GQA group sharing each key and value read.
+ *
+ * Pool layout as kernels/reference.py: k_cache, v_cache are [num_blocks, block_size, n_kv_heads, head_dim]
+ * fp32, contiguous. Work items are (sequence, kv head) pairs spread over the OpenMP threads of the process
+ * (the same libgomp runtime torch uses, so the two share one thread pool). Per block of keys: the scores of
+ * the group's heads, then an online softmax update (running max and sum, accumulator rescaled when the max
+ * rises), so every key and value is read exactly once. Built by kernels/cpu_native.py with -O3
+ * -march=native; the inner loops over head_dim are written for the compiler to vectorize.
+ */
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define MAX_BLOCK 256
+#define LANES 16
+
+/* e^x for x <= 0 (scores minus their running max), written so that a loop over it vectorizes:
+ * x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial, 2^n by building the exponent bits.
+ * Relative error about 2e-7 (a couple of ulp); below -87 it returns about 1e-38 instead of 0. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 split in two for precision */
+    float p = 1.38888889e-3f;
+    p = p * r + 8.33333333e-3f;
+    p = p * r + 4.16666667e-2f;
+    p = p * r + 1.66666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { float f; int32_t i; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* Dot product over head_dim in LANES independent partial sums (one vector register), summed once. */
+static inline float dot(const float* a, const float* b, int n) {
+    float part[LANES] = {0};
+    int d = 0;
+    for (; d + LANES <= n; d += LANES)
+        for (int j = 0; j < LANES; j++) part[j] += a[d + j] * b[d + j];
+    float s = 0.0f;
+    for (; d < n; d++) s += a[d] * b[d];
+    for (int width = LANES / 2; width > 0; width /= 2) /* a tree: log2(LANES) vector adds, not LANES scalar ones */
+        for (int j = 0; j < width; j++) part[j] += part[j + width];
+    return s + part[0];
+}
+
+#if defined(__AVX512F__)
+/* The same two steps with AVX-512 registers, for head_dim a multiple of 16 (every model's is). */
+static inline __m512 exp512_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.38888889e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33333333e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666667e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666667e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* One block of keys for one GQA group: scores, online-softmax update, values accumulated. */
+static void block_avx512(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
+                         int group, int head_dim, float* m, float* l, float* acc) {
+    float scores[MAX_GROUP][LANES];
+    for (int g = 0; g < group; g++) {
+        const float* qg = qs + g * head_dim;
+        for (int t = 0; t < count; t++) {
+            const float* key = kb + t * token_stride;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(key));
+            for (int d = LANES; d < head_dim; d += LANES)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(key + d), a);
+            scores[g][t] = _mm512_reduce_add_ps(a);
+        }
+    }
+    const __mmask16 valid = (__mmask16)((1u << count) - 1u);
+    for (int g = 0; g < group; g++) {
+        const __m512 s = _mm512_maskz_loadu_ps(valid, scores[g]);
+        const float top_block = _mm512_mask_reduce_max_ps(valid, s);
+        const float top = top_block > m[g] ? top_block : m[g];
+        const float correction = expf(m[g] - top); /* 0 on the first block: m = -inf */
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+        l[g] = l[g] * correction + _mm512_reduce_add_ps(p);
+        m[g] = top;
+        _mm512_storeu_ps(scores[g], p);
+        float* ag = acc + g * head_dim;
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int d = 0; d < head_dim; d += LANES) {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ag + d), c);
+            for (int t = 0; t < count; t++)
+                a = _mm512_fmadd_ps(_mm512_set1_ps(scores[g][t]), _mm512_loadu_ps(vb + t * token_stride + d), a);
+            _mm512_storeu_ps(ag + d, a);
+        }
+    }
+}
+#endif
+
+int pagedserve_decode_limits(int32_t* out) {
+    out[0] = MAX_GROUP;
+    out[1] = MAX_HEAD_DIM;
+    out[2] = MAX_BLOCK;
+    return 3;
+}
+
+void pagedserve_paged_decode(
+    const float* q,              /* [num_tokens, n_heads, head_dim] */
+    const float* k_cache,        /* [num_blocks, block_size, n_kv_heads, head_dim] */
+    const float* v_cache,
+    float* out,                  /* [num_tokens, n_heads, head_dim]; only the rows named are written */
+    const int64_t* rows,         /* [n]: the query token of each decoding sequence */
+    const int32_t* block_tables, /* [n, table_stride]: the table of each decoding sequence */
+    int64_t table_stride,
+    const int32_t* seq_lens,     /* [n]: keys of each sequence, this step's token included */
+    int32_t n, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale)
+{
+    const int group = n_heads / n_kv_heads;
+    const int64_t token_stride = (int64_t)n_kv_heads * head_dim; /* between consecutive keys of a block */
+    const int64_t block_stride = (int64_t)block_size * token_stride;
+
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int i = 0; i < n; i++) {
+        for (int kh = 0; kh < n_kv_heads; kh++) {
+            float qs[MAX_GROUP * MAX_HEAD_DIM];
+            float acc[MAX_GROUP * MAX_HEAD_DIM];
+            float scores[MAX_GROUP * MAX_BLOCK];
+            float m[MAX_GROUP], l[MAX_GROUP];
+            const int64_t head0 = rows[i] * n_heads + (int64_t)kh * group;
+            const float* qp = q + head0 * head_dim;
+            for (int g = 0; g < group; g++) {
+                m[g] = -INFINITY;
+                l[g] = 0.0f;
+                for (int d = 0; d < head_dim; d++) {
+                    qs[g * head_dim + d] = qp[g * head_dim + d] * scale;
+                    acc[g * head_dim + d] = 0.0f;
+                }
+            }
+            const int len = seq_lens[i];
+            const int32_t* table = block_tables + (int64_t)i * table_stride;
+            for (int start = 0; start < len; start += block_size) {
+                const int64_t block = table[start / block_size];
+                const int count = len - start < block_size ? len - start : block_size;
+                const float* kb = k_cache + block * block_stride + (int64_t)kh * head_dim;
+                const float* vb = v_cache + block * block_stride + (int64_t)kh * head_dim;
+#if defined(__AVX512F__)
+                if (head_dim % LANES == 0) {
+                    for (int sub = 0; sub < count; sub += LANES) { /* blocks larger than 16 in slices of 16 */
+                        const int c = count - sub < LANES ? count - sub : LANES;
+                        block_avx512(qs, kb + sub * token_stride, vb + sub * token_stride, token_stride, c, group,
+                                     head_dim, m, l, acc);
+                    }
+                    continue;
+                }
+#endif
+                for (int t = 0; t < count; t++) {
+                    const float* key = kb + t * token_stride;
+                    for (int g = 0; g < group; g++) scores[g * MAX_BLOCK + t] = dot(qs + g * head_dim, key, head_dim);
+                }
+                for (int g = 0; g < group; g++) {
+                    float* sg = scores + g * MAX_BLOCK;
+                    float top = m[g];
+                    for (int t = 0; t < count; t++) top = sg[t] > top ? sg[t] : top;
+                    const float correction = expf(m[g] - top); /* 0 on the first block: m = -inf */
+                    float* ag = acc + g * head_dim;
+                    if (correction != 1.0f) {
+                        l[g] *= correction;
+#pragma omp simd
+                        for (int d = 0; d < head_dim; d++) ag[d] *= correction;
+                    }
+                    m[g] = top;
+                    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                    for (int t = 0; t < count; t++) {
+                        sg[t] = exp_nonpositive(sg[t] - top);
+                        sum += sg[t];
+                    }
+                    l[g] += sum;
+                    for (int t = 0; t < count; t++) {
+                        const float p = sg[t];
+                        const float* value = vb + t * token_stride;
+#pragma omp simd
+                        for (int d = 0; d < head_dim; d++) ag[d] += p * value[d];
+                    }
+                }
+            }
+            float* op = out + head0 * head_dim;
+            for (int g = 0; g < group; g++) {
+                const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) op[g * head_dim + d] = acc[g * head_dim + d] * inv;
+            }
+        }
+    }
+}

@@ -1,0 +1,143 @@
+"""Native CPU kernels (kernels/cpu/*.c), built for this machine on first use and called through ctypes.
+
+The library is compiled with the system C compiler at -O3 -march=native -fopenmp and cached under
+$PAGEDSERVE_CACHE (default ~/.cache/pagedserve) by a hash of the source, the compiler and the CPU's
+feature flags, so a machine with other vector units builds its own copy (`make setup` builds it ahead).
+Its OpenMP symbols bind to the libgomp torch has already loaded, so the kernels and torch share one
+thread pool. ctypes releases the GIL for the call. Where no compiler is found, or the build fails,
+`load()` returns None and callers keep their pure-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger("kernels.cpu_native")
+
+SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
+if platform.machine() in ("x86_64", "AMD64"):
+    CFLAGS.append("-mprefer-vector-width=512")  # full-width vectors where AVX-512 exists; no effect elsewhere
+
+
+class NativeKernels:
+    """The loaded library: `paged_decode(...)` and its compile-time limits."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._decode = lib.pagedserve_paged_decode
+        p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+        self._decode.argtypes = [p, p, p, p, p, p, i64, p, i32, i32, i32, i32, i32, ctypes.c_float]
+        self._decode.restype = None
+        limits = (ctypes.c_int32 * 3)()
+        lib.pagedserve_decode_limits(limits)
+        self.max_group, self.max_head_dim, self.max_block = limits[0], limits[1], limits[2]
+
+    def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
+        return (dtype == torch.float32 and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= self.max_group
+                and head_dim <= self.max_head_dim and block_size <= self.max_block)
+
+    def paged_decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+        rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    ) -> None:
+        """out[rows] = attention of q[rows] (one query token per sequence) over each sequence's paged keys.
+
+        q, out: fp32 [num_tokens, n_heads, head_dim] contiguous; rows: int64 [n]; block_tables: int32
+        [n, max_blocks] (row stride may exceed max_blocks); seq_lens: int32 [n]. All on the CPU."""
+        n = rows.numel()
+        if n == 0:
+            return
+        num_blocks, block_size, n_kv_heads, head_dim = k_cache.shape
+        for t, dt in ((q, torch.float32), (out, torch.float32), (k_cache, torch.float32), (v_cache, torch.float32),
+                      (rows, torch.int64), (seq_lens, torch.int32), (block_tables, torch.int32)):
+            if t.dtype != dt or t.device.type != "cpu":
+                raise TypeError(f"paged_decode needs {dt} tensors on the CPU, got {t.dtype} on {t.device}")
+        if not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and rows.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(1) == 1):
+            raise ValueError("paged_decode needs contiguous tensors")
+        self._decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), rows.data_ptr(),
+                     block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), n, q.shape[1],
+                     n_kv_heads, head_dim, block_size, float(scale))
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve") / "kernels"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the library for this machine (once per source, compiler and CPU) and return its path."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), str(version).encode(), _cpu_flags().encode()):
+        digest.update(part)
+    target = cache_dir() / f"paged_decode-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # built aside, then renamed: ranks may race
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    if verbose:
+        print(f"built {target}")
+    return target
+
+
+_LOADED: NativeKernels | None = None
+_TRIED = False
+
+
+def load() -> NativeKernels | None:
+    """The native kernels, built if needed; None (logged once) where they cannot be built or loaded, or
+    when PAGEDSERVE_NATIVE=0."""
+    global _LOADED, _TRIED
+    if _TRIED:
+        return _LOADED
+    _TRIED = True
+    if os.environ.get("PAGEDSERVE_NATIVE", "1") == "0":
+        return None
+    try:
+        path = build()
+        _LOADED = NativeKernels(ctypes.CDLL(str(path)), path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native_kernels_unavailable", error=str(e))
+        _LOADED = None
+    return _LOADED
+
+
+if __name__ == "__main__":  # `make setup` builds the library ahead of the first start
+    build(verbose=True)
