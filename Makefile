@@ -25,7 +25,7 @@ PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wir
 setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native
 
 # The native CPU kernels, compiled for this machine's vector units (the worker falls back to torch without them).
-.stamps/native: .stamps/deps kernels/cpu/paged_decode.c kernels/cpu_native.py
+.stamps/native: .stamps/deps $(wildcard kernels/cpu/*.c kernels/cpu/*.h) kernels/cpu_native.py
 	$(PY) -m kernels.cpu_native || echo "native CPU kernels not built: the worker will use its torch attention"
 	@touch $@
 

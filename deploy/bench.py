@@ -78,6 +78,31 @@ def bench_server(args, prompts) -> dict:
             "mean_ttft_s": statistics.mean(ttfts), "p50_ttft_s": statistics.median(ttfts), "profile": profile}
 
 
+# --- vLLM's CPU build ---------------------------------------------------------------------------------
+VLLM_SCRIPT = ROOT.parent / "shared" / "bench" / "vllm-cpu.sh"
+
+
+def bench_vllm(args) -> dict:
+    """../shared/bench/vllm-cpu.sh on the same prompts (it builds its venv once, serves the model with its
+    tuned CPU settings, streams the workload through the OpenAI API, prints `tok/s mean_TTFT_s` last)."""
+    import os
+    import subprocess
+
+    script = Path(args.vllm_script)
+    if not script.exists():
+        raise SystemExit(f"{script} not found (pass --vllm-script)")
+    if args.num_requests is not None or args.max_tokens != 128:
+        raise SystemExit("--with-vllm runs the fixed workload: drop --num-requests/--max-tokens")
+    env = dict(os.environ, MODEL_DIR=str(Path(args.model).resolve()))
+    t0 = time.perf_counter()
+    res = subprocess.run(["bash", str(script), str(args.workload.resolve())], env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"vllm-cpu.sh failed ({res.returncode}): {res.stderr.strip()[-1500:]}")
+    tok_s, ttft = (float(x) for x in res.stdout.strip().splitlines()[-1].split())
+    return {"name": "vLLM CPU build (OpenAI server)", "wall_s": time.perf_counter() - t0, "tokens": 64 * 128,
+            "tok_s": tok_s, "mean_ttft_s": ttft, "p50_ttft_s": float("nan")}
+
+
 # --- transformers static batching ------------------------------------------------------------------
 def bench_static(args, prompts) -> dict:
     import torch
@@ -114,13 +139,10 @@ def bench_static(args, prompts) -> dict:
             "tok_s": tokens / wall, "mean_ttft_s": statistics.mean(ttfts), "p50_ttft_s": statistics.median(ttfts)}
 
 
-# --- one step, profiled ------------------------------------------------------------------------------
-def profile_one_step(args, prompts) -> None:
-    """Run one decode step of the whole workload in-process under torch.profiler; print the top ops."""
-    import numpy as np
+# --- one step in-process: profiled, and held against its local limit --------------------------------------
+def _worker(args, num_blocks: int):
     import torch
 
-    from protos.codec import PlanArrays, encode_plan
     from worker.attention import make_backend
     from worker.kv_pool import KVPool
     from worker.linear import choose as choose_matmul
@@ -129,36 +151,140 @@ def profile_one_step(args, prompts) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    block = 16
-    model, config = load_model(args.model, "auto", torch.float32, torch.device("cpu"))
-    model.use_matmul(choose_matmul("auto", model.matmul_shapes(), torch.device("cpu"), torch.float32))
-    lens = [len(p) + args.max_tokens // 2 for p in prompts]  # mid-way through decoding
-    need = [-(-n // block) for n in lens]
-    pool = KVPool(config, sum(need), block, torch.float32, torch.device("cpu"))
-    runner = ModelRunner(model, pool, make_backend(None, torch.device("cpu")), torch.device("cpu"))
-    tables = np.full((len(prompts), max(need)), -1, dtype="<i4")
+    cpu = torch.device("cpu")
+    model, config = load_model(args.model, "auto", torch.float32, cpu)
+    model.use_matmul(choose_matmul(args.matmul, model.matmul_shapes(), cpu, torch.float32))
+    pool = KVPool(config, num_blocks, 16, torch.float32, cpu)
+    attn = make_backend(None, cpu, (config.num_heads, config.num_kv_heads, config.head_dim, 16, torch.float32))
+    return ModelRunner(model, pool, attn, cpu), model, config
+
+
+def _plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1):
+    """A StepPlan computing, for each (new_tokens, seq_len), its last new_tokens positions; blocks laid out
+    one sequence after another from block 0. -> (plan, blocks used)."""
+    import numpy as np
+
+    from protos.codec import PlanArrays, encode_plan
+
+    need = [-(-n // block) for _, n in seqs]
+    tables = np.full((len(seqs), max(need)), -1, dtype="<i4")
     start = 0
     for i, n in enumerate(need):
         tables[i, :n] = np.arange(start, start + n)
         start += n
-    seq_lens = np.array(lens, dtype="<i4")
-    pos = seq_lens - 1
-    slots = tables[np.arange(len(prompts)), pos // block].astype("<i8") * block + pos % block
-    n = len(prompts)
+    q_lens = np.array([q for q, _ in seqs])
+    seq_lens = np.array([n for _, n in seqs], dtype="<i4")
+    rows = np.repeat(np.arange(len(seqs)), q_lens)
+    pos = np.concatenate([np.arange(n - q, n) for q, n in seqs])
+    slots = tables[rows, pos // block].astype("<i8") * block + pos % block
+    k = len(seqs)
+    qsl = np.zeros(k + 1, dtype="<i4")
+    np.cumsum(q_lens, out=qsl[1:])
+    rng = np.random.default_rng(0)
     plan = encode_plan(PlanArrays(
-        step_id=1, token_ids=np.full(n, 100, "<i4"), positions=pos.astype("<i4"), slot_mapping=slots,
-        block_tables=tables, seq_lens=seq_lens, query_start_loc=np.arange(n + 1, dtype="<i4"),
-        do_sample=np.ones(n, bool), sample_index=np.zeros(n, "<i4"), temperature=np.zeros(n, "<f4"),
-        top_p=np.ones(n, "<f4"), top_k=np.zeros(n, "<i4"), seed=np.zeros(n, "<u8"),
+        step_id=step_id, token_ids=rng.integers(100, 40000, len(pos)).astype("<i4"), positions=pos.astype("<i4"),
+        slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
+        do_sample=np.ones(k, bool), sample_index=np.zeros(k, "<i4"), temperature=np.zeros(k, "<f4"),
+        top_p=np.ones(k, "<f4"), top_k=np.zeros(k, "<i4"), seed=np.zeros(k, "<u8"),
         block_copies=np.empty((0, 2), "<i4")))
-    for _ in range(3):
-        runner.execute(plan)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        res = runner.execute(plan)
-    print(f"\none decode step, {len(prompts)} sequences, mean context {statistics.mean(lens):.0f}: "
-          f"prepare {res.time_prepare * 1e3:.1f} ms, forward {res.time_forward * 1e3:.1f} ms, "
-          f"sample {res.time_sample * 1e3:.1f} ms")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return plan, start
+
+
+def _best(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
+    """Seconds of just the step's matmuls (every projection of every layer at `rows`, the LM head at
+    `sampled_rows`), on the model's own prepared weights, with the faster library for this machine."""
+    import torch
+
+    from worker.linear import LIBRARIES, OneDNNMatmul
+
+    cpu = torch.device("cpu")
+    names = ["dense"] + (["onednn"] if OneDNNMatmul.available(cpu, torch.float32) else [])
+    hidden = model.config.hidden_size
+    best = float("inf")
+    for name in names:
+        lib = LIBRARIES[name]()
+        same = model.mm.name == name
+        weights = [[layer.w[n] if same else lib.prepare(getattr(layer, n)) for n in layer.MATMUL_WEIGHTS]
+                   for layer in model.layers] if same or model.mm.name == "dense" else None
+        if weights is None:  # the dense copies were dropped when packing: only the model's own library is timed
+            continue
+        head = model._head if same else lib.prepare(model.embed if model.lm_head is None else model.lm_head)
+        xs = {}
+        for w in weights[0]:
+            k = w.shape[1] if w.dim() == 2 else hidden
+            xs.setdefault(k, torch.randn(rows, k))
+        inputs = [xs[w.shape[1]] for w in weights[0]]
+        h = torch.randn(sampled_rows, hidden)
+
+        def run(lib=lib, weights=weights, inputs=inputs, head=head, h=h):
+            for layer in weights:
+                for x, w in zip(inputs, layer, strict=True):
+                    lib(x, w)
+            lib(h, head)
+
+        best = min(best, _best(run, reps))
+    return best
+
+
+def _kv_read(pool, blocks: int, reps: int) -> float:
+    """Seconds to read, once, every layer's K and V of the first `blocks` blocks (a plain reduction)."""
+    def run():
+        for k, v in zip(pool.k, pool.v, strict=True):
+            k[:blocks].sum()
+            v[:blocks].sum()
+    return _best(run, reps)
+
+
+def phases(args, prompts) -> dict:
+    """A prefill chunk and a decode step of the workload, timed in-process, beside their local limits."""
+    import statistics as st
+
+    q_chunk = []
+    total = 0
+    for p in prompts:  # whole prompts up to the token budget, as the scheduler packs a chunk
+        if total + len(p) > args.max_num_batched_tokens:
+            break
+        q_chunk.append((len(p), len(p)))
+        total += len(p)
+    decode = [(1, len(p) + args.max_tokens // 2) for p in prompts]  # mid-way through decoding
+    prefill_plan, prefill_blocks = _plan(q_chunk)
+    decode_plan, decode_blocks = _plan(decode, step_id=2)
+    runner, model, config = _worker(args, max(prefill_blocks, decode_blocks) + 4)
+    reps = args.reps
+    res = {}
+    t_prefill = _best(lambda: runner.execute(prefill_plan), reps)
+    m_prefill = _matmuls_alone(model, total, len(q_chunk), reps)
+    t_decode = _best(lambda: runner.execute(decode_plan), reps)
+    m_decode = _matmuls_alone(model, len(decode), len(decode), reps)
+    kv = _kv_read(runner.pool, decode_blocks, reps)
+    res = {"matmul": model.mm.name, "attention": runner.attn.name, "ops": model.ops.name,
+           "prefill_tokens": total, "prefill_s": t_prefill, "prefill_matmul_s": m_prefill,
+           "decode_rows": len(decode), "decode_mean_context": st.mean(n for _, n in decode),
+           "decode_s": t_decode, "decode_matmul_s": m_decode, "decode_kv_read_s": kv}
+    print(f"\nin-process, {res['matmul']} matmuls, {res['attention']} attention, {res['ops']} elementwise ops:")
+    print(f"  prefill chunk of {total} tokens ({len(q_chunk)} prompts): {t_prefill * 1e3:.0f} ms; its matmuls alone "
+          f"{m_prefill * 1e3:.0f} ms -> x{t_prefill / m_prefill:.2f} of the matmul time (target <= 1.3)")
+    limit = m_decode + kv
+    print(f"  decode step of {len(decode)} sequences (mean context {res['decode_mean_context']:.0f}): "
+          f"{t_decode * 1e3:.1f} ms; matmuls alone {m_decode * 1e3:.1f} ms + one read of its K/V {kv * 1e3:.1f} ms "
+          f"= local limit {limit * 1e3:.1f} ms -> x{t_decode / limit:.2f} (target <= 1.5)")
+    if args.profile_step:
+        import torch
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            runner.execute(decode_plan)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return res
 
 
 def report(r: dict) -> None:
@@ -173,13 +299,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-requests", type=int, default=None, help="use only the first N prompts")
-    p.add_argument("--only", choices=["server", "static"], default=None)
+    p.add_argument("--only", choices=["server", "static", "phases"], default=None,
+                   help="run just one part (phases: only the in-process prefill/decode timings)")
     p.add_argument("--static-batch", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--profile-step", action="store_true", help="also profile one decode step in-process")
+    p.add_argument("--with-vllm", action="store_true",
+                   help="also run vLLM's CPU build on the workload right after the server (../shared/bench/vllm-cpu.sh)")
+    p.add_argument("--vllm-script", default=str(VLLM_SCRIPT))
+    p.add_argument("--phases", action="store_true",
+                   help="also time a prefill chunk and a decode step in-process against their local limits")
+    p.add_argument("--profile-step", action="store_true", help="with --phases: torch.profiler table of the decode step")
+    p.add_argument("--matmul", default="auto", help="matmul library of the in-process phases (auto, dense, onednn)")
+    p.add_argument("--reps", type=int, default=5, help="repetitions of each in-process timing (the best is kept)")
     args = p.parse_args(argv)
     prompts = load_workload(args.workload)[: args.num_requests]
     print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
@@ -195,15 +329,20 @@ def main(argv: list[str] | None = None) -> int:
                     "process_output"]
             print(f"  engine steps: {prof['steps']}, {prof['tokens']} tokens computed; mean ms per step: "
                   + ", ".join(f"{k} {prof[k] / steps * 1e3:.1f}" for k in keys))
+    if args.with_vllm:
+        results["vllm"] = bench_vllm(args)
+        report(results["vllm"])
     if args.only in (None, "static"):
         results["static"] = bench_static(args, prompts)
         report(results["static"])
-    if len(results) == 2:
-        s, b = results["server"], results["static"]
-        print(f"ratio pagedserve / static: throughput x{s['tok_s'] / b['tok_s']:.2f}, "
-              f"mean TTFT x{s['mean_ttft_s'] / b['mean_ttft_s']:.2f}")
-    if args.profile_step:
-        profile_one_step(args, prompts)
+    s = results.get("server")
+    for key in ("static", "vllm") if s else ():
+        if key in results:
+            b = results[key]
+            print(f"ratio pagedserve / {b['name']}: throughput x{s['tok_s'] / b['tok_s']:.2f}, "
+                  f"mean TTFT x{s['mean_ttft_s'] / b['mean_ttft_s']:.2f}")
+    if args.phases or args.profile_step or args.only == "phases":
+        results["phases"] = phases(args, prompts)
     return 0
 
 

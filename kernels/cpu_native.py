@@ -1,4 +1,4 @@
-"""Native CPU kernels (kernels/cpu/*.c), built for this machine on first use and called through ctypes.
+"""Native CPU kernels (kernels/cpu/*.c: paged decode attention and the fused elementwise tail), built for this machine on first use and called through ctypes.
 
 The library is compiled with the system C compiler at -O3 -march=native -fopenmp and cached under
 $PAGEDSERVE_CACHE (default ~/.cache/pagedserve) by a hash of the source, the compiler and the CPU's
@@ -24,7 +24,9 @@ import torch
 
 log = structlog.get_logger("kernels.cpu_native")
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
+SOURCE_DIR = Path(__file__).with_name("cpu")
+SOURCES = [SOURCE_DIR / "paged_decode.c", SOURCE_DIR / "elementwise.c"]
+HEADERS = [SOURCE_DIR / "vec_math.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # full-width vectors where AVX-512 exists; no effect elsewhere
@@ -42,6 +44,34 @@ class NativeKernels:
         limits = (ctypes.c_int32 * 3)()
         lib.pagedserve_decode_limits(limits)
         self.max_group, self.max_head_dim, self.max_block = limits[0], limits[1], limits[2]
+        self._add_rms_norm = lib.pagedserve_add_rms_norm
+        self._add_rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
+        self._silu_mul = lib.pagedserve_silu_mul
+        self._silu_mul.argtypes = [p, p, i64, i64]
+        self._rope = lib.pagedserve_rope
+        self._rope.argtypes = [p, i64, i64, i32, i32, p, p, p]
+        for f in (self._add_rms_norm, self._silu_mul, self._rope):
+            f.restype = None
+
+    # --- the elementwise tail (fp32, contiguous rows; checked by the callers in worker/fused.py) -----------
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     out: torch.Tensor, eps: float) -> None:
+        """residual += delta (when given, in place), out = rms_norm(residual) * weight."""
+        rows, dim = residual.shape
+        self._add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                           out.data_ptr(), rows, dim, float(eps))
+
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+        """out = silu(gate_up[:, :I]) * gate_up[:, I:]."""
+        rows, width = gate_up.shape
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+
+    def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+             positions: torch.Tensor) -> None:
+        """Rotate-half RoPE in place on the first `heads` heads of each row of x [rows, >= heads * head_dim]
+        (row stride x.stride(0)); cos, sin: [max_pos, head_dim / 2]; positions int64 [rows]."""
+        self._rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                   positions.data_ptr())
 
     def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
         return (dtype == torch.float32 and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= self.max_group
@@ -96,18 +126,19 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), str(version).encode(), _cpu_flags().encode()):
+    for part in ([f.read_bytes() for f in SOURCES + HEADERS] + [" ".join(CFLAGS).encode(), str(version).encode(),
+                                                                 _cpu_flags().encode()]):
         digest.update(part)
-    target = cache_dir() / f"paged_decode-{digest.hexdigest()[:16]}.so"
+    target = cache_dir() / f"pagedserve_cpu-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # built aside, then renamed: ranks may race
     os.close(fd)
     try:
-        res = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        res = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed: {res.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"building the native CPU kernels failed: {res.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -43,7 +43,9 @@ class PrefillRows:
     start: int  # first query token of the sequence in the step
     end: int
     slots: torch.Tensor  # int64 [seq_len]
-    mask: torch.Tensor  # bool [q_len, seq_len]: query i sees key j < seq_len - q_len + i + 1
+    mask: torch.Tensor | None  # bool [q_len, seq_len]: query i sees key j < seq_len - q_len + i + 1; None
+    # when the chunk is the whole sequence (q_len == seq_len): then plain causal, which the fused kernel
+    # runs without materializing or applying a mask and skips the blocks above the diagonal
 
 
 @dataclass
@@ -66,8 +68,10 @@ def prefill_rows(block_tables: torch.Tensor, lens: torch.Tensor, qsl: torch.Tens
     for i in (q_lens > 1).nonzero().flatten().tolist():
         seq_len, q_len = int(lens[i]), int(q_lens[i])
         slots = reference.kv_slots(block_tables[i : i + 1], lens[i : i + 1], block_size, seq_len)[0]
-        qpos = torch.arange(q_len, device=lens.device)[:, None]
-        mask = torch.arange(seq_len, device=lens.device)[None, :] < seq_len - q_len + qpos + 1
+        mask = None
+        if q_len != seq_len:
+            qpos = torch.arange(q_len, device=lens.device)[:, None]
+            mask = torch.arange(seq_len, device=lens.device)[None, :] < seq_len - q_len + qpos + 1
         prefills.append(PrefillRows(int(qsl[i]), int(qsl[i + 1]), slots, mask))
     return prefills
 
@@ -114,7 +118,8 @@ class TorchAttention(AttentionBackend):
             keys = k_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)  # [1, n_kv, seq_len, hd]
             values = v_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, n_heads, q_len, head_dim]
-            o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=p.mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=p.mask, is_causal=p.mask is None,
+                                               scale=scale, enable_gqa=True)
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out
 

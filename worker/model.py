@@ -17,6 +17,7 @@ from torch import nn
 
 from worker.attention import AttentionBackend
 from worker.checkpoint import TensorSource
+from worker.fused import TorchOps, default_ops, rms_norm
 from worker.kv_pool import KVPool
 from worker.linear import DenseMatmul
 from worker.model_config import ModelConfig
@@ -31,12 +32,6 @@ class StepInputs:
     attn_meta: object  # the backend's per-step metadata (built once, shared by all layers)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 class Rotary:
     """cos/sin tables for every position (rotate-half convention); a step looks its tokens up once."""
 
@@ -49,12 +44,6 @@ class Rotary:
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """-> cos, sin of each token, [num_tokens, 1, head_dim / 2]."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, n_heads, head_dim]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -90,12 +79,17 @@ class DecoderLayer(nn.Module):
                 getattr(self, name).data = torch.empty(0, dtype=getattr(self, name).dtype)
 
     def forward(
-        self, x: torch.Tensor, step: StepInputs, pool: KVPool, rope: tuple[torch.Tensor, torch.Tensor],
-        attn: AttentionBackend,
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs, pool: KVPool, rope,
+        attn: AttentionBackend, ops: TorchOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, added to the residual stream here (fused with the norm); with
+        residual None, x is the embeddings. Returns (this layer's MLP output, the residual stream)."""
         c = self.config
         num_tokens = x.shape[0]
-        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        if residual is None:
+            residual, h = ops.add_rms_norm(x, None, self.input_norm, c.rms_norm_eps)
+        else:
+            residual, h = ops.add_rms_norm(residual, x, self.input_norm, c.rms_norm_eps)
         mm, w = self.mm, self.w
         qkv = mm(h, w["qkv"], self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, c.head_dim)
@@ -104,15 +98,13 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
-        q = apply_rotary(q, *rope)
-        k = apply_rotary(k, *rope)
+        q, k = ops.rope(q, k, rope)
         k_cache, v_cache = pool.layer(self.layer_idx)
         attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
         o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.head_dim**-0.5)  # [num_tokens, n_heads, hd]
-        x = x + self.comm.all_reduce(mm(o.reshape(num_tokens, self.q_size), w["o_proj"]))
-        h = rms_norm(x, self.post_attn_norm, c.rms_norm_eps)
-        gate, up = mm(h, w["gate_up"]).chunk(2, dim=-1)
-        return x + self.comm.all_reduce(mm(F.silu(gate) * up, w["down"]))
+        a = self.comm.all_reduce(mm(o.reshape(num_tokens, self.q_size), w["o_proj"]))
+        residual, h = ops.add_rms_norm(residual, a, self.post_attn_norm, c.rms_norm_eps)
+        return self.comm.all_reduce(mm(ops.silu_mul(mm(h, w["gate_up"])), w["down"])), residual
 
 
 class LlamaModel(nn.Module):
@@ -129,6 +121,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(rows, c.hidden_size))
         self.rotary: Rotary | None = None
         self.mm = None  # set by use_matmul (dense F.linear on the loaded weights unless told otherwise)
+        self.ops: TorchOps | None = None  # the elementwise tail (worker/fused.py), chosen at the first forward
         self._head: torch.Tensor | None = None
 
     def use_matmul(self, lib, drop_dense: bool = True) -> None:
@@ -154,11 +147,15 @@ class LlamaModel(nn.Module):
             self.rotary = Rotary(self.config, self.embed.device)
         if self.mm is None:
             self.use_matmul(DenseMatmul())
+        if self.ops is None:
+            self.ops = default_ops(self.embed.device, self.embed.dtype)
+        ops = self.ops
         x = self._embed(step.token_ids)
-        rope = self.rotary.lookup(step.positions, x.dtype)
+        rope = ops.rope_tables(self.rotary, step.positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, step, pool, rope, attn)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+            x, residual = layer(x, residual, step, pool, rope, attn, ops)
+        return ops.add_rms_norm(residual, x, self.norm, self.config.rms_norm_eps)[1]
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:

@@ -10,6 +10,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "vec_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -18,25 +20,6 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
 #define LANES 16
-
-/* e^x for x <= 0 (scores minus their running max), written so that a loop over it vectorizes:
- * x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial, 2^n by building the exponent bits.
- * Relative error about 2e-7 (a couple of ulp); below -87 it returns about 1e-38 instead of 0. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 split in two for precision */
-    float p = 1.38888889e-3f;
-    p = p * r + 8.33333333e-3f;
-    p = p * r + 4.16666667e-2f;
-    p = p * r + 1.66666667e-1f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { float f; int32_t i; } scale;
-    scale.i = ((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
 
 /* Dot product over head_dim in LANES independent partial sums (one vector register), summed once. */
 static inline float dot(const float* a, const float* b, int n) {
@@ -181,7 +164,7 @@ void pagedserve_paged_decode(
                     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
                     for (int t = 0; t < count; t++) {
-                        sg[t] = exp_nonpositive(sg[t] - top);
+                        sg[t] = vec_exp(sg[t] - top);
                         sum += sg[t];
                     }
                     l[g] += sum;

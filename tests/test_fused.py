@@ -1,0 +1,88 @@
+"""The native elementwise tail (kernels/cpu/elementwise.c) against its torch definition (worker/fused.py)."""
+
+import pytest
+import torch
+
+from kernels import cpu_native
+from worker.fused import NativeOps, TorchOps, default_ops
+from worker.model import Rotary
+from worker.model_config import ModelConfig
+
+native = cpu_native.load()
+needs_native = pytest.mark.skipif(native is None, reason="native CPU kernels did not build here")
+
+
+def _config(head_dim: int) -> ModelConfig:
+    return ModelConfig(vocab_size=64, hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_layers=1,
+                       num_heads=4, num_kv_heads=2, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=10000.0,
+                       max_position_embeddings=4096)
+
+
+@needs_native
+@pytest.mark.parametrize("hidden", [576, 33, 1024])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_torch(hidden, with_delta):
+    g = torch.Generator().manual_seed(hidden)
+    residual = torch.randn(7, hidden, generator=g) * 3
+    delta = torch.randn(7, hidden, generator=g) if with_delta else None
+    weight = torch.randn(hidden, generator=g)
+    want_res, want = TorchOps().add_rms_norm(residual.clone(), delta, weight, 1e-5)
+    got_res, got = NativeOps(native).add_rms_norm(residual.clone(), delta, weight, 1e-5)
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("width", [1536, 17])
+def test_silu_mul_matches_torch(width):
+    gate_up = torch.randn(5, 2 * width, generator=torch.Generator().manual_seed(width)) * 8  # exp over a wide range
+    torch.testing.assert_close(NativeOps(native).silu_mul(gate_up), TorchOps().silu_mul(gate_up),
+                               rtol=2e-6, atol=2e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("fused_row", [True, False])
+def test_rope_matches_torch(head_dim, fused_row):
+    config = _config(head_dim)
+    rotary = Rotary(config, torch.device("cpu"))
+    heads, kv_heads, tokens = 4, 2, 9
+    positions = torch.tensor([0, 1, 2, 3, 700, 701, 4095, 17, 5])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(head_dim))
+
+    def split(t):
+        q = t[:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = t[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+        if not fused_row:  # e.g. after a per-head q/k norm (Qwen3): fresh tensors, not views of one row
+            q, k = q * 1.0, k * 1.0
+        return q, k
+
+    ref, ops = TorchOps(), NativeOps(native)
+    want_q, want_k = ref.rope(*split(qkv.clone()), ref.rope_tables(rotary, positions, torch.float32))
+    rows = qkv.clone()
+    got_q, got_k = ops.rope(*split(rows), ops.rope_tables(rotary, positions, torch.float32))
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+    if fused_row:  # rotated in place in the QKV row; V untouched
+        torch.testing.assert_close(rows[:, : heads * head_dim].view(tokens, heads, head_dim), want_q)
+        assert torch.equal(rows[:, (heads + kv_heads) * head_dim :], qkv[:, (heads + kv_heads) * head_dim :])
+
+
+@needs_native
+def test_non_contiguous_inputs_fall_back_to_torch():
+    x = torch.randn(6, 128)[:, :64]  # strided rows
+    weight = torch.randn(64)
+    want = TorchOps().add_rms_norm(x, None, weight, 1e-6)[1]
+    torch.testing.assert_close(NativeOps(native).add_rms_norm(x, None, weight, 1e-6)[1], want)
+    gate_up = torch.randn(4, 64).t()
+    torch.testing.assert_close(NativeOps(native).silu_mul(gate_up), TorchOps().silu_mul(gate_up))
+
+
+def test_default_ops_by_device_and_dtype(monkeypatch):
+    assert isinstance(default_ops(torch.device("cpu"), torch.bfloat16), TorchOps)
+    assert not isinstance(default_ops(torch.device("cpu"), torch.bfloat16), NativeOps)
+    monkeypatch.setenv("PAGEDSERVE_NATIVE", "0")
+    monkeypatch.setattr(cpu_native, "_TRIED", False)
+    monkeypatch.setattr(cpu_native, "_LOADED", None)
+    ops = default_ops(torch.device("cpu"), torch.float32)
+    assert type(ops) is TorchOps
