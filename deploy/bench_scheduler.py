@@ -5,12 +5,13 @@ of a large batch, with a worker that answers instantly, so only the scheduler's 
 
 Each running sequence has a ~2k-token context and decodes one token a step. Printed per step, in ms:
 schedule (batching, page tables), build_plan (numpy arrays), encode (protobuf bytes), result (decode the
-answer, apply it: tokens, prefix-cache registration) and outputs (detokenize, stop checks, stream deltas).
+answer, apply it: tokens, prefix-cache registration) and outputs (detokenize, stop checks, the delta put on the request's stream queue).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
@@ -21,7 +22,6 @@ import numpy as np
 from protos.codec import decode_result, encode_plan, encode_result
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.output import SampleOutput
-from scheduler_service.plan import build_plan
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.sequence import Request, SamplingOptions
 from scheduler_service.tokenizer import Tokenizer
@@ -36,12 +36,13 @@ def measure(tokenizer: Tokenizer, num_seqs: int, context: int, steps: int, block
     # decodes while others still prefill; the timed steps then run under the real budget.
     sched = Scheduler(replace(config, max_num_batched_tokens=num_seqs * (context + 1)),
                       num_seqs * blocks_per_seq + 8, context + steps + 16)
-    outputs = {}
+    outputs, queues = {}, {}
     for i in range(num_seqs):
         req = Request(f"r{i}", rng.integers(100, 40000, context).tolist(),
                       SamplingOptions(max_tokens=steps + 4, ignore_eos=True))
         sched.add_request(req)
         outputs[req.seqs[0].seq_id] = SampleOutput(tokenizer, req.seqs[0], (), sched.max_model_len)
+        queues[req.seqs[0].seq_id] = asyncio.Queue()
     out = sched.schedule()  # prefill everything (not timed), then time decode steps
     assert len(out.scheduled) == num_seqs and not sched.waiting
     sched.update(out, [int(t) for t in rng.integers(100, 40000, num_seqs)])
@@ -51,7 +52,7 @@ def measure(tokenizer: Tokenizer, num_seqs: int, context: int, steps: int, block
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        arrays = build_plan(out, block_size)
+        arrays = sched.build_plan(out)
         t2 = time.perf_counter()
         wire = encode_plan(arrays).SerializeToString()
         t3 = time.perf_counter()
@@ -59,8 +60,8 @@ def measure(tokenizer: Tokenizer, num_seqs: int, context: int, steps: int, block
         tokens = decode_result(answer, len(out.scheduled)).tolist()
         new = sched.update(out, tokens)
         t4 = time.perf_counter()
-        for seq, token in new:
-            outputs[seq.seq_id].add_token(token)
+        for seq, token in new:  # what the engine does per token: stop checks, a delta on the request's stream
+            queues[seq.seq_id].put_nowait(outputs[seq.seq_id].add_token(token)[0])
         t5 = time.perf_counter()
         assert len(out.scheduled) == num_seqs and len(wire) > 0
         for k, a, b in (("schedule", t0, t1), ("build_plan", t1, t2), ("encode", t2, t3), ("result", t3, t4),

@@ -17,7 +17,6 @@ from deploy.bench import DEFAULT_WORKLOAD
 from deploy.simulate import SimulatedWorker
 from protos.codec import encode_plan
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.plan import build_plan
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.sequence import FinishReason, Request, SamplingOptions
 
@@ -45,7 +44,7 @@ def simulate(prompts: list[list[int]], max_tokens: int, num_blocks: int, block_s
         if sched.has_work:
             out = sched.schedule()
             if not out.is_empty:
-                for seq, _ in sched.update(out, worker.execute(encode_plan(build_plan(out, block_size)))):
+                for seq, _ in sched.update(out, worker.execute(encode_plan(sched.build_plan(out)))):
                     if seq.num_output_tokens >= seq.request.sampling.max_tokens:
                         sched.finish(seq, FinishReason.LENGTH)
                         live.pop(seq.request.request_id, None)

@@ -1,4 +1,5 @@
-"""A torch-free simulated worker, for scheduler tests and memory plots.
+"""A torch-free simulated worker, for scheduler tests and memory plots; a simulated worker process of fixed
+step time and the overlap benchmark (`python -m deploy.simulate bench`).
 
 Its "KV pool" stores token ids at slots and its "model" predicts the next token as a hash of the whole
 context read back through the block table. A paging bug (a block shared by mistake, a slot written
@@ -12,7 +13,7 @@ import hashlib
 import numpy as np
 
 from protos import wire_pb2
-from protos.codec import decode_plan
+from protos.codec import decode_plan, resolve_tokens
 
 VOCAB = 1000
 
@@ -37,11 +38,14 @@ class SimulatedWorker:
         self.block_size = block_size
         self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
         self.num_steps = 0
+        self.last_step_id = 0
+        self.last_sampled: np.ndarray | None = None  # kept for the next plan's pending tokens (overlap)
 
     def execute(self, plan: wire_pb2.StepPlan) -> list[int]:
         """Run a plan as it comes off the wire; -1 for rows that do not sample."""
         self.num_steps += 1
         p = decode_plan(plan)
+        token_ids = resolve_tokens(p, self.last_step_id, self.last_sampled)
         bs = self.block_size
         tables, qsl = p.block_tables.astype(np.int64), p.query_start_loc
         assert (p.slot_mapping >= 0).all()
@@ -50,7 +54,7 @@ class SimulatedWorker:
             assert (p.slot_mapping[qsl[i]:qsl[i + 1]] == tables[i][pos // bs] * bs + pos % bs).all()
         for src, dst in p.block_copies:  # copy-on-write, before the step's writes
             self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
-        self.pool[p.slot_mapping] = p.token_ids
+        self.pool[p.slot_mapping] = token_ids
         out = []
         for i in range(p.num_seqs):
             if not p.do_sample[i]:
@@ -61,4 +65,211 @@ class SimulatedWorker:
             assert (ctx >= 0).all(), "read a slot that was never written"
             seed = int(p.seed[i]) if p.temperature[i] > 0 else None
             out.append(next_token(ctx.tolist(), seed, int(p.sample_index[i])))
+        self.last_step_id, self.last_sampled = p.step_id, np.asarray(out, dtype=np.int32)
         return out
+
+
+class Pipeline:
+    """Drives a scheduler and a SimulatedWorker the way a replica's step loop does: with overlap, step N+1 is
+    planned and sent before step N's result is applied (the worker keeps N's tokens for it)."""
+
+    def __init__(self, sched, worker: SimulatedWorker, overlap: bool, on_token) -> None:
+        """on_token(seq, token): the engine's part (stop checks; it may finish the sequence)."""
+        self.sched, self.worker, self.on_token = sched, worker, on_token
+        self.depth = 2 if overlap else 1
+        self.inflight: list = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.inflight) or self.sched.has_work
+
+    def step(self) -> bool:
+        """One turn of the loop; False when it could do nothing (no work, or nothing schedulable)."""
+        from protos.codec import encode_plan
+
+        launched = False
+        if self.sched.has_work and len(self.inflight) < self.depth:
+            out = self.sched.schedule()
+            if not out.is_empty:
+                self.inflight.append((out, self.worker.execute(encode_plan(self.sched.build_plan(out)))))
+                launched = True
+        if self.inflight and (len(self.inflight) == self.depth or not launched):
+            out, tokens = self.inflight.pop(0)
+            for seq, token in self.sched.update(out, tokens):
+                self.on_token(seq, token)
+            return True
+        return launched
+
+
+# --- a simulated worker process, and the overlap benchmark -----------------------------------------------
+class SimulatedRunner:
+    """Answers plans like worker/runner.py, with a fixed step time instead of a model: what a GPU worker looks
+    like to the scheduler. Tokens are the hash model's (`check`, exact and slow) or a cheap function of the
+    sequence length (for timing)."""
+
+    def __init__(self, num_blocks: int, block_size: int, step_s: float, check: bool = False) -> None:
+        self.num_blocks = num_blocks
+        self.step_s = step_s
+        self.model = SimulatedWorker(num_blocks, block_size) if check else None
+        self.last_step_id = 0
+        self.last_sampled: np.ndarray | None = None
+
+    def execute(self, plan: wire_pb2.StepPlan) -> wire_pb2.StepResult:
+        import time
+
+        from protos.codec import CodecError, encode_result
+
+        t0 = time.perf_counter()
+        try:
+            if self.model is not None:
+                sampled = np.asarray(self.model.execute(plan), dtype=np.int32)
+            else:
+                p = decode_plan(plan)
+                resolve_tokens(p, self.last_step_id, self.last_sampled)
+                sampled = np.where(p.do_sample, 1 + (p.seq_lens.astype(np.int64) * 7919) % (VOCAB - 1), -1)
+                sampled = sampled.astype(np.int32)
+        except (CodecError, AssertionError) as e:
+            self.last_sampled = None
+            return wire_pb2.StepResult(step_id=plan.step_id, error=f"rejected plan: {e}")
+        self.last_step_id, self.last_sampled = plan.step_id, sampled
+        busy = time.perf_counter() - t0
+        if busy < self.step_s:
+            time.sleep(self.step_s - busy)
+        return encode_result(plan.step_id, sampled, time_forward=time.perf_counter() - t0)
+
+
+def serve_worker(args) -> int:
+    """A worker process of one rank that simulates its steps (see SimulatedRunner)."""
+    import os
+
+    from worker.server import WorkerServer
+
+    handshake = wire_pb2.Handshake(
+        tp_rank=0, tp_size=1, replica=0, num_blocks=args.num_blocks, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, model_fingerprint="simulated",
+        vocab_size=args.vocab_size, max_context=args.max_context, bytes_per_block=1, num_kv_heads=1,
+        device="simulated", dtype="none", attention_backend="simulated", pid=os.getpid())
+    runner = SimulatedRunner(args.num_blocks, args.block_size, args.step_ms / 1000, check=args.check)
+    return WorkerServer(args.scheduler, runner, handshake).serve()
+
+
+async def measure_overlap(args, overlap: bool) -> dict[str, float]:
+    """Serve `seqs` requests of `context`-token prompts through the real engine and a simulated worker
+    process; time the decode steps once every request has its first token."""
+    import asyncio
+    import subprocess
+    import sys
+    import time
+
+    from scheduler_service.config import ModelSpec, SchedulerConfig
+    from scheduler_service.engine import Engine
+    from scheduler_service.sequence import Request, SamplingOptions
+    from scheduler_service.tokenizer import Tokenizer
+    from scheduler_service.worker_client import WorkerClient
+
+    tokenizer = Tokenizer(args.model)
+    budget = max(2048, args.seqs)
+    config = SchedulerConfig(block_size=args.block_size, max_num_seqs=args.seqs, max_num_batched_tokens=budget,
+                             overlap=overlap)
+    max_context = args.context + args.steps + 64
+    num_blocks = args.seqs * (max_context // args.block_size + 2)
+    client = WorkerClient("tcp://127.0.0.1:0", expected={"block_size": args.block_size,
+                                                         "max_num_batched_tokens": budget})
+    endpoint = client.bind()
+    worker = subprocess.Popen([sys.executable, "-m", "deploy.simulate", "worker", "--scheduler", endpoint,
+                               "--num-blocks", str(num_blocks), "--block-size", str(args.block_size),
+                               "--max-num-batched-tokens", str(budget), "--vocab-size", str(tokenizer.vocab_size),
+                               "--max-context", str(max_context), "--step-ms", str(args.step_ms)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spec = ModelSpec(name="simulated", vocab_size=tokenizer.vocab_size, max_context=max_context, eos_token_ids=())
+    engine = Engine(config, spec, tokenizer, client)
+    try:
+        await engine.start(60)
+        rng = np.random.default_rng(0)
+        first = asyncio.Event()
+        have_first = 0
+
+        async def one(i: int) -> None:
+            nonlocal have_first
+            req = Request(f"sim-{i}", rng.integers(1, VOCAB, args.context).tolist(),
+                          SamplingOptions(max_tokens=args.steps, ignore_eos=True))
+            got = False
+            async for _ in engine.generate(req):
+                if not got:
+                    got = True
+                    have_first += 1
+                    if have_first == args.seqs:
+                        first.set()
+
+        tasks = [asyncio.create_task(one(i)) for i in range(args.seqs)]
+        await first.wait()
+        replica = engine.replicas[0]
+        p0, t0 = dict(replica.profile.as_dict()), time.perf_counter()
+        await asyncio.sleep(args.window)
+        p1, t1 = dict(replica.profile.as_dict()), time.perf_counter()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await engine.stop()
+        worker.terminate()
+        worker.wait(10)
+    steps = p1["steps"] - p0["steps"]
+    if steps < 3:
+        raise SystemExit(f"only {steps} steps in the window: lengthen --window or --steps")
+    per = {k: (p1[k] - p0[k]) * 1000 / steps for k in ("schedule", "build_plan", "process_output", "wait",
+                                                       "worker_forward")}
+    per["period"] = (t1 - t0) * 1000 / steps
+    per["scheduler"] = per["schedule"] + per["build_plan"] + per["process_output"]
+    return per
+
+
+def bench(args) -> int:
+    import asyncio
+
+    print(f"simulated worker, {args.step_ms:g} ms a step; {args.seqs} sequences decoding with ~{args.context}-token "
+          f"contexts; ms per step over {args.window:g} s of decode steps")
+    print(f"{'overlap':>8}{'period':>9}{'worker':>9}{'scheduler':>11}{'(schedule':>11}{'plan':>7}{'output)':>9}"
+          f"{'waited':>9}")
+    rows = {}
+    for overlap in (False, True):
+        r = rows[overlap] = asyncio.run(measure_overlap(args, overlap))
+        print(f"{'on' if overlap else 'off':>8}{r['period']:>9.2f}{r['worker_forward']:>9.2f}{r['scheduler']:>11.2f}"
+              f"{r['schedule']:>11.2f}{r['build_plan']:>7.2f}{r['process_output']:>9.2f}{r['wait']:>9.2f}", flush=True)
+    on, off = rows[True], rows[False]
+    print(f"overlap on: period / max(worker, scheduler) = {on['period'] / max(on['worker_forward'], on['scheduler']):.2f}"
+          f"; overlap off: period / (worker + scheduler) = "
+          f"{off['period'] / (off['worker_forward'] + off['scheduler']):.2f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="simulate", description="the simulated worker, and the overlap benchmark")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("worker", help="serve as a simulated worker rank")
+    w.add_argument("--scheduler", required=True)
+    w.add_argument("--num-blocks", type=int, required=True)
+    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    w.add_argument("--vocab-size", type=int, default=VOCAB)
+    w.add_argument("--max-context", type=int, default=4096)
+    w.add_argument("--step-ms", type=float, default=10.0)
+    w.add_argument("--check", action="store_true", help="answer with the exact hash model (slow)")
+    b = sub.add_parser("bench", help="step period with overlap off and on, against a fixed worker step time")
+    b.add_argument("--model", required=True, help="model folder (its tokenizer detokenizes the outputs)")
+    b.add_argument("--seqs", type=int, default=256)
+    b.add_argument("--context", type=int, default=2000)
+    b.add_argument("--steps", type=int, default=400, help="tokens each request generates")
+    b.add_argument("--step-ms", type=float, default=5.0)
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--window", type=float, default=1.5, help="seconds of decode steps timed")
+    args = p.parse_args(argv)
+    return serve_worker(args) if args.cmd == "worker" else bench(args)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

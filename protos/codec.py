@@ -42,6 +42,8 @@ class PlanArrays:
     top_k: np.ndarray  # int32 [S]; 0 = off
     seed: np.ndarray  # uint64 [S]
     block_copies: np.ndarray  # int32 [C, 2] of (src, dst)
+    prev_step_id: int = 0
+    prev_rows: np.ndarray | None = None  # int32 [T]: -1, or the row of step prev_step_id whose token goes here
 
     @property
     def num_seqs(self) -> int:
@@ -74,6 +76,8 @@ def encode_plan(p: PlanArrays) -> wire_pb2.StepPlan:
         top_k=b(p.top_k, I32),
         seed=b(p.seed, U64),
         block_copies=b(p.block_copies, I32),
+        prev_rows=b(p.prev_rows, I32) if p.prev_rows is not None else b"",
+        prev_step_id=p.prev_step_id,
     )
 
 
@@ -103,7 +107,29 @@ def decode_plan(msg: wire_pb2.StepPlan) -> PlanArrays:
         top_k=_array(msg.top_k, I32, s, "top_k"),
         seed=_array(msg.seed, U64, s, "seed"),
         block_copies=np.frombuffer(msg.block_copies, dtype=I32).reshape(-1, 2),
+        prev_step_id=msg.prev_step_id,
+        prev_rows=_array(msg.prev_rows, I32, t, "prev_rows") if msg.prev_rows else None,
     )
+
+
+def resolve_tokens(p: PlanArrays, last_step_id: int, last_sampled: np.ndarray | None) -> np.ndarray:
+    """The plan's token ids with every pending one filled from the tokens this worker sampled in its last
+    step (`last_sampled`, int32, -1 where a row did not sample). Raises CodecError when the plan refers to
+    a step or a row the worker has no token for (a restarted worker, a failed step)."""
+    if p.prev_rows is None:
+        return p.token_ids
+    at = np.flatnonzero(p.prev_rows >= 0)
+    if at.size == 0:
+        return p.token_ids
+    if last_sampled is None or p.prev_step_id != last_step_id:
+        raise CodecError(f"the plan needs tokens sampled in step {p.prev_step_id}, which this worker does not have "
+                         f"(its last completed step is {last_step_id})")
+    src = p.prev_rows[at]
+    if (src >= last_sampled.shape[0]).any() or (last_sampled[src] < 0).any():
+        raise CodecError(f"the plan refers to rows of step {p.prev_step_id} that sampled no token")
+    tokens = p.token_ids.copy()
+    tokens[at] = last_sampled[src]
+    return tokens
 
 
 def encode_result(step_id: int, sampled: np.ndarray, **timings: float) -> wire_pb2.StepResult:

@@ -52,6 +52,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_queue_len: int = 1024
+    # Plan step N+1 while the workers run step N (the plan refers to step N's sampled tokens by row).
+    overlap: bool = True
     # Check allocator invariants after every step (tests turn it on).
     debug_invariants: bool = False
     # Data parallelism: how much more loaded (waiting x 4 + running) than the least loaded replica the

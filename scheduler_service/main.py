@@ -51,6 +51,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="prefill whole prompts in one step (needs --max-num-batched-tokens >= the context)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never reuse computed blocks across requests")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the model's context")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="plan each step only after the previous one's result (default: plan the next step "
+                        "while the workers run this one)")
     p.add_argument("--max-queue-len", type=int, default=1024)
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds to wait for workers at start")
@@ -82,6 +85,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         max_queue_len=args.max_queue_len,
         debug_invariants=args.debug_invariants,
+        overlap=not args.no_overlap,
         route_overload_slack=args.route_overload_slack,
     )
 

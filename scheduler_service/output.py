@@ -20,7 +20,7 @@ class Usage:
     cached_prompt_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """One stream message: a sample's new tokens and text; finish_reason on its last, usage on the request's last."""
 
@@ -40,7 +40,8 @@ class SampleOutput:
         self._stops = params.stop
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
         self._max_tokens = params.max_tokens
-        self._max_context = max_context
+        # tokens this sample may still take before max_tokens or the model's context ends it
+        self._left = min(params.max_tokens - seq.num_output_tokens, max_context - seq.num_tokens)
         self.text = ""
         self._emitted = 0
 
@@ -48,18 +49,22 @@ class SampleOutput:
         """Take one new token; return the stream delta and the finish reason, if it finished."""
         piece = self._detok.add(token)
         self.text += piece
+        self._left -= 1
+        if not self._stops:  # nothing is held back: the new text goes out as it comes
+            self._emitted = len(self.text)
+            reason = FinishReason.STOP if token in self._stop_ids else (
+                FinishReason.LENGTH if self._left <= 0 else None)
+            return Delta(self.seq.index, [token], piece, reason), reason
         reason = None
         if token in self._stop_ids:
             reason = FinishReason.STOP
-        elif self._stops and piece:
+        elif piece:
             start = max(0, len(self.text) - len(piece) - self._holdback)
             hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
                 reason = FinishReason.STOP
-        if reason is None and (
-            self.seq.num_output_tokens >= self._max_tokens or self.seq.num_tokens >= self._max_context
-        ):
+        if reason is None and self._left <= 0:
             reason = FinishReason.LENGTH
         delta = Delta(self.seq.index, [token], self._take_text(final=reason is not None), reason)
         return delta, reason

@@ -2,8 +2,9 @@
 its own step loop. Replicas step concurrently in one event loop: a step in flight is an await on the
 wire, so a replica whose workers are slow never holds up another's.
 
-The loop: schedule a step, build its plan, await the group's result, apply it, hand the new tokens to
-the engine (which streams them). A failed step fails only its requests; a lost rank takes the replica
+The loop: schedule a step, build its plan, send it; with overlap on (the default), schedule and send the
+next step before awaiting this one's result (see `_steps`); apply each result in order and hand the new
+tokens to the engine (which streams them). A failed step fails only its requests; a lost rank takes the replica
 down (the engine decides what happens to its requests) until a new group joins.
 """
 
@@ -11,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import structlog
 
 from protos.codec import CodecError, decode_result, encode_plan
 from scheduler_service.block_allocator import block_hash
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.plan import build_plan
 from scheduler_service.scheduler import Scheduler, SchedulerOutput
 from scheduler_service.worker_client import WorkerClient, WorkerError, WorkerGroup, WorkerLost
 
@@ -34,7 +35,8 @@ class StepProfile:
     prefill_tokens: int = 0
     schedule: float = 0.0
     build_plan: float = 0.0
-    round_trip: float = 0.0
+    round_trip: float = 0.0  # plan sent -> result received (with overlap, includes time queued behind a step)
+    wait: float = 0.0  # the step loop blocked on a result: what the scheduler did not hide behind the workers
     worker_prepare: float = 0.0
     worker_forward: float = 0.0
     worker_sample: float = 0.0
@@ -42,6 +44,18 @@ class StepProfile:
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class _Flight:
+    """A step sent to the workers whose result has not been applied yet."""
+
+    out: SchedulerOutput
+    t0: float  # scheduling began
+    t1: float  # plan building began
+    t2: float  # sent
+    limit: float  # seconds the workers have for it once they start it
+    task: asyncio.Task | None = field(default=None, repr=False)
 
 
 # Routing load: a waiting sequence counts as this many running ones (it is a whole prefill away from
@@ -138,68 +152,99 @@ class Replica:
             await self.sink.on_lost(self, f"replica {self.index} loop error: {e!r}")
 
     async def _steps(self) -> None:
+        """Schedule, plan and send a step; with overlap on, plan and send the next one before awaiting this
+        one's result, so the workers find the next plan queued when they finish (the scheduler's own time
+        is hidden behind theirs). At most two steps are in flight."""
         sched = self.scheduler
+        depth = 2 if self.config.overlap else 1
+        inflight: deque[_Flight] = deque()
         last_profile_log = time.monotonic()
-        while True:
-            if not sched.has_work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            t0 = time.perf_counter()
-            out = sched.schedule()
-            for seq in out.preempted:
-                log.info("preempted", request_id=seq.request.request_id, index=seq.index, tokens=seq.num_tokens,
-                         replica=self.index)
-            if out.is_empty:
-                # Nothing runs and the head of the queue cannot be admitted: it can never be, so it gets an
-                # error rather than a retry forever (validated sizes make this a last line of defence).
-                log.error("no_progress", replica=self.index, waiting=len(sched.waiting),
-                          running=len(sched.running), free_blocks=sched.allocator.num_available_blocks)
-                if not sched.running and sched.waiting:
-                    head = sched.waiting[0]
-                    self.sink.on_unschedulable(self, head.request, (
-                        f"the request cannot be scheduled: its next step needs more than the "
-                        f"{sched.allocator.num_available_blocks} free KV blocks of an otherwise idle pool"))
-                else:
-                    await asyncio.sleep(0.05)
-                continue
-            t1 = time.perf_counter()
-            plan = encode_plan(build_plan(out, self.config.block_size))
-            t2 = time.perf_counter()
-            try:
-                result = await self.client.execute(self.index, plan)
-                tokens = decode_result(result, len(out.scheduled)).tolist()
-            except WorkerLost as e:
-                await self.sink.on_lost(self, str(e))
-                return
-            except (WorkerError, CodecError) as e:
-                log.error("step_failed", replica=self.index, step_id=out.step_id, error=str(e))
-                self.sink.on_step_failed(self, out, str(e))
-                continue
-            t3 = time.perf_counter()
-            new_tokens = sched.update(out, tokens)
-            self.sink.on_step(self, out, new_tokens, t3 - t2)
-            t4 = time.perf_counter()
-            self._account(out, result, t0, t1, t2, t3, t4)
-            if self.config.debug_invariants:
-                sched.check_invariants()
-            if time.monotonic() - last_profile_log > 5.0:
-                last_profile_log = time.monotonic()
-                log.info("step_profile", replica=self.index, **self.profile.as_dict(), running=len(sched.running),
-                         waiting=len(sched.waiting))
+        try:
+            while True:
+                launched = False
+                if sched.has_work and len(inflight) < depth:
+                    t0 = time.perf_counter()
+                    out = sched.schedule()
+                    for seq in out.preempted:
+                        log.info("preempted", request_id=seq.request.request_id, index=seq.index,
+                                 tokens=seq.num_tokens, replica=self.index)
+                    if not out.is_empty:
+                        t1 = time.perf_counter()
+                        plan = encode_plan(sched.build_plan(out))
+                        t2 = time.perf_counter()
+                        behind = inflight[-1].limit if inflight else 0.0
+                        flight = _Flight(out, t0, t1, t2, self.client.step_limit(plan) + behind)
+                        flight.task = asyncio.get_running_loop().create_task(
+                            self.client.execute(self.index, plan, queued_behind=behind))
+                        inflight.append(flight)
+                        launched = True
+                    elif not inflight:
+                        await self._no_progress(sched)
+                        continue
+                if not inflight:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                if launched and len(inflight) < depth and sched.has_work:
+                    continue  # room for one more in flight: plan it before waiting
+                if not await self._finish(sched, inflight.popleft()):
+                    return
+                if time.monotonic() - last_profile_log > 5.0:
+                    last_profile_log = time.monotonic()
+                    log.info("step_profile", replica=self.index, **self.profile.as_dict(),
+                             running=len(sched.running), waiting=len(sched.waiting))
+        finally:
+            for flight in inflight:
+                flight.task.cancel()
 
-    def _account(self, out: SchedulerOutput, result, t0: float, t1: float, t2: float, t3: float, t4: float) -> None:
+    async def _finish(self, sched: Scheduler, flight: _Flight) -> bool:
+        """Await a step's result and apply it; False when the replica is lost."""
+        t_wait = time.perf_counter()
+        out = flight.out
+        try:
+            result = await flight.task
+            tokens = decode_result(result, len(out.scheduled)).tolist()
+        except WorkerLost as e:
+            await self.sink.on_lost(self, str(e))
+            return False
+        except (WorkerError, CodecError) as e:
+            # Its requests fail; a step planned behind it that needs its tokens is refused by the worker,
+            # and fails its own requests in turn.
+            log.error("step_failed", replica=self.index, step_id=out.step_id, error=str(e))
+            self.sink.on_step_failed(self, out, str(e))
+            return True
+        t3 = time.perf_counter()
+        new_tokens = sched.update(out, tokens)
+        self.sink.on_step(self, out, new_tokens, t3 - flight.t2)
+        t4 = time.perf_counter()
         p = self.profile
         p.steps += 1
         p.tokens += out.num_tokens
         p.prefill_tokens += out.num_prefill_tokens
-        p.schedule += t1 - t0
-        p.build_plan += t2 - t1
-        p.round_trip += t3 - t2
+        p.schedule += flight.t1 - flight.t0
+        p.build_plan += flight.t2 - flight.t1
+        p.round_trip += t3 - flight.t2
+        p.wait += t3 - t_wait
         p.worker_prepare += result.time_prepare
         p.worker_forward += result.time_forward
         p.worker_sample += result.time_sample
         p.process_output += t4 - t3
+        if self.config.debug_invariants:
+            sched.check_invariants()
+        return True
+
+    async def _no_progress(self, sched: Scheduler) -> None:
+        """Nothing runs and the head of the queue cannot be admitted: it can never be, so it gets an error
+        rather than a retry forever (validated sizes make this a last line of defence)."""
+        log.error("no_progress", replica=self.index, waiting=len(sched.waiting),
+                  running=len(sched.running), free_blocks=sched.allocator.num_available_blocks)
+        if not sched.running and sched.waiting:
+            head = sched.waiting[0]
+            self.sink.on_unschedulable(self, head.request, (
+                f"the request cannot be scheduled: its next step needs more than the "
+                f"{sched.allocator.num_available_blocks} free KV blocks of an otherwise idle pool"))
+        else:
+            await asyncio.sleep(0.05)
 
     # --- reporting -------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -10,6 +10,10 @@ Each step:
      shared or holds a cached prefix is copied before it is written (the plan carries the copies);
      when the pool is empty the most recently admitted running sequence is preempted by recompute
      (blocks freed, generated tokens kept, back to the head of the queue).
+A step is committed when it is scheduled (its tokens count as computed, a sampling row leaves a pending
+token) and reconciled when its result arrives (`update`): so step N+1 can be planned while step N runs.
+A sequence that stopped at step N then wastes at most its slot in step N+1, whose token is dropped.
+
 A request with n samples prefills once: when sample 0 has its first token the others fork from its
 prompt blocks (shared, refcounted) and recompute only the last prompt token, drawing their own first
 token. Finish, abort and preemption free blocks through one path (`_release`).
@@ -21,8 +25,10 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+from protos.codec import PlanArrays
 from scheduler_service.block_allocator import BlockAllocator
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.plan import PlanBuilder
 from scheduler_service.sequence import FinishReason, Request, Sequence, SequenceStatus
 
 # Sequence ids are unique in the process, not per scheduler: a request moved to another replica (its
@@ -40,12 +46,14 @@ class DuplicateRequestId(ValueError):
     """A live request already has this id."""
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step (== num_computed_tokens when scheduled)
     num_new_tokens: int
     do_sample: bool
+    epoch: int  # the sequence's epoch when scheduled: its blocks are still these while the epochs agree
+    prev_row: int = -1  # >= 0: the last input token is the one the previous step samples in this row
 
 
 @dataclass
@@ -80,6 +88,8 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found in cached blocks
         self._step_ids = itertools.count(1)
+        self.planner = PlanBuilder(config.max_num_seqs, self.allocator.blocks_for_tokens(max_model_len),
+                                   config.block_size)
 
     # --- requests ------------------------------------------------------------------------------
     @property
@@ -113,6 +123,9 @@ class Scheduler:
             seq.block_ids = []
             seq.num_computed_tokens = 0
             seq.num_registered_blocks = 0
+            seq.num_pending = 0  # the steps in flight were lost: their tokens are drawn again
+            seq.row = -1
+            seq.epoch += 1
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
 
@@ -146,13 +159,38 @@ class Scheduler:
         out = SchedulerOutput(step_id=next(self._step_ids))
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        bs = self.block_size
+        allocator = self.allocator
+        refcount, hash_of = allocator._refcount, allocator._hash_of
 
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decodes + prefills:
+        decodes, prefills = [], []
+        for s in self.running:
+            left = len(s.token_ids) + s.num_pending - s.num_computed_tokens
+            if left == 1:
+                decodes.append(s)
+            elif left > 1:
+                prefills.append(s)
+        for seq in decodes:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+                continue
+            if seq.num_pending and self._at_limit(seq):
+                continue
+            pos = seq.num_computed_tokens
+            if pos % bs:  # fast path: the token goes into the sequence's last block; in place if it is its own
+                block = seq.block_ids[pos // bs]
+                if refcount[block] == 1 and hash_of[block] is None:
+                    self._add(out, seq, 1, scheduled)
+                    budget -= 1
+                    continue
+            if self._reserve(seq, 1, scheduled, out):
+                self._add(out, seq, 1, scheduled)
+                budget -= 1
+        for seq in prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
                 continue
             num_new = self._reserve(seq, min(seq.num_uncomputed_tokens, budget), scheduled, out)
             if num_new:
@@ -161,6 +199,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted while its last token was in flight: admitted once it is known
+                break
             hits = self._cached_prefix(seq)
             num_cached = len(hits) * self.block_size
             num_new = seq.num_tokens - num_cached
@@ -183,6 +223,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.planner.attach(seq)
             self._add(out, seq, num_new, scheduled)
             budget -= num_new
 
@@ -190,28 +231,59 @@ class Scheduler:
             self.check_invariants()
         return out
 
+    def _at_limit(self, seq: Sequence) -> bool:
+        """The step in flight samples seq's last allowed token (max_tokens or the context): nothing to plan;
+        its result finishes it."""
+        return (seq.num_planned_tokens - seq.prompt_len >= seq.request.sampling.max_tokens
+                or seq.num_planned_tokens >= self.max_model_len)
+
+    def build_plan(self, out: SchedulerOutput) -> PlanArrays:
+        """The step's plan arrays (scheduler_service/plan.py)."""
+        return self.planner.build(out)
+
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int]]:
-        """Apply a step's result: advance computed tokens, offer newly full blocks to the prefix cache,
-        append sampled tokens, fork pending samples. Returns (seq, token) for every sequence that got a
-        new token. Sequences aborted while the step ran are skipped."""
+        # sampled: Python ints, one per scheduled row (numpy's tolist() gives them)
+        """Reconcile a step with its result: pending tokens become known, newly full blocks are offered to
+        the prefix cache, pending samples fork. Returns (seq, token) for every sequence that got a new
+        token. A sequence that finished (stopped, aborted) since the step was planned gets nothing; one
+        preempted since keeps its token (it was computed from its blocks as they were) but its blocks,
+        given back, are left alone."""
         new_tokens: list[tuple[Sequence, int]] = []
+        caching, bs = self.config.enable_prefix_caching, self.block_size
+        finished, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
         for item, token in zip(out.scheduled, sampled, strict=True):
             seq = item.seq
-            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != item.start:
-                continue
-            seq.num_computed_tokens += item.num_new_tokens
-            self._register_full_blocks(seq)
             if item.do_sample:
-                seq.token_ids.append(int(token))
-                new_tokens.append((seq, int(token)))
-                if seq.request.pending_forks and seq.index == 0:
-                    self._fork(seq)
+                seq.num_pending -= 1
+            if seq.status is finished:
+                continue
+            current = seq.epoch == item.epoch and seq.status is running
+            end = item.start + item.num_new_tokens
+            if current and caching and end // bs > seq.num_registered_blocks:
+                self._register_full_blocks(seq, end)
+            if item.do_sample:
+                seq.token_ids.append(token)
+                new_tokens.append((seq, token))
+                if seq.index == 0 and seq.request.pending_forks:
+                    self._fork(seq, current)
         return new_tokens
 
     # --- memory ----------------------------------------------------------------------------------
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int]) -> None:
-        do_sample = seq.num_computed_tokens + num_new == seq.num_tokens
-        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, do_sample))
+        """Schedule num_new tokens of seq and commit them: computed from now on, one pending if it samples."""
+        start = seq.num_computed_tokens
+        known = len(seq.token_ids)
+        do_sample = start + num_new == known + seq.num_pending
+        item = ScheduledSeq(seq, start, num_new, do_sample, seq.epoch)
+        if start + num_new > known:  # its input is the token the step in flight samples
+            if seq.pending_step != out.step_id - 1 or start + num_new != known + 1:
+                raise RuntimeError(f"{seq}: step {out.step_id} would read a token not sampled by the previous step")
+            item.prev_row = seq.pending_row
+        if do_sample:
+            seq.num_pending += 1
+            seq.pending_step, seq.pending_row = out.step_id, len(out.scheduled)
+        out.scheduled.append(item)
+        seq.num_computed_tokens = start + num_new
         scheduled.add(seq.seq_id)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -226,21 +298,21 @@ class Scheduler:
             hits.append(block)
         return hits
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        if not self.config.enable_prefix_caching:
-            return
-        full = seq.num_computed_tokens // self.block_size
+    def _register_full_blocks(self, seq: Sequence, computed: int) -> None:
+        """Offer seq's blocks that `computed` tokens (a step's confirmed end) fill to the prefix cache."""
+        full = computed // self.block_size
         for i in range(seq.num_registered_blocks, full):
             self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
-    def _fork(self, leader: Sequence) -> None:
+    def _fork(self, leader: Sequence, leader_current: bool) -> None:
         """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token. Those
         beyond max_num_seqs wait at the head of the queue instead, where admission finds the prompt's
-        full blocks in the prefix cache."""
+        full blocks in the prefix cache; so do all of them when the leader lost its blocks (preempted while
+        its first token was in flight)."""
         request = leader.request
         prompt_blocks = leader.block_ids[: self.allocator.blocks_for_tokens(request.prompt_len)]
-        room = max(0, self.config.max_num_seqs - len(self.running))
+        room = max(0, self.config.max_num_seqs - len(self.running)) if leader_current else 0
         forks, queued = request.pending_forks[:room], request.pending_forks[room:]
         for seq in forks:
             self.allocator.share(prompt_blocks)
@@ -249,6 +321,7 @@ class Scheduler:
             seq.num_registered_blocks = (request.prompt_len - 1) // self.block_size
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.planner.attach(seq)
         self.waiting.extendleft(reversed(queued))
         request.pending_forks = []
 
@@ -275,6 +348,7 @@ class Scheduler:
                     src, dst = seq.block_ids[i], fresh.pop()
                     out.block_copies.append((src, dst))
                     seq.block_ids[i] = dst
+                    self.planner.replaced(seq, i)
                     self.allocator.free([src])
                 seq.block_ids.extend(fresh)
                 return num_new
@@ -305,9 +379,11 @@ class Scheduler:
         the LRU then evicts a cached chain from its leaf, and its root — which every lookup needs — last."""
         if seq.block_ids:
             self.allocator.free(seq.block_ids[::-1])
+        self.planner.detach(seq)
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        seq.epoch += 1
 
     # --- accounting ------------------------------------------------------------------------------
     def request_blocks(self, request: Request) -> int:

@@ -6,6 +6,11 @@ A Sequence is what the scheduler moves through its states and what owns KV block
     WAITING ──admit──▶ RUNNING ──finish/abort──▶ FINISHED
        ▲                  │
        └────preempt───────┘   (recompute: blocks freed, generated tokens kept)
+
+A step is committed when it is scheduled: its tokens count as computed at once, and a sampling row adds
+one *pending* token, whose value the worker knows before the scheduler does (overlap: the next step is
+planned while this one runs, and refers to the pending token by its row). `token_ids` holds known tokens
+only; what clients see and stop conditions read is always known tokens.
 """
 
 from __future__ import annotations
@@ -64,6 +69,17 @@ class Sequence:
         self.num_preemptions = 0
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self._block_hashes: list[bytes] = []  # chained hashes of full blocks, computed on demand
+        # Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last one.
+        self.num_pending = 0
+        self.pending_step = 0
+        self.pending_row = -1
+        # Bumped whenever the sequence's blocks are given back (preemption, a lost replica): a step result
+        # from an older epoch may still add its token but must not touch the blocks.
+        self.epoch = 0
+        # The scheduler's block-table mirror: this sequence's row while it runs, and how many of its
+        # block_ids are copied there (scheduler_service/plan.py).
+        self.row = -1
+        self.num_mirrored_blocks = 0
 
     @property
     def prompt_len(self) -> int:
@@ -86,8 +102,13 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def num_planned_tokens(self) -> int:
+        """Known tokens plus those that steps in flight will sample."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
 
     def block_hash(self, index: int, block_size: int) -> bytes:
         """Chained hash of full block `index` of this sequence's tokens (prefix caching)."""
@@ -104,7 +125,7 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request.request_id}#{self.index}, {self.status.value}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+            f"computed={self.num_computed_tokens}, pending={self.num_pending}, blocks={len(self.block_ids)})"
         )
 
 

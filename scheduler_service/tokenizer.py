@@ -12,6 +12,7 @@ from pathlib import Path
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class Tokenizer:
@@ -80,28 +81,18 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without re-decoding everything.
 
-    Decodes a short window (a few tokens before the last emitted one, for spacing context) and emits
-    only text that is complete: a trailing U+FFFD means a multi-byte character is still being built.
-    """
+    tokenizers' DecodeStream (Rust) keeps the window itself: primed with the last few prompt tokens (for
+    spacing context), each step returns the new text, or nothing while a multi-byte character is still
+    being built (byte-fallback tokens)."""
 
     CONTEXT_TOKENS = 5
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
-        self._tok = tokenizer
-        self._ids = list(prompt_ids[-self.CONTEXT_TOKENS :])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._hf = tokenizer._tok
+        self._stream = DecodeStream(ids=list(prompt_ids[-self.CONTEXT_TOKENS :]), skip_special_tokens=True)
 
     def add(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._tok.decode(self._ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            return delta
-        return ""
+        return self._stream.step(self._hf, token_id) or ""
 
 
 def _token_text(value: object) -> str | None:

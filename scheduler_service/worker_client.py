@@ -342,15 +342,20 @@ class WorkerClient:
                 future.exception()  # retrieved: its step loop may be cancelled rather than await it
 
     # --- steps -----------------------------------------------------------------------------------
-    async def execute(self, replica: int, plan: wire_pb2.StepPlan) -> wire_pb2.StepResult:
-        """Send a plan to every rank of a replica and wait for all answers; raises WorkerError / WorkerLost."""
+    def step_limit(self, plan: wire_pb2.StepPlan) -> float:
+        """Seconds a group has for a step once it starts it."""
+        return self.step_timeout + self.step_timeout_per_token * plan.num_tokens
+
+    async def execute(self, replica: int, plan: wire_pb2.StepPlan, queued_behind: float = 0.0) -> wire_pb2.StepResult:
+        """Send a plan to every rank of a replica and wait for all answers; raises WorkerError / WorkerLost.
+        queued_behind: the deadline of a step sent before this one that the group runs first (overlap)."""
         group = self.groups[replica]
         if not group.is_ready:
             raise WorkerLost(f"replica {replica} has no workers connected")
         frame = wire_pb2.WireMessage(version=WIRE_VERSION, plan=plan).SerializeToString()  # once, for every rank
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         key = (replica, plan.step_id)
-        limit = self.step_timeout + self.step_timeout_per_token * plan.num_tokens
+        limit = self.step_limit(plan) + queued_behind
         deadline = time.monotonic() + limit
         self._pending[key] = (future, {})
         try:

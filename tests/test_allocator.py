@@ -35,7 +35,7 @@ def test_page_table_grows_exactly_at_block_boundaries():
     history = []
     for _ in range(8):
         out = sched.schedule()
-        history.append((seq.num_computed_tokens + out.scheduled[0].num_new_tokens, len(seq.block_ids)))
+        history.append((out.scheduled[0].start + out.scheduled[0].num_new_tokens, len(seq.block_ids)))
         sched.update(out, [7])
     # (tokens held after the step, blocks held): a new block appears exactly with token 5 and token 9
     assert history == [(3, 1), (4, 1), (5, 2), (6, 2), (7, 2), (8, 2), (9, 3), (10, 3)]

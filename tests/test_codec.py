@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from protos import wire_pb2
-from protos.codec import CodecError, PlanArrays, decode_plan, decode_result, encode_plan, encode_result
+from protos.codec import (CodecError, PlanArrays, decode_plan, decode_result, encode_plan, encode_result,
+                          resolve_tokens)
 
 
 def sample_plan(num_seqs=3, max_blocks=4, seed=0):
@@ -26,6 +27,8 @@ def sample_plan(num_seqs=3, max_blocks=4, seed=0):
         top_k=rng.integers(0, 50, num_seqs, dtype=np.int32),
         seed=rng.integers(0, 2**63, num_seqs, dtype=np.uint64) * 2 + 1,  # uses the top bit of a uint64
         block_copies=rng.integers(0, 10000, (2, 2), dtype=np.int32),
+        prev_step_id=int(rng.integers(1, 2**40)),
+        prev_rows=rng.integers(-1, 8, t, dtype=np.int32),
     )
 
 
@@ -35,10 +38,33 @@ def test_plan_round_trip_through_bytes_is_exact(num_seqs, max_blocks):
     wire = wire_pb2.StepPlan.FromString(encode_plan(plan).SerializeToString())
     back = decode_plan(wire)
     assert back.step_id == plan.step_id and (back.num_seqs, back.num_tokens) == (plan.num_seqs, plan.num_tokens)
+    assert back.prev_step_id == plan.prev_step_id
     for name in PlanArrays.__dataclass_fields__:
-        if name != "step_id":
+        if name not in ("step_id", "prev_step_id"):
             a, b = getattr(plan, name), getattr(back, name)
             assert a.dtype == b.dtype and np.array_equal(a, b), name
+
+
+def test_pending_tokens_come_from_the_previous_steps_rows_and_nowhere_else():
+    plan = sample_plan(4, 2, seed=3)
+    plan.prev_step_id = 41
+    plan.prev_rows = np.full(plan.num_tokens, -1, dtype=np.int32)
+    plan.prev_rows[[0, plan.num_tokens - 1]] = [2, 0]
+    back = decode_plan(encode_plan(plan))
+    last = np.array([11, -1, 22], dtype=np.int32)
+    tokens = resolve_tokens(back, 41, last)
+    assert tokens[0] == 22 and tokens[-1] == 11
+    assert np.array_equal(tokens[1:-1], plan.token_ids[1:-1])
+    with pytest.raises(CodecError, match="step 41"):  # a worker whose last step was another one
+        resolve_tokens(back, 40, last)
+    with pytest.raises(CodecError, match="step 41"):  # a worker that has no tokens (its last step failed)
+        resolve_tokens(back, 41, None)
+    plan.prev_rows[0] = 1  # a row that sampled nothing
+    with pytest.raises(CodecError, match="sampled no token"):
+        resolve_tokens(decode_plan(encode_plan(plan)), 41, last)
+    plan.prev_rows = None  # no pending tokens: no prev_rows on the wire, tokens as sent
+    assert encode_plan(plan).prev_rows == b""
+    assert resolve_tokens(decode_plan(encode_plan(plan)), 0, None) is not None
 
 
 def test_a_plan_with_a_wrong_sized_array_is_refused():

@@ -331,9 +331,10 @@ def test_triton_backend_gives_the_same_greedy_outputs(server_factory, tiny_model
 
 @pytest.fixture(scope="module")
 def plain_server(server_factory, tiny_model_dir):
-    # no prefix caching, no chunked prefill: whole prompts in one step
+    # no prefix caching, no chunked prefill, no overlap: whole prompts in one step, each step planned after
+    # the previous one's result
     return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "256", "--no-prefix-caching",
-                          "--no-chunked-prefill", "--max-num-batched-tokens", "512")
+                          "--no-chunked-prefill", "--max-num-batched-tokens", "512", "--no-overlap")
 
 
 def shared_prefix_workload(seed, n=10):
@@ -354,6 +355,31 @@ def test_outputs_identical_with_prefix_caching_chunking_and_preemption_on_or_off
         assert_all_blocks_back(srv)
     assert server.stats().prefix_cache_hits > hits_before
     assert plain_server.stats().prefix_cache_hits == 0 and plain_server.stats().num_cached_blocks == 0
+
+
+def test_overlap_on_and_off_give_identical_sampled_outputs_cut_at_their_stops(server, plain_server, tight_server):
+    """Seeded sampling with stop tokens: a request stops at the same token whether its steps were planned
+    one by one (plain_server) or while the previous step ran (server, and tight_server, which preempts),
+    and no token after its stop reaches the client."""
+    items = shared_prefix_workload(seed=23, n=8)
+
+    def request(i, prompt, max_tokens, stop=()):
+        return generation_pb2.GenerateRequest(
+            request_id=f"ov-{i}", prompt_token_ids=prompt,
+            sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=100 + i,
+                                                   stop_token_ids=list(stop), ignore_eos=True))
+
+    free = [plain_server.stub.Generate(request(i, p, m + 8), timeout=120).choices[0].token_ids
+            for i, (_, p, m, _) in enumerate(items)]
+    stops = [(out[len(out) // 2],) for out in free]  # a token from the middle of each free-running output
+    want = [list(out[: list(out).index(stop[0]) + 1]) for out, stop in zip(free, stops)]
+    for srv in (plain_server, server, tight_server):
+        with ThreadPoolExecutor(len(items)) as pool:
+            got = list(pool.map(lambda i: run_stream(srv.stub, request(i, items[i][1], items[i][2] + 8, stops[i])),
+                                range(len(items))))
+        assert [g[0][0] for g in got] == want
+        assert all(g[2][0] == generation_pb2.STOP for g in got)
+        assert_all_blocks_back(srv)
 
 
 def test_n4_holds_fewer_blocks_than_four_separate_requests(server):

@@ -7,10 +7,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from deploy.simulate import SimulatedWorker, expected_output
+from deploy.simulate import Pipeline, SimulatedWorker, expected_output
 from protos.codec import encode_plan
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.plan import build_plan
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.sequence import FinishReason, Request, SamplingOptions
 
@@ -26,7 +25,7 @@ def step(sched, worker):
     sched.check_invariants()
     if out.is_empty:
         return out
-    for seq, _ in sched.update(out, worker.execute(encode_plan(build_plan(out, sched.block_size)))):
+    for seq, _ in sched.update(out, worker.execute(encode_plan(sched.build_plan(out)))):
         if seq.num_output_tokens >= seq.request.sampling.max_tokens:
             sched.finish(seq, FinishReason.LENGTH)
     sched.check_invariants()
@@ -59,7 +58,7 @@ def test_second_request_with_a_shared_prefix_reuses_cached_blocks():
     out = sched.schedule()
     assert out.scheduled[0].start == 28 and out.scheduled[0].num_new_tokens == 4  # 7 blocks reused
     assert second.cached_prompt_tokens == 28
-    sched.update(out, worker.execute(encode_plan(build_plan(out, 4))))
+    sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
     drain(sched, worker)
     assert second.seqs[0].output_token_ids == expected_output(system + [7, 8], 3)
     assert sched.prefix_cache_hits == 28
@@ -74,7 +73,7 @@ def test_a_fully_cached_prompt_still_recomputes_its_last_token():
         if rid == "b":
             # 3 blocks reused; the 4th holds the last prompt token, which is computed again
             assert (out.scheduled[0].start, out.scheduled[0].num_new_tokens) == (12, 4)
-        sched.update(out, worker.execute(encode_plan(build_plan(out, 4))))
+        sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
         drain(sched, worker)
 
 
@@ -84,7 +83,7 @@ def test_n_samples_share_prompt_blocks_and_copy_the_partial_block():
     req = Request("n", prompt, SamplingOptions(max_tokens=6, n=4, temperature=1.0, seed=50))
     sched.add_request(req)
     out = sched.schedule()
-    sched.update(out, worker.execute(encode_plan(build_plan(out, 4))))  # sample 0 prefilled, the others forked
+    sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))  # sample 0 prefilled, the others forked
     assert all(s.block_ids[:3] == req.seqs[0].block_ids[:3] for s in req.seqs)
     assert sched.allocator.refcount(req.seqs[0].block_ids[0]) == 4
     partial = req.seqs[0].block_ids[2]
@@ -92,7 +91,7 @@ def test_n_samples_share_prompt_blocks_and_copy_the_partial_block():
     # the shared partial block is copied before each write, but the last holder writes it in place
     assert [src for src, _ in out.block_copies] == [partial] * 3
     assert len({dst for _, dst in out.block_copies}) == 3
-    sched.update(out, worker.execute(encode_plan(build_plan(out, 4))))
+    sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
     shared = sched.request_blocks(req)
     assert shared < 4 * 3, "samples must share their prompt's full blocks"
     drain(sched, worker)
@@ -141,40 +140,62 @@ def test_evicted_blocks_are_never_read_in_a_long_run_with_a_tiny_pool():
     assert sched.allocator.num_available_blocks == 30
 
 
+def expected_until_stop(req, seq):
+    """The simulated model's output, cut after the first of the request's stop tokens."""
+    tokens = expected(req, seq)
+    for i, t in enumerate(tokens):
+        if t in req.sampling.stop_token_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals (shared prefixes, n samples), steps, aborts; invariants after every step; every
-    sample that ran to its length produced exactly the simulated model's output; nothing leaks."""
+    """Random arrivals (shared prefixes, n samples, stop tokens), steps, aborts, with and without overlap
+    (step N+1 planned before step N's result); invariants after every step; every sample that finished on
+    its own produced exactly the simulated model's output up to its stop, an aborted one a prefix of it,
+    and none a token after its stop; nothing leaks."""
 
     @initialize(num_blocks=st.integers(24, 60), block_size=st.sampled_from([2, 4, 8]),
-                budget=st.integers(16, 64), caching=st.booleans(), chunked=st.booleans())
-    def setup(self, num_blocks, block_size, budget, caching, chunked):
+                budget=st.integers(16, 64), caching=st.booleans(), chunked=st.booleans(), overlap=st.booleans())
+    def setup(self, num_blocks, block_size, budget, caching, chunked, overlap):
         self.max_len = num_blocks * block_size // 3  # every request fits the pool on its own
         budget = budget if chunked else max(budget, self.max_len)
         self.sched, self.worker = make(num_blocks, block_size, budget, caching, chunked, max_seqs=8)
+        self.pipe = Pipeline(self.sched, self.worker, overlap, self.on_token)
         self.prefixes = [[(i * 37 + j * 11) % 997 + 1 for j in range(3 * block_size + i)] for i in range(3)]
         self.requests = []
         self.ids = 0
 
+    def on_token(self, seq, token):
+        assert not seq.is_finished
+        if token in seq.request.sampling.stop_token_ids:
+            self.sched.finish(seq, FinishReason.STOP)
+        elif seq.num_output_tokens >= seq.request.sampling.max_tokens:
+            self.sched.finish(seq, FinishReason.LENGTH)
+
     @rule(prefix=st.integers(0, 2), extra=st.lists(st.integers(1, 999), max_size=6),
-          max_tokens=st.integers(1, 10), n=st.integers(1, 3), sampled=st.booleans())
-    def arrive(self, prefix, extra, max_tokens, n, sampled):
+          max_tokens=st.integers(1, 10), n=st.integers(1, 3), sampled=st.booleans(),
+          stops=st.lists(st.integers(0, 999), max_size=40))
+    def arrive(self, prefix, extra, max_tokens, n, sampled, stops):
         prompt = (self.prefixes[prefix] + extra)[: self.max_len // 2]
         shared = len(prompt) // self.sched.block_size
         per_seq = self.sched.allocator.blocks_for_tokens(len(prompt) + max_tokens) - shared
         if shared + n * per_seq > self.sched.num_blocks:
             n = 1
         self.ids += 1
-        params = SamplingOptions(max_tokens=max_tokens, n=n, temperature=1.0 if sampled else 0.0, seed=self.ids)
+        params = SamplingOptions(max_tokens=max_tokens, n=n, temperature=1.0 if sampled else 0.0, seed=self.ids,
+                                 stop_token_ids=tuple(stops))
         req = Request(f"q{self.ids}", prompt, params)
         self.sched.add_request(req)
         self.requests.append(req)
 
-    @precondition(lambda self: self.sched.has_work)
+    @precondition(lambda self: self.pipe.busy)
     @rule(times=st.integers(1, 5))
     def run(self, times):
         for _ in range(times):
-            if self.sched.has_work:
-                step(self.sched, self.worker)
+            if self.pipe.busy:
+                self.pipe.step()
+                self.sched.check_invariants()
 
     @precondition(lambda self: self.sched.requests)
     @rule(pick=st.integers(0, 1000))
@@ -187,13 +208,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.check_invariants()
 
     def teardown(self):
-        drain(self.sched, self.worker)
+        for _ in range(20_000):
+            if not self.pipe.busy:
+                break
+            assert self.pipe.step(), "work left but nothing scheduled"
+        assert not self.pipe.busy, "did not finish"
         assert self.sched.allocator.num_available_blocks == self.sched.num_blocks, "a block leaked"
         assert not self.sched.requests
         for req in self.requests:
             for s in req.seqs:
-                if s.finish_reason is FinishReason.LENGTH:
-                    assert s.output_token_ids == expected(req, s)
+                want = expected_until_stop(req, s)
+                if s.finish_reason in (FinishReason.LENGTH, FinishReason.STOP):
+                    assert s.output_token_ids == want
+                else:
+                    assert s.output_token_ids == want[: s.num_output_tokens]
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase

@@ -9,7 +9,6 @@ import pytest
 from protos import generation_pb2
 from protos.codec import encode_plan
 from scheduler_service.config import ModelSpec, SchedulerConfig
-from scheduler_service.plan import build_plan
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.sequence import FinishReason, Request, SamplingOptions
 from scheduler_service.validation import InvalidRequest, Limits, request_from_proto
@@ -63,7 +62,7 @@ def test_forks_respect_max_num_seqs():
             break
         out = sched.schedule()
         assert len(sched.running) <= 2 and len(out.scheduled) <= 2
-        for seq, _ in sched.update(out, worker.execute(encode_plan(build_plan(out, 4)))):
+        for seq, _ in sched.update(out, worker.execute(encode_plan(sched.build_plan(out)))):
             if seq.num_output_tokens >= 5:
                 sched.finish(seq, FinishReason.LENGTH)
     assert not sched.has_work

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from protos import wire_pb2
-from protos.codec import CodecError, PlanArrays, decode_plan, encode_result
+from protos.codec import CodecError, PlanArrays, decode_plan, encode_result, resolve_tokens
 from worker.attention import AttentionBackend
 from worker.kv_pool import KVPool
 from worker.model import LlamaModel, StepInputs
@@ -67,6 +67,9 @@ class ModelRunner:
         self.attn = attn
         self.device = device
         self.config = model.config
+        # The tokens sampled by the last step that succeeded: the next plan may refer to them (overlap).
+        self.last_step_id = 0
+        self.last_sampled: np.ndarray | None = None
 
     def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.array(array, copy=True)).to(device=self.device, dtype=dtype)
@@ -76,9 +79,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         try:
             p = decode_plan(plan)
+            token_ids = resolve_tokens(p, self.last_step_id, self.last_sampled)
+            p.token_ids = token_ids
             validate_plan(p, self.num_blocks, self.pool.block_size, self.config.vocab_size,
                           self.config.max_position_embeddings)
         except (CodecError, PlanError) as e:
+            self.last_sampled = None  # a plan that refers to this one's tokens must not run either
             return wire_pb2.StepResult(step_id=plan.step_id, error=f"rejected plan: {e}")
         block_tables = self._tensor(p.block_tables, torch.int32)
         seq_lens = self._tensor(p.seq_lens, torch.int32)
@@ -110,4 +116,5 @@ class ModelRunner:
             )
             sampled[rows] = sample(logits, batch).cpu().numpy()
             t3 = time.perf_counter()
+        self.last_step_id, self.last_sampled = plan.step_id, sampled
         return encode_result(plan.step_id, sampled, time_prepare=t1 - t0, time_forward=t2 - t1, time_sample=t3 - t2)
