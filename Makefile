@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory plot-kv clean
+.PHONY: setup proto run deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native
 
@@ -97,6 +97,12 @@ bench-parallel: setup
 # Paged decode/prefill kernels vs a device copy and contiguous SDPA (GPU); interpreter, tiny shapes elsewhere.
 bench-kernels: setup
 	$(PY) -m deploy.bench_kernels $(ARGS)
+
+bench-scheduler: setup  # scheduler cost per decode step at 256 and 1024 sequences x 2k context
+	$(PY) -m deploy.bench_scheduler --model $(MODEL_DIR) $(ARGS)
+
+bench-overlap: setup  # step period against a simulated worker of fixed step time, overlap off and on
+	$(PY) -m deploy.simulate bench --model $(MODEL_DIR) $(ARGS)
 
 # Prefix caching on vs off (shared system prompt); chunked prefill on vs off (long prompts among chats).
 bench-memory: setup

@@ -171,7 +171,9 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
     budget = max(2048, args.seqs)
     config = SchedulerConfig(block_size=args.block_size, max_num_seqs=args.seqs, max_num_batched_tokens=budget,
                              overlap=overlap)
-    max_context = args.context + args.steps + 64
+    # every request still decodes through the timed window: prefill steps + window steps, with room to spare
+    steps = args.steps or int(args.seqs * args.context / budget + 3 * args.window * 1000 / args.step_ms) + 50
+    max_context = args.context + steps + 64
     num_blocks = args.seqs * (max_context // args.block_size + 2)
     client = WorkerClient("tcp://127.0.0.1:0", expected={"block_size": args.block_size,
                                                          "max_num_batched_tokens": budget})
@@ -192,7 +194,7 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
         async def one(i: int) -> None:
             nonlocal have_first
             req = Request(f"sim-{i}", rng.integers(1, VOCAB, args.context).tolist(),
-                          SamplingOptions(max_tokens=args.steps, ignore_eos=True))
+                          SamplingOptions(max_tokens=steps, ignore_eos=True))
             got = False
             async for _ in engine.generate(req):
                 if not got:
@@ -207,6 +209,8 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
         p0, t0 = dict(replica.profile.as_dict()), time.perf_counter()
         await asyncio.sleep(args.window)
         p1, t1 = dict(replica.profile.as_dict()), time.perf_counter()
+        if len(replica.scheduler.running) != args.seqs:
+            raise SystemExit("some requests finished inside the timed window: raise --steps")
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -226,6 +230,10 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
 
 def bench(args) -> int:
     import asyncio
+
+    from protos.logs import configure_logging
+
+    configure_logging("warning", "simulate")
 
     print(f"simulated worker, {args.step_ms:g} ms a step; {args.seqs} sequences decoding with ~{args.context}-token "
           f"contexts; ms per step over {args.window:g} s of decode steps")
@@ -261,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--model", required=True, help="model folder (its tokenizer detokenizes the outputs)")
     b.add_argument("--seqs", type=int, default=256)
     b.add_argument("--context", type=int, default=2000)
-    b.add_argument("--steps", type=int, default=400, help="tokens each request generates")
+    b.add_argument("--steps", type=int, default=0,
+                   help="tokens each request generates (default: enough to decode through the timed window)")
     b.add_argument("--step-ms", type=float, default=5.0)
     b.add_argument("--block-size", type=int, default=16)
     b.add_argument("--window", type=float, default=1.5, help="seconds of decode steps timed")
