@@ -62,6 +62,8 @@ def bench_server(args, prompts) -> dict:
              "--kv-cache-memory", args.kv_cache_memory]
     if args.threads:
         extra += ["--threads", str(args.threads)]
+    if args.malloc:
+        extra += ["--malloc", args.malloc]
     server = ServerProcess(Path(args.model), log, *extra)
     server.start()
     try:
@@ -260,6 +262,8 @@ def phases(args, prompts) -> dict:
     prefill_plan, prefill_blocks = _plan(q_chunk)
     decode_plan, decode_blocks = _plan(decode, step_id=2)
     runner, model, config = _worker(args, max(prefill_blocks, decode_blocks) + 4)
+    for t in runner.pool.k + runner.pool.v:  # written memory, as in a server: a never-written page reads as
+        t.normal_()                          # the kernel's one shared zero page, from cache
     reps = args.reps
     res = {}
     t_prefill = _best(lambda: runner.execute(prefill_plan), reps)
@@ -314,10 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-step", action="store_true", help="with --phases: torch.profiler table of the decode step")
     p.add_argument("--matmul", default="auto", help="matmul library of the in-process phases (auto, dense, onednn)")
     p.add_argument("--reps", type=int, default=5, help="repetitions of each in-process timing (the best is kept)")
+    p.add_argument("--malloc", default=None, choices=["auto", "tcmalloc", "glibc", "default"],
+                   help="host allocator of the server's workers and of this process (static batching, phases); "
+                        "see worker/host_memory.py")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    from worker.host_memory import ensure_allocator, resolve_mode
+
+    allocator = ensure_allocator(resolve_mode(args.malloc), "cpu", "deploy.bench", argv)  # may re-execute
     prompts = load_workload(args.workload)[: args.num_requests]
     print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"{args.max_tokens} output tokens each, greedy, ignore_eos")
+          f"{args.max_tokens} output tokens each, greedy, ignore_eos; host malloc of this process: {allocator}")
     results = {}
     if args.only in (None, "server"):
         results["server"] = bench_server(args, prompts)

@@ -52,11 +52,13 @@ def test_write_kv_padding_slots_write_nothing():
     assert changed == [5]
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24)])
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24),
+                                                      (48, 12, 256)])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_native_decode_kernel_on_long_ragged_batches(n_heads, n_kv_heads, head_dim, block_size):
     """Every decode row at once: lengths from 1 to past 2k (partial last blocks, a block boundary exactly),
-    GQA groups 1-8, head dims on (multiples of 16) and off the vector path, NaN everywhere unwritten."""
+    GQA groups 1-8, head dims on (multiples of 16) and off the vector path, NaN everywhere unwritten; 48 heads
+    of 256 are more state than one work item holds, so a sequence's KV heads are split over items (8 + 4)."""
     from kernels import cpu_native
 
     native = cpu_native.load()

@@ -47,6 +47,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="projection matmuls: auto times the libraries on the model's shapes at start and keeps the "
                         "fastest; dense is F.linear; onednn packs each weight once (CPU, fp32)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
+    g.add_argument("--malloc", default=None, choices=["auto", "tcmalloc", "glibc", "default"],
+                   help="host allocator (worker/host_memory.py): auto preloads the system's tcmalloc for a CPU worker "
+                        "where present, else tunes glibc to reuse freed blocks; default: $PAGEDSERVE_MALLOC or auto")
     g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
     g.add_argument("--scheduler-timeout", type=float, default=30.0, help="exit when the scheduler is silent this long")
     g.add_argument("--collective-timeout", type=float, default=300.0,
@@ -81,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    from worker.host_memory import ensure_allocator, resolve_mode
+
+    allocator = ensure_allocator(resolve_mode(args.malloc), args.device, "worker.main", argv)  # may re-execute
     tp = args.tensor_parallel_size
     configure_logging(args.log_level, process=f"worker-{args.replica}.{args.rank}")
     if tp > 1 and not args.rendezvous:
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         pid=os.getpid(),
     )
     log.info("model_loaded", model=args.model, device=str(device), dtype=handshake.dtype, num_blocks=num_blocks,
-             attention_backend=attn.name, matmul=model.mm.name, tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads)
+             attention_backend=attn.name, matmul=model.mm.name, malloc=allocator, tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads)
     server = WorkerServer(args.scheduler, runner, handshake, scheduler_timeout=args.scheduler_timeout,
                           curve_keys=args.curve_keys)
     return server.serve()

@@ -2,11 +2,13 @@
  * table (no gathered copy of the keys), all query heads of a GQA group sharing each key and value read.
  *
  * Pool layout as kernels/reference.py: k_cache, v_cache are [num_blocks, block_size, n_kv_heads, head_dim]
- * fp32, contiguous. Work items are (sequence, kv head) pairs spread over the OpenMP threads of the process
- * (the same libgomp runtime torch uses, so the two share one thread pool). Per block of keys: the scores of
- * the group's heads, then an online softmax update (running max and sum, accumulator rescaled when the max
- * rises), so every key and value is read exactly once. Built by kernels/cpu_native.py with -O3
- * -march=native; the inner loops over head_dim are written for the compiler to vectorize.
+ * fp32, contiguous. A work item is a sequence with all its KV heads (or as many as an item's state holds),
+ * spread over the OpenMP threads of the process (the same libgomp runtime torch uses, so the two share one
+ * thread pool): it walks the sequence's blocks once, each block's rows read in one pass, and asks for the
+ * next block before computing the current one, since blocks lie anywhere in the pool. Per block and GQA
+ * group: the scores of the group's heads, then an online softmax update (running max and sum, accumulator
+ * rescaled when the max rises), so every key and value is read exactly once. Built by kernels/cpu_native.py
+ * with -O3 -march=native; the inner loops over head_dim are written for the compiler to vectorize.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,6 +22,7 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
 #define LANES 16
+#define MAX_STATE 8192 /* floats of query (and of accumulator) state per work item: >= MAX_GROUP * MAX_HEAD_DIM */
 
 /* Dot product over head_dim in LANES independent partial sums (one vector register), summed once. */
 static inline float dot(const float* a, const float* b, int n) {
@@ -53,6 +56,26 @@ static inline __m512 exp512_nonpositive(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+/* Lane t of the result = the sum of the lanes of v[t], for 16 vectors at once: four levels of pairwise
+ * shuffles and adds (30 shuffles, 15 adds) instead of 16 horizontal reductions. After the levels lane
+ * 4k + j holds vector k + 4j; the last permute puts each sum in its vector's lane. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int j = 0; j < 8; j++) /* 128-bit quarters 0-1: 8 partials of v[2j]; 2-3: of v[2j+1] */
+        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+    for (int j = 0; j < 4; j++) /* quarter k: 4 partials of v[4j + k] */
+        x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+    for (int j = 0; j < 2; j++) /* quarter k: lanes 0-1 two partials of v[8j + k], lanes 2-3 of v[8j + 4 + k] */
+        y[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0xEE));
+    /* quarter k: the sums of v[k], v[4 + k], v[8 + k], v[12 + k] */
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, z);
+}
+
 /* One block of keys for one GQA group: scores, online-softmax update, values accumulated. */
 static void block_avx512(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
                          int group, int head_dim, float* m, float* l, float* acc) {
@@ -79,7 +102,26 @@ static void block_avx512(const float* qs, const float* kb, const float* vb, int6
         _mm512_storeu_ps(scores[g], p);
         float* ag = acc + g * head_dim;
         const __m512 c = _mm512_set1_ps(correction);
-        for (int d = 0; d < head_dim; d += LANES) {
+        int d = 0;
+        for (; d + 4 * LANES <= head_dim; d += 4 * LANES) { /* four independent chains: FMA throughput, not latency */
+            __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(ag + d), c);
+            __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(ag + d + LANES), c);
+            __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(ag + d + 2 * LANES), c);
+            __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(ag + d + 3 * LANES), c);
+            for (int t = 0; t < count; t++) {
+                const __m512 pt = _mm512_set1_ps(scores[g][t]);
+                const float* value = vb + t * token_stride + d;
+                a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(value), a0);
+                a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(value + LANES), a1);
+                a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(value + 2 * LANES), a2);
+                a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(value + 3 * LANES), a3);
+            }
+            _mm512_storeu_ps(ag + d, a0);
+            _mm512_storeu_ps(ag + d + LANES, a1);
+            _mm512_storeu_ps(ag + d + 2 * LANES, a2);
+            _mm512_storeu_ps(ag + d + 3 * LANES, a3);
+        }
+        for (; d < head_dim; d += LANES) {
             __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ag + d), c);
             for (int t = 0; t < count; t++)
                 a = _mm512_fmadd_ps(_mm512_set1_ps(scores[g][t]), _mm512_loadu_ps(vb + t * token_stride + d), a);
@@ -88,6 +130,55 @@ static void block_avx512(const float* qs, const float* kb, const float* vb, int6
     }
 }
 #endif
+
+/* Ask the cache for `count` rows of `width` floats, `stride` apart (a block's keys or values of the heads a
+ * work item reads): blocks are scattered over the pool, so the hardware prefetcher cannot see the next one
+ * coming; asked for one block ahead, it arrives while the current block is computed. */
+static inline void prefetch_rows(const float* base, int64_t stride, int count, int64_t width) {
+    if (width == stride) { /* every head of the block: one contiguous range */
+        const int64_t n = (int64_t)count * stride;
+        for (int64_t d = 0; d < n; d += 16) __builtin_prefetch(base + d, 0, 3);
+        return;
+    }
+    for (int t = 0; t < count; t++)
+        for (int64_t d = 0; d < width; d += 16) __builtin_prefetch(base + t * stride + d, 0, 3);
+}
+
+/* One block of keys for one GQA group without AVX-512: scores, online-softmax update, values. */
+static void block_portable(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
+                           int group, int head_dim, float* m, float* l, float* acc) {
+    float scores[MAX_GROUP * MAX_BLOCK];
+    for (int t = 0; t < count; t++) {
+        const float* key = kb + t * token_stride;
+        for (int g = 0; g < group; g++) scores[g * MAX_BLOCK + t] = dot(qs + g * head_dim, key, head_dim);
+    }
+    for (int g = 0; g < group; g++) {
+        float* sg = scores + g * MAX_BLOCK;
+        float top = m[g];
+        for (int t = 0; t < count; t++) top = sg[t] > top ? sg[t] : top;
+        const float correction = expf(m[g] - top); /* 0 on the first block: m = -inf */
+        float* ag = acc + g * head_dim;
+        if (correction != 1.0f) {
+            l[g] *= correction;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) ag[d] *= correction;
+        }
+        m[g] = top;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < count; t++) {
+            sg[t] = vec_exp(sg[t] - top);
+            sum += sg[t];
+        }
+        l[g] += sum;
+        for (int t = 0; t < count; t++) {
+            const float p = sg[t];
+            const float* value = vb + t * token_stride;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) ag[d] += p * value[d];
+        }
+    }
+}
 
 int pagedserve_decode_limits(int32_t* out) {
     out[0] = MAX_GROUP;
@@ -110,77 +201,68 @@ void pagedserve_paged_decode(
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim; /* between consecutive keys of a block */
     const int64_t block_stride = (int64_t)block_size * token_stride;
+    /* A work item is a sequence and as many of its KV heads as the item's state holds (all of them for most
+     * models): it walks the sequence's blocks once, reading each block's rows of those heads in one pass. */
+    int heads_per_item = MAX_STATE / (group * head_dim);
+    if (heads_per_item > n_kv_heads) heads_per_item = n_kv_heads;
+    const int chunks = (n_kv_heads + heads_per_item - 1) / heads_per_item;
 
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int i = 0; i < n; i++) {
-        for (int kh = 0; kh < n_kv_heads; kh++) {
-            float qs[MAX_GROUP * MAX_HEAD_DIM];
-            float acc[MAX_GROUP * MAX_HEAD_DIM];
-            float scores[MAX_GROUP * MAX_BLOCK];
-            float m[MAX_GROUP], l[MAX_GROUP];
-            const int64_t head0 = rows[i] * n_heads + (int64_t)kh * group;
+        for (int chunk = 0; chunk < chunks; chunk++) {
+            float qs[MAX_STATE];
+            float acc[MAX_STATE];
+            float m[MAX_STATE / 16], l[MAX_STATE / 16]; /* per query head; head_dim >= 16 */
+            const int kh0 = chunk * heads_per_item;
+            const int kh1 = kh0 + heads_per_item < n_kv_heads ? kh0 + heads_per_item : n_kv_heads;
+            const int item_heads = (kh1 - kh0) * group; /* query heads of the item, consecutive in q */
+            const int64_t head0 = rows[i] * n_heads + (int64_t)kh0 * group;
             const float* qp = q + head0 * head_dim;
-            for (int g = 0; g < group; g++) {
-                m[g] = -INFINITY;
-                l[g] = 0.0f;
+            for (int h = 0; h < item_heads; h++) {
+                m[h] = -INFINITY;
+                l[h] = 0.0f;
                 for (int d = 0; d < head_dim; d++) {
-                    qs[g * head_dim + d] = qp[g * head_dim + d] * scale;
-                    acc[g * head_dim + d] = 0.0f;
+                    qs[h * head_dim + d] = qp[h * head_dim + d] * scale;
+                    acc[h * head_dim + d] = 0.0f;
                 }
             }
             const int len = seq_lens[i];
             const int32_t* table = block_tables + (int64_t)i * table_stride;
+            const int64_t width = (int64_t)(kh1 - kh0) * head_dim;
             for (int start = 0; start < len; start += block_size) {
                 const int64_t block = table[start / block_size];
                 const int count = len - start < block_size ? len - start : block_size;
-                const float* kb = k_cache + block * block_stride + (int64_t)kh * head_dim;
-                const float* vb = v_cache + block * block_stride + (int64_t)kh * head_dim;
+                if (start + block_size < len) {
+                    const int64_t next = (int64_t)table[start / block_size + 1] * block_stride + (int64_t)kh0 * head_dim;
+                    const int rest = len - start - block_size;
+                    const int next_count = rest < block_size ? rest : block_size;
+                    prefetch_rows(k_cache + next, token_stride, next_count, width);
+                    prefetch_rows(v_cache + next, token_stride, next_count, width);
+                }
+                for (int kh = kh0; kh < kh1; kh++) {
+                    const float* kb = k_cache + block * block_stride + (int64_t)kh * head_dim;
+                    const float* vb = v_cache + block * block_stride + (int64_t)kh * head_dim;
+                    const int h = (kh - kh0) * group;
+                    float* qs_h = qs + h * head_dim;
+                    float* acc_h = acc + h * head_dim;
 #if defined(__AVX512F__)
-                if (head_dim % LANES == 0) {
-                    for (int sub = 0; sub < count; sub += LANES) { /* blocks larger than 16 in slices of 16 */
-                        const int c = count - sub < LANES ? count - sub : LANES;
-                        block_avx512(qs, kb + sub * token_stride, vb + sub * token_stride, token_stride, c, group,
-                                     head_dim, m, l, acc);
+                    if (head_dim % LANES == 0) {
+                        for (int sub = 0; sub < count; sub += LANES) { /* blocks larger than 16 in slices of 16 */
+                            const int c = count - sub < LANES ? count - sub : LANES;
+                            block_avx512(qs_h, kb + sub * token_stride, vb + sub * token_stride, token_stride, c,
+                                         group, head_dim, m + h, l + h, acc_h);
+                        }
+                        continue;
                     }
-                    continue;
-                }
 #endif
-                for (int t = 0; t < count; t++) {
-                    const float* key = kb + t * token_stride;
-                    for (int g = 0; g < group; g++) scores[g * MAX_BLOCK + t] = dot(qs + g * head_dim, key, head_dim);
-                }
-                for (int g = 0; g < group; g++) {
-                    float* sg = scores + g * MAX_BLOCK;
-                    float top = m[g];
-                    for (int t = 0; t < count; t++) top = sg[t] > top ? sg[t] : top;
-                    const float correction = expf(m[g] - top); /* 0 on the first block: m = -inf */
-                    float* ag = acc + g * head_dim;
-                    if (correction != 1.0f) {
-                        l[g] *= correction;
-#pragma omp simd
-                        for (int d = 0; d < head_dim; d++) ag[d] *= correction;
-                    }
-                    m[g] = top;
-                    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                    for (int t = 0; t < count; t++) {
-                        sg[t] = vec_exp(sg[t] - top);
-                        sum += sg[t];
-                    }
-                    l[g] += sum;
-                    for (int t = 0; t < count; t++) {
-                        const float p = sg[t];
-                        const float* value = vb + t * token_stride;
-#pragma omp simd
-                        for (int d = 0; d < head_dim; d++) ag[d] += p * value[d];
-                    }
+                    block_portable(qs_h, kb, vb, token_stride, count, group, head_dim, m + h, l + h, acc_h);
                 }
             }
             float* op = out + head0 * head_dim;
-            for (int g = 0; g < group; g++) {
-                const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+            for (int h = 0; h < item_heads; h++) {
+                const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
 #pragma omp simd
-                for (int d = 0; d < head_dim; d++) op[g * head_dim + d] = acc[g * head_dim + d] * inv;
+                for (int d = 0; d < head_dim; d++) op[h * head_dim + d] = acc[h * head_dim + d] * inv;
             }
         }
     }
