@@ -11,7 +11,6 @@ answer, apply it: tokens, prefix-cache registration) and outputs (detokenize, st
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ import numpy as np
 
 from protos.codec import decode_result, encode_plan, encode_result
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.output import SampleOutput
+from scheduler_service.output import DeltaQueue, SampleOutput
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.sequence import Request, SamplingOptions
 from scheduler_service.tokenizer import Tokenizer
@@ -42,7 +41,7 @@ def measure(tokenizer: Tokenizer, num_seqs: int, context: int, steps: int, block
                       SamplingOptions(max_tokens=steps + 4, ignore_eos=True))
         sched.add_request(req)
         outputs[req.seqs[0].seq_id] = SampleOutput(tokenizer, req.seqs[0], (), sched.max_model_len)
-        queues[req.seqs[0].seq_id] = asyncio.Queue()
+        queues[req.seqs[0].seq_id] = DeltaQueue()  # the engine's request stream
     out = sched.schedule()  # prefill everything (not timed), then time decode steps
     assert len(out.scheduled) == num_seqs and not sched.waiting
     sched.update(out, [int(t) for t in rng.integers(100, 40000, num_seqs)])

@@ -23,7 +23,7 @@ import structlog
 
 from scheduler_service.config import ModelSpec, SchedulerConfig
 from scheduler_service.metrics import Metrics
-from scheduler_service.output import Delta, SampleOutput, Usage
+from scheduler_service.output import Delta, DeltaQueue, SampleOutput, Usage
 from scheduler_service.replica import Replica, prompt_block_hashes
 from scheduler_service.scheduler import DuplicateRequestId, SchedulerOutput, make_sequences
 from scheduler_service.sequence import FinishReason, Request, SequenceStatus
@@ -55,7 +55,7 @@ class RequestStream:
     request: Request
     samples: list[SampleOutput]
     replica: Replica | None  # None while its replica was lost and no other has taken it yet
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: DeltaQueue = field(default_factory=DeltaQueue)
     num_open: int = 0  # samples whose last delta has not been sent
 
     def __post_init__(self) -> None:

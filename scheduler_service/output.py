@@ -7,6 +7,8 @@ context → LENGTH. While a sample runs, text that might be the start of a stop 
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from dataclasses import dataclass, field
 
 from scheduler_service.sequence import FinishReason, Sequence
@@ -78,3 +80,36 @@ class SampleOutput:
         piece = self.text[self._emitted : visible]
         self._emitted = visible
         return piece
+
+
+class DeltaQueue:
+    """A request's stream: deltas (or the exception that ends it) put by the step loop, awaited by the
+    request's handler, on one event loop. A deque and at most one waiting future: at a thousand live
+    streams asyncio.Queue's bookkeeping (task counts, an event, size checks) cost as much as the rest of a
+    token's output path."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def qsize(self) -> int:
+        return len(self._items)

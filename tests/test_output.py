@@ -37,6 +37,52 @@ def test_incremental_detokenizer_matches_full_decode(tok):
         assert all("\ufffd" not in p for p in pieces)
 
 
+def test_byte_level_detokenizer_streams_any_token_sequence_as_its_decode(tok):
+    """Random ids (split multi-byte characters, invalid bytes, special tokens): the streamed text is the
+    full decode, but for an incomplete character at the very end, which is held back, not sent as U+FFFD."""
+    import random
+
+    assert tok.token_bytes is not None  # the tiny tokenizer is byte-level BPE, like the default model's
+    rng = random.Random(0)
+    for _ in range(100):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        detok = IncrementalDetokenizer(tok, [])
+        streamed = "".join(detok.add(i) for i in ids)
+        full = tok.decode(ids)
+        assert full.startswith(streamed) and set(full[len(streamed):]) <= {"\ufffd"}
+    detok = IncrementalDetokenizer(tok, [])
+    euro = "€".encode()  # three bytes, three byte tokens: nothing until the last
+    pieces = [detok.add(tok._tok.token_to_id(tok_str)) for tok_str in _byte_tokens(euro)]
+    assert pieces == ["", "", "€"]
+
+
+def _byte_tokens(data: bytes) -> list[str]:
+    """The single-character byte-level token of each byte of data."""
+    from scheduler_service.tokenizer import _gpt2_byte_decoder
+
+    to_char = {b: ch for ch, b in _gpt2_byte_decoder().items()}
+    return [to_char[b] for b in data]
+
+
+def test_other_decoders_stream_through_decode_stream(tmp_path):
+    """A SentencePiece-style tokenizer (Metaspace: "▁" for spaces) has no byte table; its deltas come from
+    DecodeStream and still add up to the decode."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HF(models.BPE(unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Metaspace()
+    hf.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20],
+                           trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"], show_progress=False))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    sp = Tokenizer(tmp_path)
+    assert sp.token_bytes is None
+    ids = sp.encode("the lazy fox jumps", add_special_tokens=False)
+    detok = IncrementalDetokenizer(sp, sp.encode("over", add_special_tokens=False))
+    assert "".join(detok.add(i) for i in ids).strip() == sp.decode(ids) == "the lazy fox jumps"
+
+
 def test_chat_template_wraps_a_text_prompt(tok):
     ids = tok.encode_prompt("hello", raw=False)
     assert tok.decode(ids, skip_special_tokens=False) == "<s>user: hello</s><s>assistant:"
