@@ -163,6 +163,7 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
 
     from scheduler_service.config import ModelSpec, SchedulerConfig
     from scheduler_service.engine import Engine
+    from scheduler_service.main import tune_gc
     from scheduler_service.sequence import Request, SamplingOptions
     from scheduler_service.tokenizer import Tokenizer
     from scheduler_service.worker_client import WorkerClient
@@ -187,6 +188,7 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
     engine = Engine(config, spec, tokenizer, client)
     try:
         await engine.start(60)
+        tune_gc()  # as the scheduler process does once serving
         rng = np.random.default_rng(0)
         first = asyncio.Event()
         have_first = 0
