@@ -37,6 +37,21 @@ static inline float dot(const float* a, const float* b, int n) {
     return s + part[0];
 }
 
+/* prefetch_rows: ask the cache for `count` rows of `width` floats, `stride` apart: one head's keys (or
+ * values) of the block a work item reads next. Blocks lie anywhere in the pool, so the hardware prefetcher
+ * cannot see the next one coming. Asked for a head's rows at a time while the current block is computed
+ * (keys before the group's first head, values before its second), the kernel took a third less time than
+ * with no prefetch on a 2-core AVX-512 machine at the workload's shapes; asking for a whole block at once
+ * was slower than not asking (docs/BENCHMARKS.md). */
+#define prefetch_rows(base, stride, count, width)                                                          \
+    do { /* a macro: GCC's pure/const analysis deletes calls to a function that only prefetches */          \
+        const float* pf_base = (base);                                                                       \
+        if (pf_base != 0)                                                                                    \
+            for (int pf_t = 0; pf_t < (count); pf_t++)                                                        \
+                for (int pf_d = 0; pf_d < (width); pf_d += 16)                                                \
+                    __builtin_prefetch(pf_base + pf_t * (stride) + pf_d, 0, 3);                               \
+    } while (0)
+
 #if defined(__AVX512F__)
 /* The same two steps with AVX-512 registers, for head_dim a multiple of 16 (every model's is). */
 static inline __m512 exp512_nonpositive(__m512 x) {
@@ -56,32 +71,15 @@ static inline __m512 exp512_nonpositive(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-/* Lane t of the result = the sum of the lanes of v[t], for 16 vectors at once: four levels of pairwise
- * shuffles and adds (30 shuffles, 15 adds) instead of 16 horizontal reductions. After the levels lane
- * 4k + j holds vector k + 4j; the last permute puts each sum in its vector's lane. */
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 w[8], x[4], y[2];
-    for (int j = 0; j < 8; j++) /* 128-bit quarters 0-1: 8 partials of v[2j]; 2-3: of v[2j+1] */
-        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
-    for (int j = 0; j < 4; j++) /* quarter k: 4 partials of v[4j + k] */
-        x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
-                             _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
-    for (int j = 0; j < 2; j++) /* quarter k: lanes 0-1 two partials of v[8j + k], lanes 2-3 of v[8j + 4 + k] */
-        y[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0x44),
-                             _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], 0xEE));
-    /* quarter k: the sums of v[k], v[4 + k], v[8 + k], v[12 + k] */
-    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, z);
-}
-
 /* One block of keys for one GQA group: scores, online-softmax update, values accumulated. */
 static void block_avx512(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
-                         int group, int head_dim, float* m, float* l, float* acc) {
+                         int group, int head_dim, float* m, float* l, float* acc, const float* kn, const float* vn,
+                         int next_count) {
     float scores[MAX_GROUP][LANES];
     for (int g = 0; g < group; g++) {
         const float* qg = qs + g * head_dim;
+        if (g == 0) prefetch_rows(kn, token_stride, next_count, head_dim);
+        if (g == 1) prefetch_rows(vn, token_stride, next_count, head_dim);
         for (int t = 0; t < count; t++) {
             const float* key = kb + t * token_stride;
             __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(key));
@@ -90,6 +88,7 @@ static void block_avx512(const float* qs, const float* kb, const float* vb, int6
             scores[g][t] = _mm512_reduce_add_ps(a);
         }
     }
+    if (group == 1) prefetch_rows(vn, token_stride, next_count, head_dim);
     const __mmask16 valid = (__mmask16)((1u << count) - 1u);
     for (int g = 0; g < group; g++) {
         const __m512 s = _mm512_maskz_loadu_ps(valid, scores[g]);
@@ -131,23 +130,13 @@ static void block_avx512(const float* qs, const float* kb, const float* vb, int6
 }
 #endif
 
-/* Ask the cache for `count` rows of `width` floats, `stride` apart (a block's keys or values of the heads a
- * work item reads): blocks are scattered over the pool, so the hardware prefetcher cannot see the next one
- * coming; asked for one block ahead, it arrives while the current block is computed. */
-static inline void prefetch_rows(const float* base, int64_t stride, int count, int64_t width) {
-    if (width == stride) { /* every head of the block: one contiguous range */
-        const int64_t n = (int64_t)count * stride;
-        for (int64_t d = 0; d < n; d += 16) __builtin_prefetch(base + d, 0, 3);
-        return;
-    }
-    for (int t = 0; t < count; t++)
-        for (int64_t d = 0; d < width; d += 16) __builtin_prefetch(base + t * stride + d, 0, 3);
-}
-
 /* One block of keys for one GQA group without AVX-512: scores, online-softmax update, values. */
 static void block_portable(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
-                           int group, int head_dim, float* m, float* l, float* acc) {
+                           int group, int head_dim, float* m, float* l, float* acc, const float* kn, const float* vn,
+                           int next_count) {
     float scores[MAX_GROUP * MAX_BLOCK];
+    prefetch_rows(kn, token_stride, next_count, head_dim);
+    prefetch_rows(vn, token_stride, next_count, head_dim);
     for (int t = 0; t < count; t++) {
         const float* key = kb + t * token_stride;
         for (int g = 0; g < group; g++) scores[g * MAX_BLOCK + t] = dot(qs + g * head_dim, key, head_dim);
@@ -228,20 +217,17 @@ void pagedserve_paged_decode(
             }
             const int len = seq_lens[i];
             const int32_t* table = block_tables + (int64_t)i * table_stride;
-            const int64_t width = (int64_t)(kh1 - kh0) * head_dim;
             for (int start = 0; start < len; start += block_size) {
                 const int64_t block = table[start / block_size];
                 const int count = len - start < block_size ? len - start : block_size;
-                if (start + block_size < len) {
-                    const int64_t next = (int64_t)table[start / block_size + 1] * block_stride + (int64_t)kh0 * head_dim;
-                    const int rest = len - start - block_size;
-                    const int next_count = rest < block_size ? rest : block_size;
-                    prefetch_rows(k_cache + next, token_stride, next_count, width);
-                    prefetch_rows(v_cache + next, token_stride, next_count, width);
-                }
+                const int rest = len - start - block_size; /* keys after this block */
+                const int next_count = rest < block_size ? (rest > 0 ? rest : 0) : block_size;
+                const int64_t next = rest > 0 ? (int64_t)table[start / block_size + 1] * block_stride : 0;
                 for (int kh = kh0; kh < kh1; kh++) {
                     const float* kb = k_cache + block * block_stride + (int64_t)kh * head_dim;
                     const float* vb = v_cache + block * block_stride + (int64_t)kh * head_dim;
+                    const float* kn = rest > 0 ? k_cache + next + (int64_t)kh * head_dim : 0; /* the next block, */
+                    const float* vn = rest > 0 ? v_cache + next + (int64_t)kh * head_dim : 0; /* this head's rows */
                     const int h = (kh - kh0) * group;
                     float* qs_h = qs + h * head_dim;
                     float* acc_h = acc + h * head_dim;
@@ -249,13 +235,16 @@ void pagedserve_paged_decode(
                     if (head_dim % LANES == 0) {
                         for (int sub = 0; sub < count; sub += LANES) { /* blocks larger than 16 in slices of 16 */
                             const int c = count - sub < LANES ? count - sub : LANES;
+                            const int first = sub == 0; /* the next block is asked for once */
                             block_avx512(qs_h, kb + sub * token_stride, vb + sub * token_stride, token_stride, c,
-                                         group, head_dim, m + h, l + h, acc_h);
+                                         group, head_dim, m + h, l + h, acc_h, first ? kn : 0, first ? vn : 0,
+                                         next_count);
                         }
                         continue;
                     }
 #endif
-                    block_portable(qs_h, kb, vb, token_stride, count, group, head_dim, m + h, l + h, acc_h);
+                    block_portable(qs_h, kb, vb, token_stride, count, group, head_dim, m + h, l + h, acc_h, kn, vn,
+                                   next_count);
                 }
             }
             float* op = out + head0 * head_dim;
