@@ -1,4 +1,5 @@
-"""Native CPU kernels (kernels/cpu/*.c: paged decode attention and the fused elementwise tail), built for this machine on first use and called through ctypes.
+"""Native CPU kernels (kernels/cpu/*.c: paged decode and prefill attention, the fused elementwise tail), built
+for this machine on first use and called through ctypes.
 
 The library is compiled with the system C compiler at -O3 -march=native -fopenmp and cached under
 $PAGEDSERVE_CACHE (default ~/.cache/pagedserve) by a hash of the source, the compiler and the CPU's
@@ -25,7 +26,7 @@ import torch
 log = structlog.get_logger("kernels.cpu_native")
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
-SOURCES = [SOURCE_DIR / "paged_decode.c", SOURCE_DIR / "elementwise.c"]
+SOURCES = [SOURCE_DIR / "paged_decode.c", SOURCE_DIR / "paged_prefill.c", SOURCE_DIR / "elementwise.c"]
 HEADERS = [SOURCE_DIR / "vec_math.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
 if platform.machine() in ("x86_64", "AMD64"):
@@ -44,6 +45,11 @@ class NativeKernels:
         limits = (ctypes.c_int32 * 3)()
         lib.pagedserve_decode_limits(limits)
         self.max_group, self.max_head_dim, self.max_block = limits[0], limits[1], limits[2]
+        self._prefill = lib.pagedserve_paged_prefill
+        self._prefill.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float]
+        self._prefill.restype = None
+        lib.pagedserve_prefill_limits(limits)
+        self.prefill_state, self.prefill_max_head_dim = limits[0], limits[1]
         self._add_rms_norm = lib.pagedserve_add_rms_norm
         self._add_rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
         self._silu_mul = lib.pagedserve_silu_mul
@@ -72,6 +78,35 @@ class NativeKernels:
         (row stride x.stride(0)); cos, sin: [max_pos, head_dim / 2]; positions int64 [rows]."""
         self._rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                    positions.data_ptr())
+
+    def paged_prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+        starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    ) -> None:
+        """Causal attention of prompt chunks over their paged keys (a cached prefix included): for sequence i,
+        query tokens starts[i] .. starts[i] + q_lens[i] - 1 of the step are its last q_lens[i] positions of
+        seq_lens[i]. q: fp32 [num_tokens, n_heads, head_dim] with unit strides inside a token (a view of the
+        fused QKV row works); out contiguous; starts int64, q_lens, seq_lens int32 [n]; block_tables int32."""
+        n = starts.numel()
+        if n == 0:
+            return
+        num_blocks, block_size, n_kv_heads, head_dim = k_cache.shape
+        for t, dt in ((q, torch.float32), (out, torch.float32), (k_cache, torch.float32), (v_cache, torch.float32),
+                      (starts, torch.int64), (q_lens, torch.int32), (seq_lens, torch.int32),
+                      (block_tables, torch.int32)):
+            if t.dtype != dt or t.device.type != "cpu":
+                raise TypeError(f"paged_prefill needs {dt} tensors on the CPU, got {t.dtype} on {t.device}")
+        if not (q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous() and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and starts.is_contiguous() and q_lens.is_contiguous()
+                and seq_lens.is_contiguous() and block_tables.stride(1) == 1):
+            raise ValueError("paged_prefill needs each token's query heads contiguous and contiguous tensors")
+        self._prefill(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                      starts.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
+                      block_tables.stride(0), n, q.shape[1], n_kv_heads, head_dim, block_size, float(scale))
+
+    def supports_prefill(self, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+        group = n_heads // n_kv_heads
+        return group <= 16 and head_dim <= self.prefill_max_head_dim and group * head_dim <= self.prefill_state
 
     def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
         return (dtype == torch.float32 and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= self.max_group

@@ -1,5 +1,5 @@
-"""The worker's CPU attention backends (torch, and cpu with its native decode kernel) against the plain
-reference, on adversarial paged inputs."""
+"""The worker's CPU attention backends (torch, and cpu with its native decode and prefill kernels) against
+the plain reference, on adversarial paged inputs."""
 
 import pytest
 import torch
@@ -95,3 +95,45 @@ def test_cpu_backend_falls_back_to_torch_where_the_kernel_does_not_cover_the_sha
     assert make_backend(None, torch.device("cpu"), (8, 2, 64, 16, torch.float32)).name == "cpu"
     with pytest.raises(ValueError, match="does not cover"):
         make_backend("cpu", torch.device("cpu"), (64, 1, 64, 16, torch.float32))
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24),
+                                                      (16, 1, 64)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_native_prefill_kernel_on_chunks_with_cached_prefixes(n_heads, n_kv_heads, head_dim, block_size):
+    """Prompt chunks of every shape in one step: whole prompts (q_len == seq_len), chunks over a cached prefix
+    (q_len < seq_len), lengths around the 16-key and 16-query tiles and past them, among decode rows; the
+    queries a strided view of a fused QKV row, as the model passes them; NaN everywhere unwritten; only the
+    prefill rows are written."""
+    from kernels import cpu_native
+
+    native = cpu_native.load()
+    q_lens = [2, 17, 16, 1, 40, 33, 5, 300]
+    seq_lens = [2, 17, 31, 50, 40, 100, 260, 301]
+    c = make_case(q_lens, seq_lens, n_heads, n_kv_heads, head_dim, block_size, seed=7)
+    fused = torch.randn(c.q.shape[0], (n_heads + 2 * n_kv_heads) * head_dim)
+    fused[:, : n_heads * head_dim] = c.q.flatten(1)
+    q = fused[:, : n_heads * head_dim].view(c.q.shape)  # stride(0) past the heads, as in the model
+    qsl = c.query_start_loc.long()
+    pre = [i for i, n in enumerate(q_lens) if n > 1]
+    out = torch.full_like(c.q, float("nan"))
+    native.paged_prefill(q, c.k_cache, c.v_cache, out, qsl[pre].contiguous(),
+                         torch.tensor([q_lens[i] for i in pre], dtype=torch.int32),
+                         c.seq_lens[pre].contiguous(), c.block_tables[pre].contiguous(), c.scale)
+    expected = paged_attention(*c.args)
+    for i in range(len(q_lens)):
+        rows = slice(int(qsl[i]), int(qsl[i + 1]))
+        if i in pre:
+            torch.testing.assert_close(out[rows], expected[rows], atol=2e-5, rtol=1e-5)
+        else:
+            assert out[rows].isnan().all()  # a decode row: not the prefill kernel's to write
+
+
+def test_cpu_backend_prefill_falls_back_to_torch_for_queries_it_cannot_read_in_place():
+    c = make_case([30, 5, 12], [30, 40, 50], 8, 2, 32, 16, seed=3)  # prefill rows only: q is passed as it comes
+    backend = make_backend("cpu", torch.device("cpu"))
+    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, 16, 50, 30)
+    odd = c.q.transpose(1, 2).contiguous().transpose(1, 2)  # head_dim not the unit stride
+    assert odd.stride(2) != 1
+    torch.testing.assert_close(backend.forward(odd, c.k_cache, c.v_cache, meta, c.scale), paged_attention(*c.args),
+                               atol=2e-5, rtol=1e-5)

@@ -64,16 +64,19 @@ class TorchAttentionMeta:
 def prefill_rows(block_tables: torch.Tensor, lens: torch.Tensor, qsl: torch.Tensor, q_lens: torch.Tensor,
                  block_size: int) -> list[PrefillRows]:
     """The slots and causal mask of every sequence with more than one query token this step."""
-    prefills = []
-    for i in (q_lens > 1).nonzero().flatten().tolist():
-        seq_len, q_len = int(lens[i]), int(q_lens[i])
-        slots = reference.kv_slots(block_tables[i : i + 1], lens[i : i + 1], block_size, seq_len)[0]
-        mask = None
-        if q_len != seq_len:
-            qpos = torch.arange(q_len, device=lens.device)[:, None]
-            mask = torch.arange(seq_len, device=lens.device)[None, :] < seq_len - q_len + qpos + 1
-        prefills.append(PrefillRows(int(qsl[i]), int(qsl[i + 1]), slots, mask))
-    return prefills
+    return [prefill_row(block_tables[i : i + 1], lens[i : i + 1], int(qsl[i]), int(q_lens[i]), block_size)
+            for i in (q_lens > 1).nonzero().flatten().tolist()]
+
+
+def prefill_row(table: torch.Tensor, seq_len: torch.Tensor, start: int, q_len: int, block_size: int) -> PrefillRows:
+    """One sequence's: table [1, max_blocks], seq_len [1] (keys), its query tokens start .. start + q_len - 1."""
+    n = int(seq_len[0])
+    slots = reference.kv_slots(table, seq_len, block_size, n)[0]
+    mask = None
+    if q_len != n:
+        qpos = torch.arange(q_len, device=seq_len.device)[:, None]
+        mask = torch.arange(n, device=seq_len.device)[None, :] < n - q_len + qpos + 1
+    return PrefillRows(start, start + q_len, slots, mask)
 
 
 # Decode rows are sorted by length and cut into buckets of similar length, so that a short sequence is
@@ -129,7 +132,21 @@ class CpuAttentionMeta:
     decode_rows: torch.Tensor  # int64 [n]: the query token of each decoding sequence
     decode_tables: torch.Tensor  # int32 [n, max_blocks]
     decode_lens: torch.Tensor  # int32 [n]
-    prefills: list[PrefillRows]
+    prefill_starts: torch.Tensor  # int64 [p]: first query token of each sequence with more than one
+    prefill_q_lens: torch.Tensor  # int32 [p]
+    prefill_lens: torch.Tensor  # int32 [p]
+    prefill_tables: torch.Tensor  # int32 [p, max_blocks]
+    block_size: int
+    _torch_prefills: list[PrefillRows] | None = None
+
+    def torch_prefills(self) -> list[PrefillRows]:
+        """The torch path's prefill metadata, built only where the native kernel does not cover the shape."""
+        if self._torch_prefills is None:
+            self._torch_prefills = [
+                prefill_row(self.prefill_tables[i : i + 1], self.prefill_lens[i : i + 1].to(torch.int64),
+                            int(self.prefill_starts[i]), int(self.prefill_q_lens[i]), self.block_size)
+                for i in range(self.prefill_starts.numel())]
+        return self._torch_prefills
 
 
 class CpuAttention(TorchAttention):
@@ -149,21 +166,35 @@ class CpuAttention(TorchAttention):
         qsl = query_start_loc.to(torch.int64)
         q_lens = qsl[1:] - qsl[:-1]
         dec = (q_lens == 1).nonzero().flatten()
+        pre = (q_lens > 1).nonzero().flatten()
         tables = block_tables.to(torch.int32)
+        lens = seq_lens.to(torch.int32)
         return CpuAttentionMeta(
             decode_rows=qsl[dec].contiguous(),
             decode_tables=(tables if dec.numel() == tables.shape[0] else tables[dec]).contiguous(),
-            decode_lens=seq_lens.to(torch.int32)[dec].contiguous(),
-            prefills=prefill_rows(block_tables, seq_lens.to(torch.int64), qsl, q_lens, block_size),
+            decode_lens=lens[dec].contiguous(),
+            prefill_starts=qsl[pre].contiguous(),
+            prefill_q_lens=q_lens[pre].to(torch.int32).contiguous(),
+            prefill_lens=lens[pre].contiguous(),
+            prefill_tables=(tables if pre.numel() == tables.shape[0] else tables[pre]).contiguous(),
+            block_size=block_size,
         )
 
     def forward(self, q, k_cache, v_cache, meta: CpuAttentionMeta, scale):
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        self._native.paged_decode(q, k_cache, v_cache, out, meta.decode_rows, meta.decode_tables, meta.decode_lens,
-                                  scale)
-        if meta.prefills:
-            TorchAttention.forward(self, q, k_cache, v_cache, TorchAttentionMeta([], meta.prefills), scale, out=out)
+        num_tokens, n_heads, head_dim = q.shape
+        out = torch.empty(num_tokens, n_heads, head_dim, dtype=q.dtype, device=q.device)
+        if meta.decode_rows.numel():
+            q = q.contiguous()  # the decode kernel reads whole rows of a contiguous q
+            self._native.paged_decode(q, k_cache, v_cache, out, meta.decode_rows, meta.decode_tables,
+                                      meta.decode_lens, scale)
+        if meta.prefill_starts.numel():
+            if self._native.supports_prefill(n_heads, k_cache.shape[2], head_dim) and q.stride(2) == 1 \
+                    and q.stride(1) == head_dim:  # a view of the fused QKV row reads in place
+                self._native.paged_prefill(q, k_cache, v_cache, out, meta.prefill_starts, meta.prefill_q_lens,
+                                           meta.prefill_lens, meta.prefill_tables, scale)
+            else:
+                TorchAttention.forward(self, q.contiguous(), k_cache, v_cache,
+                                       TorchAttentionMeta([], meta.torch_prefills()), scale, out=out)
         return out
 
 

@@ -1,0 +1,214 @@
+/* Paged prefill attention for CPUs: the query tokens of prompt chunks attend causally to their sequence's
+ * keys through the block table, cached prefix included (query i of q_len sees keys j < seq_len - q_len + i + 1),
+ * each key and value read in place from the pool.
+ *
+ * Pool layout as kernels/reference.py: k_cache, v_cache [num_blocks, block_size, n_kv_heads, head_dim] fp32.
+ * A work item is (sequence, KV head, tile of up to QT query positions), spread over the OpenMP threads of the
+ * process (torch's libgomp). It walks the keys in tiles of KT, up to the tile's last causal key: each key tile
+ * is transposed once into [head_dim][KT] and then serves every query row of the tile for all heads of the
+ * GQA group, so a score row is head_dim multiply-adds of a key-tile vector (no horizontal sums), and the
+ * softmax is online (running max and sum per row, accumulator rescaled when the max rises). Rows are taken
+ * four at a time so the compiler keeps four independent accumulator chains in flight. Written for the
+ * compiler to vectorize (-O3 -march=native): AVX-512, AVX2 and others alike.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vec_math.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define KT 16            /* keys per tile: one vector of scores per query row */
+#define QT 16            /* query positions per work item, at most */
+#define ROWS 8           /* query rows computed together */
+#define MAX_STATE 8192   /* floats of accumulators (and of query rows) per work item */
+#define MAX_HEAD_DIM 256
+
+int pagedserve_prefill_limits(int32_t* out) {
+    out[0] = MAX_STATE;
+    out[1] = MAX_HEAD_DIM;
+    return 2;
+}
+
+/* Pointer to key (or value) row j of a sequence, kv head kh. */
+static inline const float* kv_row(const float* cache, const int32_t* table, int j, int block_size,
+                                  int64_t block_stride, int64_t token_stride, int kh, int head_dim) {
+    return cache + (int64_t)table[j / block_size] * block_stride + (int64_t)(j % block_size) * token_stride
+           + (int64_t)kh * head_dim;
+}
+
+/* One work item: query positions [p0, p1) of a sequence (positions within its q_len new tokens), one KV
+ * head's group of query heads. */
+static void prefill_item(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
+                         float* out, int64_t start, int q_len, int seq_len, const int32_t* table, int p0, int p1,
+                         int kh, int n_heads, int group, int head_dim, int block_size, int64_t block_stride,
+                         int64_t token_stride, float scale) {
+    const int rows = p1 - p0;
+    const int total = rows * group;                /* query rows of the item: (head g, position r) -> g * rows + r */
+    float acc[MAX_STATE];                          /* [total][head_dim] */
+    float qs[MAX_STATE];                           /* [total][head_dim], scaled */
+    float m[QT * 16], l[QT * 16];                  /* per query row: group <= 16 */
+    int limit[QT * 16];                            /* last key each row sees */
+    float kt[MAX_HEAD_DIM][KT];                    /* the key tile, transposed */
+    const float* vrows[KT];
+    const int offset = seq_len - q_len;            /* keys before the chunk (cached prefix) */
+    for (int g = 0; g < group; g++) {
+        const int h = kh * group + g;
+        for (int r = 0; r < rows; r++) {
+            const int row = g * rows + r;
+            const float* src = q + (start + p0 + r) * q_row_stride + (int64_t)h * head_dim;
+            for (int d = 0; d < head_dim; d++) {
+                qs[row * head_dim + d] = src[d] * scale;
+                acc[row * head_dim + d] = 0.0f;
+            }
+            m[row] = -INFINITY;
+            l[row] = 0.0f;
+            limit[row] = offset + p0 + r;
+        }
+    }
+    const int last_key = offset + p1 - 1; /* the tile's last row sees keys 0..last_key */
+    for (int j0 = 0; j0 <= last_key; j0 += KT) {
+        const int nk = last_key + 1 - j0 < KT ? last_key + 1 - j0 : KT;
+        for (int jj = 0; jj < KT; jj++) {
+            if (jj < nk) {
+                const float* key = kv_row(k_cache, table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim);
+                for (int d = 0; d < head_dim; d++) kt[d][jj] = key[d];
+                vrows[jj] = kv_row(v_cache, table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim);
+            } else {
+                for (int d = 0; d < head_dim; d++) kt[d][jj] = 0.0f;
+                vrows[jj] = 0;
+            }
+        }
+        for (int row0 = 0; row0 < total; row0 += ROWS) {
+            float s[ROWS][KT];
+            const int nr = total - row0 < ROWS ? total - row0 : ROWS;
+            for (int i = 0; i < ROWS; i++)
+#pragma omp simd
+                for (int jj = 0; jj < KT; jj++) s[i][jj] = 0.0f;
+#if defined(__AVX512F__)
+            if (nr == ROWS) { /* eight independent chains of multiply-adds, the key tile's vector loaded once */
+                const float* q0 = qs + (int64_t)row0 * head_dim;
+                __m512 c[ROWS];
+                for (int i = 0; i < ROWS; i++) c[i] = _mm512_setzero_ps();
+                for (int d = 0; d < head_dim; d++) {
+                    const __m512 kd = _mm512_loadu_ps(kt[d]);
+                    for (int i = 0; i < ROWS; i++) c[i] = _mm512_fmadd_ps(_mm512_set1_ps(q0[i * head_dim + d]), kd, c[i]);
+                }
+                for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(s[i], c[i]);
+            } else
+#endif
+            for (int i = 0; i < nr; i++) {
+                const float* qi = qs + (int64_t)(row0 + i) * head_dim;
+                for (int d = 0; d < head_dim; d++)
+#pragma omp simd
+                    for (int jj = 0; jj < KT; jj++) s[i][jj] += qi[d] * kt[d][jj];
+            }
+            for (int i = 0; i < nr; i++) {
+                const int row = row0 + i;
+                const int see = limit[row] - j0 + 1; /* keys of this tile the row sees */
+                if (see <= 0) continue;
+                const int n = see < nk ? see : nk;
+                float top = m[row];
+                for (int jj = 0; jj < n; jj++) top = s[i][jj] > top ? s[i][jj] : top;
+                const float correction = expf(m[row] - top); /* 0 on the first tile: m = -inf */
+                float p[KT];
+                float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                for (int jj = 0; jj < KT; jj++) {
+                    p[jj] = jj < n ? vec_exp(s[i][jj] - top) : 0.0f;
+                    sum += p[jj];
+                }
+                l[row] = l[row] * correction + sum;
+                m[row] = top;
+                float* a = acc + (int64_t)row * head_dim;
+#if defined(__AVX512F__)
+                if (head_dim % 64 == 0) { /* four accumulator vectors in registers over the tile's values */
+                    const __m512 cr = _mm512_set1_ps(correction);
+                    for (int d = 0; d < head_dim; d += 64) {
+                        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(a + d), cr);
+                        __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(a + d + 16), cr);
+                        __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(a + d + 32), cr);
+                        __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(a + d + 48), cr);
+                        for (int jj = 0; jj < n; jj++) {
+                            const __m512 pj = _mm512_set1_ps(p[jj]);
+                            const float* value = vrows[jj] + d;
+                            a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(value), a0);
+                            a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(value + 16), a1);
+                            a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(value + 32), a2);
+                            a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(value + 48), a3);
+                        }
+                        _mm512_storeu_ps(a + d, a0);
+                        _mm512_storeu_ps(a + d + 16, a1);
+                        _mm512_storeu_ps(a + d + 32, a2);
+                        _mm512_storeu_ps(a + d + 48, a3);
+                    }
+                    continue;
+                }
+#endif
+                if (correction != 1.0f)
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) a[d] *= correction;
+                for (int jj = 0; jj < n; jj++) {
+                    const float pj = p[jj];
+                    const float* value = vrows[jj];
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) a[d] += pj * value[d];
+                }
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const int h = kh * group + g;
+        for (int r = 0; r < rows; r++) {
+            const int row = g * rows + r;
+            const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+            float* dst = out + ((start + p0 + r) * n_heads + h) * (int64_t)head_dim;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) dst[d] = acc[row * head_dim + d] * inv;
+        }
+    }
+}
+
+void pagedserve_paged_prefill(
+    const float* q,              /* query rows: token t's heads at q + t * q_row_stride, [n_heads, head_dim] */
+    int64_t q_row_stride,
+    const float* k_cache,        /* [num_blocks, block_size, n_kv_heads, head_dim] */
+    const float* v_cache,
+    float* out,                  /* [num_tokens, n_heads, head_dim]; only the sequences' rows are written */
+    const int64_t* starts,       /* [n]: first query token of each sequence in the step */
+    const int32_t* q_lens,       /* [n]: its query tokens (the last q_len positions of its keys) */
+    const int32_t* seq_lens,     /* [n]: its keys, this step's included */
+    const int32_t* block_tables, /* [n, table_stride] */
+    int64_t table_stride, int32_t n, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
+    float scale)
+{
+    const int group = n_heads / n_kv_heads;
+    const int64_t token_stride = (int64_t)n_kv_heads * head_dim;
+    const int64_t block_stride = (int64_t)block_size * token_stride;
+    int qt = MAX_STATE / (group * head_dim);
+    if (qt > QT) qt = QT;
+    int64_t tiles = 0;
+    for (int i = 0; i < n; i++) tiles += (q_lens[i] + qt - 1) / qt;
+    int32_t* items = malloc(sizeof(int32_t) * 2 * (tiles > 0 ? tiles : 1)); /* (sequence, first position) */
+    if (items == 0) return;
+    int64_t k = 0;
+    for (int i = 0; i < n; i++)
+        for (int p = 0; p < q_lens[i]; p += qt) {
+            items[2 * k] = i;
+            items[2 * k + 1] = p;
+            k++;
+        }
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t it = 0; it < tiles; it++) {
+        for (int kh = 0; kh < n_kv_heads; kh++) {
+            const int i = items[2 * it], p0 = items[2 * it + 1];
+            const int p1 = p0 + qt < q_lens[i] ? p0 + qt : q_lens[i];
+            prefill_item(q, q_row_stride, k_cache, v_cache, out, starts[i], q_lens[i], seq_lens[i],
+                         block_tables + (int64_t)i * table_stride, p0, p1, kh, n_heads, group, head_dim, block_size,
+                         block_stride, token_stride, scale);
+        }
+    }
+    free(items);
+}
