@@ -146,3 +146,17 @@ def test_prefill_kernel_handles_single_token_rows_in_a_mixed_batch():
     mixed = make_case([1, 6, 1], [30, 6, 50], 8, 2, 64, 16, dtype, seed=8, device=DEVICE)
     out = triton_attention.paged_attention(*mixed.args)
     close(out, reference.paged_attention(*mixed.args), dtype)
+
+
+def test_step_varying_arguments_are_not_specialized():
+    """Every integer argument that changes between steps (the block-table row stride, the split scratch's
+    strides, the split length) is named in do_not_specialize, and every name is one of the kernel's
+    parameters (a misspelt name would be ignored by the interpreter and refused on a GPU)."""
+    import inspect
+
+    varying = {"stride_bts", "stride_mos", "stride_moh", "stride_mop", "stride_mls", "stride_mlh", "split_len"}
+    for name, listed in triton_attention.STEP_VARYING.items():
+        kernel = getattr(triton_attention, name)
+        params = set(inspect.signature(kernel.fn).parameters)
+        assert set(listed) <= params, (name, set(listed) - params)
+        assert varying & params <= set(listed), (name, (varying & params) - set(listed))

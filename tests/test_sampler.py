@@ -92,3 +92,44 @@ def test_nan_and_inf_logits_never_yield_nan_draws():
     dead = torch.full((1, 10), float("nan"))
     with pytest.raises(NonFiniteLogits, match="no finite logits"):
         sample(dead, batch(1))
+
+
+def test_counter_noise_is_splitmix64_of_key_and_position():
+    """The batched generator computes, with wrapping int64 tensor arithmetic, exactly the 64-bit mix a
+    plain integer reference does, so every device draws the same noise."""
+    import math
+
+    from worker.sampler import exponential_noise
+
+    mask = (1 << 64) - 1
+
+    def reference(key: int, v: int) -> float:
+        z = (key + (v + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        return -math.log(((z >> 40) + 0.5) / (1 << 24))
+
+    keys = [mix_seed(7, 0), mix_seed(7, 1), mix_seed(123456789, 99), (1 << 63) - 1]
+    noise = exponential_noise(torch.tensor(keys, dtype=torch.int64), 50)
+    for r, key in enumerate(keys):
+        for v in (0, 1, 17, 49):
+            assert abs(float(noise[r, v]) - reference(key, v)) < 1e-5 * max(1.0, reference(key, v))
+    big = exponential_noise(torch.tensor([mix_seed(1, 2)]), 200_000)[0]
+    assert abs(float(big.mean()) - 1.0) < 0.01 and abs(float(big.var()) - 1.0) < 0.03  # Exp(1)
+    assert bool((big > 0).all()) and bool(torch.isfinite(big).all())
+
+
+def test_sampler_takes_host_parameters_for_device_logits():
+    """The batch's parameters come from the plan on the host; logits live on the worker's device. Rows are
+    indexed on the device they index (on CUDA a host index into device logits, or the reverse, fails)."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    logits = torch.randn(6, 500, generator=torch.Generator().manual_seed(3))
+    b = batch(6, seeds=[1, 2, 3, 4, 5, 6], index=[0, 1, 2, 3, 4, 5])
+    b.temperature[::2] = 0.0  # mixed greedy and sampled rows
+    on_gpu = sample(logits.cuda(), b)
+    assert on_gpu.device.type == "cuda"
+    assert on_gpu.cpu().tolist() == sample(logits, b).tolist()  # counter-based: the same draws on both

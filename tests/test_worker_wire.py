@@ -145,3 +145,39 @@ def test_worker_exits_when_the_scheduler_is_gone(worker):
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         raise AssertionError("an orphaned worker kept running") from None
+
+
+def test_worker_refuses_a_block_size_that_is_not_a_power_of_two(tiny_model_dir):
+    """The kernels' tile arithmetic needs a power of two: refused at start with a configuration exit (the
+    supervisor does not restart it) and a message naming the flag, before any model is loaded."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler", "tcp://127.0.0.1:9",
+         "--block-size", "12"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--block-size must be a power of two" in proc.stdout + proc.stderr
+
+
+def test_kv_pool_refuses_a_block_size_that_is_not_a_power_of_two():
+    import torch
+
+    from worker.kv_pool import KVPool
+    from worker.model_config import ModelConfig
+
+    config = ModelConfig.from_dict(dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8))
+    with pytest.raises(ValueError, match="power of two, got 24"):
+        KVPool(config, 4, 24, torch.float32, torch.device("cpu"))
+
+
+def test_each_local_rank_owns_its_own_gpu():
+    """The launchers pass one --device to every rank of a host; each rank must land on its own GPU (Triton
+    launches on the current device, so two ranks on one GPU would also run each other's kernels there)."""
+    from worker.main import rank_device
+
+    assert [rank_device(None, r, 4) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert [rank_device("cuda", r, 2) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert [rank_device("cuda:2", r, 4) for r in range(4)] == ["cuda:2", "cuda:3", "cuda:0", "cuda:1"]
+    assert rank_device(None, 3, 0) == "cpu" and rank_device("cpu", 1, 8) == "cpu"
+    for bad, count, message in (("cuda:4", 4, "GPUs 0-3"), ("cuda", 0, "has none"), ("cuda:x", 2, "cuda:N")):
+        with pytest.raises(ValueError, match=message):
+            rank_device(bad, 0, count)

@@ -34,6 +34,8 @@ class KVPool:
         """num_kv_heads: the KV heads this rank holds (a tensor-parallel rank holds its slice)."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block size must be a power of two, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype

@@ -62,6 +62,26 @@ def add_group_args(p: argparse.ArgumentParser) -> None:
                    help="ranks of one model (heads, MLP and vocabulary split over them)")
 
 
+def rank_device(device: str | None, local_rank: int, cuda_count: int) -> str:
+    """The device of the worker process with index local_rank on its host: each rank owns its own GPU.
+    None: cuda:local_rank where the host has GPUs (wrapping), else cpu. cuda: the same. cuda:N: the host's
+    ranks take the GPUs from N on (N + local_rank, wrapping), since the launchers pass one --device to
+    every rank. cpu: cpu."""
+    if device is None:
+        device = "cuda" if cuda_count else "cpu"
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return device
+    if cuda_count == 0:
+        raise ValueError(f"--device {device} asks for a GPU and this host has none")
+    if index and not index.isdigit():
+        raise ValueError(f"--device {device}: expected cuda or cuda:N")
+    first = int(index) if index else 0
+    if not 0 <= first < cuda_count:
+        raise ValueError(f"--device {device}: this host has GPUs 0-{cuda_count - 1}")
+    return f"cuda:{(first + local_rank) % cuda_count}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve-worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rendezvous", default="",
                    help="torch.distributed rendezvous of the group, tcp://HOST:PORT (needed when --tp > 1)")
     p.add_argument("--local-rank", type=int, default=0,
-                   help="index of this worker process on its host: picks cuda:N (N = index mod GPUs) when --device "
-                        "names no GPU")
+                   help="index of this worker process on its host: it takes GPU (N + index) mod GPUs, where N is "
+                        "--device cuda:N (0 for cuda or no --device)")
     p.add_argument("--curve-keys", default=None,
                    help="folder made by `pagedserve keys`: this worker's key pair and the scheduler's public key")
     p.add_argument("--log-level", default="info")
@@ -94,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     if tp > 1 and not args.rendezvous:
         log.error("no_rendezvous", tensor_parallel_size=tp)
         return EXIT_CONFIG
+    if args.block_size < 1 or args.block_size & (args.block_size - 1):  # the kernels' tile arithmetic needs it
+        log.error("bad_block_size", block_size=args.block_size, error="--block-size must be a power of two")
+        return EXIT_CONFIG
     import torch
 
     from protos import wire_pb2
@@ -101,14 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     from worker.kv_pool import KVPool, bytes_per_block, parse_bytes
     from worker.linear import choose as choose_matmul
     from worker.parallel import ParallelConfigError, init_group, make_shard
-    from worker.runner import ModelRunner
+    from worker.runner import ModelRunner, warm_up
     from worker.server import WorkerServer
     from worker.sizing import profile_gpu_blocks
     from worker.weights import load_config, load_model
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:  # each local rank owns its own GPU
-        device = torch.device("cuda", args.local_rank % torch.cuda.device_count())
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        device = torch.device(rank_device(args.device, args.local_rank, cuda_count))
+    except ValueError as e:
+        log.error("bad_device", device=args.device, error=str(e))
+        return EXIT_CONFIG
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches on the current device
     dtype = getattr(torch, DTYPES[args.dtype] if args.dtype else ("bfloat16" if device.type == "cuda" else "float32"))
@@ -147,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     pool = KVPool(config, num_blocks, args.block_size, dtype, device, heads)
     runner = ModelRunner(model, pool, attn, device)
+    warm_s = warm_up(runner)  # kernels compiled and libraries warmed before the first request, not during it
     handshake = wire_pb2.Handshake(
         tp_rank=args.rank,
         tp_size=tp,
@@ -166,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         pid=os.getpid(),
     )
     log.info("model_loaded", model=args.model, device=str(device), dtype=handshake.dtype, num_blocks=num_blocks,
-             attention_backend=attn.name, matmul=model.mm.name, malloc=allocator, tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads)
+             attention_backend=attn.name, matmul=model.mm.name, malloc=allocator, warm_up_s=round(warm_s, 3),
+             tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads)
     server = WorkerServer(args.scheduler, runner, handshake, scheduler_timeout=args.scheduler_timeout,
                           curve_keys=args.curve_keys)
     return server.serve()

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from protos import wire_pb2
-from protos.codec import CodecError, PlanArrays, decode_plan, encode_result, resolve_tokens
+from protos.codec import CodecError, PlanArrays, decode_plan, encode_plan, encode_result, resolve_tokens
 from worker.attention import AttentionBackend
 from worker.kv_pool import KVPool
 from worker.model import LlamaModel, StepInputs
@@ -98,14 +98,18 @@ class ModelRunner:
                                         max_q_len=int(np.diff(p.query_start_loc).max())),
         )
         self.pool.copy_blocks(self._tensor(p.block_copies, torch.int64))
-        t1 = time.perf_counter()
-        hidden = self.model(step, self.pool, self.attn)  # [num_tokens, hidden]
         rows = np.flatnonzero(p.do_sample)
         sampled = np.full(p.num_seqs, -1, dtype=np.int32)
+        # the logits' row index goes to the device before the forward is queued, not after
+        last_rows = self._tensor((p.query_start_loc[1:].astype(np.int64) - 1)[rows], torch.int64) if rows.size else None
+        clock = StepClock(self.device)
+        t1 = time.perf_counter()
+        clock.mark("start")
+        hidden = self.model(step, self.pool, self.attn)  # [num_tokens, hidden]
         t2 = t3 = time.perf_counter()
         if rows.size:  # every rank of a group sees the same plan, so all of them take this branch or none
-            last_token = p.query_start_loc[1:].astype(np.int64) - 1
-            logits = self.model.compute_logits(hidden[self._tensor(last_token[rows], torch.int64)])
+            logits = self.model.compute_logits(hidden[last_rows])
+            clock.mark("logits")
             t2 = time.perf_counter()
             batch = SamplingBatch(
                 temperature=torch.from_numpy(p.temperature[rows].copy()),
@@ -114,7 +118,69 @@ class ModelRunner:
                 seeds=[int(x) for x in p.seed[rows]],
                 sample_index=p.sample_index[rows].tolist(),
             )
-            sampled[rows] = sample(logits, batch).cpu().numpy()
+            sampled[rows] = sample(logits, batch).cpu().numpy()  # waits for the device: the step is done
             t3 = time.perf_counter()
+        else:
+            clock.mark("logits")
         self.last_step_id, self.last_sampled = plan.step_id, sampled
-        return encode_result(plan.step_id, sampled, time_prepare=t1 - t0, time_forward=t2 - t1, time_sample=t3 - t2)
+        forward, sampling = clock.split(t2 - t1, t3 - t2)
+        return encode_result(plan.step_id, sampled, time_prepare=t1 - t0, time_forward=forward, time_sample=sampling)
+
+
+def warm_up(runner: ModelRunner) -> float:
+    """Run one small mixed step (a 3-token prompt and a decode row, one greedy and one sampled) through the
+    whole path before serving, so the kernels compile, the libraries pick their algorithms and the allocator
+    warms now rather than on the first request. It writes K/V into the pool's first blocks only (the
+    scheduler owns no content there yet) and leaves the runner as it found it. Returns seconds taken."""
+    bs = runner.pool.block_size
+    blocks = 2 if bs >= 3 else 4
+    if runner.pool.num_blocks < blocks:
+        return 0.0
+    per_seq = blocks // 2
+    tables = np.full((2, per_seq), -1, dtype=np.int32)
+    tables[0] = np.arange(per_seq)
+    tables[1] = np.arange(per_seq, blocks)
+    positions = np.array([0, 1, 2, 1], dtype=np.int32)
+    owner = np.array([0, 0, 0, 1])
+    slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+    plan = PlanArrays(
+        step_id=(1 << 63) - 1, token_ids=np.array([1, 2, 3, 4], dtype=np.int32), positions=positions,
+        slot_mapping=slots, block_tables=tables, seq_lens=np.array([3, 2], dtype=np.int32),
+        query_start_loc=np.array([0, 3, 4], dtype=np.int32), do_sample=np.array([True, True]),
+        sample_index=np.zeros(2, dtype=np.int32), temperature=np.array([0.0, 1.0], dtype=np.float32),
+        top_p=np.array([1.0, 0.9], dtype=np.float32), top_k=np.array([0, 5], dtype=np.int32),
+        seed=np.zeros(2, dtype=np.uint64), block_copies=np.zeros((0, 2), dtype=np.int32))
+    kept = runner.last_step_id, runner.last_sampled
+    t0 = time.perf_counter()
+    result = runner.execute(encode_plan(plan))
+    runner.last_step_id, runner.last_sampled = kept
+    if result.error:
+        raise RuntimeError(f"warm-up step failed: {result.error}")
+    return time.perf_counter() - t0
+
+
+class StepClock:
+    """Forward and sampling times of a step. On CUDA the host returns from the forward as soon as its kernels
+    are queued, so host clocks would show GPU time as sampling: events recorded on the stream between the
+    phases give the device's own times, read once the step's result has been copied back (no extra sync).
+    On a CPU the host clocks are the truth and this records nothing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events: dict[str, torch.cuda.Event] | None = {} if device.type == "cuda" else None
+
+    def mark(self, name: str) -> None:
+        if self.events is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events[name] = event
+
+    def split(self, host_forward: float, host_sample: float) -> tuple[float, float]:
+        """(forward, sampling) seconds; call after the step's result reached the host."""
+        if not self.events:
+            return host_forward, host_sample
+        e = self.events
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()  # at once where the sampled tokens' copy already waited for the device
+        forward = e["start"].elapsed_time(e["logits"]) / 1000
+        return forward, e["logits"].elapsed_time(end) / 1000

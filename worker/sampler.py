@@ -39,7 +39,9 @@ class NonFiniteLogits(ValueError):
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits: fp32 [rows, vocab] -> int64 [rows] token ids. NaN logits never win; +inf ones always do."""
+    """logits: fp32 [rows, vocab] on the worker's device -> int64 [rows] token ids on it. NaN logits never
+    win; +inf ones always do. The batch's parameters may live on the host: they are moved once, and every
+    index used on a tensor lives on that tensor's device."""
     top = logits.amax(dim=-1)  # NaN where a row holds one: one cheap pass decides whether to clean up
     if bool((top.isnan() | (top == float("-inf"))).any()):
         logits = torch.nan_to_num(logits, nan=float("-inf"))
@@ -47,21 +49,46 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if bool(empty.any()):
             raise NonFiniteLogits(f"the model produced no finite logits for {int(empty.sum())} row(s)")
     tokens = logits.argmax(dim=-1)
-    random_rows = (batch.temperature >= MIN_TEMPERATURE).nonzero().flatten().tolist()
-    if not random_rows:
+    host_rows = (batch.temperature.cpu() >= MIN_TEMPERATURE).nonzero().flatten()
+    if host_rows.numel() == 0:
         return tokens
-    rows = torch.tensor(random_rows, device=logits.device)
-    scaled = logits[rows] / batch.temperature[rows].to(logits.device)[:, None]
+    device = logits.device
+    rows = host_rows.to(device, non_blocking=True)
+    temperature = batch.temperature.cpu()[host_rows].to(device, non_blocking=True)
+    scaled = logits[rows] / temperature[:, None]
     scaled = scaled.clamp(max=torch.finfo(torch.float32).max)  # +inf (or overflow) stays the largest, finite
-    scaled = _apply_top_k_top_p(scaled, batch.top_k[rows].to(logits.device), batch.top_p[rows].to(logits.device))
+    scaled = _apply_top_k_top_p(scaled, batch.top_k.cpu()[host_rows].to(device, non_blocking=True),
+                                batch.top_p.cpu()[host_rows].to(device, non_blocking=True))
     probs = torch.softmax(scaled, dim=-1)
-    noise = torch.empty_like(probs)
-    for j, row in enumerate(random_rows):
-        g = torch.Generator(device=logits.device).manual_seed(mix_seed(batch.seeds[row], batch.sample_index[row]))
-        noise[j].exponential_(generator=g)
-    # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with one seeded stream per row.
+    keys = [mix_seed(batch.seeds[r], batch.sample_index[r]) for r in host_rows.tolist()]
+    noise = exponential_noise(torch.tensor(keys, dtype=torch.int64).to(device, non_blocking=True), probs.shape[-1])
+    # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with one keyed stream per row.
     tokens[rows] = (probs / noise).argmax(dim=-1)
     return tokens
+
+
+# splitmix64's constants as wrapping int64 (two's complement): torch's int64 multiply wraps like uint64's.
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 viewed as uint64 (torch's >> is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] from a counter-based generator: element (r, v) is a function of keys[r]
+    and v alone (splitmix64 of the pair, 24 bits to a uniform in (0, 1), then -log), so one batched pass
+    over all rows on any device draws what a replay of the same (seed, token index) draws."""
+    v = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
+    z = keys[:, None] + v[None, :] * _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    uniform = (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(uniform)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
