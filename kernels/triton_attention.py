@@ -164,7 +164,7 @@ def _decode_reduce_kernel(
 
 @triton.jit(do_not_specialize=STEP_VARYING["_prefill_kernel"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q_starts_ptr, q_ends_ptr,
     scale,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_ch, stride_cd,
@@ -177,8 +177,8 @@ def _prefill_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     tile = tl.program_id(2)
-    q_start = tl.load(query_start_ptr + seq).to(tl.int64)
-    q_len = tl.load(query_start_ptr + seq + 1) - tl.load(query_start_ptr + seq)
+    q_start = tl.load(q_starts_ptr + seq).to(tl.int64)  # the sequence's query tokens: [start, end) of the step
+    q_len = (tl.load(q_ends_ptr + seq) - q_start).to(tl.int32)
     if tile * BLOCK_M < q_len:
         seq_len = tl.load(seq_lens_ptr + seq)
         prefix = seq_len - q_len  # keys already in the pool before this step's queries
@@ -274,48 +274,76 @@ def paged_attention(
     max_seq_len: int | None = None,  # pass it to avoid a device sync
     max_q_len: int | None = None,
     num_splits: int | None = None,
+    decode_seqs: torch.Tensor | None = None,  # int64 [d]: in a mixed step, the sequences that decode...
+    prefill_seqs: torch.Tensor | None = None,  # int64 [p]: ...and those with more than one query token
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.paged_attention. Returns [num_tokens, n_heads, head_dim]."""
+    """Same contract as kernels.reference.paged_attention. Returns [num_tokens, n_heads, head_dim].
+
+    A step of decodes only runs the split-KV decode kernels; one of prompt chunks only, the prefill kernel.
+    A mixed step (chunked prefill admits prompts beside running decodes) given decode_seqs and prefill_seqs
+    (built on the host from the plan, so no sync) sends each kind to its own kernel: decode rows get
+    split-KV and GQA heads packed into one program instead of one row of a 64-row prefill tile each."""
     num_tokens, n_heads, head_dim = q.shape
-    _, block_size, n_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    group = n_heads // n_kv_heads
     out = torch.empty((num_tokens, n_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
-    block_d = _pow2(head_dim, 16)
-    precision = _precision(q.dtype)
     if num_tokens == num_seqs:  # every sequence decodes one token
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max())
-        if num_splits is None:
-            num_splits = default_num_splits(num_seqs, n_kv_heads, max_seq_len, block_size, q.device)
-        tile = _tile(block_size, q.device)
-        split_len = tile * triton.cdiv(triton.cdiv(max_seq_len, num_splits), tile)  # whole tiles per split
-        num_splits = triton.cdiv(max_seq_len, split_len)
-        mid_o, mid_lse = decode_workspace(num_seqs, n_heads, num_splits, head_dim, q.device)
-        _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale,
-            *q.stride(), *k_cache.stride(), *block_tables.stride(), *mid_o.stride(), *mid_lse.stride(),
-            head_dim, group, split_len,
-            BLOCK_SIZE=block_size, TILE=tile, BLOCK_D=block_d, BLOCK_G=_pow2(group, 16), PRECISION=precision,
-        )
-        _decode_reduce_kernel[(num_seqs, n_heads)](
-            mid_o, mid_lse, out, seq_lens,
-            *mid_o.stride(), *mid_lse.stride(), *out.stride(),
-            head_dim, split_len,
-            BLOCK_D=block_d,
-        )
+        _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out)
         return out
-    if max_q_len is None:
-        max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    block_m = 64 if q.is_cuda else 16
-    _prefill_kernel[(num_seqs, n_heads, triton.cdiv(max_q_len, block_m))](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
-        *q.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
-        head_dim, group,
-        BLOCK_M=block_m, BLOCK_SIZE=block_size, TILE=_tile(block_size, q.device), BLOCK_D=block_d,
-        PRECISION=precision,
-    )
+    if decode_seqs is not None and prefill_seqs is not None and decode_seqs.numel():
+        rows = query_start_loc[decode_seqs].to(torch.int64)  # each decoding sequence's one query token
+        dec_out = torch.empty((rows.shape[0], n_heads, head_dim), dtype=q.dtype, device=q.device)
+        _decode(q[rows], k_cache, v_cache, block_tables[decode_seqs], seq_lens[decode_seqs], scale, max_seq_len,
+                num_splits, dec_out)
+        out[rows] = dec_out
+        if prefill_seqs.numel():
+            _prefill(q, k_cache, v_cache, block_tables[prefill_seqs], seq_lens[prefill_seqs],
+                     query_start_loc[prefill_seqs], query_start_loc[prefill_seqs + 1], scale, max_q_len, out)
+        return out
+    _prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc[:-1], query_start_loc[1:], scale,
+             max_q_len, out)
     return out
+
+
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out) -> None:
+    num_seqs, n_heads, head_dim = q.shape
+    _, block_size, n_kv_heads, _ = k_cache.shape
+    group = n_heads // n_kv_heads
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, n_kv_heads, max_seq_len, block_size, q.device)
+    tile = _tile(block_size, q.device)
+    split_len = tile * triton.cdiv(triton.cdiv(max_seq_len, num_splits), tile)  # whole tiles per split
+    num_splits = triton.cdiv(max_seq_len, split_len)
+    mid_o, mid_lse = decode_workspace(num_seqs, n_heads, num_splits, head_dim, q.device)
+    block_d = _pow2(head_dim, 16)
+    _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale,
+        *q.stride(), *k_cache.stride(), *block_tables.stride(), *mid_o.stride(), *mid_lse.stride(),
+        head_dim, group, split_len,
+        BLOCK_SIZE=block_size, TILE=tile, BLOCK_D=block_d, BLOCK_G=_pow2(group, 16), PRECISION=_precision(q.dtype),
+    )
+    _decode_reduce_kernel[(num_seqs, n_heads)](
+        mid_o, mid_lse, out, seq_lens,
+        *mid_o.stride(), *mid_lse.stride(), *out.stride(),
+        head_dim, split_len,
+        BLOCK_D=block_d,
+    )
+
+
+def _prefill(q, k_cache, v_cache, block_tables, seq_lens, q_starts, q_ends, scale, max_q_len, out) -> None:
+    _, n_heads, head_dim = q.shape
+    _, block_size, n_kv_heads, _ = k_cache.shape
+    if max_q_len is None:
+        max_q_len = int((q_ends - q_starts).max())
+    block_m = 64 if q.is_cuda else 16
+    _prefill_kernel[(seq_lens.shape[0], n_heads, triton.cdiv(max_q_len, block_m))](
+        q, k_cache, v_cache, out, block_tables, seq_lens, q_starts, q_ends, scale,
+        *q.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
+        head_dim, n_heads // n_kv_heads,
+        BLOCK_M=block_m, BLOCK_SIZE=block_size, TILE=_tile(block_size, q.device), BLOCK_D=_pow2(head_dim, 16),
+        PRECISION=_precision(q.dtype),
+    )

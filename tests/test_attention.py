@@ -9,10 +9,12 @@ from tests.paged_case import make_case
 from worker.attention import make_backend
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (8, 2), (10, 2)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_backend_matches_reference_on_mixed_batches(backend_name, n_heads, n_kv_heads, block_size):
+    """triton (in the interpreter here) splits the mixed step: decode rows through the split-KV kernels,
+    prompt chunks through the prefill kernel."""
     # decode rows, a fresh prefill, a chunk over a cached prefix, lengths at block boundaries
     q_lens = [1, 7, 1, 5, 1, 3]
     seq_lens = [1, 7, block_size, block_size + 5, block_size + 1, 3 * block_size - 1]
@@ -20,6 +22,8 @@ def test_backend_matches_reference_on_mixed_batches(backend_name, n_heads, n_kv_
     backend = make_backend(backend_name, torch.device("cpu"))
     assert backend.name == backend_name
     meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
+    if backend_name == "triton":
+        assert meta.decode_seqs.tolist() == [0, 2, 4] and meta.prefill_seqs.tolist() == [1, 3, 5]
     out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale)
     ref = paged_attention(*c.args)
     assert torch.isfinite(out).all() and torch.isfinite(ref).all()

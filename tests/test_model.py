@@ -188,7 +188,7 @@ def test_kv_memory_budget_parsing():
         parse_bytes("lots")
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_warm_up_leaves_the_runner_as_it_found_it(tiny, backend):
     """The start-up warm-up step runs the whole path (mixed prefill and decode, greedy and sampled) and
     changes nothing a plan can observe: the next plan, and one that refers to the previous step's tokens,

@@ -26,9 +26,10 @@ class AttentionBackend:
 
     def prepare(
         self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
-        max_seq_len: int, max_q_len: int,
+        max_seq_len: int, max_q_len: int, host_q_lens=None,
     ) -> object:
-        """Per-step metadata, built once and shared by every layer (the maxima come from the plan, no sync)."""
+        """Per-step metadata, built once and shared by every layer (the maxima, and host_q_lens, the query
+        lengths as numpy, come from the plan on the host: no sync)."""
         raise NotImplementedError
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -87,7 +88,7 @@ DECODE_BUCKET_ROWS = 16
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len):
+    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len, host_q_lens=None):
         qsl = query_start_loc.to(torch.int64)
         q_lens = qsl[1:] - qsl[:-1]
         lens = seq_lens.to(torch.int64)
@@ -162,7 +163,7 @@ class CpuAttention(TorchAttention):
     def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
         return self._native.supports(n_heads, n_kv_heads, head_dim, block_size, dtype)
 
-    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len):
+    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len, host_q_lens=None):
         qsl = query_start_loc.to(torch.int64)
         q_lens = qsl[1:] - qsl[:-1]
         dec = (q_lens == 1).nonzero().flatten()
@@ -205,6 +206,8 @@ class TritonAttentionMeta:
     query_start_loc: torch.Tensor
     max_seq_len: int
     max_q_len: int
+    decode_seqs: torch.Tensor | None = None  # a mixed step: the sequences that decode, and the others
+    prefill_seqs: torch.Tensor | None = None
 
 
 class TritonAttention(AttentionBackend):
@@ -215,8 +218,20 @@ class TritonAttention(AttentionBackend):
 
         self._kernels = triton_attention
 
-    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len):
-        return TritonAttentionMeta(block_tables, seq_lens, query_start_loc, max_seq_len, max_q_len)
+    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len,
+                host_q_lens=None):
+        """host_q_lens: the plan's query lengths on the host (numpy), so a mixed step is split without a
+        device sync; read back from query_start_loc where not given."""
+        meta = TritonAttentionMeta(block_tables, seq_lens, query_start_loc, max_seq_len, max_q_len)
+        if host_q_lens is None:
+            host_q_lens = (query_start_loc[1:] - query_start_loc[:-1]).cpu().numpy()
+        decodes = host_q_lens == 1
+        if decodes.any() and not decodes.all():
+            index = torch.arange(len(host_q_lens), dtype=torch.int64)
+            to = dict(device=block_tables.device, non_blocking=True)
+            meta.decode_seqs = index[torch.from_numpy(decodes)].to(**to)
+            meta.prefill_seqs = index[torch.from_numpy(~decodes)].to(**to)
+        return meta
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -224,7 +239,8 @@ class TritonAttention(AttentionBackend):
     def forward(self, q, k_cache, v_cache, meta: TritonAttentionMeta, scale):
         return self._kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-            max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len,
+            max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len, decode_seqs=meta.decode_seqs,
+            prefill_seqs=meta.prefill_seqs,
         )
 
 

@@ -86,6 +86,7 @@ class ModelRunner:
         except (CodecError, PlanError) as e:
             self.last_sampled = None  # a plan that refers to this one's tokens must not run either
             return wire_pb2.StepResult(step_id=plan.step_id, error=f"rejected plan: {e}")
+        q_lens = np.diff(p.query_start_loc)
         block_tables = self._tensor(p.block_tables, torch.int32)
         seq_lens = self._tensor(p.seq_lens, torch.int32)
         qsl = self._tensor(p.query_start_loc, torch.int32)
@@ -94,8 +95,8 @@ class ModelRunner:
             positions=self._tensor(p.positions, torch.int64),
             slot_mapping=self._tensor(p.slot_mapping, torch.int64),
             attn_meta=self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size,
-                                        max_seq_len=int(p.seq_lens.max()),
-                                        max_q_len=int(np.diff(p.query_start_loc).max())),
+                                        max_seq_len=int(p.seq_lens.max()), max_q_len=int(q_lens.max()),
+                                        host_q_lens=q_lens),
         )
         self.pool.copy_blocks(self._tensor(p.block_copies, torch.int64))
         rows = np.flatnonzero(p.do_sample)
@@ -128,34 +129,38 @@ class ModelRunner:
 
 
 def warm_up(runner: ModelRunner) -> float:
-    """Run one small mixed step (a 3-token prompt and a decode row, one greedy and one sampled) through the
-    whole path before serving, so the kernels compile, the libraries pick their algorithms and the allocator
-    warms now rather than on the first request. It writes K/V into the pool's first blocks only (the
-    scheduler owns no content there yet) and leaves the runner as it found it. Returns seconds taken."""
+    """Run three small steps through the whole path before serving — prompt chunks only, a mixed step,
+    decodes only (each kind has its own kernels), greedy and sampled rows — so kernels compile, libraries
+    pick their algorithms and the allocator warms now rather than on the first requests. It writes K/V into
+    the pool's first blocks only (the scheduler owns no content there yet) and leaves the runner as it found
+    it. Returns seconds taken."""
     bs = runner.pool.block_size
-    blocks = 2 if bs >= 3 else 4
-    if runner.pool.num_blocks < blocks:
+    per_seq = -(-5 // bs)  # blocks for 5 positions
+    if runner.pool.num_blocks < 2 * per_seq:
         return 0.0
-    per_seq = blocks // 2
-    tables = np.full((2, per_seq), -1, dtype=np.int32)
-    tables[0] = np.arange(per_seq)
-    tables[1] = np.arange(per_seq, blocks)
-    positions = np.array([0, 1, 2, 1], dtype=np.int32)
-    owner = np.array([0, 0, 0, 1])
-    slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
-    plan = PlanArrays(
-        step_id=(1 << 63) - 1, token_ids=np.array([1, 2, 3, 4], dtype=np.int32), positions=positions,
-        slot_mapping=slots, block_tables=tables, seq_lens=np.array([3, 2], dtype=np.int32),
-        query_start_loc=np.array([0, 3, 4], dtype=np.int32), do_sample=np.array([True, True]),
-        sample_index=np.zeros(2, dtype=np.int32), temperature=np.array([0.0, 1.0], dtype=np.float32),
-        top_p=np.array([1.0, 0.9], dtype=np.float32), top_k=np.array([0, 5], dtype=np.int32),
-        seed=np.zeros(2, dtype=np.uint64), block_copies=np.zeros((0, 2), dtype=np.int32))
+    tables = np.arange(2 * per_seq, dtype=np.int32).reshape(2, per_seq)
+    # (sequence, first position, new tokens) of each row, per step
+    steps = [[(0, 0, 3), (1, 0, 2)], [(0, 3, 1), (1, 2, 2)], [(0, 4, 1), (1, 4, 1)]]
     kept = runner.last_step_id, runner.last_sampled
     t0 = time.perf_counter()
-    result = runner.execute(encode_plan(plan))
-    runner.last_step_id, runner.last_sampled = kept
-    if result.error:
-        raise RuntimeError(f"warm-up step failed: {result.error}")
+    try:
+        for rows in steps:
+            positions = np.concatenate([np.arange(a, a + n) for _, a, n in rows]).astype(np.int32)
+            owner = np.repeat([r for r, _, _ in rows], [n for _, _, n in rows])
+            plan = PlanArrays(
+                step_id=(1 << 63) - 1, token_ids=(positions + 1).astype(np.int32), positions=positions,
+                slot_mapping=tables[owner, positions // bs].astype(np.int64) * bs + positions % bs,
+                block_tables=tables, seq_lens=np.array([a + n for _, a, n in rows], dtype=np.int32),
+                query_start_loc=np.cumsum([0] + [n for _, _, n in rows]).astype(np.int32),
+                do_sample=np.ones(2, dtype=bool), sample_index=np.zeros(2, dtype=np.int32),
+                temperature=np.array([0.0, 1.0], dtype=np.float32), top_p=np.array([1.0, 0.9], dtype=np.float32),
+                top_k=np.array([0, 5], dtype=np.int32), seed=np.zeros(2, dtype=np.uint64),
+                block_copies=np.zeros((0, 2), dtype=np.int32))
+            result = runner.execute(encode_plan(plan))
+            if result.error:
+                raise RuntimeError(f"warm-up step failed: {result.error}")
+    finally:
+        runner.last_step_id, runner.last_sampled = kept
     return time.perf_counter() - t0
 
 
