@@ -223,3 +223,26 @@ def test_warm_up_leaves_the_runner_as_it_found_it(tiny, backend):
         assert not first.error and not second.error
         answers.append((first.sampled_token_ids, second.sampled_token_ids))
     assert answers[0] == answers[1]
+
+
+def test_staging_packs_a_steps_arrays_into_one_transfer_and_cuts_them_back():
+    """The packed path (one pinned buffer and one transfer on CUDA; forced here on the CPU) gives back every
+    array with its values, dtype and shape, empty ones and odd byte counts included, and reuses and grows
+    its buffer across steps."""
+    import numpy as np
+
+    from worker.runner import Staging
+
+    staging = Staging(torch.device("cpu"), pack=True)
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        arrays = [(rng.integers(-5, 100, (3 + step, 7)).astype(np.int32), torch.int32),
+                  (rng.integers(0, 1 << 40, 5 + 1000 * step), torch.int64),
+                  (np.zeros((0, 2), dtype=np.int32), torch.int64),
+                  (rng.integers(0, 9, 3).astype(np.int16), torch.int32),  # converted on the way
+                  (rng.random(11).astype(np.float32), torch.float32)]
+        out = staging.put(arrays)
+        for (a, dtype), t in zip(arrays, out, strict=True):
+            assert t.dtype == dtype and tuple(t.shape) == a.shape
+            assert np.array_equal(t.numpy(), a.astype(t.numpy().dtype))
+    assert staging._host.numel() >= 8 * 2005

@@ -67,12 +67,10 @@ class ModelRunner:
         self.attn = attn
         self.device = device
         self.config = model.config
+        self.staging = Staging(device)
         # The tokens sampled by the last step that succeeded: the next plan may refer to them (overlap).
         self.last_step_id = 0
         self.last_sampled: np.ndarray | None = None
-
-    def _tensor(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.array(array, copy=True)).to(device=self.device, dtype=dtype)
 
     @torch.inference_mode()
     def execute(self, plan: wire_pb2.StepPlan) -> wire_pb2.StepResult:
@@ -87,22 +85,20 @@ class ModelRunner:
             self.last_sampled = None  # a plan that refers to this one's tokens must not run either
             return wire_pb2.StepResult(step_id=plan.step_id, error=f"rejected plan: {e}")
         q_lens = np.diff(p.query_start_loc)
-        block_tables = self._tensor(p.block_tables, torch.int32)
-        seq_lens = self._tensor(p.seq_lens, torch.int32)
-        qsl = self._tensor(p.query_start_loc, torch.int32)
+        rows = np.flatnonzero(p.do_sample)
+        sampled = np.full(p.num_seqs, -1, dtype=np.int32)
+        # every host array of the step in one transfer, the logits' row index included (before the forward)
+        (block_tables, seq_lens, qsl, token_ids, positions, slot_mapping, copies, last_rows) = self.staging.put([
+            (p.block_tables, torch.int32), (p.seq_lens, torch.int32), (p.query_start_loc, torch.int32),
+            (p.token_ids, torch.int64), (p.positions, torch.int64), (p.slot_mapping, torch.int64),
+            (p.block_copies, torch.int64), ((p.query_start_loc[1:].astype(np.int64) - 1)[rows], torch.int64)])
         step = StepInputs(
-            token_ids=self._tensor(p.token_ids, torch.int64),
-            positions=self._tensor(p.positions, torch.int64),
-            slot_mapping=self._tensor(p.slot_mapping, torch.int64),
+            token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
             attn_meta=self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size,
                                         max_seq_len=int(p.seq_lens.max()), max_q_len=int(q_lens.max()),
                                         host_q_lens=q_lens),
         )
-        self.pool.copy_blocks(self._tensor(p.block_copies, torch.int64))
-        rows = np.flatnonzero(p.do_sample)
-        sampled = np.full(p.num_seqs, -1, dtype=np.int32)
-        # the logits' row index goes to the device before the forward is queued, not after
-        last_rows = self._tensor((p.query_start_loc[1:].astype(np.int64) - 1)[rows], torch.int64) if rows.size else None
+        self.pool.copy_blocks(copies)
         clock = StepClock(self.device)
         t1 = time.perf_counter()
         clock.mark("start")
@@ -126,6 +122,43 @@ class ModelRunner:
         self.last_step_id, self.last_sampled = plan.step_id, sampled
         forward, sampling = clock.split(t2 - t1, t3 - t2)
         return encode_result(plan.step_id, sampled, time_prepare=t1 - t0, time_forward=forward, time_sample=sampling)
+
+
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+
+
+class Staging:
+    """A step's host arrays on the device. On CUDA they are packed into one pinned buffer (kept and grown as
+    needed) and moved in one non-blocking transfer, then cut into typed views, instead of one pageable,
+    synchronous copy each. Reusing the buffer is safe: every step ends by waiting for its sampled tokens,
+    so the previous step's transfer has finished before this one's bytes are written. On a CPU each array
+    is used as a tensor as it is (copied once, off the read-only wire buffer); `pack` forces the packed
+    path there (for tests)."""
+
+    ALIGN = 8  # every view starts at a multiple of its element size
+
+    def __init__(self, device: torch.device, pack: bool | None = None) -> None:
+        self.device = device
+        self.pack = device.type == "cuda" if pack is None else pack
+        self._host: torch.Tensor | None = None
+
+    def put(self, arrays: list[tuple[np.ndarray, torch.dtype]]) -> list[torch.Tensor]:
+        typed = [np.ascontiguousarray(a, dtype=_NUMPY[dtype]) for a, dtype in arrays]
+        if not self.pack:
+            return [torch.from_numpy(a if a.flags.writeable else a.copy()) for a in typed]
+        offsets, total = [], 0
+        for a in typed:
+            offsets.append(total)
+            total += -(-a.nbytes // self.ALIGN) * self.ALIGN
+        if self._host is None or self._host.numel() < total:
+            size = max(total, 2 * (0 if self._host is None else self._host.numel()), 1 << 16)
+            self._host = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        host = self._host.numpy()
+        for a, at in zip(typed, offsets, strict=True):
+            host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
+        moved = self._host[:total].to(self.device, non_blocking=True)
+        return [moved[at : at + a.nbytes].view(dtype).view(a.shape)
+                for a, at, (_, dtype) in zip(typed, offsets, arrays, strict=True)]
 
 
 def warm_up(runner: ModelRunner) -> float:
