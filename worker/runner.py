@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import structlog
 import torch
 
 from protos import wire_pb2
@@ -17,6 +18,8 @@ from worker.attention import AttentionBackend
 from worker.kv_pool import KVPool
 from worker.model import LlamaModel, StepInputs
 from worker.sampler import SamplingBatch, sample
+
+log = structlog.get_logger("worker.runner")
 
 
 class PlanError(ValueError):
@@ -176,7 +179,8 @@ def warm_up(runner: ModelRunner) -> float:
     steps = [[(0, 0, 3), (1, 0, 2)], [(0, 3, 1), (1, 2, 2)], [(0, 4, 1), (1, 4, 1)]]
     kept = runner.last_step_id, runner.last_sampled
     t0 = time.perf_counter()
-    try:
+    try:  # a model whose logits are not finite (a broken checkpoint) fails here as it would on every step:
+        # the steps report it to the scheduler; the warm-up only says so in the log
         for rows in steps:
             positions = np.concatenate([np.arange(a, a + n) for _, a, n in rows]).astype(np.int32)
             owner = np.repeat([r for r, _, _ in rows], [n for _, _, n in rows])
@@ -191,7 +195,14 @@ def warm_up(runner: ModelRunner) -> float:
                 block_copies=np.zeros((0, 2), dtype=np.int32))
             result = runner.execute(encode_plan(plan))
             if result.error:
-                raise RuntimeError(f"warm-up step failed: {result.error}")
+                log.warning("warm_up_step_failed", error=result.error)
+                break
+    except Exception as e:  # noqa: BLE001 - any failure but a device's own is left to the steps to report
+        from worker.server import is_device_fatal
+
+        if is_device_fatal(e):
+            raise
+        log.warning("warm_up_step_failed", error=repr(e))
     finally:
         runner.last_step_id, runner.last_sampled = kept
     return time.perf_counter() - t0
