@@ -18,6 +18,8 @@ bf16 dots).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -137,7 +139,7 @@ def _decode_reduce_kernel(
     stride_mls, stride_mlh, stride_mlp,
     stride_ot, stride_oh, stride_od,
     head_dim, split_len,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLIT_TILE: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -148,15 +150,19 @@ def _decode_reduce_kernel(
     m = float("-inf")
     denom = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for split in range(0, num_splits):
-        lse = tl.load(mid_lse_ptr + seq * stride_mls + head * stride_mlh + split * stride_mlp)
-        o = tl.load(mid_o_ptr + seq * stride_mos + head * stride_moh + split * stride_mop + d * stride_mod,
-                    mask=d_mask, other=0.0)
-        m_new = tl.maximum(m, lse)
+    # SPLIT_TILE splits at a time: their log-sum-exps as one vector, their partial outputs as one tile
+    for s0 in range(0, num_splits, SPLIT_TILE):
+        splits = s0 + tl.arange(0, SPLIT_TILE)
+        s_mask = splits < num_splits
+        lse = tl.load(mid_lse_ptr + seq * stride_mls + head * stride_mlh + splits * stride_mlp, mask=s_mask,
+                      other=float("-inf"))
+        o = tl.load(mid_o_ptr + seq * stride_mos + head * stride_moh + splits[:, None] * stride_mop
+                    + d[None, :] * stride_mod, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))  # finite: every tile holds at least one written split
         alpha = tl.exp(m - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * alpha + o * w
-        denom = denom * alpha + w
+        w = tl.exp(lse - m_new)  # 0 for the masked splits
+        acc = acc * alpha + tl.sum(o * w[:, None], axis=0)
+        denom = denom * alpha + tl.sum(w, axis=0)
         m = m_new
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d * stride_od,
              (acc / denom).to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -253,14 +259,29 @@ def decode_workspace(num_seqs: int, n_heads: int, num_splits: int, head_dim: int
     return mid_o, mid_lse
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    """The GPU's SM count, asked once (the properties query is not free, and this runs every step)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# Keys a decode program attends at most on a GPU: a long sequence among short ones is split into many
+# programs by its own length, not held to the batch's split count (one 8k sequence would otherwise run
+# in one program while the rest of the GPU waits for it).
+MAX_SPLIT_KEYS = 512
+MAX_SPLITS = 1024  # past MAX_SPLIT_KEYS x MAX_SPLITS keys the splits grow instead
+
+
 def default_num_splits(num_seqs: int, n_kv_heads: int, max_seq_len: int, block_size: int, device) -> int:
-    """Enough programs to fill the GPU; never more splits than blocks."""
+    """Splits of the longest sequence: at least enough programs to fill the GPU, and no split longer than
+    MAX_SPLIT_KEYS keys; never more splits than blocks."""
     max_splits = triton.cdiv(max_seq_len, block_size)
     if device.type != "cuda":
         return min(2, max_splits)  # the interpreter: keep it small
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * sms, max(1, num_seqs * n_kv_heads))
-    return max(1, min(wanted, max_splits, 64))
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    to_fill = triton.cdiv(2 * sms, max(1, num_seqs * n_kv_heads))
+    by_length = triton.cdiv(max_seq_len, MAX_SPLIT_KEYS)
+    return max(1, min(max(to_fill, by_length), max_splits, MAX_SPLITS))
 
 
 def paged_attention(
@@ -330,7 +351,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num
         mid_o, mid_lse, out, seq_lens,
         *mid_o.stride(), *mid_lse.stride(), *out.stride(),
         head_dim, split_len,
-        BLOCK_D=block_d,
+        BLOCK_D=block_d, SPLIT_TILE=16,
     )
 
 

@@ -160,3 +160,25 @@ def test_step_varying_arguments_are_not_specialized():
         params = set(inspect.signature(kernel.fn).parameters)
         assert set(listed) <= params, (name, set(listed) - params)
         assert varying & params <= set(listed), (name, (varying & params) - set(listed))
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(8, 1, 256), (4, 2, 64)])
+def test_many_splits_over_a_long_context_among_short_ones(n_heads, n_kv_heads, head_dim):
+    """One 8k-token sequence beside short ones, split 40 ways (the merge takes its splits 16 at a time, so
+    three tiles, the last one partial; short sequences write and read only their own few splits)."""
+    dtype = DTYPES[0]
+    case = make_case([1, 1, 1, 1], [8200, 3, 700, 17], n_heads, n_kv_heads, head_dim, 16, dtype, seed=11,
+                     device=DEVICE)
+    out = triton_attention.paged_attention(*case.args, num_splits=40)
+    close(out, reference.paged_attention(*case.args), dtype)
+
+
+def test_split_choice_caps_the_keys_of_a_split_and_fills_the_gpu(monkeypatch):
+    monkeypatch.setattr(triton_attention, "_multiprocessors", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    pick = triton_attention.default_num_splits
+    assert pick(64, 8, 8192, 16, cuda) == 8192 // triton_attention.MAX_SPLIT_KEYS  # by length: 16
+    assert pick(1, 8, 2048, 16, cuda) == 33  # few programs: split finer to fill 132 SMs twice
+    assert pick(256, 8, 300, 16, cuda) == 1
+    assert pick(1, 1, 40, 16, cuda) == 3  # never more splits than blocks
+    assert pick(1, 8, 10**7, 16, cuda) == triton_attention.MAX_SPLITS
