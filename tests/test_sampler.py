@@ -133,3 +133,17 @@ def test_sampler_takes_host_parameters_for_device_logits():
     on_gpu = sample(logits.cuda(), b)
     assert on_gpu.device.type == "cuda"
     assert on_gpu.cpu().tolist() == sample(logits, b).tolist()  # counter-based: the same draws on both
+
+
+def test_top_k_keeps_ties_with_the_kth_token_whatever_else_is_in_the_batch():
+    """Top-k alone takes a partial selection, top-k beside top-p a full sort; both keep every token tied
+    with the k-th largest, so a row's draw does not depend on its neighbours' parameters."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    alone, beside = [], []
+    for seed in range(300):
+        b = batch(2, seeds=[seed, 0], top_k=2)
+        alone.append(int(sample(logits, b)[0]))
+        b.top_p[1] = 0.5  # the other row turns on top-p: the sorted path
+        beside.append(int(sample(logits, b)[0]))
+    assert alone == beside  # draw for draw
+    assert set(alone) == {0, 1, 2, 3}

@@ -97,11 +97,15 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     use_p = bool((top_p < 1.0).any())
     if not (use_k or use_p):
         return logits
+    if not use_p:  # top-k alone: the k-th largest of each row from one partial selection, no full sort
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
+        return logits.masked_fill(logits < kth, float("-inf"))  # ties with the k-th value all stay
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_k:
+    if use_k:  # as above: every token tied with the k-th largest stays, whatever else is in the batch
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        mask |= torch.arange(vocab, device=logits.device)[None, :] >= k[:, None]
+        mask |= sorted_logits < sorted_logits.gather(-1, (k - 1)[:, None])
     if use_p:
         probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each token
