@@ -86,3 +86,70 @@ def test_default_ops_by_device_and_dtype(monkeypatch):
     monkeypatch.setattr(cpu_native, "_LOADED", None)
     ops = default_ops(torch.device("cpu"), torch.float32)
     assert type(ops) is TorchOps
+
+
+# --- the Triton kernels (kernels/triton_elementwise.py): natively on CUDA, in the interpreter elsewhere --------
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON_DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]
+TRITON_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
+              torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _triton_ops():
+    pytest.importorskip("triton")
+    from worker.fused import TritonOps
+
+    return TritonOps()
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("hidden,with_delta", [(576, True), (33, False), (1024, True)])
+def test_triton_add_rms_norm_matches_torch(dtype, hidden, with_delta):
+    ops = _triton_ops()
+    g = torch.Generator().manual_seed(hidden)
+    residual = (torch.randn(5, hidden, generator=g) * 3).to(DEVICE, dtype)
+    delta = torch.randn(5, hidden, generator=g).to(DEVICE, dtype) if with_delta else None
+    weight = torch.randn(hidden, generator=g).to(DEVICE, dtype)
+    want_res, want = TorchOps().add_rms_norm(residual.clone(), delta, weight, 1e-5)
+    got_res, got = ops.add_rms_norm(residual.clone(), delta, weight, 1e-5)
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)  # the residual add rounds once, as torch's
+    torch.testing.assert_close(got, want, **TRITON_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("width", [1536, 17, 2304])
+def test_triton_silu_mul_matches_torch(dtype, width):
+    ops = _triton_ops()
+    gate_up = (torch.randn(3, 2 * width, generator=torch.Generator().manual_seed(width)) * 6).to(DEVICE, dtype)
+    torch.testing.assert_close(ops.silu_mul(gate_up), TorchOps().silu_mul(gate_up), **TRITON_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_triton_rope_in_place_on_the_fused_row_matches_torch(dtype, head_dim):
+    ops = _triton_ops()
+    rotary = Rotary(_config(head_dim), torch.device(DEVICE))
+    heads, kv_heads, tokens = 4, 2, 6
+    positions = torch.tensor([0, 1, 700, 4095, 17, 5], device=DEVICE)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(1))
+    qkv = qkv.to(DEVICE, dtype)
+
+    def split(t):
+        return (t[:, : heads * head_dim].view(tokens, heads, head_dim),
+                t[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim))
+
+    ref = TorchOps()
+    want_q, want_k = ref.rope(*split(qkv.clone()), ref.rope_tables(rotary, positions, dtype))
+    rows = qkv.clone()
+    got_q, got_k = ops.rope(*split(rows), ops.rope_tables(rotary, positions, dtype))
+    torch.testing.assert_close(got_q, want_q, **TRITON_TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, **TRITON_TOL[dtype])
+    assert torch.equal(rows[:, (heads + kv_heads) * head_dim :], qkv[:, (heads + kv_heads) * head_dim :])  # V
+
+
+def test_default_ops_on_cuda_are_the_triton_kernels():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from worker.fused import TritonOps
+
+    assert isinstance(default_ops(torch.device("cuda"), torch.bfloat16), TritonOps)

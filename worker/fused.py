@@ -2,7 +2,8 @@
 
 `TorchOps` is plain torch and runs anywhere (and is the definition). `NativeOps` runs each of them as one
 pass of the C kernels in kernels/cpu/elementwise.c, for fp32 on a CPU, where torch spends four to six
-passes and temporaries on each; tests hold the two to the same results.
+passes and temporaries on each; `TritonOps` the same passes as Triton kernels on the GPU (the default
+there). Tests hold them to the same results.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class NativeOps(TorchOps):
         tokens, heads, head_dim = q.shape
         kv_heads = k.shape[1]
         fused = (q.stride(1) == head_dim and k.stride(1) == head_dim and q.stride(2) == 1 and k.stride(2) == 1
-                 and q.stride(0) == k.stride(0) and k.data_ptr() == q.data_ptr() + heads * head_dim * 4)
+                 and q.stride(0) == k.stride(0) and k.data_ptr() == q.data_ptr() + heads * head_dim * q.element_size())
         if fused:  # q then k heads, adjacent in each row of the fused QKV output: one pass, in place
             rows = q.as_strided((tokens, (heads + kv_heads) * head_dim), (q.stride(0), 1))
             self.k.rope(rows, heads + kv_heads, head_dim, rotary.cos, rotary.sin, positions)
@@ -89,8 +90,26 @@ class NativeOps(TorchOps):
         return q, k
 
 
+class TritonOps(NativeOps):
+    """The same single passes as Triton kernels (kernels/triton_elementwise.py), for the GPU, any float dtype:
+    one launch each where torch runs four to six kernels and temporaries."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels.triton_elementwise import TritonElementwise
+
+        super().__init__(TritonElementwise())
+
+
 def default_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
-    """Native kernels for fp32 on a CPU where they build (kernels/cpu_native.py), torch otherwise."""
+    """Triton kernels on CUDA, native kernels for fp32 on a CPU where they build (kernels/cpu_native.py),
+    torch otherwise."""
+    if device.type == "cuda":
+        try:
+            return TritonOps()
+        except ImportError:
+            return TorchOps()
     if device.type == "cpu" and dtype == torch.float32:
         from kernels import cpu_native
 
