@@ -297,6 +297,7 @@ def paged_attention(
     num_splits: int | None = None,
     decode_seqs: torch.Tensor | None = None,  # int64 [d]: in a mixed step, the sequences that decode...
     prefill_seqs: torch.Tensor | None = None,  # int64 [p]: ...and those with more than one query token
+    workspace: dict | None = None,  # kept by the caller across a step's layers: split scratch allocated once
 ) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention. Returns [num_tokens, n_heads, head_dim].
 
@@ -311,13 +312,13 @@ def paged_attention(
         return out
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
     if num_tokens == num_seqs:  # every sequence decodes one token
-        _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out)
+        _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out, workspace)
         return out
     if decode_seqs is not None and prefill_seqs is not None and decode_seqs.numel():
         rows = query_start_loc[decode_seqs].to(torch.int64)  # each decoding sequence's one query token
         dec_out = torch.empty((rows.shape[0], n_heads, head_dim), dtype=q.dtype, device=q.device)
         _decode(q[rows], k_cache, v_cache, block_tables[decode_seqs], seq_lens[decode_seqs], scale, max_seq_len,
-                num_splits, dec_out)
+                num_splits, dec_out, workspace)
         out[rows] = dec_out
         if prefill_seqs.numel():
             _prefill(q, k_cache, v_cache, block_tables[prefill_seqs], seq_lens[prefill_seqs],
@@ -328,7 +329,8 @@ def paged_attention(
     return out
 
 
-def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out) -> None:
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out,
+            workspace: dict | None = None) -> None:
     num_seqs, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = k_cache.shape
     group = n_heads // n_kv_heads
@@ -339,7 +341,13 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num
     tile = _tile(block_size, q.device)
     split_len = tile * triton.cdiv(triton.cdiv(max_seq_len, num_splits), tile)  # whole tiles per split
     num_splits = triton.cdiv(max_seq_len, split_len)
-    mid_o, mid_lse = decode_workspace(num_seqs, n_heads, num_splits, head_dim, q.device)
+    key = (num_seqs, n_heads, num_splits, head_dim)
+    if workspace is not None and workspace.get("key") == key:  # every layer of a step has the same shape
+        mid_o, mid_lse = workspace["scratch"]
+    else:
+        mid_o, mid_lse = decode_workspace(num_seqs, n_heads, num_splits, head_dim, q.device)
+        if workspace is not None:
+            workspace["key"], workspace["scratch"] = key, (mid_o, mid_lse)
     block_d = _pow2(head_dim, 16)
     _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale,

@@ -182,3 +182,19 @@ def test_split_choice_caps_the_keys_of_a_split_and_fills_the_gpu(monkeypatch):
     assert pick(256, 8, 300, 16, cuda) == 1
     assert pick(1, 1, 40, 16, cuda) == 3  # never more splits than blocks
     assert pick(1, 8, 10**7, 16, cuda) == triton_attention.MAX_SPLITS
+
+
+def test_split_scratch_is_allocated_once_per_step_and_stale_splits_are_never_read(monkeypatch):
+    """A step's layers share one scratch (the caller's workspace): the second layer finds the first one's
+    partial results in it, for splits its short sequences do not write, and must not read them."""
+    dtype = DTYPES[0]
+    calls = []
+    real = triton_attention.decode_workspace
+    monkeypatch.setattr(triton_attention, "decode_workspace", lambda *a, **k: calls.append(a) or real(*a, **k))
+    layer1 = make_case([1, 1, 1], [90, 3, 40], 4, 2, 64, 16, dtype, seed=5, device=DEVICE)
+    layer2 = make_case([1, 1, 1], [90, 3, 40], 4, 2, 64, 16, dtype, seed=6, device=DEVICE)
+    workspace = {}
+    for case in (layer1, layer2):
+        out = triton_attention.paged_attention(*case.args, num_splits=6, workspace=workspace)
+        close(out, reference.paged_attention(*case.args), dtype)
+    assert len(calls) == 1

@@ -13,7 +13,7 @@ pads the decodes beside it. It is tested against `kernels.reference`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -208,6 +208,7 @@ class TritonAttentionMeta:
     max_q_len: int
     decode_seqs: torch.Tensor | None = None  # a mixed step: the sequences that decode, and the others
     prefill_seqs: torch.Tensor | None = None
+    workspace: dict = field(default_factory=dict)  # the split scratch, allocated by the first layer only
 
 
 class TritonAttention(AttentionBackend):
@@ -240,7 +241,7 @@ class TritonAttention(AttentionBackend):
         return self._kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
             max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len, decode_seqs=meta.decode_seqs,
-            prefill_seqs=meta.prefill_seqs,
+            prefill_seqs=meta.prefill_seqs, workspace=meta.workspace,
         )
 
 
