@@ -246,3 +246,67 @@ def test_staging_packs_a_steps_arrays_into_one_transfer_and_cuts_them_back():
             assert t.dtype == dtype and tuple(t.shape) == a.shape
             assert np.array_equal(t.numpy(), a.astype(t.numpy().dtype))
     assert staging._host.numel() >= 8 * 2005
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
+    """Decode steps through DecodeGraphs' static buffers (padded to a bucket, tables padded to the captured
+    width; on CUDA a graph replay, here the same forward eagerly) sample exactly what the plain path does,
+    step after step, as the batch shrinks between buckets; a prompt chunk or a longer sequence runs
+    eagerly."""
+    import numpy as np
+
+    from protos.codec import PlanArrays, encode_plan
+    from worker.graphs import DecodeGraphs
+    from worker.runner import ModelRunner
+
+    model, config, _, _ = tiny
+    cpu = torch.device("cpu")
+
+    def plan(step_id, seqs):
+        """seqs: (tokens, start, blocks) per sequence, as in run_step."""
+        tokens = [t for new, _, _ in seqs for t in new]
+        pos = np.concatenate([np.arange(a, a + len(new)) for new, a, _ in seqs]).astype(np.int32)
+        owner = np.repeat(np.arange(len(seqs)), [len(new) for new, _, _ in seqs])
+        width = max(len(b) for _, _, b in seqs)
+        tables = np.full((len(seqs), width), -1, dtype=np.int32)
+        for i, (_, _, b) in enumerate(seqs):
+            tables[i, : len(b)] = b
+        n = len(seqs)
+        return encode_plan(PlanArrays(
+            step_id=step_id, token_ids=np.asarray(tokens, dtype=np.int32), positions=pos,
+            slot_mapping=tables[owner, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK, block_tables=tables,
+            seq_lens=np.array([a + len(new) for new, a, _ in seqs], dtype=np.int32),
+            query_start_loc=np.cumsum([0] + [len(new) for new, _, _ in seqs]).astype(np.int32),
+            do_sample=np.ones(n, dtype=bool), sample_index=np.arange(n, dtype=np.int32),
+            temperature=np.where(np.arange(n) % 2, 0.7, 0.0).astype(np.float32), top_p=np.ones(n, dtype=np.float32),
+            top_k=np.zeros(n, dtype=np.int32), seed=np.arange(n, dtype=np.uint64) + 3,
+            block_copies=np.zeros((0, 2), dtype=np.int32)))
+
+    def serve(with_graphs):
+        pool = KVPool(config, 40, BLOCK, torch.float32, cpu)
+        runner = ModelRunner(model, pool, make_backend(backend, cpu), cpu)
+        if with_graphs:
+            runner.graphs = DecodeGraphs(model, pool, runner.attn, cpu, max_rows=8, max_context=24)
+            runner.graphs.capture_all()
+            assert runner.graphs.buckets == [1, 2, 4, 8]
+        blocks = [[(7 * i + 3 * j) % 35 for j in range(7)] for i in range(5)]  # scattered, 28 keys each
+        prompts = [[5 + i, 9, 11 + i] for i in range(5)]
+        out = [runner.execute(plan(1, [(p, 0, b) for p, b in zip(prompts, blocks)])).sampled_token_ids]
+        live, length, step = list(range(5)), 3, 2
+        last = dict(zip(live, np.frombuffer(out[-1], dtype=np.int32).tolist()))
+        while live:
+            if with_graphs:
+                assert runner.graphs.covers(np.ones(len(live)), np.full(len(live), length + 1)) == (length < 24)
+            res = runner.execute(plan(step, [([last[i]], length, blocks[i]) for i in live]))
+            assert not res.error
+            out.append(res.sampled_token_ids)
+            last = dict(zip(live, np.frombuffer(res.sampled_token_ids, dtype=np.int32).tolist()))
+            length, step = length + 1, step + 1
+            if length in (7, 12, 15):  # rows leave: 5 -> 4 -> 3 -> 2 (buckets 8, 4, 4, 2)
+                live = live[:-1]
+            if length >= 26:  # past max_context: eager again
+                live = []
+        return out
+
+    assert serve(True) == serve(False)

@@ -47,6 +47,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="projection matmuls: auto times the libraries on the model's shapes at start and keeps the "
                         "fastest; dense is F.linear; onednn packs each weight once (CPU, fp32)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
+    g.add_argument("--graph-max-context", type=int, default=8192,
+                   help="on CUDA, the longest sequence a captured decode graph serves (longer steps run eagerly)")
     g.add_argument("--malloc", default=None, choices=["auto", "tcmalloc", "glibc", "default"],
                    help="host allocator (worker/host_memory.py): auto preloads the system's tcmalloc for a CPU worker "
                         "where present, else tunes glibc to reuse freed blocks; default: $PAGEDSERVE_MALLOC or auto")
@@ -60,6 +64,24 @@ def add_group_args(p: argparse.ArgumentParser) -> None:
     """Flags that describe the parallel layout (the launchers set the per-rank ones)."""
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size",
                    help="ranks of one model (heads, MLP and vocabulary split over them)")
+
+
+def capture_decode_graphs(model, pool, attn, device, args, max_position_embeddings: int):
+    """DecodeGraphs for this worker, or None (logged) where capture fails for any reason but a device
+    error: decode steps then run eagerly."""
+    from worker.graphs import DecodeGraphs
+    from worker.server import is_device_fatal
+
+    try:
+        graphs = DecodeGraphs(model, pool, attn, device, max_rows=args.max_num_batched_tokens,
+                              max_context=min(max_position_embeddings, args.graph_max_context))
+        graphs.capture_all()
+        return graphs
+    except Exception as e:  # noqa: BLE001 - eager decode still serves
+        if is_device_fatal(e):
+            raise
+        log.warning("decode_graphs_failed", error=repr(e))
+        return None
 
 
 def rank_device(device: str | None, local_rank: int, cuda_count: int) -> str:
@@ -174,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     pool = KVPool(config, num_blocks, args.block_size, dtype, device, heads)
     runner = ModelRunner(model, pool, attn, device)
     warm_s = warm_up(runner)  # kernels compiled and libraries warmed before the first request, not during it
+    if device.type == "cuda" and not args.enforce_eager:
+        if tp > 1:  # collectives inside a captured graph are not covered yet: TP groups decode eagerly
+            log.info("decode_graphs_off", reason="tensor parallel")
+        else:
+            runner.graphs = capture_decode_graphs(model, pool, attn, device, args, config.max_position_embeddings)
     handshake = wire_pb2.Handshake(
         tp_rank=args.rank,
         tp_size=tp,

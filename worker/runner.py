@@ -71,6 +71,7 @@ class ModelRunner:
         self.device = device
         self.config = model.config
         self.staging = Staging(device)
+        self.graphs = None  # worker/graphs.py DecodeGraphs, set once captured (CUDA, unless --enforce-eager)
         # The tokens sampled by the last step that succeeded: the next plan may refer to them (overlap).
         self.last_step_id = 0
         self.last_sampled: np.ndarray | None = None
@@ -95,20 +96,25 @@ class ModelRunner:
             (p.block_tables, torch.int32), (p.seq_lens, torch.int32), (p.query_start_loc, torch.int32),
             (p.token_ids, torch.int64), (p.positions, torch.int64), (p.slot_mapping, torch.int64),
             (p.block_copies, torch.int64), ((p.query_start_loc[1:].astype(np.int64) - 1)[rows], torch.int64)])
-        step = StepInputs(
-            token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
-            attn_meta=self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size,
-                                        max_seq_len=int(p.seq_lens.max()), max_q_len=int(q_lens.max()),
-                                        host_q_lens=q_lens),
-        )
+        graphed = self.graphs is not None and self.graphs.covers(q_lens, p.seq_lens)
+        if not graphed:
+            step = StepInputs(
+                token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
+                attn_meta=self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size,
+                                            max_seq_len=int(p.seq_lens.max()), max_q_len=int(q_lens.max()),
+                                            host_q_lens=q_lens),
+            )
         self.pool.copy_blocks(copies)
         clock = StepClock(self.device)
         t1 = time.perf_counter()
         clock.mark("start")
-        hidden = self.model(step, self.pool, self.attn)  # [num_tokens, hidden]
+        if graphed:  # a decode step replays its bucket's graph: forward and LM head of every row
+            all_logits = self.graphs.run(token_ids, positions, slot_mapping, block_tables, seq_lens)
+        else:
+            hidden = self.model(step, self.pool, self.attn)  # [num_tokens, hidden]
         t2 = t3 = time.perf_counter()
         if rows.size:  # every rank of a group sees the same plan, so all of them take this branch or none
-            logits = self.model.compute_logits(hidden[last_rows])
+            logits = all_logits[last_rows] if graphed else self.model.compute_logits(hidden[last_rows])
             clock.mark("logits")
             t2 = time.perf_counter()
             batch = SamplingBatch(
