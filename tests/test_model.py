@@ -310,3 +310,27 @@ def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
         return out
 
     assert serve(True) == serve(False)
+
+
+def test_decode_graph_replay_on_cuda_matches_the_eager_forward(tiny):
+    """Natively on CUDA: a captured bucket replayed for a smaller batch gives the eager forward's logits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from worker.graphs import DecodeGraphs
+
+    _, _, _, folder = tiny
+    cuda = torch.device("cuda")
+    model, config = load_model(str(folder), "auto", torch.float32, cuda)
+    pool = KVPool(config, 32, BLOCK, torch.float32, cuda)
+    attn = make_backend("triton", cuda)
+    run_step(model, config, pool, [([5, 6, 7, 8, 9], 0, [1, 2]), ([3, 4], 0, [3])], "triton")  # some K/V
+    graphs = DecodeGraphs(model, pool, attn, cuda, max_rows=4, max_context=16)
+    graphs.capture_all()
+    tables = torch.tensor([[1, 2], [3, -1]], dtype=torch.int32, device=cuda)
+    got = graphs.run(torch.tensor([10, 11], device=cuda), torch.tensor([5, 2], device=cuda),
+                     torch.tensor([2 * BLOCK + 1, 3 * BLOCK + 2], device=cuda), tables,  # positions 5 and 2
+                     torch.tensor([6, 3], dtype=torch.int32, device=cuda))
+    pool2 = KVPool(config, 32, BLOCK, torch.float32, cuda)
+    run_step(model, config, pool2, [([5, 6, 7, 8, 9], 0, [1, 2]), ([3, 4], 0, [3])], "triton")
+    want, _ = run_step(model, config, pool2, [([10], 5, [1, 2]), ([11], 2, [3])], "triton")
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
