@@ -44,6 +44,20 @@ class PlanArrays:
     block_copies: np.ndarray  # int32 [C, 2] of (src, dst)
     prev_step_id: int = 0
     prev_rows: np.ndarray | None = None  # int32 [T]: -1, or the row of step prev_step_id whose token goes here
+    # Request controls; None when no row of the step uses them (see protos/wire.proto).
+    repetition_penalty: np.ndarray | None = None  # float32 [S]
+    presence_penalty: np.ndarray | None = None  # float32 [S]
+    frequency_penalty: np.ndarray | None = None  # float32 [S]
+    min_p: np.ndarray | None = None  # float32 [S]
+    bias_offsets: np.ndarray | None = None  # int32 [S + 1]
+    bias_token_ids: np.ndarray | None = None  # int32 [N]
+    bias_values: np.ndarray | None = None  # float32 [N]
+    logprobs: np.ndarray | None = None  # int32 [S]; -1 = none
+    prompt_logprobs: np.ndarray | None = None  # int32 [S]; -1 = none
+    prompt_logprob_counts: np.ndarray | None = None  # int32 [S]
+    prompt_logprob_targets: np.ndarray | None = None  # int32 [sum counts]
+    mask_rows: np.ndarray | None = None  # int32 [S]; -1 = unconstrained
+    token_bitmask: np.ndarray | None = None  # int32 [M, W]
 
     @property
     def num_seqs(self) -> int:
@@ -54,10 +68,22 @@ class PlanArrays:
         return int(self.token_ids.shape[0])
 
 
-def encode_plan(p: PlanArrays) -> wire_pb2.StepPlan:
-    def b(a: np.ndarray, dtype: np.dtype) -> bytes:
-        return np.ascontiguousarray(a, dtype=dtype).tobytes()
+# The optional per-step arrays: (field, dtype, rows) with rows "S" (one per sequence), "S+1" or "*" (ragged).
+_OPTIONAL = (
+    ("repetition_penalty", F32, "S"), ("presence_penalty", F32, "S"), ("frequency_penalty", F32, "S"),
+    ("min_p", F32, "S"), ("bias_offsets", I32, "S+1"), ("bias_token_ids", I32, "*"), ("bias_values", F32, "*"),
+    ("logprobs", I32, "S"), ("prompt_logprobs", I32, "S"), ("prompt_logprob_counts", I32, "S"),
+    ("prompt_logprob_targets", I32, "*"), ("mask_rows", I32, "S"),
+)
 
+
+def _bytes(a: np.ndarray | None, dtype: np.dtype) -> bytes:
+    return b"" if a is None else np.ascontiguousarray(a, dtype=dtype).tobytes()
+
+
+def encode_plan(p: PlanArrays) -> wire_pb2.StepPlan:
+    b = _bytes
+    mask = p.token_bitmask
     return wire_pb2.StepPlan(
         step_id=p.step_id,
         num_seqs=p.num_seqs,
@@ -78,6 +104,9 @@ def encode_plan(p: PlanArrays) -> wire_pb2.StepPlan:
         block_copies=b(p.block_copies, I32),
         prev_rows=b(p.prev_rows, I32) if p.prev_rows is not None else b"",
         prev_step_id=p.prev_step_id,
+        token_bitmask=b(mask, I32),
+        bitmask_words=int(mask.shape[1]) if mask is not None else 0,
+        **{name: b(getattr(p, name), dtype) for name, dtype, _ in _OPTIONAL},
     )
 
 
@@ -92,6 +121,22 @@ def decode_plan(msg: wire_pb2.StepPlan) -> PlanArrays:
     s, t, mb = msg.num_seqs, msg.num_tokens, msg.max_blocks_per_seq
     if len(msg.block_copies) % (2 * I32.itemsize):
         raise CodecError("block_copies is not a whole number of (src, dst) pairs")
+    extra = {}
+    for name, dtype, rows in _OPTIONAL:
+        blob = getattr(msg, name)
+        if not blob and rows != "*":  # a ragged array may be empty while its offsets are not
+            continue
+        if rows == "*":
+            if len(blob) % dtype.itemsize:
+                raise CodecError(f"{name}: {len(blob)} bytes is not a whole number of {dtype.itemsize}-byte items")
+            extra[name] = np.frombuffer(blob, dtype=dtype)
+        else:
+            extra[name] = _array(blob, dtype, s + (rows == "S+1"), name)
+    if msg.token_bitmask:
+        words = msg.bitmask_words
+        if words == 0 or len(msg.token_bitmask) % (words * I32.itemsize):
+            raise CodecError("token_bitmask is not a whole number of bitmask_words-word rows")
+        extra["token_bitmask"] = np.frombuffer(msg.token_bitmask, dtype=I32).reshape(-1, words)
     return PlanArrays(
         step_id=msg.step_id,
         token_ids=_array(msg.token_ids, I32, t, "token_ids"),
@@ -109,6 +154,7 @@ def decode_plan(msg: wire_pb2.StepPlan) -> PlanArrays:
         block_copies=np.frombuffer(msg.block_copies, dtype=I32).reshape(-1, 2),
         prev_step_id=msg.prev_step_id,
         prev_rows=_array(msg.prev_rows, I32, t, "prev_rows") if msg.prev_rows else None,
+        **extra,
     )
 
 
@@ -132,10 +178,41 @@ def resolve_tokens(p: PlanArrays, last_step_id: int, last_sampled: np.ndarray | 
     return tokens
 
 
-def encode_result(step_id: int, sampled: np.ndarray, **timings: float) -> wire_pb2.StepResult:
+@dataclass
+class Logprobs:
+    """Log-probabilities of a step's rows that asked, row order (protos/wire.proto StepResult)."""
+
+    chosen: np.ndarray  # float32 [N]: the log-probability of each position's token
+    top_ids: np.ndarray  # int32 [sum K]
+    top_values: np.ndarray  # float32 [sum K]
+
+
+_LOGPROB_FIELDS = {"logprobs": ("logprobs", "top_token_ids", "top_logprobs"),
+                   "prompt_logprobs": ("prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs")}
+
+
+def encode_result(step_id: int, sampled: np.ndarray, logprobs: Logprobs | None = None,
+                  prompt_logprobs: Logprobs | None = None, **timings: float) -> wire_pb2.StepResult:
     """sampled: int32 [S], -1 where the sequence did not sample."""
-    return wire_pb2.StepResult(step_id=step_id, sampled_token_ids=np.ascontiguousarray(sampled, I32).tobytes(),
-                               **timings)
+    msg = wire_pb2.StepResult(step_id=step_id, sampled_token_ids=np.ascontiguousarray(sampled, I32).tobytes(),
+                              **timings)
+    for lp, (chosen, ids, values) in ((logprobs, _LOGPROB_FIELDS["logprobs"]),
+                                      (prompt_logprobs, _LOGPROB_FIELDS["prompt_logprobs"])):
+        if lp is not None:
+            setattr(msg, chosen, _bytes(lp.chosen, F32))
+            setattr(msg, ids, _bytes(lp.top_ids, I32))
+            setattr(msg, values, _bytes(lp.top_values, F32))
+    return msg
+
+
+def decode_logprobs(msg: wire_pb2.StepResult, which: str, positions: int, tops: int) -> Logprobs | None:
+    """which: "logprobs" or "prompt_logprobs"; the plan said how many positions and top entries to expect.
+    None when the plan asked for none; raises CodecError when the sizes do not match."""
+    if positions == 0:
+        return None
+    chosen, ids, values = _LOGPROB_FIELDS[which]
+    return Logprobs(_array(getattr(msg, chosen), F32, positions, chosen),
+                    _array(getattr(msg, ids), I32, tops, ids), _array(getattr(msg, values), F32, tops, values))
 
 
 def decode_result(msg: wire_pb2.StepResult, num_seqs: int) -> np.ndarray:

@@ -27,6 +27,7 @@ from scheduler_service.output import Delta, DeltaQueue, SampleOutput, Usage
 from scheduler_service.replica import Replica, prompt_block_hashes
 from scheduler_service.scheduler import DuplicateRequestId, SchedulerOutput, make_sequences
 from scheduler_service.sequence import FinishReason, Request, SequenceStatus
+from scheduler_service.structured import GrammarEngine
 from scheduler_service.tokenizer import Tokenizer
 from scheduler_service.validation import Limits
 from scheduler_service.worker_client import WorkerClient, WorkerGroup
@@ -57,6 +58,7 @@ class RequestStream:
     replica: Replica | None  # None while its replica was lost and no other has taken it yet
     queue: DeltaQueue = field(default_factory=DeltaQueue)
     num_open: int = 0  # samples whose last delta has not been sent
+    started: bool = False  # a delta has been sent
 
     def __post_init__(self) -> None:
         self.num_open = len(self.samples)
@@ -93,7 +95,8 @@ class Engine:
         groups = self.client.groups
         self.limits = Limits(self.spec.vocab_size, self._max_context(groups[0]),
                              min(g.num_blocks for g in groups), self.config.block_size,
-                             self.tokenizer.max_token_bytes)
+                             self.tokenizer.max_token_bytes, self.spec.eos_token_ids,
+                             GrammarEngine(self.tokenizer.to_json(), self.spec.vocab_size, self.spec.eos_token_ids))
         for replica in self.replicas:
             replica.attach(self.limits.max_context)
         self._was_serving = True
@@ -260,7 +263,8 @@ class Engine:
         return True
 
     # --- what the replicas report ------------------------------------------------------------------
-    def on_step(self, replica: Replica, out: SchedulerOutput, new_tokens, seconds: float) -> None:
+    def on_step(self, replica: Replica, out: SchedulerOutput, new_tokens, seconds: float,
+                logprobs: dict | None = None) -> None:
         now = time.monotonic()
         sched = replica.scheduler
         for seq, token in new_tokens:
@@ -269,7 +273,10 @@ class Engine:
                 continue
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
-            delta, reason = stream.samples[seq.index].add_token(token)
+            lp = logprobs.get(seq.seq_id) if logprobs else None
+            if lp is not None:
+                lp.token_id = token
+            delta, reason = stream.samples[seq.index].add_token(token, lp)
             if reason is not None:
                 sched.finish(seq, reason)
             self._emit(stream, delta)
@@ -333,6 +340,10 @@ class Engine:
 
     def _emit(self, stream: RequestStream, delta: Delta) -> None:
         request = stream.request
+        if not stream.started:
+            stream.started = True
+            if request.prompt_logprobs is not None and all(x is not None for x in request.prompt_logprobs[1:]):
+                delta.prompt_logprobs = request.prompt_logprobs[1:]
         if delta.finish_reason is not None:
             stream.num_open -= 1
         if stream.num_open == 0:

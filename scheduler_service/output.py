@@ -3,6 +3,8 @@
 Stop conditions, checked after every new token: a stop token id or (unless ignore_eos) an eos id
 → STOP, the token kept; a stop string → STOP, the text cut before it; max_tokens or the model's
 context → LENGTH. While a sample runs, text that might be the start of a stop string is held back.
+Before min_tokens tokens, no stop applies (the worker also keeps end tokens from being drawn). A
+structured-output sample also ends with STOP when its matcher is complete (scheduler_service/structured.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ class Usage:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+
+
+@dataclass(slots=True)
 class Delta:
     """One stream message: a sample's new tokens and text; finish_reason on its last, usage on the request's last."""
 
@@ -31,6 +40,8 @@ class Delta:
     text: str = ""
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the request's first delta, when it asked
 
 
 class SampleOutput:
@@ -42,23 +53,37 @@ class SampleOutput:
         self._stops = params.stop
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
         self._max_tokens = params.max_tokens
+        self._min_tokens = params.min_tokens
+        self._wants_logprobs = params.logprobs is not None
         # tokens this sample may still take before max_tokens or the model's context ends it
         self._left = min(params.max_tokens - seq.num_output_tokens, max_context - seq.num_tokens)
         self.text = ""
         self._emitted = 0
 
-    def add_token(self, token: int) -> tuple[Delta, FinishReason | None]:
-        """Take one new token; return the stream delta and the finish reason, if it finished."""
+    def add_token(self, token: int, logprob: TokenLogprob | None = None) -> tuple[Delta, FinishReason | None]:
+        """Take one new token (and its logprob, when the request asked); return the stream delta and the
+        finish reason, if it finished."""
         piece = self._detok.add(token)
         self.text += piece
         self._left -= 1
+        logprobs = [logprob or TokenLogprob(token, float("nan"))] if self._wants_logprobs else None
+        may_stop = self.seq.num_output_tokens >= self._min_tokens
+        matcher = self.seq.matcher
+        if matcher is not None and (matcher.is_stopped() or matcher.is_error()):
+            reason = FinishReason.STOP if not matcher.is_error() else FinishReason.ERROR
+            delta = Delta(self.seq.index, [token], self._take_text(final=True) if self._stops else piece, reason,
+                          logprobs=logprobs)
+            self._emitted = len(self.text)
+            return delta, reason
         if not self._stops:  # nothing is held back: the new text goes out as it comes
             self._emitted = len(self.text)
-            reason = FinishReason.STOP if token in self._stop_ids else (
+            reason = FinishReason.STOP if may_stop and token in self._stop_ids else (
                 FinishReason.LENGTH if self._left <= 0 else None)
-            return Delta(self.seq.index, [token], piece, reason), reason
+            return Delta(self.seq.index, [token], piece, reason, logprobs=logprobs), reason
         reason = None
-        if token in self._stop_ids:
+        if not may_stop:
+            pass
+        elif token in self._stop_ids:
             reason = FinishReason.STOP
         elif piece:
             start = max(0, len(self.text) - len(piece) - self._holdback)
@@ -68,7 +93,7 @@ class SampleOutput:
                 reason = FinishReason.STOP
         if reason is None and self._left <= 0:
             reason = FinishReason.LENGTH
-        delta = Delta(self.seq.index, [token], self._take_text(final=reason is not None), reason)
+        delta = Delta(self.seq.index, [token], self._take_text(final=reason is not None), reason, logprobs=logprobs)
         return delta, reason
 
     def finish(self, reason: FinishReason) -> Delta:

@@ -9,6 +9,10 @@ numpy operations: positions, slots, sequence lengths and the block tables are ga
 A row whose last input token is still pending (sampled by the step in flight; see sequence.py) carries a
 placeholder in token_ids and, in prev_rows, the row of the previous step whose sampled token the worker
 puts there.
+
+Request controls (penalties, min_p, logprobs) are per-row mirrors too, shipped only in steps where some row
+uses them; the ragged parts (logit biases, prompt-logprob targets, structured-output masks) are built by a
+loop over just the rows that have them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ class PlanBuilder:
         self.top_p = np.ones(max_seqs, dtype=F32)
         self.top_k = np.zeros(max_seqs, dtype=I32)
         self.seed = np.zeros(max_seqs, dtype=U64)
+        self.repetition = np.ones(max_seqs, dtype=F32)
+        self.presence = np.zeros(max_seqs, dtype=F32)
+        self.frequency = np.zeros(max_seqs, dtype=F32)
+        self.min_p = np.zeros(max_seqs, dtype=F32)
+        self.logprobs = np.full(max_seqs, -1, dtype=I32)
+        self.penalized = np.zeros(max_seqs, dtype=bool)
+        # rows with a ragged part: logit_bias or min_tokens, prompt logprobs, a structured-output matcher
+        self.special = np.zeros(max_seqs, dtype=bool)
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
     # --- rows --------------------------------------------------------------------------------------
@@ -41,6 +53,12 @@ class PlanBuilder:
             self.prompt_len[row] = seq.prompt_len
             self.temperature[row], self.top_p[row] = params.temperature, params.top_p
             self.top_k[row], self.seed[row] = params.top_k, seq.sample_seed
+            self.repetition[row], self.presence[row] = params.repetition_penalty, params.presence_penalty
+            self.frequency[row], self.min_p[row] = params.frequency_penalty, params.min_p
+            self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
+            self.penalized[row] = params.is_penalized
+            self.special[row] = (params.has_bias or seq.matcher is not None
+                                 or (params.prompt_logprobs is not None and seq.index == 0))
         seq.num_mirrored_blocks = 0
 
     def detach(self, seq) -> None:
@@ -106,10 +124,10 @@ class PlanBuilder:
         prev_rows = None
         if pending:
             prev_rows = np.full(num_tokens, -1, dtype=I32)
-            at, prev = zip(*pending)
+            at, prev = zip(*pending, strict=True)
             prev_rows[list(at)] = prev
         sample_index = np.maximum(seq_lens - self.prompt_len[rows], 0)
-        return PlanArrays(
+        plan = PlanArrays(
             step_id=out.step_id,
             token_ids=np.asarray(tokens, dtype=I32),
             positions=positions.astype(I32),
@@ -127,3 +145,69 @@ class PlanBuilder:
             prev_step_id=out.step_id - 1 if pending else 0,
             prev_rows=prev_rows,
         )
+        self._controls(out, plan, rows, starts, q_lens, do_sample)
+        return plan
+
+    def _controls(self, out, plan: PlanArrays, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
+                  do_sample: np.ndarray) -> None:
+        """The request-control arrays of the step's plan; `out` keeps what decoding its result needs."""
+        if self.penalized[rows].any():
+            plan.repetition_penalty = self.repetition[rows]
+            plan.presence_penalty = self.presence[rows]
+            plan.frequency_penalty = self.frequency[rows]
+        if self.min_p[rows].any():
+            plan.min_p = self.min_p[rows]
+        lp = self.logprobs[rows]
+        if (lp >= 0).any():
+            plan.logprobs = np.where(do_sample, lp, -1).astype(I32)
+            out.logprobs_k = plan.logprobs
+        special = np.flatnonzero(self.special[rows])
+        if special.size == 0:
+            return
+        scheduled = out.scheduled
+        num_seqs = len(scheduled)
+        bias_rows: list[tuple[int, list[tuple[int, float]]]] = []
+        matchers, mask_at, engine = [], [], None
+        plp_k = plp_counts = None
+        plp_targets: list[int] = []
+        for i in special.tolist():
+            seq = scheduled[i].seq
+            params = seq.request.sampling
+            if do_sample[i]:
+                generated = int(starts[i] + q_lens[i]) - seq.prompt_len
+                entries = list(params.logit_bias)
+                if generated < params.min_tokens:
+                    entries += [(t, float("-inf")) for t in params.min_tokens_ban]
+                if entries:
+                    bias_rows.append((i, entries))
+                if seq.matcher is not None:
+                    matchers.append(seq.matcher)
+                    mask_at.append(i)
+                    engine = seq.request.constraint.engine
+            if params.prompt_logprobs is not None and seq.index == 0:
+                start = int(starts[i])
+                count = min(start + int(q_lens[i]), seq.prompt_len - 1) - start
+                if count > 0:
+                    if plp_k is None:
+                        plp_k = np.full(num_seqs, -1, dtype=I32)
+                        plp_counts = np.zeros(num_seqs, dtype=I32)
+                    plp_k[i], plp_counts[i] = params.prompt_logprobs, count
+                    plp_targets.extend(seq.request.prompt_token_ids[start + 1 : start + 1 + count])
+        if bias_rows:
+            offsets = np.zeros(num_seqs + 1, dtype=I32)
+            ids, values = [], []
+            for i, entries in bias_rows:
+                offsets[i + 1] = len(entries)
+                ids.extend(t for t, _ in entries)
+                values.extend(v for _, v in entries)
+            plan.bias_offsets = np.cumsum(offsets, dtype=I32)
+            plan.bias_token_ids = np.asarray(ids, dtype=I32)
+            plan.bias_values = np.asarray(values, dtype=F32)
+        if matchers:
+            plan.token_bitmask = engine.fill_masks(matchers)
+            plan.mask_rows = np.full(num_seqs, -1, dtype=I32)
+            plan.mask_rows[mask_at] = np.arange(len(mask_at), dtype=I32)
+        if plp_k is not None:
+            plan.prompt_logprobs, plan.prompt_logprob_counts = plp_k, plp_counts
+            plan.prompt_logprob_targets = np.asarray(plp_targets, dtype=I32)
+            out.prompt_logprobs = (plp_k, plp_counts)

@@ -15,11 +15,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 
-from protos.codec import CodecError, decode_result, encode_plan
+from protos.codec import CodecError, decode_logprobs, decode_result, encode_plan
 from scheduler_service.block_allocator import block_hash
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.output import TokenLogprob
 from scheduler_service.scheduler import Scheduler, SchedulerOutput
 from scheduler_service.worker_client import WorkerClient, WorkerError, WorkerGroup, WorkerLost
 
@@ -69,6 +71,40 @@ def prompt_block_hashes(prompt: list[int], block_size: int) -> list[bytes]:
     for i in range((len(prompt) - 1) // block_size):
         hashes.append(block_hash(hashes[-1] if hashes else None, prompt[i * block_size:(i + 1) * block_size]))
     return hashes
+
+
+def read_logprobs(out: SchedulerOutput, result) -> dict[int, TokenLogprob] | None:
+    """The step result's logprobs: those of sampled tokens by sequence id; prompt logprobs are stored in
+    their requests at once (positions recomputed after a preemption overwrite theirs with the same values).
+    Raises CodecError when the arrays do not match what the plan asked for."""
+    by_seq = None
+    if out.logprobs_k is not None:
+        k = out.logprobs_k
+        rows = np.flatnonzero(k >= 0)
+        lp = decode_logprobs(result, "logprobs", rows.size, int(k[rows].sum()))
+        if lp is not None:
+            by_seq, at = {}, 0
+            chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_values.tolist()
+            for n, row in enumerate(rows.tolist()):
+                seq, kk = out.scheduled[row].seq, int(k[row])
+                by_seq[seq.seq_id] = TokenLogprob(-1, chosen[n], list(zip(ids[at:at + kk], values[at:at + kk], strict=True)))
+                at += kk
+    if out.prompt_logprobs is not None:
+        k, counts = out.prompt_logprobs
+        rows = np.flatnonzero(counts > 0)
+        total = int(counts.sum())
+        lp = decode_logprobs(result, "prompt_logprobs", total, int((counts[rows] * k[rows]).sum()))
+        chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_values.tolist()
+        pos = top_at = 0
+        for row in rows.tolist():
+            item = out.scheduled[row]
+            request, kk = item.seq.request, int(k[row])
+            for j in range(item.start + 1, item.start + 1 + int(counts[row])):
+                top = list(zip(ids[top_at:top_at + kk], values[top_at:top_at + kk], strict=True))
+                request.prompt_logprobs[j] = TokenLogprob(request.prompt_token_ids[j], chosen[pos], top)
+                pos += 1
+                top_at += kk
+    return by_seq
 
 
 class Replica:
@@ -204,6 +240,7 @@ class Replica:
         try:
             result = await flight.task
             tokens = decode_result(result, len(out.scheduled)).tolist()
+            logprobs = read_logprobs(out, result)
         except WorkerLost as e:
             await self.sink.on_lost(self, str(e))
             return False
@@ -215,7 +252,7 @@ class Replica:
             return True
         t3 = time.perf_counter()
         new_tokens = sched.update(out, tokens)
-        self.sink.on_step(self, out, new_tokens, t3 - flight.t2)
+        self.sink.on_step(self, out, new_tokens, t3 - flight.t2, logprobs)
         t4 = time.perf_counter()
         p = self.profile
         p.steps += 1

@@ -62,6 +62,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
+    # Set by the plan when rows asked for logprobs: the plan's per-row K (-1 none), and for prompt logprobs
+    # (K per row, positions per row); the result's arrays are decoded with them.
+    logprobs_k: object = None
+    prompt_logprobs: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -175,8 +179,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
-            if seq.num_pending and self._at_limit(seq):
-                continue
+            if seq.num_pending and (seq.matcher is not None or self._at_limit(seq)):
+                continue  # its last step samples its last token; or its mask needs the token in flight
             pos = seq.num_computed_tokens
             if pos % bs:  # fast path: the token goes into the sequence's last block; in place if it is its own
                 block = seq.block_ids[pos // bs]
@@ -264,6 +268,8 @@ class Scheduler:
             if item.do_sample:
                 seq.token_ids.append(token)
                 new_tokens.append((seq, token))
+                if seq.matcher is not None:
+                    seq.matcher.consume_token(token)  # a refused token leaves it in error: the output ends it
                 if seq.index == 0 and seq.request.pending_forks:
                     self._fork(seq, current)
         return new_tokens
@@ -289,6 +295,8 @@ class Scheduler:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks of the longest cached run of seq's full blocks, leaving at least its last token to compute."""
         if not self.config.enable_prefix_caching or seq.num_computed_tokens or seq.block_ids:
+            return []
+        if seq.request.sampling.prompt_logprobs is not None:  # every prompt position's logits are needed
             return []
         hits = []
         for i in range((seq.num_tokens - 1) // self.block_size):

@@ -48,10 +48,28 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None  # top-K wanted with each generated token's log-probability
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Token ids banned while fewer than min_tokens were generated (end-of-sequence and stop ids).
+    min_tokens_ban: tuple[int, ...] = ()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def is_penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_bias(self) -> bool:
+        return bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_ban))
 
 
 class Sequence:
@@ -80,6 +98,8 @@ class Sequence:
         # block_ids are copied there (scheduler_service/plan.py).
         self.row = -1
         self.num_mirrored_blocks = 0
+        # Structured output: the llguidance matcher that has consumed this sample's generated tokens.
+        self.matcher = request.constraint.new_matcher() if request.constraint is not None else None
 
     @property
     def prompt_len(self) -> int:
@@ -140,6 +160,13 @@ class Request:
     # samples 1..n-1 wait here until sample 0 has computed the prompt; then they fork from its blocks
     pending_forks: list[Sequence] = field(default_factory=list)
     cached_prompt_tokens: int | None = None  # prefix-cache hit of the first admission
+    constraint: object | None = None  # scheduler_service/structured.py Constraint
+    # With sampling.prompt_logprobs: entry j (1 <= j < prompt_len) is prompt token j's TokenLogprob once known.
+    prompt_logprobs: list | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * self.prompt_len
 
     @property
     def prompt_len(self) -> int:

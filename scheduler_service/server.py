@@ -60,6 +60,12 @@ def _usage(delta: Delta) -> generation_pb2.Usage:
     )
 
 
+def _logprobs(items) -> list[generation_pb2.TokenLogprob]:
+    return [generation_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in items]
+
+
 class Malformed:
     """What the tolerant deserializer returns for bytes that are not a valid request message."""
 
@@ -114,10 +120,15 @@ class GenerationServicer:
             request = await self._request(msg)
             choices = {}
             usage = None
+            prompt_logprobs = []
             async for delta in self.engine.generate(request):
                 c = choices.setdefault(delta.index, generation_pb2.Completion(index=delta.index))
                 c.token_ids.extend(delta.token_ids)
                 c.text += delta.text
+                if delta.logprobs:
+                    c.logprobs.extend(_logprobs(delta.logprobs))
+                if delta.prompt_logprobs:
+                    prompt_logprobs = _logprobs(delta.prompt_logprobs)
                 if delta.finish_reason is not None:
                     c.finish_reason = _FINISH[delta.finish_reason]
                 if delta.usage is not None:
@@ -126,7 +137,8 @@ class GenerationServicer:
             await self._fail(context, e, msg.request_id)
             return None
         return generation_pb2.GenerateResponse(
-            request_id=request.request_id, choices=[choices[i] for i in sorted(choices)], usage=usage
+            request_id=request.request_id, choices=[choices[i] for i in sorted(choices)], usage=usage,
+            prompt_logprobs=prompt_logprobs,
         )
 
     async def GenerateStream(self, msg, context):
@@ -136,6 +148,10 @@ class GenerationServicer:
                 out = generation_pb2.GenerateStreamResponse(
                     request_id=request.request_id, index=delta.index, token_ids=delta.token_ids, text=delta.text
                 )
+                if delta.logprobs:
+                    out.logprobs.extend(_logprobs(delta.logprobs))
+                if delta.prompt_logprobs:
+                    out.prompt_logprobs.extend(_logprobs(delta.prompt_logprobs))
                 if delta.finish_reason is not None:
                     out.finish_reason = _FINISH[delta.finish_reason]
                 if delta.usage is not None:

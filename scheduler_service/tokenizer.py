@@ -39,6 +39,10 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise_template_error
             self._template = env.from_string(self.chat_template)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (structured output builds its own token trie from it)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

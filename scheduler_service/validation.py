@@ -8,12 +8,17 @@ import uuid
 
 from protos import generation_pb2
 from scheduler_service.sequence import Request, SamplingOptions
+from scheduler_service.structured import Constraint, GrammarEngine, GrammarError
 from scheduler_service.tokenizer import Tokenizer
 
 MAX_SAMPLES = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
+MAX_GRAMMAR_CHARS = 64 * 1024
 # Temperatures below this are greedy: dividing logits by them overflows to inf and NaN probabilities.
 MIN_TEMPERATURE = 1e-5
 
@@ -26,8 +31,11 @@ class Limits:
     """What a request must fit: the model's context and vocabulary, and the whole KV pool."""
 
     def __init__(self, vocab_size: int, max_context: int, num_blocks: int, block_size: int,
-                 max_token_bytes: int | None = None) -> None:
+                 max_token_bytes: int | None = None, eos_token_ids: tuple[int, ...] = (),
+                 grammars: GrammarEngine | None = None) -> None:
         self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.grammars = grammars  # None: structured output is refused
         self.max_context = max_context
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -82,7 +90,25 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
     request_id = msg.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-    return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling)
+    constraint = _constraint(msg.sampling, limits)
+    return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, constraint=constraint)
+
+
+def _constraint(p: generation_pb2.SamplingParams, limits: Limits) -> Constraint | None:
+    given = [(k, getattr(p, k)) for k in ("json_schema", "regex", "grammar") if getattr(p, k)]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequest(f"set at most one of json_schema, regex and grammar, not {' and '.join(k for k, _ in given)}")
+    kind, text = given[0]
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise InvalidRequest(f"sampling.{kind} is longer than {MAX_GRAMMAR_CHARS} characters")
+    if limits.grammars is None:
+        raise InvalidRequest("this server has no structured-output engine")
+    try:
+        return Constraint(limits.grammars, limits.grammars.compile(**{kind: text}), kind)
+    except GrammarError as e:
+        raise InvalidRequest(f"sampling.{e}" if str(e).startswith(kind) else f"sampling.{kind}: {e}") from e
 
 
 def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits) -> SamplingOptions:
@@ -119,6 +145,39 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
     bad = [t for t in p.stop_token_ids if t >= limits.vocab_size]
     if bad:
         raise InvalidRequest(f"stop_token_ids has id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if p.HasField(name) and getattr(p, name) > MAX_LOGPROBS:
+            raise InvalidRequest(f"sampling.{name} must lie in [0, {MAX_LOGPROBS}], got {getattr(p, name)}")
+    repetition = 1.0
+    if p.HasField("repetition_penalty"):
+        if not (math.isfinite(p.repetition_penalty) and 0.0 < p.repetition_penalty <= 2.0):
+            raise InvalidRequest(f"sampling.repetition_penalty must lie in (0, 2] (1 is off), got {p.repetition_penalty}")
+        repetition = p.repetition_penalty
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise InvalidRequest(f"sampling.{name} must lie in [-2, 2] (0 is off), got {value}")
+    if not (math.isfinite(p.min_p) and 0.0 <= p.min_p <= 1.0):
+        raise InvalidRequest(f"sampling.min_p must lie in [0, 1] (0 is off), got {p.min_p}")
+    if p.min_tokens > max_tokens:
+        raise InvalidRequest(f"sampling.min_tokens ({p.min_tokens}) is more than max_tokens ({max_tokens})")
+    if p.min_tokens and any(getattr(p, k) for k in ("json_schema", "regex", "grammar")):
+        raise InvalidRequest("sampling.min_tokens cannot be combined with structured output: the structure decides "
+                             "where the output ends")
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"sampling.logit_bias has {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+    bias = []
+    for token, value in sorted(p.logit_bias.items()):
+        if token >= limits.vocab_size:
+            raise InvalidRequest(f"sampling.logit_bias has token id {token} outside the vocabulary "
+                                 f"[0, {limits.vocab_size})")
+        if not (math.isfinite(value) and -100.0 <= value <= 100.0):
+            raise InvalidRequest(f"sampling.logit_bias[{token}] must lie in [-100, 100], got {value}")
+        if value:
+            bias.append((int(token), float(value)))
+    ban = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(limits.eos_token_ids))))
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=float(p.temperature) if p.temperature >= MIN_TEMPERATURE else 0.0,
@@ -129,4 +188,13 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         n=n,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        repetition_penalty=float(repetition),
+        presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty),
+        min_p=float(p.min_p),
+        min_tokens=int(p.min_tokens),
+        logit_bias=tuple(bias),
+        min_tokens_ban=ban if p.min_tokens else (),
     )

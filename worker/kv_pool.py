@@ -45,6 +45,10 @@ class KVPool:
         # Never zeroed: attention masks by sequence length, so stale bytes are never read.
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        # The token record: the id of the token whose K/V each slot holds (plus one scratch slot at the end
+        # for writes that go nowhere). Penalties read a sequence's context tokens through its block table.
+        self._token_slots = torch.full((num_blocks * block_size + 1,), -1, dtype=torch.int32, device=device)
+        self.tokens = self._token_slots[:-1].view(num_blocks, block_size)
 
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[idx], self.v[idx]
@@ -58,3 +62,20 @@ class KVPool:
         for k, v in zip(self.k, self.v, strict=True):
             k[dst] = k[src]
             v[dst] = v[src]
+        self.tokens[dst] = self.tokens[src]
+
+    @torch.no_grad()
+    def record_tokens(self, slot_mapping: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Write each new token's id where its K/V goes (slot -1: nowhere), without a host sync."""
+        scratch = torch.full_like(slot_mapping, self._token_slots.numel() - 1)
+        self._token_slots[torch.where(slot_mapping >= 0, slot_mapping, scratch)] = token_ids.to(torch.int32)
+
+    def context_tokens(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, pad: int) -> torch.Tensor:
+        """int64 [rows, max(seq_lens)]: each row's context token ids, position order, `pad` past its length.
+        block_tables: int32 [rows, blocks]; seq_lens: int64 [rows] (on the pool's device)."""
+        width = int(seq_lens.max()) if seq_lens.numel() else 0
+        pos = torch.arange(width, device=block_tables.device)
+        blocks = pos // self.block_size
+        table = block_tables[:, : blocks[-1] + 1 if width else 0].long().clamp(min=0)
+        ids = self.tokens[table[:, blocks], pos % self.block_size].long()
+        return torch.where(pos[None, :] < seq_lens[:, None], ids, torch.full_like(ids, pad))

@@ -15,6 +15,7 @@ import torch
 from protos import wire_pb2
 from protos.codec import CodecError, PlanArrays, decode_plan, encode_plan, encode_result, resolve_tokens
 from worker.attention import AttentionBackend
+from worker.controls import apply_controls, gather_controls, top_logprobs
 from worker.kv_pool import KVPool
 from worker.model import LlamaModel, StepInputs
 from worker.sampler import SamplingBatch, sample
@@ -59,6 +60,51 @@ def validate_plan(p: PlanArrays, num_blocks: int, block_size: int, vocab: int, m
         raise PlanError("temperature must be finite and >= 0")
     if not ((p.top_p > 0) & (p.top_p <= 1)).all():
         raise PlanError("top_p must lie in (0, 1]")
+    validate_controls(p, q_lens, vocab)
+
+
+MAX_PLAN_LOGPROBS = 20
+
+
+def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
+    """The request-control arrays of a plan (protos/wire.proto) must be consistent and in range."""
+    if p.repetition_penalty is not None:
+        if p.presence_penalty is None or p.frequency_penalty is None:
+            raise PlanError("repetition_penalty, presence_penalty and frequency_penalty travel together")
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not np.isfinite(getattr(p, name)).all():
+                raise PlanError(f"{name} must be finite")
+        if (p.repetition_penalty <= 0).any():
+            raise PlanError("repetition_penalty must be > 0")
+    if p.min_p is not None and not ((p.min_p >= 0) & (p.min_p <= 1)).all():
+        raise PlanError("min_p must lie in [0, 1]")
+    if p.bias_offsets is not None:
+        off = p.bias_offsets
+        n = 0 if p.bias_token_ids is None else p.bias_token_ids.shape[0]
+        if off[0] != 0 or (np.diff(off) < 0).any() or off[-1] != n or p.bias_values is None \
+                or p.bias_values.shape[0] != n:
+            raise PlanError("bias_offsets must rise from 0 to the number of bias entries")
+        if n and (((p.bias_token_ids < 0) | (p.bias_token_ids >= vocab)).any() or np.isnan(p.bias_values).any()
+                  or (p.bias_values == np.inf).any()):
+            raise PlanError(f"a bias token outside the vocabulary [0, {vocab}) or a bias that is NaN or +inf")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(p, name)
+        if k is not None and ((k < -1) | (k > MAX_PLAN_LOGPROBS)).any():
+            raise PlanError(f"{name} must lie in [-1, {MAX_PLAN_LOGPROBS}]")
+    if p.prompt_logprobs is not None:
+        counts, targets = p.prompt_logprob_counts, p.prompt_logprob_targets
+        if counts is None or targets is None or (counts < 0).any() or (counts > q_lens).any() \
+                or ((counts > 0) & (p.prompt_logprobs < 0)).any() or targets.shape[0] != int(counts.sum()):
+            raise PlanError("prompt_logprob_counts must lie within each row's new tokens and match the targets")
+        if ((targets < 0) | (targets >= vocab)).any():
+            raise PlanError(f"a prompt logprob target outside the vocabulary [0, {vocab})")
+    if p.mask_rows is not None:
+        masks = 0 if p.token_bitmask is None else p.token_bitmask.shape[0]
+        if ((p.mask_rows < -1) | (p.mask_rows >= masks)).any():
+            raise PlanError("mask_rows refers to a bitmask the plan does not carry")
+        if masks and p.token_bitmask.shape[1] * 32 < vocab:
+            raise PlanError(f"token_bitmask rows have {p.token_bitmask.shape[1]} words; {vocab} tokens need "
+                            f"{(vocab + 31) // 32}")
 
 
 class ModelRunner:
@@ -105,6 +151,7 @@ class ModelRunner:
                                             host_q_lens=q_lens),
             )
         self.pool.copy_blocks(copies)
+        self.pool.record_tokens(slot_mapping, token_ids)
         clock = StepClock(self.device)
         t1 = time.perf_counter()
         clock.mark("start")
@@ -113,24 +160,53 @@ class ModelRunner:
         else:
             hidden = self.model(step, self.pool, self.attn)  # [num_tokens, hidden]
         t2 = t3 = time.perf_counter()
+        logprobs = prompt_logprobs = None
+        if p.prompt_logprobs is not None:  # every rank computes them too: compute_logits is a collective
+            prompt_logprobs = self._prompt_logprobs(p, all_logits if graphed else None, None if graphed else hidden)
         if rows.size:  # every rank of a group sees the same plan, so all of them take this branch or none
-            logits = all_logits[last_rows] if graphed else self.model.compute_logits(hidden[last_rows])
+            raw = all_logits[last_rows] if graphed else self.model.compute_logits(hidden[last_rows])
             clock.mark("logits")
             t2 = time.perf_counter()
+            controls = gather_controls(p, rows, block_tables, self.device)
+            logits = apply_controls(raw, controls, self.pool)
             batch = SamplingBatch(
                 temperature=torch.from_numpy(p.temperature[rows].copy()),
                 top_p=torch.from_numpy(p.top_p[rows].copy()),
                 top_k=torch.from_numpy(p.top_k[rows].astype(np.int64)),
                 seeds=[int(x) for x in p.seed[rows]],
                 sample_index=p.sample_index[rows].tolist(),
+                min_p=torch.from_numpy(p.min_p[rows].copy()) if p.min_p is not None else None,
             )
-            sampled[rows] = sample(logits, batch).cpu().numpy()  # waits for the device: the step is done
+            tokens = sample(logits, batch)
+            if p.logprobs is not None:
+                ks = p.logprobs[rows]
+                at = np.flatnonzero(ks >= 0)
+                if at.size:
+                    index = torch.from_numpy(at).to(raw.device)
+                    logprobs = top_logprobs(raw[index], tokens[index], ks[at].astype(np.int64))
+            sampled[rows] = tokens.cpu().numpy()  # waits for the device: the step is done
             t3 = time.perf_counter()
         else:
             clock.mark("logits")
         self.last_step_id, self.last_sampled = plan.step_id, sampled
         forward, sampling = clock.split(t2 - t1, t3 - t2)
-        return encode_result(plan.step_id, sampled, time_prepare=t1 - t0, time_forward=forward, time_sample=sampling)
+        return encode_result(plan.step_id, sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                             time_prepare=t1 - t0, time_forward=forward, time_sample=sampling)
+
+    def _prompt_logprobs(self, p: PlanArrays, all_logits, hidden):
+        """Log-probabilities of the prompt tokens after each row's first `count` new tokens (the plan's
+        targets), from the logits at those positions."""
+        counts = p.prompt_logprob_counts.astype(np.int64)
+        at = np.flatnonzero(counts > 0)
+        if at.size == 0:
+            return None
+        starts = p.query_start_loc[at].astype(np.int64)
+        index = np.repeat(starts - np.concatenate([[0], np.cumsum(counts[at])[:-1]]), counts[at]) \
+            + np.arange(int(counts[at].sum()))
+        where = torch.from_numpy(index).to(self.device)
+        logits = all_logits[where] if all_logits is not None else self.model.compute_logits(hidden[where])
+        ks = np.repeat(p.prompt_logprobs[at].astype(np.int64), counts[at])
+        return top_logprobs(logits, torch.from_numpy(p.prompt_logprob_targets.astype(np.int64)), ks)
 
 
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}

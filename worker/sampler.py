@@ -1,4 +1,4 @@
-"""Sampling on the worker's device: greedy, temperature, top-k, top-p, per-request seed.
+"""Sampling on the worker's device: greedy, temperature, min-p, top-k, top-p, per-request seed.
 
 Stateless: the random draw for a sequence's k-th generated token is keyed by (seed, k) alone, so a
 sequence preempted and recomputed, or replayed on a restarted worker, draws exactly the same tokens.
@@ -28,6 +28,7 @@ class SamplingBatch:
     top_k: torch.Tensor  # int64 [rows]; 0 = off
     seeds: list[int]
     sample_index: list[int]
+    min_p: torch.Tensor | None = None  # float32 [rows]; 0 = off
 
 
 # Temperatures below this draw greedily: dividing by them overflows logits to inf.
@@ -57,6 +58,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temperature = batch.temperature.cpu()[host_rows].to(device, non_blocking=True)
     scaled = logits[rows] / temperature[:, None]
     scaled = scaled.clamp(max=torch.finfo(torch.float32).max)  # +inf (or overflow) stays the largest, finite
+    if batch.min_p is not None:  # p < min_p * p_max  <=>  scaled < max(scaled) + log(min_p); log(0) = -inf: off
+        floor = torch.log(batch.min_p.cpu()[host_rows].to(device, non_blocking=True))
+        scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + floor[:, None], float("-inf"))
     scaled = _apply_top_k_top_p(scaled, batch.top_k.cpu()[host_rows].to(device, non_blocking=True),
                                 batch.top_p.cpu()[host_rows].to(device, non_blocking=True))
     probs = torch.softmax(scaled, dim=-1)
