@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap plot-kv clean
+.PHONY: setup proto run deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native
 
@@ -103,6 +103,9 @@ bench-scheduler: setup  # scheduler cost per decode step at 256 and 1024 sequenc
 
 bench-overlap: setup  # step period against a simulated worker of fixed step time, overlap off and on
 	$(PY) -m deploy.simulate bench --model $(MODEL_DIR) $(ARGS)
+
+bench-controls: setup  # tokens/s with logprobs, penalties, biases, regex and JSON-schema masks vs plain, same run
+	$(PY) -m deploy.bench_controls --model $(MODEL_DIR) $(ARGS)
 
 # Prefix caching on vs off (shared system prompt); chunked prefill on vs off (long prompts among chats).
 bench-memory: setup

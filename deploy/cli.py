@@ -3,7 +3,10 @@
     pagedserve serve --model .models/smollm2-135m-instruct      # scheduler + its workers (--tp N --dp M)
     pagedserve deploy --model ... --tp 2 --dp 2                # the same under a supervisor, logs in run/
     pagedserve generate "What is the capital of France?"       # streams the answer
-    pagedserve info | stats | abort REQUEST_ID
+    pagedserve generate "A person as JSON" --json-schema @person.json --logprobs 3
+    pagedserve stats                                            # the KV pool as a table (--json for machines)
+    pagedserve top                                              # a live view of a running server
+    pagedserve info | abort REQUEST_ID
     pagedserve keys --out keys/                                 # CurveZMQ keys for a multi-host wire
 """
 
@@ -28,37 +31,93 @@ def _stub(server: str, tls_ca: str | None = None):
     return generation_pb2_grpc.GenerationStub(channel)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _text_or_file(value: str | None) -> str:
+    """A flag's text, or with a leading @ the text of that file."""
+    if not value:
+        return ""
+    if value.startswith("@"):
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def _logit_bias(items: list[str]) -> dict[int, float]:
+    out = {}
+    for item in items:
+        token, sep, bias = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--logit-bias wants TOKEN_ID=BIAS, got {item!r}")
+        out[int(token)] = float(bias)
+    return out
+
+
+def sampling_from_args(args: argparse.Namespace):
     from protos import generation_pb2
 
+    temperature = 0.0 if args.greedy else args.temperature
     sampling = generation_pb2.SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, stop=args.stop,
-        ignore_eos=args.ignore_eos,
+        temperature=temperature, top_k=args.top_k, stop=args.stop,
+        stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos, n=args.n, min_p=args.min_p,
+        min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias),
+        json_schema=_text_or_file(args.json_schema), regex=args.regex or "", grammar=_text_or_file(args.grammar),
     )
-    if args.top_p is not None:
+    if args.top_p is not None and temperature > 0:
         sampling.top_p = args.top_p
-    if args.seed is not None:
-        sampling.seed = args.seed
-    req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling, raw_prompt=args.raw)
+    for name in ("max_tokens", "seed", "repetition_penalty", "logprobs", "prompt_logprobs"):
+        if getattr(args, name) is not None:
+            setattr(sampling, name, getattr(args, name))
+    return sampling
+
+
+def _print_logprobs(entries, out=sys.stderr) -> None:
+    for lp in entries:
+        alternatives = "  ".join(f"{t.token_id}:{t.logprob:.3f}" for t in lp.top_logprobs)
+        print(f"  token {lp.token_id:>6}  logprob {lp.logprob:8.4f}   {alternatives}", file=out)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from protos import generation_pb2
+
+    req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling_from_args(args), raw_prompt=args.raw)
     stub = _stub(args.server, args.tls_ca)
     try:
-        if args.no_stream:
+        if args.json:
+            print(json_format.MessageToJson(stub.Generate(req, timeout=args.timeout)))
+            return 0
+        if args.no_stream or args.n > 1:  # several samples are shown one after the other
             resp = stub.Generate(req, timeout=args.timeout)
-            print(resp.choices[0].text)
-            usage = resp.usage
+            for c in resp.choices:
+                if len(resp.choices) > 1:
+                    print(f"--- sample {c.index} ({generation_pb2.FinishReason.Name(c.finish_reason)}) ---")
+                print(c.text)
+                if c.logprobs:
+                    _print_logprobs(c.logprobs)
+            usage, logprobs, prompt_logprobs = resp.usage, [], list(resp.prompt_logprobs)
         else:
-            usage = None
+            usage, logprobs, prompt_logprobs = None, [], []
             for msg in stub.GenerateStream(req, timeout=args.timeout):
                 sys.stdout.write(msg.text)
                 sys.stdout.flush()
+                logprobs.extend(msg.logprobs)
+                prompt_logprobs.extend(msg.prompt_logprobs)
                 if msg.HasField("usage"):
                     usage = msg.usage
             print()
+            if logprobs:
+                print("logprobs:", file=sys.stderr)
+                _print_logprobs(logprobs)
+        if prompt_logprobs:
+            print("prompt logprobs:", file=sys.stderr)
+            _print_logprobs(prompt_logprobs)
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     if args.verbose and usage is not None:
-        print(f"[prompt {usage.prompt_tokens} tokens, completion {usage.completion_tokens} tokens]", file=sys.stderr)
+        print(f"[prompt {usage.prompt_tokens} tokens ({usage.cached_prompt_tokens} cached), "
+              f"completion {usage.completion_tokens} tokens]", file=sys.stderr)
     return 0
 
 
@@ -68,13 +127,81 @@ def cmd_info(args: argparse.Namespace) -> int:
     from protos import generation_pb2
 
     stub = _stub(args.server, args.tls_ca)
-    call = stub.GetModelInfo if args.command == "info" else stub.GetCacheStats
-    req = generation_pb2.GetModelInfoRequest() if args.command == "info" else generation_pb2.GetCacheStatsRequest()
     try:
-        print(json_format.MessageToJson(call(req, timeout=args.timeout), always_print_fields_with_no_presence=True))
+        print(json_format.MessageToJson(stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout),
+                                        always_print_fields_with_no_presence=True))
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from protos import generation_pb2
+
+    try:
+        stats = _stub(args.server, args.tls_ca).GetCacheStats(generation_pb2.GetCacheStatsRequest(),
+                                                               timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json_format.MessageToJson(stats, always_print_fields_with_no_presence=True))
+        return 0
+    from rich.console import Console
+
+    from deploy.console import stats_view
+
+    Console().print(stats_view(stats))
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from deploy.console import Reading, top_view
+    from protos import generation_pb2
+
+    stub = _stub(args.server, args.tls_ca)
+    console = Console()
+    try:
+        model = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout).model_name
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    before = None
+    drawn = 0
+    view = None
+    try:
+        with Live(console=console, auto_refresh=False, screen=not args.no_screen, transient=False) as live:
+            while args.iterations is None or drawn < args.iterations:
+                try:
+                    now = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=args.timeout),
+                                  time.monotonic())
+                    view = top_view(now, before, args.server, model)
+                    live.update(view, refresh=True)
+                    before = now
+                except grpc.RpcError as e:  # a restarting server: say so and keep trying
+                    from rich.text import Text
+
+                    live.update(Text(f"{args.server}: {e.code().name}: {e.details()} (retrying)", style="red"),
+                                refresh=True)
+                drawn += 1
+                if args.iterations is None or drawn < args.iterations:
+                    time.sleep(args.interval)
+    except KeyboardInterrupt:
+        pass
+    if args.svg and view is not None:  # the last frame as a picture (docs/top.svg is one)
+        import io
+
+        recorder = Console(record=True, width=110, file=io.StringIO())
+        recorder.print(view)
+        recorder.save_svg(args.svg, title="pagedserve top")
     return 0
 
 
@@ -117,22 +244,49 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("keys", help="make CurveZMQ keys for the scheduler <-> worker wire")
     k.add_argument("--out", required=True, help="folder to write the keys to")
     k.set_defaults(func=cmd_keys)
-    g = sub.add_parser("generate", help="send a prompt and stream the answer")
+    g = sub.add_parser("generate", help="send a prompt and stream the answer",
+                       description="Sampling defaults suit a chat model (temperature 0.7, top-p 0.95); "
+                                   "--greedy decodes greedily.")
     g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--max-tokens", type=int, default=None, help="default: until the model ends its answer or "
+                   "its context is full")
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--greedy", action="store_true", help="temperature 0: the most likely token every time")
+    g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("-n", "--n", type=int, default=1, help="number of samples")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="transformers' (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over output tokens")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over output tokens")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS", help="(repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="each token's log-probability and the K most likely (printed to stderr)")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="K")
+    g.add_argument("--json-schema", default=None, help="a JSON Schema the output follows (text, or @file)")
+    g.add_argument("--regex", default=None, help="a regular expression the output matches")
+    g.add_argument("--grammar", default=None, help="a Lark grammar the output follows (text, or @file)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--no-stream", action="store_true", help="use the unary Generate call")
+    g.add_argument("--json", action="store_true", help="print the whole GenerateResponse as JSON")
     g.add_argument("-v", "--verbose", action="store_true")
     g.set_defaults(func=cmd_generate)
-    for name, help_ in (("info", "model info"), ("stats", "KV cache accounting")):
-        s = sub.add_parser(name, help=help_)
-        s.set_defaults(func=cmd_info)
+    s = sub.add_parser("info", help="model info (JSON)")
+    s.set_defaults(func=cmd_info)
+    s = sub.add_parser("stats", help="KV cache accounting as a table")
+    s.add_argument("--json", action="store_true", help="the GetCacheStats response as JSON")
+    s.set_defaults(func=cmd_stats)
+    t = sub.add_parser("top", help="a live view of a running server's KV pool and requests")
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    t.add_argument("--iterations", type=int, default=None, help="stop after this many refreshes")
+    t.add_argument("--no-screen", action="store_true", help="draw in place in the terminal, not a full screen")
+    t.add_argument("--svg", default=None, metavar="FILE", help="save the last frame as an SVG picture")
+    t.set_defaults(func=cmd_top)
     a = sub.add_parser("abort", help="abort a request")
     a.add_argument("request_id")
     a.set_defaults(func=cmd_abort)

@@ -95,7 +95,7 @@ def summary(address: str | None, supervisor: Supervisor, run_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, process="deploy")
+    configure_logging(args.log_level, process="deploy", log_format=args.log_format)
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     pid_file = run_dir / "deploy.pid"

@@ -27,7 +27,8 @@ from worker.main import build_parser as worker_parser
 log = structlog.get_logger("launcher")
 
 # Worker flags the launchers set per rank rather than pass through.
-_PER_RANK = {"model", "scheduler", "replica", "rank", "rendezvous", "local_rank", "curve_keys", "log_level"}
+_PER_RANK = {"model", "scheduler", "replica", "rank", "rendezvous", "local_rank", "curve_keys", "log_level",
+             "log_format"}
 
 
 def passthrough(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: set[str]) -> list[str]:
@@ -60,6 +61,8 @@ def worker_units(args: argparse.Namespace, endpoint: str, replicas: list[int] | 
             argv = [sys.executable, "-m", "worker.main", "--model", args.model, "--scheduler", endpoint,
                     "--replica", str(d), "--rank", str(r), "--local-rank", str(local_group * tp + r),
                     "--log-level", args.log_level, *flags]
+            # a worker whose log goes to a file writes JSON; one sharing the terminal follows the scheduler
+            argv += ["--log-format", "json" if log_dir else getattr(args, "log_format", "auto")]
             if rendezvous:
                 argv += ["--rendezvous", rendezvous]
             if args.curve_keys:
@@ -110,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, process="scheduler")
+    configure_logging(args.log_level, process="scheduler", log_format=args.log_format)
     return asyncio.run(launch(args))
 
 

@@ -1,5 +1,6 @@
 """Structured logging (structlog) shared by every pagedserve process (scheduler, workers, launcher):
-one JSON event per line, each naming its process."""
+one event per line, each naming its process (and its request, where there is one). Readable console lines
+when stderr is a terminal, JSON lines otherwise; `--log-format console|json` chooses either way."""
 
 from __future__ import annotations
 
@@ -19,15 +20,30 @@ def _truncate_request_id(logger, method, event: dict) -> dict:
     return event
 
 
-def configure_logging(level: str = "info", process: str = "pagedserve", json_lines: bool = True) -> None:
+LOG_FORMATS = ("auto", "console", "json")
+
+
+def wants_json(log_format: str = "auto") -> bool:
+    """auto: JSON unless stderr is a terminal."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
+    return log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
+
+
+def configure_logging(level: str = "info", process: str = "pagedserve", log_format: str = "auto") -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
-    renderer = structlog.processors.JSONRenderer() if json_lines else structlog.dev.ConsoleRenderer(colors=False)
+    if wants_json(log_format):
+        renderer = structlog.processors.JSONRenderer()
+        stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), pad_event_to=24)
+        stamp = structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             _truncate_request_id,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            stamp,
             structlog.processors.format_exc_info,
             renderer,
         ],
@@ -36,3 +52,12 @@ def configure_logging(level: str = "info", process: str = "pagedserve", json_lin
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(process=process)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -61,6 +61,11 @@ class BlockAllocator:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_available_blocks
 
+    @property
+    def num_shared_blocks(self) -> int:
+        """Held blocks with more than one owner (a pass over the pool: for reports, not the step loop)."""
+        return sum(1 for r in self._refcount if r > 1)
+
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]
 

@@ -387,7 +387,10 @@ class Engine:
         live = [row for row in rows if "num_blocks" in row]
         total = {k: sum(row[k] for row in live) for k in (
             "num_blocks", "num_free_blocks", "num_cached_blocks", "used_bytes", "total_bytes",
-            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_running", "num_waiting")}
+            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_running", "num_waiting",
+            "num_shared_blocks")}
+        for k in ("num_generated_tokens", "num_prompt_tokens_computed"):  # down replicas' counts stay
+            total[k] = sum(row[k] for row in rows)
         per_request = []
         for replica in self.replicas:
             if replica.scheduler is None:

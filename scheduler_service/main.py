@@ -17,7 +17,7 @@ from pathlib import Path
 
 import structlog
 
-from protos.logs import configure_logging
+from protos.logs import LOG_FORMATS, configure_logging, human_bytes
 from scheduler_service.config import ModelSpec, SchedulerConfig
 from scheduler_service.engine import Engine
 from scheduler_service.server import build_server
@@ -75,6 +75,8 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="show request ids in GetCacheStats (anyone who sees an id can abort its request)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
+                   help="console: readable lines; json: one JSON object a line; auto: console on a terminal")
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -163,6 +165,7 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
              num_blocks=[g.num_blocks for g in client.groups], block_size=config.block_size,
              max_context=engine.limits.max_context, tensor_parallel_size=args.tensor_parallel_size,
              data_parallel_size=args.data_parallel_size)
+    print(ready_line(engine, args.host, port), flush=True)
     watcher = loop.create_task(_watch_health(engine, health, stop))  # engine.start reported SERVING
     await stop.wait()
     watcher.cancel()
@@ -175,6 +178,21 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     await server.stop(grace=2.0)
     await engine.stop()
     return 0
+
+
+def ready_line(engine: Engine, host: str, port: int) -> str:
+    """The one human line that ends start-up (stdout; the logs go to stderr)."""
+    info = engine.model_info()
+    pool_bytes = sum(g.num_blocks * g.bytes_per_block for g in engine.client.groups if g.is_ready)
+    where = f"{host}:{port}"
+    server = "" if where == "127.0.0.1:50051" else f" --server {where}"
+    layout = ""
+    if info["tensor_parallel_size"] > 1 or info["data_parallel_size"] > 1:
+        layout = f", {info['data_parallel_size']} replica(s) x {info['tensor_parallel_size']} rank(s)"
+    return (f"pagedserve is serving {info['model_name']} on {where} ({info['dtype']}, "
+            f"context {info['max_context']:,} tokens{layout}); KV pool {info['num_blocks']:,} blocks x "
+            f"{info['block_size']} tokens = {human_bytes(pool_bytes)}. "
+            f"Try: pagedserve generate{server} \"Write a haiku about the sea\"   (watch: pagedserve top{server})")
 
 
 async def _watch_health(engine: Engine, health, stop: asyncio.Event) -> None:
@@ -194,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, process="scheduler")
+    configure_logging(args.log_level, process="scheduler", log_format=args.log_format)
     return asyncio.run(serve(args))
 
 

@@ -119,6 +119,9 @@ class Replica:
         self.down_reason: str | None = "workers not connected yet"
         self.profile = StepProfile()
         self.num_routed = 0
+        # Since the service started, across reattachments (GetCacheStats' counters).
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens_computed = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -254,6 +257,8 @@ class Replica:
         new_tokens = sched.update(out, tokens)
         self.sink.on_step(self, out, new_tokens, t3 - flight.t2, logprobs)
         t4 = time.perf_counter()
+        self.num_generated_tokens += len(new_tokens)
+        self.num_prompt_tokens_computed += out.num_prefill_tokens
         p = self.profile
         p.steps += 1
         p.tokens += out.num_tokens
@@ -291,7 +296,8 @@ class Replica:
         bpb = group.bytes_per_block if group.is_ready else 0
         row = {"replica": self.index, "serving": self.is_serving, "status": self.down_reason or "serving",
                "num_requests": self.num_routed, "worker_pids": group.pids if group.is_ready else [],
-               "bytes_per_block": bpb}
+               "bytes_per_block": bpb, "num_generated_tokens": self.num_generated_tokens,
+               "num_prompt_tokens_computed": self.num_prompt_tokens_computed}
         if s is None:
             return row
         a = s.allocator
@@ -300,6 +306,6 @@ class Replica:
             used_bytes=a.num_used_blocks * bpb, total_bytes=a.num_blocks * bpb,
             utilization=a.num_used_blocks / a.num_blocks, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            num_running=len(s.running), num_waiting=len(s.waiting),
+            num_running=len(s.running), num_waiting=len(s.waiting), num_shared_blocks=a.num_shared_blocks,
         )
         return row

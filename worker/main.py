@@ -14,7 +14,7 @@ import sys
 import structlog
 
 from protos import EXIT_CONFIG
-from protos.logs import configure_logging
+from protos.logs import LOG_FORMATS, configure_logging
 
 log = structlog.get_logger("worker.main")
 
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-keys", default=None,
                    help="folder made by `pagedserve keys`: this worker's key pair and the scheduler's public key")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
+                   help="console: readable lines; json: one JSON object a line; auto: console on a terminal")
     add_group_args(p)
     add_step_args(p)
     add_worker_args(p)
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     allocator = ensure_allocator(resolve_mode(args.malloc), args.device, "worker.main", argv)  # may re-execute
     tp = args.tensor_parallel_size
-    configure_logging(args.log_level, process=f"worker-{args.replica}.{args.rank}")
+    configure_logging(args.log_level, process=f"worker-{args.replica}.{args.rank}", log_format=args.log_format)
     if tp > 1 and not args.rendezvous:
         log.error("no_rendezvous", tensor_parallel_size=tp)
         return EXIT_CONFIG

@@ -1,0 +1,141 @@
+"""What `pagedserve stats` and `pagedserve top` draw (rich): the KV pool, its replicas, and the requests
+holding the most blocks, from one GetCacheStats reading (and, for rates, the previous one)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from protos.logs import human_bytes
+
+# Colours of the pool's parts, in the bar and the legend.
+COLORS = {"held": "red", "shared": "magenta", "cached": "yellow", "free": "green"}
+MAX_REQUESTS = 10
+
+
+@dataclass
+class Reading:
+    stats: object  # generation_pb2.CacheStats
+    at: float  # time.monotonic() of the reading
+
+
+def pool_parts(s) -> dict[str, int]:
+    """Blocks held by one sequence, shared by several, cached (free, reusable) and free (empty)."""
+    held = s.num_blocks - s.num_free_blocks - s.num_cached_blocks
+    return {"held": max(0, held - s.num_shared_blocks), "shared": s.num_shared_blocks,
+            "cached": s.num_cached_blocks, "free": s.num_free_blocks}
+
+
+def pool_bar(s, width: int = 60) -> Text:
+    """One line: the pool as a bar of its parts, each part's share of `width` cells (at least one cell when
+    it has any block)."""
+    parts = pool_parts(s)
+    total = max(1, s.num_blocks)
+    cells = {k: (max(1, round(v / total * width)) if v else 0) for k, v in parts.items()}
+    while sum(cells.values()) > width:  # rounding up small parts may overflow: take it from the largest
+        biggest = max(cells, key=cells.get)
+        cells[biggest] -= 1
+    cells["free"] += width - sum(cells.values())
+    bar = Text()
+    for name, n in cells.items():
+        bar.append("█" * n, style=COLORS[name])
+    return bar
+
+
+def legend(s) -> Text:
+    parts = pool_parts(s)
+    out = Text()
+    for name, n in parts.items():
+        out.append("■ ", style=COLORS[name])
+        out.append(f"{name} {n:,} ({human_bytes(n * s.bytes_per_block)})  ")
+    return out
+
+
+def hit_rate(s) -> str:
+    return f"{s.prefix_cache_hits / s.prefix_cache_queries:.1%}" if s.prefix_cache_queries else "–"
+
+
+def rates(now: Reading, before: Reading | None) -> tuple[float | None, float | None]:
+    """(generated tokens/s, prompt tokens/s) between two readings; None without a previous one."""
+    if before is None or now.at <= before.at:
+        return None, None
+    dt = now.at - before.at
+    return ((now.stats.num_generated_tokens - before.stats.num_generated_tokens) / dt,
+            (now.stats.num_prompt_tokens_computed - before.stats.num_prompt_tokens_computed) / dt)
+
+
+def summary_table(s, gen_rate: float | None = None, prompt_rate: float | None = None) -> Table:
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    held = s.num_blocks - s.num_free_blocks - s.num_cached_blocks
+    t.add_row("blocks", f"{s.num_blocks:,} x {s.block_size} tokens", "memory",
+              f"{human_bytes(s.used_bytes)} / {human_bytes(s.total_bytes)}")
+    t.add_row("held", f"{held:,} ({s.num_shared_blocks:,} shared)", "utilization", f"{s.utilization:.1%}")
+    t.add_row("cached", f"{s.num_cached_blocks:,}", "prefix hit rate",
+              f"{hit_rate(s)} of {s.prefix_cache_queries:,} tokens")
+    t.add_row("free", f"{s.num_free_blocks:,}", "preemptions", f"{s.num_preemptions:,}")
+    t.add_row("running", f"{s.num_running:,}", "waiting", f"{s.num_waiting:,}")
+    if gen_rate is not None:
+        t.add_row("tokens/s", f"{gen_rate:,.1f}", "prompt tokens/s", f"{prompt_rate:,.1f}")
+    else:
+        t.add_row("generated", f"{s.num_generated_tokens:,} tokens", "prompt computed",
+                  f"{s.num_prompt_tokens_computed:,} tokens")
+    return t
+
+
+def replica_table(s) -> Table | None:
+    if len(s.replicas) < 2 and all(r.serving for r in s.replicas):
+        return None
+    t = Table(title="replicas", title_justify="left", expand=False)
+    for col in ("#", "status", "held", "cached", "free", "util", "hit rate", "running", "waiting", "requests"):
+        t.add_column(col, justify="left" if col == "status" else "right")
+    for r in s.replicas:
+        held = r.num_blocks - r.num_free_blocks - r.num_cached_blocks
+        status = Text("serving", style="green") if r.serving else Text(r.status or "down", style="red")
+        t.add_row(str(r.replica), status, f"{held:,}", f"{r.num_cached_blocks:,}", f"{r.num_free_blocks:,}",
+                  f"{r.utilization:.0%}", hit_rate(r), str(r.num_running), str(r.num_waiting), f"{r.num_requests:,}")
+    return t
+
+
+def request_table(s, limit: int = MAX_REQUESTS) -> Table:
+    top = sorted(s.requests, key=lambda r: (-r.num_blocks, r.request_id))[:limit]
+    hidden = any(not r.request_id for r in top)
+    note = "; ids shown with --expose-request-ids" if hidden else ""
+    t = Table(title=f"requests holding the most blocks ({len(top)} of {len(s.requests)} live{note})",
+              title_justify="left")
+    for col in ("request", "replica", "blocks", "tokens", "memory"):
+        t.add_column(col, justify="left" if col == "request" else "right")
+    for r in top:
+        t.add_row(r.request_id or "–", str(r.replica), f"{r.num_blocks:,}",
+                  f"{r.num_tokens:,}", human_bytes(r.num_bytes))
+    return t
+
+
+def stats_view(s) -> Group:
+    parts = [summary_table(s), Text(), pool_bar(s), legend(s)]
+    replicas = replica_table(s)
+    if replicas is not None:
+        parts += [Text(), replicas]
+    parts += [Text(), request_table(s, limit=20)]
+    return Group(*parts)
+
+
+def top_view(now: Reading, before: Reading | None, server: str, model: str) -> Panel:
+    s = now.stats
+    gen, prompt = rates(now, before)
+    parts = [pool_bar(s, width=64), legend(s), Text(), summary_table(s, gen, prompt)]
+    replicas = replica_table(s)
+    if replicas is not None:
+        parts += [Text(), replicas]
+    parts += [Text(), request_table(s)]
+    stamp = time.strftime("%H:%M:%S")
+    return Panel(Group(*parts), title=f"pagedserve top — {model} @ {server}", subtitle=f"{stamp}  ctrl-c quits",
+                 expand=False)

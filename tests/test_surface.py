@@ -1,0 +1,149 @@
+"""The terminal surface: `pagedserve generate / stats / top`, console or JSON logs, the start-up line."""
+
+import json
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from deploy.local_server import ROOT
+from protos import generation_pb2
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, tiny_model_dir):
+    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "200",
+                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def in_terminal(argv: list[str], seconds: float, columns: int = 120, rows: int = 50) -> str:
+    """Run argv with a pseudo-terminal as its stdout/stderr and return everything it drew."""
+    master, slave = pty.openpty()
+    env = {**os.environ, "COLUMNS": str(columns), "LINES": str(rows), "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen(argv, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        os.close(master)
+    return out.decode("utf-8", errors="replace")
+
+
+def plain(text: str) -> str:
+    """Terminal output without its escape sequences."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b[=>]", "", text)
+
+
+def test_top_draws_the_pool_the_rates_and_the_requests_holding_most_blocks(server):
+    stop = threading.Event()
+
+    def load():
+        i = 0
+        while not stop.is_set():
+            try:
+                server.stub.Generate(generation_pb2.GenerateRequest(
+                    request_id=f"busy-{i}", prompt_token_ids=list(range(3, 60)),
+                    sampling=generation_pb2.SamplingParams(max_tokens=150, ignore_eos=True)), timeout=60)
+            except Exception:  # noqa: BLE001 - the test reads the screen, not these answers
+                pass
+            i += 1
+
+    workers = [threading.Thread(target=load, daemon=True) for _ in range(3)]
+    for w in workers:
+        w.start()
+    try:
+        time.sleep(1.0)
+        screen = in_terminal([sys.executable, "-m", "deploy.cli", "top", "--server", server.address,
+                              "--iterations", "4", "--interval", "0.5", "--no-screen"], seconds=60)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=60)
+    text = plain(screen)
+    assert "pagedserve top" in text and "@ " + server.address in text
+    assert "█" in text  # the pool's bar
+    for word in ("held", "shared", "cached", "free", "running", "waiting", "prefix hit rate", "tokens/s",
+                 "requests holding the most blocks"):
+        assert word in text, word
+    assert re.search(r"busy-\d+", text)  # a request holding blocks, by id (--expose-request-ids)
+    rates = [float(x.replace(",", "")) for x in re.findall(r"tokens/s\s+([\d,]+\.\d)", text)]
+    assert rates and max(rates) > 0  # tokens were generated between two refreshes
+
+
+def test_stats_is_a_table_and_json_for_machines(server):
+    table = cli("stats", "--server", server.address)
+    assert table.returncode == 0, table.stderr
+    for word in ("blocks", "utilization", "prefix hit rate", "preemptions", "KiB"):
+        assert word in table.stdout, word
+    machine = cli("stats", "--json", "--server", server.address)
+    data = json.loads(machine.stdout)
+    assert data["numBlocks"] == 200 and data["blockSize"] == 4
+    assert int(data["numFreeBlocks"]) + int(data["numCachedBlocks"]) <= 200
+
+
+def test_generate_passes_every_control_and_prints_json_or_text(server):
+    out = cli("generate", "--server", server.address, "--raw", "hello", "--greedy", "--max-tokens", "5",
+              "--ignore-eos", "--logprobs", "2", "--logit-bias", "7=100", "--json")
+    assert out.returncode == 0, out.stderr
+    resp = json.loads(out.stdout)
+    choice = resp["choices"][0]
+    assert choice["tokenIds"] == [7] * 5 and len(choice["logprobs"]) == 5
+    assert all(len(lp["topLogprobs"]) == 2 for lp in choice["logprobs"])
+    text = cli("generate", "--server", server.address, "--raw", "hello", "--max-tokens", "4", "--ignore-eos",
+               "--seed", "1", "--logprobs", "1", "-v")
+    assert text.returncode == 0 and "logprobs:" in text.stderr and "completion 4 tokens" in text.stderr
+    bad = cli("generate", "--server", server.address, "hi", "--repetition-penalty", "9")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "repetition_penalty" in bad.stderr
+
+
+def test_the_server_log_ends_start_up_with_one_human_line(server):
+    lines = server.log_path.read_text().splitlines()
+    ready = [line for line in lines if line.startswith("pagedserve is serving")]
+    assert len(ready) == 1
+    assert server.address in ready[0] and "KV pool 200 blocks x 4 tokens" in ready[0]
+    assert "Try: pagedserve generate --server" in ready[0]
+    # not a terminal: every other line is a JSON event
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    assert any(e.get("event") == "serving" for e in events)
+
+
+def test_logs_are_console_lines_on_a_terminal_and_json_when_asked():
+    code = ("import structlog; from protos.logs import configure_logging; import sys;"
+            "configure_logging('info', 'probe', sys.argv[1]);"
+            "structlog.get_logger('t').info('hello_event', request_id='r-1', n=3)")
+    console = plain(in_terminal([sys.executable, "-c", code, "auto"], seconds=30))
+    assert "hello_event" in console and "request_id=r-1" in console and not console.lstrip().startswith("{")
+    forced = subprocess.run([sys.executable, "-c", code, "json"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=30)
+    event = json.loads(forced.stderr.strip().splitlines()[-1])
+    assert event["event"] == "hello_event" and event["request_id"] == "r-1" and event["process"] == "probe"
