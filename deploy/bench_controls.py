@@ -59,8 +59,9 @@ async def drive(address: str, prompts: list[list[int]], max_tokens: int, control
     return time.perf_counter() - t0, sum(counts)
 
 
-def mask_timing(model: str, rows: int, reps: int = 20) -> float:
-    """Seconds to compute the masks of `rows` JSON-constrained rows part way through their objects."""
+def mask_timing(model: str, rows: int, kind: str, reps: int = 20) -> float:
+    """Seconds to compute the masks of `rows` constrained rows: JSON ones part way through their object's
+    first value, or fresh rows of the regex mode."""
     from scheduler_service.config import ModelSpec
     from scheduler_service.structured import GrammarEngine
     from scheduler_service.tokenizer import Tokenizer
@@ -68,11 +69,13 @@ def mask_timing(model: str, rows: int, reps: int = 20) -> float:
     spec = ModelSpec.from_folder(model)
     tok = Tokenizer(model)
     engine = GrammarEngine(tok.to_json(), spec.vocab_size, spec.eos_token_ids)
-    compiled = engine.compile(json_schema=json.dumps(PERSON))
+    compiled = engine.compile(**{"json_schema" if kind == "json" else "regex": MODES[kind][
+        "json_schema" if kind == "json" else "regex"]})
     matchers = []
     for i in range(rows):
         m = engine.matcher(compiled)
-        for t in tok.encode_prompt('{"name": "Ann' + "a" * (i % 7), raw=True):
+        text = '{"name": "Ann' + "a" * (i % 7) if kind == "json" else "the sea, " * (i % 5)
+        for t in tok.encode_prompt(text, raw=True):
             m.consume_token(t)
         matchers.append(m)
     engine.fill_masks(matchers)
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {m: [] for m in modes}
     beside: dict[str, list[float]] = {m: [] for m in modes}  # the plain rounds next to each mode's
     try:
-        asyncio.run(drive(server.address, prompts[:4], 8, {}, args.temperature))  # warm
+        asyncio.run(drive(server.address, prompts, args.max_tokens, {}, args.temperature))  # a whole round to warm
         for _ in range(args.rounds):
             for mode in modes:
                 for name in ("plain", mode):
@@ -127,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         rate, plain = statistics.median(rates[mode]), statistics.median(beside[mode])
         print(f"{mode:<10} {rate:8.1f} {plain:16.1f} {rate / plain:6.2f}")
-    for rows in (1, 16, 64):
-        print(f"masks of {rows:>2} JSON rows (scheduler, in process): {mask_timing(args.model, rows) * 1e3:.2f} ms")
+    for kind in ("json", "regex"):
+        for rows in (1, 16, 64):
+            print(f"masks of {rows:>2} {kind} rows (scheduler, in process): "
+                  f"{mask_timing(args.model, rows, kind) * 1e3:.2f} ms")
     return 0
 
 

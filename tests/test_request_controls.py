@@ -82,9 +82,16 @@ def test_logprobs_are_transformers_log_softmax_of_the_tokens_drawn(real, tempera
 @has_model
 @pytest.mark.real_model
 def test_streamed_logprobs_match_the_unary_ones(real):
-    req = generation_pb2.GenerateRequest(prompt="Count to five.", sampling=SP(max_tokens=8, logprobs=0))
-    whole = real.stub.Generate(req, timeout=120).choices[0]
-    streamed = [lp for m in real.stub.GenerateStream(req, timeout=120) for lp in m.logprobs]
+    req = generation_pb2.GenerateRequest(prompt="Count to five.", sampling=SP(max_tokens=8, logprobs=0,
+                                                                              prompt_logprobs=1))
+    unary = real.stub.Generate(req, timeout=120)
+    whole = unary.choices[0]
+    messages = list(real.stub.GenerateStream(req, timeout=120))
+    streamed = [lp for m in messages for lp in m.logprobs]
+    assert [len(m.prompt_logprobs) for m in messages][0] == len(unary.prompt_logprobs) > 0
+    assert all(len(m.prompt_logprobs) == 0 for m in messages[1:])  # on the first message only
+    assert [p.logprob for p in messages[0].prompt_logprobs] == pytest.approx(
+        [p.logprob for p in unary.prompt_logprobs], abs=1e-6)
     assert [lp.token_id for lp in streamed] == list(whole.token_ids)
     assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in whole.logprobs], abs=1e-6)
     assert all(len(lp.top_logprobs) == 0 for lp in streamed)  # K = 0: the drawn token's alone

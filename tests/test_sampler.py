@@ -108,7 +108,7 @@ def test_counter_noise_is_splitmix64_of_key_and_position():
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
         z ^= z >> 31
-        return -math.log(((z >> 40) + 0.5) / (1 << 24))
+        return -math.log(((z >> 41) + 0.5) / (1 << 23))
 
     keys = [mix_seed(7, 0), mix_seed(7, 1), mix_seed(123456789, 99), (1 << 63) - 1]
     noise = exponential_noise(torch.tensor(keys, dtype=torch.int64), 50)
@@ -118,6 +118,21 @@ def test_counter_noise_is_splitmix64_of_key_and_position():
     big = exponential_noise(torch.tensor([mix_seed(1, 2)]), 200_000)[0]
     assert abs(float(big.mean()) - 1.0) < 0.01 and abs(float(big.var()) - 1.0) < 0.03  # Exp(1)
     assert bool((big > 0).all()) and bool(torch.isfinite(big).all())
+
+
+def test_no_draw_makes_a_filtered_token_win():
+    """The largest uniform stays below 1, so the noise is never 0: a token of probability 0 (masked,
+    top-k'd) never meets 0 / 0 = NaN, which argmax would take. Found with structured output: one draw in
+    2^24 per token had it."""
+    from worker.sampler import UNIFORM_BITS, uniform_from_bits
+
+    top = uniform_from_bits(torch.tensor([(1 << UNIFORM_BITS) - 1, 0]))
+    assert float(top[0]) < 1.0 and float(top[1]) > 0.0
+    assert bool((-torch.log(top) > 0).all())
+    logits = torch.full((1, 8), float("-inf"))
+    logits[0, 3] = 0.0
+    for seed in range(50):  # the one finite token, whatever the noise
+        assert int(sample(logits, batch(1, seeds=[seed], index=[seed]))[0]) == 3
 
 
 def test_sampler_takes_host_parameters_for_device_logits():

@@ -23,9 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import structlog
 import torch
 
 from protos.codec import Logprobs, PlanArrays
+
+log = structlog.get_logger("worker.controls")
 
 
 @dataclass
@@ -56,7 +59,7 @@ def gather_controls(p: PlanArrays, rows: np.ndarray, block_tables: torch.Tensor,
     c = StepControls()
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+        return torch.from_numpy(np.array(a)).to(device=device, dtype=dtype, non_blocking=True)  # owned, writable
 
     if p.bias_offsets is not None:
         counts = np.diff(p.bias_offsets.astype(np.int64))
@@ -129,6 +132,7 @@ def apply_controls(logits: torch.Tensor, c: StepControls, pool) -> torch.Tensor:
         out[c.penalty_rows] = rows
     dead = torch.isneginf(out).all(dim=-1) & ~torch.isneginf(logits).all(dim=-1)
     if bool(dead.any()):
+        log.warning("controls_left_no_token", rows=dead.nonzero().flatten().tolist())
         out[dead] = logits[dead]
     return out
 

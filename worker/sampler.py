@@ -84,15 +84,25 @@ def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [rows, vocab] from a counter-based generator: element (r, v) is a function of keys[r]
-    and v alone (splitmix64 of the pair, 24 bits to a uniform in (0, 1), then -log), so one batched pass
+    and v alone (splitmix64 of the pair, 23 bits to a uniform in (0, 1), then -log), so one batched pass
     over all rows on any device draws what a replay of the same (seed, token index) draws."""
     v = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
     z = keys[:, None] + v[None, :] * _GOLDEN
     z = (z ^ _shr(z, 30)) * _MIX1
     z = (z ^ _shr(z, 27)) * _MIX2
     z = z ^ _shr(z, 31)
-    uniform = (_shr(z, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform)
+    return -torch.log(uniform_from_bits(_shr(z, 64 - UNIFORM_BITS)))
+
+
+# Bits of a uniform draw. (k + 0.5) / 2^23 for k < 2^23 is exact in float32 and lies in (0, 1) strictly;
+# with 24 bits the top value rounds to 1.0, whose -log is 0, and a token of probability 0 (filtered by
+# top-k, top-p, min-p or a mask) would then win the race as 0 / 0 = NaN.
+UNIFORM_BITS = 23
+
+
+def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^UNIFORM_BITS) -> float32 uniforms strictly inside (0, 1)."""
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
