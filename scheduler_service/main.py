@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -189,10 +190,25 @@ def ready_line(engine: Engine, host: str, port: int) -> str:
     layout = ""
     if info["tensor_parallel_size"] > 1 or info["data_parallel_size"] > 1:
         layout = f", {info['data_parallel_size']} replica(s) x {info['tensor_parallel_size']} rank(s)"
+    command = cli_command()
     return (f"pagedserve is serving {info['model_name']} on {where} ({info['dtype']}, "
             f"context {info['max_context']:,} tokens{layout}); KV pool {info['num_blocks']:,} blocks x "
             f"{info['block_size']} tokens = {human_bytes(pool_bytes)}. "
-            f"Try: pagedserve generate{server} \"Write a haiku about the sea\"   (watch: pagedserve top{server})")
+            f"Try: {command} generate{server} \"Write a haiku about the sea\"   (watch: {command} top{server})")
+
+
+def cli_command() -> str:
+    """How to type the `pagedserve` command here: its name when it is on PATH, else the path of the one
+    beside this interpreter (a virtual environment that is not activated), relative when it is below."""
+    if shutil.which("pagedserve"):
+        return "pagedserve"
+    beside = Path(sys.executable).parent / "pagedserve"
+    if not beside.exists():
+        return "pagedserve"
+    try:
+        return str(beside.relative_to(Path.cwd()))
+    except ValueError:
+        return str(beside)
 
 
 async def _watch_health(engine: Engine, health, stop: asyncio.Event) -> None:

@@ -278,11 +278,16 @@ def test_prometheus_metrics_count_requests_and_tokens(server):
         "pagedserve_time_to_first_token_seconds_count", 0)
 
 
-def sampled_request(prompt, max_tokens, seed, n=1, request_id=""):
+def sampled_request(prompt, max_tokens, seed, n=1, request_id="", **controls):
     return generation_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=prompt,
         sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.95, top_k=50,
-                                               seed=seed, n=n, ignore_eos=True))
+                                               seed=seed, n=n, ignore_eos=True, **controls))
+
+
+# Request controls that read the context (penalties), add biases, filter (min_p) and report (logprobs).
+CONTROLS = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.6, min_p=0.02,
+                logit_bias={5: 2.0, 6: -100.0}, logprobs=2)
 
 
 def test_n_samples_each_get_their_own_choice_and_stream_index(server):
@@ -298,17 +303,20 @@ def test_n_samples_each_get_their_own_choice_and_stream_index(server):
     assert_all_blocks_back(server)
 
 
-def test_seeded_sampling_is_reproducible_even_across_preemption(server, tight_server):
-    """A seeded request draws the same tokens alone on a roomy pool and preempted on a tight one."""
+@pytest.mark.parametrize("controls", [{}, CONTROLS], ids=["plain", "controls"])
+def test_seeded_sampling_is_reproducible_even_across_preemption(server, tight_server, controls):
+    """A seeded request draws the same tokens alone on a roomy pool and preempted on a tight one; with
+    penalties too, whose context a recompute rewrites into fresh blocks."""
     items = [(rid, p, m, 0.0) for rid, p, m, _ in workload(10, seed=9)]  # all at once: the pool overflows
-    roomy = {rid: server.stub.Generate(sampled_request(p, m, seed=i), timeout=120).choices[0].token_ids
+    roomy = {rid: server.stub.Generate(sampled_request(p, m, seed=i, **controls), timeout=120).choices[0].token_ids
              for i, (rid, p, m, _) in enumerate(items)}
     before = tight_server.stats().num_preemptions
 
     def one(i):
         rid, p, m, delay = items[i]
         time.sleep(delay)
-        return rid, tight_server.stub.Generate(sampled_request(p, m, seed=i), timeout=120).choices[0].token_ids
+        return rid, tight_server.stub.Generate(sampled_request(p, m, seed=i, **controls),
+                                               timeout=120).choices[0].token_ids
 
     with ThreadPoolExecutor(len(items)) as pool:
         tight = dict(pool.map(one, range(len(items))))
@@ -372,10 +380,11 @@ def test_overlap_on_and_off_give_identical_sampled_outputs_cut_at_their_stops(se
     free = [plain_server.stub.Generate(request(i, p, m + 8), timeout=120).choices[0].token_ids
             for i, (_, p, m, _) in enumerate(items)]
     stops = [(out[len(out) // 2],) for out in free]  # a token from the middle of each free-running output
-    want = [list(out[: list(out).index(stop[0]) + 1]) for out, stop in zip(free, stops)]
+    want = [list(out[: list(out).index(stop[0]) + 1]) for out, stop in zip(free, stops, strict=True)]
     for srv in (plain_server, server, tight_server):
         with ThreadPoolExecutor(len(items)) as pool:
-            got = list(pool.map(lambda i: run_stream(srv.stub, request(i, items[i][1], items[i][2] + 8, stops[i])),
+            got = list(pool.map(lambda i, srv=srv: run_stream(srv.stub, request(i, items[i][1], items[i][2] + 8,
+                                                                               stops[i])),
                                 range(len(items))))
         assert [g[0][0] for g in got] == want
         assert all(g[2][0] == generation_pb2.STOP for g in got)

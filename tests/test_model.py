@@ -292,16 +292,16 @@ def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
             assert runner.graphs.buckets == [1, 2, 4, 8]
         blocks = [[(7 * i + 3 * j) % 35 for j in range(7)] for i in range(5)]  # scattered, 28 keys each
         prompts = [[5 + i, 9, 11 + i] for i in range(5)]
-        out = [runner.execute(plan(1, [(p, 0, b) for p, b in zip(prompts, blocks)])).sampled_token_ids]
+        out = [runner.execute(plan(1, [(p, 0, b) for p, b in zip(prompts, blocks, strict=True)])).sampled_token_ids]
         live, length, step = list(range(5)), 3, 2
-        last = dict(zip(live, np.frombuffer(out[-1], dtype=np.int32).tolist()))
+        last = dict(zip(live, np.frombuffer(out[-1], dtype=np.int32).tolist(), strict=True))
         while live:
             if with_graphs:
                 assert runner.graphs.covers(np.ones(len(live)), np.full(len(live), length + 1)) == (length < 24)
             res = runner.execute(plan(step, [([last[i]], length, blocks[i]) for i in live]))
             assert not res.error
             out.append(res.sampled_token_ids)
-            last = dict(zip(live, np.frombuffer(res.sampled_token_ids, dtype=np.int32).tolist()))
+            last = dict(zip(live, np.frombuffer(res.sampled_token_ids, dtype=np.int32).tolist(), strict=True))
             length, step = length + 1, step + 1
             if length in (7, 12, 15):  # rows leave: 5 -> 4 -> 3 -> 2 (buckets 8, 4, 4, 2)
                 live = live[:-1]

@@ -43,6 +43,20 @@ def test_tensor_parallel_group_outputs_equal_transformers(tp_server, tiny_model_
     assert_all_blocks_back(tp_server)
 
 
+def test_tensor_parallel_applies_request_controls_like_one_rank(tp_server, dp_server):
+    """Every rank of a group applies the same controls to the same logits and draws the same token: the
+    group answers seeded requests with penalties, biases, min_p and logprobs as a single rank does."""
+    from tests.test_e2e import CONTROLS, sampled_request
+
+    for i, prompt in enumerate(([3, 4, 5, 6], list(range(40, 75)), [9] * 12)):
+        req = sampled_request(prompt, 16, seed=100 + i, **CONTROLS)
+        a = tp_server.stub.Generate(req, timeout=120).choices[0]
+        b = dp_server.stub.Generate(req, timeout=120).choices[0]
+        assert list(a.token_ids) == list(b.token_ids)
+        assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], abs=1e-3)
+        assert 6 not in a.token_ids
+
+
 def test_data_parallel_outputs_equal_and_distinct_requests_use_both_replicas(dp_server, tiny_model_dir):
     info = dp_server.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
     assert (info.tensor_parallel_size, info.data_parallel_size, info.num_blocks) == (1, 2, 320)

@@ -131,7 +131,7 @@ def test_the_server_log_ends_start_up_with_one_human_line(server):
     ready = [line for line in lines if line.startswith("pagedserve is serving")]
     assert len(ready) == 1
     assert server.address in ready[0] and "KV pool 200 blocks x 4 tokens" in ready[0]
-    assert "Try: pagedserve generate --server" in ready[0]
+    assert re.search(r"Try: (\S*/)?pagedserve generate --server " + re.escape(server.address), ready[0])
     # not a terminal: every other line is a JSON event
     events = [json.loads(line) for line in lines if line.startswith("{")]
     assert any(e.get("event") == "serving" for e in events)

@@ -72,7 +72,7 @@ def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.
         for m in rows:
             for w, p in zip(weights, prepared, strict=True):
                 x = inputs[m][w.shape[1]]
-                total += _time(lambda x=x, p=p: lib(x, p), reps)
+                total += _time(lambda x=x, p=p, lib=lib: lib(x, p), reps)
                 if lib.name != "dense":
                     want = F.linear(x, w)
                     err = (lib(x, p) - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
