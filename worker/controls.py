@@ -106,30 +106,30 @@ def apply_controls(logits: torch.Tensor, c: StepControls, pool) -> torch.Tensor:
     """fp32 [rows, vocab] -> the controlled logits (a new tensor; `logits` is left as it was)."""
     if c.is_empty:
         return logits
-    out = logits.clone()
-    vocab = out.shape[1]
+    rows, vocab = logits.shape
+    # the logits with one scratch element after them: gathers and scatters of padding land there
+    flat = torch.empty(rows * vocab + 1, dtype=logits.dtype, device=logits.device)
+    out = flat[:-1].view(rows, vocab)
+    out.copy_(logits)
     ninf = float("-inf")
     if c.bias_rows is not None:
         out.index_put_((c.bias_rows, c.bias_ids), c.bias_values, accumulate=True)
     if c.mask_rows is not None:
         allowed = unpack_bitmask(c.bitmask, vocab)
         out[c.mask_rows] = out[c.mask_rows].masked_fill(~allowed, ninf)
-    if c.penalty_rows is not None:
-        ctx = pool.context_tokens(c.penalty_tables, c.penalty_lens, pad=vocab)
-        ctx = torch.where((ctx < 0) | (ctx > vocab), torch.full_like(ctx, vocab), ctx)
-        rows = out[c.penalty_rows]
-        present = torch.zeros(rows.shape[0], vocab + 1, dtype=torch.bool, device=out.device)
-        present.scatter_(1, ctx, True)
+    if c.penalty_rows is not None:  # sparse: O(context) per row, never a [rows, vocab] pass
+        ctx = pool.context_tokens(c.penalty_tables, c.penalty_lens, pad=-1)
+        valid = (ctx >= 0) & (ctx < vocab)
+        at = c.penalty_rows[:, None] * vocab + ctx
+        scratch = torch.full_like(at, rows * vocab)
+        every = torch.where(valid, at, scratch)  # each context token (repeats write identical values)
+        values = flat[every]
         rep = c.repetition[:, None]
-        penalized = torch.where(rows > 0, rows / rep, rows * rep)
-        rows = torch.where(present[:, :vocab] & (rep != 1.0), penalized, rows)
-        pos = torch.arange(ctx.shape[1], device=out.device)
-        generated = torch.where(pos[None, :] >= c.penalty_prompt_lens[:, None], ctx, torch.full_like(ctx, vocab))
-        counts = torch.zeros(rows.shape[0], vocab + 1, dtype=torch.float32, device=out.device)
-        counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=torch.float32))
-        counts = counts[:, :vocab]
-        rows = rows - c.frequency[:, None] * counts - c.presence[:, None] * (counts > 0).float()
-        out[c.penalty_rows] = rows
+        flat[every] = torch.where(values > 0, values / rep, values * rep)
+        pos = torch.arange(ctx.shape[1], device=ctx.device)
+        generated = torch.where(valid & (pos[None, :] >= c.penalty_prompt_lens[:, None]), at, scratch)
+        flat[generated] = flat[generated] - c.presence[:, None]  # once per distinct output token
+        flat.index_put_((generated,), (-c.frequency[:, None]).expand(generated.shape), accumulate=True)  # per use
     dead = torch.isneginf(out).all(dim=-1) & ~torch.isneginf(logits).all(dim=-1)
     if bool(dead.any()):
         log.warning("controls_left_no_token", rows=dead.nonzero().flatten().tolist())
