@@ -58,6 +58,7 @@ class PlanArrays:
     prompt_logprob_targets: np.ndarray | None = None  # int32 [sum counts]
     mask_rows: np.ndarray | None = None  # int32 [S]; -1 = unconstrained
     token_bitmask: np.ndarray | None = None  # int32 [M, W]
+    mask_follows: bool = False  # the bitmasks come in a StepMask once the step in flight's tokens are known
 
     @property
     def num_seqs(self) -> int:
@@ -106,6 +107,7 @@ def encode_plan(p: PlanArrays) -> wire_pb2.StepPlan:
         prev_step_id=p.prev_step_id,
         token_bitmask=b(mask, I32),
         bitmask_words=int(mask.shape[1]) if mask is not None else 0,
+        mask_follows=p.mask_follows,
         **{name: b(getattr(p, name), dtype) for name, dtype, _ in _OPTIONAL},
     )
 
@@ -133,10 +135,7 @@ def decode_plan(msg: wire_pb2.StepPlan) -> PlanArrays:
         else:
             extra[name] = _array(blob, dtype, s + (rows == "S+1"), name)
     if msg.token_bitmask:
-        words = msg.bitmask_words
-        if words == 0 or len(msg.token_bitmask) % (words * I32.itemsize):
-            raise CodecError("token_bitmask is not a whole number of bitmask_words-word rows")
-        extra["token_bitmask"] = np.frombuffer(msg.token_bitmask, dtype=I32).reshape(-1, words)
+        extra["token_bitmask"] = decode_mask(msg)
     return PlanArrays(
         step_id=msg.step_id,
         token_ids=_array(msg.token_ids, I32, t, "token_ids"),
@@ -154,8 +153,21 @@ def decode_plan(msg: wire_pb2.StepPlan) -> PlanArrays:
         block_copies=np.frombuffer(msg.block_copies, dtype=I32).reshape(-1, 2),
         prev_step_id=msg.prev_step_id,
         prev_rows=_array(msg.prev_rows, I32, t, "prev_rows") if msg.prev_rows else None,
+        mask_follows=msg.mask_follows,
         **extra,
     )
+
+
+def encode_mask(step_id: int, bitmask: np.ndarray) -> wire_pb2.StepMask:
+    return wire_pb2.StepMask(step_id=step_id, token_bitmask=_bytes(bitmask, I32), bitmask_words=int(bitmask.shape[1]))
+
+
+def decode_mask(msg: wire_pb2.StepMask) -> np.ndarray:
+    """int32 [masks, words]; raises CodecError when the bytes are not whole rows."""
+    words = msg.bitmask_words
+    if words == 0 or len(msg.token_bitmask) % (words * I32.itemsize):
+        raise CodecError("token_bitmask is not a whole number of bitmask_words-word rows")
+    return np.frombuffer(msg.token_bitmask, dtype=I32).reshape(-1, words)
 
 
 def resolve_tokens(p: PlanArrays, last_step_id: int, last_sampled: np.ndarray | None) -> np.ndarray:

@@ -204,9 +204,15 @@ class PlanBuilder:
             plan.bias_token_ids = np.asarray(ids, dtype=I32)
             plan.bias_values = np.asarray(values, dtype=F32)
         if matchers:
-            plan.token_bitmask = engine.fill_masks(matchers)
             plan.mask_rows = np.full(num_seqs, -1, dtype=I32)
             plan.mask_rows[mask_at] = np.arange(len(mask_at), dtype=I32)
+            if any(scheduled[i].prev_row >= 0 for i in mask_at):
+                # a row's last token is the one the step in flight samples: its matcher has not seen it yet,
+                # so the masks follow the plan once that step's result is in (scheduler_service/replica.py)
+                plan.mask_follows = True
+                out.deferred_masks = (engine, matchers)
+            else:
+                plan.token_bitmask = engine.fill_masks(matchers)
         if plp_k is not None:
             plan.prompt_logprobs, plan.prompt_logprob_counts = plp_k, plp_counts
             plan.prompt_logprob_targets = np.asarray(plp_targets, dtype=I32)

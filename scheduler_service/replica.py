@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from protos.codec import CodecError, decode_logprobs, decode_result, encode_plan
+from protos.codec import CodecError, decode_logprobs, decode_result, encode_mask, encode_plan
 from scheduler_service.block_allocator import block_hash
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.output import TokenLogprob
@@ -43,6 +43,7 @@ class StepProfile:
     worker_forward: float = 0.0
     worker_sample: float = 0.0
     process_output: float = 0.0
+    masks: float = 0.0  # structured-output masks that followed their plans
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
@@ -58,6 +59,9 @@ class _Flight:
     t2: float  # sent
     limit: float  # seconds the workers have for it once they start it
     task: asyncio.Task | None = field(default=None, repr=False)
+    # Set once its plan is on the socket; its structured-output masks, when they follow the plan, go after.
+    sent: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    masks_sent: bool = False
 
 
 # Routing load: a waiting sequence counts as this many running ones (it is a whole prefill away from
@@ -214,7 +218,7 @@ class Replica:
                         behind = inflight[-1].limit if inflight else 0.0
                         flight = _Flight(out, t0, t1, t2, self.client.step_limit(plan) + behind)
                         flight.task = asyncio.get_running_loop().create_task(
-                            self.client.execute(self.index, plan, queued_behind=behind))
+                            self.client.execute(self.index, plan, queued_behind=behind, sent=flight.sent))
                         inflight.append(flight)
                         launched = True
                     elif not inflight:
@@ -228,6 +232,8 @@ class Replica:
                     continue  # room for one more in flight: plan it before waiting
                 if not await self._finish(sched, inflight.popleft()):
                     return
+                for flight in inflight:  # its masks waited for the step just applied (failed or not)
+                    await self._send_masks(flight)
                 if time.monotonic() - last_profile_log > 5.0:
                     last_profile_log = time.monotonic()
                     log.info("step_profile", replica=self.index, **self.profile.as_dict(),
@@ -274,6 +280,20 @@ class Replica:
         if self.config.debug_invariants:
             sched.check_invariants()
         return True
+
+    async def _send_masks(self, flight: _Flight) -> None:
+        """Compute the masks of a step sent with mask_follows from its matchers as they are now and send them,
+        after its plan and before any later plan. Called once the step before it is applied; if that step
+        failed, its requests were ended and whatever this step draws for them is dropped."""
+        if flight.out.deferred_masks is None or flight.masks_sent:
+            return
+        flight.masks_sent = True
+        t0 = time.perf_counter()
+        engine, matchers = flight.out.deferred_masks
+        mask = encode_mask(flight.out.step_id, engine.fill_masks(matchers))
+        self.profile.masks += time.perf_counter() - t0
+        await flight.sent.wait()
+        await self.client.send_mask(self.index, mask)
 
     async def _no_progress(self, sched: Scheduler) -> None:
         """Nothing runs and the head of the queue cannot be admitted: it can never be, so it gets an error

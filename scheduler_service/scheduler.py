@@ -66,6 +66,9 @@ class SchedulerOutput:
     # (K per row, positions per row); the result's arrays are decoded with them.
     logprobs_k: object = None
     prompt_logprobs: object = None
+    # Structured output whose masks follow the plan: (grammar engine, matchers in mask order), sent by the
+    # replica once the step before this one is applied (the matchers have then seen their last token).
+    deferred_masks: object = None
 
     @property
     def num_tokens(self) -> int:
@@ -179,8 +182,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
-            if seq.num_pending and (seq.matcher is not None or self._at_limit(seq)):
-                continue  # its last step samples its last token; or its mask needs the token in flight
+            if seq.num_pending and self._at_limit(seq):
+                continue  # the step in flight samples its last token
             pos = seq.num_computed_tokens
             if pos % bs:  # fast path: the token goes into the sequence's last block; in place if it is its own
                 block = seq.block_ids[pos // bs]

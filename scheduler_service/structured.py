@@ -4,11 +4,13 @@ The matchers live in the scheduler, beside the tokens they follow: the scheduler
 sequence's tokens and the plan, llguidance is a Rust library with no torch in it, and a matcher advanced
 where tokens become known needs no state on the workers (a restarted worker, a preempted or moved
 sequence keep theirs). Each step, the masks of every constrained row that samples are computed in one
-parallel call (llguidance's executor, threads outside the GIL) while the workers run the previous step,
-and travel in the plan as a bitmask (protos/wire.proto); the worker sets every masked-out logit to -inf.
+parallel call (llguidance's executor, threads outside the GIL) and travel as a bitmask, in the plan or
+right after it (protos/wire.proto); the worker sets every masked-out logit to -inf.
 
-A constrained sequence is planned only once its last token is known (never with a token pending from the
-step in flight: its mask depends on that token), so with overlap it runs every other step. A sample ends
+With overlap, the next step is planned before the step in flight has sampled a constrained row's last
+token, on which its mask depends: that plan goes out with `mask_follows`, and once the step in flight is
+applied (its tokens consumed by the matchers) the replica computes the masks and sends them in a StepMask
+while the workers run the forward; they wait for it only before sampling. A sample ends
 with STOP when its matcher has nothing left to match (the grammar is complete and allows no more tokens),
 or when it draws an end-of-sequence token, which the mask allows only where the structure is complete; it
 ends with LENGTH at max_tokens otherwise, its text then incomplete.

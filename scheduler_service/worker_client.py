@@ -346,9 +346,12 @@ class WorkerClient:
         """Seconds a group has for a step once it starts it."""
         return self.step_timeout + self.step_timeout_per_token * plan.num_tokens
 
-    async def execute(self, replica: int, plan: wire_pb2.StepPlan, queued_behind: float = 0.0) -> wire_pb2.StepResult:
+    async def execute(self, replica: int, plan: wire_pb2.StepPlan, queued_behind: float = 0.0,
+                      sent: asyncio.Event | None = None) -> wire_pb2.StepResult:
         """Send a plan to every rank of a replica and wait for all answers; raises WorkerError / WorkerLost.
-        queued_behind: the deadline of a step sent before this one that the group runs first (overlap)."""
+        queued_behind: the deadline of a step sent before this one that the group runs first (overlap).
+        sent: set once the plan's frames are handed to the socket (or the send failed): a StepMask for the
+        plan (`send_mask`) must wait for it, so every rank reads the plan first."""
         group = self.groups[replica]
         if not group.is_ready:
             raise WorkerLost(f"replica {replica} has no workers connected")
@@ -359,11 +362,15 @@ class WorkerClient:
         deadline = time.monotonic() + limit
         self._pending[key] = (future, {})
         try:
-            for w in list(group.workers.values()):
-                try:
-                    await self._sock.send_multipart([w.identity, frame])
-                except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer's connection is gone
-                    raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} is unreachable: {e}") from e
+            try:
+                for w in list(group.workers.values()):
+                    try:
+                        await self._sock.send_multipart([w.identity, frame])
+                    except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer's connection is gone
+                        raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} is unreachable: {e}") from e
+            finally:
+                if sent is not None:
+                    sent.set()
             while True:
                 done, _ = await asyncio.wait({future}, timeout=min(1.0, self.heartbeat_timeout))
                 if done:
@@ -383,6 +390,17 @@ class WorkerClient:
             if r.sampled_token_ids != first.sampled_token_ids:
                 raise WorkerError(f"replica {replica}: rank {rank} sampled other tokens than rank 0")
         return first
+
+    async def send_mask(self, replica: int, mask: wire_pb2.StepMask) -> None:
+        """The masks of a plan sent with mask_follows, to every rank of its replica (sent after the plan:
+        the caller waits for its `sent`). A rank that cannot be reached fails its step's own wait."""
+        group = self.groups[replica]
+        frame = wire_pb2.WireMessage(version=WIRE_VERSION, mask=mask).SerializeToString()
+        for w in list(group.workers.values()):
+            try:
+                await self._sock.send_multipart([w.identity, frame])
+            except zmq.ZMQError:
+                pass
 
     def check_alive(self, replica: int) -> None:
         group = self.groups[replica]

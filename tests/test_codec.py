@@ -70,9 +70,9 @@ def test_plan_round_trip_through_bytes_is_exact(num_seqs, max_blocks, controls):
     wire = wire_pb2.StepPlan.FromString(encode_plan(plan).SerializeToString())
     back = decode_plan(wire)
     assert back.step_id == plan.step_id and (back.num_seqs, back.num_tokens) == (plan.num_seqs, plan.num_tokens)
-    assert back.prev_step_id == plan.prev_step_id
+    assert back.prev_step_id == plan.prev_step_id and back.mask_follows == plan.mask_follows
     for name in PlanArrays.__dataclass_fields__:
-        if name not in ("step_id", "prev_step_id"):
+        if name not in ("step_id", "prev_step_id", "mask_follows"):
             a, b = getattr(plan, name), getattr(back, name)
             if a is None:  # an unused control stays unused (a ragged one comes back empty)
                 assert b is None or b.size == 0, name

@@ -181,3 +181,47 @@ def test_each_local_rank_owns_its_own_gpu():
     for bad, count, message in (("cuda:4", 4, "GPUs 0-3"), ("cuda", 0, "has none"), ("cuda:x", 2, "cuda:N")):
         with pytest.raises(ValueError, match=message):
             rank_device(bad, 0, count)
+
+
+def only(tokens: list[int], words: int = 12) -> np.ndarray:
+    """A one-row bitmask allowing just `tokens` (384 tokens: 12 words)."""
+    mask = np.zeros((1, words), dtype=np.uint32)
+    for t in tokens:
+        mask[0, t // 32] |= np.uint32(1 << (t % 32))
+    return mask.view(np.int32)
+
+
+def test_masks_that_follow_their_plan_are_awaited_after_the_forward(worker):
+    """A plan sent with mask_follows runs its forward, then reads its StepMask off the socket before
+    sampling; masks of refused plans are skipped; a shutdown while waiting ends the worker cleanly."""
+    from protos.codec import encode_mask
+
+    peer, proc = worker
+    rows = np.zeros(1, "<i4").tobytes()
+    peer.send_msg(plan=plan(step_id=1))
+    _, free = peer.recv("result")
+    chosen = int(np.frombuffer(free.sampled_token_ids, "<i4")[0])
+    allowed = (chosen + 1) % 384  # anything but the model's own choice
+    peer.send_msg(plan=plan(step_id=2, mask_rows=rows, mask_follows=True))
+    with pytest.raises(TimeoutError):  # no result until the masks come
+        peer.recv("result", timeout=2.0)
+    peer.send_msg(mask=encode_mask(2, only([allowed])))
+    _, res = peer.recv("result")
+    assert not res.error and np.frombuffer(res.sampled_token_ids, "<i4").tolist() == [allowed]
+    # a refused plan's masks arrive after it and are skipped, by the loop or by a later step's wait
+    peer.send_msg(plan=plan(step_id=3, mask_rows=rows, mask_follows=True, top_p=np.array([7.0], "<f4").tobytes()))
+    _, refused = peer.recv("result")
+    assert refused.error.startswith("rejected plan")
+    peer.send_msg(plan=plan(step_id=4, mask_rows=rows, mask_follows=True))
+    peer.send_msg(mask=encode_mask(3, only([1])))
+    peer.send_msg(mask=encode_mask(4, only([allowed, 200])))
+    _, res = peer.recv("result")
+    assert res.step_id == 4 and np.frombuffer(res.sampled_token_ids, "<i4")[0] in (allowed, 200)
+    # masks of the wrong size fail the step, not the worker
+    peer.send_msg(plan=plan(step_id=5, mask_rows=rows, mask_follows=True))
+    peer.send_msg(mask=encode_mask(5, only([1], words=3)))
+    _, res = peer.recv("result")
+    assert "masks" in res.error and proc.poll() is None
+    peer.send_msg(plan=plan(step_id=6, mask_rows=rows, mask_follows=True))
+    peer.send_msg(shutdown=wire_pb2.Shutdown(reason="test over"))
+    assert proc.wait(timeout=30) == 0

@@ -66,6 +66,15 @@ def validate_plan(p: PlanArrays, num_blocks: int, block_size: int, vocab: int, m
 MAX_PLAN_LOGPROBS = 20
 
 
+def check_mask(bitmask: np.ndarray, p: PlanArrays, vocab: int) -> np.ndarray:
+    """The masks that followed a plan must cover its constrained rows and the vocabulary."""
+    need = int(p.mask_rows.max()) + 1 if p.mask_rows is not None and p.mask_rows.size else 0
+    if bitmask.shape[0] < need or bitmask.shape[1] * 32 < vocab:
+        raise PlanError(f"the step's masks are {bitmask.shape[0]} x {bitmask.shape[1]} words; it needs {need} x "
+                        f"{(vocab + 31) // 32}")
+    return bitmask
+
+
 def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
     """The request-control arrays of a plan (protos/wire.proto) must be consistent and in range."""
     if p.repetition_penalty is not None:
@@ -98,7 +107,9 @@ def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
             raise PlanError("prompt_logprob_counts must lie within each row's new tokens and match the targets")
         if ((targets < 0) | (targets >= vocab)).any():
             raise PlanError(f"a prompt logprob target outside the vocabulary [0, {vocab})")
-    if p.mask_rows is not None:
+    if p.mask_follows and (p.mask_rows is None or p.token_bitmask is not None):
+        raise PlanError("a plan whose masks follow it carries mask_rows and no token_bitmask")
+    if p.mask_rows is not None and not p.mask_follows:
         masks = 0 if p.token_bitmask is None else p.token_bitmask.shape[0]
         if ((p.mask_rows < -1) | (p.mask_rows >= masks)).any():
             raise PlanError("mask_rows refers to a bitmask the plan does not carry")
@@ -123,7 +134,9 @@ class ModelRunner:
         self.last_sampled: np.ndarray | None = None
 
     @torch.inference_mode()
-    def execute(self, plan: wire_pb2.StepPlan) -> wire_pb2.StepResult:
+    def execute(self, plan: wire_pb2.StepPlan, await_mask=None) -> wire_pb2.StepResult:
+        """await_mask(step_id) -> int32 [masks, words]: for a plan sent with mask_follows, blocks until the
+        scheduler sends that step's masks (worker/server.py reads them off the socket)."""
         t0 = time.perf_counter()
         try:
             p = decode_plan(plan)
@@ -131,6 +144,8 @@ class ModelRunner:
             p.token_ids = token_ids
             validate_plan(p, self.num_blocks, self.pool.block_size, self.config.vocab_size,
                           self.config.max_position_embeddings)
+            if p.mask_follows and await_mask is None:
+                raise PlanError("the plan's masks follow it, and this worker has no socket to wait on them")
         except (CodecError, PlanError) as e:
             self.last_sampled = None  # a plan that refers to this one's tokens must not run either
             return wire_pb2.StepResult(step_id=plan.step_id, error=f"rejected plan: {e}")
@@ -167,6 +182,10 @@ class ModelRunner:
             raw = all_logits[last_rows] if graphed else self.model.compute_logits(hidden[last_rows])
             clock.mark("logits")
             t2 = time.perf_counter()
+            if p.mask_follows:  # the forward is queued (or done): now the masks the scheduler computed meanwhile
+                t_mask = time.perf_counter()
+                p.token_bitmask = check_mask(await_mask(plan.step_id), p, self.config.vocab_size)
+                t2 += time.perf_counter() - t_mask  # waiting is neither forward nor sampling
             controls = gather_controls(p, rows, block_tables, self.device)
             logits = apply_controls(raw, controls, self.pool)
             batch = SamplingBatch(

@@ -23,6 +23,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from protos import EXIT_CONFIG, EXIT_RETRY, WIRE_VERSION, wire_pb2
+from protos.codec import decode_mask
 from protos.curve import client_keys
 from worker.runner import ModelRunner
 
@@ -44,6 +45,14 @@ def is_device_fatal(error: BaseException) -> bool:
         return True
     text = str(error)
     return "CUDA error" in text or "device-side assert" in text or "CUBLAS_STATUS" in text
+
+
+class StopServing(Exception):
+    """Shutdown (or a lost scheduler) while a step waited for its masks: the worker exits with `code`."""
+
+    def __init__(self, reason: str, code: int) -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 class WorkerServer:
@@ -147,6 +156,25 @@ class WorkerServer:
             sock.close()
             self._ctx.term()
 
+    def _await_mask(self, sock: zmq.Socket, step_id: int):
+        """Read the socket until the StepMask of `step_id` (a plan sent with mask_follows). The scheduler
+        sends it before any later plan, so anything else here is a shutdown or a broken peer."""
+        while True:
+            if self._stop.is_set():
+                raise StopServing("the scheduler is gone", 1)
+            if not sock.poll(200):
+                continue
+            msg = wire_pb2.WireMessage()
+            msg.ParseFromString(sock.recv())
+            kind = msg.WhichOneof("body")
+            if kind == "mask" and msg.mask.step_id == step_id:
+                return decode_mask(msg.mask)
+            if kind == "mask":  # a refused plan's masks, sent before this one's
+                continue
+            if kind == "shutdown":
+                raise StopServing(msg.shutdown.reason, 0)
+            raise RuntimeError(f"step {step_id} waited for its masks and got a {kind} message")
+
     def _handle(self, sock: zmq.Socket, frame: bytes) -> int | None:
         msg = wire_pb2.WireMessage()
         try:
@@ -169,7 +197,10 @@ class WorkerServer:
         elif kind == "plan":
             self.busy_step_id = msg.plan.step_id
             try:
-                result = self.runner.execute(msg.plan)
+                result = self.runner.execute(msg.plan, await_mask=lambda step_id: self._await_mask(sock, step_id))
+            except StopServing as e:
+                log.info("shutdown", reason=str(e))
+                return e.code
             except Exception as e:  # noqa: BLE001 - a failed step is reported
                 log.exception("step_failed", step_id=msg.plan.step_id)
                 result = wire_pb2.StepResult(step_id=msg.plan.step_id, error=f"step failed: {e!r}")
@@ -187,6 +218,8 @@ class WorkerServer:
         elif kind == "shutdown":
             log.info("shutdown", reason=msg.shutdown.reason)
             return 0
+        elif kind == "mask":  # the masks of a plan this worker refused before its forward: nothing waits
+            log.debug("stale_mask", step_id=msg.mask.step_id)
         else:
             log.warning("unexpected_message", kind=kind)
         return None
