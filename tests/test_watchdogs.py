@@ -83,7 +83,7 @@ class FailingRunner:
         self.calls = 0
         self.num_blocks = 8
 
-    def execute(self, plan):
+    def execute(self, plan, await_mask=None):
         self.calls += 1
         raise self.error
 
