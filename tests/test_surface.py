@@ -147,3 +147,28 @@ def test_logs_are_console_lines_on_a_terminal_and_json_when_asked():
                             timeout=30)
     event = json.loads(forced.stderr.strip().splitlines()[-1])
     assert event["event"] == "hello_event" and event["request_id"] == "r-1" and event["process"] == "probe"
+
+
+def test_top_shows_each_replica_and_a_lost_one_in_red_words():
+    """With data parallelism the view has a row per replica; a replica whose workers are lost says why."""
+    import io
+
+    from rich.console import Console
+
+    from deploy.console import Reading, top_view
+
+    s = generation_pb2.CacheStats(block_size=16, num_blocks=200, num_free_blocks=150, num_cached_blocks=20,
+                                  num_shared_blocks=5, bytes_per_block=1 << 20, used_bytes=30 << 20,
+                                  total_bytes=200 << 20, utilization=0.15, num_running=7, num_generated_tokens=900)
+    s.replicas.add(replica=0, serving=True, status="serving", num_blocks=200, num_free_blocks=150,
+                   num_cached_blocks=20, utilization=0.15, num_running=7, num_requests=12)
+    s.replicas.add(replica=1, serving=False, status="worker rank 0 of replica 1 exited")
+    s.requests.add(request_id="", num_blocks=9, num_tokens=140, num_bytes=9 << 20)
+    before = Reading(generation_pb2.CacheStats(num_generated_tokens=400), 10.0)
+    out = io.StringIO()
+    Console(file=out, width=120).print(top_view(Reading(s, 12.0), before, "host:1", "tiny"))
+    text = out.getvalue()
+    assert "replicas" in text and "worker rank 0 of replica 1 exited" in text
+    assert "250.0" in text  # (900 - 400) tokens over 2 s
+    assert "held 25" in text and "shared 5" in text and "30.0 MiB" in text
+    assert "ids shown with --expose-request-ids" in text
