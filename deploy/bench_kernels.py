@@ -131,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         bench_decode(args, interpreted)
     if args.only in (None, "prefill"):
         bench_prefill(args, interpreted)
+    if not interpreted:
+        from kernels.compile_report import print_runtime_report
+
+        print("\nTriton kernels compiled by this run (one row a version):")
+        print_runtime_report()
     return 0
 
 

@@ -24,8 +24,19 @@ import torch
 import triton
 import triton.language as tl
 
+# Pointers to a step's small metadata arrays (read a value a program) are not specialized on alignment either:
+# they come packed from the staging buffer or sliced (query_start_loc[1:]), 16-byte aligned on some steps and
+# not others, and each change would compile the kernel again. The K/V pool, q and the outputs stay
+# specialized: they are always whole allocations or row views of one, and wide loads need the alignment.
+METADATA_POINTERS = {
+    "_write_kv_kernel": ["slot_ptr"],
+    "_decode_split_kernel": ["block_tables_ptr", "seq_lens_ptr"],
+    "_decode_reduce_kernel": ["seq_lens_ptr"],
+    "_prefill_kernel": ["block_tables_ptr", "seq_lens_ptr", "q_starts_ptr", "q_ends_ptr"],
+}
 
-@triton.jit
+
+@triton.jit(do_not_specialize_on_alignment=METADATA_POINTERS["_write_kv_kernel"])
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_kd,
@@ -86,7 +97,8 @@ STEP_VARYING = {
 }
 
 
-@triton.jit(do_not_specialize=STEP_VARYING["_decode_split_kernel"])
+@triton.jit(do_not_specialize=STEP_VARYING["_decode_split_kernel"],
+            do_not_specialize_on_alignment=METADATA_POINTERS["_decode_split_kernel"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     scale,
@@ -132,7 +144,8 @@ def _decode_split_kernel(
         tl.store(mid_lse_ptr + seq * stride_mls + heads * stride_mlh + split * stride_mlp, m + tl.log(denom), mask=g_mask)
 
 
-@triton.jit(do_not_specialize=STEP_VARYING["_decode_reduce_kernel"])
+@triton.jit(do_not_specialize=STEP_VARYING["_decode_reduce_kernel"],
+            do_not_specialize_on_alignment=METADATA_POINTERS["_decode_reduce_kernel"])
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr,
     stride_mos, stride_moh, stride_mop, stride_mod,
@@ -168,7 +181,8 @@ def _decode_reduce_kernel(
              (acc / denom).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit(do_not_specialize=STEP_VARYING["_prefill_kernel"])
+@triton.jit(do_not_specialize=STEP_VARYING["_prefill_kernel"],
+            do_not_specialize_on_alignment=METADATA_POINTERS["_prefill_kernel"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q_starts_ptr, q_ends_ptr,
     scale,
@@ -227,10 +241,43 @@ def _precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-def _tile(block_size: int, device: torch.device) -> int:
-    """Keys per inner-loop tile: several pages on a GPU (bigger loads), two in the interpreter (so the
-    tests cover tiles that span pages) — always whole pages."""
-    return max(block_size, 64) if device.type == "cuda" else 2 * block_size
+def _on_gpu(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+# Launch configurations. On a GPU the key tile is capped whatever the page size (a tile is gathered key by
+# key through the block table, so it need not span whole pages): at --block-size 256 a 256-key tile held
+# [256, head_dim] K and V in registers and spilled kilobytes a thread. Warps grow with head_dim so that no
+# kernel spills at d64/d128/d256 (`make gpu-compile-report` compiles them all for sm_90 and counts).
+# In the interpreter a tile is two pages, so the tests cover tiles that span pages.
+# OVERRIDES lets deploy/bench_kernels --sweep time other configurations; the worker never sets it.
+OVERRIDES: dict[str, dict] = {}
+
+
+def decode_config(head_dim: int, group: int, block_size: int, on_gpu: bool) -> dict:
+    """Constexprs and launch options of _decode_split_kernel."""
+    block_d = _pow2(head_dim, 16)
+    if not on_gpu:
+        return dict(TILE=2 * block_size, BLOCK_D=block_d, BLOCK_G=_pow2(group, 16))
+    cfg = dict(TILE=64 if block_d <= 128 else 32, BLOCK_D=block_d, BLOCK_G=_pow2(group, 16),
+               num_warps=4 if block_d <= 64 else 8, num_stages=3 if block_d <= 128 else 2)
+    return {**cfg, **OVERRIDES.get("decode", {})}
+
+
+def prefill_config(head_dim: int, block_size: int, on_gpu: bool) -> dict:
+    """Constexprs and launch options of _prefill_kernel."""
+    block_d = _pow2(head_dim, 16)
+    if not on_gpu:
+        return dict(BLOCK_M=16, TILE=2 * block_size, BLOCK_D=block_d)
+    if block_d <= 128:
+        cfg = dict(BLOCK_M=64, TILE=64, BLOCK_D=block_d, num_warps=8, num_stages=3)
+    else:  # [32, 256] queries and a 16-key tile: a 64 x 32 tile spills 432 bytes a thread at d256
+        cfg = dict(BLOCK_M=32, TILE=16, BLOCK_D=block_d, num_warps=8, num_stages=2)
+    return {**cfg, **OVERRIDES.get("prefill", {})}
+
+
+def reduce_config(head_dim: int, on_gpu: bool) -> dict:
+    return dict(BLOCK_D=_pow2(head_dim, 16), SPLIT_TILE=16, **(dict(num_warps=4) if on_gpu else {}))
 
 
 def write_kv(
@@ -338,7 +385,8 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num
         max_seq_len = int(seq_lens.max())
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, n_kv_heads, max_seq_len, block_size, q.device)
-    tile = _tile(block_size, q.device)
+    cfg = decode_config(head_dim, group, block_size, _on_gpu(q.device))
+    tile = cfg["TILE"]
     split_len = tile * triton.cdiv(triton.cdiv(max_seq_len, num_splits), tile)  # whole tiles per split
     num_splits = triton.cdiv(max_seq_len, split_len)
     key = (num_seqs, n_heads, num_splits, head_dim)
@@ -348,18 +396,17 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num
         mid_o, mid_lse = decode_workspace(num_seqs, n_heads, num_splits, head_dim, q.device)
         if workspace is not None:
             workspace["key"], workspace["scratch"] = key, (mid_o, mid_lse)
-    block_d = _pow2(head_dim, 16)
     _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale,
         *q.stride(), *k_cache.stride(), *block_tables.stride(), *mid_o.stride(), *mid_lse.stride(),
         head_dim, group, split_len,
-        BLOCK_SIZE=block_size, TILE=tile, BLOCK_D=block_d, BLOCK_G=_pow2(group, 16), PRECISION=_precision(q.dtype),
+        BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), **cfg,
     )
     _decode_reduce_kernel[(num_seqs, n_heads)](
         mid_o, mid_lse, out, seq_lens,
         *mid_o.stride(), *mid_lse.stride(), *out.stride(),
         head_dim, split_len,
-        BLOCK_D=block_d, SPLIT_TILE=16,
+        **reduce_config(head_dim, _on_gpu(q.device)),
     )
 
 
@@ -368,11 +415,62 @@ def _prefill(q, k_cache, v_cache, block_tables, seq_lens, q_starts, q_ends, scal
     _, block_size, n_kv_heads, _ = k_cache.shape
     if max_q_len is None:
         max_q_len = int((q_ends - q_starts).max())
-    block_m = 64 if q.is_cuda else 16
-    _prefill_kernel[(seq_lens.shape[0], n_heads, triton.cdiv(max_q_len, block_m))](
+    cfg = prefill_config(head_dim, block_size, _on_gpu(q.device))
+    _prefill_kernel[(seq_lens.shape[0], n_heads, triton.cdiv(max_q_len, cfg["BLOCK_M"]))](
         q, k_cache, v_cache, out, block_tables, seq_lens, q_starts, q_ends, scale,
         *q.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
         head_dim, n_heads // n_kv_heads,
-        BLOCK_M=block_m, BLOCK_SIZE=block_size, TILE=_tile(block_size, q.device), BLOCK_D=_pow2(head_dim, 16),
-        PRECISION=_precision(q.dtype),
+        BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), **cfg,
     )
+
+
+# --- what `make gpu-compile-report` compiles ------------------------------------------------------------
+
+def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
+    """Each attention kernel at the GPU configuration its launcher picks, for each head_dim and block size:
+    the argument types, constexprs and options kernels/compile_report.py compiles them with."""
+    ptr = f"*{dtype}"
+    cases = []
+
+    def types(fn, pointers: dict, floats=("scale",)):
+        return {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
+
+    for head_dim in head_dims:
+        for block_size in block_sizes:
+            for group in (4, 8):
+                cfg = decode_config(head_dim, group, block_size, True)
+                options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
+                cases.append(dict(
+                    name=f"decode_split d{head_dim} b{block_size} g{group}", fn=_decode_split_kernel,
+                    signature=types(_decode_split_kernel, dict(
+                        q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                        mid_o_ptr="*fp32", mid_lse_ptr="*fp32")),
+                    constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, **cfg), aligned=_ALIGNED, **options))
+            cfg = prefill_config(head_dim, block_size, True)
+            options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
+            cases.append(dict(
+                name=f"prefill d{head_dim} b{block_size}", fn=_prefill_kernel,
+                signature=types(_prefill_kernel, dict(
+                    q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr, block_tables_ptr="*i32",
+                    seq_lens_ptr="*i32", q_starts_ptr="*i32", q_ends_ptr="*i32")),
+                constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, **cfg), aligned=_ALIGNED, **options))
+        cfg = reduce_config(head_dim, True)
+        options = dict(num_warps=cfg.pop("num_warps"), num_stages=3)
+        cases.append(dict(
+            name=f"decode_reduce d{head_dim}", fn=_decode_reduce_kernel,
+            signature=types(_decode_reduce_kernel, dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr=ptr,
+                                                        seq_lens_ptr="*i32")),
+            constexprs=cfg, aligned=("mid_o_ptr", "mid_lse_ptr", "out_ptr"), **options))
+        cases.append(dict(
+            name=f"write_kv d{head_dim}", fn=_write_kv_kernel,
+            signature=types(_write_kv_kernel, dict(k_ptr=ptr, v_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr,
+                                                   slot_ptr="*i64")),
+            constexprs=dict(BLOCK_D=_pow2(head_dim)), aligned=("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"),
+            num_warps=4, num_stages=3))
+    return cases
+
+
+# What the runtime specializes on a real launch: the pool, q and outputs are 16-byte aligned, and the pool's
+# strides are multiples of 16.
+_ALIGNED = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "mid_o_ptr", "mid_lse_ptr", "stride_qt", "stride_qh",
+            "stride_cb", "stride_cs", "stride_ch", "stride_ot", "stride_oh", "stride_mod")

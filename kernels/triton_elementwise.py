@@ -41,7 +41,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * inter + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])  # staged per step: see triton_attention
 def _rope_kernel(x_ptr, row_stride, positions_ptr, cos_ptr, sin_ptr, half, HALF: tl.constexpr):
     """Rotate-half RoPE of head program_id(1) of token program_id(0), in place."""
     token = tl.program_id(0).to(tl.int64)
@@ -88,3 +88,28 @@ class TritonElementwise:
         if rows:
             _rope_kernel[(rows, heads)](x, x.stride(0), positions, cos, sin, head_dim // 2,
                                         HALF=triton.next_power_of_2(head_dim // 2))
+
+
+def launch_cases(head_dims, dtype: str = "bf16") -> list[dict]:
+    """The elementwise kernels as their launchers run them, for kernels/compile_report.py (one hidden size
+    of 4096 and an MLP of 14336: what they hold per program depends on these, not on head_dim, except RoPE)."""
+    ptr = f"*{dtype}"
+    hidden, inter = 4096, 14336
+    cases = [
+        dict(name=f"add_rms_norm h{hidden}", fn=_add_rms_norm_kernel,
+             signature=dict(residual_ptr=ptr, delta_ptr=ptr, weight_ptr=ptr, out_ptr=ptr, dim="i32", eps="fp32"),
+             constexprs=dict(HAS_DELTA=True, BLOCK=triton.next_power_of_2(hidden)),
+             aligned=("residual_ptr", "delta_ptr", "weight_ptr", "out_ptr", "dim"), num_warps=4, num_stages=3),
+        dict(name=f"silu_mul i{inter}", fn=_silu_mul_kernel,
+             signature=dict(gate_up_ptr=ptr, out_ptr=ptr, inter="i32"),
+             constexprs=dict(BLOCK=min(1024, triton.next_power_of_2(inter))),
+             aligned=("gate_up_ptr", "out_ptr", "inter"), num_warps=4, num_stages=3),
+    ]
+    for head_dim in head_dims:
+        cases.append(dict(
+            name=f"rope d{head_dim}", fn=_rope_kernel,
+            signature=dict(x_ptr=ptr, row_stride="i32", positions_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
+                           half="i32"),
+            constexprs=dict(HALF=triton.next_power_of_2(head_dim // 2)), aligned=("x_ptr", "row_stride"),
+            num_warps=4, num_stages=3))
+    return cases

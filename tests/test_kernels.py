@@ -198,3 +198,23 @@ def test_split_scratch_is_allocated_once_per_step_and_stale_splits_are_never_rea
         out = triton_attention.paged_attention(*case.args, num_splits=6, workspace=workspace)
         close(out, reference.paged_attention(*case.args), dtype)
     assert len(calls) == 1
+
+
+def test_top_p_floor_kernel_matches_the_torch_bisection():
+    """The sampler's Triton top-p search finds the floor the torch one does, rows of several shapes, a vocab
+    that is not a multiple of the kernel's chunk, top_p 1 rows left alone."""
+    from kernels.triton_sampling import top_p_floor
+    from worker.sampler import top_p_floor_torch
+
+    g = torch.Generator().manual_seed(9)
+    vocab = 1000 if DEVICE == "cpu" else 128_256
+    logits = torch.randn(6, vocab, generator=g) * torch.tensor([0.1, 1.0, 3.0, 8.0, 20.0, 2.0])[:, None]
+    probs = torch.softmax(logits, dim=-1).to(DEVICE)
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.3, 0.999, 1.0], device=DEVICE)
+    got = top_p_floor(probs, top_p)
+    want = top_p_floor_torch(probs, top_p)
+    assert got[-1] == 0 and want[-1] == 0
+    kept_got = probs >= got[:, None]
+    kept_want = probs >= want[:, None]
+    # the two sum in different orders: at most a token at the boundary may differ
+    assert int((kept_got != kept_want).sum(dim=-1).max()) <= 1

@@ -225,16 +225,73 @@ def test_warm_up_leaves_the_runner_as_it_found_it(tiny, backend):
     assert answers[0] == answers[1]
 
 
+def _one_seq_plan(step_id, tokens, start, prev=None, seed=7):
+    import numpy as np
+
+    from protos.codec import PlanArrays, encode_plan
+
+    pos = np.arange(start, start + len(tokens), dtype=np.int32)
+    return encode_plan(PlanArrays(
+        step_id=step_id, token_ids=np.asarray(tokens, dtype=np.int32), positions=pos,
+        slot_mapping=(10 * BLOCK + pos).astype(np.int64), block_tables=np.array([[10, 11, 12]], dtype=np.int32),
+        seq_lens=np.array([start + len(tokens)], dtype=np.int32),
+        query_start_loc=np.array([0, len(tokens)], dtype=np.int32), do_sample=np.array([True]),
+        sample_index=np.array([start], dtype=np.int32), temperature=np.array([0.8], dtype=np.float32),
+        top_p=np.full(1, 0.9, dtype=np.float32), top_k=np.zeros(1, dtype=np.int32),
+        seed=np.array([seed], dtype=np.uint64), block_copies=np.zeros((0, 2), dtype=np.int32),
+        prev_step_id=prev or 0, prev_rows=None if prev is None else np.array([0], dtype=np.int32)))
+
+
+def test_a_step_launched_before_the_last_one_is_read_back_takes_its_tokens_on_the_device(tiny):
+    """The worker launches step N+1 (its input token read from step N's sampled tokens on the device) before
+    it reads step N back: the tokens are those of running the steps one after the other. A step whose source
+    step fails once read back fails too, and so does a later plan that refers to it."""
+    from worker.runner import ModelRunner, StepDependencyError
+    from worker.sampler import NonFiniteLogits
+
+    model, config, _, _ = tiny
+
+    def runner():
+        pool = KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu"))
+        return ModelRunner(model, pool, make_backend("torch", torch.device("cpu")), torch.device("cpu"))
+
+    one_by_one = runner()
+    want = [one_by_one.execute(_one_seq_plan(5, [3, 4, 5, 6, 7], 0)),
+            one_by_one.execute(_one_seq_plan(6, [0], 5, prev=5)),
+            one_by_one.execute(_one_seq_plan(7, [0], 6, prev=6))]
+    piped = runner()
+    f5 = piped.launch(_one_seq_plan(5, [3, 4, 5, 6, 7], 0))
+    f6 = piped.launch(_one_seq_plan(6, [0], 5, prev=5))
+    r5 = piped.finish(f5)
+    f7 = piped.launch(_one_seq_plan(7, [0], 6, prev=6))
+    got = [r5, piped.finish(f6), piped.finish(f7)]
+    assert [r.sampled_token_ids for r in got] == [r.sampled_token_ids for r in want]
+    assert not any(r.error for r in got)
+
+    broken = runner()
+    f5 = broken.launch(_one_seq_plan(5, [3, 4, 5, 6, 7], 0))
+    f6 = broken.launch(_one_seq_plan(6, [0], 5, prev=5))
+    with torch.inference_mode():
+        f5.host_tokens.fill_(-1)  # as if its row had no finite logits
+    with pytest.raises(NonFiniteLogits):
+        broken.finish(f5)
+    with pytest.raises(StepDependencyError, match="step 5"):
+        broken.finish(f6)
+    rejected = broken.execute(_one_seq_plan(7, [0], 6, prev=6))
+    assert "rejected plan" in rejected.error and "step 6" in rejected.error
+
+
 def test_staging_packs_a_steps_arrays_into_one_transfer_and_cuts_them_back():
-    """The packed path (one pinned buffer and one transfer on CUDA; forced here on the CPU) gives back every
-    array with its values, dtype and shape, empty ones and odd byte counts included, and reuses and grows
-    its buffer across steps."""
+    """The packed path (a pinned buffer and one transfer on CUDA; forced here on the CPU) gives back every
+    array with its values, dtype and shape, empty ones and odd byte counts included, each 16-byte aligned,
+    and reuses and grows its two buffers across steps without touching the previous step's."""
     import numpy as np
 
     from worker.runner import Staging
 
     staging = Staging(torch.device("cpu"), pack=True)
     rng = np.random.default_rng(0)
+    before, previous = [], []
     for step in range(3):
         arrays = [(rng.integers(-5, 100, (3 + step, 7)).astype(np.int32), torch.int32),
                   (rng.integers(0, 1 << 40, 5 + 1000 * step), torch.int64),
@@ -245,7 +302,12 @@ def test_staging_packs_a_steps_arrays_into_one_transfer_and_cuts_them_back():
         for (a, dtype), t in zip(arrays, out, strict=True):
             assert t.dtype == dtype and tuple(t.shape) == a.shape
             assert np.array_equal(t.numpy(), a.astype(t.numpy().dtype))
-    assert staging._host.numel() >= 8 * 2005
+            # 16-byte aligned whatever came before: a kernel argument's alignment never changes step to step
+            assert t.data_ptr() % 16 == 0
+        for (a, _), t in zip(before, previous, strict=True):  # the step before is still on the device: intact
+            assert np.array_equal(t.numpy(), a.astype(t.numpy().dtype))
+        before, previous = arrays, out
+    assert max(h.numel() for h in staging._hosts) >= 8 * 2005
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])

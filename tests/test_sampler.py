@@ -162,3 +162,49 @@ def test_top_k_keeps_ties_with_the_kth_token_whatever_else_is_in_the_batch():
         beside.append(int(sample(logits, b)[0]))
     assert alone == beside  # draw for draw
     assert set(alone) == {0, 1, 2, 3}
+
+
+def test_sampling_never_reads_the_device_back():
+    """Every path (greedy, temperature, min-p, top-k, top-p) is chosen from the batch's host parameters:
+    run on meta tensors, which have no values, any read of a device value on the host would raise."""
+    from worker.sampler import sample_async
+
+    logits = torch.empty(4, 300, device="meta")
+    b = batch(4, seeds=[1, 2, 3, 4])
+    b.temperature[0] = 0.0
+    b.top_k[1] = 5
+    b.top_p[2] = 0.9
+    b.min_p = torch.tensor([0.0, 0.0, 0.1, 0.05])
+    tokens = sample_async(logits, b)
+    assert tokens.shape == (4,) and tokens.device.type == "meta"
+
+
+def test_top_p_keeps_exactly_the_tokens_with_less_than_top_p_mass_above_them():
+    """The floor found by bisection on the float bits equals the one a full sort gives, on rows of every
+    shape: peaked, flat, with ties at the boundary (all tied tokens stay)."""
+    from worker.sampler import top_p_floor_torch
+
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(1000, generator=g) * s for s in (0.1, 1.0, 4.0, 12.0)]
+    rows.append(torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0] + [-30.0] * 995))  # ties around the boundary
+    probs = torch.softmax(torch.stack(rows), dim=-1)
+    for top_p in (1e-6, 0.3, 0.5, 0.9, 0.99, 0.999999):
+        tp = torch.full((probs.shape[0],), top_p)
+        floor = top_p_floor_torch(probs, tp)
+        for r in range(probs.shape[0]):
+            p = probs[r].double()
+            above = torch.stack([p[p > x].sum() for x in p])  # mass strictly above each token
+            differ = (probs[r] >= floor[r]) != (above < top_p)
+            # fp32 sums: only a token whose mass above lies within rounding of top_p may fall either way
+            assert bool(((above - top_p).abs()[differ] < 1e-5).all()), (r, top_p)
+    assert bool((top_p_floor_torch(probs, torch.ones(probs.shape[0])) == 0).all())  # top_p 1: off
+
+
+def test_a_row_without_finite_logits_comes_back_as_minus_one_without_raising():
+    from worker.sampler import sample_async
+
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
+    logits[1] = float("nan")
+    for temperature in (0.0, 0.8):
+        got = sample_async(logits, batch(3, temperature=temperature)).tolist()
+        assert got[1] == -1 and got[0] >= 0 and got[2] >= 0

@@ -83,7 +83,7 @@ class FailingRunner:
         self.calls = 0
         self.num_blocks = 8
 
-    def execute(self, plan, await_mask=None):
+    def launch(self, plan, await_mask=None):
         self.calls += 1
         raise self.error
 
@@ -109,5 +109,95 @@ def test_a_device_error_makes_the_worker_report_and_exit(error, exits):
     frame = wire_pb2.WireMessage(version=WIRE_VERSION, plan=one_token_plan(7)).SerializeToString()
     code = server._handle(sock, frame)
     assert sock.frames[-1].result.step_id == 7 and "step failed" in sock.frames[-1].result.error
+    assert code == (EXIT_FAILED if exits else None)
+    server._ctx.term()
+
+
+class _Clock:
+    def __init__(self, done):
+        self._done = done
+
+    def done(self):
+        return self._done
+
+
+class PipelinedRunner:
+    """Records launches and finishes; steps stay 'running' on the device until finished."""
+
+    def __init__(self, fail_finish=None):
+        self.events = []
+        self.num_blocks = 8
+        self.fail_finish = fail_finish
+
+    def launch(self, plan, await_mask=None):
+        self.events.append(("launch", plan.step_id))
+        if plan.mask_follows:
+            await_mask(plan.step_id)
+            self.events.append(("masks", plan.step_id))
+        from types import SimpleNamespace
+
+        return SimpleNamespace(step_id=plan.step_id, clock=_Clock(False))
+
+    def finish(self, f):
+        self.events.append(("finish", f.step_id))
+        if self.fail_finish is not None:
+            raise self.fail_finish
+        return wire_pb2.StepResult(step_id=f.step_id)
+
+
+def _plan_frame(step_id, **kw):
+    plan = one_token_plan(step_id)
+    for k, v in kw.items():
+        setattr(plan, k, v)
+    return wire_pb2.WireMessage(version=WIRE_VERSION, plan=plan).SerializeToString()
+
+
+def test_a_plan_that_arrives_while_a_step_runs_is_launched_before_that_step_is_read_back():
+    """The device never waits on the host between steps: step 2 is queued behind step 1 before step 1's
+    tokens are read, and the results still go out in order."""
+    from worker.server import WorkerServer
+
+    runner = PipelinedRunner()
+    server = WorkerServer("tcp://127.0.0.1:1", runner, wire_pb2.Handshake(tp_rank=0, tp_size=1))
+    sock = Sent()
+    assert server._handle(sock, _plan_frame(1)) is None
+    assert runner.events == [("launch", 1)] and not sock.frames  # in flight, not answered yet
+    assert server._handle(sock, _plan_frame(2)) is None
+    assert runner.events == [("launch", 1), ("launch", 2), ("finish", 1)]
+    assert [f.result.step_id for f in sock.frames] == [1]
+    assert server._finish(sock) is None
+    assert [f.result.step_id for f in sock.frames] == [1, 2]
+    server._ctx.term()
+
+
+def test_a_plan_whose_masks_follow_answers_the_step_before_it_first():
+    """The scheduler computes a step's masks from the previous step's tokens: the worker answers that step
+    before it waits for the masks, or both would wait forever."""
+    from worker.server import WorkerServer
+
+    runner = PipelinedRunner()
+    server = WorkerServer("tcp://127.0.0.1:1", runner, wire_pb2.Handshake(tp_rank=0, tp_size=1))
+    sock = Sent()
+    server._await_mask = lambda s, step_id: (sock.frames.append("waited"), None)[1]
+    server._handle(sock, _plan_frame(1))
+    server._handle(sock, _plan_frame(2, mask_follows=True))
+    assert runner.events == [("launch", 1), ("launch", 2), ("finish", 1), ("masks", 2)]
+    assert sock.frames[0].result.step_id == 1 and sock.frames[1] == "waited"
+    server._ctx.term()
+
+
+@pytest.mark.parametrize("error,exits", [
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+    (ValueError("no finite logits"), False),
+])
+def test_a_step_that_fails_when_read_back_is_reported(error, exits):
+    from worker.server import EXIT_FAILED, WorkerServer
+
+    server = WorkerServer("tcp://127.0.0.1:1", PipelinedRunner(fail_finish=error),
+                          wire_pb2.Handshake(tp_rank=0, tp_size=1))
+    sock = Sent()
+    server._handle(sock, _plan_frame(4))
+    code = server._finish(sock)
+    assert sock.frames[-1].result.step_id == 4 and "step failed" in sock.frames[-1].result.error
     assert code == (EXIT_FAILED if exits else None)
     server._ctx.term()

@@ -229,11 +229,13 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random weights at the real shapes ("dummy" loading, for benchmarks)."""
-        g = torch.Generator(device="cpu").manual_seed(seed * 1009 + self.shard.rank)
+        g = None
         for name, param in self.named_parameters():
+            if g is None:  # on the parameters' own device: nothing is drawn on the host and copied over
+                g = torch.Generator(device=param.device).manual_seed(seed * 1009 + self.shard.rank)
             if "norm" in name:
-                param.fill_(1.0)
+                param.data.fill_(1.0)
             elif "bias" in name:
-                param.zero_()
+                param.data.zero_()
             else:
-                param.copy_(torch.randn(param.shape, generator=g) * std)
+                param.data.normal_(0.0, std, generator=g)

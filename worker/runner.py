@@ -7,24 +7,45 @@ rejected with an error result, never a crash and never a write outside the pool.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import structlog
 import torch
 
 from protos import wire_pb2
-from protos.codec import CodecError, PlanArrays, decode_plan, encode_plan, encode_result, resolve_tokens
+from protos.codec import CodecError, PlanArrays, decode_plan, encode_plan, encode_result
 from worker.attention import AttentionBackend
 from worker.controls import apply_controls, gather_controls, top_logprobs
 from worker.kv_pool import KVPool
 from worker.model import LlamaModel, StepInputs
-from worker.sampler import SamplingBatch, sample
+from worker.sampler import NonFiniteLogits, SamplingBatch, check_sampled, sample_async
 
 log = structlog.get_logger("worker.runner")
 
 
 class PlanError(ValueError):
     """The plan is malformed or out of range; the worker answers with an error result."""
+
+
+class StepDependencyError(RuntimeError):
+    """A step took its input tokens from a step that failed after it was launched."""
+
+
+@dataclass
+class InFlight:
+    """A launched step: its tokens are being copied to `host_tokens`; `clock` knows when that is done."""
+
+    step_id: int
+    do_sample: np.ndarray  # bool [S]
+    host_tokens: torch.Tensor  # int64 [S], pinned on CUDA; -1 where a row does not sample
+    clock: StepClock
+    logprobs: object
+    prompt_logprobs: object
+    depends_on: int  # the step whose tokens it read on the device, 0 if none
+    time_prepare: float
+    host_forward: float
+    host_sample: float
 
 
 def validate_plan(p: PlanArrays, num_blocks: int, block_size: int, vocab: int, max_pos: int) -> None:
@@ -129,34 +150,53 @@ class ModelRunner:
         self.config = model.config
         self.staging = Staging(device)
         self.graphs = None  # worker/graphs.py DecodeGraphs, set once captured (CUDA, unless --enforce-eager)
-        # The tokens sampled by the last step that succeeded: the next plan may refer to them (overlap).
+        # The tokens sampled by the last step launched, on the device: the next plan may refer to them
+        # (overlap), before they are read back. Which of its rows sampled is known on the host.
         self.last_step_id = 0
-        self.last_sampled: np.ndarray | None = None
+        self._last_tokens: torch.Tensor | None = None
+        self._last_sampled_rows: np.ndarray | None = None
+        self._failed_steps: list[int] = []  # recent steps whose tokens must not be used
+        self._token_buffers: list[torch.Tensor | None] = [None, None]
+        self._flip = 0
 
     @torch.inference_mode()
     def execute(self, plan: wire_pb2.StepPlan, await_mask=None) -> wire_pb2.StepResult:
-        """await_mask(step_id) -> int32 [masks, words]: for a plan sent with mask_follows, blocks until the
-        scheduler sends that step's masks (worker/server.py reads them off the socket)."""
+        """Run one step to its result (launch, then finish). await_mask(step_id) -> int32 [masks, words]: for a
+        plan sent with mask_follows, blocks until the scheduler sends that step's masks."""
+        launched = self.launch(plan, await_mask)
+        return launched if isinstance(launched, wire_pb2.StepResult) else self.finish(launched)
+
+    @torch.inference_mode()
+    def launch(self, plan: wire_pb2.StepPlan, await_mask=None) -> InFlight | wire_pb2.StepResult:
+        """Queue a step's whole work on the device — forward, logits, controls, sampling, and the copy of
+        its tokens to pinned host memory — and return without waiting for it (a rejected plan: its error
+        result). Tokens the plan takes from the previous step (prev_rows) are read on the device from that
+        step's sampled tokens, so the worker can launch step N+1 before it reads step N back; `finish`
+        then waits for this step's own work only."""
         t0 = time.perf_counter()
         try:
             p = decode_plan(plan)
-            token_ids = resolve_tokens(p, self.last_step_id, self.last_sampled)
-            p.token_ids = token_ids
+            pending = self._pending_rows(p)
             validate_plan(p, self.num_blocks, self.pool.block_size, self.config.vocab_size,
                           self.config.max_position_embeddings)
             if p.mask_follows and await_mask is None:
                 raise PlanError("the plan's masks follow it, and this worker has no socket to wait on them")
         except (CodecError, PlanError) as e:
-            self.last_sampled = None  # a plan that refers to this one's tokens must not run either
+            self._forget_tokens()  # a plan that refers to this one's tokens must not run either
             return wire_pb2.StepResult(step_id=plan.step_id, error=f"rejected plan: {e}")
         q_lens = np.diff(p.query_start_loc)
         rows = np.flatnonzero(p.do_sample)
-        sampled = np.full(p.num_seqs, -1, dtype=np.int32)
         # every host array of the step in one transfer, the logits' row index included (before the forward)
-        (block_tables, seq_lens, qsl, token_ids, positions, slot_mapping, copies, last_rows) = self.staging.put([
-            (p.block_tables, torch.int32), (p.seq_lens, torch.int32), (p.query_start_loc, torch.int32),
-            (p.token_ids, torch.int64), (p.positions, torch.int64), (p.slot_mapping, torch.int64),
-            (p.block_copies, torch.int64), ((p.query_start_loc[1:].astype(np.int64) - 1)[rows], torch.int64)])
+        arrays = [(p.block_tables, torch.int32), (p.seq_lens, torch.int32), (p.query_start_loc, torch.int32),
+                  (p.token_ids, torch.int64), (p.positions, torch.int64), (p.slot_mapping, torch.int64),
+                  (p.block_copies, torch.int64), ((p.query_start_loc[1:].astype(np.int64) - 1)[rows], torch.int64)]
+        if pending:
+            arrays.append((p.prev_rows, torch.int64))
+        staged = self.staging.put(arrays)
+        block_tables, seq_lens, qsl, token_ids, positions, slot_mapping, copies, last_rows = staged[:8]
+        if pending:  # tokens the step in flight (or done) sampled, read where they are
+            prev = staged[8]
+            token_ids = torch.where(prev >= 0, self._last_tokens[prev.clamp(min=0)].clamp(min=0), token_ids)
         graphed = self.graphs is not None and self.graphs.covers(q_lens, p.seq_lens)
         if not graphed:
             step = StepInputs(
@@ -174,10 +214,11 @@ class ModelRunner:
             all_logits = self.graphs.run(token_ids, positions, slot_mapping, block_tables, seq_lens)
         else:
             hidden = self.model(step, self.pool, self.attn)  # [num_tokens, hidden]
-        t2 = t3 = time.perf_counter()
+        t2 = time.perf_counter()
         logprobs = prompt_logprobs = None
         if p.prompt_logprobs is not None:  # every rank computes them too: compute_logits is a collective
             prompt_logprobs = self._prompt_logprobs(p, all_logits if graphed else None, None if graphed else hidden)
+        tokens = torch.full((p.num_seqs,), -1, dtype=torch.int64, device=self.device)
         if rows.size:  # every rank of a group sees the same plan, so all of them take this branch or none
             raw = all_logits[last_rows] if graphed else self.model.compute_logits(hidden[last_rows])
             clock.mark("logits")
@@ -196,21 +237,82 @@ class ModelRunner:
                 sample_index=p.sample_index[rows].tolist(),
                 min_p=torch.from_numpy(p.min_p[rows].copy()) if p.min_p is not None else None,
             )
-            tokens = sample(logits, batch)
+            sampled = sample_async(logits, batch)
+            tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled
             if p.logprobs is not None:
                 ks = p.logprobs[rows]
                 at = np.flatnonzero(ks >= 0)
                 if at.size:
                     index = torch.from_numpy(at).to(raw.device)
-                    logprobs = top_logprobs(raw[index], tokens[index], ks[at].astype(np.int64))
-            sampled[rows] = tokens.cpu().numpy()  # waits for the device: the step is done
-            t3 = time.perf_counter()
+                    logprobs = top_logprobs(raw[index], sampled[index].clamp(min=0), ks[at].astype(np.int64))
         else:
             clock.mark("logits")
-        self.last_step_id, self.last_sampled = plan.step_id, sampled
-        forward, sampling = clock.split(t2 - t1, t3 - t2)
-        return encode_result(plan.step_id, sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                             time_prepare=t1 - t0, time_forward=forward, time_sample=sampling)
+        host = self._host_tokens(p.num_seqs)
+        host.copy_(tokens, non_blocking=True)
+        clock.mark("end")  # finish waits for this, not for what is queued after it
+        t3 = time.perf_counter()
+        self._last_tokens, self._last_sampled_rows, self.last_step_id = tokens, p.do_sample.copy(), plan.step_id
+        return InFlight(plan.step_id, p.do_sample.copy(), host, clock, logprobs, prompt_logprobs,
+                        depends_on=p.prev_step_id if pending else 0, time_prepare=t1 - t0,
+                        host_forward=t2 - t1, host_sample=t3 - t2)
+
+    def finish(self, f: InFlight) -> wire_pb2.StepResult:
+        """Wait for a launched step's tokens and answer with its result. A step that read its input tokens
+        from one that failed reports that instead of its own (garbage) tokens."""
+        t = time.perf_counter()
+        f.clock.wait()
+        sampled = f.host_tokens.numpy().astype(np.int32)
+        try:
+            if f.depends_on and f.depends_on in self._failed_steps:
+                raise StepDependencyError(f"step {f.step_id} took its tokens from step {f.depends_on}, which failed")
+            check_sampled(sampled[f.do_sample])
+        except (NonFiniteLogits, StepDependencyError):
+            self._failed_steps.append(f.step_id)
+            del self._failed_steps[:-8]
+            if self.last_step_id == f.step_id:
+                self._forget_tokens()
+            raise
+        waited = time.perf_counter() - t
+        forward, sampling = f.clock.split(f.host_forward, f.host_sample + waited)
+        return encode_result(f.step_id, sampled, logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs,
+                             time_prepare=f.time_prepare, time_forward=forward, time_sample=sampling)
+
+    # --- the previous step's tokens, on the device ------------------------------------------------
+    @property
+    def last_sampled(self) -> np.ndarray | None:
+        """The last launched step's tokens on the host (-1 where a row did not sample); waits for it."""
+        if self._last_tokens is None:
+            return None
+        return self._last_tokens.cpu().numpy().astype(np.int32)
+
+    def _forget_tokens(self) -> None:
+        self._last_tokens = self._last_sampled_rows = None
+
+    def _pending_rows(self, p: PlanArrays) -> bool:
+        """Whether the plan takes tokens from the previous step (prev_rows), checked against which rows of
+        that step sample — known on the host without waiting for their values. Their places in
+        p.token_ids hold 0 until the device fills them."""
+        if p.prev_rows is None or not (p.prev_rows >= 0).any():
+            return False
+        if self._last_sampled_rows is None or p.prev_step_id != self.last_step_id \
+                or p.prev_step_id in self._failed_steps:
+            raise CodecError(f"the plan needs tokens sampled in step {p.prev_step_id}, which this worker does not have "
+                             f"(its last completed step is {self.last_step_id})")
+        src = p.prev_rows[p.prev_rows >= 0]
+        if (src >= self._last_sampled_rows.shape[0]).any() or not self._last_sampled_rows[src].all():
+            raise CodecError(f"the plan refers to rows of step {p.prev_step_id} that sampled no token")
+        p.token_ids = np.where(p.prev_rows >= 0, 0, p.token_ids).astype(np.int32)
+        return True
+
+    def _host_tokens(self, n: int) -> torch.Tensor:
+        """Pinned host memory for a step's tokens; two buffers in turn, so the step in flight keeps its own
+        while the next one is launched."""
+        self._flip ^= 1
+        buf = self._token_buffers[self._flip]
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self._token_buffers[self._flip] = buf
+        return buf[:n]
 
     def _prompt_logprobs(self, p: PlanArrays, all_logits, hidden):
         """Log-probabilities of the prompt tokens after each row's first `count` new tokens (the plan's
@@ -232,19 +334,22 @@ _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float3
 
 
 class Staging:
-    """A step's host arrays on the device. On CUDA they are packed into one pinned buffer (kept and grown as
-    needed) and moved in one non-blocking transfer, then cut into typed views, instead of one pageable,
-    synchronous copy each. Reusing the buffer is safe: every step ends by waiting for its sampled tokens,
-    so the previous step's transfer has finished before this one's bytes are written. On a CPU each array
-    is used as a tensor as it is (copied once, off the read-only wire buffer); `pack` forces the packed
-    path there (for tests)."""
+    """A step's host arrays on the device. On CUDA they are packed into a pinned buffer and moved in one
+    non-blocking transfer, then cut into typed views, instead of one pageable, synchronous copy each. Two
+    buffers are used in turn, each with an event recorded after its transfer: the worker launches a step
+    before the one before it is done, so the buffer written now is the one of two steps ago, whose transfer
+    has run (the event says so; waiting on it is a formality). Every array starts at a multiple of ALIGN
+    bytes. On a CPU each array is used as a tensor as it is (copied once, off the read-only wire buffer);
+    `pack` forces the packed path there (for tests)."""
 
-    ALIGN = 8  # every view starts at a multiple of its element size
+    ALIGN = 16  # every view starts 16-byte aligned, whatever the arrays before it
 
     def __init__(self, device: torch.device, pack: bool | None = None) -> None:
         self.device = device
         self.pack = device.type == "cuda" if pack is None else pack
-        self._host: torch.Tensor | None = None
+        self._hosts: list[torch.Tensor | None] = [None, None]
+        self._moved: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
 
     def put(self, arrays: list[tuple[np.ndarray, torch.dtype]]) -> list[torch.Tensor]:
         typed = [np.ascontiguousarray(a, dtype=_NUMPY[dtype]) for a, dtype in arrays]
@@ -254,13 +359,21 @@ class Staging:
         for a in typed:
             offsets.append(total)
             total += -(-a.nbytes // self.ALIGN) * self.ALIGN
-        if self._host is None or self._host.numel() < total:
-            size = max(total, 2 * (0 if self._host is None else self._host.numel()), 1 << 16)
-            self._host = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        host = self._host.numpy()
+        self._turn ^= 1
+        turn, cuda = self._turn, self.device.type == "cuda"
+        if self._moved[turn] is not None:
+            self._moved[turn].synchronize()  # this buffer's last transfer (two steps ago) has run
+        buf = self._hosts[turn]
+        if buf is None or buf.numel() < total:
+            size = max(total, 2 * (0 if buf is None else buf.numel()), 1 << 16)
+            buf = self._hosts[turn] = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+        host = buf.numpy()
         for a, at in zip(typed, offsets, strict=True):
             host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
-        moved = self._host[:total].to(self.device, non_blocking=True)
+        moved = buf[:total].to(self.device, non_blocking=True)
+        if cuda:
+            self._moved[turn] = torch.cuda.Event()
+            self._moved[turn].record()
         return [moved[at : at + a.nbytes].view(dtype).view(a.shape)
                 for a, at, (_, dtype) in zip(typed, offsets, arrays, strict=True)]
 
@@ -278,7 +391,7 @@ def warm_up(runner: ModelRunner) -> float:
     tables = np.arange(2 * per_seq, dtype=np.int32).reshape(2, per_seq)
     # (sequence, first position, new tokens) of each row, per step
     steps = [[(0, 0, 3), (1, 0, 2)], [(0, 3, 1), (1, 2, 2)], [(0, 4, 1), (1, 4, 1)]]
-    kept = runner.last_step_id, runner.last_sampled
+    kept = runner.last_step_id, runner._last_tokens, runner._last_sampled_rows
     t0 = time.perf_counter()
     try:  # a model whose logits are not finite (a broken checkpoint) fails here as it would on every step:
         # the steps report it to the scheduler; the warm-up only says so in the log
@@ -305,15 +418,16 @@ def warm_up(runner: ModelRunner) -> float:
             raise
         log.warning("warm_up_step_failed", error=repr(e))
     finally:
-        runner.last_step_id, runner.last_sampled = kept
+        runner.last_step_id, runner._last_tokens, runner._last_sampled_rows = kept
     return time.perf_counter() - t0
 
 
 class StepClock:
     """Forward and sampling times of a step. On CUDA the host returns from the forward as soon as its kernels
     are queued, so host clocks would show GPU time as sampling: events recorded on the stream between the
-    phases give the device's own times, read once the step's result has been copied back (no extra sync).
-    On a CPU the host clocks are the truth and this records nothing."""
+    phases give the device's own times. The "end" event, recorded after the copy of the step's tokens to the
+    host, is what `wait` blocks on: work queued after it (the next step) is not waited for. On a CPU the host
+    clocks are the truth and this records nothing."""
 
     def __init__(self, device: torch.device) -> None:
         self.events: dict[str, torch.cuda.Event] | None = {} if device.type == "cuda" else None
@@ -324,13 +438,18 @@ class StepClock:
             event.record()
             self.events[name] = event
 
+    def wait(self) -> None:
+        if self.events:
+            self.events["end"].synchronize()
+
+    def done(self) -> bool:
+        """Whether the step's tokens are on the host (always, on a CPU)."""
+        return not self.events or self.events["end"].query()
+
     def split(self, host_forward: float, host_sample: float) -> tuple[float, float]:
-        """(forward, sampling) seconds; call after the step's result reached the host."""
+        """(forward, sampling) seconds; call after wait()."""
         if not self.events:
             return host_forward, host_sample
         e = self.events
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()  # at once where the sampled tokens' copy already waited for the device
         forward = e["start"].elapsed_time(e["logits"]) / 1000
-        return forward, e["logits"].elapsed_time(end) / 1000
+        return forward, e["logits"].elapsed_time(e["end"]) / 1000

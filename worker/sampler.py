@@ -41,34 +41,90 @@ class NonFiniteLogits(ValueError):
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits: fp32 [rows, vocab] on the worker's device -> int64 [rows] token ids on it. NaN logits never
-    win; +inf ones always do. The batch's parameters may live on the host: they are moved once, and every
-    index used on a tensor lives on that tensor's device."""
-    top = logits.amax(dim=-1)  # NaN where a row holds one: one cheap pass decides whether to clean up
-    if bool((top.isnan() | (top == float("-inf"))).any()):
-        logits = torch.nan_to_num(logits, nan=float("-inf"))
-        empty = torch.isneginf(logits).all(dim=-1)
-        if bool(empty.any()):
-            raise NonFiniteLogits(f"the model produced no finite logits for {int(empty.sum())} row(s)")
-    tokens = logits.argmax(dim=-1)
-    host_rows = (batch.temperature.cpu() >= MIN_TEMPERATURE).nonzero().flatten()
-    if host_rows.numel() == 0:
-        return tokens
-    device = logits.device
-    rows = host_rows.to(device, non_blocking=True)
-    temperature = batch.temperature.cpu()[host_rows].to(device, non_blocking=True)
-    scaled = logits[rows] / temperature[:, None]
-    scaled = scaled.clamp(max=torch.finfo(torch.float32).max)  # +inf (or overflow) stays the largest, finite
-    if batch.min_p is not None:  # p < min_p * p_max  <=>  scaled < max(scaled) + log(min_p); log(0) = -inf: off
-        floor = torch.log(batch.min_p.cpu()[host_rows].to(device, non_blocking=True))
-        scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + floor[:, None], float("-inf"))
-    scaled = _apply_top_k_top_p(scaled, batch.top_k.cpu()[host_rows].to(device, non_blocking=True),
-                                batch.top_p.cpu()[host_rows].to(device, non_blocking=True))
-    probs = torch.softmax(scaled, dim=-1)
-    keys = [mix_seed(batch.seeds[r], batch.sample_index[r]) for r in host_rows.tolist()]
-    noise = exponential_noise(torch.tensor(keys, dtype=torch.int64).to(device, non_blocking=True), probs.shape[-1])
-    # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with one keyed stream per row.
-    tokens[rows] = (probs / noise).argmax(dim=-1)
+    win; +inf ones always do. Raises NonFiniteLogits for a row with no finite logit (this waits for the
+    device; the runner uses sample_async and checks the tokens it reads back anyway)."""
+    tokens = sample_async(logits, batch)
+    check_sampled(tokens.cpu())
     return tokens
+
+
+def check_sampled(tokens) -> None:
+    """Raise NonFiniteLogits where sample_async marked a row with no finite logit (-1)."""
+    empty = int((tokens < 0).sum())
+    if empty:
+        raise NonFiniteLogits(f"the model produced no finite logits for {empty} row(s)")
+
+
+def sample_async(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """sample() without a host sync: every path is chosen from the batch's parameters, which live on the
+    host (the plan's), and a row with no finite logit comes back as -1 instead of raising. Top-p takes no
+    sort of the vocabulary (kernels/triton_sampling.py)."""
+    logits = logits.masked_fill(logits.isnan(), float("-inf"))
+    tokens = logits.argmax(dim=-1)
+    empty = logits.amax(dim=-1) == float("-inf")
+    temperature = batch.temperature.cpu()
+    host_rows = (temperature >= MIN_TEMPERATURE).nonzero().flatten()
+    if host_rows.numel():
+        device = logits.device
+        rows = host_rows.to(device, non_blocking=True)
+        scaled = logits[rows] / temperature[host_rows].to(device, non_blocking=True)[:, None]
+        scaled = scaled.clamp(max=torch.finfo(torch.float32).max)  # +inf (or overflow) stays the largest, finite
+        if batch.min_p is not None and bool((batch.min_p.cpu()[host_rows] > 0).any()):
+            # p < min_p * p_max  <=>  scaled < max(scaled) + log(min_p); log(0) = -inf: off
+            floor = torch.log(batch.min_p.cpu()[host_rows].to(device, non_blocking=True))
+            scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + floor[:, None], float("-inf"))
+        top_k = batch.top_k.cpu()[host_rows]
+        if bool((top_k > 0).any()):  # the k-th largest of each row from one partial selection, no sort
+            vocab = scaled.shape[-1]
+            k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+            kth = scaled.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).to(device, non_blocking=True)[:, None])
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))  # ties with the k-th value all stay
+        probs = torch.softmax(scaled, dim=-1)
+        top_p = batch.top_p.cpu()[host_rows]
+        if bool((top_p < 1.0).any()):
+            floor = _top_p_floor(probs, top_p.to(torch.float32).to(device, non_blocking=True))
+            probs = probs.masked_fill(probs < floor[:, None], 0.0)
+        keys = [mix_seed(batch.seeds[r], batch.sample_index[r]) for r in host_rows.tolist()]
+        noise = exponential_noise(torch.tensor(keys, dtype=torch.int64).to(device, non_blocking=True),
+                                  probs.shape[-1])
+        # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with one keyed stream per row.
+        tokens[rows] = (probs / noise).argmax(dim=-1)
+    return torch.where(empty, -1, tokens)
+
+
+def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The smallest probability each row keeps under top-p: a Triton kernel on CUDA (one launch), the same
+    bisection in torch elsewhere."""
+    if probs.is_cuda:
+        try:
+            from kernels.triton_sampling import top_p_floor
+        except ImportError:
+            pass
+        else:
+            return top_p_floor(probs, top_p)
+    return top_p_floor_torch(probs, top_p)
+
+
+# Bisection steps of the top-p floor: bit patterns of floats in [0, 1] span fewer than 2^31 values, so 31
+# halvings end on the exact floor.
+HALVINGS = 31
+
+
+def top_p_floor_torch(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs fp32 [rows, vocab], top_p fp32 [rows] -> the smallest probability each row keeps: token i stays
+    when the mass strictly above p_i is below top_p, which holds exactly for p_i >= one floor, itself one of
+    the row's probabilities. Found by bisection on the float bits (positive floats order as their bit
+    patterns), each step a masked sum: no sort. 0 where top_p is 1."""
+    rows = probs.shape[0]
+    lo = torch.zeros(rows, dtype=torch.int32, device=probs.device)  # mass above 0 is everything: >= top_p
+    hi = probs.amax(dim=-1).view(torch.int32)  # mass above the largest is 0: < top_p
+    for _ in range(HALVINGS):
+        mid = lo + (hi - lo) // 2
+        mass = torch.where(probs > mid.view(torch.float32)[:, None], probs, 0.0).sum(dim=-1)
+        below = mass < top_p
+        hi = torch.where(below, mid, hi)
+        lo = torch.where(below, lo, mid)
+    return torch.where(top_p < 1.0, hi.view(torch.float32), 0.0)
 
 
 # splitmix64's constants as wrapping int64 (two's complement): torch's int64 multiply wraps like uint64's.
@@ -103,26 +159,3 @@ UNIFORM_BITS = 23
 def uniform_from_bits(bits: torch.Tensor) -> torch.Tensor:
     """int64 values in [0, 2^UNIFORM_BITS) -> float32 uniforms strictly inside (0, 1)."""
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    use_k = bool((top_k > 0).any())
-    use_p = bool((top_p < 1.0).any())
-    if not (use_k or use_p):
-        return logits
-    if not use_p:  # top-k alone: the k-th largest of each row from one partial selection, no full sort
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
-        return logits.masked_fill(logits < kth, float("-inf"))  # ties with the k-th value all stay
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_k:  # as above: every token tied with the k-th largest stays, whatever else is in the batch
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        mask |= sorted_logits < sorted_logits.gather(-1, (k - 1)[:, None])
-    if use_p:
-        probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each token
-        mask |= before >= top_p[:, None]  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

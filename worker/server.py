@@ -76,6 +76,7 @@ class WorkerServer:
         self._curve = client_keys(curve_keys) if curve_keys else None
         self._stop = threading.Event()
         self._ctx = zmq.Context()
+        self._inflight = None  # worker/runner.py InFlight: the step launched and not yet answered
 
     def _socket(self, identity: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -136,17 +137,27 @@ class WorkerServer:
             sock.close()
 
     def serve(self) -> int:
-        """Run until the scheduler says shutdown or is lost. Returns a process exit code."""
+        """Run until the scheduler says shutdown or is lost. Returns a process exit code.
+
+        Steps are pipelined on a GPU: a launched step's kernels are queued and the loop returns at once; if
+        the scheduler's next plan (sent ahead, with overlap) arrives before the step is done, that plan is
+        launched first — its input tokens read on the device — and only then is the step read back and
+        answered, so the device never waits for the host between steps. On a CPU a launched step is done."""
         sock = self._socket(f"w.{self.nonce}")
         self._send(sock, handshake=self.handshake)
         beats = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
         beats.start()
         log.info("worker_ready", endpoint=self.endpoint, num_blocks=self.handshake.num_blocks)
+        self._inflight = None
         try:
             while not self._stop.is_set():
-                if not sock.poll(200):
+                if self._inflight is not None:
+                    frame = self._next_frame_before_done(sock)
+                    code = self._finish(sock) if frame is None else self._handle(sock, frame)
+                elif sock.poll(200):
+                    code = self._handle(sock, sock.recv())
+                else:
                     continue
-                code = self._handle(sock, sock.recv())
                 if code is not None:
                     return code
             return 1
@@ -155,6 +166,41 @@ class WorkerServer:
             beats.join(timeout=2)
             sock.close()
             self._ctx.term()
+
+    def _next_frame_before_done(self, sock: zmq.Socket) -> bytes | None:
+        """The next message if one arrives while the step in flight is still running, else None (done)."""
+        clock = self._inflight.clock
+        while not self._stop.is_set():
+            if clock.done():
+                return None
+            if sock.poll(0):
+                return sock.recv()
+            time.sleep(0.0001)
+        return None
+
+    def _finish(self, sock: zmq.Socket) -> int | None:
+        """Read back the step in flight and answer it."""
+        f, self._inflight = self._inflight, None
+        try:
+            result = self.runner.finish(f)
+        except Exception as e:  # noqa: BLE001 - a failed step is reported
+            return self._failed(sock, f.step_id, e)
+        finally:
+            self.busy_step_id = 0
+        result.tp_rank = self.tp_rank
+        self._send(sock, result=result)
+        return None
+
+    def _failed(self, sock: zmq.Socket, step_id: int, e: Exception) -> int | None:
+        log.error("step_failed", step_id=step_id, error=repr(e), exc_info=e)
+        result = wire_pb2.StepResult(step_id=step_id, error=f"step failed: {e!r}", tp_rank=self.tp_rank)
+        self._send(sock, result=result)
+        # A CUDA error poisons the context for good, and a failed rank leaves its group out of step:
+        # either way this process reports and exits, and its supervisor starts a fresh one.
+        if is_device_fatal(e) or self.handshake.tp_size > 1:
+            log.error("worker_exiting", reason="device error" if is_device_fatal(e) else "group out of step")
+            return EXIT_FAILED
+        return None
 
     def _await_mask(self, sock: zmq.Socket, step_id: int):
         """Read the socket until the StepMask of `step_id` (a plan sent with mask_follows). The scheduler
@@ -175,6 +221,43 @@ class WorkerServer:
                 raise StopServing(msg.shutdown.reason, 0)
             raise RuntimeError(f"step {step_id} waited for its masks and got a {kind} message")
 
+    def _launch(self, sock: zmq.Socket, plan) -> int | None:
+        """Launch a plan; then answer the step that was in flight before it (its tokens stay on the device
+        for this plan), and keep this one in flight. A plan whose masks follow it answers the previous step
+        first: the scheduler computes those masks from that step's tokens."""
+        previous, self._inflight = self._inflight, None
+
+        def answer_previous() -> int | None:
+            nonlocal previous
+            if previous is None:
+                return None
+            self._inflight, previous = previous, None
+            return self._finish(sock)
+
+        def await_mask(step_id: int):
+            if (code := answer_previous()) is not None:
+                raise StopServing("the step before failed", code)
+            return self._await_mask(sock, step_id)
+
+        self.busy_step_id = plan.step_id
+        try:
+            launched = self.runner.launch(plan, await_mask=await_mask)
+        except StopServing as e:
+            log.info("shutdown", reason=str(e))
+            return e.code
+        except Exception as e:  # noqa: BLE001 - a failed step is reported
+            code = answer_previous()
+            return code if code is not None else self._failed(sock, plan.step_id, e)
+        if (code := answer_previous()) is not None:
+            return code
+        if isinstance(launched, wire_pb2.StepResult):  # a rejected plan
+            self.busy_step_id = 0
+            launched.tp_rank = self.tp_rank
+            self._send(sock, result=launched)
+            return None
+        self._inflight = launched
+        return None
+
     def _handle(self, sock: zmq.Socket, frame: bytes) -> int | None:
         msg = wire_pb2.WireMessage()
         try:
@@ -188,6 +271,10 @@ class WorkerServer:
                 tp_rank=self.tp_rank, error=f"wire version {msg.version}, this worker speaks {WIRE_VERSION}"))
             return None
         kind = msg.WhichOneof("body")
+        if kind != "plan" and self._inflight is not None:  # anything but a plan waits for the step in flight
+            code = self._finish(sock)
+            if code is not None:
+                return code
         if kind == "handshake_ack":
             if not msg.handshake_ack.accepted:
                 log.error("handshake_refused", reason=msg.handshake_ack.reason, retry=msg.handshake_ack.retry)
@@ -195,26 +282,7 @@ class WorkerServer:
             self.runner.num_blocks = msg.handshake_ack.num_blocks
             log.info("handshake_accepted", num_blocks=msg.handshake_ack.num_blocks)
         elif kind == "plan":
-            self.busy_step_id = msg.plan.step_id
-            try:
-                result = self.runner.execute(msg.plan, await_mask=lambda step_id: self._await_mask(sock, step_id))
-            except StopServing as e:
-                log.info("shutdown", reason=str(e))
-                return e.code
-            except Exception as e:  # noqa: BLE001 - a failed step is reported
-                log.exception("step_failed", step_id=msg.plan.step_id)
-                result = wire_pb2.StepResult(step_id=msg.plan.step_id, error=f"step failed: {e!r}")
-                # A CUDA error poisons the context for good, and a failed rank leaves its group out of step:
-                # either way this process reports and exits, and its supervisor starts a fresh one.
-                if is_device_fatal(e) or self.handshake.tp_size > 1:
-                    result.tp_rank = self.tp_rank
-                    self._send(sock, result=result)
-                    log.error("worker_exiting", reason="device error" if is_device_fatal(e) else "group out of step")
-                    return EXIT_FAILED
-            finally:
-                self.busy_step_id = 0
-            result.tp_rank = self.tp_rank
-            self._send(sock, result=result)
+            return self._launch(sock, msg.plan)
         elif kind == "shutdown":
             log.info("shutdown", reason=msg.shutdown.reason)
             return 0

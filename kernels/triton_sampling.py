@@ -1,0 +1,59 @@
+"""Top-p without sorting the vocabulary, for the GPU sampler (worker/sampler.py).
+
+A row keeps token i when the probability mass strictly above p_i is below top_p (every token tied with
+the last one kept stays, as with top-k). That set is {i : p_i >= floor} for one floor, which is one of the
+row's probabilities: the kernel finds it by bisection on the bits of a float32 (positive floats order as
+their bit patterns), 31 halvings of [0, max p], each a masked sum over the row — no sort, no host sync.
+One program per row; the row is read from L2 on every halving.
+
+worker/sampler.py's `top_p_floor_torch` is the same search in torch (the CPU sampler's, and the definition
+the kernel is tested against, natively on CUDA and under TRITON_INTERPRET=1 elsewhere).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from worker.sampler import HALVINGS  # one number for both searches
+
+
+@triton.jit
+def _top_p_floor_kernel(probs_ptr, top_p_ptr, floor_ptr, vocab, stride, HALVINGS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = probs_ptr + row * stride
+    target = tl.load(top_p_ptr + row)
+    top = 0.0
+    for v0 in range(0, vocab, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        top = tl.maximum(top, tl.max(tl.load(base + cols, mask=cols < vocab, other=0.0), 0))
+    lo = tl.full([], 0, tl.int32)  # mass above 0 is everything: >= target
+    hi = top.to(tl.int32, bitcast=True)  # mass above the largest is 0: < target
+    for _ in tl.static_range(HALVINGS):
+        mid = lo + (hi - lo) // 2
+        t = mid.to(tl.float32, bitcast=True)
+        mass = 0.0
+        for v0 in range(0, vocab, BLOCK):
+            cols = v0 + tl.arange(0, BLOCK)
+            p = tl.load(base + cols, mask=cols < vocab, other=0.0)
+            mass += tl.sum(tl.where(p > t, p, 0.0), 0)
+        below = mass < target
+        hi = tl.where(below, mid, hi)
+        lo = tl.where(below, lo, mid)
+    floor = tl.where(target < 1.0, hi.to(tl.float32, bitcast=True), 0.0)
+    tl.store(floor_ptr + row, floor)
+
+
+def top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs fp32 [rows, vocab] (rows sum to 1), top_p fp32 [rows] in (0, 1] on the same device -> the
+    smallest probability each row keeps, fp32 [rows] (0 where top_p is 1)."""
+    rows, vocab = probs.shape
+    floor = torch.empty(rows, dtype=torch.float32, device=probs.device)
+    if rows:
+        probs = probs.contiguous()
+        block = 4096 if probs.is_cuda else min(1024, triton.next_power_of_2(vocab))
+        _top_p_floor_kernel[(rows,)](probs, top_p.contiguous(), floor, vocab, probs.stride(0), HALVINGS=HALVINGS,
+                                     BLOCK=block, num_warps=8 if probs.is_cuda else 4)
+    return floor
