@@ -6,10 +6,11 @@ then fed decode plans of `batch` sequences at `context` keys each, as the schedu
 (encoded, decoded, validated, staged, forward, LM head, greedy sampling, tokens back on the host). Each
 step writes one new token per sequence; every sequence has its own blocks, scattered through the pool.
 
-Printed per (batch, context): median milliseconds a step (host clock, the whole `execute`), the device's
-forward time (CUDA events), tokens/s, and the roofline: the bytes a decode step must read at least — every
-weight once and every sequence's keys and values — over the device-to-device copy bandwidth measured in
-the same run. `of roofline` is roofline time / measured time.
+Printed per (batch, context): milliseconds a step run one after the other (launch, read back: `serial`)
+and pipelined as the worker serves them (step N+1 launched before step N is read back: `piped`), the
+device's forward time (CUDA events), tokens/s (pipelined), and the roofline: the bytes a decode step must
+read at least — every weight once and every sequence's keys and values — over the device-to-device copy
+bandwidth measured in the same run. `of roof` is roofline time / pipelined time.
 
     python -m deploy.bench_step --shape llama3-8b --batch 1 16 64 256 --context 2048
 """
@@ -56,22 +57,51 @@ def copy_bandwidth(torch, device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def decode_plan(batch: int, context: int, block_size: int, width: int, first_block: int, rng, vocab: int):
-    from protos.codec import PlanArrays
+def decode_plans(batch: int, context: int, block_size: int, width: int, first_block: int, rng, vocab: int,
+                 steps: int, first_step: int) -> list:
+    """`steps` encoded decode plans of `batch` sequences at `context` keys, each taking its input token from
+    the previous step's row (prev_rows), as the scheduler's overlap sends them."""
+    from protos.codec import PlanArrays, encode_plan
 
     blocks = -(-(context + 1) // block_size)
     ids = first_block + rng.permutation(batch * width)[: batch * blocks].astype(np.int32)
-    tables = np.full((batch, blocks), -1, dtype=np.int32)
-    tables[:, :] = ids.reshape(batch, blocks)
+    tables = ids.reshape(batch, blocks)
     pos = np.full(batch, context, dtype=np.int32)
     slots = tables[np.arange(batch), pos // block_size].astype(np.int64) * block_size + pos % block_size
-    return PlanArrays(
-        step_id=1, token_ids=rng.integers(0, vocab, batch).astype(np.int32), positions=pos, slot_mapping=slots,
-        block_tables=tables, seq_lens=pos + 1, query_start_loc=np.arange(batch + 1, dtype=np.int32),
-        do_sample=np.ones(batch, dtype=bool), sample_index=np.zeros(batch, dtype=np.int32),
-        temperature=np.zeros(batch, dtype=np.float32), top_p=np.ones(batch, dtype=np.float32),
-        top_k=np.zeros(batch, dtype=np.int32), seed=np.zeros(batch, dtype=np.uint64),
-        block_copies=np.zeros((0, 2), dtype=np.int32))
+    plans = []
+    for i in range(steps):
+        step_id = first_step + i
+        plans.append(encode_plan(PlanArrays(
+            step_id=step_id, token_ids=rng.integers(0, vocab, batch).astype(np.int32), positions=pos,
+            slot_mapping=slots, block_tables=tables, seq_lens=pos + 1,
+            query_start_loc=np.arange(batch + 1, dtype=np.int32), do_sample=np.ones(batch, dtype=bool),
+            sample_index=np.zeros(batch, dtype=np.int32), temperature=np.zeros(batch, dtype=np.float32),
+            top_p=np.ones(batch, dtype=np.float32), top_k=np.zeros(batch, dtype=np.int32),
+            seed=np.zeros(batch, dtype=np.uint64), block_copies=np.zeros((0, 2), dtype=np.int32),
+            prev_step_id=step_id - 1 if i else 0,
+            prev_rows=np.arange(batch, dtype=np.int32) if i else None)))
+    return plans
+
+
+def run_steps(runner, plans, pipelined: bool) -> tuple[float, float]:
+    """(seconds a step, median device forward seconds) over the plans: one after the other (launch, read
+    back), or pipelined as the worker serves (launch N+1, then read back N)."""
+    forward = []
+    t0 = time.perf_counter()
+    before = None
+    for wire in plans:
+        launched = runner.launch(wire)
+        if not hasattr(launched, "clock"):  # a rejected plan: the benchmark's own mistake
+            raise SystemExit(f"plan rejected: {launched.error}")
+        if pipelined:
+            if before is not None:
+                forward.append(runner.finish(before).time_forward)
+            before = launched
+        else:
+            forward.append(runner.finish(launched).time_forward)
+    if before is not None:
+        forward.append(runner.finish(before).time_forward)
+    return (time.perf_counter() - t0) / len(plans), statistics.median(forward)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +122,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from protos.codec import encode_plan
     from worker.attention import make_backend
     from worker.graphs import DecodeGraphs
     from worker.kv_pool import KVPool, bytes_per_block
@@ -140,38 +169,37 @@ def main(argv: list[str] | None = None) -> int:
           f"torch {torch.__version__}, graphs {'off' if args.enforce_eager else 'on'}")
     print(f"weights {weight_bytes / 1e9:.2f} GB (drawn on the device in {load_s:.1f} s), pool {num_blocks} blocks "
           f"({num_blocks * per_block / 1e9:.1f} GB), copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'batch':>6} {'ctx':>6} {'step ms':>8} {'fwd ms':>7} {'tok/s':>9} {'roof ms':>8} {'of roof':>8}")
+    print(f"{'batch':>6} {'ctx':>6} {'serial ms':>9} {'piped ms':>9} {'fwd ms':>7} {'tok/s':>9} {'roof ms':>8} "
+          f"{'of roof':>8}")
     rows = []
     rng = np.random.default_rng(0)
+    step_id = 1
     for batch in args.batch:
         for context in args.context:
             blocks = -(-(context + 1) // args.block_size)
             if 1 + batch * blocks > num_blocks:
                 print(f"{batch:>6} {context:>6}  skipped: needs {batch * blocks} blocks, the pool has {num_blocks}")
                 continue
-            plan = decode_plan(batch, context, args.block_size, (num_blocks - 1) // batch, 1, rng, config.vocab_size)
-            wire = encode_plan(plan)
-            for _ in range(3):
-                runner.execute(wire)
-            times, fwd = [], []
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                result = runner.execute(wire)
-                times.append(time.perf_counter() - t)
-                fwd.append(result.time_forward)
-                assert not result.error, result.error
-            step = statistics.median(times)
+            plans = decode_plans(batch, context, args.block_size, (num_blocks - 1) // batch, 1, rng,
+                                 config.vocab_size, args.steps + 3, step_id)
+            step_id += len(plans) + 1
+            run_steps(runner, plans[:3], pipelined=True)  # warm
+            serial, _ = run_steps(runner, plans[3:], pipelined=False)
+            plans = decode_plans(batch, context, args.block_size, (num_blocks - 1) // batch, 1, rng,
+                                 config.vocab_size, args.steps, step_id)
+            step_id += len(plans) + 1
+            piped, fwd = run_steps(runner, plans, pipelined=True)
             kv_bytes = batch * (context + 1) * per_block / args.block_size
             roof = (weight_bytes + kv_bytes) / bw
-            row = dict(batch=batch, context=context, step_ms=step * 1e3, forward_ms=statistics.median(fwd) * 1e3,
-                       tok_s=batch / step, roofline_ms=roof * 1e3, of_roofline=roof / step)
+            row = dict(batch=batch, context=context, serial_ms=serial * 1e3, step_ms=piped * 1e3,
+                       forward_ms=fwd * 1e3, tok_s=batch / piped, roofline_ms=roof * 1e3, of_roofline=roof / piped)
             rows.append(row)
-            print(f"{batch:>6} {context:>6} {row['step_ms']:>8.2f} {row['forward_ms']:>7.2f} {row['tok_s']:>9.0f} "
-                  f"{row['roofline_ms']:>8.2f} {row['of_roofline']:>8.0%}")
-    from kernels.compile_report import print_runtime_report
-
+            print(f"{batch:>6} {context:>6} {row['serial_ms']:>9.2f} {row['step_ms']:>9.2f} {row['forward_ms']:>7.2f} "
+                  f"{row['tok_s']:>9.0f} {row['roofline_ms']:>8.2f} {row['of_roofline']:>8.0%}")
     if device.type != "cuda":
         return 0
+    from kernels.compile_report import print_runtime_report
+
     print("\nTriton kernels compiled by this run (one row a version):")
     print_runtime_report()
     if args.json:

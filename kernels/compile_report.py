@@ -12,6 +12,8 @@ Two ways to read it:
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import subprocess
 import sys
@@ -20,10 +22,10 @@ from pathlib import Path
 
 
 def _jit_functions():
-    from kernels import triton_attention, triton_elementwise
+    from kernels import triton_attention, triton_elementwise, triton_sampling
 
     out = {}
-    for module in (triton_attention, triton_elementwise):
+    for module in (triton_attention, triton_elementwise, triton_sampling):
         for name in dir(module):
             obj = getattr(module, name)
             if hasattr(obj, "device_caches") and hasattr(obj, "arg_names"):
@@ -120,14 +122,22 @@ def offline_report(head_dims=(64, 128, 256), block_sizes=(16, 32, 256), capabili
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("gpu-compile-report compiles for a GPU: run it without TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what Triton does today, without its warning
     p = argparse.ArgumentParser(prog="gpu-compile-report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--capability", type=int, default=90, help="CUDA compute capability (90: H100/H200)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 256])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = p.parse_args(argv)
     rows = offline_report(tuple(args.head_dims), tuple(args.block_sizes), args.capability, args.dtype)
+    if args.json:
+        print(json.dumps(rows))
+        return 1 if any(r["spill_stores"] for r in rows) else 0
     print(f"sm_{args.capability}, {args.dtype}")
     print(f"{'kernel':<44} {'regs':>5} {'spill st':>8} {'spill ld':>8} {'stack':>6} {'shared':>7} {'warps':>5} "
           f"{'stages':>6}")

@@ -19,6 +19,7 @@ bf16 dots).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -255,25 +256,30 @@ OVERRIDES: dict[str, dict] = {}
 
 
 def decode_config(head_dim: int, group: int, block_size: int, on_gpu: bool) -> dict:
-    """Constexprs and launch options of _decode_split_kernel."""
+    """Constexprs and launch options of _decode_split_kernel. Chosen on an H100 (deploy/bench_kernels.py
+    --sweep, docs/BENCHMARKS.md) among the configurations that spill under no Triton release we build with."""
     block_d = _pow2(head_dim, 16)
     if not on_gpu:
         return dict(TILE=2 * block_size, BLOCK_D=block_d, BLOCK_G=_pow2(group, 16))
-    cfg = dict(TILE=64 if block_d <= 128 else 32, BLOCK_D=block_d, BLOCK_G=_pow2(group, 16),
-               num_warps=4 if block_d <= 64 else 8, num_stages=3 if block_d <= 128 else 2)
-    return {**cfg, **OVERRIDES.get("decode", {})}
+    if block_d <= 64:
+        cfg = dict(TILE=64, num_warps=4, num_stages=3)
+    elif block_d <= 128:  # 64-key tiles at 4 warps spill 144 bytes a thread under newer Triton compilers
+        cfg = dict(TILE=32, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(TILE=32, num_warps=8, num_stages=2)
+    return {**cfg, "BLOCK_D": block_d, "BLOCK_G": _pow2(group, 16), **OVERRIDES.get("decode", {})}
 
 
 def prefill_config(head_dim: int, block_size: int, on_gpu: bool) -> dict:
-    """Constexprs and launch options of _prefill_kernel."""
+    """Constexprs and launch options of _prefill_kernel (chosen as decode_config's are)."""
     block_d = _pow2(head_dim, 16)
     if not on_gpu:
         return dict(BLOCK_M=16, TILE=2 * block_size, BLOCK_D=block_d)
-    if block_d <= 128:
-        cfg = dict(BLOCK_M=64, TILE=64, BLOCK_D=block_d, num_warps=8, num_stages=3)
+    if block_d <= 128:  # a third pipeline stage costs more than it hides here (sweep: 114 vs 186 TFLOP/s)
+        cfg = dict(BLOCK_M=64, TILE=64, num_warps=8, num_stages=2)
     else:  # [32, 256] queries and a 16-key tile: a 64 x 32 tile spills 432 bytes a thread at d256
-        cfg = dict(BLOCK_M=32, TILE=16, BLOCK_D=block_d, num_warps=8, num_stages=2)
-    return {**cfg, **OVERRIDES.get("prefill", {})}
+        cfg = dict(BLOCK_M=32, TILE=16, num_warps=8, num_stages=2)
+    return {**cfg, "BLOCK_D": block_d, **OVERRIDES.get("prefill", {})}
 
 
 def reduce_config(head_dim: int, on_gpu: bool) -> dict:
@@ -345,6 +351,7 @@ def paged_attention(
     decode_seqs: torch.Tensor | None = None,  # int64 [d]: in a mixed step, the sequences that decode...
     prefill_seqs: torch.Tensor | None = None,  # int64 [p]: ...and those with more than one query token
     workspace: dict | None = None,  # kept by the caller across a step's layers: split scratch allocated once
+    mixed: MixedStep | None = None,  # decode_seqs and prefill_seqs already gathered (split_mixed), once a step
 ) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention. Returns [num_tokens, n_heads, head_dim].
 
@@ -361,19 +368,41 @@ def paged_attention(
     if num_tokens == num_seqs:  # every sequence decodes one token
         _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out, workspace)
         return out
-    if decode_seqs is not None and prefill_seqs is not None and decode_seqs.numel():
-        rows = query_start_loc[decode_seqs].to(torch.int64)  # each decoding sequence's one query token
-        dec_out = torch.empty((rows.shape[0], n_heads, head_dim), dtype=q.dtype, device=q.device)
-        _decode(q[rows], k_cache, v_cache, block_tables[decode_seqs], seq_lens[decode_seqs], scale, max_seq_len,
+    if mixed is None and decode_seqs is not None and prefill_seqs is not None and decode_seqs.numel():
+        mixed = split_mixed(block_tables, seq_lens, query_start_loc, decode_seqs, prefill_seqs)
+    if mixed is not None:
+        dec_out = torch.empty((mixed.decode_rows.shape[0], n_heads, head_dim), dtype=q.dtype, device=q.device)
+        _decode(q[mixed.decode_rows], k_cache, v_cache, mixed.decode_tables, mixed.decode_lens, scale, max_seq_len,
                 num_splits, dec_out, workspace)
-        out[rows] = dec_out
-        if prefill_seqs.numel():
-            _prefill(q, k_cache, v_cache, block_tables[prefill_seqs], seq_lens[prefill_seqs],
-                     query_start_loc[prefill_seqs], query_start_loc[prefill_seqs + 1], scale, max_q_len, out)
+        out[mixed.decode_rows] = dec_out
+        if mixed.prefill_lens.numel():
+            _prefill(q, k_cache, v_cache, mixed.prefill_tables, mixed.prefill_lens, mixed.prefill_starts,
+                     mixed.prefill_ends, scale, max_q_len, out)
         return out
     _prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc[:-1], query_start_loc[1:], scale,
              max_q_len, out)
     return out
+
+
+@dataclass
+class MixedStep:
+    """A mixed step's decode rows and prompt chunks, gathered once per step (every layer reuses them)."""
+
+    decode_rows: torch.Tensor  # int64 [d]: each decoding sequence's query token
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    prefill_tables: torch.Tensor
+    prefill_lens: torch.Tensor
+    prefill_starts: torch.Tensor
+    prefill_ends: torch.Tensor
+
+
+def split_mixed(block_tables, seq_lens, query_start_loc, decode_seqs, prefill_seqs) -> MixedStep:
+    return MixedStep(
+        decode_rows=query_start_loc[decode_seqs].to(torch.int64), decode_tables=block_tables[decode_seqs],
+        decode_lens=seq_lens[decode_seqs], prefill_tables=block_tables[prefill_seqs],
+        prefill_lens=seq_lens[prefill_seqs], prefill_starts=query_start_loc[prefill_seqs],
+        prefill_ends=query_start_loc[prefill_seqs + 1])
 
 
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out,

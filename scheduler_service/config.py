@@ -47,6 +47,8 @@ class SchedulerConfig:
 
     block_size: int = 16
     max_num_seqs: int = 64
+    # Adopt the workers' proposal (their handshakes' max_num_seqs, the smallest) at start instead.
+    auto_max_num_seqs: bool = False
     # Per-step token budget: decodes are scheduled first, then prompt chunks fill the rest.
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -56,6 +58,8 @@ class SchedulerConfig:
     overlap: bool = True
     # Check allocator invariants after every step (tests turn it on).
     debug_invariants: bool = False
+    # Seconds between the step_profile log lines of a busy replica (cumulative figures).
+    step_profile_interval: float = 5.0
     # Data parallelism: how much more loaded (waiting x 4 + running) than the least loaded replica the
     # replica holding a request's cached prefix may be and still get it. None: max_num_seqs / 4.
     route_overload_slack: int | None = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -93,6 +93,7 @@ class Engine:
         self.client.check_group = self._check_group
         await self.client.wait_for_workers(worker_timeout)
         groups = self.client.groups
+        self._adopt_max_num_seqs(groups)
         self.limits = Limits(self.spec.vocab_size, self._max_context(groups[0]),
                              min(g.num_blocks for g in groups), self.config.block_size,
                              self.tokenizer.max_token_bytes, self.spec.eos_token_ids,
@@ -103,6 +104,19 @@ class Engine:
         self.client.on_group_ready = self._group_ready
         self.client.on_group_lost = lambda d, reason: self.on_lost(self.replicas[d], reason)
         self._monitor = asyncio.get_running_loop().create_task(self._watch_workers(), name="worker-monitor")
+
+    def _adopt_max_num_seqs(self, groups) -> None:
+        """Where --max-num-seqs was left to the workers, take the smallest they proposed (a GPU worker's comes
+        from its KV capacity, and its decode graphs are captured for it)."""
+        proposed = [w.handshake.max_num_seqs for g in groups for w in g.workers.values() if w.handshake.max_num_seqs]
+        if not self.config.auto_max_num_seqs or not proposed:
+            return
+        chosen = min(min(proposed), self.config.max_num_batched_tokens)
+        if chosen != self.config.max_num_seqs:
+            self.config = replace(self.config, max_num_seqs=chosen)
+            for replica in self.replicas:
+                replica.config = self.config
+        log.info("max_num_seqs", max_num_seqs=chosen, source="workers")
 
     async def _watch_workers(self, interval: float = 0.5) -> None:
         """Find ranks that went silent while their replica was idle (a step in flight checks its own)."""

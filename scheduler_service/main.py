@@ -46,7 +46,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="data parallel: extra load (waiting x 4 + running) the replica holding a request's cached "
                         "prefix may carry over the least loaded one and still get it (default: max-num-seqs / 4)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences in a step (default: what the workers propose: 64 on a CPU, from the KV "
+                        "pool's capacity on a GPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="per-step token budget: decodes first, then prompt chunks")
     p.add_argument("--no-chunked-prefill", action="store_true",
@@ -58,6 +60,8 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                         "while the workers run this one)")
     p.add_argument("--max-queue-len", type=int, default=1024)
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")
+    p.add_argument("--step-profile-interval", type=float, default=5.0,
+                   help="seconds between step_profile log lines (where a busy replica's step time went)")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds to wait for workers at start")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,
                    help="seconds of silence after which a worker counts as lost (stopped, hung or unreachable)")
@@ -83,12 +87,14 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs or min(64, args.max_num_batched_tokens),
+        auto_max_num_seqs=args.max_num_seqs is None,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_caching,
         max_queue_len=args.max_queue_len,
         debug_invariants=args.debug_invariants,
+        step_profile_interval=args.step_profile_interval,
         overlap=not args.no_overlap,
         route_overload_slack=args.route_overload_slack,
     )

@@ -234,7 +234,7 @@ class Replica:
                     return
                 for flight in inflight:  # its masks waited for the step just applied (failed or not)
                     await self._send_masks(flight)
-                if time.monotonic() - last_profile_log > 5.0:
+                if time.monotonic() - last_profile_log > self.config.step_profile_interval:
                     last_profile_log = time.monotonic()
                     log.info("step_profile", replica=self.index, **self.profile.as_dict(),
                              running=len(sched.running), waiting=len(sched.waiting))

@@ -23,7 +23,11 @@ def test_backend_matches_reference_on_mixed_batches(backend_name, n_heads, n_kv_
     assert backend.name == backend_name
     meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
     if backend_name == "triton":
-        assert meta.decode_seqs.tolist() == [0, 2, 4] and meta.prefill_seqs.tolist() == [1, 3, 5]
+        # gathered once for the step: each decoding sequence's query token, the chunks' starts and ends
+        qsl = c.query_start_loc.tolist()
+        assert meta.mixed.decode_rows.tolist() == [qsl[0], qsl[2], qsl[4]]
+        assert meta.mixed.prefill_starts.tolist() == [qsl[1], qsl[3], qsl[5]]
+        assert meta.mixed.prefill_ends.tolist() == [qsl[2], qsl[4], qsl[6]]
     out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale)
     ref = paged_attention(*c.args)
     assert torch.isfinite(out).all() and torch.isfinite(ref).all()

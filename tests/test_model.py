@@ -53,12 +53,15 @@ def run_step(model, config, pool, seqs, backend="torch"):
         lens.append(start + len(new))
         qsl.append(qsl[-1] + len(new))
         tables[i, : len(blocks)] = torch.tensor(blocks)
-    meta = attn.prepare(tables, torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32), BLOCK,
-                        max(lens), max(len(new) for new, _, _ in seqs))
-    step = StepInputs(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots), meta)
+    dev = pool.k[0].device  # the pool's device (CUDA in the CUDA-only tests)
+    meta = attn.prepare(tables.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev),
+                        torch.tensor(qsl, dtype=torch.int32, device=dev), BLOCK, max(lens),
+                        max(len(new) for new, _, _ in seqs))
+    step = StepInputs(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                      torch.tensor(slots, device=dev), meta)
     with torch.no_grad():
         hidden = model(step, pool, attn)
-        last = torch.tensor(qsl[1:]) - 1
+        last = torch.tensor(qsl[1:], device=dev) - 1
         return model.compute_logits(hidden[last]), hidden
 
 

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import structlog
 import torch
 import torch.nn.functional as F
 
 from kernels import reference
+
+log = structlog.get_logger("worker.attention")
 
 
 class AttentionBackend:
@@ -206,8 +209,7 @@ class TritonAttentionMeta:
     query_start_loc: torch.Tensor
     max_seq_len: int
     max_q_len: int
-    decode_seqs: torch.Tensor | None = None  # a mixed step: the sequences that decode, and the others
-    prefill_seqs: torch.Tensor | None = None
+    mixed: object = None  # a mixed step: kernels.triton_attention.MixedStep, gathered once for every layer
     workspace: dict = field(default_factory=dict)  # the split scratch, allocated by the first layer only
 
 
@@ -230,8 +232,9 @@ class TritonAttention(AttentionBackend):
         if decodes.any() and not decodes.all():
             index = torch.arange(len(host_q_lens), dtype=torch.int64)
             to = dict(device=block_tables.device, non_blocking=True)
-            meta.decode_seqs = index[torch.from_numpy(decodes)].to(**to)
-            meta.prefill_seqs = index[torch.from_numpy(~decodes)].to(**to)
+            meta.mixed = self._kernels.split_mixed(block_tables, seq_lens, query_start_loc,
+                                                   index[torch.from_numpy(decodes)].to(**to),
+                                                   index[torch.from_numpy(~decodes)].to(**to))
         return meta
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -240,16 +243,31 @@ class TritonAttention(AttentionBackend):
     def forward(self, q, k_cache, v_cache, meta: TritonAttentionMeta, scale):
         return self._kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-            max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len, decode_seqs=meta.decode_seqs,
-            prefill_seqs=meta.prefill_seqs, workspace=meta.workspace,
+            max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len, mixed=meta.mixed, workspace=meta.workspace,
         )
 
 
 BACKENDS = {"torch": TorchAttention, "triton": TritonAttention, "cpu": CpuAttention}
 
 
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def default_backend_name(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "cpu"
+    """triton on CUDA (torch, said out loud, where triton is not installed), cpu elsewhere."""
+    if device.type != "cuda":
+        return "cpu"
+    if triton_available():
+        return "triton"
+    log.warning("triton_missing", device=str(device),
+                consequence="attention and the elementwise tail run in torch on the GPU, several times slower",
+                fix="pip install triton (it comes with CUDA builds of torch)")
+    return "torch"
 
 
 def make_backend(name: str | None, device: torch.device, shape: tuple | None = None) -> AttentionBackend:
@@ -258,6 +276,8 @@ def make_backend(name: str | None, device: torch.device, shape: tuple | None = N
     chosen = name or default_backend_name(device)
     if chosen not in BACKENDS:
         raise ValueError(f"unknown attention backend {chosen!r}; choose from {sorted(BACKENDS)}")
+    if chosen == "triton" and not triton_available():
+        raise ValueError("--attention-backend triton needs the triton package (pip install triton)")
     if chosen == "cpu":
         try:
             backend = CpuAttention()

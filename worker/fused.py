@@ -108,7 +108,7 @@ def default_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
     if device.type == "cuda":
         try:
             return TritonOps()
-        except ImportError:
+        except ImportError:  # the worker said so at start (worker/attention.py default_backend_name)
             return TorchOps()
     if device.type == "cpu" and dtype == torch.float32:
         from kernels import cpu_native

@@ -28,14 +28,22 @@ from worker.model import LlamaModel, StepInputs
 
 log = structlog.get_logger("worker.graphs")
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """Batch sizes captured for a step limit of max_rows sequences (--max-num-seqs): the standard sizes below
+    it and max_rows itself, each once."""
+    return sorted({b for b in BUCKETS if b < max_rows} | {max_rows})
 
 
 class DecodeGraphs:
     def __init__(self, model: LlamaModel, pool: KVPool, attn: AttentionBackend, device: torch.device,
                  max_rows: int, max_context: int) -> None:
         self.model, self.pool, self.attn, self.device = model, pool, attn, device
-        self.buckets = [b for b in BUCKETS if b < max_rows] + [min(max_rows, BUCKETS[-1])]
+        if max_rows < 1:
+            raise ValueError(f"decode graphs need at least one row, got {max_rows}")
+        self.buckets = bucket_sizes(max_rows)
         self.max_context = max_context
         self.width = -(-max_context // pool.block_size)  # block-table entries of the longest sequence
         top = self.buckets[-1]
@@ -46,7 +54,10 @@ class DecodeGraphs:
         self.tables = torch.zeros(top, self.width, **i32)
         self.seq_lens = torch.ones(top, **i32)
         self.qsl = torch.arange(top + 1, **i32)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        # One logits buffer for every bucket (a graph writes its rows' logits into its head): captured outputs
+        # kept per bucket would each hold [bucket, vocab] fp32 for the worker's life.
+        self.logits = torch.empty(top, model.config.vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
     def covers(self, q_lens: np.ndarray, seq_lens: np.ndarray) -> bool:
@@ -65,26 +76,29 @@ class DecodeGraphs:
                                  host_q_lens=np.ones(rows, dtype=np.int64))
         step = StepInputs(self.token_ids[:rows], self.positions[:rows], self.slots[:rows], meta)
         hidden = self.model(step, self.pool, self.attn)
-        return self.model.compute_logits(hidden)
+        logits = self.logits[:rows]
+        logits.copy_(self.model.compute_logits(hidden))
+        return logits
 
     def capture_all(self) -> float:
-        """Capture every bucket, largest first (they share one memory pool). Returns seconds taken."""
+        """Capture every bucket, largest first (they share one memory pool), on one side stream. Returns
+        seconds taken. Raises whatever capture raises (out of memory, most likely): the caller decides."""
         t0 = time.perf_counter()
         self._pad(0)
         with torch.inference_mode():
+            stream = torch.cuda.Stream() if self.device.type == "cuda" else None
             for rows in reversed(self.buckets):
-                if self.device.type != "cuda":
-                    self.graphs[rows] = (None, None)
+                if stream is None:
+                    self.graphs[rows] = None
                     continue
-                stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):  # a first run off the capture: lazy initialization happens here
                     self._forward(rows)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    logits = self._forward(rows)
-                self.graphs[rows] = (graph, logits)
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                    self._forward(rows)
+                self.graphs[rows] = graph
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -115,8 +129,8 @@ class DecodeGraphs:
         self.seq_lens[:rows].copy_(seq_lens)
         if rows < bucket:
             self._pad(rows)
-        graph, logits = self.graphs[bucket]
+        graph = self.graphs[bucket]
         if graph is None:  # no CUDA: the same static-buffer forward, eagerly
             return self._forward(bucket)[:rows]
         graph.replay()
-        return logits[:rows]
+        return self.logits[:rows]

@@ -18,6 +18,8 @@ from protos.logs import LOG_FORMATS, configure_logging
 
 log = structlog.get_logger("worker.main")
 
+CPU_KV_CACHE_MEMORY = "2GiB"
+
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
@@ -27,6 +29,9 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="per-step token budget: decodes first, then prompt chunks (sizes the profiling forward on CUDA)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences in a step (default: 64 on a CPU; on a GPU from the KV pool's capacity, "
+                        "64-512); on CUDA the decode graphs are captured for up to this many")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +42,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="cuda, cuda:N or cpu (default: cuda when present; the launchers give each local rank its own GPU)")
     g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory budget)")
-    g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool memory budget per rank on the CPU, e.g. 2GiB")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool memory per rank, e.g. 2GiB (default: 2GiB on a CPU; on CUDA what "
+                        "--gpu-memory-utilization leaves once everything else is measured)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on CUDA: share of the GPU's memory this worker may use (weights, activations, KV pool)")
     g.add_argument("--attention-backend", default=None, choices=["triton", "cpu", "torch"],
@@ -66,22 +73,19 @@ def add_group_args(p: argparse.ArgumentParser) -> None:
                    help="ranks of one model (heads, MLP and vocabulary split over them)")
 
 
-def capture_decode_graphs(model, pool, attn, device, args, max_position_embeddings: int):
-    """DecodeGraphs for this worker, or None (logged) where capture fails for any reason but a device
-    error: decode steps then run eagerly."""
+def capture_decode_graphs(model, pool, attn, device, max_rows: int, max_context: int):
+    """DecodeGraphs for this worker. A failed capture (out of memory, most likely) is fatal: the pool was
+    sized with the graphs' memory set aside, so serving without them would hide a wrong budget."""
     from worker.graphs import DecodeGraphs
-    from worker.server import is_device_fatal
 
-    try:
-        graphs = DecodeGraphs(model, pool, attn, device, max_rows=args.max_num_batched_tokens,
-                              max_context=min(max_position_embeddings, args.graph_max_context))
-        graphs.capture_all()
-        return graphs
-    except Exception as e:  # noqa: BLE001 - eager decode still serves
-        if is_device_fatal(e):
-            raise
-        log.warning("decode_graphs_failed", error=repr(e))
-        return None
+    graphs = DecodeGraphs(model, pool, attn, device, max_rows=max_rows, max_context=max_context)
+    graphs.capture_all()
+    return graphs
+
+
+def nvidia_gpu_present() -> bool:
+    """Whether the NVIDIA driver reports a GPU on this host, whatever torch can see."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")
 
 
 def rank_device(device: str | None, local_rank: int, cuda_count: int) -> str:
@@ -149,11 +153,24 @@ def main(argv: list[str] | None = None) -> int:
     from worker.linear import choose as choose_matmul
     from worker.parallel import ParallelConfigError, init_group, make_shard
     from worker.runner import ModelRunner, warm_up
-    from worker.server import WorkerServer
-    from worker.sizing import profile_gpu_blocks
+    from worker.server import WorkerServer, is_device_fatal
+    from worker.sizing import (
+        GPU_MAX_NUM_SEQS,
+        default_max_num_seqs,
+        gpu_blocks,
+        measure_graph_bytes,
+        profile_gpu_peak,
+    )
     from worker.weights import load_config, load_model
 
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cuda_count == 0 and (args.device or "cuda").startswith("cuda") and nvidia_gpu_present():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else f"this torch (CUDA {torch.version.cuda}) cannot use it: check the driver")
+        log.error("gpu_unusable", torch=torch.__version__, reason=why)
+        print(f"pagedserve-worker: this host has an NVIDIA GPU and {why} (torch {torch.__version__}). Install a "
+              "CUDA build of torch, or pass --device cpu to serve on the CPU.", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         device = torch.device(rank_device(args.device, args.local_rank, cuda_count))
     except ValueError as e:
@@ -184,25 +201,56 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagedserve-worker: {e}", file=sys.stderr)
         return EXIT_CONFIG
     per_block = bytes_per_block(config, args.block_size, dtype, heads)
-    if args.num_blocks:
-        num_blocks = args.num_blocks
-    elif device.type == "cuda":
-        num_blocks = profile_gpu_blocks(model, attn, device, dtype, args.block_size, args.max_num_batched_tokens,
-                                        args.gpu_memory_utilization)
-    else:
-        num_blocks = parse_bytes(args.kv_cache_memory) // per_block
+    # graphs capture the step as the triton backend runs it (its per-step metadata is built without a host
+    # sync); the torch backend reads lengths back on the host, which a capture cannot hold
+    use_graphs = device.type == "cuda" and not args.enforce_eager and tp == 1 and attn.name == "triton"
+    if device.type == "cuda" and not args.enforce_eager and attn.name != "triton":
+        log.info("decode_graphs_off", reason=f"the {attn.name} attention backend syncs with the host each step")
+    if device.type == "cuda" and not args.enforce_eager and tp > 1:
+        # collectives inside a captured graph are not covered yet: TP groups decode eagerly
+        log.info("decode_graphs_off", reason="tensor parallel")
+    graph_context = min(config.max_position_embeddings, args.graph_max_context)
+    # the most rows a step may hold before the pool is sized: what the sampler and the graphs are measured at
+    rows_bound = min(args.max_num_seqs or GPU_MAX_NUM_SEQS[1], args.max_num_batched_tokens)
+    try:
+        if args.num_blocks:
+            num_blocks = args.num_blocks
+        elif args.kv_cache_memory:
+            num_blocks = parse_bytes(args.kv_cache_memory) // per_block
+        elif device.type == "cuda":
+            non_kv = profile_gpu_peak(model, attn, device, dtype, args.block_size, args.max_num_batched_tokens,
+                                      rows_bound)
+            graph_bytes = measure_graph_bytes(model, attn, device, dtype, args.block_size, rows_bound,
+                                              graph_context) if use_graphs else 0
+            num_blocks = gpu_blocks(device, args.gpu_memory_utilization, non_kv + graph_bytes, per_block)
+            log.info("gpu_memory_budget", non_kv_bytes=non_kv, graph_bytes=graph_bytes, bytes_per_block=per_block,
+                     num_blocks=num_blocks, utilization=args.gpu_memory_utilization)
+        else:
+            num_blocks = parse_bytes(CPU_KV_CACHE_MEMORY) // per_block
+    except torch.cuda.OutOfMemoryError as e:
+        log.error("profile_out_of_memory", error=str(e))
+        print("pagedserve-worker: out of GPU memory while measuring the largest step: lower --max-num-batched-tokens "
+              f"or --max-num-seqs, or raise --gpu-memory-utilization ({e})", file=sys.stderr)
+        return EXIT_CONFIG
     if num_blocks < 1:
         log.error("kv_budget_too_small", kv_cache_memory=args.kv_cache_memory,
                   gpu_memory_utilization=args.gpu_memory_utilization, bytes_per_block=per_block)
         return EXIT_CONFIG
+    max_num_seqs = args.max_num_seqs or default_max_num_seqs(device.type, num_blocks, args.block_size,
+                                                             args.max_num_batched_tokens)
     pool = KVPool(config, num_blocks, args.block_size, dtype, device, heads)
     runner = ModelRunner(model, pool, attn, device)
     warm_s = warm_up(runner)  # kernels compiled and libraries warmed before the first request, not during it
-    if device.type == "cuda" and not args.enforce_eager:
-        if tp > 1:  # collectives inside a captured graph are not covered yet: TP groups decode eagerly
-            log.info("decode_graphs_off", reason="tensor parallel")
-        else:
-            runner.graphs = capture_decode_graphs(model, pool, attn, device, args, config.max_position_embeddings)
+    if use_graphs:
+        try:
+            runner.graphs = capture_decode_graphs(model, pool, attn, device, max_num_seqs, graph_context)
+        except Exception as e:  # noqa: BLE001 - any failure: the budget or the model is wrong, say so and stop
+            if is_device_fatal(e):
+                raise
+            log.error("decode_graphs_failed", error=repr(e), max_num_seqs=max_num_seqs)
+            print(f"pagedserve-worker: capturing the decode graphs failed ({e!r}); lower --gpu-memory-utilization "
+                  "or --max-num-seqs, or pass --enforce-eager to decode without graphs", file=sys.stderr)
+            return EXIT_CONFIG
     handshake = wire_pb2.Handshake(
         tp_rank=args.rank,
         tp_size=tp,
@@ -211,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks=num_blocks,
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
         model_fingerprint=config.fingerprint(os.path.basename(os.path.normpath(args.model)) + args.load_format),
         vocab_size=config.vocab_size,
         max_context=config.max_position_embeddings,
@@ -223,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     log.info("model_loaded", model=args.model, device=str(device), dtype=handshake.dtype, num_blocks=num_blocks,
              attention_backend=attn.name, matmul=model.mm.name, malloc=allocator, warm_up_s=round(warm_s, 3),
-             tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads)
+             tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads, max_num_seqs=max_num_seqs,
+             decode_graphs=runner.graphs.buckets if runner.graphs is not None else None)
     server = WorkerServer(args.scheduler, runner, handshake, scheduler_timeout=args.scheduler_timeout,
                           curve_keys=args.curve_keys)
     return server.serve()
