@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls plot-kv clean
+.PHONY: setup proto run deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu gpu-compile-report plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native
 
@@ -97,6 +97,18 @@ bench-parallel: setup
 # Paged decode/prefill kernels vs a device copy and contiguous SDPA (GPU); interpreter, tiny shapes elsewhere.
 bench-kernels: setup
 	$(PY) -m deploy.bench_kernels $(ARGS)
+
+# Every Triton kernel compiled for sm_90 (no GPU needed): registers, spills and shared memory per head_dim.
+gpu-compile-report: setup
+	env -u TRITON_INTERPRET $(PY) -m kernels.compile_report $(ARGS)
+
+# GPU: one worker's decode step in process (Llama-3-8B shapes, dummy weights) against its roofline.
+bench-step: setup
+	$(PY) -m deploy.bench_step $(ARGS)
+
+# GPU: the whole server at Llama-3-8B shapes (dummy weights) under the load-test client, step split included.
+bench-serve-gpu: setup
+	$(PY) -m deploy.bench_serve_gpu $(ARGS)
 
 bench-scheduler: setup  # scheduler cost per decode step at 256 and 1024 sequences x 2k context
 	$(PY) -m deploy.bench_scheduler --model $(MODEL_DIR) $(ARGS)

@@ -1,7 +1,7 @@
 """What the Triton kernels compile to: registers, spills, shared memory, and how many versions of each.
 
 Two ways to read it:
-- `offline_report()` compiles every kernel of kernels/ for a CUDA target (sm_90 by default) without a GPU,
+- `offline_report()` compiles every Triton kernel of kernels/ for a CUDA target (sm_90 by default) without a GPU,
   at the launch configurations the launchers choose for each head_dim and block size, and reads registers
   and spill bytes from ptxas (`make gpu-compile-report`).
 - `runtime_report()` lists what this process has compiled and launched so far (on a GPU: registers and
@@ -112,9 +112,11 @@ def offline_report(head_dims=(64, 128, 256), block_sizes=(16, 32, 256), capabili
     """Every attention and elementwise kernel at the configurations its launcher picks on a GPU."""
     from kernels import triton_attention as ta
     from kernels import triton_elementwise as te
+    from kernels import triton_sampling as tsamp
 
     rows = []
-    for case in ta.launch_cases(head_dims, block_sizes, dtype) + te.launch_cases(head_dims, dtype):
+    for case in ta.launch_cases(head_dims, block_sizes, dtype) + te.launch_cases(head_dims, dtype) + \
+            tsamp.launch_cases():
         usage = compile_offline(case["fn"], case["signature"], case["constexprs"], case["num_warps"],
                                 case["num_stages"], capability, case.get("aligned", ()))
         rows.append(dict(name=case["name"], **usage))

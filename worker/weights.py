@@ -42,18 +42,17 @@ def load_model(
     config = load_config(source, load_format)
     shard = make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size,
                        tp_rank, tp_size)
-    if load_format == "dummy":  # drawn where it will run: no host copy of the weights (minutes for 8B)
-        with torch.device("meta"):
-            model = LlamaModel(config, shard, comm).to(dtype)
-        model = model.to_empty(device=device)
-        model.init_random(seed)
-        return model.eval(), config
-    with torch.device("cpu"):
-        model = LlamaModel(config, shard, comm).to(dtype)
-    if load_format == "safetensors":
-        model.load_hf_weights(SafetensorsSource(path))
-    elif load_format == "gguf":
-        model.load_hf_weights(read_gguf(path))
-    else:
+    if load_format not in ("dummy", "safetensors", "gguf"):
         raise ValueError(f"unknown load format {load_format!r}")
-    return model.to(device).eval(), config
+    # The parameters are allocated where they will run, in their dtype, and filled there: no fp32 copy of
+    # the model on the host first (32 GB and minutes for an 8B model). Every parameter is written below.
+    with torch.device("meta"):
+        model = LlamaModel(config, shard, comm).to(dtype)
+    model = model.to_empty(device=device)
+    if load_format == "dummy":
+        model.init_random(seed)
+    elif load_format == "safetensors":
+        model.load_hf_weights(SafetensorsSource(path))
+    else:
+        model.load_hf_weights(read_gguf(path))
+    return model.eval(), config
