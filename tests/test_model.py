@@ -317,8 +317,8 @@ def test_staging_packs_a_steps_arrays_into_one_transfer_and_cuts_them_back():
 def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
     """Decode steps through DecodeGraphs' static buffers (padded to a bucket, tables padded to the captured
     width; on CUDA a graph replay, here the same forward eagerly) sample exactly what the plain path does,
-    step after step, as the batch shrinks between buckets; a prompt chunk or a longer sequence runs
-    eagerly."""
+    step after step, as the batch shrinks between buckets and the sequences grow from the short context tier
+    into the long one; a prompt chunk or a longer sequence runs eagerly."""
     import numpy as np
 
     from protos.codec import PlanArrays, encode_plan
@@ -352,9 +352,12 @@ def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
         pool = KVPool(config, 40, BLOCK, torch.float32, cpu)
         runner = ModelRunner(model, pool, make_backend(backend, cpu), cpu)
         if with_graphs:
-            runner.graphs = DecodeGraphs(model, pool, runner.attn, cpu, max_rows=8, max_context=24)
+            # two tiers: sequences up to 12 keys replay the short one, up to 24 the long one
+            runner.graphs = DecodeGraphs(model, pool, runner.attn, cpu, max_rows=8, max_context=[24, 12])
             runner.graphs.capture_all()
-            assert runner.graphs.buckets == [1, 2, 4, 8]
+            assert runner.graphs.buckets == [1, 2, 4, 8] and runner.graphs.contexts == [12, 24]
+            assert sorted(runner.graphs.graphs) == [(c, b) for c in (12, 24) for b in (1, 2, 4, 8)]
+            assert [runner.graphs.tier(n) for n in (1, 12, 13, 24)] == [12, 12, 24, 24]
         blocks = [[(7 * i + 3 * j) % 35 for j in range(7)] for i in range(5)]  # scattered, 28 keys each
         prompts = [[5 + i, 9, 11 + i] for i in range(5)]
         out = [runner.execute(plan(1, [(p, 0, b) for p, b in zip(prompts, blocks, strict=True)])).sampled_token_ids]
@@ -394,7 +397,7 @@ def test_decode_graph_replay_on_cuda_matches_the_eager_forward(tiny):
     tables = torch.tensor([[1, 2], [3, -1]], dtype=torch.int32, device=cuda)
     got = graphs.run(torch.tensor([10, 11], device=cuda), torch.tensor([5, 2], device=cuda),
                      torch.tensor([2 * BLOCK + 1, 3 * BLOCK + 2], device=cuda), tables,  # positions 5 and 2
-                     torch.tensor([6, 3], dtype=torch.int32, device=cuda))
+                     torch.tensor([6, 3], dtype=torch.int32, device=cuda), 6)
     pool2 = KVPool(config, 32, BLOCK, torch.float32, cuda)
     run_step(model, config, pool2, [([5, 6, 7, 8, 9], 0, [1, 2]), ([3, 4], 0, [3])], "triton")
     want, _ = run_step(model, config, pool2, [([10], 5, [1, 2]), ([11], 2, [3])], "triton")

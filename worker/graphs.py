@@ -5,10 +5,11 @@ start and replayed, one launch for the whole forward and LM head.
 A graph replays fixed shapes and addresses, so a step is fitted to it: its arrays are copied into static
 buffers sized for the largest bucket, the batch is padded to the smallest bucket that holds it (padding
 rows write no K/V, slot -1, and attend one key of block 0; their logits are dropped), block tables are
-padded to the width of `max_context` keys, and attention is captured for that context length (fixed
-splits per bucket; the kernels read each row's true length from the buffer). Steps that do not fit — a
-prompt chunk in them, more rows than the largest bucket, or a sequence longer than `max_context` — run
-eagerly. Only decode steps are captured: prefill steps are long enough that launches do not matter.
+padded to the width of the tier's context, and attention is captured for that context length (fixed
+splits per bucket and tier; the kernels read each row's true length from the buffer and splits past it
+write nothing). Two tiers where the model's context is longer than `--graph-max-context`: a step whose
+longest sequence fits the short tier replays it (few splits), a longer one the long tier. Steps that do
+not fit — a prompt chunk in them, more rows than the largest bucket — run eagerly. Only decode steps are captured: prefill steps are long enough that launches do not matter.
 
 On a CPU (tests) "capture" records nothing and "replay" runs the same static-buffer forward eagerly, so
 the fitting — padding, buffers, the bucket choice — is tested here against the plain path.
@@ -38,14 +39,22 @@ def bucket_sizes(max_rows: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """contexts: the longest sequence each tier of graphs serves, ascending — `--graph-max-context`, and
+    the model's whole context (`--max-model-len`) where that is longer. A step replays the smallest tier
+    that holds its longest sequence, so one long sequence among short ones does not send the batch eager,
+    while the short tier keeps its few splits."""
+
     def __init__(self, model: LlamaModel, pool: KVPool, attn: AttentionBackend, device: torch.device,
-                 max_rows: int, max_context: int) -> None:
+                 max_rows: int, max_context: int | list[int]) -> None:
         self.model, self.pool, self.attn, self.device = model, pool, attn, device
         if max_rows < 1:
             raise ValueError(f"decode graphs need at least one row, got {max_rows}")
         self.buckets = bucket_sizes(max_rows)
-        self.max_context = max_context
-        self.width = -(-max_context // pool.block_size)  # block-table entries of the longest sequence
+        self.contexts = sorted(set([max_context] if isinstance(max_context, int) else max_context))
+        if not self.contexts or self.contexts[0] < 1:
+            raise ValueError(f"decode graphs need a positive context, got {max_context}")
+        self.max_context = self.contexts[-1]
+        self.width = -(-self.max_context // pool.block_size)  # block-table entries of the longest sequence
         top = self.buckets[-1]
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.token_ids = torch.zeros(top, **i64)
@@ -57,7 +66,7 @@ class DecodeGraphs:
         # One logits buffer for every bucket (a graph writes its rows' logits into its head): captured outputs
         # kept per bucket would each hold [bucket, vocab] fp32 for the worker's life.
         self.logits = torch.empty(top, model.config.vocab_size, dtype=torch.float32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}  # (context tier, rows)
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
     def covers(self, q_lens: np.ndarray, seq_lens: np.ndarray) -> bool:
@@ -68,11 +77,15 @@ class DecodeGraphs:
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
+    def tier(self, longest: int) -> int:
+        return next(c for c in self.contexts if c >= longest)
+
     # --- capture ---------------------------------------------------------------------------------------
-    def _forward(self, rows: int) -> torch.Tensor:
-        """The decode step over the first `rows` static rows -> logits [rows, vocab]."""
-        meta = self.attn.prepare(self.tables[:rows], self.seq_lens[:rows], self.qsl[: rows + 1],
-                                 self.pool.block_size, max_seq_len=self.max_context, max_q_len=1,
+    def _forward(self, rows: int, context: int) -> torch.Tensor:
+        """The decode step over the first `rows` static rows, sequences up to `context` keys -> logits."""
+        width = -(-context // self.pool.block_size)
+        meta = self.attn.prepare(self.tables[:rows, :width], self.seq_lens[:rows], self.qsl[: rows + 1],
+                                 self.pool.block_size, max_seq_len=context, max_q_len=1,
                                  host_q_lens=np.ones(rows, dtype=np.int64))
         step = StepInputs(self.token_ids[:rows], self.positions[:rows], self.slots[:rows], meta)
         hidden = self.model(step, self.pool, self.attn)
@@ -81,29 +94,30 @@ class DecodeGraphs:
         return logits
 
     def capture_all(self) -> float:
-        """Capture every bucket, largest first (they share one memory pool), on one side stream. Returns
-        seconds taken. Raises whatever capture raises (out of memory, most likely): the caller decides."""
+        """Capture every (tier, bucket), largest first (they share one memory pool), on one side stream.
+        Returns seconds taken. Raises whatever capture raises (out of memory, most likely): the caller
+        decides."""
         t0 = time.perf_counter()
         self._pad(0)
         with torch.inference_mode():
             stream = torch.cuda.Stream() if self.device.type == "cuda" else None
-            for rows in reversed(self.buckets):
-                if stream is None:
-                    self.graphs[rows] = None
-                    continue
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):  # a first run off the capture: lazy initialization happens here
-                    self._forward(rows)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    self._forward(rows)
-                self.graphs[rows] = graph
+            for context in reversed(self.contexts):
+                for rows in reversed(self.buckets):
+                    if stream is None:
+                        self.graphs[context, rows] = None
+                        continue
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):  # a first run off the capture: lazy initialization here
+                        self._forward(rows, context)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                        self._forward(rows, context)
+                    self.graphs[context, rows] = graph
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        log.info("decode_graphs_captured", buckets=self.buckets, max_context=self.max_context,
-                 seconds=round(seconds, 2))
+        log.info("decode_graphs_captured", buckets=self.buckets, contexts=self.contexts, seconds=round(seconds, 2))
         return seconds
 
     # --- replay ----------------------------------------------------------------------------------------
@@ -116,10 +130,11 @@ class DecodeGraphs:
         self.seq_lens[rows:] = 1
 
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-            seq_lens: torch.Tensor) -> torch.Tensor:
-        """A covered decode step (its arrays on the device) -> logits [rows, vocab] of every row."""
+            seq_lens: torch.Tensor, longest: int) -> torch.Tensor:
+        """A covered decode step (its arrays on the device; `longest`, its longest sequence, from the plan
+        on the host) -> logits [rows, vocab] of every row."""
         rows = token_ids.shape[0]
-        bucket = self.bucket(rows)
+        bucket, context = self.bucket(rows), self.tier(longest)
         self.token_ids[:rows].copy_(token_ids)
         self.positions[:rows].copy_(positions)
         self.slots[:rows].copy_(slots)
@@ -129,8 +144,8 @@ class DecodeGraphs:
         self.seq_lens[:rows].copy_(seq_lens)
         if rows < bucket:
             self._pad(rows)
-        graph = self.graphs[bucket]
+        graph = self.graphs[context, bucket]
         if graph is None:  # no CUDA: the same static-buffer forward, eagerly
-            return self._forward(bucket)[:rows]
+            return self._forward(bucket, context)[:rows]
         graph.replay()
         return self.logits[:rows]

@@ -29,6 +29,8 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="per-step token budget: decodes first, then prompt chunks (sizes the profiling forward on CUDA)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="cap the model's context (default: the model's); the longest decode graph tier serves it")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in a step (default: 64 on a CPU; on a GPU from the KV pool's capacity, "
                         "64-512); on CUDA the decode graphs are captured for up to this many")
@@ -57,7 +59,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--graph-max-context", type=int, default=8192,
-                   help="on CUDA, the longest sequence a captured decode graph serves (longer steps run eagerly)")
+                   help="on CUDA, the longest sequence the first tier of decode graphs serves (few splits); a "
+                        "second tier serves up to --max-model-len")
     g.add_argument("--malloc", default=None, choices=["auto", "tcmalloc", "glibc", "default"],
                    help="host allocator (worker/host_memory.py): auto preloads the system's tcmalloc for a CPU worker "
                         "where present, else tunes glibc to reuse freed blocks; default: $PAGEDSERVE_MALLOC or auto")
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not args.enforce_eager and tp > 1:
         # collectives inside a captured graph are not covered yet: TP groups decode eagerly
         log.info("decode_graphs_off", reason="tensor parallel")
-    graph_context = min(config.max_position_embeddings, args.graph_max_context)
+    model_len = min(config.max_position_embeddings, args.max_model_len or config.max_position_embeddings)
+    graph_context = sorted({min(model_len, args.graph_max_context), model_len})  # a long tier where longer
     # the most rows a step may hold before the pool is sized: what the sampler and the graphs are measured at
     rows_bound = min(args.max_num_seqs or GPU_MAX_NUM_SEQS[1], args.max_num_batched_tokens)
     try:
@@ -273,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("model_loaded", model=args.model, device=str(device), dtype=handshake.dtype, num_blocks=num_blocks,
              attention_backend=attn.name, matmul=model.mm.name, malloc=allocator, warm_up_s=round(warm_s, 3),
              tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads, max_num_seqs=max_num_seqs,
-             decode_graphs=runner.graphs.buckets if runner.graphs is not None else None)
+             decode_graphs=runner.graphs.buckets if runner.graphs is not None else None,
+             graph_contexts=runner.graphs.contexts if runner.graphs is not None else None)
     server = WorkerServer(args.scheduler, runner, handshake, scheduler_timeout=args.scheduler_timeout,
                           curve_keys=args.curve_keys)
     return server.serve()

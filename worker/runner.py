@@ -211,7 +211,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         clock.mark("start")
         if graphed:  # a decode step replays its bucket's graph: forward and LM head of every row
-            all_logits = self.graphs.run(token_ids, positions, slot_mapping, block_tables, seq_lens)
+            all_logits = self.graphs.run(token_ids, positions, slot_mapping, block_tables, seq_lens,
+                                         int(p.seq_lens.max()))
         else:
             hidden = self.model(step, self.pool, self.attn)  # [num_tokens, hidden]
         t2 = time.perf_counter()
