@@ -191,43 +191,6 @@ def test_kv_memory_budget_parsing():
         parse_bytes("lots")
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
-def test_warm_up_leaves_the_runner_as_it_found_it(tiny, backend):
-    """The start-up warm-up step runs the whole path (mixed prefill and decode, greedy and sampled) and
-    changes nothing a plan can observe: the next plan, and one that refers to the previous step's tokens,
-    give what they give on a runner that was never warmed."""
-    import numpy as np
-
-    from protos.codec import PlanArrays, encode_plan
-    from worker.runner import ModelRunner, warm_up
-
-    model, config, _, _ = tiny
-
-    def plan(step_id, tokens, start, prev=None):
-        pos = np.arange(start, start + len(tokens), dtype=np.int32)
-        return encode_plan(PlanArrays(
-            step_id=step_id, token_ids=np.asarray(tokens, dtype=np.int32), positions=pos,
-            slot_mapping=(10 * BLOCK + pos).astype(np.int64), block_tables=np.array([[10, 11, 12]], dtype=np.int32),
-            seq_lens=np.array([start + len(tokens)], dtype=np.int32),
-            query_start_loc=np.array([0, len(tokens)], dtype=np.int32), do_sample=np.array([True]),
-            sample_index=np.zeros(1, dtype=np.int32), temperature=np.array([0.8], dtype=np.float32),
-            top_p=np.ones(1, dtype=np.float32), top_k=np.zeros(1, dtype=np.int32), seed=np.array([7], dtype=np.uint64),
-            block_copies=np.zeros((0, 2), dtype=np.int32), prev_step_id=prev or 0,
-            prev_rows=None if prev is None else np.array([0], dtype=np.int32)))
-
-    answers = []
-    for warm in (False, True):
-        pool = KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu"))
-        runner = ModelRunner(model, pool, make_backend(backend, torch.device("cpu")), torch.device("cpu"))
-        first = runner.execute(plan(5, [3, 4, 5, 6, 7], 0))
-        if warm:
-            assert warm_up(runner) > 0
-        second = runner.execute(plan(6, [0], 5, prev=5))  # its input is the token step 5 sampled
-        assert not first.error and not second.error
-        answers.append((first.sampled_token_ids, second.sampled_token_ids))
-    assert answers[0] == answers[1]
-
-
 def _one_seq_plan(step_id, tokens, start, prev=None, seed=7):
     import numpy as np
 
@@ -243,6 +206,29 @@ def _one_seq_plan(step_id, tokens, start, prev=None, seed=7):
         top_p=np.full(1, 0.9, dtype=np.float32), top_k=np.zeros(1, dtype=np.int32),
         seed=np.array([seed], dtype=np.uint64), block_copies=np.zeros((0, 2), dtype=np.int32),
         prev_step_id=prev or 0, prev_rows=None if prev is None else np.array([0], dtype=np.int32)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_warm_up_leaves_the_runner_as_it_found_it(tiny, backend):
+    """The start-up warm-up step runs the whole path (mixed prefill and decode, greedy and sampled) and
+    changes nothing a plan can observe: the next plan, and one that refers to the previous step's tokens,
+    give what they give on a runner that was never warmed."""
+    from worker.runner import ModelRunner, warm_up
+
+    model, config, _, _ = tiny
+    plan = _one_seq_plan
+
+    answers = []
+    for warm in (False, True):
+        pool = KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu"))
+        runner = ModelRunner(model, pool, make_backend(backend, torch.device("cpu")), torch.device("cpu"))
+        first = runner.execute(plan(5, [3, 4, 5, 6, 7], 0))
+        if warm:
+            assert warm_up(runner) > 0
+        second = runner.execute(plan(6, [0], 5, prev=5))  # its input is the token step 5 sampled
+        assert not first.error and not second.error
+        answers.append((first.sampled_token_ids, second.sampled_token_ids))
+    assert answers[0] == answers[1]
 
 
 def test_a_step_launched_before_the_last_one_is_read_back_takes_its_tokens_on_the_device(tiny):
