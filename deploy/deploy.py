@@ -22,7 +22,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.launcher import passthrough, worker_units
-from deploy.local_server import free_port
+from deploy.local_server import free_port, read_port_file
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos.logs import configure_logging
 from scheduler_service.main import add_scheduler_args
@@ -55,10 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
 def scheduler_program(args: argparse.Namespace, endpoint: str, log_dir: Path) -> Program:
     from scheduler_service.main import build_parser as scheduler_parser
 
-    flags = passthrough(scheduler_parser(), args, {"worker_endpoint", "model"})
+    flags = passthrough(scheduler_parser(), args, {"worker_endpoint", "model", "port_file"})
     argv = [sys.executable, "-m", "scheduler_service.main", "--model", args.model, "--worker-endpoint", endpoint,
-            *flags]
+            "--port-file", str(log_dir / "scheduler.port"), *flags]
     return Program("scheduler", argv, log_dir / "scheduler.log")
+
+
+def bound_address(host: str, port_file: Path, timeout: float, supervisor: Supervisor) -> str | None:
+    """HOST:PORT once the scheduler has written the port it bound (--port 0), or None after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        supervisor.poll()
+        bound = read_port_file(port_file)
+        if bound is not None:
+            return f"{host}:{bound['port']}"
+        time.sleep(0.2)
+    return None
 
 
 def wait_serving(address: str, timeout: float, supervisor: Supervisor) -> bool:
@@ -133,8 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     pid_file.write_text(str(os.getpid()))
     code = 0
     try:
+        (run_dir / "scheduler.port").unlink(missing_ok=True)  # a file from an earlier run says nothing
         supervisor.start_all()
-        if address is not None and not wait_serving(address, args.ready_timeout, supervisor):
+        if address is not None and args.port == 0:  # any free port: the scheduler says which it bound
+            address = bound_address(args.host, run_dir / "scheduler.port", args.ready_timeout, supervisor)
+        if (address is None and not args.workers_only) or (
+                address is not None and not wait_serving(address, args.ready_timeout, supervisor)):
             if stopping["signal"] is None:
                 print(f"the service did not become SERVING within {args.ready_timeout}s; see {run_dir}/",
                       file=sys.stderr)

@@ -4,6 +4,7 @@ Used by the end-to-end tests and the benchmarks: the same launcher `make run` us
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -20,6 +21,15 @@ from protos import generation_pb2, generation_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def read_port_file(path: Path) -> dict | None:
+    """What a scheduler started with --port-file bound ({"port", "worker_endpoint"}), or None before it has
+    written the file."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -28,11 +38,14 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
-        """args: extra launcher flags (see `pagedserve serve --help`)."""
+        """args: extra launcher flags (see `pagedserve serve --help`). The server binds any free port
+        (--port 0) and writes the one it got to a file beside its log: no port is picked and hoped for."""
         self.model_dir = model_dir
         self.log_path = log_path
         self.args = list(args)
-        self.port = free_port()
+        self.port: int | None = None
+        self.worker_endpoint: str | None = None  # the scheduler's ZeroMQ endpoint, as bound
+        self.port_file = Path(log_path).with_suffix(".port")
         self.proc: subprocess.Popen | None = None
         self.channel: grpc.Channel | None = None
 
@@ -41,23 +54,29 @@ class ServerProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
-        cmd = [sys.executable, "-m", "deploy.launcher", "--model", str(self.model_dir), "--port", str(self.port),
-               *self.args]
+        self.port_file.unlink(missing_ok=True)
+        self.port = self.channel = None  # a restart binds a port of its own
+        cmd = [sys.executable, "-m", "deploy.launcher", "--model", str(self.model_dir), "--port", "0",
+               "--port-file", str(self.port_file), *self.args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
-        self.channel = grpc.insecure_channel(self.address)
-        health = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                resp = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return self
-            except grpc.RpcError:
-                pass
+            bound = read_port_file(self.port_file) if self.channel is None else None
+            if bound is not None:
+                self.port, self.worker_endpoint = bound["port"], bound["worker_endpoint"]
+                self.channel = grpc.insecure_channel(self.address)
+                health = health_pb2_grpc.HealthStub(self.channel)
+            if self.channel is not None:
+                try:
+                    resp = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server not serving within {timeout}s:\n{self.log_tail()}")

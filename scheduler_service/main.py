@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
+import os
 import shutil
 import signal
 import sys
@@ -31,7 +33,11 @@ log = structlog.get_logger("scheduler.main")
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model folder (config.json + tokenizer files)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free one; see --port-file)")
+    p.add_argument("--port-file", default=None,
+                   help="once bound, write {\"port\": gRPC port, \"worker_endpoint\": ZeroMQ endpoint} as JSON to this "
+                        "file (with --port 0 and a worker endpoint on port 0: how a script or test learns them "
+                        "without racing another process for a port)")
     p.add_argument("--worker-endpoint", default="tcp://127.0.0.1:0",
                    help="ZeroMQ endpoint workers connect to (loopback unless --curve-keys or --insecure-wire)")
     p.add_argument("--curve-keys", default=None,
@@ -141,6 +147,8 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
     server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls)
     await server.start()
+    if args.port_file:
+        write_port_file(Path(args.port_file), port, endpoint)
     await health.set(False)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -185,6 +193,13 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     await server.stop(grace=2.0)
     await engine.stop()
     return 0
+
+
+def write_port_file(path: Path, port: int, worker_endpoint: str) -> None:
+    """What this server bound, written whole or not at all (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"port": port, "worker_endpoint": worker_endpoint}) + "\n")
+    os.replace(tmp, path)
 
 
 def ready_line(engine: Engine, host: str, port: int) -> str:

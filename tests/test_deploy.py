@@ -11,16 +11,15 @@ import time
 import grpc
 import pytest
 
-from deploy.local_server import ROOT, free_port, greedy_request
+from deploy.local_server import ROOT, greedy_request
 from protos import generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
 
 def start_deploy(tmp_path, model_dir, *extra):
-    port = free_port()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "deploy.deploy", "--model", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "deploy.deploy", "--model", str(model_dir), "--port", "0",
            "--run-dir", str(run_dir), "--threads", "1", "--block-size", "4", "--num-blocks", "200",
            "--ready-timeout", "180", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -32,7 +31,8 @@ def start_deploy(tmp_path, model_dir, *extra):
         if not line:
             break
         lines.append(line)
-        if line.startswith("stop:"):
+        if line.startswith("stop:"):  # the port the scheduler bound (--port 0), as the deployment says it
+            port = int(re.search(r"serving on 127\.0\.0\.1:(\d+)", "".join(lines)).group(1))
             return proc, port, run_dir, "".join(lines)
     os.killpg(proc.pid, signal.SIGKILL)
     raise AssertionError("deploy did not report ready:\n" + "".join(lines))

@@ -135,18 +135,24 @@ def test_a_stall_past_the_deadline_is_fenced_and_replaced_and_a_short_one_change
 
 def test_requests_end_unavailable_when_no_worker_comes_back_in_time(tmp_path, tiny_model_dir):
     """A scheduler on its own and a worker started by hand, with no supervisor to restart it."""
-    from deploy.local_server import ROOT, free_port
+    from deploy.local_server import ROOT, read_port_file
 
-    port, wire = free_port(), free_port()
     log = open(tmp_path / "scheduler.log", "w")
+    ports = tmp_path / "scheduler.port"
     sched = subprocess.Popen([sys.executable, "-m", "scheduler_service.main", "--model", str(tiny_model_dir),
-                              "--port", str(port), "--worker-endpoint", f"tcp://127.0.0.1:{wire}",
+                              "--port", "0", "--port-file", str(ports), "--worker-endpoint", "tcp://127.0.0.1:0",
                               "--block-size", "4", "--worker-restart-timeout", "3", "--heartbeat-timeout", "2"],
                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    worker = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler",
-                               f"tcp://127.0.0.1:{wire}", "--block-size", "4", "--num-blocks", "200", "--threads", "1"],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = None
     try:
+        deadline = time.monotonic() + 60
+        while (bound := read_port_file(ports)) is None and sched.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert bound is not None, "the scheduler did not say which ports it bound"
+        port = bound["port"]
+        worker = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler",
+                                   bound["worker_endpoint"], "--block-size", "4", "--num-blocks", "200", "--threads",
+                                   "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         server = type("S", (), {"channel": channel})()
         wait_health(server, True, 120)
@@ -164,6 +170,8 @@ def test_requests_end_unavailable_when_no_worker_comes_back_in_time(tmp_path, ti
         channel.close()
     finally:
         for p in (worker, sched):
+            if p is None:
+                continue
             if p.poll() is None:
                 p.kill()
             p.wait()

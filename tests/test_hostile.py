@@ -113,20 +113,24 @@ def test_the_api_can_be_served_over_tls(tmp_path, tiny_model_dir):
     import subprocess
     import sys
 
-    from deploy.local_server import ROOT, free_port
+    from deploy.local_server import ROOT, read_port_file
 
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
                    check=True, capture_output=True)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.launcher", "--model", str(tiny_model_dir), "--port",
-                             str(port), "--threads", "1", "--block-size", "4", "--num-blocks", "200",
+    ports = tmp_path / "server.port"
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.launcher", "--model", str(tiny_model_dir), "--port", "0",
+                             "--port-file", str(ports), "--threads", "1", "--block-size", "4", "--num-blocks", "200",
                              "--tls-cert", str(cert), "--tls-key", str(key)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    generate = [sys.executable, "-m", "deploy.cli", "generate", "--raw", "the quick", "--max-tokens", "4",
-                "--server", f"localhost:{port}", "--timeout", "10"]
     try:
+        deadline = time.monotonic() + 60
+        while (bound := read_port_file(ports)) is None and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert bound is not None, "the server did not say which port it bound"
+        generate = [sys.executable, "-m", "deploy.cli", "generate", "--raw", "the quick", "--max-tokens", "4",
+                    "--server", f"localhost:{bound['port']}", "--timeout", "10"]
         deadline = time.monotonic() + 120
         while True:  # UNAVAILABLE while the worker loads
             out = subprocess.run([*generate, "--tls-ca", str(cert)], cwd=ROOT, capture_output=True, text=True)

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from deploy.local_server import ServerProcess, free_port, greedy_request
+from deploy.local_server import ServerProcess, greedy_request
 from protos import generation_pb2
 from tests.test_e2e import assert_all_blocks_back, submit_all, workload
 from tests.tiny import hf_greedy
@@ -176,10 +176,8 @@ def test_curve_keys_encrypt_the_wire_and_a_peer_without_them_is_never_heard(tmp_
     from protos.curve import make_keys
 
     keys = make_keys(tmp_path / "keys")
-    endpoint_port = free_port()
     server = ServerProcess(tiny_model_dir, tmp_path / "log", "--threads", "1", "--num-blocks", "200",
-                           "--block-size", "4", "--curve-keys", str(keys),
-                           "--worker-endpoint", f"tcp://127.0.0.1:{endpoint_port}")
+                           "--block-size", "4", "--curve-keys", str(keys), "--worker-endpoint", "tcp://127.0.0.1:0")
     try:
         server.start(timeout=120)
         ok = server.stub.Generate(greedy_request([5, 6, 7], 3), timeout=30)
@@ -189,7 +187,7 @@ def test_curve_keys_encrypt_the_wire_and_a_peer_without_them_is_never_heard(tmp_
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, b"w.intruder")
-        sock.connect(f"tcp://127.0.0.1:{endpoint_port}")
+        sock.connect(server.worker_endpoint)  # the endpoint the scheduler bound
         hs = wire_pb2.Handshake(tp_rank=0, tp_size=1, num_blocks=200, block_size=4, max_num_batched_tokens=2048)
         sock.send(wire_pb2.WireMessage(version=WIRE_VERSION, handshake=hs).SerializeToString())
         sock.send(wire_pb2.WireMessage(version=WIRE_VERSION, result=wire_pb2.StepResult(
