@@ -171,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagedserve deploy: {e}; see {run_dir}/", file=sys.stderr)
         code = 1
     finally:
-        supervisor.stop_all()
+        # the scheduler first: it stops admitting and finishes what it holds (--drain-timeout) with its workers
+        # still up; the workers only then (under --workers-only, when told or when their scheduler is gone)
+        supervisor.stop_all(first="scheduler", first_timeout=getattr(args, "drain_timeout", 30.0) + 15.0)
         pid_file.unlink(missing_ok=True)
     print("stopped: every process of the deployment has exited", flush=True)
     return code

@@ -56,6 +56,9 @@ class Unit:
         return [p.pid for p in self.procs]
 
 
+SUPERVISED = "PAGEDSERVE_SUPERVISED"
+
+
 class FatalExit(RuntimeError):
     """A process exited with EXIT_CONFIG; restarting it would fail the same way."""
 
@@ -65,7 +68,9 @@ class Supervisor:
                  min_backoff: float = 1.0, max_backoff: float = 30.0, stable_after: float = 60.0,
                  stop_timeout: float = 15.0) -> None:
         self.units = units
-        self.env = {**os.environ, **(env or {})}
+        # SUPERVISED: a child leaves Ctrl-C (SIGINT to the terminal's whole process group) to its supervisor,
+        # which stops the units in order; it stops on the supervisor's SIGTERM.
+        self.env = {**os.environ, **(env or {}), SUPERVISED: "1"}
         self.cwd = cwd
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
         self.stable_after = stable_after
@@ -112,11 +117,11 @@ class Supervisor:
             log.warning("unit_exited", unit=unit.name, exit_codes=exited, ran_s=round(ran, 1),
                         restart_in_s=unit.backoff, restarts=unit.restarts)
 
-    def _stop_unit(self, unit: Unit) -> None:
+    def _stop_unit(self, unit: Unit, timeout: float | None = None) -> None:
         for p in unit.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.stop_timeout
+        deadline = time.monotonic() + (self.stop_timeout if timeout is None else timeout)
         for p in unit.procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -125,9 +130,13 @@ class Supervisor:
                 p.wait()
         unit.procs = []
 
-    def stop_all(self) -> None:
-        for unit in reversed(self.units):
-            self._stop_unit(unit)
+    def stop_all(self, first: str | None = None, first_timeout: float | None = None) -> None:
+        """Stop every unit: `first` (by name) alone before the others, given `first_timeout` seconds to exit
+        on its SIGTERM — a scheduler drains its requests while its workers are still up — then the rest,
+        last started first."""
+        ordered = [u for u in self.units if u.name == first] + [u for u in reversed(self.units) if u.name != first]
+        for unit in ordered:
+            self._stop_unit(unit, first_timeout if unit.name == first else None)
         for f in self._logs:
             f.close()
         self._logs.clear()

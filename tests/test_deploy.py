@@ -74,3 +74,52 @@ def test_deploy_serves_with_a_log_per_process_and_stops_everything(tmp_path, tin
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("dp,how", [("1", "sigterm"), ("2", "ctrl-c")])
+def test_stopping_a_deployment_lets_the_answers_in_flight_finish(tmp_path, tiny_model_dir, dp, how):
+    """SIGTERM to `make deploy` (or Ctrl-C, which reaches the terminal's whole process group) with streams
+    in flight: the scheduler is stopped first and drains with its workers still up, so every stream ends
+    with its normal finish reason and the greedy text it would have had; then every process exits."""
+    import threading
+
+    proc, port, run_dir, banner = start_deploy(tmp_path, tiny_model_dir, "--dp", dp)
+    pids = [int(p) for p in re.findall(r"pid (\d+)", banner)]
+    requests = [greedy_request([5 + i, 6, 7], 400) for i in range(4)]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            want = [list(stub.Generate(r, timeout=120).choices[0].token_ids) for r in requests]
+            got = [[] for _ in requests]
+            finish = [None] * len(requests)
+            errors = [None] * len(requests)
+            flowing = threading.Event()
+
+            def stream(i):
+                try:
+                    for msg in stub.GenerateStream(requests[i], timeout=120):
+                        got[i].extend(msg.token_ids)
+                        if len(got[i]) >= 3:
+                            flowing.set()
+                        if msg.finish_reason:
+                            finish[i] = msg.finish_reason
+                except grpc.RpcError as e:
+                    errors[i] = e
+
+            threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(requests))]
+            for t in threads:
+                t.start()
+            assert flowing.wait(60)
+            if how == "sigterm":
+                proc.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, signal.SIGINT)
+            for t in threads:
+                t.join(90)
+        assert errors == [None] * len(requests), [e.details() for e in errors if e is not None]
+        assert got == want and finish == [generation_pb2.LENGTH] * len(requests)
+        assert proc.wait(timeout=90) == 0
+        assert not [p for p in pids if alive(p)], "a process outlived the deployment"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if os.environ.get("PAGEDSERVE_SUPERVISED") == "1":
+        # Ctrl-C reaches the terminal's whole process group: under a supervisor the worker leaves it to the
+        # supervisor, which lets the scheduler drain on this worker first and then stops it with SIGTERM
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     from worker.host_memory import ensure_allocator, resolve_mode
 
     allocator = ensure_allocator(resolve_mode(args.malloc), args.device, "worker.main", argv)  # may re-execute
