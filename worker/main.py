@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.attention import make_backend
     from worker.kv_pool import KVPool, bytes_per_block, parse_bytes
     from worker.linear import choose as choose_matmul
+    from worker.model_config import UnsupportedModel
     from worker.parallel import ParallelConfigError, init_group, make_shard
     from worker.runner import ModelRunner, warm_up
     from worker.server import WorkerServer, is_device_fatal
@@ -193,10 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.model, args.load_format)
         make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size, args.rank, tp)
+    except UnsupportedModel as e:  # served wrong without a word otherwise: refused, naming the field
+        log.error("unsupported_model", field=e.field_name, value=repr(e.value), error=str(e))
+        print(f"pagedserve-worker: this model cannot be served right: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     except ParallelConfigError as e:  # refuse before joining a group that could never run
         log.error("cannot_split_model", error=str(e))
         print(f"pagedserve-worker: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    if config.max_position_embeddings < config.declared_context:
+        log.warning("context_capped_by_sliding_window", max_context=config.max_position_embeddings,
+                    declared=config.declared_context,
+                    reason="sliding-window attention is exact for sequences no longer than its window")
     comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout)
     model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
                                tp_rank=args.rank, tp_size=tp, comm=comm)

@@ -98,7 +98,8 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q = rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
-        q, k = ops.rope(q, k, rope)
+        if c.uses_rope(self.layer_idx):  # SmolLM3's NoPE layers attend without positions
+            q, k = ops.rope(q, k, rope)
         k_cache, v_cache = pool.layer(self.layer_idx)
         attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
         o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.head_dim**-0.5)  # [num_tokens, n_heads, hd]
