@@ -172,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         # the scheduler first: it stops admitting and finishes what it holds (--drain-timeout) with its workers
-        # still up; the workers only then (under --workers-only, when told or when their scheduler is gone)
+        # still up; the workers only then. Under --workers-only the scheduler is elsewhere: the workers go when
+        # it tells them (it is draining too) or is gone, or after its drain time
+        if args.workers_only:
+            supervisor.wait_exit(getattr(args, "drain_timeout", 30.0) + 15.0)
         supervisor.stop_all(first="scheduler", first_timeout=getattr(args, "drain_timeout", 30.0) + 15.0)
         pid_file.unlink(missing_ok=True)
     print("stopped: every process of the deployment has exited", flush=True)

@@ -130,6 +130,16 @@ class Supervisor:
                 p.wait()
         unit.procs = []
 
+    def wait_exit(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for every process to exit on its own (none is restarted meanwhile).
+        True when all did."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(p.poll() is not None for unit in self.units for p in unit.procs):
+                return True
+            time.sleep(0.2)
+        return False
+
     def stop_all(self, first: str | None = None, first_timeout: float | None = None) -> None:
         """Stop every unit: `first` (by name) alone before the others, given `first_timeout` seconds to exit
         on its SIGTERM — a scheduler drains its requests while its workers are still up — then the rest,

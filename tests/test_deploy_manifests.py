@@ -70,3 +70,18 @@ def test_the_container_recipe_starts_programs_with_flags_that_exist():
     for program in ("pagedserve-scheduler", "pagedserve-worker"):
         for comment in re.findall(rf"^# \w+:\s+({program} .*)$", text, re.M):
             assert not flags_of(program, " ".join(shlex.split(comment))) - known_flags(program), comment
+
+
+def test_stopping_under_kubernetes_drains_before_anything_is_cut():
+    """The scheduler's preStop starts the drain and its grace period outlasts --drain-timeout; the workers
+    wait for their draining scheduler (--stop-timeout) within a grace period longer than the scheduler's."""
+    docs = {d["metadata"]["name"] + "/" + d["kind"]: d for d in documents()}
+    sched_pod = docs["pagedserve-scheduler/Deployment"]["spec"]["template"]["spec"]
+    sched = sched_pod["containers"][0]
+    drain = float(dict(a.lstrip("-").split("=", 1) for a in sched["args"])["drain-timeout"])
+    assert sched_pod["terminationGracePeriodSeconds"] > drain
+    assert "kill -TERM 1" in " ".join(sched["lifecycle"]["preStop"]["exec"]["command"])
+    worker_pod = docs["pagedserve-worker/StatefulSet"]["spec"]["template"]["spec"]
+    stop = float(re.search(r"--stop-timeout (\d+)", " ".join(worker_pod["containers"][0]["args"])).group(1))
+    assert drain < stop < worker_pod["terminationGracePeriodSeconds"]
+    assert worker_pod["terminationGracePeriodSeconds"] > sched_pod["terminationGracePeriodSeconds"]

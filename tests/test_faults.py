@@ -312,3 +312,48 @@ def test_no_local_process_can_forge_results_or_heartbeats(fault_server):
         beats.close()
         ctx.term()
     assert_pool_clean(fault_server)
+
+
+def test_a_worker_asked_to_stop_serves_its_draining_scheduler_to_the_end(tmp_path, tiny_model_dir):
+    """Under Kubernetes every pod of a release gets SIGTERM at once. A worker (no supervisor) keeps serving
+    until its scheduler — draining — tells it to shut down: the answer in flight ends whole, then both exit 0."""
+
+    from deploy.local_server import ROOT, read_port_file
+
+    log = open(tmp_path / "scheduler.log", "w")
+    ports = tmp_path / "scheduler.port"
+    sched = subprocess.Popen([sys.executable, "-m", "scheduler_service.main", "--model", str(tiny_model_dir),
+                              "--port", "0", "--port-file", str(ports), "--block-size", "4"],
+                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    worker = None
+    try:
+        deadline = time.monotonic() + 60
+        while (bound := read_port_file(ports)) is None and sched.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert bound is not None
+        env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_SUPERVISED"}
+        worker = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler",
+                                   bound["worker_endpoint"], "--block-size", "4", "--num-blocks", "300",
+                                   "--threads", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        channel = grpc.insecure_channel(f"127.0.0.1:{bound['port']}")
+        wait_health(type("S", (), {"channel": channel})(), True, 120)
+        from protos import generation_pb2_grpc
+
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = greedy_request([3, 4, 5], 400)
+        want = list(stub.Generate(request, timeout=60).choices[0].token_ids)
+        streams = Streams(stub, [request])
+        assert streams.started.wait(30)
+        worker.send_signal(signal.SIGTERM)  # both at once, as a deleted release gets it
+        sched.send_signal(signal.SIGTERM)
+        streams.join(60)
+        assert streams.errors == [None] and streams.tokens == [want]
+        assert worker.wait(timeout=60) == 0 and sched.wait(timeout=60) == 0
+        channel.close()
+    finally:
+        for p in (worker, sched):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        log.close()

@@ -66,6 +66,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "where present, else tunes glibc to reuse freed blocks; default: $PAGEDSERVE_MALLOC or auto")
     g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
     g.add_argument("--scheduler-timeout", type=float, default=30.0, help="exit when the scheduler is silent this long")
+    g.add_argument("--stop-timeout", type=float, default=60.0,
+                   help="on SIGTERM (unsupervised, as under Kubernetes): keep serving the draining scheduler until "
+                        "it says shutdown or is gone, at most this many seconds")
     g.add_argument("--collective-timeout", type=float, default=300.0,
                    help="seconds a rank waits for its group in a collective before it gives up and exits")
 
@@ -296,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
              graph_contexts=runner.graphs.contexts if runner.graphs is not None else None)
     server = WorkerServer(args.scheduler, runner, handshake, scheduler_timeout=args.scheduler_timeout,
                           curve_keys=args.curve_keys)
+    if os.environ.get("PAGEDSERVE_SUPERVISED") != "1":  # a supervisor stops its workers after their scheduler
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda *_: server.request_stop(args.stop_timeout))
     return server.serve()
 
 

@@ -77,6 +77,11 @@ class WorkerServer:
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._inflight = None  # worker/runner.py InFlight: the step launched and not yet answered
+        # Asked to stop (SIGTERM where no supervisor orders the stop, as under Kubernetes): the worker goes on
+        # serving its scheduler, which is draining, until told to shut down or the scheduler is gone, at most
+        # stop_timeout seconds.
+        self.stop_requested_at: float | None = None
+        self.stop_timeout = 60.0
 
     def _socket(self, identity: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -151,6 +156,11 @@ class WorkerServer:
         self._inflight = None
         try:
             while not self._stop.is_set():
+                if self.stop_requested_at is not None and self._inflight is None \
+                        and time.monotonic() - self.stop_requested_at > self.stop_timeout:
+                    log.warning("stopping_without_scheduler", waited_s=self.stop_timeout,
+                                reason="asked to stop, and the scheduler neither said shutdown nor went away")
+                    return 0
                 if self._inflight is not None:
                     frame = self._next_frame_before_done(sock)
                     code = self._finish(sock) if frame is None else self._handle(sock, frame)
@@ -160,12 +170,18 @@ class WorkerServer:
                     continue
                 if code is not None:
                     return code
-            return 1
+            return 0 if self.stop_requested_at is not None else 1  # asked to stop, and the scheduler is gone
         finally:
             self._stop.set()
             beats.join(timeout=2)
             sock.close()
             self._ctx.term()
+
+    def request_stop(self, timeout: float) -> None:
+        """Stop once the scheduler says shutdown or is gone, or after `timeout` seconds (signal-safe)."""
+        if self.stop_requested_at is None:
+            self.stop_requested_at, self.stop_timeout = time.monotonic(), timeout
+            log.info("stop_requested", timeout_s=timeout, waiting_for="the scheduler's shutdown")
 
     def _next_frame_before_done(self, sock: zmq.Socket) -> bytes | None:
         """The next message if one arrives while the step in flight is still running, else None (done)."""
