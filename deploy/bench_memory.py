@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from deploy.local_server import ServerProcess, free_port
+from deploy.local_server import ServerProcess
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -30,11 +30,10 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 
 def _scrape(port: int, name: str) -> float:
+    """The sum of a series over its labels (a replica's series carry the replica)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split(" ")[1])
-    return 0.0
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
 async def _run(address: str, requests: list[tuple[list[int], int, float]]):
@@ -61,10 +60,9 @@ async def _run(address: str, requests: list[tuple[list[int], int, float]]):
 
 
 def _serve(model: str, *flags: str) -> tuple[ServerProcess, int]:
-    port = free_port()
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-")) / "server.log"
-    server = ServerProcess(Path(model), log, "--metrics-port", str(port), "--kv-cache-memory", "2GiB", *flags)
-    return server.start(), port
+    server = ServerProcess(Path(model), log, "--metrics-port", "-1", "--kv-cache-memory", "2GiB", *flags).start()
+    return server, server.metrics_port
 
 
 def bench_prefix(args) -> None:

@@ -45,6 +45,7 @@ class ServerProcess:
         self.args = list(args)
         self.port: int | None = None
         self.worker_endpoint: str | None = None  # the scheduler's ZeroMQ endpoint, as bound
+        self.metrics_port: int | None = None  # where it serves Prometheus metrics, as bound
         self.port_file = Path(log_path).with_suffix(".port")
         self.proc: subprocess.Popen | None = None
         self.channel: grpc.Channel | None = None
@@ -56,8 +57,9 @@ class ServerProcess:
     def start(self, timeout: float = 180.0) -> ServerProcess:
         self.port_file.unlink(missing_ok=True)
         self.port = self.channel = None  # a restart binds a port of its own
+        metrics = [] if "--metrics-port" in self.args else ["--metrics-port", "-1"]  # any free port, reported
         cmd = [sys.executable, "-m", "deploy.launcher", "--model", str(self.model_dir), "--port", "0",
-               "--port-file", str(self.port_file), *self.args]
+               "--port-file", str(self.port_file), *metrics, *self.args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -68,6 +70,7 @@ class ServerProcess:
             bound = read_port_file(self.port_file) if self.channel is None else None
             if bound is not None:
                 self.port, self.worker_endpoint = bound["port"], bound["worker_endpoint"]
+                self.metrics_port = bound.get("metrics_port")
                 self.channel = grpc.insecure_channel(self.address)
                 health = health_pb2_grpc.HealthStub(self.channel)
             if self.channel is not None:

@@ -281,12 +281,21 @@ class Engine:
                 logprobs: dict | None = None) -> None:
         now = time.monotonic()
         sched = replica.scheduler
+        started = now - seconds
+        for s in out.scheduled:  # queue time: arrival to the first step that computes the request
+            request = s.seq.request
+            if request.scheduled_time is None:
+                request.scheduled_time = started
+                self.metrics.on_scheduled(replica.index, started - request.arrival_time)
         for seq, token in new_tokens:
             stream = self.streams.get(seq.request.request_id)
             if stream is None or stream.request is not seq.request:
                 continue
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
+            if seq.last_token_time is not None:
+                self.metrics.on_token_gap(replica.index, now - seq.last_token_time)
+            seq.last_token_time = now
             lp = logprobs.get(seq.seq_id) if logprobs else None
             if lp is not None:
                 lp.token_id = token
@@ -294,10 +303,9 @@ class Engine:
             if reason is not None:
                 sched.finish(seq, reason)
             self._emit(stream, delta)
-        live = [r.scheduler for r in self.replicas if r.scheduler]
-        self.metrics.on_step(seconds, len(new_tokens), out.num_prefill_tokens, len(out.preempted),
-                             sum(len(s.running) for s in live), sum(len(s.waiting) for s in live),
-                             sum(s.allocator.num_free_blocks for s in live), sum(s.num_blocks for s in live))
+        self.metrics.on_step(replica.index, seconds, len(new_tokens), out.num_prefill_tokens, len(out.preempted),
+                             len(sched.running), len(sched.waiting), sched.allocator.num_available_blocks,
+                             sched.num_blocks)
 
     def on_step_failed(self, replica: Replica, out: SchedulerOutput, message: str) -> None:
         for request in {id(s.seq.request): s.seq.request for s in out.scheduled}.values():

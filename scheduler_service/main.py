@@ -23,6 +23,7 @@ import structlog
 from protos.logs import LOG_FORMATS, configure_logging, human_bytes
 from scheduler_service.config import ModelSpec, SchedulerConfig
 from scheduler_service.engine import Engine
+from scheduler_service.metrics import DEFAULT_METRICS_PORT
 from scheduler_service.server import build_server
 from scheduler_service.tokenizer import Tokenizer
 from scheduler_service.worker_client import WorkerClient
@@ -84,7 +85,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="the private key (PEM) of --tls-cert")
     p.add_argument("--expose-request-ids", action="store_true",
                    help="show request ids in GetCacheStats (anyone who sees an id can abort its request)")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (default 9090, left off with a warning where it is "
+                        "taken; 0: off; -1: any free port, written to --port-file)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
                    help="console: readable lines; json: one JSON object a line; auto: console on a terminal")
@@ -139,16 +142,14 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
         raise SystemExit(f"pagedserve-scheduler: {e}") from e
     log.info("worker_socket_bound", endpoint=endpoint)
     engine = Engine(config, spec, tokenizer, client, worker_restart_timeout=args.worker_restart_timeout)
-    if args.metrics_port:
-        engine.metrics.serve(args.metrics_port, args.host)
-        log.info("metrics_serving", port=args.metrics_port)
+    metrics_port = start_metrics(engine, args)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
     server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls)
     await server.start()
     if args.port_file:
-        write_port_file(Path(args.port_file), port, endpoint)
+        write_port_file(Path(args.port_file), port, endpoint, metrics_port)
     await health.set(False)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -195,10 +196,28 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     return 0
 
 
-def write_port_file(path: Path, port: int, worker_endpoint: str) -> None:
+def start_metrics(engine: Engine, args: argparse.Namespace) -> int | None:
+    """Serve Prometheus metrics: on --metrics-port (-1: any free port); on 9090 when not given, and where
+    another process holds 9090 the service goes on without them, saying so. Returns the port, or None."""
+    port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
+    if port == 0:
+        return None
+    try:
+        bound = engine.metrics.serve(max(port, 0), args.host)
+    except OSError as e:
+        if args.metrics_port is not None:
+            raise SystemExit(f"pagedserve-scheduler: cannot serve metrics on port {port}: {e}") from e
+        log.warning("metrics_off", port=port, error=str(e), fix="--metrics-port N (or -1 for any free port)")
+        return None
+    log.info("metrics_serving", port=bound)
+    return bound
+
+
+def write_port_file(path: Path, port: int, worker_endpoint: str, metrics_port: int | None = None) -> None:
     """What this server bound, written whole or not at all (a reader never sees half a file)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"port": port, "worker_endpoint": worker_endpoint}) + "\n")
+    tmp.write_text(json.dumps({"port": port, "worker_endpoint": worker_endpoint,
+                               "metrics_port": metrics_port}) + "\n")
     os.replace(tmp, path)
 
 

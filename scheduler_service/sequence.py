@@ -98,6 +98,7 @@ class Sequence:
         # block_ids are copied there (scheduler_service/plan.py).
         self.row = -1
         self.num_mirrored_blocks = 0
+        self.last_token_time: float | None = None  # for the inter-token latency histogram
         # Structured output: the llguidance matcher that has consumed this sample's generated tokens.
         self.matcher = request.constraint.new_matcher() if request.constraint is not None else None
 
@@ -157,6 +158,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # start of the first step that computed it (queue time)
     # samples 1..n-1 wait here until sample 0 has computed the prompt; then they fork from its blocks
     pending_forks: list[Sequence] = field(default_factory=list)
     cached_prompt_tokens: int | None = None  # prefix-cache hit of the first admission

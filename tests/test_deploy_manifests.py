@@ -85,3 +85,19 @@ def test_stopping_under_kubernetes_drains_before_anything_is_cut():
     stop = float(re.search(r"--stop-timeout (\d+)", " ".join(worker_pod["containers"][0]["args"])).group(1))
     assert drain < stop < worker_pod["terminationGracePeriodSeconds"]
     assert worker_pod["terminationGracePeriodSeconds"] > sched_pod["terminationGracePeriodSeconds"]
+
+
+def test_the_grafana_dashboard_graphs_series_the_server_exports():
+    """Every series the dashboard's queries name is one the scheduler exports (a renamed metric would leave
+    a panel empty without a word), and every exported series is on the dashboard."""
+    import json
+
+    from scheduler_service.metrics import Metrics
+
+    dash = json.loads((DEPLOY / "grafana" / "pagedserve.json").read_text())
+    queried = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"pagedserve_[a-z_]+", t["expr"])}
+    series = {f.name: {f.name + suffix for suffix in
+                       {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"]}[f.type]}
+              for f in Metrics().registry.collect()}
+    assert queried <= set().union(*series.values()), queried - set().union(*series.values())
+    assert not [name for name, names in series.items() if not names & queried], "exported but not graphed"

@@ -8,14 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from deploy.local_server import free_port, greedy_request
+from deploy.local_server import greedy_request
 from protos import generation_pb2
 from tests.tiny import hf_greedy
 
 pytestmark = pytest.mark.slow
-
-
-METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +20,7 @@ def server(server_factory, tiny_model_dir):
     # block size 4 and a per-step budget of 32 tokens: long prompts go in chunks, tables grow often
     return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "256",
                           "--max-num-batched-tokens", "32", "--max-num-seqs", "16",
-                          "--metrics-port", str(METRICS_PORT))
+                          "--metrics-port", "-1")
 
 
 @pytest.fixture(scope="module")
@@ -259,23 +256,35 @@ def test_duplicate_live_request_id_is_refused(server):
 
 
 def test_prometheus_metrics_count_requests_and_tokens(server):
+    """The series a dashboard graphs, per replica where they are a replica's (deploy/grafana draws them)."""
     import urllib.request
 
     def scrape():
-        text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
-        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                 if line and not line.startswith("#")}
 
     before = scrape()
-    server.stub.Generate(greedy_request([7, 8, 9], 5), timeout=30)
+    prompt = list(range(3, 40))  # more than two blocks: its second run finds them in the prefix cache
+    for _ in range(2):
+        server.stub.Generate(greedy_request(prompt, 5), timeout=30)
     after = scrape()
-    key = 'pagedserve_requests_total{finish_reason="length"}'
-    assert after[key] - before.get(key, 0.0) == 1
-    assert after["pagedserve_generation_tokens_total"] - before["pagedserve_generation_tokens_total"] == 5
-    assert after["pagedserve_prompt_tokens_total"] - before["pagedserve_prompt_tokens_total"] == 3
-    assert after["pagedserve_kv_blocks_total"] == 256
-    assert after["pagedserve_time_to_first_token_seconds_count"] > before.get(
-        "pagedserve_time_to_first_token_seconds_count", 0)
+
+    def grew(key):
+        return after[key] - before.get(key, 0.0)
+
+    assert grew('pagedserve_requests_total{finish_reason="length"}') == 2
+    assert grew('pagedserve_generation_tokens_total{replica="0"}') == 10
+    assert grew("pagedserve_prompt_tokens_total") == 2 * len(prompt)
+    assert grew("pagedserve_prefix_cache_hit_tokens_total") >= 32  # the second run's cached blocks
+    assert after['pagedserve_kv_blocks_total{replica="0"}'] == 256
+    assert 0.0 <= after['pagedserve_kv_usage_ratio{replica="0"}'] <= 1.0
+    for series in ("pagedserve_time_to_first_token_seconds_count", "pagedserve_time_per_output_token_seconds_count",
+                   'pagedserve_inter_token_latency_seconds_count{replica="0"}',
+                   'pagedserve_queue_time_seconds_count{replica="0"}'):
+        assert grew(series) >= 2, series
+    assert grew('pagedserve_inter_token_latency_seconds_count{replica="0"}') == 8  # 4 gaps a request
 
 
 def sampled_request(prompt, max_tokens, seed, n=1, request_id="", **controls):
