@@ -22,7 +22,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.launcher import passthrough, worker_units
-from deploy.local_server import free_port, read_port_file
+from deploy.local_server import read_port_file
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos.logs import configure_logging
 from scheduler_service.main import add_scheduler_args
@@ -61,16 +61,26 @@ def scheduler_program(args: argparse.Namespace, endpoint: str, log_dir: Path) ->
     return Program("scheduler", argv, log_dir / "scheduler.log")
 
 
-def bound_address(host: str, port_file: Path, timeout: float, supervisor: Supervisor) -> str | None:
-    """HOST:PORT once the scheduler has written the port it bound (--port 0), or None after timeout."""
+def wait_bound(port_file: Path, timeout: float, supervisor: Supervisor) -> dict | None:
+    """The ports the scheduler bound (its --port-file), or None after timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         supervisor.poll()
         bound = read_port_file(port_file)
         if bound is not None:
-            return f"{host}:{bound['port']}"
+            return bound
         time.sleep(0.2)
     return None
+
+
+def pin_ports(program: Program, port: int, worker_endpoint: str) -> None:
+    """Make a restart of the scheduler bind what its first start bound."""
+    argv = program.argv
+    for flag, value in (("--port", str(port)), ("--worker-endpoint", worker_endpoint)):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
 
 
 def wait_serving(address: str, timeout: float, supervisor: Supervisor) -> bool:
@@ -134,12 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         units = worker_units(args, args.scheduler, replicas, run_dir, args.rendezvous_host)
         address = None
     else:
-        endpoint = args.worker_endpoint
-        if endpoint.endswith(":0"):  # a fixed port: restarted workers must find a restarted scheduler again
-            endpoint = f"{endpoint.rsplit(':', 1)[0]}:{free_port()}"
-        args.worker_endpoint = endpoint
-        units = [Unit("scheduler", [scheduler_program(args, endpoint, run_dir)]),
-                 *worker_units(args, endpoint, replicas, run_dir, args.rendezvous_host)]
+        # the scheduler starts first and says which ports it bound (any free one where the flag says 0); its
+        # workers start once it has, and a restarted scheduler binds the same ports again, so restarted
+        # workers and clients find it
+        units = [Unit("scheduler", [scheduler_program(args, args.worker_endpoint, run_dir)])]
         address = f"{args.host}:{args.port}"
     supervisor = Supervisor(units, env={"PYTHONUNBUFFERED": "1"}, cwd=ROOT)
     pid_file.write_text(str(os.getpid()))
@@ -147,8 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         (run_dir / "scheduler.port").unlink(missing_ok=True)  # a file from an earlier run says nothing
         supervisor.start_all()
-        if address is not None and args.port == 0:  # any free port: the scheduler says which it bound
-            address = bound_address(args.host, run_dir / "scheduler.port", args.ready_timeout, supervisor)
+        if not args.workers_only:
+            bound = wait_bound(run_dir / "scheduler.port", args.ready_timeout, supervisor)
+            address = None
+            if bound is not None:
+                address = f"{args.host}:{bound['port']}"
+                pin_ports(units[0].programs[0], bound["port"], bound["worker_endpoint"])
+                for unit in worker_units(args, bound["worker_endpoint"], replicas, run_dir, args.rendezvous_host):
+                    supervisor.units.append(unit)
+                    supervisor.start(unit)
         if (address is None and not args.workers_only) or (
                 address is not None and not wait_serving(address, args.ready_timeout, supervisor)):
             if stopping["signal"] is None:

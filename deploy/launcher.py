@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import structlog
 
-from deploy.local_server import free_port
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos.logs import configure_logging
 from scheduler_service.main import add_scheduler_args, serve
@@ -27,7 +28,8 @@ from worker.main import build_parser as worker_parser
 log = structlog.get_logger("launcher")
 
 # Worker flags the launchers set per rank rather than pass through.
-_PER_RANK = {"model", "scheduler", "replica", "rank", "rendezvous", "local_rank", "curve_keys", "log_level",
+_PER_RANK = {"model", "scheduler", "replica", "rank", "rendezvous", "rendezvous_file", "local_rank", "curve_keys",
+             "log_level",
              "log_format"}
 
 
@@ -55,7 +57,10 @@ def worker_units(args: argparse.Namespace, endpoint: str, replicas: list[int] | 
     tp = args.tensor_parallel_size
     units = []
     for local_group, d in enumerate(replicas if replicas is not None else range(args.data_parallel_size)):
-        rendezvous = f"tcp://{rendezvous_host}:{free_port()}" if tp > 1 else ""
+        # the group's rank 0 binds a free port and says which in a file beside the logs (removed before every
+        # start of the group, so no rank reads an earlier start's port)
+        rendezvous = f"tcp://{rendezvous_host}:0" if tp > 1 else ""
+        meeting = (log_dir or Path(tempfile.gettempdir()) / f"pagedserve-{os.getpid()}") / f"rendezvous-{d}.json"
         programs = []
         for r in range(tp):
             argv = [sys.executable, "-m", "worker.main", "--model", args.model, "--scheduler", endpoint,
@@ -64,12 +69,12 @@ def worker_units(args: argparse.Namespace, endpoint: str, replicas: list[int] | 
             # a worker whose log goes to a file writes JSON; one sharing the terminal follows the scheduler
             argv += ["--log-format", "json" if log_dir else getattr(args, "log_format", "auto")]
             if rendezvous:
-                argv += ["--rendezvous", rendezvous]
+                argv += ["--rendezvous", rendezvous, "--rendezvous-file", str(meeting)]
             if args.curve_keys:
                 argv += ["--curve-keys", args.curve_keys]
             name = f"worker-{d}.{r}"
             programs.append(Program(name, argv, log_dir / f"{name}.log" if log_dir else None))
-        units.append(Unit(f"replica-{d}", programs))
+        units.append(Unit(f"replica-{d}", programs, cleanup=[meeting] if rendezvous else []))
     return units
 
 

@@ -46,6 +46,7 @@ class Unit:
     backoff: float = 0.0
     next_start: float = 0.0
     started_at: float = 0.0
+    cleanup: list[Path] = field(default_factory=list)  # files removed before every start (a rendezvous file)
 
     @property
     def is_running(self) -> bool:
@@ -79,6 +80,9 @@ class Supervisor:
 
     def start(self, unit: Unit) -> None:
         unit.procs = []
+        for path in unit.cleanup:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)
         for prog in unit.programs:
             out = None
             if prog.log_path is not None:

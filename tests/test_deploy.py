@@ -1,6 +1,7 @@
 """`make deploy`: the scheduler and TP x DP workers under the supervisor, one log per process, ready when
 health is SERVING, and stopped whole by `make deploy-stop` (SIGTERM) or Ctrl-C (SIGINT)."""
 
+import json
 import os
 import re
 import signal
@@ -120,6 +121,34 @@ def test_stopping_a_deployment_lets_the_answers_in_flight_finish(tmp_path, tiny_
         assert got == want and finish == [generation_pb2.LENGTH] * len(requests)
         assert proc.wait(timeout=90) == 0
         assert not [p for p in pids if alive(p)], "a process outlived the deployment"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_restarted_scheduler_serves_again_on_the_ports_it_first_bound(tmp_path, tiny_model_dir):
+    """Started on any free ports (--port 0, worker endpoint on port 0), the scheduler is killed: the supervisor
+    starts it again on the same gRPC port and worker endpoint, its workers follow, and clients that knew the
+    address are served again."""
+    proc, port, run_dir, banner = start_deploy(tmp_path, tiny_model_dir)
+    try:
+        sched_pid = int(re.search(r"scheduler\s+pid (\d+)", banner).group(1))
+        endpoint = json.loads((run_dir / "scheduler.port").read_text())["worker_endpoint"]
+        os.kill(sched_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            while True:
+                try:
+                    out = stub.Generate(greedy_request([5, 6, 7], 4), timeout=10)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, "not served again on the same port"
+                    time.sleep(0.5)
+        assert len(out.choices[0].token_ids) == 4
+        assert json.loads((run_dir / "scheduler.port").read_text())["worker_endpoint"] == endpoint
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

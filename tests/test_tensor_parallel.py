@@ -6,7 +6,6 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from deploy.local_server import free_port
 from tests.tiny import make_tiny_llama
 from worker.parallel import ParallelConfigError, make_shard
 
@@ -64,11 +63,12 @@ def _run(folder, tp_rank, tp_size, comm=None):
     return [run_step(model, config, pool, seqs)[0] for seqs in _steps(config.vocab_size)]
 
 
-def _rank_main(folder, rank, size, port, out):
+def _rank_main(folder, rank, size, meeting, out):
     torch.set_num_threads(1)
     from worker.parallel import init_group
 
-    comm = init_group(f"tcp://127.0.0.1:{port}", rank, size, torch.device("cpu"), 60)
+    # rank 0 listens on any free port and writes it to the meeting file, where the others find it
+    comm = init_group("tcp://127.0.0.1:0", rank, size, torch.device("cpu"), 60, rendezvous_file=str(meeting))
     logits = _run(folder, rank, size, comm)
     out.put((rank, [t.tolist() for t in logits]))
     torch.distributed.destroy_process_group()
@@ -87,8 +87,8 @@ def test_split_forward_through_gloo_ranks_equals_the_unsplit_model(tmp_path, tp,
     expected = _run(folder, 0, 1)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(folder, r, tp, port, out)) for r in range(tp)]
+    meeting = tmp_path / "rendezvous.json"
+    procs = [ctx.Process(target=_rank_main, args=(folder, r, tp, meeting, out)) for r in range(tp)]
     for p in procs:
         p.start()
     try:

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=0, help="rank within the tensor-parallel group")
     p.add_argument("--rendezvous", default="",
                    help="torch.distributed rendezvous of the group, tcp://HOST:PORT (needed when --tp > 1)")
+    p.add_argument("--rendezvous-file", default=None,
+                   help="for a group on one host (the launchers set it): rank 0 listens on any free port of the "
+                        "rendezvous host and writes it here for the other ranks (the rendezvous port is ignored)")
     p.add_argument("--local-rank", type=int, default=0,
                    help="index of this worker process on its host: it takes GPU (N + index) mod GPUs, where N is "
                         "--device cuda:N (0 for cuda or no --device)")
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("context_capped_by_sliding_window", max_context=config.max_position_embeddings,
                     declared=config.declared_context,
                     reason="sliding-window attention is exact for sequences no longer than its window")
-    comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout)
+    comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout, args.rendezvous_file)
     model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
                                tp_rank=args.rank, tp_size=tp, comm=comm)
     try:

@@ -13,8 +13,13 @@ When the model has fewer KV heads than ranks, each KV head is replicated on N / 
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -106,14 +111,48 @@ class Collectives:
         return torch.cat(parts, dim=-1)
 
 
-def init_group(rendezvous: str, rank: int, size: int, device: torch.device, timeout_s: float) -> Collectives:
-    """Join the tensor-parallel group (gloo on the CPU, NCCL on CUDA) at `rendezvous` (tcp://host:port)."""
+def init_group(rendezvous: str, rank: int, size: int, device: torch.device, timeout_s: float,
+               rendezvous_file: str | None = None) -> Collectives:
+    """Join the tensor-parallel group (gloo on the CPU, NCCL on CUDA) at `rendezvous` (tcp://host:port).
+    With rendezvous_file (the launchers' way, for a group on one host), rank 0 listens on any free port
+    of the rendezvous host and writes it to that file, where the other ranks read it: no port is picked
+    beforehand for another process to take."""
     if size == 1:
         return Collectives(1)
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s), **kwargs)
+    timeout = timedelta(seconds=timeout_s)
+    if rendezvous_file:
+        store = _store_through_file(rendezvous, rank, size, Path(rendezvous_file), timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
+    else:
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size, timeout=timeout,
+                                **kwargs)
     return Collectives(size)
+
+
+def _store_through_file(rendezvous: str, rank: int, size: int, path: Path, timeout: timedelta):
+    """Rank 0: a TCPStore on a free port, its address written to `path` (whole, or not at all). The others:
+    the address read from `path` once it is there, connected to (retrying: a file left by an earlier start
+    of the group can name a port nobody listens on any more)."""
+    import torch.distributed as dist
+
+    host = urlparse(rendezvous).hostname or "127.0.0.1"
+    if rank == 0:
+        store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"host": host, "port": store.port}))
+        os.replace(tmp, path)
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            where = json.loads(path.read_text())
+            return dist.TCPStore(where["host"], int(where["port"]), size, False, timeout=timedelta(seconds=5))
+        except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank} found no rendezvous through {path} within "
+                                   f"{timeout.total_seconds():g}s: {e}") from e
+            time.sleep(0.2)
