@@ -196,7 +196,7 @@ class Engine:
     def route(self, request: Request) -> Replica:
         """The replica a new request goes to (see the module docstring)."""
         if self._draining:
-            raise EngineUnavailable("the server is shutting down; send the request to another instance")
+            raise EngineUnavailable("the server is draining (shutting down); send the request to another instance")
         return self._pick(request)
 
     def _pick(self, request: Request) -> Replica:
@@ -218,7 +218,7 @@ class Engine:
 
         Leaving the iteration early (client cancelled or disconnected) aborts the request."""
         if self._draining:
-            raise EngineUnavailable("the server is shutting down; send the request to another instance")
+            raise EngineUnavailable("the server is draining (shutting down); send the request to another instance")
         waiting = len(self._orphans) + sum(len(r.scheduler.waiting) for r in self.replicas if r.scheduler)
         if waiting >= self.config.max_queue_len:
             raise QueueFull(f"{waiting} requests are waiting already; try again later")

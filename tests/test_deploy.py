@@ -77,7 +77,7 @@ def test_deploy_serves_with_a_log_per_process_and_stops_everything(tmp_path, tin
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("dp,how", [("1", "sigterm"), ("2", "ctrl-c")])
+@pytest.mark.parametrize("dp,how", [("1", "sigterm"), ("2", "sigterm"), ("2", "ctrl-c")])
 def test_stopping_a_deployment_lets_the_answers_in_flight_finish(tmp_path, tiny_model_dir, dp, how):
     """SIGTERM to `make deploy` (or Ctrl-C, which reaches the terminal's whole process group) with streams
     in flight: the scheduler is stopped first and drains with its workers still up, so every stream ends

@@ -237,7 +237,7 @@ def test_sigterm_drains_running_requests_then_every_process_exits(server_factory
     wait_health(server, False, 2)  # at once, with the port still open
     with pytest.raises(grpc.RpcError) as refused:
         server.stub.Generate(greedy_request([1, 2], 2), timeout=10)
-    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
     streams.join()
     if finishes:
         assert streams.errors == [None] and streams.tokens[0] == reference
