@@ -1,6 +1,7 @@
 """Faults: a worker that dies or stalls is replaced and its requests resume with identical output; with no
 worker to come back they end with UNAVAILABLE, never a hang."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -133,31 +134,48 @@ def test_a_stall_past_the_deadline_is_fenced_and_replaced_and_a_short_one_change
     assert_pool_clean(server)
 
 
-def test_requests_end_unavailable_when_no_worker_comes_back_in_time(tmp_path, tiny_model_dir):
-    """A scheduler on its own and a worker started by hand, with no supervisor to restart it."""
+@contextlib.contextmanager
+def lone_scheduler(tmp_path, model_dir, scheduler_flags, worker_blocks):
+    """A scheduler on its own (any free ports, said in its port file) and one worker started by hand, with
+    no supervisor: yields (scheduler, worker, channel); whatever still runs at the end is killed."""
     from deploy.local_server import ROOT, read_port_file
 
     log = open(tmp_path / "scheduler.log", "w")
     ports = tmp_path / "scheduler.port"
-    sched = subprocess.Popen([sys.executable, "-m", "scheduler_service.main", "--model", str(tiny_model_dir),
+    sched = subprocess.Popen([sys.executable, "-m", "scheduler_service.main", "--model", str(model_dir),
                               "--port", "0", "--port-file", str(ports), "--worker-endpoint", "tcp://127.0.0.1:0",
-                              "--block-size", "4", "--worker-restart-timeout", "3", "--heartbeat-timeout", "2"],
-                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    worker = None
+                              "--block-size", "4", *scheduler_flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    worker = channel = None
     try:
         deadline = time.monotonic() + 60
         while (bound := read_port_file(ports)) is None and sched.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert bound is not None, "the scheduler did not say which ports it bound"
-        port = bound["port"]
-        worker = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler",
-                                   bound["worker_endpoint"], "--block-size", "4", "--num-blocks", "200", "--threads",
-                                   "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        server = type("S", (), {"channel": channel})()
-        wait_health(server, True, 120)
-        from protos import generation_pb2_grpc
+        env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_SUPERVISED"}  # nobody orders its stop
+        worker = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", str(model_dir), "--scheduler",
+                                   bound["worker_endpoint"], "--block-size", "4", "--num-blocks", str(worker_blocks),
+                                   "--threads", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        channel = grpc.insecure_channel(f"127.0.0.1:{bound['port']}")
+        wait_health(type("S", (), {"channel": channel})(), True, 120)
+        yield sched, worker, channel
+    finally:
+        if channel is not None:
+            channel.close()
+        for p in (worker, sched):
+            if p is not None and p.poll() is None:
+                p.kill()
+            if p is not None:
+                p.wait()
+        log.close()
 
+
+def test_requests_end_unavailable_when_no_worker_comes_back_in_time(tmp_path, tiny_model_dir):
+    """A scheduler on its own and a worker started by hand, with no supervisor to restart it."""
+    from protos import generation_pb2_grpc
+
+    flags = ["--worker-restart-timeout", "3", "--heartbeat-timeout", "2"]
+    with lone_scheduler(tmp_path, tiny_model_dir, flags, 200) as (_, worker, channel):
         streams = Streams(generation_pb2_grpc.GenerationStub(channel), [greedy_request([3, 4, 5], 400)])
         assert streams.started.wait(30)
         worker.kill()
@@ -167,15 +185,6 @@ def test_requests_end_unavailable_when_no_worker_comes_back_in_time(tmp_path, ti
         assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE
         assert "no worker came back within 3s" in err.details() and "exited" in err.details()
         assert 3 <= time.monotonic() - t0 < 10
-        channel.close()
-    finally:
-        for p in (worker, sched):
-            if p is None:
-                continue
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        log.close()
 
 
 def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
@@ -317,29 +326,9 @@ def test_no_local_process_can_forge_results_or_heartbeats(fault_server):
 def test_a_worker_asked_to_stop_serves_its_draining_scheduler_to_the_end(tmp_path, tiny_model_dir):
     """Under Kubernetes every pod of a release gets SIGTERM at once. A worker (no supervisor) keeps serving
     until its scheduler — draining — tells it to shut down: the answer in flight ends whole, then both exit 0."""
+    from protos import generation_pb2_grpc
 
-    from deploy.local_server import ROOT, read_port_file
-
-    log = open(tmp_path / "scheduler.log", "w")
-    ports = tmp_path / "scheduler.port"
-    sched = subprocess.Popen([sys.executable, "-m", "scheduler_service.main", "--model", str(tiny_model_dir),
-                              "--port", "0", "--port-file", str(ports), "--block-size", "4"],
-                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    worker = None
-    try:
-        deadline = time.monotonic() + 60
-        while (bound := read_port_file(ports)) is None and sched.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert bound is not None
-        env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_SUPERVISED"}
-        worker = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler",
-                                   bound["worker_endpoint"], "--block-size", "4", "--num-blocks", "300",
-                                   "--threads", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-        channel = grpc.insecure_channel(f"127.0.0.1:{bound['port']}")
-        wait_health(type("S", (), {"channel": channel})(), True, 120)
-        from protos import generation_pb2_grpc
-
+    with lone_scheduler(tmp_path, tiny_model_dir, [], 300) as (sched, worker, channel):
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = greedy_request([3, 4, 5], 400)
         want = list(stub.Generate(request, timeout=60).choices[0].token_ids)
@@ -350,10 +339,3 @@ def test_a_worker_asked_to_stop_serves_its_draining_scheduler_to_the_end(tmp_pat
         streams.join(60)
         assert streams.errors == [None] and streams.tokens == [want]
         assert worker.wait(timeout=60) == 0 and sched.wait(timeout=60) == 0
-        channel.close()
-    finally:
-        for p in (worker, sched):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
-        log.close()
