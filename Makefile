@@ -15,12 +15,15 @@ ARGS        ?=
 TP          ?= 1
 DP          ?= 1
 RUN_DIR     ?= run/deploy
+HTTP_PORT   ?= 8000
+SERVERS     ?= 1
+GATEWAY     ?=
 PYTEST_ARGS ?=
 
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu gpu-compile-report plot-kv clean
+.PHONY: setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers gpu-compile-report plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native
 
@@ -36,7 +39,7 @@ $(PY):
 .stamps/deps: pyproject.toml Makefile | $(PY)
 	@mkdir -p .stamps
 	$(PIP) install --quiet "$(TORCH_PIN)"
-	$(PIP) install --quiet -e ".[worker,triton,dev]" "$(TORCH_PIN)"
+	$(PIP) install --quiet -e ".[worker,triton,dev,gateway]" "$(TORCH_PIN)"
 	$(PIP) install --quiet --no-deps "$(SMOLLM_PIN)"
 	@touch $@
 
@@ -56,9 +59,16 @@ run: setup
 	$(PY) -m deploy.launcher --model $(MODEL_DIR) --host $(HOST) --port $(PORT) $(ARGS)
 
 # The scheduler and TP x DP workers under the supervisor, logs under $(RUN_DIR); Ctrl-C stops everything.
+# SERVERS=N: N independent servers (a fleet's shape); GATEWAY=1: SMG in front (OpenAI HTTP on HTTP_PORT).
 deploy: setup
 	$(PY) -m deploy.deploy --model $(MODEL_DIR) --host $(HOST) --port $(PORT) \
-		--tensor-parallel-size $(TP) --data-parallel-size $(DP) --run-dir $(RUN_DIR) $(ARGS)
+		--tensor-parallel-size $(TP) --data-parallel-size $(DP) --run-dir $(RUN_DIR) --servers $(SERVERS) \
+		$(if $(GATEWAY),--gateway --http-port $(HTTP_PORT)) $(ARGS)
+
+# `make run`'s server with SMG in front: OpenAI-compatible HTTP on 127.0.0.1:$(HTTP_PORT), both supervised.
+gateway: setup
+	$(PY) -m deploy.deploy --model $(MODEL_DIR) --host $(HOST) --port $(PORT) --run-dir run/gateway \
+		--servers $(SERVERS) --gateway --http-port $(HTTP_PORT) $(ARGS)
 
 # Stops a `make deploy` running in another terminal (or in the background) and waits until it is gone.
 deploy-stop:
@@ -109,6 +119,18 @@ bench-step: setup
 # GPU: the whole server at Llama-3-8B shapes (dummy weights) under the load-test client, step split included.
 bench-serve-gpu: setup
 	$(PY) -m deploy.bench_serve_gpu $(ARGS)
+
+# SMG's cost (the shared workload direct vs through the gateway) and cache-aware vs round-robin routing.
+bench-gateway: setup
+	$(PY) -m deploy.bench_gateway --model $(MODEL_DIR) $(ARGS)
+
+# The default model on its own Q4_1 blocks against dequantized fp32: one stream, 64 streams, agreement.
+bench-quantized: setup
+	$(PY) -m deploy.bench_quantized --model $(MODEL_DIR) $(ARGS)
+
+# pagedserve against llama.cpp's llama-server on the same Q4_1 GGUF (built once from the llama-cpp-python sdist).
+bench-cpu-peers: setup
+	$(PY) -m deploy.bench_cpu_peers --model $(MODEL_DIR) $(ARGS)
 
 bench-scheduler: setup  # scheduler cost per decode step at 256 and 1024 sequences x 2k context
 	$(PY) -m deploy.bench_scheduler --model $(MODEL_DIR) $(ARGS)

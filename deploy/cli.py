@@ -4,6 +4,8 @@
     pagedserve deploy --model ... --tp 2 --dp 2                # the same under a supervisor, logs in run/
     pagedserve generate "What is the capital of France?"       # streams the answer
     pagedserve generate "A person as JSON" --json-schema @person.json --logprobs 3
+    pagedserve generate "Hi" --system "Answer in French."        # a system prompt, then the user's
+    pagedserve chat --system "You are terse."                   # a conversation in the terminal
     pagedserve stats                                            # the KV pool as a table (--json for machines)
     pagedserve top                                              # a live view of a running server
     pagedserve info | abort REQUEST_ID
@@ -81,7 +83,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from protos import generation_pb2
 
-    req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling_from_args(args), raw_prompt=args.raw)
+    if args.system is not None:
+        if args.raw:
+            raise SystemExit("--system needs the chat template: leave out --raw")
+        req = generation_pb2.GenerateRequest(messages=[
+            generation_pb2.ChatMessage(role="system", content=_text_or_file(args.system)),
+            generation_pb2.ChatMessage(role="user", content=args.prompt)], sampling=sampling_from_args(args))
+    else:
+        req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling_from_args(args), raw_prompt=args.raw)
     stub = _stub(args.server, args.tls_ca)
     try:
         if args.json:
@@ -119,6 +128,71 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"[prompt {usage.prompt_tokens} tokens ({usage.cached_prompt_tokens} cached), "
               f"completion {usage.completion_tokens} tokens]", file=sys.stderr)
     return 0
+
+
+CHAT_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer."
+
+
+def chat_turn(stub, history: list, sampling, timeout: float, out=sys.stdout) -> tuple[str, bool]:
+    """Send the conversation, stream the assistant's answer to `out`; return (answer, finished). Ctrl-C
+    cancels the stream and aborts the request on the server; the partial answer is returned."""
+    import uuid
+
+    from protos import generation_pb2
+
+    request_id = f"chat-{uuid.uuid4().hex}"
+    call = stub.GenerateStream(generation_pb2.GenerateRequest(request_id=request_id, messages=history,
+                                                              sampling=sampling), timeout=timeout)
+    answer = []
+    try:
+        for msg in call:
+            out.write(msg.text)
+            out.flush()
+            answer.append(msg.text)
+    except KeyboardInterrupt:
+        call.cancel()
+        try:
+            stub.Abort(generation_pb2.AbortRequest(request_id=request_id), timeout=5)
+        except grpc.RpcError:
+            pass
+        out.write(" [stopped]\n")
+        return "".join(answer), False
+    out.write("\n")
+    return "".join(answer), True
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from protos import generation_pb2
+
+    stub = _stub(args.server, args.tls_ca)
+    sampling = sampling_from_args(args)
+    system = [generation_pb2.ChatMessage(role="system", content=_text_or_file(args.system))] if args.system else []
+    history = list(system)
+    print(CHAT_HELP, file=sys.stderr)
+    prompt = ">>> " if sys.stdin.isatty() else ""  # piped input: stdout carries the answers alone
+    while True:
+        try:
+            line = input(prompt)
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = list(system)
+            print("(conversation forgotten)", file=sys.stderr)
+            continue
+        history.append(generation_pb2.ChatMessage(role="user", content=line))
+        try:
+            answer, _ = chat_turn(stub, history, sampling, args.timeout)
+        except grpc.RpcError as e:
+            history.pop()
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            continue
+        history.append(generation_pb2.ChatMessage(role="assistant", content=answer))
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -222,6 +296,32 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_args(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--max-tokens", type=int, default=None, help="default: until the model ends its answer or "
+                   "its context is full")
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--greedy", action="store_true", help="temperature 0: the most likely token every time")
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("-n", "--n", type=int, default=1, help="number of samples")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="transformers' (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over output tokens")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over output tokens")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS", help="(repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="each token's log-probability and the K most likely (printed to stderr)")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="K")
+    g.add_argument("--json-schema", default=None, help="a JSON Schema the output follows (text, or @file)")
+    g.add_argument("--regex", default=None, help="a regular expression the output matches")
+    g.add_argument("--grammar", default=None, help="a Lark grammar the output follows (text, or @file)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
@@ -248,34 +348,18 @@ def main(argv: list[str] | None = None) -> int:
                        description="Sampling defaults suit a chat model (temperature 0.7, top-p 0.95); "
                                    "--greedy decodes greedily.")
     g.add_argument("prompt")
-    g.add_argument("--max-tokens", type=int, default=None, help="default: until the model ends its answer or "
-                   "its context is full")
-    g.add_argument("--temperature", type=float, default=0.7)
-    g.add_argument("--greedy", action="store_true", help="temperature 0: the most likely token every time")
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("-n", "--n", type=int, default=1, help="number of samples")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
-    g.add_argument("--repetition-penalty", type=float, default=None, help="transformers' (1 = off)")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over output tokens")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over output tokens")
-    g.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS", help="(repeatable)")
-    g.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="each token's log-probability and the K most likely (printed to stderr)")
-    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="K")
-    g.add_argument("--json-schema", default=None, help="a JSON Schema the output follows (text, or @file)")
-    g.add_argument("--regex", default=None, help="a regular expression the output matches")
-    g.add_argument("--grammar", default=None, help="a Lark grammar the output follows (text, or @file)")
+    _sampling_args(g)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--system", default=None, help="a system prompt before the user's (text, or @file)")
     g.add_argument("--no-stream", action="store_true", help="use the unary Generate call")
     g.add_argument("--json", action="store_true", help="print the whole GenerateResponse as JSON")
     g.add_argument("-v", "--verbose", action="store_true")
     g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="a conversation in the terminal (history kept, answers streamed)",
+                       description=CHAT_HELP)
+    _sampling_args(c)
+    c.add_argument("--system", default=None, help="the system prompt (text, or @file)")
+    c.set_defaults(func=cmd_chat)
     s = sub.add_parser("info", help="model info (JSON)")
     s.set_defaults(func=cmd_info)
     s = sub.add_parser("stats", help="KV cache accounting as a table")

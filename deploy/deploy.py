@@ -6,11 +6,18 @@ are, then watches: a process that exits is restarted with its unit (a worker gro
 and when the scheduler restarts every group follows it). Ctrl-C or SIGTERM (`make deploy-stop`) stops
 every process. With --workers-only it runs only worker groups, for another host, connecting to a
 scheduler given by --scheduler.
+
+--servers N runs N independent servers (each its own scheduler, workers and pool: the shape of a fleet
+on N hosts), each in a folder of the run directory; --gateway puts SMG (deploy/gateway.py) in front of
+them, its OpenAI-compatible HTTP on --http-host:--http-port, routing with --gateway-policy (cache_aware:
+a request goes to the server whose cache holds the longest part of its prompt). Stopping drains the
+schedulers first, the gateway still carrying their answers, then stops the gateway and the workers.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -49,16 +56,36 @@ def build_parser() -> argparse.ArgumentParser:
                         "every worker runs elsewhere)")
     d.add_argument("--rendezvous-host", default="127.0.0.1",
                    help="address of this host that the ranks of its tensor-parallel groups reach each other on")
+    d.add_argument("--servers", type=int, default=1,
+                   help="independent servers (scheduler + workers each); more than one bind any free ports")
+    g = p.add_argument_group("gateway (SMG in front: OpenAI-compatible HTTP)")
+    g.add_argument("--gateway", action="store_true", help="start SMG in front of the servers")
+    g.add_argument("--http-host", default="127.0.0.1", help="where the gateway listens")
+    g.add_argument("--http-port", type=int, default=8000, help="the gateway's HTTP port")
+    g.add_argument("--gateway-policy", default="cache_aware",
+                   choices=["cache_aware", "round_robin", "random", "power_of_two", "least_load", "prefix_hash",
+                            "consistent_hashing"], help="how the gateway picks a server")
+    g.add_argument("--gateway-metrics-port", type=int, default=None,
+                   help="the gateway's Prometheus port (default 29000, or any free port where 29000 is taken)")
     return p
 
 
-def scheduler_program(args: argparse.Namespace, endpoint: str, log_dir: Path) -> Program:
+def scheduler_program(args: argparse.Namespace, endpoint: str, log_dir: Path, index: int = 0) -> Program:
+    """Server `index`'s scheduler: with more than one server each binds any free gRPC port and endpoint and
+    serves metrics on its own port."""
     from scheduler_service.main import build_parser as scheduler_parser
 
-    flags = passthrough(scheduler_parser(), args, {"worker_endpoint", "model", "port_file"})
-    argv = [sys.executable, "-m", "scheduler_service.main", "--model", args.model, "--worker-endpoint", endpoint,
+    flags = passthrough(scheduler_parser(), args, {"worker_endpoint", "model", "port_file", "port", "metrics_port"})
+    port = args.port if args.servers == 1 else 0
+    metrics = args.metrics_port
+    if args.servers > 1:  # a port each: any free one, or the one given plus the server's index (0: off)
+        metrics = -1 if metrics is None or metrics < 0 else (metrics + index if metrics else 0)
+    argv = [sys.executable, "-m", "scheduler_service.main", "--model", args.model, "--worker-endpoint",
+            endpoint if args.servers == 1 else "tcp://127.0.0.1:0", "--port", str(port),
             "--port-file", str(log_dir / "scheduler.port"), *flags]
-    return Program("scheduler", argv, log_dir / "scheduler.log")
+    if metrics is not None:
+        argv += ["--metrics-port", str(metrics)]
+    return Program("scheduler" if args.servers == 1 else f"scheduler-{index}", argv, log_dir / "scheduler.log")
 
 
 def wait_bound(port_file: Path, timeout: float, supervisor: Supervisor) -> dict | None:
@@ -102,9 +129,44 @@ def wait_serving(address: str, timeout: float, supervisor: Supervisor) -> bool:
         channel.close()
 
 
-def summary(address: str | None, supervisor: Supervisor, run_dir: Path) -> str:
-    lines = []
-    if address:
+def gateway_metrics_port(args: argparse.Namespace) -> int:
+    if args.gateway_metrics_port is not None:
+        return args.gateway_metrics_port
+    import socket
+
+    from deploy.local_server import free_port
+
+    with socket.socket() as s:
+        try:
+            s.bind((args.http_host, 29000))
+            return 29000
+        except OSError:
+            port = free_port()
+            log.warning("gateway_metrics_port_taken", port=29000, using=port)
+            return port
+
+
+def _python() -> str:
+    """This interpreter as a newcomer would type it (.venv/bin/python from the checkout)."""
+    try:
+        return os.path.relpath(sys.executable) if Path(sys.executable).is_relative_to(ROOT) else sys.executable
+    except ValueError:
+        return sys.executable
+
+
+def gateway_banner(base_url: str, model: str, servers: int) -> list[str]:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    return [f"SMG serves an OpenAI-compatible API for {model} on {base_url}/v1 "
+            f"(in front of {servers} pagedserve server{'s' if servers > 1 else ''})",
+            f"  try: curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+            f"   or: {_python()} -c \"from openai import OpenAI; print(OpenAI(base_url='{base_url}/v1', api_key='none')"
+            f".chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi!'}}])"
+            f".choices[0].message.content)\""]
+
+
+def summary(addresses: list[str], supervisor: Supervisor, run_dir: Path, gateway: list[str] | None = None) -> str:
+    lines = list(gateway or [])
+    for address in addresses:
         lines += [f"pagedserve is serving on {address}",
                   f"  try: .venv/bin/pagedserve generate --server {address} \"What is the capital of France?\""]
     lines.append(f"processes (logs in {run_dir}/):")
@@ -137,61 +199,97 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     replicas = None if args.replicas is None else [int(x) for x in args.replicas.split(",") if x.strip()]
+    if args.servers < 1 or (args.servers > 1 and args.workers_only):
+        print("--servers must be at least 1 (and --workers-only runs the workers of one server)", file=sys.stderr)
+        return 2
     if args.workers_only:
         if not args.scheduler:
             print("--workers-only needs --scheduler tcp://HOST:PORT", file=sys.stderr)
             return 2
         units = worker_units(args, args.scheduler, replicas, run_dir, args.rendezvous_host)
-        address = None
+        dirs = []
     else:
-        # the scheduler starts first and says which ports it bound (any free one where the flag says 0); its
+        # each scheduler starts first and says which ports it bound (any free one where the flag says 0); its
         # workers start once it has, and a restarted scheduler binds the same ports again, so restarted
-        # workers and clients find it
-        units = [Unit("scheduler", [scheduler_program(args, args.worker_endpoint, run_dir)])]
-        address = f"{args.host}:{args.port}"
+        # workers, clients and the gateway find it
+        dirs = [run_dir] if args.servers == 1 else [run_dir / f"server-{i}" for i in range(args.servers)]
+        units = []
+        for i, folder in enumerate(dirs):
+            folder.mkdir(parents=True, exist_ok=True)
+            program = scheduler_program(args, args.worker_endpoint, folder, i)
+            units.append(Unit(program.name, [program]))
+    schedulers = list(units) if not args.workers_only else []
+    followers: dict[str, list[Unit]] = {u.name: [] for u in schedulers}  # a scheduler's workers
     supervisor = Supervisor(units, env={"PYTHONUNBUFFERED": "1"}, cwd=ROOT)
     pid_file.write_text(str(os.getpid()))
     code = 0
+    addresses: list[str] = []
     try:
-        (run_dir / "scheduler.port").unlink(missing_ok=True)  # a file from an earlier run says nothing
+        for folder in dirs:
+            (folder / "scheduler.port").unlink(missing_ok=True)  # a file from an earlier run says nothing
         supervisor.start_all()
-        if not args.workers_only:
-            bound = wait_bound(run_dir / "scheduler.port", args.ready_timeout, supervisor)
-            address = None
-            if bound is not None:
-                address = f"{args.host}:{bound['port']}"
-                pin_ports(units[0].programs[0], bound["port"], bound["worker_endpoint"])
-                for unit in worker_units(args, bound["worker_endpoint"], replicas, run_dir, args.rendezvous_host):
-                    supervisor.units.append(unit)
-                    supervisor.start(unit)
-        if (address is None and not args.workers_only) or (
-                address is not None and not wait_serving(address, args.ready_timeout, supervisor)):
+        for sched, folder in zip(schedulers, dirs, strict=True):
+            bound = wait_bound(folder / "scheduler.port", args.ready_timeout, supervisor)
+            if bound is None:
+                addresses = []
+                break
+            addresses.append(f"{args.host}:{bound['port']}")
+            pin_ports(sched.programs[0], bound["port"], bound["worker_endpoint"])
+            for unit in worker_units(args, bound["worker_endpoint"], replicas, folder, args.rendezvous_host):
+                if args.servers > 1:
+                    unit.name = f"{sched.name}/{unit.name}"
+                followers[sched.name].append(unit)
+                supervisor.units.append(unit)
+                supervisor.start(unit)
+        ready = args.workers_only or (len(addresses) == len(schedulers) and all(
+            wait_serving(a, args.ready_timeout, supervisor) for a in addresses))
+        banner = None
+        if ready and args.gateway and stopping["signal"] is None:
+            from deploy.gateway import smg_command, wait_ready
+            from scheduler_service.config import ModelSpec
+
+            gateway = Program("gateway", smg_command(addresses, args.http_host, args.http_port, args.model,
+                                                     args.gateway_policy, gateway_metrics_port(args)),
+                              run_dir / "gateway.log")
+            unit = Unit("gateway", [gateway])
+            supervisor.units.append(unit)
+            supervisor.start(unit)
+            base_url = f"http://{args.http_host}:{args.http_port}"
+            try:
+                wait_ready(base_url, len(addresses), args.ready_timeout,
+                           alive=lambda: (supervisor.poll(), unit.restarts == 0)[1])
+                banner = gateway_banner(base_url, ModelSpec.from_folder(args.model).name, len(addresses))
+            except (RuntimeError, TimeoutError) as e:
+                print(f"the gateway did not come up: {e}; see {run_dir}/gateway.log", file=sys.stderr)
+                code = 1
+        if not ready:
             if stopping["signal"] is None:
                 print(f"the service did not become SERVING within {args.ready_timeout}s; see {run_dir}/",
                       file=sys.stderr)
                 code = 1
         if code == 0 and stopping["signal"] is None:
-            print(summary(address, supervisor, run_dir), flush=True)
-            scheduler_restarts = 0
+            print(summary(addresses, supervisor, run_dir, banner), flush=True)
+            restarts = {u.name: u.restarts for u in schedulers}
             while stopping["signal"] is None:
                 supervisor.poll()
-                sched = units[0] if units[0].name == "scheduler" else None
-                if sched is not None and sched.restarts != scheduler_restarts:  # workers follow their scheduler
-                    scheduler_restarts = sched.restarts
-                    for unit in units[1:]:
-                        for proc in unit.procs:
-                            proc.terminate()
+                for sched in schedulers:  # workers follow their scheduler
+                    if sched.restarts != restarts[sched.name]:
+                        restarts[sched.name] = sched.restarts
+                        for unit in followers[sched.name]:
+                            for proc in unit.procs:
+                                proc.terminate()
                 time.sleep(0.2)
     except FatalExit as e:
         print(f"pagedserve deploy: {e}; see {run_dir}/", file=sys.stderr)
         code = 1
     finally:
-        # the scheduler first: it stops admitting and finishes what it holds (--drain-timeout) with its workers
-        # still up; the workers only then. Under --workers-only the scheduler is elsewhere: the workers go when
+        # the schedulers first: they stop admitting and finish what they hold (--drain-timeout) with their
+        # workers and the gateway still up; the gateway and workers only then. Under --workers-only the scheduler is elsewhere: the workers go when
         # it tells them (it is draining too) or is gone, or after its drain time
         if args.workers_only:
             supervisor.wait_exit(getattr(args, "drain_timeout", 30.0) + 15.0)
-        supervisor.stop_all(first="scheduler", first_timeout=getattr(args, "drain_timeout", 30.0) + 15.0)
+        supervisor.stop_all(first=[u.name for u in schedulers],
+                            first_timeout=getattr(args, "drain_timeout", 30.0) + 15.0)
         pid_file.unlink(missing_ok=True)
     print("stopped: every process of the deployment has exited", flush=True)
     return code

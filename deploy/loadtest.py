@@ -4,6 +4,12 @@ gRPC server with cache accounting allows (KV utilization, preemptions, prefix hi
     pagedserve-loadtest --target localhost:50051 --num-requests 200 --rate 4 --input-len 256 --output-len 128
     pagedserve-loadtest --target HOST:PORT --sweep 6 --output sweep.json --plot plots/
     pagedserve-loadtest --target HOST:PORT --dataset ../shared/bench/cpu-workload-prompts.json --concurrency 64
+    pagedserve-loadtest --target http://127.0.0.1:8000 --concurrency 16     # any OpenAI-compatible server
+
+An http(s):// target is driven through its OpenAI API (/v1/completions, streamed): synthetic prompts go as
+token-id lists, or with --tokenizer FOLDER as their text (SMG takes text only; the prompt length is then
+what the server counts); the same client-side figures; the server-side ones (KV utilization,
+preemptions, prefix hits, leaked blocks) need pagedserve's own gRPC and are left out.
 
 Closed loop (--concurrency C: C clients, each sends its next request when the last one ends), open loop
 (--rate R requests/s: Poisson arrivals when --burstiness is 1, gamma-distributed gaps otherwise, CV^2 =
@@ -32,6 +38,133 @@ from pathlib import Path
 import grpc
 
 from protos import generation_pb2, generation_pb2_grpc
+
+
+class TargetError(Exception):
+    """A request the target refused or failed; str() is the status (a gRPC code name, or HTTP_<code>)."""
+
+
+class GrpcTarget:
+    """pagedserve.v1 over gRPC: streams, cache accounting, leak check."""
+
+    def __init__(self, channel) -> None:
+        self.stub = generation_pb2_grpc.GenerationStub(channel)
+
+    async def info(self) -> tuple[str, int]:
+        info = await self.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=60)
+        return info.model_name, info.vocab_size
+
+    async def stream(self, item, index: int, s):
+        """Yields (new output tokens, prompt tokens or None, timed) per message that carries tokens."""
+        sampling = generation_pb2.SamplingParams(max_tokens=item.output_len, temperature=s.temperature,
+                                                 seed=s.seed + index, ignore_eos=s.ignore_eos)
+        req = generation_pb2.GenerateRequest(sampling=sampling)
+        if item.prompt_token_ids is not None:
+            req.prompt_token_ids.extend(item.prompt_token_ids)
+        else:
+            req.prompt = item.prompt
+        call = self.stub.GenerateStream(req, timeout=s.timeout)
+        try:
+            async for msg in call:
+                prompt_tokens = msg.usage.prompt_tokens if msg.HasField("usage") else None
+                if msg.token_ids or prompt_tokens is not None:
+                    yield len(msg.token_ids), prompt_tokens, bool(msg.token_ids)
+        except grpc.aio.AioRpcError as e:
+            raise TargetError(e.code().name) from e
+        finally:
+            call.cancel()
+
+    async def cache_stats(self) -> dict | None:
+        try:
+            st = await self.stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=5)
+        except grpc.aio.AioRpcError:
+            return None
+        return dict(utilization=st.utilization, preemptions=st.num_preemptions, prefix_hits=st.prefix_cache_hits,
+                    prefix_queries=st.prefix_cache_queries, running=st.num_running, waiting=st.num_waiting)
+
+    async def leaked_blocks(self, timeout: float = 30.0) -> int | None:
+        """Once the server is idle: blocks neither free nor cached (0 unless blocks leaked)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                st = await self.stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=5)
+            except grpc.aio.AioRpcError:
+                return None
+            if st.num_running == 0 and st.num_waiting == 0:
+                return st.num_blocks - st.num_free_blocks - st.num_cached_blocks
+            await asyncio.sleep(0.2)
+        return None
+
+
+class OpenAITarget:
+    """An OpenAI-compatible HTTP server (SMG in front of pagedserve, vLLM, llama.cpp's server, ...):
+    streamed /v1/completions. Output tokens come from the final usage when the server sends one (each
+    content chunk counts one until then); no server-side figures."""
+
+    def __init__(self, base_url: str, model: str | None, vocab_size: int, api_key: str | None = None,
+                 tokenizer: str | None = None) -> None:
+        import httpx
+
+        if tokenizer:
+            from scheduler_service.tokenizer import Tokenizer
+
+            self.tokenizer = Tokenizer(tokenizer)
+            vocab_size = min(vocab_size, self.tokenizer.vocab_size)
+        else:
+            self.tokenizer = None
+        self.base_url = base_url.rstrip("/")
+        if self.base_url.endswith("/v1"):
+            self.base_url = self.base_url[:-3]
+        self.model = model
+        self.vocab_size = vocab_size
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), headers=headers,
+                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
+
+    async def info(self) -> tuple[str, int]:
+        if self.model is None:
+            resp = await self.http.get(f"{self.base_url}/v1/models")
+            resp.raise_for_status()
+            self.model = resp.json()["data"][0]["id"]
+        return self.model, self.vocab_size
+
+    async def stream(self, item, index: int, s):
+        prompt = item.prompt
+        if item.prompt_token_ids is not None:
+            prompt = self.tokenizer.decode(item.prompt_token_ids) if self.tokenizer else item.prompt_token_ids
+        body = {"model": self.model, "max_tokens": item.output_len, "temperature": s.temperature,
+                "seed": s.seed + index, "stream": True, "stream_options": {"include_usage": True}, "prompt": prompt}
+        if s.ignore_eos:
+            body["ignore_eos"] = True
+        counted = 0
+        async with self.http.stream("POST", f"{self.base_url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise TargetError(f"HTTP_{resp.status_code}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    raise TargetError("STREAM_ERROR")
+                if any(c.get("text") for c in chunk.get("choices") or ()):
+                    counted += 1
+                    yield 1, None, True
+                usage = chunk.get("usage")
+                if usage:
+                    yield max(0, usage.get("completion_tokens", counted) - counted), usage.get("prompt_tokens"), False
+
+    async def cache_stats(self) -> dict | None:
+        return None
+
+    async def leaked_blocks(self) -> int | None:
+        return None
+
+    async def close(self) -> None:
+        await self.http.aclose()
 
 PERCENTILES = (50, 90, 99)
 
@@ -117,8 +250,8 @@ class Settings:
 class Run:
     """One load pattern against one target; samples GetCacheStats while it runs."""
 
-    def __init__(self, stub, items: list[Item], settings: Settings, label: str, progress: bool = True) -> None:
-        self.stub = stub
+    def __init__(self, target, items: list[Item], settings: Settings, label: str, progress: bool = True) -> None:
+        self.target = target
         self.items = items
         self.settings = settings
         self.label = label
@@ -131,57 +264,48 @@ class Run:
 
     async def one(self, index: int, item: Item) -> None:
         s = self.settings
-        sampling = generation_pb2.SamplingParams(max_tokens=item.output_len, temperature=s.temperature,
-                                                 seed=s.seed + index, ignore_eos=s.ignore_eos)
-        req = generation_pb2.GenerateRequest(sampling=sampling)
-        if item.prompt_token_ids is not None:
-            req.prompt_token_ids.extend(item.prompt_token_ids)
-        else:
-            req.prompt = item.prompt
         out = Outcome(input_len=len(item.prompt_token_ids or ()), start=time.perf_counter())
         self.outcomes.append(out)
         abort_at = None
         if self.rng.random() < s.abort_fraction:
             abort_at = self.rng.randint(1, max(1, item.output_len - 1))
-        call = self.stub.GenerateStream(req, timeout=s.timeout)
+        messages = self.target.stream(item, index, s)
         last = None
         try:
-            async for msg in call:
+            async for tokens, prompt_tokens, timed in messages:
                 now = time.perf_counter()
-                if msg.HasField("usage"):
-                    out.input_len = msg.usage.prompt_tokens
-                if not msg.token_ids:
-                    continue
-                if out.ttft is None:
-                    out.ttft = now - out.start
-                else:
-                    out.itl.append(now - last)
-                last = now
-                out.output_tokens += len(msg.token_ids)
-                self.tokens_so_far += len(msg.token_ids)
+                if prompt_tokens is not None:
+                    out.input_len = prompt_tokens
+                if timed:
+                    if out.ttft is None:
+                        out.ttft = now - out.start
+                    else:
+                        out.itl.append(now - last)
+                    last = now
+                out.output_tokens += tokens
+                self.tokens_so_far += tokens
                 if abort_at is not None and out.output_tokens >= abort_at:
                     out.aborted = True
-                    call.cancel()
                     return
+            if out.ttft is None:
+                out.error = "NO_TOKENS"
+                return
             out.e2el = (last or time.perf_counter()) - out.start
         except asyncio.CancelledError:
             out.aborted = True
-            call.cancel()
             raise
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.CANCELLED and out.aborted:
-                return
-            out.error = e.code().name
+        except TargetError as e:
+            out.error = str(e)
+        except OSError as e:  # the connection itself (HTTP targets)
+            out.error = type(e).__name__
+        finally:
+            await messages.aclose()
 
     async def sample_once(self) -> None:
         row = {"t": time.perf_counter() - self.t0, "output_tokens": self.tokens_so_far}
-        try:
-            st = await self.stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=5)
-            row.update(utilization=st.utilization, preemptions=st.num_preemptions,
-                       prefix_hits=st.prefix_cache_hits, prefix_queries=st.prefix_cache_queries,
-                       running=st.num_running, waiting=st.num_waiting)
-        except grpc.aio.AioRpcError:
-            pass
+        stats = await self.target.cache_stats()
+        if stats is not None:
+            row.update(stats)
         self.samples.append(row)
 
     async def sample_cache(self, interval: float = 0.25) -> None:
@@ -317,20 +441,6 @@ def summarize(run: Run, duration: float, slo: dict[str, float], leaked: int | No
     return result
 
 
-async def leaked_blocks(stub, timeout: float = 30.0) -> int | None:
-    """Once the server is idle: blocks neither free nor cached (0 unless blocks leaked)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            st = await stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=5)
-        except grpc.aio.AioRpcError:
-            return None
-        if st.num_running == 0 and st.num_waiting == 0:
-            return st.num_blocks - st.num_free_blocks - st.num_cached_blocks
-        await asyncio.sleep(0.2)
-    return None
-
-
 HEADLINE = [("completed", "{:.0f}"), ("failed", "{:.0f}"), ("aborted", "{:.0f}"), ("duration_s", "{:.1f}"),
             ("request_throughput", "{:.2f}"), ("output_throughput", "{:.1f}"), ("total_token_throughput", "{:.1f}"),
             ("goodput", "{:.2f}")]
@@ -463,7 +573,16 @@ def plot(results: list[dict], folder: Path) -> list[Path]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedserve-loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help="HOST:PORT of a pagedserve (default: start one, see --model)")
+    p.add_argument("--target", default=None,
+                   help="HOST:PORT of a pagedserve, or http(s)://HOST:PORT of any OpenAI-compatible server "
+                        "(default: start a pagedserve, see --model)")
+    p.add_argument("--served-model", default=None, help="with an http target: the model name to ask for "
+                   "(default: the first of its /v1/models)")
+    p.add_argument("--vocab-size", type=int, default=32000, help="with an http target: synthetic prompts draw "
+                   "token ids below this (every common vocabulary has at least 32000)")
+    p.add_argument("--api-key", default=None, help="with an http target: sent as a bearer token")
+    p.add_argument("--tokenizer", default=None, help="with an http target: a model folder whose tokenizer turns "
+                   "synthetic prompts into text (needed where the server takes no token ids, as SMG)")
     p.add_argument("--model", default=None, help="with no --target: serve this model folder for the run")
     p.add_argument("--server-args", default="", help="with no --target: extra flags for the server it starts")
     p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this CA certificate (PEM)")
@@ -495,63 +614,73 @@ def build_parser() -> argparse.ArgumentParser:
 
 async def run_all(args: argparse.Namespace, target: str, results: list[dict]) -> None:
     """Runs the plan, appending each run's result to `results` (so Ctrl-C keeps what was measured)."""
+    if target.startswith(("http://", "https://")):
+        http = OpenAITarget(target, args.served_model, args.vocab_size, args.api_key, args.tokenizer or args.model)
+        try:
+            await run_plan(args, http, results)
+        finally:
+            await http.close()
+        return
     if args.tls_ca:
         creds = grpc.ssl_channel_credentials(root_certificates=Path(args.tls_ca).read_bytes())
         channel = grpc.aio.secure_channel(target, creds)
     else:
         channel = grpc.aio.insecure_channel(target)
     async with channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        info = await stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=60)
-        def workload(k: int) -> list[Item]:
-            """Run k's prompts: synthetic ones are fresh for every run of a sweep (a later run must not find
-            an earlier run's prompts in the prefix cache); a dataset is what it is."""
-            if args.dataset:
-                rows = load_dataset(args.dataset, args.output_len, args.shared_prefix_len, info.vocab_size,
-                                    args.seed)
-                return (rows * math.ceil(args.num_requests / len(rows)))[: args.num_requests]
-            return synthetic(args.num_requests, args.input_len, args.output_len, args.range_ratio,
-                             args.shared_prefix_len, info.vocab_size, args.seed + 7919 * k)
-
-        items = workload(0)
-        settings = Settings(args.temperature, args.seed, args.ignore_eos, args.abort_fraction)
-        slo = parse_slo(args.slo)
-        if args.warmup:  # first requests pay one-time costs (allocations, kernel choices): not measured
-            warm = synthetic(args.warmup, args.input_len, args.output_len, args.range_ratio, 0, info.vocab_size,
-                             args.seed - 1) if not args.dataset else items[: args.warmup]
-            await Run(stub, warm, Settings(args.temperature, args.seed), "warm-up",
-                      progress=False).execute("concurrency", 1, 1.0, args.duration)
-        if args.sweep:
-            if args.sweep < 2:
-                raise SystemExit("--sweep needs at least 2 points (synchronous and saturating)")
-            plan = [("concurrency", 1.0, "synchronous"), ("rate", math.inf, "saturating")]
-        elif args.concurrency:
-            plan = [("concurrency", float(args.concurrency), f"concurrency {args.concurrency}")]
-        else:
-            rate = args.rate if args.rate is not None else math.inf
-            plan = [("rate", rate, f"rate {rate:g}/s" if not math.isinf(rate) else "all at once")]
-        i = 0
-        while i < len(plan):
-            mode, value, label = plan[i]
-            run = Run(stub, workload(i), settings, label, progress=not args.no_progress)
-            try:
-                duration = await run.execute(mode, value, args.burstiness, args.duration)
-            except asyncio.CancelledError:  # Ctrl-C: keep what was measured
-                duration = time.perf_counter() - run.t0
-                results.append(finish(run, duration, slo, None, mode, value, args, info))
-                raise
-            leaked = await leaked_blocks(stub)
-            results.append(finish(run, duration, slo, leaked, mode, value, args, info))
-            if args.sweep and i == 1:  # K-2 open-loop rates evenly between the two passes' request rates
-                lo, hi = results[0]["request_throughput"], results[1]["request_throughput"]
-                for k in range(1, args.sweep - 1):
-                    r = lo + (hi - lo) * k / (args.sweep - 1)
-                    plan.append(("rate", r, f"rate {r:.2f}/s"))
-            i += 1
+        await run_plan(args, GrpcTarget(channel), results)
 
 
-def finish(run: Run, duration: float, slo, leaked, mode, value, args, info) -> dict:
-    extra = {"label": run.label, "target_model": info.model_name, "mode": mode,
+async def run_plan(args: argparse.Namespace, target, results: list[dict]) -> None:
+    model_name, vocab_size = await target.info()
+
+    def workload(k: int) -> list[Item]:
+        """Run k's prompts: synthetic ones are fresh for every run of a sweep (a later run must not find
+        an earlier run's prompts in the prefix cache); a dataset is what it is."""
+        if args.dataset:
+            rows = load_dataset(args.dataset, args.output_len, args.shared_prefix_len, vocab_size, args.seed)
+            return (rows * math.ceil(args.num_requests / len(rows)))[: args.num_requests]
+        return synthetic(args.num_requests, args.input_len, args.output_len, args.range_ratio,
+                         args.shared_prefix_len, vocab_size, args.seed + 7919 * k)
+
+    items = workload(0)
+    settings = Settings(args.temperature, args.seed, args.ignore_eos, args.abort_fraction)
+    slo = parse_slo(args.slo)
+    if args.warmup:  # first requests pay one-time costs (allocations, kernel choices): not measured
+        warm = synthetic(args.warmup, args.input_len, args.output_len, args.range_ratio, 0, vocab_size,
+                         args.seed - 1) if not args.dataset else items[: args.warmup]
+        await Run(target, warm, Settings(args.temperature, args.seed), "warm-up",
+                  progress=False).execute("concurrency", 1, 1.0, args.duration)
+    if args.sweep:
+        if args.sweep < 2:
+            raise SystemExit("--sweep needs at least 2 points (synchronous and saturating)")
+        plan = [("concurrency", 1.0, "synchronous"), ("rate", math.inf, "saturating")]
+    elif args.concurrency:
+        plan = [("concurrency", float(args.concurrency), f"concurrency {args.concurrency}")]
+    else:
+        rate = args.rate if args.rate is not None else math.inf
+        plan = [("rate", rate, f"rate {rate:g}/s" if not math.isinf(rate) else "all at once")]
+    i = 0
+    while i < len(plan):
+        mode, value, label = plan[i]
+        run = Run(target, workload(i), settings, label, progress=not args.no_progress)
+        try:
+            duration = await run.execute(mode, value, args.burstiness, args.duration)
+        except asyncio.CancelledError:  # Ctrl-C: keep what was measured
+            duration = time.perf_counter() - run.t0
+            results.append(finish(run, duration, slo, None, mode, value, args, model_name))
+            raise
+        leaked = await target.leaked_blocks()
+        results.append(finish(run, duration, slo, leaked, mode, value, args, model_name))
+        if args.sweep and i == 1:  # K-2 open-loop rates evenly between the two passes' request rates
+            lo, hi = results[0]["request_throughput"], results[1]["request_throughput"]
+            for k in range(1, args.sweep - 1):
+                r = lo + (hi - lo) * k / (args.sweep - 1)
+                plan.append(("rate", r, f"rate {r:.2f}/s"))
+        i += 1
+
+
+def finish(run: Run, duration: float, slo, leaked, mode, value, args, model_name: str) -> dict:
+    extra = {"label": run.label, "target_model": model_name, "mode": mode,
              "value": None if math.isinf(value) else value, "burstiness": args.burstiness}
     result = summarize(run, duration, slo, leaked, extra)
     done = [o for o in run.outcomes if o.e2el is not None and not o.error and not o.aborted]

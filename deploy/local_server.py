@@ -100,15 +100,20 @@ class ServerProcess:
     def stop(self) -> None:
         if self.channel is not None:
             self.channel.close()
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, 20)
         if hasattr(self, "_log"):
             self._log.close()
+
+
+def stop_group(proc: subprocess.Popen | None, timeout: float) -> None:
+    """SIGTERM a child started in its own session and everything it started; SIGKILL after timeout."""
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def greedy_request(prompt: list[int], max_tokens: int, request_id: str = "") -> generation_pb2.GenerateRequest:

@@ -69,7 +69,7 @@ def prepare(gguf_path: Path, out: Path, model_name: str) -> Path:
     cfg.setdefault("bos_token", tokenizer.bos_token)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     (out / "pagedserve_model.json").write_text(
-        json.dumps({"model_name": model_name, "source": gguf_path.name}, indent=2)
+        json.dumps({"model_name": model_name, "source": gguf_path.name, "gguf": str(gguf_path.resolve())}, indent=2)
     )
     return out
 

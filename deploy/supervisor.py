@@ -144,13 +144,21 @@ class Supervisor:
             time.sleep(0.2)
         return False
 
-    def stop_all(self, first: str | None = None, first_timeout: float | None = None) -> None:
-        """Stop every unit: `first` (by name) alone before the others, given `first_timeout` seconds to exit
-        on its SIGTERM — a scheduler drains its requests while its workers are still up — then the rest,
-        last started first."""
-        ordered = [u for u in self.units if u.name == first] + [u for u in reversed(self.units) if u.name != first]
-        for unit in ordered:
-            self._stop_unit(unit, first_timeout if unit.name == first else None)
+    def stop_all(self, first: str | list[str] | None = None, first_timeout: float | None = None) -> None:
+        """Stop every unit: those named in `first` before the others, all told at once and given
+        `first_timeout` seconds to exit on their SIGTERM — schedulers drain their requests while their workers
+        are still up — then the rest, last started first."""
+        names = {first} if isinstance(first, str) else set(first or ())
+        leading = [u for u in self.units if u.name in names]
+        for unit in leading:
+            for p in unit.procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+        for unit in leading:
+            self._stop_unit(unit, first_timeout)
+        for unit in reversed(self.units):
+            if unit.name not in names:
+                self._stop_unit(unit)
         for f in self._logs:
             f.close()
         self._logs.clear()

@@ -26,7 +26,8 @@ import torch
 log = structlog.get_logger("kernels.cpu_native")
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
-SOURCES = [SOURCE_DIR / "paged_decode.c", SOURCE_DIR / "paged_prefill.c", SOURCE_DIR / "elementwise.c"]
+SOURCES = [SOURCE_DIR / "paged_decode.c", SOURCE_DIR / "paged_prefill.c", SOURCE_DIR / "elementwise.c",
+           SOURCE_DIR / "quant_matmul.c"]
 HEADERS = [SOURCE_DIR / "vec_math.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
 if platform.machine() in ("x86_64", "AMD64"):
@@ -58,6 +59,40 @@ class NativeKernels:
         self._rope.argtypes = [p, i64, i64, i32, i32, p, p, p]
         for f in (self._add_rms_norm, self._silu_mul, self._rope):
             f.restype = None
+        self._quant_matmul = lib.pagedserve_quant_matmul
+        self._quant_matmul.argtypes = [p, i64, i64, p, i64, i32, p]
+        self._quant_matmul.restype = ctypes.c_int
+        self._quant_matmul_q8act = lib.pagedserve_quant_matmul_q8act
+        self._quant_matmul_q8act.argtypes = [p, i64, i64, p, i64, i32, p]
+        self._quant_matmul_q8act.restype = ctypes.c_int
+        self._quant_dequant = lib.pagedserve_quant_dequant
+        self._quant_dequant.argtypes = [p, i64, i64, i32, p]
+        self._quant_dequant.restype = ctypes.c_int
+
+    # --- weight-only quantized matmuls on GGUF blocks (worker/quantized.py) ---------------------------------
+    def quant_matmul(self, x: torch.Tensor, w: torch.Tensor, type_id: int, out_dim: int, y: torch.Tensor,
+                     int8_activations: bool = False) -> None:
+        """y = x @ W.T: x fp32 [rows, in_dim] contiguous, w uint8 [out_dim, blocks] (ggml type type_id), y fp32
+        [rows, out_dim] contiguous. int8_activations: x rounded per 32-value block to int8 and integer dot
+        products (llama.cpp's scheme; VNNI where the CPU has it)."""
+        rows, in_dim = x.shape
+        if not (x.dtype == y.dtype == torch.float32 and w.dtype == torch.uint8 and x.is_contiguous()
+                and y.is_contiguous() and w.is_contiguous() and tuple(y.shape) == (rows, out_dim)):
+            raise ValueError("quant_matmul needs contiguous fp32 x and y and uint8 blocks")
+        fn = self._quant_matmul_q8act if int8_activations else self._quant_matmul
+        rc = fn(x.data_ptr(), rows, in_dim, w.data_ptr(), out_dim, type_id, y.data_ptr())
+        if rc == -2:
+            raise MemoryError("quant_matmul could not allocate the quantized activations")
+        if rc:
+            raise ValueError(f"quant_matmul does not serve ggml type {type_id} with {in_dim} inputs")
+
+    def quant_dequant(self, w: torch.Tensor, type_id: int, out_dim: int, in_dim: int, out: torch.Tensor) -> None:
+        """out (fp32 [out_dim, in_dim], contiguous) = the blocks of w dequantized."""
+        if not (out.dtype == torch.float32 and out.is_contiguous() and w.is_contiguous()
+                and out.numel() == out_dim * in_dim):
+            raise ValueError("quant_dequant needs a contiguous fp32 output of out_dim x in_dim")
+        if self._quant_dequant(w.data_ptr(), out_dim, in_dim, type_id, out.data_ptr()):
+            raise ValueError(f"quant_dequant does not serve ggml type {type_id} with {in_dim} inputs")
 
     # --- the elementwise tail (fp32, contiguous rows; checked by the callers in worker/fused.py) -----------
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,

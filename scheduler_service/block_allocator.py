@@ -41,6 +41,9 @@ class BlockAllocator:
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._block_of: dict[bytes, int] = {}
         self.num_evictions = 0
+        # When a list: every prefix the cache gains or loses, in order, for KV-event subscribers
+        # (scheduler_service/kv_events.py): ("stored", hash, parent hash or None, token ids) and ("removed", hash).
+        self.events: list[tuple] | None = None
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -100,6 +103,8 @@ class BlockAllocator:
             else:  # evict the least recently used cached prefix
                 b, _ = self._cached.popitem(last=False)
                 del self._block_of[self._hash_of[b]]
+                if self.events is not None:
+                    self.events.append(("removed", self._hash_of[b]))
                 self._hash_of[b] = None
                 self.num_evictions += 1
             self._refcount[b] = 1
@@ -131,9 +136,10 @@ class BlockAllocator:
                 else:
                     self._free.append(b)
 
-    def register(self, block_id: int, h: bytes) -> None:
+    def register(self, block_id: int, h: bytes, parent: bytes | None = None, tokens=()) -> None:
         """Mark a referenced, full, computed block as holding the prefix with hash h. When another block
-        already holds that prefix (computed at the same time), the first one stays the cached copy."""
+        already holds that prefix (computed at the same time), the first one stays the cached copy.
+        parent and tokens (the previous block's hash and this block's token ids) go to event subscribers."""
         if not self.enable_prefix_caching or self._hash_of[block_id] is not None:
             return
         if self._refcount[block_id] <= 0:
@@ -141,6 +147,20 @@ class BlockAllocator:
         if h not in self._block_of:
             self._block_of[h] = block_id
             self._hash_of[block_id] = h
+            if self.events is not None:
+                self.events.append(("stored", h, parent, list(tokens)))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (FlushCache): cached-free blocks become free, held blocks keep their
+        contents but are no longer offered to new requests. Returns how many prefixes were forgotten."""
+        forgotten = len(self._block_of)
+        self._block_of.clear()
+        self._hash_of = [None] * self.num_blocks
+        self._free.extend(self._cached)
+        self._cached.clear()
+        if self.events is not None:
+            self.events.append(("cleared",))
+        return forgotten
 
     # --- invariants ----------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 import structlog
 
 from scheduler_service.config import ModelSpec, SchedulerConfig
+from scheduler_service.kv_events import KvEventPublisher
 from scheduler_service.metrics import Metrics
 from scheduler_service.output import Delta, DeltaQueue, SampleOutput, Usage
 from scheduler_service.replica import Replica, prompt_block_hashes
@@ -75,6 +76,8 @@ class Engine:
         self.limits: Limits | None = None
         self.streams: dict[str, RequestStream] = {}
         self.metrics = Metrics()
+        self.kv_events = KvEventPublisher()
+        self.started_at = time.time()
         self._starting_reason = "workers not connected yet"
         self._monitor: asyncio.Task | None = None
         self._draining = False
@@ -306,6 +309,8 @@ class Engine:
         self.metrics.on_step(replica.index, seconds, len(new_tokens), out.num_prefill_tokens, len(out.preempted),
                              len(sched.running), len(sched.waiting), sched.allocator.num_available_blocks,
                              sched.num_blocks)
+        if sched.allocator.events:
+            self.kv_events.collect(replica.index, sched.allocator.events)
 
     def on_step_failed(self, replica: Replica, out: SchedulerOutput, message: str) -> None:
         for request in {id(s.seq.request): s.seq.request for s in out.scheduled}.values():
@@ -392,6 +397,46 @@ class Engine:
         if stream.replica is not None and stream.replica.scheduler is not None:
             stream.replica.scheduler.abort_request(request.request_id)
         stream.queue.put_nowait(error)
+
+    async def flush_prefix_cache(self, timeout: float) -> tuple[bool, str]:
+        """Forget every cached prefix once no request is live (waiting up to `timeout` seconds for that)."""
+        deadline = time.monotonic() + timeout
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.streams:
+            return False, (f"{len(self.streams)} request(s) still in flight"
+                           + (f" after {timeout:g}s" if timeout else "; give timeout_s to wait for them"))
+        forgotten = 0
+        for replica in self.replicas:
+            if replica.scheduler is not None:
+                forgotten += replica.scheduler.allocator.reset_prefix_cache()
+                self.kv_events.collect(replica.index, replica.scheduler.allocator.events or [])
+        log.info("prefix_cache_flushed", prefixes=forgotten)
+        return True, f"forgot {forgotten} cached prefix blocks"
+
+    def loads(self) -> dict:
+        """The service's load now, summed over serving replicas (what a gateway balances on)."""
+        running = waiting = used = blocks = 0
+        queries = hits = 0
+        for replica in self.replicas:
+            s = replica.scheduler
+            if s is None:
+                continue
+            running += len(s.running)
+            waiting += len(s.waiting)
+            used += s.allocator.num_used_blocks
+            blocks += s.allocator.num_blocks
+            queries += s.prefix_cache_queries
+            hits += s.prefix_cache_hits
+        waiting_tokens = sum(r.prompt_len for r in self._orphans) + sum(
+            seq.num_uncomputed_tokens for r in self.replicas if r.scheduler for seq in r.scheduler.waiting)
+        return {"running": running, "waiting": waiting + len(self._orphans), "used_blocks": used,
+                "num_blocks": blocks, "block_size": self.config.block_size,
+                "token_usage": used / blocks if blocks else 0.0,
+                "cache_hit_rate": hits / queries if queries else 0.0,
+                "generated_tokens": sum(r.num_generated_tokens for r in self.replicas),
+                "waiting_tokens": waiting_tokens,
+                "max_running": self.config.max_num_seqs * len(self.replicas)}
 
     # --- reporting -------------------------------------------------------------------------------
     def model_info(self) -> dict:

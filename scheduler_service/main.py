@@ -146,7 +146,8 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
     tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
-    server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls)
+    server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls,
+                                        model_dir=args.model)
     await server.start()
     if args.port_file:
         write_port_file(Path(args.port_file), port, endpoint, metrics_port)
@@ -181,7 +182,8 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
              num_blocks=[g.num_blocks for g in client.groups], block_size=config.block_size,
              max_context=engine.limits.max_context, tensor_parallel_size=args.tensor_parallel_size,
              data_parallel_size=args.data_parallel_size)
-    print(ready_line(engine, args.host, port), flush=True)
+    sys.stdout.write(ready_line(engine, args.host, port) + "\n")  # one write: the log file is shared
+    sys.stdout.flush()
     watcher = loop.create_task(_watch_health(engine, health, stop))  # engine.start reported SERVING
     await stop.wait()
     watcher.cancel()

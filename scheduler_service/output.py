@@ -42,14 +42,19 @@ class Delta:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # on the request's first delta, when it asked
+    # On a STOP sample's last delta: the stop string (str) or stop token id (int) that ended it; None for an
+    # end-of-sequence token.
+    stop_reason: str | int | None = None
 
 
 class SampleOutput:
     def __init__(self, tokenizer: Tokenizer, seq: Sequence, eos_token_ids: tuple[int, ...], max_context: int) -> None:
         self.seq = seq
         params = seq.request.sampling
-        self._detok = IncrementalDetokenizer(tokenizer, seq.request.prompt_token_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, seq.request.prompt_token_ids, params.skip_special_tokens)
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._named_stop_ids = set(params.stop_token_ids)
+        self._keep_stop_str = params.include_stop_str_in_output
         self._stops = params.stop
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
         self._max_tokens = params.max_tokens
@@ -75,25 +80,31 @@ class SampleOutput:
                           logprobs=logprobs)
             self._emitted = len(self.text)
             return delta, reason
+        stop_reason = None
         if not self._stops:  # nothing is held back: the new text goes out as it comes
             self._emitted = len(self.text)
             reason = FinishReason.STOP if may_stop and token in self._stop_ids else (
                 FinishReason.LENGTH if self._left <= 0 else None)
-            return Delta(self.seq.index, [token], piece, reason, logprobs=logprobs), reason
+            if reason is FinishReason.STOP and token in self._named_stop_ids:
+                stop_reason = token
+            return Delta(self.seq.index, [token], piece, reason, logprobs=logprobs, stop_reason=stop_reason), reason
         reason = None
         if not may_stop:
             pass
         elif token in self._stop_ids:
             reason = FinishReason.STOP
+            stop_reason = token if token in self._named_stop_ids else None
         elif piece:
             start = max(0, len(self.text) - len(piece) - self._holdback)
-            hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
+            hits = [(i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, stop_reason = min(hits, key=lambda h: (h[0], -len(h[1])))
+                self.text = self.text[: at + len(stop_reason) if self._keep_stop_str else at]
                 reason = FinishReason.STOP
         if reason is None and self._left <= 0:
             reason = FinishReason.LENGTH
-        delta = Delta(self.seq.index, [token], self._take_text(final=reason is not None), reason, logprobs=logprobs)
+        delta = Delta(self.seq.index, [token], self._take_text(final=reason is not None), reason, logprobs=logprobs,
+                      stop_reason=stop_reason)
         return delta, reason
 
     def finish(self, reason: FinishReason) -> Delta:

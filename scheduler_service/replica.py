@@ -157,6 +157,8 @@ class Replica:
     def attach(self, max_model_len: int) -> None:
         """A group was accepted: start serving with a fresh scheduler sized to its pool."""
         self.scheduler = Scheduler(self.config, self.group.num_blocks, max_model_len)
+        # KV-event subscribers learn that this replica's cache starts empty (published after its first step).
+        self.scheduler.allocator.events = [("cleared",)]
         self.down_reason = None
         self.profile = StepProfile()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"replica-{self.index}")

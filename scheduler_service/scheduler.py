@@ -312,8 +312,14 @@ class Scheduler:
     def _register_full_blocks(self, seq: Sequence, computed: int) -> None:
         """Offer seq's blocks that `computed` tokens (a step's confirmed end) fill to the prefix cache."""
         full = computed // self.block_size
+        events = self.allocator.events is not None
         for i in range(seq.num_registered_blocks, full):
-            self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size))
+            if events:  # subscribers see each block's parent and tokens
+                self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size),
+                                        seq.block_hash(i - 1, self.block_size) if i else None,
+                                        seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            else:
+                self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def _fork(self, leader: Sequence, leader_current: bool) -> None:

@@ -58,6 +58,8 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Token ids banned while fewer than min_tokens were generated (end-of-sequence and stop ids).
     min_tokens_ban: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def is_greedy(self) -> bool:

@@ -60,6 +60,13 @@ def _usage(delta: Delta) -> generation_pb2.Usage:
     )
 
 
+def _set_stop_reason(out, stop_reason: str | int | None) -> None:
+    if isinstance(stop_reason, str):
+        out.stop_str = stop_reason
+    elif stop_reason is not None:
+        out.stop_token_id = stop_reason
+
+
 def _logprobs(items) -> list[generation_pb2.TokenLogprob]:
     return [generation_pb2.TokenLogprob(
         token_id=lp.token_id, logprob=lp.logprob,
@@ -131,6 +138,7 @@ class GenerationServicer:
                     prompt_logprobs = _logprobs(delta.prompt_logprobs)
                 if delta.finish_reason is not None:
                     c.finish_reason = _FINISH[delta.finish_reason]
+                    _set_stop_reason(c, delta.stop_reason)
                 if delta.usage is not None:
                     usage = _usage(delta)
         except _CLIENT_ERRORS as e:
@@ -154,6 +162,7 @@ class GenerationServicer:
                     out.prompt_logprobs.extend(_logprobs(delta.prompt_logprobs))
                 if delta.finish_reason is not None:
                     out.finish_reason = _FINISH[delta.finish_reason]
+                    _set_stop_reason(out, delta.stop_reason)
                 if delta.usage is not None:
                     out.usage.CopyFrom(_usage(delta))
                 yield out
@@ -188,29 +197,39 @@ class GenerationServicer:
 class HealthReporter:
     """Keeps grpc.health.v1 in step with the engine: SERVING only while workers are live."""
 
-    def __init__(self) -> None:
+    def __init__(self, services: list[str] | None = None) -> None:
         self.servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.services = services or [SERVICE_NAME]
 
     async def set(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in ("", *self.services):
             result = self.servicer.set(name, status)
             if hasattr(result, "__await__"):
                 await result
 
 
 def build_server(engine: Engine, address: str, expose_request_ids: bool = False,
-                 tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, HealthReporter, int]:
-    """tls: (private key, certificate chain) in PEM to serve over TLS; None for plaintext."""
+                 tls: tuple[bytes, bytes] | None = None,
+                 model_dir: str | None = None) -> tuple[grpc.aio.Server, HealthReporter, int]:
+    """tls: (private key, certificate chain) in PEM to serve over TLS; None for plaintext. model_dir: the
+    model folder, whose tokenizer files the engine protocol's GetTokenizer serves (the protocol is served
+    only with it)."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ])
-    server.add_generic_rpc_handlers((GenerationServicer(engine, expose_request_ids).handlers(),))
-    reporter = HealthReporter()
+    generation = GenerationServicer(engine, expose_request_ids)
+    server.add_generic_rpc_handlers((generation.handlers(),))
+    services = [SERVICE_NAME]
+    if model_dir is not None:
+        from scheduler_service.engine_protocol import add_to_server
+
+        services.append(add_to_server(server, engine, model_dir, generation))
+    reporter = HealthReporter(services)
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     if tls is None:
         port = server.add_insecure_port(address)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
@@ -34,9 +35,15 @@ class Tokenizer:
         self._template = None
         self._max_token_bytes: int | None = None
         self._token_bytes: list[bytes] | None | bool = False  # False: not looked at yet
+        self._token_bytes_special: list[bytes] | None | bool = False
+        # The special tokens' texts a template may name (bos_token, eos_token, pad_token, unk_token, ...).
+        self._special_texts = {k: t for k, v in cfg.items() if k.endswith("_token") and (t := _token_text(v))}
         if self.chat_template:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise_template_error
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
 
     def to_json(self) -> str:
@@ -65,7 +72,14 @@ class Tokenizer:
             self._token_bytes = self._byte_table()
         return self._token_bytes
 
-    def _byte_table(self) -> list[bytes] | None:
+    @property
+    def token_bytes_with_special(self) -> list[bytes] | None:
+        """token_bytes, but special tokens stand for their own text (skip_special_tokens=false)."""
+        if self._token_bytes_special is False:
+            self._token_bytes_special = self._byte_table(keep_special=True)
+        return self._token_bytes_special
+
+    def _byte_table(self, keep_special: bool = False) -> list[bytes] | None:
         spec = json.loads(self._tok.to_str())
         if (spec.get("decoder") or {}).get("type") != "ByteLevel":
             return None
@@ -77,7 +91,8 @@ class Tokenizer:
             except KeyError:  # a vocabulary entry outside the byte alphabet: not a plain byte-level BPE
                 return None
         for added in spec.get("added_tokens", []):  # as the tokenizer itself decodes each one alone
-            table[added["id"]] = b"" if added.get("special") else self._tok.decode([added["id"]]).encode()
+            special = added.get("special") and not keep_special
+            table[added["id"]] = b"" if special else self._tok.decode([added["id"]], skip_special_tokens=False).encode()
         return table
 
     @property
@@ -90,15 +105,37 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> str:
+        """Render a conversation the way transformers does: the template sees messages, tools,
+        add_generation_prompt, the special tokens' texts and any extra kwargs. continue_final_message leaves
+        the last message open (everything the template writes after its content is cut)."""
         if self._template is None:
-            raise ValueError("this model has no chat template; send a raw prompt")
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+            raise ValueError("this model has no chat template; send a raw prompt or prompt_token_ids")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        context = {"bos_token": "", "eos_token": "", **self._special_texts, **(template_kwargs or {})}
+        try:
+            text = self._template.render(messages=messages, tools=tools or None,
+                                         add_generation_prompt=add_generation_prompt, **context)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template refused the conversation: {e}") from e
+        except (TypeError, KeyError, AttributeError) as e:  # a template indexing a field the message lacks
+            raise ValueError(f"the chat template failed on the conversation: {type(e).__name__}: {e}") from e
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final.strip():
+                raise ValueError("continue_final_message needs a last message with text to continue")
+            end = text.rfind(final.strip())
+            if end < 0:
+                raise ValueError("continue_final_message: the template does not write the last message's text")
+            text = text[: end + len(final.strip())]
+        return text
+
+    def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        """A conversation → token ids (the template writes the special tokens itself)."""
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
     def encode_prompt(self, prompt: str, raw: bool) -> list[int]:
         """A user's text prompt → token ids: through the chat template unless raw (or no template)."""
@@ -121,13 +158,14 @@ class IncrementalDetokenizer:
 
     CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
-        self._table = tokenizer.token_bytes
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self._table = tokenizer.token_bytes if skip_special_tokens else tokenizer.token_bytes_with_special
         if self._table is not None:
             self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
             return
         self._hf = tokenizer._tok
-        self._stream = DecodeStream(ids=list(prompt_ids[-self.CONTEXT_TOKENS :]), skip_special_tokens=True)
+        self._stream = DecodeStream(ids=list(prompt_ids[-self.CONTEXT_TOKENS :]),
+                                    skip_special_tokens=skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         if self._table is not None:
@@ -153,6 +191,11 @@ def _token_text(value: object) -> str | None:
     if isinstance(value, dict):  # {"content": "<s>", ...}
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """transformers' tojson: keys kept in order and non-ASCII kept (jinja's own sorts and escapes)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import uuid
+
+from google.protobuf import json_format
 
 from protos import generation_pb2
 from scheduler_service.sequence import Request, SamplingOptions
@@ -19,6 +22,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300
 MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_MESSAGES = 1024
+MAX_TOOLS = 128
 # Temperatures below this are greedy: dividing logits by them overflows to inf and NaN probabilities.
 MIN_TEMPERATURE = 1e-5
 
@@ -44,13 +49,24 @@ class Limits:
 
 
 def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> Request:
-    has_text = bool(msg.prompt)
-    has_ids = len(msg.prompt_token_ids) > 0
-    if has_text and has_ids:
-        raise InvalidRequest("set exactly one of prompt and prompt_token_ids, not both")
-    if not has_text and not has_ids:
-        raise InvalidRequest("the prompt is empty: set prompt (text) or prompt_token_ids")
-    if has_ids:
+    """The one validation path: pagedserve.v1 requests come here directly, the engine protocol's after
+    scheduler_service/engine_protocol.py has put them in this shape."""
+    given = [name for name, present in (("prompt", bool(msg.prompt)), ("prompt_token_ids", len(msg.prompt_token_ids) > 0),
+                                        ("messages", len(msg.messages) > 0)) if present]
+    if len(given) > 1:
+        raise InvalidRequest(f"set exactly one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+    if not given:
+        raise InvalidRequest("the prompt is empty: set prompt (text), prompt_token_ids or messages")
+    if not msg.messages:
+        chat_only = {"tools": len(msg.tools) > 0, "chat_template_kwargs": msg.HasField("chat_template_kwargs"),
+                     "add_generation_prompt": msg.HasField("add_generation_prompt"),
+                     "continue_final_message": msg.continue_final_message}
+        for field, present in chat_only.items():
+            if present:
+                raise InvalidRequest(f"{field} applies to messages only")
+    if given[0] == "messages":
+        prompt_ids = _chat_prompt(msg, tokenizer, limits)
+    elif given[0] == "prompt_token_ids":
         prompt_ids = list(msg.prompt_token_ids)
         bad = [t for t in prompt_ids if t >= limits.vocab_size]
         if bad:
@@ -70,6 +86,7 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
             raise InvalidRequest(str(e)) from e
         if not prompt_ids:
             raise InvalidRequest("the prompt encodes to no tokens")
+    prompt_ids = _truncate(prompt_ids, msg.sampling, limits)
     prompt_len = len(prompt_ids)
     if prompt_len >= limits.max_context:
         raise InvalidRequest(
@@ -92,6 +109,72 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     constraint = _constraint(msg.sampling, limits)
     return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, constraint=constraint)
+
+
+def _chat_prompt(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+    if len(msg.messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"at most {MAX_MESSAGES} messages, got {len(msg.messages)}")
+    if len(msg.tools) > MAX_TOOLS:
+        raise InvalidRequest(f"at most {MAX_TOOLS} tools, got {len(msg.tools)}")
+    messages = []
+    size = 0
+    for i, m in enumerate(msg.messages):
+        if not m.role:
+            raise InvalidRequest(f"messages[{i}].role is empty (system, user, assistant or tool)")
+        entry: dict = {"role": m.role, "content": m.content}
+        if m.name:
+            entry["name"] = m.name
+        if m.tool_call_id:
+            entry["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise InvalidRequest(f"messages[{i}] has tool_calls but its role is {m.role!r}, not assistant")
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                if not c.name:
+                    raise InvalidRequest(f"messages[{i}].tool_calls[{j}].name is empty")
+                try:
+                    arguments = json.loads(c.arguments or "{}")
+                except ValueError as e:
+                    raise InvalidRequest(f"messages[{i}].tool_calls[{j}].arguments is not JSON: {e}") from e
+                calls.append({"id": c.id, "type": c.type or "function",
+                              "function": {"name": c.name, "arguments": arguments}})
+            entry["tool_calls"] = calls
+        size += len(m.content.encode())
+        messages.append(entry)
+    if limits.max_prompt_bytes is not None and size > limits.max_prompt_bytes:
+        raise InvalidRequest(f"the messages hold {size} bytes of text, more than any {limits.max_context}-token "
+                             f"context can hold ({limits.max_prompt_bytes} bytes at most)")
+    tools = [json_format.MessageToDict(t) for t in msg.tools] or None
+    kwargs = json_format.MessageToDict(msg.chat_template_kwargs) if msg.HasField("chat_template_kwargs") else {}
+    reserved = {"messages", "tools", "add_generation_prompt"} & set(kwargs)
+    if reserved:
+        raise InvalidRequest(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}: use the request's fields")
+    add_generation_prompt = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else \
+        not msg.continue_final_message
+    try:
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                    continue_final_message=msg.continue_final_message, template_kwargs=kwargs)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from e
+    if not ids:
+        raise InvalidRequest("the messages render to no tokens")
+    return ids
+
+
+def _truncate(prompt_ids: list[int], p: generation_pb2.SamplingParams, limits: Limits) -> list[int]:
+    """truncate_prompt_tokens: keep the prompt's last K tokens (-1: as many as the context allows)."""
+    if not p.HasField("truncate_prompt_tokens") or p.truncate_prompt_tokens == 0:
+        return prompt_ids
+    keep = p.truncate_prompt_tokens
+    if keep == -1:
+        keep = limits.max_context - 1
+    elif keep < -1:
+        raise InvalidRequest(f"sampling.truncate_prompt_tokens must be -1, 0 or positive, got {keep}")
+    elif keep >= limits.max_context:
+        raise InvalidRequest(f"sampling.truncate_prompt_tokens is {keep} but the model's context is "
+                             f"{limits.max_context} tokens and one must be left to generate")
+    return prompt_ids[-keep:]
 
 
 def _constraint(p: generation_pb2.SamplingParams, limits: Limits) -> Constraint | None:
@@ -197,4 +280,6 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
         min_tokens=int(p.min_tokens),
         logit_bias=tuple(bias),
         min_tokens_ban=ban if p.min_tokens else (),
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
     )

@@ -94,14 +94,14 @@ def test_stopping_a_deployment_lets_the_answers_in_flight_finish(tmp_path, tiny_
             got = [[] for _ in requests]
             finish = [None] * len(requests)
             errors = [None] * len(requests)
-            flowing = threading.Event()
+            flowing = [threading.Event() for _ in requests]  # every stream admitted and answering
 
             def stream(i):
                 try:
                     for msg in stub.GenerateStream(requests[i], timeout=120):
                         got[i].extend(msg.token_ids)
                         if len(got[i]) >= 3:
-                            flowing.set()
+                            flowing[i].set()
                         if msg.finish_reason:
                             finish[i] = msg.finish_reason
                 except grpc.RpcError as e:
@@ -110,7 +110,7 @@ def test_stopping_a_deployment_lets_the_answers_in_flight_finish(tmp_path, tiny_
             threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(requests))]
             for t in threads:
                 t.start()
-            assert flowing.wait(60)
+            assert all(f.wait(60) for f in flowing)
             if how == "sigterm":
                 proc.send_signal(signal.SIGTERM)
             else:
@@ -149,6 +149,52 @@ def test_a_restarted_scheduler_serves_again_on_the_ports_it_first_bound(tmp_path
         assert json.loads((run_dir / "scheduler.port").read_text())["worker_endpoint"] == endpoint
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_two_servers_behind_the_gateway_serve_openai_and_stop_together(tmp_path, tiny_model_dir):
+    """`make deploy SERVERS=2 GATEWAY=1`: two independent servers, SMG in front, one banner, one stop."""
+    from openai import OpenAI
+
+    from deploy.local_server import free_port
+
+    http_port = free_port()
+    proc, port, run_dir, banner = start_deploy(tmp_path, tiny_model_dir, "--servers", "2", "--gateway",
+                                               "--http-port", str(http_port), "--gateway-metrics-port",
+                                               str(free_port()), "--metrics-port", "0")
+    try:
+        assert f"on http://127.0.0.1:{http_port}/v1 (in front of 2 pagedserve servers)" in banner
+        assert "curl http://" in banner and "OpenAI(base_url=" in banner
+        pids = [int(p) for p in re.findall(r"pid (\d+)", banner)]
+        assert len(pids) == 5  # two schedulers, two workers, the gateway
+        addresses = re.findall(r"serving on (127\.0\.0\.1:\d+)", banner)
+        assert len(set(addresses)) == 2
+        for i in range(2):
+            assert (run_dir / f"server-{i}" / "scheduler.log").exists()
+            assert (run_dir / f"server-{i}" / "worker-0.0.log").exists()
+        client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "the fox"}],
+                                              max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+        assert resp.usage.completion_tokens == 4 and resp.choices[0].finish_reason == "length"
+        # an answer streaming through the gateway when the deployment is told to stop still ends whole
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "the dog"}],
+                                                max_tokens=120, temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        proc.send_signal(signal.SIGTERM)
+        finish, usage = None, None
+        for chunk in chunks:
+            finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), finish)
+            usage = chunk.usage or usage
+        assert finish == "length" and usage.completion_tokens == 120
+        assert proc.wait(timeout=90) == 0
+        assert "every process of the deployment has exited" in proc.stdout.read()
+        assert not [p for p in pids if alive(p)], "a process outlived the deployment"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

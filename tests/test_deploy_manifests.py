@@ -33,15 +33,48 @@ def known_flags(program: str) -> set[str]:
 def test_manifests_validate_against_the_kubernetes_schemas():
     kv = pytest.importorskip("kubernetes_validate")
     docs = documents()
-    assert {d["kind"] for d in docs} == {"Deployment", "Service", "StatefulSet"}
+    assert {d["kind"] for d in docs} == {"Deployment", "Service", "StatefulSet", "ServiceAccount", "Role",
+                                         "RoleBinding"}
     version = kv.utils.latest_version()
     for doc in docs:
         kv.validate(doc, version, strict=True)  # raises on any unknown or mistyped field
 
 
+def smg_parser():
+    import argparse
+
+    from smg.router_args import RouterArgs
+
+    parser = argparse.ArgumentParser()
+    RouterArgs.add_cli_args(parser)
+    return parser
+
+
+def test_the_gateway_manifest_fronts_the_schedulers_with_flags_smg_takes():
+    """SMG's container: every flag parses with SMG's own parser; it discovers the scheduler pods (the
+    headless Service's selector) on their gRPC port, under a role that may read pods."""
+    docs = {d["metadata"]["name"] + "/" + d["kind"]: d for d in documents()}
+    pod = docs["pagedserve-gateway/Deployment"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["command"] == ["smg", "launch"]
+    args = smg_parser().parse_args(container["args"])
+    servers = docs["pagedserve-servers/Service"]
+    assert servers["spec"]["clusterIP"] == "None"
+    selector = dict(s.split("=") for s in args.selector)
+    assert selector == servers["spec"]["selector"]
+    sched = docs["pagedserve-scheduler/Deployment"]
+    assert selector.items() <= sched["spec"]["template"]["metadata"]["labels"].items()
+    grpc_port = next(p["containerPort"] for p in sched["spec"]["template"]["spec"]["containers"][0]["ports"]
+                     if p["name"] == "grpc")
+    assert args.service_discovery and args.service_discovery_port == grpc_port and args.policy == "cache_aware"
+    role = docs["pagedserve-gateway/Role"]["rules"][0]
+    assert "pods" in role["resources"] and {"list", "watch"} <= set(role["verbs"])
+    assert pod["serviceAccountName"] == docs["pagedserve-gateway/RoleBinding"]["subjects"][0]["name"]
+
+
 def test_every_flag_the_manifests_pass_exists():
     containers = [c for d in documents() if d["kind"] in ("Deployment", "StatefulSet")
-                  for c in d["spec"]["template"]["spec"]["containers"]]
+                  for c in d["spec"]["template"]["spec"]["containers"] if c["name"] != "gateway"]
     seen = set()
     for c in containers:
         line = " ".join(c.get("command", []) + c.get("args", []))

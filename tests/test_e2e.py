@@ -130,7 +130,7 @@ def test_text_prompt_goes_through_the_chat_template_and_stops(server):
 
 BAD = [
     ("empty prompt", dict(), "empty"),
-    ("both prompt kinds", dict(prompt="hi", prompt_token_ids=[5, 6]), "not both"),
+    ("both prompt kinds", dict(prompt="hi", prompt_token_ids=[5, 6]), "not prompt and prompt_token_ids"),
     ("prompt longer than context", dict(prompt_token_ids=[5] * 600), "context"),
     ("max_tokens 0", dict(prompt_token_ids=[5, 6], sampling=dict(max_tokens=0)), "max_tokens"),
     ("max_tokens beyond context", dict(prompt_token_ids=[5, 6], sampling=dict(max_tokens=600)), "context"),
@@ -434,14 +434,17 @@ def test_n4_holds_fewer_blocks_than_four_separate_requests(server):
             server.stub.Abort(generation_pb2.AbortRequest(request_id=rid), timeout=10)
         for t in threads:
             t.join(30)
-        return sum(r.num_blocks for r in rows), sum(r.num_bytes for r in rows)
+        return sum(r.num_blocks for r in rows), sum(r.num_bytes for r in rows), sum(r.num_tokens for r in rows)
 
     n4 = sampled_request(prompt, 100, seed=1, n=4, request_id="n4")  # 10 + 4 x 25 blocks at most
     separate = [sampled_request(prompt, 100, seed=1, request_id=f"sep{i}") for i in range(4)]
-    n4_blocks, n4_bytes = blocks_while_running([n4])
-    sep_blocks, _ = blocks_while_running(separate)
+    n4_blocks, n4_bytes, n4_tokens = blocks_while_running([n4])
+    sep_blocks, _, _ = blocks_while_running(separate)
     assert n4_blocks < sep_blocks, (n4_blocks, sep_blocks)
-    assert n4_blocks < 4 * 10  # fewer than four copies of the prompt
+    # one copy of the prompt's 10 blocks, then each sample's own tokens (however far a loaded machine let
+    # them get before the reading) with a partly filled block and its copy of the prompt's last block each
+    generated = n4_tokens - 4 * len(prompt)
+    assert n4_blocks <= 10 + generated // 4 + 4 * 2, (n4_blocks, generated)
     assert n4_bytes == n4_blocks * server.stats().bytes_per_block
     assert_all_blocks_back(server)
 

@@ -167,3 +167,86 @@ def test_a_sweep_draws_its_curve_and_compares_with_an_earlier_run(fake, tmp_path
     assert loadtest.main([*argv[:-4], "--compare", str(out)]) == 0
     text = capsys.readouterr().out
     assert "change against" in text and "output_throughput" in text and "synchronous:" in text
+
+
+class FakeOpenAI:
+    """An OpenAI-compatible /v1/completions with the same timing as FakeService, streamed as SSE; the
+    final chunk carries usage. Records the bodies it was sent."""
+
+    def __init__(self):
+        import http.server
+        import time as _time
+
+        bodies = self.bodies = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                body = json.dumps({"object": "list", "data": [{"id": "fake-http", "object": "model"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                bodies.append(req)
+                if req["max_tokens"] > 1000:
+                    body = b'{"error": {"message": "max_tokens too large"}}'
+                    self.send_response(400)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                n = req["max_tokens"]
+                _time.sleep(FIRST_S)
+                for i in range(n):
+                    if i:
+                        _time.sleep(EVERY_S)
+                    chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                usage = {"prompt_tokens": len(req["prompt"]), "completion_tokens": n}
+                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+                self.wfile.flush()
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.thread.join(10)
+
+
+def test_an_openai_endpoint_is_measured_the_same_way(tmp_path):
+    """--target http://...: the same figures from an OpenAI-compatible server's stream; token-id prompts,
+    the model its /v1/models names; server-side figures left out; refusals counted by HTTP status."""
+    fake = FakeOpenAI()
+    try:
+        r = run_json(tmp_path, "--target", f"http://127.0.0.1:{fake.port}", "--num-requests", "8",
+                     "--concurrency", "4", "--input-len", "10", "--output-len", str(TOKENS))
+        e2el = FIRST_S + (TOKENS - 1) * EVERY_S
+        assert (r["completed"], r["failed"]) == (8, 0) and r["target_model"] == "fake-http"
+        for key, want in (("ttft_ms", FIRST_S), ("tpot_ms", EVERY_S), ("itl_ms", EVERY_S), ("e2el_ms", e2el)):
+            assert want * 1000 * 0.97 <= r[key]["p50"] <= want * 1000 * 1.35, (key, r[key])
+        assert r["total_output_tokens"] == 8 * TOKENS and r["total_input_tokens"] == 8 * 10
+        assert "cache" not in r and r["leaked_blocks"] is None
+        sent = fake.bodies[-1]
+        assert sent["model"] == "fake-http" and sent["stream"] and len(sent["prompt"]) == 10
+        assert all(isinstance(t, int) and t < 32000 for t in sent["prompt"])
+        r = run_json(tmp_path, "--target", f"http://127.0.0.1:{fake.port}", "--num-requests", "3",
+                     "--concurrency", "3", "--input-len", "10", "--output-len", "5000")
+        assert (r["completed"], r["failed"], r["errors"]) == (0, 3, {"HTTP_400": 3})
+    finally:
+        fake.close()

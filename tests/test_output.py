@@ -126,3 +126,65 @@ def test_max_tokens_is_length(tok):
     deltas, reason, _ = run(tok, "the quick brown fox jumps over the lazy dog", max_tokens=3)
     assert reason is FinishReason.LENGTH and len(deltas) == 3
     assert deltas[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_sample(tok):
+    deltas, reason, out = run(tok, "the quick brown fox jumps over", stop=("fox", "brown"))
+    assert reason is FinishReason.STOP and deltas[-1].stop_reason == "brown" and out.text == "the quick "
+    ids = tok.encode(" fox jumps", add_special_tokens=False)
+    deltas, _, _ = run(tok, "the quick brown fox jumps", stop_token_ids=(ids[0],))
+    assert deltas[-1].stop_reason == ids[0]
+    request = Request("r", [5], SamplingOptions(max_tokens=10))  # end of sequence: no stop_reason
+    seq = Sequence(0, request, 0)
+    out = SampleOutput(tok, seq, eos_token_ids=(2,), max_context=512)
+    seq.token_ids.append(2)
+    delta, reason = out.add_token(2)
+    assert reason is FinishReason.STOP and delta.stop_reason is None
+    deltas, reason, _ = run(tok, "the quick brown fox", max_tokens=2)
+    assert reason is FinishReason.LENGTH and deltas[-1].stop_reason is None
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(tok):
+    deltas, reason, out = run(tok, "paged attention stores keys", stop=("on sto",), include_stop_str_in_output=True)
+    assert reason is FinishReason.STOP and out.text == "paged attention sto"
+    assert "".join(d.text for d in deltas) == "paged attention sto"
+
+
+def test_special_tokens_are_in_the_text_only_when_asked(tok):
+    eos = tok._tok.token_to_id("</s>")
+    ids = tok.encode("the fox", add_special_tokens=False) + [eos] + tok.encode(" dog", add_special_tokens=False)
+    for skip, expected in ((True, "the fox dog"), (False, "the fox</s> dog")):
+        detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
+        assert "".join(detok.add(i) for i in ids) == expected == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_chat_template_renders_messages_tools_and_continuation(tmp_path):
+    import json
+    import shutil
+
+    from tests.tiny import make_tiny_llama
+
+    folder = make_tiny_llama(tmp_path / "m", seed=1)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% if tools %}<s>tools: {{ tools | map(attribute='function') | map(attribute='name') | join(',') }}</s>"
+        "{% endif %}{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
+        "{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments | tojson }}{% endif %}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}{% if greeting %}{{ greeting }}{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    t = Tokenizer(folder)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert t.apply_chat_template(messages) == "<s>system: be brief</s><s>user: hi</s><s>assistant:"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    assert t.apply_chat_template(messages, tools=tools, add_generation_prompt=False).startswith(
+        "<s>tools: get_weather</s>")
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"city": "Zürich", "a": 1}}}]
+    text = t.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": calls}], False)
+    assert '{"city": "Zürich", "a": 1}' in text  # transformers' tojson: key order and non-ASCII kept
+    cont = t.apply_chat_template([*messages, {"role": "assistant", "content": "The answer is"}],
+                                 add_generation_prompt=False, continue_final_message=True)
+    assert cont.endswith("<s>assistant: The answer is")
+    assert t.apply_chat_template(messages, template_kwargs={"greeting": "hey"}).endswith("hey")
+    with pytest.raises(ValueError, match="exclude"):
+        t.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+    shutil.rmtree(folder)

@@ -172,3 +172,63 @@ def test_top_shows_each_replica_and_a_lost_one_in_red_words():
     assert "250.0" in text  # (900 - 400) tokens over 2 s
     assert "held 25" in text and "shared 5" in text and "30.0 MiB" in text
     assert "ids shown with --expose-request-ids" in text
+
+
+def test_generate_with_a_system_prompt_equals_the_same_messages(server):
+    out = cli("generate", "--server", server.address, "the fox", "--system", "you are terse", "--greedy",
+              "--max-tokens", "6", "--ignore-eos", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)["choices"][0]["tokenIds"]
+    want = server.stub.Generate(generation_pb2.GenerateRequest(messages=[
+        generation_pb2.ChatMessage(role="system", content="you are terse"),
+        generation_pb2.ChatMessage(role="user", content="the fox")], sampling=generation_pb2.SamplingParams(
+            max_tokens=6, temperature=0, ignore_eos=True)), timeout=30).choices[0].token_ids
+    assert got == list(want)
+
+
+def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
+    """Two turns, /reset, then an answer stopped with Ctrl-C: the conversation each turn sends is what the
+    server saw (its prompt grows with the history and starts over after /reset), and the stopped request
+    is gone from the server at once."""
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "chat", "--server", server.address, "--greedy",
+                             "--max-tokens", "4", "--ignore-eos", "--system", "be brief"], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate("the fox\nand the dog\n/reset\nthe fox\n/exit\n", timeout=60)
+        assert proc.returncode == 0 and "conversation forgotten" in err
+
+        def answer(*turns):
+            roles = ["system"] + ["user", "assistant"] * (len(turns) // 2) + ["user"]
+            msgs = [generation_pb2.ChatMessage(role=r, content=c)
+                    for r, c in zip(roles, ["be brief", *turns], strict=True)]
+            return server.stub.Generate(generation_pb2.GenerateRequest(messages=msgs, sampling=generation_pb2.
+                                        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)),
+                                        timeout=30).choices[0].text
+
+        first = answer("the fox")
+        second = answer("the fox", first, "and the dog")
+        assert out == f"{first}\n{second}\n{first}\n"  # the history went with the second turn, not the third
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    long = subprocess.Popen([sys.executable, "-m", "deploy.cli", "chat", "--server", server.address, "--greedy",
+                             "--max-tokens", "180", "--ignore-eos"], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        long.stdin.write("tell me everything\n")
+        long.stdin.flush()
+        deadline = time.monotonic() + 30
+        while server.stats().num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        long.send_signal(2)  # Ctrl-C
+        long.stdin.close()
+        out = long.stdout.read()
+        assert long.wait(timeout=30) == 0 and "[stopped]" in out
+        deadline = time.monotonic() + 10
+        while server.stats().num_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = server.stats()
+        assert stats.num_running == 0 and not stats.requests
+    finally:
+        if long.poll() is None:
+            long.kill()

@@ -94,3 +94,68 @@ def _load_cached(folder: str):
     if folder not in _MODELS:
         _MODELS[folder] = AutoModelForCausalLM.from_pretrained(folder).eval()
     return _MODELS[folder]
+
+
+def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, **overrides) -> Path:
+    """A tiny Llama shipped as llama.cpp ships one: a GGUF whose projections are `qtype` blocks (q and k rows
+    permuted as llama.cpp's converter writes them), norms and embeddings F32; beside it, the folder
+    `prepare-model` would make of it (config, tokenizer, the GGUF's weights dequantized to fp32, and
+    pagedserve_model.json naming the file). Returns the folder."""
+    import json
+
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tiny_llama(folder, seed=seed, **overrides)
+    cfg = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    kind = getattr(GGMLQuantizationType, qtype)
+    hd, heads, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def permute(w: np.ndarray, n: int) -> np.ndarray:
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    path = folder / f"tiny.{qtype}.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_rope_dimension_count(hd)
+    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    dequantized = {}
+    for name, t in state.items():
+        w = t.float().numpy()
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", w)
+        elif name == "lm_head.weight":
+            writer.add_tensor("output.weight", w)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", w)
+        elif parts[3] in ("input_layernorm", "post_attention_layernorm"):
+            kind_name = "attn_norm" if parts[3] == "input_layernorm" else "ffn_norm"
+            writer.add_tensor(f"blk.{parts[2]}.{kind_name}.weight", w)
+        else:
+            gname = names[".".join(parts[3:5])]
+            blocks = quants.quantize(w, kind)
+            w = quants.dequantize(blocks, kind).reshape(w.shape)  # what the file holds, in Hugging Face's order
+            stored = permute(w, heads if gname == "attn_q" else kv) if gname in ("attn_q", "attn_k") else w
+            writer.add_tensor(f"blk.{parts[2]}.{gname}.weight", quants.quantize(stored, kind), raw_dtype=kind)
+        dequantized[name] = torch.from_numpy(np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(dequantized, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "pagedserve_model.json").write_text(json.dumps({"model_name": f"tiny-{qtype}", "gguf": str(path)}))
+    return folder

@@ -52,6 +52,16 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, choices=["triton", "cpu", "torch"],
                    help="default: triton on CUDA; on a CPU the native kernel (cpu), else torch "
                         "(triton on a CPU needs TRITON_INTERPRET=1)")
+    g.add_argument("--dequantize", action="store_true",
+                   help="serve a quantized GGUF (or a folder prepared from one) dequantized to --dtype instead of "
+                        "on its own blocks")
+    g.add_argument("--quantized-prefill", default="dense", choices=["dense", "dequantize"],
+                   help="with quantized weights, prefill on a dense copy of each weight (memory for speed) or "
+                        "dequantize each into a scratch matrix when it is used")
+    g.add_argument("--quantized-activations", default="fp32", choices=["fp32", "int8"],
+                   help="with quantized weights, decode's kernels multiply fp32 activations (exact up to summation "
+                        "order) or round them per 32-value block to int8 and use integer dot products "
+                        "(llama.cpp's scheme, VNNI where the CPU has it)")
     g.add_argument("--matmul", default="auto", choices=["auto", "dense", "onednn"],
                    help="projection matmuls: auto times the libraries on the model's shapes at start and keeps the "
                         "fastest; dense is F.linear; onednn packs each weight once (CPU, fp32)")
@@ -140,6 +150,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def quantized_source(args, config, device, dtype, shard):
+    """The GGUF whose own blocks this worker serves, or None (logged where it could have been): a *.gguf
+    model, or a folder prepared from one (its pagedserve_model.json names the file), on a CPU in fp32 with
+    the native kernels, unless --dequantize."""
+    import torch
+
+    from worker.quantized import GGUFQuantSource, find_gguf
+
+    path = find_gguf(args.model)
+    if path is None or args.dequantize or args.load_format == "dummy":
+        return None
+    from kernels import cpu_native
+
+    why = ("not on a CPU" if device.type != "cpu" else "the activations are not fp32" if dtype != torch.float32
+           else "no native CPU kernels" if cpu_native.load() is None else "")
+    if why:
+        log.info("quantized_weights_off", gguf=str(path), reason=why)
+        return None
+    return GGUFQuantSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -216,7 +247,21 @@ def main(argv: list[str] | None = None) -> int:
     model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
                                tp_rank=args.rank, tp_size=tp, comm=comm)
     try:
-        model.use_matmul(choose_matmul(args.matmul, model.matmul_shapes(), device, dtype))
+        dense = choose_matmul(args.matmul, model.matmul_shapes(), device, dtype)
+        source = quantized_source(args, config, device, dtype, model.shard)
+        if source is None:
+            model.use_matmul(dense)
+        else:
+            from kernels import cpu_native
+            from worker.quantized import QuantizedMatmul, choose_threshold
+
+            lib = QuantizedMatmul(cpu_native.load(), dense, int8_activations=args.quantized_activations == "int8")
+            counts = model.use_quantized(source, lib, keep_dense=args.quantized_prefill == "dense")
+            layer = model.layers[0]
+            choose_threshold(lib, [w for w in (*layer.w.values(), model._head) if not isinstance(w, torch.Tensor)])
+            log.info("quantized_weights", gguf=str(source.path), matrices=counts, prefill=args.quantized_prefill,
+                     activations=args.quantized_activations,
+                     max_kernel_rows=lib.max_kernel_rows)
         heads = model.shard.num_kv_heads
         attn = make_backend(args.attention_backend, device,
                             (model.shard.num_q_heads, heads, config.head_dim, args.block_size, dtype))

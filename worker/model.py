@@ -137,6 +137,63 @@ class LlamaModel(nn.Module):
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         self.mm = lib
 
+    def use_quantized(self, source, lib, keep_dense: bool = True) -> dict[str, int]:
+        """Serve the projections and the LM head from the GGUF's own blocks (worker/quantized.py): this
+        rank's rows or columns of each matrix, stacked as the fused parameters are. A matrix of a type the
+        kernels do not serve (or a stack of mixed types) stays on the dense library. keep_dense: each
+        weight is also kept in the dense library's layout for prefill (memory for prefill at the dense
+        rate; otherwise prefill dequantizes into a scratch matrix). Returns matrices by type."""
+        from worker.quantized import QuantLinear, QuantWeight
+
+        c, sh = self.config, self.shard
+        hd = c.head_dim
+        q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
+        kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
+        counts: dict[str, int] = {}
+
+        def quant(parts, cols=None):
+            if any(source.qtype(name) is None for name, _ in parts):
+                return None
+            try:
+                return QuantWeight.cat([source.get(name, rows, cols) for name, rows in parts])
+            except ValueError:
+                return None
+
+        def linear(q, param):
+            if q is None or tuple(q.shape) != tuple(param.shape):
+                counts["dense"] = counts.get("dense", 0) + 1
+                return lib.dense.prepare(param), False
+            counts[q.qtype] = counts.get(q.qtype, 0) + 1
+            # prefill's copy is the blocks' own values, whatever the loaded parameter held
+            return QuantLinear(q, lib.dense.prepare(lib.dequantize(q)) if keep_dense else None), True
+
+        for i, layer in enumerate(self.layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            plan = {
+                "qkv": quant([(a + "q_proj.weight", q_rows), (a + "k_proj.weight", kv_rows),
+                              (a + "v_proj.weight", kv_rows)]),
+                "o_proj": quant([(a + "o_proj.weight", None)], cols=q_rows),
+                "gate_up": quant([(m + "gate_proj.weight", sh.intermediate), (m + "up_proj.weight", sh.intermediate)]),
+                "down": quant([(m + "down_proj.weight", None)], cols=sh.intermediate),
+            }
+            layer.w = {}
+            for name, q in plan.items():
+                param = getattr(layer, name)
+                layer.w[name], quantized = linear(q, param)
+                if quantized or lib.dense.name != "dense":  # nothing reads the loaded copy any more
+                    param.data = torch.empty(0, dtype=param.dtype)
+            layer.mm = lib
+        head = self.embed if self.lm_head is None else self.lm_head
+        q = quant([("lm_head.weight", sh.vocab)])
+        if q is not None and q.out_dim < sh.vocab_shard_size:  # the last shard is padded, as the dense one is
+            pad = torch.zeros(sh.vocab_shard_size - q.out_dim, q.data.shape[1], dtype=torch.uint8)
+            q = QuantWeight(torch.cat([q.data, pad]), q.qtype, q.in_dim)
+        self._head, quantized = linear(q, head)
+        if self.lm_head is not None and (quantized or lib.dense.name != "dense"):  # the embeddings stay: lookup
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
+        self.mm = lib
+        return counts
+
     def matmul_shapes(self) -> list[tuple[int, int]]:
         """(out, in) of each projection of a layer, for choosing a matmul library by measurement."""
         layer = self.layers[0]

@@ -1,0 +1,115 @@
+"""The default model on its own GGUF blocks against the same model dequantized to fp32: `make bench-quantized`.
+
+Same run, one server after the other on the same machine:
+  - one stream: the workload's first prompt (64 tokens), 128 tokens greedy, ignore_eos, a few times; decode
+    tokens/s = (tokens - 1) / (end - first token), and the whole request's tokens/s;
+  - 64 streams: the fixed CPU workload (../shared/bench), all at once: output tokens/s and mean TTFT;
+  - agreement: the first 16 greedy answers of each server compared with fp32's token by token (identical answers, and
+    where the others first differ), with the logprob of each chosen token compared where both agree.
+
+    python -m deploy.bench_quantized --model .models/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from deploy.bench import DEFAULT_WORKLOAD, _drive, load_workload
+from deploy.local_server import ServerProcess
+from protos import generation_pb2
+
+
+def one_stream(server: ServerProcess, prompt: list[int], max_tokens: int, repeats: int) -> dict:
+    decode, whole = [], []
+    for _ in range(repeats):
+        req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        for msg in server.stub.GenerateStream(req, timeout=600):
+            if msg.token_ids and first is None:
+                first = time.perf_counter()
+            n += len(msg.token_ids)
+        end = time.perf_counter()
+        decode.append((n - 1) / (end - first))
+        whole.append(n / (end - t0))
+    return {"decode_tok_s": statistics.median(decode), "request_tok_s": statistics.median(whole)}
+
+
+def answers(server: ServerProcess, prompts: list[list[int]], max_tokens: int) -> list:
+    out = []
+    for p in prompts:
+        req = generation_pb2.GenerateRequest(prompt_token_ids=p, sampling=generation_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0))
+        c = server.stub.Generate(req, timeout=600).choices[0]
+        out.append((list(c.token_ids), [lp.logprob for lp in c.logprobs]))
+    return out
+
+
+def measure(args, name: str, extra: list[str], prompts) -> dict:
+    log = Path(tempfile.mkdtemp(prefix=f"pagedserve-bench-{name}-")) / "server.log"
+    server = ServerProcess(Path(args.model), log, "--kv-cache-memory", args.kv_cache_memory, "--metrics-port", "0",
+                           *extra).start(timeout=600)
+    try:
+        asyncio.run(_drive(server.address, prompts[:2], 4))  # warm-up
+        row = {"name": name, **one_stream(server, prompts[0], args.max_tokens, args.repeats)}
+        wall, ttfts, tokens = asyncio.run(_drive(server.address, prompts, args.max_tokens))
+        row.update(many_tok_s=tokens / wall, many_mean_ttft_s=statistics.mean(ttfts))
+        row["answers"] = answers(server, prompts[: args.agreement], args.agreement_tokens)
+        row["log"] = str(log)
+    finally:
+        server.stop()
+    return row
+
+
+def agreement(a: list, b: list) -> dict:
+    same = sum(x[0] == y[0] for x, y in zip(a, b, strict=True))
+    firsts = [next(i for i, (s, t) in enumerate(zip(x[0], y[0], strict=True)) if s != t)
+              for x, y in zip(a, b, strict=True) if x[0] != y[0]]
+    diffs = [abs(u - v) for x, y in zip(a, b, strict=True) for s, t, u, v in zip(x[0], y[0], x[1], y[1], strict=True)
+             if s == t]
+    return {"identical": same, "of": len(a), "first_difference_at": sorted(firsts),
+            "max_abs_logprob_difference": max(diffs, default=0.0),
+            "mean_abs_logprob_difference": statistics.mean(diffs) if diffs else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--agreement", type=int, default=16, help="prompts whose greedy answers are compared")
+    p.add_argument("--agreement-tokens", type=int, default=128)
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--with-int8", action="store_true", help="a third server with --quantized-activations int8")
+    args = p.parse_args(argv)
+    prompts = load_workload(args.workload)
+    rows = [measure(args, "fp32 (dequantized)", ["--dequantize"], prompts),
+            measure(args, "GGUF blocks (Q4_1, head Q8_0)", [], prompts)]
+    if args.with_int8:
+        rows.append(measure(args, "GGUF blocks, int8 activations", ["--quantized-activations", "int8"], prompts))
+    base = rows[0]
+    print(f"{'':32} {'1 stream decode':>16} {'1 stream request':>17} {'64 streams':>11} {'mean TTFT':>10}")
+    for r in rows:
+        print(f"{r['name']:32} {r['decode_tok_s']:11.1f} tok/s {r['request_tok_s']:12.1f} tok/s "
+              f"{r['many_tok_s']:11.1f} {r['many_mean_ttft_s']:9.2f}s   x{r['decode_tok_s'] / base['decode_tok_s']:.2f} "
+              f"one stream, x{r['many_tok_s'] / base['many_tok_s']:.2f} many")
+    for other in rows[1:]:
+        agree = agreement(rows[0]["answers"], other["answers"])
+        print(f"{other['name']} against fp32, greedy over {args.agreement_tokens} tokens: {agree['identical']}/"
+              f"{agree['of']} identical answers; others first differ at {agree['first_difference_at']}; "
+              f"chosen-token logprob difference max {agree['max_abs_logprob_difference']:.2e}, "
+              f"mean {agree['mean_abs_logprob_difference']:.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

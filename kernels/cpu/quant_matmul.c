@@ -1,0 +1,318 @@
+/* Weight-only quantized matmuls on GGUF blocks, as the file ships them: y[r, o] = sum_k x[r, k] * W[o, k].
+
+   W is out_dim rows of in_dim / 32 blocks each, in ggml's layouts (type ids as ggml numbers them):
+     Q4_0 (2):  fp16 d, 16 bytes of nibbles          w = d * (q - 8)
+     Q4_1 (3):  fp16 d, fp16 m, 16 bytes of nibbles  w = d * q + m
+     Q8_0 (8):  fp16 d, 32 int8                      w = d * q
+   nibble j of a block is byte j's low half for j < 16 and byte (j - 16)'s high half after.
+
+   x and y are fp32. Each thread takes whole output rows and dequantizes each block once, into registers,
+   for up to ROWS rows of x at a time: at decode (a few rows) the weights are read once, as 4.5-8.5 bits
+   each instead of fp32's 32. The library is built with -march=native on the machine that runs it
+   (kernels/cpu_native.py), so the AVX-512 path is taken where the CPU has it and the portable loop,
+   which the compiler vectorizes for AVX2 or whatever the machine has, elsewhere.
+   pagedserve_quant_dequant writes the fp32 matrix (prefill hands it to oneDNN / BLAS). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define ROWS 4
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+
+static int block_bytes(int type) {
+    switch (type) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q8_0: return 34;
+        default: return 0;
+    }
+}
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  // subnormal: normalize
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* One block -> 32 floats. */
+static inline void dequant_block(int type, const uint8_t *b, float *out) {
+    const float d = half_to_float(read_u16(b));
+    if (type == Q8_0) {
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int j = 0; j < QK; j++) out[j] = d * (float)q[j];
+    } else if (type == Q4_1) {
+        const float m = half_to_float(read_u16(b + 2));
+        const uint8_t *q = b + 4;
+        for (int j = 0; j < QK / 2; j++) {
+            out[j] = d * (float)(q[j] & 0x0f) + m;
+            out[j + QK / 2] = d * (float)(q[j] >> 4) + m;
+        }
+    } else {  /* Q4_0 */
+        const uint8_t *q = b + 2;
+        for (int j = 0; j < QK / 2; j++) {
+            out[j] = d * (float)((int)(q[j] & 0x0f) - 8);
+            out[j + QK / 2] = d * (float)((int)(q[j] >> 4) - 8);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* One block -> two vectors of 16 floats (values 0-15, 16-31). */
+static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m512 *hi) {
+    const __m512 d = _mm512_set1_ps(half_to_float(read_u16(b)));
+    if (type == Q8_0) {
+        __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
+        __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        return;
+    }
+    const int off = type == Q4_1 ? 4 : 2;
+    __m128i q = _mm_loadu_si128((const __m128i *)(b + off));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+    __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+    if (type == Q4_1) {
+        const __m512 m = _mm512_set1_ps(half_to_float(read_u16(b + 2)));
+        *lo = _mm512_fmadd_ps(d, a, m);
+        *hi = _mm512_fmadd_ps(d, c, m);
+    } else {
+        const __m512 eight = _mm512_set1_ps(8.0f);
+        *lo = _mm512_mul_ps(d, _mm512_sub_ps(a, eight));
+        *hi = _mm512_mul_ps(d, _mm512_sub_ps(c, eight));
+    }
+}
+#endif
+
+/* y[r, o] for rows r0 .. r0 + nr - 1 (nr <= ROWS) of one output row o. Inlined with nr a constant (see
+   rows_dot), so the accumulators live in registers: two per row (a block's low and high halves), so
+   consecutive FMAs do not wait on each other. */
+static inline __attribute__((always_inline)) void rows_dot_n(int type, const uint8_t *wrow, int64_t nblocks,
+                                                              const float *x, int64_t in_dim, const int nr,
+                                                              float *acc_out) {
+    const int bb = block_bytes(type);
+#if defined(__AVX512F__)
+    __m512 acc_lo[ROWS], acc_hi[ROWS];
+    for (int r = 0; r < nr; r++) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        __m512 lo, hi;
+        dequant_block_512(type, wrow + blk * bb, &lo, &hi);
+        for (int r = 0; r < nr; r++) {
+            const float *xr = x + r * in_dim + blk * QK;
+            acc_lo[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), lo, acc_lo[r]);
+            acc_hi[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), hi, acc_hi[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) acc_out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
+#else
+    float acc[ROWS][QK];
+    float w[QK];
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < QK; j++) acc[r][j] = 0.0f;
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        dequant_block(type, wrow + blk * bb, w);
+        for (int r = 0; r < nr; r++) {
+            const float *xr = x + r * in_dim + blk * QK;
+#pragma omp simd
+            for (int j = 0; j < QK; j++) acc[r][j] += xr[j] * w[j];
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        float s = 0.0f;
+        for (int j = 0; j < QK; j++) s += acc[r][j];
+        acc_out[r] = s;
+    }
+#endif
+}
+
+static void rows_dot(int type, const uint8_t *wrow, int64_t nblocks, const float *x, int64_t in_dim, int nr,
+                     float *acc_out) {
+    switch (nr) {  /* one copy per row count, each with its accumulators in registers */
+        case 1: rows_dot_n(type, wrow, nblocks, x, in_dim, 1, acc_out); break;
+        case 2: rows_dot_n(type, wrow, nblocks, x, in_dim, 2, acc_out); break;
+        case 3: rows_dot_n(type, wrow, nblocks, x, in_dim, 3, acc_out); break;
+        default: rows_dot_n(type, wrow, nblocks, x, in_dim, ROWS, acc_out); break;
+    }
+}
+
+/* Returns 0, or -1 when the type or shape is not served (in_dim must be a multiple of 32). */
+int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
+                            int32_t type, float *y) {
+    const int bb = block_bytes(type);
+    if (!bb || in_dim % QK) return -1;
+    const int64_t nblocks = in_dim / QK, row_bytes = nblocks * bb;
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out_dim; o++) {
+        const uint8_t *wrow = w + o * row_bytes;
+        float acc[ROWS];
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+            const int nr = (int)(rows - r0 < ROWS ? rows - r0 : ROWS);
+            rows_dot(type, wrow, nblocks, x + r0 * in_dim, in_dim, nr, acc);
+            for (int r = 0; r < nr; r++) y[(r0 + r) * out_dim + o] = acc[r];
+        }
+    }
+    return 0;
+}
+
+/* The fp32 matrix [out_dim, in_dim]. */
+int pagedserve_quant_dequant(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t type, float *out) {
+    const int bb = block_bytes(type);
+    if (!bb || in_dim % QK) return -1;
+    const int64_t nblocks = in_dim / QK, row_bytes = nblocks * bb;
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out_dim; o++)
+        for (int64_t blk = 0; blk < nblocks; blk++)
+            dequant_block(type, w + o * row_bytes + blk * bb, out + o * in_dim + blk * QK);
+    return 0;
+}
+
+/* --- int8 activations (llama.cpp's scheme): x quantized per 32-value block to int8 with the block's scale
+   amax / 127, then integer dot products against the weight blocks (AVX-512 VNNI: 64 multiply-adds per
+   instruction), each block's sum scaled by both scales. Faster where the dequantize-and-FMA loop is the
+   limit, at the cost of rounding the activations to 8 bits. */
+
+typedef struct {
+    int8_t *q;      /* [rows][in_dim] */
+    float *d;       /* [rows][nblocks] the block's scale */
+    int32_t *sum;   /* [rows][nblocks] the sum of the block's int8 values */
+} QuantX;
+
+static int quantize_x(const float *x, int64_t rows, int64_t in_dim, QuantX *out) {
+    const int64_t nb = in_dim / QK;
+    out->q = malloc((size_t)(rows * in_dim));
+    out->d = malloc(sizeof(float) * (size_t)(rows * nb));
+    out->sum = malloc(sizeof(int32_t) * (size_t)(rows * nb));
+    if (!out->q || !out->d || !out->sum) return -1;
+#pragma omp parallel for schedule(static) if (rows * nb > 64)
+    for (int64_t i = 0; i < rows * nb; i++) {
+        const float *xb = x + i * QK;  /* rows are contiguous, so block i of the whole matrix */
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int32_t s = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)roundf(xb[j] * id);
+            v = v > 127 ? 127 : (v < -127 ? -127 : v);
+            out->q[i * QK + j] = (int8_t)v;
+            s += v;
+        }
+        out->d[i] = d;
+        out->sum[i] = s;
+    }
+    return 0;
+}
+
+/* sum_j w_j * x_j for one block in integers, w as stored (nibbles 0..15 for Q4_0/Q4_1, int8 for Q8_0). */
+static inline int32_t block_idot(int type, const uint8_t *b, const int8_t *xq) {
+    int32_t s = 0;
+    if (type == Q8_0) {
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int j = 0; j < QK; j++) s += (int32_t)q[j] * xq[j];
+    } else {
+        const uint8_t *q = b + (type == Q4_1 ? 4 : 2);
+        for (int j = 0; j < QK / 2; j++) s += (int32_t)(q[j] & 0x0f) * xq[j] + (int32_t)(q[j] >> 4) * xq[j + QK / 2];
+    }
+    return s;
+}
+
+/* The block's contribution given its integer dot: d_w * d_x * dot, with Q4_0's -8 and Q4_1's offset. */
+static inline float block_value(int type, const uint8_t *b, int32_t dot, float dx, int32_t xsum) {
+    const float dw = half_to_float(read_u16(b));
+    if (type == Q4_1) return dw * dx * (float)dot + half_to_float(read_u16(b + 2)) * dx * (float)xsum;
+    if (type == Q4_0) return dw * dx * (float)(dot - 8 * xsum);
+    return dw * dx * (float)dot;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* Two blocks' weights as 64 unsigned bytes lined up with their activations, and the sign fix for Q8_0. */
+static inline __m512i pair_dot(int type, const uint8_t *b0, const uint8_t *b1, const int8_t *xq) {
+    __m512i x = _mm512_loadu_si512((const void *)xq);
+    if (type == Q8_0) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(b0 + 2)), w1 = _mm256_loadu_si256((const __m256i *)(b1 + 2));
+        __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+        __mmask64 neg = _mm512_movepi8_mask(w);
+        x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);  /* x * sign(w): |w| * that = w * x */
+        return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), x);
+    }
+    const int off = type == Q4_1 ? 4 : 2;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + off)), q1 = _mm_loadu_si128((const __m128i *)(b1 + off));
+    __m256i n0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q0, 4), mask), _mm_and_si128(q0, mask));
+    __m256i n1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q1, 4), mask), _mm_and_si128(q1, mask));
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(n0), n1, 1);
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+}
+#endif
+
+static float row_dot_q8(int type, const uint8_t *wrow, int64_t nb, const int8_t *xq, const float *xd,
+                        const int32_t *xsum) {
+    const int bb = block_bytes(type);
+    float total = 0.0f;
+    int64_t blk = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; blk + 1 < nb; blk += 2) {
+        const uint8_t *b0 = wrow + blk * bb, *b1 = b0 + bb;
+        __m512 dots = _mm512_cvtepi32_ps(pair_dot(type, b0, b1, xq + blk * QK));
+        const float s0 = half_to_float(read_u16(b0)) * xd[blk], s1 = half_to_float(read_u16(b1)) * xd[blk + 1];
+        acc = _mm512_fmadd_ps(dots, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1)), acc);
+        if (type == Q4_1) {
+            total += half_to_float(read_u16(b0 + 2)) * xd[blk] * (float)xsum[blk]
+                   + half_to_float(read_u16(b1 + 2)) * xd[blk + 1] * (float)xsum[blk + 1];
+        } else if (type == Q4_0) {
+            total -= 8.0f * (s0 * (float)xsum[blk] + s1 * (float)xsum[blk + 1]);
+        }
+    }
+    total += _mm512_reduce_add_ps(acc);
+#endif
+    for (; blk < nb; blk++) {
+        const uint8_t *b = wrow + blk * bb;
+        total += block_value(type, b, block_idot(type, b, xq + blk * QK), xd[blk], xsum[blk]);
+    }
+    return total;
+}
+
+int pagedserve_quant_matmul_q8act(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
+                                  int32_t type, float *y) {
+    const int bb = block_bytes(type);
+    if (!bb || in_dim % QK) return -1;
+    const int64_t nb = in_dim / QK, row_bytes = nb * bb;
+    QuantX xq;
+    if (quantize_x(x, rows, in_dim, &xq)) {
+        free(xq.q); free(xq.d); free(xq.sum);
+        return -2;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out_dim; o++)
+        for (int64_t r = 0; r < rows; r++)
+            y[r * out_dim + o] = row_dot_q8(type, w + o * row_bytes, nb, xq.q + r * in_dim, xq.d + r * nb,
+                                            xq.sum + r * nb);
+    free(xq.q); free(xq.d); free(xq.sum);
+    return 0;
+}

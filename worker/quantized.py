@@ -1,0 +1,242 @@
+"""Quantized weights served as a GGUF file ships them (Q4_0, Q4_1, Q8_0), without dequantizing.
+
+`GGUFQuantSource` reads a GGUF's quantized matrices by their Hugging Face names, each as a `QuantWeight`
+(the raw blocks, one row of blocks per output feature) — a rank of a tensor-parallel group takes its rows,
+or its columns in whole 32-value blocks. llama.cpp stores the query and key projections of Llama-family
+models with each head's rotary halves interleaved; their rows are put back in Hugging Face's order here
+(a row permutation: every row's blocks stay as they are).
+
+`QuantizedMatmul` is a matmul library (worker/linear.py's interface) over those weights: up to
+`max_kernel_rows` rows of activations go through the native weight-only kernel (kernels/cpu/
+quant_matmul.c: each block dequantized once into registers for up to four rows at a time, so a decode step
+reads 4.5-8.5 bits a weight instead of 32); more rows (prefill) dequantize the weight into a scratch fp32
+matrix and run the dense matmul there. Where that switch pays is measured at start (`choose_threshold`),
+as the worker measures its other matmul choices.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+import torch.nn.functional as F
+
+log = structlog.get_logger("worker.quantized")
+
+# ggml's type ids and block sizes (bytes per 32 values) for the types the kernels serve.
+QUANT_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+BLOCK = 32
+
+
+@dataclass
+class QuantWeight:
+    data: torch.Tensor  # uint8 [out_dim, in_dim / 32 * block_bytes], contiguous
+    qtype: str
+    in_dim: int
+
+    @property
+    def out_dim(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def type_id(self) -> int:
+        return QUANT_TYPES[self.qtype][0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_dim, self.in_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def rows(self, index: torch.Tensor | slice) -> QuantWeight:
+        return QuantWeight(self.data[index].contiguous(), self.qtype, self.in_dim)
+
+    def cols(self, start: int, stop: int) -> QuantWeight:
+        """Columns [start, stop) — whole blocks only (a tensor-parallel split of the input dimension)."""
+        if start % BLOCK or stop % BLOCK:
+            raise ValueError(f"columns {start}:{stop} do not fall on {BLOCK}-value block boundaries")
+        bb = QUANT_TYPES[self.qtype][1]
+        return QuantWeight(self.data[:, start // BLOCK * bb: stop // BLOCK * bb].contiguous(), self.qtype,
+                           stop - start)
+
+    @staticmethod
+    def cat(parts: list[QuantWeight]) -> QuantWeight:
+        """Rows of several weights stacked (q, k and v into one projection): same type and input size."""
+        if len({(p.qtype, p.in_dim) for p in parts}) != 1:
+            raise ValueError(f"cannot stack weights of types {[p.qtype for p in parts]} and input sizes "
+                             f"{[p.in_dim for p in parts]}")
+        return QuantWeight(torch.cat([p.data for p in parts]).contiguous(), parts[0].qtype, parts[0].in_dim)
+
+
+def find_gguf(model: str | Path) -> Path | None:
+    """The GGUF file a model comes from: the model itself when it is one, or the file a folder prepared from
+    one names in its pagedserve_model.json (the embedded default model's, found in its wheel); else None."""
+    path = Path(model)
+    if path.suffix == ".gguf":
+        return path if path.is_file() else None
+    meta = path / "pagedserve_model.json"
+    if not meta.is_file():
+        return None
+    info = json.loads(meta.read_text())
+    if info.get("gguf") and Path(info["gguf"]).is_file():
+        return Path(info["gguf"])
+    if info.get("source"):
+        from deploy.prepare_model import find_embedded_gguf
+
+        try:
+            return find_embedded_gguf(name=info["source"])
+        except FileNotFoundError:
+            return None
+    return None
+
+
+def _rope_rows(n_heads: int, head_dim: int) -> torch.Tensor:
+    """For Hugging Face row h*hd + half*hd/2 + i, the GGUF row h*hd + 2*i + half (llama.cpp's permute)."""
+    h = torch.arange(n_heads).view(-1, 1, 1)
+    half = torch.arange(2).view(1, -1, 1)
+    i = torch.arange(head_dim // 2).view(1, 1, -1)
+    return (h * head_dim + 2 * i + half).reshape(-1)
+
+
+class GGUFQuantSource:
+    """A GGUF file's quantized matrices of a Llama-family model, by Hugging Face name."""
+
+    LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+
+    def __init__(self, path: str | Path, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        reader = GGUFReader(str(self.path))
+        self.arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+        self._tensors = {t.name: t for t in reader.tensors}
+        self._perm = {"attn_q": _rope_rows(n_heads, head_dim), "attn_k": _rope_rows(n_kv_heads, head_dim)}
+        self._permute = self.arch in ("llama", "mistral")  # the architectures llama.cpp permutes
+
+    def gguf_name(self, hf_name: str) -> str:
+        if hf_name == "lm_head.weight":
+            return "output.weight" if "output.weight" in self._tensors else "token_embd.weight"
+        parts = hf_name.split(".")
+        if parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+            key = ".".join(parts[3:5])
+            if key in self.LAYER:
+                return f"blk.{parts[2]}.{self.LAYER[key]}.weight"
+        raise KeyError(f"{hf_name} has no quantized matrix in {self.path.name}")
+
+    def qtype(self, hf_name: str) -> str | None:
+        """The quantization of a matrix, or None when the kernels do not serve its type (F32, K-quants)."""
+        t = self._tensors.get(self.gguf_name(hf_name))
+        if t is None:
+            raise KeyError(f"{hf_name} ({self.gguf_name(hf_name)}) is missing from {self.path.name}")
+        return t.tensor_type.name if t.tensor_type.name in QUANT_TYPES else None
+
+    def get(self, hf_name: str, rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> QuantWeight:
+        name = self.gguf_name(hf_name)
+        t = self._tensors[name]
+        qtype = t.tensor_type.name
+        if qtype not in QUANT_TYPES:
+            raise ValueError(f"{name} is {qtype}; the quantized kernels serve {', '.join(QUANT_TYPES)}")
+        in_dim = int(t.shape[0])  # ggml lists dimensions innermost first
+        w = QuantWeight(torch.from_numpy(np.array(t.data)), qtype, in_dim)  # a copy: the file is mapped read-only
+        kind = name.split(".")[-2]
+        if self._permute and kind in self._perm:
+            w = w.rows(self._perm[kind])
+        if rows is not None:
+            w = w.rows(slice(*rows))
+        if cols is not None:
+            w = w.cols(*cols)
+        return w
+
+
+@dataclass
+class QuantLinear:
+    """One projection as the quantized library holds it: the blocks, and the same weight in the dense
+    library's layout where prefill runs on it (None: dequantized into a scratch matrix when needed)."""
+
+    q: QuantWeight
+    dense: torch.Tensor | None = None
+
+
+class QuantizedMatmul:
+    """The matmul library for quantized weights (QuantWeight / QuantLinear); plain tensors (a matrix of a
+    type the kernels do not serve) go to the dense library."""
+
+    name = "quantized"
+
+    def __init__(self, kernels, dense=None, max_kernel_rows: int = 16, int8_activations: bool = False) -> None:
+        """int8_activations: the kernel rounds each row's 32-value blocks to int8 and multiplies in integers
+        (llama.cpp's scheme: faster, at 8-bit activations); otherwise fp32 activations, exact up to
+        summation order."""
+        from worker.linear import DenseMatmul
+
+        self.kernels = kernels
+        self.int8_activations = int8_activations
+        self.dense = dense or DenseMatmul()
+        self.max_kernel_rows = max_kernel_rows
+        self._scratch = torch.empty(0)
+
+    def prepare(self, weight):
+        return weight if isinstance(weight, (QuantWeight, QuantLinear)) else self.dense.prepare(weight)
+
+    def dequantize(self, w: QuantWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.empty(w.out_dim, w.in_dim) if out is None else out
+        self.kernels.quant_dequant(w.data, w.type_id, w.out_dim, w.in_dim, out)
+        return out
+
+    def kernel(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+        y = torch.empty(x.shape[0], w.out_dim)
+        self.kernels.quant_matmul(x, w.data, w.type_id, w.out_dim, y, self.int8_activations)
+        return y
+
+    def __call__(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(w, torch.Tensor):
+            return self.dense(x, w, bias)
+        q, dense = (w.q, w.dense) if isinstance(w, QuantLinear) else (w, None)
+        x = x if x.is_contiguous() and x.dtype == torch.float32 else x.float().contiguous()
+        if x.shape[0] <= self.max_kernel_rows:
+            y = self.kernel(x, q)
+            return y if bias is None else y.add_(bias)
+        if dense is not None:
+            return self.dense(x, dense, bias)
+        need = q.out_dim * q.in_dim
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
+        return F.linear(x, self.dequantize(q, self._scratch[:need].view(q.out_dim, q.in_dim)), bias)
+
+
+def choose_threshold(lib: QuantizedMatmul, linears: list[QuantLinear],
+                     candidates=(1, 2, 4, 8, 16, 32, 64, 128, 256), reps: int = 3) -> int:
+    """The most rows for which the kernel beats the dense path (the dense library on its own layout, or
+    dequantize + matmul where none is kept), timed on the model's own weights; sets it on lib."""
+    from worker.linear import _time
+
+    def timed(fn) -> float:
+        return _time(fn, reps)
+
+    chosen, times = 0, {}
+    for rows in candidates:
+        kernel = dense = 0.0
+        for w in linears:
+            x = torch.randn(rows, w.q.in_dim)
+            kernel += timed(lambda w=w, x=x: lib.kernel(x, w.q))
+            saved, lib.max_kernel_rows = lib.max_kernel_rows, 0
+            try:
+                dense += timed(lambda w=w, x=x: lib(x, w))
+            finally:
+                lib.max_kernel_rows = saved
+        times[rows] = (round(kernel * 1e3, 3), round(dense * 1e3, 3))
+        if kernel > dense:
+            break
+        chosen = rows
+    lib.max_kernel_rows = max(chosen, 1)
+    log.info("quantized_matmul_threshold", max_kernel_rows=lib.max_kernel_rows, ms_kernel_vs_dense=times)
+    return lib.max_kernel_rows
