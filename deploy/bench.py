@@ -291,6 +291,125 @@ def phases(args, prompts) -> dict:
     return res
 
 
+def _served_model(args, cpu):
+    """The model as the worker serves it on a CPU at fp32: on the GGUF's own blocks where the folder has one
+    (unless --dequantize), its matmul library chosen as at start, the fused decode step attached."""
+    import torch
+
+    from kernels import cpu_native
+    from worker.linear import choose as choose_matmul
+    from worker.main import use_fused_decode
+    from worker.quantized import GGUFQuantSource, QuantizedMatmul, choose_threshold, find_gguf
+    from worker.weights import load_model
+
+    model, config = load_model(args.model, "auto", torch.float32, cpu)
+    dense = choose_matmul(args.matmul, model.matmul_shapes(), cpu, torch.float32)
+    gguf = None if args.dequantize else find_gguf(args.model)
+    if gguf is None:
+        model.use_matmul(dense, drop_dense=False)
+    else:
+        lib = QuantizedMatmul(cpu_native.load(), dense)
+        model.use_quantized(GGUFQuantSource(gguf, config.num_heads, config.num_kv_heads, config.head_dim), lib)
+        choose_threshold(lib, [w for w in (*model.layers[0].w.values(), model._head) if not isinstance(w, torch.Tensor)])
+    use_fused_decode(model, 1, "fp32")
+    return model, config
+
+
+class _Tally:
+    """Wall time spent inside chosen methods of chosen objects while active (restored on exit)."""
+
+    def __init__(self, targets: dict[str, tuple[object, str]]) -> None:
+        self.targets = targets
+        self.seconds: dict[str, float] = {}
+
+    def __enter__(self):
+        self.saved = []
+        for label, (obj, name) in self.targets.items():
+            real = getattr(obj, name)
+            self.saved.append((obj, name, obj.__dict__.get(name)))
+
+            def timed(*a, _real=real, _label=label, **k):
+                t = time.perf_counter()
+                try:
+                    return _real(*a, **k)
+                finally:
+                    self.seconds[_label] = self.seconds.get(_label, 0.0) + time.perf_counter() - t
+            setattr(obj, name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, before in reversed(self.saved):
+            if before is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, before)
+
+
+def decode_breakdown(args) -> dict:
+    """A decode step of the model as the worker serves it, at each of --decode-rows sequences (context: the
+    workload's mean prompt plus half its output), run by the runner as a plan from the scheduler: the layer
+    path with where its time goes (matmuls, attention, K/V writes, elementwise ops, LM head; the rest is
+    Python, dispatch, plan handling and sampling), beside the fused step where it covers that many rows."""
+    import torch
+
+    from worker.attention import make_backend
+
+    cpu = torch.device("cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, config = _served_model(args, cpu)
+    attn = make_backend(None, cpu, (config.num_heads, config.num_kv_heads, config.head_dim, 16, torch.float32))
+    context = args.decode_context
+    fused = model.fused
+    res = {"weights": model.mm.name, "context": context, "rows": {}}
+    print(f"\ndecode step, {model.mm.name} weights, context {context}, {torch.get_num_threads()} threads "
+          f"(ms; fused up to {fused.max_rows if fused else 0} rows):")
+    print(f"  {'rows':>4} {'layers':>8} {'fused':>8} {'x':>6}   layer path: " +
+          " ".join(f"{k:>9}" for k in ("matmul", "attention", "kv_write", "elementwise", "lm_head", "rest")))
+    for rows in args.decode_rows:
+        res["rows"][rows] = _decode_rows(model, config, attn, fused, rows, context, args.reps)
+    return res
+
+
+def _decode_rows(model, config, attn, fused, rows: int, context: int, reps: int) -> dict:
+    import torch
+
+    from worker.kv_pool import KVPool
+    from worker.runner import ModelRunner
+
+    cpu = torch.device("cpu")
+    plan, blocks = _plan([(1, context)] * rows, step_id=2)
+    runner = ModelRunner(model, KVPool(config, blocks + 4, 16, torch.float32, cpu), attn, cpu)
+    for t in runner.pool.k + runner.pool.v:
+        t.normal_()
+    model.fused = None
+    try:
+        t_layers = _best(lambda: runner.execute(plan), reps)
+        ops = model.ops
+        targets = {"matmul": (type(model.mm), "__call__"), "attention": (attn, "forward"),
+                   "kv_write": (attn, "write_kv"), "norm": (ops, "add_rms_norm"), "silu": (ops, "silu_mul"),
+                   "rope": (ops, "rope"), "lm_head": (model, "compute_logits")}
+        with _Tally(targets) as tally:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                runner.execute(plan)
+            total = (time.perf_counter() - t0) / reps
+    finally:
+        model.fused = fused
+    part = {k: v / reps for k, v in tally.seconds.items()}
+    head = part.get("lm_head", 0.0)
+    split = {"matmul": max(part.get("matmul", 0.0) - head, 0.0), "attention": part.get("attention", 0.0),
+             "kv_write": part.get("kv_write", 0.0),
+             "elementwise": part.get("norm", 0.0) + part.get("silu", 0.0) + part.get("rope", 0.0), "lm_head": head}
+    split["rest"] = max(total - sum(split.values()), 0.0)
+    t_fused = _best(lambda: runner.execute(plan), reps) if fused and rows <= fused.max_rows else None
+    f = f"{t_fused * 1e3:8.2f} {t_layers / t_fused:6.2f}" if t_fused else f"{'-':>8} {'-':>6}"
+    print(f"  {rows:>4} {t_layers * 1e3:8.2f} {f}   {'':12}" +
+          " ".join(f"{split[k] * 1e3:9.2f}" for k in ("matmul", "attention", "kv_write", "elementwise", "lm_head",
+                                                      "rest")))
+    return {"layers_s": t_layers, "fused_s": t_fused, "layer_path_split_s": split}
+
+
 def report(r: dict) -> None:
     print(f"{r['name']:<40} {r['tok_s']:8.1f} output tok/s   mean TTFT {r['mean_ttft_s']:7.2f} s   "
           f"(p50 {r['p50_ttft_s']:.2f} s, {r['tokens']} tokens in {r['wall_s']:.1f} s)")
@@ -316,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", action="store_true",
                    help="also time a prefill chunk and a decode step in-process against their local limits")
     p.add_argument("--profile-step", action="store_true", help="with --phases: torch.profiler table of the decode step")
+    p.add_argument("--decode-rows", default="1,8,64",
+                   help="with --phases: the decode step of the model as served (GGUF blocks where it has them), "
+                        "layer path split by part beside the fused step, at these sequence counts")
+    p.add_argument("--decode-context", type=int, default=224, help="with --phases: keys per sequence in that step")
+    p.add_argument("--dequantize", action="store_true", help="with --phases: the fp32 copy, not the GGUF's blocks")
     p.add_argument("--matmul", default="auto", help="matmul library of the in-process phases (auto, dense, onednn)")
     p.add_argument("--reps", type=int, default=5, help="repetitions of each in-process timing (the best is kept)")
     p.add_argument("--malloc", default=None, choices=["auto", "tcmalloc", "glibc", "default"],
@@ -354,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"mean TTFT x{s['mean_ttft_s'] / b['mean_ttft_s']:.2f}")
     if args.phases or args.profile_step or args.only == "phases":
         results["phases"] = phases(args, prompts)
+        args.decode_rows = [int(n) for n in args.decode_rows.split(",") if n]
+        results["decode_breakdown"] = decode_breakdown(args)
     return 0
 
 

@@ -3,9 +3,12 @@
 llama.cpp is built from the `llama-cpp-python` source distribution on PyPI (it vendors llama.cpp): the
 sdist is fetched with pip once, `llama-server` built with cmake for this machine, both cached under
 ~/.cache/pagedserve-peers. Both servers serve the default model's own Q4_1 GGUF on both cores:
-  - one stream: the workload's first prompt (64 tokens), 128 greedy tokens, ignore_eos (median of 3);
-  - many streams: the fixed CPU workload (64 prompts of 64-256 token ids, 128 tokens each, all at once);
-    llama.cpp gets 64 slots with continuous batching.
+  - one stream: the workload's first prompt (64 tokens), 128 greedy tokens, ignore_eos;
+  - many streams: the first 8, then all 64 prompts of the fixed CPU workload (64-256 token ids, 128 tokens
+    each, all at once); llama.cpp gets 64 slots with continuous batching;
+  - with --with-layers, pagedserve again with --cpu-decode layers (no fused decode step), for the change.
+All servers are up at once and measured in rounds, each round taking every server in turn, so a slow
+spell of a noisy machine falls on all of them alike: medians over rounds, ratios per round.
 Prompts go to both as the same token ids (pagedserve.v1 over gRPC; llama.cpp's /v1/completions takes
 token-id prompts). Prints output tokens/s and mean TTFT, and each ratio pagedserve / llama.cpp.
 
@@ -95,45 +98,70 @@ def _body(prompt: list[int], max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}, "cache_prompt": False}
 
 
-def llama_cpp(args, prompts) -> dict:
-    binary = build_llama_server()
-    folder = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-"))
-    server = LlamaServer(binary, args.gguf, args.slots, 384, args.threads, folder / "llama-server.log").wait()
-    try:
-        asyncio.run(_http_pass(server.base_url, [_body(prompts[0], 4)], "/v1/completions"))
-        one = []
-        for _ in range(args.repeats):
-            r = asyncio.run(_http_pass(server.base_url, [_body(prompts[0], args.max_tokens)], "/v1/completions"))
-            one.append((r["tokens"] - 1) / (r["wall_s"] - r["ttfts"][0]))
-        many = asyncio.run(_http_pass(server.base_url, [_body(p, args.max_tokens) for p in prompts], "/v1/completions"))
-    finally:
-        server.stop()
-    return {"name": "llama.cpp llama-server (Q4_1 GGUF)", "one_tok_s": statistics.median(one),
-            "many_tok_s": many["tokens"] / many["wall_s"], "many_ttft_s": statistics.mean(many["ttfts"])}
+class LlamaTarget:
+    """llama-server on the GGUF, driven over /v1/completions with token-id prompts."""
+
+    def __init__(self, args) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-"))
+        self.name = "llama.cpp llama-server (Q4_1 GGUF)"
+        self.server = LlamaServer(build_llama_server(), args.gguf, args.slots, 384, args.threads,
+                                  folder / "llama-server.log").wait()
+        asyncio.run(_http_pass(self.server.base_url, [_body([1, 2, 3], 4)], "/v1/completions"))
+
+    def one(self, prompt: list[int], max_tokens: int) -> float:
+        r = asyncio.run(_http_pass(self.server.base_url, [_body(prompt, max_tokens)], "/v1/completions"))
+        return (r["tokens"] - 1) / (r["wall_s"] - r["ttfts"][0])
+
+    def many(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+        r = asyncio.run(_http_pass(self.server.base_url, [_body(p, max_tokens) for p in prompts], "/v1/completions"))
+        return r["tokens"] / r["wall_s"], statistics.mean(r["ttfts"])
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
-def pagedserve(args, prompts) -> dict:
-    from protos import generation_pb2
+class PagedserveTarget:
+    """A pagedserve server on the model folder (make run's defaults), over gRPC with token-id prompts."""
 
-    log = Path(tempfile.mkdtemp(prefix="pagedserve-peer-")) / "server.log"
-    server = ServerProcess(Path(args.model), log, "--metrics-port", "0").start(timeout=600)
-    try:
-        asyncio.run(_drive(server.address, prompts[:2], 4))
-        one = []
-        for _ in range(args.repeats):
-            req = generation_pb2.GenerateRequest(prompt_token_ids=prompts[0], sampling=generation_pb2.SamplingParams(
-                max_tokens=args.max_tokens, temperature=0, ignore_eos=True))
-            first, n = None, 0
-            for msg in server.stub.GenerateStream(req, timeout=600):
-                if msg.token_ids and first is None:
-                    first = time.perf_counter()
-                n += len(msg.token_ids)
-            one.append((n - 1) / (time.perf_counter() - first))
-        wall, ttfts, tokens = asyncio.run(_drive(server.address, prompts, args.max_tokens))
-    finally:
-        server.stop()
-    return {"name": "pagedserve (the GGUF's blocks)", "one_tok_s": statistics.median(one), "many_tok_s": tokens / wall,
-            "many_ttft_s": statistics.mean(ttfts)}
+    def __init__(self, args, name: str, *extra: str) -> None:
+        self.name = name
+        log = Path(tempfile.mkdtemp(prefix="pagedserve-peer-")) / "server.log"
+        self.server = ServerProcess(Path(args.model), log, "--metrics-port", "0", *extra).start(timeout=600)
+        asyncio.run(_drive(self.server.address, [[1, 2, 3], [4, 5, 6]], 4))
+
+    def one(self, prompt: list[int], max_tokens: int) -> float:
+        from protos import generation_pb2
+
+        req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        first, n = None, 0
+        for msg in self.server.stub.GenerateStream(req, timeout=600):
+            if msg.token_ids and first is None:
+                first = time.perf_counter()
+            n += len(msg.token_ids)
+        return (n - 1) / (time.perf_counter() - first)
+
+    def many(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+        wall, ttfts, tokens = asyncio.run(_drive(self.server.address, prompts, max_tokens))
+        return tokens / wall, statistics.mean(ttfts)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def measure(targets, prompts, args) -> dict:
+    """Every measurement in rounds, each round taking every server in turn (the others idle meanwhile), so a
+    slow spell of a noisy machine falls on all of them alike; medians over the rounds, and the median of the
+    per-round ratios to the last target."""
+    res = {t.name: {"one": [], **{n: [] for n in args.streams}} for t in targets}
+    for _ in range(args.repeats):
+        for t in targets:
+            res[t.name]["one"].append(t.one(prompts[0], args.max_tokens))
+    for n in args.streams:
+        for _ in range(args.rounds):
+            for t in targets:
+                res[t.name][n].append(t.many(prompts[:n], args.max_tokens))
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,19 +170,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gguf", type=Path, default=None, help="default: the embedded model's Q4_1 file")
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="rounds of the one-stream measurement")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of each many-stream measurement")
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--streams", default="8,64", help="concurrencies of the workload's first prompts, all at once")
+    p.add_argument("--with-layers", action="store_true",
+                   help="also pagedserve with --cpu-decode layers (every decode step layer by layer), same run")
     args = p.parse_args(argv)
     args.gguf = args.gguf or find_embedded_gguf()
+    args.streams = [int(n) for n in args.streams.split(",") if n]
     prompts = load_workload(args.workload)
-    ours = pagedserve(args, prompts)
-    peer = llama_cpp(args, prompts)
-    print(f"{'':38} {'1 stream decode':>16} {'64 streams':>11} {'mean TTFT':>10}")
-    for r in (ours, peer):
-        print(f"{r['name']:38} {r['one_tok_s']:10.1f} tok/s {r['many_tok_s']:11.1f} {r['many_ttft_s']:9.2f}s")
-    print(f"{'pagedserve / llama.cpp':38} {ours['one_tok_s'] / peer['one_tok_s']:16.2f} "
-          f"{ours['many_tok_s'] / peer['many_tok_s']:11.2f} {ours['many_ttft_s'] / peer['many_ttft_s']:10.2f}")
+    targets = []
+    try:
+        targets.append(PagedserveTarget(args, "pagedserve (the GGUF's blocks)"))
+        if args.with_layers:
+            targets.append(PagedserveTarget(args, "pagedserve, --cpu-decode layers", "--cpu-decode", "layers"))
+        targets.append(LlamaTarget(args))
+        res = measure(targets, prompts, args)
+    finally:
+        for t in targets:
+            t.stop()
+    med = statistics.median
+    peer = targets[-1].name
+    head = "".join(f" {f'{n} streams':>11} {'TTFT':>7}" for n in args.streams)
+    print(f"{'':38} {'1 stream decode':>16}{head}")
+    for t in targets:
+        r = res[t.name]
+        cols = "".join(f" {med(x[0] for x in r[n]):11.1f} {med(x[1] for x in r[n]):6.2f}s" for n in args.streams)
+        print(f"{t.name:38} {med(r['one']):10.1f} tok/s{cols}")
+    for t in targets[:-1]:
+        r, q = res[t.name], res[peer]
+        ratio = med(a / b for a, b in zip(r["one"], q["one"], strict=True))
+        cols = "".join(f" {med(a[0] / b[0] for a, b in zip(r[n], q[n], strict=True)):11.2f} "
+                       f"{med(a[1] / b[1] for a, b in zip(r[n], q[n], strict=True)):7.2f}" for n in args.streams)
+        print(f"{t.name[:24] + ' / llama.cpp':38} {ratio:16.2f}{cols}")
+    print("one stream, every round (tok/s): " + "; ".join(
+        f"{t.name.split(' (')[0]}: " + ", ".join(f"{x:.1f}" for x in res[t.name]["one"]) for t in targets))
     return 0
 
 

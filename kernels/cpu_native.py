@@ -27,8 +27,8 @@ log = structlog.get_logger("kernels.cpu_native")
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = [SOURCE_DIR / "paged_decode.c", SOURCE_DIR / "paged_prefill.c", SOURCE_DIR / "elementwise.c",
-           SOURCE_DIR / "quant_matmul.c"]
-HEADERS = [SOURCE_DIR / "vec_math.h"]
+           SOURCE_DIR / "quant_matmul.c", SOURCE_DIR / "decode_step.c"]
+HEADERS = [SOURCE_DIR / "vec_math.h", SOURCE_DIR / "quant_blocks.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # full-width vectors where AVX-512 exists; no effect elsewhere
@@ -68,6 +68,36 @@ class NativeKernels:
         self._quant_dequant = lib.pagedserve_quant_dequant
         self._quant_dequant.argtypes = [p, i64, i64, i32, p]
         self._quant_dequant.restype = ctypes.c_int
+        self._decode_step = lib.pagedserve_decode_step
+        self._decode_step.argtypes = [p, i64, p, p, p, p, i64, p, p]
+        self._decode_step.restype = ctypes.c_int
+        self._decode_step_scratch = lib.pagedserve_decode_step_scratch
+        self._decode_step_scratch.argtypes = [p, i64]
+        self._decode_step_scratch.restype = ctypes.c_int64
+
+    # --- the fused decode step (worker/fused_decode.py describes the model) ---------------------------------
+    def decode_step_scratch(self, model_desc, rows: int) -> int:
+        """Floats of scratch a fused decode step of `rows` tokens needs."""
+        return self._decode_step_scratch(ctypes.addressof(model_desc), rows)
+
+    def decode_step(self, model_desc, rows: int, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Every layer of `rows` decoding tokens in one call: x fp32 [rows, hidden] contiguous holds their
+        embeddings and receives the final-norm hidden states; positions, slots int64 [rows]; block_tables
+        int32 [rows, max_blocks] (row stride may exceed max_blocks); seq_lens int32 [rows]."""
+        for t, dt in ((x, torch.float32), (positions, torch.int64), (slots, torch.int64),
+                      (block_tables, torch.int32), (seq_lens, torch.int32), (scratch, torch.float32)):
+            if t.dtype != dt or t.device.type != "cpu":
+                raise TypeError(f"decode_step needs {dt} tensors on the CPU, got {t.dtype} on {t.device}")
+        if not (x.is_contiguous() and positions.is_contiguous() and slots.is_contiguous()
+                and seq_lens.is_contiguous() and block_tables.stride(1) == 1 and x.shape[0] == rows
+                and positions.numel() == slots.numel() == seq_lens.numel() == block_tables.shape[0] == rows
+                and scratch.numel() >= self.decode_step_scratch(model_desc, rows)):
+            raise ValueError("decode_step needs contiguous tensors of `rows` tokens and enough scratch")
+        if self._decode_step(ctypes.addressof(model_desc), rows, x.data_ptr(), positions.data_ptr(),
+                             slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                             seq_lens.data_ptr(), scratch.data_ptr()):
+            raise ValueError("decode_step does not serve this model's shapes")
 
     # --- weight-only quantized matmuls on GGUF blocks (worker/quantized.py) ---------------------------------
     def quant_matmul(self, x: torch.Tensor, w: torch.Tensor, type_id: int, out_dim: int, y: torch.Tensor,

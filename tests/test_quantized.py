@@ -41,7 +41,7 @@ def test_dequantizing_matches_ggufs_own(native, qtype):
 
 
 @pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 8, 9, 13, 40])  # every row-count copy, and the tails
 def test_the_kernel_computes_x_times_the_dequantized_weight(native, qtype, rows):
     rng = np.random.default_rng(rows)
     w, reference = quantized(rng, 72, 576, qtype)

@@ -19,6 +19,7 @@ from protos.logs import LOG_FORMATS, configure_logging
 log = structlog.get_logger("worker.main")
 
 CPU_KV_CACHE_MEMORY = "2GiB"
+FUSED_DENSE_ROWS = 8  # fused decode rows on dense fp32 weights: the dot products read each weight row once per 4
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -62,6 +63,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="with quantized weights, decode's kernels multiply fp32 activations (exact up to summation "
                         "order) or round them per 32-value block to int8 and use integer dot products "
                         "(llama.cpp's scheme, VNNI where the CPU has it)")
+    g.add_argument("--cpu-decode", default="fused", choices=["fused", "layers"],
+                   help="on a CPU (fp32, one rank), a decode-only step of a few sequences runs as one native call "
+                        "(fused: the threads stay up for the whole step; fp32 weights are then also kept unpacked "
+                        "where --matmul packs them for oneDNN) or layer by layer as every other step")
     g.add_argument("--matmul", default="auto", choices=["auto", "dense", "onednn"],
                    help="projection matmuls: auto times the libraries on the model's shapes at start and keeps the "
                         "fastest; dense is F.linear; onednn packs each weight once (CPU, fp32)")
@@ -171,6 +176,25 @@ def quantized_source(args, config, device, dtype, shard):
     return GGUFQuantSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
 
 
+def use_fused_decode(model, tp: int, activations: str) -> None:
+    """Decode-only steps of up to as many rows as the quantized kernels serve (8 on dense fp32 rows) as one
+    native call (worker/fused_decode.py), where the model allows it; the reason logged where not."""
+    from kernels import cpu_native
+    from worker.fused_decode import FusedDecode
+    from worker.quantized import QuantizedMatmul
+
+    kernels = cpu_native.load()
+    why = FusedDecode.unsupported(model, tp) if kernels is not None else "the native CPU kernels are not built"
+    if why is None and activations != "fp32":
+        why = "int8 activations (the fused step multiplies fp32 activations)"
+    if why is not None:
+        log.info("fused_decode_off", reason=why)
+        return
+    max_rows = model.mm.max_kernel_rows if isinstance(model.mm, QuantizedMatmul) else FUSED_DENSE_ROWS
+    model.fused = FusedDecode(kernels, model, max_rows)
+    log.info("fused_decode", max_rows=max_rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -249,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dense = choose_matmul(args.matmul, model.matmul_shapes(), device, dtype)
         source = quantized_source(args, config, device, dtype, model.shard)
-        if source is None:
-            model.use_matmul(dense)
+        fused = device.type == "cpu" and args.cpu_decode == "fused" and tp == 1 and dtype == torch.float32
+        if source is None:  # the fused decode step reads plain fp32 rows: kept beside oneDNN's packed copies
+            model.use_matmul(dense, drop_dense=not fused)
         else:
             from kernels import cpu_native
             from worker.quantized import QuantizedMatmul, choose_threshold
@@ -263,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                      activations=args.quantized_activations,
                      max_kernel_rows=lib.max_kernel_rows)
         heads = model.shard.num_kv_heads
+        if fused:
+            use_fused_decode(model, tp, args.quantized_activations)
         attn = make_backend(args.attention_backend, device,
                             (model.shard.num_q_heads, heads, config.head_dim, args.block_size, dtype))
     except ValueError as e:

@@ -124,6 +124,7 @@ class LlamaModel(nn.Module):
         self.mm = None  # set by use_matmul (dense F.linear on the loaded weights unless told otherwise)
         self.ops: TorchOps | None = None  # the elementwise tail (worker/fused.py), chosen at the first forward
         self._head: torch.Tensor | None = None
+        self.fused = None  # worker/fused_decode.py: decode-only steps in one native call, where set
 
     def use_matmul(self, lib, drop_dense: bool = True) -> None:
         """Run the projections and the LM head through `lib` (worker/linear.py) with every weight prepared
@@ -209,6 +210,8 @@ class LlamaModel(nn.Module):
             self.ops = default_ops(self.embed.device, self.embed.dtype)
         ops = self.ops
         x = self._embed(step.token_ids)
+        if self.fused is not None and self.fused.covers(step, x.shape[0]):
+            return self.fused.forward(x, step, pool)
         rope = ops.rope_tables(self.rotary, step.positions, x.dtype)
         residual = None
         for layer in self.layers:

@@ -176,6 +176,72 @@ int pagedserve_decode_limits(int32_t* out) {
     return 3;
 }
 
+/* One work item: the query heads of KV heads [kh0, kh1) of one query token (q_row: its n_heads * head_dim
+ * values), over the sequence's len keys through its block table; written to the same heads of out_row. The
+ * fused decode step (decode_step.c) calls it for its own items. */
+void pagedserve_decode_item(const float* q_row, const float* k_cache, const float* v_cache, float* out_row,
+                            const int32_t* table, int32_t len, int kh0, int kh1, int32_t n_heads, int32_t n_kv_heads,
+                            int32_t head_dim, int32_t block_size, float scale) {
+    const int group = n_heads / n_kv_heads;
+    const int64_t token_stride = (int64_t)n_kv_heads * head_dim; /* between consecutive keys of a block */
+    const int64_t block_stride = (int64_t)block_size * token_stride;
+    float qs[MAX_STATE];
+    float acc[MAX_STATE];
+    float m[MAX_STATE / 16], l[MAX_STATE / 16]; /* per query head; head_dim >= 16 */
+    const int item_heads = (kh1 - kh0) * group; /* query heads of the item, consecutive in q */
+    const int64_t head0 = (int64_t)kh0 * group;
+    const float* qp = q_row + head0 * head_dim;
+    for (int h = 0; h < item_heads; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+        for (int d = 0; d < head_dim; d++) {
+            qs[h * head_dim + d] = qp[h * head_dim + d] * scale;
+            acc[h * head_dim + d] = 0.0f;
+        }
+    }
+    for (int start = 0; start < len; start += block_size) {
+        const int64_t block = table[start / block_size];
+        const int count = len - start < block_size ? len - start : block_size;
+        const int rest = len - start - block_size; /* keys after this block */
+        const int next_count = rest < block_size ? (rest > 0 ? rest : 0) : block_size;
+        const int64_t next = rest > 0 ? (int64_t)table[start / block_size + 1] * block_stride : 0;
+        for (int kh = kh0; kh < kh1; kh++) {
+            const float* kb = k_cache + block * block_stride + (int64_t)kh * head_dim;
+            const float* vb = v_cache + block * block_stride + (int64_t)kh * head_dim;
+            const float* kn = rest > 0 ? k_cache + next + (int64_t)kh * head_dim : 0; /* the next block, */
+            const float* vn = rest > 0 ? v_cache + next + (int64_t)kh * head_dim : 0; /* this head's rows */
+            const int h = (kh - kh0) * group;
+            float* qs_h = qs + h * head_dim;
+            float* acc_h = acc + h * head_dim;
+#if defined(__AVX512F__)
+            if (head_dim % LANES == 0) {
+                for (int sub = 0; sub < count; sub += LANES) { /* blocks larger than 16 in slices of 16 */
+                    const int c = count - sub < LANES ? count - sub : LANES;
+                    const int first = sub == 0; /* the next block is asked for once */
+                    block_avx512(qs_h, kb + sub * token_stride, vb + sub * token_stride, token_stride, c, group,
+                                 head_dim, m + h, l + h, acc_h, first ? kn : 0, first ? vn : 0, next_count);
+                }
+                continue;
+            }
+#endif
+            block_portable(qs_h, kb, vb, token_stride, count, group, head_dim, m + h, l + h, acc_h, kn, vn,
+                           next_count);
+        }
+    }
+    float* op = out_row + head0 * head_dim;
+    for (int h = 0; h < item_heads; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) op[h * head_dim + d] = acc[h * head_dim + d] * inv;
+    }
+}
+
+/* KV heads per work item: as many as an item's state holds (all of them for most models). */
+int pagedserve_decode_heads_per_item(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim) {
+    int heads_per_item = MAX_STATE / ((n_heads / n_kv_heads) * head_dim);
+    return heads_per_item > n_kv_heads ? n_kv_heads : heads_per_item;
+}
+
 void pagedserve_paged_decode(
     const float* q,              /* [num_tokens, n_heads, head_dim] */
     const float* k_cache,        /* [num_blocks, block_size, n_kv_heads, head_dim] */
@@ -187,72 +253,19 @@ void pagedserve_paged_decode(
     const int32_t* seq_lens,     /* [n]: keys of each sequence, this step's token included */
     int32_t n, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale)
 {
-    const int group = n_heads / n_kv_heads;
-    const int64_t token_stride = (int64_t)n_kv_heads * head_dim; /* between consecutive keys of a block */
-    const int64_t block_stride = (int64_t)block_size * token_stride;
     /* A work item is a sequence and as many of its KV heads as the item's state holds (all of them for most
      * models): it walks the sequence's blocks once, reading each block's rows of those heads in one pass. */
-    int heads_per_item = MAX_STATE / (group * head_dim);
-    if (heads_per_item > n_kv_heads) heads_per_item = n_kv_heads;
+    const int heads_per_item = pagedserve_decode_heads_per_item(n_heads, n_kv_heads, head_dim);
     const int chunks = (n_kv_heads + heads_per_item - 1) / heads_per_item;
 
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int i = 0; i < n; i++) {
         for (int chunk = 0; chunk < chunks; chunk++) {
-            float qs[MAX_STATE];
-            float acc[MAX_STATE];
-            float m[MAX_STATE / 16], l[MAX_STATE / 16]; /* per query head; head_dim >= 16 */
             const int kh0 = chunk * heads_per_item;
             const int kh1 = kh0 + heads_per_item < n_kv_heads ? kh0 + heads_per_item : n_kv_heads;
-            const int item_heads = (kh1 - kh0) * group; /* query heads of the item, consecutive in q */
-            const int64_t head0 = rows[i] * n_heads + (int64_t)kh0 * group;
-            const float* qp = q + head0 * head_dim;
-            for (int h = 0; h < item_heads; h++) {
-                m[h] = -INFINITY;
-                l[h] = 0.0f;
-                for (int d = 0; d < head_dim; d++) {
-                    qs[h * head_dim + d] = qp[h * head_dim + d] * scale;
-                    acc[h * head_dim + d] = 0.0f;
-                }
-            }
-            const int len = seq_lens[i];
-            const int32_t* table = block_tables + (int64_t)i * table_stride;
-            for (int start = 0; start < len; start += block_size) {
-                const int64_t block = table[start / block_size];
-                const int count = len - start < block_size ? len - start : block_size;
-                const int rest = len - start - block_size; /* keys after this block */
-                const int next_count = rest < block_size ? (rest > 0 ? rest : 0) : block_size;
-                const int64_t next = rest > 0 ? (int64_t)table[start / block_size + 1] * block_stride : 0;
-                for (int kh = kh0; kh < kh1; kh++) {
-                    const float* kb = k_cache + block * block_stride + (int64_t)kh * head_dim;
-                    const float* vb = v_cache + block * block_stride + (int64_t)kh * head_dim;
-                    const float* kn = rest > 0 ? k_cache + next + (int64_t)kh * head_dim : 0; /* the next block, */
-                    const float* vn = rest > 0 ? v_cache + next + (int64_t)kh * head_dim : 0; /* this head's rows */
-                    const int h = (kh - kh0) * group;
-                    float* qs_h = qs + h * head_dim;
-                    float* acc_h = acc + h * head_dim;
-#if defined(__AVX512F__)
-                    if (head_dim % LANES == 0) {
-                        for (int sub = 0; sub < count; sub += LANES) { /* blocks larger than 16 in slices of 16 */
-                            const int c = count - sub < LANES ? count - sub : LANES;
-                            const int first = sub == 0; /* the next block is asked for once */
-                            block_avx512(qs_h, kb + sub * token_stride, vb + sub * token_stride, token_stride, c,
-                                         group, head_dim, m + h, l + h, acc_h, first ? kn : 0, first ? vn : 0,
-                                         next_count);
-                        }
-                        continue;
-                    }
-#endif
-                    block_portable(qs_h, kb, vb, token_stride, count, group, head_dim, m + h, l + h, acc_h, kn, vn,
-                                   next_count);
-                }
-            }
-            float* op = out + head0 * head_dim;
-            for (int h = 0; h < item_heads; h++) {
-                const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-#pragma omp simd
-                for (int d = 0; d < head_dim; d++) op[h * head_dim + d] = acc[h * head_dim + d] * inv;
-            }
+            const int64_t row = rows[i] * n_heads * head_dim;
+            pagedserve_decode_item(q + row, k_cache, v_cache, out + row, block_tables + (int64_t)i * table_stride,
+                                   seq_lens[i], kh0, kh1, n_heads, n_kv_heads, head_dim, block_size, scale);
         }
     }
 }

@@ -12,154 +12,10 @@
    (kernels/cpu_native.py), so the AVX-512 path is taken where the CPU has it and the portable loop,
    which the compiler vectorizes for AVX2 or whatever the machine has, elsewhere.
    pagedserve_quant_dequant writes the fp32 matrix (prefill hands it to oneDNN / BLAS). */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 #include <math.h>
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include <stdlib.h>
 
-#define QK 32
-#define ROWS 4
-
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
-
-static int block_bytes(int type) {
-    switch (type) {
-        case Q4_0: return 18;
-        case Q4_1: return 20;
-        case Q8_0: return 34;
-        default: return 0;
-    }
-}
-
-static inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {  // subnormal: normalize
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000 | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-
-/* One block -> 32 floats. */
-static inline void dequant_block(int type, const uint8_t *b, float *out) {
-    const float d = half_to_float(read_u16(b));
-    if (type == Q8_0) {
-        const int8_t *q = (const int8_t *)(b + 2);
-        for (int j = 0; j < QK; j++) out[j] = d * (float)q[j];
-    } else if (type == Q4_1) {
-        const float m = half_to_float(read_u16(b + 2));
-        const uint8_t *q = b + 4;
-        for (int j = 0; j < QK / 2; j++) {
-            out[j] = d * (float)(q[j] & 0x0f) + m;
-            out[j + QK / 2] = d * (float)(q[j] >> 4) + m;
-        }
-    } else {  /* Q4_0 */
-        const uint8_t *q = b + 2;
-        for (int j = 0; j < QK / 2; j++) {
-            out[j] = d * (float)((int)(q[j] & 0x0f) - 8);
-            out[j + QK / 2] = d * (float)((int)(q[j] >> 4) - 8);
-        }
-    }
-}
-
-#if defined(__AVX512F__)
-/* One block -> two vectors of 16 floats (values 0-15, 16-31). */
-static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m512 *hi) {
-    const __m512 d = _mm512_set1_ps(half_to_float(read_u16(b)));
-    if (type == Q8_0) {
-        __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
-        __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
-        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
-        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
-        return;
-    }
-    const int off = type == Q4_1 ? 4 : 2;
-    __m128i q = _mm_loadu_si128((const __m128i *)(b + off));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
-    __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
-    if (type == Q4_1) {
-        const __m512 m = _mm512_set1_ps(half_to_float(read_u16(b + 2)));
-        *lo = _mm512_fmadd_ps(d, a, m);
-        *hi = _mm512_fmadd_ps(d, c, m);
-    } else {
-        const __m512 eight = _mm512_set1_ps(8.0f);
-        *lo = _mm512_mul_ps(d, _mm512_sub_ps(a, eight));
-        *hi = _mm512_mul_ps(d, _mm512_sub_ps(c, eight));
-    }
-}
-#endif
-
-/* y[r, o] for rows r0 .. r0 + nr - 1 (nr <= ROWS) of one output row o. Inlined with nr a constant (see
-   rows_dot), so the accumulators live in registers: two per row (a block's low and high halves), so
-   consecutive FMAs do not wait on each other. */
-static inline __attribute__((always_inline)) void rows_dot_n(int type, const uint8_t *wrow, int64_t nblocks,
-                                                              const float *x, int64_t in_dim, const int nr,
-                                                              float *acc_out) {
-    const int bb = block_bytes(type);
-#if defined(__AVX512F__)
-    __m512 acc_lo[ROWS], acc_hi[ROWS];
-    for (int r = 0; r < nr; r++) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-        __m512 lo, hi;
-        dequant_block_512(type, wrow + blk * bb, &lo, &hi);
-        for (int r = 0; r < nr; r++) {
-            const float *xr = x + r * in_dim + blk * QK;
-            acc_lo[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), lo, acc_lo[r]);
-            acc_hi[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), hi, acc_hi[r]);
-        }
-    }
-    for (int r = 0; r < nr; r++) acc_out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
-#else
-    float acc[ROWS][QK];
-    float w[QK];
-    for (int r = 0; r < nr; r++)
-        for (int j = 0; j < QK; j++) acc[r][j] = 0.0f;
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-        dequant_block(type, wrow + blk * bb, w);
-        for (int r = 0; r < nr; r++) {
-            const float *xr = x + r * in_dim + blk * QK;
-#pragma omp simd
-            for (int j = 0; j < QK; j++) acc[r][j] += xr[j] * w[j];
-        }
-    }
-    for (int r = 0; r < nr; r++) {
-        float s = 0.0f;
-        for (int j = 0; j < QK; j++) s += acc[r][j];
-        acc_out[r] = s;
-    }
-#endif
-}
-
-static void rows_dot(int type, const uint8_t *wrow, int64_t nblocks, const float *x, int64_t in_dim, int nr,
-                     float *acc_out) {
-    switch (nr) {  /* one copy per row count, each with its accumulators in registers */
-        case 1: rows_dot_n(type, wrow, nblocks, x, in_dim, 1, acc_out); break;
-        case 2: rows_dot_n(type, wrow, nblocks, x, in_dim, 2, acc_out); break;
-        case 3: rows_dot_n(type, wrow, nblocks, x, in_dim, 3, acc_out); break;
-        default: rows_dot_n(type, wrow, nblocks, x, in_dim, ROWS, acc_out); break;
-    }
-}
+#include "quant_blocks.h"
 
 /* Returns 0, or -1 when the type or shape is not served (in_dim must be a multiple of 32). */
 int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
@@ -301,7 +157,7 @@ static float row_dot_q8(int type, const uint8_t *wrow, int64_t nb, const int8_t 
 int pagedserve_quant_matmul_q8act(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                                   int32_t type, float *y) {
     const int bb = block_bytes(type);
-    if (!bb || in_dim % QK) return -1;
+    if (!bb || type == F32 || in_dim % QK) return -1;
     const int64_t nb = in_dim / QK, row_bytes = nb * bb;
     QuantX xq;
     if (quantize_x(x, rows, in_dim, &xq)) {

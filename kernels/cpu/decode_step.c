@@ -1,0 +1,208 @@
+/* A whole decode step of a Llama-family model on a CPU in one call: every layer of a few sequences' single
+ * new tokens, from their embeddings to the final norm, inside one OpenMP parallel region.
+ *
+ * The layer-by-layer path (worker/model.py) makes ~10 calls a layer from Python (norm, QKV, RoPE, the K/V
+ * write, attention, o_proj, norm, gate_up, SiLU-mul, down), each its own parallel region: at one sequence
+ * that is ~300 thread wake-ups and as many trips through Python and torch's dispatcher, a third of the step
+ * on the 135M default model. Here the threads stay up for the whole step and meet at a barrier after each
+ * stage (the implicit one at the end of each `omp for`), every stage split over them:
+ *   add + RMSNorm (rows) -> QKV matmul (output rows) -> bias, q/k RMSNorm, RoPE, K/V write (heads)
+ *   -> attention (sequence x KV head, decode_item of paged_decode.c) -> o_proj -> add + RMSNorm -> gate_up
+ *   -> SiLU-mul (chunks) -> down, and after the last layer the final add + RMSNorm.
+ * The arithmetic is the layer path's: the matmuls are quant_blocks.h's dot products (GGUF blocks, or plain
+ * fp32 rows as type 0), the norms, RoPE and SiLU are elementwise.c's formulas, attention is the same kernel.
+ * No tensor parallelism here (a rank would all-reduce between stages): the worker runs it at TP=1.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "quant_blocks.h"
+#include "vec_math.h"
+
+void pagedserve_decode_item(const float* q_row, const float* k_cache, const float* v_cache, float* out_row,
+                            const int32_t* table, int32_t len, int kh0, int kh1, int32_t n_heads, int32_t n_kv_heads,
+                            int32_t head_dim, int32_t block_size, float scale);
+
+typedef struct {
+    const uint8_t* w; /* out_dim rows of in_dim / 32 blocks of ggml type `type` (0: fp32 values) */
+    int64_t out_dim, in_dim;
+    int32_t type, pad;
+} PsMatrix;
+
+typedef struct {
+    PsMatrix qkv, o_proj, gate_up, down;
+    const float *input_norm, *post_norm;
+    const float* qkv_bias;        /* [q + 2 kv] or NULL */
+    const float *q_norm, *k_norm; /* [head_dim] each, or NULL (Qwen3's per-head RMSNorm) */
+    float *k_cache, *v_cache;     /* [num_blocks, block_size, n_kv_heads, head_dim] */
+    int32_t rope, pad;            /* rope 0: a layer without positions (SmolLM3's NoPE layers) */
+} PsLayer;
+
+typedef struct {
+    int32_t num_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate, block_size, pad;
+    float eps, scale;
+    const float *cos, *sin; /* [max_positions, head_dim / 2] */
+    const float* final_norm;
+    const PsLayer* layers;
+} PsModel;
+
+#define OUT_CHUNK 32 /* output rows a thread takes at a time */
+
+/* floats of scratch a step of `rows` tokens needs */
+int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
+    const int64_t h = m->hidden, q = (int64_t)m->n_heads * m->head_dim, kv = (int64_t)m->n_kv_heads * m->head_dim;
+    return rows * (3 * h + (q + 2 * kv) + q + 3 * (int64_t)m->intermediate);
+}
+
+/* y[r, :] = x[r, :] @ W^T for this thread's share of W's rows (called by every thread of the region). */
+static void matmul_part(const PsMatrix* w, const float* x, int64_t rows, float* y) {
+    const int bb = block_bytes(w->type);
+    const int64_t nblocks = w->in_dim / QK, row_bytes = nblocks * bb, out_dim = w->out_dim;
+    const int64_t chunks = (out_dim + OUT_CHUNK - 1) / OUT_CHUNK;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t o1 = (c + 1) * OUT_CHUNK < out_dim ? (c + 1) * OUT_CHUNK : out_dim;
+        for (int64_t o = c * OUT_CHUNK; o < o1; o++) {
+            float acc[ROWS];
+            for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+                const int nr = (int)(rows - r0 < ROWS ? rows - r0 : ROWS);
+                rows_dot(w->type, w->w + o * row_bytes, nblocks, x + r0 * w->in_dim, w->in_dim, nr, acc);
+                for (int r = 0; r < nr; r++) y[(r0 + r) * out_dim + o] = acc[r];
+            }
+        }
+    }
+}
+
+/* residual += delta (when given); out = RMSNorm(residual) * weight — elementwise.c's add_rms_norm, one row. */
+static void add_rms_norm_row(float* x, const float* delta, const float* weight, float* out, int64_t dim, float eps) {
+    float sum = 0.0f;
+    if (delta) {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; i++) {
+            x[i] += delta[i];
+            sum += x[i] * x[i];
+        }
+    } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; i++) sum += x[i] * x[i];
+    }
+    const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < dim; i++) out[i] = weight[i] * (x[i] * inv);
+}
+
+/* One head of one token in place: bias, RMSNorm over the head (q/k norm), rotate-half RoPE. */
+static void head_prologue(float* v, const float* bias, const float* norm, const float* c, const float* s,
+                          int head_dim, float eps) {
+    if (bias)
+        for (int d = 0; d < head_dim; d++) v[d] += bias[d];
+    if (norm) {
+        float sum = 0.0f;
+        for (int d = 0; d < head_dim; d++) sum += v[d] * v[d];
+        const float inv = 1.0f / sqrtf(sum / (float)head_dim + eps);
+        for (int d = 0; d < head_dim; d++) v[d] = norm[d] * (v[d] * inv);
+    }
+    if (c) {
+        const int half = head_dim / 2;
+        float* x1 = v;
+        float* x2 = v + half;
+#pragma omp simd
+        for (int i = 0; i < half; i++) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * c[i] - b * s[i];
+            x2[i] = b * c[i] + a * s[i];
+        }
+    }
+}
+
+/* x: [rows, hidden], the tokens' embeddings in, the final-norm hidden states out. positions, slots: int64
+ * [rows]; block_tables: int32 [rows, table_stride]; seq_lens: int32 [rows] (this token included). scratch:
+ * pagedserve_decode_step_scratch floats. Returns 0, or -1 for a shape the step does not serve. */
+int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64_t* positions, const int64_t* slots,
+                           const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens, float* scratch) {
+    const int64_t H = m->hidden, I = m->intermediate, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads;
+    const int64_t qsz = nh * hd, kvsz = nkv * hd, qkv_w = qsz + 2 * kvsz;
+    if (rows < 1 || H % QK || I % QK || qsz % QK || hd % 2 || nkv < 1 || nh % nkv) return -1;
+    for (int i = 0; i < m->num_layers; i++) {
+        const PsLayer* ly = &m->layers[i];
+        const PsMatrix* mats[4] = {&ly->qkv, &ly->o_proj, &ly->gate_up, &ly->down};
+        const int64_t shapes[4][2] = {{qkv_w, H}, {H, qsz}, {2 * I, H}, {H, I}};
+        for (int j = 0; j < 4; j++)
+            if (!block_bytes(mats[j]->type) || mats[j]->out_dim != shapes[j][0] || mats[j]->in_dim != shapes[j][1])
+                return -1;
+    }
+    float* residual = scratch;
+    float* h = residual + rows * H;
+    float* delta = h + rows * H;
+    float* qkv = delta + rows * H;
+    float* attn = qkv + rows * qkv_w;
+    float* gu = attn + rows * qsz;
+    float* act = gu + rows * 2 * I;
+    const int64_t heads = nh + nkv;
+    const int64_t half = hd / 2;
+    const int64_t act_chunks = (I + 255) / 256;
+
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < H; i++) residual[r * H + i] = x[r * H + i];
+        for (int li = 0; li < m->num_layers; li++) {
+            const PsLayer* ly = &m->layers[li];
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                add_rms_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
+            matmul_part(&ly->qkv, h, rows, qkv);
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < rows * heads; it++) { /* q heads, then k heads (each with its v head) */
+                const int64_t r = it / heads, hh = it % heads;
+                float* row = qkv + r * qkv_w;
+                const int is_k = hh >= nh;
+                const float* c = ly->rope ? m->cos + positions[r] * half : 0;
+                const float* s = ly->rope ? m->sin + positions[r] * half : 0;
+                head_prologue(row + hh * hd, ly->qkv_bias ? ly->qkv_bias + hh * hd : 0, is_k ? ly->k_norm : ly->q_norm,
+                              c, s, (int)hd, m->eps);
+                if (is_k) {
+                    const int64_t kvh = hh - nh;
+                    float* v = row + qsz + kvsz + kvh * hd;
+                    head_prologue(v, ly->qkv_bias ? ly->qkv_bias + qsz + kvsz + kvh * hd : 0, 0, 0, 0, (int)hd, m->eps);
+                    if (slots[r] >= 0) {
+                        const int64_t at = slots[r] * kvsz + kvh * hd;
+                        for (int64_t d = 0; d < hd; d++) {
+                            ly->k_cache[at + d] = row[hh * hd + d];
+                            ly->v_cache[at + d] = v[d];
+                        }
+                    }
+                }
+            }
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < rows * nkv; it++) { /* a sequence's KV head and its query heads */
+                const int64_t r = it / nkv;
+                const int kh = (int)(it % nkv);
+                pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
+                                       block_tables + r * table_stride, seq_lens[r], kh, kh + 1, (int)nh, (int)nkv,
+                                       (int)hd, m->block_size, m->scale);
+            }
+            matmul_part(&ly->o_proj, attn, rows, delta);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                add_rms_norm_row(residual + r * H, delta + r * H, ly->post_norm, h + r * H, H, m->eps);
+            matmul_part(&ly->gate_up, h, rows, gu);
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < rows * act_chunks; it++) {
+                const int64_t r = it / act_chunks, i0 = it % act_chunks * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
+                const float* g = gu + r * 2 * I;
+                const float* u = g + I;
+                float* o = act + r * I;
+#pragma omp simd
+                for (int64_t i = i0; i < i1; i++) o[i] = g[i] / (1.0f + vec_exp(-g[i])) * u[i];
+            }
+            matmul_part(&ly->down, act, rows, delta);
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            add_rms_norm_row(residual + r * H, delta + r * H, m->final_norm, x + r * H, H, m->eps);
+    }
+    return 0;
+}

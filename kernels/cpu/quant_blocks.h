@@ -1,0 +1,181 @@
+/* GGUF weight blocks read by the CPU kernels (quant_matmul.c, decode_step.c): layouts, dequantization, and
+   the dot products of up to ROWS activation rows with one weight row. Type 0 is a plain fp32 row (a
+   "block" of 32 floats), so the fused decode step runs dense and quantized weights through one loop. */
+#ifndef PAGEDSERVE_QUANT_BLOCKS_H
+#define PAGEDSERVE_QUANT_BLOCKS_H
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define ROWS 8
+
+enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+
+static inline int block_bytes(int type) {
+    switch (type) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q8_0: return 34;
+        case F32: return 128;
+        default: return 0;
+    }
+}
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  // subnormal: normalize
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* One block -> 32 floats. */
+static inline void dequant_block(int type, const uint8_t *b, float *out) {
+    if (type == F32) {
+        memcpy(out, b, QK * sizeof(float));
+        return;
+    }
+    const float d = half_to_float(read_u16(b));
+    if (type == Q8_0) {
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int j = 0; j < QK; j++) out[j] = d * (float)q[j];
+    } else if (type == Q4_1) {
+        const float m = half_to_float(read_u16(b + 2));
+        const uint8_t *q = b + 4;
+        for (int j = 0; j < QK / 2; j++) {
+            out[j] = d * (float)(q[j] & 0x0f) + m;
+            out[j + QK / 2] = d * (float)(q[j] >> 4) + m;
+        }
+    } else {  /* Q4_0 */
+        const uint8_t *q = b + 2;
+        for (int j = 0; j < QK / 2; j++) {
+            out[j] = d * (float)((int)(q[j] & 0x0f) - 8);
+            out[j + QK / 2] = d * (float)((int)(q[j] >> 4) - 8);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* One block -> two vectors of 16 floats (values 0-15, 16-31). */
+static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m512 *hi) {
+    if (type == F32) {
+        *lo = _mm512_loadu_ps((const float *)b);
+        *hi = _mm512_loadu_ps((const float *)b + 16);
+        return;
+    }
+    const __m512 d = _mm512_set1_ps(half_to_float(read_u16(b))); /* unused by Q4_1: the compiler drops it */
+    if (type == Q8_0) {
+        __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
+        __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        return;
+    }
+    /* Q4_0 / Q4_1: the block's 16 possible values as one vector (d * q + m, or d * (q - 8)), and each
+       nibble looks its value up there (vpermps reads an index's low 4 bits, so the low nibbles need no
+       mask): a third of the vector work of converting every nibble to a float and scaling it, with the
+       same values — the table entry is the same multiply-add of the same operands. */
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table;
+    if (type == Q4_1) {
+        uint32_t dm;
+        memcpy(&dm, b, 4);
+        const __m512 v = _mm512_cvtph_ps(_mm256_set1_epi32((int)dm)); /* d, m, d, m, ... */
+        table = _mm512_fmadd_ps(_mm512_permute_ps(v, 0x00), iota, _mm512_permute_ps(v, 0x55));
+    } else {
+        table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+    }
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 4 : 2))));
+    *lo = _mm512_permutexvar_ps(q, table);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+}
+#endif
+
+/* y[r, o] for rows r0 .. r0 + nr - 1 (nr <= ROWS) of one output row o. Inlined with nr a constant (see
+   rows_dot), so the accumulators live in registers: two per row (a block's low and high halves), so
+   consecutive FMAs do not wait on each other. */
+static inline __attribute__((always_inline)) void rows_dot_n(int type, const uint8_t *wrow, int64_t nblocks,
+                                                              const float *x, int64_t in_dim, const int nr,
+                                                              float *acc_out) {
+    const int bb = block_bytes(type);
+#if defined(__AVX512F__)
+    __m512 acc_lo[ROWS], acc_hi[ROWS];
+    for (int r = 0; r < nr; r++) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        __m512 lo, hi;
+        dequant_block_512(type, wrow + blk * bb, &lo, &hi);
+        for (int r = 0; r < nr; r++) {
+            const float *xr = x + r * in_dim + blk * QK;
+            acc_lo[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), lo, acc_lo[r]);
+            acc_hi[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), hi, acc_hi[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) acc_out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
+#else
+    float acc[ROWS][QK];
+    float w[QK];
+    for (int r = 0; r < nr; r++)
+        for (int j = 0; j < QK; j++) acc[r][j] = 0.0f;
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        dequant_block(type, wrow + blk * bb, w);
+        for (int r = 0; r < nr; r++) {
+            const float *xr = x + r * in_dim + blk * QK;
+#pragma omp simd
+            for (int j = 0; j < QK; j++) acc[r][j] += xr[j] * w[j];
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        float s = 0.0f;
+        for (int j = 0; j < QK; j++) s += acc[r][j];
+        acc_out[r] = s;
+    }
+#endif
+}
+
+#define ROWS_DOT_CASES(T)                                                                                   \
+    switch (nr) { /* one copy per row count, each with its accumulators in registers */                      \
+        case 1: rows_dot_n(T, wrow, nblocks, x, in_dim, 1, acc_out); return;                                 \
+        case 2: rows_dot_n(T, wrow, nblocks, x, in_dim, 2, acc_out); return;                                 \
+        case 3: rows_dot_n(T, wrow, nblocks, x, in_dim, 3, acc_out); return;                                 \
+        case 4: rows_dot_n(T, wrow, nblocks, x, in_dim, 4, acc_out); return;                                 \
+        case ROWS: rows_dot_n(T, wrow, nblocks, x, in_dim, ROWS, acc_out); return;                           \
+        default: /* 5-7: four, then the rest */                                                              \
+            rows_dot_n(T, wrow, nblocks, x, in_dim, 4, acc_out);                                             \
+            rows_dot(T, wrow, nblocks, x + 4 * in_dim, in_dim, nr - 4, acc_out + 4);                         \
+            return;                                                                                          \
+    }
+
+/* The dot products of nr <= ROWS rows of x with one weight row, specialized on the type and the row count
+   so neither is tested inside the loop over blocks. */
+static void rows_dot(int type, const uint8_t *wrow, int64_t nblocks, const float *x, int64_t in_dim, int nr,
+                     float *acc_out) {
+    switch (type) {
+        case Q4_0: ROWS_DOT_CASES(Q4_0)
+        case Q4_1: ROWS_DOT_CASES(Q4_1)
+        case Q8_0: ROWS_DOT_CASES(Q8_0)
+        default: ROWS_DOT_CASES(F32)
+    }
+}
+
+#endif

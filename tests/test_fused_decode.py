@@ -1,0 +1,182 @@
+"""The fused CPU decode step (worker/fused_decode.py, kernels/cpu/decode_step.c) against the layer path it
+stands in for: the same hidden states and the same K/V written, for every layer variant the model code
+serves (Llama, Qwen2's QKV bias, Qwen3's q/k norm, SmolLM3's layers without RoPE), for dense fp32 and GGUF
+blocks, at one and several sequences whose contexts cross blocks; steps it does not cover take the layer
+path; and a server decodes the same greedy tokens with it as with --cpu-decode layers."""
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_native
+from protos.codec import PlanArrays, decode_plan, encode_plan
+from tests.tiny import make_tiny_gguf, make_tiny_llama
+from worker.attention import make_backend
+from worker.kv_pool import KVPool
+from worker.linear import DenseMatmul
+from worker.model import StepInputs
+from worker.weights import load_model
+
+BLOCK = 16
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="native CPU kernels not built")
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0, initializer_range=0.25)
+
+
+def _hf_model(kind: str):
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON))
+    if kind == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **COMMON))
+    if kind == "smollm3":
+        return transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(no_rope_layer_interval=2, **COMMON))
+    raise ValueError(kind)
+
+
+def _model(tmp_path, kind: str):
+    """(model with the fused step attached, config) of a tiny random model of that family."""
+    from worker.main import use_fused_decode
+
+    if kind == "llama":
+        folder = make_tiny_llama(tmp_path / kind)
+    elif kind.startswith("gguf-"):
+        folder = make_tiny_gguf(tmp_path / kind, qtype=kind.split("-")[1])
+    else:
+        folder = tmp_path / kind
+        with torch.no_grad():
+            for p in (hf := _hf_model(kind)).parameters():  # norms and biases away from 1 and 0 too
+                p.add_(torch.randn_like(p) * 0.1)
+        hf.eval().save_pretrained(str(folder))
+    model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    if kind.startswith("gguf-"):
+        from worker.quantized import GGUFQuantSource, QuantizedMatmul, find_gguf
+
+        source = GGUFQuantSource(find_gguf(folder), config.num_heads, config.num_kv_heads, config.head_dim)
+        model.use_quantized(source, QuantizedMatmul(cpu_native.load(), DenseMatmul()), keep_dense=True)
+    else:
+        model.use_matmul(DenseMatmul())
+    use_fused_decode(model, 1, "fp32")
+    assert model.fused is not None
+    return model, config
+
+
+def _step(seqs: list[tuple[int, int]], seed: int = 0):
+    """StepInputs for (new tokens, sequence length) per sequence, blocks laid out one sequence after another,
+    and the number of blocks used."""
+    need = [-(-n // BLOCK) for _, n in seqs]
+    tables = np.full((len(seqs), max(need)), -1, dtype="<i4")
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = np.arange(start, start + n)[::-1]  # blocks anywhere in the pool, not in order
+        start += n
+    q_lens = np.array([q for q, _ in seqs])
+    rows = np.repeat(np.arange(len(seqs)), q_lens)
+    pos = np.concatenate([np.arange(n - q, n) for q, n in seqs])
+    slots = tables[rows, pos // BLOCK].astype("<i8") * BLOCK + pos % BLOCK
+    qsl = np.zeros(len(seqs) + 1, dtype="<i4")
+    np.cumsum(q_lens, out=qsl[1:])
+    k = len(seqs)
+    rng = np.random.default_rng(seed)
+    p = decode_plan(encode_plan(PlanArrays(
+        step_id=1, token_ids=rng.integers(3, 200, len(pos)).astype("<i4"), positions=pos.astype("<i4"),
+        slot_mapping=slots, block_tables=tables, seq_lens=np.array([n for _, n in seqs], dtype="<i4"),
+        query_start_loc=qsl, do_sample=np.ones(k, bool), sample_index=np.zeros(k, "<i4"),
+        temperature=np.zeros(k, "<f4"), top_p=np.ones(k, "<f4"), top_k=np.zeros(k, "<i4"), seed=np.zeros(k, "<u8"),
+        block_copies=np.empty((0, 2), "<i4"))))
+    return p, start
+
+
+def _run(model, config, seqs, fused: bool):
+    """The hidden states of one step over a pool of random K/V, and every layer's pool after it."""
+    p, blocks = _step(seqs)
+    pool = KVPool(config, blocks + 1, BLOCK, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    for t in pool.k + pool.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    attn = make_backend("cpu", torch.device("cpu"), (config.num_heads, config.num_kv_heads, config.head_dim, BLOCK,
+                                                     torch.float32))
+    lens = torch.from_numpy(p.seq_lens.astype("int32"))
+    step = StepInputs(torch.from_numpy(p.token_ids.astype("int64")), torch.from_numpy(p.positions.astype("int64")),
+                      torch.from_numpy(p.slot_mapping.astype("int64")),
+                      attn.prepare(torch.from_numpy(p.block_tables.copy()), lens,
+                                   torch.from_numpy(p.query_start_loc.astype("int32")), BLOCK, int(lens.max()),
+                                   int(np.diff(p.query_start_loc).max())))
+    saved = model.fused
+    model.fused = saved if fused else None
+    try:
+        with torch.inference_mode():
+            hidden = model(step, pool, attn).clone()
+    finally:
+        model.fused = saved
+    return hidden, pool
+
+
+DECODES = [[(1, 9)], [(1, 40)], [(1, 17), (1, 70), (1, 33)], [(1, n) for n in range(5, 85, 10)]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "smollm3"])
+def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
+    model, config = _model(tmp_path, kind)
+    for seqs in DECODES:
+        want, want_pool = _run(model, config, seqs, fused=False)
+        got, got_pool = _run(model, config, seqs, fused=True)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for a, b in zip(got_pool.k + got_pool.v, want_pool.k + want_pool.v, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # this step's K/V written at its slots
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_fused_step_on_gguf_blocks_is_the_layer_path_bit_for_bit(tmp_path, qtype):
+    """Same dot products in the same order: the same floats, not merely close ones."""
+    model, config = _model(tmp_path, f"gguf-{qtype}")
+    for seqs in DECODES:
+        want, want_pool = _run(model, config, seqs, fused=False)
+        got, got_pool = _run(model, config, seqs, fused=True)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_pool.k, want_pool.k, strict=True))
+
+
+def test_steps_it_does_not_cover_take_the_layer_path(tmp_path, monkeypatch):
+    model, config = _model(tmp_path, "llama")
+    calls = []
+    kernels = model.fused.kernels
+    real = kernels.decode_step
+    monkeypatch.setattr(kernels, "decode_step", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    _run(model, config, [(1, 20), (1, 30)], fused=True)
+    assert calls == [2]
+    _run(model, config, [(5, 20), (1, 30)], fused=True)  # a prompt chunk beside a decode
+    _run(model, config, [(1, 20 + i) for i in range(model.fused.max_rows + 1)], fused=True)  # more rows
+    assert calls == [2]
+
+
+def test_a_model_the_step_cannot_serve_says_why():
+    from worker.fused_decode import FusedDecode
+    from worker.model import LlamaModel
+    from worker.model_config import ModelConfig
+
+    config = ModelConfig.from_dict({**COMMON, "model_type": "llama", "hidden_size": 72, "head_dim": 18})
+    assert "multiples of 32" in FusedDecode.unsupported(LlamaModel(config), 1)
+    assert "tensor parallel" in FusedDecode.unsupported(LlamaModel(config), 2)
+
+
+@pytest.mark.slow
+def test_a_server_decodes_the_same_greedy_tokens_fused_and_layer_by_layer(server_factory, tmp_path):
+    from protos import generation_pb2 as pb
+
+    folder = make_tiny_gguf(tmp_path / "q4", qtype="Q4_1")
+    prompts = [[1, 5 + i, 9, 30 + 2 * i, 7] * (1 + i) for i in range(6)]
+    outputs = []
+    for mode in ("fused", "layers"):
+        server = server_factory(folder, "--block-size", "4", "--cpu-decode", mode)
+        futures = [server.stub.Generate.future(pb.GenerateRequest(
+            prompt_token_ids=p, sampling=pb.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
+            for p in prompts]
+        outputs.append([list(f.result(timeout=120).choices[0].token_ids) for f in futures])
+        assert ('"fused_decode"' in server.log_path.read_text()) == (mode == "fused")
+        server.stop()
+    assert outputs[0] == outputs[1]

@@ -1,0 +1,136 @@
+"""The fused CPU decode step: a decode-only step of a few sequences run as one native call.
+
+The layer-by-layer forward (worker/model.py) makes about ten calls a layer, each a trip through Python and
+torch and its own OpenMP parallel region: at one sequence on the 135M default model that overhead is a
+third of the step. `FusedDecode` hands the whole model to kernels/cpu/decode_step.c once — every layer's
+weights (GGUF blocks or plain fp32 rows), norms, biases, q/k norms, RoPE tables and KV cache — and a step
+whose every sequence decodes one token, with at most `max_rows` of them, runs from the embeddings to the
+final norm in one call whose threads meet at a barrier between stages. Anything else (prefill, a mixed
+step, more rows, tensor parallelism, a weight in oneDNN's packed layout, another dtype) takes the layer
+path, which stays the definition: tests hold the two to the same tokens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import structlog
+import torch
+
+log = structlog.get_logger("worker.fused_decode")
+
+_P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class PsMatrix(ctypes.Structure):
+    _fields_ = [("w", _P), ("out_dim", _I64), ("in_dim", _I64), ("type", _I32), ("pad", _I32)]
+
+
+class PsLayer(ctypes.Structure):
+    _fields_ = [("qkv", PsMatrix), ("o_proj", PsMatrix), ("gate_up", PsMatrix), ("down", PsMatrix),
+                ("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P),
+                ("k_cache", _P), ("v_cache", _P), ("rope", _I32), ("pad", _I32)]
+
+
+class PsModel(ctypes.Structure):
+    _fields_ = [("num_layers", _I32), ("hidden", _I32), ("n_heads", _I32), ("n_kv_heads", _I32),
+                ("head_dim", _I32), ("intermediate", _I32), ("block_size", _I32), ("pad", _I32),
+                ("eps", _F), ("scale", _F), ("cos", _P), ("sin", _P), ("final_norm", _P),
+                ("layers", ctypes.POINTER(PsLayer))]
+
+
+def _plain(w) -> bool:
+    return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and w.numel() > 0
+            and w.is_contiguous() and w.layout == torch.strided and not w.is_mkldnn)
+
+
+def _matrix(layer, name: str) -> tuple[PsMatrix, torch.Tensor] | None:
+    """The native description of one projection: the quantized library's blocks, or plain fp32 rows — the
+    layer path's own weight, or the loaded parameter where that one is in oneDNN's packed layout (the worker
+    keeps it for this step). None: no layout the fused step can read."""
+    from worker.quantized import QuantLinear, QuantWeight
+
+    w = layer.w.get(name)
+    if isinstance(w, QuantLinear):
+        w = w.q
+    if isinstance(w, QuantWeight):
+        return PsMatrix(w.data.data_ptr(), w.out_dim, w.in_dim, w.type_id, 0), w.data
+    for t in (w, getattr(layer, name)):
+        if _plain(t):
+            return PsMatrix(t.data_ptr(), t.shape[0], t.shape[1], 0, 0), t
+    return None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecode:
+    def __init__(self, kernels, model, max_rows: int) -> None:
+        self.kernels = kernels
+        self.model = model
+        self.max_rows = max_rows
+        self._pool = None
+        self._scratch = torch.empty(0)
+
+    @staticmethod
+    def unsupported(model, tp_size: int) -> str | None:
+        """Why the fused step cannot run this model (None: it can)."""
+        c = model.config
+        if tp_size > 1:
+            return "tensor parallelism (the layer path all-reduces between stages)"
+        if model.embed.device.type != "cpu" or model.embed.dtype != torch.float32:
+            return f"{model.embed.dtype} on {model.embed.device.type} (fp32 on a CPU only)"
+        q_size = c.num_heads * c.head_dim
+        if c.hidden_size % 32 or c.intermediate_size % 32 or q_size % 32 or c.head_dim % 2:
+            return "dimensions not multiples of 32"
+        for layer in model.layers:
+            for name in layer.MATMUL_WEIGHTS:
+                if _matrix(layer, name) is None:
+                    return f"{model.mm.name} weights only (the fused step reads GGUF blocks or plain fp32 rows)"
+        return None
+
+    def covers(self, step, num_tokens: int) -> bool:
+        from worker.attention import CpuAttentionMeta
+
+        meta = step.attn_meta
+        return (isinstance(meta, CpuAttentionMeta) and 0 < num_tokens <= self.max_rows
+                and meta.decode_rows.numel() == num_tokens and meta.prefill_starts.numel() == 0)
+
+    def _describe(self, pool) -> None:
+        """The model, its weights and this pool's caches as the native step reads them (once per pool)."""
+        m, c = self.model, self.model.config
+        keep, layers = [], (PsLayer * c.num_layers)()
+        for i, layer in enumerate(m.layers):
+            mats = {}
+            for name in layer.MATMUL_WEIGHTS:
+                desc, tensor = _matrix(layer, name)
+                mats[name] = desc
+                keep.append(tensor)
+            k_cache, v_cache = pool.layer(i)
+            layers[i] = PsLayer(mats["qkv"], mats["o_proj"], mats["gate_up"], mats["down"],
+                                _ptr(layer.input_norm), _ptr(layer.post_attn_norm), _ptr(layer.qkv_bias),
+                                _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(k_cache), _ptr(v_cache),
+                                int(c.uses_rope(i)), 0)
+        rotary = m.rotary
+        self._desc = PsModel(c.num_layers, c.hidden_size, m.shard.num_q_heads, m.shard.num_kv_heads, c.head_dim,
+                             m.shard.intermediate_size, pool.block_size, 0, c.rms_norm_eps, c.head_dim**-0.5,
+                             _ptr(rotary.cos), _ptr(rotary.sin), _ptr(m.norm), layers)
+        self._keep = (keep, layers, rotary)
+        self._pool = pool
+
+    def forward(self, x: torch.Tensor, step, pool) -> torch.Tensor:
+        """x: the step's embeddings [rows, hidden] (overwritten) -> the final-norm hidden states."""
+        if self._pool is not pool:
+            self._describe(pool)
+        meta = step.attn_meta
+        rows = x.shape[0]
+        need = self.kernels.decode_step_scratch(self._desc, rows)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
+        x = x.contiguous()
+        tables = meta.decode_tables
+        self.kernels.decode_step(self._desc, rows, x, step.positions.to(torch.int64).contiguous(),
+                                 step.slot_mapping.to(torch.int64).contiguous(), tables, meta.decode_lens,
+                                 self._scratch)
+        return x
