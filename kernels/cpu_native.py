@@ -29,7 +29,10 @@ SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = [SOURCE_DIR / "paged_decode.c", SOURCE_DIR / "paged_prefill.c", SOURCE_DIR / "elementwise.c",
            SOURCE_DIR / "quant_matmul.c", SOURCE_DIR / "decode_step.c"]
 HEADERS = [SOURCE_DIR / "vec_math.h", SOURCE_DIR / "quant_blocks.h"]
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
+# PAGEDSERVE_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2, no AVX-512, for a
+# fleet of older machines; the tests build it so to check the portable paths here)
+MARCH = os.environ.get("PAGEDSERVE_NATIVE_MARCH", "native")
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # full-width vectors where AVX-512 exists; no effect elsewhere
 
@@ -68,6 +71,8 @@ class NativeKernels:
         self._quant_dequant = lib.pagedserve_quant_dequant
         self._quant_dequant.argtypes = [p, i64, i64, i32, p]
         self._quant_dequant.restype = ctypes.c_int
+        lib.pagedserve_native_isa.restype = ctypes.c_int
+        self.isa = lib.pagedserve_native_isa()  # 512: AVX-512 intrinsics; 256: AVX2 (the portable loops)
         self._decode_step = lib.pagedserve_decode_step
         self._decode_step.argtypes = [p, i64, p, p, p, p, i64, p, p]
         self._decode_step.restype = ctypes.c_int

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -126,6 +127,7 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     config = scheduler_config(args)
     spec = ModelSpec.from_folder(args.model, args.max_model_len)
     tokenizer = Tokenizer(args.model)
+    threading.Thread(target=tokenizer.warm, name="tokenizer-warm", daemon=True).start()
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < spec.max_context:
         raise SystemExit("without chunked prefill --max-num-batched-tokens must be at least the context length")
     if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:

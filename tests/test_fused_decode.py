@@ -4,6 +4,9 @@ serves (Llama, Qwen2's QKV bias, Qwen3's q/k norm, SmolLM3's layers without RoPE
 blocks, at one and several sequences whose contexts cross blocks; steps it does not cover take the layer
 path; and a server decodes the same greedy tokens with it as with --cpu-decode layers."""
 
+import platform
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +21,7 @@ from worker.model import StepInputs
 from worker.weights import load_model
 
 BLOCK = 16
+ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="native CPU kernels not built")
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -180,3 +184,27 @@ def test_a_server_decodes_the_same_greedy_tokens_fused_and_layer_by_layer(server
         assert ('"fused_decode"' in server.log_path.read_text()) == (mode == "fused")
         server.stop()
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets only")
+def test_the_portable_paths_built_for_avx2_compute_the_same(tmp_path):
+    """This CPU has AVX-512, so the kernels' portable loops (what an AVX2 or ARM machine runs) never run here
+    otherwise: built for x86-64-v3 into a cache of their own, the quantized matmuls, the fused step (dense and
+    GGUF blocks), decode attention and the elementwise tail pass the same checks against their references."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAGEDSERVE_NATIVE_MARCH": "x86-64-v3", "PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    isa = subprocess.run([sys.executable, "-c", "from kernels import cpu_native; print(cpu_native.load().isa)"],
+                         env=env, capture_output=True, text=True, cwd=ROOT)
+    if isa.returncode != 0 or not isa.stdout.strip():
+        pytest.skip(f"no x86-64-v3 build here: {isa.stderr[-300:]}")
+    assert isa.stdout.strip() == "256"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                          "tests/test_fused_decode.py", "tests/test_quantized.py", "tests/test_kernels.py",
+                          "tests/test_fused.py", "-k", "not cuda and not triton"],
+                         env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert " passed" in run.stdout.splitlines()[-1]

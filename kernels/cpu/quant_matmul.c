@@ -17,6 +17,18 @@
 
 #include "quant_blocks.h"
 
+/* The vector width the library was built for: 512 (AVX-512 intrinsics), 256 (AVX2: the portable loops,
+   vectorized by the compiler) or 0. */
+int pagedserve_native_isa(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, or -1 when the type or shape is not served (in_dim must be a multiple of 32). */
 int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                             int32_t type, float *y) {
