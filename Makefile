@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers gpu-compile-report plot-kv clean
+.PHONY: setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-accuracy gpu-compile-report plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native
 
@@ -131,6 +131,9 @@ bench-quantized: setup
 # pagedserve against llama.cpp's llama-server on the same Q4_1 GGUF (built once from the llama-cpp-python sdist).
 bench-cpu-peers: setup
 	$(PY) -m deploy.bench_cpu_peers --model $(MODEL_DIR) $(ARGS)
+
+bench-accuracy: setup  # perplexity of a fixed text: fp32, the Q4_1 blocks (fp32 / int8 activations), llama-perplexity
+	$(PY) -m deploy.bench_accuracy --model $(MODEL_DIR) $(ARGS)
 
 bench-scheduler: setup  # scheduler cost per decode step at 256 and 1024 sequences x 2k context
 	$(PY) -m deploy.bench_scheduler --model $(MODEL_DIR) $(ARGS)

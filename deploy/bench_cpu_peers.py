@@ -39,10 +39,28 @@ CACHE = Path(os.environ.get("PAGEDSERVE_PEERS", Path.home() / ".cache" / "pageds
 
 def build_llama_server() -> Path:
     """llama-server built from the pinned sdist (once: a few minutes on two cores)."""
-    binary = CACHE / "llama.cpp" / "build" / "bin" / "llama-server"
+    return build_llama_tool("llama-server")
+
+
+def build_llama_tool(name: str) -> Path:
+    """One of llama.cpp's programs (llama-server, llama-perplexity) built from the pinned sdist, once."""
+    binary = CACHE / "llama.cpp" / "build" / "bin" / name
     if binary.is_file():
         return binary
     CACHE.mkdir(parents=True, exist_ok=True)
+    if (CACHE / "llama.cpp" / "CMakeLists.txt").is_file():  # the source is here already: build the target
+        target = CACHE / "llama.cpp"
+    else:
+        target = _fetch_llama_cpp()
+    build = target / "build"
+    subprocess.run(["cmake", "-S", str(target), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 2)], check=True)
+    return binary
+
+
+def _fetch_llama_cpp() -> Path:
+    """The sdist's vendored llama.cpp source, unpacked under the cache."""
     with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                         LLAMA_CPP_PYTHON, "-d", tmp], check=True)
@@ -54,12 +72,7 @@ def build_llama_server() -> Path:
         if target.exists():
             subprocess.run(["rm", "-rf", str(target)], check=True)
         source.rename(target)
-    build = target / "build"
-    subprocess.run(["cmake", "-S", str(target), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
-                   check=True)
-    return binary
+    return target
 
 
 class LlamaServer:

@@ -181,3 +181,13 @@ def test_int8_activations_compute_the_rounded_activations_times_the_weight(nativ
     torch.testing.assert_close(got, int8_reference(x, w, reference), rtol=1e-4, atol=1e-4)
     exact = x @ reference.T  # and within a percent or so of the fp32 activations' answer
     assert (got - exact).norm() / exact.norm() < 2e-2
+
+
+def test_perplexity_chunks_follow_llama_perplexity():
+    """bench-accuracy scores the text as llama.cpp's perplexity tool does: whole ctx-token windows (the
+    remainder dropped), each one's first token replaced by BOS where the tokenizer adds one."""
+    from deploy.bench_accuracy import chunks
+
+    tokens = list(range(10, 31))  # 21 tokens
+    assert chunks(tokens, 8, None) == [list(range(10, 18)), list(range(18, 26))]
+    assert chunks([1] + tokens, 8, 1) == [[1] + list(range(10, 17)), [1] + list(range(18, 25))]

@@ -1,0 +1,141 @@
+"""Accuracy of the default model as served, measured: `make bench-accuracy`.
+
+Perplexity of a fixed English text (deploy/data/perplexity.txt: public-domain prose, ~1000 tokens) by the
+protocol of llama.cpp's `llama-perplexity`, so the figures sit beside that tool's on the same GGUF: the
+text's tokens (a BOS first where the GGUF's tokenizer adds one) cut into chunks of --ctx tokens (the
+first token of each replaced by BOS in that case), each evaluated alone, and every token of a chunk's
+second half scored from the positions before it; PPL = exp(mean negative log-likelihood).
+
+pagedserve's figures come from the server's own prompt logprobs (SamplingParams.prompt_logprobs: the raw
+fp32 log-softmax of each prompt token given the ones before it), computed one token a step so that every
+token takes the path generated tokens take (decode steps: the quantized kernels, the fused step), one
+server after the other:
+  - fp32: the GGUF dequantized (`--dequantize`), the reference;
+  - the GGUF's Q4_1 blocks with fp32 activations (the default);
+  - the same blocks with int8 activations (`--quantized-activations int8`, llama.cpp's scheme).
+Beside each, the mean and largest |difference| of the scored tokens' logprobs from the fp32 server's.
+
+    python -m deploy.bench_accuracy --model .models/smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from deploy.local_server import ServerProcess
+
+TEXT = Path(__file__).resolve().parent / "data" / "perplexity.txt"
+
+
+def chunks(tokens: list[int], ctx: int, bos: int | None) -> list[list[int]]:
+    """llama-perplexity's chunks: whole ctx-token windows of the text, each starting with BOS where the
+    tokenizer adds one (the text's own first token replaced)."""
+    out = []
+    for i in range(len(tokens) // ctx):
+        c = list(tokens[i * ctx: (i + 1) * ctx])
+        if bos is not None:
+            c[0] = bos
+        out.append(c)
+    return out
+
+
+def scored_logprobs(server: ServerProcess, chunk_list: list[list[int]]) -> list[float]:
+    """The logprob of every scored token (positions ctx/2 + 1 .. ctx - 1 of each chunk), in order."""
+    from protos import generation_pb2 as pb
+
+    out = []
+    for c in chunk_list:
+        first = len(c) // 2
+        resp = server.stub.Generate(pb.GenerateRequest(prompt_token_ids=c, sampling=pb.SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0)), timeout=600)
+        lps = resp.prompt_logprobs  # one per prompt token from the second on
+        if len(lps) != len(c) - 1:
+            raise RuntimeError(f"expected {len(c) - 1} prompt logprobs, got {len(lps)}")
+        out += [lps[p - 1].logprob for p in range(first + 1, len(c))]
+    return out
+
+
+def llama_perplexity(gguf: Path, text: Path, ctx: int, threads: int) -> float:
+    from deploy.bench_cpu_peers import build_llama_tool
+
+    binary = build_llama_tool("llama-perplexity")
+    run = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx),
+                          "-t", str(threads)], capture_output=True, text=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
+    if run.returncode != 0 or not found:
+        raise RuntimeError(f"llama-perplexity failed ({run.returncode}): {(run.stdout + run.stderr)[-1500:]}")
+    return float(found.group(1))
+
+
+def gguf_bos(gguf: Path) -> int | None:
+    """The BOS id where the GGUF's tokenizer adds one (as llama-perplexity does), else None."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+
+    def value(name):
+        f = fields.get(name)
+        return None if f is None else f.parts[f.data[0]][0]
+
+    return int(value("tokenizer.ggml.bos_token_id")) if value("tokenizer.ggml.add_bos_token") else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a folder prepared from a GGUF (the default model's)")
+    p.add_argument("--text", type=Path, default=TEXT)
+    p.add_argument("--ctx", type=int, default=128, help="tokens per chunk (llama-perplexity -c)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp's perplexity tool")
+    p.add_argument("--tokens-per-step", type=int, default=1,
+                   help="prompt tokens a step computes (1: each as a decode step computes a generated token)")
+    args = p.parse_args(argv)
+    from scheduler_service.tokenizer import Tokenizer
+    from worker.quantized import find_gguf
+
+    gguf = find_gguf(args.model)
+    if gguf is None:
+        raise SystemExit(f"{args.model} names no GGUF file (prepare it from one: pagedserve prepare-model)")
+    bos = gguf_bos(gguf)
+    tokens = Tokenizer(args.model).encode(args.text.read_text(), add_special_tokens=False)
+    tokens = ([bos] if bos is not None else []) + tokens
+    chunk_list = chunks(tokens, args.ctx, bos)
+    if len(chunk_list) < 2:
+        raise SystemExit(f"the text has {len(tokens)} tokens: fewer than two chunks of {args.ctx}")
+    runs = [("fp32 (the GGUF dequantized)", ["--dequantize"]),
+            ("Q4_1 blocks, fp32 activations (default)", []),
+            ("Q4_1 blocks, int8 activations", ["--quantized-activations", "int8"])]
+    results = []
+    for name, extra in runs:
+        log = Path(tempfile.mkdtemp(prefix="pagedserve-accuracy-")) / "server.log"
+        # one prompt token a step: every token goes through the decode path (the quantized kernels, the
+        # fused step), as generated tokens do; a whole chunk at once would take the prefill path, which
+        # runs on the dense copy of the blocks' values and so equals fp32 by construction
+        server = ServerProcess(Path(args.model), log, "--metrics-port", "0", "--threads", str(args.threads),
+                               "--max-num-batched-tokens", str(args.tokens_per_step), *extra).start(timeout=600)
+        try:
+            results.append((name, scored_logprobs(server, chunk_list)))
+        finally:
+            server.stop()
+    n = len(results[0][1])
+    print(f"text: {args.text.name}, {len(tokens)} tokens, {len(chunk_list)} chunks of {args.ctx}, {n} tokens scored")
+    reference = results[0][1]
+    print(f"{'':42} {'PPL':>8} {'mean |Δ logprob|':>17} {'max |Δ logprob|':>16}")
+    for name, lps in results:
+        ppl = math.exp(-statistics.fmean(lps))
+        diffs = [abs(a - b) for a, b in zip(lps, reference, strict=True)]
+        print(f"{name:42} {ppl:8.4f} {statistics.fmean(diffs):17.2e} {max(diffs):16.2e}")
+    if not args.no_llama_cpp:
+        print(f"{'llama.cpp llama-perplexity (Q4_1 GGUF)':42} {llama_perplexity(gguf, args.text, args.ctx, args.threads):8.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
