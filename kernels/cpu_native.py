@@ -28,7 +28,7 @@ log = structlog.get_logger("kernels.cpu_native")
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = [SOURCE_DIR / "paged_decode.c", SOURCE_DIR / "paged_prefill.c", SOURCE_DIR / "elementwise.c",
            SOURCE_DIR / "quant_matmul.c", SOURCE_DIR / "decode_step.c"]
-HEADERS = [SOURCE_DIR / "vec_math.h", SOURCE_DIR / "quant_blocks.h"]
+HEADERS = [SOURCE_DIR / "vec_math.h", SOURCE_DIR / "quant_blocks.h", SOURCE_DIR / "rows.h"]
 # PAGEDSERVE_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2, no AVX-512, for a
 # fleet of older machines; the tests build it so to check the portable paths here)
 MARCH = os.environ.get("PAGEDSERVE_NATIVE_MARCH", "native")

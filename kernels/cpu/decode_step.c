@@ -18,7 +18,7 @@
 #include <stdlib.h>
 
 #include "quant_blocks.h"
-#include "vec_math.h"
+#include "rows.h"
 
 void pagedserve_decode_item(const float* q_row, const float* k_cache, const float* v_cache, float* out_row,
                             const int32_t* table, int32_t len, int kh0, int kh1, int32_t n_heads, int32_t n_kv_heads,
@@ -74,46 +74,13 @@ static void matmul_part(const PsMatrix* w, const float* x, int64_t rows, float* 
     }
 }
 
-/* residual += delta (when given); out = RMSNorm(residual) * weight — elementwise.c's add_rms_norm, one row. */
-static void add_rms_norm_row(float* x, const float* delta, const float* weight, float* out, int64_t dim, float eps) {
-    float sum = 0.0f;
-    if (delta) {
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < dim; i++) {
-            x[i] += delta[i];
-            sum += x[i] * x[i];
-        }
-    } else {
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < dim; i++) sum += x[i] * x[i];
-    }
-    const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < dim; i++) out[i] = weight[i] * (x[i] * inv);
-}
-
 /* One head of one token in place: bias, RMSNorm over the head (q/k norm), rotate-half RoPE. */
 static void head_prologue(float* v, const float* bias, const float* norm, const float* c, const float* s,
                           int head_dim, float eps) {
     if (bias)
         for (int d = 0; d < head_dim; d++) v[d] += bias[d];
-    if (norm) {
-        float sum = 0.0f;
-        for (int d = 0; d < head_dim; d++) sum += v[d] * v[d];
-        const float inv = 1.0f / sqrtf(sum / (float)head_dim + eps);
-        for (int d = 0; d < head_dim; d++) v[d] = norm[d] * (v[d] * inv);
-    }
-    if (c) {
-        const int half = head_dim / 2;
-        float* x1 = v;
-        float* x2 = v + half;
-#pragma omp simd
-        for (int i = 0; i < half; i++) {
-            const float a = x1[i], b = x2[i];
-            x1[i] = a * c[i] - b * s[i];
-            x2[i] = b * c[i] + a * s[i];
-        }
-    }
+    if (norm) add_rms_norm_row(v, 0, norm, v, head_dim, eps); /* in place: each value read before written */
+    if (c) rope_head(v, c, s, head_dim / 2);
 }
 
 /* x: [rows, hidden], the tokens' embeddings in, the final-norm hidden states out. positions, slots: int64
@@ -192,11 +159,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < rows * act_chunks; it++) {
                 const int64_t r = it / act_chunks, i0 = it % act_chunks * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
-                const float* g = gu + r * 2 * I;
-                const float* u = g + I;
-                float* o = act + r * I;
-#pragma omp simd
-                for (int64_t i = i0; i < i1; i++) o[i] = g[i] / (1.0f + vec_exp(-g[i])) * u[i];
+                silu_mul_span(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, i0, i1);
             }
             matmul_part(&ly->down, act, rows, delta);
         }
