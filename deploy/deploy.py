@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.launcher import passthrough, worker_units
 from deploy.local_server import read_port_file
+from deploy.prepare_model import model_folder
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos.logs import configure_logging
 from scheduler_service.main import add_scheduler_args
@@ -180,6 +181,7 @@ def summary(addresses: list[str], supervisor: Supervisor, run_dir: Path, gateway
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, process="deploy", log_format=args.log_format)
+    args.model = model_folder(args.model)  # a .gguf file: its prepared folder (once), served on its blocks
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     pid_file = run_dir / "deploy.pid"

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import structlog
 
+from deploy.prepare_model import model_folder
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos.logs import configure_logging
 from scheduler_service.main import add_scheduler_args, serve
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, process="scheduler", log_format=args.log_format)
+    args.model = model_folder(args.model)  # a .gguf file: its prepared folder (once), served on its blocks
     return asyncio.run(launch(args))
 
 

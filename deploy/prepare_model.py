@@ -74,6 +74,31 @@ def prepare(gguf_path: Path, out: Path, model_name: str) -> Path:
     return out
 
 
+def model_folder(model: str) -> str:
+    """The folder to serve for --model: the argument itself, or for a GGUF file the folder prepared from it
+    (once, under $PAGEDSERVE_MODELS, default ~/.cache/pagedserve/models, keyed by the file's path, size and
+    modification time), which
+    names the file so the workers serve its quantized blocks as they ship."""
+    import hashlib
+    import os
+
+    path = Path(model)
+    if path.suffix != ".gguf":
+        return model
+    if not path.is_file():
+        raise SystemExit(f"--model {model}: no such GGUF file")
+    stat = path.resolve().stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("PAGEDSERVE_MODELS") or Path(os.environ.get("PAGEDSERVE_CACHE") or
+                                                             Path.home() / ".cache" / "pagedserve") / "models")
+    out = cache / f"{path.stem}-{key}"
+    if not is_prepared(out):
+        print(f"preparing {path.name} once (config, tokenizer, an fp32 copy for prefill) into {out}",
+              file=sys.stderr, flush=True)
+        prepare(path.resolve(), out, path.stem.split(".")[0])
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write")

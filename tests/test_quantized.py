@@ -191,3 +191,33 @@ def test_perplexity_chunks_follow_llama_perplexity():
     tokens = list(range(10, 31))  # 21 tokens
     assert chunks(tokens, 8, None) == [list(range(10, 18)), list(range(18, 26))]
     assert chunks([1] + tokens, 8, 1) == [[1] + list(range(10, 17)), [1] + list(range(18, 25))]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_a_gguf_file_is_served_as_given(server_factory, native, tmp_path, monkeypatch):
+    """`pagedserve serve --model X.gguf`: the file is prepared once into a cached folder that names it, and
+    served on its own blocks — the same greedy answers as the folder `make setup` prepared from it."""
+    from deploy.prepare_model import find_embedded_gguf, model_folder
+    from protos import generation_pb2 as pb
+
+    if not (MODEL_DIR / "model.safetensors").exists():
+        pytest.skip("default model not prepared")
+    monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path))
+    path = find_embedded_gguf()
+    servers = []
+    try:
+        servers.append(server_factory(path, "--num-blocks", "256", "--max-model-len", "1024"))
+        assert '"matmul": "quantized"' in servers[0].log_path.read_text()
+        prepared = list(tmp_path.iterdir())
+        assert len(prepared) == 1 and model_folder(str(path)) == str(prepared[0])  # found again, not redone
+        servers.append(server_factory(MODEL_DIR, "--num-blocks", "256", "--max-model-len", "1024"))
+        req = pb.GenerateRequest(prompt_token_ids=list(range(300, 340)), sampling=pb.SamplingParams(
+            max_tokens=16, temperature=0, ignore_eos=True))
+        a, b = (list(s.stub.Generate(req, timeout=120).choices[0].token_ids) for s in servers)
+        assert a == b and len(a) == 16
+        assert servers[0].stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model_name == \
+            "SmolLM2-135M-Instruct"
+    finally:
+        for s in servers:
+            s.stop()
