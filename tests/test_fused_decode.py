@@ -208,3 +208,46 @@ def test_the_portable_paths_built_for_avx2_compute_the_same(tmp_path):
                          env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:]
     assert " passed" in run.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_model(tmp_path, qtype):
+    """Every projection as random K-quant blocks (256-value blocks: a model 256 wide), the QKV stack's values
+    in the other K type: the fused step gives the layer path's floats, and both the dense model's on gguf's
+    dequantization of the same blocks."""
+    from tests.test_quantized import random_k_blocks
+    from worker.main import use_fused_decode
+    from worker.quantized import QuantizedMatmul, QuantLinear, QuantWeight
+
+    folder = make_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=512, head_dim=64,
+                             num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
+    model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    dense_model, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    dense_model.use_matmul(DenseMatmul())
+    rng = np.random.default_rng(0)
+    lib = QuantizedMatmul(cpu_native.load(), DenseMatmul(), max_kernel_rows=16)
+    for layer, twin in zip(model.layers, dense_model.layers, strict=True):
+        layer.w = {}
+        for name in layer.MATMUL_WEIGHTS:
+            out_dim, in_dim = getattr(layer, name).shape
+            q, reference = random_k_blocks(rng, out_dim, in_dim, qtype)
+            if name == "qkv":  # v in the other K type, as a Q4_K_M file has it: a stack of two segments
+                other = "Q6_K" if qtype == "Q4_K" else "Q4_K"
+                kv = config.num_kv_heads * config.head_dim
+                v, v_ref = random_k_blocks(rng, kv, in_dim, other)
+                q = QuantWeight.cat([q.rows(slice(0, out_dim - kv)), v])
+                reference[out_dim - kv:] = v_ref
+                assert [p.qtype for p in q.segments] == [qtype, other]
+            layer.w[name] = QuantLinear(q, None)
+            getattr(twin, name).data.copy_(reference)
+        layer.mm = lib
+    model._head, model.mm = DenseMatmul().prepare(model.lm_head), lib
+    use_fused_decode(model, 1, "fp32")
+    assert model.fused is not None
+    for seqs in DECODES:
+        want, want_pool = _run(model, config, seqs, fused=False)
+        got, got_pool = _run(model, config, seqs, fused=True)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_pool.k, want_pool.k, strict=True))
+        dense, _ = _run(dense_model, config, seqs, fused=False)
+        torch.testing.assert_close(got, dense, atol=2e-3, rtol=2e-3)

@@ -15,6 +15,7 @@ from worker.quantized import QUANT_TYPES, GGUFQuantSource, QuantizedMatmul, Quan
 gguf = pytest.importorskip("gguf")
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", ROOT / ".models" / "smollm2-135m-instruct"))
+GGUF_QUANTIZES = ["Q4_0", "Q4_1", "Q8_0"]  # the served types gguf can quantize to; the K types: random_k_blocks
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +34,14 @@ def quantized(rng, out_dim, in_dim, qtype):
     return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, in_dim), torch.from_numpy(reference)
 
 
-@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
+@pytest.mark.parametrize("qtype", GGUF_QUANTIZES)
 def test_dequantizing_matches_ggufs_own(native, qtype):
     w, reference = quantized(np.random.default_rng(0), 48, 320, qtype)
     out = QuantizedMatmul(native, dense=None).dequantize(w)
     torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
+@pytest.mark.parametrize("qtype", GGUF_QUANTIZES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 8, 9, 13, 40])  # every row-count copy, and the tails
 def test_the_kernel_computes_x_times_the_dequantized_weight(native, qtype, rows):
     rng = np.random.default_rng(rows)
@@ -54,7 +55,7 @@ def test_the_kernel_computes_x_times_the_dequantized_weight(native, qtype, rows)
     torch.testing.assert_close(lib(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)
 
 
-def test_block_boundaries_are_kept_and_refused_otherwise(native):
+def test_block_boundaries_are_kept_and_mixed_types_stack(native):
     w, reference = quantized(np.random.default_rng(1), 8, 128, "Q4_1")
     torch.testing.assert_close(QuantizedMatmul(native, dense=None).dequantize(w.cols(32, 96)), reference[:, 32:96],
                                rtol=1e-6, atol=1e-7)
@@ -63,9 +64,18 @@ def test_block_boundaries_are_kept_and_refused_otherwise(native):
     stacked = QuantWeight.cat([w.rows(slice(0, 3)), w.rows(slice(5, 8))])
     torch.testing.assert_close(QuantizedMatmul(native, dense=None).dequantize(stacked),
                                torch.cat([reference[:3], reference[5:]]), rtol=1e-6, atol=1e-7)
-    other, _ = quantized(np.random.default_rng(2), 8, 128, "Q8_0")
-    with pytest.raises(ValueError, match="cannot stack"):
-        QuantWeight.cat([w, other])
+    other, other_ref = quantized(np.random.default_rng(2), 8, 128, "Q8_0")
+    third, third_ref = quantized(np.random.default_rng(3), 4, 128, "Q8_0")
+    mixed = QuantWeight.cat([w, other, third])  # q in one type, k and v in another: runs of one type each
+    assert [p.qtype for p in mixed.segments] == ["Q4_1", "Q8_0"] and mixed.shape == (20, 128)
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
+    want = torch.cat([reference, other_ref, third_ref])
+    torch.testing.assert_close(lib.dequantize(mixed), want, rtol=1e-6, atol=1e-7)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(lib(x, mixed), x @ want.T, rtol=1e-4, atol=1e-4)
+    narrow, _ = quantized(np.random.default_rng(4), 8, 64, "Q8_0")
+    with pytest.raises(ValueError, match="input sizes"):
+        QuantWeight.cat([w, narrow])
 
 
 def default_gguf():
@@ -169,7 +179,7 @@ def int8_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> 
     return (q * d).view_as(x) @ reference.T
 
 
-@pytest.mark.parametrize("qtype", sorted(QUANT_TYPES))
+@pytest.mark.parametrize("qtype", GGUF_QUANTIZES)
 @pytest.mark.parametrize("rows", [1, 2, 7])
 @pytest.mark.parametrize("in_dim", [576, 160])  # an even and an odd number of blocks
 def test_int8_activations_compute_the_rounded_activations_times_the_weight(native, qtype, rows, in_dim):
@@ -221,3 +231,37 @@ def test_a_gguf_file_is_served_as_given(server_factory, native, tmp_path, monkey
     finally:
         for s in servers:
             s.stop()
+
+
+def random_k_blocks(rng, out_dim: int, in_dim: int, qtype: str) -> tuple[QuantWeight, torch.Tensor]:
+    """Random K-quant blocks (any bytes are a valid block once its fp16 scales are finite and modest) and gguf's
+    own dequantization of them: gguf cannot quantize to the K types, only read them."""
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    _, values, bb = QUANT_TYPES[qtype]
+    blocks = rng.integers(0, 256, (out_dim, in_dim // values, bb), dtype=np.uint8)
+    scales = rng.uniform(0.002, 0.02, (out_dim, in_dim // values, 2)).astype(np.float16).view(np.uint8)
+    if qtype == "Q4_K":  # d, dmin first
+        blocks[..., 0:4] = scales.reshape(out_dim, in_dim // values, 4)
+    else:  # Q6_K: d last
+        blocks[..., 208:210] = scales[..., 0:2]
+    blocks = blocks.reshape(out_dim, -1)
+    reference = gguf.quants.dequantize(blocks, kind).reshape(out_dim, in_dim)
+    return QuantWeight(torch.from_numpy(blocks), qtype, in_dim), torch.from_numpy(np.ascontiguousarray(reference))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_k_quant_blocks_compute_x_times_gguf_dequantization(native, qtype, rows):
+    """Q4_K and Q6_K (what a Q4_K_M file mostly holds): the kernel on the blocks, and their dequantization,
+    against gguf's reading of the same bytes; a tensor-parallel column split falls on whole 256-value blocks."""
+    rng = np.random.default_rng(rows)
+    w, reference = random_k_blocks(rng, 40, 768, qtype)
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
+    torch.testing.assert_close(lib.dequantize(w), reference, rtol=1e-6, atol=1e-7)
+    x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))
+    torch.testing.assert_close(lib(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)
+    int8 = QuantizedMatmul(native, dense=None, max_kernel_rows=64, int8_activations=True)
+    torch.testing.assert_close(int8(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)  # K types: fp32 activations
+    torch.testing.assert_close(lib.dequantize(w.cols(256, 768)), reference[:, 256:], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="256-value"):
+        w.cols(32, 768)

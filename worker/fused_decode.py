@@ -22,8 +22,15 @@ log = structlog.get_logger("worker.fused_decode")
 _P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
 
+class PsSegment(ctypes.Structure):
+    _fields_ = [("w", _P), ("rows", _I64), ("type", _I32), ("pad", _I32)]
+
+
+MAX_SEGMENTS = 3  # decode_step.c: a projection's row ranges of different types (a stack of q, k, v)
+
+
 class PsMatrix(ctypes.Structure):
-    _fields_ = [("w", _P), ("out_dim", _I64), ("in_dim", _I64), ("type", _I32), ("pad", _I32)]
+    _fields_ = [("seg", PsSegment * MAX_SEGMENTS), ("out_dim", _I64), ("in_dim", _I64)]
 
 
 class PsLayer(ctypes.Structure):
@@ -48,16 +55,18 @@ def _matrix(layer, name: str) -> tuple[PsMatrix, torch.Tensor] | None:
     """The native description of one projection: the quantized library's blocks, or plain fp32 rows — the
     layer path's own weight, or the loaded parameter where that one is in oneDNN's packed layout (the worker
     keeps it for this step). None: no layout the fused step can read."""
-    from worker.quantized import QuantLinear, QuantWeight
+    from worker.quantized import QuantLinear, QuantStack, QuantWeight
 
     w = layer.w.get(name)
     if isinstance(w, QuantLinear):
         w = w.q
-    if isinstance(w, QuantWeight):
-        return PsMatrix(w.data.data_ptr(), w.out_dim, w.in_dim, w.type_id, 0), w.data
+    if isinstance(w, (QuantWeight, QuantStack)) and len(w.segments) <= MAX_SEGMENTS:
+        segs = [PsSegment(p.data.data_ptr(), p.out_dim, p.type_id, 0) for p in w.segments]
+        return PsMatrix((PsSegment * MAX_SEGMENTS)(*segs), w.out_dim, w.in_dim), [p.data for p in w.segments]
     for t in (w, getattr(layer, name)):
         if _plain(t):
-            return PsMatrix(t.data_ptr(), t.shape[0], t.shape[1], 0, 0), t
+            return PsMatrix((PsSegment * MAX_SEGMENTS)(PsSegment(t.data_ptr(), t.shape[0], 0, 0)), t.shape[0],
+                            t.shape[1]), t
     return None
 
 

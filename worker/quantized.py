@@ -1,4 +1,4 @@
-"""Quantized weights served as a GGUF file ships them (Q4_0, Q4_1, Q8_0), without dequantizing.
+"""Quantized weights served as a GGUF file ships them (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), without dequantizing.
 
 `GGUFQuantSource` reads a GGUF's quantized matrices by their Hugging Face names, each as a `QuantWeight`
 (the raw blocks, one row of blocks per output feature) — a rank of a tensor-parallel group takes its rows,
@@ -27,9 +27,10 @@ import torch.nn.functional as F
 
 log = structlog.get_logger("worker.quantized")
 
-# ggml's type ids and block sizes (bytes per 32 values) for the types the kernels serve.
-QUANT_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
-BLOCK = 32
+# ggml's type id, values per block and bytes per block of each type the kernels serve (the K-quants pack
+# 256 values a block: Q4_K with a 6-bit scale and min per 32, Q6_K with an int8 scale per 16).
+QUANT_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
+               "Q6_K": (14, 256, 210)}
 
 
 @dataclass
@@ -59,19 +60,57 @@ class QuantWeight:
 
     def cols(self, start: int, stop: int) -> QuantWeight:
         """Columns [start, stop) — whole blocks only (a tensor-parallel split of the input dimension)."""
-        if start % BLOCK or stop % BLOCK:
-            raise ValueError(f"columns {start}:{stop} do not fall on {BLOCK}-value block boundaries")
-        bb = QUANT_TYPES[self.qtype][1]
-        return QuantWeight(self.data[:, start // BLOCK * bb: stop // BLOCK * bb].contiguous(), self.qtype,
+        _, values, bb = QUANT_TYPES[self.qtype]
+        if start % values or stop % values:
+            raise ValueError(f"columns {start}:{stop} do not fall on {values}-value {self.qtype} block boundaries")
+        return QuantWeight(self.data[:, start // values * bb: stop // values * bb].contiguous(), self.qtype,
                            stop - start)
 
+    @property
+    def segments(self) -> list[QuantWeight]:
+        return [self]
+
     @staticmethod
-    def cat(parts: list[QuantWeight]) -> QuantWeight:
-        """Rows of several weights stacked (q, k and v into one projection): same type and input size."""
-        if len({(p.qtype, p.in_dim) for p in parts}) != 1:
-            raise ValueError(f"cannot stack weights of types {[p.qtype for p in parts]} and input sizes "
-                             f"{[p.in_dim for p in parts]}")
-        return QuantWeight(torch.cat([p.data for p in parts]).contiguous(), parts[0].qtype, parts[0].in_dim)
+    def cat(parts: list[QuantWeight]) -> QuantWeight | QuantStack:
+        """Rows of several weights stacked (q, k and v into one projection), same input size: one weight where
+        they share a type, else a QuantStack of runs of one type each (a Q4_K_M file's Q4_K queries and keys
+        beside its Q6_K values)."""
+        if len({p.in_dim for p in parts}) != 1:
+            raise ValueError(f"cannot stack weights of input sizes {[p.in_dim for p in parts]}")
+        runs: list[list[QuantWeight]] = []
+        for p in parts:
+            if runs and runs[-1][0].qtype == p.qtype:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        merged = [QuantWeight(torch.cat([p.data for p in run]).contiguous(), run[0].qtype, run[0].in_dim)
+                  for run in runs]
+        return merged[0] if len(merged) == 1 else QuantStack(merged)
+
+
+@dataclass
+class QuantStack:
+    """Consecutive row ranges of one projection, each in its own quantized type."""
+
+    segments: list[QuantWeight]
+
+    MAX_SEGMENTS = 3  # kernels/cpu/decode_step.c's PsMatrix
+
+    @property
+    def out_dim(self) -> int:
+        return sum(p.out_dim for p in self.segments)
+
+    @property
+    def in_dim(self) -> int:
+        return self.segments[0].in_dim
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_dim, self.in_dim)
+
+    @property
+    def qtype(self) -> str:
+        return "+".join(p.qtype for p in self.segments)
 
 
 def find_gguf(model: str | Path) -> Path | None:
@@ -132,7 +171,7 @@ class GGUFQuantSource:
         raise KeyError(f"{hf_name} has no quantized matrix in {self.path.name}")
 
     def qtype(self, hf_name: str) -> str | None:
-        """The quantization of a matrix, or None when the kernels do not serve its type (F32, K-quants)."""
+        """The quantization of a matrix, or None when the kernels do not serve its type (F32, Q5_K, ...)."""
         t = self._tensors.get(self.gguf_name(hf_name))
         if t is None:
             raise KeyError(f"{hf_name} ({self.gguf_name(hf_name)}) is missing from {self.path.name}")
@@ -185,16 +224,23 @@ class QuantizedMatmul:
         self._scratch = torch.empty(0)
 
     def prepare(self, weight):
-        return weight if isinstance(weight, (QuantWeight, QuantLinear)) else self.dense.prepare(weight)
+        return weight if isinstance(weight, (QuantWeight, QuantStack, QuantLinear)) else self.dense.prepare(weight)
 
-    def dequantize(self, w: QuantWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(self, w: QuantWeight | QuantStack, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(w.out_dim, w.in_dim) if out is None else out
-        self.kernels.quant_dequant(w.data, w.type_id, w.out_dim, w.in_dim, out)
+        row = 0
+        for p in w.segments:
+            self.kernels.quant_dequant(p.data, p.type_id, p.out_dim, p.in_dim, out[row: row + p.out_dim])
+            row += p.out_dim
         return out
 
-    def kernel(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    def kernel(self, x: torch.Tensor, w: QuantWeight | QuantStack) -> torch.Tensor:
+        if isinstance(w, QuantStack):
+            return torch.cat([self.kernel(x, p) for p in w.segments], dim=1)
         y = torch.empty(x.shape[0], w.out_dim)
-        self.kernels.quant_matmul(x, w.data, w.type_id, w.out_dim, y, self.int8_activations)
+        # int8 activations pair with the 32-value types (llama.cpp's Q8 blocks); K-quants take fp32 ones
+        int8 = self.int8_activations and QUANT_TYPES[w.qtype][1] == 32
+        self.kernels.quant_matmul(x, w.data, w.type_id, w.out_dim, y, int8)
         return y
 
     def __call__(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,10 +24,19 @@ void pagedserve_decode_item(const float* q_row, const float* k_cache, const floa
                             const int32_t* table, int32_t len, int kh0, int kh1, int32_t n_heads, int32_t n_kv_heads,
                             int32_t head_dim, int32_t block_size, float scale);
 
+#define MAX_SEGMENTS 3
+
 typedef struct {
-    const uint8_t* w; /* out_dim rows of in_dim / 32 blocks of ggml type `type` (0: fp32 values) */
-    int64_t out_dim, in_dim;
+    const uint8_t* w; /* `rows` rows of in_dim values as blocks of ggml type `type` (0: fp32 values) */
+    int64_t rows;
     int32_t type, pad;
+} PsSegment;
+
+typedef struct {
+    /* consecutive row ranges, each in its own type: a stack of q, k and v (or gate and up) may mix them, as
+       a Q4_K_M file's Q4_K queries beside its Q6_K values do; unused segments have 0 rows */
+    PsSegment seg[MAX_SEGMENTS];
+    int64_t out_dim, in_dim;
 } PsMatrix;
 
 typedef struct {
@@ -57,21 +66,35 @@ int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
 
 /* y[r, :] = x[r, :] @ W^T for this thread's share of W's rows (called by every thread of the region). */
 static void matmul_part(const PsMatrix* w, const float* x, int64_t rows, float* y) {
-    const int bb = block_bytes(w->type);
-    const int64_t nblocks = w->in_dim / QK, row_bytes = nblocks * bb, out_dim = w->out_dim;
+    const int64_t nblocks = w->in_dim / QK, out_dim = w->out_dim;
     const int64_t chunks = (out_dim + OUT_CHUNK - 1) / OUT_CHUNK;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t o1 = (c + 1) * OUT_CHUNK < out_dim ? (c + 1) * OUT_CHUNK : out_dim;
         for (int64_t o = c * OUT_CHUNK; o < o1; o++) {
+            int s = 0;
+            int64_t first = 0; /* the segment's first row */
+            while (o >= first + w->seg[s].rows) first += w->seg[s++].rows;
+            const PsSegment* g = &w->seg[s];
+            const uint8_t* wrow = g->w + (o - first) * row_bytes(g->type, w->in_dim);
             float acc[ROWS];
             for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
                 const int nr = (int)(rows - r0 < ROWS ? rows - r0 : ROWS);
-                rows_dot(w->type, w->w + o * row_bytes, nblocks, x + r0 * w->in_dim, w->in_dim, nr, acc);
+                rows_dot(g->type, wrow, nblocks, x + r0 * w->in_dim, w->in_dim, nr, acc);
                 for (int r = 0; r < nr; r++) y[(r0 + r) * out_dim + o] = acc[r];
             }
         }
     }
+}
+
+static int matrix_served(const PsMatrix* w, int64_t out_dim, int64_t in_dim) {
+    int64_t total = 0;
+    for (int s = 0; s < MAX_SEGMENTS; s++) {
+        if (w->seg[s].rows == 0) continue;
+        if (!block_bytes(w->seg[s].type) || in_dim % block_values(w->seg[s].type) || w->seg[s].rows < 0) return 0;
+        total += w->seg[s].rows;
+    }
+    return total == out_dim && w->out_dim == out_dim && w->in_dim == in_dim;
 }
 
 /* One head of one token in place: bias, RMSNorm over the head (q/k norm), rotate-half RoPE. */
@@ -96,8 +119,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
         const PsMatrix* mats[4] = {&ly->qkv, &ly->o_proj, &ly->gate_up, &ly->down};
         const int64_t shapes[4][2] = {{qkv_w, H}, {H, qsz}, {2 * I, H}, {H, I}};
         for (int j = 0; j < 4; j++)
-            if (!block_bytes(mats[j]->type) || mats[j]->out_dim != shapes[j][0] || mats[j]->in_dim != shapes[j][1])
-                return -1;
+            if (!matrix_served(mats[j], shapes[j][0], shapes[j][1])) return -1;
     }
     float* residual = scratch;
     float* h = residual + rows * H;

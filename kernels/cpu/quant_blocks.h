@@ -12,16 +12,27 @@
 #define QK 32
 #define ROWS 8
 
-enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 
+/* Bytes of one block of block_values(type) values (0: a type not served). The K-quants (Q4_K, Q6_K) pack
+   256 values a block with a scale per 32 (Q4_K, and a min) or per 16 (Q6_K); the loops below walk every
+   type in 32-value sub-blocks. */
 static inline int block_bytes(int type) {
     switch (type) {
         case Q4_0: return 18;
         case Q4_1: return 20;
         case Q8_0: return 34;
+        case Q4_K: return 144;
+        case Q6_K: return 210;
         case F32: return 128;
         default: return 0;
     }
+}
+
+static inline int block_values(int type) { return type == Q4_K || type == Q6_K ? 256 : QK; }
+
+static inline int64_t row_bytes(int type, int64_t in_dim) {
+    return in_dim / block_values(type) * block_bytes(type);
 }
 
 static inline float half_to_float(uint16_t h) {
@@ -76,6 +87,73 @@ static inline void dequant_block(int type, const uint8_t *b, float *out) {
     }
 }
 
+/* Q4_K: the 6-bit scale and min of sub-block j, packed in 12 bytes as ggml packs them. */
+static inline void q4k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Where sub-block sb's values of a K-quant block live. Q4_K (d, dmin, 12 bytes of scales, 128 of nibbles):
+   sub-block s is the low (s even) or high (s odd) nibbles of bytes 32 * (s / 2) .. + 31, value d * sc - dmin
+   * m with its own 6-bit sc and m. Q6_K (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales,
+   d): sub-block s = 4n + k of half n takes low (k < 2) or high nibbles of ql + 64n + 32 (k & 1) and bits 2k of
+   qh + 32n, value d * scale * (q - 32), a scale per 16 values. */
+typedef struct {
+    const uint8_t *q, *qh;
+    float scale[2], offset;
+    int shift, hshift;
+} KSub;
+
+static inline KSub k_sub(int type, const uint8_t *wrow, int64_t sb) {
+    KSub k;
+    const int s = (int)(sb & 7);
+    if (type == Q4_K) {
+        const uint8_t *b = wrow + (sb >> 3) * 144;
+        int sc, m;
+        q4k_scale_min(b + 4, s, &sc, &m);
+        k.scale[0] = k.scale[1] = half_to_float(read_u16(b)) * (float)sc;
+        k.offset = half_to_float(read_u16(b + 2)) * (float)m;
+        k.q = b + 16 + 32 * (s >> 1);
+        k.qh = 0;
+        k.shift = (s & 1) * 4;
+        k.hshift = 0;
+    } else { /* Q6_K */
+        const uint8_t *b = wrow + (sb >> 3) * 210;
+        const int n = s >> 2, j = s & 3;
+        const int8_t *sc = (const int8_t *)(b + 192) + 8 * n + 2 * j;
+        const float d = half_to_float(read_u16(b + 208));
+        k.scale[0] = d * (float)sc[0];
+        k.scale[1] = d * (float)sc[1];
+        k.offset = 0.0f;
+        k.q = b + 64 * n + (j & 1) * 32;
+        k.qh = b + 128 + 32 * n;
+        k.shift = (j >> 1) * 4;
+        k.hshift = 2 * j;
+    }
+    return k;
+}
+
+/* Sub-block sb (values 32 sb .. 32 sb + 31) of a weight row -> 32 floats, as ggml dequantizes them. */
+static inline void dequant_sub(int type, const uint8_t *wrow, int64_t sb, float *out) {
+    if (type == Q4_K || type == Q6_K) {
+        const KSub k = k_sub(type, wrow, sb);
+        for (int j = 0; j < QK; j++) {
+            const int nib = (k.q[j] >> k.shift) & 15;
+            if (type == Q4_K)
+                out[j] = k.scale[0] * (float)nib - k.offset;
+            else
+                out[j] = k.scale[j >> 4] * (float)((nib | (((k.qh[j] >> k.hshift) & 3) << 4)) - 32);
+        }
+        return;
+    }
+    dequant_block(type, wrow + sb * block_bytes(type), out);
+}
+
 #if defined(__AVX512F__)
 /* One block -> two vectors of 16 floats (values 0-15, 16-31). */
 static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m512 *hi) {
@@ -110,21 +188,50 @@ static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m
     *lo = _mm512_permutexvar_ps(q, table);
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
 }
+
+/* Sub-block sb of a weight row -> two vectors of 16 floats, the same values as dequant_sub. */
+static inline void dequant_sub_512(int type, const uint8_t *wrow, int64_t sb, __m512 *lo, __m512 *hi) {
+    if (type != Q4_K && type != Q6_K) {
+        dequant_block_512(type, wrow + sb * block_bytes(type), lo, hi);
+        return;
+    }
+    const KSub k = k_sub(type, wrow, sb);
+    const __m512i shift = _mm512_set1_epi32(k.shift), fifteen = _mm512_set1_epi32(15);
+    __m512i a = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)k.q)), shift),
+                                 fifteen);
+    __m512i c = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(k.q + 16))), shift), fifteen);
+    if (type == Q4_K) { /* 16 values: a table, each nibble an index (d * sc * q - dmin * m, rounded as ggml) */
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 table = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(k.scale[0]), iota), _mm512_set1_ps(k.offset));
+        *lo = _mm512_permutexvar_ps(a, table);
+        *hi = _mm512_permutexvar_ps(c, table);
+        return;
+    }
+    const __m512i hshift = _mm512_set1_epi32(k.hshift), three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+    const __m512i h0 = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)k.qh)), hshift), three);
+    const __m512i h1 = _mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(k.qh + 16))), hshift), three);
+    a = _mm512_sub_epi32(_mm512_or_si512(a, _mm512_slli_epi32(h0, 4)), bias);
+    c = _mm512_sub_epi32(_mm512_or_si512(c, _mm512_slli_epi32(h1, 4)), bias);
+    *lo = _mm512_mul_ps(_mm512_set1_ps(k.scale[0]), _mm512_cvtepi32_ps(a));
+    *hi = _mm512_mul_ps(_mm512_set1_ps(k.scale[1]), _mm512_cvtepi32_ps(c));
+}
 #endif
 
-/* y[r, o] for rows r0 .. r0 + nr - 1 (nr <= ROWS) of one output row o. Inlined with nr a constant (see
+/* y[r, o] for rows r0 .. r0 + nr - 1 (nr <= ROWS) of one output row o (nblocks: its 32-value sub-blocks). Inlined with nr a constant (see
    rows_dot), so the accumulators live in registers: two per row (a block's low and high halves), so
    consecutive FMAs do not wait on each other. */
 static inline __attribute__((always_inline)) void rows_dot_n(int type, const uint8_t *wrow, int64_t nblocks,
                                                               const float *x, int64_t in_dim, const int nr,
                                                               float *acc_out) {
-    const int bb = block_bytes(type);
 #if defined(__AVX512F__)
     __m512 acc_lo[ROWS], acc_hi[ROWS];
     for (int r = 0; r < nr; r++) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nblocks; blk++) {
         __m512 lo, hi;
-        dequant_block_512(type, wrow + blk * bb, &lo, &hi);
+        dequant_sub_512(type, wrow, blk, &lo, &hi);
         for (int r = 0; r < nr; r++) {
             const float *xr = x + r * in_dim + blk * QK;
             acc_lo[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), lo, acc_lo[r]);
@@ -138,7 +245,7 @@ static inline __attribute__((always_inline)) void rows_dot_n(int type, const uin
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < QK; j++) acc[r][j] = 0.0f;
     for (int64_t blk = 0; blk < nblocks; blk++) {
-        dequant_block(type, wrow + blk * bb, w);
+        dequant_sub(type, wrow, blk, w);
         for (int r = 0; r < nr; r++) {
             const float *xr = x + r * in_dim + blk * QK;
 #pragma omp simd
@@ -174,6 +281,8 @@ static void rows_dot(int type, const uint8_t *wrow, int64_t nblocks, const float
         case Q4_0: ROWS_DOT_CASES(Q4_0)
         case Q4_1: ROWS_DOT_CASES(Q4_1)
         case Q8_0: ROWS_DOT_CASES(Q8_0)
+        case Q4_K: ROWS_DOT_CASES(Q4_K)
+        case Q6_K: ROWS_DOT_CASES(Q6_K)
         default: ROWS_DOT_CASES(F32)
     }
 }

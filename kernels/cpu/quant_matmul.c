@@ -32,12 +32,11 @@ int pagedserve_native_isa(void) {
 /* Returns 0, or -1 when the type or shape is not served (in_dim must be a multiple of 32). */
 int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                             int32_t type, float *y) {
-    const int bb = block_bytes(type);
-    if (!bb || in_dim % QK) return -1;
-    const int64_t nblocks = in_dim / QK, row_bytes = nblocks * bb;
+    if (!block_bytes(type) || in_dim % block_values(type)) return -1;
+    const int64_t nblocks = in_dim / QK, rb = row_bytes(type, in_dim);
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < out_dim; o++) {
-        const uint8_t *wrow = w + o * row_bytes;
+        const uint8_t *wrow = w + o * rb;
         float acc[ROWS];
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
             const int nr = (int)(rows - r0 < ROWS ? rows - r0 : ROWS);
@@ -50,13 +49,11 @@ int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const 
 
 /* The fp32 matrix [out_dim, in_dim]. */
 int pagedserve_quant_dequant(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t type, float *out) {
-    const int bb = block_bytes(type);
-    if (!bb || in_dim % QK) return -1;
-    const int64_t nblocks = in_dim / QK, row_bytes = nblocks * bb;
+    if (!block_bytes(type) || in_dim % block_values(type)) return -1;
+    const int64_t nblocks = in_dim / QK, rb = row_bytes(type, in_dim);
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < out_dim; o++)
-        for (int64_t blk = 0; blk < nblocks; blk++)
-            dequant_block(type, w + o * row_bytes + blk * bb, out + o * in_dim + blk * QK);
+        for (int64_t blk = 0; blk < nblocks; blk++) dequant_sub(type, w + o * rb, blk, out + o * in_dim + blk * QK);
     return 0;
 }
 
@@ -169,8 +166,8 @@ static float row_dot_q8(int type, const uint8_t *wrow, int64_t nb, const int8_t 
 int pagedserve_quant_matmul_q8act(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                                   int32_t type, float *y) {
     const int bb = block_bytes(type);
-    if (!bb || type == F32 || in_dim % QK) return -1;
-    const int64_t nb = in_dim / QK, row_bytes = nb * bb;
+    if (!bb || type == F32 || block_values(type) != QK || in_dim % QK) return -1; /* the 32-value types */
+    const int64_t nb = in_dim / QK, rb = nb * bb;
     QuantX xq;
     if (quantize_x(x, rows, in_dim, &xq)) {
         free(xq.q); free(xq.d); free(xq.sum);
@@ -179,7 +176,7 @@ int pagedserve_quant_matmul_q8act(const float *x, int64_t rows, int64_t in_dim, 
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < out_dim; o++)
         for (int64_t r = 0; r < rows; r++)
-            y[r * out_dim + o] = row_dot_q8(type, w + o * row_bytes, nb, xq.q + r * in_dim, xq.d + r * nb,
+            y[r * out_dim + o] = row_dot_q8(type, w + o * rb, nb, xq.q + r * in_dim, xq.d + r * nb,
                                             xq.sum + r * nb);
     free(xq.q); free(xq.d); free(xq.sum);
     return 0;
