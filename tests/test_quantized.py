@@ -206,8 +206,11 @@ def test_perplexity_chunks_follow_llama_perplexity():
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_a_gguf_file_is_served_as_given(server_factory, native, tmp_path, monkeypatch):
-    """`pagedserve serve --model X.gguf`: the file is prepared once into a cached folder that names it, and
-    served on its own blocks — the same greedy answers as the folder `make setup` prepared from it."""
+    """`pagedserve serve --model X.gguf`: the file is prepared once into a cached folder that names it — the
+    same folder `make setup` prepares from it — and served on its own blocks."""
+    import hashlib
+    import json
+
     from deploy.prepare_model import find_embedded_gguf, model_folder
     from protos import generation_pb2 as pb
 
@@ -215,22 +218,22 @@ def test_a_gguf_file_is_served_as_given(server_factory, native, tmp_path, monkey
         pytest.skip("default model not prepared")
     monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path))
     path = find_embedded_gguf()
-    servers = []
+    server = server_factory(path, "--num-blocks", "256", "--max-model-len", "1024")
     try:
-        servers.append(server_factory(path, "--num-blocks", "256", "--max-model-len", "1024"))
-        assert '"matmul": "quantized"' in servers[0].log_path.read_text()
+        log = server.log_path.read_text()
+        assert '"matmul": "quantized"' in log and '"matrices": {"Q4_1": 120, "Q8_0": 1}' in log
         prepared = list(tmp_path.iterdir())
         assert len(prepared) == 1 and model_folder(str(path)) == str(prepared[0])  # found again, not redone
-        servers.append(server_factory(MODEL_DIR, "--num-blocks", "256", "--max-model-len", "1024"))
+        assert json.loads((prepared[0] / "pagedserve_model.json").read_text())["gguf"] == str(path.resolve())
+        for name in ("config.json", "tokenizer.json", "model.safetensors"):
+            digests = {hashlib.sha256((folder / name).read_bytes()).hexdigest() for folder in (prepared[0], MODEL_DIR)}
+            assert len(digests) == 1, name
         req = pb.GenerateRequest(prompt_token_ids=list(range(300, 340)), sampling=pb.SamplingParams(
             max_tokens=16, temperature=0, ignore_eos=True))
-        a, b = (list(s.stub.Generate(req, timeout=120).choices[0].token_ids) for s in servers)
-        assert a == b and len(a) == 16
-        assert servers[0].stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model_name == \
-            "SmolLM2-135M-Instruct"
+        assert len(server.stub.Generate(req, timeout=120).choices[0].token_ids) == 16
+        assert server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model_name == "SmolLM2-135M-Instruct"
     finally:
-        for s in servers:
-            s.stop()
+        server.stop()
 
 
 def random_k_blocks(rng, out_dim: int, in_dim: int, qtype: str) -> tuple[QuantWeight, torch.Tensor]:
