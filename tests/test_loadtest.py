@@ -95,8 +95,15 @@ def test_latencies_and_throughputs_match_the_arithmetic(fake, tmp_path):
     e2el = FIRST_S + (TOKENS - 1) * EVERY_S  # 0.4 s
     assert (r["completed"], r["failed"], r["aborted"]) == (12, 0, 0)
     for key, want in (("ttft_ms", FIRST_S), ("tpot_ms", EVERY_S), ("itl_ms", EVERY_S), ("e2el_ms", e2el)):
+        # a sleep never ends early, so no figure is below the arithmetic; the middle of the distribution is
+        # close to it, while the tail may carry one scheduling stall of a busy machine (the exact percentile
+        # arithmetic is pinned by test_percentiles_interpolate_between_ranks)
         for stat in ("mean", "p50", "p90", "p99", "max"):
-            assert want * 1000 * 0.97 <= r[key][stat] <= want * 1000 * 1.35, (key, stat, r[key])
+            assert want * 1000 * 0.97 <= r[key][stat], (key, stat, r[key])
+        for stat in ("mean", "p50"):
+            assert r[key][stat] <= want * 1000 * 1.35, (key, stat, r[key])
+        for stat in ("p90", "p99", "max"):
+            assert r[key][stat] <= want * 1000 * 1.35 + 150, (key, stat, r[key])
     # three waves of four closed-loop clients: the run takes about 3 x E2EL
     assert 3 * e2el <= r["duration_s"] <= 3 * e2el * 1.35
     assert r["request_throughput"] == pytest.approx(12 / r["duration_s"])
@@ -105,6 +112,16 @@ def test_latencies_and_throughputs_match_the_arithmetic(fake, tmp_path):
     assert r["goodput"] == 0.0  # nobody meets a 150 ms TTFT when the first token takes 200 ms
     assert r["cache"]["peak_utilization"] == pytest.approx(0.25)
     assert r["leaked_blocks"] == 0
+
+
+def test_percentiles_interpolate_between_ranks():
+    d = loadtest.distribution([0.001 * v for v in (40, 10, 30, 20, 100)])  # seconds in, milliseconds out
+    assert d["mean"] == pytest.approx(40.0)
+    assert d["p50"] == pytest.approx(30.0)
+    assert d["p90"] == pytest.approx(76.0)  # rank 3.6: 40 + 0.6 * (100 - 40)
+    assert d["p99"] == pytest.approx(97.6)
+    assert d["max"] == pytest.approx(100.0)
+    assert loadtest.distribution([]) == {k: 0.0 for k in ("mean", "p50", "p90", "p99", "max")}
 
 
 def test_an_open_loop_at_a_set_rate_sends_at_that_rate(fake, tmp_path):
