@@ -6,7 +6,8 @@ sdist is fetched with pip once, `llama-server` built with cmake for this machine
   - one stream: the workload's first prompt (64 tokens), 128 greedy tokens, ignore_eos;
   - many streams: the first 8, then all 64 prompts of the fixed CPU workload (64-256 token ids, 128 tokens
     each, all at once); llama.cpp gets 64 slots with continuous batching;
-  - with --with-layers, pagedserve again with --cpu-decode layers (no fused decode step), for the change.
+  - with --with-layers, pagedserve again with --cpu-decode layers (no fused decode step), for the change;
+    with --variant NAME=FLAGS, again with any serve flags (repeatable).
 All servers are up at once and measured in rounds, each round taking every server in turn, so a slow
 spell of a noisy machine falls on all of them alike: medians over rounds, ratios per round.
 Prompts go to both as the same token ids (pagedserve.v1 over gRPC; llama.cpp's /v1/completions takes
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -190,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default="8,64", help="concurrencies of the workload's first prompts, all at once")
     p.add_argument("--with-layers", action="store_true",
                    help="also pagedserve with --cpu-decode layers (every decode step layer by layer), same run")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                   help="also pagedserve started with these serve flags, same run (repeatable), e.g. "
+                        "'int8 activations=--quantized-activations int8'")
     args = p.parse_args(argv)
     args.gguf = args.gguf or find_embedded_gguf()
     args.streams = [int(n) for n in args.streams.split(",") if n]
@@ -199,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         targets.append(PagedserveTarget(args, "pagedserve (the GGUF's blocks)"))
         if args.with_layers:
             targets.append(PagedserveTarget(args, "pagedserve, --cpu-decode layers", "--cpu-decode", "layers"))
+        for v in args.variant:
+            name, _, flags = v.partition("=")
+            targets.append(PagedserveTarget(args, f"pagedserve, {name.strip()}", *shlex.split(flags)))
         targets.append(LlamaTarget(args))
         res = measure(targets, prompts, args)
     finally:

@@ -73,6 +73,9 @@ class NativeKernels:
         self._quant_dequant.restype = ctypes.c_int
         lib.pagedserve_native_isa.restype = ctypes.c_int
         self.isa = lib.pagedserve_native_isa()  # 512: AVX-512 intrinsics; 256: AVX2 (the portable loops)
+        self._argmax_rows = lib.pagedserve_argmax_rows
+        self._argmax_rows.argtypes = [p, i64, i64, p]
+        self._argmax_rows.restype = None
         self._decode_step = lib.pagedserve_decode_step
         self._decode_step.argtypes = [p, i64, p, p, p, p, i64, p, p]
         self._decode_step.restype = ctypes.c_int
@@ -103,6 +106,17 @@ class NativeKernels:
                              slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                              seq_lens.data_ptr(), scratch.data_ptr()):
             raise ValueError("decode_step does not serve this model's shapes")
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of fp32 logits [rows, vocab] on the CPU: int64 [rows], the first index of each row's
+        largest value, NaN never chosen, -1 for a row with nothing above -inf."""
+        if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
+            raise TypeError(f"argmax_rows needs fp32 [rows, vocab] logits on the CPU, got {logits.dtype} "
+                            f"{tuple(logits.shape)} on {logits.device}")
+        logits = logits.contiguous()
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
+        return out
 
     # --- weight-only quantized matmuls on GGUF blocks (worker/quantized.py) ---------------------------------
     def quant_matmul(self, x: torch.Tensor, w: torch.Tensor, type_id: int, out_dim: int, y: torch.Tensor,

@@ -69,6 +69,28 @@ def test_rope_matches_torch(head_dim, fused_row):
 
 
 @needs_native
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 49157])
+def test_greedy_argmax_is_the_first_largest_and_never_nan(vocab):
+    """The sampler's all-greedy pass: torch's argmax with NaN as -inf, ties to the first index (across the
+    vector lanes and into the tail past the last full vector), -1 for a row with nothing above -inf."""
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        x = torch.randn(4, vocab, generator=g)
+        top = float(x.max()) + 1
+        x[0, torch.randint(0, vocab, (3,), generator=g)] = top  # a tie somewhere (or one cell)
+        x[0, -1] = top  # ... and at the very end: never chosen over an earlier equal value unless alone
+        x[1] = float("-inf")
+        if trial % 2:
+            x[1, vocab // 2] = float("nan")  # NaN and -inf only: nothing to choose
+        x[2, :: 3] = float("nan")
+        x[3, trial % vocab] = float("inf")
+        ref = x.masked_fill(x.isnan(), float("-inf"))
+        want = torch.where(ref.amax(-1) == float("-inf"), -1, ref.argmax(-1))
+        assert native.argmax_rows(x).tolist() == want.tolist()
+        assert native.argmax_rows(x[2:3]).tolist() == want[2:3].tolist()  # one row: no parallel region
+
+
+@needs_native
 def test_non_contiguous_inputs_fall_back_to_torch():
     x = torch.randn(6, 128)[:, :64]  # strided rows
     weight = torch.randn(64)

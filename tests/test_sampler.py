@@ -1,5 +1,6 @@
 """The sampler: greedy, temperature, top-k, top-p, and per-request seeds that make draws repeatable."""
 
+import pytest
 import torch
 
 from worker.sampler import SamplingBatch, mix_seed, sample
@@ -208,3 +209,31 @@ def test_a_row_without_finite_logits_comes_back_as_minus_one_without_raising():
     for temperature in (0.0, 0.8):
         got = sample_async(logits, batch(3, temperature=temperature)).tolist()
         assert got[1] == -1 and got[0] >= 0 and got[2] >= 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_all_greedy_batch_takes_the_first_maximum_as_a_mixed_batch_does(native, monkeypatch):
+    """All-greedy host batches take one pass (the native kernel's, or torch's max where it is missing)
+    instead of the masked general path: same tokens, ties to the first index, -1 for a row with nothing
+    finite, and a NaN anywhere still never wins."""
+    import worker.sampler
+    from worker.sampler import sample_async
+
+    if not native:
+        monkeypatch.setattr(worker.sampler, "_native", lambda: None)
+    elif worker.sampler._native() is None:
+        pytest.skip("no native CPU kernels here")
+
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    logits[0, [5, 9, 40]] = 9.0  # a tie: the first index
+    logits[1] = float("-inf")  # nothing possible
+    logits[2, 11] = float("inf")
+    logits[3, 0] = float("nan")  # takes the general path, which masks it
+    greedy = sample_async(logits, batch(5, temperature=0.0)).tolist()
+    some_sampled = batch(5, temperature=0.0)
+    some_sampled.temperature[4] = 0.9  # one sampled row: every row through the general path
+    mixed = sample_async(logits, some_sampled).tolist()
+    assert greedy[:4] == mixed[:4] and greedy[:3] == [5, -1, 11]
+    assert greedy[3] == int(logits[3, 1:].argmax()) + 1
+    no_nan = logits[[0, 1, 2, 4]]
+    assert sample_async(no_nan, batch(4, temperature=0.0)).tolist() == [5, -1, 11, int(no_nan[3].argmax())]

@@ -220,6 +220,19 @@ static inline void dequant_sub_512(int type, const uint8_t *wrow, int64_t sb, __
 }
 #endif
 
+/* How far ahead of the block being read a weight row is asked for (bytes). A decode step's matmuls stream
+   every weight once, and the hardware prefetcher alone left the dot products waiting on memory: asking for
+   the lines a few KB ahead made the one-row LM head (Q8_0) ~20% and the Q4_1 layers ~7% faster with cold
+   caches (same arithmetic; a prefetch past a row's end is only a hint, it never faults). */
+#define PREFETCH_AHEAD 4096
+
+static inline __attribute__((always_inline)) void prefetch_sub(int type, const uint8_t *wrow, int64_t sb) {
+    /* the sub-block's byte offset (a K-quant's 32-value sub-blocks share its 144 or 210 bytes) */
+    const uint8_t *p = wrow + sb * block_bytes(type) * QK / block_values(type) + PREFETCH_AHEAD;
+    __builtin_prefetch(p, 0, 3);
+    if (type == F32) __builtin_prefetch(p + 64, 0, 3); /* 128 bytes a sub-block */
+}
+
 /* y[r, o] for rows r0 .. r0 + nr - 1 (nr <= ROWS) of one output row o (nblocks: its 32-value sub-blocks). Inlined with nr a constant (see
    rows_dot), so the accumulators live in registers: two per row (a block's low and high halves), so
    consecutive FMAs do not wait on each other. */
@@ -231,6 +244,7 @@ static inline __attribute__((always_inline)) void rows_dot_n(int type, const uin
     for (int r = 0; r < nr; r++) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nblocks; blk++) {
         __m512 lo, hi;
+        prefetch_sub(type, wrow, blk);
         dequant_sub_512(type, wrow, blk, &lo, &hi);
         for (int r = 0; r < nr; r++) {
             const float *xr = x + r * in_dim + blk * QK;
@@ -245,6 +259,7 @@ static inline __attribute__((always_inline)) void rows_dot_n(int type, const uin
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < QK; j++) acc[r][j] = 0.0f;
     for (int64_t blk = 0; blk < nblocks; blk++) {
+        prefetch_sub(type, wrow, blk);
         dequant_sub(type, wrow, blk, w);
         for (int r = 0; r < nr; r++) {
             const float *xr = x + r * in_dim + blk * QK;
