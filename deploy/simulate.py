@@ -26,16 +26,20 @@ def next_token(context: list[int], seed: int | None = None, index: int = 0) -> i
     return int.from_bytes(digest, "little") % VOCAB
 
 
-def expected_output(prompt: list[int], max_tokens: int, seed: int | None = None) -> list[int]:
+def expected_output(prompt: list[int], max_tokens: int, seed: int | None = None, window: int = 0) -> list[int]:
+    """window > 0: a sliding-window model, each token a function of the last `window` tokens only."""
     ctx = list(prompt)
     for i in range(max_tokens):
-        ctx.append(next_token(ctx, seed, i))
+        ctx.append(next_token(ctx[-window:] if window else ctx, seed, i))
     return ctx[len(prompt):]
 
 
 class SimulatedWorker:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, window: int = 0) -> None:
+        """window > 0: the model reads only each token's last `window` positions (a sliding window), so the
+        scheduler may give back blocks before it; reading one of those would change the output."""
         self.block_size = block_size
+        self.window = window
         self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
         self.num_steps = 0
         self.last_step_id = 0
@@ -60,7 +64,8 @@ class SimulatedWorker:
             if not p.do_sample[i]:
                 out.append(-1)
                 continue
-            pos = np.arange(p.seq_lens[i])
+            pos = np.arange(max(int(p.seq_lens[i]) - self.window, 0) if self.window else 0, p.seq_lens[i])
+            assert (tables[i][pos // bs] >= 0).all(), "a block the window reads was given back"
             ctx = self.pool[tables[i][pos // bs] * bs + pos % bs]
             assert (ctx >= 0).all(), "read a slot that was never written"
             seed = int(p.seed[i]) if p.temperature[i] > 0 else None

@@ -33,15 +33,18 @@ def write_kv(
 def kv_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
     """int64 [num_seqs, width]: the pool slot of each key position of each sequence.
 
-    Positions at or beyond a sequence's length point at its position 0, a slot that is always
-    written, so a gather never touches a block the sequence does not own (unused table entries and
-    never-written slots may hold anything, NaN included); the attention mask hides them.
+    Positions at or beyond a sequence's length, and those whose block was given back (a table entry of -1:
+    keys before every sliding window), point at the sequence's last key, a slot that is always written,
+    so a gather never touches a block the sequence does not own (unused table entries and never-written
+    slots may hold anything, NaN included); the attention mask hides them.
     """
     pos = torch.arange(width, device=block_tables.device)
     blocks = block_tables.to(torch.int64)[:, (pos // block_size).clamp(max=block_tables.shape[1] - 1)]
     slots = blocks * block_size + pos % block_size  # [num_seqs, width]
-    valid = pos[None, :] < seq_lens.to(torch.int64)[:, None]
-    return torch.where(valid, slots, slots[:, :1])
+    lens = seq_lens.to(torch.int64)[:, None]
+    valid = (pos[None, :] < lens) & (blocks >= 0)
+    last = (lens - 1).clamp(min=0, max=max(width - 1, 0))
+    return torch.where(valid, slots, slots.gather(1, last)) if width else slots
 
 
 def paged_attention(
@@ -52,10 +55,12 @@ def paged_attention(
     seq_lens: torch.Tensor,  # int32 [num_seqs]: KV length including this step's tokens
     query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged keys.
 
-    Query i of a sequence with q_len queries and seq_len keys sees keys j < seq_len - q_len + i + 1.
+    Query i of a sequence with q_len queries and seq_len keys sees keys j < seq_len - q_len + i + 1, and with
+    a sliding window (window > 0) only the last `window` of those: j > seq_len - q_len + i - window.
     One entry point for prefill, prefill over a cached prefix, and decode.
     Returns [num_tokens, n_heads, head_dim] in q's dtype.
     """
@@ -79,6 +84,8 @@ def paged_attention(
         query_pos = torch.arange(q_len, device=q.device)[:, None]
         key_pos = torch.arange(seq_len, device=q.device)[None, :]
         visible = key_pos < seq_len - q_len + query_pos + 1  # [q_len, seq_len]
+        if window > 0:
+            visible &= key_pos > seq_len - q_len + query_pos - window
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out

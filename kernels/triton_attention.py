@@ -80,8 +80,11 @@ def _attend_tile(q, k, v, visible, m, denom, acc, scale, PRECISION: tl.constexpr
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(scores - m_new[:, None])
+    # a row that has seen no key yet (a sliding window starting past this tile) keeps m = -inf: subtract 0
+    # then, so it stays at zero weight instead of exp(-inf + inf) = NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(scores - m_safe[:, None])
     denom = denom * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, denom, acc
@@ -108,7 +111,7 @@ def _decode_split_kernel(
     stride_bts, stride_btb,
     stride_mos, stride_moh, stride_mop, stride_mod,
     stride_mls, stride_mlh, stride_mlp,
-    head_dim, group, split_len,
+    head_dim, group, split_len, window,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -116,7 +119,8 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * split_len
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # a sliding window's first key
+    start = first + split * split_len
     if start < seq_len:
         end = tl.minimum(start + split_len, seq_len)
         g = tl.arange(0, BLOCK_G)
@@ -152,13 +156,14 @@ def _decode_reduce_kernel(
     stride_mos, stride_moh, stride_mop, stride_mod,
     stride_mls, stride_mlh, stride_mlp,
     stride_ot, stride_oh, stride_od,
-    head_dim, split_len,
+    head_dim, split_len, window,
     BLOCK_D: tl.constexpr, SPLIT_TILE: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_splits = tl.cdiv(seq_len, split_len)  # only splits that were written are read
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    num_splits = tl.cdiv(seq_len - first, split_len)  # only splits that were written are read
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     m = float("-inf")
@@ -191,7 +196,7 @@ def _prefill_kernel(
     stride_cb, stride_cs, stride_ch, stride_cd,
     stride_bts, stride_btb,
     stride_ot, stride_oh, stride_od,
-    head_dim, group,
+    head_dim, group, window,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -214,8 +219,10 @@ def _prefill_kernel(
         denom = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kv_end = prefix + tl.minimum(q_len, (tile + 1) * BLOCK_M)  # the causal limit of this tile's last row
+        # a sliding window: the tile's first row sees keys from prefix + tile * BLOCK_M - window + 1 on
+        kv_start = tl.where(window > 0, tl.maximum(prefix + tile * BLOCK_M - window + 1, 0), 0)
         offs = tl.arange(0, TILE)
-        for pos0 in range(0, kv_end, TILE):
+        for pos0 in range(kv_start, kv_end, TILE):
             pos = pos0 + offs
             pos_mask = pos < kv_end
             kv_off = _tile_offsets(block_tables_ptr, seq, pos, pos_mask, kv_head, d,
@@ -223,10 +230,11 @@ def _prefill_kernel(
             kv_mask = pos_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            # key 0 is visible to every row, so after the first tile m is finite and nothing is NaN
             visible = (pos[None, :] <= prefix + rows[:, None]) & pos_mask[None, :]
+            visible = visible & ((pos[None, :] > prefix + rows[:, None] - window) | (window <= 0))
             m, denom, acc = _attend_tile(q, k, v, visible, m, denom, acc, scale, PRECISION)
-        out = acc / denom[:, None]
+        # rows past q_len in a sliding window see no key (denom 0): they are not stored, and not divided by 0
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
@@ -352,6 +360,7 @@ def paged_attention(
     prefill_seqs: torch.Tensor | None = None,  # int64 [p]: ...and those with more than one query token
     workspace: dict | None = None,  # kept by the caller across a step's layers: split scratch allocated once
     mixed: MixedStep | None = None,  # decode_seqs and prefill_seqs already gathered (split_mixed), once a step
+    window: int = 0,  # > 0: a sliding-window layer (each query sees its last `window` keys)
 ) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention. Returns [num_tokens, n_heads, head_dim].
 
@@ -366,21 +375,22 @@ def paged_attention(
         return out
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
     if num_tokens == num_seqs:  # every sequence decodes one token
-        _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out, workspace)
+        _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out, workspace,
+                window)
         return out
     if mixed is None and decode_seqs is not None and prefill_seqs is not None and decode_seqs.numel():
         mixed = split_mixed(block_tables, seq_lens, query_start_loc, decode_seqs, prefill_seqs)
     if mixed is not None:
         dec_out = torch.empty((mixed.decode_rows.shape[0], n_heads, head_dim), dtype=q.dtype, device=q.device)
         _decode(q[mixed.decode_rows], k_cache, v_cache, mixed.decode_tables, mixed.decode_lens, scale, max_seq_len,
-                num_splits, dec_out, workspace)
+                num_splits, dec_out, workspace, window)
         out[mixed.decode_rows] = dec_out
         if mixed.prefill_lens.numel():
             _prefill(q, k_cache, v_cache, mixed.prefill_tables, mixed.prefill_lens, mixed.prefill_starts,
-                     mixed.prefill_ends, scale, max_q_len, out)
+                     mixed.prefill_ends, scale, max_q_len, out, window)
         return out
     _prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc[:-1], query_start_loc[1:], scale,
-             max_q_len, out)
+             max_q_len, out, window)
     return out
 
 
@@ -406,12 +416,14 @@ def split_mixed(block_tables, seq_lens, query_start_loc, decode_seqs, prefill_se
 
 
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out,
-            workspace: dict | None = None) -> None:
+            workspace: dict | None = None, window: int = 0) -> None:
     num_seqs, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = k_cache.shape
     group = n_heads // n_kv_heads
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
+    if window > 0:  # a sliding-window layer reads at most `window` keys of any sequence
+        max_seq_len = min(max_seq_len, window)
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, n_kv_heads, max_seq_len, block_size, q.device)
     cfg = decode_config(head_dim, group, block_size, _on_gpu(q.device))
@@ -428,18 +440,19 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num
     _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale,
         *q.stride(), *k_cache.stride(), *block_tables.stride(), *mid_o.stride(), *mid_lse.stride(),
-        head_dim, group, split_len,
+        head_dim, group, split_len, window,
         BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), **cfg,
     )
     _decode_reduce_kernel[(num_seqs, n_heads)](
         mid_o, mid_lse, out, seq_lens,
         *mid_o.stride(), *mid_lse.stride(), *out.stride(),
-        head_dim, split_len,
+        head_dim, split_len, window,
         **reduce_config(head_dim, _on_gpu(q.device)),
     )
 
 
-def _prefill(q, k_cache, v_cache, block_tables, seq_lens, q_starts, q_ends, scale, max_q_len, out) -> None:
+def _prefill(q, k_cache, v_cache, block_tables, seq_lens, q_starts, q_ends, scale, max_q_len, out,
+             window: int = 0) -> None:
     _, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = k_cache.shape
     if max_q_len is None:
@@ -448,7 +461,7 @@ def _prefill(q, k_cache, v_cache, block_tables, seq_lens, q_starts, q_ends, scal
     _prefill_kernel[(seq_lens.shape[0], n_heads, triton.cdiv(max_q_len, cfg["BLOCK_M"]))](
         q, k_cache, v_cache, out, block_tables, seq_lens, q_starts, q_ends, scale,
         *q.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
-        head_dim, n_heads // n_kv_heads,
+        head_dim, n_heads // n_kv_heads, window,
         BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), **cfg,
     )
 

@@ -100,7 +100,9 @@ class Engine:
         self.limits = Limits(self.spec.vocab_size, self._max_context(groups[0]),
                              min(g.num_blocks for g in groups), self.config.block_size,
                              self.tokenizer.max_token_bytes, self.spec.eos_token_ids,
-                             GrammarEngine(self.tokenizer.to_json(), self.spec.vocab_size, self.spec.eos_token_ids))
+                             GrammarEngine(self.tokenizer.to_json(), self.spec.vocab_size, self.spec.eos_token_ids),
+                             kv_window=groups[0].handshake.kv_window,
+                             step_tokens=self.config.max_num_batched_tokens)
         for replica in self.replicas:
             replica.attach(self.limits.max_context)
         self._was_serving = True
@@ -167,9 +169,14 @@ class Engine:
                 return (f"its pool of {group.num_blocks} blocks is smaller than the {self.limits.num_blocks} "
                         "the service promised requests at start")
         pool_tokens = group.num_blocks * self.config.block_size
+        what = f"the full {max_context}-token context"
+        if hs.kv_window and hs.kv_window + self.config.max_num_batched_tokens + 2 * self.config.block_size \
+                < max_context:  # a sequence holds its sliding window and a step's tokens at most
+            max_context = hs.kv_window + self.config.max_num_batched_tokens + 2 * self.config.block_size
+            what = f"a {hs.kv_window}-key sliding window and a step's tokens ({max_context} tokens)"
         if pool_tokens < max_context:
             return (f"the KV pool ({group.num_blocks} blocks x {self.config.block_size} = {pool_tokens} tokens) "
-                    f"cannot hold one request of the full {max_context}-token context: give the workers more KV "
+                    f"cannot hold one request of {what}: give the workers more KV "
                     "memory (--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len")
         return ""
 

@@ -156,7 +156,8 @@ class Replica:
     # --- lifecycle -------------------------------------------------------------------------------
     def attach(self, max_model_len: int) -> None:
         """A group was accepted: start serving with a fresh scheduler sized to its pool."""
-        self.scheduler = Scheduler(self.config, self.group.num_blocks, max_model_len)
+        self.scheduler = Scheduler(self.config, self.group.num_blocks, max_model_len,
+                                   kv_window=self.group.handshake.kv_window)
         # KV-event subscribers learn that this replica's cache starts empty (published after its first step).
         self.scheduler.allocator.events = [("cleared",)]
         self.down_reason = None

@@ -84,9 +84,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int, kv_window: int = 0) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        # Every layer of the model slides over at least kv_window keys (0: some layer reads everything): a
+        # sequence's blocks wholly before its window are given back as it advances (_drop_out_of_window).
+        self.kv_window = kv_window
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()
@@ -191,6 +194,8 @@ class Scheduler:
                     self._add(out, seq, 1, scheduled)
                     budget -= 1
                     continue
+            if self.kv_window:  # blocks behind the window go back before any is asked for
+                self._drop_out_of_window(seq, pos)
             if self._reserve(seq, 1, scheduled, out):
                 self._add(out, seq, 1, scheduled)
                 budget -= 1
@@ -199,6 +204,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
+            if self.kv_window:
+                self._drop_out_of_window(seq, seq.num_computed_tokens)
             num_new = self._reserve(seq, min(seq.num_uncomputed_tokens, budget), scheduled, out)
             if num_new:
                 self._add(out, seq, num_new, scheduled)
@@ -216,11 +223,14 @@ class Scheduler:
                     break
                 num_new = budget
             need = self.allocator.blocks_for_tokens(num_cached + num_new) - len(hits)
-            revived = sum(1 for b in hits if self.allocator.is_cached_free(b))  # hits that leave the LRU
+            # a cached prefix longer than every sliding window: its blocks before the window stay in the cache
+            skip = self._out_of_window(seq, num_cached) if hits else 0
+            revived = sum(1 for b in hits[skip:] if self.allocator.is_cached_free(b))  # hits that leave the LRU
             if not self.allocator.can_allocate(need + revived):
                 break
-            self.allocator.share(hits)
-            seq.block_ids = hits + self.allocator.allocate(need)
+            self.allocator.share(hits[skip:])
+            seq.block_ids = [-1] * skip + hits[skip:] + self.allocator.allocate(need)
+            seq.num_dropped_blocks = skip
             seq.num_computed_tokens = num_cached
             seq.num_registered_blocks = len(hits)
             self.prefix_cache_queries += seq.num_tokens
@@ -281,6 +291,8 @@ class Scheduler:
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int]) -> None:
         """Schedule num_new tokens of seq and commit them: computed from now on, one pending if it samples."""
         start = seq.num_computed_tokens
+        if self.kv_window:
+            self._drop_out_of_window(seq, start)
         known = len(seq.token_ids)
         do_sample = start + num_new == known + seq.num_pending
         item = ScheduledSeq(seq, start, num_new, do_sample, seq.epoch)
@@ -294,6 +306,30 @@ class Scheduler:
         out.scheduled.append(item)
         seq.num_computed_tokens = start + num_new
         scheduled.add(seq.seq_id)
+
+    def _out_of_window(self, seq: Sequence, start: int) -> int:
+        """How many of seq's leading blocks no query from position `start` on reads (see below)."""
+        if not self.kv_window or seq.request.sampling.is_penalized:
+            return 0
+        return max(start - self.kv_window, 0) // self.block_size
+
+    def _drop_out_of_window(self, seq: Sequence, start: int) -> None:
+        """Give back seq's blocks that no query from position `start` on reads: with every layer sliding over
+        kv_window keys, a query at p reads keys after p - kv_window, so keys before start - kv_window are done
+        (one key of slack: a sample forked from this sequence recomputes the prompt's last token, start - 1).
+        Their table entries become -1, which the kernels never look up. A block in the prefix cache stays
+        there (it is only unreferenced); sequences with penalties keep every block, since those read the
+        whole context's tokens through the table."""
+        end = self._out_of_window(seq, start)
+        if end <= seq.num_dropped_blocks:
+            return
+        first = seq.num_dropped_blocks
+        dropped = [b for b in seq.block_ids[first:end] if b >= 0]
+        for i in range(first, end):
+            seq.block_ids[i] = -1
+        seq.num_dropped_blocks = end
+        self.allocator.free(dropped[::-1])
+        self.planner.replaced(seq, first)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks of the longest cached run of seq's full blocks, leaving at least its last token to compute."""
@@ -314,6 +350,8 @@ class Scheduler:
         full = computed // self.block_size
         events = self.allocator.events is not None
         for i in range(seq.num_registered_blocks, full):
+            if seq.block_ids[i] < 0:  # given back before its step was confirmed (_drop_out_of_window)
+                continue
             if events:  # subscribers see each block's parent and tokens
                 self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size),
                                         seq.block_hash(i - 1, self.block_size) if i else None,
@@ -332,8 +370,9 @@ class Scheduler:
         room = max(0, self.config.max_num_seqs - len(self.running)) if leader_current else 0
         forks, queued = request.pending_forks[:room], request.pending_forks[room:]
         for seq in forks:
-            self.allocator.share(prompt_blocks)
+            self.allocator.share([b for b in prompt_blocks if b >= 0])
             seq.block_ids = list(prompt_blocks)
+            seq.num_dropped_blocks = min(leader.num_dropped_blocks, len(prompt_blocks))
             seq.num_computed_tokens = request.prompt_len - 1
             seq.num_registered_blocks = (request.prompt_len - 1) // self.block_size
             seq.status = SequenceStatus.RUNNING
@@ -395,17 +434,18 @@ class Scheduler:
         """The one path that gives a sequence's blocks back (finish, abort, preemption). Last block first:
         the LRU then evicts a cached chain from its leaf, and its root — which every lookup needs — last."""
         if seq.block_ids:
-            self.allocator.free(seq.block_ids[::-1])
+            self.allocator.free([b for b in reversed(seq.block_ids) if b >= 0])
         self.planner.detach(seq)
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        seq.num_dropped_blocks = 0
         seq.epoch += 1
 
     # --- accounting ------------------------------------------------------------------------------
     def request_blocks(self, request: Request) -> int:
         """Distinct blocks a request holds (samples share their prompt's blocks)."""
-        return len({b for s in request.seqs for b in s.block_ids})
+        return len({b for s in request.seqs for b in s.block_ids if b >= 0})
 
     def check_invariants(self) -> None:
         """free + cached + referenced == num_blocks, no block in two states, refcounts equal owners,
@@ -414,9 +454,13 @@ class Scheduler:
         owned: dict[int, int] = {}
         for seq in self.running:
             for b in seq.block_ids:
-                owned[b] = owned.get(b, 0) + 1
+                if b >= 0:
+                    owned[b] = owned.get(b, 0) + 1
             if len(seq.block_ids) < self.allocator.blocks_for_tokens(seq.num_computed_tokens):
                 raise AssertionError(f"{seq} holds too few blocks for its computed tokens")
+            if any(b < 0 for b in seq.block_ids[seq.num_dropped_blocks:]) or \
+                    any(b >= 0 for b in seq.block_ids[:seq.num_dropped_blocks]):
+                raise AssertionError(f"{seq}: given-back blocks are not exactly its first {seq.num_dropped_blocks}")
         for seq in self.waiting:
             if seq.block_ids or seq.num_computed_tokens:
                 raise AssertionError(f"waiting {seq} holds blocks")

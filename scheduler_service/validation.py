@@ -37,15 +37,24 @@ class Limits:
 
     def __init__(self, vocab_size: int, max_context: int, num_blocks: int, block_size: int,
                  max_token_bytes: int | None = None, eos_token_ids: tuple[int, ...] = (),
-                 grammars: GrammarEngine | None = None) -> None:
+                 grammars: GrammarEngine | None = None, kv_window: int = 0, step_tokens: int = 0) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammars = grammars  # None: structured output is refused
         self.max_context = max_context
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # every layer slides over kv_window keys: a sequence holds at most its window and a step's tokens
+        self.kv_window, self.step_tokens = kv_window, step_tokens
         # A text prompt longer than this cannot fit the context whatever it says: refused before tokenizing.
         self.max_prompt_bytes = max_context * max_token_bytes if max_token_bytes else None
+
+    def sample_blocks(self, tokens: int, penalized: bool) -> int:
+        """The most blocks one sample of `tokens` tokens holds at once."""
+        full = math.ceil(tokens / self.block_size)
+        if not self.kv_window or penalized:  # penalties read the whole context: nothing is given back
+            return full
+        return min(full, math.ceil((self.kv_window + self.step_tokens) / self.block_size) + 2)
 
 
 def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> Request:
@@ -99,6 +108,8 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
     # to draw its own first token: when the prompt ends on a block boundary that block is copied per sample.
     shared = (prompt_len - 1) // limits.block_size
     need = shared + sampling.n * (math.ceil(seq_tokens / limits.block_size) - shared)
+    if limits.kv_window:  # a sliding window holds a bounded stretch of each sample at a time
+        need = min(need, sampling.n * limits.sample_blocks(seq_tokens, sampling.is_penalized))
     if need > limits.num_blocks:
         raise InvalidRequest(
             f"the request needs up to {need} KV blocks ({sampling.n} sample(s) of up to {seq_tokens} tokens) but "

@@ -43,7 +43,7 @@ REJOIN_SILENCE_S = 1.5
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 # Handshake fields every rank of every replica must agree on (one model behind the service).
-_SAME_MODEL = ("model_fingerprint", "vocab_size", "block_size", "max_context", "dtype")
+_SAME_MODEL = ("model_fingerprint", "vocab_size", "block_size", "max_context", "dtype", "kv_window")
 
 
 class WorkerError(RuntimeError):

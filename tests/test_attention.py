@@ -145,3 +145,59 @@ def test_cpu_backend_prefill_falls_back_to_torch_for_queries_it_cannot_read_in_p
     assert odd.stride(2) != 1
     torch.testing.assert_close(backend.forward(odd, c.k_cache, c.v_cache, meta, c.scale), paged_attention(*c.args),
                                atol=2e-5, rtol=1e-5)
+
+
+def _brute_force(c, window: int) -> torch.Tensor:
+    """Each query's softmax over exactly the keys it may see, in float64, one query at a time."""
+    n_heads = c.q.shape[1]
+    block_size, n_kv = c.k_cache.shape[1], c.k_cache.shape[2]
+    out = torch.zeros_like(c.q, dtype=torch.float64)
+    qsl = c.query_start_loc.tolist()
+    for i, seq_len in enumerate(c.seq_lens.tolist()):
+        q_len = qsl[i + 1] - qsl[i]
+        for r in range(q_len):
+            pos = seq_len - q_len + r
+            keys = [j for j in range(pos + 1) if window <= 0 or j > pos - window]
+            blocks = c.block_tables[i, [j // block_size for j in keys]].long()
+            within = torch.tensor([j % block_size for j in keys])
+            k = c.k_cache[blocks, within].double()  # [keys, n_kv, head_dim]
+            v = c.v_cache[blocks, within].double()
+            for h in range(n_heads):
+                kh = h // (n_heads // n_kv)
+                w = torch.softmax(k[:, kh] @ c.q[qsl[i] + r, h].double() * c.scale, dim=0)
+                out[qsl[i] + r, h] = w @ v[:, kh]
+    return out.to(c.q.dtype)
+
+
+def _poison_out_of_window(c, window: int) -> None:
+    """NaN into every key and value no query of its sequence may see: a kernel that read one would say so."""
+    block_size = c.k_cache.shape[1]
+    qsl = c.query_start_loc.tolist()
+    for i, seq_len in enumerate(c.seq_lens.tolist()):
+        first = seq_len - (qsl[i + 1] - qsl[i])  # the first query's position
+        for j in range(max(first - window + 1, 0)):
+            b, w = int(c.block_tables[i, j // block_size]), j % block_size
+            c.k_cache[b, w] = float("nan")
+            c.v_cache[b, w] = float("nan")
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("window", [1, 3, 16, 37, 500])
+def test_a_sliding_window_shows_each_query_its_last_keys_only(backend_name, window):
+    """Decodes and prompt chunks (one over a cached prefix, one longer than the prefill tiles) in a
+    sliding-window layer: each query sees its last `window` keys, itself included, as brute force says; the
+    reference agrees; the native and Triton kernels never read a key outside every window (poisoned)."""
+    block_size = 4
+    q_lens = [1, 40, 1, 9, 1, 70]
+    seq_lens = [1, 40, 23, 61, 100, 70]
+    c = make_case(q_lens, seq_lens, 8, 2, 16, block_size, seed=11)
+    want = _brute_force(c, window)
+    torch.testing.assert_close(paged_attention(*c.args, window=window), want, atol=1e-5, rtol=1e-5)
+    if window < 500:
+        assert not torch.allclose(paged_attention(*c.args), want, atol=1e-3)  # the window mattered
+    if backend_name != "torch":  # torch gathers every slot and masks them: finite values only
+        _poison_out_of_window(c, window)
+    backend = make_backend(backend_name, torch.device("cpu"))
+    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
+    out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)

@@ -14,10 +14,10 @@ from scheduler_service.scheduler import Scheduler
 from scheduler_service.sequence import FinishReason, Request, SamplingOptions
 
 
-def expected(req, seq):
+def expected(req, seq, window=0):
     """What the simulated model gives this sample: greedy, or drawn with the sample's own seed."""
     seed = seq.sample_seed if req.sampling.temperature > 0 else None
-    return expected_output(req.prompt_token_ids, req.sampling.max_tokens, seed)
+    return expected_output(req.prompt_token_ids, req.sampling.max_tokens, seed, window)
 
 
 def step(sched, worker):
@@ -40,10 +40,11 @@ def drain(sched, worker, limit=20_000):
     raise AssertionError("did not finish")
 
 
-def make(num_blocks, block_size=4, budget=32, caching=True, chunked=True, max_seqs=16):
+def make(num_blocks, block_size=4, budget=32, caching=True, chunked=True, max_seqs=16, window=0):
     config = SchedulerConfig(block_size=block_size, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                              enable_prefix_caching=caching, enable_chunked_prefill=chunked, debug_invariants=True)
-    return Scheduler(config, num_blocks, max_model_len=4096), SimulatedWorker(num_blocks, block_size)
+    return (Scheduler(config, num_blocks, max_model_len=4096, kv_window=window),
+            SimulatedWorker(num_blocks, block_size, window))
 
 
 def test_second_request_with_a_shared_prefix_reuses_cached_blocks():
@@ -140,9 +141,9 @@ def test_evicted_blocks_are_never_read_in_a_long_run_with_a_tiny_pool():
     assert sched.allocator.num_available_blocks == 30
 
 
-def expected_until_stop(req, seq):
+def expected_until_stop(req, seq, window=0):
     """The simulated model's output, cut after the first of the request's stop tokens."""
-    tokens = expected(req, seq)
+    tokens = expected(req, seq, window)
     for i, t in enumerate(tokens):
         if t in req.sampling.stop_token_ids:
             return tokens[: i + 1]
@@ -156,11 +157,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     and none a token after its stop; nothing leaks."""
 
     @initialize(num_blocks=st.integers(24, 60), block_size=st.sampled_from([2, 4, 8]),
-                budget=st.integers(16, 64), caching=st.booleans(), chunked=st.booleans(), overlap=st.booleans())
-    def setup(self, num_blocks, block_size, budget, caching, chunked, overlap):
+                budget=st.integers(16, 64), caching=st.booleans(), chunked=st.booleans(), overlap=st.booleans(),
+                window=st.sampled_from([0, 0, 3, 7, 12]))
+    def setup(self, num_blocks, block_size, budget, caching, chunked, overlap, window):
         self.max_len = num_blocks * block_size // 3  # every request fits the pool on its own
         budget = budget if chunked else max(budget, self.max_len)
-        self.sched, self.worker = make(num_blocks, block_size, budget, caching, chunked, max_seqs=8)
+        self.window = window  # > 0: a sliding-window model, whose blocks behind every window are given back
+        self.sched, self.worker = make(num_blocks, block_size, budget, caching, chunked, max_seqs=8, window=window)
         self.pipe = Pipeline(self.sched, self.worker, overlap, self.on_token)
         self.prefixes = [[(i * 37 + j * 11) % 997 + 1 for j in range(3 * block_size + i)] for i in range(3)]
         self.requests = []
@@ -217,7 +220,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.sched.requests
         for req in self.requests:
             for s in req.seqs:
-                want = expected_until_stop(req, s)
+                want = expected_until_stop(req, s, self.window)
                 if s.finish_reason in (FinishReason.LENGTH, FinishReason.STOP):
                     assert s.output_token_ids == want
                 else:
@@ -227,3 +230,59 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_a_sliding_window_gives_back_the_blocks_behind_it():
+    """A sliding-window model (every layer over 8 keys) runs an 80-token sequence in a pool of 10 blocks of
+    4: blocks wholly behind the window go back as it advances (full ones into the prefix cache), the table
+    marks them -1, at most window + a step's tokens are held, and the output is the windowed model's."""
+    sched, worker = make(10, block_size=4, budget=8, max_seqs=4, window=8)
+    prompt = list(range(300, 330))
+    req = Request("w", prompt, SamplingOptions(max_tokens=50))
+    sched.add_request(req)
+    held, dropped = 0, 0
+    while sched.has_work:
+        assert not step(sched, worker).is_empty
+        seq = req.seqs[0]
+        if not seq.is_finished:
+            held = max(held, sum(1 for b in seq.block_ids if b >= 0))
+            dropped = max(dropped, seq.num_dropped_blocks)
+            assert seq.block_ids[:seq.num_dropped_blocks] == [-1] * seq.num_dropped_blocks
+    assert req.seqs[0].output_token_ids == expected_output(prompt, 50, window=8)
+    assert expected_output(prompt, 50, window=8) != expected_output(prompt, 50)  # the window mattered
+    assert held <= (8 + 8) // 4 + 2 and dropped >= 15
+    assert sched.allocator.num_available_blocks == 10 and sched.allocator.num_cached_blocks > 0
+
+
+def test_a_cached_prefix_longer_than_the_window_shares_only_what_the_window_reads():
+    sched, worker = make(40, block_size=4, budget=64, window=6)
+    system = list(range(500, 540))  # 10 full blocks
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, system + [7, 8, 9], SamplingOptions(max_tokens=4)))
+        out = sched.schedule()
+        if rid == "b":
+            seq = out.scheduled[0].seq
+            assert out.scheduled[0].start == 40  # the whole cached prefix counts as computed
+            assert seq.num_dropped_blocks == (40 - 6) // 4 and seq.block_ids[:8] == [-1] * 8
+        sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
+        drain(sched, worker)
+    assert not sched.requests and sched.allocator.num_available_blocks == 40
+
+
+def test_penalized_samples_keep_every_block_and_forks_share_the_window():
+    """Penalties read a sequence's whole context through its table: nothing is given back for them. n
+    samples fork from the prompt's blocks with the leader's given-back ones already gone."""
+    sched, worker = make(64, block_size=4, budget=16, max_seqs=8, window=5)
+    penalized = Request("p", list(range(600, 630)), SamplingOptions(max_tokens=12, repetition_penalty=1.2))
+    forked = Request("n", list(range(700, 731)), SamplingOptions(max_tokens=12, n=3, temperature=1.0, seed=4))
+    for req in (penalized, forked):
+        sched.add_request(req)
+    while sched.has_work:
+        assert not step(sched, worker).is_empty
+        seq = penalized.seqs[0]
+        if not seq.is_finished:
+            assert seq.num_dropped_blocks == 0 and -1 not in seq.block_ids
+    for s in forked.seqs:
+        assert s.output_token_ids == expected(forked, s, window=5)
+    assert penalized.seqs[0].output_token_ids == expected(penalized, penalized.seqs[0], window=5)
+    assert sched.allocator.num_available_blocks == 64

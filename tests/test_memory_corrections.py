@@ -53,6 +53,27 @@ def test_samples_of_a_prompt_on_a_block_boundary_count_their_copied_block():
     assert [s.output_token_ids for s in req.seqs] == [expected(req, s) for s in req.seqs]
 
 
+def test_a_sliding_window_model_takes_requests_longer_than_its_pool():
+    """Every layer sliding over 12 keys, a step of 16 tokens: a sample holds at most (12 + 16) / 4 + 2 = 9
+    blocks, so 600 tokens pass a 10-block pool, two samples do not; a penalized request keeps every block
+    and must fit whole. The scheduler then runs it to the windowed model's output without preemption."""
+    windowed = Limits(vocab_size=1000, max_context=4096, num_blocks=10, block_size=4, kv_window=12,
+                      step_tokens=16)
+    long = generation_pb2.GenerateRequest(prompt_token_ids=list(range(10, 310)),
+                                          sampling=generation_pb2.SamplingParams(max_tokens=300, ignore_eos=True))
+    req = request_from_proto(long, None, windowed)
+    with pytest.raises(InvalidRequest, match="needs up to 18 KV blocks"):
+        request_from_proto(n_request(300, 300, 2), None, windowed)
+    long.sampling.repetition_penalty = 1.2
+    with pytest.raises(InvalidRequest, match="needs up to 150 KV blocks"):
+        request_from_proto(long, None, windowed)
+    sched, worker = make(10, budget=16, max_seqs=4, window=12)
+    sched.add_request(req)
+    drain(sched, worker)
+    assert sched.num_preemptions == 0
+    assert req.seqs[0].output_token_ids == expected(req, req.seqs[0], window=12)
+
+
 def test_forks_respect_max_num_seqs():
     sched, worker = make(64, max_seqs=2)
     req = Request("n", list(range(50, 63)), SamplingOptions(max_tokens=5, n=4, temperature=1.0, seed=9))

@@ -81,20 +81,33 @@ def test_smollm3_nope_layers_equal_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
-def test_a_sliding_window_caps_the_context_and_is_exact_below_it(tmp_path, family):
-    """A window applies to no sequence shorter than it: the model is served with its context capped at the
-    window (said in the log), and equals transformers there."""
+def test_a_prompt_longer_than_its_sliding_window_equals_transformers(tmp_path, family):
+    """Sliding-window layers see each token's last `sliding_window` keys, at the model's full context."""
     import transformers
 
     torch.manual_seed(1)
     common = {k: v for k, v in BASE.items() if k != "model_type"}
     if family == "mistral":
-        hf = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=32, **common))
+        hf = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=16, **common))
     else:
-        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(use_sliding_window=True, sliding_window=32,
-                                                                    max_window_layers=0, **common))
-    config = _matches_transformers(tmp_path, hf, list(range(3, 33)))
-    assert config.max_position_embeddings == 32 and config.declared_context == 256
+        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(use_sliding_window=True, sliding_window=16,
+                                                                    max_window_layers=2, **common))
+    config = _matches_transformers(tmp_path, hf, [(7 * i) % 190 + 3 for i in range(60)])
+    assert config.max_position_embeddings == 256
+    assert config.layer_windows == ((16,) * 4 if family == "mistral" else (0, 0, 16, 16))
+
+
+def test_sliding_window_fields_that_do_not_slide():
+    """Llama ignores sliding_window (as transformers does); Qwen2 without use_sliding_window does not slide."""
+    assert ModelConfig.from_dict({**BASE, "sliding_window": 16}).layer_windows == ()
+    qwen = {**BASE, "model_type": "qwen2", "sliding_window": 16, "use_sliding_window": False}
+    assert ModelConfig.from_dict(qwen).layer_windows == ()
+    typed = {**qwen, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    assert ModelConfig.from_dict(typed).layer_windows == ()  # transformers drops the window without the flag
+    assert ModelConfig.from_dict({**typed, "use_sliding_window": True}).layer_windows == (16, 0, 16, 0)
+    smol = {**BASE, "model_type": "smollm3", "sliding_window": 16, "use_sliding_window": True,
+            "no_rope_layer_interval": 2}
+    assert ModelConfig.from_dict(smol).layer_windows == (0, 16, 0, 16)  # its NoPE layers slide
 
 
 def test_llama3_and_linear_rope_scaling_equal_transformers(tmp_path):
@@ -107,3 +120,26 @@ def test_llama3_and_linear_rope_scaling_equal_transformers(tmp_path):
         common = {k: v for k, v in BASE.items() if k != "model_type"}
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_scaling=rope, **common))
         _matches_transformers(tmp_path / str(i), hf, list(range(5, 45)))
+
+
+def test_a_plan_may_leave_out_blocks_behind_every_window_and_no_others():
+    """The worker accepts a table whose entries behind its queries' windows are -1 (given back by the
+    scheduler) only when every layer slides that far; a hole inside a window is refused."""
+    import numpy as np
+
+    from tests.test_fused_decode import BLOCK, _step
+    from worker.runner import PlanError, validate_plan
+
+    p, blocks = _step([(1, 70), (16, 66)])  # a decode at position 69, a chunk over positions 50..65
+    p.block_tables = p.block_tables.copy()  # decoded from the wire: a read-only view
+    args = (blocks + 1, BLOCK, 256, 512)
+    validate_plan(p, *args)
+    p.block_tables[0, :3] = -1  # keys 0..47: behind position 69's 20-key window (it reads 50..69)
+    p.block_tables[1, :1] = -1  # keys 0..15: behind position 50's window (it reads 31..50)
+    with pytest.raises(PlanError, match="no block for part of its sequence"):
+        validate_plan(p, *args)  # full attention reads them
+    validate_plan(p, *args, kv_window=20)
+    p.block_tables[0, 3] = -1  # keys 48..63: position 69 reads 50..63
+    with pytest.raises(PlanError, match="no block for part of its sequence"):
+        validate_plan(p, *args, kv_window=20)
+    assert np.all(p.block_tables[1, 1:4] >= 0)

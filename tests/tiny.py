@@ -36,10 +36,11 @@ def make_tokenizer(folder: Path, vocab_size: int) -> None:
     )
 
 
-def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
-    """Save a random LlamaForCausalLM (safetensors) with a tokenizer into folder; returns folder."""
+def make_tiny_llama(folder: Path, seed: int = 0, family: str = "llama", **overrides) -> Path:
+    """Save a random model of a transformers family (model_type: llama, mistral, qwen2, ...; safetensors)
+    with a tokenizer into folder; returns folder. overrides: that family's config fields."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -61,17 +62,18 @@ def make_tiny_llama(folder: Path, seed: int = 0, **overrides) -> Path:
         initializer_range=0.25,
     )
     params.update(overrides)
-    config = LlamaConfig(**params)
+    config = AutoConfig.for_model(family, **params)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(str(folder), safe_serialization=True)
     make_tokenizer(folder, config.vocab_size)
     return folder
 
 
-def hf_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
+def hf_greedy(folder: Path, prompt: list[int], max_tokens: int, repetition_penalty: float = 1.0) -> list[int]:
     """transformers' own solo greedy decode (its KV cache, one request alone), eos ignored: the reference
-    every batched output must equal token for token."""
+    every batched output must equal token for token. repetition_penalty as transformers' logits processor
+    applies it: every token seen so far (prompt and output) divided by it where positive, else times it."""
     import torch
 
     model = _load_cached(str(folder))
@@ -79,7 +81,13 @@ def hf_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
     with torch.no_grad():
         res = model(torch.tensor([prompt]), use_cache=True)
         for _ in range(max_tokens):
-            token = int(res.logits[0, -1].argmax())
+            logits = res.logits[0, -1]
+            if repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(prompt + out)))
+                score = logits[seen]
+                logits = logits.clone()
+                logits[seen] = torch.where(score > 0, score / repetition_penalty, score * repetition_penalty)
+            token = int(logits.argmax())
             out.append(token)
             res = model(torch.tensor([[token]]), past_key_values=res.past_key_values, use_cache=True)
     return out

@@ -38,7 +38,8 @@ class AttentionBackend:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         raise NotImplementedError
 
-    def forward(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta, scale: float, window: int = 0) -> torch.Tensor:
+        """window > 0: a sliding-window layer, each query sees only its last `window` keys (itself included)."""
         raise NotImplementedError
 
 
@@ -57,6 +58,24 @@ class DecodeBucket:
     tokens: torch.Tensor  # int64 [rows]: token index of each decode row in the step
     slots: torch.Tensor  # int64 [rows, width]: width = the longest sequence of the bucket
     mask: torch.Tensor  # bool [rows, 1, 1, width]
+    lens: torch.Tensor  # int64 [rows]: keys of each sequence
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The mask of a sliding-window layer: only each row's last `window` keys."""
+        if window <= 0:
+            return self.mask
+        pos = torch.arange(self.mask.shape[-1], device=self.lens.device)
+        return self.mask & (pos[None, :] >= self.lens[:, None] - window)[:, None, None, :]
+
+
+def window_prefill_mask(p: PrefillRows, window: int) -> torch.Tensor | None:
+    """A prefill's mask in a sliding-window layer (None: plain causal is exact, no key is out of reach)."""
+    n, q_len = p.slots.numel(), p.end - p.start
+    if window <= 0 or n <= window:
+        return p.mask
+    qpos = torch.arange(q_len, device=p.slots.device)[:, None] + (n - q_len)  # each query's position
+    key = torch.arange(n, device=p.slots.device)[None, :]
+    return (key <= qpos) & (key > qpos - window)
 
 
 @dataclass
@@ -102,13 +121,14 @@ class TorchAttention(AttentionBackend):
             width = int(lens[rows].max())
             slots = reference.kv_slots(block_tables[rows], lens[rows], block_size, width)
             mask = (torch.arange(width, device=lens.device)[None, :] < lens[rows][:, None])[:, None, None, :]
-            decodes.append(DecodeBucket(qsl[rows], slots, mask))
+            decodes.append(DecodeBucket(qsl[rows], slots, mask, lens[rows]))
         return TorchAttentionMeta(decodes, prefill_rows(block_tables, lens, qsl, q_lens, block_size))
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta: TorchAttentionMeta, scale, out: torch.Tensor | None = None):
+    def forward(self, q, k_cache, v_cache, meta: TorchAttentionMeta, scale, window: int = 0,
+                out: torch.Tensor | None = None):
         num_blocks, block_size, n_kv_heads, head_dim = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, n_kv_heads, head_dim)
         v_flat = v_cache.view(num_blocks * block_size, n_kv_heads, head_dim)
@@ -119,13 +139,15 @@ class TorchAttention(AttentionBackend):
             keys = k_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)  # [rows, n_kv, width, hd]
             values = v_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)
             qd = q[b.tokens].unsqueeze(2)  # [rows, n_heads, 1, head_dim]
-            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=b.mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=b.window_mask(window), scale=scale,
+                                               enable_gqa=True)
             out[b.tokens] = o.squeeze(2)
         for p in meta.prefills:
             keys = k_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)  # [1, n_kv, seq_len, hd]
             values = v_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, n_heads, q_len, head_dim]
-            o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=p.mask, is_causal=p.mask is None,
+            mask = window_prefill_mask(p, window)
+            o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, is_causal=mask is None,
                                                scale=scale, enable_gqa=True)
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out
@@ -184,21 +206,21 @@ class CpuAttention(TorchAttention):
             block_size=block_size,
         )
 
-    def forward(self, q, k_cache, v_cache, meta: CpuAttentionMeta, scale):
+    def forward(self, q, k_cache, v_cache, meta: CpuAttentionMeta, scale, window: int = 0):
         num_tokens, n_heads, head_dim = q.shape
         out = torch.empty(num_tokens, n_heads, head_dim, dtype=q.dtype, device=q.device)
         if meta.decode_rows.numel():
             q = q.contiguous()  # the decode kernel reads whole rows of a contiguous q
             self._native.paged_decode(q, k_cache, v_cache, out, meta.decode_rows, meta.decode_tables,
-                                      meta.decode_lens, scale)
+                                      meta.decode_lens, scale, window)
         if meta.prefill_starts.numel():
             if self._native.supports_prefill(n_heads, k_cache.shape[2], head_dim) and q.stride(2) == 1 \
                     and q.stride(1) == head_dim:  # a view of the fused QKV row reads in place
                 self._native.paged_prefill(q, k_cache, v_cache, out, meta.prefill_starts, meta.prefill_q_lens,
-                                           meta.prefill_lens, meta.prefill_tables, scale)
+                                           meta.prefill_lens, meta.prefill_tables, scale, window)
             else:
                 TorchAttention.forward(self, q.contiguous(), k_cache, v_cache,
-                                       TorchAttentionMeta([], meta.torch_prefills()), scale, out=out)
+                                       TorchAttentionMeta([], meta.torch_prefills()), scale, window, out=out)
         return out
 
 
@@ -240,10 +262,11 @@ class TritonAttention(AttentionBackend):
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta: TritonAttentionMeta, scale):
+    def forward(self, q, k_cache, v_cache, meta: TritonAttentionMeta, scale, window: int = 0):
         return self._kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
             max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len, mixed=meta.mixed, workspace=meta.workspace,
+            window=window,
         )
 
 

@@ -36,7 +36,7 @@ class PsMatrix(ctypes.Structure):
 class PsLayer(ctypes.Structure):
     _fields_ = [("qkv", PsMatrix), ("o_proj", PsMatrix), ("gate_up", PsMatrix), ("down", PsMatrix),
                 ("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P),
-                ("k_cache", _P), ("v_cache", _P), ("rope", _I32), ("pad", _I32)]
+                ("k_cache", _P), ("v_cache", _P), ("rope", _I32), ("window", _I32)]
 
 
 class PsModel(ctypes.Structure):
@@ -120,7 +120,7 @@ class FusedDecode:
             layers[i] = PsLayer(mats["qkv"], mats["o_proj"], mats["gate_up"], mats["down"],
                                 _ptr(layer.input_norm), _ptr(layer.post_attn_norm), _ptr(layer.qkv_bias),
                                 _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(k_cache), _ptr(v_cache),
-                                int(c.uses_rope(i)), 0)
+                                int(c.uses_rope(i)), c.window(i))
         rotary = m.rotary
         self._desc = PsModel(c.num_layers, c.hidden_size, m.shard.num_q_heads, m.shard.num_kv_heads, c.head_dim,
                              m.shard.intermediate_size, pool.block_size, 0, c.rms_norm_eps, c.head_dim**-0.5,

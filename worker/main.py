@@ -263,10 +263,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot_split_model", error=str(e))
         print(f"pagedserve-worker: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    if config.max_position_embeddings < config.declared_context:
-        log.warning("context_capped_by_sliding_window", max_context=config.max_position_embeddings,
-                    declared=config.declared_context,
-                    reason="sliding-window attention is exact for sequences no longer than its window")
+    if config.layer_windows:
+        log.info("sliding_window_layers", windows=sorted(set(config.layer_windows)),
+                 sliding=sum(1 for w in config.layer_windows if w), layers=config.num_layers)
     comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout, args.rendezvous_file)
     model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
                                tp_rank=args.rank, tp_size=tp, comm=comm)
@@ -357,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
+        kv_window=config.max_window,
         model_fingerprint=config.fingerprint(os.path.basename(os.path.normpath(args.model)) + args.load_format),
         vocab_size=config.vocab_size,
         max_context=config.max_position_embeddings,

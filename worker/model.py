@@ -102,7 +102,8 @@ class DecoderLayer(nn.Module):
             q, k = ops.rope(q, k, rope)
         k_cache, v_cache = pool.layer(self.layer_idx)
         attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
-        o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.head_dim**-0.5)  # [num_tokens, n_heads, hd]
+        o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.head_dim**-0.5,
+                         c.window(self.layer_idx))  # [num_tokens, n_heads, hd]
         a = self.comm.all_reduce(mm(o.reshape(num_tokens, self.q_size), w["o_proj"]))
         residual, h = ops.add_rms_norm(residual, a, self.post_attn_norm, c.rms_norm_eps)
         return self.comm.all_reduce(mm(ops.silu_mul(mm(h, w["gate_up"])), w["down"])), residual

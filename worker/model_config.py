@@ -62,21 +62,32 @@ def check_supported(cfg: dict) -> None:
             raise UnsupportedModel("layer_types", layer_type, "only full and sliding-window attention layers")
 
 
-def sliding_window_cap(cfg: dict) -> int | None:
-    """The context that keeps sliding-window attention exact: a window applies to no sequence shorter than
-    it, so a model whose layers slide over W keys is served with its context capped at W (None: no layer
-    slides). Mistral's sliding_window; Qwen2/Qwen3/SmolLM3's use_sliding_window and layer_types."""
+def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers builds the model: a layer with window W lets a token see
+    its last W keys (itself included); 0 = full attention; () when no layer slides. Mistral slides every
+    layer over sliding_window; Qwen2/Qwen3/SmolLM3, with use_sliding_window set, the layers their
+    layer_types mark sliding_attention, by default those from max_window_layers on (SmolLM3: its NoPE
+    layers)."""
     window = cfg.get("sliding_window")
     if not window:
-        return None
+        return ()
+    window = int(window)
     model_type = cfg.get("model_type", "llama")
     if model_type == "mistral":
-        return int(window)
-    if "sliding_attention" in (cfg.get("layer_types") or ()):
-        return int(window)
-    if cfg.get("use_sliding_window"):
-        return int(window)
-    return None
+        return (window,) * num_layers
+    if model_type not in ("qwen2", "qwen3", "smollm3") or not cfg.get("use_sliding_window"):
+        return ()  # Llama's attention has no window, the others' only with use_sliding_window: as transformers
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) < num_layers:
+            raise UnsupportedModel("layer_types", types, f"needs one entry for each of the {num_layers} layers")
+        sliding = [t == "sliding_attention" for t in types[:num_layers]]
+    elif model_type == "smollm3":  # its NoPE layers slide
+        sliding = [not uses for uses in rope_layers(cfg, num_layers)]
+    else:
+        first = int(cfg.get("max_window_layers", 28))
+        sliding = [i >= first for i in range(num_layers)]
+    return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
 
 
 def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
@@ -112,11 +123,21 @@ class ModelConfig:
     model_type: str = "llama"
     # per layer: whether it applies RoPE (SmolLM3's NoPE layers do not); empty = every layer
     rope_layers: tuple[bool, ...] = ()
-    # the context the model declares, before a sliding window capped it (max_position_embeddings)
-    declared_context: int = 0
+    # per layer: its sliding window (0: full attention); empty = no layer slides
+    layer_windows: tuple[int, ...] = ()
 
     def uses_rope(self, layer: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer]
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window: a token sees its last `window` keys; 0 = every earlier key."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def max_window(self) -> int:
+        """The widest window when every layer slides (keys older than it are never read again); 0 when any
+        layer attends over the whole context."""
+        return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -131,8 +152,6 @@ class ModelConfig:
         num_layers = int(cfg["num_hidden_layers"])
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        declared = int(cfg.get("max_position_embeddings", 2048))
-        window = sliding_window_cap(cfg)
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -144,13 +163,13 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=float(theta),
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
-            max_position_embeddings=min(declared, window) if window else declared,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
             model_type=model_type,
             rope_layers=rope_layers(cfg, num_layers),
-            declared_context=declared,
+            layer_windows=layer_windows(cfg, num_layers),
         )
 
     @classmethod

@@ -48,8 +48,11 @@ class InFlight:
     host_sample: float
 
 
-def validate_plan(p: PlanArrays, num_blocks: int, block_size: int, vocab: int, max_pos: int) -> None:
-    """Raise PlanError unless every array fits the pool, the vocabulary and the context.
+def validate_plan(p: PlanArrays, num_blocks: int, block_size: int, vocab: int, max_pos: int,
+                  kv_window: int = 0) -> None:
+    """Raise PlanError unless every array fits the pool, the vocabulary and the context. kv_window > 0 (every
+    layer slides): a table needs blocks from the first one holding a key its queries' windows reach (the
+    scheduler gives back those before; their entries are -1).
 
     num_blocks is the count the scheduler acknowledged, not this rank's own pool: every rank of a
     group then accepts or rejects the same plan alike, so none waits in a collective for the others."""
@@ -73,6 +76,9 @@ def validate_plan(p: PlanArrays, num_blocks: int, block_size: int, vocab: int, m
         raise PlanError(f"block id outside the pool of {num_blocks} blocks")
     needed = (p.seq_lens.astype(np.int64) + block_size - 1) // block_size
     used = np.arange(mb)[None, :] < needed[:, None]
+    if kv_window > 0:  # keys before (first query's position) - kv_window are never read
+        first = np.maximum(p.seq_lens.astype(np.int64) - q_lens - kv_window, 0) // block_size
+        used &= np.arange(mb)[None, :] >= first[:, None]
     if (p.block_tables[used] < 0).any():
         raise PlanError("a block table has no block for part of its sequence")
     if ((p.block_copies < 0) | (p.block_copies >= num_blocks)).any():
@@ -178,7 +184,7 @@ class ModelRunner:
             p = decode_plan(plan)
             pending = self._pending_rows(p)
             validate_plan(p, self.num_blocks, self.pool.block_size, self.config.vocab_size,
-                          self.config.max_position_embeddings)
+                          self.config.max_position_embeddings, self.config.max_window)
             if p.mask_follows and await_mask is None:
                 raise PlanError("the plan's masks follow it, and this worker has no socket to wait on them")
         except (CodecError, PlanError) as e:

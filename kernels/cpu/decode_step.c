@@ -21,8 +21,8 @@
 #include "rows.h"
 
 void pagedserve_decode_item(const float* q_row, const float* k_cache, const float* v_cache, float* out_row,
-                            const int32_t* table, int32_t len, int kh0, int kh1, int32_t n_heads, int32_t n_kv_heads,
-                            int32_t head_dim, int32_t block_size, float scale);
+                            const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
+                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale);
 
 #define MAX_SEGMENTS 3
 
@@ -45,7 +45,8 @@ typedef struct {
     const float* qkv_bias;        /* [q + 2 kv] or NULL */
     const float *q_norm, *k_norm; /* [head_dim] each, or NULL (Qwen3's per-head RMSNorm) */
     float *k_cache, *v_cache;     /* [num_blocks, block_size, n_kv_heads, head_dim] */
-    int32_t rope, pad;            /* rope 0: a layer without positions (SmolLM3's NoPE layers) */
+    int32_t rope;                 /* 0: a layer without positions (SmolLM3's NoPE layers) */
+    int32_t window;               /* > 0: a sliding-window layer, each token sees its last `window` keys */
 } PsLayer;
 
 typedef struct {
@@ -169,9 +170,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             for (int64_t it = 0; it < rows * nkv; it++) { /* a sequence's KV head and its query heads */
                 const int64_t r = it / nkv;
                 const int kh = (int)(it % nkv);
+                const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
                 pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
-                                       block_tables + r * table_stride, seq_lens[r], kh, kh + 1, (int)nh, (int)nkv,
-                                       (int)hd, m->block_size, m->scale);
+                                       block_tables + r * table_stride, first, seq_lens[r], kh, kh + 1, (int)nh,
+                                       (int)nkv, (int)hd, m->block_size, m->scale);
             }
             matmul_part(&ly->o_proj, attn, rows, delta);
 #pragma omp for schedule(static)

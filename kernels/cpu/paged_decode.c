@@ -177,11 +177,11 @@ int pagedserve_decode_limits(int32_t* out) {
 }
 
 /* One work item: the query heads of KV heads [kh0, kh1) of one query token (q_row: its n_heads * head_dim
- * values), over the sequence's len keys through its block table; written to the same heads of out_row. The
- * fused decode step (decode_step.c) calls it for its own items. */
+ * values), over keys [first, len) of the sequence through its block table (first > 0: a sliding window);
+ * written to the same heads of out_row. The fused decode step (decode_step.c) calls it for its own items. */
 void pagedserve_decode_item(const float* q_row, const float* k_cache, const float* v_cache, float* out_row,
-                            const int32_t* table, int32_t len, int kh0, int kh1, int32_t n_heads, int32_t n_kv_heads,
-                            int32_t head_dim, int32_t block_size, float scale) {
+                            const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
+                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale) {
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim; /* between consecutive keys of a block */
     const int64_t block_stride = (int64_t)block_size * token_stride;
@@ -199,15 +199,16 @@ void pagedserve_decode_item(const float* q_row, const float* k_cache, const floa
             acc[h * head_dim + d] = 0.0f;
         }
     }
-    for (int start = 0; start < len; start += block_size) {
+    for (int start = first - first % block_size; start < len; start += block_size) {
         const int64_t block = table[start / block_size];
-        const int count = len - start < block_size ? len - start : block_size;
+        const int skip = start < first ? first - start : 0; /* keys of the first block before the window */
+        const int count = (len - start < block_size ? len - start : block_size) - skip;
         const int rest = len - start - block_size; /* keys after this block */
         const int next_count = rest < block_size ? (rest > 0 ? rest : 0) : block_size;
         const int64_t next = rest > 0 ? (int64_t)table[start / block_size + 1] * block_stride : 0;
         for (int kh = kh0; kh < kh1; kh++) {
-            const float* kb = k_cache + block * block_stride + (int64_t)kh * head_dim;
-            const float* vb = v_cache + block * block_stride + (int64_t)kh * head_dim;
+            const float* kb = k_cache + block * block_stride + skip * token_stride + (int64_t)kh * head_dim;
+            const float* vb = v_cache + block * block_stride + skip * token_stride + (int64_t)kh * head_dim;
             const float* kn = rest > 0 ? k_cache + next + (int64_t)kh * head_dim : 0; /* the next block, */
             const float* vn = rest > 0 ? v_cache + next + (int64_t)kh * head_dim : 0; /* this head's rows */
             const int h = (kh - kh0) * group;
@@ -251,7 +252,8 @@ void pagedserve_paged_decode(
     const int32_t* block_tables, /* [n, table_stride]: the table of each decoding sequence */
     int64_t table_stride,
     const int32_t* seq_lens,     /* [n]: keys of each sequence, this step's token included */
-    int32_t n, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale)
+    int32_t n, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale,
+    int32_t window)              /* > 0: each token sees only its last `window` keys (itself included) */
 {
     /* A work item is a sequence and as many of its KV heads as the item's state holds (all of them for most
      * models): it walks the sequence's blocks once, reading each block's rows of those heads in one pass. */
@@ -264,8 +266,9 @@ void pagedserve_paged_decode(
             const int kh0 = chunk * heads_per_item;
             const int kh1 = kh0 + heads_per_item < n_kv_heads ? kh0 + heads_per_item : n_kv_heads;
             const int64_t row = rows[i] * n_heads * head_dim;
+            const int32_t first = window > 0 && seq_lens[i] > window ? seq_lens[i] - window : 0;
             pagedserve_decode_item(q + row, k_cache, v_cache, out + row, block_tables + (int64_t)i * table_stride,
-                                   seq_lens[i], kh0, kh1, n_heads, n_kv_heads, head_dim, block_size, scale);
+                                   first, seq_lens[i], kh0, kh1, n_heads, n_kv_heads, head_dim, block_size, scale);
         }
     }
 }

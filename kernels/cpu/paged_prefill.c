@@ -44,13 +44,14 @@ static inline const float* kv_row(const float* cache, const int32_t* table, int 
 static void prefill_item(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
                          float* out, int64_t start, int q_len, int seq_len, const int32_t* table, int p0, int p1,
                          int kh, int n_heads, int group, int head_dim, int block_size, int64_t block_stride,
-                         int64_t token_stride, float scale) {
+                         int64_t token_stride, float scale, int window) {
     const int rows = p1 - p0;
     const int total = rows * group;                /* query rows of the item: (head g, position r) -> g * rows + r */
     float acc[MAX_STATE];                          /* [total][head_dim] */
     float qs[MAX_STATE];                           /* [total][head_dim], scaled */
     float m[QT * 16], l[QT * 16];                  /* per query row: group <= 16 */
     int limit[QT * 16];                            /* last key each row sees */
+    int lowest[QT * 16];                           /* first key each row sees (a sliding window's start) */
     float kt[MAX_HEAD_DIM][KT];                    /* the key tile, transposed */
     const float* vrows[KT];
     const int offset = seq_len - q_len;            /* keys before the chunk (cached prefix) */
@@ -66,13 +67,15 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
             m[row] = -INFINITY;
             l[row] = 0.0f;
             limit[row] = offset + p0 + r;
+            lowest[row] = window > 0 && limit[row] + 1 > window ? limit[row] + 1 - window : 0;
         }
     }
     const int last_key = offset + p1 - 1; /* the tile's last row sees keys 0..last_key */
-    for (int j0 = 0; j0 <= last_key; j0 += KT) {
+    const int first_key = lowest[0];      /* ... and its first row sees the earliest */
+    for (int j0 = first_key - first_key % KT; j0 <= last_key; j0 += KT) {
         const int nk = last_key + 1 - j0 < KT ? last_key + 1 - j0 : KT;
         for (int jj = 0; jj < KT; jj++) {
-            if (jj < nk) {
+            if (jj < nk && j0 + jj >= first_key) { /* keys before every row's window are never read */
                 const float* key = kv_row(k_cache, table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim);
                 for (int d = 0; d < head_dim; d++) kt[d][jj] = key[d];
                 vrows[jj] = kv_row(v_cache, table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim);
@@ -107,17 +110,18 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
             }
             for (int i = 0; i < nr; i++) {
                 const int row = row0 + i;
-                const int see = limit[row] - j0 + 1; /* keys of this tile the row sees */
-                if (see <= 0) continue;
+                const int see = limit[row] - j0 + 1; /* keys of this tile the row sees: [from, n) */
+                const int from = lowest[row] > j0 ? lowest[row] - j0 : 0;
                 const int n = see < nk ? see : nk;
+                if (n <= from) continue;
                 float top = m[row];
-                for (int jj = 0; jj < n; jj++) top = s[i][jj] > top ? s[i][jj] : top;
+                for (int jj = from; jj < n; jj++) top = s[i][jj] > top ? s[i][jj] : top;
                 const float correction = expf(m[row] - top); /* 0 on the first tile: m = -inf */
                 float p[KT];
                 float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
                 for (int jj = 0; jj < KT; jj++) {
-                    p[jj] = jj < n ? vec_exp(s[i][jj] - top) : 0.0f;
+                    p[jj] = jj >= from && jj < n ? vec_exp(s[i][jj] - top) : 0.0f;
                     sum += p[jj];
                 }
                 l[row] = l[row] * correction + sum;
@@ -131,7 +135,7 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
                         __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(a + d + 16), cr);
                         __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(a + d + 32), cr);
                         __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(a + d + 48), cr);
-                        for (int jj = 0; jj < n; jj++) {
+                        for (int jj = from; jj < n; jj++) {
                             const __m512 pj = _mm512_set1_ps(p[jj]);
                             const float* value = vrows[jj] + d;
                             a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(value), a0);
@@ -150,7 +154,7 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
                 if (correction != 1.0f)
 #pragma omp simd
                     for (int d = 0; d < head_dim; d++) a[d] *= correction;
-                for (int jj = 0; jj < n; jj++) {
+                for (int jj = from; jj < n; jj++) {
                     const float pj = p[jj];
                     const float* value = vrows[jj];
 #pragma omp simd
@@ -182,7 +186,8 @@ void pagedserve_paged_prefill(
     const int32_t* seq_lens,     /* [n]: its keys, this step's included */
     const int32_t* block_tables, /* [n, table_stride] */
     int64_t table_stride, int32_t n, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
-    float scale)
+    float scale,
+    int32_t window)              /* > 0: each query sees only its last `window` keys (itself included) */
 {
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim;
@@ -207,7 +212,7 @@ void pagedserve_paged_prefill(
             const int p1 = p0 + qt < q_lens[i] ? p0 + qt : q_lens[i];
             prefill_item(q, q_row_stride, k_cache, v_cache, out, starts[i], q_lens[i], seq_lens[i],
                          block_tables + (int64_t)i * table_stride, p0, p1, kh, n_heads, group, head_dim, block_size,
-                         block_stride, token_stride, scale);
+                         block_stride, token_stride, scale, window);
         }
     }
     free(items);
