@@ -9,14 +9,22 @@ prefix:  32 requests sharing a 512-token system prompt, each with its own questi
 chunked: a few very long prompts among short chats; chunked prefill on (a small per-step budget) vs
          off (whole prompts in one step). Prints the short requests' gaps between tokens (p50, p99,
          max): a long prompt computed in one step stalls every decode beside it.
+window:  the default model's shapes as a Mistral with a 256-key sliding window on every layer, beside its
+         full-attention twin (the same config without the window), random weights (--load-format
+         dummy): 8 sequences of 256 prompt + 1024 output tokens (5 windows). Prints the blocks held at
+         the peak (sampled every 50 ms), tokens/s, and whether the windowed model finishes in a pool
+         of a quarter of what full attention needs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
+import shutil
 import sys
+import threading
 import tempfile
 import time
 import urllib.request
@@ -112,16 +120,82 @@ def bench_chunked(args) -> None:
               f"p99 {percentile(gaps, 0.99) * 1e3:7.1f} ms   max {gaps[-1] * 1e3:7.1f} ms   (wall {wall:.1f} s)")
 
 
+def _twins(model: str, window: int) -> dict[str, Path]:
+    """Folders of the default model's shapes as a Mistral, with a sliding window on every layer and
+    without, sharing its tokenizer (weights are random: --load-format dummy)."""
+    src = Path(model)
+    config = json.loads((src / "config.json").read_text())
+    out = {}
+    for label, sliding in (("sliding window", window), ("full attention", None)):
+        folder = Path(tempfile.mkdtemp(prefix="pagedserve-window-"))
+        for f in src.iterdir():
+            if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
+                shutil.copy(f, folder / f.name)
+        twin = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                       "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+                                       "tie_word_embeddings", "bos_token_id", "eos_token_id") if k in config}
+        twin.update(model_type="mistral", architectures=["MistralForCausalLM"], max_position_embeddings=2048,
+                    sliding_window=sliding, head_dim=config["hidden_size"] // config["num_attention_heads"])
+        (folder / "config.json").write_text(json.dumps(twin))
+        out[label] = folder
+    return out
+
+
+def bench_window(args) -> None:
+    window, block, seqs, prompt_len, out_len = 256, 16, 8, 256, 1024
+    rng = random.Random(2)
+    requests = [([rng.randrange(100, 40000) for _ in range(prompt_len)], out_len, 0.0) for _ in range(seqs)]
+    full_blocks = seqs * -(-(prompt_len + out_len) // block)
+    print(f"
+sliding window: {seqs} sequences of {prompt_len} prompt + {out_len} output tokens, a {window}-key "
+          f"window on every layer, blocks of {block}, budget 256 tokens a step")
+    flags = ("--load-format", "dummy", "--block-size", str(block), "--max-num-batched-tokens", "256",
+             "--max-num-seqs", str(seqs))
+    for label, folder in _twins(args.model, window).items():
+        for pool in (full_blocks + 8, full_blocks // 4):
+            server = ServerProcess(folder, Path(tempfile.mkdtemp(prefix="pagedserve-bench-")) / "server.log",
+                                   "--metrics-port", "-1", "--num-blocks", str(pool), *flags)
+            try:
+                server.start()
+            except RuntimeError as e:
+                print(f"  {label:<15} pool {pool:5d} blocks: refused at start ({str(e).splitlines()[0][:90]})")
+                continue
+            peak, done = [0], threading.Event()
+
+            def watch(server=server, peak=peak, done=done):
+                while not done.wait(0.05):
+                    st = server.stats()
+                    peak[0] = max(peak[0], st.num_blocks - st.num_free_blocks - st.num_cached_blocks)
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            try:
+                t0 = time.perf_counter()
+                results = asyncio.run(_run(server.address, requests))
+                wall = time.perf_counter() - t0
+                stats = server.stats()
+            finally:
+                done.set()
+                watcher.join()
+                server.stop()
+            tokens = sum(len(r[0]) for r in results)
+            print(f"  {label:<15} pool {pool:5d} blocks: peak held {peak[0]:5d} blocks "
+                  f"({peak[0] * block:6d} tokens; full attention needs {full_blocks})   {tokens / wall:6.1f} tok/s   "
+                  f"preemptions {stats.num_preemptions}   wall {wall:5.1f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedserve-bench-memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--only", choices=["prefix", "chunked"], default=None)
+    p.add_argument("--only", choices=["prefix", "chunked", "window"], default=None)
     args = p.parse_args(argv)
     if args.only in (None, "prefix"):
         bench_prefix(args)
     if args.only in (None, "chunked"):
         bench_chunked(args)
+    if args.only in (None, "window"):
+        bench_window(args)
     return 0
 
 
