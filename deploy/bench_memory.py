@@ -24,8 +24,8 @@ import json
 import random
 import shutil
 import sys
-import threading
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -146,8 +146,7 @@ def bench_window(args) -> None:
     rng = random.Random(2)
     requests = [([rng.randrange(100, 40000) for _ in range(prompt_len)], out_len, 0.0) for _ in range(seqs)]
     full_blocks = seqs * -(-(prompt_len + out_len) // block)
-    print(f"
-sliding window: {seqs} sequences of {prompt_len} prompt + {out_len} output tokens, a {window}-key "
+    print(f"\nsliding window: {seqs} sequences of {prompt_len} prompt + {out_len} output tokens, a {window}-key "
           f"window on every layer, blocks of {block}, budget 256 tokens a step")
     flags = ("--load-format", "dummy", "--block-size", str(block), "--max-num-batched-tokens", "256",
              "--max-num-seqs", str(seqs))
