@@ -15,7 +15,7 @@ REFUSED = [
     ("hidden_act", dict(hidden_act="gelu_pytorch_tanh"), "'gelu_pytorch_tanh'"),
     ("mlp_bias", dict(mlp_bias=True), "True"),
     ("attention_bias", dict(attention_bias=True), "True"),  # Llama's includes an o_proj bias
-    ("rope_scaling.rope_type", dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "'yarn'"),
+    ("rope_scaling.rope_type", dict(rope_scaling=dict(rope_type="longrope", factor=4.0)), "'longrope'"),
     ("rope_scaling.rope_type", dict(rope_parameters=dict(rope_type="dynamic", factor=2.0)), "'dynamic'"),
     ("partial_rotary_factor", dict(partial_rotary_factor=0.5), "0.5"),
     ("final_logit_softcapping", dict(final_logit_softcapping=30.0), "30.0"),
@@ -97,6 +97,19 @@ def test_a_prompt_longer_than_its_sliding_window_equals_transformers(tmp_path, f
     assert config.layer_windows == ((16,) * 4 if family == "mistral" else (0, 0, 16, 16))
 
 
+@pytest.mark.parametrize("window", [None, 16])
+def test_phi3_fused_weights_and_window_equal_transformers(tmp_path, window):
+    """Phi-3 ships q/k/v and gate/up as single tensors (split here into this model's fused parameters) and
+    slides every layer when its config has a window (Phi-3-mini's 2047)."""
+    import transformers
+
+    torch.manual_seed(4)
+    common = {k: v for k, v in BASE.items() if k != "model_type"}
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(sliding_window=window, pad_token_id=0, **common))
+    config = _matches_transformers(tmp_path, hf, [(5 * i) % 190 + 3 for i in range(50)])
+    assert config.model_type == "phi3" and config.layer_windows == (() if window is None else (16,) * 4)
+
+
 def test_sliding_window_fields_that_do_not_slide():
     """Llama ignores sliding_window (as transformers does); Qwen2 without use_sliding_window does not slide."""
     assert ModelConfig.from_dict({**BASE, "sliding_window": 16}).layer_windows == ()
@@ -110,12 +123,15 @@ def test_sliding_window_fields_that_do_not_slide():
     assert ModelConfig.from_dict(smol).layer_windows == (0, 16, 0, 16)  # its NoPE layers slide
 
 
-def test_llama3_and_linear_rope_scaling_equal_transformers(tmp_path):
+def test_llama3_linear_and_yarn_rope_scaling_equal_transformers(tmp_path):
     import transformers
 
     for i, rope in enumerate((dict(rope_type="linear", factor=4.0),
                               dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                   original_max_position_embeddings=64))):
+                                   original_max_position_embeddings=64),
+                              dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
+                              dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=16,
+                                   mscale=0.707, mscale_all_dim=1.0))):
         torch.manual_seed(2)
         common = {k: v for k, v in BASE.items() if k != "model_type"}
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_scaling=rope, **common))

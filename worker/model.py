@@ -39,7 +39,8 @@ class Rotary:
         inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float32, device=device)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
         freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
-        self.cos, self.sin = freqs.cos(), freqs.sin()
+        scale = config.rope_attention_factor()  # YaRN scales both (1 elsewhere)
+        self.cos, self.sin = freqs.cos() * scale, freqs.sin() * scale
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """-> cos, sin of each token, [num_tokens, 1, head_dim / 2]."""
@@ -271,16 +272,30 @@ class LlamaModel(nn.Module):
             layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
             for kind in ("weight", "bias"):
                 target = layer.qkv if kind == "weight" else layer.qkv_bias
-                if target is not None:
-                    target.copy_(torch.cat([take(f"{a}q_proj.{kind}", q_rows), take(f"{a}k_proj.{kind}", kv_rows),
-                                            take(f"{a}v_proj.{kind}", kv_rows)]))
+                if target is None:
+                    continue
+                fused = f"{a}qkv_proj.{kind}"  # Phi-3 ships q, k and v as one tensor: this rank's rows of each
+                if fused in source:
+                    q_size, kv_size = c.num_heads * hd, c.num_kv_heads * hd
+                    parts = [take(fused, q_rows), take(fused, (q_size + kv_rows[0], q_size + kv_rows[1])),
+                             take(fused, (q_size + kv_size + kv_rows[0], q_size + kv_size + kv_rows[1]))]
+                else:
+                    parts = [take(f"{a}q_proj.{kind}", q_rows), take(f"{a}k_proj.{kind}", kv_rows),
+                             take(f"{a}v_proj.{kind}", kv_rows)]
+                target.copy_(torch.cat(parts))
             if layer.q_norm is not None:
                 layer.q_norm.copy_(take(a + "q_norm.weight"))
                 layer.k_norm.copy_(take(a + "k_norm.weight"))
             layer.o_proj.copy_(take(a + "o_proj.weight", cols=q_rows))
             m = p + "mlp."
-            layer.gate_up.copy_(torch.cat([take(m + "gate_proj.weight", sh.intermediate),
-                                           take(m + "up_proj.weight", sh.intermediate)]))
+            if m + "gate_up_proj.weight" in source:  # Phi-3: gate then up in one tensor
+                inter = c.intermediate_size
+                layer.gate_up.copy_(torch.cat([
+                    take(m + "gate_up_proj.weight", sh.intermediate),
+                    take(m + "gate_up_proj.weight", (inter + sh.intermediate[0], inter + sh.intermediate[1]))]))
+            else:
+                layer.gate_up.copy_(torch.cat([take(m + "gate_proj.weight", sh.intermediate),
+                                               take(m + "up_proj.weight", sh.intermediate)]))
             layer.down.copy_(take(m + "down_proj.weight", cols=sh.intermediate))
         ignored = {n for n in source.names() if n not in loaded and "rotary_emb" not in n}
         if c.tie_word_embeddings:

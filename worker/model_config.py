@@ -8,8 +8,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
-ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class UnsupportedModel(ValueError):
@@ -64,8 +64,8 @@ def check_supported(cfg: dict) -> None:
 
 def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
     """Each layer's sliding window as transformers builds the model: a layer with window W lets a token see
-    its last W keys (itself included); 0 = full attention; () when no layer slides. Mistral slides every
-    layer over sliding_window; Qwen2/Qwen3/SmolLM3, with use_sliding_window set, the layers their
+    its last W keys (itself included); 0 = full attention; () when no layer slides. Mistral and Phi-3
+    slide every layer over sliding_window; Qwen2/Qwen3/SmolLM3, with use_sliding_window set, the layers their
     layer_types mark sliding_attention, by default those from max_window_layers on (SmolLM3: its NoPE
     layers)."""
     window = cfg.get("sliding_window")
@@ -73,7 +73,7 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
         return ()
     window = int(window)
     model_type = cfg.get("model_type", "llama")
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):  # their attention slides on every layer
         return (window,) * num_layers
     if model_type not in ("qwen2", "qwen3", "smollm3") or not cfg.get("use_sliding_window"):
         return ()  # Llama's attention has no window, the others' only with use_sliding_window: as transformers
@@ -180,13 +180,59 @@ class ModelConfig:
         blob = json.dumps({"config": asdict(self), "source": source}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    def rope_attention_factor(self) -> float:
+        """What YaRN multiplies cos and sin by (1 for the other RoPE types)."""
+        return self._yarn()[1] if self._rope_kind() == "yarn" else 1.0
+
+    def _rope_kind(self) -> str:
+        return self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default"
+
+    def _yarn(self) -> tuple[list[float], float]:
+        """YaRN's inverse frequencies and attention factor, computed as transformers does (float32 ramps):
+        frequencies above beta_fast rotations over the original context kept, below beta_slow divided by
+        factor, a linear ramp between; cos/sin scaled by 0.1 ln(factor) + 1 unless attention_factor (or
+        mscale / mscale_all_dim) says otherwise."""
+        import torch
+
+        r, dim, base = self.rope_scaling, self.head_dim, self.rope_theta
+        original = float(r.get("original_max_position_embeddings") or self.max_position_embeddings)
+        factor = r.get("factor")
+        factor = float(factor) if factor is not None else self.max_position_embeddings / original
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = r.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all = r.get("mscale"), r.get("mscale_all_dim")
+            attention = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all
+                         else get_mscale(factor))
+        beta_fast, beta_slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if r.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        return inv.tolist(), float(attention)
+
     def rope_inv_freq(self) -> list[float]:
         """Inverse frequencies of the rotary embedding, with the scaling the config asks for."""
         dim = self.head_dim
         inv = [1.0 / (self.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
-        kind = self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default"
+        kind = self._rope_kind()
         if kind == "default":
             return inv
+        if kind == "yarn":
+            return self._yarn()[0]
         if kind == "linear":
             factor = float(self.rope_scaling["factor"])
             return [f / factor for f in inv]
