@@ -59,7 +59,7 @@ class NativeKernels:
         self._silu_mul = lib.pagedserve_silu_mul
         self._silu_mul.argtypes = [p, p, i64, i64]
         self._rope = lib.pagedserve_rope
-        self._rope.argtypes = [p, i64, i64, i32, i32, p, p, p]
+        self._rope.argtypes = [p, i64, i64, i32, i32, p, p, p, i32]
         for f in (self._add_rms_norm, self._silu_mul, self._rope):
             f.restype = None
         self._quant_matmul = lib.pagedserve_quant_matmul
@@ -159,9 +159,10 @@ class NativeKernels:
     def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
              positions: torch.Tensor) -> None:
         """Rotate-half RoPE in place on the first `heads` heads of each row of x [rows, >= heads * head_dim]
-        (row stride x.stride(0)); cos, sin: [max_pos, head_dim / 2]; positions int64 [rows]."""
+        (row stride x.stride(0)); cos, sin: [max_pos, rotary_dim / 2] (the first rotary_dim values of each head
+        rotate, the rest stay); positions int64 [rows]."""
         self._rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-                   positions.data_ptr())
+                   positions.data_ptr(), cos.shape[1])
 
     def paged_prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

@@ -42,8 +42,9 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize_on_alignment=["positions_ptr"])  # staged per step: see triton_attention
-def _rope_kernel(x_ptr, row_stride, positions_ptr, cos_ptr, sin_ptr, half, HALF: tl.constexpr):
-    """Rotate-half RoPE of head program_id(1) of token program_id(0), in place."""
+def _rope_kernel(x_ptr, row_stride, positions_ptr, cos_ptr, sin_ptr, half, head_dim, HALF: tl.constexpr):
+    """Rotate-half RoPE of head program_id(1) of token program_id(0), in place, over its first 2 * half values
+    (all of the head but under a partial_rotary_factor)."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     i = tl.arange(0, HALF)
@@ -51,7 +52,7 @@ def _rope_kernel(x_ptr, row_stride, positions_ptr, cos_ptr, sin_ptr, half, HALF:
     pos = tl.load(positions_ptr + token).to(tl.int64)
     c = tl.load(cos_ptr + pos * half + i, mask=mask, other=0.0)
     s = tl.load(sin_ptr + pos * half + i, mask=mask, other=0.0)
-    base = x_ptr + token * row_stride + head * 2 * half
+    base = x_ptr + token * row_stride + head * head_dim
     x1 = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + half + i, mask=mask, other=0.0).to(tl.float32)
     tl.store(base + i, (x1 * c - x2 * s).to(x_ptr.dtype.element_ty), mask=mask)
@@ -83,11 +84,11 @@ class TritonElementwise:
     def rope(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
              positions: torch.Tensor) -> None:
         """Rotate-half RoPE in place on the first `heads` heads of each row of x [rows, >= heads * head_dim]
-        (row stride x.stride(0), unit stride inside a row); cos, sin fp32 [max_pos, head_dim / 2]."""
-        rows = x.shape[0]
+        (row stride x.stride(0), unit stride inside a row); cos, sin fp32 [max_pos, rotary_dim / 2]."""
+        rows, half = x.shape[0], cos.shape[1]
         if rows:
-            _rope_kernel[(rows, heads)](x, x.stride(0), positions, cos, sin, head_dim // 2,
-                                        HALF=triton.next_power_of_2(head_dim // 2))
+            _rope_kernel[(rows, heads)](x, x.stride(0), positions, cos, sin, half, head_dim,
+                                        HALF=triton.next_power_of_2(half))
 
 
 def launch_cases(head_dims, dtype: str = "bf16") -> list[dict]:
@@ -109,7 +110,7 @@ def launch_cases(head_dims, dtype: str = "bf16") -> list[dict]:
         cases.append(dict(
             name=f"rope d{head_dim}", fn=_rope_kernel,
             signature=dict(x_ptr=ptr, row_stride="i32", positions_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
-                           half="i32"),
+                           half="i32", head_dim="i32"),
             constexprs=dict(HALF=triton.next_power_of_2(head_dim // 2)), aligned=("x_ptr", "row_stride"),
             num_warps=4, num_stages=3))
     return cases

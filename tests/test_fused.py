@@ -12,10 +12,23 @@ native = cpu_native.load()
 needs_native = pytest.mark.skipif(native is None, reason="native CPU kernels did not build here")
 
 
-def _config(head_dim: int) -> ModelConfig:
+def _config(head_dim: int, rotary_dim: int = 0) -> ModelConfig:
     return ModelConfig(vocab_size=64, hidden_size=4 * head_dim, intermediate_size=8 * head_dim, num_layers=1,
                        num_heads=4, num_kv_heads=2, head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=10000.0,
-                       max_position_embeddings=4096)
+                       max_position_embeddings=4096, rotary_dim=rotary_dim)
+
+
+def test_partial_rotary_turns_the_first_values_of_each_head_and_leaves_the_rest():
+    """A partial_rotary_factor (Phi-3's configs): rotate-half over the first rotary_dim values only."""
+    rotary = Rotary(_config(64, rotary_dim=48), torch.device("cpu"))
+    assert rotary.cos.shape[1] == 24
+    x = torch.randn(3, 2, 64)
+    cos, sin = rotary.lookup(torch.tensor([0, 5, 900]), torch.float32)
+    got = TorchOps().rope(x, x, (cos, sin))[0]
+    assert torch.equal(got[..., 48:], x[..., 48:])
+    full = Rotary(_config(48), torch.device("cpu"))  # the same 48 values as a head of their own
+    want = TorchOps().rope(x[..., :48], x[..., :48], full.lookup(torch.tensor([0, 5, 900]), torch.float32))[0]
+    torch.testing.assert_close(got[..., :48], want)
 
 
 @needs_native
@@ -41,10 +54,10 @@ def test_silu_mul_matches_torch(width):
 
 
 @needs_native
-@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 0), (128, 0), (40, 0), (64, 48), (96, 32)])
 @pytest.mark.parametrize("fused_row", [True, False])
-def test_rope_matches_torch(head_dim, fused_row):
-    config = _config(head_dim)
+def test_rope_matches_torch(head_dim, rotary_dim, fused_row):
+    config = _config(head_dim, rotary_dim)
     rotary = Rotary(config, torch.device("cpu"))
     heads, kv_heads, tokens = 4, 2, 9
     positions = torch.tensor([0, 1, 2, 3, 700, 701, 4095, 17, 5])
@@ -147,10 +160,10 @@ def test_triton_silu_mul_matches_torch(dtype, width):
 
 
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 40])
-def test_triton_rope_in_place_on_the_fused_row_matches_torch(dtype, head_dim):
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 0), (40, 0), (64, 32)])
+def test_triton_rope_in_place_on_the_fused_row_matches_torch(dtype, head_dim, rotary_dim):
     ops = _triton_ops()
-    rotary = Rotary(_config(head_dim), torch.device(DEVICE))
+    rotary = Rotary(_config(head_dim, rotary_dim), torch.device(DEVICE))
     heads, kv_heads, tokens = 4, 2, 6
     positions = torch.tensor([0, 1, 700, 4095, 17, 5], device=DEVICE)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(1))

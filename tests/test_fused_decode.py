@@ -41,6 +41,9 @@ def _hf_model(kind: str):
         return transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(no_rope_layer_interval=2, **COMMON))
     if kind == "mistral":  # every layer slides over 20 keys: the decodes below are shorter and longer
         return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=20, **COMMON))
+    if kind == "phi3":  # fused checkpoint tensors, a window on every layer, half of each head rotated
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(sliding_window=24, partial_rotary_factor=0.5,
+                                                                    **COMMON))
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(use_sliding_window=True, sliding_window=13,
                                                                       max_window_layers=1, **COMMON))
@@ -128,10 +131,11 @@ def _run(model, config, seqs, fused: bool):
 DECODES = [[(1, 9)], [(1, 40)], [(1, 17), (1, 70), (1, 33)], [(1, n) for n in range(5, 85, 10)]]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"])
 def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
     model, config = _model(tmp_path, kind)
-    assert config.layer_windows == {"mistral": (20, 20, 20), "qwen2-sliding": (0, 13, 13)}.get(kind, ())
+    assert config.layer_windows == {"mistral": (20, 20, 20), "qwen2-sliding": (0, 13, 13),
+                                    "phi3": (24, 24, 24)}.get(kind, ())
     for seqs in DECODES:
         want, want_pool = _run(model, config, seqs, fused=False)
         got, got_pool = _run(model, config, seqs, fused=True)

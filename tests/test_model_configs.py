@@ -97,17 +97,20 @@ def test_a_prompt_longer_than_its_sliding_window_equals_transformers(tmp_path, f
     assert config.layer_windows == ((16,) * 4 if family == "mistral" else (0, 0, 16, 16))
 
 
-@pytest.mark.parametrize("window", [None, 16])
-def test_phi3_fused_weights_and_window_equal_transformers(tmp_path, window):
-    """Phi-3 ships q/k/v and gate/up as single tensors (split here into this model's fused parameters) and
-    slides every layer when its config has a window (Phi-3-mini's 2047)."""
+@pytest.mark.parametrize("window,partial", [(None, 1.0), (16, 1.0), (None, 0.75)])
+def test_phi3_fused_weights_window_and_partial_rotary_equal_transformers(tmp_path, window, partial):
+    """Phi-3 ships q/k/v and gate/up as single tensors (split here into this model's fused parameters),
+    slides every layer when its config has a window (Phi-3-mini's 2047), and with a partial_rotary_factor
+    (Phi-4-mini's 0.75) rotates only the first part of each head."""
     import transformers
 
     torch.manual_seed(4)
     common = {k: v for k, v in BASE.items() if k != "model_type"}
-    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(sliding_window=window, pad_token_id=0, **common))
+    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(sliding_window=window, pad_token_id=0,
+                                                              partial_rotary_factor=partial, **common))
     config = _matches_transformers(tmp_path, hf, [(5 * i) % 190 + 3 for i in range(50)])
     assert config.model_type == "phi3" and config.layer_windows == (() if window is None else (16,) * 4)
+    assert config.rotary_dim == int(16 * partial)
 
 
 def test_sliding_window_fields_that_do_not_slide():

@@ -21,11 +21,12 @@ FAMILIES = {
     # every layer slides over 12 keys: blocks behind the window go back, so a pool of 20 blocks of 4 serves
     # the model's whole 512-token context
     "mistral": (dict(sliding_window=12), (12, 12, 12), ("--num-blocks", "20")),
+    # Phi-3: q/k/v and gate/up each one tensor in the checkpoint (split per rank under tensor parallelism),
+    # every layer sliding as Mistral's, three quarters of each head rotated (Phi-4-mini's factor)
+    "phi3": (dict(sliding_window=12, pad_token_id=0, partial_rotary_factor=0.75), (12, 12, 12),
+             ("--num-blocks", "20")),
     # Qwen2's default layout: layers from max_window_layers on slide (here 1 and 2), layer 0 reads everything
     # (every block is kept, so the context must fit the pool)
-    # Phi-3: q/k/v and gate/up each one tensor in the checkpoint (split per rank under tensor parallelism),
-    # every layer sliding as Mistral's
-    "phi3": (dict(sliding_window=12, pad_token_id=0), (12, 12, 12), ("--num-blocks", "20")),
     "qwen2": (dict(use_sliding_window=True, sliding_window=10, max_window_layers=1), (0, 10, 10),
               ("--num-blocks", "36", "--max-model-len", "128")),
 }

@@ -19,9 +19,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, n_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim / 2]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    # x: [num_tokens, n_heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim / 2]: rotate-half over the first
+    # rotary_dim values of each head (all of them but with a partial_rotary_factor), the rest as they are
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 class TorchOps:

@@ -41,7 +41,7 @@ class PsLayer(ctypes.Structure):
 
 class PsModel(ctypes.Structure):
     _fields_ = [("num_layers", _I32), ("hidden", _I32), ("n_heads", _I32), ("n_kv_heads", _I32),
-                ("head_dim", _I32), ("intermediate", _I32), ("block_size", _I32), ("pad", _I32),
+                ("head_dim", _I32), ("intermediate", _I32), ("block_size", _I32), ("rotary_half", _I32),
                 ("eps", _F), ("scale", _F), ("cos", _P), ("sin", _P), ("final_norm", _P),
                 ("layers", ctypes.POINTER(PsLayer))]
 
@@ -123,7 +123,8 @@ class FusedDecode:
                                 int(c.uses_rope(i)), c.window(i))
         rotary = m.rotary
         self._desc = PsModel(c.num_layers, c.hidden_size, m.shard.num_q_heads, m.shard.num_kv_heads, c.head_dim,
-                             m.shard.intermediate_size, pool.block_size, 0, c.rms_norm_eps, c.head_dim**-0.5,
+                             m.shard.intermediate_size, pool.block_size, c.rotary_dim // 2, c.rms_norm_eps,
+                             c.head_dim**-0.5,
                              _ptr(rotary.cos), _ptr(rotary.sin), _ptr(m.norm), layers)
         self._keep = (keep, layers, rotary)
         self._pool = pool

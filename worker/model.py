@@ -38,12 +38,12 @@ class Rotary:
     def __init__(self, config: ModelConfig, device: torch.device) -> None:
         inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float32, device=device)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
-        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, rotary_dim / 2]
         scale = config.rope_attention_factor()  # YaRN scales both (1 elsewhere)
         self.cos, self.sin = freqs.cos() * scale, freqs.sin() * scale
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> cos, sin of each token, [num_tokens, 1, head_dim / 2]."""
+        """-> cos, sin of each token, [num_tokens, 1, rotary_dim / 2]."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 

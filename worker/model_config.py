@@ -10,6 +10,8 @@ from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# families whose transformers attention rotates only the first partial_rotary_factor of each head
+PARTIAL_ROTARY_TYPES = ("phi3",)
 
 
 class UnsupportedModel(ValueError):
@@ -41,8 +43,9 @@ def check_supported(cfg: dict) -> None:
         raise UnsupportedModel("rope_scaling.rope_type", kind, f"implemented: {', '.join(ROPE_TYPES)}")
     for name, value in (("partial_rotary_factor", rope.get("partial_rotary_factor")),
                         ("partial_rotary_factor", cfg.get("partial_rotary_factor"))):
-        if value is not None and float(value) != 1.0:
-            raise UnsupportedModel(name, value, "partial rotary embeddings are not implemented")
+        if value is not None and float(value) != 1.0 and model_type not in PARTIAL_ROTARY_TYPES:
+            raise UnsupportedModel(name, value, f"partial rotary embeddings are implemented for "
+                                                f"{', '.join(PARTIAL_ROTARY_TYPES)} only (as transformers does)")
     for name in ("attn_logit_softcapping", "final_logit_softcapping", "logit_softcapping"):
         if cfg.get(name) is not None:
             raise UnsupportedModel(name, cfg[name], "logit soft-capping is not implemented")
@@ -125,6 +128,8 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()
     # per layer: its sliding window (0: full attention); empty = no layer slides
     layer_windows: tuple[int, ...] = ()
+    # values of each head that RoPE rotates (the first ones; head_dim but under a partial_rotary_factor)
+    rotary_dim: int = 0
 
     def uses_rope(self, layer: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer]
@@ -140,6 +145,10 @@ class ModelConfig:
         return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
 
     def __post_init__(self) -> None:
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"a rotary dimension of {self.rotary_dim} does not fit heads of {self.head_dim}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} query heads cannot share {self.num_kv_heads} KV heads evenly")
 
@@ -151,6 +160,8 @@ class ModelConfig:
         num_heads = int(cfg["num_attention_heads"])
         num_layers = int(cfg["num_hidden_layers"])
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
+        partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         return cls(
             vocab_size=int(cfg["vocab_size"]),
@@ -159,7 +170,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads),
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=float(theta),
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
@@ -170,6 +181,7 @@ class ModelConfig:
             model_type=model_type,
             rope_layers=rope_layers(cfg, num_layers),
             layer_windows=layer_windows(cfg, num_layers),
+            rotary_dim=int(head_dim * partial),
         )
 
     @classmethod
@@ -194,7 +206,7 @@ class ModelConfig:
         mscale / mscale_all_dim) says otherwise."""
         import torch
 
-        r, dim, base = self.rope_scaling, self.head_dim, self.rope_theta
+        r, dim, base = self.rope_scaling, self.rotary_dim, self.rope_theta
         original = float(r.get("original_max_position_embeddings") or self.max_position_embeddings)
         factor = r.get("factor")
         factor = float(factor) if factor is not None else self.max_position_embeddings / original
@@ -225,8 +237,9 @@ class ModelConfig:
         return inv.tolist(), float(attention)
 
     def rope_inv_freq(self) -> list[float]:
-        """Inverse frequencies of the rotary embedding, with the scaling the config asks for."""
-        dim = self.head_dim
+        """Inverse frequencies of the rotary embedding (rotary_dim / 2 of them), with the scaling the config
+        asks for."""
+        dim = self.rotary_dim
         inv = [1.0 / (self.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
         kind = self._rope_kind()
         if kind == "default":

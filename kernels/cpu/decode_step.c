@@ -50,9 +50,10 @@ typedef struct {
 } PsLayer;
 
 typedef struct {
-    int32_t num_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate, block_size, pad;
+    int32_t num_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate, block_size;
+    int32_t rotary_half; /* the cos/sin tables' width: head_dim / 2, less under a partial_rotary_factor */
     float eps, scale;
-    const float *cos, *sin; /* [max_positions, head_dim / 2] */
+    const float *cos, *sin; /* [max_positions, rotary_half] */
     const float* final_norm;
     const PsLayer* layers;
 } PsModel;
@@ -98,13 +99,14 @@ static int matrix_served(const PsMatrix* w, int64_t out_dim, int64_t in_dim) {
     return total == out_dim && w->out_dim == out_dim && w->in_dim == in_dim;
 }
 
-/* One head of one token in place: bias, RMSNorm over the head (q/k norm), rotate-half RoPE. */
+/* One head of one token in place: bias, RMSNorm over the head (q/k norm), rotate-half RoPE over its first
+   2 * rotary_half values. */
 static void head_prologue(float* v, const float* bias, const float* norm, const float* c, const float* s,
-                          int head_dim, float eps) {
+                          int head_dim, int rotary_half, float eps) {
     if (bias)
         for (int d = 0; d < head_dim; d++) v[d] += bias[d];
     if (norm) add_rms_norm_row(v, 0, norm, v, head_dim, eps); /* in place: each value read before written */
-    if (c) rope_head(v, c, s, head_dim / 2);
+    if (c) rope_head(v, c, s, rotary_half);
 }
 
 /* x: [rows, hidden], the tokens' embeddings in, the final-norm hidden states out. positions, slots: int64
@@ -114,7 +116,9 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                            const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens, float* scratch) {
     const int64_t H = m->hidden, I = m->intermediate, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads;
     const int64_t qsz = nh * hd, kvsz = nkv * hd, qkv_w = qsz + 2 * kvsz;
-    if (rows < 1 || H % QK || I % QK || qsz % QK || hd % 2 || nkv < 1 || nh % nkv) return -1;
+    if (rows < 1 || H % QK || I % QK || qsz % QK || hd % 2 || nkv < 1 || nh % nkv || m->rotary_half < 1
+        || 2 * m->rotary_half > hd)
+        return -1;
     for (int i = 0; i < m->num_layers; i++) {
         const PsLayer* ly = &m->layers[i];
         const PsMatrix* mats[4] = {&ly->qkv, &ly->o_proj, &ly->gate_up, &ly->down};
@@ -130,7 +134,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     float* gu = attn + rows * qsz;
     float* act = gu + rows * 2 * I;
     const int64_t heads = nh + nkv;
-    const int64_t half = hd / 2;
+    const int64_t half = m->rotary_half;
     const int64_t act_chunks = (I + 255) / 256;
 
 #pragma omp parallel
@@ -152,11 +156,12 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 const float* c = ly->rope ? m->cos + positions[r] * half : 0;
                 const float* s = ly->rope ? m->sin + positions[r] * half : 0;
                 head_prologue(row + hh * hd, ly->qkv_bias ? ly->qkv_bias + hh * hd : 0, is_k ? ly->k_norm : ly->q_norm,
-                              c, s, (int)hd, m->eps);
+                              c, s, (int)hd, (int)half, m->eps);
                 if (is_k) {
                     const int64_t kvh = hh - nh;
                     float* v = row + qsz + kvsz + kvh * hd;
-                    head_prologue(v, ly->qkv_bias ? ly->qkv_bias + qsz + kvsz + kvh * hd : 0, 0, 0, 0, (int)hd, m->eps);
+                    head_prologue(v, ly->qkv_bias ? ly->qkv_bias + qsz + kvsz + kvh * hd : 0, 0, 0, 0, (int)hd, 0,
+                                  m->eps);
                     if (slots[r] >= 0) {
                         const int64_t at = slots[r] * kvsz + kvh * hd;
                         for (int64_t d = 0; d < hd; d++) {

@@ -27,8 +27,9 @@ void pagedserve_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t
 }
 
 void pagedserve_rope(float* x, int64_t rows, int64_t row_stride, int32_t heads, int32_t head_dim,
-                     const float* cos_table, const float* sin_table, const int64_t* positions) {
-    const int half = head_dim / 2;
+                     const float* cos_table, const float* sin_table, const int64_t* positions, int32_t half) {
+    /* half: the tables' width, rotary_dim / 2 (head_dim / 2 unless a partial_rotary_factor leaves the
+       rest of each head unrotated) */
 #pragma omp parallel for schedule(static) if (rows * heads * head_dim > 32768)
     for (int64_t r = 0; r < rows; r++)
         for (int h = 0; h < heads; h++)
