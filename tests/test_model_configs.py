@@ -113,6 +113,29 @@ def test_phi3_fused_weights_window_and_partial_rotary_equal_transformers(tmp_pat
     assert config.rotary_dim == int(16 * partial)
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_gemma3_equals_transformers(tmp_path, softcap):
+    """Gemma 3: (1 + w) RMSNorms, norms on the attention and MLP outputs, GeGLU, q/k norm, embeddings times
+    sqrt(hidden), query_pre_attn_scalar, sliding layers with their own RoPE (and the global ones with linear
+    scaling), final-logit soft-capping; a prompt longer than the window."""
+    import transformers
+
+    torch.manual_seed(6)
+    common = {k: v for k, v in BASE.items() if k not in ("model_type",)}
+    cfg = transformers.Gemma3TextConfig(
+        **common, head_dim=16, query_pre_attn_scalar=24, sliding_window=12, sliding_window_pattern=2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        final_logit_softcapping=softcap, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    hf = transformers.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # norms away from their zero init, embeddings larger
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.02))
+    config = _matches_transformers(tmp_path, hf, [(7 * i) % 190 + 3 for i in range(40)])
+    assert config.layer_windows == (12, 0, 12, 0) and config.hidden_act == "gelu_tanh"
+    assert config.local_rope["rope_theta"] == 10000.0 and config.rope_scaling["rope_type"] == "linear"
+
+
 def test_sliding_window_fields_that_do_not_slide():
     """Llama ignores sliding_window (as transformers does); Qwen2 without use_sliding_window does not slide."""
     assert ModelConfig.from_dict({**BASE, "sliding_window": 16}).layer_windows == ()

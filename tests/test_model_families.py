@@ -18,13 +18,21 @@ pytestmark = pytest.mark.slow
 
 # family -> (config fields, each layer's window as the worker must read it, extra server flags)
 FAMILIES = {
-    # every layer slides over 12 keys: blocks behind the window go back, so a pool of 20 blocks of 4 serves
-    # the model's whole 512-token context
-    "mistral": (dict(sliding_window=12), (12, 12, 12), ("--num-blocks", "20")),
+    # every layer slides over 12 keys: blocks behind the window go back as a sequence advances (full ones
+    # into the prefix cache, which a pool of 200 keeps for the second round)
+    "mistral": (dict(sliding_window=12), (12, 12, 12), ("--num-blocks", "200")),
     # Phi-3: q/k/v and gate/up each one tensor in the checkpoint (split per rank under tensor parallelism),
     # every layer sliding as Mistral's, three quarters of each head rotated (Phi-4-mini's factor)
     "phi3": (dict(sliding_window=12, pad_token_id=0, partial_rotary_factor=0.75), (12, 12, 12),
-             ("--num-blocks", "20")),
+             ("--num-blocks", "200")),
+    # Gemma 3: sliding and global layers alternating (pattern 2 here), each kind with its own RoPE, GeGLU,
+    # (1 + w) norms around attention and MLP, scaled embeddings, query_pre_attn_scalar, soft-capped logits
+    "gemma3_text": (dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=10, sliding_window_pattern=2,
+                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                             "rope_theta": 100000.0},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                         final_logit_softcapping=30.0, pad_token_id=0, hidden_activation="gelu_pytorch_tanh"),
+                    (10, 0, 10), ("--num-blocks", "36", "--max-model-len", "128")),
     # Qwen2's default layout: layers from max_window_layers on slide (here 1 and 2), layer 0 reads everything
     # (every block is kept, so the context must fit the pool)
     "qwen2": (dict(use_sliding_window=True, sliding_window=10, max_window_layers=1), (0, 10, 10),
@@ -120,17 +128,22 @@ def test_n_greedy_samples_all_equal_transformers(family):
     assert_all_blocks_back(server)
 
 
-def test_a_sliding_window_model_serves_sequences_longer_than_its_pool(family):
-    """Mistral (every layer slides): a 200-token prompt and 200 more tokens through a pool of 80 token
-    slots, equal to transformers; the blocks behind the window went back to the pool as it advanced."""
-    name, folder, windows, server = family
+def test_a_sliding_window_model_serves_sequences_longer_than_its_pool(family, server_factory):
+    """Every layer sliding: a 200-token prompt and 200 more tokens through a pool of 80 token slots (the
+    model's context is 512), equal to transformers; the blocks behind the window went back to the pool as
+    it advanced."""
+    name, folder, windows, _ = family
     if not all(windows):
         pytest.skip("a layer reads the whole context: every block is kept")
-    prompt = [3 + (11 * i) % 380 for i in range(200)]
-    resp = server.stub.Generate(greedy_request(prompt, 200, f"fam-long-{name}"), timeout=300)
-    assert list(resp.choices[0].token_ids) == hf_greedy(folder, prompt, 200)
-    assert 400 > server.stats().num_blocks * 4
-    assert_all_blocks_back(server)
+    small = server_factory(folder, "--block-size", "4", "--num-blocks", "20", "--max-num-batched-tokens", "16",
+                           "--metrics-port", "-1")
+    try:
+        prompt = [3 + (11 * i) % 380 for i in range(200)]
+        resp = small.stub.Generate(greedy_request(prompt, 200, f"fam-long-{name}"), timeout=300)
+        assert list(resp.choices[0].token_ids) == hf_greedy(folder, prompt, 200)
+        assert_all_blocks_back(small)
+    finally:
+        small.stop()
 
 
 def test_a_tensor_parallel_pair_equals_transformers(family, server_factory):

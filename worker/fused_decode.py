@@ -93,6 +93,9 @@ class FusedDecode:
         q_size = c.num_heads * c.head_dim
         if c.hidden_size % 32 or c.intermediate_size % 32 or q_size % 32 or c.head_dim % 2:
             return "dimensions not multiples of 32"
+        if c.sandwich_norms or c.hidden_act != "silu" or c.local_rope is not None or c.embed_scale != 1.0 \
+                or c.attn_scale != c.head_dim ** -0.5:
+            return "Gemma's norms, GeGLU, two RoPE tables and scales (the layer path runs them)"
         for layer in model.layers:
             for name in layer.MATMUL_WEIGHTS:
                 if _matrix(layer, name) is None:

@@ -32,6 +32,16 @@ class StepInputs:
     attn_meta: object  # the backend's per-step metadata (built once, shared by all layers)
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate, tanh approximation) * up, over [rows, 2 * I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class RopeSets(tuple):
+    """A step's rotary tables for the global layers and for the sliding ones, where they differ (Gemma 3)."""
+
+
 class Rotary:
     """cos/sin tables for every position (rotate-half convention); a step looks its tokens up once."""
 
@@ -63,7 +73,10 @@ class DecoderLayer(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
         self.o_proj = nn.Parameter(torch.empty(c.hidden_size, self.q_size))
-        self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))  # before the MLP
+        # Gemma's norms of the attention and MLP outputs, before each residual add
+        self.attn_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
+        self.mlp_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
         self.gate_up = nn.Parameter(torch.empty(2 * shard.intermediate_size, c.hidden_size))
         self.down = nn.Parameter(torch.empty(c.hidden_size, shard.intermediate_size))
         self.config = c
@@ -100,14 +113,23 @@ class DecoderLayer(nn.Module):
             q = rms_norm(q, self.q_norm, c.rms_norm_eps)
             k = rms_norm(k, self.k_norm, c.rms_norm_eps)
         if c.uses_rope(self.layer_idx):  # SmolLM3's NoPE layers attend without positions
-            q, k = ops.rope(q, k, rope)
+            # rope: the step's tables, or (global, local) where sliding layers have their own (Gemma 3)
+            q, k = ops.rope(q, k, rope[1] if isinstance(rope, RopeSets) and c.window(self.layer_idx) else
+                            rope[0] if isinstance(rope, RopeSets) else rope)
         k_cache, v_cache = pool.layer(self.layer_idx)
         attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
-        o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.head_dim**-0.5,
+        o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.attn_scale,
                          c.window(self.layer_idx))  # [num_tokens, n_heads, hd]
         a = self.comm.all_reduce(mm(o.reshape(num_tokens, self.q_size), w["o_proj"]))
+        if self.attn_out_norm is not None:
+            a = rms_norm(a, self.attn_out_norm, c.rms_norm_eps)
         residual, h = ops.add_rms_norm(residual, a, self.post_attn_norm, c.rms_norm_eps)
-        return self.comm.all_reduce(mm(ops.silu_mul(mm(h, w["gate_up"])), w["down"])), residual
+        gate_up = mm(h, w["gate_up"])
+        act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
+        out = self.comm.all_reduce(mm(act, w["down"]))
+        if self.mlp_out_norm is not None:
+            out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)
+        return out, residual
 
 
 class LlamaModel(nn.Module):
@@ -123,6 +145,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(rows, c.hidden_size))
         self.rotary: Rotary | None = None
+        self.local_rotary: Rotary | None = None  # Gemma 3's sliding layers' own
         self.mm = None  # set by use_matmul (dense F.linear on the loaded weights unless told otherwise)
         self.ops: TorchOps | None = None  # the elementwise tail (worker/fused.py), chosen at the first forward
         self._head: torch.Tensor | None = None
@@ -206,6 +229,8 @@ class LlamaModel(nn.Module):
         """Hidden states after the final norm, [num_tokens, hidden_size]."""
         if self.rotary is None:
             self.rotary = Rotary(self.config, self.embed.device)
+            local = self.config.local_rope_config()
+            self.local_rotary = Rotary(local, self.embed.device) if local is not None else None
         if self.mm is None:
             self.use_matmul(DenseMatmul())
         if self.ops is None:
@@ -215,12 +240,18 @@ class LlamaModel(nn.Module):
         if self.fused is not None and self.fused.covers(step, x.shape[0]):
             return self.fused.forward(x, step, pool)
         rope = ops.rope_tables(self.rotary, step.positions, x.dtype)
+        if self.local_rotary is not None:
+            rope = RopeSets((rope, ops.rope_tables(self.local_rotary, step.positions, x.dtype)))
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, step, pool, rope, attn, ops)
         return ops.add_rms_norm(residual, x, self.norm, self.config.rms_norm_eps)[1]
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        x = self._lookup(token_ids)
+        return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
+
+    def _lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
             return F.embedding(token_ids, self.embed)
         lo = self.shard.vocab[0]
@@ -237,7 +268,8 @@ class LlamaModel(nn.Module):
         logits = self.mm(hidden, self._head).float()  # [rows, vocab_shard_size]
         if self.shard.size > 1:
             logits = self.comm.all_gather_last(logits)[:, : self.config.vocab_size]
-        return logits
+        cap = self.config.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     # --- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -255,6 +287,9 @@ class LlamaModel(nn.Module):
             loaded.add(name)
             return source.get(name, rows, cols).to(dtype)
 
+        def norm(name: str) -> torch.Tensor:  # Gemma's RMSNorm scales by (1 + weight)
+            return take(name) + c.norm_offset
+
         def vocab_rows(name: str) -> torch.Tensor:
             t = take(name, sh.vocab)
             return F.pad(t, (0, 0, 0, sh.vocab_shard_size - t.shape[0]))  # the last shard may be short
@@ -262,14 +297,19 @@ class LlamaModel(nn.Module):
         q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
         kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
         self.embed.copy_(vocab_rows("model.embed_tokens.weight"))
-        self.norm.copy_(take("model.norm.weight"))
+        self.norm.copy_(norm("model.norm.weight"))
         if self.lm_head is not None:
             self.lm_head.copy_(vocab_rows("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            layer.input_norm.copy_(take(p + "input_layernorm.weight"))
-            layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
+            layer.input_norm.copy_(norm(p + "input_layernorm.weight"))
+            if c.sandwich_norms:  # Gemma: its post-attention norm is on the attention output; the MLP's own
+                layer.attn_out_norm.copy_(norm(p + "post_attention_layernorm.weight"))
+                layer.post_attn_norm.copy_(norm(p + "pre_feedforward_layernorm.weight"))
+                layer.mlp_out_norm.copy_(norm(p + "post_feedforward_layernorm.weight"))
+            else:
+                layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
             for kind in ("weight", "bias"):
                 target = layer.qkv if kind == "weight" else layer.qkv_bias
                 if target is None:
@@ -284,8 +324,8 @@ class LlamaModel(nn.Module):
                              take(f"{a}v_proj.{kind}", kv_rows)]
                 target.copy_(torch.cat(parts))
             if layer.q_norm is not None:
-                layer.q_norm.copy_(take(a + "q_norm.weight"))
-                layer.k_norm.copy_(take(a + "k_norm.weight"))
+                layer.q_norm.copy_(norm(a + "q_norm.weight"))
+                layer.k_norm.copy_(norm(a + "k_norm.weight"))
             layer.o_proj.copy_(take(a + "o_proj.weight", cols=q_rows))
             m = p + "mlp."
             if m + "gate_up_proj.weight" in source:  # Phi-3: gate then up in one tensor

@@ -8,7 +8,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "gemma3_text")
+# activations of the gated MLP: SiLU (SwiGLU) everywhere, GELU-tanh (GeGLU) where the family uses it
+GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # families whose transformers attention rotates only the first partial_rotary_factor of each head
 PARTIAL_ROTARY_TYPES = ("phi3",)
@@ -29,26 +31,32 @@ def check_supported(cfg: dict) -> None:
     model_type = cfg.get("model_type", "llama")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise UnsupportedModel("hidden_act", act, "only the SiLU-gated MLP is implemented")
+    act_field = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
+    act = cfg.get(act_field, "silu")
+    if act not in GATED_ACTIVATIONS or (GATED_ACTIVATIONS[act] == "gelu_tanh" and model_type != "gemma3_text"):
+        raise UnsupportedModel(act_field, act, "the gated MLP is implemented with SiLU, and with GELU-tanh for "
+                                               "Gemma 3")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModel("use_bidirectional_attention", True, "bidirectional attention is not implemented")
     if cfg.get("mlp_bias"):
         raise UnsupportedModel("mlp_bias", cfg["mlp_bias"], "MLP projections with biases are not implemented")
     if cfg.get("attention_bias") and model_type != "qwen2":  # Qwen2's q/k/v biases are; an o_proj bias is not
         raise UnsupportedModel("attention_bias", cfg["attention_bias"],
                                f"{model_type} puts a bias on o_proj too, which is not implemented")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    if kind not in ROPE_TYPES:
-        raise UnsupportedModel("rope_scaling.rope_type", kind, f"implemented: {', '.join(ROPE_TYPES)}")
+    for rope in rope_sets(cfg):
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if kind not in ROPE_TYPES:
+            raise UnsupportedModel("rope_scaling.rope_type", kind, f"implemented: {', '.join(ROPE_TYPES)}")
+    rope = rope_sets(cfg)[0]
     for name, value in (("partial_rotary_factor", rope.get("partial_rotary_factor")),
                         ("partial_rotary_factor", cfg.get("partial_rotary_factor"))):
         if value is not None and float(value) != 1.0 and model_type not in PARTIAL_ROTARY_TYPES:
             raise UnsupportedModel(name, value, f"partial rotary embeddings are implemented for "
                                                 f"{', '.join(PARTIAL_ROTARY_TYPES)} only (as transformers does)")
     for name in ("attn_logit_softcapping", "final_logit_softcapping", "logit_softcapping"):
-        if cfg.get(name) is not None:
-            raise UnsupportedModel(name, cfg[name], "logit soft-capping is not implemented")
+        if cfg.get(name) is not None and not (name == "final_logit_softcapping" and model_type == "gemma3_text"):
+            raise UnsupportedModel(name, cfg[name], "attention-logit soft-capping is not implemented" if
+                                   name.startswith("attn") else "logit soft-capping is implemented for Gemma 3 only")
     for name in ("embedding_multiplier", "scale_emb", "logits_scaling", "residual_multiplier",
                  "attention_multiplier"):
         if cfg.get(name) not in (None, 1, 1.0):
@@ -65,6 +73,27 @@ def check_supported(cfg: dict) -> None:
             raise UnsupportedModel("layer_types", layer_type, "only full and sliding-window attention layers")
 
 
+def rope_sets(cfg: dict) -> list[dict]:
+    """The RoPE parameters (rope_theta included where the config says it) of each kind of layer: one set for
+    most families; Gemma 3 has its global layers' (rope_theta, rope_scaling) first and its sliding layers'
+    (rope_local_base_freq) second, or both under rope_parameters by layer type."""
+    params = cfg.get("rope_parameters") or {}
+    if cfg.get("model_type") != "gemma3_text":
+        rope = dict(params or cfg.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        return [rope]
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full, local = dict(params or cfg.get("rope_scaling") or {}), {}
+        full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    full.setdefault("rope_theta", 1_000_000.0)
+    local.setdefault("rope_theta", 10_000.0)
+    return [full, local]
+
+
 def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
     """Each layer's sliding window as transformers builds the model: a layer with window W lets a token see
     its last W keys (itself included); 0 = full attention; () when no layer slides. Mistral and Phi-3
@@ -78,6 +107,11 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
     model_type = cfg.get("model_type", "llama")
     if model_type in ("mistral", "phi3"):  # their attention slides on every layer
         return (window,) * num_layers
+    if model_type == "gemma3_text":  # its layer_types (by default five sliding layers, then a global one)
+        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % int(cfg.get("sliding_window_pattern", 6))
+                                           else "full_attention" for i in range(num_layers)]
+        sliding = [t == "sliding_attention" for t in types[:num_layers]]
+        return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
     if model_type not in ("qwen2", "qwen3", "smollm3") or not cfg.get("use_sliding_window"):
         return ()  # Llama's attention has no window, the others' only with use_sliding_window: as transformers
     types = cfg.get("layer_types")
@@ -130,9 +164,27 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()
     # values of each head that RoPE rotates (the first ones; head_dim but under a partial_rotary_factor)
     rotary_dim: int = 0
+    # Gemma 3: its sliding layers' RoPE (rope_theta and scaling of their own); None: every layer shares one
+    local_rope: dict | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (GeGLU)
+    attn_scale: float = 0.0  # softmax scale of the scores; 0: head_dim ** -0.5
+    embed_scale: float = 1.0  # Gemma multiplies its input embeddings by sqrt(hidden_size)
+    sandwich_norms: bool = False  # Gemma: RMSNorm on the attention and MLP outputs before each residual add
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight): added to every norm weight at load
+    final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: off
 
     def uses_rope(self, layer: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer]
+
+    def local_rope_config(self) -> ModelConfig | None:
+        """This config with the sliding layers' RoPE as its own (Gemma 3), for their rotary tables; None when
+        every layer shares one."""
+        if self.local_rope is None:
+            return None
+        from dataclasses import replace
+
+        return replace(self, rope_theta=float(self.local_rope["rope_theta"]), local_rope=None,
+                       rope_scaling={k: v for k, v in self.local_rope.items() if k != "rope_theta"})
 
     def window(self, layer: int) -> int:
         """The layer's sliding window: a token sees its last `window` keys; 0 = every earlier key."""
@@ -147,6 +199,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.rotary_dim:
             object.__setattr__(self, "rotary_dim", self.head_dim)
+        if not self.attn_scale:
+            object.__setattr__(self, "attn_scale", self.head_dim ** -0.5)
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"a rotary dimension of {self.rotary_dim} does not fit heads of {self.head_dim}")
         if self.num_heads % self.num_kv_heads:
@@ -159,10 +213,13 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         num_heads = int(cfg["num_attention_heads"])
         num_layers = int(cfg["num_hidden_layers"])
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        ropes = rope_sets(cfg)
+        rope = ropes[0]
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
         partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        theta = rope["rope_theta"]
+        gemma = model_type == "gemma3_text"
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -177,11 +234,18 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             model_type=model_type,
             rope_layers=rope_layers(cfg, num_layers),
             layer_windows=layer_windows(cfg, num_layers),
             rotary_dim=int(head_dim * partial),
+            local_rope=ropes[1] if len(ropes) > 1 else None,
+            hidden_act=GATED_ACTIVATIONS[act],
+            attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else 0.0,
+            embed_scale=float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
+            sandwich_norms=gemma,
+            norm_offset=1.0 if gemma else 0.0,
+            final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
         )
 
     @classmethod
