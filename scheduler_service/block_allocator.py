@@ -82,6 +82,14 @@ class BlockAllocator:
     def is_cached_free(self, block_id: int) -> bool:
         return block_id in self._cached
 
+    def touch(self, block_id: int, h: bytes) -> bool:
+        """Make a cached-free block that still holds `h` the most recently freed (evicted last). False where
+        it was evicted, reused or is held again."""
+        if block_id not in self._cached or self._hash_of[block_id] != h:
+            return False
+        self._cached.move_to_end(block_id)
+        return True
+
     def is_hashed(self, block_id: int) -> bool:
         """The block holds a registered prefix: other requests may read it, so it is never rewritten."""
         return self._hash_of[block_id] is not None

@@ -231,6 +231,7 @@ class Scheduler:
             self.allocator.share(hits[skip:])
             seq.block_ids = [-1] * skip + hits[skip:] + self.allocator.allocate(need)
             seq.num_dropped_blocks = skip
+            seq.dropped_ids = hits[:skip]
             seq.num_computed_tokens = num_cached
             seq.num_registered_blocks = len(hits)
             self.prefix_cache_queries += seq.num_tokens
@@ -326,6 +327,7 @@ class Scheduler:
         first = seq.num_dropped_blocks
         dropped = [b for b in seq.block_ids[first:end] if b >= 0]
         for i in range(first, end):
+            seq.dropped_ids.append(seq.block_ids[i])
             seq.block_ids[i] = -1
         seq.num_dropped_blocks = end
         self.allocator.free(dropped[::-1])
@@ -373,6 +375,7 @@ class Scheduler:
             self.allocator.share([b for b in prompt_blocks if b >= 0])
             seq.block_ids = list(prompt_blocks)
             seq.num_dropped_blocks = min(leader.num_dropped_blocks, len(prompt_blocks))
+            seq.dropped_ids = leader.dropped_ids[:seq.num_dropped_blocks]
             seq.num_computed_tokens = request.prompt_len - 1
             seq.num_registered_blocks = (request.prompt_len - 1) // self.block_size
             seq.status = SequenceStatus.RUNNING
@@ -435,6 +438,14 @@ class Scheduler:
         the LRU then evicts a cached chain from its leaf, and its root — which every lookup needs — last."""
         if seq.block_ids:
             self.allocator.free([b for b in reversed(seq.block_ids) if b >= 0])
+        if seq.dropped_ids and self.config.enable_prefix_caching:
+            # blocks given back behind the window went into the cache's LRU when dropped, so the chain's root
+            # would be evicted first, cutting every later lookup of the prefix: those still cached become the
+            # most recent now, root last, as _release orders the rest
+            for i in range(len(seq.dropped_ids) - 1, -1, -1):
+                if seq.dropped_ids[i] >= 0:
+                    self.allocator.touch(seq.dropped_ids[i], seq.block_hash(i, self.block_size))
+        seq.dropped_ids = []
         self.planner.detach(seq)
         seq.block_ids = []
         seq.num_computed_tokens = 0

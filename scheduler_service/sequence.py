@@ -89,6 +89,7 @@ class Sequence:
         self.num_preemptions = 0
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.num_dropped_blocks = 0  # leading blocks given back, out of every sliding window (entries -1)
+        self.dropped_ids: list[int] = []  # what those entries held (their blocks may be cached still)
         self._block_hashes: list[bytes] = []  # chained hashes of full blocks, computed on demand
         # Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last one.
         self.num_pending = 0

@@ -286,3 +286,22 @@ def test_penalized_samples_keep_every_block_and_forks_share_the_window():
         assert s.output_token_ids == expected(forked, s, window=5)
     assert penalized.seqs[0].output_token_ids == expected(penalized, penalized.seqs[0], window=5)
     assert sched.allocator.num_available_blocks == 64
+
+
+def test_a_windowed_prefix_stays_findable_after_its_sequence_finishes():
+    """Blocks given back behind a window enter the cache's LRU early; at the end of their sequence they are
+    made the most recent again, root last, so an unrelated request evicts the sequence's own late blocks
+    first and a later request with the same prompt still finds the prefix from its root."""
+    sched, worker = make(16, block_size=4, budget=8, max_seqs=4, window=6)
+    prompt = list(range(800, 840))  # 10 full blocks, far longer than the window
+    sched.add_request(Request("a", prompt, SamplingOptions(max_tokens=20)))
+    drain(sched, worker)
+    # a's 15 blocks fill the cache: every block c takes evicts one, the oldest first
+    sched.add_request(Request("c", list(range(900, 930)), SamplingOptions(max_tokens=10)))
+    drain(sched, worker)
+    hits = sched.prefix_cache_hits
+    b = Request("b", prompt + [1, 2, 3], SamplingOptions(max_tokens=4))
+    sched.add_request(b)
+    drain(sched, worker)
+    assert sched.prefix_cache_hits - hits >= 16  # a's late blocks went first; its prompt's root is still there
+    assert b.seqs[0].output_token_ids == expected(b, b.seqs[0], window=6)
