@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-accuracy gpu-compile-report plot-kv clean
+.PHONY: setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-accuracy bench-moe gpu-compile-report plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native
 
@@ -143,6 +143,10 @@ bench-overlap: setup  # step period against a simulated worker of fixed step tim
 
 bench-controls: setup  # tokens/s with logprobs, penalties, biases, regex and JSON-schema masks vs plain, same run
 	$(PY) -m deploy.bench_controls --model $(MODEL_DIR) $(ARGS)
+
+# A Qwen3-MoE-shaped decode step (dummy weights) at 1, 8 and 64 sequences against the bytes it must read once.
+bench-moe: setup
+	$(PY) -m deploy.bench_moe $(ARGS)
 
 # Prefix caching on vs off (shared system prompt); chunked prefill on vs off (long prompts among chats).
 bench-memory: setup

@@ -216,7 +216,7 @@ def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
     for name in names:
         lib = LIBRARIES[name]()
         same = model.mm.name == name
-        weights = [[layer.w[n] if same else lib.prepare(getattr(layer, n)) for n in layer.MATMUL_WEIGHTS]
+        weights = [[layer.w[n] if same else lib.prepare(getattr(layer, n)) for n in layer.matmul_names]
                    for layer in model.layers] if same or model.mm.name == "dense" else None
         if weights is None:  # the dense copies were dropped when packing: only the model's own library is timed
             continue

@@ -26,6 +26,8 @@ REFUSED = [
     ("layer_types", dict(layer_types=["full_attention", "chunked_attention"] * 2), "'chunked_attention'"),
     ("model_type", dict(model_type="gemma2"), "'gemma2'"),
     ("attention_bias", dict(model_type="qwen3", attention_bias=True), "True"),
+    ("num_experts_per_tok", dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5), "5"),
+    ("num_experts", dict(model_type="qwen3", num_experts=4), "4"),
 ]
 
 
@@ -134,6 +136,30 @@ def test_gemma3_equals_transformers(tmp_path, softcap):
     config = _matches_transformers(tmp_path, hf, [(7 * i) % 190 + 3 for i in range(40)])
     assert config.layer_windows == (12, 0, 12, 0) and config.hidden_act == "gelu_tanh"
     assert config.local_rope["rope_theta"] == 10000.0 and config.rope_scaling["rope_type"] == "linear"
+
+
+@pytest.mark.parametrize("top_k,normalize,sparse_step,dense_layers", [
+    (2, False, 1, []), (3, True, 1, [2]), (1, True, 2, []),
+], ids=["top2", "top3-normalized-one-dense-layer", "top1-every-second-layer"])
+def test_qwen3_moe_equals_transformers(tmp_path, top_k, normalize, sparse_step, dense_layers):
+    """Qwen3-MoE: the router's softmax top-k (renormalized or not), the experts grouped per step, the layers
+    decoder_sparse_step and mlp_only_layers leave dense; a prompt whose tokens spread over every expert."""
+    import transformers
+
+    torch.manual_seed(8)
+    common = {k: v for k, v in BASE.items() if k != "model_type"}
+    cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=6, num_experts_per_tok=top_k,
+                                      moe_intermediate_size=32, norm_topk_prob=normalize,
+                                      decoder_sparse_step=sparse_step, mlp_only_layers=dense_layers,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    hf = transformers.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():  # routers away from their zero init: tokens choose different experts
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    config = _matches_transformers(tmp_path, hf, [(7 * i) % 190 + 3 for i in range(40)])
+    sparse = tuple(i not in dense_layers and (i + 1) % sparse_step == 0 for i in range(4))
+    assert config.moe_layers == sparse and config.experts_per_token == top_k and config.qk_norm
 
 
 def test_sliding_window_fields_that_do_not_slide():

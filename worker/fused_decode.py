@@ -93,11 +93,13 @@ class FusedDecode:
         q_size = c.num_heads * c.head_dim
         if c.hidden_size % 32 or c.intermediate_size % 32 or q_size % 32 or c.head_dim % 2:
             return "dimensions not multiples of 32"
+        if c.moe_layers:
+            return "mixture-of-experts layers (the layer path routes their tokens)"
         if c.sandwich_norms or c.hidden_act != "silu" or c.local_rope is not None or c.embed_scale != 1.0 \
                 or c.attn_scale != c.head_dim ** -0.5:
             return "Gemma's norms, GeGLU, two RoPE tables and scales (the layer path runs them)"
         for layer in model.layers:
-            for name in layer.MATMUL_WEIGHTS:
+            for name in layer.matmul_names:
                 if _matrix(layer, name) is None:
                     return f"{model.mm.name} weights only (the fused step reads GGUF blocks or plain fp32 rows)"
         return None
@@ -115,7 +117,7 @@ class FusedDecode:
         keep, layers = [], (PsLayer * c.num_layers)()
         for i, layer in enumerate(m.layers):
             mats = {}
-            for name in layer.MATMUL_WEIGHTS:
+            for name in layer.matmul_names:
                 desc, tensor = _matrix(layer, name)
                 mats[name] = desc
                 keep.append(tensor)

@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         config = load_config(args.model, args.load_format)
-        make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size, args.rank, tp)
+        make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size, args.rank, tp,
+                   config.moe_intermediate_size)
     except UnsupportedModel as e:  # served wrong without a word otherwise: refused, naming the field
         log.error("unsupported_model", field=e.field_name, value=repr(e.value), error=str(e))
         print(f"pagedserve-worker: this model cannot be served right: {e}", file=sys.stderr)

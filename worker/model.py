@@ -2,7 +2,8 @@
 
 No per-request cache object: every layer writes this step's K/V at the plan's slots and attends
 through the block tables. Covers Llama, Mistral, SmolLM (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings),
-Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm). Projections are fused (QKV, gate+up) so a layer
+Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (its MLPs mixtures of experts: worker/moe.py),
+Phi-3 and Gemma 3. Projections are fused (QKV, gate+up) so a layer
 runs four matmuls. Under tensor parallelism (worker/parallel.py) each rank holds its shard of every
 weight and the layer adds one all-reduce after o_proj and one after down.
 """
@@ -21,6 +22,7 @@ from worker.fused import TorchOps, default_ops, rms_norm
 from worker.kv_pool import KVPool
 from worker.linear import DenseMatmul
 from worker.model_config import ModelConfig
+from worker.moe import MoE
 from worker.parallel import Collectives, Shard, make_shard
 
 
@@ -77,8 +79,11 @@ class DecoderLayer(nn.Module):
         # Gemma's norms of the attention and MLP outputs, before each residual add
         self.attn_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
         self.mlp_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
-        self.gate_up = nn.Parameter(torch.empty(2 * shard.intermediate_size, c.hidden_size))
-        self.down = nn.Parameter(torch.empty(c.hidden_size, shard.intermediate_size))
+        # the MLP: dense (gate and up stacked), or a mixture of experts
+        self.moe = MoE(c, shard) if c.is_moe(layer_idx) else None
+        self.gate_up = None if self.moe else nn.Parameter(torch.empty(2 * shard.intermediate_size, c.hidden_size))
+        self.down = None if self.moe else nn.Parameter(torch.empty(c.hidden_size, shard.intermediate_size))
+        self.matmul_names = self.MATMUL_WEIGHTS[:2] if self.moe else self.MATMUL_WEIGHTS
         self.config = c
         self.mm = DenseMatmul()  # the matmul library and the weights in its layout (LlamaModel.use_matmul)
         self.w: dict[str, torch.Tensor] = {}
@@ -87,9 +92,9 @@ class DecoderLayer(nn.Module):
 
     def use_matmul(self, lib, drop_dense: bool) -> None:
         self.mm = lib
-        self.w = {name: lib.prepare(getattr(self, name)) for name in self.MATMUL_WEIGHTS}
+        self.w = {name: lib.prepare(getattr(self, name)) for name in self.matmul_names}
         if drop_dense:  # the prepared copy is all the forward reads: give the loaded layout's memory back
-            for name in self.MATMUL_WEIGHTS:
+            for name in self.matmul_names:
                 getattr(self, name).data = torch.empty(0, dtype=getattr(self, name).dtype)
 
     def forward(
@@ -124,9 +129,12 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             a = rms_norm(a, self.attn_out_norm, c.rms_norm_eps)
         residual, h = ops.add_rms_norm(residual, a, self.post_attn_norm, c.rms_norm_eps)
-        gate_up = mm(h, w["gate_up"])
-        act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
-        out = self.comm.all_reduce(mm(act, w["down"]))
+        if self.moe is not None:
+            out = self.comm.all_reduce(self.moe(h, ops))
+        else:
+            gate_up = mm(h, w["gate_up"])
+            act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
+            out = self.comm.all_reduce(mm(act, w["down"]))
         if self.mlp_out_norm is not None:
             out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)
         return out, residual
@@ -137,7 +145,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         c = config
         self.config = config
-        self.shard = shard or make_shard(c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size)
+        self.shard = shard or make_shard(c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size,
+                                           expert_intermediate_size=c.moe_intermediate_size)
         self.comm = comm or Collectives(self.shard.size)
         rows = self.shard.vocab_shard_size  # this rank's vocabulary rows (all of them with one rank)
         self.embed = nn.Parameter(torch.empty(rows, c.hidden_size))
@@ -202,6 +211,8 @@ class LlamaModel(nn.Module):
                 "gate_up": quant([(m + "gate_proj.weight", sh.intermediate), (m + "up_proj.weight", sh.intermediate)]),
                 "down": quant([(m + "down_proj.weight", None)], cols=sh.intermediate),
             }
+            if layer.moe is not None:  # the experts stay as loaded (worker/moe.py reads them)
+                del plan["gate_up"], plan["down"]
             layer.w = {}
             for name, q in plan.items():
                 param = getattr(layer, name)
@@ -222,8 +233,8 @@ class LlamaModel(nn.Module):
 
     def matmul_shapes(self) -> list[tuple[int, int]]:
         """(out, in) of each projection of a layer, for choosing a matmul library by measurement."""
-        layer = self.layers[0]
-        return [tuple(getattr(layer, n).shape) for n in DecoderLayer.MATMUL_WEIGHTS]
+        layer = min(self.layers, key=lambda x: x.moe is not None)  # a dense layer where there is one
+        return [tuple(getattr(layer, n).shape) for n in layer.matmul_names]
 
     def forward(self, step: StepInputs, pool: KVPool, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden_size]."""
@@ -328,7 +339,15 @@ class LlamaModel(nn.Module):
                 layer.k_norm.copy_(norm(a + "k_norm.weight"))
             layer.o_proj.copy_(take(a + "o_proj.weight", cols=q_rows))
             m = p + "mlp."
-            if m + "gate_up_proj.weight" in source:  # Phi-3: gate then up in one tensor
+            if layer.moe is not None:  # the router whole, this rank's slice of every expert
+                moe, inter = layer.moe, sh.expert_intermediate
+                moe.router.copy_(take(m + "gate.weight"))
+                for e in range(c.num_experts):
+                    x = f"{m}experts.{e}."
+                    moe.gate_up[e].copy_(torch.cat([take(x + "gate_proj.weight", inter),
+                                                    take(x + "up_proj.weight", inter)]))
+                    moe.down[e].copy_(take(x + "down_proj.weight", cols=inter))
+            elif m + "gate_up_proj.weight" in source:  # Phi-3: gate then up in one tensor
                 inter = c.intermediate_size
                 layer.gate_up.copy_(torch.cat([
                     take(m + "gate_up_proj.weight", sh.intermediate),
@@ -336,7 +355,8 @@ class LlamaModel(nn.Module):
             else:
                 layer.gate_up.copy_(torch.cat([take(m + "gate_proj.weight", sh.intermediate),
                                                take(m + "up_proj.weight", sh.intermediate)]))
-            layer.down.copy_(take(m + "down_proj.weight", cols=sh.intermediate))
+            if layer.moe is None:
+                layer.down.copy_(take(m + "down_proj.weight", cols=sh.intermediate))
         ignored = {n for n in source.names() if n not in loaded and "rotary_emb" not in n}
         if c.tie_word_embeddings:
             ignored.discard("lm_head.weight")

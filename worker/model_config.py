@@ -8,7 +8,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma3_text")
+# the mixture-of-experts families (router top-k over SwiGLU experts)
+MOE_TYPES = ("qwen3_moe",)
 # activations of the gated MLP: SiLU (SwiGLU) everywhere, GELU-tanh (GeGLU) where the family uses it
 GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -62,8 +64,16 @@ def check_supported(cfg: dict) -> None:
         if cfg.get(name) not in (None, 1, 1.0):
             raise UnsupportedModel(name, cfg[name], "scaled embeddings, residuals or logits are not implemented")
     for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if cfg.get(name):
-            raise UnsupportedModel(name, cfg[name], "mixture-of-experts layers are not implemented")
+        if cfg.get(name) and model_type not in MOE_TYPES:
+            raise UnsupportedModel(name, cfg[name], f"mixture-of-experts layers are implemented for "
+                                                    f"{', '.join(MOE_TYPES)}")
+    if model_type in MOE_TYPES:
+        experts, top_k = num_experts(cfg), int(cfg.get("num_experts_per_tok") or 0)
+        if experts and not 0 < top_k <= experts:
+            raise UnsupportedModel("num_experts_per_tok", top_k, f"needs 1 to num_experts ({experts}) experts a token")
+        for name in ("shared_expert_intermediate_size", "n_shared_experts"):
+            if cfg.get(name):
+                raise UnsupportedModel(name, cfg[name], "shared experts are not implemented")
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
         raise UnsupportedModel("quantization_config.quant_method", method,
@@ -71,6 +81,20 @@ def check_supported(cfg: dict) -> None:
     for layer_type in set(cfg.get("layer_types") or ()):
         if layer_type not in ("full_attention", "sliding_attention"):
             raise UnsupportedModel("layer_types", layer_type, "only full and sliding-window attention layers")
+
+
+def num_experts(cfg: dict) -> int:
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
+    """Which layers' MLP is a mixture of experts (Qwen3-MoE: every decoder_sparse_step-th layer, but those in
+    mlp_only_layers, as transformers builds it); () for a dense model."""
+    if cfg.get("model_type") not in MOE_TYPES or not num_experts(cfg):
+        return ()
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
 
 
 def rope_sets(cfg: dict) -> list[dict]:
@@ -112,7 +136,7 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
                                            else "full_attention" for i in range(num_layers)]
         sliding = [t == "sliding_attention" for t in types[:num_layers]]
         return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
-    if model_type not in ("qwen2", "qwen3", "smollm3") or not cfg.get("use_sliding_window"):
+    if model_type not in ("qwen2", "qwen3", "qwen3_moe", "smollm3") or not cfg.get("use_sliding_window"):
         return ()  # Llama's attention has no window, the others' only with use_sliding_window: as transformers
     types = cfg.get("layer_types")
     if types:
@@ -172,6 +196,17 @@ class ModelConfig:
     sandwich_norms: bool = False  # Gemma: RMSNorm on the attention and MLP outputs before each residual add
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight): added to every norm weight at load
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: off
+    # mixture of experts: per layer whether its MLP is one (empty: a dense model), the experts, how many a
+    # token is routed to, each expert's intermediate size, and whether the chosen experts' weights are
+    # renormalized to sum to 1
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     def uses_rope(self, layer: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer]
@@ -234,7 +269,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             model_type=model_type,
             rope_layers=rope_layers(cfg, num_layers),
             layer_windows=layer_windows(cfg, num_layers),
@@ -246,6 +281,11 @@ class ModelConfig:
             sandwich_norms=gemma,
             norm_offset=1.0 if gemma else 0.0,
             final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            moe_layers=moe_layers(cfg, num_layers),
+            num_experts=num_experts(cfg),
+            experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         )
 
     @classmethod

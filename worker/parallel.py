@@ -39,6 +39,7 @@ class Shard:
     intermediate: tuple[int, int]
     vocab: tuple[int, int]  # rows of the embedding / LM head this rank holds (the last shard may be short)
     vocab_shard_size: int  # ceil(vocab / size): every rank's shard is padded to this many rows
+    expert_intermediate: tuple[int, int] = (0, 0)  # each expert's intermediate slice (mixture of experts)
 
     @property
     def num_q_heads(self) -> int:
@@ -52,10 +53,17 @@ class Shard:
     def intermediate_size(self) -> int:
         return self.intermediate[1] - self.intermediate[0]
 
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.expert_intermediate[1] - self.expert_intermediate[0]
+
 
 def make_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
-               rank: int = 0, size: int = 1) -> Shard:
-    """Rank's slices, or ParallelConfigError when `size` cannot split the model."""
+               rank: int = 0, size: int = 1, expert_intermediate_size: int = 0) -> Shard:
+    """Rank's slices, or ParallelConfigError when `size` cannot split the model. A mixture of experts splits
+    every expert's intermediate dimension the way a dense MLP's is split (each rank holds a slice of every
+    expert, so routing needs no exchange and the down projections' partial sums meet in the MLP's
+    all-reduce)."""
     if size < 1 or not 0 <= rank < size:
         raise ParallelConfigError(f"tensor-parallel rank {rank} is outside a group of size {size}")
     if num_heads % size:
@@ -78,7 +86,11 @@ def make_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_
     else:  # replicate: ranks r*k .. r*k+k-1 (k = size / n_kv) all hold KV head r
         head = rank // (size // num_kv_heads)
         kv_range = (head, head + 1)
+    if expert_intermediate_size % size:
+        raise ParallelConfigError(f"tensor-parallel size {size} cannot split the experts' intermediate size "
+                                  f"{expert_intermediate_size}")
     inter = intermediate_size // size
+    einter = expert_intermediate_size // size
     vshard = -(-vocab_size // size)
     return Shard(
         rank=rank, size=size,
@@ -87,6 +99,7 @@ def make_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_
         intermediate=(rank * inter, (rank + 1) * inter),
         vocab=(min(rank * vshard, vocab_size), min((rank + 1) * vshard, vocab_size)),
         vocab_shard_size=vshard,
+        expert_intermediate=(rank * einter, (rank + 1) * einter),
     )
 
 

@@ -41,7 +41,7 @@ def load_model(
         load_format = "gguf" if path.suffix == ".gguf" else "safetensors"
     config = load_config(source, load_format)
     shard = make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size,
-                       tp_rank, tp_size)
+                       tp_rank, tp_size, config.moe_intermediate_size)
     if load_format not in ("dummy", "safetensors", "gguf"):
         raise ValueError(f"unknown load format {load_format!r}")
     # The parameters are allocated where they will run, in their dtype, and filled there: no fp32 copy of
