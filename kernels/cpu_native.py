@@ -44,13 +44,15 @@ class NativeKernels:
         self.path = path
         self._decode = lib.pagedserve_paged_decode
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        self._decode.argtypes = [p, p, p, p, p, p, i64, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        self._decode.argtypes = [p, p, p, p, p, p, i64, p, i32, i32, i32, i32, i32, ctypes.c_float, i32,
+                                 ctypes.c_float]
         self._decode.restype = None
         limits = (ctypes.c_int32 * 3)()
         lib.pagedserve_decode_limits(limits)
         self.max_group, self.max_head_dim, self.max_block = limits[0], limits[1], limits[2]
         self._prefill = lib.pagedserve_paged_prefill
-        self._prefill.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+        self._prefill.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32,
+                                  ctypes.c_float]
         self._prefill.restype = None
         lib.pagedserve_prefill_limits(limits)
         self.prefill_state, self.prefill_max_head_dim = limits[0], limits[1]
@@ -167,13 +169,14 @@ class NativeKernels:
     def paged_prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
         starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-        window: int = 0,
+        window: int = 0, softcap: float = 0.0,
     ) -> None:
         """Causal attention of prompt chunks over their paged keys (a cached prefix included): for sequence i,
         query tokens starts[i] .. starts[i] + q_lens[i] - 1 of the step are its last q_lens[i] positions of
         seq_lens[i]. q: fp32 [num_tokens, n_heads, head_dim] with unit strides inside a token (a view of the
         fused QKV row works); out contiguous; starts int64, q_lens, seq_lens int32 [n]; block_tables int32.
-        window > 0: each query sees only its last `window` keys, itself included (sliding-window layers)."""
+        window > 0: each query sees only its last `window` keys, itself included (sliding-window layers).
+        softcap > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2)."""
         n = starts.numel()
         if n == 0:
             return
@@ -190,7 +193,7 @@ class NativeKernels:
         self._prefill(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                       starts.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
                       block_tables.stride(0), n, q.shape[1], n_kv_heads, head_dim, block_size, float(scale),
-                      int(window))
+                      int(window), float(softcap))
 
     def supports_prefill(self, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
         group = n_heads // n_kv_heads
@@ -203,9 +206,10 @@ class NativeKernels:
     def paged_decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
         rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int = 0,
+        softcap: float = 0.0,
     ) -> None:
         """out[rows] = attention of q[rows] (one query token per sequence) over each sequence's paged keys
-        (window > 0: its last `window` keys only).
+        (window > 0: its last `window` keys only; softcap > 0: scores soft-capped, as paged_prefill).
 
         q, out: fp32 [num_tokens, n_heads, head_dim] contiguous; rows: int64 [n]; block_tables: int32
         [n, max_blocks] (row stride may exceed max_blocks); seq_lens: int32 [n]. All on the CPU."""
@@ -222,7 +226,7 @@ class NativeKernels:
             raise ValueError("paged_decode needs contiguous tensors")
         self._decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), rows.data_ptr(),
                      block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), n, q.shape[1],
-                     n_kv_heads, head_dim, block_size, float(scale), int(window))
+                     n_kv_heads, head_dim, block_size, float(scale), int(window), float(softcap))
 
 
 def _cpu_flags() -> str:

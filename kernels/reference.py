@@ -56,12 +56,15 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its paged keys.
 
     Query i of a sequence with q_len queries and seq_len keys sees keys j < seq_len - q_len + i + 1, and with
     a sliding window (window > 0) only the last `window` of those: j > seq_len - q_len + i - window.
-    One entry point for prefill, prefill over a cached prefix, and decode.
+    With softcap > 0 every score (after scaling) becomes softcap * tanh(score / softcap) before the softmax
+    (Gemma 2's attention-logit soft-capping). One entry point for prefill, prefill over a cached prefix, and
+    decode.
     Returns [num_tokens, n_heads, head_dim] in q's dtype.
     """
     num_tokens, n_heads, head_dim = q.shape
@@ -81,6 +84,8 @@ def paged_attention(
         keys = k_flat[slots].float().repeat_interleave(group, dim=1)  # [seq_len, n_heads, head_dim]
         values = v_flat[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale  # [n_heads, q_len, seq_len]
+        if softcap > 0:
+            scores = torch.tanh(scores / softcap) * softcap
         query_pos = torch.arange(q_len, device=q.device)[:, None]
         key_pos = torch.arange(seq_len, device=q.device)[None, :]
         visible = key_pos < seq_len - q_len + query_pos + 1  # [q_len, seq_len]

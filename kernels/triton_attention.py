@@ -74,10 +74,13 @@ def _tile_offsets(block_tables_ptr, seq, pos, pos_mask, kv_head, d,
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, m, denom, acc, scale, PRECISION: tl.constexpr):
+def _attend_tile(q, k, v, visible, m, denom, acc, scale, softcap, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """One online-softmax step: fold a tile of keys/values into the running max, denominator and output.
-    q [rows, D], k and v [TILE, D], visible [rows or 1, TILE]."""
+    q [rows, D], k and v [TILE, D], visible [rows or 1, TILE]. SOFTCAP: scores become softcap * tanh(s /
+    softcap) (Gemma 2), before the mask."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
+    if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp overflowing to inf gives 1)
+        scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     # a row that has seen no key yet (a sliding window starting past this tile) keeps m = -inf: subtract 0
@@ -105,7 +108,7 @@ STEP_VARYING = {
             do_not_specialize_on_alignment=METADATA_POINTERS["_decode_split_kernel"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
-    scale,
+    scale, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_ch, stride_cd,
     stride_bts, stride_btb,
@@ -113,7 +116,7 @@ def _decode_split_kernel(
     stride_mls, stride_mlh, stride_mlp,
     head_dim, group, split_len, window,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -142,7 +145,8 @@ def _decode_split_kernel(
             kv_mask = pos_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            m, denom, acc = _attend_tile(q, k, v, pos_mask[None, :], m, denom, acc, scale, PRECISION)
+            m, denom, acc = _attend_tile(q, k, v, pos_mask[None, :], m, denom, acc, scale, softcap, PRECISION,
+                                         SOFTCAP)
         out = acc / denom[:, None]
         o_off = seq * stride_mos + heads[:, None] * stride_moh + split * stride_mop + d[None, :] * stride_mod
         tl.store(mid_o_ptr + o_off, out, mask=g_mask[:, None] & d_mask[None, :])
@@ -191,14 +195,14 @@ def _decode_reduce_kernel(
             do_not_specialize_on_alignment=METADATA_POINTERS["_prefill_kernel"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, q_starts_ptr, q_ends_ptr,
-    scale,
+    scale, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_cb, stride_cs, stride_ch, stride_cd,
     stride_bts, stride_btb,
     stride_ot, stride_oh, stride_od,
     head_dim, group, window,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = False,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -232,7 +236,7 @@ def _prefill_kernel(
             v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
             visible = (pos[None, :] <= prefix + rows[:, None]) & pos_mask[None, :]
             visible = visible & ((pos[None, :] > prefix + rows[:, None] - window) | (window <= 0))
-            m, denom, acc = _attend_tile(q, k, v, visible, m, denom, acc, scale, PRECISION)
+            m, denom, acc = _attend_tile(q, k, v, visible, m, denom, acc, scale, softcap, PRECISION, SOFTCAP)
         # rows past q_len in a sliding window see no key (denom 0): they are not stored, and not divided by 0
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
@@ -361,6 +365,7 @@ def paged_attention(
     workspace: dict | None = None,  # kept by the caller across a step's layers: split scratch allocated once
     mixed: MixedStep | None = None,  # decode_seqs and prefill_seqs already gathered (split_mixed), once a step
     window: int = 0,  # > 0: a sliding-window layer (each query sees its last `window` keys)
+    softcap: float = 0.0,  # > 0: scores soft-capped, softcap * tanh(s / softcap) (Gemma 2)
 ) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention. Returns [num_tokens, n_heads, head_dim].
 
@@ -376,21 +381,21 @@ def paged_attention(
     assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
     if num_tokens == num_seqs:  # every sequence decodes one token
         _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out, workspace,
-                window)
+                window, softcap)
         return out
     if mixed is None and decode_seqs is not None and prefill_seqs is not None and decode_seqs.numel():
         mixed = split_mixed(block_tables, seq_lens, query_start_loc, decode_seqs, prefill_seqs)
     if mixed is not None:
         dec_out = torch.empty((mixed.decode_rows.shape[0], n_heads, head_dim), dtype=q.dtype, device=q.device)
         _decode(q[mixed.decode_rows], k_cache, v_cache, mixed.decode_tables, mixed.decode_lens, scale, max_seq_len,
-                num_splits, dec_out, workspace, window)
+                num_splits, dec_out, workspace, window, softcap)
         out[mixed.decode_rows] = dec_out
         if mixed.prefill_lens.numel():
             _prefill(q, k_cache, v_cache, mixed.prefill_tables, mixed.prefill_lens, mixed.prefill_starts,
-                     mixed.prefill_ends, scale, max_q_len, out, window)
+                     mixed.prefill_ends, scale, max_q_len, out, window, softcap)
         return out
     _prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc[:-1], query_start_loc[1:], scale,
-             max_q_len, out, window)
+             max_q_len, out, window, softcap)
     return out
 
 
@@ -416,7 +421,7 @@ def split_mixed(block_tables, seq_lens, query_start_loc, decode_seqs, prefill_se
 
 
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num_splits, out,
-            workspace: dict | None = None, window: int = 0) -> None:
+            workspace: dict | None = None, window: int = 0, softcap: float = 0.0) -> None:
     num_seqs, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = k_cache.shape
     group = n_heads // n_kv_heads
@@ -438,10 +443,10 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num
         if workspace is not None:
             workspace["key"], workspace["scratch"] = key, (mid_o, mid_lse)
     _decode_split_kernel[(num_seqs, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale, float(softcap),
         *q.stride(), *k_cache.stride(), *block_tables.stride(), *mid_o.stride(), *mid_lse.stride(),
         head_dim, group, split_len, window,
-        BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), **cfg,
+        BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), SOFTCAP=softcap > 0, **cfg,
     )
     _decode_reduce_kernel[(num_seqs, n_heads)](
         mid_o, mid_lse, out, seq_lens,
@@ -452,17 +457,17 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len, num
 
 
 def _prefill(q, k_cache, v_cache, block_tables, seq_lens, q_starts, q_ends, scale, max_q_len, out,
-             window: int = 0) -> None:
+             window: int = 0, softcap: float = 0.0) -> None:
     _, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = k_cache.shape
     if max_q_len is None:
         max_q_len = int((q_ends - q_starts).max())
     cfg = prefill_config(head_dim, block_size, _on_gpu(q.device))
     _prefill_kernel[(seq_lens.shape[0], n_heads, triton.cdiv(max_q_len, cfg["BLOCK_M"]))](
-        q, k_cache, v_cache, out, block_tables, seq_lens, q_starts, q_ends, scale,
+        q, k_cache, v_cache, out, block_tables, seq_lens, q_starts, q_ends, scale, float(softcap),
         *q.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
         head_dim, n_heads // n_kv_heads, window,
-        BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), **cfg,
+        BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), SOFTCAP=softcap > 0, **cfg,
     )
 
 
@@ -474,7 +479,7 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
     ptr = f"*{dtype}"
     cases = []
 
-    def types(fn, pointers: dict, floats=("scale",)):
+    def types(fn, pointers: dict, floats=("scale", "softcap")):
         return {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
 
     for head_dim in head_dims:
@@ -487,7 +492,7 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
                     signature=types(_decode_split_kernel, dict(
                         q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                         mid_o_ptr="*fp32", mid_lse_ptr="*fp32")),
-                    constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, **cfg), aligned=_ALIGNED, **options))
+                    constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, SOFTCAP=False, **cfg), aligned=_ALIGNED, **options))
             cfg = prefill_config(head_dim, block_size, True)
             options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
             cases.append(dict(
@@ -495,7 +500,7 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
                 signature=types(_prefill_kernel, dict(
                     q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr, block_tables_ptr="*i32",
                     seq_lens_ptr="*i32", q_starts_ptr="*i32", q_ends_ptr="*i32")),
-                constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, **cfg), aligned=_ALIGNED, **options))
+                constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, SOFTCAP=False, **cfg), aligned=_ALIGNED, **options))
         cfg = reduce_config(head_dim, True)
         options = dict(num_warps=cfg.pop("num_warps"), num_stages=3)
         cases.append(dict(

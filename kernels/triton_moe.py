@@ -120,3 +120,22 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
     y = grouped_matmul(act, down, sorted_pairs, block_expert, top_k, pairs, a_by_pair=True,
                        weights=topk_weights.reshape(-1).contiguous())
     return y.view(tokens, top_k, -1).sum(1)
+
+
+def launch_cases(dtype: str = "bf16") -> list[dict]:
+    """The grouped matmul as fused_moe launches it at Qwen3-30B-A3B's shapes (hidden 2048, experts of 768):
+    gate/up (rows gathered by token) and down (by pair, routing weights applied), for kernels/compile_report.py."""
+    ptr = f"*{dtype}"
+    cases = []
+    for name, n, k, by_pair in (("gate_up", 2 * 768, 2048, False), ("down", 2048, 768, True)):
+        block_n, block_k = _blocks(n, k)
+        cases.append(dict(
+            name=f"moe {name} n{n} k{k}", fn=_grouped_matmul_kernel,
+            signature=dict(a_ptr=ptr, w_ptr=ptr, c_ptr=ptr, sorted_ptr="*i32", block_expert_ptr="*i32",
+                           weight_ptr=ptr, num_pairs="i32", N="i32", K="i32", top_k="i32", stride_am="i32",
+                           stride_we="i32", stride_wn="i32", stride_cm="i32"),
+            constexprs=dict(A_BY_PAIR=by_pair, MUL_WEIGHT=by_pair, PRECISION="tf32", BLOCK_M=BLOCK_M,
+                            BLOCK_N=block_n, BLOCK_K=block_k),
+            aligned=("a_ptr", "w_ptr", "c_ptr", "N", "K", "stride_am", "stride_we", "stride_wn", "stride_cm"),
+            num_warps=4, num_stages=3))
+    return cases

@@ -147,8 +147,9 @@ def test_cpu_backend_prefill_falls_back_to_torch_for_queries_it_cannot_read_in_p
                                atol=2e-5, rtol=1e-5)
 
 
-def _brute_force(c, window: int) -> torch.Tensor:
-    """Each query's softmax over exactly the keys it may see, in float64, one query at a time."""
+def _brute_force(c, window: int, softcap: float = 0.0) -> torch.Tensor:
+    """Each query's softmax over exactly the keys it may see (scores soft-capped where softcap > 0), in
+    float64, one query at a time."""
     n_heads = c.q.shape[1]
     block_size, n_kv = c.k_cache.shape[1], c.k_cache.shape[2]
     out = torch.zeros_like(c.q, dtype=torch.float64)
@@ -164,7 +165,10 @@ def _brute_force(c, window: int) -> torch.Tensor:
             v = c.v_cache[blocks, within].double()
             for h in range(n_heads):
                 kh = h // (n_heads // n_kv)
-                w = torch.softmax(k[:, kh] @ c.q[qsl[i] + r, h].double() * c.scale, dim=0)
+                scores = k[:, kh] @ c.q[qsl[i] + r, h].double() * c.scale
+                if softcap > 0:
+                    scores = softcap * torch.tanh(scores / softcap)
+                w = torch.softmax(scores, dim=0)
                 out[qsl[i] + r, h] = w @ v[:, kh]
     return out.to(c.q.dtype)
 
@@ -200,4 +204,24 @@ def test_a_sliding_window_shows_each_query_its_last_keys_only(backend_name, wind
     backend = make_backend(backend_name, torch.device("cpu"))
     meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
     out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_soft_capped_scores_equal_brute_force(backend_name, window):
+    """Gemma 2's attention-logit soft-capping (every scaled score s becomes cap * tanh(s / cap)), with and
+    without a sliding window, over decodes and prompt chunks (one over a cached prefix): scores large enough
+    that the cap changes the result."""
+    block_size, cap = 4, 2.0
+    q_lens = [1, 19, 1, 9, 33]
+    seq_lens = [1, 19, 23, 30, 33]
+    c = make_case(q_lens, seq_lens, 8, 2, 16, block_size, seed=12)
+    c.q.mul_(4.0)  # scores of several units: tanh bends them
+    want = _brute_force(c, window, softcap=cap)
+    assert not torch.allclose(_brute_force(c, window), want, atol=1e-3)  # the cap mattered
+    torch.testing.assert_close(paged_attention(*c.args, window=window, softcap=cap), want, atol=1e-5, rtol=1e-5)
+    backend = make_backend(backend_name, torch.device("cpu"))
+    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
+    out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window, cap)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)

@@ -24,7 +24,8 @@ REFUSED = [
     ("num_local_experts", dict(num_local_experts=8), "8"),
     ("quantization_config.quant_method", dict(quantization_config=dict(quant_method="awq", bits=4)), "'awq'"),
     ("layer_types", dict(layer_types=["full_attention", "chunked_attention"] * 2), "'chunked_attention'"),
-    ("model_type", dict(model_type="gemma2"), "'gemma2'"),
+    ("model_type", dict(model_type="olmoe"), "'olmoe'"),
+    ("attn_logit_softcapping", dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "50.0"),
     ("attention_bias", dict(model_type="qwen3", attention_bias=True), "True"),
     ("num_experts_per_tok", dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5), "5"),
     ("num_experts", dict(model_type="qwen3", num_experts=4), "4"),
@@ -160,6 +161,37 @@ def test_qwen3_moe_equals_transformers(tmp_path, top_k, normalize, sparse_step, 
     config = _matches_transformers(tmp_path, hf, [(7 * i) % 190 + 3 for i in range(40)])
     sparse = tuple(i not in dense_layers and (i + 1) % sparse_step == 0 for i in range(4))
     assert config.moe_layers == sparse and config.experts_per_token == top_k and config.qk_norm
+
+
+@pytest.mark.parametrize("attn_cap,final_cap", [(None, None), (2.0, 5.0)])
+def test_gemma2_equals_transformers(tmp_path, attn_cap, final_cap):
+    """Gemma 2: Gemma's (1 + w) norms around attention and MLP, GeGLU, scaled embeddings and query scaling,
+    sliding and global layers alternating over one RoPE, attention-logit soft-capping (a cap of 2 on scores
+    of several units: it changes every softmax) and final-logit soft-capping; a prompt longer than the
+    window."""
+    import transformers
+
+    torch.manual_seed(9)
+    common = {k: v for k, v in BASE.items() if k not in ("model_type",)}
+    cfg = transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=8, sliding_window=12,
+                                    attn_logit_softcapping=attn_cap, final_logit_softcapping=final_cap,
+                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "eager"  # transformers' soft-capped attention
+    hf = transformers.Gemma2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # norms away from their zero init; q and k larger: big scores
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.1 if "q_proj" in name or "k_proj" in name
+                                          else 0.02))
+    config = _matches_transformers(tmp_path, hf, [(7 * i) % 190 + 3 for i in range(40)])
+    assert config.layer_windows == (12, 0, 12, 0) and config.hidden_act == "gelu_tanh" and not config.qk_norm
+    assert config.attn_softcap == (attn_cap or 0.0) and config.final_logit_softcap == (final_cap or 0.0)
+    if attn_cap:  # the cap mattered: without it transformers' own logits move
+        prompt = torch.tensor([[(7 * i) % 190 + 3 for i in range(40)]])
+        with torch.no_grad():
+            capped = hf(prompt).logits
+            for layer in hf.model.layers:
+                layer.self_attn.attn_logit_softcapping = None
+            assert (hf(prompt).logits - capped).abs().max() > 0.1
 
 
 def test_sliding_window_fields_that_do_not_slide():

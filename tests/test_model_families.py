@@ -33,6 +33,11 @@ FAMILIES = {
                                           "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
                          final_logit_softcapping=30.0, pad_token_id=0, hidden_activation="gelu_pytorch_tanh"),
                     (10, 0, 10), ("--num-blocks", "36", "--max-model-len", "128")),
+    # Gemma 2: Gemma 3's norms, GeGLU and scalings without q/k norm, sliding and global layers alternating
+    # over one RoPE, attention scores soft-capped (at 5: scores of several units bend) and final logits too
+    "gemma2": (dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=10, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=30.0, pad_token_id=0, hidden_activation="gelu_pytorch_tanh"),
+               (10, 0, 10), ("--num-blocks", "36", "--max-model-len", "128")),
     # Qwen2's default layout: layers from max_window_layers on slide (here 1 and 2), layer 0 reads everything
     # (every block is kept, so the context must fit the pool)
     "qwen2": (dict(use_sliding_window=True, sliding_window=10, max_window_layers=1), (0, 10, 10),

@@ -38,8 +38,9 @@ class AttentionBackend:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         raise NotImplementedError
 
-    def forward(self, q, k_cache, v_cache, meta, scale: float, window: int = 0) -> torch.Tensor:
-        """window > 0: a sliding-window layer, each query sees only its last `window` keys (itself included)."""
+    def forward(self, q, k_cache, v_cache, meta, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        """window > 0: a sliding-window layer, each query sees only its last `window` keys (itself included).
+        softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
         raise NotImplementedError
 
 
@@ -127,7 +128,7 @@ class TorchAttention(AttentionBackend):
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta: TorchAttentionMeta, scale, window: int = 0,
+    def forward(self, q, k_cache, v_cache, meta: TorchAttentionMeta, scale, window: int = 0, softcap: float = 0.0,
                 out: torch.Tensor | None = None):
         num_blocks, block_size, n_kv_heads, head_dim = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, n_kv_heads, head_dim)
@@ -139,18 +140,33 @@ class TorchAttention(AttentionBackend):
             keys = k_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)  # [rows, n_kv, width, hd]
             values = v_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)
             qd = q[b.tokens].unsqueeze(2)  # [rows, n_heads, 1, head_dim]
-            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=b.window_mask(window), scale=scale,
-                                               enable_gqa=True)
+            o = _sdpa(qd, keys, values, b.window_mask(window), scale, softcap)
             out[b.tokens] = o.squeeze(2)
         for p in meta.prefills:
             keys = k_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)  # [1, n_kv, seq_len, hd]
             values = v_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, n_heads, q_len, head_dim]
             mask = window_prefill_mask(p, window)
-            o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, is_causal=mask is None,
-                                               scale=scale, enable_gqa=True)
+            if softcap > 0 and mask is None:  # the explicit path needs the causal mask written out
+                n = p.slots.numel()
+                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            o = _sdpa(qp, keys, values, mask, scale, softcap)
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out
+
+
+def _sdpa(q, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
+    """q [b, n_heads, q_len, hd] over keys/values [b, n_kv, k_len, hd] (grouped heads); mask None = causal.
+    Soft-capped scores take the explicit path (torch's fused attention has no soft-capping)."""
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, values.float()).to(q.dtype)
 
 
 @dataclass
@@ -206,21 +222,22 @@ class CpuAttention(TorchAttention):
             block_size=block_size,
         )
 
-    def forward(self, q, k_cache, v_cache, meta: CpuAttentionMeta, scale, window: int = 0):
+    def forward(self, q, k_cache, v_cache, meta: CpuAttentionMeta, scale, window: int = 0, softcap: float = 0.0):
         num_tokens, n_heads, head_dim = q.shape
         out = torch.empty(num_tokens, n_heads, head_dim, dtype=q.dtype, device=q.device)
         if meta.decode_rows.numel():
             q = q.contiguous()  # the decode kernel reads whole rows of a contiguous q
             self._native.paged_decode(q, k_cache, v_cache, out, meta.decode_rows, meta.decode_tables,
-                                      meta.decode_lens, scale, window)
+                                      meta.decode_lens, scale, window, softcap)
         if meta.prefill_starts.numel():
             if self._native.supports_prefill(n_heads, k_cache.shape[2], head_dim) and q.stride(2) == 1 \
                     and q.stride(1) == head_dim:  # a view of the fused QKV row reads in place
                 self._native.paged_prefill(q, k_cache, v_cache, out, meta.prefill_starts, meta.prefill_q_lens,
-                                           meta.prefill_lens, meta.prefill_tables, scale, window)
+                                           meta.prefill_lens, meta.prefill_tables, scale, window, softcap)
             else:
                 TorchAttention.forward(self, q.contiguous(), k_cache, v_cache,
-                                       TorchAttentionMeta([], meta.torch_prefills()), scale, window, out=out)
+                                       TorchAttentionMeta([], meta.torch_prefills()), scale, window, softcap,
+                                       out=out)
         return out
 
 
@@ -262,11 +279,11 @@ class TritonAttention(AttentionBackend):
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta: TritonAttentionMeta, scale, window: int = 0):
+    def forward(self, q, k_cache, v_cache, meta: TritonAttentionMeta, scale, window: int = 0, softcap: float = 0.0):
         return self._kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
             max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len, mixed=meta.mixed, workspace=meta.workspace,
-            window=window,
+            window=window, softcap=softcap,
         )
 
 

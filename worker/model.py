@@ -3,7 +3,7 @@
 No per-request cache object: every layer writes this step's K/V at the plan's slots and attends
 through the block tables. Covers Llama, Mistral, SmolLM (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings),
 Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (its MLPs mixtures of experts: worker/moe.py),
-Phi-3 and Gemma 3. Projections are fused (QKV, gate+up) so a layer
+Phi-3, Gemma 2 and Gemma 3. Projections are fused (QKV, gate+up) so a layer
 runs four matmuls. Under tensor parallelism (worker/parallel.py) each rank holds its shard of every
 weight and the layer adds one all-reduce after o_proj and one after down.
 """
@@ -123,8 +123,8 @@ class DecoderLayer(nn.Module):
                             rope[0] if isinstance(rope, RopeSets) else rope)
         k_cache, v_cache = pool.layer(self.layer_idx)
         attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
-        o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.attn_scale,
-                         c.window(self.layer_idx))  # [num_tokens, n_heads, hd]
+        o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.attn_scale, c.window(self.layer_idx),
+                         c.attn_softcap)  # [num_tokens, n_heads, hd]
         a = self.comm.all_reduce(mm(o.reshape(num_tokens, self.q_size), w["o_proj"]))
         if self.attn_out_norm is not None:
             a = rms_norm(a, self.attn_out_norm, c.rms_norm_eps)

@@ -8,7 +8,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma2",
+                         "gemma3_text")
+GEMMA_TYPES = ("gemma2", "gemma3_text")  # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 # the mixture-of-experts families (router top-k over SwiGLU experts)
 MOE_TYPES = ("qwen3_moe",)
 # activations of the gated MLP: SiLU (SwiGLU) everywhere, GELU-tanh (GeGLU) where the family uses it
@@ -35,9 +37,9 @@ def check_supported(cfg: dict) -> None:
         raise UnsupportedModel("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     act_field = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
     act = cfg.get(act_field, "silu")
-    if act not in GATED_ACTIVATIONS or (GATED_ACTIVATIONS[act] == "gelu_tanh" and model_type != "gemma3_text"):
+    if act not in GATED_ACTIVATIONS or (GATED_ACTIVATIONS[act] == "gelu_tanh" and model_type not in GEMMA_TYPES):
         raise UnsupportedModel(act_field, act, "the gated MLP is implemented with SiLU, and with GELU-tanh for "
-                                               "Gemma 3")
+                                               "Gemma 2 and 3")
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedModel("use_bidirectional_attention", True, "bidirectional attention is not implemented")
     if cfg.get("mlp_bias"):
@@ -56,9 +58,11 @@ def check_supported(cfg: dict) -> None:
             raise UnsupportedModel(name, value, f"partial rotary embeddings are implemented for "
                                                 f"{', '.join(PARTIAL_ROTARY_TYPES)} only (as transformers does)")
     for name in ("attn_logit_softcapping", "final_logit_softcapping", "logit_softcapping"):
-        if cfg.get(name) is not None and not (name == "final_logit_softcapping" and model_type == "gemma3_text"):
-            raise UnsupportedModel(name, cfg[name], "attention-logit soft-capping is not implemented" if
-                                   name.startswith("attn") else "logit soft-capping is implemented for Gemma 3 only")
+        allowed = {"attn_logit_softcapping": ("gemma2",), "final_logit_softcapping": GEMMA_TYPES}.get(name, ())
+        if cfg.get(name) is not None and model_type not in allowed:
+            raise UnsupportedModel(name, cfg[name], f"{'attention-' if name.startswith('attn') else ''}logit "
+                                                    f"soft-capping is implemented for {', '.join(allowed) or 'no'} "
+                                                    "models as transformers runs them")
     for name in ("embedding_multiplier", "scale_emb", "logits_scaling", "residual_multiplier",
                  "attention_multiplier"):
         if cfg.get(name) not in (None, 1, 1.0):
@@ -131,9 +135,10 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
     model_type = cfg.get("model_type", "llama")
     if model_type in ("mistral", "phi3"):  # their attention slides on every layer
         return (window,) * num_layers
-    if model_type == "gemma3_text":  # its layer_types (by default five sliding layers, then a global one)
-        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % int(cfg.get("sliding_window_pattern", 6))
-                                           else "full_attention" for i in range(num_layers)]
+    if model_type in GEMMA_TYPES:  # layer_types; by default Gemma 3 slides five layers of six, Gemma 2 every other
+        pattern = int(cfg.get("sliding_window_pattern", 6)) if model_type == "gemma3_text" else 2
+        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                           for i in range(num_layers)]
         sliding = [t == "sliding_attention" for t in types[:num_layers]]
         return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
     if model_type not in ("qwen2", "qwen3", "qwen3_moe", "smollm3") or not cfg.get("use_sliding_window"):
@@ -196,6 +201,7 @@ class ModelConfig:
     sandwich_norms: bool = False  # Gemma: RMSNorm on the attention and MLP outputs before each residual add
     norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight): added to every norm weight at load
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: off
+    attn_softcap: float = 0.0  # Gemma 2: attention scores = cap * tanh(scores / cap); 0: off
     # mixture of experts: per layer whether its MLP is one (empty: a dense model), the experts, how many a
     # token is routed to, each expert's intermediate size, and whether the chosen experts' weights are
     # renormalized to sum to 1
@@ -253,7 +259,7 @@ class ModelConfig:
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
         partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
         theta = rope["rope_theta"]
-        gemma = model_type == "gemma3_text"
+        gemma = model_type in GEMMA_TYPES
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         return cls(
             vocab_size=int(cfg["vocab_size"]),
@@ -281,6 +287,7 @@ class ModelConfig:
             sandwich_norms=gemma,
             norm_offset=1.0 if gemma else 0.0,
             final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if model_type == "gemma2" else 0.0,
             moe_layers=moe_layers(cfg, num_layers),
             num_experts=num_experts(cfg),
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0),

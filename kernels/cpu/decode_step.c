@@ -22,7 +22,7 @@
 
 void pagedserve_decode_item(const float* q_row, const float* k_cache, const float* v_cache, float* out_row,
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
-                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale);
+                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap);
 
 #define MAX_SEGMENTS 3
 
@@ -178,7 +178,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
                 pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
                                        block_tables + r * table_stride, first, seq_lens[r], kh, kh + 1, (int)nh,
-                                       (int)nkv, (int)hd, m->block_size, m->scale);
+                                       (int)nkv, (int)hd, m->block_size, m->scale, 0.0f);
             }
             matmul_part(&ly->o_proj, attn, rows, delta);
 #pragma omp for schedule(static)

@@ -74,7 +74,7 @@ static inline __m512 exp512_nonpositive(__m512 x) {
 /* One block of keys for one GQA group: scores, online-softmax update, values accumulated. */
 static void block_avx512(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
                          int group, int head_dim, float* m, float* l, float* acc, const float* kn, const float* vn,
-                         int next_count) {
+                         int next_count, float softcap) {
     float scores[MAX_GROUP][LANES];
     for (int g = 0; g < group; g++) {
         const float* qg = qs + g * head_dim;
@@ -89,6 +89,7 @@ static void block_avx512(const float* qs, const float* kb, const float* vb, int6
         }
     }
     if (group == 1) prefetch_rows(vn, token_stride, next_count, head_dim);
+    if (softcap > 0.0f) soft_cap(&scores[0][0], group * LANES, softcap);
     const __mmask16 valid = (__mmask16)((1u << count) - 1u);
     for (int g = 0; g < group; g++) {
         const __m512 s = _mm512_maskz_loadu_ps(valid, scores[g]);
@@ -133,7 +134,7 @@ static void block_avx512(const float* qs, const float* kb, const float* vb, int6
 /* One block of keys for one GQA group without AVX-512: scores, online-softmax update, values. */
 static void block_portable(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
                            int group, int head_dim, float* m, float* l, float* acc, const float* kn, const float* vn,
-                           int next_count) {
+                           int next_count, float softcap) {
     float scores[MAX_GROUP * MAX_BLOCK];
     prefetch_rows(kn, token_stride, next_count, head_dim);
     prefetch_rows(vn, token_stride, next_count, head_dim);
@@ -141,6 +142,7 @@ static void block_portable(const float* qs, const float* kb, const float* vb, in
         const float* key = kb + t * token_stride;
         for (int g = 0; g < group; g++) scores[g * MAX_BLOCK + t] = dot(qs + g * head_dim, key, head_dim);
     }
+    if (softcap > 0.0f) soft_cap(scores, group * MAX_BLOCK, softcap);
     for (int g = 0; g < group; g++) {
         float* sg = scores + g * MAX_BLOCK;
         float top = m[g];
@@ -181,7 +183,7 @@ int pagedserve_decode_limits(int32_t* out) {
  * written to the same heads of out_row. The fused decode step (decode_step.c) calls it for its own items. */
 void pagedserve_decode_item(const float* q_row, const float* k_cache, const float* v_cache, float* out_row,
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
-                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale) {
+                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap) {
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim; /* between consecutive keys of a block */
     const int64_t block_stride = (int64_t)block_size * token_stride;
@@ -220,13 +222,13 @@ void pagedserve_decode_item(const float* q_row, const float* k_cache, const floa
                     const int c = count - sub < LANES ? count - sub : LANES;
                     const int first = sub == 0; /* the next block is asked for once */
                     block_avx512(qs_h, kb + sub * token_stride, vb + sub * token_stride, token_stride, c, group,
-                                 head_dim, m + h, l + h, acc_h, first ? kn : 0, first ? vn : 0, next_count);
+                                 head_dim, m + h, l + h, acc_h, first ? kn : 0, first ? vn : 0, next_count, softcap);
                 }
                 continue;
             }
 #endif
             block_portable(qs_h, kb, vb, token_stride, count, group, head_dim, m + h, l + h, acc_h, kn, vn,
-                           next_count);
+                           next_count, softcap);
         }
     }
     float* op = out_row + head0 * head_dim;
@@ -253,7 +255,8 @@ void pagedserve_paged_decode(
     int64_t table_stride,
     const int32_t* seq_lens,     /* [n]: keys of each sequence, this step's token included */
     int32_t n, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale,
-    int32_t window)              /* > 0: each token sees only its last `window` keys (itself included) */
+    int32_t window,              /* > 0: each token sees only its last `window` keys (itself included) */
+    float softcap)               /* > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2) */
 {
     /* A work item is a sequence and as many of its KV heads as the item's state holds (all of them for most
      * models): it walks the sequence's blocks once, reading each block's rows of those heads in one pass. */
@@ -268,7 +271,8 @@ void pagedserve_paged_decode(
             const int64_t row = rows[i] * n_heads * head_dim;
             const int32_t first = window > 0 && seq_lens[i] > window ? seq_lens[i] - window : 0;
             pagedserve_decode_item(q + row, k_cache, v_cache, out + row, block_tables + (int64_t)i * table_stride,
-                                   first, seq_lens[i], kh0, kh1, n_heads, n_kv_heads, head_dim, block_size, scale);
+                                   first, seq_lens[i], kh0, kh1, n_heads, n_kv_heads, head_dim, block_size, scale,
+                                   softcap);
         }
     }
 }

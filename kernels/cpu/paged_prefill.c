@@ -44,7 +44,7 @@ static inline const float* kv_row(const float* cache, const int32_t* table, int 
 static void prefill_item(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
                          float* out, int64_t start, int q_len, int seq_len, const int32_t* table, int p0, int p1,
                          int kh, int n_heads, int group, int head_dim, int block_size, int64_t block_stride,
-                         int64_t token_stride, float scale, int window) {
+                         int64_t token_stride, float scale, int window, float softcap) {
     const int rows = p1 - p0;
     const int total = rows * group;                /* query rows of the item: (head g, position r) -> g * rows + r */
     float acc[MAX_STATE];                          /* [total][head_dim] */
@@ -108,6 +108,7 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
 #pragma omp simd
                     for (int jj = 0; jj < KT; jj++) s[i][jj] += qi[d] * kt[d][jj];
             }
+            if (softcap > 0.0f) soft_cap(&s[0][0], ROWS * KT, softcap);
             for (int i = 0; i < nr; i++) {
                 const int row = row0 + i;
                 const int see = limit[row] - j0 + 1; /* keys of this tile the row sees: [from, n) */
@@ -187,7 +188,8 @@ void pagedserve_paged_prefill(
     const int32_t* block_tables, /* [n, table_stride] */
     int64_t table_stride, int32_t n, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
     float scale,
-    int32_t window)              /* > 0: each query sees only its last `window` keys (itself included) */
+    int32_t window,              /* > 0: each query sees only its last `window` keys (itself included) */
+    float softcap)               /* > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2) */
 {
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim;
@@ -212,7 +214,7 @@ void pagedserve_paged_prefill(
             const int p1 = p0 + qt < q_lens[i] ? p0 + qt : q_lens[i];
             prefill_item(q, q_row_stride, k_cache, v_cache, out, starts[i], q_lens[i], seq_lens[i],
                          block_tables + (int64_t)i * table_stride, p0, p1, kh, n_heads, group, head_dim, block_size,
-                         block_stride, token_stride, scale, window);
+                         block_stride, token_stride, scale, window, softcap);
         }
     }
     free(items);

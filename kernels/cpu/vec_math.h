@@ -3,6 +3,7 @@
  * x is clamped to [-87, 88]: below, about 1e-38 instead of 0; above, about 1.6e38 instead of inf. */
 #ifndef PAGEDSERVE_VEC_MATH_H
 #define PAGEDSERVE_VEC_MATH_H
+#include <math.h>
 #include <stdint.h>
 
 static inline float vec_exp(float x) {
@@ -20,5 +21,11 @@ static inline float vec_exp(float x) {
     union { float f; int32_t i; } scale;
     scale.i = ((int32_t)n + 127) << 23;
     return p * scale.f;
+}
+
+/* Gemma 2's attention-logit soft-capping, in place: s = cap * tanh(s / cap) over n scores. */
+static inline void soft_cap(float* s, int n, float cap) {
+    const float inv = 1.0f / cap;
+    for (int i = 0; i < n; i++) s[i] = cap * tanhf(s[i] * inv);
 }
 #endif
