@@ -268,3 +268,67 @@ def test_k_quant_blocks_compute_x_times_gguf_dequantization(native, qtype, rows)
     torch.testing.assert_close(lib.dequantize(w.cols(256, 768)), reference[:, 256:], rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="256-value"):
         w.cols(32, 768)
+
+
+GGUF_FAMILIES = {  # family -> config fields (tests/tiny.py writes the family's llama.cpp architecture)
+    "mistral": dict(sliding_window=12),  # llama.cpp's "llama": q/k rows permuted
+    "qwen2": dict(),  # q/k/v biases (F32 beside the blocks), nothing permuted
+    "phi3": dict(pad_token_id=0),  # q/k/v one attn_qkv tensor, gate and up one ffn_up tensor
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=10, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=30.0, pad_token_id=0, hidden_activation="gelu_pytorch_tanh"),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),  # experts stay dense
+}
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_each_familys_gguf_blocks_give_the_dequantized_models_logits(native, tmp_path, family, tp):
+    """A GGUF of each family, read by its llama.cpp tensor names (stacked Phi-3 tensors split, llama's
+    permuted rows put back) and sliced for each tensor-parallel rank as the dense weights are: every
+    projection is served from the blocks, and the logits are the dequantized model's."""
+    from tests.test_model import BLOCK, run_step
+    from tests.tiny import make_tiny_gguf
+    from worker.kv_pool import KVPool
+    from worker.weights import load_model
+
+    folder = make_tiny_gguf(tmp_path / family, "Q8_0", seed=4, family=family, **GGUF_FAMILIES[family])
+    prompt = [(11 * i) % 380 + 3 for i in range(30)]
+    seqs = [(prompt, 0, list(range(-(-len(prompt) // BLOCK))))]
+    dense, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    want = run_step(dense, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")), seqs)[0]
+    for rank in range(tp):  # each rank's blocks are its slices: its partial o_proj/down sums equal the dense's
+        model, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank, tp_size=tp)
+        source = GGUFQuantSource(next(folder.glob("*.gguf")), config.num_heads, config.num_kv_heads, config.head_dim)
+        counts = model.use_quantized(source, QuantizedMatmul(native, dense=None), keep_dense=False)
+        per_layer = 2 if config.moe_layers else 4
+        assert counts == {"Q8_0": per_layer * config.num_layers, "dense": 1}  # the head: F32 in these files
+        if tp == 1:
+            got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")), seqs)[0]
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+        else:  # a rank's projections against the same rows/columns of the dense model's
+            ref, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank, tp_size=tp)
+            x = torch.randn(3, config.hidden_size)
+            for layer, dense_layer in zip(model.layers, ref.layers, strict=True):
+                for name in layer.matmul_names:
+                    w = getattr(dense_layer, name)
+                    inp = x if w.shape[1] == config.hidden_size else torch.randn(3, w.shape[1])
+                    torch.testing.assert_close(layer.mm(inp, layer.w[name]), inp @ w.T, atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["phi3", "qwen3_moe"])
+def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(server_factory, native, tmp_path_factory,
+                                                                        family):
+    """Served from the file's blocks (Phi-3's stacked tensors; Qwen3-MoE's attention, its experts dense),
+    every greedy answer equals transformers' on the same dequantized weights."""
+    from protos import generation_pb2 as pb
+    from tests.tiny import hf_greedy, make_tiny_gguf
+
+    folder = make_tiny_gguf(tmp_path_factory.mktemp(f"gguf-{family}") / "m", "Q8_0", seed=3, family=family,
+                            **GGUF_FAMILIES[family])
+    server = server_factory(folder, "--block-size", "4", "--num-blocks", "256")
+    assert '"Q8_0": ' in server.log_path.read_text()
+    for prompt in ([5, 9, 13, 200, 31], list(range(40, 75))):
+        req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+            max_tokens=24, temperature=0, ignore_eos=True))
+        assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == hf_greedy(folder, prompt, 24)

@@ -104,11 +104,25 @@ def _load_cached(folder: str):
     return _MODELS[folder]
 
 
-def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, **overrides) -> Path:
-    """A tiny Llama shipped as llama.cpp ships one: a GGUF whose projections are `qtype` blocks (q and k rows
-    permuted as llama.cpp's converter writes them), norms and embeddings F32; beside it, the folder
-    `prepare-model` would make of it (config, tokenizer, the GGUF's weights dequantized to fp32, and
-    pagedserve_model.json naming the file). Returns the folder."""
+# llama.cpp's architecture name of each transformers family; only "llama" has its q/k rows permuted
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+             "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+GGUF_MATRICES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+GGUF_OTHERS = {"input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+               "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate": "ffn_gate_inp",
+               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str = "llama", **overrides) -> Path:
+    """A tiny model of a transformers family shipped as llama.cpp ships one: a GGUF of that family's
+    architecture whose projections are `qtype` blocks under llama.cpp's names (q and k rows permuted where
+    llama.cpp's converter permutes them; Phi-3's q/k/v and gate/up stacked as its converter writes them;
+    MoE experts stacked per layer), norms, biases and embeddings F32; beside it, the folder `prepare-model`
+    would make of it (config, tokenizer, the GGUF's weights dequantized to fp32, and pagedserve_model.json
+    naming the file). Returns the folder."""
     import json
 
     import numpy as np
@@ -116,17 +130,18 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, **overrides
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     from safetensors.torch import load_file, save_file
 
-    folder = make_tiny_llama(folder, seed=seed, **overrides)
+    folder = make_tiny_llama(folder, seed=seed, family=family, **overrides)
     cfg = json.loads((folder / "config.json").read_text())
     state = load_file(str(folder / "model.safetensors"))
     kind = getattr(GGMLQuantizationType, qtype)
     hd, heads, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    arch = GGUF_ARCH[family]
 
     def permute(w: np.ndarray, n: int) -> np.ndarray:
         return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
     path = folder / f"tiny.{qtype}.gguf"
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
@@ -137,10 +152,8 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, **overrides
     writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
-    dequantized = {}
+    dequantized, experts = {}, {}
+    gemma = family.startswith("gemma")
     for name, t in state.items():
         w = t.float().numpy()
         parts = name.split(".")
@@ -150,16 +163,27 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, **overrides
             writer.add_tensor("output.weight", w)
         elif name == "model.norm.weight":
             writer.add_tensor("output_norm.weight", w)
-        elif parts[3] in ("input_layernorm", "post_attention_layernorm"):
-            kind_name = "attn_norm" if parts[3] == "input_layernorm" else "ffn_norm"
-            writer.add_tensor(f"blk.{parts[2]}.{kind_name}.weight", w)
-        else:
-            gname = names[".".join(parts[3:5])]
+        elif ".".join(parts[3:5]) in GGUF_MATRICES and parts[-1] == "weight":
+            gname = GGUF_MATRICES[".".join(parts[3:5])]
             blocks = quants.quantize(w, kind)
             w = quants.dequantize(blocks, kind).reshape(w.shape)  # what the file holds, in Hugging Face's order
-            stored = permute(w, heads if gname == "attn_q" else kv) if gname in ("attn_q", "attn_k") else w
+            stored = permute(w, heads if gname == "attn_q" else kv) if arch == "llama" and gname in (
+                "attn_q", "attn_k") else w
             writer.add_tensor(f"blk.{parts[2]}.{gname}.weight", quants.quantize(stored, kind), raw_dtype=kind)
+        elif parts[4] == "experts":  # model.layers.N.mlp.experts.E.gate_proj.weight: stacked per layer below
+            experts.setdefault((parts[2], parts[6]), {})[int(parts[5])] = w
+        else:
+            rest = ".".join(parts[3:-1]) + (".bias" if parts[-1] == "bias" else "")
+            if rest == "post_attention_layernorm":
+                gname = "post_attention_norm" if gemma else "ffn_norm"
+            else:
+                gname = GGUF_OTHERS.get(rest, rest)
+            writer.add_tensor(f"blk.{parts[2]}.{gname}{'' if gname.endswith('.bias') else '.weight'}", w)
         dequantized[name] = torch.from_numpy(np.ascontiguousarray(w))
+    for (layer, proj), by_expert in sorted(experts.items()):
+        stacked = np.stack([by_expert[e] for e in sorted(by_expert)])  # [E, out, in]
+        gname = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[proj]
+        writer.add_tensor(f"blk.{layer}.{gname}.weight", stacked)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

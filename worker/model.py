@@ -208,11 +208,11 @@ class LlamaModel(nn.Module):
                 "qkv": quant([(a + "q_proj.weight", q_rows), (a + "k_proj.weight", kv_rows),
                               (a + "v_proj.weight", kv_rows)]),
                 "o_proj": quant([(a + "o_proj.weight", None)], cols=q_rows),
-                "gate_up": quant([(m + "gate_proj.weight", sh.intermediate), (m + "up_proj.weight", sh.intermediate)]),
-                "down": quant([(m + "down_proj.weight", None)], cols=sh.intermediate),
             }
-            if layer.moe is not None:  # the experts stay as loaded (worker/moe.py reads them)
-                del plan["gate_up"], plan["down"]
+            if layer.moe is None:  # a mixture of experts stays as loaded (worker/moe.py reads the experts)
+                plan["gate_up"] = quant([(m + "gate_proj.weight", sh.intermediate),
+                                         (m + "up_proj.weight", sh.intermediate)])
+                plan["down"] = quant([(m + "down_proj.weight", None)], cols=sh.intermediate)
             layer.w = {}
             for name, q in plan.items():
                 param = getattr(layer, name)

@@ -144,7 +144,8 @@ def _rope_rows(n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 class GGUFQuantSource:
-    """A GGUF file's quantized matrices of a Llama-family model, by Hugging Face name."""
+    """A GGUF file's quantized matrices of a Llama-family model, by Hugging Face name. Where the file stacks
+    matrices as one tensor (Phi-3's attn_qkv, and ffn_up holding gate then up), each is its rows of it."""
 
     LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -159,6 +160,21 @@ class GGUFQuantSource:
         self._tensors = {t.name: t for t in reader.tensors}
         self._perm = {"attn_q": _rope_rows(n_heads, head_dim), "attn_k": _rope_rows(n_kv_heads, head_dim)}
         self._permute = self.arch in ("llama", "mistral")  # the architectures llama.cpp permutes
+        self._q_rows, self._kv_rows = n_heads * head_dim, n_kv_heads * head_dim
+
+    def _locate(self, hf_name: str) -> tuple[str, int, int | None]:
+        """-> (the file's tensor holding the matrix, its first row there, its rows there or None: all)."""
+        name = self.gguf_name(hf_name)
+        prefix, kind = name.rsplit(".", 2)[0], name.split(".")[-2]
+        qkv = f"{prefix}.attn_qkv.weight"
+        if kind in ("attn_q", "attn_k", "attn_v") and name not in self._tensors and qkv in self._tensors:
+            q, kv = self._q_rows, self._kv_rows
+            return qkv, {"attn_q": 0, "attn_k": q, "attn_v": q + kv}[kind], q if kind == "attn_q" else kv
+        up = f"{prefix}.ffn_up.weight"
+        if kind in ("ffn_gate", "ffn_up") and f"{prefix}.ffn_gate.weight" not in self._tensors and up in self._tensors:
+            half = int(self._tensors[up].shape[1]) // 2  # gate's rows, then up's
+            return up, 0 if kind == "ffn_gate" else half, half
+        return name, 0, None
 
     def gguf_name(self, hf_name: str) -> str:
         if hf_name == "lm_head.weight":
@@ -172,14 +188,15 @@ class GGUFQuantSource:
 
     def qtype(self, hf_name: str) -> str | None:
         """The quantization of a matrix, or None when the kernels do not serve its type (F32, Q5_K, ...)."""
-        t = self._tensors.get(self.gguf_name(hf_name))
+        name = self._locate(hf_name)[0]
+        t = self._tensors.get(name)
         if t is None:
-            raise KeyError(f"{hf_name} ({self.gguf_name(hf_name)}) is missing from {self.path.name}")
+            raise KeyError(f"{hf_name} ({name}) is missing from {self.path.name}")
         return t.tensor_type.name if t.tensor_type.name in QUANT_TYPES else None
 
     def get(self, hf_name: str, rows: tuple[int, int] | None = None,
             cols: tuple[int, int] | None = None) -> QuantWeight:
-        name = self.gguf_name(hf_name)
+        name, first, count = self._locate(hf_name)
         t = self._tensors[name]
         qtype = t.tensor_type.name
         if qtype not in QUANT_TYPES:
@@ -189,6 +206,8 @@ class GGUFQuantSource:
         kind = name.split(".")[-2]
         if self._permute and kind in self._perm:
             w = w.rows(self._perm[kind])
+        if count is not None:  # this matrix's rows of a stacked tensor
+            rows = (first + (rows or (0, count))[0], first + (rows or (0, count))[1])
         if rows is not None:
             w = w.rows(slice(*rows))
         if cols is not None:
