@@ -261,6 +261,11 @@ def test_sigterm_drains_running_requests_then_every_process_exits(server_factory
 
 
 def test_a_worker_that_dies_while_idle_is_seen_within_seconds_and_replaced(fault_server):
+    wait_health(fault_server, True, 60)  # a test before this one may have left its worker still coming back
+    deadline = time.monotonic() + 30
+    while not fault_server.stats().replicas[0].worker_pids:
+        assert time.monotonic() < deadline, "the replica never reported its worker"
+        time.sleep(0.1)
     (pid,) = fault_server.stats().replicas[0].worker_pids
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
