@@ -54,7 +54,10 @@ async def _drive(address: str, prompts: list[list[int]], max_tokens: int) -> tup
     return wall, [r[0] for r in results], sum(r[1] for r in results)
 
 
-def bench_server(args, prompts) -> dict:
+def bench_server(args, prompts, flags: str = "") -> dict:
+    """flags: more `pagedserve serve` flags for this server (e.g. --dequantize), named in the result."""
+    import shlex
+
     from deploy.local_server import ServerProcess
 
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-")) / "server.log"
@@ -64,7 +67,7 @@ def bench_server(args, prompts) -> dict:
         extra += ["--threads", str(args.threads)]
     if args.malloc:
         extra += ["--malloc", args.malloc]
-    server = ServerProcess(Path(args.model), log, *extra)
+    server = ServerProcess(Path(args.model), log, *extra, *shlex.split(flags))
     server.start()
     try:
         asyncio.run(_drive(server.address, prompts[:2], 4))  # warm-up
@@ -76,7 +79,7 @@ def bench_server(args, prompts) -> dict:
     for line in log.read_text().splitlines():
         if '"step_profile"' in line:
             profile = json.loads(line)
-    return {"name": "pagedserve", "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+    return {"name": f"pagedserve {flags}".strip(), "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
             "mean_ttft_s": statistics.mean(ttfts), "p50_ttft_s": statistics.median(ttfts), "profile": profile}
 
 
@@ -432,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--with-vllm", action="store_true",
                    help="also run vLLM's CPU build on the workload right after the server (../shared/bench/vllm-cpu.sh)")
     p.add_argument("--vllm-script", default=str(VLLM_SCRIPT))
+    p.add_argument("--server-flags", action="append", default=None, metavar="FLAGS",
+                   help="run the server once more with these serve flags (repeatable; e.g. --dequantize for fp32)")
     p.add_argument("--phases", action="store_true",
                    help="also time a prefill chunk and a decode step in-process against their local limits")
     p.add_argument("--profile-step", action="store_true", help="with --phases: torch.profiler table of the decode step")
@@ -457,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "server"):
         results["server"] = bench_server(args, prompts)
         report(results["server"])
+        for flags in args.server_flags or ():
+            results[f"server {flags}"] = bench_server(args, prompts, flags)
+            report(results[f"server {flags}"])
         prof = results["server"]["profile"]
         if prof:
             steps = max(prof["steps"], 1)

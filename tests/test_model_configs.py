@@ -194,6 +194,26 @@ def test_gemma2_equals_transformers(tmp_path, attn_cap, final_cap):
             assert (hf(prompt).logits - capped).abs().max() > 0.1
 
 
+def test_mixtral_equals_transformers(tmp_path):
+    """Mixtral: Mistral's attention (a window on every layer, crossed by the prompt), every MLP a mixture of
+    intermediate_size-wide experts (block_sparse_moe's w1/w3/w2), the chosen experts' weights always
+    renormalized."""
+    import transformers
+
+    torch.manual_seed(10)
+    common = {k: v for k, v in BASE.items() if k != "model_type"}
+    cfg = transformers.MixtralConfig(**common, head_dim=16, num_local_experts=5, num_experts_per_tok=2,
+                                     sliding_window=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    hf = transformers.MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("block_sparse_moe.gate.weight"):
+                p.normal_(0.0, 0.5)
+    config = _matches_transformers(tmp_path, hf, [(7 * i) % 190 + 3 for i in range(40)])
+    assert config.moe_layers == (True,) * 4 and config.norm_topk_prob and config.moe_intermediate_size == 96
+    assert config.layer_windows == (16,) * 4
+
+
 def test_sliding_window_fields_that_do_not_slide():
     """Llama ignores sliding_window (as transformers does); Qwen2 without use_sliding_window does not slide."""
     assert ModelConfig.from_dict({**BASE, "sliding_window": 16}).layer_windows == ()

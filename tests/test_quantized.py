@@ -277,6 +277,7 @@ GGUF_FAMILIES = {  # family -> config fields (tests/tiny.py writes the family's 
     "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=10, attn_logit_softcapping=5.0,
                    final_logit_softcapping=30.0, pad_token_id=0, hidden_activation="gelu_pytorch_tanh"),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),  # experts stay dense
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),  # "llama": permuted
 }
 
 

@@ -105,14 +105,14 @@ def _load_cached(folder: str):
 
 
 # llama.cpp's architecture name of each transformers family; only "llama" has its q/k rows permuted
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
              "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 GGUF_MATRICES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                  "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 GGUF_OTHERS = {"input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-               "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate": "ffn_gate_inp",
+               "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
@@ -182,7 +182,8 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str
         dequantized[name] = torch.from_numpy(np.ascontiguousarray(w))
     for (layer, proj), by_expert in sorted(experts.items()):
         stacked = np.stack([by_expert[e] for e in sorted(by_expert)])  # [E, out, in]
-        gname = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}[proj]
+        gname = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}[proj]  # Mixtral's names
         writer.add_tensor(f"blk.{layer}.{gname}.weight", stacked)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -341,12 +341,15 @@ class LlamaModel(nn.Module):
             m = p + "mlp."
             if layer.moe is not None:  # the router whole, this rank's slice of every expert
                 moe, inter = layer.moe, sh.expert_intermediate
+                if c.model_type == "mixtral":  # block_sparse_moe, experts' w1 (gate), w3 (up), w2 (down)
+                    m, gate, up, down = p + "block_sparse_moe.", "w1", "w3", "w2"
+                else:
+                    gate, up, down = "gate_proj", "up_proj", "down_proj"
                 moe.router.copy_(take(m + "gate.weight"))
                 for e in range(c.num_experts):
                     x = f"{m}experts.{e}."
-                    moe.gate_up[e].copy_(torch.cat([take(x + "gate_proj.weight", inter),
-                                                    take(x + "up_proj.weight", inter)]))
-                    moe.down[e].copy_(take(x + "down_proj.weight", cols=inter))
+                    moe.gate_up[e].copy_(torch.cat([take(f"{x}{gate}.weight", inter), take(f"{x}{up}.weight", inter)]))
+                    moe.down[e].copy_(take(f"{x}{down}.weight", cols=inter))
             elif m + "gate_up_proj.weight" in source:  # Phi-3: gate then up in one tensor
                 inter = c.intermediate_size
                 layer.gate_up.copy_(torch.cat([

@@ -8,11 +8,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma2",
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma2",
                          "gemma3_text")
 GEMMA_TYPES = ("gemma2", "gemma3_text")  # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 # the mixture-of-experts families (router top-k over SwiGLU experts)
-MOE_TYPES = ("qwen3_moe",)
+MOE_TYPES = ("qwen3_moe", "mixtral")
 # activations of the gated MLP: SiLU (SwiGLU) everywhere, GELU-tanh (GeGLU) where the family uses it
 GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -92,10 +92,12 @@ def num_experts(cfg: dict) -> int:
 
 
 def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
-    """Which layers' MLP is a mixture of experts (Qwen3-MoE: every decoder_sparse_step-th layer, but those in
-    mlp_only_layers, as transformers builds it); () for a dense model."""
+    """Which layers' MLP is a mixture of experts (Mixtral: all; Qwen3-MoE: every decoder_sparse_step-th
+    layer, but those in mlp_only_layers, as transformers builds it); () for a dense model."""
     if cfg.get("model_type") not in MOE_TYPES or not num_experts(cfg):
         return ()
+    if cfg.get("model_type") == "mixtral":
+        return (True,) * num_layers
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = set(cfg.get("mlp_only_layers") or ())
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
@@ -133,7 +135,7 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
         return ()
     window = int(window)
     model_type = cfg.get("model_type", "llama")
-    if model_type in ("mistral", "phi3"):  # their attention slides on every layer
+    if model_type in ("mistral", "mixtral", "phi3"):  # their attention slides on every layer
         return (window,) * num_layers
     if model_type in GEMMA_TYPES:  # layer_types; by default Gemma 3 slides five layers of six, Gemma 2 every other
         pattern = int(cfg.get("sliding_window_pattern", 6)) if model_type == "gemma3_text" else 2
@@ -291,8 +293,10 @@ class ModelConfig:
             moe_layers=moe_layers(cfg, num_layers),
             num_experts=num_experts(cfg),
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            # Mixtral's experts are intermediate_size wide, and it always renormalizes the chosen experts' weights
+            moe_intermediate_size=int(cfg.get("intermediate_size") if model_type == "mixtral"
+                                      else cfg.get("moe_intermediate_size") or 0),
+            norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
         )
 
     @classmethod

@@ -1,7 +1,7 @@
-"""A mixture-of-experts MLP (Qwen3-MoE): a router picks each token's top-k experts, each a SwiGLU MLP.
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each a SwiGLU MLP.
 
 Routing is transformers': router logits in the activations' dtype, softmax in fp32, the k largest
-probabilities (renormalized to sum to 1 where the config says norm_topk_prob), cast back. The experts run
+probabilities (renormalized to sum to 1 where the config says norm_topk_prob, always for Mixtral), cast back. The experts run
 grouped: the tokens routed to an expert are gathered and go through its gate/up and down projections as one
 matmul each, so a step reads each chosen expert's weights once however many of its tokens chose it, and an
 expert nobody chose is not read. On a CPU that is a loop over the chosen experts (in expert order, as
