@@ -16,7 +16,7 @@ REFUSED = [
     ("mlp_bias", dict(mlp_bias=True), "True"),
     ("attention_bias", dict(attention_bias=True), "True"),  # Llama's includes an o_proj bias
     ("rope_scaling.rope_type", dict(rope_scaling=dict(rope_type="longrope", factor=4.0)), "'longrope'"),
-    ("rope_scaling.rope_type", dict(rope_parameters=dict(rope_type="dynamic", factor=2.0)), "'dynamic'"),
+    ("rope_scaling.rope_type", dict(rope_parameters=dict(rope_type="longrope", factor=2.0)), "'longrope'"),
     ("partial_rotary_factor", dict(partial_rotary_factor=0.5), "0.5"),
     ("final_logit_softcapping", dict(final_logit_softcapping=30.0), "30.0"),
     ("attn_logit_softcapping", dict(attn_logit_softcapping=50.0), "50.0"),
@@ -227,7 +227,7 @@ def test_sliding_window_fields_that_do_not_slide():
     assert ModelConfig.from_dict(smol).layer_windows == (0, 16, 0, 16)  # its NoPE layers slide
 
 
-def test_llama3_linear_and_yarn_rope_scaling_equal_transformers(tmp_path):
+def test_llama3_linear_yarn_and_dynamic_rope_scaling_equal_transformers(tmp_path):
     import transformers
 
     for i, rope in enumerate((dict(rope_type="linear", factor=4.0),
@@ -235,7 +235,10 @@ def test_llama3_linear_and_yarn_rope_scaling_equal_transformers(tmp_path):
                                    original_max_position_embeddings=64),
                               dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
                               dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=16,
-                                   mscale=0.707, mscale_all_dim=1.0))):
+                                   mscale=0.707, mscale_all_dim=1.0),
+                              # dynamic NTK: transformers grows the base only past max_position_embeddings,
+                              # which the server never serves (its context is capped there)
+                              dict(rope_type="dynamic", factor=2.0))):
         torch.manual_seed(2)
         common = {k: v for k, v in BASE.items() if k != "model_type"}
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_scaling=rope, **common))

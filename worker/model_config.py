@@ -15,7 +15,8 @@ GEMMA_TYPES = ("gemma2", "gemma3_text")  # (1 + w) norms around attention and ML
 MOE_TYPES = ("qwen3_moe", "mixtral")
 # activations of the gated MLP: SiLU (SwiGLU) everywhere, GELU-tanh (GeGLU) where the family uses it
 GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# dynamic (NTK) only changes the frequencies past max_position_embeddings, which is never served
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # families whose transformers attention rotates only the first partial_rotary_factor of each head
 PARTIAL_ROTARY_TYPES = ("phi3",)
 
@@ -357,7 +358,7 @@ class ModelConfig:
         dim = self.rotary_dim
         inv = [1.0 / (self.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
         kind = self._rope_kind()
-        if kind == "default":
+        if kind in ("default", "dynamic"):  # dynamic: transformers' base grows only past max_position_embeddings
             return inv
         if kind == "yarn":
             return self._yarn()[0]
