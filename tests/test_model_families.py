@@ -45,6 +45,10 @@ FAMILIES = {
     # Mixtral: Mistral's window on every layer (blocks behind it go back) and every MLP 6 experts, 2 a token
     "mixtral": (dict(sliding_window=12, num_local_experts=6, num_experts_per_tok=2, intermediate_size=48),
                 (12, 12, 12), ("--num-blocks", "200")),
+    # Qwen3: per-head q/k norm; its last layer slides (layer_types), the others read everything
+    "qwen3": (dict(use_sliding_window=True, sliding_window=10,
+                   layer_types=["full_attention", "full_attention", "sliding_attention"]), (0, 0, 10),
+              ("--num-blocks", "36", "--max-model-len", "128")),
     # Qwen3-MoE: 8 experts, 2 a token (renormalized), layer 1 a dense MLP (mlp_only_layers); no window
     "qwen3_moe": (dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                        mlp_only_layers=[1]), (0, 0, 0), ("--num-blocks", "36", "--max-model-len", "128")),
