@@ -311,7 +311,8 @@ def _served_model(args, cpu):
     if gguf is None:
         model.use_matmul(dense, drop_dense=False)
     else:
-        lib = QuantizedMatmul(cpu_native.load(), dense)
+        kernels = cpu_native.load()
+        lib = QuantizedMatmul(kernels, dense, packing=kernels.packed_fast)  # the worker's default (auto)
         model.use_quantized(GGUFQuantSource(gguf, config.num_heads, config.num_kv_heads, config.head_dim), lib)
         choose_threshold(lib, [w for w in (*model.layers[0].w.values(), model._head) if not isinstance(w, torch.Tensor)])
     use_fused_decode(model, 1, "fp32")

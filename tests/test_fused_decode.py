@@ -50,8 +50,9 @@ def _hf_model(kind: str):
     raise ValueError(kind)
 
 
-def _model(tmp_path, kind: str):
-    """(model with the fused step attached, config) of a tiny random model of that family."""
+def _model(tmp_path, kind: str, packing: bool = False):
+    """(model with the fused step attached, config) of a tiny random model of that family (GGUF Q4 blocks
+    packed for the integer kernel with packing)."""
     from worker.main import use_fused_decode
 
     if kind == "llama":
@@ -69,7 +70,8 @@ def _model(tmp_path, kind: str):
         from worker.quantized import GGUFQuantSource, QuantizedMatmul, find_gguf
 
         source = GGUFQuantSource(find_gguf(folder), config.num_heads, config.num_kv_heads, config.head_dim)
-        model.use_quantized(source, QuantizedMatmul(cpu_native.load(), DenseMatmul()), keep_dense=True)
+        model.use_quantized(source, QuantizedMatmul(cpu_native.load(), DenseMatmul(), packing=packing),
+                            keep_dense=True)
     else:
         model.use_matmul(DenseMatmul())
     use_fused_decode(model, 1, "fp32")
@@ -144,10 +146,15 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # this step's K/V written at its slots
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_the_fused_step_on_gguf_blocks_is_the_layer_path_bit_for_bit(tmp_path, qtype):
-    """Same dot products in the same order: the same floats, not merely close ones."""
-    model, config = _model(tmp_path, f"gguf-{qtype}")
+@pytest.mark.parametrize("qtype,packing", [("Q4_0", False), ("Q4_1", False), ("Q8_0", False), ("Q4_0", True),
+                                            ("Q4_1", True)])
+def test_the_fused_step_on_gguf_blocks_is_the_layer_path_bit_for_bit(tmp_path, qtype, packing):
+    """Same dot products in the same order: the same floats, not merely close ones — on the file's blocks,
+    and on Q4 blocks packed for the integer kernel (the same 16-bit rounding of each matmul's input)."""
+    from worker.quantized import PACKED
+
+    model, config = _model(tmp_path, f"gguf-{qtype}", packing)
+    assert all((w.q.qtype == PACKED) == packing for w in model.layers[0].w.values())
     for seqs in DECODES:
         want, want_pool = _run(model, config, seqs, fused=False)
         got, got_pool = _run(model, config, seqs, fused=True)
@@ -262,3 +269,16 @@ def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_
         assert all(torch.equal(a, b) for a, b in zip(got_pool.k, want_pool.k, strict=True))
         dense, _ = _run(dense_model, config, seqs, fused=False)
         torch.testing.assert_close(got, dense, atol=2e-3, rtol=2e-3)
+
+
+def test_the_fused_step_on_packed_blocks_stays_with_the_fp32_activations(tmp_path):
+    """Rounding each matmul's input to 16 bits moves a whole model's hidden states by about 1e-4 of their
+    size (int8 activations move them by about 1e-2): the packed step, fused and layer by layer, against
+    the same blocks multiplied with fp32 activations."""
+    packed, config = _model(tmp_path / "p", "gguf-Q4_1", packing=True)
+    plain, _ = _model(tmp_path / "f", "gguf-Q4_1")
+    for seqs in DECODES:
+        want, _ = _run(plain, config, seqs, fused=True)
+        for fused in (True, False):
+            got, _ = _run(packed, config, seqs, fused=fused)
+            assert (got - want).norm() / want.norm() < 1e-3

@@ -200,7 +200,7 @@ class LlamaModel(nn.Module):
                 return lib.dense.prepare(param), False
             counts[q.qtype] = counts.get(q.qtype, 0) + 1
             # prefill's copy is the blocks' own values, whatever the loaded parameter held
-            return QuantLinear(q, lib.dense.prepare(lib.dequantize(q)) if keep_dense else None), True
+            return QuantLinear(lib.pack(q), lib.dense.prepare(lib.dequantize(q)) if keep_dense else None), True
 
         for i, layer in enumerate(self.layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."

@@ -31,6 +31,11 @@ log = structlog.get_logger("worker.quantized")
 # 256 values a block: Q4_K with a 6-bit scale and min per 32, Q6_K with an int8 scale per 16).
 QUANT_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                "Q6_K": (14, 256, 210)}
+# Q4_0 / Q4_1 repacked at load for the integer kernel (kernels/cpu/packed_q4.h: 16 rows interleaved, each
+# 32-value block's 16 scales and offsets together): the same values, read with 16-bit integer activations.
+# Not a GGUF type; its rows are interleaved, so a packed weight is never sliced.
+PACKED = "Q4_1x16"
+PACKED_TYPES = {PACKED: (100, 32, 20)}
 
 
 @dataclass
@@ -45,7 +50,7 @@ class QuantWeight:
 
     @property
     def type_id(self) -> int:
-        return QUANT_TYPES[self.qtype][0]
+        return (QUANT_TYPES.get(self.qtype) or PACKED_TYPES[self.qtype])[0]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -55,11 +60,17 @@ class QuantWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def _sliceable(self) -> None:
+        if self.qtype in PACKED_TYPES:
+            raise ValueError(f"a {self.qtype} weight has its rows interleaved: slice the blocks before packing")
+
     def rows(self, index: torch.Tensor | slice) -> QuantWeight:
+        self._sliceable()
         return QuantWeight(self.data[index].contiguous(), self.qtype, self.in_dim)
 
     def cols(self, start: int, stop: int) -> QuantWeight:
         """Columns [start, stop) — whole blocks only (a tensor-parallel split of the input dimension)."""
+        self._sliceable()
         _, values, bb = QUANT_TYPES[self.qtype]
         if start % values or stop % values:
             raise ValueError(f"columns {start}:{stop} do not fall on {values}-value {self.qtype} block boundaries")
@@ -230,20 +241,36 @@ class QuantizedMatmul:
 
     name = "quantized"
 
-    def __init__(self, kernels, dense=None, max_kernel_rows: int = 16, int8_activations: bool = False) -> None:
+    def __init__(self, kernels, dense=None, max_kernel_rows: int = 16, int8_activations: bool = False,
+                 packing: bool = False) -> None:
         """int8_activations: the kernel rounds each row's 32-value blocks to int8 and multiplies in integers
         (llama.cpp's scheme: faster, at 8-bit activations); otherwise fp32 activations, exact up to
-        summation order."""
+        summation order. packing: `pack` repacks Q4_0 / Q4_1 weights for the integer kernel, which rounds
+        activations to 16-bit integers per 32-value block (2^-16 of the block's largest value)."""
         from worker.linear import DenseMatmul
 
+        if packing and int8_activations:
+            raise ValueError("packed weights take 16-bit activations, not int8 ones")
         self.kernels = kernels
         self.int8_activations = int8_activations
+        self.packing = packing
         self.dense = dense or DenseMatmul()
         self.max_kernel_rows = max_kernel_rows
         self._scratch = torch.empty(0)
 
     def prepare(self, weight):
         return weight if isinstance(weight, (QuantWeight, QuantStack, QuantLinear)) else self.dense.prepare(weight)
+
+    def pack(self, w: QuantWeight | QuantStack) -> QuantWeight | QuantStack:
+        """w in the packed layout where packing is on and it applies (Q4_0 / Q4_1 runs of whole 16-row
+        groups); anything else as it is. Same values: prefill's dense copy is made from either."""
+        if not self.packing:
+            return w
+        if isinstance(w, QuantStack):
+            return QuantStack([self.pack(p) for p in w.segments])
+        if w.qtype not in ("Q4_0", "Q4_1") or w.out_dim % 16:
+            return w
+        return QuantWeight(self.kernels.q4_pack(w.data, w.type_id, w.out_dim, w.in_dim), PACKED, w.in_dim)
 
     def dequantize(self, w: QuantWeight | QuantStack, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(w.out_dim, w.in_dim) if out is None else out
@@ -258,7 +285,7 @@ class QuantizedMatmul:
             return torch.cat([self.kernel(x, p) for p in w.segments], dim=1)
         y = torch.empty(x.shape[0], w.out_dim)
         # int8 activations pair with the 32-value types (llama.cpp's Q8 blocks); K-quants take fp32 ones
-        int8 = self.int8_activations and QUANT_TYPES[w.qtype][1] == 32
+        int8 = self.int8_activations and w.qtype in QUANT_TYPES and QUANT_TYPES[w.qtype][1] == 32
         self.kernels.quant_matmul(x, w.data, w.type_id, w.out_dim, y, int8)
         return y
 

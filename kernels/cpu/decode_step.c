@@ -10,13 +10,16 @@
  *   -> attention (sequence x KV head, decode_item of paged_decode.c) -> o_proj -> add + RMSNorm -> gate_up
  *   -> SiLU-mul (chunks) -> down, and after the last layer the final add + RMSNorm.
  * The arithmetic is the layer path's: the matmuls are quant_blocks.h's dot products (GGUF blocks, or plain
- * fp32 rows as type 0), the norms, RoPE and SiLU are elementwise.c's formulas, attention is the same kernel.
+ * fp32 rows as type 0) or packed_q4.h's on weights packed at load (their input rounded to 16-bit integers
+ * first, a stage of its own), the norms, RoPE and SiLU are elementwise.c's formulas, attention is the same
+ * kernel.
  * No tensor parallelism here (a rank would all-reduce between stages): the worker runs it at TP=1.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "packed_q4.h"
 #include "quant_blocks.h"
 #include "rows.h"
 
@@ -35,7 +38,7 @@ typedef struct {
 typedef struct {
     /* consecutive row ranges, each in its own type: a stack of q, k and v (or gate and up) may mix them, as
        a Q4_K_M file's Q4_K queries beside its Q6_K values do; unused segments have 0 rows */
-    PsSegment seg[MAX_SEGMENTS];
+    PsSegment seg[MAX_SEGMENTS]; /* a packed segment (PACKED_Q4) holds whole groups of 16 rows */
     int64_t out_dim, in_dim;
 } PsMatrix;
 
@@ -60,16 +63,34 @@ typedef struct {
 
 #define OUT_CHUNK 32 /* output rows a thread takes at a time */
 
-/* floats of scratch a step of `rows` tokens needs */
-int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
-    const int64_t h = m->hidden, q = (int64_t)m->n_heads * m->head_dim, kv = (int64_t)m->n_kv_heads * m->head_dim;
-    return rows * (3 * h + (q + 2 * kv) + q + 3 * (int64_t)m->intermediate);
+static int64_t max_in(const PsModel* m) {
+    const int64_t h = m->hidden, q = (int64_t)m->n_heads * m->head_dim, i = m->intermediate;
+    return h > q ? (h > i ? h : i) : (q > i ? q : i);
 }
 
-/* y[r, :] = x[r, :] @ W^T for this thread's share of W's rows (called by every thread of the region). */
-static void matmul_part(const PsMatrix* w, const float* x, int64_t rows, float* y) {
+/* floats of scratch a step of `rows` tokens needs: the activations between stages, and a matmul's input
+   rounded for packed weights (64-byte aligned) */
+int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
+    const int64_t h = m->hidden, q = (int64_t)m->n_heads * m->head_dim, kv = (int64_t)m->n_kv_heads * m->head_dim;
+    return rows * (3 * h + (q + 2 * kv) + q + 3 * (int64_t)m->intermediate)
+           + (packed_x_bytes(rows, max_in(m)) + 128) / (int64_t)sizeof(float);
+}
+
+static int has_packed(const PsMatrix* w) {
+    for (int s = 0; s < MAX_SEGMENTS; s++)
+        if (w->seg[s].rows && w->seg[s].type == PACKED_Q4) return 1;
+    return 0;
+}
+
+/* y[r, :] = x[r, :] @ W^T for this thread's share of W's rows (called by every thread of the region). A
+   matrix with packed segments first rounds x into px, split over the threads (one more barrier). */
+static void matmul_part(const PsMatrix* w, const float* x, int64_t rows, float* y, PackedX px) {
     const int64_t nblocks = w->in_dim / QK, out_dim = w->out_dim;
     const int64_t chunks = (out_dim + OUT_CHUNK - 1) / OUT_CHUNK;
+    if (has_packed(w)) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows * nblocks; i++) packed_x_block(x, px, i);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t o1 = (c + 1) * OUT_CHUNK < out_dim ? (c + 1) * OUT_CHUNK : out_dim;
@@ -78,6 +99,28 @@ static void matmul_part(const PsMatrix* w, const float* x, int64_t rows, float* 
             int64_t first = 0; /* the segment's first row */
             while (o >= first + w->seg[s].rows) first += w->seg[s++].rows;
             const PsSegment* g = &w->seg[s];
+            if (g->type == PACKED_Q4) { /* whole groups, each by the chunk holding its first row */
+                const int64_t off = (o - first) % PACK_ROWS;
+                if (off) {
+                    o += PACK_ROWS - off - 1;
+                    continue;
+                }
+                float out[ROWS * PACK_ROWS];
+                for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+                    const int64_t nr = rows - r0 < ROWS ? rows - r0 : ROWS;
+                    PackedX xr = px;
+                    xr.lo += r0 * w->in_dim;
+                    xr.hi += r0 * w->in_dim;
+                    xr.d += r0 * nblocks;
+                    xr.sum += r0 * nblocks;
+                    packed_group_dot(g->w + (o - first) / PACK_ROWS * nblocks * PACK_BLOCK_BYTES, nblocks, xr,
+                                     w->in_dim, nr, out);
+                    for (int64_t r = 0; r < nr; r++)
+                        for (int i = 0; i < PACK_ROWS; i++) y[(r0 + r) * out_dim + o + i] = out[r * PACK_ROWS + i];
+                }
+                o += PACK_ROWS - 1;
+                continue;
+            }
             const uint8_t* wrow = g->w + (o - first) * row_bytes(g->type, w->in_dim);
             float acc[ROWS];
             for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
@@ -93,7 +136,11 @@ static int matrix_served(const PsMatrix* w, int64_t out_dim, int64_t in_dim) {
     int64_t total = 0;
     for (int s = 0; s < MAX_SEGMENTS; s++) {
         if (w->seg[s].rows == 0) continue;
-        if (!block_bytes(w->seg[s].type) || in_dim % block_values(w->seg[s].type) || w->seg[s].rows < 0) return 0;
+        if (w->seg[s].type == PACKED_Q4) {
+            if (w->seg[s].rows % PACK_ROWS || in_dim % QK) return 0;
+        } else if (!block_bytes(w->seg[s].type) || in_dim % block_values(w->seg[s].type) || w->seg[s].rows < 0) {
+            return 0;
+        }
         total += w->seg[s].rows;
     }
     return total == out_dim && w->out_dim == out_dim && w->in_dim == in_dim;
@@ -136,6 +183,9 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     const int64_t heads = nh + nkv;
     const int64_t half = m->rotary_half;
     const int64_t act_chunks = (I + 255) / 256;
+    float* packed = act + rows * I;
+    packed = (float*)(((uintptr_t)packed + 63) & ~(uintptr_t)63);
+    const PackedX px = packed_x_at(packed, rows, max_in(m));
 
 #pragma omp parallel
     {
@@ -147,7 +197,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 add_rms_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
-            matmul_part(&ly->qkv, h, rows, qkv);
+            matmul_part(&ly->qkv, h, rows, qkv, px);
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < rows * heads; it++) { /* q heads, then k heads (each with its v head) */
                 const int64_t r = it / heads, hh = it % heads;
@@ -180,17 +230,17 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                                        block_tables + r * table_stride, first, seq_lens[r], kh, kh + 1, (int)nh,
                                        (int)nkv, (int)hd, m->block_size, m->scale, 0.0f);
             }
-            matmul_part(&ly->o_proj, attn, rows, delta);
+            matmul_part(&ly->o_proj, attn, rows, delta, px);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 add_rms_norm_row(residual + r * H, delta + r * H, ly->post_norm, h + r * H, H, m->eps);
-            matmul_part(&ly->gate_up, h, rows, gu);
+            matmul_part(&ly->gate_up, h, rows, gu, px);
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < rows * act_chunks; it++) {
                 const int64_t r = it / act_chunks, i0 = it % act_chunks * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
                 silu_mul_span(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, i0, i1);
             }
-            matmul_part(&ly->down, act, rows, delta);
+            matmul_part(&ly->down, act, rows, delta, px);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
