@@ -302,7 +302,7 @@ def _served_model(args, cpu):
     from kernels import cpu_native
     from worker.linear import choose as choose_matmul
     from worker.main import use_fused_decode
-    from worker.quantized import GGUFQuantSource, QuantizedMatmul, choose_threshold, find_gguf
+    from worker.quantized import GGUFQuantSource, QuantizedMatmul, choose_threshold, find_gguf, model_linears
     from worker.weights import load_model
 
     model, config = load_model(args.model, "auto", torch.float32, cpu)
@@ -314,7 +314,7 @@ def _served_model(args, cpu):
         kernels = cpu_native.load()
         lib = QuantizedMatmul(kernels, dense, packing=kernels.packed_fast)  # the worker's default (auto)
         model.use_quantized(GGUFQuantSource(gguf, config.num_heads, config.num_kv_heads, config.head_dim), lib)
-        choose_threshold(lib, [w for w in (*model.layers[0].w.values(), model._head) if not isinstance(w, torch.Tensor)])
+        choose_threshold(lib, model_linears(model))
     use_fused_decode(model, 1, "fp32")
     return model, config
 

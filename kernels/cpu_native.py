@@ -28,7 +28,7 @@ log = structlog.get_logger("kernels.cpu_native")
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = [SOURCE_DIR / "paged_decode.c", SOURCE_DIR / "paged_prefill.c", SOURCE_DIR / "elementwise.c",
            SOURCE_DIR / "quant_matmul.c", SOURCE_DIR / "decode_step.c"]
-HEADERS = [SOURCE_DIR / "vec_math.h", SOURCE_DIR / "quant_blocks.h", SOURCE_DIR / "rows.h", SOURCE_DIR / "packed_q4.h"]
+HEADERS = [SOURCE_DIR / "vec_math.h", SOURCE_DIR / "quant_blocks.h", SOURCE_DIR / "rows.h", SOURCE_DIR / "packed_blocks.h"]
 # PAGEDSERVE_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2, no AVX-512, for a
 # fleet of older machines; the tests build it so to check the portable paths here)
 MARCH = os.environ.get("PAGEDSERVE_NATIVE_MARCH", "native")
@@ -73,12 +73,12 @@ class NativeKernels:
         self._quant_dequant = lib.pagedserve_quant_dequant
         self._quant_dequant.argtypes = [p, i64, i64, i32, p]
         self._quant_dequant.restype = ctypes.c_int
-        self._q4_pack = lib.pagedserve_q4_pack
-        self._q4_pack.argtypes = [p, i64, i64, i32, p]
-        self._q4_pack.restype = ctypes.c_int
+        self._pack = lib.pagedserve_pack
+        self._pack.argtypes = [p, i64, i64, i32, p]
+        self._pack.restype = ctypes.c_int
         lib.pagedserve_packed_fast.restype = ctypes.c_int
-        # the packed Q4 kernel has its integer dot products here (AVX-512 VNNI); elsewhere its portable loop
-        # is slower than the fp32-activation kernel, and the worker packs nothing
+        # the packed kernel has its integer dot products here (AVX-512 VNNI); elsewhere its portable loop is
+        # slower than the fp32-activation kernel, and the worker packs nothing
         self.packed_fast = bool(lib.pagedserve_packed_fast())
         lib.pagedserve_native_isa.restype = ctypes.c_int
         self.isa = lib.pagedserve_native_isa()  # 512: AVX-512 intrinsics; 256: AVX2 (the portable loops)
@@ -152,19 +152,22 @@ class NativeKernels:
         if self._quant_dequant(w.data_ptr(), out_dim, in_dim, type_id, out.data_ptr()):
             raise ValueError(f"quant_dequant does not serve ggml type {type_id} with {in_dim} inputs")
 
-    PACKED_Q4 = 100  # packed_q4.h's type id: 16 rows interleaved, multiplied with 16-bit integer activations
+    # packed_blocks.h's type ids: 16 rows interleaved, multiplied with 16-bit integer activations
+    PACKED_Q4, PACKED_Q8 = 100, 101
+    _PACKABLE = {2: (PACKED_Q4, 20), 3: (PACKED_Q4, 20), 8: (PACKED_Q8, 34)}  # Q4_0, Q4_1, Q8_0
 
-    def q4_pack(self, w: torch.Tensor, type_id: int, out_dim: int, in_dim: int) -> torch.Tensor:
-        """Q4_0 / Q4_1 blocks uint8 [out_dim, blocks] (out_dim a multiple of 16) -> the packed layout of
-        kernels/cpu/packed_q4.h, uint8 [out_dim, in_dim / 32 * 20]: quant_matmul and quant_dequant take it as
-        type PACKED_Q4 (its rows are interleaved: it cannot be sliced)."""
+    def pack(self, w: torch.Tensor, type_id: int, out_dim: int, in_dim: int) -> tuple[torch.Tensor, int]:
+        """Q4_0 / Q4_1 / Q8_0 blocks uint8 [out_dim, blocks] (out_dim a multiple of 16) -> (the packed layout
+        of kernels/cpu/packed_blocks.h, uint8 [out_dim, in_dim / 32 * block bytes], its type id), which
+        quant_matmul and quant_dequant take (its rows are interleaved: it cannot be sliced)."""
         if not (w.dtype == torch.uint8 and w.is_contiguous() and w.device.type == "cpu"):
-            raise ValueError("q4_pack needs contiguous uint8 blocks on the CPU")
-        out = torch.empty(out_dim, in_dim // 32 * 20, dtype=torch.uint8)
-        if self._q4_pack(w.data_ptr(), out_dim, in_dim, type_id, out.data_ptr()):
-            raise ValueError(f"q4_pack packs Q4_0 / Q4_1 matrices of whole 16-row groups, not type {type_id} "
+            raise ValueError("pack needs contiguous uint8 blocks on the CPU")
+        packed, bb = self._PACKABLE.get(type_id, (0, 0))
+        out = torch.empty(out_dim, in_dim // 32 * bb, dtype=torch.uint8)
+        if not packed or self._pack(w.data_ptr(), out_dim, in_dim, type_id, out.data_ptr()):
+            raise ValueError(f"pack packs Q4_0, Q4_1 and Q8_0 matrices of whole 16-row groups, not type {type_id} "
                              f"{out_dim}x{in_dim}")
-        return out
+        return out, packed
 
     # --- the elementwise tail (fp32, contiguous rows; checked by the callers in worker/fused.py) -----------
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,

@@ -337,11 +337,12 @@ def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(server_f
 
 def int16_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
     """The packed kernel's arithmetic in float64: each block's scaled values (d q) times x rounded per 32-value
-    block to 16-bit integers (scale amax/32767), plus the block's offset (Q4_1's m, Q4_0's -8 d) times x's
-    own sum."""
+    block to 16-bit integers (scale amax/32767), plus the block's offset (Q4_1's m, Q4_0's -8 d, Q8_0's 0)
+    times x's own sum."""
     blocks = w.data.numpy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
-    m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if w.qtype == "Q4_1" else -8 * d
+    m = {"Q4_1": lambda: blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64),
+         "Q4_0": lambda: -8 * d, "Q8_0": lambda: np.zeros_like(d)}[w.qtype]()
     m = torch.from_numpy(m)  # [out, blocks]
     xf = x.view(x.shape[0], -1, 32)  # rounded in fp32 as the kernel rounds: x * (32767 / amax), to nearest even
     amax = xf.abs().amax(-1, keepdim=True)
@@ -357,33 +358,36 @@ def packing_lib(native, **kw) -> QuantizedMatmul:
     return QuantizedMatmul(native, dense=None, packing=True, **kw)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
     """Packing (16 rows interleaved) keeps every value: dequantizing the packed weight gives gguf's values
     exactly. A weight it does not apply to is left as it is, and a packed one cannot be sliced."""
-    from worker.quantized import PACKED, QuantStack
+    from worker.quantized import PACKED_FROM, QuantStack
 
     w, reference = quantized(np.random.default_rng(4), 48, 320, qtype)
     lib = packing_lib(native)
     packed = lib.pack(w)
-    assert packed.qtype == PACKED and packed.shape == w.shape and packed.nbytes == 48 * 10 * 20
+    assert packed.qtype == PACKED_FROM[qtype] and packed.shape == w.shape
+    assert packed.nbytes == 48 * 10 * (34 if qtype == "Q8_0" else 20)  # Q4_0 gains its offset: 18 -> 20 bytes
     assert torch.equal(lib.dequantize(packed), lib.dequantize(w))
     torch.testing.assert_close(lib.dequantize(packed), reference, rtol=1e-6, atol=1e-7)
     ragged, _ = quantized(np.random.default_rng(5), 40, 320, qtype)  # not whole 16-row groups
-    q8, _ = quantized(np.random.default_rng(6), 48, 320, "Q8_0")
-    assert lib.pack(ragged) is ragged and lib.pack(q8) is q8
-    stack = lib.pack(QuantWeight.cat([w, q8]))
-    assert [p.qtype for p in stack.segments] == [PACKED, "Q8_0"] and isinstance(stack, QuantStack)
+    k_quant, _ = random_k_blocks(np.random.default_rng(6), 48, 512, "Q4_K")
+    assert lib.pack(ragged) is ragged and lib.pack(k_quant) is k_quant
+    other = "Q4_1" if qtype == "Q8_0" else "Q8_0"
+    other_ragged, _ = quantized(np.random.default_rng(7), 40, 320, other)
+    stack = lib.pack(QuantWeight.cat([w, other_ragged]))  # each run of a stack packed where it applies
+    assert [p.qtype for p in stack.segments] == [PACKED_FROM[qtype], other] and isinstance(stack, QuantStack)
     assert QuantizedMatmul(native, dense=None).pack(w) is w  # packing off: as the file ships it
     with pytest.raises(ValueError, match="interleaved"):
         packed.rows(slice(0, 16))
     with pytest.raises(ValueError, match="interleaved"):
         packed.cols(0, 32)
     with pytest.raises(ValueError, match="16-row"):
-        native.q4_pack(ragged.data, ragged.type_id, 40, 320)
+        native.pack(ragged.data, ragged.type_id, 40, 320)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13])  # every pass of four activation rows, and the tails
 @pytest.mark.parametrize("in_dim", [576, 160])
 def test_packed_weights_multiply_16bit_rounded_activations(native, qtype, rows, in_dim):

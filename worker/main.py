@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             model.use_matmul(dense, drop_dense=not fused)
         else:
             from kernels import cpu_native
-            from worker.quantized import QuantizedMatmul, choose_threshold
+            from worker.quantized import QuantizedMatmul, choose_threshold, model_linears
 
             kernels = cpu_native.load()
             if args.quantized_activations == "auto":
@@ -289,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             lib = QuantizedMatmul(kernels, dense, int8_activations=args.quantized_activations == "int8",
                                   packing=args.quantized_activations == "int16")
             counts = model.use_quantized(source, lib, keep_dense=args.quantized_prefill == "dense")
-            layer = model.layers[0]
-            choose_threshold(lib, [w for w in (*layer.w.values(), model._head) if not isinstance(w, torch.Tensor)])
+            choose_threshold(lib, model_linears(model))
             log.info("quantized_weights", gguf=str(source.path), matrices=counts, prefill=args.quantized_prefill,
                      activations=args.quantized_activations,
                      max_kernel_rows=lib.max_kernel_rows)

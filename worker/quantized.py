@@ -31,11 +31,11 @@ log = structlog.get_logger("worker.quantized")
 # 256 values a block: Q4_K with a 6-bit scale and min per 32, Q6_K with an int8 scale per 16).
 QUANT_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                "Q6_K": (14, 256, 210)}
-# Q4_0 / Q4_1 repacked at load for the integer kernel (kernels/cpu/packed_q4.h: 16 rows interleaved, each
-# 32-value block's 16 scales and offsets together): the same values, read with 16-bit integer activations.
-# Not a GGUF type; its rows are interleaved, so a packed weight is never sliced.
-PACKED = "Q4_1x16"
-PACKED_TYPES = {PACKED: (100, 32, 20)}
+# Q4_0 / Q4_1 and Q8_0 repacked at load for the integer kernel (kernels/cpu/packed_blocks.h: 16 rows
+# interleaved, each 32-value block's 16 scales together): the same values, read with 16-bit integer
+# activations. Not GGUF types; their rows are interleaved, so a packed weight is never sliced.
+PACKED_TYPES = {"Q4_x16": (100, 32, 20), "Q8_0_x16": (101, 32, 34)}
+PACKED_FROM = {"Q4_0": "Q4_x16", "Q4_1": "Q4_x16", "Q8_0": "Q8_0_x16"}
 
 
 @dataclass
@@ -262,15 +262,16 @@ class QuantizedMatmul:
         return weight if isinstance(weight, (QuantWeight, QuantStack, QuantLinear)) else self.dense.prepare(weight)
 
     def pack(self, w: QuantWeight | QuantStack) -> QuantWeight | QuantStack:
-        """w in the packed layout where packing is on and it applies (Q4_0 / Q4_1 runs of whole 16-row
+        """w in the packed layout where packing is on and it applies (Q4_0 / Q4_1 / Q8_0 runs of whole 16-row
         groups); anything else as it is. Same values: prefill's dense copy is made from either."""
         if not self.packing:
             return w
         if isinstance(w, QuantStack):
             return QuantStack([self.pack(p) for p in w.segments])
-        if w.qtype not in ("Q4_0", "Q4_1") or w.out_dim % 16:
+        if w.qtype not in PACKED_FROM or w.out_dim % 16:
             return w
-        return QuantWeight(self.kernels.q4_pack(w.data, w.type_id, w.out_dim, w.in_dim), PACKED, w.in_dim)
+        data, _ = self.kernels.pack(w.data, w.type_id, w.out_dim, w.in_dim)
+        return QuantWeight(data, PACKED_FROM[w.qtype], w.in_dim)
 
     def dequantize(self, w: QuantWeight | QuantStack, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(w.out_dim, w.in_dim) if out is None else out
@@ -305,10 +306,19 @@ class QuantizedMatmul:
         return F.linear(x, self.dequantize(q, self._scratch[:need].view(q.out_dim, q.in_dim)), bias)
 
 
-def choose_threshold(lib: QuantizedMatmul, linears: list[QuantLinear],
+def model_linears(model) -> list[tuple[QuantLinear, int]]:
+    """The quantized projections of a model's first layer, each counted once per layer, and its LM head once:
+    what one forward multiplies, for choose_threshold."""
+    layer = [w for w in model.layers[0].w.values() if isinstance(w, QuantLinear)]
+    head = [model._head] if isinstance(model._head, QuantLinear) else []
+    return [(w, len(model.layers)) for w in layer] + [(w, 1) for w in head]
+
+
+def choose_threshold(lib: QuantizedMatmul, linears: list[tuple[QuantLinear, int]],
                      candidates=(1, 2, 4, 8, 16, 32, 64, 128, 256), reps: int = 3) -> int:
     """The most rows for which the kernel beats the dense path (the dense library on its own layout, or
-    dequantize + matmul where none is kept), timed on the model's own weights; sets it on lib."""
+    dequantize + matmul where none is kept) over a forward's matmuls — each (linear, times a forward runs
+    it) — timed on the model's own weights; sets it on lib."""
     from worker.linear import _time
 
     def timed(fn) -> float:
@@ -317,12 +327,12 @@ def choose_threshold(lib: QuantizedMatmul, linears: list[QuantLinear],
     chosen, times = 0, {}
     for rows in candidates:
         kernel = dense = 0.0
-        for w in linears:
+        for w, uses in linears:
             x = torch.randn(rows, w.q.in_dim)
-            kernel += timed(lambda w=w, x=x: lib.kernel(x, w.q))
+            kernel += uses * timed(lambda w=w, x=x: lib.kernel(x, w.q))
             saved, lib.max_kernel_rows = lib.max_kernel_rows, 0
             try:
-                dense += timed(lambda w=w, x=x: lib(x, w))
+                dense += uses * timed(lambda w=w, x=x: lib(x, w))
             finally:
                 lib.max_kernel_rows = saved
         times[rows] = (round(kernel * 1e3, 3), round(dense * 1e3, 3))

@@ -10,7 +10,7 @@
  *   -> attention (sequence x KV head, decode_item of paged_decode.c) -> o_proj -> add + RMSNorm -> gate_up
  *   -> SiLU-mul (chunks) -> down, and after the last layer the final add + RMSNorm.
  * The arithmetic is the layer path's: the matmuls are quant_blocks.h's dot products (GGUF blocks, or plain
- * fp32 rows as type 0) or packed_q4.h's on weights packed at load (their input rounded to 16-bit integers
+ * fp32 rows as type 0) or packed_blocks.h's on weights packed at load (their input rounded to 16-bit integers
  * first, a stage of its own), the norms, RoPE and SiLU are elementwise.c's formulas, attention is the same
  * kernel.
  * No tensor parallelism here (a rank would all-reduce between stages): the worker runs it at TP=1.
@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "packed_q4.h"
+#include "packed_blocks.h"
 #include "quant_blocks.h"
 #include "rows.h"
 
@@ -38,7 +38,7 @@ typedef struct {
 typedef struct {
     /* consecutive row ranges, each in its own type: a stack of q, k and v (or gate and up) may mix them, as
        a Q4_K_M file's Q4_K queries beside its Q6_K values do; unused segments have 0 rows */
-    PsSegment seg[MAX_SEGMENTS]; /* a packed segment (PACKED_Q4) holds whole groups of 16 rows */
+    PsSegment seg[MAX_SEGMENTS]; /* a packed segment (PACKED_Q4/Q8) holds whole groups of 16 rows */
     int64_t out_dim, in_dim;
 } PsMatrix;
 
@@ -78,7 +78,7 @@ int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
 
 static int has_packed(const PsMatrix* w) {
     for (int s = 0; s < MAX_SEGMENTS; s++)
-        if (w->seg[s].rows && w->seg[s].type == PACKED_Q4) return 1;
+        if (w->seg[s].rows && pack_block_bytes(w->seg[s].type)) return 1;
     return 0;
 }
 
@@ -99,22 +99,17 @@ static void matmul_part(const PsMatrix* w, const float* x, int64_t rows, float* 
             int64_t first = 0; /* the segment's first row */
             while (o >= first + w->seg[s].rows) first += w->seg[s++].rows;
             const PsSegment* g = &w->seg[s];
-            if (g->type == PACKED_Q4) { /* whole groups, each by the chunk holding its first row */
+            if (pack_block_bytes(g->type)) { /* whole groups, each by the chunk holding its first row */
                 const int64_t off = (o - first) % PACK_ROWS;
                 if (off) {
                     o += PACK_ROWS - off - 1;
                     continue;
                 }
                 float out[ROWS * PACK_ROWS];
+                const uint8_t* grp = g->w + (o - first) / PACK_ROWS * nblocks * pack_block_bytes(g->type);
                 for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
                     const int64_t nr = rows - r0 < ROWS ? rows - r0 : ROWS;
-                    PackedX xr = px;
-                    xr.lo += r0 * w->in_dim;
-                    xr.hi += r0 * w->in_dim;
-                    xr.d += r0 * nblocks;
-                    xr.sum += r0 * nblocks;
-                    packed_group_dot(g->w + (o - first) / PACK_ROWS * nblocks * PACK_BLOCK_BYTES, nblocks, xr,
-                                     w->in_dim, nr, out);
+                    packed_group_dot(g->type, grp, nblocks, packed_x_rows(px, r0, w->in_dim), w->in_dim, nr, out);
                     for (int64_t r = 0; r < nr; r++)
                         for (int i = 0; i < PACK_ROWS; i++) y[(r0 + r) * out_dim + o + i] = out[r * PACK_ROWS + i];
                 }
@@ -136,7 +131,7 @@ static int matrix_served(const PsMatrix* w, int64_t out_dim, int64_t in_dim) {
     int64_t total = 0;
     for (int s = 0; s < MAX_SEGMENTS; s++) {
         if (w->seg[s].rows == 0) continue;
-        if (w->seg[s].type == PACKED_Q4) {
+        if (pack_block_bytes(w->seg[s].type)) {
             if (w->seg[s].rows % PACK_ROWS || in_dim % QK) return 0;
         } else if (!block_bytes(w->seg[s].type) || in_dim % block_values(w->seg[s].type) || w->seg[s].rows < 0) {
             return 0;

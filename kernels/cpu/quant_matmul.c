@@ -15,7 +15,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "packed_q4.h"
+#include "packed_blocks.h"
 #include "quant_blocks.h"
 
 /* The vector width the library was built for: 512 (AVX-512 intrinsics), 256 (AVX2: the portable loops,
@@ -40,23 +40,27 @@ int pagedserve_packed_fast(void) {
 #endif
 }
 
-/* A Q4_0 / Q4_1 matrix [out_dim, in_dim] -> the packed layout (packed_q4.h), out_dim / 16 groups of
-   in_dim / 32 blocks of 320 bytes. Returns 0, or -1 (another type, out_dim not a multiple of 16, in_dim not
-   of 32). */
-int pagedserve_q4_pack(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t type, uint8_t *out) {
-    if ((type != Q4_0 && type != Q4_1) || out_dim % PACK_ROWS || out_dim <= 0 || in_dim % QK || in_dim <= 0)
+static int packed_type(int32_t type) { return type == PACKED_Q4 || type == PACKED_Q8; }
+
+/* A Q4_0 / Q4_1 / Q8_0 matrix [out_dim, in_dim] -> its packed layout (packed_blocks.h: PACKED_Q4 for the Q4
+   types, PACKED_Q8), out_dim / 16 groups of in_dim / 32 blocks. Returns 0, or -1 (another type, out_dim not
+   a multiple of 16, in_dim not of 32). */
+int pagedserve_pack(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t type, uint8_t *out) {
+    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || out_dim % PACK_ROWS || out_dim <= 0 || in_dim % QK
+        || in_dim <= 0)
         return -1;
     const int64_t groups = out_dim / PACK_ROWS;
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++) pack_q4_groups(w, type, in_dim / QK, g, 1, out);
+    for (int64_t g = 0; g < groups; g++) pack_groups(w, type, in_dim / QK, g, 1, out);
     return 0;
 }
 
 /* y = x @ W^T on packed weights: the activations rounded to 16-bit integers per 32-value block, then each
    thread takes whole groups of 16 output rows. -2: no memory for the rounded activations. */
-static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim, float *y) {
+static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
+                         int32_t ptype, float *y) {
     if (out_dim % PACK_ROWS || in_dim % QK) return -1;
-    const int64_t nb = in_dim / QK, groups = out_dim / PACK_ROWS;
+    const int64_t nb = in_dim / QK, groups = out_dim / PACK_ROWS, gb = nb * pack_block_bytes(ptype);
     void *mem = aligned_alloc(64, (size_t)((packed_x_bytes(rows, in_dim) + 63) / 64 * 64));
     if (!mem) return -2;
     const PackedX px = packed_x_at(mem, rows, in_dim);
@@ -68,13 +72,8 @@ static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uin
         for (int64_t g = 0; g < groups; g++) {
             for (int64_t r0 = 0; r0 < rows; r0 += PACK_XROWS) {
                 const int64_t nr = rows - r0 < PACK_XROWS ? rows - r0 : PACK_XROWS;
-                PackedX xr = px;
-                xr.lo += r0 * in_dim;
-                xr.hi += r0 * in_dim;
-                xr.d += r0 * nb;
-                xr.sum += r0 * nb;
                 float out[PACK_XROWS * PACK_ROWS];
-                packed_group_dot(w + g * nb * PACK_BLOCK_BYTES, nb, xr, in_dim, nr, out);
+                packed_group_dot(ptype, w + g * gb, nb, packed_x_rows(px, r0, in_dim), in_dim, nr, out);
                 for (int64_t r = 0; r < nr; r++)
                     memcpy(y + (r0 + r) * out_dim + g * PACK_ROWS, out + r * PACK_ROWS, sizeof(float) * PACK_ROWS);
             }
@@ -87,7 +86,7 @@ static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uin
 /* Returns 0, or -1 when the type or shape is not served (in_dim must be a multiple of 32). */
 int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                             int32_t type, float *y) {
-    if (type == PACKED_Q4) return packed_matmul(x, rows, in_dim, w, out_dim, y);
+    if (packed_type(type)) return packed_matmul(x, rows, in_dim, w, out_dim, type, y);
     if (!block_bytes(type) || in_dim % block_values(type)) return -1;
     const int64_t nblocks = in_dim / QK, rb = row_bytes(type, in_dim);
 #pragma omp parallel for schedule(static)
@@ -105,16 +104,16 @@ int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const 
 
 /* The fp32 matrix [out_dim, in_dim]. */
 int pagedserve_quant_dequant(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t type, float *out) {
-    if (type == PACKED_Q4) {
+    if (packed_type(type)) {
         if (out_dim % PACK_ROWS || in_dim % QK) return -1;
-        const int64_t nb = in_dim / QK;
+        const int64_t nb = in_dim / QK, pb = pack_block_bytes(type);
 #pragma omp parallel for schedule(static)
         for (int64_t g = 0; g < out_dim / PACK_ROWS; g++)
             for (int64_t b = 0; b < nb; b++)
                 for (int r = 0; r < PACK_ROWS; r++)
                     for (int j = 0; j < QK; j++)
                         out[(g * PACK_ROWS + r) * in_dim + b * QK + j] =
-                            packed_value(w + (g * nb + b) * PACK_BLOCK_BYTES, r, j);
+                            packed_value(type, w + (g * nb + b) * pb, r, j);
         return 0;
     }
     if (!block_bytes(type) || in_dim % block_values(type)) return -1;
