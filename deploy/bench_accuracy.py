@@ -11,7 +11,9 @@ fp32 log-softmax of each prompt token given the ones before it), computed one to
 token takes the path generated tokens take (decode steps: the quantized kernels, the fused step), one
 server after the other:
   - fp32: the GGUF dequantized (`--dequantize`), the reference;
-  - the GGUF's Q4_1 blocks with fp32 activations (the default);
+  - the GGUF's Q4_1 blocks as `make run` serves them (`--quantized-activations auto`: packed, with 16-bit
+    integer activations where the CPU has AVX-512 VNNI);
+  - the same blocks with fp32 activations (`--quantized-activations fp32`);
   - the same blocks with int8 activations (`--quantized-activations int8`, llama.cpp's scheme).
 Beside each, the mean and largest |difference| of the scored tokens' logprobs from the fp32 server's.
 
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(chunk_list) < 2:
         raise SystemExit(f"the text has {len(tokens)} tokens: fewer than two chunks of {args.ctx}")
     runs = [("fp32 (the GGUF dequantized)", ["--dequantize"]),
-            ("Q4_1 blocks, fp32 activations (default)", []),
+            ("Q4_1 blocks, as served (default)", []),
+            ("Q4_1 blocks, fp32 activations", ["--quantized-activations", "fp32"]),
             ("Q4_1 blocks, int8 activations", ["--quantized-activations", "int8"])]
     results = []
     for name, extra in runs:

@@ -2,7 +2,8 @@
 
 llama.cpp is built from the `llama-cpp-python` source distribution on PyPI (it vendors llama.cpp): the
 sdist is fetched with pip once, `llama-server` built with cmake for this machine, both cached under
-~/.cache/pagedserve-peers. Both servers serve the default model's own Q4_1 GGUF on both cores:
+~/.cache/pagedserve-peers. Both servers serve the default model's own Q4_1 GGUF on both cores (with
+--precision fp32: llama.cpp an F32 copy of it, pagedserve the same values with --dequantize):
   - one stream: the workload's first prompt (64 tokens), 128 greedy tokens, ignore_eos;
   - many streams: the first 8, then all 64 prompts of the fixed CPU workload (64-256 token ids, 128 tokens
     each, all at once); llama.cpp gets 64 slots with continuous batching;
@@ -77,6 +78,41 @@ def _fetch_llama_cpp() -> Path:
     return target
 
 
+def f32_gguf(source: Path) -> Path:
+    """The GGUF with every quantized tensor dequantized to F32 (metadata, tokenizer and tensor order as they
+    are): llama.cpp at full precision on exactly the values `--dequantize` serves. Made once, cached."""
+    import gguf
+    import numpy as np
+
+    target = CACHE / f"{source.stem.rsplit('.', 1)[0]}.F32.gguf"
+    if target.is_file():
+        return target
+    CACHE.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    tmp = target.with_suffix(".part")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = field.contents()
+        if name == "general.file_type":
+            value = int(gguf.LlamaFileType.ALL_F32)
+        sub = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub)
+    if "general.file_type" not in reader.fields:
+        writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+    for t in reader.tensors:
+        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        writer.add_tensor(t.name, data.reshape([int(n) for n in reversed(t.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(target)
+    return target
+
+
 class LlamaServer:
     def __init__(self, binary: Path, gguf: Path, slots: int, context_per_slot: int, threads: int, log: Path):
         self.port = free_port()
@@ -118,7 +154,7 @@ class LlamaTarget:
 
     def __init__(self, args) -> None:
         folder = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-"))
-        self.name = "llama.cpp llama-server (Q4_1 GGUF)"
+        self.name = f"llama.cpp llama-server ({args.gguf_label} GGUF)"
         self.server = LlamaServer(build_llama_server(), args.gguf, args.slots, 384, args.threads,
                                   folder / "llama-server.log").wait()
         asyncio.run(_http_pass(self.server.base_url, [_body([1, 2, 3], 4)], "/v1/completions"))
@@ -190,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--streams", default="8,64", help="concurrencies of the workload's first prompts, all at once")
+    p.add_argument("--precision", default="gguf", choices=["gguf", "fp32"],
+                   help="gguf: both servers on the file's blocks; fp32: llama.cpp on an F32 copy of the file (made "
+                        "once, cached) and pagedserve on the dequantized weights (--dequantize)")
     p.add_argument("--with-layers", action="store_true",
                    help="also pagedserve with --cpu-decode layers (every decode step layer by layer), same run")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
@@ -197,16 +236,22 @@ def main(argv: list[str] | None = None) -> int:
                         "'int8 activations=--quantized-activations int8'")
     args = p.parse_args(argv)
     args.gguf = args.gguf or find_embedded_gguf()
+    ours = []
+    args.gguf_label = args.gguf.stem.rsplit(".", 1)[-1]
+    if args.precision == "fp32":  # both at full precision: llama.cpp on the F32 file, pagedserve dequantized
+        args.gguf, args.gguf_label, ours = f32_gguf(args.gguf), "F32", ["--dequantize"]
     args.streams = [int(n) for n in args.streams.split(",") if n]
     prompts = load_workload(args.workload)
     targets = []
     try:
-        targets.append(PagedserveTarget(args, "pagedserve (the GGUF's blocks)"))
+        targets.append(PagedserveTarget(args, "pagedserve (fp32, --dequantize)" if ours
+                                        else "pagedserve (the GGUF's blocks)", *ours))
         if args.with_layers:
-            targets.append(PagedserveTarget(args, "pagedserve, --cpu-decode layers", "--cpu-decode", "layers"))
+            targets.append(PagedserveTarget(args, "pagedserve, --cpu-decode layers", *ours, "--cpu-decode",
+                                            "layers"))
         for v in args.variant:
             name, _, flags = v.partition("=")
-            targets.append(PagedserveTarget(args, f"pagedserve, {name.strip()}", *shlex.split(flags)))
+            targets.append(PagedserveTarget(args, f"pagedserve, {name.strip()}", *ours, *shlex.split(flags)))
         targets.append(LlamaTarget(args))
         res = measure(targets, prompts, args)
     finally:
