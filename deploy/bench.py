@@ -96,15 +96,21 @@ def bench_vllm(args) -> dict:
     script = Path(args.vllm_script)
     if not script.exists():
         raise SystemExit(f"{script} not found (pass --vllm-script)")
-    if args.num_requests is not None or args.max_tokens != 128:
-        raise SystemExit("--with-vllm runs the fixed workload: drop --num-requests/--max-tokens")
+    if args.max_tokens != 128:
+        raise SystemExit("--with-vllm runs the workload's 128 output tokens: drop --max-tokens")
     env = dict(os.environ, MODEL_DIR=str(Path(args.model).resolve()))
+    workload = args.workload.resolve()
+    prompts = load_workload(workload)
+    if args.num_requests is not None:  # the first N prompts, as the other servers get them
+        prompts = prompts[: args.num_requests]
+        workload = Path(tempfile.mkdtemp(prefix="pagedserve-vllm-")) / "prompts.json"
+        workload.write_text(json.dumps(prompts))
     t0 = time.perf_counter()
-    res = subprocess.run(["bash", str(script), str(args.workload.resolve())], env=env, capture_output=True, text=True)
+    res = subprocess.run(["bash", str(script), str(workload)], env=env, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"vllm-cpu.sh failed ({res.returncode}): {res.stderr.strip()[-1500:]}")
     tok_s, ttft = (float(x) for x in res.stdout.strip().splitlines()[-1].split())
-    return {"name": "vLLM CPU build (OpenAI server)", "wall_s": time.perf_counter() - t0, "tokens": 64 * 128,
+    return {"name": "vLLM CPU build (OpenAI server)", "wall_s": time.perf_counter() - t0, "tokens": len(prompts) * 128,
             "tok_s": tok_s, "mean_ttft_s": ttft, "p50_ttft_s": float("nan")}
 
 
