@@ -6,6 +6,7 @@ path; and a server decodes the same greedy tokens with it as with --cpu-decode l
 
 import platform
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -282,3 +283,30 @@ def test_the_fused_step_on_packed_blocks_stays_with_the_fp32_activations(tmp_pat
         for fused in (True, False):
             got, _ = _run(packed, config, seqs, fused=fused)
             assert (got - want).norm() / want.norm() < 1e-3
+
+
+def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
+    """A decode step's logits (up to eight rows) on plain fp32 head rows go through the native rows kernel:
+    the matmul library's logits up to summation order; more rows take the library; a quantized head (its
+    own kernel) is left alone."""
+    from worker.fused_decode import NativeHead
+    from worker.main import FUSED_DENSE_ROWS
+
+    model, config = _model(tmp_path, "llama")
+    weight = NativeHead.weight_of(model)
+    assert weight is not None and weight.shape == (config.vocab_size, config.hidden_size)
+    head = NativeHead(cpu_native.load(), weight, FUSED_DENSE_ROWS)
+    for rows in (1, 5, FUSED_DENSE_ROWS):
+        hidden = torch.randn(rows, config.hidden_size)
+        want = model.compute_logits(hidden)
+        model.native_head = head
+        try:
+            torch.testing.assert_close(model.compute_logits(hidden), want, rtol=1e-5, atol=1e-5)
+        finally:
+            model.native_head = None
+    assert not head.covers(torch.randn(FUSED_DENSE_ROWS + 1, config.hidden_size))
+    from worker.quantized import QuantLinear, QuantWeight
+
+    blocks = QuantWeight(torch.zeros(config.vocab_size, 34 * 2, dtype=torch.uint8), "Q8_0", config.hidden_size)
+    tied_quantized = SimpleNamespace(_head=QuantLinear(blocks), lm_head=None, embed=model.embed, shard=model.shard)
+    assert NativeHead.weight_of(tied_quantized) is None  # not the fp32 embeddings in the Q8_0 head's place

@@ -179,6 +179,19 @@ def quantized_source(args, config, device, dtype, shard):
     return GGUFQuantSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
 
 
+def use_native_head(model) -> None:
+    """A decode step's logits (up to FUSED_DENSE_ROWS rows) on the native rows kernel where the head is plain
+    fp32 (a quantized head has its own kernel), on both decode paths alike."""
+    from kernels import cpu_native
+    from worker.fused_decode import NativeHead
+
+    kernels = cpu_native.load()
+    weight = NativeHead.weight_of(model) if kernels is not None else None
+    if weight is not None:
+        model.native_head = NativeHead(kernels, weight, FUSED_DENSE_ROWS)
+        log.info("native_head", max_rows=FUSED_DENSE_ROWS)
+
+
 def use_fused_decode(model, tp: int, activations: str) -> None:
     """Decode-only steps of up to as many rows as the quantized kernels serve (8 on dense fp32 rows) as one
     native call (worker/fused_decode.py), where the model allows it; the reason logged where not."""
@@ -296,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         heads = model.shard.num_kv_heads
         if fused:
             use_fused_decode(model, tp, args.quantized_activations)
+        if device.type == "cpu" and tp == 1 and dtype == torch.float32:
+            use_native_head(model)
         attn = make_backend(args.attention_backend, device,
                             (model.shard.num_q_heads, heads, config.head_dim, args.block_size, dtype))
     except ValueError as e:

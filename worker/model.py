@@ -159,6 +159,7 @@ class LlamaModel(nn.Module):
         self.ops: TorchOps | None = None  # the elementwise tail (worker/fused.py), chosen at the first forward
         self._head: torch.Tensor | None = None
         self.fused = None  # worker/fused_decode.py: decode-only steps in one native call, where set
+        self.native_head = None  # worker/fused_decode.py NativeHead: a few rows' logits on plain fp32 rows
 
     def use_matmul(self, lib, drop_dense: bool = True) -> None:
         """Run the projections and the LM head through `lib` (worker/linear.py) with every weight prepared
@@ -276,7 +277,10 @@ class LlamaModel(nn.Module):
         Every rank of a group calls it with the same rows and gets the same logits."""
         if self.mm is None:
             self.use_matmul(DenseMatmul())
-        logits = self.mm(hidden, self._head).float()  # [rows, vocab_shard_size]
+        if self.native_head is not None and self.native_head.covers(hidden):
+            logits = self.native_head(hidden)
+        else:
+            logits = self.mm(hidden, self._head).float()  # [rows, vocab_shard_size]
         if self.shard.size > 1:
             logits = self.comm.all_gather_last(logits)[:, : self.config.vocab_size]
         cap = self.config.final_logit_softcap
