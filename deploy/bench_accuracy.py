@@ -14,7 +14,11 @@ server after the other:
   - the GGUF's Q4_1 blocks as `make run` serves them (`--quantized-activations auto`: packed, with 16-bit
     integer activations where the CPU has AVX-512 VNNI);
   - the same blocks with fp32 activations (`--quantized-activations fp32`);
-  - the same blocks with int8 activations (`--quantized-activations int8`, llama.cpp's scheme).
+  - the same blocks with int8 activations (`--quantized-activations int8`, llama.cpp's scheme);
+  - bf16: the GGUF dequantized, served with --dtype bfloat16;
+  - Q8_0: a Q8_0 copy of the file (its values quantized again as llama.cpp's Q8_0 files are: every matrix,
+    1-D tensors F32; made once under ~/.cache/pagedserve-peers), served on its blocks.
+llama.cpp's llama-perplexity runs on the Q4_1 file and on the Q8_0 copy.
 Beside each, the mean and largest |difference| of the scored tokens' logprobs from the fp32 server's.
 
     python -m deploy.bench_accuracy --model .models/smollm2-135m-instruct
@@ -111,17 +115,22 @@ def main(argv: list[str] | None = None) -> int:
     chunk_list = chunks(tokens, args.ctx, bos)
     if len(chunk_list) < 2:
         raise SystemExit(f"the text has {len(tokens)} tokens: fewer than two chunks of {args.ctx}")
-    runs = [("fp32 (the GGUF dequantized)", ["--dequantize"]),
-            ("Q4_1 blocks, as served (default)", []),
-            ("Q4_1 blocks, fp32 activations", ["--quantized-activations", "fp32"]),
-            ("Q4_1 blocks, int8 activations", ["--quantized-activations", "int8"])]
+    from deploy.bench_cpu_peers import requantized_gguf
+
+    q8 = requantized_gguf(gguf, "Q8_0")  # a Q8_0 file of the same values, as llama.cpp's Q8_0 files are made
+    runs = [("fp32 (the GGUF dequantized)", Path(args.model), ["--dequantize"]),
+            ("bf16 (dequantized, --dtype bfloat16)", Path(args.model), ["--dequantize", "--dtype", "bfloat16"]),
+            ("Q4_1 blocks, as served (default)", Path(args.model), []),
+            ("Q4_1 blocks, fp32 activations", Path(args.model), ["--quantized-activations", "fp32"]),
+            ("Q4_1 blocks, int8 activations", Path(args.model), ["--quantized-activations", "int8"]),
+            ("Q8_0 copy of the file, as served", q8, [])]
     results = []
-    for name, extra in runs:
+    for name, model, extra in runs:
         log = Path(tempfile.mkdtemp(prefix="pagedserve-accuracy-")) / "server.log"
         # one prompt token a step: every token goes through the decode path (the quantized kernels, the
         # fused step), as generated tokens do; a whole chunk at once would take the prefill path, which
         # runs on the dense copy of the blocks' values and so equals fp32 by construction
-        server = ServerProcess(Path(args.model), log, "--metrics-port", "0", "--threads", str(args.threads),
+        server = ServerProcess(model, log, "--metrics-port", "0", "--threads", str(args.threads),
                                "--max-num-batched-tokens", str(args.tokens_per_step), *extra).start(timeout=600)
         try:
             results.append((name, scored_logprobs(server, chunk_list)))
@@ -136,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         diffs = [abs(a - b) for a, b in zip(lps, reference, strict=True)]
         print(f"{name:42} {ppl:8.4f} {statistics.fmean(diffs):17.2e} {max(diffs):16.2e}")
     if not args.no_llama_cpp:
-        print(f"{'llama.cpp llama-perplexity (Q4_1 GGUF)':42} {llama_perplexity(gguf, args.text, args.ctx, args.threads):8.4f}")
+        for label, path in (("Q4_1 GGUF", gguf), ("the Q8_0 copy", q8)):
+            ppl = llama_perplexity(path, args.text, args.ctx, args.threads)
+            print(f"{'llama.cpp llama-perplexity (' + label + ')':42} {ppl:8.4f}")
     return 0
 
 

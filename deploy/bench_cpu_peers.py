@@ -81,10 +81,19 @@ def _fetch_llama_cpp() -> Path:
 def f32_gguf(source: Path) -> Path:
     """The GGUF with every quantized tensor dequantized to F32 (metadata, tokenizer and tensor order as they
     are): llama.cpp at full precision on exactly the values `--dequantize` serves. Made once, cached."""
+    return requantized_gguf(source, "F32")
+
+
+def requantized_gguf(source: Path, qtype: str) -> Path:
+    """A copy of the GGUF at another precision, made once and cached: every tensor dequantized (gguf's
+    reading of the file's blocks) and, for Q8_0, every matrix quantized again as llama.cpp's Q8_0 files
+    hold them (1-D tensors stay F32); metadata, tokenizer and tensor order as they are."""
     import gguf
     import numpy as np
 
-    target = CACHE / f"{source.stem.rsplit('.', 1)[0]}.F32.gguf"
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+    target = CACHE / f"{source.stem.rsplit('.', 1)[0]}.{qtype}.gguf"
     if target.is_file():
         return target
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -97,14 +106,18 @@ def f32_gguf(source: Path) -> Path:
             continue
         value = field.contents()
         if name == "general.file_type":
-            value = int(gguf.LlamaFileType.ALL_F32)
+            value = int(file_type)
         sub = field.types[1] if len(field.types) > 1 else None
         writer.add_key_value(name, value, field.types[0], sub_type=sub)
     if "general.file_type" not in reader.fields:
-        writer.add_file_type(int(gguf.LlamaFileType.ALL_F32))
+        writer.add_file_type(int(file_type))
     for t in reader.tensors:
         data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        writer.add_tensor(t.name, data.reshape([int(n) for n in reversed(t.shape)]))
+        data = data.reshape([int(n) for n in reversed(t.shape)])
+        if kind != gguf.GGMLQuantizationType.F32 and data.ndim == 2 and data.shape[-1] % 32 == 0:
+            writer.add_tensor(t.name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(t.name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -426,25 +426,35 @@ def test_packed_weights_carry_nan_and_infinity_through(native):
     torch.testing.assert_close(got[2], int16_reference(x[2:], w, reference)[0], rtol=1e-5, atol=1e-5)
 
 
-def test_the_f32_copy_for_llama_cpp_holds_the_files_values(tmp_path, monkeypatch):
-    """bench-cpu-peers --precision fp32 gives llama.cpp an F32 copy of the GGUF: the same metadata and
-    tokenizer, every tensor gguf's dequantization of the original, so both servers hold the same values."""
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_the_copies_for_llama_cpp_hold_the_files_values(tmp_path, monkeypatch, qtype):
+    """bench-cpu-peers --precision fp32 gives llama.cpp an F32 copy of the GGUF, bench-accuracy a Q8_0 one:
+    the same metadata and tokenizer, every tensor gguf's dequantization of the original (for Q8_0 every
+    matrix quantized again, to within its 8-bit step; 1-D tensors F32)."""
     from deploy import bench_cpu_peers
     from tests.tiny import make_tiny_gguf
 
     folder = make_tiny_gguf(tmp_path / "m", qtype="Q4_1")
     source = next(folder.glob("*.gguf"))
     monkeypatch.setattr(bench_cpu_peers, "CACHE", tmp_path / "cache")
-    copy = bench_cpu_peers.f32_gguf(source)
+    copy = bench_cpu_peers.requantized_gguf(source, qtype)
     a, b = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(copy))
     assert {k for k in a.fields if not k.startswith("GGUF.")} <= {k for k in b.fields if not k.startswith("GGUF.")}
-    assert b.fields["general.file_type"].contents() == int(gguf.LlamaFileType.ALL_F32)
+    file_type = gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0
+    assert b.fields["general.file_type"].contents() == int(file_type)
     for key in a.fields:  # every metadata value as it was (the tokenizer's included, where the file has one)
         if not key.startswith("GGUF.") and key != "general.file_type":
             assert a.fields[key].contents() == b.fields[key].contents(), key
     assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
     for x, y in zip(a.tensors, b.tensors, strict=True):
-        assert y.tensor_type == gguf.GGMLQuantizationType.F32 and list(x.shape) == list(y.shape)
-        np.testing.assert_array_equal(gguf.quants.dequantize(x.data, x.tensor_type).reshape(-1),
-                                      np.asarray(y.data).reshape(-1))
-    assert bench_cpu_peers.f32_gguf(source) == copy  # made once
+        assert list(x.shape) == list(y.shape)
+        want = gguf.quants.dequantize(x.data, x.tensor_type).reshape(-1)
+        got = gguf.quants.dequantize(y.data, y.tensor_type).reshape(-1)
+        if qtype == "Q8_0" and len(x.shape) == 2:
+            assert y.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            step = np.abs(want).reshape(-1, 32).max(1).repeat(32) / 127  # each block's 8-bit step
+            assert (np.abs(got - want) <= step * 0.6 + 1e-6).all()  # half a step, and the scale's fp16 rounding
+        else:
+            assert y.tensor_type == gguf.GGMLQuantizationType.F32
+            np.testing.assert_array_equal(got, want)
+    assert bench_cpu_peers.requantized_gguf(source, qtype) == copy  # made once
