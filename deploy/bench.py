@@ -373,7 +373,8 @@ def decode_breakdown(args) -> dict:
     fused = model.fused
     res = {"weights": model.mm.name, "context": context, "rows": {}}
     print(f"\ndecode step, {model.mm.name} weights, context {context}, {torch.get_num_threads()} threads "
-          f"(ms; fused up to {fused.max_rows if fused else 0} rows):")
+          f"(ms; fused: {'none' if fused is None else f'up to {fused.max_rows} rows on the row kernels'}"
+          f"{', more through sgemm' if fused is not None and fused.sgemm else ''}):")
     print(f"  {'rows':>4} {'layers':>8} {'fused':>8} {'x':>6}   layer path: " +
           " ".join(f"{k:>9}" for k in ("matmul", "attention", "kv_write", "elementwise", "lm_head", "rest")))
     for rows in args.decode_rows:
@@ -412,7 +413,7 @@ def _decode_rows(model, config, attn, fused, rows: int, context: int, reps: int)
              "kv_write": part.get("kv_write", 0.0),
              "elementwise": part.get("norm", 0.0) + part.get("silu", 0.0) + part.get("rope", 0.0), "lm_head": head}
     split["rest"] = max(total - sum(split.values()), 0.0)
-    t_fused = _best(lambda: runner.execute(plan), reps) if fused and rows <= fused.max_rows else None
+    t_fused = _best(lambda: runner.execute(plan), reps) if fused and (rows <= fused.max_rows or fused.sgemm) else None
     f = f"{t_fused * 1e3:8.2f} {t_layers / t_fused:6.2f}" if t_fused else f"{'-':>8} {'-':>6}"
     print(f"  {rows:>4} {t_layers * 1e3:8.2f} {f}   {'':12}" +
           " ".join(f"{split[k] * 1e3:9.2f}" for k in ("matmul", "attention", "kv_write", "elementwise", "lm_head",

@@ -37,6 +37,17 @@ if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # full-width vectors where AVX-512 exists; no effect elsewhere
 
 
+def blas_sgemm() -> int | None:
+    """The address of the BLAS `sgemm_` (Fortran interface, 32-bit integers) that torch's CPU library carries
+    (MKL on x86 builds), for the fused decode step's larger matmuls; None where it exports none."""
+    lib = Path(torch.__file__).parent / "lib" / ("libtorch_cpu" + (".dylib" if platform.system() == "Darwin"
+                                                                    else ".so"))
+    try:
+        return ctypes.cast(ctypes.CDLL(str(lib)).sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
 class NativeKernels:
     """The loaded library: `paged_decode(...)` and its compile-time limits."""
 
@@ -91,6 +102,7 @@ class NativeKernels:
         self._decode_step_scratch = lib.pagedserve_decode_step_scratch
         self._decode_step_scratch.argtypes = [p, i64]
         self._decode_step_scratch.restype = ctypes.c_int64
+        self.sgemm = blas_sgemm()
 
     # --- the fused decode step (worker/fused_decode.py describes the model) ---------------------------------
     def decode_step_scratch(self, model_desc, rows: int) -> int:

@@ -131,7 +131,8 @@ def _run(model, config, seqs, fused: bool):
     return hidden, pool
 
 
-DECODES = [[(1, 9)], [(1, 40)], [(1, 17), (1, 70), (1, 33)], [(1, n) for n in range(5, 85, 10)]]
+DECODES = [[(1, 9)], [(1, 40)], [(1, 17), (1, 70), (1, 33)], [(1, n) for n in range(5, 85, 10)],
+           [(1, n) for n in range(5, 205, 10)]]  # 20 rows: past the row kernels, the dense copy through sgemm
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"])
@@ -172,8 +173,22 @@ def test_steps_it_does_not_cover_take_the_layer_path(tmp_path, monkeypatch):
     _run(model, config, [(1, 20), (1, 30)], fused=True)
     assert calls == [2]
     _run(model, config, [(5, 20), (1, 30)], fused=True)  # a prompt chunk beside a decode
-    _run(model, config, [(1, 20 + i) for i in range(model.fused.max_rows + 1)], fused=True)  # more rows
     assert calls == [2]
+    more = [(1, 20 + i) for i in range(model.fused.max_rows + 1)]
+    if kernels.sgemm is not None:  # more rows than the row kernels serve: the dense copy through sgemm
+        assert model.fused.sgemm == kernels.sgemm
+        _run(model, config, more, fused=True)
+        assert calls == [2, len(more)]
+    before = list(calls)
+    monkeypatch.setattr(model.fused, "sgemm", None)  # no BLAS in the process: more rows take the layer path
+    _run(model, config, more, fused=True)
+    assert calls == before
+
+
+def test_the_fused_step_finds_a_blas_sgemm_where_torch_carries_mkl():
+    if "BLAS_INFO=mkl" not in torch.__config__.show():
+        pytest.skip("torch without MKL here")
+    assert cpu_native.load().sgemm is not None
 
 
 def test_a_model_the_step_cannot_serve_says_why():

@@ -4,10 +4,14 @@ The layer-by-layer forward (worker/model.py) makes about ten calls a layer, each
 torch and its own OpenMP parallel region: at one sequence on the 135M default model that overhead is a
 third of the step. `FusedDecode` hands the whole model to kernels/cpu/decode_step.c once — every layer's
 weights (GGUF blocks or plain fp32 rows), norms, biases, q/k norms, RoPE tables and KV cache — and a step
-whose every sequence decodes one token, with at most `max_rows` of them, runs from the embeddings to the
-final norm in one call whose threads meet at a barrier between stages. Anything else (prefill, a mixed
-step, more rows, tensor parallelism, a weight in oneDNN's packed layout, another dtype) takes the layer
-path, which stays the definition: tests hold the two to the same tokens.
+whose every sequence decodes one token runs from the embeddings to the final norm in one call whose threads
+meet at a barrier between stages. Up to `max_rows` rows the projections run on the row kernels (GGUF blocks,
+packed blocks, fp32 rows), which read each weight once for a few rows; past that, where every matrix has a
+plain fp32 copy, on that copy through the BLAS sgemm torch's CPU library carries (MKL), each thread calling
+it on its share of the output rows inside the step's one parallel region — at 64 rows that removed the
+layer path's per-call costs (K/V writes, elementwise ops, dispatch: ~17 of 150 ms on the default model).
+Anything else (prefill, a mixed step, more rows without a dense copy or a BLAS, tensor parallelism, another
+dtype) takes the layer path, which stays the definition: tests hold the two to the same tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ MAX_SEGMENTS = 3  # decode_step.c: a projection's row ranges of different types 
 
 
 class PsMatrix(ctypes.Structure):
-    _fields_ = [("seg", PsSegment * MAX_SEGMENTS), ("out_dim", _I64), ("in_dim", _I64)]
+    _fields_ = [("seg", PsSegment * MAX_SEGMENTS), ("out_dim", _I64), ("in_dim", _I64), ("dense", _P)]
 
 
 class PsLayer(ctypes.Structure):
@@ -43,7 +47,7 @@ class PsModel(ctypes.Structure):
     _fields_ = [("num_layers", _I32), ("hidden", _I32), ("n_heads", _I32), ("n_kv_heads", _I32),
                 ("head_dim", _I32), ("intermediate", _I32), ("block_size", _I32), ("rotary_half", _I32),
                 ("eps", _F), ("scale", _F), ("cos", _P), ("sin", _P), ("final_norm", _P),
-                ("layers", ctypes.POINTER(PsLayer))]
+                ("layers", ctypes.POINTER(PsLayer)), ("sgemm", _P), ("gemm_rows", _I32), ("pad", _I32)]
 
 
 def _plain(w) -> bool:
@@ -51,22 +55,26 @@ def _plain(w) -> bool:
             and w.is_contiguous() and w.layout == torch.strided and not w.is_mkldnn)
 
 
-def _matrix(layer, name: str) -> tuple[PsMatrix, torch.Tensor] | None:
+def _matrix(layer, name: str) -> tuple[PsMatrix, list[torch.Tensor]] | None:
     """The native description of one projection: the quantized library's blocks, or plain fp32 rows — the
     layer path's own weight, or the loaded parameter where that one is in oneDNN's packed layout (the worker
-    keeps it for this step). None: no layout the fused step can read."""
+    keeps it for this step) — with its plain fp32 copy where there is one (the matrix itself, or a quantized
+    weight's dense copy when that one is plain), for steps of more rows than the row kernels serve. None: no
+    layout the fused step can read."""
     from worker.quantized import QuantLinear, QuantStack, QuantWeight
 
     w = layer.w.get(name)
+    dense = None
     if isinstance(w, QuantLinear):
-        w = w.q
+        w, dense = w.q, (w.dense if _plain(w.dense) else None)
     if isinstance(w, (QuantWeight, QuantStack)) and len(w.segments) <= MAX_SEGMENTS:
         segs = [PsSegment(p.data.data_ptr(), p.out_dim, p.type_id, 0) for p in w.segments]
-        return PsMatrix((PsSegment * MAX_SEGMENTS)(*segs), w.out_dim, w.in_dim), [p.data for p in w.segments]
+        keep = [p.data for p in w.segments] + ([dense] if dense is not None else [])
+        return PsMatrix((PsSegment * MAX_SEGMENTS)(*segs), w.out_dim, w.in_dim, _ptr(dense)), keep
     for t in (w, getattr(layer, name)):
         if _plain(t):
             return PsMatrix((PsSegment * MAX_SEGMENTS)(PsSegment(t.data_ptr(), t.shape[0], 0, 0)), t.shape[0],
-                            t.shape[1]), t
+                            t.shape[1], t.data_ptr()), [t]
     return None
 
 
@@ -79,6 +87,10 @@ class FusedDecode:
         self.kernels = kernels
         self.model = model
         self.max_rows = max_rows
+        # past max_rows, where every matrix has a plain fp32 copy and the process has a BLAS sgemm, the step
+        # multiplies on that copy (each thread its share of the output rows) and serves any number of rows
+        dense = all(_matrix(layer, name)[0].dense for layer in model.layers for name in layer.matmul_names)
+        self.sgemm = kernels.sgemm if dense else None
         self._pool = None
         self._scratch = torch.empty(0)
 
@@ -108,7 +120,7 @@ class FusedDecode:
         from worker.attention import CpuAttentionMeta
 
         meta = step.attn_meta
-        return (isinstance(meta, CpuAttentionMeta) and 0 < num_tokens <= self.max_rows
+        return (isinstance(meta, CpuAttentionMeta) and 0 < num_tokens and (num_tokens <= self.max_rows or self.sgemm)
                 and meta.decode_rows.numel() == num_tokens and meta.prefill_starts.numel() == 0)
 
     def _describe(self, pool) -> None:
@@ -118,9 +130,9 @@ class FusedDecode:
         for i, layer in enumerate(m.layers):
             mats = {}
             for name in layer.matmul_names:
-                desc, tensor = _matrix(layer, name)
+                desc, tensors = _matrix(layer, name)
                 mats[name] = desc
-                keep.append(tensor)
+                keep.extend(tensors)
             k_cache, v_cache = pool.layer(i)
             layers[i] = PsLayer(mats["qkv"], mats["o_proj"], mats["gate_up"], mats["down"],
                                 _ptr(layer.input_norm), _ptr(layer.post_attn_norm), _ptr(layer.qkv_bias),
@@ -130,7 +142,7 @@ class FusedDecode:
         self._desc = PsModel(c.num_layers, c.hidden_size, m.shard.num_q_heads, m.shard.num_kv_heads, c.head_dim,
                              m.shard.intermediate_size, pool.block_size, c.rotary_dim // 2, c.rms_norm_eps,
                              c.head_dim**-0.5,
-                             _ptr(rotary.cos), _ptr(rotary.sin), _ptr(m.norm), layers)
+                             _ptr(rotary.cos), _ptr(rotary.sin), _ptr(m.norm), layers, self.sgemm, self.max_rows, 0)
         self._keep = (keep, layers, rotary)
         self._pool = pool
 

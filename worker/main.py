@@ -19,7 +19,9 @@ from protos.logs import LOG_FORMATS, configure_logging
 log = structlog.get_logger("worker.main")
 
 CPU_KV_CACHE_MEMORY = "2GiB"
-FUSED_DENSE_ROWS = 8  # fused decode rows on dense fp32 weights: the dot products read each weight row once per 4
+# decode rows the native rows kernel multiplies on dense fp32 weights (each weight row read once per 8 rows);
+# the fused step takes more on the same weights through the process's BLAS sgemm where it finds one
+FUSED_DENSE_ROWS = 8
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
@@ -193,8 +195,9 @@ def use_native_head(model) -> None:
 
 
 def use_fused_decode(model, tp: int, activations: str) -> None:
-    """Decode-only steps of up to as many rows as the quantized kernels serve (8 on dense fp32 rows) as one
-    native call (worker/fused_decode.py), where the model allows it; the reason logged where not."""
+    """Decode-only steps as one native call (worker/fused_decode.py), where the model allows it; the reason
+    logged where not. Up to as many rows as the quantized kernels serve (8 on dense fp32 rows) on the row
+    kernels; any number where every matrix has a plain fp32 copy for the BLAS sgemm."""
     from kernels import cpu_native
     from worker.fused_decode import FusedDecode
     from worker.quantized import QuantizedMatmul
@@ -208,7 +211,7 @@ def use_fused_decode(model, tp: int, activations: str) -> None:
         return
     max_rows = model.mm.max_kernel_rows if isinstance(model.mm, QuantizedMatmul) else FUSED_DENSE_ROWS
     model.fused = FusedDecode(kernels, model, max_rows)
-    log.info("fused_decode", max_rows=max_rows)
+    log.info("fused_decode", max_kernel_rows=max_rows, more_rows="sgemm" if model.fused.sgemm else "layer path")
 
 
 def main(argv: list[str] | None = None) -> int:

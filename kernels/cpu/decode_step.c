@@ -11,11 +11,13 @@
  *   -> SiLU-mul (chunks) -> down, and after the last layer the final add + RMSNorm.
  * The arithmetic is the layer path's: the matmuls are quant_blocks.h's dot products (GGUF blocks, or plain
  * fp32 rows as type 0) or packed_blocks.h's on weights packed at load (their input rounded to 16-bit integers
- * first, a stage of its own), the norms, RoPE and SiLU are elementwise.c's formulas, attention is the same
- * kernel.
+ * first, a stage of its own) — or, past gemm_rows tokens, a BLAS sgemm on the matrix's plain fp32 copy, called
+ * by each thread on its share of the output rows — the norms, RoPE and SiLU are elementwise.c's formulas,
+ * attention is the same kernel.
  * No tensor parallelism here (a rank would all-reduce between stages): the worker runs it at TP=1.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -27,7 +29,13 @@ void pagedserve_decode_item(const float* q_row, const float* k_cache, const floa
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
                             int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap);
 
+int pagedserve_decode_heads_per_item(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim);
+
 #define MAX_SEGMENTS 3
+
+typedef void (*SgemmFn)(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                        const float* beta, float* c, const int* ldc);
 
 typedef struct {
     const uint8_t* w; /* `rows` rows of in_dim values as blocks of ggml type `type` (0: fp32 values) */
@@ -40,6 +48,7 @@ typedef struct {
        a Q4_K_M file's Q4_K queries beside its Q6_K values do; unused segments have 0 rows */
     PsSegment seg[MAX_SEGMENTS]; /* a packed segment (PACKED_Q4/Q8) holds whole groups of 16 rows */
     int64_t out_dim, in_dim;
+    const float* dense; /* the same matrix as plain fp32 rows [out_dim, in_dim], or NULL */
 } PsMatrix;
 
 typedef struct {
@@ -59,6 +68,12 @@ typedef struct {
     const float *cos, *sin; /* [max_positions, rotary_half] */
     const float* final_norm;
     const PsLayer* layers;
+    /* A BLAS sgemm (Fortran interface, 32-bit integers: the one the process already has, found by the
+       caller) for steps of more than gemm_rows tokens on matrices with a dense copy; NULL: never. Each thread
+       calls it on its own share of the output rows from inside the parallel region, where the library runs
+       single-threaded, so a step keeps one parallel region whatever its size. */
+    SgemmFn sgemm;
+    int32_t gemm_rows, pad;
 } PsModel;
 
 #define OUT_CHUNK 32 /* output rows a thread takes at a time */
@@ -76,6 +91,25 @@ int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
            + (packed_x_bytes(rows, max_in(m)) + 128) / (int64_t)sizeof(float);
 }
 
+/* y = x @ W^T on the dense copy through sgemm, the output rows in as many equal chunks (of whole 16s) as
+   the threads can share evenly with each at most GEMM_CHUNK: column-major, y^T[out, rows] = W[out, in] x^T. */
+#define GEMM_CHUNK 2048
+static void gemm_part(SgemmFn sgemm, const PsMatrix* w, const float* x, int64_t rows, float* y) {
+    const int64_t out_dim = w->out_dim, threads = omp_get_num_threads();
+    const int64_t per_thread = (out_dim + threads * GEMM_CHUNK - 1) / (threads * GEMM_CHUNK);
+    int64_t size = (out_dim + threads * per_thread - 1) / (threads * per_thread);
+    size = (size + 15) / 16 * 16;
+    const int64_t chunks = (out_dim + size - 1) / size;
+    const int k = (int)w->in_dim, n = (int)rows, ldc = (int)out_dim;
+    const float one = 1.0f, zero = 0.0f;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t o0 = c * size;
+        const int mc = (int)(o0 + size < out_dim ? size : out_dim - o0);
+        sgemm("T", "N", &mc, &n, &k, &one, w->dense + o0 * k, &k, x, &k, &zero, y + o0, &ldc);
+    }
+}
+
 static int has_packed(const PsMatrix* w) {
     for (int s = 0; s < MAX_SEGMENTS; s++)
         if (w->seg[s].rows && pack_block_bytes(w->seg[s].type)) return 1;
@@ -84,9 +118,13 @@ static int has_packed(const PsMatrix* w) {
 
 /* y[r, :] = x[r, :] @ W^T for this thread's share of W's rows (called by every thread of the region). A
    matrix with packed segments first rounds x into px, split over the threads (one more barrier). */
-static void matmul_part(const PsMatrix* w, const float* x, int64_t rows, float* y, PackedX px) {
+static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int64_t rows, float* y, PackedX px) {
     const int64_t nblocks = w->in_dim / QK, out_dim = w->out_dim;
     const int64_t chunks = (out_dim + OUT_CHUNK - 1) / OUT_CHUNK;
+    if (m->sgemm && w->dense && rows > m->gemm_rows) {
+        gemm_part(m->sgemm, w, x, rows, y);
+        return;
+    }
     if (has_packed(w)) {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < rows * nblocks; i++) packed_x_block(x, px, i);
@@ -181,6 +219,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     float* packed = act + rows * I;
     packed = (float*)(((uintptr_t)packed + 63) & ~(uintptr_t)63);
     const PackedX px = packed_x_at(packed, rows, max_in(m));
+    /* attention work items: a sequence with all its KV heads (each key and value row read whole, in one pass)
+       where there are sequences enough to keep every thread busy, else one KV head of a sequence */
+    const int64_t att_heads = rows >= 4 * omp_get_max_threads() ? pagedserve_decode_heads_per_item((int)nh, (int)nkv, (int)hd) : 1;
+    const int64_t att_split = (nkv + att_heads - 1) / att_heads;
 
 #pragma omp parallel
     {
@@ -192,7 +234,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 add_rms_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
-            matmul_part(&ly->qkv, h, rows, qkv, px);
+            matmul_part(m, &ly->qkv, h, rows, qkv, px);
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < rows * heads; it++) { /* q heads, then k heads (each with its v head) */
                 const int64_t r = it / heads, hh = it % heads;
@@ -217,25 +259,26 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 }
             }
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < rows * nkv; it++) { /* a sequence's KV head and its query heads */
-                const int64_t r = it / nkv;
-                const int kh = (int)(it % nkv);
+            for (int64_t it = 0; it < rows * att_split; it++) { /* a sequence's KV heads and their query heads */
+                const int64_t r = it / att_split;
+                const int kh0 = (int)(it % att_split * att_heads);
+                const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
                 const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
                 pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
-                                       block_tables + r * table_stride, first, seq_lens[r], kh, kh + 1, (int)nh,
+                                       block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
                                        (int)nkv, (int)hd, m->block_size, m->scale, 0.0f);
             }
-            matmul_part(&ly->o_proj, attn, rows, delta, px);
+            matmul_part(m, &ly->o_proj, attn, rows, delta, px);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 add_rms_norm_row(residual + r * H, delta + r * H, ly->post_norm, h + r * H, H, m->eps);
-            matmul_part(&ly->gate_up, h, rows, gu, px);
+            matmul_part(m, &ly->gate_up, h, rows, gu, px);
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < rows * act_chunks; it++) {
                 const int64_t r = it / act_chunks, i0 = it % act_chunks * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
                 silu_mul_span(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, i0, i1);
             }
-            matmul_part(&ly->down, act, rows, delta, px);
+            matmul_part(m, &ly->down, act, rows, delta, px);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
