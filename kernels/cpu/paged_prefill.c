@@ -115,16 +115,28 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
                 const int from = lowest[row] > j0 ? lowest[row] - j0 : 0;
                 const int n = see < nk ? see : nk;
                 if (n <= from) continue;
-                float top = m[row];
-                for (int jj = from; jj < n; jj++) top = s[i][jj] > top ? s[i][jj] : top;
-                const float correction = expf(m[row] - top); /* 0 on the first tile: m = -inf */
                 float p[KT];
-                float sum = 0.0f;
+                float top, sum;
+#if defined(__AVX512F__) /* the tile's scores are one vector: max, exponentials and sum without leaving it */
+                const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << from) - 1u));
+                const __m512 sv = _mm512_loadu_ps(s[i]);
+                const float top_tile = _mm512_mask_reduce_max_ps(valid, sv);
+                top = top_tile > m[row] ? top_tile : m[row];
+                const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
+                _mm512_storeu_ps(p, pv);
+                sum = _mm512_reduce_add_ps(pv);
+#else
+                top = m[row];
+                for (int jj = from; jj < n; jj++) top = s[i][jj] > top ? s[i][jj] : top;
+                sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
                 for (int jj = 0; jj < KT; jj++) {
                     p[jj] = jj >= from && jj < n ? vec_exp(s[i][jj] - top) : 0.0f;
                     sum += p[jj];
                 }
+#endif
+                /* 0 on the first tile (m = -inf); 1, with no call, while the running max holds */
+                const float correction = top > m[row] ? expf(m[row] - top) : 1.0f;
                 l[row] = l[row] * correction + sum;
                 m[row] = top;
                 float* a = acc + (int64_t)row * head_dim;

@@ -23,6 +23,27 @@ static inline float vec_exp(float x) {
     return p * scale.f;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* vec_exp on sixteen lanes for x <= 0 (softmax's s - max): the same steps in AVX-512 registers. */
+static inline __m512 exp512_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.38888889e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33333333e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666667e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666667e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
 /* Gemma 2's attention-logit soft-capping, in place: s = cap * tanh(s / cap) over n scores. */
 static inline void soft_cap(float* s, int n, float cap) {
     const float inv = 1.0f / cap;
