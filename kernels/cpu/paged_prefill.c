@@ -8,8 +8,11 @@
  * is transposed once into [head_dim][KT] and then serves every query row of the tile for all heads of the
  * GQA group, so a score row is head_dim multiply-adds of a key-tile vector (no horizontal sums), and the
  * softmax is online (running max and sum per row, accumulator rescaled when the max rises). Rows are taken
- * four at a time so the compiler keeps four independent accumulator chains in flight. Written for the
- * compiler to vectorize (-O3 -march=native): AVX-512, AVX2 and others alike.
+ * eight at a time: their scores as eight independent chains of multiply-adds, then their softmax updates
+ * (with AVX-512 each row's tile of scores stays one vector: masked max, exponentials, sum), then their values,
+ * so the reductions' latencies overlap instead of following one another; with AVX-512 a whole key tile is
+ * transposed in registers, 16 x 16 at a time. Elsewhere written for the compiler to vectorize (-O3
+ * -march=native): AVX2 and others alike.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,6 +41,35 @@ static inline const float* kv_row(const float* cache, const int32_t* table, int 
     return cache + (int64_t)table[j / block_size] * block_stride + (int64_t)(j % block_size) * token_stride
            + (int64_t)kh * head_dim;
 }
+
+#if defined(__AVX512F__)
+/* out[c][r] = rows[r][col + c] for a 16 x 16 tile: pairs, quads, then the 128-bit lanes exchanged twice. */
+static inline void transpose16(const float* const rows[KT], int col, float (*out)[KT]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        const __m512 a = _mm512_loadu_ps(rows[i] + col), b = _mm512_loadu_ps(rows[i + 1] + col);
+        t[i] = _mm512_unpacklo_ps(a, b); /* per 128-bit lane k: rows i, i+1 at columns 4k, 4k+1 */
+        t[i + 1] = _mm512_unpackhi_ps(a, b); /* ... at columns 4k+2, 4k+3 */
+    }
+    for (int g = 0; g < 16; g += 4) { /* u[g + j], lane k: rows g .. g+3 at column 4k + j */
+        const __m512d t0 = _mm512_castps_pd(t[g]), t1 = _mm512_castps_pd(t[g + 1]);
+        const __m512d t2 = _mm512_castps_pd(t[g + 2]), t3 = _mm512_castps_pd(t[g + 3]);
+        u[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+        u[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+        u[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+        u[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512 v = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), w = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xdd);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+        const __m512 w2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xdd);
+        _mm512_storeu_ps(out[j], _mm512_shuffle_f32x4(v, v2, 0x88));
+        _mm512_storeu_ps(out[8 + j], _mm512_shuffle_f32x4(v, v2, 0xdd));
+        _mm512_storeu_ps(out[4 + j], _mm512_shuffle_f32x4(w, w2, 0x88));
+        _mm512_storeu_ps(out[12 + j], _mm512_shuffle_f32x4(w, w2, 0xdd));
+    }
+}
+#endif
 
 /* One work item: query positions [p0, p1) of a sequence (positions within its q_len new tokens), one KV
  * head's group of query heads. */
@@ -74,16 +106,19 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
     const int first_key = lowest[0];      /* ... and its first row sees the earliest */
     for (int j0 = first_key - first_key % KT; j0 <= last_key; j0 += KT) {
         const int nk = last_key + 1 - j0 < KT ? last_key + 1 - j0 : KT;
+        const float* krows[KT];
         for (int jj = 0; jj < KT; jj++) {
-            if (jj < nk && j0 + jj >= first_key) { /* keys before every row's window are never read */
-                const float* key = kv_row(k_cache, table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim);
-                for (int d = 0; d < head_dim; d++) kt[d][jj] = key[d];
-                vrows[jj] = kv_row(v_cache, table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim);
-            } else {
-                for (int d = 0; d < head_dim; d++) kt[d][jj] = 0.0f;
-                vrows[jj] = 0;
-            }
+            const int seen = jj < nk && j0 + jj >= first_key; /* keys before every row's window are never read */
+            krows[jj] = seen ? kv_row(k_cache, table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim) : 0;
+            vrows[jj] = seen ? kv_row(v_cache, table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim) : 0;
         }
+#if defined(__AVX512F__)
+        if (nk == KT && j0 >= first_key && head_dim % 16 == 0) /* a whole tile: 16 x 16 transposes in registers */
+            for (int d = 0; d < head_dim; d += 16) transpose16(krows, d, &kt[d]);
+        else
+#endif
+        for (int jj = 0; jj < KT; jj++)
+            for (int d = 0; d < head_dim; d++) kt[d][jj] = krows[jj] ? krows[jj][d] : 0.0f;
         for (int row0 = 0; row0 < total; row0 += ROWS) {
             float s[ROWS][KT];
             const int nr = total - row0 < ROWS ? total - row0 : ROWS;
@@ -109,13 +144,18 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
                     for (int jj = 0; jj < KT; jj++) s[i][jj] += qi[d] * kt[d][jj];
             }
             if (softcap > 0.0f) soft_cap(&s[0][0], ROWS * KT, softcap);
+            /* the rows' softmax updates first, then their values: eight independent chains of reductions and
+               exponentials in flight together, not one row's latency after another's */
+            float p[ROWS][KT], corr[ROWS];
+            int from_of[ROWS], n_of[ROWS];
             for (int i = 0; i < nr; i++) {
                 const int row = row0 + i;
                 const int see = limit[row] - j0 + 1; /* keys of this tile the row sees: [from, n) */
                 const int from = lowest[row] > j0 ? lowest[row] - j0 : 0;
                 const int n = see < nk ? see : nk;
+                from_of[i] = from;
+                n_of[i] = n;
                 if (n <= from) continue;
-                float p[KT];
                 float top, sum;
 #if defined(__AVX512F__) /* the tile's scores are one vector: max, exponentials and sum without leaving it */
                 const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << from) - 1u));
@@ -123,7 +163,7 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
                 const float top_tile = _mm512_mask_reduce_max_ps(valid, sv);
                 top = top_tile > m[row] ? top_tile : m[row];
                 const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
-                _mm512_storeu_ps(p, pv);
+                _mm512_storeu_ps(p[i], pv);
                 sum = _mm512_reduce_add_ps(pv);
 #else
                 top = m[row];
@@ -131,15 +171,21 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
                 sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
                 for (int jj = 0; jj < KT; jj++) {
-                    p[jj] = jj >= from && jj < n ? vec_exp(s[i][jj] - top) : 0.0f;
-                    sum += p[jj];
+                    p[i][jj] = jj >= from && jj < n ? vec_exp(s[i][jj] - top) : 0.0f;
+                    sum += p[i][jj];
                 }
 #endif
                 /* 0 on the first tile (m = -inf); 1, with no call, while the running max holds */
-                const float correction = top > m[row] ? expf(m[row] - top) : 1.0f;
-                l[row] = l[row] * correction + sum;
+                corr[i] = top > m[row] ? expf(m[row] - top) : 1.0f;
+                l[row] = l[row] * corr[i] + sum;
                 m[row] = top;
-                float* a = acc + (int64_t)row * head_dim;
+            }
+            for (int i = 0; i < nr; i++) {
+                const int from = from_of[i], n = n_of[i];
+                if (n <= from) continue;
+                const float correction = corr[i];
+                const float* pr = p[i];
+                float* a = acc + (int64_t)(row0 + i) * head_dim;
 #if defined(__AVX512F__)
                 if (head_dim % 64 == 0) { /* four accumulator vectors in registers over the tile's values */
                     const __m512 cr = _mm512_set1_ps(correction);
@@ -149,7 +195,7 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
                         __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(a + d + 32), cr);
                         __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(a + d + 48), cr);
                         for (int jj = from; jj < n; jj++) {
-                            const __m512 pj = _mm512_set1_ps(p[jj]);
+                            const __m512 pj = _mm512_set1_ps(pr[jj]);
                             const float* value = vrows[jj] + d;
                             a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(value), a0);
                             a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(value + 16), a1);
@@ -168,7 +214,7 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
 #pragma omp simd
                     for (int d = 0; d < head_dim; d++) a[d] *= correction;
                 for (int jj = from; jj < n; jj++) {
-                    const float pj = p[jj];
+                    const float pj = pr[jj];
                     const float* value = vrows[jj];
 #pragma omp simd
                     for (int d = 0; d < head_dim; d++) a[d] += pj * value[d];
