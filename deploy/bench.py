@@ -216,10 +216,10 @@ def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
     `sampled_rows`), on the model's own prepared weights, with the faster library for this machine."""
     import torch
 
-    from worker.linear import LIBRARIES, OneDNNMatmul
+    from worker.linear import LIBRARIES
 
     cpu = torch.device("cpu")
-    names = ["dense"] + (["onednn"] if OneDNNMatmul.available(cpu, torch.float32) else [])
+    names = [n for n, cls in LIBRARIES.items() if n == "dense" or cls.available(cpu, torch.float32)]
     hidden = model.config.hidden_size
     best = float("inf")
     for name in names:
@@ -229,6 +229,7 @@ def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
                    for layer in model.layers] if same or model.mm.name == "dense" else None
         if weights is None:  # the dense copies were dropped when packing: only the model's own library is timed
             continue
+        head_lib = model.head_mm if same else lib
         head = model._head if same else lib.prepare(model.embed if model.lm_head is None else model.lm_head)
         xs = {}
         for w in weights[0]:
@@ -237,11 +238,11 @@ def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
         inputs = [xs[w.shape[1]] for w in weights[0]]
         h = torch.randn(sampled_rows, hidden)
 
-        def run(lib=lib, weights=weights, inputs=inputs, head=head, h=h):
+        def run(lib=lib, weights=weights, inputs=inputs, head=head, h=h, head_lib=head_lib):
             for layer in weights:
                 for x, w in zip(inputs, layer, strict=True):
                     lib(x, w)
-            lib(h, head)
+            head_lib(h, head)
 
         best = min(best, _best(run, reps))
     return best
@@ -453,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                         "layer path split by part beside the fused step, at these sequence counts")
     p.add_argument("--decode-context", type=int, default=224, help="with --phases: keys per sequence in that step")
     p.add_argument("--dequantize", action="store_true", help="with --phases: the fp32 copy, not the GGUF's blocks")
-    p.add_argument("--matmul", default="auto", help="matmul library of the in-process phases (auto, dense, onednn)")
+    p.add_argument("--matmul", default="auto", help="matmul library of the in-process phases (auto, dense, onednn, mkl)")
     p.add_argument("--reps", type=int, default=5, help="repetitions of each in-process timing (the best is kept)")
     p.add_argument("--malloc", default=None, choices=["auto", "tcmalloc", "glibc", "default"],
                    help="host allocator of the server's workers and of this process (static batching, phases); "

@@ -179,7 +179,9 @@ class NativeHead:
     def weight_of(model) -> torch.Tensor | None:
         """The head as plain fp32 rows (the matmul library's own weight, or the tied embeddings / the loaded
         parameter where that one is in another layout), or None: a quantized head keeps its own kernel."""
-        if not isinstance(model._head, torch.Tensor):
+        from worker.quantized import QuantLinear, QuantStack, QuantWeight
+
+        if isinstance(model._head, (QuantLinear, QuantStack, QuantWeight)):
             return None
         for t in (model._head, model.lm_head if model.lm_head is not None else model.embed):
             if _plain(t) and t.shape[0] == model.shard.vocab_shard_size and t.shape[1] % 32 == 0:

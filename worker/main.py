@@ -72,9 +72,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="on a CPU (fp32, one rank), a decode-only step of a few sequences runs as one native call "
                         "(fused: the threads stay up for the whole step; fp32 weights are then also kept unpacked "
                         "where --matmul packs them for oneDNN) or layer by layer as every other step")
-    g.add_argument("--matmul", default="auto", choices=["auto", "dense", "onednn"],
+    g.add_argument("--matmul", default="auto", choices=["auto", "dense", "onednn", "mkl"],
                    help="projection matmuls: auto times the libraries on the model's shapes at start and keeps the "
-                        "fastest; dense is F.linear; onednn packs each weight once (CPU, fp32)")
+                        "fastest; dense is F.linear; onednn and mkl pack each weight once (CPU, fp32)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")

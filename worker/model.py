@@ -20,7 +20,7 @@ from worker.attention import AttentionBackend
 from worker.checkpoint import TensorSource
 from worker.fused import TorchOps, default_ops, rms_norm
 from worker.kv_pool import KVPool
-from worker.linear import DenseMatmul
+from worker.linear import DenseMatmul, head_library
 from worker.model_config import ModelConfig
 from worker.moe import MoE
 from worker.parallel import Collectives, Shard, make_shard
@@ -158,6 +158,7 @@ class LlamaModel(nn.Module):
         self.mm = None  # set by use_matmul (dense F.linear on the loaded weights unless told otherwise)
         self.ops: TorchOps | None = None  # the elementwise tail (worker/fused.py), chosen at the first forward
         self._head: torch.Tensor | None = None
+        self.head_mm = None  # the LM head's library: the projections' unless that one names another
         self.fused = None  # worker/fused_decode.py: decode-only steps in one native call, where set
         self.native_head = None  # worker/fused_decode.py NativeHead: a few rows' logits on plain fp32 rows
 
@@ -168,7 +169,8 @@ class LlamaModel(nn.Module):
         drop = drop_dense and lib.name != "dense"
         for layer in self.layers:
             layer.use_matmul(lib, drop)
-        self._head = lib.prepare(self.embed if self.lm_head is None else self.lm_head)
+        self.head_mm = head_library(lib, self.embed.device, self.embed.dtype)
+        self._head = self.head_mm.prepare(self.embed if self.lm_head is None else self.lm_head)
         if drop and self.lm_head is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         self.mm = lib
@@ -229,7 +231,7 @@ class LlamaModel(nn.Module):
         self._head, quantized = linear(q, head)
         if self.lm_head is not None and (quantized or lib.dense.name != "dense"):  # the embeddings stay: lookup
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
-        self.mm = lib
+        self.mm = self.head_mm = lib
         return counts
 
     def matmul_shapes(self) -> list[tuple[int, int]]:
@@ -280,7 +282,7 @@ class LlamaModel(nn.Module):
         if self.native_head is not None and self.native_head.covers(hidden):
             logits = self.native_head(hidden)
         else:
-            logits = self.mm(hidden, self._head).float()  # [rows, vocab_shard_size]
+            logits = (self.head_mm or self.mm)(hidden, self._head).float()  # [rows, vocab_shard_size]
         if self.shard.size > 1:
             logits = self.comm.all_gather_last(logits)[:, : self.config.vocab_size]
         cap = self.config.final_logit_softcap

@@ -291,7 +291,7 @@ class QuantizedMatmul:
         return y
 
     def __call__(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(w, torch.Tensor):
+        if not isinstance(w, (QuantWeight, QuantStack, QuantLinear)):  # the dense library's own weight
             return self.dense(x, w, bias)
         q, dense = (w.q, w.dense) if isinstance(w, QuantLinear) else (w, None)
         x = x if x.is_contiguous() and x.dtype == torch.float32 else x.float().contiguous()
