@@ -427,6 +427,21 @@ def report(r: dict) -> None:
           f"(p50 {r['p50_ttft_s']:.2f} s, {r['tokens']} tokens in {r['wall_s']:.1f} s)")
 
 
+def _round_ratios(rounds: list[dict]) -> None:
+    """Every server configuration against the vLLM measured in the same round, round by round, and the
+    medians: a slow spell of the machine falls on both sides of a ratio alike."""
+    med = statistics.median
+    for key in [k for k in rounds[0] if k.startswith("server")]:
+        name = rounds[0][key]["name"]
+        tput = [r[key]["tok_s"] / r["vllm"]["tok_s"] for r in rounds]
+        ttft = [r[key]["mean_ttft_s"] / r["vllm"]["mean_ttft_s"] for r in rounds]
+        print(f"{name} / vLLM, every round: throughput " + ", ".join(f"x{x:.2f}" for x in tput)
+              + "; mean TTFT " + ", ".join(f"x{x:.2f}" for x in ttft))
+        print(f"{name} / vLLM, median of {len(rounds)} rounds: throughput x{med(tput):.2f}, mean TTFT "
+              f"x{med(ttft):.2f} ({med(r[key]['tok_s'] for r in rounds):.1f} against "
+              f"{med(r['vllm']['tok_s'] for r in rounds):.1f} tok/s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedserve-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -444,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--with-vllm", action="store_true",
                    help="also run vLLM's CPU build on the workload right after the server (../shared/bench/vllm-cpu.sh)")
     p.add_argument("--vllm-script", default=str(VLLM_SCRIPT))
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure the server (each --server-flags too) and vLLM this many times, taking turns; "
+                        "with --with-vllm, prints every round's ratio and their median")
     p.add_argument("--server-flags", action="append", default=None, metavar="FLAGS",
                    help="run the server once more with these serve flags (repeatable; e.g. --dequantize for fp32)")
     p.add_argument("--phases", action="store_true",
@@ -467,28 +485,38 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_workload(args.workload)[: args.num_requests]
     print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.max_tokens} output tokens each, greedy, ignore_eos; host malloc of this process: {allocator}")
-    results = {}
-    if args.only in (None, "server"):
-        results["server"] = bench_server(args, prompts)
-        report(results["server"])
-        for flags in args.server_flags or ():
-            results[f"server {flags}"] = bench_server(args, prompts, flags)
-            report(results[f"server {flags}"])
-        prof = results["server"]["profile"]
+    results: dict = {}
+    rounds: list[dict] = []  # each round: every server configuration, then vLLM, in turn
+    for i in range(args.rounds if args.only in (None, "server") or args.with_vllm else 0):
+        if args.rounds > 1:
+            print(f"round {i + 1} of {args.rounds}")
+        r: dict = {}
+        if args.only in (None, "server"):
+            for flags in ["", *(args.server_flags or ())]:
+                key = f"server {flags}".strip()
+                r[key] = bench_server(args, prompts, flags)
+                report(r[key])
+        if args.with_vllm:
+            r["vllm"] = bench_vllm(args)
+            report(r["vllm"])
+        rounds.append(r)
+    if rounds:
+        results.update(rounds[-1])
+        results["rounds"] = rounds
+        prof = results.get("server", {}).get("profile")
         if prof:
             steps = max(prof["steps"], 1)
             keys = ["schedule", "build_plan", "round_trip", "worker_prepare", "worker_forward", "worker_sample",
                     "process_output"]
             print(f"  engine steps: {prof['steps']}, {prof['tokens']} tokens computed; mean ms per step: "
                   + ", ".join(f"{k} {prof[k] / steps * 1e3:.1f}" for k in keys))
-    if args.with_vllm:
-        results["vllm"] = bench_vllm(args)
-        report(results["vllm"])
+    if args.with_vllm and len(rounds) > 1:
+        _round_ratios(rounds)
     if args.only in (None, "static"):
         results["static"] = bench_static(args, prompts)
         report(results["static"])
     s = results.get("server")
-    for key in ("static", "vllm") if s else ():
+    for key in ("static", "vllm") if s and len(rounds) <= 1 else ("static",) if s else ():
         if key in results:
             b = results[key]
             print(f"ratio pagedserve / {b['name']}: throughput x{s['tok_s'] / b['tok_s']:.2f}, "

@@ -7,7 +7,9 @@
  * thread pool): it walks the sequence's blocks once, each block's rows read in one pass, and asks for the
  * next block before computing the current one, since blocks lie anywhere in the pool. Per block and GQA
  * group: the scores of the group's heads, then an online softmax update (running max and sum, accumulator
- * rescaled when the max rises), so every key and value is read exactly once. Built by kernels/cpu_native.py
+ * rescaled when the max rises), so every key and value is read exactly once. On AVX-512 a block's sixteen
+ * dot products are summed together by a transposing tree (sum16), the query of a 64- or 128-wide head stays
+ * in registers, and up to three heads of a group take each value row at once. Built by kernels/cpu_native.py
  * with -O3 -march=native; the inner loops over head_dim are written for the compiler to vectorize.
  */
 #include <math.h>
@@ -55,24 +57,108 @@ static inline float dot(const float* a, const float* b, int n) {
     } while (0)
 
 #if defined(__AVX512F__)
+/* sum16: lane t of the result is the sum of v[t]'s sixteen lanes. A transposing tree (pairs of rows, then
+ * pairs of pairs, then 128-bit quarters) takes 45 instructions for the sixteen sums where a horizontal
+ * reduction each takes ~130, and leaves the scores in one register in key order. */
+static inline __m512 sum16(const __m512* v) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++) /* per quarter: [x0+x2, y0+y2, x1+x3, y1+y3] of rows x = v[2i], y = v[2i+1] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per quarter: rows 4i..4i+3, each summed over the quarter's four lanes */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* the four quarters of each b summed, b[i]'s total landing in quarter i */
+    const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+    const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+/* acc[h] = acc[h] * correction[h] + sum over the block's keys t of p[h][t] * value[t], for `heads` query
+ * heads at once over 64 dimensions from d: each value vector loaded once for them all, and 4 x heads
+ * independent multiply-add chains (a chain per head would wait on its own latency). */
+static inline __attribute__((always_inline)) void values64(int heads, const float* vb, int64_t token_stride,
+                                                           int count, int d, float (*p)[LANES], const float* corr,
+                                                           float* acc, int head_dim) {
+    __m512 a[3][4];
+    for (int h = 0; h < heads; h++) {
+        const __m512 c = _mm512_set1_ps(corr[h]);
+        for (int j = 0; j < 4; j++) a[h][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * head_dim + d + j * LANES), c);
+    }
+    for (int t = 0; t < count; t++) {
+        const float* value = vb + t * token_stride + d;
+        const __m512 v0 = _mm512_loadu_ps(value), v1 = _mm512_loadu_ps(value + LANES);
+        const __m512 v2 = _mm512_loadu_ps(value + 2 * LANES), v3 = _mm512_loadu_ps(value + 3 * LANES);
+        for (int h = 0; h < heads; h++) {
+            const __m512 pt = _mm512_set1_ps(p[h][t]);
+            a[h][0] = _mm512_fmadd_ps(pt, v0, a[h][0]);
+            a[h][1] = _mm512_fmadd_ps(pt, v1, a[h][1]);
+            a[h][2] = _mm512_fmadd_ps(pt, v2, a[h][2]);
+            a[h][3] = _mm512_fmadd_ps(pt, v3, a[h][3]);
+        }
+    }
+    for (int h = 0; h < heads; h++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + h * head_dim + d + j * LANES, a[h][j]);
+}
+
+/* One key's dot product with a query held in nv registers (nv = head_dim / 16, a constant where inlined):
+ * two multiply-add chains, so the sum waits on half as many latencies. */
+static inline __attribute__((always_inline)) __m512 key_dot(const __m512* q, const float* key, int nv) {
+    __m512 a0 = _mm512_mul_ps(q[0], _mm512_loadu_ps(key));
+    __m512 a1 = _mm512_mul_ps(q[1], _mm512_loadu_ps(key + LANES));
+    for (int j = 2; j < nv; j += 2) {
+        a0 = _mm512_fmadd_ps(q[j], _mm512_loadu_ps(key + j * LANES), a0);
+        a1 = _mm512_fmadd_ps(q[j + 1], _mm512_loadu_ps(key + (j + 1) * LANES), a1);
+    }
+    return _mm512_add_ps(a0, a1);
+}
+
+/* The sixteen partial-sum vectors of a block's keys against one query head (zeros past count), asking
+ * for the next block's key and value rows of the first `pf` keys, one key's at a time. nv: head_dim / 16
+ * where that is 4 or 8 (the query kept in registers, the loop unrolled), else 0 (any multiple of 16). */
+static inline __attribute__((always_inline)) void score_parts(const float* qg, const float* kb, int64_t token_stride,
+                                                              int count, int nv, int head_dim, int pf,
+                                                              const float* kn, const float* vn, __m512* part) {
+    __m512 q[8];
+    for (int j = 0; j < nv; j++) q[j] = _mm512_loadu_ps(qg + j * LANES);
+    for (int t = 0; t < LANES; t++) {
+        if (t >= count) {
+            part[t] = _mm512_setzero_ps();
+            continue;
+        }
+        if (t < pf) {
+            prefetch_rows(kn + t * token_stride, 0, 1, head_dim);
+            prefetch_rows(vn + t * token_stride, 0, 1, head_dim);
+        }
+        const float* key = kb + t * token_stride;
+        if (nv) {
+            part[t] = key_dot(q, key, nv);
+        } else {
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(key));
+            for (int d = LANES; d < head_dim; d += LANES)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(key + d), a);
+            part[t] = a;
+        }
+    }
+}
+
 /* One block of keys for one GQA group: scores, online-softmax update, values accumulated. */
 static void block_avx512(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
                          int group, int head_dim, float* m, float* l, float* acc, const float* kn, const float* vn,
                          int next_count, float softcap) {
     float scores[MAX_GROUP][LANES];
+    float correction[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         const float* qg = qs + g * head_dim;
-        for (int t = 0; t < count; t++) {
-            if (g == 0 && kn && t < next_count) { /* the next block's key and value rows, one key's at a time */
-                prefetch_rows(kn + t * token_stride, 0, 1, head_dim);
-                prefetch_rows(vn + t * token_stride, 0, 1, head_dim);
-            }
-            const float* key = kb + t * token_stride;
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(key));
-            for (int d = LANES; d < head_dim; d += LANES)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(key + d), a);
-            scores[g][t] = _mm512_reduce_add_ps(a);
-        }
+        const int pf = g == 0 && kn ? next_count : 0; /* the first head asks for the next block */
+        __m512 part[LANES]; /* per key: its dot product's sixteen partial sums */
+        if (head_dim == 4 * LANES)
+            score_parts(qg, kb, token_stride, count, 4, head_dim, pf, kn, vn, part);
+        else if (head_dim == 8 * LANES)
+            score_parts(qg, kb, token_stride, count, 8, head_dim, pf, kn, vn, part);
+        else
+            score_parts(qg, kb, token_stride, count, 0, head_dim, pf, kn, vn, part);
+        _mm512_storeu_ps(scores[g], sum16(part));
     }
     if (softcap > 0.0f) soft_cap(&scores[0][0], group * LANES, softcap);
     const __mmask16 valid = (__mmask16)((1u << count) - 1u);
@@ -80,34 +166,26 @@ static void block_avx512(const float* qs, const float* kb, const float* vb, int6
         const __m512 s = _mm512_maskz_loadu_ps(valid, scores[g]);
         const float top_block = _mm512_mask_reduce_max_ps(valid, s);
         const float top = top_block > m[g] ? top_block : m[g];
-        const float correction = expf(m[g] - top); /* 0 on the first block: m = -inf */
+        correction[g] = top > m[g] ? expf(m[g] - top) : 1.0f; /* 0 on the first block: m = -inf */
         const __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-        l[g] = l[g] * correction + _mm512_reduce_add_ps(p);
+        l[g] = l[g] * correction[g] + _mm512_reduce_add_ps(p);
         m[g] = top;
         _mm512_storeu_ps(scores[g], p);
-        float* ag = acc + g * head_dim;
-        const __m512 c = _mm512_set1_ps(correction);
-        int d = 0;
-        for (; d + 4 * LANES <= head_dim; d += 4 * LANES) { /* four independent chains: FMA throughput, not latency */
-            __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(ag + d), c);
-            __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(ag + d + LANES), c);
-            __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(ag + d + 2 * LANES), c);
-            __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(ag + d + 3 * LANES), c);
-            for (int t = 0; t < count; t++) {
-                const __m512 pt = _mm512_set1_ps(scores[g][t]);
-                const float* value = vb + t * token_stride + d;
-                a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(value), a0);
-                a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(value + LANES), a1);
-                a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(value + 2 * LANES), a2);
-                a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(value + 3 * LANES), a3);
-            }
-            _mm512_storeu_ps(ag + d, a0);
-            _mm512_storeu_ps(ag + d + LANES, a1);
-            _mm512_storeu_ps(ag + d + 2 * LANES, a2);
-            _mm512_storeu_ps(ag + d + 3 * LANES, a3);
-        }
-        for (; d < head_dim; d += LANES) {
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ag + d), c);
+    }
+    int d = 0;
+    for (; d + 4 * LANES <= head_dim; d += 4 * LANES) { /* the group's heads three at a time */
+        int g = 0;
+        for (; g + 3 <= group; g += 3)
+            values64(3, vb, token_stride, count, d, scores + g, correction + g, acc + g * head_dim, head_dim);
+        if (group - g == 2)
+            values64(2, vb, token_stride, count, d, scores + g, correction + g, acc + g * head_dim, head_dim);
+        else if (group - g == 1)
+            values64(1, vb, token_stride, count, d, scores + g, correction + g, acc + g * head_dim, head_dim);
+    }
+    for (; d < head_dim; d += LANES) { /* head_dim's last sixteens past a multiple of 64 */
+        for (int g = 0; g < group; g++) {
+            float* ag = acc + g * head_dim;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(ag + d), _mm512_set1_ps(correction[g]));
             for (int t = 0; t < count; t++)
                 a = _mm512_fmadd_ps(_mm512_set1_ps(scores[g][t]), _mm512_loadu_ps(vb + t * token_stride + d), a);
             _mm512_storeu_ps(ag + d, a);
