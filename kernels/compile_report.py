@@ -99,7 +99,8 @@ def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int, num_s
     sig = {}
     for name in fn.arg_names:
         sig[name] = "constexpr" if name in constexprs else signature[name]
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a in fn.arg_names}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned
+             if a in fn.arg_names and a not in constexprs}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     target = GPUTarget("cuda", capability, 32)
     compiled = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))

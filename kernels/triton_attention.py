@@ -191,6 +191,68 @@ def _decode_reduce_kernel(
              (acc / denom).to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
+
+
+@triton.jit
+def _prefill_tile(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, pos0, kv_end, causal, d, d_mask,
+                  m, denom, acc, qk_scale, softcap, window,
+                  stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd,
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+                  PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, POOL_I32: tl.constexpr,
+                  SLIDING: tl.constexpr):
+    """One key tile of the prefill kernel, in base-2 units: m is the running max of scores x log2(e) x scale.
+    MASKED: the tile crosses the causal diagonal, the sequence's end or a sliding window's lower edge (causal
+    is each row's last visible key); unmasked tiles are seen whole by every row, and pay for no comparison.
+    POOL_I32: the pool has fewer than 2**31 elements, so offsets into it fit 32 bits."""
+    pos = pos0 + tl.arange(0, TILE)
+    pos_mask = pos < kv_end
+    if MASKED:
+        block = tl.load(block_tables_ptr + seq * stride_bts + (pos // BLOCK_SIZE) * stride_btb, mask=pos_mask,
+                        other=0)
+    else:
+        block = tl.load(block_tables_ptr + seq * stride_bts + (pos // BLOCK_SIZE) * stride_btb)
+    if not POOL_I32:
+        block = block.to(tl.int64)
+    row = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch  # [TILE]
+    kv_off = row[:, None] + d[None, :] * stride_cd  # [TILE, BLOCK_D]
+    if MASKED:
+        kv_mask = pos_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    elif EVEN_D:  # inside the sequence and a whole head: nothing to mask
+        k = tl.load(k_cache_ptr + kv_off)
+        v = tl.load(v_cache_ptr + kv_off)
+    else:
+        k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, TILE], unscaled
+    if SOFTCAP:  # softcap * tanh(s * scale / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1); then into base 2
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s * (qk_scale / LOG2E) / softcap) + 1.0)) * LOG2E
+    else:
+        s = s * qk_scale
+    if MASKED:
+        # a row's last visible key lies before kv_end for every stored row (rows past q_len are never stored)
+        visible = pos[None, :] <= causal[:, None]
+        if SLIDING:
+            visible = visible & (pos[None, :] > causal[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        if SLIDING:  # a row that has seen no key yet (its window starts past this tile) keeps m = -inf:
+            # subtract 0 then, so it stays at zero weight instead of exp(-inf + inf) = NaN
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:  # causal only: the first masked tile holds key 0 or follows an unmasked one, so m is finite
+            m_safe = m_new
+    else:  # every row sees every key of the tile: the new max is finite
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = m_new
+    alpha = tl.math.exp2(m - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, denom, acc
+
+
 @triton.jit(do_not_specialize=STEP_VARYING["_prefill_kernel"],
             do_not_specialize_on_alignment=METADATA_POINTERS["_prefill_kernel"])
 def _prefill_kernel(
@@ -202,41 +264,52 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     head_dim, group, window,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = False,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = False, EVEN_D: tl.constexpr = False,
+    POOL_I32: tl.constexpr = False, SLIDING: tl.constexpr = False,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    tile = tl.program_id(2)
+    # the last query tiles see the most keys: they are launched first, so the short ones fill the tail
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)
     q_start = tl.load(q_starts_ptr + seq).to(tl.int64)  # the sequence's query tokens: [start, end) of the step
     q_len = (tl.load(q_ends_ptr + seq) - q_start).to(tl.int32)
     if tile * BLOCK_M < q_len:
         seq_len = tl.load(seq_lens_ptr + seq)
         prefix = seq_len - q_len  # keys already in the pool before this step's queries
-        kv_head = head // group
+        kv_head = tl.program_id(1) // group  # 32-bit: the pool offsets stay 32-bit where POOL_I32 allows
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
         row_mask = rows < q_len
         d_mask = d < head_dim
         q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        qk_scale = scale * LOG2E
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        causal = prefix + rows  # each row's last visible key
         kv_end = prefix + tl.minimum(q_len, (tile + 1) * BLOCK_M)  # the causal limit of this tile's last row
-        # a sliding window: the tile's first row sees keys from prefix + tile * BLOCK_M - window + 1 on
-        kv_start = tl.where(window > 0, tl.maximum(prefix + tile * BLOCK_M - window + 1, 0), 0)
-        offs = tl.arange(0, TILE)
-        for pos0 in range(kv_start, kv_end, TILE):
-            pos = pos0 + offs
-            pos_mask = pos < kv_end
-            kv_off = _tile_offsets(block_tables_ptr, seq, pos, pos_mask, kv_head, d,
-                                   stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)
-            kv_mask = pos_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            visible = (pos[None, :] <= prefix + rows[:, None]) & pos_mask[None, :]
-            visible = visible & ((pos[None, :] > prefix + rows[:, None] - window) | (window <= 0))
-            m, denom, acc = _attend_tile(q, k, v, visible, m, denom, acc, scale, softcap, PRECISION, SOFTCAP)
+        # keys up to the first row's own are seen by every row of the tile: whole tiles of them go unmasked.
+        # Under a sliding window (whose lower edge moves with the row) none do, and the tile's first row sees
+        # keys from prefix + tile * BLOCK_M - window + 1 on
+        if SLIDING:
+            kv_start = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
+            full_end = kv_start
+        else:
+            kv_start = 0
+            full_end = ((prefix + tile * BLOCK_M + 1) // TILE) * TILE
+        for pos0 in range(kv_start, full_end, TILE):
+            m, denom, acc = _prefill_tile(
+                q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, pos0, kv_end, causal, d, d_mask,
+                m, denom, acc, qk_scale, softcap, window,
+                stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd,
+                BLOCK_SIZE, TILE, False, EVEN_D, PRECISION, SOFTCAP, POOL_I32, SLIDING)
+        for pos0 in range(full_end, kv_end, TILE):
+            m, denom, acc = _prefill_tile(
+                q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, pos0, kv_end, causal, d, d_mask,
+                m, denom, acc, qk_scale, softcap, window,
+                stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd,
+                BLOCK_SIZE, TILE, True, EVEN_D, PRECISION, SOFTCAP, POOL_I32, SLIDING)
         # rows past q_len in a sliding window see no key (denom 0): they are not stored, and not divided by 0
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
@@ -283,14 +356,18 @@ def decode_config(head_dim: int, group: int, block_size: int, on_gpu: bool) -> d
 
 
 def prefill_config(head_dim: int, block_size: int, on_gpu: bool) -> dict:
-    """Constexprs and launch options of _prefill_kernel (chosen as decode_config's are)."""
+    """Constexprs and launch options of _prefill_kernel, chosen on an H100 (deploy/bench_kernels.py --sweep,
+    docs/BENCHMARKS.md) among the configurations that spill under no Triton release we build with. The kernel
+    is bound by its matrix products: up to head_dim 128, 64-row query tiles on one warpgroup (4 warps, one
+    64-row wgmma) against 64-key tiles run at 0.71x flash SDPA at d128 and 0.94x at d64, as fast as 128 x 128
+    tiles on two warpgroups at d128 and far faster at d64."""
     block_d = _pow2(head_dim, 16)
     if not on_gpu:
         return dict(BLOCK_M=16, TILE=2 * block_size, BLOCK_D=block_d)
-    if block_d <= 128:  # a third pipeline stage costs more than it hides here (sweep: 114 vs 186 TFLOP/s)
-        cfg = dict(BLOCK_M=64, TILE=64, num_warps=8, num_stages=2)
-    else:  # [32, 256] queries and a 16-key tile: a 64 x 32 tile spills 432 bytes a thread at d256
-        cfg = dict(BLOCK_M=32, TILE=16, num_warps=8, num_stages=2)
+    if block_d <= 128:
+        cfg = dict(BLOCK_M=64, TILE=64, num_warps=4, num_stages=2)
+    else:  # [64, 256] queries against 32-key tiles on 8 warps; 4 warps or 64-key tiles spill at d256
+        cfg = dict(BLOCK_M=64, TILE=32, num_warps=8, num_stages=2)
     return {**cfg, "BLOCK_D": block_d, **OVERRIDES.get("prefill", {})}
 
 
@@ -462,12 +539,13 @@ def _prefill(q, k_cache, v_cache, block_tables, seq_lens, q_starts, q_ends, scal
     _, block_size, n_kv_heads, _ = k_cache.shape
     if max_q_len is None:
         max_q_len = int((q_ends - q_starts).max())
-    cfg = prefill_config(head_dim, block_size, _on_gpu(q.device))
+    cfg = dict(EVEN_D=head_dim == _pow2(head_dim, 16), POOL_I32=k_cache.numel() < 2**31,
+               **prefill_config(head_dim, block_size, _on_gpu(q.device)))
     _prefill_kernel[(seq_lens.shape[0], n_heads, triton.cdiv(max_q_len, cfg["BLOCK_M"]))](
         q, k_cache, v_cache, out, block_tables, seq_lens, q_starts, q_ends, scale, float(softcap),
         *q.stride(), *k_cache.stride(), *block_tables.stride(), *out.stride(),
         head_dim, n_heads // n_kv_heads, window,
-        BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), SOFTCAP=softcap > 0, **cfg,
+        BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), SOFTCAP=softcap > 0, SLIDING=window > 0, **cfg,
     )
 
 
@@ -482,6 +560,9 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
     def types(fn, pointers: dict, floats=("scale", "softcap")):
         return {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
 
+    def unit(fn):  # the strides that are 1 at every launch: the runtime compiles them in as constants
+        return {n: 1 for n in _UNIT_STRIDES if n in fn.arg_names and n not in STEP_VARYING.get(fn.__name__, ())}
+
     for head_dim in head_dims:
         for block_size in block_sizes:
             for group in (4, 8):
@@ -492,7 +573,8 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
                     signature=types(_decode_split_kernel, dict(
                         q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                         mid_o_ptr="*fp32", mid_lse_ptr="*fp32")),
-                    constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, SOFTCAP=False, **cfg), aligned=_ALIGNED, **options))
+                    constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, SOFTCAP=False, **unit(_decode_split_kernel), **cfg),
+                    aligned=_ALIGNED, **options))
             cfg = prefill_config(head_dim, block_size, True)
             options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
             cases.append(dict(
@@ -500,23 +582,31 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
                 signature=types(_prefill_kernel, dict(
                     q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr, block_tables_ptr="*i32",
                     seq_lens_ptr="*i32", q_starts_ptr="*i32", q_ends_ptr="*i32")),
-                constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, SOFTCAP=False, **cfg), aligned=_ALIGNED, **options))
+                constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, SOFTCAP=False, EVEN_D=head_dim == cfg["BLOCK_D"],
+                                POOL_I32=True, SLIDING=False, **unit(_prefill_kernel), **cfg),
+                aligned=_ALIGNED, **options))
         cfg = reduce_config(head_dim, True)
         options = dict(num_warps=cfg.pop("num_warps"), num_stages=3)
         cases.append(dict(
             name=f"decode_reduce d{head_dim}", fn=_decode_reduce_kernel,
             signature=types(_decode_reduce_kernel, dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr=ptr,
                                                         seq_lens_ptr="*i32")),
-            constexprs=cfg, aligned=("mid_o_ptr", "mid_lse_ptr", "out_ptr"), **options))
+            constexprs={**cfg, **unit(_decode_reduce_kernel)}, aligned=("mid_o_ptr", "mid_lse_ptr", "out_ptr"),
+            **options))
         cases.append(dict(
             name=f"write_kv d{head_dim}", fn=_write_kv_kernel,
             signature=types(_write_kv_kernel, dict(k_ptr=ptr, v_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr,
                                                    slot_ptr="*i64")),
-            constexprs=dict(BLOCK_D=_pow2(head_dim)), aligned=("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"),
+            constexprs=dict(BLOCK_D=_pow2(head_dim), **unit(_write_kv_kernel)),
+            aligned=("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"),
             num_warps=4, num_stages=3))
     return cases
 
 
+# Unit strides (a head's elements, a table's entries, a split's partial output) are 1 on every launch, and the
+# runtime compiles an integer argument equal to 1 in as a constant: the report does the same.
+_UNIT_STRIDES = ("stride_qd", "stride_cd", "stride_od", "stride_kd", "stride_vd", "stride_btb", "stride_mod",
+                 "stride_mlp")
 # What the runtime specializes on a real launch: the pool, q and outputs are 16-byte aligned, and the pool's
 # strides are multiples of 16.
 _ALIGNED = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "mid_o_ptr", "mid_lse_ptr", "stride_qt", "stride_qh",

@@ -144,8 +144,10 @@ def test_an_expert_split_that_does_not_divide_is_refused():
 @pytest.mark.kernels
 def test_a_whole_model_through_the_triton_experts_equals_the_grouped_loop(tmp_path):
     """A Qwen3-MoE model's step (a prompt and a batch of decodes) with the experts on the Triton kernels gives
-    the logits of the grouped loop: the layer hands both the same routing and adds the result alike."""
+    the logits of the grouped loop: the layer hands both the same routing and adds the result alike. On a GPU
+    machine both run on the GPU (the native kernels take device tensors); elsewhere in the interpreter."""
     pytest.importorskip("kernels.triton_moe", reason="triton is not installed")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from tests.test_model import BLOCK, run_step
     from tests.tiny import make_tiny_llama
     from worker.kv_pool import KVPool
@@ -153,14 +155,14 @@ def test_a_whole_model_through_the_triton_experts_equals_the_grouped_loop(tmp_pa
 
     folder = make_tiny_llama(tmp_path, seed=5, family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                              moe_intermediate_size=32, norm_topk_prob=True)
-    model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    model, config = load_model(str(folder), "auto", torch.float32, device)
     # a prompt, and two sequences of one token (decode rows over only their own key: no unwritten slot read)
     seqs = [([(5 * i) % 300 + 3 for i in range(9)], 0, [0, 1, 2]), ([7], 0, [3]), ([11], 0, [5])]
     logits = {}
     for backend in ("torch", "triton"):
         for layer in model.layers:
             layer.moe.backend = backend
-        pool = KVPool(config, 8, BLOCK, torch.float32, torch.device("cpu"))
+        pool = KVPool(config, 8, BLOCK, torch.float32, device)
         logits[backend] = run_step(model, config, pool, seqs)[0]
     assert torch.isfinite(logits["torch"]).all()
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
