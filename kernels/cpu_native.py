@@ -165,20 +165,22 @@ class NativeKernels:
             raise ValueError(f"quant_dequant does not serve ggml type {type_id} with {in_dim} inputs")
 
     # packed_blocks.h's type ids: 16 rows interleaved, multiplied with 16-bit integer activations
-    PACKED_Q4, PACKED_Q8 = 100, 101
-    _PACKABLE = {2: (PACKED_Q4, 20), 3: (PACKED_Q4, 20), 8: (PACKED_Q8, 34)}  # Q4_0, Q4_1, Q8_0
+    PACKED_Q4, PACKED_Q8, PACKED_Q4K, PACKED_Q6K = 100, 101, 102, 103
+    # ggml type -> (packed type, bytes a row per block, values a block): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+    _PACKABLE = {2: (PACKED_Q4, 20, 32), 3: (PACKED_Q4, 20, 32), 8: (PACKED_Q8, 34, 32),
+                 12: (PACKED_Q4K, 152, 256), 14: (PACKED_Q6K, 212, 256)}
 
     def pack(self, w: torch.Tensor, type_id: int, out_dim: int, in_dim: int) -> tuple[torch.Tensor, int]:
-        """Q4_0 / Q4_1 / Q8_0 blocks uint8 [out_dim, blocks] (out_dim a multiple of 16) -> (the packed layout
-        of kernels/cpu/packed_blocks.h, uint8 [out_dim, in_dim / 32 * block bytes], its type id), which
-        quant_matmul and quant_dequant take (its rows are interleaved: it cannot be sliced)."""
+        """Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks uint8 [out_dim, blocks] (out_dim a multiple of 16) -> (the
+        packed layout of kernels/cpu/packed_blocks.h, uint8 [out_dim, in_dim / values * bytes], its type id),
+        which quant_matmul and quant_dequant take (its rows are interleaved: it cannot be sliced)."""
         if not (w.dtype == torch.uint8 and w.is_contiguous() and w.device.type == "cpu"):
             raise ValueError("pack needs contiguous uint8 blocks on the CPU")
-        packed, bb = self._PACKABLE.get(type_id, (0, 0))
-        out = torch.empty(out_dim, in_dim // 32 * bb, dtype=torch.uint8)
+        packed, bb, values = self._PACKABLE.get(type_id, (0, 0, 32))
+        out = torch.empty(out_dim, in_dim // values * bb, dtype=torch.uint8)
         if not packed or self._pack(w.data_ptr(), out_dim, in_dim, type_id, out.data_ptr()):
-            raise ValueError(f"pack packs Q4_0, Q4_1 and Q8_0 matrices of whole 16-row groups, not type {type_id} "
-                             f"{out_dim}x{in_dim}")
+            raise ValueError(f"pack packs Q4_0, Q4_1, Q8_0, Q4_K and Q6_K matrices of whole 16-row groups, not "
+                             f"type {type_id} {out_dim}x{in_dim}")
         return out, packed
 
     # --- the elementwise tail (fp32, contiguous rows; checked by the callers in worker/fused.py) -----------

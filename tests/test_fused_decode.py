@@ -244,11 +244,13 @@ def test_the_portable_paths_built_for_avx2_compute_the_same(tmp_path):
     assert " passed" in run.stdout.splitlines()[-1]
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["file-layout", "packed"])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_model(tmp_path, qtype):
+def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_model(tmp_path, qtype, packing):
     """Every projection as random K-quant blocks (256-value blocks: a model 256 wide), the QKV stack's values
     in the other K type: the fused step gives the layer path's floats, and both the dense model's on gguf's
-    dequantization of the same blocks."""
+    dequantization of the same blocks — on the file's layout with fp32 activations, and packed for the
+    integer kernel (16-bit activations), the stack's two segments each packed in its own type."""
     from tests.test_quantized import random_k_blocks
     from worker.main import use_fused_decode
     from worker.quantized import QuantizedMatmul, QuantLinear, QuantWeight
@@ -259,7 +261,7 @@ def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_
     dense_model, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
     dense_model.use_matmul(DenseMatmul())
     rng = np.random.default_rng(0)
-    lib = QuantizedMatmul(cpu_native.load(), DenseMatmul(), max_kernel_rows=16)
+    lib = QuantizedMatmul(cpu_native.load(), DenseMatmul(), max_kernel_rows=16, packing=packing)
     for layer, twin in zip(model.layers, dense_model.layers, strict=True):
         layer.w = {}
         for name in layer.MATMUL_WEIGHTS:
@@ -272,11 +274,13 @@ def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_
                 q = QuantWeight.cat([q.rows(slice(0, out_dim - kv)), v])
                 reference[out_dim - kv:] = v_ref
                 assert [p.qtype for p in q.segments] == [qtype, other]
-            layer.w[name] = QuantLinear(q, None)
+            packed = lib.pack(q)
+            assert all(p.qtype.endswith("_x16") == packing for p in packed.segments)
+            layer.w[name] = QuantLinear(packed, None)
             getattr(twin, name).data.copy_(reference)
         layer.mm = lib
     model._head, model.mm, model.head_mm = DenseMatmul().prepare(model.lm_head), lib, lib
-    use_fused_decode(model, 1, "fp32")
+    use_fused_decode(model, 1, "int16" if packing else "fp32")
     assert model.fused is not None
     for seqs in DECODES:
         want, want_pool = _run(model, config, seqs, fused=False)

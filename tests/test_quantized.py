@@ -372,8 +372,7 @@ def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
     assert torch.equal(lib.dequantize(packed), lib.dequantize(w))
     torch.testing.assert_close(lib.dequantize(packed), reference, rtol=1e-6, atol=1e-7)
     ragged, _ = quantized(np.random.default_rng(5), 40, 320, qtype)  # not whole 16-row groups
-    k_quant, _ = random_k_blocks(np.random.default_rng(6), 48, 512, "Q4_K")
-    assert lib.pack(ragged) is ragged and lib.pack(k_quant) is k_quant
+    assert lib.pack(ragged) is ragged
     other = "Q4_1" if qtype == "Q8_0" else "Q8_0"
     other_ragged, _ = quantized(np.random.default_rng(7), 40, 320, other)
     stack = lib.pack(QuantWeight.cat([w, other_ragged]))  # each run of a stack packed where it applies
@@ -409,6 +408,75 @@ def test_packed_weights_multiply_16bit_rounded_activations(native, qtype, rows, 
     assert (got - exact).norm() / exact.norm() < 2e-4
     bias = torch.randn(64)
     torch.testing.assert_close(lib(x, packed, bias), got + bias)
+    lib.max_kernel_rows = 0
+    torch.testing.assert_close(lib(x, packed), exact, rtol=1e-4, atol=1e-4)
+
+
+def int16_k_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
+    """The packed K kernel's arithmetic in float64. A K-quant value is a_j + z_j, a_j = (d sc) u_j and z_j its
+    zero point (Q4_K: -dmin m; Q6_K: -32 d sc, per 16 values): gguf's dequantization of the same blocks with
+    every u set to 0 gives z. The kernel multiplies a with x rounded per 32-value block to 16-bit integers,
+    and z with x itself."""
+    kind = getattr(gguf.GGMLQuantizationType, w.qtype)
+    zero = w.data.numpy().copy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
+    if w.qtype == "Q4_K":
+        zero[..., 16:144] = 0  # the nibbles
+    else:
+        zero[..., 0:192] = 0  # the low nibbles and the high bit pairs
+    z = torch.from_numpy(gguf.quants.dequantize(zero.reshape(w.out_dim, -1), kind).reshape(w.out_dim, w.in_dim))
+    xf = x.view(x.shape[0], -1, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 32767.0) / amax.clamp_min(1e-30)
+    q = torch.where(amax > 0, torch.round(xf * inv), torch.zeros_like(xf))
+    xq = (q.double() * (amax / 32767).double()).view(x.shape[0], -1)
+    return (xq @ (reference.double() - z.double()).T + x.double() @ z.double().T).float()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_packed_k_quants_hold_gguf_values_at_the_files_size(native, qtype):
+    """Q4_K and Q6_K packed for the integer kernel keep every value (gguf's dequantization, exactly) and about
+    the file's size (the 16 rows' scales as fp32 once a super-block: 152 bytes a row's 256 values for Q4_K's
+    144, 212 for Q6_K's 210); a Q4_K_M projection's mix stacks as two packed runs; packed rows stay whole."""
+    from worker.quantized import PACKED_FROM, QuantStack
+
+    w, reference = random_k_blocks(np.random.default_rng(8), 48, 768, qtype)
+    lib = packing_lib(native)
+    packed = lib.pack(w)
+    assert packed.qtype == PACKED_FROM[qtype] and packed.shape == w.shape
+    assert packed.nbytes == 48 * 3 * {"Q4_K": 152, "Q6_K": 212}[qtype]
+    assert torch.equal(lib.dequantize(packed), reference)
+    other = "Q6_K" if qtype == "Q4_K" else "Q4_K"
+    v, v_ref = random_k_blocks(np.random.default_rng(9), 32, 768, other)
+    stack = lib.pack(QuantWeight.cat([w, v]))
+    assert isinstance(stack, QuantStack) and [p.qtype for p in stack.segments] == [PACKED_FROM[qtype],
+                                                                                    PACKED_FROM[other]]
+    assert torch.equal(lib.dequantize(stack), torch.cat([reference, v_ref]))
+    with pytest.raises(ValueError, match="interleaved"):
+        packed.cols(0, 256)
+    ragged, _ = random_k_blocks(np.random.default_rng(10), 40, 768, qtype)
+    assert lib.pack(ragged) is ragged  # not whole 16-row groups: served as the file ships it
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13])  # every pass of four activation rows, and the tails
+@pytest.mark.parametrize("in_dim", [768, 256])  # three super-blocks, and one
+def test_packed_k_quants_multiply_16bit_rounded_activations(native, qtype, rows, in_dim):
+    """The integer kernel on packed K-quants computes the activations rounded to 16 bits per 32-value block
+    times the values' scaled integers, plus each zero point times the activations' own sums (per 16 values
+    for Q6_K): within 2e-4 of the fp32 product; prefill's path (dequantized, then dense) gives that product."""
+    rng = np.random.default_rng(in_dim + rows)
+    w, reference = random_k_blocks(rng, 64, in_dim, qtype)
+    x = torch.from_numpy(rng.standard_normal((rows, in_dim)).astype(np.float32))
+    x[0, :32] = 0.0  # a block of zeros: scale 0
+    x[-1, 32:64] *= 1e4  # a block far larger than the others keeps their precision
+    lib = packing_lib(native, max_kernel_rows=64)
+    packed = lib.pack(w)
+    got = lib(x, packed)
+    want = int16_k_reference(x, w, reference)
+    scale = want.abs().amax(1, keepdim=True)
+    assert ((got - want).abs() / scale).max() < 2e-6
+    exact = x @ reference.T
+    assert (got - exact).norm() / exact.norm() < 2e-4
     lib.max_kernel_rows = 0
     torch.testing.assert_close(lib(x, packed), exact, rtol=1e-4, atol=1e-4)
 

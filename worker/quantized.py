@@ -31,11 +31,13 @@ log = structlog.get_logger("worker.quantized")
 # 256 values a block: Q4_K with a 6-bit scale and min per 32, Q6_K with an int8 scale per 16).
 QUANT_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                "Q6_K": (14, 256, 210)}
-# Q4_0 / Q4_1 and Q8_0 repacked at load for the integer kernel (kernels/cpu/packed_blocks.h: 16 rows
-# interleaved, each 32-value block's 16 scales together): the same values, read with 16-bit integer
-# activations. Not GGUF types; their rows are interleaved, so a packed weight is never sliced.
-PACKED_TYPES = {"Q4_x16": (100, 32, 20), "Q8_0_x16": (101, 32, 34)}
-PACKED_FROM = {"Q4_0": "Q4_x16", "Q4_1": "Q4_x16", "Q8_0": "Q8_0_x16"}
+# Q4_0 / Q4_1, Q8_0, Q4_K and Q6_K repacked at load for the integer kernel (kernels/cpu/packed_blocks.h: 16
+# rows interleaved, each block's 16 scales together; the K-quants keep their 256-value super-blocks and their
+# size): the same values, read with 16-bit integer activations. Not GGUF types; their rows are interleaved,
+# so a packed weight is never sliced.
+PACKED_TYPES = {"Q4_x16": (100, 32, 20), "Q8_0_x16": (101, 32, 34), "Q4_K_x16": (102, 256, 152),
+                "Q6_K_x16": (103, 256, 212)}
+PACKED_FROM = {"Q4_0": "Q4_x16", "Q4_1": "Q4_x16", "Q8_0": "Q8_0_x16", "Q4_K": "Q4_K_x16", "Q6_K": "Q6_K_x16"}
 
 
 @dataclass
@@ -262,8 +264,8 @@ class QuantizedMatmul:
         return weight if isinstance(weight, (QuantWeight, QuantStack, QuantLinear)) else self.dense.prepare(weight)
 
     def pack(self, w: QuantWeight | QuantStack) -> QuantWeight | QuantStack:
-        """w in the packed layout where packing is on and it applies (Q4_0 / Q4_1 / Q8_0 runs of whole 16-row
-        groups); anything else as it is. Same values: prefill's dense copy is made from either."""
+        """w in the packed layout where packing is on and it applies (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K runs of
+        whole 16-row groups); anything else as it is. Same values: prefill's dense copy is made from either."""
         if not self.packing:
             return w
         if isinstance(w, QuantStack):

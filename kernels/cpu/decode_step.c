@@ -46,7 +46,7 @@ typedef struct {
 typedef struct {
     /* consecutive row ranges, each in its own type: a stack of q, k and v (or gate and up) may mix them, as
        a Q4_K_M file's Q4_K queries beside its Q6_K values do; unused segments have 0 rows */
-    PsSegment seg[MAX_SEGMENTS]; /* a packed segment (PACKED_Q4/Q8) holds whole groups of 16 rows */
+    PsSegment seg[MAX_SEGMENTS]; /* a packed segment (PACKED_Q4/Q8/Q4K/Q6K) holds whole groups of 16 rows */
     int64_t out_dim, in_dim;
     const float* dense; /* the same matrix as plain fp32 rows [out_dim, in_dim], or NULL */
 } PsMatrix;

@@ -20,7 +20,18 @@
        8 x 64 bytes of int8: in part k, byte 4 r + t holds row r's value 4k + t
        16 x fp16 d                              w = d q
    A block's contribution to row r is  d_r dx (sum_j q_rj qx_j) + m_r (sum_j x_j): the integer sum is exact,
-   the offset term uses the activations' fp32 sum. */
+   the offset term uses the activations' fp32 sum.
+
+   The K-quants keep their 256-value super-blocks, so a packed weight is as small as the file's: per group and
+   super-block, a head of the 16 rows' fp32 scales, then its eight 32-value sub-blocks:
+     PACKED_Q4K (from Q4_K), 2432 bytes = 128 head (16 x fp32 d, 16 x fp32 dmin) + 8 x 288:
+       4 x 64 bytes of nibbles as PACKED_Q4's, 16 x u8 sc, 16 x u8 m   w = (d sc) q - (dmin m)
+     PACKED_Q6K (from Q6_K), 3392 bytes = 64 head (16 x fp32 d) + 8 x 416:
+       4 x 64 bytes of the values' low nibbles as PACKED_Q4's; 2 x 64 bytes of their high 2-bit pairs (in part
+       p, byte 4 r + t holds, two bits each from bit 0: the high bits of values 8p + t, 16 + 8p + t, 8p + 4 + t,
+       20 + 8p + t); 16 x i8 scale of values 0-15, 16 x i8 of 16-31     w = (d sc) (u - 32), u = 0..63
+   Both multiply as PACKED_Q4 does (unsigned weights, 16-bit activations); Q4_K's offset meets the sub-block's
+   activation sum, Q6_K's -32 (d sc) the sums of its two 16-value halves, each with its own scale. */
 #ifndef PAGEDSERVE_PACKED_BLOCKS_H
 #define PAGEDSERVE_PACKED_BLOCKS_H
 #include <math.h>
@@ -31,10 +42,27 @@
 
 #define PACKED_Q4 100 /* the type ids the kernels know the packed layouts by (not ggml types) */
 #define PACKED_Q8 101
+#define PACKED_Q4K 102
+#define PACKED_Q6K 103
 #define PACK_ROWS 16
+#define QK_K 256
 
-/* bytes of a group's 32-value block: 256 of nibbles, 16 d, 16 m (Q4); 512 int8 values, 16 d (Q8) */
-static inline int pack_block_bytes(int ptype) { return ptype == PACKED_Q4 ? 320 : ptype == PACKED_Q8 ? 544 : 0; }
+/* bytes of a group's 32-value block: 256 of nibbles, 16 d, 16 m (Q4); 512 int8 values, 16 d (Q8); for the
+   K-quants an eighth of a super-block (head included), so nblocks * pack_block_bytes spans a group as well */
+static inline int pack_block_bytes(int ptype) {
+    switch (ptype) {
+        case PACKED_Q4: return 320;
+        case PACKED_Q8: return 544;
+        case PACKED_Q4K: return 304;
+        case PACKED_Q6K: return 424;
+        default: return 0;
+    }
+}
+static inline int packed_is_k(int ptype) { return ptype == PACKED_Q4K || ptype == PACKED_Q6K; }
+#define Q4K_HEAD 128
+#define Q4K_SUB 288
+#define Q6K_HEAD 64
+#define Q6K_SUB 416
 #define PACK_XROWS 4         /* activation rows per pass over a group's weights (accumulators in registers) */
 
 /* Activations of a matmul as the packed kernel reads them: per row and 32-value block, the 16-bit integers
@@ -45,12 +73,13 @@ typedef struct {
     float *d;      /* [rows][in_dim / 32] */
     float *sum;    /* [rows][in_dim / 32] */
     int32_t *hsum; /* [rows][in_dim / 32] the block's high bytes summed (Q8: weights offset to unsigned) */
+    float *sumh;   /* [rows][in_dim / 32] the fp32 sum of the block's first 16 values (Q6_K's halves) */
 } PackedX;
 
 /* Bytes of PackedX storage for rows x in_dim (lo, hi, then the per-block values, 64-byte aligned parts). */
 static inline int64_t packed_x_bytes(int64_t rows, int64_t in_dim) {
     const int64_t b = (rows * in_dim + 63) / 64 * 64;
-    return 2 * b + 3 * 4 * ((rows * (in_dim / QK) + 15) / 16 * 16);
+    return 2 * b + 4 * 4 * ((rows * (in_dim / QK) + 15) / 16 * 16);
 }
 
 static inline PackedX packed_x_at(void *mem, int64_t rows, int64_t in_dim) {
@@ -61,6 +90,7 @@ static inline PackedX packed_x_at(void *mem, int64_t rows, int64_t in_dim) {
     p.d = (float *)((uint8_t *)mem + 2 * b);
     p.sum = p.d + f;
     p.hsum = (int32_t *)(p.sum + f);
+    p.sumh = (float *)(p.hsum + f);
     return p;
 }
 
@@ -70,6 +100,7 @@ static inline PackedX packed_x_rows(PackedX x, int64_t r0, int64_t in_dim) {
     x.d += r0 * (in_dim / QK);
     x.sum += r0 * (in_dim / QK);
     x.hsum += r0 * (in_dim / QK);
+    x.sumh += r0 * (in_dim / QK);
     return x;
 }
 
@@ -78,10 +109,11 @@ static inline PackedX packed_x_rows(PackedX x, int64_t r0, int64_t in_dim) {
    into every output through the offset term, NaN where the fp32 product would be NaN or infinite. */
 static inline void packed_x_block(const float *x, PackedX p, int64_t i) {
     const float *xb = x + i * QK;
-    float amax = 0.0f, s = 0.0f;
+    float amax = 0.0f, s = 0.0f, sh = 0.0f;
     for (int j = 0; j < QK; j++) {
         amax = fmaxf(amax, fabsf(xb[j]));
         s += xb[j];
+        if (j == QK / 2 - 1) sh = s;
     }
     const float d = amax / 32767.0f, inv = 32767.0f / amax;
     const float id = d > 0.0f && isfinite(d) && isfinite(inv) ? inv : 0.0f; /* 0: a block of zeros (or ~1e-38) */
@@ -97,6 +129,7 @@ static inline void packed_x_block(const float *x, PackedX p, int64_t i) {
     p.d[i] = d;
     p.sum[i] = s;
     p.hsum[i] = hs;
+    p.sumh[i] = sh;
 }
 
 /* fp32 -> fp16 bits, rounded to nearest even (only exact values reach it here: -8 d of a Q4_0 block). */
@@ -260,6 +293,206 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
 #endif
 }
 
+/* Rows [16 g0, 16 (g0 + n)) of a Q4_K / Q6_K matrix (nsuper super-blocks a row) -> n packed groups. */
+static inline void pack_k_groups(const uint8_t *w, int type, int64_t nsuper, int64_t g0, int64_t n, uint8_t *out) {
+    const int bb = block_bytes(type), ptype = type == Q4_K ? PACKED_Q4K : PACKED_Q6K;
+    const int64_t supb = 8 * pack_block_bytes(ptype);
+    for (int64_t g = g0; g < g0 + n; g++)
+        for (int64_t s = 0; s < nsuper; s++) {
+            uint8_t *dst = out + (g * nsuper + s) * supb;
+            memset(dst, 0, (size_t)supb);
+            for (int r = 0; r < PACK_ROWS; r++) {
+                const uint8_t *src = w + ((g * PACK_ROWS + r) * nsuper + s) * bb;
+                const float d = half_to_float(read_u16(src + (type == Q4_K ? 0 : 208)));
+                memcpy(dst + 4 * r, &d, 4);
+                if (type == Q4_K) {
+                    const float dmin = half_to_float(read_u16(src + 2));
+                    memcpy(dst + 64 + 4 * r, &dmin, 4);
+                }
+                for (int sb = 0; sb < 8; sb++) {
+                    uint8_t u[QK];
+                    uint8_t *sub;
+                    if (type == Q4_K) {
+                        int sc, m;
+                        q4k_scale_min(src + 4, sb, &sc, &m);
+                        const uint8_t *q = src + 16 + 32 * (sb >> 1);
+                        for (int j = 0; j < QK; j++) u[j] = (q[j] >> (4 * (sb & 1))) & 15;
+                        sub = dst + Q4K_HEAD + sb * Q4K_SUB;
+                        sub[256 + r] = (uint8_t)sc;
+                        sub[272 + r] = (uint8_t)m;
+                    } else {
+                        const int nn = sb >> 2, jj = sb & 3;
+                        const uint8_t *q = src + 64 * nn + (jj & 1) * 32, *qh = src + 128 + 32 * nn;
+                        for (int j = 0; j < QK; j++)
+                            u[j] = (uint8_t)(((q[j] >> ((jj >> 1) * 4)) & 15) | (((qh[j] >> (2 * jj)) & 3) << 4));
+                        sub = dst + Q6K_HEAD + sb * Q6K_SUB;
+                        sub[384 + r] = src[192 + 8 * nn + 2 * jj];
+                        sub[400 + r] = src[192 + 8 * nn + 2 * jj + 1];
+                        for (int p = 0; p < 2; p++)
+                            for (int t = 0; t < 4; t++)
+                                sub[256 + 64 * p + 4 * r + t] =
+                                    (uint8_t)((u[8 * p + t] >> 4) | ((u[16 + 8 * p + t] >> 4) << 2)
+                                              | ((u[8 * p + 4 + t] >> 4) << 4) | ((u[20 + 8 * p + t] >> 4) << 6));
+                    }
+                    for (int k = 0; k < 4; k++)
+                        for (int t = 0; t < 4; t++)
+                            sub[64 * k + 4 * r + t] = (uint8_t)((u[4 * k + t] & 15) | ((u[16 + 4 * k + t] & 15) << 4));
+                }
+            }
+        }
+}
+
+/* Row r's sub-block b of a packed K group (grp: the group's first byte): where it lives, and its scales: value
+   j is scale[j / 16] * u_j - offset (Q4_K: one scale, offset dmin m; Q6_K: a scale a half, offset 32 scale). */
+static inline const uint8_t *packed_k_sub(int ptype, const uint8_t *grp, int64_t b, int r, float scale[2],
+                                          float *offset) {
+    const uint8_t *head = grp + (b >> 3) * 8 * pack_block_bytes(ptype);
+    const int sb = (int)(b & 7);
+    float d;
+    memcpy(&d, head + 4 * r, 4);
+    if (ptype == PACKED_Q4K) {
+        const uint8_t *sub = head + Q4K_HEAD + sb * Q4K_SUB;
+        float dmin;
+        memcpy(&dmin, head + 64 + 4 * r, 4);
+        scale[0] = scale[1] = d * (float)sub[256 + r];
+        *offset = dmin * (float)sub[272 + r];
+        return sub;
+    }
+    const uint8_t *sub = head + Q6K_HEAD + sb * Q6K_SUB;
+    scale[0] = d * (float)(int8_t)sub[384 + r];
+    scale[1] = d * (float)(int8_t)sub[400 + r];
+    *offset = 0.0f;
+    return sub;
+}
+
+/* The unsigned integer of row r's value j in a packed K sub-block (Q4_K 0..15, Q6_K 0..63). */
+static inline int packed_k_u(int ptype, const uint8_t *sub, int r, int j) {
+    const int hi = j >> 4, k = (j & 15) >> 2, t = j & 3;
+    const uint8_t byte = sub[64 * k + 4 * r + t];
+    int u = hi ? byte >> 4 : byte & 15;
+    if (ptype == PACKED_Q6K) u |= ((sub[256 + 64 * (k >> 1) + 4 * r + t] >> (4 * (k & 1) + 2 * hi)) & 3) << 4;
+    return u;
+}
+
+/* Row r's value j of 32-value block b of a packed K group, as ggml dequantizes it. */
+static inline float packed_k_value(int ptype, const uint8_t *grp, int64_t b, int r, int j) {
+    float scale[2], offset;
+    const uint8_t *sub = packed_k_sub(ptype, grp, b, r, scale, &offset);
+    const int u = packed_k_u(ptype, sub, r, j);
+    if (ptype == PACKED_Q4K) return scale[0] * (float)u - offset;
+    return scale[j >> 4] * (float)(u - 32);
+}
+
+/* out[r * 16 + i] = row i of a packed K group . activation row r (nr <= PACK_XROWS), as packed_group_dot_n:
+   each sub-block's integer sums per row and half, then its scales for 16 rows at once. */
+static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int ptype, const uint8_t *grp,
+                                                                        int64_t nblocks, PackedX x, int64_t in_dim,
+                                                                        const int nr, float *out) {
+    const int64_t supb = 8 * pack_block_bytes(ptype), xb0 = in_dim / QK;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    __m512 acc[PACK_XROWS];
+    for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i nib = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
+    for (int64_t s = 0; s < nblocks / 8; s++) {
+        const uint8_t *head = grp + s * supb;
+        const __m512 d = _mm512_loadu_ps((const float *)head);
+        const __m512 dmin = ptype == PACKED_Q4K ? _mm512_loadu_ps((const float *)(head + 64)) : _mm512_setzero_ps();
+        for (int sb = 0; sb < 8; sb++) {
+            const int64_t b = s * 8 + sb;
+            const uint8_t *sub = head + (ptype == PACKED_Q4K ? Q4K_HEAD + sb * Q4K_SUB : Q6K_HEAD + sb * Q6K_SUB);
+            for (int c = 0; c < (ptype == PACKED_Q4K ? Q4K_SUB : Q6K_SUB); c += 64)
+                __builtin_prefetch(sub + 4096 + c, 0, 3);
+            __m512i la[PACK_XROWS], ha[PACK_XROWS], lb[PACK_XROWS], hb[PACK_XROWS];
+            for (int r = 0; r < nr; r++) la[r] = ha[r] = lb[r] = hb[r] = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(sub + 64 * k));
+                __m512i wl = _mm512_and_si512(raw, nib), wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+                if (ptype == PACKED_Q6K) {
+                    const __m512i h = _mm512_srli_epi16(_mm512_loadu_si512((const void *)(sub + 256 + 64 * (k >> 1))),
+                                                        4 * (k & 1));
+                    wl = _mm512_or_si512(wl, _mm512_slli_epi16(_mm512_and_si512(h, three), 4));
+                    wh = _mm512_or_si512(wh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2), three), 4));
+                }
+                for (int r = 0; r < nr; r++) {
+                    const int64_t at = r * in_dim + b * QK + 4 * k;
+                    int32_t l0, l1, h0, h1;
+                    memcpy(&l0, x.lo + at, 4);
+                    memcpy(&l1, x.lo + at + 16, 4);
+                    memcpy(&h0, x.hi + at, 4);
+                    memcpy(&h1, x.hi + at + 16, 4);
+                    la[r] = _mm512_dpbusd_epi32(la[r], _mm512_set1_epi32(l0), wl);
+                    ha[r] = _mm512_dpbusd_epi32(ha[r], wl, _mm512_set1_epi32(h0));
+                    lb[r] = _mm512_dpbusd_epi32(lb[r], _mm512_set1_epi32(l1), wh);
+                    hb[r] = _mm512_dpbusd_epi32(hb[r], wh, _mm512_set1_epi32(h1));
+                }
+            }
+            if (ptype == PACKED_Q4K) {
+                const __m512 scale = _mm512_mul_ps(
+                    d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sub + 256)))));
+                const __m512 offset = _mm512_mul_ps(
+                    dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sub + 272)))));
+                for (int r = 0; r < nr; r++) {
+                    const int64_t xb = r * xb0 + b;
+                    const __m512i hs = _mm512_add_epi32(ha[r], hb[r]), ls = _mm512_add_epi32(la[r], lb[r]);
+                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hs, 8), ls));
+                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x.d[xb])), scale, acc[r]);
+                    acc[r] = _mm512_fnmadd_ps(offset, _mm512_set1_ps(x.sum[xb]), acc[r]);
+                }
+            } else {
+                const __m512 s0 = _mm512_mul_ps(
+                    d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sub + 384)))));
+                const __m512 s1 = _mm512_mul_ps(
+                    d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sub + 400)))));
+                for (int r = 0; r < nr; r++) {
+                    const int64_t xb = r * xb0 + b;
+                    const __m512 dx = _mm512_set1_ps(x.d[xb]);
+                    const __m512 da = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ha[r], 8), la[r]));
+                    const __m512 db = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hb[r], 8), lb[r]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(da, dx), s0, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(db, dx), s1, acc[r]);
+                    acc[r] = _mm512_fnmadd_ps(s0, _mm512_set1_ps(32.0f * x.sumh[xb]), acc[r]);
+                    acc[r] = _mm512_fnmadd_ps(s1, _mm512_set1_ps(32.0f * (x.sum[xb] - x.sumh[xb])), acc[r]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
+#else
+    /* the same integer sums and the same scaling, in plain loops */
+    (void)supb;
+    float acc[PACK_XROWS][PACK_ROWS];
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < PACK_ROWS; i++) acc[r][i] = 0.0f;
+    for (int64_t b = 0; b < nblocks; b++)
+        for (int i = 0; i < PACK_ROWS; i++) {
+            float scale[2], offset;
+            const uint8_t *sub = packed_k_sub(ptype, grp, b, i, scale, &offset);
+            int u[QK];
+            for (int j = 0; j < QK; j++) u[j] = packed_k_u(ptype, sub, i, j);
+            for (int r = 0; r < nr; r++) {
+                const int64_t at = r * in_dim + b * QK, xb = r * xb0 + b;
+                int32_t lo[2] = {0, 0}, hi[2] = {0, 0};
+                for (int j = 0; j < QK; j++) {
+                    lo[j >> 4] += u[j] * x.lo[at + j];
+                    hi[j >> 4] += u[j] * x.hi[at + j];
+                }
+                if (ptype == PACKED_Q4K) {
+                    const float dot = (float)((hi[0] + hi[1]) * 256 + lo[0] + lo[1]);
+                    acc[r][i] = fmaf(dot * x.d[xb], scale[0], acc[r][i]);
+                    acc[r][i] = fmaf(-offset, x.sum[xb], acc[r][i]);
+                } else {
+                    acc[r][i] = fmaf((float)(hi[0] * 256 + lo[0]) * x.d[xb], scale[0], acc[r][i]);
+                    acc[r][i] = fmaf((float)(hi[1] * 256 + lo[1]) * x.d[xb], scale[1], acc[r][i]);
+                    acc[r][i] = fmaf(-scale[0], 32.0f * x.sumh[xb], acc[r][i]);
+                    acc[r][i] = fmaf(-scale[1], 32.0f * (x.sum[xb] - x.sumh[xb]), acc[r][i]);
+                }
+            }
+        }
+    for (int r = 0; r < nr; r++)
+        for (int i = 0; i < PACK_ROWS; i++) out[r * 16 + i] = acc[r][i];
+#endif
+}
+
 /* out[r * 16 + i] for any number of activation rows, PACK_XROWS at a time (the group's weights stay in L1
    between passes), specialized on the layout and the row count. */
 static inline void packed_group_dot(int ptype, const uint8_t *grp, int64_t nblocks, PackedX x, int64_t in_dim,
@@ -268,17 +501,18 @@ static inline void packed_group_dot(int ptype, const uint8_t *grp, int64_t nbloc
         const PackedX xr = packed_x_rows(x, r0, in_dim);
         float *o = out + r0 * PACK_ROWS;
         const int64_t nr = rows - r0 < PACK_XROWS ? rows - r0 : PACK_XROWS;
-#define PACKED_ROWS_CASES(P)                                                              \
-    switch (nr) {                                                                       \
-        case 1: packed_group_dot_n(P, grp, nblocks, xr, in_dim, 1, o); break;           \
-        case 2: packed_group_dot_n(P, grp, nblocks, xr, in_dim, 2, o); break;           \
-        case 3: packed_group_dot_n(P, grp, nblocks, xr, in_dim, 3, o); break;           \
-        default: packed_group_dot_n(P, grp, nblocks, xr, in_dim, PACK_XROWS, o); break; \
+#define PACKED_ROWS_CASES(F, P)                                                 \
+    switch (nr) {                                                               \
+        case 1: F(P, grp, nblocks, xr, in_dim, 1, o); break;                    \
+        case 2: F(P, grp, nblocks, xr, in_dim, 2, o); break;                    \
+        case 3: F(P, grp, nblocks, xr, in_dim, 3, o); break;                    \
+        default: F(P, grp, nblocks, xr, in_dim, PACK_XROWS, o); break;          \
     }
-        if (ptype == PACKED_Q8) {
-            PACKED_ROWS_CASES(PACKED_Q8)
-        } else {
-            PACKED_ROWS_CASES(PACKED_Q4)
+        switch (ptype) {
+            case PACKED_Q8: PACKED_ROWS_CASES(packed_group_dot_n, PACKED_Q8) break;
+            case PACKED_Q4K: PACKED_ROWS_CASES(packed_k_group_dot_n, PACKED_Q4K) break;
+            case PACKED_Q6K: PACKED_ROWS_CASES(packed_k_group_dot_n, PACKED_Q6K) break;
+            default: PACKED_ROWS_CASES(packed_group_dot_n, PACKED_Q4) break;
         }
 #undef PACKED_ROWS_CASES
     }

@@ -40,18 +40,24 @@ int pagedserve_packed_fast(void) {
 #endif
 }
 
-static int packed_type(int32_t type) { return type == PACKED_Q4 || type == PACKED_Q8; }
+static int packed_type(int32_t type) { return pack_block_bytes(type) > 0; }
 
 /* A Q4_0 / Q4_1 / Q8_0 matrix [out_dim, in_dim] -> its packed layout (packed_blocks.h: PACKED_Q4 for the Q4
    types, PACKED_Q8), out_dim / 16 groups of in_dim / 32 blocks. Returns 0, or -1 (another type, out_dim not
    a multiple of 16, in_dim not of 32). */
 int pagedserve_pack(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t type, uint8_t *out) {
-    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || out_dim % PACK_ROWS || out_dim <= 0 || in_dim % QK
-        || in_dim <= 0)
+    const int k = type == Q4_K || type == Q6_K;
+    if ((type != Q4_0 && type != Q4_1 && type != Q8_0 && !k) || out_dim % PACK_ROWS || out_dim <= 0
+        || in_dim % block_values(type) || in_dim <= 0)
         return -1;
     const int64_t groups = out_dim / PACK_ROWS;
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++) pack_groups(w, type, in_dim / QK, g, 1, out);
+    for (int64_t g = 0; g < groups; g++) {
+        if (k)
+            pack_k_groups(w, type, in_dim / QK_K, g, 1, out);
+        else
+            pack_groups(w, type, in_dim / QK, g, 1, out);
+    }
     return 0;
 }
 
@@ -59,7 +65,7 @@ int pagedserve_pack(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t t
    thread takes whole groups of 16 output rows. -2: no memory for the rounded activations. */
 static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                          int32_t ptype, float *y) {
-    if (out_dim % PACK_ROWS || in_dim % QK) return -1;
+    if (out_dim % PACK_ROWS || in_dim % QK || (packed_is_k(ptype) && in_dim % QK_K)) return -1;
     const int64_t nb = in_dim / QK, groups = out_dim / PACK_ROWS, gb = nb * pack_block_bytes(ptype);
     void *mem = aligned_alloc(64, (size_t)((packed_x_bytes(rows, in_dim) + 63) / 64 * 64));
     if (!mem) return -2;
@@ -106,6 +112,7 @@ int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const 
 int pagedserve_quant_dequant(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t type, float *out) {
     if (packed_type(type)) {
         if (out_dim % PACK_ROWS || in_dim % QK) return -1;
+        if (packed_is_k(type) && in_dim % QK_K) return -1;
         const int64_t nb = in_dim / QK, pb = pack_block_bytes(type);
 #pragma omp parallel for schedule(static)
         for (int64_t g = 0; g < out_dim / PACK_ROWS; g++)
@@ -113,7 +120,8 @@ int pagedserve_quant_dequant(const uint8_t *w, int64_t out_dim, int64_t in_dim, 
                 for (int r = 0; r < PACK_ROWS; r++)
                     for (int j = 0; j < QK; j++)
                         out[(g * PACK_ROWS + r) * in_dim + b * QK + j] =
-                            packed_value(type, w + (g * nb + b) * pb, r, j);
+                            packed_is_k(type) ? packed_k_value(type, w + g * nb * pb, b, r, j)
+                                              : packed_value(type, w + (g * nb + b) * pb, r, j);
         return 0;
     }
     if (!block_bytes(type) || in_dim % block_values(type)) return -1;
