@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-accuracy bench-moe gpu-compile-report plot-kv clean
+.PHONY: setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-cpu-scale bench-accuracy bench-moe gpu-compile-report plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native
 
@@ -131,6 +131,12 @@ bench-quantized: setup
 # pagedserve against llama.cpp's llama-server on the same Q4_1 GGUF (built once from the llama-cpp-python sdist).
 bench-cpu-peers: setup
 	$(PY) -m deploy.bench_cpu_peers --model $(MODEL_DIR) $(ARGS)
+
+# Random-weight Llama-3.2-1B / 3.1-8B shapes made into GGUFs by llama.cpp's converter and llama-quantize (once,
+# cached), then served by pagedserve and llama-server in alternating rounds. ARGS: --shape 1b|8b --quant Q4_K_M...
+bench-cpu-scale: setup
+	$(PIP) install --quiet sentencepiece  # llama.cpp's converter imports it
+	$(PY) -m deploy.bench_cpu_scale --tokenizer-from $(MODEL_DIR) $(ARGS)
 
 bench-accuracy: setup  # perplexity of a fixed text: fp32, the Q4_1 blocks (fp32 / int8 activations), llama-perplexity
 	$(PY) -m deploy.bench_accuracy --model $(MODEL_DIR) $(ARGS)
