@@ -88,9 +88,11 @@ class NativeKernels:
         self._pack.argtypes = [p, i64, i64, i32, p]
         self._pack.restype = ctypes.c_int
         lib.pagedserve_packed_fast.restype = ctypes.c_int
-        # the packed kernel has its integer dot products here (AVX-512 VNNI); elsewhere its portable loop is
-        # slower than the fp32-activation kernel, and the worker packs nothing
+        # the packed kernel has its integer dot products here (AVX-512 VNNI, or AVX2 for the 4-6 bit layouts);
+        # elsewhere its portable loop is slower than the fp32-activation kernel, and the worker packs nothing
         self.packed_fast = bool(lib.pagedserve_packed_fast())
+        lib.pagedserve_packed_q8_fast.restype = ctypes.c_int
+        self.packed_q8_fast = bool(lib.pagedserve_packed_q8_fast())  # AVX2 packs the 4-6 bit types only
         lib.pagedserve_native_isa.restype = ctypes.c_int
         self.isa = lib.pagedserve_native_isa()  # 512: AVX-512 intrinsics; 256: AVX2 (the portable loops)
         self._argmax_rows = lib.pagedserve_argmax_rows
@@ -165,13 +167,13 @@ class NativeKernels:
             raise ValueError(f"quant_dequant does not serve ggml type {type_id} with {in_dim} inputs")
 
     # packed_blocks.h's type ids: 16 rows interleaved, multiplied with 16-bit integer activations
-    PACKED_Q4, PACKED_Q8, PACKED_Q4K, PACKED_Q6K = 100, 101, 102, 103
-    # ggml type -> (packed type, bytes a row per block, values a block): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+    PACKED_Q4, PACKED_Q8, PACKED_Q4K, PACKED_Q6K, PACKED_Q5K = 100, 101, 102, 103, 104
+    # ggml type -> (packed type, bytes a row per block, values a block): Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
     _PACKABLE = {2: (PACKED_Q4, 20, 32), 3: (PACKED_Q4, 20, 32), 8: (PACKED_Q8, 34, 32),
-                 12: (PACKED_Q4K, 152, 256), 14: (PACKED_Q6K, 212, 256)}
+                 12: (PACKED_Q4K, 152, 256), 13: (PACKED_Q5K, 184, 256), 14: (PACKED_Q6K, 212, 256)}
 
     def pack(self, w: torch.Tensor, type_id: int, out_dim: int, in_dim: int) -> tuple[torch.Tensor, int]:
-        """Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks uint8 [out_dim, blocks] (out_dim a multiple of 16) -> (the
+        """Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks uint8 [out_dim, blocks] (out_dim a multiple of 16) -> (the
         packed layout of kernels/cpu/packed_blocks.h, uint8 [out_dim, in_dim / values * bytes], its type id),
         which quant_matmul and quant_dequant take (its rows are interleaved: it cannot be sliced)."""
         if not (w.dtype == torch.uint8 and w.is_contiguous() and w.device.type == "cpu"):
@@ -179,7 +181,7 @@ class NativeKernels:
         packed, bb, values = self._PACKABLE.get(type_id, (0, 0, 32))
         out = torch.empty(out_dim, in_dim // values * bb, dtype=torch.uint8)
         if not packed or self._pack(w.data_ptr(), out_dim, in_dim, type_id, out.data_ptr()):
-            raise ValueError(f"pack packs Q4_0, Q4_1, Q8_0, Q4_K and Q6_K matrices of whole 16-row groups, not "
+            raise ValueError(f"pack packs Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K matrices of whole 16-row groups, not "
                              f"type {type_id} {out_dim}x{in_dim}")
         return out, packed
 

@@ -71,8 +71,8 @@ def _model(tmp_path, kind: str, packing: bool = False):
         from worker.quantized import GGUFQuantSource, QuantizedMatmul, find_gguf
 
         source = GGUFQuantSource(find_gguf(folder), config.num_heads, config.num_kv_heads, config.head_dim)
-        model.use_quantized(source, QuantizedMatmul(cpu_native.load(), DenseMatmul(), packing=packing),
-                            keep_dense=True)
+        lib = QuantizedMatmul(cpu_native.load(), DenseMatmul(), packing=packing, pack_q8=packing)
+        model.use_quantized(source, lib, keep_dense=True)
     else:
         model.use_matmul(DenseMatmul())
     use_fused_decode(model, 1, "fp32")
@@ -245,7 +245,7 @@ def test_the_portable_paths_built_for_avx2_compute_the_same(tmp_path):
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["file-layout", "packed"])
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_model(tmp_path, qtype, packing):
     """Every projection as random K-quant blocks (256-value blocks: a model 256 wide), the QKV stack's values
     in the other K type: the fused step gives the layer path's floats, and both the dense model's on gguf's
@@ -268,7 +268,7 @@ def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_
             out_dim, in_dim = getattr(layer, name).shape
             q, reference = random_k_blocks(rng, out_dim, in_dim, qtype)
             if name == "qkv":  # v in the other K type, as a Q4_K_M file has it: a stack of two segments
-                other = "Q6_K" if qtype == "Q4_K" else "Q4_K"
+                other = "Q4_K" if qtype == "Q6_K" else "Q6_K"
                 kv = config.num_kv_heads * config.head_dim
                 v, v_ref = random_k_blocks(rng, kv, in_dim, other)
                 q = QuantWeight.cat([q.rows(slice(0, out_dim - kv)), v])

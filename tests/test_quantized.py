@@ -243,7 +243,7 @@ def random_k_blocks(rng, out_dim: int, in_dim: int, qtype: str) -> tuple[QuantWe
     _, values, bb = QUANT_TYPES[qtype]
     blocks = rng.integers(0, 256, (out_dim, in_dim // values, bb), dtype=np.uint8)
     scales = rng.uniform(0.002, 0.02, (out_dim, in_dim // values, 2)).astype(np.float16).view(np.uint8)
-    if qtype == "Q4_K":  # d, dmin first
+    if qtype in ("Q4_K", "Q5_K"):  # d, dmin first
         blocks[..., 0:4] = scales.reshape(out_dim, in_dim // values, 4)
     else:  # Q6_K: d last
         blocks[..., 208:210] = scales[..., 0:2]
@@ -252,10 +252,10 @@ def random_k_blocks(rng, out_dim: int, in_dim: int, qtype: str) -> tuple[QuantWe
     return QuantWeight(torch.from_numpy(blocks), qtype, in_dim), torch.from_numpy(np.ascontiguousarray(reference))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
 def test_k_quant_blocks_compute_x_times_gguf_dequantization(native, qtype, rows):
-    """Q4_K and Q6_K (what a Q4_K_M file mostly holds): the kernel on the blocks, and their dequantization,
+    """Q4_K, Q5_K and Q6_K (what Q4_K_M and Q5_K_M files mostly hold): the kernel on the blocks, and their dequantization,
     against gguf's reading of the same bytes; a tensor-parallel column split falls on whole 256-value blocks."""
     rng = np.random.default_rng(rows)
     w, reference = random_k_blocks(rng, 40, 768, qtype)
@@ -355,7 +355,20 @@ def int16_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) ->
 
 
 def packing_lib(native, **kw) -> QuantizedMatmul:
-    return QuantizedMatmul(native, dense=None, packing=True, **kw)
+    """Packing on for every packed layout, Q8_0's too (whose integer loop is the portable one on AVX2)."""
+    return QuantizedMatmul(native, dense=None, packing=True, pack_q8=True, **kw)
+
+
+def test_q8_0_is_packed_only_where_its_integer_kernel_is_fast(native):
+    """On AVX2 the packed 4-6 bit layouts have byte dot products (maddubs) and Q8_0's would saturate them, so
+    the worker leaves Q8_0 as the file ships it there; with VNNI everything packs."""
+    w, _ = quantized(np.random.default_rng(3), 32, 64, "Q8_0")
+    q4, _ = quantized(np.random.default_rng(3), 32, 64, "Q4_1")
+    lib = QuantizedMatmul(native, dense=None, packing=True)
+    if not native.packed_fast:
+        pytest.skip("neither VNNI nor AVX2 here: the worker packs nothing")
+    assert (lib.pack(w) is w) == (not native.packed_q8_fast)
+    assert lib.pack(q4).qtype == "Q4_x16"
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
@@ -415,12 +428,14 @@ def test_packed_weights_multiply_16bit_rounded_activations(native, qtype, rows, 
 def int16_k_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
     """The packed K kernel's arithmetic in float64. A K-quant value is a_j + z_j, a_j = (d sc) u_j and z_j its
     zero point (Q4_K: -dmin m; Q6_K: -32 d sc, per 16 values): gguf's dequantization of the same blocks with
-    every u set to 0 gives z. The kernel multiplies a with x rounded per 32-value block to 16-bit integers,
+    every u set to 0 gives z (Q5_K as Q4_K). The kernel multiplies a with x rounded per 32-value block to 16-bit integers,
     and z with x itself."""
     kind = getattr(gguf.GGMLQuantizationType, w.qtype)
     zero = w.data.numpy().copy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
     if w.qtype == "Q4_K":
         zero[..., 16:144] = 0  # the nibbles
+    elif w.qtype == "Q5_K":
+        zero[..., 16:176] = 0  # the fifth bits and the nibbles
     else:
         zero[..., 0:192] = 0  # the low nibbles and the high bit pairs
     z = torch.from_numpy(gguf.quants.dequantize(zero.reshape(w.out_dim, -1), kind).reshape(w.out_dim, w.in_dim))
@@ -432,20 +447,21 @@ def int16_k_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) 
     return (xq @ (reference.double() - z.double()).T + x.double() @ z.double().T).float()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_packed_k_quants_hold_gguf_values_at_the_files_size(native, qtype):
-    """Q4_K and Q6_K packed for the integer kernel keep every value (gguf's dequantization, exactly) and about
-    the file's size (the 16 rows' scales as fp32 once a super-block: 152 bytes a row's 256 values for Q4_K's
-    144, 212 for Q6_K's 210); a Q4_K_M projection's mix stacks as two packed runs; packed rows stay whole."""
+    """Q4_K, Q5_K and Q6_K packed for the integer kernel keep every value (gguf's dequantization, exactly) and
+    about the file's size (the 16 rows' scales as fp32 once a super-block: 152 bytes a row's 256 values for
+    Q4_K's 144, 184 for Q5_K's 176, 212 for Q6_K's 210); a K_M projection's mix stacks as two packed runs;
+    packed rows stay whole."""
     from worker.quantized import PACKED_FROM, QuantStack
 
     w, reference = random_k_blocks(np.random.default_rng(8), 48, 768, qtype)
     lib = packing_lib(native)
     packed = lib.pack(w)
     assert packed.qtype == PACKED_FROM[qtype] and packed.shape == w.shape
-    assert packed.nbytes == 48 * 3 * {"Q4_K": 152, "Q6_K": 212}[qtype]
+    assert packed.nbytes == 48 * 3 * {"Q4_K": 152, "Q5_K": 184, "Q6_K": 212}[qtype]
     assert torch.equal(lib.dequantize(packed), reference)
-    other = "Q6_K" if qtype == "Q4_K" else "Q4_K"
+    other = "Q4_K" if qtype == "Q6_K" else "Q6_K"
     v, v_ref = random_k_blocks(np.random.default_rng(9), 32, 768, other)
     stack = lib.pack(QuantWeight.cat([w, v]))
     assert isinstance(stack, QuantStack) and [p.qtype for p in stack.segments] == [PACKED_FROM[qtype],
@@ -457,7 +473,7 @@ def test_packed_k_quants_hold_gguf_values_at_the_files_size(native, qtype):
     assert lib.pack(ragged) is ragged  # not whole 16-row groups: served as the file ships it
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13])  # every pass of four activation rows, and the tails
 @pytest.mark.parametrize("in_dim", [768, 256])  # three super-blocks, and one
 def test_packed_k_quants_multiply_16bit_rounded_activations(native, qtype, rows, in_dim):

@@ -1,4 +1,4 @@
-"""Quantized weights served as a GGUF file ships them (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), without dequantizing.
+"""Quantized weights served as a GGUF file ships them (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), without dequantizing.
 
 `GGUFQuantSource` reads a GGUF's quantized matrices by their Hugging Face names, each as a `QuantWeight`
 (the raw blocks, one row of blocks per output feature) — a rank of a tensor-parallel group takes its rows,
@@ -28,16 +28,17 @@ import torch.nn.functional as F
 log = structlog.get_logger("worker.quantized")
 
 # ggml's type id, values per block and bytes per block of each type the kernels serve (the K-quants pack
-# 256 values a block: Q4_K with a 6-bit scale and min per 32, Q6_K with an int8 scale per 16).
+# 256 values a block: Q4_K and Q5_K with a 6-bit scale and min per 32, Q6_K with an int8 scale per 16).
 QUANT_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
-               "Q6_K": (14, 256, 210)}
-# Q4_0 / Q4_1, Q8_0, Q4_K and Q6_K repacked at load for the integer kernel (kernels/cpu/packed_blocks.h: 16
+               "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+# Q4_0 / Q4_1, Q8_0, Q4_K, Q5_K and Q6_K repacked at load for the integer kernel (kernels/cpu/packed_blocks.h: 16
 # rows interleaved, each block's 16 scales together; the K-quants keep their 256-value super-blocks and their
 # size): the same values, read with 16-bit integer activations. Not GGUF types; their rows are interleaved,
 # so a packed weight is never sliced.
 PACKED_TYPES = {"Q4_x16": (100, 32, 20), "Q8_0_x16": (101, 32, 34), "Q4_K_x16": (102, 256, 152),
-                "Q6_K_x16": (103, 256, 212)}
-PACKED_FROM = {"Q4_0": "Q4_x16", "Q4_1": "Q4_x16", "Q8_0": "Q8_0_x16", "Q4_K": "Q4_K_x16", "Q6_K": "Q6_K_x16"}
+                "Q6_K_x16": (103, 256, 212), "Q5_K_x16": (104, 256, 184)}
+PACKED_FROM = {"Q4_0": "Q4_x16", "Q4_1": "Q4_x16", "Q8_0": "Q8_0_x16", "Q4_K": "Q4_K_x16", "Q5_K": "Q5_K_x16",
+               "Q6_K": "Q6_K_x16"}
 
 
 @dataclass
@@ -200,7 +201,7 @@ class GGUFQuantSource:
         raise KeyError(f"{hf_name} has no quantized matrix in {self.path.name}")
 
     def qtype(self, hf_name: str) -> str | None:
-        """The quantization of a matrix, or None when the kernels do not serve its type (F32, Q5_K, ...)."""
+        """The quantization of a matrix, or None when the kernels do not serve its type (F32, Q3_K, ...)."""
         name = self._locate(hf_name)[0]
         t = self._tensors.get(name)
         if t is None:
@@ -244,11 +245,12 @@ class QuantizedMatmul:
     name = "quantized"
 
     def __init__(self, kernels, dense=None, max_kernel_rows: int = 16, int8_activations: bool = False,
-                 packing: bool = False) -> None:
+                 packing: bool = False, pack_q8: bool | None = None) -> None:
         """int8_activations: the kernel rounds each row's 32-value blocks to int8 and multiplies in integers
         (llama.cpp's scheme: faster, at 8-bit activations); otherwise fp32 activations, exact up to
         summation order. packing: `pack` repacks Q4_0 / Q4_1 weights for the integer kernel, which rounds
-        activations to 16-bit integers per 32-value block (2^-16 of the block's largest value)."""
+        activations to 16-bit integers per 32-value block (2^-16 of the block's largest value); Q8_0 only where
+        the kernels multiply packed 8-bit weights in integers (AVX-512 VNNI; pack_q8 overrides it)."""
         from worker.linear import DenseMatmul
 
         if packing and int8_activations:
@@ -256,6 +258,7 @@ class QuantizedMatmul:
         self.kernels = kernels
         self.int8_activations = int8_activations
         self.packing = packing
+        self.pack_q8 = getattr(kernels, "packed_q8_fast", True) if pack_q8 is None else pack_q8
         self.dense = dense or DenseMatmul()
         self.max_kernel_rows = max_kernel_rows
         self._scratch = torch.empty(0)
@@ -264,7 +267,7 @@ class QuantizedMatmul:
         return weight if isinstance(weight, (QuantWeight, QuantStack, QuantLinear)) else self.dense.prepare(weight)
 
     def pack(self, w: QuantWeight | QuantStack) -> QuantWeight | QuantStack:
-        """w in the packed layout where packing is on and it applies (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K runs of
+        """w in the packed layout where packing is on and it applies (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K runs of
         whole 16-row groups); anything else as it is. Same values: prefill's dense copy is made from either."""
         if not self.packing:
             return w
@@ -272,6 +275,8 @@ class QuantizedMatmul:
             return QuantStack([self.pack(p) for p in w.segments])
         if w.qtype not in PACKED_FROM or w.out_dim % 16:
             return w
+        if w.qtype == "Q8_0" and not self.pack_q8:
+            return w  # AVX2 multiplies packed 4-6 bit weights in integers, not packed 8-bit ones
         data, _ = self.kernels.pack(w.data, w.type_id, w.out_dim, w.in_dim)
         return QuantWeight(data, PACKED_FROM[w.qtype], w.in_dim)
 

@@ -26,11 +26,14 @@
    super-block, a head of the 16 rows' fp32 scales, then its eight 32-value sub-blocks:
      PACKED_Q4K (from Q4_K), 2432 bytes = 128 head (16 x fp32 d, 16 x fp32 dmin) + 8 x 288:
        4 x 64 bytes of nibbles as PACKED_Q4's, 16 x u8 sc, 16 x u8 m   w = (d sc) q - (dmin m)
+     PACKED_Q5K (from Q5_K), 2944 bytes = 128 head (as Q4K's) + 8 x 352: 4 x 64 bytes of the values' low
+       nibbles as PACKED_Q4's, 64 bytes of their fifth bits (byte 4 r + t: bit 2k for value 4k + t, bit 2k + 1
+       for 16 + 4k + t), 16 x u8 sc, 16 x u8 m                        w = (d sc) u - (dmin m), u = 0..31
      PACKED_Q6K (from Q6_K), 3392 bytes = 64 head (16 x fp32 d) + 8 x 416:
        4 x 64 bytes of the values' low nibbles as PACKED_Q4's; 2 x 64 bytes of their high 2-bit pairs (in part
        p, byte 4 r + t holds, two bits each from bit 0: the high bits of values 8p + t, 16 + 8p + t, 8p + 4 + t,
        20 + 8p + t); 16 x i8 scale of values 0-15, 16 x i8 of 16-31     w = (d sc) (u - 32), u = 0..63
-   Both multiply as PACKED_Q4 does (unsigned weights, 16-bit activations); Q4_K's offset meets the sub-block's
+   All multiply as PACKED_Q4 does (unsigned weights, 16-bit activations); Q4_K's and Q5_K's offset meets the sub-block's
    activation sum, Q6_K's -32 (d sc) the sums of its two 16-value halves, each with its own scale. */
 #ifndef PAGEDSERVE_PACKED_BLOCKS_H
 #define PAGEDSERVE_PACKED_BLOCKS_H
@@ -44,6 +47,7 @@
 #define PACKED_Q8 101
 #define PACKED_Q4K 102
 #define PACKED_Q6K 103
+#define PACKED_Q5K 104
 #define PACK_ROWS 16
 #define QK_K 256
 
@@ -55,14 +59,16 @@ static inline int pack_block_bytes(int ptype) {
         case PACKED_Q8: return 544;
         case PACKED_Q4K: return 304;
         case PACKED_Q6K: return 424;
+        case PACKED_Q5K: return 368;
         default: return 0;
     }
 }
-static inline int packed_is_k(int ptype) { return ptype == PACKED_Q4K || ptype == PACKED_Q6K; }
+static inline int packed_is_k(int ptype) { return ptype == PACKED_Q4K || ptype == PACKED_Q5K || ptype == PACKED_Q6K; }
 #define Q4K_HEAD 128
 #define Q4K_SUB 288
 #define Q6K_HEAD 64
 #define Q6K_SUB 416
+#define Q5K_SUB 352 /* after a head of Q4K_HEAD bytes */
 #define PACK_XROWS 4         /* activation rows per pass over a group's weights (accumulators in registers) */
 
 /* Activations of a matmul as the packed kernel reads them: per row and 32-value block, the 16-bit integers
@@ -185,6 +191,17 @@ static inline void pack_groups(const uint8_t *w, int type, int64_t nblocks, int6
         }
 }
 
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+#define PACKED_AVX2 1
+/* AVX2 has no byte dot product into 32 bits: maddubs multiplies unsigned by signed bytes and adds pairs into
+   16 bits (saturating: every product here stays below it: 2 x 255 x 63 for Q6_K's 6-bit values against the
+   activations' low bytes), madd widens the pairs into 32-bit sums. Q8's signed 8-bit weights against the
+   low bytes could saturate, so PACKED_Q8 keeps the portable loop there (pagedserve_packed_q8_fast). */
+static inline __m256i avx2_dot(__m256i acc, __m256i a_u8, __m256i b_s8) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a_u8, b_s8), _mm256_set1_epi16(1)));
+}
+#endif
+
 /* One packed value: row r's value j of a group-block, as a float (Q4: d q + m; Q8: d q). */
 static inline float packed_value(int ptype, const uint8_t *blk, int r, int j) {
     if (ptype == PACKED_Q8) {
@@ -258,6 +275,39 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
     }
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
 #else
+#if defined(PACKED_AVX2)
+    if (ptype == PACKED_Q4) { /* a row at a time, each half of the 16 rows in 8 lanes */
+        const __m256i nib = _mm256_set1_epi8(0x0f);
+        for (int r = 0; r < nr; r++)
+            for (int hf = 0; hf < 2; hf++) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t b = 0; b < nblocks; b++) {
+                    const uint8_t *p = grp + b * pb;
+                    __m256i ilo = _mm256_setzero_si256(), ihi = _mm256_setzero_si256();
+                    for (int k = 0; k < 4; k++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * k + 32 * hf));
+                        const __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                        const int64_t at = r * in_dim + b * QK + 4 * k;
+                        int32_t l0, l1, h0, h1;
+                        memcpy(&l0, x.lo + at, 4);
+                        memcpy(&l1, x.lo + at + 16, 4);
+                        memcpy(&h0, x.hi + at, 4);
+                        memcpy(&h1, x.hi + at + 16, 4);
+                        ilo = avx2_dot(avx2_dot(ilo, _mm256_set1_epi32(l0), wl), _mm256_set1_epi32(l1), wh);
+                        ihi = avx2_dot(avx2_dot(ihi, wl, _mm256_set1_epi32(h0)), wh, _mm256_set1_epi32(h1));
+                    }
+                    const int64_t xb = r * (in_dim / QK) + b;
+                    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * hf)));
+                    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + 16 * hf)));
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ihi, 8), ilo));
+                    acc = _mm256_fmadd_ps(_mm256_mul_ps(dot, _mm256_set1_ps(x.d[xb])), d, acc);
+                    acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[xb]), acc);
+                }
+                _mm256_storeu_ps(out + r * 16 + 8 * hf, acc);
+            }
+        return;
+    }
+#endif
     /* the same integer sums and the same scaling, in plain loops the compiler vectorizes */
     float acc[PACK_XROWS][PACK_ROWS];
     for (int r = 0; r < nr; r++)
@@ -293,9 +343,9 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
 #endif
 }
 
-/* Rows [16 g0, 16 (g0 + n)) of a Q4_K / Q6_K matrix (nsuper super-blocks a row) -> n packed groups. */
+/* Rows [16 g0, 16 (g0 + n)) of a Q4_K / Q5_K / Q6_K matrix (nsuper super-blocks a row) -> n packed groups. */
 static inline void pack_k_groups(const uint8_t *w, int type, int64_t nsuper, int64_t g0, int64_t n, uint8_t *out) {
-    const int bb = block_bytes(type), ptype = type == Q4_K ? PACKED_Q4K : PACKED_Q6K;
+    const int bb = block_bytes(type), ptype = type == Q4_K ? PACKED_Q4K : type == Q5_K ? PACKED_Q5K : PACKED_Q6K;
     const int64_t supb = 8 * pack_block_bytes(ptype);
     for (int64_t g = g0; g < g0 + n; g++)
         for (int64_t s = 0; s < nsuper; s++) {
@@ -303,9 +353,9 @@ static inline void pack_k_groups(const uint8_t *w, int type, int64_t nsuper, int
             memset(dst, 0, (size_t)supb);
             for (int r = 0; r < PACK_ROWS; r++) {
                 const uint8_t *src = w + ((g * PACK_ROWS + r) * nsuper + s) * bb;
-                const float d = half_to_float(read_u16(src + (type == Q4_K ? 0 : 208)));
+                const float d = half_to_float(read_u16(src + (type == Q6_K ? 208 : 0)));
                 memcpy(dst + 4 * r, &d, 4);
-                if (type == Q4_K) {
+                if (type != Q6_K) {
                     const float dmin = half_to_float(read_u16(src + 2));
                     memcpy(dst + 64 + 4 * r, &dmin, 4);
                 }
@@ -320,6 +370,22 @@ static inline void pack_k_groups(const uint8_t *w, int type, int64_t nsuper, int
                         sub = dst + Q4K_HEAD + sb * Q4K_SUB;
                         sub[256 + r] = (uint8_t)sc;
                         sub[272 + r] = (uint8_t)m;
+                    } else if (type == Q5_K) {
+                        int sc, m;
+                        q4k_scale_min(src + 4, sb, &sc, &m);
+                        const uint8_t *q = src + 48 + 32 * (sb >> 1), *qh = src + 16;
+                        for (int j = 0; j < QK; j++)
+                            u[j] = (uint8_t)(((q[j] >> (4 * (sb & 1))) & 15) | (((qh[j] >> sb) & 1) << 4));
+                        sub = dst + Q4K_HEAD + sb * Q5K_SUB;
+                        sub[320 + r] = (uint8_t)sc;
+                        sub[336 + r] = (uint8_t)m;
+                        for (int t = 0; t < 4; t++) {
+                            uint8_t bits = 0;
+                            for (int k = 0; k < 4; k++)
+                                bits |= (uint8_t)((((u[4 * k + t] >> 4) & 1) << (2 * k))
+                                                  | (((u[16 + 4 * k + t] >> 4) & 1) << (2 * k + 1)));
+                            sub[256 + 4 * r + t] = bits;
+                        }
                     } else {
                         const int nn = sb >> 2, jj = sb & 3;
                         const uint8_t *q = src + 64 * nn + (jj & 1) * 32, *qh = src + 128 + 32 * nn;
@@ -350,12 +416,13 @@ static inline const uint8_t *packed_k_sub(int ptype, const uint8_t *grp, int64_t
     const int sb = (int)(b & 7);
     float d;
     memcpy(&d, head + 4 * r, 4);
-    if (ptype == PACKED_Q4K) {
-        const uint8_t *sub = head + Q4K_HEAD + sb * Q4K_SUB;
+    if (ptype != PACKED_Q6K) {
+        const int q5 = ptype == PACKED_Q5K;
+        const uint8_t *sub = head + Q4K_HEAD + sb * (q5 ? Q5K_SUB : Q4K_SUB);
         float dmin;
         memcpy(&dmin, head + 64 + 4 * r, 4);
-        scale[0] = scale[1] = d * (float)sub[256 + r];
-        *offset = dmin * (float)sub[272 + r];
+        scale[0] = scale[1] = d * (float)sub[(q5 ? 320 : 256) + r];
+        *offset = dmin * (float)sub[(q5 ? 336 : 272) + r];
         return sub;
     }
     const uint8_t *sub = head + Q6K_HEAD + sb * Q6K_SUB;
@@ -365,12 +432,13 @@ static inline const uint8_t *packed_k_sub(int ptype, const uint8_t *grp, int64_t
     return sub;
 }
 
-/* The unsigned integer of row r's value j in a packed K sub-block (Q4_K 0..15, Q6_K 0..63). */
+/* The unsigned integer of row r's value j in a packed K sub-block (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63). */
 static inline int packed_k_u(int ptype, const uint8_t *sub, int r, int j) {
     const int hi = j >> 4, k = (j & 15) >> 2, t = j & 3;
     const uint8_t byte = sub[64 * k + 4 * r + t];
     int u = hi ? byte >> 4 : byte & 15;
     if (ptype == PACKED_Q6K) u |= ((sub[256 + 64 * (k >> 1) + 4 * r + t] >> (4 * (k & 1) + 2 * hi)) & 3) << 4;
+    if (ptype == PACKED_Q5K) u |= ((sub[256 + 4 * r + t] >> (2 * k + hi)) & 1) << 4;
     return u;
 }
 
@@ -379,7 +447,7 @@ static inline float packed_k_value(int ptype, const uint8_t *grp, int64_t b, int
     float scale[2], offset;
     const uint8_t *sub = packed_k_sub(ptype, grp, b, r, scale, &offset);
     const int u = packed_k_u(ptype, sub, r, j);
-    if (ptype == PACKED_Q4K) return scale[0] * (float)u - offset;
+    if (ptype != PACKED_Q6K) return scale[0] * (float)u - offset;
     return scale[j >> 4] * (float)(u - 32);
 }
 
@@ -392,16 +460,17 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     __m512 acc[PACK_XROWS];
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i nib = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3);
+    const __m512i nib = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    const int subb = ptype == PACKED_Q4K ? Q4K_SUB : ptype == PACKED_Q5K ? Q5K_SUB : Q6K_SUB;
+    const int sc_at = ptype == PACKED_Q5K ? 320 : 256; /* Q4K / Q5K: the sub-block's 6-bit scales, then mins */
     for (int64_t s = 0; s < nblocks / 8; s++) {
         const uint8_t *head = grp + s * supb;
         const __m512 d = _mm512_loadu_ps((const float *)head);
-        const __m512 dmin = ptype == PACKED_Q4K ? _mm512_loadu_ps((const float *)(head + 64)) : _mm512_setzero_ps();
+        const __m512 dmin = ptype != PACKED_Q6K ? _mm512_loadu_ps((const float *)(head + 64)) : _mm512_setzero_ps();
         for (int sb = 0; sb < 8; sb++) {
             const int64_t b = s * 8 + sb;
-            const uint8_t *sub = head + (ptype == PACKED_Q4K ? Q4K_HEAD + sb * Q4K_SUB : Q6K_HEAD + sb * Q6K_SUB);
-            for (int c = 0; c < (ptype == PACKED_Q4K ? Q4K_SUB : Q6K_SUB); c += 64)
-                __builtin_prefetch(sub + 4096 + c, 0, 3);
+            const uint8_t *sub = head + (ptype == PACKED_Q6K ? Q6K_HEAD : Q4K_HEAD) + sb * subb;
+            for (int c = 0; c < subb; c += 64) __builtin_prefetch(sub + 4096 + c, 0, 3);
             __m512i la[PACK_XROWS], ha[PACK_XROWS], lb[PACK_XROWS], hb[PACK_XROWS];
             for (int r = 0; r < nr; r++) la[r] = ha[r] = lb[r] = hb[r] = _mm512_setzero_si512();
             for (int k = 0; k < 4; k++) {
@@ -412,6 +481,10 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
                                                         4 * (k & 1));
                     wl = _mm512_or_si512(wl, _mm512_slli_epi16(_mm512_and_si512(h, three), 4));
                     wh = _mm512_or_si512(wh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2), three), 4));
+                } else if (ptype == PACKED_Q5K) {
+                    const __m512i h = _mm512_srli_epi16(_mm512_loadu_si512((const void *)(sub + 256)), 2 * k);
+                    wl = _mm512_or_si512(wl, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
+                    wh = _mm512_or_si512(wh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 1), one), 4));
                 }
                 for (int r = 0; r < nr; r++) {
                     const int64_t at = r * in_dim + b * QK + 4 * k;
@@ -426,11 +499,11 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
                     hb[r] = _mm512_dpbusd_epi32(hb[r], wh, _mm512_set1_epi32(h1));
                 }
             }
-            if (ptype == PACKED_Q4K) {
+            if (ptype != PACKED_Q6K) {
                 const __m512 scale = _mm512_mul_ps(
-                    d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sub + 256)))));
+                    d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sub + sc_at)))));
                 const __m512 offset = _mm512_mul_ps(
-                    dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sub + 272)))));
+                    dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sub + sc_at + 16)))));
                 for (int r = 0; r < nr; r++) {
                     const int64_t xb = r * xb0 + b;
                     const __m512i hs = _mm512_add_epi32(ha[r], hb[r]), ls = _mm512_add_epi32(la[r], lb[r]);
@@ -457,6 +530,74 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
         }
     }
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
+#elif defined(PACKED_AVX2)
+    /* a row at a time, each half of the 16 rows in 8 lanes (the group's weights stay in cache between them) */
+    const __m256i nib = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const int subb = ptype == PACKED_Q4K ? Q4K_SUB : ptype == PACKED_Q5K ? Q5K_SUB : Q6K_SUB;
+    const int sc_at = ptype == PACKED_Q5K ? 320 : 256;
+    for (int r = 0; r < nr; r++)
+        for (int hf = 0; hf < 2; hf++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t s = 0; s < nblocks / 8; s++) {
+                const uint8_t *head = grp + s * supb;
+                const __m256 d = _mm256_loadu_ps((const float *)head + 8 * hf);
+                const __m256 dmin =
+                    ptype != PACKED_Q6K ? _mm256_loadu_ps((const float *)(head + 64) + 8 * hf) : _mm256_setzero_ps();
+                for (int sb = 0; sb < 8; sb++) {
+                    const int64_t b = s * 8 + sb;
+                    const uint8_t *sub = head + (ptype == PACKED_Q6K ? Q6K_HEAD : Q4K_HEAD) + sb * subb;
+                    __m256i la = _mm256_setzero_si256(), ha = la, lb = la, hb = la;
+                    for (int k = 0; k < 4; k++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(sub + 64 * k + 32 * hf));
+                        __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                        if (ptype == PACKED_Q6K) {
+                            const __m256i h = _mm256_srli_epi16(
+                                _mm256_loadu_si256((const __m256i *)(sub + 256 + 64 * (k >> 1) + 32 * hf)), 4 * (k & 1));
+                            wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
+                            wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
+                        } else if (ptype == PACKED_Q5K) {
+                            const __m256i h = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(sub + 256 + 32 * hf)), 2 * k);
+                            wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                            wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+                        }
+                        const int64_t at = r * in_dim + b * QK + 4 * k;
+                        int32_t l0, l1, h0, h1;
+                        memcpy(&l0, x.lo + at, 4);
+                        memcpy(&l1, x.lo + at + 16, 4);
+                        memcpy(&h0, x.hi + at, 4);
+                        memcpy(&h1, x.hi + at + 16, 4);
+                        la = avx2_dot(la, _mm256_set1_epi32(l0), wl);
+                        ha = avx2_dot(ha, wl, _mm256_set1_epi32(h0));
+                        lb = avx2_dot(lb, _mm256_set1_epi32(l1), wh);
+                        hb = avx2_dot(hb, wh, _mm256_set1_epi32(h1));
+                    }
+                    const int64_t xb = r * xb0 + b;
+                    const __m256 dx = _mm256_set1_ps(x.d[xb]);
+                    if (ptype != PACKED_Q6K) {
+                        const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                                  _mm_loadl_epi64((const __m128i *)(sub + sc_at + 8 * hf)))));
+                        const __m256 offset = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                                     _mm_loadl_epi64((const __m128i *)(sub + sc_at + 16 + 8 * hf)))));
+                        const __m256i hs = _mm256_add_epi32(ha, hb), ls = _mm256_add_epi32(la, lb);
+                        const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hs, 8), ls));
+                        acc = _mm256_fmadd_ps(_mm256_mul_ps(dot, dx), scale, acc);
+                        acc = _mm256_fnmadd_ps(offset, _mm256_set1_ps(x.sum[xb]), acc);
+                    } else {
+                        const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                               _mm_loadl_epi64((const __m128i *)(sub + 384 + 8 * hf)))));
+                        const __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                               _mm_loadl_epi64((const __m128i *)(sub + 400 + 8 * hf)))));
+                        const __m256 da = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ha, 8), la));
+                        const __m256 db = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hb, 8), lb));
+                        acc = _mm256_fmadd_ps(_mm256_mul_ps(da, dx), s0, acc);
+                        acc = _mm256_fmadd_ps(_mm256_mul_ps(db, dx), s1, acc);
+                        acc = _mm256_fnmadd_ps(s0, _mm256_set1_ps(32.0f * x.sumh[xb]), acc);
+                        acc = _mm256_fnmadd_ps(s1, _mm256_set1_ps(32.0f * (x.sum[xb] - x.sumh[xb])), acc);
+                    }
+                }
+            }
+            _mm256_storeu_ps(out + r * 16 + 8 * hf, acc);
+        }
 #else
     /* the same integer sums and the same scaling, in plain loops */
     (void)supb;
@@ -476,7 +617,7 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
                     lo[j >> 4] += u[j] * x.lo[at + j];
                     hi[j >> 4] += u[j] * x.hi[at + j];
                 }
-                if (ptype == PACKED_Q4K) {
+                if (ptype != PACKED_Q6K) {
                     const float dot = (float)((hi[0] + hi[1]) * 256 + lo[0] + lo[1]);
                     acc[r][i] = fmaf(dot * x.d[xb], scale[0], acc[r][i]);
                     acc[r][i] = fmaf(-offset, x.sum[xb], acc[r][i]);
@@ -511,6 +652,7 @@ static inline void packed_group_dot(int ptype, const uint8_t *grp, int64_t nbloc
         switch (ptype) {
             case PACKED_Q8: PACKED_ROWS_CASES(packed_group_dot_n, PACKED_Q8) break;
             case PACKED_Q4K: PACKED_ROWS_CASES(packed_k_group_dot_n, PACKED_Q4K) break;
+            case PACKED_Q5K: PACKED_ROWS_CASES(packed_k_group_dot_n, PACKED_Q5K) break;
             case PACKED_Q6K: PACKED_ROWS_CASES(packed_k_group_dot_n, PACKED_Q6K) break;
             default: PACKED_ROWS_CASES(packed_group_dot_n, PACKED_Q4) break;
         }

@@ -12,24 +12,27 @@
 #define QK 32
 #define ROWS 8
 
-enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
-/* Bytes of one block of block_values(type) values (0: a type not served). The K-quants (Q4_K, Q6_K) pack
-   256 values a block with a scale per 32 (Q4_K, and a min) or per 16 (Q6_K); the loops below walk every
-   type in 32-value sub-blocks. */
+/* Bytes of one block of block_values(type) values (0: a type not served). The K-quants (Q4_K, Q5_K, Q6_K)
+   pack 256 values a block with a scale per 32 (Q4_K and Q5_K, and a min) or per 16 (Q6_K); the loops below
+   walk every type in 32-value sub-blocks. */
 static inline int block_bytes(int type) {
     switch (type) {
         case Q4_0: return 18;
         case Q4_1: return 20;
         case Q8_0: return 34;
         case Q4_K: return 144;
+        case Q5_K: return 176;
         case Q6_K: return 210;
         case F32: return 128;
         default: return 0;
     }
 }
 
-static inline int block_values(int type) { return type == Q4_K || type == Q6_K ? 256 : QK; }
+static inline int is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+static inline int block_values(int type) { return is_k_quant(type) ? 256 : QK; }
 
 static inline int64_t row_bytes(int type, int64_t in_dim) {
     return in_dim / block_values(type) * block_bytes(type);
@@ -100,7 +103,8 @@ static inline void q4k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
 
 /* Where sub-block sb's values of a K-quant block live. Q4_K (d, dmin, 12 bytes of scales, 128 of nibbles):
    sub-block s is the low (s even) or high (s odd) nibbles of bytes 32 * (s / 2) .. + 31, value d * sc - dmin
-   * m with its own 6-bit sc and m. Q6_K (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales,
+   * m with its own 6-bit sc and m. Q5_K (d, dmin, 12 bytes of scales, 32 of high bits, 128 of nibbles): as
+   Q4_K, each value's fifth bit the bit s of qh[j]. Q6_K (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales,
    d): sub-block s = 4n + k of half n takes low (k < 2) or high nibbles of ql + 64n + 32 (k & 1) and bits 2k of
    qh + 32n, value d * scale * (q - 32), a scale per 16 values. */
 typedef struct {
@@ -112,16 +116,16 @@ typedef struct {
 static inline KSub k_sub(int type, const uint8_t *wrow, int64_t sb) {
     KSub k;
     const int s = (int)(sb & 7);
-    if (type == Q4_K) {
-        const uint8_t *b = wrow + (sb >> 3) * 144;
+    if (type == Q4_K || type == Q5_K) {
+        const uint8_t *b = wrow + (sb >> 3) * block_bytes(type);
         int sc, m;
         q4k_scale_min(b + 4, s, &sc, &m);
         k.scale[0] = k.scale[1] = half_to_float(read_u16(b)) * (float)sc;
         k.offset = half_to_float(read_u16(b + 2)) * (float)m;
-        k.q = b + 16 + 32 * (s >> 1);
-        k.qh = 0;
+        k.q = b + (type == Q4_K ? 16 : 48) + 32 * (s >> 1);
+        k.qh = type == Q5_K ? b + 16 : 0;
         k.shift = (s & 1) * 4;
-        k.hshift = 0;
+        k.hshift = s;
     } else { /* Q6_K */
         const uint8_t *b = wrow + (sb >> 3) * 210;
         const int n = s >> 2, j = s & 3;
@@ -140,12 +144,14 @@ static inline KSub k_sub(int type, const uint8_t *wrow, int64_t sb) {
 
 /* Sub-block sb (values 32 sb .. 32 sb + 31) of a weight row -> 32 floats, as ggml dequantizes them. */
 static inline void dequant_sub(int type, const uint8_t *wrow, int64_t sb, float *out) {
-    if (type == Q4_K || type == Q6_K) {
+    if (is_k_quant(type)) {
         const KSub k = k_sub(type, wrow, sb);
         for (int j = 0; j < QK; j++) {
             const int nib = (k.q[j] >> k.shift) & 15;
             if (type == Q4_K)
                 out[j] = k.scale[0] * (float)nib - k.offset;
+            else if (type == Q5_K)
+                out[j] = k.scale[0] * (float)(nib | (((k.qh[j] >> k.hshift) & 1) << 4)) - k.offset;
             else
                 out[j] = k.scale[j >> 4] * (float)((nib | (((k.qh[j] >> k.hshift) & 3) << 4)) - 32);
         }
@@ -191,7 +197,7 @@ static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m
 
 /* Sub-block sb of a weight row -> two vectors of 16 floats, the same values as dequant_sub. */
 static inline void dequant_sub_512(int type, const uint8_t *wrow, int64_t sb, __m512 *lo, __m512 *hi) {
-    if (type != Q4_K && type != Q6_K) {
+    if (!is_k_quant(type)) {
         dequant_block_512(type, wrow + sb * block_bytes(type), lo, hi);
         return;
     }
@@ -208,7 +214,21 @@ static inline void dequant_sub_512(int type, const uint8_t *wrow, int64_t sb, __
         *hi = _mm512_permutexvar_ps(c, table);
         return;
     }
-    const __m512i hshift = _mm512_set1_epi32(k.hshift), three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+    const __m512i hshift = _mm512_set1_epi32(k.hshift);
+    if (type == Q5_K) { /* the fifth bit from qh, then d * sc * u - dmin * m */
+        const __m512i one = _mm512_set1_epi32(1);
+        const __m512i h0 = _mm512_and_si512(
+            _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)k.qh)), hshift), one);
+        const __m512i h1 = _mm512_and_si512(
+            _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(k.qh + 16))), hshift), one);
+        a = _mm512_or_si512(a, _mm512_slli_epi32(h0, 4));
+        c = _mm512_or_si512(c, _mm512_slli_epi32(h1, 4));
+        const __m512 sc = _mm512_set1_ps(k.scale[0]), off = _mm512_set1_ps(k.offset);
+        *lo = _mm512_sub_ps(_mm512_mul_ps(sc, _mm512_cvtepi32_ps(a)), off);
+        *hi = _mm512_sub_ps(_mm512_mul_ps(sc, _mm512_cvtepi32_ps(c)), off);
+        return;
+    }
+    const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
     const __m512i h0 = _mm512_and_si512(
         _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)k.qh)), hshift), three);
     const __m512i h1 = _mm512_and_si512(
@@ -297,6 +317,7 @@ static void rows_dot(int type, const uint8_t *wrow, int64_t nblocks, const float
         case Q4_1: ROWS_DOT_CASES(Q4_1)
         case Q8_0: ROWS_DOT_CASES(Q8_0)
         case Q4_K: ROWS_DOT_CASES(Q4_K)
+        case Q5_K: ROWS_DOT_CASES(Q5_K)
         case Q6_K: ROWS_DOT_CASES(Q6_K)
         default: ROWS_DOT_CASES(F32)
     }

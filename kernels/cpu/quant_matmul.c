@@ -30,9 +30,19 @@ int pagedserve_native_isa(void) {
 #endif
 }
 
-/* 1 where the packed kernel has its integer dot products (AVX-512 VNNI); 0: its portable loop, slower than
-   the fp32-activation kernel on GGUF's own layout, so the worker packs nothing there. */
+/* 1 where the packed kernel has its integer dot products (AVX-512 VNNI, or AVX2's maddubs for the 4-6 bit
+   layouts); 0: its portable loop, slower than the fp32-activation kernel on GGUF's own layout, so the worker
+   packs nothing there. */
 int pagedserve_packed_fast(void) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(PACKED_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where PACKED_Q8 has its integer dot products too (AVX-512 VNNI only: see avx2_dot). */
+int pagedserve_packed_q8_fast(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 1;
 #else
@@ -46,7 +56,7 @@ static int packed_type(int32_t type) { return pack_block_bytes(type) > 0; }
    types, PACKED_Q8), out_dim / 16 groups of in_dim / 32 blocks. Returns 0, or -1 (another type, out_dim not
    a multiple of 16, in_dim not of 32). */
 int pagedserve_pack(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t type, uint8_t *out) {
-    const int k = type == Q4_K || type == Q6_K;
+    const int k = is_k_quant(type);
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0 && !k) || out_dim % PACK_ROWS || out_dim <= 0
         || in_dim % block_values(type) || in_dim <= 0)
         return -1;
