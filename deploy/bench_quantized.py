@@ -80,9 +80,64 @@ def agreement(a: list, b: list) -> dict:
             "mean_abs_logprob_difference": statistics.mean(diffs) if diffs else 0.0}
 
 
+def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int = 1, reps: int = 30) -> None:
+    """The quantized kernels alone: `rows` activation rows against twelve 8192 x 2048 matrices of each type
+    (from memory, not cache), packed and on the file's layout with fp32 activations; GB/s of weights read,
+    medians, beside a plain read of 256 MB (what the memory gives). Random blocks: speed, not accuracy."""
+    import statistics
+    import time
+
+    import numpy as np
+    import torch
+
+    from kernels import cpu_native
+    from worker.quantized import QUANT_TYPES, QuantizedMatmul, QuantWeight
+
+    kernels = cpu_native.load()
+    lib = QuantizedMatmul(kernels, dense=None, max_kernel_rows=1 << 20, packing=True, pack_q8=True)
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    big = torch.randn(64 << 20)
+    print(f"native ISA {kernels.isa}, packed fast {kernels.packed_fast}, {torch.get_num_threads()} threads; "
+          f"a plain read: {big.numel() * 4 / timed(big.sum) / 1e9:.1f} GB/s")
+    print(f"{'type':6} {'packed ms':>10} {'GB/s':>6} {'file layout ms':>15} {'GB/s':>6}")
+    rng = np.random.default_rng(0)
+    x = torch.randn(rows, 2048)
+    for qtype in types:
+        _, values, bb = QUANT_TYPES[qtype]
+        mats = []
+        for _ in range(12):
+            blocks = rng.integers(0, 256, (8192, 2048 // values, bb), dtype=np.uint8)
+            scale = np.array([0.01], dtype=np.float16).view(np.uint8)  # finite fp16 scales where the type keeps them
+            if qtype == "Q6_K":
+                blocks[..., 208:210] = scale
+            else:
+                blocks[..., 0:2] = scale
+                if qtype in ("Q4_K", "Q5_K", "Q4_1"):
+                    blocks[..., 2:4] = scale
+            w = QuantWeight(torch.from_numpy(blocks.reshape(8192, -1)), qtype, 2048)
+            mats.append((w, lib.pack(w)))
+        t_packed = timed(lambda mats=mats: [lib.kernel(x, p) for _, p in mats])
+        t_file = timed(lambda mats=mats: [lib.kernel(x, w) for w, _ in mats])
+        n_packed = sum(p.nbytes for _, p in mats)
+        n_file = sum(w.nbytes for w, _ in mats)
+        print(f"{qtype:6} {t_packed * 1e3:>10.2f} {n_packed / t_packed / 1e9:>6.1f} {t_file * 1e3:>15.2f} "
+              f"{n_file / t_file / 1e9:>6.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--kernels", action="store_true", help="only the quantized kernels' own speed, per type (GB/s)")
+    p.add_argument("--rows", type=int, default=1, help="with --kernels: activation rows")
+    p.add_argument("--model")
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
@@ -91,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--with-int8", action="store_true", help="a third server with --quantized-activations int8")
     args = p.parse_args(argv)
+    if args.kernels:
+        kernel_bandwidth(rows=args.rows)
+        return 0
+    if not args.model:
+        p.error("--model is required (or --kernels)")
     prompts = load_workload(args.workload)
     rows = [measure(args, "fp32 (dequantized)", ["--dequantize"], prompts),
             measure(args, "GGUF blocks (Q4_1, head Q8_0)", [], prompts)]
