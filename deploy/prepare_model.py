@@ -93,10 +93,39 @@ def model_folder(model: str) -> str:
                                                              Path.home() / ".cache" / "pagedserve") / "models")
     out = cache / f"{path.stem}-{key}"
     if not is_prepared(out):
+        refusal = preparation_refusal(path, cache)
+        if refusal:
+            print(f"pagedserve: {refusal}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
         print(f"preparing {path.name} once (config, tokenizer, an fp32 copy for prefill) into {out}",
               file=sys.stderr, flush=True)
         prepare(path.resolve(), out, path.stem.split(".")[0])
     return str(out)
+
+
+def preparation_refusal(path: Path, cache: Path, available: int | None = None,
+                        free_disk: int | None = None) -> str | None:
+    """Preparing a GGUF dequantizes every tensor into an fp32 copy, in memory and then on disk: None where this
+    machine has room for it, else what it needs and has (said before starting, instead of the kernel's OOM
+    killer ending the process halfway with only `Killed`)."""
+    import shutil
+
+    from gguf import GGUFReader
+
+    from worker.memory_plan import GiB, available_bytes, human
+
+    fp32 = 4 * sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+    available = available_bytes() if available is None else available
+    if available is not None and fp32 + GiB > available:
+        return (f"{path.name} holds {fp32 // 4 / 1e9:.2f}B values; preparing it takes an fp32 copy of them "
+                f"({human(fp32 + GiB)} of memory with the converter's own) and this machine has {human(available)} "
+                "available: serve a smaller model or a machine with more memory")
+    cache.mkdir(parents=True, exist_ok=True)
+    free_disk = shutil.disk_usage(cache).free if free_disk is None else free_disk
+    if fp32 > free_disk:
+        return (f"preparing {path.name} writes an fp32 copy of {human(fp32)} under {cache} and only "
+                f"{human(free_disk)} is free there: free some, or set PAGEDSERVE_MODELS to a larger disk")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

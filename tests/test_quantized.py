@@ -222,6 +222,7 @@ def test_a_gguf_file_is_served_as_given(server_factory, native, tmp_path, monkey
     try:
         log = server.log_path.read_text()
         assert '"matmul": "quantized"' in log and '"matrices": {"Q4_1": 120, "Q8_0": 1}' in log
+        assert '"chosen": "dense", "why":' in log  # --quantized-prefill auto: the machine holds the dense copy
         prepared = list(tmp_path.iterdir())
         assert len(prepared) == 1 and model_folder(str(path)) == str(prepared[0])  # found again, not redone
         assert json.loads((prepared[0] / "pagedserve_model.json").read_text())["gguf"] == str(path.resolve())

@@ -58,16 +58,18 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dequantize", action="store_true",
                    help="serve a quantized GGUF (or a folder prepared from one) dequantized to --dtype instead of "
                         "on its own blocks")
-    g.add_argument("--quantized-prefill", default="dense", choices=["dense", "dequantize"],
+    g.add_argument("--quantized-prefill", default="auto", choices=["auto", "dense", "dequantize"],
                    help="with quantized weights, prefill on a dense copy of each weight (memory for speed) or "
-                        "dequantize each into a scratch matrix when it is used")
+                        "dequantize each into a scratch matrix when it is used; auto: the dense copy where the "
+                        "machine's available memory holds it beside the KV pool (the choice is logged)")
     g.add_argument("--quantized-activations", default="auto", choices=["auto", "int16", "fp32", "int8"],
                    help="with quantized weights, what decode's kernels multiply the weights with: int16 rounds "
                         "activations per 32-value block to 16-bit integers (2^-16 of the block's largest value) "
-                        "and multiplies Q4_0 / Q4_1 weights, repacked at load, in integers (AVX-512 VNNI); fp32 "
+                        "and multiplies Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K (and Q8_0 with VNNI) weights, repacked at "
+                        "load, in integers (AVX-512 VNNI or AVX2); fp32 "
                         "multiplies fp32 activations (exact up to summation order); int8 rounds them to 8 bits "
                         "(llama.cpp's scheme: 1.3%% perplexity on the default model); auto: int16 where the CPU "
-                        "has AVX-512 VNNI, else fp32")
+                        "has AVX-512 VNNI or AVX2, else fp32")
     g.add_argument("--cpu-decode", default="fused", choices=["fused", "layers"],
                    help="on a CPU (fp32, one rank), a decode-only step of a few sequences runs as one native call "
                         "(fused: the threads stay up for the whole step; fp32 weights are then also kept unpacked "
@@ -160,6 +162,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def kv_budget_bytes(args, config, dtype, heads: int) -> int:
+    """The KV pool a CPU worker will take: --num-blocks, --kv-cache-memory, or the default budget."""
+    from worker.kv_pool import bytes_per_block, parse_bytes
+
+    if args.num_blocks:
+        return args.num_blocks * bytes_per_block(config, args.block_size, dtype, heads)
+    return parse_bytes(args.kv_cache_memory or CPU_KV_CACHE_MEMORY)
+
+
+def refuse_what_cannot_fit(args, config, dtype, tp: int) -> str | None:
+    """Before loading: the weights as this worker loads them (its share of every parameter at --dtype) and
+    its KV pool against the memory the machine has available, or the message to refuse with."""
+    import torch
+
+    from worker.memory_plan import available_bytes, check_fits, parameter_count
+
+    params = parameter_count(config) // tp
+    weights = params * torch.tensor([], dtype=dtype).element_size()
+    heads = max(1, config.num_kv_heads // tp)
+    kv = kv_budget_bytes(args, config, dtype, heads)
+    return check_fits(f"this model ({params / 1e9:.2f}B parameters a rank, loaded as {dtype}) with its KV pool",
+                      weights + kv, available_bytes(),
+                      "serve a smaller model, lower --kv-cache-memory, or split it over more ranks "
+                      "(--tensor-parallel-size)")
+
+
 def quantized_source(args, config, device, dtype, shard):
     """The GGUF whose own blocks this worker serves, or None (logged where it could have been): a *.gguf
     model, or a folder prepared from one (its pagedserve_model.json names the file), on a CPU in fp32 with
@@ -240,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.attention import make_backend
     from worker.kv_pool import KVPool, bytes_per_block, parse_bytes
     from worker.linear import choose as choose_matmul
+    from worker.memory_plan import available_bytes, choose_quantized_prefill, resident_bytes
     from worker.model_config import UnsupportedModel
     from worker.parallel import ParallelConfigError, init_group, make_shard
     from worker.runner import ModelRunner, warm_up
@@ -286,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     if config.layer_windows:
         log.info("sliding_window_layers", windows=sorted(set(config.layer_windows)),
                  sliding=sum(1 for w in config.layer_windows if w), layers=config.num_layers)
+    if device.type == "cpu" and args.load_format != "dummy":
+        refusal = refuse_what_cannot_fit(args, config, dtype, tp)
+        if refusal:
+            log.error("model_too_large", error=refusal)
+            print(f"pagedserve-worker: {refusal}", file=sys.stderr)
+            return EXIT_CONFIG
     comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout, args.rendezvous_file)
     model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
                                tp_rank=args.rank, tp_size=tp, comm=comm)
@@ -304,7 +339,12 @@ def main(argv: list[str] | None = None) -> int:
                 args.quantized_activations = "int16" if kernels is not None and kernels.packed_fast else "fp32"
             lib = QuantizedMatmul(kernels, dense, int8_activations=args.quantized_activations == "int8",
                                   packing=args.quantized_activations == "int16")
-            counts = model.use_quantized(source, lib, keep_dense=args.quantized_prefill == "dense")
+            prefill, why = choose_quantized_prefill(
+                args.quantized_prefill, source.path.stat().st_size // tp,
+                kv_budget_bytes(args, config, dtype, model.shard.num_kv_heads), available_bytes())
+            args.quantized_prefill = prefill
+            log.info("quantized_prefill", chosen=prefill, why=why)
+            counts = model.use_quantized(source, lib, keep_dense=prefill == "dense")
             choose_threshold(lib, model_linears(model))
             log.info("quantized_weights", gguf=str(source.path), matrices=counts, prefill=args.quantized_prefill,
                      activations=args.quantized_activations,
@@ -359,7 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     max_num_seqs = args.max_num_seqs or default_max_num_seqs(device.type, num_blocks, args.block_size,
                                                              args.max_num_batched_tokens)
+    model_resident, _ = resident_bytes()  # weights (and their copies), libraries: everything but the pool
     pool = KVPool(config, num_blocks, args.block_size, dtype, device, heads)
+    if device.type == "cpu":  # what this worker will hold: the model as loaded, and the pool (paged in as used)
+        rss, peak = resident_bytes()
+        log.info("host_memory", model_resident_bytes=model_resident, kv_pool_bytes=num_blocks * per_block,
+                 planned_bytes=model_resident + num_blocks * per_block, peak_resident_bytes=peak,
+                 resident_bytes=rss, available_bytes=available_bytes())
     runner = ModelRunner(model, pool, attn, device)
     warm_s = warm_up(runner)  # kernels compiled and libraries warmed before the first request, not during it
     if use_graphs:

@@ -1,0 +1,84 @@
+"""What a CPU worker will hold in host memory, checked against what the machine has before it is taken.
+
+A model that does not fit is refused at start with the bytes it needs (never killed by the kernel's OOM
+killer halfway through loading, the user seeing only `Killed`); where prefill's dense copy of quantized
+weights does not fit beside the KV pool, prefill dequantizes each weight when it is used instead; and the
+worker reports what it holds once the pool is allocated.
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+GiB = 1 << 30
+MARGIN = 2 * GiB  # activations, scratch, the allocator's slack, the scheduler beside the worker
+
+
+def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable (what can be taken without swapping), or None where the system does not say."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def resident_bytes() -> tuple[int, int]:
+    """(resident now, peak resident so far) of this process, as the kernel counts them (VmRSS, VmHWM)."""
+    fields = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                fields[line.split(":")[0]] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if len(fields) < 2:  # not Linux: the peak getrusage reports (kilobytes on Linux, bytes on macOS)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak, peak
+    return fields["VmRSS"], max(fields["VmHWM"], fields["VmRSS"])
+
+
+def human(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def weight_bytes(num_params: int, element_size: int) -> int:
+    return num_params * element_size
+
+
+def check_fits(what: str, need: int, available: int | None, fix: str) -> str | None:
+    """None where `need` bytes fit in what the machine has available, else the message to refuse with."""
+    if available is None or need <= available:
+        return None
+    return (f"{what} needs {human(need)} of memory and this machine has {human(available)} available; {fix}")
+
+
+def choose_quantized_prefill(choice: str, blocks: int, kv: int, available: int | None) -> tuple[str, str]:
+    """'dense' or 'dequantize' for --quantized-prefill auto, and why. The worker has loaded the model's
+    matrices in fp32 when this is asked: keeping a dense copy for prefill holds about that much again once the
+    loaded ones are dropped, so it is kept where the blocks, the KV pool and a margin still fit beside it;
+    otherwise the loaded matrices are given back and prefill dequantizes each weight into a scratch matrix."""
+    if choice != "auto":
+        return choice, "asked for"
+    if available is None:
+        return "dense", "the system does not report its available memory"
+    need = blocks + kv + MARGIN
+    if need <= available:
+        return "dense", f"{human(available)} available holds the blocks, the KV pool and {human(MARGIN)} beside it"
+    return "dequantize", (f"{human(available)} available cannot hold the blocks ({human(blocks)}), the KV pool "
+                          f"({human(kv)}) and {human(MARGIN)} beside a dense copy")
+
+
+def parameter_count(config) -> int:
+    """The parameters a model's config implies (embeddings, attention, the MLP or its experts, the head):
+    what loading it takes, before anything is allocated."""
+    h, hd = config.hidden_size, config.head_dim
+    attn = h * config.num_heads * hd * 2 + h * config.num_kv_heads * hd * 2
+    dense_mlp = 3 * h * config.intermediate_size
+    moe = config.num_experts * 3 * h * config.moe_intermediate_size + h * config.num_experts
+    layers = sum(attn + (moe if (config.moe_layers and config.moe_layers[i]) else dense_mlp)
+                 for i in range(config.num_layers))
+    return config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + layers
