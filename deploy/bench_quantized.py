@@ -84,26 +84,19 @@ def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int =
     """The quantized kernels alone: `rows` activation rows against twelve 8192 x 2048 matrices of each type
     (from memory, not cache), packed and on the file's layout with fp32 activations; GB/s of weights read,
     medians, beside a plain read of 256 MB (what the memory gives). Random blocks: speed, not accuracy."""
-    import statistics
-    import time
-
     import numpy as np
     import torch
 
+    from deploy.bench_kernels import _time_cpu
     from kernels import cpu_native
     from worker.quantized import QUANT_TYPES, QuantizedMatmul, QuantWeight
 
     kernels = cpu_native.load()
     lib = QuantizedMatmul(kernels, dense=None, max_kernel_rows=1 << 20, packing=True, pack_q8=True)
 
-    def timed(fn) -> float:
+    def timed(fn) -> float:  # one untimed call (first touch), then the median
         fn()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        return _time_cpu(fn, reps)
 
     big = torch.randn(64 << 20)
     print(f"native ISA {kernels.isa}, packed fast {kernels.packed_fast}, {torch.get_num_threads()} threads; "

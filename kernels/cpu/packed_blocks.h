@@ -138,6 +138,15 @@ static inline void packed_x_block(const float *x, PackedX p, int64_t i) {
     p.sumh[i] = sh;
 }
 
+/* The four activation words one part of a 32-value block meets (values 4k..4k+3 and 16+4k..16+4k+3 at `at`
+   = row start + block start + 4k): their low bytes, then their high bytes, each four bytes as one word. */
+static inline void x_words(PackedX x, int64_t at, int32_t *l0, int32_t *l1, int32_t *h0, int32_t *h1) {
+    memcpy(l0, x.lo + at, 4);
+    memcpy(l1, x.lo + at + 16, 4);
+    memcpy(h0, x.hi + at, 4);
+    memcpy(h1, x.hi + at + 16, 4);
+}
+
 /* fp32 -> fp16 bits, rounded to nearest even (only exact values reach it here: -8 d of a Q4_0 block). */
 static inline uint16_t float_to_half(float f) {
 #if defined(__F16C__)
@@ -251,10 +260,7 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                 for (int r = 0; r < nr; r++) {
                     const int64_t at = r * in_dim + b * QK + 4 * k;
                     int32_t l0, l1, h0, h1;
-                    memcpy(&l0, x.lo + at, 4);
-                    memcpy(&l1, x.lo + at + 16, 4);
-                    memcpy(&h0, x.hi + at, 4);
-                    memcpy(&h1, x.hi + at + 16, 4);
+                    x_words(x, at, &l0, &l1, &h0, &h1);
                     ilo[r] = _mm512_dpbusd_epi32(ilo[r], _mm512_set1_epi32(l0), wl);
                     ilo[r] = _mm512_dpbusd_epi32(ilo[r], _mm512_set1_epi32(l1), wh);
                     ihi[r] = _mm512_dpbusd_epi32(ihi[r], wl, _mm512_set1_epi32(h0));
@@ -289,10 +295,7 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                         const __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
                         const int64_t at = r * in_dim + b * QK + 4 * k;
                         int32_t l0, l1, h0, h1;
-                        memcpy(&l0, x.lo + at, 4);
-                        memcpy(&l1, x.lo + at + 16, 4);
-                        memcpy(&h0, x.hi + at, 4);
-                        memcpy(&h1, x.hi + at + 16, 4);
+                        x_words(x, at, &l0, &l1, &h0, &h1);
                         ilo = avx2_dot(avx2_dot(ilo, _mm256_set1_epi32(l0), wl), _mm256_set1_epi32(l1), wh);
                         ihi = avx2_dot(avx2_dot(ihi, wl, _mm256_set1_epi32(h0)), wh, _mm256_set1_epi32(h1));
                     }
@@ -489,10 +492,7 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
                 for (int r = 0; r < nr; r++) {
                     const int64_t at = r * in_dim + b * QK + 4 * k;
                     int32_t l0, l1, h0, h1;
-                    memcpy(&l0, x.lo + at, 4);
-                    memcpy(&l1, x.lo + at + 16, 4);
-                    memcpy(&h0, x.hi + at, 4);
-                    memcpy(&h1, x.hi + at + 16, 4);
+                    x_words(x, at, &l0, &l1, &h0, &h1);
                     la[r] = _mm512_dpbusd_epi32(la[r], _mm512_set1_epi32(l0), wl);
                     ha[r] = _mm512_dpbusd_epi32(ha[r], wl, _mm512_set1_epi32(h0));
                     lb[r] = _mm512_dpbusd_epi32(lb[r], _mm512_set1_epi32(l1), wh);
@@ -562,10 +562,7 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
                         }
                         const int64_t at = r * in_dim + b * QK + 4 * k;
                         int32_t l0, l1, h0, h1;
-                        memcpy(&l0, x.lo + at, 4);
-                        memcpy(&l1, x.lo + at + 16, 4);
-                        memcpy(&h0, x.hi + at, 4);
-                        memcpy(&h1, x.hi + at + 16, 4);
+                        x_words(x, at, &l0, &l1, &h0, &h1);
                         la = avx2_dot(la, _mm256_set1_epi32(l0), wl);
                         ha = avx2_dot(ha, wl, _mm256_set1_epi32(h0));
                         lb = avx2_dot(lb, _mm256_set1_epi32(l1), wh);
