@@ -543,3 +543,30 @@ def test_the_copies_for_llama_cpp_hold_the_files_values(tmp_path, monkeypatch, q
             assert y.tensor_type == gguf.GGMLQuantizationType.F32
             np.testing.assert_array_equal(got, want)
     assert bench_cpu_peers.requantized_gguf(source, qtype) == copy  # made once
+
+
+def test_the_kernel_row_threshold_survives_one_slow_moment(monkeypatch):
+    """The start-up timing that picks how many rows the quantized kernel takes: a row count where the kernel
+    loses once (another process starting beside the worker) is timed again before it is given up, so one slow
+    moment does not send every larger decode step to the dense path for good; a real loss still stops it."""
+    from types import SimpleNamespace
+
+    import worker.linear
+    from worker.quantized import choose_threshold
+
+    lib = QuantizedMatmul(None, dense=None)
+    script = iter([(1.0, 5.0), (9.0, 5.0), (1.5, 5.0), (6.0, 5.0), (6.0, 5.0), (6.5, 5.0)])  # (kernel, dense)
+    pending = []
+
+    def scripted(fn, reps):  # the kernel path is timed first, then the dense one (max_kernel_rows 0)
+        if lib.max_kernel_rows:
+            pending[:] = next(script)
+            return pending[0]
+        return pending[1]
+
+    monkeypatch.setattr(worker.linear, "_time", scripted)
+    linears = [(SimpleNamespace(q=SimpleNamespace(in_dim=8)), 1)]
+    assert choose_threshold(lib, linears, candidates=(1, 2, 4)) == 2
+    assert lib.max_kernel_rows == 2
+    with pytest.raises(StopIteration):
+        next(script)  # rows 4 was timed three times, and lost each time
