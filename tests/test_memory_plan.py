@@ -22,13 +22,13 @@ def test_the_parameter_count_is_the_models_own(tiny_model_dir):
 
 
 def test_prefill_keeps_its_dense_copy_only_where_it_fits():
-    blocks, kv = 1 * GiB, 2 * GiB
-    chosen, why = choose_quantized_prefill("auto", blocks, kv, blocks + kv + MARGIN)
+    dense, kv = 4 * GiB, 2 * GiB
+    chosen, why = choose_quantized_prefill("auto", dense, kv, dense + kv + MARGIN)
     assert chosen == "dense" and "available" in why
-    chosen, why = choose_quantized_prefill("auto", blocks, kv, blocks + kv + MARGIN - 1)
-    assert chosen == "dequantize" and "cannot hold" in why
-    assert choose_quantized_prefill("dense", blocks, kv, 0)[0] == "dense"  # asked for: as asked
-    assert choose_quantized_prefill("auto", blocks, kv, None)[0] == "dense"  # the system does not say
+    chosen, why = choose_quantized_prefill("auto", dense, kv, dense + kv + MARGIN - 1)
+    assert chosen == "dequantize" and "cannot hold" in why and "4.0 GiB" in why
+    assert choose_quantized_prefill("dense", dense, kv, 0)[0] == "dense"  # asked for: as asked
+    assert choose_quantized_prefill("auto", dense, kv, None)[0] == "dense"  # the system does not say
 
 
 def test_the_refusal_names_what_is_needed_and_what_there_is():

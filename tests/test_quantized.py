@@ -207,7 +207,8 @@ def test_perplexity_chunks_follow_llama_perplexity():
 @pytest.mark.real_model
 def test_a_gguf_file_is_served_as_given(server_factory, native, tmp_path, monkeypatch):
     """`pagedserve serve --model X.gguf`: the file is prepared once into a cached folder that names it — the
-    same folder `make setup` prepares from it — and served on its own blocks."""
+    config and tokenizer `make setup` prepares from it, and no copy of its weights — and served on its own
+    blocks, the rest of its tensors read from the file."""
     import hashlib
     import json
 
@@ -226,9 +227,12 @@ def test_a_gguf_file_is_served_as_given(server_factory, native, tmp_path, monkey
         prepared = list(tmp_path.iterdir())
         assert len(prepared) == 1 and model_folder(str(path)) == str(prepared[0])  # found again, not redone
         assert json.loads((prepared[0] / "pagedserve_model.json").read_text())["gguf"] == str(path.resolve())
-        for name in ("config.json", "tokenizer.json", "model.safetensors"):
-            digests = {hashlib.sha256((folder / name).read_bytes()).hexdigest() for folder in (prepared[0], MODEL_DIR)}
-            assert len(digests) == 1, name
+        digests = {hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
+                   for folder in (prepared[0], MODEL_DIR)}
+        assert len(digests) == 1
+        configs = [json.loads((folder / "config.json").read_text()) for folder in (prepared[0], MODEL_DIR)]
+        assert configs[0] == {k: v for k, v in configs[1].items() if k != "dtype"}
+        assert not list(prepared[0].glob("*.safetensors"))  # no fp32 copy: the tensors are read from the file
         req = pb.GenerateRequest(prompt_token_ids=list(range(300, 340)), sampling=pb.SamplingParams(
             max_tokens=16, temperature=0, ignore_eos=True))
         assert len(server.stub.Generate(req, timeout=120).choices[0].token_ids) == 16

@@ -116,11 +116,13 @@ GGUF_OTHERS = {"input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm"
                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str = "llama", **overrides) -> Path:
+def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str = "llama", tables: bool = False,
+                   **overrides) -> Path:
     """A tiny model of a transformers family shipped as llama.cpp ships one: a GGUF of that family's
     architecture whose projections are `qtype` blocks under llama.cpp's names (q and k rows permuted where
     llama.cpp's converter permutes them; Phi-3's q/k/v and gate/up stacked as its converter writes them;
-    MoE experts stacked per layer), norms, biases and embeddings F32; beside it, the folder `prepare-model`
+    MoE experts stacked per layer), norms, biases and (unless `tables`: `qtype` too) embeddings and head F32;
+    beside it, the folder `prepare-model`
     would make of it (config, tokenizer, the GGUF's weights dequantized to fp32, and pagedserve_model.json
     naming the file). Returns the folder."""
     import json
@@ -157,10 +159,14 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str
     for name, t in state.items():
         w = t.float().numpy()
         parts = name.split(".")
-        if name == "model.embed_tokens.weight":
-            writer.add_tensor("token_embd.weight", w)
-        elif name == "lm_head.weight":
-            writer.add_tensor("output.weight", w)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            gname = "token_embd.weight" if name == "model.embed_tokens.weight" else "output.weight"
+            if tables:
+                blocks = quants.quantize(w, kind)
+                w = quants.dequantize(blocks, kind).reshape(w.shape)
+                writer.add_tensor(gname, blocks, raw_dtype=kind)
+            else:
+                writer.add_tensor(gname, w)
         elif name == "model.norm.weight":
             writer.add_tensor("output_norm.weight", w)
         elif ".".join(parts[3:5]) in GGUF_MATRICES and parts[-1] == "weight":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import structlog
 
@@ -171,24 +172,29 @@ def kv_budget_bytes(args, config, dtype, heads: int) -> int:
     return parse_bytes(args.kv_cache_memory or CPU_KV_CACHE_MEMORY)
 
 
-def refuse_what_cannot_fit(args, config, dtype, tp: int) -> str | None:
-    """Before loading: the weights as this worker loads them (its share of every parameter at --dtype) and
-    its KV pool against the memory the machine has available, or the message to refuse with."""
+def refuse_what_cannot_fit(args, config, dtype, tp: int, source=None) -> str | None:
+    """Before loading: the weights as this worker loads them (its share of every parameter at --dtype, or of
+    a GGUF's blocks where they are served as they ship) and its KV pool against the memory the machine has
+    available, or the message to refuse with."""
     import torch
 
     from worker.memory_plan import available_bytes, check_fits, parameter_count
 
-    params = parameter_count(config) // tp
-    weights = params * torch.tensor([], dtype=dtype).element_size()
     heads = max(1, config.num_kv_heads // tp)
     kv = kv_budget_bytes(args, config, dtype, heads)
-    return check_fits(f"this model ({params / 1e9:.2f}B parameters a rank, loaded as {dtype}) with its KV pool",
-                      weights + kv, available_bytes(),
+    if source is not None:
+        weights = source.held_bytes(config.tie_word_embeddings) // tp
+        what = f"this model ({source.path.name} on its own blocks, {weights / 1e9:.2f} GB a rank) with its KV pool"
+    else:
+        params = parameter_count(config) // tp
+        weights = params * torch.tensor([], dtype=dtype).element_size()
+        what = f"this model ({params / 1e9:.2f}B parameters a rank, loaded as {dtype}) with its KV pool"
+    return check_fits(what, weights + kv, available_bytes(),
                       "serve a smaller model, lower --kv-cache-memory, or split it over more ranks "
                       "(--tensor-parallel-size)")
 
 
-def quantized_source(args, config, device, dtype, shard):
+def quantized_source(args, config, device, dtype):
     """The GGUF whose own blocks this worker serves, or None (logged where it could have been): a *.gguf
     model, or a folder prepared from one (its pagedserve_model.json names the file), on a CPU in fp32 with
     the native kernels, unless --dequantize."""
@@ -207,6 +213,19 @@ def quantized_source(args, config, device, dtype, shard):
         log.info("quantized_weights_off", gguf=str(path), reason=why)
         return None
     return GGUFQuantSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
+
+
+def quantized_library(args):
+    """The matmul library over a GGUF's blocks (worker/quantized.py), made before the model loads so each
+    weight is packed as it is read; its dense library is set once chosen. ValueError: flags that conflict."""
+    from kernels import cpu_native
+    from worker.quantized import QuantizedMatmul
+
+    kernels = cpu_native.load()
+    if args.quantized_activations == "auto":
+        args.quantized_activations = "int16" if kernels is not None and kernels.packed_fast else "fp32"
+    return QuantizedMatmul(kernels, None, int8_activations=args.quantized_activations == "int8",
+                           packing=args.quantized_activations == "int16")
 
 
 def use_native_head(model) -> None:
@@ -268,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.attention import make_backend
     from worker.kv_pool import KVPool, bytes_per_block, parse_bytes
     from worker.linear import choose as choose_matmul
-    from worker.memory_plan import available_bytes, choose_quantized_prefill, resident_bytes
+    from worker.memory_plan import available_bytes, choose_quantized_prefill, dense_copy_bytes, resident_bytes
     from worker.model_config import UnsupportedModel
     from worker.parallel import ParallelConfigError, init_group, make_shard
     from worker.runner import ModelRunner, warm_up
@@ -315,40 +334,47 @@ def main(argv: list[str] | None = None) -> int:
     if config.layer_windows:
         log.info("sliding_window_layers", windows=sorted(set(config.layer_windows)),
                  sliding=sum(1 for w in config.layer_windows if w), layers=config.num_layers)
+    source = quantized_source(args, config, device, dtype)
     if device.type == "cpu" and args.load_format != "dummy":
-        refusal = refuse_what_cannot_fit(args, config, dtype, tp)
+        refusal = refuse_what_cannot_fit(args, config, dtype, tp, source)
         if refusal:
             log.error("model_too_large", error=refusal)
             print(f"pagedserve-worker: {refusal}", file=sys.stderr)
             return EXIT_CONFIG
     comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout, args.rendezvous_file)
-    model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
-                               tp_rank=args.rank, tp_size=tp, comm=comm)
     try:
-        dense = choose_matmul(args.matmul, model.matmul_shapes(), device, dtype)
-        source = quantized_source(args, config, device, dtype, model.shard)
+        lib = quantized_library(args) if source is not None else None
+    except ValueError as e:
+        log.error("bad_worker_option", error=str(e))
+        print(f"pagedserve-worker: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    t0 = time.perf_counter()
+    model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed, tp_rank=args.rank,
+                               tp_size=tp, comm=comm, quantized=source, pack=lib.pack if lib else None)
+    load_s = time.perf_counter() - t0
+    try:
+        if source is not None:
+            prefill, why = choose_quantized_prefill(
+                args.quantized_prefill, dense_copy_bytes(model.file_blocks),
+                kv_budget_bytes(args, config, dtype, model.shard.num_kv_heads), available_bytes())
+            args.quantized_prefill = prefill
+            log.info("quantized_prefill", chosen=prefill, why=why)
+        # a prefill that dequantizes tiles multiplies them with F.linear: no library to measure (measuring
+        # one allocates the model's shapes in fp32, which is what that choice is avoiding)
+        no_dense_copy = source is not None and args.quantized_prefill == "dequantize"
+        dense = choose_matmul("dense" if no_dense_copy else args.matmul, model.matmul_shapes(), device, dtype)
         fused = device.type == "cpu" and args.cpu_decode == "fused" and tp == 1 and dtype == torch.float32
         if source is None:  # the fused decode step reads plain fp32 rows: kept beside oneDNN's packed copies
             model.use_matmul(dense, drop_dense=not fused)
         else:
-            from kernels import cpu_native
-            from worker.quantized import QuantizedMatmul, choose_threshold, model_linears
+            from worker.quantized import choose_threshold, model_linears
 
-            kernels = cpu_native.load()
-            if args.quantized_activations == "auto":
-                args.quantized_activations = "int16" if kernels is not None and kernels.packed_fast else "fp32"
-            lib = QuantizedMatmul(kernels, dense, int8_activations=args.quantized_activations == "int8",
-                                  packing=args.quantized_activations == "int16")
-            prefill, why = choose_quantized_prefill(
-                args.quantized_prefill, source.path.stat().st_size // tp,
-                kv_budget_bytes(args, config, dtype, model.shard.num_kv_heads), available_bytes())
-            args.quantized_prefill = prefill
-            log.info("quantized_prefill", chosen=prefill, why=why)
-            counts = model.use_quantized(source, lib, keep_dense=prefill == "dense")
+            lib.dense = dense
+            counts = model.use_quantized(model.file_blocks, lib, keep_dense=prefill == "dense")
             choose_threshold(lib, model_linears(model))
             log.info("quantized_weights", gguf=str(source.path), matrices=counts, prefill=args.quantized_prefill,
-                     activations=args.quantized_activations,
-                     max_kernel_rows=lib.max_kernel_rows)
+                     activations=args.quantized_activations, max_kernel_rows=lib.max_kernel_rows,
+                     read_s=round(load_s, 1), ready_s=round(time.perf_counter() - t0, 1))
         heads = model.shard.num_kv_heads
         if fused:
             use_fused_decode(model, tp, args.quantized_activations)

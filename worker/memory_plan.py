@@ -56,20 +56,28 @@ def check_fits(what: str, need: int, available: int | None, fix: str) -> str | N
     return (f"{what} needs {human(need)} of memory and this machine has {human(available)} available; {fix}")
 
 
-def choose_quantized_prefill(choice: str, blocks: int, kv: int, available: int | None) -> tuple[str, str]:
-    """'dense' or 'dequantize' for --quantized-prefill auto, and why. The worker has loaded the model's
-    matrices in fp32 when this is asked: keeping a dense copy for prefill holds about that much again once the
-    loaded ones are dropped, so it is kept where the blocks, the KV pool and a margin still fit beside it;
-    otherwise the loaded matrices are given back and prefill dequantizes each weight into a scratch matrix."""
+def choose_quantized_prefill(choice: str, dense_copy: int, kv: int, available: int | None) -> tuple[str, str]:
+    """'dense' or 'dequantize' for --quantized-prefill auto, and why. The worker holds the file's blocks when
+    this is asked; a dense copy of the matrices they serve (`dense_copy` bytes: prefill on the dense library's
+    own layout, the fastest) is kept where it, the KV pool and a margin still fit in what is available;
+    otherwise prefill dequantizes a tile of each weight at a time into a small scratch, and nothing of the
+    model is ever held in full precision."""
     if choice != "auto":
         return choice, "asked for"
     if available is None:
         return "dense", "the system does not report its available memory"
-    need = blocks + kv + MARGIN
+    need = dense_copy + kv + MARGIN
     if need <= available:
-        return "dense", f"{human(available)} available holds the blocks, the KV pool and {human(MARGIN)} beside it"
-    return "dequantize", (f"{human(available)} available cannot hold the blocks ({human(blocks)}), the KV pool "
-                          f"({human(kv)}) and {human(MARGIN)} beside a dense copy")
+        return "dense", (f"{human(available)} available holds a dense copy ({human(dense_copy)}), the KV pool "
+                         f"and {human(MARGIN)} beside the blocks")
+    return "dequantize", (f"{human(available)} available cannot hold a dense copy ({human(dense_copy)}), the KV "
+                          f"pool ({human(kv)}) and {human(MARGIN)} beside the blocks")
+
+
+def dense_copy_bytes(weights: dict) -> int:
+    """What prefill's dense fp32 copy of the matrices served on a file's blocks (model.file_blocks: the
+    embeddings' rows are looked up, never multiplied) would hold."""
+    return sum(4 * w.out_dim * w.in_dim for key, w in weights.items() if key != ("embed",))
 
 
 def parameter_count(config) -> int:

@@ -84,6 +84,7 @@ class DecoderLayer(nn.Module):
         self.gate_up = None if self.moe else nn.Parameter(torch.empty(2 * shard.intermediate_size, c.hidden_size))
         self.down = None if self.moe else nn.Parameter(torch.empty(c.hidden_size, shard.intermediate_size))
         self.matmul_names = self.MATMUL_WEIGHTS[:2] if self.moe else self.MATMUL_WEIGHTS
+        self.shapes = {name: tuple(getattr(self, name).shape) for name in self.matmul_names}  # kept when released
         self.config = c
         self.mm = DenseMatmul()  # the matmul library and the weights in its layout (LlamaModel.use_matmul)
         self.w: dict[str, torch.Tensor] = {}
@@ -153,6 +154,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i, self.shard, self.comm) for i in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
         self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(rows, c.hidden_size))
+        self.head_shape = (rows, c.hidden_size)
+        self.embed_q = None  # worker/quantized.py QuantEmbedding: lookups from the file's blocks, where set
+        self.file_blocks: dict[tuple, object] = {}  # read by worker/weights.py load_model, for use_quantized
         self.rotary: Rotary | None = None
         self.local_rotary: Rotary | None = None  # Gemma 3's sliding layers' own
         self.mm = None  # set by use_matmul (dense F.linear on the loaded weights unless told otherwise)
@@ -175,36 +179,34 @@ class LlamaModel(nn.Module):
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         self.mm = lib
 
-    def use_quantized(self, source, lib, keep_dense: bool = True) -> dict[str, int]:
-        """Serve the projections and the LM head from the GGUF's own blocks (worker/quantized.py): this
-        rank's rows or columns of each matrix, stacked as the fused parameters are. A matrix of a type the
-        kernels do not serve (or a stack of mixed types) stays on the dense library. keep_dense: each
-        weight is also kept in the dense library's layout for prefill (memory for prefill at the dense
-        rate; otherwise prefill dequantizes into a scratch matrix). Returns matrices by type."""
-        from worker.quantized import QuantLinear, QuantWeight
+    def quantized_weights(self, source, embeddings: bool = False, pack=None) -> dict[tuple, object]:
+        """This rank's rows or columns of each matrix the GGUF's blocks serve (worker/quantized.py), stacked as
+        the fused parameters are, read from the file: {(layer index, parameter name) or ("head",): the weight}.
+        A matrix of a type the kernels do not serve (or that does not stack) is left out: it loads dense.
+        embeddings: the token table's blocks too, under ("embed",), where its type can be looked up by row (as
+        the file lays them out). pack: applied to each matrix as it is read (QuantizedMatmul.pack)."""
+        from worker.quantized import QuantWeight
 
         c, sh = self.config, self.shard
         hd = c.head_dim
         q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
         kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
-        counts: dict[str, int] = {}
 
-        def quant(parts, cols=None):
+        def quant(parts, cols=None, rows_to=None, packed=True):
+            """rows_to: rows padded with zero blocks to that many (the last vocabulary shard is short, as
+            the dense one is padded)."""
             if any(source.qtype(name) is None for name, _ in parts):
                 return None
             try:
-                return QuantWeight.cat([source.get(name, rows, cols) for name, rows in parts])
+                q = QuantWeight.cat([source.get(name, rows, cols) for name, rows in parts])
             except ValueError:
                 return None
+            if rows_to is not None and q.out_dim < rows_to:
+                pad = torch.zeros(rows_to - q.out_dim, q.data.shape[1], dtype=torch.uint8)
+                q = QuantWeight(torch.cat([q.data, pad]), q.qtype, q.in_dim)
+            return pack(q) if pack is not None and packed else q
 
-        def linear(q, param):
-            if q is None or tuple(q.shape) != tuple(param.shape):
-                counts["dense"] = counts.get("dense", 0) + 1
-                return lib.dense.prepare(param), False
-            counts[q.qtype] = counts.get(q.qtype, 0) + 1
-            # prefill's copy is the blocks' own values, whatever the loaded parameter held
-            return QuantLinear(lib.pack(q), lib.dense.prepare(lib.dequantize(q)) if keep_dense else None), True
-
+        found: dict[tuple, object] = {}
         for i, layer in enumerate(self.layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             plan = {
@@ -216,19 +218,67 @@ class LlamaModel(nn.Module):
                 plan["gate_up"] = quant([(m + "gate_proj.weight", sh.intermediate),
                                          (m + "up_proj.weight", sh.intermediate)])
                 plan["down"] = quant([(m + "down_proj.weight", None)], cols=sh.intermediate)
+            found.update({(i, name): q for name, q in plan.items()
+                          if q is not None and tuple(q.shape) == layer.shapes[name]})
+        head = quant([("lm_head.weight", sh.vocab)], rows_to=sh.vocab_shard_size)
+        if head is not None and tuple(head.shape) == self.head_shape:
+            found[("head",)] = head
+        tied_dense = self.lm_head is None and ("head",) not in found  # the dense head reads the table
+        table = quant([("model.embed_tokens.weight", sh.vocab)], rows_to=sh.vocab_shard_size,
+                      packed=False) if embeddings and not tied_dense else None
+        if table is not None:
+            found[("embed",)] = table
+        return found
+
+    def _parameter_of(self, key: tuple) -> nn.Parameter | None:
+        if key == ("head",):
+            return self.lm_head  # tied: the embeddings stay for lookup unless served on their own blocks
+        if key == ("embed",):
+            return self.embed
+        return getattr(self.layers[key[0]], key[1])
+
+    def release(self, weights: dict[tuple, object]) -> None:
+        """Give up the parameters `weights` serve (zero-size, on their device): to_empty allocates nothing for
+        them and load_hf_weights does not read them, so a quantized model is never held in fp32."""
+        for key in weights:
+            param = self._parameter_of(key)
+            if param is not None:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def use_quantized(self, source, lib, keep_dense: bool = True) -> dict[str, int]:
+        """Serve the projections and the LM head from the GGUF's own blocks: `source` a GGUFQuantSource, or
+        the weights quantized_weights read from one (their parameters released before loading). A matrix
+        of a type the kernels do not serve (or a stack of mixed types) stays on the dense library. keep_dense:
+        each weight is also kept in the dense library's layout for prefill (memory for prefill at the dense
+        rate; otherwise prefill dequantizes a tile at a time into a small scratch). Returns matrices by type."""
+        from worker.quantized import QuantEmbedding, QuantLinear
+
+        weights = source if isinstance(source, dict) else self.quantized_weights(source)
+        counts: dict[str, int] = {}
+
+        def linear(key, param):  # each weight leaves `weights` as it is packed: one matrix held twice at most
+            q = weights.pop(key, None)
+            if q is None:
+                counts["dense"] = counts.get("dense", 0) + 1
+                return lib.dense.prepare(param), False
+            counts[q.file_qtype] = counts.get(q.file_qtype, 0) + 1
+            # prefill's copy is the blocks' own values, whatever the loaded parameter held
+            dense = lib.dense.prepare(lib.dequantize(q)) if keep_dense else None
+            return QuantLinear(lib.pack(q), dense), True
+
+        for i, layer in enumerate(self.layers):
             layer.w = {}
-            for name, q in plan.items():
+            for name in layer.matmul_names:
                 param = getattr(layer, name)
-                layer.w[name], quantized = linear(q, param)
+                layer.w[name], quantized = linear((i, name), param)
                 if quantized or lib.dense.name != "dense":  # nothing reads the loaded copy any more
                     param.data = torch.empty(0, dtype=param.dtype)
             layer.mm = lib
-        head = self.embed if self.lm_head is None else self.lm_head
-        q = quant([("lm_head.weight", sh.vocab)])
-        if q is not None and q.out_dim < sh.vocab_shard_size:  # the last shard is padded, as the dense one is
-            pad = torch.zeros(sh.vocab_shard_size - q.out_dim, q.data.shape[1], dtype=torch.uint8)
-            q = QuantWeight(torch.cat([q.data, pad]), q.qtype, q.in_dim)
-        self._head, quantized = linear(q, head)
+        embed = weights.pop(("embed",), None)
+        if embed is not None:
+            self.embed_q = QuantEmbedding(lib.kernels, embed)
+            self.embed.data = torch.empty(0, dtype=self.embed.dtype)
+        self._head, quantized = linear(("head",), self.embed if self.lm_head is None else self.lm_head)
         if self.lm_head is not None and (quantized or lib.dense.name != "dense"):  # the embeddings stay: lookup
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         self.mm = self.head_mm = lib
@@ -237,7 +287,7 @@ class LlamaModel(nn.Module):
     def matmul_shapes(self) -> list[tuple[int, int]]:
         """(out, in) of each projection of a layer, for choosing a matmul library by measurement."""
         layer = min(self.layers, key=lambda x: x.moe is not None)  # a dense layer where there is one
-        return [tuple(getattr(layer, n).shape) for n in layer.matmul_names]
+        return [layer.shapes[n] for n in layer.matmul_names]
 
     def forward(self, step: StepInputs, pool: KVPool, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden_size]."""
@@ -266,12 +316,13 @@ class LlamaModel(nn.Module):
         return x * self.config.embed_scale if self.config.embed_scale != 1.0 else x
 
     def _lookup(self, token_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_q or (lambda ids: F.embedding(ids, self.embed))
         if self.shard.size == 1:
-            return F.embedding(token_ids, self.embed)
+            return table(token_ids)
         lo = self.shard.vocab[0]
         local = token_ids - lo
         outside = (local < 0) | (local >= self.shard.vocab[1] - lo)  # ids another rank holds
-        x = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed)
+        x = table(local.clamp(0, self.head_shape[0] - 1))
         return self.comm.all_reduce(x.masked_fill(outside[:, None], 0.0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -311,11 +362,19 @@ class LlamaModel(nn.Module):
             t = take(name, sh.vocab)
             return F.pad(t, (0, 0, 0, sh.vocab_shard_size - t.shape[0]))  # the last shard may be short
 
+        def served(param, *names: str) -> bool:
+            """A parameter released for the file's blocks (model.release): its tensors count as used, unread."""
+            if param is None or param.numel():
+                return False
+            loaded.update(names)
+            return True
+
         q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
         kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
-        self.embed.copy_(vocab_rows("model.embed_tokens.weight"))
+        if not served(self.embed, "model.embed_tokens.weight"):
+            self.embed.copy_(vocab_rows("model.embed_tokens.weight"))
         self.norm.copy_(norm("model.norm.weight"))
-        if self.lm_head is not None:
+        if self.lm_head is not None and not served(self.lm_head, "lm_head.weight"):
             self.lm_head.copy_(vocab_rows("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -329,7 +388,7 @@ class LlamaModel(nn.Module):
                 layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
             for kind in ("weight", "bias"):
                 target = layer.qkv if kind == "weight" else layer.qkv_bias
-                if target is None:
+                if target is None or served(target, *(f"{a}{x}_proj.{kind}" for x in ("q", "k", "v", "qkv"))):
                     continue
                 fused = f"{a}qkv_proj.{kind}"  # Phi-3 ships q, k and v as one tensor: this rank's rows of each
                 if fused in source:
@@ -343,7 +402,8 @@ class LlamaModel(nn.Module):
             if layer.q_norm is not None:
                 layer.q_norm.copy_(norm(a + "q_norm.weight"))
                 layer.k_norm.copy_(norm(a + "k_norm.weight"))
-            layer.o_proj.copy_(take(a + "o_proj.weight", cols=q_rows))
+            if not served(layer.o_proj, a + "o_proj.weight"):
+                layer.o_proj.copy_(take(a + "o_proj.weight", cols=q_rows))
             m = p + "mlp."
             if layer.moe is not None:  # the router whole, this rank's slice of every expert
                 moe, inter = layer.moe, sh.expert_intermediate
@@ -356,6 +416,8 @@ class LlamaModel(nn.Module):
                     x = f"{m}experts.{e}."
                     moe.gate_up[e].copy_(torch.cat([take(f"{x}{gate}.weight", inter), take(f"{x}{up}.weight", inter)]))
                     moe.down[e].copy_(take(f"{x}{down}.weight", cols=inter))
+            elif served(layer.gate_up, m + "gate_proj.weight", m + "up_proj.weight", m + "gate_up_proj.weight"):
+                pass
             elif m + "gate_up_proj.weight" in source:  # Phi-3: gate then up in one tensor
                 inter = c.intermediate_size
                 layer.gate_up.copy_(torch.cat([
@@ -364,7 +426,7 @@ class LlamaModel(nn.Module):
             else:
                 layer.gate_up.copy_(torch.cat([take(m + "gate_proj.weight", sh.intermediate),
                                                take(m + "up_proj.weight", sh.intermediate)]))
-            if layer.moe is None:
+            if layer.moe is None and not served(layer.down, m + "down_proj.weight"):
                 layer.down.copy_(take(m + "down_proj.weight", cols=sh.intermediate))
         ignored = {n for n in source.names() if n not in loaded and "rotary_emb" not in n}
         if c.tie_word_embeddings:

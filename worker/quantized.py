@@ -20,7 +20,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import structlog
 import torch
 import torch.nn.functional as F
@@ -46,6 +45,11 @@ class QuantWeight:
     data: torch.Tensor  # uint8 [out_dim, in_dim / 32 * block_bytes], contiguous
     qtype: str
     in_dim: int
+    origin: str = ""  # a packed weight's type in the file
+
+    @property
+    def file_qtype(self) -> str:
+        return self.origin or self.qtype
 
     @property
     def out_dim(self) -> int:
@@ -126,6 +130,10 @@ class QuantStack:
     def qtype(self) -> str:
         return "+".join(p.qtype for p in self.segments)
 
+    @property
+    def file_qtype(self) -> str:
+        return "+".join(p.file_qtype for p in self.segments)
+
 
 def find_gguf(model: str | Path) -> Path | None:
     """The GGUF file a model comes from: the model itself when it is one, or the file a folder prepared from
@@ -149,14 +157,6 @@ def find_gguf(model: str | Path) -> Path | None:
     return None
 
 
-def _rope_rows(n_heads: int, head_dim: int) -> torch.Tensor:
-    """For Hugging Face row h*hd + half*hd/2 + i, the GGUF row h*hd + 2*i + half (llama.cpp's permute)."""
-    h = torch.arange(n_heads).view(-1, 1, 1)
-    half = torch.arange(2).view(1, -1, 1)
-    i = torch.arange(head_dim // 2).view(1, 1, -1)
-    return (h * head_dim + 2 * i + half).reshape(-1)
-
-
 class GGUFQuantSource:
     """A GGUF file's quantized matrices of a Llama-family model, by Hugging Face name. Where the file stacks
     matrices as one tensor (Phi-3's attn_qkv, and ffn_up holding gate then up), each is its rows of it."""
@@ -166,15 +166,27 @@ class GGUFQuantSource:
              "mlp.down_proj": "ffn_down"}
 
     def __init__(self, path: str | Path, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
-        from gguf import GGUFReader
+        from worker.gguf_weights import PERMUTED_ARCHS, GGUFFile, rope_rows
 
-        self.path = Path(path)
-        reader = GGUFReader(str(self.path))
-        self.arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
-        self._tensors = {t.name: t for t in reader.tensors}
-        self._perm = {"attn_q": _rope_rows(n_heads, head_dim), "attn_k": _rope_rows(n_kv_heads, head_dim)}
-        self._permute = self.arch in ("llama", "mistral")  # the architectures llama.cpp permutes
+        self.file = GGUFFile(path)
+        self.path = self.file.path
+        self.arch = self.file.arch
+        self._tensors = self.file.tensors
+        self._perm = {"attn_q": rope_rows(n_heads, head_dim), "attn_k": rope_rows(n_kv_heads, head_dim)}
+        self._permute = self.arch in PERMUTED_ARCHS
         self._q_rows, self._kv_rows = n_heads * head_dim, n_kv_heads * head_dim
+
+    def held_bytes(self, tied: bool) -> int:
+        """What serving this file holds in memory: the blocks of the types the kernels serve (packed ones up
+        to 6% larger), every other tensor in fp32, and a tied table's blocks twice (looked up, and packed
+        for the head)."""
+        held = 0
+        for t in self._tensors.values():
+            held += int(t.n_bytes) * 106 // 100 if t.tensor_type.name in QUANT_TYPES else 4 * int(t.n_elements)
+        embd = self._tensors.get("token_embd.weight")
+        if tied and embd is not None and "output.weight" not in self._tensors and embd.tensor_type.name in QUANT_TYPES:
+            held += int(embd.n_bytes)
+        return held
 
     def _locate(self, hf_name: str) -> tuple[str, int, int | None]:
         """-> (the file's tensor holding the matrix, its first row there, its rows there or None: all)."""
@@ -193,6 +205,8 @@ class GGUFQuantSource:
     def gguf_name(self, hf_name: str) -> str:
         if hf_name == "lm_head.weight":
             return "output.weight" if "output.weight" in self._tensors else "token_embd.weight"
+        if hf_name == "model.embed_tokens.weight":
+            return "token_embd.weight"
         parts = hf_name.split(".")
         if parts[:2] == ["model", "layers"] and parts[-1] == "weight":
             key = ".".join(parts[3:5])
@@ -216,7 +230,7 @@ class GGUFQuantSource:
         if qtype not in QUANT_TYPES:
             raise ValueError(f"{name} is {qtype}; the quantized kernels serve {', '.join(QUANT_TYPES)}")
         in_dim = int(t.shape[0])  # ggml lists dimensions innermost first
-        w = QuantWeight(torch.from_numpy(np.array(t.data)), qtype, in_dim)  # a copy: the file is mapped read-only
+        w = QuantWeight(self.file.read(name), qtype, in_dim)  # read into this process's memory, not mapped
         kind = name.split(".")[-2]
         if self._permute and kind in self._perm:
             w = w.rows(self._perm[kind])
@@ -227,6 +241,27 @@ class GGUFQuantSource:
         if cols is not None:
             w = w.cols(*cols)
         return w
+
+
+class QuantEmbedding:
+    """The token embeddings as the file ships them (this rank's rows of blocks, unpacked): a lookup
+    dequantizes just the rows it gathers, so the table is never held in fp32 (2.1 GB at Llama-3-8B's)."""
+
+    def __init__(self, kernels, weight: QuantWeight) -> None:
+        if weight.qtype not in QUANT_TYPES:
+            raise ValueError(f"a {weight.qtype} embedding table cannot be looked up row by row")
+        self.kernels, self.weight = kernels, weight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.data.index_select(0, ids.reshape(-1).to(torch.int64))
+        out = torch.empty(rows.shape[0], self.weight.in_dim)
+        if rows.shape[0]:
+            self.kernels.quant_dequant(rows, self.weight.type_id, rows.shape[0], self.weight.in_dim, out)
+        return out.view(*ids.shape, self.weight.in_dim)
 
 
 @dataclass
@@ -278,7 +313,7 @@ class QuantizedMatmul:
         if w.qtype == "Q8_0" and not self.pack_q8:
             return w  # AVX2 multiplies packed 4-6 bit weights in integers, not packed 8-bit ones
         data, _ = self.kernels.pack(w.data, w.type_id, w.out_dim, w.in_dim)
-        return QuantWeight(data, PACKED_FROM[w.qtype], w.in_dim)
+        return QuantWeight(data, PACKED_FROM[w.qtype], w.in_dim, origin=w.qtype)
 
     def dequantize(self, w: QuantWeight | QuantStack, out: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(w.out_dim, w.in_dim) if out is None else out
@@ -307,10 +342,26 @@ class QuantizedMatmul:
             return y if bias is None else y.add_(bias)
         if dense is not None:
             return self.dense(x, dense, bias)
-        need = q.out_dim * q.in_dim
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
-        return F.linear(x, self.dequantize(q, self._scratch[:need].view(q.out_dim, q.in_dim)), bias)
+        return self.tiled(x, q, bias)
+
+    SCRATCH_VALUES = 4 << 20  # 16 MB of fp32: the most of a weight dequantized at once for prefill
+
+    def tiled(self, x: torch.Tensor, w: QuantWeight | QuantStack, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w.T on the dense library with no dense copy of w: a tile of rows (whole 16-row groups, within
+        SCRATCH_VALUES) at a time dequantized into a small scratch matrix and multiplied there."""
+        y = torch.empty(x.shape[0], w.out_dim)
+        step = max(16, self.SCRATCH_VALUES // w.in_dim // 16 * 16)
+        if self._scratch.numel() < step * w.in_dim:
+            self._scratch = torch.empty(step * w.in_dim)
+        row = 0
+        for p in w.segments:
+            for a in range(0, p.out_dim, step):
+                b = min(a + step, p.out_dim)
+                tile = self._scratch[: (b - a) * p.in_dim].view(b - a, p.in_dim)
+                self.kernels.quant_dequant(p.data[a:b], p.type_id, b - a, p.in_dim, tile)
+                y[:, row + a: row + b] = x @ tile.t()
+            row += p.out_dim
+        return y if bias is None else y.add_(bias)
 
 
 def model_linears(model) -> list[tuple[QuantLinear, int]]:
@@ -325,16 +376,23 @@ def choose_threshold(lib: QuantizedMatmul, linears: list[tuple[QuantLinear, int]
                      candidates=(1, 2, 4, 8, 16, 32, 64, 128, 256), reps: int = 3, rounds: int = 3) -> int:
     """The most rows for which the kernel beats the dense path (the dense library on its own layout, or
     dequantize + matmul where none is kept) over a forward's matmuls — each (linear, times a forward runs
-    it) — timed on the model's own weights; sets it on lib. A row count where the kernel loses is timed again,
+    it) — timed on the model's own weights; sets it on lib (unbounded where the kernel wins at every count).
+    A row count where the kernel loses is timed again,
     up to `rounds` times in all, each path keeping its best: one slow moment of a shared machine (another
     process starting beside the worker) must not send every decode step to the dense path for good."""
     from worker.linear import _time
 
-    def measure(rows: int) -> tuple[float, float]:
+    def measure(rows: int, floor: float | None) -> tuple[float, float]:
+        """(kernel, dense) seconds a forward; the dense path is not timed where the kernel beats `floor`,
+        what the dense path took at the fewest rows (it takes no less at more): a forward of the dense path
+        that dequantizes every weight costs seconds at 8B, each count."""
         kernel = dense = 0.0
         for w, uses in linears:
+            kernel += uses * _time(lambda w=w, x=torch.randn(rows, w.q.in_dim): lib.kernel(x, w.q), reps)
+        if floor is not None and kernel <= floor:
+            return kernel, floor
+        for w, uses in linears:
             x = torch.randn(rows, w.q.in_dim)
-            kernel += uses * _time(lambda w=w, x=x: lib.kernel(x, w.q), reps)
             saved, lib.max_kernel_rows = lib.max_kernel_rows, 0
             try:
                 dense += uses * _time(lambda w=w, x=x: lib(x, w), reps)
@@ -342,18 +400,21 @@ def choose_threshold(lib: QuantizedMatmul, linears: list[tuple[QuantLinear, int]
                 lib.max_kernel_rows = saved
         return kernel, dense
 
-    chosen, times = 0, {}
+    chosen, times, floor = 0, {}, None
     for rows in candidates:
-        kernel, dense = measure(rows)
+        kernel, dense = measure(rows, floor)
         for _ in range(rounds - 1):
             if kernel <= dense:
                 break
-            again = measure(rows)
+            again = measure(rows, floor)
             kernel, dense = min(kernel, again[0]), min(dense, again[1])
+        floor = dense if floor is None else floor
         times[rows] = (round(kernel * 1e3, 3), round(dense * 1e3, 3))
         if kernel > dense:
             break
         chosen = rows
+    else:  # the kernel won at every count: it runs every step (the dense path's rate does not improve past them)
+        chosen = 1 << 30
     lib.max_kernel_rows = max(chosen, 1)
     log.info("quantized_matmul_threshold", max_kernel_rows=lib.max_kernel_rows, ms_kernel_vs_dense=times)
     return lib.max_kernel_rows

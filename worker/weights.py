@@ -1,5 +1,8 @@
-"""Weight loading: a Hugging Face folder (safetensors), a GGUF file (dequantized through transformers),
-or random weights at the real shapes ("dummy"); each rank of a tensor-parallel group loads its shard."""
+"""Weight loading: a Hugging Face folder (safetensors), a GGUF file (read from the file itself, or for an
+architecture worker/gguf_weights.py does not map, dequantized through transformers), a folder prepared from
+a GGUF (config and tokenizer beside the name of the file), or random weights at the real shapes ("dummy");
+each rank of a tensor-parallel group loads its shard. Where the GGUF's blocks are served as they ship, the
+matrices they serve are never allocated or read in full precision."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from worker.checkpoint import DictSource, SafetensorsSource
+from worker.checkpoint import DictSource, SafetensorsSource, TensorSource
 from worker.model import LlamaModel
 from worker.model_config import ModelConfig
 from worker.parallel import Collectives, make_shard
@@ -23,19 +26,35 @@ def load_config(source: str, load_format: str) -> ModelConfig:
     return ModelConfig.from_folder(path)
 
 
-def read_gguf(path: Path) -> DictSource:
+def read_gguf(path: Path, config: ModelConfig) -> TensorSource:
+    from worker.gguf_weights import GGUFTensorSource, reads_natively
+
+    if reads_natively(path):
+        return GGUFTensorSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return DictSource(dict(model.state_dict()))
 
 
+def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
+    """A folder's weights: its safetensors files, or where it holds none, the GGUF it was prepared from."""
+    from worker.quantized import find_gguf
+
+    gguf = None if any(path.glob("*.safetensors")) else find_gguf(path)
+    return read_gguf(gguf, config) if gguf is not None else SafetensorsSource(path)
+
+
 def load_model(
     source: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
-    tp_rank: int = 0, tp_size: int = 1, comm: Collectives | None = None,
+    tp_rank: int = 0, tp_size: int = 1, comm: Collectives | None = None, quantized=None, pack=None,
 ) -> tuple[LlamaModel, ModelConfig]:
     """load_format: 'auto' (folder → safetensors, *.gguf → gguf), 'safetensors', 'gguf' or 'dummy'.
-    With tp_size > 1 the model holds rank tp_rank's shard (ParallelConfigError if it cannot split)."""
+    With tp_size > 1 the model holds rank tp_rank's shard (ParallelConfigError if it cannot split).
+    quantized: a GGUFQuantSource whose blocks will serve the projections, the head and the embeddings: they
+    are read from it first (model.file_blocks, for use_quantized) and their parameters never allocated;
+    pack: applied to each matrix as it is read (QuantizedMatmul.pack), so two layouts of the model are never
+    held at once."""
     path = Path(source)
     if load_format == "auto":
         load_format = "gguf" if path.suffix == ".gguf" else "safetensors"
@@ -48,11 +67,13 @@ def load_model(
     # the model on the host first (32 GB and minutes for an 8B model). Every parameter is written below.
     with torch.device("meta"):
         model = LlamaModel(config, shard, comm).to(dtype)
+    model.file_blocks = model.quantized_weights(quantized, True, pack) if quantized is not None else {}
+    model.release(model.file_blocks)
     model = model.to_empty(device=device)
     if load_format == "dummy":
         model.init_random(seed)
     elif load_format == "safetensors":
-        model.load_hf_weights(SafetensorsSource(path))
+        model.load_hf_weights(checkpoint(path, config))
     else:
-        model.load_hf_weights(read_gguf(path))
+        model.load_hf_weights(read_gguf(path, config))
     return model.eval(), config
