@@ -50,9 +50,10 @@ $(PROTO_OUT): $(PROTO_SRC) .stamps/deps
 	@rm -f protos/wire_pb2_grpc.py
 	@touch $(PROTO_OUT)
 
-# Dequantize the embedded GGUF once into a plain folder (config, tokenizer with chat template, safetensors).
+# Prepare the embedded GGUF once into a folder (config, tokenizer with chat template, and an fp32 copy of its
+# weights for GPU serving, the peers' benchmarks and the tests' references).
 .stamps/model: .stamps/deps deploy/prepare_model.py
-	$(PY) -m deploy.prepare_model --out $(MODEL_DIR)
+	$(PY) -m deploy.prepare_model --out $(MODEL_DIR) --dense
 	@touch $@
 
 run: setup

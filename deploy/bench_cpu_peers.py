@@ -9,6 +9,8 @@ sdist is fetched with pip once, `llama-server` built with cmake for this machine
     each, all at once); llama.cpp gets 64 slots with continuous batching;
   - with --with-layers, pagedserve again with --cpu-decode layers (no fused decode step), for the change;
     with --variant NAME=FLAGS, again with any serve flags (repeatable).
+  - prompt processing: one prompt of --prompt-tokens (512) token ids, one output token: tokens/s to the first;
+  - peak resident memory of each server's processes (VmHWM, the scheduler and workers summed for pagedserve).
 All servers are up at once and measured in rounds, each round taking every server in turn, so a slow
 spell of a noisy machine falls on all of them alike: medians over rounds, ratios per round.
 Prompts go to both as the same token ids (pagedserve.v1 over gRPC; llama.cpp's /v1/completions takes
@@ -126,6 +128,21 @@ def requantized_gguf(source: Path, qtype: str) -> Path:
     return target
 
 
+def peak_rss(pid: int) -> int:
+    """The peak resident bytes (VmHWM) of a process and every process under it, summed."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
 class LlamaServer:
     def __init__(self, binary: Path, gguf: Path, slots: int, context_per_slot: int, threads: int, log: Path):
         self.port = free_port()
@@ -180,6 +197,13 @@ class LlamaTarget:
         r = asyncio.run(_http_pass(self.server.base_url, [_body(p, max_tokens) for p in prompts], "/v1/completions"))
         return r["tokens"] / r["wall_s"], statistics.mean(r["ttfts"])
 
+    def prefill(self, prompt: list[int]) -> float:
+        r = asyncio.run(_http_pass(self.server.base_url, [_body(prompt, 1)], "/v1/completions"))
+        return len(prompt) / r["ttfts"][0]
+
+    def peak_rss(self) -> int:
+        return peak_rss(self.server.proc.pid)
+
     def stop(self) -> None:
         self.server.stop()
 
@@ -209,6 +233,13 @@ class PagedserveTarget:
         wall, ttfts, tokens = asyncio.run(_drive(self.server.address, prompts, max_tokens))
         return tokens / wall, statistics.mean(ttfts)
 
+    def prefill(self, prompt: list[int]) -> float:
+        _, ttfts, _ = asyncio.run(_drive(self.server.address, [prompt], 1))
+        return len(prompt) / ttfts[0]
+
+    def peak_rss(self) -> int:
+        return peak_rss(self.server.proc.pid)
+
     def stop(self) -> None:
         self.server.stop()
 
@@ -217,14 +248,21 @@ def measure(targets, prompts, args) -> dict:
     """Every measurement in rounds, each round taking every server in turn (the others idle meanwhile), so a
     slow spell of a noisy machine falls on all of them alike; medians over the rounds, and the median of the
     per-round ratios to the last target."""
-    res = {t.name: {"one": [], **{n: [] for n in args.streams}} for t in targets}
+    res = {t.name: {"one": [], "prefill": [], **{n: [] for n in args.streams}} for t in targets}
     for _ in range(args.repeats):
         for t in targets:
             res[t.name]["one"].append(t.one(prompts[0], args.max_tokens))
+    if args.prompt_tokens:  # distinct ids each round: no prefix cache on either side holds it
+        for r in range(args.prefill_rounds):
+            long = [(7 * i + 1000 * r + 11) % 30000 + 100 for i in range(args.prompt_tokens)]
+            for t in targets:
+                res[t.name]["prefill"].append(t.prefill(long))
     for n in args.streams:
         for _ in range(args.rounds):
             for t in targets:
                 res[t.name][n].append(t.many(prompts[:n], args.max_tokens))
+    for t in targets:
+        res[t.name]["rss"] = t.peak_rss()
     return res
 
 
@@ -239,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--streams", default="8,64", help="concurrencies of the workload's first prompts, all at once")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt processing: one prompt this long (0: skip)")
+    p.add_argument("--prefill-rounds", type=int, default=2)
     p.add_argument("--precision", default="gguf", choices=["gguf", "fp32"],
                    help="gguf: both servers on the file's blocks; fp32: llama.cpp on an F32 copy of the file (made "
                         "once, cached) and pagedserve on the dequantized weights (--dequantize)")
@@ -272,18 +312,22 @@ def main(argv: list[str] | None = None) -> int:
             t.stop()
     med = statistics.median
     peer = targets[-1].name
+    pp = bool(args.prompt_tokens)
     head = "".join(f" {f'{n} streams':>11} {'TTFT':>7}" for n in args.streams)
-    print(f"{'':38} {'1 stream decode':>16}{head}")
+    head += f" {f'prompt {args.prompt_tokens}':>11}" if pp else ""
+    print(f"{'':38} {'1 stream decode':>16}{head} {'peak RSS':>9}")
     for t in targets:
         r = res[t.name]
         cols = "".join(f" {med(x[0] for x in r[n]):11.1f} {med(x[1] for x in r[n]):6.2f}s" for n in args.streams)
-        print(f"{t.name:38} {med(r['one']):10.1f} tok/s{cols}")
+        cols += f" {med(r['prefill']):7.1f} t/s" if pp else ""
+        print(f"{t.name:38} {med(r['one']):10.1f} tok/s{cols} {r['rss'] / 2**30:6.2f} GiB")
     for t in targets[:-1]:
         r, q = res[t.name], res[peer]
         ratio = med(a / b for a, b in zip(r["one"], q["one"], strict=True))
         cols = "".join(f" {med(a[0] / b[0] for a, b in zip(r[n], q[n], strict=True)):11.2f} "
                        f"{med(a[1] / b[1] for a, b in zip(r[n], q[n], strict=True)):7.2f}" for n in args.streams)
-        print(f"{t.name[:24] + ' / llama.cpp':38} {ratio:16.2f}{cols}")
+        cols += f" {med(a / b for a, b in zip(r['prefill'], q['prefill'], strict=True)):11.2f}" if pp else ""
+        print(f"{t.name[:24] + ' / llama.cpp':38} {ratio:16.2f}{cols} {r['rss'] / q['rss']:9.2f}")
     print("one stream, every round (tok/s): " + "; ".join(
         f"{t.name.split(' (')[0]}: " + ", ".join(f"{x:.1f}" for x in res[t.name]["one"]) for t in targets))
     return 0

@@ -7,7 +7,7 @@ made, in memory or on disk. A file of an architecture the workers do not read di
 for with --dense (the embedded model's: GPU serving, the peers' benchmarks and the tests' references read
 it), also holds the weights dequantized into fp32 safetensors.
 
-    python -m deploy.prepare_model --out .models/smollm2-135m-instruct
+    python -m deploy.prepare_model --out .models/smollm2-135m-instruct --dense
 """
 
 from __future__ import annotations
@@ -153,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the embedded model)")
     parser.add_argument("--name", default=DEFAULT_MODEL_NAME, help="model name reported by GetModelInfo")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
-    parser.add_argument("--no-dense", dest="dense", action="store_false",
-                        help="no fp32 copy of the weights (the workers read the file itself)")
+    parser.add_argument("--dense", action="store_true",
+                        help="also an fp32 copy of the weights (for GPU serving, other servers, references); "
+                             "without it the workers read the file itself")
     args = parser.parse_args(argv)
     gguf = args.gguf or find_embedded_gguf()
     dense = args.dense or needs_dense_copy(gguf)

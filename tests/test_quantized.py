@@ -55,6 +55,21 @@ def test_the_kernel_computes_x_times_the_dequantized_weight(native, qtype, rows)
     torch.testing.assert_close(lib(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "F16"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 40])
+def test_half_rows_compute_x_times_the_widened_weight(native, qtype, rows):
+    """bf16 / fp16 rows (a bf16 checkpoint's matrices, an F16/BF16 GGUF's) through the row kernels: exactly
+    the widened weight times fp32 activations, at every row count; dequantized exactly."""
+    dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
+    gen = torch.Generator().manual_seed(rows)
+    half = torch.randn(72, 576, generator=gen).to(dtype)
+    w = QuantWeight(half.view(torch.uint8), qtype, 576)
+    x = torch.randn(rows, 576, generator=gen)
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
+    torch.testing.assert_close(lib(x, w), x @ half.float().T, rtol=1e-4, atol=1e-4)
+    assert torch.equal(lib.dequantize(w), half.float())
+
+
 def test_block_boundaries_are_kept_and_mixed_types_stack(native):
     w, reference = quantized(np.random.default_rng(1), 8, 128, "Q4_1")
     torch.testing.assert_close(QuantizedMatmul(native, dense=None).dequantize(w.cols(32, 96)), reference[:, 32:96],

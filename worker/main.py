@@ -184,7 +184,7 @@ def refuse_what_cannot_fit(args, config, dtype, tp: int, source=None) -> str | N
     kv = kv_budget_bytes(args, config, dtype, heads)
     if source is not None:
         weights = source.held_bytes(config.tie_word_embeddings) // tp
-        what = f"this model ({source.path.name} on its own blocks, {weights / 1e9:.2f} GB a rank) with its KV pool"
+        what = f"this model ({source.description}, {weights / 1e9:.2f} GB a rank) with its KV pool"
     else:
         params = parameter_count(config) // tp
         weights = params * torch.tensor([], dtype=dtype).element_size()
@@ -196,8 +196,8 @@ def refuse_what_cannot_fit(args, config, dtype, tp: int, source=None) -> str | N
 
 def quantized_source(args, config, device, dtype):
     """The GGUF whose own blocks this worker serves, or None (logged where it could have been): a *.gguf
-    model, or a folder prepared from one (its pagedserve_model.json names the file), on a CPU in fp32 with
-    the native kernels, unless --dequantize."""
+    model, or a folder prepared from one (its pagedserve_model.json names the file), on a CPU with the
+    native kernels (whatever --dtype: the kernels compute in fp32), unless --dequantize."""
     import torch
 
     from worker.quantized import GGUFQuantSource, find_gguf
@@ -207,12 +207,30 @@ def quantized_source(args, config, device, dtype):
         return None
     from kernels import cpu_native
 
-    why = ("not on a CPU" if device.type != "cpu" else "the activations are not fp32" if dtype != torch.float32
-           else "no native CPU kernels" if cpu_native.load() is None else "")
+    why = ("not on a CPU" if device.type != "cpu" else "no native CPU kernels" if cpu_native.load() is None else "")
     if why:
         log.info("quantized_weights_off", gguf=str(path), reason=why)
         return None
     return GGUFQuantSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
+
+
+def half_weights(args, config, dtype):
+    """--dtype bfloat16 (or float16) on a CPU: the checkpoint's matrices held as bf16 (fp16) rows for the
+    native kernels (worker/quantized.py CastSource), the rest of the model computing in fp32; None where
+    there are no native kernels or no checkpoint (random weights): then the whole model runs in that dtype
+    through torch."""
+    import torch
+
+    from kernels import cpu_native
+    from worker.quantized import CastSource
+    from worker.weights import tensor_source
+
+    if cpu_native.load() is None or args.load_format == "dummy":
+        log.info("half_weights_off", dtype=str(dtype), reason="no native CPU kernels" if args.load_format != "dummy"
+                 else "random weights")
+        return None
+    qtype = "BF16" if dtype == torch.bfloat16 else "F16"
+    return CastSource(tensor_source(args.model, args.load_format, config), config, qtype)
 
 
 def quantized_library(args):
@@ -335,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         log.info("sliding_window_layers", windows=sorted(set(config.layer_windows)),
                  sliding=sum(1 for w in config.layer_windows if w), layers=config.num_layers)
     source = quantized_source(args, config, device, dtype)
+    weights_dtype = dtype  # what the matrices are held in; the model computes in `dtype`
+    if device.type == "cpu" and dtype != torch.float32:
+        if source is None:
+            source = half_weights(args, config, dtype)
+        if source is not None:  # the blocks' kernels take fp32 activations: norms, activations and KV in fp32
+            dtype = torch.float32
     if device.type == "cpu" and args.load_format != "dummy":
         refusal = refuse_what_cannot_fit(args, config, dtype, tp, source)
         if refusal:
@@ -353,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
                                tp_size=tp, comm=comm, quantized=source, pack=lib.pack if lib else None)
     load_s = time.perf_counter() - t0
     try:
-        if source is not None:
+        if source is not None and args.quantized_prefill == "auto" and getattr(source, "qtype_name", "") == "BF16" \
+                and lib.bf16_gemm:
+            args.quantized_prefill = "dequantize"
+            log.info("quantized_prefill", chosen="dequantize", why="the CPU's bf16 GEMM multiplies the weights as held")
+        elif source is not None:
             prefill, why = choose_quantized_prefill(
                 args.quantized_prefill, dense_copy_bytes(model.file_blocks),
                 kv_budget_bytes(args, config, dtype, model.shard.num_kv_heads), available_bytes())
@@ -372,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             lib.dense = dense
             counts = model.use_quantized(model.file_blocks, lib, keep_dense=prefill == "dense")
             choose_threshold(lib, model_linears(model))
-            log.info("quantized_weights", gguf=str(source.path), matrices=counts, prefill=args.quantized_prefill,
+            log.info("quantized_weights", source=source.description, matrices=counts, prefill=args.quantized_prefill,
                      activations=args.quantized_activations, max_kernel_rows=lib.max_kernel_rows,
                      read_s=round(load_s, 1), ready_s=round(time.perf_counter() - t0, 1))
         heads = model.shard.num_kv_heads
@@ -460,11 +488,12 @@ def main(argv: list[str] | None = None) -> int:
         bytes_per_block=per_block,
         num_kv_heads=heads,
         device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=str(weights_dtype).removeprefix("torch."),
         attention_backend=attn.name,
         pid=os.getpid(),
     )
-    log.info("model_loaded", model=args.model, device=str(device), dtype=handshake.dtype, num_blocks=num_blocks,
+    log.info("model_loaded", model=args.model, device=str(device), dtype=handshake.dtype,
+             compute_dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
              attention_backend=attn.name, matmul=model.mm.name, malloc=allocator, warm_up_s=round(warm_s, 3),
              tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads, max_num_seqs=max_num_seqs,
              decode_graphs=runner.graphs.buckets if runner.graphs is not None else None,

@@ -29,7 +29,8 @@ log = structlog.get_logger("worker.quantized")
 # ggml's type id, values per block and bytes per block of each type the kernels serve (the K-quants pack
 # 256 values a block: Q4_K and Q5_K with a 6-bit scale and min per 32, Q6_K with an int8 scale per 16).
 QUANT_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
-               "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
+               "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "F16": (1, 32, 64), "BF16": (30, 32, 64)}
+INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types --quantized-activations int8 multiplies in integers
 # Q4_0 / Q4_1, Q8_0, Q4_K, Q5_K and Q6_K repacked at load for the integer kernel (kernels/cpu/packed_blocks.h: 16
 # rows interleaved, each block's 16 scales together; the K-quants keep their 256-value super-blocks and their
 # size): the same values, read with 16-bit integer activations. Not GGUF types; their rows are interleaved,
@@ -135,6 +136,51 @@ class QuantStack:
         return "+".join(p.file_qtype for p in self.segments)
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512_BF16 or AMX-BF16), where torch's bf16 GEMM
+    (oneDNN) is faster than fp32's; elsewhere it is emulated, slower."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, c, lambda: False)()) for c in checks)
+
+
+class CastSource:
+    """A Hugging Face checkpoint's matrices as bf16 rows (`--dtype bfloat16` on a CPU): the projections, the
+    head and the token table held at half fp32's bytes and read by the same kernels as a GGUF's blocks (the
+    row kernels widen each value exactly; many rows go through the bf16 GEMM), everything else in fp32."""
+
+    MATRICES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+
+    def __init__(self, checkpoint, config, qtype: str = "BF16") -> None:
+        self.checkpoint = checkpoint
+        self.config = config
+        self.qtype_name = qtype
+        self.dtype = {"BF16": torch.bfloat16, "F16": torch.float16}[qtype]
+        self.description = f"{qtype.lower()} weights"
+
+    def _name(self, hf_name: str) -> str | None:
+        if hf_name == "lm_head.weight" and hf_name not in self.checkpoint:
+            hf_name = "model.embed_tokens.weight"  # tied
+        return hf_name if hf_name in self.checkpoint and hf_name.endswith(self.MATRICES) else None
+
+    def qtype(self, hf_name: str) -> str | None:
+        return self.qtype_name if self._name(hf_name) is not None else None
+
+    def get(self, hf_name: str, rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> QuantWeight:
+        t = self.checkpoint.get(self._name(hf_name), rows, cols).to(self.dtype).contiguous()
+        if t.dim() != 2 or t.shape[1] % 32:
+            raise ValueError(f"{hf_name}: {tuple(t.shape)} is not rows of whole 32-value blocks")
+        return QuantWeight(t.view(torch.uint8), self.qtype_name, t.shape[1])
+
+    def held_bytes(self, tied: bool) -> int:
+        """The parameters at 2 bytes a value (the table twice where tied: looked up, and the head)."""
+        from worker.memory_plan import parameter_count
+
+        c = self.config
+        return 2 * (parameter_count(c) + (c.vocab_size * c.hidden_size if tied else 0))
+
+
 def find_gguf(model: str | Path) -> Path | None:
     """The GGUF file a model comes from: the model itself when it is one, or the file a folder prepared from
     one names in its pagedserve_model.json (the embedded default model's, found in its wheel); else None."""
@@ -170,6 +216,7 @@ class GGUFQuantSource:
 
         self.file = GGUFFile(path)
         self.path = self.file.path
+        self.description = f"{self.path.name} on its own blocks"
         self.arch = self.file.arch
         self._tensors = self.file.tensors
         self._perm = {"attn_q": rope_rows(n_heads, head_dim), "attn_k": rope_rows(n_kv_heads, head_dim)}
@@ -296,6 +343,7 @@ class QuantizedMatmul:
         self.pack_q8 = getattr(kernels, "packed_q8_fast", True) if pack_q8 is None else pack_q8
         self.dense = dense or DenseMatmul()
         self.max_kernel_rows = max_kernel_rows
+        self.bf16_gemm = native_bf16()
         self._scratch = torch.empty(0)
 
     def prepare(self, weight):
@@ -327,8 +375,8 @@ class QuantizedMatmul:
         if isinstance(w, QuantStack):
             return torch.cat([self.kernel(x, p) for p in w.segments], dim=1)
         y = torch.empty(x.shape[0], w.out_dim)
-        # int8 activations pair with the 32-value types (llama.cpp's Q8 blocks); K-quants take fp32 ones
-        int8 = self.int8_activations and w.qtype in QUANT_TYPES and QUANT_TYPES[w.qtype][1] == 32
+        # int8 activations pair with the 32-value integer types (llama.cpp's Q8 blocks); the rest take fp32 ones
+        int8 = self.int8_activations and w.qtype in INT8_TYPES
         self.kernels.quant_matmul(x, w.data, w.type_id, w.out_dim, y, int8)
         return y
 
@@ -348,13 +396,19 @@ class QuantizedMatmul:
 
     def tiled(self, x: torch.Tensor, w: QuantWeight | QuantStack, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w.T on the dense library with no dense copy of w: a tile of rows (whole 16-row groups, within
-        SCRATCH_VALUES) at a time dequantized into a small scratch matrix and multiplied there."""
+        SCRATCH_VALUES) at a time dequantized into a small scratch matrix and multiplied there; bf16 weights
+        where the CPU multiplies bf16 natively (AVX512_BF16, AMX) through the bf16 GEMM itself, the
+        activations rounded to bf16 as that GEMM takes them."""
         y = torch.empty(x.shape[0], w.out_dim)
         step = max(16, self.SCRATCH_VALUES // w.in_dim // 16 * 16)
         if self._scratch.numel() < step * w.in_dim:
             self._scratch = torch.empty(step * w.in_dim)
         row = 0
         for p in w.segments:
+            if p.qtype == "BF16" and self.bf16_gemm:  # the weights as they are, through oneDNN's bf16 GEMM
+                y[:, row: row + p.out_dim] = F.linear(x.to(torch.bfloat16), p.data.view(torch.bfloat16))
+                row += p.out_dim
+                continue
             for a in range(0, p.out_dim, step):
                 b = min(a + step, p.out_dim)
                 tile = self._scratch[: (b - a) * p.in_dim].view(b - a, p.in_dim)

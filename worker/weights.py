@@ -45,6 +45,20 @@ def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
     return read_gguf(gguf, config) if gguf is not None else SafetensorsSource(path)
 
 
+def tensor_source(source: str, load_format: str, config: ModelConfig) -> TensorSource | None:
+    """The checkpoint a model loads from (None for random "dummy" weights)."""
+    path = Path(source)
+    if load_format == "auto":
+        load_format = "gguf" if path.suffix == ".gguf" else "safetensors"
+    if load_format == "dummy":
+        return None
+    if load_format == "safetensors":
+        return checkpoint(path, config)
+    if load_format == "gguf":
+        return read_gguf(path, config)
+    raise ValueError(f"unknown load format {load_format!r}")
+
+
 def load_model(
     source: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
     tp_rank: int = 0, tp_size: int = 1, comm: Collectives | None = None, quantized=None, pack=None,
@@ -54,15 +68,11 @@ def load_model(
     quantized: a GGUFQuantSource whose blocks will serve the projections, the head and the embeddings: they
     are read from it first (model.file_blocks, for use_quantized) and their parameters never allocated;
     pack: applied to each matrix as it is read (QuantizedMatmul.pack), so two layouts of the model are never
-    held at once."""
-    path = Path(source)
-    if load_format == "auto":
-        load_format = "gguf" if path.suffix == ".gguf" else "safetensors"
+    held at once. A quantized source over the checkpoint itself (CastSource) lends it its checkpoint."""
     config = load_config(source, load_format)
     shard = make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size,
                        tp_rank, tp_size, config.moe_intermediate_size)
-    if load_format not in ("dummy", "safetensors", "gguf"):
-        raise ValueError(f"unknown load format {load_format!r}")
+    weights = getattr(quantized, "checkpoint", None) or tensor_source(source, load_format, config)
     # The parameters are allocated where they will run, in their dtype, and filled there: no fp32 copy of
     # the model on the host first (32 GB and minutes for an 8B model). Every parameter is written below.
     with torch.device("meta"):
@@ -70,10 +80,8 @@ def load_model(
     model.file_blocks = model.quantized_weights(quantized, True, pack) if quantized is not None else {}
     model.release(model.file_blocks)
     model = model.to_empty(device=device)
-    if load_format == "dummy":
+    if weights is None:
         model.init_random(seed)
-    elif load_format == "safetensors":
-        model.load_hf_weights(checkpoint(path, config))
     else:
-        model.load_hf_weights(read_gguf(path, config))
+        model.load_hf_weights(weights)
     return model.eval(), config

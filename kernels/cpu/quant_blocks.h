@@ -1,6 +1,8 @@
 /* GGUF weight blocks read by the CPU kernels (quant_matmul.c, decode_step.c): layouts, dequantization, and
    the dot products of up to ROWS activation rows with one weight row. Type 0 is a plain fp32 row (a
-   "block" of 32 floats), so the fused decode step runs dense and quantized weights through one loop. */
+   "block" of 32 floats), so the fused decode step runs dense and quantized weights through one loop; F16 (1)
+   and BF16 (30) rows are read the same way, 32 half-width values a block (a bf16 checkpoint's weights at
+   half fp32's bytes, exact: bf16 -> fp32 is a 16-bit shift). */
 #ifndef PAGEDSERVE_QUANT_BLOCKS_H
 #define PAGEDSERVE_QUANT_BLOCKS_H
 #include <stdint.h>
@@ -12,7 +14,7 @@
 #define QK 32
 #define ROWS 8
 
-enum { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
 
 /* Bytes of one block of block_values(type) values (0: a type not served). The K-quants (Q4_K, Q5_K, Q6_K)
    pack 256 values a block with a scale per 32 (Q4_K and Q5_K, and a min) or per 16 (Q6_K); the loops below
@@ -26,6 +28,8 @@ static inline int block_bytes(int type) {
         case Q5_K: return 176;
         case Q6_K: return 210;
         case F32: return 128;
+        case F16: return 64;
+        case BF16: return 64;
         default: return 0;
     }
 }
@@ -68,6 +72,18 @@ static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2)
 static inline void dequant_block(int type, const uint8_t *b, float *out) {
     if (type == F32) {
         memcpy(out, b, QK * sizeof(float));
+        return;
+    }
+    if (type == BF16 || type == F16) {
+        for (int j = 0; j < QK; j++) {
+            const uint16_t h = read_u16(b + 2 * j);
+            if (type == F16) {
+                out[j] = half_to_float(h);
+            } else {
+                const uint32_t bits = (uint32_t)h << 16;
+                memcpy(out + j, &bits, 4);
+            }
+        }
         return;
     }
     const float d = half_to_float(read_u16(b));
@@ -166,6 +182,17 @@ static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m
     if (type == F32) {
         *lo = _mm512_loadu_ps((const float *)b);
         *hi = _mm512_loadu_ps((const float *)b + 16);
+        return;
+    }
+    if (type == BF16) {
+        *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b)), 16));
+        *hi = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 32))), 16));
+        return;
+    }
+    if (type == F16) {
+        *lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
+        *hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
         return;
     }
     const __m512 d = _mm512_set1_ps(half_to_float(read_u16(b))); /* unused by Q4_1: the compiler drops it */
@@ -319,6 +346,8 @@ static void rows_dot(int type, const uint8_t *wrow, int64_t nblocks, const float
         case Q4_K: ROWS_DOT_CASES(Q4_K)
         case Q5_K: ROWS_DOT_CASES(Q5_K)
         case Q6_K: ROWS_DOT_CASES(Q6_K)
+        case F16: ROWS_DOT_CASES(F16)
+        case BF16: ROWS_DOT_CASES(BF16)
         default: ROWS_DOT_CASES(F32)
     }
 }

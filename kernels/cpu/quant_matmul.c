@@ -251,7 +251,7 @@ static float row_dot_q8(int type, const uint8_t *wrow, int64_t nb, const int8_t 
 int pagedserve_quant_matmul_q8act(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                                   int32_t type, float *y) {
     const int bb = block_bytes(type);
-    if (!bb || type == F32 || block_values(type) != QK || in_dim % QK) return -1; /* the 32-value types */
+    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || in_dim % QK) return -1; /* the 32-value integer types */
     const int64_t nb = in_dim / QK, rb = nb * bb;
     QuantX xq;
     if (quantize_x(x, rows, in_dim, &xq)) {

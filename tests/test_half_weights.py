@@ -1,0 +1,81 @@
+"""`--dtype bfloat16` (or float16) on a CPU: the checkpoint's matrices held as bf16 rows (half fp32's bytes)
+and read by the native row kernels with fp32 activations, many rows through the CPU's bf16 GEMM where it
+has one; norms, activations and the KV cache in fp32."""
+
+import pytest
+import torch
+
+from kernels import cpu_native
+from tests.test_model import BLOCK, run_step
+from tests.tiny import hf_greedy, make_tiny_llama
+from worker.kv_pool import KVPool
+from worker.quantized import CastSource, QuantizedMatmul
+from worker.weights import load_config, load_model, tensor_source
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def native():
+    k = cpu_native.load()
+    if k is None:
+        pytest.skip("no native CPU kernels on this machine")
+    return k
+
+
+def rounded(folder, to):
+    """The same model with every matrix rounded to bf16 (saved in fp32): what bf16 weights hold."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, to)
+    state = load_file(str(to / "model.safetensors"))
+    save_file({k: v.bfloat16().float() if v.dim() == 2 else v for k, v in state.items()},
+              str(to / "model.safetensors"), metadata={"format": "pt"})
+    return to
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_bf16_weights_give_the_rounded_models_logits(native, tmp_path, tied):
+    """Every projection, the head and the token table as bf16 rows (none of them allocated in fp32): the
+    logits are the fp32 model's on bf16-rounded matrices — to fp32 rounding through the row kernels, to
+    bf16 activation rounding through the bf16 GEMM."""
+    folder = make_tiny_llama(tmp_path / "m", seed=3, tie_word_embeddings=tied)
+    config = load_config(str(folder), "auto")
+    prompt = [(7 * i) % 380 + 3 for i in range(21)]
+    seqs = [(prompt, 0, list(range(-(-len(prompt) // BLOCK))))]
+    reference, _ = load_model(str(rounded(folder, tmp_path / "r")), "auto", torch.float32, CPU)
+    want = run_step(reference, config, KVPool(config, 16, BLOCK, torch.float32, CPU), seqs)[0]
+
+    lib = QuantizedMatmul(native)
+    source = CastSource(tensor_source(str(folder), "auto", config), config)
+    model, _ = load_model(str(folder), "auto", torch.float32, CPU, quantized=source, pack=lib.pack)
+    assert all(p.numel() == 0 for n, p in model.named_parameters() if p.dim() == 2)  # no fp32 matrix
+    assert model.use_quantized(model.file_blocks, lib, keep_dense=False) == {"BF16": 4 * config.num_layers + 1}
+    lib.max_kernel_rows = 1 << 30  # the row kernels: fp32 activations
+    got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, CPU), seqs)[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    lib.max_kernel_rows = 0  # prefill's path: the bf16 GEMM (activations rounded to bf16) or a dense tile
+    got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, CPU), seqs)[0]
+    torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.05)
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(server_factory, native, tmp_path_factory):
+    """`--dtype bfloat16` on a CPU: the worker holds bf16 matrices and computes in fp32, so every greedy answer
+    equals transformers' on the bf16-rounded weights (prefill on the fp32 copy of those values, asked for)."""
+    from protos import generation_pb2 as pb
+
+    base = tmp_path_factory.mktemp("bf16")
+    folder = make_tiny_llama(base / "m", seed=7)
+    server = server_factory(folder, "--dtype", "bfloat16", "--quantized-prefill", "dense", "--block-size", "4",
+                            "--num-blocks", "256")
+    log = server.log_path.read_text()
+    assert '"matrices": {"BF16": 13}' in log and '"compute_dtype": "float32"' in log
+    reference = rounded(folder, base / "r")
+    for prompt in ([5, 9, 13, 200, 31], list(range(40, 75))):
+        req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+            max_tokens=20, temperature=0, ignore_eos=True))
+        assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == hf_greedy(reference, prompt, 20)
