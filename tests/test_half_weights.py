@@ -9,7 +9,7 @@ from kernels import cpu_native
 from tests.test_model import BLOCK, run_step
 from tests.tiny import hf_greedy, make_tiny_llama
 from worker.kv_pool import KVPool
-from worker.quantized import CastSource, QuantizedMatmul
+from worker.quantized import CastSource, QuantizedMatmul, native_bf16
 from worker.weights import load_config, load_model, tensor_source
 
 CPU = torch.device("cpu")
@@ -79,3 +79,10 @@ def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(server_facto
         req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
             max_tokens=20, temperature=0, ignore_eos=True))
         assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == hf_greedy(reference, prompt, 20)
+    # the default: prefill through the CPU's bf16 GEMM where it has one (no fp32 copy), else as memory allows
+    auto = server_factory(folder, "--dtype", "bfloat16", "--block-size", "4", "--num-blocks", "256")
+    reason = "the CPU's bf16 GEMM" if native_bf16() else "available"
+    assert reason in auto.log_path.read_text()
+    req = pb.GenerateRequest(prompt_token_ids=list(range(40, 75)), sampling=pb.SamplingParams(
+        max_tokens=20, temperature=0, ignore_eos=True))
+    assert len(auto.stub.Generate(req, timeout=120).choices[0].token_ids) == 20

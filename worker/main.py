@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             from worker.quantized import choose_threshold, model_linears
 
             lib.dense = dense
-            counts = model.use_quantized(model.file_blocks, lib, keep_dense=prefill == "dense")
+            counts = model.use_quantized(model.file_blocks, lib, keep_dense=args.quantized_prefill == "dense")
             choose_threshold(lib, model_linears(model))
             log.info("quantized_weights", source=source.description, matrices=counts, prefill=args.quantized_prefill,
                      activations=args.quantized_activations, max_kernel_rows=lib.max_kernel_rows,
