@@ -9,7 +9,8 @@ sdist is fetched with pip once, `llama-server` built with cmake for this machine
     each, all at once); llama.cpp gets 64 slots with continuous batching;
   - with --with-layers, pagedserve again with --cpu-decode layers (no fused decode step), for the change;
     with --variant NAME=FLAGS, again with any serve flags (repeatable).
-  - prompt processing: one prompt of --prompt-tokens (512) token ids, one output token: tokens/s to the first;
+  - prompt processing: one prompt of --prompt-tokens (512) token ids, one output token: prompt tokens/s over
+    the request;
   - peak resident memory of each server's processes (VmHWM, the scheduler and workers summed for pagedserve).
 All servers are up at once and measured in rounds, each round taking every server in turn, so a slow
 spell of a noisy machine falls on all of them alike: medians over rounds, ratios per round.
@@ -185,7 +186,8 @@ class LlamaTarget:
     def __init__(self, args) -> None:
         folder = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-"))
         self.name = f"llama.cpp llama-server ({args.gguf_label} GGUF)"
-        self.server = LlamaServer(build_llama_server(), args.gguf, args.slots, 384, args.threads,
+        self.server = LlamaServer(build_llama_server(), args.gguf, args.slots, max(384, args.prompt_tokens + 64),
+                                  args.threads,
                                   folder / "llama-server.log").wait()
         asyncio.run(_http_pass(self.server.base_url, [_body([1, 2, 3], 4)], "/v1/completions"))
 
@@ -199,7 +201,7 @@ class LlamaTarget:
 
     def prefill(self, prompt: list[int]) -> float:
         r = asyncio.run(_http_pass(self.server.base_url, [_body(prompt, 1)], "/v1/completions"))
-        return len(prompt) / r["ttfts"][0]
+        return len(prompt) / r["wall_s"]  # one output token: the request is its prefill
 
     def peak_rss(self) -> int:
         return peak_rss(self.server.proc.pid)
@@ -234,8 +236,8 @@ class PagedserveTarget:
         return tokens / wall, statistics.mean(ttfts)
 
     def prefill(self, prompt: list[int]) -> float:
-        _, ttfts, _ = asyncio.run(_drive(self.server.address, [prompt], 1))
-        return len(prompt) / ttfts[0]
+        wall, _, _ = asyncio.run(_drive(self.server.address, [prompt], 1))
+        return len(prompt) / wall  # one output token: the request is its prefill
 
     def peak_rss(self) -> int:
         return peak_rss(self.server.proc.pid)

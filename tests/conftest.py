@@ -57,3 +57,14 @@ def server_factory(tmp_path_factory):
     yield start
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def native():
+    """The native CPU kernels (kernels/cpu_native.py); the test is skipped where they cannot be built."""
+    from kernels import cpu_native
+
+    k = cpu_native.load()
+    if k is None:
+        pytest.skip("no native CPU kernels on this machine")
+    return k

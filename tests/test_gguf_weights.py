@@ -8,7 +8,6 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_native
 from tests.test_model import BLOCK, run_step
 from tests.tiny import make_tiny_gguf
 from worker.kv_pool import KVPool
@@ -23,14 +22,6 @@ FAMILIES = {  # family -> config fields: llama.cpp's permuted llama rows, Qwen2'
     "qwen3": dict(),
     "phi3": dict(pad_token_id=0),
 }
-
-
-@pytest.fixture(scope="module")
-def native():
-    k = cpu_native.load()
-    if k is None:
-        pytest.skip("no native CPU kernels on this machine")
-    return k
 
 
 def weightless(folder, to):

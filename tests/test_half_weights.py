@@ -5,7 +5,6 @@ has one; norms, activations and the KV cache in fp32."""
 import pytest
 import torch
 
-from kernels import cpu_native
 from tests.test_model import BLOCK, run_step
 from tests.tiny import hf_greedy, make_tiny_llama
 from worker.kv_pool import KVPool
@@ -13,14 +12,6 @@ from worker.quantized import CastSource, QuantizedMatmul, native_bf16
 from worker.weights import load_config, load_model, tensor_source
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def native():
-    k = cpu_native.load()
-    if k is None:
-        pytest.skip("no native CPU kernels on this machine")
-    return k
 
 
 def rounded(folder, to):

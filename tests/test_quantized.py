@@ -9,21 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_native
 from worker.quantized import QUANT_TYPES, GGUFQuantSource, QuantizedMatmul, QuantWeight
 
 gguf = pytest.importorskip("gguf")
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", ROOT / ".models" / "smollm2-135m-instruct"))
 GGUF_QUANTIZES = ["Q4_0", "Q4_1", "Q8_0"]  # the served types gguf can quantize to; the K types: random_k_blocks
-
-
-@pytest.fixture(scope="module")
-def native():
-    k = cpu_native.load()
-    if k is None:
-        pytest.skip("no native CPU kernels on this machine")
-    return k
 
 
 def quantized(rng, out_dim, in_dim, qtype):
