@@ -11,14 +11,14 @@ fp32 log-softmax of each prompt token given the ones before it), computed one to
 token takes the path generated tokens take (decode steps: the quantized kernels, the fused step), one
 server after the other:
   - fp32: the GGUF dequantized (`--dequantize`), the reference;
-  - the GGUF's Q4_1 blocks as `make run` serves them (`--quantized-activations auto`: packed, with 16-bit
-    integer activations where the CPU has AVX-512 VNNI);
+  - the GGUF's blocks (the default model's: Q4_1) as `make run` serves them (`--quantized-activations
+    auto`: packed, with 16-bit integer activations where the CPU has AVX-512 VNNI);
   - the same blocks with fp32 activations (`--quantized-activations fp32`);
   - the same blocks with int8 activations (`--quantized-activations int8`, llama.cpp's scheme);
   - bf16: the GGUF dequantized, served with --dtype bfloat16;
   - Q8_0: a Q8_0 copy of the file (its values quantized again as llama.cpp's Q8_0 files are: every matrix,
     1-D tensors F32; made once under ~/.cache/pagedserve-peers), served on its blocks.
-llama.cpp's llama-perplexity runs on the Q4_1 file and on the Q8_0 copy.
+llama.cpp's llama-perplexity runs on the file and on the Q8_0 copy.
 Beside each, the mean and largest |difference| of the scored tokens' logprobs from the fp32 server's.
 
     python -m deploy.bench_accuracy --model .models/smollm2-135m-instruct
@@ -118,11 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     from deploy.bench_cpu_peers import requantized_gguf
 
     q8 = requantized_gguf(gguf, "Q8_0")  # a Q8_0 file of the same values, as llama.cpp's Q8_0 files are made
+    kind = gguf.stem.rsplit(".", 1)[-1]  # the file's type as its name says it (Q4_1, Q4_K_M, ...)
     runs = [("fp32 (the GGUF dequantized)", Path(args.model), ["--dequantize"]),
             ("bf16 (dequantized, --dtype bfloat16)", Path(args.model), ["--dequantize", "--dtype", "bfloat16"]),
-            ("Q4_1 blocks, as served (default)", Path(args.model), []),
-            ("Q4_1 blocks, fp32 activations", Path(args.model), ["--quantized-activations", "fp32"]),
-            ("Q4_1 blocks, int8 activations", Path(args.model), ["--quantized-activations", "int8"]),
+            (f"{kind} blocks, as served (default)", Path(args.model), []),
+            (f"{kind} blocks, fp32 activations", Path(args.model), ["--quantized-activations", "fp32"]),
+            (f"{kind} blocks, int8 activations", Path(args.model), ["--quantized-activations", "int8"]),
             ("Q8_0 copy of the file, as served", q8, [])]
     results = []
     for name, model, extra in runs:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         diffs = [abs(a - b) for a, b in zip(lps, reference, strict=True)]
         print(f"{name:42} {ppl:8.4f} {statistics.fmean(diffs):17.2e} {max(diffs):16.2e}")
     if not args.no_llama_cpp:
-        for label, path in (("Q4_1 GGUF", gguf), ("the Q8_0 copy", q8)):
+        for label, path in ((f"{kind} GGUF", gguf), ("the Q8_0 copy", q8)):
             ppl = llama_perplexity(path, args.text, args.ctx, args.threads)
             print(f"{'llama.cpp llama-perplexity (' + label + ')':42} {ppl:8.4f}")
     return 0

@@ -198,8 +198,6 @@ def quantized_source(args, config, device, dtype):
     """The GGUF whose own blocks this worker serves, or None (logged where it could have been): a *.gguf
     model, or a folder prepared from one (its pagedserve_model.json names the file), on a CPU with the
     native kernels (whatever --dtype: the kernels compute in fp32), unless --dequantize."""
-    import torch
-
     from worker.quantized import GGUFQuantSource, find_gguf
 
     path = find_gguf(args.model)

@@ -442,7 +442,8 @@ def choose_threshold(lib: QuantizedMatmul, linears: list[tuple[QuantLinear, int]
         that dequantizes every weight costs seconds at 8B, each count."""
         kernel = dense = 0.0
         for w, uses in linears:
-            kernel += uses * _time(lambda w=w, x=torch.randn(rows, w.q.in_dim): lib.kernel(x, w.q), reps)
+            x = torch.randn(rows, w.q.in_dim)
+            kernel += uses * _time(lambda w=w, x=x: lib.kernel(x, w.q), reps)
         if floor is not None and kernel <= floor:
             return kernel, floor
         for w, uses in linears:
