@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.test_model import BLOCK, run_step
+from tests.test_quantized import assert_projections_match
 from tests.tiny import make_tiny_gguf
 from worker.kv_pool import KVPool
 from worker.quantized import GGUFQuantSource, QuantizedMatmul, QuantWeight
@@ -84,12 +85,7 @@ def test_each_rank_reads_its_share_of_the_file(native, tmp_path):
         ids = torch.arange(config.vocab_size)
         lo, hi = model.shard.vocab
         torch.testing.assert_close(model.embed_q(ids[lo:hi] - lo), dense.embed[: hi - lo])
-        x = torch.randn(3, config.hidden_size)
-        for layer, dense_layer in zip(model.layers, dense.layers, strict=True):
-            for name in layer.matmul_names:
-                w = getattr(dense_layer, name)
-                inp = x if w.shape[1] == config.hidden_size else torch.randn(3, w.shape[1])
-                torch.testing.assert_close(layer.mm(inp, layer.w[name]), inp @ w.T, atol=2e-4, rtol=1e-3)
+        assert_projections_match(model, dense)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])

@@ -319,12 +319,17 @@ def test_each_familys_gguf_blocks_give_the_dequantized_models_logits(native, tmp
             torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
         else:  # a rank's projections against the same rows/columns of the dense model's
             ref, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank, tp_size=tp)
-            x = torch.randn(3, config.hidden_size)
-            for layer, dense_layer in zip(model.layers, ref.layers, strict=True):
-                for name in layer.matmul_names:
-                    w = getattr(dense_layer, name)
-                    inp = x if w.shape[1] == config.hidden_size else torch.randn(3, w.shape[1])
-                    torch.testing.assert_close(layer.mm(inp, layer.w[name]), inp @ w.T, atol=2e-4, rtol=1e-3)
+            assert_projections_match(model, ref)
+
+
+def assert_projections_match(model, dense) -> None:
+    """Every projection of `model` (on its matmul library) multiplies as `dense`'s loaded parameter does."""
+    x = torch.randn(3, model.config.hidden_size)
+    for layer, dense_layer in zip(model.layers, dense.layers, strict=True):
+        for name in layer.matmul_names:
+            w = getattr(dense_layer, name)
+            inp = x if w.shape[1] == model.config.hidden_size else torch.randn(3, w.shape[1])
+            torch.testing.assert_close(layer.mm(inp, layer.w[name]), inp @ w.T, atol=2e-4, rtol=1e-3)
 
 
 @pytest.mark.slow
