@@ -135,7 +135,10 @@ def test_a_lost_replicas_requests_move_to_the_other_one(dp_server, tiny_model_di
     reference = [hf_greedy(tiny_model_dir, list(r.prompt_token_ids), 100) for r in reqs]
     streams = Streams(dp_server.stub, reqs)
     assert streams.started.wait(30)
-    stats = dp_server.stats()
+    deadline = time.monotonic() + 30  # every request admitted (on a loaded machine the last arrive later)
+    while len((stats := dp_server.stats()).requests) < len(reqs):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     on = {r.request_id: r.replica for r in stats.requests}
     assert set(on.values()) == {0, 1}
     victim = stats.replicas[0].worker_pids[0]
