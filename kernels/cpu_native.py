@@ -56,14 +56,14 @@ class NativeKernels:
         self._decode = lib.pagedserve_paged_decode
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
         self._decode.argtypes = [p, p, p, p, p, p, i64, p, i32, i32, i32, i32, i32, ctypes.c_float, i32,
-                                 ctypes.c_float]
+                                 ctypes.c_float, i32]
         self._decode.restype = None
         limits = (ctypes.c_int32 * 3)()
         lib.pagedserve_decode_limits(limits)
         self.max_group, self.max_head_dim, self.max_block = limits[0], limits[1], limits[2]
         self._prefill = lib.pagedserve_paged_prefill
         self._prefill.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32,
-                                  ctypes.c_float]
+                                  ctypes.c_float, i32]
         self._prefill.restype = None
         lib.pagedserve_prefill_limits(limits)
         self.prefill_state, self.prefill_max_head_dim = limits[0], limits[1]
@@ -214,14 +214,15 @@ class NativeKernels:
         """Causal attention of prompt chunks over their paged keys (a cached prefix included): for sequence i,
         query tokens starts[i] .. starts[i] + q_lens[i] - 1 of the step are its last q_lens[i] positions of
         seq_lens[i]. q: fp32 [num_tokens, n_heads, head_dim] with unit strides inside a token (a view of the
-        fused QKV row works); out contiguous; starts int64, q_lens, seq_lens int32 [n]; block_tables int32.
-        window > 0: each query sees only its last `window` keys, itself included (sliding-window layers).
+        fused QKV row works); out contiguous; starts int64, q_lens, seq_lens int32 [n]; block_tables int32;
+        the caches fp32 or bf16 (both the same). window > 0: each query sees only its last `window` keys, itself included (sliding-window layers).
         softcap > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2)."""
         n = starts.numel()
         if n == 0:
             return
         num_blocks, block_size, n_kv_heads, head_dim = k_cache.shape
-        for t, dt in ((q, torch.float32), (out, torch.float32), (k_cache, torch.float32), (v_cache, torch.float32),
+        kv = _kv_dtype(k_cache, v_cache, "paged_prefill")
+        for t, dt in ((q, torch.float32), (out, torch.float32), (k_cache, kv), (v_cache, kv),
                       (starts, torch.int64), (q_lens, torch.int32), (seq_lens, torch.int32),
                       (block_tables, torch.int32)):
             if t.dtype != dt or t.device.type != "cpu":
@@ -233,14 +234,16 @@ class NativeKernels:
         self._prefill(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                       starts.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
                       block_tables.stride(0), n, q.shape[1], n_kv_heads, head_dim, block_size, float(scale),
-                      int(window), float(softcap))
+                      int(window), float(softcap), int(kv == torch.bfloat16))
 
     def supports_prefill(self, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
         group = n_heads // n_kv_heads
         return group <= 16 and head_dim <= self.prefill_max_head_dim and group * head_dim <= self.prefill_state
 
-    def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
-        return (dtype == torch.float32 and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= self.max_group
+    def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype | None = None) -> bool:
+        """dtype: the queries' (fp32); kv_dtype: the pool's (fp32 or bf16; None: dtype)."""
+        return (dtype == torch.float32 and (kv_dtype or dtype) in KV_DTYPES and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= self.max_group
                 and head_dim <= self.max_head_dim and block_size <= self.max_block)
 
     def paged_decode(
@@ -252,12 +255,14 @@ class NativeKernels:
         (window > 0: its last `window` keys only; softcap > 0: scores soft-capped, as paged_prefill).
 
         q, out: fp32 [num_tokens, n_heads, head_dim] contiguous; rows: int64 [n]; block_tables: int32
-        [n, max_blocks] (row stride may exceed max_blocks); seq_lens: int32 [n]. All on the CPU."""
+        [n, max_blocks] (row stride may exceed max_blocks); seq_lens: int32 [n]; the caches fp32 or bf16.
+        All on the CPU."""
         n = rows.numel()
         if n == 0:
             return
         num_blocks, block_size, n_kv_heads, head_dim = k_cache.shape
-        for t, dt in ((q, torch.float32), (out, torch.float32), (k_cache, torch.float32), (v_cache, torch.float32),
+        kv = _kv_dtype(k_cache, v_cache, "paged_decode")
+        for t, dt in ((q, torch.float32), (out, torch.float32), (k_cache, kv), (v_cache, kv),
                       (rows, torch.int64), (seq_lens, torch.int32), (block_tables, torch.int32)):
             if t.dtype != dt or t.device.type != "cpu":
                 raise TypeError(f"paged_decode needs {dt} tensors on the CPU, got {t.dtype} on {t.device}")
@@ -266,7 +271,18 @@ class NativeKernels:
             raise ValueError("paged_decode needs contiguous tensors")
         self._decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), rows.data_ptr(),
                      block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), n, q.shape[1],
-                     n_kv_heads, head_dim, block_size, float(scale), int(window), float(softcap))
+                     n_kv_heads, head_dim, block_size, float(scale), int(window), float(softcap),
+                     int(kv == torch.bfloat16))
+
+
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what the attention kernels read a pool in (kv_rows.h)
+
+
+def _kv_dtype(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> torch.dtype:
+    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"{what} reads a KV pool of float32 or bfloat16 (K and V alike), got {k_cache.dtype} and "
+                        f"{v_cache.dtype}")
+    return k_cache.dtype
 
 
 def _cpu_flags() -> str:

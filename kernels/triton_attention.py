@@ -143,8 +143,9 @@ def _decode_split_kernel(
             kv_off = _tile_offsets(block_tables_ptr, seq, pos, pos_mask, kv_head, d,
                                    stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)
             kv_mask = pos_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            # [TILE, BLOCK_D], in the queries' dtype (a pool narrower than the model's widens here)
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
             m, denom, acc = _attend_tile(q, k, v, pos_mask[None, :], m, denom, acc, scale, softcap, PRECISION,
                                          SOFTCAP)
         out = acc / denom[:, None]
@@ -226,6 +227,7 @@ def _prefill_tile(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, p
     else:
         k = tl.load(k_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=d_mask[None, :], other=0.0)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a pool narrower than the model's widens here
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, TILE], unscaled
     if SOFTCAP:  # softcap * tanh(s * scale / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1); then into base 2
         s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s * (qk_scale / LOG2E) / softcap) + 1.0)) * LOG2E

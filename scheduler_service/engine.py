@@ -453,6 +453,7 @@ class Engine:
             "vocab_size": self.spec.vocab_size, "eos_token_ids": list(self.spec.eos_token_ids),
             "block_size": self.config.block_size, "num_blocks": sum(g.num_blocks for g in groups),
             "dtype": groups[0].handshake.dtype if groups else "", "num_workers": self.client.num_workers,
+            "kv_cache_dtype": groups[0].handshake.kv_cache_dtype if groups else "",
             "tensor_parallel_size": self.client.tp_size, "data_parallel_size": len(self.replicas),
         }
 

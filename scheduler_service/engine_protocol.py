@@ -315,7 +315,7 @@ class EngineProtocolServicer:
         return vllm_engine_pb2.GetServerInfoResponse(
             active_requests=len(e.streams), is_paused=e._draining, last_receive_timestamp=self._last_receive,
             uptime_seconds=time.time() - e.started_at, server_type="pagedserve-grpc", data_parallel_size=1,
-            kv_cache_dtype="auto", block_size=e.config.block_size, model_dtype=info.get("dtype", ""),
+            kv_cache_dtype=info.get("kv_cache_dtype") or "auto", block_size=e.config.block_size, model_dtype=info.get("dtype", ""),
             max_num_seqs=e.config.max_num_seqs * len(e.replicas))
 
     def _load(self) -> dict:

@@ -225,3 +225,37 @@ def test_soft_capped_scores_equal_brute_force(backend_name, window):
     meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
     out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window, cap)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size", [(8, 2, 64, 16), (32, 8, 128, 32), (6, 2, 24, 4),
+                                                                     (8, 1, 256, 1)])
+@pytest.mark.parametrize("window", [0, 21])
+def test_a_bf16_pool_is_read_as_its_values_widened(backend_name, n_heads, n_kv_heads, head_dim, block_size, window):
+    """--kv-cache-dtype bf16: decodes and prompt chunks (one over a cached prefix, one past the tiles) over a
+    bf16 pool with fp32 queries give the reference's answer over the same pool widened to fp32 (head sizes
+    on the vector paths and off them, one-token blocks, a sliding window), and differ from the fp32 pool's."""
+    if backend_name == "triton" and head_dim == 256:
+        pytest.skip("the interpreter's 256-wide tiles take minutes; 64/128/24 cover the kernel's paths")
+    q_lens = [1, 19, 1, 9, 1, 40]
+    seq_lens = [1, 19, 23, 61, 100, 70]
+    c = make_case(q_lens, seq_lens, n_heads, n_kv_heads, head_dim, block_size, seed=21)
+    k16, v16 = c.k_cache.to(torch.bfloat16), c.v_cache.to(torch.bfloat16)
+    want = paged_attention(c.q, k16.float(), v16.float(), *c.args[3:], window=window)
+    backend = make_backend(backend_name, torch.device("cpu"))
+    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
+    out = backend.forward(c.q, k16, v16, meta, c.scale, window)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    assert not torch.allclose(out, paged_attention(*c.args, window=window), atol=1e-5, rtol=0)
+
+
+def test_write_kv_rounds_into_a_bf16_pool_as_torch_does():
+    k = torch.randn(5, 2, 8)
+    v = torch.randn(5, 2, 8)
+    k_cache = torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    write_kv(k, v, k_cache, v_cache, torch.tensor([0, 5, 6, -1, 11]))
+    flat = k_cache.view(-1, 2, 8)
+    assert torch.equal(flat[[0, 5, 6, 11]], k[[0, 1, 2, 4]].to(torch.bfloat16))
+    assert torch.equal(v_cache.view(-1, 2, 8)[[0, 5, 6, 11]], v[[0, 1, 2, 4]].to(torch.bfloat16))

@@ -106,15 +106,15 @@ def _step(seqs: list[tuple[int, int]], seed: int = 0):
     return p, start
 
 
-def _run(model, config, seqs, fused: bool):
+def _run(model, config, seqs, fused: bool, kv_dtype=torch.float32):
     """The hidden states of one step over a pool of random K/V, and every layer's pool after it."""
     p, blocks = _step(seqs)
-    pool = KVPool(config, blocks + 1, BLOCK, torch.float32, torch.device("cpu"))
+    pool = KVPool(config, blocks + 1, BLOCK, kv_dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     for t in pool.k + pool.v:
         t.copy_(torch.randn(t.shape, generator=g))
     attn = make_backend("cpu", torch.device("cpu"), (config.num_heads, config.num_kv_heads, config.head_dim, BLOCK,
-                                                     torch.float32))
+                                                     torch.float32, kv_dtype))
     lens = torch.from_numpy(p.seq_lens.astype("int32"))
     step = StepInputs(torch.from_numpy(p.token_ids.astype("int64")), torch.from_numpy(p.positions.astype("int64")),
                       torch.from_numpy(p.slot_mapping.astype("int64")),
@@ -146,6 +146,27 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         for a, b in zip(got_pool.k + got_pool.v, want_pool.k + want_pool.v, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # this step's K/V written at its slots
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
+def test_on_a_bf16_kv_pool_the_fused_step_writes_the_same_bits_and_attends_as_the_layer_path(tmp_path, kind):
+    """--kv-cache-dtype bf16: the step's K/V rounded to bf16 as torch rounds them (nearest even, bit for bit
+    against the fp32 pool's values), and attention over the bf16 keys (contexts across blocks, a sliding
+    window) as the layer path's; close to the fp32 pool's result, not equal to it."""
+    model, config = _model(tmp_path, kind)
+    for seqs in DECODES:
+        want, want_pool = _run(model, config, seqs, fused=False, kv_dtype=torch.bfloat16)
+        got, got_pool = _run(model, config, seqs, fused=True, kv_dtype=torch.bfloat16)
+        assert got_pool.k[0].dtype == torch.bfloat16
+        for a, b in zip(got_pool.k + got_pool.v, want_pool.k + want_pool.v, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=2**-7)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        fp32, fp32_pool = _run(model, config, seqs, fused=True)
+        # the first layer's K/V (its inputs are the same either way) are the fp32 pool's rounded as torch rounds
+        assert torch.equal(got_pool.k[0], fp32_pool.k[0].to(torch.bfloat16))
+        assert torch.equal(got_pool.v[0], fp32_pool.v[0].to(torch.bfloat16))
+        torch.testing.assert_close(got, fp32, atol=5e-2, rtol=5e-2)  # close to fp32's, not equal
+        assert not torch.equal(got, fp32)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])

@@ -151,8 +151,8 @@ def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch
     args = Namespace(num_blocks=4, block_size=16, kv_cache_memory=None)
     kv = worker_main.kv_budget_bytes(args, config, torch.float32, config.num_kv_heads)
     monkeypatch.setattr("worker.memory_plan.available_bytes", lambda: held + kv + 1)
-    assert worker_main.refuse_what_cannot_fit(args, config, torch.float32, 1, source) is None
-    assert worker_main.refuse_what_cannot_fit(args, config, torch.float32, 1) is not None  # fp32: 3.6x the bytes
+    assert worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1, source) is None
+    assert worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1) is not None  # fp32: 3.6x the bytes
     monkeypatch.setattr("worker.memory_plan.available_bytes", lambda: held // 2)
-    message = worker_main.refuse_what_cannot_fit(args, config, torch.float32, 1, source)
+    message = worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1, source)
     assert gguf.name in message and "on its own blocks" in message

@@ -137,14 +137,15 @@ class TorchAttention(AttentionBackend):
         for b in meta.decodes:
             shape = (*b.slots.shape, n_kv_heads, head_dim)
             flat_slots = b.slots.flatten()  # index_select copies whole rows: ~2x faster than indexing
-            keys = k_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)  # [rows, n_kv, width, hd]
-            values = v_flat.index_select(0, flat_slots).view(shape).transpose(1, 2)
+            # [rows, n_kv, width, hd], in the queries' dtype (a bf16 pool beside fp32 compute widens here)
+            keys = k_flat.index_select(0, flat_slots).view(shape).transpose(1, 2).to(q.dtype)
+            values = v_flat.index_select(0, flat_slots).view(shape).transpose(1, 2).to(q.dtype)
             qd = q[b.tokens].unsqueeze(2)  # [rows, n_heads, 1, head_dim]
             o = _sdpa(qd, keys, values, b.window_mask(window), scale, softcap)
             out[b.tokens] = o.squeeze(2)
         for p in meta.prefills:
-            keys = k_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)  # [1, n_kv, seq_len, hd]
-            values = v_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0)
+            keys = k_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, n_kv, seq_len, hd]
+            values = v_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, n_heads, q_len, head_dim]
             mask = window_prefill_mask(p, window)
             if softcap > 0 and mask is None:  # the explicit path needs the causal mask written out
@@ -201,8 +202,9 @@ class CpuAttention(TorchAttention):
         if self._native is None:
             raise RuntimeError("the native CPU kernels could not be built (see the log); use --attention-backend torch")
 
-    def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
-        return self._native.supports(n_heads, n_kv_heads, head_dim, block_size, dtype)
+    def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                 kv_dtype: torch.dtype | None = None) -> bool:
+        return self._native.supports(n_heads, n_kv_heads, head_dim, block_size, dtype, kv_dtype)
 
     def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len, host_q_lens=None):
         qsl = query_start_loc.to(torch.int64)
@@ -312,7 +314,7 @@ def default_backend_name(device: torch.device) -> str:
 
 def make_backend(name: str | None, device: torch.device, shape: tuple | None = None) -> AttentionBackend:
     """name None picks the device's default; on a CPU the native `cpu` backend falls back to `torch` where
-    it cannot be built or does not cover shape = (n_heads, n_kv_heads, head_dim, block_size, dtype)."""
+    it cannot be built or does not cover shape = (n_heads, n_kv_heads, head_dim, block_size, dtype[, kv_dtype])."""
     chosen = name or default_backend_name(device)
     if chosen not in BACKENDS:
         raise ValueError(f"unknown attention backend {chosen!r}; choose from {sorted(BACKENDS)}")

@@ -26,6 +26,7 @@ FUSED_DENSE_ROWS = 8
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
+KV_CACHE_DTYPES = {"auto": None, **DTYPES}
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +48,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None,
                    help="cuda, cuda:N or cpu (default: cuda when present; the launchers give each local rank its own GPU)")
     g.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_CACHE_DTYPES),
+                   help="the KV pool's element type: bf16 holds twice the tokens in the same memory and halves "
+                        "the bytes a long context reads (keys and values rounded to bf16); auto: bf16 where the "
+                        "model is served in bfloat16 (--dtype bfloat16), else the model's compute dtype")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory budget)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool memory per rank, e.g. 2GiB (default: 2GiB on a CPU; on CUDA what "
@@ -163,6 +168,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def kv_cache_dtype(choice: str, compute, weights, device):
+    """The KV pool's dtype for --kv-cache-dtype (auto: bf16 for a model served in bf16, else the compute
+    dtype); ValueError for a pool wider than the compute dtype (it would hold nothing more) or one the
+    device's attention cannot read."""
+    import torch
+
+    if choice == "auto":
+        return torch.bfloat16 if weights == torch.bfloat16 else compute
+    chosen = getattr(torch, KV_CACHE_DTYPES[choice])
+    if chosen.itemsize > compute.itemsize:
+        raise ValueError(f"--kv-cache-dtype {choice}: the model computes in {str(compute).removeprefix('torch.')}, "
+                         "so a wider KV pool would hold nothing more; use auto or bf16")
+    if device.type == "cpu" and chosen not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"--kv-cache-dtype {choice}: a CPU worker's attention reads a float32 or bfloat16 pool")
+    return chosen
+
+
 def kv_budget_bytes(args, config, dtype, heads: int) -> int:
     """The KV pool a CPU worker will take: --num-blocks, --kv-cache-memory, or the default budget."""
     from worker.kv_pool import bytes_per_block, parse_bytes
@@ -172,7 +194,7 @@ def kv_budget_bytes(args, config, dtype, heads: int) -> int:
     return parse_bytes(args.kv_cache_memory or CPU_KV_CACHE_MEMORY)
 
 
-def refuse_what_cannot_fit(args, config, dtype, tp: int, source=None) -> str | None:
+def refuse_what_cannot_fit(args, config, dtype, kv_dtype, tp: int, source=None) -> str | None:
     """Before loading: the weights as this worker loads them (its share of every parameter at --dtype, or of
     a GGUF's blocks where they are served as they ship) and its KV pool against the memory the machine has
     available, or the message to refuse with."""
@@ -181,7 +203,7 @@ def refuse_what_cannot_fit(args, config, dtype, tp: int, source=None) -> str | N
     from worker.memory_plan import available_bytes, check_fits, parameter_count
 
     heads = max(1, config.num_kv_heads // tp)
-    kv = kv_budget_bytes(args, config, dtype, heads)
+    kv = kv_budget_bytes(args, config, kv_dtype, heads)
     if source is not None:
         weights = source.held_bytes(config.tie_word_embeddings) // tp
         what = f"this model ({source.description}, {weights / 1e9:.2f} GB a rank) with its KV pool"
@@ -355,10 +377,16 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu" and dtype != torch.float32:
         if source is None:
             source = half_weights(args, config, dtype)
-        if source is not None:  # the blocks' kernels take fp32 activations: norms, activations and KV in fp32
+        if source is not None:  # the blocks' kernels take fp32 activations: norms and activations in fp32
             dtype = torch.float32
+    try:
+        kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype, weights_dtype, device)
+    except ValueError as e:
+        log.error("bad_worker_option", error=str(e))
+        print(f"pagedserve-worker: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     if device.type == "cpu" and args.load_format != "dummy":
-        refusal = refuse_what_cannot_fit(args, config, dtype, tp, source)
+        refusal = refuse_what_cannot_fit(args, config, dtype, kv_dtype, tp, source)
         if refusal:
             log.error("model_too_large", error=refusal)
             print(f"pagedserve-worker: {refusal}", file=sys.stderr)
@@ -382,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         elif source is not None:
             prefill, why = choose_quantized_prefill(
                 args.quantized_prefill, dense_copy_bytes(model.file_blocks),
-                kv_budget_bytes(args, config, dtype, model.shard.num_kv_heads), available_bytes())
+                kv_budget_bytes(args, config, kv_dtype, model.shard.num_kv_heads), available_bytes())
             args.quantized_prefill = prefill
             log.info("quantized_prefill", chosen=prefill, why=why)
         # a prefill that dequantizes tiles multiplies them with F.linear: no library to measure (measuring
@@ -407,12 +435,12 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cpu" and tp == 1 and dtype == torch.float32:
             use_native_head(model)
         attn = make_backend(args.attention_backend, device,
-                            (model.shard.num_q_heads, heads, config.head_dim, args.block_size, dtype))
+                            (model.shard.num_q_heads, heads, config.head_dim, args.block_size, dtype, kv_dtype))
     except ValueError as e:
         log.error("bad_worker_option", error=str(e))
         print(f"pagedserve-worker: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    per_block = bytes_per_block(config, args.block_size, dtype, heads)
+    per_block = bytes_per_block(config, args.block_size, kv_dtype, heads)
     # graphs capture the step as the triton backend runs it (its per-step metadata is built without a host
     # sync); the torch backend reads lengths back on the host, which a capture cannot hold
     use_graphs = device.type == "cuda" and not args.enforce_eager and tp == 1 and attn.name == "triton"
@@ -431,9 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.kv_cache_memory:
             num_blocks = parse_bytes(args.kv_cache_memory) // per_block
         elif device.type == "cuda":
-            non_kv = profile_gpu_peak(model, attn, device, dtype, args.block_size, args.max_num_batched_tokens,
+            non_kv = profile_gpu_peak(model, attn, device, kv_dtype, args.block_size, args.max_num_batched_tokens,
                                       rows_bound)
-            graph_bytes = measure_graph_bytes(model, attn, device, dtype, args.block_size, rows_bound,
+            graph_bytes = measure_graph_bytes(model, attn, device, kv_dtype, args.block_size, rows_bound,
                                               graph_context) if use_graphs else 0
             num_blocks = gpu_blocks(device, args.gpu_memory_utilization, non_kv + graph_bytes, per_block)
             log.info("gpu_memory_budget", non_kv_bytes=non_kv, graph_bytes=graph_bytes, bytes_per_block=per_block,
@@ -452,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     max_num_seqs = args.max_num_seqs or default_max_num_seqs(device.type, num_blocks, args.block_size,
                                                              args.max_num_batched_tokens)
     model_resident, _ = resident_bytes()  # weights (and their copies), libraries: everything but the pool
-    pool = KVPool(config, num_blocks, args.block_size, dtype, device, heads)
+    pool = KVPool(config, num_blocks, args.block_size, kv_dtype, device, heads)
     if device.type == "cpu":  # what this worker will hold: the model as loaded, and the pool (paged in as used)
         rss, peak = resident_bytes()
         log.info("host_memory", model_resident_bytes=model_resident, kv_pool_bytes=num_blocks * per_block,
@@ -487,11 +515,13 @@ def main(argv: list[str] | None = None) -> int:
         num_kv_heads=heads,
         device=str(device),
         dtype=str(weights_dtype).removeprefix("torch."),
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
         attention_backend=attn.name,
         pid=os.getpid(),
     )
     log.info("model_loaded", model=args.model, device=str(device), dtype=handshake.dtype,
-             compute_dtype=str(dtype).removeprefix("torch."), num_blocks=num_blocks,
+             compute_dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=handshake.kv_cache_dtype,
+             num_blocks=num_blocks,
              attention_backend=attn.name, matmul=model.mm.name, malloc=allocator, warm_up_s=round(warm_s, 3),
              tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads, max_num_seqs=max_num_seqs,
              decode_graphs=runner.graphs.buckets if runner.graphs is not None else None,

@@ -42,7 +42,7 @@ def blocks_for_gpu_budget(total: int, utilization: float, non_kv_peak: int, othe
 
 
 @torch.inference_mode()
-def profile_gpu_peak(model: LlamaModel, attn: AttentionBackend, device: torch.device, dtype: torch.dtype,
+def profile_gpu_peak(model: LlamaModel, attn: AttentionBackend, device: torch.device, kv_dtype: torch.dtype,
                      block_size: int, max_num_batched_tokens: int, max_sample_rows: int) -> int:
     """Peak bytes this worker uses besides its KV pool, measured: a forward at the largest step the scheduler
     may send, the logits and log-softmax of every token of it (prompt logprobs), and the sampler over
@@ -57,7 +57,7 @@ def profile_gpu_peak(model: LlamaModel, attn: AttentionBackend, device: torch.de
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     heads = model.shard.num_kv_heads
-    pool = KVPool(config, temp_blocks, block_size, dtype, device, heads)
+    pool = KVPool(config, temp_blocks, block_size, kv_dtype, device, heads)
     tables = torch.arange(temp_blocks, dtype=torch.int32, device=device)[None, :]
     lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
     qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
@@ -85,7 +85,7 @@ def profile_gpu_peak(model: LlamaModel, attn: AttentionBackend, device: torch.de
     return peak - temp_pool_bytes
 
 
-def measure_graph_bytes(model: LlamaModel, attn: AttentionBackend, device: torch.device, dtype: torch.dtype,
+def measure_graph_bytes(model: LlamaModel, attn: AttentionBackend, device: torch.device, kv_dtype: torch.dtype,
                         block_size: int, max_rows: int, max_context: int) -> int:
     """GPU memory the decode graphs of up to max_rows rows hold (their private pool, static buffers and
     scratch), measured by capturing them once over a one-block pool and letting them go."""
@@ -94,7 +94,7 @@ def measure_graph_bytes(model: LlamaModel, attn: AttentionBackend, device: torch
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
-    pool = KVPool(model.config, 1, block_size, dtype, device, model.shard.num_kv_heads)
+    pool = KVPool(model.config, 1, block_size, kv_dtype, device, model.shard.num_kv_heads)
     graphs = DecodeGraphs(model, pool, attn, device, max_rows=max_rows, max_context=max_context)
     graphs.capture_all()
     used = torch.cuda.memory_reserved(device) - before - pool.bytes_per_block

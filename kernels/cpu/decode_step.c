@@ -23,11 +23,13 @@
 
 #include "packed_blocks.h"
 #include "quant_blocks.h"
+#include "kv_rows.h"
 #include "rows.h"
 
-void pagedserve_decode_item(const float* q_row, const float* k_cache, const float* v_cache, float* out_row,
+void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
-                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap);
+                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
+                            int kv_bf16);
 
 int pagedserve_decode_heads_per_item(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim);
 
@@ -56,7 +58,7 @@ typedef struct {
     const float *input_norm, *post_norm;
     const float* qkv_bias;        /* [q + 2 kv] or NULL */
     const float *q_norm, *k_norm; /* [head_dim] each, or NULL (Qwen3's per-head RMSNorm) */
-    float *k_cache, *v_cache;     /* [num_blocks, block_size, n_kv_heads, head_dim] */
+    void *k_cache, *v_cache;      /* [num_blocks, block_size, n_kv_heads, head_dim], fp32 or bf16 (kv_bf16) */
     int32_t rope;                 /* 0: a layer without positions (SmolLM3's NoPE layers) */
     int32_t window;               /* > 0: a sliding-window layer, each token sees its last `window` keys */
 } PsLayer;
@@ -73,7 +75,8 @@ typedef struct {
        calls it on its own share of the output rows from inside the parallel region, where the library runs
        single-threaded, so a step keeps one parallel region whatever its size. */
     SgemmFn sgemm;
-    int32_t gemm_rows, pad;
+    int32_t gemm_rows;
+    int32_t kv_bf16; /* the KV pool holds bf16 (kv_rows.h) */
 } PsModel;
 
 #define OUT_CHUNK 32 /* output rows a thread takes at a time */
@@ -251,10 +254,8 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                                   m->eps);
                     if (slots[r] >= 0) {
                         const int64_t at = slots[r] * kvsz + kvh * hd;
-                        for (int64_t d = 0; d < hd; d++) {
-                            ly->k_cache[at + d] = row[hh * hd + d];
-                            ly->v_cache[at + d] = v[d];
-                        }
+                        kv_store(ly->k_cache, at, m->kv_bf16, row + hh * hd, (int)hd);
+                        kv_store(ly->v_cache, at, m->kv_bf16, v, (int)hd);
                     }
                 }
             }
@@ -266,7 +267,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
                 pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
                                        block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
-                                       (int)nkv, (int)hd, m->block_size, m->scale, 0.0f);
+                                       (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
             }
             matmul_part(m, &ly->o_proj, attn, rows, delta, px);
 #pragma omp for schedule(static)

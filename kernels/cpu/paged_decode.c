@@ -2,7 +2,8 @@
  * table (no gathered copy of the keys), all query heads of a GQA group sharing each key and value read.
  *
  * Pool layout as kernels/reference.py: k_cache, v_cache are [num_blocks, block_size, n_kv_heads, head_dim]
- * fp32, contiguous. A work item is a sequence with all its KV heads (or as many as an item's state holds),
+ * fp32 or bf16 (kv_rows.h: sixteen keys at a time widened into L1), contiguous. A work item is a sequence
+ * with all its KV heads (or as many as an item's state holds),
  * spread over the OpenMP threads of the process (the same libgomp runtime torch uses, so the two share one
  * thread pool): it walks the sequence's blocks once, each block's rows read in one pass, and asks for the
  * next block before computing the current one, since blocks lie anywhere in the pool. Per block and GQA
@@ -15,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kv_rows.h"
 #include "vec_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -244,9 +246,10 @@ int pagedserve_decode_limits(int32_t* out) {
 /* One work item: the query heads of KV heads [kh0, kh1) of one query token (q_row: its n_heads * head_dim
  * values), over keys [first, len) of the sequence through its block table (first > 0: a sliding window);
  * written to the same heads of out_row. The fused decode step (decode_step.c) calls it for its own items. */
-void pagedserve_decode_item(const float* q_row, const float* k_cache, const float* v_cache, float* out_row,
+void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
-                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap) {
+                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
+                            int kv_bf16) {
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim; /* between consecutive keys of a block */
     const int64_t block_stride = (int64_t)block_size * token_stride;
@@ -272,13 +275,38 @@ void pagedserve_decode_item(const float* q_row, const float* k_cache, const floa
         const int next_count = rest < block_size ? (rest > 0 ? rest : 0) : block_size;
         const int64_t next = rest > 0 ? (int64_t)table[start / block_size + 1] * block_stride : 0;
         for (int kh = kh0; kh < kh1; kh++) {
-            const float* kb = k_cache + block * block_stride + skip * token_stride + (int64_t)kh * head_dim;
-            const float* vb = v_cache + block * block_stride + skip * token_stride + (int64_t)kh * head_dim;
-            const float* kn = rest > 0 ? k_cache + next + (int64_t)kh * head_dim : 0; /* the next block, */
-            const float* vn = rest > 0 ? v_cache + next + (int64_t)kh * head_dim : 0; /* this head's rows */
+            const int64_t at = block * block_stride + skip * token_stride + (int64_t)kh * head_dim;
             const int h = (kh - kh0) * group;
             float* qs_h = qs + h * head_dim;
             float* acc_h = acc + h * head_dim;
+            if (kv_bf16) { /* sixteen keys at a time widened into L1, the next block's rows asked for meanwhile */
+                float kw[LANES * MAX_HEAD_DIM], vw[LANES * MAX_HEAD_DIM];
+                for (int sub = 0; sub < count; sub += LANES) {
+                    const int c = count - sub < LANES ? count - sub : LANES;
+                    for (int t = 0; t < c; t++) {
+                        kv_widen(k_cache, at + (sub + t) * token_stride, 1, kw + t * head_dim, head_dim);
+                        kv_widen(v_cache, at + (sub + t) * token_stride, 1, vw + t * head_dim, head_dim);
+                        if (sub + t < next_count) {
+                            const int64_t nat = next + (sub + t) * token_stride + (int64_t)kh * head_dim;
+                            kv_prefetch(k_cache, nat, 1, head_dim);
+                            kv_prefetch(v_cache, nat, 1, head_dim);
+                        }
+                    }
+#if defined(__AVX512F__)
+                    if (head_dim % LANES == 0) {
+                        block_avx512(qs_h, kw, vw, head_dim, c, group, head_dim, m + h, l + h, acc_h, 0, 0, 0,
+                                     softcap);
+                        continue;
+                    }
+#endif
+                    block_portable(qs_h, kw, vw, head_dim, c, group, head_dim, m + h, l + h, acc_h, 0, 0, 0, softcap);
+                }
+                continue;
+            }
+            const float* kb = (const float*)k_cache + at;
+            const float* vb = (const float*)v_cache + at;
+            const float* kn = rest > 0 ? (const float*)k_cache + next + (int64_t)kh * head_dim : 0; /* the next */
+            const float* vn = rest > 0 ? (const float*)v_cache + next + (int64_t)kh * head_dim : 0; /* block */
 #if defined(__AVX512F__)
             if (head_dim % LANES == 0) {
                 for (int sub = 0; sub < count; sub += LANES) { /* blocks larger than 16 in slices of 16 */
@@ -310,8 +338,8 @@ int pagedserve_decode_heads_per_item(int32_t n_heads, int32_t n_kv_heads, int32_
 
 void pagedserve_paged_decode(
     const float* q,              /* [num_tokens, n_heads, head_dim] */
-    const float* k_cache,        /* [num_blocks, block_size, n_kv_heads, head_dim] */
-    const float* v_cache,
+    const void* k_cache,         /* [num_blocks, block_size, n_kv_heads, head_dim], fp32 or bf16 (kv_bf16) */
+    const void* v_cache,
     float* out,                  /* [num_tokens, n_heads, head_dim]; only the rows named are written */
     const int64_t* rows,         /* [n]: the query token of each decoding sequence */
     const int32_t* block_tables, /* [n, table_stride]: the table of each decoding sequence */
@@ -319,7 +347,8 @@ void pagedserve_paged_decode(
     const int32_t* seq_lens,     /* [n]: keys of each sequence, this step's token included */
     int32_t n, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale,
     int32_t window,              /* > 0: each token sees only its last `window` keys (itself included) */
-    float softcap)               /* > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2) */
+    float softcap,               /* > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2) */
+    int32_t kv_bf16)             /* the pool holds bf16 */
 {
     /* A work item is a sequence and as many of its KV heads as the item's state holds (all of them for most
      * models): it walks the sequence's blocks once, reading each block's rows of those heads in one pass. */
@@ -335,7 +364,7 @@ void pagedserve_paged_decode(
             const int32_t first = window > 0 && seq_lens[i] > window ? seq_lens[i] - window : 0;
             pagedserve_decode_item(q + row, k_cache, v_cache, out + row, block_tables + (int64_t)i * table_stride,
                                    first, seq_lens[i], kh0, kh1, n_heads, n_kv_heads, head_dim, block_size, scale,
-                                   softcap);
+                                   softcap, kv_bf16);
         }
     }
 }

@@ -2,7 +2,8 @@
  * keys through the block table, cached prefix included (query i of q_len sees keys j < seq_len - q_len + i + 1),
  * each key and value read in place from the pool.
  *
- * Pool layout as kernels/reference.py: k_cache, v_cache [num_blocks, block_size, n_kv_heads, head_dim] fp32.
+ * Pool layout as kernels/reference.py: k_cache, v_cache [num_blocks, block_size, n_kv_heads, head_dim], fp32
+ * or bf16 (each key tile's rows widened into an fp32 scratch first, kv_rows.h).
  * A work item is (sequence, KV head, tile of up to QT query positions), spread over the OpenMP threads of the
  * process (torch's libgomp). It walks the keys in tiles of KT, up to the tile's last causal key: each key tile
  * is transposed once into [head_dim][KT] and then serves every query row of the tile for all heads of the
@@ -18,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kv_rows.h"
 #include "vec_math.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -35,10 +37,10 @@ int pagedserve_prefill_limits(int32_t* out) {
     return 2;
 }
 
-/* Pointer to key (or value) row j of a sequence, kv head kh. */
-static inline const float* kv_row(const float* cache, const int32_t* table, int j, int block_size,
-                                  int64_t block_stride, int64_t token_stride, int kh, int head_dim) {
-    return cache + (int64_t)table[j / block_size] * block_stride + (int64_t)(j % block_size) * token_stride
+/* Element offset of key (or value) row j of a sequence, kv head kh, in the pool. */
+static inline int64_t kv_at(const int32_t* table, int j, int block_size, int64_t block_stride, int64_t token_stride,
+                            int kh, int head_dim) {
+    return (int64_t)table[j / block_size] * block_stride + (int64_t)(j % block_size) * token_stride
            + (int64_t)kh * head_dim;
 }
 
@@ -73,10 +75,10 @@ static inline void transpose16(const float* const rows[KT], int col, float (*out
 
 /* One work item: query positions [p0, p1) of a sequence (positions within its q_len new tokens), one KV
  * head's group of query heads. */
-static void prefill_item(const float* q, int64_t q_row_stride, const float* k_cache, const float* v_cache,
+static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
                          float* out, int64_t start, int q_len, int seq_len, const int32_t* table, int p0, int p1,
                          int kh, int n_heads, int group, int head_dim, int block_size, int64_t block_stride,
-                         int64_t token_stride, float scale, int window, float softcap) {
+                         int64_t token_stride, float scale, int window, float softcap, int kv_bf16) {
     const int rows = p1 - p0;
     const int total = rows * group;                /* query rows of the item: (head g, position r) -> g * rows + r */
     float acc[MAX_STATE];                          /* [total][head_dim] */
@@ -86,6 +88,7 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
     int lowest[QT * 16];                           /* first key each row sees (a sliding window's start) */
     float kt[MAX_HEAD_DIM][KT];                    /* the key tile, transposed */
     const float* vrows[KT];
+    float kwide[KT][MAX_HEAD_DIM], vwide[KT][MAX_HEAD_DIM]; /* a bf16 pool's tile rows, widened */
     const int offset = seq_len - q_len;            /* keys before the chunk (cached prefix) */
     for (int g = 0; g < group; g++) {
         const int h = kh * group + g;
@@ -109,8 +112,18 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
         const float* krows[KT];
         for (int jj = 0; jj < KT; jj++) {
             const int seen = jj < nk && j0 + jj >= first_key; /* keys before every row's window are never read */
-            krows[jj] = seen ? kv_row(k_cache, table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim) : 0;
-            vrows[jj] = seen ? kv_row(v_cache, table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim) : 0;
+            krows[jj] = vrows[jj] = 0;
+            if (!seen) continue;
+            const int64_t at = kv_at(table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim);
+            if (kv_bf16) {
+                kv_widen(k_cache, at, 1, kwide[jj], head_dim);
+                kv_widen(v_cache, at, 1, vwide[jj], head_dim);
+                krows[jj] = kwide[jj];
+                vrows[jj] = vwide[jj];
+            } else {
+                krows[jj] = (const float*)k_cache + at;
+                vrows[jj] = (const float*)v_cache + at;
+            }
         }
 #if defined(__AVX512F__)
         if (nk == KT && j0 >= first_key && head_dim % 16 == 0) /* a whole tile: 16 x 16 transposes in registers */
@@ -237,8 +250,8 @@ static void prefill_item(const float* q, int64_t q_row_stride, const float* k_ca
 void pagedserve_paged_prefill(
     const float* q,              /* query rows: token t's heads at q + t * q_row_stride, [n_heads, head_dim] */
     int64_t q_row_stride,
-    const float* k_cache,        /* [num_blocks, block_size, n_kv_heads, head_dim] */
-    const float* v_cache,
+    const void* k_cache,         /* [num_blocks, block_size, n_kv_heads, head_dim], fp32 or bf16 (kv_bf16) */
+    const void* v_cache,
     float* out,                  /* [num_tokens, n_heads, head_dim]; only the sequences' rows are written */
     const int64_t* starts,       /* [n]: first query token of each sequence in the step */
     const int32_t* q_lens,       /* [n]: its query tokens (the last q_len positions of its keys) */
@@ -247,7 +260,8 @@ void pagedserve_paged_prefill(
     int64_t table_stride, int32_t n, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
     float scale,
     int32_t window,              /* > 0: each query sees only its last `window` keys (itself included) */
-    float softcap)               /* > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2) */
+    float softcap,               /* > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2) */
+    int32_t kv_bf16)             /* the pool holds bf16 */
 {
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim;
@@ -272,7 +286,7 @@ void pagedserve_paged_prefill(
             const int p1 = p0 + qt < q_lens[i] ? p0 + qt : q_lens[i];
             prefill_item(q, q_row_stride, k_cache, v_cache, out, starts[i], q_lens[i], seq_lens[i],
                          block_tables + (int64_t)i * table_stride, p0, p1, kh, n_heads, group, head_dim, block_size,
-                         block_stride, token_stride, scale, window, softcap);
+                         block_stride, token_stride, scale, window, softcap, kv_bf16);
         }
     }
     free(items);
