@@ -7,7 +7,8 @@ scaled_dot_product_attention on the same keys laid out contiguously. Then the pr
 TFLOP/s at 1k and 4k tokens.
 
 Without a GPU the kernels run in the Triton interpreter on tiny shapes: those figures only show that
-the script works and are labelled so; they say nothing about speed.
+the script works and are labelled so; they say nothing about speed. `--cpu` times the native CPU kernels
+instead, over an fp32 and a bf16 KV pool (--kv-cache-dtype).
 """
 
 from __future__ import annotations
@@ -218,12 +219,63 @@ def _sweep_prefill(n_heads: int, n_kv: int, head_dim: int, shapes) -> None:
     ta.OVERRIDES.pop("prefill", None)
 
 
+def bench_cpu_pool(args) -> None:
+    """The native CPU kernels (kernels/cpu/paged_decode.c, paged_prefill.c) over an fp32 and a bf16 KV pool
+    (--kv-cache-dtype), same keys, same run: decode at Llama-3.2-1B's heads (32 query, 8 KV, head_dim 64) and
+    Llama-3.1-8B's (head_dim 128), one layer; then one 512-token prompt chunk over a cached prefix."""
+    import torch
+
+    from kernels import cpu_native
+
+    native = cpu_native.load()
+    if native is None:
+        print("native CPU kernels not built", file=sys.stderr)
+        return
+    print(f"CPU: {native.isa}-bit vectors, {torch.get_num_threads()} threads; median of 5, one layer")
+    print(f"{'shape':<14} {'batch':>5} {'context':>7} {'fp32 ms':>8} {'GB/s':>6} {'bf16 ms':>8} {'GB/s':>6} "
+          f"{'fp32/bf16':>9}")
+    for name, head_dim in (("1B (hd 64)", 64), ("8B (hd 128)", 128)):
+        for batch, context in ((1, 2048), (1, 8192), (16, 2048), (64, 512), (64, 2048)):
+            q, k, v, tables, lens, _ = _paged_inputs(batch, context, 32, 8, head_dim, 16, torch.float32, "cpu")
+            rows = torch.arange(batch, dtype=torch.int64)
+            out = torch.empty_like(q)
+            cols = []
+            for pool in ((k, v), (k.to(torch.bfloat16), v.to(torch.bfloat16))):
+                def run(pool=pool):
+                    native.paged_decode(q, pool[0], pool[1], out, rows, tables, lens, head_dim**-0.5)
+                run()
+                t = _time_cpu(run, reps=5)
+                cols.append((t, 2 * batch * context * 8 * head_dim * pool[0].element_size() / t / 1e9))
+            print(f"{name:<14} {batch:>5} {context:>7} {cols[0][0] * 1e3:>8.2f} {cols[0][1]:>6.1f} "
+                  f"{cols[1][0] * 1e3:>8.2f} {cols[1][1]:>6.1f} {cols[0][0] / cols[1][0]:>9.2f}", flush=True)
+            del q, k, v
+    for head_dim in (64, 128):  # a 512-token chunk after 1536 cached tokens
+        q, k, v, tables, lens, _ = _paged_inputs(1, 2048, 32, 8, head_dim, 16, torch.float32, "cpu")
+        qc = torch.randn(512, 32, head_dim)
+        out = torch.empty_like(qc)
+        args_ = (torch.zeros(1, dtype=torch.int64), torch.tensor([512], dtype=torch.int32), lens, tables,
+                 head_dim**-0.5)
+        times = []
+        for pool in ((k, v), (k.to(torch.bfloat16), v.to(torch.bfloat16))):
+            def run(pool=pool):
+                native.paged_prefill(qc, pool[0], pool[1], out, *args_)
+            run()
+            times.append(_time_cpu(run, reps=5))
+        print(f"prefill chunk 512 over 2048, head_dim {head_dim}: fp32 {times[0] * 1e3:.1f} ms, bf16 "
+              f"{times[1] * 1e3:.1f} ms, fp32/bf16 {times[0] / times[1]:.2f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedserve-bench-kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=["decode", "prefill"], default=None)
     p.add_argument("--sweep", action="store_true", help="GPU: time other tile/warp/stage choices (tuning)")
+    p.add_argument("--cpu", action="store_true",
+                   help="the native CPU attention kernels over an fp32 and a bf16 KV pool (--kv-cache-dtype)")
     args = p.parse_args(argv)
+    if args.cpu:
+        bench_cpu_pool(args)
+        return 0
     interpreted = _setup_interpreter()
     if args.sweep:
         if interpreted:

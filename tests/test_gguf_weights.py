@@ -156,3 +156,29 @@ def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch
     monkeypatch.setattr("worker.memory_plan.available_bytes", lambda: held // 2)
     message = worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1, source)
     assert gguf.name in message and "on its own blocks" in message
+
+
+def test_a_llama3_gguf_rotates_by_its_rope_freqs_as_the_scaling_they_came_from(tmp_path):
+    """llama.cpp's converter writes a Llama 3.x model's rope scaling as a rope_freqs tensor (each frequency's
+    divisor), not as metadata: the file, and the folder prepared from it, rotate as the Hugging Face config
+    with that llama3 scaling does, and the model's cos/sin tables follow."""
+    import dataclasses
+
+    from worker.model import Rotary
+    from worker.weights import load_config
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    plain = load_config(str(make_tiny_gguf(tmp_path / "plain")), "auto")
+    assert plain.rope_freq_factors == ()
+    scaled = dataclasses.replace(plain, rope_scaling=llama3)
+    factors = [a / b for a, b in zip(plain.rope_inv_freq(), scaled.rope_inv_freq(), strict=True)]
+    assert len(set(round(f, 3) for f in factors)) > 2  # kept, divided by 8, and smoothed between
+    folder = make_tiny_gguf(tmp_path / "llama3", rope_freqs=factors)
+    for config in (load_config(str(folder), "auto"), load_config(str(next(folder.glob("*.gguf"))), "gguf")):
+        assert config.rope_freq_factors == pytest.approx(factors)
+        assert config.rope_inv_freq() == pytest.approx(scaled.rope_inv_freq(), rel=1e-6)
+        assert config.fingerprint("m") != plain.fingerprint("m")
+        torch.testing.assert_close(Rotary(config, torch.device("cpu")).cos, Rotary(scaled, torch.device("cpu")).cos)
+    with pytest.raises(Exception, match="rope_freqs holds 3 factors"):
+        dataclasses.replace(plain, rope_freq_factors=(1.0, 2.0, 3.0)).rope_inv_freq()

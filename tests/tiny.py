@@ -117,11 +117,12 @@ GGUF_OTHERS = {"input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm"
 
 
 def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str = "llama", tables: bool = False,
-                   **overrides) -> Path:
+                   rope_freqs: list[float] | None = None, **overrides) -> Path:
     """A tiny model of a transformers family shipped as llama.cpp ships one: a GGUF of that family's
     architecture whose projections are `qtype` blocks under llama.cpp's names (q and k rows permuted where
     llama.cpp's converter permutes them; Phi-3's q/k/v and gate/up stacked as its converter writes them;
     MoE experts stacked per layer), norms, biases and (unless `tables`: `qtype` too) embeddings and head F32;
+    rope_freqs: a rope_freqs tensor of those factors, as llama.cpp writes a Llama 3.x file's rope scaling;
     beside it, the folder `prepare-model`
     would make of it (config, tokenizer, the GGUF's weights dequantized to fp32, and pagedserve_model.json
     naming the file). Returns the folder."""
@@ -191,6 +192,8 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str
         gname = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}[proj]  # Mixtral's names
         writer.add_tensor(f"blk.{layer}.{gname}.weight", stacked)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -23,8 +23,9 @@ from worker.checkpoint import Range, TensorSource, _slice
 # llama.cpp's architectures whose every tensor this module maps ("llama" also names Mistral's files)
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
 PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp's converter interleaves q/k rotary halves for these
-# a tensor llama.cpp writes that the Hugging Face model computes instead: read from the config, not the file
-IGNORED = ("rope_freqs.weight",)
+# llama.cpp's rope scaling factors (Llama 3.x): not a weight; read into the config (worker/weights.py)
+ROPE_FREQS = "rope_freqs.weight"
+IGNORED = (ROPE_FREQS,)
 LAYER_TENSORS = {  # blk.N.<gguf> -> model.layers.N.<hugging face>
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",

@@ -198,6 +198,9 @@ class ModelConfig:
     rotary_dim: int = 0
     # Gemma 3: its sliding layers' RoPE (rope_theta and scaling of their own); None: every layer shares one
     local_rope: dict | None = None
+    # a GGUF's rope_freqs (llama.cpp's Llama 3.x files carry their rope scaling so): each inverse frequency is
+    # divided by its factor, as llama.cpp rotates; empty = none
+    rope_freq_factors: tuple[float, ...] = ()
     hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (GeGLU)
     attn_scale: float = 0.0  # softmax scale of the scores; 0: head_dim ** -0.5
     embed_scale: float = 1.0  # Gemma multiplies its input embeddings by sqrt(hidden_size)
@@ -354,7 +357,17 @@ class ModelConfig:
 
     def rope_inv_freq(self) -> list[float]:
         """Inverse frequencies of the rotary embedding (rotary_dim / 2 of them), with the scaling the config
-        asks for."""
+        asks for, each divided by the GGUF's rope_freqs factor where it has them."""
+        inv = self._scaled_inv_freq()
+        if not self.rope_freq_factors:
+            return inv
+        if len(self.rope_freq_factors) != len(inv):
+            raise UnsupportedModel("rope_freqs", len(self.rope_freq_factors),
+                                   f"the GGUF's rope_freqs holds {len(self.rope_freq_factors)} factors where the "
+                                   f"rotary embedding has {len(inv)} frequencies")
+        return [f / factor for f, factor in zip(inv, self.rope_freq_factors, strict=True)]
+
+    def _scaled_inv_freq(self) -> list[float]:
         dim = self.rotary_dim
         inv = [1.0 / (self.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
         kind = self._rope_kind()

@@ -6,6 +6,7 @@ matrices they serve are never allocated or read in full precision."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -17,13 +18,32 @@ from worker.parallel import Collectives, make_shard
 
 
 def load_config(source: str, load_format: str) -> ModelConfig:
+    """A model's config: a GGUF's own (through transformers), or a folder's; the GGUF's rope_freqs added
+    where the file (or the one the folder was prepared from) carries them."""
+    from worker.quantized import find_gguf
+
     path = Path(source)
     if load_format == "gguf" or path.suffix == ".gguf":
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        return ModelConfig.from_dict(cfg.to_dict())
-    return ModelConfig.from_folder(path)
+        config, gguf = ModelConfig.from_dict(cfg.to_dict()), path
+    else:
+        config = ModelConfig.from_folder(path)
+        gguf = None if load_format == "dummy" else find_gguf(path)
+    return with_rope_freqs(config, gguf) if gguf is not None else config
+
+
+def with_rope_freqs(config: ModelConfig, gguf: Path) -> ModelConfig:
+    """config with the GGUF's rope_freqs factors: llama.cpp's converter writes a Llama 3.x model's rope
+    scaling as that tensor, not as metadata, so transformers' reading of the file's config leaves it out."""
+    from worker.gguf_weights import ROPE_FREQS, GGUFFile
+
+    file = GGUFFile(gguf)
+    if ROPE_FREQS not in file.tensors:
+        return config
+    factors = tuple(float(f) for f in file.dequantize(ROPE_FREQS).flatten().tolist())
+    return dataclasses.replace(config, rope_freq_factors=factors)
 
 
 def read_gguf(path: Path, config: ModelConfig) -> TensorSource:
