@@ -14,6 +14,7 @@
  * with -O3 -march=native; the inner loops over head_dim are written for the compiler to vectorize.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
 #include "kv_rows.h"
@@ -351,8 +352,10 @@ void pagedserve_paged_decode(
     int32_t kv_bf16)             /* the pool holds bf16 */
 {
     /* A work item is a sequence and as many of its KV heads as the item's state holds (all of them for most
-     * models): it walks the sequence's blocks once, reading each block's rows of those heads in one pass. */
-    const int heads_per_item = pagedserve_decode_heads_per_item(n_heads, n_kv_heads, head_dim);
+     * models): it walks the sequence's blocks once, reading each block's rows of those heads in one pass.
+     * With few sequences for the threads (one stream), a KV head an item, so every thread has work. */
+    const int few = n < 4 * omp_get_max_threads();
+    const int heads_per_item = few ? 1 : pagedserve_decode_heads_per_item(n_heads, n_kv_heads, head_dim);
     const int chunks = (n_kv_heads + heads_per_item - 1) / heads_per_item;
 
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
