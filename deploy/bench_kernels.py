@@ -241,8 +241,7 @@ def bench_cpu_pool(args) -> None:
             out = torch.empty_like(q)
             cols = []
             for pool in ((k, v), (k.to(torch.bfloat16), v.to(torch.bfloat16))):
-                def run(pool=pool):
-                    native.paged_decode(q, pool[0], pool[1], out, rows, tables, lens, head_dim**-0.5)
+                run = functools.partial(native.paged_decode, q, *pool, out, rows, tables, lens, head_dim**-0.5)
                 run()
                 t = _time_cpu(run, reps=5)
                 cols.append((t, 2 * batch * context * 8 * head_dim * pool[0].element_size() / t / 1e9))
@@ -257,8 +256,7 @@ def bench_cpu_pool(args) -> None:
                  head_dim**-0.5)
         times = []
         for pool in ((k, v), (k.to(torch.bfloat16), v.to(torch.bfloat16))):
-            def run(pool=pool):
-                native.paged_prefill(qc, pool[0], pool[1], out, *args_)
+            run = functools.partial(native.paged_prefill, qc, *pool, out, *args_)
             run()
             times.append(_time_cpu(run, reps=5))
         print(f"prefill chunk 512 over 2048, head_dim {head_dim}: fp32 {times[0] * 1e3:.1f} ms, bf16 "
