@@ -15,7 +15,8 @@ server after the other:
     auto`: packed, with 16-bit integer activations where the CPU has AVX-512 VNNI);
   - the same blocks with fp32 activations (`--quantized-activations fp32`);
   - the same blocks with int8 activations (`--quantized-activations int8`, llama.cpp's scheme);
-  - bf16: the GGUF dequantized, served with --dtype bfloat16;
+  - bf16: the GGUF dequantized, served with --dtype bfloat16 (bf16 weights and, by default, KV pool);
+  - fp32 weights over a bf16 KV pool (--kv-cache-dtype bf16): what rounding each key and value costs;
   - Q8_0: a Q8_0 copy of the file (its values quantized again as llama.cpp's Q8_0 files are: every matrix,
     1-D tensors F32; made once under ~/.cache/pagedserve-peers), served on its blocks.
 llama.cpp's llama-perplexity runs on the file and on the Q8_0 copy.
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     kind = gguf.stem.rsplit(".", 1)[-1]  # the file's type as its name says it (Q4_1, Q4_K_M, ...)
     runs = [("fp32 (the GGUF dequantized)", Path(args.model), ["--dequantize"]),
             ("bf16 (dequantized, --dtype bfloat16)", Path(args.model), ["--dequantize", "--dtype", "bfloat16"]),
+            ("fp32, bf16 KV pool (--kv-cache-dtype bf16)", Path(args.model), ["--dequantize", "--kv-cache-dtype",
+                                                                           "bf16"]),
             (f"{kind} blocks, as served (default)", Path(args.model), []),
             (f"{kind} blocks, fp32 activations", Path(args.model), ["--quantized-activations", "fp32"]),
             (f"{kind} blocks, int8 activations", Path(args.model), ["--quantized-activations", "int8"]),

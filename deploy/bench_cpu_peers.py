@@ -96,7 +96,7 @@ def requantized_gguf(source: Path, qtype: str) -> Path:
 
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     file_type = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
-    target = CACHE / f"{source.stem.rsplit('.', 1)[0]}.{qtype}.gguf"
+    target = CACHE / f"{source.stem}.{qtype}.gguf"  # named after the file it came from, its type included
     if target.is_file():
         return target
     CACHE.mkdir(parents=True, exist_ok=True)

@@ -169,15 +169,17 @@ def test_on_a_bf16_kv_pool_the_fused_step_writes_the_same_bits_and_attends_as_th
         assert not torch.equal(got, fp32)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("packing", [False, True])
 def test_the_fused_step_on_gguf_blocks_is_the_layer_path_bit_for_bit(tmp_path, qtype, packing):
     """Same dot products in the same order: the same floats, not merely close ones — on the file's blocks,
-    and on blocks packed for the integer kernel (the same 16-bit rounding of each matmul's input)."""
-    from worker.quantized import PACKED_TYPES
+    and on blocks packed for the integer kernel (the same 16-bit rounding of each matmul's input; Q5_0 and
+    Q5_1 stay in the file's layout, fp32 activations)."""
+    from worker.quantized import PACKED_FROM, PACKED_TYPES
 
     model, config = _model(tmp_path, f"gguf-{qtype}", packing)
-    assert all((w.q.qtype in PACKED_TYPES) == packing for w in model.layers[0].w.values())
+    packed = packing and qtype in PACKED_FROM
+    assert all((w.q.qtype in PACKED_TYPES) == packed for w in model.layers[0].w.values())
     for seqs in DECODES:
         want, want_pool = _run(model, config, seqs, fused=False)
         got, got_pool = _run(model, config, seqs, fused=True)

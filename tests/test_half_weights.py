@@ -56,13 +56,14 @@ def test_bf16_weights_give_the_rounded_models_logits(native, tmp_path, tied):
 @pytest.mark.slow
 def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(server_factory, native, tmp_path_factory):
     """`--dtype bfloat16` on a CPU: the worker holds bf16 matrices and computes in fp32, so every greedy answer
-    equals transformers' on the bf16-rounded weights (prefill on the fp32 copy of those values, asked for)."""
+    equals transformers' on the bf16-rounded weights (prefill on the fp32 copy of those values, asked for;
+    the KV pool kept fp32 here: by default it is bf16 too)."""
     from protos import generation_pb2 as pb
 
     base = tmp_path_factory.mktemp("bf16")
     folder = make_tiny_llama(base / "m", seed=7)
     server = server_factory(folder, "--dtype", "bfloat16", "--quantized-prefill", "dense", "--block-size", "4",
-                            "--num-blocks", "256")
+                            "--num-blocks", "256", "--kv-cache-dtype", "fp32")
     log = server.log_path.read_text()
     assert '"matrices": {"BF16": 13}' in log and '"compute_dtype": "float32"' in log
     reference = rounded(folder, base / "r")
@@ -73,7 +74,7 @@ def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(server_facto
     # the default: prefill through the CPU's bf16 GEMM where it has one (no fp32 copy), else as memory allows
     auto = server_factory(folder, "--dtype", "bfloat16", "--block-size", "4", "--num-blocks", "256")
     reason = "the CPU's bf16 GEMM" if native_bf16() else "available"
-    assert reason in auto.log_path.read_text()
+    assert reason in auto.log_path.read_text() and '"kv_cache_dtype": "bfloat16"' in auto.log_path.read_text()
     req = pb.GenerateRequest(prompt_token_ids=list(range(40, 75)), sampling=pb.SamplingParams(
         max_tokens=20, temperature=0, ignore_eos=True))
     assert len(auto.stub.Generate(req, timeout=120).choices[0].token_ids) == 20

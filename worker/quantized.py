@@ -1,4 +1,5 @@
-"""Quantized weights served as a GGUF file ships them (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), without dequantizing.
+"""Quantized weights served as a GGUF file ships them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), without
+dequantizing.
 
 `GGUFQuantSource` reads a GGUF's quantized matrices by their Hugging Face names, each as a `QuantWeight`
 (the raw blocks, one row of blocks per output feature) — a rank of a tensor-parallel group takes its rows,
@@ -28,8 +29,10 @@ log = structlog.get_logger("worker.quantized")
 
 # ggml's type id, values per block and bytes per block of each type the kernels serve (the K-quants pack
 # 256 values a block: Q4_K and Q5_K with a 6-bit scale and min per 32, Q6_K with an int8 scale per 16).
-QUANT_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
-               "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210), "F16": (1, 32, 64), "BF16": (30, 32, 64)}
+# Q5_0 / Q5_1 are what a Q4_K_M / Q5_K_M file holds where a row is not a multiple of 256 values wide.
+QUANT_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+               "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+               "F16": (1, 32, 64), "BF16": (30, 32, 64)}
 INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types --quantized-activations int8 multiplies in integers
 # Q4_0 / Q4_1, Q8_0, Q4_K, Q5_K and Q6_K repacked at load for the integer kernel (kernels/cpu/packed_blocks.h: 16
 # rows interleaved, each block's 16 scales together; the K-quants keep their 256-value super-blocks and their

@@ -14,7 +14,7 @@
 #define QK 32
 #define ROWS 8
 
-enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
 
 /* Bytes of one block of block_values(type) values (0: a type not served). The K-quants (Q4_K, Q5_K, Q6_K)
    pack 256 values a block with a scale per 32 (Q4_K and Q5_K, and a min) or per 16 (Q6_K); the loops below
@@ -23,6 +23,8 @@ static inline int block_bytes(int type) {
     switch (type) {
         case Q4_0: return 18;
         case Q4_1: return 20;
+        case Q5_0: return 22; /* d, 4 bytes of fifth bits, 16 of nibbles: w = d (u - 16) */
+        case Q5_1: return 24; /* d, m, 4 bytes of fifth bits, 16 of nibbles: w = d u + m */
         case Q8_0: return 34;
         case Q4_K: return 144;
         case Q5_K: return 176;
@@ -96,6 +98,18 @@ static inline void dequant_block(int type, const uint8_t *b, float *out) {
         for (int j = 0; j < QK / 2; j++) {
             out[j] = d * (float)(q[j] & 0x0f) + m;
             out[j + QK / 2] = d * (float)(q[j] >> 4) + m;
+        }
+    } else if (type == Q5_0 || type == Q5_1) { /* value j's fifth bit is bit j of qh */
+        const int q51 = type == Q5_1;
+        const float m = q51 ? half_to_float(read_u16(b + 2)) : 0.0f;
+        uint32_t qh;
+        memcpy(&qh, b + (q51 ? 4 : 2), 4);
+        const uint8_t *q = b + (q51 ? 8 : 6);
+        for (int j = 0; j < QK / 2; j++) {
+            const int u0 = (q[j] & 0x0f) | (int)(((qh >> j) & 1) << 4);
+            const int u1 = (q[j] >> 4) | (int)(((qh >> (j + QK / 2)) & 1) << 4);
+            out[j] = q51 ? d * (float)u0 + m : d * (float)(u0 - 16);
+            out[j + QK / 2] = q51 ? d * (float)u1 + m : d * (float)(u1 - 16);
         }
     } else {  /* Q4_0 */
         const uint8_t *q = b + 2;
@@ -201,6 +215,32 @@ static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m
         __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
         *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
         *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        return;
+    }
+    if (type == Q5_0 || type == Q5_1) { /* 32 possible values: a table of two vectors, each value's index its
+                                           nibble and fifth bit (vpermt2ps reads 5 bits) */
+        const int q51 = type == Q5_1;
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 sixteen = _mm512_set1_ps(16.0f);
+        __m512 t0, t1;
+        if (q51) {
+            const __m512 m = _mm512_set1_ps(half_to_float(read_u16(b + 2)));
+            t0 = _mm512_fmadd_ps(d, iota, m);
+            t1 = _mm512_fmadd_ps(d, _mm512_add_ps(iota, sixteen), m);
+        } else {
+            t0 = _mm512_mul_ps(d, _mm512_sub_ps(iota, sixteen));
+            t1 = _mm512_mul_ps(d, iota);
+        }
+        uint32_t qh;
+        memcpy(&qh, b + (q51 ? 4 : 2), 4);
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i h = _mm512_set1_epi32((int)qh), one = _mm512_set1_epi32(1);
+        const __m512i h0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, lane), one), 4);
+        const __m512i h1 = _mm512_slli_epi32(
+            _mm512_and_si512(_mm512_srlv_epi32(h, _mm512_add_epi32(lane, _mm512_set1_epi32(16))), one), 4);
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (q51 ? 8 : 6))));
+        *lo = _mm512_permutex2var_ps(t0, _mm512_or_si512(_mm512_and_si512(q, _mm512_set1_epi32(15)), h0), t1);
+        *hi = _mm512_permutex2var_ps(t0, _mm512_or_si512(_mm512_srli_epi32(q, 4), h1), t1);
         return;
     }
     /* Q4_0 / Q4_1: the block's 16 possible values as one vector (d * q + m, or d * (q - 8)), and each
@@ -342,6 +382,8 @@ static void rows_dot(int type, const uint8_t *wrow, int64_t nblocks, const float
     switch (type) {
         case Q4_0: ROWS_DOT_CASES(Q4_0)
         case Q4_1: ROWS_DOT_CASES(Q4_1)
+        case Q5_0: ROWS_DOT_CASES(Q5_0)
+        case Q5_1: ROWS_DOT_CASES(Q5_1)
         case Q8_0: ROWS_DOT_CASES(Q8_0)
         case Q4_K: ROWS_DOT_CASES(Q4_K)
         case Q5_K: ROWS_DOT_CASES(Q5_K)
