@@ -82,8 +82,9 @@ def agreement(a: list, b: list) -> dict:
 
 def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int = 1, reps: int = 30) -> None:
     """The quantized kernels alone: `rows` activation rows against twelve 8192 x 2048 matrices of each type
-    (from memory, not cache), packed and on the file's layout with fp32 activations; GB/s of weights read,
-    medians, beside a plain read of 256 MB (what the memory gives). Random blocks: speed, not accuracy."""
+    (from memory, not cache), packed (16-bit activations, then 8-bit ones) and on the file's layout with fp32
+    activations; GB/s of weights read, medians, beside a plain read of 256 MB (what the memory gives). Random
+    blocks: speed, not accuracy."""
     import numpy as np
     import torch
 
@@ -93,6 +94,8 @@ def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int =
 
     kernels = cpu_native.load()
     lib = QuantizedMatmul(kernels, dense=None, max_kernel_rows=1 << 20, packing=True, pack_q8=True)
+    lib8 = QuantizedMatmul(kernels, dense=None, max_kernel_rows=1 << 20, packing=True, pack_q8=True,
+                           int8_activations=True)
 
     def timed(fn) -> float:  # one untimed call (first touch), then the median
         fn()
@@ -101,7 +104,8 @@ def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int =
     big = torch.randn(64 << 20)
     print(f"native ISA {kernels.isa}, packed fast {kernels.packed_fast}, {torch.get_num_threads()} threads; "
           f"a plain read: {big.numel() * 4 / timed(big.sum) / 1e9:.1f} GB/s")
-    print(f"{'type':6} {'packed ms':>10} {'GB/s':>6} {'file layout ms':>15} {'GB/s':>6}")
+    print(f"{'type':6} {'packed ms':>10} {'GB/s':>6} {'8-bit x ms':>11} {'GB/s':>6} {'file layout ms':>15} "
+          f"{'GB/s':>6}")
     rng = np.random.default_rng(0)
     x = torch.randn(rows, 2048)
     for qtype in types:
@@ -119,11 +123,12 @@ def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int =
             w = QuantWeight(torch.from_numpy(blocks.reshape(8192, -1)), qtype, 2048)
             mats.append((w, lib.pack(w)))
         t_packed = timed(lambda mats=mats: [lib.kernel(x, p) for _, p in mats])
+        t_8 = timed(lambda mats=mats: [lib8.kernel(x, p) for _, p in mats])
         t_file = timed(lambda mats=mats: [lib.kernel(x, w) for w, _ in mats])
         n_packed = sum(p.nbytes for _, p in mats)
         n_file = sum(w.nbytes for w, _ in mats)
-        print(f"{qtype:6} {t_packed * 1e3:>10.2f} {n_packed / t_packed / 1e9:>6.1f} {t_file * 1e3:>15.2f} "
-              f"{n_file / t_file / 1e9:>6.1f}")
+        print(f"{qtype:6} {t_packed * 1e3:>10.2f} {n_packed / t_packed / 1e9:>6.1f} {t_8 * 1e3:>11.2f} "
+              f"{n_packed / t_8 / 1e9:>6.1f} {t_file * 1e3:>15.2f} {n_file / t_file / 1e9:>6.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,8 @@ class PsModel(ctypes.Structure):
     _fields_ = [("num_layers", _I32), ("hidden", _I32), ("n_heads", _I32), ("n_kv_heads", _I32),
                 ("head_dim", _I32), ("intermediate", _I32), ("block_size", _I32), ("rotary_half", _I32),
                 ("eps", _F), ("scale", _F), ("cos", _P), ("sin", _P), ("final_norm", _P),
-                ("layers", ctypes.POINTER(PsLayer)), ("sgemm", _P), ("gemm_rows", _I32), ("kv_bf16", _I32)]
+                ("layers", ctypes.POINTER(PsLayer)), ("sgemm", _P), ("gemm_rows", _I32), ("kv_bf16", _I32),
+                ("x8", _I32)]
 
 
 def _plain(w) -> bool:
@@ -143,7 +144,7 @@ class FusedDecode:
                              m.shard.intermediate_size, pool.block_size, c.rotary_dim // 2, c.rms_norm_eps,
                              c.head_dim**-0.5,
                              _ptr(rotary.cos), _ptr(rotary.sin), _ptr(m.norm), layers, self.sgemm, self.max_rows,
-                             int(pool.dtype == torch.bfloat16))
+                             int(pool.dtype == torch.bfloat16), int(getattr(m.mm, "int8_activations", False)))
         self._keep = (keep, layers, rotary)
         self._pool = pool
 

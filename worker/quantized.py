@@ -331,15 +331,15 @@ class QuantizedMatmul:
 
     def __init__(self, kernels, dense=None, max_kernel_rows: int = 16, int8_activations: bool = False,
                  packing: bool = False, pack_q8: bool | None = None) -> None:
-        """int8_activations: the kernel rounds each row's 32-value blocks to int8 and multiplies in integers
-        (llama.cpp's scheme: faster, at 8-bit activations); otherwise fp32 activations, exact up to
-        summation order. packing: `pack` repacks Q4_0 / Q4_1 weights for the integer kernel, which rounds
-        activations to 16-bit integers per 32-value block (2^-16 of the block's largest value); Q8_0 only where
-        the kernels multiply packed 8-bit weights in integers (AVX-512 VNNI; pack_q8 overrides it)."""
+        """int8_activations: the kernels round each row's 32-value blocks to int8 and multiply in integers
+        (llama.cpp's scheme: faster, at 8-bit activations): with packing the packed layouts, one byte dot
+        product a weight vector where 16-bit activations take two (what stays unpacked keeps fp32 ones, as
+        the fused step multiplies it); without, the Q4_0 / Q4_1 / Q8_0 blocks as they lie. Otherwise fp32 activations on the file's layout, exact up to summation order. packing: `pack`
+        repacks Q4_0 / Q4_1 / K-quant weights for the integer kernel, which rounds activations to 16-bit
+        integers per 32-value block (2^-16 of the block's largest value) unless int8_activations; Q8_0 only
+        where the kernels multiply packed 8-bit weights in integers (AVX-512 VNNI; pack_q8 overrides it)."""
         from worker.linear import DenseMatmul
 
-        if packing and int8_activations:
-            raise ValueError("packed weights take 16-bit activations, not int8 ones")
         self.kernels = kernels
         self.int8_activations = int8_activations
         self.packing = packing
@@ -378,8 +378,10 @@ class QuantizedMatmul:
         if isinstance(w, QuantStack):
             return torch.cat([self.kernel(x, p) for p in w.segments], dim=1)
         y = torch.empty(x.shape[0], w.out_dim)
-        # int8 activations pair with the 32-value integer types (llama.cpp's Q8 blocks); the rest take fp32 ones
-        int8 = self.int8_activations and w.qtype in INT8_TYPES
+        # int8 activations meet the packed layouts where packing is on (what the fused step multiplies in 8 bits,
+        # so both decode paths give the same floats), else the 32-value integer types as the file holds them
+        # (llama.cpp's Q8 blocks); the rest take fp32 ones
+        int8 = self.int8_activations and w.qtype in (PACKED_TYPES if self.packing else INT8_TYPES)
         self.kernels.quant_matmul(x, w.data, w.type_id, w.out_dim, y, int8)
         return y
 

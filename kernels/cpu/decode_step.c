@@ -77,6 +77,7 @@ typedef struct {
     SgemmFn sgemm;
     int32_t gemm_rows;
     int32_t kv_bf16; /* the KV pool holds bf16 (kv_rows.h) */
+    int32_t x8;      /* packed weights meet 8-bit activations (packed_blocks.h bits8), else 16-bit */
 } PsModel;
 
 #define OUT_CHUNK 32 /* output rows a thread takes at a time */
@@ -221,7 +222,8 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     const int64_t act_chunks = (I + 255) / 256;
     float* packed = act + rows * I;
     packed = (float*)(((uintptr_t)packed + 63) & ~(uintptr_t)63);
-    const PackedX px = packed_x_at(packed, rows, max_in(m));
+    PackedX px = packed_x_at(packed, rows, max_in(m));
+    px.bits8 = m->x8;
     /* attention work items: a sequence with all its KV heads (each key and value row read whole, in one pass)
        where there are sequences enough to keep every thread busy, else one KV head of a sequence */
     const int64_t att_heads = rows >= 4 * omp_get_max_threads() ? pagedserve_decode_heads_per_item((int)nh, (int)nkv, (int)hd) : 1;

@@ -80,6 +80,8 @@ typedef struct {
     float *sum;    /* [rows][in_dim / 32] */
     int32_t *hsum; /* [rows][in_dim / 32] the block's high bytes summed (Q8: weights offset to unsigned) */
     float *sumh;   /* [rows][in_dim / 32] the fp32 sum of the block's first 16 values (Q6_K's halves) */
+    int bits8;     /* 8-bit activations (amax / 127) held as the high bytes, low bytes 0: one byte dot product
+                      a weight vector instead of two (llama.cpp's precision, twice the integer throughput) */
 } PackedX;
 
 /* Bytes of PackedX storage for rows x in_dim (lo, hi, then the per-block values, 64-byte aligned parts). */
@@ -97,6 +99,7 @@ static inline PackedX packed_x_at(void *mem, int64_t rows, int64_t in_dim) {
     p.sum = p.d + f;
     p.hsum = (int32_t *)(p.sum + f);
     p.sumh = (float *)(p.hsum + f);
+    p.bits8 = 0;
     return p;
 }
 
@@ -112,7 +115,12 @@ static inline PackedX packed_x_rows(PackedX x, int64_t r0, int64_t in_dim) {
 
 /* Block i of the whole activation matrix (rows are contiguous, in_dim a multiple of 32). A NaN or an
    infinity rounds to 0 (an infinite amax gives scale infinity and integers 0), and the block's sum carries it
-   into every output through the offset term, NaN where the fp32 product would be NaN or infinite. */
+   into every output through the offset term, NaN where the fp32 product would be NaN or infinite.
+   With bits8 the block rounds to 8 bits (q = round(127 x / amax)), kept as the high bytes with d = amax / 127
+   / 256 so every kernel's 256 hi + lo arithmetic holds and the low-byte products can be left out; its sums
+   are then the rounded values' own, so a weight's offset (Q4_K's min, Q6_K's -32) meets the same activations
+   as its integers and the product is the dequantized weight times the rounded activations: against the exact
+   sums, the 8-bit rounding error would meet the unsigned integers (0..63) instead of the centred values. */
 static inline void packed_x_block(const float *x, PackedX p, int64_t i) {
     const float *xb = x + i * QK;
     float amax = 0.0f, s = 0.0f, sh = 0.0f;
@@ -121,21 +129,25 @@ static inline void packed_x_block(const float *x, PackedX p, int64_t i) {
         s += xb[j];
         if (j == QK / 2 - 1) sh = s;
     }
-    const float d = amax / 32767.0f, inv = 32767.0f / amax;
+    const float top = p.bits8 ? 127.0f : 32767.0f;
+    const float d = amax / top, inv = top / amax;
     const float id = d > 0.0f && isfinite(d) && isfinite(inv) ? inv : 0.0f; /* 0: a block of zeros (or ~1e-38) */
-    int32_t hs = 0;
+    int32_t hs = 0, qs = 0, qsh = 0;
     for (int j = 0; j < QK; j++) {
         float v = nearbyintf(xb[j] * id);
-        v = v > 32767.0f ? 32767.0f : (v < -32767.0f ? -32767.0f : v);
-        const int q = v == v ? (int)v : 0, hi = (q - (q & 255)) / 256;
-        p.lo[i * QK + j] = (uint8_t)(q & 255);
+        v = v > top ? top : (v < -top ? -top : v);
+        const int q = v == v ? (int)v : 0, hi = p.bits8 ? q : (q - (q & 255)) / 256;
+        p.lo[i * QK + j] = p.bits8 ? 0 : (uint8_t)(q & 255);
         p.hi[i * QK + j] = (int8_t)hi;
         hs += hi;
+        qs += q;
+        if (j == QK / 2 - 1) qsh = qs;
     }
-    p.d[i] = d;
-    p.sum[i] = s;
+    const int rounded = p.bits8 && isfinite(s) && id > 0.0f;
+    p.d[i] = p.bits8 ? d * (1.0f / 256.0f) : d;
+    p.sum[i] = rounded ? (float)qs * d : s;
     p.hsum[i] = hs;
-    p.sumh[i] = sh;
+    p.sumh[i] = rounded ? (float)qsh * d : sh;
 }
 
 /* The four activation words one part of a 32-value block meets (values 4k..4k+3 and 16+4k..16+4k+3 at `at`
@@ -230,7 +242,7 @@ static inline float packed_value(int ptype, const uint8_t *blk, int r, int j) {
    the high bytes meet them offset by 128 (w ^ 0x80 as unsigned) and 128 times the high bytes' sum comes off. */
 static inline __attribute__((always_inline)) void packed_group_dot_n(const int ptype, const uint8_t *grp,
                                                                       int64_t nblocks, PackedX x, int64_t in_dim,
-                                                                      const int nr, float *out) {
+                                                                      const int nr, const int x8, float *out) {
     const int pb = pack_block_bytes(ptype);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     __m512 acc[PACK_XROWS];
@@ -249,7 +261,7 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                     int32_t l, h;
                     memcpy(&l, x.lo + at, 4);
                     memcpy(&h, x.hi + at, 4);
-                    ilo[r] = _mm512_dpbusd_epi32(ilo[r], _mm512_set1_epi32(l), w);
+                    if (!x8) ilo[r] = _mm512_dpbusd_epi32(ilo[r], _mm512_set1_epi32(l), w);
                     ihi[r] = _mm512_dpbusd_epi32(ihi[r], wu, _mm512_set1_epi32(h));
                 }
             }
@@ -261,8 +273,10 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                     const int64_t at = r * in_dim + b * QK + 4 * k;
                     int32_t l0, l1, h0, h1;
                     x_words(x, at, &l0, &l1, &h0, &h1);
-                    ilo[r] = _mm512_dpbusd_epi32(ilo[r], _mm512_set1_epi32(l0), wl);
-                    ilo[r] = _mm512_dpbusd_epi32(ilo[r], _mm512_set1_epi32(l1), wh);
+                    if (!x8) {
+                        ilo[r] = _mm512_dpbusd_epi32(ilo[r], _mm512_set1_epi32(l0), wl);
+                        ilo[r] = _mm512_dpbusd_epi32(ilo[r], _mm512_set1_epi32(l1), wh);
+                    }
                     ihi[r] = _mm512_dpbusd_epi32(ihi[r], wl, _mm512_set1_epi32(h0));
                     ihi[r] = _mm512_dpbusd_epi32(ihi[r], wh, _mm512_set1_epi32(h1));
                 }
@@ -296,7 +310,7 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                         const int64_t at = r * in_dim + b * QK + 4 * k;
                         int32_t l0, l1, h0, h1;
                         x_words(x, at, &l0, &l1, &h0, &h1);
-                        ilo = avx2_dot(avx2_dot(ilo, _mm256_set1_epi32(l0), wl), _mm256_set1_epi32(l1), wh);
+                        if (!x8) ilo = avx2_dot(avx2_dot(ilo, _mm256_set1_epi32(l0), wl), _mm256_set1_epi32(l1), wh);
                         ihi = avx2_dot(avx2_dot(ihi, wl, _mm256_set1_epi32(h0)), wh, _mm256_set1_epi32(h1));
                     }
                     const int64_t xb = r * (in_dim / QK) + b;
@@ -311,7 +325,8 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
         return;
     }
 #endif
-    /* the same integer sums and the same scaling, in plain loops the compiler vectorizes */
+    /* the same integer sums and the same scaling, in plain loops the compiler vectorizes (lo = 0 with x8) */
+    (void)x8;
     float acc[PACK_XROWS][PACK_ROWS];
     for (int r = 0; r < nr; r++)
         for (int i = 0; i < PACK_ROWS; i++) acc[r][i] = 0.0f;
@@ -458,7 +473,7 @@ static inline float packed_k_value(int ptype, const uint8_t *grp, int64_t b, int
    each sub-block's integer sums per row and half, then its scales for 16 rows at once. */
 static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int ptype, const uint8_t *grp,
                                                                         int64_t nblocks, PackedX x, int64_t in_dim,
-                                                                        const int nr, float *out) {
+                                                                        const int nr, const int x8, float *out) {
     const int64_t supb = 8 * pack_block_bytes(ptype), xb0 = in_dim / QK;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     __m512 acc[PACK_XROWS];
@@ -493,9 +508,11 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
                     const int64_t at = r * in_dim + b * QK + 4 * k;
                     int32_t l0, l1, h0, h1;
                     x_words(x, at, &l0, &l1, &h0, &h1);
-                    la[r] = _mm512_dpbusd_epi32(la[r], _mm512_set1_epi32(l0), wl);
+                    if (!x8) {
+                        la[r] = _mm512_dpbusd_epi32(la[r], _mm512_set1_epi32(l0), wl);
+                        lb[r] = _mm512_dpbusd_epi32(lb[r], _mm512_set1_epi32(l1), wh);
+                    }
                     ha[r] = _mm512_dpbusd_epi32(ha[r], wl, _mm512_set1_epi32(h0));
-                    lb[r] = _mm512_dpbusd_epi32(lb[r], _mm512_set1_epi32(l1), wh);
                     hb[r] = _mm512_dpbusd_epi32(hb[r], wh, _mm512_set1_epi32(h1));
                 }
             }
@@ -563,9 +580,11 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
                         const int64_t at = r * in_dim + b * QK + 4 * k;
                         int32_t l0, l1, h0, h1;
                         x_words(x, at, &l0, &l1, &h0, &h1);
-                        la = avx2_dot(la, _mm256_set1_epi32(l0), wl);
+                        if (!x8) {
+                            la = avx2_dot(la, _mm256_set1_epi32(l0), wl);
+                            lb = avx2_dot(lb, _mm256_set1_epi32(l1), wh);
+                        }
                         ha = avx2_dot(ha, wl, _mm256_set1_epi32(h0));
-                        lb = avx2_dot(lb, _mm256_set1_epi32(l1), wh);
                         hb = avx2_dot(hb, wh, _mm256_set1_epi32(h1));
                     }
                     const int64_t xb = r * xb0 + b;
@@ -596,8 +615,9 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
             _mm256_storeu_ps(out + r * 16 + 8 * hf, acc);
         }
 #else
-    /* the same integer sums and the same scaling, in plain loops */
+    /* the same integer sums and the same scaling, in plain loops (lo = 0 with x8) */
     (void)supb;
+    (void)x8;
     float acc[PACK_XROWS][PACK_ROWS];
     for (int r = 0; r < nr; r++)
         for (int i = 0; i < PACK_ROWS; i++) acc[r][i] = 0.0f;
@@ -639,12 +659,18 @@ static inline void packed_group_dot(int ptype, const uint8_t *grp, int64_t nbloc
         const PackedX xr = packed_x_rows(x, r0, in_dim);
         float *o = out + r0 * PACK_ROWS;
         const int64_t nr = rows - r0 < PACK_XROWS ? rows - r0 : PACK_XROWS;
-#define PACKED_ROWS_CASES(F, P)                                                 \
+#define PACKED_ROWS_CASES_X(F, P, X)                                            \
     switch (nr) {                                                               \
-        case 1: F(P, grp, nblocks, xr, in_dim, 1, o); break;                    \
-        case 2: F(P, grp, nblocks, xr, in_dim, 2, o); break;                    \
-        case 3: F(P, grp, nblocks, xr, in_dim, 3, o); break;                    \
-        default: F(P, grp, nblocks, xr, in_dim, PACK_XROWS, o); break;          \
+        case 1: F(P, grp, nblocks, xr, in_dim, 1, X, o); break;                 \
+        case 2: F(P, grp, nblocks, xr, in_dim, 2, X, o); break;                 \
+        case 3: F(P, grp, nblocks, xr, in_dim, 3, X, o); break;                 \
+        default: F(P, grp, nblocks, xr, in_dim, PACK_XROWS, X, o); break;       \
+    }
+#define PACKED_ROWS_CASES(F, P)                                                 \
+    if (x.bits8) {                                                              \
+        PACKED_ROWS_CASES_X(F, P, 1)                                            \
+    } else {                                                                    \
+        PACKED_ROWS_CASES_X(F, P, 0)                                            \
     }
         switch (ptype) {
             case PACKED_Q8: PACKED_ROWS_CASES(packed_group_dot_n, PACKED_Q8) break;
@@ -654,6 +680,7 @@ static inline void packed_group_dot(int ptype, const uint8_t *grp, int64_t nbloc
             default: PACKED_ROWS_CASES(packed_group_dot_n, PACKED_Q4) break;
         }
 #undef PACKED_ROWS_CASES
+#undef PACKED_ROWS_CASES_X
     }
 }
 

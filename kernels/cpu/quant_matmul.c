@@ -71,15 +71,16 @@ int pagedserve_pack(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t t
     return 0;
 }
 
-/* y = x @ W^T on packed weights: the activations rounded to 16-bit integers per 32-value block, then each
-   thread takes whole groups of 16 output rows. -2: no memory for the rounded activations. */
+/* y = x @ W^T on packed weights: the activations rounded to 16-bit integers per 32-value block (8-bit with
+   bits8), then each thread takes whole groups of 16 output rows. -2: no memory for the rounded activations. */
 static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
-                         int32_t ptype, float *y) {
+                         int32_t ptype, float *y, int bits8) {
     if (out_dim % PACK_ROWS || in_dim % QK || (packed_is_k(ptype) && in_dim % QK_K)) return -1;
     const int64_t nb = in_dim / QK, groups = out_dim / PACK_ROWS, gb = nb * pack_block_bytes(ptype);
     void *mem = aligned_alloc(64, (size_t)((packed_x_bytes(rows, in_dim) + 63) / 64 * 64));
     if (!mem) return -2;
-    const PackedX px = packed_x_at(mem, rows, in_dim);
+    PackedX px = packed_x_at(mem, rows, in_dim);
+    px.bits8 = bits8;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -102,7 +103,7 @@ static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uin
 /* Returns 0, or -1 when the type or shape is not served (in_dim must be a multiple of 32). */
 int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                             int32_t type, float *y) {
-    if (packed_type(type)) return packed_matmul(x, rows, in_dim, w, out_dim, type, y);
+    if (packed_type(type)) return packed_matmul(x, rows, in_dim, w, out_dim, type, y, 0);
     if (!block_bytes(type) || in_dim % block_values(type)) return -1;
     const int64_t nblocks = in_dim / QK, rb = row_bytes(type, in_dim);
 #pragma omp parallel for schedule(static)
@@ -250,6 +251,7 @@ static float row_dot_q8(int type, const uint8_t *wrow, int64_t nb, const int8_t 
 
 int pagedserve_quant_matmul_q8act(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                                   int32_t type, float *y) {
+    if (packed_type(type)) return packed_matmul(x, rows, in_dim, w, out_dim, type, y, 1); /* 8-bit per block */
     const int bb = block_bytes(type);
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || in_dim % QK) return -1; /* the 32-value integer types */
     const int64_t nb = in_dim / QK, rb = nb * bb;
