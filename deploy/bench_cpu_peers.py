@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                         "once, cached) and pagedserve on the dequantized weights (--dequantize)")
     p.add_argument("--with-layers", action="store_true",
                    help="also pagedserve with --cpu-decode layers (every decode step layer by layer), same run")
+    p.add_argument("--serve-flags", default="", metavar="FLAGS",
+                   help="serve flags of the first pagedserve too (where one server at a time is all the memory "
+                        "holds beside llama.cpp: an 8B model), e.g. '--quantized-activations int8'")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also pagedserve started with these serve flags, same run (repeatable), e.g. "
                         "'int8 activations=--quantized-activations int8'")
@@ -299,8 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_workload(args.workload)
     targets = []
     try:
-        targets.append(PagedserveTarget(args, "pagedserve (fp32, --dequantize)" if ours
-                                        else "pagedserve (the GGUF's blocks)", *ours))
+        first = "pagedserve (fp32, --dequantize)" if ours else "pagedserve (the GGUF's blocks)"
+        if args.serve_flags:
+            first = f"{first[:-1]}, {args.serve_flags})"
+        targets.append(PagedserveTarget(args, first, *ours, *shlex.split(args.serve_flags)))
         if args.with_layers:
             targets.append(PagedserveTarget(args, "pagedserve, --cpu-decode layers", *ours, "--cpu-decode",
                                             "layers"))
