@@ -230,7 +230,7 @@ def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
         if weights is None:  # the dense copies were dropped when packing: only the model's own library is timed
             continue
         head_lib = model.head_mm if same else lib
-        head = model._head if same else lib.prepare(model.embed if model.lm_head is None else model.lm_head)
+        head = model.head if same else lib.prepare(model.embed if model.lm_head is None else model.lm_head)
         xs = {}
         for w in weights[0]:
             k = w.shape[1] if w.dim() == 2 else hidden

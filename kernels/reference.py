@@ -94,3 +94,25 @@ def paged_attention(
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
+
+
+# Bisection steps of the top-p floor: bit patterns of floats in [0, 1] span fewer than 2^31 values, so 31
+# halvings end on the exact floor.
+HALVINGS = 31
+
+
+def top_p_floor_torch(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs fp32 [rows, vocab], top_p fp32 [rows] -> the smallest probability each row keeps: token i stays
+    when the mass strictly above p_i is below top_p, which holds exactly for p_i >= one floor, itself one of
+    the row's probabilities. Found by bisection on the float bits (positive floats order as their bit
+    patterns), each step a masked sum: no sort. 0 where top_p is 1."""
+    rows = probs.shape[0]
+    lo = torch.zeros(rows, dtype=torch.int32, device=probs.device)  # mass above 0 is everything: >= top_p
+    hi = probs.amax(dim=-1).view(torch.int32)  # mass above the largest is 0: < top_p
+    for _ in range(HALVINGS):
+        mid = lo + (hi - lo) // 2
+        mass = torch.where(probs > mid.view(torch.float32)[:, None], probs, 0.0).sum(dim=-1)
+        below = mass < top_p
+        hi = torch.where(below, mid, hi)
+        lo = torch.where(below, lo, mid)
+    return torch.where(top_p < 1.0, hi.view(torch.float32), 0.0)

@@ -6,7 +6,7 @@ row's probabilities: the kernel finds it by bisection on the bits of a float32 (
 their bit patterns), 31 halvings of [0, max p], each a masked sum over the row — no sort, no host sync.
 One program per row; the row is read from L2 on every halving.
 
-worker/sampler.py's `top_p_floor_torch` is the same search in torch (the CPU sampler's, and the definition
+kernels/reference.py's `top_p_floor_torch` is the same search in torch (the CPU sampler's, and the definition
 the kernel is tested against, natively on CUDA and under TRITON_INTERPRET=1 elsewhere).
 """
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.sampler import HALVINGS  # one number for both searches
+from kernels.reference import HALVINGS  # one number for both searches
 
 
 @triton.jit

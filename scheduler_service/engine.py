@@ -196,6 +196,11 @@ class Engine:
         return any(r.is_serving for r in self.replicas)
 
     @property
+    def is_draining(self) -> bool:
+        """Stopping: running requests finish, new ones are refused."""
+        return self._draining
+
+    @property
     def unavailable_reason(self) -> str | None:
         if self.is_serving:
             return None

@@ -42,6 +42,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 from protos import generation_pb2
 from scheduler_service.engine import Engine
 from scheduler_service.kv_events import SubscriberGone
+from scheduler_service.rpc import CLIENT_ERRORS, Malformed, prepare_request, reject, tolerant
 from scheduler_service.sequence import FinishReason
 from scheduler_service.validation import MAX_LOGPROBS, InvalidRequest
 
@@ -163,17 +164,13 @@ class _Sample:
 
 
 class EngineProtocolServicer:
-    def __init__(self, engine: Engine, model_dir: str | Path, generation) -> None:
-        """generation: the pagedserve.v1 servicer, whose request preparation and error mapping are shared."""
+    def __init__(self, engine: Engine, model_dir: str | Path) -> None:
         self.engine = engine
         self.model_dir = Path(model_dir).resolve()
-        self.generation = generation
         self._tokenizer_zip: tuple[bytes, str] | None = None
         self._last_receive = 0.0
 
     def handlers(self) -> grpc.GenericRpcHandler:
-        from scheduler_service.server import _tolerant
-
         pb, common = vllm_engine_pb2, common_pb2
         unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
         methods = {
@@ -191,26 +188,22 @@ class EngineProtocolServicer:
             "SubscribeKvEvents": (stream, self.SubscribeKvEvents, common.SubscribeKvEventsRequest),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: kind(fn, request_deserializer=_tolerant(cls), response_serializer=lambda m: m.SerializeToString())
+            name: kind(fn, request_deserializer=tolerant(cls), response_serializer=lambda m: m.SerializeToString())
             for name, (kind, fn, cls) in methods.items()
         })
 
     async def _malformed(self, msg, context) -> None:
-        from scheduler_service.server import Malformed
-
         if isinstance(msg, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.error)
 
     # --- generation ----------------------------------------------------------------------------
     async def Generate(self, msg, context):
-        from scheduler_service.server import _CLIENT_ERRORS, Malformed
-
         self._last_receive = time.time()
         request_id = getattr(msg, "request_id", "")
         try:
             if isinstance(msg, Malformed):
                 raise InvalidRequest(msg.error)
-            request = await self.generation._request(to_generation_request(msg))
+            request = await prepare_request(self.engine, to_generation_request(msg))
             samples: dict[int, _Sample] = {}
             prompt_logprobs = None
             async for delta in self.engine.generate(request):
@@ -240,8 +233,8 @@ class EngineProtocolServicer:
                 for index in sorted(samples):
                     sample = samples[index]
                     yield self._complete(sample.finish, sample.tokens, sample.logprobs, counts, prompt_logprobs)
-        except _CLIENT_ERRORS as e:
-            await self.generation._fail(context, e, request_id)
+        except CLIENT_ERRORS as e:
+            await reject(context, e, request_id)
 
     @staticmethod
     def _counts(request) -> dict:
@@ -279,9 +272,9 @@ class EngineProtocolServicer:
     # --- state ---------------------------------------------------------------------------------
     async def HealthCheck(self, msg, context):
         e = self.engine
-        if e.limits is not None and e.is_serving and not e._draining:
+        if e.limits is not None and e.is_serving and not e.is_draining:
             return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="Health")
-        reason = "the server is draining (shutting down)" if e._draining else (e.unavailable_reason or "not ready")
+        reason = "the server is draining (shutting down)" if e.is_draining else (e.unavailable_reason or "not ready")
         return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=reason)
 
     def _config(self, name: str) -> dict:
@@ -313,7 +306,7 @@ class EngineProtocolServicer:
         e = self.engine
         info = e.model_info() if e.limits is not None else {}
         return vllm_engine_pb2.GetServerInfoResponse(
-            active_requests=len(e.streams), is_paused=e._draining, last_receive_timestamp=self._last_receive,
+            active_requests=len(e.streams), is_paused=e.is_draining, last_receive_timestamp=self._last_receive,
             uptime_seconds=time.time() - e.started_at, server_type="pagedserve-grpc", data_parallel_size=1,
             kv_cache_dtype=info.get("kv_cache_dtype") or "auto", block_size=e.config.block_size, model_dtype=info.get("dtype", ""),
             max_num_seqs=e.config.max_num_seqs * len(e.replicas))
@@ -429,7 +422,7 @@ class EngineProtocolServicer:
         return out
 
 
-def add_to_server(server: grpc.aio.Server, engine: Engine, model_dir: str | Path, generation) -> str:
-    server.add_generic_rpc_handlers((EngineProtocolServicer(engine, model_dir, generation).handlers(),))
+def add_to_server(server: grpc.aio.Server, engine: Engine, model_dir: str | Path) -> str:
+    server.add_generic_rpc_handlers((EngineProtocolServicer(engine, model_dir).handlers(),))
     return SERVICE_NAME
 

@@ -17,6 +17,9 @@ A sequence that stopped at step N then wastes at most its slot in step N+1, whos
 A request with n samples prefills once: when sample 0 has its first token the others fork from its
 prompt blocks (shared, refcounted) and recompute only the last prompt token, drawing their own first
 token. Finish, abort and preemption free blocks through one path (`_release`).
+
+Memory is scheduler_service/kv_manager.py's: this module asks it for room and, when there is none, chooses
+whom to preempt (`_victim`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from protos.codec import PlanArrays
-from scheduler_service.block_allocator import BlockAllocator
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.kv_manager import KVCacheManager
 from scheduler_service.plan import PlanBuilder
 from scheduler_service.sequence import FinishReason, Request, Sequence, SequenceStatus
 
@@ -87,10 +90,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int, kv_window: int = 0) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        # Every layer of the model slides over at least kv_window keys (0: some layer reads everything): a
-        # sequence's blocks wholly before its window are given back as it advances (_drop_out_of_window).
-        self.kv_window = kv_window
-        self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -98,7 +98,7 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found in cached blocks
         self._step_ids = itertools.count(1)
-        self.planner = PlanBuilder(config.max_num_seqs, self.allocator.blocks_for_tokens(max_model_len),
+        self.planner = PlanBuilder(config.max_num_seqs, self.kv.blocks_for_tokens(max_model_len),
                                    config.block_size)
 
     # --- requests ------------------------------------------------------------------------------
@@ -108,7 +108,12 @@ class Scheduler:
 
     @property
     def num_blocks(self) -> int:
-        return self.allocator.num_blocks
+        return self.kv.num_blocks
+
+    @property
+    def allocator(self):
+        """The pool's block allocator (counts, the prefix cache, its events)."""
+        return self.kv.allocator
 
     @property
     def has_work(self) -> bool:
@@ -130,12 +135,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         resumed = [s for s in request.seqs if not s.is_finished and s not in request.pending_forks]
         for seq in reversed(resumed):
-            seq.block_ids = []
-            seq.num_computed_tokens = 0
-            seq.num_registered_blocks = 0
+            self.kv.disown(seq)
             seq.num_pending = 0  # the steps in flight were lost: their tokens are drawn again
             seq.row = -1
-            seq.epoch += 1
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
 
@@ -169,9 +171,7 @@ class Scheduler:
         out = SchedulerOutput(step_id=next(self._step_ids))
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
-        bs = self.block_size
-        allocator = self.allocator
-        refcount, hash_of = allocator._refcount, allocator._hash_of
+        kv = self.kv
 
         decodes, prefills = [], []
         for s in self.running:
@@ -188,14 +188,11 @@ class Scheduler:
             if seq.num_pending and self._at_limit(seq):
                 continue  # the step in flight samples its last token
             pos = seq.num_computed_tokens
-            if pos % bs:  # fast path: the token goes into the sequence's last block; in place if it is its own
-                block = seq.block_ids[pos // bs]
-                if refcount[block] == 1 and hash_of[block] is None:
-                    self._add(out, seq, 1, scheduled)
-                    budget -= 1
-                    continue
-            if self.kv_window:  # blocks behind the window go back before any is asked for
-                self._drop_out_of_window(seq, pos)
+            if kv.writes_in_place(seq, pos):  # fast path: the token goes into the sequence's own last block
+                self._add(out, seq, 1, scheduled)
+                budget -= 1
+                continue
+            kv.drop_out_of_window(seq, pos)  # blocks behind the window go back before any is asked for
             if self._reserve(seq, 1, scheduled, out):
                 self._add(out, seq, 1, scheduled)
                 budget -= 1
@@ -204,8 +201,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            if self.kv_window:
-                self._drop_out_of_window(seq, seq.num_computed_tokens)
+            kv.drop_out_of_window(seq, seq.num_computed_tokens)
             num_new = self._reserve(seq, min(seq.num_uncomputed_tokens, budget), scheduled, out)
             if num_new:
                 self._add(out, seq, num_new, scheduled)
@@ -215,25 +211,15 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted while its last token was in flight: admitted once it is known
                 break
-            hits = self._cached_prefix(seq)
+            hits = kv.cached_prefix(seq)
             num_cached = len(hits) * self.block_size
             num_new = seq.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            need = self.allocator.blocks_for_tokens(num_cached + num_new) - len(hits)
-            # a cached prefix longer than every sliding window: its blocks before the window stay in the cache
-            skip = self._out_of_window(seq, num_cached) if hits else 0
-            revived = sum(1 for b in hits[skip:] if self.allocator.is_cached_free(b))  # hits that leave the LRU
-            if not self.allocator.can_allocate(need + revived):
+            if not kv.admit(seq, hits, num_new):
                 break
-            self.allocator.share(hits[skip:])
-            seq.block_ids = [-1] * skip + hits[skip:] + self.allocator.allocate(need)
-            seq.num_dropped_blocks = skip
-            seq.dropped_ids = hits[:skip]
-            seq.num_computed_tokens = num_cached
-            seq.num_registered_blocks = len(hits)
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_cached
             if seq.request.cached_prompt_tokens is None:
@@ -278,7 +264,7 @@ class Scheduler:
             current = seq.epoch == item.epoch and seq.status is running
             end = item.start + item.num_new_tokens
             if current and caching and end // bs > seq.num_registered_blocks:
-                self._register_full_blocks(seq, end)
+                self.kv.register_full_blocks(seq, end)
             if item.do_sample:
                 seq.token_ids.append(token)
                 new_tokens.append((seq, token))
@@ -292,8 +278,7 @@ class Scheduler:
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int]) -> None:
         """Schedule num_new tokens of seq and commit them: computed from now on, one pending if it samples."""
         start = seq.num_computed_tokens
-        if self.kv_window:
-            self._drop_out_of_window(seq, start)
+        self.kv.drop_out_of_window(seq, start)
         known = len(seq.token_ids)
         do_sample = start + num_new == known + seq.num_pending
         item = ScheduledSeq(seq, start, num_new, do_sample, seq.epoch)
@@ -308,121 +293,47 @@ class Scheduler:
         seq.num_computed_tokens = start + num_new
         scheduled.add(seq.seq_id)
 
-    def _out_of_window(self, seq: Sequence, start: int) -> int:
-        """How many of seq's leading blocks no query from position `start` on reads (see below)."""
-        if not self.kv_window or seq.request.sampling.is_penalized:
-            return 0
-        return max(start - self.kv_window, 0) // self.block_size
-
-    def _drop_out_of_window(self, seq: Sequence, start: int) -> None:
-        """Give back seq's blocks that no query from position `start` on reads: with every layer sliding over
-        kv_window keys, a query at p reads keys after p - kv_window, so keys before start - kv_window are done
-        (one key of slack: a sample forked from this sequence recomputes the prompt's last token, start - 1).
-        Their table entries become -1, which the kernels never look up. A block in the prefix cache stays
-        there (it is only unreferenced); sequences with penalties keep every block, since those read the
-        whole context's tokens through the table."""
-        end = self._out_of_window(seq, start)
-        if end <= seq.num_dropped_blocks:
-            return
-        first = seq.num_dropped_blocks
-        dropped = [b for b in seq.block_ids[first:end] if b >= 0]
-        for i in range(first, end):
-            seq.dropped_ids.append(seq.block_ids[i])
-            seq.block_ids[i] = -1
-        seq.num_dropped_blocks = end
-        self.allocator.free(dropped[::-1])
-        self.planner.replaced(seq, first)
-
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks of the longest cached run of seq's full blocks, leaving at least its last token to compute."""
-        if not self.config.enable_prefix_caching or seq.num_computed_tokens or seq.block_ids:
-            return []
-        if seq.request.sampling.prompt_logprobs is not None:  # every prompt position's logits are needed
-            return []
-        hits = []
-        for i in range((seq.num_tokens - 1) // self.block_size):
-            block = self.allocator.lookup(seq.block_hash(i, self.block_size))
-            if block is None:
-                break
-            hits.append(block)
-        return hits
-
-    def _register_full_blocks(self, seq: Sequence, computed: int) -> None:
-        """Offer seq's blocks that `computed` tokens (a step's confirmed end) fill to the prefix cache."""
-        full = computed // self.block_size
-        events = self.allocator.events is not None
-        for i in range(seq.num_registered_blocks, full):
-            if seq.block_ids[i] < 0:  # given back before its step was confirmed (_drop_out_of_window)
-                continue
-            if events:  # subscribers see each block's parent and tokens
-                self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size),
-                                        seq.block_hash(i - 1, self.block_size) if i else None,
-                                        seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            else:
-                self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size))
-        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
-
     def _fork(self, leader: Sequence, leader_current: bool) -> None:
         """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token. Those
         beyond max_num_seqs wait at the head of the queue instead, where admission finds the prompt's
         full blocks in the prefix cache; so do all of them when the leader lost its blocks (preempted while
         its first token was in flight)."""
         request = leader.request
-        prompt_blocks = leader.block_ids[: self.allocator.blocks_for_tokens(request.prompt_len)]
         room = max(0, self.config.max_num_seqs - len(self.running)) if leader_current else 0
         forks, queued = request.pending_forks[:room], request.pending_forks[room:]
+        self.kv.fork(leader, forks)
         for seq in forks:
-            self.allocator.share([b for b in prompt_blocks if b >= 0])
-            seq.block_ids = list(prompt_blocks)
-            seq.num_dropped_blocks = min(leader.num_dropped_blocks, len(prompt_blocks))
-            seq.dropped_ids = leader.dropped_ids[:seq.num_dropped_blocks]
-            seq.num_computed_tokens = request.prompt_len - 1
-            seq.num_registered_blocks = (request.prompt_len - 1) // self.block_size
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.planner.attach(seq)
         self.waiting.extendleft(reversed(queued))
         request.pending_forks = []
 
-    def _writes_need_copy(self, seq: Sequence, num_new: int) -> list[int]:
-        """Indices of seq's existing blocks that this step writes into but may not be changed in place:
-        shared with another sequence, or holding a cached prefix."""
-        first = seq.num_computed_tokens // self.block_size
-        last = min(len(seq.block_ids), self.allocator.blocks_for_tokens(seq.num_computed_tokens + num_new))
-        return [i for i in range(first, last)
-                if self.allocator.refcount(seq.block_ids[i]) > 1
-                or self.allocator.is_hashed(seq.block_ids[i])]
-
     def _reserve(self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput) -> int:
-        """Make seq's page table hold num_new more tokens (grow, copy-on-write), preempting if the pool
-        is empty. A prompt chunk shrinks to what the free blocks hold before anyone is preempted.
-        Returns the number of tokens reserved: 0 when seq itself had to be preempted."""
+        """Room in seq's page table for num_new more tokens, preempting others while the pool is empty. A
+        prompt chunk shrinks to what the free blocks hold before anyone is preempted. Returns the number of
+        tokens reserved: 0 when seq itself was the one preempted, or when everyone else already runs."""
         while True:
-            have = len(seq.block_ids)
-            copies = self._writes_need_copy(seq, num_new)
-            need = self.allocator.blocks_for_tokens(seq.num_computed_tokens + num_new) - have + len(copies)
-            if self.allocator.can_allocate(need):
-                fresh = self.allocator.allocate(need)
-                for i in copies:
-                    src, dst = seq.block_ids[i], fresh.pop()
-                    out.block_copies.append((src, dst))
-                    seq.block_ids[i] = dst
-                    self.planner.replaced(seq, i)
-                    self.allocator.free([src])
-                seq.block_ids.extend(fresh)
+            copies = self.kv.allocate_slots(seq, num_new)
+            if copies is not None:
+                out.block_copies.extend(copies)
                 return num_new
             if self.config.enable_chunked_prefill and num_new > 1:
-                fits = (have + self.allocator.num_available_blocks - len(copies)) * self.block_size \
-                    - seq.num_computed_tokens
+                fits = self.kv.tokens_that_fit(seq, num_new)
                 if 1 <= fits < num_new:
                     num_new = fits
                     continue
-            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
+            victim = self._victim(scheduled)
             if victim is None:  # everyone else already runs this step: wait for them to finish
                 return 0
             self._preempt(victim, out)
             if victim is seq:
                 return 0
+
+    def _victim(self, scheduled: set[int]) -> Sequence | None:
+        """Whom to preempt for room: the most recently admitted running sequence not yet in this step (its
+        recompute costs least, and the oldest requests keep going)."""
+        return next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -434,47 +345,15 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """The one path that gives a sequence's blocks back (finish, abort, preemption). Last block first:
-        the LRU then evicts a cached chain from its leaf, and its root — which every lookup needs — last."""
-        if seq.block_ids:
-            self.allocator.free([b for b in reversed(seq.block_ids) if b >= 0])
-        if seq.dropped_ids and self.config.enable_prefix_caching:
-            # blocks given back behind the window went into the cache's LRU when dropped, so the chain's root
-            # would be evicted first, cutting every later lookup of the prefix: those still cached become the
-            # most recent now, root last, as _release orders the rest
-            for i in range(len(seq.dropped_ids) - 1, -1, -1):
-                if seq.dropped_ids[i] >= 0:
-                    self.allocator.touch(seq.dropped_ids[i], seq.block_hash(i, self.block_size))
-        seq.dropped_ids = []
+        """The one path that gives a sequence's blocks back (finish, abort, preemption)."""
+        self.kv.free(seq)
         self.planner.detach(seq)
-        seq.block_ids = []
-        seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
-        seq.num_dropped_blocks = 0
-        seq.epoch += 1
 
     # --- accounting ------------------------------------------------------------------------------
     def request_blocks(self, request: Request) -> int:
         """Distinct blocks a request holds (samples share their prompt's blocks)."""
-        return len({b for s in request.seqs for b in s.block_ids if b >= 0})
+        return self.kv.request_blocks(request)
 
     def check_invariants(self) -> None:
-        """free + cached + referenced == num_blocks, no block in two states, refcounts equal owners,
-        every running sequence's table covers its computed tokens, waiting sequences hold nothing."""
-        self.allocator.check_invariants()
-        owned: dict[int, int] = {}
-        for seq in self.running:
-            for b in seq.block_ids:
-                if b >= 0:
-                    owned[b] = owned.get(b, 0) + 1
-            if len(seq.block_ids) < self.allocator.blocks_for_tokens(seq.num_computed_tokens):
-                raise AssertionError(f"{seq} holds too few blocks for its computed tokens")
-            if any(b < 0 for b in seq.block_ids[seq.num_dropped_blocks:]) or \
-                    any(b >= 0 for b in seq.block_ids[:seq.num_dropped_blocks]):
-                raise AssertionError(f"{seq}: given-back blocks are not exactly its first {seq.num_dropped_blocks}")
-        for seq in self.waiting:
-            if seq.block_ids or seq.num_computed_tokens:
-                raise AssertionError(f"waiting {seq} holds blocks")
-        for b in range(self.num_blocks):
-            if owned.get(b, 0) != self.allocator.refcount(b):
-                raise AssertionError(f"block {b}: refcount {self.allocator.refcount(b)}, owners {owned.get(b, 0)}")
+        """The pool's books balance and every table matches its sequence's state (kv_manager.py)."""
+        self.kv.check_invariants(self.running, self.waiting)

@@ -12,23 +12,18 @@ shown only with `--expose-request-ids` (an id is all Abort needs).
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import generation_pb2
-from scheduler_service.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
+from scheduler_service.engine import Engine
 from scheduler_service.output import Delta
-from scheduler_service.scheduler import DuplicateRequestId
+from scheduler_service.rpc import CLIENT_ERRORS, Malformed, prepare_request, reject, tolerant
 from scheduler_service.sequence import FinishReason
-from scheduler_service.validation import InvalidRequest, request_from_proto
 
 log = structlog.get_logger("scheduler.server")
-
-_CLIENT_ERRORS = (InvalidRequest, QueueFull, EngineUnavailable, StepFailed, DuplicateRequestId, Unschedulable)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -38,18 +33,6 @@ _FINISH = {
     FinishReason.ABORT: generation_pb2.ABORT,
     FinishReason.ERROR: generation_pb2.ABORT,
 }
-
-
-def _status_for(error: Exception) -> grpc.StatusCode:
-    if isinstance(error, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(error, (QueueFull, Unschedulable)):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(error, EngineUnavailable):
-        return grpc.StatusCode.UNAVAILABLE
-    if isinstance(error, DuplicateRequestId):
-        return grpc.StatusCode.ALREADY_EXISTS
-    return grpc.StatusCode.INTERNAL
 
 
 def _usage(delta: Delta) -> generation_pb2.Usage:
@@ -73,35 +56,13 @@ def _logprobs(items) -> list[generation_pb2.TokenLogprob]:
         top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in items]
 
 
-class Malformed:
-    """What the tolerant deserializer returns for bytes that are not a valid request message."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-        self.request_id = ""
-
-
-def _tolerant(message_cls):
-    def parse(data: bytes):
-        try:
-            return message_cls.FromString(data)
-        except Exception as e:  # noqa: BLE001 - DecodeError, invalid UTF-8 in a string field, ...
-            return Malformed(f"the request is not a valid {message_cls.DESCRIPTOR.full_name}: {e}")
-
-    return parse
-
-
 class GenerationServicer:
     def __init__(self, engine: Engine, expose_request_ids: bool = False) -> None:
         self.engine = engine
         self.expose_request_ids = expose_request_ids
 
     async def _request(self, msg: generation_pb2.GenerateRequest):
-        if isinstance(msg, Malformed):
-            raise InvalidRequest(msg.error)
-        if self.engine.limits is None:
-            raise EngineUnavailable(self.engine.unavailable_reason)
-        return await asyncio.to_thread(request_from_proto, msg, self.engine.tokenizer, self.engine.limits)
+        return await prepare_request(self.engine, msg)
 
     def handlers(self) -> grpc.GenericRpcHandler:
         pb = generation_pb2
@@ -113,14 +74,12 @@ class GenerationServicer:
             "GetCacheStats": (grpc.unary_unary_rpc_method_handler, self.GetCacheStats, pb.GetCacheStatsRequest),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: kind(fn, request_deserializer=_tolerant(cls), response_serializer=lambda m: m.SerializeToString())
+            name: kind(fn, request_deserializer=tolerant(cls), response_serializer=lambda m: m.SerializeToString())
             for name, (kind, fn, cls) in methods.items()
         })
 
     async def _fail(self, context: grpc.aio.ServicerContext, error: Exception, request_id: str = "") -> None:
-        code = _status_for(error)
-        log.info("request_rejected", request_id=request_id, code=code.name, error=str(error))
-        await context.abort(code, str(error))
+        await reject(context, error, request_id)
 
     async def Generate(self, msg, context):
         try:
@@ -141,7 +100,7 @@ class GenerationServicer:
                     _set_stop_reason(c, delta.stop_reason)
                 if delta.usage is not None:
                     usage = _usage(delta)
-        except _CLIENT_ERRORS as e:
+        except CLIENT_ERRORS as e:
             await self._fail(context, e, msg.request_id)
             return None
         return generation_pb2.GenerateResponse(
@@ -166,7 +125,7 @@ class GenerationServicer:
                 if delta.usage is not None:
                     out.usage.CopyFrom(_usage(delta))
                 yield out
-        except _CLIENT_ERRORS as e:
+        except CLIENT_ERRORS as e:
             await self._fail(context, e, msg.request_id)
 
     async def Abort(self, msg, context):
@@ -225,7 +184,7 @@ def build_server(engine: Engine, address: str, expose_request_ids: bool = False,
     if model_dir is not None:
         from scheduler_service.engine_protocol import add_to_server
 
-        services.append(add_to_server(server, engine, model_dir, generation))
+        services.append(add_to_server(server, engine, model_dir))
     reporter = HealthReporter(services)
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     reflection.enable_server_reflection(

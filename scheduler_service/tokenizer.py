@@ -20,7 +20,7 @@ from tokenizers.decoders import DecodeStream
 class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
-        self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        self.hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))  # the tokenizers library's own
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         template = cfg.get("chat_template")
@@ -48,18 +48,18 @@ class Tokenizer:
 
     def to_json(self) -> str:
         """The tokenizer.json text (structured output builds its own token trie from it)."""
-        return self._tok.to_str()
+        return self.hf.to_str()
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return self.hf.get_vocab_size(with_added_tokens=True)
 
     @property
     def max_token_bytes(self) -> int:
         """Bytes of UTF-8 the longest token can stand for (an upper bound): a text of B bytes has at least
         B / max_token_bytes tokens, so a prompt can be refused as too long without tokenizing it."""
         if self._max_token_bytes is None:
-            self._max_token_bytes = max((len(t.encode()) for t in self._tok.get_vocab(with_added_tokens=True)),
+            self._max_token_bytes = max((len(t.encode()) for t in self.hf.get_vocab(with_added_tokens=True)),
                                         default=1)
         return self._max_token_bytes
 
@@ -86,30 +86,30 @@ class Tokenizer:
         self.token_bytes_with_special  # noqa: B018
 
     def _byte_table(self, keep_special: bool = False) -> list[bytes] | None:
-        spec = json.loads(self._tok.to_str())
+        spec = json.loads(self.hf.to_str())
         if (spec.get("decoder") or {}).get("type") != "ByteLevel":
             return None
         to_byte = _gpt2_byte_decoder()
         table = [b""] * self.vocab_size
-        for token, i in self._tok.get_vocab(with_added_tokens=False).items():
+        for token, i in self.hf.get_vocab(with_added_tokens=False).items():
             try:
                 table[i] = bytes(to_byte[c] for c in token)
             except KeyError:  # a vocabulary entry outside the byte alphabet: not a plain byte-level BPE
                 return None
         for added in spec.get("added_tokens", []):  # as the tokenizer itself decodes each one alone
             special = added.get("special") and not keep_special
-            table[added["id"]] = b"" if special else self._tok.decode([added["id"]], skip_special_tokens=False).encode()
+            table[added["id"]] = b"" if special else self.hf.decode([added["id"]], skip_special_tokens=False).encode()
         return table
 
     @property
     def eos_token_id(self) -> int | None:
-        return self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        return self.hf.token_to_id(self.eos_token) if self.eos_token else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
                             tools: list[dict] | None = None, continue_final_message: bool = False,
@@ -169,7 +169,7 @@ class IncrementalDetokenizer:
         if self._table is not None:
             self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
             return
-        self._hf = tokenizer._tok
+        self._hf = tokenizer.hf
         self._stream = DecodeStream(ids=list(prompt_ids[-self.CONTEXT_TOKENS :]),
                                     skip_special_tokens=skip_special_tokens)
 

@@ -311,7 +311,7 @@ def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_
             layer.w[name] = QuantLinear(packed, None)
             getattr(twin, name).data.copy_(reference)
         layer.mm = lib
-    model._head, model.mm, model.head_mm = DenseMatmul().prepare(model.lm_head), lib, lib
+    model.head, model.mm, model.head_mm = DenseMatmul().prepare(model.lm_head), lib, lib
     use_fused_decode(model, 1, "int8" if int8 else "int16" if packing else "fp32")
     assert model.fused is not None
     for seqs in DECODES:

@@ -183,7 +183,7 @@ def test_sampling_never_reads_the_device_back():
 def test_top_p_keeps_exactly_the_tokens_with_less_than_top_p_mass_above_them():
     """The floor found by bisection on the float bits equals the one a full sort gives, on rows of every
     shape: peaked, flat, with ties at the boundary (all tied tokens stay)."""
-    from worker.sampler import top_p_floor_torch
+    from kernels.reference import top_p_floor_torch
 
     g = torch.Generator().manual_seed(5)
     rows = [torch.randn(1000, generator=g) * s for s in (0.1, 1.0, 4.0, 12.0)]

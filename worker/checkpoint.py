@@ -24,7 +24,7 @@ class TensorSource:
         return name in self.names()
 
 
-def _slice(rows: Range, cols: Range) -> tuple[slice, ...]:
+def range_index(rows: Range, cols: Range) -> tuple[slice, ...]:
     r = slice(*rows) if rows else slice(None)
     return (r,) if cols is None else (r, slice(*cols))
 
@@ -37,7 +37,7 @@ class DictSource(TensorSource):
         return set(self.tensors)
 
     def get(self, name, rows=None, cols=None):
-        return self.tensors[name][_slice(rows, cols)]
+        return self.tensors[name][range_index(rows, cols)]
 
 
 class SafetensorsSource(TensorSource):
@@ -62,4 +62,4 @@ class SafetensorsSource(TensorSource):
     def get(self, name, rows=None, cols=None):
         if rows is None and cols is None:
             return self._file_of[name].get_tensor(name)
-        return self._file_of[name].get_slice(name)[_slice(rows, cols)]
+        return self._file_of[name].get_slice(name)[range_index(rows, cols)]

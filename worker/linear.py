@@ -168,7 +168,7 @@ def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.
     return totals
 
 
-def _time(fn, reps: int) -> float:
+def best_time(fn, reps: int) -> float:
     """The best of `reps` timed calls of fn, after one untimed call."""
     fn()
     best = float("inf")

@@ -331,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     from worker.memory_plan import available_bytes, choose_quantized_prefill, dense_copy_bytes, resident_bytes
     from worker.model_config import UnsupportedModel
     from worker.parallel import ParallelConfigError, init_group, make_shard
-    from worker.runner import ModelRunner, warm_up
-    from worker.server import WorkerServer, is_device_fatal
+    from worker.runner import ModelRunner, is_device_fatal, warm_up
+    from worker.server import WorkerServer
     from worker.sizing import (
         GPU_MAX_NUM_SEQS,
         default_max_num_seqs,

@@ -161,7 +161,7 @@ class LlamaModel(nn.Module):
         self.local_rotary: Rotary | None = None  # Gemma 3's sliding layers' own
         self.mm = None  # set by use_matmul (dense F.linear on the loaded weights unless told otherwise)
         self.ops: TorchOps | None = None  # the elementwise tail (worker/fused.py), chosen at the first forward
-        self._head: torch.Tensor | None = None
+        self.head: torch.Tensor | None = None  # the LM head as the head's matmul library holds it
         self.head_mm = None  # the LM head's library: the projections' unless that one names another
         self.fused = None  # worker/fused_decode.py: decode-only steps in one native call, where set
         self.native_head = None  # worker/fused_decode.py NativeHead: a few rows' logits on plain fp32 rows
@@ -174,7 +174,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.use_matmul(lib, drop)
         self.head_mm = head_library(lib, self.embed.device, self.embed.dtype)
-        self._head = self.head_mm.prepare(self.embed if self.lm_head is None else self.lm_head)
+        self.head = self.head_mm.prepare(self.embed if self.lm_head is None else self.lm_head)
         if drop and self.lm_head is not None:
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         self.mm = lib
@@ -278,7 +278,7 @@ class LlamaModel(nn.Module):
         if embed is not None:
             self.embed_q = QuantEmbedding(lib.kernels, embed)
             self.embed.data = torch.empty(0, dtype=self.embed.dtype)
-        self._head, quantized = linear(("head",), self.embed if self.lm_head is None else self.lm_head)
+        self.head, quantized = linear(("head",), self.embed if self.lm_head is None else self.lm_head)
         if self.lm_head is not None and (quantized or lib.dense.name != "dense"):  # the embeddings stay: lookup
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         self.mm = self.head_mm = lib
@@ -333,7 +333,7 @@ class LlamaModel(nn.Module):
         if self.native_head is not None and self.native_head.covers(hidden):
             logits = self.native_head(hidden)
         else:
-            logits = (self.head_mm or self.mm)(hidden, self._head).float()  # [rows, vocab_shard_size]
+            logits = (self.head_mm or self.mm)(hidden, self.head).float()  # [rows, vocab_shard_size]
         if self.shard.size > 1:
             logits = self.comm.all_gather_last(logits)[:, : self.config.vocab_size]
         cap = self.config.final_logit_softcap

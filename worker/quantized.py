@@ -25,14 +25,10 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from worker.gguf_weights import QUANT_TYPES
+
 log = structlog.get_logger("worker.quantized")
 
-# ggml's type id, values per block and bytes per block of each type the kernels serve (the K-quants pack
-# 256 values a block: Q4_K and Q5_K with a 6-bit scale and min per 32, Q6_K with an int8 scale per 16).
-# Q5_0 / Q5_1 are what a Q4_K_M / Q5_K_M file holds where a row is not a multiple of 256 values wide.
-QUANT_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
-               "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
-               "F16": (1, 32, 64), "BF16": (30, 32, 64)}
 INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types --quantized-activations int8 multiplies in integers
 # Q4_0 / Q4_1, Q8_0, Q4_K, Q5_K and Q6_K repacked at load for the integer kernel (kernels/cpu/packed_blocks.h: 16
 # rows interleaved, each block's 16 scales together; the K-quants keep their 256-value super-blocks and their
@@ -197,7 +193,7 @@ def find_gguf(model: str | Path) -> Path | None:
     if info.get("gguf") and Path(info["gguf"]).is_file():
         return Path(info["gguf"])
     if info.get("source"):
-        from deploy.prepare_model import find_embedded_gguf
+        from worker.gguf_weights import find_embedded_gguf
 
         try:
             return find_embedded_gguf(name=info["source"])
@@ -427,7 +423,7 @@ def model_linears(model) -> list[tuple[QuantLinear, int]]:
     """The quantized projections of a model's first layer, each counted once per layer, and its LM head once:
     what one forward multiplies, for choose_threshold."""
     layer = [w for w in model.layers[0].w.values() if isinstance(w, QuantLinear)]
-    head = [model._head] if isinstance(model._head, QuantLinear) else []
+    head = [model.head] if isinstance(model.head, QuantLinear) else []
     return [(w, len(model.layers)) for w in layer] + [(w, 1) for w in head]
 
 
@@ -439,7 +435,7 @@ def choose_threshold(lib: QuantizedMatmul, linears: list[tuple[QuantLinear, int]
     A row count where the kernel loses is timed again,
     up to `rounds` times in all, each path keeping its best: one slow moment of a shared machine (another
     process starting beside the worker) must not send every decode step to the dense path for good."""
-    from worker.linear import _time
+    from worker.linear import best_time
 
     def measure(rows: int, floor: float | None) -> tuple[float, float]:
         """(kernel, dense) seconds a forward; the dense path is not timed where the kernel beats `floor`,
@@ -448,14 +444,14 @@ def choose_threshold(lib: QuantizedMatmul, linears: list[tuple[QuantLinear, int]
         kernel = dense = 0.0
         for w, uses in linears:
             x = torch.randn(rows, w.q.in_dim)
-            kernel += uses * _time(lambda w=w, x=x: lib.kernel(x, w.q), reps)
+            kernel += uses * best_time(lambda w=w, x=x: lib.kernel(x, w.q), reps)
         if floor is not None and kernel <= floor:
             return kernel, floor
         for w, uses in linears:
             x = torch.randn(rows, w.q.in_dim)
             saved, lib.max_kernel_rows = lib.max_kernel_rows, 0
             try:
-                dense += uses * _time(lambda w=w, x=x: lib(x, w), reps)
+                dense += uses * best_time(lambda w=w, x=x: lib(x, w), reps)
             finally:
                 lib.max_kernel_rows = saved
         return kernel, dense

@@ -295,6 +295,14 @@ class ModelRunner:
     def _forget_tokens(self) -> None:
         self._last_tokens = self._last_sampled_rows = None
 
+    def stream_state(self) -> tuple:
+        """What links a step to the one before it (its id, tokens and sampled rows), to put back with
+        restore_stream_state after steps that are not the scheduler's (the warm-up's)."""
+        return self.last_step_id, self._last_tokens, self._last_sampled_rows
+
+    def restore_stream_state(self, state: tuple) -> None:
+        self.last_step_id, self._last_tokens, self._last_sampled_rows = state
+
     def _pending_rows(self, p: PlanArrays) -> bool:
         """Whether the plan takes tokens from the previous step (prev_rows), checked against which rows of
         that step sample — known on the host without waiting for their values. Their places in
@@ -385,6 +393,16 @@ class Staging:
                 for a, at, (_, dtype) in zip(typed, offsets, arrays, strict=True)]
 
 
+def is_device_fatal(error: BaseException) -> bool:
+    """A CUDA error (illegal address, device-side assert, ...) leaves the context unusable: every later
+    call fails too. torch raises torch.AcceleratorError (2.8+) or a RuntimeError naming CUDA."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return "CUDA error" in text or "device-side assert" in text or "CUBLAS_STATUS" in text
+
+
 def warm_up(runner: ModelRunner) -> float:
     """Run three small steps through the whole path before serving — prompt chunks only, a mixed step,
     decodes only (each kind has its own kernels), greedy and sampled rows — so kernels compile, libraries
@@ -398,7 +416,7 @@ def warm_up(runner: ModelRunner) -> float:
     tables = np.arange(2 * per_seq, dtype=np.int32).reshape(2, per_seq)
     # (sequence, first position, new tokens) of each row, per step
     steps = [[(0, 0, 3), (1, 0, 2)], [(0, 3, 1), (1, 2, 2)], [(0, 4, 1), (1, 4, 1)]]
-    kept = runner.last_step_id, runner._last_tokens, runner._last_sampled_rows
+    kept = runner.stream_state()
     t0 = time.perf_counter()
     try:  # a model whose logits are not finite (a broken checkpoint) fails here as it would on every step:
         # the steps report it to the scheduler; the warm-up only says so in the log
@@ -419,13 +437,11 @@ def warm_up(runner: ModelRunner) -> float:
                 log.warning("warm_up_step_failed", error=result.error)
                 break
     except Exception as e:  # noqa: BLE001 - any failure but a device's own is left to the steps to report
-        from worker.server import is_device_fatal
-
         if is_device_fatal(e):
             raise
         log.warning("warm_up_step_failed", error=repr(e))
     finally:
-        runner.last_step_id, runner._last_tokens, runner._last_sampled_rows = kept
+        runner.restore_stream_state(kept)
     return time.perf_counter() - t0
 
 

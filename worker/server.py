@@ -18,14 +18,13 @@ import threading
 import time
 
 import structlog
-import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from protos import EXIT_CONFIG, EXIT_RETRY, WIRE_VERSION, wire_pb2
 from protos.codec import decode_mask
 from protos.curve import client_keys
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, is_device_fatal
 
 log = structlog.get_logger("worker.server")
 
@@ -35,16 +34,6 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 # Exit code of a worker that cannot go on (its supervisor restarts it).
 EXIT_FAILED = 3
-
-
-def is_device_fatal(error: BaseException) -> bool:
-    """A CUDA error (illegal address, device-side assert, ...) leaves the context unusable: every later
-    call fails too. torch raises torch.AcceleratorError (2.8+) or a RuntimeError naming CUDA."""
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(error, accelerator_error):
-        return True
-    text = str(error)
-    return "CUDA error" in text or "device-side assert" in text or "CUBLAS_STATUS" in text
 
 
 class StopServing(Exception):
