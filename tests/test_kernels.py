@@ -203,8 +203,8 @@ def test_split_scratch_is_allocated_once_per_step_and_stale_splits_are_never_rea
 def test_top_p_floor_kernel_matches_the_torch_bisection():
     """The sampler's Triton top-p search finds the floor the torch one does, rows of several shapes, a vocab
     that is not a multiple of the kernel's chunk, top_p 1 rows left alone."""
-    from kernels.triton_sampling import top_p_floor
     from kernels.reference import top_p_floor_torch
+    from kernels.triton_sampling import top_p_floor
 
     g = torch.Generator().manual_seed(9)
     vocab = 1000 if DEVICE == "cpu" else 128_256
