@@ -62,13 +62,13 @@ run: setup
 # The scheduler and TP x DP workers under the supervisor, logs under $(RUN_DIR); Ctrl-C stops everything.
 # SERVERS=N: N independent servers (a fleet's shape); GATEWAY=1: SMG in front (OpenAI HTTP on HTTP_PORT).
 deploy: setup
-	$(PY) -m deploy.deploy --model $(MODEL_DIR) --host $(HOST) --port $(PORT) \
+	$(PY) -m deploy.fleet --model $(MODEL_DIR) --host $(HOST) --port $(PORT) \
 		--tensor-parallel-size $(TP) --data-parallel-size $(DP) --run-dir $(RUN_DIR) --servers $(SERVERS) \
 		$(if $(GATEWAY),--gateway --http-port $(HTTP_PORT)) $(ARGS)
 
 # `make run`'s server with SMG in front: OpenAI-compatible HTTP on 127.0.0.1:$(HTTP_PORT), both supervised.
 gateway: setup
-	$(PY) -m deploy.deploy --model $(MODEL_DIR) --host $(HOST) --port $(PORT) --run-dir run/gateway \
+	$(PY) -m deploy.fleet --model $(MODEL_DIR) --host $(HOST) --port $(PORT) --run-dir run/gateway \
 		--servers $(SERVERS) --gateway --http-port $(HTTP_PORT) $(ARGS)
 
 # Stops a `make deploy` running in another terminal (or in the background) and waits until it is gone.
@@ -103,11 +103,11 @@ loadtest: setup
 
 # DP=2 vs DP=1 on the shared workload; TP=2 vs TP=1 on a random model shape (same run each).
 bench-parallel: setup
-	$(PY) -m deploy.bench_parallel --model $(MODEL_DIR) $(ARGS)
+	$(PY) -m deploy.bench.parallel --model $(MODEL_DIR) $(ARGS)
 
 # Paged decode/prefill kernels vs a device copy and contiguous SDPA (GPU); interpreter, tiny shapes elsewhere.
 bench-kernels: setup
-	$(PY) -m deploy.bench_kernels $(ARGS)
+	$(PY) -m deploy.bench.kernels $(ARGS)
 
 # Every Triton kernel compiled for sm_90 (no GPU needed): registers, spills and shared memory per head_dim.
 gpu-compile-report: setup
@@ -115,53 +115,53 @@ gpu-compile-report: setup
 
 # GPU: one worker's decode step in process (Llama-3-8B shapes, dummy weights) against its roofline.
 bench-step: setup
-	$(PY) -m deploy.bench_step $(ARGS)
+	$(PY) -m deploy.bench.step $(ARGS)
 
 # GPU: the whole server at Llama-3-8B shapes (dummy weights) under the load-test client, step split included.
 bench-serve-gpu: setup
-	$(PY) -m deploy.bench_serve_gpu $(ARGS)
+	$(PY) -m deploy.bench.serve_gpu $(ARGS)
 
 # SMG's cost (the shared workload direct vs through the gateway) and cache-aware vs round-robin routing.
 bench-gateway: setup
-	$(PY) -m deploy.bench_gateway --model $(MODEL_DIR) $(ARGS)
+	$(PY) -m deploy.bench.gateway --model $(MODEL_DIR) $(ARGS)
 
 # The default model on its own Q4_1 blocks against dequantized fp32: one stream, 64 streams, agreement.
 bench-quantized: setup
-	$(PY) -m deploy.bench_quantized --model $(MODEL_DIR) $(ARGS)
+	$(PY) -m deploy.bench.quantized --model $(MODEL_DIR) $(ARGS)
 
 # pagedserve against llama.cpp's llama-server on the same Q4_1 GGUF (built once from the llama-cpp-python sdist).
 bench-cpu-peers: setup
-	$(PY) -m deploy.bench_cpu_peers --model $(MODEL_DIR) $(ARGS)
+	$(PY) -m deploy.bench.cpu_peers --model $(MODEL_DIR) $(ARGS)
 
 # Random-weight Llama-3.2-1B / 3.1-8B shapes made into GGUFs by llama.cpp's converter and llama-quantize (once,
 # cached), then served by pagedserve and llama-server in alternating rounds. ARGS: --shape 1b|8b --quant Q4_K_M...
 bench-cpu-scale: setup
 	$(PIP) install --quiet sentencepiece  # llama.cpp's converter imports it
-	$(PY) -m deploy.bench_cpu_scale --tokenizer-from $(MODEL_DIR) $(ARGS)
+	$(PY) -m deploy.bench.cpu_scale --tokenizer-from $(MODEL_DIR) $(ARGS)
 
 bench-accuracy: setup  # perplexity of a fixed text: fp32, the Q4_1 blocks (fp32 / int8 activations), llama-perplexity
-	$(PY) -m deploy.bench_accuracy --model $(MODEL_DIR) $(ARGS)
+	$(PY) -m deploy.bench.accuracy --model $(MODEL_DIR) $(ARGS)
 
 bench-scheduler: setup  # scheduler cost per decode step at 256 and 1024 sequences x 2k context
-	$(PY) -m deploy.bench_scheduler --model $(MODEL_DIR) $(ARGS)
+	$(PY) -m deploy.bench.scheduler --model $(MODEL_DIR) $(ARGS)
 
 bench-overlap: setup  # step period against a simulated worker of fixed step time, overlap off and on
-	$(PY) -m deploy.simulate bench --model $(MODEL_DIR) $(ARGS)
+	$(PY) -m deploy.bench.overlap bench --model $(MODEL_DIR) $(ARGS)
 
 bench-controls: setup  # tokens/s with logprobs, penalties, biases, regex and JSON-schema masks vs plain, same run
-	$(PY) -m deploy.bench_controls --model $(MODEL_DIR) $(ARGS)
+	$(PY) -m deploy.bench.controls --model $(MODEL_DIR) $(ARGS)
 
 # A Qwen3-MoE-shaped decode step (dummy weights) at 1, 8 and 64 sequences against the bytes it must read once.
 bench-moe: setup
-	$(PY) -m deploy.bench_moe $(ARGS)
+	$(PY) -m deploy.bench.moe $(ARGS)
 
 # Prefix caching on vs off (shared system prompt); chunked prefill on vs off (long prompts among chats).
 bench-memory: setup
-	$(PY) -m deploy.bench_memory --model $(MODEL_DIR) $(ARGS)
+	$(PY) -m deploy.bench.memory --model $(MODEL_DIR) $(ARGS)
 
 # Blocks in use over time against static reservation, drawn to docs/kv_usage.png.
 plot-kv: setup
-	$(PY) -m deploy.plot_kv $(ARGS)
+	$(PY) -m deploy.bench.plot_kv $(ARGS)
 
 clean:
 	rm -rf .stamps $(PROTO_OUT) protos/*_pb2.pyi build *.egg-info

@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_main(argv[1:])
     if argv[:1] == ["deploy"]:
-        from deploy.deploy import main as deploy_main
+        from deploy.fleet import main as deploy_main
 
         return deploy_main(argv[1:])
     if argv[:1] == ["prepare-model"]:

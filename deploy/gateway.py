@@ -6,7 +6,7 @@ applies the chat template, parses tools and reasoning, and serves OpenAI-compati
 completions, /v1/completions, /v1/models) with retries, circuit breakers and its routing policies
 (cache_aware by default: a request goes to the server whose prefix tree matches it best).
 
-`smg_command` builds the command line (the supervisor in deploy/deploy.py runs it as one more unit);
+`smg_command` builds the command line (the supervisor in deploy/fleet.py runs it as one more unit);
 `GatewayProcess` starts one and waits until every server is registered (tests, benchmarks).
 """
 
@@ -108,7 +108,7 @@ class GatewayProcess:
     def start(self, timeout: float = 60.0, wait: bool = True) -> GatewayProcess:
         """wait: until every server is registered and healthy (else return once the process runs)."""
         self._log = open(self.log_path, "w")
-        from deploy.local_server import free_port
+        from deploy.processes import free_port
 
         cmd = smg_command(self.worker_addresses, "127.0.0.1", self.port, self.model_dir, self.policy,
                           free_port(), self.extra)
@@ -130,7 +130,7 @@ class GatewayProcess:
             return ""
 
     def stop(self) -> None:
-        from deploy.local_server import stop_group
+        from deploy.processes import stop_group
 
         stop_group(self.proc, 15)
         if hasattr(self, "_log"):

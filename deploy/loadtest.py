@@ -700,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         import shlex
         import tempfile
 
-        from deploy.local_server import ServerProcess
+        from deploy.testing import ServerProcess
 
         log = Path(tempfile.mkdtemp(prefix="pagedserve-loadtest-")) / "server.log"
         print(f"starting a server on {args.model} (log: {log})", file=sys.stderr)

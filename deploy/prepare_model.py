@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from protos import EXIT_CONFIG
 from worker.gguf_weights import find_embedded_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -100,7 +101,7 @@ def model_folder(model: str) -> str:
         refusal = preparation_refusal(path, cache) if dense else None
         if refusal:
             print(f"pagedserve: {refusal}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
+            raise SystemExit(EXIT_CONFIG)
         what = "config, tokenizer and an fp32 copy of its weights" if dense else "config and tokenizer"
         print(f"preparing {path.name} once ({what}) into {out}", file=sys.stderr, flush=True)
         prepare(path.resolve(), out, path.stem.split(".")[0], dense=dense)

@@ -338,12 +338,19 @@ def _on_gpu(device: torch.device) -> bool:
 # [256, head_dim] K and V in registers and spilled kilobytes a thread. Warps grow with head_dim so that no
 # kernel spills at d64/d128/d256 (`make gpu-compile-report` compiles them all for sm_90 and counts).
 # In the interpreter a tile is two pages, so the tests cover tiles that span pages.
-# OVERRIDES lets deploy/bench_kernels --sweep time other configurations; the worker never sets it.
+# OVERRIDES lets deploy/bench/kernels.py --sweep time other configurations; the worker never sets it.
 OVERRIDES: dict[str, dict] = {}
 
 
+def override(kind: str, config: dict) -> None:
+    """Launch the decode or prefill kernel with these tiles, warps and stages from now on (a sweep's next
+    configuration), the variants compiled for the last one forgotten."""
+    OVERRIDES[kind] = config
+    (_decode_split_kernel if kind == "decode" else _prefill_kernel).device_caches.clear()
+
+
 def decode_config(head_dim: int, group: int, block_size: int, on_gpu: bool) -> dict:
-    """Constexprs and launch options of _decode_split_kernel. Chosen on an H100 (deploy/bench_kernels.py
+    """Constexprs and launch options of _decode_split_kernel. Chosen on an H100 (deploy/bench/kernels.py
     --sweep, docs/BENCHMARKS.md) among the configurations that spill under no Triton release we build with."""
     block_d = _pow2(head_dim, 16)
     if not on_gpu:
@@ -358,7 +365,7 @@ def decode_config(head_dim: int, group: int, block_size: int, on_gpu: bool) -> d
 
 
 def prefill_config(head_dim: int, block_size: int, on_gpu: bool) -> dict:
-    """Constexprs and launch options of _prefill_kernel, chosen on an H100 (deploy/bench_kernels.py --sweep,
+    """Constexprs and launch options of _prefill_kernel, chosen on an H100 (deploy/bench/kernels.py --sweep,
     docs/BENCHMARKS.md) among the configurations that spill under no Triton release we build with. The kernel
     is bound by its matrix products: up to head_dim 128, 64-row query tiles on one warpgroup (4 warps, one
     64-row wgmma) against 64-key tiles run at 0.71x flash SDPA at d128 and 0.94x at d64, as fast as 128 x 128

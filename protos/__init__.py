@@ -5,7 +5,9 @@ wire.proto, scheduler <-> worker), the numpy codec of the wire's arrays (codec.p
 # Version of the scheduler <-> worker wire format (WireMessage.version); both sides refuse a mismatch.
 WIRE_VERSION = 5  # 5: masks may follow their plan (StepMask); 4: request controls; 3: overlap
 
-# Worker exit codes the supervisor reads: a configuration that cannot work (restarting cannot help; the
-# supervisor gives up), and a refusal for now (restart after a backoff).
+# Exit codes, every process's (the supervisor reads them): a configuration that cannot work (restarting
+# cannot help; the supervisor gives up), a worker that cannot go on (restarted), and a refusal for now
+# (restarted after a backoff).
 EXIT_CONFIG = 2
+EXIT_FAILED = 3
 EXIT_RETRY = 75

@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from deploy.local_server import ServerProcess
+from deploy.testing import ServerProcess
 from tests.tiny import make_tiny_llama
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from deploy.local_server import greedy_request
+from deploy.testing import greedy_request
 from tests.test_faults import assert_pool_clean, children_of, sampled, wait_health
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from deploy.local_server import ROOT, greedy_request
+from deploy.testing import ROOT, greedy_request
 from protos import generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def start_deploy(tmp_path, model_dir, *extra):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "deploy.deploy", "--model", str(model_dir), "--port", "0",
+    cmd = [sys.executable, "-m", "deploy.fleet", "--model", str(model_dir), "--port", "0",
            "--run-dir", str(run_dir), "--threads", "1", "--block-size", "4", "--num-blocks", "200",
            "--ready-timeout", "180", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -158,7 +158,7 @@ def test_two_servers_behind_the_gateway_serve_openai_and_stop_together(tmp_path,
     """`make deploy SERVERS=2 GATEWAY=1`: two independent servers, SMG in front, one banner, one stop."""
     from openai import OpenAI
 
-    from deploy.local_server import free_port
+    from deploy.testing import free_port
 
     http_port = free_port()
     proc, port, run_dir, banner = start_deploy(tmp_path, tiny_model_dir, "--servers", "2", "--gateway",

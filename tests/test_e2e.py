@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from deploy.local_server import greedy_request
+from deploy.testing import greedy_request
 from protos import generation_pb2
 from tests.tiny import hf_greedy
 

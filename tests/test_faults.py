@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.local_server import greedy_request
+from deploy.testing import greedy_request
 from tests.tiny import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -138,7 +138,7 @@ def test_a_stall_past_the_deadline_is_fenced_and_replaced_and_a_short_one_change
 def lone_scheduler(tmp_path, model_dir, scheduler_flags, worker_blocks):
     """A scheduler on its own (any free ports, said in its port file) and one worker started by hand, with
     no supervisor: yields (scheduler, worker, channel); whatever still runs at the end is killed."""
-    from deploy.local_server import ROOT, read_port_file
+    from deploy.testing import ROOT, read_port_file
 
     log = open(tmp_path / "scheduler.log", "w")
     ports = tmp_path / "scheduler.port"
@@ -225,7 +225,7 @@ def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
 
 
 def test_a_pool_too_small_for_one_full_context_request_is_refused(tmp_path, tiny_model_dir):
-    from deploy.local_server import ServerProcess
+    from deploy.testing import ServerProcess
 
     server = ServerProcess(tiny_model_dir, tmp_path / "log", "--block-size", "4", "--num-blocks", "8", "--threads", "1")
     with pytest.raises(RuntimeError, match="exited") as err:

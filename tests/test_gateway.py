@@ -22,7 +22,7 @@ from openai import BadRequestError, OpenAI
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from deploy.gateway import GatewayProcess, registered_models
-from deploy.local_server import ROOT, ServerProcess, free_port, read_port_file
+from deploy.testing import ROOT, ServerProcess, free_port, read_port_file
 from protos import generation_pb2 as pb
 from scheduler_service.block_allocator import block_hash
 from scheduler_service.kv_events import event_hash

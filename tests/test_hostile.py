@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.local_server import ServerProcess, greedy_request
+from deploy.testing import ServerProcess, greedy_request
 from protos import generation_pb2
 
 pytestmark = pytest.mark.slow
@@ -113,7 +113,7 @@ def test_the_api_can_be_served_over_tls(tmp_path, tiny_model_dir):
     import subprocess
     import sys
 
-    from deploy.local_server import ROOT, read_port_file
+    from deploy.testing import ROOT, read_port_file
 
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",

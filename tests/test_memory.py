@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from deploy.simulate import Pipeline, SimulatedWorker, expected_output
+from deploy.testing import Pipeline, SimulatedWorker, expected_output
 from protos.codec import encode_plan
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.scheduler import Scheduler

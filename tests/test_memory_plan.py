@@ -56,7 +56,7 @@ def test_preparing_a_gguf_too_large_for_the_machine_is_refused_before_it_starts(
 def test_a_kv_pool_larger_than_the_machine_is_refused_with_the_bytes_it_needs(tmp_path, tiny_model_dir):
     """Asking for more KV pool than the machine has available: the worker says so and exits 2, instead of
     allocating until the OOM killer ends it."""
-    from deploy.local_server import ServerProcess
+    from deploy.testing import ServerProcess
 
     server = ServerProcess(tiny_model_dir, tmp_path / "log", "--kv-cache-memory", "100000GiB", "--threads", "1")
     with pytest.raises(RuntimeError, match="exited"):

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from deploy.local_server import greedy_request
+from deploy.testing import greedy_request
 from protos import generation_pb2
 from tests.test_e2e import assert_all_blocks_back, run_stream, submit_all
 from tests.tiny import hf_greedy, make_tiny_llama

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from deploy.local_server import ServerProcess, greedy_request
+from deploy.testing import ServerProcess, greedy_request
 from protos import generation_pb2
 from tests.test_e2e import assert_all_blocks_back, submit_all, workload
 from tests.tiny import hf_greedy

@@ -207,7 +207,7 @@ def test_int8_activations_compute_the_rounded_activations_times_the_weight(nativ
 def test_perplexity_chunks_follow_llama_perplexity():
     """bench-accuracy scores the text as llama.cpp's perplexity tool does: whole ctx-token windows (the
     remainder dropped), each one's first token replaced by BOS where the tokenizer adds one."""
-    from deploy.bench_accuracy import chunks
+    from deploy.bench.accuracy import chunks
 
     tokens = list(range(10, 31))  # 21 tokens
     assert chunks(tokens, 8, None) == [list(range(10, 18)), list(range(18, 26))]

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.local_server import ROOT
+from deploy.testing import ROOT
 from protos import generation_pb2
 from tests.tiny import hf_greedy
 
@@ -81,7 +81,7 @@ def test_gguf_loads_directly_and_matches_the_prepared_folder():
 @pytest.mark.slow
 def test_tensor_parallel_3_on_the_default_model_equals_tp1_and_transformers(server_factory):
     """9 query heads and 3 KV heads over three gloo ranks (one thread each): the same greedy tokens."""
-    from deploy.local_server import greedy_request
+    from deploy.testing import greedy_request
     from scheduler_service.tokenizer import Tokenizer
 
     tok = Tokenizer(MODEL_DIR)

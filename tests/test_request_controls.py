@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import torch
 
-from deploy.local_server import ROOT
+from deploy.testing import ROOT
 from protos import generation_pb2
 from tests.tiny import _load_cached
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from deploy.simulate import SimulatedWorker, expected_output
+from deploy.testing import SimulatedWorker, expected_output
 from protos.codec import encode_plan
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.scheduler import DuplicateRequestId, Scheduler

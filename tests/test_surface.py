@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from deploy.local_server import ROOT
+from deploy.testing import ROOT
 from protos import generation_pb2
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
-from deploy.local_server import ROOT
+from deploy.testing import ROOT
 from protos import WIRE_VERSION, wire_pb2
 
 pytestmark = pytest.mark.slow

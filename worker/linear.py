@@ -90,8 +90,8 @@ class MKLPacked:
         self.dtype, self.device = w.dtype, w.device
         nbytes = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 1, out, k)
         self.buf = torch.empty((nbytes + 63) // 4 + 16)  # floats; the buffer's start aligned to 64 bytes
-        self._ptr = (self.buf.data_ptr() + 63) & ~63
-        lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 1, out, k, 1.0, w.data_ptr(), k, self._ptr)
+        self.ptr = (self.buf.data_ptr() + 63) & ~63
+        lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 1, out, k, 1.0, w.data_ptr(), k, self.ptr)
 
     def dim(self) -> int:
         return 2
@@ -116,7 +116,7 @@ class MKLMatmul:
         y = torch.empty(x2.shape[0], out)
         if x2.shape[0]:
             _MKL.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, x2.shape[0], out, k, x2.data_ptr(), k,
-                                     weight._ptr, k, 0.0, y.data_ptr(), out)
+                                     weight.ptr, k, 0.0, y.data_ptr(), out)
         if bias is not None:
             y += bias
         return y.view(*x.shape[:-1], out)

@@ -21,7 +21,7 @@ import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from protos import EXIT_CONFIG, EXIT_RETRY, WIRE_VERSION, wire_pb2
+from protos import EXIT_CONFIG, EXIT_FAILED, EXIT_RETRY, WIRE_VERSION, wire_pb2
 from protos.codec import decode_mask
 from protos.curve import client_keys
 from worker.runner import ModelRunner, is_device_fatal
@@ -30,10 +30,6 @@ log = structlog.get_logger("worker.server")
 
 # Largest frame accepted from the scheduler (a plan of a million tokens is ~20 MB).
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-
-# Exit code of a worker that cannot go on (its supervisor restarts it).
-EXIT_FAILED = 3
 
 
 class StopServing(Exception):

@@ -1,7 +1,7 @@
 """What request controls cost: the fixed workload's prompts through one server, plain and with each control,
 rounds interleaved (plain, control, plain, control...) so every ratio compares readings of the same minutes.
 
-    python -m deploy.bench_controls --model .models/smollm2-135m-instruct      # make bench-controls
+    python -m deploy.bench.controls --model .models/smollm2-135m-instruct      # make bench-controls
 
 Modes: logprobs (K = 5 with every token), penalties (repetition 1.1, presence and frequency 0.5), bias
 (logit_bias on 20 tokens, min_p 0.05, min_tokens), regex (a pattern no output can finish within
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.bench import DEFAULT_WORKLOAD, load_workload
+from deploy.bench.harness import DEFAULT_WORKLOAD, load_workload
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
 
-    from deploy.local_server import ServerProcess
+    from deploy.testing import ServerProcess
 
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-controls-")) / "server.log"
     server = ServerProcess(Path(args.model), log, "--kv-cache-memory", args.kv_cache_memory,

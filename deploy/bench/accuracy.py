@@ -22,7 +22,7 @@ server after the other:
 llama.cpp's llama-perplexity runs on the file and on the Q8_0 copy.
 Beside each, the mean and largest |difference| of the scored tokens' logprobs from the fp32 server's.
 
-    python -m deploy.bench_accuracy --model .models/smollm2-135m-instruct
+    python -m deploy.bench.accuracy --model .models/smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from deploy.local_server import ServerProcess
+from deploy.testing import ServerProcess
 
 TEXT = Path(__file__).resolve().parent / "data" / "perplexity.txt"
 
@@ -70,7 +70,7 @@ def scored_logprobs(server: ServerProcess, chunk_list: list[list[int]]) -> list[
 
 
 def llama_perplexity(gguf: Path, text: Path, ctx: int, threads: int) -> float:
-    from deploy.bench_cpu_peers import build_llama_tool
+    from deploy.bench.cpu_peers import build_llama_tool
 
     binary = build_llama_tool("llama-perplexity")
     run = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx),
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     chunk_list = chunks(tokens, args.ctx, bos)
     if len(chunk_list) < 2:
         raise SystemExit(f"the text has {len(tokens)} tokens: fewer than two chunks of {args.ctx}")
-    from deploy.bench_cpu_peers import requantized_gguf
+    from deploy.bench.cpu_peers import requantized_gguf
 
     q8 = requantized_gguf(gguf, "Q8_0")  # a Q8_0 file of the same values, as llama.cpp's Q8_0 files are made
     kind = gguf.stem.rsplit(".", 1)[-1]  # the file's type as its name says it (Q4_1, Q4_K_M, ...)

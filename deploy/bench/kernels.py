@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
+
+from deploy.bench.harness import median_time
 
 
 def _setup_interpreter() -> bool:
@@ -51,15 +51,6 @@ def _time_cuda(fn) -> float:
     return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
 
 
-def _time_cpu(fn, reps=3) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def bench_decode(args, interpreted: bool) -> None:
     import torch
     import torch.nn.functional as F
@@ -71,7 +62,7 @@ def bench_decode(args, interpreted: bool) -> None:
     n_heads, n_kv, head_dim, block = (4, 2, 64, 16) if interpreted else (32, 8, 128, 16)
     batches = [1, 2] if interpreted else [1, 8, 64, 256]
     contexts = [32, 64] if interpreted else [512, 2048, 8192]
-    timer = _time_cpu if interpreted else _time_cuda
+    timer = median_time if interpreted else _time_cuda
     label = "INTERPRETER, tiny shapes: not a speed figure" if interpreted else torch.cuda.get_device_name()
     print(f"\ndecode attention — {label}")
     print(f"heads {n_heads}/{n_kv}, head_dim {head_dim}, {str(dtype).removeprefix('torch.')}, block {block}")
@@ -108,7 +99,7 @@ def bench_prefill(args, interpreted: bool) -> None:
     dtype = torch.float16 if interpreted else torch.bfloat16
     n_heads, n_kv, head_dim, block = (4, 2, 64, 16) if interpreted else (32, 8, 128, 16)
     lengths = [64] if interpreted else [1024, 4096]
-    timer = _time_cpu if interpreted else _time_cuda
+    timer = median_time if interpreted else _time_cuda
     label = "INTERPRETER, tiny shapes: not a speed figure" if interpreted else torch.cuda.get_device_name()
     print(f"\nprefill attention (one sequence, causal) — {label}")
     print(f"{'tokens':>7} {'ms':>9} {'TFLOP/s':>8} {'sdpa ms':>8} {'sdpa TF/s':>9} {'x sdpa':>7}")
@@ -156,8 +147,7 @@ def _sweep_decode() -> None:
     print(f"{'kernel':<8} {'config':<36} {'regs':>5} {'spills':>6} " + " ".join(f"{b}x{c:>5}" for b, c in decode_cases))
     inputs = [_paged_inputs(b, c, n_heads, n_kv, head_dim, block, dtype, "cuda") for b, c in decode_cases]
     for cfg in configs:
-        ta.OVERRIDES["decode"] = cfg
-        ta._decode_split_kernel.device_caches.clear()
+        ta.override("decode", cfg)
         times = []
         for (q, kc, vc, tables, lens, qsl), (_, c) in zip(inputs, decode_cases, strict=True):
             times.append(_time_cuda(functools.partial(ta.paged_attention, q, kc, vc, tables, lens, qsl,
@@ -198,8 +188,7 @@ def _sweep_prefill(n_heads: int, n_kv: int, head_dim: int, shapes) -> None:
     configs = [dict(BLOCK_M=bm, TILE=tile, num_warps=w, num_stages=st) for bm, tile, w in shapes for st in (2, 3)]
     print(f"{'config':<58} {'regs':>5} {'spills':>6} {'err':>8} " + " ".join(f"{n:>6} ms x sdpa" for n, *_ in cases))
     for cfg in configs:
-        ta.OVERRIDES["prefill"] = cfg
-        ta._prefill_kernel.device_caches.clear()
+        ta.override("prefill", cfg)
         label = ",".join(f"{k}={x}" for k, x in cfg.items())
         cols = []
         try:
@@ -243,7 +232,7 @@ def bench_cpu_pool(args) -> None:
             for pool in ((k, v), (k.to(torch.bfloat16), v.to(torch.bfloat16))):
                 run = functools.partial(native.paged_decode, q, *pool, out, rows, tables, lens, head_dim**-0.5)
                 run()
-                t = _time_cpu(run, reps=5)
+                t = median_time(run, reps=5)
                 cols.append((t, 2 * batch * context * 8 * head_dim * pool[0].element_size() / t / 1e9))
             print(f"{name:<14} {batch:>5} {context:>7} {cols[0][0] * 1e3:>8.2f} {cols[0][1]:>6.1f} "
                   f"{cols[1][0] * 1e3:>8.2f} {cols[1][1]:>6.1f} {cols[0][0] / cols[1][0]:>9.2f}", flush=True)
@@ -258,7 +247,7 @@ def bench_cpu_pool(args) -> None:
         for pool in ((k, v), (k.to(torch.bfloat16), v.to(torch.bfloat16))):
             run = functools.partial(native.paged_prefill, qc, *pool, out, *args_)
             run()
-            times.append(_time_cpu(run, reps=5))
+            times.append(median_time(run, reps=5))
         print(f"prefill chunk 512 over 2048, head_dim {head_dim}: fp32 {times[0] * 1e3:.1f} ms, bf16 "
               f"{times[1] * 1e3:.1f} ms, fp32/bf16 {times[0] / times[1]:.2f}", flush=True)
 

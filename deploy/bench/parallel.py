@@ -1,8 +1,8 @@
 """Parallel benchmark (`make bench-parallel`): data parallelism on the shared CPU workload, and tensor
 parallelism on a random model shape that divides, each against its one-group baseline in the same run.
 
-    python -m deploy.bench_parallel --model .models/smollm2-135m-instruct            # both parts
-    python -m deploy.bench_parallel --model ... --part dp --num-requests 32           # a shorter DP run
+    python -m deploy.bench.parallel --model .models/smollm2-135m-instruct            # both parts
+    python -m deploy.bench.parallel --model ... --part dp --num-requests 32           # a shorter DP run
 
 DP: the workload through DP=1 (one worker, all threads) and DP=2 (two workers, threads split).
 TP: the same prompts through TP=1 and TP=2 (gloo, threads split) on random weights of a Llama shape
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.bench import DEFAULT_WORKLOAD, _drive, load_workload
+from deploy.bench.harness import DEFAULT_WORKLOAD, drive, load_workload
 
 # hidden, heads, kv heads, intermediate, layers: a shape TP=2 divides, large enough that matmuls dominate
 TP_SHAPES = {
@@ -31,13 +31,13 @@ TP_SHAPES = {
 
 
 def run_server(model: Path, prompts, max_tokens: int, flags: list[str], name: str) -> dict:
-    from deploy.local_server import ServerProcess
+    from deploy.testing import ServerProcess
 
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-")) / "server.log"
     server = ServerProcess(model, log, *flags).start(timeout=600)
     try:
-        asyncio.run(_drive(server.address, prompts[:2], 4))  # warm-up
-        wall, ttfts, tokens = asyncio.run(_drive(server.address, prompts, max_tokens))
+        asyncio.run(drive(server.address, prompts[:2], 4))  # warm-up
+        wall, ttfts, tokens = asyncio.run(drive(server.address, prompts, max_tokens))
         stats = server.stats()
     finally:
         server.stop()

@@ -1,7 +1,7 @@
 """Memory-management benchmarks on the default model, each comparison in one run.
 
-    python -m deploy.bench_memory --model .models/smollm2-135m-instruct            # both
-    python -m deploy.bench_memory --model ... --only prefix | chunked
+    python -m deploy.bench.memory --model .models/smollm2-135m-instruct            # both
+    python -m deploy.bench.memory --model ... --only prefix | chunked
 
 prefix:  32 requests sharing a 512-token system prompt, each with its own question, 16 output tokens,
          all sent at once; prefix caching on vs off. Prints prompt tokens computed, throughput, and
@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from deploy.local_server import ServerProcess
+from deploy.testing import ServerProcess
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

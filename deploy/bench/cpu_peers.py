@@ -17,7 +17,7 @@ spell of a noisy machine falls on all of them alike: medians over rounds, ratios
 Prompts go to both as the same token ids (pagedserve.v1 over gRPC; llama.cpp's /v1/completions takes
 token-id prompts). Prints output tokens/s and mean TTFT, and each ratio pagedserve / llama.cpp.
 
-    python -m deploy.bench_cpu_peers --model .models/smollm2-135m-instruct
+    python -m deploy.bench.cpu_peers --model .models/smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.bench import DEFAULT_WORKLOAD, _drive, load_workload
-from deploy.bench_gateway import _http_pass
-from deploy.local_server import ServerProcess, free_port, stop_group
+from deploy.bench.harness import DEFAULT_WORKLOAD, drive, http_pass, load_workload
 from deploy.prepare_model import find_embedded_gguf
+from deploy.processes import free_port, stop_group
+from deploy.testing import ServerProcess
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 CACHE = Path(os.environ.get("PAGEDSERVE_PEERS", Path.home() / ".cache" / "pagedserve-peers"))
@@ -189,18 +189,18 @@ class LlamaTarget:
         self.server = LlamaServer(build_llama_server(), args.gguf, args.slots, max(384, args.prompt_tokens + 64),
                                   args.threads,
                                   folder / "llama-server.log").wait()
-        asyncio.run(_http_pass(self.server.base_url, [_body([1, 2, 3], 4)], "/v1/completions"))
+        asyncio.run(http_pass(self.server.base_url, [_body([1, 2, 3], 4)], "/v1/completions"))
 
     def one(self, prompt: list[int], max_tokens: int) -> float:
-        r = asyncio.run(_http_pass(self.server.base_url, [_body(prompt, max_tokens)], "/v1/completions"))
+        r = asyncio.run(http_pass(self.server.base_url, [_body(prompt, max_tokens)], "/v1/completions"))
         return (r["tokens"] - 1) / (r["wall_s"] - r["ttfts"][0])
 
     def many(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
-        r = asyncio.run(_http_pass(self.server.base_url, [_body(p, max_tokens) for p in prompts], "/v1/completions"))
+        r = asyncio.run(http_pass(self.server.base_url, [_body(p, max_tokens) for p in prompts], "/v1/completions"))
         return r["tokens"] / r["wall_s"], statistics.mean(r["ttfts"])
 
     def prefill(self, prompt: list[int]) -> float:
-        r = asyncio.run(_http_pass(self.server.base_url, [_body(prompt, 1)], "/v1/completions"))
+        r = asyncio.run(http_pass(self.server.base_url, [_body(prompt, 1)], "/v1/completions"))
         return len(prompt) / r["wall_s"]  # one output token: the request is its prefill
 
     def peak_rss(self) -> int:
@@ -217,7 +217,7 @@ class PagedserveTarget:
         self.name = name
         log = Path(tempfile.mkdtemp(prefix="pagedserve-peer-")) / "server.log"
         self.server = ServerProcess(Path(args.model), log, "--metrics-port", "0", *extra).start(timeout=600)
-        asyncio.run(_drive(self.server.address, [[1, 2, 3], [4, 5, 6]], 4))
+        asyncio.run(drive(self.server.address, [[1, 2, 3], [4, 5, 6]], 4))
 
     def one(self, prompt: list[int], max_tokens: int) -> float:
         from protos import generation_pb2
@@ -232,11 +232,11 @@ class PagedserveTarget:
         return (n - 1) / (time.perf_counter() - first)
 
     def many(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
-        wall, ttfts, tokens = asyncio.run(_drive(self.server.address, prompts, max_tokens))
+        wall, ttfts, tokens = asyncio.run(drive(self.server.address, prompts, max_tokens))
         return tokens / wall, statistics.mean(ttfts)
 
     def prefill(self, prompt: list[int]) -> float:
-        wall, _, _ = asyncio.run(_drive(self.server.address, [prompt], 1))
+        wall, _, _ = asyncio.run(drive(self.server.address, [prompt], 1))
         return len(prompt) / wall  # one output token: the request is its prefill
 
     def peak_rss(self) -> int:

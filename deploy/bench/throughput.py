@@ -19,46 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_WORKLOAD = ROOT.parent / "shared" / "bench" / "cpu-workload-prompts.json"
-
-
-def load_workload(path: Path) -> list[list[int]]:
-    if not path.exists():
-        raise SystemExit(f"workload {path} not found (pass --workload)")
-    return json.loads(path.read_text())
+from deploy.bench.harness import DEFAULT_WORKLOAD, ROOT, best, drive, load_workload, step_plan
 
 
 # --- the server ----------------------------------------------------------------------------------
-async def _drive(address: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float], int]:
-    import grpc
-
-    from protos import generation_pb2, generation_pb2_grpc
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        t0 = time.perf_counter()
-
-        async def one(prompt):
-            req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-            ttft, n = None, 0
-            async for msg in stub.GenerateStream(req, timeout=3600):
-                if msg.token_ids and ttft is None:
-                    ttft = time.perf_counter() - t0
-                n += len(msg.token_ids)
-            return ttft, n
-
-        results = await asyncio.gather(*(one(p) for p in prompts))
-        wall = time.perf_counter() - t0
-    return wall, [r[0] for r in results], sum(r[1] for r in results)
-
-
 def bench_server(args, prompts, flags: str = "") -> dict:
     """flags: more `pagedserve serve` flags for this server (e.g. --dequantize), named in the result."""
     import shlex
 
-    from deploy.local_server import ServerProcess
+    from deploy.testing import ServerProcess
 
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-")) / "server.log"
     extra = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -70,8 +39,8 @@ def bench_server(args, prompts, flags: str = "") -> dict:
     server = ServerProcess(Path(args.model), log, *extra, *shlex.split(flags))
     server.start()
     try:
-        asyncio.run(_drive(server.address, prompts[:2], 4))  # warm-up
-        wall, ttfts, tokens = asyncio.run(_drive(server.address, prompts, args.max_tokens))
+        asyncio.run(drive(server.address, prompts[:2], 4))  # warm-up
+        wall, ttfts, tokens = asyncio.run(drive(server.address, prompts, args.max_tokens))
         time.sleep(6)  # let the engine log its cumulative step profile
     finally:
         server.stop()
@@ -170,47 +139,6 @@ def _worker(args, num_blocks: int):
     return ModelRunner(model, pool, attn, cpu), model, config
 
 
-def _plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1):
-    """A StepPlan computing, for each (new_tokens, seq_len), its last new_tokens positions; blocks laid out
-    one sequence after another from block 0. -> (plan, blocks used)."""
-    import numpy as np
-
-    from protos.codec import PlanArrays, encode_plan
-
-    need = [-(-n // block) for _, n in seqs]
-    tables = np.full((len(seqs), max(need)), -1, dtype="<i4")
-    start = 0
-    for i, n in enumerate(need):
-        tables[i, :n] = np.arange(start, start + n)
-        start += n
-    q_lens = np.array([q for q, _ in seqs])
-    seq_lens = np.array([n for _, n in seqs], dtype="<i4")
-    rows = np.repeat(np.arange(len(seqs)), q_lens)
-    pos = np.concatenate([np.arange(n - q, n) for q, n in seqs])
-    slots = tables[rows, pos // block].astype("<i8") * block + pos % block
-    k = len(seqs)
-    qsl = np.zeros(k + 1, dtype="<i4")
-    np.cumsum(q_lens, out=qsl[1:])
-    rng = np.random.default_rng(0)
-    plan = encode_plan(PlanArrays(
-        step_id=step_id, token_ids=rng.integers(100, 40000, len(pos)).astype("<i4"), positions=pos.astype("<i4"),
-        slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
-        do_sample=np.ones(k, bool), sample_index=np.zeros(k, "<i4"), temperature=np.zeros(k, "<f4"),
-        top_p=np.ones(k, "<f4"), top_k=np.zeros(k, "<i4"), seed=np.zeros(k, "<u8"),
-        block_copies=np.empty((0, 2), "<i4")))
-    return plan, start
-
-
-def _best(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
     """Seconds of just the step's matmuls (every projection of every layer at `rows`, the LM head at
     `sampled_rows`), on the model's own prepared weights, with the faster library for this machine."""
@@ -244,7 +172,7 @@ def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
                     lib(x, w)
             head_lib(h, head)
 
-        best = min(best, _best(run, reps))
+        best = min(best, best(run, reps))
     return best
 
 
@@ -254,7 +182,7 @@ def _kv_read(pool, blocks: int, reps: int) -> float:
         for k, v in zip(pool.k, pool.v, strict=True):
             k[:blocks].sum()
             v[:blocks].sum()
-    return _best(run, reps)
+    return best(run, reps)
 
 
 def phases(args, prompts) -> dict:
@@ -269,16 +197,16 @@ def phases(args, prompts) -> dict:
         q_chunk.append((len(p), len(p)))
         total += len(p)
     decode = [(1, len(p) + args.max_tokens // 2) for p in prompts]  # mid-way through decoding
-    prefill_plan, prefill_blocks = _plan(q_chunk)
-    decode_plan, decode_blocks = _plan(decode, step_id=2)
+    prefill_plan, prefill_blocks = step_plan(q_chunk)
+    decode_plan, decode_blocks = step_plan(decode, step_id=2)
     runner, model, config = _worker(args, max(prefill_blocks, decode_blocks) + 4)
     for t in runner.pool.k + runner.pool.v:  # written memory, as in a server: a never-written page reads as
         t.normal_()                          # the kernel's one shared zero page, from cache
     reps = args.reps
     res = {}
-    t_prefill = _best(lambda: runner.execute(prefill_plan), reps)
+    t_prefill = best(lambda: runner.execute(prefill_plan), reps)
     m_prefill = _matmuls_alone(model, total, len(q_chunk), reps)
-    t_decode = _best(lambda: runner.execute(decode_plan), reps)
+    t_decode = best(lambda: runner.execute(decode_plan), reps)
     m_decode = _matmuls_alone(model, len(decode), len(decode), reps)
     kv = _kv_read(runner.pool, decode_blocks, reps)
     res = {"matmul": model.mm.name, "attention": runner.attn.name, "ops": model.ops.name,
@@ -390,13 +318,13 @@ def _decode_rows(model, config, attn, fused, rows: int, context: int, reps: int)
     from worker.runner import ModelRunner
 
     cpu = torch.device("cpu")
-    plan, blocks = _plan([(1, context)] * rows, step_id=2)
+    plan, blocks = step_plan([(1, context)] * rows, step_id=2)
     runner = ModelRunner(model, KVPool(config, blocks + 4, 16, torch.float32, cpu), attn, cpu)
     for t in runner.pool.k + runner.pool.v:
         t.normal_()
     model.fused = None
     try:
-        t_layers = _best(lambda: runner.execute(plan), reps)
+        t_layers = best(lambda: runner.execute(plan), reps)
         ops = model.ops
         targets = {"matmul": (type(model.mm), "__call__"), "attention": (attn, "forward"),
                    "kv_write": (attn, "write_kv"), "norm": (ops, "add_rms_norm"), "silu": (ops, "silu_mul"),
@@ -414,7 +342,7 @@ def _decode_rows(model, config, attn, fused, rows: int, context: int, reps: int)
              "kv_write": part.get("kv_write", 0.0),
              "elementwise": part.get("norm", 0.0) + part.get("silu", 0.0) + part.get("rope", 0.0), "lm_head": head}
     split["rest"] = max(total - sum(split.values()), 0.0)
-    t_fused = _best(lambda: runner.execute(plan), reps) if fused and (rows <= fused.max_rows or fused.sgemm) else None
+    t_fused = best(lambda: runner.execute(plan), reps) if fused and (rows <= fused.max_rows or fused.sgemm) else None
     f = f"{t_fused * 1e3:8.2f} {t_layers / t_fused:6.2f}" if t_fused else f"{'-':>8} {'-':>6}"
     print(f"  {rows:>4} {t_layers * 1e3:8.2f} {f}   {'':12}" +
           " ".join(f"{split[k] * 1e3:9.2f}" for k in ("matmul", "attention", "kv_write", "elementwise", "lm_head",

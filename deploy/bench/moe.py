@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", type=json.loads, default=None, help="config fields over the default shape (JSON)")
     args = p.parse_args(argv)
 
-    from deploy.bench import _plan
+    from deploy.bench.harness import step_plan
     from worker.attention import make_backend
     from worker.kv_pool import KVPool
     from worker.moe import MoE
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     attn = make_backend(None, device, (config.num_heads, config.num_kv_heads, config.head_dim, 16, dtype))
     for rows in [int(r) for r in args.rows.split(",")]:
-        plan, blocks = _plan([(1, args.context)] * rows, step_id=2)
+        plan, blocks = step_plan([(1, args.context)] * rows, step_id=2)
         runner = ModelRunner(model, KVPool(config, blocks + 4, 16, dtype, device), attn, device)
         runner.execute(plan)  # warm: kernels compiled, buffers allocated
         times = []

@@ -13,8 +13,8 @@ import random
 import sys
 from pathlib import Path
 
-from deploy.bench import DEFAULT_WORKLOAD
-from deploy.simulate import SimulatedWorker
+from deploy.bench.harness import DEFAULT_WORKLOAD
+from deploy.testing import SimulatedWorker
 from protos.codec import encode_plan
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.scheduler import Scheduler

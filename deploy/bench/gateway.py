@@ -13,8 +13,8 @@ prefixes each: routing a group to one server lets the two pools split the prefix
 each pool want all of them. Reports output tokens/s, mean TTFT, and the prompt tokens the servers
 computed (prefix-cache hits are not computed).
 
-    python -m deploy.bench_gateway --model .models/smollm2-135m-instruct            # both parts
-    python -m deploy.bench_gateway --model ... --only routing --groups 8 --prefix-len 384
+    python -m deploy.bench.gateway --model .models/smollm2-135m-instruct            # both parts
+    python -m deploy.bench.gateway --model ... --only routing --groups 8 --prefix-len 384
 """
 
 from __future__ import annotations
@@ -26,49 +26,14 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import grpc
 
-from deploy.bench import DEFAULT_WORKLOAD, _drive, load_workload
+from deploy.bench.harness import DEFAULT_WORKLOAD, drive, http_pass, load_workload
 from deploy.gateway import GatewayProcess
-from deploy.local_server import ServerProcess, free_port
-
-
-async def _http_pass(base_url: str, bodies: list[dict], path: str, concurrency: int | None = None) -> dict:
-    """Streams every body to base_url+path (all at once, or `concurrency` at a time); returns wall seconds,
-    the TTFTs (from the pass's start when all go at once, from each request's send otherwise) and tokens."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0), limits=limits) as http:
-        t0 = time.perf_counter()
-        gate = asyncio.Semaphore(concurrency or len(bodies))
-
-        async def one(body):
-            async with gate:
-                sent = time.perf_counter()
-                ttft, tokens = None, 0
-                async with http.stream("POST", base_url + path, json=body) as resp:
-                    if resp.status_code != 200:
-                        raise RuntimeError(f"{path}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[5:])
-                        if ttft is None and (chunk.get("output_ids") or any(
-                                c.get("text") for c in chunk.get("choices") or ())):
-                            ttft = time.perf_counter() - (sent if concurrency else t0)
-                        if "meta_info" in chunk and chunk["meta_info"].get("finish_reason"):
-                            tokens = chunk["meta_info"]["completion_tokens"]
-                        elif chunk.get("usage"):
-                            tokens = chunk["usage"]["completion_tokens"]
-                return ttft, tokens
-
-        results = await asyncio.gather(*(one(b) for b in bodies))
-        wall = time.perf_counter() - t0
-    return {"wall_s": wall, "ttfts": [r[0] for r in results], "tokens": sum(r[1] for r in results)}
+from deploy.processes import free_port
+from deploy.testing import ServerProcess
 
 
 def _flush(server: ServerProcess) -> None:
@@ -98,22 +63,22 @@ def gateway_cost(args) -> list[dict]:
     try:
         gateway = GatewayProcess([server.address], args.model, folder / "smg.log", free_port()).start(timeout=120)
         model = gateway_model(gateway)
-        asyncio.run(_drive(server.address, prompts[:2], 4))  # warm-up, both paths
-        asyncio.run(_http_pass(gateway.base_url, [_generate_body(model, prompts[0], 4)], "/generate"))
+        asyncio.run(drive(server.address, prompts[:2], 4))  # warm-up, both paths
+        asyncio.run(http_pass(gateway.base_url, [_generate_body(model, prompts[0], 4)], "/generate"))
         for name in args.order:
             _flush(server)
             if name == "grpc":
-                wall, ttfts, tokens = asyncio.run(_drive(server.address, prompts, args.max_tokens))
+                wall, ttfts, tokens = asyncio.run(drive(server.address, prompts, args.max_tokens))
                 rows.append(_row("pagedserve.v1 gRPC, direct", wall, ttfts, tokens))
             elif name == "generate":
-                r = asyncio.run(_http_pass(gateway.base_url, [_generate_body(model, p, args.max_tokens)
+                r = asyncio.run(http_pass(gateway.base_url, [_generate_body(model, p, args.max_tokens)
                                                               for p in prompts], "/generate"))
                 rows.append(_row("SMG /generate (same token ids)", r["wall_s"], r["ttfts"], r["tokens"]))
             else:
                 bodies = [{"model": model, "prompt": tok.decode(p), "max_tokens": args.max_tokens, "temperature": 0,
                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
                           for p in prompts]
-                r = asyncio.run(_http_pass(gateway.base_url, bodies, "/v1/completions"))
+                r = asyncio.run(http_pass(gateway.base_url, bodies, "/v1/completions"))
                 rows.append(_row("SMG OpenAI /v1/completions (text)", r["wall_s"], r["ttfts"], r["tokens"]))
     finally:
         if gateway is not None:
@@ -155,7 +120,7 @@ def routing(args) -> list[dict]:
                                      policy).start(timeout=120)
             model = gateway_model(gateway)
             before = [s.stats() for s in servers]
-            r = asyncio.run(_http_pass(gateway.base_url, [_generate_body(model, p, args.output_len) for p in prompts],
+            r = asyncio.run(http_pass(gateway.base_url, [_generate_body(model, p, args.output_len) for p in prompts],
                                        "/generate", concurrency=args.concurrency))
             after = [s.stats() for s in servers]
             computed = sum(a.num_prompt_tokens_computed - b.num_prompt_tokens_computed

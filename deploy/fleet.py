@@ -29,9 +29,10 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.launcher import passthrough, worker_units
-from deploy.local_server import read_port_file
 from deploy.prepare_model import model_folder
+from deploy.processes import read_port_file
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
+from protos import EXIT_CONFIG
 from protos.logs import configure_logging
 from scheduler_service.main import add_scheduler_args
 from worker.main import add_worker_args
@@ -135,7 +136,7 @@ def gateway_metrics_port(args: argparse.Namespace) -> int:
         return args.gateway_metrics_port
     import socket
 
-    from deploy.local_server import free_port
+    from deploy.processes import free_port
 
     with socket.socket() as s:
         try:
@@ -203,11 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     replicas = None if args.replicas is None else [int(x) for x in args.replicas.split(",") if x.strip()]
     if args.servers < 1 or (args.servers > 1 and args.workers_only):
         print("--servers must be at least 1 (and --workers-only runs the workers of one server)", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     if args.workers_only:
         if not args.scheduler:
             print("--workers-only needs --scheduler tcp://HOST:PORT", file=sys.stderr)
-            return 2
+            return EXIT_CONFIG
         units = worker_units(args, args.scheduler, replicas, run_dir, args.rendezvous_host)
         dirs = []
     else:

@@ -6,10 +6,10 @@ converter pads it), converted to GGUF by the llama.cpp built from the `llama-cpp
 (`convert_hf_to_gguf.py`, then `llama-quantize` to Q4_K_M or Q8_0): the files a user downloads, made by
 the tools that make them. Each is made once and cached under ~/.cache/pagedserve-peers/scale/.
 
-Then pagedserve and `llama-server` serve the same GGUF in alternating rounds (deploy/bench_cpu_peers.py):
+Then pagedserve and `llama-server` serve the same GGUF in alternating rounds (deploy/bench/cpu_peers.py):
 one stream of 128 greedy tokens (ignore_eos), and the workload's first N prompts at once.
 
-    python -m deploy.bench_cpu_scale --shape 1b --quant Q4_K_M --streams 16
+    python -m deploy.bench.cpu_scale --shape 1b --quant Q4_K_M --streams 16
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.bench_cpu_peers import CACHE, build_llama_tool
+from deploy.bench.cpu_peers import CACHE, build_llama_tool
 
 SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B, as their config.json give them
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,

@@ -10,7 +10,7 @@ and every sequence's keys read once a step, over the device-to-device copy bandw
 time went, from the engine's step profile: the worker's device time, the share of the step the GPU waits
 for the host, the scheduler's time and the worker's host preparation.
 
-    python -m deploy.bench_serve_gpu --shape llama3-8b --batch 1 16 64 256 --context 2048
+    python -m deploy.bench.serve_gpu --shape llama3-8b --batch 1 16 64 256 --context 2048
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.bench_step import SHAPES, copy_bandwidth
+from deploy.bench.step import SHAPES, copy_bandwidth
 
 
 def make_folder(folder: Path, shape: str, max_len: int) -> dict:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from deploy.local_server import ServerProcess
+    from deploy.testing import ServerProcess
 
     if not torch.cuda.is_available():
         print("bench-serve-gpu needs a CUDA GPU", file=sys.stderr)

@@ -1,109 +1,13 @@
-"""A torch-free simulated worker, for scheduler tests and memory plots; a simulated worker process of fixed
-step time and the overlap benchmark (`python -m deploy.simulate bench`).
-
-Its "KV pool" stores token ids at slots and its "model" predicts the next token as a hash of the whole
-context read back through the block table. A paging bug (a block shared by mistake, a slot written
-twice, a table that misses a block, a copy-on-write that did not happen, a cached block that was
-evicted and reused) changes the output, so a test compares against `expected_output`."""
+"""A simulated worker process of fixed step time, and the overlap benchmark (`make bench-overlap`):
+`python -m deploy.bench.overlap bench --model ...`."""
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
+from deploy.testing import VOCAB, SimulatedWorker
 from protos import wire_pb2
 from protos.codec import decode_plan, resolve_tokens
-
-VOCAB = 1000
-
-
-def next_token(context: list[int], seed: int | None = None, index: int = 0) -> int:
-    """Greedy (seed None): a function of the context. Sampled: also of the seed and the token's index,
-    so samples of one prompt diverge, as they do with a real sampler."""
-    key = list(context) if seed is None else list(context) + [seed, index]
-    digest = hashlib.blake2b(np.asarray(key, dtype=np.uint64).tobytes(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % VOCAB
-
-
-def expected_output(prompt: list[int], max_tokens: int, seed: int | None = None, window: int = 0) -> list[int]:
-    """window > 0: a sliding-window model, each token a function of the last `window` tokens only."""
-    ctx = list(prompt)
-    for i in range(max_tokens):
-        ctx.append(next_token(ctx[-window:] if window else ctx, seed, i))
-    return ctx[len(prompt):]
-
-
-class SimulatedWorker:
-    def __init__(self, num_blocks: int, block_size: int, window: int = 0) -> None:
-        """window > 0: the model reads only each token's last `window` positions (a sliding window), so the
-        scheduler may give back blocks before it; reading one of those would change the output."""
-        self.block_size = block_size
-        self.window = window
-        self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
-        self.num_steps = 0
-        self.last_step_id = 0
-        self.last_sampled: np.ndarray | None = None  # kept for the next plan's pending tokens (overlap)
-
-    def execute(self, plan: wire_pb2.StepPlan) -> list[int]:
-        """Run a plan as it comes off the wire; -1 for rows that do not sample."""
-        self.num_steps += 1
-        p = decode_plan(plan)
-        token_ids = resolve_tokens(p, self.last_step_id, self.last_sampled)
-        bs = self.block_size
-        tables, qsl = p.block_tables.astype(np.int64), p.query_start_loc
-        assert (p.slot_mapping >= 0).all()
-        for i in range(p.num_seqs):  # a slot is where the position's block table entry says
-            pos = p.positions[qsl[i]:qsl[i + 1]].astype(np.int64)
-            assert (p.slot_mapping[qsl[i]:qsl[i + 1]] == tables[i][pos // bs] * bs + pos % bs).all()
-        for src, dst in p.block_copies:  # copy-on-write, before the step's writes
-            self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
-        self.pool[p.slot_mapping] = token_ids
-        out = []
-        for i in range(p.num_seqs):
-            if not p.do_sample[i]:
-                out.append(-1)
-                continue
-            pos = np.arange(max(int(p.seq_lens[i]) - self.window, 0) if self.window else 0, p.seq_lens[i])
-            assert (tables[i][pos // bs] >= 0).all(), "a block the window reads was given back"
-            ctx = self.pool[tables[i][pos // bs] * bs + pos % bs]
-            assert (ctx >= 0).all(), "read a slot that was never written"
-            seed = int(p.seed[i]) if p.temperature[i] > 0 else None
-            out.append(next_token(ctx.tolist(), seed, int(p.sample_index[i])))
-        self.last_step_id, self.last_sampled = p.step_id, np.asarray(out, dtype=np.int32)
-        return out
-
-
-class Pipeline:
-    """Drives a scheduler and a SimulatedWorker the way a replica's step loop does: with overlap, step N+1 is
-    planned and sent before step N's result is applied (the worker keeps N's tokens for it)."""
-
-    def __init__(self, sched, worker: SimulatedWorker, overlap: bool, on_token) -> None:
-        """on_token(seq, token): the engine's part (stop checks; it may finish the sequence)."""
-        self.sched, self.worker, self.on_token = sched, worker, on_token
-        self.depth = 2 if overlap else 1
-        self.inflight: list = []
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.inflight) or self.sched.has_work
-
-    def step(self) -> bool:
-        """One turn of the loop; False when it could do nothing (no work, or nothing schedulable)."""
-        from protos.codec import encode_plan
-
-        launched = False
-        if self.sched.has_work and len(self.inflight) < self.depth:
-            out = self.sched.schedule()
-            if not out.is_empty:
-                self.inflight.append((out, self.worker.execute(encode_plan(self.sched.build_plan(out)))))
-                launched = True
-        if self.inflight and (len(self.inflight) == self.depth or not launched):
-            out, tokens = self.inflight.pop(0)
-            for seq, token in self.sched.update(out, tokens):
-                self.on_token(seq, token)
-            return True
-        return launched
 
 
 # --- a simulated worker process, and the overlap benchmark -----------------------------------------------
@@ -184,7 +88,7 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
     client = WorkerClient("tcp://127.0.0.1:0", expected={"block_size": args.block_size,
                                                          "max_num_batched_tokens": budget})
     endpoint = client.bind()
-    worker = subprocess.Popen([sys.executable, "-m", "deploy.simulate", "worker", "--scheduler", endpoint,
+    worker = subprocess.Popen([sys.executable, "-m", "deploy.bench.overlap", "worker", "--scheduler", endpoint,
                                "--num-blocks", str(num_blocks), "--block-size", str(args.block_size),
                                "--max-num-batched-tokens", str(budget), "--vocab-size", str(tokenizer.vocab_size),
                                "--max-context", str(max_context), "--step-ms", str(args.step_ms)],

@@ -12,7 +12,7 @@ device's forward time (CUDA events), tokens/s (pipelined), and the roofline: the
 read at least — every weight once and every sequence's keys and values — over the device-to-device copy
 bandwidth measured in the same run. `of roof` is roofline time / pipelined time.
 
-    python -m deploy.bench_step --shape llama3-8b --batch 1 16 64 256 --context 2048
+    python -m deploy.bench.step --shape llama3-8b --batch 1 16 64 256 --context 2048
 """
 
 from __future__ import annotations

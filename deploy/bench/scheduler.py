@@ -1,7 +1,7 @@
 """Scheduler cost per step (`make bench-scheduler`): what the scheduler process spends on one decode step
 of a large batch, with a worker that answers instantly, so only the scheduler's own work is timed.
 
-    python -m deploy.bench_scheduler --model .models/smollm2-135m-instruct            # 256 and 1024 sequences
+    python -m deploy.bench.scheduler --model .models/smollm2-135m-instruct            # 256 and 1024 sequences
 
 Each running sequence has a ~2k-token context and decodes one token a step. Printed per step, in ms:
 schedule (batching, page tables), build_plan (numpy arrays), encode (protobuf bytes), result (decode the

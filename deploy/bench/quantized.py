@@ -7,7 +7,7 @@ Same run, one server after the other on the same machine:
   - agreement: the first 16 greedy answers of each server compared with fp32's token by token (identical answers, and
     where the others first differ), with the logprob of each chosen token compared where both agree.
 
-    python -m deploy.bench_quantized --model .models/smollm2-135m-instruct
+    python -m deploy.bench.quantized --model .models/smollm2-135m-instruct
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.bench import DEFAULT_WORKLOAD, _drive, load_workload
-from deploy.local_server import ServerProcess
+from deploy.bench.harness import DEFAULT_WORKLOAD, drive, load_workload
+from deploy.testing import ServerProcess
 from protos import generation_pb2
 
 
@@ -58,9 +58,9 @@ def measure(args, name: str, extra: list[str], prompts) -> dict:
     server = ServerProcess(Path(args.model), log, "--kv-cache-memory", args.kv_cache_memory, "--metrics-port", "0",
                            *extra).start(timeout=600)
     try:
-        asyncio.run(_drive(server.address, prompts[:2], 4))  # warm-up
+        asyncio.run(drive(server.address, prompts[:2], 4))  # warm-up
         row = {"name": name, **one_stream(server, prompts[0], args.max_tokens, args.repeats)}
-        wall, ttfts, tokens = asyncio.run(_drive(server.address, prompts, args.max_tokens))
+        wall, ttfts, tokens = asyncio.run(drive(server.address, prompts, args.max_tokens))
         row.update(many_tok_s=tokens / wall, many_mean_ttft_s=statistics.mean(ttfts))
         row["answers"] = answers(server, prompts[: args.agreement], args.agreement_tokens)
         row["log"] = str(log)
@@ -88,7 +88,7 @@ def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int =
     import numpy as np
     import torch
 
-    from deploy.bench_kernels import _time_cpu
+    from deploy.bench.harness import median_time
     from kernels import cpu_native
     from worker.quantized import QUANT_TYPES, QuantizedMatmul, QuantWeight
 
@@ -99,7 +99,7 @@ def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int =
 
     def timed(fn) -> float:  # one untimed call (first touch), then the median
         fn()
-        return _time_cpu(fn, reps)
+        return median_time(fn, reps)
 
     big = torch.randn(64 << 20)
     print(f"native ISA {kernels.isa}, packed fast {kernels.packed_fast}, {torch.get_num_threads()} threads; "

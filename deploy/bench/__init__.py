@@ -1,0 +1,1 @@
+"""The benchmarks (`make bench-*`), run by hand; what they share is harness.py."""

@@ -1,0 +1,132 @@
+"""What the benchmarks share: the fixed workload, driving a server with it (gRPC or HTTP streams), a
+step plan made by hand for in-process timing, and timers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_WORKLOAD = ROOT.parent / "shared" / "bench" / "cpu-workload-prompts.json"
+
+
+def load_workload(path: Path) -> list[list[int]]:
+    if not path.exists():
+        raise SystemExit(f"workload {path} not found (pass --workload)")
+    return json.loads(path.read_text())
+
+
+async def drive(address: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float], int]:
+    """Every prompt streamed at once (greedy, ignore_eos, max_tokens each) -> (wall seconds, each TTFT
+    from the start, output tokens)."""
+    import grpc
+
+    from protos import generation_pb2, generation_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        t0 = time.perf_counter()
+
+        async def one(prompt):
+            req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            ttft, n = None, 0
+            async for msg in stub.GenerateStream(req, timeout=3600):
+                if msg.token_ids and ttft is None:
+                    ttft = time.perf_counter() - t0
+                n += len(msg.token_ids)
+            return ttft, n
+
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - t0
+    return wall, [r[0] for r in results], sum(r[1] for r in results)
+
+
+async def http_pass(base_url: str, bodies: list[dict], path: str, concurrency: int | None = None) -> dict:
+    """Streams every body to base_url+path (all at once, or `concurrency` at a time); returns wall seconds,
+    the TTFTs (from the pass's start when all go at once, from each request's send otherwise) and tokens."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0), limits=limits) as http:
+        t0 = time.perf_counter()
+        gate = asyncio.Semaphore(concurrency or len(bodies))
+
+        async def one(body):
+            async with gate:
+                sent = time.perf_counter()
+                ttft, tokens = None, 0
+                async with http.stream("POST", base_url + path, json=body) as resp:
+                    if resp.status_code != 200:
+                        raise RuntimeError(f"{path}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[5:])
+                        if ttft is None and (chunk.get("output_ids") or any(
+                                c.get("text") for c in chunk.get("choices") or ())):
+                            ttft = time.perf_counter() - (sent if concurrency else t0)
+                        if "meta_info" in chunk and chunk["meta_info"].get("finish_reason"):
+                            tokens = chunk["meta_info"]["completion_tokens"]
+                        elif chunk.get("usage"):
+                            tokens = chunk["usage"]["completion_tokens"]
+                return ttft, tokens
+
+        results = await asyncio.gather(*(one(b) for b in bodies))
+        wall = time.perf_counter() - t0
+    return {"wall_s": wall, "ttfts": [r[0] for r in results], "tokens": sum(r[1] for r in results)}
+
+
+def step_plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1):
+    """A StepPlan computing, for each (new_tokens, seq_len), its last new_tokens positions; blocks laid out
+    one sequence after another from block 0. -> (plan, blocks used)."""
+    import numpy as np
+
+    from protos.codec import PlanArrays, encode_plan
+
+    need = [-(-n // block) for _, n in seqs]
+    tables = np.full((len(seqs), max(need)), -1, dtype="<i4")
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = np.arange(start, start + n)
+        start += n
+    q_lens = np.array([q for q, _ in seqs])
+    seq_lens = np.array([n for _, n in seqs], dtype="<i4")
+    rows = np.repeat(np.arange(len(seqs)), q_lens)
+    pos = np.concatenate([np.arange(n - q, n) for q, n in seqs])
+    slots = tables[rows, pos // block].astype("<i8") * block + pos % block
+    k = len(seqs)
+    qsl = np.zeros(k + 1, dtype="<i4")
+    np.cumsum(q_lens, out=qsl[1:])
+    rng = np.random.default_rng(0)
+    plan = encode_plan(PlanArrays(
+        step_id=step_id, token_ids=rng.integers(100, 40000, len(pos)).astype("<i4"), positions=pos.astype("<i4"),
+        slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
+        do_sample=np.ones(k, bool), sample_index=np.zeros(k, "<i4"), temperature=np.zeros(k, "<f4"),
+        top_p=np.ones(k, "<f4"), top_k=np.zeros(k, "<i4"), seed=np.zeros(k, "<u8"),
+        block_copies=np.empty((0, 2), "<i4")))
+    return plan, start
+
+
+def best(fn, reps: int) -> float:
+    """The fastest of `reps` timed calls, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def median_time(fn, reps=3) -> float:
+    """The median of `reps` timed calls."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)

@@ -1,0 +1,190 @@
+"""Start a real pagedserve (scheduler + worker processes, gRPC + ZeroMQ on localhost) and wait until it serves.
+
+Used by the end-to-end tests and the benchmarks: the same launcher `make run` uses, in a child process."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deploy.processes import ROOT, free_port, read_port_file, stop_group  # noqa: F401
+from protos import generation_pb2, generation_pb2_grpc, wire_pb2
+from protos.codec import decode_plan, resolve_tokens
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
+        """args: extra launcher flags (see `pagedserve serve --help`). The server binds any free port
+        (--port 0) and writes the one it got to a file beside its log: no port is picked and hoped for."""
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.args = list(args)
+        self.port: int | None = None
+        self.worker_endpoint: str | None = None  # the scheduler's ZeroMQ endpoint, as bound
+        self.metrics_port: int | None = None  # where it serves Prometheus metrics, as bound
+        self.port_file = Path(log_path).with_suffix(".port")
+        self.proc: subprocess.Popen | None = None
+        self.channel: grpc.Channel | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        self.port_file.unlink(missing_ok=True)
+        self.port = self.channel = None  # a restart binds a port of its own
+        metrics = [] if "--metrics-port" in self.args else ["--metrics-port", "-1"]  # any free port, reported
+        cmd = [sys.executable, "-m", "deploy.launcher", "--model", str(self.model_dir), "--port", "0",
+               "--port-file", str(self.port_file), *metrics, *self.args]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            bound = read_port_file(self.port_file) if self.channel is None else None
+            if bound is not None:
+                self.port, self.worker_endpoint = bound["port"], bound["worker_endpoint"]
+                self.metrics_port = bound.get("metrics_port")
+                self.channel = grpc.insecure_channel(self.address)
+                health = health_pb2_grpc.HealthStub(self.channel)
+            if self.channel is not None:
+                try:
+                    resp = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not serving within {timeout}s:\n{self.log_tail()}")
+
+    @property
+    def stub(self) -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(self.channel)
+
+    def stats(self) -> generation_pb2.CacheStats:
+        return self.stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=10)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        stop_group(self.proc, 20)
+        if hasattr(self, "_log"):
+            self._log.close()
+
+
+def greedy_request(prompt: list[int], max_tokens: int, request_id: str = "") -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt,
+        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+
+
+# --- the simulated worker: a torch-free model whose output depends on every paging decision ---
+VOCAB = 1000
+
+
+def next_token(context: list[int], seed: int | None = None, index: int = 0) -> int:
+    """Greedy (seed None): a function of the context. Sampled: also of the seed and the token's index,
+    so samples of one prompt diverge, as they do with a real sampler."""
+    key = list(context) if seed is None else list(context) + [seed, index]
+    digest = hashlib.blake2b(np.asarray(key, dtype=np.uint64).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % VOCAB
+
+
+def expected_output(prompt: list[int], max_tokens: int, seed: int | None = None, window: int = 0) -> list[int]:
+    """window > 0: a sliding-window model, each token a function of the last `window` tokens only."""
+    ctx = list(prompt)
+    for i in range(max_tokens):
+        ctx.append(next_token(ctx[-window:] if window else ctx, seed, i))
+    return ctx[len(prompt):]
+
+
+class SimulatedWorker:
+    def __init__(self, num_blocks: int, block_size: int, window: int = 0) -> None:
+        """window > 0: the model reads only each token's last `window` positions (a sliding window), so the
+        scheduler may give back blocks before it; reading one of those would change the output."""
+        self.block_size = block_size
+        self.window = window
+        self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.num_steps = 0
+        self.last_step_id = 0
+        self.last_sampled: np.ndarray | None = None  # kept for the next plan's pending tokens (overlap)
+
+    def execute(self, plan: wire_pb2.StepPlan) -> list[int]:
+        """Run a plan as it comes off the wire; -1 for rows that do not sample."""
+        self.num_steps += 1
+        p = decode_plan(plan)
+        token_ids = resolve_tokens(p, self.last_step_id, self.last_sampled)
+        bs = self.block_size
+        tables, qsl = p.block_tables.astype(np.int64), p.query_start_loc
+        assert (p.slot_mapping >= 0).all()
+        for i in range(p.num_seqs):  # a slot is where the position's block table entry says
+            pos = p.positions[qsl[i]:qsl[i + 1]].astype(np.int64)
+            assert (p.slot_mapping[qsl[i]:qsl[i + 1]] == tables[i][pos // bs] * bs + pos % bs).all()
+        for src, dst in p.block_copies:  # copy-on-write, before the step's writes
+            self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
+        self.pool[p.slot_mapping] = token_ids
+        out = []
+        for i in range(p.num_seqs):
+            if not p.do_sample[i]:
+                out.append(-1)
+                continue
+            pos = np.arange(max(int(p.seq_lens[i]) - self.window, 0) if self.window else 0, p.seq_lens[i])
+            assert (tables[i][pos // bs] >= 0).all(), "a block the window reads was given back"
+            ctx = self.pool[tables[i][pos // bs] * bs + pos % bs]
+            assert (ctx >= 0).all(), "read a slot that was never written"
+            seed = int(p.seed[i]) if p.temperature[i] > 0 else None
+            out.append(next_token(ctx.tolist(), seed, int(p.sample_index[i])))
+        self.last_step_id, self.last_sampled = p.step_id, np.asarray(out, dtype=np.int32)
+        return out
+
+
+class Pipeline:
+    """Drives a scheduler and a SimulatedWorker the way a replica's step loop does: with overlap, step N+1 is
+    planned and sent before step N's result is applied (the worker keeps N's tokens for it)."""
+
+    def __init__(self, sched, worker: SimulatedWorker, overlap: bool, on_token) -> None:
+        """on_token(seq, token): the engine's part (stop checks; it may finish the sequence)."""
+        self.sched, self.worker, self.on_token = sched, worker, on_token
+        self.depth = 2 if overlap else 1
+        self.inflight: list = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.inflight) or self.sched.has_work
+
+    def step(self) -> bool:
+        """One turn of the loop; False when it could do nothing (no work, or nothing schedulable)."""
+        from protos.codec import encode_plan
+
+        launched = False
+        if self.sched.has_work and len(self.inflight) < self.depth:
+            out = self.sched.schedule()
+            if not out.is_empty:
+                self.inflight.append((out, self.worker.execute(encode_plan(self.sched.build_plan(out)))))
+                launched = True
+        if self.inflight and (len(self.inflight) == self.depth or not launched):
+            out, tokens = self.inflight.pop(0)
+            for seq, token in self.sched.update(out, tokens):
+                self.on_token(seq, token)
+            return True
+        return launched
+
+

@@ -1,0 +1,127 @@
+"""The code's shape, held: layers import downward only, no import cycles, nothing private reached across
+files. Read from the sources (ast), so a change that breaks the shape fails here before review."""
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("protos", "kernels", "worker", "scheduler_service", "deploy")
+# what each layer may import of the project (anything else it imports is a third-party library)
+MAY_IMPORT = {
+    "protos": {"protos"},
+    "kernels": {"protos", "kernels"},
+    "worker": {"protos", "kernels", "worker"},
+    "scheduler_service": {"protos", "scheduler_service"},
+    "deploy": set(PACKAGES),
+}
+
+
+def _modules() -> dict[str, ast.Module]:
+    found = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            if path.name.endswith("_pb2.py") or path.name.endswith("_pb2_grpc.py"):
+                continue
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = ast.parse(path.read_text(), str(path))
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(tree: ast.Module):
+    """(line, module, names or None) of every import, function-level ones included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, None
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module, [alias.name for alias in node.names]
+
+
+def _project(module: str) -> bool:
+    return module.split(".")[0] in PACKAGES
+
+
+def test_layers_import_only_the_layers_below_them():
+    wrong = [f"{name}:{line} imports {mod}" for name, tree in MODULES.items() for line, mod, _ in _imports(tree)
+             if _project(mod) and mod.split(".")[0] not in MAY_IMPORT[name.split(".")[0]]]
+    assert not wrong, "protos <- kernels <- worker; scheduler_service takes protos only; deploy is on top:\n" + \
+        "\n".join(wrong)
+
+
+def _graph() -> dict[str, set[str]]:
+    edges = defaultdict(set)
+    for name, tree in MODULES.items():
+        for _, mod, names in _imports(tree):
+            if mod in MODULES and mod != name:
+                edges[name].add(mod)
+            for n in names or ():
+                if f"{mod}.{n}" in MODULES:  # `from pkg import module`
+                    edges[name].add(f"{mod}.{n}")
+    return edges
+
+
+def test_no_module_imports_its_way_back_to_itself():
+    edges = _graph()
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for name in sorted(MODULES):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_private_name_is_imported_from_another_module():
+    wrong = [f"{name}:{line} from {mod} import {n}" for name, tree in MODULES.items()
+             for line, mod, names in _imports(tree) if _project(mod)
+             for n in names or () if n.startswith("_") and not n.startswith("__")]
+    assert not wrong, "\n".join(wrong)
+
+
+def _private_names_defined_here() -> set[str]:
+    """Every _name the project defines: functions, classes, module globals, attributes set on self."""
+    names = set()
+    for tree in MODULES.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_object_reaches_into_another_objects_private_state():
+    """`x._name` only on self or cls: another object's (or module's) private parts are its own business.
+    Names the project does not define (a library's) are not this test's to judge."""
+    ours = _private_names_defined_here()
+    wrong = []
+    for name, tree in MODULES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ours:
+                owner = node.value
+                if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+                    wrong.append(f"{name}:{node.lineno} .{node.attr}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_project_reads_as_five_packages_and_deploy_shows_the_product():
+    """deploy/'s top level holds the commands a user runs and the helpers they and the tests share; every
+    benchmark lives in deploy/bench/."""
+    top = {p.stem for p in (ROOT / "deploy").glob("*.py")} - {"__init__"}
+    assert not {n for n in top if n.startswith("bench")}, "benchmarks belong in deploy/bench/"
+    assert top == {"cli", "launcher", "supervisor", "fleet", "gateway", "console", "prepare_model", "loadtest",
+                   "processes", "testing"}
