@@ -243,8 +243,10 @@ def test_a_server_decodes_the_same_greedy_tokens_fused_and_layer_by_layer(server
         outputs.append([list(f.result(timeout=120).choices[0].token_ids) for f in futures])
         log = server.log_path.read_text()
         assert ('"fused_decode"' in log) == (mode == "fused")
-        if activations == "int8" and cpu_native.load().packed_fast:  # packed, 8-bit activations on both paths
-            assert '"activations": "int8"' in log
+        if activations == "int8" and cpu_native.load().packed_fast:  # packed, 8-bit activations on both paths,
+            # every step on the packed kernel (no fp32 copy, no row limit): one arithmetic whatever the batch
+            assert '"activations": "int8"' in log and '"prefill": "dequantize"' in log
+            assert '"max_kernel_rows": 1073741824' in log
         server.stop()
     assert outputs[0] == outputs[1]
 
@@ -362,5 +364,5 @@ def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
     from worker.quantized import QuantLinear, QuantWeight
 
     blocks = QuantWeight(torch.zeros(config.vocab_size, 34 * 2, dtype=torch.uint8), "Q8_0", config.hidden_size)
-    tied_quantized = SimpleNamespace(_head=QuantLinear(blocks), lm_head=None, embed=model.embed, shard=model.shard)
+    tied_quantized = SimpleNamespace(head=QuantLinear(blocks), lm_head=None, embed=model.embed, shard=model.shard)
     assert NativeHead.weight_of(tied_quantized) is None  # not the fp32 embeddings in the Q8_0 head's place

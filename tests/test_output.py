@@ -52,7 +52,7 @@ def test_byte_level_detokenizer_streams_any_token_sequence_as_its_decode(tok):
         assert full.startswith(streamed) and set(full[len(streamed):]) <= {"\ufffd"}
     detok = IncrementalDetokenizer(tok, [])
     euro = "€".encode()  # three bytes, three byte tokens: nothing until the last
-    pieces = [detok.add(tok._tok.token_to_id(tok_str)) for tok_str in _byte_tokens(euro)]
+    pieces = [detok.add(tok.hf.token_to_id(tok_str)) for tok_str in _byte_tokens(euro)]
     assert pieces == ["", "", "€"]
 
 
@@ -151,7 +151,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tok):
 
 
 def test_special_tokens_are_in_the_text_only_when_asked(tok):
-    eos = tok._tok.token_to_id("</s>")
+    eos = tok.hf.token_to_id("</s>")
     ids = tok.encode("the fox", add_special_tokens=False) + [eos] + tok.encode(" dog", add_special_tokens=False)
     for skip, expected in ((True, "the fox dog"), (False, "the fox</s> dog")):
         detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)

@@ -540,7 +540,7 @@ def test_the_copies_for_llama_cpp_hold_the_files_values(tmp_path, monkeypatch, q
     """bench-cpu-peers --precision fp32 gives llama.cpp an F32 copy of the GGUF, bench-accuracy a Q8_0 one:
     the same metadata and tokenizer, every tensor gguf's dequantization of the original (for Q8_0 every
     matrix quantized again, to within its 8-bit step; 1-D tensors F32)."""
-    from deploy import bench_cpu_peers
+    from deploy.bench import cpu_peers as bench_cpu_peers
     from tests.tiny import make_tiny_gguf
 
     folder = make_tiny_gguf(tmp_path / "m", qtype="Q4_1")
@@ -588,7 +588,7 @@ def test_the_kernel_row_threshold_survives_one_slow_moment(monkeypatch):
             return pending[0]
         return pending[1]
 
-    monkeypatch.setattr(worker.linear, "_time", scripted)
+    monkeypatch.setattr(worker.linear, "best_time", scripted)
     linears = [(SimpleNamespace(q=SimpleNamespace(in_dim=8)), 1)]
     assert choose_threshold(lib, linears, candidates=(1, 2, 4)) == 2
     assert lib.max_kernel_rows == 2
