@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import structlog
 
@@ -303,79 +304,99 @@ def use_fused_decode(model, tp: int, activations: str) -> None:
     log.info("fused_decode", max_kernel_rows=max_rows, more_rows="sgemm" if model.fused.sgemm else "layer path")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    if os.environ.get("PAGEDSERVE_SUPERVISED") == "1":
-        # Ctrl-C reaches the terminal's whole process group: under a supervisor the worker leaves it to the
-        # supervisor, which lets the scheduler drain on this worker first and then stops it with SIGTERM
-        import signal
+class Refused(Exception):
+    """Start-up cannot go on with these flags on this machine: logged as `event` (with `fields`), `message`
+    (where there is one) printed for whoever started the worker, exit EXIT_CONFIG (restarting cannot help)."""
 
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from worker.host_memory import ensure_allocator, resolve_mode
+    def __init__(self, event: str, message: str = "", **fields) -> None:
+        super().__init__(message or event)
+        self.event, self.message, self.fields = event, message, fields
 
-    allocator = ensure_allocator(resolve_mode(args.malloc), args.device, "worker.main", argv)  # may re-execute
-    tp = args.tensor_parallel_size
-    configure_logging(args.log_level, process=f"worker-{args.replica}.{args.rank}", log_format=args.log_format)
+
+@dataclass
+class Loaded:
+    """The model as this rank serves it, and what it computes and caches in."""
+
+    model: object
+    config: object
+    dtype: object  # what the model computes in
+    weights_dtype: object  # what its matrices are held in
+    kv_dtype: object
+    attn: object
+    heads: int  # this rank's KV heads
+
+
+@dataclass
+class PoolPlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_num_seqs: int
+    use_graphs: bool
+    graph_context: list[int]
+
+
+def check_flags(args, tp: int) -> None:
+    """Phase 0: flags that contradict each other, before anything is loaded."""
     if tp > 1 and not args.rendezvous:
-        log.error("no_rendezvous", tensor_parallel_size=tp)
-        return EXIT_CONFIG
+        raise Refused("no_rendezvous", tensor_parallel_size=tp)
     if args.block_size < 1 or args.block_size & (args.block_size - 1):  # the kernels' tile arithmetic needs it
-        log.error("bad_block_size", block_size=args.block_size, error="--block-size must be a power of two")
-        return EXIT_CONFIG
-    import torch
+        raise Refused("bad_block_size", block_size=args.block_size, error="--block-size must be a power of two")
 
-    from protos import wire_pb2
-    from worker.attention import make_backend
-    from worker.kv_pool import KVPool, bytes_per_block, parse_bytes
-    from worker.linear import choose as choose_matmul
-    from worker.memory_plan import available_bytes, choose_quantized_prefill, dense_copy_bytes, resident_bytes
-    from worker.model_config import UnsupportedModel
-    from worker.parallel import ParallelConfigError, init_group, make_shard
-    from worker.runner import ModelRunner, is_device_fatal, warm_up
-    from worker.server import WorkerServer
-    from worker.sizing import (
-        GPU_MAX_NUM_SEQS,
-        default_max_num_seqs,
-        gpu_blocks,
-        measure_graph_bytes,
-        profile_gpu_peak,
-    )
-    from worker.weights import load_config, load_model
+
+def start_device(args):
+    """Phase 1: this rank's device and the dtype it computes in (bf16 on CUDA, fp32 on a CPU, or --dtype)."""
+    import torch
 
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cuda_count == 0 and (args.device or "cuda").startswith("cuda") and nvidia_gpu_present():
         why = ("this torch is a CPU-only build" if torch.version.cuda is None
                else f"this torch (CUDA {torch.version.cuda}) cannot use it: check the driver")
-        log.error("gpu_unusable", torch=torch.__version__, reason=why)
-        print(f"pagedserve-worker: this host has an NVIDIA GPU and {why} (torch {torch.__version__}). Install a "
-              "CUDA build of torch, or pass --device cpu to serve on the CPU.", file=sys.stderr)
-        return EXIT_CONFIG
+        raise Refused("gpu_unusable", f"this host has an NVIDIA GPU and {why} (torch {torch.__version__}). "
+                      "Install a CUDA build of torch, or pass --device cpu to serve on the CPU.",
+                      torch=torch.__version__, reason=why)
     try:
         device = torch.device(rank_device(args.device, args.local_rank, cuda_count))
     except ValueError as e:
-        log.error("bad_device", device=args.device, error=str(e))
-        return EXIT_CONFIG
+        raise Refused("bad_device", device=args.device, error=str(e)) from None
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches on the current device
     dtype = getattr(torch, DTYPES[args.dtype] if args.dtype else ("bfloat16" if device.type == "cuda" else "float32"))
     if args.threads:
         torch.set_num_threads(args.threads)
+    return device, dtype
+
+
+def read_config(args, tp: int):
+    """The model's config, refused where it cannot be served right or split over tp ranks."""
+    from worker.model_config import UnsupportedModel
+    from worker.parallel import ParallelConfigError, make_shard
+    from worker.weights import load_config
+
     try:
         config = load_config(args.model, args.load_format)
         make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size, args.rank, tp,
                    config.moe_intermediate_size)
     except UnsupportedModel as e:  # served wrong without a word otherwise: refused, naming the field
-        log.error("unsupported_model", field=e.field_name, value=repr(e.value), error=str(e))
-        print(f"pagedserve-worker: this model cannot be served right: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        raise Refused("unsupported_model", f"this model cannot be served right: {e}", field=e.field_name,
+                      value=repr(e.value), error=str(e)) from None
     except ParallelConfigError as e:  # refuse before joining a group that could never run
-        log.error("cannot_split_model", error=str(e))
-        print(f"pagedserve-worker: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        raise Refused("cannot_split_model", str(e), error=str(e)) from None
     if config.layer_windows:
         log.info("sliding_window_layers", windows=sorted(set(config.layer_windows)),
                  sliding=sum(1 for w in config.layer_windows if w), layers=config.num_layers)
+    return config
+
+
+def load(args, device, dtype, tp: int) -> Loaded:
+    """Phase 2: the config, where the weights come from (a GGUF's blocks, bf16 rows, a checkpoint), what
+    this machine cannot hold refused, the model loaded (joining the TP group), its matmuls and attention."""
+    import torch
+
+    from worker.parallel import init_group
+    from worker.weights import load_model
+
+    config = read_config(args, tp)
     source = quantized_source(args, config, device, dtype)
     weights_dtype = dtype  # what the matrices are held in; the model computes in `dtype`
     if device.type == "cpu" and dtype != torch.float32:
@@ -385,75 +406,101 @@ def main(argv: list[str] | None = None) -> int:
             dtype = torch.float32
     try:
         kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype, weights_dtype, device)
+        lib = quantized_library(args) if source is not None else None
     except ValueError as e:
-        log.error("bad_worker_option", error=str(e))
-        print(f"pagedserve-worker: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        raise Refused("bad_worker_option", str(e), error=str(e)) from None
     if device.type == "cpu" and args.load_format != "dummy":
         refusal = refuse_what_cannot_fit(args, config, dtype, kv_dtype, tp, source)
         if refusal:
-            log.error("model_too_large", error=refusal)
-            print(f"pagedserve-worker: {refusal}", file=sys.stderr)
-            return EXIT_CONFIG
+            raise Refused("model_too_large", refusal, error=refusal)
     comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout, args.rendezvous_file)
-    try:
-        lib = quantized_library(args) if source is not None else None
-    except ValueError as e:
-        log.error("bad_worker_option", error=str(e))
-        print(f"pagedserve-worker: {e}", file=sys.stderr)
-        return EXIT_CONFIG
     t0 = time.perf_counter()
     model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed, tp_rank=args.rank,
                                tp_size=tp, comm=comm, quantized=source, pack=lib.pack if lib else None)
     load_s = time.perf_counter() - t0
     try:
-        if source is not None and args.quantized_prefill == "auto" and getattr(source, "qtype_name", "") == "BF16" \
-                and lib.bf16_gemm:
-            args.quantized_prefill = "dequantize"
-            log.info("quantized_prefill", chosen="dequantize", why="the CPU's bf16 GEMM multiplies the weights as held")
-        elif source is not None and args.quantized_prefill == "auto" and lib.packing and lib.int8_activations:
-            args.quantized_prefill = "dequantize"  # no dense copy: many rows run on the packed kernel too
-            log.info("quantized_prefill", chosen="dequantize",
-                     why="the packed kernel with 8-bit activations multiplies many rows faster than an fp32 copy")
-        elif source is not None:
-            prefill, why = choose_quantized_prefill(
-                args.quantized_prefill, dense_copy_bytes(model.file_blocks),
-                kv_budget_bytes(args, config, kv_dtype, model.shard.num_kv_heads), available_bytes())
-            args.quantized_prefill = prefill
-            log.info("quantized_prefill", chosen=prefill, why=why)
-        # a prefill that dequantizes tiles multiplies them with F.linear: no library to measure (measuring
-        # one allocates the model's shapes in fp32, which is what that choice is avoiding)
-        no_dense_copy = source is not None and args.quantized_prefill == "dequantize"
-        dense = choose_matmul("dense" if no_dense_copy else args.matmul, model.matmul_shapes(), device, dtype)
-        fused = device.type == "cpu" and args.cpu_decode == "fused" and tp == 1 and dtype == torch.float32
-        if source is None:  # the fused decode step reads plain fp32 rows: kept beside oneDNN's packed copies
-            model.use_matmul(dense, drop_dense=not fused)
-        else:
-            from worker.quantized import choose_threshold, model_linears
-
-            lib.dense = dense
-            counts = model.use_quantized(model.file_blocks, lib, keep_dense=args.quantized_prefill == "dense")
-            if lib.packing and lib.int8_activations and no_dense_copy:
-                # every step on the packed kernel: faster than dequantizing tiles at any row count (1B and 8B
-                # measured), and one arithmetic for every batch, so an answer does not depend on its company
-                lib.max_kernel_rows = 1 << 30
-            else:
-                choose_threshold(lib, model_linears(model))
-            log.info("quantized_weights", source=source.description, matrices=counts, prefill=args.quantized_prefill,
-                     activations=args.quantized_activations, max_kernel_rows=lib.max_kernel_rows,
-                     read_s=round(load_s, 1), ready_s=round(time.perf_counter() - t0, 1))
+        attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp, load_s)
         heads = model.shard.num_kv_heads
-        if fused:
-            use_fused_decode(model, tp, args.quantized_activations)
-        if device.type == "cpu" and tp == 1 and dtype == torch.float32:
-            use_native_head(model)
-        attn = make_backend(args.attention_backend, device,
-                            (model.shard.num_q_heads, heads, config.head_dim, args.block_size, dtype, kv_dtype))
+        attn = make_attention(args, model, config, device, dtype, kv_dtype)
     except ValueError as e:
-        log.error("bad_worker_option", error=str(e))
-        print(f"pagedserve-worker: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    per_block = bytes_per_block(config, args.block_size, kv_dtype, heads)
+        raise Refused("bad_worker_option", str(e), error=str(e)) from None
+    return Loaded(model, config, dtype, weights_dtype, kv_dtype, attn, heads)
+
+
+def attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp: int, load_s: float) -> None:
+    """The model's matmul libraries: the dense one chosen by timing, the quantized one over a GGUF's blocks
+    with prefill's path (a dense copy or not) and the rows its kernel takes; the fused decode step and the
+    native head on a CPU. ValueError: flags that conflict."""
+    import torch
+
+    from worker.linear import choose as choose_matmul
+    from worker.memory_plan import available_bytes, choose_quantized_prefill, dense_copy_bytes
+
+    t0 = time.perf_counter()
+    if source is not None and args.quantized_prefill == "auto" and getattr(source, "qtype_name", "") == "BF16" \
+            and lib.bf16_gemm:
+        args.quantized_prefill = "dequantize"
+        log.info("quantized_prefill", chosen="dequantize", why="the CPU's bf16 GEMM multiplies the weights as held")
+    elif source is not None and args.quantized_prefill == "auto" and lib.packing and lib.int8_activations:
+        args.quantized_prefill = "dequantize"  # no dense copy: many rows run on the packed kernel too
+        log.info("quantized_prefill", chosen="dequantize",
+                 why="the packed kernel with 8-bit activations multiplies many rows faster than an fp32 copy")
+    elif source is not None:
+        prefill, why = choose_quantized_prefill(
+            args.quantized_prefill, dense_copy_bytes(model.file_blocks),
+            kv_budget_bytes(args, config, kv_dtype, model.shard.num_kv_heads), available_bytes())
+        args.quantized_prefill = prefill
+        log.info("quantized_prefill", chosen=prefill, why=why)
+    # a prefill that dequantizes tiles multiplies them with F.linear: no library to measure (measuring
+    # one allocates the model's shapes in fp32, which is what that choice is avoiding)
+    no_dense_copy = source is not None and args.quantized_prefill == "dequantize"
+    dense = choose_matmul("dense" if no_dense_copy else args.matmul, model.matmul_shapes(), device, dtype)
+    fused = device.type == "cpu" and args.cpu_decode == "fused" and tp == 1 and dtype == torch.float32
+    if source is None:  # the fused decode step reads plain fp32 rows: kept beside oneDNN's packed copies
+        model.use_matmul(dense, drop_dense=not fused)
+    else:
+        from worker.quantized import choose_threshold, model_linears
+
+        lib.dense = dense
+        counts = model.use_quantized(model.file_blocks, lib, keep_dense=args.quantized_prefill == "dense")
+        if lib.packing and lib.int8_activations and no_dense_copy:
+            # every step on the packed kernel: faster than dequantizing tiles at any row count (1B and 8B
+            # measured), and one arithmetic for every batch, so an answer does not depend on its company
+            lib.max_kernel_rows = 1 << 30
+        else:
+            choose_threshold(lib, model_linears(model))
+        log.info("quantized_weights", source=source.description, matrices=counts, prefill=args.quantized_prefill,
+                 activations=args.quantized_activations, max_kernel_rows=lib.max_kernel_rows,
+                 read_s=round(load_s, 1), ready_s=round(load_s + time.perf_counter() - t0, 1))
+    if fused:
+        use_fused_decode(model, tp, args.quantized_activations)
+    if device.type == "cpu" and tp == 1 and dtype == torch.float32:
+        use_native_head(model)
+
+
+def make_attention(args, model, config, device, dtype, kv_dtype):
+    from worker.attention import make_backend
+
+    return make_backend(args.attention_backend, device, (model.shard.num_q_heads, model.shard.num_kv_heads,
+                                                         config.head_dim, args.block_size, dtype, kv_dtype))
+
+
+def size_pool(args, loaded: Loaded, device, tp: int) -> PoolPlan:
+    """Phase 3: the KV pool's blocks (by flag; on CUDA what the card holds after the largest step and the
+    decode graphs, each measured), the most sequences a step runs, and whether decode runs as graphs."""
+    import torch
+
+    from worker.kv_pool import bytes_per_block, parse_bytes
+    from worker.sizing import (
+        GPU_MAX_NUM_SEQS,
+        default_max_num_seqs,
+        gpu_blocks,
+        measure_graph_bytes,
+        profile_gpu_peak,
+    )
+
+    config, attn = loaded.config, loaded.attn
+    per_block = bytes_per_block(config, args.block_size, loaded.kv_dtype, loaded.heads)
     # graphs capture the step as the triton backend runs it (its per-step metadata is built without a host
     # sync); the torch backend reads lengths back on the host, which a capture cannot hold
     use_graphs = device.type == "cuda" and not args.enforce_eager and tp == 1 and attn.name == "triton"
@@ -472,71 +519,118 @@ def main(argv: list[str] | None = None) -> int:
         elif args.kv_cache_memory:
             num_blocks = parse_bytes(args.kv_cache_memory) // per_block
         elif device.type == "cuda":
-            non_kv = profile_gpu_peak(model, attn, device, kv_dtype, args.block_size, args.max_num_batched_tokens,
-                                      rows_bound)
-            graph_bytes = measure_graph_bytes(model, attn, device, kv_dtype, args.block_size, rows_bound,
-                                              graph_context) if use_graphs else 0
+            non_kv = profile_gpu_peak(loaded.model, attn, device, loaded.kv_dtype, args.block_size,
+                                      args.max_num_batched_tokens, rows_bound)
+            graph_bytes = measure_graph_bytes(loaded.model, attn, device, loaded.kv_dtype, args.block_size,
+                                              rows_bound, graph_context) if use_graphs else 0
             num_blocks = gpu_blocks(device, args.gpu_memory_utilization, non_kv + graph_bytes, per_block)
             log.info("gpu_memory_budget", non_kv_bytes=non_kv, graph_bytes=graph_bytes, bytes_per_block=per_block,
                      num_blocks=num_blocks, utilization=args.gpu_memory_utilization)
         else:
             num_blocks = parse_bytes(CPU_KV_CACHE_MEMORY) // per_block
     except torch.cuda.OutOfMemoryError as e:
-        log.error("profile_out_of_memory", error=str(e))
-        print("pagedserve-worker: out of GPU memory while measuring the largest step: lower --max-num-batched-tokens "
-              f"or --max-num-seqs, or raise --gpu-memory-utilization ({e})", file=sys.stderr)
-        return EXIT_CONFIG
+        raise Refused("profile_out_of_memory", "out of GPU memory while measuring the largest step: lower "
+                      "--max-num-batched-tokens or --max-num-seqs, or raise --gpu-memory-utilization "
+                      f"({e})", error=str(e)) from None
     if num_blocks < 1:
-        log.error("kv_budget_too_small", kv_cache_memory=args.kv_cache_memory,
-                  gpu_memory_utilization=args.gpu_memory_utilization, bytes_per_block=per_block)
-        return EXIT_CONFIG
+        raise Refused("kv_budget_too_small", kv_cache_memory=args.kv_cache_memory,
+                      gpu_memory_utilization=args.gpu_memory_utilization, bytes_per_block=per_block)
     max_num_seqs = args.max_num_seqs or default_max_num_seqs(device.type, num_blocks, args.block_size,
                                                              args.max_num_batched_tokens)
+    return PoolPlan(num_blocks, args.block_size, per_block, max_num_seqs, use_graphs, graph_context)
+
+
+def build_runner(loaded: Loaded, plan: PoolPlan, device):
+    """Phase 4: the pool allocated, the runner warmed (kernels compiled, libraries warmed before the first
+    request, not during it), decode graphs captured. -> (runner, seconds the warm-up took)."""
+    from worker.kv_pool import KVPool
+    from worker.memory_plan import available_bytes, resident_bytes
+    from worker.runner import ModelRunner, is_device_fatal, warm_up
+
     model_resident, _ = resident_bytes()  # weights (and their copies), libraries: everything but the pool
-    pool = KVPool(config, num_blocks, args.block_size, kv_dtype, device, heads)
+    pool = KVPool(loaded.config, plan.num_blocks, plan.block_size, loaded.kv_dtype, device, loaded.heads)
     if device.type == "cpu":  # what this worker will hold: the model as loaded, and the pool (paged in as used)
         rss, peak = resident_bytes()
-        log.info("host_memory", model_resident_bytes=model_resident, kv_pool_bytes=num_blocks * per_block,
-                 planned_bytes=model_resident + num_blocks * per_block, peak_resident_bytes=peak,
-                 resident_bytes=rss, available_bytes=available_bytes())
-    runner = ModelRunner(model, pool, attn, device)
-    warm_s = warm_up(runner)  # kernels compiled and libraries warmed before the first request, not during it
-    if use_graphs:
+        pool_bytes = plan.num_blocks * plan.bytes_per_block
+        log.info("host_memory", model_resident_bytes=model_resident, kv_pool_bytes=pool_bytes,
+                 planned_bytes=model_resident + pool_bytes, peak_resident_bytes=peak, resident_bytes=rss,
+                 available_bytes=available_bytes())
+    runner = ModelRunner(loaded.model, pool, loaded.attn, device)
+    warm_s = warm_up(runner)
+    if plan.use_graphs:
         try:
-            runner.graphs = capture_decode_graphs(model, pool, attn, device, max_num_seqs, graph_context)
+            runner.graphs = capture_decode_graphs(loaded.model, pool, loaded.attn, device, plan.max_num_seqs,
+                                                  plan.graph_context)
         except Exception as e:  # noqa: BLE001 - any failure: the budget or the model is wrong, say so and stop
             if is_device_fatal(e):
                 raise
-            log.error("decode_graphs_failed", error=repr(e), max_num_seqs=max_num_seqs)
-            print(f"pagedserve-worker: capturing the decode graphs failed ({e!r}); lower --gpu-memory-utilization "
-                  "or --max-num-seqs, or pass --enforce-eager to decode without graphs", file=sys.stderr)
-            return EXIT_CONFIG
-    handshake = wire_pb2.Handshake(
+            raise Refused("decode_graphs_failed", f"capturing the decode graphs failed ({e!r}); lower "
+                          "--gpu-memory-utilization or --max-num-seqs, or pass --enforce-eager to decode without "
+                          "graphs", error=repr(e), max_num_seqs=plan.max_num_seqs) from None
+    return runner, warm_s
+
+
+def handshake_for(args, loaded: Loaded, plan: PoolPlan, device, tp: int):
+    """Phase 5: what this rank tells the scheduler it is (the scheduler checks it against the group's)."""
+    from protos import wire_pb2
+
+    config = loaded.config
+    return wire_pb2.Handshake(
         tp_rank=args.rank,
         tp_size=tp,
         replica=args.replica,
         rendezvous=args.rendezvous,
-        num_blocks=num_blocks,
+        num_blocks=plan.num_blocks,
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=plan.max_num_seqs,
         kv_window=config.max_window,
         model_fingerprint=config.fingerprint(os.path.basename(os.path.normpath(args.model)) + args.load_format),
         vocab_size=config.vocab_size,
         max_context=config.max_position_embeddings,
-        bytes_per_block=per_block,
-        num_kv_heads=heads,
+        bytes_per_block=plan.bytes_per_block,
+        num_kv_heads=loaded.heads,
         device=str(device),
-        dtype=str(weights_dtype).removeprefix("torch."),
-        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
-        attention_backend=attn.name,
+        dtype=str(loaded.weights_dtype).removeprefix("torch."),
+        kv_cache_dtype=str(loaded.kv_dtype).removeprefix("torch."),
+        attention_backend=loaded.attn.name,
         pid=os.getpid(),
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    if os.environ.get("PAGEDSERVE_SUPERVISED") == "1":
+        # Ctrl-C reaches the terminal's whole process group: under a supervisor the worker leaves it to the
+        # supervisor, which lets the scheduler drain on this worker first and then stops it with SIGTERM
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from worker.host_memory import ensure_allocator, resolve_mode
+
+    allocator = ensure_allocator(resolve_mode(args.malloc), args.device, "worker.main", argv)  # may re-execute
+    tp = args.tensor_parallel_size
+    configure_logging(args.log_level, process=f"worker-{args.replica}.{args.rank}", log_format=args.log_format)
+    try:
+        check_flags(args, tp)
+        device, dtype = start_device(args)
+        loaded = load(args, device, dtype, tp)
+        plan = size_pool(args, loaded, device, tp)
+        runner, warm_s = build_runner(loaded, plan, device)
+    except Refused as e:
+        log.error(e.event, **e.fields)
+        if e.message:
+            print(f"pagedserve-worker: {e.message}", file=sys.stderr)
+        return EXIT_CONFIG
+    from worker.server import WorkerServer
+
+    handshake = handshake_for(args, loaded, plan, device, tp)
     log.info("model_loaded", model=args.model, device=str(device), dtype=handshake.dtype,
-             compute_dtype=str(dtype).removeprefix("torch."), kv_cache_dtype=handshake.kv_cache_dtype,
-             num_blocks=num_blocks,
-             attention_backend=attn.name, matmul=model.mm.name, malloc=allocator, warm_up_s=round(warm_s, 3),
-             tp_rank=args.rank, tp_size=tp, replica=args.replica, kv_heads=heads, max_num_seqs=max_num_seqs,
+             compute_dtype=str(loaded.dtype).removeprefix("torch."), kv_cache_dtype=handshake.kv_cache_dtype,
+             num_blocks=plan.num_blocks, attention_backend=loaded.attn.name, matmul=loaded.model.mm.name,
+             malloc=allocator, warm_up_s=round(warm_s, 3), tp_rank=args.rank, tp_size=tp, replica=args.replica,
+             kv_heads=loaded.heads, max_num_seqs=plan.max_num_seqs,
              decode_graphs=runner.graphs.buckets if runner.graphs is not None else None,
              graph_contexts=runner.graphs.contexts if runner.graphs is not None else None)
     server = WorkerServer(args.scheduler, runner, handshake, scheduler_timeout=args.scheduler_timeout,

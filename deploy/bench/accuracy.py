@@ -38,7 +38,7 @@ from pathlib import Path
 
 from deploy.testing import ServerProcess
 
-TEXT = Path(__file__).resolve().parent / "data" / "perplexity.txt"
+TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
 
 
 def chunks(tokens: list[int], ctx: int, bos: int | None) -> list[list[int]]:
