@@ -51,13 +51,14 @@ def test_the_scheduler_adopts_the_smallest_proposal_when_left_to_the_workers():
 def test_a_cpu_only_torch_on_a_host_with_an_nvidia_gpu_refuses_to_start(monkeypatch, capsys, tiny_model_dir):
     """Serving on the CPU by accident, hundreds of times slower, with no word: refused with what to do."""
     import worker.main as worker_main
+    import worker.startup
     from protos import EXIT_CONFIG
 
     if torch.cuda.is_available():
         pytest.skip("torch sees the GPU here")
     import structlog
 
-    monkeypatch.setattr(worker_main, "nvidia_gpu_present", lambda: True)
+    monkeypatch.setattr(worker.startup, "nvidia_gpu_present", lambda: True)
     try:
         code = worker_main.main(["--model", str(tiny_model_dir), "--scheduler", "tcp://127.0.0.1:1", "--malloc",
                                  "glibc", "--log-format", "json"])

@@ -236,8 +236,8 @@ def _served_model(args, cpu):
 
     from kernels import cpu_native
     from worker.linear import choose as choose_matmul
-    from worker.main import use_fused_decode
     from worker.quantized import GGUFQuantSource, QuantizedMatmul, choose_threshold, find_gguf, model_linears
+    from worker.startup import use_fused_decode
     from worker.weights import load_model
 
     model, config = load_model(args.model, "auto", torch.float32, cpu)
