@@ -186,12 +186,7 @@ class KVCacheManager:
             for i in range(len(seq.dropped_ids) - 1, -1, -1):
                 if seq.dropped_ids[i] >= 0:
                     self.allocator.touch(seq.dropped_ids[i], seq.block_hash(i, self.block_size))
-        seq.dropped_ids = []
-        seq.block_ids = []
-        seq.num_computed_tokens = 0
-        seq.num_registered_blocks = 0
-        seq.num_dropped_blocks = 0
-        seq.epoch += 1
+        self.disown(seq)  # the table empties; nothing is left to give back
 
     # --- accounting ------------------------------------------------------------------------------
     @staticmethod
