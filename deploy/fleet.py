@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -179,6 +180,114 @@ def summary(addresses: list[str], supervisor: Supervisor, run_dir: Path, gateway
     return "\n".join(lines)
 
 
+@dataclass
+class Fleet:
+    """The supervised processes of a deployment: each server's scheduler unit and folder, and the workers
+    that follow each scheduler (restarted with it)."""
+
+    supervisor: Supervisor
+    schedulers: list[Unit]
+    dirs: list[Path]
+    followers: dict[str, list[Unit]] = field(default_factory=dict)
+
+
+def refuse_second_deployment(pid_file: Path) -> str | None:
+    """Why this run folder cannot take another deployment now (one is running from it), or None."""
+    if not pid_file.exists():
+        return None
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+    except (ProcessLookupError, ValueError):
+        return None  # a stale pid file
+    return (f"a deployment is already running from {pid_file.parent} (pid {pid_file.read_text().strip()}); "
+            "stop it first (`make deploy-stop`)")
+
+
+def plan_fleet(args, run_dir: Path, replicas: list[int] | None) -> Fleet:
+    """The units to start first: each server's scheduler (its workers join once it has bound its ports),
+    or under --workers-only this host's workers of a scheduler elsewhere."""
+    if args.workers_only:
+        units = worker_units(args, args.scheduler, replicas, run_dir, args.rendezvous_host)
+        return Fleet(Supervisor(units, env={"PYTHONUNBUFFERED": "1"}, cwd=ROOT), [], [])
+    # each scheduler starts first and says which ports it bound (any free one where the flag says 0); its
+    # workers start once it has, and a restarted scheduler binds the same ports again, so restarted
+    # workers, clients and the gateway find it
+    dirs = [run_dir] if args.servers == 1 else [run_dir / f"server-{i}" for i in range(args.servers)]
+    units = []
+    for i, folder in enumerate(dirs):
+        folder.mkdir(parents=True, exist_ok=True)
+        program = scheduler_program(args, args.worker_endpoint, folder, i)
+        units.append(Unit(program.name, [program]))
+    return Fleet(Supervisor(units, env={"PYTHONUNBUFFERED": "1"}, cwd=ROOT), list(units), dirs,
+                 {u.name: [] for u in units})
+
+
+def start_servers(args, fleet: Fleet, replicas: list[int] | None) -> list[str]:
+    """Start every unit; as each scheduler binds, pin its ports and start its workers. Returns the servers'
+    addresses ([] where a scheduler never bound)."""
+    for folder in fleet.dirs:
+        (folder / "scheduler.port").unlink(missing_ok=True)  # a file from an earlier run says nothing
+    fleet.supervisor.start_all()
+    addresses = []
+    for sched, folder in zip(fleet.schedulers, fleet.dirs, strict=True):
+        bound = wait_bound(folder / "scheduler.port", args.ready_timeout, fleet.supervisor)
+        if bound is None:
+            return []
+        addresses.append(f"{args.host}:{bound['port']}")
+        pin_ports(sched.programs[0], bound["port"], bound["worker_endpoint"])
+        for unit in worker_units(args, bound["worker_endpoint"], replicas, folder, args.rendezvous_host):
+            if args.servers > 1:
+                unit.name = f"{sched.name}/{unit.name}"
+            fleet.followers[sched.name].append(unit)
+            fleet.supervisor.units.append(unit)
+            fleet.supervisor.start(unit)
+    return addresses
+
+
+def start_gateway(args, fleet: Fleet, addresses: list[str], run_dir: Path) -> list[str]:
+    """SMG in front of the servers, supervised like them; its banner once every server is registered.
+    RuntimeError / TimeoutError: it did not come up."""
+    from deploy.gateway import smg_command, wait_ready
+    from scheduler_service.config import ModelSpec
+
+    gateway = Program("gateway", smg_command(addresses, args.http_host, args.http_port, args.model,
+                                             args.gateway_policy, gateway_metrics_port(args)),
+                      run_dir / "gateway.log")
+    unit = Unit("gateway", [gateway])
+    fleet.supervisor.units.append(unit)
+    fleet.supervisor.start(unit)
+    base_url = f"http://{args.http_host}:{args.http_port}"
+    wait_ready(base_url, len(addresses), args.ready_timeout,
+               alive=lambda: (fleet.supervisor.poll(), unit.restarts == 0)[1])
+    return gateway_banner(base_url, ModelSpec.from_folder(args.model).name, len(addresses))
+
+
+def watch(fleet: Fleet, stopping: dict) -> None:
+    """Keep the fleet up until a signal: restart what exits, and when a scheduler restarts, its workers
+    with it (they rejoin the new one)."""
+    restarts = {u.name: u.restarts for u in fleet.schedulers}
+    while stopping["signal"] is None:
+        fleet.supervisor.poll()
+        for sched in fleet.schedulers:
+            if sched.restarts != restarts[sched.name]:
+                restarts[sched.name] = sched.restarts
+                for unit in fleet.followers[sched.name]:
+                    for proc in unit.procs:
+                        proc.terminate()
+        time.sleep(0.2)
+
+
+def stop(args, fleet: Fleet) -> None:
+    """The schedulers first: they stop admitting and finish what they hold (--drain-timeout) with their
+    workers and the gateway still up; the gateway and workers only then. Under --workers-only the scheduler
+    is elsewhere: the workers go when it tells them (it is draining too) or is gone, or after its drain
+    time."""
+    drain = getattr(args, "drain_timeout", 30.0) + 15.0
+    if args.workers_only:
+        fleet.supervisor.wait_exit(drain)
+    fleet.supervisor.stop_all(first=[u.name for u in fleet.schedulers], first_timeout=drain)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, process="deploy", log_format=args.log_format)
@@ -186,14 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     pid_file = run_dir / "deploy.pid"
-    if pid_file.exists():
-        try:
-            os.kill(int(pid_file.read_text()), 0)
-            print(f"a deployment is already running from {run_dir} (pid {pid_file.read_text().strip()}); "
-                  "stop it first (`make deploy-stop`)", file=sys.stderr)
-            return 1
-        except (ProcessLookupError, ValueError):
-            pass  # a stale pid file
+    why = refuse_second_deployment(pid_file)
+    if why:
+        print(why, file=sys.stderr)
+        return 1
     stopping = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -205,94 +310,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.servers < 1 or (args.servers > 1 and args.workers_only):
         print("--servers must be at least 1 (and --workers-only runs the workers of one server)", file=sys.stderr)
         return EXIT_CONFIG
-    if args.workers_only:
-        if not args.scheduler:
-            print("--workers-only needs --scheduler tcp://HOST:PORT", file=sys.stderr)
-            return EXIT_CONFIG
-        units = worker_units(args, args.scheduler, replicas, run_dir, args.rendezvous_host)
-        dirs = []
-    else:
-        # each scheduler starts first and says which ports it bound (any free one where the flag says 0); its
-        # workers start once it has, and a restarted scheduler binds the same ports again, so restarted
-        # workers, clients and the gateway find it
-        dirs = [run_dir] if args.servers == 1 else [run_dir / f"server-{i}" for i in range(args.servers)]
-        units = []
-        for i, folder in enumerate(dirs):
-            folder.mkdir(parents=True, exist_ok=True)
-            program = scheduler_program(args, args.worker_endpoint, folder, i)
-            units.append(Unit(program.name, [program]))
-    schedulers = list(units) if not args.workers_only else []
-    followers: dict[str, list[Unit]] = {u.name: [] for u in schedulers}  # a scheduler's workers
-    supervisor = Supervisor(units, env={"PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+    if args.workers_only and not args.scheduler:
+        print("--workers-only needs --scheduler tcp://HOST:PORT", file=sys.stderr)
+        return EXIT_CONFIG
+    fleet = plan_fleet(args, run_dir, replicas)
     pid_file.write_text(str(os.getpid()))
     code = 0
-    addresses: list[str] = []
     try:
-        for folder in dirs:
-            (folder / "scheduler.port").unlink(missing_ok=True)  # a file from an earlier run says nothing
-        supervisor.start_all()
-        for sched, folder in zip(schedulers, dirs, strict=True):
-            bound = wait_bound(folder / "scheduler.port", args.ready_timeout, supervisor)
-            if bound is None:
-                addresses = []
-                break
-            addresses.append(f"{args.host}:{bound['port']}")
-            pin_ports(sched.programs[0], bound["port"], bound["worker_endpoint"])
-            for unit in worker_units(args, bound["worker_endpoint"], replicas, folder, args.rendezvous_host):
-                if args.servers > 1:
-                    unit.name = f"{sched.name}/{unit.name}"
-                followers[sched.name].append(unit)
-                supervisor.units.append(unit)
-                supervisor.start(unit)
-        ready = args.workers_only or (len(addresses) == len(schedulers) and all(
-            wait_serving(a, args.ready_timeout, supervisor) for a in addresses))
+        addresses = start_servers(args, fleet, replicas)
+        ready = args.workers_only or (len(addresses) == len(fleet.schedulers) and all(
+            wait_serving(a, args.ready_timeout, fleet.supervisor) for a in addresses))
         banner = None
         if ready and args.gateway and stopping["signal"] is None:
-            from deploy.gateway import smg_command, wait_ready
-            from scheduler_service.config import ModelSpec
-
-            gateway = Program("gateway", smg_command(addresses, args.http_host, args.http_port, args.model,
-                                                     args.gateway_policy, gateway_metrics_port(args)),
-                              run_dir / "gateway.log")
-            unit = Unit("gateway", [gateway])
-            supervisor.units.append(unit)
-            supervisor.start(unit)
-            base_url = f"http://{args.http_host}:{args.http_port}"
             try:
-                wait_ready(base_url, len(addresses), args.ready_timeout,
-                           alive=lambda: (supervisor.poll(), unit.restarts == 0)[1])
-                banner = gateway_banner(base_url, ModelSpec.from_folder(args.model).name, len(addresses))
+                banner = start_gateway(args, fleet, addresses, run_dir)
             except (RuntimeError, TimeoutError) as e:
                 print(f"the gateway did not come up: {e}; see {run_dir}/gateway.log", file=sys.stderr)
                 code = 1
-        if not ready:
-            if stopping["signal"] is None:
-                print(f"the service did not become SERVING within {args.ready_timeout}s; see {run_dir}/",
-                      file=sys.stderr)
-                code = 1
+        if not ready and stopping["signal"] is None:
+            print(f"the service did not become SERVING within {args.ready_timeout}s; see {run_dir}/",
+                  file=sys.stderr)
+            code = 1
         if code == 0 and stopping["signal"] is None:
-            print(summary(addresses, supervisor, run_dir, banner), flush=True)
-            restarts = {u.name: u.restarts for u in schedulers}
-            while stopping["signal"] is None:
-                supervisor.poll()
-                for sched in schedulers:  # workers follow their scheduler
-                    if sched.restarts != restarts[sched.name]:
-                        restarts[sched.name] = sched.restarts
-                        for unit in followers[sched.name]:
-                            for proc in unit.procs:
-                                proc.terminate()
-                time.sleep(0.2)
+            print(summary(addresses, fleet.supervisor, run_dir, banner), flush=True)
+            watch(fleet, stopping)
     except FatalExit as e:
         print(f"pagedserve deploy: {e}; see {run_dir}/", file=sys.stderr)
         code = 1
     finally:
-        # the schedulers first: they stop admitting and finish what they hold (--drain-timeout) with their
-        # workers and the gateway still up; the gateway and workers only then. Under --workers-only the scheduler is elsewhere: the workers go when
-        # it tells them (it is draining too) or is gone, or after its drain time
-        if args.workers_only:
-            supervisor.wait_exit(getattr(args, "drain_timeout", 30.0) + 15.0)
-        supervisor.stop_all(first=[u.name for u in schedulers],
-                            first_timeout=getattr(args, "drain_timeout", 30.0) + 15.0)
+        stop(args, fleet)
         pid_file.unlink(missing_ok=True)
     print("stopped: every process of the deployment has exited", flush=True)
     return code
