@@ -123,3 +123,18 @@ def test_duplicate_live_request_id_is_refused():
     with pytest.raises(DuplicateRequestId):
         sched.add_request(Request("x", [2], SamplingOptions(max_tokens=1)))
     assert len(sched.waiting) == 1
+
+
+def test_the_overlap_benchmarks_simulated_worker_serves_the_real_engine(tiny_model_dir):
+    """`make bench-overlap`'s worker process (the real WorkerServer over a runner of fixed step time) takes
+    plans from the real engine, overlap off and on, and every timed step completes."""
+    import argparse
+    import asyncio
+
+    from deploy.bench.overlap import measure_overlap
+
+    args = argparse.Namespace(model=str(tiny_model_dir), seqs=4, context=20, steps=0, step_ms=2.0, block_size=16,
+                              window=0.3)
+    for overlap in (False, True):
+        per = asyncio.run(measure_overlap(args, overlap))
+        assert per["period"] > 0 and per["worker_forward"] > 0

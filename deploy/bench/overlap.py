@@ -22,8 +22,12 @@ class SimulatedRunner:
         self.model = SimulatedWorker(num_blocks, block_size) if check else None
         self.last_step_id = 0
         self.last_sampled: np.ndarray | None = None
+        self.device_free_at = 0.0
 
-    def execute(self, plan: wire_pb2.StepPlan) -> wire_pb2.StepResult:
+    def launch(self, plan: wire_pb2.StepPlan, await_mask=None):
+        """As ModelRunner.launch: the step's tokens now, its device time simulated as a clock that is done
+        step_s after the launch, so the worker takes the next plan meanwhile (overlap). A rejected plan: its
+        error result."""
         import time
 
         from protos.codec import CodecError, encode_result
@@ -41,10 +45,46 @@ class SimulatedRunner:
             self.last_sampled = None
             return wire_pb2.StepResult(step_id=plan.step_id, error=f"rejected plan: {e}")
         self.last_step_id, self.last_sampled = plan.step_id, sampled
-        busy = time.perf_counter() - t0
-        if busy < self.step_s:
-            time.sleep(self.step_s - busy)
-        return encode_result(plan.step_id, sampled, time_forward=time.perf_counter() - t0)
+        # one device: a step starts when the one before it is done (or now), and runs step_s
+        start = max(t0, self.device_free_at)
+        done_at = max(start + self.step_s, time.perf_counter())
+        self.device_free_at = done_at
+        return SimulatedStep(plan.step_id, encode_result(plan.step_id, sampled, time_forward=done_at - start),
+                             SimulatedClock(done_at))
+
+    def finish(self, f: SimulatedStep) -> wire_pb2.StepResult:
+        f.clock.wait()
+        return f.result
+
+    def execute(self, plan: wire_pb2.StepPlan) -> wire_pb2.StepResult:
+        launched = self.launch(plan)
+        return launched if isinstance(launched, wire_pb2.StepResult) else self.finish(launched)
+
+
+class SimulatedClock:
+    """A step's device time, simulated: done at a moment."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def done(self) -> bool:
+        import time
+
+        return time.perf_counter() >= self.at
+
+    def wait(self) -> None:
+        import time
+
+        left = self.at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
+class SimulatedStep:
+    """A launched step: what ModelRunner.launch returns, as far as the worker's server reads it."""
+
+    def __init__(self, step_id: int, result: wire_pb2.StepResult, clock: SimulatedClock) -> None:
+        self.step_id, self.result, self.clock = step_id, result, clock
 
 
 def serve_worker(args) -> int:
