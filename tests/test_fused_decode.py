@@ -227,28 +227,43 @@ def test_a_model_the_step_cannot_serve_says_why():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("activations", ["auto", "int8"])
-def test_a_server_decodes_the_same_greedy_tokens_fused_and_layer_by_layer(server_factory, tmp_path, activations):
+def test_a_server_decodes_the_same_greedy_tokens_fused_and_layer_by_layer(server_factory, tmp_path):
     from protos import generation_pb2 as pb
 
     folder = make_tiny_gguf(tmp_path / "q4", qtype="Q4_1")
     prompts = [[1, 5 + i, 9, 30 + 2 * i, 7] * (1 + i) for i in range(6)]
     outputs = []
     for mode in ("fused", "layers"):
-        server = server_factory(folder, "--block-size", "4", "--cpu-decode", mode, "--quantized-activations",
-                                activations)
+        server = server_factory(folder, "--block-size", "4", "--cpu-decode", mode)
         futures = [server.stub.Generate.future(pb.GenerateRequest(
             prompt_token_ids=p, sampling=pb.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
             for p in prompts]
         outputs.append([list(f.result(timeout=120).choices[0].token_ids) for f in futures])
-        log = server.log_path.read_text()
-        assert ('"fused_decode"' in log) == (mode == "fused")
-        if activations == "int8" and cpu_native.load().packed_fast:  # packed, 8-bit activations on both paths,
-            # every step on the packed kernel (no fp32 copy, no row limit): one arithmetic whatever the batch
-            assert '"activations": "int8"' in log and '"prefill": "dequantize"' in log
-            assert '"max_kernel_rows": 1073741824' in log
+        assert ('"fused_decode"' in server.log_path.read_text()) == (mode == "fused")
         server.stop()
     assert outputs[0] == outputs[1]
+
+
+def test_int8_activations_start_a_worker_on_the_packed_kernel_alone(tmp_path):
+    """`--quantized-activations int8` as the worker starts it: packed weights meeting 8-bit activations in
+    the layer path and the fused step, no fp32 copy for prefill and no timed row limit, so every step runs
+    one arithmetic whatever the batch (the fused step equals the layer path: the tests above)."""
+    from worker.main import build_parser
+    from worker.startup import load, start_device
+
+    if not cpu_native.load().packed_fast:
+        pytest.skip("no byte dot products here: nothing is packed")
+    folder = make_tiny_gguf(tmp_path / "q4", qtype="Q4_1")
+    args = build_parser().parse_args(["--model", str(folder), "--scheduler", "tcp://127.0.0.1:1", "--device", "cpu",
+                                      "--quantized-activations", "int8", "--num-blocks", "8"])
+    device, dtype = start_device(args)
+    loaded = load(args, device, dtype, 1)
+    lib = loaded.model.mm
+    assert lib.int8_activations and lib.packing and args.quantized_prefill == "dequantize"
+    assert lib.max_kernel_rows >= 1 << 30 and loaded.model.fused is not None
+    assert loaded.model.fused.max_rows == lib.max_kernel_rows
+    assert all(w.dense is None and w.q.qtype.endswith("_x16") for w in loaded.model.layers[0].w.values()
+               if hasattr(w, "q") and w.q.out_dim % 16 == 0)
 
 
 @pytest.mark.slow
