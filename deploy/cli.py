@@ -62,7 +62,8 @@ def sampling_from_args(args: argparse.Namespace):
         stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos, n=args.n, min_p=args.min_p,
         min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias),
-        json_schema=_text_or_file(args.json_schema), regex=args.regex or "", grammar=_text_or_file(args.grammar),
+        json_schema=_text_or_file(args.json_schema), regex=args.regex or "",
+        grammar=_text_or_file(args.grammar),
     )
     if args.top_p is not None and temperature > 0:
         sampling.top_p = args.top_p
@@ -90,7 +91,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             generation_pb2.ChatMessage(role="system", content=_text_or_file(args.system)),
             generation_pb2.ChatMessage(role="user", content=args.prompt)], sampling=sampling_from_args(args))
     else:
-        req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling_from_args(args), raw_prompt=args.raw)
+        req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling_from_args(args),
+                                             raw_prompt=args.raw)
     stub = _stub(args.server, args.tls_ca)
     try:
         if args.json:
@@ -141,8 +143,9 @@ def chat_turn(stub, history: list, sampling, timeout: float, out=sys.stdout) -> 
     from protos import generation_pb2
 
     request_id = f"chat-{uuid.uuid4().hex}"
-    call = stub.GenerateStream(generation_pb2.GenerateRequest(request_id=request_id, messages=history,
-                                                              sampling=sampling), timeout=timeout)
+    call = stub.GenerateStream(
+        generation_pb2.GenerateRequest(request_id=request_id, messages=history, sampling=sampling),
+        timeout=timeout)
     answer = []
     try:
         for msg in call:
@@ -166,7 +169,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     stub = _stub(args.server, args.tls_ca)
     sampling = sampling_from_args(args)
-    system = [generation_pb2.ChatMessage(role="system", content=_text_or_file(args.system))] if args.system else []
+    system = [generation_pb2.ChatMessage(role="system",
+                                         content=_text_or_file(args.system))] if args.system else []
     history = list(system)
     print(CHAT_HELP, file=sys.stderr)
     prompt = ">>> " if sys.stdin.isatty() else ""  # piped input: stdout carries the answers alone
@@ -202,7 +206,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     stub = _stub(args.server, args.tls_ca)
     try:
-        print(json_format.MessageToJson(stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout),
+        print(
+            json_format.MessageToJson(
+                stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout),
                                         always_print_fields_with_no_presence=True))
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
@@ -216,8 +222,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from protos import generation_pb2
 
     try:
-        stats = _stub(args.server, args.tls_ca).GetCacheStats(generation_pb2.GetCacheStatsRequest(),
-                                                               timeout=args.timeout)
+        stats = _stub(args.server, args.tls_ca).GetCacheStats(
+            generation_pb2.GetCacheStatsRequest(), timeout=args.timeout)
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -255,7 +261,8 @@ def cmd_top(args: argparse.Namespace) -> int:
         with Live(console=console, auto_refresh=False, screen=not args.no_screen, transient=False) as live:
             while args.iterations is None or drawn < args.iterations:
                 try:
-                    now = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=args.timeout),
+                    now = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(),
+                                                     timeout=args.timeout),
                                   time.monotonic())
                     view = top_view(now, before, args.server, model)
                     live.update(view, refresh=True)
@@ -263,7 +270,8 @@ def cmd_top(args: argparse.Namespace) -> int:
                 except grpc.RpcError as e:  # a restarting server: say so and keep trying
                     from rich.text import Text
 
-                    live.update(Text(f"{args.server}: {e.code().name}: {e.details()} (retrying)", style="red"),
+                    live.update(Text(f"{args.server}: {e.code().name}: {e.details()} (retrying)",
+                                     style="red"),
                                 refresh=True)
                 drawn += 1
                 if args.iterations is None or drawn < args.iterations:
@@ -282,7 +290,8 @@ def cmd_top(args: argparse.Namespace) -> int:
 def cmd_abort(args: argparse.Namespace) -> int:
     from protos import generation_pb2
 
-    resp = _stub(args.server, args.tls_ca).Abort(generation_pb2.AbortRequest(request_id=args.request_id), timeout=args.timeout)
+    resp = _stub(args.server, args.tls_ca).Abort(generation_pb2.AbortRequest(request_id=args.request_id),
+                                                 timeout=args.timeout)
     print("aborted" if resp.aborted else "no live request with that id")
     return 0 if resp.aborted else 1
 
@@ -291,8 +300,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
     from protos.curve import make_keys
 
     folder = make_keys(args.out)
-    print(f"keys written to {folder}/: give the scheduler --curve-keys {folder} and each worker the same folder "
-          "(on other hosts: scheduler.key and worker.key_secret are all a worker needs)")
+    print(f"keys written to {folder}/: give the scheduler --curve-keys {folder} and each worker the same "
+          "folder (on other hosts: scheduler.key and worker.key_secret are all a worker needs)")
     return 0
 
 
@@ -307,7 +316,8 @@ def _sampling_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("-n", "--n", type=int, default=1, help="number of samples")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[],
+                   help="stop token id (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
     g.add_argument("--repetition-penalty", type=float, default=None, help="transformers' (1 = off)")
@@ -336,10 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         from deploy.prepare_model import main as prepare_main
 
         return prepare_main(argv[1:])
-    p = argparse.ArgumentParser(prog="pagedserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="start a scheduler and its workers (see `pagedserve serve --help`)")
-    sub.add_parser("deploy", help="scheduler + TP x DP workers under a supervisor (see `pagedserve deploy --help`)")
+    sub.add_parser("deploy",
+                   help="scheduler + TP x DP workers under a supervisor (see `pagedserve deploy --help`)")
     sub.add_parser("prepare-model", help="turn a GGUF into a model folder")
     k = sub.add_parser("keys", help="make CurveZMQ keys for the scheduler <-> worker wire")
     k.add_argument("--out", required=True, help="folder to write the keys to")
@@ -368,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("top", help="a live view of a running server's KV pool and requests")
     t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     t.add_argument("--iterations", type=int, default=None, help="stop after this many refreshes")
-    t.add_argument("--no-screen", action="store_true", help="draw in place in the terminal, not a full screen")
+    t.add_argument("--no-screen", action="store_true",
+                   help="draw in place in the terminal, not a full screen")
     t.add_argument("--svg", default=None, metavar="FILE", help="save the last frame as an SVG picture")
     t.set_defaults(func=cmd_top)
     a = sub.add_parser("abort", help="abort a request")

@@ -95,13 +95,15 @@ def replica_table(s) -> Table | None:
     if len(s.replicas) < 2 and all(r.serving for r in s.replicas):
         return None
     t = Table(title="replicas", title_justify="left", expand=False)
-    for col in ("#", "status", "held", "cached", "free", "util", "hit rate", "running", "waiting", "requests"):
+    for col in ("#", "status", "held", "cached", "free", "util", "hit rate", "running", "waiting",
+                "requests"):
         t.add_column(col, justify="left" if col == "status" else "right")
     for r in s.replicas:
         held = r.num_blocks - r.num_free_blocks - r.num_cached_blocks
         status = Text("serving", style="green") if r.serving else Text(r.status or "down", style="red")
         t.add_row(str(r.replica), status, f"{held:,}", f"{r.num_cached_blocks:,}", f"{r.num_free_blocks:,}",
-                  f"{r.utilization:.0%}", hit_rate(r), str(r.num_running), str(r.num_waiting), f"{r.num_requests:,}")
+                  f"{r.utilization:.0%}", hit_rate(r), str(r.num_running), str(r.num_waiting),
+                  f"{r.num_requests:,}")
     return t
 
 
@@ -137,5 +139,5 @@ def top_view(now: Reading, before: Reading | None, server: str, model: str) -> P
         parts += [Text(), replicas]
     parts += [Text(), request_table(s)]
     stamp = time.strftime("%H:%M:%S")
-    return Panel(Group(*parts), title=f"pagedserve top — {model} @ {server}", subtitle=f"{stamp}  ctrl-c quits",
-                 expand=False)
+    return Panel(Group(*parts), title=f"pagedserve top — {model} @ {server}",
+                 subtitle=f"{stamp}  ctrl-c quits", expand=False)

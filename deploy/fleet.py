@@ -55,10 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run worker groups only (another host), connecting to --scheduler")
     d.add_argument("--scheduler", default=None, help="with --workers-only: the scheduler's ZeroMQ endpoint")
     d.add_argument("--replicas", default=None,
-                   help="comma-separated replicas whose workers run on this host (default: all; '' for none, when "
-                        "every worker runs elsewhere)")
+                   help="comma-separated replicas whose workers run on this host (default: all; '' for none, "
+                        "when every worker runs elsewhere)")
     d.add_argument("--rendezvous-host", default="127.0.0.1",
-                   help="address of this host that the ranks of its tensor-parallel groups reach each other on")
+                   help="address of this host that the ranks of its tensor-parallel groups reach each other "
+                        "on")
     d.add_argument("--servers", type=int, default=1,
                    help="independent servers (scheduler + workers each); more than one bind any free ports")
     g = p.add_argument_group("gateway (SMG in front: OpenAI-compatible HTTP)")
@@ -66,10 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--http-host", default="127.0.0.1", help="where the gateway listens")
     g.add_argument("--http-port", type=int, default=8000, help="the gateway's HTTP port")
     g.add_argument("--gateway-policy", default="cache_aware",
-                   choices=["cache_aware", "round_robin", "random", "power_of_two", "least_load", "prefix_hash",
-                            "consistent_hashing"], help="how the gateway picks a server")
+                   choices=["cache_aware", "round_robin", "random", "power_of_two", "least_load",
+                            "prefix_hash", "consistent_hashing"], help="how the gateway picks a server")
     g.add_argument("--gateway-metrics-port", type=int, default=None,
-                   help="the gateway's Prometheus port (default 29000, or any free port where 29000 is taken)")
+                   help="the gateway's Prometheus port (default 29000, or any free port where 29000 is "
+                        "taken)")
     return p
 
 
@@ -78,7 +80,8 @@ def scheduler_program(args: argparse.Namespace, endpoint: str, log_dir: Path, in
     serves metrics on its own port."""
     from scheduler_service.main import build_parser as scheduler_parser
 
-    flags = passthrough(scheduler_parser(), args, {"worker_endpoint", "model", "port_file", "port", "metrics_port"})
+    flags = passthrough(scheduler_parser(), args,
+                        {"worker_endpoint", "model", "port_file", "port", "metrics_port"})
     port = args.port if args.servers == 1 else 0
     metrics = args.metrics_port
     if args.servers > 1:  # a port each: any free one, or the one given plus the server's index (0: off)
@@ -88,7 +91,8 @@ def scheduler_program(args: argparse.Namespace, endpoint: str, log_dir: Path, in
             "--port-file", str(log_dir / "scheduler.port"), *flags]
     if metrics is not None:
         argv += ["--metrics-port", str(metrics)]
-    return Program("scheduler" if args.servers == 1 else f"scheduler-{index}", argv, log_dir / "scheduler.log")
+    return Program("scheduler" if args.servers == 1 else f"scheduler-{index}", argv,
+                   log_dir / "scheduler.log")
 
 
 def wait_bound(port_file: Path, timeout: float, supervisor: Supervisor) -> dict | None:
@@ -152,26 +156,30 @@ def gateway_metrics_port(args: argparse.Namespace) -> int:
 def _python() -> str:
     """This interpreter as a newcomer would type it (.venv/bin/python from the checkout)."""
     try:
-        return os.path.relpath(sys.executable) if Path(sys.executable).is_relative_to(ROOT) else sys.executable
+        inside = Path(sys.executable).is_relative_to(ROOT)
+        return os.path.relpath(sys.executable) if inside else sys.executable
     except ValueError:
         return sys.executable
 
 
 def gateway_banner(base_url: str, model: str, servers: int) -> list[str]:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    body = json.dumps({"model": model,
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     return [f"SMG serves an OpenAI-compatible API for {model} on {base_url}/v1 "
             f"(in front of {servers} pagedserve server{'s' if servers > 1 else ''})",
             f"  try: curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
-            f"   or: {_python()} -c \"from openai import OpenAI; print(OpenAI(base_url='{base_url}/v1', api_key='none')"
-            f".chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi!'}}])"
-            f".choices[0].message.content)\""]
+            f"   or: {_python()} -c \"from openai import OpenAI; print(OpenAI(base_url='{base_url}/v1', "
+            f"api_key='none').chat.completions.create(model='{model}', messages=[{{'role': 'user', "
+            "'content': 'Hi!'}]).choices[0].message.content)\""]
 
 
-def summary(addresses: list[str], supervisor: Supervisor, run_dir: Path, gateway: list[str] | None = None) -> str:
+def summary(addresses: list[str], supervisor: Supervisor, run_dir: Path,
+            gateway: list[str] | None = None) -> str:
     lines = list(gateway or [])
     for address in addresses:
         lines += [f"pagedserve is serving on {address}",
-                  f"  try: .venv/bin/pagedserve generate --server {address} \"What is the capital of France?\""]
+                  f"  try: .venv/bin/pagedserve generate --server {address} \"What is the capital of "
+                  "France?\""]
     lines.append(f"processes (logs in {run_dir}/):")
     for unit in supervisor.units:
         for prog, proc in zip(unit.programs, unit.procs, strict=True):
@@ -308,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     replicas = None if args.replicas is None else [int(x) for x in args.replicas.split(",") if x.strip()]
     if args.servers < 1 or (args.servers > 1 and args.workers_only):
-        print("--servers must be at least 1 (and --workers-only runs the workers of one server)", file=sys.stderr)
+        print("--servers must be at least 1 (and --workers-only runs the workers of one server)",
+              file=sys.stderr)
         return EXIT_CONFIG
     if args.workers_only and not args.scheduler:
         print("--workers-only needs --scheduler tcp://HOST:PORT", file=sys.stderr)

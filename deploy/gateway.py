@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def smg_command(worker_addresses: list[str], host: str, port: int, model_dir: str | Path,
-                policy: str = "cache_aware", metrics_port: int = 29000, extra: list[str] | None = None) -> list[str]:
+                policy: str = "cache_aware", metrics_port: int = 29000,
+                extra: list[str] | None = None) -> list[str]:
     """worker_addresses: the pagedserve servers' gRPC host:port. The model folder gives SMG its tokenizer
     and chat template at once (a server's GetTokenizer serves the same files where the folder is not local).
     SMG's own Prometheus metrics go to metrics_port on the same host."""
@@ -64,7 +65,8 @@ def ready_tokenizers(base_url: str, timeout: float = 2.0) -> set[str]:
             listed = json.loads(resp.read()).get("tokenizers", [])
         ready = set()
         for t in listed:
-            with urllib.request.urlopen(f"{base_url}/v1/tokenizers/{t['id']}/status", timeout=timeout) as resp:
+            with urllib.request.urlopen(f"{base_url}/v1/tokenizers/{t['id']}/status",
+                                        timeout=timeout) as resp:
                 if json.loads(resp.read()).get("status") == "completed":
                     ready.add(t["name"])
         return ready
@@ -86,8 +88,8 @@ def wait_ready(base_url: str, num_workers: int, timeout: float, alive=lambda: Tr
             if len(healthy) >= num_workers and set(models) <= ready_tokenizers(base_url):
                 return
         time.sleep(0.2)
-    raise TimeoutError(f"the gateway at {base_url} did not register {num_workers} worker(s) and their model's "
-                       f"tokenizer within {timeout:g}s")
+    raise TimeoutError(f"the gateway at {base_url} did not register {num_workers} worker(s) and their "
+                       f"model's tokenizer within {timeout:g}s")
 
 
 class GatewayProcess:
@@ -117,7 +119,8 @@ class GatewayProcess:
         if not wait:
             return self
         try:
-            wait_ready(self.base_url, len(self.worker_addresses), timeout, alive=lambda: self.proc.poll() is None)
+            wait_ready(self.base_url, len(self.worker_addresses), timeout,
+                       alive=lambda: self.proc.poll() is None)
         except (RuntimeError, TimeoutError) as e:
             self.stop()
             raise RuntimeError(f"{e}:\n{self.log_tail()}") from e

@@ -29,8 +29,8 @@ from worker.main import build_parser as worker_parser
 log = structlog.get_logger("launcher")
 
 # Worker flags the launchers set per rank rather than pass through.
-_PER_RANK = {"model", "scheduler", "replica", "rank", "rendezvous", "rendezvous_file", "local_rank", "curve_keys",
-             "log_level",
+_PER_RANK = {"model", "scheduler", "replica", "rank", "rendezvous", "rendezvous_file", "local_rank",
+             "curve_keys", "log_level",
              "log_format"}
 
 
@@ -61,7 +61,8 @@ def worker_units(args: argparse.Namespace, endpoint: str, replicas: list[int] | 
         # the group's rank 0 binds a free port and says which in a file beside the logs (removed before every
         # start of the group, so no rank reads an earlier start's port)
         rendezvous = f"tcp://{rendezvous_host}:0" if tp > 1 else ""
-        meeting = (log_dir or Path(tempfile.gettempdir()) / f"pagedserve-{os.getpid()}") / f"rendezvous-{d}.json"
+        meeting_dir = log_dir or Path(tempfile.gettempdir()) / f"pagedserve-{os.getpid()}"
+        meeting = meeting_dir / f"rendezvous-{d}.json"
         programs = []
         for r in range(tp):
             argv = [sys.executable, "-m", "worker.main", "--model", args.model, "--scheduler", endpoint,

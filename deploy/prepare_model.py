@@ -25,12 +25,14 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def is_prepared(out: Path, dense: bool = False) -> bool:
     """Whether `out` is complete: config, tokenizer, the file's name, and the fp32 weights where asked for."""
-    need = ("config.json", "tokenizer.json", "pagedserve_model.json") + (("model.safetensors",) if dense else ())
+    need = ("config.json", "tokenizer.json",
+            "pagedserve_model.json") + (("model.safetensors",) if dense else ())
     return all((out / f).is_file() for f in need)
 
 
 def needs_dense_copy(gguf_path: Path) -> bool:
-    """Whether the workers need the file's weights dequantized beforehand (an architecture they do not read)."""
+    """Whether the workers need the file's weights dequantized beforehand (an architecture they do not
+    read)."""
     from worker.gguf_weights import reads_natively
 
     return not reads_natively(gguf_path)
@@ -73,7 +75,8 @@ def prepare(gguf_path: Path, out: Path, model_name: str, dense: bool = True) -> 
     cfg.setdefault("bos_token", tokenizer.bos_token)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     (out / "pagedserve_model.json").write_text(
-        json.dumps({"model_name": model_name, "source": gguf_path.name, "gguf": str(gguf_path.resolve())}, indent=2)
+        json.dumps({"model_name": model_name, "source": gguf_path.name, "gguf": str(gguf_path.resolve())},
+                   indent=2)
     )
     return out
 
@@ -93,8 +96,8 @@ def model_folder(model: str) -> str:
         raise SystemExit(f"--model {model}: no such GGUF file")
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("PAGEDSERVE_MODELS") or Path(os.environ.get("PAGEDSERVE_CACHE") or
-                                                             Path.home() / ".cache" / "pagedserve") / "models")
+    base = Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
+    cache = Path(os.environ.get("PAGEDSERVE_MODELS") or base / "models")
     out = cache / f"{path.stem}-{key}"
     dense = needs_dense_copy(path)
     if not is_prepared(out, dense):
@@ -111,8 +114,8 @@ def model_folder(model: str) -> str:
 def preparation_refusal(path: Path, cache: Path, available: int | None = None,
                         free_disk: int | None = None) -> str | None:
     """Preparing a GGUF the workers cannot read directly dequantizes every tensor into an fp32 copy, in memory
-    and then on disk: None where this machine has room for it, else what it needs and has (said before starting, instead of the kernel's OOM
-    killer ending the process halfway with only `Killed`)."""
+    and then on disk: None where this machine has room for it, else what it needs and has (said before
+    starting, instead of the kernel's OOM killer ending the process halfway with only `Killed`)."""
     import shutil
 
     from gguf import GGUFReader
@@ -123,8 +126,8 @@ def preparation_refusal(path: Path, cache: Path, available: int | None = None,
     available = available_bytes() if available is None else available
     if available is not None and fp32 + GiB > available:
         return (f"{path.name} holds {fp32 // 4 / 1e9:.2f}B values; preparing it takes an fp32 copy of them "
-                f"({human(fp32 + GiB)} of memory with the converter's own) and this machine has {human(available)} "
-                "available: serve a smaller model or a machine with more memory")
+                f"({human(fp32 + GiB)} of memory with the converter's own) and this machine has "
+                f"{human(available)} available: serve a smaller model or a machine with more memory")
     cache.mkdir(parents=True, exist_ok=True)
     free_disk = shutil.disk_usage(cache).free if free_disk is None else free_disk
     if fp32 > free_disk:

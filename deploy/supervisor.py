@@ -112,7 +112,8 @@ class Supervisor:
             exited = {prog.name: c for prog, c in zip(unit.programs, codes, strict=True) if c is not None}
             self._stop_unit(unit)
             if EXIT_CONFIG in exited.values():
-                raise FatalExit(f"{unit.name}: {', '.join(f'{n} exited with {c}' for n, c in exited.items())}")
+                raise FatalExit(f"{unit.name}: "
+                                f"{', '.join(f'{n} exited with {c}' for n, c in exited.items())}")
             ran = now - unit.started_at
             unit.backoff = self.min_backoff if ran >= self.stable_after or not unit.backoff \
                 else min(self.max_backoff, unit.backoff * 2)

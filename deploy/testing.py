@@ -1,4 +1,5 @@
-"""Start a real pagedserve (scheduler + worker processes, gRPC + ZeroMQ on localhost) and wait until it serves.
+"""Start a real pagedserve (scheduler + worker processes, gRPC + ZeroMQ on localhost) and wait until it
+serves.
 
 Used by the end-to-end tests and the benchmarks: the same launcher `make run` uses, in a child process."""
 
@@ -89,7 +90,8 @@ class ServerProcess:
             self._log.close()
 
 
-def greedy_request(prompt: list[int], max_tokens: int, request_id: str = "") -> generation_pb2.GenerateRequest:
+def greedy_request(prompt: list[int], max_tokens: int,
+                   request_id: str = "") -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=prompt,
         sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
@@ -108,7 +110,8 @@ def next_token(context: list[int], seed: int | None = None, index: int = 0) -> i
     return int.from_bytes(digest, "little") % VOCAB
 
 
-def expected_output(prompt: list[int], max_tokens: int, seed: int | None = None, window: int = 0) -> list[int]:
+def expected_output(prompt: list[int], max_tokens: int, seed: int | None = None,
+                    window: int = 0) -> list[int]:
     """window > 0: a sliding-window model, each token a function of the last `window` tokens only."""
     ctx = list(prompt)
     for i in range(max_tokens):

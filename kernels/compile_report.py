@@ -1,8 +1,8 @@
 """What the Triton kernels compile to: registers, spills, shared memory, and how many versions of each.
 
 Two ways to read it:
-- `offline_report()` compiles every Triton kernel of kernels/ for a CUDA target (sm_90 by default) without a GPU,
-  at the launch configurations the launchers choose for each head_dim and block size, and reads registers
+- `offline_report()` compiles every Triton kernel of kernels/ for a CUDA target (sm_90 by default) without a
+  GPU, at the launch configurations the launchers choose for each head_dim and block size, and reads registers
   and spill bytes from ptxas (`make gpu-compile-report`).
 - `runtime_report()` lists what this process has compiled and launched so far (on a GPU: registers and
   spills as the driver loaded them) — one entry per compiled version, so a kernel that was compiled again
@@ -42,8 +42,10 @@ def runtime_report() -> dict[str, list[dict]]:
             kernel_cache = caches[0]
             for kernel in kernel_cache.values():
                 meta = kernel.metadata
-                versions.append(dict(regs=getattr(kernel, "n_regs", None), spills=getattr(kernel, "n_spills", None),
-                                     shared=meta.shared, num_warps=meta.num_warps, num_stages=meta.num_stages))
+                versions.append(dict(regs=getattr(kernel, "n_regs", None),
+                                     spills=getattr(kernel, "n_spills", None),
+                                     shared=meta.shared, num_warps=meta.num_warps,
+                                     num_stages=meta.num_stages))
         if versions:
             report[name] = versions
     return report
@@ -51,7 +53,8 @@ def runtime_report() -> dict[str, list[dict]]:
 
 def print_runtime_report(report: dict[str, list[dict]] | None = None, file=sys.stdout) -> None:
     report = runtime_report() if report is None else report
-    print(f"{'kernel':<28} {'versions':>8} {'regs':>5} {'spills':>7} {'shared':>7} {'warps':>5} {'stages':>6}",
+    print(f"{'kernel':<28} {'versions':>8} {'regs':>5} {'spills':>7} {'shared':>7} {'warps':>5} "
+          f"{'stages':>6}",
           file=file)
     for name, versions in sorted(report.items()):
         for i, v in enumerate(versions):
@@ -87,11 +90,12 @@ def ptxas_usage(ptx: str, capability: int) -> dict:
                 spill_loads=int(loads.group(1)) if loads else 0, stack=int(stack.group(1)) if stack else 0)
 
 
-def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, capability: int = 90,
-                    aligned: tuple[str, ...] = ()) -> dict:
+def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
+                    capability: int = 90, aligned: tuple[str, ...] = ()) -> dict:
     """Compile one kernel for CUDA `capability` with no GPU present; -> regs, spills, shared bytes.
     signature: argument name -> Triton type ("*bf16", "i32", "fp32"); constexprs: name -> value; aligned:
-    arguments specialized as 16-byte aligned (pointers) or divisible by 16 (integers), as the runtime would."""
+    arguments specialized as 16-byte aligned (pointers) or divisible by 16 (integers), as the runtime
+    would."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -101,7 +105,8 @@ def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int, num_s
         sig[name] = "constexpr" if name in constexprs else signature[name]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned
              if a in fn.arg_names and a not in constexprs}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
     target = GPUTarget("cuda", capability, 32)
     compiled = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
     usage = ptxas_usage(compiled.asm["ptx"], capability)
@@ -143,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows))
         return 1 if any(r["spill_stores"] for r in rows) else 0
     print(f"sm_{args.capability}, {args.dtype}")
-    print(f"{'kernel':<44} {'regs':>5} {'spill st':>8} {'spill ld':>8} {'stack':>6} {'shared':>7} {'warps':>5} "
-          f"{'stages':>6}")
+    print(f"{'kernel':<44} {'regs':>5} {'spill st':>8} {'spill ld':>8} {'stack':>6} {'shared':>7} "
+          f"{'warps':>5} {'stages':>6}")
     spilled = 0
     for r in rows:
         print(f"{r['name']:<44} {r['regs']:>5} {r['spill_stores']:>8} {r['spill_loads']:>8} {r['stack']:>6} "

@@ -28,7 +28,8 @@ log = structlog.get_logger("kernels.cpu_native")
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = [SOURCE_DIR / "paged_decode.c", SOURCE_DIR / "paged_prefill.c", SOURCE_DIR / "elementwise.c",
            SOURCE_DIR / "quant_matmul.c", SOURCE_DIR / "decode_step.c"]
-HEADERS = [SOURCE_DIR / "vec_math.h", SOURCE_DIR / "quant_blocks.h", SOURCE_DIR / "rows.h", SOURCE_DIR / "packed_blocks.h"]
+HEADERS = [SOURCE_DIR / "vec_math.h", SOURCE_DIR / "quant_blocks.h", SOURCE_DIR / "rows.h",
+           SOURCE_DIR / "packed_blocks.h"]
 # PAGEDSERVE_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2, no AVX-512, for a
 # fleet of older machines; the tests build it so to check the portable paths here)
 MARCH = os.environ.get("PAGEDSERVE_NATIVE_MARCH", "native")
@@ -62,8 +63,8 @@ class NativeKernels:
         lib.pagedserve_decode_limits(limits)
         self.max_group, self.max_head_dim, self.max_block = limits[0], limits[1], limits[2]
         self._prefill = lib.pagedserve_paged_prefill
-        self._prefill.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float, i32,
-                                  ctypes.c_float, i32]
+        self._prefill.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float,
+                                  i32, ctypes.c_float, i32]
         self._prefill.restype = None
         lib.pagedserve_prefill_limits(limits)
         self.prefill_state, self.prefill_max_head_dim = limits[0], limits[1]
@@ -111,7 +112,8 @@ class NativeKernels:
         """Floats of scratch a fused decode step of `rows` tokens needs."""
         return self._decode_step_scratch(ctypes.addressof(model_desc), rows)
 
-    def decode_step(self, model_desc, rows: int, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    def decode_step(self, model_desc, rows: int, x: torch.Tensor, positions: torch.Tensor,
+                    slots: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scratch: torch.Tensor) -> None:
         """Every layer of `rows` decoding tokens in one call: x fp32 [rows, hidden] contiguous holds their
         embeddings and receives the final-norm hidden states; positions, slots int64 [rows]; block_tables
@@ -144,9 +146,9 @@ class NativeKernels:
     # --- weight-only quantized matmuls on GGUF blocks (worker/quantized.py) ---------------------------------
     def quant_matmul(self, x: torch.Tensor, w: torch.Tensor, type_id: int, out_dim: int, y: torch.Tensor,
                      int8_activations: bool = False) -> None:
-        """y = x @ W.T: x fp32 [rows, in_dim] contiguous, w uint8 [out_dim, blocks] (ggml type type_id), y fp32
-        [rows, out_dim] contiguous. int8_activations: x rounded per 32-value block to int8 and integer dot
-        products (llama.cpp's scheme; VNNI where the CPU has it)."""
+        """y = x @ W.T: x fp32 [rows, in_dim] contiguous, w uint8 [out_dim, blocks] (ggml type type_id), y
+        fp32 [rows, out_dim] contiguous. int8_activations: x rounded per 32-value block to int8 and integer
+        dot products (llama.cpp's scheme; VNNI where the CPU has it)."""
         rows, in_dim = x.shape
         if not (x.dtype == y.dtype == torch.float32 and w.dtype == torch.uint8 and x.is_contiguous()
                 and y.is_contiguous() and w.is_contiguous() and tuple(y.shape) == (rows, out_dim)):
@@ -158,7 +160,8 @@ class NativeKernels:
         if rc:
             raise ValueError(f"quant_matmul does not serve ggml type {type_id} with {in_dim} inputs")
 
-    def quant_dequant(self, w: torch.Tensor, type_id: int, out_dim: int, in_dim: int, out: torch.Tensor) -> None:
+    def quant_dequant(self, w: torch.Tensor, type_id: int, out_dim: int, in_dim: int,
+                      out: torch.Tensor) -> None:
         """out (fp32 [out_dim, in_dim], contiguous) = the blocks of w dequantized."""
         if not (out.dtype == torch.float32 and out.is_contiguous() and w.is_contiguous()
                 and out.numel() == out_dim * in_dim):
@@ -173,16 +176,17 @@ class NativeKernels:
                  12: (PACKED_Q4K, 152, 256), 13: (PACKED_Q5K, 184, 256), 14: (PACKED_Q6K, 212, 256)}
 
     def pack(self, w: torch.Tensor, type_id: int, out_dim: int, in_dim: int) -> tuple[torch.Tensor, int]:
-        """Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks uint8 [out_dim, blocks] (out_dim a multiple of 16) -> (the
-        packed layout of kernels/cpu/packed_blocks.h, uint8 [out_dim, in_dim / values * bytes], its type id),
-        which quant_matmul and quant_dequant take (its rows are interleaved: it cannot be sliced)."""
+        """Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks uint8 [out_dim, blocks] (out_dim a multiple of 16)
+        -> (the packed layout of kernels/cpu/packed_blocks.h, uint8 [out_dim, in_dim / values * bytes], its
+        type id), which quant_matmul and quant_dequant take (its rows are interleaved: it cannot be
+        sliced)."""
         if not (w.dtype == torch.uint8 and w.is_contiguous() and w.device.type == "cpu"):
             raise ValueError("pack needs contiguous uint8 blocks on the CPU")
         packed, bb, values = self._PACKABLE.get(type_id, (0, 0, 32))
         out = torch.empty(out_dim, in_dim // values * bb, dtype=torch.uint8)
         if not packed or self._pack(w.data_ptr(), out_dim, in_dim, type_id, out.data_ptr()):
-            raise ValueError(f"pack packs Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K matrices of whole 16-row groups, not "
-                             f"type {type_id} {out_dim}x{in_dim}")
+            raise ValueError("pack packs Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K matrices of whole 16-row "
+                             f"groups, not type {type_id} {out_dim}x{in_dim}")
         return out, packed
 
     # --- the elementwise tail (fp32, contiguous rows; checked by the callers in worker/fused.py) -----------
@@ -190,8 +194,8 @@ class NativeKernels:
                      out: torch.Tensor, eps: float) -> None:
         """residual += delta (when given, in place), out = rms_norm(residual) * weight."""
         rows, dim = residual.shape
-        self._add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                           out.data_ptr(), rows, dim, float(eps))
+        self._add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(),
+                           weight.data_ptr(), out.data_ptr(), rows, dim, float(eps))
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """out = silu(gate_up[:, :I]) * gate_up[:, I:]."""
@@ -201,22 +205,23 @@ class NativeKernels:
     def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
              positions: torch.Tensor) -> None:
         """Rotate-half RoPE in place on the first `heads` heads of each row of x [rows, >= heads * head_dim]
-        (row stride x.stride(0)); cos, sin: [max_pos, rotary_dim / 2] (the first rotary_dim values of each head
-        rotate, the rest stay); positions int64 [rows]."""
+        (row stride x.stride(0)); cos, sin: [max_pos, rotary_dim / 2] (the first rotary_dim values of each
+        head rotate, the rest stay); positions int64 [rows]."""
         self._rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                    positions.data_ptr(), cos.shape[1])
 
     def paged_prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-        starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-        window: int = 0, softcap: float = 0.0,
+        starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+        scale: float, window: int = 0, softcap: float = 0.0,
     ) -> None:
         """Causal attention of prompt chunks over their paged keys (a cached prefix included): for sequence i,
         query tokens starts[i] .. starts[i] + q_lens[i] - 1 of the step are its last q_lens[i] positions of
         seq_lens[i]. q: fp32 [num_tokens, n_heads, head_dim] with unit strides inside a token (a view of the
         fused QKV row works); out contiguous; starts int64, q_lens, seq_lens int32 [n]; block_tables int32;
-        the caches fp32 or bf16 (both the same). window > 0: each query sees only its last `window` keys, itself included (sliding-window layers).
-        softcap > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2)."""
+        the caches fp32 or bf16 (both the same). window > 0: each query sees only its last `window` keys,
+        itself included (sliding-window layers). softcap > 0: each scaled score s is softcap * tanh(s /
+        softcap) (Gemma 2)."""
         n = starts.numel()
         if n == 0:
             return
@@ -227,9 +232,9 @@ class NativeKernels:
                       (block_tables, torch.int32)):
             if t.dtype != dt or t.device.type != "cpu":
                 raise TypeError(f"paged_prefill needs {dt} tensors on the CPU, got {t.dtype} on {t.device}")
-        if not (q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous() and k_cache.is_contiguous()
-                and v_cache.is_contiguous() and starts.is_contiguous() and q_lens.is_contiguous()
-                and seq_lens.is_contiguous() and block_tables.stride(1) == 1):
+        if not (q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous()
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and starts.is_contiguous()
+                and q_lens.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(1) == 1):
             raise ValueError("paged_prefill needs each token's query heads contiguous and contiguous tensors")
         self._prefill(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                       starts.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
@@ -238,12 +243,14 @@ class NativeKernels:
 
     def supports_prefill(self, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
         group = n_heads // n_kv_heads
-        return group <= 16 and head_dim <= self.prefill_max_head_dim and group * head_dim <= self.prefill_state
+        return (group <= 16 and head_dim <= self.prefill_max_head_dim
+                and group * head_dim <= self.prefill_state)
 
     def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype | None = None) -> bool:
         """dtype: the queries' (fp32); kv_dtype: the pool's (fp32 or bf16; None: dtype)."""
-        return (dtype == torch.float32 and (kv_dtype or dtype) in KV_DTYPES and n_heads % n_kv_heads == 0 and n_heads // n_kv_heads <= self.max_group
+        return (dtype == torch.float32 and (kv_dtype or dtype) in KV_DTYPES and n_heads % n_kv_heads == 0
+                and n_heads // n_kv_heads <= self.max_group
                 and head_dim <= self.max_head_dim and block_size <= self.max_block)
 
     def paged_decode(
@@ -266,8 +273,9 @@ class NativeKernels:
                       (rows, torch.int64), (seq_lens, torch.int32), (block_tables, torch.int32)):
             if t.dtype != dt or t.device.type != "cpu":
                 raise TypeError(f"paged_decode needs {dt} tensors on the CPU, got {t.dtype} on {t.device}")
-        if not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and rows.is_contiguous() and seq_lens.is_contiguous() and block_tables.stride(1) == 1):
+        if not (q.is_contiguous() and out.is_contiguous() and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and rows.is_contiguous() and seq_lens.is_contiguous()
+                and block_tables.stride(1) == 1):
             raise ValueError("paged_decode needs contiguous tensors")
         self._decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), rows.data_ptr(),
                      block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), n, q.shape[1],
@@ -280,8 +288,8 @@ KV_DTYPES = (torch.float32, torch.bfloat16)  # what the attention kernels read a
 
 def _kv_dtype(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> torch.dtype:
     if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"{what} reads a KV pool of float32 or bfloat16 (K and V alike), got {k_cache.dtype} and "
-                        f"{v_cache.dtype}")
+        raise TypeError(f"{what} reads a KV pool of float32 or bfloat16 (K and V alike), got {k_cache.dtype} "
+                        f"and {v_cache.dtype}")
     return k_cache.dtype
 
 
@@ -310,8 +318,9 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError("no C compiler found (set CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     digest = hashlib.sha256()
-    for part in ([f.read_bytes() for f in SOURCES + HEADERS] + [" ".join(CFLAGS).encode(), str(version).encode(),
-                                                                 _cpu_flags().encode()]):
+    for part in (
+            [f.read_bytes() for f in SOURCES + HEADERS] + [
+                " ".join(CFLAGS).encode(), str(version).encode(), _cpu_flags().encode()]):
         digest.update(part)
     target = cache_dir() / f"pagedserve_cpu-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -320,7 +329,8 @@ def build(verbose: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # built aside, then renamed: ranks may race
     os.close(fd)
     try:
-        res = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+        res = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+                             text=True)
         if res.returncode != 0:
             raise RuntimeError(f"building the native CPU kernels failed: {res.stderr.strip()[-2000:]}")
         os.replace(tmp, target)

@@ -64,17 +64,21 @@ def _write_kv_kernel(
 
 @triton.jit
 def _tile_offsets(block_tables_ptr, seq, pos, pos_mask, kv_head, d,
-                  stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE: tl.constexpr):
+                  stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd,
+                  BLOCK_SIZE: tl.constexpr):
     """Pool offsets [TILE, BLOCK_D] of key positions `pos` of one sequence, through its block table.
     Table entries are read only for positions inside the sequence; block ids are widened to int64."""
-    block = tl.load(block_tables_ptr + seq * stride_bts + (pos // BLOCK_SIZE) * stride_btb, mask=pos_mask, other=0)
+    block = tl.load(block_tables_ptr + seq * stride_bts + (pos // BLOCK_SIZE) * stride_btb, mask=pos_mask,
+                    other=0)
     block = block.to(tl.int64)
     within = pos % BLOCK_SIZE
-    return block[:, None] * stride_cb + within[:, None] * stride_cs + kv_head * stride_ch + d[None, :] * stride_cd
+    return (block[:, None] * stride_cb + within[:, None] * stride_cs + kv_head * stride_ch
+            + d[None, :] * stride_cd)
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, m, denom, acc, scale, softcap, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+def _attend_tile(q, k, v, visible, m, denom, acc, scale, softcap, PRECISION: tl.constexpr,
+                 SOFTCAP: tl.constexpr):
     """One online-softmax step: fold a tile of keys/values into the running max, denominator and output.
     q [rows, D], k and v [TILE, D], visible [rows or 1, TILE]. SOFTCAP: scores become softcap * tanh(s /
     softcap) (Gemma 2), before the mask."""
@@ -97,9 +101,10 @@ def _attend_tile(q, k, v, visible, m, denom, acc, scale, softcap, PRECISION: tl.
 # new variant whenever one of them becomes 1 or a multiple of 16 (0.5-2 s stalls while serving). What
 # remains specialized is fixed for a model and block size, and the worker warms it at start.
 STEP_VARYING = {
-    "_decode_split_kernel": ["stride_bts", "stride_mos", "stride_moh", "stride_mop", "stride_mls", "stride_mlh",
-                             "split_len"],
-    "_decode_reduce_kernel": ["stride_mos", "stride_moh", "stride_mop", "stride_mls", "stride_mlh", "split_len"],
+    "_decode_split_kernel": ["stride_bts", "stride_mos", "stride_moh", "stride_mop", "stride_mls",
+                             "stride_mlh", "split_len"],
+    "_decode_reduce_kernel": ["stride_mos", "stride_moh", "stride_mop", "stride_mls", "stride_mlh",
+                              "split_len"],
     "_prefill_kernel": ["stride_bts"],
 }
 
@@ -141,7 +146,8 @@ def _decode_split_kernel(
             pos = pos0 + offs
             pos_mask = pos < end
             kv_off = _tile_offsets(block_tables_ptr, seq, pos, pos_mask, kv_head, d,
-                                   stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)
+                                   stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd,
+                                   BLOCK_SIZE)
             kv_mask = pos_mask[:, None] & d_mask[None, :]
             # [TILE, BLOCK_D], in the queries' dtype (a pool narrower than the model's widens here)
             k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
@@ -151,7 +157,8 @@ def _decode_split_kernel(
         out = acc / denom[:, None]
         o_off = seq * stride_mos + heads[:, None] * stride_moh + split * stride_mop + d[None, :] * stride_mod
         tl.store(mid_o_ptr + o_off, out, mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(mid_lse_ptr + seq * stride_mls + heads * stride_mlh + split * stride_mlp, m + tl.log(denom), mask=g_mask)
+        tl.store(mid_lse_ptr + seq * stride_mls + heads * stride_mlh + split * stride_mlp, m + tl.log(denom),
+                 mask=g_mask)
 
 
 @triton.jit(do_not_specialize=STEP_VARYING["_decode_reduce_kernel"],
@@ -196,8 +203,8 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
 
 
 @triton.jit
-def _prefill_tile(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, pos0, kv_end, causal, d, d_mask,
-                  m, denom, acc, qk_scale, softcap, window,
+def _prefill_tile(q, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, pos0, kv_end, causal, d,
+                  d_mask, m, denom, acc, qk_scale, softcap, window,
                   stride_bts, stride_btb, stride_cb, stride_cs, stride_ch, stride_cd,
                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
                   PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, POOL_I32: tl.constexpr,
@@ -273,7 +280,8 @@ def _prefill_kernel(
     head = tl.program_id(1).to(tl.int64)
     # the last query tiles see the most keys: they are launched first, so the short ones fill the tail
     tile = tl.num_programs(2) - 1 - tl.program_id(2)
-    q_start = tl.load(q_starts_ptr + seq).to(tl.int64)  # the sequence's query tokens: [start, end) of the step
+    # the sequence's query tokens: [start, end) of the step
+    q_start = tl.load(q_starts_ptr + seq).to(tl.int64)
     q_len = (tl.load(q_ends_ptr + seq) - q_start).to(tl.int32)
     if tile * BLOCK_M < q_len:
         seq_len = tl.load(seq_lens_ptr + seq)
@@ -403,7 +411,8 @@ def write_kv(
     )
 
 
-def decode_workspace(num_seqs: int, n_heads: int, num_splits: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_workspace(num_seqs: int, n_heads: int, num_splits: int, head_dim: int,
+                     device) -> tuple[torch.Tensor, torch.Tensor]:
     """Scratch for the split results: partial outputs and their log-sum-exp (never read unwritten)."""
     mid_o = torch.empty((num_seqs, n_heads, num_splits, head_dim), dtype=torch.float32, device=device)
     mid_lse = torch.empty((num_seqs, n_heads, num_splits), dtype=torch.float32, device=device)
@@ -449,7 +458,8 @@ def paged_attention(
     decode_seqs: torch.Tensor | None = None,  # int64 [d]: in a mixed step, the sequences that decode...
     prefill_seqs: torch.Tensor | None = None,  # int64 [p]: ...and those with more than one query token
     workspace: dict | None = None,  # kept by the caller across a step's layers: split scratch allocated once
-    mixed: MixedStep | None = None,  # decode_seqs and prefill_seqs already gathered (split_mixed), once a step
+    # decode_seqs and prefill_seqs already gathered (split_mixed), once a step
+    mixed: MixedStep | None = None,
     window: int = 0,  # > 0: a sliding-window layer (each query sees its last `window` keys)
     softcap: float = 0.0,  # > 0: scores soft-capped, softcap * tanh(s / softcap) (Gemma 2)
 ) -> torch.Tensor:
@@ -473,8 +483,8 @@ def paged_attention(
         mixed = split_mixed(block_tables, seq_lens, query_start_loc, decode_seqs, prefill_seqs)
     if mixed is not None:
         dec_out = torch.empty((mixed.decode_rows.shape[0], n_heads, head_dim), dtype=q.dtype, device=q.device)
-        _decode(q[mixed.decode_rows], k_cache, v_cache, mixed.decode_tables, mixed.decode_lens, scale, max_seq_len,
-                num_splits, dec_out, workspace, window, softcap)
+        _decode(q[mixed.decode_rows], k_cache, v_cache, mixed.decode_tables, mixed.decode_lens, scale,
+                max_seq_len, num_splits, dec_out, workspace, window, softcap)
         out[mixed.decode_rows] = dec_out
         if mixed.prefill_lens.numel():
             _prefill(q, k_cache, v_cache, mixed.prefill_tables, mixed.prefill_lens, mixed.prefill_starts,
@@ -570,7 +580,8 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
         return {n: pointers.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
 
     def unit(fn):  # the strides that are 1 at every launch: the runtime compiles them in as constants
-        return {n: 1 for n in _UNIT_STRIDES if n in fn.arg_names and n not in STEP_VARYING.get(fn.__name__, ())}
+        return {
+            n: 1 for n in _UNIT_STRIDES if n in fn.arg_names and n not in STEP_VARYING.get(fn.__name__, ())}
 
     for head_dim in head_dims:
         for block_size in block_sizes:
@@ -580,9 +591,10 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
                 cases.append(dict(
                     name=f"decode_split d{head_dim} b{block_size} g{group}", fn=_decode_split_kernel,
                     signature=types(_decode_split_kernel, dict(
-                        q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                        mid_o_ptr="*fp32", mid_lse_ptr="*fp32")),
-                    constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, SOFTCAP=False, **unit(_decode_split_kernel), **cfg),
+                        q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, block_tables_ptr="*i32",
+                        seq_lens_ptr="*i32", mid_o_ptr="*fp32", mid_lse_ptr="*fp32")),
+                    constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, SOFTCAP=False,
+                                    **unit(_decode_split_kernel), **cfg),
                     aligned=_ALIGNED, **options))
             cfg = prefill_config(head_dim, block_size, True)
             options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
@@ -591,17 +603,18 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
                 signature=types(_prefill_kernel, dict(
                     q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=ptr, block_tables_ptr="*i32",
                     seq_lens_ptr="*i32", q_starts_ptr="*i32", q_ends_ptr="*i32")),
-                constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, SOFTCAP=False, EVEN_D=head_dim == cfg["BLOCK_D"],
+                constexprs=dict(BLOCK_SIZE=block_size, PRECISION=None, SOFTCAP=False,
+                                EVEN_D=head_dim == cfg["BLOCK_D"],
                                 POOL_I32=True, SLIDING=False, **unit(_prefill_kernel), **cfg),
                 aligned=_ALIGNED, **options))
         cfg = reduce_config(head_dim, True)
         options = dict(num_warps=cfg.pop("num_warps"), num_stages=3)
         cases.append(dict(
             name=f"decode_reduce d{head_dim}", fn=_decode_reduce_kernel,
-            signature=types(_decode_reduce_kernel, dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr=ptr,
-                                                        seq_lens_ptr="*i32")),
-            constexprs={**cfg, **unit(_decode_reduce_kernel)}, aligned=("mid_o_ptr", "mid_lse_ptr", "out_ptr"),
-            **options))
+            signature=types(_decode_reduce_kernel,
+                            dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr=ptr, seq_lens_ptr="*i32")),
+            constexprs={**cfg, **unit(_decode_reduce_kernel)},
+            aligned=("mid_o_ptr", "mid_lse_ptr", "out_ptr"), **options))
         cases.append(dict(
             name=f"write_kv d{head_dim}", fn=_write_kv_kernel,
             signature=types(_write_kv_kernel, dict(k_ptr=ptr, v_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr,
@@ -618,5 +631,5 @@ _UNIT_STRIDES = ("stride_qd", "stride_cd", "stride_od", "stride_kd", "stride_vd"
                  "stride_mlp")
 # What the runtime specializes on a real launch: the pool, q and outputs are 16-byte aligned, and the pool's
 # strides are multiples of 16.
-_ALIGNED = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "mid_o_ptr", "mid_lse_ptr", "stride_qt", "stride_qh",
-            "stride_cb", "stride_cs", "stride_ch", "stride_ot", "stride_oh", "stride_mod")
+_ALIGNED = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "mid_o_ptr", "mid_lse_ptr", "stride_qt",
+            "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_ot", "stride_oh", "stride_mod")

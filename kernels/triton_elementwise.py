@@ -63,13 +63,14 @@ class TritonElementwise:
     """The launchers, with the signatures of kernels/cpu_native.py's (worker/fused.py drives either)."""
 
     @staticmethod
-    def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor,
-                     eps: float) -> None:
-        """residual += delta in place (when given); out = rms_norm(residual) * weight. Contiguous [rows, dim]."""
+    def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     out: torch.Tensor, eps: float) -> None:
+        """residual += delta in place (when given); out = rms_norm(residual) * weight. Contiguous [rows,
+        dim]."""
         rows, dim = residual.shape
         if rows:
-            _add_rms_norm_kernel[(rows,)](residual, residual if delta is None else delta, weight, out, dim, eps,
-                                          HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(dim))
+            _add_rms_norm_kernel[(rows,)](residual, residual if delta is None else delta, weight, out, dim,
+                                          eps, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(dim))
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
@@ -93,14 +94,17 @@ class TritonElementwise:
 
 def launch_cases(head_dims, dtype: str = "bf16") -> list[dict]:
     """The elementwise kernels as their launchers run them, for kernels/compile_report.py (one hidden size
-    of 4096 and an MLP of 14336: what they hold per program depends on these, not on head_dim, except RoPE)."""
+    of 4096 and an MLP of 14336: what they hold per program depends on these, not on head_dim, except
+    RoPE)."""
     ptr = f"*{dtype}"
     hidden, inter = 4096, 14336
     cases = [
         dict(name=f"add_rms_norm h{hidden}", fn=_add_rms_norm_kernel,
-             signature=dict(residual_ptr=ptr, delta_ptr=ptr, weight_ptr=ptr, out_ptr=ptr, dim="i32", eps="fp32"),
+             signature=dict(residual_ptr=ptr, delta_ptr=ptr, weight_ptr=ptr, out_ptr=ptr, dim="i32",
+                            eps="fp32"),
              constexprs=dict(HAS_DELTA=True, BLOCK=triton.next_power_of_2(hidden)),
-             aligned=("residual_ptr", "delta_ptr", "weight_ptr", "out_ptr", "dim"), num_warps=4, num_stages=3),
+             aligned=("residual_ptr", "delta_ptr", "weight_ptr", "out_ptr", "dim"), num_warps=4,
+             num_stages=3),
         dict(name=f"silu_mul i{inter}", fn=_silu_mul_kernel,
              signature=dict(gate_up_ptr=ptr, out_ptr=ptr, inter="i32"),
              constexprs=dict(BLOCK=min(1024, triton.next_power_of_2(inter))),
@@ -109,8 +113,8 @@ def launch_cases(head_dims, dtype: str = "bf16") -> list[dict]:
     for head_dim in head_dims:
         cases.append(dict(
             name=f"rope d{head_dim}", fn=_rope_kernel,
-            signature=dict(x_ptr=ptr, row_stride="i32", positions_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
-                           half="i32", head_dim="i32"),
+            signature=dict(x_ptr=ptr, row_stride="i32", positions_ptr="*i64", cos_ptr="*fp32",
+                           sin_ptr="*fp32", half="i32", head_dim="i32"),
             constexprs=dict(HALF=triton.next_power_of_2(head_dim // 2)), aligned=("x_ptr", "row_stride"),
             num_warps=4, num_stages=3))
     return cases

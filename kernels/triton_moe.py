@@ -58,7 +58,8 @@ def _grouped_matmul_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, we
 BLOCK_M = 16  # pairs a program takes (tl.dot's smallest); one expert's run is padded to a multiple of it
 
 
-def align(expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+def align(expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[
+        torch.Tensor, torch.Tensor]:
     """expert_ids [T, k] -> (sorted_pairs, block_expert): the flat pair indices (t * k + j) grouped by expert,
     each expert's run padded with T·k (no pair) to a multiple of block_m; and the expert of each block of
     block_m entries (-1 past the last run). Sizes depend on T·k and E only: device ops, no host sync."""
@@ -89,7 +90,8 @@ def _blocks(n: int, k: int) -> tuple[int, int]:
 
 
 def grouped_matmul(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
-                   top_k: int, num_pairs: int, a_by_pair: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
+                   top_k: int, num_pairs: int, a_by_pair: bool,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
     """-> [num_pairs, N]: each pair's row of `a` (its token's, or its own with a_by_pair) times its expert's
     w [E, N, K] transposed, scaled by weights[pair] where given."""
     n, k = w.shape[1], w.shape[2]
@@ -124,7 +126,8 @@ def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tenso
 
 def launch_cases(dtype: str = "bf16") -> list[dict]:
     """The grouped matmul as fused_moe launches it at Qwen3-30B-A3B's shapes (hidden 2048, experts of 768):
-    gate/up (rows gathered by token) and down (by pair, routing weights applied), for kernels/compile_report.py."""
+    gate/up (rows gathered by token) and down (by pair, routing weights applied), for
+    kernels/compile_report.py."""
     ptr = f"*{dtype}"
     cases = []
     for name, n, k, by_pair in (("gate_up", 2 * 768, 2048, False), ("down", 2048, 768, True)):

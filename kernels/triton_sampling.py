@@ -54,14 +54,15 @@ def top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     if rows:
         probs = probs.contiguous()
         block = 4096 if probs.is_cuda else min(1024, triton.next_power_of_2(vocab))
-        _top_p_floor_kernel[(rows,)](probs, top_p.contiguous(), floor, vocab, probs.stride(0), HALVINGS=HALVINGS,
-                                     BLOCK=block, num_warps=8 if probs.is_cuda else 4)
+        _top_p_floor_kernel[(rows,)](probs, top_p.contiguous(), floor, vocab, probs.stride(0),
+                                     HALVINGS=HALVINGS, BLOCK=block, num_warps=8 if probs.is_cuda else 4)
     return floor
 
 
 def launch_cases() -> list[dict]:
     """The top-p kernel as the sampler launches it on a GPU, for kernels/compile_report.py."""
     return [dict(name="top_p_floor", fn=_top_p_floor_kernel,
-                 signature=dict(probs_ptr="*fp32", top_p_ptr="*fp32", floor_ptr="*fp32", vocab="i32", stride="i32"),
-                 constexprs=dict(HALVINGS=HALVINGS, BLOCK=4096), aligned=("probs_ptr", "top_p_ptr", "floor_ptr"),
-                 num_warps=8, num_stages=3)]
+                 signature=dict(probs_ptr="*fp32", top_p_ptr="*fp32", floor_ptr="*fp32", vocab="i32",
+                                stride="i32"),
+                 constexprs=dict(HALVINGS=HALVINGS, BLOCK=4096),
+                 aligned=("probs_ptr", "top_p_ptr", "floor_ptr"), num_warps=8, num_stages=3)]

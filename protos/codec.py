@@ -43,7 +43,8 @@ class PlanArrays:
     seed: np.ndarray  # uint64 [S]
     block_copies: np.ndarray  # int32 [C, 2] of (src, dst)
     prev_step_id: int = 0
-    prev_rows: np.ndarray | None = None  # int32 [T]: -1, or the row of step prev_step_id whose token goes here
+    # int32 [T]: -1, or the row of step prev_step_id whose token goes here
+    prev_rows: np.ndarray | None = None
     # Request controls; None when no row of the step uses them (see protos/wire.proto).
     repetition_penalty: np.ndarray | None = None  # float32 [S]
     presence_penalty: np.ndarray | None = None  # float32 [S]
@@ -72,7 +73,8 @@ class PlanArrays:
 # The optional per-step arrays: (field, dtype, rows) with rows "S" (one per sequence), "S+1" or "*" (ragged).
 _OPTIONAL = (
     ("repetition_penalty", F32, "S"), ("presence_penalty", F32, "S"), ("frequency_penalty", F32, "S"),
-    ("min_p", F32, "S"), ("bias_offsets", I32, "S+1"), ("bias_token_ids", I32, "*"), ("bias_values", F32, "*"),
+    ("min_p", F32, "S"), ("bias_offsets", I32, "S+1"), ("bias_token_ids", I32, "*"),
+    ("bias_values", F32, "*"),
     ("logprobs", I32, "S"), ("prompt_logprobs", I32, "S"), ("prompt_logprob_counts", I32, "S"),
     ("prompt_logprob_targets", I32, "*"), ("mask_rows", I32, "S"),
 )
@@ -130,7 +132,8 @@ def decode_plan(msg: wire_pb2.StepPlan) -> PlanArrays:
             continue
         if rows == "*":
             if len(blob) % dtype.itemsize:
-                raise CodecError(f"{name}: {len(blob)} bytes is not a whole number of {dtype.itemsize}-byte items")
+                raise CodecError(f"{name}: {len(blob)} bytes is not a whole number of {dtype.itemsize}-byte "
+                                 "items")
             extra[name] = np.frombuffer(blob, dtype=dtype)
         else:
             extra[name] = _array(blob, dtype, s + (rows == "S+1"), name)
@@ -159,7 +162,8 @@ def decode_plan(msg: wire_pb2.StepPlan) -> PlanArrays:
 
 
 def encode_mask(step_id: int, bitmask: np.ndarray) -> wire_pb2.StepMask:
-    return wire_pb2.StepMask(step_id=step_id, token_bitmask=_bytes(bitmask, I32), bitmask_words=int(bitmask.shape[1]))
+    return wire_pb2.StepMask(step_id=step_id, token_bitmask=_bytes(bitmask, I32),
+                             bitmask_words=int(bitmask.shape[1]))
 
 
 def decode_mask(msg: wire_pb2.StepMask) -> np.ndarray:
@@ -180,8 +184,8 @@ def resolve_tokens(p: PlanArrays, last_step_id: int, last_sampled: np.ndarray | 
     if at.size == 0:
         return p.token_ids
     if last_sampled is None or p.prev_step_id != last_step_id:
-        raise CodecError(f"the plan needs tokens sampled in step {p.prev_step_id}, which this worker does not have "
-                         f"(its last completed step is {last_step_id})")
+        raise CodecError(f"the plan needs tokens sampled in step {p.prev_step_id}, which this worker does "
+                         f"not have (its last completed step is {last_step_id})")
     src = p.prev_rows[at]
     if (src >= last_sampled.shape[0]).any() or (last_sampled[src] < 0).any():
         raise CodecError(f"the plan refers to rows of step {p.prev_step_id} that sampled no token")
@@ -224,7 +228,8 @@ def decode_logprobs(msg: wire_pb2.StepResult, which: str, positions: int, tops: 
         return None
     chosen, ids, values = _LOGPROB_FIELDS[which]
     return Logprobs(_array(getattr(msg, chosen), F32, positions, chosen),
-                    _array(getattr(msg, ids), I32, tops, ids), _array(getattr(msg, values), F32, tops, values))
+                    _array(getattr(msg, ids), I32, tops, ids),
+                    _array(getattr(msg, values), F32, tops, values))
 
 
 def decode_result(msg: wire_pb2.StepResult, num_seqs: int) -> np.ndarray:

@@ -48,7 +48,8 @@ def configure_logging(level: str = "info", process: str = "pagedserve", log_form
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        # one write a line: processes that share a log file (a launcher and its workers) never interleave halves
+        # one write a line: processes that share a log file (a launcher and its workers) never interleave
+        # halves
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )

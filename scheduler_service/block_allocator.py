@@ -42,7 +42,8 @@ class BlockAllocator:
         self._block_of: dict[bytes, int] = {}
         self.num_evictions = 0
         # When a list: every prefix the cache gains or loses, in order, for KV-event subscribers
-        # (scheduler_service/kv_events.py): ("stored", hash, parent hash or None, token ids) and ("removed", hash).
+        # (scheduler_service/kv_events.py): ("stored", hash, parent hash or None, token ids) and ("removed",
+        # hash).
         self.events: list[tuple] | None = None
 
     # --- queries -------------------------------------------------------------------------------

@@ -100,7 +100,8 @@ class Engine:
         self.limits = Limits(self.spec.vocab_size, self._max_context(groups[0]),
                              min(g.num_blocks for g in groups), self.config.block_size,
                              self.tokenizer.max_token_bytes, self.spec.eos_token_ids,
-                             GrammarEngine(self.tokenizer.to_json(), self.spec.vocab_size, self.spec.eos_token_ids),
+                             GrammarEngine(self.tokenizer.to_json(), self.spec.vocab_size,
+                                           self.spec.eos_token_ids),
                              kv_window=groups[0].handshake.kv_window,
                              step_tokens=self.config.max_num_batched_tokens)
         for replica in self.replicas:
@@ -113,7 +114,8 @@ class Engine:
     def _adopt_max_num_seqs(self, groups) -> None:
         """Where --max-num-seqs was left to the workers, take the smallest they proposed (a GPU worker's comes
         from its KV capacity, and its decode graphs are captured for it)."""
-        proposed = [w.handshake.max_num_seqs for g in groups for w in g.workers.values() if w.handshake.max_num_seqs]
+        proposed = [w.handshake.max_num_seqs for g in groups for w in g.workers.values()
+                    if w.handshake.max_num_seqs]
         if not self.config.auto_max_num_seqs or not proposed:
             return
         chosen = min(min(proposed), self.config.max_num_batched_tokens)
@@ -175,9 +177,9 @@ class Engine:
             max_context = hs.kv_window + self.config.max_num_batched_tokens + 2 * self.config.block_size
             what = f"a {hs.kv_window}-key sliding window and a step's tokens ({max_context} tokens)"
         if pool_tokens < max_context:
-            return (f"the KV pool ({group.num_blocks} blocks x {self.config.block_size} = {pool_tokens} tokens) "
-                    f"cannot hold one request of {what}: give the workers more KV "
-                    "memory (--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len")
+            return (f"the KV pool ({group.num_blocks} blocks x {self.config.block_size} = {pool_tokens} "
+                    f"tokens) cannot hold one request of {what}: give the workers more KV memory "
+                    "(--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len")
         return ""
 
     def _group_ready(self, group: WorkerGroup) -> None:
@@ -211,7 +213,8 @@ class Engine:
     def route(self, request: Request) -> Replica:
         """The replica a new request goes to (see the module docstring)."""
         if self._draining:
-            raise EngineUnavailable("the server is draining (shutting down); send the request to another instance")
+            raise EngineUnavailable("the server is draining (shutting down); send the request to another "
+                                    "instance")
         return self._pick(request)
 
     def _pick(self, request: Request) -> Replica:
@@ -233,7 +236,8 @@ class Engine:
 
         Leaving the iteration early (client cancelled or disconnected) aborts the request."""
         if self._draining:
-            raise EngineUnavailable("the server is draining (shutting down); send the request to another instance")
+            raise EngineUnavailable("the server is draining (shutting down); send the request to another "
+                                    "instance")
         waiting = len(self._orphans) + sum(len(r.scheduler.waiting) for r in self.replicas if r.scheduler)
         if waiting >= self.config.max_queue_len:
             raise QueueFull(f"{waiting} requests are waiting already; try again later")
@@ -253,7 +257,9 @@ class Engine:
                 self._orphan_deadline = time.monotonic() + self.worker_restart_timeout
                 self._orphan_reason = self.unavailable_reason or "no worker"
         stream = RequestStream(
-            request, [SampleOutput(self.tokenizer, s, self.spec.eos_token_ids, max_len) for s in request.seqs], replica,
+            request,
+            [SampleOutput(self.tokenizer, s, self.spec.eos_token_ids, max_len) for s in request.seqs],
+            replica,
         )
         self.streams[request.request_id] = stream
         log.info("request_added", request_id=request.request_id, prompt_tokens=request.prompt_len,
@@ -318,7 +324,8 @@ class Engine:
             if reason is not None:
                 sched.finish(seq, reason)
             self._emit(stream, delta)
-        self.metrics.on_step(replica.index, seconds, len(new_tokens), out.num_prefill_tokens, len(out.preempted),
+        self.metrics.on_step(replica.index, seconds, len(new_tokens), out.num_prefill_tokens,
+                             len(out.preempted),
                              len(sched.running), len(sched.waiting), sched.allocator.num_available_blocks,
                              sched.num_blocks)
         if sched.allocator.events:
@@ -372,7 +379,8 @@ class Engine:
             return
         orphans, self._orphans = self._orphans, []
         self._orphan_deadline = None
-        message = (f"no worker came back within {self.worker_restart_timeout:g}s after: {self._orphan_reason}")
+        message = (f"no worker came back within {self.worker_restart_timeout:g}s after: "
+                   f"{self._orphan_reason}")
         for request in orphans:
             self._fail_request(request, EngineUnavailable(message))
         log.error("requests_expired", count=len(orphans), error=message)
@@ -381,7 +389,8 @@ class Engine:
         request = stream.request
         if not stream.started:
             stream.started = True
-            if request.prompt_logprobs is not None and all(x is not None for x in request.prompt_logprobs[1:]):
+            wanted = request.prompt_logprobs
+            if wanted is not None and all(x is not None for x in wanted[1:]):
                 delta.prompt_logprobs = request.prompt_logprobs[1:]
         if delta.finish_reason is not None:
             stream.num_open -= 1
@@ -428,21 +437,15 @@ class Engine:
 
     def loads(self) -> dict:
         """The service's load now, summed over serving replicas (what a gateway balances on)."""
-        running = waiting = used = blocks = 0
-        queries = hits = 0
-        for replica in self.replicas:
-            s = replica.scheduler
-            if s is None:
-                continue
-            running += len(s.running)
-            waiting += len(s.waiting)
-            used += s.allocator.num_used_blocks
-            blocks += s.allocator.num_blocks
-            queries += s.prefix_cache_queries
-            hits += s.prefix_cache_hits
-        waiting_tokens = sum(r.prompt_len for r in self._orphans) + sum(
-            seq.num_uncomputed_tokens for r in self.replicas if r.scheduler for seq in r.scheduler.waiting)
-        return {"running": running, "waiting": waiting + len(self._orphans), "used_blocks": used,
+        live = [r.scheduler for r in self.replicas if r.scheduler is not None]
+        used = sum(s.allocator.num_used_blocks for s in live)
+        blocks = sum(s.allocator.num_blocks for s in live)
+        queries = sum(s.prefix_cache_queries for s in live)
+        hits = sum(s.prefix_cache_hits for s in live)
+        waiting_tokens = (sum(r.prompt_len for r in self._orphans)
+                          + sum(seq.num_uncomputed_tokens for s in live for seq in s.waiting))
+        return {"running": sum(len(s.running) for s in live),
+                "waiting": sum(len(s.waiting) for s in live) + len(self._orphans), "used_blocks": used,
                 "num_blocks": blocks, "block_size": self.config.block_size,
                 "token_usage": used / blocks if blocks else 0.0,
                 "cache_hit_rate": hits / queries if queries else 0.0,

@@ -50,8 +50,8 @@ log = structlog.get_logger("scheduler.engine_protocol")
 
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
-                   "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.json",
-                   "chat_template.jinja", "added_tokens.json")
+                   "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "chat_template.json", "chat_template.jinja", "added_tokens.json")
 CHUNK_BYTES = 64 * 1024
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
            FinishReason.ERROR: "error"}
@@ -60,7 +60,8 @@ _REGEX_META = set("\\.^$|?*+()[]{}-/#&~\"")
 
 def choice_regex(choices: list[str]) -> str:
     """A regex matching exactly one of the choices (each escaped character by character)."""
-    return "(" + "|".join("".join("\\" + c if c in _REGEX_META else c for c in text) for text in choices) + ")"
+    escaped = ("".join("\\" + c if c in _REGEX_META else c for c in text) for text in choices)
+    return "(" + "|".join(escaped) + ")"
 
 
 def to_generation_request(msg: vllm_engine_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
@@ -73,7 +74,8 @@ def to_generation_request(msg: vllm_engine_pb2.GenerateRequest) -> generation_pb
     if msg.extra_mm_inputs:
         raise InvalidRequest("extra_mm_inputs: this engine serves text-only models without multimodal inputs")
     if msg.HasField("kv_transfer_params_json"):
-        raise InvalidRequest("kv_transfer_params_json: this engine has no KV transfer (disaggregated prefill)")
+        raise InvalidRequest("kv_transfer_params_json: this engine has no KV transfer (disaggregated "
+                             "prefill)")
     if msg.HasField("data_parallel_rank") and msg.data_parallel_rank != 0:
         raise InvalidRequest(f"data_parallel_rank {msg.data_parallel_rank}: this engine reports one rank and "
                              "balances its data-parallel replicas itself")
@@ -129,7 +131,8 @@ def to_generation_request(msg: vllm_engine_pb2.GenerateRequest) -> generation_pb
             raise InvalidRequest("sampling_params.choice has no choices")
         s.regex = choice_regex(list(p.choice.choices))
     elif constraint == "structural_tag":
-        raise InvalidRequest("sampling_params.structural_tag is not served: use json_schema, regex or grammar")
+        raise InvalidRequest("sampling_params.structural_tag is not served: use json_schema, regex or "
+                             "grammar")
     return out
 
 
@@ -138,7 +141,8 @@ def _output_logprobs(entries) -> vllm_engine_pb2.OutputLogProbs | None:
         return None
     return vllm_engine_pb2.OutputLogProbs(
         token_logprobs=[e.logprob for e in entries], token_ids=[e.token_id for e in entries],
-        top_logprobs=[vllm_engine_pb2.TopLogProbs(values=[v for _, v in e.top], token_ids=[t for t, _ in e.top])
+        top_logprobs=[vllm_engine_pb2.TopLogProbs(values=[v for _, v in e.top],
+                                                  token_ids=[t for t, _ in e.top])
                       for e in entries])
 
 
@@ -188,7 +192,8 @@ class EngineProtocolServicer:
             "SubscribeKvEvents": (stream, self.SubscribeKvEvents, common.SubscribeKvEventsRequest),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: kind(fn, request_deserializer=tolerant(cls), response_serializer=lambda m: m.SerializeToString())
+            name: kind(fn, request_deserializer=tolerant(cls),
+                       response_serializer=lambda m: m.SerializeToString())
             for name, (kind, fn, cls) in methods.items()
         })
 
@@ -232,7 +237,8 @@ class EngineProtocolServicer:
                 counts = self._counts(request)
                 for index in sorted(samples):
                     sample = samples[index]
-                    yield self._complete(sample.finish, sample.tokens, sample.logprobs, counts, prompt_logprobs)
+                    yield self._complete(sample.finish, sample.tokens, sample.logprobs, counts,
+                                         prompt_logprobs)
         except CLIENT_ERRORS as e:
             await reject(context, e, request_id)
 
@@ -244,7 +250,8 @@ class EngineProtocolServicer:
     def _complete(delta, tokens, logprobs, counts, prompt_logprobs) -> vllm_engine_pb2.GenerateResponse:
         done = vllm_engine_pb2.GenerateComplete(
             output_ids=tokens, finish_reason=_FINISH[delta.finish_reason], completion_tokens=len(tokens),
-            index=delta.index, output_logprobs=_output_logprobs(logprobs), input_logprobs=prompt_logprobs, **counts)
+            index=delta.index, output_logprobs=_output_logprobs(logprobs), input_logprobs=prompt_logprobs,
+            **counts)
         if delta.usage is not None:
             done.cached_tokens = delta.usage.cached_prompt_tokens
         if isinstance(delta.stop_reason, str):
@@ -264,7 +271,8 @@ class EngineProtocolServicer:
                             "Embed is not served: pagedserve serves generative models (no pooling head)")
 
     async def StartProfile(self, msg, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the profiler is not served over this protocol: use "
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "the profiler is not served over this protocol: use "
                             "the scheduler's --step-profile-interval and the workers' step timings")
 
     StopProfile = StartProfile
@@ -274,7 +282,8 @@ class EngineProtocolServicer:
         e = self.engine
         if e.limits is not None and e.is_serving and not e.is_draining:
             return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="Health")
-        reason = "the server is draining (shutting down)" if e.is_draining else (e.unavailable_reason or "not ready")
+        reason = ("the server is draining (shutting down)" if e.is_draining
+                  else e.unavailable_reason or "not ready")
         return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=reason)
 
     def _config(self, name: str) -> dict:
@@ -306,15 +315,17 @@ class EngineProtocolServicer:
         e = self.engine
         info = e.model_info() if e.limits is not None else {}
         return vllm_engine_pb2.GetServerInfoResponse(
-            active_requests=len(e.streams), is_paused=e.is_draining, last_receive_timestamp=self._last_receive,
+            active_requests=len(e.streams), is_paused=e.is_draining,
+            last_receive_timestamp=self._last_receive,
             uptime_seconds=time.time() - e.started_at, server_type="pagedserve-grpc", data_parallel_size=1,
-            kv_cache_dtype=info.get("kv_cache_dtype") or "auto", block_size=e.config.block_size, model_dtype=info.get("dtype", ""),
-            max_num_seqs=e.config.max_num_seqs * len(e.replicas))
+            kv_cache_dtype=info.get("kv_cache_dtype") or "auto", block_size=e.config.block_size,
+            model_dtype=info.get("dtype", ""), max_num_seqs=e.config.max_num_seqs * len(e.replicas))
 
     def _load(self) -> dict:
         load = self.engine.loads()
         return {"running": load["running"], "waiting": load["waiting"], "token_usage": load["token_usage"],
-                "capacity": load["num_blocks"] * load["block_size"], "used": load["used_blocks"] * load["block_size"],
+                "capacity": load["num_blocks"] * load["block_size"],
+                "used": load["used_blocks"] * load["block_size"],
                 "hit_rate": load["cache_hit_rate"], "waiting_tokens": load["waiting_tokens"],
                 "max_running": load["max_running"], "throughput": self._throughput(load["generated_tokens"])}
 
@@ -337,7 +348,8 @@ class EngineProtocolServicer:
         x = self._load()
         load = vllm_engine_pb2.SchedulerLoad(
             dp_rank=0, num_running_reqs=x["running"], num_waiting_reqs=x["waiting"],
-            num_total_reqs=x["running"] + x["waiting"], num_used_tokens=x["used"], max_total_num_tokens=x["capacity"],
+            num_total_reqs=x["running"] + x["waiting"], num_used_tokens=x["used"],
+            max_total_num_tokens=x["capacity"],
             token_usage=x["token_usage"], gen_throughput=x["throughput"], cache_hit_rate=x["hit_rate"],
             utilization=x["token_usage"], max_running_requests=x["max_running"],
             num_waiting_uncached_tokens=x["waiting_tokens"])
@@ -347,7 +359,8 @@ class EngineProtocolServicer:
     async def FlushCache(self, msg, context):
         await self._malformed(msg, context)
         if msg.timeout_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be >= 0, got {msg.timeout_s}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"timeout_s must be >= 0, got {msg.timeout_s}")
         ok, message = await self.engine.flush_prefix_cache(msg.timeout_s)
         return common_pb2.FlushCacheResponse(success=ok, message=message)
 
@@ -360,7 +373,8 @@ class EngineProtocolServicer:
         data, digest = self._tokenizer_zip
         for start in range(0, len(data), CHUNK_BYTES):
             end = min(start + CHUNK_BYTES, len(data))
-            yield common_pb2.GetTokenizerChunk(data=data[start:end], sha256=digest if end == len(data) else "")
+            yield common_pb2.GetTokenizerChunk(data=data[start:end],
+                                               sha256=digest if end == len(data) else "")
 
     def _zip_tokenizer(self) -> tuple[bytes, str]:
         buf = io.BytesIO()
@@ -377,7 +391,8 @@ class EngineProtocolServicer:
         await self._malformed(msg, context)
         publisher = self.engine.kv_events
         queue = publisher.subscribe(msg.start_sequence_number)
-        log.info("kv_events_subscribed", start=msg.start_sequence_number, subscribers=publisher.num_subscribers)
+        log.info("kv_events_subscribed", start=msg.start_sequence_number,
+                 subscribers=publisher.num_subscribers)
         sent = 0  # the last sequence number this stream carried (a heartbeat repeats it: 0 before any)
         try:
             while True:
@@ -397,9 +412,10 @@ class EngineProtocolServicer:
     def _load_record(self, load_only: bool = False) -> common_pb2.EngineLoad:
         x = self._load()
         return common_pb2.EngineLoad(
-            running_requests=x["running"], waiting_requests=x["waiting"], waiting_uncached_tokens=x["waiting_tokens"],
-            token_usage=x["token_usage"], gen_throughput=x["throughput"], max_running_requests=x["max_running"],
-            load_only=load_only)
+            running_requests=x["running"], waiting_requests=x["waiting"],
+            waiting_uncached_tokens=x["waiting_tokens"],
+            token_usage=x["token_usage"], gen_throughput=x["throughput"],
+            max_running_requests=x["max_running"], load_only=load_only)
 
     def _batch(self, batch) -> common_pb2.KvEventBatch:
         out = common_pb2.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp,

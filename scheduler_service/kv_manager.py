@@ -13,7 +13,8 @@ from scheduler_service.sequence import Request, Sequence
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, kv_window: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 kv_window: int = 0) -> None:
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
         self.caching = enable_prefix_caching
@@ -30,7 +31,8 @@ class KVCacheManager:
 
     # --- admission -------------------------------------------------------------------------------
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks of the longest cached run of seq's full blocks, leaving at least its last token to compute."""
+        """Blocks of the longest cached run of seq's full blocks, leaving at least its last token to
+        compute."""
         if not self.caching or seq.num_computed_tokens or seq.block_ids:
             return []
         if seq.request.sampling.prompt_logprobs is not None:  # every prompt position's logits are needed
@@ -88,7 +90,8 @@ class KVCacheManager:
         first = seq.num_computed_tokens // self.block_size
         last = min(len(seq.block_ids), self.blocks_for_tokens(seq.num_computed_tokens + num_tokens))
         return [i for i in range(first, last)
-                if self.allocator.refcount(seq.block_ids[i]) > 1 or self.allocator.is_hashed(seq.block_ids[i])]
+                if self.allocator.refcount(seq.block_ids[i]) > 1
+                or self.allocator.is_hashed(seq.block_ids[i])]
 
     def allocate_slots(self, seq: Sequence, num_new: int, lookahead: int = 0) -> list[tuple[int, int]] | None:
         """Make seq's table hold num_new more tokens, and `lookahead` beyond them (slots a step may write and
@@ -116,7 +119,8 @@ class KVCacheManager:
         anyone is preempted)."""
         copies = len(self._writes_need_copy(seq, num_new))
         have = len(seq.block_ids)
-        return (have + self.allocator.num_available_blocks - copies) * self.block_size - seq.num_computed_tokens
+        blocks = have + self.allocator.num_available_blocks - copies
+        return blocks * self.block_size - seq.num_computed_tokens
 
     def register_full_blocks(self, seq: Sequence, computed: int) -> None:
         """Offer seq's blocks that `computed` tokens (a step's confirmed end) fill to the prefix cache."""
@@ -207,10 +211,12 @@ class KVCacheManager:
                 raise AssertionError(f"{seq} holds too few blocks for its computed tokens")
             if any(b < 0 for b in seq.block_ids[seq.num_dropped_blocks:]) or \
                     any(b >= 0 for b in seq.block_ids[:seq.num_dropped_blocks]):
-                raise AssertionError(f"{seq}: given-back blocks are not exactly its first {seq.num_dropped_blocks}")
+                raise AssertionError(f"{seq}: given-back blocks are not exactly its first "
+                                     f"{seq.num_dropped_blocks}")
         for seq in waiting:
             if seq.block_ids or seq.num_computed_tokens:
                 raise AssertionError(f"waiting {seq} holds blocks")
         for b in range(self.num_blocks):
             if owned.get(b, 0) != self.allocator.refcount(b):
-                raise AssertionError(f"block {b}: refcount {self.allocator.refcount(b)}, owners {owned.get(b, 0)}")
+                raise AssertionError(f"block {b}: refcount {self.allocator.refcount(b)}, owners "
+                                     f"{owned.get(b, 0)}")

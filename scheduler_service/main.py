@@ -37,31 +37,36 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free one; see --port-file)")
     p.add_argument("--port-file", default=None,
-                   help="once bound, write {\"port\": gRPC port, \"worker_endpoint\": ZeroMQ endpoint} as JSON to this "
-                        "file (with --port 0 and a worker endpoint on port 0: how a script or test learns them "
-                        "without racing another process for a port)")
+                   help="once bound, write {\"port\": gRPC port, \"worker_endpoint\": ZeroMQ endpoint} as "
+                        "JSON to this file (with --port 0 and a worker endpoint on port 0: how a script or "
+                        "test learns them without racing another process for a port)")
     p.add_argument("--worker-endpoint", default="tcp://127.0.0.1:0",
-                   help="ZeroMQ endpoint workers connect to (loopback unless --curve-keys or --insecure-wire)")
+                   help="ZeroMQ endpoint workers connect to (loopback unless --curve-keys or "
+                        "--insecure-wire)")
     p.add_argument("--curve-keys", default=None,
-                   help="folder made by `pagedserve keys`: encrypt the wire and accept only workers with its keys")
+                   help="folder made by `pagedserve keys`: encrypt the wire and accept only workers with its "
+                        "keys")
     p.add_argument("--insecure-wire", action="store_true",
-                   help="allow a non-loopback worker endpoint without CurveZMQ (anyone reaching it can act as a worker)")
+                   help="allow a non-loopback worker endpoint without CurveZMQ (anyone reaching it can act "
+                        "as a worker)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size",
                    help="ranks of one model (heads, MLP and vocabulary split over them)")
     p.add_argument("--data-parallel-size", "--dp", type=int, default=1, dest="data_parallel_size",
                    help="replicas of the model, each a tensor-parallel group with its own KV pool")
     p.add_argument("--route-overload-slack", type=int, default=None,
-                   help="data parallel: extra load (waiting x 4 + running) the replica holding a request's cached "
-                        "prefix may carry over the least loaded one and still get it (default: max-num-seqs / 4)")
+                   help="data parallel: extra load (waiting x 4 + running) the replica holding a request's "
+                        "cached prefix may carry over the least loaded one and still get it (default: "
+                        "max-num-seqs / 4)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most sequences in a step (default: what the workers propose: 64 on a CPU, from the KV "
-                        "pool's capacity on a GPU)")
+                   help="most sequences in a step (default: what the workers propose: 64 on a CPU, from the "
+                        "KV pool's capacity on a GPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="per-step token budget: decodes first, then prompt chunks")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill whole prompts in one step (needs --max-num-batched-tokens >= the context)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="never reuse computed blocks across requests")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="never reuse computed blocks across requests")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the model's context")
     p.add_argument("--no-overlap", action="store_true",
                    help="plan each step only after the previous one's result (default: plan the next step "
@@ -72,23 +77,26 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between step_profile log lines (where a busy replica's step time went)")
     p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds to wait for workers at start")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0,
-                   help="seconds of silence after which a worker counts as lost (stopped, hung or unreachable)")
+                   help="seconds of silence after which a worker counts as lost (stopped, hung or "
+                        "unreachable)")
     p.add_argument("--step-timeout", type=float, default=60.0,
-                   help="step watchdog: a step of T tokens that takes longer than this + T x --step-timeout-per-token "
-                        "seconds declares its workers lost (they are fenced and replaced)")
+                   help="step watchdog: a step of T tokens that takes longer than this + T x "
+                        "--step-timeout-per-token seconds declares its workers lost (they are fenced and "
+                        "replaced)")
     p.add_argument("--step-timeout-per-token", type=float, default=0.05)
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT: seconds running requests get to finish before they end with UNAVAILABLE")
+                   help="on SIGTERM/SIGINT: seconds running requests get to finish before they end with "
+                        "UNAVAILABLE")
     p.add_argument("--worker-restart-timeout", type=float, default=120.0,
-                   help="seconds a lost replica's requests wait for a worker group to (re)join before they end "
-                        "with UNAVAILABLE (with data parallelism they move to another replica at once)")
+                   help="seconds a lost replica's requests wait for a worker group to (re)join before they "
+                        "end with UNAVAILABLE (with data parallelism they move to another replica at once)")
     p.add_argument("--tls-cert", default=None, help="serve gRPC over TLS with this certificate chain (PEM)")
     p.add_argument("--tls-key", default=None, help="the private key (PEM) of --tls-cert")
     p.add_argument("--expose-request-ids", action="store_true",
                    help="show request ids in GetCacheStats (anyone who sees an id can abort its request)")
     p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port (default 9090, left off with a warning where it is "
-                        "taken; 0: off; -1: any free port, written to --port-file)")
+                   help="serve Prometheus metrics on this port (default 9090, left off with a warning where "
+                        "it is taken; 0: off; -1: any free port, written to --port-file)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
                    help="console: readable lines; json: one JSON object a line; auto: console on a terminal")
@@ -129,7 +137,8 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     tokenizer = Tokenizer(args.model)
     threading.Thread(target=tokenizer.warm, name="tokenizer-warm", daemon=True).start()
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < spec.max_context:
-        raise SystemExit("without chunked prefill --max-num-batched-tokens must be at least the context length")
+        raise SystemExit("without chunked prefill --max-num-batched-tokens must be at least the context "
+                         "length")
     if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
         raise SystemExit("--tensor-parallel-size and --data-parallel-size must be at least 1")
     client = WorkerClient(
@@ -235,10 +244,10 @@ def ready_line(engine: Engine, host: str, port: int) -> str:
     if info["tensor_parallel_size"] > 1 or info["data_parallel_size"] > 1:
         layout = f", {info['data_parallel_size']} replica(s) x {info['tensor_parallel_size']} rank(s)"
     command = cli_command()
-    return (f"pagedserve is serving {info['model_name']} on {where} ({info['dtype']}, "
-            f"context {info['max_context']:,} tokens{layout}); KV pool {info['num_blocks']:,} blocks x "
-            f"{info['block_size']} tokens = {human_bytes(pool_bytes)}. "
-            f"Try: {command} generate{server} \"Write a haiku about the sea\"   (watch: {command} top{server})")
+    return (f"pagedserve is serving {info['model_name']} on {where} ({info['dtype']}, context "
+            f"{info['max_context']:,} tokens{layout}); KV pool {info['num_blocks']:,} blocks x "
+            f"{info['block_size']} tokens = {human_bytes(pool_bytes)}. Try: {command} generate{server} "
+            f"\"Write a haiku about the sea\"   (watch: {command} top{server})")
 
 
 def cli_command() -> str:

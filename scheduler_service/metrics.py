@@ -1,4 +1,5 @@
-"""Prometheus metrics of the scheduler service (served on --metrics-port: 9090 unless told otherwise, 0 off)."""
+"""Prometheus metrics of the scheduler service (served on --metrics-port: 9090 unless told otherwise, 0
+off)."""
 
 from __future__ import annotations
 
@@ -25,23 +26,27 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         rep = ["replica"]
-        self.requests = Counter("pagedserve_requests", "Finished requests by finish reason of their first sample",
+        self.requests = Counter("pagedserve_requests",
+                                "Finished requests by finish reason of their first sample",
                                 ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
         self.cached_prompt_tokens = Counter("pagedserve_prefix_cache_hit_tokens",
-                                            "Prompt tokens of finished requests that came from the prefix cache",
+                                            "Prompt tokens of finished requests that came from the prefix "
+                                            "cache",
                                             registry=r)
         self.generation_tokens = Counter("pagedserve_generation_tokens", "Generated tokens", rep, registry=r)
-        self.prefill_tokens = Counter("pagedserve_prefill_tokens_computed", "Prompt tokens computed (cache misses)",
-                                      rep, registry=r)
-        self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted by recompute", rep, registry=r)
+        self.prefill_tokens = Counter("pagedserve_prefill_tokens_computed",
+                                      "Prompt tokens computed (cache misses)", rep, registry=r)
+        self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted by recompute", rep,
+                                   registry=r)
         self.running = Gauge("pagedserve_num_running", "Running sequences", rep, registry=r)
         self.waiting = Gauge("pagedserve_num_waiting", "Waiting sequences", rep, registry=r)
-        self.blocks_free = Gauge("pagedserve_kv_blocks_free", "KV blocks no request holds (cached prefixes included)",
-                                 rep, registry=r)
+        self.blocks_free = Gauge("pagedserve_kv_blocks_free",
+                                 "KV blocks no request holds (cached prefixes included)", rep, registry=r)
         self.blocks_total = Gauge("pagedserve_kv_blocks_total", "KV blocks in the pool", rep, registry=r)
-        self.kv_usage = Gauge("pagedserve_kv_usage_ratio", "Share of the KV pool's blocks requests hold (0-1)", rep,
-                              registry=r)
+        self.kv_usage = Gauge("pagedserve_kv_usage_ratio",
+                              "Share of the KV pool's blocks requests hold (0-1)", rep, registry=r)
         self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
         self.tpot = Histogram("pagedserve_time_per_output_token_seconds",

@@ -33,7 +33,8 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class Delta:
-    """One stream message: a sample's new tokens and text; finish_reason on its last, usage on the request's last."""
+    """One stream message: a sample's new tokens and text; finish_reason on its last, usage on the request's
+    last."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
@@ -48,10 +49,12 @@ class Delta:
 
 
 class SampleOutput:
-    def __init__(self, tokenizer: Tokenizer, seq: Sequence, eos_token_ids: tuple[int, ...], max_context: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, seq: Sequence, eos_token_ids: tuple[int, ...],
+                 max_context: int) -> None:
         self.seq = seq
         params = seq.request.sampling
-        self._detok = IncrementalDetokenizer(tokenizer, seq.request.prompt_token_ids, params.skip_special_tokens)
+        self._detok = IncrementalDetokenizer(tokenizer, seq.request.prompt_token_ids,
+                                             params.skip_special_tokens)
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._named_stop_ids = set(params.stop_token_ids)
         self._keep_stop_str = params.include_stop_str_in_output
@@ -76,8 +79,8 @@ class SampleOutput:
         matcher = self.seq.matcher
         if matcher is not None and (matcher.is_stopped() or matcher.is_error()):
             reason = FinishReason.STOP if not matcher.is_error() else FinishReason.ERROR
-            delta = Delta(self.seq.index, [token], self._take_text(final=True) if self._stops else piece, reason,
-                          logprobs=logprobs)
+            delta = Delta(self.seq.index, [token], self._take_text(final=True) if self._stops else piece,
+                          reason, logprobs=logprobs)
             self._emitted = len(self.text)
             return delta, reason
         stop_reason = None
@@ -87,7 +90,8 @@ class SampleOutput:
                 FinishReason.LENGTH if self._left <= 0 else None)
             if reason is FinishReason.STOP and token in self._named_stop_ids:
                 stop_reason = token
-            return Delta(self.seq.index, [token], piece, reason, logprobs=logprobs, stop_reason=stop_reason), reason
+            return Delta(self.seq.index, [token], piece, reason, logprobs=logprobs,
+                         stop_reason=stop_reason), reason
         reason = None
         if not may_stop:
             pass
@@ -103,8 +107,8 @@ class SampleOutput:
                 reason = FinishReason.STOP
         if reason is None and self._left <= 0:
             reason = FinishReason.LENGTH
-        delta = Delta(self.seq.index, [token], self._take_text(final=reason is not None), reason, logprobs=logprobs,
-                      stop_reason=stop_reason)
+        delta = Delta(self.seq.index, [token], self._take_text(final=reason is not None), reason,
+                      logprobs=logprobs, stop_reason=stop_reason)
         return delta, reason
 
     def finish(self, reason: FinishReason) -> Delta:

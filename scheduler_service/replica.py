@@ -4,8 +4,8 @@ wire, so a replica whose workers are slow never holds up another's.
 
 The loop: schedule a step, build its plan, send it; with overlap on (the default), schedule and send the
 next step before awaiting this one's result (see `_steps`); apply each result in order and hand the new
-tokens to the engine (which streams them). A failed step fails only its requests; a lost rank takes the replica
-down (the engine decides what happens to its requests) until a new group joins.
+tokens to the engine (which streams them). A failed step fails only its requests; a lost rank takes the
+replica down (the engine decides what happens to its requests) until a new group joins.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def read_logprobs(out: SchedulerOutput, result) -> dict[int, TokenLogprob] | Non
             chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_values.tolist()
             for n, row in enumerate(rows.tolist()):
                 seq, kk = out.scheduled[row].seq, int(k[row])
-                by_seq[seq.seq_id] = TokenLogprob(-1, chosen[n], list(zip(ids[at:at + kk], values[at:at + kk], strict=True)))
+                by_seq[seq.seq_id] = TokenLogprob(-1, chosen[n],
+                                                  list(zip(ids[at:at + kk], values[at:at + kk], strict=True)))
                 at += kk
     if out.prompt_logprobs is not None:
         k, counts = out.prompt_logprobs
@@ -163,10 +164,12 @@ class Replica:
         self.down_reason = None
         self.profile = StepProfile()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"replica-{self.index}")
-        log.info("replica_serving", replica=self.index, num_blocks=self.group.num_blocks, pids=self.group.pids)
+        log.info("replica_serving", replica=self.index, num_blocks=self.group.num_blocks,
+                 pids=self.group.pids)
 
     async def detach(self, reason: str) -> None:
-        """Stop serving: end the step loop, drop the group (survivors are told to exit), forget the scheduler."""
+        """Stop serving: end the step loop, drop the group (survivors are told to exit), forget the
+        scheduler."""
         self.down_reason = reason
         self.scheduler = None
         if self._task is not None and self._task is not asyncio.current_task():

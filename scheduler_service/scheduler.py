@@ -87,7 +87,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int, kv_window: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int,
+                 kv_window: int = 0) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_window)
@@ -207,7 +208,8 @@ class Scheduler:
                 self._add(out, seq, num_new, scheduled)
                 budget -= num_new
 
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_pending:  # preempted while its last token was in flight: admitted once it is known
                 break
@@ -284,7 +286,8 @@ class Scheduler:
         item = ScheduledSeq(seq, start, num_new, do_sample, seq.epoch)
         if start + num_new > known:  # its input is the token the step in flight samples
             if seq.pending_step != out.step_id - 1 or start + num_new != known + 1:
-                raise RuntimeError(f"{seq}: step {out.step_id} would read a token not sampled by the previous step")
+                raise RuntimeError(f"{seq}: step {out.step_id} would read a token not sampled by the "
+                                   "previous step")
             item.prev_row = seq.pending_row
         if do_sample:
             seq.num_pending += 1

@@ -140,7 +140,8 @@ class Sequence:
         while len(self._block_hashes) <= index:
             i = len(self._block_hashes)
             parent = self._block_hashes[-1] if self._block_hashes else None
-            self._block_hashes.append(block_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+            self._block_hashes.append(block_hash(parent,
+                                                 self.token_ids[i * block_size : (i + 1) * block_size]))
         return self._block_hashes[index]
 
     @property
@@ -149,8 +150,9 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.request.request_id}#{self.index}, {self.status.value}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, pending={self.num_pending}, blocks={len(self.block_ids)})"
+            f"Sequence({self.request.request_id}#{self.index}, {self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, pending={self.num_pending}, "
+            f"blocks={len(self.block_ids)})"
         )
 
 
@@ -167,7 +169,8 @@ class Request:
     pending_forks: list[Sequence] = field(default_factory=list)
     cached_prompt_tokens: int | None = None  # prefix-cache hit of the first admission
     constraint: object | None = None  # scheduler_service/structured.py Constraint
-    # With sampling.prompt_logprobs: entry j (1 <= j < prompt_len) is prompt token j's TokenLogprob once known.
+    # With sampling.prompt_logprobs: entry j (1 <= j < prompt_len) is prompt token j's TokenLogprob once
+    # known.
     prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:

@@ -71,10 +71,12 @@ class GenerationServicer:
             "GenerateStream": (grpc.unary_stream_rpc_method_handler, self.GenerateStream, pb.GenerateRequest),
             "Abort": (grpc.unary_unary_rpc_method_handler, self.Abort, pb.AbortRequest),
             "GetModelInfo": (grpc.unary_unary_rpc_method_handler, self.GetModelInfo, pb.GetModelInfoRequest),
-            "GetCacheStats": (grpc.unary_unary_rpc_method_handler, self.GetCacheStats, pb.GetCacheStatsRequest),
+            "GetCacheStats": (grpc.unary_unary_rpc_method_handler, self.GetCacheStats,
+                              pb.GetCacheStatsRequest),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: kind(fn, request_deserializer=tolerant(cls), response_serializer=lambda m: m.SerializeToString())
+            name: kind(fn, request_deserializer=tolerant(cls),
+                       response_serializer=lambda m: m.SerializeToString())
             for name, (kind, fn, cls) in methods.items()
         })
 
@@ -113,7 +115,8 @@ class GenerationServicer:
             request = await self._request(msg)
             async for delta in self.engine.generate(request):
                 out = generation_pb2.GenerateStreamResponse(
-                    request_id=request.request_id, index=delta.index, token_ids=delta.token_ids, text=delta.text
+                    request_id=request.request_id, index=delta.index, token_ids=delta.token_ids,
+                    text=delta.text
                 )
                 if delta.logprobs:
                     out.logprobs.extend(_logprobs(delta.logprobs))
@@ -161,7 +164,8 @@ class HealthReporter:
         self.services = services or [SERVICE_NAME]
 
     async def set(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        response = health_pb2.HealthCheckResponse
+        status = response.SERVING if serving else response.NOT_SERVING
         for name in ("", *self.services):
             result = self.servicer.set(name, status)
             if hasattr(result, "__await__"):
@@ -188,7 +192,8 @@ def build_server(engine: Engine, address: str, expose_request_ids: bool = False,
     reporter = HealthReporter(services)
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     reflection.enable_server_reflection(
-        (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server
     )
     if tls is None:
         port = server.add_insecure_port(address)

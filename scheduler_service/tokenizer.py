@@ -67,7 +67,8 @@ class Tokenizer:
     def token_bytes(self) -> list[bytes] | None:
         """For a byte-level BPE tokenizer (GPT-2, Llama 3, SmolLM, Qwen): the UTF-8 bytes each token id stands
         for with special tokens skipped (b""), so detokenizing is a table lookup and an incremental UTF-8
-        decode; None for any other decoder (SentencePiece's spacing, byte fallback), which needs DecodeStream."""
+        decode; None for any other decoder (SentencePiece's spacing, byte fallback), which needs
+        DecodeStream."""
         if self._token_bytes is False:
             self._token_bytes = self._byte_table()
         return self._token_bytes
@@ -98,7 +99,8 @@ class Tokenizer:
                 return None
         for added in spec.get("added_tokens", []):  # as the tokenizer itself decodes each one alone
             special = added.get("special") and not keep_special
-            table[added["id"]] = b"" if special else self.hf.decode([added["id"]], skip_special_tokens=False).encode()
+            text = "" if special else self.hf.decode([added["id"]], skip_special_tokens=False)
+            table[added["id"]] = text.encode()
         return table
 
     @property
@@ -135,7 +137,8 @@ class Tokenizer:
                 raise ValueError("continue_final_message needs a last message with text to continue")
             end = text.rfind(final.strip())
             if end < 0:
-                raise ValueError("continue_final_message: the template does not write the last message's text")
+                raise ValueError("continue_final_message: the template does not write the last message's "
+                                 "text")
             text = text[: end + len(final.strip())]
         return text
 
@@ -183,7 +186,8 @@ class IncrementalDetokenizer:
 
 def _gpt2_byte_decoder() -> dict[str, int]:
     """The byte-level alphabet: printable bytes stand for themselves, the other 68 for chr(256 + k)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     table = {chr(b): b for b in printable}
     extra = 0
     for b in range(256):
@@ -201,7 +205,8 @@ def _token_text(value: object) -> str | None:
 
 def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
     """transformers' tojson: keys kept in order and non-ASCII kept (jinja's own sorts and escapes)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str) -> None:

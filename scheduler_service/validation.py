@@ -1,4 +1,5 @@
-"""GenerateRequest (protobuf) → a validated Request, or InvalidRequest with a message that says what is wrong."""
+"""GenerateRequest (protobuf) → a validated Request, or InvalidRequest with a message that says what is
+wrong."""
 
 from __future__ import annotations
 
@@ -60,14 +61,17 @@ class Limits:
 def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> Request:
     """The one validation path: pagedserve.v1 requests come here directly, the engine protocol's after
     scheduler_service/engine_protocol.py has put them in this shape."""
-    given = [name for name, present in (("prompt", bool(msg.prompt)), ("prompt_token_ids", len(msg.prompt_token_ids) > 0),
+    given = [name for name, present in (("prompt", bool(msg.prompt)),
+                                        ("prompt_token_ids", len(msg.prompt_token_ids) > 0),
                                         ("messages", len(msg.messages) > 0)) if present]
     if len(given) > 1:
-        raise InvalidRequest(f"set exactly one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+        raise InvalidRequest("set exactly one of prompt, prompt_token_ids and messages, not "
+                             f"{' and '.join(given)}")
     if not given:
         raise InvalidRequest("the prompt is empty: set prompt (text), prompt_token_ids or messages")
     if not msg.messages:
-        chat_only = {"tools": len(msg.tools) > 0, "chat_template_kwargs": msg.HasField("chat_template_kwargs"),
+        chat_only = {"tools": len(msg.tools) > 0,
+                     "chat_template_kwargs": msg.HasField("chat_template_kwargs"),
                      "add_generation_prompt": msg.HasField("add_generation_prompt"),
                      "continue_final_message": msg.continue_final_message}
         for field, present in chat_only.items():
@@ -112,14 +116,16 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
         need = min(need, sampling.n * limits.sample_blocks(seq_tokens, sampling.is_penalized))
     if need > limits.num_blocks:
         raise InvalidRequest(
-            f"the request needs up to {need} KV blocks ({sampling.n} sample(s) of up to {seq_tokens} tokens) but "
-            f"the whole pool has {limits.num_blocks} blocks of {limits.block_size} tokens; lower max_tokens or n"
+            f"the request needs up to {need} KV blocks ({sampling.n} sample(s) of up to {seq_tokens} tokens) "
+            f"but the whole pool has {limits.num_blocks} blocks of {limits.block_size} tokens; lower "
+            "max_tokens or n"
         )
     request_id = msg.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     constraint = _constraint(msg.sampling, limits)
-    return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, constraint=constraint)
+    return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
+                   constraint=constraint)
 
 
 def _chat_prompt(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
@@ -139,7 +145,8 @@ def _chat_prompt(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limi
             entry["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             if m.role != "assistant":
-                raise InvalidRequest(f"messages[{i}] has tool_calls but its role is {m.role!r}, not assistant")
+                raise InvalidRequest(f"messages[{i}] has tool_calls but its role is {m.role!r}, not "
+                                     "assistant")
             calls = []
             for j, c in enumerate(m.tool_calls):
                 if not c.name:
@@ -154,13 +161,17 @@ def _chat_prompt(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limi
         size += len(m.content.encode())
         messages.append(entry)
     if limits.max_prompt_bytes is not None and size > limits.max_prompt_bytes:
-        raise InvalidRequest(f"the messages hold {size} bytes of text, more than any {limits.max_context}-token "
-                             f"context can hold ({limits.max_prompt_bytes} bytes at most)")
+        raise InvalidRequest(f"the messages hold {size} bytes of text, more than any "
+                             f"{limits.max_context}-token context can hold ({limits.max_prompt_bytes} bytes "
+                             "at most)")
     tools = [json_format.MessageToDict(t) for t in msg.tools] or None
-    kwargs = json_format.MessageToDict(msg.chat_template_kwargs) if msg.HasField("chat_template_kwargs") else {}
+    kwargs = {}
+    if msg.HasField("chat_template_kwargs"):
+        kwargs = json_format.MessageToDict(msg.chat_template_kwargs)
     reserved = {"messages", "tools", "add_generation_prompt"} & set(kwargs)
     if reserved:
-        raise InvalidRequest(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}: use the request's fields")
+        raise InvalidRequest(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}: use the "
+                             "request's fields")
     add_generation_prompt = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else \
         not msg.continue_final_message
     try:
@@ -193,7 +204,8 @@ def _constraint(p: generation_pb2.SamplingParams, limits: Limits) -> Constraint 
     if not given:
         return None
     if len(given) > 1:
-        raise InvalidRequest(f"set at most one of json_schema, regex and grammar, not {' and '.join(k for k, _ in given)}")
+        raise InvalidRequest("set at most one of json_schema, regex and grammar, not "
+                             f"{' and '.join(k for k, _ in given)}")
     kind, text = given[0]
     if len(text) > MAX_GRAMMAR_CHARS:
         raise InvalidRequest(f"sampling.{kind} is longer than {MAX_GRAMMAR_CHARS} characters")
@@ -212,8 +224,8 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
             raise InvalidRequest("sampling.max_tokens must be at least 1")
         if p.max_tokens > room:
             raise InvalidRequest(
-                f"sampling.max_tokens is {p.max_tokens} but the prompt ({prompt_len} tokens) leaves only {room} "
-                f"of the model's {limits.max_context}-token context"
+                f"sampling.max_tokens is {p.max_tokens} but the prompt ({prompt_len} tokens) leaves only "
+                f"{room} of the model's {limits.max_context}-token context"
             )
         max_tokens = p.max_tokens
     else:
@@ -238,7 +250,8 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
         raise InvalidRequest(f"a stop string is longer than {MAX_STOP_CHARS} characters")
     bad = [t for t in p.stop_token_ids if t >= limits.vocab_size]
     if bad:
-        raise InvalidRequest(f"stop_token_ids has id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
+        raise InvalidRequest(f"stop_token_ids has id {bad[0]} outside the vocabulary [0, "
+                             f"{limits.vocab_size})")
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}")
     for name in ("logprobs", "prompt_logprobs"):
@@ -247,7 +260,8 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
     repetition = 1.0
     if p.HasField("repetition_penalty"):
         if not (math.isfinite(p.repetition_penalty) and 0.0 < p.repetition_penalty <= 2.0):
-            raise InvalidRequest(f"sampling.repetition_penalty must lie in (0, 2] (1 is off), got {p.repetition_penalty}")
+            raise InvalidRequest("sampling.repetition_penalty must lie in (0, 2] (1 is off), got "
+                                 f"{p.repetition_penalty}")
         repetition = p.repetition_penalty
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
@@ -258,8 +272,8 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
     if p.min_tokens > max_tokens:
         raise InvalidRequest(f"sampling.min_tokens ({p.min_tokens}) is more than max_tokens ({max_tokens})")
     if p.min_tokens and any(getattr(p, k) for k in ("json_schema", "regex", "grammar")):
-        raise InvalidRequest("sampling.min_tokens cannot be combined with structured output: the structure decides "
-                             "where the output ends")
+        raise InvalidRequest("sampling.min_tokens cannot be combined with structured output: the structure "
+                             "decides where the output ends")
     if len(p.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest(f"sampling.logit_bias has {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
     bias = []

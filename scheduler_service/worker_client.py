@@ -123,7 +123,8 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 
 
 class WorkerClient:
-    def __init__(self, endpoint: str, num_replicas: int = 1, tp_size: int = 1, heartbeat_timeout: float = 10.0,
+    def __init__(self, endpoint: str, num_replicas: int = 1, tp_size: int = 1,
+                 heartbeat_timeout: float = 10.0,
                  expected: dict[str, object] | None = None, curve_keys: str | None = None,
                  insecure_wire: bool = False, step_timeout: float = 60.0,
                  step_timeout_per_token: float = 0.05) -> None:
@@ -160,8 +161,9 @@ class WorkerClient:
         if not is_loopback_endpoint(self.endpoint):
             if not self.curve_keys and not self.insecure_wire:
                 raise InsecureEndpoint(
-                    f"the worker endpoint {self.endpoint} is not on loopback: give CurveZMQ keys (--curve-keys, "
-                    "made by `pagedserve keys`) or accept an unauthenticated wire with --insecure-wire")
+                    f"the worker endpoint {self.endpoint} is not on loopback: give CurveZMQ keys "
+                    "(--curve-keys, made by `pagedserve keys`) or accept an unauthenticated wire with "
+                    "--insecure-wire")
             if not self.curve_keys:
                 log.warning("insecure_wire", endpoint=self.endpoint,
                             detail="any host that reaches this port can act as a worker")
@@ -272,7 +274,8 @@ class WorkerClient:
         group.workers[hs.tp_rank] = info
         self._by_identity[identity] = info
         self._by_heartbeat[info.heartbeat_identity] = info
-        log.info("worker_handshake", replica=hs.replica, tp_rank=hs.tp_rank, pid=hs.pid, num_blocks=hs.num_blocks)
+        log.info("worker_handshake", replica=hs.replica, tp_rank=hs.tp_rank, pid=hs.pid,
+                 num_blocks=hs.num_blocks)
         if len(group.workers) < self.tp_size:
             return
         group.num_blocks = min(w.handshake.num_blocks for w in group.workers.values())
@@ -287,18 +290,22 @@ class WorkerClient:
         for w in group.workers.values():
             w.last_heartbeat = time.monotonic()
             await self._send_quietly(w.identity,
-                                     handshake_ack=wire_pb2.HandshakeAck(accepted=True, num_blocks=group.num_blocks))
+                                     handshake_ack=wire_pb2.HandshakeAck(
+                                         accepted=True, num_blocks=group.num_blocks))
         log.info("group_ready", replica=group.replica, num_blocks=group.num_blocks, pids=group.pids)
         self._changed.set()
         self.on_group_ready(group)
 
-    async def _refuse(self, identity: bytes, hs: wire_pb2.Handshake, reason: str, retry: bool = False) -> None:
-        log.error("worker_refused", replica=hs.replica, tp_rank=hs.tp_rank, pid=hs.pid, reason=reason, retry=retry)
+    async def _refuse(self, identity: bytes, hs: wire_pb2.Handshake, reason: str,
+                      retry: bool = False) -> None:
+        log.error("worker_refused", replica=hs.replica, tp_rank=hs.tp_rank, pid=hs.pid, reason=reason,
+                  retry=retry)
         if not retry:
             self._refusals.append(f"replica {hs.replica} rank {hs.tp_rank}: {reason}")
             self._changed.set()
-        await self._send_quietly(identity, handshake_ack=wire_pb2.HandshakeAck(accepted=False, reason=reason,
-                                                                               retry=retry))
+        await self._send_quietly(identity,
+                                 handshake_ack=wire_pb2.HandshakeAck(
+                                     accepted=False, reason=reason, retry=retry))
 
     async def lost(self, replica: int, reason: str) -> None:
         """A rank of a ready group is gone: the engine takes the replica down (it calls drop_group)."""
@@ -308,7 +315,8 @@ class WorkerClient:
             await self.drop_group(replica, reason)
 
     def find_lost(self) -> list[tuple[int, str]]:
-        """Ready groups with a rank silent past the heartbeat timeout, with the reason (checked when idle too)."""
+        """Ready groups with a rank silent past the heartbeat timeout, with the reason (checked when idle
+        too)."""
         lost = []
         for group in self.groups:
             try:
@@ -355,7 +363,8 @@ class WorkerClient:
         group = self.groups[replica]
         if not group.is_ready:
             raise WorkerLost(f"replica {replica} has no workers connected")
-        frame = wire_pb2.WireMessage(version=WIRE_VERSION, plan=plan).SerializeToString()  # once, for every rank
+        # once, for every rank
+        frame = wire_pb2.WireMessage(version=WIRE_VERSION, plan=plan).SerializeToString()
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         key = (replica, plan.step_id)
         limit = self.step_limit(plan) + queued_behind
@@ -367,7 +376,8 @@ class WorkerClient:
                     try:
                         await self._sock.send_multipart([w.identity, frame])
                     except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer's connection is gone
-                        raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} is unreachable: {e}") from e
+                        raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} is unreachable: "
+                                         f"{e}") from e
             finally:
                 if sent is not None:
                     sent.set()
@@ -377,8 +387,8 @@ class WorkerClient:
                     break
                 self.check_alive(replica)
                 if time.monotonic() > deadline:
-                    raise WorkerLost(f"replica {replica} did not finish step {plan.step_id} ({plan.num_tokens} "
-                                     f"tokens) within its {limit:.1f}s deadline")
+                    raise WorkerLost(f"replica {replica} did not finish step {plan.step_id} "
+                                     f"({plan.num_tokens} tokens) within its {limit:.1f}s deadline")
             results = future.result()
         finally:
             self._pending.pop(key, None)
@@ -411,8 +421,8 @@ class WorkerClient:
             if w.local_pid is not None and worker_process_state(w.local_pid) != "alive":
                 raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} (pid {w.local_pid}) exited")
             if now - w.last_heartbeat > self.heartbeat_timeout:
-                raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} (pid {w.handshake.pid}) sent no "
-                                 f"heartbeat for {now - w.last_heartbeat:.1f}s")
+                raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} (pid {w.handshake.pid}) sent "
+                                 f"no heartbeat for {now - w.last_heartbeat:.1f}s")
 
     # --- socket ----------------------------------------------------------------------------------
     async def _send_quietly(self, identity: bytes, **body) -> None:
@@ -457,7 +467,8 @@ class WorkerClient:
         elif kind == "result":
             info = self._by_identity.get(identity)
             if info is None:
-                log.warning("result_dropped", reason="not from an accepted worker", step_id=msg.result.step_id)
+                log.warning("result_dropped", reason="not from an accepted worker",
+                            step_id=msg.result.step_id)
                 return
             self._on_result(info, msg.result)
 
@@ -465,7 +476,8 @@ class WorkerClient:
         replica, rank = info.replica, info.tp_rank
         pending = self._pending.get((replica, result.step_id))
         targets = [pending] if pending else []
-        if pending is None and result.error:  # an error with no step (a malformed frame) fails the group's step
+        # an error with no step (a malformed frame) fails the group's step
+        if pending is None and result.error:
             targets = [p for (d, _), p in self._pending.items() if d == replica]
         for future, results in targets:
             results[rank] = result

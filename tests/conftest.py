@@ -16,7 +16,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def pytest_collection_modifyitems(config, items):
     """Model-level tests run the triton backend on host tensors, which only the interpreter can do: where a
-    GPU is present (no interpreter) they are skipped — tests/test_kernels.py and the CUDA tests run it there."""
+    GPU is present (no interpreter) they are skipped — tests/test_kernels.py and the CUDA tests run it
+    there."""
     if INTERPRETED:
         return
     skip = pytest.mark.skip(reason="the triton backend on host tensors needs TRITON_INTERPRET=1; on this GPU "

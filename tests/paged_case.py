@@ -22,7 +22,8 @@ class PagedCase:
 
     @property
     def args(self):
-        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc, self.scale)
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc,
+                self.scale)
 
 
 def make_case(q_lens, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0,

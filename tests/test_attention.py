@@ -21,7 +21,8 @@ def test_backend_matches_reference_on_mixed_batches(backend_name, n_heads, n_kv_
     c = make_case(q_lens, seq_lens, n_heads, n_kv_heads, 16, block_size, seed=0)
     backend = make_backend(backend_name, torch.device("cpu"))
     assert backend.name == backend_name
-    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
+    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens),
+                           max(q_lens))
     if backend_name == "triton":
         # gathered once for the step: each decoding sequence's query token, the chunks' starts and ends
         qsl = c.query_start_loc.tolist()
@@ -44,7 +45,8 @@ def test_reference_head_mapping_and_causality():
     out = paged_attention(q, k, v, tables, lens, qsl, 0.3)
     assert torch.allclose(out[:, 2:4], torch.full_like(out[:, 2:4], 7.0))
     assert not torch.allclose(out[:, 0:2], torch.full_like(out[:, 0:2], 7.0))
-    # the first query of a 3-token chunk over 6 keys sees keys 0..3 only: changing key 5 changes nothing for it
+    # the first query of a 3-token chunk over 6 keys sees keys 0..3 only: changing key 5 changes nothing for
+    # it
     v2 = v.clone()
     v2.view(-1, n_kv_heads, 8)[slots[5]] += 100.0
     out2 = paged_attention(q, k, v2, tables, lens, qsl, 0.3)
@@ -60,7 +62,8 @@ def test_write_kv_padding_slots_write_nothing():
     assert changed == [5]
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24),
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim",
+                         [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24),
                                                       (48, 12, 256)])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_native_decode_kernel_on_long_ragged_batches(n_heads, n_kv_heads, head_dim, block_size):
@@ -73,8 +76,8 @@ def test_native_decode_kernel_on_long_ragged_batches(n_heads, n_kv_heads, head_d
     seq_lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 300, 2100]
     c = make_case([1] * len(seq_lens), seq_lens, n_heads, n_kv_heads, head_dim, block_size, seed=4)
     out = torch.full_like(c.q, float("nan"))
-    native.paged_decode(c.q, c.k_cache, c.v_cache, out, torch.arange(len(seq_lens)), c.block_tables, c.seq_lens,
-                        c.scale)
+    native.paged_decode(c.q, c.k_cache, c.v_cache, out, torch.arange(len(seq_lens)), c.block_tables,
+                        c.seq_lens, c.scale)
     torch.testing.assert_close(out, paged_attention(*c.args), atol=2e-5, rtol=1e-5)
 
 
@@ -92,9 +95,11 @@ def test_native_decode_kernel_writes_only_its_rows_and_rejects_wrong_inputs():
     others = [i for i in range(c.q.shape[0]) if i not in rows.tolist()]
     assert torch.equal(out[others], torch.zeros_like(out[others]))
     with pytest.raises(TypeError, match="float32"):
-        native.paged_decode(c.q.double(), c.k_cache, c.v_cache, out, rows, c.block_tables, c.seq_lens, c.scale)
+        native.paged_decode(c.q.double(), c.k_cache, c.v_cache, out, rows, c.block_tables, c.seq_lens,
+                            c.scale)
     with pytest.raises(ValueError, match="contiguous"):
-        native.paged_decode(c.q.transpose(0, 1), c.k_cache, c.v_cache, out, rows, c.block_tables, c.seq_lens, c.scale)
+        native.paged_decode(c.q.transpose(0, 1), c.k_cache, c.v_cache, out, rows, c.block_tables, c.seq_lens,
+                            c.scale)
 
 
 def test_cpu_backend_falls_back_to_torch_where_the_kernel_does_not_cover_the_shape():
@@ -105,7 +110,8 @@ def test_cpu_backend_falls_back_to_torch_where_the_kernel_does_not_cover_the_sha
         make_backend("cpu", torch.device("cpu"), (64, 1, 64, 16, torch.float32))
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24),
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim",
+                         [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24),
                                                       (16, 1, 64)])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_native_prefill_kernel_on_chunks_with_cached_prefixes(n_heads, n_kv_heads, head_dim, block_size):
@@ -138,13 +144,14 @@ def test_native_prefill_kernel_on_chunks_with_cached_prefixes(n_heads, n_kv_head
 
 
 def test_cpu_backend_prefill_falls_back_to_torch_for_queries_it_cannot_read_in_place():
-    c = make_case([30, 5, 12], [30, 40, 50], 8, 2, 32, 16, seed=3)  # prefill rows only: q is passed as it comes
+    # prefill rows only: q is passed as it comes
+    c = make_case([30, 5, 12], [30, 40, 50], 8, 2, 32, 16, seed=3)
     backend = make_backend("cpu", torch.device("cpu"))
     meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, 16, 50, 30)
     odd = c.q.transpose(1, 2).contiguous().transpose(1, 2)  # head_dim not the unit stride
     assert odd.stride(2) != 1
-    torch.testing.assert_close(backend.forward(odd, c.k_cache, c.v_cache, meta, c.scale), paged_attention(*c.args),
-                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(backend.forward(odd, c.k_cache, c.v_cache, meta, c.scale),
+                               paged_attention(*c.args), atol=2e-5, rtol=1e-5)
 
 
 def _brute_force(c, window: int, softcap: float = 0.0) -> torch.Tensor:
@@ -202,7 +209,8 @@ def test_a_sliding_window_shows_each_query_its_last_keys_only(backend_name, wind
     if backend_name != "torch":  # torch gathers every slot and masks them: finite values only
         _poison_out_of_window(c, window)
     backend = make_backend(backend_name, torch.device("cpu"))
-    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
+    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens),
+                           max(q_lens))
     out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
 
@@ -220,18 +228,21 @@ def test_soft_capped_scores_equal_brute_force(backend_name, window):
     c.q.mul_(4.0)  # scores of several units: tanh bends them
     want = _brute_force(c, window, softcap=cap)
     assert not torch.allclose(_brute_force(c, window), want, atol=1e-3)  # the cap mattered
-    torch.testing.assert_close(paged_attention(*c.args, window=window, softcap=cap), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(paged_attention(*c.args, window=window, softcap=cap), want, atol=1e-5,
+                               rtol=1e-5)
     backend = make_backend(backend_name, torch.device("cpu"))
-    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
+    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens),
+                           max(q_lens))
     out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window, cap)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size", [(8, 2, 64, 16), (32, 8, 128, 32), (6, 2, 24, 4),
-                                                                     (8, 1, 256, 1)])
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size",
+                         [(8, 2, 64, 16), (32, 8, 128, 32), (6, 2, 24, 4), (8, 1, 256, 1)])
 @pytest.mark.parametrize("window", [0, 21])
-def test_a_bf16_pool_is_read_as_its_values_widened(backend_name, n_heads, n_kv_heads, head_dim, block_size, window):
+def test_a_bf16_pool_is_read_as_its_values_widened(backend_name, n_heads, n_kv_heads, head_dim, block_size,
+                                                   window):
     """--kv-cache-dtype bf16: decodes and prompt chunks (one over a cached prefix, one past the tiles) over a
     bf16 pool with fp32 queries give the reference's answer over the same pool widened to fp32 (head sizes
     on the vector paths and off them, one-token blocks, a sliding window), and differ from the fp32 pool's."""
@@ -243,7 +254,8 @@ def test_a_bf16_pool_is_read_as_its_values_widened(backend_name, n_heads, n_kv_h
     k16, v16 = c.k_cache.to(torch.bfloat16), c.v_cache.to(torch.bfloat16)
     want = paged_attention(c.q, k16.float(), v16.float(), *c.args[3:], window=window)
     backend = make_backend(backend_name, torch.device("cpu"))
-    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens))
+    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens),
+                           max(q_lens))
     out = backend.forward(c.q, k16, v16, meta, c.scale, window)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_cancels_a_kill_and_a_stall_under_load_lose_nothing(server_factory, tiny_model_dir):
-    server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "96", "--heartbeat-timeout", "2",
-                            "--max-model-len", "256", "--max-num-batched-tokens", "64")
+    server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "96", "--heartbeat-timeout",
+                            "2", "--max-model-len", "256", "--max-num-batched-tokens", "64")
     rng = random.Random(2026)
     reqs = []
     for i in range(24):
@@ -27,7 +27,8 @@ def test_cancels_a_kill_and_a_stall_under_load_lose_nothing(server_factory, tiny
         n = rng.randint(20, 90)
         reqs.append(greedy_request(prompt, n) if i % 2 else sampled(prompt, n, seed=1000 + i))
     reference = [list(server.stub.Generate(r, timeout=120).choices[0].token_ids) for r in reqs]
-    cancel_after = {i: rng.randint(1, 15) for i in rng.sample(range(24), 6)}  # tokens before the client leaves
+    # tokens before the client leaves
+    cancel_after = {i: rng.randint(1, 15) for i in rng.sample(range(24), 6)}
     got = [[] for _ in reqs]
     errors = [None] * len(reqs)
 

@@ -25,8 +25,10 @@ def text_of(tok, req):
 def test_messages_render_through_the_chat_template(tok, limits):
     req = request_from_proto(pb.GenerateRequest(messages=[
         pb.ChatMessage(role="system", content="be brief"), pb.ChatMessage(role="user", content="hi"),
-        pb.ChatMessage(role="assistant", content="hello"), pb.ChatMessage(role="user", content="and?")]), tok, limits)
-    assert text_of(tok, req) == "<s>system: be brief</s><s>user: hi</s><s>assistant: hello</s><s>user: and?</s>" \
+        pb.ChatMessage(role="assistant", content="hello"), pb.ChatMessage(role="user", content="and?")]), tok,
+        limits)
+    assert text_of(tok,
+                   req) == "<s>system: be brief</s><s>user: hi</s><s>assistant: hello</s><s>user: and?</s>" \
                                 "<s>assistant:"
     no_prompt = request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")],
                                                       add_generation_prompt=False), tok, limits)
@@ -39,7 +41,8 @@ def test_messages_render_through_the_chat_template(tok, limits):
 
 def test_a_user_prompt_equals_the_same_single_message(tok, limits):
     a = request_from_proto(pb.GenerateRequest(prompt="hi there"), tok, limits)
-    b = request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi there")]), tok, limits)
+    b = request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi there")]),
+                           tok, limits)
     assert a.prompt_token_ids == b.prompt_token_ids
 
 
@@ -50,9 +53,11 @@ def test_a_user_prompt_equals_the_same_single_message(tok, limits):
      "not prompt_token_ids and messages"),
     (lambda: pb.GenerateRequest(), "set prompt \\(text\\), prompt_token_ids or messages"),
     (lambda: pb.GenerateRequest(messages=[pb.ChatMessage(content="b")]), "messages\\[0\\].role is empty"),
-    (lambda: pb.GenerateRequest(prompt="a", add_generation_prompt=True), "add_generation_prompt applies to messages"),
+    (lambda: pb.GenerateRequest(prompt="a", add_generation_prompt=True),
+     "add_generation_prompt applies to messages"),
     (lambda: pb.GenerateRequest(prompt="a", tools=[struct_pb2.Struct()]), "tools applies to messages only"),
-    (lambda: pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="b")], continue_final_message=True,
+    (lambda: pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="b")],
+                                continue_final_message=True,
                                 add_generation_prompt=True), "exclude each other"),
     (lambda: pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="b", tool_calls=[
         pb.ToolCall(name="f", arguments="{}")])]), "tool_calls but its role is 'user'"),
@@ -80,8 +85,9 @@ def test_a_template_that_refuses_a_conversation_is_a_client_error(tok, limits, t
                             "{{ m['content'] }}{% endfor %}")
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(InvalidRequest, match="System message must come first"):
-        request_from_proto(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="a"),
-                                                        pb.ChatMessage(role="system", content="b")]),
+        request_from_proto(
+            pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="a"),
+                                         pb.ChatMessage(role="system", content="b")]),
                            Tokenizer(folder), limits)
 
 
@@ -103,8 +109,8 @@ def test_tools_and_template_kwargs_reach_the_template(tok, limits, tmp_path):
 
     folder = make_tiny_llama(tmp_path / "m", seed=3)
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
-                            "{% if think %}(think){% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cfg["chat_template"] = ("{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{% if think "
+                            "%}(think){% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     t = Tokenizer(folder)
     tool = struct_pb2.Struct()

@@ -1,4 +1,5 @@
-"""The wire codec: plans and results survive the trip through protobuf bytes exactly; wrong sizes are refused."""
+"""The wire codec: plans and results survive the trip through protobuf bytes exactly; wrong sizes are
+refused."""
 
 import numpy as np
 import pytest
@@ -50,12 +51,14 @@ def with_controls(plan, seed=0):
     counts = rng.integers(0, 4, s)
     plan.bias_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     plan.bias_token_ids = rng.integers(0, 50000, int(counts.sum()), dtype=np.int32)
-    plan.bias_values = np.where(rng.random(int(counts.sum())) < 0.3, -np.inf, rng.normal(size=int(counts.sum())))
+    plan.bias_values = np.where(rng.random(int(counts.sum())) < 0.3, -np.inf,
+                                rng.normal(size=int(counts.sum())))
     plan.bias_values = plan.bias_values.astype(np.float32)
     plan.logprobs = rng.integers(-1, 21, s, dtype=np.int32)
     plan.prompt_logprobs = rng.integers(-1, 21, s, dtype=np.int32)
     plan.prompt_logprob_counts = rng.integers(0, 3, s, dtype=np.int32)
-    plan.prompt_logprob_targets = rng.integers(0, 50000, int(plan.prompt_logprob_counts.sum()), dtype=np.int32)
+    plan.prompt_logprob_targets = rng.integers(0, 50000, int(plan.prompt_logprob_counts.sum()),
+                                               dtype=np.int32)
     plan.mask_rows = rng.integers(-1, 2, s, dtype=np.int32)
     plan.token_bitmask = rng.integers(-2**31, 2**31, (2, 1536), dtype=np.int32)
     return plan
@@ -69,7 +72,8 @@ def test_plan_round_trip_through_bytes_is_exact(num_seqs, max_blocks, controls):
         with_controls(plan, seed=num_seqs)
     wire = wire_pb2.StepPlan.FromString(encode_plan(plan).SerializeToString())
     back = decode_plan(wire)
-    assert back.step_id == plan.step_id and (back.num_seqs, back.num_tokens) == (plan.num_seqs, plan.num_tokens)
+    assert back.step_id == plan.step_id and (back.num_seqs, back.num_tokens) == (
+        plan.num_seqs, plan.num_tokens)
     assert back.prev_step_id == plan.prev_step_id and back.mask_follows == plan.mask_follows
     for name in PlanArrays.__dataclass_fields__:
         if name not in ("step_id", "prev_step_id", "mask_follows"):

@@ -8,7 +8,7 @@ from protos.codec import PlanArrays
 from worker.controls import apply_controls, gather_controls, top_logprobs, unpack_bitmask
 from worker.kv_pool import KVPool
 from worker.model_config import ModelConfig
-from worker.runner import PlanError, validate_controls
+from worker.plan_checks import PlanError, validate_controls
 from worker.sampler import SamplingBatch, sample
 
 VOCAB, BS = 50, 4
@@ -74,20 +74,22 @@ def test_batched_controls_equal_the_per_row_reference():
         temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32), top_k=np.zeros(s, np.int32),
         seed=np.zeros(s, np.uint64), block_copies=np.zeros((0, 2), np.int32),
         repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
-        bias_offsets=offsets, bias_token_ids=np.array([t for r in range(s) for t, _ in bias.get(r, [])], np.int32),
+        bias_offsets=offsets,
+        bias_token_ids=np.array([t for r in range(s) for t, _ in bias.get(r, [])], np.int32),
         bias_values=np.array([v for r in range(s) for _, v in bias.get(r, [])], np.float32),
         mask_rows=np.array([-1, 0, -1, -1, 1], np.int32), token_bitmask=bitmask.view(np.int32))
     validate_controls(plan, np.ones(s, np.int64), VOCAB)
     logits = torch.randn(s, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
     rows = np.arange(s)
-    got = apply_controls(logits, gather_controls(plan, rows, torch.from_numpy(tables), torch.device("cpu")), pool)
+    got = apply_controls(logits, gather_controls(plan, rows, torch.from_numpy(tables), torch.device("cpu")),
+                         pool)
     want = reference(logits, contexts, prompt_lens, rep, pres, freq, bias, allowed)
     torch.testing.assert_close(got, want)
     assert not torch.equal(got, logits)  # the raw logits are left as they were (logprobs read them)
     # a subset of rows sampling: each gets its own controls, nothing of the others'
     some = np.array([1, 4])
-    got = apply_controls(logits[some], gather_controls(plan, some, torch.from_numpy(tables), torch.device("cpu")),
-                         pool)
+    got = apply_controls(logits[some],
+                         gather_controls(plan, some, torch.from_numpy(tables), torch.device("cpu")), pool)
     torch.testing.assert_close(got, want[some])
 
 
@@ -95,13 +97,15 @@ def test_a_row_its_controls_leave_without_any_token_falls_back_to_its_raw_logits
     pool, tables = pool_with([[1, 2]])
     logits = torch.randn(1, VOCAB)
     plan = PlanArrays(
-        step_id=1, token_ids=np.zeros(1, np.int32), positions=np.ones(1, np.int32), slot_mapping=np.zeros(1, np.int64),
+        step_id=1, token_ids=np.zeros(1, np.int32), positions=np.ones(1, np.int32),
+        slot_mapping=np.zeros(1, np.int64),
         block_tables=tables, seq_lens=np.array([2], np.int32), query_start_loc=np.array([0, 1], np.int32),
         do_sample=np.ones(1, bool), sample_index=np.zeros(1, np.int32), temperature=np.zeros(1, np.float32),
         top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32), seed=np.zeros(1, np.uint64),
         block_copies=np.zeros((0, 2), np.int32), mask_rows=np.zeros(1, np.int32),
         token_bitmask=np.zeros((1, 2), np.int32))  # nothing allowed
-    got = apply_controls(logits, gather_controls(plan, np.arange(1), torch.from_numpy(tables), torch.device("cpu")),
+    got = apply_controls(logits,
+                         gather_controls(plan, np.arange(1), torch.from_numpy(tables), torch.device("cpu")),
                          pool)
     assert torch.equal(got, logits)
 
@@ -120,14 +124,16 @@ def test_unpack_bitmask_reads_bit_v_mod_32_of_word_v_div_32():
         words[0, t // 32] |= np.uint32(1 << (t % 32))
     allowed = unpack_bitmask(torch.from_numpy(words.view(np.int32)), 80)
     assert torch.nonzero(allowed[0]).flatten().tolist() == [0, 31, 32, 63, 70]
-    assert unpack_bitmask(torch.from_numpy(words.view(np.int32)), 100).shape == (1, 100)  # short mask: rest off
+    # short mask: rest off
+    assert unpack_bitmask(torch.from_numpy(words.view(np.int32)), 100).shape == (1, 100)
 
 
 def test_min_p_keeps_tokens_within_a_factor_of_the_most_likely():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
     drawn = set()
     for seed in range(200):
-        batch = SamplingBatch(temperature=torch.tensor([1.0]), top_p=torch.tensor([1.0]), top_k=torch.tensor([0]),
+        batch = SamplingBatch(temperature=torch.tensor([1.0]), top_p=torch.tensor([1.0]),
+                              top_k=torch.tensor([0]),
                               seeds=[seed], sample_index=[0], min_p=torch.tensor([0.25]))
         drawn.add(int(sample(logits, batch)[0]))
     assert drawn == {0, 1}  # 0.1 < 0.25 x 0.5
@@ -151,8 +157,10 @@ def test_top_logprobs_flattens_each_rows_own_k():
 def test_malformed_control_arrays_are_refused(field, value, message):
     plan = PlanArrays(
         step_id=1, token_ids=np.zeros(1, np.int32), positions=np.zeros(1, np.int32),
-        slot_mapping=np.zeros(1, np.int64), block_tables=np.zeros((1, 1), np.int32), seq_lens=np.ones(1, np.int32),
-        query_start_loc=np.array([0, 1], np.int32), do_sample=np.ones(1, bool), sample_index=np.zeros(1, np.int32),
+        slot_mapping=np.zeros(1, np.int64), block_tables=np.zeros((1, 1), np.int32),
+        seq_lens=np.ones(1, np.int32),
+        query_start_loc=np.array([0, 1], np.int32), do_sample=np.ones(1, bool),
+        sample_index=np.zeros(1, np.int32),
         temperature=np.zeros(1, np.float32), top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32),
         seed=np.zeros(1, np.uint64), block_copies=np.zeros((0, 2), np.int32))
     if field == "repetition_penalty":

@@ -65,7 +65,8 @@ def test_deploy_serves_with_a_log_per_process_and_stops_everything(tmp_path, tin
             assert len(stub.Generate(greedy_request([5, 6, 7], 4), timeout=60).choices[0].token_ids) == 4
         assert '"event": "serving"' in (run_dir / "scheduler.log").read_text()
         if how == "deploy-stop":
-            subprocess.run(["make", "-s", "deploy-stop", f"RUN_DIR={run_dir}"], cwd=ROOT, check=True, timeout=60)
+            subprocess.run(["make", "-s", "deploy-stop", f"RUN_DIR={run_dir}"], cwd=ROOT, check=True,
+                           timeout=60)
         else:
             proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
@@ -127,9 +128,9 @@ def test_stopping_a_deployment_lets_the_answers_in_flight_finish(tmp_path, tiny_
 
 
 def test_a_restarted_scheduler_serves_again_on_the_ports_it_first_bound(tmp_path, tiny_model_dir):
-    """Started on any free ports (--port 0, worker endpoint on port 0), the scheduler is killed: the supervisor
-    starts it again on the same gRPC port and worker endpoint, its workers follow, and clients that knew the
-    address are served again."""
+    """Started on any free ports (--port 0, worker endpoint on port 0), the scheduler is killed: the
+    supervisor starts it again on the same gRPC port and worker endpoint, its workers follow, and clients that
+    knew the address are served again."""
     proc, port, run_dir, banner = start_deploy(tmp_path, tiny_model_dir)
     try:
         sched_pid = int(re.search(r"scheduler\s+pid (\d+)", banner).group(1))
@@ -174,13 +175,15 @@ def test_two_servers_behind_the_gateway_serve_openai_and_stop_together(tmp_path,
         for i in range(2):
             assert (run_dir / f"server-{i}" / "scheduler.log").exists()
             assert (run_dir / f"server-{i}" / "worker-0.0.log").exists()
-        client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=60)
+        client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0,
+                        timeout=60)
         model = client.models.list().data[0].id
         resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "the fox"}],
                                               max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
         assert resp.usage.completion_tokens == 4 and resp.choices[0].finish_reason == "length"
         # an answer streaming through the gateway when the deployment is told to stop still ends whole
-        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "the dog"}],
+        stream = client.chat.completions.create(model=model,
+                                                messages=[{"role": "user", "content": "the dog"}],
                                                 max_tokens=120, temperature=0, stream=True,
                                                 stream_options={"include_usage": True},
                                                 extra_body={"ignore_eos": True})

@@ -12,12 +12,14 @@ from scheduler_service.main import build_parser as scheduler_parser
 from worker.main import build_parser as worker_parser
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-PARSERS = {"pagedserve-scheduler": scheduler_parser, "pagedserve-worker": worker_parser, "serve": serve_parser}
+PARSERS = {"pagedserve-scheduler": scheduler_parser, "pagedserve-worker": worker_parser,
+           "serve": serve_parser}
 
 
 def documents():
     yaml = pytest.importorskip("yaml")
-    return [d for path in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(path.read_text()) if d]
+    return [d for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
+            for d in yaml.safe_load_all(path.read_text()) if d]
 
 
 def flags_of(program: str, text: str) -> set[str]:
@@ -66,7 +68,8 @@ def test_the_gateway_manifest_fronts_the_schedulers_with_flags_smg_takes():
     assert selector.items() <= sched["spec"]["template"]["metadata"]["labels"].items()
     grpc_port = next(p["containerPort"] for p in sched["spec"]["template"]["spec"]["containers"][0]["ports"]
                      if p["name"] == "grpc")
-    assert args.service_discovery and args.service_discovery_port == grpc_port and args.policy == "cache_aware"
+    assert args.service_discovery and args.service_discovery_port == grpc_port
+    assert args.policy == "cache_aware"
     role = docs["pagedserve-gateway/Role"]["rules"][0]
     assert "pods" in role["resources"] and {"list", "watch"} <= set(role["verbs"])
     assert pod["serviceAccountName"] == docs["pagedserve-gateway/RoleBinding"]["subjects"][0]["name"]
@@ -128,9 +131,11 @@ def test_the_grafana_dashboard_graphs_series_the_server_exports():
     from scheduler_service.metrics import Metrics
 
     dash = json.loads((DEPLOY / "grafana" / "pagedserve.json").read_text())
-    queried = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"pagedserve_[a-z_]+", t["expr"])}
+    queried = {
+        m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"pagedserve_[a-z_]+", t["expr"])}
     series = {f.name: {f.name + suffix for suffix in
-                       {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"]}[f.type]}
+                       {"counter": ["_total"], "gauge": [""],
+                        "histogram": ["_bucket", "_count", "_sum"]}[f.type]}
               for f in Metrics().registry.collect()}
     assert queried <= set().union(*series.values()), queried - set().union(*series.values())
     assert not [name for name, names in series.items() if not names & queried], "exported but not graphed"

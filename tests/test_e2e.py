@@ -101,7 +101,8 @@ def test_streamed_tokens_equal_unary_tokens(server):
         assert s_tokens == u_tokens
         assert s_text == u_text
         assert s_finish == u_finish
-        assert (s_usage.prompt_tokens, s_usage.completion_tokens) == (u_usage.prompt_tokens, u_usage.completion_tokens)
+        assert (s_usage.prompt_tokens, s_usage.completion_tokens) == (
+            u_usage.prompt_tokens, u_usage.completion_tokens)
         # the unary round came second: its full prompt blocks were cached by the streamed round
         assert u_usage.cached_prompt_tokens == (len(items_by_id[rid]) - 1) // 4 * 4
     assert_all_blocks_back(server)
@@ -135,7 +136,8 @@ BAD = [
     ("max_tokens 0", dict(prompt_token_ids=[5, 6], sampling=dict(max_tokens=0)), "max_tokens"),
     ("max_tokens beyond context", dict(prompt_token_ids=[5, 6], sampling=dict(max_tokens=600)), "context"),
     ("token id outside vocab", dict(prompt_token_ids=[5, 384]), "vocabulary"),
-    ("negative temperature", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, temperature=-0.5)), "temperature"),
+    ("negative temperature", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, temperature=-0.5)),
+     "temperature"),
     ("top_p zero", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, top_p=0.0)), "top_p"),
     ("top_p above one", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, top_p=1.5)), "top_p"),
     ("empty stop string", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, stop=[""])), "stop"),
@@ -280,7 +282,8 @@ def test_prometheus_metrics_count_requests_and_tokens(server):
     assert grew("pagedserve_prefix_cache_hit_tokens_total") >= 32  # the second run's cached blocks
     assert after['pagedserve_kv_blocks_total{replica="0"}'] == 256
     assert 0.0 <= after['pagedserve_kv_usage_ratio{replica="0"}'] <= 1.0
-    for series in ("pagedserve_time_to_first_token_seconds_count", "pagedserve_time_per_output_token_seconds_count",
+    for series in ("pagedserve_time_to_first_token_seconds_count",
+                   "pagedserve_time_per_output_token_seconds_count",
                    'pagedserve_inter_token_latency_seconds_count{replica="0"}',
                    'pagedserve_queue_time_seconds_count{replica="0"}'):
         assert grew(series) >= 2, series
@@ -317,7 +320,8 @@ def test_seeded_sampling_is_reproducible_even_across_preemption(server, tight_se
     """A seeded request draws the same tokens alone on a roomy pool and preempted on a tight one; with
     penalties too, whose context a recompute rewrites into fresh blocks."""
     items = [(rid, p, m, 0.0) for rid, p, m, _ in workload(10, seed=9)]  # all at once: the pool overflows
-    roomy = {rid: server.stub.Generate(sampled_request(p, m, seed=i, **controls), timeout=120).choices[0].token_ids
+    roomy = {rid: server.stub.Generate(sampled_request(p, m, seed=i, **controls),
+                                       timeout=120).choices[0].token_ids
              for i, (rid, p, m, _) in enumerate(items)}
     before = tight_server.stats().num_preemptions
 
@@ -357,7 +361,8 @@ def plain_server(server_factory, tiny_model_dir):
 def shared_prefix_workload(seed, n=10):
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 384) for _ in range(rng.randint(9, 40))] for _ in range(3)]
-    return [(f"sp-{seed}-{i}", rng.choice(prefixes) + [rng.randrange(3, 384) for _ in range(rng.randint(1, 6))],
+    return [(f"sp-{seed}-{i}",
+             rng.choice(prefixes) + [rng.randrange(3, 384) for _ in range(rng.randint(1, 6))],
              rng.randint(3, 20), rng.uniform(0, 0.3)) for i in range(n)]
 
 
@@ -374,7 +379,8 @@ def test_outputs_identical_with_prefix_caching_chunking_and_preemption_on_or_off
     assert plain_server.stats().prefix_cache_hits == 0 and plain_server.stats().num_cached_blocks == 0
 
 
-def test_overlap_on_and_off_give_identical_sampled_outputs_cut_at_their_stops(server, plain_server, tight_server):
+def test_overlap_on_and_off_give_identical_sampled_outputs_cut_at_their_stops(
+        server, plain_server, tight_server):
     """Seeded sampling with stop tokens: a request stops at the same token whether its steps were planned
     one by one (plain_server) or while the previous step ran (server, and tight_server, which preempts),
     and no token after its stop reaches the client."""
@@ -392,8 +398,9 @@ def test_overlap_on_and_off_give_identical_sampled_outputs_cut_at_their_stops(se
     want = [list(out[: list(out).index(stop[0]) + 1]) for out, stop in zip(free, stops, strict=True)]
     for srv in (plain_server, server, tight_server):
         with ThreadPoolExecutor(len(items)) as pool:
-            got = list(pool.map(lambda i, srv=srv: run_stream(srv.stub, request(i, items[i][1], items[i][2] + 8,
-                                                                               stops[i])),
+            got = list(pool.map(lambda i,
+                                srv=srv: run_stream(srv.stub,
+                                                    request(i, items[i][1], items[i][2] + 8, stops[i])),
                                 range(len(items))))
         assert [g[0][0] for g in got] == want
         assert all(g[2][0] == generation_pb2.STOP for g in got)
@@ -434,7 +441,8 @@ def test_n4_holds_fewer_blocks_than_four_separate_requests(server):
             server.stub.Abort(generation_pb2.AbortRequest(request_id=rid), timeout=10)
         for t in threads:
             t.join(30)
-        return sum(r.num_blocks for r in rows), sum(r.num_bytes for r in rows), sum(r.num_tokens for r in rows)
+        return (sum(r.num_blocks for r in rows), sum(r.num_bytes for r in rows),
+                sum(r.num_tokens for r in rows))
 
     n4 = sampled_request(prompt, 100, seed=1, n=4, request_id="n4")  # 10 + 4 x 25 blocks at most
     separate = [sampled_request(prompt, 100, seed=1, request_id=f"sep{i}") for i in range(4)]
@@ -453,7 +461,8 @@ def test_samples_never_see_each_others_tokens(server):
     """Sample i of an n=3 request draws exactly what a lone request with seed + i draws."""
     prompt = [31, 41, 59, 26, 53, 58, 97]
     together = server.stub.Generate(sampled_request(prompt, 15, seed=100, n=3), timeout=60)
-    alone = [list(server.stub.Generate(sampled_request(prompt, 15, seed=100 + i), timeout=60).choices[0].token_ids)
+    alone = [list(server.stub.Generate(sampled_request(prompt, 15, seed=100 + i),
+                                       timeout=60).choices[0].token_ids)
              for i in range(3)]
     assert [list(c.token_ids) for c in together.choices] == alone
     assert len({tuple(a) for a in alone}) == 3

@@ -27,7 +27,8 @@ def test_every_sampling_field_is_carried_over():
     s = out.sampling
     assert list(out.prompt_token_ids) == [5, 6, 7] and out.request_id == "r"
     assert (s.temperature, s.top_p, s.top_k) == pytest.approx((0.5, 0.9, 40))
-    assert (s.min_p, s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == pytest.approx((0.1, 0.2, -0.3, 1.1))
+    assert (s.min_p, s.frequency_penalty, s.presence_penalty,
+            s.repetition_penalty) == pytest.approx((0.1, 0.2, -0.3, 1.1))
     assert (s.max_tokens, s.min_tokens, list(s.stop), list(s.stop_token_ids)) == (12, 2, ["\n\n"], [9])
     assert s.skip_special_tokens and s.ignore_eos and s.n == 3 and s.include_stop_str_in_output
     assert (s.logprobs, s.prompt_logprobs, s.seed, dict(s.logit_bias)) == (4, 2, 11, {17: -5.0})
@@ -44,8 +45,10 @@ def test_unset_fields_take_the_protocols_defaults():
 
 
 def test_json_object_and_choice_become_constraints_the_matcher_reads():
-    assert json.loads(to_generation_request(request(json_object=True)).sampling.json_schema) == {"type": "object"}
-    rx = to_generation_request(request(choice=vpb.ChoiceConstraint(choices=["a.b", "c|d", "(x)"]))).sampling.regex
+    schema = to_generation_request(request(json_object=True)).sampling.json_schema
+    assert json.loads(schema) == {"type": "object"}
+    choice = vpb.ChoiceConstraint(choices=["a.b", "c|d", "(x)"])
+    rx = to_generation_request(request(choice=choice)).sampling.regex
     assert rx == choice_regex(["a.b", "c|d", "(x)"])
     assert re.fullmatch(rx, "c|d") and re.fullmatch(rx, "(x)") and not re.fullmatch(rx, "axb")
 

@@ -82,14 +82,16 @@ def assert_pool_clean(server):
 
 @pytest.fixture(scope="module")
 def fault_server(server_factory, tiny_model_dir):
-    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "128", "--heartbeat-timeout", "2",
-                          "--max-model-len", "256")
+    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "128", "--heartbeat-timeout",
+                          "2", "--max-model-len", "256")
 
 
-def test_a_killed_worker_is_replaced_and_every_stream_completes_as_if_nothing_happened(fault_server, tiny_model_dir):
+def test_a_killed_worker_is_replaced_and_every_stream_completes_as_if_nothing_happened(
+        fault_server, tiny_model_dir):
     server = fault_server
     prompts = [[3, 4, 5], [9, 9, 8, 7, 6, 5, 4, 3, 2, 10, 11], [20, 21]]
-    reqs = [greedy_request(p, 120) for p in prompts] + [sampled(p, 120, seed=40 + i) for i, p in enumerate(prompts)]
+    reqs = [greedy_request(p, 120) for p in prompts]
+    reqs += [sampled(p, 120, seed=40 + i) for i, p in enumerate(prompts)]
     reference = [list(server.stub.Generate(r, timeout=120).choices[0].token_ids) for r in reqs]
     assert reference[:3] == [hf_greedy(tiny_model_dir, p, 120) for p in prompts]
     (old,) = children_of(server.proc.pid)
@@ -143,17 +145,22 @@ def lone_scheduler(tmp_path, model_dir, scheduler_flags, worker_blocks):
     log = open(tmp_path / "scheduler.log", "w")
     ports = tmp_path / "scheduler.port"
     sched = subprocess.Popen([sys.executable, "-m", "scheduler_service.main", "--model", str(model_dir),
-                              "--port", "0", "--port-file", str(ports), "--worker-endpoint", "tcp://127.0.0.1:0",
-                              "--block-size", "4", *scheduler_flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                              "--port", "0", "--port-file", str(ports), "--worker-endpoint",
+                              "tcp://127.0.0.1:0",
+                              "--block-size", "4", *scheduler_flags], cwd=ROOT, stdout=log,
+                              stderr=subprocess.STDOUT)
     worker = channel = None
     try:
         deadline = time.monotonic() + 60
-        while (bound := read_port_file(ports)) is None and sched.poll() is None and time.monotonic() < deadline:
+        while ((bound := read_port_file(ports)) is None and sched.poll() is None
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         assert bound is not None, "the scheduler did not say which ports it bound"
         env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_SUPERVISED"}  # nobody orders its stop
-        worker = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", str(model_dir), "--scheduler",
-                                   bound["worker_endpoint"], "--block-size", "4", "--num-blocks", str(worker_blocks),
+        worker = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", str(model_dir),
+                                   "--scheduler",
+                                   bound["worker_endpoint"], "--block-size", "4", "--num-blocks",
+                                   str(worker_blocks),
                                    "--threads", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
         channel = grpc.insecure_channel(f"127.0.0.1:{bound['port']}")
@@ -227,7 +234,8 @@ def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
 def test_a_pool_too_small_for_one_full_context_request_is_refused(tmp_path, tiny_model_dir):
     from deploy.testing import ServerProcess
 
-    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--block-size", "4", "--num-blocks", "8", "--threads", "1")
+    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--block-size", "4", "--num-blocks", "8",
+                           "--threads", "1")
     with pytest.raises(RuntimeError, match="exited") as err:
         server.start(timeout=120)
     server.stop()
@@ -236,14 +244,17 @@ def test_a_pool_too_small_for_one_full_context_request_is_refused(tmp_path, tiny
 
 
 @pytest.mark.parametrize("drain,finishes", [(60, True), (0.2, False)])
-def test_sigterm_drains_running_requests_then_every_process_exits(server_factory, tiny_model_dir, drain, finishes):
-    server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "128", "--drain-timeout", str(drain))
+def test_sigterm_drains_running_requests_then_every_process_exits(
+        server_factory, tiny_model_dir, drain, finishes):
+    server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "128", "--drain-timeout",
+                            str(drain))
     workers = children_of(server.proc.pid)
     reference = list(server.stub.Generate(greedy_request([8, 9, 10], 400), timeout=60).choices[0].token_ids)
     streams = Streams(server.stub, [greedy_request([8, 9, 10], 400)])
     assert streams.started.wait(30)
     if not finishes:  # the stream cannot end inside the drain, however fast the machine: its worker is frozen
-        for pid in workers:  # (for far less than the heartbeat deadline: the drain, not a lost worker, ends it)
+        # (for far less than the heartbeat deadline: the drain, not a lost worker, ends it)
+        for pid in workers:
             os.kill(int(pid), signal.SIGSTOP)
     try:
         os.kill(server.proc.pid, signal.SIGTERM)
@@ -259,7 +270,8 @@ def test_sigterm_drains_running_requests_then_every_process_exits(server_factory
         assert streams.errors == [None] and streams.tokens[0] == reference
     else:
         err = streams.errors[0]
-        assert err.code() == grpc.StatusCode.UNAVAILABLE and "did not finish within its 0.2s drain" in err.details()
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "did not finish within its 0.2s drain" in err.details()
         assert 0 < len(streams.tokens[0]) < 400 and streams.tokens[0] == reference[: len(streams.tokens[0])]
     assert server.proc.wait(timeout=30) == 0
     for pid in workers:
@@ -290,7 +302,8 @@ def test_no_local_process_can_forge_results_or_heartbeats(fault_server):
 
     endpoint = next(line.split('"endpoint": "')[1].split('"')[0] for line in fault_server.log_path.read_text()
                     .splitlines() if '"worker_socket_bound"' in line)
-    reference = list(fault_server.stub.Generate(greedy_request([30, 31, 32], 60), timeout=60).choices[0].token_ids)
+    reference = list(fault_server.stub.Generate(greedy_request([30, 31, 32], 60),
+                                                timeout=60).choices[0].token_ids)
     ctx = zmq.Context()
     forger = ctx.socket(zmq.DEALER)
     forger.setsockopt(zmq.LINGER, 0)
@@ -337,7 +350,8 @@ def test_no_local_process_can_forge_results_or_heartbeats(fault_server):
 
 def test_a_worker_asked_to_stop_serves_its_draining_scheduler_to_the_end(tmp_path, tiny_model_dir):
     """Under Kubernetes every pod of a release gets SIGTERM at once. A worker (no supervisor) keeps serving
-    until its scheduler — draining — tells it to shut down: the answer in flight ends whole, then both exit 0."""
+    until its scheduler — draining — tells it to shut down: the answer in flight ends whole, then both exit
+    0."""
     from protos import generation_pb2_grpc
 
     with lone_scheduler(tmp_path, tiny_model_dir, [], 300) as (sched, worker, channel):

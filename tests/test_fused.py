@@ -48,7 +48,8 @@ def test_add_rms_norm_matches_torch(hidden, with_delta):
 @needs_native
 @pytest.mark.parametrize("width", [1536, 17])
 def test_silu_mul_matches_torch(width):
-    gate_up = torch.randn(5, 2 * width, generator=torch.Generator().manual_seed(width)) * 8  # exp over a wide range
+    # exp over a wide range
+    gate_up = torch.randn(5, 2 * width, generator=torch.Generator().manual_seed(width)) * 8
     torch.testing.assert_close(NativeOps(native).silu_mul(gate_up), TorchOps().silu_mul(gate_up),
                                rtol=2e-6, atol=2e-6)
 
@@ -61,7 +62,8 @@ def test_rope_matches_torch(head_dim, rotary_dim, fused_row):
     rotary = Rotary(config, torch.device("cpu"))
     heads, kv_heads, tokens = 4, 2, 9
     positions = torch.tensor([0, 1, 2, 3, 700, 701, 4095, 17, 5])
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(head_dim))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim,
+                      generator=torch.Generator().manual_seed(head_dim))
 
     def split(t):
         q = t[:, : heads * head_dim].view(tokens, heads, head_dim)
@@ -123,7 +125,7 @@ def test_default_ops_by_device_and_dtype(monkeypatch):
     assert type(ops) is TorchOps
 
 
-# --- the Triton kernels (kernels/triton_elementwise.py): natively on CUDA, in the interpreter elsewhere --------
+# --- the Triton kernels (kernels/triton_elementwise.py): natively on CUDA, in the interpreter elsewhere ---
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]
 TRITON_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
@@ -155,7 +157,8 @@ def test_triton_add_rms_norm_matches_torch(dtype, hidden, with_delta):
 @pytest.mark.parametrize("width", [1536, 17, 2304])
 def test_triton_silu_mul_matches_torch(dtype, width):
     ops = _triton_ops()
-    gate_up = (torch.randn(3, 2 * width, generator=torch.Generator().manual_seed(width)) * 6).to(DEVICE, dtype)
+    gate_up = (torch.randn(3, 2 * width, generator=torch.Generator().manual_seed(width)) * 6).to(
+        DEVICE, dtype)
     torch.testing.assert_close(ops.silu_mul(gate_up), TorchOps().silu_mul(gate_up), **TRITON_TOL[dtype])
 
 

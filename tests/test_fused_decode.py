@@ -25,7 +25,8 @@ BLOCK = 16
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="native CPU kernels not built")
 
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
               eos_token_id=2, pad_token_id=0, initializer_range=0.25)
 
@@ -43,11 +44,12 @@ def _hf_model(kind: str):
     if kind == "mistral":  # every layer slides over 20 keys: the decodes below are shorter and longer
         return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=20, **COMMON))
     if kind == "phi3":  # fused checkpoint tensors, a window on every layer, half of each head rotated
-        return transformers.Phi3ForCausalLM(transformers.Phi3Config(sliding_window=24, partial_rotary_factor=0.5,
-                                                                    **COMMON))
+        return transformers.Phi3ForCausalLM(
+            transformers.Phi3Config(sliding_window=24, partial_rotary_factor=0.5, **COMMON))
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(use_sliding_window=True, sliding_window=13,
-                                                                      max_window_layers=1, **COMMON))
+        return transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(use_sliding_window=True, sliding_window=13, max_window_layers=1,
+                                     **COMMON))
     raise ValueError(kind)
 
 
@@ -102,8 +104,8 @@ def _step(seqs: list[tuple[int, int]], seed: int = 0):
         step_id=1, token_ids=rng.integers(3, 200, len(pos)).astype("<i4"), positions=pos.astype("<i4"),
         slot_mapping=slots, block_tables=tables, seq_lens=np.array([n for _, n in seqs], dtype="<i4"),
         query_start_loc=qsl, do_sample=np.ones(k, bool), sample_index=np.zeros(k, "<i4"),
-        temperature=np.zeros(k, "<f4"), top_p=np.ones(k, "<f4"), top_k=np.zeros(k, "<i4"), seed=np.zeros(k, "<u8"),
-        block_copies=np.empty((0, 2), "<i4"))))
+        temperature=np.zeros(k, "<f4"), top_p=np.ones(k, "<f4"), top_k=np.zeros(k, "<i4"),
+        seed=np.zeros(k, "<u8"), block_copies=np.empty((0, 2), "<i4"))))
     return p, start
 
 
@@ -114,14 +116,16 @@ def _run(model, config, seqs, fused: bool, kv_dtype=torch.float32):
     g = torch.Generator().manual_seed(1)
     for t in pool.k + pool.v:
         t.copy_(torch.randn(t.shape, generator=g))
-    attn = make_backend("cpu", torch.device("cpu"), (config.num_heads, config.num_kv_heads, config.head_dim, BLOCK,
+    attn = make_backend("cpu", torch.device("cpu"),
+                        (config.num_heads, config.num_kv_heads, config.head_dim, BLOCK,
                                                      torch.float32, kv_dtype))
     lens = torch.from_numpy(p.seq_lens.astype("int32"))
-    step = StepInputs(torch.from_numpy(p.token_ids.astype("int64")), torch.from_numpy(p.positions.astype("int64")),
+    step = StepInputs(torch.from_numpy(p.token_ids.astype("int64")),
+                      torch.from_numpy(p.positions.astype("int64")),
                       torch.from_numpy(p.slot_mapping.astype("int64")),
                       attn.prepare(torch.from_numpy(p.block_tables.copy()), lens,
-                                   torch.from_numpy(p.query_start_loc.astype("int32")), BLOCK, int(lens.max()),
-                                   int(np.diff(p.query_start_loc).max())))
+                                   torch.from_numpy(p.query_start_loc.astype("int32")), BLOCK,
+                                   int(lens.max()), int(np.diff(p.query_start_loc).max())))
     saved = model.fused
     model.fused = saved if fused else None
     try:
@@ -163,7 +167,8 @@ def test_on_a_bf16_kv_pool_the_fused_step_writes_the_same_bits_and_attends_as_th
             torch.testing.assert_close(a, b, atol=1e-5, rtol=2**-7)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         fp32, fp32_pool = _run(model, config, seqs, fused=True)
-        # the first layer's K/V (its inputs are the same either way) are the fp32 pool's rounded as torch rounds
+        # the first layer's K/V (its inputs are the same either way) are the fp32 pool's rounded as torch
+        # rounds
         assert torch.equal(got_pool.k[0], fp32_pool.k[0].to(torch.bfloat16))
         assert torch.equal(got_pool.v[0], fp32_pool.v[0].to(torch.bfloat16))
         torch.testing.assert_close(got, fp32, atol=5e-2, rtol=5e-2)  # close to fp32's, not equal
@@ -254,8 +259,8 @@ def test_int8_activations_start_a_worker_on_the_packed_kernel_alone(tmp_path):
     if not cpu_native.load().packed_fast:
         pytest.skip("no byte dot products here: nothing is packed")
     folder = make_tiny_gguf(tmp_path / "q4", qtype="Q4_1")
-    args = build_parser().parse_args(["--model", str(folder), "--scheduler", "tcp://127.0.0.1:1", "--device", "cpu",
-                                      "--quantized-activations", "int8", "--num-blocks", "8"])
+    args = build_parser().parse_args(["--model", str(folder), "--scheduler", "tcp://127.0.0.1:1", "--device",
+                                      "cpu", "--quantized-activations", "int8", "--num-blocks", "8"])
     device, dtype = start_device(args)
     loaded = load(args, device, dtype, 1)
     lib = loaded.model.mm
@@ -278,7 +283,8 @@ def test_the_portable_paths_built_for_avx2_compute_the_same(tmp_path):
     import sys
 
     env = {**os.environ, "PAGEDSERVE_NATIVE_MARCH": "x86-64-v3", "PAGEDSERVE_CACHE": str(tmp_path / "cache")}
-    isa = subprocess.run([sys.executable, "-c", "from kernels import cpu_native; print(cpu_native.load().isa)"],
+    isa = subprocess.run([sys.executable, "-c",
+                          "from kernels import cpu_native; print(cpu_native.load().isa)"],
                          env=env, capture_output=True, text=True, cwd=ROOT)
     if isa.returncode != 0 or not isa.stdout.strip():
         pytest.skip(f"no x86-64-v3 build here: {isa.stderr[-300:]}")
@@ -297,7 +303,8 @@ def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_
     """Every projection as random K-quant blocks (256-value blocks: a model 256 wide), the QKV stack's values
     in the other K type: the fused step gives the layer path's floats, and both the dense model's on gguf's
     dequantization of the same blocks — on the file's layout with fp32 activations, and packed for the
-    integer kernel (16-bit activations, or 8-bit ones), the stack's two segments each packed in its own type."""
+    integer kernel (16-bit activations, or 8-bit ones), the stack's two segments each packed in its own
+    type."""
     from tests.test_quantized import random_k_blocks
     from worker.quantized import QuantizedMatmul, QuantLinear, QuantWeight
     from worker.startup import use_fused_decode
@@ -378,6 +385,8 @@ def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
     assert not head.covers(torch.randn(FUSED_DENSE_ROWS + 1, config.hidden_size))
     from worker.quantized import QuantLinear, QuantWeight
 
-    blocks = QuantWeight(torch.zeros(config.vocab_size, 34 * 2, dtype=torch.uint8), "Q8_0", config.hidden_size)
-    tied_quantized = SimpleNamespace(head=QuantLinear(blocks), lm_head=None, embed=model.embed, shard=model.shard)
+    blocks = QuantWeight(torch.zeros(config.vocab_size, 34 * 2, dtype=torch.uint8), "Q8_0",
+                         config.hidden_size)
+    tied_quantized = SimpleNamespace(head=QuantLinear(blocks), lm_head=None, embed=model.embed,
+                                     shard=model.shard)
     assert NativeHead.weight_of(tied_quantized) is None  # not the fp32 embeddings in the Q8_0 head's place

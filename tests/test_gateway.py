@@ -82,7 +82,8 @@ def model(client):
 
 
 def own(server, messages, **sampling):
-    req = pb.GenerateRequest(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+    req = pb.GenerateRequest(messages=[pb.ChatMessage(role=m["role"],
+                                                      content=m["content"]) for m in messages],
                              sampling=pb.SamplingParams(temperature=0.0, **sampling))
     return server.stub.Generate(req, timeout=60)
 
@@ -103,14 +104,15 @@ def test_a_chat_through_the_gateway_equals_our_own_api(server, client, model):
     assert theirs.choices[0].message.content == ours.choices[0].text
     assert theirs.usage.completion_tokens == len(ours.choices[0].token_ids)
     assert theirs.usage.prompt_tokens == ours.usage.prompt_tokens  # the same chat template, rendered by SMG
-    assert theirs.choices[0].finish_reason == ("length" if ours.choices[0].finish_reason == pb.LENGTH else "stop")
+    expected = "length" if ours.choices[0].finish_reason == pb.LENGTH else "stop"
+    assert theirs.choices[0].finish_reason == expected
 
 
 def test_streamed_deltas_add_up_to_the_unary_answer(client, model):
     unary = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=20, temperature=0)
     pieces, finish = [], None
-    for chunk in client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=20, temperature=0,
-                                                stream=True):
+    for chunk in client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=20,
+                                                temperature=0, stream=True):
         for c in chunk.choices:
             pieces.append(c.delta.content or "")
             finish = c.finish_reason or finish
@@ -134,8 +136,8 @@ def test_stop_strings_end_the_answer_and_name_the_match(server, client, model):
 
 
 def test_n_samples_and_max_tokens(client, model):
-    resp = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=6, temperature=1.0, n=2,
-                                          seed=7, extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(model=model, messages=CONVERSATION, max_tokens=6, temperature=1.0,
+                                          n=2, seed=7, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in resp.choices) == [0, 1]
     assert all(c.finish_reason == "length" for c in resp.choices)
     assert resp.usage.completion_tokens == 12
@@ -155,8 +157,8 @@ def test_logprobs_match_our_own(server, client, model):
         while j < len(ours) and abs(ours[j].logprob - got.logprob) > 1e-4:
             j += 1
         assert j < len(ours), f"entry {got} is none of our tokens"
-        assert [t.logprob for t in got.top_logprobs] == pytest.approx([t.logprob for t in ours[j].top_logprobs],
-                                                                      abs=1e-4)
+        expected = [t.logprob for t in ours[j].top_logprobs]
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(expected, abs=1e-4)
         j += 1
 
 
@@ -270,19 +272,21 @@ def test_engine_protocol_refuses_what_it_cannot_serve(tiny_server):
     choice = list(stub.Generate(vllm_engine_pb2.GenerateRequest(
         request_id="choice", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[5, 6, 7]),
         sampling_params=vllm_engine_pb2.SamplingParams(
-            temperature=0, max_tokens=20, choice=vllm_engine_pb2.ChoiceConstraint(choices=["yes (a)", "no.b"]))),
+            temperature=0, max_tokens=20,
+            choice=vllm_engine_pb2.ChoiceConstraint(choices=["yes (a)", "no.b"]))),
         timeout=30))
     tok_ids = choice[-1].complete.output_ids
     assert Tokenizer(server.model_dir).decode(list(tok_ids)) in ("yes (a)", "no.b")
     info = stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=10)
-    assert info.max_context_length == server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).max_context
+    ours = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.max_context_length == ours.max_context
     assert stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=10).healthy
     zipped = b"".join(c.data for c in stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=10))
     assert "tokenizer.json" in zipfile.ZipFile(io.BytesIO(zipped)).namelist()
 
 
-def test_two_servers_behind_one_gateway_route_a_shared_prefix_to_its_holder(server_factory, tiny_model_dir,
-                                                                            tmp_path_factory):
+def test_two_servers_behind_one_gateway_route_a_shared_prefix_to_its_holder(
+        server_factory, tiny_model_dir, tmp_path_factory):
     servers = [server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "160") for _ in range(2)]
     g = start_gateway(servers, tiny_model_dir, tmp_path_factory, policy="cache_aware")
     try:
@@ -291,7 +295,8 @@ def test_two_servers_behind_one_gateway_route_a_shared_prefix_to_its_holder(serv
         prefix = "paged attention stores keys and values in blocks; " * 6
         first = client.completions.create(model=model, prompt=prefix + "the fox", max_tokens=2, temperature=0)
         assert first.usage.prompt_tokens > 40
-        second = client.completions.create(model=model, prompt=prefix + "the dog", max_tokens=2, temperature=0)
+        second = client.completions.create(model=model, prompt=prefix + "the dog", max_tokens=2,
+                                           temperature=0)
         assert second.usage.prompt_tokens_details.cached_tokens > 0
         held = [s.stats().prefix_cache_hits for s in servers]
         assert sorted(held)[0] == 0 and sorted(held)[1] > 0  # both landed on the same server
@@ -305,7 +310,8 @@ def test_a_gateway_started_before_the_servers_workers_serves_once_they_join(tmp_
     log = open(tmp_path / "scheduler.log", "w")
     ports = tmp_path / "scheduler.port"
     procs = [subprocess.Popen([sys.executable, "-m", "scheduler_service.main", "--model", str(tiny_model_dir),
-                               "--port", "0", "--port-file", str(ports), "--worker-endpoint", "tcp://127.0.0.1:0",
+                               "--port", "0", "--port-file", str(ports), "--worker-endpoint",
+                               "tcp://127.0.0.1:0",
                                "--metrics-port", "0", "--block-size", "4"], cwd=ROOT, stdout=log,
                               stderr=subprocess.STDOUT)]
     g = None

@@ -58,7 +58,8 @@ def test_a_gguf_is_served_from_the_file_with_no_dense_copy(native, tmp_path, fam
     from_file, _ = load_model(str(bare), "auto", torch.float32, CPU)
     torch.testing.assert_close(logits(from_file, config, prompt), want, atol=1e-4, rtol=1e-4)
 
-    source = GGUFQuantSource(next(bare.glob("*.gguf")), config.num_heads, config.num_kv_heads, config.head_dim)
+    source = GGUFQuantSource(next(bare.glob("*.gguf")), config.num_heads, config.num_kv_heads,
+                             config.head_dim)
     model, _ = load_model(str(bare), "auto", torch.float32, CPU, quantized=source)
     held = {n for n, p in model.named_parameters() if p.numel() == 0}
     assert all(any(n.endswith(w) for w in ("qkv", "o_proj", "gate_up", "down")) or n in ("embed", "lm_head")
@@ -79,8 +80,10 @@ def test_each_rank_reads_its_share_of_the_file(native, tmp_path):
     bare = weightless(folder, tmp_path / "bare")
     for rank in range(2):
         dense, config = load_model(str(bare), "auto", torch.float32, CPU, tp_rank=rank, tp_size=2)
-        source = GGUFQuantSource(next(bare.glob("*.gguf")), config.num_heads, config.num_kv_heads, config.head_dim)
-        model, _ = load_model(str(bare), "auto", torch.float32, CPU, tp_rank=rank, tp_size=2, quantized=source)
+        source = GGUFQuantSource(next(bare.glob("*.gguf")), config.num_heads, config.num_kv_heads,
+                                 config.head_dim)
+        model, _ = load_model(str(bare), "auto", torch.float32, CPU, tp_rank=rank, tp_size=2,
+                              quantized=source)
         model.use_quantized(model.file_blocks, QuantizedMatmul(native), keep_dense=False)
         ids = torch.arange(config.vocab_size)
         lo, hi = model.shard.vocab
@@ -152,7 +155,8 @@ def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch
     kv = worker_main.kv_budget_bytes(args, config, torch.float32, config.num_kv_heads)
     monkeypatch.setattr("worker.memory_plan.available_bytes", lambda: held + kv + 1)
     assert worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1, source) is None
-    assert worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1) is not None  # fp32: 3.6x the bytes
+    # fp32: 3.6x the bytes
+    assert worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1) is not None
     monkeypatch.setattr("worker.memory_plan.available_bytes", lambda: held // 2)
     message = worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1, source)
     assert gguf.name in message and "on its own blocks" in message
@@ -179,6 +183,7 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs_as_the_scaling_they_came_from(t
         assert config.rope_freq_factors == pytest.approx(factors)
         assert config.rope_inv_freq() == pytest.approx(scaled.rope_inv_freq(), rel=1e-6)
         assert config.fingerprint("m") != plain.fingerprint("m")
-        torch.testing.assert_close(Rotary(config, torch.device("cpu")).cos, Rotary(scaled, torch.device("cpu")).cos)
+        torch.testing.assert_close(Rotary(config, torch.device("cpu")).cos,
+                                   Rotary(scaled, torch.device("cpu")).cos)
     with pytest.raises(Exception, match="rope_freqs holds 3 factors"):
         dataclasses.replace(plain, rope_freq_factors=(1.0, 2.0, 3.0)).rope_inv_freq()

@@ -60,8 +60,8 @@ def test_a_cpu_only_torch_on_a_host_with_an_nvidia_gpu_refuses_to_start(monkeypa
 
     monkeypatch.setattr(worker.startup, "nvidia_gpu_present", lambda: True)
     try:
-        code = worker_main.main(["--model", str(tiny_model_dir), "--scheduler", "tcp://127.0.0.1:1", "--malloc",
-                                 "glibc", "--log-format", "json"])
+        code = worker_main.main(["--model", str(tiny_model_dir), "--scheduler", "tcp://127.0.0.1:1",
+                                 "--malloc", "glibc", "--log-format", "json"])
     finally:
         structlog.reset_defaults()  # main() pointed the logs at this test's captured stderr
     assert code == EXIT_CONFIG
@@ -96,4 +96,5 @@ def test_no_kernel_spills_registers_when_compiled_for_an_h100():
     rows = json.loads(done.stdout)
     spilled = [(r["name"], r["spill_stores"], r["stack"]) for r in rows if r["spill_stores"] or r["stack"]]
     assert not spilled
-    assert {r["name"].split()[0] for r in rows} >= {"decode_split", "prefill", "decode_reduce", "write_kv", "rope"}
+    assert {r["name"].split()[0] for r in rows} >= {"decode_split", "prefill", "decode_reduce", "write_kv",
+                                                    "rope"}

@@ -43,7 +43,8 @@ def test_bf16_weights_give_the_rounded_models_logits(native, tmp_path, tied):
     source = CastSource(tensor_source(str(folder), "auto", config), config)
     model, _ = load_model(str(folder), "auto", torch.float32, CPU, quantized=source, pack=lib.pack)
     assert all(p.numel() == 0 for n, p in model.named_parameters() if p.dim() == 2)  # no fp32 matrix
-    assert model.use_quantized(model.file_blocks, lib, keep_dense=False) == {"BF16": 4 * config.num_layers + 1}
+    assert model.use_quantized(model.file_blocks, lib,
+                               keep_dense=False) == {"BF16": 4 * config.num_layers + 1}
     lib.max_kernel_rows = 1 << 30  # the row kernels: fp32 activations
     got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, CPU), seqs)[0]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -55,22 +56,23 @@ def test_bf16_weights_give_the_rounded_models_logits(native, tmp_path, tied):
 
 @pytest.mark.slow
 def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(server_factory, native, tmp_path_factory):
-    """`--dtype bfloat16` on a CPU: the worker holds bf16 matrices and computes in fp32, so every greedy answer
-    equals transformers' on the bf16-rounded weights (prefill on the fp32 copy of those values, asked for;
-    the KV pool kept fp32 here: by default it is bf16 too)."""
+    """`--dtype bfloat16` on a CPU: the worker holds bf16 matrices and computes in fp32, so every greedy
+    answer equals transformers' on the bf16-rounded weights (prefill on the fp32 copy of those values, asked
+    for; the KV pool kept fp32 here: by default it is bf16 too)."""
     from protos import generation_pb2 as pb
 
     base = tmp_path_factory.mktemp("bf16")
     folder = make_tiny_llama(base / "m", seed=7)
-    server = server_factory(folder, "--dtype", "bfloat16", "--quantized-prefill", "dense", "--block-size", "4",
-                            "--num-blocks", "256", "--kv-cache-dtype", "fp32")
+    server = server_factory(folder, "--dtype", "bfloat16", "--quantized-prefill", "dense", "--block-size",
+                            "4", "--num-blocks", "256", "--kv-cache-dtype", "fp32")
     log = server.log_path.read_text()
     assert '"matrices": {"BF16": 13}' in log and '"compute_dtype": "float32"' in log
     reference = rounded(folder, base / "r")
     for prompt in ([5, 9, 13, 200, 31], list(range(40, 75))):
         req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
             max_tokens=20, temperature=0, ignore_eos=True))
-        assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == hf_greedy(reference, prompt, 20)
+        assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == hf_greedy(
+            reference, prompt, 20)
     # the default: prefill through the CPU's bf16 GEMM where it has one (no fp32 copy), else as memory allows
     auto = server_factory(folder, "--dtype", "bfloat16", "--block-size", "4", "--num-blocks", "256")
     reason = "the CPU's bf16 GEMM" if native_bf16() else "available"

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 def plain(tmp_path_factory, tiny_model_dir):
     """A server as users run it: request ids are not exposed in GetCacheStats."""
     log = tmp_path_factory.mktemp("hostile") / "server.log"
-    server = ServerProcess(tiny_model_dir, log, "--threads", "1", "--block-size", "4", "--num-blocks", "256").start()
+    server = ServerProcess(tiny_model_dir, log, "--threads", "1", "--block-size", "4", "--num-blocks",
+                           "256").start()
     yield server
     server.stop()
 
@@ -40,7 +41,8 @@ def test_a_huge_prompt_is_refused_at_once_and_never_stalls_other_clients(plain):
     t0 = time.monotonic()
     t.start()
     while t.is_alive():  # meanwhile health answers and a normal request is served
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        assert health.Check(health_pb2.HealthCheckRequest(),
+                            timeout=5).status == health_pb2.HealthCheckResponse.SERVING
         ok.append(len(plain.stub.Generate(greedy_request([5, 6, 7], 3), timeout=30).choices[0].token_ids))
     t.join()
     assert len(errors) == 3 and all(e.code() == grpc.StatusCode.INVALID_ARGUMENT for e in errors)
@@ -117,16 +119,19 @@ def test_the_api_can_be_served_over_tls(tmp_path, tiny_model_dir):
 
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=DNS:localhost"],
                    check=True, capture_output=True)
     ports = tmp_path / "server.port"
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.launcher", "--model", str(tiny_model_dir), "--port", "0",
-                             "--port-file", str(ports), "--threads", "1", "--block-size", "4", "--num-blocks", "200",
-                             "--tls-cert", str(cert), "--tls-key", str(key)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.launcher", "--model", str(tiny_model_dir),
+                             "--port", "0",
+                             "--port-file", str(ports), "--threads", "1", "--block-size", "4", "--num-blocks",
+                             "200", "--tls-cert", str(cert), "--tls-key", str(key)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while (bound := read_port_file(ports)) is None and proc.poll() is None and time.monotonic() < deadline:
+        while ((bound := read_port_file(ports)) is None and proc.poll() is None
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         assert bound is not None, "the server did not say which port it bound"
         generate = [sys.executable, "-m", "deploy.cli", "generate", "--raw", "the quick", "--max-tokens", "4",

@@ -43,7 +43,8 @@ def close(out, ref, dtype):
 def test_decode_matches_reference(shape, dtype):
     n_heads, n_kv, head_dim, block = shape
     seq_lens = lengths(block)
-    case = make_case([1] * len(seq_lens), seq_lens, n_heads, n_kv, head_dim, block, dtype, seed=1, device=DEVICE)
+    case = make_case([1] * len(seq_lens), seq_lens, n_heads, n_kv, head_dim, block, dtype, seed=1,
+                     device=DEVICE)
     out = triton_attention.paged_attention(*case.args)
     close(out, reference.paged_attention(*case.args), dtype)
 
@@ -110,8 +111,8 @@ def test_one_kv_head_constant_proves_the_head_mapping():
         case = make_case(q_lens, [20, 37], n_heads, n_kv, head_dim, block, dtype, seed=5, device=DEVICE)
         case.v_cache[:, :, 1] = 3.0  # KV head 1 holds a constant value everywhere
         out = triton_attention.paged_attention(*case.args)
-        torch.testing.assert_close(out[:, 5:].float(), torch.full_like(out[:, 5:].float(), 3.0), atol=1e-3, rtol=0,
-                                   msg="query heads 5..9 must read KV head 1")
+        torch.testing.assert_close(out[:, 5:].float(), torch.full_like(out[:, 5:].float(), 3.0), atol=1e-3,
+                                   rtol=0, msg="query heads 5..9 must read KV head 1")
         assert (out[:, :5].float() - 3.0).abs().min() > 0.5, "query heads 0..4 must read KV head 0"
 
 
@@ -134,7 +135,8 @@ def test_chunked_prefill_then_decode_equals_one_full_prefill():
         done += chunk
         qsl = torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE)
         lens = torch.tensor([done], dtype=torch.int32, device=DEVICE)
-        pieces.append(triton_attention.paged_attention(case.q[done - chunk : done], case.k_cache, case.v_cache,
+        pieces.append(triton_attention.paged_attention(case.q[done - chunk : done], case.k_cache,
+                                                       case.v_cache,
                                                        case.block_tables, lens, qsl, case.scale))
     close(torch.cat(pieces), full, dtype)
 
@@ -154,7 +156,8 @@ def test_step_varying_arguments_are_not_specialized():
     parameters (a misspelt name would be ignored by the interpreter and refused on a GPU)."""
     import inspect
 
-    varying = {"stride_bts", "stride_mos", "stride_moh", "stride_mop", "stride_mls", "stride_mlh", "split_len"}
+    varying = {"stride_bts", "stride_mos", "stride_moh", "stride_mop", "stride_mls", "stride_mlh",
+               "split_len"}
     for name, listed in triton_attention.STEP_VARYING.items():
         kernel = getattr(triton_attention, name)
         params = set(inspect.signature(kernel.fn).parameters)
@@ -190,7 +193,8 @@ def test_split_scratch_is_allocated_once_per_step_and_stale_splits_are_never_rea
     dtype = DTYPES[0]
     calls = []
     real = triton_attention.decode_workspace
-    monkeypatch.setattr(triton_attention, "decode_workspace", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(triton_attention, "decode_workspace", lambda *a,
+                        **k: calls.append(a) or real(*a, **k))
     layer1 = make_case([1, 1, 1], [90, 3, 40], 4, 2, 64, 16, dtype, seed=5, device=DEVICE)
     layer2 = make_case([1, 1, 1], [90, 3, 40], 4, 2, 64, 16, dtype, seed=6, device=DEVICE)
     workspace = {}

@@ -27,7 +27,8 @@ def paged(q_lens, seq_lens, n_heads, n_kv, head_dim, seed, dtype=torch.bfloat16)
     num_blocks = sum(pages) + 2
     k = torch.full((num_blocks, BLOCK, n_kv, head_dim), float("nan"), dtype=dtype, device="cuda")
     v = torch.full_like(k, float("nan"))
-    order = torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1  # block 0 never used
+    # block 0 never used
+    order = torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1
     tables = torch.zeros(len(seq_lens), max(pages) + 1, dtype=torch.int32, device="cuda")  # 0: a NaN page
     at = 0
     for i, n in enumerate(pages):
@@ -97,9 +98,9 @@ def test_mixed_steps_of_decodes_chunks_and_fresh_prompts(shape):
 
 def test_every_kernel_is_compiled_once_across_steps_of_every_kind_and_none_spills(tmp_path):
     """A worker's steps change their shapes, lengths and (from the staging buffer) the offsets of their small
-    arrays; none of that may compile a kernel again (a stall of seconds while serving). Warm-up, graph capture,
-    prompts, chunks beside decodes, decode batches in and out of the graphs: one version per kernel (two of
-    the residual-add + norm, with and without the residual), and no spilled registers."""
+    arrays; none of that may compile a kernel again (a stall of seconds while serving). Warm-up, graph
+    capture, prompts, chunks beside decodes, decode batches in and out of the graphs: one version per kernel
+    (two of the residual-add + norm, with and without the residual), and no spilled registers."""
     import json
 
     from kernels.compile_report import _jit_functions, runtime_report
@@ -112,7 +113,8 @@ def test_every_kernel_is_compiled_once_across_steps_of_every_kind_and_none_spill
 
     for fn in _jit_functions().values():
         fn.device_caches.clear()  # count what this test compiles
-    cfg = dict(model_type="llama", vocab_size=32000, hidden_size=576, intermediate_size=1536, num_hidden_layers=4,
+    cfg = dict(model_type="llama", vocab_size=32000, hidden_size=576, intermediate_size=1536,
+               num_hidden_layers=4,
                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096, rope_theta=10000.0,
                rms_norm_eps=1e-5, tie_word_embeddings=True)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
@@ -145,7 +147,8 @@ def test_every_kernel_is_compiled_once_across_steps_of_every_kind_and_none_spill
         plan = PlanArrays(
             step_id=step_id, token_ids=rng.integers(0, 32000, len(positions)).astype(np.int32),
             positions=positions.astype(np.int32), slot_mapping=slots, block_tables=tables,
-            seq_lens=np.array(seq_lens, dtype=np.int32), query_start_loc=np.cumsum([0] + q_lens).astype(np.int32),
+            seq_lens=np.array(seq_lens, dtype=np.int32),
+            query_start_loc=np.cumsum([0] + q_lens).astype(np.int32),
             do_sample=np.ones(s, dtype=bool), sample_index=np.zeros(s, dtype=np.int32),
             temperature=np.full(s, temperature, dtype=np.float32), top_p=np.full(s, top_p, dtype=np.float32),
             top_k=np.zeros(s, dtype=np.int32), seed=np.arange(s, dtype=np.uint64),
@@ -166,4 +169,5 @@ def test_every_kernel_is_compiled_once_across_steps_of_every_kind_and_none_spill
     for name, versions in report.items():
         assert len(versions) <= (2 if name in twice else 1), (name, versions)
         assert all(v["spills"] == 0 for v in versions), (name, versions)
-    assert {"_decode_split_kernel", "_prefill_kernel", "_write_kv_kernel", "_top_p_floor_kernel"} <= set(report)
+    assert {"_decode_split_kernel", "_prefill_kernel", "_write_kv_kernel",
+            "_top_p_floor_kernel"} <= set(report)

@@ -14,7 +14,8 @@ CPU = torch.device("cpu")
 def test_auto_follows_the_model_and_a_pool_wider_than_the_compute_is_refused():
     f32, bf16 = torch.float32, torch.bfloat16
     assert kv_cache_dtype("auto", f32, f32, CPU) == f32
-    assert kv_cache_dtype("auto", f32, bf16, CPU) == bf16  # --dtype bfloat16 on a CPU: bf16 weights, fp32 compute
+    # --dtype bfloat16 on a CPU: bf16 weights, fp32 compute
+    assert kv_cache_dtype("auto", f32, bf16, CPU) == bf16
     assert kv_cache_dtype("bf16", f32, f32, CPU) == bf16
     assert kv_cache_dtype("fp32", f32, bf16, CPU) == f32
     assert kv_cache_dtype("auto", bf16, bf16, torch.device("cuda")) == bf16
@@ -37,12 +38,13 @@ def _answers(server, prompts):
 
 
 @pytest.mark.slow
-def test_a_bf16_pool_doubles_the_blocks_and_answers_as_the_torch_path_over_the_same_values(server_factory,
-                                                                                         tiny_model_dir):
+def test_a_bf16_pool_doubles_the_blocks_and_answers_as_the_torch_path_over_the_same_values(
+        server_factory, tiny_model_dir):
     """Same --kv-cache-memory: twice the blocks. The native kernels and the fused step over the bf16 pool
     decode the greedy tokens the torch path decodes over it; prompt logprobs stay within bf16's rounding of
     the fp32 pool's; GetModelInfo says which pool it is; nothing leaks."""
-    prompts = [[1, 5 + i, 9, 30 + 2 * i, 7] * (2 + 3 * i) for i in range(5)]  # up to 70 tokens: blocks crossed
+    # up to 70 tokens: blocks crossed
+    prompts = [[1, 5 + i, 9, 30 + 2 * i, 7] * (2 + 3 * i) for i in range(5)]
     runs = {}
     for name, flags in (("fp32", []), ("bf16", ["--kv-cache-dtype", "bf16"]),
                         ("bf16-torch", ["--kv-cache-dtype", "bf16", "--attention-backend", "torch",
@@ -57,6 +59,7 @@ def test_a_bf16_pool_doubles_the_blocks_and_answers_as_the_torch_path_over_the_s
     assert (f32_info.kv_cache_dtype, bf_info.kv_cache_dtype) == ("float32", "bfloat16")
     assert bf_info.num_blocks == torch_info.num_blocks and bf_info.num_blocks // 2 == f32_info.num_blocks
     assert [tokens for tokens, _ in bf] == [tokens for tokens, _ in via_torch]
-    diffs = [abs(a - b) for (_, lp_bf), (_, lp_32) in zip(bf, f32, strict=True) for a, b in zip(lp_bf, lp_32,
-                                                                                                 strict=True)]
+    diffs = [
+        abs(a - b) for (_, lp_bf), (_, lp_32) in zip(bf, f32, strict=True) for a, b in zip(
+            lp_bf, lp_32, strict=True)]
     assert max(diffs) < 0.05 and 0 < sum(diffs)  # bf16's rounding moves them, a little

@@ -46,9 +46,11 @@ def _project(module: str) -> bool:
 
 
 def test_layers_import_only_the_layers_below_them():
-    wrong = [f"{name}:{line} imports {mod}" for name, tree in MODULES.items() for line, mod, _ in _imports(tree)
+    wrong = [f"{name}:{line} imports "
+             f"{mod}" for name, tree in MODULES.items() for line, mod, _ in _imports(tree)
              if _project(mod) and mod.split(".")[0] not in MAY_IMPORT[name.split(".")[0]]]
-    assert not wrong, "protos <- kernels <- worker; scheduler_service takes protos only; deploy is on top:\n" + \
+    assert not wrong, ("protos <- kernels <- worker; scheduler_service takes protos only; deploy is on "
+                       "top:\n") + \
         "\n".join(wrong)
 
 
@@ -122,6 +124,16 @@ def test_the_project_reads_as_five_packages_and_deploy_shows_the_product():
     """deploy/'s top level holds the commands a user runs and the helpers they and the tests share; every
     benchmark lives in deploy/bench/."""
     top = {p.stem for p in (ROOT / "deploy").glob("*.py")} - {"__init__"}
+    top |= {p.parent.name for p in (ROOT / "deploy").glob("*/__main__.py")} - {"bench"}
     assert not {n for n in top if n.startswith("bench")}, "benchmarks belong in deploy/bench/"
-    assert top == {"cli", "launcher", "supervisor", "fleet", "gateway", "console", "prepare_model", "loadtest",
-                   "processes", "testing"}
+    assert top == {"cli", "launcher", "supervisor", "fleet", "gateway", "console", "prepare_model",
+                   "loadtest", "processes", "testing"}
+
+
+def test_no_module_outside_tests_and_kernels_runs_past_500_lines():
+    """A module a newcomer opens fits in one sitting; past 500 lines it is two modules."""
+    files = [p for folder in ("protos", "scheduler_service", "worker", "deploy")
+             for p in sorted((ROOT / folder).rglob("*.py")) if "_pb2" not in p.name]
+    sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in files}
+    long = [f"{p}: {n} lines" for p, n in sizes.items() if n > 500]
+    assert not long, "split these:\n" + "\n".join(long)

@@ -44,7 +44,8 @@ def test_choice_by_measurement_and_by_name():
     assert set(seconds) == {"dense"} | {c.name for c in PACKING} and all(t > 0 for t in seconds.values())
     assert choose("auto", [(64, 32)], CPU, torch.float32).name in set(seconds)
     assert isinstance(choose("dense", [(64, 32)], CPU, torch.float32), DenseMatmul)
-    assert isinstance(choose("auto", [(64, 32)], CPU, torch.bfloat16), DenseMatmul)  # oneDNN path is fp32 only
+    # oneDNN path is fp32 only
+    assert isinstance(choose("auto", [(64, 32)], CPU, torch.bfloat16), DenseMatmul)
     with pytest.raises(ValueError, match="fp32"):
         choose("onednn", [(64, 32)], CPU, torch.bfloat16)
     with pytest.raises(ValueError, match="unknown matmul"):

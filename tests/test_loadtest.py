@@ -9,7 +9,9 @@ import threading
 import grpc
 import pytest
 
-from deploy import loadtest
+from deploy.loadtest import main as loadtest_main
+from deploy.loadtest.report import distribution
+from deploy.loadtest.workload import arrival_gaps, load_dataset, synthetic
 from protos import generation_pb2
 
 FIRST_S, EVERY_S, TOKENS = 0.20, 0.05, 5
@@ -65,8 +67,8 @@ class FakeService:
                 response_serializer=pb.CacheStats.SerializeToString),
         }
         self.server = grpc.aio.server()
-        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pagedserve.v1.Generation",
-                                                                                  handlers),))
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("pagedserve.v1.Generation", handlers),))
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
 
@@ -85,7 +87,7 @@ def fake():
 
 def run_json(tmp_path, *argv):
     out = tmp_path / "result.json"
-    assert loadtest.main([*argv, "--output", str(out), "--no-progress", "--warmup", "0"]) == 0
+    assert loadtest_main([*argv, "--output", str(out), "--no-progress", "--warmup", "0"]) == 0
     return json.loads(out.read_text())
 
 
@@ -115,13 +117,13 @@ def test_latencies_and_throughputs_match_the_arithmetic(fake, tmp_path):
 
 
 def test_percentiles_interpolate_between_ranks():
-    d = loadtest.distribution([0.001 * v for v in (40, 10, 30, 20, 100)])  # seconds in, milliseconds out
+    d = distribution([0.001 * v for v in (40, 10, 30, 20, 100)])  # seconds in, milliseconds out
     assert d["mean"] == pytest.approx(40.0)
     assert d["p50"] == pytest.approx(30.0)
     assert d["p90"] == pytest.approx(76.0)  # rank 3.6: 40 + 0.6 * (100 - 40)
     assert d["p99"] == pytest.approx(97.6)
     assert d["max"] == pytest.approx(100.0)
-    assert loadtest.distribution([]) == {k: 0.0 for k in ("mean", "p50", "p90", "p99", "max")}
+    assert distribution([]) == {k: 0.0 for k in ("mean", "p50", "p90", "p99", "max")}
 
 
 def test_an_open_loop_at_a_set_rate_sends_at_that_rate(fake, tmp_path):
@@ -134,16 +136,16 @@ def test_an_open_loop_at_a_set_rate_sends_at_that_rate(fake, tmp_path):
 
 @pytest.mark.parametrize("burstiness", [1.0, 0.5, 4.0])
 def test_arrivals_have_the_asked_rate_and_burstiness(burstiness):
-    gaps = loadtest.arrival_gaps(40_000, rate=5.0, burstiness=burstiness, seed=3)
+    gaps = arrival_gaps(40_000, rate=5.0, burstiness=burstiness, seed=3)
     mean = statistics.fmean(gaps)
     cv2 = statistics.pvariance(gaps) / mean**2
     assert mean == pytest.approx(1 / 5.0, rel=0.03)
     assert cv2 == pytest.approx(1 / burstiness, rel=0.08)  # Poisson: CV^2 = 1; gamma(k): 1/k
-    assert loadtest.arrival_gaps(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+    assert arrival_gaps(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
 
 
 def test_synthetic_prompts_share_their_prefix_and_keep_their_lengths():
-    items = loadtest.synthetic(200, input_len=100, output_len=50, range_ratio=0.2, shared_prefix_len=32,
+    items = synthetic(200, input_len=100, output_len=50, range_ratio=0.2, shared_prefix_len=32,
                                vocab=1000, seed=1)
     assert all(it.prompt_token_ids[:32] == items[0].prompt_token_ids[:32] for it in items)
     assert all(32 + 80 <= len(it.prompt_token_ids) <= 32 + 120 and 40 <= it.output_len <= 60 for it in items)
@@ -152,8 +154,9 @@ def test_synthetic_prompts_share_their_prefix_and_keep_their_lengths():
 
 def test_datasets_in_every_shape(tmp_path):
     f = tmp_path / "d.jsonl"
-    f.write_text('[1, 2, 3]\n"a text prompt"\n{"prompt_token_ids": [4, 5], "output_len": 9}\n{"prompt": "hi"}\n')
-    items = loadtest.load_dataset(f, output_len=16, shared_prefix_len=0, vocab=1000, seed=0)
+    f.write_text('[1, 2, 3]\n"a text prompt"\n{"prompt_token_ids": [4, 5], "output_len": 9}\n{"prompt": '
+                 '"hi"}\n')
+    items = load_dataset(f, output_len=16, shared_prefix_len=0, vocab=1000, seed=0)
     assert [(i.prompt_token_ids, i.prompt, i.output_len) for i in items] == [
         ([1, 2, 3], None, 16), (None, "a text prompt", 16), ([4, 5], None, 9), (None, "hi", 16)]
 
@@ -174,14 +177,14 @@ def test_a_sweep_draws_its_curve_and_compares_with_an_earlier_run(fake, tmp_path
     out = tmp_path / "sweep.json"
     argv = ["--target", f"127.0.0.1:{fake.port}", "--num-requests", "4", "--output-len", "3", "--sweep", "3",
             "--no-progress", "--warmup", "0", "--output", str(out), "--plot", str(tmp_path / "plots")]
-    assert loadtest.main(argv) == 0
+    assert loadtest_main(argv) == 0
     runs = json.loads(out.read_text())
     assert [r["label"] for r in runs][:2] == ["synchronous", "saturating"] and len(runs) == 3
     assert runs[0]["request_throughput"] < runs[2]["value"] < runs[1]["request_throughput"]
     assert runs[0]["ttft_ms"]["p50"] == pytest.approx(FIRST_S * 1000, rel=0.35)
     for name in ("latency_cdf.png", "timeline.png", "sweep.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 10_000
-    assert loadtest.main([*argv[:-4], "--compare", str(out)]) == 0
+    assert loadtest_main([*argv[:-4], "--compare", str(out)]) == 0
     text = capsys.readouterr().out
     assert "change against" in text and "output_throughput" in text and "synchronous:" in text
 
@@ -203,7 +206,8 @@ class FakeOpenAI:
                 pass
 
             def do_GET(self):
-                body = json.dumps({"object": "list", "data": [{"id": "fake-http", "object": "model"}]}).encode()
+                body = json.dumps({"object": "list",
+                                   "data": [{"id": "fake-http", "object": "model"}]}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -229,11 +233,13 @@ class FakeOpenAI:
                 for i in range(n):
                     if i:
                         _time.sleep(EVERY_S)
-                    chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}]}
+                    chunk = {"choices": [{"index": 0, "text": "x",
+                                          "finish_reason": "length" if i == n - 1 else None}]}
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
                 usage = {"prompt_tokens": len(req["prompt"]), "completion_tokens": n}
-                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: "
+                                 "[DONE]\n\n".encode())
                 self.wfile.flush()
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)

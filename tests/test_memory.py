@@ -42,7 +42,8 @@ def drain(sched, worker, limit=20_000):
 
 def make(num_blocks, block_size=4, budget=32, caching=True, chunked=True, max_seqs=16, window=0):
     config = SchedulerConfig(block_size=block_size, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                             enable_prefix_caching=caching, enable_chunked_prefill=chunked, debug_invariants=True)
+                             enable_prefix_caching=caching, enable_chunked_prefill=chunked,
+                             debug_invariants=True)
     return (Scheduler(config, num_blocks, max_model_len=4096, kv_window=window),
             SimulatedWorker(num_blocks, block_size, window))
 
@@ -84,7 +85,8 @@ def test_n_samples_share_prompt_blocks_and_copy_the_partial_block():
     req = Request("n", prompt, SamplingOptions(max_tokens=6, n=4, temperature=1.0, seed=50))
     sched.add_request(req)
     out = sched.schedule()
-    sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))  # sample 0 prefilled, the others forked
+    # sample 0 prefilled, the others forked
+    sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
     assert all(s.block_ids[:3] == req.seqs[0].block_ids[:3] for s in req.seqs)
     assert sched.allocator.refcount(req.seqs[0].block_ids[0]) == 4
     partial = req.seqs[0].block_ids[2]
@@ -106,7 +108,8 @@ def test_n_samples_use_fewer_blocks_than_separate_requests():
     prompt = list(range(400, 441))  # 41 tokens: 10 full blocks
     used = {}
     for label, reqs in (("n=4", [Request("n", prompt, SamplingOptions(max_tokens=20, n=4))]),
-                        ("4 requests", [Request(f"s{i}", prompt, SamplingOptions(max_tokens=20)) for i in range(4)])):
+                        ("4 requests",
+                         [Request(f"s{i}", prompt, SamplingOptions(max_tokens=20)) for i in range(4)])):
         sched, worker = make(256, caching=False)
         for r in reqs:
             sched.add_request(r)
@@ -157,13 +160,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     and none a token after its stop; nothing leaks."""
 
     @initialize(num_blocks=st.integers(24, 60), block_size=st.sampled_from([2, 4, 8]),
-                budget=st.integers(16, 64), caching=st.booleans(), chunked=st.booleans(), overlap=st.booleans(),
-                window=st.sampled_from([0, 0, 3, 7, 12]))
+                budget=st.integers(16, 64), caching=st.booleans(), chunked=st.booleans(),
+                overlap=st.booleans(), window=st.sampled_from([0, 0, 3, 7, 12]))
     def setup(self, num_blocks, block_size, budget, caching, chunked, overlap, window):
         self.max_len = num_blocks * block_size // 3  # every request fits the pool on its own
         budget = budget if chunked else max(budget, self.max_len)
         self.window = window  # > 0: a sliding-window model, whose blocks behind every window are given back
-        self.sched, self.worker = make(num_blocks, block_size, budget, caching, chunked, max_seqs=8, window=window)
+        self.sched, self.worker = make(num_blocks, block_size, budget, caching, chunked, max_seqs=8,
+                                       window=window)
         self.pipe = Pipeline(self.sched, self.worker, overlap, self.on_token)
         self.prefixes = [[(i * 37 + j * 11) % 997 + 1 for j in range(3 * block_size + i)] for i in range(3)]
         self.requests = []
@@ -186,8 +190,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if shared + n * per_seq > self.sched.num_blocks:
             n = 1
         self.ids += 1
-        params = SamplingOptions(max_tokens=max_tokens, n=n, temperature=1.0 if sampled else 0.0, seed=self.ids,
-                                 stop_token_ids=tuple(stops))
+        params = SamplingOptions(max_tokens=max_tokens, n=n, temperature=1.0 if sampled else 0.0,
+                                 seed=self.ids, stop_token_ids=tuple(stops))
         req = Request(f"q{self.ids}", prompt, params)
         self.sched.add_request(req)
         self.requests.append(req)
@@ -303,5 +307,6 @@ def test_a_windowed_prefix_stays_findable_after_its_sequence_finishes():
     b = Request("b", prompt + [1, 2, 3], SamplingOptions(max_tokens=4))
     sched.add_request(b)
     drain(sched, worker)
-    assert sched.prefix_cache_hits - hits >= 16  # a's late blocks went first; its prompt's root is still there
+    # a's late blocks went first; its prompt's root is still there
+    assert sched.prefix_cache_hits - hits >= 16
     assert b.seqs[0].output_token_ids == expected(b, b.seqs[0], window=6)

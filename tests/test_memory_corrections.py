@@ -36,8 +36,8 @@ def limits(num_blocks):
 
 def n_request(prompt_len, max_tokens, n):
     return generation_pb2.GenerateRequest(prompt_token_ids=list(range(10, 10 + prompt_len)),
-                                          sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, n=n,
-                                                                                 temperature=1.0, seed=3))
+                                          sampling=generation_pb2.SamplingParams(
+                                              max_tokens=max_tokens, n=n, temperature=1.0, seed=3))
 
 
 def test_samples_of_a_prompt_on_a_block_boundary_count_their_copied_block():
@@ -60,7 +60,8 @@ def test_a_sliding_window_model_takes_requests_longer_than_its_pool():
     windowed = Limits(vocab_size=1000, max_context=4096, num_blocks=10, block_size=4, kv_window=12,
                       step_tokens=16)
     long = generation_pb2.GenerateRequest(prompt_token_ids=list(range(10, 310)),
-                                          sampling=generation_pb2.SamplingParams(max_tokens=300, ignore_eos=True))
+                                          sampling=generation_pb2.SamplingParams(
+                                              max_tokens=300, ignore_eos=True))
     req = request_from_proto(long, None, windowed)
     with pytest.raises(InvalidRequest, match="needs up to 18 KV blocks"):
         request_from_proto(n_request(300, 300, 2), None, windowed)

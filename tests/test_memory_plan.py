@@ -58,7 +58,8 @@ def test_a_kv_pool_larger_than_the_machine_is_refused_with_the_bytes_it_needs(tm
     allocating until the OOM killer ends it."""
     from deploy.testing import ServerProcess
 
-    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--kv-cache-memory", "100000GiB", "--threads", "1")
+    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--kv-cache-memory", "100000GiB", "--threads",
+                           "1")
     with pytest.raises(RuntimeError, match="exited"):
         server.start(timeout=120)
     server.stop()
@@ -76,7 +77,8 @@ def test_the_worker_reports_what_it_holds(server_factory, tiny_model_dir):
     from worker.weights import load_config
 
     server = server_factory(tiny_model_dir, "--kv-cache-memory", "64MiB")
-    memory = [json.loads(line) for line in server.log_path.read_text().splitlines() if '"host_memory"' in line]
+    memory = [json.loads(line) for line in server.log_path.read_text().splitlines()
+              if '"host_memory"' in line]
     assert len(memory) == 1
     m = memory[0]
     config = load_config(str(tiny_model_dir), "auto")

@@ -77,7 +77,8 @@ def test_prefill_logits_match_transformers(tiny):
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend,packed", [("torch", False), ("triton", False), ("cpu", True), ("cpu", False)])
+@pytest.mark.parametrize("backend,packed",
+                         [("torch", False), ("triton", False), ("cpu", True), ("cpu", False)])
 def test_token_by_token_decode_through_the_paged_pool_matches(request, backend, packed):
     """Two interleaved sequences decode token by token in one batch, blocks scattered and interleaved.
     The triton backend runs its kernels (under TRITON_INTERPRET=1 without a GPU); the cpu backend its native
@@ -90,7 +91,8 @@ def test_token_by_token_decode_through_the_paged_pool_matches(request, backend, 
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (6, 3)]
     blocks = [[9, 2, 30, 14, 7, 22], [1, 27, 11, 31, 20, 0]]
     # Prefill of sequence 0 and 1 together (a mixed-length batch).
-    logits, _ = run_step(model, config, pool, [(prompts[0], 0, blocks[0]), (prompts[1], 0, blocks[1])], backend)
+    logits, _ = run_step(model, config, pool, [(prompts[0], 0, blocks[0]), (prompts[1], 0, blocks[1])],
+                         backend)
     seqs = [list(p) for p in prompts]
     for _ in range(6 if backend == "triton" else 14):
         nxt = logits.argmax(-1).tolist()
@@ -176,7 +178,8 @@ def test_gpu_pool_sizing_arithmetic():
 
     gib = 2**30
     # 80 GiB card at 0.9: 72 GiB, minus 16 GiB of weights and activations, minus 1 GiB used by others
-    assert blocks_for_gpu_budget(80 * gib, 0.9, 16 * gib, 1 * gib, 2 * 2**20) == (72 * gib - 17 * gib) // (2 * 2**20)
+    assert blocks_for_gpu_budget(80 * gib, 0.9, 16 * gib, 1 * gib,
+                                 2 * 2**20) == (72 * gib - 17 * gib) // (2 * 2**20)
     assert blocks_for_gpu_budget(8 * gib, 0.5, 5 * gib, 0, 2**20) == 0  # the weights alone exceed the share
     with pytest.raises(ValueError):
         blocks_for_gpu_budget(8 * gib, 1.5, 0, 0, 1)
@@ -199,7 +202,8 @@ def _one_seq_plan(step_id, tokens, start, prev=None, seed=7):
     pos = np.arange(start, start + len(tokens), dtype=np.int32)
     return encode_plan(PlanArrays(
         step_id=step_id, token_ids=np.asarray(tokens, dtype=np.int32), positions=pos,
-        slot_mapping=(10 * BLOCK + pos).astype(np.int64), block_tables=np.array([[10, 11, 12]], dtype=np.int32),
+        slot_mapping=(10 * BLOCK + pos).astype(np.int64),
+        block_tables=np.array([[10, 11, 12]], dtype=np.int32),
         seq_lens=np.array([start + len(tokens)], dtype=np.int32),
         query_start_loc=np.array([0, len(tokens)], dtype=np.int32), do_sample=np.array([True]),
         sample_index=np.array([start], dtype=np.int32), temperature=np.array([0.8], dtype=np.float32),
@@ -326,11 +330,12 @@ def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
         n = len(seqs)
         return encode_plan(PlanArrays(
             step_id=step_id, token_ids=np.asarray(tokens, dtype=np.int32), positions=pos,
-            slot_mapping=tables[owner, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK, block_tables=tables,
-            seq_lens=np.array([a + len(new) for new, a, _ in seqs], dtype=np.int32),
+            slot_mapping=tables[owner, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK,
+            block_tables=tables, seq_lens=np.array([a + len(new) for new, a, _ in seqs], dtype=np.int32),
             query_start_loc=np.cumsum([0] + [len(new) for new, _, _ in seqs]).astype(np.int32),
             do_sample=np.ones(n, dtype=bool), sample_index=np.arange(n, dtype=np.int32),
-            temperature=np.where(np.arange(n) % 2, 0.7, 0.0).astype(np.float32), top_p=np.ones(n, dtype=np.float32),
+            temperature=np.where(np.arange(n) % 2, 0.7, 0.0).astype(np.float32),
+            top_p=np.ones(n, dtype=np.float32),
             top_k=np.zeros(n, dtype=np.int32), seed=np.arange(n, dtype=np.uint64) + 3,
             block_copies=np.zeros((0, 2), dtype=np.int32)))
 
@@ -346,12 +351,14 @@ def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
             assert [runner.graphs.tier(n) for n in (1, 12, 13, 24)] == [12, 12, 24, 24]
         blocks = [[(7 * i + 3 * j) % 35 for j in range(7)] for i in range(5)]  # scattered, 28 keys each
         prompts = [[5 + i, 9, 11 + i] for i in range(5)]
-        out = [runner.execute(plan(1, [(p, 0, b) for p, b in zip(prompts, blocks, strict=True)])).sampled_token_ids]
+        rows = [(p, 0, b) for p, b in zip(prompts, blocks, strict=True)]
+        out = [runner.execute(plan(1, rows)).sampled_token_ids]
         live, length, step = list(range(5)), 3, 2
         last = dict(zip(live, np.frombuffer(out[-1], dtype=np.int32).tolist(), strict=True))
         while live:
             if with_graphs:
-                assert runner.graphs.covers(np.ones(len(live)), np.full(len(live), length + 1)) == (length < 24)
+                assert runner.graphs.covers(np.ones(len(live)),
+                                            np.full(len(live), length + 1)) == (length < 24)
             res = runner.execute(plan(step, [([last[i]], length, blocks[i]) for i in live]))
             assert not res.error
             out.append(res.sampled_token_ids)

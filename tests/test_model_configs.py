@@ -48,7 +48,8 @@ def test_the_worker_exits_2_at_start_naming_the_field(tmp_path, capsys, name, ov
 
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **overrides}))
     try:
-        code = worker_main.main(["--model", str(tmp_path), "--scheduler", "tcp://127.0.0.1:1", "--device", "cpu",
+        code = worker_main.main(["--model", str(tmp_path), "--scheduler", "tcp://127.0.0.1:1", "--device",
+                                 "cpu",
                                  "--load-format", "dummy", "--malloc", "glibc", "--log-format", "json"])
     finally:
         structlog.reset_defaults()  # main() pointed the logs at this test's captured stderr
@@ -73,12 +74,15 @@ def _matches_transformers(tmp_path, hf, prompt):
 
 
 def test_smollm3_nope_layers_equal_transformers(tmp_path):
-    """SmolLM3 leaves RoPE out of every no_rope_layer_interval-th layer: those layers attend without positions."""
+    """SmolLM3 leaves RoPE out of every no_rope_layer_interval-th layer: those layers attend without
+    positions."""
     import transformers
 
     torch.manual_seed(0)
     common = {k: v for k, v in BASE.items() if k != "model_type"}
-    hf = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(no_rope_layer_interval=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common))
+    hf = transformers.SmolLM3ForCausalLM(
+        transformers.SmolLM3Config(no_rope_layer_interval=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                   **common))
     config = _matches_transformers(tmp_path, hf, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5])
     assert config.rope_layers == (True, False, True, False)
 
@@ -93,8 +97,9 @@ def test_a_prompt_longer_than_its_sliding_window_equals_transformers(tmp_path, f
     if family == "mistral":
         hf = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=16, **common))
     else:
-        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(use_sliding_window=True, sliding_window=16,
-                                                                    max_window_layers=2, **common))
+        hf = transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=2,
+                                     **common))
     config = _matches_transformers(tmp_path, hf, [(7 * i) % 190 + 3 for i in range(60)])
     assert config.max_position_embeddings == 256
     assert config.layer_windows == ((16,) * 4 if family == "mistral" else (0, 0, 16, 16))
@@ -109,8 +114,9 @@ def test_phi3_fused_weights_window_and_partial_rotary_equal_transformers(tmp_pat
 
     torch.manual_seed(4)
     common = {k: v for k, v in BASE.items() if k != "model_type"}
-    hf = transformers.Phi3ForCausalLM(transformers.Phi3Config(sliding_window=window, pad_token_id=0,
-                                                              partial_rotary_factor=partial, **common))
+    hf = transformers.Phi3ForCausalLM(
+        transformers.Phi3Config(sliding_window=window, pad_token_id=0, partial_rotary_factor=partial,
+                                **common))
     config = _matches_transformers(tmp_path, hf, [(5 * i) % 190 + 3 for i in range(50)])
     assert config.model_type == "phi3" and config.layer_windows == (() if window is None else (16,) * 4)
     assert config.rotary_dim == int(16 * partial)
@@ -180,8 +186,8 @@ def test_gemma2_equals_transformers(tmp_path, attn_cap, final_cap):
     hf = transformers.Gemma2ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in hf.named_parameters():  # norms away from their zero init; q and k larger: big scores
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.1 if "q_proj" in name or "k_proj" in name
-                                          else 0.02))
+            scale = 0.3 if "norm" in name else 0.1 if "q_proj" in name or "k_proj" in name else 0.02
+            p.add_(torch.randn_like(p) * scale)
     config = _matches_transformers(tmp_path, hf, [(7 * i) % 190 + 3 for i in range(40)])
     assert config.layer_windows == (12, 0, 12, 0) and config.hidden_act == "gelu_tanh" and not config.qk_norm
     assert config.attn_softcap == (attn_cap or 0.0) and config.final_logit_softcap == (final_cap or 0.0)
@@ -215,7 +221,8 @@ def test_mixtral_equals_transformers(tmp_path):
 
 
 def test_sliding_window_fields_that_do_not_slide():
-    """Llama ignores sliding_window (as transformers does); Qwen2 without use_sliding_window does not slide."""
+    """Llama ignores sliding_window (as transformers does); Qwen2 without use_sliding_window does not
+    slide."""
     assert ModelConfig.from_dict({**BASE, "sliding_window": 16}).layer_windows == ()
     qwen = {**BASE, "model_type": "qwen2", "sliding_window": 16, "use_sliding_window": False}
     assert ModelConfig.from_dict(qwen).layer_windows == ()
@@ -234,8 +241,8 @@ def test_llama3_linear_yarn_and_dynamic_rope_scaling_equal_transformers(tmp_path
                               dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                    original_max_position_embeddings=64),
                               dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
-                              dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=16,
-                                   mscale=0.707, mscale_all_dim=1.0),
+                              dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
+                                   beta_fast=16, mscale=0.707, mscale_all_dim=1.0),
                               # dynamic NTK: transformers grows the base only past max_position_embeddings,
                               # which the server never serves (its context is capped there)
                               dict(rope_type="dynamic", factor=2.0))):
@@ -251,7 +258,7 @@ def test_a_plan_may_leave_out_blocks_behind_every_window_and_no_others():
     import numpy as np
 
     from tests.test_fused_decode import BLOCK, _step
-    from worker.runner import PlanError, validate_plan
+    from worker.plan_checks import PlanError, validate_plan
 
     p, blocks = _step([(1, 70), (16, 66)])  # a decode at position 69, a chunk over positions 50..65
     p.block_tables = p.block_tables.copy()  # decoded from the wire: a read-only view

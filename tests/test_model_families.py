@@ -28,9 +28,9 @@ FAMILIES = {
     # Gemma 3: sliding and global layers alternating (pattern 2 here), each kind with its own RoPE, GeGLU,
     # (1 + w) norms around attention and MLP, scaled embeddings, query_pre_attn_scalar, soft-capped logits
     "gemma3_text": (dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=10, sliding_window_pattern=2,
-                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                             "rope_theta": 100000.0},
-                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                         rope_parameters={
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
                          final_logit_softcapping=30.0, pad_token_id=0, hidden_activation="gelu_pytorch_tanh"),
                     (10, 0, 10), ("--num-blocks", "36", "--max-model-len", "128")),
     # Gemma 2: Gemma 3's norms, GeGLU and scalings without q/k norm, sliding and global layers alternating
@@ -72,7 +72,8 @@ def workload(seed: int, n: int = 8) -> list[tuple[str, list[int], int, float]]:
     windows several times over."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 384) for _ in range(rng.randint(16, 30))] for _ in range(2)]
-    return [(f"fam-{seed}-{i}", rng.choice(prefixes) + [rng.randrange(3, 384) for _ in range(rng.randint(4, 20))],
+    return [(f"fam-{seed}-{i}",
+             rng.choice(prefixes) + [rng.randrange(3, 384) for _ in range(rng.randint(4, 20))],
              rng.randint(30, 45), rng.uniform(0, 0.3)) for i in range(n)]
 
 
@@ -108,8 +109,8 @@ def test_preempted_sliding_window_sequences_recompute_the_same_tokens(family, se
     name, folder, windows, _ = family
     if not all(windows):
         pytest.skip("covered by the shared server's pool above")
-    tight = server_factory(folder, "--block-size", "4", "--num-blocks", "24", "--max-num-batched-tokens", "16",
-                           "--max-num-seqs", "8", "--max-model-len", "96", "--no-prefix-caching",
+    tight = server_factory(folder, "--block-size", "4", "--num-blocks", "24", "--max-num-batched-tokens",
+                           "16", "--max-num-seqs", "8", "--max-model-len", "96", "--no-prefix-caching",
                            "--metrics-port", "-1")
     try:
         items = workload(seed=13)
@@ -150,8 +151,8 @@ def test_a_sliding_window_model_serves_sequences_longer_than_its_pool(family, se
     name, folder, windows, _ = family
     if not all(windows):
         pytest.skip("a layer reads the whole context: every block is kept")
-    small = server_factory(folder, "--block-size", "4", "--num-blocks", "20", "--max-num-batched-tokens", "16",
-                           "--metrics-port", "-1")
+    small = server_factory(folder, "--block-size", "4", "--num-blocks", "20", "--max-num-batched-tokens",
+                           "16", "--metrics-port", "-1")
     try:
         prompt = [3 + (11 * i) % 380 for i in range(200)]
         resp = small.stub.Generate(greedy_request(prompt, 200, f"fam-long-{name}"), timeout=300)

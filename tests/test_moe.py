@@ -93,7 +93,8 @@ def test_align_groups_every_pair_once_by_expert_with_padded_runs():
 
 
 def moe_config(**fields) -> ModelConfig:
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=2,
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                num_kv_heads=2,
                 head_dim=16, moe_layers=(True,), num_experts=6, experts_per_token=2, moe_intermediate_size=24,
                 norm_topk_prob=True)
     return ModelConfig(**{**base, **fields})

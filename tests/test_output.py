@@ -145,14 +145,16 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_sample(tok):
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string(tok):
-    deltas, reason, out = run(tok, "paged attention stores keys", stop=("on sto",), include_stop_str_in_output=True)
+    deltas, reason, out = run(tok, "paged attention stores keys", stop=("on sto",),
+                              include_stop_str_in_output=True)
     assert reason is FinishReason.STOP and out.text == "paged attention sto"
     assert "".join(d.text for d in deltas) == "paged attention sto"
 
 
 def test_special_tokens_are_in_the_text_only_when_asked(tok):
     eos = tok.hf.token_to_id("</s>")
-    ids = tok.encode("the fox", add_special_tokens=False) + [eos] + tok.encode(" dog", add_special_tokens=False)
+    ids = tok.encode("the fox", add_special_tokens=False) + [eos] + tok.encode(
+        " dog", add_special_tokens=False)
     for skip, expected in ((True, "the fox dog"), (False, "the fox</s> dog")):
         detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
         assert "".join(detok.add(i) for i in ids) == expected == tok.decode(ids, skip_special_tokens=skip)
@@ -167,10 +169,10 @@ def test_chat_template_renders_messages_tools_and_continuation(tmp_path):
     folder = make_tiny_llama(tmp_path / "m", seed=1)
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     cfg["chat_template"] = (
-        "{% if tools %}<s>tools: {{ tools | map(attribute='function') | map(attribute='name') | join(',') }}</s>"
-        "{% endif %}{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
-        "{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments | tojson }}{% endif %}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant:{% endif %}{% if greeting %}{{ greeting }}{% endif %}")
+        "{% if tools %}<s>tools: {{ tools | map(attribute='function') | map(attribute='name') | join(',') "
+        "}}</s>{% endif %}{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}{% if m.tool_calls "
+        "%}{{ m.tool_calls[0].function.arguments | tojson }}{% endif %}</s>{% endfor %}{% if "
+        "add_generation_prompt %}<s>assistant:{% endif %}{% if greeting %}{{ greeting }}{% endif %}")
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     t = Tokenizer(folder)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
@@ -178,7 +180,8 @@ def test_chat_template_renders_messages_tools_and_continuation(tmp_path):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     assert t.apply_chat_template(messages, tools=tools, add_generation_prompt=False).startswith(
         "<s>tools: get_weather</s>")
-    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"city": "Zürich", "a": 1}}}]
+    calls = [{"id": "c1", "type": "function",
+              "function": {"name": "f", "arguments": {"city": "Zürich", "a": 1}}}]
     text = t.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": calls}], False)
     assert '{"city": "Zürich", "a": 1}' in text  # transformers' tojson: key order and non-ASCII kept
     cont = t.apply_chat_template([*messages, {"role": "assistant", "content": "The answer is"}],

@@ -19,14 +19,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def dp_server(server_factory, tiny_model_dir):
-    return server_factory(tiny_model_dir, "--data-parallel-size", "2", "--block-size", "4", "--num-blocks", "160",
-                          "--max-num-batched-tokens", "64", "--max-num-seqs", "8")
+    return server_factory(tiny_model_dir, "--data-parallel-size", "2", "--block-size", "4", "--num-blocks",
+                          "160", "--max-num-batched-tokens", "64", "--max-num-seqs", "8")
 
 
 @pytest.fixture(scope="module")
 def tp_server(server_factory, tiny_model_dir):
-    return server_factory(tiny_model_dir, "--tensor-parallel-size", "2", "--block-size", "4", "--num-blocks", "160",
-                          "--max-num-batched-tokens", "64", "--heartbeat-timeout", "3")
+    return server_factory(tiny_model_dir, "--tensor-parallel-size", "2", "--block-size", "4", "--num-blocks",
+                          "160", "--max-num-batched-tokens", "64", "--heartbeat-timeout", "3")
 
 
 def test_tensor_parallel_group_outputs_equal_transformers(tp_server, tiny_model_dir):
@@ -169,7 +169,8 @@ def test_a_size_that_cannot_split_the_model_stops_the_service_with_the_numbers(t
             server.start(timeout=120)
     finally:
         server.stop()
-    assert "tensor-parallel size 3 cannot split the model's 4 query heads evenly" in server.log_path.read_text()
+    assert ("tensor-parallel size 3 cannot split the model's 4 query heads "
+            "evenly") in server.log_path.read_text()
 
 
 def test_curve_keys_encrypt_the_wire_and_a_peer_without_them_is_never_heard(tmp_path, tiny_model_dir):
@@ -180,7 +181,8 @@ def test_curve_keys_encrypt_the_wire_and_a_peer_without_them_is_never_heard(tmp_
 
     keys = make_keys(tmp_path / "keys")
     server = ServerProcess(tiny_model_dir, tmp_path / "log", "--threads", "1", "--num-blocks", "200",
-                           "--block-size", "4", "--curve-keys", str(keys), "--worker-endpoint", "tcp://127.0.0.1:0")
+                           "--block-size", "4", "--curve-keys", str(keys), "--worker-endpoint",
+                           "tcp://127.0.0.1:0")
     try:
         server.start(timeout=120)
         ok = server.stub.Generate(greedy_request([5, 6, 7], 3), timeout=30)
@@ -191,7 +193,8 @@ def test_curve_keys_encrypt_the_wire_and_a_peer_without_them_is_never_heard(tmp_
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, b"w.intruder")
         sock.connect(server.worker_endpoint)  # the endpoint the scheduler bound
-        hs = wire_pb2.Handshake(tp_rank=0, tp_size=1, num_blocks=200, block_size=4, max_num_batched_tokens=2048)
+        hs = wire_pb2.Handshake(tp_rank=0, tp_size=1, num_blocks=200, block_size=4,
+                                max_num_batched_tokens=2048)
         sock.send(wire_pb2.WireMessage(version=WIRE_VERSION, handshake=hs).SerializeToString())
         sock.send(wire_pb2.WireMessage(version=WIRE_VERSION, result=wire_pb2.StepResult(
             step_id=1, error="forged")).SerializeToString())
@@ -206,7 +209,8 @@ def test_curve_keys_encrypt_the_wire_and_a_peer_without_them_is_never_heard(tmp_
 
 
 def test_a_non_loopback_endpoint_needs_keys_or_an_explicit_insecure_flag(tmp_path, tiny_model_dir):
-    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--threads", "1", "--worker-endpoint", "tcp://0.0.0.0:0")
+    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--threads", "1", "--worker-endpoint",
+                           "tcp://0.0.0.0:0")
     try:
         with pytest.raises(RuntimeError, match="exited"):
             server.start(timeout=60)

@@ -25,7 +25,8 @@ def quantized(rng, out_dim, in_dim, qtype):
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     blocks = gguf.quants.quantize(w, kind)
     reference = gguf.quants.dequantize(blocks, kind).reshape(out_dim, in_dim)
-    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype, in_dim), torch.from_numpy(reference)
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype,
+                       in_dim), torch.from_numpy(reference)
 
 
 @pytest.mark.parametrize("qtype", GGUF_QUANTIZES)
@@ -66,8 +67,8 @@ def test_half_rows_compute_x_times_the_widened_weight(native, qtype, rows):
 
 def test_block_boundaries_are_kept_and_mixed_types_stack(native):
     w, reference = quantized(np.random.default_rng(1), 8, 128, "Q4_1")
-    torch.testing.assert_close(QuantizedMatmul(native, dense=None).dequantize(w.cols(32, 96)), reference[:, 32:96],
-                               rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(QuantizedMatmul(native, dense=None).dequantize(w.cols(32, 96)),
+                               reference[:, 32:96], rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="block boundaries"):
         w.cols(16, 64)
     stacked = QuantWeight.cat([w.rows(slice(0, 3)), w.rows(slice(5, 8))])
@@ -146,7 +147,8 @@ def compare_quantized_and_dense(quant, dense):
     tok = Tokenizer(MODEL_DIR)
     prompts = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
     for text in prompts:
-        req = pb.GenerateRequest(prompt_token_ids=tok.encode_prompt(text, raw=False), sampling=pb.SamplingParams(
+        req = pb.GenerateRequest(prompt_token_ids=tok.encode_prompt(text, raw=False),
+                                 sampling=pb.SamplingParams(
             max_tokens=24, temperature=0, ignore_eos=True, logprobs=0))
         a, b = (s.stub.Generate(req, timeout=120).choices[0] for s in (quant, dense))
         assert list(a.token_ids) == list(b.token_ids), text
@@ -158,8 +160,8 @@ def compare_quantized_and_dense(quant, dense):
 
 
 @pytest.mark.slow
-def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_answers(server_factory, native,
-                                                                                    tmp_path_factory):
+def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_answers(
+        server_factory, native, tmp_path_factory):
     """A tiny Llama shipped as Q8_0: served on its blocks alone and split over two tensor-parallel ranks
     (rows of q/k/v and gate/up, whole blocks of o_proj's and down's columns), every greedy answer equals
     transformers' on the same (dequantized) weights, and the dequantized serving too."""
@@ -168,7 +170,8 @@ def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_ans
 
     folder = make_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "m", "Q8_0", seed=3)
     flags = ["--block-size", "4", "--num-blocks", "256"]
-    servers = {"blocks": server_factory(folder, *flags), "blocks, TP=2": server_factory(folder, *flags, "--tp", "2"),
+    servers = {"blocks": server_factory(folder, *flags),
+               "blocks, TP=2": server_factory(folder, *flags, "--tp", "2"),
                "dequantized": server_factory(folder, *flags, "--dequantize")}
     assert '"matrices": {"Q8_0": 12, "dense": 1}' in servers["blocks"].log_path.read_text()  # F32 head
     prompts = [[5, 9, 13, 200, 31], list(range(40, 75)), [7] * 12]
@@ -234,7 +237,8 @@ def test_a_gguf_file_is_served_as_given(server_factory, native, tmp_path, monkey
     try:
         log = server.log_path.read_text()
         assert '"matmul": "quantized"' in log and '"matrices": {"Q4_1": 120, "Q8_0": 1}' in log
-        assert '"chosen": "dense", "why":' in log  # --quantized-prefill auto: the machine holds the dense copy
+        # --quantized-prefill auto: the machine holds the dense copy
+        assert '"chosen": "dense", "why":' in log
         prepared = list(tmp_path.iterdir())
         assert len(prepared) == 1 and model_folder(str(path)) == str(prepared[0])  # found again, not redone
         assert json.loads((prepared[0] / "pagedserve_model.json").read_text())["gguf"] == str(path.resolve())
@@ -247,14 +251,15 @@ def test_a_gguf_file_is_served_as_given(server_factory, native, tmp_path, monkey
         req = pb.GenerateRequest(prompt_token_ids=list(range(300, 340)), sampling=pb.SamplingParams(
             max_tokens=16, temperature=0, ignore_eos=True))
         assert len(server.stub.Generate(req, timeout=120).choices[0].token_ids) == 16
-        assert server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model_name == "SmolLM2-135M-Instruct"
+        assert server.stub.GetModelInfo(pb.GetModelInfoRequest(),
+                                        timeout=10).model_name == "SmolLM2-135M-Instruct"
     finally:
         server.stop()
 
 
 def random_k_blocks(rng, out_dim: int, in_dim: int, qtype: str) -> tuple[QuantWeight, torch.Tensor]:
-    """Random K-quant blocks (any bytes are a valid block once its fp16 scales are finite and modest) and gguf's
-    own dequantization of them: gguf cannot quantize to the K types, only read them."""
+    """Random K-quant blocks (any bytes are a valid block once its fp16 scales are finite and modest) and
+    gguf's own dequantization of them: gguf cannot quantize to the K types, only read them."""
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     _, values, bb = QUANT_TYPES[qtype]
     blocks = rng.integers(0, 256, (out_dim, in_dim // values, bb), dtype=np.uint8)
@@ -265,14 +270,16 @@ def random_k_blocks(rng, out_dim: int, in_dim: int, qtype: str) -> tuple[QuantWe
         blocks[..., 208:210] = scales[..., 0:2]
     blocks = blocks.reshape(out_dim, -1)
     reference = gguf.quants.dequantize(blocks, kind).reshape(out_dim, in_dim)
-    return QuantWeight(torch.from_numpy(blocks), qtype, in_dim), torch.from_numpy(np.ascontiguousarray(reference))
+    return QuantWeight(torch.from_numpy(blocks), qtype,
+                       in_dim), torch.from_numpy(np.ascontiguousarray(reference))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
 def test_k_quant_blocks_compute_x_times_gguf_dequantization(native, qtype, rows):
-    """Q4_K, Q5_K and Q6_K (what Q4_K_M and Q5_K_M files mostly hold): the kernel on the blocks, and their dequantization,
-    against gguf's reading of the same bytes; a tensor-parallel column split falls on whole 256-value blocks."""
+    """Q4_K, Q5_K and Q6_K (what Q4_K_M and Q5_K_M files mostly hold): the kernel on the blocks, and their
+    dequantization, against gguf's reading of the same bytes; a tensor-parallel column split falls on whole
+    256-value blocks."""
     rng = np.random.default_rng(rows)
     w, reference = random_k_blocks(rng, 40, 768, qtype)
     lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
@@ -313,17 +320,22 @@ def test_each_familys_gguf_blocks_give_the_dequantized_models_logits(native, tmp
     seqs = [(prompt, 0, list(range(-(-len(prompt) // BLOCK))))]
     dense, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
     want = run_step(dense, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")), seqs)[0]
-    for rank in range(tp):  # each rank's blocks are its slices: its partial o_proj/down sums equal the dense's
-        model, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank, tp_size=tp)
-        source = GGUFQuantSource(next(folder.glob("*.gguf")), config.num_heads, config.num_kv_heads, config.head_dim)
+    # each rank's blocks are its slices: its partial o_proj/down sums equal the dense's
+    for rank in range(tp):
+        model, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank,
+                              tp_size=tp)
+        source = GGUFQuantSource(next(folder.glob("*.gguf")), config.num_heads, config.num_kv_heads,
+                                 config.head_dim)
         counts = model.use_quantized(source, QuantizedMatmul(native, dense=None), keep_dense=False)
         per_layer = 2 if config.moe_layers else 4
         assert counts == {"Q8_0": per_layer * config.num_layers, "dense": 1}  # the head: F32 in these files
         if tp == 1:
-            got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")), seqs)[0]
+            got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")),
+                           seqs)[0]
             torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
         else:  # a rank's projections against the same rows/columns of the dense model's
-            ref, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank, tp_size=tp)
+            ref, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank,
+                                tp_size=tp)
             assert_projections_match(model, ref)
 
 
@@ -339,8 +351,8 @@ def assert_projections_match(model, dense) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["phi3", "qwen3_moe"])
-def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(server_factory, native, tmp_path_factory,
-                                                                        family):
+def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(
+        server_factory, native, tmp_path_factory, family):
     """Served from the file's blocks (Phi-3's stacked tensors; Qwen3-MoE's attention, its experts dense),
     every greedy answer equals transformers' on the same dequantized weights."""
     from protos import generation_pb2 as pb
@@ -353,21 +365,24 @@ def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(server_f
     for prompt in ([5, 9, 13, 200, 31], list(range(40, 75))):
         req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
             max_tokens=24, temperature=0, ignore_eos=True))
-        assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == hf_greedy(folder, prompt, 24)
+        assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == hf_greedy(
+            folder, prompt, 24)
 
 
 def int16_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
-    """The packed kernel's arithmetic in float64: each block's scaled values (d q) times x rounded per 32-value
-    block to 16-bit integers (scale amax/32767), plus the block's offset (Q4_1's m, Q4_0's -8 d, Q8_0's 0)
-    times x's own sum."""
+    """The packed kernel's arithmetic in float64: each block's scaled values (d q) times x rounded per
+    32-value block to 16-bit integers (scale amax/32767), plus the block's offset (Q4_1's m, Q4_0's -8 d,
+    Q8_0's 0) times x's own sum."""
     blocks = w.data.numpy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     m = {"Q4_1": lambda: blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64),
          "Q4_0": lambda: -8 * d, "Q8_0": lambda: np.zeros_like(d)}[w.qtype]()
     m = torch.from_numpy(m)  # [out, blocks]
-    xf = x.view(x.shape[0], -1, 32)  # rounded in fp32 as the kernel rounds: x * (32767 / amax), to nearest even
+    # rounded in fp32 as the kernel rounds: x * (32767 / amax), to nearest even
+    xf = x.view(x.shape[0], -1, 32)
     amax = xf.abs().amax(-1, keepdim=True)
-    inv = torch.full_like(amax, 32767.0) / amax.clamp_min(1e-30)  # a division (32767 / t is a reciprocal's product)
+    # a division (32767 / t is a reciprocal's product)
+    inv = torch.full_like(amax, 32767.0) / amax.clamp_min(1e-30)
     q = torch.where(amax > 0, torch.round(xf * inv), torch.zeros_like(xf))
     xb = x.double().view(x.shape[0], -1, 32)
     xq = q.double() * (amax / 32767).double()
@@ -451,8 +466,8 @@ def test_packed_weights_multiply_rounded_activations(native, qtype, rows, in_dim
 def int16_k_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
     """The packed K kernel's arithmetic in float64. A K-quant value is a_j + z_j, a_j = (d sc) u_j and z_j its
     zero point (Q4_K: -dmin m; Q6_K: -32 d sc, per 16 values): gguf's dequantization of the same blocks with
-    every u set to 0 gives z (Q5_K as Q4_K). The kernel multiplies a with x rounded per 32-value block to 16-bit integers,
-    and z with x itself."""
+    every u set to 0 gives z (Q5_K as Q4_K). The kernel multiplies a with x rounded per 32-value block to
+    16-bit integers, and z with x itself."""
     kind = getattr(gguf.GGMLQuantizationType, w.qtype)
     zero = w.data.numpy().copy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
     if w.qtype == "Q4_K":
@@ -461,7 +476,8 @@ def int16_k_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) 
         zero[..., 16:176] = 0  # the fifth bits and the nibbles
     else:
         zero[..., 0:192] = 0  # the low nibbles and the high bit pairs
-    z = torch.from_numpy(gguf.quants.dequantize(zero.reshape(w.out_dim, -1), kind).reshape(w.out_dim, w.in_dim))
+    z = torch.from_numpy(
+        gguf.quants.dequantize(zero.reshape(w.out_dim, -1), kind).reshape(w.out_dim, w.in_dim))
     xf = x.view(x.shape[0], -1, 32)
     amax = xf.abs().amax(-1, keepdim=True)
     inv = torch.full_like(amax, 32767.0) / amax.clamp_min(1e-30)
@@ -487,8 +503,8 @@ def test_packed_k_quants_hold_gguf_values_at_the_files_size(native, qtype):
     other = "Q4_K" if qtype == "Q6_K" else "Q6_K"
     v, v_ref = random_k_blocks(np.random.default_rng(9), 32, 768, other)
     stack = lib.pack(QuantWeight.cat([w, v]))
-    assert isinstance(stack, QuantStack) and [p.qtype for p in stack.segments] == [PACKED_FROM[qtype],
-                                                                                    PACKED_FROM[other]]
+    assert isinstance(stack, QuantStack) and [p.qtype for p in stack.segments] == [
+        PACKED_FROM[qtype], PACKED_FROM[other]]
     assert torch.equal(lib.dequantize(stack), torch.cat([reference, v_ref]))
     with pytest.raises(ValueError, match="interleaved"):
         packed.cols(0, 256)
@@ -548,7 +564,9 @@ def test_the_copies_for_llama_cpp_hold_the_files_values(tmp_path, monkeypatch, q
     monkeypatch.setattr(bench_cpu_peers, "CACHE", tmp_path / "cache")
     copy = bench_cpu_peers.requantized_gguf(source, qtype)
     a, b = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(copy))
-    assert {k for k in a.fields if not k.startswith("GGUF.")} <= {k for k in b.fields if not k.startswith("GGUF.")}
+    def keys(reader):
+        return {k for k in reader.fields if not k.startswith("GGUF.")}
+    assert keys(a) <= keys(b)
     file_type = gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0
     assert b.fields["general.file_type"].contents() == int(file_type)
     for key in a.fields:  # every metadata value as it was (the tokenizer's included, where the file has one)
@@ -562,7 +580,8 @@ def test_the_copies_for_llama_cpp_hold_the_files_values(tmp_path, monkeypatch, q
         if qtype == "Q8_0" and len(x.shape) == 2:
             assert y.tensor_type == gguf.GGMLQuantizationType.Q8_0
             step = np.abs(want).reshape(-1, 32).max(1).repeat(32) / 127  # each block's 8-bit step
-            assert (np.abs(got - want) <= step * 0.6 + 1e-6).all()  # half a step, and the scale's fp16 rounding
+            # half a step, and the scale's fp16 rounding
+            assert (np.abs(got - want) <= step * 0.6 + 1e-6).all()
         else:
             assert y.tensor_type == gguf.GGMLQuantizationType.F32
             np.testing.assert_array_equal(got, want)

@@ -40,9 +40,11 @@ def test_own_forward_greedy_equals_transformers_on_the_default_model():
             new = tokens[start:]
             pos = list(range(start, len(tokens)))
             slots = [blocks[p // block] * block + p % block for p in pos]
-            meta = attn.prepare(torch.tensor([blocks], dtype=torch.int32), torch.tensor([len(tokens)], dtype=torch.int32),
+            meta = attn.prepare(torch.tensor([blocks], dtype=torch.int32),
+                                torch.tensor([len(tokens)], dtype=torch.int32),
                                 torch.tensor([0, len(new)], dtype=torch.int32), block, len(tokens), len(new))
-            hidden = model(StepInputs(torch.tensor(new), torch.tensor(pos), torch.tensor(slots), meta), pool, attn)
+            hidden = model(StepInputs(torch.tensor(new), torch.tensor(pos), torch.tensor(slots), meta), pool,
+                           attn)
             nxt = int(model.compute_logits(hidden[-1:]).argmax())
             start = len(tokens)
             tokens.append(nxt)
@@ -126,7 +128,7 @@ def _follows_transformers(hf, prompt, out):
 
 
 @pytest.mark.slow
-def test_on_a_gpu_in_bf16_greedy_follows_transformers_sampling_repeats_and_both_backends_agree(server_factory):
+def test_on_a_gpu_in_bf16_greedy_follows_transformers_sampling_repeats_backends_agree(server_factory):
     """The default GPU configuration (bf16, triton kernels, decode graphs, pool from
     --gpu-memory-utilization): the pool lands where the share says, greedy text is transformers' (bf16 on the
     same GPU) up to near ties, seeded sampling repeats, and the torch backend gives the same tokens."""
@@ -139,7 +141,8 @@ def test_on_a_gpu_in_bf16_greedy_follows_transformers_sampling_repeats_and_both_
     share = 0.35
     server = server_factory(MODEL_DIR, "--dtype", "bfloat16", "--gpu-memory-utilization", str(share),
                             "--max-model-len", "4096")
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total",
+                          "--format=csv,noheader,nounits"],
                          capture_output=True, text=True, check=True).stdout.split(",")
     used, total = float(smi[0]), float(smi[1])
     assert abs(used / total - share) < 0.03, (used, total)  # the worker's share (its CUDA context included)

@@ -85,8 +85,8 @@ def test_logprobs_are_transformers_log_softmax_of_the_tokens_drawn(real, tempera
 @has_model
 @pytest.mark.real_model
 def test_streamed_logprobs_match_the_unary_ones(real):
-    req = generation_pb2.GenerateRequest(prompt="Count to five.", sampling=SP(max_tokens=8, logprobs=0,
-                                                                              prompt_logprobs=1))
+    req = generation_pb2.GenerateRequest(prompt="Count to five.",
+                                         sampling=SP(max_tokens=8, logprobs=0, prompt_logprobs=1))
     unary = real.stub.Generate(req, timeout=120)
     whole = unary.choices[0]
     messages = list(real.stub.GenerateStream(req, timeout=120))
@@ -111,7 +111,8 @@ def test_greedy_repetition_penalty_equals_transformers_generate(real):
     for penalty in (1.3, 0.8):
         with torch.no_grad():
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                 repetition_penalty=penalty, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+                                 repetition_penalty=penalty, eos_token_id=None, pad_token_id=0)[
+                                     0, len(prompt):]
         resp = real.stub.Generate(generation_pb2.GenerateRequest(
             prompt_token_ids=prompt, sampling=SP(max_tokens=24, repetition_penalty=penalty, ignore_eos=True)),
             timeout=120)
@@ -203,7 +204,8 @@ def test_bad_controls_are_invalid_argument_with_a_message(tiny, field, value, me
     else:
         setattr(params, field, value)
     with pytest.raises(grpc.RpcError) as err:
-        tiny.stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=params), timeout=60)
+        tiny.stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=params),
+                           timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
     both = SP(max_tokens=10, regex="a+", json_schema='{"type": "integer"}')
@@ -227,8 +229,9 @@ PERSON = {
 @pytest.mark.parametrize("temperature,seed", [(0.0, 0), (1.0, 11), (1.2, 12)])
 def test_json_schema_output_parses_and_validates(real, temperature, seed):
     resp = real.stub.Generate(generation_pb2.GenerateRequest(
-        prompt="Describe a person as JSON.", sampling=SP(max_tokens=120, temperature=temperature, seed=seed,
-                                                        json_schema=json.dumps(PERSON), n=2)), timeout=180)
+        prompt="Describe a person as JSON.",
+        sampling=SP(max_tokens=120, temperature=temperature, seed=seed, json_schema=json.dumps(PERSON), n=2)),
+        timeout=180)
     for choice in resp.choices:
         assert choice.finish_reason == generation_pb2.STOP, choice.text
         jsonschema.validate(json.loads(choice.text), PERSON)
@@ -241,7 +244,8 @@ def test_regex_and_grammar_and_a_structure_that_cannot_finish(real):
         prompt="When was the moon landing?", sampling=SP(max_tokens=30, regex=r"(19|20)\d\d-[01]\d-[0-3]\d")),
         timeout=120).choices[0]
     import re
-    assert re.fullmatch(r"(19|20)\d\d-[01]\d-[0-3]\d", date.text) and date.finish_reason == generation_pb2.STOP
+    assert re.fullmatch(r"(19|20)\d\d-[01]\d-[0-3]\d",
+                        date.text) and date.finish_reason == generation_pb2.STOP
     yes_no = real.stub.Generate(generation_pb2.GenerateRequest(
         prompt="Is the sky blue?", sampling=SP(max_tokens=10, temperature=1.0, seed=2,
                                               grammar='start: ("yes" | "no") "."')), timeout=120).choices[0]
@@ -261,12 +265,14 @@ def test_constrained_and_free_requests_share_steps(real):
 
     def constrained(i):
         return real.stub.Generate(generation_pb2.GenerateRequest(
-            prompt=f"Person number {i} as JSON.", sampling=SP(max_tokens=120, temperature=0.7, seed=i,
-                                                             json_schema=json.dumps(PERSON))), timeout=180)
+            prompt=f"Person number {i} as JSON.",
+            sampling=SP(max_tokens=120, temperature=0.7, seed=i, json_schema=json.dumps(PERSON))),
+            timeout=180)
 
     def free(i):
         return real.stub.Generate(generation_pb2.GenerateRequest(
-            prompt=f"Tell me a fact about the number {i}.", sampling=SP(max_tokens=30, logprobs=1)), timeout=180)
+            prompt=f"Tell me a fact about the number {i}.", sampling=SP(max_tokens=30, logprobs=1)),
+            timeout=180)
 
     with ThreadPoolExecutor(8) as pool:
         shaped = list(pool.map(constrained, range(4)))

@@ -61,7 +61,8 @@ def test_small_pool_waits_preempts_and_finishes_everything(chunked):
     for r in reqs:
         seq = r.seqs[0]
         assert seq.finish_reason is FinishReason.LENGTH
-        assert seq.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens), r.request_id
+        assert seq.output_token_ids == expected_output(r.prompt_token_ids,
+                                                       r.sampling.max_tokens), r.request_id
     assert sched.allocator.num_available_blocks == num_blocks
     assert not sched.requests
 
@@ -133,8 +134,8 @@ def test_the_overlap_benchmarks_simulated_worker_serves_the_real_engine(tiny_mod
 
     from deploy.bench.overlap import measure_overlap
 
-    args = argparse.Namespace(model=str(tiny_model_dir), seqs=4, context=20, steps=0, step_ms=2.0, block_size=16,
-                              window=0.3)
+    args = argparse.Namespace(model=str(tiny_model_dir), seqs=4, context=20, steps=0, step_ms=2.0,
+                              block_size=16, window=0.3)
     for overlap in (False, True):
         per = asyncio.run(measure_overlap(args, overlap))
         assert per["period"] > 0 and per["worker_forward"] > 0

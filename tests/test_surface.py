@@ -25,8 +25,8 @@ def server(server_factory, tiny_model_dir):
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def in_terminal(argv: list[str], seconds: float, columns: int = 120, rows: int = 50) -> str:
@@ -34,7 +34,8 @@ def in_terminal(argv: list[str], seconds: float, columns: int = 120, rows: int =
     master, slave = pty.openpty()
     env = {**os.environ, "COLUMNS": str(columns), "LINES": str(rows), "TERM": "xterm-256color"}
     env.pop("NO_COLOR", None)
-    proc = subprocess.Popen(argv, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
+    proc = subprocess.Popen(argv, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, env=env,
+                            start_new_session=True)
     os.close(slave)
     out = b""
     deadline = time.monotonic() + seconds
@@ -159,7 +160,8 @@ def test_top_shows_each_replica_and_a_lost_one_in_red_words():
 
     s = generation_pb2.CacheStats(block_size=16, num_blocks=200, num_free_blocks=150, num_cached_blocks=20,
                                   num_shared_blocks=5, bytes_per_block=1 << 20, used_bytes=30 << 20,
-                                  total_bytes=200 << 20, utilization=0.15, num_running=7, num_generated_tokens=900)
+                                  total_bytes=200 << 20, utilization=0.15, num_running=7,
+                                  num_generated_tokens=900)
     s.replicas.add(replica=0, serving=True, status="serving", num_blocks=200, num_free_blocks=150,
                    num_cached_blocks=20, utilization=0.15, num_running=7, num_requests=12)
     s.replicas.add(replica=1, serving=False, status="worker rank 0 of replica 1 exited")
@@ -190,7 +192,8 @@ def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
     """Two turns, /reset, then an answer stopped with Ctrl-C: the conversation each turn sends is what the
     server saw (its prompt grows with the history and starts over after /reset), and the stopped request
     is gone from the server at once."""
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "chat", "--server", server.address, "--greedy",
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "chat", "--server", server.address,
+                             "--greedy",
                              "--max-tokens", "4", "--ignore-eos", "--system", "be brief"], cwd=ROOT,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -211,7 +214,8 @@ def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
     finally:
         if proc.poll() is None:
             proc.kill()
-    long = subprocess.Popen([sys.executable, "-m", "deploy.cli", "chat", "--server", server.address, "--greedy",
+    long = subprocess.Popen([sys.executable, "-m", "deploy.cli", "chat", "--server", server.address,
+                             "--greedy",
                              "--max-tokens", "180", "--ignore-eos"], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

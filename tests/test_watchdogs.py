@@ -35,7 +35,8 @@ class BeatingButHung:
                                 vocab_size=100, max_context=512, pid=1)
         main.send(wire_pb2.WireMessage(version=WIRE_VERSION, handshake=hs).SerializeToString())
         while not self.stop.is_set():
-            beat.send(wire_pb2.WireMessage(version=WIRE_VERSION, heartbeat=wire_pb2.Heartbeat()).SerializeToString())
+            beat.send(wire_pb2.WireMessage(version=WIRE_VERSION,
+                                           heartbeat=wire_pb2.Heartbeat()).SerializeToString())
             if main.poll(100):
                 msg = wire_pb2.WireMessage.FromString(main.recv())
                 if msg.WhichOneof("body") == "plan":
@@ -66,7 +67,8 @@ def test_a_step_past_its_deadline_loses_the_worker_even_while_it_beats():
         try:
             await client.wait_for_workers(10)
             t0 = time.monotonic()
-            with pytest.raises(WorkerLost, match=r"did not finish step 1 \(1 tokens\) within its 1.5s deadline"):
+            with pytest.raises(WorkerLost,
+                               match=r"did not finish step 1 \(1 tokens\) within its 1.5s deadline"):
                 await client.execute(0, one_token_plan(1))
             assert worker.got_plan.is_set() and 1.5 <= time.monotonic() - t0 < 4
             client.check_alive(0)  # its heartbeats were fresh all along: only the deadline caught it

@@ -62,12 +62,14 @@ def worker(tiny_model_dir):
     peer = Peer()
     proc = subprocess.Popen(
         [sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler", peer.endpoint,
-         "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK), "--threads", "1", "--scheduler-timeout", "3"],
+         "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK), "--threads", "1", "--scheduler-timeout",
+         "3"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     identity, hs = peer.recv("handshake")
     peer.worker_id = identity
-    assert (hs.num_blocks, hs.block_size, hs.vocab_size, hs.tp_rank, hs.tp_size) == (NUM_BLOCKS, BLOCK, 384, 0, 1)
+    assert (hs.num_blocks, hs.block_size, hs.vocab_size, hs.tp_rank, hs.tp_size) == (
+        NUM_BLOCKS, BLOCK, 384, 0, 1)
     assert hs.model_fingerprint and hs.bytes_per_block == 2 * 3 * 2 * 16 * BLOCK * 4
     peer.send_msg(handshake_ack=wire_pb2.HandshakeAck(accepted=True, num_blocks=NUM_BLOCKS))
     yield peer, proc
@@ -151,8 +153,8 @@ def test_worker_refuses_a_block_size_that_is_not_a_power_of_two(tiny_model_dir):
     """The kernels' tile arithmetic needs a power of two: refused at start with a configuration exit (the
     supervisor does not restart it) and a message naming the flag, before any model is loaded."""
     proc = subprocess.run(
-        [sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler", "tcp://127.0.0.1:9",
-         "--block-size", "12"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        [sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler",
+         "tcp://127.0.0.1:9", "--block-size", "12"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--block-size must be a power of two" in proc.stdout + proc.stderr
 
@@ -163,8 +165,10 @@ def test_kv_pool_refuses_a_block_size_that_is_not_a_power_of_two():
     from worker.kv_pool import KVPool
     from worker.model_config import ModelConfig
 
-    config = ModelConfig.from_dict(dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8))
+    config = ModelConfig.from_dict(dict(vocab_size=10, hidden_size=8, intermediate_size=16,
+                                        num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1,
+                                        max_position_embeddings=8))
     with pytest.raises(ValueError, match="power of two, got 24"):
         KVPool(config, 4, 24, torch.float32, torch.device("cpu"))
 
@@ -209,7 +213,8 @@ def test_masks_that_follow_their_plan_are_awaited_after_the_forward(worker):
     _, res = peer.recv("result")
     assert not res.error and np.frombuffer(res.sampled_token_ids, "<i4").tolist() == [allowed]
     # a refused plan's masks arrive after it and are skipped, by the loop or by a later step's wait
-    peer.send_msg(plan=plan(step_id=3, mask_rows=rows, mask_follows=True, top_p=np.array([7.0], "<f4").tobytes()))
+    peer.send_msg(plan=plan(step_id=3, mask_rows=rows, mask_follows=True,
+                            top_p=np.array([7.0], "<f4").tobytes()))
     _, refused = peer.recv("result")
     assert refused.error.startswith("rejected plan")
     peer.send_msg(plan=plan(step_id=4, mask_rows=rows, mask_follows=True))

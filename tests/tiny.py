@@ -105,19 +105,21 @@ def _load_cached(folder: str):
 
 
 # llama.cpp's architecture name of each transformers family; only "llama" has its q/k rows permuted
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-             "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 GGUF_MATRICES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                  "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-GGUF_OTHERS = {"input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+GGUF_OTHERS = {"input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm",
                "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-               "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+               "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate": "ffn_gate_inp",
+               "block_sparse_moe.gate": "ffn_gate_inp",
                "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
-def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str = "llama", tables: bool = False,
-                   rope_freqs: list[float] | None = None, **overrides) -> Path:
+def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str = "llama",
+                   tables: bool = False, rope_freqs: list[float] | None = None, **overrides) -> Path:
     """A tiny model of a transformers family shipped as llama.cpp ships one: a GGUF of that family's
     architecture whose projections are `qtype` blocks under llama.cpp's names (q and k rows permuted where
     llama.cpp's converter permutes them; Phi-3's q/k/v and gate/up stacked as its converter writes them;
@@ -173,7 +175,8 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str
         elif ".".join(parts[3:5]) in GGUF_MATRICES and parts[-1] == "weight":
             gname = GGUF_MATRICES[".".join(parts[3:5])]
             blocks = quants.quantize(w, kind)
-            w = quants.dequantize(blocks, kind).reshape(w.shape)  # what the file holds, in Hugging Face's order
+            # what the file holds, in Hugging Face's order
+            w = quants.dequantize(blocks, kind).reshape(w.shape)
             stored = permute(w, heads if gname == "attn_q" else kv) if arch == "llama" and gname in (
                 "attn_q", "attn_k") else w
             writer.add_tensor(f"blk.{parts[2]}.{gname}.weight", quants.quantize(stored, kind), raw_dtype=kind)
@@ -199,5 +202,6 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str
     writer.write_tensors_to_file()
     writer.close()
     save_file(dequantized, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "pagedserve_model.json").write_text(json.dumps({"model_name": f"tiny-{qtype}", "gguf": str(path)}))
+    marker = {"model_name": f"tiny-{qtype}", "gguf": str(path)}
+    (folder / "pagedserve_model.json").write_text(json.dumps(marker))
     return folder

@@ -28,8 +28,8 @@ class AttentionBackend:
     name = "abstract"
 
     def prepare(
-        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
-        max_seq_len: int, max_q_len: int, host_q_lens=None,
+        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+        block_size: int, max_seq_len: int, max_q_len: int, host_q_lens=None,
     ) -> object:
         """Per-step metadata, built once and shared by every layer (the maxima, and host_q_lens, the query
         lengths as numpy, come from the plan on the host: no sync)."""
@@ -38,7 +38,8 @@ class AttentionBackend:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         raise NotImplementedError
 
-    def forward(self, q, k_cache, v_cache, meta, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    def forward(self, q, k_cache, v_cache, meta, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         """window > 0: a sliding-window layer, each query sees only its last `window` keys (itself included).
         softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
         raise NotImplementedError
@@ -92,8 +93,10 @@ def prefill_rows(block_tables: torch.Tensor, lens: torch.Tensor, qsl: torch.Tens
             for i in (q_lens > 1).nonzero().flatten().tolist()]
 
 
-def prefill_row(table: torch.Tensor, seq_len: torch.Tensor, start: int, q_len: int, block_size: int) -> PrefillRows:
-    """One sequence's: table [1, max_blocks], seq_len [1] (keys), its query tokens start .. start + q_len - 1."""
+def prefill_row(table: torch.Tensor, seq_len: torch.Tensor, start: int, q_len: int,
+                block_size: int) -> PrefillRows:
+    """One sequence's: table [1, max_blocks], seq_len [1] (keys), its query tokens start .. start + q_len -
+    1."""
     n = int(seq_len[0])
     slots = reference.kv_slots(table, seq_len, block_size, n)[0]
     mask = None
@@ -111,7 +114,8 @@ DECODE_BUCKET_ROWS = 16
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len, host_q_lens=None):
+    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len,
+                host_q_lens=None):
         qsl = query_start_loc.to(torch.int64)
         q_lens = qsl[1:] - qsl[:-1]
         lens = seq_lens.to(torch.int64)
@@ -128,8 +132,8 @@ class TorchAttention(AttentionBackend):
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta: TorchAttentionMeta, scale, window: int = 0, softcap: float = 0.0,
-                out: torch.Tensor | None = None):
+    def forward(self, q, k_cache, v_cache, meta: TorchAttentionMeta, scale, window: int = 0,
+                softcap: float = 0.0, out: torch.Tensor | None = None):
         num_blocks, block_size, n_kv_heads, head_dim = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, n_kv_heads, head_dim)
         v_flat = v_cache.view(num_blocks * block_size, n_kv_heads, head_dim)
@@ -144,7 +148,8 @@ class TorchAttention(AttentionBackend):
             o = _sdpa(qd, keys, values, b.window_mask(window), scale, softcap)
             out[b.tokens] = o.squeeze(2)
         for p in meta.prefills:
-            keys = k_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, n_kv, seq_len, hd]
+            # [1, n_kv, seq_len, hd]
+            keys = k_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
             values = v_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, n_heads, q_len, head_dim]
             mask = window_prefill_mask(p, window)
@@ -160,8 +165,8 @@ def _sdpa(q, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
     """q [b, n_heads, q_len, hd] over keys/values [b, n_kv, k_len, hd] (grouped heads); mask None = causal.
     Soft-capped scores take the explicit path (torch's fused attention has no soft-capping)."""
     if softcap <= 0:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                              scale=scale, enable_gqa=True)
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
@@ -200,13 +205,15 @@ class CpuAttention(TorchAttention):
 
         self._native = cpu_native.load()
         if self._native is None:
-            raise RuntimeError("the native CPU kernels could not be built (see the log); use --attention-backend torch")
+            raise RuntimeError("the native CPU kernels could not be built (see the log); use "
+                               "--attention-backend torch")
 
     def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype | None = None) -> bool:
         return self._native.supports(n_heads, n_kv_heads, head_dim, block_size, dtype, kv_dtype)
 
-    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len, host_q_lens=None):
+    def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len,
+                host_q_lens=None):
         qsl = query_start_loc.to(torch.int64)
         q_lens = qsl[1:] - qsl[:-1]
         dec = (q_lens == 1).nonzero().flatten()
@@ -224,7 +231,8 @@ class CpuAttention(TorchAttention):
             block_size=block_size,
         )
 
-    def forward(self, q, k_cache, v_cache, meta: CpuAttentionMeta, scale, window: int = 0, softcap: float = 0.0):
+    def forward(self, q, k_cache, v_cache, meta: CpuAttentionMeta, scale, window: int = 0,
+                softcap: float = 0.0):
         num_tokens, n_heads, head_dim = q.shape
         out = torch.empty(num_tokens, n_heads, head_dim, dtype=q.dtype, device=q.device)
         if meta.decode_rows.numel():
@@ -281,11 +289,12 @@ class TritonAttention(AttentionBackend):
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q, k_cache, v_cache, meta: TritonAttentionMeta, scale, window: int = 0, softcap: float = 0.0):
+    def forward(self, q, k_cache, v_cache, meta: TritonAttentionMeta, scale, window: int = 0,
+                softcap: float = 0.0):
         return self._kernels.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-            max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len, mixed=meta.mixed, workspace=meta.workspace,
-            window=window, softcap=softcap,
+            max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len, mixed=meta.mixed,
+            workspace=meta.workspace, window=window, softcap=softcap,
         )
 
 
@@ -307,14 +316,16 @@ def default_backend_name(device: torch.device) -> str:
     if triton_available():
         return "triton"
     log.warning("triton_missing", device=str(device),
-                consequence="attention and the elementwise tail run in torch on the GPU, several times slower",
+                consequence="attention and the elementwise tail run in torch on the GPU, several times "
+                            "slower",
                 fix="pip install triton (it comes with CUDA builds of torch)")
     return "torch"
 
 
 def make_backend(name: str | None, device: torch.device, shape: tuple | None = None) -> AttentionBackend:
     """name None picks the device's default; on a CPU the native `cpu` backend falls back to `torch` where
-    it cannot be built or does not cover shape = (n_heads, n_kv_heads, head_dim, block_size, dtype[, kv_dtype])."""
+    it cannot be built or does not cover shape = (n_heads, n_kv_heads, head_dim, block_size, dtype[,
+    kv_dtype])."""
     chosen = name or default_backend_name(device)
     if chosen not in BACKENDS:
         raise ValueError(f"unknown attention backend {chosen!r}; choose from {sorted(BACKENDS)}")
@@ -329,7 +340,8 @@ def make_backend(name: str | None, device: torch.device, shape: tuple | None = N
             return TorchAttention()
         if shape is not None and not backend.supports(*shape):
             if name:
-                raise ValueError(f"the cpu attention backend does not cover heads/head_dim/block/dtype {shape}")
+                raise ValueError("the cpu attention backend does not cover heads/head_dim/block/dtype "
+                                 f"{shape}")
             return TorchAttention()
         return backend
     return BACKENDS[chosen]()

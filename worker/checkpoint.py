@@ -4,9 +4,11 @@ its rows or columns of each weight (lazily from safetensors files, without loadi
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 Range = tuple[int, int] | None
 
@@ -63,3 +65,60 @@ class SafetensorsSource(TensorSource):
         if rows is None and cols is None:
             return self._file_of[name].get_tensor(name)
         return self._file_of[name].get_slice(name)[range_index(rows, cols)]
+
+
+@dataclass(frozen=True)
+class LayerNames:
+    """Where a family's checkpoint keeps a decoder layer's tensors, under `model.layers.{i}.`."""
+
+    moe: str = "mlp."  # the mixture-of-experts block: its router `gate.weight`, `experts.{e}.`
+    expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's gate, up, down
+    qkv: str = "self_attn.qkv_proj"  # q, k and v as one tensor (Phi-3), where the checkpoint has it
+    gate_up: str = "mlp.gate_up_proj.weight"  # gate then up as one tensor (Phi-3), where present
+    # Gemma's four norms a layer: on the attention output, before and after the MLP
+    sandwich: tuple[str, str, str] = ("post_attention_layernorm", "pre_feedforward_layernorm",
+                                      "post_feedforward_layernorm")
+
+
+LAYER_NAMES = {"mixtral": LayerNames(moe="block_sparse_moe.", expert=("w1", "w3", "w2"))}
+DEFAULT_LAYER_NAMES = LayerNames()
+
+
+class CheckpointReader:
+    """One rank's reads of a checkpoint: each tensor as the model's dtype, remembered, so that at the end
+    every parameter is covered and every tensor used."""
+
+    def __init__(self, source: TensorSource, dtype: torch.dtype, norm_offset: float) -> None:
+        self.source, self.dtype, self.norm_offset = source, dtype, norm_offset
+        self.loaded: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.source
+
+    def take(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+        if name not in self.source:
+            raise KeyError(f"weight {name} is missing from the checkpoint")
+        self.loaded.add(name)
+        return self.source.get(name, rows, cols).to(self.dtype)
+
+    def norm(self, name: str) -> torch.Tensor:
+        """An RMSNorm weight as the model multiplies by it (Gemma's scales by 1 + weight)."""
+        return self.take(name) + self.norm_offset
+
+    def vocab_rows(self, name: str, rows: tuple[int, int], shard_size: int) -> torch.Tensor:
+        t = self.take(name, rows)
+        return F.pad(t, (0, 0, 0, shard_size - t.shape[0]))  # the last shard may be short
+
+    def served(self, param, *names: str) -> bool:
+        """A parameter released for the file's blocks (model.release): its tensors count as used, unread."""
+        if param is None or param.numel():
+            return False
+        self.loaded.update(names)
+        return True
+
+    def check_all_used(self, tied_embeddings: bool) -> None:
+        ignored = {n for n in self.source.names() if n not in self.loaded and "rotary_emb" not in n}
+        if tied_embeddings:
+            ignored.discard("lm_head.weight")
+        if ignored:
+            raise KeyError(f"checkpoint has weights this model does not use: {sorted(ignored)[:5]}")

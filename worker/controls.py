@@ -53,13 +53,15 @@ class StepControls:
         return self.bias_rows is None and self.mask_rows is None and self.penalty_rows is None
 
 
-def gather_controls(p: PlanArrays, rows: np.ndarray, block_tables: torch.Tensor, device: torch.device) -> StepControls:
+def gather_controls(p: PlanArrays, rows: np.ndarray, block_tables: torch.Tensor,
+                    device: torch.device) -> StepControls:
     """The controls of the sampled `rows` (plan row indices) of a validated plan. block_tables: the step's
     tables, already on the device."""
     c = StepControls()
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.array(a)).to(device=device, dtype=dtype, non_blocking=True)  # owned, writable
+        # owned, writable
+        return torch.from_numpy(np.array(a)).to(device=device, dtype=dtype, non_blocking=True)
 
     if p.bias_offsets is not None:
         counts = np.diff(p.bias_offsets.astype(np.int64))
@@ -129,7 +131,8 @@ def apply_controls(logits: torch.Tensor, c: StepControls, pool) -> torch.Tensor:
         pos = torch.arange(ctx.shape[1], device=ctx.device)
         generated = torch.where(valid & (pos[None, :] >= c.penalty_prompt_lens[:, None]), at, scratch)
         flat[generated] = flat[generated] - c.presence[:, None]  # once per distinct output token
-        flat.index_put_((generated,), (-c.frequency[:, None]).expand(generated.shape), accumulate=True)  # per use
+        # per use
+        flat.index_put_((generated,), (-c.frequency[:, None]).expand(generated.shape), accumulate=True)
     dead = torch.isneginf(out).all(dim=-1) & ~torch.isneginf(logits).all(dim=-1)
     if bool(dead.any()):
         log.warning("controls_left_no_token", rows=dead.nonzero().flatten().tolist())
@@ -147,4 +150,5 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, ks: np.ndarray) -> 
         return Logprobs(picked, np.zeros(0, np.int32), np.zeros(0, np.float32))
     values, ids = logp.topk(min(kmax, logp.shape[1]), dim=-1)
     keep = np.arange(values.shape[1])[None, :] < ks[:, None]
-    return Logprobs(picked, ids.cpu().numpy().astype(np.int32)[keep], values.cpu().numpy().astype(np.float32)[keep])
+    return Logprobs(picked, ids.cpu().numpy().astype(np.int32)[keep],
+                    values.cpu().numpy().astype(np.float32)[keep])

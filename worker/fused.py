@@ -19,8 +19,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, n_heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim / 2]: rotate-half over the first
-    # rotary_dim values of each head (all of them but with a partial_rotary_factor), the rest as they are
+    # x: [num_tokens, n_heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim / 2]: rotate-half over the
+    # first rotary_dim values of each head (all of them but with a partial_rotary_factor), the rest as they
+    # are
     half = cos.shape[-1]
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
@@ -60,7 +61,8 @@ class NativeOps(TorchOps):
         return x.device.type == "cpu" and x.dtype == torch.float32
 
     def add_rms_norm(self, residual, delta, weight, eps):
-        if not (residual.is_contiguous() and (delta is None or delta.is_contiguous()) and weight.is_contiguous()):
+        if not (residual.is_contiguous() and (delta is None or delta.is_contiguous())
+                and weight.is_contiguous()):
             return super().add_rms_norm(residual, delta, weight, eps)
         out = torch.empty_like(residual)
         self.k.add_rms_norm(residual, delta, weight, out, eps)  # residual += delta in place
@@ -81,7 +83,8 @@ class NativeOps(TorchOps):
         tokens, heads, head_dim = q.shape
         kv_heads = k.shape[1]
         fused = (q.stride(1) == head_dim and k.stride(1) == head_dim and q.stride(2) == 1 and k.stride(2) == 1
-                 and q.stride(0) == k.stride(0) and k.data_ptr() == q.data_ptr() + heads * head_dim * q.element_size())
+                 and q.stride(0) == k.stride(0)
+                 and k.data_ptr() == q.data_ptr() + heads * head_dim * q.element_size())
         if fused:  # q then k heads, adjacent in each row of the fused QKV output: one pass, in place
             rows = q.as_strided((tokens, (heads + kv_heads) * head_dim), (q.stride(0), 1))
             self.k.rope(rows, heads + kv_heads, head_dim, rotary.cos, rotary.sin, positions)

@@ -114,14 +114,16 @@ class FusedDecode:
         for layer in model.layers:
             for name in layer.matmul_names:
                 if _matrix(layer, name) is None:
-                    return f"{model.mm.name} weights only (the fused step reads GGUF blocks or plain fp32 rows)"
+                    return (f"{model.mm.name} weights only (the fused step reads GGUF blocks or plain fp32 "
+                            "rows)")
         return None
 
     def covers(self, step, num_tokens: int) -> bool:
         from worker.attention import CpuAttentionMeta
 
         meta = step.attn_meta
-        return (isinstance(meta, CpuAttentionMeta) and 0 < num_tokens and (num_tokens <= self.max_rows or self.sgemm)
+        return (isinstance(meta, CpuAttentionMeta) and 0 < num_tokens
+                and (num_tokens <= self.max_rows or self.sgemm)
                 and meta.decode_rows.numel() == num_tokens and meta.prefill_starts.numel() == 0)
 
     def _describe(self, pool) -> None:
@@ -140,10 +142,12 @@ class FusedDecode:
                                 _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(k_cache), _ptr(v_cache),
                                 int(c.uses_rope(i)), c.window(i))
         rotary = m.rotary
-        self._desc = PsModel(c.num_layers, c.hidden_size, m.shard.num_q_heads, m.shard.num_kv_heads, c.head_dim,
+        self._desc = PsModel(c.num_layers, c.hidden_size, m.shard.num_q_heads, m.shard.num_kv_heads,
+                             c.head_dim,
                              m.shard.intermediate_size, pool.block_size, c.rotary_dim // 2, c.rms_norm_eps,
                              c.head_dim**-0.5,
-                             _ptr(rotary.cos), _ptr(rotary.sin), _ptr(m.norm), layers, self.sgemm, self.max_rows,
+                             _ptr(rotary.cos), _ptr(rotary.sin), _ptr(m.norm), layers, self.sgemm,
+                             self.max_rows,
                              int(pool.dtype == torch.bfloat16), int(getattr(m.mm, "int8_activations", False)))
         self._keep = (keep, layers, rotary)
         self._pool = pool
@@ -191,7 +195,8 @@ class NativeHead:
         return None
 
     def covers(self, hidden: torch.Tensor) -> bool:
-        return 0 < hidden.shape[0] <= self.max_rows and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
+        return (0 < hidden.shape[0] <= self.max_rows and hidden.dtype == torch.float32
+                and hidden.device.type == "cpu")
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.contiguous()

@@ -108,7 +108,8 @@ class GGUFFile:
         return out.view(rows, -1)
 
     def dequantize(self, name: str) -> torch.Tensor:
-        """The tensor as fp32 in torch's shape: the native kernels where they serve its type, else gguf's own."""
+        """The tensor as fp32 in torch's shape: the native kernels where they serve its type, else gguf's
+        own."""
         from gguf import GGMLQuantizationType, quants
 
         shape, qtype = self.shape(name), self.type_name(name)
@@ -149,7 +150,8 @@ def hf_names(file: GGUFFile) -> dict[str, str] | None:
         if parts[0] != "blk" or len(parts) < 3 or rest not in LAYER_TENSORS:
             return None
         hf = LAYER_TENSORS[rest]
-        if fused_gate_up and rest == "ffn_up.weight" and f"blk.{parts[1]}.ffn_gate.weight" not in file.tensors:
+        gate = f"blk.{parts[1]}.ffn_gate.weight"
+        if fused_gate_up and rest == "ffn_up.weight" and gate not in file.tensors:
             hf = "mlp.gate_up_proj.weight"
         names[f"model.layers.{parts[1]}.{hf}"] = name
     return names

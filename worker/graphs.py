@@ -9,7 +9,8 @@ padded to the width of the tier's context, and attention is captured for that co
 splits per bucket and tier; the kernels read each row's true length from the buffer and splits past it
 write nothing). Two tiers where the model's context is longer than `--graph-max-context`: a step whose
 longest sequence fits the short tier replays it (few splits), a longer one the long tier. Steps that do
-not fit — a prompt chunk in them, more rows than the largest bucket — run eagerly. Only decode steps are captured: prefill steps are long enough that launches do not matter.
+not fit — a prompt chunk in them, more rows than the largest bucket — run eagerly. Only decode steps are
+captured: prefill steps are long enough that launches do not matter.
 
 On a CPU (tests) "capture" records nothing and "replay" runs the same static-buffer forward eagerly, so
 the fitting — padding, buffers, the bucket choice — is tested here against the plain path.
@@ -29,7 +30,8 @@ from worker.model import LlamaModel, StepInputs
 
 log = structlog.get_logger("worker.graphs")
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896,
+           1024)
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
@@ -117,7 +119,8 @@ class DecodeGraphs:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        log.info("decode_graphs_captured", buckets=self.buckets, contexts=self.contexts, seconds=round(seconds, 2))
+        log.info("decode_graphs_captured", buckets=self.buckets, contexts=self.contexts,
+                 seconds=round(seconds, 2))
         return seconds
 
     # --- replay ----------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ import sys
 MODES = ("auto", "tcmalloc", "glibc", "default")
 _REEXEC_GUARD = "PAGEDSERVE_MALLOC_REEXEC"
 _TCMALLOC_GLOBS = ("libtcmalloc_minimal.so*", "libtcmalloc.so*")
-_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib",
-             "/lib/x86_64-linux-gnu", "/lib64")
+_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+             "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib64")
 
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1

@@ -1,5 +1,6 @@
 """The paged KV pool: per layer K and V in the block-tensor layout
-[num_blocks, block_size, n_kv_heads, head_dim]. The worker owns the bytes; the scheduler owns who uses them."""
+[num_blocks, block_size, n_kv_heads, head_dim]. The worker owns the bytes; the scheduler owns who uses
+them."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                    num_kv_heads: int | None = None) -> int:
     """Bytes of one block over all layers; num_kv_heads: the heads this rank holds (default: all)."""
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * config.num_layers * heads * config.head_dim * block_size * torch.empty((), dtype=dtype).element_size()
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * heads * config.head_dim * block_size * element
 
 
 class KVPool:

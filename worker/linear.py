@@ -34,7 +34,8 @@ class DenseMatmul:
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
 
@@ -49,7 +50,8 @@ class OneDNNMatmul:
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -156,7 +158,8 @@ def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.
                     want = F.linear(x, w)
                     err = (lib(x, p) - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
                     if err > 1e-4:
-                        raise ArithmeticError(f"{lib.name} matmul differs from F.linear by {err:.1e} (relative)")
+                        raise ArithmeticError(f"{lib.name} matmul differs from F.linear by {err:.1e} "
+                                              "(relative)")
         runs[lib.name] = lambda calls=calls: [call() for call in calls]
         runs[lib.name]()  # warm: first-call allocations and dispatch
     totals = {name: float("inf") for name in runs}
@@ -190,7 +193,8 @@ def choose(name: str, shapes: list[tuple[int, int]], device: torch.device, dtype
         if name == "onednn" and not OneDNNMatmul.available(device, dtype):
             raise ValueError(f"the onednn matmul needs fp32 on a CPU with oneDNN, not {dtype} on {device}")
         if name == "mkl" and not MKLMatmul.available(device, dtype):
-            raise ValueError(f"the mkl matmul needs fp32 on a CPU and a torch built with MKL, not {dtype} on {device}")
+            raise ValueError(f"the mkl matmul needs fp32 on a CPU and a torch built with MKL, not {dtype} on "
+                             f"{device}")
         return LIBRARIES[name]()
     if not (OneDNNMatmul.available(device, dtype) or MKLMatmul.available(device, dtype)):
         return DenseMatmul()

@@ -68,10 +68,10 @@ def choose_quantized_prefill(choice: str, dense_copy: int, kv: int, available: i
         return "dense", "the system does not report its available memory"
     need = dense_copy + kv + MARGIN
     if need <= available:
-        return "dense", (f"{human(available)} available holds a dense copy ({human(dense_copy)}), the KV pool "
-                         f"and {human(MARGIN)} beside the blocks")
-    return "dequantize", (f"{human(available)} available cannot hold a dense copy ({human(dense_copy)}), the KV "
-                          f"pool ({human(kv)}) and {human(MARGIN)} beside the blocks")
+        return "dense", (f"{human(available)} available holds a dense copy ({human(dense_copy)}), the KV "
+                         f"pool and {human(MARGIN)} beside the blocks")
+    return "dequantize", (f"{human(available)} available cannot hold a dense copy ({human(dense_copy)}), the "
+                          f"KV pool ({human(kv)}) and {human(MARGIN)} beside the blocks")
 
 
 def dense_copy_bytes(weights: dict) -> int:

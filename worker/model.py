@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.attention import AttentionBackend
-from worker.checkpoint import TensorSource
+from worker.checkpoint import DEFAULT_LAYER_NAMES, LAYER_NAMES, CheckpointReader, LayerNames, TensorSource
 from worker.fused import TorchOps, default_ops, rms_norm
 from worker.kv_pool import KVPool
 from worker.linear import DenseMatmul, head_library
@@ -71,7 +71,8 @@ class DecoderLayer(nn.Module):
         self.kv_size = self.num_kv_heads * c.head_dim
         self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.qkv = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, c.hidden_size))
-        self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size)) if c.attention_bias else None
+        qkv_rows = self.q_size + 2 * self.kv_size
+        self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows)) if c.attention_bias else None
         self.q_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
         self.o_proj = nn.Parameter(torch.empty(c.hidden_size, self.q_size))
@@ -81,10 +82,12 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
         # the MLP: dense (gate and up stacked), or a mixture of experts
         self.moe = MoE(c, shard) if c.is_moe(layer_idx) else None
-        self.gate_up = None if self.moe else nn.Parameter(torch.empty(2 * shard.intermediate_size, c.hidden_size))
+        self.gate_up = None if self.moe else nn.Parameter(
+            torch.empty(2 * shard.intermediate_size, c.hidden_size))
         self.down = None if self.moe else nn.Parameter(torch.empty(c.hidden_size, shard.intermediate_size))
         self.matmul_names = self.MATMUL_WEIGHTS[:2] if self.moe else self.MATMUL_WEIGHTS
-        self.shapes = {name: tuple(getattr(self, name).shape) for name in self.matmul_names}  # kept when released
+        # kept when released
+        self.shapes = {name: tuple(getattr(self, name).shape) for name in self.matmul_names}
         self.config = c
         self.mm = DenseMatmul()  # the matmul library and the weights in its layout (LlamaModel.use_matmul)
         self.w: dict[str, torch.Tensor] = {}
@@ -142,7 +145,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard | None = None, comm: Collectives | None = None) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard | None = None,
+                 comm: Collectives | None = None) -> None:
         super().__init__()
         c = config
         self.config = config
@@ -160,7 +164,8 @@ class LlamaModel(nn.Module):
         self.rotary: Rotary | None = None
         self.local_rotary: Rotary | None = None  # Gemma 3's sliding layers' own
         self.mm = None  # set by use_matmul (dense F.linear on the loaded weights unless told otherwise)
-        self.ops: TorchOps | None = None  # the elementwise tail (worker/fused.py), chosen at the first forward
+        # the elementwise tail (worker/fused.py), chosen at the first forward
+        self.ops: TorchOps | None = None
         self.head: torch.Tensor | None = None  # the LM head as the head's matmul library holds it
         self.head_mm = None  # the LM head's library: the projections' unless that one names another
         self.fused = None  # worker/fused_decode.py: decode-only steps in one native call, where set
@@ -180,11 +185,11 @@ class LlamaModel(nn.Module):
         self.mm = lib
 
     def quantized_weights(self, source, embeddings: bool = False, pack=None) -> dict[tuple, object]:
-        """This rank's rows or columns of each matrix the GGUF's blocks serve (worker/quantized.py), stacked as
-        the fused parameters are, read from the file: {(layer index, parameter name) or ("head",): the weight}.
-        A matrix of a type the kernels do not serve (or that does not stack) is left out: it loads dense.
-        embeddings: the token table's blocks too, under ("embed",), where its type can be looked up by row (as
-        the file lays them out). pack: applied to each matrix as it is read (QuantizedMatmul.pack)."""
+        """This rank's rows or columns of each matrix the GGUF's blocks serve (worker/quantized.py), stacked
+        as the fused parameters are, read from the file: {(layer index, parameter name) or ("head",): the
+        weight}. A matrix of a type the kernels do not serve (or that does not stack) is left out: it loads
+        dense. embeddings: the token table's blocks too, under ("embed",), where its type can be looked up by
+        row (as the file lays them out). pack: applied to each matrix as it is read (QuantizedMatmul.pack)."""
         from worker.quantized import QuantWeight
 
         c, sh = self.config, self.shard
@@ -250,7 +255,8 @@ class LlamaModel(nn.Module):
         the weights quantized_weights read from one (their parameters released before loading). A matrix
         of a type the kernels do not serve (or a stack of mixed types) stays on the dense library. keep_dense:
         each weight is also kept in the dense library's layout for prefill (memory for prefill at the dense
-        rate; otherwise prefill dequantizes a tile at a time into a small scratch). Returns matrices by type."""
+        rate; otherwise prefill dequantizes a tile at a time into a small scratch). Returns matrices by
+        type."""
         from worker.quantized import QuantEmbedding, QuantLinear
 
         weights = source if isinstance(source, dict) else self.quantized_weights(source)
@@ -279,7 +285,8 @@ class LlamaModel(nn.Module):
             self.embed_q = QuantEmbedding(lib.kernels, embed)
             self.embed.data = torch.empty(0, dtype=self.embed.dtype)
         self.head, quantized = linear(("head",), self.embed if self.lm_head is None else self.lm_head)
-        if self.lm_head is not None and (quantized or lib.dense.name != "dense"):  # the embeddings stay: lookup
+        # the embeddings stay: lookup
+        if self.lm_head is not None and (quantized or lib.dense.name != "dense"):
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
         self.mm = self.head_mm = lib
         return counts
@@ -343,96 +350,87 @@ class LlamaModel(nn.Module):
     @torch.no_grad()
     def load_hf_weights(self, source: TensorSource) -> None:
         """Copy this rank's slices of Hugging Face-named tensors into the fused parameters; every
-        parameter must be covered and every checkpoint tensor used."""
-        c, sh = self.config, self.shard
-        dtype = self.embed.dtype
-        hd = c.head_dim
-        loaded: set[str] = set()
-
-        def take(name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None):
-            if name not in source:
-                raise KeyError(f"weight {name} is missing from the checkpoint")
-            loaded.add(name)
-            return source.get(name, rows, cols).to(dtype)
-
-        def norm(name: str) -> torch.Tensor:  # Gemma's RMSNorm scales by (1 + weight)
-            return take(name) + c.norm_offset
-
-        def vocab_rows(name: str) -> torch.Tensor:
-            t = take(name, sh.vocab)
-            return F.pad(t, (0, 0, 0, sh.vocab_shard_size - t.shape[0]))  # the last shard may be short
-
-        def served(param, *names: str) -> bool:
-            """A parameter released for the file's blocks (model.release): its tensors count as used, unread."""
-            if param is None or param.numel():
-                return False
-            loaded.update(names)
-            return True
-
-        q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
-        kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
-        if not served(self.embed, "model.embed_tokens.weight"):
-            self.embed.copy_(vocab_rows("model.embed_tokens.weight"))
-        self.norm.copy_(norm("model.norm.weight"))
-        if self.lm_head is not None and not served(self.lm_head, "lm_head.weight"):
-            self.lm_head.copy_(vocab_rows("lm_head.weight"))
+        parameter must be covered and every checkpoint tensor used. The family's names: LAYER_NAMES."""
+        c = self.config
+        ck = CheckpointReader(source, self.embed.dtype, c.norm_offset)
+        names = LAYER_NAMES.get(c.model_type, DEFAULT_LAYER_NAMES)
+        vocab = (self.shard.vocab, self.shard.vocab_shard_size)
+        if not ck.served(self.embed, "model.embed_tokens.weight"):
+            self.embed.copy_(ck.vocab_rows("model.embed_tokens.weight", *vocab))
+        self.norm.copy_(ck.norm("model.norm.weight"))
+        if self.lm_head is not None and not ck.served(self.lm_head, "lm_head.weight"):
+            self.lm_head.copy_(ck.vocab_rows("lm_head.weight", *vocab))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a = p + "self_attn."
-            layer.input_norm.copy_(norm(p + "input_layernorm.weight"))
-            if c.sandwich_norms:  # Gemma: its post-attention norm is on the attention output; the MLP's own
-                layer.attn_out_norm.copy_(norm(p + "post_attention_layernorm.weight"))
-                layer.post_attn_norm.copy_(norm(p + "pre_feedforward_layernorm.weight"))
-                layer.mlp_out_norm.copy_(norm(p + "post_feedforward_layernorm.weight"))
+            self._load_norms(ck, layer, p, names)
+            self._load_attention(ck, layer, p, names)
+            if layer.moe is not None:
+                self._load_experts(ck, layer.moe, p + names.moe, names)
             else:
-                layer.post_attn_norm.copy_(take(p + "post_attention_layernorm.weight"))
-            for kind in ("weight", "bias"):
-                target = layer.qkv if kind == "weight" else layer.qkv_bias
-                if target is None or served(target, *(f"{a}{x}_proj.{kind}" for x in ("q", "k", "v", "qkv"))):
-                    continue
-                fused = f"{a}qkv_proj.{kind}"  # Phi-3 ships q, k and v as one tensor: this rank's rows of each
-                if fused in source:
-                    q_size, kv_size = c.num_heads * hd, c.num_kv_heads * hd
-                    parts = [take(fused, q_rows), take(fused, (q_size + kv_rows[0], q_size + kv_rows[1])),
-                             take(fused, (q_size + kv_size + kv_rows[0], q_size + kv_size + kv_rows[1]))]
-                else:
-                    parts = [take(f"{a}q_proj.{kind}", q_rows), take(f"{a}k_proj.{kind}", kv_rows),
-                             take(f"{a}v_proj.{kind}", kv_rows)]
-                target.copy_(torch.cat(parts))
-            if layer.q_norm is not None:
-                layer.q_norm.copy_(norm(a + "q_norm.weight"))
-                layer.k_norm.copy_(norm(a + "k_norm.weight"))
-            if not served(layer.o_proj, a + "o_proj.weight"):
-                layer.o_proj.copy_(take(a + "o_proj.weight", cols=q_rows))
-            m = p + "mlp."
-            if layer.moe is not None:  # the router whole, this rank's slice of every expert
-                moe, inter = layer.moe, sh.expert_intermediate
-                if c.model_type == "mixtral":  # block_sparse_moe, experts' w1 (gate), w3 (up), w2 (down)
-                    m, gate, up, down = p + "block_sparse_moe.", "w1", "w3", "w2"
-                else:
-                    gate, up, down = "gate_proj", "up_proj", "down_proj"
-                moe.router.copy_(take(m + "gate.weight"))
-                for e in range(c.num_experts):
-                    x = f"{m}experts.{e}."
-                    moe.gate_up[e].copy_(torch.cat([take(f"{x}{gate}.weight", inter), take(f"{x}{up}.weight", inter)]))
-                    moe.down[e].copy_(take(f"{x}{down}.weight", cols=inter))
-            elif served(layer.gate_up, m + "gate_proj.weight", m + "up_proj.weight", m + "gate_up_proj.weight"):
-                pass
-            elif m + "gate_up_proj.weight" in source:  # Phi-3: gate then up in one tensor
-                inter = c.intermediate_size
-                layer.gate_up.copy_(torch.cat([
-                    take(m + "gate_up_proj.weight", sh.intermediate),
-                    take(m + "gate_up_proj.weight", (inter + sh.intermediate[0], inter + sh.intermediate[1]))]))
+                self._load_mlp(ck, layer, p, names)
+        ck.check_all_used(c.tie_word_embeddings)
+
+    def _load_norms(self, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames) -> None:
+        layer.input_norm.copy_(ck.norm(p + "input_layernorm.weight"))
+        if self.config.sandwich_norms:  # Gemma's post-attention norm is on the attention output
+            attn_out, mlp_in, mlp_out = (f"{p}{n}.weight" for n in names.sandwich)
+            layer.attn_out_norm.copy_(ck.norm(attn_out))
+            layer.post_attn_norm.copy_(ck.norm(mlp_in))
+            layer.mlp_out_norm.copy_(ck.norm(mlp_out))
+        else:
+            layer.post_attn_norm.copy_(ck.take(p + "post_attention_layernorm.weight"))
+
+    def _load_attention(self, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames) -> None:
+        """This rank's query heads and KV heads of q, k and v (weights and biases), q/k norms, and the
+        matching columns of o_proj."""
+        c, sh, hd = self.config, self.shard, self.config.head_dim
+        a = p + "self_attn."
+        q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
+        kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
+        for kind in ("weight", "bias"):
+            target = layer.qkv if kind == "weight" else layer.qkv_bias
+            fused = f"{p}{names.qkv}.{kind}"
+            if target is None or ck.served(target, fused, *(f"{a}{x}_proj.{kind}" for x in "qkv")):
+                continue
+            if fused in ck:  # one tensor: this rank's rows of each part
+                q_size, kv_size = c.num_heads * hd, c.num_kv_heads * hd
+                parts = [ck.take(fused, q_rows), ck.take(fused, (q_size + kv_rows[0], q_size + kv_rows[1])),
+                         ck.take(fused, (q_size + kv_size + kv_rows[0], q_size + kv_size + kv_rows[1]))]
             else:
-                layer.gate_up.copy_(torch.cat([take(m + "gate_proj.weight", sh.intermediate),
-                                               take(m + "up_proj.weight", sh.intermediate)]))
-            if layer.moe is None and not served(layer.down, m + "down_proj.weight"):
-                layer.down.copy_(take(m + "down_proj.weight", cols=sh.intermediate))
-        ignored = {n for n in source.names() if n not in loaded and "rotary_emb" not in n}
-        if c.tie_word_embeddings:
-            ignored.discard("lm_head.weight")
-        if ignored:
-            raise KeyError(f"checkpoint has weights this model does not use: {sorted(ignored)[:5]}")
+                parts = [ck.take(f"{a}q_proj.{kind}", q_rows), ck.take(f"{a}k_proj.{kind}", kv_rows),
+                         ck.take(f"{a}v_proj.{kind}", kv_rows)]
+            target.copy_(torch.cat(parts))
+        if layer.q_norm is not None:
+            layer.q_norm.copy_(ck.norm(a + "q_norm.weight"))
+            layer.k_norm.copy_(ck.norm(a + "k_norm.weight"))
+        if not ck.served(layer.o_proj, a + "o_proj.weight"):
+            layer.o_proj.copy_(ck.take(a + "o_proj.weight", cols=q_rows))
+
+    def _load_mlp(self, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames) -> None:
+        """This rank's intermediate rows of gate and up (fused), and columns of down."""
+        m, inter, fused = p + "mlp.", self.shard.intermediate, p + names.gate_up
+        if ck.served(layer.gate_up, m + "gate_proj.weight", m + "up_proj.weight", fused):
+            pass
+        elif fused in ck:  # gate then up in one tensor
+            size = self.config.intermediate_size
+            layer.gate_up.copy_(torch.cat([ck.take(fused, inter),
+                                           ck.take(fused, (size + inter[0], size + inter[1]))]))
+        else:
+            layer.gate_up.copy_(torch.cat([ck.take(m + "gate_proj.weight", inter),
+                                           ck.take(m + "up_proj.weight", inter)]))
+        if not ck.served(layer.down, m + "down_proj.weight"):
+            layer.down.copy_(ck.take(m + "down_proj.weight", cols=inter))
+
+    def _load_experts(self, ck: CheckpointReader, moe: MoE, m: str, names: LayerNames) -> None:
+        """The router whole, this rank's slice of every expert."""
+        inter = self.shard.expert_intermediate
+        gate, up, down = names.expert
+        moe.router.copy_(ck.take(m + "gate.weight"))
+        for e in range(self.config.num_experts):
+            x = f"{m}experts.{e}."
+            moe.gate_up[e].copy_(torch.cat([ck.take(f"{x}{gate}.weight", inter),
+                                            ck.take(f"{x}{up}.weight", inter)]))
+            moe.down[e].copy_(ck.take(f"{x}{down}.weight", cols=inter))
 
     @torch.no_grad()
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:

@@ -8,8 +8,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3", "gemma2",
-                         "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3",
+                         "gemma2", "gemma3_text")
 GEMMA_TYPES = ("gemma2", "gemma3_text")  # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 # the mixture-of-experts families (router top-k over SwiGLU experts)
 MOE_TYPES = ("qwen3_moe", "mixtral")
@@ -38,11 +38,14 @@ def check_supported(cfg: dict) -> None:
         raise UnsupportedModel("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     act_field = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
     act = cfg.get(act_field, "silu")
-    if act not in GATED_ACTIVATIONS or (GATED_ACTIVATIONS[act] == "gelu_tanh" and model_type not in GEMMA_TYPES):
-        raise UnsupportedModel(act_field, act, "the gated MLP is implemented with SiLU, and with GELU-tanh for "
+    if act not in GATED_ACTIVATIONS or (GATED_ACTIVATIONS[act] == "gelu_tanh"
+                                        and model_type not in GEMMA_TYPES):
+        raise UnsupportedModel(act_field, act,
+                               "the gated MLP is implemented with SiLU, and with GELU-tanh for "
                                                "Gemma 2 and 3")
     if cfg.get("use_bidirectional_attention"):
-        raise UnsupportedModel("use_bidirectional_attention", True, "bidirectional attention is not implemented")
+        raise UnsupportedModel("use_bidirectional_attention", True,
+                               "bidirectional attention is not implemented")
     if cfg.get("mlp_bias"):
         raise UnsupportedModel("mlp_bias", cfg["mlp_bias"], "MLP projections with biases are not implemented")
     if cfg.get("attention_bias") and model_type != "qwen2":  # Qwen2's q/k/v biases are; an o_proj bias is not
@@ -56,18 +59,22 @@ def check_supported(cfg: dict) -> None:
     for name, value in (("partial_rotary_factor", rope.get("partial_rotary_factor")),
                         ("partial_rotary_factor", cfg.get("partial_rotary_factor"))):
         if value is not None and float(value) != 1.0 and model_type not in PARTIAL_ROTARY_TYPES:
-            raise UnsupportedModel(name, value, f"partial rotary embeddings are implemented for "
-                                                f"{', '.join(PARTIAL_ROTARY_TYPES)} only (as transformers does)")
+            raise UnsupportedModel(name, value, "partial rotary embeddings are implemented for "
+                                                f"{', '.join(PARTIAL_ROTARY_TYPES)} only (as transformers "
+                                                "does)")
     for name in ("attn_logit_softcapping", "final_logit_softcapping", "logit_softcapping"):
-        allowed = {"attn_logit_softcapping": ("gemma2",), "final_logit_softcapping": GEMMA_TYPES}.get(name, ())
+        allowed = {"attn_logit_softcapping": ("gemma2",), "final_logit_softcapping": GEMMA_TYPES}.get(
+            name, ())
         if cfg.get(name) is not None and model_type not in allowed:
             raise UnsupportedModel(name, cfg[name], f"{'attention-' if name.startswith('attn') else ''}logit "
-                                                    f"soft-capping is implemented for {', '.join(allowed) or 'no'} "
-                                                    "models as transformers runs them")
+                                                    "soft-capping is implemented for "
+                                                    f"{', '.join(allowed) or 'no'} models as transformers "
+                                                    "runs them")
     for name in ("embedding_multiplier", "scale_emb", "logits_scaling", "residual_multiplier",
                  "attention_multiplier"):
         if cfg.get(name) not in (None, 1, 1.0):
-            raise UnsupportedModel(name, cfg[name], "scaled embeddings, residuals or logits are not implemented")
+            raise UnsupportedModel(name, cfg[name],
+                                   "scaled embeddings, residuals or logits are not implemented")
     for name in ("num_experts", "num_local_experts", "n_routed_experts"):
         if cfg.get(name) and model_type not in MOE_TYPES:
             raise UnsupportedModel(name, cfg[name], f"mixture-of-experts layers are implemented for "
@@ -75,14 +82,16 @@ def check_supported(cfg: dict) -> None:
     if model_type in MOE_TYPES:
         experts, top_k = num_experts(cfg), int(cfg.get("num_experts_per_tok") or 0)
         if experts and not 0 < top_k <= experts:
-            raise UnsupportedModel("num_experts_per_tok", top_k, f"needs 1 to num_experts ({experts}) experts a token")
+            raise UnsupportedModel("num_experts_per_tok", top_k,
+                                   f"needs 1 to num_experts ({experts}) experts a token")
         for name in ("shared_expert_intermediate_size", "n_shared_experts"):
             if cfg.get(name):
                 raise UnsupportedModel(name, cfg[name], "shared experts are not implemented")
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
         raise UnsupportedModel("quantization_config.quant_method", method,
-                               "quantized checkpoints are not loaded as they ship; dequantize to bf16/fp16 first")
+                               "quantized checkpoints are not loaded as they ship; dequantize to bf16/fp16 "
+                               "first")
     for layer_type in set(cfg.get("layer_types") or ()):
         if layer_type not in ("full_attention", "sliding_attention"):
             raise UnsupportedModel("layer_types", layer_type, "only full and sliding-window attention layers")
@@ -138,18 +147,21 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
     model_type = cfg.get("model_type", "llama")
     if model_type in ("mistral", "mixtral", "phi3"):  # their attention slides on every layer
         return (window,) * num_layers
-    if model_type in GEMMA_TYPES:  # layer_types; by default Gemma 3 slides five layers of six, Gemma 2 every other
+    # layer_types; by default Gemma 3 slides five layers of six, Gemma 2 every other
+    if model_type in GEMMA_TYPES:
         pattern = int(cfg.get("sliding_window_pattern", 6)) if model_type == "gemma3_text" else 2
         types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                            for i in range(num_layers)]
         sliding = [t == "sliding_attention" for t in types[:num_layers]]
         return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
     if model_type not in ("qwen2", "qwen3", "qwen3_moe", "smollm3") or not cfg.get("use_sliding_window"):
-        return ()  # Llama's attention has no window, the others' only with use_sliding_window: as transformers
+        # Llama's attention has no window, the others' only with use_sliding_window: as transformers
+        return ()
     types = cfg.get("layer_types")
     if types:
         if len(types) < num_layers:
-            raise UnsupportedModel("layer_types", types, f"needs one entry for each of the {num_layers} layers")
+            raise UnsupportedModel("layer_types", types,
+                                   f"needs one entry for each of the {num_layers} layers")
         sliding = [t == "sliding_attention" for t in types[:num_layers]]
     elif model_type == "smollm3":  # its NoPE layers slide
         sliding = [not uses for uses in rope_layers(cfg, num_layers)]
@@ -169,7 +181,8 @@ def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
         interval = int(cfg.get("no_rope_layer_interval", 4))
         flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
     if len(flags) < num_layers:
-        raise UnsupportedModel("no_rope_layers", flags, f"needs one entry for each of the {num_layers} layers")
+        raise UnsupportedModel("no_rope_layers", flags,
+                               f"needs one entry for each of the {num_layers} layers")
     return tuple(bool(f) for f in flags[:num_layers])
 
 
@@ -297,7 +310,8 @@ class ModelConfig:
             moe_layers=moe_layers(cfg, num_layers),
             num_experts=num_experts(cfg),
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
-            # Mixtral's experts are intermediate_size wide, and it always renormalizes the chosen experts' weights
+            # Mixtral's experts are intermediate_size wide, and it always renormalizes the chosen experts'
+            # weights
             moe_intermediate_size=int(cfg.get("intermediate_size") if model_type == "mixtral"
                                       else cfg.get("moe_intermediate_size") or 0),
             norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
@@ -363,15 +377,16 @@ class ModelConfig:
             return inv
         if len(self.rope_freq_factors) != len(inv):
             raise UnsupportedModel("rope_freqs", len(self.rope_freq_factors),
-                                   f"the GGUF's rope_freqs holds {len(self.rope_freq_factors)} factors where the "
-                                   f"rotary embedding has {len(inv)} frequencies")
+                                   f"the GGUF's rope_freqs holds {len(self.rope_freq_factors)} factors where "
+                                   f"the rotary embedding has {len(inv)} frequencies")
         return [f / factor for f, factor in zip(inv, self.rope_freq_factors, strict=True)]
 
     def _scaled_inv_freq(self) -> list[float]:
         dim = self.rotary_dim
         inv = [1.0 / (self.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
         kind = self._rope_kind()
-        if kind in ("default", "dynamic"):  # dynamic: transformers' base grows only past max_position_embeddings
+        # dynamic: transformers' base grows only past max_position_embeddings
+        if kind in ("default", "dynamic"):
             return inv
         if kind == "yarn":
             return self._yarn()[0]

@@ -1,11 +1,12 @@
-"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each a SwiGLU MLP.
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each a SwiGLU
+MLP.
 
 Routing is transformers': router logits in the activations' dtype, softmax in fp32, the k largest
-probabilities (renormalized to sum to 1 where the config says norm_topk_prob, always for Mixtral), cast back. The experts run
-grouped: the tokens routed to an expert are gathered and go through its gate/up and down projections as one
-matmul each, so a step reads each chosen expert's weights once however many of its tokens chose it, and an
-expert nobody chose is not read. On a CPU that is a loop over the chosen experts (in expert order, as
-transformers adds them up); on CUDA two grouped-matmul launches (kernels/triton_moe.py).
+probabilities (renormalized to sum to 1 where the config says norm_topk_prob, always for Mixtral), cast back.
+The experts run grouped: the tokens routed to an expert are gathered and go through its gate/up and down
+projections as one matmul each, so a step reads each chosen expert's weights once however many of its tokens
+chose it, and an expert nobody chose is not read. On a CPU that is a loop over the chosen experts (in expert
+order, as transformers adds them up); on CUDA two grouped-matmul launches (kernels/triton_moe.py).
 
 Under tensor parallelism every rank holds a slice of every expert's intermediate dimension (as a dense MLP
 is split) and the router whole: ranks route identically, each computes its slice's partial down
@@ -31,7 +32,8 @@ class MoE(nn.Module):
         self.router = nn.Parameter(torch.empty(experts, hidden))
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))  # gate rows, then up rows
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
-        self.backend: str | None = None  # "triton" or "torch", chosen at the first forward (where the weights are)
+        # "triton" or "torch", chosen at the first forward (where the weights are)
+        self.backend: str | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden] -> (weights [T, k] in h's dtype, expert ids [T, k] int64)."""
@@ -42,7 +44,8 @@ class MoE(nn.Module):
         return weights.to(h.dtype), ids
 
     def forward(self, h: torch.Tensor, ops) -> torch.Tensor:
-        """h [T, hidden] (the post-attention norm's output) -> this rank's share of the MLP output [T, hidden]."""
+        """h [T, hidden] (the post-attention norm's output) -> this rank's share of the MLP output [T,
+        hidden]."""
         weights, ids = self.route(h)
         if self.backend is None:
             self.backend = default_backend(h.device)
@@ -66,8 +69,8 @@ def default_backend(device: torch.device) -> str:
 
 def grouped_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor, silu_mul) -> torch.Tensor:
-    """The experts as one matmul pair per chosen expert, over the tokens routed to it; each token's share added
-    in expert order. weights, ids [T, k]; gate_up [E, 2I, H]; down [E, H, I]."""
+    """The experts as one matmul pair per chosen expert, over the tokens routed to it; each token's share
+    added in expert order. weights, ids [T, k]; gate_up [E, 2I, H]; down [E, H, I]."""
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices

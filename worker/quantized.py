@@ -1,5 +1,5 @@
-"""Quantized weights served as a GGUF file ships them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), without
-dequantizing.
+"""Quantized weights served as a GGUF file ships them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K),
+without dequantizing.
 
 `GGUFQuantSource` reads a GGUF's quantized matrices by their Hugging Face names, each as a `QuantWeight`
 (the raw blocks, one row of blocks per output feature) — a rank of a tensor-parallel group takes its rows,
@@ -30,10 +30,10 @@ from worker.gguf_weights import QUANT_TYPES
 log = structlog.get_logger("worker.quantized")
 
 INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types --quantized-activations int8 multiplies in integers
-# Q4_0 / Q4_1, Q8_0, Q4_K, Q5_K and Q6_K repacked at load for the integer kernel (kernels/cpu/packed_blocks.h: 16
-# rows interleaved, each block's 16 scales together; the K-quants keep their 256-value super-blocks and their
-# size): the same values, read with 16-bit integer activations. Not GGUF types; their rows are interleaved,
-# so a packed weight is never sliced.
+# Q4_0 / Q4_1, Q8_0, Q4_K, Q5_K and Q6_K repacked at load for the integer kernel (kernels/cpu/packed_blocks.h:
+# 16 rows interleaved, each block's 16 scales together; the K-quants keep their 256-value super-blocks and
+# their size): the same values, read with 16-bit integer activations. Not GGUF types; their rows are
+# interleaved, so a packed weight is never sliced.
 PACKED_TYPES = {"Q4_x16": (100, 32, 20), "Q8_0_x16": (101, 32, 34), "Q4_K_x16": (102, 256, 152),
                 "Q6_K_x16": (103, 256, 212), "Q5_K_x16": (104, 256, 184)}
 PACKED_FROM = {"Q4_0": "Q4_x16", "Q4_1": "Q4_x16", "Q8_0": "Q8_0_x16", "Q4_K": "Q4_K_x16", "Q5_K": "Q5_K_x16",
@@ -69,7 +69,8 @@ class QuantWeight:
 
     def _sliceable(self) -> None:
         if self.qtype in PACKED_TYPES:
-            raise ValueError(f"a {self.qtype} weight has its rows interleaved: slice the blocks before packing")
+            raise ValueError(f"a {self.qtype} weight has its rows interleaved: slice the blocks before "
+                             "packing")
 
     def rows(self, index: torch.Tensor | slice) -> QuantWeight:
         self._sliceable()
@@ -80,7 +81,8 @@ class QuantWeight:
         self._sliceable()
         _, values, bb = QUANT_TYPES[self.qtype]
         if start % values or stop % values:
-            raise ValueError(f"columns {start}:{stop} do not fall on {values}-value {self.qtype} block boundaries")
+            raise ValueError(f"columns {start}:{stop} do not fall on {values}-value {self.qtype} block "
+                             "boundaries")
         return QuantWeight(self.data[:, start // values * bb: stop // values * bb].contiguous(), self.qtype,
                            stop - start)
 
@@ -228,9 +230,11 @@ class GGUFQuantSource:
         for the head)."""
         held = 0
         for t in self._tensors.values():
-            held += int(t.n_bytes) * 106 // 100 if t.tensor_type.name in QUANT_TYPES else 4 * int(t.n_elements)
+            quantized = t.tensor_type.name in QUANT_TYPES
+            held += int(t.n_bytes) * 106 // 100 if quantized else 4 * int(t.n_elements)
         embd = self._tensors.get("token_embd.weight")
-        if tied and embd is not None and "output.weight" not in self._tensors and embd.tensor_type.name in QUANT_TYPES:
+        if (tied and embd is not None and "output.weight" not in self._tensors
+                and embd.tensor_type.name in QUANT_TYPES):
             held += int(embd.n_bytes)
         return held
 
@@ -243,7 +247,8 @@ class GGUFQuantSource:
             q, kv = self._q_rows, self._kv_rows
             return qkv, {"attn_q": 0, "attn_k": q, "attn_v": q + kv}[kind], q if kind == "attn_q" else kv
         up = f"{prefix}.ffn_up.weight"
-        if kind in ("ffn_gate", "ffn_up") and f"{prefix}.ffn_gate.weight" not in self._tensors and up in self._tensors:
+        if kind in ("ffn_gate",
+                    "ffn_up") and f"{prefix}.ffn_gate.weight" not in self._tensors and up in self._tensors:
             half = int(self._tensors[up].shape[1]) // 2  # gate's rows, then up's
             return up, 0 if kind == "ffn_gate" else half, half
         return name, 0, None
@@ -330,10 +335,11 @@ class QuantizedMatmul:
         """int8_activations: the kernels round each row's 32-value blocks to int8 and multiply in integers
         (llama.cpp's scheme: faster, at 8-bit activations): with packing the packed layouts, one byte dot
         product a weight vector where 16-bit activations take two (what stays unpacked keeps fp32 ones, as
-        the fused step multiplies it); without, the Q4_0 / Q4_1 / Q8_0 blocks as they lie. Otherwise fp32 activations on the file's layout, exact up to summation order. packing: `pack`
-        repacks Q4_0 / Q4_1 / K-quant weights for the integer kernel, which rounds activations to 16-bit
-        integers per 32-value block (2^-16 of the block's largest value) unless int8_activations; Q8_0 only
-        where the kernels multiply packed 8-bit weights in integers (AVX-512 VNNI; pack_q8 overrides it)."""
+        the fused step multiplies it); without, the Q4_0 / Q4_1 / Q8_0 blocks as they lie. Otherwise fp32
+        activations on the file's layout, exact up to summation order. packing: `pack` repacks Q4_0 / Q4_1 /
+        K-quant weights for the integer kernel, which rounds activations to 16-bit integers per 32-value block
+        (2^-16 of the block's largest value) unless int8_activations; Q8_0 only where the kernels multiply
+        packed 8-bit weights in integers (AVX-512 VNNI; pack_q8 overrides it)."""
         from worker.linear import DenseMatmul
 
         self.kernels = kernels
@@ -346,11 +352,13 @@ class QuantizedMatmul:
         self._scratch = torch.empty(0)
 
     def prepare(self, weight):
-        return weight if isinstance(weight, (QuantWeight, QuantStack, QuantLinear)) else self.dense.prepare(weight)
+        return weight if isinstance(weight,
+                                    (QuantWeight, QuantStack, QuantLinear)) else self.dense.prepare(weight)
 
     def pack(self, w: QuantWeight | QuantStack) -> QuantWeight | QuantStack:
-        """w in the packed layout where packing is on and it applies (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K runs of
-        whole 16-row groups); anything else as it is. Same values: prefill's dense copy is made from either."""
+        """w in the packed layout where packing is on and it applies (Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K
+        runs of whole 16-row groups); anything else as it is. Same values: prefill's dense copy is made from
+        either."""
         if not self.packing:
             return w
         if isinstance(w, QuantStack):
@@ -374,9 +382,9 @@ class QuantizedMatmul:
         if isinstance(w, QuantStack):
             return torch.cat([self.kernel(x, p) for p in w.segments], dim=1)
         y = torch.empty(x.shape[0], w.out_dim)
-        # int8 activations meet the packed layouts where packing is on (what the fused step multiplies in 8 bits,
-        # so both decode paths give the same floats), else the 32-value integer types as the file holds them
-        # (llama.cpp's Q8 blocks); the rest take fp32 ones
+        # int8 activations meet the packed layouts where packing is on (what the fused step multiplies in 8
+        # bits, so both decode paths give the same floats), else the 32-value integer types as the file holds
+        # them (llama.cpp's Q8 blocks); the rest take fp32 ones
         int8 = self.int8_activations and w.qtype in (PACKED_TYPES if self.packing else INT8_TYPES)
         self.kernels.quant_matmul(x, w.data, w.type_id, w.out_dim, y, int8)
         return y
@@ -395,7 +403,8 @@ class QuantizedMatmul:
 
     SCRATCH_VALUES = 4 << 20  # 16 MB of fp32: the most of a weight dequantized at once for prefill
 
-    def tiled(self, x: torch.Tensor, w: QuantWeight | QuantStack, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def tiled(self, x: torch.Tensor, w: QuantWeight | QuantStack,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w.T on the dense library with no dense copy of w: a tile of rows (whole 16-row groups, within
         SCRATCH_VALUES) at a time dequantized into a small scratch matrix and multiplied there; bf16 weights
         where the CPU multiplies bf16 natively (AVX512_BF16, AMX) through the bf16 GEMM itself, the
@@ -469,7 +478,8 @@ def choose_threshold(lib: QuantizedMatmul, linears: list[tuple[QuantLinear, int]
         if kernel > dense:
             break
         chosen = rows
-    else:  # the kernel won at every count: it runs every step (the dense path's rate does not improve past them)
+    # the kernel won at every count: it runs every step (the dense path's rate does not improve past them)
+    else:
         chosen = 1 << 30
     lib.max_kernel_rows = max(chosen, 1)
     log.info("quantized_matmul_threshold", max_kernel_rows=lib.max_kernel_rows, ms_kernel_vs_dense=times)

@@ -1,8 +1,5 @@
-"""Step execution: a StepPlan in, one batched forward and one sampler call, a StepResult out.
-
-The plan is checked before anything touches the pool: a malformed or out-of-range plan is
-rejected with an error result, never a crash and never a write outside the pool.
-"""
+"""Step execution: a StepPlan in, one batched forward and one sampler call, a StepResult out. The plan is
+checked (worker/plan_checks.py) before anything touches the pool."""
 
 from __future__ import annotations
 
@@ -19,17 +16,29 @@ from worker.attention import AttentionBackend
 from worker.controls import apply_controls, gather_controls, top_logprobs
 from worker.kv_pool import KVPool
 from worker.model import LlamaModel, StepInputs
+from worker.plan_checks import PlanError, check_mask, validate_plan
 from worker.sampler import NonFiniteLogits, SamplingBatch, check_sampled, sample_async
 
 log = structlog.get_logger("worker.runner")
 
 
-class PlanError(ValueError):
-    """The plan is malformed or out of range; the worker answers with an error result."""
-
-
 class StepDependencyError(RuntimeError):
     """A step took its input tokens from a step that failed after it was launched."""
+
+
+@dataclass
+class Staged:
+    """A step's inputs on the device, where the forward reads them."""
+
+    rows: np.ndarray  # the plan rows that sample
+    graphed: bool  # a decode graph replays this step
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    last_rows: torch.Tensor  # the token row each sampling row's logits come from
+    step: StepInputs | None  # the eager forward's inputs (None when a graph replays)
 
 
 @dataclass
@@ -46,103 +55,6 @@ class InFlight:
     time_prepare: float
     host_forward: float
     host_sample: float
-
-
-def validate_plan(p: PlanArrays, num_blocks: int, block_size: int, vocab: int, max_pos: int,
-                  kv_window: int = 0) -> None:
-    """Raise PlanError unless every array fits the pool, the vocabulary and the context. kv_window > 0 (every
-    layer slides): a table needs blocks from the first one holding a key its queries' windows reach (the
-    scheduler gives back those before; their entries are -1).
-
-    num_blocks is the count the scheduler acknowledged, not this rank's own pool: every rank of a
-    group then accepts or rejects the same plan alike, so none waits in a collective for the others."""
-    s, t = p.num_seqs, p.num_tokens
-    if s == 0 or t == 0:
-        raise PlanError("a plan needs at least one sequence and one token")
-    qsl = p.query_start_loc.astype(np.int64)
-    q_lens = np.diff(qsl)
-    if qsl[0] != 0 or qsl[-1] != t or (q_lens < 1).any():
-        raise PlanError("query_start_loc must rise from 0 to num_tokens, at least one token per sequence")
-    mb = p.block_tables.shape[1]
-    if (p.seq_lens < q_lens).any() or (p.seq_lens > mb * block_size).any():
-        raise PlanError("seq_lens must cover this step's tokens and fit the block tables")
-    if ((p.token_ids < 0) | (p.token_ids >= vocab)).any():
-        raise PlanError(f"token id outside the vocabulary [0, {vocab})")
-    if ((p.positions < 0) | (p.positions >= max_pos)).any():
-        raise PlanError(f"position outside [0, {max_pos})")
-    if ((p.slot_mapping < -1) | (p.slot_mapping >= num_blocks * block_size)).any():
-        raise PlanError(f"slot outside the pool of {num_blocks * block_size} slots")
-    if ((p.block_tables < -1) | (p.block_tables >= num_blocks)).any():
-        raise PlanError(f"block id outside the pool of {num_blocks} blocks")
-    needed = (p.seq_lens.astype(np.int64) + block_size - 1) // block_size
-    used = np.arange(mb)[None, :] < needed[:, None]
-    if kv_window > 0:  # keys before (first query's position) - kv_window are never read
-        first = np.maximum(p.seq_lens.astype(np.int64) - q_lens - kv_window, 0) // block_size
-        used &= np.arange(mb)[None, :] >= first[:, None]
-    if (p.block_tables[used] < 0).any():
-        raise PlanError("a block table has no block for part of its sequence")
-    if ((p.block_copies < 0) | (p.block_copies >= num_blocks)).any():
-        raise PlanError("block copy outside the pool")
-    if not np.isfinite(p.temperature).all() or (p.temperature < 0).any():
-        raise PlanError("temperature must be finite and >= 0")
-    if not ((p.top_p > 0) & (p.top_p <= 1)).all():
-        raise PlanError("top_p must lie in (0, 1]")
-    validate_controls(p, q_lens, vocab)
-
-
-MAX_PLAN_LOGPROBS = 20
-
-
-def check_mask(bitmask: np.ndarray, p: PlanArrays, vocab: int) -> np.ndarray:
-    """The masks that followed a plan must cover its constrained rows and the vocabulary."""
-    need = int(p.mask_rows.max()) + 1 if p.mask_rows is not None and p.mask_rows.size else 0
-    if bitmask.shape[0] < need or bitmask.shape[1] * 32 < vocab:
-        raise PlanError(f"the step's masks are {bitmask.shape[0]} x {bitmask.shape[1]} words; it needs {need} x "
-                        f"{(vocab + 31) // 32}")
-    return bitmask
-
-
-def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
-    """The request-control arrays of a plan (protos/wire.proto) must be consistent and in range."""
-    if p.repetition_penalty is not None:
-        if p.presence_penalty is None or p.frequency_penalty is None:
-            raise PlanError("repetition_penalty, presence_penalty and frequency_penalty travel together")
-        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-            if not np.isfinite(getattr(p, name)).all():
-                raise PlanError(f"{name} must be finite")
-        if (p.repetition_penalty <= 0).any():
-            raise PlanError("repetition_penalty must be > 0")
-    if p.min_p is not None and not ((p.min_p >= 0) & (p.min_p <= 1)).all():
-        raise PlanError("min_p must lie in [0, 1]")
-    if p.bias_offsets is not None:
-        off = p.bias_offsets
-        n = 0 if p.bias_token_ids is None else p.bias_token_ids.shape[0]
-        if off[0] != 0 or (np.diff(off) < 0).any() or off[-1] != n or p.bias_values is None \
-                or p.bias_values.shape[0] != n:
-            raise PlanError("bias_offsets must rise from 0 to the number of bias entries")
-        if n and (((p.bias_token_ids < 0) | (p.bias_token_ids >= vocab)).any() or np.isnan(p.bias_values).any()
-                  or (p.bias_values == np.inf).any()):
-            raise PlanError(f"a bias token outside the vocabulary [0, {vocab}) or a bias that is NaN or +inf")
-    for name in ("logprobs", "prompt_logprobs"):
-        k = getattr(p, name)
-        if k is not None and ((k < -1) | (k > MAX_PLAN_LOGPROBS)).any():
-            raise PlanError(f"{name} must lie in [-1, {MAX_PLAN_LOGPROBS}]")
-    if p.prompt_logprobs is not None:
-        counts, targets = p.prompt_logprob_counts, p.prompt_logprob_targets
-        if counts is None or targets is None or (counts < 0).any() or (counts > q_lens).any() \
-                or ((counts > 0) & (p.prompt_logprobs < 0)).any() or targets.shape[0] != int(counts.sum()):
-            raise PlanError("prompt_logprob_counts must lie within each row's new tokens and match the targets")
-        if ((targets < 0) | (targets >= vocab)).any():
-            raise PlanError(f"a prompt logprob target outside the vocabulary [0, {vocab})")
-    if p.mask_follows and (p.mask_rows is None or p.token_bitmask is not None):
-        raise PlanError("a plan whose masks follow it carries mask_rows and no token_bitmask")
-    if p.mask_rows is not None and not p.mask_follows:
-        masks = 0 if p.token_bitmask is None else p.token_bitmask.shape[0]
-        if ((p.mask_rows < -1) | (p.mask_rows >= masks)).any():
-            raise PlanError("mask_rows refers to a bitmask the plan does not carry")
-        if masks and p.token_bitmask.shape[1] * 32 < vocab:
-            raise PlanError(f"token_bitmask rows have {p.token_bitmask.shape[1]} words; {vocab} tokens need "
-                            f"{(vocab + 31) // 32}")
 
 
 class ModelRunner:
@@ -167,8 +79,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: wire_pb2.StepPlan, await_mask=None) -> wire_pb2.StepResult:
-        """Run one step to its result (launch, then finish). await_mask(step_id) -> int32 [masks, words]: for a
-        plan sent with mask_follows, blocks until the scheduler sends that step's masks."""
+        """Run one step to its result (launch, then finish). await_mask(step_id) -> int32 [masks, words]: for
+        a plan sent with mask_follows, blocks until the scheduler sends that step's masks."""
         launched = self.launch(plan, await_mask)
         return launched if isinstance(launched, wire_pb2.StepResult) else self.finish(launched)
 
@@ -178,8 +90,50 @@ class ModelRunner:
         its tokens to pinned host memory — and return without waiting for it (a rejected plan: its error
         result). Tokens the plan takes from the previous step (prev_rows) are read on the device from that
         step's sampled tokens, so the worker can launch step N+1 before it reads step N back; `finish`
-        then waits for this step's own work only."""
+        then waits for this step's own work only. Phases: accept → stage → forward → sample."""
         t0 = time.perf_counter()
+        accepted = self._accept(plan, await_mask)
+        if isinstance(accepted, wire_pb2.StepResult):
+            return accepted
+        p, pending = accepted
+        s = self._stage(p, pending)
+        clock = StepClock(self.device)
+        t1 = time.perf_counter()
+        clock.mark("start")
+        if s.graphed:  # a decode step replays its bucket's graph: forward and LM head of every row
+            hidden, all_logits = None, self.graphs.run(s.token_ids, s.positions, s.slot_mapping,
+                                                       s.block_tables, s.seq_lens, int(p.seq_lens.max()))
+        else:
+            hidden, all_logits = self.model(s.step, self.pool, self.attn), None  # [num_tokens, hidden]
+        t2 = time.perf_counter()
+        logprobs = prompt_logprobs = None
+        if p.prompt_logprobs is not None:  # every rank computes them too: compute_logits is a collective
+            prompt_logprobs = self._prompt_logprobs(p, all_logits, hidden)
+        tokens = torch.full((p.num_seqs,), -1, dtype=torch.int64, device=self.device)
+        if s.rows.size:  # every rank of a group sees the same plan, so all of them take this branch or none
+            raw = all_logits[s.last_rows] if s.graphed else self.model.compute_logits(hidden[s.last_rows])
+            clock.mark("logits")
+            t2 = time.perf_counter()
+            if p.mask_follows:  # the forward is queued (or done): now the masks computed meanwhile
+                t_mask = time.perf_counter()
+                p.token_bitmask = check_mask(await_mask(plan.step_id), p, self.config.vocab_size)
+                t2 += time.perf_counter() - t_mask  # waiting is neither forward nor sampling
+            logprobs = self._sample(p, s, raw, tokens)
+        else:
+            clock.mark("logits")
+        host = self._host_tokens(p.num_seqs)
+        host.copy_(tokens, non_blocking=True)
+        clock.mark("end")  # finish waits for this, not for what is queued after it
+        t3 = time.perf_counter()
+        self._last_tokens, self._last_sampled_rows = tokens, p.do_sample.copy()
+        self.last_step_id = plan.step_id
+        return InFlight(plan.step_id, p.do_sample.copy(), host, clock, logprobs, prompt_logprobs,
+                        depends_on=p.prev_step_id if pending else 0, time_prepare=t1 - t0,
+                        host_forward=t2 - t1, host_sample=t3 - t2)
+
+    def _accept(self, plan: wire_pb2.StepPlan, await_mask) -> tuple[PlanArrays, bool] | wire_pb2.StepResult:
+        """The plan decoded and validated, and whether it reads tokens of the step before (or the result
+        that rejects it)."""
         try:
             p = decode_plan(plan)
             pending = self._pending_rows(p)
@@ -190,12 +144,17 @@ class ModelRunner:
         except (CodecError, PlanError) as e:
             self._forget_tokens()  # a plan that refers to this one's tokens must not run either
             return wire_pb2.StepResult(step_id=plan.step_id, error=f"rejected plan: {e}")
+        return p, pending
+
+    def _stage(self, p: PlanArrays, pending: bool) -> Staged:
+        """Every host array of the step in one transfer (the logits' row index included), the tokens of the
+        step before read where they are, block copies and the pool's token record queued."""
         q_lens = np.diff(p.query_start_loc)
         rows = np.flatnonzero(p.do_sample)
-        # every host array of the step in one transfer, the logits' row index included (before the forward)
         arrays = [(p.block_tables, torch.int32), (p.seq_lens, torch.int32), (p.query_start_loc, torch.int32),
                   (p.token_ids, torch.int64), (p.positions, torch.int64), (p.slot_mapping, torch.int64),
-                  (p.block_copies, torch.int64), ((p.query_start_loc[1:].astype(np.int64) - 1)[rows], torch.int64)]
+                  (p.block_copies, torch.int64),
+                  ((p.query_start_loc[1:].astype(np.int64) - 1)[rows], torch.int64)]
         if pending:
             arrays.append((p.prev_rows, torch.int64))
         staged = self.staging.put(arrays)
@@ -204,64 +163,39 @@ class ModelRunner:
             prev = staged[8]
             token_ids = torch.where(prev >= 0, self._last_tokens[prev.clamp(min=0)].clamp(min=0), token_ids)
         graphed = self.graphs is not None and self.graphs.covers(q_lens, p.seq_lens)
+        step = None
         if not graphed:
-            step = StepInputs(
-                token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
-                attn_meta=self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size,
-                                            max_seq_len=int(p.seq_lens.max()), max_q_len=int(q_lens.max()),
-                                            host_q_lens=q_lens),
-            )
+            meta = self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size,
+                                     max_seq_len=int(p.seq_lens.max()), max_q_len=int(q_lens.max()),
+                                     host_q_lens=q_lens)
+            step = StepInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
+                              attn_meta=meta)
         self.pool.copy_blocks(copies)
         self.pool.record_tokens(slot_mapping, token_ids)
-        clock = StepClock(self.device)
-        t1 = time.perf_counter()
-        clock.mark("start")
-        if graphed:  # a decode step replays its bucket's graph: forward and LM head of every row
-            all_logits = self.graphs.run(token_ids, positions, slot_mapping, block_tables, seq_lens,
-                                         int(p.seq_lens.max()))
-        else:
-            hidden = self.model(step, self.pool, self.attn)  # [num_tokens, hidden]
-        t2 = time.perf_counter()
-        logprobs = prompt_logprobs = None
-        if p.prompt_logprobs is not None:  # every rank computes them too: compute_logits is a collective
-            prompt_logprobs = self._prompt_logprobs(p, all_logits if graphed else None, None if graphed else hidden)
-        tokens = torch.full((p.num_seqs,), -1, dtype=torch.int64, device=self.device)
-        if rows.size:  # every rank of a group sees the same plan, so all of them take this branch or none
-            raw = all_logits[last_rows] if graphed else self.model.compute_logits(hidden[last_rows])
-            clock.mark("logits")
-            t2 = time.perf_counter()
-            if p.mask_follows:  # the forward is queued (or done): now the masks the scheduler computed meanwhile
-                t_mask = time.perf_counter()
-                p.token_bitmask = check_mask(await_mask(plan.step_id), p, self.config.vocab_size)
-                t2 += time.perf_counter() - t_mask  # waiting is neither forward nor sampling
-            controls = gather_controls(p, rows, block_tables, self.device)
-            logits = apply_controls(raw, controls, self.pool)
-            batch = SamplingBatch(
-                temperature=torch.from_numpy(p.temperature[rows].copy()),
-                top_p=torch.from_numpy(p.top_p[rows].copy()),
-                top_k=torch.from_numpy(p.top_k[rows].astype(np.int64)),
-                seeds=[int(x) for x in p.seed[rows]],
-                sample_index=p.sample_index[rows].tolist(),
-                min_p=torch.from_numpy(p.min_p[rows].copy()) if p.min_p is not None else None,
-            )
-            sampled = sample_async(logits, batch)
-            tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled
-            if p.logprobs is not None:
-                ks = p.logprobs[rows]
-                at = np.flatnonzero(ks >= 0)
-                if at.size:
-                    index = torch.from_numpy(at).to(raw.device)
-                    logprobs = top_logprobs(raw[index], sampled[index].clamp(min=0), ks[at].astype(np.int64))
-        else:
-            clock.mark("logits")
-        host = self._host_tokens(p.num_seqs)
-        host.copy_(tokens, non_blocking=True)
-        clock.mark("end")  # finish waits for this, not for what is queued after it
-        t3 = time.perf_counter()
-        self._last_tokens, self._last_sampled_rows, self.last_step_id = tokens, p.do_sample.copy(), plan.step_id
-        return InFlight(plan.step_id, p.do_sample.copy(), host, clock, logprobs, prompt_logprobs,
-                        depends_on=p.prev_step_id if pending else 0, time_prepare=t1 - t0,
-                        host_forward=t2 - t1, host_sample=t3 - t2)
+        return Staged(rows, graphed, token_ids, positions, slot_mapping, block_tables, seq_lens, last_rows,
+                      step)
+
+    def _sample(self, p: PlanArrays, s: Staged, raw: torch.Tensor, tokens: torch.Tensor):
+        """The request controls on the sampling rows' logits, the draw written into `tokens` on the device,
+        and the logprobs asked for (None when none were)."""
+        rows = s.rows
+        logits = apply_controls(raw, gather_controls(p, rows, s.block_tables, self.device), self.pool)
+        batch = SamplingBatch(
+            temperature=torch.from_numpy(p.temperature[rows].copy()),
+            top_p=torch.from_numpy(p.top_p[rows].copy()),
+            top_k=torch.from_numpy(p.top_k[rows].astype(np.int64)),
+            seeds=[int(x) for x in p.seed[rows]],
+            sample_index=p.sample_index[rows].tolist(),
+            min_p=torch.from_numpy(p.min_p[rows].copy()) if p.min_p is not None else None,
+        )
+        sampled = sample_async(logits, batch)
+        tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled
+        ks = p.logprobs[rows] if p.logprobs is not None else np.zeros(0, dtype=np.int32)
+        at = np.flatnonzero(ks >= 0)
+        if not at.size:
+            return None
+        index = torch.from_numpy(at).to(raw.device)
+        return top_logprobs(raw[index], sampled[index].clamp(min=0), ks[at].astype(np.int64))
 
     def finish(self, f: InFlight) -> wire_pb2.StepResult:
         """Wait for a launched step's tokens and answer with its result. A step that read its input tokens
@@ -271,7 +205,8 @@ class ModelRunner:
         sampled = f.host_tokens.numpy().astype(np.int32)
         try:
             if f.depends_on and f.depends_on in self._failed_steps:
-                raise StepDependencyError(f"step {f.step_id} took its tokens from step {f.depends_on}, which failed")
+                raise StepDependencyError(f"step {f.step_id} took its tokens from step {f.depends_on}, which "
+                                          "failed")
             check_sampled(sampled[f.do_sample])
         except (NonFiniteLogits, StepDependencyError):
             self._failed_steps.append(f.step_id)
@@ -311,8 +246,8 @@ class ModelRunner:
             return False
         if self._last_sampled_rows is None or p.prev_step_id != self.last_step_id \
                 or p.prev_step_id in self._failed_steps:
-            raise CodecError(f"the plan needs tokens sampled in step {p.prev_step_id}, which this worker does not have "
-                             f"(its last completed step is {self.last_step_id})")
+            raise CodecError(f"the plan needs tokens sampled in step {p.prev_step_id}, which this worker "
+                             f"does not have (its last completed step is {self.last_step_id})")
         src = p.prev_rows[p.prev_rows >= 0]
         if (src >= self._last_sampled_rows.shape[0]).any() or not self._last_sampled_rows[src].all():
             raise CodecError(f"the plan refers to rows of step {p.prev_step_id} that sampled no token")
@@ -429,7 +364,8 @@ def warm_up(runner: ModelRunner) -> float:
                 block_tables=tables, seq_lens=np.array([a + n for _, a, n in rows], dtype=np.int32),
                 query_start_loc=np.cumsum([0] + [n for _, _, n in rows]).astype(np.int32),
                 do_sample=np.ones(2, dtype=bool), sample_index=np.zeros(2, dtype=np.int32),
-                temperature=np.array([0.0, 1.0], dtype=np.float32), top_p=np.array([1.0, 0.9], dtype=np.float32),
+                temperature=np.array([0.0, 1.0], dtype=np.float32),
+                top_p=np.array([1.0, 0.9], dtype=np.float32),
                 top_k=np.array([0, 5], dtype=np.int32), seed=np.zeros(2, dtype=np.uint64),
                 block_copies=np.zeros((0, 2), dtype=np.int32))
             result = runner.execute(encode_plan(plan))

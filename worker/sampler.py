@@ -79,16 +79,19 @@ def sample_async(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         device = logits.device
         rows = host_rows.to(device, non_blocking=True)
         scaled = logits[rows] / temperature[host_rows].to(device, non_blocking=True)[:, None]
-        scaled = scaled.clamp(max=torch.finfo(torch.float32).max)  # +inf (or overflow) stays the largest, finite
+        # +inf (or overflow) stays the largest, finite
+        scaled = scaled.clamp(max=torch.finfo(torch.float32).max)
         if batch.min_p is not None and bool((batch.min_p.cpu()[host_rows] > 0).any()):
             # p < min_p * p_max  <=>  scaled < max(scaled) + log(min_p); log(0) = -inf: off
             floor = torch.log(batch.min_p.cpu()[host_rows].to(device, non_blocking=True))
-            scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + floor[:, None], float("-inf"))
+            scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + floor[:, None],
+                                        float("-inf"))
         top_k = batch.top_k.cpu()[host_rows]
         if bool((top_k > 0).any()):  # the k-th largest of each row from one partial selection, no sort
             vocab = scaled.shape[-1]
             k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-            kth = scaled.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1).to(device, non_blocking=True)[:, None])
+            kth = scaled.topk(int(k.max()), dim=-1).values.gather(
+                -1, (k - 1).to(device, non_blocking=True)[:, None])
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))  # ties with the k-th value all stay
         probs = torch.softmax(scaled, dim=-1)
         top_p = batch.top_p.cpu()[host_rows]

@@ -20,7 +20,8 @@ GPU_MAX_NUM_SEQS = (64, 512)
 TOKENS_PER_SEQ = 1024
 
 
-def default_max_num_seqs(device_type: str, num_blocks: int, block_size: int, max_num_batched_tokens: int) -> int:
+def default_max_num_seqs(device_type: str, num_blocks: int, block_size: int,
+                         max_num_batched_tokens: int) -> int:
     """The step's sequence limit a worker proposes when --max-num-seqs is not given (never above the token
     budget: each decode takes one token of it)."""
     if device_type != "cuda":
@@ -85,8 +86,8 @@ def profile_gpu_peak(model: LlamaModel, attn: AttentionBackend, device: torch.de
     return peak - temp_pool_bytes
 
 
-def measure_graph_bytes(model: LlamaModel, attn: AttentionBackend, device: torch.device, kv_dtype: torch.dtype,
-                        block_size: int, max_rows: int, max_context: int) -> int:
+def measure_graph_bytes(model: LlamaModel, attn: AttentionBackend, device: torch.device,
+                        kv_dtype: torch.dtype, block_size: int, max_rows: int, max_context: int) -> int:
     """GPU memory the decode graphs of up to max_rows rows hold (their private pool, static buffers and
     scratch), measured by capturing them once over a one-block pool and letting them go."""
     from worker.graphs import DecodeGraphs

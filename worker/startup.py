@@ -22,16 +22,6 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
 KV_CACHE_DTYPES = {"auto": None, **DTYPES}
 
 
-def capture_decode_graphs(model, pool, attn, device, max_rows: int, max_context: int):
-    """DecodeGraphs for this worker. A failed capture (out of memory, most likely) is fatal: the pool was
-    sized with the graphs' memory set aside, so serving without them would hide a wrong budget."""
-    from worker.graphs import DecodeGraphs
-
-    graphs = DecodeGraphs(model, pool, attn, device, max_rows=max_rows, max_context=max_context)
-    graphs.capture_all()
-    return graphs
-
-
 def nvidia_gpu_present() -> bool:
     """Whether the NVIDIA driver reports a GPU on this host, whatever torch can see."""
     return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")
@@ -67,10 +57,12 @@ def kv_cache_dtype(choice: str, compute, weights, device):
         return torch.bfloat16 if weights == torch.bfloat16 else compute
     chosen = getattr(torch, KV_CACHE_DTYPES[choice])
     if chosen.itemsize > compute.itemsize:
-        raise ValueError(f"--kv-cache-dtype {choice}: the model computes in {str(compute).removeprefix('torch.')}, "
-                         "so a wider KV pool would hold nothing more; use auto or bf16")
+        raise ValueError(f"--kv-cache-dtype {choice}: the model computes in "
+                         f"{str(compute).removeprefix('torch.')}, so a wider KV pool would hold nothing "
+                         "more; use auto or bf16")
     if device.type == "cpu" and chosen not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"--kv-cache-dtype {choice}: a CPU worker's attention reads a float32 or bfloat16 pool")
+        raise ValueError(f"--kv-cache-dtype {choice}: a CPU worker's attention reads a float32 or bfloat16 "
+                         "pool")
     return chosen
 
 
@@ -116,7 +108,8 @@ def quantized_source(args, config, device, dtype):
         return None
     from kernels import cpu_native
 
-    why = ("not on a CPU" if device.type != "cpu" else "no native CPU kernels" if cpu_native.load() is None else "")
+    why = ("not on a CPU" if device.type != "cpu"
+           else "no native CPU kernels" if cpu_native.load() is None else "")
     if why:
         log.info("quantized_weights_off", gguf=str(path), reason=why)
         return None
@@ -135,7 +128,8 @@ def half_weights(args, config, dtype):
     from worker.weights import tensor_source
 
     if cpu_native.load() is None or args.load_format == "dummy":
-        log.info("half_weights_off", dtype=str(dtype), reason="no native CPU kernels" if args.load_format != "dummy"
+        log.info("half_weights_off", dtype=str(dtype),
+                 reason="no native CPU kernels" if args.load_format != "dummy"
                  else "random weights")
         return None
     qtype = "BF16" if dtype == torch.bfloat16 else "F16"
@@ -153,8 +147,8 @@ def quantized_library(args):
         args.quantized_activations = "int16" if kernels is not None and kernels.packed_fast else "fp32"
     packed = kernels is not None and kernels.packed_fast
     return QuantizedMatmul(kernels, None, int8_activations=args.quantized_activations == "int8",
-                           packing=args.quantized_activations == "int16" or (args.quantized_activations == "int8"
-                                                                             and packed))
+                           packing=args.quantized_activations == "int16"
+                           or (args.quantized_activations == "int8" and packed))
 
 
 def use_native_head(model) -> None:
@@ -179,15 +173,18 @@ def use_fused_decode(model, tp: int, activations: str) -> None:
     from worker.quantized import QuantizedMatmul
 
     kernels = cpu_native.load()
-    why = FusedDecode.unsupported(model, tp) if kernels is not None else "the native CPU kernels are not built"
+    why = FusedDecode.unsupported(model,
+                                  tp) if kernels is not None else "the native CPU kernels are not built"
     if why is None and activations == "int8" and not getattr(model.mm, "packing", False):
-        why = "int8 activations on the file's layout (the fused step multiplies 8-bit ones on packed weights only)"
+        why = ("int8 activations on the file's layout (the fused step multiplies 8-bit ones on packed "
+               "weights only)")
     if why is not None:
         log.info("fused_decode_off", reason=why)
         return
     max_rows = model.mm.max_kernel_rows if isinstance(model.mm, QuantizedMatmul) else FUSED_DENSE_ROWS
     model.fused = FusedDecode(kernels, model, max_rows)
-    log.info("fused_decode", max_kernel_rows=max_rows, more_rows="sgemm" if model.fused.sgemm else "layer path")
+    log.info("fused_decode", max_kernel_rows=max_rows,
+             more_rows="sgemm" if model.fused.sgemm else "layer path")
 
 
 class Refused(Exception):
@@ -226,8 +223,10 @@ def check_flags(args, tp: int) -> None:
     """Phase 0: flags that contradict each other, before anything is loaded."""
     if tp > 1 and not args.rendezvous:
         raise Refused("no_rendezvous", tensor_parallel_size=tp)
-    if args.block_size < 1 or args.block_size & (args.block_size - 1):  # the kernels' tile arithmetic needs it
-        raise Refused("bad_block_size", block_size=args.block_size, error="--block-size must be a power of two")
+    # the kernels' tile arithmetic needs it
+    if args.block_size < 1 or args.block_size & (args.block_size - 1):
+        raise Refused("bad_block_size", block_size=args.block_size,
+                      error="--block-size must be a power of two")
 
 
 def start_device(args):
@@ -247,7 +246,8 @@ def start_device(args):
         raise Refused("bad_device", device=args.device, error=str(e)) from None
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches on the current device
-    dtype = getattr(torch, DTYPES[args.dtype] if args.dtype else ("bfloat16" if device.type == "cuda" else "float32"))
+    default = "bfloat16" if device.type == "cuda" else "float32"
+    dtype = getattr(torch, DTYPES[args.dtype] if args.dtype else default)
     if args.threads:
         torch.set_num_threads(args.threads)
     return device, dtype
@@ -261,8 +261,8 @@ def read_config(args, tp: int):
 
     try:
         config = load_config(args.model, args.load_format)
-        make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size, args.rank, tp,
-                   config.moe_intermediate_size)
+        make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size,
+                   args.rank, tp, config.moe_intermediate_size)
     except UnsupportedModel as e:  # served wrong without a word otherwise: refused, naming the field
         raise Refused("unsupported_model", f"this model cannot be served right: {e}", field=e.field_name,
                       value=repr(e.value), error=str(e)) from None
@@ -323,10 +323,11 @@ def attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp
     from worker.memory_plan import available_bytes, choose_quantized_prefill, dense_copy_bytes
 
     t0 = time.perf_counter()
-    if source is not None and args.quantized_prefill == "auto" and getattr(source, "qtype_name", "") == "BF16" \
-            and lib.bf16_gemm:
+    bf16_source = source is not None and getattr(source, "qtype_name", "") == "BF16"
+    if bf16_source and args.quantized_prefill == "auto" and lib.bf16_gemm:
         args.quantized_prefill = "dequantize"
-        log.info("quantized_prefill", chosen="dequantize", why="the CPU's bf16 GEMM multiplies the weights as held")
+        log.info("quantized_prefill", chosen="dequantize",
+                 why="the CPU's bf16 GEMM multiplies the weights as held")
     elif source is not None and args.quantized_prefill == "auto" and lib.packing and lib.int8_activations:
         args.quantized_prefill = "dequantize"  # no dense copy: many rows run on the packed kernel too
         log.info("quantized_prefill", chosen="dequantize",
@@ -355,7 +356,8 @@ def attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp
             lib.max_kernel_rows = 1 << 30
         else:
             choose_threshold(lib, model_linears(model))
-        log.info("quantized_weights", source=source.description, matrices=counts, prefill=args.quantized_prefill,
+        log.info("quantized_weights", source=source.description, matrices=counts,
+                 prefill=args.quantized_prefill,
                  activations=args.quantized_activations, max_kernel_rows=lib.max_kernel_rows,
                  read_s=round(load_s, 1), ready_s=round(load_s + time.perf_counter() - t0, 1))
     if fused:
@@ -367,8 +369,9 @@ def attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp
 def make_attention(args, model, config, device, dtype, kv_dtype):
     from worker.attention import make_backend
 
-    return make_backend(args.attention_backend, device, (model.shard.num_q_heads, model.shard.num_kv_heads,
-                                                         config.head_dim, args.block_size, dtype, kv_dtype))
+    return make_backend(args.attention_backend, device,
+                        (model.shard.num_q_heads, model.shard.num_kv_heads, config.head_dim, args.block_size,
+                         dtype, kv_dtype))
 
 
 def size_pool(args, loaded: Loaded, device, tp: int) -> PoolPlan:
@@ -391,7 +394,8 @@ def size_pool(args, loaded: Loaded, device, tp: int) -> PoolPlan:
     # sync); the torch backend reads lengths back on the host, which a capture cannot hold
     use_graphs = device.type == "cuda" and not args.enforce_eager and tp == 1 and attn.name == "triton"
     if device.type == "cuda" and not args.enforce_eager and attn.name != "triton":
-        log.info("decode_graphs_off", reason=f"the {attn.name} attention backend syncs with the host each step")
+        log.info("decode_graphs_off",
+                 reason=f"the {attn.name} attention backend syncs with the host each step")
     if device.type == "cuda" and not args.enforce_eager and tp > 1:
         # collectives inside a captured graph are not covered yet: TP groups decode eagerly
         log.info("decode_graphs_off", reason="tensor parallel")
@@ -410,7 +414,8 @@ def size_pool(args, loaded: Loaded, device, tp: int) -> PoolPlan:
             graph_bytes = measure_graph_bytes(loaded.model, attn, device, loaded.kv_dtype, args.block_size,
                                               rows_bound, graph_context) if use_graphs else 0
             num_blocks = gpu_blocks(device, args.gpu_memory_utilization, non_kv + graph_bytes, per_block)
-            log.info("gpu_memory_budget", non_kv_bytes=non_kv, graph_bytes=graph_bytes, bytes_per_block=per_block,
+            log.info("gpu_memory_budget", non_kv_bytes=non_kv, graph_bytes=graph_bytes,
+                     bytes_per_block=per_block,
                      num_blocks=num_blocks, utilization=args.gpu_memory_utilization)
         else:
             num_blocks = parse_bytes(CPU_KV_CACHE_MEMORY) // per_block
@@ -421,8 +426,8 @@ def size_pool(args, loaded: Loaded, device, tp: int) -> PoolPlan:
     if num_blocks < 1:
         raise Refused("kv_budget_too_small", kv_cache_memory=args.kv_cache_memory,
                       gpu_memory_utilization=args.gpu_memory_utilization, bytes_per_block=per_block)
-    max_num_seqs = args.max_num_seqs or default_max_num_seqs(device.type, num_blocks, args.block_size,
-                                                             args.max_num_batched_tokens)
+    max_num_seqs = args.max_num_seqs or default_max_num_seqs(
+        device.type, num_blocks, args.block_size, args.max_num_batched_tokens)
     return PoolPlan(num_blocks, args.block_size, per_block, max_num_seqs, use_graphs, graph_context)
 
 
@@ -435,7 +440,8 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device):
 
     model_resident, _ = resident_bytes()  # weights (and their copies), libraries: everything but the pool
     pool = KVPool(loaded.config, plan.num_blocks, plan.block_size, loaded.kv_dtype, device, loaded.heads)
-    if device.type == "cpu":  # what this worker will hold: the model as loaded, and the pool (paged in as used)
+    # what this worker will hold: the model as loaded, and the pool (paged in as used)
+    if device.type == "cpu":
         rss, peak = resident_bytes()
         pool_bytes = plan.num_blocks * plan.bytes_per_block
         log.info("host_memory", model_resident_bytes=model_resident, kv_pool_bytes=pool_bytes,
@@ -444,15 +450,21 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device):
     runner = ModelRunner(loaded.model, pool, loaded.attn, device)
     warm_s = warm_up(runner)
     if plan.use_graphs:
+        from worker.graphs import DecodeGraphs
+
         try:
-            runner.graphs = capture_decode_graphs(loaded.model, pool, loaded.attn, device, plan.max_num_seqs,
-                                                  plan.graph_context)
-        except Exception as e:  # noqa: BLE001 - any failure: the budget or the model is wrong, say so and stop
+            runner.graphs = DecodeGraphs(loaded.model, pool, loaded.attn, device, max_rows=plan.max_num_seqs,
+                                         max_context=plan.graph_context)
+            runner.graphs.capture_all()
+        except Exception as e:  # noqa: BLE001 - the budget or the model is wrong: say so and stop
+            # fatal: the pool was sized with the graphs' memory set aside, so serving without them would
+            # hide a wrong budget
             if is_device_fatal(e):
                 raise
-            raise Refused("decode_graphs_failed", f"capturing the decode graphs failed ({e!r}); lower "
-                          "--gpu-memory-utilization or --max-num-seqs, or pass --enforce-eager to decode without "
-                          "graphs", error=repr(e), max_num_seqs=plan.max_num_seqs) from None
+            raise Refused("decode_graphs_failed",
+                          f"capturing the decode graphs failed ({e!r}); lower --gpu-memory-utilization or "
+                          "--max-num-seqs, or pass --enforce-eager to decode without graphs",
+                          error=repr(e), max_num_seqs=plan.max_num_seqs) from None
     return runner, warm_s
 
 
@@ -471,7 +483,8 @@ def handshake_for(args, loaded: Loaded, plan: PoolPlan, device, tp: int):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=plan.max_num_seqs,
         kv_window=config.max_window,
-        model_fingerprint=config.fingerprint(os.path.basename(os.path.normpath(args.model)) + args.load_format),
+        model_fingerprint=config.fingerprint(os.path.basename(os.path.normpath(args.model))
+                                             + args.load_format),
         vocab_size=config.vocab_size,
         max_context=config.max_position_embeddings,
         bytes_per_block=plan.bytes_per_block,

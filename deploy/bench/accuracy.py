@@ -121,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     q8 = requantized_gguf(gguf, "Q8_0")  # a Q8_0 file of the same values, as llama.cpp's Q8_0 files are made
     kind = gguf.stem.rsplit(".", 1)[-1]  # the file's type as its name says it (Q4_1, Q4_K_M, ...)
     runs = [("fp32 (the GGUF dequantized)", Path(args.model), ["--dequantize"]),
-            ("bf16 (dequantized, --dtype bfloat16)", Path(args.model), ["--dequantize", "--dtype", "bfloat16"]),
-            ("fp32, bf16 KV pool (--kv-cache-dtype bf16)", Path(args.model), ["--dequantize", "--kv-cache-dtype",
+            ("bf16 (dequantized, --dtype bfloat16)", Path(args.model),
+             ["--dequantize", "--dtype", "bfloat16"]),
+            ("fp32, bf16 KV pool (--kv-cache-dtype bf16)", Path(args.model),
+             ["--dequantize", "--kv-cache-dtype",
                                                                            "bf16"]),
             (f"{kind} blocks, as served (default)", Path(args.model), []),
             (f"{kind} blocks, fp32 activations", Path(args.model), ["--quantized-activations", "fp32"]),
@@ -135,13 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         # fused step), as generated tokens do; a whole chunk at once would take the prefill path, which
         # runs on the dense copy of the blocks' values and so equals fp32 by construction
         server = ServerProcess(model, log, "--metrics-port", "0", "--threads", str(args.threads),
-                               "--max-num-batched-tokens", str(args.tokens_per_step), *extra).start(timeout=600)
+                               "--max-num-batched-tokens", str(args.tokens_per_step),
+                               *extra).start(timeout=600)
         try:
             results.append((name, scored_logprobs(server, chunk_list)))
         finally:
             server.stop()
     n = len(results[0][1])
-    print(f"text: {args.text.name}, {len(tokens)} tokens, {len(chunk_list)} chunks of {args.ctx}, {n} tokens scored")
+    print(f"text: {args.text.name}, {len(tokens)} tokens, {len(chunk_list)} chunks of {args.ctx}, {n} tokens "
+          "scored")
     reference = results[0][1]
     print(f"{'':42} {'PPL':>8} {'mean |Δ logprob|':>17} {'max |Δ logprob|':>16}")
     for name, lps in results:

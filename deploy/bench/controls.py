@@ -51,7 +51,8 @@ async def drive(address: str, prompts: list[list[int]], max_tokens: int, control
         async def one(i, prompt):
             sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
                                                      ignore_eos="json_schema" not in controls, **controls)
-            resp = await stub.Generate(generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=sampling),
+            resp = await stub.Generate(
+                generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=sampling),
                                        timeout=3600)
             return len(resp.choices[0].token_ids)
 
@@ -76,8 +77,8 @@ def mask_timing(model: str, rows: int, kind: str) -> float:
     texts = []
     for i in range(rows):
         if kind == "json":
-            texts.append(json.dumps({"name": f"{words[i % 8].title()} {words[(i + 3) % 8].title()}", "age": 20 + i,
-                                     "hobbies": [words[(i + k) % 8] for k in range(3)]}))
+            texts.append(json.dumps({"name": f"{words[i % 8].title()} {words[(i + 3) % 8].title()}",
+                                     "age": 20 + i, "hobbies": [words[(i + k) % 8] for k in range(3)]}))
         else:
             texts.append(" ".join(words[(i + k) % 8] for k in range(40)) + ", " + words[i % 8])
     streams = [tok.encode_prompt(t, raw=True) for t in texts]
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, list[float]] = {m: [] for m in modes}
     beside: dict[str, list[float]] = {m: [] for m in modes}  # the plain rounds next to each mode's
     try:
-        asyncio.run(drive(server.address, prompts, args.max_tokens, {}, args.temperature))  # a whole round to warm
+        # a whole round to warm
+        asyncio.run(drive(server.address, prompts, args.max_tokens, {}, args.temperature))
         for _ in range(args.rounds):
             for mode in modes:
                 for name in ("plain", mode):

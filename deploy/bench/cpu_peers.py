@@ -59,9 +59,10 @@ def build_llama_tool(name: str) -> Path:
     else:
         target = _fetch_llama_cpp()
     build = target / "build"
-    subprocess.run(["cmake", "-S", str(target), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 2)], check=True)
+    subprocess.run(["cmake", "-S", str(target), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 2)],
+                   check=True)
     return binary
 
 
@@ -136,7 +137,8 @@ def peak_rss(pid: int) -> int:
         p = todo.pop()
         try:
             status = Path(f"/proc/{p}/status").read_text()
-            total += next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
+            hwm = next(line for line in status.splitlines() if line.startswith("VmHWM:"))
+            total += int(hwm.split()[1]) * 1024
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, StopIteration):
@@ -186,8 +188,8 @@ class LlamaTarget:
     def __init__(self, args) -> None:
         folder = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-"))
         self.name = f"llama.cpp llama-server ({args.gguf_label} GGUF)"
-        self.server = LlamaServer(build_llama_server(), args.gguf, args.slots, max(384, args.prompt_tokens + 64),
-                                  args.threads,
+        self.server = LlamaServer(build_llama_server(), args.gguf, args.slots,
+                                  max(384, args.prompt_tokens + 64), args.threads,
                                   folder / "llama-server.log").wait()
         asyncio.run(http_pass(self.server.base_url, [_body([1, 2, 3], 4)], "/v1/completions"))
 
@@ -196,7 +198,8 @@ class LlamaTarget:
         return (r["tokens"] - 1) / (r["wall_s"] - r["ttfts"][0])
 
     def many(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
-        r = asyncio.run(http_pass(self.server.base_url, [_body(p, max_tokens) for p in prompts], "/v1/completions"))
+        r = asyncio.run(http_pass(self.server.base_url, [_body(p, max_tokens) for p in prompts],
+                                  "/v1/completions"))
         return r["tokens"] / r["wall_s"], statistics.mean(r["ttfts"])
 
     def prefill(self, prompt: list[int]) -> float:
@@ -278,17 +281,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds of each many-stream measurement")
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--streams", default="8,64", help="concurrencies of the workload's first prompts, all at once")
-    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt processing: one prompt this long (0: skip)")
+    p.add_argument("--streams", default="8,64",
+                   help="concurrencies of the workload's first prompts, all at once")
+    p.add_argument("--prompt-tokens", type=int, default=512,
+                   help="prompt processing: one prompt this long (0: skip)")
     p.add_argument("--prefill-rounds", type=int, default=2)
     p.add_argument("--precision", default="gguf", choices=["gguf", "fp32"],
-                   help="gguf: both servers on the file's blocks; fp32: llama.cpp on an F32 copy of the file (made "
-                        "once, cached) and pagedserve on the dequantized weights (--dequantize)")
+                   help="gguf: both servers on the file's blocks; fp32: llama.cpp on an F32 copy of the file "
+                        "(made once, cached) and pagedserve on the dequantized weights (--dequantize)")
     p.add_argument("--with-layers", action="store_true",
-                   help="also pagedserve with --cpu-decode layers (every decode step layer by layer), same run")
+                   help="also pagedserve with --cpu-decode layers (every decode step layer by layer), same "
+                        "run")
     p.add_argument("--serve-flags", default="", metavar="FLAGS",
-                   help="serve flags of the first pagedserve too (where one server at a time is all the memory "
-                        "holds beside llama.cpp: an 8B model), e.g. '--quantized-activations int8'")
+                   help="serve flags of the first pagedserve too (where one server at a time is all the "
+                        "memory holds beside llama.cpp: an 8B model), e.g. '--quantized-activations int8'")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                    help="also pagedserve started with these serve flags, same run (repeatable), e.g. "
                         "'int8 activations=--quantized-activations int8'")
@@ -325,14 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':38} {'1 stream decode':>16}{head} {'peak RSS':>9}")
     for t in targets:
         r = res[t.name]
-        cols = "".join(f" {med(x[0] for x in r[n]):11.1f} {med(x[1] for x in r[n]):6.2f}s" for n in args.streams)
+        cols = "".join(f" {med(x[0] for x in r[n]):11.1f} "
+                       f"{med(x[1] for x in r[n]):6.2f}s" for n in args.streams)
         cols += f" {med(r['prefill']):7.1f} t/s" if pp else ""
         print(f"{t.name:38} {med(r['one']):10.1f} tok/s{cols} {r['rss'] / 2**30:6.2f} GiB")
     for t in targets[:-1]:
         r, q = res[t.name], res[peer]
         ratio = med(a / b for a, b in zip(r["one"], q["one"], strict=True))
-        cols = "".join(f" {med(a[0] / b[0] for a, b in zip(r[n], q[n], strict=True)):11.2f} "
-                       f"{med(a[1] / b[1] for a, b in zip(r[n], q[n], strict=True)):7.2f}" for n in args.streams)
+        pairs = {n: list(zip(r[n], q[n], strict=True)) for n in args.streams}
+        cols = "".join(f" {med(a[0] / b[0] for a, b in pairs[n]):11.2f}"
+                       f" {med(a[1] / b[1] for a, b in pairs[n]):7.2f}" for n in args.streams)
         cols += f" {med(a / b for a, b in zip(r['prefill'], q['prefill'], strict=True)):11.2f}" if pp else ""
         print(f"{t.name[:24] + ' / llama.cpp':38} {ratio:16.2f}{cols} {r['rss'] / q['rss']:9.2f}")
     print("one stream, every round (tok/s): " + "; ".join(

@@ -45,8 +45,8 @@ def hf_folder(shape: str, tokenizer_from: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     s = SHAPES[shape]
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, rms_norm_eps=1e-5,
-                  max_position_embeddings=8192, rope_theta=500000.0, hidden_act="silu", torch_dtype="bfloat16",
-                  bos_token_id=1, eos_token_id=2, **s)
+                  max_position_embeddings=8192, rope_theta=500000.0, hidden_act="silu",
+                  torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, **s)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).is_file():
@@ -73,7 +73,8 @@ def hf_folder(shape: str, tokenizer_from: Path) -> Path:
             p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
             p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
             p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
-            p + "mlp.down_proj.weight": rand(h, i), p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "mlp.down_proj.weight": rand(h, i),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
             p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     (out / "done").write_text("")
@@ -93,13 +94,13 @@ def gguf_file(shape: str, quant: str, tokenizer_from: Path) -> Path:
         if not (source / "convert_hf_to_gguf.py").is_file():
             build_llama_tool("llama-quantize")  # fetches the source too
         env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
-        subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(folder), "--outtype", "bf16",
-                        "--outfile", str(bf16.with_suffix(".part"))], check=True, env=env)
+        subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(folder), "--outtype",
+                        "bf16", "--outfile", str(bf16.with_suffix(".part"))], check=True, env=env)
         bf16.with_suffix(".part").rename(bf16)
     if quant == "BF16":
         return bf16
-    subprocess.run([str(build_llama_tool("llama-quantize")), str(bf16), str(target.with_suffix(".part")), quant,
-                    str(os.cpu_count() or 2)], check=True)
+    subprocess.run([str(build_llama_tool("llama-quantize")), str(bf16), str(target.with_suffix(".part")),
+                    quant, str(os.cpu_count() or 2)], check=True)
     target.with_suffix(".part").rename(target)
     return target
 

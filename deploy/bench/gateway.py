@@ -39,8 +39,8 @@ from deploy.testing import ServerProcess
 def _flush(server: ServerProcess) -> None:
     from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 
-    resp = vllm_engine_pb2_grpc.VllmEngineStub(server.channel).FlushCache(common_pb2.FlushCacheRequest(timeout_s=30),
-                                                                         timeout=60)
+    stub = vllm_engine_pb2_grpc.VllmEngineStub(server.channel)
+    resp = stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=30), timeout=60)
     if not resp.success:
         raise RuntimeError(f"FlushCache: {resp.message}")
 
@@ -61,7 +61,8 @@ def gateway_cost(args) -> list[dict]:
     gateway = None
     rows = []
     try:
-        gateway = GatewayProcess([server.address], args.model, folder / "smg.log", free_port()).start(timeout=120)
+        gateway = GatewayProcess([server.address], args.model, folder / "smg.log",
+                                 free_port()).start(timeout=120)
         model = gateway_model(gateway)
         asyncio.run(drive(server.address, prompts[:2], 4))  # warm-up, both paths
         asyncio.run(http_pass(gateway.base_url, [_generate_body(model, prompts[0], 4)], "/generate"))
@@ -75,7 +76,8 @@ def gateway_cost(args) -> list[dict]:
                                                               for p in prompts], "/generate"))
                 rows.append(_row("SMG /generate (same token ids)", r["wall_s"], r["ttfts"], r["tokens"]))
             else:
-                bodies = [{"model": model, "prompt": tok.decode(p), "max_tokens": args.max_tokens, "temperature": 0,
+                bodies = [{"model": model, "prompt": tok.decode(p), "max_tokens": args.max_tokens,
+                           "temperature": 0,
                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
                           for p in prompts]
                 r = asyncio.run(http_pass(gateway.base_url, bodies, "/v1/completions"))
@@ -116,17 +118,19 @@ def routing(args) -> list[dict]:
                 servers.append(ServerProcess(Path(args.model), folder / f"server-{i}.log", "--num-blocks",
                                              str(args.num_blocks), "--max-model-len", str(args.max_model_len),
                                              "--threads", "1", "--metrics-port", "0").start(timeout=600))
-            gateway = GatewayProcess([s.address for s in servers], args.model, folder / "smg.log", free_port(),
-                                     policy).start(timeout=120)
+            gateway = GatewayProcess([s.address for s in servers], args.model, folder / "smg.log",
+                                     free_port(), policy).start(timeout=120)
             model = gateway_model(gateway)
             before = [s.stats() for s in servers]
-            r = asyncio.run(http_pass(gateway.base_url, [_generate_body(model, p, args.output_len) for p in prompts],
+            r = asyncio.run(http_pass(gateway.base_url,
+                                      [_generate_body(model, p, args.output_len) for p in prompts],
                                        "/generate", concurrency=args.concurrency))
             after = [s.stats() for s in servers]
             computed = sum(a.num_prompt_tokens_computed - b.num_prompt_tokens_computed
                            for a, b in zip(after, before, strict=True))
             hits = sum(a.prefix_cache_hits - b.prefix_cache_hits for a, b in zip(after, before, strict=True))
-            queries = sum(a.prefix_cache_queries - b.prefix_cache_queries for a, b in zip(after, before, strict=True))
+            queries = sum(
+                a.prefix_cache_queries - b.prefix_cache_queries for a, b in zip(after, before, strict=True))
             row = _row(f"2 servers, {policy}", r["wall_s"], r["ttfts"], r["tokens"])
             row.update(prompt_tokens=sum(len(p) for p in prompts), prompt_tokens_computed=computed,
                        prefix_hit_rate=hits / queries if queries else 0.0,
@@ -144,8 +148,8 @@ def routing(args) -> list[dict]:
 def table(rows: list[dict], base: dict) -> str:
     lines = [f"{'':40} {'tok/s':>8} {'mean TTFT':>10} {'x tok/s':>8} {'x TTFT':>7}"]
     for r in rows:
-        lines.append(f"{r['name']:40} {r['tok_s']:8.1f} {r['mean_ttft_s']:9.2f}s {r['tok_s'] / base['tok_s']:8.2f} "
-                     f"{r['mean_ttft_s'] / base['mean_ttft_s']:7.2f}"
+        lines.append(f"{r['name']:40} {r['tok_s']:8.1f} {r['mean_ttft_s']:9.2f}s "
+                     f"{r['tok_s'] / base['tok_s']:8.2f} {r['mean_ttft_s'] / base['mean_ttft_s']:7.2f}"
                      + (f"   prompt tokens computed {r['prompt_tokens_computed']}/{r['prompt_tokens']}, "
                         f"hit rate {r['prefix_hit_rate']:.2f}, requests per server {r['requests_per_server']}"
                         if "prompt_tokens_computed" in r else ""))
@@ -182,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         out["cost"] = rows
     if args.only in (None, "routing"):
         rows = routing(args)
-        print(f"two servers behind SMG: {args.groups} groups x {args.per_group} requests, {args.prefix_len}-token "
-              f"shared prefixes, concurrency {args.concurrency} (x: against {rows[-1]['name']})")
+        print(f"two servers behind SMG: {args.groups} groups x {args.per_group} requests, "
+              f"{args.prefix_len}-token shared prefixes, concurrency {args.concurrency} (x: against "
+              f"{rows[-1]['name']})")
         print(table(rows, rows[-1]))
         out["routing"] = rows
     if args.json:

@@ -31,7 +31,8 @@ async def drive(address: str, prompts: list[list[int]], max_tokens: int) -> tupl
         t0 = time.perf_counter()
 
         async def one(prompt):
-            req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
+            req = generation_pb2.GenerateRequest(prompt_token_ids=prompt,
+                                                 sampling=generation_pb2.SamplingParams(
                 max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
             ttft, n = None, 0
             async for msg in stub.GenerateStream(req, timeout=3600):
@@ -103,7 +104,8 @@ def step_plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1):
     np.cumsum(q_lens, out=qsl[1:])
     rng = np.random.default_rng(0)
     plan = encode_plan(PlanArrays(
-        step_id=step_id, token_ids=rng.integers(100, 40000, len(pos)).astype("<i4"), positions=pos.astype("<i4"),
+        step_id=step_id, token_ids=rng.integers(100, 40000, len(pos)).astype("<i4"),
+        positions=pos.astype("<i4"),
         slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
         do_sample=np.ones(k, bool), sample_index=np.zeros(k, "<i4"), temperature=np.zeros(k, "<f4"),
         top_p=np.ones(k, "<f4"), top_k=np.zeros(k, "<i4"), seed=np.zeros(k, "<u8"),

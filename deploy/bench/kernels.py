@@ -66,10 +66,12 @@ def bench_decode(args, interpreted: bool) -> None:
     label = "INTERPRETER, tiny shapes: not a speed figure" if interpreted else torch.cuda.get_device_name()
     print(f"\ndecode attention — {label}")
     print(f"heads {n_heads}/{n_kv}, head_dim {head_dim}, {str(dtype).removeprefix('torch.')}, block {block}")
-    print(f"{'batch':>6} {'ctx':>6} {'paged ms':>9} {'GB/s':>8} {'copy GB/s':>10} {'of copy':>8} {'sdpa ms':>8} {'x sdpa':>7}")
+    print(f"{'batch':>6} {'ctx':>6} {'paged ms':>9} {'GB/s':>8} {'copy GB/s':>10} {'of copy':>8} "
+          f"{'sdpa ms':>8} {'x sdpa':>7}")
     for batch in batches:
         for context in contexts:
-            q, kc, vc, tables, lens, qsl = _paged_inputs(batch, context, n_heads, n_kv, head_dim, block, dtype, device)
+            q, kc, vc, tables, lens, qsl = _paged_inputs(
+                batch, context, n_heads, n_kv, head_dim, block, dtype, device)
             t_paged = timer(functools.partial(paged_attention, q, kc, vc, tables, lens, qsl, head_dim**-0.5,
                                               max_seq_len=context, max_q_len=1))
             elem = kc.element_size()
@@ -115,9 +117,10 @@ def bench_prefill(args, interpreted: bool) -> None:
         qs = q.transpose(0, 1)[None]
         k = torch.randn(1, n_kv, n, head_dim, dtype=dtype, device=device)
         v = torch.randn_like(k)
-        t_sdpa = timer(functools.partial(F.scaled_dot_product_attention, qs, k, v, is_causal=True, enable_gqa=True))
-        print(f"{n:>7} {t * 1e3:>9.3f} {flops / t / 1e12:>8.2f} {t_sdpa * 1e3:>8.3f} {flops / t_sdpa / 1e12:>9.2f} "
-              f"{t_sdpa / t:>7.2f}")
+        t_sdpa = timer(functools.partial(F.scaled_dot_product_attention, qs, k, v, is_causal=True,
+                                         enable_gqa=True))
+        print(f"{n:>7} {t * 1e3:>9.3f} {flops / t / 1e12:>8.2f} {t_sdpa * 1e3:>8.3f} "
+              f"{flops / t_sdpa / 1e12:>9.2f} {t_sdpa / t:>7.2f}")
 
 
 def sweep(args) -> None:
@@ -131,7 +134,8 @@ def sweep(args) -> None:
         square = [(64, 64, 4), (64, 64, 8), (128, 64, 8), (128, 128, 8)]
         _sweep_prefill(32, 8, 128, square + [(64, 32, 8), (64, 128, 8)])  # Llama-3-8B's heads
         _sweep_prefill(32, 8, 64, square)  # Llama-3.2-1B's
-        _sweep_prefill(16, 8, 256, [(32, 16, 8), (32, 32, 8), (32, 32, 4), (64, 16, 8), (64, 32, 8), (32, 64, 8)])
+        _sweep_prefill(16, 8, 256,
+                       [(32, 16, 8), (32, 32, 8), (32, 32, 4), (64, 16, 8), (64, 32, 8), (32, 64, 8)])
 
 
 def _sweep_decode() -> None:
@@ -143,8 +147,10 @@ def _sweep_decode() -> None:
     dtype, (n_heads, n_kv, head_dim, block) = torch.bfloat16, (32, 8, 128, 16)
     print(f"\ndecode, heads {n_heads}/{n_kv}, head_dim {head_dim}")
     decode_cases = [(64, 2048), (8, 8192), (256, 2048)]
-    configs = [dict(TILE=t, num_warps=w, num_stages=st) for t in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-    print(f"{'kernel':<8} {'config':<36} {'regs':>5} {'spills':>6} " + " ".join(f"{b}x{c:>5}" for b, c in decode_cases))
+    configs = [dict(TILE=t, num_warps=w, num_stages=st)
+               for t in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+    cases = " ".join(f"{b}x{c:>5}" for b, c in decode_cases)
+    print(f"{'kernel':<8} {'config':<36} {'regs':>5} {'spills':>6} " + cases)
     inputs = [_paged_inputs(b, c, n_heads, n_kv, head_dim, block, dtype, "cuda") for b, c in decode_cases]
     for cfg in configs:
         ta.override("decode", cfg)
@@ -183,10 +189,13 @@ def _sweep_prefill(n_heads: int, n_kv: int, head_dim: int, shapes) -> None:
         sdpa = functools.partial(F.scaled_dot_product_attention, qs, k, v, is_causal=True, enable_gqa=True)
         ref = sdpa()[0].transpose(0, 1).float()
         cases.append((n, q, kc, vc, tables, lens, qsl, ref, _time_cuda(sdpa)))
-    print("flash SDPA: " + ", ".join(f"{n} tokens {t * 1e3:.3f} ms ({4 * n * n * n_heads * head_dim / 2 / t / 1e12:.0f} "
-                                     f"TFLOP/s)" for n, *_, t in cases))
-    configs = [dict(BLOCK_M=bm, TILE=tile, num_warps=w, num_stages=st) for bm, tile, w in shapes for st in (2, 3)]
-    print(f"{'config':<58} {'regs':>5} {'spills':>6} {'err':>8} " + " ".join(f"{n:>6} ms x sdpa" for n, *_ in cases))
+    print("flash SDPA: " + ", ".join(f"{n} tokens {t * 1e3:.3f} ms "
+                                     f"({4 * n * n * n_heads * head_dim / 2 / t / 1e12:.0f} "
+                                     "TFLOP/s)" for n, *_, t in cases))
+    configs = [dict(BLOCK_M=bm, TILE=tile, num_warps=w, num_stages=st)
+               for bm, tile, w in shapes for st in (2, 3)]
+    names = " ".join(f"{n:>6} ms x sdpa" for n, *_ in cases)
+    print(f"{'config':<58} {'regs':>5} {'spills':>6} {'err':>8} " + names)
     for cfg in configs:
         ta.override("prefill", cfg)
         label = ",".join(f"{k}={x}" for k, x in cfg.items())
@@ -225,12 +234,14 @@ def bench_cpu_pool(args) -> None:
           f"{'fp32/bf16':>9}")
     for name, head_dim in (("1B (hd 64)", 64), ("8B (hd 128)", 128)):
         for batch, context in ((1, 2048), (1, 8192), (16, 2048), (64, 512), (64, 2048)):
-            q, k, v, tables, lens, _ = _paged_inputs(batch, context, 32, 8, head_dim, 16, torch.float32, "cpu")
+            q, k, v, tables, lens, _ = _paged_inputs(batch, context, 32, 8, head_dim, 16, torch.float32,
+                                                     "cpu")
             rows = torch.arange(batch, dtype=torch.int64)
             out = torch.empty_like(q)
             cols = []
             for pool in ((k, v), (k.to(torch.bfloat16), v.to(torch.bfloat16))):
-                run = functools.partial(native.paged_decode, q, *pool, out, rows, tables, lens, head_dim**-0.5)
+                run = functools.partial(native.paged_decode, q, *pool, out, rows, tables, lens,
+                                        head_dim**-0.5)
                 run()
                 t = median_time(run, reps=5)
                 cols.append((t, 2 * batch * context * 8 * head_dim * pool[0].element_size() / t / 1e9))

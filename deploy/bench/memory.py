@@ -55,7 +55,8 @@ async def _run(address: str, requests: list[tuple[list[int], int, float]]):
 
         async def one(prompt, max_tokens, delay):
             await asyncio.sleep(delay)
-            req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
+            req = generation_pb2.GenerateRequest(prompt_token_ids=prompt,
+                                                 sampling=generation_pb2.SamplingParams(
                 max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
             tokens, times = [], []
             async for msg in stub.GenerateStream(req, timeout=3600):
@@ -69,7 +70,8 @@ async def _run(address: str, requests: list[tuple[list[int], int, float]]):
 
 def _serve(model: str, *flags: str) -> tuple[ServerProcess, int]:
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-")) / "server.log"
-    server = ServerProcess(Path(model), log, "--metrics-port", "-1", "--kv-cache-memory", "2GiB", *flags).start()
+    server = ServerProcess(Path(model), log, "--metrics-port", "-1", "--kv-cache-memory", "2GiB",
+                           *flags).start()
     return server, server.metrics_port
 
 
@@ -94,8 +96,9 @@ def bench_prefix(args) -> None:
             server.stop()
         outputs[label] = [r[0] for r in results]
         tokens = sum(len(r[0]) for r in results)
-        print(f"  {label:<20} prompt tokens computed {computed:7.0f}   cache hits {stats.prefix_cache_hits:6d}   "
-              f"{tokens / wall:6.1f} output tok/s   {len(requests) / wall:5.2f} req/s   wall {wall:5.1f} s")
+        print(f"  {label:<20} prompt tokens computed {computed:7.0f}   cache hits "
+              f"{stats.prefix_cache_hits:6d}   {tokens / wall:6.1f} output tok/s   "
+              f"{len(requests) / wall:5.2f} req/s   wall {wall:5.1f} s")
     on, off = outputs["prefix caching on"], outputs["prefix caching off"]
     print(f"  identical outputs: {on == off}")
 
@@ -103,11 +106,13 @@ def bench_prefix(args) -> None:
 def bench_chunked(args) -> None:
     rng = random.Random(1)
     long_reqs = [([rng.randrange(100, 40000) for _ in range(3000)], 8, 1.0 + 4.0 * i) for i in range(3)]
-    short_reqs = [([rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))], 48, 0.1 * i) for i in range(16)]
+    short_reqs = [([rng.randrange(100, 40000) for _ in range(rng.randint(20, 60))], 48,
+                   0.1 * i) for i in range(16)]
     print("\nmixed: 3 prompts of 3000 tokens (arriving at 1, 5, 9 s) among 16 short chats "
           "(20-60 prompt tokens, 48 output tokens)")
     for label, flags in (("chunked prefill on (budget 256)", ("--max-num-batched-tokens", "256")),
-                         ("chunked prefill off", ("--no-chunked-prefill", "--max-num-batched-tokens", "8192"))):
+                         ("chunked prefill off",
+                          ("--no-chunked-prefill", "--max-num-batched-tokens", "8192"))):
         server, _ = _serve(args.model, *flags, "--max-model-len", "8192")
         try:
             t0 = time.perf_counter()
@@ -115,9 +120,11 @@ def bench_chunked(args) -> None:
             wall = time.perf_counter() - t0
         finally:
             server.stop()
-        gaps = sorted(b - a for _, times in results[: len(short_reqs)] for a, b in zip(times, times[1:], strict=False))
-        print(f"  {label:<32} short requests' gap between tokens: p50 {percentile(gaps, 0.5) * 1e3:7.1f} ms   "
-              f"p99 {percentile(gaps, 0.99) * 1e3:7.1f} ms   max {gaps[-1] * 1e3:7.1f} ms   (wall {wall:.1f} s)")
+        gaps = sorted(
+            b - a for _, times in results[: len(short_reqs)] for a, b in zip(times, times[1:], strict=False))
+        print(f"  {label:<32} short requests' gap between tokens: p50 {percentile(gaps, 0.5) * 1e3:7.1f} "
+              f"ms   p99 {percentile(gaps, 0.99) * 1e3:7.1f} ms   max {gaps[-1] * 1e3:7.1f} ms   (wall "
+              f"{wall:.1f} s)")
 
 
 def _twins(model: str, window: int) -> dict[str, Path]:
@@ -129,10 +136,12 @@ def _twins(model: str, window: int) -> dict[str, Path]:
     for label, sliding in (("sliding window", window), ("full attention", None)):
         folder = Path(tempfile.mkdtemp(prefix="pagedserve-window-"))
         for f in src.iterdir():
-            if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
+            if f.name.startswith("tokenizer") or f.name in {"special_tokens_map.json",
+                                                             "generation_config.json"}:
                 shutil.copy(f, folder / f.name)
         twin = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                       "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+                                       "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                                       "rope_theta",
                                        "tie_word_embeddings", "bos_token_id", "eos_token_id") if k in config}
         twin.update(model_type="mistral", architectures=["MistralForCausalLM"], max_position_embeddings=2048,
                     sliding_window=sliding, head_dim=config["hidden_size"] // config["num_attention_heads"])
@@ -146,8 +155,8 @@ def bench_window(args) -> None:
     rng = random.Random(2)
     requests = [([rng.randrange(100, 40000) for _ in range(prompt_len)], out_len, 0.0) for _ in range(seqs)]
     full_blocks = seqs * -(-(prompt_len + out_len) // block)
-    print(f"\nsliding window: {seqs} sequences of {prompt_len} prompt + {out_len} output tokens, a {window}-key "
-          f"window on every layer, blocks of {block}, budget 256 tokens a step")
+    print(f"\nsliding window: {seqs} sequences of {prompt_len} prompt + {out_len} output tokens, a "
+          f"{window}-key window on every layer, blocks of {block}, budget 256 tokens a step")
     flags = ("--load-format", "dummy", "--block-size", str(block), "--max-num-batched-tokens", "256",
              "--max-num-seqs", str(seqs))
     for label, folder in _twins(args.model, window).items():
@@ -157,7 +166,8 @@ def bench_window(args) -> None:
             try:
                 server.start()
             except RuntimeError as e:
-                print(f"  {label:<15} pool {pool:5d} blocks: refused at start ({str(e).splitlines()[0][:90]})")
+                print(f"  {label:<15} pool {pool:5d} blocks: refused at start "
+                      f"({str(e).splitlines()[0][:90]})")
                 continue
             peak, done = [0], threading.Event()
 
@@ -178,9 +188,9 @@ def bench_window(args) -> None:
                 watcher.join()
                 server.stop()
             tokens = sum(len(r[0]) for r in results)
-            print(f"  {label:<15} pool {pool:5d} blocks: peak held {peak[0]:5d} blocks "
-                  f"({peak[0] * block:6d} tokens; full attention needs {full_blocks})   {tokens / wall:6.1f} tok/s   "
-                  f"preemptions {stats.num_preemptions}   wall {wall:5.1f} s")
+            print(f"  {label:<15} pool {pool:5d} blocks: peak held {peak[0]:5d} blocks ({peak[0] * block:6d} "
+                  f"tokens; full attention needs {full_blocks})   {tokens / wall:6.1f} tok/s   preemptions "
+                  f"{stats.num_preemptions}   wall {wall:5.1f} s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,10 +21,12 @@ import time
 from pathlib import Path
 
 SHAPES = {
-    "cpu": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+    "cpu": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                head_dim=64,
                 num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256, intermediate_size=2048,
                 vocab_size=40960),  # the plans draw token ids below 40000
-    # Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, 8 a token, 32 q / 4 kv heads), 12 of its 48 layers
+    # Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, 8 a token, 32 q / 4 kv heads), 12 of its 48
+    # layers
     "cuda": dict(hidden_size=2048, num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4,
                  head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                  intermediate_size=6144, vocab_size=151936),
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=512, help="tokens each sequence has seen")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--shape", type=json.loads, default=None, help="config fields over the default shape (JSON)")
+    p.add_argument("--shape", type=json.loads, default=None,
+                   help="config fields over the default shape (JSON)")
     args = p.parse_args(argv)
 
     from deploy.bench.harness import step_plan
@@ -96,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     expert_bytes = 3 * hidden * config.moe_intermediate_size * size
     head_bytes = config.vocab_size * hidden * size
     total_experts = sum(1 for i in range(layers) if config.is_moe(i)) * config.num_experts
-    print(f"Qwen3-MoE shape on {device.type} ({dtype}): {layers} layers, hidden {hidden}, {config.num_experts} "
-          f"experts of {config.moe_intermediate_size}, {config.experts_per_token} a token; context {args.context}; "
-          f"{torch.get_num_threads() if device.type == 'cpu' else ''} memory read {bw / 1e9:.1f} GB/s")
+    print(f"Qwen3-MoE shape on {device.type} ({dtype}): {layers} layers, hidden {hidden}, "
+          f"{config.num_experts} experts of {config.moe_intermediate_size}, {config.experts_per_token} a "
+          f"token; context {args.context}; {torch.get_num_threads() if device.type == 'cpu' else ''} memory "
+          f"read {bw / 1e9:.1f} GB/s")
     print(f"{'rows':>5} {'step ms':>9} {'limit ms':>9} {'x limit':>8} {'experts read':>13} {'of':>6} "
           f"{'all-experts limit ms':>21}")
     chosen: list[set[int]] = []
@@ -135,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         limit = (fixed + read * expert_bytes) / bw
         every = (fixed + total_experts * expert_bytes) / bw
         step = statistics.mean(times)
-        print(f"{rows:>5} {step * 1e3:9.2f} {limit * 1e3:9.2f} {step / limit:8.2f} {read:>13} {total_experts:>6} "
-              f"{every * 1e3:21.2f}")
+        print(f"{rows:>5} {step * 1e3:9.2f} {limit * 1e3:9.2f} {step / limit:8.2f} {read:>13} "
+              f"{total_experts:>6} {every * 1e3:21.2f}")
         results.append(dict(rows=rows, step_ms=step * 1e3, limit_ms=limit * 1e3, experts_read=read))
         del runner
     return 0

@@ -119,8 +119,8 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
 
     tokenizer = Tokenizer(args.model)
     budget = max(2048, args.seqs)
-    config = SchedulerConfig(block_size=args.block_size, max_num_seqs=args.seqs, max_num_batched_tokens=budget,
-                             overlap=overlap)
+    config = SchedulerConfig(block_size=args.block_size, max_num_seqs=args.seqs,
+                             max_num_batched_tokens=budget, overlap=overlap)
     # every request still decodes through the timed window: prefill steps + window steps, with room to spare
     steps = args.steps or int(args.seqs * args.context / budget + 3 * args.window * 1000 / args.step_ms) + 50
     max_context = args.context + steps + 64
@@ -128,12 +128,15 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
     client = WorkerClient("tcp://127.0.0.1:0", expected={"block_size": args.block_size,
                                                          "max_num_batched_tokens": budget})
     endpoint = client.bind()
-    worker = subprocess.Popen([sys.executable, "-m", "deploy.bench.overlap", "worker", "--scheduler", endpoint,
+    worker = subprocess.Popen([sys.executable, "-m", "deploy.bench.overlap", "worker", "--scheduler",
+                               endpoint,
                                "--num-blocks", str(num_blocks), "--block-size", str(args.block_size),
-                               "--max-num-batched-tokens", str(budget), "--vocab-size", str(tokenizer.vocab_size),
+                               "--max-num-batched-tokens", str(budget), "--vocab-size",
+                               str(tokenizer.vocab_size),
                                "--max-context", str(max_context), "--step-ms", str(args.step_ms)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    spec = ModelSpec(name="simulated", vocab_size=tokenizer.vocab_size, max_context=max_context, eos_token_ids=())
+    spec = ModelSpec(name="simulated", vocab_size=tokenizer.vocab_size, max_context=max_context,
+                     eos_token_ids=())
     engine = Engine(config, spec, tokenizer, client)
     try:
         await engine.start(60)
@@ -186,26 +189,28 @@ def bench(args) -> int:
 
     configure_logging("warning", "simulate")
 
-    print(f"simulated worker, {args.step_ms:g} ms a step; {args.seqs} sequences decoding with ~{args.context}-token "
-          f"contexts; ms per step over {args.window:g} s of decode steps")
+    print(f"simulated worker, {args.step_ms:g} ms a step; {args.seqs} sequences decoding with "
+          f"~{args.context}-token contexts; ms per step over {args.window:g} s of decode steps")
     print(f"{'overlap':>8}{'period':>9}{'worker':>9}{'scheduler':>11}{'(schedule':>11}{'plan':>7}{'output)':>9}"
           f"{'waited':>9}")
     rows = {}
     for overlap in (False, True):
         r = rows[overlap] = asyncio.run(measure_overlap(args, overlap))
-        print(f"{'on' if overlap else 'off':>8}{r['period']:>9.2f}{r['worker_forward']:>9.2f}{r['scheduler']:>11.2f}"
-              f"{r['schedule']:>11.2f}{r['build_plan']:>7.2f}{r['process_output']:>9.2f}{r['wait']:>9.2f}", flush=True)
+        print(f"{'on' if overlap else 'off':>8}{r['period']:>9.2f}{r['worker_forward']:>9.2f}"
+              f"{r['scheduler']:>11.2f}{r['schedule']:>11.2f}{r['build_plan']:>7.2f}{r['process_output']:>9.2f}{r['wait']:>9.2f}",
+              flush=True)
     on, off = rows[True], rows[False]
-    print(f"overlap on: period / max(worker, scheduler) = {on['period'] / max(on['worker_forward'], on['scheduler']):.2f}"
-          f"; overlap off: period / (worker + scheduler) = "
-          f"{off['period'] / (off['worker_forward'] + off['scheduler']):.2f}")
+    print("overlap on: period / max(worker, scheduler) = "
+          f"{on['period'] / max(on['worker_forward'], on['scheduler']):.2f}; overlap off: period / (worker + "
+          f"scheduler) = {off['period'] / (off['worker_forward'] + off['scheduler']):.2f}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="simulate", description="the simulated worker, and the overlap benchmark")
+    p = argparse.ArgumentParser(prog="simulate",
+                                description="the simulated worker, and the overlap benchmark")
     sub = p.add_subparsers(dest="cmd", required=True)
     w = sub.add_parser("worker", help="serve as a simulated worker rank")
     w.add_argument("--scheduler", required=True)

@@ -55,14 +55,16 @@ def report(rows: list[dict]) -> None:
 
 
 def dummy_model(model_dir: Path, shape: tuple[int, int, int, int, int]) -> Path:
-    """A folder with the default model's tokenizer and a config of the given shape (weights: --load-format dummy)."""
+    """A folder with the default model's tokenizer and a config of the given shape (weights: --load-format
+    dummy)."""
     hidden, heads, kv, inter, layers = shape
     folder = Path(tempfile.mkdtemp(prefix="pagedserve-tp-shape-"))
     for f in model_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
             shutil.copy(f, folder / f.name)
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+    config.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+                  intermediate_size=inter,
                   num_hidden_layers=layers, head_dim=hidden // heads, max_position_embeddings=2048)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     p.add_argument("--part", choices=["dp", "tp", "both"], default="both")
-    p.add_argument("--num-requests", type=int, default=None, help="DP part: the first N prompts (default all 64)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="DP part: the first N prompts (default all 64)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--tp-requests", type=int, default=32)
     p.add_argument("--tp-max-tokens", type=int, default=64)
@@ -87,23 +90,26 @@ def main(argv: list[str] | None = None) -> int:
     c = args.cores
     if args.part in ("dp", "both"):
         dp_prompts = prompts[: args.num_requests]
-        print(f"DP: {len(dp_prompts)} requests x {args.max_tokens} tokens, default model, {c} cores", flush=True)
+        print(f"DP: {len(dp_prompts)} requests x {args.max_tokens} tokens, default model, {c} cores",
+              flush=True)
         report([run_server(model, dp_prompts, args.max_tokens, [*common, "--threads", str(c)],
                            f"DP=1, one worker x {c} threads"),
-                run_server(model, dp_prompts, args.max_tokens, [*common, "--dp", "2", "--threads", str(max(1, c // 2))],
+                run_server(model, dp_prompts, args.max_tokens,
+                           [*common, "--dp", "2", "--threads", str(max(1, c // 2))],
                            f"DP=2, two workers x {max(1, c // 2)} thread(s)")])
     if args.part in ("tp", "both"):
         shape = TP_SHAPES[args.tp_shape]
         folder = dummy_model(model, shape)
         tp_prompts = prompts[: args.tp_requests]
         print(f"TP: {len(tp_prompts)} requests x {args.tp_max_tokens} tokens, random weights of shape hidden "
-              f"{shape[0]}, {shape[1]} heads / {shape[2]} KV heads, MLP {shape[3]}, {shape[4]} layers, vocab 49152",
+              f"{shape[0]}, {shape[1]} heads / {shape[2]} KV heads, MLP {shape[3]}, {shape[4]} layers, vocab "
+              "49152",
               flush=True)
         flags = [*common, "--load-format", "dummy"]
         report([run_server(folder, tp_prompts, args.tp_max_tokens, [*flags, "--threads", str(c)],
                            f"TP=1, one worker x {c} threads"),
-                run_server(folder, tp_prompts, args.tp_max_tokens, [*flags, "--tp", "2", "--threads",
-                                                                    str(max(1, c // 2))],
+                run_server(folder, tp_prompts, args.tp_max_tokens,
+                           [*flags, "--tp", "2", "--threads", str(max(1, c // 2))],
                            f"TP=2, two ranks x {max(1, c // 2)} thread(s)")])
         shutil.rmtree(folder, ignore_errors=True)
     print(f"date {time.strftime('%Y-%m-%d')}")

@@ -50,7 +50,8 @@ def simulate(prompts: list[list[int]], max_tokens: int, num_blocks: int, block_s
                         live.pop(seq.request.request_id, None)
         running = {s.request.request_id for s in sched.running}
         static = sum(live[r] for r in running)
-        trace.append((t, sched.allocator.num_used_blocks, sched.allocator.num_cached_blocks, static, len(running)))
+        trace.append((t, sched.allocator.num_used_blocks, sched.allocator.num_cached_blocks, static,
+                      len(running)))
         t += 1
     return trace, sched
 
@@ -95,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     mean_used = sum(r[1] for r in trace) / len(trace)
     mean_static = sum(r[3] for r in trace) / len(trace)
     print(f"{len(trace)} steps; peak blocks in use {peak_used} vs static {peak_static} "
-          f"({peak_used / peak_static:.0%}); mean {mean_used:.0f} vs {mean_static:.0f} ({mean_used / mean_static:.0%}); "
-          f"prefix-cache hits {sched.prefix_cache_hits} of {sched.prefix_cache_queries} tokens; "
-          f"preemptions {sched.num_preemptions}; wrote {args.out}")
+          f"({peak_used / peak_static:.0%}); mean {mean_used:.0f} vs {mean_static:.0f} "
+          f"({mean_used / mean_static:.0%}); prefix-cache hits {sched.prefix_cache_hits} of "
+          f"{sched.prefix_cache_queries} tokens; preemptions {sched.num_preemptions}; wrote {args.out}")
     return 0
 
 

@@ -1,11 +1,13 @@
-"""The default model on its own GGUF blocks against the same model dequantized to fp32: `make bench-quantized`.
+"""The default model on its own GGUF blocks against the same model dequantized to fp32: `make
+bench-quantized`.
 
 Same run, one server after the other on the same machine:
   - one stream: the workload's first prompt (64 tokens), 128 tokens greedy, ignore_eos, a few times; decode
     tokens/s = (tokens - 1) / (end - first token), and the whole request's tokens/s;
   - 64 streams: the fixed CPU workload (../shared/bench), all at once: output tokens/s and mean TTFT;
-  - agreement: the first 16 greedy answers of each server compared with fp32's token by token (identical answers, and
-    where the others first differ), with the logprob of each chosen token compared where both agree.
+  - agreement: the first 16 greedy answers of each server compared with fp32's token by token (identical
+    answers, and where the others first differ), with the logprob of each chosen token compared where both
+    agree.
 
     python -m deploy.bench.quantized --model .models/smollm2-135m-instruct
 """
@@ -55,8 +57,8 @@ def answers(server: ServerProcess, prompts: list[list[int]], max_tokens: int) ->
 
 def measure(args, name: str, extra: list[str], prompts) -> dict:
     log = Path(tempfile.mkdtemp(prefix=f"pagedserve-bench-{name}-")) / "server.log"
-    server = ServerProcess(Path(args.model), log, "--kv-cache-memory", args.kv_cache_memory, "--metrics-port", "0",
-                           *extra).start(timeout=600)
+    server = ServerProcess(Path(args.model), log, "--kv-cache-memory", args.kv_cache_memory, "--metrics-port",
+                           "0", *extra).start(timeout=600)
     try:
         asyncio.run(drive(server.address, prompts[:2], 4))  # warm-up
         row = {"name": name, **one_stream(server, prompts[0], args.max_tokens, args.repeats)}
@@ -73,7 +75,9 @@ def agreement(a: list, b: list) -> dict:
     same = sum(x[0] == y[0] for x, y in zip(a, b, strict=True))
     firsts = [next(i for i, (s, t) in enumerate(zip(x[0], y[0], strict=True)) if s != t)
               for x, y in zip(a, b, strict=True) if x[0] != y[0]]
-    diffs = [abs(u - v) for x, y in zip(a, b, strict=True) for s, t, u, v in zip(x[0], y[0], x[1], y[1], strict=True)
+    diffs = [
+        abs(u - v) for x, y in zip(a, b, strict=True) for s, t, u, v in zip(
+            x[0], y[0], x[1], y[1], strict=True)
              if s == t]
     return {"identical": same, "of": len(a), "first_difference_at": sorted(firsts),
             "max_abs_logprob_difference": max(diffs, default=0.0),
@@ -113,7 +117,8 @@ def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int =
         mats = []
         for _ in range(12):
             blocks = rng.integers(0, 256, (8192, 2048 // values, bb), dtype=np.uint8)
-            scale = np.array([0.01], dtype=np.float16).view(np.uint8)  # finite fp16 scales where the type keeps them
+            # finite fp16 scales where the type keeps them
+            scale = np.array([0.01], dtype=np.float16).view(np.uint8)
             if qtype == "Q6_K":
                 blocks[..., 208:210] = scale
             else:
@@ -133,7 +138,8 @@ def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int =
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", action="store_true", help="only the quantized kernels' own speed, per type (GB/s)")
+    p.add_argument("--kernels", action="store_true",
+                   help="only the quantized kernels' own speed, per type (GB/s)")
     p.add_argument("--rows", type=int, default=1, help="with --kernels: activation rows")
     p.add_argument("--model")
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
@@ -142,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agreement", type=int, default=16, help="prompts whose greedy answers are compared")
     p.add_argument("--agreement-tokens", type=int, default=128)
     p.add_argument("--kv-cache-memory", default="2GiB")
-    p.add_argument("--with-int8", action="store_true", help="a third server with --quantized-activations int8")
+    p.add_argument("--with-int8", action="store_true",
+                   help="a third server with --quantized-activations int8")
     args = p.parse_args(argv)
     if args.kernels:
         kernel_bandwidth(rows=args.rows)
@@ -153,19 +160,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(args, "fp32 (dequantized)", ["--dequantize"], prompts),
             measure(args, "GGUF blocks (Q4_1, head Q8_0)", [], prompts)]
     if args.with_int8:
-        rows.append(measure(args, "GGUF blocks, int8 activations", ["--quantized-activations", "int8"], prompts))
+        rows.append(measure(args, "GGUF blocks, int8 activations", ["--quantized-activations", "int8"],
+                            prompts))
     base = rows[0]
     print(f"{'':32} {'1 stream decode':>16} {'1 stream request':>17} {'64 streams':>11} {'mean TTFT':>10}")
     for r in rows:
         print(f"{r['name']:32} {r['decode_tok_s']:11.1f} tok/s {r['request_tok_s']:12.1f} tok/s "
-              f"{r['many_tok_s']:11.1f} {r['many_mean_ttft_s']:9.2f}s   x{r['decode_tok_s'] / base['decode_tok_s']:.2f} "
-              f"one stream, x{r['many_tok_s'] / base['many_tok_s']:.2f} many")
+              f"{r['many_tok_s']:11.1f} {r['many_mean_ttft_s']:9.2f}s   "
+              f"x{r['decode_tok_s'] / base['decode_tok_s']:.2f} one stream, "
+              f"x{r['many_tok_s'] / base['many_tok_s']:.2f} many")
     for other in rows[1:]:
         agree = agreement(rows[0]["answers"], other["answers"])
-        print(f"{other['name']} against fp32, greedy over {args.agreement_tokens} tokens: {agree['identical']}/"
-              f"{agree['of']} identical answers; others first differ at {agree['first_difference_at']}; "
-              f"chosen-token logprob difference max {agree['max_abs_logprob_difference']:.2e}, "
-              f"mean {agree['mean_abs_logprob_difference']:.2e}")
+        print(f"{other['name']} against fp32, greedy over {args.agreement_tokens} tokens: "
+              f"{agree['identical']}/{agree['of']} identical answers; others first differ at "
+              f"{agree['first_difference_at']}; chosen-token logprob difference max "
+              f"{agree['max_abs_logprob_difference']:.2e}, mean {agree['mean_abs_logprob_difference']:.2e}")
     return 0
 
 

@@ -5,7 +5,8 @@ of a large batch, with a worker that answers instantly, so only the scheduler's 
 
 Each running sequence has a ~2k-token context and decodes one token a step. Printed per step, in ms:
 schedule (batching, page tables), build_plan (numpy arrays), encode (protobuf bytes), result (decode the
-answer, apply it: tokens, prefix-cache registration) and outputs (detokenize, stop checks, the delta put on the request's stream queue).
+answer, apply it: tokens, prefix-cache registration) and outputs (detokenize, stop checks, the delta put on
+the request's stream queue).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from scheduler_service.sequence import Request, SamplingOptions
 from scheduler_service.tokenizer import Tokenizer
 
 
-def measure(tokenizer: Tokenizer, num_seqs: int, context: int, steps: int, block_size: int) -> dict[str, float]:
+def measure(tokenizer: Tokenizer, num_seqs: int, context: int, steps: int, block_size: int) -> dict[
+        str, float]:
     rng = np.random.default_rng(0)
     blocks_per_seq = -(-(context + steps + 1) // block_size)
     config = SchedulerConfig(block_size=block_size, max_num_seqs=num_seqs,
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     args = p.parse_args(argv)
     tokenizer = Tokenizer(args.model)
-    print(f"decode steps, contexts of ~{args.context} tokens, block size {args.block_size}; median ms per step")
+    print(f"decode steps, contexts of ~{args.context} tokens, block size {args.block_size}; median ms per "
+          "step")
     print(f"{'sequences':>10}" + "".join(f"{k:>12}" for k in ("schedule", "build_plan", "encode", "result",
                                                                "outputs", "total")))
     for n in (int(x) for x in args.seqs.split(",")):

@@ -5,10 +5,10 @@ A model folder is made with the shape's config and a word-level tokenizer of its
 is downloaded); `pagedserve serve --load-format dummy` serves it; for each batch B the load test runs B
 closed-loop clients with prompts of --context tokens and --output-len new tokens each (end of sequence
 ignored). Printed: decode tokens/s (B / the median gap between a request's tokens, which is one decode
-step; the steps that prefill the prompts are the long tail, not the median), the same against the worker's roofline (every weight
-and every sequence's keys read once a step, over the device-to-device copy bandwidth), and where a step's
-time went, from the engine's step profile: the worker's device time, the share of the step the GPU waits
-for the host, the scheduler's time and the worker's host preparation.
+step; the steps that prefill the prompts are the long tail, not the median), the same against the worker's
+roofline (every weight and every sequence's keys read once a step, over the device-to-device copy bandwidth),
+and where a step's time went, from the engine's step profile: the worker's device time, the share of the step
+the GPU waits for the host, the scheduler's time and the worker's host preparation.
 
     python -m deploy.bench.serve_gpu --shape llama3-8b --batch 1 16 64 256 --context 2048
 """
@@ -109,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                                cfg["hidden_size"] * head * (cfg["num_attention_heads"] * 2
                                                             + cfg["num_key_value_heads"] * 2)
                                + 3 * cfg["hidden_size"] * cfg["intermediate_size"]))
-            print(f"\nend to end — {torch.cuda.get_device_name()}, {args.shape} (dummy weights, bf16), context "
-                  f"{args.context}, {args.output_len} new tokens a request, torch {torch.__version__}")
+            print(f"\nend to end — {torch.cuda.get_device_name()}, {args.shape} (dummy weights, bf16), "
+                  f"context {args.context}, {args.output_len} new tokens a request, torch "
+                  f"{torch.__version__}")
             print(f"{'batch':>6} {'tok/s':>9} {'ITL ms':>8} {'roof ms':>8} {'of roof':>8} {'device':>7} "
                   f"{'idle':>6} {'sched':>6} {'prep':>6}")
             for batch in args.batch:
@@ -136,19 +137,22 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 nan = float("nan")
                 print(f"{batch:>6} {row['tok_s']:>9.0f} {row['tpot_ms']:>8.2f} {row['roofline_ms']:>8.2f} "
-                      f"{row['of_roofline']:>8.0%} {row.get('device_ms', nan):>7.2f} {row.get('gpu_idle', nan):>6.0%} "
-                      f"{row.get('sched_ms', nan):>6.2f} {row.get('prep_ms', nan):>6.2f}")
+                      f"{row['of_roofline']:>8.0%} {row.get('device_ms', nan):>7.2f} "
+                      f"{row.get('gpu_idle', nan):>6.0%} {row.get('sched_ms', nan):>6.2f} "
+                      f"{row.get('prep_ms', nan):>6.2f}")
         finally:
             server.stop()
             if args.json:
-                Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), shape=args.shape,
-                                                            copy_tb_s=bw / 1e12, rows=rows)))
+                Path(args.json).write_text(
+                    json.dumps(dict(device=torch.cuda.get_device_name(), shape=args.shape,
+                                    copy_tb_s=bw / 1e12, rows=rows)))
             tail = log.read_text().splitlines()[-5:] if log.exists() else []
             if not rows:
                 print("\n".join(tail))
-    print("(ms a decode step, from the engine's profile over the longest stretch without prompt tokens: device = the worker's forward + sampling on the GPU; idle = the share of a step the GPU "
-          "waits for the host; sched = the scheduler's scheduling, plan building and output processing, which "
-          "overlap the device; prep = the worker's decoding, checking and staging of a plan)")
+    print("(ms a decode step, from the engine's profile over the longest stretch without prompt tokens: "
+          "device = the worker's forward + sampling on the GPU; idle = the share of a step the GPU waits for "
+          "the host; sched = the scheduler's scheduling, plan building and output processing, which overlap "
+          "the device; prep = the worker's decoding, checking and staging of a plan)")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Decode-step benchmark (`make bench-step`): one worker's whole decode step, in process, against its roofline.
+"""Decode-step benchmark (`make bench-step`): one worker's whole decode step, in process, against its
+roofline.
 
 A worker is built as `pagedserve-worker` builds it (weights drawn on the device with `--load-format dummy`,
 the default attention backend and matmul, the KV pool, warm-up, decode graphs unless --enforce-eager),
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedserve-bench-step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    p.add_argument("--model", default=None, help="a model folder instead of --shape (its config; dummy weights)")
+    p.add_argument("--model", default=None,
+                   help="a model folder instead of --shape (its config; dummy weights)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--context", type=int, nargs="+", default=[2048])
     p.add_argument("--steps", type=int, default=30)
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda":
-        print("bench-step measures a GPU worker: on a CPU it only checks that the script runs", file=sys.stderr)
+        print("bench-step measures a GPU worker: on a CPU it only checks that the script runs",
+              file=sys.stderr)
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.model) if args.model else Path(tmp)
@@ -167,10 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (not a speed figure)"
     print(f"\ndecode step — {device_name}, {name}, {args.dtype}, block {args.block_size}, "
           f"torch {torch.__version__}, graphs {'off' if args.enforce_eager else 'on'}")
-    print(f"weights {weight_bytes / 1e9:.2f} GB (drawn on the device in {load_s:.1f} s), pool {num_blocks} blocks "
-          f"({num_blocks * per_block / 1e9:.1f} GB), copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'batch':>6} {'ctx':>6} {'serial ms':>9} {'piped ms':>9} {'fwd ms':>7} {'tok/s':>9} {'roof ms':>8} "
-          f"{'of roof':>8}")
+    print(f"weights {weight_bytes / 1e9:.2f} GB (drawn on the device in {load_s:.1f} s), pool {num_blocks} "
+          f"blocks ({num_blocks * per_block / 1e9:.1f} GB), copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'batch':>6} {'ctx':>6} {'serial ms':>9} {'piped ms':>9} {'fwd ms':>7} {'tok/s':>9} "
+          f"{'roof ms':>8} {'of roof':>8}")
     rows = []
     rng = np.random.default_rng(0)
     step_id = 1
@@ -178,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         for context in args.context:
             blocks = -(-(context + 1) // args.block_size)
             if 1 + batch * blocks > num_blocks:
-                print(f"{batch:>6} {context:>6}  skipped: needs {batch * blocks} blocks, the pool has {num_blocks}")
+                print(f"{batch:>6} {context:>6}  skipped: needs {batch * blocks} blocks, the pool has "
+                      f"{num_blocks}")
                 continue
             plans = decode_plans(batch, context, args.block_size, (num_blocks - 1) // batch, 1, rng,
                                  config.vocab_size, args.steps + 3, step_id)
@@ -192,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
             kv_bytes = batch * (context + 1) * per_block / args.block_size
             roof = (weight_bytes + kv_bytes) / bw
             row = dict(batch=batch, context=context, serial_ms=serial * 1e3, step_ms=piped * 1e3,
-                       forward_ms=fwd * 1e3, tok_s=batch / piped, roofline_ms=roof * 1e3, of_roofline=roof / piped)
+                       forward_ms=fwd * 1e3, tok_s=batch / piped, roofline_ms=roof * 1e3,
+                       of_roofline=roof / piped)
             rows.append(row)
-            print(f"{batch:>6} {context:>6} {row['serial_ms']:>9.2f} {row['step_ms']:>9.2f} {row['forward_ms']:>7.2f} "
-                  f"{row['tok_s']:>9.0f} {row['roofline_ms']:>8.2f} {row['of_roofline']:>8.0%}")
+            print(f"{batch:>6} {context:>6} {row['serial_ms']:>9.2f} {row['step_ms']:>9.2f} "
+                  f"{row['forward_ms']:>7.2f} {row['tok_s']:>9.0f} {row['roofline_ms']:>8.2f} "
+                  f"{row['of_roofline']:>8.0%}")
     if device.type != "cuda":
         return 0
     from kernels.compile_report import print_runtime_report

@@ -30,8 +30,8 @@ def bench_server(args, prompts, flags: str = "") -> dict:
     from deploy.testing import ServerProcess
 
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-")) / "server.log"
-    extra = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--kv-cache-memory", args.kv_cache_memory]
+    extra = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+             str(args.max_num_batched_tokens), "--kv-cache-memory", args.kv_cache_memory]
     if args.threads:
         extra += ["--threads", str(args.threads)]
     if args.malloc:
@@ -79,8 +79,8 @@ def bench_vllm(args) -> dict:
     if res.returncode != 0:
         raise SystemExit(f"vllm-cpu.sh failed ({res.returncode}): {res.stderr.strip()[-1500:]}")
     tok_s, ttft = (float(x) for x in res.stdout.strip().splitlines()[-1].split())
-    return {"name": "vLLM CPU build (OpenAI server)", "wall_s": time.perf_counter() - t0, "tokens": len(prompts) * 128,
-            "tok_s": tok_s, "mean_ttft_s": ttft, "p50_ttft_s": float("nan")}
+    return {"name": "vLLM CPU build (OpenAI server)", "wall_s": time.perf_counter() - t0,
+            "tokens": len(prompts) * 128, "tok_s": tok_s, "mean_ttft_s": ttft, "p50_ttft_s": float("nan")}
 
 
 # --- transformers static batching ------------------------------------------------------------------
@@ -110,13 +110,16 @@ def bench_static(args, prompts) -> dict:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         first = FirstToken()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
-                                 do_sample=False, pad_token_id=0, stopping_criteria=StoppingCriteriaList([first]))
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_tokens,
+                                 min_new_tokens=args.max_tokens,
+                                 do_sample=False, pad_token_id=0,
+                                 stopping_criteria=StoppingCriteriaList([first]))
         tokens += (out.shape[1] - width) * len(batch)
         ttfts += [first.at - t0] * len(batch)
     wall = time.perf_counter() - t0
     return {"name": f"transformers static batches of {args.static_batch}", "wall_s": wall, "tokens": tokens,
-            "tok_s": tokens / wall, "mean_ttft_s": statistics.mean(ttfts), "p50_ttft_s": statistics.median(ttfts)}
+            "tok_s": tokens / wall, "mean_ttft_s": statistics.mean(ttfts),
+            "p50_ttft_s": statistics.median(ttfts)}
 
 
 # --- one step in-process: profiled, and held against its local limit --------------------------------------
@@ -135,7 +138,8 @@ def _worker(args, num_blocks: int):
     model, config = load_model(args.model, "auto", torch.float32, cpu)
     model.use_matmul(choose_matmul(args.matmul, model.matmul_shapes(), cpu, torch.float32))
     pool = KVPool(config, num_blocks, 16, torch.float32, cpu)
-    attn = make_backend(None, cpu, (config.num_heads, config.num_kv_heads, config.head_dim, 16, torch.float32))
+    attn = make_backend(None, cpu,
+                        (config.num_heads, config.num_kv_heads, config.head_dim, 16, torch.float32))
     return ModelRunner(model, pool, attn, cpu), model, config
 
 
@@ -155,7 +159,8 @@ def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
         same = model.mm.name == name
         weights = [[layer.w[n] if same else lib.prepare(getattr(layer, n)) for n in layer.matmul_names]
                    for layer in model.layers] if same or model.mm.name == "dense" else None
-        if weights is None:  # the dense copies were dropped when packing: only the model's own library is timed
+        # the dense copies were dropped when packing: only the model's own library is timed
+        if weights is None:
             continue
         head_lib = model.head_mm if same else lib
         head = model.head if same else lib.prepare(model.embed if model.lm_head is None else model.lm_head)
@@ -213,13 +218,15 @@ def phases(args, prompts) -> dict:
            "prefill_tokens": total, "prefill_s": t_prefill, "prefill_matmul_s": m_prefill,
            "decode_rows": len(decode), "decode_mean_context": st.mean(n for _, n in decode),
            "decode_s": t_decode, "decode_matmul_s": m_decode, "decode_kv_read_s": kv}
-    print(f"\nin-process, {res['matmul']} matmuls, {res['attention']} attention, {res['ops']} elementwise ops:")
-    print(f"  prefill chunk of {total} tokens ({len(q_chunk)} prompts): {t_prefill * 1e3:.0f} ms; its matmuls alone "
-          f"{m_prefill * 1e3:.0f} ms -> x{t_prefill / m_prefill:.2f} of the matmul time (target <= 1.3)")
+    print(f"\nin-process, {res['matmul']} matmuls, {res['attention']} attention, {res['ops']} elementwise "
+          "ops:")
+    print(f"  prefill chunk of {total} tokens ({len(q_chunk)} prompts): {t_prefill * 1e3:.0f} ms; its "
+          f"matmuls alone {m_prefill * 1e3:.0f} ms -> x{t_prefill / m_prefill:.2f} of the matmul time "
+          "(target <= 1.3)")
     limit = m_decode + kv
     print(f"  decode step of {len(decode)} sequences (mean context {res['decode_mean_context']:.0f}): "
-          f"{t_decode * 1e3:.1f} ms; matmuls alone {m_decode * 1e3:.1f} ms + one read of its K/V {kv * 1e3:.1f} ms "
-          f"= local limit {limit * 1e3:.1f} ms -> x{t_decode / limit:.2f} (target <= 1.5)")
+          f"{t_decode * 1e3:.1f} ms; matmuls alone {m_decode * 1e3:.1f} ms + one read of its K/V "
+          f"{kv * 1e3:.1f} ms = local limit {limit * 1e3:.1f} ms -> x{t_decode / limit:.2f} (target <= 1.5)")
     if args.profile_step:
         import torch
 
@@ -248,7 +255,8 @@ def _served_model(args, cpu):
     else:
         kernels = cpu_native.load()
         lib = QuantizedMatmul(kernels, dense, packing=kernels.packed_fast)  # the worker's default (auto)
-        model.use_quantized(GGUFQuantSource(gguf, config.num_heads, config.num_kv_heads, config.head_dim), lib)
+        model.use_quantized(GGUFQuantSource(gguf, config.num_heads, config.num_kv_heads, config.head_dim),
+                            lib)
         choose_threshold(lib, model_linears(model))
     use_fused_decode(model, 1, "fp32")
     return model, config
@@ -297,7 +305,8 @@ def decode_breakdown(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, config = _served_model(args, cpu)
-    attn = make_backend(None, cpu, (config.num_heads, config.num_kv_heads, config.head_dim, 16, torch.float32))
+    attn = make_backend(None, cpu,
+                        (config.num_heads, config.num_kv_heads, config.head_dim, 16, torch.float32))
     context = args.decode_context
     fused = model.fused
     res = {"weights": model.mm.name, "context": context, "rows": {}}
@@ -340,13 +349,15 @@ def _decode_rows(model, config, attn, fused, rows: int, context: int, reps: int)
     head = part.get("lm_head", 0.0)
     split = {"matmul": max(part.get("matmul", 0.0) - head, 0.0), "attention": part.get("attention", 0.0),
              "kv_write": part.get("kv_write", 0.0),
-             "elementwise": part.get("norm", 0.0) + part.get("silu", 0.0) + part.get("rope", 0.0), "lm_head": head}
+             "elementwise": part.get("norm", 0.0) + part.get("silu", 0.0) + part.get("rope", 0.0),
+             "lm_head": head}
     split["rest"] = max(total - sum(split.values()), 0.0)
-    t_fused = best(lambda: runner.execute(plan), reps) if fused and (rows <= fused.max_rows or fused.sgemm) else None
+    t_fused = best(lambda: runner.execute(plan),
+                   reps) if fused and (rows <= fused.max_rows or fused.sgemm) else None
     f = f"{t_fused * 1e3:8.2f} {t_layers / t_fused:6.2f}" if t_fused else f"{'-':>8} {'-':>6}"
     print(f"  {rows:>4} {t_layers * 1e3:8.2f} {f}   {'':12}" +
-          " ".join(f"{split[k] * 1e3:9.2f}" for k in ("matmul", "attention", "kv_write", "elementwise", "lm_head",
-                                                      "rest")))
+          " ".join(f"{split[k] * 1e3:9.2f}" for k in ("matmul", "attention", "kv_write", "elementwise",
+                                                      "lm_head", "rest")))
     return {"layers_s": t_layers, "fused_s": t_fused, "layer_path_split_s": split}
 
 
@@ -385,34 +396,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-memory", default="2GiB")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--with-vllm", action="store_true",
-                   help="also run vLLM's CPU build on the workload right after the server (../shared/bench/vllm-cpu.sh)")
+                   help="also run vLLM's CPU build on the workload right after the server "
+                        "(../shared/bench/vllm-cpu.sh)")
     p.add_argument("--vllm-script", default=str(VLLM_SCRIPT))
     p.add_argument("--rounds", type=int, default=1,
-                   help="measure the server (each --server-flags too) and vLLM this many times, taking turns; "
-                        "with --with-vllm, prints every round's ratio and their median")
+                   help="measure the server (each --server-flags too) and vLLM this many times, taking "
+                        "turns; with --with-vllm, prints every round's ratio and their median")
     p.add_argument("--server-flags", action="append", default=None, metavar="FLAGS",
-                   help="run the server once more with these serve flags (repeatable; e.g. --dequantize for fp32)")
+                   help="run the server once more with these serve flags (repeatable; e.g. --dequantize for "
+                        "fp32)")
     p.add_argument("--phases", action="store_true",
                    help="also time a prefill chunk and a decode step in-process against their local limits")
-    p.add_argument("--profile-step", action="store_true", help="with --phases: torch.profiler table of the decode step")
+    p.add_argument("--profile-step", action="store_true",
+                   help="with --phases: torch.profiler table of the decode step")
     p.add_argument("--decode-rows", default="1,8,64",
-                   help="with --phases: the decode step of the model as served (GGUF blocks where it has them), "
-                        "layer path split by part beside the fused step, at these sequence counts")
-    p.add_argument("--decode-context", type=int, default=224, help="with --phases: keys per sequence in that step")
-    p.add_argument("--dequantize", action="store_true", help="with --phases: the fp32 copy, not the GGUF's blocks")
-    p.add_argument("--matmul", default="auto", help="matmul library of the in-process phases (auto, dense, onednn, mkl)")
-    p.add_argument("--reps", type=int, default=5, help="repetitions of each in-process timing (the best is kept)")
+                   help="with --phases: the decode step of the model as served (GGUF blocks where it has "
+                        "them), layer path split by part beside the fused step, at these sequence counts")
+    p.add_argument("--decode-context", type=int, default=224,
+                   help="with --phases: keys per sequence in that step")
+    p.add_argument("--dequantize", action="store_true",
+                   help="with --phases: the fp32 copy, not the GGUF's blocks")
+    p.add_argument("--matmul", default="auto",
+                   help="matmul library of the in-process phases (auto, dense, onednn, mkl)")
+    p.add_argument("--reps", type=int, default=5,
+                   help="repetitions of each in-process timing (the best is kept)")
     p.add_argument("--malloc", default=None, choices=["auto", "tcmalloc", "glibc", "default"],
-                   help="host allocator of the server's workers and of this process (static batching, phases); "
-                        "see worker/host_memory.py")
+                   help="host allocator of the server's workers and of this process (static batching, "
+                        "phases); see worker/host_memory.py")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     from worker.host_memory import ensure_allocator, resolve_mode
 
     allocator = ensure_allocator(resolve_mode(args.malloc), "cpu", "deploy.bench", argv)  # may re-execute
     prompts = load_workload(args.workload)[: args.num_requests]
-    print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"{args.max_tokens} output tokens each, greedy, ignore_eos; host malloc of this process: {allocator}")
+    print(f"workload: {len(prompts)} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"tokens, {args.max_tokens} output tokens each, greedy, ignore_eos; host malloc of this process: "
+          f"{allocator}")
     results: dict = {}
     rounds: list[dict] = []  # each round: every server configuration, then vLLM, in turn
     for i in range(args.rounds if args.only in (None, "server") or args.with_vllm else 0):
@@ -434,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         prof = results.get("server", {}).get("profile")
         if prof:
             steps = max(prof["steps"], 1)
-            keys = ["schedule", "build_plan", "round_trip", "worker_prepare", "worker_forward", "worker_sample",
-                    "process_output"]
+            keys = ["schedule", "build_plan", "round_trip", "worker_prepare", "worker_forward",
+                    "worker_sample", "process_output"]
             print(f"  engine steps: {prof['steps']}, {prof['tokens']} tokens computed; mean ms per step: "
                   + ", ".join(f"{k} {prof[k] / steps * 1e3:.1f}" for k in keys))
     if args.with_vllm and len(rounds) > 1:
