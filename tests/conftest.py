@@ -41,15 +41,20 @@ def server_factory(tmp_path_factory):
 
     def start(model_dir, *args):
         log = tmp_path_factory.mktemp("server") / "server.log"
-        # invariants checked every step; one torch thread each, since tests run servers beside each other
+        # invariants checked every step (a pass over the pool: a tiny model's pool is kept small, or 2 GiB of
+        # it would be 700k blocks checked twice a step); one torch thread each, since tests run servers beside
+        # each other
         extra = []
+        sized = {"--kv-cache-memory", "--num-blocks", "--gpu-memory-utilization"} & set(args)
         if torch.cuda.is_available():
             # on a GPU the tests' exact comparisons hold in fp32 (the default there is bf16), and each server
             # takes a fixed pool rather than 90% of a GPU its neighbours share
             if "--dtype" not in args:
                 extra += ["--dtype", "float32"]
-            if not {"--kv-cache-memory", "--num-blocks", "--gpu-memory-utilization"} & set(args):
+            if not sized:
                 extra += ["--kv-cache-memory", "1GiB"]
+        elif not sized:
+            extra += ["--kv-cache-memory", "64MiB"]
         server = ServerProcess(model_dir, log, "--debug-invariants", "--expose-request-ids", "--threads", "1",
                                *extra, *args).start()
         started.append(server)
