@@ -131,38 +131,13 @@ def tune_gc() -> None:
 
 async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None = None,
                 stop: asyncio.Event | None = None) -> int:
-    """Bind the worker socket, call on_bound(endpoint) (to start workers), wait for them, serve gRPC."""
-    config = scheduler_config(args)
-    spec = ModelSpec.from_folder(args.model, args.max_model_len)
-    tokenizer = Tokenizer(args.model)
-    threading.Thread(target=tokenizer.warm, name="tokenizer-warm", daemon=True).start()
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < spec.max_context:
-        raise SystemExit("without chunked prefill --max-num-batched-tokens must be at least the context "
-                         "length")
-    if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
-        raise SystemExit("--tensor-parallel-size and --data-parallel-size must be at least 1")
-    client = WorkerClient(
-        args.worker_endpoint, args.data_parallel_size, args.tensor_parallel_size, args.heartbeat_timeout,
-        expected={"block_size": config.block_size, "max_num_batched_tokens": config.max_num_batched_tokens},
-        curve_keys=args.curve_keys, insecure_wire=args.insecure_wire,
-        step_timeout=args.step_timeout, step_timeout_per_token=args.step_timeout_per_token,
-    )
-    try:
-        endpoint = client.bind()
-    except ValueError as e:
-        raise SystemExit(f"pagedserve-scheduler: {e}") from e
-    log.info("worker_socket_bound", endpoint=endpoint)
+    """Phases: check the flags and read the model, bind the worker socket, start gRPC (NOT_SERVING), call
+    on_bound(endpoint) (to start workers), wait for them, serve until stopped, drain."""
+    config, spec, tokenizer = prepare(args)
+    client, endpoint = bind_workers(args, config)
     engine = Engine(config, spec, tokenizer, client, worker_restart_timeout=args.worker_restart_timeout)
     metrics_port = start_metrics(engine, args)
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise SystemExit("--tls-cert and --tls-key go together")
-    tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
-    server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls,
-                                        model_dir=args.model)
-    await server.start()
-    if args.port_file:
-        write_port_file(Path(args.port_file), port, endpoint, metrics_port)
-    await health.set(False)
+    server, health, port = await start_grpc(args, engine, endpoint, metrics_port)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -172,16 +147,7 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
             pass
     if on_bound is not None:
         on_bound(endpoint)
-    starting = loop.create_task(engine.start(args.worker_timeout))
-    stopped = loop.create_task(stop.wait())
-    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    error = None
-    if not starting.done():  # stopped (a signal, or the workers' supervisor gave up) before workers joined
-        starting.cancel()
-        error = "stopped before the workers joined"
-    elif starting.exception() is not None:
-        error = str(starting.exception())
+    error = await wait_for_workers(engine, args.worker_timeout, stop)
     if error is not None:
         log.error("workers_failed", error=error)
         await server.stop(0)
@@ -207,6 +173,66 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     await server.stop(grace=2.0)
     await engine.stop()
     return 0
+
+
+def prepare(args: argparse.Namespace) -> tuple[SchedulerConfig, ModelSpec, Tokenizer]:
+    """The flags checked together, the model's spec and tokenizer read (the tokenizer warms in a thread)."""
+    config = scheduler_config(args)
+    spec = ModelSpec.from_folder(args.model, args.max_model_len)
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < spec.max_context:
+        raise SystemExit("without chunked prefill --max-num-batched-tokens must be at least the context "
+                         "length")
+    if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
+        raise SystemExit("--tensor-parallel-size and --data-parallel-size must be at least 1")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("--tls-cert and --tls-key go together")
+    tokenizer = Tokenizer(args.model)
+    threading.Thread(target=tokenizer.warm, name="tokenizer-warm", daemon=True).start()
+    return config, spec, tokenizer
+
+
+def bind_workers(args: argparse.Namespace, config: SchedulerConfig) -> tuple[WorkerClient, str]:
+    """The ROUTER socket every rank connects to, bound; -> (client, the endpoint bound)."""
+    client = WorkerClient(
+        args.worker_endpoint, args.data_parallel_size, args.tensor_parallel_size, args.heartbeat_timeout,
+        expected={"block_size": config.block_size, "max_num_batched_tokens": config.max_num_batched_tokens},
+        curve_keys=args.curve_keys, insecure_wire=args.insecure_wire,
+        step_timeout=args.step_timeout, step_timeout_per_token=args.step_timeout_per_token,
+    )
+    try:
+        endpoint = client.bind()
+    except ValueError as e:
+        raise SystemExit(f"pagedserve-scheduler: {e}") from e
+    log.info("worker_socket_bound", endpoint=endpoint)
+    return client, endpoint
+
+
+async def start_grpc(args: argparse.Namespace, engine: Engine, endpoint: str, metrics_port: int | None):
+    """The gRPC server started, NOT_SERVING until the workers join; the port file written. -> (server,
+    health, port)."""
+    tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
+    server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls,
+                                        model_dir=args.model)
+    await server.start()
+    if args.port_file:
+        write_port_file(Path(args.port_file), port, endpoint, metrics_port)
+    await health.set(False)
+    return server, health, port
+
+
+async def wait_for_workers(engine: Engine, timeout: float, stop: asyncio.Event) -> str | None:
+    """The engine started (every group shook hands), or why not: None on success."""
+    loop = asyncio.get_running_loop()
+    starting = loop.create_task(engine.start(timeout))
+    stopped = loop.create_task(stop.wait())
+    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not starting.done():  # stopped (a signal, or the workers' supervisor gave up) before workers joined
+        starting.cancel()
+        return "stopped before the workers joined"
+    if starting.exception() is not None:
+        return str(starting.exception())
+    return None
 
 
 def start_metrics(engine: Engine, args: argparse.Namespace) -> int | None:

@@ -76,41 +76,10 @@ class PlanBuilder:
 
     # --- one step ----------------------------------------------------------------------------------
     def build(self, out) -> PlanArrays:
-        scheduled = out.scheduled
-        num_seqs = len(scheduled)
+        """The step's plan: its rows gathered from the sequences, then every per-token array vectorized."""
+        rows, starts, q_lens, do_sample, tokens, pending, max_blocks = self._gather(out.scheduled)
+        num_seqs, num_tokens = len(rows), len(tokens)
         tables = self.tables
-        rows = np.empty(num_seqs, dtype=I64)
-        starts = np.empty(num_seqs, dtype=I64)
-        q_lens = np.empty(num_seqs, dtype=I64)
-        do_sample = np.empty(num_seqs, dtype=bool)
-        tokens: list[int] = []
-        pending: list[tuple[int, int]] = []  # (token offset, row of the previous step)
-        max_blocks = 1
-        offset = 0
-        for i, item in enumerate(scheduled):
-            seq = item.seq
-            blocks = seq.block_ids
-            n = len(blocks)
-            if seq.num_mirrored_blocks < n:
-                tables[seq.row, seq.num_mirrored_blocks : n] = blocks[seq.num_mirrored_blocks :]
-                seq.num_mirrored_blocks = n
-            if n > max_blocks:
-                max_blocks = n
-            start, q = item.start, item.num_new_tokens
-            rows[i], starts[i], q_lens[i], do_sample[i] = seq.row, start, q, item.do_sample
-            end = start + q
-            known = seq.token_ids
-            if end <= len(known):
-                if q == 1:
-                    tokens.append(known[start])
-                else:
-                    tokens.extend(known[start:end])
-            else:  # the last input is the token the step in flight samples for this sequence
-                tokens.extend(known[start : end - 1])
-                tokens.append(0)
-                pending.append((offset + q - 1, item.prev_row))
-            offset += q
-        num_tokens = offset
         query_start_loc = np.zeros(num_seqs + 1, dtype=I32)
         np.cumsum(q_lens, out=query_start_loc[1:])
         seq_lens = starts + q_lens
@@ -147,6 +116,45 @@ class PlanBuilder:
         )
         self._controls(out, plan, rows, starts, q_lens, do_sample)
         return plan
+
+    def _gather(self, scheduled):
+        """One pass over the scheduled sequences: their rows, starts, new-token counts and sampling flags, the
+        input tokens (0 where the step in flight samples it: `pending` says where, and from which row), and
+        the widest table; new table entries are mirrored on the way."""
+        num_seqs = len(scheduled)
+        tables = self.tables
+        rows = np.empty(num_seqs, dtype=I64)
+        starts = np.empty(num_seqs, dtype=I64)
+        q_lens = np.empty(num_seqs, dtype=I64)
+        do_sample = np.empty(num_seqs, dtype=bool)
+        tokens: list[int] = []
+        pending: list[tuple[int, int]] = []  # (token offset, row of the previous step)
+        max_blocks = 1
+        offset = 0
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            blocks = seq.block_ids
+            n = len(blocks)
+            if seq.num_mirrored_blocks < n:
+                tables[seq.row, seq.num_mirrored_blocks : n] = blocks[seq.num_mirrored_blocks :]
+                seq.num_mirrored_blocks = n
+            if n > max_blocks:
+                max_blocks = n
+            start, q = item.start, item.num_new_tokens
+            rows[i], starts[i], q_lens[i], do_sample[i] = seq.row, start, q, item.do_sample
+            end = start + q
+            known = seq.token_ids
+            if end <= len(known):
+                if q == 1:
+                    tokens.append(known[start])
+                else:
+                    tokens.extend(known[start:end])
+            else:  # the last input is the token the step in flight samples for this sequence
+                tokens.extend(known[start : end - 1])
+                tokens.append(0)
+                pending.append((offset + q - 1, item.prev_row))
+            offset += q
+        return rows, starts, q_lens, do_sample, tokens, pending, max_blocks
 
     def _controls(self, out, plan: PlanArrays, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
                   do_sample: np.ndarray) -> None:

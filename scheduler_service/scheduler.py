@@ -169,11 +169,19 @@ class Scheduler:
 
     # --- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """One step: the running sequences first (decodes, then prompt chunks), then waiting ones admitted
+        while the token budget, the pool and max_num_seqs allow."""
         out = SchedulerOutput(step_id=next(self._step_ids))
-        budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
-        kv = self.kv
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, scheduled)
+        self._admit_waiting(out, budget, scheduled)
+        if self.config.debug_invariants:
+            self.check_invariants()
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> int:
+        """Every running decode a token, then prompt chunks from what is left; -> the budget left."""
+        kv = self.kv
         decodes, prefills = [], []
         for s in self.running:
             left = len(s.token_ids) + s.num_pending - s.num_computed_tokens
@@ -207,7 +215,12 @@ class Scheduler:
             if num_new:
                 self._add(out, seq, num_new, scheduled)
                 budget -= num_new
+        return budget
 
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> None:
+        """Waiting sequences in arrival order, each on its cached prefix, while budget and pool allow (none
+        in a step that preempted: the pool is short)."""
+        kv = self.kv
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
@@ -232,10 +245,6 @@ class Scheduler:
             self.planner.attach(seq)
             self._add(out, seq, num_new, scheduled)
             budget -= num_new
-
-        if self.config.debug_invariants:
-            self.check_invariants()
-        return out
 
     def _at_limit(self, seq: Sequence) -> bool:
         """The step in flight samples seq's last allowed token (max_tokens or the context): nothing to plan;
