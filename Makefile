@@ -78,8 +78,11 @@ deploy-stop:
 		echo "deployment stopped"; \
 	else echo "no deployment is running from $(RUN_DIR)"; fi
 
+# Two test processes, each a whole file at a time (a file's servers stay in one process): the suite waits on
+# process starts and timeouts about half of the time, so two share 2 cores (TEST_WORKERS=0: one process).
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # Worker-only kernel tests: natively on CUDA, under TRITON_INTERPRET=1 elsewhere (tests/conftest.py).
 test-kernels: setup

@@ -1,26 +1,7 @@
-"""Continuous batching over a paged KV pool, with prefix caching and copy-on-write.
-
-Each step:
-  1. running sequences that decode get their one token first, then running sequences that are part
-     way through their prompt get a chunk, all within the per-step token budget;
-  2. waiting sequences are admitted (head of the queue first) while free blocks, the budget and
-     max_num_seqs allow — never in a step that had to preempt. An admitted sequence first reuses the
-     longest run of cached full blocks of its prefix (always recomputing at least its last token);
-  3. a sequence's page table grows exactly when its tokens cross a block boundary; a block that is
-     shared or holds a cached prefix is copied before it is written (the plan carries the copies);
-     when the pool is empty the most recently admitted running sequence is preempted by recompute
-     (blocks freed, generated tokens kept, back to the head of the queue).
-A step is committed when it is scheduled (its tokens count as computed, a sampling row leaves a pending
-token) and reconciled when its result arrives (`update`): so step N+1 can be planned while step N runs.
-A sequence that stopped at step N then wastes at most its slot in step N+1, whose token is dropped.
-
-A request with n samples prefills once: when sample 0 has its first token the others fork from its
-prompt blocks (shared, refcounted) and recompute only the last prompt token, drawing their own first
-token. Finish, abort and preemption free blocks through one path (`_release`).
-
-Memory is scheduler_service/kv_manager.py's: this module asks it for room and, when there is none, chooses
-whom to preempt (`_victim`).
-"""
+"""Continuous batching, the policy over kv_manager.py's memory: each step running decodes first, then running
+prompt chunks, then admissions, within the token budget; when the pool is full, whom to preempt (`_victim`).
+A step is committed when scheduled and reconciled in `update` when its result arrives, so the next one can
+be planned meanwhile. The whole walk, with its reasons: docs/ARCHITECTURE.md (routing and scheduling)."""
 
 from __future__ import annotations
 

@@ -120,24 +120,6 @@ def test_the_default_models_blocks_read_back_as_the_dequantized_checkpoint(nativ
             torch.testing.assert_close(lib.dequantize(w), f.get_tensor(name), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
-@pytest.mark.real_model
-def test_the_server_on_the_ggufs_blocks_answers_as_the_dequantized_model(server_factory, native):
-    """`make run`'s model is served on its own Q4_1 blocks by default: the same weights as the dequantized
-    fp32 model, so greedy answers agree and the chosen tokens' logprobs differ only by summation order."""
-    if not (MODEL_DIR / "model.safetensors").exists():
-        pytest.skip("default model not prepared")
-    quant = dense = None
-    try:
-        quant = server_factory(MODEL_DIR, "--num-blocks", "256", "--max-model-len", "1024")
-        dense = server_factory(MODEL_DIR, "--num-blocks", "256", "--max-model-len", "1024", "--dequantize")
-        compare_quantized_and_dense(quant, dense)
-    finally:  # two copies of the model: not kept for the rest of the session
-        for s in (quant, dense):
-            if s is not None:
-                s.stop()
-
-
 def compare_quantized_and_dense(quant, dense):
     from protos import generation_pb2 as pb
     from scheduler_service.tokenizer import Tokenizer
@@ -219,10 +201,13 @@ def test_perplexity_chunks_follow_llama_perplexity():
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_a_gguf_file_is_served_as_given(server_factory, native, tmp_path, monkeypatch):
-    """`pagedserve serve --model X.gguf`: the file is prepared once into a cached folder that names it — the
-    config and tokenizer `make setup` prepares from it, and no copy of its weights — and served on its own
-    blocks, the rest of its tensors read from the file."""
+def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(server_factory, native, tmp_path,
+                                                                            monkeypatch):
+    """`pagedserve serve --model X.gguf` (`make run`'s model): the file is prepared once into a cached folder
+    that names it — the config and tokenizer `make setup` prepares from it, and no copy of its weights — and
+    served on its own Q4_1 blocks, the rest of its tensors read from the file: the same weights as the
+    dequantized fp32 model, so greedy answers agree and the chosen tokens' logprobs differ only by summation
+    order."""
     import hashlib
     import json
 
@@ -253,7 +238,12 @@ def test_a_gguf_file_is_served_as_given(server_factory, native, tmp_path, monkey
         assert len(server.stub.Generate(req, timeout=120).choices[0].token_ids) == 16
         assert server.stub.GetModelInfo(pb.GetModelInfoRequest(),
                                         timeout=10).model_name == "SmolLM2-135M-Instruct"
-    finally:
+        dense = server_factory(MODEL_DIR, "--num-blocks", "256", "--max-model-len", "1024", "--dequantize")
+        try:
+            compare_quantized_and_dense(server, dense)
+        finally:
+            dense.stop()
+    finally:  # copies of the model: not kept for the rest of the session
         server.stop()
 
 
