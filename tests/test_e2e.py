@@ -407,7 +407,7 @@ def test_overlap_on_and_off_give_identical_sampled_outputs_cut_at_their_stops(
         assert_all_blocks_back(srv)
 
 
-def test_n4_holds_fewer_blocks_than_four_separate_requests(server):
+def test_n4_holds_its_prompt_once_fewer_blocks_than_four_separate_sequences(server):
     prompt = list(range(20, 60))  # 40 tokens: 10 full blocks of 4
 
     def blocks_while_running(requests):
@@ -445,10 +445,10 @@ def test_n4_holds_fewer_blocks_than_four_separate_requests(server):
                 sum(r.num_tokens for r in rows))
 
     n4 = sampled_request(prompt, 100, seed=1, n=4, request_id="n4")  # 10 + 4 x 25 blocks at most
-    separate = [sampled_request(prompt, 100, seed=1, request_id=f"sep{i}") for i in range(4)]
     n4_blocks, n4_bytes, n4_tokens = blocks_while_running([n4])
-    sep_blocks, _, _ = blocks_while_running(separate)
-    assert n4_blocks < sep_blocks, (n4_blocks, sep_blocks)
+    # four separate sequences of the same tokens hold the prompt four times: n4_tokens / 4 blocks at least,
+    # whenever the reading is taken (a comparison with four separate requests read at another moment is not)
+    assert n4_blocks < n4_tokens // 4, (n4_blocks, n4_tokens)
     # one copy of the prompt's 10 blocks, then each sample's own tokens (however far a loaded machine let
     # them get before the reading) with a partly filled block and its copy of the prompt's last block each
     generated = n4_tokens - 4 * len(prompt)

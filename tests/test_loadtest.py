@@ -15,6 +15,9 @@ from deploy.loadtest.workload import arrival_gaps, load_dataset, synthetic
 from protos import generation_pb2
 
 FIRST_S, EVERY_S, TOKENS = 0.20, 0.05, 5
+# a sleep never ends early, so no figure is below the arithmetic; above it, room for a machine busy with
+# the suite's other process: what these checks catch is arithmetic off by a unit, a wave or a queue
+SLACK = 1.6
 
 
 class FakeService:
@@ -103,9 +106,9 @@ def test_latencies_and_throughputs_match_the_arithmetic(fake, tmp_path):
         for stat in ("mean", "p50", "p90", "p99", "max"):
             assert want * 1000 * 0.97 <= r[key][stat], (key, stat, r[key])
         for stat in ("mean", "p50"):
-            assert r[key][stat] <= want * 1000 * 1.35, (key, stat, r[key])
+            assert r[key][stat] <= want * 1000 * SLACK, (key, stat, r[key])
         for stat in ("p90", "p99", "max"):
-            assert r[key][stat] <= want * 1000 * 1.35 + 150, (key, stat, r[key])
+            assert r[key][stat] <= want * 1000 * SLACK + 150, (key, stat, r[key])
     # three waves of four closed-loop clients: the run takes about 3 x E2EL
     assert 3 * e2el <= r["duration_s"] <= 3 * e2el * 1.35
     assert r["request_throughput"] == pytest.approx(12 / r["duration_s"])
@@ -131,7 +134,7 @@ def test_an_open_loop_at_a_set_rate_sends_at_that_rate(fake, tmp_path):
                  "--output-len", "2")
     # 20 arrivals at 20/s take about a second, then the last request's 0.25 s
     assert r["completed"] == 20 and 0.5 < r["duration_s"] < 2.5
-    assert r["ttft_ms"]["p50"] < FIRST_S * 1000 * 1.35  # an open loop does not queue behind itself here
+    assert r["ttft_ms"]["p50"] < FIRST_S * 1000 * SLACK  # an open loop does not queue behind itself here
 
 
 @pytest.mark.parametrize("burstiness", [1.0, 0.5, 4.0])
@@ -181,7 +184,7 @@ def test_a_sweep_draws_its_curve_and_compares_with_an_earlier_run(fake, tmp_path
     runs = json.loads(out.read_text())
     assert [r["label"] for r in runs][:2] == ["synchronous", "saturating"] and len(runs) == 3
     assert runs[0]["request_throughput"] < runs[2]["value"] < runs[1]["request_throughput"]
-    assert runs[0]["ttft_ms"]["p50"] == pytest.approx(FIRST_S * 1000, rel=0.35)
+    assert FIRST_S * 1000 * 0.97 <= runs[0]["ttft_ms"]["p50"] <= FIRST_S * 1000 * SLACK
     for name in ("latency_cdf.png", "timeline.png", "sweep.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 10_000
     assert loadtest_main([*argv[:-4], "--compare", str(out)]) == 0
@@ -262,7 +265,7 @@ def test_an_openai_endpoint_is_measured_the_same_way(tmp_path):
         e2el = FIRST_S + (TOKENS - 1) * EVERY_S
         assert (r["completed"], r["failed"]) == (8, 0) and r["target_model"] == "fake-http"
         for key, want in (("ttft_ms", FIRST_S), ("tpot_ms", EVERY_S), ("itl_ms", EVERY_S), ("e2el_ms", e2el)):
-            assert want * 1000 * 0.97 <= r[key]["p50"] <= want * 1000 * 1.35, (key, r[key])
+            assert want * 1000 * 0.97 <= r[key]["p50"] <= want * 1000 * SLACK, (key, r[key])
         assert r["total_output_tokens"] == 8 * TOKENS and r["total_input_tokens"] == 8 * 10
         assert "cache" not in r and r["leaked_blocks"] is None
         sent = fake.bodies[-1]
