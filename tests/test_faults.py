@@ -212,14 +212,21 @@ def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
     threads = [threading.Thread(target=consume, args=("long",))]
     threads[0].start()
     assert running.wait(30)
-    threads.append(threading.Thread(target=consume, args=("queued",)))
-    threads[1].start()
-    deadline = time.monotonic() + 10
-    while server.stats().num_waiting < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    with pytest.raises(grpc.RpcError) as err:
-        server.stub.Generate(greedy_request([1, 2], 2), timeout=10)
+    # The worker is held still, so the running request cannot finish (however fast the machine) and the
+    # second one must wait; the hold is shorter than the heartbeat deadline, and is released whatever happens.
+    (worker,) = children_of(server.proc.pid)
+    os.kill(int(worker), signal.SIGSTOP)
+    try:
+        threads.append(threading.Thread(target=consume, args=("queued",)))
+        threads[1].start()
+        deadline = time.monotonic() + 5
+        while server.stats().num_waiting < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as err:
+            server.stub.Generate(greedy_request([1, 2], 2), timeout=5)
+    finally:
+        os.kill(int(worker), signal.SIGCONT)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting" in err.value.details()
     for call in calls:
         call.cancel()

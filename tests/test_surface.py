@@ -216,7 +216,7 @@ def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
             proc.kill()
     long = subprocess.Popen([sys.executable, "-m", "deploy.cli", "chat", "--server", server.address,
                              "--greedy",
-                             "--max-tokens", "180", "--ignore-eos"], cwd=ROOT, stdin=subprocess.PIPE,
+                             "--max-tokens", "450", "--ignore-eos"], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         long.stdin.write("tell me everything\n")
