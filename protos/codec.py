@@ -60,6 +60,7 @@ class PlanArrays:
     mask_rows: np.ndarray | None = None  # int32 [S]; -1 = unconstrained
     token_bitmask: np.ndarray | None = None  # int32 [M, W]
     mask_follows: bool = False  # the bitmasks come in a StepMask once the step in flight's tokens are known
+    num_draft: np.ndarray | None = None  # int32 [S]: drafted tokens at the end of each row (speculation)
 
     @property
     def num_seqs(self) -> int:
@@ -76,7 +77,7 @@ _OPTIONAL = (
     ("min_p", F32, "S"), ("bias_offsets", I32, "S+1"), ("bias_token_ids", I32, "*"),
     ("bias_values", F32, "*"),
     ("logprobs", I32, "S"), ("prompt_logprobs", I32, "S"), ("prompt_logprob_counts", I32, "S"),
-    ("prompt_logprob_targets", I32, "*"), ("mask_rows", I32, "S"),
+    ("prompt_logprob_targets", I32, "*"), ("mask_rows", I32, "S"), ("num_draft", I32, "S"),
 )
 
 
@@ -208,10 +209,12 @@ _LOGPROB_FIELDS = {"logprobs": ("logprobs", "top_token_ids", "top_logprobs"),
 
 
 def encode_result(step_id: int, sampled: np.ndarray, logprobs: Logprobs | None = None,
-                  prompt_logprobs: Logprobs | None = None, **timings: float) -> wire_pb2.StepResult:
-    """sampled: int32 [S], -1 where the sequence did not sample."""
+                  prompt_logprobs: Logprobs | None = None, num_accepted: np.ndarray | None = None,
+                  **timings: float) -> wire_pb2.StepResult:
+    """sampled: int32 [S], -1 where the sequence did not sample; num_accepted: int32 [S] when the plan
+    drafted."""
     msg = wire_pb2.StepResult(step_id=step_id, sampled_token_ids=np.ascontiguousarray(sampled, I32).tobytes(),
-                              **timings)
+                              num_accepted=_bytes(num_accepted, I32), **timings)
     for lp, (chosen, ids, values) in ((logprobs, _LOGPROB_FIELDS["logprobs"]),
                                       (prompt_logprobs, _LOGPROB_FIELDS["prompt_logprobs"])):
         if lp is not None:
@@ -238,3 +241,10 @@ def decode_result(msg: wire_pb2.StepResult, num_seqs: int) -> np.ndarray:
     if tokens.shape[0] != num_seqs:
         raise CodecError(f"step {msg.step_id}: {tokens.shape[0]} sampled tokens for {num_seqs} sequences")
     return tokens
+
+
+def decode_accepted(msg: wire_pb2.StepResult, num_seqs: int) -> np.ndarray | None:
+    """-> int32 [num_seqs] drafted tokens accepted per row, or None when the result carries none."""
+    if not msg.num_accepted:
+        return None
+    return _array(msg.num_accepted, I32, num_seqs, "num_accepted")

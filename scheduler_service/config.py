@@ -63,6 +63,12 @@ class SchedulerConfig:
     # Data parallelism: how much more loaded (waiting x 4 + running) than the least loaded replica the
     # replica holding a request's cached prefix may be and still get it. None: max_num_seqs / 4.
     route_overload_slack: int | None = None
+    # Speculative decoding (scheduler_service/drafting.py): "off"; "ngram" drafts wherever a sequence's
+    # n-grams propose; "auto" also stops drafting in steps of more than speculative_max_rows decodes, where
+    # the batch already keeps the workers busy.
+    speculative: str = "auto"
+    num_speculative_tokens: int = 5  # the longest draft
+    speculative_max_rows: int = 4
 
     @property
     def route_slack(self) -> int:
@@ -75,5 +81,9 @@ class SchedulerConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.speculative not in ("auto", "ngram", "off"):
+            raise ValueError(f"speculative must be auto, ngram or off, got {self.speculative!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be at least max_num_seqs (one decode token each)")

@@ -36,14 +36,18 @@ class NgramIndex:
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix found ([]: none).
         The suffix itself is never its own match: an n-gram is indexed only once a token follows it."""
+        return self.match(k)[1]
+
+    def match(self, k: int) -> tuple[int, list[int]]:
+        """(length of the suffix matched, propose(k)); (0, []) when none is."""
         toks, end = self.tokens, len(self.tokens)
         if k <= 0:
-            return []
+            return 0, []
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             at = self._next.get(tuple(toks[end - n:]))
             if at is not None:
-                return toks[at:at + k]
-        return []
+                return n, toks[at:at + k]
+        return 0, []
 
 
 class SharedNgrams:
@@ -74,14 +78,20 @@ class SharedNgrams:
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest suffix of `tokens` in an earlier request ([]: none)."""
+        return self.match(tokens, k)[1]
+
+    def match(self, tokens: list[int], k: int, longer_than: int = 0) -> tuple[int, list[int]]:
+        """(length of the suffix matched, propose(tokens, k)), looking only at suffixes longer than
+        `longer_than`; (0, []) when none is."""
         if k <= 0:
-            return []
-        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            after = self._follow.get(tuple(tokens[len(tokens) - n:]))
+            return 0, []
+        for n in range(min(self.max_n, len(tokens)), max(self.min_n, longer_than + 1) - 1, -1):
+            key = tuple(tokens[len(tokens) - n:])
+            after = self._follow.get(key)
             if after is not None:
-                self._follow.move_to_end(tuple(tokens[len(tokens) - n:]))
-                return list(after[:k])
-        return []
+                self._follow.move_to_end(key)
+                return n, list(after[:k])
+        return 0, []
 
 
 class DraftLength:
@@ -112,3 +122,36 @@ class DraftLength:
         if self.mean_accepted < 0.5:  # fewer than one token in two pays: stop paying for a while
             self.paused = self.pause
             self.mean_accepted = 1.0  # and try again with a short draft
+
+
+class SequenceDrafter:
+    """One sequence's drafting state: its tokens' n-gram index (the prompt, then each accepted token), its
+    draft length, and whether its last proposal found anything (`expects`: the scheduler then waits for the
+    sequence's token in flight rather than plan a plain decode past it)."""
+
+    def __init__(self, tokens: list[int], max_k: int, shared: SharedNgrams | None) -> None:
+        self.index = NgramIndex(1, 3)
+        self.index.extend(tokens)
+        self.length = DraftLength(max_k)
+        self.shared = shared
+        self.expects = False
+
+    def append(self, tokens: Iterable[int]) -> None:
+        self.index.extend(tokens)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k drafted tokens from the longest suffix match: the sequence's own n-grams, or those of
+        earlier requests where they match a longer suffix (a longer match predicts better)."""
+        n, draft = self.index.match(k)
+        if self.shared is not None:
+            m, shared = self.shared.match(self.index.tokens, k, longer_than=n)
+            if m > n:
+                draft = shared
+        return draft
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.length.record(drafted, accepted)
+
+    def look_ahead(self) -> None:
+        """After new tokens: whether the next step would draft (a proposal, and drafting not paused)."""
+        self.expects = not self.length.paused and bool(self.propose(1))

@@ -308,10 +308,10 @@ class Engine:
             if request.scheduled_time is None:
                 request.scheduled_time = started
                 self.metrics.on_scheduled(replica.index, started - request.arrival_time)
-        for seq, token in new_tokens:
+        for i, (seq, token) in enumerate(new_tokens):
             stream = self.streams.get(seq.request.request_id)
-            if stream is None or stream.request is not seq.request:
-                continue
+            if stream is None or stream.request is not seq.request or seq.is_finished:
+                continue  # (finished: by a stop among its tokens of this step, which end there)
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
             if seq.last_token_time is not None:
@@ -322,12 +322,17 @@ class Engine:
                 lp.token_id = token
             delta, reason = stream.samples[seq.index].add_token(token, lp)
             if reason is not None:
+                later = sum(1 for s, _ in new_tokens[i + 1:] if s is seq)  # an accepted draft's tail
+                if later:
+                    del seq.token_ids[-later:]
                 sched.finish(seq, reason)
             self._emit(stream, delta)
         self.metrics.on_step(replica.index, seconds, len(new_tokens), out.num_prefill_tokens,
                              len(out.preempted),
                              len(sched.running), len(sched.waiting), sched.allocator.num_available_blocks,
                              sched.num_blocks)
+        if out.num_draft_rows:
+            self.metrics.on_drafts(replica.index, out.num_draft_rows, out.num_drafted, out.num_accepted)
         if sched.allocator.events:
             self.kv_events.collect(replica.index, sched.allocator.events)
 
@@ -472,7 +477,8 @@ class Engine:
             "num_blocks", "num_free_blocks", "num_cached_blocks", "used_bytes", "total_bytes",
             "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_running", "num_waiting",
             "num_shared_blocks")}
-        for k in ("num_generated_tokens", "num_prompt_tokens_computed"):  # down replicas' counts stay
+        for k in ("num_generated_tokens", "num_prompt_tokens_computed", "num_draft_verifications",
+                  "num_draft_tokens", "num_accepted_draft_tokens"):  # down replicas' counts stay
             total[k] = sum(row[k] for row in rows)
         per_request = []
         for replica in self.replicas:

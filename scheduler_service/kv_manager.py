@@ -114,6 +114,17 @@ class KVCacheManager:
         seq.block_ids.extend(fresh)
         return done
 
+    def trim(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give back seq's blocks past those num_tokens need (a rejected draft's; last first): they are its
+        own, fresh and never offered to the cache. Whether any went back."""
+        keep = self.blocks_for_tokens(num_tokens)
+        if len(seq.block_ids) <= keep:
+            return False
+        tail = seq.block_ids[keep:]
+        del seq.block_ids[keep:]
+        self.allocator.free(tail[::-1])
+        return True
+
     def tokens_that_fit(self, seq: Sequence, num_new: int) -> int:
         """How many of seq's next num_new tokens the free blocks hold (a prompt chunk shrinks to that before
         anyone is preempted)."""

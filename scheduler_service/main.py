@@ -72,6 +72,13 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="plan each step only after the previous one's result (default: plan the next step "
                         "while the workers run this one)")
     p.add_argument("--max-queue-len", type=int, default=1024)
+    p.add_argument("--speculative", choices=("auto", "ngram", "off"), default="auto",
+                   help="speculative decoding: draft tokens from each sequence's own n-grams (and earlier "
+                        "requests') and verify them in one step, the same answers in fewer steps. auto: "
+                        "only in steps of at most --speculative-max-rows decodes; ngram: in every step; off")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="the longest draft")
+    p.add_argument("--speculative-max-rows", type=int, default=4,
+                   help="with --speculative auto: steps of more decodes than this draft nothing")
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")
     p.add_argument("--step-profile-interval", type=float, default=5.0,
                    help="seconds between step_profile log lines (where a busy replica's step time went)")
@@ -115,6 +122,9 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         step_profile_interval=args.step_profile_interval,
         overlap=not args.no_overlap,
         route_overload_slack=args.route_overload_slack,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_max_rows=args.speculative_max_rows,
     )
 
 
@@ -177,6 +187,8 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
 
 def prepare(args: argparse.Namespace) -> tuple[SchedulerConfig, ModelSpec, Tokenizer]:
     """The flags checked together, the model's spec and tokenizer read (the tokenizer warms in a thread)."""
+    if args.num_speculative_tokens < 1 or args.speculative_max_rows < 0:
+        raise SystemExit("--num-speculative-tokens must be at least 1 and --speculative-max-rows at least 0")
     config = scheduler_config(args)
     spec = ModelSpec.from_folder(args.model, args.max_model_len)
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < spec.max_context:

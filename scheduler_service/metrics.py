@@ -58,6 +58,12 @@ class Metrics:
                                rep, registry=r, buckets=_LATENCY_BUCKETS)
         self.latency = Histogram("pagedserve_request_latency_seconds", "Arrival to last token", registry=r,
                                  buckets=_LATENCY_BUCKETS)
+        self.draft_rows = Counter("pagedserve_spec_decode_verifications",
+                                  "Sequence-steps that verified a draft (speculative decoding)", rep,
+                                  registry=r)
+        self.draft_tokens = Counter("pagedserve_spec_decode_draft_tokens", "Tokens drafted", rep, registry=r)
+        self.accepted_tokens = Counter("pagedserve_spec_decode_accepted_tokens",
+                                       "Drafted tokens that equalled the model's own", rep, registry=r)
         self.step = Histogram("pagedserve_step_seconds", "Engine step, plan to result", rep, registry=r,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
 
@@ -79,6 +85,12 @@ class Metrics:
         self.blocks_free.labels(label).set(free_blocks)
         self.blocks_total.labels(label).set(total_blocks)
         self.kv_usage.labels(label).set((total_blocks - free_blocks) / total_blocks if total_blocks else 0.0)
+
+    def on_drafts(self, replica: int, rows: int, drafted: int, accepted: int) -> None:
+        label = str(replica)
+        self.draft_rows.labels(label).inc(rows)
+        self.draft_tokens.labels(label).inc(drafted)
+        self.accepted_tokens.labels(label).inc(accepted)
 
     def on_token_gap(self, replica: int, seconds: float) -> None:
         self.itl.labels(str(replica)).observe(seconds)

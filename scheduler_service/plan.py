@@ -69,6 +69,13 @@ class PlanBuilder:
             seq.row = -1
         seq.num_mirrored_blocks = 0
 
+    def trimmed(self, seq) -> None:
+        """seq's table lost its tail (a rejected draft's blocks): the mirror forgets those entries."""
+        n = len(seq.block_ids)
+        if seq.row >= 0:
+            self.tables[seq.row, n:] = -1
+        seq.num_mirrored_blocks = min(seq.num_mirrored_blocks, n)
+
     @staticmethod
     def replaced(seq, index: int) -> None:
         """seq.block_ids[index] changed (copy-on-write)."""
@@ -77,7 +84,7 @@ class PlanBuilder:
     # --- one step ----------------------------------------------------------------------------------
     def build(self, out) -> PlanArrays:
         """The step's plan: its rows gathered from the sequences, then every per-token array vectorized."""
-        rows, starts, q_lens, do_sample, tokens, pending, max_blocks = self._gather(out.scheduled)
+        rows, starts, q_lens, do_sample, tokens, pending, max_blocks, drafts = self._gather(out.scheduled)
         num_seqs, num_tokens = len(rows), len(tokens)
         tables = self.tables
         query_start_loc = np.zeros(num_seqs + 1, dtype=I32)
@@ -114,6 +121,10 @@ class PlanBuilder:
             prev_step_id=out.step_id - 1 if pending else 0,
             prev_rows=prev_rows,
         )
+        if drafts:
+            plan.num_draft = np.zeros(num_seqs, dtype=I32)
+            at, counts = zip(*drafts, strict=True)
+            plan.num_draft[list(at)] = counts
         self._controls(out, plan, rows, starts, q_lens, do_sample)
         return plan
 
@@ -129,6 +140,7 @@ class PlanBuilder:
         do_sample = np.empty(num_seqs, dtype=bool)
         tokens: list[int] = []
         pending: list[tuple[int, int]] = []  # (token offset, row of the previous step)
+        drafts: list[tuple[int, int]] = []  # (row, tokens drafted)
         max_blocks = 1
         offset = 0
         for i, item in enumerate(scheduled):
@@ -144,7 +156,11 @@ class PlanBuilder:
             rows[i], starts[i], q_lens[i], do_sample[i] = seq.row, start, q, item.do_sample
             end = start + q
             known = seq.token_ids
-            if end <= len(known):
+            if item.draft:  # the known last token, then the draft
+                tokens.append(known[start])
+                tokens.extend(item.draft)
+                drafts.append((i, len(item.draft)))
+            elif end <= len(known):
                 if q == 1:
                     tokens.append(known[start])
                 else:
@@ -154,7 +170,7 @@ class PlanBuilder:
                 tokens.append(0)
                 pending.append((offset + q - 1, item.prev_row))
             offset += q
-        return rows, starts, q_lens, do_sample, tokens, pending, max_blocks
+        return rows, starts, q_lens, do_sample, tokens, pending, max_blocks, drafts
 
     def _controls(self, out, plan: PlanArrays, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
                   do_sample: np.ndarray) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from protos.codec import CodecError, decode_logprobs, decode_result, encode_mask, encode_plan
+from protos.codec import CodecError, decode_accepted, decode_logprobs, decode_result, encode_mask, encode_plan
 from scheduler_service.block_allocator import block_hash
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.output import TokenLogprob
@@ -44,6 +44,7 @@ class StepProfile:
     worker_sample: float = 0.0
     process_output: float = 0.0
     masks: float = 0.0  # structured-output masks that followed their plans
+    draft: float = 0.0  # making drafts (part of schedule)
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
@@ -127,6 +128,9 @@ class Replica:
         # Since the service started, across reattachments (GetCacheStats' counters).
         self.num_generated_tokens = 0
         self.num_prompt_tokens_computed = 0
+        self.num_draft_rows = 0  # rows that verified a draft
+        self.num_drafted_tokens = 0
+        self.num_accepted_tokens = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -255,6 +259,8 @@ class Replica:
         try:
             result = await flight.task
             tokens = decode_result(result, len(out.scheduled)).tolist()
+            accepted = decode_accepted(result, len(out.scheduled))
+            accepted = accepted.tolist() if accepted is not None else None
             logprobs = read_logprobs(out, result)
         except WorkerLost as e:
             await self.sink.on_lost(self, str(e))
@@ -266,16 +272,20 @@ class Replica:
             self.sink.on_step_failed(self, out, str(e))
             return True
         t3 = time.perf_counter()
-        new_tokens = sched.update(out, tokens)
+        new_tokens = sched.update(out, tokens, accepted)
         self.sink.on_step(self, out, new_tokens, t3 - flight.t2, logprobs)
         t4 = time.perf_counter()
         self.num_generated_tokens += len(new_tokens)
         self.num_prompt_tokens_computed += out.num_prefill_tokens
+        self.num_draft_rows += out.num_draft_rows
+        self.num_drafted_tokens += out.num_drafted
+        self.num_accepted_tokens += out.num_accepted
         p = self.profile
         p.steps += 1
         p.tokens += out.num_tokens
         p.prefill_tokens += out.num_prefill_tokens
         p.schedule += flight.t1 - flight.t0
+        p.draft += out.draft_seconds
         p.build_plan += flight.t2 - flight.t1
         p.round_trip += t3 - flight.t2
         p.wait += t3 - t_wait
@@ -323,7 +333,9 @@ class Replica:
         row = {"replica": self.index, "serving": self.is_serving, "status": self.down_reason or "serving",
                "num_requests": self.num_routed, "worker_pids": group.pids if group.is_ready else [],
                "bytes_per_block": bpb, "num_generated_tokens": self.num_generated_tokens,
-               "num_prompt_tokens_computed": self.num_prompt_tokens_computed}
+               "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
+               "num_draft_verifications": self.num_draft_rows, "num_draft_tokens": self.num_drafted_tokens,
+               "num_accepted_draft_tokens": self.num_accepted_tokens}
         if s is None:
             return row
         a = s.allocator

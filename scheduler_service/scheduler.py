@@ -6,11 +6,13 @@ be planned meanwhile. The whole walk, with its reasons: docs/ARCHITECTURE.md (ro
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from protos.codec import PlanArrays
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.drafting import SequenceDrafter, SharedNgrams
 from scheduler_service.kv_manager import KVCacheManager
 from scheduler_service.plan import PlanBuilder
 from scheduler_service.sequence import FinishReason, Request, Sequence, SequenceStatus
@@ -38,6 +40,7 @@ class ScheduledSeq:
     do_sample: bool
     epoch: int  # the sequence's epoch when scheduled: its blocks are still these while the epochs agree
     prev_row: int = -1  # >= 0: the last input token is the one the previous step samples in this row
+    draft: tuple[int, ...] = ()  # drafted tokens after the known last one, verified by this step
 
 
 @dataclass
@@ -53,6 +56,12 @@ class SchedulerOutput:
     # Structured output whose masks follow the plan: (grammar engine, matchers in mask order), sent by the
     # replica once the step before this one is applied (the matchers have then seen their last token).
     deferred_masks: object = None
+    # Speculative decoding: seconds spent drafting (schedule), and once the result is applied (update), the
+    # rows that verified a draft, the tokens they drafted and how many of those stood.
+    draft_seconds: float = 0.0
+    num_draft_rows: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +91,9 @@ class Scheduler:
         self._step_ids = itertools.count(1)
         self.planner = PlanBuilder(config.max_num_seqs, self.kv.blocks_for_tokens(max_model_len),
                                    config.block_size)
+        # Speculative decoding: n-grams of finished requests, shared by every sequence here.
+        self.speculating = config.speculative != "off"
+        self.shared_ngrams = SharedNgrams() if self.speculating else None
 
     # --- requests ------------------------------------------------------------------------------
     @property
@@ -145,6 +157,8 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if seq.drafter is not None and reason is not FinishReason.ABORT:
+            self.shared_ngrams.learn(seq.token_ids)
         if seq.request.is_finished:
             self.requests.pop(seq.request.request_id, None)
 
@@ -170,22 +184,31 @@ class Scheduler:
                 decodes.append(s)
             elif left > 1:
                 prefills.append(s)
+        drafting = self.speculating and (self.config.speculative == "ngram"
+                                         or len(decodes) <= self.config.speculative_max_rows)
         for seq in decodes:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
-            if seq.num_pending and self._at_limit(seq):
-                continue  # the step in flight samples its last token
+            drafter = self._drafter(seq) if drafting else None
+            if seq.num_pending and (self._at_limit(seq) or (drafter is not None and drafter.expects)):
+                continue  # the step in flight samples its last token, or it drafts once that is known
             pos = seq.num_computed_tokens
-            if kv.writes_in_place(seq, pos):  # fast path: the token goes into the sequence's own last block
+            draft = []
+            if drafter is not None and not seq.num_pending:
+                t = time.perf_counter()
+                draft = self._draft(seq, drafter, budget)
+                out.draft_seconds += time.perf_counter() - t
+            if not draft and kv.writes_in_place(seq, pos):  # fast path: into the sequence's own last block
                 self._add(out, seq, 1, scheduled)
                 budget -= 1
                 continue
             kv.drop_out_of_window(seq, pos)  # blocks behind the window go back before any is asked for
-            if self._reserve(seq, 1, scheduled, out):
-                self._add(out, seq, 1, scheduled)
-                budget -= 1
+            num_new = self._reserve(seq, 1 + len(draft), scheduled, out)
+            if num_new:
+                self._add(out, seq, num_new, scheduled, tuple(draft[:num_new - 1]))
+                budget -= num_new
         for seq in prefills:
             if budget == 0:
                 break
@@ -227,6 +250,31 @@ class Scheduler:
             self._add(out, seq, num_new, scheduled)
             budget -= num_new
 
+    def _drafter(self, seq: Sequence) -> SequenceDrafter | None:
+        """seq's drafting state, made at its first decode; None for a sequence that cannot draft
+        (penalties, logprobs, a grammar)."""
+        if seq.drafter is None:
+            if not seq.request.sampling.may_draft or seq.matcher is not None:
+                return None
+            seq.drafter = SequenceDrafter(seq.token_ids, self.config.num_speculative_tokens,
+                                          self.shared_ngrams)
+            seq.drafter.look_ahead()
+        return seq.drafter
+
+    def _draft(self, seq: Sequence, drafter: SequenceDrafter, budget: int) -> list[int]:
+        """Tokens to draft after seq's known last one: as many as its acceptance lately paid for, within the
+        budget, max_tokens and the context, and none before min_tokens is reached (the end tokens are
+        banned until then, per position)."""
+        params = seq.request.sampling
+        if seq.num_output_tokens < params.min_tokens:
+            return []
+        room = min(budget - 1, params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+        if room <= 0:
+            return []
+        k = min(drafter.length.next(), room)
+        return drafter.propose(k) if k > 0 else []
+
     def _at_limit(self, seq: Sequence) -> bool:
         """The step in flight samples seq's last allowed token (max_tokens or the context): nothing to plan;
         its result finishes it."""
@@ -237,17 +285,20 @@ class Scheduler:
         """The step's plan arrays (scheduler_service/plan.py)."""
         return self.planner.build(out)
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int]]:
-        # sampled: Python ints, one per scheduled row (numpy's tolist() gives them)
-        """Reconcile a step with its result: pending tokens become known, newly full blocks are offered to
-        the prefix cache, pending samples fork. Returns (seq, token) for every sequence that got a new
-        token. A sequence that finished (stopped, aborted) since the step was planned gets nothing; one
-        preempted since keeps its token (it was computed from its blocks as they were) but its blocks,
-        given back, are left alone."""
+    def update(self, out: SchedulerOutput, sampled: list[int],
+               accepted: list[int] | None = None) -> list[tuple[Sequence, int]]:
+        # sampled: Python ints, one per scheduled row (numpy's tolist() gives them); accepted: drafted tokens
+        # each row accepted (None: the step drafted nothing)
+        """Reconcile a step with its result: pending tokens become known (a drafting row's accepted draft,
+        then its sampled token; the slots and blocks past them are given back), newly full blocks of
+        confirmed tokens are offered to the prefix cache, pending samples fork. Returns (seq, token) for
+        every token a sequence got, in order. A sequence that finished (stopped, aborted) since the step was
+        planned gets nothing; one preempted since keeps its tokens (computed from its blocks as they were)
+        but its blocks, given back, are left alone."""
         new_tokens: list[tuple[Sequence, int]] = []
         caching, bs = self.config.enable_prefix_caching, self.block_size
         finished, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
-        for item, token in zip(out.scheduled, sampled, strict=True):
+        for i, (item, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
             seq = item.seq
             if item.do_sample:
                 seq.num_pending -= 1
@@ -255,26 +306,49 @@ class Scheduler:
                 continue
             current = seq.epoch == item.epoch and seq.status is running
             end = item.start + item.num_new_tokens
-            if current and caching and end // bs > seq.num_registered_blocks:
-                self.kv.register_full_blocks(seq, end)
+            tokens = (token,)
+            if item.draft:
+                n = accepted[i] if accepted is not None else 0
+                tokens = (*item.draft[:n], token)
+                end = item.start + 1 + n  # K/V past the accepted draft is a rejected draft's
+                if current:
+                    seq.num_computed_tokens = end
+                    if self.kv.trim(seq, end + 1):  # blocks held only for rejected tokens go back
+                        self.planner.trimmed(seq)
+                seq.drafter.record(len(item.draft), n)
+                out.num_draft_rows += 1
+                out.num_drafted += len(item.draft)
+                out.num_accepted += n
             if item.do_sample:
-                seq.token_ids.append(token)
-                new_tokens.append((seq, token))
+                seq.token_ids.extend(tokens)
+                for t in tokens:
+                    new_tokens.append((seq, t))
                 if seq.matcher is not None:
                     seq.matcher.consume_token(token)  # a refused token leaves it in error: the output ends it
-                if seq.index == 0 and seq.request.pending_forks:
-                    self._fork(seq, current)
+                if seq.drafter is not None:
+                    seq.drafter.append(tokens)
+                    seq.drafter.look_ahead()
+            if current and caching and end // bs > seq.num_registered_blocks:
+                self.kv.register_full_blocks(seq, end)
+            if item.do_sample and seq.index == 0 and seq.request.pending_forks:
+                self._fork(seq, current)
         return new_tokens
 
     # --- memory ----------------------------------------------------------------------------------
-    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int]) -> None:
-        """Schedule num_new tokens of seq and commit them: computed from now on, one pending if it samples."""
+    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int],
+             draft: tuple[int, ...] = ()) -> None:
+        """Schedule num_new tokens of seq and commit them: computed from now on, one pending if it samples.
+        With a draft, the tokens are seq's last known one and the draft: all computed until the result says
+        how many stand (update)."""
         start = seq.num_computed_tokens
         self.kv.drop_out_of_window(seq, start)
         known = len(seq.token_ids)
-        do_sample = start + num_new == known + seq.num_pending
-        item = ScheduledSeq(seq, start, num_new, do_sample, seq.epoch)
-        if start + num_new > known:  # its input is the token the step in flight samples
+        do_sample = start + num_new == known + seq.num_pending or bool(draft)
+        item = ScheduledSeq(seq, start, num_new, do_sample, seq.epoch, draft=draft)
+        if draft:
+            if seq.num_pending or start + 1 != known or num_new != 1 + len(draft):
+                raise RuntimeError(f"{seq}: a draft follows the known last token, nothing else")
+        elif start + num_new > known:  # its input is the token the step in flight samples
             if seq.pending_step != out.step_id - 1 or start + num_new != known + 1:
                 raise RuntimeError(f"{seq}: step {out.step_id} would read a token not sampled by the "
                                    "previous step")

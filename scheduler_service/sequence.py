@@ -70,6 +70,12 @@ class SamplingOptions:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def may_draft(self) -> bool:
+        """Whether drafts can be verified for it: nothing that reads a token's context or asks for more
+        than the token (penalties, logprobs; a grammar is checked per sequence)."""
+        return not self.is_penalized and self.logprobs is None and self.prompt_logprobs is None
+
+    @property
     def has_bias(self) -> bool:
         return bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_ban))
 
@@ -105,6 +111,9 @@ class Sequence:
         self.last_token_time: float | None = None  # for the inter-token latency histogram
         # Structured output: the llguidance matcher that has consumed this sample's generated tokens.
         self.matcher = request.constraint.new_matcher() if request.constraint is not None else None
+        # Speculative decoding: its n-grams and draft length (scheduler_service/drafting.py), made at its
+        # first decode where it may draft.
+        self.drafter = None
 
     @property
     def prompt_len(self) -> int:

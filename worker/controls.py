@@ -54,25 +54,26 @@ class StepControls:
 
 
 def gather_controls(p: PlanArrays, rows: np.ndarray, block_tables: torch.Tensor,
-                    device: torch.device) -> StepControls:
+                    device: torch.device, table_rows: np.ndarray | None = None) -> StepControls:
     """The controls of the sampled `rows` (plan row indices) of a validated plan. block_tables: the step's
-    tables, already on the device."""
+    tables, already on the device; table_rows: each plan row's row in them, where they are not the plan's
+    (a drafting step's, worker/runner.py expand_drafts)."""
     c = StepControls()
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         # owned, writable
         return torch.from_numpy(np.array(a)).to(device=device, dtype=dtype, non_blocking=True)
 
-    if p.bias_offsets is not None:
-        counts = np.diff(p.bias_offsets.astype(np.int64))
-        owner = np.repeat(np.arange(p.num_seqs), counts)
-        position = np.full(p.num_seqs, -1, dtype=np.int64)
-        position[rows] = np.arange(rows.size)
-        keep = position[owner] >= 0
-        if keep.any():
-            c.bias_rows = dev(position[owner][keep], torch.int64)
-            c.bias_ids = dev(p.bias_token_ids[keep], torch.int64)
-            c.bias_values = dev(p.bias_values[keep], torch.float32)
+    if p.bias_offsets is not None:  # each of `rows` (a drafting row's repeat too) takes its plan row's list
+        offsets = p.bias_offsets.astype(np.int64)
+        counts = (offsets[1:] - offsets[:-1])[rows]
+        total = int(counts.sum())
+        if total:
+            ends = np.cumsum(counts)
+            entries = np.repeat(offsets[rows] - (ends - counts), counts) + np.arange(total)
+            c.bias_rows = dev(np.repeat(np.arange(rows.size), counts), torch.int64)
+            c.bias_ids = dev(p.bias_token_ids[entries], torch.int64)
+            c.bias_values = dev(p.bias_values[entries], torch.float32)
     if p.mask_rows is not None and p.token_bitmask is not None:
         which = p.mask_rows[rows]
         at = np.flatnonzero(which >= 0)
@@ -85,7 +86,8 @@ def gather_controls(p: PlanArrays, rows: np.ndarray, block_tables: torch.Tensor,
         if at.size:
             lens = p.seq_lens[rows[at]].astype(np.int64)
             c.penalty_rows = dev(at, torch.int64)
-            c.penalty_tables = block_tables[dev(rows[at], torch.int64)]
+            tables_at = rows[at] if table_rows is None else table_rows[rows[at]]
+            c.penalty_tables = block_tables[dev(tables_at, torch.int64)]
             c.penalty_lens = dev(lens, torch.int64)
             c.penalty_prompt_lens = dev(lens - p.sample_index[rows[at]], torch.int64)
             c.repetition = dev(rep[at], torch.float32)

@@ -99,6 +99,8 @@ def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
                             "targets")
         if ((targets < 0) | (targets >= vocab)).any():
             raise PlanError(f"a prompt logprob target outside the vocabulary [0, {vocab})")
+    if p.num_draft is not None:
+        validate_drafts(p, q_lens)
     if p.mask_follows and (p.mask_rows is None or p.token_bitmask is not None):
         raise PlanError("a plan whose masks follow it carries mask_rows and no token_bitmask")
     if p.mask_rows is not None and not p.mask_follows:
@@ -108,3 +110,34 @@ def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
         if masks and p.token_bitmask.shape[1] * 32 < vocab:
             raise PlanError(f"token_bitmask rows have {p.token_bitmask.shape[1]} words; {vocab} tokens need "
                             f"{(vocab + 31) // 32}")
+
+
+def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
+    """A drafting row samples, ends with its draft after one token that is not drafted (all its tokens:
+    its K/V before them is in the pool), keys its draws by a token index the draft fits under, and uses no
+    control that reads its context or asks for more than its token (penalties, masks, logprobs)."""
+    nd = p.num_draft
+    if (nd < 0).any():
+        raise PlanError("num_draft must be >= 0")
+    rows = nd > 0
+    if not rows.any():
+        return
+    if (~p.do_sample[rows]).any() or (q_lens[rows] != nd[rows] + 1).any():
+        raise PlanError("a drafting row samples and holds its last known token and its draft, nothing more")
+    if (p.sample_index[rows] < nd[rows]).any():
+        raise PlanError("a drafting row's sample_index must count its drafted tokens")
+    if p.prev_rows is not None:
+        starts = p.query_start_loc[:-1][rows].astype(np.int64)
+        spans = np.concatenate([np.arange(a, a + q) for a, q in zip(starts, q_lens[rows], strict=True)])
+        if (p.prev_rows[spans] >= 0).any():
+            raise PlanError("a drafting row's tokens must all be known (none from the step in flight)")
+    uses = [("penalties", p.repetition_penalty is not None and (
+                (p.repetition_penalty[rows] != 1) | (p.presence_penalty[rows] != 0)
+                | (p.frequency_penalty[rows] != 0)).any()),
+            ("a structured-output mask", p.mask_rows is not None and (p.mask_rows[rows] >= 0).any()),
+            ("logprobs", p.logprobs is not None and (p.logprobs[rows] >= 0).any()),
+            ("prompt logprobs", p.prompt_logprob_counts is not None
+             and (p.prompt_logprob_counts[rows] > 0).any())]
+    for what, used in uses:
+        if used:
+            raise PlanError(f"a drafting row may not use {what}")

@@ -31,14 +31,60 @@ class Staged:
     """A step's inputs on the device, where the forward reads them."""
 
     rows: np.ndarray  # the plan rows that sample
+    logit_owner: np.ndarray  # the plan row of each logits row: `rows`, a drafting row once per position
     graphed: bool  # a decode graph replays this step
     token_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
-    last_rows: torch.Tensor  # the token row each sampling row's logits come from
+    last_rows: torch.Tensor  # the token row each logits row comes from
     step: StepInputs | None  # the eager forward's inputs (None when a graph replays)
+    drafts: Drafts | None = None  # the rows that verify drafts
+
+
+@dataclass
+class Drafts:
+    """A step's drafting rows (protos/wire.proto StepPlan.num_draft), as acceptance reads them."""
+
+    rows: torch.Tensor  # int64 [D]: the plan rows that draft
+    first: torch.Tensor  # int64 [D]: each one's first logits row
+    counts: torch.Tensor  # int64 [D]: tokens drafted
+    tokens: torch.Tensor  # int64 [D, K]: the drafted tokens, -1 past each row's count
+    offsets: np.ndarray  # int32 [L]: each logits row's place in its row's draft positions (0 for others)
+    table_rows: np.ndarray  # int64 [S]: each plan row's first row in the step's (expanded) block tables
+
+
+def accept_drafts(sampled: torch.Tensor, d: Drafts, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+    """Speculative acceptance, on the device: a drafted token stands while it equals the token sampled at
+    the position before it (keyed by the same seed and token index as without drafts, so the answer is the
+    one speculation off draws, token for token, greedy or sampled); the row's token is then the one sampled
+    after the last accepted draft. `tokens` [S] and `accepted` [S] are written at the drafting rows."""
+    k = d.tokens.shape[1]
+    at = d.first[:, None] + torch.arange(k, device=sampled.device)[None, :]
+    at = torch.minimum(at, torch.tensor(sampled.shape[0] - 1, device=sampled.device))
+    same = (sampled[at] == d.tokens) & (d.tokens >= 0)
+    n = torch.cumprod(same.to(torch.int64), dim=1).sum(dim=1)
+    tokens[d.rows] = sampled[d.first + n]
+    accepted[d.rows] = n
+
+
+def expand_drafts(p: PlanArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The plan's rows with each drafting row cut into one decode row per token (each reads the row's table
+    up to its own position): (owner plan row, seq_lens, query_start_loc) of the rows the forward runs. The
+    K/V of every token of a step is written before any is attended to, so a token reads exactly the keys
+    before it, as in one row, and a step of decodes and drafts stays a decode step (graphs, fused step)."""
+    q_lens = np.diff(p.query_start_loc.astype(np.int64))
+    split = p.num_draft > 0
+    per_row = np.where(split, q_lens, 1)
+    owner = np.repeat(np.arange(p.num_seqs), per_row)
+    first_of_row = np.cumsum(per_row) - per_row
+    j = np.arange(owner.size) - first_of_row[owner]  # place within the plan row
+    seq_lens = np.where(split[owner], p.seq_lens[owner] - q_lens[owner] + j + 1, p.seq_lens[owner])
+    ex_q = np.where(split[owner], 1, q_lens[owner])
+    qsl = np.zeros(owner.size + 1, dtype=np.int64)
+    np.cumsum(ex_q, out=qsl[1:])
+    return owner, seq_lens.astype(np.int32), qsl.astype(np.int32)
 
 
 @dataclass
@@ -47,7 +93,9 @@ class InFlight:
 
     step_id: int
     do_sample: np.ndarray  # bool [S]
-    host_tokens: torch.Tensor  # int64 [S], pinned on CUDA; -1 where a row does not sample
+    # int64 [S] (then [S] drafted tokens accepted, when the step drafts), pinned on CUDA; -1 where a row
+    # does not sample
+    host_tokens: torch.Tensor
     clock: StepClock
     logprobs: object
     prompt_logprobs: object
@@ -109,7 +157,13 @@ class ModelRunner:
         logprobs = prompt_logprobs = None
         if p.prompt_logprobs is not None:  # every rank computes them too: compute_logits is a collective
             prompt_logprobs = self._prompt_logprobs(p, all_logits, hidden)
-        tokens = torch.full((p.num_seqs,), -1, dtype=torch.int64, device=self.device)
+        # the step's tokens, then (when it drafts) how many drafted tokens each row accepted
+        drafting = s.drafts is not None
+        out = torch.full((2 * p.num_seqs if drafting else p.num_seqs,), -1, dtype=torch.int64,
+                         device=self.device)
+        tokens, accepted = out[:p.num_seqs], (out[p.num_seqs:] if drafting else None)
+        if drafting:
+            accepted.zero_()
         if s.rows.size:  # every rank of a group sees the same plan, so all of them take this branch or none
             raw = all_logits[s.last_rows] if s.graphed else self.model.compute_logits(hidden[s.last_rows])
             clock.mark("logits")
@@ -118,11 +172,11 @@ class ModelRunner:
                 t_mask = time.perf_counter()
                 p.token_bitmask = check_mask(await_mask(plan.step_id), p, self.config.vocab_size)
                 t2 += time.perf_counter() - t_mask  # waiting is neither forward nor sampling
-            logprobs = self._sample(p, s, raw, tokens)
+            logprobs = self._sample(p, s, raw, tokens, accepted)
         else:
             clock.mark("logits")
-        host = self._host_tokens(p.num_seqs)
-        host.copy_(tokens, non_blocking=True)
+        host = self._host_tokens(out.numel())
+        host.copy_(out, non_blocking=True)
         clock.mark("end")  # finish waits for this, not for what is queued after it
         t3 = time.perf_counter()
         self._last_tokens, self._last_sampled_rows = tokens, p.do_sample.copy()
@@ -148,13 +202,24 @@ class ModelRunner:
 
     def _stage(self, p: PlanArrays, pending: bool) -> Staged:
         """Every host array of the step in one transfer (the logits' row index included), the tokens of the
-        step before read where they are, block copies and the pool's token record queued."""
-        q_lens = np.diff(p.query_start_loc)
+        step before read where they are, block copies and the pool's token record queued. Drafting rows run
+        as one decode row a token (expand_drafts), with logits at each of their tokens."""
         rows = np.flatnonzero(p.do_sample)
-        arrays = [(p.block_tables, torch.int32), (p.seq_lens, torch.int32), (p.query_start_loc, torch.int32),
+        tables, seq_lens_h, qsl_h = p.block_tables, p.seq_lens, p.query_start_loc
+        ends = p.query_start_loc[1:].astype(np.int64) - 1
+        logit_rows, owner, drafted = ends[rows], rows, None
+        if p.num_draft is not None and (p.num_draft > 0).any():
+            ex_owner, seq_lens_h, qsl_h = expand_drafts(p)
+            tables = p.block_tables[ex_owner]
+            per_row = np.where(p.num_draft[rows] > 0, p.num_draft[rows] + 1, 1)
+            owner = np.repeat(rows, per_row)
+            offsets = np.arange(owner.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+            logit_rows = ends[owner] - p.num_draft[owner] + offsets
+            drafted = offsets
+        q_lens = np.diff(qsl_h)
+        arrays = [(tables, torch.int32), (seq_lens_h, torch.int32), (qsl_h, torch.int32),
                   (p.token_ids, torch.int64), (p.positions, torch.int64), (p.slot_mapping, torch.int64),
-                  (p.block_copies, torch.int64),
-                  ((p.query_start_loc[1:].astype(np.int64) - 1)[rows], torch.int64)]
+                  (p.block_copies, torch.int64), (logit_rows, torch.int64)]
         if pending:
             arrays.append((p.prev_rows, torch.int64))
         staged = self.staging.put(arrays)
@@ -162,33 +227,64 @@ class ModelRunner:
         if pending:  # tokens the step in flight (or done) sampled, read where they are
             prev = staged[8]
             token_ids = torch.where(prev >= 0, self._last_tokens[prev.clamp(min=0)].clamp(min=0), token_ids)
-        graphed = self.graphs is not None and self.graphs.covers(q_lens, p.seq_lens)
+        graphed = self.graphs is not None and self.graphs.covers(q_lens, seq_lens_h)
         step = None
         if not graphed:
             meta = self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size,
-                                     max_seq_len=int(p.seq_lens.max()), max_q_len=int(q_lens.max()),
+                                     max_seq_len=int(seq_lens_h.max()), max_q_len=int(q_lens.max()),
                                      host_q_lens=q_lens)
             step = StepInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
                               attn_meta=meta)
         self.pool.copy_blocks(copies)
         self.pool.record_tokens(slot_mapping, token_ids)
-        return Staged(rows, graphed, token_ids, positions, slot_mapping, block_tables, seq_lens, last_rows,
-                      step)
+        drafts = self._drafts(p, rows, owner, drafted, ex_owner) if drafted is not None else None
+        return Staged(rows, owner, graphed, token_ids, positions, slot_mapping, block_tables, seq_lens,
+                      last_rows, step, drafts)
 
-    def _sample(self, p: PlanArrays, s: Staged, raw: torch.Tensor, tokens: torch.Tensor):
-        """The request controls on the sampling rows' logits, the draw written into `tokens` on the device,
-        and the logprobs asked for (None when none were)."""
-        rows = s.rows
-        logits = apply_controls(raw, gather_controls(p, rows, s.block_tables, self.device), self.pool)
+    def _drafts(self, p: PlanArrays, rows: np.ndarray, owner: np.ndarray, offsets: np.ndarray,
+                ex_owner: np.ndarray) -> Drafts:
+        """What acceptance needs of a drafting step's rows: their first logits rows and drafted tokens."""
+        nd = p.num_draft.astype(np.int64)
+        which = np.flatnonzero(nd[rows] > 0)
+        drafting = rows[which]
+        first = np.searchsorted(owner, drafting)  # owner is sorted: a row's logits rows are contiguous
+        counts = nd[drafting]
+        k = int(counts.max())
+        ends = p.query_start_loc[1:].astype(np.int64)[drafting]
+        at = ends[:, None] - counts[:, None] + np.arange(k)[None, :]
+        tokens = np.where(np.arange(k)[None, :] < counts[:, None],
+                          p.token_ids[np.minimum(at, p.num_tokens - 1)], -1).astype(np.int64)
+        dev = self.device
+        return Drafts(torch.from_numpy(drafting.astype(np.int64)).to(dev), torch.from_numpy(first).to(dev),
+                      torch.from_numpy(counts).to(dev), torch.from_numpy(tokens).to(dev),
+                      offsets.astype(np.int32), np.searchsorted(ex_owner, np.arange(p.num_seqs)))
+
+    def _sample(self, p: PlanArrays, s: Staged, raw: torch.Tensor, tokens: torch.Tensor,
+                accepted: torch.Tensor | None):
+        """The request controls on the logits, the draw written into `tokens` on the device (and, for drafting
+        rows, how many drafted tokens it accepted into `accepted`), and the logprobs asked for (None when
+        none were)."""
+        rows, owner = s.rows, s.logit_owner
+        table_rows = s.drafts.table_rows if s.drafts is not None else None
+        logits = apply_controls(raw, gather_controls(p, owner, s.block_tables, self.device, table_rows),
+                                self.pool)
+        index = p.sample_index[owner]
+        if s.drafts is not None:  # the token at draft position j is the (index - drafted + j)-th generated
+            index = index - p.num_draft[owner] + s.drafts.offsets
         batch = SamplingBatch(
-            temperature=torch.from_numpy(p.temperature[rows].copy()),
-            top_p=torch.from_numpy(p.top_p[rows].copy()),
-            top_k=torch.from_numpy(p.top_k[rows].astype(np.int64)),
-            seeds=[int(x) for x in p.seed[rows]],
-            sample_index=p.sample_index[rows].tolist(),
-            min_p=torch.from_numpy(p.min_p[rows].copy()) if p.min_p is not None else None,
+            temperature=torch.from_numpy(p.temperature[owner].copy()),
+            top_p=torch.from_numpy(p.top_p[owner].copy()),
+            top_k=torch.from_numpy(p.top_k[owner].astype(np.int64)),
+            seeds=[int(x) for x in p.seed[owner]],
+            sample_index=index.tolist(),
+            min_p=torch.from_numpy(p.min_p[owner].copy()) if p.min_p is not None else None,
         )
         sampled = sample_async(logits, batch)
+        if s.drafts is not None:
+            last = torch.from_numpy(np.flatnonzero(np.append(owner[1:] != owner[:-1], True))).to(self.device)
+            tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled[last]
+            accept_drafts(sampled, s.drafts, tokens, accepted)
+            return None  # drafting rows ask for no logprobs; the others' come from their only logits row
         tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled
         ks = p.logprobs[rows] if p.logprobs is not None else np.zeros(0, dtype=np.int32)
         at = np.flatnonzero(ks >= 0)
@@ -203,6 +299,8 @@ class ModelRunner:
         t = time.perf_counter()
         f.clock.wait()
         sampled = f.host_tokens.numpy().astype(np.int32)
+        num_seqs = f.do_sample.shape[0]
+        sampled, accepted = sampled[:num_seqs], (sampled[num_seqs:] if sampled.shape[0] > num_seqs else None)
         try:
             if f.depends_on and f.depends_on in self._failed_steps:
                 raise StepDependencyError(f"step {f.step_id} took its tokens from step {f.depends_on}, which "
@@ -217,7 +315,8 @@ class ModelRunner:
         waited = time.perf_counter() - t
         forward, sampling = f.clock.split(f.host_forward, f.host_sample + waited)
         return encode_result(f.step_id, sampled, logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs,
-                             time_prepare=f.time_prepare, time_forward=forward, time_sample=sampling)
+                             num_accepted=accepted, time_prepare=f.time_prepare, time_forward=forward,
+                             time_sample=sampling)
 
     # --- the previous step's tokens, on the device ------------------------------------------------
     @property
