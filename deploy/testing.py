@@ -129,9 +129,19 @@ class SimulatedWorker:
         self.num_steps = 0
         self.last_step_id = 0
         self.last_sampled: np.ndarray | None = None  # kept for the next plan's pending tokens (overlap)
+        self.last_accepted: list[int] | None = None  # drafted tokens each row of the last step accepted
+
+    def step(self, sched, out) -> list:
+        """Plan, run and apply one scheduler step (its drafts' acceptance included): the new tokens."""
+        from protos.codec import encode_plan
+
+        tokens = self.execute(encode_plan(sched.build_plan(out)))
+        return sched.update(out, tokens, self.last_accepted)
 
     def execute(self, plan: wire_pb2.StepPlan) -> list[int]:
-        """Run a plan as it comes off the wire; -1 for rows that do not sample."""
+        """Run a plan as it comes off the wire; -1 for rows that do not sample. A drafting row's drafted
+        tokens stand while each is the token the model gives at its position (`last_accepted` says how
+        many), and its token is the one after them, as the worker's sampler does."""
         self.num_steps += 1
         p = decode_plan(plan)
         token_ids = resolve_tokens(p, self.last_step_id, self.last_sampled)
@@ -144,19 +154,32 @@ class SimulatedWorker:
         for src, dst in p.block_copies:  # copy-on-write, before the step's writes
             self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
         self.pool[p.slot_mapping] = token_ids
-        out = []
+        out, accepted = [], [0] * p.num_seqs
         for i in range(p.num_seqs):
             if not p.do_sample[i]:
                 out.append(-1)
                 continue
-            pos = np.arange(max(int(p.seq_lens[i]) - self.window, 0) if self.window else 0, p.seq_lens[i])
-            assert (tables[i][pos // bs] >= 0).all(), "a block the window reads was given back"
-            ctx = self.pool[tables[i][pos // bs] * bs + pos % bs]
-            assert (ctx >= 0).all(), "read a slot that was never written"
+            drafted = int(p.num_draft[i]) if p.num_draft is not None else 0
             seed = int(p.seed[i]) if p.temperature[i] > 0 else None
-            out.append(next_token(ctx.tolist(), seed, int(p.sample_index[i])))
+            for j in range(drafted + 1):  # each draft position in turn, then the token after the draft
+                end = int(p.seq_lens[i]) - drafted + j
+                token = next_token(self._context(tables[i], end), seed, int(p.sample_index[i]) - drafted + j)
+                if j == drafted or token != token_ids[qsl[i + 1] - drafted + j]:
+                    break
+                accepted[i] += 1
+            out.append(token)
         self.last_step_id, self.last_sampled = p.step_id, np.asarray(out, dtype=np.int32)
+        self.last_accepted = accepted if p.num_draft is not None else None
         return out
+
+    def _context(self, table: np.ndarray, end: int) -> list[int]:
+        """The tokens the model reads for the token at position `end` (its window's, with one)."""
+        bs = self.block_size
+        pos = np.arange(max(end - self.window, 0) if self.window else 0, end)
+        assert (table[pos // bs] >= 0).all(), "a block the window reads was given back"
+        ctx = self.pool[table[pos // bs] * bs + pos % bs]
+        assert (ctx >= 0).all(), "read a slot that was never written"
+        return ctx.tolist()
 
 
 class Pipeline:
@@ -181,12 +204,23 @@ class Pipeline:
         if self.sched.has_work and len(self.inflight) < self.depth:
             out = self.sched.schedule()
             if not out.is_empty:
-                self.inflight.append((out, self.worker.execute(encode_plan(self.sched.build_plan(out)))))
+                tokens = self.worker.execute(encode_plan(self.sched.build_plan(out)))
+                self.inflight.append((out, tokens, self.worker.last_accepted))
                 launched = True
         if self.inflight and (len(self.inflight) == self.depth or not launched):
-            out, tokens = self.inflight.pop(0)
-            for seq, token in self.sched.update(out, tokens):
+            out, tokens, accepted = self.inflight.pop(0)
+            new = self.sched.update(out, tokens, accepted)
+            for i, (seq, token) in enumerate(new):
+                if seq.is_finished:  # by a stop among this step's tokens: the rest are not its
+                    continue
+                # on_token sees the sequence as it was when this token came (an accepted draft's tokens
+                # come together), and if it ends the sequence, those after it are dropped
+                later = sum(1 for s, _ in new[i + 1:] if s is seq)
+                after = seq.token_ids[len(seq.token_ids) - later:]
+                del seq.token_ids[len(seq.token_ids) - later:]
                 self.on_token(seq, token)
+                if not seq.is_finished:
+                    seq.token_ids.extend(after)
             return True
         return launched
 

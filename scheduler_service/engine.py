@@ -321,18 +321,13 @@ class Engine:
             if lp is not None:
                 lp.token_id = token
             delta, reason = stream.samples[seq.index].add_token(token, lp)
-            if reason is not None:
-                later = sum(1 for s, _ in new_tokens[i + 1:] if s is seq)  # an accepted draft's tail
-                if later:
-                    del seq.token_ids[-later:]
-                sched.finish(seq, reason)
+            if reason is not None:  # its tokens after this one (an accepted draft's) are dropped
+                sched.finish(seq, reason, drop=sum(1 for s, _ in new_tokens[i + 1:] if s is seq))
             self._emit(stream, delta)
         self.metrics.on_step(replica.index, seconds, len(new_tokens), out.num_prefill_tokens,
                              len(out.preempted),
                              len(sched.running), len(sched.waiting), sched.allocator.num_available_blocks,
-                             sched.num_blocks)
-        if out.num_draft_rows:
-            self.metrics.on_drafts(replica.index, out.num_draft_rows, out.num_drafted, out.num_accepted)
+                             sched.num_blocks, (out.num_draft_rows, out.num_drafted, out.num_accepted))
         if sched.allocator.events:
             self.kv_events.collect(replica.index, sched.allocator.events)
 

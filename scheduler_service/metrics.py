@@ -73,7 +73,9 @@ class Metrics:
         return server.server_port
 
     def on_step(self, replica: int, seconds: float, num_sampled: int, num_prefill: int, num_preempted: int,
-                running: int, waiting: int, free_blocks: int, total_blocks: int) -> None:
+                running: int, waiting: int, free_blocks: int, total_blocks: int,
+                drafts: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """drafts: rows that verified a draft, tokens drafted, drafted tokens accepted."""
         label = str(replica)
         self.step.labels(label).observe(seconds)
         self.generation_tokens.labels(label).inc(num_sampled)
@@ -84,13 +86,11 @@ class Metrics:
         self.waiting.labels(label).set(waiting)
         self.blocks_free.labels(label).set(free_blocks)
         self.blocks_total.labels(label).set(total_blocks)
+        if drafts[0]:
+            self.draft_rows.labels(label).inc(drafts[0])
+            self.draft_tokens.labels(label).inc(drafts[1])
+            self.accepted_tokens.labels(label).inc(drafts[2])
         self.kv_usage.labels(label).set((total_blocks - free_blocks) / total_blocks if total_blocks else 0.0)
-
-    def on_drafts(self, replica: int, rows: int, drafted: int, accepted: int) -> None:
-        label = str(replica)
-        self.draft_rows.labels(label).inc(rows)
-        self.draft_tokens.labels(label).inc(drafted)
-        self.accepted_tokens.labels(label).inc(accepted)
 
     def on_token_gap(self, replica: int, seconds: float) -> None:
         self.itl.labels(str(replica)).observe(seconds)

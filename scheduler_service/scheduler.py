@@ -145,9 +145,12 @@ class Scheduler:
                 self.finish(seq, FinishReason.ABORT)
         return request
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, drop: int = 0) -> None:
+        """End seq; `drop`: its last tokens came after the one that ended it (a draft's) and are not its."""
         if seq.is_finished:
             return
+        if drop:
+            del seq.token_ids[-drop:]
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in seq.request.pending_forks:
@@ -205,10 +208,16 @@ class Scheduler:
                 budget -= 1
                 continue
             kv.drop_out_of_window(seq, pos)  # blocks behind the window go back before any is asked for
-            num_new = self._reserve(seq, 1 + len(draft), scheduled, out)
-            if num_new:
-                self._add(out, seq, num_new, scheduled, tuple(draft[:num_new - 1]))
-                budget -= num_new
+            if draft:  # a draft takes free blocks only: it never preempts anyone, or it is dropped
+                copies = kv.allocate_slots(seq, 1 + len(draft))
+                if copies is not None:
+                    out.block_copies.extend(copies)
+                    self._add(out, seq, 1 + len(draft), scheduled, tuple(draft))
+                    budget -= 1 + len(draft)
+                    continue
+            if self._reserve(seq, 1, scheduled, out):
+                self._add(out, seq, 1, scheduled)
+                budget -= 1
         for seq in prefills:
             if budget == 0:
                 break

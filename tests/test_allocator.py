@@ -28,7 +28,8 @@ def test_paged_vs_static_accounting():
 
 
 def test_page_table_grows_exactly_at_block_boundaries():
-    sched = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64), 16, 256)
+    sched = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                      speculative="off"), 16, 256)  # a token a step
     req = Request("r", [1, 2, 3], SamplingOptions(max_tokens=10))
     sched.add_request(req)
     seq = req.seqs[0]

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from deploy.testing import Pipeline, SimulatedWorker, expected_output
-from protos.codec import encode_plan
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.sequence import FinishReason, Request, SamplingOptions
@@ -25,7 +24,7 @@ def step(sched, worker):
     sched.check_invariants()
     if out.is_empty:
         return out
-    for seq, _ in sched.update(out, worker.execute(encode_plan(sched.build_plan(out)))):
+    for seq, _ in worker.step(sched, out):
         if seq.num_output_tokens >= seq.request.sampling.max_tokens:
             sched.finish(seq, FinishReason.LENGTH)
     sched.check_invariants()
@@ -60,7 +59,7 @@ def test_second_request_with_a_shared_prefix_reuses_cached_blocks():
     out = sched.schedule()
     assert out.scheduled[0].start == 28 and out.scheduled[0].num_new_tokens == 4  # 7 blocks reused
     assert second.cached_prompt_tokens == 28
-    sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
+    worker.step(sched, out)
     drain(sched, worker)
     assert second.seqs[0].output_token_ids == expected_output(system + [7, 8], 3)
     assert sched.prefix_cache_hits == 28
@@ -75,7 +74,7 @@ def test_a_fully_cached_prompt_still_recomputes_its_last_token():
         if rid == "b":
             # 3 blocks reused; the 4th holds the last prompt token, which is computed again
             assert (out.scheduled[0].start, out.scheduled[0].num_new_tokens) == (12, 4)
-        sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
+        worker.step(sched, out)
         drain(sched, worker)
 
 
@@ -86,7 +85,7 @@ def test_n_samples_share_prompt_blocks_and_copy_the_partial_block():
     sched.add_request(req)
     out = sched.schedule()
     # sample 0 prefilled, the others forked
-    sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
+    worker.step(sched, out)
     assert all(s.block_ids[:3] == req.seqs[0].block_ids[:3] for s in req.seqs)
     assert sched.allocator.refcount(req.seqs[0].block_ids[0]) == 4
     partial = req.seqs[0].block_ids[2]
@@ -94,7 +93,7 @@ def test_n_samples_share_prompt_blocks_and_copy_the_partial_block():
     # the shared partial block is copied before each write, but the last holder writes it in place
     assert [src for src, _ in out.block_copies] == [partial] * 3
     assert len({dst for _, dst in out.block_copies}) == 3
-    sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
+    worker.step(sched, out)
     shared = sched.request_blocks(req)
     assert shared < 4 * 3, "samples must share their prompt's full blocks"
     drain(sched, worker)
@@ -164,7 +163,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 overlap=st.booleans(), window=st.sampled_from([0, 0, 3, 7, 12]))
     def setup(self, num_blocks, block_size, budget, caching, chunked, overlap, window):
         self.max_len = num_blocks * block_size // 3  # every request fits the pool on its own
-        budget = budget if chunked else max(budget, self.max_len)
+        # without chunked prefill the budget holds the longest sequence (a preempted one is recomputed whole):
+        # a prompt of at most max_len // 2 tokens and 10 more
+        budget = budget if chunked else max(budget, self.max_len // 2 + 10)
         self.window = window  # > 0: a sliding-window model, whose blocks behind every window are given back
         self.sched, self.worker = make(num_blocks, block_size, budget, caching, chunked, max_seqs=8,
                                        window=window)
@@ -268,7 +269,7 @@ def test_a_cached_prefix_longer_than_the_window_shares_only_what_the_window_read
             seq = out.scheduled[0].seq
             assert out.scheduled[0].start == 40  # the whole cached prefix counts as computed
             assert seq.num_dropped_blocks == (40 - 6) // 4 and seq.block_ids[:8] == [-1] * 8
-        sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
+        worker.step(sched, out)
         drain(sched, worker)
     assert not sched.requests and sched.allocator.num_available_blocks == 40
 

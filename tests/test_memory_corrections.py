@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from protos import generation_pb2
-from protos.codec import encode_plan
 from scheduler_service.config import ModelSpec, SchedulerConfig
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.sequence import FinishReason, Request, SamplingOptions
@@ -84,7 +83,7 @@ def test_forks_respect_max_num_seqs():
             break
         out = sched.schedule()
         assert len(sched.running) <= 2 and len(out.scheduled) <= 2
-        for seq, _ in sched.update(out, worker.execute(encode_plan(sched.build_plan(out)))):
+        for seq, _ in worker.step(sched, out):
             if seq.num_output_tokens >= 5:
                 sched.finish(seq, FinishReason.LENGTH)
     assert not sched.has_work

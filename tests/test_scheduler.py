@@ -5,7 +5,6 @@ import random
 import pytest
 
 from deploy.testing import SimulatedWorker, expected_output
-from protos.codec import encode_plan
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.scheduler import DuplicateRequestId, Scheduler
 from scheduler_service.sequence import FinishReason, Request, SamplingOptions
@@ -27,8 +26,7 @@ def run_to_completion(sched, worker, arrivals, max_steps=10_000):
         sched.check_invariants()
         assert not out.is_empty, "a step with work to do scheduled nothing"
         assert out.num_tokens <= sched.config.max_num_batched_tokens
-        tokens = worker.execute(encode_plan(sched.build_plan(out)))
-        for seq, _ in sched.update(out, tokens):
+        for seq, _ in worker.step(sched, out):
             if seq.num_output_tokens >= seq.request.sampling.max_tokens:
                 sched.finish(seq, FinishReason.LENGTH)
         trace.append((len(sched.running), len(sched.waiting)))
@@ -75,7 +73,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_keeps_decodes_going():
     long = Request("long", list(range(1, 61)), SamplingOptions(max_tokens=3))
     sched.add_request(short)
     out = sched.schedule()
-    sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
+    worker.step(sched, out)
     sched.add_request(long)
     chunks = []
     while long.seqs[0].num_output_tokens == 0:
@@ -84,7 +82,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_keeps_decodes_going():
         assert "short" in ids, "a decode was stalled behind a long prompt"
         chunks.append(ids["long"].num_new_tokens)
         assert not ids["long"].do_sample or sum(chunks) == 60
-        sched.update(out, worker.execute(encode_plan(sched.build_plan(out))))
+        worker.step(sched, out)
     assert chunks == [15, 15, 15, 15]
     sched.abort_request("short")
     sched.abort_request("long")

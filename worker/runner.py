@@ -18,6 +18,7 @@ from worker.kv_pool import KVPool
 from worker.model import LlamaModel, StepInputs
 from worker.plan_checks import PlanError, check_mask, validate_plan
 from worker.sampler import NonFiniteLogits, SamplingBatch, check_sampled, sample_async
+from worker.speculation import Drafts, accept_drafts, expand_drafts, stage_drafts
 
 log = structlog.get_logger("worker.runner")
 
@@ -40,51 +41,7 @@ class Staged:
     seq_lens: torch.Tensor
     last_rows: torch.Tensor  # the token row each logits row comes from
     step: StepInputs | None  # the eager forward's inputs (None when a graph replays)
-    drafts: Drafts | None = None  # the rows that verify drafts
-
-
-@dataclass
-class Drafts:
-    """A step's drafting rows (protos/wire.proto StepPlan.num_draft), as acceptance reads them."""
-
-    rows: torch.Tensor  # int64 [D]: the plan rows that draft
-    first: torch.Tensor  # int64 [D]: each one's first logits row
-    counts: torch.Tensor  # int64 [D]: tokens drafted
-    tokens: torch.Tensor  # int64 [D, K]: the drafted tokens, -1 past each row's count
-    offsets: np.ndarray  # int32 [L]: each logits row's place in its row's draft positions (0 for others)
-    table_rows: np.ndarray  # int64 [S]: each plan row's first row in the step's (expanded) block tables
-
-
-def accept_drafts(sampled: torch.Tensor, d: Drafts, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
-    """Speculative acceptance, on the device: a drafted token stands while it equals the token sampled at
-    the position before it (keyed by the same seed and token index as without drafts, so the answer is the
-    one speculation off draws, token for token, greedy or sampled); the row's token is then the one sampled
-    after the last accepted draft. `tokens` [S] and `accepted` [S] are written at the drafting rows."""
-    k = d.tokens.shape[1]
-    at = d.first[:, None] + torch.arange(k, device=sampled.device)[None, :]
-    at = torch.minimum(at, torch.tensor(sampled.shape[0] - 1, device=sampled.device))
-    same = (sampled[at] == d.tokens) & (d.tokens >= 0)
-    n = torch.cumprod(same.to(torch.int64), dim=1).sum(dim=1)
-    tokens[d.rows] = sampled[d.first + n]
-    accepted[d.rows] = n
-
-
-def expand_drafts(p: PlanArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The plan's rows with each drafting row cut into one decode row per token (each reads the row's table
-    up to its own position): (owner plan row, seq_lens, query_start_loc) of the rows the forward runs. The
-    K/V of every token of a step is written before any is attended to, so a token reads exactly the keys
-    before it, as in one row, and a step of decodes and drafts stays a decode step (graphs, fused step)."""
-    q_lens = np.diff(p.query_start_loc.astype(np.int64))
-    split = p.num_draft > 0
-    per_row = np.where(split, q_lens, 1)
-    owner = np.repeat(np.arange(p.num_seqs), per_row)
-    first_of_row = np.cumsum(per_row) - per_row
-    j = np.arange(owner.size) - first_of_row[owner]  # place within the plan row
-    seq_lens = np.where(split[owner], p.seq_lens[owner] - q_lens[owner] + j + 1, p.seq_lens[owner])
-    ex_q = np.where(split[owner], 1, q_lens[owner])
-    qsl = np.zeros(owner.size + 1, dtype=np.int64)
-    np.cumsum(ex_q, out=qsl[1:])
-    return owner, seq_lens.astype(np.int32), qsl.astype(np.int32)
+    drafts: Drafts | None = None  # the rows that verify drafts (worker/speculation.py)
 
 
 @dataclass
@@ -237,27 +194,10 @@ class ModelRunner:
                               attn_meta=meta)
         self.pool.copy_blocks(copies)
         self.pool.record_tokens(slot_mapping, token_ids)
-        drafts = self._drafts(p, rows, owner, drafted, ex_owner) if drafted is not None else None
+        drafts = (stage_drafts(p, rows, owner, drafted, ex_owner, self.device) if drafted is not None
+                  else None)
         return Staged(rows, owner, graphed, token_ids, positions, slot_mapping, block_tables, seq_lens,
                       last_rows, step, drafts)
-
-    def _drafts(self, p: PlanArrays, rows: np.ndarray, owner: np.ndarray, offsets: np.ndarray,
-                ex_owner: np.ndarray) -> Drafts:
-        """What acceptance needs of a drafting step's rows: their first logits rows and drafted tokens."""
-        nd = p.num_draft.astype(np.int64)
-        which = np.flatnonzero(nd[rows] > 0)
-        drafting = rows[which]
-        first = np.searchsorted(owner, drafting)  # owner is sorted: a row's logits rows are contiguous
-        counts = nd[drafting]
-        k = int(counts.max())
-        ends = p.query_start_loc[1:].astype(np.int64)[drafting]
-        at = ends[:, None] - counts[:, None] + np.arange(k)[None, :]
-        tokens = np.where(np.arange(k)[None, :] < counts[:, None],
-                          p.token_ids[np.minimum(at, p.num_tokens - 1)], -1).astype(np.int64)
-        dev = self.device
-        return Drafts(torch.from_numpy(drafting.astype(np.int64)).to(dev), torch.from_numpy(first).to(dev),
-                      torch.from_numpy(counts).to(dev), torch.from_numpy(tokens).to(dev),
-                      offsets.astype(np.int32), np.searchsorted(ex_owner, np.arange(p.num_seqs)))
 
     def _sample(self, p: PlanArrays, s: Staged, raw: torch.Tensor, tokens: torch.Tensor,
                 accepted: torch.Tensor | None):
