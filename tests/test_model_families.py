@@ -1,6 +1,6 @@
 """Model families beyond Llama served end to end, each equal to transformers token for token: tiny random
-models of the family made here, a server that chunks prompts, caches prefixes and preempts, and
-generations long enough to cross the family's sliding window several times."""
+models of the family made here, a server that chunks prompts, caches prefixes, preempts and verifies drafts,
+and generations long enough to cross the family's sliding window several times."""
 
 from __future__ import annotations
 
@@ -61,9 +61,9 @@ def family(request, tmp_path_factory, server_factory):
     fields, windows, flags = FAMILIES[name]
     folder = make_tiny_llama(tmp_path_factory.mktemp(f"tiny-{name}"), seed=3, family=name, **fields)
     # blocks of 4, 16 tokens a step (prompts go in chunks), a pool too small for all requests at once (they
-    # wait, and are preempted), prefix caching on
+    # wait, and are preempted), prefix caching on, drafts verified in every step
     server = server_factory(folder, "--block-size", "4", "--max-num-batched-tokens", "16",
-                            "--max-num-seqs", "8", "--metrics-port", "-1", *flags)
+                            "--max-num-seqs", "8", "--metrics-port", "-1", "--speculative", "ngram", *flags)
     return name, folder, windows, server
 
 
@@ -91,12 +91,13 @@ def test_greedy_outputs_equal_transformers_across_windows_chunks_cache_and_preem
     items = workload(seed=11)  # every greedy choice at least 2.7e-3 ahead of the next (no near-ties)
     expected = {rid: hf_greedy(folder, prompt, max_tokens) for rid, prompt, max_tokens, _ in items}
     before = server.stats()
-    for _ in range(2):  # the second round finds the shared prefixes cached
+    for _ in range(2):  # the second round finds the shared prefixes cached, and drafts the first's answers
         results = submit_all(server, items, stream=True)
         assert {rid: r[0] for rid, r in results.items()} == expected
         assert_all_blocks_back(server)
     after = server.stats()
     assert after.prefix_cache_hits > before.prefix_cache_hits
+    assert after.num_accepted_draft_tokens > before.num_accepted_draft_tokens
     if not all(FAMILIES[name][1]):  # every block kept: the pool is too small for all of them at once
         assert after.num_preemptions > before.num_preemptions
 

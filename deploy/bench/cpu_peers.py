@@ -147,13 +147,14 @@ def peak_rss(pid: int) -> int:
 
 
 class LlamaServer:
-    def __init__(self, binary: Path, gguf: Path, slots: int, context_per_slot: int, threads: int, log: Path):
+    def __init__(self, binary: Path, gguf: Path, slots: int, context_per_slot: int, threads: int, log: Path,
+                 *extra: str):
         self.port = free_port()
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
              "-c", str(slots * context_per_slot), "-t", str(threads), "-tb", str(threads), "--cont-batching",
-             "--no-webui"], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+             "--no-webui", *extra], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def wait(self, timeout: float = 300) -> LlamaServer:
