@@ -97,7 +97,7 @@ class SharedNgrams:
 class DraftLength:
     """How many tokens to draft for one sequence: the most that paid lately. Each verification reports how
     many of the drafted tokens were accepted; the length follows a running mean of accepted tokens a step,
-    and a sequence whose drafts keep failing pauses drafting (`pause` steps) rather than pay for them."""
+    and a sequence whose drafts keep failing pauses drafting (for `pause` tokens) rather than pay for them."""
 
     def __init__(self, max_k: int, decay: float = 0.5, pause: int = 8) -> None:
         if max_k < 1 or not 0.0 < decay < 1.0 or pause < 0:
@@ -109,9 +109,12 @@ class DraftLength:
     def next(self) -> int:
         """Tokens to draft this step (0: decode one token the plain way)."""
         if self.paused:
-            self.paused -= 1
             return 0
         return max(1, min(self.max_k, round(self.mean_accepted) + 1))
+
+    def tick(self, tokens: int = 1) -> None:
+        """The sequence got `tokens` more: a pause runs down by them."""
+        self.paused = max(0, self.paused - tokens)
 
     def record(self, drafted: int, accepted: int) -> None:
         if not 0 <= accepted <= drafted:
@@ -136,8 +139,9 @@ class SequenceDrafter:
         self.shared = shared
         self.expects = False
 
-    def append(self, tokens: Iterable[int]) -> None:
+    def append(self, tokens: list[int] | tuple[int, ...]) -> None:
         self.index.extend(tokens)
+        self.length.tick(len(tokens))
 
     def propose(self, k: int) -> list[int]:
         """Up to k drafted tokens from the longest suffix match: the sequence's own n-grams, or those of

@@ -154,6 +154,40 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_drafting_rows_as_decode_rows_equal_their_tokens_as_one_prompt_chunk(tmp_path, kind, kv_dtype):
+    """A drafting sequence's tokens run as one decode row each (worker/speculation.py), whose keys the fused
+    step reads once for the run: the same hidden states and K/V as those tokens as one chunk on the layer
+    path (causal over the chunk, windows included: mistral's 20 keys are crossed inside the run)."""
+    from worker.speculation import expand_drafts
+
+    model, config = _model(tmp_path, kind)
+    seqs = [(6, 40), (1, 17), (4, 60), (16, 90)]  # 16 rows: a run longer than one item's tile where hd is big
+    want, want_pool = _run(model, config, seqs, fused=False, kv_dtype=kv_dtype)
+    p, blocks = _step(seqs)
+    p.num_draft = np.array([q - 1 for q, _ in seqs], dtype="<i4")
+    owner, seq_lens, qsl = expand_drafts(p)
+    pool = KVPool(config, blocks + 1, BLOCK, kv_dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    for t in pool.k + pool.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    attn = make_backend("cpu", torch.device("cpu"), (config.num_heads, config.num_kv_heads, config.head_dim,
+                                                     BLOCK, torch.float32, kv_dtype))
+    lens = torch.from_numpy(seq_lens)
+    tables = torch.from_numpy(p.block_tables[owner].copy())
+    step = StepInputs(torch.from_numpy(p.token_ids.astype("int64")),
+                      torch.from_numpy(p.positions.astype("int64")),
+                      torch.from_numpy(p.slot_mapping.astype("int64")),
+                      attn.prepare(tables, lens, torch.from_numpy(qsl), BLOCK, int(lens.max()), 1))
+    assert model.fused.covers(step, p.num_tokens)
+    with torch.inference_mode():
+        got = model(step, pool, attn).clone()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for a, b in zip(pool.k + pool.v, want_pool.k + want_pool.v, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
 def test_on_a_bf16_kv_pool_the_fused_step_writes_the_same_bits_and_attends_as_the_layer_path(tmp_path, kind):
     """--kv-cache-dtype bf16: the step's K/V rounded to bf16 as torch rounds them (nearest even, bit for bit
     against the fp32 pool's values), and attention over the bf16 keys (contexts across blocks, a sliding

@@ -26,6 +26,10 @@
 #include "kv_rows.h"
 #include "rows.h"
 
+void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
+                             float* out, int64_t start, int32_t q_len, int32_t seq_len, const int32_t* table,
+                             int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
+                             float scale, int32_t window, float softcap, int32_t kv_bf16);
 void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
                             int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
@@ -183,6 +187,13 @@ static int matrix_served(const PsMatrix* w, int64_t out_dim, int64_t in_dim) {
     return total == out_dim && w->out_dim == out_dim && w->in_dim == in_dim;
 }
 
+/* Whether two rows' tables name the same blocks for the first `len` keys. */
+static int same_table(const int32_t* a, const int32_t* b, int32_t len, int32_t block_size) {
+    for (int32_t i = 0; i < (len + block_size - 1) / block_size; i++)
+        if (a[i] != b[i]) return 0;
+    return 1;
+}
+
 /* One head of one token in place: bias, RMSNorm over the head (q/k norm), rotate-half RoPE over its first
    2 * rotary_half values. */
 static void head_prologue(float* v, const float* bias, const float* norm, const float* c, const float* s,
@@ -228,6 +239,23 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
        where there are sequences enough to keep every thread busy, else one KV head of a sequence */
     const int64_t att_heads = rows >= 4 * omp_get_max_threads() ? pagedserve_decode_heads_per_item((int)nh, (int)nkv, (int)hd) : 1;
     const int64_t att_split = (nkv + att_heads - 1) / att_heads;
+    /* Runs of rows that are one sequence's consecutive tokens (a drafting sequence's: the same table, each row
+       one key longer): their keys are read once for the run (pagedserve_prefill_rows), not once a row. Rows
+       with equal tables over the keys they read and consecutive lengths attend alike however they came. */
+    int64_t runs = 0;
+    int32_t* run_start = malloc(sizeof(int32_t) * 2 * rows);
+    if (run_start == 0) return -1;
+    int32_t* run_len = run_start + rows;
+    for (int64_t r = 0; r < rows; r++) {
+        if (runs && seq_lens[r] == seq_lens[r - 1] + 1 && same_table(block_tables + (r - 1) * table_stride,
+                                                                      block_tables + r * table_stride, seq_lens[r],
+                                                                      m->block_size)) {
+            run_len[runs - 1]++;
+            continue;
+        }
+        run_start[runs] = (int32_t)r;
+        run_len[runs++] = 1;
+    }
 
 #pragma omp parallel
     {
@@ -261,15 +289,35 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                     }
                 }
             }
+            if (runs == rows) {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < rows * att_split; it++) { /* a sequence's KV heads and their query heads */
-                const int64_t r = it / att_split;
-                const int kh0 = (int)(it % att_split * att_heads);
-                const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
-                const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
-                pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
-                                       block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
-                                       (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
+                for (int64_t it = 0; it < rows * att_split; it++) { /* a sequence's KV heads and their query heads */
+                    const int64_t r = it / att_split;
+                    const int kh0 = (int)(it % att_split * att_heads);
+                    const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
+                    const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
+                    pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
+                                           block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
+                                           (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
+                }
+            } else {
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t it = 0; it < runs * nkv; it++) { /* a run of a sequence's rows, one KV head */
+                    const int64_t u = it / nkv;
+                    const int kh = (int)(it % nkv);
+                    const int64_t r = run_start[u], n = run_len[u];
+                    const int32_t last = seq_lens[r + n - 1];
+                    if (n == 1) {
+                        const int32_t first = ly->window > 0 && last > ly->window ? last - ly->window : 0;
+                        pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
+                                               block_tables + r * table_stride, first, last, kh, kh + 1, (int)nh,
+                                               (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
+                    } else {
+                        pagedserve_prefill_rows(qkv, qkv_w, ly->k_cache, ly->v_cache, attn, r, (int32_t)n, last,
+                                                block_tables + r * table_stride, kh, (int)nh, (int)nkv, (int)hd,
+                                                m->block_size, m->scale, ly->window, 0.0f, m->kv_bf16);
+                    }
+                }
             }
             matmul_part(m, &ly->o_proj, attn, rows, delta, px);
 #pragma omp for schedule(static)
@@ -287,5 +335,6 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
         for (int64_t r = 0; r < rows; r++)
             add_rms_norm_row(residual + r * H, delta + r * H, m->final_norm, x + r * H, H, m->eps);
     }
+    free(run_start);
     return 0;
 }
