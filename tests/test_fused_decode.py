@@ -183,8 +183,9 @@ def test_drafting_rows_as_decode_rows_equal_their_tokens_as_one_prompt_chunk(tmp
     with torch.inference_mode():
         got = model(step, pool, attn).clone()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    tol = 1e-5 if kv_dtype == torch.float32 else 8e-3  # a later layer's K/V may round to the next bf16 value
     for a, b in zip(pool.k + pool.v, want_pool.k + want_pool.v, strict=True):
-        torch.testing.assert_close(a.float(), b.float(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])

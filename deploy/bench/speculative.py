@@ -8,8 +8,9 @@ the workload (tokens - 1 over seconds), for
   - llama.cpp's llama-server on the same Q4_1 GGUF without speculation and with each n-gram --spec-type
     (built once from the llama-cpp-python sdist, as `make bench-cpu-peers` does);
 then the shared 64-stream workload (random token prompts: nothing to draft), all at once, pagedserve with
-speculation off and on: output tokens/s. Every server is up at once and measured in rounds, each taking
-every server in turn; medians over rounds, ratios per round. Prompts go to both as the same token ids.
+speculation off and on: output tokens/s. Rounds take every server in turn, each started afresh for its pass
+(n-grams learned from a pass never draft the next: both engines keep some across requests); medians over
+rounds, ratios per round. Prompts go to both as the same token ids.
 
     python -m deploy.bench.speculative --model .models/smollm2-135m-instruct
 """
@@ -119,45 +120,48 @@ def main(argv: list[str] | None = None) -> int:
     gguf = args.gguf or find_embedded_gguf()
     prompts = edit_prompts(args.model)
     modes = [m for m in args.modes.split(",") if m]
-    targets = []
-    try:
-        targets += [Ours(args.model, m, args.threads) for m in modes]
-        targets += [Llama(gguf, s, args.threads) for s in args.llama_spec.split(",") if s]
-        rates = {t.name: [] for t in targets}
-        for _ in range(args.rounds):
-            for t in targets:
+    makers = [lambda m=m: Ours(args.model, m, args.threads) for m in modes]
+    makers += [lambda s=s: Llama(gguf, s, args.threads) for s in args.llama_spec.split(",") if s]
+    rates, drafts, kinds = {}, {}, {}
+    for _ in range(args.rounds):  # every server started afresh each round: nothing learned from the last one
+        for make in makers:
+            t = make()
+            try:
                 runs = [t.one(q, args.max_tokens) for q in prompts]
-                rates[t.name].append(sum(n - 1 for n, _ in runs) / sum(s for _, s in runs))
-                print(f"  {t.name}: {rates[t.name][-1]:.1f} tok/s "
-                      f"({sum(n for n, _ in runs)} tokens)", flush=True)
-        ours = [t for t in targets if isinstance(t, Ours)]
-        many = {t.name: [] for t in ours}
-        if args.streams:
-            stream_prompts = load_workload(args.workload)[:args.streams]
+                drafts[t.name], kinds[t.name] = t.drafts(), type(t)
+            finally:
+                t.stop()
+            rates.setdefault(t.name, []).append(sum(n - 1 for n, _ in runs) / sum(s for _, s in runs))
+            print(f"  {t.name}: {rates[t.name][-1]:.1f} tok/s ({sum(n for n, _ in runs)} tokens) "
+                  f"{drafts[t.name]}", flush=True)
+    many = {}
+    if args.streams:
+        stream_prompts = load_workload(args.workload)[:args.streams]
+        ours = [Ours(args.model, m, args.threads) for m in modes]
+        try:
             for _ in range(args.stream_rounds):
                 for t in ours:
-                    many[t.name].append(t.many(stream_prompts, args.stream_tokens))
-        report(targets, rates, many, args)
-    finally:
-        for t in targets:
-            t.stop()
+                    many.setdefault(t.name, []).append(t.many(stream_prompts, args.stream_tokens))
+        finally:
+            for t in ours:
+                t.stop()
+    report(rates, drafts, kinds, many, args)
     return 0
 
 
-def report(targets, rates: dict, many: dict, args) -> None:
+def report(rates: dict, drafts: dict, kinds: dict, many: dict, args) -> None:
     med = statistics.median
-    base = targets[0].name
-    llama = [t.name for t in targets if isinstance(t, Llama)]
+    base = next(iter(rates))
+    llama = [name for name in rates if kinds[name] is Llama]
     best_llama = max(llama, key=lambda n: med(rates[n])) if llama else None
     print(f"\none stream, edit workload ({len(json.loads(EDIT_WORKLOAD.read_text()))} prompts, "
           f"{args.rounds} rounds), decode tok/s:")
-    for t in targets:
-        r = rates[t.name]
+    for name, r in rates.items():
         cols = f" x{med(a / b for a, b in zip(r, rates[base], strict=True)):.2f} vs {base.split()[-1]}"
         if best_llama:
             vs = med(a / b for a, b in zip(r, rates[best_llama], strict=True))
             cols += f"  x{vs:.2f} vs best llama.cpp"
-        print(f"  {t.name:38} {med(r):7.1f}{cols}  {t.drafts()}")
+        print(f"  {name:38} {med(r):7.1f}{cols}  {drafts[name]}")
     if best_llama:
         print(f"  best llama.cpp mode: {best_llama}")
     if any(many.values()):

@@ -30,6 +30,10 @@ void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k
                              float* out, int64_t start, int32_t q_len, int32_t seq_len, const int32_t* table,
                              int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
                              float scale, int32_t window, float softcap, int32_t kv_bf16);
+void pagedserve_decode_run(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
+                           float* out, int64_t out_row_stride, int32_t n, const int32_t* table, int32_t len0,
+                           int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
+                           float scale, float softcap, int32_t kv_bf16);
 void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
                             int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
@@ -312,6 +316,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                         pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
                                                block_tables + r * table_stride, first, last, kh, kh + 1, (int)nh,
                                                (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
+                    } else if (ly->window <= 0 || last <= ly->window) { /* every row sees every key */
+                        pagedserve_decode_run(qkv + r * qkv_w, qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz, qsz,
+                                              (int32_t)n, block_tables + r * table_stride, seq_lens[r], kh, (int)nh,
+                                              (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
                     } else {
                         pagedserve_prefill_rows(qkv, qkv_w, ly->k_cache, ly->v_cache, attn, r, (int32_t)n, last,
                                                 block_tables + r * table_stride, kh, (int)nh, (int)nkv, (int)hd,

@@ -331,6 +331,103 @@ void pagedserve_decode_item(const float* q_row, const void* k_cache, const void*
     }
 }
 
+/* Keys [from, to) of KV head kh, through the block table, for `heads` query rows laid out one after another in
+ * qs / acc (each head_dim long) with their running max m and sum l: every key and value read once for all of
+ * them. */
+static void attend_range(float* qs, float* acc, float* m, float* l, int heads, const void* k_cache,
+                         const void* v_cache, const int32_t* table, int from, int to, int kh, int head_dim,
+                         int block_size, int64_t token_stride, int64_t block_stride, float softcap, int kv_bf16) {
+    for (int start = from - from % block_size; start < to; start += block_size) {
+        const int64_t block = table[start / block_size];
+        const int skip = start < from ? from - start : 0;
+        const int count = (to - start < block_size ? to - start : block_size) - skip;
+        const int rest = to - start - block_size; /* keys after this block */
+        const int next_count = rest < block_size ? (rest > 0 ? rest : 0) : block_size;
+        const int64_t next = rest > 0 ? (int64_t)table[start / block_size + 1] * block_stride : 0;
+        const int64_t at = block * block_stride + skip * token_stride + (int64_t)kh * head_dim;
+        if (kv_bf16) {
+            float kw[LANES * MAX_HEAD_DIM], vw[LANES * MAX_HEAD_DIM];
+            for (int sub = 0; sub < count; sub += LANES) {
+                const int c = count - sub < LANES ? count - sub : LANES;
+                for (int t = 0; t < c; t++) {
+                    kv_widen(k_cache, at + (sub + t) * token_stride, 1, kw + t * head_dim, head_dim);
+                    kv_widen(v_cache, at + (sub + t) * token_stride, 1, vw + t * head_dim, head_dim);
+                }
+#if defined(__AVX512F__)
+                if (head_dim % LANES == 0) {
+                    block_avx512(qs, kw, vw, head_dim, c, heads, head_dim, m, l, acc, 0, 0, 0, softcap);
+                    continue;
+                }
+#endif
+                block_portable(qs, kw, vw, head_dim, c, heads, head_dim, m, l, acc, 0, 0, 0, softcap);
+            }
+            continue;
+        }
+        const float* kb = (const float*)k_cache + at;
+        const float* vb = (const float*)v_cache + at;
+        const float* kn = rest > 0 ? (const float*)k_cache + next + (int64_t)kh * head_dim : 0;
+        const float* vn = rest > 0 ? (const float*)v_cache + next + (int64_t)kh * head_dim : 0;
+#if defined(__AVX512F__)
+        if (head_dim % LANES == 0) {
+            for (int sub = 0; sub < count; sub += LANES) {
+                const int c = count - sub < LANES ? count - sub : LANES;
+                const int first = sub == 0;
+                block_avx512(qs, kb + sub * token_stride, vb + sub * token_stride, token_stride, c, heads, head_dim,
+                             m, l, acc, first ? kn : 0, first ? vn : 0, next_count, softcap);
+            }
+            continue;
+        }
+#endif
+        block_portable(qs, kb, vb, token_stride, count, heads, head_dim, m, l, acc, kn, vn, next_count, softcap);
+    }
+}
+
+/* A run of n query rows of one sequence, its consecutive tokens (a drafting sequence's in a decode step): row
+ * i (at q + i * q_row_stride, all query heads) attends to keys [0, len0 + i), KV head kh's group of heads,
+ * written to out + i * out_row_stride. The keys all rows see are read once for the run, in chunks of rows
+ * whose heads fill a GQA group's state; each of the last keys then serves the rows after it. No window. */
+void pagedserve_decode_run(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
+                           float* out, int64_t out_row_stride, int32_t n, const int32_t* table, int32_t len0,
+                           int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
+                           float scale, float softcap, int32_t kv_bf16) {
+    const int group = n_heads / n_kv_heads;
+    const int per = MAX_GROUP / group; /* rows whose heads one call holds */
+    const int64_t token_stride = (int64_t)n_kv_heads * head_dim;
+    const int64_t block_stride = (int64_t)block_size * token_stride;
+    float qs[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
+    for (int r0 = 0; r0 < n; r0 += per) {
+        const int rows = n - r0 < per ? n - r0 : per;
+        const int len = len0 + r0; /* keys every row of the chunk sees */
+        for (int r = 0; r < rows; r++)
+            for (int g = 0; g < group; g++) {
+                const int h = r * group + g;
+                const float* src = q + (int64_t)(r0 + r) * q_row_stride + ((int64_t)kh * group + g) * head_dim;
+                m[h] = -INFINITY;
+                l[h] = 0.0f;
+                for (int d = 0; d < head_dim; d++) {
+                    qs[h * head_dim + d] = src[d] * scale;
+                    acc[h * head_dim + d] = 0.0f;
+                }
+            }
+        attend_range(qs, acc, m, l, rows * group, k_cache, v_cache, table, 0, len, kh, head_dim, block_size,
+                     token_stride, block_stride, softcap, kv_bf16);
+        for (int t = 0; t + 1 < rows; t++) { /* key len + t: the rows after row t of the chunk see it */
+            const int h = (t + 1) * group;
+            attend_range(qs + h * head_dim, acc + h * head_dim, m + h, l + h, (rows - 1 - t) * group, k_cache,
+                         v_cache, table, len + t, len + t + 1, kh, head_dim, block_size, token_stride,
+                         block_stride, softcap, kv_bf16);
+        }
+        for (int r = 0; r < rows; r++)
+            for (int g = 0; g < group; g++) {
+                const int h = r * group + g;
+                const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+                float* dst = out + (int64_t)(r0 + r) * out_row_stride + ((int64_t)kh * group + g) * head_dim;
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) dst[d] = acc[h * head_dim + d] * inv;
+            }
+    }
+}
+
 /* KV heads per work item: as many as an item's state holds (all of them for most models). */
 int pagedserve_decode_heads_per_item(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim) {
     int heads_per_item = MAX_STATE / ((n_heads / n_kv_heads) * head_dim);
