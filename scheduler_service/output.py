@@ -67,6 +67,7 @@ class SampleOutput:
         self._left = min(params.max_tokens - seq.num_output_tokens, max_context - seq.num_tokens)
         self.text = ""
         self._emitted = 0
+        self._seen = seq.num_output_tokens  # tokens added so far (a step may bring several)
 
     def add_token(self, token: int, logprob: TokenLogprob | None = None) -> tuple[Delta, FinishReason | None]:
         """Take one new token (and its logprob, when the request asked); return the stream delta and the
@@ -76,8 +77,10 @@ class SampleOutput:
         self._left -= 1
         logprobs = [logprob or TokenLogprob(token, float("nan"))] if self._wants_logprobs else None
         may_stop = self.seq.num_output_tokens >= self._min_tokens
-        matcher = self.seq.matcher
-        if matcher is not None and (matcher.is_stopped() or matcher.is_error()):
+        self._seen += 1
+        matcher = self.seq.matcher  # its state is the sequence's last token's: the end is seen there
+        if matcher is not None and self._seen == self.seq.num_output_tokens and (matcher.is_stopped()
+                                                                                 or matcher.is_error()):
             reason = FinishReason.STOP if not matcher.is_error() else FinishReason.ERROR
             delta = Delta(self.seq.index, [token], self._take_text(final=True) if self._stops else piece,
                           reason, logprobs=logprobs)

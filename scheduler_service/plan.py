@@ -191,7 +191,7 @@ class PlanBuilder:
         scheduled = out.scheduled
         num_seqs = len(scheduled)
         bias_rows: list[tuple[int, list[tuple[int, float]]]] = []
-        matchers, mask_at, engine = [], [], None
+        matchers, mask_at, drafted, engine = [], [], [], None
         plp_k = plp_counts = None
         plp_targets: list[int] = []
         for i in special.tolist():
@@ -207,6 +207,7 @@ class PlanBuilder:
                 if seq.matcher is not None:
                     matchers.append(seq.matcher)
                     mask_at.append(i)
+                    drafted.append(scheduled[i].draft)
                     engine = seq.request.constraint.engine
             if params.prompt_logprobs is not None and seq.index == 0:
                 start = int(starts[i])
@@ -227,16 +228,16 @@ class PlanBuilder:
             plan.bias_offsets = np.cumsum(offsets, dtype=I32)
             plan.bias_token_ids = np.asarray(ids, dtype=I32)
             plan.bias_values = np.asarray(values, dtype=F32)
-        if matchers:
+        if matchers:  # a drafting row's masks: its first position's, then one after each drafted token
             plan.mask_rows = np.full(num_seqs, -1, dtype=I32)
-            plan.mask_rows[mask_at] = np.arange(len(mask_at), dtype=I32)
+            plan.mask_rows[mask_at] = np.cumsum([0] + [1 + len(d) for d in drafted[:-1]], dtype=I32)
             if any(scheduled[i].prev_row >= 0 for i in mask_at):
                 # a row's last token is the one the step in flight samples: its matcher has not seen it yet,
                 # so the masks follow the plan once that step's result is in (scheduler_service/replica.py)
                 plan.mask_follows = True
-                out.deferred_masks = (engine, matchers)
+                out.deferred_masks = (engine, matchers, drafted)
             else:
-                plan.token_bitmask = engine.fill_masks(matchers)
+                plan.token_bitmask = engine.fill_masks(matchers, drafted)
         if plp_k is not None:
             plan.prompt_logprobs, plan.prompt_logprob_counts = plp_k, plp_counts
             plan.prompt_logprob_targets = np.asarray(plp_targets, dtype=I32)

@@ -305,8 +305,8 @@ class Replica:
             return
         flight.masks_sent = True
         t0 = time.perf_counter()
-        engine, matchers = flight.out.deferred_masks
-        mask = encode_mask(flight.out.step_id, engine.fill_masks(matchers))
+        engine, matchers, drafted = flight.out.deferred_masks
+        mask = encode_mask(flight.out.step_id, engine.fill_masks(matchers, drafted))
         self.profile.masks += time.perf_counter() - t0
         await flight.sent.wait()
         await self.client.send_mask(self.index, mask)

@@ -261,9 +261,9 @@ class Scheduler:
 
     def _drafter(self, seq: Sequence) -> SequenceDrafter | None:
         """seq's drafting state, made at its first decode; None for a sequence that cannot draft
-        (penalties, logprobs, a grammar)."""
+        (penalties, logprobs)."""
         if seq.drafter is None:
-            if not seq.request.sampling.may_draft or seq.matcher is not None:
+            if not seq.request.sampling.may_draft:
                 return None
             seq.drafter = SequenceDrafter(seq.token_ids, self.config.num_speculative_tokens,
                                           self.shared_ngrams)
@@ -272,8 +272,8 @@ class Scheduler:
 
     def _draft(self, seq: Sequence, drafter: SequenceDrafter, budget: int) -> list[int]:
         """Tokens to draft after seq's known last one: as many as its acceptance lately paid for, within the
-        budget, max_tokens and the context, and none before min_tokens is reached (the end tokens are
-        banned until then, per position)."""
+        budget, max_tokens and the context, none before min_tokens is reached (the end tokens are banned
+        until then, per position), and under a grammar only the tokens it allows."""
         params = seq.request.sampling
         if seq.num_output_tokens < params.min_tokens:
             return []
@@ -282,7 +282,11 @@ class Scheduler:
         if room <= 0:
             return []
         k = min(drafter.length.next(), room)
-        return drafter.propose(k) if k > 0 else []
+        draft = drafter.propose(k) if k > 0 else []
+        if draft and seq.matcher is not None:  # only what the grammar allows (its masks follow the draft)
+            draft = [] if seq.matcher.is_stopped() or seq.matcher.is_error() else \
+                draft[:seq.matcher.validate_tokens(draft)]
+        return draft
 
     def _at_limit(self, seq: Sequence) -> bool:
         """The step in flight samples seq's last allowed token (max_tokens or the context): nothing to plan;
@@ -320,20 +324,21 @@ class Scheduler:
                 n = accepted[i] if accepted is not None else 0
                 tokens = (*item.draft[:n], token)
                 end = item.start + 1 + n  # K/V past the accepted draft is a rejected draft's
-                if current:
-                    seq.num_computed_tokens = end
-                    if self.kv.trim(seq, end + 1):  # blocks held only for rejected tokens go back
-                        self.planner.trimmed(seq)
                 seq.drafter.record(len(item.draft), n)
                 out.num_draft_rows += 1
                 out.num_drafted += len(item.draft)
                 out.num_accepted += n
             if item.do_sample:
+                if seq.matcher is not None:  # (a grammar that ends inside the tokens ends the sample there)
+                    tokens = self._consume(seq, tokens)
+                    end = min(end, len(seq.token_ids) + len(tokens) - 1)
+                if item.draft and current:
+                    seq.num_computed_tokens = end
+                    if self.kv.trim(seq, end + 1):  # blocks held only for rejected tokens go back
+                        self.planner.trimmed(seq)
                 seq.token_ids.extend(tokens)
                 for t in tokens:
                     new_tokens.append((seq, t))
-                if seq.matcher is not None:
-                    seq.matcher.consume_token(token)  # a refused token leaves it in error: the output ends it
                 if seq.drafter is not None:
                     seq.drafter.append(tokens)
                     seq.drafter.look_ahead()
@@ -342,6 +347,16 @@ class Scheduler:
             if item.do_sample and seq.index == 0 and seq.request.pending_forks:
                 self._fork(seq, current)
         return new_tokens
+
+    @staticmethod
+    def _consume(seq: Sequence, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        """seq's grammar matcher takes its new tokens in turn, up to the one that completes or breaks it (a
+        refused token leaves it in error: the output ends the sample there). The tokens it took."""
+        for n, t in enumerate(tokens, 1):
+            seq.matcher.consume_token(t)
+            if seq.matcher.is_stopped() or seq.matcher.is_error():
+                return tokens[:n]
+        return tokens
 
     # --- memory ----------------------------------------------------------------------------------
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int],

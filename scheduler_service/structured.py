@@ -23,7 +23,7 @@ import threading
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
 
 class GrammarError(ValueError):
@@ -80,12 +80,24 @@ class GrammarEngine:
             raise GrammarError(m.get_error())
         return m
 
-    def fill_masks(self, matchers: list[llguidance.LLMatcher]) -> np.ndarray:
-        """int32 [len(matchers), words]: the next-token bitmask of each matcher, computed in parallel."""
-        masks = np.zeros((len(matchers), self.words), dtype=np.int32)
+    def fill_masks(self, matchers: list[llguidance.LLMatcher],
+                   drafts: list[tuple[int, ...]] | None = None) -> np.ndarray:
+        """int32 [masks, words]: the next-token bitmask of each matcher, computed in parallel; with drafts
+        (speculative decoding), one more after each of its drafted tokens, its matcher left as it was."""
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], masks)
+        if drafts is None or not any(drafts):
+            masks = np.zeros((len(matchers), self.words), dtype=np.int32)
+            fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], masks)
+            return masks
+        starts = np.cumsum([0] + [1 + len(d) for d in drafts])
+        masks = np.zeros((int(starts[-1]), self.words), dtype=np.int32)
+        at = list(zip(matchers, starts.tolist(), drafts, strict=False))
+        plain = [(m, i) for m, i, d in at if not d]  # (llguidance refuses an empty draft, and an empty list)
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, masks)
+        drafting = [(m, i, list(d)) for m, i, d in at if d]
+        fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting, masks)
         return masks
 
 

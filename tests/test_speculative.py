@@ -5,9 +5,11 @@ around them are exercised on purpose."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,7 @@ import torch
 from deploy.testing import greedy_request
 from protos import generation_pb2
 from tests.test_e2e import assert_all_blocks_back, submit_all, workload
+from tests.test_request_controls import MODEL_DIR, PERSON, has_model
 from tests.tiny import hf_greedy
 
 
@@ -149,3 +152,31 @@ def test_accepting_a_drafted_token_draws_the_target_distribution_and_the_same_to
         assert counts.sum() == n  # nothing outside top-k
         assert chi_square_p(counts, target[:top_k] * n) > 1e-3
         assert abs(accepted.float().mean().item() - target[drafted]) < 4 * math.sqrt(0.25 / n) + 1e-9
+
+
+@has_model
+@pytest.mark.real_model
+def test_structured_output_with_drafts_is_valid_and_the_same_as_without(server_factory):
+    """JSON under a schema, greedy and sampled: drafts are cut to what the grammar allows, each drafted
+    position gets its own mask, the matcher takes the accepted tokens in turn; the answers validate and equal
+    those of a server without speculation, and drafts were accepted (the second run drafts the first)."""
+    flags = ("--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--max-num-batched-tokens", "256")
+    on = server_factory(MODEL_DIR, "--speculative", "ngram", *flags)
+    off = server_factory(MODEL_DIR, "--speculative", "off", *flags)
+    try:
+        for temperature, seed in ((0.0, 0), (0.9, 5)):
+            req = generation_pb2.GenerateRequest(
+                prompt="Describe a person as JSON.", sampling=generation_pb2.SamplingParams(
+                    max_tokens=120, temperature=temperature, seed=seed, json_schema=json.dumps(PERSON)))
+            want = off.stub.Generate(req, timeout=180).choices[0]
+            before = drafts(on)
+            for _ in range(2):
+                got = on.stub.Generate(req, timeout=180).choices[0]
+                assert (list(got.token_ids), got.finish_reason) == (list(want.token_ids), want.finish_reason)
+                assert got.finish_reason == generation_pb2.STOP
+                jsonschema.validate(json.loads(got.text), PERSON)
+            assert drafts(on)[1] > before[1]
+        assert_all_blocks_back(on)
+    finally:
+        on.stop()
+        off.stop()

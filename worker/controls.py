@@ -54,10 +54,12 @@ class StepControls:
 
 
 def gather_controls(p: PlanArrays, rows: np.ndarray, block_tables: torch.Tensor,
-                    device: torch.device, table_rows: np.ndarray | None = None) -> StepControls:
+                    device: torch.device, table_rows: np.ndarray | None = None,
+                    offsets: np.ndarray | None = None) -> StepControls:
     """The controls of the sampled `rows` (plan row indices) of a validated plan. block_tables: the step's
-    tables, already on the device; table_rows: each plan row's row in them, where they are not the plan's
-    (a drafting step's, worker/runner.py expand_drafts)."""
+    tables, already on the device. In a drafting step (worker/speculation.py) a drafting row repeats once
+    a drafted position, `offsets` says which (its masks follow one another), and table_rows is each plan
+    row's row in the step's tables."""
     c = StepControls()
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -79,7 +81,7 @@ def gather_controls(p: PlanArrays, rows: np.ndarray, block_tables: torch.Tensor,
         at = np.flatnonzero(which >= 0)
         if at.size:
             c.mask_rows = dev(at, torch.int64)
-            c.bitmask = dev(p.token_bitmask[which[at]], torch.int32)
+            c.bitmask = dev(p.token_bitmask[which[at] + (0 if offsets is None else offsets[at])], torch.int32)
     if p.repetition_penalty is not None:
         rep, pres, freq = p.repetition_penalty[rows], p.presence_penalty[rows], p.frequency_penalty[rows]
         at = np.flatnonzero((rep != 1.0) | (pres != 0.0) | (freq != 0.0))

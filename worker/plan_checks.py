@@ -59,7 +59,12 @@ MAX_PLAN_LOGPROBS = 20
 
 def check_mask(bitmask: np.ndarray, p: PlanArrays, vocab: int) -> np.ndarray:
     """The masks that followed a plan must cover its constrained rows and the vocabulary."""
-    need = int(p.mask_rows.max()) + 1 if p.mask_rows is not None and p.mask_rows.size else 0
+    need = 0
+    if p.mask_rows is not None and p.mask_rows.size:  # a drafting row's masks follow its first
+        last = p.mask_rows
+        if p.num_draft is not None:
+            last = np.where(p.mask_rows >= 0, p.mask_rows + p.num_draft, -1)
+        need = int(last.max()) + 1
     if bitmask.shape[0] < need or bitmask.shape[1] * 32 < vocab:
         raise PlanError(f"the step's masks are {bitmask.shape[0]} x {bitmask.shape[1]} words; it needs "
                         f"{need} x {(vocab + 31) // 32}")
@@ -114,8 +119,9 @@ def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
 
 def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
     """A drafting row samples, ends with its draft after one token that is not drafted (all its tokens:
-    its K/V before them is in the pool), keys its draws by a token index the draft fits under, and uses no
-    control that reads its context or asks for more than its token (penalties, masks, logprobs)."""
+    its K/V before them is in the pool), keys its draws by a token index the draft fits under, has a mask a
+    position where it is constrained, and uses no control that reads its context or asks for more than its
+    token (penalties, logprobs)."""
     nd = p.num_draft
     if (nd < 0).any():
         raise PlanError("num_draft must be >= 0")
@@ -134,10 +140,13 @@ def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
     uses = [("penalties", p.repetition_penalty is not None and (
                 (p.repetition_penalty[rows] != 1) | (p.presence_penalty[rows] != 0)
                 | (p.frequency_penalty[rows] != 0)).any()),
-            ("a structured-output mask", p.mask_rows is not None and (p.mask_rows[rows] >= 0).any()),
             ("logprobs", p.logprobs is not None and (p.logprobs[rows] >= 0).any()),
             ("prompt logprobs", p.prompt_logprob_counts is not None
              and (p.prompt_logprob_counts[rows] > 0).any())]
     for what, used in uses:
         if used:
             raise PlanError(f"a drafting row may not use {what}")
+    if p.mask_rows is not None and not p.mask_follows:
+        masks = 0 if p.token_bitmask is None else p.token_bitmask.shape[0]
+        if ((p.mask_rows >= 0) & (p.mask_rows + nd >= masks)).any():
+            raise PlanError("a constrained drafting row needs a mask for each of its positions")

@@ -205,9 +205,9 @@ class ModelRunner:
         rows, how many drafted tokens it accepted into `accepted`), and the logprobs asked for (None when
         none were)."""
         rows, owner = s.rows, s.logit_owner
-        table_rows = s.drafts.table_rows if s.drafts is not None else None
-        logits = apply_controls(raw, gather_controls(p, owner, s.block_tables, self.device, table_rows),
-                                self.pool)
+        d = s.drafts
+        controls = gather_controls(p, owner, s.block_tables, self.device, d and d.table_rows, d and d.offsets)
+        logits = apply_controls(raw, controls, self.pool)
         index = p.sample_index[owner]
         if s.drafts is not None:  # the token at draft position j is the (index - drafted + j)-th generated
             index = index - p.num_draft[owner] + s.drafts.offsets
@@ -221,7 +221,8 @@ class ModelRunner:
         )
         sampled = sample_async(logits, batch)
         if s.drafts is not None:
-            last = torch.from_numpy(np.flatnonzero(np.append(owner[1:] != owner[:-1], True))).to(self.device)
+            last = torch.from_numpy(np.flatnonzero(np.append(owner[1:] != owner[:-1], True))).to(
+                self.device, non_blocking=True)
             tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled[last]
             accept_drafts(sampled, s.drafts, tokens, accepted)
             return None  # drafting rows ask for no logprobs; the others' come from their only logits row

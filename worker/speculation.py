@@ -29,8 +29,7 @@ def accept_drafts(sampled: torch.Tensor, d: Drafts, tokens: torch.Tensor, accept
     one speculation off draws, token for token, greedy or sampled); the row's token is then the one sampled
     after the last accepted draft. `tokens` [S] and `accepted` [S] are written at the drafting rows."""
     k = d.tokens.shape[1]
-    at = d.first[:, None] + torch.arange(k, device=sampled.device)[None, :]
-    at = torch.minimum(at, torch.tensor(sampled.shape[0] - 1, device=sampled.device))
+    at = (d.first[:, None] + torch.arange(k, device=sampled.device)[None, :]).clamp(max=sampled.shape[0] - 1)
     same = (sampled[at] == d.tokens) & (d.tokens >= 0)
     n = torch.cumprod(same.to(torch.int64), dim=1).sum(dim=1)
     tokens[d.rows] = sampled[d.first + n]
@@ -68,6 +67,8 @@ def stage_drafts(p: PlanArrays, rows: np.ndarray, owner: np.ndarray, offsets: np
     at = ends[:, None] - counts[:, None] + np.arange(k)[None, :]
     tokens = np.where(np.arange(k)[None, :] < counts[:, None],
                       p.token_ids[np.minimum(at, p.num_tokens - 1)], -1).astype(np.int64)
-    return Drafts(torch.from_numpy(drafting.astype(np.int64)).to(device), torch.from_numpy(first).to(device),
-                  torch.from_numpy(tokens).to(device), offsets.astype(np.int32),
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)
+
+    return Drafts(dev(drafting), dev(first), dev(tokens), offsets.astype(np.int32),
                   np.searchsorted(ex_owner, np.arange(p.num_seqs)))
