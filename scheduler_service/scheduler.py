@@ -131,6 +131,7 @@ class Scheduler:
         for seq in reversed(resumed):
             self.kv.disown(seq)
             seq.num_pending = 0  # the steps in flight were lost: their tokens are drawn again
+            seq.drafter = None  # drafted again from this replica's n-grams
             seq.row = -1
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)

@@ -170,3 +170,23 @@ def test_malformed_control_arrays_are_refused(field, value, message):
     setattr(plan, field, value)
     with pytest.raises(PlanError, match=message):
         validate_controls(plan, np.ones(1, np.int64), VOCAB)
+
+
+def test_a_drafting_rows_positions_take_its_masks_in_turn_and_its_biases_each():
+    """In a drafting step a row repeats once a drafted position (worker/speculation.py): each repeat gets
+    the row's biases and its own position's mask, the masks of the row following one another."""
+    pool, tables = pool_with([[1, 2, 3], [4, 5]])
+    bitmask = np.arange(4 * 2, dtype=np.int32).reshape(4, 2)  # four distinct masks
+    plan = PlanArrays(
+        step_id=1, token_ids=np.zeros(4, np.int32), positions=np.array([0, 1, 2, 1], np.int32),
+        slot_mapping=np.zeros(4, np.int64), block_tables=tables, seq_lens=np.array([3, 2], np.int32),
+        query_start_loc=np.array([0, 3, 4], np.int32), do_sample=np.ones(2, bool),
+        sample_index=np.array([2, 1], np.int32), temperature=np.zeros(2, np.float32),
+        top_p=np.ones(2, np.float32), top_k=np.zeros(2, np.int32), seed=np.zeros(2, np.uint64),
+        block_copies=np.zeros((0, 2), np.int32), bias_offsets=np.array([0, 1, 1], np.int32),
+        bias_token_ids=np.array([5], np.int32), bias_values=np.array([2.0], np.float32),
+        mask_rows=np.array([0, 3], np.int32), token_bitmask=bitmask, num_draft=np.array([2, 0], np.int32))
+    c = gather_controls(plan, np.array([0, 0, 0, 1]), torch.from_numpy(tables), torch.device("cpu"),
+                        offsets=np.array([0, 1, 2, 0]))
+    assert c.mask_rows.tolist() == [0, 1, 2, 3] and torch.equal(c.bitmask, torch.from_numpy(bitmask))
+    assert c.bias_rows.tolist() == [0, 1, 2] and c.bias_ids.tolist() == [5, 5, 5]

@@ -67,12 +67,12 @@ def gather_controls(p: PlanArrays, rows: np.ndarray, block_tables: torch.Tensor,
         return torch.from_numpy(np.array(a)).to(device=device, dtype=dtype, non_blocking=True)
 
     if p.bias_offsets is not None:  # each of `rows` (a drafting row's repeat too) takes its plan row's list
-        offsets = p.bias_offsets.astype(np.int64)
-        counts = (offsets[1:] - offsets[:-1])[rows]
+        listed = p.bias_offsets.astype(np.int64)
+        counts = (listed[1:] - listed[:-1])[rows]
         total = int(counts.sum())
         if total:
             ends = np.cumsum(counts)
-            entries = np.repeat(offsets[rows] - (ends - counts), counts) + np.arange(total)
+            entries = np.repeat(listed[rows] - (ends - counts), counts) + np.arange(total)
             c.bias_rows = dev(np.repeat(np.arange(rows.size), counts), torch.int64)
             c.bias_ids = dev(p.bias_token_ids[entries], torch.int64)
             c.bias_values = dev(p.bias_values[entries], torch.float32)
