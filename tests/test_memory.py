@@ -39,10 +39,11 @@ def drain(sched, worker, limit=20_000):
     raise AssertionError("did not finish")
 
 
-def make(num_blocks, block_size=4, budget=32, caching=True, chunked=True, max_seqs=16, window=0):
+def make(num_blocks, block_size=4, budget=32, caching=True, chunked=True, max_seqs=16, window=0,
+         speculative="auto"):
     config = SchedulerConfig(block_size=block_size, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                              enable_prefix_caching=caching, enable_chunked_prefill=chunked,
-                             debug_invariants=True)
+                             debug_invariants=True, speculative=speculative)
     return (Scheduler(config, num_blocks, max_model_len=4096, kv_window=window),
             SimulatedWorker(num_blocks, block_size, window))
 
@@ -120,13 +121,16 @@ def test_n_samples_use_fewer_blocks_than_separate_requests():
 
 
 def test_evicted_blocks_are_never_read_in_a_long_run_with_a_tiny_pool():
-    """Many requests over a few shared prefixes through a pool that forces eviction and preemption."""
+    """Many requests over a few shared prefixes through a pool that forces eviction and preemption, drafting
+    in every step (a prompt asked again drafts its earlier answer; other drafts mostly fail)."""
     rng = random.Random(0)
     prefixes = [[rng.randrange(1, 1000) for _ in range(rng.randint(4, 30))] for _ in range(5)]
-    sched, worker = make(30, budget=24)
-    live = []
+    sched, worker = make(30, budget=24, speculative="ngram")
+    live, drafted, accepted = [], 0, 0
     for i in range(120):
         prompt = rng.choice(prefixes) + [rng.randrange(1, 1000) for _ in range(rng.randint(1, 8))]
+        if i >= 10 and i % 4 == 0:  # asked before
+            prompt = list(live[rng.randrange(i // 2)].prompt_token_ids)
         n = rng.choice([1, 1, 2])
         req = Request(f"r{i}", prompt, SamplingOptions(max_tokens=rng.randint(1, 12), n=n,
                                                        temperature=1.0 if n > 1 else 0.0, seed=i))
@@ -134,9 +138,14 @@ def test_evicted_blocks_are_never_read_in_a_long_run_with_a_tiny_pool():
         live.append(req)
         for _ in range(rng.randint(0, 4)):
             if sched.has_work:
-                step(sched, worker)
-    drain(sched, worker)
+                out = step(sched, worker)
+                drafted, accepted = drafted + out.num_drafted, accepted + out.num_accepted
+    while sched.has_work:
+        out = step(sched, worker)
+        assert not out.is_empty, "work left but nothing scheduled"
+        drafted, accepted = drafted + out.num_drafted, accepted + out.num_accepted
     assert sched.allocator.num_evictions > 0 and sched.prefix_cache_hits > 0 and sched.num_preemptions > 0
+    assert drafted > accepted > 0  # drafts stood and drafts were rejected
     for req in live:
         for s in req.seqs:
             assert s.output_token_ids == expected(req, s), req.request_id
@@ -160,15 +169,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(24, 60), block_size=st.sampled_from([2, 4, 8]),
                 budget=st.integers(16, 64), caching=st.booleans(), chunked=st.booleans(),
-                overlap=st.booleans(), window=st.sampled_from([0, 0, 3, 7, 12]))
-    def setup(self, num_blocks, block_size, budget, caching, chunked, overlap, window):
+                overlap=st.booleans(), window=st.sampled_from([0, 0, 3, 7, 12]),
+                speculative=st.sampled_from(["off", "auto", "ngram"]))
+    def setup(self, num_blocks, block_size, budget, caching, chunked, overlap, window, speculative):
         self.max_len = num_blocks * block_size // 3  # every request fits the pool on its own
         # without chunked prefill the budget holds the longest sequence (a preempted one is recomputed whole):
         # a prompt of at most max_len // 2 tokens and 10 more
         budget = budget if chunked else max(budget, self.max_len // 2 + 10)
         self.window = window  # > 0: a sliding-window model, whose blocks behind every window are given back
+        # speculative: drafts (from the shared prefixes' earlier answers, mostly) accepted and rejected, their
+        # slots and blocks given back
         self.sched, self.worker = make(num_blocks, block_size, budget, caching, chunked, max_seqs=8,
-                                       window=window)
+                                       window=window, speculative=speculative)
         self.pipe = Pipeline(self.sched, self.worker, overlap, self.on_token)
         self.prefixes = [[(i * 37 + j * 11) % 997 + 1 for j in range(3 * block_size + i)] for i in range(3)]
         self.requests = []
