@@ -194,6 +194,10 @@ def test_closing_a_stream_mid_answer_frees_its_blocks(server, gateway, model):
             for line in resp.iter_lines():
                 if line.startswith("data:"):
                     break
+            deadline = time.monotonic() + 30  # the first line may come before the engine has the request
+            while server.stats().num_running == 0:
+                assert time.monotonic() < deadline, "the request never ran"
+                time.sleep(0.01)
             (worker,) = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True,
                                        text=True).stdout.split()
             os.kill(int(worker), signal.SIGSTOP)
