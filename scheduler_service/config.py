@@ -67,7 +67,7 @@ class SchedulerConfig:
     # n-grams propose; "auto" also stops drafting in steps of more than speculative_max_rows decodes, where
     # the batch already keeps the workers busy.
     speculative: str = "auto"
-    num_speculative_tokens: int = 5  # the longest draft
+    num_speculative_tokens: int = 10  # the longest draft (a long suffix match drafts this many)
     speculative_max_rows: int = 4
 
     @property

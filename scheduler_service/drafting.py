@@ -8,6 +8,10 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 
+MAX_MATCH = 8  # the longest suffix looked up: a longer match than this predicts no better
+SHARED_DISCOUNT = 2
+
+
 class NgramIndex:
     """Where each n-gram (min_n..max_n tokens) of one token stream last ended, kept as tokens are appended:
     O(max_n) a token, so a long sequence drafts without scanning itself. Only accepted tokens are appended, so
@@ -55,7 +59,7 @@ class SharedNgrams:
     every sequence of a replica, least recently used first out past `max_entries`: what a sequence's own
     tokens cannot propose, a request seen before may (a template, a repeated document, a common answer)."""
 
-    def __init__(self, max_entries: int = 200_000, min_n: int = 2, max_n: int = 4, span: int = 8) -> None:
+    def __init__(self, max_entries: int = 200_000, min_n: int = 2, max_n: int = 8, span: int = 10) -> None:
         if max_entries < 1 or span < 1 or not 1 <= min_n <= max_n:
             raise ValueError("max_entries and span must be positive, and 1 <= min_n <= max_n")
         self.max_entries, self.min_n, self.max_n, self.span = max_entries, min_n, max_n, span
@@ -94,68 +98,91 @@ class SharedNgrams:
         return 0, []
 
 
+# Tokens worth drafting after a suffix match of n tokens (index n; the last entry for longer ones). A longer
+# match predicts further: on the edit workload's greedy answers (deploy/bench/edit_workload.json, the default
+# model) a 1-token match's first drafted token stood 28% of the time and its fourth 7%, a 3-token match's
+# fourth 42%, a match of 6 or more tokens' tenth 79%. A drafted token pays where the chance it stands is above
+# what one more row costs a verifying step (~0.2 of a one-row step on a 2-core CPU, less on a GPU): docs/
+# BENCHMARKS.md, the speculative section.
+DRAFT_BY_MATCH = (0, 1, 2, 3, 6, 6, 10)
+
+
 class DraftLength:
-    """How many tokens to draft for one sequence: the most that paid lately. Each verification reports how
-    many of the drafted tokens were accepted; the length follows a running mean of accepted tokens a step,
-    and a sequence whose drafts keep failing pauses drafting (for `pause` tokens) rather than pay for them."""
+    """How many tokens to draft for one sequence: as many as its suffix match's length predicts
+    (DRAFT_BY_MATCH, at most max_k). Short matches (`short` tokens or fewer) guess; a sequence whose short
+    drafts keep failing stops making them (a running rate of their first tokens standing, below
+    `threshold`), and tries again as that rate drifts back while it drafts none: text with nothing to copy
+    then decodes as without drafts, while long matches (a copy under way) always draft."""
 
-    def __init__(self, max_k: int, decay: float = 0.5, pause: int = 8) -> None:
-        if max_k < 1 or not 0.0 < decay < 1.0 or pause < 0:
-            raise ValueError("max_k >= 1, 0 < decay < 1 and pause >= 0")
-        self.max_k, self.decay, self.pause = max_k, decay, pause
-        self.mean_accepted = float(max_k)  # optimistic until a draft says otherwise
-        self.paused = 0
+    def __init__(self, max_k: int, threshold: float = 0.2, decay: float = 0.85, short: int = 2) -> None:
+        if max_k < 1 or not 0.0 <= threshold < 1.0 or not 0.0 < decay < 1.0 or short < 0:
+            raise ValueError("max_k >= 1, 0 <= threshold < 1, 0 < decay < 1 and short >= 0")
+        self.max_k, self.threshold, self.decay, self.short = max_k, threshold, decay, short
+        self.short_rate = 0.5  # of short drafts whose first token stood (no evidence yet: worth a try)
 
-    def next(self) -> int:
-        """Tokens to draft this step (0: decode one token the plain way)."""
-        if self.paused:
+    def for_match(self, n: int) -> int:
+        """Tokens to draft after a suffix match of n tokens (0: decode one token the plain way)."""
+        if n <= 0 or (n <= self.short and self.short_rate < self.threshold):
             return 0
-        return max(1, min(self.max_k, round(self.mean_accepted) + 1))
+        return min(self.max_k, DRAFT_BY_MATCH[min(n, len(DRAFT_BY_MATCH) - 1)])
 
-    def tick(self, tokens: int = 1) -> None:
-        """The sequence got `tokens` more: a pause runs down by them."""
-        self.paused = max(0, self.paused - tokens)
+    def skipped(self, n: int) -> None:
+        """A step made no short draft for a match of n tokens it gated: the rate creeps back towards the
+        threshold, so the sequence tries again after a while."""
+        if 0 < n <= self.short and self.short_rate < self.threshold:
+            self.short_rate = self.decay * self.short_rate + (1 - self.decay) * self.threshold * 1.01
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, n: int, drafted: int, accepted: int) -> None:
+        """A verification of `drafted` tokens made after a match of n tokens: `accepted` of them stood."""
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted {accepted} of {drafted} drafted tokens")
-        if drafted == 0:
-            return
-        self.mean_accepted = self.decay * self.mean_accepted + (1 - self.decay) * accepted
-        if self.mean_accepted < 0.5:  # fewer than one token in two pays: stop paying for a while
-            self.paused = self.pause
-            self.mean_accepted = 1.0  # and try again with a short draft
+        if drafted and n <= self.short:
+            self.short_rate = self.decay * self.short_rate + (1 - self.decay) * (accepted > 0)
 
 
 class SequenceDrafter:
     """One sequence's drafting state: its tokens' n-gram index (the prompt, then each accepted token), its
-    draft length, and whether its last proposal found anything (`expects`: the scheduler then waits for the
+    draft length policy, and whether its next step would draft (`expects`: the scheduler then waits for the
     sequence's token in flight rather than plan a plain decode past it)."""
 
     def __init__(self, tokens: list[int], max_k: int, shared: SharedNgrams | None) -> None:
-        self.index = NgramIndex(1, 3)
+        self.index = NgramIndex(1, MAX_MATCH)
         self.index.extend(tokens)
         self.length = DraftLength(max_k)
         self.shared = shared
         self.expects = False
+        self.matched = 0  # the suffix match the last proposal drafted from
 
     def append(self, tokens: list[int] | tuple[int, ...]) -> None:
         self.index.extend(tokens)
-        self.length.tick(len(tokens))
 
-    def propose(self, k: int) -> list[int]:
-        """Up to k drafted tokens from the longest suffix match: the sequence's own n-grams, or those of
-        earlier requests where they match a longer suffix (a longer match predicts better)."""
+    def match(self, k: int) -> tuple[int, list[int]]:
+        """(match length, up to k tokens that followed it): the sequence's own longest suffix match, or that
+        of earlier requests where it is longer by more than SHARED_DISCOUNT tokens (another request's text
+        predicts this one's less well than the sequence's own: its match counts that much shorter)."""
         n, draft = self.index.match(k)
         if self.shared is not None:
-            m, shared = self.shared.match(self.index.tokens, k, longer_than=n)
-            if m > n:
-                draft = shared
-        return draft
+            m, shared = self.shared.match(self.index.tokens, k, longer_than=n + SHARED_DISCOUNT)
+            if m - SHARED_DISCOUNT > n:
+                return m - SHARED_DISCOUNT, shared
+        return n, draft
+
+    def propose(self, room: int) -> list[int]:
+        """The draft for this step, at most `room` tokens: what followed the best suffix match, as long as
+        the match's length predicts (DraftLength)."""
+        n, draft = self.match(self.length.max_k)
+        k = min(self.length.for_match(n), room)
+        if k <= 0:
+            self.length.skipped(n)
+            self.matched = 0
+            return []
+        self.matched = n
+        return draft[:k]
 
     def record(self, drafted: int, accepted: int) -> None:
-        self.length.record(drafted, accepted)
+        self.length.record(self.matched, drafted, accepted)
 
     def look_ahead(self) -> None:
-        """After new tokens: whether the next step would draft (a proposal, and drafting not paused)."""
-        self.expects = not self.length.paused and bool(self.propose(1))
+        """After new tokens: whether the next step would draft (a match long enough to, not gated)."""
+        n, draft = self.match(1)
+        self.expects = bool(draft) and self.length.for_match(n) > 0

@@ -76,7 +76,8 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: draft tokens from each sequence's own n-grams (and earlier "
                         "requests') and verify them in one step, the same answers in fewer steps. auto: "
                         "only in steps of at most --speculative-max-rows decodes; ngram: in every step; off")
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="the longest draft")
+    p.add_argument("--num-speculative-tokens", type=int, default=10,
+                   help="the longest draft (made after a suffix match of 6 tokens or more)")
     p.add_argument("--speculative-max-rows", type=int, default=4,
                    help="with --speculative auto: steps of more decodes than this draft nothing")
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")

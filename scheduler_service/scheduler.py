@@ -272,7 +272,7 @@ class Scheduler:
         return seq.drafter
 
     def _draft(self, seq: Sequence, drafter: SequenceDrafter, budget: int) -> list[int]:
-        """Tokens to draft after seq's known last one: as many as its acceptance lately paid for, within the
+        """Tokens to draft after seq's known last one: as many as its suffix match predicts, within the
         budget, max_tokens and the context, none before min_tokens is reached (the end tokens are banned
         until then, per position), and under a grammar only the tokens it allows."""
         params = seq.request.sampling
@@ -282,8 +282,7 @@ class Scheduler:
                    self.max_model_len - seq.num_tokens - 1)
         if room <= 0:
             return []
-        k = min(drafter.length.next(), room)
-        draft = drafter.propose(k) if k > 0 else []
+        draft = drafter.propose(room)
         if draft and seq.matcher is not None:  # only what the grammar allows (its masks follow the draft)
             draft = [] if seq.matcher.is_stopped() or seq.matcher.is_error() else \
                 draft[:seq.matcher.validate_tokens(draft)]

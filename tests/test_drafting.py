@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.drafting import DraftLength, NgramIndex, SharedNgrams
+from scheduler_service.drafting import SHARED_DISCOUNT, DraftLength, NgramIndex, SequenceDrafter, SharedNgrams
 
 
 def lookup_by_scanning(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -45,21 +45,43 @@ def test_shared_ngrams_propose_what_followed_in_an_earlier_request_and_forget_th
     assert shared.propose([2, 3], 3) == []
 
 
-def test_the_draft_length_follows_acceptance_and_pauses_when_drafts_do_not_pay():
-    length = DraftLength(max_k=4, pause=3)
-    assert length.next() == 4
-    for _ in range(5):
-        length.record(4, 4)
-    assert length.next() == 4
-    for _ in range(4):
-        length.record(length.next() or 1, 0)
-        if length.paused:
+def test_a_longer_suffix_match_drafts_further_and_failing_short_drafts_stop_until_they_may_pay_again():
+    length = DraftLength(max_k=10)
+    assert [length.for_match(n) for n in (0, 1, 2, 3, 4, 6, 8, 40)] == [0, 1, 2, 3, 6, 10, 10, 10]
+    assert DraftLength(max_k=4).for_match(7) == 4  # never past --num-speculative-tokens
+    for _ in range(12):  # nothing to copy: one-token matches keep guessing wrong
+        if length.for_match(1) == 0:
             break
-    paused = []
-    for _ in range(3):  # paused for the next three tokens, however often asked
-        paused += [length.next(), length.next()]
-        length.tick()
-    assert paused == [0] * 6
-    assert 1 <= length.next() <= 2  # then a short draft again
+        length.record(1, 1, 0)
+    assert length.for_match(1) == 0 and length.for_match(2) == 0
+    assert length.for_match(3) == 3  # a copy under way drafts whatever short guesses did
+    length.record(3, 3, 0)
+    assert length.for_match(1) == 0
+    gated = 0
+    while length.for_match(1) == 0:  # steps without a short draft bring it back, after a while
+        length.skipped(1)
+        gated += 1
+        assert gated < 100
+    assert gated > 3 and length.for_match(1) == 1
+    for _ in range(5):  # and standing short drafts keep it
+        length.record(2, 2, 1)
+    assert length.for_match(2) == 2
     with pytest.raises(ValueError):
-        length.record(2, 3)
+        length.record(1, 2, 3)
+
+
+def test_a_sequence_drafts_from_its_own_copy_before_a_shorter_shared_match():
+    shared = SharedNgrams(max_entries=100, min_n=2, max_n=8, span=6)
+    shared.learn([1, 2, 3, 4, 50, 51, 52, 53])  # an earlier request went 3, 4 -> 50
+    d = SequenceDrafter([9, 3, 4, 60, 61, 62, 63, 64, 1, 2], 10, shared)
+    d.append([3, 4])  # own: (3, 4) -> 60 ... (a 2-token match); shared: (1, 2, 3, 4), 4 tokens long
+    assert d.match(5) == (2, [60, 61, 62, 63, 64])  # the shared match counts SHARED_DISCOUNT shorter
+    d.append([60, 61])
+    assert d.propose(10) == [62, 63, 64, 1, 2, 3]  # a 4-token own match: six tokens
+    assert d.matched == 4
+    d2 = SequenceDrafter([7, 1, 2, 3, 4, 5], 10, shared)
+    d2.append([8, 1, 2, 3, 4])
+    assert d2.match(3) == (4, [5, 8, 1])  # its own (1, 2, 3, 4) beats the shared one of equal length
+    fresh = SequenceDrafter([70, 71], 10, shared)
+    fresh.append([1, 2, 3, 4])  # nothing of its own: the shared continuation
+    assert fresh.match(4) == (4 - SHARED_DISCOUNT, [50, 51, 52, 53])

@@ -159,10 +159,16 @@ def test_drafting_rows_as_decode_rows_equal_their_tokens_as_one_prompt_chunk(tmp
     """A drafting sequence's tokens run as one decode row each (worker/speculation.py), whose keys the fused
     step reads once for the run: the same hidden states and K/V as those tokens as one chunk on the layer
     path (causal over the chunk, windows included: mistral's 20 keys are crossed inside the run)."""
+    model, config = _model(tmp_path, kind)
+    # 16 rows: a run longer than one item's tile where hd is big; a lone drafting sequence: its run cut into
+    # parts so that every thread has work
+    for seqs in ([(6, 40), (1, 17), (4, 60), (16, 90)], [(6, 40)], [(9, 33)]):
+        _check_drafting_rows(model, config, seqs, kv_dtype)
+
+
+def _check_drafting_rows(model, config, seqs, kv_dtype):
     from worker.speculation import expand_drafts
 
-    model, config = _model(tmp_path, kind)
-    seqs = [(6, 40), (1, 17), (4, 60), (16, 90)]  # 16 rows: a run longer than one item's tile where hd is big
     want, want_pool = _run(model, config, seqs, fused=False, kv_dtype=kv_dtype)
     p, blocks = _step(seqs)
     p.num_draft = np.array([q - 1 for q, _ in seqs], dtype="<i4")

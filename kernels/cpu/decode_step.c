@@ -34,6 +34,7 @@ void pagedserve_decode_run(const float* q, int64_t q_row_stride, const void* k_c
                            float* out, int64_t out_row_stride, int32_t n, const int32_t* table, int32_t len0,
                            int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
                            float scale, float softcap, int32_t kv_bf16);
+int pagedserve_decode_run_rows(int32_t n_heads, int32_t n_kv_heads);
 void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
                             int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
@@ -247,9 +248,11 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
        one key longer): their keys are read once for the run (pagedserve_prefill_rows), not once a row. Rows
        with equal tables over the keys they read and consecutive lengths attend alike however they came. */
     int64_t runs = 0;
-    int32_t* run_start = malloc(sizeof(int32_t) * 2 * rows);
+    int32_t* run_start = malloc(sizeof(int32_t) * 4 * rows);
     if (run_start == 0) return -1;
     int32_t* run_len = run_start + rows;
+    int32_t* part_start = run_len + rows; /* the runs cut into parts, each a work item with every KV head */
+    int32_t* part_len = part_start + rows;
     for (int64_t r = 0; r < rows; r++) {
         if (runs && seq_lens[r] == seq_lens[r - 1] + 1 && same_table(block_tables + (r - 1) * table_stride,
                                                                       block_tables + r * table_stride, seq_lens[r],
@@ -259,6 +262,24 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
         }
         run_start[runs] = (int32_t)r;
         run_len[runs++] = 1;
+    }
+    /* A run is cut into parts of equal rows: no more rows than one call's state holds (a longer run would
+       read its keys again for the rows past it anyway), and parts enough that a step of few runs gives every
+       thread work: a lone drafting sequence of a model with 3 KV heads is 3 items on 2 threads uncut (one
+       thread idle a third of the attention), 6 cut in two. Each part reads the run's keys once. */
+    int64_t parts = 0;
+    {
+        const int64_t per = pagedserve_decode_run_rows((int)nh, (int)nkv);
+        const int64_t want = (2 * (int64_t)omp_get_max_threads() + runs * nkv - 1) / (runs * nkv);
+        for (int64_t u = 0; u < runs; u++) {
+            const int64_t n = run_len[u];
+            int64_t c = n == 1 ? 1 : (n + per - 1) / per;
+            if (n > 1 && c < want) c = want < n ? want : n;
+            for (int64_t j = 0; j < c; j++) { /* rows [n * j / c, n * (j + 1) / c) of the run */
+                part_start[parts] = run_start[u] + (int32_t)(n * j / c);
+                part_len[parts++] = (int32_t)(n * (j + 1) / c - n * j / c);
+            }
+        }
     }
 
 #pragma omp parallel
@@ -306,10 +327,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 }
             } else {
 #pragma omp for schedule(dynamic, 1)
-                for (int64_t it = 0; it < runs * nkv; it++) { /* a run of a sequence's rows, one KV head */
+                for (int64_t it = 0; it < parts * nkv; it++) { /* a part of a sequence's run of rows, one KV head */
                     const int64_t u = it / nkv;
                     const int kh = (int)(it % nkv);
-                    const int64_t r = run_start[u], n = run_len[u];
+                    const int64_t r = part_start[u], n = part_len[u];
                     const int32_t last = seq_lens[r + n - 1];
                     if (n == 1) {
                         const int32_t first = ly->window > 0 && last > ly->window ? last - ly->window : 0;

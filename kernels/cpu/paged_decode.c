@@ -382,6 +382,13 @@ static void attend_range(float* qs, float* acc, float* m, float* l, int heads, c
     }
 }
 
+/* Rows of a run one pagedserve_decode_run call holds in its state at once (more are done in further passes
+   over the keys). */
+int pagedserve_decode_run_rows(int32_t n_heads, int32_t n_kv_heads) {
+    const int group = n_heads / n_kv_heads;
+    return group <= MAX_GROUP ? MAX_GROUP / group : 1;
+}
+
 /* A run of n query rows of one sequence, its consecutive tokens (a drafting sequence's in a decode step): row
  * i (at q + i * q_row_stride, all query heads) attends to keys [0, len0 + i), KV head kh's group of heads,
  * written to out + i * out_row_stride. The keys all rows see are read once for the run, in chunks of rows
@@ -391,7 +398,7 @@ void pagedserve_decode_run(const float* q, int64_t q_row_stride, const void* k_c
                            int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
                            float scale, float softcap, int32_t kv_bf16) {
     const int group = n_heads / n_kv_heads;
-    const int per = MAX_GROUP / group; /* rows whose heads one call holds */
+    const int per = pagedserve_decode_run_rows(n_heads, n_kv_heads); /* rows whose heads one call holds */
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim;
     const int64_t block_stride = (int64_t)block_size * token_stride;
     float qs[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP];
