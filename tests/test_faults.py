@@ -238,6 +238,32 @@ def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
         time.sleep(0.05)
 
 
+def test_a_checkpoint_that_cannot_load_is_refused_once_with_the_tensor_named(tmp_path):
+    """A tensor missing (or one the model has no place for) fails every start the same way: the worker says
+    which and exits EXIT_CONFIG, and the server stops rather than restart it in a loop."""
+    from safetensors.torch import load_file, save_file
+
+    from deploy.testing import ServerProcess
+    from tests.tiny import make_tiny_llama
+
+    folder = make_tiny_llama(tmp_path / "broken")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    server = ServerProcess(folder, tmp_path / "log", "--threads", "1")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            server.start(timeout=120)
+    finally:
+        server.stop()
+    assert time.monotonic() - t0 < 60
+    log = (tmp_path / "log").read_text()
+    assert "checkpoint_refused" in log and "model.norm.weight" in log
+    assert log.count("checkpoint_refused") <= 2  # the one start, not a restart loop
+    assert server.proc.returncode != 0
+
+
 def test_a_pool_too_small_for_one_full_context_request_is_refused(tmp_path, tiny_model_dir):
     from deploy.testing import ServerProcess
 

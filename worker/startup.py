@@ -301,8 +301,13 @@ def load(args, device, dtype, tp: int) -> Loaded:
             raise Refused("model_too_large", refusal, error=refusal)
     comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout, args.rendezvous_file)
     t0 = time.perf_counter()
-    model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed, tp_rank=args.rank,
-                               tp_size=tp, comm=comm, quantized=source, pack=lib.pack if lib else None)
+    try:
+        model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
+                                   tp_rank=args.rank, tp_size=tp, comm=comm, quantized=source,
+                                   pack=lib.pack if lib else None)
+    except KeyError as e:  # a tensor missing, or one the model has no place for: the same on every start
+        reason = e.args[0] if e.args else str(e)
+        raise Refused("checkpoint_refused", f"{args.model}: {reason}", error=reason) from None
     load_s = time.perf_counter() - t0
     try:
         attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp, load_s)

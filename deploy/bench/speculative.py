@@ -8,8 +8,9 @@ the workload (tokens - 1 over seconds), for
   - llama.cpp's llama-server on the same Q4_1 GGUF without speculation and with each n-gram --spec-type
     (built once from the llama-cpp-python sdist, as `make bench-cpu-peers` does);
 then the shared 64-stream workload (random token prompts: nothing to draft), all at once, pagedserve with
-speculation off and on: output tokens/s. Rounds take every server in turn, each started afresh for its pass
-(n-grams learned from a pass never draft the next: both engines keep some across requests); medians over
+speculation off and on: output tokens/s. Each round starts every server afresh (n-grams learned in a round
+never draft the next: both engines keep some across requests), and within it the servers take each prompt in
+turn, the first one rotating, so a slow moment of a noisy machine falls on all of them alike; medians over
 rounds, ratios per round. Prompts go to both as the same token ids.
 
     python -m deploy.bench.speculative --model .models/smollm2-135m-instruct
@@ -124,16 +125,25 @@ def main(argv: list[str] | None = None) -> int:
     makers += [lambda s=s: Llama(gguf, s, args.threads) for s in args.llama_spec.split(",") if s]
     rates, drafts, kinds = {}, {}, {}
     for _ in range(args.rounds):  # every server started afresh each round: nothing learned from the last one
-        for make in makers:
-            t = make()
-            try:
-                runs = [t.one(q, args.max_tokens) for q in prompts]
+        servers = []
+        try:
+            for make in makers:
+                servers.append(make())
+            tokens, seconds = [0] * len(servers), [0.0] * len(servers)
+            for i, q in enumerate(prompts):  # the servers in turn on each prompt (the first one rotating), so
+                for j in range(len(servers)):  # that a slow moment of a noisy machine falls on all of them
+                    at = (i + j) % len(servers)
+                    n, sec = servers[at].one(q, args.max_tokens)
+                    tokens[at] += n - 1
+                    seconds[at] += sec
+            for t, n, sec in zip(servers, tokens, seconds, strict=True):
                 drafts[t.name], kinds[t.name] = t.drafts(), type(t)
-            finally:
+                rates.setdefault(t.name, []).append(n / sec)
+                print(f"  {t.name}: {rates[t.name][-1]:.1f} tok/s ({n + len(prompts)} tokens) {drafts[t.name]}",
+                      flush=True)
+        finally:
+            for t in servers:
                 t.stop()
-            rates.setdefault(t.name, []).append(sum(n - 1 for n, _ in runs) / sum(s for _, s in runs))
-            print(f"  {t.name}: {rates[t.name][-1]:.1f} tok/s ({sum(n for n, _ in runs)} tokens) "
-                  f"{drafts[t.name]}", flush=True)
     many = {}
     if args.streams:
         stream_prompts = load_workload(args.workload)[:args.streams]
