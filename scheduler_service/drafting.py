@@ -1,12 +1,11 @@
 """Drafts for speculative decoding, made where the tokens are (the scheduler; no torch): prompt lookup over
-a sequence's own tokens, a bounded index of n-grams shared across requests, and a draft length that follows
-each sequence's acceptance. Verification, and what a rejected draft gives back: docs/ARCHITECTURE.md."""
+a sequence's own tokens, a bounded index of n-grams shared across requests, and a draft as long as the
+suffix match predicts. Verification, and what a rejected draft gives back: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-
 
 MAX_MATCH = 8  # the longest suffix looked up: a longer match than this predicts no better
 SHARED_DISCOUNT = 2

@@ -191,8 +191,8 @@ def test_closing_a_stream_mid_answer_frees_its_blocks(server, gateway, model):
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{gateway.base_url}/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
-            lines = resp.iter_lines()  # kept: dropping the iterator would close the connection (and the gateway
-            for line in lines:  # would abort the answer) before it is looked at
+            lines = resp.iter_lines()  # kept: dropping the iterator would close the connection (and the
+            for line in lines:  # gateway would abort the answer) before it is looked at
                 if line.startswith("data:"):
                     break
             deadline = time.monotonic() + 30  # the first line may come before the engine has the request

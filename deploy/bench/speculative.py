@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             for t, n, sec in zip(servers, tokens, seconds, strict=True):
                 drafts[t.name], kinds[t.name] = t.drafts(), type(t)
                 rates.setdefault(t.name, []).append(n / sec)
-                print(f"  {t.name}: {rates[t.name][-1]:.1f} tok/s ({n + len(prompts)} tokens) {drafts[t.name]}",
-                      flush=True)
+                print(f"  {t.name}: {rates[t.name][-1]:.1f} tok/s ({n + len(prompts)} tokens) "
+                      f"{drafts[t.name]}", flush=True)
         finally:
             for t in servers:
                 t.stop()
