@@ -149,6 +149,30 @@ def test_other_llama_family_variants(tmp_path, family):
                                    atol=ATOL, rtol=1e-4)
 
 
+def test_a_bare_decoder_checkpoint_loads_and_its_hidden_states_match_transformers(tmp_path):
+    """Embedding models ship the decoder without its head (Qwen3-Embedding: a `Qwen3Model`, tensors named
+    `layers.0...`, no `model.` before them): it loads, and the final hidden states are transformers'."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=128, tie_word_embeddings=True)
+    hf = transformers.Qwen3Model(cfg).eval()
+    hf.save_pretrained(str(tmp_path))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "embed_tokens.weight" in f.keys() and not any(k.startswith("model.") for k in f.keys())
+    model, config = load_model(str(tmp_path), "auto", torch.float32, torch.device("cpu"))
+    pool = KVPool(config, 8, BLOCK, torch.float32, torch.device("cpu"))
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+    _, hidden = run_step(model, config, pool, [(prompt, 0, [6, 1, 3])])
+    with torch.no_grad():
+        torch.testing.assert_close(hidden, hf(torch.tensor([prompt])).last_hidden_state[0], atol=ATOL,
+                                   rtol=1e-4)
+
+
 def test_checkpoint_missing_a_weight_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -67,6 +67,32 @@ class SafetensorsSource(TensorSource):
         return self._file_of[name].get_slice(name)[range_index(rows, cols)]
 
 
+class BareDecoderSource(TensorSource):
+    """A decoder saved without its language-model wrapper (a `Qwen3Model` / `LlamaModel` checkpoint, as
+    embedding models ship: `layers.0...`, `embed_tokens.weight`, `norm.weight`, no head) under the names the
+    model reads, `model.` before each."""
+
+    PREFIX = "model."
+
+    def __init__(self, inner: TensorSource) -> None:
+        self.inner = inner
+
+    @classmethod
+    def wrap(cls, source: TensorSource) -> TensorSource:
+        """source itself, or its bare decoder's tensors under `model.` where that is what it holds."""
+        names = source.names()
+        bare = "embed_tokens.weight" in names and not any(n.startswith(cls.PREFIX) for n in names)
+        return cls(source) if bare else source
+
+    def names(self) -> set[str]:
+        return {self.PREFIX + n for n in self.inner.names()}
+
+    def get(self, name, rows=None, cols=None):
+        if not name.startswith(self.PREFIX):
+            raise KeyError(name)
+        return self.inner.get(name[len(self.PREFIX):], rows, cols)
+
+
 @dataclass(frozen=True)
 class LayerNames:
     """Where a family's checkpoint keeps a decoder layer's tensors, under `model.layers.{i}.`."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from worker.checkpoint import DictSource, SafetensorsSource, TensorSource
+from worker.checkpoint import BareDecoderSource, DictSource, SafetensorsSource, TensorSource
 from worker.model import LlamaModel
 from worker.model_config import ModelConfig
 from worker.parallel import Collectives, make_shard
@@ -58,11 +58,12 @@ def read_gguf(path: Path, config: ModelConfig) -> TensorSource:
 
 
 def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
-    """A folder's weights: its safetensors files, or where it holds none, the GGUF it was prepared from."""
+    """A folder's weights: its safetensors files (a bare decoder's under the names of one with its head), or
+    where it holds none, the GGUF it was prepared from."""
     from worker.quantized import find_gguf
 
     gguf = None if any(path.glob("*.safetensors")) else find_gguf(path)
-    return read_gguf(gguf, config) if gguf is not None else SafetensorsSource(path)
+    return read_gguf(gguf, config) if gguf is not None else BareDecoderSource.wrap(SafetensorsSource(path))
 
 
 def tensor_source(source: str, load_format: str, config: ModelConfig) -> TensorSource | None:
