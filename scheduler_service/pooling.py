@@ -14,7 +14,8 @@ import numpy as np
 
 POOLINGS = ("last", "mean", "cls")
 # sentence-transformers' pooling config keys, and what each is here
-_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+          "pooling_mode_cls_token": "cls"}
 _UNSERVED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
                    "pooling_mode_weightedmean_tokens")
 _TRANSFORMER, _POOLING, _NORMALIZE = ("sentence_transformers.models.Transformer",
@@ -66,7 +67,7 @@ class PoolingSpec:
             raise PoolingConfigError(f"{modules_path}: modules {unserved} are not served (a Transformer, its "
                                      "Pooling and a Normalize are)")
         if _POOLING not in types:
-            raise PoolingConfigError(f"{modules_path}: no Pooling module: how the hidden states pool is not said")
+            raise PoolingConfigError(f"{modules_path}: no Pooling module (how the hidden states pool)")
         pool_dir = folder / next(m.get("path", "") for m in modules if m.get("type") == _POOLING)
         try:
             pool = json.loads((pool_dir / "config.json").read_text())
@@ -96,7 +97,8 @@ class PoolingSpec:
                    default_prompt=default, source=str(modules_path))
 
 
-def finish_vector(pooled: np.ndarray, num_tokens: int, spec: PoolingSpec, dimensions: int | None) -> np.ndarray:
+def finish_vector(pooled: np.ndarray, num_tokens: int, spec: PoolingSpec,
+                  dimensions: int | None) -> np.ndarray:
     """The embedding from what the worker pooled: a mean's sum divided by the tokens it summed, the first
     `dimensions` values kept (Matryoshka truncation), then scaled to unit length where the model normalizes
     (after truncating: a shortened vector is a unit vector too, as OpenAI's `dimensions` answers). fp32."""

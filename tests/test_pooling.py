@@ -19,8 +19,8 @@ def st_folder(folder, mode="pooling_mode_lasttoken", normalize=True, prompts=Non
     modules += [{"idx": 3 + i, "name": t, "path": t, "type": t} for i, t in enumerate(extra)]
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "1_Pooling").mkdir(exist_ok=True)
-    pool = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
-            "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+    pool = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+            "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
             "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False, "include_prompt": True}
     pool[mode] = True
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(pool))
