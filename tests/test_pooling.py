@@ -19,9 +19,10 @@ def st_folder(folder, mode="pooling_mode_lasttoken", normalize=True, prompts=Non
     modules += [{"idx": 3 + i, "name": t, "path": t, "type": t} for i, t in enumerate(extra)]
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "1_Pooling").mkdir(exist_ok=True)
-    pool = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
-            "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
-            "pooling_mode_weightedmean_tokens": False, "pooling_mode_lasttoken": False, "include_prompt": True}
+    pool = {"word_embedding_dimension": 64, "include_prompt": True}
+    for key in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
+                "lasttoken"):
+        pool[f"pooling_mode_{key}"] = False
     pool[mode] = True
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(pool))
     if prompts is not None:
