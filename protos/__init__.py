@@ -5,7 +5,7 @@ wire.proto, scheduler <-> worker), the numpy codec of the wire's arrays (codec.p
 # Version of the scheduler <-> worker wire format (WireMessage.version); both sides refuse a mismatch.
 # 6: drafts verified in a step (num_draft, num_accepted); 5: masks may follow their plan (StepMask);
 # 4: request controls; 3: overlap
-WIRE_VERSION = 6
+WIRE_VERSION = 7
 
 # Exit codes, every process's (the supervisor reads them): a configuration that cannot work (restarting
 # cannot help; the supervisor gives up), a worker that cannot go on (restarted), and a refusal for now

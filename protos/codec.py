@@ -61,6 +61,7 @@ class PlanArrays:
     token_bitmask: np.ndarray | None = None  # int32 [M, W]
     mask_follows: bool = False  # the bitmasks come in a StepMask once the step in flight's tokens are known
     num_draft: np.ndarray | None = None  # int32 [S]: drafted tokens at the end of each row (speculation)
+    pooling: np.ndarray | None = None  # int32 [S]: 0, or what the row's hidden states give back (POOL_*)
 
     @property
     def num_seqs(self) -> int:
@@ -78,7 +79,11 @@ _OPTIONAL = (
     ("bias_values", F32, "*"),
     ("logprobs", I32, "S"), ("prompt_logprobs", I32, "S"), ("prompt_logprob_counts", I32, "S"),
     ("prompt_logprob_targets", I32, "*"), ("mask_rows", I32, "S"), ("num_draft", I32, "S"),
+    ("pooling", I32, "S"),
 )
+
+# StepPlan.pooling: what a row's final hidden states give back
+POOL_LAST, POOL_SUM, POOL_FIRST = 1, 2, 3
 
 
 def _bytes(a: np.ndarray | None, dtype: np.dtype) -> bytes:
@@ -210,11 +215,11 @@ _LOGPROB_FIELDS = {"logprobs": ("logprobs", "top_token_ids", "top_logprobs"),
 
 def encode_result(step_id: int, sampled: np.ndarray, logprobs: Logprobs | None = None,
                   prompt_logprobs: Logprobs | None = None, num_accepted: np.ndarray | None = None,
-                  **timings: float) -> wire_pb2.StepResult:
+                  pooled: np.ndarray | None = None, **timings: float) -> wire_pb2.StepResult:
     """sampled: int32 [S], -1 where the sequence did not sample; num_accepted: int32 [S] when the plan
-    drafted."""
+    drafted; pooled: float32 [pooling rows, hidden] when it pooled."""
     msg = wire_pb2.StepResult(step_id=step_id, sampled_token_ids=np.ascontiguousarray(sampled, I32).tobytes(),
-                              num_accepted=_bytes(num_accepted, I32), **timings)
+                              num_accepted=_bytes(num_accepted, I32), pooled=_bytes(pooled, F32), **timings)
     for lp, (chosen, ids, values) in ((logprobs, _LOGPROB_FIELDS["logprobs"]),
                                       (prompt_logprobs, _LOGPROB_FIELDS["prompt_logprobs"])):
         if lp is not None:
@@ -241,6 +246,14 @@ def decode_result(msg: wire_pb2.StepResult, num_seqs: int) -> np.ndarray:
     if tokens.shape[0] != num_seqs:
         raise CodecError(f"step {msg.step_id}: {tokens.shape[0]} sampled tokens for {num_seqs} sequences")
     return tokens
+
+
+def decode_pooled(msg: wire_pb2.StepResult, rows: int, hidden: int) -> np.ndarray | None:
+    """-> float32 [rows, hidden] of the rows whose plan pooled (None when it pooled none); raises CodecError
+    when the size does not match."""
+    if rows == 0:
+        return None
+    return _array(msg.pooled, F32, rows * hidden, "pooled").reshape(rows, hidden)
 
 
 def decode_accepted(msg: wire_pb2.StepResult, num_seqs: int) -> np.ndarray | None:

@@ -149,6 +149,68 @@ def test_other_llama_family_variants(tmp_path, family):
                                    atol=ATOL, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_step_pools_its_rows_hidden_states_as_asked_through_chunks(tmp_path, backend):
+    """StepPlan.pooling: a row gives back its last token's final hidden state, the sum over its tokens (a
+    prompt in two chunks: the sums add up to the whole prompt's), or its first token's, beside a row that
+    samples; what transformers' Qwen3Model says at those positions."""
+    import numpy as np
+    import transformers
+
+    from protos.codec import POOL_FIRST, POOL_LAST, POOL_SUM, PlanArrays, decode_pooled, encode_plan
+    from worker.runner import ModelRunner
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=128, tie_word_embeddings=True)
+    transformers.Qwen3Model(cfg).eval().save_pretrained(str(tmp_path))
+    hf = transformers.Qwen3Model.from_pretrained(str(tmp_path)).eval()
+    model, config = load_model(str(tmp_path), "auto", torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, KVPool(config, 32, BLOCK, torch.float32, torch.device("cpu")),
+                         make_backend(backend, torch.device("cpu")), torch.device("cpu"))
+    prompts = [[5, 17, 3, 9, 40, 2, 11], [8, 1, 60, 61, 62, 7, 30, 31, 4, 12, 99], [4, 4, 9], [3, 1, 4, 1]]
+    with torch.no_grad():
+        ref = [hf(torch.tensor([q])).last_hidden_state[0] for q in prompts]
+
+    def step(step_id, rows, pooling):
+        """rows: (prompt index, first token, last token) each, its blocks 4 * index on."""
+        tokens, pos, slots, qsl = [], [], [], [0]
+        for i, a, b in rows:
+            tokens += prompts[i][a:b]
+            pos += list(range(a, b))
+            slots += [(4 * i + t // BLOCK) * BLOCK + t % BLOCK for t in range(a, b)]
+            qsl.append(qsl[-1] + b - a)
+        k = len(rows)
+        plan = encode_plan(PlanArrays(
+            step_id=step_id, token_ids=np.array(tokens, np.int32), positions=np.array(pos, np.int32),
+            slot_mapping=np.array(slots, np.int64),
+            block_tables=np.array([[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i, _, _ in rows], np.int32),
+            seq_lens=np.array([b for _, _, b in rows], np.int32), query_start_loc=np.array(qsl, np.int32),
+            do_sample=np.array([p == 0 for p in pooling]), sample_index=np.zeros(k, np.int32),
+            temperature=np.zeros(k, np.float32), top_p=np.ones(k, np.float32), top_k=np.zeros(k, np.int32),
+            seed=np.zeros(k, np.uint64), block_copies=np.zeros((0, 2), np.int32),
+            pooling=np.array(pooling, np.int32)))
+        result = runner.execute(plan)
+        assert not result.error
+        return decode_pooled(result, sum(p > 0 for p in pooling), config.hidden_size)
+
+    tol = dict(atol=1e-4, rtol=1e-4)
+    first = step(1, [(0, 0, 7), (1, 0, 5), (2, 0, 3), (3, 0, 4)], [POOL_LAST, POOL_SUM, POOL_FIRST, 0])
+    torch.testing.assert_close(torch.tensor(first[0]), ref[0][-1], **tol)
+    torch.testing.assert_close(torch.tensor(first[2]), ref[2][0], **tol)
+    second = step(2, [(1, 5, 11)], [POOL_SUM])  # the rest of prompt 1, over its first chunk's K/V
+    torch.testing.assert_close(torch.tensor(first[1] + second[0]), ref[1].sum(0), **tol)
+    assert runner.execute(encode_plan(PlanArrays(
+        step_id=3, token_ids=np.array([1], np.int32), positions=np.array([0], np.int32),
+        slot_mapping=np.array([0], np.int64), block_tables=np.array([[0]], np.int32),
+        seq_lens=np.array([1], np.int32), query_start_loc=np.array([0, 1], np.int32),
+        do_sample=np.array([False]), sample_index=np.zeros(1, np.int32), temperature=np.zeros(1, np.float32),
+        top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32), seed=np.zeros(1, np.uint64),
+        block_copies=np.zeros((0, 2), np.int32), pooling=np.array([5], np.int32)))).error.startswith(
+        "rejected plan: pooling must be")
+
+
 def test_a_bare_decoder_checkpoint_loads_and_its_hidden_states_match_transformers(tmp_path):
     """Embedding models ship the decoder without its head (Qwen3-Embedding: a `Qwen3Model`, tensors named
     `layers.0...`, no `model.` before them): it loads, and the final hidden states are transformers'."""

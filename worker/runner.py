@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from protos import wire_pb2
-from protos.codec import CodecError, PlanArrays, decode_plan, encode_plan, encode_result
+from protos.codec import POOL_FIRST, POOL_SUM, CodecError, PlanArrays, decode_plan, encode_plan, encode_result
 from worker.attention import AttentionBackend
 from worker.controls import apply_controls, gather_controls, top_logprobs
 from worker.kv_pool import KVPool
@@ -60,6 +60,7 @@ class InFlight:
     time_prepare: float
     host_forward: float
     host_sample: float
+    pooled: torch.Tensor | None = None  # float32 [pooling rows, hidden] on the device, when the plan pooled
 
 
 class ModelRunner:
@@ -112,6 +113,7 @@ class ModelRunner:
             hidden, all_logits = self.model(s.step, self.pool, self.attn), None  # [num_tokens, hidden]
         t2 = time.perf_counter()
         logprobs = prompt_logprobs = None
+        pooled = pool_hidden(hidden, p) if p.pooling is not None else None
         if p.prompt_logprobs is not None:  # every rank computes them too: compute_logits is a collective
             prompt_logprobs = self._prompt_logprobs(p, all_logits, hidden)
         # the step's tokens, then (when it drafts) how many drafted tokens each row accepted
@@ -140,7 +142,7 @@ class ModelRunner:
         self.last_step_id = plan.step_id
         return InFlight(plan.step_id, p.do_sample.copy(), host, clock, logprobs, prompt_logprobs,
                         depends_on=p.prev_step_id if pending else 0, time_prepare=t1 - t0,
-                        host_forward=t2 - t1, host_sample=t3 - t2)
+                        host_forward=t2 - t1, host_sample=t3 - t2, pooled=pooled)
 
     def _accept(self, plan: wire_pb2.StepPlan, await_mask) -> tuple[PlanArrays, bool] | wire_pb2.StepResult:
         """The plan decoded and validated, and whether it reads tokens of the step before (or the result
@@ -184,7 +186,7 @@ class ModelRunner:
         if pending:  # tokens the step in flight (or done) sampled, read where they are
             prev = staged[8]
             token_ids = torch.where(prev >= 0, self._last_tokens[prev.clamp(min=0)].clamp(min=0), token_ids)
-        graphed = self.graphs is not None and self.graphs.covers(q_lens, seq_lens_h)
+        graphed = self.graphs is not None and p.pooling is None and self.graphs.covers(q_lens, seq_lens_h)
         step = None
         if not graphed:
             meta = self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size,
@@ -255,9 +257,10 @@ class ModelRunner:
             raise
         waited = time.perf_counter() - t
         forward, sampling = f.clock.split(f.host_forward, f.host_sample + waited)
+        pooled = f.pooled.cpu().numpy() if f.pooled is not None else None
         return encode_result(f.step_id, sampled, logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs,
-                             num_accepted=accepted, time_prepare=f.time_prepare, time_forward=forward,
-                             time_sample=sampling)
+                             num_accepted=accepted, pooled=pooled, time_prepare=f.time_prepare,
+                             time_forward=forward, time_sample=sampling)
 
     # --- the previous step's tokens, on the device ------------------------------------------------
     @property
@@ -318,6 +321,30 @@ class ModelRunner:
         logits = all_logits[where] if all_logits is not None else self.model.compute_logits(hidden[where])
         ks = np.repeat(p.prompt_logprobs[at].astype(np.int64), counts[at])
         return top_logprobs(logits, torch.from_numpy(p.prompt_logprob_targets.astype(np.int64)), ks)
+
+
+def pool_hidden(hidden: torch.Tensor, p: PlanArrays) -> torch.Tensor | None:
+    """What the plan's pooling rows ask of their final hidden states (protos/wire.proto StepPlan.pooling),
+    fp32 [pooling rows, hidden] in row order: the last token's, the sum over the row's tokens, or the
+    first token's. None when no row pools."""
+    rows = np.flatnonzero(p.pooling > 0)
+    if rows.size == 0:
+        return None
+    kinds = p.pooling[rows]
+    starts = p.query_start_loc[rows].astype(np.int64)
+    ends = p.query_start_loc[rows + 1].astype(np.int64)
+    pick = np.where(kinds == POOL_FIRST, starts, ends - 1)
+    out = hidden[torch.from_numpy(pick).to(hidden.device)].float()
+    summing = np.flatnonzero(kinds == POOL_SUM)
+    if summing.size:
+        lens = ends[summing] - starts[summing]
+        tokens = np.repeat(starts[summing] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+        owner = torch.from_numpy(np.repeat(summing, lens)).to(hidden.device)
+        values = hidden[torch.from_numpy(tokens).to(hidden.device)].float()
+        sums = torch.zeros_like(out).index_add_(0, owner, values)
+        at = torch.from_numpy(summing).to(hidden.device)
+        out[at] = sums[at]
+    return out
 
 
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
