@@ -61,8 +61,7 @@ def kv_cache_dtype(choice: str, compute, weights, device):
                          f"{str(compute).removeprefix('torch.')}, so a wider KV pool would hold nothing "
                          "more; use auto or bf16")
     if device.type == "cpu" and chosen not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"--kv-cache-dtype {choice}: a CPU worker's attention reads a float32 or bfloat16 "
-                         "pool")
+        raise ValueError(f"--kv-cache-dtype {choice}: a CPU worker's attention reads a float32 or bf16 pool")
     return chosen
 
 
@@ -173,8 +172,7 @@ def use_fused_decode(model, tp: int, activations: str) -> None:
     from worker.quantized import QuantizedMatmul
 
     kernels = cpu_native.load()
-    why = FusedDecode.unsupported(model,
-                                  tp) if kernels is not None else "the native CPU kernels are not built"
+    why = "the native CPU kernels are not built" if kernels is None else FusedDecode.unsupported(model, tp)
     if why is None and activations == "int8" and not getattr(model.mm, "packing", False):
         why = ("int8 activations on the file's layout (the fused step multiplies 8-bit ones on packed "
                "weights only)")
@@ -301,11 +299,11 @@ def load(args, device, dtype, tp: int) -> Loaded:
             raise Refused("model_too_large", refusal, error=refusal)
     comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout, args.rendezvous_file)
     t0 = time.perf_counter()
-    try:
+    try:  # a tensor missing, or one the model has no place for, fails every start alike
         model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
                                    tp_rank=args.rank, tp_size=tp, comm=comm, quantized=source,
                                    pack=lib.pack if lib else None)
-    except KeyError as e:  # a tensor missing, or one the model has no place for: the same on every start
+    except KeyError as e:
         reason = e.args[0] if e.args else str(e)
         raise Refused("checkpoint_refused", f"{args.model}: {reason}", error=reason) from None
     load_s = time.perf_counter() - t0
