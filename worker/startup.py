@@ -61,7 +61,8 @@ def kv_cache_dtype(choice: str, compute, weights, device):
                          f"{str(compute).removeprefix('torch.')}, so a wider KV pool would hold nothing "
                          "more; use auto or bf16")
     if device.type == "cpu" and chosen not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"--kv-cache-dtype {choice}: a CPU worker's attention reads a float32 or bf16 pool")
+        raise ValueError(f"--kv-cache-dtype {choice}: a CPU worker's attention reads a float32 or bfloat16 "
+                         "pool")
     return chosen
 
 
@@ -128,8 +129,7 @@ def half_weights(args, config, dtype):
 
     if cpu_native.load() is None or args.load_format == "dummy":
         log.info("half_weights_off", dtype=str(dtype),
-                 reason="no native CPU kernels" if args.load_format != "dummy"
-                 else "random weights")
+                 reason="no native CPU kernels" if args.load_format != "dummy" else "random weights")
         return None
     qtype = "BF16" if dtype == torch.bfloat16 else "F16"
     return CastSource(tensor_source(args.model, args.load_format, config), config, qtype)
