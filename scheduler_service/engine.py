@@ -317,7 +317,8 @@ class Engine:
             if seq.last_token_time is not None:
                 self.metrics.on_token_gap(replica.index, now - seq.last_token_time)
             seq.last_token_time = now
-            lp = logprobs.get(seq.seq_id) if logprobs else None
+            lps = logprobs.get(seq.seq_id) if logprobs else None
+            lp = lps.pop(0) if lps else None  # its tokens of this step take their positions' in turn
             if lp is not None:
                 lp.token_id = token
             delta, reason = stream.samples[seq.index].add_token(token, lp)

@@ -71,9 +71,9 @@ class SamplingOptions:
 
     @property
     def may_draft(self) -> bool:
-        """Whether drafts can be verified for it: nothing that reads a token's context or asks for more
-        than the token (penalties, logprobs; a grammar is checked per sequence)."""
-        return not self.is_penalized and self.logprobs is None and self.prompt_logprobs is None
+        """Whether drafts can be verified for it: no penalty (each reads the tokens before its position;
+        a grammar is checked per sequence). Logprobs come at every drafted position."""
+        return not self.is_penalized
 
     @property
     def has_bias(self) -> bool:

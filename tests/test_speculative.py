@@ -95,6 +95,36 @@ def test_n_samples_and_seeded_sampling_repeat_with_drafts(spec, server_factory, 
     assert_all_blocks_back(spec)
 
 
+def test_logprobs_of_drafted_tokens_equal_those_without_speculation(spec, server_factory, tiny_model_dir):
+    """Each token that stands carries its own position's logprob and top tokens (the worker gives every
+    drafted position's), greedy and sampled: as a server without speculation gives them."""
+    prompt = [70 + (5 * i) % 150 for i in range(11)]
+    requests = []
+    for temperature in (0.0, 0.9):
+        req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
+            max_tokens=28, temperature=temperature, seed=5, logprobs=3, ignore_eos=True))
+        requests.append(req)
+    off = server_factory(tiny_model_dir, "--speculative", "off", "--block-size", "4", "--num-blocks", "40",
+                         "--max-model-len", "160")
+    try:
+        want = [off.stub.Generate(r, timeout=120).choices[0] for r in requests]
+    finally:
+        off.stop()
+    for req, reference in zip(requests, want, strict=True):
+        before = drafts(spec)
+        for _ in range(2):  # the second run drafts from the first
+            got = spec.stub.Generate(req, timeout=120).choices[0]
+            assert list(got.token_ids) == list(reference.token_ids)
+            assert len(got.logprobs) == len(reference.logprobs) == 28
+            for a, b in zip(got.logprobs, reference.logprobs, strict=True):
+                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t.token_id for t in a.top_logprobs] == [t.token_id for t in b.top_logprobs]
+                assert [t.logprob for t in a.top_logprobs] == pytest.approx(
+                    [t.logprob for t in b.top_logprobs], abs=1e-4)
+        assert drafts(spec)[1] > before[1]
+    assert_all_blocks_back(spec)
+
+
 def test_a_tensor_parallel_pair_verifies_drafts(server_factory, tiny_model_dir):
     tp = server_factory(tiny_model_dir, "--tensor-parallel-size", "2", "--speculative", "ngram",
                         "--block-size", "4", "--num-blocks", "96", "--max-model-len", "128",

@@ -125,8 +125,8 @@ def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
 def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
     """A drafting row samples, ends with its draft after one token that is not drafted (all its tokens:
     its K/V before them is in the pool), keys its draws by a token index the draft fits under, has a mask a
-    position where it is constrained, and uses no control that reads its context or asks for more than its
-    token (penalties, logprobs)."""
+    position where it is constrained, and uses no control that reads its context (penalties) or asks for
+    what a decode row has none of (prompt logprobs)."""
     nd = p.num_draft
     if (nd < 0).any():
         raise PlanError("num_draft must be >= 0")
@@ -145,7 +145,6 @@ def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
     uses = [("penalties", p.repetition_penalty is not None and (
                 (p.repetition_penalty[rows] != 1) | (p.presence_penalty[rows] != 0)
                 | (p.frequency_penalty[rows] != 0)).any()),
-            ("logprobs", p.logprobs is not None and (p.logprobs[rows] >= 0).any()),
             ("prompt logprobs", p.prompt_logprob_counts is not None
              and (p.prompt_logprob_counts[rows] > 0).any())]
     for what, used in uses:

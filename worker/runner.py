@@ -227,9 +227,11 @@ class ModelRunner:
                 self.device, non_blocking=True)
             tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled[last]
             accept_drafts(sampled, s.drafts, tokens, accepted)
-            return None  # drafting rows ask for no logprobs; the others' come from their only logits row
-        tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled
-        ks = p.logprobs[rows] if p.logprobs is not None else np.zeros(0, dtype=np.int32)
+        else:
+            tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled
+        # every sampled position's: a drafting row's 1 + k (the scheduler keeps those of the tokens that stand:
+        # a drafted token stands where it equals the token drawn at its position, whose logprob this is)
+        ks = p.logprobs[owner] if p.logprobs is not None else np.zeros(0, dtype=np.int32)
         at = np.flatnonzero(ks >= 0)
         if not at.size:
             return None
