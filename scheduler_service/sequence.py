@@ -70,12 +70,6 @@ class SamplingOptions:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
-    def may_draft(self) -> bool:
-        """Whether drafts can be verified for it: no penalty (each reads the tokens before its position;
-        a grammar is checked per sequence). Logprobs come at every drafted position."""
-        return not self.is_penalized
-
-    @property
     def has_bias(self) -> bool:
         return bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_ban))
 

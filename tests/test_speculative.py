@@ -125,6 +125,28 @@ def test_logprobs_of_drafted_tokens_equal_those_without_speculation(spec, server
     assert_all_blocks_back(spec)
 
 
+def test_penalized_requests_draft_and_answer_as_without_speculation(spec, server_factory, tiny_model_dir):
+    """A drafted position's penalties count the drafted tokens before it: repetition, presence and frequency
+    penalties, greedy and sampled, answer what a server without speculation answers, with drafts accepted."""
+    prompt = [30 + (7 * i) % 170 for i in range(12)]
+    params = generation_pb2.SamplingParams
+    requests = [generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=params(
+        max_tokens=30, temperature=t, seed=9, ignore_eos=True, **penalty))
+        for t, penalty in ((0.0, dict(repetition_penalty=1.3)), (0.0, dict(frequency_penalty=0.7)),
+                           (0.8, dict(presence_penalty=0.9, repetition_penalty=1.1)))]
+    off = server_factory(tiny_model_dir, "--speculative", "off", "--block-size", "4", "--num-blocks", "40",
+                         "--max-model-len", "160")
+    try:
+        want = [list(off.stub.Generate(r, timeout=120).choices[0].token_ids) for r in requests]
+    finally:
+        off.stop()
+    before = drafts(spec)
+    for _ in range(2):  # the second run drafts from the first
+        assert [list(spec.stub.Generate(r, timeout=120).choices[0].token_ids) for r in requests] == want
+    assert drafts(spec)[1] > before[1]
+    assert_all_blocks_back(spec)
+
+
 def test_a_tensor_parallel_pair_verifies_drafts(server_factory, tiny_model_dir):
     tp = server_factory(tiny_model_dir, "--tensor-parallel-size", "2", "--speculative", "ngram",
                         "--block-size", "4", "--num-blocks", "96", "--max-model-len", "128",

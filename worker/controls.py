@@ -87,11 +87,14 @@ def gather_controls(p: PlanArrays, rows: np.ndarray, block_tables: torch.Tensor,
         at = np.flatnonzero((rep != 1.0) | (pres != 0.0) | (freq != 0.0))
         if at.size:
             lens = p.seq_lens[rows[at]].astype(np.int64)
+            prompt_lens = lens - p.sample_index[rows[at]]
+            if offsets is not None:  # a drafted position's context ends before it: the drafts before it count
+                lens = lens - p.num_draft[rows[at]] + offsets[at]
             c.penalty_rows = dev(at, torch.int64)
             tables_at = rows[at] if table_rows is None else table_rows[rows[at]]
             c.penalty_tables = block_tables[dev(tables_at, torch.int64)]
             c.penalty_lens = dev(lens, torch.int64)
-            c.penalty_prompt_lens = dev(lens - p.sample_index[rows[at]], torch.int64)
+            c.penalty_prompt_lens = dev(prompt_lens, torch.int64)
             c.repetition = dev(rep[at], torch.float32)
             c.presence = dev(pres[at], torch.float32)
             c.frequency = dev(freq[at], torch.float32)
