@@ -317,8 +317,7 @@ class Engine:
             if seq.last_token_time is not None:
                 self.metrics.on_token_gap(replica.index, now - seq.last_token_time)
             seq.last_token_time = now
-            lps = logprobs.get(seq.seq_id) if logprobs else None
-            lp = lps.pop(0) if lps else None  # its tokens of this step take their positions' in turn
+            lp = logprobs.get(seq.seq_id) if logprobs else None
             if lp is not None:
                 lp.token_id = token
             delta, reason = stream.samples[seq.index].add_token(token, lp)

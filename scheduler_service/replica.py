@@ -78,28 +78,23 @@ def prompt_block_hashes(prompt: list[int], block_size: int) -> list[bytes]:
     return hashes
 
 
-def read_logprobs(out: SchedulerOutput, result) -> dict[int, list[TokenLogprob]] | None:
-    """The step result's logprobs: those of sampled positions by sequence id, in order (a drafting row's
-    1 + k: its tokens that stood take theirs in turn); prompt logprobs are stored in their requests at once
-    (positions recomputed after a preemption overwrite theirs with the same values). Raises CodecError when
-    the arrays do not match what the plan asked for."""
+def read_logprobs(out: SchedulerOutput, result) -> dict[int, TokenLogprob] | None:
+    """The step result's logprobs: those of sampled tokens by sequence id; prompt logprobs are stored in
+    their requests at once (positions recomputed after a preemption overwrite theirs with the same values).
+    Raises CodecError when the arrays do not match what the plan asked for."""
     by_seq = None
     if out.logprobs_k is not None:
         k = out.logprobs_k
         rows = np.flatnonzero(k >= 0)
-        positions = np.array([1 + len(out.scheduled[r].draft) for r in rows.tolist()], dtype=np.int64)
-        lp = decode_logprobs(result, "logprobs", int(positions.sum()), int((k[rows] * positions).sum()))
+        lp = decode_logprobs(result, "logprobs", rows.size, int(k[rows].sum()))
         if lp is not None:
-            by_seq, n, at = {}, 0, 0
+            by_seq, at = {}, 0
             chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_values.tolist()
-            for row, count in zip(rows.tolist(), positions.tolist(), strict=True):
+            for n, row in enumerate(rows.tolist()):
                 seq, kk = out.scheduled[row].seq, int(k[row])
-                entries = by_seq[seq.seq_id] = []
-                for _ in range(count):
-                    entries.append(TokenLogprob(-1, chosen[n],
-                                                list(zip(ids[at:at + kk], values[at:at + kk], strict=True))))
-                    n += 1
-                    at += kk
+                by_seq[seq.seq_id] = TokenLogprob(-1, chosen[n],
+                                                  list(zip(ids[at:at + kk], values[at:at + kk], strict=True)))
+                at += kk
     if out.prompt_logprobs is not None:
         k, counts = out.prompt_logprobs
         rows = np.flatnonzero(counts > 0)

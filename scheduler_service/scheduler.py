@@ -260,10 +260,13 @@ class Scheduler:
             self._add(out, seq, num_new, scheduled)
             budget -= num_new
 
-    def _drafter(self, seq: Sequence) -> SequenceDrafter:
-        """seq's drafting state, made at its first decode (any request drafts: a drafted position's penalties
-        count the drafts before it, its logprobs are its own, a grammar's masks follow the draft)."""
+    def _drafter(self, seq: Sequence) -> SequenceDrafter | None:
+        """seq's drafting state, made at its first decode; None for a sequence that asks logprobs (see
+        SamplingOptions.may_draft). A drafted position's penalties count the drafts before it, a grammar's
+        masks follow the draft."""
         if seq.drafter is None:
+            if not seq.request.sampling.may_draft:
+                return None
             seq.drafter = SequenceDrafter(seq.token_ids, self.config.num_speculative_tokens,
                                           self.shared_ngrams)
             seq.drafter.look_ahead()

@@ -70,6 +70,13 @@ class SamplingOptions:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def may_draft(self) -> bool:
+        """Whether drafts can be verified for it: anything but logprobs (a verifying step's logits differ
+        from a one-row step's in their last digits, and so would the logprobs shown). A drafted position's
+        penalties count the drafts before it; a grammar is checked per sequence."""
+        return self.logprobs is None and self.prompt_logprobs is None
+
+    @property
     def has_bias(self) -> bool:
         return bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_ban))
 

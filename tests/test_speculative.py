@@ -95,36 +95,6 @@ def test_n_samples_and_seeded_sampling_repeat_with_drafts(spec, server_factory, 
     assert_all_blocks_back(spec)
 
 
-def test_logprobs_of_drafted_tokens_equal_those_without_speculation(spec, server_factory, tiny_model_dir):
-    """Each token that stands carries its own position's logprob and top tokens (the worker gives every
-    drafted position's), greedy and sampled: as a server without speculation gives them."""
-    prompt = [70 + (5 * i) % 150 for i in range(11)]
-    requests = []
-    for temperature in (0.0, 0.9):
-        req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
-            max_tokens=28, temperature=temperature, seed=5, logprobs=3, ignore_eos=True))
-        requests.append(req)
-    off = server_factory(tiny_model_dir, "--speculative", "off", "--block-size", "4", "--num-blocks", "40",
-                         "--max-model-len", "160")
-    try:
-        want = [off.stub.Generate(r, timeout=120).choices[0] for r in requests]
-    finally:
-        off.stop()
-    for req, reference in zip(requests, want, strict=True):
-        before = drafts(spec)
-        for _ in range(2):  # the second run drafts from the first
-            got = spec.stub.Generate(req, timeout=120).choices[0]
-            assert list(got.token_ids) == list(reference.token_ids)
-            assert len(got.logprobs) == len(reference.logprobs) == 28
-            for a, b in zip(got.logprobs, reference.logprobs, strict=True):
-                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
-                assert [t.token_id for t in a.top_logprobs] == [t.token_id for t in b.top_logprobs]
-                assert [t.logprob for t in a.top_logprobs] == pytest.approx(
-                    [t.logprob for t in b.top_logprobs], abs=1e-4)
-        assert drafts(spec)[1] > before[1]
-    assert_all_blocks_back(spec)
-
-
 def test_penalized_requests_draft_and_answer_as_without_speculation(spec, server_factory, tiny_model_dir):
     """A drafted position's penalties count the drafted tokens before it: repetition, presence and frequency
     penalties, greedy and sampled, answer what a server without speculation answers, with drafts accepted."""
@@ -143,6 +113,34 @@ def test_penalized_requests_draft_and_answer_as_without_speculation(spec, server
     before = drafts(spec)
     for _ in range(2):  # the second run drafts from the first
         assert [list(spec.stub.Generate(r, timeout=120).choices[0].token_ids) for r in requests] == want
+    assert drafts(spec)[1] > before[1]
+    assert_all_blocks_back(spec)
+
+
+def test_a_request_asking_logprobs_beside_a_drafting_one_gets_them(spec, server_factory, tiny_model_dir):
+    """A request asking logprobs decodes one token a step (its logprobs are a one-row step's, as without
+    drafts), in the same steps as a sequence that drafts: both answers and the logprobs equal a server
+    without speculation's."""
+    drafting = greedy_request([90 + i for i in range(12)], 40, "beside-drafts")
+    asking = generation_pb2.GenerateRequest(prompt_token_ids=[17, 4, 99, 23, 8, 61], sampling=generation_pb2.
+                                            SamplingParams(max_tokens=30, temperature=0, logprobs=2,
+                                                           ignore_eos=True))
+    off = server_factory(tiny_model_dir, "--speculative", "off", "--block-size", "4", "--num-blocks", "40",
+                         "--max-model-len", "160")
+    try:
+        want = [off.stub.Generate(r, timeout=120).choices[0] for r in (drafting, asking)]
+    finally:
+        off.stop()
+    spec.stub.Generate(drafting, timeout=120)  # its second run drafts from this one
+    before = drafts(spec)
+    futures = [spec.stub.Generate.future(r, timeout=120) for r in (drafting, asking)]
+    got = [f.result().choices[0] for f in futures]
+    assert [list(c.token_ids) for c in got] == [list(c.token_ids) for c in want]
+    assert [(t.token_id, [x.token_id for x in t.top_logprobs]) for t in got[1].logprobs] == \
+        [(t.token_id, [x.token_id for x in t.top_logprobs]) for t in want[1].logprobs]
+    # (other rows in its steps move its logits in the last digits, with or without drafts)
+    values = [t.logprob for t in want[1].logprobs]
+    assert [t.logprob for t in got[1].logprobs] == pytest.approx(values, abs=1e-5)
     assert drafts(spec)[1] > before[1]
     assert_all_blocks_back(spec)
 

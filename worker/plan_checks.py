@@ -125,7 +125,8 @@ def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
 def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
     """A drafting row samples, ends with its draft after one token that is not drafted (all its tokens:
     its K/V before them is in the pool), keys its draws by a token index the draft fits under, has a mask a
-    position where it is constrained, and asks for nothing a decode row has none of (prompt logprobs)."""
+    position where it is constrained, and asks for no logprobs (those of a one-row step are what a request
+    sees) nor what a decode row has none of (prompt logprobs)."""
     nd = p.num_draft
     if (nd < 0).any():
         raise PlanError("num_draft must be >= 0")
@@ -141,8 +142,12 @@ def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
         spans = np.concatenate([np.arange(a, a + q) for a, q in zip(starts, q_lens[rows], strict=True)])
         if (p.prev_rows[spans] >= 0).any():
             raise PlanError("a drafting row's tokens must all be known (none from the step in flight)")
-    if p.prompt_logprob_counts is not None and (p.prompt_logprob_counts[rows] > 0).any():
-        raise PlanError("a drafting row may not use prompt logprobs")
+    uses = [("logprobs", p.logprobs is not None and (p.logprobs[rows] >= 0).any()),
+            ("prompt logprobs", p.prompt_logprob_counts is not None
+             and (p.prompt_logprob_counts[rows] > 0).any())]
+    for what, used in uses:
+        if used:
+            raise PlanError(f"a drafting row may not use {what}")
     if p.mask_rows is not None and not p.mask_follows:
         masks = 0 if p.token_bitmask is None else p.token_bitmask.shape[0]
         if ((p.mask_rows >= 0) & (p.mask_rows + nd >= masks)).any():

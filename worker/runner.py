@@ -229,8 +229,7 @@ class ModelRunner:
             accept_drafts(sampled, s.drafts, tokens, accepted)
         else:
             tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled
-        # every sampled position's: a drafting row's 1 + k (the scheduler keeps those of the tokens that
-        # stand: a drafted token stands where it equals the token drawn at its position, whose logprob it is)
+        # by logits row: a drafting row asks none (plan_checks), so each row asking has its one logits row
         ks = p.logprobs[owner] if p.logprobs is not None else np.zeros(0, dtype=np.int32)
         at = np.flatnonzero(ks >= 0)
         if not at.size:
