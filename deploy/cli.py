@@ -6,6 +6,7 @@
     pagedserve generate "A person as JSON" --json-schema @person.json --logprobs 3
     pagedserve generate "Hi" --system "Answer in French."        # a system prompt, then the user's
     pagedserve chat --system "You are terse."                   # a conversation in the terminal
+    pagedserve embed "first text" "second text" --dimensions 256 # vectors of an embedding model, JSON lines
     pagedserve stats                                            # the KV pool as a table (--json for machines)
     pagedserve top                                              # a live view of a running server
     pagedserve info | abort REQUEST_ID
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import grpc
@@ -216,6 +218,25 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_embed(args: argparse.Namespace) -> int:
+    """Each text's vector as one JSON line ({"index", "prompt_tokens", "embedding"}), in input order."""
+    from protos import generation_pb2
+
+    texts = [_text_or_file(t) for t in args.texts]
+    request = generation_pb2.EmbedRequest(texts=texts, dimensions=args.dimensions,
+                                          truncate_prompt_tokens=args.truncate_prompt_tokens,
+                                          prompt_name=args.prompt_name or "", prompt=args.prompt or "")
+    try:
+        response = _stub(args.server, args.tls_ca).Embed(request, timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    for d in response.data:
+        print(json.dumps({"index": d.index, "prompt_tokens": d.prompt_tokens,
+                          "embedding": [round(v, 7) for v in d.values]}))
+    return 0
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from google.protobuf import json_format
 
@@ -372,6 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     _sampling_args(c)
     c.add_argument("--system", default=None, help="the system prompt (text, or @file)")
     c.set_defaults(func=cmd_chat)
+    e = sub.add_parser("embed", help="embedding vectors of texts (JSON lines), from an embedding model")
+    e.add_argument("texts", nargs="+", help="texts (or @file each)")
+    e.add_argument("--dimensions", type=int, default=0, help="keep the first N values (renormalized)")
+    e.add_argument("--truncate-prompt-tokens", type=int, default=0,
+                   help="keep each text's last N tokens (-1: the context's worth); 0 refuses a longer one")
+    e.add_argument("--prompt-name", default=None, help="one of the model's named instructions (see info)")
+    e.add_argument("--prompt", default=None, help="an instruction put before each text")
+    e.set_defaults(func=cmd_embed)
     s = sub.add_parser("info", help="model info (JSON)")
     s.set_defaults(func=cmd_info)
     s = sub.add_parser("stats", help="KV cache accounting as a table")

@@ -130,13 +130,17 @@ class SimulatedWorker:
         self.last_step_id = 0
         self.last_sampled: np.ndarray | None = None  # kept for the next plan's pending tokens (overlap)
         self.last_accepted: list[int] | None = None  # drafted tokens each row of the last step accepted
+        # what the last step's pooling rows gave back: a hidden state of two values, [sum of the token ids
+        # the row reads, how many]: a mean sums its own tokens, the last token reads its whole context, the
+        # first token itself (a stand-in for a model whose last hidden state depends on the whole context)
+        self.last_pooled: np.ndarray | None = None
 
     def step(self, sched, out) -> list:
         """Plan, run and apply one scheduler step (its drafts' acceptance included): the new tokens."""
         from protos.codec import encode_plan
 
         tokens = self.execute(encode_plan(sched.build_plan(out)))
-        return sched.update(out, tokens, self.last_accepted)
+        return sched.update(out, tokens, self.last_accepted, self.last_pooled)
 
     def execute(self, plan: wire_pb2.StepPlan) -> list[int]:
         """Run a plan as it comes off the wire; -1 for rows that do not sample. A drafting row's drafted
@@ -170,7 +174,23 @@ class SimulatedWorker:
             out.append(token)
         self.last_step_id, self.last_sampled = p.step_id, np.asarray(out, dtype=np.int32)
         self.last_accepted = accepted if p.num_draft is not None else None
+        self.last_pooled = self._pool(p, tables, token_ids) if p.pooling is not None else None
         return out
+
+    def _pool(self, p, tables: np.ndarray, token_ids: np.ndarray) -> np.ndarray | None:
+        from protos.codec import POOL_FIRST, POOL_SUM
+
+        rows = []
+        for i in np.flatnonzero(p.pooling).tolist():
+            start, end = int(p.query_start_loc[i]), int(p.query_start_loc[i + 1])
+            if p.pooling[i] == POOL_SUM:
+                ids = token_ids[start:end]
+            elif p.pooling[i] == POOL_FIRST:
+                ids = token_ids[start:start + 1]
+            else:
+                ids = np.asarray(self._context(tables[i], int(p.seq_lens[i])))
+            rows.append([float(np.sum(ids)), float(len(ids))])
+        return np.asarray(rows, dtype=np.float32) if rows else None
 
     def _context(self, table: np.ndarray, end: int) -> list[int]:
         """The tokens the model reads for the token at position `end` (its window's, with one)."""

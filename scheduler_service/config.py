@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from scheduler_service.pooling import PoolingConfigError, PoolingSpec, checkpoint_has_head
+
+TASKS = ("auto", "generate", "embed", "both")
 
 
 @dataclass(frozen=True)
@@ -16,10 +20,27 @@ class ModelSpec:
     max_context: int
     eos_token_ids: tuple[int, ...]
     path: str | None = None
+    hidden_size: int = 0
+    # What it serves: a PoolingSpec where it embeds (Embed), `generates` where it generates (Generate);
+    # each refuses the other's requests where the model does not serve them.
+    pooling: PoolingSpec | None = None
+    generates: bool = True
+
+    @property
+    def task(self) -> str:
+        return "generate" if self.pooling is None else "both" if self.generates else "embed"
 
     @classmethod
-    def from_folder(cls, folder: str | Path, max_model_len: int | None = None) -> ModelSpec:
+    def from_folder(cls, folder: str | Path, max_model_len: int | None = None, task: str = "auto",
+                    pooling: str | None = None) -> ModelSpec:
+        """task: "auto" embeds a folder with sentence-transformers' files and generates otherwise; "embed"
+        serves any decoder as an embedding model (`pooling`, last token unless said, normalized; the folder's
+        own where it has them), "both" generates and embeds with one model (in the same steps), "generate"
+        only generates. A checkpoint without a language-model head only embeds. Raises PoolingConfigError
+        saying what is wrong."""
         folder = Path(folder)
+        if task not in TASKS:
+            raise PoolingConfigError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
         config = json.loads((folder / "config.json").read_text())
         meta_path = folder / "pagedserve_model.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
@@ -32,12 +53,31 @@ class ModelSpec:
         context = int(config.get("max_position_embeddings", 2048))
         if max_model_len is not None:
             context = min(context, max_model_len)
+        hidden = int(config.get("hidden_size", 0))
+        spec = PoolingSpec.from_folder(folder) if task != "generate" else None
+        generates = task in ("generate", "both") or (task == "auto" and spec is None)
+        if generates and not config.get("tie_word_embeddings") and not checkpoint_has_head(folder):
+            raise PoolingConfigError(f"{folder}: the checkpoint has no language-model head (lm_head.weight): "
+                                     "it can only embed (--task embed)")
+        if spec is None and task in ("embed", "both"):
+            spec = PoolingSpec(pooling=pooling or "last", normalize=True, dimension=hidden)
+        elif spec is None and pooling:
+            raise PoolingConfigError("--pooling applies to an embedding model: give --task embed (or both)")
+        elif spec is not None:
+            spec = replace(spec, dimension=spec.dimension or hidden,
+                           **({"pooling": pooling, "source": "--pooling"} if pooling else {}))
+            if spec.dimension != hidden:
+                raise PoolingConfigError(f"{spec.source}: word_embedding_dimension {spec.dimension} is not "
+                                         f"the model's hidden size {hidden}")
         return cls(
             name=meta.get("model_name") or config.get("_name_or_path") or folder.name,
             vocab_size=int(config["vocab_size"]),
             max_context=context,
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
             path=str(folder),
+            hidden_size=hidden,
+            pooling=spec,
+            generates=generates,
         )
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
+from scheduler_service import reporting
 from scheduler_service.config import ModelSpec, SchedulerConfig
 from scheduler_service.kv_events import KvEventPublisher
 from scheduler_service.metrics import Metrics
@@ -72,7 +73,8 @@ class Engine:
         self.spec = spec
         self.tokenizer = tokenizer
         self.client = client
-        self.replicas = [Replica(d, config, client, self) for d in range(len(client.groups))]
+        self.replicas = [Replica(d, config, client, self, spec.hidden_size)
+                         for d in range(len(client.groups))]
         self.limits: Limits | None = None
         self.streams: dict[str, RequestStream] = {}
         self.metrics = Metrics()
@@ -324,6 +326,12 @@ class Engine:
             if reason is not None:  # its tokens after this one (an accepted draft's) are dropped
                 sched.finish(seq, reason, drop=sum(1 for s, _ in new_tokens[i + 1:] if s is seq))
             self._emit(stream, delta)
+        for seq in out.embedded:  # an embedding's one delta: its vector, once its last chunk is in
+            stream = self.streams.get(seq.request.request_id)
+            if stream is not None and stream.request is seq.request:
+                delta = stream.samples[0].finish(FinishReason.STOP)
+                delta.embedding = seq.embedding
+                self._emit(stream, delta)
         self.metrics.on_step(replica.index, seconds, len(new_tokens), out.num_prefill_tokens,
                              len(out.preempted),
                              len(sched.running), len(sched.waiting), sched.allocator.num_available_blocks,
@@ -435,27 +443,15 @@ class Engine:
         log.info("prefix_cache_flushed", prefixes=forgotten)
         return True, f"forgot {forgotten} cached prefix blocks"
 
-    def loads(self) -> dict:
-        """The service's load now, summed over serving replicas (what a gateway balances on)."""
-        live = [r.scheduler for r in self.replicas if r.scheduler is not None]
-        used = sum(s.allocator.num_used_blocks for s in live)
-        blocks = sum(s.allocator.num_blocks for s in live)
-        queries = sum(s.prefix_cache_queries for s in live)
-        hits = sum(s.prefix_cache_hits for s in live)
-        waiting_tokens = (sum(r.prompt_len for r in self._orphans)
-                          + sum(seq.num_uncomputed_tokens for s in live for seq in s.waiting))
-        return {"running": sum(len(s.running) for s in live),
-                "waiting": sum(len(s.waiting) for s in live) + len(self._orphans), "used_blocks": used,
-                "num_blocks": blocks, "block_size": self.config.block_size,
-                "token_usage": used / blocks if blocks else 0.0,
-                "cache_hit_rate": hits / queries if queries else 0.0,
-                "generated_tokens": sum(r.num_generated_tokens for r in self.replicas),
-                "waiting_tokens": waiting_tokens,
-                "max_running": self.config.max_num_seqs * len(self.replicas)}
+    @property
+    def orphans(self) -> list[Request]:
+        """Live requests whose replica was lost, waiting for one to serve again."""
+        return self._orphans
 
     # --- reporting -------------------------------------------------------------------------------
     def model_info(self) -> dict:
         groups = [g for g in self.client.groups if g.is_ready]
+        pooling = self.spec.pooling
         return {
             "model_name": self.spec.name, "max_context": self.limits.max_context,
             "vocab_size": self.spec.vocab_size, "eos_token_ids": list(self.spec.eos_token_ids),
@@ -463,35 +459,16 @@ class Engine:
             "dtype": groups[0].handshake.dtype if groups else "", "num_workers": self.client.num_workers,
             "kv_cache_dtype": groups[0].handshake.kv_cache_dtype if groups else "",
             "tensor_parallel_size": self.client.tp_size, "data_parallel_size": len(self.replicas),
+            "task": self.spec.task, "pooling": pooling.pooling if pooling else "",
+            "embedding_dimension": self.spec.hidden_size if pooling else 0,
+            "normalized": bool(pooling and pooling.normalize),
+            "prompt_names": sorted(pooling.prompts) if pooling else [],
         }
 
+    def loads(self) -> dict:
+        """The service's load now, summed over serving replicas (what a gateway balances on)."""
+        return reporting.service_load(self)
+
     def cache_stats(self) -> dict:
-        rows = [r.stats() for r in self.replicas]
-        live = [row for row in rows if "num_blocks" in row]
-        total = {k: sum(row[k] for row in live) for k in (
-            "num_blocks", "num_free_blocks", "num_cached_blocks", "used_bytes", "total_bytes",
-            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_running", "num_waiting",
-            "num_shared_blocks")}
-        for k in ("num_generated_tokens", "num_prompt_tokens_computed", "num_draft_verifications",
-                  "num_draft_tokens", "num_accepted_draft_tokens"):  # down replicas' counts stay
-            total[k] = sum(row[k] for row in rows)
-        per_request = []
-        for replica in self.replicas:
-            if replica.scheduler is None:
-                continue
-            bpb = replica.group.bytes_per_block
-            for rid, req in replica.scheduler.requests.items():
-                blocks = replica.scheduler.request_blocks(req)
-                per_request.append({
-                    "request_id": rid, "num_blocks": blocks, "replica": replica.index,
-                    "num_tokens": sum(s.num_computed_tokens for s in req.seqs), "num_bytes": blocks * bpb,
-                })
-        used = total["num_blocks"] - total["num_free_blocks"] - total["num_cached_blocks"]
-        return {
-            "block_size": self.config.block_size,
-            **total,
-            "bytes_per_block": live[0]["bytes_per_block"] if live else 0,
-            "utilization": used / total["num_blocks"] if total["num_blocks"] else 0.0,
-            "requests": per_request,
-            "replicas": rows,
-        }
+        """The pool's accounting, in total, per replica and per live request (GetCacheStats)."""
+        return reporting.cache_stats(self)

@@ -20,8 +20,9 @@ one `complete` per sample with all its tokens once the request has finished.
 
 SubscribeKvEvents streams the prefix cache's stored / removed / cleared blocks (scheduler_service/
 kv_events.py) with the allocator's own chained hashes and the service's load on every batch;
-GetTokenizer streams the model folder's tokenizer files as a zip; Embed and the profiler are UNIMPLEMENTED
-with a message.
+GetTokenizer streams the model folder's tokenizer files as a zip; Embed answers one tokenized input's vector
+(scheduler_service/embedding.py) from an embedding model (GetModelInfo's is_generation false); the profiler
+is UNIMPLEMENTED with a message.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import structlog
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from protos import generation_pb2
+from scheduler_service.embedding import EmbedInputs, prepare_embeddings, run_embeddings
 from scheduler_service.engine import Engine
 from scheduler_service.kv_events import SubscriberGone
 from scheduler_service.rpc import CLIENT_ERRORS, Malformed, prepare_request, reject, tolerant
@@ -267,8 +269,20 @@ class EngineProtocolServicer:
         return vllm_engine_pb2.AbortResponse()
 
     async def Embed(self, msg, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "Embed is not served: pagedserve serves generative models (no pooling head)")
+        """One tokenized input's vector (the gateway tokenizes /v1/embeddings' texts and sends each alone),
+        through the same path as pagedserve.v1 Embed."""
+        try:
+            if isinstance(msg, Malformed):
+                raise InvalidRequest(msg.error)
+            ids = list(msg.tokenized.input_ids)
+            inputs = EmbedInputs(request_id=msg.request_id, token_ids=[ids] if ids else [])
+            (result,) = await run_embeddings(self.engine, await prepare_embeddings(self.engine, inputs))
+        except CLIENT_ERRORS as e:
+            await reject(context, e, msg.request_id)
+            return None
+        return vllm_engine_pb2.EmbedResponse(embedding=result.vector.tolist(),
+                                             prompt_tokens=result.prompt_tokens,
+                                             embedding_dim=int(result.vector.shape[0]))
 
     async def StartProfile(self, msg, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
@@ -302,7 +316,7 @@ class EngineProtocolServicer:
         defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                     if k in generation}
         return vllm_engine_pb2.GetModelInfoResponse(
-            model_path=str(self.model_dir), is_generation=True, max_context_length=max_context,
+            model_path=str(self.model_dir), is_generation=e.spec.generates, max_context_length=max_context,
             vocab_size=e.spec.vocab_size, supports_vision=False, served_model_name=e.spec.name,
             tokenizer_path=str(self.model_dir), model_type=config.get("model_type", ""),
             architectures=config.get("architectures", []), eos_token_ids=list(e.spec.eos_token_ids),

@@ -35,7 +35,10 @@ class KVCacheManager:
         compute."""
         if not self.caching or seq.num_computed_tokens or seq.block_ids:
             return []
-        if seq.request.sampling.prompt_logprobs is not None:  # every prompt position's logits are needed
+        request = seq.request
+        if request.sampling.prompt_logprobs is not None:  # every prompt position's logits are needed
+            return []
+        if request.embed is not None and not request.embed.spec.prefix_cacheable:  # a mean reads them all
             return []
         hits = []
         for i in range((seq.num_tokens - 1) // self.block_size):

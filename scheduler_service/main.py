@@ -22,9 +22,10 @@ from pathlib import Path
 import structlog
 
 from protos.logs import LOG_FORMATS, configure_logging, human_bytes
-from scheduler_service.config import ModelSpec, SchedulerConfig
+from scheduler_service.config import TASKS, ModelSpec, SchedulerConfig
 from scheduler_service.engine import Engine
 from scheduler_service.metrics import DEFAULT_METRICS_PORT
+from scheduler_service.pooling import POOLINGS, PoolingConfigError
 from scheduler_service.server import build_server
 from scheduler_service.tokenizer import Tokenizer
 from scheduler_service.worker_client import WorkerClient
@@ -34,6 +35,11 @@ log = structlog.get_logger("scheduler.main")
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model folder (config.json + tokenizer files)")
+    p.add_argument("--task", choices=TASKS, default="auto",
+                   help="generate, embed (Embed; /v1/embeddings) or both (in the same steps); auto: embed "
+                        "where the folder has sentence-transformers' modules.json, else generate")
+    p.add_argument("--pooling", choices=POOLINGS, default=None,
+                   help="how an embedding model's hidden states pool (default: the folder's, else last)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free one; see --port-file)")
     p.add_argument("--port-file", default=None,
@@ -166,7 +172,7 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
         return 1
     await health.set(True)
     tune_gc()
-    log.info("serving", address=f"{args.host}:{port}", model=spec.name,
+    log.info("serving", address=f"{args.host}:{port}", model=spec.name, task=spec.task,
              num_blocks=[g.num_blocks for g in client.groups], block_size=config.block_size,
              max_context=engine.limits.max_context, tensor_parallel_size=args.tensor_parallel_size,
              data_parallel_size=args.data_parallel_size)
@@ -191,7 +197,10 @@ def prepare(args: argparse.Namespace) -> tuple[SchedulerConfig, ModelSpec, Token
     if args.num_speculative_tokens < 1 or args.speculative_max_rows < 0:
         raise SystemExit("--num-speculative-tokens must be at least 1 and --speculative-max-rows at least 0")
     config = scheduler_config(args)
-    spec = ModelSpec.from_folder(args.model, args.max_model_len)
+    try:
+        spec = ModelSpec.from_folder(args.model, args.max_model_len, args.task, args.pooling)
+    except PoolingConfigError as e:
+        raise SystemExit(str(e)) from None
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < spec.max_context:
         raise SystemExit("without chunked prefill --max-num-batched-tokens must be at least the context "
                          "length")

@@ -64,6 +64,10 @@ class Metrics:
         self.draft_tokens = Counter("pagedserve_spec_decode_draft_tokens", "Tokens drafted", rep, registry=r)
         self.accepted_tokens = Counter("pagedserve_spec_decode_accepted_tokens",
                                        "Drafted tokens that equalled the model's own", rep, registry=r)
+        self.embeddings = Counter("pagedserve_embeddings", "Embedding vectors finished (Embed inputs)",
+                                  registry=r)
+        self.embedding_tokens = Counter("pagedserve_embedding_tokens", "Prompt tokens of finished embeddings",
+                                        registry=r)
         self.step = Histogram("pagedserve_step_seconds", "Engine step, plan to result", rep, registry=r,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
 
@@ -104,6 +108,9 @@ class Metrics:
         self.prompt_tokens.inc(request.prompt_len)
         self.cached_prompt_tokens.inc(request.cached_prompt_tokens or 0)
         self.latency.observe(now - request.arrival_time)
+        if request.embed is not None and reason is not None and reason.value == "stop":
+            self.embeddings.inc()
+            self.embedding_tokens.inc(request.prompt_len)
         if request.first_token_time is not None:
             self.ttft.observe(request.first_token_time - request.arrival_time)
             outputs = sum(s.num_output_tokens for s in request.seqs)

@@ -46,6 +46,7 @@ class Delta:
     # On a STOP sample's last delta: the stop string (str) or stop token id (int) that ended it; None for an
     # end-of-sequence token.
     stop_reason: str | int | None = None
+    embedding: object = None  # an embedding request's one delta: its vector (float32)
 
 
 class SampleOutput:

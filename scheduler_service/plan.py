@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from protos.codec import F32, I32, I64, U64, PlanArrays
+from protos.codec import F32, I32, I64, POOL_FIRST, POOL_LAST, POOL_SUM, U64, PlanArrays
+
+_POOL_KINDS = {"last": POOL_LAST, "mean": POOL_SUM, "cls": POOL_FIRST}
 
 
 class PlanBuilder:
@@ -40,6 +42,8 @@ class PlanBuilder:
         self.penalized = np.zeros(max_seqs, dtype=bool)
         # rows with a ragged part: logit_bias or min_tokens, prompt logprobs, a structured-output matcher
         self.special = np.zeros(max_seqs, dtype=bool)
+        # embeddings: how a row's sequence pools (0: it does not; POOL_LAST, POOL_SUM, POOL_FIRST)
+        self.pool_kind = np.zeros(max_seqs, dtype=I32)
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
     # --- rows --------------------------------------------------------------------------------------
@@ -57,6 +61,8 @@ class PlanBuilder:
             self.frequency[row], self.min_p[row] = params.frequency_penalty, params.min_p
             self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
             self.penalized[row] = params.is_penalized
+            embed = seq.request.embed
+            self.pool_kind[row] = 0 if embed is None else _POOL_KINDS[embed.spec.pooling]
             self.special[row] = (params.has_bias or seq.matcher is not None
                                  or (params.prompt_logprobs is not None and seq.index == 0))
         seq.num_mirrored_blocks = 0
@@ -126,6 +132,13 @@ class PlanBuilder:
             at, counts = zip(*drafts, strict=True)
             plan.num_draft[list(at)] = counts
         self._controls(out, plan, rows, starts, q_lens, do_sample)
+        kinds = self.pool_kind[rows]
+        if kinds.any():  # a mean sums every chunk; the last token pools in the last chunk, cls in the first
+            out.embed_rows = kinds
+            ends = seq_lens == self.prompt_len[rows]
+            at = (kinds == POOL_SUM) | ((kinds == POOL_LAST) & ends) | ((kinds == POOL_FIRST) & (starts == 0))
+            if at.any():
+                plan.pooling = out.pooling = np.where(at, kinds, 0).astype(I32)
         return plan
 
     def _gather(self, scheduled):

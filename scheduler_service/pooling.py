@@ -7,6 +7,7 @@ otherwise, with `--pooling` choosing how its hidden states pool."""
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,3 +112,15 @@ def finish_vector(pooled: np.ndarray, num_tokens: int, spec: PoolingSpec,
         norm = float(np.linalg.norm(v.astype(np.float64)))
         v = v / np.float32(max(norm, 1e-12))
     return v.astype(np.float32)
+
+
+def checkpoint_has_head(folder: str | Path) -> bool:
+    """Whether a folder's safetensors files hold a language-model head (`lm_head.weight`), read from their
+    headers alone; True where the folder holds none (a GGUF's, or random weights: the worker decides)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    for f in files:
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            if "lm_head.weight" in json.loads(fh.read(size)):
+                return True
+    return not files

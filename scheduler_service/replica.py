@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from protos.codec import CodecError, decode_accepted, decode_logprobs, decode_result, encode_mask, encode_plan
+from protos.codec import (
+    CodecError,
+    decode_accepted,
+    decode_logprobs,
+    decode_pooled,
+    decode_result,
+    encode_mask,
+    encode_plan,
+)
 from scheduler_service.block_allocator import block_hash
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.output import TokenLogprob
@@ -114,19 +122,23 @@ def read_logprobs(out: SchedulerOutput, result) -> dict[int, TokenLogprob] | Non
 
 
 class Replica:
-    def __init__(self, index: int, config: SchedulerConfig, client: WorkerClient, sink) -> None:
-        """sink: the engine; gets `on_step(replica, out, new_tokens, seconds)`, `on_step_failed(replica, out,
-        error)`, `on_unschedulable(replica, request, error)` and `await on_lost(replica, error)`."""
+    def __init__(self, index: int, config: SchedulerConfig, client: WorkerClient, sink,
+                 hidden_size: int = 0) -> None:
+        """hidden_size: the length of what a pooling row gives back. sink: the engine; gets `on_step(replica,
+        out, new_tokens, seconds)`, `on_step_failed(replica, out, error)`, `on_unschedulable(replica, request,
+        error)` and `await on_lost(replica, error)`."""
         self.index = index
         self.config = config
         self.client = client
         self.sink = sink
+        self.hidden_size = hidden_size
         self.scheduler: Scheduler | None = None
         self.down_reason: str | None = "workers not connected yet"
         self.profile = StepProfile()
         self.num_routed = 0
         # Since the service started, across reattachments (GetCacheStats' counters).
         self.num_generated_tokens = 0
+        self.num_embeddings = 0  # vectors finished
         self.num_prompt_tokens_computed = 0
         self.num_draft_rows = 0  # rows that verified a draft
         self.num_drafted_tokens = 0
@@ -262,6 +274,8 @@ class Replica:
             accepted = decode_accepted(result, len(out.scheduled))
             accepted = accepted.tolist() if accepted is not None else None
             logprobs = read_logprobs(out, result)
+            pooled = (decode_pooled(result, int(np.count_nonzero(out.pooling)), self.hidden_size)
+                      if out.pooling is not None else None)
         except WorkerLost as e:
             await self.sink.on_lost(self, str(e))
             return False
@@ -272,10 +286,11 @@ class Replica:
             self.sink.on_step_failed(self, out, str(e))
             return True
         t3 = time.perf_counter()
-        new_tokens = sched.update(out, tokens, accepted)
+        new_tokens = sched.update(out, tokens, accepted, pooled)
         self.sink.on_step(self, out, new_tokens, t3 - flight.t2, logprobs)
         t4 = time.perf_counter()
         self.num_generated_tokens += len(new_tokens)
+        self.num_embeddings += len(out.embedded)
         self.num_prompt_tokens_computed += out.num_prefill_tokens
         self.num_draft_rows += out.num_draft_rows
         self.num_drafted_tokens += out.num_drafted
@@ -333,6 +348,7 @@ class Replica:
         row = {"replica": self.index, "serving": self.is_serving, "status": self.down_reason or "serving",
                "num_requests": self.num_routed, "worker_pids": group.pids if group.is_ready else [],
                "bytes_per_block": bpb, "num_generated_tokens": self.num_generated_tokens,
+               "num_embeddings": self.num_embeddings,
                "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
                "num_draft_verifications": self.num_draft_rows, "num_draft_tokens": self.num_drafted_tokens,
                "num_accepted_draft_tokens": self.num_accepted_tokens}

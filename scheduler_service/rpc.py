@@ -8,6 +8,7 @@ import asyncio
 import grpc
 import structlog
 
+from scheduler_service.embedding import refuse_task
 from scheduler_service.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
 from scheduler_service.scheduler import DuplicateRequestId
 from scheduler_service.validation import InvalidRequest, request_from_proto
@@ -58,6 +59,7 @@ async def prepare_request(engine: Engine, msg):
         raise InvalidRequest(msg.error)
     if engine.limits is None:
         raise EngineUnavailable(engine.unavailable_reason)
+    refuse_task(engine, embedding=False)
     return await asyncio.to_thread(request_from_proto, msg, engine.tokenizer, engine.limits)
 
 

@@ -10,11 +10,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from protos.codec import PlanArrays
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.drafting import SequenceDrafter, SharedNgrams
 from scheduler_service.kv_manager import KVCacheManager
 from scheduler_service.plan import PlanBuilder
+from scheduler_service.pooling import finish_vector
 from scheduler_service.sequence import FinishReason, Request, Sequence, SequenceStatus
 
 # Sequence ids are unique in the process, not per scheduler: a request moved to another replica (its
@@ -62,6 +65,11 @@ class SchedulerOutput:
     num_draft_rows: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    # Embeddings: the rows' pooling kinds (set where an embedding runs), the plan's pooling (where a row pools
+    # this step), and once the result is applied, the sequences whose vector it finished.
+    embed_rows: object = None
+    pooling: object = None
+    embedded: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -254,6 +262,7 @@ class Scheduler:
             if seq.request.cached_prompt_tokens is None:
                 seq.request.cached_prompt_tokens = min(num_cached, seq.prompt_len)
             self.waiting.popleft()
+            seq.pooled = None  # (an embedding recomputed after a preemption pools again)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.planner.attach(seq)
@@ -299,10 +308,10 @@ class Scheduler:
         """The step's plan arrays (scheduler_service/plan.py)."""
         return self.planner.build(out)
 
-    def update(self, out: SchedulerOutput, sampled: list[int],
-               accepted: list[int] | None = None) -> list[tuple[Sequence, int]]:
+    def update(self, out: SchedulerOutput, sampled: list[int], accepted: list[int] | None = None,
+               pooled=None) -> list[tuple[Sequence, int]]:
         # sampled: Python ints, one per scheduled row (numpy's tolist() gives them); accepted: drafted tokens
-        # each row accepted (None: the step drafted nothing)
+        # each row accepted (None: the step drafted nothing); pooled: fp32 [pooling rows, hidden]
         """Reconcile a step with its result: pending tokens become known (a drafting row's accepted draft,
         then its sampled token; the slots and blocks past them are given back), newly full blocks of
         confirmed tokens are offered to the prefix cache, pending samples fork. Returns (seq, token) for
@@ -347,7 +356,29 @@ class Scheduler:
                 self.kv.register_full_blocks(seq, end)
             if item.do_sample and seq.index == 0 and seq.request.pending_forks:
                 self._fork(seq, current)
+        if out.embed_rows is not None:
+            self._pool(out, pooled)
         return new_tokens
+
+    def _pool(self, out: SchedulerOutput, pooled) -> None:
+        """Embeddings: each pooling row's vector added to its sequence's (a mean's chunks sum; the last or
+        first token's comes once). After its last chunk the vector is finished and the sequence ends: its
+        blocks go back, the full ones to the prefix cache (registered above). A sequence preempted since
+        the step was planned pools again from its next admission."""
+        at = np.flatnonzero(out.pooling).tolist() if out.pooling is not None else []
+        for i in np.flatnonzero(out.embed_rows).tolist():
+            item = out.scheduled[i]
+            seq = item.seq
+            if seq.epoch != item.epoch or seq.status is not SequenceStatus.RUNNING:
+                continue
+            if i in at:
+                v = pooled[at.index(i)]
+                seq.pooled = v.copy() if seq.pooled is None else seq.pooled + v
+            if item.start + item.num_new_tokens == seq.prompt_len:
+                embed = seq.request.embed
+                seq.embedding = finish_vector(seq.pooled, seq.prompt_len, embed.spec, embed.dimensions)
+                out.embedded.append(seq)
+                self.finish(seq, FinishReason.STOP)
 
     @staticmethod
     def _consume(seq: Sequence, tokens: tuple[int, ...]) -> tuple[int, ...]:
@@ -368,7 +399,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         self.kv.drop_out_of_window(seq, start)
         known = len(seq.token_ids)
-        do_sample = start + num_new == known + seq.num_pending or bool(draft)
+        do_sample = (start + num_new == known + seq.num_pending or bool(draft)) and seq.request.embed is None
         item = ScheduledSeq(seq, start, num_new, do_sample, seq.epoch, draft=draft)
         if draft:
             if seq.num_pending or start + 1 != known or num_new != 1 + len(draft):

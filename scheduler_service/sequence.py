@@ -81,6 +81,15 @@ class SamplingOptions:
         return bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_ban))
 
 
+@dataclass(frozen=True)
+class EmbedOptions:
+    """An embedding request's own: how the model pools (scheduler_service/pooling.py PoolingSpec), and the
+    Matryoshka `dimensions` kept (None: all)."""
+
+    spec: object
+    dimensions: int | None = None
+
+
 class Sequence:
     """One sample's tokens and the KV blocks that hold them."""
 
@@ -115,6 +124,10 @@ class Sequence:
         # Speculative decoding: its n-grams and draft length (scheduler_service/drafting.py), made at its
         # first decode where it may draft.
         self.drafter = None
+        # An embedding's pooled hidden state so far (fp32; the chunks' sum for a mean), started again at each
+        # admission, and once its last chunk is in, the finished vector.
+        self.pooled = None
+        self.embedding = None
 
     @property
     def prompt_len(self) -> int:
@@ -182,6 +195,8 @@ class Request:
     # With sampling.prompt_logprobs: entry j (1 <= j < prompt_len) is prompt token j's TokenLogprob once
     # known.
     prompt_logprobs: list | None = None
+    # An embedding: the prompt is computed (chunked, batched, prefix-cached) and pooled; nothing is sampled.
+    embed: EmbedOptions | None = None
 
     def __post_init__(self) -> None:
         if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -18,10 +18,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos import generation_pb2
+from scheduler_service.embedding import EmbedInputs, prepare_embeddings, run_embeddings
 from scheduler_service.engine import Engine
 from scheduler_service.output import Delta
 from scheduler_service.rpc import CLIENT_ERRORS, Malformed, prepare_request, reject, tolerant
 from scheduler_service.sequence import FinishReason
+from scheduler_service.validation import InvalidRequest
 
 log = structlog.get_logger("scheduler.server")
 
@@ -73,6 +75,7 @@ class GenerationServicer:
             "GetModelInfo": (grpc.unary_unary_rpc_method_handler, self.GetModelInfo, pb.GetModelInfoRequest),
             "GetCacheStats": (grpc.unary_unary_rpc_method_handler, self.GetCacheStats,
                               pb.GetCacheStatsRequest),
+            "Embed": (grpc.unary_unary_rpc_method_handler, self.Embed, pb.EmbedRequest),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             name: kind(fn, request_deserializer=tolerant(cls),
@@ -130,6 +133,31 @@ class GenerationServicer:
                 yield out
         except CLIENT_ERRORS as e:
             await self._fail(context, e, msg.request_id)
+
+    async def Embed(self, msg, context):
+        try:
+            if isinstance(msg, Malformed):
+                raise InvalidRequest(msg.error)
+            inputs = EmbedInputs(
+                request_id=msg.request_id, texts=list(msg.texts) if msg.texts else None,
+                token_ids=[list(t.ids) for t in msg.inputs] if msg.inputs else None,
+                dimensions=msg.dimensions, truncate_prompt_tokens=msg.truncate_prompt_tokens,
+                prompt_name=msg.prompt_name, prompt=msg.prompt)
+            if inputs.texts is None and inputs.token_ids is None:
+                inputs.texts = []  # (said as "no input")
+            requests = await prepare_embeddings(self.engine, inputs)
+            results = await run_embeddings(self.engine, requests)
+        except CLIENT_ERRORS as e:
+            await self._fail(context, e, msg.request_id)
+            return None
+        prompt = sum(r.prompt_tokens for r in results)
+        return generation_pb2.EmbedResponse(
+            request_id=inputs.request_id,
+            data=[generation_pb2.Embedding(index=r.index, values=r.vector.tolist(),
+                                           prompt_tokens=r.prompt_tokens,
+                                           cached_prompt_tokens=r.cached_prompt_tokens) for r in results],
+            usage=generation_pb2.Usage(prompt_tokens=prompt,
+                                       cached_prompt_tokens=sum(r.cached_prompt_tokens for r in results)))
 
     async def Abort(self, msg, context):
         if isinstance(msg, Malformed):

@@ -28,6 +28,7 @@ from protos import generation_pb2 as pb
 from scheduler_service.block_allocator import block_hash
 from scheduler_service.kv_events import event_hash
 from scheduler_service.tokenizer import Tokenizer
+from tests.tiny import make_tiny_embedder
 
 pytestmark = pytest.mark.slow
 MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", Path(__file__).resolve().parent.parent / ".models" /
@@ -280,9 +281,11 @@ def test_engine_protocol_refuses_what_it_cannot_serve(tiny_server):
             request_id="mm", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[5]),
             mm_inputs=vllm_engine_pb2.MultimodalInputs()), timeout=30))
     assert "mm_inputs" in info.value.details()
-    with pytest.raises(grpc.RpcError) as info:
-        stub.Embed(vllm_engine_pb2.EmbedRequest(), timeout=10)
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.RpcError) as info:  # a generative model serves no embeddings
+        stub.Embed(vllm_engine_pb2.EmbedRequest(tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[5])),
+                   timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "serves no embeddings" in info.value.details()
     choice = list(stub.Generate(vllm_engine_pb2.GenerateRequest(
         request_id="choice", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[5, 6, 7]),
         sampling_params=vllm_engine_pb2.SamplingParams(
@@ -378,3 +381,50 @@ def test_the_load_test_client_drives_the_gateway(gateway, server, tmp_path):
     assert r["total_output_tokens"] == 48 and 6 * 16 <= r["total_input_tokens"] <= 6 * 64
     assert r["ttft_ms"]["p50"] > 0 and r["tpot_ms"]["p50"] > 0
     wait_idle(server)
+
+
+@pytest.fixture(scope="module")
+def embedder(server_factory, tmp_path_factory):
+    folder = make_tiny_embedder(tmp_path_factory.mktemp("embedder"), "lasttoken", seed=11)
+    return folder, server_factory(folder)
+
+
+def test_openai_embeddings_through_the_gateway_equal_our_embed(embedder, tmp_path_factory):
+    """Each text's vector through SMG (the SDK's default base64 request, and float) equals Embed's. SMG
+    1.13's gRPC embeddings path sends an `input` list as one text (its items joined by spaces) and answers
+    one vector: pinned here, so a gateway that sends them apart is noticed; a batch goes as one call per
+    text, or to Embed itself."""
+    import numpy as np
+
+    folder, server = embedder
+    gateway = start_gateway([server], folder, tmp_path_factory)
+    try:
+        client = OpenAI(base_url=f"{gateway.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        texts = ["the quick brown fox", "What is the capital of France?", "paged attention stores keys"]
+        ours = server.stub.Embed(pb.EmbedRequest(texts=texts), timeout=60)
+        want = np.array([list(d.values) for d in ours.data], dtype=np.float32)
+        got = [client.embeddings.create(model=model, input=t) for t in texts]
+        np.testing.assert_allclose(np.array([g.data[0].embedding for g in got]), want, atol=1e-6)
+        assert [g.usage.prompt_tokens for g in got] == [d.prompt_tokens for d in ours.data]
+        floats = client.embeddings.create(model=model, input=texts[0], encoding_format="float")
+        np.testing.assert_allclose(floats.data[0].embedding, want[0], atol=1e-6)  # (the SDK's default: base64)
+        joined = server.stub.Embed(pb.EmbedRequest(texts=[" ".join(texts)]), timeout=60)
+        batch = client.embeddings.create(model=model, input=texts)
+        assert len(batch.data) == 1
+        np.testing.assert_allclose(batch.data[0].embedding, joined.data[0].values, atol=1e-6)
+        for bad, reason in (("", "empty"), ("the fox " * 400, "maximum context length is 512")):
+            with pytest.raises(BadRequestError) as e:
+                client.embeddings.create(model=model, input=bad)
+            assert reason in str(e.value)
+        wait_idle(server)
+        stats = server.stats()
+        assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks
+    finally:
+        gateway.stop()
+
+
+def test_a_generative_model_refuses_embeddings_through_the_gateway(client, model):
+    with pytest.raises(BadRequestError) as e:
+        client.embeddings.create(model=model, input=["the quick brown fox"])
+    assert "serves no embeddings" in str(e.value)

@@ -62,3 +62,24 @@ def test_a_vector_is_finished_as_a_mean_truncated_and_made_unit_length():
     mean = PoolingSpec(pooling="mean", normalize=False)
     np.testing.assert_allclose(finish_vector(pooled, 4, mean, None), pooled / 4)  # a sum over 4 tokens
     assert finish_vector(np.zeros(3, np.float32), 1, last, None).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_the_task_follows_the_folder_and_a_headless_checkpoint_only_embeds(tmp_path):
+    from scheduler_service.config import ModelSpec
+    from tests.tiny import make_tiny_embedder, make_tiny_llama
+
+    headless = make_tiny_embedder(tmp_path / "embedder", "mean_tokens")
+    spec = ModelSpec.from_folder(headless)
+    assert (spec.task, spec.pooling.pooling, spec.pooling.normalize) == ("embed", "mean", True)
+    assert spec.hidden_size == 64
+    assert ModelSpec.from_folder(headless, pooling="last").pooling.pooling == "last"  # --pooling overrides
+    for task in ("generate", "both"):
+        with pytest.raises(PoolingConfigError, match="no language-model head"):
+            ModelSpec.from_folder(headless, task=task)
+    decoder = make_tiny_llama(tmp_path / "decoder")
+    assert ModelSpec.from_folder(decoder).task == "generate"
+    both = ModelSpec.from_folder(decoder, task="both", pooling="cls")
+    assert (both.task, both.generates, both.pooling.pooling) == ("both", True, "cls")
+    assert ModelSpec.from_folder(decoder, task="embed").pooling.pooling == "last"
+    with pytest.raises(PoolingConfigError, match="--pooling applies to an embedding model"):
+        ModelSpec.from_folder(decoder, pooling="mean")

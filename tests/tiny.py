@@ -205,3 +205,44 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str
     marker = {"model_name": f"tiny-{qtype}", "gguf": str(path)}
     (folder / "pagedserve_model.json").write_text(json.dumps(marker))
     return folder
+
+
+def make_tiny_embedder(folder: Path, pooling: str = "lasttoken", seed: int = 0, tied: bool = False,
+                       prompts: dict[str, str] | None = None, default_prompt: str | None = None) -> Path:
+    """A random Qwen3 embedding model as Qwen3-Embedding ships (a `Qwen3Model` checkpoint: the decoder's
+    tensors without `model.`, no head unless `tied`), with sentence-transformers' files: pooling (its
+    config's pooling_mode_<pooling>), a Normalize module, named prompts."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.for_model(
+        "qwen3", vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, initializer_range=0.25)
+    torch.manual_seed(seed)
+    AutoModel.from_config(config).eval().save_pretrained(str(folder), safe_serialization=True)
+    make_tokenizer(folder, config.vocab_size)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config["pad_token"] = "<unk>"  # sentence-transformers pads its batches
+    # tokenizer.json as it is (transformers' Qwen2 class would put Qwen's own digit-splitting pre-tokenizer
+    # in front of this tiny vocabulary; a real Qwen tokenizer.json carries that one itself)
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    kinds = ("Transformer", "Pooling", "Normalize")
+    paths = ("", "1_Pooling", "2_Normalize")
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, path) in enumerate(zip(kinds, paths, strict=True))]))
+    for path in paths[1:]:
+        (folder / path).mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
+             "lasttoken")
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": config.hidden_size, "include_prompt": True,
+         **{f"pooling_mode_{m}": m == pooling for m in modes}}))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": prompts or {}, "default_prompt_name": default_prompt, "similarity_fn_name": "cosine"}))
+    return folder

@@ -31,6 +31,13 @@ def load_config(source: str, load_format: str) -> ModelConfig:
     else:
         config = ModelConfig.from_folder(path)
         gguf = None if load_format == "dummy" else find_gguf(path)
+        if (not config.tie_word_embeddings and (path / "modules.json").exists() and gguf is None
+                and any(path.glob("*.safetensors"))
+                and "lm_head.weight" not in SafetensorsSource(path).names()):
+            # an embedding model saved without a head (sentence-transformers' folder): the token table
+            # stands in the head's place, never read (such a model only embeds; the scheduler refuses
+            # generation for it)
+            config = dataclasses.replace(config, tie_word_embeddings=True)
     return with_rope_freqs(config, gguf) if gguf is not None else config
 
 

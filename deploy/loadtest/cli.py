@@ -6,6 +6,7 @@ gRPC server with cache accounting allows (KV utilization, preemptions, prefix hi
     pagedserve-loadtest --target HOST:PORT --dataset ../shared/bench/cpu-workload-prompts.json \\
         --concurrency 64
     pagedserve-loadtest --target http://127.0.0.1:8000 --concurrency 16     # any OpenAI-compatible server
+    pagedserve-loadtest --target HOST:PORT --endpoint embeddings --input-len 512 --concurrency 32
 
 An http(s):// target is driven through its OpenAI API (/v1/completions, streamed): synthetic prompts go as
 token-id lists, or with --tokenizer FOLDER as their text (SMG takes text only; the prompt length is then
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--sweep", type=int, default=None,
                       help="K runs: synchronous, saturating, K-2 rates between")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
+    p.add_argument("--endpoint", choices=("completions", "embeddings"), default="completions",
+                   help="what each request asks: generated tokens, or one input's embedding (Embed, "
+                        "/v1/embeddings; latency is the whole call's, throughput inputs and their tokens)")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [L(1-X), L(1+X)]")
@@ -124,12 +128,13 @@ async def run_plan(args: argparse.Namespace, target, results: list[dict]) -> Non
                          args.shared_prefix_len, vocab_size, args.seed + 7919 * k)
 
     items = workload(0)
-    settings = Settings(args.temperature, args.seed, args.ignore_eos, args.abort_fraction)
+    settings = Settings(args.temperature, args.seed, args.ignore_eos, args.abort_fraction,
+                        endpoint=args.endpoint)
     slo = parse_slo(args.slo)
     if args.warmup:  # first requests pay one-time costs (allocations, kernel choices): not measured
         warm = synthetic(args.warmup, args.input_len, args.output_len, args.range_ratio, 0, vocab_size,
                          args.seed - 1) if not args.dataset else items[: args.warmup]
-        await Run(target, warm, Settings(args.temperature, args.seed), "warm-up",
+        await Run(target, warm, Settings(args.temperature, args.seed, endpoint=args.endpoint), "warm-up",
                   progress=False).execute("concurrency", 1, 1.0, args.duration)
     if args.sweep:
         if args.sweep < 2:

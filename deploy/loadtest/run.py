@@ -31,6 +31,7 @@ class Settings:
     ignore_eos: bool = True
     abort_fraction: float = 0.0
     timeout: float = 600.0
+    endpoint: str = "completions"  # or "embeddings": each request one input's vector (no output tokens)
 
 
 class Run:

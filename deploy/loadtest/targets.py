@@ -27,6 +27,9 @@ class GrpcTarget:
 
     async def stream(self, item, index: int, s):
         """Yields (new output tokens, prompt tokens or None, timed) per message that carries tokens."""
+        if s.endpoint == "embeddings":
+            yield 0, await self._embed(item, s), True
+            return
         sampling = generation_pb2.SamplingParams(max_tokens=item.output_len, temperature=s.temperature,
                                                  seed=s.seed + index, ignore_eos=s.ignore_eos)
         req = generation_pb2.GenerateRequest(sampling=sampling)
@@ -44,6 +47,18 @@ class GrpcTarget:
             raise TargetError(e.code().name) from e
         finally:
             call.cancel()
+
+    async def _embed(self, item, s) -> int:
+        req = generation_pb2.EmbedRequest()
+        if item.prompt_token_ids is not None:
+            req.inputs.add().ids.extend(item.prompt_token_ids)
+        else:
+            req.texts.append(item.prompt)
+        try:
+            resp = await self.stub.Embed(req, timeout=s.timeout)
+        except grpc.aio.AioRpcError as e:
+            raise TargetError(e.code().name) from e
+        return resp.usage.prompt_tokens
 
     async def cache_stats(self) -> dict | None:
         try:
@@ -105,6 +120,13 @@ class OpenAITarget:
         prompt = item.prompt
         if item.prompt_token_ids is not None:
             prompt = self.tokenizer.decode(item.prompt_token_ids) if self.tokenizer else item.prompt_token_ids
+        if s.endpoint == "embeddings":  # one call, one vector: the whole call is its latency
+            resp = await self.http.post(f"{self.base_url}/v1/embeddings", json={"model": self.model,
+                                                                              "input": [prompt]})
+            if resp.status_code != 200:
+                raise TargetError(f"HTTP_{resp.status_code}")
+            yield 0, (resp.json().get("usage") or {}).get("prompt_tokens"), True
+            return
         body = {"model": self.model, "max_tokens": item.output_len, "temperature": s.temperature,
                 "seed": s.seed + index, "stream": True, "stream_options": {"include_usage": True},
                 "prompt": prompt}
