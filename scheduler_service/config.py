@@ -109,6 +109,9 @@ class SchedulerConfig:
     speculative: str = "auto"
     num_speculative_tokens: int = 10  # the longest draft (a long suffix match drafts this many)
     speculative_max_rows: int = 4
+    # Embeddings beside generation (scheduler_service/pacing.py): the share of their speed decoding streams
+    # may lose to embedding prompt chunks in their steps (1: none kept back).
+    embed_slowdown: float = 0.2
 
     @property
     def route_slack(self) -> int:
@@ -123,6 +126,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.speculative not in ("auto", "ngram", "off"):
             raise ValueError(f"speculative must be auto, ngram or off, got {self.speculative!r}")
+        if not 0.0 < self.embed_slowdown <= 1.0:
+            raise ValueError(f"embed_slowdown must lie in (0, 1], got {self.embed_slowdown}")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -86,6 +86,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="the longest draft (made after a suffix match of 6 tokens or more)")
     p.add_argument("--speculative-max-rows", type=int, default=4,
                    help="with --speculative auto: steps of more decodes than this draft nothing")
+    p.add_argument("--embed-slowdown", type=float, default=0.2,
+                   help="embeddings beside generation: the share of their speed decoding streams may lose to "
+                        "embedding chunks in their steps (1: embeddings are not held back)")
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")
     p.add_argument("--step-profile-interval", type=float, default=5.0,
                    help="seconds between step_profile log lines (where a busy replica's step time went)")
@@ -132,6 +135,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_rows=args.speculative_max_rows,
+        embed_slowdown=args.embed_slowdown,
     )
 
 
@@ -196,6 +200,8 @@ def prepare(args: argparse.Namespace) -> tuple[SchedulerConfig, ModelSpec, Token
     """The flags checked together, the model's spec and tokenizer read (the tokenizer warms in a thread)."""
     if args.num_speculative_tokens < 1 or args.speculative_max_rows < 0:
         raise SystemExit("--num-speculative-tokens must be at least 1 and --speculative-max-rows at least 0")
+    if not 0.0 < args.embed_slowdown <= 1.0:
+        raise SystemExit(f"--embed-slowdown must lie in (0, 1], got {args.embed_slowdown}")
     config = scheduler_config(args)
     try:
         spec = ModelSpec.from_folder(args.model, args.max_model_len, args.task, args.pooling)

@@ -287,6 +287,9 @@ class Replica:
             return True
         t3 = time.perf_counter()
         new_tokens = sched.update(out, tokens, accepted, pooled)
+        other_prefill = out.num_prefill_tokens - out.num_embed_tokens
+        sched.pacer.observe(out.num_decodes, out.num_embed_tokens, other_prefill,
+                            result.time_prepare + result.time_forward + result.time_sample)
         self.sink.on_step(self, out, new_tokens, t3 - flight.t2, logprobs)
         t4 = time.perf_counter()
         self.num_generated_tokens += len(new_tokens)

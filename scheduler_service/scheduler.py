@@ -16,6 +16,7 @@ from protos.codec import PlanArrays
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.drafting import SequenceDrafter, SharedNgrams
 from scheduler_service.kv_manager import KVCacheManager
+from scheduler_service.pacing import EmbedPacer
 from scheduler_service.plan import PlanBuilder
 from scheduler_service.pooling import finish_vector
 from scheduler_service.sequence import FinishReason, Request, Sequence, SequenceStatus
@@ -70,6 +71,9 @@ class SchedulerOutput:
     embed_rows: object = None
     pooling: object = None
     embedded: list[Sequence] = field(default_factory=list)
+    num_decodes: int = 0  # sequences decoding (scheduler_service/pacing.py paces embeddings beside them)
+    embed_room: int = 0  # embedding prompt tokens this step may still take
+    num_embed_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +106,7 @@ class Scheduler:
         # Speculative decoding: n-grams of finished requests, shared by every sequence here.
         self.speculating = config.speculative != "off"
         self.shared_ngrams = SharedNgrams() if self.speculating else None
+        self.pacer = EmbedPacer(config.embed_slowdown, config.max_num_batched_tokens)
 
     # --- requests ------------------------------------------------------------------------------
     @property
@@ -189,13 +194,15 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> int:
         """Every running decode a token, then prompt chunks from what is left; -> the budget left."""
         kv = self.kv
-        decodes, prefills = [], []
+        decodes, prefills, drafting_now = [], [], 0
         for s in self.running:
             left = len(s.token_ids) + s.num_pending - s.num_computed_tokens
-            if left == 1:
+            if left == 1 and s.request.embed is None:
                 decodes.append(s)
-            elif left > 1:
+            elif left > 0:  # (an embedding's last prompt token too: it never decodes)
                 prefills.append(s)
+            elif s.request.embed is None:  # a draft in flight (its tokens count as computed until its result)
+                drafting_now += 1
         drafting = self.speculating and (self.config.speculative == "ngram"
                                          or len(decodes) <= self.config.speculative_max_rows)
         for seq in decodes:
@@ -227,13 +234,21 @@ class Scheduler:
             if self._reserve(seq, 1, scheduled, out):
                 self._add(out, seq, 1, scheduled)
                 budget -= 1
+        # Embeddings are paced while any stream decodes (a token or a draft of it may be in flight), and ride
+        # only in steps that decode one token a row: a step of embeddings alone would hold up the stream's
+        # next one, and a verifying step runs its own fast path, which another row would take away.
+        out.num_decodes = len(decodes) + drafting_now
+        plain = out.scheduled and not any(s.draft for s in out.scheduled)
+        out.embed_room = budget if not out.num_decodes else self.pacer.room(budget) if plain else 0
         for seq in prefills:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            embed = seq.request.embed is not None
+            if seq.status is not SequenceStatus.RUNNING or (embed and not out.embed_room):
                 continue
             kv.drop_out_of_window(seq, seq.num_computed_tokens)
-            num_new = self._reserve(seq, min(seq.num_uncomputed_tokens, budget), scheduled, out)
+            wanted = min(seq.num_uncomputed_tokens, budget, out.embed_room if embed else budget)
+            num_new = self._reserve(seq, wanted, scheduled, out)
             if num_new:
                 self._add(out, seq, num_new, scheduled)
                 budget -= num_new
@@ -243,25 +258,33 @@ class Scheduler:
         """Waiting sequences in arrival order, each on its cached prefix, while budget and pool allow (none
         in a step that preempted: the pool is short)."""
         kv = self.kv
-        while (self.waiting and budget > 0 and not out.preempted
+        at = 0  # the queue's head, or past embeddings while a decoding step has no room for them
+        while (at < len(self.waiting) and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[at]
             if seq.num_pending:  # preempted while its last token was in flight: admitted once it is known
                 break
+            room = out.embed_room if seq.request.embed is not None else budget
+            if not room:
+                at += 1
+                continue
             hits = kv.cached_prefix(seq)
             num_cached = len(hits) * self.block_size
             num_new = seq.num_tokens - num_cached
-            if num_new > budget:
+            if num_new > min(budget, room):
                 if not self.config.enable_chunked_prefill:
+                    if room < budget:  # an embedding beside decodes: it waits for a step with room
+                        at += 1
+                        continue
                     break
-                num_new = budget
+                num_new = min(budget, room)
             if not kv.admit(seq, hits, num_new):
                 break
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_cached
             if seq.request.cached_prompt_tokens is None:
                 seq.request.cached_prompt_tokens = min(num_cached, seq.prompt_len)
-            self.waiting.popleft()
+            del self.waiting[at]
             seq.pooled = None  # (an embedding recomputed after a preemption pools again)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -399,7 +422,12 @@ class Scheduler:
         start = seq.num_computed_tokens
         self.kv.drop_out_of_window(seq, start)
         known = len(seq.token_ids)
-        do_sample = (start + num_new == known + seq.num_pending or bool(draft)) and seq.request.embed is None
+        if seq.request.embed is not None:  # prompt chunks only, paced beside decodes
+            do_sample = False
+            out.embed_room -= num_new
+            out.num_embed_tokens += num_new
+        else:
+            do_sample = start + num_new == known + seq.num_pending or bool(draft)
         item = ScheduledSeq(seq, start, num_new, do_sample, seq.epoch, draft=draft)
         if draft:
             if seq.num_pending or start + 1 != known or num_new != 1 + len(draft):

@@ -31,9 +31,15 @@ def expected(prompt, pooling):
     return [float(prompt[0]), 1.0]
 
 
+def step_seconds(out):
+    """A simulated step's time: a decode-bound base and a cost per prompt token."""
+    return 0.05 + 0.002 * out.num_prefill_tokens
+
+
 def run_overlapped(sched, worker, arrivals, max_steps=2000):
     """Two steps in flight, as the replica runs them: step N+1 is scheduled and run before step N's result
-    is applied. arrivals: {step: [Request]}. Returns every SchedulerOutput."""
+    is applied, and its time (step_seconds) told to the embedding pacer. arrivals: {step: [Request]}.
+    Returns every SchedulerOutput."""
     inflight, outs, step = deque(), [], 0
     while step < max_steps:
         for r in arrivals.pop(step, []):
@@ -50,6 +56,8 @@ def run_overlapped(sched, worker, arrivals, max_steps=2000):
             for seq, _ in sched.update(done, tokens, accepted, pooled):
                 if seq.num_output_tokens >= seq.request.sampling.max_tokens:
                     sched.finish(seq, FinishReason.LENGTH)
+            sched.pacer.observe(done.num_decodes, done.num_embed_tokens,
+                                done.num_prefill_tokens - done.num_embed_tokens, step_seconds(done))
         sched.check_invariants()
         if not sched.has_work and not inflight and not arrivals:
             return outs
@@ -75,18 +83,33 @@ def test_a_long_input_pools_per_chunk_and_finishes_with_its_blocks_back(pooling,
     assert a.num_free_blocks + a.num_cached_blocks == a.num_blocks and not sched.requests
 
 
-def test_an_embedding_shares_a_step_with_decodes_and_keeps_them_going():
-    config = SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, debug_invariants=True)
-    sched = Scheduler(config, num_blocks=64, max_model_len=128)
-    worker = SimulatedWorker(64, 4)
-    generation = Request("g", [5, 6, 7], SamplingOptions(max_tokens=20))
-    embedding = embed_request("e", list(range(10, 50)), "last", dimensions=1)
-    outs = run_overlapped(sched, worker, {0: [generation], 3: [embedding]})
-    shared = [o for o in outs if o.pooling is not None]
-    assert shared and all(any(s.do_sample for s in o.scheduled) for o in shared), \
-        "the embedding's last chunk did not run beside the decode"
-    assert generation.seqs[0].num_output_tokens == 20
-    np.testing.assert_allclose(embedding.seqs[0].embedding, [float(sum(range(10, 50)))])  # dimensions=1
+def test_embeddings_share_steps_with_decodes_paced_to_keep_them_going():
+    """Steps cost 50 ms and 2 ms a prompt token (step_seconds): beside a decoding stream, embeddings take
+    what keeps its steps within 1 / 0.8 of a decode's time on average (about 6 tokens a step); a
+    generation's own prompt is not held back, and with no decode running they take the whole budget."""
+    config = SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, debug_invariants=True)
+    sched = Scheduler(config, num_blocks=256, max_model_len=256)
+    worker = SimulatedWorker(256, 4)
+    generation = Request("g", [5, 6, 7], SamplingOptions(max_tokens=200))
+    embeddings = [embed_request(f"e{i}", list(range(10 + i, 110 + i)), "last", dimensions=1)
+                  for i in range(4)]
+    late = Request("late", list(range(3, 43)), SamplingOptions(max_tokens=3))
+    outs = run_overlapped(sched, worker, {0: [generation], 3: embeddings, 60: [late]})
+    beside = [o for o in outs if o.num_decodes and o.num_embed_tokens]
+    assert beside, "the embeddings never ran beside the decodes"
+    first, last = outs.index(beside[0]), outs.index(beside[-1])  # while embeddings ran beside the stream
+    decoding = [o for o in outs[first:last + 1] if not (o.num_prefill_tokens - o.num_embed_tokens)]
+    slowdown = np.mean([step_seconds(o) for o in decoding]) / 0.05
+    assert slowdown <= 1 / 0.8 + 0.05, f"decoding steps ran {slowdown:.2f}x a decode's time"
+    assert max(o.num_embed_tokens for o in beside) < 64
+    admitted = next(i for i, o in enumerate(outs) if any(s.seq.request is late for s in o.scheduled))
+    assert admitted <= 62, "a generation waited behind the paced embeddings"
+    assert generation.seqs[0].num_output_tokens == 200 and late.seqs[0].num_output_tokens == 3
+    for e in embeddings:
+        np.testing.assert_allclose(e.seqs[0].embedding, [float(sum(e.prompt_token_ids))])  # dimensions=1
+    alone = Scheduler(config, num_blocks=256, max_model_len=256)
+    first = run_overlapped(alone, SimulatedWorker(256, 4), {0: [embed_request("x", list(range(10, 110)))]})
+    assert first[0].num_embed_tokens == 64, "with nothing decoding, an embedding takes the whole budget"
 
 
 def test_a_preempted_embedding_pools_again_from_scratch():

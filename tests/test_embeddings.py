@@ -53,8 +53,10 @@ def last_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def both(server_factory, last_model):
     """The embedding model serving generation too (--task both), in steps of 48 tokens: long texts take
-    several chunks, and embeddings share steps with the decodes."""
-    return server_factory(last_model, "--task", "both", "--max-num-batched-tokens", "48")
+    several chunks, and embeddings share steps with the decodes (one token a step each: a verifying step
+    carries no embeddings, tests/test_embed_scheduling.py)."""
+    return server_factory(last_model, "--task", "both", "--max-num-batched-tokens", "48",
+                          "--speculative", "off")
 
 
 def test_vectors_equal_sentence_transformers_with_prompts_and_dimensions(both, last_model):
@@ -85,7 +87,7 @@ def test_vectors_equal_sentence_transformers_with_prompts_and_dimensions(both, l
 
 def test_embeddings_share_steps_with_a_generation_and_change_nothing(both, last_model):
     prompt = list(range(5, 25))
-    greedy = pb.SamplingParams(max_tokens=120, ignore_eos=True)
+    greedy = pb.SamplingParams(max_tokens=400, ignore_eos=True)
     alone = both.stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=greedy), timeout=120)
     texts = [f"{t} {i}" for i in range(6) for t in TEXTS[:4]]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -102,7 +104,7 @@ def test_embeddings_share_steps_with_a_generation_and_change_nothing(both, last_
         generation = pool.submit(stream)
         assert started.wait(60)
         embedded = both.stub.Embed(pb.EmbedRequest(texts=texts), timeout=120)
-        assert not generation.done(), "the generation ended before the embeddings: they shared no step"
+        assert not generation.done(), "the embeddings waited for the generation to end"
         beside = generation.result()
     assert beside == list(alone.choices[0].token_ids)
     assert_same_vectors(vectors(embedded), reference(last_model, texts))

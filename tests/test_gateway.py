@@ -408,7 +408,7 @@ def test_openai_embeddings_through_the_gateway_equal_our_embed(embedder, tmp_pat
         np.testing.assert_allclose(np.array([g.data[0].embedding for g in got]), want, atol=1e-6)
         assert [g.usage.prompt_tokens for g in got] == [d.prompt_tokens for d in ours.data]
         floats = client.embeddings.create(model=model, input=texts[0], encoding_format="float")
-        np.testing.assert_allclose(floats.data[0].embedding, want[0], atol=1e-6)  # (the SDK's default: base64)
+        np.testing.assert_allclose(floats.data[0].embedding, want[0], atol=1e-6)  # (the SDK's own: base64)
         joined = server.stub.Embed(pb.EmbedRequest(texts=[" ".join(texts)]), timeout=60)
         batch = client.embeddings.create(model=model, input=texts)
         assert len(batch.data) == 1

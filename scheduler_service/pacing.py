@@ -1,0 +1,53 @@
+"""How much embedding work a step that decodes may carry.
+
+Embeddings are batch work; a generation stream is someone reading. A step that decodes and also computes
+embedding prompt chunks takes longer, and every stream in it slows by as much. `EmbedPacer` keeps that
+slowdown near a target (`--embed-slowdown`, 0.2: streams keep about 0.8 of their speed while embeddings
+run beside them) by measuring it: the workers' time for steps that only decode (the base, refreshed by a
+step without embedding tokens every `REFRESH` steps while both run) against the time of steps that carry
+embedding tokens, and the number of embedding tokens such a step may carry moves multiplicatively, down
+when a step ran over the target, up while they run under it. Steps without decodes are not paced: there
+embeddings take the whole token budget."""
+
+from __future__ import annotations
+
+REFRESH = 16  # steps carrying embeddings between two base measurements
+DOWN, UP = 0.7, 1.15
+AIM = 0.8
+EWMA = 0.3
+
+
+class EmbedPacer:
+    def __init__(self, slowdown: float, max_tokens: int) -> None:
+        if not 0.0 < slowdown <= 1.0:
+            raise ValueError(f"embed slowdown must lie in (0, 1], got {slowdown}")
+        # a stream keeping (1 - slowdown) of its speed: its steps may take 1 / (1 - slowdown) as long
+        self.limit_ratio = 1.0 / (1.0 - slowdown) if slowdown < 1.0 else float("inf")
+        # aimed a little under: the tokens overshoot it before they come back down
+        self.aim = 1.0 + AIM * (self.limit_ratio - 1.0)
+        self.max_tokens = max_tokens
+        self.tokens = 4.0  # embedding tokens a decoding step may carry now
+        self.base: float | None = None  # seconds of a step that only decodes (EWMA)
+        self.since_base = 0
+
+    def room(self, budget: int) -> int:
+        """Embedding tokens a step that decodes may carry (0 for a step that measures the base)."""
+        if self.limit_ratio == float("inf"):
+            return budget
+        if self.base is None or self.since_base >= REFRESH:
+            return 0
+        return min(budget, max(1, int(self.tokens)))
+
+    def observe(self, decodes: int, embed_tokens: int, other_tokens: int, seconds: float) -> None:
+        """A step's result: its decode rows, embedding and other prompt tokens, and the workers' seconds."""
+        if not decodes or other_tokens:
+            return
+        if not embed_tokens:
+            self.base = seconds if self.base is None else (1 - EWMA) * self.base + EWMA * seconds
+            self.since_base = 0
+            return
+        self.since_base += 1
+        if self.base is None:
+            return
+        factor = DOWN if seconds > self.base * self.aim else UP
+        self.tokens = min(float(self.max_tokens), max(1.0, self.tokens * factor))
