@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-cpu-scale bench-accuracy bench-moe gpu-compile-report plot-kv clean
+.PHONY: setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-accuracy bench-moe gpu-compile-report plot-kv clean
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native
 
@@ -146,6 +146,9 @@ bench-cpu-scale: setup
 # llama-server's n-gram --spec-type modes on the same GGUF; then 64 random streams, speculation off and on.
 bench-spec: setup
 	$(PY) -m deploy.bench.speculative --model $(MODEL_DIR) $(ARGS)
+
+bench-embeddings: setup  # embeddings/s against sentence-transformers and vLLM's pooling runner; a stream beside them
+	$(PY) -m deploy.bench.embeddings --beside $(ARGS)
 
 bench-accuracy: setup  # perplexity of a fixed text: fp32, the Q4_1 blocks (fp32 / int8 activations), llama-perplexity
 	$(PY) -m deploy.bench.accuracy --model $(MODEL_DIR) $(ARGS)

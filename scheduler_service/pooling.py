@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scheduler_service.sequence import SequenceStatus
+
 POOLINGS = ("last", "mean", "cls")
 # sentence-transformers' pooling config keys, and what each is here
 _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
@@ -124,3 +126,25 @@ def checkpoint_has_head(folder: str | Path) -> bool:
             if "lm_head.weight" in json.loads(fh.read(size)):
                 return True
     return not files
+
+
+def take_pooled(out, pooled, finish) -> None:
+    """A step's result for its embedding rows (`out.embed_rows`): each pooling row's vector added to its
+    sequence's (a mean's chunks sum; the last or first token's comes once); after a sequence's last chunk its
+    vector is finished, it joins `out.embedded` and `finish(seq)` ends it (its blocks back; the full ones
+    were offered to the prefix cache before). A sequence preempted since the step was planned is left
+    alone: it pools again from its next admission (`Sequence.pooled` starts over there)."""
+    at = np.flatnonzero(out.pooling).tolist() if out.pooling is not None else []
+    for i in np.flatnonzero(out.embed_rows).tolist():
+        item = out.scheduled[i]
+        seq = item.seq
+        if seq.epoch != item.epoch or seq.status is not SequenceStatus.RUNNING:
+            continue
+        if i in at:
+            v = pooled[at.index(i)]
+            seq.pooled = v.copy() if seq.pooled is None else seq.pooled + v
+        if item.start + item.num_new_tokens == seq.prompt_len:
+            embed = seq.request.embed
+            seq.embedding = finish_vector(seq.pooled, seq.prompt_len, embed.spec, embed.dimensions)
+            out.embedded.append(seq)
+            finish(seq)

@@ -10,15 +10,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from protos.codec import PlanArrays
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.drafting import SequenceDrafter, SharedNgrams
 from scheduler_service.kv_manager import KVCacheManager
 from scheduler_service.pacing import EmbedPacer
 from scheduler_service.plan import PlanBuilder
-from scheduler_service.pooling import finish_vector
+from scheduler_service.pooling import take_pooled
 from scheduler_service.sequence import FinishReason, Request, Sequence, SequenceStatus
 
 # Sequence ids are unique in the process, not per scheduler: a request moved to another replica (its
@@ -379,29 +377,9 @@ class Scheduler:
                 self.kv.register_full_blocks(seq, end)
             if item.do_sample and seq.index == 0 and seq.request.pending_forks:
                 self._fork(seq, current)
-        if out.embed_rows is not None:
-            self._pool(out, pooled)
+        if out.embed_rows is not None:  # embeddings: their pooled states, and those finished
+            take_pooled(out, pooled, lambda seq: self.finish(seq, FinishReason.STOP))
         return new_tokens
-
-    def _pool(self, out: SchedulerOutput, pooled) -> None:
-        """Embeddings: each pooling row's vector added to its sequence's (a mean's chunks sum; the last or
-        first token's comes once). After its last chunk the vector is finished and the sequence ends: its
-        blocks go back, the full ones to the prefix cache (registered above). A sequence preempted since
-        the step was planned pools again from its next admission."""
-        at = np.flatnonzero(out.pooling).tolist() if out.pooling is not None else []
-        for i in np.flatnonzero(out.embed_rows).tolist():
-            item = out.scheduled[i]
-            seq = item.seq
-            if seq.epoch != item.epoch or seq.status is not SequenceStatus.RUNNING:
-                continue
-            if i in at:
-                v = pooled[at.index(i)]
-                seq.pooled = v.copy() if seq.pooled is None else seq.pooled + v
-            if item.start + item.num_new_tokens == seq.prompt_len:
-                embed = seq.request.embed
-                seq.embedding = finish_vector(seq.pooled, seq.prompt_len, embed.spec, embed.dimensions)
-                out.embedded.append(seq)
-                self.finish(seq, FinishReason.STOP)
 
     @staticmethod
     def _consume(seq: Sequence, tokens: tuple[int, ...]) -> tuple[int, ...]:

@@ -176,3 +176,26 @@ def test_mean_pooling_over_chunks_equals_sentence_transformers(server_factory, m
                              timeout=30)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not generate" in e.value.details()
     no_leak(server)
+
+
+def test_the_terminal_and_the_load_tester_embed(both, last_model, capsys, tmp_path):
+    import json
+
+    from deploy.cli import main as cli_main
+    from deploy.loadtest import main as loadtest_main
+
+    assert cli_main(["embed", TEXTS[0], TEXTS[1], "--dimensions", "8", "--server", both.address]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["index"] for r in rows] == [0, 1] and all(len(r["embedding"]) == 8 for r in rows)
+    ref = reference(last_model, TEXTS[:2])[:, :8]
+    np.testing.assert_allclose(np.array([r["embedding"] for r in rows]),
+                               ref / np.linalg.norm(ref, axis=1, keepdims=True), atol=1e-4)
+    assert cli_main(["embed", "", "--server", both.address]) == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+    out = tmp_path / "run.json"
+    assert loadtest_main(["--target", both.address, "--endpoint", "embeddings", "--num-requests", "12",
+                          "--concurrency", "4", "--input-len", "40", "--output", str(out), "--no-progress",
+                          "--warmup", "0"]) == 0
+    r = json.loads(out.read_text())
+    assert r["completed"] == 12 and r["failed"] == 0 and r["leaked_blocks"] == 0
+    assert r["total_input_tokens"] == 12 * 40 and r["request_throughput"] > 0

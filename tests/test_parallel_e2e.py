@@ -20,13 +20,15 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def dp_server(server_factory, tiny_model_dir):
     return server_factory(tiny_model_dir, "--data-parallel-size", "2", "--block-size", "4", "--num-blocks",
-                          "160", "--max-num-batched-tokens", "64", "--max-num-seqs", "8")
+                          "160", "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--task", "both",
+                          "--pooling", "mean")
 
 
 @pytest.fixture(scope="module")
 def tp_server(server_factory, tiny_model_dir):
     return server_factory(tiny_model_dir, "--tensor-parallel-size", "2", "--block-size", "4", "--num-blocks",
-                          "160", "--max-num-batched-tokens", "64", "--heartbeat-timeout", "3")
+                          "160", "--max-num-batched-tokens", "64", "--heartbeat-timeout", "3",
+                          "--task", "both", "--pooling", "mean")
 
 
 def test_tensor_parallel_group_outputs_equal_transformers(tp_server, tiny_model_dir):
@@ -41,6 +43,28 @@ def test_tensor_parallel_group_outputs_equal_transformers(tp_server, tiny_model_
     assert stats.bytes_per_block == 2 * 3 * 2 * 16 * 4 * 4
     assert len(stats.replicas) == 1 and len(stats.replicas[0].worker_pids) == 2
     assert_all_blocks_back(tp_server)
+
+
+def test_embeddings_over_tensor_and_data_parallel_equal_transformers(tp_server, dp_server, tiny_model_dir):
+    """Both servers embed too (--task both --pooling mean): the mean of the decoder's last hidden states,
+    unit length, as transformers' own model computes them, whichever rank or replica ran them."""
+    import numpy as np
+    import torch
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(tiny_model_dir)).eval()
+    rng = random.Random(5)
+    inputs = [[rng.randrange(3, 380) for _ in range(rng.randint(5, 90))] for _ in range(8)]
+    with torch.no_grad():
+        ref = np.stack([model(torch.tensor([ids])).last_hidden_state[0].mean(0).numpy() for ids in inputs])
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
+    request = generation_pb2.EmbedRequest(inputs=[generation_pb2.TokenIds(ids=ids) for ids in inputs])
+    for server in (tp_server, dp_server):
+        response = server.stub.Embed(request, timeout=60)
+        got = np.array([list(d.values) for d in response.data], dtype=np.float32)
+        np.testing.assert_allclose(got, ref, atol=1e-4)
+        assert_all_blocks_back(server)
+    assert all(r.num_embeddings for r in dp_server.stats().replicas), "one replica embedded everything"
 
 
 def test_tensor_parallel_applies_request_controls_like_one_rank(tp_server, dp_server):

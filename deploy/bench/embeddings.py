@@ -190,9 +190,10 @@ def throughput(systems, folder: Path, args) -> dict:
     return rates
 
 
-async def stream_rate(server: ServerProcess, tokens: int, salt: int) -> float:
-    """Output tokens/s of one greedy stream of `tokens` tokens, first token to last; its prompt is 64 random
-    token ids of its own (`salt` seeds them), so no stream finds another's prompt or drafts from another's
+async def stream_rate(server: ServerProcess, tokens: int, salt: int) -> tuple[float, float, float]:
+    """(output tokens/s first token to last, seconds to the first token, prompt tokens/s the server computed
+    from the first token to the last) of one greedy stream of `tokens` tokens; its prompt is 64 random token
+    ids of its own (`salt` seeds them), so no stream finds another's prompt or drafts from another's
     answer."""
     import random
 
@@ -206,20 +207,22 @@ async def stream_rate(server: ServerProcess, tokens: int, salt: int) -> float:
         prompt = [random.Random(salt).randrange(1000, 150000) for _ in range(64)]
         req = pb.GenerateRequest(prompt_token_ids=prompt,
                                  sampling=pb.SamplingParams(max_tokens=tokens, ignore_eos=True))
-        first = last = None
+        first = last = computed = None
         count = 0
+        t0 = time.perf_counter()
         async for msg in stub.GenerateStream(req, timeout=3600):
             if msg.token_ids:
                 last = time.perf_counter()
-                first = first or last
+                if first is None:
+                    first = last
+                    computed = (await asyncio.to_thread(server.stats)).num_prompt_tokens_computed
                 count += len(msg.token_ids)
-        return (count - 1) / (last - first)
+        computed = (await asyncio.to_thread(server.stats)).num_prompt_tokens_computed - computed
+        return (count - 1) / (last - first), first - t0, computed / (last - first)
 
 
-async def beside(server: ServerProcess, folder: Path, args, salt: int) -> tuple[float, float]:
-    """(stream tokens/s beside the load, prompt tokens/s the server computed meanwhile: the load's, and the
-    stream's own 64): clients keep Embed calls of 4 new texts each coming."""
-    tokens, clients = args.gen_tokens, args.clients
+async def beside(server: ServerProcess, folder: Path, args, salt: int) -> tuple[float, float, float]:
+    """stream_rate's figures for a stream beside clients that keep Embed calls of 4 new texts each coming."""
     import grpc
 
     from protos import generation_pb2 as pb
@@ -236,16 +239,12 @@ async def beside(server: ServerProcess, folder: Path, args, salt: int) -> tuple[
             i += 1
 
     async with grpc.aio.insecure_channel(server.address) as channel:
-        tasks = [asyncio.create_task(load(channel, k)) for k in range(clients)]
+        tasks = [asyncio.create_task(load(channel, k)) for k in range(args.clients)]
         await asyncio.sleep(2.0)  # the load is running
-        t0 = time.perf_counter()
-        start = server.stats().num_prompt_tokens_computed
-        rate = await stream_rate(server, tokens, salt % 10**4 + 1)
-        computed = server.stats().num_prompt_tokens_computed - start
-        seconds = time.perf_counter() - t0
+        figures = await stream_rate(server, args.gen_tokens, salt % 10**4 + 1)
         done.set()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return rate, computed / seconds
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,11 +294,12 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(stream_rate(server, 8, 0))  # warm-up
             ratios = []
             for r in range(args.rounds):
-                alone = asyncio.run(stream_rate(server, args.gen_tokens, 2 * r + 1))
-                rate, tps = asyncio.run(beside(server, folder, args, 10**7 * (r + 1) + 2 * r + 2))
+                alone, ttft_alone, _ = asyncio.run(stream_rate(server, args.gen_tokens, 2 * r + 1))
+                rate, ttft, tps = asyncio.run(beside(server, folder, args, 10**7 * (r + 1) + 2 * r + 2))
                 ratios.append(rate / alone)
-                print(f"round {r}: stream alone {alone:.2f} tok/s, beside the load {rate:.2f} tok/s "
-                      f"(x{rate / alone:.2f}); prompt tokens computed meanwhile {tps:.0f}/s", flush=True)
+                print(f"round {r}: stream alone {alone:.2f} tok/s (TTFT {ttft_alone:.2f} s), beside the load "
+                      f"{rate:.2f} tok/s (x{rate / alone:.2f}, TTFT {ttft:.2f} s); embedding tokens computed "
+                      f"while it streamed: {tps:.0f}/s", flush=True)
             print(f"generation beside embeddings / alone: x{statistics.median(ratios):.2f} (median)")
         finally:
             server.stop()
