@@ -112,6 +112,9 @@ class SchedulerConfig:
     # Embeddings beside generation (scheduler_service/pacing.py): the share of their speed decoding streams
     # may lose to embedding prompt chunks in their steps (1: none kept back).
     embed_slowdown: float = 0.2
+    # Where the model also generates: the most embedding tokens a step without decodes takes, so a generation
+    # request that arrives meanwhile waits behind steps of at most this many (0: the whole budget).
+    embed_step_tokens: int = 512
 
     @property
     def route_slack(self) -> int:

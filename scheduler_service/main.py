@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import structlog
@@ -89,6 +90,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embed-slowdown", type=float, default=0.2,
                    help="embeddings beside generation: the share of their speed decoding streams may lose to "
                         "embedding chunks in their steps (1: embeddings are not held back)")
+    p.add_argument("--embed-step-tokens", type=int, default=512,
+                   help="with --task both: the most embedding tokens a step without decodes takes (bounds "
+                        "how long a new generation request waits behind embeddings; 0: the whole budget)")
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")
     p.add_argument("--step-profile-interval", type=float, default=5.0,
                    help="seconds between step_profile log lines (where a busy replica's step time went)")
@@ -136,6 +140,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_rows=args.speculative_max_rows,
         embed_slowdown=args.embed_slowdown,
+        embed_step_tokens=args.embed_step_tokens,
     )
 
 
@@ -207,6 +212,10 @@ def prepare(args: argparse.Namespace) -> tuple[SchedulerConfig, ModelSpec, Token
         spec = ModelSpec.from_folder(args.model, args.max_model_len, args.task, args.pooling)
     except PoolingConfigError as e:
         raise SystemExit(str(e)) from None
+    if args.embed_step_tokens < 0:
+        raise SystemExit("--embed-step-tokens must be 0 or positive")
+    if not spec.generates:  # nothing to wait behind embeddings: they take the whole budget
+        config = replace(config, embed_step_tokens=0)
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < spec.max_context:
         raise SystemExit("without chunked prefill --max-num-batched-tokens must be at least the context "
                          "length")

@@ -237,7 +237,8 @@ class Scheduler:
         # next one, and a verifying step runs its own fast path, which another row would take away.
         out.num_decodes = len(decodes) + drafting_now
         plain = out.scheduled and not any(s.draft for s in out.scheduled)
-        out.embed_room = budget if not out.num_decodes else self.pacer.room(budget) if plain else 0
+        cap = self.config.embed_step_tokens or budget
+        out.embed_room = min(budget, cap) if not out.num_decodes else self.pacer.room(budget) if plain else 0
         for seq in prefills:
             if budget == 0:
                 break

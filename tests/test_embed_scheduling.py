@@ -128,3 +128,18 @@ def test_a_preempted_embedding_pools_again_from_scratch():
     assert all(g.seqs[0].num_output_tokens == 17 for g in generations)
     a = sched.allocator
     assert a.num_free_blocks + a.num_cached_blocks == a.num_blocks
+
+
+def test_where_the_model_also_generates_an_embedding_step_is_bounded():
+    """--embed-step-tokens: a step without decodes takes at most that many embedding tokens, so a generation
+    request arriving meanwhile waits behind short steps; it is admitted in the next one."""
+    config = SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, embed_step_tokens=16,
+                             debug_invariants=True)
+    sched = Scheduler(config, num_blocks=256, max_model_len=256)
+    embeddings = [embed_request(f"e{i}", list(range(10 + i, 110 + i))) for i in range(3)]
+    late = Request("late", [5, 6, 7], SamplingOptions(max_tokens=2))
+    outs = run_overlapped(sched, SimulatedWorker(256, 4), {0: embeddings, 2: [late]})
+    assert max(o.num_embed_tokens for o in outs) <= 16
+    admitted = next(i for i, o in enumerate(outs) if any(s.seq.request is late for s in o.scheduled))
+    assert admitted <= 3 and late.seqs[0].num_output_tokens == 2
+    assert all(e.seqs[0].embedding is not None for e in embeddings)
