@@ -5,10 +5,13 @@ Used by the end-to-end tests and the benchmarks: the same launcher `make run` us
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -75,6 +78,32 @@ class ServerProcess:
 
     def stats(self) -> generation_pb2.CacheStats:
         return self.stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=10)
+
+    @contextlib.contextmanager
+    def queued_in_order(self, n: int, gap: float = 0.05):
+        """Yields n arrival delays, `gap` apart, while this server's workers are held still (SIGSTOP):
+        requests sent at those delays all wait in the scheduler, in that order, before its next step, and
+        the workers go on `gap` * n + 0.5 s after the block begins (far below the heartbeat deadline).
+        Whether a small pool preempts then follows from the workload alone, not from how fast this machine
+        ran the first arrivals before the last came."""
+        deadline = time.monotonic() + 30
+        while not (pids := [p for replica in self.stats().replicas for p in replica.worker_pids]):
+            assert time.monotonic() < deadline, "the server never reported its workers"
+            time.sleep(0.1)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+
+        def resume() -> None:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+        release = threading.Timer(gap * n + 0.5, resume)
+        release.start()
+        try:
+            yield [gap * i for i in range(n)]
+        finally:
+            release.join()
 
     def log_tail(self, n: int = 40) -> str:
         try:

@@ -109,10 +109,13 @@ def test_streamed_tokens_equal_unary_tokens(server):
 
 
 def test_tight_pool_preempts_and_outputs_stay_identical(tight_server, tiny_model_dir):
-    # all at once: with staggered arrivals a fast machine finishes early requests before the pool fills
-    items = [(rid, p, m, 0.0) for rid, p, m, _ in workload(10, seed=3)]
+    # all queued before the first step: with staggered arrivals a fast machine finishes early requests
+    # before the pool fills
     before = tight_server.stats().num_preemptions
-    results = submit_all(tight_server, items, stream=True)
+    with tight_server.queued_in_order(10) as delays:
+        items = [(rid, p, m, delay)
+                 for (rid, p, m, _), delay in zip(workload(10, seed=3), delays, strict=True)]
+        results = submit_all(tight_server, items, stream=True)
     for rid, prompt, max_tokens, _ in items:
         assert results[rid][0] == hf_greedy(tiny_model_dir, prompt, max_tokens), rid
     assert tight_server.stats().num_preemptions > before, "this pool is small enough that it must preempt"
@@ -319,7 +322,7 @@ def test_n_samples_each_get_their_own_choice_and_stream_index(server):
 def test_seeded_sampling_is_reproducible_even_across_preemption(server, tight_server, controls):
     """A seeded request draws the same tokens alone on a roomy pool and preempted on a tight one; with
     penalties too, whose context a recompute rewrites into fresh blocks."""
-    items = [(rid, p, m, 0.0) for rid, p, m, _ in workload(10, seed=9)]  # all at once: the pool overflows
+    items = workload(10, seed=9)
     roomy = {rid: server.stub.Generate(sampled_request(p, m, seed=i, **controls),
                                        timeout=120).choices[0].token_ids
              for i, (rid, p, m, _) in enumerate(items)}
@@ -331,8 +334,11 @@ def test_seeded_sampling_is_reproducible_even_across_preemption(server, tight_se
         return rid, tight_server.stub.Generate(sampled_request(p, m, seed=i, **controls),
                                                timeout=120).choices[0].token_ids
 
-    with ThreadPoolExecutor(len(items)) as pool:
-        tight = dict(pool.map(one, range(len(items))))
+    # all queued in a fixed order before the first step: the pool overflows however fast the machine
+    with tight_server.queued_in_order(len(items)) as delays:
+        items = [(rid, p, m, delay) for (rid, p, m, _), delay in zip(items, delays, strict=True)]
+        with ThreadPoolExecutor(len(items)) as pool:
+            tight = dict(pool.map(one, range(len(items))))
     assert tight_server.stats().num_preemptions > before
     assert tight == roomy
     assert_all_blocks_back(tight_server)
