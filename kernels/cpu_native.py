@@ -64,8 +64,11 @@ class NativeKernels:
         self.max_group, self.max_head_dim, self.max_block = limits[0], limits[1], limits[2]
         self._prefill = lib.pagedserve_paged_prefill
         self._prefill.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float,
-                                  i32, ctypes.c_float, i32]
+                                  i32, ctypes.c_float, i32, i32]
         self._prefill.restype = None
+        lib.pagedserve_prefill_bf16_dots.restype = ctypes.c_int
+        # a bf16 pool's prefill can run in bf16 dot products here (AVX512_BF16; see paged_prefill.c)
+        self.prefill_bf16_dots = bool(lib.pagedserve_prefill_bf16_dots())
         lib.pagedserve_prefill_limits(limits)
         self.prefill_state, self.prefill_max_head_dim = limits[0], limits[1]
         self._add_rms_norm = lib.pagedserve_add_rms_norm
@@ -213,7 +216,7 @@ class NativeKernels:
     def paged_prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
         starts: torch.Tensor, q_lens: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-        scale: float, window: int = 0, softcap: float = 0.0,
+        scale: float, window: int = 0, softcap: float = 0.0, bf16_dots: bool = False,
     ) -> None:
         """Causal attention of prompt chunks over their paged keys (a cached prefix included): for sequence i,
         query tokens starts[i] .. starts[i] + q_lens[i] - 1 of the step are its last q_lens[i] positions of
@@ -221,7 +224,9 @@ class NativeKernels:
         fused QKV row works); out contiguous; starts int64, q_lens, seq_lens int32 [n]; block_tables int32;
         the caches fp32 or bf16 (both the same). window > 0: each query sees only its last `window` keys,
         itself included (sliding-window layers). softcap > 0: each scaled score s is softcap * tanh(s /
-        softcap) (Gemma 2)."""
+        softcap) (Gemma 2). bf16_dots, with a bf16 pool where `prefill_bf16_dots`: the scaled queries and the
+        softmax weights rounded to bf16 and both products in bf16 dot products (fp32 sums), for a model served
+        in bf16; elsewhere, or with an fp32 pool, the fp32 arithmetic."""
         n = starts.numel()
         if n == 0:
             return
@@ -239,7 +244,7 @@ class NativeKernels:
         self._prefill(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                       starts.data_ptr(), q_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
                       block_tables.stride(0), n, q.shape[1], n_kv_heads, head_dim, block_size, float(scale),
-                      int(window), float(softcap), int(kv == torch.bfloat16))
+                      int(window), float(softcap), int(kv == torch.bfloat16), int(bool(bf16_dots)))
 
     def supports_prefill(self, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
         group = n_heads // n_kv_heads

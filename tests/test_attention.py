@@ -262,6 +262,46 @@ def test_a_bf16_pool_is_read_as_its_values_widened(backend_name, n_heads, n_kv_h
     assert not torch.allclose(out, paged_attention(*c.args, window=window), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size",
+                         [(16, 8, 128, 16), (9, 3, 64, 1), (8, 1, 256, 32), (6, 2, 96, 16), (6, 2, 80, 16)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (21, 0.0), (0, 30.0)])
+def test_bf16_dot_prefill_stays_within_bf16_rounding_of_the_exact_answer(n_heads, n_kv_heads, head_dim,
+                                                                         block_size, window, softcap):
+    """bf16_dots (a model served in bf16): queries and softmax weights rounded to bf16, both products in
+    bf16 dot products. Over the same bf16 pool it stays within bf16's rounding of the exact fp32 answer
+    (chunks over cached prefixes, lengths around the 16-key and 16-query tiles, a sliding window,
+    soft-capping), differs from the fp32 arithmetic where the CPU has the instructions, and is that
+    arithmetic bit for bit where it does not apply: an fp32 pool, a head size not a multiple of 32 (80), a
+    CPU without AVX512_BF16."""
+    from kernels import cpu_native
+
+    native = cpu_native.load()
+    q_lens = [2, 17, 16, 40, 33, 5, 300]
+    seq_lens = [2, 17, 31, 40, 100, 260, 301]
+    c = make_case(q_lens, seq_lens, n_heads, n_kv_heads, head_dim, block_size, seed=5)
+    k16, v16 = c.k_cache.to(torch.bfloat16), c.v_cache.to(torch.bfloat16)
+    qsl = c.query_start_loc.long()
+    args = (qsl[:-1].contiguous(), torch.tensor(q_lens, dtype=torch.int32), c.seq_lens, c.block_tables)
+
+    def run(k, v, bf16_dots):
+        out = torch.full_like(c.q, float("nan"))
+        native.paged_prefill(c.q, k, v, out, *args, c.scale, window, softcap, bf16_dots=bf16_dots)
+        return out
+
+    exact = run(k16, v16, False)
+    want = paged_attention(c.q, k16.float(), v16.float(), *c.args[3:], window=window, softcap=softcap)
+    torch.testing.assert_close(exact, want, atol=2e-5, rtol=1e-5)
+    got = run(k16, v16, True)
+    assert torch.isfinite(got).all()
+    err = (got - want).abs()
+    assert err.max() < 3e-2 and err.mean() < 3e-3, (err.max(), err.mean())  # |v| ~ 1: bf16's 2^-9 steps
+    if native.prefill_bf16_dots and head_dim % 32 == 0:
+        assert not torch.equal(got, exact)
+    else:
+        assert torch.equal(got, exact)
+    assert torch.equal(run(c.k_cache, c.v_cache, True), run(c.k_cache, c.v_cache, False))  # fp32 pool
+
+
 def test_write_kv_rounds_into_a_bf16_pool_as_torch_does():
     k = torch.randn(5, 2, 8)
     v = torch.randn(5, 2, 8)

@@ -67,16 +67,21 @@ def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(server_facto
                             "4", "--num-blocks", "256", "--kv-cache-dtype", "fp32")
     log = server.log_path.read_text()
     assert '"matrices": {"BF16": 13}' in log and '"compute_dtype": "float32"' in log
+    assert '"prefill_attention"' not in log  # fp32 prompt chunks over an fp32 pool: fp32 attention
     reference = rounded(folder, base / "r")
     for prompt in ([5, 9, 13, 200, 31], list(range(40, 75))):
         req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
             max_tokens=20, temperature=0, ignore_eos=True))
         assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == hf_greedy(
             reference, prompt, 20)
-    # the default: prefill through the CPU's bf16 GEMM where it has one (no fp32 copy), else as memory allows
+    # the default: prefill through the CPU's bf16 GEMM where it has one (no fp32 copy), else as memory allows;
+    # with the bf16 GEMM, prompt chunks attend over the bf16 pool in bf16 dot products where the CPU has them
     auto = server_factory(folder, "--dtype", "bfloat16", "--block-size", "4", "--num-blocks", "256")
     reason = "the CPU's bf16 GEMM" if native_bf16() else "available"
-    assert reason in auto.log_path.read_text() and '"kv_cache_dtype": "bfloat16"' in auto.log_path.read_text()
+    log = auto.log_path.read_text()
+    assert reason in log and '"kv_cache_dtype": "bfloat16"' in log
+    dots = native_bf16() and native.prefill_bf16_dots
+    assert ('"arithmetic": "bf16 dot products"' in log) == dots
     req = pb.GenerateRequest(prompt_token_ids=list(range(40, 75)), sampling=pb.SamplingParams(
         max_tokens=20, temperature=0, ignore_eos=True))
     assert len(auto.stub.Generate(req, timeout=120).choices[0].token_ids) == 20

@@ -199,6 +199,8 @@ class CpuAttentionMeta:
 
 class CpuAttention(TorchAttention):
     name = "cpu"
+    # prompt chunks over a bf16 pool in bf16 dot products (set by the worker for a model served in bf16)
+    prefill_bf16_dots = False
 
     def __init__(self) -> None:
         from kernels import cpu_native
@@ -207,6 +209,10 @@ class CpuAttention(TorchAttention):
         if self._native is None:
             raise RuntimeError("the native CPU kernels could not be built (see the log); use "
                                "--attention-backend torch")
+
+    @property
+    def native(self):
+        return self._native
 
     def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype | None = None) -> bool:
@@ -243,7 +249,8 @@ class CpuAttention(TorchAttention):
             if self._native.supports_prefill(n_heads, k_cache.shape[2], head_dim) and q.stride(2) == 1 \
                     and q.stride(1) == head_dim:  # a view of the fused QKV row reads in place
                 self._native.paged_prefill(q, k_cache, v_cache, out, meta.prefill_starts, meta.prefill_q_lens,
-                                           meta.prefill_lens, meta.prefill_tables, scale, window, softcap)
+                                           meta.prefill_lens, meta.prefill_tables, scale, window, softcap,
+                                           self.prefill_bf16_dots)
             else:
                 TorchAttention.forward(self, q.contiguous(), k_cache, v_cache,
                                        TorchAttentionMeta([], meta.torch_prefills()), scale, window, softcap,
@@ -322,10 +329,13 @@ def default_backend_name(device: torch.device) -> str:
     return "torch"
 
 
-def make_backend(name: str | None, device: torch.device, shape: tuple | None = None) -> AttentionBackend:
+def make_backend(name: str | None, device: torch.device, shape: tuple | None = None,
+                 bf16_prefill: bool = False) -> AttentionBackend:
     """name None picks the device's default; on a CPU the native `cpu` backend falls back to `torch` where
     it cannot be built or does not cover shape = (n_heads, n_kv_heads, head_dim, block_size, dtype[,
-    kv_dtype])."""
+    kv_dtype]). bf16_prefill (a model whose prompt chunks go through the bf16 GEMM): over a bf16 pool the
+    `cpu` backend's prompt chunks attend in bf16 dot products too, where the CPU has them (queries and
+    softmax weights rounded to bf16, fp32 sums: ~1.6x the fp32 arithmetic's rate, docs/BENCHMARKS.md)."""
     chosen = name or default_backend_name(device)
     if chosen not in BACKENDS:
         raise ValueError(f"unknown attention backend {chosen!r}; choose from {sorted(BACKENDS)}")
@@ -343,5 +353,8 @@ def make_backend(name: str | None, device: torch.device, shape: tuple | None = N
                 raise ValueError("the cpu attention backend does not cover heads/head_dim/block/dtype "
                                  f"{shape}")
             return TorchAttention()
+        kv_dtype = shape[5] if shape is not None and len(shape) > 5 else None
+        backend.prefill_bf16_dots = bool(bf16_prefill and kv_dtype == torch.bfloat16
+                                         and backend.native.prefill_bf16_dots)
         return backend
     return BACKENDS[chosen]()

@@ -277,6 +277,7 @@ def load(args, device, dtype, tp: int) -> Loaded:
     this machine cannot hold refused, the model loaded (joining the TP group), its matmuls and attention."""
     import torch
 
+    from worker.attention import make_backend
     from worker.parallel import init_group
     from worker.weights import load_model
 
@@ -310,7 +311,10 @@ def load(args, device, dtype, tp: int) -> Loaded:
     try:
         attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp, load_s)
         heads = model.shard.num_kv_heads
-        attn = make_attention(args, model, config, device, dtype, kv_dtype)
+        attn = make_backend(args.attention_backend, device, (model.shard.num_q_heads, heads, config.head_dim,
+                            args.block_size, dtype, kv_dtype), getattr(model, "bf16_prefill", False))
+        if getattr(attn, "prefill_bf16_dots", False):
+            log.info("prefill_attention", arithmetic="bf16 dot products", why="bf16 prompt matmuls and pool")
     except ValueError as e:
         raise Refused("bad_worker_option", str(e), error=str(e)) from None
     return Loaded(model, config, dtype, weights_dtype, kv_dtype, attn, heads)
@@ -329,6 +333,7 @@ def attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp
     bf16_source = source is not None and getattr(source, "qtype_name", "") == "BF16"
     if bf16_source and args.quantized_prefill == "auto" and lib.bf16_gemm:
         args.quantized_prefill = "dequantize"
+        model.bf16_prefill = True  # prompt chunks multiply bf16 activations: attention may too
         log.info("quantized_prefill", chosen="dequantize",
                  why="the CPU's bf16 GEMM multiplies the weights as held")
     elif source is not None and args.quantized_prefill == "auto" and lib.packing and lib.int8_activations:
@@ -367,14 +372,6 @@ def attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp
         use_fused_decode(model, tp, args.quantized_activations)
     if device.type == "cpu" and tp == 1 and dtype == torch.float32:
         use_native_head(model)
-
-
-def make_attention(args, model, config, device, dtype, kv_dtype):
-    from worker.attention import make_backend
-
-    return make_backend(args.attention_backend, device,
-                        (model.shard.num_q_heads, model.shard.num_kv_heads, config.head_dim, args.block_size,
-                         dtype, kv_dtype))
 
 
 def size_pool(args, loaded: Loaded, device, tp: int) -> PoolPlan:

@@ -14,6 +14,14 @@
  * so the reductions' latencies overlap instead of following one another; with AVX-512 a whole key tile is
  * transposed in registers, 16 x 16 at a time. Elsewhere written for the compiler to vectorize (-O3
  * -march=native): AVX2 and others alike.
+ *
+ * bf16 dot products (`bf16_dots`, a bf16 pool on a CPU with AVX512_BF16): for a model served in bf16, whose
+ * prompt-chunk matmuls already multiply bf16 activations. The scaled queries and each tile's softmax weights
+ * are rounded to bf16 (what flash attention does on a GPU) and both products run as `vdpbf16ps`, two
+ * multiply-adds a lane into fp32: half the instructions of the fp32 path, and the pool's bf16 keys and values
+ * are multiplied as they are, never widened. A key tile is transposed as 32-bit pairs of adjacent dimensions
+ * (the same 16 x 16 transposes), a value tile interleaved as pairs of adjacent keys once for all its rows;
+ * the running max, sums and accumulators stay fp32.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,6 +38,15 @@
 #define ROWS 8           /* query rows computed together */
 #define MAX_STATE 8192   /* floats of accumulators (and of query rows) per work item */
 #define MAX_HEAD_DIM 256
+
+/* 1 where this build multiplies a bf16 pool's prefill in bf16 dot products (bf16_dots), else 0. */
+int pagedserve_prefill_bf16_dots(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 int pagedserve_prefill_limits(int32_t* out) {
     out[0] = MAX_STATE;
@@ -247,6 +264,148 @@ static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cac
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PREFILL_BF16 1
+static const uint16_t ZERO_ROW[MAX_HEAD_DIM] = {0}; /* a key or value the tile does not read */
+
+/* prefill_item on a bf16 pool in bf16 dot products (head_dim a multiple of 32): see the top of this file. */
+static void prefill_item_bf16(const float* q, int64_t q_row_stride, const uint16_t* k_cache,
+                              const uint16_t* v_cache, float* out, int64_t start, int q_len, int seq_len,
+                              const int32_t* table, int p0, int p1, int kh, int n_heads, int group, int head_dim,
+                              int block_size, int64_t block_stride, int64_t token_stride, float scale, int window,
+                              float softcap) {
+    const int rows = p1 - p0, total = rows * group, hp = head_dim / 2;
+    float acc[MAX_STATE];                    /* [total][head_dim] */
+    uint32_t qp[MAX_STATE / 2];              /* [total][head_dim / 2]: the scaled query as bf16 pairs */
+    float m[QT * 16], l[QT * 16];
+    int limit[QT * 16], lowest[QT * 16];
+    uint32_t kt[MAX_HEAD_DIM / 2][KT];       /* kt[dp][j] = key j's dimensions 2 dp, 2 dp + 1 */
+    uint32_t vt[KT / 2][MAX_HEAD_DIM];       /* vt[kp][d] = dimension d of keys 2 kp, 2 kp + 1 */
+    const int offset = seq_len - q_len;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int g = 0; g < group; g++) {
+        const int h = kh * group + g;
+        for (int r = 0; r < rows; r++) {
+            const int row = g * rows + r;
+            const float* src = q + (start + p0 + r) * q_row_stride + (int64_t)h * head_dim;
+            for (int d = 0; d < head_dim; d += 32) {
+                const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(src + d), sc);
+                const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(src + d + 16), sc);
+                _mm512_storeu_si512((void*)(qp + row * hp + d / 2), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+            }
+            for (int d = 0; d < head_dim; d++) acc[row * head_dim + d] = 0.0f;
+            m[row] = -INFINITY;
+            l[row] = 0.0f;
+            limit[row] = offset + p0 + r;
+            lowest[row] = window > 0 && limit[row] + 1 > window ? limit[row] + 1 - window : 0;
+        }
+    }
+    const int last_key = offset + p1 - 1, first_key = lowest[0];
+    for (int j0 = first_key - first_key % KT; j0 <= last_key; j0 += KT) {
+        const int nk = last_key + 1 - j0 < KT ? last_key + 1 - j0 : KT;
+        const float* krows[KT]; /* the rows as 32-bit words (bf16 pairs), for the transposes */
+        const uint16_t* vrows[KT];
+        for (int jj = 0; jj < KT; jj++) {
+            const int seen = jj < nk && j0 + jj >= first_key;
+            const int64_t at = seen ? kv_at(table, j0 + jj, block_size, block_stride, token_stride, kh, head_dim) : 0;
+            krows[jj] = (const float*)(seen ? k_cache + at : ZERO_ROW);
+            vrows[jj] = seen ? v_cache + at : ZERO_ROW;
+        }
+        for (int dp = 0; dp < hp; dp += 16) transpose16(krows, dp, (float(*)[KT])&kt[dp]);
+        for (int kp = 0; kp < KT / 2; kp++)
+            for (int d = 0; d < head_dim; d += 16) {
+                const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vrows[2 * kp] + d)));
+                const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(vrows[2 * kp + 1] + d)));
+                _mm512_storeu_si512((void*)(vt[kp] + d), _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+        for (int row0 = 0; row0 < total; row0 += ROWS) {
+            const int nr = total - row0 < ROWS ? total - row0 : ROWS;
+            __m512 c[ROWS];
+            for (int i = 0; i < ROWS; i++) c[i] = _mm512_setzero_ps();
+            const uint32_t* q0 = qp + (int64_t)row0 * hp;
+            if (nr == ROWS) { /* eight independent chains, the key tile's pairs loaded once */
+                for (int dp = 0; dp < hp; dp++) {
+                    const __m512bh kd = (__m512bh)_mm512_loadu_si512((const void*)kt[dp]);
+                    for (int i = 0; i < ROWS; i++)
+                        c[i] = _mm512_dpbf16_ps(c[i], (__m512bh)_mm512_set1_epi32((int)q0[i * hp + dp]), kd);
+                }
+            } else {
+                for (int i = 0; i < nr; i++)
+                    for (int dp = 0; dp < hp; dp++)
+                        c[i] = _mm512_dpbf16_ps(c[i], (__m512bh)_mm512_set1_epi32((int)q0[i * hp + dp]),
+                                                (__m512bh)_mm512_loadu_si512((const void*)kt[dp]));
+            }
+            float s[ROWS][KT];
+            for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(s[i], c[i]);
+            if (softcap > 0.0f) soft_cap(&s[0][0], ROWS * KT, softcap);
+            uint32_t pp[ROWS][KT / 2]; /* each row's weights of the tile as bf16 pairs of adjacent keys */
+            float corr[ROWS];
+            int from_of[ROWS], n_of[ROWS];
+            for (int i = 0; i < nr; i++) {
+                const int row = row0 + i;
+                const int see = limit[row] - j0 + 1;
+                const int from = lowest[row] > j0 ? lowest[row] - j0 : 0;
+                const int n = see < nk ? see : nk;
+                from_of[i] = from;
+                n_of[i] = n;
+                if (n <= from) continue;
+                const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << from) - 1u));
+                const __m512 sv = _mm512_loadu_ps(s[i]);
+                const float top_tile = _mm512_mask_reduce_max_ps(valid, sv);
+                const float top = top_tile > m[row] ? top_tile : m[row];
+                const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
+                _mm256_storeu_si256((__m256i*)pp[i], (__m256i)_mm512_cvtneps_pbh(pv));
+                corr[i] = top > m[row] ? expf(m[row] - top) : 1.0f;
+                l[row] = l[row] * corr[i] + _mm512_reduce_add_ps(pv);
+                m[row] = top;
+            }
+            for (int i = 0; i < nr; i++) {
+                const int from = from_of[i], n = n_of[i];
+                if (n <= from) continue;
+                const int kp0 = from / 2, kp1 = (n + 1) / 2; /* pairs holding a key the row sees */
+                const __m512 cr = _mm512_set1_ps(corr[i]);
+                float* a = acc + (int64_t)(row0 + i) * head_dim;
+                int d = 0;
+                for (; d + 64 <= head_dim; d += 64) { /* four accumulators in registers over the tile */
+                    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(a + d), cr);
+                    __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(a + d + 16), cr);
+                    __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(a + d + 32), cr);
+                    __m512 a3 = _mm512_mul_ps(_mm512_loadu_ps(a + d + 48), cr);
+                    for (int kp = kp0; kp < kp1; kp++) {
+                        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[i][kp]);
+                        const uint32_t* v = vt[kp] + d;
+                        a0 = _mm512_dpbf16_ps(a0, w, (__m512bh)_mm512_loadu_si512((const void*)v));
+                        a1 = _mm512_dpbf16_ps(a1, w, (__m512bh)_mm512_loadu_si512((const void*)(v + 16)));
+                        a2 = _mm512_dpbf16_ps(a2, w, (__m512bh)_mm512_loadu_si512((const void*)(v + 32)));
+                        a3 = _mm512_dpbf16_ps(a3, w, (__m512bh)_mm512_loadu_si512((const void*)(v + 48)));
+                    }
+                    _mm512_storeu_ps(a + d, a0);
+                    _mm512_storeu_ps(a + d + 16, a1);
+                    _mm512_storeu_ps(a + d + 32, a2);
+                    _mm512_storeu_ps(a + d + 48, a3);
+                }
+                for (; d < head_dim; d += 16) {
+                    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(a + d), cr);
+                    for (int kp = kp0; kp < kp1; kp++)
+                        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32((int)pp[i][kp]),
+                                              (__m512bh)_mm512_loadu_si512((const void*)(vt[kp] + d)));
+                    _mm512_storeu_ps(a + d, a0);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        const int h = kh * group + g;
+        for (int r = 0; r < rows; r++) {
+            const int row = g * rows + r;
+            const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+            float* dst = out + ((start + p0 + r) * n_heads + h) * (int64_t)head_dim;
+            for (int d = 0; d < head_dim; d++) dst[d] = acc[row * head_dim + d] * inv;
+        }
+    }
+}
+#endif
+
 /* Query rows [start, start + q_len) of one sequence, one KV head's group of query heads, in tiles of what an
  * item holds: the rows of a drafting sequence in a decode step (decode_step.c), whose keys are then read once
  * for all of them rather than once a row. Arguments as pagedserve_paged_prefill's, for that one sequence. */
@@ -280,7 +439,9 @@ void pagedserve_paged_prefill(
     float scale,
     int32_t window,              /* > 0: each query sees only its last `window` keys (itself included) */
     float softcap,               /* > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2) */
-    int32_t kv_bf16)             /* the pool holds bf16 */
+    int32_t kv_bf16,             /* the pool holds bf16 */
+    int32_t bf16_dots)           /* with a bf16 pool: queries and weights rounded to bf16, bf16 dot products
+                                    (where pagedserve_prefill_bf16_dots() says this build has them) */
 {
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim;
@@ -303,6 +464,14 @@ void pagedserve_paged_prefill(
         for (int kh = 0; kh < n_kv_heads; kh++) {
             const int i = items[2 * it], p0 = items[2 * it + 1];
             const int p1 = p0 + qt < q_lens[i] ? p0 + qt : q_lens[i];
+#if defined(PREFILL_BF16)
+            if (bf16_dots && kv_bf16 && head_dim % 32 == 0) {
+                prefill_item_bf16(q, q_row_stride, (const uint16_t*)k_cache, (const uint16_t*)v_cache, out, starts[i],
+                                  q_lens[i], seq_lens[i], block_tables + (int64_t)i * table_stride, p0, p1, kh, n_heads,
+                                  group, head_dim, block_size, block_stride, token_stride, scale, window, softcap);
+                continue;
+            }
+#endif
             prefill_item(q, q_row_stride, k_cache, v_cache, out, starts[i], q_lens[i], seq_lens[i],
                          block_tables + (int64_t)i * table_stride, p0, p1, kh, n_heads, group, head_dim, block_size,
                          block_stride, token_stride, scale, window, softcap, kv_bf16);
