@@ -77,6 +77,9 @@ class NativeKernels:
         self._silu_mul.argtypes = [p, p, i64, i64]
         self._rope = lib.pagedserve_rope
         self._rope.argtypes = [p, i64, i64, i32, i32, p, p, p, i32]
+        self._head_rms_norm = lib.pagedserve_head_rms_norm
+        self._head_rms_norm.argtypes = [p, i64, i64, i32, i32, p, ctypes.c_float]
+        self._head_rms_norm.restype = None
         for f in (self._add_rms_norm, self._silu_mul, self._rope):
             f.restype = None
         self._quant_matmul = lib.pagedserve_quant_matmul
@@ -204,6 +207,13 @@ class NativeKernels:
         """out = silu(gate_up[:, :I]) * gate_up[:, I:]."""
         rows, width = gate_up.shape
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+
+    def head_rms_norm(self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor,
+                      eps: float) -> None:
+        """RMSNorm in place of each of the first `heads` heads of each row of x [rows, >= heads *
+        head_dim] (row stride x.stride(0), unit stride inside a row), weight [head_dim]."""
+        self._head_rms_norm(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, weight.data_ptr(),
+                            float(eps))
 
     def rope(self, x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
              positions: torch.Tensor) -> None:

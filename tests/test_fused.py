@@ -84,6 +84,34 @@ def test_rope_matches_torch(head_dim, rotary_dim, fused_row):
 
 
 @needs_native
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_head_norms_normalize_q_and_k_in_place_on_the_fused_row_as_torch(head_dim):
+    """Qwen3's per-head q and k norms: in place on the QKV row (V untouched), so RoPE then still finds q and
+    k adjacent there; tensors that are not such views (a copy, another dtype) go through torch."""
+    heads, kv_heads, tokens = 4, 2, 9
+    g = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 3
+    qw, kw = torch.rand(head_dim, generator=g) + 0.5, torch.rand(head_dim, generator=g) + 0.5
+
+    def split(t):
+        return (t[:, : heads * head_dim].view(tokens, heads, head_dim),
+                t[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim))
+
+    want_q, want_k = TorchOps().head_norms(*split(qkv), qw, kw, 1e-6)
+    rows = qkv.clone()
+    got_q, got_k = NativeOps(native).head_norms(*split(rows), qw, kw, 1e-6)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
+    assert got_q.data_ptr() == rows.data_ptr()  # the row itself
+    torch.testing.assert_close(split(rows)[1], want_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rows[:, (heads + kv_heads) * head_dim :], qkv[:, (heads + kv_heads) * head_dim :])
+    copies = [t.contiguous().clone() * 1.0 for t in split(qkv)]
+    copies[0] = copies[0].transpose(1, 2).contiguous().transpose(1, 2)  # head values not at unit stride
+    got_q, got_k = NativeOps(native).head_norms(*copies, qw, kw, 1e-6)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
 @pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 49157])
 def test_greedy_argmax_is_the_first_largest_and_never_nan(vocab):
     """The sampler's all-greedy pass: torch's argmax with NaN as -inf, ties to the first index (across the

@@ -41,6 +41,11 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def head_norms(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's RMSNorm of each query and key head: q [tokens, heads, hd], k [tokens, kv_heads, hd]."""
+        return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
         """Per-step state shared by every layer."""
         return rotary.lookup(positions, dtype)
@@ -75,6 +80,18 @@ class NativeOps(TorchOps):
         self.k.silu_mul(gate_up, out)
         return out
 
+    def head_norms(self, q, k, q_weight, k_weight, eps):
+        """In place on the fused QKV row (one pass a head; rope then finds q and k still adjacent there)."""
+        views = all(t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+                    for t in (q, k))
+        if not (views and q_weight.is_contiguous() and k_weight.is_contiguous()
+                and q_weight.dtype == k_weight.dtype == torch.float32):
+            return super().head_norms(q, k, q_weight, k_weight, eps)
+        for t, w in ((q, q_weight), (k, k_weight)):
+            self.k.head_rms_norm(t.as_strided((t.shape[0], t.shape[1] * t.shape[2]), (t.stride(0), 1)),
+                                 t.shape[1], t.shape[2], w, eps)
+        return q, k
+
     def rope_tables(self, rotary, positions, dtype):
         return rotary, positions.to(torch.int64).contiguous()
 
@@ -100,6 +117,7 @@ class TritonOps(NativeOps):
     one launch each where torch runs four to six kernels and temporaries."""
 
     name = "triton"
+    head_norms = TorchOps.head_norms
 
     def __init__(self) -> None:
         from kernels.triton_elementwise import TritonElementwise

@@ -119,8 +119,7 @@ class DecoderLayer(nn.Module):
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, c.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, c.rms_norm_eps)
+            q, k = ops.head_norms(q, k, self.q_norm, self.k_norm, c.rms_norm_eps)
         if c.uses_rope(self.layer_idx):  # SmolLM3's NoPE layers attend without positions
             # rope: the step's tables, or (global, local) where sliding layers have their own (Gemma 3)
             q, k = ops.rope(q, k, rope[1] if isinstance(rope, RopeSets) and c.window(self.layer_idx) else

@@ -2,6 +2,7 @@
  *   add_rms_norm: residual += delta (optional), out = residual * rsqrt(mean(residual^2) + eps) * weight
  *   silu_mul:     out[:, i] = silu(gate_up[:, i]) * gate_up[:, I + i]
  *   rope:         rotate-half RoPE in place on the first `heads` heads of each row (q then k of a fused QKV row)
+ *   head_rms_norm: RMSNorm of each head in place (Qwen3's q and k norms, on the fused QKV row)
  * Torch spends 4-6 passes (and temporaries) on each; here each element is read and written once.
  * Accumulation in fp32 as the torch code does; exp through vec_math.h, which vectorizes.
  */
@@ -35,6 +36,18 @@ void pagedserve_rope(float* x, int64_t rows, int64_t row_stride, int32_t heads, 
         for (int h = 0; h < heads; h++)
             rope_head(x + r * row_stride + (int64_t)h * head_dim, cos_table + positions[r] * half,
                       sin_table + positions[r] * half, half);
+}
+
+void pagedserve_head_rms_norm(float* x, int64_t rows, int64_t row_stride, int32_t heads, int32_t head_dim,
+                              const float* weight, float eps) {
+    /* the fused decode step's arithmetic (add_rms_norm_row in place), so a prompt's keys and a decoded
+       token's are normalized alike */
+#pragma omp parallel for schedule(static) if (rows * heads * head_dim > 32768)
+    for (int64_t r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++) {
+            float* v = x + r * row_stride + (int64_t)h * head_dim;
+            add_rms_norm_row(v, 0, weight, v, head_dim, eps);
+        }
 }
 
 /* Greedy choice of each row of logits: out[r] = the first index of the row's largest value, NaN never
