@@ -77,6 +77,9 @@ class NativeKernels:
         self._silu_mul.argtypes = [p, p, i64, i64]
         self._rope = lib.pagedserve_rope
         self._rope.argtypes = [p, i64, i64, i32, i32, p, p, p, i32]
+        self._silu_mul_bf16 = lib.pagedserve_silu_mul_bf16
+        self._silu_mul_bf16.argtypes = [p, p, i64, i64]
+        self._silu_mul_bf16.restype = None
         self._head_rms_norm = lib.pagedserve_head_rms_norm
         self._head_rms_norm.argtypes = [p, i64, i64, i32, i32, p, ctypes.c_float]
         self._head_rms_norm.restype = None
@@ -204,9 +207,11 @@ class NativeKernels:
                            weight.data_ptr(), out.data_ptr(), rows, dim, float(eps))
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
-        """out = silu(gate_up[:, :I]) * gate_up[:, I:]."""
+        """out = silu(gate_up[:, :I]) * gate_up[:, I:]: fp32, or bf16 in and out (computed in fp32, rounded
+        to nearest even)."""
         rows, width = gate_up.shape
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        fn = self._silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else self._silu_mul
+        fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
 
     def head_rms_norm(self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor,
                       eps: float) -> None:

@@ -54,6 +54,31 @@ def test_bf16_weights_give_the_rounded_models_logits(native, tmp_path, tied):
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
+def test_a_bf16_gemm_keeps_its_gate_up_in_bf16_through_the_silu_mul_with_the_same_values(native):
+    """Through the bf16 GEMM the MLP's gate/up goes on in bf16 (bf16_out) into a bf16 SiLU·mul and the down
+    GEMM: the values of the fp32 round trip it replaces, bit for bit (fp32 arithmetic on the widened values,
+    one rounding to nearest even), with no fp32 copy on either side; the row kernels' path stays fp32."""
+    from worker.fused import NativeOps
+    from worker.quantized import QuantWeight
+
+    if not native_bf16():
+        pytest.skip("no bf16 GEMM on this CPU: prompt chunks take the fp32 tiles")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(96, 64, generator=g) * 0.3).to(torch.bfloat16)
+    q = QuantWeight(w.view(torch.uint8), "BF16", 64)
+    lib = QuantizedMatmul(native)
+    lib.max_kernel_rows = 4
+    x = torch.randn(40, 64, generator=g) * 3
+    gate_up = lib(x, q, bf16_out=True)
+    assert gate_up.dtype == torch.bfloat16 and torch.equal(gate_up.float(), lib(x, q))
+    ops = NativeOps(native)
+    act = ops.silu_mul(gate_up)
+    assert act.dtype == torch.bfloat16 and torch.equal(act, ops.silu_mul(gate_up.float()).to(torch.bfloat16))
+    assert lib(x[:3], q, bf16_out=True).dtype == torch.float32  # a few rows: the row kernel, fp32
+    down = QuantWeight(w[:, :48].contiguous().view(torch.uint8), "BF16", 48)
+    assert torch.equal(lib(act, down), lib(act.float(), down))  # a bf16 input is multiplied as it is
+
+
 @pytest.mark.slow
 def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(server_factory, native, tmp_path_factory):
     """`--dtype bfloat16` on a CPU: the worker holds bf16 matrices and computes in fp32, so every greedy

@@ -74,7 +74,8 @@ class NativeOps(TorchOps):
         return residual, out
 
     def silu_mul(self, gate_up):
-        if not gate_up.is_contiguous():
+        if not gate_up.is_contiguous() or (gate_up.device.type == "cpu"
+                                           and gate_up.dtype not in (torch.float32, torch.bfloat16)):
             return super().silu_mul(gate_up)
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
         self.k.silu_mul(gate_up, out)

@@ -135,8 +135,11 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             out = self.comm.all_reduce(self.moe(h, ops))
         else:
-            gate_up = mm(h, w["gate_up"])
-            act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
+            if c.hidden_act == "silu":  # a bf16 GEMM's gate/up stays bf16 into the SiLU·mul and the down GEMM
+                act = ops.silu_mul(mm(h, w["gate_up"], bf16_out=True) if getattr(mm, "keeps_bf16", False)
+                                   else mm(h, w["gate_up"]))
+            else:
+                act = gelu_tanh_mul(mm(h, w["gate_up"]))
             out = self.comm.all_reduce(mm(act, w["down"]))
         if self.mlp_out_norm is not None:
             out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)

@@ -389,10 +389,19 @@ class QuantizedMatmul:
         self.kernels.quant_matmul(x, w.data, w.type_id, w.out_dim, y, int8)
         return y
 
-    def __call__(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # x may come in bf16 and, with bf16_out, a product through the bf16 GEMM goes out in bf16 (the MLP's
+    # gate/up for its SiLU·mul: the same values without a round trip through fp32 on either side)
+    keeps_bf16 = True
+
+    def __call__(self, x: torch.Tensor, w, bias: torch.Tensor | None = None,
+                 bf16_out: bool = False) -> torch.Tensor:
         if not isinstance(w, (QuantWeight, QuantStack, QuantLinear)):  # the dense library's own weight
-            return self.dense(x, w, bias)
+            return self.dense(x.float(), w, bias)
         q, dense = (w.q, w.dense) if isinstance(w, QuantLinear) else (w, None)
+        if x.shape[0] > self.max_kernel_rows and dense is None and bias is None and self._bf16_gemm_only(q):
+            xb = x if x.dtype == torch.bfloat16 else x.contiguous().to(torch.bfloat16)
+            y = F.linear(xb, q.data.view(torch.bfloat16))  # one segment: the weights as they are
+            return y if bf16_out else y.float()
         x = x if x.is_contiguous() and x.dtype == torch.float32 else x.float().contiguous()
         if x.shape[0] <= self.max_kernel_rows:
             y = self.kernel(x, q)
@@ -400,6 +409,9 @@ class QuantizedMatmul:
         if dense is not None:
             return self.dense(x, dense, bias)
         return self.tiled(x, q, bias)
+
+    def _bf16_gemm_only(self, w) -> bool:
+        return self.bf16_gemm and isinstance(w, QuantWeight) and w.qtype == "BF16"
 
     SCRATCH_VALUES = 4 << 20  # 16 MB of fp32: the most of a weight dequantized at once for prefill
 

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kv_rows.h"
 #include "rows.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -25,6 +26,25 @@ void pagedserve_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t
 #pragma omp parallel for schedule(static) if (rows * inter > 32768)
     for (int64_t r = 0; r < rows; r++)
         silu_mul_span(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, out + r * inter, 0, inter);
+}
+
+/* silu_mul on bf16 rows (a bf16 GEMM's gate/up): the same fp32 arithmetic on the widened values, the product
+   rounded to bf16 (nearest even, as torch rounds) for the next bf16 GEMM. */
+void pagedserve_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows * inter > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t* g = gate_up + r * 2 * inter;
+        const uint16_t* u = g + inter;
+        uint16_t* o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const uint32_t gb = (uint32_t)g[i] << 16, ub = (uint32_t)u[i] << 16;
+            float gf, uf;
+            memcpy(&gf, &gb, 4);
+            memcpy(&uf, &ub, 4);
+            o[i] = float_to_bf16(gf / (1.0f + vec_exp(-gf)) * uf);
+        }
+    }
 }
 
 void pagedserve_rope(float* x, int64_t rows, int64_t row_stride, int32_t heads, int32_t head_dim,
