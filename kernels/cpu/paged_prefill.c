@@ -90,6 +90,21 @@ static inline void transpose16(const float* const rows[KT], int col, float (*out
 }
 #endif
 
+/* An item's rows out: each (head g, position r) accumulator over its softmax sum, at token start + r. */
+static void write_rows(float* out, const float* acc, const float* l, int64_t start, int rows, int group, int kh,
+                       int n_heads, int head_dim) {
+    for (int g = 0; g < group; g++) {
+        const int h = kh * group + g;
+        for (int r = 0; r < rows; r++) {
+            const int row = g * rows + r;
+            const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+            float* dst = out + ((start + r) * n_heads + h) * (int64_t)head_dim;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) dst[d] = acc[row * head_dim + d] * inv;
+        }
+    }
+}
+
 /* One work item: query positions [p0, p1) of a sequence (positions within its q_len new tokens), one KV
  * head's group of query heads. */
 static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
@@ -252,16 +267,7 @@ static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cac
             }
         }
     }
-    for (int g = 0; g < group; g++) {
-        const int h = kh * group + g;
-        for (int r = 0; r < rows; r++) {
-            const int row = g * rows + r;
-            const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
-            float* dst = out + ((start + p0 + r) * n_heads + h) * (int64_t)head_dim;
-#pragma omp simd
-            for (int d = 0; d < head_dim; d++) dst[d] = acc[row * head_dim + d] * inv;
-        }
-    }
+    write_rows(out, acc, l, start + p0, rows, group, kh, n_heads, head_dim);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -394,15 +400,7 @@ static void prefill_item_bf16(const float* q, int64_t q_row_stride, const uint16
             }
         }
     }
-    for (int g = 0; g < group; g++) {
-        const int h = kh * group + g;
-        for (int r = 0; r < rows; r++) {
-            const int row = g * rows + r;
-            const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
-            float* dst = out + ((start + p0 + r) * n_heads + h) * (int64_t)head_dim;
-            for (int d = 0; d < head_dim; d++) dst[d] = acc[row * head_dim + d] * inv;
-        }
-    }
+    write_rows(out, acc, l, start + p0, rows, group, kh, n_heads, head_dim);
 }
 #endif
 
