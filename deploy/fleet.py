@@ -33,9 +33,10 @@ from deploy.launcher import passthrough, worker_units
 from deploy.prepare_model import model_folder
 from deploy.processes import read_port_file
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
-from protos import EXIT_CONFIG
+from protos import EXIT_CONFIG, ConfigError
+from protos.argtypes import Parser
 from protos.logs import configure_logging
-from scheduler_service.main import add_scheduler_args
+from scheduler_service.main import add_scheduler_args, check_model_folder
 from worker.main import add_worker_args
 
 log = structlog.get_logger("deploy")
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve deploy", description=__doc__,
+    p = Parser(prog="pagedserve deploy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_scheduler_args(p)
     add_worker_args(p)
@@ -299,7 +300,12 @@ def stop(args, fleet: Fleet) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, process="deploy", log_format=args.log_format)
-    args.model = model_folder(args.model)  # a .gguf file: its prepared folder (once), served on its blocks
+    try:
+        args.model = model_folder(args.model)  # a .gguf file: its prepared folder, served on its blocks
+        check_model_folder(args.model)
+    except ConfigError as e:
+        sys.stderr.write(f"pagedserve deploy: error: {e}\n")
+        return EXIT_CONFIG
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     pid_file = run_dir / "deploy.pid"

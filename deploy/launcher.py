@@ -21,6 +21,8 @@ import structlog
 
 from deploy.prepare_model import model_folder
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
+from protos import EXIT_CONFIG, ConfigError
+from protos.argtypes import Parser
 from protos.logs import configure_logging
 from scheduler_service.main import add_scheduler_args, serve
 from worker.main import add_worker_args
@@ -111,8 +113,8 @@ async def launch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="pagedserve serve", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_scheduler_args(p)
     add_worker_args(p)
     return p
@@ -121,8 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, process="scheduler", log_format=args.log_format)
-    args.model = model_folder(args.model)  # a .gguf file: its prepared folder (once), served on its blocks
-    return asyncio.run(launch(args))
+    try:
+        args.model = model_folder(args.model)  # a .gguf file: its prepared folder, served on its blocks
+        return asyncio.run(launch(args))
+    except ConfigError as e:
+        sys.stderr.write(f"pagedserve serve: error: {e}\n")
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

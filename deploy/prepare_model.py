@@ -12,12 +12,13 @@ it), also holds the weights dequantized into fp32 safetensors.
 
 from __future__ import annotations
 
-import argparse
 import json
+import struct
 import sys
 from pathlib import Path
 
-from protos import EXIT_CONFIG
+from protos import ConfigError
+from protos.argtypes import Parser
 from worker.gguf_weights import find_embedded_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -85,15 +86,26 @@ def model_folder(model: str) -> str:
     """The folder to serve for --model: the argument itself, or for a GGUF file the folder prepared from it
     (once, under $PAGEDSERVE_MODELS, default ~/.cache/pagedserve/models, keyed by the file's path, size and
     modification time), which names the file so the workers read its tensors from it and serve its
-    quantized blocks as they ship (an fp32 copy only for an architecture they do not read directly)."""
-    import hashlib
-    import os
-
+    quantized blocks as they ship (an fp32 copy only for an architecture they do not read directly).
+    ConfigError where there is no such file or it is not a readable GGUF."""
     path = Path(model)
     if path.suffix != ".gguf":
         return model
     if not path.is_file():
-        raise SystemExit(f"--model {model}: no such GGUF file")
+        raise ConfigError(f"no model at {model}: no such GGUF file")
+    try:
+        return _prepared_folder(path)
+    except ConfigError:
+        raise
+    except (ValueError, OSError, KeyError, IndexError, struct.error) as e:  # what gguf's reader raises
+        raise ConfigError(f"{model}: the GGUF file is truncated or corrupt ({type(e).__name__}: {e})") \
+            from None
+
+
+def _prepared_folder(path: Path) -> str:
+    import hashlib
+    import os
+
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     base = Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
@@ -103,8 +115,7 @@ def model_folder(model: str) -> str:
     if not is_prepared(out, dense):
         refusal = preparation_refusal(path, cache) if dense else None
         if refusal:
-            print(f"pagedserve: {refusal}", file=sys.stderr, flush=True)
-            raise SystemExit(EXIT_CONFIG)
+            raise ConfigError(refusal)
         what = "config, tokenizer and an fp32 copy of its weights" if dense else "config and tokenizer"
         print(f"preparing {path.name} once ({what}) into {out}", file=sys.stderr, flush=True)
         prepare(path.resolve(), out, path.stem.split(".")[0], dense=dense)
@@ -137,7 +148,7 @@ def preparation_refusal(path: Path, cache: Path, available: int | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(prog="pagedserve prepare-model", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the embedded model)")
     parser.add_argument("--name", default=DEFAULT_MODEL_NAME, help="model name reported by GetModelInfo")

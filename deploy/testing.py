@@ -34,6 +34,7 @@ class ServerProcess:
         self.port: int | None = None
         self.worker_endpoint: str | None = None  # the scheduler's ZeroMQ endpoint, as bound
         self.metrics_port: int | None = None  # where it serves Prometheus metrics, as bound
+        self.http_port: int | None = None  # where it serves the OpenAI API, as bound
         self.port_file = Path(log_path).with_suffix(".port")
         self.proc: subprocess.Popen | None = None
         self.channel: grpc.Channel | None = None
@@ -46,6 +47,7 @@ class ServerProcess:
         self.port_file.unlink(missing_ok=True)
         self.port = self.channel = None  # a restart binds a port of its own
         metrics = [] if "--metrics-port" in self.args else ["--metrics-port", "-1"]  # any free port, reported
+        metrics += [] if "--http-port" in self.args else ["--http-port", "-1"]
         cmd = [sys.executable, "-m", "deploy.launcher", "--model", str(self.model_dir), "--port", "0",
                "--port-file", str(self.port_file), *metrics, *self.args]
         self._log = open(self.log_path, "w")
@@ -59,6 +61,7 @@ class ServerProcess:
             if bound is not None:
                 self.port, self.worker_endpoint = bound["port"], bound["worker_endpoint"]
                 self.metrics_port = bound.get("metrics_port")
+                self.http_port = bound.get("http_port")
                 self.channel = grpc.insecure_channel(self.address)
                 health = health_pb2_grpc.HealthStub(self.channel)
             if self.channel is not None:
@@ -71,6 +74,11 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server not serving within {timeout}s:\n{self.log_tail()}")
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI API's base URL (…/v1)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     @property
     def stub(self) -> generation_pb2_grpc.GenerationStub:

@@ -13,3 +13,8 @@ WIRE_VERSION = 7
 EXIT_CONFIG = 2
 EXIT_FAILED = 3
 EXIT_RETRY = 75
+
+
+class ConfigError(Exception):
+    """A setting or input that cannot work (a model path with no model, a port in use): the command says it
+    in one line and exits with EXIT_CONFIG, never with a traceback."""

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from scheduler_service.pooling import PoolingConfigError, PoolingSpec, checkpoint_has_head
 
 TASKS = ("auto", "generate", "embed", "both")
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class ModelSpec:
     # each refuses the other's requests where the model does not serve them.
     pooling: PoolingSpec | None = None
     generates: bool = True
+    # generation_config.json's sampling values (temperature, top_p, top_k, min_p, repetition_penalty): what
+    # an OpenAI request that leaves them out gets, as from vLLM.
+    sampling_defaults: dict = field(default_factory=dict, hash=False)
 
     @property
     def task(self) -> str:
@@ -47,9 +51,9 @@ class ModelSpec:
         eos = config.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         gen_path = folder / "generation_config.json"
-        if gen_path.exists():
-            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-            eos_ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        generation = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        gen_eos = generation.get("eos_token_id")
+        eos_ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
         context = int(config.get("max_position_embeddings", 2048))
         if max_model_len is not None:
             context = min(context, max_model_len)
@@ -78,6 +82,8 @@ class ModelSpec:
             hidden_size=hidden,
             pooling=spec,
             generates=generates,
+            sampling_defaults={k: generation[k] for k in SAMPLING_DEFAULTS
+                               if isinstance(generation.get(k), (int, float))},
         )
 
 
@@ -115,6 +121,9 @@ class SchedulerConfig:
     # Where the model also generates: the most embedding tokens a step without decodes takes, so a generation
     # request that arrives meanwhile waits behind steps of at most this many (0: the whole budget).
     embed_step_tokens: int = 512
+    # max_tokens of a request that names none (capped by what its prompt leaves of the context); 0: the
+    # whole context, as vLLM.
+    default_max_tokens: int = 0
 
     @property
     def route_slack(self) -> int:

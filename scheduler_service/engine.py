@@ -105,7 +105,8 @@ class Engine:
                              GrammarEngine(self.tokenizer.to_json(), self.spec.vocab_size,
                                            self.spec.eos_token_ids),
                              kv_window=groups[0].handshake.kv_window,
-                             step_tokens=self.config.max_num_batched_tokens)
+                             step_tokens=self.config.max_num_batched_tokens,
+                             default_max_tokens=self.config.default_max_tokens)
         for replica in self.replicas:
             replica.attach(self.limits.max_context)
         self._was_serving = True

@@ -46,6 +46,7 @@ from scheduler_service.engine import Engine
 from scheduler_service.kv_events import SubscriberGone
 from scheduler_service.rpc import CLIENT_ERRORS, Malformed, prepare_request, reject, tolerant
 from scheduler_service.sequence import FinishReason
+from scheduler_service.structured import choice_regex
 from scheduler_service.validation import MAX_LOGPROBS, InvalidRequest
 
 log = structlog.get_logger("scheduler.engine_protocol")
@@ -57,15 +58,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "ge
 CHUNK_BYTES = 64 * 1024
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
            FinishReason.ERROR: "error"}
-_REGEX_META = set("\\.^$|?*+()[]{}-/#&~\"")
-
-
-def choice_regex(choices: list[str]) -> str:
-    """A regex matching exactly one of the choices (each escaped character by character)."""
-    escaped = ("".join("\\" + c if c in _REGEX_META else c for c in text) for text in choices)
-    return "(" + "|".join(escaped) + ")"
-
-
 def to_generation_request(msg: vllm_engine_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
     """The engine protocol's request as a pagedserve.v1 request, or InvalidRequest naming the field that
     cannot be served."""

@@ -22,7 +22,10 @@ from pathlib import Path
 
 import structlog
 
+from protos import EXIT_CONFIG, ConfigError
+from protos.argtypes import COUNT, PORT, PORT_OR_ANY, POSITIVE, SECONDS, Parser, float_range, int_range
 from protos.logs import LOG_FORMATS, configure_logging, human_bytes
+from scheduler_service.api.openai_server import HttpServer, OpenAIServer, bind
 from scheduler_service.config import TASKS, ModelSpec, SchedulerConfig
 from scheduler_service.engine import Engine
 from scheduler_service.metrics import DEFAULT_METRICS_PORT
@@ -33,6 +36,8 @@ from scheduler_service.worker_client import WorkerClient
 
 log = structlog.get_logger("scheduler.main")
 
+DEFAULT_HTTP_PORT = 8000
+
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model folder (config.json + tokenizer files)")
@@ -41,8 +46,20 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                         "where the folder has sentence-transformers' modules.json, else generate")
     p.add_argument("--pooling", choices=POOLINGS, default=None,
                    help="how an embedding model's hidden states pool (default: the folder's, else last)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free one; see --port-file)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) OpenAI requests give as `model` (default: the model folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address both ports listen on (0.0.0.0: every "
+                   "interface)")
+    p.add_argument("--port", type=PORT, default=50051, help="gRPC port (0: any free one; see --port-file)")
+    p.add_argument("--http-port", type=PORT_OR_ANY, default=DEFAULT_HTTP_PORT,
+                   help=f"OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}, left off with a warning "
+                        "where it is taken; 0: off; -1: any free port, written to --port-file)")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on the HTTP API's /v1/ routes (default: "
+                        "$PAGEDSERVE_API_KEY; unset: no key)")
+    p.add_argument("--max-tokens-default", type=COUNT, default=1024,
+                   help="max_tokens of a request that names none (within what its prompt leaves of the "
+                        "context; 0: up to the end of the context)")
     p.add_argument("--port-file", default=None,
                    help="once bound, write {\"port\": gRPC port, \"worker_endpoint\": ZeroMQ endpoint} as "
                         "JSON to this file (with --port 0 and a worker endpoint on port 0: how a script or "
@@ -56,69 +73,73 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--insecure-wire", action="store_true",
                    help="allow a non-loopback worker endpoint without CurveZMQ (anyone reaching it can act "
                         "as a worker)")
-    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size",
+    p.add_argument("--tensor-parallel-size", "--tp", type=POSITIVE, default=1, dest="tensor_parallel_size",
                    help="ranks of one model (heads, MLP and vocabulary split over them)")
-    p.add_argument("--data-parallel-size", "--dp", type=int, default=1, dest="data_parallel_size",
+    p.add_argument("--data-parallel-size", "--dp", type=POSITIVE, default=1, dest="data_parallel_size",
                    help="replicas of the model, each a tensor-parallel group with its own KV pool")
-    p.add_argument("--route-overload-slack", type=int, default=None,
+    p.add_argument("--route-overload-slack", type=COUNT, default=None,
                    help="data parallel: extra load (waiting x 4 + running) the replica holding a request's "
                         "cached prefix may carry over the least loaded one and still get it (default: "
                         "max-num-seqs / 4)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
+    p.add_argument("--block-size", type=POSITIVE, default=16, help="tokens per KV block (a power of two)")
+    p.add_argument("--max-num-seqs", type=POSITIVE, default=None,
                    help="most sequences in a step (default: what the workers propose: 64 on a CPU, from the "
                         "KV pool's capacity on a GPU)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    p.add_argument("--max-num-batched-tokens", type=POSITIVE, default=2048,
                    help="per-step token budget: decodes first, then prompt chunks")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill whole prompts in one step (needs --max-num-batched-tokens >= the context)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="never reuse computed blocks across requests")
-    p.add_argument("--max-model-len", type=int, default=None, help="cap the model's context")
+    p.add_argument("--max-model-len", type=int_range(2), default=None, help="cap the model's context")
     p.add_argument("--no-overlap", action="store_true",
                    help="plan each step only after the previous one's result (default: plan the next step "
                         "while the workers run this one)")
-    p.add_argument("--max-queue-len", type=int, default=1024)
+    p.add_argument("--max-queue-len", type=POSITIVE, default=1024,
+                   help="requests that may wait; more are refused (RESOURCE_EXHAUSTED, HTTP 429)")
     p.add_argument("--speculative", choices=("auto", "ngram", "off"), default="auto",
                    help="speculative decoding: draft tokens from each sequence's own n-grams (and earlier "
                         "requests') and verify them in one step, the same answers in fewer steps. auto: "
                         "only in steps of at most --speculative-max-rows decodes; ngram: in every step; off")
-    p.add_argument("--num-speculative-tokens", type=int, default=10,
+    p.add_argument("--num-speculative-tokens", type=POSITIVE, default=10,
                    help="the longest draft (made after a suffix match of 6 tokens or more)")
-    p.add_argument("--speculative-max-rows", type=int, default=4,
+    p.add_argument("--speculative-max-rows", type=COUNT, default=4,
                    help="with --speculative auto: steps of more decodes than this draft nothing")
-    p.add_argument("--embed-slowdown", type=float, default=0.2,
+    p.add_argument("--embed-slowdown", type=float_range(0.0, 1.0, low_open=True), default=0.2,
                    help="embeddings beside generation: the share of their speed decoding streams may lose to "
                         "embedding chunks in their steps (1: embeddings are not held back)")
-    p.add_argument("--embed-step-tokens", type=int, default=512,
+    p.add_argument("--embed-step-tokens", type=COUNT, default=512,
                    help="with --task both: the most embedding tokens a step without decodes takes (bounds "
                         "how long a new generation request waits behind embeddings; 0: the whole budget)")
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")
-    p.add_argument("--step-profile-interval", type=float, default=5.0,
+    p.add_argument("--step-profile-interval", type=SECONDS, default=5.0,
                    help="seconds between step_profile log lines (where a busy replica's step time went)")
-    p.add_argument("--worker-timeout", type=float, default=300.0, help="seconds to wait for workers at start")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
+    p.add_argument("--worker-timeout", type=SECONDS, default=300.0,
+                   help="seconds to wait for workers at start")
+    p.add_argument("--heartbeat-timeout", type=SECONDS, default=10.0,
                    help="seconds of silence after which a worker counts as lost (stopped, hung or "
                         "unreachable)")
-    p.add_argument("--step-timeout", type=float, default=60.0,
+    p.add_argument("--step-timeout", type=SECONDS, default=60.0,
                    help="step watchdog: a step of T tokens that takes longer than this + T x "
                         "--step-timeout-per-token seconds declares its workers lost (they are fenced and "
                         "replaced)")
-    p.add_argument("--step-timeout-per-token", type=float, default=0.05)
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--step-timeout-per-token", type=float_range(0.0), default=0.05,
+                   help="seconds the step watchdog allows per token of a step, beyond --step-timeout")
+    p.add_argument("--drain-timeout", type=float_range(0.0), default=30.0,
                    help="on SIGTERM/SIGINT: seconds running requests get to finish before they end with "
                         "UNAVAILABLE")
-    p.add_argument("--worker-restart-timeout", type=float, default=120.0,
+    p.add_argument("--worker-restart-timeout", type=SECONDS, default=120.0,
                    help="seconds a lost replica's requests wait for a worker group to (re)join before they "
                         "end with UNAVAILABLE (with data parallelism they move to another replica at once)")
     p.add_argument("--tls-cert", default=None, help="serve gRPC over TLS with this certificate chain (PEM)")
     p.add_argument("--tls-key", default=None, help="the private key (PEM) of --tls-cert")
     p.add_argument("--expose-request-ids", action="store_true",
                    help="show request ids in GetCacheStats (anyone who sees an id can abort its request)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=PORT_OR_ANY, default=None,
                    help="serve Prometheus metrics on this port (default 9090, left off with a warning where "
                         "it is taken; 0: off; -1: any free port, written to --port-file)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="the least severe log events written")
     p.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
                    help="console: readable lines; json: one JSON object a line; auto: console on a terminal")
 
@@ -141,6 +162,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         speculative_max_rows=args.speculative_max_rows,
         embed_slowdown=args.embed_slowdown,
         embed_step_tokens=args.embed_step_tokens,
+        default_max_tokens=args.max_tokens_default,
     )
 
 
@@ -163,7 +185,8 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     client, endpoint = bind_workers(args, config)
     engine = Engine(config, spec, tokenizer, client, worker_restart_timeout=args.worker_restart_timeout)
     metrics_port = start_metrics(engine, args)
-    server, health, port = await start_grpc(args, engine, endpoint, metrics_port)
+    http = await start_http(engine, spec, args)
+    server, health, port = await start_grpc(args, engine, endpoint, metrics_port, http)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -177,6 +200,8 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     if error is not None:
         log.error("workers_failed", error=error)
         await server.stop(0)
+        if http is not None:
+            await http.stop()
         await client.close()
         return 1
     await health.set(True)
@@ -185,7 +210,7 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
              num_blocks=[g.num_blocks for g in client.groups], block_size=config.block_size,
              max_context=engine.limits.max_context, tensor_parallel_size=args.tensor_parallel_size,
              data_parallel_size=args.data_parallel_size)
-    sys.stdout.write(ready_line(engine, args.host, port) + "\n")  # one write: the log file is shared
+    sys.stdout.write(ready_line(engine, args.host, port, http) + "\n")  # one write: the log file is shared
     sys.stdout.flush()
     watcher = loop.create_task(_watch_health(engine, health, stop))  # engine.start reported SERVING
     await stop.wait()
@@ -197,6 +222,8 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     finished = await engine.drain(args.drain_timeout)
     log.info("stopping", drained=finished)
     await server.stop(grace=2.0)
+    if http is not None:
+        await http.stop()
     await engine.stop()
     return 0
 
@@ -204,26 +231,33 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
 def prepare(args: argparse.Namespace) -> tuple[SchedulerConfig, ModelSpec, Tokenizer]:
     """The flags checked together, the model's spec and tokenizer read (the tokenizer warms in a thread)."""
     if args.num_speculative_tokens < 1 or args.speculative_max_rows < 0:
-        raise SystemExit("--num-speculative-tokens must be at least 1 and --speculative-max-rows at least 0")
+        raise ConfigError("--num-speculative-tokens must be at least 1 and --speculative-max-rows at least 0")
     if not 0.0 < args.embed_slowdown <= 1.0:
-        raise SystemExit(f"--embed-slowdown must lie in (0, 1], got {args.embed_slowdown}")
+        raise ConfigError(f"--embed-slowdown must lie in (0, 1], got {args.embed_slowdown}")
     config = scheduler_config(args)
+    check_model_folder(args.model)
     try:
         spec = ModelSpec.from_folder(args.model, args.max_model_len, args.task, args.pooling)
     except PoolingConfigError as e:
-        raise SystemExit(str(e)) from None
+        raise ConfigError(str(e)) from None
+    except (ValueError, KeyError, TypeError) as e:  # a config.json that is not JSON, or not a model's
+        raise ConfigError(f"{args.model}/config.json cannot be read as a model's configuration: {e}") \
+            from None
     if args.embed_step_tokens < 0:
-        raise SystemExit("--embed-step-tokens must be 0 or positive")
+        raise ConfigError("--embed-step-tokens must be 0 or positive")
     if not spec.generates:  # nothing to wait behind embeddings: they take the whole budget
         config = replace(config, embed_step_tokens=0)
     if not config.enable_chunked_prefill and config.max_num_batched_tokens < spec.max_context:
-        raise SystemExit("without chunked prefill --max-num-batched-tokens must be at least the context "
+        raise ConfigError("without chunked prefill --max-num-batched-tokens must be at least the context "
                          "length")
     if args.tensor_parallel_size < 1 or args.data_parallel_size < 1:
-        raise SystemExit("--tensor-parallel-size and --data-parallel-size must be at least 1")
+        raise ConfigError("--tensor-parallel-size and --data-parallel-size must be at least 1")
     if bool(args.tls_cert) != bool(args.tls_key):
-        raise SystemExit("--tls-cert and --tls-key go together")
-    tokenizer = Tokenizer(args.model)
+        raise ConfigError("--tls-cert and --tls-key go together")
+    try:
+        tokenizer = Tokenizer(args.model)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own kinds
+        raise ConfigError(f"{args.model}: the tokenizer cannot be read: {e}") from None
     threading.Thread(target=tokenizer.warm, name="tokenizer-warm", daemon=True).start()
     return config, spec, tokenizer
 
@@ -239,20 +273,64 @@ def bind_workers(args: argparse.Namespace, config: SchedulerConfig) -> tuple[Wor
     try:
         endpoint = client.bind()
     except ValueError as e:
-        raise SystemExit(f"pagedserve-scheduler: {e}") from e
+        raise ConfigError(str(e)) from None
     log.info("worker_socket_bound", endpoint=endpoint)
     return client, endpoint
 
 
-async def start_grpc(args: argparse.Namespace, engine: Engine, endpoint: str, metrics_port: int | None):
+def check_model_folder(path: str) -> None:
+    """ConfigError saying what is wrong where --model names no model folder."""
+    folder = Path(path)
+    expected = "expected a model folder (config.json, tokenizer.json, weights) or a .gguf file"
+    if not folder.exists():
+        raise ConfigError(f"no model at {path}: {expected}")
+    if not folder.is_dir():
+        raise ConfigError(f"{path} is a file but not a .gguf one: {expected}")
+    for name in ("config.json", "tokenizer.json"):
+        if not (folder / name).is_file():
+            raise ConfigError(f"{path} has no {name}: {expected}")
+
+
+async def start_http(engine: Engine, spec: ModelSpec, args: argparse.Namespace) -> HttpServer | None:
+    """The OpenAI-compatible HTTP server, listening (it answers 503 until the workers join). Where the
+    default port is taken the service goes on without it, saying so; a port asked for that is taken is a
+    ConfigError."""
+    if args.http_port == 0:
+        return None
+    names = args.served_model_name or [Path(spec.path or args.model).name]
+    try:
+        sock = bind(args.host, max(args.http_port, 0))
+    except OSError as e:
+        if args.http_port != DEFAULT_HTTP_PORT:
+            raise ConfigError(f"cannot serve HTTP on {args.host}:{args.http_port}: {e.strerror or e} "
+                              "(another process holds it? --http-port N, or 0 for no HTTP)") from None
+        log.warning("http_off", port=args.http_port, error=str(e),
+                    fix="--http-port N (or -1 for any free port)")
+        return None
+    tls = (args.tls_key, args.tls_cert) if args.tls_cert else None
+    http = HttpServer(OpenAIServer(engine, names, args.api_key or None), sock, tls)
+    await http.start()
+    log.info("http_serving", port=http.port, models=names, api_key=bool(args.api_key), tls=bool(tls))
+    return http
+
+
+async def start_grpc(args: argparse.Namespace, engine: Engine, endpoint: str, metrics_port: int | None,
+                     http: HttpServer | None = None):
     """The gRPC server started, NOT_SERVING until the workers join; the port file written. -> (server,
     health, port)."""
-    tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
-    server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls,
-                                        model_dir=args.model)
+    try:
+        tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
+    except OSError as e:
+        raise ConfigError(f"cannot read the TLS key or certificate: {e}") from None
+    try:
+        server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls,
+                                            model_dir=args.model)
+    except RuntimeError as e:
+        raise ConfigError(f"{e} (is another server on port {args.port}? --port N, or 0 for any free port)") \
+            from None
     await server.start()
     if args.port_file:
-        write_port_file(Path(args.port_file), port, endpoint, metrics_port)
+        write_port_file(Path(args.port_file), port, endpoint, metrics_port, http.port if http else None)
     await health.set(False)
     return server, health, port
 
@@ -282,23 +360,24 @@ def start_metrics(engine: Engine, args: argparse.Namespace) -> int | None:
         bound = engine.metrics.serve(max(port, 0), args.host)
     except OSError as e:
         if args.metrics_port is not None:
-            raise SystemExit(f"pagedserve-scheduler: cannot serve metrics on port {port}: {e}") from e
+            raise ConfigError(f"pagedserve-scheduler: cannot serve metrics on port {port}: {e}") from e
         log.warning("metrics_off", port=port, error=str(e), fix="--metrics-port N (or -1 for any free port)")
         return None
     log.info("metrics_serving", port=bound)
     return bound
 
 
-def write_port_file(path: Path, port: int, worker_endpoint: str, metrics_port: int | None = None) -> None:
+def write_port_file(path: Path, port: int, worker_endpoint: str, metrics_port: int | None = None,
+                    http_port: int | None = None) -> None:
     """What this server bound, written whole or not at all (a reader never sees half a file)."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"port": port, "worker_endpoint": worker_endpoint,
-                               "metrics_port": metrics_port}) + "\n")
+                               "metrics_port": metrics_port, "http_port": http_port}) + "\n")
     os.replace(tmp, path)
 
 
-def ready_line(engine: Engine, host: str, port: int) -> str:
-    """The one human line that ends start-up (stdout; the logs go to stderr)."""
+def ready_line(engine: Engine, host: str, port: int, http: HttpServer | None = None) -> str:
+    """The lines that end start-up (stdout; the logs go to stderr): where it serves, how to try it."""
     info = engine.model_info()
     pool_bytes = sum(g.num_blocks * g.bytes_per_block for g in engine.client.groups if g.is_ready)
     where = f"{host}:{port}"
@@ -307,10 +386,20 @@ def ready_line(engine: Engine, host: str, port: int) -> str:
     if info["tensor_parallel_size"] > 1 or info["data_parallel_size"] > 1:
         layout = f", {info['data_parallel_size']} replica(s) x {info['tensor_parallel_size']} rank(s)"
     command = cli_command()
-    return (f"pagedserve is serving {info['model_name']} on {where} ({info['dtype']}, context "
-            f"{info['max_context']:,} tokens{layout}); KV pool {info['num_blocks']:,} blocks x "
-            f"{info['block_size']} tokens = {human_bytes(pool_bytes)}. Try: {command} generate{server} "
-            f"\"Write a haiku about the sea\"   (watch: {command} top{server})")
+    cap = engine.config.default_max_tokens
+    lines = [f"pagedserve is serving {info['model_name']} ({info['dtype']}, context {info['max_context']:,} "
+             f"tokens{layout}; KV pool {info['num_blocks']:,} blocks x {info['block_size']} tokens = "
+             f"{human_bytes(pool_bytes)}; requests without max_tokens stop at "
+             f"{f'{cap:,} tokens' if cap else 'the end of the context'})",
+             f"  gRPC     {where}    try: {command} generate{server} \"Write a haiku about the sea\"   "
+             f"(watch: {command} top{server})"]
+    if http is not None:
+        scheme = "https" if http.tls else "http"
+        base = f"{scheme}://{host}:{http.port}/v1"
+        lines.append(f"  OpenAI   {base}    try: curl {base}/chat/completions -H 'Content-Type: "
+                     "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
+                     "\"max_tokens\": 50}'")
+    return "\n".join(lines)
 
 
 def cli_command() -> str:
@@ -337,7 +426,7 @@ async def _watch_health(engine: Engine, health, stop: asyncio.Event) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve-scheduler", description=__doc__)
+    p = Parser(prog="pagedserve-scheduler", description=__doc__)
     add_scheduler_args(p)
     return p
 
@@ -345,7 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, process="scheduler", log_format=args.log_format)
-    return asyncio.run(serve(args))
+    try:
+        return asyncio.run(serve(args))
+    except ConfigError as e:
+        sys.stderr.write(f"pagedserve-scheduler: error: {e}\n")
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

@@ -61,7 +61,10 @@ class GrammarEngine:
             if not isinstance(schema, dict | bool):
                 raise GrammarError("json_schema must be a JSON object (or true/false)")
             try:
-                compiled = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+                # JSON as json.dumps writes it (", " and ": ", no other whitespace) unless the schema's own
+                # x-guidance says otherwise: free whitespace lets a model spend its tokens on blank space
+                compiled = llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(schema), defaults={"whitespace_flexible": False})
             except ValueError as e:
                 raise GrammarError(f"json_schema: {e}") from e
             what = "json_schema"
@@ -113,3 +116,12 @@ class Constraint:
 
     def new_matcher(self) -> llguidance.LLMatcher:
         return self.engine.matcher(self.compiled)
+
+
+REGEX_META = set("\\.^$|?*+()[]{}-/#&~\"")
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of the choices (each escaped character by character)."""
+    escaped = ("".join("\\" + c if c in REGEX_META else c for c in text) for text in choices)
+    return "(" + "|".join(escaped) + ")"

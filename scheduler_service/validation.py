@@ -38,11 +38,13 @@ class Limits:
 
     def __init__(self, vocab_size: int, max_context: int, num_blocks: int, block_size: int,
                  max_token_bytes: int | None = None, eos_token_ids: tuple[int, ...] = (),
-                 grammars: GrammarEngine | None = None, kv_window: int = 0, step_tokens: int = 0) -> None:
+                 grammars: GrammarEngine | None = None, kv_window: int = 0, step_tokens: int = 0,
+                 default_max_tokens: int = 0) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammars = grammars  # None: structured output is refused
         self.max_context = max_context
+        self.default_max_tokens = default_max_tokens  # for a request that names no max_tokens; 0: to the end
         self.num_blocks = num_blocks
         self.block_size = block_size
         # every layer slides over kv_window keys: a sequence holds at most its window and a step's tokens
@@ -229,7 +231,7 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
             )
         max_tokens = p.max_tokens
     else:
-        max_tokens = room
+        max_tokens = min(room, limits.default_max_tokens) if limits.default_max_tokens else room
     if not math.isfinite(p.temperature) or p.temperature < 0:
         raise InvalidRequest(f"sampling.temperature must be >= 0 (0 is greedy), got {p.temperature}")
     top_p = 1.0

@@ -8,8 +8,9 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from scheduler_service.block_allocator import BlockAllocator, block_hash
-from scheduler_service.engine_protocol import choice_regex, to_generation_request
+from scheduler_service.engine_protocol import to_generation_request
 from scheduler_service.kv_events import KvEventPublisher, SubscriberGone, event_hash
+from scheduler_service.structured import choice_regex
 from scheduler_service.validation import InvalidRequest
 
 

@@ -14,6 +14,7 @@ import sys
 import structlog
 
 from protos import EXIT_CONFIG
+from protos.argtypes import Parser
 from protos.logs import LOG_FORMATS, configure_logging
 from worker.startup import (
     DTYPES,
@@ -125,7 +126,7 @@ def add_group_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve-worker", description=__doc__,
+    p = Parser(prog="pagedserve-worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face folder or .gguf file")
     p.add_argument("--scheduler", required=True,

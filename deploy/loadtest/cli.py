@@ -41,10 +41,11 @@ from deploy.loadtest.report import compare, parse_slo, plot, summarize, table
 from deploy.loadtest.run import Run, Settings
 from deploy.loadtest.targets import GrpcTarget, OpenAITarget
 from deploy.loadtest.workload import Item, load_dataset, synthetic
+from protos.argtypes import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve-loadtest", description=__doc__,
+    p = Parser(prog="pagedserve-loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None,
                    help="HOST:PORT of a pagedserve, or http(s)://HOST:PORT of any OpenAI-compatible server "

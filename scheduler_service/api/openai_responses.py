@@ -1,0 +1,264 @@
+"""The engine's deltas as OpenAI response bodies: chat and text completions (whole and streamed), logprobs in
+both of OpenAI's shapes, usage, and the error body every failure is answered with."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from scheduler_service.api import tool_calls
+from scheduler_service.api.openai_requests import ToolMode
+from scheduler_service.output import Delta, TokenLogprob
+from scheduler_service.sequence import FinishReason
+
+FINISH = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "abort",
+    None: None,
+}
+
+
+def dumps(body: dict) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class TokenText:
+    """A token's text and UTF-8 bytes as logprobs show them (a token that is part of a character shows the
+    replacement character; its bytes say which part)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.table = tokenizer.token_bytes_with_special
+
+    def bytes(self, token: int) -> bytes:
+        if self.table is not None and token < len(self.table):
+            return self.table[token]
+        return self.tokenizer.decode([token], skip_special_tokens=False).encode()
+
+    def text(self, token: int) -> str:
+        return self.bytes(token).decode("utf-8", errors="replace")
+
+    def chat_entry(self, token: int, logprob: float) -> dict:
+        raw = self.bytes(token)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def chat_logprobs(self, items: list[TokenLogprob]) -> dict:
+        return {
+            "content": [
+                {
+                    **self.chat_entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [self.chat_entry(t, v) for t, v in lp.top],
+                }
+                for lp in items
+            ]
+        }
+
+    def completion_logprobs(self, items: list[TokenLogprob], offset: int = 0) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in items:
+            text = self.text(lp.token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append({self.text(t): v for t, v in lp.top})
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+
+def usage_body(prompt: int, completion: int, cached: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class Sample:
+    """One choice, gathered from its deltas."""
+
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason")
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: FinishReason | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs:
+            self.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+
+def chat_message(sample: Sample, mode: ToolMode) -> tuple[dict, str | None]:
+    """The assistant's message and the finish reason, with tool calls parsed out as the request's tool mode
+    says."""
+    finish = FINISH[sample.finish_reason]
+    text = sample.text
+    calls = None
+    if mode.kind == "required":
+        calls = tool_calls.parse_required(text)
+        finish = "tool_calls" if calls else finish
+    elif mode.kind == "named":
+        calls = tool_calls.parse_named(mode.name, text)
+    elif mode.parse_auto:
+        parsed = tool_calls.parse_auto(text)
+        if parsed.calls:
+            text, calls, finish = parsed.content, parsed.calls, "tool_calls"
+    if calls:
+        return {
+            "role": "assistant",
+            "content": text if mode.kind == "auto" else None,
+            "tool_calls": calls,
+        }, finish
+    return {"role": "assistant", "content": text}, finish
+
+
+def chat_completion(
+    request_id: str,
+    model: str,
+    samples: dict[int, Sample],
+    mode: ToolMode,
+    usage: dict,
+    token_text: TokenText | None,
+) -> dict:
+    choices = []
+    for index in sorted(samples):
+        s = samples[index]
+        message, finish = chat_message(s, mode)
+        logprobs = token_text.chat_logprobs(s.logprobs) if token_text is not None else None
+        choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+class ChatStream:
+    """Chunks of a streamed chat completion. Content streams as it comes; where the answer's text is a tool
+    call (required, named) it is held until the sample ends and sent as one tool_calls delta; in auto mode
+    the content streams up to a <tool_call> opening and the calls follow at the end."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        mode: ToolMode,
+        token_text: TokenText | None,
+        usage_each_chunk: bool,
+    ) -> None:
+        self.head = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self.mode = mode
+        self.token_text = token_text
+        self.usage_each_chunk = usage_each_chunk
+        self.samples: dict[int, Sample] = {}
+        self.sent: dict[int, int] = {}  # characters of each sample's text already sent as content
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        body = {**self.head, "choices": choices}
+        if usage is not None or self.usage_each_chunk:
+            body["usage"] = usage
+        return b"data: " + dumps(body) + b"\n\n"
+
+    def opening(self, n: int) -> bytes:
+        return b"".join(
+            self.chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for i in range(n)
+        )
+
+    def delta(self, d: Delta, usage: dict | None) -> bytes | None:
+        s = self.samples.setdefault(d.index, Sample())
+        s.add(d)
+        logprobs = self.token_text.chat_logprobs(d.logprobs) if self.token_text and d.logprobs else None
+        if d.finish_reason is not None:
+            return self._last(d.index, s, logprobs, usage)
+        content = self._streamable(d.index, s)
+        if not content and logprobs is None:
+            return None
+        return self.chunk(
+            [{"index": d.index, "delta": {"content": content}, "logprobs": logprobs, "finish_reason": None}],
+            usage,
+        )
+
+    def _streamable(self, index: int, s: Sample) -> str:
+        """New content that can go out now."""
+        if self.mode.kind in ("required", "named"):
+            return ""
+        sent = self.sent.get(index, 0)
+        end = len(s.text)
+        if self.mode.parse_auto:
+            opened = s.text.find(tool_calls.TOOL_CALL_OPEN)
+            end = opened if opened >= 0 else end - tool_calls.held_back(s.text)
+        self.sent[index] = max(sent, end)
+        return s.text[sent:end]
+
+    def _last(self, index: int, s: Sample, logprobs: dict | None, usage: dict | None) -> bytes:
+        message, finish = chat_message(s, self.mode)
+        delta: dict = {}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+            rest = message["content"] or ""
+            sent = self.sent.get(index, 0)
+            if self.mode.parse_auto and len(rest) > sent:
+                delta["content"] = rest[sent:]
+        else:
+            delta["content"] = s.text[self.sent.get(index, 0) :]
+        return self.chunk(
+            [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], usage
+        )
+
+    def closing(self, usage: dict | None) -> bytes:
+        """The usage chunk (include_usage), then [DONE]."""
+        tail = b"data: " + dumps({**self.head, "choices": [], "usage": usage}) + b"\n\n" if usage else b""
+        return tail + b"data: [DONE]\n\n"
+
+
+def completion(request_id: str, model: str, choices: list[dict], usage: dict) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def completion_choice(index: int, sample: Sample, token_text: TokenText | None, echo: str | None) -> dict:
+    prefix = echo or ""
+    logprobs = token_text.completion_logprobs(sample.logprobs, len(prefix)) if token_text else None
+    return {
+        "index": index,
+        "text": prefix + sample.text,
+        "logprobs": logprobs,
+        "finish_reason": FINISH[sample.finish_reason],
+    }

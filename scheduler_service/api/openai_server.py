@@ -1,0 +1,521 @@
+"""The OpenAI-compatible HTTP server, served by the scheduler process beside gRPC (--http-port): Starlette
+routes on uvicorn in the scheduler's own event loop, so a request goes straight to the engine with no hop.
+
+/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /health, /metrics. Bodies are parsed by
+pydantic models (openai_schema.py), put in the shape of a pagedserve.v1 request (openai_requests.py) and
+validated by the same code as gRPC requests; every failure is a 4xx/5xx in OpenAI's error shape. A client
+that disconnects aborts its request (its blocks return at once). --api-key guards /v1/ with bearer tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pydantic
+import structlog
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from scheduler_service.api import openai_requests as to_engine
+from scheduler_service.api import openai_responses as out
+from scheduler_service.api.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from scheduler_service.api.tool_calls import template_writes_tool_calls
+from scheduler_service.embedding import prepare_embeddings, run_embeddings
+from scheduler_service.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
+from scheduler_service.rpc import prepare_request
+from scheduler_service.scheduler import DuplicateRequestId
+from scheduler_service.validation import InvalidRequest
+
+log = structlog.get_logger("scheduler.http")
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
+
+
+def _api_error(error: Exception) -> ApiError:
+    """An engine or validation error as the HTTP status and OpenAI error type it is answered with."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, (InvalidRequest, DuplicateRequestId)):
+        return ApiError(400, str(error).replace("sampling.", ""))
+    if isinstance(error, QueueFull):
+        return ApiError(429, str(error), "rate_limit_error")
+    if isinstance(error, Unschedulable):
+        return ApiError(400, str(error))
+    if isinstance(error, EngineUnavailable):
+        return ApiError(503, str(error), "service_unavailable")
+    return ApiError(500, str(error), "server_error")
+
+
+def _error_response(error: ApiError, request_id: str = "") -> Response:
+    log.info("request_rejected", request_id=request_id, status=error.status, error=str(error))
+    return Response(
+        out.dumps(out.error_body(str(error), error.kind, error.code)),
+        error.status,
+        media_type="application/json",
+    )
+
+
+def _validation_message(e: pydantic.ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:4]:
+        where = ".".join(
+            str(x)
+            for x in err["loc"]
+            if not str(x).startswith(("function-", "list[", "str", "literal[", "int"))
+        )
+        what = "is not a field of this request" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{where}: {what}" if where else what)
+    more = f" (and {len(e.errors()) - 4} more)" if len(e.errors()) > 4 else ""
+    return "; ".join(dict.fromkeys(parts)) + more
+
+
+async def _body(request: Request, model: type[pydantic.BaseModel]):
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise ApiError(400, _validation_message(e)) from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body already read, the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work):
+    """Run work (a coroutine) to its end, or cancel it when the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise ApiError(499, "the client disconnected")
+    return task.result()
+
+
+async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(which, item) from several async iterators as they come; one that fails ends them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            await queue.put((i, e))
+            return
+        await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    left = len(tasks)
+    try:
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIServer:
+    """The routes, over one engine."""
+
+    def __init__(self, engine: Engine, served_model_names: list[str], api_key: str | None = None) -> None:
+        self.engine = engine
+        self.names = served_model_names
+        self.api_key = api_key
+        self.defaults = engine.spec.sampling_defaults
+        self.parse_auto_tools = template_writes_tool_calls(engine.tokenizer.chat_template)
+        self.token_text = out.TokenText(engine.tokenizer)
+        routes = [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+
+    # --- plumbing ------------------------------------------------------------------------------------
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        message = {
+            404: f"no route {request.url.path}: this server serves /v1/chat/completions, "
+            "/v1/completions, /v1/embeddings, /v1/models, /health and /metrics",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
+        return _error_response(ApiError(exc.status_code, message))
+
+    def _check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            raise ApiError(
+                401,
+                "invalid or missing API key: send the header Authorization: Bearer <key>",
+                "authentication_error",
+                "invalid_api_key",
+            )
+
+    def _model(self, name: str | None) -> str:
+        if name is None or name in self.names:
+            return name or self.names[0]
+        raise ApiError(
+            404,
+            f"the model {name!r} does not exist: this server serves {', '.join(repr(n) for n in self.names)}",
+            code="model_not_found",
+        )
+
+    @staticmethod
+    def _request_id(request: Request, prefix: str) -> str:
+        return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+
+    async def _guarded(self, request: Request, handler) -> Response:
+        rid = request.headers.get("x-request-id", "")
+        try:
+            self._check_key(request)
+            return await handler()
+        except Exception as e:  # noqa: BLE001 - every failure is answered in OpenAI's shape
+            error = _api_error(e)
+            if error.status >= 500 and not isinstance(e, (EngineUnavailable, StepFailed)):
+                log.exception("http_handler_failed", request_id=rid)
+            return _error_response(error, rid)
+
+    def _usage(self, prompt: int, completion: int, cached: int) -> dict:
+        return out.usage_body(prompt, completion, cached)
+
+    # --- routes ----------------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        e = self.engine
+        if e.limits is not None and e.is_serving and not e.is_draining:
+            return Response(b"{}", 200, media_type="application/json")
+        reason = "draining" if e.is_draining else (e.unavailable_reason or "not ready")
+        return _error_response(ApiError(503, reason, "service_unavailable"))
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def _model_card(self, name: str) -> dict:
+        limits = self.engine.limits
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(self.engine.started_at),
+            "owned_by": "pagedserve",
+            "root": self.engine.spec.path,
+            "parent": None,
+            "max_model_len": limits.max_context if limits else self.engine.spec.max_context,
+        }
+
+    async def models(self, request: Request) -> Response:
+        async def handler():
+            body = {"object": "list", "data": [self._model_card(n) for n in self.names]}
+            return Response(out.dumps(body), media_type="application/json")
+
+        return await self._guarded(request, handler)
+
+    async def model(self, request: Request) -> Response:
+        async def handler():
+            return Response(
+                out.dumps(self._model_card(self._model(request.path_params["model"]))),
+                media_type="application/json",
+            )
+
+        return await self._guarded(request, handler)
+
+    async def chat(self, request: Request) -> Response:
+        async def handler():
+            body = await _body(request, ChatCompletionRequest)
+            model = self._model(body.model)
+            msg, mode = to_engine.chat_request(body, self.defaults, self.parse_auto_tools)
+            msg.request_id = self._request_id(request, "chatcmpl")
+            prepared = await prepare_request(self.engine, msg)
+            token_text = self.token_text if body.logprobs else None
+            if body.stream:
+                return self._chat_stream(body, model, prepared, mode, token_text)
+            samples, usage = await _unless_disconnected(request, self._collect([prepared]))
+            return Response(
+                out.dumps(out.chat_completion(prepared.request_id, model, samples, mode, usage, token_text)),
+                media_type="application/json",
+            )
+
+        return await self._guarded(request, handler)
+
+    async def _collect(self, requests: list) -> tuple[dict[int, out.Sample], dict]:
+        """Every request's samples (numbered request i * n + sample) and the summed usage."""
+        samples: dict[int, out.Sample] = {}
+        prompt = completion = cached = 0
+        streams = [self.engine.generate(r) for r in requests]
+        async for i, delta in _merged(streams):
+            n = requests[i].sampling.n
+            samples.setdefault(i * n + delta.index, out.Sample()).add(delta)
+            if delta.usage is not None:
+                u = delta.usage
+                prompt += u.prompt_tokens
+                completion += u.completion_tokens
+                cached += u.cached_prompt_tokens
+        return samples, self._usage(prompt, completion, cached)
+
+    def _chat_stream(self, body: ChatCompletionRequest, model: str, prepared, mode, token_text) -> Response:
+        options = body.stream_options
+        include_usage = bool(options and (options.include_usage or options.continuous_usage_stats))
+        continuous = bool(options and options.continuous_usage_stats)
+        stream = out.ChatStream(prepared.request_id, model, mode, token_text, include_usage)
+        prompt_len = prepared.prompt_len
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield stream.opening(prepared.sampling.n)
+            generated = 0
+            usage = None
+            try:
+                async for delta in self.engine.generate(prepared):
+                    generated += len(delta.token_ids)
+                    now = self._usage(prompt_len, generated, 0) if continuous else None
+                    if delta.usage is not None:
+                        u = delta.usage
+                        usage = self._usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+                    chunk = stream.delta(delta, now)
+                    if chunk is not None:
+                        yield chunk
+            except Exception as e:  # noqa: BLE001 - a stream that fails midway says so in its last event
+                error = _api_error(e)
+                yield b"data: " + out.dumps(out.error_body(str(error), error.kind)) + b"\n\n"
+            yield stream.closing(usage if include_usage else None)
+
+        return StreamingResponse(
+            chunks(), media_type="text/event-stream", headers={"x-request-id": prepared.request_id}
+        )
+
+    async def completions(self, request: Request) -> Response:
+        async def handler():
+            body = await _body(request, CompletionRequest)
+            model = self._model(body.model)
+            msgs = to_engine.completion_requests(body, self.defaults)
+            rid = self._request_id(request, "cmpl")
+            for i, m in enumerate(msgs):
+                m.request_id = rid if len(msgs) == 1 else f"{rid}-{i}"
+            prepared = [await prepare_request(self.engine, m) for m in msgs]
+            token_text = self.token_text if body.logprobs is not None else None
+            echoes = [self._echo(m, p) if body.echo else None for m, p in zip(msgs, prepared, strict=True)]
+            if body.stream:
+                return self._completion_stream(body, rid, model, prepared, token_text, echoes)
+            samples, usage = await _unless_disconnected(request, self._collect(prepared))
+            n = body.n
+            choices = [
+                out.completion_choice(k, samples[k], token_text, echoes[k // n]) for k in sorted(samples)
+            ]
+            return Response(
+                out.dumps(out.completion(rid, model, choices, usage)), media_type="application/json"
+            )
+
+        return await self._guarded(request, handler)
+
+    def _echo(self, msg, prepared) -> str:
+        return msg.prompt or self.engine.tokenizer.decode(
+            prepared.prompt_token_ids, skip_special_tokens=False
+        )
+
+    def _completion_stream(
+        self, body: CompletionRequest, rid: str, model: str, prepared: list, token_text, echoes: list
+    ) -> Response:
+        options = body.stream_options
+        include_usage = bool(options and (options.include_usage or options.continuous_usage_stats))
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
+        n = body.n
+
+        def event(choices: list[dict], usage: dict | None = None) -> bytes:
+            payload = {**head, "choices": choices}
+            if include_usage:
+                payload["usage"] = usage
+            return b"data: " + out.dumps(payload) + b"\n\n"
+
+        async def chunks() -> AsyncIterator[bytes]:
+            prompt = completion = cached = 0
+            offsets: dict[int, int] = {}
+            started: set[int] = set()
+            try:
+                async for i, delta in _merged([self.engine.generate(r) for r in prepared]):
+                    index = i * n + delta.index
+                    text = delta.text
+                    if echoes[i] and index not in started:
+                        text = echoes[i] + text
+                    started.add(index)
+                    logprobs = None
+                    if token_text is not None and delta.logprobs:
+                        logprobs = token_text.completion_logprobs(delta.logprobs, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(text)
+                    if delta.usage is not None:
+                        prompt += delta.usage.prompt_tokens
+                        completion += delta.usage.completion_tokens
+                        cached += delta.usage.cached_prompt_tokens
+                    if text or logprobs or delta.finish_reason is not None:
+                        yield event(
+                            [
+                                {
+                                    "index": index,
+                                    "text": text,
+                                    "logprobs": logprobs,
+                                    "finish_reason": out.FINISH[delta.finish_reason],
+                                }
+                            ]
+                        )
+            except Exception as e:  # noqa: BLE001 - said in the stream's last event
+                error = _api_error(e)
+                yield b"data: " + out.dumps(out.error_body(str(error), error.kind)) + b"\n\n"
+            if include_usage:
+                yield (
+                    b"data: "
+                    + out.dumps({**head, "choices": [], "usage": self._usage(prompt, completion, cached)})
+                    + b"\n\n"
+                )
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream", headers={"x-request-id": rid})
+
+    async def embeddings(self, request: Request) -> Response:
+        async def handler():
+            body = await _body(request, EmbeddingRequest)
+            model = self._model(body.model)
+            inputs = to_engine.embed_inputs(body)
+            inputs.request_id = self._request_id(request, "embd")
+            requests = await prepare_embeddings(self.engine, inputs)
+            results = await _unless_disconnected(request, run_embeddings(self.engine, requests))
+            data = []
+            for r in results:
+                vector = np.asarray(r.vector, dtype="<f4")
+                value = (
+                    base64.b64encode(vector.tobytes()).decode()
+                    if body.encoding_format == "base64"
+                    else vector.tolist()
+                )
+                data.append({"object": "embedding", "index": r.index, "embedding": value})
+            prompt = sum(r.prompt_tokens for r in results)
+            usage = {"prompt_tokens": prompt, "total_tokens": prompt}
+            return Response(
+                out.dumps({"object": "list", "data": data, "model": model, "usage": usage}),
+                media_type="application/json",
+            )
+
+        return await self._guarded(request, handler)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn in the scheduler's loop: the scheduler owns SIGINT/SIGTERM (drain), not uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:  # older uvicorn
+        pass
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound now so that a port in use is said at start (OSError)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+class HttpServer:
+    """uvicorn serving an OpenAIServer on a socket bound beforehand."""
+
+    def __init__(self, api: OpenAIServer, sock: socket.socket, tls: tuple[str, str] | None = None) -> None:
+        self.sock = sock
+        self.port = sock.getsockname()[1]
+        self.tls = tls is not None
+        ssl = {"ssl_keyfile": tls[0], "ssl_certfile": tls[1]} if tls else {}
+        config = uvicorn.Config(
+            api.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+            http="httptools" if _has_httptools() else "h11",
+            **ssl,
+        )
+        self.server = _Uvicorn(config)
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped at start")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self.task is None:
+            return
+        self.server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.task, 10)
+
+
+def _has_httptools() -> bool:
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return False
+    return True
