@@ -199,3 +199,35 @@ def test_the_terminal_and_the_load_tester_embed(both, last_model, capsys, tmp_pa
     r = json.loads(out.read_text())
     assert r["completed"] == 12 and r["failed"] == 0 and r["leaked_blocks"] == 0
     assert r["total_input_tokens"] == 12 * 40 and r["request_throughput"] > 0
+
+
+def test_the_http_api_embeds_a_list_equal_to_grpc_with_dimensions_and_base64(both):
+    """/v1/embeddings through the openai SDK: three inputs give three vectors, each the gRPC Embed's, cut to
+    `dimensions`; base64 carries the same float32 values; bad options are 400s naming them."""
+    import base64
+
+    import httpx
+    import openai
+
+    client = openai.OpenAI(base_url=both.http_url, api_key="none", max_retries=0)
+    texts = TEXTS[:3]
+    got = client.embeddings.create(model=both.model_dir.name, input=texts, dimensions=8)
+    want = both.stub.Embed(pb.EmbedRequest(texts=texts, dimensions=8), timeout=60)
+    assert [d.index for d in got.data] == [0, 1, 2]
+    for g, w in zip(got.data, want.data, strict=True):
+        np.testing.assert_allclose(g.embedding, w.values, atol=1e-6)
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    raw = httpx.post(f"{both.http_url}/embeddings",
+                     json={"input": texts, "dimensions": 8, "encoding_format": "base64"}).json()
+    for g, w in zip(raw["data"], want.data, strict=True):
+        np.testing.assert_allclose(np.frombuffer(base64.b64decode(g["embedding"]), "<f4"), w.values, atol=1e-6)
+    ids = [[5, 6, 7], [8, 9]]
+    by_ids = client.embeddings.create(model=both.model_dir.name, input=ids)
+    want_ids = both.stub.Embed(pb.EmbedRequest(inputs=[pb.TokenIds(ids=i) for i in ids]), timeout=60)
+    np.testing.assert_allclose(by_ids.data[1].embedding, want_ids.data[1].values, atol=1e-6)
+    for body, message in (({"input": texts, "dimensions": 100000}, "dimensions is 100000"),
+                          ({"input": texts, "dimensions": 0}, "dimensions must be at least 1"),
+                          ({"input": []}, "no input"), ({"input": "x", "encoding_format": "hex"}, "encoding_format")):
+        r = httpx.post(f"{both.http_url}/embeddings", json=body)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    no_leak(both)
