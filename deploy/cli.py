@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import grpc
 
+from protos import EXIT_CONFIG, ConfigError
+from protos.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range, int_range
+
 DEFAULT_SERVER = "127.0.0.1:50051"
+SERVER_ENV = "PAGEDSERVE_SERVER"
 
 
 def _stub(server: str, tls_ca: str | None = None):
@@ -35,24 +40,29 @@ def _stub(server: str, tls_ca: str | None = None):
     return generation_pb2_grpc.GenerationStub(channel)
 
 
-def _text_or_file(value: str | None) -> str:
-    """A flag's text, or with a leading @ the text of that file."""
-    if not value:
-        return ""
-    if value.startswith("@"):
+def text_or_file(value: str) -> str:
+    """An argparse type: a flag's text, or with a leading @ the text of that file (a message naming the path
+    where it cannot be read)."""
+    if not value.startswith("@"):
+        return value
+    try:
         with open(value[1:], encoding="utf-8") as f:
             return f.read()
-    return value
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {value[1:]}: {getattr(e, 'strerror', None) or e}") \
+            from None
 
 
-def _logit_bias(items: list[str]) -> dict[int, float]:
-    out = {}
-    for item in items:
-        token, sep, bias = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--logit-bias wants TOKEN_ID=BIAS, got {item!r}")
-        out[int(token)] = float(bias)
-    return out
+def logit_bias(item: str) -> tuple[int, float]:
+    """An argparse type: TOKEN_ID=BIAS."""
+    token, sep, bias = item.partition("=")
+    try:
+        pair = int(token), float(bias)
+    except ValueError:
+        pair = None
+    if not sep or pair is None or pair[0] < 0:
+        raise argparse.ArgumentTypeError(f"wants TOKEN_ID=BIAS (a token id and a number), got {item!r}")
+    return pair
 
 
 def sampling_from_args(args: argparse.Namespace):
@@ -63,9 +73,8 @@ def sampling_from_args(args: argparse.Namespace):
         temperature=temperature, top_k=args.top_k, stop=args.stop,
         stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos, n=args.n, min_p=args.min_p,
         min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias),
-        json_schema=_text_or_file(args.json_schema), regex=args.regex or "",
-        grammar=_text_or_file(args.grammar),
+        frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias),
+        json_schema=args.json_schema or "", regex=args.regex or "", grammar=args.grammar or "",
     )
     if args.top_p is not None and temperature > 0:
         sampling.top_p = args.top_p
@@ -76,9 +85,10 @@ def sampling_from_args(args: argparse.Namespace):
 
 
 def _print_logprobs(entries, out=sys.stderr) -> None:
+    """A line a token: its text, id and logprob, then the most likely ones."""
     for lp in entries:
-        alternatives = "  ".join(f"{t.token_id}:{t.logprob:.3f}" for t in lp.top_logprobs)
-        print(f"  token {lp.token_id:>6}  logprob {lp.logprob:8.4f}   {alternatives}", file=out)
+        alternatives = "  ".join(f"{t.token!r} {t.logprob:.3f}" for t in lp.top_logprobs)
+        print(f"  {lp.token!r:>14} ({lp.token_id:>6})  {lp.logprob:8.4f}   {alternatives}", file=out)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -90,7 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.raw:
             raise SystemExit("--system needs the chat template: leave out --raw")
         req = generation_pb2.GenerateRequest(messages=[
-            generation_pb2.ChatMessage(role="system", content=_text_or_file(args.system)),
+            generation_pb2.ChatMessage(role="system", content=args.system),
             generation_pb2.ChatMessage(role="user", content=args.prompt)], sampling=sampling_from_args(args))
     else:
         req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling_from_args(args),
@@ -171,8 +181,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     stub = _stub(args.server, args.tls_ca)
     sampling = sampling_from_args(args)
-    system = [generation_pb2.ChatMessage(role="system",
-                                         content=_text_or_file(args.system))] if args.system else []
+    system = [generation_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
     history = list(system)
     print(CHAT_HELP, file=sys.stderr)
     prompt = ">>> " if sys.stdin.isatty() else ""  # piped input: stdout carries the answers alone
@@ -207,14 +216,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     from protos import generation_pb2
 
     stub = _stub(args.server, args.tls_ca)
-    try:
-        print(
-            json_format.MessageToJson(
-                stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout),
-                                        always_print_fields_with_no_presence=True))
-    except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
+    info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout)
+    if args.json:
+        print(json_format.MessageToJson(info, always_print_fields_with_no_presence=True))
+        return 0
+    from rich.console import Console
+
+    from deploy.console import info_table
+
+    Console().print(info_table(info, args.server))
     return 0
 
 
@@ -222,7 +232,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     """Each text's vector as one JSON line ({"index", "prompt_tokens", "embedding"}), in input order."""
     from protos import generation_pb2
 
-    texts = [_text_or_file(t) for t in args.texts]
+    texts = args.texts
     request = generation_pb2.EmbedRequest(texts=texts, dimensions=args.dimensions,
                                           truncate_prompt_tokens=args.truncate_prompt_tokens,
                                           prompt_name=args.prompt_name or "", prompt=args.prompt or "")
@@ -327,49 +337,45 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _sampling_args(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--max-tokens", type=int, default=None, help="default: until the model ends its answer or "
-                   "its context is full")
-    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--max-tokens", type=POSITIVE, default=None,
+                   help="most tokens to generate (default: the server's --max-tokens-default, 1024)")
+    g.add_argument("--temperature", type=float_range(0.0), default=0.7, help="0 is greedy (default 0.7)")
     g.add_argument("--greedy", action="store_true", help="temperature 0: the most likely token every time")
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("-n", "--n", type=int, default=1, help="number of samples")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-id", type=int, action="append", default=[],
-                   help="stop token id (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--min-tokens", type=int, default=0, help="no stop before this many tokens")
-    g.add_argument("--repetition-penalty", type=float, default=None, help="transformers' (1 = off)")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over output tokens")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over output tokens")
-    g.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN_ID=BIAS", help="(repeatable)")
-    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+    g.add_argument("--top-p", type=float_range(0.0, 1.0, low_open=True), default=0.95,
+                   help="nucleus sampling: draw from the smallest set of tokens this likely (default 0.95)")
+    g.add_argument("--top-k", type=int_range(-1), default=0, help="draw from the K most likely (0: all)")
+    g.add_argument("--min-p", type=float_range(0.0, 1.0), default=0.0,
+                   help="drop tokens less likely than this share of the most likely one (0: off)")
+    g.add_argument("--seed", type=int_range(0, 2**64 - 1), default=None,
+                   help="the same seed and request give the same answer (default: a random one)")
+    g.add_argument("-n", "--n", type=int_range(1, 16), default=1, help="number of samples (1-16)")
+    g.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+    g.add_argument("--stop-token-id", type=COUNT, action="append", default=[],
+                   help="stop after this token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past the model's end-of-answer token")
+    g.add_argument("--min-tokens", type=COUNT, default=0, help="no stop before this many tokens")
+    g.add_argument("--repetition-penalty", type=float_range(0.0, 2.0, low_open=True), default=None,
+                   help="transformers' (1 = off)")
+    g.add_argument("--presence-penalty", type=float_range(-2.0, 2.0), default=0.0,
+                   help="OpenAI's, over output tokens")
+    g.add_argument("--frequency-penalty", type=float_range(-2.0, 2.0), default=0.0,
+                   help="OpenAI's, over output tokens")
+    g.add_argument("--logit-bias", type=logit_bias, action="append", default=[], metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (-100 to 100) to a token's logit (repeatable)")
+    g.add_argument("--logprobs", type=int_range(0, 20), default=None, metavar="K",
                    help="each token's log-probability and the K most likely (printed to stderr)")
-    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="K")
-    g.add_argument("--json-schema", default=None, help="a JSON Schema the output follows (text, or @file)")
+    g.add_argument("--prompt-logprobs", type=int_range(0, 20), default=None, metavar="K",
+                   help="the same for the prompt's tokens")
+    g.add_argument("--json-schema", type=text_or_file, default=None,
+                   help="a JSON Schema the output follows (text, or @file)")
     g.add_argument("--regex", default=None, help="a regular expression the output matches")
-    g.add_argument("--grammar", default=None, help="a Lark grammar the output follows (text, or @file)")
+    g.add_argument("--grammar", type=text_or_file, default=None,
+                   help="a Lark grammar the output follows (text, or @file)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:
-        from deploy.launcher import main as serve_main
-
-        return serve_main(argv[1:])
-    if argv[:1] == ["deploy"]:
-        from deploy.fleet import main as deploy_main
-
-        return deploy_main(argv[1:])
-    if argv[:1] == ["prepare-model"]:
-        from deploy.prepare_model import main as prepare_main
-
-        return prepare_main(argv[1:])
-    p = argparse.ArgumentParser(prog="pagedserve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="pagedserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("serve", help="start a scheduler and its workers (see `pagedserve serve --help`)")
     sub.add_parser("deploy",
                    help="scheduler + TP x DP workers under a supervisor (see `pagedserve deploy --help`)")
@@ -380,50 +386,78 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="send a prompt and stream the answer",
                        description="Sampling defaults suit a chat model (temperature 0.7, top-p 0.95); "
                                    "--greedy decodes greedily.")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the user's message (the chat template is applied unless --raw)")
     _sampling_args(g)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--system", default=None, help="a system prompt before the user's (text, or @file)")
+    g.add_argument("--system", type=text_or_file, default=None,
+                   help="a system prompt before the user's (text, or @file)")
     g.add_argument("--no-stream", action="store_true", help="use the unary Generate call")
     g.add_argument("--json", action="store_true", help="print the whole GenerateResponse as JSON")
-    g.add_argument("-v", "--verbose", action="store_true")
+    g.add_argument("-v", "--verbose", action="store_true", help="say the token counts at the end")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("chat", help="a conversation in the terminal (history kept, answers streamed)",
                        description=CHAT_HELP)
     _sampling_args(c)
-    c.add_argument("--system", default=None, help="the system prompt (text, or @file)")
+    c.add_argument("--system", type=text_or_file, default=None, help="the system prompt (text, or @file)")
     c.set_defaults(func=cmd_chat)
     e = sub.add_parser("embed", help="embedding vectors of texts (JSON lines), from an embedding model")
-    e.add_argument("texts", nargs="+", help="texts (or @file each)")
-    e.add_argument("--dimensions", type=int, default=0, help="keep the first N values (renormalized)")
-    e.add_argument("--truncate-prompt-tokens", type=int, default=0,
+    e.add_argument("texts", nargs="+", type=text_or_file, help="texts (or @file each)")
+    e.add_argument("--dimensions", type=COUNT, default=0,
+                   help="keep the first N values (renormalized; 0: all)")
+    e.add_argument("--truncate-prompt-tokens", type=int_range(-1), default=0,
                    help="keep each text's last N tokens (-1: the context's worth); 0 refuses a longer one")
     e.add_argument("--prompt-name", default=None, help="one of the model's named instructions (see info)")
     e.add_argument("--prompt", default=None, help="an instruction put before each text")
     e.set_defaults(func=cmd_embed)
-    s = sub.add_parser("info", help="model info (JSON)")
+    s = sub.add_parser("info", help="what the server serves: model, context, pool, layout")
+    s.add_argument("--json", action="store_true", help="the GetModelInfo response as JSON")
     s.set_defaults(func=cmd_info)
     s = sub.add_parser("stats", help="KV cache accounting as a table")
     s.add_argument("--json", action="store_true", help="the GetCacheStats response as JSON")
     s.set_defaults(func=cmd_stats)
     t = sub.add_parser("top", help="a live view of a running server's KV pool and requests")
-    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
-    t.add_argument("--iterations", type=int, default=None, help="stop after this many refreshes")
+    t.add_argument("--interval", type=SECONDS, default=1.0, help="seconds between refreshes")
+    t.add_argument("--iterations", type=POSITIVE, default=None, help="stop after this many refreshes")
     t.add_argument("--no-screen", action="store_true",
                    help="draw in place in the terminal, not a full screen")
     t.add_argument("--svg", default=None, metavar="FILE", help="save the last frame as an SVG picture")
     t.set_defaults(func=cmd_top)
     a = sub.add_parser("abort", help="abort a request")
-    a.add_argument("request_id")
+    a.add_argument("request_id", help="the id the request was sent with")
     a.set_defaults(func=cmd_abort)
+    server = os.environ.get(SERVER_ENV) or DEFAULT_SERVER
     for name, s in sub.choices.items():
-        if name == "keys":
+        if name in ("keys", "serve", "deploy", "prepare-model"):
             continue
-        s.add_argument("--server", default=DEFAULT_SERVER)
+        s.add_argument("--server", default=server,
+                       help=f"the server's gRPC HOST:PORT (${SERVER_ENV}, else {DEFAULT_SERVER}; "
+                            "now %(default)s)")
         s.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this CA certificate (PEM)")
-        s.add_argument("--timeout", type=float, default=600.0)
-    args = p.parse_args(argv)
-    return args.func(args)
+        s.add_argument("--timeout", type=SECONDS, default=600.0, help="seconds to wait for an answer")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"serve": "deploy.launcher", "deploy": "deploy.fleet", "prepare-model": "deploy.prepare_model"}
+    if argv[:1] and argv[0] in commands:
+        import importlib
+
+        return importlib.import_module(commands[argv[0]]).main(argv[1:])
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except ConfigError as e:
+        sys.stderr.write(f"pagedserve {args.command}: error: {e}\n")
+        return EXIT_CONFIG
+    except BrokenPipeError:  # `pagedserve generate ... | head`: the reader has gone, nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()} (server {args.server})", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

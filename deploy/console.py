@@ -24,6 +24,28 @@ class Reading:
     at: float  # time.monotonic() of the reading
 
 
+def info_table(info, server: str) -> Table:
+    """GetModelInfo as two columns: what a person asks of a server first."""
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    layout = f"{info.data_parallel_size} replica(s) x {info.tensor_parallel_size} rank(s), " \
+             f"{info.num_workers} worker(s)"
+    rows = [("server", server), ("model", info.model_name), ("task", info.task or "generate"),
+            ("context", f"{info.max_context:,} tokens"), ("vocabulary", f"{info.vocab_size:,} tokens"),
+            ("weights", info.dtype), ("KV pool", f"{info.num_blocks:,} blocks x {info.block_size} tokens "
+                                                 f"({info.kv_cache_dtype})"),
+            ("layout", layout), ("end tokens", ", ".join(str(t) for t in info.eos_token_ids) or "none")]
+    if info.embedding_dimension:
+        rows.append(("embeddings", f"{info.embedding_dimension} values, {info.pooling} pooling"
+                                   f"{', normalized' if info.normalized else ''}"))
+    if info.prompt_names:
+        rows.append(("prompt names", ", ".join(info.prompt_names)))
+    for name, value in rows:
+        t.add_row(name, value)
+    return t
+
+
 def pool_parts(s) -> dict[str, int]:
     """Blocks held by one sequence, shared by several, cached (free, reusable) and free (empty)."""
     held = s.num_blocks - s.num_free_blocks - s.num_cached_blocks

@@ -322,12 +322,17 @@ async def start_grpc(args: argparse.Namespace, engine: Engine, endpoint: str, me
         tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
     except OSError as e:
         raise ConfigError(f"cannot read the TLS key or certificate: {e}") from None
+    if args.port:  # said plainly before gRPC tries (its own failure is a C-core log line and a vague error)
+        try:
+            bind(args.host, args.port).close()
+        except OSError as e:
+            raise ConfigError(f"cannot serve gRPC on {args.host}:{args.port}: {e.strerror or e} (another "
+                              "process holds it? --port N, or 0 for any free port)") from None
     try:
         server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls,
                                             model_dir=args.model)
     except RuntimeError as e:
-        raise ConfigError(f"{e} (is another server on port {args.port}? --port N, or 0 for any free port)") \
-            from None
+        raise ConfigError(f"cannot serve gRPC on {args.host}:{args.port}: {e}") from None
     await server.start()
     if args.port_file:
         write_port_file(Path(args.port_file), port, endpoint, metrics_port, http.port if http else None)

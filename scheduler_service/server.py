@@ -23,6 +23,7 @@ from scheduler_service.engine import Engine
 from scheduler_service.output import Delta
 from scheduler_service.rpc import CLIENT_ERRORS, Malformed, prepare_request, reject, tolerant
 from scheduler_service.sequence import FinishReason
+from scheduler_service.tokenizer import TokenTable
 from scheduler_service.validation import InvalidRequest
 
 log = structlog.get_logger("scheduler.server")
@@ -52,16 +53,18 @@ def _set_stop_reason(out, stop_reason: str | int | None) -> None:
         out.stop_token_id = stop_reason
 
 
-def _logprobs(items) -> list[generation_pb2.TokenLogprob]:
+def _logprobs(items, text: TokenTable) -> list[generation_pb2.TokenLogprob]:
     return [generation_pb2.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob,
-        top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in items]
+        token_id=lp.token_id, logprob=lp.logprob, token=text.text(lp.token_id),
+        top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v, token=text.text(t))
+                      for t, v in lp.top]) for lp in items]
 
 
 class GenerationServicer:
     def __init__(self, engine: Engine, expose_request_ids: bool = False) -> None:
         self.engine = engine
         self.expose_request_ids = expose_request_ids
+        self.token_text = TokenTable(engine.tokenizer)
 
     async def _request(self, msg: generation_pb2.GenerateRequest):
         return await prepare_request(self.engine, msg)
@@ -97,9 +100,9 @@ class GenerationServicer:
                 c.token_ids.extend(delta.token_ids)
                 c.text += delta.text
                 if delta.logprobs:
-                    c.logprobs.extend(_logprobs(delta.logprobs))
+                    c.logprobs.extend(_logprobs(delta.logprobs, self.token_text))
                 if delta.prompt_logprobs:
-                    prompt_logprobs = _logprobs(delta.prompt_logprobs)
+                    prompt_logprobs = _logprobs(delta.prompt_logprobs, self.token_text)
                 if delta.finish_reason is not None:
                     c.finish_reason = _FINISH[delta.finish_reason]
                     _set_stop_reason(c, delta.stop_reason)
@@ -122,9 +125,9 @@ class GenerationServicer:
                     text=delta.text
                 )
                 if delta.logprobs:
-                    out.logprobs.extend(_logprobs(delta.logprobs))
+                    out.logprobs.extend(_logprobs(delta.logprobs, self.token_text))
                 if delta.prompt_logprobs:
-                    out.prompt_logprobs.extend(_logprobs(delta.prompt_logprobs))
+                    out.prompt_logprobs.extend(_logprobs(delta.prompt_logprobs, self.token_text))
                 if delta.finish_reason is not None:
                     out.finish_reason = _FINISH[delta.finish_reason]
                     _set_stop_reason(out, delta.stop_reason)

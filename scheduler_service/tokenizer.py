@@ -211,3 +211,20 @@ def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sor
 
 def _raise_template_error(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
+
+
+class TokenTable:
+    """A token's text and UTF-8 bytes as logprobs show them (a token that is part of a character shows the
+    replacement character; its bytes say which part)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def bytes(self, token: int) -> bytes:
+        table = self.tokenizer.token_bytes_with_special  # built once, by the tokenizer
+        if table is not None and token < len(table):
+            return table[token]
+        return self.tokenizer.decode([token], skip_special_tokens=False).encode()
+
+    def text(self, token: int) -> str:
+        return self.bytes(token).decode("utf-8", errors="replace")

@@ -220,14 +220,16 @@ def test_the_http_api_embeds_a_list_equal_to_grpc_with_dimensions_and_base64(bot
     raw = httpx.post(f"{both.http_url}/embeddings",
                      json={"input": texts, "dimensions": 8, "encoding_format": "base64"}).json()
     for g, w in zip(raw["data"], want.data, strict=True):
-        np.testing.assert_allclose(np.frombuffer(base64.b64decode(g["embedding"]), "<f4"), w.values, atol=1e-6)
+        values = np.frombuffer(base64.b64decode(g["embedding"]), "<f4")
+        np.testing.assert_allclose(values, w.values, atol=1e-6)
     ids = [[5, 6, 7], [8, 9]]
     by_ids = client.embeddings.create(model=both.model_dir.name, input=ids)
     want_ids = both.stub.Embed(pb.EmbedRequest(inputs=[pb.TokenIds(ids=i) for i in ids]), timeout=60)
     np.testing.assert_allclose(by_ids.data[1].embedding, want_ids.data[1].values, atol=1e-6)
     for body, message in (({"input": texts, "dimensions": 100000}, "dimensions is 100000"),
                           ({"input": texts, "dimensions": 0}, "dimensions must be at least 1"),
-                          ({"input": []}, "no input"), ({"input": "x", "encoding_format": "hex"}, "encoding_format")):
+                          ({"input": []}, "no input"),
+                          ({"input": "x", "encoding_format": "hex"}, "encoding_format")):
         r = httpx.post(f"{both.http_url}/embeddings", json=body)
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     no_leak(both)

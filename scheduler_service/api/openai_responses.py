@@ -10,6 +10,7 @@ from scheduler_service.api import tool_calls
 from scheduler_service.api.openai_requests import ToolMode
 from scheduler_service.output import Delta, TokenLogprob
 from scheduler_service.sequence import FinishReason
+from scheduler_service.tokenizer import TokenTable
 
 FINISH = {
     FinishReason.STOP: "stop",
@@ -29,21 +30,8 @@ def error_body(message: str, kind: str, code: str | None = None, param: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-class TokenText:
-    """A token's text and UTF-8 bytes as logprobs show them (a token that is part of a character shows the
-    replacement character; its bytes say which part)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.table = tokenizer.token_bytes_with_special
-
-    def bytes(self, token: int) -> bytes:
-        if self.table is not None and token < len(self.table):
-            return self.table[token]
-        return self.tokenizer.decode([token], skip_special_tokens=False).encode()
-
-    def text(self, token: int) -> str:
-        return self.bytes(token).decode("utf-8", errors="replace")
+class TokenText(TokenTable):
+    """Logprobs in OpenAI's two shapes, with each token's text and bytes."""
 
     def chat_entry(self, token: int, logprob: float) -> dict:
         raw = self.bytes(token)
