@@ -23,9 +23,15 @@ PYTEST_ARGS ?=
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
-.PHONY: setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-accuracy bench-moe gpu-compile-report plot-kv clean
+# `make` alone lists the targets.
+.DEFAULT_GOAL := help
 
-setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native
+.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-accuracy bench-moe gpu-compile-report plot-kv clean
+
+help:  ## list the targets, one line each
+	@awk -F ':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  make %-20s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native  ## create .venv, install, build protos, prepare the default model, compile the CPU kernels (idempotent)
 
 # The native CPU kernels, compiled for this machine's vector units (the worker falls back to torch without them).
 .stamps/native: .stamps/deps $(wildcard kernels/cpu/*.c kernels/cpu/*.h) kernels/cpu_native.py
@@ -43,7 +49,7 @@ $(PY):
 	$(PIP) install --quiet --no-deps "$(SMOLLM_PIN)"
 	@touch $@
 
-proto: .stamps/deps $(PROTO_OUT)
+proto: .stamps/deps $(PROTO_OUT)  ## regenerate the protobuf modules
 
 $(PROTO_OUT): $(PROTO_SRC) .stamps/deps
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
@@ -56,23 +62,23 @@ $(PROTO_OUT): $(PROTO_SRC) .stamps/deps
 	$(PY) -m deploy.prepare_model --out $(MODEL_DIR) --dense
 	@touch $@
 
-run: setup
+run: setup  ## serve the embedded default model: gRPC on $(PORT), OpenAI HTTP on $(HTTP_PORT)
 	$(PY) -m deploy.launcher --model $(MODEL_DIR) --host $(HOST) --port $(PORT) $(ARGS)
 
 # The scheduler and TP x DP workers under the supervisor, logs under $(RUN_DIR); Ctrl-C stops everything.
 # SERVERS=N: N independent servers (a fleet's shape); GATEWAY=1: SMG in front (OpenAI HTTP on HTTP_PORT).
-deploy: setup
+deploy: setup  ## scheduler + TP x DP workers under a supervisor (SERVERS=N, GATEWAY=1), logs in $(RUN_DIR)
 	$(PY) -m deploy.fleet --model $(MODEL_DIR) --host $(HOST) --port $(PORT) \
 		--tensor-parallel-size $(TP) --data-parallel-size $(DP) --run-dir $(RUN_DIR) --servers $(SERVERS) \
-		$(if $(GATEWAY),--gateway --http-port $(HTTP_PORT)) $(ARGS)
+		$(if $(GATEWAY),--gateway --gateway-port $(HTTP_PORT)) $(ARGS)
 
 # `make run`'s server with SMG in front: OpenAI-compatible HTTP on 127.0.0.1:$(HTTP_PORT), both supervised.
-gateway: setup
+gateway: setup  ## `make run` with SMG in front (OpenAI HTTP for a fleet)
 	$(PY) -m deploy.fleet --model $(MODEL_DIR) --host $(HOST) --port $(PORT) --run-dir run/gateway \
-		--servers $(SERVERS) --gateway --http-port $(HTTP_PORT) $(ARGS)
+		--servers $(SERVERS) --gateway --gateway-port $(HTTP_PORT) $(ARGS)
 
 # Stops a `make deploy` running in another terminal (or in the background) and waits until it is gone.
-deploy-stop:
+deploy-stop:  ## stop a `make deploy` running from $(RUN_DIR)
 	@if [ -f $(RUN_DIR)/deploy.pid ]; then pid=$$(cat $(RUN_DIR)/deploy.pid); kill -TERM $$pid 2>/dev/null; \
 		while kill -0 $$pid 2>/dev/null && [ "$$(ps -o stat= -p $$pid | cut -c1)" != "Z" ]; do sleep 0.2; done; \
 		echo "deployment stopped"; \
@@ -81,98 +87,98 @@ deploy-stop:
 # Two test processes, each a whole file at a time (a file's servers stay in one process): the suite waits on
 # process starts and timeouts about half of the time, so two share 2 cores (TEST_WORKERS=0: one process).
 TEST_WORKERS ?= 2
-test: setup
+test: setup  ## the whole suite (about 15 minutes on 2 cores)
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # Worker-only kernel tests: natively on CUDA, under TRITON_INTERPRET=1 elsewhere (tests/conftest.py).
-test-kernels: setup
+test-kernels: setup  ## kernel tests only (natively on CUDA, interpreted elsewhere)
 	$(PY) -m pytest -q -m kernels $(PYTEST_ARGS)
 
-test-e2e: setup
+test-e2e: setup  ## end-to-end tests only (real processes)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-lint: setup
+lint: setup  ## ruff over every package
 	$(PY) -m ruff check protos scheduler_service worker kernels deploy tests
 
 # Fixed CPU workload of ../shared/bench against a server it starts, and transformers static batching, same run.
-bench: setup
+bench: setup  ## the shared CPU workload against transformers, same run
 	$(PY) -m deploy.bench --model $(MODEL_DIR) $(ARGS)
 
 # Load test against TARGET=HOST:PORT, or a server it starts on the default model; ARGS replace the default
 # (about a minute here): see `.venv/bin/pagedserve-loadtest --help`.
 LOADTEST_ARGS ?= --num-requests 64 --concurrency 16 --input-len 192 --output-len 64 --range-ratio 0.5
-loadtest: setup
+loadtest: setup  ## load test against TARGET=HOST:PORT (or a server it starts)
 	$(PY) -m deploy.loadtest $(if $(TARGET),--target $(TARGET),--model $(MODEL_DIR)) $(or $(ARGS),$(LOADTEST_ARGS))
 
 # DP=2 vs DP=1 on the shared workload; TP=2 vs TP=1 on a random model shape (same run each).
-bench-parallel: setup
+bench-parallel: setup  ## DP=2 vs DP=1, TP=2 vs TP=1
 	$(PY) -m deploy.bench.parallel --model $(MODEL_DIR) $(ARGS)
 
 # Paged decode/prefill kernels vs a device copy and contiguous SDPA (GPU); interpreter, tiny shapes elsewhere.
-bench-kernels: setup
+bench-kernels: setup  ## paged attention kernels vs SDPA
 	$(PY) -m deploy.bench.kernels $(ARGS)
 
 # Every Triton kernel compiled for sm_90 (no GPU needed): registers, spills and shared memory per head_dim.
-gpu-compile-report: setup
+gpu-compile-report: setup  ## every Triton kernel compiled for sm_90: registers, spills, shared memory
 	env -u TRITON_INTERPRET $(PY) -m kernels.compile_report $(ARGS)
 
 # GPU: one worker's decode step in process (Llama-3-8B shapes, dummy weights) against its roofline.
-bench-step: setup
+bench-step: setup  ## one worker's decode step against its roofline (GPU)
 	$(PY) -m deploy.bench.step $(ARGS)
 
 # GPU: the whole server at Llama-3-8B shapes (dummy weights) under the load-test client, step split included.
-bench-serve-gpu: setup
+bench-serve-gpu: setup  ## serving throughput on a GPU
 	$(PY) -m deploy.bench.serve_gpu $(ARGS)
 
 # SMG's cost (the shared workload direct vs through the gateway) and cache-aware vs round-robin routing.
-bench-gateway: setup
+bench-gateway: setup  ## SMG's HTTP in front vs gRPC straight, same server
 	$(PY) -m deploy.bench.gateway --model $(MODEL_DIR) $(ARGS)
 
 # The default model on its own Q4_1 blocks against dequantized fp32: one stream, 64 streams, agreement.
-bench-quantized: setup
+bench-quantized: setup  ## GGUF K-quant blocks vs fp32
 	$(PY) -m deploy.bench.quantized --model $(MODEL_DIR) $(ARGS)
 
 # pagedserve against llama.cpp's llama-server on the same Q4_1 GGUF (built once from the llama-cpp-python sdist).
-bench-cpu-peers: setup
+bench-cpu-peers: setup  ## against llama.cpp and vLLM's CPU build
 	$(PY) -m deploy.bench.cpu_peers --model $(MODEL_DIR) $(ARGS)
 
 # Random-weight Llama-3.2-1B / 3.1-8B shapes made into GGUFs by llama.cpp's converter and llama-quantize (once,
 # cached), then served by pagedserve and llama-server in alternating rounds. ARGS: --shape 1b|8b --quant Q4_K_M...
-bench-cpu-scale: setup
+bench-cpu-scale: setup  ## 1B and 8B shapes against the peers
 	$(PIP) install --quiet sentencepiece  # llama.cpp's converter imports it
 	$(PY) -m deploy.bench.cpu_scale --tokenizer-from $(MODEL_DIR) $(ARGS)
 
 # Speculative decoding: one stream over an edit workload, pagedserve --speculative off/ngram/auto against
 # llama-server's n-gram --spec-type modes on the same GGUF; then 64 random streams, speculation off and on.
-bench-spec: setup
+bench-spec: setup  ## speculative decoding against off and llama.cpp
 	$(PY) -m deploy.bench.speculative --model $(MODEL_DIR) $(ARGS)
 
-bench-embeddings: setup  # embeddings/s against sentence-transformers and vLLM's pooling runner; a stream beside them
+bench-embeddings: setup  ## embeddings/s against sentence-transformers and vLLM
 	$(PY) -m deploy.bench.embeddings --beside $(ARGS)
 
-bench-accuracy: setup  # perplexity of a fixed text: fp32, the Q4_1 blocks (fp32 / int8 activations), llama-perplexity
+bench-accuracy: setup  ## perplexity of a fixed text per weight format
 	$(PY) -m deploy.bench.accuracy --model $(MODEL_DIR) $(ARGS)
 
-bench-scheduler: setup  # scheduler cost per decode step at 256 and 1024 sequences x 2k context
+bench-scheduler: setup  ## scheduler cost per decode step at 256 and 1024 sequences
 	$(PY) -m deploy.bench.scheduler --model $(MODEL_DIR) $(ARGS)
 
-bench-overlap: setup  # step period against a simulated worker of fixed step time, overlap off and on
+bench-overlap: setup  ## step period with overlap off and on (simulated worker)
 	$(PY) -m deploy.bench.overlap bench --model $(MODEL_DIR) $(ARGS)
 
-bench-controls: setup  # tokens/s with logprobs, penalties, biases, regex and JSON-schema masks vs plain, same run
+bench-controls: setup  ## tokens/s with logprobs, penalties, masks vs plain
 	$(PY) -m deploy.bench.controls --model $(MODEL_DIR) $(ARGS)
 
 # A Qwen3-MoE-shaped decode step (dummy weights) at 1, 8 and 64 sequences against the bytes it must read once.
-bench-moe: setup
+bench-moe: setup  ## mixture-of-experts step
 	$(PY) -m deploy.bench.moe $(ARGS)
 
 # Prefix caching on vs off (shared system prompt); chunked prefill on vs off (long prompts among chats).
-bench-memory: setup
+bench-memory: setup  ## KV pool memory against the plan
 	$(PY) -m deploy.bench.memory --model $(MODEL_DIR) $(ARGS)
 
 # Blocks in use over time against static reservation, drawn to docs/kv_usage.png.
-plot-kv: setup
+plot-kv: setup  ## draw the KV pool's use over a run
 	$(PY) -m deploy.bench.plot_kv $(ARGS)
 
-clean:
+clean:  ## remove the venv, stamps, generated code and prepared models
 	rm -rf .stamps $(PROTO_OUT) protos/*_pb2.pyi build *.egg-info

@@ -9,7 +9,7 @@ scheduler given by --scheduler.
 
 --servers N runs N independent servers (each its own scheduler, workers and pool: the shape of a fleet
 on N hosts), each in a folder of the run directory; --gateway puts SMG (deploy/gateway.py) in front of
-them, its OpenAI-compatible HTTP on --http-host:--http-port, routing with --gateway-policy (cache_aware:
+them, its OpenAI-compatible HTTP on --gateway-host:--gateway-port, routing with --gateway-policy (cache_aware:
 a request goes to the server whose cache holds the longest part of its prompt). Stopping drains the
 schedulers first, the gateway still carrying their answers, then stops the gateway and the workers.
 """
@@ -34,9 +34,9 @@ from deploy.prepare_model import model_folder
 from deploy.processes import read_port_file
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos import EXIT_CONFIG, ConfigError
-from protos.argtypes import Parser
+from protos.argtypes import PORT, Parser
 from protos.logs import configure_logging
-from scheduler_service.main import add_scheduler_args, check_model_folder
+from scheduler_service.main import DEFAULT_HTTP_PORT, add_scheduler_args, check_model_folder
 from worker.main import add_worker_args
 
 log = structlog.get_logger("deploy")
@@ -65,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="independent servers (scheduler + workers each); more than one bind any free ports")
     g = p.add_argument_group("gateway (SMG in front: OpenAI-compatible HTTP)")
     g.add_argument("--gateway", action="store_true", help="start SMG in front of the servers")
-    g.add_argument("--http-host", default="127.0.0.1", help="where the gateway listens")
-    g.add_argument("--http-port", type=int, default=8000, help="the gateway's HTTP port")
+    g.add_argument("--gateway-host", default="127.0.0.1", help="where the gateway listens")
+    g.add_argument("--gateway-port", type=PORT, default=8000,
+                   help="the gateway's HTTP port (each server's own OpenAI API then takes any free port)")
     g.add_argument("--gateway-policy", default="cache_aware",
                    choices=["cache_aware", "round_robin", "random", "power_of_two", "least_load",
                             "prefix_hash", "consistent_hashing"], help="how the gateway picks a server")
@@ -82,7 +83,7 @@ def scheduler_program(args: argparse.Namespace, endpoint: str, log_dir: Path, in
     from scheduler_service.main import build_parser as scheduler_parser
 
     flags = passthrough(scheduler_parser(), args,
-                        {"worker_endpoint", "model", "port_file", "port", "metrics_port"})
+                        {"worker_endpoint", "model", "port_file", "port", "metrics_port", "http_port"})
     port = args.port if args.servers == 1 else 0
     metrics = args.metrics_port
     if args.servers > 1:  # a port each: any free one, or the one given plus the server's index (0: off)
@@ -92,6 +93,12 @@ def scheduler_program(args: argparse.Namespace, endpoint: str, log_dir: Path, in
             "--port-file", str(log_dir / "scheduler.port"), *flags]
     if metrics is not None:
         argv += ["--metrics-port", str(metrics)]
+    http = args.http_port
+    if http == DEFAULT_HTTP_PORT and (args.servers > 1 or args.gateway):  # the gateway (or one server) has it
+        http = -1
+    elif args.servers > 1 and http > 0:
+        http += index
+    argv += ["--http-port", str(http)]
     return Program("scheduler" if args.servers == 1 else f"scheduler-{index}", argv,
                    log_dir / "scheduler.log")
 
@@ -146,7 +153,7 @@ def gateway_metrics_port(args: argparse.Namespace) -> int:
 
     with socket.socket() as s:
         try:
-            s.bind((args.http_host, 29000))
+            s.bind((args.gateway_host, 29000))
             return 29000
         except OSError:
             port = free_port()
@@ -174,6 +181,15 @@ def gateway_banner(base_url: str, model: str, servers: int) -> list[str]:
             "'content': 'Hi!'}]).choices[0].message.content)\""]
 
 
+def stop_command(run_dir: Path) -> str:
+    """The make command that stops the deployment running from run_dir."""
+    try:
+        where = str(run_dir.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        where = str(run_dir)
+    return "make deploy-stop" + ("" if where == "run/deploy" else f" RUN_DIR={where}")
+
+
 def summary(addresses: list[str], supervisor: Supervisor, run_dir: Path,
             gateway: list[str] | None = None) -> str:
     lines = list(gateway or [])
@@ -185,7 +201,7 @@ def summary(addresses: list[str], supervisor: Supervisor, run_dir: Path,
     for unit in supervisor.units:
         for prog, proc in zip(unit.programs, unit.procs, strict=True):
             lines.append(f"  {prog.name:<14} pid {proc.pid:<8} {prog.log_path}")
-    lines.append(f"stop: Ctrl-C, or `make deploy-stop` (kill -TERM {os.getpid()})")
+    lines.append(f"stop: Ctrl-C, or `{stop_command(run_dir)}` (kill -TERM {os.getpid()})")
     return "\n".join(lines)
 
 
@@ -209,7 +225,7 @@ def refuse_second_deployment(pid_file: Path) -> str | None:
     except (ProcessLookupError, ValueError):
         return None  # a stale pid file
     return (f"a deployment is already running from {pid_file.parent} (pid {pid_file.read_text().strip()}); "
-            "stop it first (`make deploy-stop`)")
+            f"stop it first (`{stop_command(pid_file.parent)}`)")
 
 
 def plan_fleet(args, run_dir: Path, replicas: list[int] | None) -> Fleet:
@@ -259,13 +275,13 @@ def start_gateway(args, fleet: Fleet, addresses: list[str], run_dir: Path) -> li
     from deploy.gateway import smg_command, wait_ready
     from scheduler_service.config import ModelSpec
 
-    gateway = Program("gateway", smg_command(addresses, args.http_host, args.http_port, args.model,
+    gateway = Program("gateway", smg_command(addresses, args.gateway_host, args.gateway_port, args.model,
                                              args.gateway_policy, gateway_metrics_port(args)),
                       run_dir / "gateway.log")
     unit = Unit("gateway", [gateway])
     fleet.supervisor.units.append(unit)
     fleet.supervisor.start(unit)
-    base_url = f"http://{args.http_host}:{args.http_port}"
+    base_url = f"http://{args.gateway_host}:{args.gateway_port}"
     wait_ready(base_url, len(addresses), args.ready_timeout,
                alive=lambda: (fleet.supervisor.poll(), unit.restarts == 0)[1])
     return gateway_banner(base_url, ModelSpec.from_folder(args.model).name, len(addresses))

@@ -87,7 +87,8 @@ class Supervisor:
             out = None
             if prog.log_path is not None:
                 prog.log_path.parent.mkdir(parents=True, exist_ok=True)
-                out = open(prog.log_path, "ab")
+                # a run's first start writes its log anew; a restart goes on after the lines it follows
+                out = open(prog.log_path, "ab" if unit.restarts else "wb")
                 self._logs.append(out)
             unit.procs.append(subprocess.Popen(prog.argv, cwd=self.cwd, env=self.env, stdout=out,
                                                stderr=subprocess.STDOUT if out else None))

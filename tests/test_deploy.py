@@ -163,7 +163,7 @@ def test_two_servers_behind_the_gateway_serve_openai_and_stop_together(tmp_path,
 
     http_port = free_port()
     proc, port, run_dir, banner = start_deploy(tmp_path, tiny_model_dir, "--servers", "2", "--gateway",
-                                               "--http-port", str(http_port), "--gateway-metrics-port",
+                                               "--gateway-port", str(http_port), "--gateway-metrics-port",
                                                str(free_port()), "--metrics-port", "0")
     try:
         assert f"on http://127.0.0.1:{http_port}/v1 (in front of 2 pagedserve servers)" in banner
