@@ -285,7 +285,10 @@ def cmd_top(args: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    before = None
+    # a first reading a moment before the first frame, so that its rates are there from the start
+    before = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=args.timeout),
+                     time.monotonic())
+    time.sleep(min(args.interval, 0.5))
     drawn = 0
     view = None
     try:

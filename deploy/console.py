@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from rich import box
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
@@ -113,20 +114,25 @@ def summary_table(s, gen_rate: float | None = None, prompt_rate: float | None = 
     return t
 
 
-def replica_table(s) -> Table | None:
+def replica_table(s) -> Group | None:
+    """A row a replica (fits 80 columns: a light frame, one space between columns), then why each one that
+    is down is down."""
     if len(s.replicas) < 2 and all(r.serving for r in s.replicas):
         return None
-    t = Table(title="replicas", title_justify="left", expand=False)
-    for col in ("#", "status", "held", "cached", "free", "util", "hit rate", "running", "waiting",
-                "requests"):
-        t.add_column(col, justify="left" if col == "status" else "right")
+    t = Table(title="replicas", title_justify="left", expand=False, box=box.SIMPLE_HEAD, padding=(0, 1),
+              pad_edge=False, show_edge=False)
+    for col in ("#", "status", "util", "held", "cached", "free", "hits", "run/wait", "requests"):
+        t.add_column(col, justify="left" if col == "status" else "right", no_wrap=True)
+    reasons = []
     for r in s.replicas:
         held = r.num_blocks - r.num_free_blocks - r.num_cached_blocks
-        status = Text("serving", style="green") if r.serving else Text(r.status or "down", style="red")
-        t.add_row(str(r.replica), status, f"{held:,}", f"{r.num_cached_blocks:,}", f"{r.num_free_blocks:,}",
-                  f"{r.utilization:.0%}", hit_rate(r), str(r.num_running), str(r.num_waiting),
+        status = Text("serving", style="green") if r.serving else Text("down", style="red")
+        if not r.serving:
+            reasons.append(Text(f"replica {r.replica}: {r.status or 'down'}", style="red"))
+        t.add_row(str(r.replica), status, f"{r.utilization:.0%}", f"{held:,}", f"{r.num_cached_blocks:,}",
+                  f"{r.num_free_blocks:,}", hit_rate(r), f"{r.num_running}/{r.num_waiting}",
                   f"{r.num_requests:,}")
-    return t
+    return Group(t, *reasons)
 
 
 def request_table(s, limit: int = MAX_REQUESTS) -> Table:

@@ -4,6 +4,7 @@ tolerant deserializer, the client errors and their status codes, and a request's
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import grpc
 import structlog
@@ -57,6 +58,8 @@ async def prepare_request(engine: Engine, msg):
     the event loop. Raises one of CLIENT_ERRORS."""
     if isinstance(msg, Malformed):
         raise InvalidRequest(msg.error)
+    if not msg.request_id:  # assigned before validation, so that a refusal's log line names the request too
+        msg.request_id = uuid.uuid4().hex
     if engine.limits is None:
         raise EngineUnavailable(engine.unavailable_reason)
     refuse_task(engine, embedding=False)

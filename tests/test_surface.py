@@ -124,15 +124,22 @@ def test_generate_passes_every_control_and_prints_json_or_text(server):
                "--seed", "1", "--logprobs", "1", "-v")
     assert text.returncode == 0 and "logprobs:" in text.stderr and "completion 4 tokens" in text.stderr
     bad = cli("generate", "--server", server.address, "hi", "--repetition-penalty", "9")
-    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "repetition_penalty" in bad.stderr
+    assert bad.returncode == 2 and "--repetition-penalty: 9.0 is outside (0.0, 2.0]" in bad.stderr
+    refused = cli("generate", "--server", server.address, "hi", "--max-tokens", "100000")
+    assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr and "context" in refused.stderr
 
 
-def test_the_server_log_ends_start_up_with_one_human_line(server):
+def test_the_server_log_ends_start_up_with_where_it_serves_and_how_to_try_it(server):
     lines = server.log_path.read_text().splitlines()
-    ready = [line for line in lines if line.startswith("pagedserve is serving")]
+    ready = [i for i, line in enumerate(lines) if line.startswith("pagedserve is serving")]
     assert len(ready) == 1
-    assert server.address in ready[0] and "KV pool 200 blocks x 4 tokens" in ready[0]
-    assert re.search(r"Try: (\S*/)?pagedserve generate --server " + re.escape(server.address), ready[0])
+    head, grpc_line, http_line = lines[ready[0]:ready[0] + 3]
+    assert "KV pool 200 blocks x 4 tokens" in head
+    assert "requests without max_tokens stop at 1,024 tokens" in head
+    assert grpc_line.split()[:2] == ["gRPC", server.address]
+    assert re.search(r"try: (\S*/)?pagedserve generate --server " + re.escape(server.address), grpc_line)
+    assert http_line.split()[:2] == ["OpenAI", server.http_url]
+    assert f"curl {server.http_url}/chat/completions" in http_line
     # not a terminal: every other line is a JSON event
     events = [json.loads(line) for line in lines if line.startswith("{")]
     assert any(e.get("event") == "serving" for e in events)
@@ -174,6 +181,17 @@ def test_top_shows_each_replica_and_a_lost_one_in_red_words():
     assert "250.0" in text  # (900 - 400) tokens over 2 s
     assert "held 25" in text and "shared 5" in text and "30.0 MiB" in text
     assert "ids shown with --expose-request-ids" in text
+
+    from deploy.console import stats_view
+
+    for r in s.replicas:  # the largest figures a replica shows still fit an 80-column terminal
+        r.num_blocks, r.num_free_blocks, r.num_requests, r.num_waiting = 1_234_567, 1_000_000, 9_876_543, 4096
+    narrow = io.StringIO()
+    Console(file=narrow, width=80).print(stats_view(s))
+    lines = narrow.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines) and "…" not in narrow.getvalue()
+    assert "9,876,543" in narrow.getvalue()
+    assert "replica 1: worker rank 0 of replica 1 exited" in narrow.getvalue()
 
 
 def test_generate_with_a_system_prompt_equals_the_same_messages(server):

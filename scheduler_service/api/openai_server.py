@@ -219,15 +219,13 @@ class OpenAIServer:
             code="model_not_found",
         )
 
-    @staticmethod
-    def _request_id(request: Request, prefix: str) -> str:
-        return request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-
-    async def _guarded(self, request: Request, handler) -> Response:
-        rid = request.headers.get("x-request-id", "")
+    async def _guarded(self, request: Request, handler, prefix: str = "req") -> Response:
+        """handler(request id) answered, or its failure in OpenAI's error shape. The id is the client's
+        X-Request-Id, else one made here, so a refusal's log line names the request too."""
+        rid = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
         try:
             self._check_key(request)
-            return await handler()
+            return await handler(rid)
         except Exception as e:  # noqa: BLE001 - every failure is answered in OpenAI's shape
             error = _api_error(e)
             if error.status >= 500 and not isinstance(e, (EngineUnavailable, StepFailed)):
@@ -261,14 +259,14 @@ class OpenAIServer:
         }
 
     async def models(self, request: Request) -> Response:
-        async def handler():
+        async def handler(rid: str):
             body = {"object": "list", "data": [self._model_card(n) for n in self.names]}
             return Response(out.dumps(body), media_type="application/json")
 
         return await self._guarded(request, handler)
 
     async def model(self, request: Request) -> Response:
-        async def handler():
+        async def handler(rid: str):
             return Response(
                 out.dumps(self._model_card(self._model(request.path_params["model"]))),
                 media_type="application/json",
@@ -277,11 +275,11 @@ class OpenAIServer:
         return await self._guarded(request, handler)
 
     async def chat(self, request: Request) -> Response:
-        async def handler():
+        async def handler(rid: str):
             body = await _body(request, ChatCompletionRequest)
             model = self._model(body.model)
             msg, mode = to_engine.chat_request(body, self.defaults, self.parse_auto_tools)
-            msg.request_id = self._request_id(request, "chatcmpl")
+            msg.request_id = rid
             prepared = await prepare_request(self.engine, msg)
             token_text = self.token_text if body.logprobs else None
             if body.stream:
@@ -292,7 +290,7 @@ class OpenAIServer:
                 media_type="application/json",
             )
 
-        return await self._guarded(request, handler)
+        return await self._guarded(request, handler, "chatcmpl")
 
     async def _collect(self, requests: list) -> tuple[dict[int, out.Sample], dict]:
         """Every request's samples (numbered request i * n + sample) and the summed usage."""
@@ -340,11 +338,10 @@ class OpenAIServer:
         )
 
     async def completions(self, request: Request) -> Response:
-        async def handler():
+        async def handler(rid: str):
             body = await _body(request, CompletionRequest)
             model = self._model(body.model)
             msgs = to_engine.completion_requests(body, self.defaults)
-            rid = self._request_id(request, "cmpl")
             for i, m in enumerate(msgs):
                 m.request_id = rid if len(msgs) == 1 else f"{rid}-{i}"
             prepared = [await prepare_request(self.engine, m) for m in msgs]
@@ -361,7 +358,7 @@ class OpenAIServer:
                 out.dumps(out.completion(rid, model, choices, usage)), media_type="application/json"
             )
 
-        return await self._guarded(request, handler)
+        return await self._guarded(request, handler, "cmpl")
 
     def _echo(self, msg, prepared) -> str:
         return msg.prompt or self.engine.tokenizer.decode(
@@ -426,11 +423,11 @@ class OpenAIServer:
         return StreamingResponse(chunks(), media_type="text/event-stream", headers={"x-request-id": rid})
 
     async def embeddings(self, request: Request) -> Response:
-        async def handler():
+        async def handler(rid: str):
             body = await _body(request, EmbeddingRequest)
             model = self._model(body.model)
             inputs = to_engine.embed_inputs(body)
-            inputs.request_id = self._request_id(request, "embd")
+            inputs.request_id = rid
             requests = await prepare_embeddings(self.engine, inputs)
             results = await _unless_disconnected(request, run_embeddings(self.engine, requests))
             data = []
@@ -449,7 +446,7 @@ class OpenAIServer:
                 media_type="application/json",
             )
 
-        return await self._guarded(request, handler)
+        return await self._guarded(request, handler, "embd")
 
 
 class _Uvicorn(uvicorn.Server):
