@@ -40,7 +40,8 @@ DEFAULT_HTTP_PORT = 8000
 
 
 def add_scheduler_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="model folder (config.json + tokenizer files)")
+    p.add_argument("--model", required=True,
+                   help="a model folder (config.json, tokenizer.json, weights) or a .gguf file")
     p.add_argument("--task", choices=TASKS, default="auto",
                    help="generate, embed (Embed; /v1/embeddings) or both (in the same steps); auto: embed "
                         "where the folder has sentence-transformers' modules.json, else generate")

@@ -49,7 +49,8 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     """The worker's own flags; `pagedserve serve` and `pagedserve deploy` pass them through unchanged."""
     g = p.add_argument_group("workers")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="how to read the weights; dummy: random weights of the model's shapes (benchmarks)")
     g.add_argument("--device", default=None,
                    help="cuda, cuda:N or cpu (default: cuda when present; the launchers give each local rank "
                         "its own GPU)")
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-keys", default=None,
                    help="folder made by `pagedserve keys`: this worker's key pair and the scheduler's public "
                         "key")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="the least severe log events written")
     p.add_argument("--log-format", default="auto", choices=LOG_FORMATS,
                    help="console: readable lines; json: one JSON object a line; auto: console on a terminal")
     add_group_args(p)

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="with no --target: serve this model folder for the run")
     p.add_argument("--server-args", default="", help="with no --target: extra flags for the server it starts")
     p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this CA certificate (PEM)")
-    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--num-requests", type=int, default=100, help="requests to send in all")
     p.add_argument("--duration", type=float, default=600.0, help="stop sending after this many seconds")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, default=None, help="closed loop with C clients")
@@ -74,16 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", choices=("completions", "embeddings"), default="completions",
                    help="what each request asks: generated tokens, or one input's embedding (Embed, "
                         "/v1/embeddings; latency is the whole call's, throughput inputs and their tokens)")
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens of a synthetic request")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens of a request")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [L(1-X), L(1+X)]")
     p.add_argument("--dataset", type=Path, default=None,
                    help="JSON/JSONL prompts (text or token ids, output_len)")
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="every prompt starts with the same P tokens")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the requests")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate max_tokens whatever the model says (every request the same length)")
     p.add_argument("--abort-fraction", type=float, default=0.0,
                    help="cancel this fraction of requests mid-way")
     p.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft_ms=500,tpot_ms=50")
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", type=Path, default=None, help="print the change against an earlier --output")
     p.add_argument("--warmup", type=int, default=4,
                    help="requests sent one at a time (from the same workload) before measuring, not counted")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
