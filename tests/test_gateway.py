@@ -409,6 +409,15 @@ def test_openai_embeddings_through_the_gateway_equal_our_embed(embedder, tmp_pat
         assert [g.usage.prompt_tokens for g in got] == [d.prompt_tokens for d in ours.data]
         floats = client.embeddings.create(model=model, input=texts[0], encoding_format="float")
         np.testing.assert_allclose(floats.data[0].embedding, want[0], atol=1e-6)  # (the SDK's own: base64)
+        # what SMG 1.13 drops, said in docs/serving.md (the server's own /v1/embeddings serves each):
+        # `dimensions` (the whole vector comes back) and base64 (floats come back)
+        cut = client.embeddings.create(model=model, input=texts[0], dimensions=4, encoding_format="float")
+        assert len(cut.data[0].embedding) == want.shape[1]
+        import httpx
+
+        raw = httpx.post(f"{gateway.base_url}/v1/embeddings", timeout=60,
+                         json={"model": model, "input": texts[0], "encoding_format": "base64"}).json()
+        assert isinstance(raw["data"][0]["embedding"], list)
         joined = server.stub.Embed(pb.EmbedRequest(texts=[" ".join(texts)]), timeout=60)
         batch = client.embeddings.create(model=model, input=texts)
         assert len(batch.data) == 1
@@ -422,6 +431,18 @@ def test_openai_embeddings_through_the_gateway_equal_our_embed(embedder, tmp_pat
         assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks
     finally:
         gateway.stop()
+
+
+def test_completion_logprobs_are_dropped_by_the_gateway_and_served_by_our_own_http(server, client, model):
+    """SMG 1.13 validates a completion's `logprobs` and returns none (said in docs/serving.md); the server's
+    own OpenAI API returns them."""
+    through = client.completions.create(model=model, prompt="the quick brown", max_tokens=3, logprobs=2,
+                                        temperature=0)
+    assert through.choices[0].logprobs is None
+    own_api = OpenAI(base_url=server.http_url, api_key="none", max_retries=0, timeout=60)
+    direct = own_api.completions.create(prompt="the quick brown", max_tokens=3, logprobs=2, temperature=0,
+                                        model=own_api.models.list().data[0].id)
+    assert len(direct.choices[0].logprobs.token_logprobs) == 3
 
 
 def test_a_generative_model_refuses_embeddings_through_the_gateway(client, model):
