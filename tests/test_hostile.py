@@ -126,7 +126,8 @@ def test_the_api_can_be_served_over_tls(tmp_path, tiny_model_dir):
     proc = subprocess.Popen([sys.executable, "-m", "deploy.launcher", "--model", str(tiny_model_dir),
                              "--port", "0",
                              "--port-file", str(ports), "--threads", "1", "--block-size", "4", "--num-blocks",
-                             "200", "--tls-cert", str(cert), "--tls-key", str(key)], cwd=ROOT,
+                             "200", "--tls-cert", str(cert), "--tls-key", str(key), "--http-port", "-1",
+                             "--metrics-port", "0"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
@@ -145,6 +146,15 @@ def test_the_api_can_be_served_over_tls(tmp_path, tiny_model_dir):
         assert out.returncode == 0, out.stderr
         plain = subprocess.run(generate, cwd=ROOT, capture_output=True, text=True)
         assert plain.returncode != 0 and "UNAVAILABLE" in plain.stderr  # no plaintext on a TLS port
+        import ssl
+
+        import httpx  # the OpenAI API: HTTPS with the same certificate, and no plain HTTP either
+
+        https = httpx.post(f"https://localhost:{bound['http_port']}/v1/completions", verify=ssl.create_default_context(cafile=str(cert)),
+                           timeout=30, json={"prompt": "the quick", "max_tokens": 3})
+        assert https.status_code == 200 and https.json()["usage"]["completion_tokens"] == 3
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://localhost:{bound['http_port']}/v1/models", timeout=10)
     finally:
         import os
         import signal
