@@ -150,8 +150,9 @@ def test_the_api_can_be_served_over_tls(tmp_path, tiny_model_dir):
 
         import httpx  # the OpenAI API: HTTPS with the same certificate, and no plain HTTP either
 
-        https = httpx.post(f"https://localhost:{bound['http_port']}/v1/completions", verify=ssl.create_default_context(cafile=str(cert)),
-                           timeout=30, json={"prompt": "the quick", "max_tokens": 3})
+        trust = ssl.create_default_context(cafile=str(cert))
+        https = httpx.post(f"https://localhost:{bound['http_port']}/v1/completions", verify=trust, timeout=30,
+                           json={"prompt": "the quick", "max_tokens": 3})
         assert https.status_code == 200 and https.json()["usage"]["completion_tokens"] == 3
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://localhost:{bound['http_port']}/v1/models", timeout=10)
