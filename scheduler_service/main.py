@@ -25,7 +25,8 @@ import structlog
 from protos import EXIT_CONFIG, ConfigError
 from protos.argtypes import COUNT, PORT, PORT_OR_ANY, POSITIVE, SECONDS, Parser, float_range, int_range
 from protos.logs import LOG_FORMATS, configure_logging, human_bytes
-from scheduler_service.api.openai_server import HttpServer, OpenAIServer, bind
+from scheduler_service.api.http_server import HttpServer, bind
+from scheduler_service.api.openai_server import OpenAIServer
 from scheduler_service.config import TASKS, ModelSpec, SchedulerConfig
 from scheduler_service.engine import Engine
 from scheduler_service.metrics import DEFAULT_METRICS_PORT
@@ -309,7 +310,7 @@ async def start_http(engine: Engine, spec: ModelSpec, args: argparse.Namespace) 
                     fix="--http-port N (or -1 for any free port)")
         return None
     tls = (args.tls_key, args.tls_cert) if args.tls_cert else None
-    http = HttpServer(OpenAIServer(engine, names, args.api_key or None), sock, tls)
+    http = HttpServer(OpenAIServer(engine, names, args.api_key or None).app, sock, tls)
     await http.start()
     log.info("http_serving", port=http.port, models=names, api_key=bool(args.api_key), tls=bool(tls))
     return http

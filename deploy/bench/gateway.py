@@ -1,8 +1,10 @@
 """What the gateway costs, and what cache-aware routing buys: `make bench-gateway`.
 
 Part 1 (the gateway's cost): one server on the default model; the fixed CPU workload (../shared/bench:
-64 token-id prompts, 128 tokens each, greedy, ignore_eos, all at once) sent three ways in the same run:
-straight to pagedserve.v1 over gRPC, through SMG's /generate (the same token ids), and through SMG's
+64 token-id prompts, 128 tokens each, greedy, ignore_eos, all at once) sent four ways in the same run:
+straight to pagedserve.v1 over gRPC, to the server's own OpenAI /v1/completions (the same token ids,
+streamed),
+through SMG's /generate (the same token ids), and through SMG's
 OpenAI /v1/completions (the prompts' text: the gateway tokenizes). The prefix cache is flushed before each
 pass (the engine protocol's FlushCache), so no pass finds another's prompts.
 
@@ -61,16 +63,24 @@ def gateway_cost(args) -> list[dict]:
     gateway = None
     rows = []
     try:
-        gateway = GatewayProcess([server.address], args.model, folder / "smg.log",
-                                 free_port()).start(timeout=120)
-        model = gateway_model(gateway)
-        asyncio.run(drive(server.address, prompts[:2], 4))  # warm-up, both paths
-        asyncio.run(http_pass(gateway.base_url, [_generate_body(model, prompts[0], 4)], "/generate"))
+        own = server.http_url.removesuffix("/v1")
+        asyncio.run(drive(server.address, prompts[:2], 4))  # warm-up, every path
+        asyncio.run(http_pass(own, [_completion_body(prompts[0], 4)], "/v1/completions"))
+        if {"generate", "openai"} & set(args.order):
+            gateway = GatewayProcess([server.address], args.model, folder / "smg.log",
+                                     free_port()).start(timeout=120)
+            model = gateway_model(gateway)
+            asyncio.run(http_pass(gateway.base_url, [_generate_body(model, prompts[0], 4)], "/generate"))
         for name in args.order:
             _flush(server)
             if name == "grpc":
                 wall, ttfts, tokens = asyncio.run(drive(server.address, prompts, args.max_tokens))
                 rows.append(_row("pagedserve.v1 gRPC, direct", wall, ttfts, tokens))
+            elif name == "http":
+                r = asyncio.run(http_pass(own, [_completion_body(p, args.max_tokens) for p in prompts],
+                                          "/v1/completions"))
+                rows.append(_row("pagedserve's own OpenAI /v1/completions (same token ids)", r["wall_s"],
+                                 r["ttfts"], r["tokens"]))
             elif name == "generate":
                 r = asyncio.run(http_pass(gateway.base_url, [_generate_body(model, p, args.max_tokens)
                                                               for p in prompts], "/generate"))
@@ -93,6 +103,11 @@ def gateway_model(gateway: GatewayProcess) -> str:
     from deploy.gateway import registered_models
 
     return registered_models(gateway.base_url)[0]
+
+
+def _completion_body(ids: list[int], max_tokens: int) -> dict:
+    return {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
 
 
 def _generate_body(model: str, ids: list[int], max_tokens: int) -> dict:
@@ -164,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--kv-cache-memory", default="2GiB")
-    p.add_argument("--order", nargs="+", default=["grpc", "generate", "openai"],
-                   choices=["grpc", "generate", "openai"], help="the passes of part 1, in this order")
+    p.add_argument("--order", nargs="+", default=["grpc", "http", "generate", "openai"],
+                   choices=["grpc", "http", "generate", "openai"],
+                   help="the passes of part 1, in this order (a pass may repeat: grpc http grpc http ...); "
+                        "http is the server's own OpenAI API, generate and openai go through SMG")
     p.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"])
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--per-group", type=int, default=8)

@@ -9,12 +9,9 @@ that disconnects aborts its request (its blocks return at once). --api-key guard
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import hmac
 import json
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +19,6 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pydantic
 import structlog
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -33,6 +29,7 @@ from starlette.routing import Route
 from scheduler_service.api import openai_requests as to_engine
 from scheduler_service.api import openai_responses as out
 from scheduler_service.api.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from scheduler_service.api.streams import ClientGone, merged, unless_disconnected
 from scheduler_service.api.tool_calls import template_writes_tool_calls
 from scheduler_service.embedding import prepare_embeddings, run_embeddings
 from scheduler_service.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
@@ -57,6 +54,8 @@ def _api_error(error: Exception) -> ApiError:
     """An engine or validation error as the HTTP status and OpenAI error type it is answered with."""
     if isinstance(error, ApiError):
         return error
+    if isinstance(error, ClientGone):
+        return ApiError(499, str(error))
     if isinstance(error, (InvalidRequest, DuplicateRequestId)):
         return ApiError(400, str(error).replace("sampling.", ""))
     if isinstance(error, QueueFull):
@@ -105,64 +104,6 @@ async def _body(request: Request, model: type[pydantic.BaseModel]):
         return model.model_validate(data)
     except pydantic.ValidationError as e:
         raise ApiError(400, _validation_message(e)) from None
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body already read, the next ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work):
-    """Run work (a coroutine) to its end, or cancel it when the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-    if task.cancelled():
-        raise ApiError(499, "the client disconnected")
-    return task.result()
-
-
-async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """(which, item) from several async iterators as they come; one that fails ends them all."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, it: AsyncIterator) -> None:
-        try:
-            async for item in it:
-                await queue.put((i, item))
-        except BaseException as e:  # noqa: BLE001 - handed to the reader
-            await queue.put((i, e))
-            return
-        await queue.put((i, done))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    left = len(tasks)
-    try:
-        while left:
-            i, item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class OpenAIServer:
@@ -284,7 +225,7 @@ class OpenAIServer:
             token_text = self.token_text if body.logprobs else None
             if body.stream:
                 return self._chat_stream(body, model, prepared, mode, token_text)
-            samples, usage = await _unless_disconnected(request, self._collect([prepared]))
+            samples, usage = await unless_disconnected(request, self._collect([prepared]))
             return Response(
                 out.dumps(out.chat_completion(prepared.request_id, model, samples, mode, usage, token_text)),
                 media_type="application/json",
@@ -297,7 +238,7 @@ class OpenAIServer:
         samples: dict[int, out.Sample] = {}
         prompt = completion = cached = 0
         streams = [self.engine.generate(r) for r in requests]
-        async for i, delta in _merged(streams):
+        async for i, delta in merged(streams):
             n = requests[i].sampling.n
             samples.setdefault(i * n + delta.index, out.Sample()).add(delta)
             if delta.usage is not None:
@@ -349,7 +290,7 @@ class OpenAIServer:
             echoes = [self._echo(m, p) if body.echo else None for m, p in zip(msgs, prepared, strict=True)]
             if body.stream:
                 return self._completion_stream(body, rid, model, prepared, token_text, echoes)
-            samples, usage = await _unless_disconnected(request, self._collect(prepared))
+            samples, usage = await unless_disconnected(request, self._collect(prepared))
             n = body.n
             choices = [
                 out.completion_choice(k, samples[k], token_text, echoes[k // n]) for k in sorted(samples)
@@ -384,7 +325,7 @@ class OpenAIServer:
             offsets: dict[int, int] = {}
             started: set[int] = set()
             try:
-                async for i, delta in _merged([self.engine.generate(r) for r in prepared]):
+                async for i, delta in merged([self.engine.generate(r) for r in prepared]):
                     index = i * n + delta.index
                     text = delta.text
                     if echoes[i] and index not in started:
@@ -429,7 +370,7 @@ class OpenAIServer:
             inputs = to_engine.embed_inputs(body)
             inputs.request_id = rid
             requests = await prepare_embeddings(self.engine, inputs)
-            results = await _unless_disconnected(request, run_embeddings(self.engine, requests))
+            results = await unless_disconnected(request, run_embeddings(self.engine, requests))
             data = []
             for r in results:
                 vector = np.asarray(r.vector, dtype="<f4")
@@ -447,72 +388,3 @@ class OpenAIServer:
             )
 
         return await self._guarded(request, handler, "embd")
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn in the scheduler's loop: the scheduler owns SIGINT/SIGTERM (drain), not uvicorn."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-    def install_signal_handlers(self) -> None:  # older uvicorn
-        pass
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound now so that a port in use is said at start (OSError)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
-class HttpServer:
-    """uvicorn serving an OpenAIServer on a socket bound beforehand."""
-
-    def __init__(self, api: OpenAIServer, sock: socket.socket, tls: tuple[str, str] | None = None) -> None:
-        self.sock = sock
-        self.port = sock.getsockname()[1]
-        self.tls = tls is not None
-        ssl = {"ssl_keyfile": tls[0], "ssl_certfile": tls[1]} if tls else {}
-        config = uvicorn.Config(
-            api.app,
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=2,
-            http="httptools" if _has_httptools() else "h11",
-            **ssl,
-        )
-        self.server = _Uvicorn(config)
-        self.task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
-        while not self.server.started:
-            if self.task.done():
-                self.task.result()  # raises what stopped it
-                raise RuntimeError("the HTTP server stopped at start")
-            await asyncio.sleep(0.01)
-
-    async def stop(self) -> None:
-        if self.task is None:
-            return
-        self.server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.task, 10)
-
-
-def _has_httptools() -> bool:
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        return False
-    return True
