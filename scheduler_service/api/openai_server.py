@@ -67,8 +67,9 @@ def _api_error(error: Exception) -> ApiError:
     return ApiError(500, str(error), "server_error")
 
 
-def _error_response(error: ApiError, request_id: str = "") -> Response:
-    log.info("request_rejected", request_id=request_id, status=error.status, error=str(error))
+def _error_response(error: ApiError, request_id: str = "", logged: bool = True) -> Response:
+    if logged:
+        log.info("request_rejected", request_id=request_id, status=error.status, error=str(error))
     return Response(
         out.dumps(out.error_body(str(error), error.kind, error.code)),
         error.status,
@@ -182,7 +183,8 @@ class OpenAIServer:
         if e.limits is not None and e.is_serving and not e.is_draining:
             return Response(b"{}", 200, media_type="application/json")
         reason = "draining" if e.is_draining else (e.unavailable_reason or "not ready")
-        return _error_response(ApiError(503, reason, "service_unavailable"))
+        # a probe, not a request: not logged
+        return _error_response(ApiError(503, reason, "service_unavailable"), logged=False)
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
