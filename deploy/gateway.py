@@ -32,7 +32,7 @@ def smg_command(worker_addresses: list[str], host: str, port: int, model_dir: st
     SMG's own Prometheus metrics go to metrics_port on the same host."""
     return [sys.executable, "-m", "smg", "launch", "--host", host, "--port", str(port),
             "--worker-urls", *[f"grpc://{a}" for a in worker_addresses], "--policy", policy,
-            "--model-path", str(Path(model_dir).resolve()), "--log-level", "warn",
+            "--model-path", str(Path(model_dir).resolve()), "--log-level", "warn", "--log-json",
             "--prometheus-host", host, "--prometheus-port", str(metrics_port),
             # a server that restarts (or starts after the gateway) is back in rotation within seconds
             "--health-check-interval-secs", "5", "--health-success-threshold", "1", *(extra or [])]
