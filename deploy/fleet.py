@@ -44,6 +44,10 @@ log = structlog.get_logger("deploy")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# every supervised process: lines written as they come, no colour codes in the log files
+FLEET_ENV = {"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="pagedserve deploy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -233,7 +237,7 @@ def plan_fleet(args, run_dir: Path, replicas: list[int] | None) -> Fleet:
     or under --workers-only this host's workers of a scheduler elsewhere."""
     if args.workers_only:
         units = worker_units(args, args.scheduler, replicas, run_dir, args.rendezvous_host)
-        return Fleet(Supervisor(units, env={"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}, cwd=ROOT), [], [])
+        return Fleet(Supervisor(units, env=FLEET_ENV, cwd=ROOT), [], [])
     # each scheduler starts first and says which ports it bound (any free one where the flag says 0); its
     # workers start once it has, and a restarted scheduler binds the same ports again, so restarted
     # workers, clients and the gateway find it
@@ -243,8 +247,7 @@ def plan_fleet(args, run_dir: Path, replicas: list[int] | None) -> Fleet:
         folder.mkdir(parents=True, exist_ok=True)
         program = scheduler_program(args, args.worker_endpoint, folder, i)
         units.append(Unit(program.name, [program]))
-    return Fleet(Supervisor(units, env={"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}, cwd=ROOT), list(units), dirs,
-                 {u.name: [] for u in units})
+    return Fleet(Supervisor(units, env=FLEET_ENV, cwd=ROOT), list(units), dirs, {u.name: [] for u in units})
 
 
 def start_servers(args, fleet: Fleet, replicas: list[int] | None) -> list[str]:

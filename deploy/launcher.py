@@ -82,14 +82,17 @@ def worker_units(args: argparse.Namespace, endpoint: str, replicas: list[int] | 
     return units
 
 
-async def supervise(supervisor: Supervisor, stop: asyncio.Event, interval: float = 0.2) -> None:
-    """Poll the supervisor until stopped; a configuration error stops the service."""
+async def supervise(supervisor: Supervisor, stop: asyncio.Event, interval: float = 0.2,
+                    failed: list | None = None) -> None:
+    """Poll the supervisor until stopped; a configuration error stops the service (and is put in `failed`)."""
     try:
         while not stop.is_set():
             supervisor.poll()
             await asyncio.sleep(interval)
     except FatalExit as e:
         log.error("worker_config_error", error=str(e))
+        if failed is not None:
+            failed.append(str(e))
         stop.set()
 
 
@@ -101,10 +104,14 @@ async def launch(args: argparse.Namespace) -> int:
         supervisor = Supervisor(worker_units(args, endpoint))
         supervisor.start_all()
         state["supervisor"] = supervisor
-        state["task"] = asyncio.get_running_loop().create_task(supervise(supervisor, stop))
+        state["task"] = asyncio.get_running_loop().create_task(supervise(supervisor, stop, failed=failed))
 
+    failed: list[str] = []
     try:
-        return await serve(args, on_bound=start_workers, stop=stop)
+        code = await serve(args, on_bound=start_workers, stop=stop)
+        if failed:  # a worker refused its flags or this machine: its own line says why, above
+            raise ConfigError(f"a worker could not start ({failed[0]}); its reason is in the line above")
+        return code
     finally:
         if "task" in state:
             state["task"].cancel()

@@ -57,7 +57,7 @@ def taken_port():
         yield s.getsockname()[1]
 
 
-def serve_cases(tmp, model, taken):
+def bad_models(tmp):
     from worker.gguf_weights import find_embedded_gguf
 
     (tmp / "not-a-model").mkdir()
@@ -68,31 +68,57 @@ def serve_cases(tmp, model, taken):
     (tmp / "bad-config" / "config.json").write_text("{not json")
     (tmp / "bad-config" / "tokenizer.json").write_text("{}")
     return [
-        (["--model", str(tmp / "nowhere")], "no model at"),
-        (["--model", str(tmp / "not-a-model")], "has no config.json"),
-        (["--model", str(tmp / "plain.txt")], "is a file but not a .gguf one"),
-        (["--model", str(tmp / "missing.gguf")], "no such GGUF file"),
-        (["--model", str(truncated)], "the GGUF file is truncated or corrupt"),
-        (["--model", str(tmp / "bad-config")], "config.json cannot be read"),
-        (["--model", str(model), "--port", "99999"], "--port: 99999 is outside [0, 65535]"),
-        (
-            ["--model", str(model), "--port", str(taken), "--metrics-port", "0"],
-            f"cannot serve gRPC on 127.0.0.1:{taken}",
-        ),
-        (
-            ["--model", str(model), "--port", "0", "--http-port", str(taken), "--metrics-port", "0"],
-            f"cannot serve HTTP on 127.0.0.1:{taken}",
-        ),
-        (["--model", str(model), "--tls-cert", "x.pem"], "--tls-cert and --tls-key go together"),
-        (["--model", str(model), "--block-size", "0"], "--block-size: 0 is below 1"),
+        (tmp / "nowhere", "no model at"),
+        (tmp / "not-a-model", "has no config.json"),
+        (tmp / "plain.txt", "is a file but not a .gguf one"),
+        (tmp / "missing.gguf", "no such GGUF file"),
+        (truncated, "the GGUF file is truncated or corrupt"),
+        (tmp / "bad-config", "config.json cannot be read"),
     ]
 
 
-def test_serve_refuses_what_cannot_work_in_one_line_and_exit_2(tmp_path, tiny_model_dir, taken_port):
+def test_serve_says_what_is_wrong_with_a_model_path_or_a_flag(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """Each refused before anything is bound or started (in this process: `pagedserve serve`'s own main)."""
+    from deploy.launcher import main as serve_main
+
+    monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path / "prepared"))
+    cases = [(["--model", str(path)], message) for path, message in bad_models(tmp_path)] + [
+        (["--model", str(tiny_model_dir), "--port", "99999"], "--port: 99999 is outside [0, 65535]"),
+        (["--model", str(tiny_model_dir), "--tls-cert", "x.pem"], "--tls-cert and --tls-key go together"),
+        (["--model", str(tiny_model_dir), "--block-size", "0"], "--block-size: 0 is below 1"),
+        (["--model", str(tiny_model_dir), "--kv-cache-memory", "lots"], "cannot read 'lots' as a size"),
+        (["--model", str(tiny_model_dir), "--num-blocks", "-1"], "--num-blocks: -1 is below 1"),
+    ]
     failures = []
-    for argv, message in serve_cases(tmp_path, tiny_model_dir, taken_port):
+    for argv, message in cases:
+        try:
+            code = serve_main([*argv, "--metrics-port", "0", "--http-port", "0", "--log-format", "json"])
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err.strip().splitlines()
+        if code != 2 or not err or message not in err[-1]:
+            failures.append(f"{argv}: exit {code}, last line {err[-1:]!r}")
+    assert not failures, "\n".join(failures)
+
+
+def test_a_running_serve_refuses_a_taken_port_or_a_worker_that_cannot_start(tiny_model_dir, taken_port):
+    """As typed, real processes: the last line says what is wrong, exit 2, no traceback."""
+    model = str(tiny_model_dir)
+    cases = [
+        (["--model", model, "--port", str(taken_port), "--metrics-port", "0"],
+         f"cannot serve gRPC on 127.0.0.1:{taken_port}"),
+        (["--model", model, "--port", "0", "--http-port", str(taken_port), "--metrics-port", "0"],
+         f"cannot serve HTTP on 127.0.0.1:{taken_port}"),
+        # a worker that refuses: its reason, then the server's one line naming it
+        (["--model", model, "--tp", "3", "--port", "0", "--http-port", "0", "--metrics-port", "0"],
+         "a worker could not start"),
+    ]
+    failures = []
+    for argv, message in cases:
         r = run("serve", *argv)
         last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
         if r.returncode != 2 or message not in last or "Traceback" in r.stderr + r.stdout:
             failures.append(f"{argv}: exit {r.returncode}, last line {last!r}")
+        if "--tp" in argv and "cannot split the model's 4 query heads" not in r.stderr:
+            failures.append(f"{argv}: the worker's reason is not said: {r.stderr[-500:]!r}")
     assert not failures, "\n".join(failures)

@@ -14,7 +14,7 @@ import sys
 import structlog
 
 from protos import EXIT_CONFIG
-from protos.argtypes import Parser
+from protos.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range
 from protos.logs import LOG_FORMATS, configure_logging
 from worker.startup import (
     DTYPES,
@@ -29,6 +29,19 @@ from worker.startup import (
 )
 
 log = structlog.get_logger("worker.main")
+
+
+def size(text: str) -> str:
+    """An argparse type: a memory size as --kv-cache-memory takes it (2GiB, 512MiB, 1000000), checked now and
+    passed on as written."""
+    from worker.kv_pool import parse_bytes
+
+    try:
+        if parse_bytes(text) < 1:
+            raise ValueError(f"{text!r} is no memory at all")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 
@@ -61,12 +74,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "halves the bytes a long context reads (keys and values rounded to bf16); auto: bf16 "
                         "where the model is served in bfloat16 (--dtype bfloat16), else the model's compute "
                         "dtype")
-    g.add_argument("--num-blocks", type=int, default=None,
+    g.add_argument("--num-blocks", type=POSITIVE, default=None,
                    help="KV pool size in blocks (overrides the memory budget)")
-    g.add_argument("--kv-cache-memory", default=None,
+    g.add_argument("--kv-cache-memory", type=size, default=None,
                    help="KV pool memory per rank, e.g. 2GiB (default: 2GiB on a CPU; on CUDA what "
                         "--gpu-memory-utilization leaves once everything else is measured)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    g.add_argument("--gpu-memory-utilization", type=float_range(0.0, 1.0, low_open=True), default=0.9,
                    help="on CUDA: share of the GPU's memory this worker may use (weights, activations, KV "
                         "pool)")
     g.add_argument("--attention-backend", default=None, choices=["triton", "cpu", "torch"],
@@ -100,29 +113,29 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="projection matmuls: auto times the libraries on the model's shapes at start and "
                         "keeps the fastest; dense is F.linear; onednn and mkl pack each weight once (CPU, "
                         "fp32)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker")
+    g.add_argument("--threads", type=POSITIVE, default=None, help="torch CPU threads per worker")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
-    g.add_argument("--graph-max-context", type=int, default=8192,
+    g.add_argument("--graph-max-context", type=POSITIVE, default=8192,
                    help="on CUDA, the longest sequence the first tier of decode graphs serves (few splits); "
                         "a second tier serves up to --max-model-len")
     g.add_argument("--malloc", default=None, choices=["auto", "tcmalloc", "glibc", "default"],
                    help="host allocator (worker/host_memory.py): auto preloads the system's tcmalloc for a "
                         "CPU worker where present, else tunes glibc to reuse freed blocks; default: "
                         "$PAGEDSERVE_MALLOC or auto")
-    g.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
-    g.add_argument("--scheduler-timeout", type=float, default=30.0,
+    g.add_argument("--seed", type=COUNT, default=0, help="seed of dummy weights")
+    g.add_argument("--scheduler-timeout", type=SECONDS, default=30.0,
                    help="exit when the scheduler is silent this long")
-    g.add_argument("--stop-timeout", type=float, default=60.0,
+    g.add_argument("--stop-timeout", type=SECONDS, default=60.0,
                    help="on SIGTERM (unsupervised, as under Kubernetes): keep serving the draining scheduler "
                         "until it says shutdown or is gone, at most this many seconds")
-    g.add_argument("--collective-timeout", type=float, default=300.0,
+    g.add_argument("--collective-timeout", type=SECONDS, default=300.0,
                    help="seconds a rank waits for its group in a collective before it gives up and exits")
 
 
 def add_group_args(p: argparse.ArgumentParser) -> None:
     """Flags that describe the parallel layout (the launchers set the per-rank ones)."""
-    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, dest="tensor_parallel_size",
+    p.add_argument("--tensor-parallel-size", "--tp", type=POSITIVE, default=1, dest="tensor_parallel_size",
                    help="ranks of one model (heads, MLP and vocabulary split over them)")
 
 
@@ -179,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         runner, warm_s = build_runner(loaded, plan, device)
     except Refused as e:
         log.error(e.event, **e.fields)
-        if e.message:
-            print(f"pagedserve-worker: {e.message}", file=sys.stderr)
+        details = ", ".join(f"{k}={v}" for k, v in e.fields.items())
+        message = e.message or f"{e.event.replace('_', ' ')} ({details})"
+        print(f"pagedserve-worker: {message}", file=sys.stderr)
         return EXIT_CONFIG
     from worker.server import WorkerServer
 

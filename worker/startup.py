@@ -241,7 +241,7 @@ def start_device(args):
     try:
         device = torch.device(rank_device(args.device, args.local_rank, cuda_count))
     except ValueError as e:
-        raise Refused("bad_device", device=args.device, error=str(e)) from None
+        raise Refused("bad_device", str(e), device=args.device, error=str(e)) from None
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches on the current device
     default = "bfloat16" if device.type == "cuda" else "float32"
@@ -424,7 +424,9 @@ def size_pool(args, loaded: Loaded, device, tp: int) -> PoolPlan:
                       "--max-num-batched-tokens or --max-num-seqs, or raise --gpu-memory-utilization "
                       f"({e})", error=str(e)) from None
     if num_blocks < 1:
-        raise Refused("kv_budget_too_small", kv_cache_memory=args.kv_cache_memory,
+        raise Refused("kv_budget_too_small", f"the KV budget holds no block of {per_block} bytes: give "
+                      "--kv-cache-memory (or --num-blocks, --gpu-memory-utilization) more",
+                      kv_cache_memory=args.kv_cache_memory,
                       gpu_memory_utilization=args.gpu_memory_utilization, bytes_per_block=per_block)
     max_num_seqs = args.max_num_seqs or default_max_num_seqs(
         device.type, num_blocks, args.block_size, args.max_num_batched_tokens)
