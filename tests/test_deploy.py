@@ -201,3 +201,25 @@ def test_two_servers_behind_the_gateway_serve_openai_and_stop_together(tmp_path,
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_run_writes_its_logs_anew_and_a_restart_goes_on_after_the_lines_it_follows(tmp_path):
+    """A deployment started again does not append to the last run's logs; a unit the supervisor restarts
+    within a run keeps what its earlier life wrote."""
+    from deploy.supervisor import Program, Supervisor, Unit
+
+    log = tmp_path / "worker.log"
+    log.write_text("a line from yesterday's run\n")
+
+    def unit() -> Unit:
+        return Unit("u", [Program("p", [sys.executable, "-c", "print('started')"], log)])
+
+    first = Supervisor([unit()])
+    first.start(first.units[0])
+    first.units[0].procs[0].wait(30)
+    assert log.read_text() == "started\n"
+    first.units[0].restarts = 1  # as the supervisor's poll counts a restart before starting again
+    first.start(first.units[0])
+    first.units[0].procs[0].wait(30)
+    assert log.read_text() == "started\nstarted\n"
+    first.stop_all()
