@@ -55,7 +55,10 @@ class SamplingFields(Strict):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # taken and ignored, as OpenAI's own end-user id is
+    # taken and ignored: an end user's id, and OpenAI's platform storage (this server stores nothing)
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
     # the engine's extras
     top_k: int | None = None
     min_p: float | None = None
