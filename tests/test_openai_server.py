@@ -319,3 +319,34 @@ def test_auto_tool_calls_are_parsed_out_of_hermes_blocks_whole_and_streamed():
     final = events[-1]["choices"][0]
     assert final["finish_reason"] == "tool_calls"
     assert final["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    text = httpx.post(
+        f"{server.http_url.removesuffix('/v1')}/tokenize", json={"prompt": "the quick brown"}, headers=auth
+    ).json()
+    want = server.stub.Generate(
+        generation_pb2.GenerateRequest(
+            prompt="the quick brown", raw_prompt=True, sampling=generation_pb2.SamplingParams(max_tokens=1)
+        ),
+        timeout=60,
+    ).usage.prompt_tokens
+    assert text["count"] == len(text["tokens"]) == want and text["max_model_len"] > 0
+    chat = httpx.post(
+        f"{server.http_url.removesuffix('/v1')}/tokenize", json={"messages": CONVERSATION}, headers=auth
+    ).json()
+    expected = grpc_answer(
+        server,
+        messages=[generation_pb2.ChatMessage(**m) for m in CONVERSATION],
+        sampling=generation_pb2.SamplingParams(max_tokens=1),
+    ).usage.prompt_tokens
+    assert chat["count"] == expected
+    back = httpx.post(
+        f"{server.http_url.removesuffix('/v1')}/detokenize", json={"tokens": text["tokens"]}, headers=auth
+    ).json()
+    assert back["prompt"] == "the quick brown"
+    bad = httpx.post(
+        f"{server.http_url.removesuffix('/v1')}/detokenize", json={"tokens": [10**9]}, headers=auth
+    )
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]

@@ -159,3 +159,19 @@ class EmbeddingRequest(Strict):
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     prompt_name: str | None = None
+
+
+class TokenizeRequest(Strict):
+    """vLLM's /tokenize: a text (as it is) or a conversation (through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]

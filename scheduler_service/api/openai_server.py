@@ -28,7 +28,13 @@ from starlette.routing import Route
 
 from scheduler_service.api import openai_requests as to_engine
 from scheduler_service.api import openai_responses as out
-from scheduler_service.api.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from scheduler_service.api.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 from scheduler_service.api.streams import ClientGone, merged, unless_disconnected
 from scheduler_service.api.tool_calls import template_writes_tool_calls
 from scheduler_service.embedding import prepare_embeddings, run_embeddings
@@ -122,6 +128,8 @@ class OpenAIServer:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
@@ -132,7 +140,7 @@ class OpenAIServer:
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         message = {
             404: f"no route {request.url.path}: this server serves /v1/chat/completions, "
-            "/v1/completions, /v1/embeddings, /v1/models, /health and /metrics",
+            "/v1/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize, /health and /metrics",
             405: f"{request.method} is not allowed on {request.url.path}",
         }.get(exc.status_code, str(exc.detail))
         return _error_response(ApiError(exc.status_code, message))
@@ -178,6 +186,49 @@ class OpenAIServer:
         return out.usage_body(prompt, completion, cached)
 
     # --- routes ----------------------------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: a prompt's token ids as this server would compute them."""
+
+        async def handler(rid: str):
+            body = await _body(request, TokenizeRequest)
+            self._model(body.model)
+            if (body.prompt is None) == (body.messages is None):
+                raise InvalidRequest("set exactly one of prompt and messages")
+            if body.prompt is not None:
+                ids = self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            else:  # the chat request's own path: template, tools, the same checks
+                chat = ChatCompletionRequest(
+                    messages=body.messages,
+                    tools=body.tools,
+                    max_tokens=1,
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+                msg, _ = to_engine.chat_request(chat, {}, False)
+                msg.request_id = rid
+                ids = (await prepare_request(self.engine, msg)).prompt_token_ids
+            limit = self.engine.limits.max_context if self.engine.limits else self.engine.spec.max_context
+            return Response(
+                out.dumps({"count": len(ids), "max_model_len": limit, "tokens": ids}),
+                media_type="application/json",
+            )
+
+        return await self._guarded(request, handler)
+
+    async def detokenize(self, request: Request) -> Response:
+        async def handler(rid: str):
+            body = await _body(request, DetokenizeRequest)
+            self._model(body.model)
+            vocab = self.engine.spec.vocab_size
+            bad = [t for t in body.tokens if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequest(
+                    f"tokens has {len(bad)} id(s) outside the vocabulary [0, {vocab}), e.g. {bad[0]}"
+                )
+            text = self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+            return Response(out.dumps({"prompt": text}), media_type="application/json")
+
+        return await self._guarded(request, handler)
+
     async def health(self, request: Request) -> Response:
         e = self.engine
         if e.limits is not None and e.is_serving and not e.is_draining:
