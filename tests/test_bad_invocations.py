@@ -77,7 +77,21 @@ def bad_models(tmp):
     ]
 
 
-def test_serve_says_what_is_wrong_with_a_model_path_or_a_flag(tmp_path, tiny_model_dir, capsys, monkeypatch):
+@pytest.fixture
+def logging_restored():
+    """`pagedserve serve`'s main configures structlog to write to this test's captured stderr: put back what
+    the process had, or later tests in it would log to a closed stream."""
+    import structlog
+
+    config, context = structlog.get_config(), structlog.contextvars.get_contextvars()
+    yield
+    structlog.configure(**config)
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(**context)
+
+
+def test_serve_says_what_is_wrong_with_a_model_path_or_a_flag(tmp_path, tiny_model_dir, capsys, monkeypatch,
+                                                              logging_restored):
     """Each refused before anything is bound or started (in this process: `pagedserve serve`'s own main)."""
     from deploy.launcher import main as serve_main
 
