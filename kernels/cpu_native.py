@@ -26,10 +26,18 @@ import torch
 log = structlog.get_logger("kernels.cpu_native")
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
-SOURCES = [SOURCE_DIR / "paged_decode.c", SOURCE_DIR / "paged_prefill.c", SOURCE_DIR / "elementwise.c",
-           SOURCE_DIR / "quant_matmul.c", SOURCE_DIR / "decode_step.c"]
-HEADERS = [SOURCE_DIR / "vec_math.h", SOURCE_DIR / "quant_blocks.h", SOURCE_DIR / "rows.h",
-           SOURCE_DIR / "packed_blocks.h"]
+
+
+def sources(folder: Path = SOURCE_DIR) -> list[Path]:
+    """Every translation unit of the library: each .c in the folder."""
+    return sorted(folder.glob("*.c"))
+
+
+def build_inputs(folder: Path = SOURCE_DIR) -> list[Path]:
+    """Every file the compiled library depends on (each .c and each .h: a header edited alone rebuilds)."""
+    return sorted([*folder.glob("*.c"), *folder.glob("*.h")])
+
+
 # PAGEDSERVE_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2, no AVX-512, for a
 # fleet of older machines; the tests build it so to check the portable paths here)
 MARCH = os.environ.get("PAGEDSERVE_NATIVE_MARCH", "native")
@@ -331,25 +339,30 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve") / "kernels"
 
 
+def build_key(cc: str, folder: Path = SOURCE_DIR, cflags: list[str] = CFLAGS) -> str:
+    """The cached library's name: a hash of every source and header, the flags, the compiler and the CPU."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    digest = hashlib.sha256()
+    for f in build_inputs(folder):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    for part in (" ".join(cflags), str(version), _cpu_flags()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
 def build(verbose: bool = False) -> Path:
     """Compile the library for this machine (once per source, compiler and CPU) and return its path."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    digest = hashlib.sha256()
-    for part in (
-            [f.read_bytes() for f in SOURCES + HEADERS] + [
-                " ".join(CFLAGS).encode(), str(version).encode(), _cpu_flags().encode()]):
-        digest.update(part)
-    target = cache_dir() / f"pagedserve_cpu-{digest.hexdigest()[:16]}.so"
+    target = cache_dir() / f"pagedserve_cpu-{build_key(cc)}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # built aside, then renamed: ranks may race
     os.close(fd)
     try:
-        res = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+        res = subprocess.run([cc, *CFLAGS, *map(str, sources()), "-o", tmp, "-lm"], capture_output=True,
                              text=True)
         if res.returncode != 0:
             raise RuntimeError(f"building the native CPU kernels failed: {res.stderr.strip()[-2000:]}")
