@@ -37,7 +37,7 @@ from protos import EXIT_CONFIG, ConfigError
 from protos.argtypes import PORT, Parser
 from protos.logs import configure_logging
 from scheduler_service.main import DEFAULT_HTTP_PORT, add_scheduler_args, check_model_folder
-from worker.main import add_worker_args
+from worker.serve.main import add_worker_args
 
 log = structlog.get_logger("deploy")
 
@@ -276,7 +276,7 @@ def start_gateway(args, fleet: Fleet, addresses: list[str], run_dir: Path) -> li
     """SMG in front of the servers, supervised like them; its banner once every server is registered.
     RuntimeError / TimeoutError: it did not come up."""
     from deploy.gateway import smg_command, wait_ready
-    from scheduler_service.config import ModelSpec
+    from scheduler_service.core.config import ModelSpec
 
     gateway = Program("gateway", smg_command(addresses, args.gateway_host, args.gateway_port, args.model,
                                              args.gateway_policy, gateway_metrics_port(args)),

@@ -5,7 +5,7 @@ The scheduler runs in this process; the workers are --data-parallel-size groups 
 (deploy/supervisor.py): a group any rank of which exits is restarted as a whole. Stopping the
 launcher (Ctrl-C, SIGTERM) stops every worker.
 
-Worker flags are defined once, by the worker (worker/main.py); the launchers pass them through.
+Worker flags are defined once, by the worker (worker/serve/main.py); the launchers pass them through.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from protos import EXIT_CONFIG, ConfigError
 from protos.argtypes import Parser
 from protos.logs import configure_logging
 from scheduler_service.main import add_scheduler_args, serve
-from worker.main import add_worker_args
-from worker.main import build_parser as worker_parser
+from worker.serve.main import add_worker_args
+from worker.serve.main import build_parser as worker_parser
 
 log = structlog.get_logger("launcher")
 
@@ -67,7 +67,7 @@ def worker_units(args: argparse.Namespace, endpoint: str, replicas: list[int] | 
         meeting = meeting_dir / f"rendezvous-{d}.json"
         programs = []
         for r in range(tp):
-            argv = [sys.executable, "-m", "worker.main", "--model", args.model, "--scheduler", endpoint,
+            argv = [sys.executable, "-m", "worker.serve.main", "--model", args.model, "--scheduler", endpoint,
                     "--replica", str(d), "--rank", str(r), "--local-rank", str(local_group * tp + r),
                     "--log-level", args.log_level, *flags]
             # a worker whose log goes to a file writes JSON; one sharing the terminal follows the scheduler

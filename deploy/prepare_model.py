@@ -2,7 +2,7 @@
 
 Reading a GGUF's tokenizer and config through transformers takes seconds, so it is done once: the folder
 holds config.json, the tokenizer files (chat template included) and pagedserve_model.json naming the file,
-whose tensors the workers read from it (worker/gguf_weights.py): no full-precision copy of the model is
+whose tensors the workers read from it (worker/weights/gguf.py): no full-precision copy of the model is
 made, in memory or on disk. A file of an architecture the workers do not read directly, or a folder asked
 for with --dense (the embedded model's: GPU serving, the peers' benchmarks and the tests' references read
 it), also holds the weights dequantized into fp32 safetensors.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from protos import ConfigError
 from protos.argtypes import Parser
-from worker.gguf_weights import find_embedded_gguf
+from worker.weights.gguf import find_embedded_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -34,7 +34,7 @@ def is_prepared(out: Path, dense: bool = False) -> bool:
 def needs_dense_copy(gguf_path: Path) -> bool:
     """Whether the workers need the file's weights dequantized beforehand (an architecture they do not
     read)."""
-    from worker.gguf_weights import reads_natively
+    from worker.weights.gguf import reads_natively
 
     return not reads_natively(gguf_path)
 
@@ -131,7 +131,7 @@ def preparation_refusal(path: Path, cache: Path, available: int | None = None,
 
     from gguf import GGUFReader
 
-    from worker.memory_plan import GiB, available_bytes, human
+    from worker.serve.memory_plan import GiB, available_bytes, human
 
     fp32 = 4 * sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
     available = available_bytes() if available is None else available

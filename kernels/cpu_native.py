@@ -124,7 +124,7 @@ class NativeKernels:
         self._decode_step_scratch.restype = ctypes.c_int64
         self.sgemm = blas_sgemm()
 
-    # --- the fused decode step (worker/fused_decode.py describes the model) ---------------------------------
+    # --- the fused decode step (worker/model/fused_decode.py describes the model) --------------------
     def decode_step_scratch(self, model_desc, rows: int) -> int:
         """Floats of scratch a fused decode step of `rows` tokens needs."""
         return self._decode_step_scratch(ctypes.addressof(model_desc), rows)
@@ -160,7 +160,7 @@ class NativeKernels:
         self._argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr())
         return out
 
-    # --- weight-only quantized matmuls on GGUF blocks (worker/quantized.py) ---------------------------------
+    # --- weight-only quantized matmuls on GGUF blocks (worker/model/quantized.py) --------------------
     def quant_matmul(self, x: torch.Tensor, w: torch.Tensor, type_id: int, out_dim: int, y: torch.Tensor,
                      int8_activations: bool = False) -> None:
         """y = x @ W.T: x fp32 [rows, in_dim] contiguous, w uint8 [out_dim, blocks] (ggml type type_id), y
@@ -206,7 +206,7 @@ class NativeKernels:
                              f"groups, not type {type_id} {out_dim}x{in_dim}")
         return out, packed
 
-    # --- the elementwise tail (fp32, contiguous rows; checked by the callers in worker/fused.py) -----------
+    # --- the elementwise tail (fp32, contiguous rows; callers in worker/model/elementwise.py check) -
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      out: torch.Tensor, eps: float) -> None:
         """residual += delta (when given, in place), out = rms_norm(residual) * weight."""

@@ -1,7 +1,7 @@
 """The elementwise tail of a layer as Triton kernels, one launch each, for the GPU: residual add + RMSNorm,
 SiLU·mul, and RoPE in place on the fused QKV row. In torch each is four to six kernels and temporaries
 per layer, launch overhead that dominates a decode step of a small batch. Arithmetic in fp32, results
-rounded to the tensors' dtype once; `worker/fused.py`'s `TorchOps` is the definition they are tested
+rounded to the tensors' dtype once; worker/model/elementwise.py's `TorchOps` is the definition they are tested
 against (natively on CUDA, under TRITON_INTERPRET=1 elsewhere).
 """
 
@@ -60,7 +60,8 @@ def _rope_kernel(x_ptr, row_stride, positions_ptr, cos_ptr, sin_ptr, half, head_
 
 
 class TritonElementwise:
-    """The launchers, with the signatures of kernels/cpu_native.py's (worker/fused.py drives either)."""
+    """The launchers, with the signatures of kernels/cpu_native.py's (worker/model/elementwise.py
+    drives both)."""
 
     @staticmethod
     def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,

@@ -8,7 +8,7 @@ weight tile once for all of them, and gathers the pairs' token rows itself (no p
 activations). After SiLU·mul, a second launch does the down projections the same way, scaling each pair by
 its routing weight, and the k pairs of a token are summed. Experts no token chose are never read.
 
-`worker/moe.py`'s grouped torch loop is the definition it is tested against (natively on CUDA, under
+`worker/model/moe.py`'s grouped torch loop is the definition it is tested against (natively on CUDA, under
 TRITON_INTERPRET=1 elsewhere).
 """
 

@@ -1,4 +1,4 @@
-"""Top-p without sorting the vocabulary, for the GPU sampler (worker/sampler.py).
+"""Top-p without sorting the vocabulary, for the GPU sampler (worker/step/sampler.py).
 
 A row keeps token i when the probability mass strictly above p_i is below top_p (every token tied with
 the last one kept stays, as with top-k). That set is {i : p_i >= floor} for one floor, which is one of the

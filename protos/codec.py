@@ -2,7 +2,7 @@
 
 One place knows every array's dtype and shape (protos/wire.proto documents them); the scheduler
 encodes with it, the worker and the simulated worker decode with it. Decoding checks sizes only:
-whether values fit a pool or a vocabulary is the worker's business (worker/runner.py).
+whether values fit a pool or a vocabulary is the worker's business (worker/step/runner.py).
 """
 
 from __future__ import annotations

@@ -27,13 +27,13 @@ from protos.argtypes import COUNT, PORT, PORT_OR_ANY, POSITIVE, SECONDS, Parser,
 from protos.logs import LOG_FORMATS, configure_logging, human_bytes
 from scheduler_service.api.http_server import HttpServer, bind
 from scheduler_service.api.openai_server import OpenAIServer
-from scheduler_service.config import TASKS, ModelSpec, SchedulerConfig
-from scheduler_service.engine import Engine
-from scheduler_service.metrics import DEFAULT_METRICS_PORT
-from scheduler_service.pooling import POOLINGS, PoolingConfigError
-from scheduler_service.server import build_server
-from scheduler_service.tokenizer import Tokenizer
-from scheduler_service.worker_client import WorkerClient
+from scheduler_service.api.server import build_server
+from scheduler_service.core.config import TASKS, ModelSpec, SchedulerConfig
+from scheduler_service.core.pooling import POOLINGS, PoolingConfigError
+from scheduler_service.runtime.engine import Engine
+from scheduler_service.runtime.metrics import DEFAULT_METRICS_PORT
+from scheduler_service.runtime.worker_client import WorkerClient
+from scheduler_service.text.tokenizer import Tokenizer
 
 log = structlog.get_logger("scheduler.main")
 

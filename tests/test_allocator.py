@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from scheduler_service.block_allocator import BlockAllocator, OutOfBlocks
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.scheduler import Scheduler
-from scheduler_service.sequence import Request, SamplingOptions
+from scheduler_service.core.block_allocator import BlockAllocator, OutOfBlocks
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.sequence import Request, SamplingOptions
 
 
 def test_paged_vs_static_accounting():

@@ -6,7 +6,7 @@ import torch
 
 from kernels.reference import paged_attention, write_kv
 from tests.paged_case import make_case
-from worker.attention import make_backend
+from worker.model.attention import make_backend
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])

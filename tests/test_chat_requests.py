@@ -4,8 +4,9 @@ import pytest
 from google.protobuf import struct_pb2
 
 from protos import generation_pb2 as pb
-from scheduler_service.tokenizer import Tokenizer
-from scheduler_service.validation import InvalidRequest, Limits, request_from_proto
+from scheduler_service.api.validation import InvalidRequest, request_from_proto
+from scheduler_service.text.limits import Limits
+from scheduler_service.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

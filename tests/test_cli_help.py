@@ -10,7 +10,7 @@ from deploy.cli import build_parser as cli_parser
 from deploy.fleet import build_parser as deploy_parser
 from deploy.launcher import build_parser as serve_parser
 from deploy.loadtest.cli import build_parser as loadtest_parser
-from worker.main import build_parser as worker_parser
+from worker.serve.main import build_parser as worker_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PARSERS = {"pagedserve": cli_parser, "pagedserve serve": serve_parser, "pagedserve deploy": deploy_parser,

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from protos.codec import PlanArrays
-from worker.controls import apply_controls, gather_controls, top_logprobs, unpack_bitmask
-from worker.kv_pool import KVPool
-from worker.model_config import ModelConfig
-from worker.plan_checks import PlanError, validate_controls
-from worker.sampler import SamplingBatch, sample
+from worker.model.config import ModelConfig
+from worker.model.kv_pool import KVPool
+from worker.step.controls import apply_controls, gather_controls, top_logprobs, unpack_bitmask
+from worker.step.plan_checks import PlanError, validate_controls
+from worker.step.sampler import SamplingBatch, sample
 
 VOCAB, BS = 50, 4
 
@@ -173,7 +173,7 @@ def test_malformed_control_arrays_are_refused(field, value, message):
 
 
 def test_a_drafting_rows_positions_take_its_masks_in_turn_and_its_biases_each():
-    """In a drafting step a row repeats once a drafted position (worker/speculation.py): each repeat gets
+    """In a drafting step a row repeats once a drafted position (worker/step/speculation.py): each repeat gets
     the row's biases and its own position's mask, the masks of the row following one another."""
     pool, tables = pool_with([[1, 2, 3], [4, 5]])
     bitmask = np.arange(4 * 2, dtype=np.int32).reshape(4, 2)  # four distinct masks

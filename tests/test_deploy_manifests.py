@@ -9,7 +9,7 @@ import pytest
 
 from deploy.launcher import build_parser as serve_parser
 from scheduler_service.main import build_parser as scheduler_parser
-from worker.main import build_parser as worker_parser
+from worker.serve.main import build_parser as worker_parser
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 PARSERS = {"pagedserve-scheduler": scheduler_parser, "pagedserve-worker": worker_parser,
@@ -128,7 +128,7 @@ def test_the_grafana_dashboard_graphs_series_the_server_exports():
     a panel empty without a word), and every exported series is on the dashboard."""
     import json
 
-    from scheduler_service.metrics import Metrics
+    from scheduler_service.runtime.metrics import Metrics
 
     dash = json.loads((DEPLOY / "grafana" / "pagedserve.json").read_text())
     queried = {

@@ -2,7 +2,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.drafting import SHARED_DISCOUNT, DraftLength, NgramIndex, SequenceDrafter, SharedNgrams
+from scheduler_service.core.drafting import (
+    SHARED_DISCOUNT,
+    DraftLength,
+    NgramIndex,
+    SequenceDrafter,
+    SharedNgrams,
+)
 
 
 def lookup_by_scanning(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -10,10 +10,10 @@ import pytest
 
 from deploy.testing import SimulatedWorker
 from protos.codec import POOL_FIRST, POOL_LAST, POOL_SUM, encode_plan
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.pooling import PoolingSpec
-from scheduler_service.scheduler import Scheduler
-from scheduler_service.sequence import EmbedOptions, FinishReason, Request, SamplingOptions
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.pooling import PoolingSpec
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.sequence import EmbedOptions, FinishReason, Request, SamplingOptions
 
 
 def embed_request(rid, prompt, pooling="mean", dimensions=None):

@@ -7,11 +7,11 @@ import re
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from scheduler_service.block_allocator import BlockAllocator, block_hash
-from scheduler_service.engine_protocol import to_generation_request
-from scheduler_service.kv_events import KvEventPublisher, SubscriberGone, event_hash
-from scheduler_service.structured import choice_regex
-from scheduler_service.validation import InvalidRequest
+from scheduler_service.api.engine_protocol import to_generation_request
+from scheduler_service.api.validation import InvalidRequest
+from scheduler_service.core.block_allocator import BlockAllocator, block_hash
+from scheduler_service.runtime.kv_events import KvEventPublisher, SubscriberGone, event_hash
+from scheduler_service.text.structured import choice_regex
 
 
 def request(**params):

@@ -157,7 +157,7 @@ def lone_scheduler(tmp_path, model_dir, scheduler_flags, worker_blocks):
             time.sleep(0.1)
         assert bound is not None, "the scheduler did not say which ports it bound"
         env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_SUPERVISED"}  # nobody orders its stop
-        worker = subprocess.Popen([sys.executable, "-m", "worker.main", "--model", str(model_dir),
+        worker = subprocess.Popen([sys.executable, "-m", "worker.serve.main", "--model", str(model_dir),
                                    "--scheduler",
                                    bound["worker_endpoint"], "--block-size", "4", "--num-blocks",
                                    str(worker_blocks),

@@ -1,12 +1,13 @@
-"""The native elementwise tail (kernels/cpu/elementwise.c) against its torch definition (worker/fused.py)."""
+"""The native elementwise tail (kernels/cpu/elementwise.c) against its torch definition
+(worker/model/elementwise.py)."""
 
 import pytest
 import torch
 
 from kernels import cpu_native
-from worker.fused import NativeOps, TorchOps, default_ops
-from worker.model import Rotary
-from worker.model_config import ModelConfig
+from worker.model.config import ModelConfig
+from worker.model.elementwise import NativeOps, TorchOps, default_ops
+from worker.model.llama import Rotary
 
 native = cpu_native.load()
 needs_native = pytest.mark.skipif(native is None, reason="native CPU kernels did not build here")
@@ -162,7 +163,7 @@ TRITON_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rto
 
 def _triton_ops():
     pytest.importorskip("triton")
-    from worker.fused import TritonOps
+    from worker.model.elementwise import TritonOps
 
     return TritonOps()
 
@@ -216,6 +217,6 @@ def test_triton_rope_in_place_on_the_fused_row_matches_torch(dtype, head_dim, ro
 def test_default_ops_on_cuda_are_the_triton_kernels():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from worker.fused import TritonOps
+    from worker.model.elementwise import TritonOps
 
     assert isinstance(default_ops(torch.device("cuda"), torch.bfloat16), TritonOps)

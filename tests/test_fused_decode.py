@@ -1,4 +1,4 @@
-"""The fused CPU decode step (worker/fused_decode.py, kernels/cpu/decode_step.c) against the layer path it
+"""The fused CPU decode step (model/fused_decode.py, kernels/cpu/decode_step.c) against the layer path it
 stands in for: the same hidden states and the same K/V written, for every layer variant the model code
 serves (Llama, Qwen2's QKV bias, Qwen3's q/k norm, SmolLM3's layers without RoPE), for dense fp32 and GGUF
 blocks, at one and several sequences whose contexts cross blocks; steps it does not cover take the layer
@@ -15,11 +15,11 @@ import torch
 from kernels import cpu_native
 from protos.codec import PlanArrays, decode_plan, encode_plan
 from tests.tiny import make_tiny_gguf, make_tiny_llama
-from worker.attention import make_backend
-from worker.kv_pool import KVPool
-from worker.linear import DenseMatmul
-from worker.model import StepInputs
-from worker.weights import load_model
+from worker.model.attention import make_backend
+from worker.model.kv_pool import KVPool
+from worker.model.linear import DenseMatmul
+from worker.model.llama import StepInputs
+from worker.weights.loader import load_model
 
 BLOCK = 16
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def _hf_model(kind: str):
 def _model(tmp_path, kind: str, packing: bool = False, int8: bool = False):
     """(model with the fused step attached, config) of a tiny random model of that family (GGUF Q4 blocks
     packed for the integer kernel with packing, meeting 8-bit activations with int8)."""
-    from worker.startup import use_fused_decode
+    from worker.serve.startup import use_fused_decode
 
     if kind == "llama":
         folder = make_tiny_llama(tmp_path / kind)
@@ -70,12 +70,14 @@ def _model(tmp_path, kind: str, packing: bool = False, int8: bool = False):
         hf.eval().save_pretrained(str(folder))
     model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
     if kind.startswith("gguf-"):
-        from worker.quantized import GGUFQuantSource, QuantizedMatmul, find_gguf
+        from worker.model.quantized import QuantizedMatmul
+        from worker.weights.fill import read_quantized
+        from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
 
         source = GGUFQuantSource(find_gguf(folder), config.num_heads, config.num_kv_heads, config.head_dim)
         lib = QuantizedMatmul(cpu_native.load(), DenseMatmul(), packing=packing, pack_q8=packing,
                               int8_activations=int8)
-        model.use_quantized(source, lib, keep_dense=True)
+        model.use_quantized(read_quantized(model, source), lib, keep_dense=True)
     else:
         model.use_matmul(DenseMatmul())
     use_fused_decode(model, 1, "int8" if int8 else "fp32")
@@ -156,7 +158,7 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_drafting_rows_as_decode_rows_equal_their_tokens_as_one_prompt_chunk(tmp_path, kind, kv_dtype):
-    """A drafting sequence's tokens run as one decode row each (worker/speculation.py), whose keys the fused
+    """A drafting sequence's tokens run as one decode row each (step/speculation.py), whose keys the fused
     step reads once for the run: the same hidden states and K/V as those tokens as one chunk on the layer
     path (causal over the chunk, windows included: mistral's 20 keys are crossed inside the run)."""
     model, config = _model(tmp_path, kind)
@@ -167,7 +169,7 @@ def test_drafting_rows_as_decode_rows_equal_their_tokens_as_one_prompt_chunk(tmp
 
 
 def _check_drafting_rows(model, config, seqs, kv_dtype):
-    from worker.speculation import expand_drafts
+    from worker.step.speculation import expand_drafts
 
     want, want_pool = _run(model, config, seqs, fused=False, kv_dtype=kv_dtype)
     p, blocks = _step(seqs)
@@ -222,7 +224,7 @@ def test_the_fused_step_on_gguf_blocks_is_the_layer_path_bit_for_bit(tmp_path, q
     """Same dot products in the same order: the same floats, not merely close ones — on the file's blocks,
     and on blocks packed for the integer kernel (the same 16-bit, or 8-bit, rounding of each matmul's input;
     Q5_0 and Q5_1 stay in the file's layout, fp32 activations)."""
-    from worker.quantized import PACKED_FROM, PACKED_TYPES
+    from worker.model.quantized import PACKED_FROM, PACKED_TYPES
 
     packing = mode != "file-layout"
     model, config = _model(tmp_path, f"gguf-{qtype}", packing, int8=mode == "packed-int8")
@@ -263,9 +265,9 @@ def test_the_fused_step_finds_a_blas_sgemm_where_torch_carries_mkl():
 
 
 def test_a_model_the_step_cannot_serve_says_why():
-    from worker.fused_decode import FusedDecode
-    from worker.model import LlamaModel
-    from worker.model_config import ModelConfig
+    from worker.model.config import ModelConfig
+    from worker.model.fused_decode import FusedDecode
+    from worker.model.llama import LlamaModel
 
     config = ModelConfig.from_dict({**COMMON, "model_type": "llama", "hidden_size": 72, "head_dim": 18})
     assert "multiples of 32" in FusedDecode.unsupported(LlamaModel(config), 1)
@@ -294,8 +296,8 @@ def test_int8_activations_start_a_worker_on_the_packed_kernel_alone(tmp_path):
     """`--quantized-activations int8` as the worker starts it: packed weights meeting 8-bit activations in
     the layer path and the fused step, no fp32 copy for prefill and no timed row limit, so every step runs
     one arithmetic whatever the batch (the fused step equals the layer path: the tests above)."""
-    from worker.main import build_parser
-    from worker.startup import load, start_device
+    from worker.serve.main import build_parser
+    from worker.serve.startup import load, start_device
 
     if not cpu_native.load().packed_fast:
         pytest.skip("no byte dot products here: nothing is packed")
@@ -347,8 +349,8 @@ def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_
     integer kernel (16-bit activations, or 8-bit ones), the stack's two segments each packed in its own
     type."""
     from tests.test_quantized import random_k_blocks
-    from worker.quantized import QuantizedMatmul, QuantLinear, QuantWeight
-    from worker.startup import use_fused_decode
+    from worker.model.quantized import QuantizedMatmul, QuantLinear, QuantWeight
+    from worker.serve.startup import use_fused_decode
 
     folder = make_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=512, head_dim=64,
                              num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
@@ -408,8 +410,8 @@ def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
     """A decode step's logits (up to eight rows) on plain fp32 head rows go through the native rows kernel:
     the matmul library's logits up to summation order; more rows take the library; a quantized head (its
     own kernel) is left alone."""
-    from worker.fused_decode import NativeHead
-    from worker.startup import FUSED_DENSE_ROWS
+    from worker.model.fused_decode import NativeHead
+    from worker.serve.startup import FUSED_DENSE_ROWS
 
     model, config = _model(tmp_path, "llama")
     weight = NativeHead.weight_of(model)
@@ -424,7 +426,7 @@ def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
         finally:
             model.native_head = None
     assert not head.covers(torch.randn(FUSED_DENSE_ROWS + 1, config.hidden_size))
-    from worker.quantized import QuantLinear, QuantWeight
+    from worker.model.quantized import QuantLinear, QuantWeight
 
     blocks = QuantWeight(torch.zeros(config.vocab_size, 34 * 2, dtype=torch.uint8), "Q8_0",
                          config.hidden_size)

@@ -25,9 +25,9 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 from deploy.gateway import GatewayProcess, registered_models
 from deploy.testing import ROOT, ServerProcess, free_port, read_port_file
 from protos import generation_pb2 as pb
-from scheduler_service.block_allocator import block_hash
-from scheduler_service.kv_events import event_hash
-from scheduler_service.tokenizer import Tokenizer
+from scheduler_service.core.block_allocator import block_hash
+from scheduler_service.runtime.kv_events import event_hash
+from scheduler_service.text.tokenizer import Tokenizer
 from tests.tiny import make_tiny_embedder
 
 pytestmark = pytest.mark.slow
@@ -343,7 +343,8 @@ def test_a_gateway_started_before_the_servers_workers_serves_once_they_join(tmp_
         while not registered_models(g.base_url) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert registered_models(g.base_url) == [tiny_model_dir.name], g.log_tail()
-        procs.append(subprocess.Popen([sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir),
+        procs.append(subprocess.Popen([sys.executable, "-m", "worker.serve.main",
+                                      "--model", str(tiny_model_dir),
                                        "--scheduler", bound["worker_endpoint"], "--block-size", "4",
                                        "--num-blocks", "200", "--threads", "1"], cwd=ROOT,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

@@ -11,9 +11,10 @@ import torch
 from tests.test_model import BLOCK, run_step
 from tests.test_quantized import assert_projections_match
 from tests.tiny import make_tiny_gguf
-from worker.kv_pool import KVPool
-from worker.quantized import GGUFQuantSource, QuantizedMatmul, QuantWeight
-from worker.weights import load_model
+from worker.model.kv_pool import KVPool
+from worker.model.quantized import QuantizedMatmul, QuantWeight
+from worker.weights.gguf_blocks import GGUFQuantSource
+from worker.weights.loader import load_model
 
 CPU = torch.device("cpu")
 FAMILIES = {  # family -> config fields: llama.cpp's permuted llama rows, Qwen2's biases, Qwen3's q/k norms,
@@ -46,7 +47,7 @@ def test_a_gguf_is_served_from_the_file_with_no_dense_copy(native, tmp_path, fam
     """From a folder holding only the GGUF: the dense load dequantizes the file's tensors (the same logits as
     the dequantized checkpoint), and the quantized load never allocates a projection, the head or the token
     table in fp32 — the blocks serve them, the table looked up row by row — with the same logits."""
-    from worker.gguf_weights import GGUFTensorSource
+    from worker.weights.gguf import GGUFTensorSource
 
     name = family.split("-")[0]
     folder = make_tiny_gguf(tmp_path / "m", "Q8_0", seed=5, family=name, tables=True, **FAMILIES[family])
@@ -142,8 +143,8 @@ def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch
     the file's bytes where they do not fit, where an fp32 copy would have been counted four times over."""
     from argparse import Namespace
 
-    from worker import startup as worker_main
-    from worker.weights import load_config
+    from worker.serve import startup as worker_main
+    from worker.weights.loader import load_config
 
     folder = make_tiny_gguf(tmp_path / "m", "Q8_0", seed=2, family="llama", tables=True)
     gguf = next(folder.glob("*.gguf"))
@@ -153,11 +154,11 @@ def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch
     assert gguf.stat().st_size * 0.9 < held < gguf.stat().st_size * 1.1
     args = Namespace(num_blocks=4, block_size=16, kv_cache_memory=None)
     kv = worker_main.kv_budget_bytes(args, config, torch.float32, config.num_kv_heads)
-    monkeypatch.setattr("worker.memory_plan.available_bytes", lambda: held + kv + 1)
+    monkeypatch.setattr("worker.serve.memory_plan.available_bytes", lambda: held + kv + 1)
     assert worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1, source) is None
     # fp32: 3.6x the bytes
     assert worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1) is not None
-    monkeypatch.setattr("worker.memory_plan.available_bytes", lambda: held // 2)
+    monkeypatch.setattr("worker.serve.memory_plan.available_bytes", lambda: held // 2)
     message = worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1, source)
     assert gguf.name in message and "on its own blocks" in message
 
@@ -168,8 +169,8 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs_as_the_scaling_they_came_from(t
     with that llama3 scaling does, and the model's cos/sin tables follow."""
     import dataclasses
 
-    from worker.model import Rotary
-    from worker.weights import load_config
+    from worker.model.llama import Rotary
+    from worker.weights.loader import load_config
 
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 64}

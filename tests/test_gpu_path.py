@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from worker.graphs import bucket_sizes
-from worker.sizing import CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS, TOKENS_PER_SEQ, default_max_num_seqs
+from worker.serve.sizing import CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS, TOKENS_PER_SEQ, default_max_num_seqs
+from worker.step.graphs import bucket_sizes
 
 
 def test_graph_buckets_come_from_the_sequence_limit_each_once():
@@ -32,8 +32,8 @@ def test_the_step_limit_a_worker_proposes():
 def test_the_scheduler_adopts_the_smallest_proposal_when_left_to_the_workers():
     from types import SimpleNamespace
 
-    from scheduler_service.config import SchedulerConfig
-    from scheduler_service.engine import Engine
+    from scheduler_service.core.config import SchedulerConfig
+    from scheduler_service.runtime.engine import Engine
 
     def group(*proposals):
         return SimpleNamespace(workers={i: SimpleNamespace(handshake=SimpleNamespace(max_num_seqs=p))
@@ -50,15 +50,15 @@ def test_the_scheduler_adopts_the_smallest_proposal_when_left_to_the_workers():
 
 def test_a_cpu_only_torch_on_a_host_with_an_nvidia_gpu_refuses_to_start(monkeypatch, capsys, tiny_model_dir):
     """Serving on the CPU by accident, hundreds of times slower, with no word: refused with what to do."""
-    import worker.main as worker_main
-    import worker.startup
+    import worker.serve.main as worker_main
+    import worker.serve.startup
     from protos import EXIT_CONFIG
 
     if torch.cuda.is_available():
         pytest.skip("torch sees the GPU here")
     import structlog
 
-    monkeypatch.setattr(worker.startup, "nvidia_gpu_present", lambda: True)
+    monkeypatch.setattr(worker.serve.startup, "nvidia_gpu_present", lambda: True)
     try:
         code = worker_main.main(["--model", str(tiny_model_dir), "--scheduler", "tcp://127.0.0.1:1",
                                  "--malloc", "glibc", "--log-format", "json"])
@@ -70,7 +70,7 @@ def test_a_cpu_only_torch_on_a_host_with_an_nvidia_gpu_refuses_to_start(monkeypa
 
 
 def test_without_triton_a_gpu_worker_says_so_and_uses_torch(monkeypatch):
-    import worker.attention as attention
+    import worker.model.attention as attention
 
     monkeypatch.setattr(attention, "triton_available", lambda: False)
     assert attention.default_backend_name(torch.device("cuda")) == "torch"

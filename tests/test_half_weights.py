@@ -7,9 +7,10 @@ import torch
 
 from tests.test_model import BLOCK, run_step
 from tests.tiny import hf_greedy, make_tiny_llama
-from worker.kv_pool import KVPool
-from worker.quantized import CastSource, QuantizedMatmul, native_bf16
-from worker.weights import load_config, load_model, tensor_source
+from worker.model.kv_pool import KVPool
+from worker.model.quantized import QuantizedMatmul, native_bf16
+from worker.weights.gguf_blocks import CastSource
+from worker.weights.loader import load_config, load_model, tensor_source
 
 CPU = torch.device("cpu")
 
@@ -58,8 +59,8 @@ def test_a_bf16_gemm_keeps_its_gate_up_in_bf16_through_the_silu_mul_with_the_sam
     """Through the bf16 GEMM the MLP's gate/up goes on in bf16 (bf16_out) into a bf16 SiLU·mul and the down
     GEMM: the values of the fp32 round trip it replaces, bit for bit (fp32 arithmetic on the widened values,
     one rounding to nearest even), with no fp32 copy on either side; the row kernels' path stays fp32."""
-    from worker.fused import NativeOps
-    from worker.quantized import QuantWeight
+    from worker.model.elementwise import NativeOps
+    from worker.model.quantized import QuantWeight
 
     if not native_bf16():
         pytest.skip("no bf16 GEMM on this CPU: prompt chunks take the fp32 tiles")

@@ -1,4 +1,4 @@
-"""The worker's host allocator (worker/host_memory.py): a process asks for one and ends up running on it."""
+"""The worker's host allocator (serve/host_memory.py): a process asks for one and ends up running on it."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from worker.host_memory import find_tcmalloc, resolve_mode, wants_tcmalloc
+from worker.serve.host_memory import find_tcmalloc, resolve_mode, wants_tcmalloc
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def allocator_of(mode: str, **env) -> str:
-    """Start `python -m worker.host_memory MODE` (it re-executes itself where needed) and read its answer."""
+    """Start `python -m worker.serve.host_memory MODE` (it re-executes itself where needed), read its
+    answer."""
     clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PAGEDSERVE_MALLOC_REEXEC")}
-    out = subprocess.run([sys.executable, "-m", "worker.host_memory", mode], cwd=ROOT, env={**clean, **env},
+    out = subprocess.run([sys.executable, "-m", "worker.serve.host_memory", mode], cwd=ROOT,
+                         env={**clean, **env},
                          capture_output=True, text=True, timeout=60, check=True)
     return out.stdout.strip()
 

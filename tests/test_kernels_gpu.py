@@ -84,7 +84,7 @@ def test_prefill_a_4k_prompt_and_a_1k_chunk_over_a_3k_prefix(shape):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}".format(*s))
 def test_mixed_steps_of_decodes_chunks_and_fresh_prompts(shape):
     """Chunked prefill puts prompt chunks beside running decodes; the backend sends each to its kernel."""
-    from worker.attention import make_backend
+    from worker.model.attention import make_backend
 
     q_lens = [1] * 40 + [512, 1, 97, 1, 1000]
     seq_lens = [int(x) for x in np.random.default_rng(3).integers(1, 6000, 40)] + [512, 7000, 2097, 33, 1000]
@@ -105,11 +105,11 @@ def test_every_kernel_is_compiled_once_across_steps_of_every_kind_and_none_spill
 
     from kernels.compile_report import _jit_functions, runtime_report
     from protos.codec import PlanArrays, encode_plan
-    from worker.attention import make_backend
-    from worker.graphs import DecodeGraphs
-    from worker.kv_pool import KVPool
-    from worker.runner import ModelRunner, warm_up
-    from worker.weights import load_model
+    from worker.model.attention import make_backend
+    from worker.model.kv_pool import KVPool
+    from worker.step.graphs import DecodeGraphs
+    from worker.step.runner import ModelRunner, warm_up
+    from worker.weights.loader import load_model
 
     for fn in _jit_functions().values():
         fn.device_caches.clear()  # count what this test compiles

@@ -1,8 +1,8 @@
 """Page tables on their own: growth, copy-on-write, refusals that change nothing, forks and release."""
 
-from scheduler_service.kv_manager import KVCacheManager
-from scheduler_service.scheduler import make_sequences
-from scheduler_service.sequence import Request, SamplingOptions
+from scheduler_service.core.kv_manager import KVCacheManager
+from scheduler_service.core.scheduler import make_sequences
+from scheduler_service.core.sequence import Request, SamplingOptions
 
 
 def _seq(prompt_len: int, n: int = 1, request_id: str = "r"):

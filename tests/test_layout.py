@@ -7,13 +7,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("protos", "kernels", "worker", "scheduler_service", "deploy")
-# what each layer may import of the project (anything else it imports is a third-party library)
+# The layers, bottom first within each service; a module in a layer may import its own layer and those listed
+# (anything else it imports is a third-party library). A service's main may import all of it.
+SCHEDULER = ("core", "text", "runtime", "api")
+WORKER = {"model": (), "weights": ("model",), "step": ("model",), "serve": ("model", "weights", "step")}
 MAY_IMPORT = {
     "protos": {"protos"},
     "kernels": {"protos", "kernels"},
     "worker": {"protos", "kernels", "worker"},
     "scheduler_service": {"protos", "scheduler_service"},
     "deploy": set(PACKAGES),
+    **{f"scheduler_service.{layer}": {"protos"} | {f"scheduler_service.{b}" for b in SCHEDULER[:i + 1]}
+       for i, layer in enumerate(SCHEDULER)},
+    **{f"worker.{layer}": {"protos", "kernels", f"worker.{layer}"} | {f"worker.{b}" for b in below}
+       for layer, below in WORKER.items()},
 }
 
 
@@ -45,13 +52,41 @@ def _project(module: str) -> bool:
     return module.split(".")[0] in PACKAGES
 
 
+def _layer(module: str) -> str:
+    """The layer a module belongs to: a service's sub-package where it has one, else its package."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if ".".join(parts[:2]) in MAY_IMPORT else parts[0]
+
+
+def _allowed(importer: str, imported: str) -> bool:
+    allowed = MAY_IMPORT[_layer(importer)]
+    return _layer(imported) in allowed or imported.split(".")[0] in allowed
+
+
 def test_layers_import_only_the_layers_below_them():
-    wrong = [f"{name}:{line} imports "
-             f"{mod}" for name, tree in MODULES.items() for line, mod, _ in _imports(tree)
-             if _project(mod) and mod.split(".")[0] not in MAY_IMPORT[name.split(".")[0]]]
-    assert not wrong, ("protos <- kernels <- worker; scheduler_service takes protos only; deploy is on "
-                       "top:\n") + \
-        "\n".join(wrong)
+    wrong = [f"{name}:{line} imports {mod}" for name, tree in MODULES.items()
+             for line, mod, names in _imports(tree) if _project(mod)
+             for target in ([f"{mod}.{n}" for n in names or () if f"{mod}.{n}" in MODULES] or [mod])
+             if not _allowed(name, target)]
+    assert not wrong, ("protos <- kernels <- worker (model <- weights, step <- serve); scheduler_service "
+                       "takes protos only (core <- text <- runtime <- api); deploy is on top:\n"
+                       + "\n".join(wrong))
+
+
+def test_the_scheduler_core_is_plain_python():
+    """core/ is the policy: no event loop, no RPC, no sockets, so it is read and tested as plain code."""
+    wrong = [f"{name}:{line} imports {mod}" for name, tree in MODULES.items()
+             if _layer(name) == "scheduler_service.core"
+             for line, mod, _ in _imports(tree) if mod.split(".")[0] in ("asyncio", "grpc", "zmq")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_each_service_shows_its_layers():
+    for pkg, layers in (("scheduler_service", set(SCHEDULER)), ("worker", set(WORKER))):
+        folders = {p.name for p in (ROOT / pkg).iterdir() if (p / "__init__.py").exists()}
+        assert folders == layers, f"{pkg}/ holds {sorted(folders)}"
+        loose = {p.stem for p in (ROOT / pkg).glob("*.py")} - {"__init__", "main"}
+        assert not loose, f"{pkg}/ top level: only main.py beside the layers, not {sorted(loose)}"
 
 
 def _graph() -> dict[str, set[str]]:

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.linear import DenseMatmul, MKLMatmul, OneDNNMatmul, choose, measure
+from worker.model.linear import DenseMatmul, MKLMatmul, OneDNNMatmul, choose, measure
 
 CPU = torch.device("cpu")
 

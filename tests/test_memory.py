@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from deploy.testing import Pipeline, SimulatedWorker, expected_output
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.scheduler import Scheduler
-from scheduler_service.sequence import FinishReason, Request, SamplingOptions
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.sequence import FinishReason, Request, SamplingOptions
 
 
 def expected(req, seq, window=0):

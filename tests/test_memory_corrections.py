@@ -7,10 +7,11 @@ import asyncio
 import pytest
 
 from protos import generation_pb2
-from scheduler_service.config import ModelSpec, SchedulerConfig
-from scheduler_service.scheduler import Scheduler
-from scheduler_service.sequence import FinishReason, Request, SamplingOptions
-from scheduler_service.validation import InvalidRequest, Limits, request_from_proto
+from scheduler_service.api.validation import InvalidRequest, request_from_proto
+from scheduler_service.core.config import ModelSpec, SchedulerConfig
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.sequence import FinishReason, Request, SamplingOptions
+from scheduler_service.text.limits import Limits
 from tests.test_memory import drain, expected, make
 
 
@@ -95,15 +96,15 @@ class NoWorkers:
     """Just enough of a WorkerClient for an engine that is driven by hand."""
 
     def __init__(self):
-        from scheduler_service.worker_client import WorkerGroup
+        from scheduler_service.runtime.worker_client import WorkerGroup
 
         self.groups = [WorkerGroup(0, 1)]
         self.tp_size = 1
 
 
 def hand_engine(tiny_model_dir, num_blocks=64):
-    from scheduler_service.engine import Engine
-    from scheduler_service.tokenizer import Tokenizer
+    from scheduler_service.runtime.engine import Engine
+    from scheduler_service.text.tokenizer import Tokenizer
 
     spec = ModelSpec.from_folder(tiny_model_dir)
     config = SchedulerConfig(block_size=4, max_num_batched_tokens=64)
@@ -122,7 +123,7 @@ async def first_item(gen):
 
 
 def test_a_failed_step_fails_the_request_it_held_not_a_new_one_with_the_same_id(tiny_model_dir):
-    from scheduler_service.engine import StepFailed
+    from scheduler_service.runtime.engine import StepFailed
 
     async def run():
         engine, replica = hand_engine(tiny_model_dir)
@@ -150,7 +151,7 @@ def test_a_failed_step_fails_the_request_it_held_not_a_new_one_with_the_same_id(
 
 
 def test_a_request_that_can_never_be_scheduled_gets_an_error_not_a_retry_forever(tiny_model_dir):
-    from scheduler_service.engine import Unschedulable
+    from scheduler_service.runtime.engine import Unschedulable
 
     async def run():
         engine, replica = hand_engine(tiny_model_dir, num_blocks=2)  # 8 tokens of pool

@@ -6,14 +6,15 @@ import json
 
 import pytest
 
-from worker.memory_plan import MARGIN, GiB, check_fits, choose_quantized_prefill, parameter_count
+from worker.model.config import parameter_count
+from worker.serve.memory_plan import MARGIN, GiB, check_fits, choose_quantized_prefill
 
 
 def test_the_parameter_count_is_the_models_own(tiny_model_dir):
     """What the config implies equals what the checkpoint holds (norms apart: a vector a layer)."""
     from safetensors import safe_open
 
-    from worker.weights import load_config
+    from worker.weights.loader import load_config
 
     config = load_config(str(tiny_model_dir), "auto")
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
@@ -74,7 +75,7 @@ def test_a_kv_pool_larger_than_the_machine_is_refused_with_the_bytes_it_needs(tm
 def test_the_worker_reports_what_it_holds(server_factory, tiny_model_dir):
     """At start: the model as loaded (at least its fp32 weights), the KV pool it reserved, their sum, and the
     peak resident memory so far."""
-    from worker.weights import load_config
+    from worker.weights.loader import load_config
 
     server = server_factory(tiny_model_dir, "--kv-cache-memory", "64MiB")
     memory = [json.loads(line) for line in server.log_path.read_text().splitlines()

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from tests.tiny import make_tiny_llama
-from worker.attention import make_backend
-from worker.kv_pool import KVPool
-from worker.model import StepInputs
-from worker.weights import load_model
+from worker.model.attention import make_backend
+from worker.model.kv_pool import KVPool
+from worker.model.llama import StepInputs
+from worker.weights.loader import load_model
 
 BLOCK = 4
 ATOL = 2e-4
@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
 def tiny_packed(tiny):
     """The same weights with the projections on oneDNN, each weight packed once and the loaded copies
     dropped: what the CPU worker runs where oneDNN is the faster library."""
-    from worker.linear import OneDNNMatmul
+    from worker.model.linear import OneDNNMatmul
 
     _, _, hf, folder = tiny
     model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
@@ -158,7 +158,7 @@ def test_a_step_pools_its_rows_hidden_states_as_asked_through_chunks(tmp_path, b
     import transformers
 
     from protos.codec import POOL_FIRST, POOL_LAST, POOL_SUM, PlanArrays, decode_pooled, encode_plan
-    from worker.runner import ModelRunner
+    from worker.step.runner import ModelRunner
 
     torch.manual_seed(0)
     cfg = transformers.Qwen3Config(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -260,7 +260,7 @@ def test_dummy_weights_have_the_real_shapes_and_run(tmp_path):
 
 
 def test_gpu_pool_sizing_arithmetic():
-    from worker.sizing import blocks_for_gpu_budget
+    from worker.serve.sizing import blocks_for_gpu_budget
 
     gib = 2**30
     # 80 GiB card at 0.9: 72 GiB, minus 16 GiB of weights and activations, minus 1 GiB used by others
@@ -272,7 +272,7 @@ def test_gpu_pool_sizing_arithmetic():
 
 
 def test_kv_memory_budget_parsing():
-    from worker.kv_pool import parse_bytes
+    from worker.model.kv_pool import parse_bytes
 
     assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("1000") == 1000
@@ -303,7 +303,7 @@ def test_warm_up_leaves_the_runner_as_it_found_it(tiny, backend):
     """The start-up warm-up step runs the whole path (mixed prefill and decode, greedy and sampled) and
     changes nothing a plan can observe: the next plan, and one that refers to the previous step's tokens,
     give what they give on a runner that was never warmed."""
-    from worker.runner import ModelRunner, warm_up
+    from worker.step.runner import ModelRunner, warm_up
 
     model, config, _, _ = tiny
     plan = _one_seq_plan
@@ -325,8 +325,8 @@ def test_a_step_launched_before_the_last_one_is_read_back_takes_its_tokens_on_th
     """The worker launches step N+1 (its input token read from step N's sampled tokens on the device) before
     it reads step N back: the tokens are those of running the steps one after the other. A step whose source
     step fails once read back fails too, and so does a later plan that refers to it."""
-    from worker.runner import ModelRunner, StepDependencyError
-    from worker.sampler import NonFiniteLogits
+    from worker.step.runner import ModelRunner, StepDependencyError
+    from worker.step.sampler import NonFiniteLogits
 
     model, config, _, _ = tiny
 
@@ -366,7 +366,7 @@ def test_staging_packs_a_steps_arrays_into_one_transfer_and_cuts_them_back():
     and reuses and grows its two buffers across steps without touching the previous step's."""
     import numpy as np
 
-    from worker.runner import Staging
+    from worker.step.runner import Staging
 
     staging = Staging(torch.device("cpu"), pack=True)
     rng = np.random.default_rng(0)
@@ -398,8 +398,8 @@ def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
     import numpy as np
 
     from protos.codec import PlanArrays, encode_plan
-    from worker.graphs import DecodeGraphs
-    from worker.runner import ModelRunner
+    from worker.step.graphs import DecodeGraphs
+    from worker.step.runner import ModelRunner
 
     model, config, _, _ = tiny
     cpu = torch.device("cpu")
@@ -463,7 +463,7 @@ def test_decode_graph_replay_on_cuda_matches_the_eager_forward(tiny):
     """Natively on CUDA: a captured bucket replayed for a smaller batch gives the eager forward's logits."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from worker.graphs import DecodeGraphs
+    from worker.step.graphs import DecodeGraphs
 
     _, _, _, folder = tiny
     cuda = torch.device("cuda")

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from worker.model_config import ModelConfig, UnsupportedModel
+from worker.model.config import ModelConfig, UnsupportedModel
 
 BASE = dict(model_type="llama", vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -43,7 +43,7 @@ def test_a_field_that_would_change_the_math_is_refused_by_name(name, overrides, 
 def test_the_worker_exits_2_at_start_naming_the_field(tmp_path, capsys, name, overrides, shown):
     import structlog
 
-    import worker.main as worker_main
+    import worker.serve.main as worker_main
     from protos import EXIT_CONFIG
 
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **overrides}))
@@ -59,8 +59,8 @@ def test_the_worker_exits_2_at_start_naming_the_field(tmp_path, capsys, name, ov
 
 def _matches_transformers(tmp_path, hf, prompt):
     from tests.test_model import BLOCK, run_step
-    from worker.kv_pool import KVPool
-    from worker.weights import load_model
+    from worker.model.kv_pool import KVPool
+    from worker.weights.loader import load_model
 
     hf.eval().save_pretrained(str(tmp_path))
     model, config = load_model(str(tmp_path), "auto", torch.float32, torch.device("cpu"))
@@ -258,7 +258,7 @@ def test_a_plan_may_leave_out_blocks_behind_every_window_and_no_others():
     import numpy as np
 
     from tests.test_fused_decode import BLOCK, _step
-    from worker.plan_checks import PlanError, validate_plan
+    from worker.step.plan_checks import PlanError, validate_plan
 
     p, blocks = _step([(1, 70), (16, 66)])  # a decode at position 69, a chunk over positions 50..65
     p.block_tables = p.block_tables.copy()  # decoded from the wire: a read-only view

@@ -78,7 +78,7 @@ def workload(seed: int, n: int = 8) -> list[tuple[str, list[int], int, float]]:
 
 
 def test_the_worker_reads_each_layers_window(family):
-    from worker.model_config import ModelConfig
+    from worker.model.config import ModelConfig
 
     name, folder, windows, _ = family
     config = ModelConfig.from_folder(folder)

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.fused import TorchOps
-from worker.model_config import ModelConfig
-from worker.moe import MoE, grouped_experts
-from worker.parallel import make_shard
+from worker.model.config import ModelConfig
+from worker.model.elementwise import TorchOps
+from worker.model.moe import MoE, grouped_experts
+from worker.model.parallel import make_shard
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
@@ -136,7 +136,7 @@ def test_routing_renormalizes_only_where_asked():
 
 
 def test_an_expert_split_that_does_not_divide_is_refused():
-    from worker.parallel import ParallelConfigError
+    from worker.model.parallel import ParallelConfigError
 
     with pytest.raises(ParallelConfigError, match="experts' intermediate size 30"):
         make_shard(4, 4, 64, 64, 0, 4, expert_intermediate_size=30)
@@ -151,8 +151,8 @@ def test_a_whole_model_through_the_triton_experts_equals_the_grouped_loop(tmp_pa
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from tests.test_model import BLOCK, run_step
     from tests.tiny import make_tiny_llama
-    from worker.kv_pool import KVPool
-    from worker.weights import load_model
+    from worker.model.kv_pool import KVPool
+    from worker.weights.loader import load_model
 
     folder = make_tiny_llama(tmp_path, seed=5, family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                              moe_intermediate_size=32, norm_topk_prob=True)

@@ -7,8 +7,8 @@ import pytest
 
 from scheduler_service.api.openai_requests import chat_request, completion_requests, embed_inputs
 from scheduler_service.api.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from scheduler_service.config import ModelSpec
-from scheduler_service.validation import InvalidRequest
+from scheduler_service.api.validation import InvalidRequest
+from scheduler_service.core.config import ModelSpec
 from tests.tiny import make_tiny_llama
 
 HI = [{"role": "user", "content": "hi"}]

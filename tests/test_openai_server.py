@@ -13,8 +13,8 @@ from protos import generation_pb2
 from scheduler_service.api import tool_calls
 from scheduler_service.api.openai_requests import ToolMode
 from scheduler_service.api.openai_responses import ChatStream
-from scheduler_service.output import Delta
-from scheduler_service.sequence import FinishReason
+from scheduler_service.core.sequence import FinishReason
+from scheduler_service.text.output import Delta
 
 KEY = "sk-test-key"
 pytestmark = pytest.mark.slow

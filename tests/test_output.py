@@ -2,9 +2,9 @@
 
 import pytest
 
-from scheduler_service.output import SampleOutput
-from scheduler_service.sequence import FinishReason, Request, SamplingOptions, Sequence
-from scheduler_service.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler_service.core.sequence import FinishReason, Request, SamplingOptions, Sequence
+from scheduler_service.text.output import SampleOutput
+from scheduler_service.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_byte_level_detokenizer_streams_any_token_sequence_as_its_decode(tok):
 
 def _byte_tokens(data: bytes) -> list[str]:
     """The single-character byte-level token of each byte of data."""
-    from scheduler_service.tokenizer import _gpt2_byte_decoder
+    from scheduler_service.text.tokenizer import _gpt2_byte_decoder
 
     to_char = {b: ch for ch, b in _gpt2_byte_decoder().items()}
     return [to_char[b] for b in data]

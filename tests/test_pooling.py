@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from scheduler_service.pooling import PoolingConfigError, PoolingSpec, finish_vector
+from scheduler_service.core.pooling import PoolingConfigError, PoolingSpec, finish_vector
 
 
 def st_folder(folder, mode="pooling_mode_lasttoken", normalize=True, prompts=None, default=None, extra=()):
@@ -65,7 +65,7 @@ def test_a_vector_is_finished_as_a_mean_truncated_and_made_unit_length():
 
 
 def test_the_task_follows_the_folder_and_a_headless_checkpoint_only_embeds(tmp_path):
-    from scheduler_service.config import ModelSpec
+    from scheduler_service.core.config import ModelSpec
     from tests.tiny import make_tiny_embedder, make_tiny_llama
 
     headless = make_tiny_embedder(tmp_path / "embedder", "mean_tokens")

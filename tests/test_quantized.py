@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from worker.quantized import QUANT_TYPES, GGUFQuantSource, QuantizedMatmul, QuantWeight
+from worker.model.quantized import QUANT_TYPES, QuantizedMatmul, QuantWeight
+from worker.weights.fill import read_quantized
+from worker.weights.gguf_blocks import GGUFQuantSource
 
 gguf = pytest.importorskip("gguf")
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +105,7 @@ def test_the_default_models_blocks_read_back_as_the_dequantized_checkpoint(nativ
     dequantized they equal transformers' dequantization of the same file, matrix by matrix."""
     from safetensors import safe_open
 
-    from worker.model_config import ModelConfig
+    from worker.model.config import ModelConfig
 
     if not (MODEL_DIR / "model.safetensors").exists():
         pytest.skip("default model not prepared")
@@ -122,7 +124,7 @@ def test_the_default_models_blocks_read_back_as_the_dequantized_checkpoint(nativ
 
 def compare_quantized_and_dense(quant, dense):
     from protos import generation_pb2 as pb
-    from scheduler_service.tokenizer import Tokenizer
+    from scheduler_service.text.tokenizer import Tokenizer
 
     assert '"matmul": "quantized"' in quant.log_path.read_text()
     assert '"matmul": "quantized"' not in dense.log_path.read_text()
@@ -302,8 +304,8 @@ def test_each_familys_gguf_blocks_give_the_dequantized_models_logits(native, tmp
     projection is served from the blocks, and the logits are the dequantized model's."""
     from tests.test_model import BLOCK, run_step
     from tests.tiny import make_tiny_gguf
-    from worker.kv_pool import KVPool
-    from worker.weights import load_model
+    from worker.model.kv_pool import KVPool
+    from worker.weights.loader import load_model
 
     folder = make_tiny_gguf(tmp_path / family, "Q8_0", seed=4, family=family, **GGUF_FAMILIES[family])
     prompt = [(11 * i) % 380 + 3 for i in range(30)]
@@ -316,7 +318,8 @@ def test_each_familys_gguf_blocks_give_the_dequantized_models_logits(native, tmp
                               tp_size=tp)
         source = GGUFQuantSource(next(folder.glob("*.gguf")), config.num_heads, config.num_kv_heads,
                                  config.head_dim)
-        counts = model.use_quantized(source, QuantizedMatmul(native, dense=None), keep_dense=False)
+        counts = model.use_quantized(read_quantized(model, source), QuantizedMatmul(native, dense=None),
+                                     keep_dense=False)
         per_layer = 2 if config.moe_layers else 4
         assert counts == {"Q8_0": per_layer * config.num_layers, "dense": 1}  # the head: F32 in these files
         if tp == 1:
@@ -401,7 +404,7 @@ def test_q8_0_is_packed_only_where_its_integer_kernel_is_fast(native):
 def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
     """Packing (16 rows interleaved) keeps every value: dequantizing the packed weight gives gguf's values
     exactly. A weight it does not apply to is left as it is, and a packed one cannot be sliced."""
-    from worker.quantized import PACKED_FROM, QuantStack
+    from worker.model.quantized import PACKED_FROM, QuantStack
 
     w, reference = quantized(np.random.default_rng(4), 48, 320, qtype)
     lib = packing_lib(native)
@@ -482,7 +485,7 @@ def test_packed_k_quants_hold_gguf_values_at_the_files_size(native, qtype):
     about the file's size (the 16 rows' scales as fp32 once a super-block: 152 bytes a row's 256 values for
     Q4_K's 144, 184 for Q5_K's 176, 212 for Q6_K's 210); a K_M projection's mix stacks as two packed runs;
     packed rows stay whole."""
-    from worker.quantized import PACKED_FROM, QuantStack
+    from worker.model.quantized import PACKED_FROM, QuantStack
 
     w, reference = random_k_blocks(np.random.default_rng(8), 48, 768, qtype)
     lib = packing_lib(native)
@@ -584,8 +587,8 @@ def test_the_kernel_row_threshold_survives_one_slow_moment(monkeypatch):
     moment does not send every larger decode step to the dense path for good; a real loss still stops it."""
     from types import SimpleNamespace
 
-    import worker.linear
-    from worker.quantized import choose_threshold
+    import worker.model.linear
+    from worker.model.quantized import choose_threshold
 
     lib = QuantizedMatmul(None, dense=None)
     script = iter([(1.0, 5.0), (9.0, 5.0), (1.5, 5.0), (6.0, 5.0), (6.0, 5.0), (6.5, 5.0)])  # (kernel, dense)
@@ -597,7 +600,7 @@ def test_the_kernel_row_threshold_survives_one_slow_moment(monkeypatch):
             return pending[0]
         return pending[1]
 
-    monkeypatch.setattr(worker.linear, "best_time", scripted)
+    monkeypatch.setattr(worker.model.linear, "best_time", scripted)
     linears = [(SimpleNamespace(q=SimpleNamespace(in_dim=8)), 1)]
     assert choose_threshold(lib, linears, candidates=(1, 2, 4)) == 2
     assert lib.max_kernel_rows == 2

@@ -20,11 +20,11 @@ pytestmark = [
 
 
 def test_own_forward_greedy_equals_transformers_on_the_default_model():
-    from scheduler_service.tokenizer import Tokenizer
-    from worker.attention import make_backend
-    from worker.kv_pool import KVPool
-    from worker.model import StepInputs
-    from worker.weights import load_model
+    from scheduler_service.text.tokenizer import Tokenizer
+    from worker.model.attention import make_backend
+    from worker.model.kv_pool import KVPool
+    from worker.model.llama import StepInputs
+    from worker.weights.loader import load_model
 
     model, config = load_model(str(MODEL_DIR), "auto", torch.float32, torch.device("cpu"))
     prompt = Tokenizer(MODEL_DIR).encode_prompt("Name three colors.", raw=False)
@@ -67,7 +67,7 @@ def test_make_run_answers_the_capital_of_france(server_factory):
 def test_gguf_loads_directly_and_matches_the_prepared_folder():
     """--model file.gguf: dequantized through transformers, same weights as the prepared folder."""
     from deploy.prepare_model import find_embedded_gguf
-    from worker.weights import load_model
+    from worker.weights.loader import load_model
 
     try:
         gguf = os.environ.get("PAGEDSERVE_MODEL_GGUF") or str(find_embedded_gguf())
@@ -84,7 +84,7 @@ def test_gguf_loads_directly_and_matches_the_prepared_folder():
 def test_tensor_parallel_3_on_the_default_model_equals_transformers(server_factory):
     """9 query heads and 3 KV heads over three gloo ranks (one thread each): the same greedy tokens."""
     from deploy.testing import greedy_request
-    from scheduler_service.tokenizer import Tokenizer
+    from scheduler_service.text.tokenizer import Tokenizer
 
     tok = Tokenizer(MODEL_DIR)
     prompts = [tok.encode_prompt(p, raw=False) for p in ("Name three colors.", "What is 2 + 2?")]
@@ -131,7 +131,7 @@ def test_on_a_gpu_in_bf16_greedy_follows_transformers_sampling_repeats_backends_
     same GPU) up to near ties, seeded sampling repeats, and the torch backend gives the same tokens."""
     import subprocess
 
-    from scheduler_service.tokenizer import Tokenizer
+    from scheduler_service.text.tokenizer import Tokenizer
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -50,7 +50,7 @@ def hf_logprobs(folder, ids: list[int]) -> torch.Tensor:
 
 
 def chat_ids(text: str) -> list[int]:
-    from scheduler_service.tokenizer import Tokenizer
+    from scheduler_service.text.tokenizer import Tokenizer
     return Tokenizer(MODEL_DIR).encode_prompt(text, raw=False)
 
 

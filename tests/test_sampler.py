@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from worker.sampler import SamplingBatch, mix_seed, sample
+from worker.step.sampler import SamplingBatch, mix_seed, sample
 
 
 def batch(rows, temperature=1.0, top_p=1.0, top_k=0, seeds=None, index=None):
@@ -79,7 +79,7 @@ def test_mix_seed_spreads():
 def test_nan_and_inf_logits_never_yield_nan_draws():
     import pytest
 
-    from worker.sampler import NonFiniteLogits
+    from worker.step.sampler import NonFiniteLogits
 
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
     logits[0, :50] = float("nan")  # NaN never wins, greedy or sampled
@@ -101,7 +101,7 @@ def test_counter_noise_is_splitmix64_of_key_and_position():
     plain integer reference does, so every device draws the same noise."""
     import math
 
-    from worker.sampler import exponential_noise
+    from worker.step.sampler import exponential_noise
 
     mask = (1 << 64) - 1
 
@@ -126,7 +126,7 @@ def test_no_draw_makes_a_filtered_token_win():
     """The largest uniform stays below 1, so the noise is never 0: a token of probability 0 (masked,
     top-k'd) never meets 0 / 0 = NaN, which argmax would take. Found with structured output: one draw in
     2^24 per token had it."""
-    from worker.sampler import UNIFORM_BITS, uniform_from_bits
+    from worker.step.sampler import UNIFORM_BITS, uniform_from_bits
 
     top = uniform_from_bits(torch.tensor([(1 << UNIFORM_BITS) - 1, 0]))
     assert float(top[0]) < 1.0 and float(top[1]) > 0.0
@@ -169,7 +169,7 @@ def test_top_k_keeps_ties_with_the_kth_token_whatever_else_is_in_the_batch():
 def test_sampling_never_reads_the_device_back():
     """Every path (greedy, temperature, min-p, top-k, top-p) is chosen from the batch's host parameters:
     run on meta tensors, which have no values, any read of a device value on the host would raise."""
-    from worker.sampler import sample_async
+    from worker.step.sampler import sample_async
 
     logits = torch.empty(4, 300, device="meta")
     b = batch(4, seeds=[1, 2, 3, 4])
@@ -203,7 +203,7 @@ def test_top_p_keeps_exactly_the_tokens_with_less_than_top_p_mass_above_them():
 
 
 def test_a_row_without_finite_logits_comes_back_as_minus_one_without_raising():
-    from worker.sampler import sample_async
+    from worker.step.sampler import sample_async
 
     logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(0))
     logits[1] = float("nan")
@@ -217,12 +217,12 @@ def test_an_all_greedy_batch_takes_the_first_maximum_as_a_mixed_batch_does(nativ
     """All-greedy host batches take one pass (the native kernel's, or torch's max where it is missing)
     instead of the masked general path: same tokens, ties to the first index, -1 for a row with nothing
     finite, and a NaN anywhere still never wins."""
-    import worker.sampler
-    from worker.sampler import sample_async
+    import worker.step.sampler
+    from worker.step.sampler import sample_async
 
     if not native:
-        monkeypatch.setattr(worker.sampler, "_native", lambda: None)
-    elif worker.sampler._native() is None:
+        monkeypatch.setattr(worker.step.sampler, "_native", lambda: None)
+    elif worker.step.sampler._native() is None:
         pytest.skip("no native CPU kernels here")
 
     logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))

@@ -5,9 +5,9 @@ import random
 import pytest
 
 from deploy.testing import SimulatedWorker, expected_output
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.scheduler import DuplicateRequestId, Scheduler
-from scheduler_service.sequence import FinishReason, Request, SamplingOptions
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.scheduler import DuplicateRequestId, Scheduler
+from scheduler_service.core.sequence import FinishReason, Request, SamplingOptions
 
 
 def run_to_completion(sched, worker, arrivals, max_steps=10_000):

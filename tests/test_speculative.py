@@ -174,8 +174,8 @@ def test_accepting_a_drafted_token_draws_the_target_distribution_and_the_same_to
     draft position follows the target distribution (after temperature and top-k) whatever was drafted, a
     drafted token stands as often as its probability, and each seed draws exactly the token it draws
     without a draft."""
-    from worker.sampler import SamplingBatch, sample_async
-    from worker.speculation import Drafts, accept_drafts
+    from worker.step.sampler import SamplingBatch, sample_async
+    from worker.step.speculation import Drafts, accept_drafts
 
     vocab, n = 12, 6000
     logits = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.7, 0.5, 0.2, 0.0, -0.5, -1.0, -3.0, -4.0])

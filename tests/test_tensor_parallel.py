@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.tiny import make_tiny_llama
-from worker.parallel import ParallelConfigError, make_shard
+from worker.model.parallel import ParallelConfigError, make_shard
 
 BLOCK = 4
 
@@ -54,8 +54,8 @@ def _steps(vocab):
 def _run(folder, tp_rank, tp_size, comm=None):
     """Logits of each step's last tokens through a (possibly sharded) model; fp32 on the CPU."""
     from tests.test_model import run_step
-    from worker.kv_pool import KVPool
-    from worker.weights import load_model
+    from worker.model.kv_pool import KVPool
+    from worker.weights.loader import load_model
 
     model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"),
                                tp_rank=tp_rank, tp_size=tp_size, comm=comm)
@@ -65,7 +65,7 @@ def _run(folder, tp_rank, tp_size, comm=None):
 
 def _rank_main(folder, rank, size, meeting, out):
     torch.set_num_threads(1)
-    from worker.parallel import init_group
+    from worker.model.parallel import init_group
 
     # rank 0 listens on any free port and writes it to the meeting file, where the others find it
     comm = init_group("tcp://127.0.0.1:0", rank, size, torch.device("cpu"), 60, rendezvous_file=str(meeting))

@@ -6,7 +6,12 @@ import asyncio
 import pytest
 
 from protos import wire_pb2
-from scheduler_service.worker_client import InsecureEndpoint, WorkerClient, WorkerInfo, is_loopback_endpoint
+from scheduler_service.runtime.worker_client import (
+    InsecureEndpoint,
+    WorkerClient,
+    WorkerInfo,
+    is_loopback_endpoint,
+)
 
 
 def hs(**over):

@@ -61,7 +61,8 @@ class Peer:
 def worker(tiny_model_dir):
     peer = Peer()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler", peer.endpoint,
+        [sys.executable, "-m", "worker.serve.main", "--model", str(tiny_model_dir),
+         "--scheduler", peer.endpoint,
          "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK), "--threads", "1", "--scheduler-timeout",
          "3"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -153,7 +154,7 @@ def test_worker_refuses_a_block_size_that_is_not_a_power_of_two(tiny_model_dir):
     """The kernels' tile arithmetic needs a power of two: refused at start with a configuration exit (the
     supervisor does not restart it) and a message naming the flag, before any model is loaded."""
     proc = subprocess.run(
-        [sys.executable, "-m", "worker.main", "--model", str(tiny_model_dir), "--scheduler",
+        [sys.executable, "-m", "worker.serve.main", "--model", str(tiny_model_dir), "--scheduler",
          "tcp://127.0.0.1:9", "--block-size", "12"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--block-size must be a power of two" in proc.stdout + proc.stderr
@@ -162,8 +163,8 @@ def test_worker_refuses_a_block_size_that_is_not_a_power_of_two(tiny_model_dir):
 def test_kv_pool_refuses_a_block_size_that_is_not_a_power_of_two():
     import torch
 
-    from worker.kv_pool import KVPool
-    from worker.model_config import ModelConfig
+    from worker.model.config import ModelConfig
+    from worker.model.kv_pool import KVPool
 
     config = ModelConfig.from_dict(dict(vocab_size=10, hidden_size=8, intermediate_size=16,
                                         num_hidden_layers=1,
@@ -176,7 +177,7 @@ def test_kv_pool_refuses_a_block_size_that_is_not_a_power_of_two():
 def test_each_local_rank_owns_its_own_gpu():
     """The launchers pass one --device to every rank of a host; each rank must land on its own GPU (Triton
     launches on the current device, so two ranks on one GPU would also run each other's kernels there)."""
-    from worker.startup import rank_device
+    from worker.serve.startup import rank_device
 
     assert [rank_device(None, r, 4) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert [rank_device("cuda", r, 2) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]

@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens-per-step", type=int, default=1,
                    help="prompt tokens a step computes (1: each as a decode step computes a generated token)")
     args = p.parse_args(argv)
-    from scheduler_service.tokenizer import Tokenizer
-    from worker.quantized import find_gguf
+    from scheduler_service.text.tokenizer import Tokenizer
+    from worker.weights.gguf_blocks import find_gguf
 
     gguf = find_gguf(args.model)
     if gguf is None:

@@ -64,9 +64,9 @@ def mask_timing(model: str, rows: int, kind: str) -> float:
     """Mean seconds per step to compute the masks of `rows` constrained rows as they walk through outputs
     that match (each row its own text; every step a new state per row, so llguidance's caches help only
     as much as they would serving)."""
-    from scheduler_service.config import ModelSpec
-    from scheduler_service.structured import GrammarEngine
-    from scheduler_service.tokenizer import Tokenizer
+    from scheduler_service.core.config import ModelSpec
+    from scheduler_service.text.structured import GrammarEngine
+    from scheduler_service.text.tokenizer import Tokenizer
 
     spec = ModelSpec.from_folder(model)
     tok = Tokenizer(model)

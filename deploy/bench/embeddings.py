@@ -73,7 +73,7 @@ def make_model(folder: Path) -> Path:
 def make_batch(folder: Path, texts: int, tokens: int, salt: int) -> tuple[list[str], list[list[int]]]:
     """`texts` texts of about `tokens` tokens, each starting with its own words (`salt` and its index: no
     call finds another's prompts in a prefix cache), and their ids as the model's tokenizer gives them."""
-    from scheduler_service.tokenizer import Tokenizer
+    from scheduler_service.text.tokenizer import Tokenizer
     from tests.tiny import CORPUS
 
     tok = Tokenizer(folder)

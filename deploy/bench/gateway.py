@@ -53,7 +53,7 @@ def _row(name: str, wall: float, ttfts: list[float], tokens: int) -> dict:
 
 
 def gateway_cost(args) -> list[dict]:
-    from scheduler_service.tokenizer import Tokenizer
+    from scheduler_service.text.tokenizer import Tokenizer
 
     prompts = load_workload(args.workload)[: args.num_requests]
     tok = Tokenizer(args.model)

@@ -70,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from deploy.bench.harness import step_plan
-    from worker.attention import make_backend
-    from worker.kv_pool import KVPool
-    from worker.moe import MoE
-    from worker.runner import ModelRunner
-    from worker.weights import load_model
+    from worker.model.attention import make_backend
+    from worker.model.kv_pool import KVPool
+    from worker.model.moe import MoE
+    from worker.step.runner import ModelRunner
+    from worker.weights.loader import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     (folder / "config.json").write_text(json.dumps(cfg))
     model, config = load_model(str(folder), "dummy", dtype, device)
     if device.type == "cpu":
-        from worker.linear import choose as choose_matmul
+        from worker.model.linear import choose as choose_matmul
 
         model.use_matmul(choose_matmul("auto", model.matmul_shapes(), device, dtype))
     bw = bandwidth(device, dtype)

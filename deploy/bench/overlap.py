@@ -12,9 +12,9 @@ from protos.codec import decode_plan, resolve_tokens
 
 # --- a simulated worker process, and the overlap benchmark -----------------------------------------------
 class SimulatedRunner:
-    """Answers plans like worker/runner.py, with a fixed step time instead of a model: what a GPU worker looks
-    like to the scheduler. Tokens are the hash model's (`check`, exact and slow) or a cheap function of the
-    sequence length (for timing)."""
+    """Answers plans as the worker's runner does, with a fixed step time instead of a model: what a GPU
+    worker looks like to the scheduler. Tokens are the hash model's (`check`, exact and slow) or a cheap
+    function of the sequence length (for timing)."""
 
     def __init__(self, num_blocks: int, block_size: int, step_s: float, check: bool = False) -> None:
         self.num_blocks = num_blocks
@@ -91,7 +91,7 @@ def serve_worker(args) -> int:
     """A worker process of one rank that simulates its steps (see SimulatedRunner)."""
     import os
 
-    from worker.server import WorkerServer
+    from worker.serve.server import WorkerServer
 
     handshake = wire_pb2.Handshake(
         tp_rank=0, tp_size=1, replica=0, num_blocks=args.num_blocks, block_size=args.block_size,
@@ -110,12 +110,12 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
     import sys
     import time
 
-    from scheduler_service.config import ModelSpec, SchedulerConfig
-    from scheduler_service.engine import Engine
+    from scheduler_service.core.config import ModelSpec, SchedulerConfig
+    from scheduler_service.core.sequence import Request, SamplingOptions
     from scheduler_service.main import tune_gc
-    from scheduler_service.sequence import Request, SamplingOptions
-    from scheduler_service.tokenizer import Tokenizer
-    from scheduler_service.worker_client import WorkerClient
+    from scheduler_service.runtime.engine import Engine
+    from scheduler_service.runtime.worker_client import WorkerClient
+    from scheduler_service.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(args.model)
     budget = max(2048, args.seqs)

@@ -94,7 +94,7 @@ def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int =
 
     from deploy.bench.harness import median_time
     from kernels import cpu_native
-    from worker.quantized import QUANT_TYPES, QuantizedMatmul, QuantWeight
+    from worker.model.quantized import QUANT_TYPES, QuantizedMatmul, QuantWeight
 
     kernels = cpu_native.load()
     lib = QuantizedMatmul(kernels, dense=None, max_kernel_rows=1 << 20, packing=True, pack_q8=True)

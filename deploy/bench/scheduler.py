@@ -20,11 +20,11 @@ from dataclasses import replace
 import numpy as np
 
 from protos.codec import decode_result, encode_plan, encode_result
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.output import DeltaQueue, SampleOutput
-from scheduler_service.scheduler import Scheduler
-from scheduler_service.sequence import Request, SamplingOptions
-from scheduler_service.tokenizer import Tokenizer
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.sequence import Request, SamplingOptions
+from scheduler_service.text.output import DeltaQueue, SampleOutput
+from scheduler_service.text.tokenizer import Tokenizer
 
 
 def measure(tokenizer: Tokenizer, num_seqs: int, context: int, steps: int, block_size: int) -> dict[

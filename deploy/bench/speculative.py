@@ -97,7 +97,7 @@ class Llama:
 
 
 def edit_prompts(model: Path) -> list[list[int]]:
-    from scheduler_service.tokenizer import Tokenizer
+    from scheduler_service.text.tokenizer import Tokenizer
 
     tok = Tokenizer(model)
     return [tok.encode_chat(item["messages"]) for item in json.loads(EDIT_WORKLOAD.read_text())]

@@ -124,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from worker.attention import make_backend
-    from worker.graphs import DecodeGraphs
-    from worker.kv_pool import KVPool, bytes_per_block
-    from worker.runner import ModelRunner, warm_up
-    from worker.weights import load_model
+    from worker.model.attention import make_backend
+    from worker.model.kv_pool import KVPool, bytes_per_block
+    from worker.step.graphs import DecodeGraphs
+    from worker.step.runner import ModelRunner, warm_up
+    from worker.weights.loader import load_model
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda":

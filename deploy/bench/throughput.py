@@ -126,11 +126,11 @@ def bench_static(args, prompts) -> dict:
 def _worker(args, num_blocks: int):
     import torch
 
-    from worker.attention import make_backend
-    from worker.kv_pool import KVPool
-    from worker.linear import choose as choose_matmul
-    from worker.runner import ModelRunner
-    from worker.weights import load_model
+    from worker.model.attention import make_backend
+    from worker.model.kv_pool import KVPool
+    from worker.model.linear import choose as choose_matmul
+    from worker.step.runner import ModelRunner
+    from worker.weights.loader import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -148,7 +148,7 @@ def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
     `sampled_rows`), on the model's own prepared weights, with the faster library for this machine."""
     import torch
 
-    from worker.linear import LIBRARIES
+    from worker.model.linear import LIBRARIES
 
     cpu = torch.device("cpu")
     names = [n for n, cls in LIBRARIES.items() if n == "dense" or cls.available(cpu, torch.float32)]
@@ -242,10 +242,12 @@ def _served_model(args, cpu):
     import torch
 
     from kernels import cpu_native
-    from worker.linear import choose as choose_matmul
-    from worker.quantized import GGUFQuantSource, QuantizedMatmul, choose_threshold, find_gguf, model_linears
-    from worker.startup import use_fused_decode
-    from worker.weights import load_model
+    from worker.model.linear import choose as choose_matmul
+    from worker.model.quantized import QuantizedMatmul, choose_threshold, model_linears
+    from worker.serve.startup import use_fused_decode
+    from worker.weights.fill import read_quantized
+    from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
+    from worker.weights.loader import load_model
 
     model, config = load_model(args.model, "auto", torch.float32, cpu)
     dense = choose_matmul(args.matmul, model.matmul_shapes(), cpu, torch.float32)
@@ -255,8 +257,8 @@ def _served_model(args, cpu):
     else:
         kernels = cpu_native.load()
         lib = QuantizedMatmul(kernels, dense, packing=kernels.packed_fast)  # the worker's default (auto)
-        model.use_quantized(GGUFQuantSource(gguf, config.num_heads, config.num_kv_heads, config.head_dim),
-                            lib)
+        source = GGUFQuantSource(gguf, config.num_heads, config.num_kv_heads, config.head_dim)
+        model.use_quantized(read_quantized(model, source), lib)
         choose_threshold(lib, model_linears(model))
     use_fused_decode(model, 1, "fp32")
     return model, config
@@ -299,7 +301,7 @@ def decode_breakdown(args) -> dict:
     Python, dispatch, plan handling and sampling), beside the fused step where it covers that many rows."""
     import torch
 
-    from worker.attention import make_backend
+    from worker.model.attention import make_backend
 
     cpu = torch.device("cpu")
     if args.threads:
@@ -323,8 +325,8 @@ def decode_breakdown(args) -> dict:
 def _decode_rows(model, config, attn, fused, rows: int, context: int, reps: int) -> dict:
     import torch
 
-    from worker.kv_pool import KVPool
-    from worker.runner import ModelRunner
+    from worker.model.kv_pool import KVPool
+    from worker.step.runner import ModelRunner
 
     cpu = torch.device("cpu")
     plan, blocks = step_plan([(1, context)] * rows, step_id=2)
@@ -422,10 +424,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="repetitions of each in-process timing (the best is kept)")
     p.add_argument("--malloc", default=None, choices=["auto", "tcmalloc", "glibc", "default"],
                    help="host allocator of the server's workers and of this process (static batching, "
-                        "phases); see worker/host_memory.py")
+                        "phases); see worker/serve/host_memory.py")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
-    from worker.host_memory import ensure_allocator, resolve_mode
+    from worker.serve.host_memory import ensure_allocator, resolve_mode
 
     allocator = ensure_allocator(resolve_mode(args.malloc), "cpu", "deploy.bench", argv)  # may re-execute
     prompts = load_workload(args.workload)[: args.num_requests]

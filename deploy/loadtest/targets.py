@@ -93,7 +93,7 @@ class OpenAITarget:
         import httpx
 
         if tokenizer:
-            from scheduler_service.tokenizer import Tokenizer
+            from scheduler_service.text.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer(tokenizer)
             vocab_size = min(vocab_size, self.tokenizer.vocab_size)

@@ -12,15 +12,15 @@ from google.protobuf import struct_pb2
 
 from protos import generation_pb2
 from scheduler_service.api import tool_calls
+from scheduler_service.api.embedding import EmbedInputs
 from scheduler_service.api.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     SamplingFields,
 )
-from scheduler_service.embedding import EmbedInputs
-from scheduler_service.structured import choice_regex
-from scheduler_service.validation import MAX_LOGPROBS, InvalidRequest
+from scheduler_service.api.validation import MAX_LOGPROBS, InvalidRequest
+from scheduler_service.text.structured import choice_regex
 
 UINT32 = 2**32 - 1
 

@@ -8,9 +8,9 @@ import time
 
 from scheduler_service.api import tool_calls
 from scheduler_service.api.openai_requests import ToolMode
-from scheduler_service.output import Delta, TokenLogprob
-from scheduler_service.sequence import FinishReason
-from scheduler_service.tokenizer import TokenTable
+from scheduler_service.core.sequence import FinishReason
+from scheduler_service.text.output import Delta, TokenLogprob
+from scheduler_service.text.tokenizer import TokenTable
 
 FINISH = {
     FinishReason.STOP: "stop",

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from scheduler_service.api import openai_requests as to_engine
 from scheduler_service.api import openai_responses as out
+from scheduler_service.api.embedding import prepare_embeddings, run_embeddings
 from scheduler_service.api.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,13 +36,12 @@ from scheduler_service.api.openai_schema import (
     EmbeddingRequest,
     TokenizeRequest,
 )
+from scheduler_service.api.rpc import prepare_request
 from scheduler_service.api.streams import ClientGone, merged, unless_disconnected
 from scheduler_service.api.tool_calls import template_writes_tool_calls
-from scheduler_service.embedding import prepare_embeddings, run_embeddings
-from scheduler_service.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
-from scheduler_service.rpc import prepare_request
-from scheduler_service.scheduler import DuplicateRequestId
-from scheduler_service.validation import InvalidRequest
+from scheduler_service.api.validation import InvalidRequest
+from scheduler_service.core.scheduler import DuplicateRequestId
+from scheduler_service.runtime.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
 
 log = structlog.get_logger("scheduler.http")
 

@@ -1,0 +1,73 @@
+"""What both gRPC front ends share (server.py's pagedserve.v1, engine_protocol.py's SMG engine protocol): the
+tolerant deserializer, the client errors and their status codes, and a request's preparation."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+import structlog
+
+from scheduler_service.api.embedding import refuse_task
+from scheduler_service.api.validation import InvalidRequest, request_from_proto
+from scheduler_service.core.scheduler import DuplicateRequestId
+from scheduler_service.runtime.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
+
+log = structlog.get_logger("scheduler.rpc")
+
+# errors a request's sender caused or must retry: answered with a status, never a crash
+CLIENT_ERRORS = (InvalidRequest, QueueFull, EngineUnavailable, StepFailed, DuplicateRequestId, Unschedulable)
+
+
+def status_for(error: Exception) -> grpc.StatusCode:
+    if isinstance(error, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, (QueueFull, Unschedulable)):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, EngineUnavailable):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(error, DuplicateRequestId):
+        return grpc.StatusCode.ALREADY_EXISTS
+    return grpc.StatusCode.INTERNAL
+
+
+class Malformed:
+    """What the tolerant deserializer returns for bytes that are not a valid request message."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+        self.request_id = ""
+
+
+def tolerant(message_cls):
+    """A deserializer that never raises: bytes that do not parse become a Malformed, which the handler
+    answers with INVALID_ARGUMENT naming the problem (grpc's own failure would be an opaque INTERNAL)."""
+
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError, invalid UTF-8 in a string field, ...
+            return Malformed(f"the request is not a valid {message_cls.DESCRIPTOR.full_name}: {e}")
+
+    return parse
+
+
+async def prepare_request(engine: Engine, msg):
+    """A pagedserve.v1 GenerateRequest (or a Malformed) -> the engine's Request, validated and tokenized off
+    the event loop. Raises one of CLIENT_ERRORS."""
+    if isinstance(msg, Malformed):
+        raise InvalidRequest(msg.error)
+    if not msg.request_id:  # assigned before validation, so that a refusal's log line names the request too
+        msg.request_id = uuid.uuid4().hex
+    if engine.limits is None:
+        raise EngineUnavailable(engine.unavailable_reason)
+    refuse_task(engine, embedding=False)
+    return await asyncio.to_thread(request_from_proto, msg, engine.tokenizer, engine.limits)
+
+
+async def reject(context: grpc.aio.ServicerContext, error: Exception, request_id: str = "") -> None:
+    """End the call with the error's status and message."""
+    code = status_for(error)
+    log.info("request_rejected", request_id=request_id, code=code.name, error=str(error))
+    await context.abort(code, str(error))

@@ -1,0 +1,146 @@
+"""Configuration of the scheduler service: frozen, built once from the command line and the model folder."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from scheduler_service.core.pooling import PoolingConfigError, PoolingSpec, checkpoint_has_head
+
+TASKS = ("auto", "generate", "embed", "both")
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the scheduler needs to know of a model: read from config.json, no weights, no torch."""
+
+    name: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    path: str | None = None
+    hidden_size: int = 0
+    # What it serves: a PoolingSpec where it embeds (Embed), `generates` where it generates (Generate);
+    # each refuses the other's requests where the model does not serve them.
+    pooling: PoolingSpec | None = None
+    generates: bool = True
+    # generation_config.json's sampling values (temperature, top_p, top_k, min_p, repetition_penalty): what
+    # an OpenAI request that leaves them out gets, as from vLLM.
+    sampling_defaults: dict = field(default_factory=dict, hash=False)
+
+    @property
+    def task(self) -> str:
+        return "generate" if self.pooling is None else "both" if self.generates else "embed"
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, max_model_len: int | None = None, task: str = "auto",
+                    pooling: str | None = None) -> ModelSpec:
+        """task: "auto" embeds a folder with sentence-transformers' files and generates otherwise; "embed"
+        serves any decoder as an embedding model (`pooling`, last token unless said, normalized; the folder's
+        own where it has them), "both" generates and embeds with one model (in the same steps), "generate"
+        only generates. A checkpoint without a language-model head only embeds. Raises PoolingConfigError
+        saying what is wrong."""
+        folder = Path(folder)
+        if task not in TASKS:
+            raise PoolingConfigError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        config = json.loads((folder / "config.json").read_text())
+        meta_path = folder / "pagedserve_model.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        eos = config.get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        gen_path = folder / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        gen_eos = generation.get("eos_token_id")
+        eos_ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        context = int(config.get("max_position_embeddings", 2048))
+        if max_model_len is not None:
+            context = min(context, max_model_len)
+        hidden = int(config.get("hidden_size", 0))
+        spec = PoolingSpec.from_folder(folder) if task != "generate" else None
+        generates = task in ("generate", "both") or (task == "auto" and spec is None)
+        if generates and not config.get("tie_word_embeddings") and not checkpoint_has_head(folder):
+            raise PoolingConfigError(f"{folder}: the checkpoint has no language-model head (lm_head.weight): "
+                                     "it can only embed (--task embed)")
+        if spec is None and task in ("embed", "both"):
+            spec = PoolingSpec(pooling=pooling or "last", normalize=True, dimension=hidden)
+        elif spec is None and pooling:
+            raise PoolingConfigError("--pooling applies to an embedding model: give --task embed (or both)")
+        elif spec is not None:
+            spec = replace(spec, dimension=spec.dimension or hidden,
+                           **({"pooling": pooling, "source": "--pooling"} if pooling else {}))
+            if spec.dimension != hidden:
+                raise PoolingConfigError(f"{spec.source}: word_embedding_dimension {spec.dimension} is not "
+                                         f"the model's hidden size {hidden}")
+        return cls(
+            name=meta.get("model_name") or config.get("_name_or_path") or folder.name,
+            vocab_size=int(config["vocab_size"]),
+            max_context=context,
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos_ids)),
+            path=str(folder),
+            hidden_size=hidden,
+            pooling=spec,
+            generates=generates,
+            sampling_defaults={k: generation[k] for k in SAMPLING_DEFAULTS
+                               if isinstance(generation.get(k), (int, float))},
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling policy. The number of blocks is not here: it arrives in the workers' handshake."""
+
+    block_size: int = 16
+    max_num_seqs: int = 64
+    # Adopt the workers' proposal (their handshakes' max_num_seqs, the smallest) at start instead.
+    auto_max_num_seqs: bool = False
+    # Per-step token budget: decodes are scheduled first, then prompt chunks fill the rest.
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_queue_len: int = 1024
+    # Plan step N+1 while the workers run step N (the plan refers to step N's sampled tokens by row).
+    overlap: bool = True
+    # Check allocator invariants after every step (tests turn it on).
+    debug_invariants: bool = False
+    # Seconds between the step_profile log lines of a busy replica (cumulative figures).
+    step_profile_interval: float = 5.0
+    # Data parallelism: how much more loaded (waiting x 4 + running) than the least loaded replica the
+    # replica holding a request's cached prefix may be and still get it. None: max_num_seqs / 4.
+    route_overload_slack: int | None = None
+    # Speculative decoding (scheduler_service/core/drafting.py): "off"; "ngram" drafts wherever a sequence's
+    # n-grams propose; "auto" also stops drafting in steps of more than speculative_max_rows decodes, where
+    # the batch already keeps the workers busy.
+    speculative: str = "auto"
+    num_speculative_tokens: int = 10  # the longest draft (a long suffix match drafts this many)
+    speculative_max_rows: int = 4
+    # Embeddings beside generation (core/pacing.py): the share of their speed decoding streams
+    # may lose to embedding prompt chunks in their steps (1: none kept back).
+    embed_slowdown: float = 0.2
+    # Where the model also generates: the most embedding tokens a step without decodes takes, so a generation
+    # request that arrives meanwhile waits behind steps of at most this many (0: the whole budget).
+    embed_step_tokens: int = 512
+    # max_tokens of a request that names none (capped by what its prompt leaves of the context); 0: the
+    # whole context, as vLLM.
+    default_max_tokens: int = 0
+
+    @property
+    def route_slack(self) -> int:
+        if self.route_overload_slack is not None:
+            return self.route_overload_slack
+        return max(1, self.max_num_seqs // 4)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.speculative not in ("auto", "ngram", "off"):
+            raise ValueError(f"speculative must be auto, ngram or off, got {self.speculative!r}")
+        if not 0.0 < self.embed_slowdown <= 1.0:
+            raise ValueError(f"embed_slowdown must lie in (0, 1], got {self.embed_slowdown}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs (one decode token each)")

@@ -1,0 +1,236 @@
+"""Page tables over the block allocator: every change to what a sequence's table holds.
+
+The scheduler decides who runs, how many tokens each computes and whom to preempt; this module carries
+the decisions out on memory and answers whether they fit. `allocate_slots` returns None when the pool
+cannot hold a growth: the scheduler then preempts a victim of its choosing and asks again.
+"""
+
+from __future__ import annotations
+
+from scheduler_service.core.block_allocator import BlockAllocator
+from scheduler_service.core.plan import PlanBuilder
+from scheduler_service.core.sequence import Request, Sequence
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 kv_window: int = 0) -> None:
+        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
+        self.block_size = block_size
+        self.caching = enable_prefix_caching
+        # Every layer of the model slides over at least kv_window keys (0: some layer reads everything): a
+        # sequence's blocks wholly before its window are given back as it advances (drop_out_of_window).
+        self.kv_window = kv_window
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return self.allocator.blocks_for_tokens(num_tokens)
+
+    # --- admission -------------------------------------------------------------------------------
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks of the longest cached run of seq's full blocks, leaving at least its last token to
+        compute."""
+        if not self.caching or seq.num_computed_tokens or seq.block_ids:
+            return []
+        request = seq.request
+        if request.sampling.prompt_logprobs is not None:  # every prompt position's logits are needed
+            return []
+        if request.embed is not None and not request.embed.spec.prefix_cacheable:  # a mean reads them all
+            return []
+        hits = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block = self.allocator.lookup(seq.block_hash(i, self.block_size))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def admit(self, seq: Sequence, hits: list[int], num_new: int) -> bool:
+        """Give a waiting seq its table: the cached prefix `hits`, then fresh blocks for num_new more tokens.
+        False (nothing changed) when the pool cannot hold them."""
+        num_cached = len(hits) * self.block_size
+        need = self.blocks_for_tokens(num_cached + num_new) - len(hits)
+        # a cached prefix longer than every sliding window: its blocks before the window stay in the cache
+        skip = self.out_of_window(seq, num_cached) if hits else 0
+        revived = sum(1 for b in hits[skip:] if self.allocator.is_cached_free(b))  # hits that leave the LRU
+        if not self.allocator.can_allocate(need + revived):
+            return False
+        self.allocator.share(hits[skip:])
+        seq.block_ids = [-1] * skip + hits[skip:] + self.allocator.allocate(need)
+        seq.num_dropped_blocks = skip
+        seq.dropped_ids = hits[:skip]
+        seq.num_computed_tokens = num_cached
+        seq.num_registered_blocks = len(hits)
+        return True
+
+    def fork(self, leader: Sequence, forks: list[Sequence]) -> None:
+        """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token."""
+        prompt_len = leader.request.prompt_len
+        prompt_blocks = leader.block_ids[: self.blocks_for_tokens(prompt_len)]
+        for seq in forks:
+            self.allocator.share([b for b in prompt_blocks if b >= 0])
+            seq.block_ids = list(prompt_blocks)
+            seq.num_dropped_blocks = min(leader.num_dropped_blocks, len(prompt_blocks))
+            seq.dropped_ids = leader.dropped_ids[:seq.num_dropped_blocks]
+            seq.num_computed_tokens = prompt_len - 1
+            seq.num_registered_blocks = (prompt_len - 1) // self.block_size
+
+    # --- growth ----------------------------------------------------------------------------------
+    def writes_in_place(self, seq: Sequence, pos: int) -> bool:
+        """A token at `pos` lands in seq's last block and that block is its own (not shared, not cached):
+        a decode's fast path, no allocation to ask for."""
+        if not pos % self.block_size:
+            return False
+        block = seq.block_ids[pos // self.block_size]
+        return self.allocator.refcount(block) == 1 and not self.allocator.is_hashed(block)
+
+    def _writes_need_copy(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Indices of seq's existing blocks that the next num_tokens write into but may not be changed in
+        place: shared with another sequence, or holding a cached prefix."""
+        first = seq.num_computed_tokens // self.block_size
+        last = min(len(seq.block_ids), self.blocks_for_tokens(seq.num_computed_tokens + num_tokens))
+        return [i for i in range(first, last)
+                if self.allocator.refcount(seq.block_ids[i]) > 1
+                or self.allocator.is_hashed(seq.block_ids[i])]
+
+    def allocate_slots(self, seq: Sequence, num_new: int, lookahead: int = 0) -> list[tuple[int, int]] | None:
+        """Make seq's table hold num_new more tokens, and `lookahead` beyond them (slots a step may write and
+        then give up): grow it, and copy each block those tokens would write that is not seq's own alone.
+        Returns the copies (src, dst) the worker runs before the forward, or None, changing nothing, when
+        the pool cannot hold them."""
+        num_tokens = num_new + lookahead
+        copies = self._writes_need_copy(seq, num_tokens)
+        need = self.blocks_for_tokens(seq.num_computed_tokens + num_tokens) - len(seq.block_ids) + len(copies)
+        if not self.allocator.can_allocate(need):
+            return None
+        fresh = self.allocator.allocate(need)
+        done = []
+        for i in copies:
+            src, dst = seq.block_ids[i], fresh.pop()
+            done.append((src, dst))
+            seq.block_ids[i] = dst
+            PlanBuilder.replaced(seq, i)
+            self.allocator.free([src])
+        seq.block_ids.extend(fresh)
+        return done
+
+    def trim(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give back seq's blocks past those num_tokens need (a rejected draft's; last first): they are its
+        own, fresh and never offered to the cache. Whether any went back."""
+        keep = self.blocks_for_tokens(num_tokens)
+        if len(seq.block_ids) <= keep:
+            return False
+        tail = seq.block_ids[keep:]
+        del seq.block_ids[keep:]
+        self.allocator.free(tail[::-1])
+        return True
+
+    def tokens_that_fit(self, seq: Sequence, num_new: int) -> int:
+        """How many of seq's next num_new tokens the free blocks hold (a prompt chunk shrinks to that before
+        anyone is preempted)."""
+        copies = len(self._writes_need_copy(seq, num_new))
+        have = len(seq.block_ids)
+        blocks = have + self.allocator.num_available_blocks - copies
+        return blocks * self.block_size - seq.num_computed_tokens
+
+    def register_full_blocks(self, seq: Sequence, computed: int) -> None:
+        """Offer seq's blocks that `computed` tokens (a step's confirmed end) fill to the prefix cache."""
+        if not self.caching:
+            return
+        full = computed // self.block_size
+        events = self.allocator.events is not None
+        for i in range(seq.num_registered_blocks, full):
+            if seq.block_ids[i] < 0:  # given back before its step was confirmed (drop_out_of_window)
+                continue
+            if events:  # subscribers see each block's parent and tokens
+                self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size),
+                                        seq.block_hash(i - 1, self.block_size) if i else None,
+                                        seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            else:
+                self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size))
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    # --- sliding windows -------------------------------------------------------------------------
+    def out_of_window(self, seq: Sequence, start: int) -> int:
+        """How many of seq's leading blocks no query from position `start` on reads (see below)."""
+        if not self.kv_window or seq.request.sampling.is_penalized:
+            return 0
+        return max(start - self.kv_window, 0) // self.block_size
+
+    def drop_out_of_window(self, seq: Sequence, start: int) -> None:
+        """Give back seq's blocks that no query from position `start` on reads: with every layer sliding over
+        kv_window keys, a query at p reads keys after p - kv_window, so keys before start - kv_window are done
+        (one key of slack: a sample forked from this sequence recomputes the prompt's last token, start - 1).
+        Their table entries become -1, which the kernels never look up. A block in the prefix cache stays
+        there (it is only unreferenced); sequences with penalties keep every block, since those read the
+        whole context's tokens through the table."""
+        end = self.out_of_window(seq, start)
+        if end <= seq.num_dropped_blocks:
+            return
+        first = seq.num_dropped_blocks
+        dropped = [b for b in seq.block_ids[first:end] if b >= 0]
+        for i in range(first, end):
+            seq.dropped_ids.append(seq.block_ids[i])
+            seq.block_ids[i] = -1
+        seq.num_dropped_blocks = end
+        self.allocator.free(dropped[::-1])
+        PlanBuilder.replaced(seq, first)
+
+    # --- release ---------------------------------------------------------------------------------
+    @staticmethod
+    def disown(seq: Sequence) -> None:
+        """seq comes from another pool (a replica whose workers were lost): its table named that pool's
+        blocks, so it starts empty here, to be recomputed, and nothing is given back."""
+        seq.block_ids = []
+        seq.dropped_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+        seq.num_dropped_blocks = 0
+        seq.epoch += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Give every block of seq back (finish, abort, preemption). Last block first: the LRU then evicts a
+        cached chain from its leaf, and its root — which every lookup needs — last. The epoch moves on, so a
+        step planned on the old table knows its blocks are gone."""
+        if seq.block_ids:
+            self.allocator.free([b for b in reversed(seq.block_ids) if b >= 0])
+        if seq.dropped_ids and self.caching:
+            # blocks given back behind the window went into the cache's LRU when dropped, so the chain's root
+            # would be evicted first, cutting every later lookup of the prefix: those still cached become the
+            # most recent now, root last, as the rest are ordered
+            for i in range(len(seq.dropped_ids) - 1, -1, -1):
+                if seq.dropped_ids[i] >= 0:
+                    self.allocator.touch(seq.dropped_ids[i], seq.block_hash(i, self.block_size))
+        self.disown(seq)  # the table empties; nothing is left to give back
+
+    # --- accounting ------------------------------------------------------------------------------
+    @staticmethod
+    def request_blocks(request: Request) -> int:
+        """Distinct blocks a request holds (samples share their prompt's blocks)."""
+        return len({b for s in request.seqs for b in s.block_ids if b >= 0})
+
+    def check_invariants(self, running: list[Sequence], waiting) -> None:
+        """free + cached + referenced == num_blocks, no block in two states, refcounts equal owners,
+        every running sequence's table covers its computed tokens, waiting sequences hold nothing."""
+        self.allocator.check_invariants()
+        owned: dict[int, int] = {}
+        for seq in running:
+            for b in seq.block_ids:
+                if b >= 0:
+                    owned[b] = owned.get(b, 0) + 1
+            if len(seq.block_ids) < self.blocks_for_tokens(seq.num_computed_tokens):
+                raise AssertionError(f"{seq} holds too few blocks for its computed tokens")
+            if any(b < 0 for b in seq.block_ids[seq.num_dropped_blocks:]) or \
+                    any(b >= 0 for b in seq.block_ids[:seq.num_dropped_blocks]):
+                raise AssertionError(f"{seq}: given-back blocks are not exactly its first "
+                                     f"{seq.num_dropped_blocks}")
+        for seq in waiting:
+            if seq.block_ids or seq.num_computed_tokens:
+                raise AssertionError(f"waiting {seq} holds blocks")
+        for b in range(self.num_blocks):
+            if owned.get(b, 0) != self.allocator.refcount(b):
+                raise AssertionError(f"block {b}: refcount {self.allocator.refcount(b)}, owners "
+                                     f"{owned.get(b, 0)}")

@@ -1,0 +1,257 @@
+"""Turn a scheduler step into the arrays of a StepPlan (protos/codec.py packs them), without a per-token
+Python loop.
+
+`PlanBuilder` keeps a numpy mirror of what changes rarely: each running sequence owns a row of a block-table
+array (filled as its page table grows, a copy-on-write patching one entry) and of per-row sampling
+parameters. A step then costs one short pass over its sequences (row, start, length) and a few vectorized
+numpy operations: positions, slots, sequence lengths and the block tables are gathered, not rebuilt.
+
+A row whose last input token is still pending (sampled by the step in flight; see sequence.py) carries a
+placeholder in token_ids and, in prev_rows, the row of the previous step whose sampled token the worker
+puts there.
+
+Request controls (penalties, min_p, logprobs) are per-row mirrors too, shipped only in steps where some row
+uses them; the ragged parts (logit biases, prompt-logprob targets, structured-output masks) are built by a
+loop over just the rows that have them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protos.codec import F32, I32, I64, POOL_FIRST, POOL_LAST, POOL_SUM, U64, PlanArrays
+
+_POOL_KINDS = {"last": POOL_LAST, "mean": POOL_SUM, "cls": POOL_FIRST}
+
+
+class PlanBuilder:
+    def __init__(self, max_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_seq
+        self.tables = np.full((max_seqs, max_blocks_per_seq), -1, dtype=I32)
+        self.prompt_len = np.zeros(max_seqs, dtype=I64)
+        self.temperature = np.zeros(max_seqs, dtype=F32)
+        self.top_p = np.ones(max_seqs, dtype=F32)
+        self.top_k = np.zeros(max_seqs, dtype=I32)
+        self.seed = np.zeros(max_seqs, dtype=U64)
+        self.repetition = np.ones(max_seqs, dtype=F32)
+        self.presence = np.zeros(max_seqs, dtype=F32)
+        self.frequency = np.zeros(max_seqs, dtype=F32)
+        self.min_p = np.zeros(max_seqs, dtype=F32)
+        self.logprobs = np.full(max_seqs, -1, dtype=I32)
+        self.penalized = np.zeros(max_seqs, dtype=bool)
+        # rows with a ragged part: logit_bias or min_tokens, prompt logprobs, a structured-output matcher
+        self.special = np.zeros(max_seqs, dtype=bool)
+        # embeddings: how a row's sequence pools (0: it does not; POOL_LAST, POOL_SUM, POOL_FIRST)
+        self.pool_kind = np.zeros(max_seqs, dtype=I32)
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+
+    # --- rows --------------------------------------------------------------------------------------
+    def attach(self, seq) -> None:
+        """seq starts running (its block_ids were just set): give it a row."""
+        if seq.row < 0:
+            if not self._free_rows:
+                raise RuntimeError("more running sequences than block-table rows")
+            seq.row = row = self._free_rows.pop()
+            params = seq.request.sampling
+            self.prompt_len[row] = seq.prompt_len
+            self.temperature[row], self.top_p[row] = params.temperature, params.top_p
+            self.top_k[row], self.seed[row] = params.top_k, seq.sample_seed
+            self.repetition[row], self.presence[row] = params.repetition_penalty, params.presence_penalty
+            self.frequency[row], self.min_p[row] = params.frequency_penalty, params.min_p
+            self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
+            self.penalized[row] = params.is_penalized
+            embed = seq.request.embed
+            self.pool_kind[row] = 0 if embed is None else _POOL_KINDS[embed.spec.pooling]
+            self.special[row] = (params.has_bias or seq.matcher is not None
+                                 or (params.prompt_logprobs is not None and seq.index == 0))
+        seq.num_mirrored_blocks = 0
+
+    def detach(self, seq) -> None:
+        """seq gave its blocks back: its row is cleared and free."""
+        if seq.row >= 0:
+            self.tables[seq.row] = -1
+            self._free_rows.append(seq.row)
+            seq.row = -1
+        seq.num_mirrored_blocks = 0
+
+    def trimmed(self, seq) -> None:
+        """seq's table lost its tail (a rejected draft's blocks): the mirror forgets those entries."""
+        n = len(seq.block_ids)
+        if seq.row >= 0:
+            self.tables[seq.row, n:] = -1
+        seq.num_mirrored_blocks = min(seq.num_mirrored_blocks, n)
+
+    @staticmethod
+    def replaced(seq, index: int) -> None:
+        """seq.block_ids[index] changed (copy-on-write)."""
+        seq.num_mirrored_blocks = min(seq.num_mirrored_blocks, index)
+
+    # --- one step ----------------------------------------------------------------------------------
+    def build(self, out) -> PlanArrays:
+        """The step's plan: its rows gathered from the sequences, then every per-token array vectorized."""
+        rows, starts, q_lens, do_sample, tokens, pending, max_blocks, drafts = self._gather(out.scheduled)
+        num_seqs, num_tokens = len(rows), len(tokens)
+        tables = self.tables
+        query_start_loc = np.zeros(num_seqs + 1, dtype=I32)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        seq_lens = starts + q_lens
+        if num_tokens == num_seqs:  # decodes only
+            positions, token_rows = starts, rows
+        else:
+            token_rows = np.repeat(rows, q_lens)
+            positions = np.arange(num_tokens, dtype=I64) - np.repeat(query_start_loc[:-1] - starts, q_lens)
+        bs = self.block_size
+        slot_mapping = tables[token_rows, positions // bs].astype(I64) * bs + positions % bs
+        prev_rows = None
+        if pending:
+            prev_rows = np.full(num_tokens, -1, dtype=I32)
+            at, prev = zip(*pending, strict=True)
+            prev_rows[list(at)] = prev
+        sample_index = np.maximum(seq_lens - self.prompt_len[rows], 0)
+        plan = PlanArrays(
+            step_id=out.step_id,
+            token_ids=np.asarray(tokens, dtype=I32),
+            positions=positions.astype(I32),
+            slot_mapping=slot_mapping,
+            block_tables=tables[rows, :max_blocks],
+            seq_lens=seq_lens.astype(I32),
+            query_start_loc=query_start_loc,
+            do_sample=do_sample,
+            sample_index=sample_index.astype(I32),
+            temperature=self.temperature[rows],
+            top_p=self.top_p[rows],
+            top_k=self.top_k[rows],
+            seed=self.seed[rows],
+            block_copies=np.asarray(out.block_copies, dtype=I32).reshape(-1, 2),
+            prev_step_id=out.step_id - 1 if pending else 0,
+            prev_rows=prev_rows,
+        )
+        if drafts:
+            plan.num_draft = np.zeros(num_seqs, dtype=I32)
+            at, counts = zip(*drafts, strict=True)
+            plan.num_draft[list(at)] = counts
+        self._controls(out, plan, rows, starts, q_lens, do_sample)
+        kinds = self.pool_kind[rows]
+        if kinds.any():  # a mean sums every chunk; the last token pools in the last chunk, cls in the first
+            out.embed_rows = kinds
+            ends = seq_lens == self.prompt_len[rows]
+            at = (kinds == POOL_SUM) | ((kinds == POOL_LAST) & ends) | ((kinds == POOL_FIRST) & (starts == 0))
+            if at.any():
+                plan.pooling = out.pooling = np.where(at, kinds, 0).astype(I32)
+        return plan
+
+    def _gather(self, scheduled):
+        """One pass over the scheduled sequences: their rows, starts, new-token counts and sampling flags, the
+        input tokens (0 where the step in flight samples it: `pending` says where, and from which row), and
+        the widest table; new table entries are mirrored on the way."""
+        num_seqs = len(scheduled)
+        tables = self.tables
+        rows = np.empty(num_seqs, dtype=I64)
+        starts = np.empty(num_seqs, dtype=I64)
+        q_lens = np.empty(num_seqs, dtype=I64)
+        do_sample = np.empty(num_seqs, dtype=bool)
+        tokens: list[int] = []
+        pending: list[tuple[int, int]] = []  # (token offset, row of the previous step)
+        drafts: list[tuple[int, int]] = []  # (row, tokens drafted)
+        max_blocks = 1
+        offset = 0
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            blocks = seq.block_ids
+            n = len(blocks)
+            if seq.num_mirrored_blocks < n:
+                tables[seq.row, seq.num_mirrored_blocks : n] = blocks[seq.num_mirrored_blocks :]
+                seq.num_mirrored_blocks = n
+            if n > max_blocks:
+                max_blocks = n
+            start, q = item.start, item.num_new_tokens
+            rows[i], starts[i], q_lens[i], do_sample[i] = seq.row, start, q, item.do_sample
+            end = start + q
+            known = seq.token_ids
+            if item.draft:  # the known last token, then the draft
+                tokens.append(known[start])
+                tokens.extend(item.draft)
+                drafts.append((i, len(item.draft)))
+            elif end <= len(known):
+                if q == 1:
+                    tokens.append(known[start])
+                else:
+                    tokens.extend(known[start:end])
+            else:  # the last input is the token the step in flight samples for this sequence
+                tokens.extend(known[start : end - 1])
+                tokens.append(0)
+                pending.append((offset + q - 1, item.prev_row))
+            offset += q
+        return rows, starts, q_lens, do_sample, tokens, pending, max_blocks, drafts
+
+    def _controls(self, out, plan: PlanArrays, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
+                  do_sample: np.ndarray) -> None:
+        """The request-control arrays of the step's plan; `out` keeps what decoding its result needs."""
+        if self.penalized[rows].any():
+            plan.repetition_penalty = self.repetition[rows]
+            plan.presence_penalty = self.presence[rows]
+            plan.frequency_penalty = self.frequency[rows]
+        if self.min_p[rows].any():
+            plan.min_p = self.min_p[rows]
+        lp = self.logprobs[rows]
+        if (lp >= 0).any():
+            plan.logprobs = np.where(do_sample, lp, -1).astype(I32)
+            out.logprobs_k = plan.logprobs
+        special = np.flatnonzero(self.special[rows])
+        if special.size == 0:
+            return
+        scheduled = out.scheduled
+        num_seqs = len(scheduled)
+        bias_rows: list[tuple[int, list[tuple[int, float]]]] = []
+        matchers, mask_at, drafted, engine = [], [], [], None
+        plp_k = plp_counts = None
+        plp_targets: list[int] = []
+        for i in special.tolist():
+            seq = scheduled[i].seq
+            params = seq.request.sampling
+            if do_sample[i]:
+                generated = int(starts[i] + q_lens[i]) - seq.prompt_len
+                entries = list(params.logit_bias)
+                if generated < params.min_tokens:
+                    entries += [(t, float("-inf")) for t in params.min_tokens_ban]
+                if entries:
+                    bias_rows.append((i, entries))
+                if seq.matcher is not None:
+                    matchers.append(seq.matcher)
+                    mask_at.append(i)
+                    drafted.append(scheduled[i].draft)
+                    engine = seq.request.constraint.engine
+            if params.prompt_logprobs is not None and seq.index == 0:
+                start = int(starts[i])
+                count = min(start + int(q_lens[i]), seq.prompt_len - 1) - start
+                if count > 0:
+                    if plp_k is None:
+                        plp_k = np.full(num_seqs, -1, dtype=I32)
+                        plp_counts = np.zeros(num_seqs, dtype=I32)
+                    plp_k[i], plp_counts[i] = params.prompt_logprobs, count
+                    plp_targets.extend(seq.request.prompt_token_ids[start + 1 : start + 1 + count])
+        if bias_rows:
+            offsets = np.zeros(num_seqs + 1, dtype=I32)
+            ids, values = [], []
+            for i, entries in bias_rows:
+                offsets[i + 1] = len(entries)
+                ids.extend(t for t, _ in entries)
+                values.extend(v for _, v in entries)
+            plan.bias_offsets = np.cumsum(offsets, dtype=I32)
+            plan.bias_token_ids = np.asarray(ids, dtype=I32)
+            plan.bias_values = np.asarray(values, dtype=F32)
+        if matchers:  # a drafting row's masks: its first position's, then one after each drafted token
+            plan.mask_rows = np.full(num_seqs, -1, dtype=I32)
+            plan.mask_rows[mask_at] = np.cumsum([0] + [1 + len(d) for d in drafted[:-1]], dtype=I32)
+            if any(scheduled[i].prev_row >= 0 for i in mask_at):
+                # a row's last token is the one the step in flight samples: its matcher has not seen it yet,
+                # so the masks follow the plan once that step's result is in (runtime/step_loop.py)
+                plan.mask_follows = True
+                out.deferred_masks = (engine, matchers, drafted)
+            else:
+                plan.token_bitmask = engine.fill_masks(matchers, drafted)
+        if plp_k is not None:
+            plan.prompt_logprobs, plan.prompt_logprob_counts = plp_k, plp_counts
+            plan.prompt_logprob_targets = np.asarray(plp_targets, dtype=I32)
+            out.prompt_logprobs = (plp_k, plp_counts)

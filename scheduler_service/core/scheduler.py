@@ -1,0 +1,489 @@
+"""Continuous batching, the policy over kv_manager.py's memory: each step running decodes first, then running
+prompt chunks, then admissions, within the token budget; when the pool is full, whom to preempt (`_victim`).
+A step is committed when scheduled and reconciled in `update` when its result arrives, so the next one can
+be planned meanwhile. The whole walk, with its reasons: docs/ARCHITECTURE.md (routing and scheduling)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from protos.codec import PlanArrays
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.drafting import SequenceDrafter, SharedNgrams
+from scheduler_service.core.kv_manager import KVCacheManager
+from scheduler_service.core.pacing import EmbedPacer
+from scheduler_service.core.plan import PlanBuilder
+from scheduler_service.core.pooling import take_pooled
+from scheduler_service.core.sequence import FinishReason, Request, Sequence, SequenceStatus
+
+# Sequence ids are unique in the process, not per scheduler: a request moved to another replica (its
+# workers were lost) keeps its sequences.
+_SEQ_IDS = itertools.count()
+
+
+def make_sequences(request: Request) -> None:
+    """One sequence per sample; samples 1..n-1 wait to fork from sample 0's prompt."""
+    request.seqs = [Sequence(next(_SEQ_IDS), request, i) for i in range(request.sampling.n)]
+    request.pending_forks = request.seqs[1:]
+
+
+class DuplicateRequestId(ValueError):
+    """A live request already has this id."""
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (== num_computed_tokens when scheduled)
+    num_new_tokens: int
+    do_sample: bool
+    epoch: int  # the sequence's epoch when scheduled: its blocks are still these while the epochs agree
+    prev_row: int = -1  # >= 0: the last input token is the one the previous step samples in this row
+    draft: tuple[int, ...] = ()  # drafted tokens after the known last one, verified by this step
+
+
+@dataclass
+class SchedulerOutput:
+    step_id: int
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
+    # Set by the plan when rows asked for logprobs: the plan's per-row K (-1 none), and for prompt logprobs
+    # (K per row, positions per row); the result's arrays are decoded with them.
+    logprobs_k: object = None
+    prompt_logprobs: object = None
+    # Structured output whose masks follow the plan: (grammar engine, matchers in mask order), sent by the
+    # replica once the step before this one is applied (the matchers have then seen their last token).
+    deferred_masks: object = None
+    # Speculative decoding: seconds spent drafting (schedule), and once the result is applied (update), the
+    # rows that verified a draft, the tokens they drafted and how many of those stood.
+    draft_seconds: float = 0.0
+    num_draft_rows: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    # Embeddings: the rows' pooling kinds (set where an embedding runs), the plan's pooling (where a row pools
+    # this step), and once the result is applied, the sequences whose vector it finished.
+    embed_rows: object = None
+    pooling: object = None
+    embedded: list[Sequence] = field(default_factory=list)
+    num_decodes: int = 0  # sequences decoding (scheduler_service/core/pacing.py paces embeddings beside them)
+    embed_room: int = 0  # embedding prompt tokens this step may still take
+    num_embed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.start < s.seq.prompt_len)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int,
+                 kv_window: int = 0) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_window)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens found in cached blocks
+        self._step_ids = itertools.count(1)
+        self.planner = PlanBuilder(config.max_num_seqs, self.kv.blocks_for_tokens(max_model_len),
+                                   config.block_size)
+        # Speculative decoding: n-grams of finished requests, shared by every sequence here.
+        self.speculating = config.speculative != "off"
+        self.shared_ngrams = SharedNgrams() if self.speculating else None
+        self.pacer = EmbedPacer(config.embed_slowdown, config.max_num_batched_tokens)
+
+    # --- requests ------------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def allocator(self):
+        """The pool's block allocator (counts, the prefix cache, its events)."""
+        return self.kv.allocator
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
+        make_sequences(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request.seqs[0])
+
+    def adopt(self, request: Request) -> None:
+        """Take over a live request from a scheduler whose workers were lost: its unfinished sequences keep
+        their tokens (prompt and generated) and wait at the head of the queue to be recomputed, exactly as
+        after a preemption; samples not yet forked stay pending."""
+        if request.request_id in self.requests:
+            raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
+        self.requests[request.request_id] = request
+        resumed = [s for s in request.seqs if not s.is_finished and s not in request.pending_forks]
+        for seq in reversed(resumed):
+            self.kv.disown(seq)
+            seq.num_pending = 0  # the steps in flight were lost: their tokens are drawn again
+            seq.drafter = None  # drafted again from this replica's n-grams
+            seq.row = -1
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """End every sample of a request; its blocks return at once. None if it is not live."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.finish(seq, FinishReason.ABORT)
+        return request
+
+    def finish(self, seq: Sequence, reason: FinishReason, drop: int = 0) -> None:
+        """End seq; `drop`: its last tokens came after the one that ended it (a draft's) and are not its."""
+        if seq.is_finished:
+            return
+        if drop:
+            del seq.token_ids[-drop:]
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in seq.request.pending_forks:
+            seq.request.pending_forks.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.drafter is not None and reason is not FinishReason.ABORT:
+            self.shared_ngrams.learn(seq.token_ids)
+        if seq.request.is_finished:
+            self.requests.pop(seq.request.request_id, None)
+
+    # --- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """One step: the running sequences first (decodes, then prompt chunks), then waiting ones admitted
+        while the token budget, the pool and max_num_seqs allow."""
+        out = SchedulerOutput(step_id=next(self._step_ids))
+        scheduled: set[int] = set()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens, scheduled)
+        self._admit_waiting(out, budget, scheduled)
+        if self.config.debug_invariants:
+            self.check_invariants()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> int:
+        """Every running decode a token, then prompt chunks from what is left; -> the budget left."""
+        kv = self.kv
+        decodes, prefills, drafting_now = [], [], 0
+        for s in self.running:
+            left = len(s.token_ids) + s.num_pending - s.num_computed_tokens
+            if left == 1 and s.request.embed is None:
+                decodes.append(s)
+            elif left > 0:  # (an embedding's last prompt token too: it never decodes)
+                prefills.append(s)
+            elif s.request.embed is None:  # a draft in flight (its tokens count as computed until its result)
+                drafting_now += 1
+        drafting = self.speculating and (self.config.speculative == "ngram"
+                                         or len(decodes) <= self.config.speculative_max_rows)
+        for seq in decodes:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+                continue
+            drafter = self._drafter(seq) if drafting else None
+            if seq.num_pending and (self._at_limit(seq) or (drafter is not None and drafter.expects)):
+                continue  # the step in flight samples its last token, or it drafts once that is known
+            pos = seq.num_computed_tokens
+            draft = []
+            if drafter is not None and not seq.num_pending:
+                t = time.perf_counter()
+                draft = self._draft(seq, drafter, budget)
+                out.draft_seconds += time.perf_counter() - t
+            if not draft and kv.writes_in_place(seq, pos):  # fast path: into the sequence's own last block
+                self._add(out, seq, 1, scheduled)
+                budget -= 1
+                continue
+            kv.drop_out_of_window(seq, pos)  # blocks behind the window go back before any is asked for
+            if draft:  # a draft takes free blocks only: it never preempts anyone, or it is dropped
+                copies = kv.allocate_slots(seq, 1 + len(draft))
+                if copies is not None:
+                    out.block_copies.extend(copies)
+                    self._add(out, seq, 1 + len(draft), scheduled, tuple(draft))
+                    budget -= 1 + len(draft)
+                    continue
+            if self._reserve(seq, 1, scheduled, out):
+                self._add(out, seq, 1, scheduled)
+                budget -= 1
+        # Embeddings are paced while any stream decodes (a token or a draft of it may be in flight), and ride
+        # only in steps that decode one token a row: a step of embeddings alone would hold up the stream's
+        # next one, and a verifying step runs its own fast path, which another row would take away.
+        out.num_decodes = len(decodes) + drafting_now
+        plain = out.scheduled and not any(s.draft for s in out.scheduled)
+        cap = self.config.embed_step_tokens or budget
+        out.embed_room = min(budget, cap) if not out.num_decodes else self.pacer.room(budget) if plain else 0
+        for seq in prefills:
+            if budget == 0:
+                break
+            embed = seq.request.embed is not None
+            if seq.status is not SequenceStatus.RUNNING or (embed and not out.embed_room):
+                continue
+            kv.drop_out_of_window(seq, seq.num_computed_tokens)
+            wanted = min(seq.num_uncomputed_tokens, budget, out.embed_room if embed else budget)
+            num_new = self._reserve(seq, wanted, scheduled, out)
+            if num_new:
+                self._add(out, seq, num_new, scheduled)
+                budget -= num_new
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> None:
+        """Waiting sequences in arrival order, each on its cached prefix, while budget and pool allow (none
+        in a step that preempted: the pool is short)."""
+        kv = self.kv
+        at = 0  # the queue's head, or past embeddings while a decoding step has no room for them
+        while (at < len(self.waiting) and budget > 0 and not out.preempted
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[at]
+            if seq.num_pending:  # preempted while its last token was in flight: admitted once it is known
+                break
+            room = out.embed_room if seq.request.embed is not None else budget
+            if not room:
+                at += 1
+                continue
+            hits = kv.cached_prefix(seq)
+            num_cached = len(hits) * self.block_size
+            num_new = seq.num_tokens - num_cached
+            if num_new > min(budget, room):
+                if not self.config.enable_chunked_prefill:
+                    if room < budget:  # an embedding beside decodes: it waits for a step with room
+                        at += 1
+                        continue
+                    break
+                num_new = min(budget, room)
+            if not kv.admit(seq, hits, num_new):
+                break
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_cached
+            if seq.request.cached_prompt_tokens is None:
+                seq.request.cached_prompt_tokens = min(num_cached, seq.prompt_len)
+            del self.waiting[at]
+            seq.pooled = None  # (an embedding recomputed after a preemption pools again)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.planner.attach(seq)
+            self._add(out, seq, num_new, scheduled)
+            budget -= num_new
+
+    def _drafter(self, seq: Sequence) -> SequenceDrafter | None:
+        """seq's drafting state, made at its first decode; None for a sequence that asks logprobs (see
+        SamplingOptions.may_draft). A drafted position's penalties count the drafts before it, a grammar's
+        masks follow the draft."""
+        if seq.drafter is None:
+            if not seq.request.sampling.may_draft:
+                return None
+            seq.drafter = SequenceDrafter(seq.token_ids, self.config.num_speculative_tokens,
+                                          self.shared_ngrams)
+            seq.drafter.look_ahead()
+        return seq.drafter
+
+    def _draft(self, seq: Sequence, drafter: SequenceDrafter, budget: int) -> list[int]:
+        """Tokens to draft after seq's known last one: as many as its suffix match predicts, within the
+        budget, max_tokens and the context, none before min_tokens is reached (the end tokens are banned
+        until then, per position), and under a grammar only the tokens it allows."""
+        params = seq.request.sampling
+        if seq.num_output_tokens < params.min_tokens:
+            return []
+        room = min(budget - 1, params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+        if room <= 0:
+            return []
+        draft = drafter.propose(room)
+        if draft and seq.matcher is not None:  # only what the grammar allows (its masks follow the draft)
+            draft = [] if seq.matcher.is_stopped() or seq.matcher.is_error() else \
+                draft[:seq.matcher.validate_tokens(draft)]
+        return draft
+
+    def _at_limit(self, seq: Sequence) -> bool:
+        """The step in flight samples seq's last allowed token (max_tokens or the context): nothing to plan;
+        its result finishes it."""
+        return (seq.num_planned_tokens - seq.prompt_len >= seq.request.sampling.max_tokens
+                or seq.num_planned_tokens >= self.max_model_len)
+
+    def build_plan(self, out: SchedulerOutput) -> PlanArrays:
+        """The step's plan arrays (scheduler_service/core/plan.py)."""
+        return self.planner.build(out)
+
+    def update(self, out: SchedulerOutput, sampled: list[int], accepted: list[int] | None = None,
+               pooled=None) -> list[tuple[Sequence, int]]:
+        # sampled: Python ints, one per scheduled row (numpy's tolist() gives them); accepted: drafted tokens
+        # each row accepted (None: the step drafted nothing); pooled: fp32 [pooling rows, hidden]
+        """Reconcile a step with its result: pending tokens become known (a drafting row's accepted draft,
+        then its sampled token; the slots and blocks past them are given back), newly full blocks of
+        confirmed tokens are offered to the prefix cache, pending samples fork. Returns (seq, token) for
+        every token a sequence got, in order. A sequence that finished (stopped, aborted) since the step was
+        planned gets nothing; one preempted since keeps its tokens (computed from its blocks as they were)
+        but its blocks, given back, are left alone."""
+        new_tokens: list[tuple[Sequence, int]] = []
+        caching, bs = self.config.enable_prefix_caching, self.block_size
+        finished, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
+        for i, (item, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
+            seq = item.seq
+            if item.do_sample:
+                seq.num_pending -= 1
+            if seq.status is finished:
+                continue
+            current = seq.epoch == item.epoch and seq.status is running
+            end = item.start + item.num_new_tokens
+            tokens = (token,)
+            if item.draft:
+                n = accepted[i] if accepted is not None else 0
+                tokens = (*item.draft[:n], token)
+                end = item.start + 1 + n  # K/V past the accepted draft is a rejected draft's
+                seq.drafter.record(len(item.draft), n)
+                out.num_draft_rows += 1
+                out.num_drafted += len(item.draft)
+                out.num_accepted += n
+            if item.do_sample:
+                if seq.matcher is not None:  # (a grammar that ends inside the tokens ends the sample there)
+                    tokens = self._consume(seq, tokens)
+                    end = min(end, len(seq.token_ids) + len(tokens) - 1)
+                if item.draft and current:
+                    seq.num_computed_tokens = end
+                    if self.kv.trim(seq, end + 1):  # blocks held only for rejected tokens go back
+                        self.planner.trimmed(seq)
+                seq.token_ids.extend(tokens)
+                for t in tokens:
+                    new_tokens.append((seq, t))
+                if seq.drafter is not None:
+                    seq.drafter.append(tokens)
+                    seq.drafter.look_ahead()
+            if current and caching and end // bs > seq.num_registered_blocks:
+                self.kv.register_full_blocks(seq, end)
+            if item.do_sample and seq.index == 0 and seq.request.pending_forks:
+                self._fork(seq, current)
+        if out.embed_rows is not None:  # embeddings: their pooled states, and those finished
+            take_pooled(out, pooled, lambda seq: self.finish(seq, FinishReason.STOP))
+        return new_tokens
+
+    @staticmethod
+    def _consume(seq: Sequence, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        """seq's grammar matcher takes its new tokens in turn, up to the one that completes or breaks it (a
+        refused token leaves it in error: the output ends the sample there). The tokens it took."""
+        for n, t in enumerate(tokens, 1):
+            seq.matcher.consume_token(t)
+            if seq.matcher.is_stopped() or seq.matcher.is_error():
+                return tokens[:n]
+        return tokens
+
+    # --- memory ----------------------------------------------------------------------------------
+    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int],
+             draft: tuple[int, ...] = ()) -> None:
+        """Schedule num_new tokens of seq and commit them: computed from now on, one pending if it samples.
+        With a draft, the tokens are seq's last known one and the draft: all computed until the result says
+        how many stand (update)."""
+        start = seq.num_computed_tokens
+        self.kv.drop_out_of_window(seq, start)
+        known = len(seq.token_ids)
+        if seq.request.embed is not None:  # prompt chunks only, paced beside decodes
+            do_sample = False
+            out.embed_room -= num_new
+            out.num_embed_tokens += num_new
+        else:
+            do_sample = start + num_new == known + seq.num_pending or bool(draft)
+        item = ScheduledSeq(seq, start, num_new, do_sample, seq.epoch, draft=draft)
+        if draft:
+            if seq.num_pending or start + 1 != known or num_new != 1 + len(draft):
+                raise RuntimeError(f"{seq}: a draft follows the known last token, nothing else")
+        elif start + num_new > known:  # its input is the token the step in flight samples
+            if seq.pending_step != out.step_id - 1 or start + num_new != known + 1:
+                raise RuntimeError(f"{seq}: step {out.step_id} would read a token not sampled by the "
+                                   "previous step")
+            item.prev_row = seq.pending_row
+        if do_sample:
+            seq.num_pending += 1
+            seq.pending_step, seq.pending_row = out.step_id, len(out.scheduled)
+        out.scheduled.append(item)
+        seq.num_computed_tokens = start + num_new
+        scheduled.add(seq.seq_id)
+
+    def _fork(self, leader: Sequence, leader_current: bool) -> None:
+        """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token. Those
+        beyond max_num_seqs wait at the head of the queue instead, where admission finds the prompt's
+        full blocks in the prefix cache; so do all of them when the leader lost its blocks (preempted while
+        its first token was in flight)."""
+        request = leader.request
+        room = max(0, self.config.max_num_seqs - len(self.running)) if leader_current else 0
+        forks, queued = request.pending_forks[:room], request.pending_forks[room:]
+        self.kv.fork(leader, forks)
+        for seq in forks:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.planner.attach(seq)
+        self.waiting.extendleft(reversed(queued))
+        request.pending_forks = []
+
+    def _reserve(self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput) -> int:
+        """Room in seq's page table for num_new more tokens, preempting others while the pool is empty. A
+        prompt chunk shrinks to what the free blocks hold before anyone is preempted. Returns the number of
+        tokens reserved: 0 when seq itself was the one preempted, or when everyone else already runs."""
+        while True:
+            copies = self.kv.allocate_slots(seq, num_new)
+            if copies is not None:
+                out.block_copies.extend(copies)
+                return num_new
+            if self.config.enable_chunked_prefill and num_new > 1:
+                fits = self.kv.tokens_that_fit(seq, num_new)
+                if 1 <= fits < num_new:
+                    num_new = fits
+                    continue
+            victim = self._victim(scheduled)
+            if victim is None:  # everyone else already runs this step: wait for them to finish
+                return 0
+            self._preempt(victim, out)
+            if victim is seq:
+                return 0
+
+    def _victim(self, scheduled: set[int]) -> Sequence | None:
+        """Whom to preempt for room: the most recently admitted running sequence not yet in this step (its
+        recompute costs least, and the oldest requests keep going)."""
+        return next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """The one path that gives a sequence's blocks back (finish, abort, preemption)."""
+        self.kv.free(seq)
+        self.planner.detach(seq)
+
+    # --- accounting ------------------------------------------------------------------------------
+    def request_blocks(self, request: Request) -> int:
+        """Distinct blocks a request holds (samples share their prompt's blocks)."""
+        return self.kv.request_blocks(request)
+
+    def check_invariants(self) -> None:
+        """The pool's books balance and every table matches its sequence's state (kv_manager.py)."""
+        self.kv.check_invariants(self.running, self.waiting)

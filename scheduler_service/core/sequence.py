@@ -1,0 +1,211 @@
+"""Request and sequence state.
+
+A Request is what a client asked for (prompt, sampling parameters); it owns one Sequence per sample.
+A Sequence is what the scheduler moves through its states and what owns KV blocks:
+
+    WAITING ──admit──▶ RUNNING ──finish/abort──▶ FINISHED
+       ▲                  │
+       └────preempt───────┘   (recompute: blocks freed, generated tokens kept)
+
+A step is committed when it is scheduled: its tokens count as computed at once, and a sampling row adds
+one *pending* token, whose value the worker knows before the scheduler does (overlap: the next step is
+planned while this one runs, and refers to the pending token by its row). `token_ids` holds known tokens
+only; what clients see and stop conditions read is always known tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from scheduler_service.core.block_allocator import block_hash
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Validated sampling parameters of one request (the scheduler's own copy, protobuf-free)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # top-K wanted with each generated token's log-probability
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Token ids banned while fewer than min_tokens were generated (end-of-sequence and stop ids).
+    min_tokens_ban: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def is_penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def may_draft(self) -> bool:
+        """Whether drafts can be verified for it: anything but logprobs (a verifying step's logits differ
+        from a one-row step's in their last digits, and so would the logprobs shown). A drafted position's
+        penalties count the drafts before it; a grammar is checked per sequence."""
+        return self.logprobs is None and self.prompt_logprobs is None
+
+    @property
+    def has_bias(self) -> bool:
+        return bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.min_tokens_ban))
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """An embedding request's own: how the model pools (core/pooling.py PoolingSpec), and the
+    Matryoshka `dimensions` kept (None: all)."""
+
+    spec: object
+    dimensions: int | None = None
+
+
+class Sequence:
+    """One sample's tokens and the KV blocks that hold them."""
+
+    def __init__(self, seq_id: int, request: Request, index: int) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.block_ids: list[int] = []  # the page table: logical block i -> physical block id
+        self.num_computed_tokens = 0  # tokens whose K/V is in the pool
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_preemptions = 0
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.num_dropped_blocks = 0  # leading blocks given back, out of every sliding window (entries -1)
+        self.dropped_ids: list[int] = []  # what those entries held (their blocks may be cached still)
+        self._block_hashes: list[bytes] = []  # chained hashes of full blocks, computed on demand
+        # Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last one.
+        self.num_pending = 0
+        self.pending_step = 0
+        self.pending_row = -1
+        # Bumped whenever the sequence's blocks are given back (preemption, a lost replica): a step result
+        # from an older epoch may still add its token but must not touch the blocks.
+        self.epoch = 0
+        # The scheduler's block-table mirror: this sequence's row while it runs, and how many of its
+        # block_ids are copied there (scheduler_service/core/plan.py).
+        self.row = -1
+        self.num_mirrored_blocks = 0
+        self.last_token_time: float | None = None  # for the inter-token latency histogram
+        # Structured output: the llguidance matcher that has consumed this sample's generated tokens.
+        self.matcher = request.constraint.new_matcher() if request.constraint is not None else None
+        # Speculative decoding: its n-grams and draft length (scheduler_service/core/drafting.py), made at its
+        # first decode where it may draft.
+        self.drafter = None
+        # An embedding's pooled hidden state so far (fp32; the chunks' sum for a mean), started again at each
+        # admission, and once its last chunk is in, the finished vector.
+        self.pooled = None
+        self.embedding = None
+
+    @property
+    def prompt_len(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Known tokens plus those that steps in flight will sample."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
+
+    def block_hash(self, index: int, block_size: int) -> bytes:
+        """Chained hash of full block `index` of this sequence's tokens (prefix caching)."""
+        while len(self._block_hashes) <= index:
+            i = len(self._block_hashes)
+            parent = self._block_hashes[-1] if self._block_hashes else None
+            self._block_hashes.append(block_hash(parent,
+                                                 self.token_ids[i * block_size : (i + 1) * block_size]))
+        return self._block_hashes[index]
+
+    @property
+    def sample_seed(self) -> int:
+        return (self.request.sampling.seed + self.index) & 0xFFFFFFFFFFFFFFFF
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request.request_id}#{self.index}, {self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, pending={self.num_pending}, "
+            f"blocks={len(self.block_ids)})"
+        )
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    first_token_time: float | None = None
+    scheduled_time: float | None = None  # start of the first step that computed it (queue time)
+    # samples 1..n-1 wait here until sample 0 has computed the prompt; then they fork from its blocks
+    pending_forks: list[Sequence] = field(default_factory=list)
+    cached_prompt_tokens: int | None = None  # prefix-cache hit of the first admission
+    constraint: object | None = None  # scheduler_service/text/structured.py Constraint
+    # With sampling.prompt_logprobs: entry j (1 <= j < prompt_len) is prompt token j's TokenLogprob once
+    # known.
+    prompt_logprobs: list | None = None
+    # An embedding: the prompt is computed (chunked, batched, prefix-cached) and pooled; nothing is sampled.
+    embed: EmbedOptions | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * self.prompt_len
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -1,0 +1,475 @@
+"""The engine: routes requests to data-parallel replicas, streams their outputs, reports the pool.
+
+Runs in the scheduler process beside the gRPC server. Each replica (runtime/step_loop.py) has
+its own step loop; the engine owns what spans them: the live requests and their streams, routing,
+abort by request id, and the service's accounting. While steps run on the workers the event loop keeps
+serving RPCs (new requests, aborts, stats).
+
+Routing: a new request goes to the serving replica that holds the longest cached prefix of its prompt,
+unless that replica's load exceeds the least loaded one's by more than `route_slack`; otherwise (no
+replica holds any of it, or the holder is overloaded) it goes to the least loaded replica. Load is
+waiting x 4 + running sequences: a waiting sequence is a whole prefill away from its first token, and
+its being there means the replica is already full. Ties go to the replica that was sent fewer requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+import structlog
+
+from scheduler_service.core.config import ModelSpec, SchedulerConfig
+from scheduler_service.core.scheduler import DuplicateRequestId, SchedulerOutput, make_sequences
+from scheduler_service.core.sequence import FinishReason, Request, SequenceStatus
+from scheduler_service.runtime import reporting
+from scheduler_service.runtime.kv_events import KvEventPublisher
+from scheduler_service.runtime.metrics import Metrics
+from scheduler_service.runtime.step_loop import StepLoop, prompt_block_hashes
+from scheduler_service.runtime.worker_client import WorkerClient, WorkerGroup
+from scheduler_service.text.limits import Limits
+from scheduler_service.text.output import Delta, DeltaQueue, SampleOutput, Usage
+from scheduler_service.text.structured import GrammarEngine
+from scheduler_service.text.tokenizer import Tokenizer
+
+log = structlog.get_logger("scheduler.engine")
+
+
+class QueueFull(RuntimeError):
+    """Too many requests wait already; answered with RESOURCE_EXHAUSTED."""
+
+
+class EngineUnavailable(RuntimeError):
+    """No replica can serve (no live worker group); answered with UNAVAILABLE."""
+
+
+class StepFailed(RuntimeError):
+    """A step holding this request failed on a worker; answered with INTERNAL."""
+
+
+class Unschedulable(RuntimeError):
+    """The request can never be admitted to its replica's pool; answered with RESOURCE_EXHAUSTED."""
+
+
+@dataclass
+class RequestStream:
+    request: Request
+    samples: list[SampleOutput]
+    replica: StepLoop | None  # None while its replica was lost and no other has taken it yet
+    queue: DeltaQueue = field(default_factory=DeltaQueue)
+    num_open: int = 0  # samples whose last delta has not been sent
+    started: bool = False  # a delta has been sent
+
+    def __post_init__(self) -> None:
+        self.num_open = len(self.samples)
+
+
+class Engine:
+    def __init__(self, config: SchedulerConfig, spec: ModelSpec, tokenizer: Tokenizer, client: WorkerClient,
+                 worker_restart_timeout: float = 120.0) -> None:
+        self.config = config
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.client = client
+        self.replicas = [StepLoop(d, config, client, self, spec.hidden_size)
+                         for d in range(len(client.groups))]
+        self.limits: Limits | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self.metrics = Metrics()
+        self.kv_events = KvEventPublisher()
+        self.started_at = time.time()
+        self._starting_reason = "workers not connected yet"
+        self._monitor: asyncio.Task | None = None
+        self._draining = False
+        # Every change of "any replica serving" after start, in order (the gRPC health service follows it).
+        self.health_changes: asyncio.Queue[bool] = asyncio.Queue()
+        self._was_serving = False
+        # Requests whose replica was lost while no other served: resumed when a group (re)joins, failed at
+        # the deadline.
+        self.worker_restart_timeout = worker_restart_timeout
+        self._orphans: list[Request] = []
+        self._orphan_deadline: float | None = None
+        self._orphan_reason = ""
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    async def start(self, worker_timeout: float) -> None:
+        self.client.check_group = self._check_group
+        await self.client.wait_for_workers(worker_timeout)
+        groups = self.client.groups
+        self._adopt_max_num_seqs(groups)
+        self.limits = Limits(self.spec.vocab_size, self._max_context(groups[0]),
+                             min(g.num_blocks for g in groups), self.config.block_size,
+                             self.tokenizer.max_token_bytes, self.spec.eos_token_ids,
+                             GrammarEngine(self.tokenizer.to_json(), self.spec.vocab_size,
+                                           self.spec.eos_token_ids),
+                             kv_window=groups[0].handshake.kv_window,
+                             step_tokens=self.config.max_num_batched_tokens,
+                             default_max_tokens=self.config.default_max_tokens)
+        for replica in self.replicas:
+            replica.attach(self.limits.max_context)
+        self._was_serving = True
+        self.client.on_group_ready = self._group_ready
+        self.client.on_group_lost = lambda d, reason: self.on_lost(self.replicas[d], reason)
+        self._monitor = asyncio.get_running_loop().create_task(self._watch_workers(), name="worker-monitor")
+
+    def _adopt_max_num_seqs(self, groups) -> None:
+        """Where --max-num-seqs was left to the workers, take the smallest they proposed (a GPU worker's comes
+        from its KV capacity, and its decode graphs are captured for it)."""
+        proposed = [w.handshake.max_num_seqs for g in groups for w in g.workers.values()
+                    if w.handshake.max_num_seqs]
+        if not self.config.auto_max_num_seqs or not proposed:
+            return
+        chosen = min(min(proposed), self.config.max_num_batched_tokens)
+        if chosen != self.config.max_num_seqs:
+            self.config = replace(self.config, max_num_seqs=chosen)
+            for replica in self.replicas:
+                replica.config = self.config
+        log.info("max_num_seqs", max_num_seqs=chosen, source="workers")
+
+    async def _watch_workers(self, interval: float = 0.5) -> None:
+        """Find ranks that went silent while their replica was idle (a step in flight checks its own)."""
+        while True:
+            await asyncio.sleep(interval)
+            for d, reason in self.client.find_lost():
+                await self.on_lost(self.replicas[d], reason)
+            self._expire_orphans()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait up to `timeout` for the running ones; the rest end with UNAVAILABLE.
+        True when every request finished on its own."""
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.streams.values())
+        for stream in left:
+            self._fail_request(stream.request, EngineUnavailable(
+                f"the server is shutting down and this request did not finish within its {timeout:g}s drain"))
+        await asyncio.sleep(0)  # let the handlers send what they were given
+        return not left
+
+    async def stop(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+        for replica in self.replicas:
+            await replica.stop()
+        for rid in list(self.streams):
+            self.abort(rid)
+        await self.client.close()
+
+    def _max_context(self, group: WorkerGroup) -> int:
+        return min(self.spec.max_context, group.handshake.max_context)
+
+    def _check_group(self, group: WorkerGroup) -> str:
+        """Why a complete worker group cannot serve this model, or ""."""
+        hs = group.handshake
+        if hs.vocab_size != self.spec.vocab_size:
+            return f"worker vocabulary {hs.vocab_size} differs from the model config's {self.spec.vocab_size}"
+        max_context = self._max_context(group)
+        if self.limits is not None:
+            max_context = self.limits.max_context
+            if group.num_blocks < self.limits.num_blocks:
+                return (f"its pool of {group.num_blocks} blocks is smaller than the {self.limits.num_blocks} "
+                        "the service promised requests at start")
+        pool_tokens = group.num_blocks * self.config.block_size
+        what = f"the full {max_context}-token context"
+        if hs.kv_window and hs.kv_window + self.config.max_num_batched_tokens + 2 * self.config.block_size \
+                < max_context:  # a sequence holds its sliding window and a step's tokens at most
+            max_context = hs.kv_window + self.config.max_num_batched_tokens + 2 * self.config.block_size
+            what = f"a {hs.kv_window}-key sliding window and a step's tokens ({max_context} tokens)"
+        if pool_tokens < max_context:
+            return (f"the KV pool ({group.num_blocks} blocks x {self.config.block_size} = {pool_tokens} "
+                    f"tokens) cannot hold one request of {what}: give the workers more KV memory "
+                    "(--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len")
+        return ""
+
+    def _group_ready(self, group: WorkerGroup) -> None:
+        """A replica's group rejoined after start (a restarted worker group)."""
+        self.replicas[group.replica].attach(self.limits.max_context)
+        self._report_health()
+        self._resume_orphans()
+
+    def _report_health(self) -> None:
+        if self.is_serving != self._was_serving:
+            self._was_serving = self.is_serving
+            self.health_changes.put_nowait(self.is_serving)
+
+    @property
+    def is_serving(self) -> bool:
+        return any(r.is_serving for r in self.replicas)
+
+    @property
+    def is_draining(self) -> bool:
+        """Stopping: running requests finish, new ones are refused."""
+        return self._draining
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        if self.is_serving:
+            return None
+        reasons = {r.down_reason for r in self.replicas}
+        return "; ".join(sorted(reasons)) if self.limits else self._starting_reason
+
+    # --- requests --------------------------------------------------------------------------------
+    def route(self, request: Request) -> StepLoop:
+        """The replica a new request goes to (see the module docstring)."""
+        if self._draining:
+            raise EngineUnavailable("the server is draining (shutting down); send the request to another "
+                                    "instance")
+        return self._pick(request)
+
+    def _pick(self, request: Request) -> StepLoop:
+        serving = [r for r in self.replicas if r.is_serving]
+        if not serving:
+            raise EngineUnavailable(self.unavailable_reason)
+        least = min(serving, key=lambda r: (r.load, r.num_routed))
+        if len(serving) == 1 or not self.config.enable_prefix_caching:
+            return least
+        hashes = prompt_block_hashes(request.prompt_token_ids, self.config.block_size)
+        hits = {r.index: r.cached_blocks(hashes) for r in serving}
+        best = max(serving, key=lambda r: (hits[r.index], -r.load))
+        if hits[best.index] and best.load <= least.load + self.config.route_slack:
+            return best
+        return least
+
+    async def generate(self, request: Request) -> AsyncIterator[Delta]:
+        """Add a request and yield its deltas until every sample has finished.
+
+        Leaving the iteration early (client cancelled or disconnected) aborts the request."""
+        if self._draining:
+            raise EngineUnavailable("the server is draining (shutting down); send the request to another "
+                                    "instance")
+        waiting = len(self._orphans) + sum(len(r.scheduler.waiting) for r in self.replicas if r.scheduler)
+        if waiting >= self.config.max_queue_len:
+            raise QueueFull(f"{waiting} requests are waiting already; try again later")
+        if request.request_id in self.streams:
+            raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
+        max_len = self.limits.max_context
+        if self.is_serving:
+            replica = self.route(request)
+            replica.scheduler.add_request(request)
+            replica.num_routed += 1
+            replica.wake()
+        else:  # every group is being replaced: wait for one (at most --worker-restart-timeout), like the
+            replica = None  # requests that were running on it
+            make_sequences(request)
+            self._orphans.append(request)
+            if self._orphan_deadline is None:
+                self._orphan_deadline = time.monotonic() + self.worker_restart_timeout
+                self._orphan_reason = self.unavailable_reason or "no worker"
+        stream = RequestStream(
+            request,
+            [SampleOutput(self.tokenizer, s, self.spec.eos_token_ids, max_len) for s in request.seqs],
+            replica,
+        )
+        self.streams[request.request_id] = stream
+        log.info("request_added", request_id=request.request_id, prompt_tokens=request.prompt_len,
+                 max_tokens=request.sampling.max_tokens, n=request.sampling.n,
+                 replica=replica.index if replica else None)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                yield item
+                if item.usage is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id, reason="client went away")
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """End a live request; its blocks return at once; its stream ends with ABORT."""
+        stream = self.streams.get(request_id)
+        if stream is None:
+            return False
+        unfinished = [o for o in stream.samples if not o.seq.is_finished]
+        if stream.replica is not None:
+            stream.replica.scheduler.abort_request(request_id)
+        else:  # waiting for a replica: it holds no blocks anywhere
+            self._orphans.remove(stream.request)
+            for out in unfinished:
+                out.seq.status, out.seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+        for out in unfinished:
+            self._emit(stream, out.finish(FinishReason.ABORT))
+        log.info("request_aborted", request_id=request_id, reason=reason)
+        return True
+
+    # --- what the replicas report ------------------------------------------------------------------
+    def on_step(self, replica: StepLoop, out: SchedulerOutput, new_tokens, seconds: float,
+                logprobs: dict | None = None) -> None:
+        now = time.monotonic()
+        sched = replica.scheduler
+        started = now - seconds
+        for s in out.scheduled:  # queue time: arrival to the first step that computes the request
+            request = s.seq.request
+            if request.scheduled_time is None:
+                request.scheduled_time = started
+                self.metrics.on_scheduled(replica.index, started - request.arrival_time)
+        for i, (seq, token) in enumerate(new_tokens):
+            stream = self.streams.get(seq.request.request_id)
+            if stream is None or stream.request is not seq.request or seq.is_finished:
+                continue  # (finished: by a stop among its tokens of this step, which end there)
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+            if seq.last_token_time is not None:
+                self.metrics.on_token_gap(replica.index, now - seq.last_token_time)
+            seq.last_token_time = now
+            lp = logprobs.get(seq.seq_id) if logprobs else None
+            if lp is not None:
+                lp.token_id = token
+            delta, reason = stream.samples[seq.index].add_token(token, lp)
+            if reason is not None:  # its tokens after this one (an accepted draft's) are dropped
+                sched.finish(seq, reason, drop=sum(1 for s, _ in new_tokens[i + 1:] if s is seq))
+            self._emit(stream, delta)
+        for seq in out.embedded:  # an embedding's one delta: its vector, once its last chunk is in
+            stream = self.streams.get(seq.request.request_id)
+            if stream is not None and stream.request is seq.request:
+                delta = stream.samples[0].finish(FinishReason.STOP)
+                delta.embedding = seq.embedding
+                self._emit(stream, delta)
+        self.metrics.on_step(replica.index, seconds, len(new_tokens), out.num_prefill_tokens,
+                             len(out.preempted),
+                             len(sched.running), len(sched.waiting), sched.allocator.num_available_blocks,
+                             sched.num_blocks, (out.num_draft_rows, out.num_drafted, out.num_accepted))
+        if sched.allocator.events:
+            self.kv_events.collect(replica.index, sched.allocator.events)
+
+    def on_step_failed(self, replica: StepLoop, out: SchedulerOutput, message: str) -> None:
+        for request in {id(s.seq.request): s.seq.request for s in out.scheduled}.values():
+            self._fail_request(request, StepFailed(f"the worker failed a step of this request: {message}"))
+
+    def on_unschedulable(self, replica: StepLoop, request: Request, message: str) -> None:
+        self._fail_request(request, Unschedulable(message))
+
+    async def on_lost(self, replica: StepLoop, message: str) -> None:
+        """A rank of the replica is gone (found by its step, the monitor or a replacement's handshake): the
+        replica goes down (its pool and prefix cache are forgotten) and its live requests resume elsewhere:
+        on another serving replica at once, or on this one when its group comes back. Their sequences keep
+        every token already streamed and are recomputed like preempted ones; sampling keyed by (seed, token
+        index) draws the same tokens again, so a client sees a pause, never a repeated or missing token."""
+        if not replica.is_serving:
+            return
+        moved = sorted(replica.scheduler.requests.values(), key=lambda r: r.arrival_time)
+        await replica.detach(message)
+        self._report_health()
+        for request in moved:
+            self.streams[request.request_id].replica = None
+        self._orphans.extend(moved)
+        if self._orphans and self._orphan_deadline is None:
+            self._orphan_deadline = time.monotonic() + self.worker_restart_timeout
+            self._orphan_reason = message
+        self._resume_orphans()
+        log.error("workers_lost", replica=replica.index, error=message, requests_to_resume=len(moved),
+                  serving_replicas=sum(r.is_serving for r in self.replicas))
+
+    def _resume_orphans(self) -> None:
+        """Give requests whose replica was lost to serving replicas (oldest at the head of the queues)."""
+        if not self._orphans or not self.is_serving:
+            return
+        orphans, self._orphans = self._orphans, []
+        self._orphan_deadline = None
+        for request in reversed(orphans):  # adopt() queues at the head: the oldest is adopted last
+            replica = self._pick(request)
+            replica.scheduler.adopt(request)
+            self.streams[request.request_id].replica = replica
+            replica.wake()
+            log.info("request_resumed", request_id=request.request_id, replica=replica.index,
+                     tokens=[s.num_output_tokens for s in request.seqs])
+
+    def _expire_orphans(self) -> None:
+        """No replica came back within --worker-restart-timeout: the waiting requests end with UNAVAILABLE."""
+        if self._orphan_deadline is None or time.monotonic() < self._orphan_deadline:
+            return
+        orphans, self._orphans = self._orphans, []
+        self._orphan_deadline = None
+        message = (f"no worker came back within {self.worker_restart_timeout:g}s after: "
+                   f"{self._orphan_reason}")
+        for request in orphans:
+            self._fail_request(request, EngineUnavailable(message))
+        log.error("requests_expired", count=len(orphans), error=message)
+
+    def _emit(self, stream: RequestStream, delta: Delta) -> None:
+        request = stream.request
+        if not stream.started:
+            stream.started = True
+            wanted = request.prompt_logprobs
+            if wanted is not None and all(x is not None for x in wanted[1:]):
+                delta.prompt_logprobs = request.prompt_logprobs[1:]
+        if delta.finish_reason is not None:
+            stream.num_open -= 1
+        if stream.num_open == 0:
+            delta.usage = Usage(
+                prompt_tokens=request.prompt_len,
+                completion_tokens=sum(s.num_output_tokens for s in request.seqs),
+                cached_prompt_tokens=request.cached_prompt_tokens or 0,
+            )
+            self.streams.pop(request.request_id, None)
+            self.metrics.on_finish(request, time.monotonic())
+            log.info("request_finished", request_id=request.request_id,
+                     completion_tokens=delta.usage.completion_tokens,
+                     reasons=[s.finish_reason.value for s in request.seqs],
+                     seconds=round(time.monotonic() - request.arrival_time, 3))
+        stream.queue.put_nowait(delta)
+
+    def _fail_request(self, request: Request, error: Exception) -> None:
+        """End a request with an error; matched by identity, so a new request that reuses the id of an
+        aborted one is never failed in its place."""
+        stream = self.streams.get(request.request_id)
+        if stream is None or stream.request is not request:
+            return
+        del self.streams[request.request_id]
+        if stream.replica is not None and stream.replica.scheduler is not None:
+            stream.replica.scheduler.abort_request(request.request_id)
+        stream.queue.put_nowait(error)
+
+    async def flush_prefix_cache(self, timeout: float) -> tuple[bool, str]:
+        """Forget every cached prefix once no request is live (waiting up to `timeout` seconds for that)."""
+        deadline = time.monotonic() + timeout
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.streams:
+            return False, (f"{len(self.streams)} request(s) still in flight"
+                           + (f" after {timeout:g}s" if timeout else "; give timeout_s to wait for them"))
+        forgotten = 0
+        for replica in self.replicas:
+            if replica.scheduler is not None:
+                forgotten += replica.scheduler.allocator.reset_prefix_cache()
+                self.kv_events.collect(replica.index, replica.scheduler.allocator.events or [])
+        log.info("prefix_cache_flushed", prefixes=forgotten)
+        return True, f"forgot {forgotten} cached prefix blocks"
+
+    @property
+    def orphans(self) -> list[Request]:
+        """Live requests whose replica was lost, waiting for one to serve again."""
+        return self._orphans
+
+    # --- reporting -------------------------------------------------------------------------------
+    def model_info(self) -> dict:
+        groups = [g for g in self.client.groups if g.is_ready]
+        pooling = self.spec.pooling
+        return {
+            "model_name": self.spec.name, "max_context": self.limits.max_context,
+            "vocab_size": self.spec.vocab_size, "eos_token_ids": list(self.spec.eos_token_ids),
+            "block_size": self.config.block_size, "num_blocks": sum(g.num_blocks for g in groups),
+            "dtype": groups[0].handshake.dtype if groups else "", "num_workers": self.client.num_workers,
+            "kv_cache_dtype": groups[0].handshake.kv_cache_dtype if groups else "",
+            "tensor_parallel_size": self.client.tp_size, "data_parallel_size": len(self.replicas),
+            "task": self.spec.task, "pooling": pooling.pooling if pooling else "",
+            "embedding_dimension": self.spec.hidden_size if pooling else 0,
+            "normalized": bool(pooling and pooling.normalize),
+            "prompt_names": sorted(pooling.prompts) if pooling else [],
+        }
+
+    def loads(self) -> dict:
+        """The service's load now, summed over serving replicas (what a gateway balances on)."""
+        return reporting.service_load(self)
+
+    def cache_stats(self) -> dict:
+        """The pool's accounting, in total, per replica and per live request (GetCacheStats)."""
+        return reporting.cache_stats(self)

@@ -1,0 +1,118 @@
+"""Prometheus metrics of the scheduler service (served on --metrics-port: 9090 unless told otherwise, 0
+off)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from scheduler_service.core.sequence import Request
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
+
+
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
+
+# The port --metrics-port takes when it is not given; -1 binds any free port (reported in --port-file).
+DEFAULT_METRICS_PORT = 9090
+
+
+class Metrics:
+    """Every series a dashboard of an inference server graphs, per data-parallel replica where it is a
+    replica's: running and waiting sequences, KV usage, prefix-cache hits, preemptions, tokens, and the
+    latency histograms (time to first token, time per output token, inter-token latency, queue time, end to
+    end). deploy/grafana/pagedserve.json draws them."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        rep = ["replica"]
+        self.requests = Counter("pagedserve_requests",
+                                "Finished requests by finish reason of their first sample",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.cached_prompt_tokens = Counter("pagedserve_prefix_cache_hit_tokens",
+                                            "Prompt tokens of finished requests that came from the prefix "
+                                            "cache",
+                                            registry=r)
+        self.generation_tokens = Counter("pagedserve_generation_tokens", "Generated tokens", rep, registry=r)
+        self.prefill_tokens = Counter("pagedserve_prefill_tokens_computed",
+                                      "Prompt tokens computed (cache misses)", rep, registry=r)
+        self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted by recompute", rep,
+                                   registry=r)
+        self.running = Gauge("pagedserve_num_running", "Running sequences", rep, registry=r)
+        self.waiting = Gauge("pagedserve_num_waiting", "Waiting sequences", rep, registry=r)
+        self.blocks_free = Gauge("pagedserve_kv_blocks_free",
+                                 "KV blocks no request holds (cached prefixes included)", rep, registry=r)
+        self.blocks_total = Gauge("pagedserve_kv_blocks_total", "KV blocks in the pool", rep, registry=r)
+        self.kv_usage = Gauge("pagedserve_kv_usage_ratio",
+                              "Share of the KV pool's blocks requests hold (0-1)", rep, registry=r)
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.tpot = Histogram("pagedserve_time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (output tokens - 1)", registry=r,
+                              buckets=_TOKEN_BUCKETS)
+        self.itl = Histogram("pagedserve_inter_token_latency_seconds", "Gap between a sequence's tokens", rep,
+                             registry=r, buckets=_TOKEN_BUCKETS)
+        self.queue = Histogram("pagedserve_queue_time_seconds", "Arrival to the first step that computes it",
+                               rep, registry=r, buckets=_LATENCY_BUCKETS)
+        self.latency = Histogram("pagedserve_request_latency_seconds", "Arrival to last token", registry=r,
+                                 buckets=_LATENCY_BUCKETS)
+        self.draft_rows = Counter("pagedserve_spec_decode_verifications",
+                                  "Sequence-steps that verified a draft (speculative decoding)", rep,
+                                  registry=r)
+        self.draft_tokens = Counter("pagedserve_spec_decode_draft_tokens", "Tokens drafted", rep, registry=r)
+        self.accepted_tokens = Counter("pagedserve_spec_decode_accepted_tokens",
+                                       "Drafted tokens that equalled the model's own", rep, registry=r)
+        self.embeddings = Counter("pagedserve_embeddings", "Embedding vectors finished (Embed inputs)",
+                                  registry=r)
+        self.embedding_tokens = Counter("pagedserve_embedding_tokens", "Prompt tokens of finished embeddings",
+                                        registry=r)
+        self.step = Histogram("pagedserve_step_seconds", "Engine step, plan to result", rep, registry=r,
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve /metrics; returns the port bound (any free one for port 0)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
+
+    def on_step(self, replica: int, seconds: float, num_sampled: int, num_prefill: int, num_preempted: int,
+                running: int, waiting: int, free_blocks: int, total_blocks: int,
+                drafts: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """drafts: rows that verified a draft, tokens drafted, drafted tokens accepted."""
+        label = str(replica)
+        self.step.labels(label).observe(seconds)
+        self.generation_tokens.labels(label).inc(num_sampled)
+        self.prefill_tokens.labels(label).inc(num_prefill)
+        if num_preempted:
+            self.preemptions.labels(label).inc(num_preempted)
+        self.running.labels(label).set(running)
+        self.waiting.labels(label).set(waiting)
+        self.blocks_free.labels(label).set(free_blocks)
+        self.blocks_total.labels(label).set(total_blocks)
+        if drafts[0]:
+            self.draft_rows.labels(label).inc(drafts[0])
+            self.draft_tokens.labels(label).inc(drafts[1])
+            self.accepted_tokens.labels(label).inc(drafts[2])
+        self.kv_usage.labels(label).set((total_blocks - free_blocks) / total_blocks if total_blocks else 0.0)
+
+    def on_token_gap(self, replica: int, seconds: float) -> None:
+        self.itl.labels(str(replica)).observe(seconds)
+
+    def on_scheduled(self, replica: int, queued: float) -> None:
+        self.queue.labels(str(replica)).observe(queued)
+
+    def on_finish(self, request: Request, now: float) -> None:
+        reason = request.seqs[0].finish_reason
+        self.requests.labels(finish_reason=reason.value if reason else "unknown").inc()
+        self.prompt_tokens.inc(request.prompt_len)
+        self.cached_prompt_tokens.inc(request.cached_prompt_tokens or 0)
+        self.latency.observe(now - request.arrival_time)
+        if request.embed is not None and reason is not None and reason.value == "stop":
+            self.embeddings.inc()
+            self.embedding_tokens.inc(request.prompt_len)
+        if request.first_token_time is not None:
+            self.ttft.observe(request.first_token_time - request.arrival_time)
+            outputs = sum(s.num_output_tokens for s in request.seqs)
+            if outputs > 1:
+                self.tpot.observe((now - request.first_token_time) / (outputs - 1))

@@ -1,0 +1,485 @@
+"""The scheduler's side of the ZeroMQ wire: one ROUTER socket that every worker rank of every replica
+connects to.
+
+Workers form groups: replica d is a tensor-parallel group of tp_size ranks. A group is accepted when all
+its ranks have sent a handshake that agrees with the scheduler's settings (block size, per-step budget,
+group size) and with each other (model, vocabulary, rendezvous); then each rank gets an ack with the
+group's pool size (the smallest rank's). From then on a message counts only if it comes from the ZeroMQ
+identity that completed the handshake ("w.<nonce>" for plans and results, "hb.<nonce>" for heartbeats),
+never because of a field inside it. Each step one StepPlan, serialized once, goes to every rank of the
+group; every rank answers (so a failed rank is seen) and their sampled tokens must agree; rank 0's
+answer is the step's result. A rank silent for longer than heartbeat_timeout is lost, however long
+its step takes; the group is then dropped (its other ranks are told to shut down) and a complete new
+group for that replica may join again.
+
+The socket binds to loopback unless CurveZMQ keys are given (or insecure_wire is set, which logs a
+warning): a worker on the wire can read prompts and write any client's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from protos import WIRE_VERSION, wire_pb2
+from protos.curve import server_keys
+
+log = structlog.get_logger("scheduler.worker_client")
+
+# A rank silent this long is taken for dead when a new process offers itself for the same rank.
+REJOIN_SILENCE_S = 1.5
+
+# Largest frame accepted from a worker: results and handshakes are small.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+# Handshake fields every rank of every replica must agree on (one model behind the service).
+_SAME_MODEL = ("model_fingerprint", "vocab_size", "block_size", "max_context", "dtype", "kv_window")
+
+
+class WorkerError(RuntimeError):
+    """A worker rejected or failed a step; the requests in it are failed, the service goes on."""
+
+
+class WorkerLost(RuntimeError):
+    """A rank of the group is gone (no heartbeat, unreachable, or dropped): the replica cannot serve."""
+
+
+class InsecureEndpoint(ValueError):
+    """A non-loopback endpoint without CurveZMQ keys or an explicit insecure flag."""
+
+
+@dataclass
+class WorkerInfo:
+    replica: int
+    tp_rank: int
+    identity: bytes  # w.<nonce>: plans and results
+    heartbeat_identity: bytes  # hb.<nonce>
+    handshake: wire_pb2.Handshake
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    # The worker's process id when it runs on this host and this process can see it (a loopback wire and
+    # the same pid namespace): its exit is then seen at once, and a lost one can be fenced.
+    local_pid: int | None = None
+
+
+def worker_process_state(pid: int) -> str | None:
+    """'alive', 'dead', or None when pid is not a pagedserve worker this process can see."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "dead"
+    if b"worker.serve.main" not in cmdline and b"pagedserve-worker" not in cmdline:
+        return None
+    return "dead" if state in ("Z", "X") else "alive"
+
+
+@dataclass
+class WorkerGroup:
+    """The ranks of one replica: candidates until every rank has shaken hands, then accepted."""
+
+    replica: int
+    tp_size: int
+    workers: dict[int, WorkerInfo] = field(default_factory=dict)
+    num_blocks: int = 0
+    is_ready: bool = False
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes over all ranks (each rank holds its heads' slice)."""
+        return sum(w.handshake.bytes_per_block for w in self.workers.values())
+
+    @property
+    def handshake(self) -> wire_pb2.Handshake:
+        return self.workers[0].handshake
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.workers[r].handshake.pid for r in sorted(self.workers)]
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    scheme = endpoint.split("://", 1)[0]
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name or a host name
+        return False
+
+
+class WorkerClient:
+    def __init__(self, endpoint: str, num_replicas: int = 1, tp_size: int = 1,
+                 heartbeat_timeout: float = 10.0,
+                 expected: dict[str, object] | None = None, curve_keys: str | None = None,
+                 insecure_wire: bool = False, step_timeout: float = 60.0,
+                 step_timeout_per_token: float = 0.05) -> None:
+        """expected: handshake fields the scheduler's own settings fix (block_size, max_num_batched_tokens).
+        A step of T tokens must finish within step_timeout + T x step_timeout_per_token seconds, however
+        alive its ranks' heartbeats say they are (a hung kernel or collective beats on)."""
+        self.endpoint = endpoint
+        self.tp_size = tp_size
+        self.heartbeat_timeout = heartbeat_timeout
+        self.step_timeout = step_timeout
+        self.step_timeout_per_token = step_timeout_per_token
+        self.expected = dict(expected or {})
+        self.curve_keys = curve_keys
+        self.insecure_wire = insecure_wire
+        self.groups = [WorkerGroup(d, tp_size) for d in range(num_replicas)]
+        # Called with a group once it is accepted; returns "" or why the service refuses it.
+        self.check_group: Callable[[WorkerGroup], str] = lambda group: ""
+        self.on_group_ready: Callable[[WorkerGroup], None] = lambda group: None
+        # Called (and awaited) when the client finds a ready group's rank gone outside a step.
+        self.on_group_lost = None
+        self._by_identity: dict[bytes, WorkerInfo] = {}
+        self._by_heartbeat: dict[bytes, WorkerInfo] = {}
+        self._refusals: list[str] = []
+        self._changed = asyncio.Event()
+        self._ctx = zmq.asyncio.Context()
+        self._auth = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._recv_task: asyncio.Task | None = None
+        self._pending: dict[tuple[int, int], tuple[asyncio.Future, dict[int, wire_pb2.StepResult]]] = {}
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def bind(self) -> str:
+        """Bind the ROUTER socket; returns the endpoint workers must connect to (port resolved)."""
+        if not is_loopback_endpoint(self.endpoint):
+            if not self.curve_keys and not self.insecure_wire:
+                raise InsecureEndpoint(
+                    f"the worker endpoint {self.endpoint} is not on loopback: give CurveZMQ keys "
+                    "(--curve-keys, made by `pagedserve keys`) or accept an unauthenticated wire with "
+                    "--insecure-wire")
+            if not self.curve_keys:
+                log.warning("insecure_wire", endpoint=self.endpoint,
+                            detail="any host that reaches this port can act as a worker")
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP heartbeats: a dead peer host is disconnected
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        if self.curve_keys:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            public, secret, authorized = server_keys(self.curve_keys)
+            self._auth = AsyncioAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=str(authorized))
+            self._sock.curve_server = True
+            self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
+        self._sock.bind(self.endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        return self.endpoint
+
+    async def wait_for_workers(self, timeout: float) -> None:
+        """Wait until every replica's group is accepted; a refused handshake fails the start."""
+        deadline = time.monotonic() + timeout
+        while not all(g.is_ready for g in self.groups):
+            if self._refusals:
+                raise RuntimeError(f"worker refused: {self._refusals[0]}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                ready = sum(len(g.workers) for g in self.groups if g.is_ready)
+                raise TimeoutError(f"{ready} of {len(self.groups) * self.tp_size} worker ranks joined within "
+                                   f"{timeout}s")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        log.info("workers_ready", replicas=len(self.groups), tp_size=self.tp_size,
+                 num_blocks=[g.num_blocks for g in self.groups])
+
+    async def close(self) -> None:
+        for info in list(self._by_identity.values()):
+            await self._send_quietly(info.identity, shutdown=wire_pb2.Shutdown(reason="scheduler stopping"))
+        if self._recv_task:
+            self._recv_task.cancel()
+        if self._auth is not None:
+            self._auth.stop()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._ctx.term()
+
+    @property
+    def num_workers(self) -> int:
+        return sum(len(g.workers) for g in self.groups if g.is_ready)
+
+    # --- handshakes ------------------------------------------------------------------------------
+    def _refuse_reason(self, hs: wire_pb2.Handshake) -> str:
+        if hs.tp_size != self.tp_size:
+            return f"tensor-parallel size {hs.tp_size}, the scheduler expects {self.tp_size}"
+        if hs.replica >= len(self.groups):
+            return f"replica {hs.replica} is out of range: the scheduler drives {len(self.groups)}"
+        if hs.tp_rank >= self.tp_size:
+            return f"rank {hs.tp_rank} is out of range for a group of {self.tp_size}"
+        group = self.groups[hs.replica]
+        if group.is_ready:
+            return f"replica {hs.replica} rank {hs.tp_rank} is already connected"
+        for key, value in self.expected.items():
+            if getattr(hs, key) != value:
+                return f"{key} is {getattr(hs, key)}, the scheduler's is {value}"
+        peers = [w for g in self.groups for w in g.workers.values() if g.is_ready or g is group]
+        for other in peers:
+            if other.tp_rank == hs.tp_rank and other.replica == hs.replica:
+                continue  # a candidate replaced by its restart
+            for key in _SAME_MODEL + (("rendezvous",) if other.replica == hs.replica else ()):
+                if getattr(hs, key) != getattr(other.handshake, key):
+                    return (f"{key} {getattr(hs, key)!r} differs from replica {other.replica} rank "
+                            f"{other.tp_rank}'s {getattr(other.handshake, key)!r}")
+        return ""
+
+    async def _on_handshake(self, identity: bytes, hs: wire_pb2.Handshake) -> None:
+        if not identity.startswith(b"w."):
+            log.warning("handshake_dropped", reason="not a worker identity")
+            return
+        group = self.groups[hs.replica] if hs.replica < len(self.groups) else None
+        if group is not None and group.is_ready and hs.tp_rank in group.workers:
+            old = group.workers[hs.tp_rank]
+            silent = time.monotonic() - old.last_heartbeat
+            if silent < REJOIN_SILENCE_S:
+                await self._refuse(identity, hs, f"replica {hs.replica} rank {hs.tp_rank} is held by a live "
+                                   f"worker (pid {old.handshake.pid})", retry=True)
+                return
+            # a new process for the rank of a silent one: the old one is gone, and so is its group
+            await self.lost(hs.replica, f"worker rank {hs.tp_rank} of replica {hs.replica} (pid "
+                                        f"{old.handshake.pid}) was replaced by pid {hs.pid}")
+        reason = self._refuse_reason(hs)
+        if reason:
+            await self._refuse(identity, hs, reason)
+            return
+        group = self.groups[hs.replica]
+        old = group.workers.get(hs.tp_rank)
+        if old is not None:  # a candidate restarted before its group formed
+            self._forget(old)
+        info = WorkerInfo(hs.replica, hs.tp_rank, identity, b"hb." + identity[2:], hs)
+        if is_loopback_endpoint(self.endpoint) and worker_process_state(hs.pid) == "alive":
+            info.local_pid = hs.pid
+        group.workers[hs.tp_rank] = info
+        self._by_identity[identity] = info
+        self._by_heartbeat[info.heartbeat_identity] = info
+        log.info("worker_handshake", replica=hs.replica, tp_rank=hs.tp_rank, pid=hs.pid,
+                 num_blocks=hs.num_blocks)
+        if len(group.workers) < self.tp_size:
+            return
+        group.num_blocks = min(w.handshake.num_blocks for w in group.workers.values())
+        reason = self.check_group(group)
+        if reason:
+            for w in list(group.workers.values()):
+                self._forget(w)
+                await self._refuse(w.identity, w.handshake, reason)
+            group.workers.clear()
+            return
+        group.is_ready = True
+        for w in group.workers.values():
+            w.last_heartbeat = time.monotonic()
+            await self._send_quietly(w.identity,
+                                     handshake_ack=wire_pb2.HandshakeAck(
+                                         accepted=True, num_blocks=group.num_blocks))
+        log.info("group_ready", replica=group.replica, num_blocks=group.num_blocks, pids=group.pids)
+        self._changed.set()
+        self.on_group_ready(group)
+
+    async def _refuse(self, identity: bytes, hs: wire_pb2.Handshake, reason: str,
+                      retry: bool = False) -> None:
+        log.error("worker_refused", replica=hs.replica, tp_rank=hs.tp_rank, pid=hs.pid, reason=reason,
+                  retry=retry)
+        if not retry:
+            self._refusals.append(f"replica {hs.replica} rank {hs.tp_rank}: {reason}")
+            self._changed.set()
+        await self._send_quietly(identity,
+                                 handshake_ack=wire_pb2.HandshakeAck(
+                                     accepted=False, reason=reason, retry=retry))
+
+    async def lost(self, replica: int, reason: str) -> None:
+        """A rank of a ready group is gone: the engine takes the replica down (it calls drop_group)."""
+        if self.on_group_lost is not None:
+            await self.on_group_lost(replica, reason)
+        else:
+            await self.drop_group(replica, reason)
+
+    def find_lost(self) -> list[tuple[int, str]]:
+        """Ready groups with a rank silent past the heartbeat timeout, with the reason (checked when idle
+        too)."""
+        lost = []
+        for group in self.groups:
+            try:
+                self.check_alive(group.replica)
+            except WorkerLost as e:
+                if group.is_ready:
+                    lost.append((group.replica, str(e)))
+        return lost
+
+    def _forget(self, info: WorkerInfo) -> None:
+        self._by_identity.pop(info.identity, None)
+        self._by_heartbeat.pop(info.heartbeat_identity, None)
+
+    async def drop_group(self, replica: int, reason: str) -> None:
+        """Forget a lost group; its ranks still alive are told to shut down (their supervisor restarts
+        them, and the new group shakes hands again). Ranks on this host are fenced: killed, so a stalled
+        one can never come back and write into a pool the scheduler has given to others."""
+        group = self.groups[replica]
+        for w in list(group.workers.values()):
+            self._forget(w)
+            await self._send_quietly(w.identity, shutdown=wire_pb2.Shutdown(reason=reason))
+            if w.local_pid is not None and worker_process_state(w.local_pid) == "alive":
+                os.kill(w.local_pid, signal.SIGKILL)
+                log.warning("worker_fenced", replica=replica, tp_rank=w.tp_rank, pid=w.local_pid)
+        group.workers.clear()
+        group.is_ready = False
+        group.num_blocks = 0
+        for (d, _), (future, _) in list(self._pending.items()):
+            if d == replica and not future.done():
+                future.set_exception(WorkerLost(reason))
+                future.exception()  # retrieved: its step loop may be cancelled rather than await it
+
+    # --- steps -----------------------------------------------------------------------------------
+    def step_limit(self, plan: wire_pb2.StepPlan) -> float:
+        """Seconds a group has for a step once it starts it."""
+        return self.step_timeout + self.step_timeout_per_token * plan.num_tokens
+
+    async def execute(self, replica: int, plan: wire_pb2.StepPlan, queued_behind: float = 0.0,
+                      sent: asyncio.Event | None = None) -> wire_pb2.StepResult:
+        """Send a plan to every rank of a replica and wait for all answers; raises WorkerError / WorkerLost.
+        queued_behind: the deadline of a step sent before this one that the group runs first (overlap).
+        sent: set once the plan's frames are handed to the socket (or the send failed): a StepMask for the
+        plan (`send_mask`) must wait for it, so every rank reads the plan first."""
+        group = self.groups[replica]
+        if not group.is_ready:
+            raise WorkerLost(f"replica {replica} has no workers connected")
+        # once, for every rank
+        frame = wire_pb2.WireMessage(version=WIRE_VERSION, plan=plan).SerializeToString()
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        key = (replica, plan.step_id)
+        limit = self.step_limit(plan) + queued_behind
+        deadline = time.monotonic() + limit
+        self._pending[key] = (future, {})
+        try:
+            try:
+                for w in list(group.workers.values()):
+                    try:
+                        await self._sock.send_multipart([w.identity, frame])
+                    except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer's connection is gone
+                        raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} is unreachable: "
+                                         f"{e}") from e
+            finally:
+                if sent is not None:
+                    sent.set()
+            while True:
+                done, _ = await asyncio.wait({future}, timeout=min(1.0, self.heartbeat_timeout))
+                if done:
+                    break
+                self.check_alive(replica)
+                if time.monotonic() > deadline:
+                    raise WorkerLost(f"replica {replica} did not finish step {plan.step_id} "
+                                     f"({plan.num_tokens} tokens) within its {limit:.1f}s deadline")
+            results = future.result()
+        finally:
+            self._pending.pop(key, None)
+        for rank in sorted(results):
+            if results[rank].error:
+                raise WorkerError(f"worker rank {rank} of replica {replica}: {results[rank].error}")
+        first = results[0]
+        for rank, r in results.items():
+            if r.sampled_token_ids != first.sampled_token_ids:
+                raise WorkerError(f"replica {replica}: rank {rank} sampled other tokens than rank 0")
+        return first
+
+    async def send_mask(self, replica: int, mask: wire_pb2.StepMask) -> None:
+        """The masks of a plan sent with mask_follows, to every rank of its replica (sent after the plan:
+        the caller waits for its `sent`). A rank that cannot be reached fails its step's own wait."""
+        group = self.groups[replica]
+        frame = wire_pb2.WireMessage(version=WIRE_VERSION, mask=mask).SerializeToString()
+        for w in list(group.workers.values()):
+            try:
+                await self._sock.send_multipart([w.identity, frame])
+            except zmq.ZMQError:
+                pass
+
+    def check_alive(self, replica: int) -> None:
+        group = self.groups[replica]
+        if not group.is_ready:
+            raise WorkerLost(f"replica {replica} has no workers connected")
+        now = time.monotonic()
+        for w in group.workers.values():
+            if w.local_pid is not None and worker_process_state(w.local_pid) != "alive":
+                raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} (pid {w.local_pid}) exited")
+            if now - w.last_heartbeat > self.heartbeat_timeout:
+                raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} (pid {w.handshake.pid}) sent "
+                                 f"no heartbeat for {now - w.last_heartbeat:.1f}s")
+
+    # --- socket ----------------------------------------------------------------------------------
+    async def _send_quietly(self, identity: bytes, **body) -> None:
+        try:
+            frame = wire_pb2.WireMessage(version=WIRE_VERSION, **body).SerializeToString()
+            await self._sock.send_multipart([identity, frame])
+        except zmq.ZMQError:
+            pass
+
+    async def _recv_loop(self) -> None:
+        while True:
+            try:
+                await self._receive_one()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad message
+                log.exception("receive_failed")
+
+    async def _receive_one(self) -> None:
+        parts = await self._sock.recv_multipart()
+        if len(parts) != 2:
+            return
+        identity, frame = parts
+        msg = wire_pb2.WireMessage()
+        try:
+            msg.ParseFromString(frame)
+        except Exception:  # noqa: BLE001 - a malformed frame is logged and dropped
+            log.warning("malformed_frame", size=len(frame))
+            return
+        if msg.version != WIRE_VERSION:
+            log.warning("wire_version_mismatch", version=msg.version)
+            return
+        kind = msg.WhichOneof("body")
+        if kind == "heartbeat":
+            info = self._by_heartbeat.get(identity)
+            if info is not None:
+                info.last_heartbeat = time.monotonic()
+            # Echo every beat, accepted or not: a worker waiting for its group's ack must not give up.
+            await self._send_quietly(identity, heartbeat=msg.heartbeat)
+        elif kind == "handshake":
+            await self._on_handshake(identity, msg.handshake)
+        elif kind == "result":
+            info = self._by_identity.get(identity)
+            if info is None:
+                log.warning("result_dropped", reason="not from an accepted worker",
+                            step_id=msg.result.step_id)
+                return
+            self._on_result(info, msg.result)
+
+    def _on_result(self, info: WorkerInfo, result: wire_pb2.StepResult) -> None:
+        replica, rank = info.replica, info.tp_rank
+        pending = self._pending.get((replica, result.step_id))
+        targets = [pending] if pending else []
+        # an error with no step (a malformed frame) fails the group's step
+        if pending is None and result.error:
+            targets = [p for (d, _), p in self._pending.items() if d == replica]
+        for future, results in targets:
+            results[rank] = result
+            if len(results) == self.tp_size and not future.done():
+                future.set_result(results)

@@ -1,0 +1,159 @@
+"""Per-sample output handling: incremental text, stop conditions, stream deltas.
+
+Stop conditions, checked after every new token: a stop token id or (unless ignore_eos) an eos id
+→ STOP, the token kept; a stop string → STOP, the text cut before it; max_tokens or the model's
+context → LENGTH. While a sample runs, text that might be the start of a stop string is held back.
+Before min_tokens tokens, no stop applies (the worker also keeps end tokens from being drawn). A
+structured-output sample also ends with STOP when its matcher is complete (text/structured.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler_service.core.sequence import FinishReason, Sequence
+from scheduler_service.text.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+
+
+@dataclass(slots=True)
+class Delta:
+    """One stream message: a sample's new tokens and text; finish_reason on its last, usage on the request's
+    last."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the request's first delta, when it asked
+    # On a STOP sample's last delta: the stop string (str) or stop token id (int) that ended it; None for an
+    # end-of-sequence token.
+    stop_reason: str | int | None = None
+    embedding: object = None  # an embedding request's one delta: its vector (float32)
+
+
+class SampleOutput:
+    def __init__(self, tokenizer: Tokenizer, seq: Sequence, eos_token_ids: tuple[int, ...],
+                 max_context: int) -> None:
+        self.seq = seq
+        params = seq.request.sampling
+        self._detok = IncrementalDetokenizer(tokenizer, seq.request.prompt_token_ids,
+                                             params.skip_special_tokens)
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._named_stop_ids = set(params.stop_token_ids)
+        self._keep_stop_str = params.include_stop_str_in_output
+        self._stops = params.stop
+        self._holdback = max((len(s) for s in self._stops), default=1) - 1
+        self._max_tokens = params.max_tokens
+        self._min_tokens = params.min_tokens
+        self._wants_logprobs = params.logprobs is not None
+        # tokens this sample may still take before max_tokens or the model's context ends it
+        self._left = min(params.max_tokens - seq.num_output_tokens, max_context - seq.num_tokens)
+        self.text = ""
+        self._emitted = 0
+        self._seen = seq.num_output_tokens  # tokens added so far (a step may bring several)
+
+    def add_token(self, token: int, logprob: TokenLogprob | None = None) -> tuple[Delta, FinishReason | None]:
+        """Take one new token (and its logprob, when the request asked); return the stream delta and the
+        finish reason, if it finished."""
+        piece = self._detok.add(token)
+        self.text += piece
+        self._left -= 1
+        logprobs = [logprob or TokenLogprob(token, float("nan"))] if self._wants_logprobs else None
+        may_stop = self.seq.num_output_tokens >= self._min_tokens
+        self._seen += 1
+        matcher = self.seq.matcher  # its state is the sequence's last token's: the end is seen there
+        if matcher is not None and self._seen == self.seq.num_output_tokens and (matcher.is_stopped()
+                                                                                 or matcher.is_error()):
+            reason = FinishReason.STOP if not matcher.is_error() else FinishReason.ERROR
+            delta = Delta(self.seq.index, [token], self._take_text(final=True) if self._stops else piece,
+                          reason, logprobs=logprobs)
+            self._emitted = len(self.text)
+            return delta, reason
+        stop_reason = None
+        if not self._stops:  # nothing is held back: the new text goes out as it comes
+            self._emitted = len(self.text)
+            reason = FinishReason.STOP if may_stop and token in self._stop_ids else (
+                FinishReason.LENGTH if self._left <= 0 else None)
+            if reason is FinishReason.STOP and token in self._named_stop_ids:
+                stop_reason = token
+            return Delta(self.seq.index, [token], piece, reason, logprobs=logprobs,
+                         stop_reason=stop_reason), reason
+        reason = None
+        if not may_stop:
+            pass
+        elif token in self._stop_ids:
+            reason = FinishReason.STOP
+            stop_reason = token if token in self._named_stop_ids else None
+        elif piece:
+            start = max(0, len(self.text) - len(piece) - self._holdback)
+            hits = [(i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0]
+            if hits:
+                at, stop_reason = min(hits, key=lambda h: (h[0], -len(h[1])))
+                self.text = self.text[: at + len(stop_reason) if self._keep_stop_str else at]
+                reason = FinishReason.STOP
+        if reason is None and self._left <= 0:
+            reason = FinishReason.LENGTH
+        delta = Delta(self.seq.index, [token], self._take_text(final=reason is not None), reason,
+                      logprobs=logprobs, stop_reason=stop_reason)
+        return delta, reason
+
+    def finish(self, reason: FinishReason) -> Delta:
+        """A last delta for a sample ended from outside (abort, error)."""
+        return Delta(self.seq.index, [], self._take_text(final=True), reason)
+
+    def _take_text(self, final: bool) -> str:
+        visible = len(self.text) if final else max(self._emitted, len(self.text) - self._holdback)
+        piece = self.text[self._emitted : visible]
+        self._emitted = visible
+        return piece
+
+
+class DeltaQueue:
+    """A request's stream: deltas (or the exception that ends it) put by the step loop, awaited by the
+    request's handler, on one event loop. A deque and at most one waiting future: at a thousand live
+    streams asyncio.Queue's bookkeeping (task counts, an event, size checks) cost as much as the rest of a
+    token's output path."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def qsize(self) -> int:
+        return len(self._items)

@@ -1,0 +1,425 @@
+"""Model shape and hyper-parameters of a Llama-family model, read from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3",
+                         "gemma2", "gemma3_text")
+GEMMA_TYPES = ("gemma2", "gemma3_text")  # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
+# the mixture-of-experts families (router top-k over SwiGLU experts)
+MOE_TYPES = ("qwen3_moe", "mixtral")
+# activations of the gated MLP: SiLU (SwiGLU) everywhere, GELU-tanh (GeGLU) where the family uses it
+GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# dynamic (NTK) only changes the frequencies past max_position_embeddings, which is never served
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+# families whose transformers attention rotates only the first partial_rotary_factor of each head
+PARTIAL_ROTARY_TYPES = ("phi3",)
+
+
+class UnsupportedModel(ValueError):
+    """A config field changes the computation in a way this model code does not implement."""
+
+    def __init__(self, field_name: str, value, why: str) -> None:
+        super().__init__(f"{field_name}={value!r}: {why}")
+        self.field_name, self.value = field_name, value
+
+
+def check_supported(cfg: dict) -> None:
+    """Refuse, naming the field and its value, every config field that would change the math and that the
+    model code does not implement — rather than serve wrong text without a word. What is implemented:
+    docs (README, "Models")."""
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    act_field = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
+    act = cfg.get(act_field, "silu")
+    if act not in GATED_ACTIVATIONS or (GATED_ACTIVATIONS[act] == "gelu_tanh"
+                                        and model_type not in GEMMA_TYPES):
+        raise UnsupportedModel(act_field, act,
+                               "the gated MLP is implemented with SiLU, and with GELU-tanh for "
+                                               "Gemma 2 and 3")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModel("use_bidirectional_attention", True,
+                               "bidirectional attention is not implemented")
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModel("mlp_bias", cfg["mlp_bias"], "MLP projections with biases are not implemented")
+    if cfg.get("attention_bias") and model_type != "qwen2":  # Qwen2's q/k/v biases are; an o_proj bias is not
+        raise UnsupportedModel("attention_bias", cfg["attention_bias"],
+                               f"{model_type} puts a bias on o_proj too, which is not implemented")
+    for rope in rope_sets(cfg):
+        kind = rope.get("rope_type") or rope.get("type") or "default"
+        if kind not in ROPE_TYPES:
+            raise UnsupportedModel("rope_scaling.rope_type", kind, f"implemented: {', '.join(ROPE_TYPES)}")
+    rope = rope_sets(cfg)[0]
+    for name, value in (("partial_rotary_factor", rope.get("partial_rotary_factor")),
+                        ("partial_rotary_factor", cfg.get("partial_rotary_factor"))):
+        if value is not None and float(value) != 1.0 and model_type not in PARTIAL_ROTARY_TYPES:
+            raise UnsupportedModel(name, value, "partial rotary embeddings are implemented for "
+                                                f"{', '.join(PARTIAL_ROTARY_TYPES)} only (as transformers "
+                                                "does)")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "logit_softcapping"):
+        allowed = {"attn_logit_softcapping": ("gemma2",), "final_logit_softcapping": GEMMA_TYPES}.get(
+            name, ())
+        if cfg.get(name) is not None and model_type not in allowed:
+            raise UnsupportedModel(name, cfg[name], f"{'attention-' if name.startswith('attn') else ''}logit "
+                                                    "soft-capping is implemented for "
+                                                    f"{', '.join(allowed) or 'no'} models as transformers "
+                                                    "runs them")
+    for name in ("embedding_multiplier", "scale_emb", "logits_scaling", "residual_multiplier",
+                 "attention_multiplier"):
+        if cfg.get(name) not in (None, 1, 1.0):
+            raise UnsupportedModel(name, cfg[name],
+                                   "scaled embeddings, residuals or logits are not implemented")
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if cfg.get(name) and model_type not in MOE_TYPES:
+            raise UnsupportedModel(name, cfg[name], f"mixture-of-experts layers are implemented for "
+                                                    f"{', '.join(MOE_TYPES)}")
+    if model_type in MOE_TYPES:
+        experts, top_k = num_experts(cfg), int(cfg.get("num_experts_per_tok") or 0)
+        if experts and not 0 < top_k <= experts:
+            raise UnsupportedModel("num_experts_per_tok", top_k,
+                                   f"needs 1 to num_experts ({experts}) experts a token")
+        for name in ("shared_expert_intermediate_size", "n_shared_experts"):
+            if cfg.get(name):
+                raise UnsupportedModel(name, cfg[name], "shared experts are not implemented")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise UnsupportedModel("quantization_config.quant_method", method,
+                               "quantized checkpoints are not loaded as they ship; dequantize to bf16/fp16 "
+                               "first")
+    for layer_type in set(cfg.get("layer_types") or ()):
+        if layer_type not in ("full_attention", "sliding_attention"):
+            raise UnsupportedModel("layer_types", layer_type, "only full and sliding-window attention layers")
+
+
+def num_experts(cfg: dict) -> int:
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
+    """Which layers' MLP is a mixture of experts (Mixtral: all; Qwen3-MoE: every decoder_sparse_step-th
+    layer, but those in mlp_only_layers, as transformers builds it); () for a dense model."""
+    if cfg.get("model_type") not in MOE_TYPES or not num_experts(cfg):
+        return ()
+    if cfg.get("model_type") == "mixtral":
+        return (True,) * num_layers
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def rope_sets(cfg: dict) -> list[dict]:
+    """The RoPE parameters (rope_theta included where the config says it) of each kind of layer: one set for
+    most families; Gemma 3 has its global layers' (rope_theta, rope_scaling) first and its sliding layers'
+    (rope_local_base_freq) second, or both under rope_parameters by layer type."""
+    params = cfg.get("rope_parameters") or {}
+    if cfg.get("model_type") != "gemma3_text":
+        rope = dict(params or cfg.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
+        return [rope]
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full, local = dict(params or cfg.get("rope_scaling") or {}), {}
+        full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+        local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    full.setdefault("rope_theta", 1_000_000.0)
+    local.setdefault("rope_theta", 10_000.0)
+    return [full, local]
+
+
+def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers builds the model: a layer with window W lets a token see
+    its last W keys (itself included); 0 = full attention; () when no layer slides. Mistral and Phi-3
+    slide every layer over sliding_window; Qwen2/Qwen3/SmolLM3, with use_sliding_window set, the layers their
+    layer_types mark sliding_attention, by default those from max_window_layers on (SmolLM3: its NoPE
+    layers)."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return ()
+    window = int(window)
+    model_type = cfg.get("model_type", "llama")
+    if model_type in ("mistral", "mixtral", "phi3"):  # their attention slides on every layer
+        return (window,) * num_layers
+    # layer_types; by default Gemma 3 slides five layers of six, Gemma 2 every other
+    if model_type in GEMMA_TYPES:
+        pattern = int(cfg.get("sliding_window_pattern", 6)) if model_type == "gemma3_text" else 2
+        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                           for i in range(num_layers)]
+        sliding = [t == "sliding_attention" for t in types[:num_layers]]
+        return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
+    if model_type not in ("qwen2", "qwen3", "qwen3_moe", "smollm3") or not cfg.get("use_sliding_window"):
+        # Llama's attention has no window, the others' only with use_sliding_window: as transformers
+        return ()
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) < num_layers:
+            raise UnsupportedModel("layer_types", types,
+                                   f"needs one entry for each of the {num_layers} layers")
+        sliding = [t == "sliding_attention" for t in types[:num_layers]]
+    elif model_type == "smollm3":  # its NoPE layers slide
+        sliding = [not uses for uses in rope_layers(cfg, num_layers)]
+    else:
+        first = int(cfg.get("max_window_layers", 28))
+        sliding = [i >= first for i in range(num_layers)]
+    return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
+
+
+def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
+    """Which layers apply RoPE: all, but SmolLM3's NoPE layers (no_rope_layers, 1 = RoPE, 0 = none; by
+    default every no_rope_layer_interval-th layer, as transformers builds it)."""
+    if cfg.get("model_type") != "smollm3":
+        return (True,) * num_layers
+    flags = cfg.get("no_rope_layers")
+    if not flags:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) < num_layers:
+        raise UnsupportedModel("no_rope_layers", flags,
+                               f"needs one entry for each of the {num_layers} layers")
+    return tuple(bool(f) for f in flags[:num_layers])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    model_type: str = "llama"
+    # per layer: whether it applies RoPE (SmolLM3's NoPE layers do not); empty = every layer
+    rope_layers: tuple[bool, ...] = ()
+    # per layer: its sliding window (0: full attention); empty = no layer slides
+    layer_windows: tuple[int, ...] = ()
+    # values of each head that RoPE rotates (the first ones; head_dim but under a partial_rotary_factor)
+    rotary_dim: int = 0
+    # Gemma 3: its sliding layers' RoPE (rope_theta and scaling of their own); None: every layer shares one
+    local_rope: dict | None = None
+    # a GGUF's rope_freqs (llama.cpp's Llama 3.x files carry their rope scaling so): each inverse frequency is
+    # divided by its factor, as llama.cpp rotates; empty = none
+    rope_freq_factors: tuple[float, ...] = ()
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (GeGLU)
+    attn_scale: float = 0.0  # softmax scale of the scores; 0: head_dim ** -0.5
+    embed_scale: float = 1.0  # Gemma multiplies its input embeddings by sqrt(hidden_size)
+    sandwich_norms: bool = False  # Gemma: RMSNorm on the attention and MLP outputs before each residual add
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight): added to every norm weight at load
+    final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: off
+    attn_softcap: float = 0.0  # Gemma 2: attention scores = cap * tanh(scores / cap); 0: off
+    # mixture of experts: per layer whether its MLP is one (empty: a dense model), the experts, how many a
+    # token is routed to, each expert's intermediate size, and whether the chosen experts' weights are
+    # renormalized to sum to 1
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
+
+    def uses_rope(self, layer: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer]
+
+    def local_rope_config(self) -> ModelConfig | None:
+        """This config with the sliding layers' RoPE as its own (Gemma 3), for their rotary tables; None when
+        every layer shares one."""
+        if self.local_rope is None:
+            return None
+        from dataclasses import replace
+
+        return replace(self, rope_theta=float(self.local_rope["rope_theta"]), local_rope=None,
+                       rope_scaling={k: v for k, v in self.local_rope.items() if k != "rope_theta"})
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window: a token sees its last `window` keys; 0 = every earlier key."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def max_window(self) -> int:
+        """The widest window when every layer slides (keys older than it are never read again); 0 when any
+        layer attends over the whole context."""
+        return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
+
+    def __post_init__(self) -> None:
+        if not self.rotary_dim:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if not self.attn_scale:
+            object.__setattr__(self, "attn_scale", self.head_dim ** -0.5)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"a rotary dimension of {self.rotary_dim} does not fit heads of {self.head_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} query heads cannot share {self.num_kv_heads} KV heads evenly")
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> ModelConfig:
+        """Raises UnsupportedModel for a field the model code does not implement (check_supported)."""
+        check_supported(cfg)
+        model_type = cfg.get("model_type", "llama")
+        num_heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
+        ropes = rope_sets(cfg)
+        rope = ropes[0]
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
+        partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+        theta = rope["rope_theta"]
+        gemma = model_type in GEMMA_TYPES
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(theta),
+            rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            model_type=model_type,
+            rope_layers=rope_layers(cfg, num_layers),
+            layer_windows=layer_windows(cfg, num_layers),
+            rotary_dim=int(head_dim * partial),
+            local_rope=ropes[1] if len(ropes) > 1 else None,
+            hidden_act=GATED_ACTIVATIONS[act],
+            attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else 0.0,
+            embed_scale=float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
+            sandwich_norms=gemma,
+            norm_offset=1.0 if gemma else 0.0,
+            final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if model_type == "gemma2" else 0.0,
+            moe_layers=moe_layers(cfg, num_layers),
+            num_experts=num_experts(cfg),
+            experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+            # Mixtral's experts are intermediate_size wide, and it always renormalizes the chosen experts'
+            # weights
+            moe_intermediate_size=int(cfg.get("intermediate_size") if model_type == "mixtral"
+                                      else cfg.get("moe_intermediate_size") or 0),
+            norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads((Path(folder) / "config.json").read_text()))
+
+    def fingerprint(self, source: str) -> str:
+        blob = json.dumps({"config": asdict(self), "source": source}, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def rope_attention_factor(self) -> float:
+        """What YaRN multiplies cos and sin by (1 for the other RoPE types)."""
+        return self._yarn()[1] if self._rope_kind() == "yarn" else 1.0
+
+    def _rope_kind(self) -> str:
+        return self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default"
+
+    def _yarn(self) -> tuple[list[float], float]:
+        """YaRN's inverse frequencies and attention factor, computed as transformers does (float32 ramps):
+        frequencies above beta_fast rotations over the original context kept, below beta_slow divided by
+        factor, a linear ramp between; cos/sin scaled by 0.1 ln(factor) + 1 unless attention_factor (or
+        mscale / mscale_all_dim) says otherwise."""
+        import torch
+
+        r, dim, base = self.rope_scaling, self.rotary_dim, self.rope_theta
+        original = float(r.get("original_max_position_embeddings") or self.max_position_embeddings)
+        factor = r.get("factor")
+        factor = float(factor) if factor is not None else self.max_position_embeddings / original
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = r.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all = r.get("mscale"), r.get("mscale_all_dim")
+            attention = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all
+                         else get_mscale(factor))
+        beta_fast, beta_slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if r.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        return inv.tolist(), float(attention)
+
+    def rope_inv_freq(self) -> list[float]:
+        """Inverse frequencies of the rotary embedding (rotary_dim / 2 of them), with the scaling the config
+        asks for, each divided by the GGUF's rope_freqs factor where it has them."""
+        inv = self._scaled_inv_freq()
+        if not self.rope_freq_factors:
+            return inv
+        if len(self.rope_freq_factors) != len(inv):
+            raise UnsupportedModel("rope_freqs", len(self.rope_freq_factors),
+                                   f"the GGUF's rope_freqs holds {len(self.rope_freq_factors)} factors where "
+                                   f"the rotary embedding has {len(inv)} frequencies")
+        return [f / factor for f, factor in zip(inv, self.rope_freq_factors, strict=True)]
+
+    def _scaled_inv_freq(self) -> list[float]:
+        dim = self.rotary_dim
+        inv = [1.0 / (self.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
+        kind = self._rope_kind()
+        # dynamic: transformers' base grows only past max_position_embeddings
+        if kind in ("default", "dynamic"):
+            return inv
+        if kind == "yarn":
+            return self._yarn()[0]
+        if kind == "linear":
+            factor = float(self.rope_scaling["factor"])
+            return [f / factor for f in inv]
+        if kind == "llama3":
+            factor = float(self.rope_scaling["factor"])
+            low = float(self.rope_scaling.get("low_freq_factor", 1.0))
+            high = float(self.rope_scaling.get("high_freq_factor", 4.0))
+            old_ctx = float(self.rope_scaling.get("original_max_position_embeddings", 8192))
+            low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+            out = []
+            for f in inv:
+                wavelen = 2 * math.pi / f
+                if wavelen < high_wavelen:
+                    out.append(f)
+                elif wavelen > low_wavelen:
+                    out.append(f / factor)
+                else:
+                    smooth = (old_ctx / wavelen - low) / (high - low)
+                    out.append((1 - smooth) * f / factor + smooth * f)
+            return out
+        raise ValueError(f"rope scaling {kind!r} is not supported")
+
+
+def parameter_count(config) -> int:
+    """The parameters a model's config implies (embeddings, attention, the MLP or its experts, the head):
+    what loading it takes, before anything is allocated."""
+    h, hd = config.hidden_size, config.head_dim
+    attn = h * config.num_heads * hd * 2 + h * config.num_kv_heads * hd * 2
+    dense_mlp = 3 * h * config.intermediate_size
+    moe = config.num_experts * 3 * h * config.moe_intermediate_size + h * config.num_experts
+    layers = sum(attn + (moe if (config.moe_layers and config.moe_layers[i]) else dense_mlp)
+                 for i in range(config.num_layers))
+    return config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + layers

@@ -1,0 +1,205 @@
+"""The fused CPU decode step: a decode-only step of a few sequences run as one native call.
+
+The layer-by-layer forward (model/llama.py) makes about ten calls a layer, each a trip through Python and
+torch and its own OpenMP parallel region: at one sequence on the 135M default model that overhead is a
+third of the step. `FusedDecode` hands the whole model to kernels/cpu/decode_step.c once — every layer's
+weights (GGUF blocks or plain fp32 rows), norms, biases, q/k norms, RoPE tables and KV cache — and a step
+whose every sequence decodes one token runs from the embeddings to the final norm in one call whose threads
+meet at a barrier between stages. Up to `max_rows` rows the projections run on the row kernels (GGUF blocks,
+packed blocks, fp32 rows), which read each weight once for a few rows; past that, where every matrix has a
+plain fp32 copy, on that copy through the BLAS sgemm torch's CPU library carries (MKL), each thread calling
+it on its share of the output rows inside the step's one parallel region — at 64 rows that removed the
+layer path's per-call costs (K/V writes, elementwise ops, dispatch: ~17 of 150 ms on the default model).
+Anything else (prefill, a mixed step, more rows without a dense copy or a BLAS, tensor parallelism, another
+dtype) takes the layer path, which stays the definition: tests hold the two to the same tokens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import structlog
+import torch
+
+log = structlog.get_logger("worker.model.fused_decode")
+
+_P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class PsSegment(ctypes.Structure):
+    _fields_ = [("w", _P), ("rows", _I64), ("type", _I32), ("pad", _I32)]
+
+
+MAX_SEGMENTS = 3  # decode_step.c: a projection's row ranges of different types (a stack of q, k, v)
+
+
+class PsMatrix(ctypes.Structure):
+    _fields_ = [("seg", PsSegment * MAX_SEGMENTS), ("out_dim", _I64), ("in_dim", _I64), ("dense", _P)]
+
+
+class PsLayer(ctypes.Structure):
+    _fields_ = [("qkv", PsMatrix), ("o_proj", PsMatrix), ("gate_up", PsMatrix), ("down", PsMatrix),
+                ("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P),
+                ("k_cache", _P), ("v_cache", _P), ("rope", _I32), ("window", _I32)]
+
+
+class PsModel(ctypes.Structure):
+    _fields_ = [("num_layers", _I32), ("hidden", _I32), ("n_heads", _I32), ("n_kv_heads", _I32),
+                ("head_dim", _I32), ("intermediate", _I32), ("block_size", _I32), ("rotary_half", _I32),
+                ("eps", _F), ("scale", _F), ("cos", _P), ("sin", _P), ("final_norm", _P),
+                ("layers", ctypes.POINTER(PsLayer)), ("sgemm", _P), ("gemm_rows", _I32), ("kv_bf16", _I32),
+                ("x8", _I32)]
+
+
+def _plain(w) -> bool:
+    return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and w.numel() > 0
+            and w.is_contiguous() and w.layout == torch.strided and not w.is_mkldnn)
+
+
+def _matrix(layer, name: str) -> tuple[PsMatrix, list[torch.Tensor]] | None:
+    """The native description of one projection: the quantized library's blocks, or plain fp32 rows — the
+    layer path's own weight, or the loaded parameter where that one is in oneDNN's packed layout (the worker
+    keeps it for this step) — with its plain fp32 copy where there is one (the matrix itself, or a quantized
+    weight's dense copy when that one is plain), for steps of more rows than the row kernels serve. None: no
+    layout the fused step can read."""
+    from worker.model.quantized import QuantLinear, QuantStack, QuantWeight
+
+    w = layer.w.get(name)
+    dense = None
+    if isinstance(w, QuantLinear):
+        w, dense = w.q, (w.dense if _plain(w.dense) else None)
+    if isinstance(w, (QuantWeight, QuantStack)) and len(w.segments) <= MAX_SEGMENTS:
+        segs = [PsSegment(p.data.data_ptr(), p.out_dim, p.type_id, 0) for p in w.segments]
+        keep = [p.data for p in w.segments] + ([dense] if dense is not None else [])
+        return PsMatrix((PsSegment * MAX_SEGMENTS)(*segs), w.out_dim, w.in_dim, _ptr(dense)), keep
+    for t in (w, getattr(layer, name)):
+        if _plain(t):
+            return PsMatrix((PsSegment * MAX_SEGMENTS)(PsSegment(t.data_ptr(), t.shape[0], 0, 0)), t.shape[0],
+                            t.shape[1], t.data_ptr()), [t]
+    return None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecode:
+    def __init__(self, kernels, model, max_rows: int) -> None:
+        self.kernels = kernels
+        self.model = model
+        self.max_rows = max_rows
+        # past max_rows, where every matrix has a plain fp32 copy and the process has a BLAS sgemm, the step
+        # multiplies on that copy (each thread its share of the output rows) and serves any number of rows
+        dense = all(_matrix(layer, name)[0].dense for layer in model.layers for name in layer.matmul_names)
+        self.sgemm = kernels.sgemm if dense else None
+        self._pool = None
+        self._scratch = torch.empty(0)
+
+    @staticmethod
+    def unsupported(model, tp_size: int) -> str | None:
+        """Why the fused step cannot run this model (None: it can)."""
+        c = model.config
+        if tp_size > 1:
+            return "tensor parallelism (the layer path all-reduces between stages)"
+        if model.embed.device.type != "cpu" or model.embed.dtype != torch.float32:
+            return f"{model.embed.dtype} on {model.embed.device.type} (fp32 on a CPU only)"
+        q_size = c.num_heads * c.head_dim
+        if c.hidden_size % 32 or c.intermediate_size % 32 or q_size % 32 or c.head_dim % 2:
+            return "dimensions not multiples of 32"
+        if c.moe_layers:
+            return "mixture-of-experts layers (the layer path routes their tokens)"
+        if c.sandwich_norms or c.hidden_act != "silu" or c.local_rope is not None or c.embed_scale != 1.0 \
+                or c.attn_scale != c.head_dim ** -0.5:
+            return "Gemma's norms, GeGLU, two RoPE tables and scales (the layer path runs them)"
+        for layer in model.layers:
+            for name in layer.matmul_names:
+                if _matrix(layer, name) is None:
+                    return (f"{model.mm.name} weights only (the fused step reads GGUF blocks or plain fp32 "
+                            "rows)")
+        return None
+
+    def covers(self, step, num_tokens: int) -> bool:
+        from worker.model.attention import CpuAttentionMeta
+
+        meta = step.attn_meta
+        return (isinstance(meta, CpuAttentionMeta) and 0 < num_tokens
+                and (num_tokens <= self.max_rows or self.sgemm)
+                and meta.decode_rows.numel() == num_tokens and meta.prefill_starts.numel() == 0)
+
+    def _describe(self, pool) -> None:
+        """The model, its weights and this pool's caches as the native step reads them (once per pool)."""
+        m, c = self.model, self.model.config
+        keep, layers = [], (PsLayer * c.num_layers)()
+        for i, layer in enumerate(m.layers):
+            mats = {}
+            for name in layer.matmul_names:
+                desc, tensors = _matrix(layer, name)
+                mats[name] = desc
+                keep.extend(tensors)
+            k_cache, v_cache = pool.layer(i)
+            layers[i] = PsLayer(mats["qkv"], mats["o_proj"], mats["gate_up"], mats["down"],
+                                _ptr(layer.input_norm), _ptr(layer.post_attn_norm), _ptr(layer.qkv_bias),
+                                _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(k_cache), _ptr(v_cache),
+                                int(c.uses_rope(i)), c.window(i))
+        rotary = m.rotary
+        self._desc = PsModel(c.num_layers, c.hidden_size, m.shard.num_q_heads, m.shard.num_kv_heads,
+                             c.head_dim,
+                             m.shard.intermediate_size, pool.block_size, c.rotary_dim // 2, c.rms_norm_eps,
+                             c.head_dim**-0.5,
+                             _ptr(rotary.cos), _ptr(rotary.sin), _ptr(m.norm), layers, self.sgemm,
+                             self.max_rows,
+                             int(pool.dtype == torch.bfloat16), int(getattr(m.mm, "int8_activations", False)))
+        self._keep = (keep, layers, rotary)
+        self._pool = pool
+
+    def forward(self, x: torch.Tensor, step, pool) -> torch.Tensor:
+        """x: the step's embeddings [rows, hidden] (overwritten) -> the final-norm hidden states."""
+        if self._pool is not pool:
+            self._describe(pool)
+        meta = step.attn_meta
+        rows = x.shape[0]
+        need = self.kernels.decode_step_scratch(self._desc, rows)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need)
+        x = x.contiguous()
+        tables = meta.decode_tables
+        self.kernels.decode_step(self._desc, rows, x, step.positions.to(torch.int64).contiguous(),
+                                 step.slot_mapping.to(torch.int64).contiguous(), tables, meta.decode_lens,
+                                 self._scratch)
+        return x
+
+
+class NativeHead:
+    """The LM head of a few rows (a decode step's) on plain fp32 rows through the native rows kernel, which
+    reads the 49k x 576 matrix once for up to eight rows at memory speed; a BLAS matmul of eight rows ran it
+    at a third of that (~20 ms of a 56 ms eight-row step on the default model). More rows take the matmul
+    library. One rank (the head's rows are all here), fp32 on a CPU."""
+
+    def __init__(self, kernels, weight: torch.Tensor, max_rows: int) -> None:
+        self.kernels = kernels
+        self.weight = weight
+        self.bytes = weight.view(torch.uint8)  # type 0 of the kernel: rows of fp32 values
+        self.max_rows = max_rows
+
+    @staticmethod
+    def weight_of(model) -> torch.Tensor | None:
+        """The head as plain fp32 rows (the matmul library's own weight, or the tied embeddings / the loaded
+        parameter where that one is in another layout), or None: a quantized head keeps its own kernel."""
+        from worker.model.quantized import QuantLinear, QuantStack, QuantWeight
+
+        if isinstance(model.head, (QuantLinear, QuantStack, QuantWeight)):
+            return None
+        for t in (model.head, model.lm_head if model.lm_head is not None else model.embed):
+            if _plain(t) and t.shape[0] == model.shard.vocab_shard_size and t.shape[1] % 32 == 0:
+                return t
+        return None
+
+    def covers(self, hidden: torch.Tensor) -> bool:
+        return (0 < hidden.shape[0] <= self.max_rows and hidden.dtype == torch.float32
+                and hidden.device.type == "cpu")
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.contiguous()
+        y = torch.empty(x.shape[0], self.weight.shape[0])
+        self.kernels.quant_matmul(x, self.bytes, 0, self.weight.shape[0], y)
+        return y

@@ -1,0 +1,84 @@
+"""The paged KV pool: per layer K and V in the block-tensor layout
+[num_blocks, block_size, n_kv_heads, head_dim]. The worker owns the bytes; the scheduler owns who uses
+them."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from worker.model.config import ModelConfig
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1048576' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size (examples: 2GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                    num_kv_heads: int | None = None) -> int:
+    """Bytes of one block over all layers; num_kv_heads: the heads this rank holds (default: all)."""
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * heads * config.head_dim * block_size * element
+
+
+class KVPool:
+    def __init__(
+        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+        num_kv_heads: int | None = None,
+    ) -> None:
+        """num_kv_heads: the KV heads this rank holds (a tensor-parallel rank holds its slice)."""
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        if block_size < 1 or block_size & (block_size - 1):
+            raise ValueError(f"block size must be a power of two, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+        self.bytes_per_block = bytes_per_block(config, block_size, dtype, heads)
+        shape = (num_blocks, block_size, heads, config.head_dim)
+        # Never zeroed: attention masks by sequence length, so stale bytes are never read.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        # The token record: the id of the token whose K/V each slot holds (plus one scratch slot at the end
+        # for writes that go nowhere). Penalties read a sequence's context tokens through its block table.
+        self._token_slots = torch.full((num_blocks * block_size + 1,), -1, dtype=torch.int32, device=device)
+        self.tokens = self._token_slots[:-1].view(num_blocks, block_size)
+
+    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[idx], self.v[idx]
+
+    @torch.no_grad()
+    def copy_blocks(self, copies: torch.Tensor) -> None:
+        """copies: int64 [num_copies, 2] of (src, dst); run before the forward (copy-on-write)."""
+        if copies.numel() == 0:
+            return
+        src, dst = copies[:, 0], copies[:, 1]
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst] = k[src]
+            v[dst] = v[src]
+        self.tokens[dst] = self.tokens[src]
+
+    @torch.no_grad()
+    def record_tokens(self, slot_mapping: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Write each new token's id where its K/V goes (slot -1: nowhere), without a host sync."""
+        scratch = torch.full_like(slot_mapping, self._token_slots.numel() - 1)
+        self._token_slots[torch.where(slot_mapping >= 0, slot_mapping, scratch)] = token_ids.to(torch.int32)
+
+    def context_tokens(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, pad: int) -> torch.Tensor:
+        """int64 [rows, max(seq_lens)]: each row's context token ids, position order, `pad` past its length.
+        block_tables: int32 [rows, blocks]; seq_lens: int64 [rows] (on the pool's device)."""
+        width = int(seq_lens.max()) if seq_lens.numel() else 0
+        pos = torch.arange(width, device=block_tables.device)
+        blocks = pos // self.block_size
+        table = block_tables[:, : blocks[-1] + 1 if width else 0].long().clamp(min=0)
+        ids = self.tokens[table[:, blocks], pos % self.block_size].long()
+        return torch.where(pos[None, :] < seq_lens[:, None], ids, torch.full_like(ids, pad))

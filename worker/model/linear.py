@@ -1,0 +1,210 @@
+"""Matmul libraries for the projections, chosen by measurement when the worker starts.
+
+`dense`: F.linear on the weights as loaded (cuBLAS on a GPU, MKL or OpenBLAS on a CPU).
+`onednn`: on CPUs, oneDNN with each weight reordered once into the blocked layout its kernels read
+(`torch.ops.mkldnn._reorder_linear_weight`); the same fp32 arithmetic, often 2-3x the rate of a
+plain matmul because no step re-packs the weight.
+`mkl`: on CPUs whose torch carries MKL, each weight packed once by MKL's own packing API
+(`cblas_sgemm_pack`) and multiplied with `cblas_sgemm_compute`, the kernel F.linear reaches without
+re-packing the weight each call: the default model's 2k-token prefill chunk spends 5-8% less time in
+its matmuls than on oneDNN, same process, 2-core AVX-512 machine. The packed buffer is sized by MKL (2-5x
+the weight in address space; only the weight's size is ever written, so resident memory grows by one
+copy, as with oneDNN).
+Which one wins differs between machines (AVX2 vs AVX-512, core counts), so `choose()` times them all on
+the model's own shapes, at decode and at prefill row counts, checks each packed result against F.linear,
+and keeps the fastest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from pathlib import Path
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+log = structlog.get_logger("worker.model.linear")
+
+
+class DenseMatmul:
+    name = "dense"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+
+class OneDNNMatmul:
+    name = "onednn"
+
+    @staticmethod
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151  # MKL's CBLAS enumerations
+
+
+def _mkl():
+    """torch's CPU library where it exports MKL's packed-GEMM API, else None (once)."""
+    global _MKL
+    if _MKL is None:
+        _MKL = False
+        try:
+            lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+            i, p = ctypes.c_int, ctypes.c_void_p
+            lib.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
+            lib.cblas_sgemm_pack_get_size.argtypes = [i, i, i, i]
+            lib.cblas_sgemm_pack.argtypes = [i, i, i, i, i, i, ctypes.c_float, p, i, p]
+            lib.cblas_sgemm_pack.restype = None
+            lib.cblas_sgemm_compute.argtypes = [i, i, i, i, i, i, p, i, p, i, ctypes.c_float, p, i]
+            lib.cblas_sgemm_compute.restype = None
+            _MKL = lib
+        except (OSError, AttributeError):
+            pass
+    return _MKL or None
+
+
+_MKL = None
+
+
+class MKLPacked:
+    """One weight [out, in] in MKL's packed layout for `cblas_sgemm_compute` (any number of rows)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        lib = _mkl()
+        w = weight.detach().contiguous()
+        out, k = w.shape
+        self.shape = w.shape
+        self.dtype, self.device = w.dtype, w.device
+        nbytes = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 1, out, k)
+        self.buf = torch.empty((nbytes + 63) // 4 + 16)  # floats; the buffer's start aligned to 64 bytes
+        self.ptr = (self.buf.data_ptr() + 63) & ~63
+        lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 1, out, k, 1.0, w.data_ptr(), k, self.ptr)
+
+    def dim(self) -> int:
+        return 2
+
+
+class MKLMatmul:
+    name = "mkl"
+
+    @staticmethod
+    def available(device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cpu" and dtype == torch.float32 and _mkl() is not None
+
+    def prepare(self, weight: torch.Tensor) -> MKLPacked:
+        return MKLPacked(weight)
+
+    def __call__(self, x: torch.Tensor, weight: MKLPacked, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out, k = weight.shape
+        x2 = x.reshape(-1, k)
+        if x2.dtype != torch.float32 or x2.device.type != "cpu":
+            raise TypeError(f"the mkl matmul multiplies fp32 on the CPU, got {x2.dtype} on {x2.device}")
+        x2 = x2.contiguous()
+        y = torch.empty(x2.shape[0], out)
+        if x2.shape[0]:
+            _MKL.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, x2.shape[0], out, k, x2.data_ptr(), k,
+                                     weight.ptr, k, 0.0, y.data_ptr(), out)
+        if bias is not None:
+            y += bias
+        return y.view(*x.shape[:-1], out)
+
+
+LIBRARIES = {"dense": DenseMatmul, "onednn": OneDNNMatmul, "mkl": MKLMatmul}
+
+
+def head_library(lib, device: torch.device, dtype: torch.dtype):
+    """The LM head's library beside `lib`, the projections': oneDNN where it runs. The head is one wide
+    matrix read cold at every decode step by a few dozen rows; there oneDNN's blocked layout reads fastest:
+    20.5 ms against MKL's packed 27 ms and F.linear's 27-32 ms for the default model's 49k x 576 head at
+    64 rows, caches flushed between calls (2-core AVX-512 machine), where the projections' prefill shapes
+    rank the other way."""
+    return OneDNNMatmul() if lib.name in ("dense", "mkl") and OneDNNMatmul.available(device, dtype) else lib
+
+
+def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.device, dtype: torch.dtype,
+            reps: int = 5) -> dict[str, float]:
+    """Seconds each available library takes for every (out, in) weight shape at every row count (the best
+    of `reps` rounds, the libraries taking turns within each round so that a machine's drift from one
+    moment to the next falls on all of them alike), and raises if a packed result strays from F.linear
+    beyond fp32 rounding."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g).to(device, dtype) * k**-0.5 for n, k in shapes]
+    inputs = {m: {k: torch.randn(m, k, generator=g).to(device, dtype) for _, k in shapes} for m in rows}
+    libs = [DenseMatmul()] + [cls() for cls in (OneDNNMatmul, MKLMatmul) if cls.available(device, dtype)]
+    runs = {}
+    for lib in libs:
+        prepared = [lib.prepare(w) for w in weights]
+        calls = [(lambda x=inputs[m][w.shape[1]], p=p, lib=lib: lib(x, p))
+                 for m in rows for w, p in zip(weights, prepared, strict=True)]
+        if lib.name != "dense":
+            for m in rows:
+                for w, p in zip(weights, prepared, strict=True):
+                    x = inputs[m][w.shape[1]]
+                    want = F.linear(x, w)
+                    err = (lib(x, p) - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+                    if err > 1e-4:
+                        raise ArithmeticError(f"{lib.name} matmul differs from F.linear by {err:.1e} "
+                                              "(relative)")
+        runs[lib.name] = lambda calls=calls: [call() for call in calls]
+        runs[lib.name]()  # warm: first-call allocations and dispatch
+    totals = {name: float("inf") for name in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run()
+            totals[name] = min(totals[name], time.perf_counter() - t)
+    return totals
+
+
+def best_time(fn, reps: int) -> float:
+    """The best of `reps` timed calls of fn, after one untimed call."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+PROBE_FLOP = 30e9  # the start-up measurement's prefill rows stay under this many multiply-adds x 2 a round
+
+
+def choose(name: str, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype):
+    """The library to use: `name` if it is not "auto", else the fastest on these shapes by measurement."""
+    if name != "auto":
+        if name not in LIBRARIES:
+            raise ValueError(f"unknown matmul library {name!r}; choose from auto, {', '.join(LIBRARIES)}")
+        if name == "onednn" and not OneDNNMatmul.available(device, dtype):
+            raise ValueError(f"the onednn matmul needs fp32 on a CPU with oneDNN, not {dtype} on {device}")
+        if name == "mkl" and not MKLMatmul.available(device, dtype):
+            raise ValueError(f"the mkl matmul needs fp32 on a CPU and a torch built with MKL, not {dtype} on "
+                             f"{device}")
+        return LIBRARIES[name]()
+    if not (OneDNNMatmul.available(device, dtype) or MKLMatmul.available(device, dtype)):
+        return DenseMatmul()
+    # decode rows and a prefill chunk's (the default token budget; fewer where that is a long measurement)
+    prefill_rows = 2048 if 2 * 2048 * sum(n * k for n, k in shapes) <= PROBE_FLOP else 512
+    try:
+        seconds = measure(shapes, (64, prefill_rows), device, dtype)
+    except (RuntimeError, ArithmeticError) as e:
+        log.warning("matmul_probe_failed", error=str(e))
+        return DenseMatmul()
+    best = min(seconds, key=seconds.get)
+    log.info("matmul_chosen", library=best, **{f"{k}_ms": round(v * 1e3, 2) for k, v in seconds.items()})
+    return LIBRARIES[best]()

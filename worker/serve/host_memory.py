@@ -1,0 +1,135 @@
+"""The host allocator a worker runs on.
+
+A CPU forward allocates and frees tens of MiB per layer (at a 2048-token prefill chunk of the default
+model the MLP's gate/up activation alone is 25 MiB). glibc's malloc serves large blocks with fresh mmaps
+and trims the top of its heap when enough is free, so the same memory is given back to the kernel and
+faulted in again, zero-filled, page by page, every layer of every step: measured on a 2-core AVX-512
+machine, 28% of a prefill chunk went there (docs/BENCHMARKS.md). Two remedies:
+
+- `tcmalloc` (where the system has it, e.g. Debian's libtcmalloc-minimal4): keeps freed spans for
+  reuse and is faster still for torch's many small allocations. A library must be in place before the
+  process starts, so the worker re-executes itself once with it in LD_PRELOAD (same pid, same argv).
+- `glibc`, tuned with mallopt: the mmap threshold at its maximum (32 MiB) and no trimming, so freed
+  blocks stay in the heap and are reused.
+
+`auto` takes tcmalloc where found and for a CPU worker, the tuned glibc otherwise; `default` leaves malloc
+as it is (for comparisons). PAGEDSERVE_MALLOC sets the mode where no flag does.
+
+    python -m worker.serve.host_memory [MODE]   # prints the allocator this process ends up with
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import sys
+
+MODES = ("auto", "tcmalloc", "glibc", "default")
+_REEXEC_GUARD = "PAGEDSERVE_MALLOC_REEXEC"
+_TCMALLOC_GLOBS = ("libtcmalloc_minimal.so*", "libtcmalloc.so*")
+_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+             "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib64")
+
+# mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
+_TOP_PAD = 64 << 20
+_NO_TRIM = (1 << 31) - 1  # mallopt takes an int
+
+
+def find_tcmalloc() -> str | None:
+    """Path of a tcmalloc shared library on this system, or None."""
+    for pattern in _TCMALLOC_GLOBS:
+        for d in _LIB_DIRS:
+            hits = sorted(glob.glob(os.path.join(d, pattern)))
+            if hits:
+                return hits[0]
+    for name in ("tcmalloc_minimal", "tcmalloc"):
+        soname = ctypes.util.find_library(name)
+        if soname:
+            return soname
+    return None
+
+
+def loaded_allocator() -> str:
+    """'tcmalloc', 'jemalloc' or 'glibc': the malloc this process is running on."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return "glibc"
+    for name in ("tcmalloc", "jemalloc"):
+        if name in maps:
+            return name
+    return "glibc"
+
+
+def tune_glibc() -> bool:
+    """Keep freed large blocks in glibc's heap for reuse; False where the C library has no mallopt."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
+    ok &= mallopt(_M_TRIM_THRESHOLD, _NO_TRIM) == 1
+    ok &= mallopt(_M_TOP_PAD, _TOP_PAD) == 1
+    return bool(ok)
+
+
+def resolve_mode(mode: str | None) -> str:
+    mode = mode or os.environ.get("PAGEDSERVE_MALLOC") or "auto"
+    if mode not in MODES:
+        raise ValueError(f"unknown malloc mode {mode!r}; expected one of {', '.join(MODES)}")
+    return mode
+
+
+def wants_tcmalloc(mode: str, device: str | None) -> bool:
+    """auto: a CPU worker (an explicit cpu device, or no GPU on the host) on a system that has tcmalloc."""
+    if mode == "tcmalloc":
+        return True
+    if mode != "auto":
+        return False
+    if device is not None:
+        return device.startswith("cpu")
+    return not os.path.exists("/dev/nvidiactl")
+
+
+def ensure_allocator(mode: str, device: str | None, module: str, argv: list[str]) -> str:
+    """Called first thing in a process's main: with tcmalloc wanted and found but not loaded, re-execute
+    `python -m module argv` with it preloaded (this call then never returns); otherwise tune glibc unless
+    mode is 'default'. Returns what the process runs on, for the start-up log."""
+    current = loaded_allocator()
+    if current != "glibc":
+        return current
+    if wants_tcmalloc(mode, device) and not os.environ.get(_REEXEC_GUARD):
+        lib = find_tcmalloc()
+        if lib is not None:
+            env = dict(os.environ)
+            env["LD_PRELOAD"] = " ".join(filter(None, (lib, env.get("LD_PRELOAD", ""))))
+            env[_REEXEC_GUARD] = "1"  # once: if the library did not take, go on with glibc
+            sys.stdout.flush()
+            sys.stderr.flush()
+            try:
+                os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+            except OSError:
+                pass
+    if mode == "default":
+        return "glibc"
+    return "glibc (tuned)" if tune_glibc() else "glibc"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    mode = resolve_mode(argv[0] if argv else None)
+    print(ensure_allocator(mode, "cpu", "worker.serve.host_memory", argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""What a CPU worker will hold in host memory, checked against what the machine has before it is taken.
+
+A model that does not fit is refused at start with the bytes it needs (never killed by the kernel's OOM
+killer halfway through loading, the user seeing only `Killed`); where prefill's dense copy of quantized
+weights does not fit beside the KV pool, prefill dequantizes each weight when it is used instead; and the
+worker reports what it holds once the pool is allocated.
+"""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+GiB = 1 << 30
+MARGIN = 2 * GiB  # activations, scratch, the allocator's slack, the scheduler beside the worker
+
+
+def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable (what can be taken without swapping), or None where the system does not say."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def resident_bytes() -> tuple[int, int]:
+    """(resident now, peak resident so far) of this process, as the kernel counts them (VmRSS, VmHWM)."""
+    fields = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                fields[line.split(":")[0]] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if len(fields) < 2:  # not Linux: the peak getrusage reports (kilobytes on Linux, bytes on macOS)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak, peak
+    return fields["VmRSS"], max(fields["VmHWM"], fields["VmRSS"])
+
+
+def human(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def weight_bytes(num_params: int, element_size: int) -> int:
+    return num_params * element_size
+
+
+def check_fits(what: str, need: int, available: int | None, fix: str) -> str | None:
+    """None where `need` bytes fit in what the machine has available, else the message to refuse with."""
+    if available is None or need <= available:
+        return None
+    return (f"{what} needs {human(need)} of memory and this machine has {human(available)} available; {fix}")
+
+
+def choose_quantized_prefill(choice: str, dense_copy: int, kv: int, available: int | None) -> tuple[str, str]:
+    """'dense' or 'dequantize' for --quantized-prefill auto, and why. The worker holds the file's blocks when
+    this is asked; a dense copy of the matrices they serve (`dense_copy` bytes: prefill on the dense library's
+    own layout, the fastest) is kept where it, the KV pool and a margin still fit in what is available;
+    otherwise prefill dequantizes a tile of each weight at a time into a small scratch, and nothing of the
+    model is ever held in full precision."""
+    if choice != "auto":
+        return choice, "asked for"
+    if available is None:
+        return "dense", "the system does not report its available memory"
+    need = dense_copy + kv + MARGIN
+    if need <= available:
+        return "dense", (f"{human(available)} available holds a dense copy ({human(dense_copy)}), the KV "
+                         f"pool and {human(MARGIN)} beside the blocks")
+    return "dequantize", (f"{human(available)} available cannot hold a dense copy ({human(dense_copy)}), the "
+                          f"KV pool ({human(kv)}) and {human(MARGIN)} beside the blocks")
+
+
+def dense_copy_bytes(weights: dict) -> int:
+    """What prefill's dense fp32 copy of the matrices served on a file's blocks (model.file_blocks: the
+    embeddings' rows are looked up, never multiplied) would hold."""
+    return sum(4 * w.out_dim * w.in_dim for key, w in weights.items() if key != ("embed",))

@@ -1,0 +1,113 @@
+"""How many KV blocks a worker can hold: from a byte budget on the CPU, from the GPU's memory on CUDA, where
+everything else the worker will hold is measured first — weights, a forward at the largest step, prompt
+logprobs' logits, the sampler at the most rows, and the decode graphs — so that what is left for the pool
+is really left. And how many sequences a step may hold when that is left to the workers."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from worker.model.attention import AttentionBackend
+from worker.model.kv_pool import KVPool
+from worker.model.llama import LlamaModel, StepInputs
+
+# --max-num-seqs when it is left to the workers: on a CPU a step of more sequences runs no faster per token;
+# on a GPU a decode step is bound by reading the weights until the batch is in the hundreds, so it is sized
+# from what the KV pool holds: room for every sequence to reach TOKENS_PER_SEQ tokens, within the bounds.
+CPU_MAX_NUM_SEQS = 64
+GPU_MAX_NUM_SEQS = (64, 512)
+TOKENS_PER_SEQ = 1024
+
+
+def default_max_num_seqs(device_type: str, num_blocks: int, block_size: int,
+                         max_num_batched_tokens: int) -> int:
+    """The step's sequence limit a worker proposes when --max-num-seqs is not given (never above the token
+    budget: each decode takes one token of it)."""
+    if device_type != "cuda":
+        chosen = CPU_MAX_NUM_SEQS
+    else:
+        low, high = GPU_MAX_NUM_SEQS
+        chosen = max(low, min(high, num_blocks * block_size // TOKENS_PER_SEQ))
+    return max(1, min(chosen, max_num_batched_tokens))
+
+
+def blocks_for_gpu_budget(total: int, utilization: float, non_kv_peak: int, other_processes: int,
+                          per_block: int) -> int:
+    """Blocks that fit in utilization x total once this process's peak without the pool (weights,
+    activations) and other processes' memory are set aside."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu memory utilization must lie in (0, 1], got {utilization}")
+    budget = int(total * utilization) - non_kv_peak - other_processes
+    return max(0, budget // per_block)
+
+
+@torch.inference_mode()
+def profile_gpu_peak(model: LlamaModel, attn: AttentionBackend, device: torch.device, kv_dtype: torch.dtype,
+                     block_size: int, max_num_batched_tokens: int, max_sample_rows: int) -> int:
+    """Peak bytes this worker uses besides its KV pool, measured: a forward at the largest step the scheduler
+    may send, the logits and log-softmax of every token of it (prompt logprobs), and the sampler over
+    max_sample_rows rows with every filter on (its [rows, vocab] working tensors). Weights included."""
+    from worker.step.controls import top_logprobs
+    from worker.step.sampler import SamplingBatch, sample_async
+
+    config = model.config
+    num_tokens = min(max_num_batched_tokens, config.max_position_embeddings)
+    temp_blocks = -(-num_tokens // block_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    heads = model.shard.num_kv_heads
+    pool = KVPool(config, temp_blocks, block_size, kv_dtype, device, heads)
+    tables = torch.arange(temp_blocks, dtype=torch.int32, device=device)[None, :]
+    lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
+    step = StepInputs(
+        token_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=torch.arange(num_tokens, dtype=torch.int64, device=device),
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
+        attn_meta=attn.prepare(tables, lens, qsl, block_size, num_tokens, num_tokens),
+    )
+    hidden = model(step, pool, attn)
+    # prompt logprobs of every token of the step (the largest logits a step computes)
+    targets = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    top_logprobs(model.compute_logits(hidden), targets, np.full(num_tokens, 20, dtype=np.int64))
+    rows = max(1, min(max_sample_rows, max_num_batched_tokens))
+    logits = model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
+    batch = SamplingBatch(temperature=torch.ones(rows), top_p=torch.full((rows,), 0.9),
+                          top_k=torch.full((rows,), 50, dtype=torch.int64), seeds=list(range(rows)),
+                          sample_index=[0] * rows, min_p=torch.full((rows,), 0.01))
+    sample_async(logits, batch)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    temp_pool_bytes = temp_blocks * pool.bytes_per_block
+    del pool, hidden, step, logits
+    torch.cuda.empty_cache()
+    return peak - temp_pool_bytes
+
+
+def measure_graph_bytes(model: LlamaModel, attn: AttentionBackend, device: torch.device,
+                        kv_dtype: torch.dtype, block_size: int, max_rows: int, max_context: int) -> int:
+    """GPU memory the decode graphs of up to max_rows rows hold (their private pool, static buffers and
+    scratch), measured by capturing them once over a one-block pool and letting them go."""
+    from worker.step.graphs import DecodeGraphs
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    pool = KVPool(model.config, 1, block_size, kv_dtype, device, model.shard.num_kv_heads)
+    graphs = DecodeGraphs(model, pool, attn, device, max_rows=max_rows, max_context=max_context)
+    graphs.capture_all()
+    used = torch.cuda.memory_reserved(device) - before - pool.bytes_per_block
+    del graphs, pool
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return max(0, used)
+
+
+def gpu_blocks(device: torch.device, utilization: float, non_kv_bytes: int, per_block: int) -> int:
+    """Blocks that fit once non_kv_bytes (the measured peak without the pool, plus the graphs) and other
+    processes' memory are set aside."""
+    free, total = torch.cuda.mem_get_info(device)
+    other = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    return blocks_for_gpu_budget(total, utilization, non_kv_bytes, other, per_block)

@@ -1,0 +1,500 @@
+"""The worker's start-up in phases (flags, device, model, pool sizing, runner, handshake), each refusing
+what cannot work with a `Refused` that serve/main.py turns into exit 2; and the choices each phase makes
+(the KV cache's dtype, where weights come from, the quantized library, the fused decode step)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import structlog
+
+log = structlog.get_logger("worker.serve.main")
+
+CPU_KV_CACHE_MEMORY = "2GiB"
+# decode rows the native rows kernel multiplies on dense fp32 weights (each weight row read once per 8 rows);
+# the fused step takes more on the same weights through the process's BLAS sgemm where it finds one
+FUSED_DENSE_ROWS = 8
+
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+KV_CACHE_DTYPES = {"auto": None, **DTYPES}
+
+
+def nvidia_gpu_present() -> bool:
+    """Whether the NVIDIA driver reports a GPU on this host, whatever torch can see."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")
+
+
+def rank_device(device: str | None, local_rank: int, cuda_count: int) -> str:
+    """The device of the worker process with index local_rank on its host: each rank owns its own GPU.
+    None: cuda:local_rank where the host has GPUs (wrapping), else cpu. cuda: the same. cuda:N: the host's
+    ranks take the GPUs from N on (N + local_rank, wrapping), since the launchers pass one --device to
+    every rank. cpu: cpu."""
+    if device is None:
+        device = "cuda" if cuda_count else "cpu"
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return device
+    if cuda_count == 0:
+        raise ValueError(f"--device {device} asks for a GPU and this host has none")
+    if index and not index.isdigit():
+        raise ValueError(f"--device {device}: expected cuda or cuda:N")
+    first = int(index) if index else 0
+    if not 0 <= first < cuda_count:
+        raise ValueError(f"--device {device}: this host has GPUs 0-{cuda_count - 1}")
+    return f"cuda:{(first + local_rank) % cuda_count}"
+
+
+def kv_cache_dtype(choice: str, compute, weights, device):
+    """The KV pool's dtype for --kv-cache-dtype (auto: bf16 for a model served in bf16, else the compute
+    dtype); ValueError for a pool wider than the compute dtype (it would hold nothing more) or one the
+    device's attention cannot read."""
+    import torch
+
+    if choice == "auto":
+        return torch.bfloat16 if weights == torch.bfloat16 else compute
+    chosen = getattr(torch, KV_CACHE_DTYPES[choice])
+    if chosen.itemsize > compute.itemsize:
+        raise ValueError(f"--kv-cache-dtype {choice}: the model computes in "
+                         f"{str(compute).removeprefix('torch.')}, so a wider KV pool would hold nothing "
+                         "more; use auto or bf16")
+    if device.type == "cpu" and chosen not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"--kv-cache-dtype {choice}: a CPU worker's attention reads a float32 or bfloat16 "
+                         "pool")
+    return chosen
+
+
+def kv_budget_bytes(args, config, dtype, heads: int) -> int:
+    """The KV pool a CPU worker will take: --num-blocks, --kv-cache-memory, or the default budget."""
+    from worker.model.kv_pool import bytes_per_block, parse_bytes
+
+    if args.num_blocks:
+        return args.num_blocks * bytes_per_block(config, args.block_size, dtype, heads)
+    return parse_bytes(args.kv_cache_memory or CPU_KV_CACHE_MEMORY)
+
+
+def refuse_what_cannot_fit(args, config, dtype, kv_dtype, tp: int, source=None) -> str | None:
+    """Before loading: the weights as this worker loads them (its share of every parameter at --dtype, or of
+    a GGUF's blocks where they are served as they ship) and its KV pool against the memory the machine has
+    available, or the message to refuse with."""
+    import torch
+
+    from worker.model.config import parameter_count
+    from worker.serve.memory_plan import available_bytes, check_fits
+
+    heads = max(1, config.num_kv_heads // tp)
+    kv = kv_budget_bytes(args, config, kv_dtype, heads)
+    if source is not None:
+        weights = source.held_bytes(config.tie_word_embeddings) // tp
+        what = f"this model ({source.description}, {weights / 1e9:.2f} GB a rank) with its KV pool"
+    else:
+        params = parameter_count(config) // tp
+        weights = params * torch.tensor([], dtype=dtype).element_size()
+        what = f"this model ({params / 1e9:.2f}B parameters a rank, loaded as {dtype}) with its KV pool"
+    return check_fits(what, weights + kv, available_bytes(),
+                      "serve a smaller model, lower --kv-cache-memory, or split it over more ranks "
+                      "(--tensor-parallel-size)")
+
+
+def quantized_source(args, config, device, dtype):
+    """The GGUF whose own blocks this worker serves, or None (logged where it could have been): a *.gguf
+    model, or a folder prepared from one (its pagedserve_model.json names the file), on a CPU with the
+    native kernels (whatever --dtype: the kernels compute in fp32), unless --dequantize."""
+    from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
+
+    path = find_gguf(args.model)
+    if path is None or args.dequantize or args.load_format == "dummy":
+        return None
+    from kernels import cpu_native
+
+    why = ("not on a CPU" if device.type != "cpu"
+           else "no native CPU kernels" if cpu_native.load() is None else "")
+    if why:
+        log.info("quantized_weights_off", gguf=str(path), reason=why)
+        return None
+    return GGUFQuantSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
+
+
+def half_weights(args, config, dtype):
+    """--dtype bfloat16 (or float16) on a CPU: the checkpoint's matrices held as bf16 (fp16) rows for the
+    native kernels (worker/model/quantized.py CastSource), the rest of the model computing in fp32; None where
+    there are no native kernels or no checkpoint (random weights): then the whole model runs in that dtype
+    through torch."""
+    import torch
+
+    from kernels import cpu_native
+    from worker.weights.gguf_blocks import CastSource
+    from worker.weights.loader import tensor_source
+
+    if cpu_native.load() is None or args.load_format == "dummy":
+        log.info("half_weights_off", dtype=str(dtype),
+                 reason="no native CPU kernels" if args.load_format != "dummy" else "random weights")
+        return None
+    qtype = "BF16" if dtype == torch.bfloat16 else "F16"
+    return CastSource(tensor_source(args.model, args.load_format, config), config, qtype)
+
+
+def quantized_library(args):
+    """The matmul library over a GGUF's blocks (model/quantized.py), made before the model loads so each
+    weight is packed as it is read; its dense library is set once chosen. ValueError: flags that conflict."""
+    from kernels import cpu_native
+    from worker.model.quantized import QuantizedMatmul
+
+    kernels = cpu_native.load()
+    if args.quantized_activations == "auto":
+        args.quantized_activations = "int16" if kernels is not None and kernels.packed_fast else "fp32"
+    packed = kernels is not None and kernels.packed_fast
+    return QuantizedMatmul(kernels, None, int8_activations=args.quantized_activations == "int8",
+                           packing=args.quantized_activations == "int16"
+                           or (args.quantized_activations == "int8" and packed))
+
+
+def use_native_head(model) -> None:
+    """A decode step's logits (up to FUSED_DENSE_ROWS rows) on the native rows kernel where the head is plain
+    fp32 (a quantized head has its own kernel), on both decode paths alike."""
+    from kernels import cpu_native
+    from worker.model.fused_decode import NativeHead
+
+    kernels = cpu_native.load()
+    weight = NativeHead.weight_of(model) if kernels is not None else None
+    if weight is not None:
+        model.native_head = NativeHead(kernels, weight, FUSED_DENSE_ROWS)
+        log.info("native_head", max_rows=FUSED_DENSE_ROWS)
+
+
+def use_fused_decode(model, tp: int, activations: str) -> None:
+    """Decode-only steps as one native call (model/fused_decode.py), where the model allows it; the reason
+    logged where not. Up to as many rows as the quantized kernels serve (8 on dense fp32 rows) on the row
+    kernels; any number where every matrix has a plain fp32 copy for the BLAS sgemm."""
+    from kernels import cpu_native
+    from worker.model.fused_decode import FusedDecode
+    from worker.model.quantized import QuantizedMatmul
+
+    kernels = cpu_native.load()
+    why = "the native CPU kernels are not built" if kernels is None else FusedDecode.unsupported(model, tp)
+    if why is None and activations == "int8" and not getattr(model.mm, "packing", False):
+        why = ("int8 activations on the file's layout (the fused step multiplies 8-bit ones on packed "
+               "weights only)")
+    if why is not None:
+        log.info("fused_decode_off", reason=why)
+        return
+    max_rows = model.mm.max_kernel_rows if isinstance(model.mm, QuantizedMatmul) else FUSED_DENSE_ROWS
+    model.fused = FusedDecode(kernels, model, max_rows)
+    log.info("fused_decode", max_kernel_rows=max_rows,
+             more_rows="sgemm" if model.fused.sgemm else "layer path")
+
+
+class Refused(Exception):
+    """Start-up cannot go on with these flags on this machine: logged as `event` (with `fields`), `message`
+    (where there is one) printed for whoever started the worker, exit EXIT_CONFIG (restarting cannot help)."""
+
+    def __init__(self, event: str, message: str = "", **fields) -> None:
+        super().__init__(message or event)
+        self.event, self.message, self.fields = event, message, fields
+
+
+@dataclass
+class Loaded:
+    """The model as this rank serves it, and what it computes and caches in."""
+
+    model: object
+    config: object
+    dtype: object  # what the model computes in
+    weights_dtype: object  # what its matrices are held in
+    kv_dtype: object
+    attn: object
+    heads: int  # this rank's KV heads
+
+
+@dataclass
+class PoolPlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_num_seqs: int
+    use_graphs: bool
+    graph_context: list[int]
+
+
+def check_flags(args, tp: int) -> None:
+    """Phase 0: flags that contradict each other, before anything is loaded."""
+    if tp > 1 and not args.rendezvous:
+        raise Refused("no_rendezvous", tensor_parallel_size=tp)
+    # the kernels' tile arithmetic needs it
+    if args.block_size < 1 or args.block_size & (args.block_size - 1):
+        raise Refused("bad_block_size", block_size=args.block_size,
+                      error="--block-size must be a power of two")
+
+
+def start_device(args):
+    """Phase 1: this rank's device and the dtype it computes in (bf16 on CUDA, fp32 on a CPU, or --dtype)."""
+    import torch
+
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cuda_count == 0 and (args.device or "cuda").startswith("cuda") and nvidia_gpu_present():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None
+               else f"this torch (CUDA {torch.version.cuda}) cannot use it: check the driver")
+        raise Refused("gpu_unusable", f"this host has an NVIDIA GPU and {why} (torch {torch.__version__}). "
+                      "Install a CUDA build of torch, or pass --device cpu to serve on the CPU.",
+                      torch=torch.__version__, reason=why)
+    try:
+        device = torch.device(rank_device(args.device, args.local_rank, cuda_count))
+    except ValueError as e:
+        raise Refused("bad_device", str(e), device=args.device, error=str(e)) from None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton launches on the current device
+    default = "bfloat16" if device.type == "cuda" else "float32"
+    dtype = getattr(torch, DTYPES[args.dtype] if args.dtype else default)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return device, dtype
+
+
+def read_config(args, tp: int):
+    """The model's config, refused where it cannot be served right or split over tp ranks."""
+    from worker.model.config import UnsupportedModel
+    from worker.model.parallel import ParallelConfigError, make_shard
+    from worker.weights.loader import load_config
+
+    try:
+        config = load_config(args.model, args.load_format)
+        make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size,
+                   args.rank, tp, config.moe_intermediate_size)
+    except UnsupportedModel as e:  # served wrong without a word otherwise: refused, naming the field
+        raise Refused("unsupported_model", f"this model cannot be served right: {e}", field=e.field_name,
+                      value=repr(e.value), error=str(e)) from None
+    except ParallelConfigError as e:  # refuse before joining a group that could never run
+        raise Refused("cannot_split_model", str(e), error=str(e)) from None
+    if config.layer_windows:
+        log.info("sliding_window_layers", windows=sorted(set(config.layer_windows)),
+                 sliding=sum(1 for w in config.layer_windows if w), layers=config.num_layers)
+    return config
+
+
+def load(args, device, dtype, tp: int) -> Loaded:
+    """Phase 2: the config, where the weights come from (a GGUF's blocks, bf16 rows, a checkpoint), what
+    this machine cannot hold refused, the model loaded (joining the TP group), its matmuls and attention."""
+    import torch
+
+    from worker.model.attention import make_backend
+    from worker.model.parallel import init_group
+    from worker.weights.loader import load_model
+
+    config = read_config(args, tp)
+    source = quantized_source(args, config, device, dtype)
+    weights_dtype = dtype  # what the matrices are held in; the model computes in `dtype`
+    if device.type == "cpu" and dtype != torch.float32:
+        if source is None:
+            source = half_weights(args, config, dtype)
+        if source is not None:  # the blocks' kernels take fp32 activations: norms and activations in fp32
+            dtype = torch.float32
+    try:
+        kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype, weights_dtype, device)
+        lib = quantized_library(args) if source is not None else None
+    except ValueError as e:
+        raise Refused("bad_worker_option", str(e), error=str(e)) from None
+    if device.type == "cpu" and args.load_format != "dummy":
+        refusal = refuse_what_cannot_fit(args, config, dtype, kv_dtype, tp, source)
+        if refusal:
+            raise Refused("model_too_large", refusal, error=refusal)
+    comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout, args.rendezvous_file)
+    t0 = time.perf_counter()
+    try:  # a tensor missing, or one the model has no place for, fails every start alike
+        model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
+                                   tp_rank=args.rank, tp_size=tp, comm=comm, quantized=source,
+                                   pack=lib.pack if lib else None)
+    except KeyError as e:
+        reason = e.args[0] if e.args else str(e)
+        raise Refused("checkpoint_refused", f"{args.model}: {reason}", error=reason) from None
+    load_s = time.perf_counter() - t0
+    try:
+        attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp, load_s)
+        heads = model.shard.num_kv_heads
+        attn = make_backend(args.attention_backend, device, (model.shard.num_q_heads, heads, config.head_dim,
+                            args.block_size, dtype, kv_dtype), getattr(model, "bf16_prefill", False))
+        if getattr(attn, "prefill_bf16_dots", False):
+            log.info("prefill_attention", arithmetic="bf16 dot products", why="bf16 prompt matmuls and pool")
+    except ValueError as e:
+        raise Refused("bad_worker_option", str(e), error=str(e)) from None
+    return Loaded(model, config, dtype, weights_dtype, kv_dtype, attn, heads)
+
+
+def attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp: int, load_s: float) -> None:
+    """The model's matmul libraries: the dense one chosen by timing, the quantized one over a GGUF's blocks
+    with prefill's path (a dense copy or not) and the rows its kernel takes; the fused decode step and the
+    native head on a CPU. ValueError: flags that conflict."""
+    import torch
+
+    from worker.model.linear import choose as choose_matmul
+    from worker.serve.memory_plan import available_bytes, choose_quantized_prefill, dense_copy_bytes
+
+    t0 = time.perf_counter()
+    bf16_source = source is not None and getattr(source, "qtype_name", "") == "BF16"
+    if bf16_source and args.quantized_prefill == "auto" and lib.bf16_gemm:
+        args.quantized_prefill = "dequantize"
+        model.bf16_prefill = True  # prompt chunks multiply bf16 activations: attention may too
+        log.info("quantized_prefill", chosen="dequantize",
+                 why="the CPU's bf16 GEMM multiplies the weights as held")
+    elif source is not None and args.quantized_prefill == "auto" and lib.packing and lib.int8_activations:
+        args.quantized_prefill = "dequantize"  # no dense copy: many rows run on the packed kernel too
+        log.info("quantized_prefill", chosen="dequantize",
+                 why="the packed kernel with 8-bit activations multiplies many rows faster than an fp32 copy")
+    elif source is not None:
+        prefill, why = choose_quantized_prefill(
+            args.quantized_prefill, dense_copy_bytes(model.file_blocks),
+            kv_budget_bytes(args, config, kv_dtype, model.shard.num_kv_heads), available_bytes())
+        args.quantized_prefill = prefill
+        log.info("quantized_prefill", chosen=prefill, why=why)
+    # a prefill that dequantizes tiles multiplies them with F.linear: no library to measure (measuring
+    # one allocates the model's shapes in fp32, which is what that choice is avoiding)
+    no_dense_copy = source is not None and args.quantized_prefill == "dequantize"
+    dense = choose_matmul("dense" if no_dense_copy else args.matmul, model.matmul_shapes(), device, dtype)
+    fused = device.type == "cpu" and args.cpu_decode == "fused" and tp == 1 and dtype == torch.float32
+    if source is None:  # the fused decode step reads plain fp32 rows: kept beside oneDNN's packed copies
+        model.use_matmul(dense, drop_dense=not fused)
+    else:
+        from worker.model.quantized import choose_threshold, model_linears
+
+        lib.dense = dense
+        counts = model.use_quantized(model.file_blocks, lib, keep_dense=args.quantized_prefill == "dense")
+        if lib.packing and lib.int8_activations and no_dense_copy:
+            # every step on the packed kernel: faster than dequantizing tiles at any row count (1B and 8B
+            # measured), and one arithmetic for every batch, so an answer does not depend on its company
+            lib.max_kernel_rows = 1 << 30
+        else:
+            choose_threshold(lib, model_linears(model))
+        log.info("quantized_weights", source=source.description, matrices=counts,
+                 prefill=args.quantized_prefill,
+                 activations=args.quantized_activations, max_kernel_rows=lib.max_kernel_rows,
+                 read_s=round(load_s, 1), ready_s=round(load_s + time.perf_counter() - t0, 1))
+    if fused:
+        use_fused_decode(model, tp, args.quantized_activations)
+    if device.type == "cpu" and tp == 1 and dtype == torch.float32:
+        use_native_head(model)
+
+
+def size_pool(args, loaded: Loaded, device, tp: int) -> PoolPlan:
+    """Phase 3: the KV pool's blocks (by flag; on CUDA what the card holds after the largest step and the
+    decode graphs, each measured), the most sequences a step runs, and whether decode runs as graphs."""
+    import torch
+
+    from worker.model.kv_pool import bytes_per_block, parse_bytes
+    from worker.serve.sizing import (
+        GPU_MAX_NUM_SEQS,
+        default_max_num_seqs,
+        gpu_blocks,
+        measure_graph_bytes,
+        profile_gpu_peak,
+    )
+
+    config, attn = loaded.config, loaded.attn
+    per_block = bytes_per_block(config, args.block_size, loaded.kv_dtype, loaded.heads)
+    # graphs capture the step as the triton backend runs it (its per-step metadata is built without a host
+    # sync); the torch backend reads lengths back on the host, which a capture cannot hold
+    use_graphs = device.type == "cuda" and not args.enforce_eager and tp == 1 and attn.name == "triton"
+    if device.type == "cuda" and not args.enforce_eager and attn.name != "triton":
+        log.info("decode_graphs_off",
+                 reason=f"the {attn.name} attention backend syncs with the host each step")
+    if device.type == "cuda" and not args.enforce_eager and tp > 1:
+        # collectives inside a captured graph are not covered yet: TP groups decode eagerly
+        log.info("decode_graphs_off", reason="tensor parallel")
+    model_len = min(config.max_position_embeddings, args.max_model_len or config.max_position_embeddings)
+    graph_context = sorted({min(model_len, args.graph_max_context), model_len})  # a long tier where longer
+    # the most rows a step may hold before the pool is sized: what the sampler and the graphs are measured at
+    rows_bound = min(args.max_num_seqs or GPU_MAX_NUM_SEQS[1], args.max_num_batched_tokens)
+    try:
+        if args.num_blocks:
+            num_blocks = args.num_blocks
+        elif args.kv_cache_memory:
+            num_blocks = parse_bytes(args.kv_cache_memory) // per_block
+        elif device.type == "cuda":
+            non_kv = profile_gpu_peak(loaded.model, attn, device, loaded.kv_dtype, args.block_size,
+                                      args.max_num_batched_tokens, rows_bound)
+            graph_bytes = measure_graph_bytes(loaded.model, attn, device, loaded.kv_dtype, args.block_size,
+                                              rows_bound, graph_context) if use_graphs else 0
+            num_blocks = gpu_blocks(device, args.gpu_memory_utilization, non_kv + graph_bytes, per_block)
+            log.info("gpu_memory_budget", non_kv_bytes=non_kv, graph_bytes=graph_bytes,
+                     bytes_per_block=per_block,
+                     num_blocks=num_blocks, utilization=args.gpu_memory_utilization)
+        else:
+            num_blocks = parse_bytes(CPU_KV_CACHE_MEMORY) // per_block
+    except torch.cuda.OutOfMemoryError as e:
+        raise Refused("profile_out_of_memory", "out of GPU memory while measuring the largest step: lower "
+                      "--max-num-batched-tokens or --max-num-seqs, or raise --gpu-memory-utilization "
+                      f"({e})", error=str(e)) from None
+    if num_blocks < 1:
+        raise Refused("kv_budget_too_small", f"the KV budget holds no block of {per_block} bytes: give "
+                      "--kv-cache-memory (or --num-blocks, --gpu-memory-utilization) more",
+                      kv_cache_memory=args.kv_cache_memory,
+                      gpu_memory_utilization=args.gpu_memory_utilization, bytes_per_block=per_block)
+    max_num_seqs = args.max_num_seqs or default_max_num_seqs(
+        device.type, num_blocks, args.block_size, args.max_num_batched_tokens)
+    return PoolPlan(num_blocks, args.block_size, per_block, max_num_seqs, use_graphs, graph_context)
+
+
+def build_runner(loaded: Loaded, plan: PoolPlan, device):
+    """Phase 4: the pool allocated, the runner warmed (kernels compiled, libraries warmed before the first
+    request, not during it), decode graphs captured. -> (runner, seconds the warm-up took)."""
+    from worker.model.kv_pool import KVPool
+    from worker.serve.memory_plan import available_bytes, resident_bytes
+    from worker.step.runner import ModelRunner, is_device_fatal, warm_up
+
+    model_resident, _ = resident_bytes()  # weights (and their copies), libraries: everything but the pool
+    pool = KVPool(loaded.config, plan.num_blocks, plan.block_size, loaded.kv_dtype, device, loaded.heads)
+    # what this worker will hold: the model as loaded, and the pool (paged in as used)
+    if device.type == "cpu":
+        rss, peak = resident_bytes()
+        pool_bytes = plan.num_blocks * plan.bytes_per_block
+        log.info("host_memory", model_resident_bytes=model_resident, kv_pool_bytes=pool_bytes,
+                 planned_bytes=model_resident + pool_bytes, peak_resident_bytes=peak, resident_bytes=rss,
+                 available_bytes=available_bytes())
+    runner = ModelRunner(loaded.model, pool, loaded.attn, device)
+    warm_s = warm_up(runner)
+    if plan.use_graphs:
+        from worker.step.graphs import DecodeGraphs
+
+        try:
+            runner.graphs = DecodeGraphs(loaded.model, pool, loaded.attn, device, max_rows=plan.max_num_seqs,
+                                         max_context=plan.graph_context)
+            runner.graphs.capture_all()
+        except Exception as e:  # noqa: BLE001 - the budget or the model is wrong: say so and stop
+            # fatal: the pool was sized with the graphs' memory set aside, so serving without them would
+            # hide a wrong budget
+            if is_device_fatal(e):
+                raise
+            raise Refused("decode_graphs_failed",
+                          f"capturing the decode graphs failed ({e!r}); lower --gpu-memory-utilization or "
+                          "--max-num-seqs, or pass --enforce-eager to decode without graphs",
+                          error=repr(e), max_num_seqs=plan.max_num_seqs) from None
+    return runner, warm_s
+
+
+def handshake_for(args, loaded: Loaded, plan: PoolPlan, device, tp: int):
+    """Phase 5: what this rank tells the scheduler it is (the scheduler checks it against the group's)."""
+    from protos import wire_pb2
+
+    config = loaded.config
+    return wire_pb2.Handshake(
+        tp_rank=args.rank,
+        tp_size=tp,
+        replica=args.replica,
+        rendezvous=args.rendezvous,
+        num_blocks=plan.num_blocks,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=plan.max_num_seqs,
+        kv_window=config.max_window,
+        model_fingerprint=config.fingerprint(os.path.basename(os.path.normpath(args.model))
+                                             + args.load_format),
+        vocab_size=config.vocab_size,
+        max_context=config.max_position_embeddings,
+        bytes_per_block=plan.bytes_per_block,
+        num_kv_heads=loaded.heads,
+        device=str(device),
+        dtype=str(loaded.weights_dtype).removeprefix("torch."),
+        kv_cache_dtype=str(loaded.kv_dtype).removeprefix("torch."),
+        attention_backend=loaded.attn.name,
+        pid=os.getpid(),
+    )

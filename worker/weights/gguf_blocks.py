@@ -1,0 +1,164 @@
+"""Where a model's matrices are served from their file's blocks: a GGUF's quantized matrices by their Hugging
+Face names (`GGUFQuantSource`), or a checkpoint's matrices cast to bf16 rows (`CastSource`), each matrix a
+`QuantWeight` (worker/model/quantized.py). llama.cpp stores the query and key projections of Llama-family
+models with each head's rotary halves interleaved; their rows are put back in Hugging Face's order here (a
+row permutation: every row's blocks stay as they are)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from worker.model.quantized import QUANT_TYPES, QuantWeight
+from worker.weights.gguf import GGUFFile
+
+
+class CastSource:
+    """A Hugging Face checkpoint's matrices as bf16 rows (`--dtype bfloat16` on a CPU): the projections, the
+    head and the token table held at half fp32's bytes and read by the same kernels as a GGUF's blocks (the
+    row kernels widen each value exactly; many rows go through the bf16 GEMM), everything else in fp32."""
+
+    MATRICES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+
+    def __init__(self, checkpoint, config, qtype: str = "BF16") -> None:
+        self.checkpoint = checkpoint
+        self.config = config
+        self.qtype_name = qtype
+        self.dtype = {"BF16": torch.bfloat16, "F16": torch.float16}[qtype]
+        self.description = f"{qtype.lower()} weights"
+
+    def _name(self, hf_name: str) -> str | None:
+        if hf_name == "lm_head.weight" and hf_name not in self.checkpoint:
+            hf_name = "model.embed_tokens.weight"  # tied
+        return hf_name if hf_name in self.checkpoint and hf_name.endswith(self.MATRICES) else None
+
+    def qtype(self, hf_name: str) -> str | None:
+        return self.qtype_name if self._name(hf_name) is not None else None
+
+    def get(self, hf_name: str, rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> QuantWeight:
+        t = self.checkpoint.get(self._name(hf_name), rows, cols).to(self.dtype).contiguous()
+        if t.dim() != 2 or t.shape[1] % 32:
+            raise ValueError(f"{hf_name}: {tuple(t.shape)} is not rows of whole 32-value blocks")
+        return QuantWeight(t.view(torch.uint8), self.qtype_name, t.shape[1])
+
+    def held_bytes(self, tied: bool) -> int:
+        """The parameters at 2 bytes a value (the table twice where tied: looked up, and the head)."""
+        from worker.model.config import parameter_count
+
+        c = self.config
+        return 2 * (parameter_count(c) + (c.vocab_size * c.hidden_size if tied else 0))
+
+
+def find_gguf(model: str | Path) -> Path | None:
+    """The GGUF file a model comes from: the model itself when it is one, or the file a folder prepared from
+    one names in its pagedserve_model.json (the embedded default model's, found in its wheel); else None."""
+    path = Path(model)
+    if path.suffix == ".gguf":
+        return path if path.is_file() else None
+    meta = path / "pagedserve_model.json"
+    if not meta.is_file():
+        return None
+    info = json.loads(meta.read_text())
+    if info.get("gguf") and Path(info["gguf"]).is_file():
+        return Path(info["gguf"])
+    if info.get("source"):
+        from worker.weights.gguf import find_embedded_gguf
+
+        try:
+            return find_embedded_gguf(name=info["source"])
+        except FileNotFoundError:
+            return None
+    return None
+
+
+class GGUFQuantSource:
+    """A GGUF file's quantized matrices of a Llama-family model, by Hugging Face name. Where the file stacks
+    matrices as one tensor (Phi-3's attn_qkv, and ffn_up holding gate then up), each is its rows of it."""
+
+    LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+
+    def __init__(self, path: str | Path, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        from worker.weights.gguf import PERMUTED_ARCHS, rope_rows
+
+        self.file = GGUFFile(path)
+        self.path = self.file.path
+        self.description = f"{self.path.name} on its own blocks"
+        self.arch = self.file.arch
+        self._tensors = self.file.tensors
+        self._perm = {"attn_q": rope_rows(n_heads, head_dim), "attn_k": rope_rows(n_kv_heads, head_dim)}
+        self._permute = self.arch in PERMUTED_ARCHS
+        self._q_rows, self._kv_rows = n_heads * head_dim, n_kv_heads * head_dim
+
+    def held_bytes(self, tied: bool) -> int:
+        """What serving this file holds in memory: the blocks of the types the kernels serve (packed ones up
+        to 6% larger), every other tensor in fp32, and a tied table's blocks twice (looked up, and packed
+        for the head)."""
+        held = 0
+        for t in self._tensors.values():
+            quantized = t.tensor_type.name in QUANT_TYPES
+            held += int(t.n_bytes) * 106 // 100 if quantized else 4 * int(t.n_elements)
+        embd = self._tensors.get("token_embd.weight")
+        if (tied and embd is not None and "output.weight" not in self._tensors
+                and embd.tensor_type.name in QUANT_TYPES):
+            held += int(embd.n_bytes)
+        return held
+
+    def _locate(self, hf_name: str) -> tuple[str, int, int | None]:
+        """-> (the file's tensor holding the matrix, its first row there, its rows there or None: all)."""
+        name = self.gguf_name(hf_name)
+        prefix, kind = name.rsplit(".", 2)[0], name.split(".")[-2]
+        qkv = f"{prefix}.attn_qkv.weight"
+        if kind in ("attn_q", "attn_k", "attn_v") and name not in self._tensors and qkv in self._tensors:
+            q, kv = self._q_rows, self._kv_rows
+            return qkv, {"attn_q": 0, "attn_k": q, "attn_v": q + kv}[kind], q if kind == "attn_q" else kv
+        up = f"{prefix}.ffn_up.weight"
+        if kind in ("ffn_gate",
+                    "ffn_up") and f"{prefix}.ffn_gate.weight" not in self._tensors and up in self._tensors:
+            half = int(self._tensors[up].shape[1]) // 2  # gate's rows, then up's
+            return up, 0 if kind == "ffn_gate" else half, half
+        return name, 0, None
+
+    def gguf_name(self, hf_name: str) -> str:
+        if hf_name == "lm_head.weight":
+            return "output.weight" if "output.weight" in self._tensors else "token_embd.weight"
+        if hf_name == "model.embed_tokens.weight":
+            return "token_embd.weight"
+        parts = hf_name.split(".")
+        if parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+            key = ".".join(parts[3:5])
+            if key in self.LAYER:
+                return f"blk.{parts[2]}.{self.LAYER[key]}.weight"
+        raise KeyError(f"{hf_name} has no quantized matrix in {self.path.name}")
+
+    def qtype(self, hf_name: str) -> str | None:
+        """The quantization of a matrix, or None when the kernels do not serve its type (F32, Q3_K, ...)."""
+        name = self._locate(hf_name)[0]
+        t = self._tensors.get(name)
+        if t is None:
+            raise KeyError(f"{hf_name} ({name}) is missing from {self.path.name}")
+        return t.tensor_type.name if t.tensor_type.name in QUANT_TYPES else None
+
+    def get(self, hf_name: str, rows: tuple[int, int] | None = None,
+            cols: tuple[int, int] | None = None) -> QuantWeight:
+        name, first, count = self._locate(hf_name)
+        t = self._tensors[name]
+        qtype = t.tensor_type.name
+        if qtype not in QUANT_TYPES:
+            raise ValueError(f"{name} is {qtype}; the quantized kernels serve {', '.join(QUANT_TYPES)}")
+        in_dim = int(t.shape[0])  # ggml lists dimensions innermost first
+        w = QuantWeight(self.file.read(name), qtype, in_dim)  # read into this process's memory, not mapped
+        kind = name.split(".")[-2]
+        if self._permute and kind in self._perm:
+            w = w.rows(self._perm[kind])
+        if count is not None:  # this matrix's rows of a stacked tensor
+            rows = (first + (rows or (0, count))[0], first + (rows or (0, count))[1])
+        if rows is not None:
+            w = w.rows(slice(*rows))
+        if cols is not None:
+            w = w.cols(*cols)
+        return w
