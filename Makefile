@@ -26,7 +26,7 @@ PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wir
 # `make` alone lists the targets.
 .DEFAULT_GOAL := help
 
-.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-accuracy bench-moe gpu-compile-report plot-kv clean
+.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-accuracy bench-moe gpu-compile-report plot-kv clean
 
 help:  ## list the targets, one line each
 	@awk -F ':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  make %-20s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -89,6 +89,10 @@ deploy-stop:  ## stop a `make deploy` running from $(RUN_DIR)
 TEST_WORKERS ?= 2
 test: setup  ## the whole suite (about 15 minutes on 2 cores)
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+
+# tests/{unit,kernels,models,e2e,faults}; the unit tests start no process and load no model: the edit-test loop.
+test-unit: setup  ## the unit tests only (about a minute)
+	$(PY) -m pytest -q tests/unit $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS)) $(PYTEST_ARGS)
 
 # Worker-only kernel tests: natively on CUDA, under TRITON_INTERPRET=1 elsewhere (tests/conftest.py).
 test-kernels: setup  ## kernel tests only (natively on CUDA, interpreted elsewhere)

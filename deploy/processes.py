@@ -1,4 +1,5 @@
-"""Ports and process groups: what the launchers and the test helpers share."""
+"""Ports, process groups and a server in a child process: what the launchers, the load tester and the test
+helpers share."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Self
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,3 +43,77 @@ def stop_group(proc: subprocess.Popen | None, timeout: float) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+class LocalServer:
+    """`pagedserve serve` in a child process (its own session) on any free ports, ready once gRPC health says
+    SERVING; `stop()` ends it and everything it started."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
+        """args: extra launcher flags (see `pagedserve serve --help`). The server binds any free port
+        (--port 0) and writes the one it got to a file beside its log: no port is picked and hoped for."""
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.args = list(args)
+        self.port: int | None = None
+        self.worker_endpoint: str | None = None  # the scheduler's ZeroMQ endpoint, as bound
+        self.metrics_port: int | None = None  # where it serves Prometheus metrics, as bound
+        self.http_port: int | None = None  # where it serves the OpenAI API, as bound
+        self.port_file = Path(log_path).with_suffix(".port")
+        self.proc: subprocess.Popen | None = None
+        self.channel: grpc.Channel | None = None
+        self._log = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI API's base URL (…/v1)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def start(self, timeout: float = 180.0) -> Self:
+        self.port_file.unlink(missing_ok=True)
+        self.port = self.channel = None  # a restart binds a port of its own
+        ports = [] if "--metrics-port" in self.args else ["--metrics-port", "-1"]  # any free port, reported
+        ports += [] if "--http-port" in self.args else ["--http-port", "-1"]
+        cmd = [sys.executable, "-m", "deploy.launcher", "--model", str(self.model_dir), "--port", "0",
+               "--port-file", str(self.port_file), *ports, *self.args]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.channel is None and (bound := read_port_file(self.port_file)) is not None:
+                self.port, self.worker_endpoint = bound["port"], bound["worker_endpoint"]
+                self.metrics_port, self.http_port = bound.get("metrics_port"), bound.get("http_port")
+                self.channel = grpc.insecure_channel(self.address)
+            if self.channel is not None and self._serving():
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not serving within {timeout}s:\n{self.log_tail()}")
+
+    def _serving(self) -> bool:
+        try:
+            resp = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                  timeout=1)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        stop_group(self.proc, 20)
+        if self._log is not None:
+            self._log.close()

@@ -8,15 +8,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from deploy.testing import ServerProcess
-from tests.tiny import make_tiny_llama
+from tests.support.server import ServerProcess
+from tests.support.tiny import make_tiny_llama
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
     """Model-level tests run the triton backend on host tensors, which only the interpreter can do: where a
-    GPU is present (no interpreter) they are skipped — tests/test_kernels.py and the CUDA tests run it
+    GPU is present (no interpreter) they are skipped — tests/kernels/test_kernels.py and the CUDA tests run it
     there."""
     if INTERPRETED:
         return
@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "triton" in (params.get("backend"), params.get("backend_name")) and item.module.__name__ in (
-                "tests.test_model", "tests.test_attention"):
+                "tests.models.test_model", "tests.kernels.test_attention"):
             item.add_marker(skip)
 
 

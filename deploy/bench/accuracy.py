@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from deploy.testing import ServerProcess
+from tests.support.server import ServerProcess
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
 

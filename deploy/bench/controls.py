@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
 
-    from deploy.testing import ServerProcess
+    from tests.support.server import ServerProcess
 
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-controls-")) / "server.log"
     server = ServerProcess(Path(args.model), log, "--kv-cache-memory", args.kv_cache_memory,

@@ -37,7 +37,7 @@ from pathlib import Path
 from deploy.bench.harness import DEFAULT_WORKLOAD, drive, http_pass, load_workload
 from deploy.prepare_model import find_embedded_gguf
 from deploy.processes import free_port, stop_group
-from deploy.testing import ServerProcess
+from tests.support.server import ServerProcess
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 CACHE = Path(os.environ.get("PAGEDSERVE_PEERS", Path.home() / ".cache" / "pagedserve-peers"))

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from deploy.processes import free_port, stop_group
-from deploy.testing import ServerProcess
+from tests.support.server import ServerProcess
 
 CACHE = Path(os.environ.get("PAGEDSERVE_PEERS", Path.home() / ".cache" / "pagedserve-peers"))
 VLLM_VENV = CACHE / "vllm"
@@ -51,7 +51,7 @@ def make_model(folder: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModel
 
-    from tests.tiny import make_tiny_embedder
+    from tests.support.tiny import make_tiny_embedder
 
     make_tiny_embedder(folder, "lasttoken", tied=True)  # the files around the weights
     for f in folder.glob("*.safetensors"):
@@ -74,7 +74,7 @@ def make_batch(folder: Path, texts: int, tokens: int, salt: int) -> tuple[list[s
     """`texts` texts of about `tokens` tokens, each starting with its own words (`salt` and its index: no
     call finds another's prompts in a prefix cache), and their ids as the model's tokenizer gives them."""
     from scheduler_service.text.tokenizer import Tokenizer
-    from tests.tiny import CORPUS
+    from tests.support.tiny import CORPUS
 
     tok = Tokenizer(folder)
     words = CORPUS.split()

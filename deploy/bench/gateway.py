@@ -35,7 +35,7 @@ import grpc
 from deploy.bench.harness import DEFAULT_WORKLOAD, drive, http_pass, load_workload
 from deploy.gateway import GatewayProcess
 from deploy.processes import free_port
-from deploy.testing import ServerProcess
+from tests.support.server import ServerProcess
 
 
 def _flush(server: ServerProcess) -> None:

@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from deploy.testing import ServerProcess
+from tests.support.server import ServerProcess
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from deploy.testing import VOCAB, SimulatedWorker
 from protos import wire_pb2
 from protos.codec import decode_plan, resolve_tokens
+from tests.support.simulated import VOCAB, SimulatedWorker
 
 
 # --- a simulated worker process, and the overlap benchmark -----------------------------------------------

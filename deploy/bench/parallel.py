@@ -31,7 +31,7 @@ TP_SHAPES = {
 
 
 def run_server(model: Path, prompts, max_tokens: int, flags: list[str], name: str) -> dict:
-    from deploy.testing import ServerProcess
+    from tests.support.server import ServerProcess
 
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-")) / "server.log"
     server = ServerProcess(model, log, *flags).start(timeout=600)

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from deploy.bench.harness import DEFAULT_WORKLOAD
-from deploy.testing import SimulatedWorker
 from protos.codec import encode_plan
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import FinishReason, Request, SamplingOptions
+from tests.support.simulated import SimulatedWorker
 
 
 def simulate(prompts: list[list[int]], max_tokens: int, num_blocks: int, block_size: int, seed: int = 0):

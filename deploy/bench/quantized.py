@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from deploy.bench.harness import DEFAULT_WORKLOAD, drive, load_workload
-from deploy.testing import ServerProcess
 from protos import generation_pb2
+from tests.support.server import ServerProcess
 
 
 def one_stream(server: ServerProcess, prompt: list[int], max_tokens: int, repeats: int) -> dict:

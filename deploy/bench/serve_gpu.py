@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from deploy.testing import ServerProcess
+    from tests.support.server import ServerProcess
 
     if not torch.cuda.is_available():
         print("bench-serve-gpu needs a CUDA GPU", file=sys.stderr)

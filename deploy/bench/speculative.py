@@ -31,7 +31,7 @@ from pathlib import Path
 from deploy.bench.cpu_peers import LlamaServer, build_llama_server
 from deploy.bench.harness import DEFAULT_WORKLOAD, drive, http_pass, load_workload
 from deploy.prepare_model import find_embedded_gguf
-from deploy.testing import ServerProcess
+from tests.support.server import ServerProcess
 
 EDIT_WORKLOAD = Path(__file__).with_name("edit_workload.json")
 LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")

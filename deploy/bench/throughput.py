@@ -27,7 +27,7 @@ def bench_server(args, prompts, flags: str = "") -> dict:
     """flags: more `pagedserve serve` flags for this server (e.g. --dequantize), named in the result."""
     import shlex
 
-    from deploy.testing import ServerProcess
+    from tests.support.server import ServerProcess
 
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-")) / "server.log"
     extra = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",

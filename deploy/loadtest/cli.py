@@ -189,11 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         import shlex
         import tempfile
 
-        from deploy.testing import ServerProcess
+        from deploy.processes import LocalServer
 
         log = Path(tempfile.mkdtemp(prefix="pagedserve-loadtest-")) / "server.log"
         print(f"starting a server on {args.model} (log: {log})", file=sys.stderr)
-        server = ServerProcess(Path(args.model), log, *shlex.split(args.server_args)).start(timeout=600)
+        server = LocalServer(Path(args.model), log, *shlex.split(args.server_args)).start(timeout=600)
         target = server.address
     results: list[dict] = []
     loop = asyncio.new_event_loop()

@@ -1,0 +1,411 @@
+"""The fused CPU decode step (model/fused_decode.py, kernels/cpu/decode_step.c) against the layer path it
+stands in for: the same hidden states and the same K/V written, for every layer variant the model code
+serves (Llama, Qwen2's QKV bias, Qwen3's q/k norm, SmolLM3's layers without RoPE), for dense fp32 and GGUF
+blocks, at one and several sequences whose contexts cross blocks; steps it does not cover take the layer
+path; and a server decodes the same greedy tokens with it as with --cpu-decode layers."""
+
+import platform
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_native
+from tests.support.forward import BLOCK, step_inputs
+from tests.support.tiny import make_tiny_gguf, make_tiny_llama
+from worker.model.attention import make_backend
+from worker.model.kv_pool import KVPool
+from worker.model.linear import DenseMatmul
+from worker.model.llama import StepInputs
+from worker.weights.loader import load_model
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="native CPU kernels not built")
+
+COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0, initializer_range=0.25)
+
+
+def _hf_model(kind: str):
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON))
+    if kind == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **COMMON))
+    if kind == "smollm3":
+        return transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(no_rope_layer_interval=2, **COMMON))
+    if kind == "mistral":  # every layer slides over 20 keys: the decodes below are shorter and longer
+        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=20, **COMMON))
+    if kind == "phi3":  # fused checkpoint tensors, a window on every layer, half of each head rotated
+        return transformers.Phi3ForCausalLM(
+            transformers.Phi3Config(sliding_window=24, partial_rotary_factor=0.5, **COMMON))
+    if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
+        return transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(use_sliding_window=True, sliding_window=13, max_window_layers=1,
+                                     **COMMON))
+    raise ValueError(kind)
+
+
+def _model(tmp_path, kind: str, packing: bool = False, int8: bool = False):
+    """(model with the fused step attached, config) of a tiny random model of that family (GGUF Q4 blocks
+    packed for the integer kernel with packing, meeting 8-bit activations with int8)."""
+    from worker.serve.startup import use_fused_decode
+
+    if kind == "llama":
+        folder = make_tiny_llama(tmp_path / kind)
+    elif kind.startswith("gguf-"):
+        folder = make_tiny_gguf(tmp_path / kind, qtype=kind.split("-")[1])
+    else:
+        folder = tmp_path / kind
+        with torch.no_grad():
+            for p in (hf := _hf_model(kind)).parameters():  # norms and biases away from 1 and 0 too
+                p.add_(torch.randn_like(p) * 0.1)
+        hf.eval().save_pretrained(str(folder))
+    model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    if kind.startswith("gguf-"):
+        from worker.model.quantized import QuantizedMatmul
+        from worker.weights.fill import read_quantized
+        from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
+
+        source = GGUFQuantSource(find_gguf(folder), config.num_heads, config.num_kv_heads, config.head_dim)
+        lib = QuantizedMatmul(cpu_native.load(), DenseMatmul(), packing=packing, pack_q8=packing,
+                              int8_activations=int8)
+        model.use_quantized(read_quantized(model, source), lib, keep_dense=True)
+    else:
+        model.use_matmul(DenseMatmul())
+    use_fused_decode(model, 1, "int8" if int8 else "fp32")
+    assert model.fused is not None
+    return model, config
+
+
+
+
+def _run(model, config, seqs, fused: bool, kv_dtype=torch.float32):
+    """The hidden states of one step over a pool of random K/V, and every layer's pool after it."""
+    p, blocks = step_inputs(seqs)
+    pool = KVPool(config, blocks + 1, BLOCK, kv_dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    for t in pool.k + pool.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    attn = make_backend("cpu", torch.device("cpu"),
+                        (config.num_heads, config.num_kv_heads, config.head_dim, BLOCK,
+                                                     torch.float32, kv_dtype))
+    lens = torch.from_numpy(p.seq_lens.astype("int32"))
+    step = StepInputs(torch.from_numpy(p.token_ids.astype("int64")),
+                      torch.from_numpy(p.positions.astype("int64")),
+                      torch.from_numpy(p.slot_mapping.astype("int64")),
+                      attn.prepare(torch.from_numpy(p.block_tables.copy()), lens,
+                                   torch.from_numpy(p.query_start_loc.astype("int32")), BLOCK,
+                                   int(lens.max()), int(np.diff(p.query_start_loc).max())))
+    saved = model.fused
+    model.fused = saved if fused else None
+    try:
+        with torch.inference_mode():
+            hidden = model(step, pool, attn).clone()
+    finally:
+        model.fused = saved
+    return hidden, pool
+
+
+DECODES = [[(1, 9)], [(1, 40)], [(1, 17), (1, 70), (1, 33)], [(1, n) for n in range(5, 85, 10)],
+           [(1, n) for n in range(5, 205, 10)]]  # 20 rows: past the row kernels, the dense copy through sgemm
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"])
+def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
+    model, config = _model(tmp_path, kind)
+    assert config.layer_windows == {"mistral": (20, 20, 20), "qwen2-sliding": (0, 13, 13),
+                                    "phi3": (24, 24, 24)}.get(kind, ())
+    for seqs in DECODES:
+        want, want_pool = _run(model, config, seqs, fused=False)
+        got, got_pool = _run(model, config, seqs, fused=True)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for a, b in zip(got_pool.k + got_pool.v, want_pool.k + want_pool.v, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # this step's K/V written at its slots
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_drafting_rows_as_decode_rows_equal_their_tokens_as_one_prompt_chunk(tmp_path, kind, kv_dtype):
+    """A drafting sequence's tokens run as one decode row each (step/speculation.py), whose keys the fused
+    step reads once for the run: the same hidden states and K/V as those tokens as one chunk on the layer
+    path (causal over the chunk, windows included: mistral's 20 keys are crossed inside the run)."""
+    model, config = _model(tmp_path, kind)
+    # 16 rows: a run longer than one item's tile where hd is big; a lone drafting sequence: its run cut into
+    # parts so that every thread has work
+    for seqs in ([(6, 40), (1, 17), (4, 60), (16, 90)], [(6, 40)], [(9, 33)]):
+        _check_drafting_rows(model, config, seqs, kv_dtype)
+
+
+def _check_drafting_rows(model, config, seqs, kv_dtype):
+    from worker.step.speculation import expand_drafts
+
+    want, want_pool = _run(model, config, seqs, fused=False, kv_dtype=kv_dtype)
+    p, blocks = step_inputs(seqs)
+    p.num_draft = np.array([q - 1 for q, _ in seqs], dtype="<i4")
+    owner, seq_lens, qsl = expand_drafts(p)
+    pool = KVPool(config, blocks + 1, BLOCK, kv_dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    for t in pool.k + pool.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    attn = make_backend("cpu", torch.device("cpu"), (config.num_heads, config.num_kv_heads, config.head_dim,
+                                                     BLOCK, torch.float32, kv_dtype))
+    lens = torch.from_numpy(seq_lens)
+    tables = torch.from_numpy(p.block_tables[owner].copy())
+    step = StepInputs(torch.from_numpy(p.token_ids.astype("int64")),
+                      torch.from_numpy(p.positions.astype("int64")),
+                      torch.from_numpy(p.slot_mapping.astype("int64")),
+                      attn.prepare(tables, lens, torch.from_numpy(qsl), BLOCK, int(lens.max()), 1))
+    assert model.fused.covers(step, p.num_tokens)
+    with torch.inference_mode():
+        got = model(step, pool, attn).clone()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    tol = 1e-5 if kv_dtype == torch.float32 else 8e-3  # a later layer's K/V may round to the next bf16 value
+    for a, b in zip(pool.k + pool.v, want_pool.k + want_pool.v, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
+def test_on_a_bf16_kv_pool_the_fused_step_writes_the_same_bits_and_attends_as_the_layer_path(tmp_path, kind):
+    """--kv-cache-dtype bf16: the step's K/V rounded to bf16 as torch rounds them (nearest even, bit for bit
+    against the fp32 pool's values), and attention over the bf16 keys (contexts across blocks, a sliding
+    window) as the layer path's; close to the fp32 pool's result, not equal to it."""
+    model, config = _model(tmp_path, kind)
+    for seqs in DECODES:
+        want, want_pool = _run(model, config, seqs, fused=False, kv_dtype=torch.bfloat16)
+        got, got_pool = _run(model, config, seqs, fused=True, kv_dtype=torch.bfloat16)
+        assert got_pool.k[0].dtype == torch.bfloat16
+        for a, b in zip(got_pool.k + got_pool.v, want_pool.k + want_pool.v, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=2**-7)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        fp32, fp32_pool = _run(model, config, seqs, fused=True)
+        # the first layer's K/V (its inputs are the same either way) are the fp32 pool's rounded as torch
+        # rounds
+        assert torch.equal(got_pool.k[0], fp32_pool.k[0].to(torch.bfloat16))
+        assert torch.equal(got_pool.v[0], fp32_pool.v[0].to(torch.bfloat16))
+        torch.testing.assert_close(got, fp32, atol=5e-2, rtol=5e-2)  # close to fp32's, not equal
+        assert not torch.equal(got, fp32)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("mode", ["file-layout", "packed", "packed-int8"])
+def test_the_fused_step_on_gguf_blocks_is_the_layer_path_bit_for_bit(tmp_path, qtype, mode):
+    """Same dot products in the same order: the same floats, not merely close ones — on the file's blocks,
+    and on blocks packed for the integer kernel (the same 16-bit, or 8-bit, rounding of each matmul's input;
+    Q5_0 and Q5_1 stay in the file's layout, fp32 activations)."""
+    from worker.model.quantized import PACKED_FROM, PACKED_TYPES
+
+    packing = mode != "file-layout"
+    model, config = _model(tmp_path, f"gguf-{qtype}", packing, int8=mode == "packed-int8")
+    packed = packing and qtype in PACKED_FROM
+    assert all((w.q.qtype in PACKED_TYPES) == packed for w in model.layers[0].w.values())
+    for seqs in DECODES:
+        want, want_pool = _run(model, config, seqs, fused=False)
+        got, got_pool = _run(model, config, seqs, fused=True)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_pool.k, want_pool.k, strict=True))
+
+
+def test_steps_it_does_not_cover_take_the_layer_path(tmp_path, monkeypatch):
+    model, config = _model(tmp_path, "llama")
+    calls = []
+    kernels = model.fused.kernels
+    real = kernels.decode_step
+    monkeypatch.setattr(kernels, "decode_step", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    _run(model, config, [(1, 20), (1, 30)], fused=True)
+    assert calls == [2]
+    _run(model, config, [(5, 20), (1, 30)], fused=True)  # a prompt chunk beside a decode
+    assert calls == [2]
+    more = [(1, 20 + i) for i in range(model.fused.max_rows + 1)]
+    if kernels.sgemm is not None:  # more rows than the row kernels serve: the dense copy through sgemm
+        assert model.fused.sgemm == kernels.sgemm
+        _run(model, config, more, fused=True)
+        assert calls == [2, len(more)]
+    before = list(calls)
+    monkeypatch.setattr(model.fused, "sgemm", None)  # no BLAS in the process: more rows take the layer path
+    _run(model, config, more, fused=True)
+    assert calls == before
+
+
+def test_the_fused_step_finds_a_blas_sgemm_where_torch_carries_mkl():
+    if "BLAS_INFO=mkl" not in torch.__config__.show():
+        pytest.skip("torch without MKL here")
+    assert cpu_native.load().sgemm is not None
+
+
+def test_a_model_the_step_cannot_serve_says_why():
+    from worker.model.config import ModelConfig
+    from worker.model.fused_decode import FusedDecode
+    from worker.model.llama import LlamaModel
+
+    config = ModelConfig.from_dict({**COMMON, "model_type": "llama", "hidden_size": 72, "head_dim": 18})
+    assert "multiples of 32" in FusedDecode.unsupported(LlamaModel(config), 1)
+    assert "tensor parallel" in FusedDecode.unsupported(LlamaModel(config), 2)
+
+
+@pytest.mark.slow
+def test_a_server_decodes_the_same_greedy_tokens_fused_and_layer_by_layer(server_factory, tmp_path):
+    from protos import generation_pb2 as pb
+
+    folder = make_tiny_gguf(tmp_path / "q4", qtype="Q4_1")
+    prompts = [[1, 5 + i, 9, 30 + 2 * i, 7] * (1 + i) for i in range(6)]
+    outputs = []
+    for mode in ("fused", "layers"):
+        server = server_factory(folder, "--block-size", "4", "--cpu-decode", mode)
+        futures = [server.stub.Generate.future(pb.GenerateRequest(
+            prompt_token_ids=p, sampling=pb.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
+            for p in prompts]
+        outputs.append([list(f.result(timeout=120).choices[0].token_ids) for f in futures])
+        assert ('"fused_decode"' in server.log_path.read_text()) == (mode == "fused")
+        server.stop()
+    assert outputs[0] == outputs[1]
+
+
+def test_int8_activations_start_a_worker_on_the_packed_kernel_alone(tmp_path):
+    """`--quantized-activations int8` as the worker starts it: packed weights meeting 8-bit activations in
+    the layer path and the fused step, no fp32 copy for prefill and no timed row limit, so every step runs
+    one arithmetic whatever the batch (the fused step equals the layer path: the tests above)."""
+    from worker.serve.main import build_parser
+    from worker.serve.startup import load, start_device
+
+    if not cpu_native.load().packed_fast:
+        pytest.skip("no byte dot products here: nothing is packed")
+    folder = make_tiny_gguf(tmp_path / "q4", qtype="Q4_1")
+    args = build_parser().parse_args(["--model", str(folder), "--scheduler", "tcp://127.0.0.1:1", "--device",
+                                      "cpu", "--quantized-activations", "int8", "--num-blocks", "8"])
+    device, dtype = start_device(args)
+    loaded = load(args, device, dtype, 1)
+    lib = loaded.model.mm
+    assert lib.int8_activations and lib.packing and args.quantized_prefill == "dequantize"
+    assert lib.max_kernel_rows >= 1 << 30 and loaded.model.fused is not None
+    assert loaded.model.fused.max_rows == lib.max_kernel_rows
+    assert all(w.dense is None and w.q.qtype.endswith("_x16") for w in loaded.model.layers[0].w.values()
+               if hasattr(w, "q") and w.q.out_dim % 16 == 0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets only")
+def test_the_portable_paths_built_for_avx2_compute_the_same(tmp_path):
+    """This CPU has AVX-512, so the kernels' portable loops (what an AVX2 or ARM machine runs) never run here
+    otherwise: built for x86-64-v3 into a cache of their own, the quantized matmuls, the fused step (dense and
+    GGUF blocks), decode and prefill attention and the elementwise tail pass the same checks against their
+    references."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PAGEDSERVE_NATIVE_MARCH": "x86-64-v3", "PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    isa = subprocess.run([sys.executable, "-c",
+                          "from kernels import cpu_native; print(cpu_native.load().isa)"],
+                         env=env, capture_output=True, text=True, cwd=ROOT)
+    if isa.returncode != 0 or not isa.stdout.strip():
+        pytest.skip(f"no x86-64-v3 build here: {isa.stderr[-300:]}")
+    assert isa.stdout.strip() == "256"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                          "tests/kernels/test_fused_decode.py", "tests/kernels/test_quantized.py",
+                          "tests/kernels/test_attention.py", "tests/kernels/test_fused.py",
+                          "-k", "not cuda and not triton and not torch"],
+                         env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert " passed" in run.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("mode", ["file-layout", "packed", "packed-int8"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_model(tmp_path, qtype, mode):
+    """Every projection as random K-quant blocks (256-value blocks: a model 256 wide), the QKV stack's values
+    in the other K type: the fused step gives the layer path's floats, and both the dense model's on gguf's
+    dequantization of the same blocks — on the file's layout with fp32 activations, and packed for the
+    integer kernel (16-bit activations, or 8-bit ones), the stack's two segments each packed in its own
+    type."""
+    from tests.support.quant import random_k_blocks
+    from worker.model.quantized import QuantizedMatmul, QuantLinear, QuantWeight
+    from worker.serve.startup import use_fused_decode
+
+    folder = make_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=512, head_dim=64,
+                             num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
+    model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    dense_model, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    dense_model.use_matmul(DenseMatmul())
+    rng = np.random.default_rng(0)
+    packing, int8 = mode != "file-layout", mode == "packed-int8"
+    lib = QuantizedMatmul(cpu_native.load(), DenseMatmul(), max_kernel_rows=16, packing=packing,
+                          int8_activations=int8)
+    for layer, twin in zip(model.layers, dense_model.layers, strict=True):
+        layer.w = {}
+        for name in layer.MATMUL_WEIGHTS:
+            out_dim, in_dim = getattr(layer, name).shape
+            q, reference = random_k_blocks(rng, out_dim, in_dim, qtype)
+            if name == "qkv":  # v in the other K type, as a Q4_K_M file has it: a stack of two segments
+                other = "Q4_K" if qtype == "Q6_K" else "Q6_K"
+                kv = config.num_kv_heads * config.head_dim
+                v, v_ref = random_k_blocks(rng, kv, in_dim, other)
+                q = QuantWeight.cat([q.rows(slice(0, out_dim - kv)), v])
+                reference[out_dim - kv:] = v_ref
+                assert [p.qtype for p in q.segments] == [qtype, other]
+            packed = lib.pack(q)
+            assert all(p.qtype.endswith("_x16") == packing for p in packed.segments)
+            layer.w[name] = QuantLinear(packed, None)
+            getattr(twin, name).data.copy_(reference)
+        layer.mm = lib
+    model.head, model.mm, model.head_mm = DenseMatmul().prepare(model.lm_head), lib, lib
+    use_fused_decode(model, 1, "int8" if int8 else "int16" if packing else "fp32")
+    assert model.fused is not None
+    for seqs in DECODES:
+        want, want_pool = _run(model, config, seqs, fused=False)
+        got, got_pool = _run(model, config, seqs, fused=True)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_pool.k, want_pool.k, strict=True))
+        dense, _ = _run(dense_model, config, seqs, fused=False)
+        if int8:  # each matmul's input rounded to 8 bits (~0.6% of each output), eight matmuls deep
+            assert (got - dense).norm() / dense.norm() < 5e-2
+        else:
+            torch.testing.assert_close(got, dense, atol=2e-3, rtol=2e-3)
+
+
+def test_the_fused_step_on_packed_blocks_stays_with_the_fp32_activations(tmp_path):
+    """Rounding each matmul's input to 16 bits moves a whole model's hidden states by about 1e-4 of their
+    size (int8 activations move them by about 1e-2): the packed step, fused and layer by layer, against
+    the same blocks multiplied with fp32 activations."""
+    packed, config = _model(tmp_path / "p", "gguf-Q4_1", packing=True)
+    plain, _ = _model(tmp_path / "f", "gguf-Q4_1")
+    for seqs in DECODES:
+        want, _ = _run(plain, config, seqs, fused=True)
+        for fused in (True, False):
+            got, _ = _run(packed, config, seqs, fused=fused)
+            assert (got - want).norm() / want.norm() < 1e-3
+
+
+def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
+    """A decode step's logits (up to eight rows) on plain fp32 head rows go through the native rows kernel:
+    the matmul library's logits up to summation order; more rows take the library; a quantized head (its
+    own kernel) is left alone."""
+    from worker.model.fused_decode import NativeHead
+    from worker.serve.startup import FUSED_DENSE_ROWS
+
+    model, config = _model(tmp_path, "llama")
+    weight = NativeHead.weight_of(model)
+    assert weight is not None and weight.shape == (config.vocab_size, config.hidden_size)
+    head = NativeHead(cpu_native.load(), weight, FUSED_DENSE_ROWS)
+    for rows in (1, 5, FUSED_DENSE_ROWS):
+        hidden = torch.randn(rows, config.hidden_size)
+        want = model.compute_logits(hidden)
+        model.native_head = head
+        try:
+            torch.testing.assert_close(model.compute_logits(hidden), want, rtol=1e-5, atol=1e-5)
+        finally:
+            model.native_head = None
+    assert not head.covers(torch.randn(FUSED_DENSE_ROWS + 1, config.hidden_size))
+    from worker.model.quantized import QuantLinear, QuantWeight
+
+    blocks = QuantWeight(torch.zeros(config.vocab_size, 34 * 2, dtype=torch.uint8), "Q8_0",
+                         config.hidden_size)
+    tied_quantized = SimpleNamespace(head=QuantLinear(blocks), lm_head=None, embed=model.embed,
+                                     shard=model.shard)
+    assert NativeHead.weight_of(tied_quantized) is None  # not the fp32 embeddings in the Q8_0 head's place

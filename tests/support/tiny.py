@@ -1,0 +1,248 @@
+"""Tiny random Llama models and a tiny tokenizer, made in the test (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+CORPUS = (
+    "the quick brown fox jumps over the lazy dog. paged attention stores keys and values in blocks. "
+    "a scheduler batches requests continuously; each step admits waiting requests while blocks allow. "
+    "What is the capital of France? Paris is the capital of France. 0123456789 +-*/=()[]{}<>!?,.;:'\" "
+) * 4
+
+
+def make_tokenizer(folder: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS], trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE})
+    )
+
+
+def make_tiny_llama(folder: Path, seed: int = 0, family: str = "llama", **overrides) -> Path:
+    """Save a random model of a transformers family (model_type: llama, mistral, qwen2, ...; safetensors)
+    with a tokenizer into folder; returns folder. overrides: that family's config fields."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    params = dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        # Large weights give peaked logits, so greedy choices are far from ties and batch-order
+        # rounding cannot flip them.
+        initializer_range=0.25,
+    )
+    params.update(overrides)
+    config = AutoConfig.for_model(family, **params)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    make_tokenizer(folder, config.vocab_size)
+    return folder
+
+
+def hf_greedy(folder: Path, prompt: list[int], max_tokens: int, repetition_penalty: float = 1.0) -> list[int]:
+    """transformers' own solo greedy decode (its KV cache, one request alone), eos ignored: the reference
+    every batched output must equal token for token. repetition_penalty as transformers' logits processor
+    applies it: every token seen so far (prompt and output) divided by it where positive, else times it."""
+    import torch
+
+    model = load_hf_cached(str(folder))
+    out: list[int] = []
+    with torch.no_grad():
+        res = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(max_tokens):
+            logits = res.logits[0, -1]
+            if repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(prompt + out)))
+                score = logits[seen]
+                logits = logits.clone()
+                logits[seen] = torch.where(score > 0, score / repetition_penalty, score * repetition_penalty)
+            token = int(logits.argmax())
+            out.append(token)
+            res = model(torch.tensor([[token]]), past_key_values=res.past_key_values, use_cache=True)
+    return out
+
+
+_MODELS: dict = {}
+
+
+def load_hf_cached(folder: str):
+    from transformers import AutoModelForCausalLM
+
+    if folder not in _MODELS:
+        _MODELS[folder] = AutoModelForCausalLM.from_pretrained(folder).eval()
+    return _MODELS[folder]
+
+
+# llama.cpp's architecture name of each transformers family; only "llama" has its q/k rows permuted
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+GGUF_MATRICES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+GGUF_OTHERS = {"input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm",
+               "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+               "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate": "ffn_gate_inp",
+               "block_sparse_moe.gate": "ffn_gate_inp",
+               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str = "llama",
+                   tables: bool = False, rope_freqs: list[float] | None = None, **overrides) -> Path:
+    """A tiny model of a transformers family shipped as llama.cpp ships one: a GGUF of that family's
+    architecture whose projections are `qtype` blocks under llama.cpp's names (q and k rows permuted where
+    llama.cpp's converter permutes them; Phi-3's q/k/v and gate/up stacked as its converter writes them;
+    MoE experts stacked per layer), norms, biases and (unless `tables`: `qtype` too) embeddings and head F32;
+    rope_freqs: a rope_freqs tensor of those factors, as llama.cpp writes a Llama 3.x file's rope scaling;
+    beside it, the folder `prepare-model`
+    would make of it (config, tokenizer, the GGUF's weights dequantized to fp32, and pagedserve_model.json
+    naming the file). Returns the folder."""
+    import json
+
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tiny_llama(folder, seed=seed, family=family, **overrides)
+    cfg = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    kind = getattr(GGMLQuantizationType, qtype)
+    hd, heads, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    arch = GGUF_ARCH[family]
+
+    def permute(w: np.ndarray, n: int) -> np.ndarray:
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    path = folder / f"tiny.{qtype}.gguf"
+    writer = GGUFWriter(str(path), arch)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_rope_dimension_count(hd)
+    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    dequantized, experts = {}, {}
+    gemma = family.startswith("gemma")
+    for name, t in state.items():
+        w = t.float().numpy()
+        parts = name.split(".")
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            gname = "token_embd.weight" if name == "model.embed_tokens.weight" else "output.weight"
+            if tables:
+                blocks = quants.quantize(w, kind)
+                w = quants.dequantize(blocks, kind).reshape(w.shape)
+                writer.add_tensor(gname, blocks, raw_dtype=kind)
+            else:
+                writer.add_tensor(gname, w)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", w)
+        elif ".".join(parts[3:5]) in GGUF_MATRICES and parts[-1] == "weight":
+            gname = GGUF_MATRICES[".".join(parts[3:5])]
+            blocks = quants.quantize(w, kind)
+            # what the file holds, in Hugging Face's order
+            w = quants.dequantize(blocks, kind).reshape(w.shape)
+            stored = permute(w, heads if gname == "attn_q" else kv) if arch == "llama" and gname in (
+                "attn_q", "attn_k") else w
+            writer.add_tensor(f"blk.{parts[2]}.{gname}.weight", quants.quantize(stored, kind), raw_dtype=kind)
+        elif parts[4] == "experts":  # model.layers.N.mlp.experts.E.gate_proj.weight: stacked per layer below
+            experts.setdefault((parts[2], parts[6]), {})[int(parts[5])] = w
+        else:
+            rest = ".".join(parts[3:-1]) + (".bias" if parts[-1] == "bias" else "")
+            if rest == "post_attention_layernorm":
+                gname = "post_attention_norm" if gemma else "ffn_norm"
+            else:
+                gname = GGUF_OTHERS.get(rest, rest)
+            writer.add_tensor(f"blk.{parts[2]}.{gname}{'' if gname.endswith('.bias') else '.weight'}", w)
+        dequantized[name] = torch.from_numpy(np.ascontiguousarray(w))
+    for (layer, proj), by_expert in sorted(experts.items()):
+        stacked = np.stack([by_expert[e] for e in sorted(by_expert)])  # [E, out, in]
+        gname = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}[proj]  # Mixtral's names
+        writer.add_tensor(f"blk.{layer}.{gname}.weight", stacked)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(dequantized, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    marker = {"model_name": f"tiny-{qtype}", "gguf": str(path)}
+    (folder / "pagedserve_model.json").write_text(json.dumps(marker))
+    return folder
+
+
+def make_tiny_embedder(folder: Path, pooling: str = "lasttoken", seed: int = 0, tied: bool = False,
+                       prompts: dict[str, str] | None = None, default_prompt: str | None = None) -> Path:
+    """A random Qwen3 embedding model as Qwen3-Embedding ships (a `Qwen3Model` checkpoint: the decoder's
+    tensors without `model.`, no head unless `tied`), with sentence-transformers' files: pooling (its
+    config's pooling_mode_<pooling>), a Normalize module, named prompts."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.for_model(
+        "qwen3", vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, initializer_range=0.25)
+    torch.manual_seed(seed)
+    AutoModel.from_config(config).eval().save_pretrained(str(folder), safe_serialization=True)
+    make_tokenizer(folder, config.vocab_size)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config["pad_token"] = "<unk>"  # sentence-transformers pads its batches
+    # tokenizer.json as it is (transformers' Qwen2 class would put Qwen's own digit-splitting pre-tokenizer
+    # in front of this tiny vocabulary; a real Qwen tokenizer.json carries that one itself)
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    kinds = ("Transformer", "Pooling", "Normalize")
+    paths = ("", "1_Pooling", "2_Normalize")
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, path) in enumerate(zip(kinds, paths, strict=True))]))
+    for path in paths[1:]:
+        (folder / path).mkdir(exist_ok=True)
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
+             "lasttoken")
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": config.hidden_size, "include_prompt": True,
+         **{f"pooling_mode_{m}": m == pooling for m in modes}}))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": prompts or {}, "default_prompt_name": default_prompt, "similarity_fn_name": "cosine"}))
+    return folder

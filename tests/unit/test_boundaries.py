@@ -1,0 +1,39 @@
+"""Process and package boundaries: the scheduler never needs torch; our `kernels` package does not
+confuse transformers (which probes for a PyPI package of the same name)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_scheduler_service_never_imports_torch():
+    code = (
+        "import sys, pkgutil, importlib, scheduler_service\nfor m in "
+        "pkgutil.iter_modules(scheduler_service.__path__):\n    importlib.import_module('scheduler_service.' "
+        "+ m.name)\nbad = sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.') or n == "
+        "'transformers')\nprint(bad)\nsys.exit(1 if bad else 0)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, f"scheduler_service pulled in {res.stdout.strip()} {res.stderr[-2000:]}"
+
+
+def test_no_torch_import_statement_in_scheduler_service():
+    for path in (ROOT / "scheduler_service").rglob("*.py"):
+        for line in path.read_text().splitlines():
+            stripped = line.strip()
+            assert not stripped.startswith(("import torch", "from torch")), f"{path}: {line}"
+
+
+def test_transformers_loads_a_model_beside_our_kernels_package(tmp_path):
+    code = (
+        "import kernels, kernels.reference\nimport torch, transformers\ncfg = "
+        "transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,\n"
+        "    num_attention_heads=2, num_key_value_heads=1)\n"
+        f"transformers.LlamaForCausalLM(cfg).save_pretrained(r'{tmp_path}')\nm = "
+        f"transformers.AutoModelForCausalLM.from_pretrained(r'{tmp_path}')\nout = m(torch.tensor([[1, 2, "
+        "3]])).logits\nassert out.shape == (1, 3, 64)\nprint('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

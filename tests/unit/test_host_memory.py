@@ -1,0 +1,56 @@
+"""The worker's host allocator (serve/host_memory.py): a process asks for one and ends up running on it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker.serve.host_memory import find_tcmalloc, resolve_mode, wants_tcmalloc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def allocator_of(mode: str, **env) -> str:
+    """Start `python -m worker.serve.host_memory MODE` (it re-executes itself where needed), read its
+    answer."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PAGEDSERVE_MALLOC_REEXEC")}
+    out = subprocess.run([sys.executable, "-m", "worker.serve.host_memory", mode], cwd=ROOT,
+                         env={**clean, **env},
+                         capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout.strip()
+
+
+def test_auto_runs_on_tcmalloc_where_the_system_has_it_else_on_tuned_glibc():
+    expected = "tcmalloc" if find_tcmalloc() else "glibc (tuned)"
+    assert allocator_of("auto") == expected
+
+
+@pytest.mark.skipif(find_tcmalloc() is None, reason="no tcmalloc on this system")
+def test_tcmalloc_is_preloaded_once_and_not_again_when_already_there():
+    assert allocator_of("tcmalloc") == "tcmalloc"
+    # a process started with it already preloaded keeps it and does not re-execute
+    assert allocator_of("tcmalloc", LD_PRELOAD=find_tcmalloc()) == "tcmalloc"
+
+
+def test_glibc_and_default_modes():
+    assert allocator_of("glibc") == "glibc (tuned)"
+    assert allocator_of("default") == "glibc"
+
+
+def test_mode_from_the_environment_and_bad_modes(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_MALLOC", "glibc")
+    assert resolve_mode(None) == "glibc"
+    assert resolve_mode("default") == "default"
+    with pytest.raises(ValueError, match="unknown malloc mode 'fast'"):
+        resolve_mode("fast")
+
+
+def test_auto_wants_tcmalloc_only_for_cpu_workers():
+    assert wants_tcmalloc("auto", "cpu")
+    assert not wants_tcmalloc("auto", "cuda:0")
+    assert wants_tcmalloc("tcmalloc", "cuda")
+    assert not wants_tcmalloc("glibc", "cpu")
