@@ -44,7 +44,7 @@ def simulate(prompts: list[list[int]], max_tokens: int, num_blocks: int, block_s
         if sched.has_work:
             out = sched.schedule()
             if not out.is_empty:
-                for seq, _ in sched.update(out, worker.execute(encode_plan(sched.build_plan(out)))):
+                for seq, _ in sched.update(out, worker.execute(encode_plan(sched.build_plan(out)))).tokens:
                     if seq.num_output_tokens >= seq.request.sampling.max_tokens:
                         sched.finish(seq, FinishReason.LENGTH)
                         live.pop(seq.request.request_id, None)

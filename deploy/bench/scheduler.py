@@ -59,7 +59,7 @@ def measure(tokenizer: Tokenizer, num_seqs: int, context: int, steps: int, block
         t3 = time.perf_counter()
         answer = encode_result(out.step_id, rng.integers(100, 40000, len(out.scheduled)).astype(np.int32))
         tokens = decode_result(answer, len(out.scheduled)).tolist()
-        new = sched.update(out, tokens)
+        new = sched.update(out, tokens).tokens
         t4 = time.perf_counter()
         for seq, token in new:  # what the engine does per token: stop checks, a delta on the request's stream
             queues[seq.seq_id].put_nowait(outputs[seq.seq_id].add_token(token)[0])

@@ -11,7 +11,7 @@ import structlog
 
 from scheduler_service.api.embedding import refuse_task
 from scheduler_service.api.validation import InvalidRequest, request_from_proto
-from scheduler_service.core.scheduler import DuplicateRequestId
+from scheduler_service.core.batch import DuplicateRequestId
 from scheduler_service.runtime.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
 
 log = structlog.get_logger("scheduler.rpc")

@@ -7,9 +7,19 @@ cannot hold a growth: the scheduler then preempts a victim of its choosing and a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from scheduler_service.core.block_allocator import BlockAllocator
-from scheduler_service.core.plan import PlanBuilder
 from scheduler_service.core.sequence import Request, Sequence
+
+
+class BlockCopy(NamedTuple):
+    """Copy-on-write: entry `index` of a sequence's table now holds `dst`, which the worker fills from `src`
+    before the forward."""
+
+    index: int
+    src: int
+    dst: int
 
 
 class KVCacheManager:
@@ -96,11 +106,11 @@ class KVCacheManager:
                 if self.allocator.refcount(seq.block_ids[i]) > 1
                 or self.allocator.is_hashed(seq.block_ids[i])]
 
-    def allocate_slots(self, seq: Sequence, num_new: int, lookahead: int = 0) -> list[tuple[int, int]] | None:
+    def allocate_slots(self, seq: Sequence, num_new: int, lookahead: int = 0) -> list[BlockCopy] | None:
         """Make seq's table hold num_new more tokens, and `lookahead` beyond them (slots a step may write and
         then give up): grow it, and copy each block those tokens would write that is not seq's own alone.
-        Returns the copies (src, dst) the worker runs before the forward, or None, changing nothing, when
-        the pool cannot hold them."""
+        Returns the copies, each a table entry rewritten, or None, changing nothing, when the pool cannot
+        hold them."""
         num_tokens = num_new + lookahead
         copies = self._writes_need_copy(seq, num_tokens)
         need = self.blocks_for_tokens(seq.num_computed_tokens + num_tokens) - len(seq.block_ids) + len(copies)
@@ -110,9 +120,8 @@ class KVCacheManager:
         done = []
         for i in copies:
             src, dst = seq.block_ids[i], fresh.pop()
-            done.append((src, dst))
+            done.append(BlockCopy(i, src, dst))
             seq.block_ids[i] = dst
-            PlanBuilder.replaced(seq, i)
             self.allocator.free([src])
         seq.block_ids.extend(fresh)
         return done
@@ -160,16 +169,16 @@ class KVCacheManager:
             return 0
         return max(start - self.kv_window, 0) // self.block_size
 
-    def drop_out_of_window(self, seq: Sequence, start: int) -> None:
+    def drop_out_of_window(self, seq: Sequence, start: int) -> int | None:
         """Give back seq's blocks that no query from position `start` on reads: with every layer sliding over
         kv_window keys, a query at p reads keys after p - kv_window, so keys before start - kv_window are done
         (one key of slack: a sample forked from this sequence recomputes the prompt's last token, start - 1).
         Their table entries become -1, which the kernels never look up. A block in the prefix cache stays
         there (it is only unreferenced); sequences with penalties keep every block, since those read the
-        whole context's tokens through the table."""
+        whole context's tokens through the table. Returns the first entry rewritten, or None."""
         end = self.out_of_window(seq, start)
         if end <= seq.num_dropped_blocks:
-            return
+            return None
         first = seq.num_dropped_blocks
         dropped = [b for b in seq.block_ids[first:end] if b >= 0]
         for i in range(first, end):
@@ -177,7 +186,7 @@ class KVCacheManager:
             seq.block_ids[i] = -1
         seq.num_dropped_blocks = end
         self.allocator.free(dropped[::-1])
-        PlanBuilder.replaced(seq, first)
+        return first
 
     # --- release ---------------------------------------------------------------------------------
     @staticmethod

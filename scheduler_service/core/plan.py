@@ -17,11 +17,33 @@ loop over just the rows that have them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import numpy as np
 
 from protos.codec import F32, I32, I64, POOL_FIRST, POOL_LAST, POOL_SUM, U64, PlanArrays
 
 _POOL_KINDS = {"last": POOL_LAST, "mean": POOL_SUM, "cls": POOL_FIRST}
+
+
+class MaskFiller(Protocol):
+    """What fills structured-output masks (text/structured.py GrammarEngine)."""
+
+    def fill_masks(self, matchers: list, drafts: list[tuple[int, ...]] | None = None) -> np.ndarray: ...
+
+
+@dataclass
+class DeferredMasks:
+    """A step's structured-output masks that follow its plan: computed once the step before it is applied
+    (its matchers have then seen their last token), sent before any later plan."""
+
+    filler: MaskFiller
+    matchers: list
+    drafts: list[tuple[int, ...]] | None
+
+    def fill(self) -> np.ndarray:
+        return self.filler.fill_masks(self.matchers, self.drafts)
 
 
 class PlanBuilder:
@@ -248,7 +270,7 @@ class PlanBuilder:
                 # a row's last token is the one the step in flight samples: its matcher has not seen it yet,
                 # so the masks follow the plan once that step's result is in (runtime/step_loop.py)
                 plan.mask_follows = True
-                out.deferred_masks = (engine, matchers, drafted)
+                out.deferred_masks = DeferredMasks(engine, matchers, drafted)
             else:
                 plan.token_bitmask = engine.fill_masks(matchers, drafted)
         if plp_k is not None:

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler_service.core.sequence import SequenceStatus
-
 POOLINGS = ("last", "mean", "cls")
 # sentence-transformers' pooling config keys, and what each is here
 _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
@@ -128,17 +126,17 @@ def checkpoint_has_head(folder: str | Path) -> bool:
     return not files
 
 
-def take_pooled(out, pooled, finish) -> None:
+def take_pooled(out, pooled: np.ndarray | None) -> list:
     """A step's result for its embedding rows (`out.embed_rows`): each pooling row's vector added to its
-    sequence's (a mean's chunks sum; the last or first token's comes once); after a sequence's last chunk its
-    vector is finished, it joins `out.embedded` and `finish(seq)` ends it (its blocks back; the full ones
-    were offered to the prefix cache before). A sequence preempted since the step was planned is left
-    alone: it pools again from its next admission (`Sequence.pooled` starts over there)."""
+    sequence's (a mean's chunks sum; the last or first token's comes once). Returns the sequences whose last
+    chunk this was, their vectors finished (the scheduler then ends them). A sequence preempted since the
+    step was planned is left alone: it pools again from its next admission (`Sequence.pooled` starts over)."""
+    done = []
     at = np.flatnonzero(out.pooling).tolist() if out.pooling is not None else []
     for i in np.flatnonzero(out.embed_rows).tolist():
         item = out.scheduled[i]
         seq = item.seq
-        if seq.epoch != item.epoch or seq.status is not SequenceStatus.RUNNING:
+        if seq.epoch != item.epoch or not seq.is_running:
             continue
         if i in at:
             v = pooled[at.index(i)]
@@ -146,5 +144,5 @@ def take_pooled(out, pooled, finish) -> None:
         if item.start + item.num_new_tokens == seq.prompt_len:
             embed = seq.request.embed
             seq.embedding = finish_vector(seq.pooled, seq.prompt_len, embed.spec, embed.dimensions)
-            out.embedded.append(seq)
-            finish(seq)
+            done.append(seq)
+    return done

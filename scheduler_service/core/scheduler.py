@@ -8,82 +8,24 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+
+import numpy as np
 
 from protos.codec import PlanArrays
+from scheduler_service.core.batch import (
+    DuplicateRequestId,
+    ScheduledSeq,
+    SchedulerOutput,
+    StepUpdate,
+    make_sequences,
+)
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.drafting import SequenceDrafter, SharedNgrams
-from scheduler_service.core.kv_manager import KVCacheManager
+from scheduler_service.core.kv_manager import BlockCopy, KVCacheManager
 from scheduler_service.core.pacing import EmbedPacer
 from scheduler_service.core.plan import PlanBuilder
 from scheduler_service.core.pooling import take_pooled
 from scheduler_service.core.sequence import FinishReason, Request, Sequence, SequenceStatus
-
-# Sequence ids are unique in the process, not per scheduler: a request moved to another replica (its
-# workers were lost) keeps its sequences.
-_SEQ_IDS = itertools.count()
-
-
-def make_sequences(request: Request) -> None:
-    """One sequence per sample; samples 1..n-1 wait to fork from sample 0's prompt."""
-    request.seqs = [Sequence(next(_SEQ_IDS), request, i) for i in range(request.sampling.n)]
-    request.pending_forks = request.seqs[1:]
-
-
-class DuplicateRequestId(ValueError):
-    """A live request already has this id."""
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # first position computed this step (== num_computed_tokens when scheduled)
-    num_new_tokens: int
-    do_sample: bool
-    epoch: int  # the sequence's epoch when scheduled: its blocks are still these while the epochs agree
-    prev_row: int = -1  # >= 0: the last input token is the one the previous step samples in this row
-    draft: tuple[int, ...] = ()  # drafted tokens after the known last one, verified by this step
-
-
-@dataclass
-class SchedulerOutput:
-    step_id: int
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
-    # Set by the plan when rows asked for logprobs: the plan's per-row K (-1 none), and for prompt logprobs
-    # (K per row, positions per row); the result's arrays are decoded with them.
-    logprobs_k: object = None
-    prompt_logprobs: object = None
-    # Structured output whose masks follow the plan: (grammar engine, matchers in mask order), sent by the
-    # replica once the step before this one is applied (the matchers have then seen their last token).
-    deferred_masks: object = None
-    # Speculative decoding: seconds spent drafting (schedule), and once the result is applied (update), the
-    # rows that verified a draft, the tokens they drafted and how many of those stood.
-    draft_seconds: float = 0.0
-    num_draft_rows: int = 0
-    num_drafted: int = 0
-    num_accepted: int = 0
-    # Embeddings: the rows' pooling kinds (set where an embedding runs), the plan's pooling (where a row pools
-    # this step), and once the result is applied, the sequences whose vector it finished.
-    embed_rows: object = None
-    pooling: object = None
-    embedded: list[Sequence] = field(default_factory=list)
-    num_decodes: int = 0  # sequences decoding (scheduler_service/core/pacing.py paces embeddings beside them)
-    embed_room: int = 0  # embedding prompt tokens this step may still take
-    num_embed_tokens: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled if s.start < s.seq.prompt_len)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -127,7 +69,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
-        make_sequences(request)
+        if not request.seqs:
+            make_sequences(request)
         self.requests[request.request_id] = request
         self.waiting.append(request.seqs[0])
 
@@ -170,8 +113,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self._release(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        seq.finish(reason)
         if seq.drafter is not None and reason is not FinishReason.ABORT:
             self.shared_ngrams.learn(seq.token_ids)
         if seq.request.is_finished:
@@ -221,11 +163,11 @@ class Scheduler:
                 self._add(out, seq, 1, scheduled)
                 budget -= 1
                 continue
-            kv.drop_out_of_window(seq, pos)  # blocks behind the window go back before any is asked for
+            self._drop_out_of_window(seq, pos)  # blocks behind the window go back before any is asked for
             if draft:  # a draft takes free blocks only: it never preempts anyone, or it is dropped
                 copies = kv.allocate_slots(seq, 1 + len(draft))
                 if copies is not None:
-                    out.block_copies.extend(copies)
+                    self._copies(out, seq, copies)
                     self._add(out, seq, 1 + len(draft), scheduled, tuple(draft))
                     budget -= 1 + len(draft)
                     continue
@@ -245,7 +187,7 @@ class Scheduler:
             embed = seq.request.embed is not None
             if seq.status is not SequenceStatus.RUNNING or (embed and not out.embed_room):
                 continue
-            kv.drop_out_of_window(seq, seq.num_computed_tokens)
+            self._drop_out_of_window(seq, seq.num_computed_tokens)
             wanted = min(seq.num_uncomputed_tokens, budget, out.embed_room if embed else budget)
             num_new = self._reserve(seq, wanted, scheduled, out)
             if num_new:
@@ -331,7 +273,7 @@ class Scheduler:
         return self.planner.build(out)
 
     def update(self, out: SchedulerOutput, sampled: list[int], accepted: list[int] | None = None,
-               pooled=None) -> list[tuple[Sequence, int]]:
+               pooled: np.ndarray | None = None) -> StepUpdate:
         # sampled: Python ints, one per scheduled row (numpy's tolist() gives them); accepted: drafted tokens
         # each row accepted (None: the step drafted nothing); pooled: fp32 [pooling rows, hidden]
         """Reconcile a step with its result: pending tokens become known (a drafting row's accepted draft,
@@ -339,8 +281,10 @@ class Scheduler:
         confirmed tokens are offered to the prefix cache, pending samples fork. Returns (seq, token) for
         every token a sequence got, in order. A sequence that finished (stopped, aborted) since the step was
         planned gets nothing; one preempted since keeps its tokens (computed from its blocks as they were)
-        but its blocks, given back, are left alone."""
-        new_tokens: list[tuple[Sequence, int]] = []
+        but its blocks, given back, are left alone. Stop conditions on the text are the caller's: it ends
+        a sequence with `finish`."""
+        result = StepUpdate()
+        new_tokens = result.tokens
         caching, bs = self.config.enable_prefix_caching, self.block_size
         finished, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
         for i, (item, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
@@ -357,9 +301,9 @@ class Scheduler:
                 tokens = (*item.draft[:n], token)
                 end = item.start + 1 + n  # K/V past the accepted draft is a rejected draft's
                 seq.drafter.record(len(item.draft), n)
-                out.num_draft_rows += 1
-                out.num_drafted += len(item.draft)
-                out.num_accepted += n
+                result.num_draft_rows += 1
+                result.num_drafted += len(item.draft)
+                result.num_accepted += n
             if item.do_sample:
                 if seq.matcher is not None:  # (a grammar that ends inside the tokens ends the sample there)
                     tokens = self._consume(seq, tokens)
@@ -379,8 +323,13 @@ class Scheduler:
             if item.do_sample and seq.index == 0 and seq.request.pending_forks:
                 self._fork(seq, current)
         if out.embed_rows is not None:  # embeddings: their pooled states, and those finished
-            take_pooled(out, pooled, lambda seq: self.finish(seq, FinishReason.STOP))
-        return new_tokens
+            result.embedded = take_pooled(out, pooled)
+            for seq in result.embedded:
+                self.finish(seq, FinishReason.STOP)
+        result.kv_events = self.take_kv_events()
+        result.num_running, result.num_waiting = len(self.running), len(self.waiting)
+        result.num_free_blocks = self.kv.allocator.num_available_blocks
+        return result
 
     @staticmethod
     def _consume(seq: Sequence, tokens: tuple[int, ...]) -> tuple[int, ...]:
@@ -399,7 +348,7 @@ class Scheduler:
         With a draft, the tokens are seq's last known one and the draft: all computed until the result says
         how many stand (update)."""
         start = seq.num_computed_tokens
-        self.kv.drop_out_of_window(seq, start)
+        self._drop_out_of_window(seq, start)
         known = len(seq.token_ids)
         if seq.request.embed is not None:  # prompt chunks only, paced beside decodes
             do_sample = False
@@ -446,7 +395,7 @@ class Scheduler:
         while True:
             copies = self.kv.allocate_slots(seq, num_new)
             if copies is not None:
-                out.block_copies.extend(copies)
+                self._copies(out, seq, copies)
                 return num_new
             if self.config.enable_chunked_prefill and num_new > 1:
                 fits = self.kv.tokens_that_fit(seq, num_new)
@@ -459,6 +408,18 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is seq:
                 return 0
+
+    def _copies(self, out: SchedulerOutput, seq: Sequence, copies: list[BlockCopy]) -> None:
+        """A step's copies-on-write: the worker runs them before the forward; the plan's mirror of the
+        entries they rewrote is refreshed."""
+        for c in copies:
+            out.block_copies.append((c.src, c.dst))
+            self.planner.replaced(seq, c.index)
+
+    def _drop_out_of_window(self, seq: Sequence, start: int) -> None:
+        first = self.kv.drop_out_of_window(seq, start)
+        if first is not None:
+            self.planner.replaced(seq, first)
 
     def _victim(self, scheduled: set[int]) -> Sequence | None:
         """Whom to preempt for room: the most recently admitted running sequence not yet in this step (its
@@ -479,7 +440,44 @@ class Scheduler:
         self.kv.free(seq)
         self.planner.detach(seq)
 
-    # --- accounting ------------------------------------------------------------------------------
+    # --- the prefix cache and accounting -----------------------------------------------------------
+    def record_kv_events(self) -> None:
+        """From now on the prefix cache's changes are kept for take_kv_events (KV-event subscribers); the
+        first says the cache starts empty."""
+        self.kv.allocator.events = [("cleared",)]
+
+    def take_kv_events(self) -> list[tuple]:
+        """The prefix cache's changes since the last call (none unless recorded)."""
+        a = self.kv.allocator
+        if not a.events:
+            return []
+        events, a.events = a.events, []
+        return events
+
+    def cached_blocks(self, hashes: list[bytes]) -> int:
+        """Leading blocks of a prompt (its chained block hashes) the prefix cache holds; no LRU touch."""
+        n = 0
+        for h in hashes:
+            if self.kv.allocator.lookup(h) is None:
+                break
+            n += 1
+        return n
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (only unreferenced blocks are cached); how many were forgotten."""
+        return self.kv.allocator.reset_prefix_cache()
+
+    def pool_stats(self) -> dict[str, int]:
+        """The pool's books now: blocks by state, queues, prefix-cache lookups and preemptions."""
+        a = self.kv.allocator
+        return {"num_blocks": a.num_blocks, "num_free_blocks": a.num_free_blocks,
+                "num_available_blocks": a.num_available_blocks, "num_used_blocks": a.num_used_blocks,
+                "num_cached_blocks": a.num_cached_blocks, "num_shared_blocks": a.num_shared_blocks,
+                "num_running": len(self.running), "num_waiting": len(self.waiting),
+                "waiting_tokens": sum(s.num_uncomputed_tokens for s in self.waiting),
+                "prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits, "num_preemptions": self.num_preemptions}
+
     def request_blocks(self, request: Request) -> int:
         """Distinct blocks a request holds (samples share their prompt's blocks)."""
         return self.kv.request_blocks(request)

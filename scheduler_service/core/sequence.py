@@ -18,8 +18,35 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
 
 from scheduler_service.core.block_allocator import block_hash
+from scheduler_service.core.drafting import SequenceDrafter
+from scheduler_service.core.plan import MaskFiller
+from scheduler_service.core.pooling import PoolingSpec
+
+
+class Matcher(Protocol):
+    """A sample's grammar state (llguidance's LLMatcher, text/structured.py): it takes tokens in turn."""
+
+    def consume_token(self, token: int) -> bool: ...
+
+    def validate_tokens(self, tokens: list[int]) -> int: ...
+
+    def is_stopped(self) -> bool: ...
+
+    def is_error(self) -> bool: ...
+
+
+class Constraint(Protocol):
+    """A request's compiled grammar (text/structured.py Constraint): a matcher for each sample, and the
+    engine that fills their masks."""
+
+    engine: MaskFiller
+
+    def new_matcher(self) -> Matcher: ...
 
 
 class SequenceStatus(enum.Enum):
@@ -86,7 +113,7 @@ class EmbedOptions:
     """An embedding request's own: how the model pools (core/pooling.py PoolingSpec), and the
     Matryoshka `dimensions` kept (None: all)."""
 
-    spec: object
+    spec: PoolingSpec
     dimensions: int | None = None
 
 
@@ -120,14 +147,15 @@ class Sequence:
         self.num_mirrored_blocks = 0
         self.last_token_time: float | None = None  # for the inter-token latency histogram
         # Structured output: the llguidance matcher that has consumed this sample's generated tokens.
-        self.matcher = request.constraint.new_matcher() if request.constraint is not None else None
+        constraint = request.constraint
+        self.matcher: Matcher | None = constraint.new_matcher() if constraint is not None else None
         # Speculative decoding: its n-grams and draft length (scheduler_service/core/drafting.py), made at its
         # first decode where it may draft.
-        self.drafter = None
+        self.drafter: SequenceDrafter | None = None
         # An embedding's pooled hidden state so far (fp32; the chunks' sum for a mean), started again at each
         # admission, and once its last chunk is in, the finished vector.
-        self.pooled = None
-        self.embedding = None
+        self.pooled: np.ndarray | None = None
+        self.embedding: np.ndarray | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -150,6 +178,10 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def is_running(self) -> bool:
+        return self.status is SequenceStatus.RUNNING
+
+    @property
     def num_planned_tokens(self) -> int:
         """Known tokens plus those that steps in flight will sample."""
         return len(self.token_ids) + self.num_pending
@@ -166,6 +198,12 @@ class Sequence:
             self._block_hashes.append(block_hash(parent,
                                                  self.token_ids[i * block_size : (i + 1) * block_size]))
         return self._block_hashes[index]
+
+    def finish(self, reason: FinishReason) -> None:
+        """The one place a sequence ends (the scheduler calls it once the blocks are back; a request that no
+        replica holds ends its samples here directly)."""
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
 
     @property
     def sample_seed(self) -> int:
@@ -191,7 +229,7 @@ class Request:
     # samples 1..n-1 wait here until sample 0 has computed the prompt; then they fork from its blocks
     pending_forks: list[Sequence] = field(default_factory=list)
     cached_prompt_tokens: int | None = None  # prefix-cache hit of the first admission
-    constraint: object | None = None  # scheduler_service/text/structured.py Constraint
+    constraint: Constraint | None = None  # text/structured.py makes it
     # With sampling.prompt_logprobs: entry j (1 <= j < prompt_len) is prompt token j's TokenLogprob once
     # known.
     prompt_logprobs: list | None = None

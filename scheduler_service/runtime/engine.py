@@ -21,13 +21,13 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
+from scheduler_service.core.batch import DuplicateRequestId, SchedulerOutput, make_sequences
 from scheduler_service.core.config import ModelSpec, SchedulerConfig
-from scheduler_service.core.scheduler import DuplicateRequestId, SchedulerOutput, make_sequences
-from scheduler_service.core.sequence import FinishReason, Request, SequenceStatus
+from scheduler_service.core.sequence import FinishReason, Request
 from scheduler_service.runtime import reporting
 from scheduler_service.runtime.kv_events import KvEventPublisher
 from scheduler_service.runtime.metrics import Metrics
-from scheduler_service.runtime.step_loop import StepLoop, prompt_block_hashes
+from scheduler_service.runtime.step_loop import StepLoop, StepReport, prompt_block_hashes
 from scheduler_service.runtime.worker_client import WorkerClient, WorkerGroup
 from scheduler_service.text.limits import Limits
 from scheduler_service.text.output import Delta, DeltaQueue, SampleOutput, Usage
@@ -241,29 +241,24 @@ class Engine:
         if self._draining:
             raise EngineUnavailable("the server is draining (shutting down); send the request to another "
                                     "instance")
-        waiting = len(self._orphans) + sum(len(r.scheduler.waiting) for r in self.replicas if r.scheduler)
+        waiting = len(self._orphans) + sum(r.num_waiting for r in self.replicas)
         if waiting >= self.config.max_queue_len:
             raise QueueFull(f"{waiting} requests are waiting already; try again later")
         if request.request_id in self.streams:
             raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
-        max_len = self.limits.max_context
+        make_sequences(request)
+        samples = [SampleOutput(self.tokenizer, s, self.spec.eos_token_ids, self.limits.max_context)
+                   for s in request.seqs]
         if self.is_serving:
             replica = self.route(request)
-            replica.scheduler.add_request(request)
-            replica.num_routed += 1
-            replica.wake()
+            replica.submit(request, samples)
         else:  # every group is being replaced: wait for one (at most --worker-restart-timeout), like the
             replica = None  # requests that were running on it
-            make_sequences(request)
             self._orphans.append(request)
             if self._orphan_deadline is None:
                 self._orphan_deadline = time.monotonic() + self.worker_restart_timeout
                 self._orphan_reason = self.unavailable_reason or "no worker"
-        stream = RequestStream(
-            request,
-            [SampleOutput(self.tokenizer, s, self.spec.eos_token_ids, max_len) for s in request.seqs],
-            replica,
-        )
+        stream = RequestStream(request, samples, replica)
         self.streams[request.request_id] = stream
         log.info("request_added", request_id=request.request_id, prompt_tokens=request.prompt_len,
                  max_tokens=request.sampling.max_tokens, n=request.sampling.n,
@@ -290,55 +285,36 @@ class Engine:
             return False
         unfinished = [o for o in stream.samples if not o.seq.is_finished]
         if stream.replica is not None:
-            stream.replica.scheduler.abort_request(request_id)
+            stream.replica.abort(request_id)
         else:  # waiting for a replica: it holds no blocks anywhere
             self._orphans.remove(stream.request)
             for out in unfinished:
-                out.seq.status, out.seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+                out.seq.finish(FinishReason.ABORT)
         for out in unfinished:
             self._emit(stream, out.finish(FinishReason.ABORT))
         log.info("request_aborted", request_id=request_id, reason=reason)
         return True
 
     # --- what the replicas report ------------------------------------------------------------------
-    def on_step(self, replica: StepLoop, out: SchedulerOutput, new_tokens, seconds: float,
-                logprobs: dict | None = None) -> None:
-        now = time.monotonic()
-        sched = replica.scheduler
-        started = now - seconds
-        for s in out.scheduled:  # queue time: arrival to the first step that computes the request
+    def on_step(self, replica: StepLoop, report: StepReport) -> None:
+        """A step applied: its deltas go to their streams (a request failed or aborted meanwhile has none)."""
+        started = time.monotonic() - report.seconds
+        for s in report.out.scheduled:  # queue time: arrival to the first step that computes the request
             request = s.seq.request
             if request.scheduled_time is None:
                 request.scheduled_time = started
                 self.metrics.on_scheduled(replica.index, started - request.arrival_time)
-        for i, (seq, token) in enumerate(new_tokens):
-            stream = self.streams.get(seq.request.request_id)
-            if stream is None or stream.request is not seq.request or seq.is_finished:
-                continue  # (finished: by a stop among its tokens of this step, which end there)
-            if seq.request.first_token_time is None:
-                seq.request.first_token_time = now
-            if seq.last_token_time is not None:
-                self.metrics.on_token_gap(replica.index, now - seq.last_token_time)
-            seq.last_token_time = now
-            lp = logprobs.get(seq.seq_id) if logprobs else None
-            if lp is not None:
-                lp.token_id = token
-            delta, reason = stream.samples[seq.index].add_token(token, lp)
-            if reason is not None:  # its tokens after this one (an accepted draft's) are dropped
-                sched.finish(seq, reason, drop=sum(1 for s, _ in new_tokens[i + 1:] if s is seq))
-            self._emit(stream, delta)
-        for seq in out.embedded:  # an embedding's one delta: its vector, once its last chunk is in
-            stream = self.streams.get(seq.request.request_id)
-            if stream is not None and stream.request is seq.request:
-                delta = stream.samples[0].finish(FinishReason.STOP)
-                delta.embedding = seq.embedding
+        for gap in report.token_gaps:
+            self.metrics.on_token_gap(replica.index, gap)
+        for request, delta in report.deltas:
+            stream = self.streams.get(request.request_id)
+            if stream is not None and stream.request is request:
                 self._emit(stream, delta)
-        self.metrics.on_step(replica.index, seconds, len(new_tokens), out.num_prefill_tokens,
-                             len(out.preempted),
-                             len(sched.running), len(sched.waiting), sched.allocator.num_available_blocks,
-                             sched.num_blocks, (out.num_draft_rows, out.num_drafted, out.num_accepted))
-        if sched.allocator.events:
-            self.kv_events.collect(replica.index, sched.allocator.events)
+        u, out = report.update, report.out
+        self.metrics.on_step(replica.index, report.seconds, len(u.tokens), out.num_prefill_tokens,
+                             len(out.preempted), u.num_running, u.num_waiting, u.num_free_blocks,
+                             replica.num_blocks, (u.num_draft_rows, u.num_drafted, u.num_accepted))
+        self.kv_events.collect(replica.index, u.kv_events)
 
     def on_step_failed(self, replica: StepLoop, out: SchedulerOutput, message: str) -> None:
         for request in {id(s.seq.request): s.seq.request for s in out.scheduled}.values():
@@ -355,7 +331,7 @@ class Engine:
         index) draws the same tokens again, so a client sees a pause, never a repeated or missing token."""
         if not replica.is_serving:
             return
-        moved = sorted(replica.scheduler.requests.values(), key=lambda r: r.arrival_time)
+        moved = replica.live_requests()
         await replica.detach(message)
         self._report_health()
         for request in moved:
@@ -376,9 +352,9 @@ class Engine:
         self._orphan_deadline = None
         for request in reversed(orphans):  # adopt() queues at the head: the oldest is adopted last
             replica = self._pick(request)
-            replica.scheduler.adopt(request)
-            self.streams[request.request_id].replica = replica
-            replica.wake()
+            stream = self.streams[request.request_id]
+            replica.adopt(request, stream.samples)
+            stream.replica = replica
             log.info("request_resumed", request_id=request.request_id, replica=replica.index,
                      tokens=[s.num_output_tokens for s in request.seqs])
 
@@ -424,8 +400,8 @@ class Engine:
         if stream is None or stream.request is not request:
             return
         del self.streams[request.request_id]
-        if stream.replica is not None and stream.replica.scheduler is not None:
-            stream.replica.scheduler.abort_request(request.request_id)
+        if stream.replica is not None:
+            stream.replica.abort(request.request_id)
         stream.queue.put_nowait(error)
 
     async def flush_prefix_cache(self, timeout: float) -> tuple[bool, str]:
@@ -438,9 +414,9 @@ class Engine:
                            + (f" after {timeout:g}s" if timeout else "; give timeout_s to wait for them"))
         forgotten = 0
         for replica in self.replicas:
-            if replica.scheduler is not None:
-                forgotten += replica.scheduler.allocator.reset_prefix_cache()
-                self.kv_events.collect(replica.index, replica.scheduler.allocator.events or [])
+            n, events = replica.reset_prefix_cache()
+            forgotten += n
+            self.kv_events.collect(replica.index, events)
         log.info("prefix_cache_flushed", prefixes=forgotten)
         return True, f"forgot {forgotten} cached prefix blocks"
 

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 def service_load(engine) -> dict:
     """The service's load now, summed over serving replicas (what a gateway balances on)."""
-    live = [r.scheduler for r in engine.replicas if r.scheduler is not None]
-    used = sum(s.allocator.num_used_blocks for s in live)
-    blocks = sum(s.allocator.num_blocks for s in live)
-    queries = sum(s.prefix_cache_queries for s in live)
-    hits = sum(s.prefix_cache_hits for s in live)
-    waiting_tokens = (sum(r.prompt_len for r in engine.orphans)
-                      + sum(seq.num_uncomputed_tokens for s in live for seq in s.waiting))
-    return {"running": sum(len(s.running) for s in live),
-            "waiting": sum(len(s.waiting) for s in live) + len(engine.orphans), "used_blocks": used,
+    live = [s for r in engine.replicas if (s := r.pool_stats()) is not None]
+    used = sum(s["num_used_blocks"] for s in live)
+    blocks = sum(s["num_blocks"] for s in live)
+    queries = sum(s["prefix_cache_queries"] for s in live)
+    hits = sum(s["prefix_cache_hits"] for s in live)
+    waiting_tokens = sum(r.prompt_len for r in engine.orphans) + sum(s["waiting_tokens"] for s in live)
+    return {"running": sum(s["num_running"] for s in live),
+            "waiting": sum(s["num_waiting"] for s in live) + len(engine.orphans), "used_blocks": used,
             "num_blocks": blocks, "block_size": engine.config.block_size,
             "token_usage": used / blocks if blocks else 0.0,
             "cache_hit_rate": hits / queries if queries else 0.0,
@@ -34,17 +33,7 @@ def cache_stats(engine) -> dict:
     for k in ("num_generated_tokens", "num_prompt_tokens_computed", "num_embeddings",  # down replicas' counts
               "num_draft_verifications", "num_draft_tokens", "num_accepted_draft_tokens"):  # stay
         total[k] = sum(row[k] for row in rows)
-    per_request = []
-    for replica in engine.replicas:
-        if replica.scheduler is None:
-            continue
-        bpb = replica.group.bytes_per_block
-        for rid, req in replica.scheduler.requests.items():
-            blocks = replica.scheduler.request_blocks(req)
-            per_request.append({
-                "request_id": rid, "num_blocks": blocks, "replica": replica.index,
-                "num_tokens": sum(s.num_computed_tokens for s in req.seqs), "num_bytes": blocks * bpb,
-            })
+    per_request = [row for replica in engine.replicas for row in replica.request_rows()]
     used = total["num_blocks"] - total["num_free_blocks"] - total["num_cached_blocks"]
     return {
         "block_size": engine.config.block_size,

@@ -1,11 +1,13 @@
-"""One data-parallel replica: a worker group, its own scheduler (allocator, page tables, prefix cache) and
-its own step loop. Replicas step concurrently in one event loop: a step in flight is an await on the
-wire, so a replica whose workers are slow never holds up another's.
+"""The step loop of one data-parallel replica: a worker group and the scheduler that owns its pool (allocator,
+page tables, prefix cache). Replicas step concurrently in one event loop: a step in flight is an await on
+the wire, so a replica whose workers are slow never holds up another's.
 
-The loop: schedule a step, build its plan, send it; with overlap on (the default), schedule and send the
-next step before awaiting this one's result (see `_steps`); apply each result in order and hand the new
-tokens to the engine (which streams them). A failed step fails only its requests; a lost rank takes the
-replica down (the engine decides what happens to its requests) until a new group joins.
+Each turn: schedule a step, build its plan, send it; with overlap on (the default), schedule and send the
+next step before awaiting this one's result (`_steps`); apply each result in order (`_finish`): the
+scheduler's `update`, then each new token through its sample's text (stop strings end sequences here),
+then one `StepReport` to the sink (the engine, which streams the deltas). A failed step fails only its
+requests; a lost rank takes the replica down (the engine decides what happens to its requests) until a new
+group joins. Nothing outside this module reaches the scheduler.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import structlog
@@ -27,11 +30,13 @@ from protos.codec import (
     encode_mask,
     encode_plan,
 )
+from scheduler_service.core.batch import SchedulerOutput, StepUpdate
 from scheduler_service.core.block_allocator import block_hash
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.scheduler import Scheduler, SchedulerOutput
+from scheduler_service.core.scheduler import Scheduler
+from scheduler_service.core.sequence import FinishReason, Request
 from scheduler_service.runtime.worker_client import WorkerClient, WorkerError, WorkerGroup, WorkerLost
-from scheduler_service.text.output import TokenLogprob
+from scheduler_service.text.output import Delta, SampleOutput, TokenLogprob
 
 log = structlog.get_logger("scheduler.replica")
 
@@ -71,6 +76,30 @@ class _Flight:
     # Set once its plan is on the socket; its structured-output masks, when they follow the plan, go after.
     sent: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     masks_sent: bool = False
+
+
+@dataclass
+class StepReport:
+    """One applied step, for the sink: the step as scheduled, what its result did, each sample's stream delta
+    (request, delta) in order, the gaps between tokens of one sequence, and the plan's round trip."""
+
+    out: SchedulerOutput
+    update: StepUpdate
+    deltas: list[tuple[Request, Delta]]
+    token_gaps: list[float]
+    seconds: float
+
+
+class StepSink(Protocol):
+    """Where a step loop reports (the engine)."""
+
+    def on_step(self, loop: StepLoop, report: StepReport) -> None: ...
+
+    def on_step_failed(self, loop: StepLoop, out: SchedulerOutput, message: str) -> None: ...
+
+    def on_unschedulable(self, loop: StepLoop, request: Request, message: str) -> None: ...
+
+    async def on_lost(self, loop: StepLoop, message: str) -> None: ...
 
 
 # Routing load: a waiting sequence counts as this many running ones (it is a whole prefill away from
@@ -122,17 +151,16 @@ def read_logprobs(out: SchedulerOutput, result) -> dict[int, TokenLogprob] | Non
 
 
 class StepLoop:
-    def __init__(self, index: int, config: SchedulerConfig, client: WorkerClient, sink,
+    def __init__(self, index: int, config: SchedulerConfig, client: WorkerClient, sink: StepSink,
                  hidden_size: int = 0) -> None:
-        """hidden_size: the length of what a pooling row gives back. sink: the engine; gets `on_step(replica,
-        out, new_tokens, seconds)`, `on_step_failed(replica, out, error)`, `on_unschedulable(replica, request,
-        error)` and `await on_lost(replica, error)`."""
+        """hidden_size: the length of what a pooling row gives back."""
         self.index = index
         self.config = config
         self.client = client
         self.sink = sink
         self.hidden_size = hidden_size
-        self.scheduler: Scheduler | None = None
+        self._sched: Scheduler | None = None
+        self._samples: dict[int, SampleOutput] = {}  # by sequence id: each live sample's text and stops
         self.down_reason: str | None = "workers not connected yet"
         self.profile = StepProfile()
         self.num_routed = 0
@@ -156,27 +184,61 @@ class StepLoop:
 
     @property
     def load(self) -> int:
-        s = self.scheduler
+        s = self._sched
         return WAITING_WEIGHT * len(s.waiting) + len(s.running) if s else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._sched.waiting) if self._sched else 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self._sched.num_blocks if self._sched else 0
 
     def cached_blocks(self, hashes: list[bytes]) -> int:
         """Leading blocks of a prompt this replica's prefix cache holds (read-only: no LRU touch)."""
-        if self.scheduler is None:
-            return 0
-        n = 0
-        for h in hashes:
-            if self.scheduler.allocator.lookup(h) is None:
-                break
-            n += 1
-        return n
+        return self._sched.cached_blocks(hashes) if self._sched else 0
+
+    # --- requests ----------------------------------------------------------------------------------
+    def submit(self, request: Request, samples: list[SampleOutput]) -> None:
+        """A new request (its sequences made), and the text side of each of its samples."""
+        self._sched.add_request(request)
+        self._samples.update((o.seq.seq_id, o) for o in samples)
+        self.num_routed += 1
+        self.wake()
+
+    def adopt(self, request: Request, samples: list[SampleOutput]) -> None:
+        """A live request from a replica whose workers were lost: recomputed here, its samples going on."""
+        self._sched.adopt(request)
+        self._samples.update((o.seq.seq_id, o) for o in samples if not o.seq.is_finished)
+        self.wake()
+
+    def abort(self, request_id: str) -> None:
+        """End every sample of a live request; its blocks return at once."""
+        if self._sched is None:
+            return
+        request = self._sched.abort_request(request_id)
+        for seq in request.seqs if request else ():
+            self._samples.pop(seq.seq_id, None)
+
+    def live_requests(self) -> list[Request]:
+        """Every live request, oldest first."""
+        return sorted(self._sched.requests.values(), key=lambda r: r.arrival_time) if self._sched else []
+
+    def reset_prefix_cache(self) -> tuple[int, list[tuple]]:
+        """Forget every cached prefix: how many blocks, and the prefix cache's events that says so."""
+        if self._sched is None:
+            return 0, []
+        return self._sched.reset_prefix_cache(), self._sched.take_kv_events()
 
     # --- lifecycle -------------------------------------------------------------------------------
     def attach(self, max_model_len: int) -> None:
         """A group was accepted: start serving with a fresh scheduler sized to its pool."""
-        self.scheduler = Scheduler(self.config, self.group.num_blocks, max_model_len,
-                                   kv_window=self.group.handshake.kv_window)
+        self._sched = Scheduler(self.config, self.group.num_blocks, max_model_len,
+                                kv_window=self.group.handshake.kv_window)
         # KV-event subscribers learn that this replica's cache starts empty (published after its first step).
-        self.scheduler.allocator.events = [("cleared",)]
+        self._sched.record_kv_events()
+        self._samples = {}
         self.down_reason = None
         self.profile = StepProfile()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"replica-{self.index}")
@@ -187,7 +249,8 @@ class StepLoop:
         """Stop serving: end the step loop, drop the group (survivors are told to exit), forget the
         scheduler."""
         self.down_reason = reason
-        self.scheduler = None
+        self._sched = None
+        self._samples = {}
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
         self._task = None
@@ -220,7 +283,7 @@ class StepLoop:
         """Schedule, plan and send a step; with overlap on, plan and send the next one before awaiting this
         one's result, so the workers find the next plan queued when they finish (the scheduler's own time
         is hidden behind theirs). At most two steps are in flight."""
-        sched = self.scheduler
+        sched = self._sched
         depth = 2 if self.config.overlap else 1
         inflight: deque[_Flight] = deque()
         last_profile_log = time.monotonic()
@@ -286,18 +349,19 @@ class StepLoop:
             self.sink.on_step_failed(self, out, str(e))
             return True
         t3 = time.perf_counter()
-        new_tokens = sched.update(out, tokens, accepted, pooled)
+        update = sched.update(out, tokens, accepted, pooled)
         other_prefill = out.num_prefill_tokens - out.num_embed_tokens
         sched.pacer.observe(out.num_decodes, out.num_embed_tokens, other_prefill,
                             result.time_prepare + result.time_forward + result.time_sample)
-        self.sink.on_step(self, out, new_tokens, t3 - flight.t2, logprobs)
+        deltas, gaps = self._text(sched, update, logprobs)
+        self.sink.on_step(self, StepReport(out, update, deltas, gaps, t3 - flight.t2))
         t4 = time.perf_counter()
-        self.num_generated_tokens += len(new_tokens)
-        self.num_embeddings += len(out.embedded)
+        self.num_generated_tokens += len(update.tokens)
+        self.num_embeddings += len(update.embedded)
         self.num_prompt_tokens_computed += out.num_prefill_tokens
-        self.num_draft_rows += out.num_draft_rows
-        self.num_drafted_tokens += out.num_drafted
-        self.num_accepted_tokens += out.num_accepted
+        self.num_draft_rows += update.num_draft_rows
+        self.num_drafted_tokens += update.num_drafted
+        self.num_accepted_tokens += update.num_accepted
         p = self.profile
         p.steps += 1
         p.tokens += out.num_tokens
@@ -315,6 +379,43 @@ class StepLoop:
             sched.check_invariants()
         return True
 
+    def _text(self, sched: Scheduler, update: StepUpdate,
+              logprobs: dict[int, TokenLogprob] | None) -> tuple[list[tuple[Request, Delta]], list[float]]:
+        """Each new token through its sample's text: a stop (string, id, length or grammar) ends the sequence
+        here, and its tokens after the stop (an accepted draft's) are dropped. An embedding's one delta
+        carries its vector. Returns the deltas in order and the gaps between a sequence's tokens."""
+        now = time.monotonic()
+        deltas, gaps, seen = [], [], []
+        tokens = update.tokens
+        for i, (seq, token) in enumerate(tokens):
+            sample = self._samples.get(seq.seq_id)
+            if sample is None or seq.is_finished:  # (finished: by a stop among its tokens of this step)
+                continue
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+            if seq.last_token_time is not None:
+                gaps.append(now - seq.last_token_time)
+            seq.last_token_time = now
+            lp = logprobs.get(seq.seq_id) if logprobs else None
+            if lp is not None:
+                lp.token_id = token
+            delta, reason = sample.add_token(token, lp)
+            if reason is not None:
+                sched.finish(seq, reason, drop=sum(1 for s, _ in tokens[i + 1:] if s is seq))
+            deltas.append((seq.request, delta))
+            seen.append(seq)
+        for seq in update.embedded:
+            sample = self._samples.get(seq.seq_id)
+            if sample is not None:
+                delta = sample.finish(FinishReason.STOP)
+                delta.embedding = seq.embedding
+                deltas.append((seq.request, delta))
+                seen.append(seq)
+        for seq in seen:
+            if seq.is_finished:
+                self._samples.pop(seq.seq_id, None)
+        return deltas, gaps
+
     async def _send_masks(self, flight: _Flight) -> None:
         """Compute the masks of a step sent with mask_follows from its matchers as they are now and send them,
         after its plan and before any later plan. Called once the step before it is applied; if that step
@@ -323,8 +424,7 @@ class StepLoop:
             return
         flight.masks_sent = True
         t0 = time.perf_counter()
-        engine, matchers, drafted = flight.out.deferred_masks
-        mask = encode_mask(flight.out.step_id, engine.fill_masks(matchers, drafted))
+        mask = encode_mask(flight.out.step_id, flight.out.deferred_masks.fill())
         self.profile.masks += time.perf_counter() - t0
         await flight.sent.wait()
         await self.client.send_mask(self.index, mask)
@@ -332,20 +432,38 @@ class StepLoop:
     async def _no_progress(self, sched: Scheduler) -> None:
         """Nothing runs and the head of the queue cannot be admitted: it can never be, so it gets an error
         rather than a retry forever (validated sizes make this a last line of defence)."""
+        free = sched.pool_stats()["num_available_blocks"]
         log.error("no_progress", replica=self.index, waiting=len(sched.waiting),
-                  running=len(sched.running), free_blocks=sched.allocator.num_available_blocks)
+                  running=len(sched.running), free_blocks=free)
         if not sched.running and sched.waiting:
             head = sched.waiting[0]
             self.sink.on_unschedulable(self, head.request, (
                 f"the request cannot be scheduled: its next step needs more than the "
-                f"{sched.allocator.num_available_blocks} free KV blocks of an otherwise idle pool"))
+                f"{free} free KV blocks of an otherwise idle pool"))
         else:
             await asyncio.sleep(0.05)
 
     # --- reporting -------------------------------------------------------------------------------
+    def pool_stats(self) -> dict[str, int] | None:
+        """The scheduler's books now (core/scheduler.py pool_stats); None while the replica is down."""
+        return self._sched.pool_stats() if self._sched else None
+
+    def request_rows(self) -> list[dict]:
+        """Each live request's blocks, bytes and computed tokens (GetCacheStats' per-request rows)."""
+        if self._sched is None:
+            return []
+        bpb = self.group.bytes_per_block
+        rows = []
+        for rid, req in self._sched.requests.items():
+            blocks = self._sched.request_blocks(req)
+            rows.append({"request_id": rid, "num_blocks": blocks, "replica": self.index,
+                         "num_bytes": blocks * bpb,
+                         "num_tokens": sum(s.num_computed_tokens for s in req.seqs)})
+        return rows
+
     def stats(self) -> dict:
         """This replica's pool accounting (zeros while it is down)."""
-        s = self.scheduler
+        s = self.pool_stats()
         group = self.group
         bpb = group.bytes_per_block if group.is_ready else 0
         row = {"replica": self.index, "serving": self.is_serving, "status": self.down_reason or "serving",
@@ -357,12 +475,9 @@ class StepLoop:
                "num_accepted_draft_tokens": self.num_accepted_tokens}
         if s is None:
             return row
-        a = s.allocator
-        row.update(
-            num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks, num_cached_blocks=a.num_cached_blocks,
-            used_bytes=a.num_used_blocks * bpb, total_bytes=a.num_blocks * bpb,
-            utilization=a.num_used_blocks / a.num_blocks, prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            num_running=len(s.running), num_waiting=len(s.waiting), num_shared_blocks=a.num_shared_blocks,
-        )
+        kept = ("num_blocks", "num_free_blocks", "num_cached_blocks", "num_shared_blocks",
+                "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_running", "num_waiting")
+        row.update({k: s[k] for k in kept})
+        row.update(used_bytes=s["num_used_blocks"] * bpb, total_bytes=s["num_blocks"] * bpb,
+                   utilization=s["num_used_blocks"] / s["num_blocks"])
         return row

@@ -13,6 +13,8 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from scheduler_service.core.sequence import FinishReason, Sequence
 from scheduler_service.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -46,7 +48,7 @@ class Delta:
     # On a STOP sample's last delta: the stop string (str) or stop token id (int) that ended it; None for an
     # end-of-sequence token.
     stop_reason: str | int | None = None
-    embedding: object = None  # an embedding request's one delta: its vector (float32)
+    embedding: np.ndarray | None = None  # an embedding request's one delta: its vector (float32)
 
 
 class SampleOutput:

@@ -41,6 +41,7 @@ class SimulatedWorker:
         self.window = window
         self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
         self.num_steps = 0
+        self.num_drafted = self.num_accepted = 0  # drafted tokens the steps applied by `step` verified, stood
         self.last_step_id = 0
         self.last_sampled: np.ndarray | None = None  # kept for the next plan's pending tokens (overlap)
         self.last_accepted: list[int] | None = None  # drafted tokens each row of the last step accepted
@@ -50,11 +51,14 @@ class SimulatedWorker:
         self.last_pooled: np.ndarray | None = None
 
     def step(self, sched, out) -> list:
-        """Plan, run and apply one scheduler step (its drafts' acceptance included): the new tokens."""
+        """Plan, run and apply one scheduler step (its drafts' acceptance included): what it did."""
         from protos.codec import encode_plan
 
         tokens = self.execute(encode_plan(sched.build_plan(out)))
-        return sched.update(out, tokens, self.last_accepted, self.last_pooled)
+        update = sched.update(out, tokens, self.last_accepted, self.last_pooled)
+        self.num_drafted += update.num_drafted
+        self.num_accepted += update.num_accepted
+        return update
 
     def execute(self, plan: wire_pb2.StepPlan) -> list[int]:
         """Run a plan as it comes off the wire; -1 for rows that do not sample. A drafting row's drafted
@@ -143,7 +147,7 @@ class Pipeline:
                 launched = True
         if self.inflight and (len(self.inflight) == self.depth or not launched):
             out, tokens, accepted = self.inflight.pop(0)
-            new = self.sched.update(out, tokens, accepted)
+            new = self.sched.update(out, tokens, accepted).tokens
             for i, (seq, token) in enumerate(new):
                 if seq.is_finished:  # by a stop among this step's tokens: the rest are not its
                     continue
@@ -170,7 +174,7 @@ def step(sched, worker):
     sched.check_invariants()
     if out.is_empty:
         return out
-    for seq, _ in worker.step(sched, out):
+    for seq, _ in worker.step(sched, out).tokens:
         if seq.num_output_tokens >= seq.request.sampling.max_tokens:
             sched.finish(seq, FinishReason.LENGTH)
     sched.check_invariants()

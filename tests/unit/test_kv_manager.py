@@ -1,7 +1,7 @@
 """Page tables on their own: growth, copy-on-write, refusals that change nothing, forks and release."""
 
+from scheduler_service.core.batch import make_sequences
 from scheduler_service.core.kv_manager import KVCacheManager
-from scheduler_service.core.scheduler import make_sequences
 from scheduler_service.core.sequence import Request, SamplingOptions
 
 
@@ -48,7 +48,7 @@ def test_writing_into_a_shared_block_copies_it_first():
     assert not kv.writes_in_place(fork, 5)  # its last block is the leader's too
     shared_last = fork.block_ids[1]
     copies = kv.allocate_slots(fork, 1)
-    assert copies == [(shared_last, fork.block_ids[1])] and fork.block_ids[1] != shared_last
+    assert copies == [(1, shared_last, fork.block_ids[1])] and fork.block_ids[1] != shared_last
     assert fork.block_ids[0] == leader.block_ids[0]  # the block it only reads stays shared
     assert kv.allocator.refcount(shared_last) == 1 and kv.writes_in_place(leader, 6)
     kv.check_invariants([leader, fork], [])

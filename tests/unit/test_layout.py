@@ -198,3 +198,50 @@ def test_no_module_outside_tests_and_kernels_runs_past_500_lines():
     sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in files}
     long = [f"{p}: {n} lines" for p, n in sizes.items() if n > 500]
     assert not long, "split these:\n" + "\n".join(long)
+
+
+def _product(prefix: str):
+    return {name: tree for name, tree in MODULES.items() if name.startswith(prefix)}
+
+
+def test_only_the_step_loop_reaches_the_scheduler():
+    """The step loop owns its scheduler; the router, the API and the reports ask the loop, never reaching
+    through it into the scheduler or the allocator."""
+    owners = [(name, tree) for name, tree in _product("scheduler_service").items()
+              if not name.startswith("scheduler_service.core")
+              and name != "scheduler_service.runtime.step_loop"]
+    wrong = [f"{name}:{node.lineno} {ast.unparse(node)}" for name, tree in owners
+             for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+             and node.attr in ("scheduler", "allocator", "kv", "running", "waiting")
+             and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_sequence_is_finished_in_one_place():
+    """Only Sequence.finish writes a sequence's end; everything else asks for it (the scheduler after its
+    blocks are back, the router for a request no replica holds)."""
+    wrong = []
+    for name, tree in _product("scheduler_service").items():
+        if name == "scheduler_service.core.sequence":
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Assign):
+                continue
+            value = ast.unparse(node.value)
+            for t in (e for target in node.targets
+                      for e in (target.elts if isinstance(target, ast.Tuple) else [target])):
+                ends = (t.attr == "status" and "SequenceStatus.FINISHED" in value
+                        or t.attr == "finish_reason" and "FinishReason." in value) \
+                    if isinstance(t, ast.Attribute) else False
+                if ends:
+                    wrong.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_scheduler_field_is_typed_object():
+    """Every field of the scheduler's state says what it holds (a Protocol where the thing lives above)."""
+    wrong = [f"{name}:{node.lineno} {ast.unparse(node)}"
+             for name, tree in _product("scheduler_service").items()
+             for node in ast.walk(tree) if isinstance(node, ast.AnnAssign)
+             and "object" in {n.id for n in ast.walk(node.annotation) if isinstance(n, ast.Name)}]
+    assert not wrong, "\n".join(wrong)

@@ -84,7 +84,7 @@ def test_forks_respect_max_num_seqs():
             break
         out = sched.schedule()
         assert len(sched.running) <= 2 and len(out.scheduled) <= 2
-        for seq, _ in worker.step(sched, out):
+        for seq, _ in worker.step(sched, out).tokens:
             if seq.num_output_tokens >= 5:
                 sched.finish(seq, FinishReason.LENGTH)
     assert not sched.has_work
@@ -111,7 +111,7 @@ def hand_engine(tiny_model_dir, num_blocks=64):
     engine = Engine(config, spec, Tokenizer(tiny_model_dir), NoWorkers())
     engine.limits = Limits(spec.vocab_size, spec.max_context, num_blocks, 4)
     replica = engine.replicas[0]
-    replica.scheduler = Scheduler(config, num_blocks, spec.max_context)
+    replica._sched = Scheduler(config, num_blocks, spec.max_context)
     replica.down_reason = None
     return engine, replica
 
@@ -130,7 +130,7 @@ def test_a_failed_step_fails_the_request_it_held_not_a_new_one_with_the_same_id(
         old = Request("same-id", [5, 6, 7], SamplingOptions(max_tokens=4))
         old_stream = engine.generate(old)
         old_next = await first_item(old_stream)
-        out = replica.scheduler.schedule()  # the step holding the old request is "in flight"
+        out = replica._sched.schedule()  # the step holding the old request is "in flight"
         assert engine.abort("same-id")
         assert (await old_next).finish_reason is not None  # the old stream ended with ABORT
         new = Request("same-id", [8, 9], SamplingOptions(max_tokens=4))
@@ -143,7 +143,7 @@ def test_a_failed_step_fails_the_request_it_held_not_a_new_one_with_the_same_id(
         with pytest.raises(StepFailed):  # while the request that was in the step does get the failure
             req = Request("other", [1, 2], SamplingOptions(max_tokens=2))
             task = await first_item(engine.generate(req))
-            out = replica.scheduler.schedule()
+            out = replica._sched.schedule()
             engine.on_step_failed(replica, out, "boom")
             await task
 
@@ -161,6 +161,6 @@ def test_a_request_that_can_never_be_scheduled_gets_an_error_not_a_retry_forever
         with pytest.raises(Unschedulable, match="cannot be scheduled"):
             await asyncio.wait_for(task, 5)
         loop.cancel()
-        assert not replica.scheduler.requests and replica.scheduler.allocator.num_available_blocks == 2
+        assert not replica.live_requests() and replica.pool_stats()["num_available_blocks"] == 2
 
     asyncio.run(run())

@@ -4,8 +4,9 @@ import random
 
 import pytest
 
+from scheduler_service.core.batch import DuplicateRequestId
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.scheduler import DuplicateRequestId, Scheduler
+from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import FinishReason, Request, SamplingOptions
 from tests.support.simulated import SimulatedWorker, expected_output
 
@@ -26,7 +27,7 @@ def run_to_completion(sched, worker, arrivals, max_steps=10_000):
         sched.check_invariants()
         assert not out.is_empty, "a step with work to do scheduled nothing"
         assert out.num_tokens <= sched.config.max_num_batched_tokens
-        for seq, _ in worker.step(sched, out):
+        for seq, _ in worker.step(sched, out).tokens:
             if seq.num_output_tokens >= seq.request.sampling.max_tokens:
                 sched.finish(seq, FinishReason.LENGTH)
         trace.append((len(sched.running), len(sched.waiting)))
@@ -112,7 +113,7 @@ def test_result_of_a_step_that_raced_an_abort_is_dropped():
     sched.add_request(a)
     out = sched.schedule()
     sched.abort_request("a")
-    assert sched.update(out, [9]) == []
+    assert sched.update(out, [9]).tokens == []
     assert a.seqs[0].output_token_ids == []
 
 

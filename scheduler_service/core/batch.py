@@ -1,0 +1,89 @@
+"""What one step is: the rows the scheduler chose (`SchedulerOutput`), and what applying its result did
+(`StepUpdate`); how a request becomes its sequences."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scheduler_service.core.plan import DeferredMasks
+from scheduler_service.core.sequence import Request, Sequence
+
+# Sequence ids are unique in the process, not per scheduler: a request moved to another replica (its
+# workers were lost) keeps its sequences.
+_SEQ_IDS = itertools.count()
+
+
+def make_sequences(request: Request) -> None:
+    """One sequence per sample; samples 1..n-1 wait to fork from sample 0's prompt."""
+    request.seqs = [Sequence(next(_SEQ_IDS), request, i) for i in range(request.sampling.n)]
+    request.pending_forks = request.seqs[1:]
+
+
+class DuplicateRequestId(ValueError):
+    """A live request already has this id."""
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (== num_computed_tokens when scheduled)
+    num_new_tokens: int
+    do_sample: bool
+    epoch: int  # the sequence's epoch when scheduled: its blocks are still these while the epochs agree
+    prev_row: int = -1  # >= 0: the last input token is the one the previous step samples in this row
+    draft: tuple[int, ...] = ()  # drafted tokens after the known last one, verified by this step
+
+
+@dataclass
+class SchedulerOutput:
+    """One scheduled step: its rows, what it preempted and copies, and what its plan added for reading the
+    result back."""
+
+    step_id: int
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
+    # Set by the plan when rows asked for logprobs: the plan's per-row K (-1 none), and for prompt logprobs
+    # (K per row, positions per row); the result's arrays are decoded with them.
+    logprobs_k: np.ndarray | None = None
+    prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None
+    deferred_masks: DeferredMasks | None = None
+    draft_seconds: float = 0.0  # speculative decoding: seconds spent drafting (part of schedule)
+    # Embeddings: the rows' pooling kinds (set where an embedding runs), the plan's pooling (where a row pools
+    # this step).
+    embed_rows: np.ndarray | None = None
+    pooling: np.ndarray | None = None
+    num_decodes: int = 0  # sequences decoding (scheduler_service/core/pacing.py paces embeddings beside them)
+    embed_room: int = 0  # embedding prompt tokens this step may still take
+    num_embed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.start < s.seq.prompt_len)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class StepUpdate:
+    """What applying a step's result did (Scheduler.update): every token a sequence got, in order; the
+    embeddings it finished; the prefix cache's changes; the drafts it verified; the queues after it."""
+
+    tokens: list[tuple[Sequence, int]] = field(default_factory=list)
+    embedded: list[Sequence] = field(default_factory=list)
+    kv_events: list[tuple] = field(default_factory=list)
+    num_draft_rows: int = 0  # rows that verified a draft, the tokens they drafted, and how many stood
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
