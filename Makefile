@@ -34,7 +34,7 @@ help:  ## list the targets, one line each
 setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native  ## create .venv, install, build protos, prepare the default model, compile the CPU kernels (idempotent)
 
 # The native CPU kernels, compiled for this machine's vector units (the worker falls back to torch without them).
-.stamps/native: .stamps/deps $(wildcard kernels/cpu/*.c kernels/cpu/*.h) kernels/cpu_native.py
+.stamps/native: .stamps/deps $(wildcard kernels/cpu/*.c kernels/cpu/*.h) kernels/cpu_build.py
 	$(PY) -m kernels.cpu_native || echo "native CPU kernels not built: the worker will use its torch attention"
 	@touch $@
 

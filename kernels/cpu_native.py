@@ -1,50 +1,24 @@
-"""Native CPU kernels (kernels/cpu/*.c: paged decode and prefill attention, the fused elementwise tail), built
-for this machine on first use and called through ctypes.
-
-The library is compiled with the system C compiler at -O3 -march=native -fopenmp and cached under
-$PAGEDSERVE_CACHE (default ~/.cache/pagedserve) by a hash of the source, the compiler and the CPU's
-feature flags, so a machine with other vector units builds its own copy (`make setup` builds it ahead).
-Its OpenMP symbols bind to the libgomp torch has already loaded, so the kernels and torch share one
-thread pool. ctypes releases the GIL for the call. Where no compiler is found, or the build fails,
-`load()` returns None and callers keep their pure-torch path.
+"""Native CPU kernels (kernels/cpu/*.c: paged decode and prefill attention, the fused elementwise tail, the
+quantized matmuls, the fused decode step), built for this machine on first use (kernels/cpu_build.py) and
+called through ctypes. Its OpenMP symbols bind to the libgomp torch has already loaded, so the kernels and
+torch share one thread pool. ctypes releases the GIL for the call. Where no compiler is found, or the build
+fails, `load()` returns None and callers keep their pure-torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import structlog
 import torch
 
+from kernels.cpu_build import build
+
 log = structlog.get_logger("kernels.cpu_native")
-
-SOURCE_DIR = Path(__file__).with_name("cpu")
-
-
-def sources(folder: Path = SOURCE_DIR) -> list[Path]:
-    """Every translation unit of the library: each .c in the folder."""
-    return sorted(folder.glob("*.c"))
-
-
-def build_inputs(folder: Path = SOURCE_DIR) -> list[Path]:
-    """Every file the compiled library depends on (each .c and each .h: a header edited alone rebuilds)."""
-    return sorted([*folder.glob("*.c"), *folder.glob("*.h")])
-
-
-# PAGEDSERVE_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2, no AVX-512, for a
-# fleet of older machines; the tests build it so to check the portable paths here)
-MARCH = os.environ.get("PAGEDSERVE_NATIVE_MARCH", "native")
-CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
-if platform.machine() in ("x86_64", "AMD64"):
-    CFLAGS.append("-mprefer-vector-width=512")  # full-width vectors where AVX-512 exists; no effect elsewhere
-
 
 def blas_sgemm() -> int | None:
     """The address of the BLAS `sgemm_` (Fortran interface, 32-bit integers) that torch's CPU library carries
@@ -319,60 +293,6 @@ def _kv_dtype(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> torch.
         raise TypeError(f"{what} reads a KV pool of float32 or bfloat16 (K and V alike), got {k_cache.dtype} "
                         f"and {v_cache.dtype}")
     return k_cache.dtype
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve") / "kernels"
-
-
-def build_key(cc: str, folder: Path = SOURCE_DIR, cflags: list[str] = CFLAGS) -> str:
-    """The cached library's name: a hash of every source and header, the flags, the compiler and the CPU."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    digest = hashlib.sha256()
-    for f in build_inputs(folder):
-        digest.update(f.name.encode() + b"\0" + f.read_bytes())
-    for part in (" ".join(cflags), str(version), _cpu_flags()):
-        digest.update(part.encode())
-    return digest.hexdigest()[:16]
-
-
-def build(verbose: bool = False) -> Path:
-    """Compile the library for this machine (once per source, compiler and CPU) and return its path."""
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC)")
-    target = cache_dir() / f"pagedserve_cpu-{build_key(cc)}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # built aside, then renamed: ranks may race
-    os.close(fd)
-    try:
-        res = subprocess.run([cc, *CFLAGS, *map(str, sources()), "-o", tmp, "-lm"], capture_output=True,
-                             text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"building the native CPU kernels failed: {res.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    if verbose:
-        print(f"built {target}")
-    return target
 
 
 _LOADED: NativeKernels | None = None

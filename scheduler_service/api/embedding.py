@@ -16,7 +16,7 @@ import numpy as np
 
 from scheduler_service.api.validation import MAX_REQUEST_ID_CHARS, InvalidRequest
 from scheduler_service.core.sequence import EmbedOptions, Request, SamplingOptions
-from scheduler_service.runtime.engine import EngineUnavailable
+from scheduler_service.runtime.errors import EngineUnavailable
 
 MAX_INPUTS = 2048  # inputs of one call (OpenAI's /v1/embeddings takes up to 2048 too)
 

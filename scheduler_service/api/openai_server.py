@@ -41,7 +41,8 @@ from scheduler_service.api.streams import ClientGone, merged, unless_disconnecte
 from scheduler_service.api.tool_calls import template_writes_tool_calls
 from scheduler_service.api.validation import InvalidRequest
 from scheduler_service.core.batch import DuplicateRequestId
-from scheduler_service.runtime.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
+from scheduler_service.runtime.engine import Engine
+from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, StepFailed, Unschedulable
 
 log = structlog.get_logger("scheduler.http")
 

@@ -12,7 +12,8 @@ import structlog
 from scheduler_service.api.embedding import refuse_task
 from scheduler_service.api.validation import InvalidRequest, request_from_proto
 from scheduler_service.core.batch import DuplicateRequestId
-from scheduler_service.runtime.engine import Engine, EngineUnavailable, QueueFull, StepFailed, Unschedulable
+from scheduler_service.runtime.engine import Engine
+from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, StepFailed, Unschedulable
 
 log = structlog.get_logger("scheduler.rpc")
 

@@ -162,6 +162,33 @@ class KVCacheManager:
                 self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
+    # --- the prefix cache's reports --------------------------------------------------------------
+    def record_kv_events(self) -> None:
+        """From now on the prefix cache's changes are kept for take_kv_events (KV-event subscribers); the
+        first says the cache starts empty."""
+        self.allocator.events = [("cleared",)]
+
+    def take_kv_events(self) -> list[tuple]:
+        """The prefix cache's changes since the last call (none unless recorded)."""
+        a = self.allocator
+        if not a.events:
+            return []
+        events, a.events = a.events, []
+        return events
+
+    def cached_blocks(self, hashes: list[bytes]) -> int:
+        """Leading blocks of a prompt (its chained block hashes) the prefix cache holds; no LRU touch."""
+        n = 0
+        for h in hashes:
+            if self.allocator.lookup(h) is None:
+                break
+            n += 1
+        return n
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (only unreferenced blocks are cached); how many were forgotten."""
+        return self.allocator.reset_prefix_cache()
+
     # --- sliding windows -------------------------------------------------------------------------
     def out_of_window(self, seq: Sequence, start: int) -> int:
         """How many of seq's leading blocks no query from position `start` on reads (see below)."""

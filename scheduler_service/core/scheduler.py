@@ -24,7 +24,7 @@ from scheduler_service.core.drafting import SequenceDrafter, SharedNgrams
 from scheduler_service.core.kv_manager import BlockCopy, KVCacheManager
 from scheduler_service.core.pacing import EmbedPacer
 from scheduler_service.core.plan import PlanBuilder
-from scheduler_service.core.pooling import take_pooled
+from scheduler_service.core.results import apply_result
 from scheduler_service.core.sequence import FinishReason, Request, Sequence, SequenceStatus
 
 
@@ -274,72 +274,8 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: list[int], accepted: list[int] | None = None,
                pooled: np.ndarray | None = None) -> StepUpdate:
-        # sampled: Python ints, one per scheduled row (numpy's tolist() gives them); accepted: drafted tokens
-        # each row accepted (None: the step drafted nothing); pooled: fp32 [pooling rows, hidden]
-        """Reconcile a step with its result: pending tokens become known (a drafting row's accepted draft,
-        then its sampled token; the slots and blocks past them are given back), newly full blocks of
-        confirmed tokens are offered to the prefix cache, pending samples fork. Returns (seq, token) for
-        every token a sequence got, in order. A sequence that finished (stopped, aborted) since the step was
-        planned gets nothing; one preempted since keeps its tokens (computed from its blocks as they were)
-        but its blocks, given back, are left alone. Stop conditions on the text are the caller's: it ends
-        a sequence with `finish`."""
-        result = StepUpdate()
-        new_tokens = result.tokens
-        caching, bs = self.config.enable_prefix_caching, self.block_size
-        finished, running = SequenceStatus.FINISHED, SequenceStatus.RUNNING
-        for i, (item, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
-            seq = item.seq
-            if item.do_sample:
-                seq.num_pending -= 1
-            if seq.status is finished:
-                continue
-            current = seq.epoch == item.epoch and seq.status is running
-            end = item.start + item.num_new_tokens
-            tokens = (token,)
-            if item.draft:
-                n = accepted[i] if accepted is not None else 0
-                tokens = (*item.draft[:n], token)
-                end = item.start + 1 + n  # K/V past the accepted draft is a rejected draft's
-                seq.drafter.record(len(item.draft), n)
-                result.num_draft_rows += 1
-                result.num_drafted += len(item.draft)
-                result.num_accepted += n
-            if item.do_sample:
-                if seq.matcher is not None:  # (a grammar that ends inside the tokens ends the sample there)
-                    tokens = self._consume(seq, tokens)
-                    end = min(end, len(seq.token_ids) + len(tokens) - 1)
-                if item.draft and current:
-                    seq.num_computed_tokens = end
-                    if self.kv.trim(seq, end + 1):  # blocks held only for rejected tokens go back
-                        self.planner.trimmed(seq)
-                seq.token_ids.extend(tokens)
-                for t in tokens:
-                    new_tokens.append((seq, t))
-                if seq.drafter is not None:
-                    seq.drafter.append(tokens)
-                    seq.drafter.look_ahead()
-            if current and caching and end // bs > seq.num_registered_blocks:
-                self.kv.register_full_blocks(seq, end)
-            if item.do_sample and seq.index == 0 and seq.request.pending_forks:
-                self._fork(seq, current)
-        if out.embed_rows is not None:  # embeddings: their pooled states, and those finished
-            result.embedded = take_pooled(out, pooled)
-            for seq in result.embedded:
-                self.finish(seq, FinishReason.STOP)
-        result.kv_events = self.take_kv_events()
-        result.num_running, result.num_waiting = len(self.running), len(self.waiting)
-        result.num_free_blocks = self.kv.allocator.num_available_blocks
-        return result
-
-    @staticmethod
-    def _consume(seq: Sequence, tokens: tuple[int, ...]) -> tuple[int, ...]:
-        """seq's grammar matcher takes its new tokens in turn, up to the one that completes or breaks it (a
-        refused token leaves it in error: the output ends the sample there). The tokens it took."""
-        for n, t in enumerate(tokens, 1):
-            seq.matcher.consume_token(t)
-            if seq.matcher.is_stopped() or seq.matcher.is_error():
-                return tokens[:n]
-        return tokens
+        """Reconcile a step with its result (core/results.py apply_result)."""
+        return apply_result(self, out, sampled, accepted, pooled)
 
     # --- memory ----------------------------------------------------------------------------------
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int],
@@ -371,22 +307,6 @@ class Scheduler:
         out.scheduled.append(item)
         seq.num_computed_tokens = start + num_new
         scheduled.add(seq.seq_id)
-
-    def _fork(self, leader: Sequence, leader_current: bool) -> None:
-        """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token. Those
-        beyond max_num_seqs wait at the head of the queue instead, where admission finds the prompt's
-        full blocks in the prefix cache; so do all of them when the leader lost its blocks (preempted while
-        its first token was in flight)."""
-        request = leader.request
-        room = max(0, self.config.max_num_seqs - len(self.running)) if leader_current else 0
-        forks, queued = request.pending_forks[:room], request.pending_forks[room:]
-        self.kv.fork(leader, forks)
-        for seq in forks:
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self.planner.attach(seq)
-        self.waiting.extendleft(reversed(queued))
-        request.pending_forks = []
 
     def _reserve(self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput) -> int:
         """Room in seq's page table for num_new more tokens, preempting others while the pool is empty. A
@@ -441,32 +361,6 @@ class Scheduler:
         self.planner.detach(seq)
 
     # --- the prefix cache and accounting -----------------------------------------------------------
-    def record_kv_events(self) -> None:
-        """From now on the prefix cache's changes are kept for take_kv_events (KV-event subscribers); the
-        first says the cache starts empty."""
-        self.kv.allocator.events = [("cleared",)]
-
-    def take_kv_events(self) -> list[tuple]:
-        """The prefix cache's changes since the last call (none unless recorded)."""
-        a = self.kv.allocator
-        if not a.events:
-            return []
-        events, a.events = a.events, []
-        return events
-
-    def cached_blocks(self, hashes: list[bytes]) -> int:
-        """Leading blocks of a prompt (its chained block hashes) the prefix cache holds; no LRU touch."""
-        n = 0
-        for h in hashes:
-            if self.kv.allocator.lookup(h) is None:
-                break
-            n += 1
-        return n
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (only unreferenced blocks are cached); how many were forgotten."""
-        return self.kv.allocator.reset_prefix_cache()
-
     def pool_stats(self) -> dict[str, int]:
         """The pool's books now: blocks by state, queues, prefix-cache lookups and preemptions."""
         a = self.kv.allocator

@@ -25,9 +25,13 @@ from scheduler_service.core.batch import DuplicateRequestId, SchedulerOutput, ma
 from scheduler_service.core.config import ModelSpec, SchedulerConfig
 from scheduler_service.core.sequence import FinishReason, Request
 from scheduler_service.runtime import reporting
+from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, StepFailed, Unschedulable
+from scheduler_service.runtime.groups import context_limit, group_problem, workers_max_num_seqs
 from scheduler_service.runtime.kv_events import KvEventPublisher
 from scheduler_service.runtime.metrics import Metrics
-from scheduler_service.runtime.step_loop import StepLoop, StepReport, prompt_block_hashes
+from scheduler_service.runtime.orphans import Orphans
+from scheduler_service.runtime.step_loop import StepLoop
+from scheduler_service.runtime.step_results import StepReport, prompt_block_hashes
 from scheduler_service.runtime.worker_client import WorkerClient, WorkerGroup
 from scheduler_service.text.limits import Limits
 from scheduler_service.text.output import Delta, DeltaQueue, SampleOutput, Usage
@@ -37,20 +41,12 @@ from scheduler_service.text.tokenizer import Tokenizer
 log = structlog.get_logger("scheduler.engine")
 
 
-class QueueFull(RuntimeError):
-    """Too many requests wait already; answered with RESOURCE_EXHAUSTED."""
 
 
-class EngineUnavailable(RuntimeError):
-    """No replica can serve (no live worker group); answered with UNAVAILABLE."""
 
 
-class StepFailed(RuntimeError):
-    """A step holding this request failed on a worker; answered with INTERNAL."""
 
 
-class Unschedulable(RuntimeError):
-    """The request can never be admitted to its replica's pool; answered with RESOURCE_EXHAUSTED."""
 
 
 @dataclass
@@ -89,9 +85,7 @@ class Engine:
         # Requests whose replica was lost while no other served: resumed when a group (re)joins, failed at
         # the deadline.
         self.worker_restart_timeout = worker_restart_timeout
-        self._orphans: list[Request] = []
-        self._orphan_deadline: float | None = None
-        self._orphan_reason = ""
+        self._orphans = Orphans(worker_restart_timeout)
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self, worker_timeout: float) -> None:
@@ -99,7 +93,7 @@ class Engine:
         await self.client.wait_for_workers(worker_timeout)
         groups = self.client.groups
         self._adopt_max_num_seqs(groups)
-        self.limits = Limits(self.spec.vocab_size, self._max_context(groups[0]),
+        self.limits = Limits(self.spec.vocab_size, context_limit(self.spec, groups[0]),
                              min(g.num_blocks for g in groups), self.config.block_size,
                              self.tokenizer.max_token_bytes, self.spec.eos_token_ids,
                              GrammarEngine(self.tokenizer.to_json(), self.spec.vocab_size,
@@ -117,11 +111,9 @@ class Engine:
     def _adopt_max_num_seqs(self, groups) -> None:
         """Where --max-num-seqs was left to the workers, take the smallest they proposed (a GPU worker's comes
         from its KV capacity, and its decode graphs are captured for it)."""
-        proposed = [w.handshake.max_num_seqs for g in groups for w in g.workers.values()
-                    if w.handshake.max_num_seqs]
-        if not self.config.auto_max_num_seqs or not proposed:
+        chosen = workers_max_num_seqs(self.config, groups)
+        if chosen is None:
             return
-        chosen = min(min(proposed), self.config.max_num_batched_tokens)
         if chosen != self.config.max_num_seqs:
             self.config = replace(self.config, max_num_seqs=chosen)
             for replica in self.replicas:
@@ -159,31 +151,9 @@ class Engine:
             self.abort(rid)
         await self.client.close()
 
-    def _max_context(self, group: WorkerGroup) -> int:
-        return min(self.spec.max_context, group.handshake.max_context)
-
     def _check_group(self, group: WorkerGroup) -> str:
         """Why a complete worker group cannot serve this model, or ""."""
-        hs = group.handshake
-        if hs.vocab_size != self.spec.vocab_size:
-            return f"worker vocabulary {hs.vocab_size} differs from the model config's {self.spec.vocab_size}"
-        max_context = self._max_context(group)
-        if self.limits is not None:
-            max_context = self.limits.max_context
-            if group.num_blocks < self.limits.num_blocks:
-                return (f"its pool of {group.num_blocks} blocks is smaller than the {self.limits.num_blocks} "
-                        "the service promised requests at start")
-        pool_tokens = group.num_blocks * self.config.block_size
-        what = f"the full {max_context}-token context"
-        if hs.kv_window and hs.kv_window + self.config.max_num_batched_tokens + 2 * self.config.block_size \
-                < max_context:  # a sequence holds its sliding window and a step's tokens at most
-            max_context = hs.kv_window + self.config.max_num_batched_tokens + 2 * self.config.block_size
-            what = f"a {hs.kv_window}-key sliding window and a step's tokens ({max_context} tokens)"
-        if pool_tokens < max_context:
-            return (f"the KV pool ({group.num_blocks} blocks x {self.config.block_size} = {pool_tokens} "
-                    f"tokens) cannot hold one request of {what}: give the workers more KV memory "
-                    "(--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len")
-        return ""
+        return group_problem(group, self.spec, self.config, self.limits)
 
     def _group_ready(self, group: WorkerGroup) -> None:
         """A replica's group rejoined after start (a restarted worker group)."""
@@ -254,10 +224,7 @@ class Engine:
             replica.submit(request, samples)
         else:  # every group is being replaced: wait for one (at most --worker-restart-timeout), like the
             replica = None  # requests that were running on it
-            self._orphans.append(request)
-            if self._orphan_deadline is None:
-                self._orphan_deadline = time.monotonic() + self.worker_restart_timeout
-                self._orphan_reason = self.unavailable_reason or "no worker"
+            self._orphans.add([request], self.unavailable_reason or "no worker")
         stream = RequestStream(request, samples, replica)
         self.streams[request.request_id] = stream
         log.info("request_added", request_id=request.request_id, prompt_tokens=request.prompt_len,
@@ -336,10 +303,7 @@ class Engine:
         self._report_health()
         for request in moved:
             self.streams[request.request_id].replica = None
-        self._orphans.extend(moved)
-        if self._orphans and self._orphan_deadline is None:
-            self._orphan_deadline = time.monotonic() + self.worker_restart_timeout
-            self._orphan_reason = message
+        self._orphans.add(moved, message)
         self._resume_orphans()
         log.error("workers_lost", replica=replica.index, error=message, requests_to_resume=len(moved),
                   serving_replicas=sum(r.is_serving for r in self.replicas))
@@ -348,9 +312,7 @@ class Engine:
         """Give requests whose replica was lost to serving replicas (oldest at the head of the queues)."""
         if not self._orphans or not self.is_serving:
             return
-        orphans, self._orphans = self._orphans, []
-        self._orphan_deadline = None
-        for request in reversed(orphans):  # adopt() queues at the head: the oldest is adopted last
+        for request in reversed(self._orphans.take()):  # adopt() queues at the head: the oldest goes last
             replica = self._pick(request)
             stream = self.streams[request.request_id]
             replica.adopt(request, stream.samples)
@@ -360,12 +322,10 @@ class Engine:
 
     def _expire_orphans(self) -> None:
         """No replica came back within --worker-restart-timeout: the waiting requests end with UNAVAILABLE."""
-        if self._orphan_deadline is None or time.monotonic() < self._orphan_deadline:
+        orphans = self._orphans.expired()
+        if not orphans:
             return
-        orphans, self._orphans = self._orphans, []
-        self._orphan_deadline = None
-        message = (f"no worker came back within {self.worker_restart_timeout:g}s after: "
-                   f"{self._orphan_reason}")
+        message = self._orphans.expiry_message
         for request in orphans:
             self._fail_request(request, EngineUnavailable(message))
         log.error("requests_expired", count=len(orphans), error=message)
@@ -423,24 +383,12 @@ class Engine:
     @property
     def orphans(self) -> list[Request]:
         """Live requests whose replica was lost, waiting for one to serve again."""
-        return self._orphans
+        return self._orphans.requests
 
     # --- reporting -------------------------------------------------------------------------------
     def model_info(self) -> dict:
-        groups = [g for g in self.client.groups if g.is_ready]
-        pooling = self.spec.pooling
-        return {
-            "model_name": self.spec.name, "max_context": self.limits.max_context,
-            "vocab_size": self.spec.vocab_size, "eos_token_ids": list(self.spec.eos_token_ids),
-            "block_size": self.config.block_size, "num_blocks": sum(g.num_blocks for g in groups),
-            "dtype": groups[0].handshake.dtype if groups else "", "num_workers": self.client.num_workers,
-            "kv_cache_dtype": groups[0].handshake.kv_cache_dtype if groups else "",
-            "tensor_parallel_size": self.client.tp_size, "data_parallel_size": len(self.replicas),
-            "task": self.spec.task, "pooling": pooling.pooling if pooling else "",
-            "embedding_dimension": self.spec.hidden_size if pooling else 0,
-            "normalized": bool(pooling and pooling.normalize),
-            "prompt_names": sorted(pooling.prompts) if pooling else [],
-        }
+        """What GetModelInfo answers."""
+        return reporting.model_info(self)
 
     def loads(self) -> dict:
         """The service's load now, summed over serving replicas (what a gateway balances on)."""

@@ -3,6 +3,8 @@ accounting (GetCacheStats), summed over replicas, per replica and per live reque
 
 from __future__ import annotations
 
+from scheduler_service.runtime.step_loop import StepLoop
+
 
 def service_load(engine) -> dict:
     """The service's load now, summed over serving replicas (what a gateway balances on)."""
@@ -24,7 +26,7 @@ def service_load(engine) -> dict:
 
 def cache_stats(engine) -> dict:
     """The pool's accounting (GetCacheStats): totals, each replica's row, each live request's blocks."""
-    rows = [r.stats() for r in engine.replicas]
+    rows = [replica_row(r) for r in engine.replicas]
     live = [row for row in rows if "num_blocks" in row]
     total = {k: sum(row[k] for row in live) for k in (
         "num_blocks", "num_free_blocks", "num_cached_blocks", "used_bytes", "total_bytes",
@@ -42,4 +44,44 @@ def cache_stats(engine) -> dict:
         "utilization": used / total["num_blocks"] if total["num_blocks"] else 0.0,
         "requests": per_request,
         "replicas": rows,
+    }
+
+
+def replica_row(loop: StepLoop) -> dict:
+    """One replica's row of GetCacheStats: its pool accounting (zeros while it is down) and counters."""
+    s = loop.pool_stats()
+    group = loop.group
+    bpb = group.bytes_per_block if group.is_ready else 0
+    row = {"replica": loop.index, "serving": loop.is_serving, "status": loop.down_reason or "serving",
+           "num_requests": loop.num_routed, "worker_pids": group.pids if group.is_ready else [],
+           "bytes_per_block": bpb, "num_generated_tokens": loop.num_generated_tokens,
+           "num_embeddings": loop.num_embeddings,
+           "num_prompt_tokens_computed": loop.num_prompt_tokens_computed,
+           "num_draft_verifications": loop.num_draft_rows, "num_draft_tokens": loop.num_drafted_tokens,
+           "num_accepted_draft_tokens": loop.num_accepted_tokens}
+    if s is None:
+        return row
+    kept = ("num_blocks", "num_free_blocks", "num_cached_blocks", "num_shared_blocks",
+            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_running", "num_waiting")
+    row.update({k: s[k] for k in kept})
+    row.update(used_bytes=s["num_used_blocks"] * bpb, total_bytes=s["num_blocks"] * bpb,
+               utilization=s["num_used_blocks"] / s["num_blocks"])
+    return row
+
+
+def model_info(engine) -> dict:
+    """What GetModelInfo answers: the model, its pool and the service's shape."""
+    groups = [g for g in engine.client.groups if g.is_ready]
+    pooling = engine.spec.pooling
+    return {
+        "model_name": engine.spec.name, "max_context": engine.limits.max_context,
+        "vocab_size": engine.spec.vocab_size, "eos_token_ids": list(engine.spec.eos_token_ids),
+        "block_size": engine.config.block_size, "num_blocks": sum(g.num_blocks for g in groups),
+        "dtype": groups[0].handshake.dtype if groups else "", "num_workers": engine.client.num_workers,
+        "kv_cache_dtype": groups[0].handshake.kv_cache_dtype if groups else "",
+        "tensor_parallel_size": engine.client.tp_size, "data_parallel_size": len(engine.replicas),
+        "task": engine.spec.task, "pooling": pooling.pooling if pooling else "",
+        "embedding_dimension": engine.spec.hidden_size if pooling else 0,
+        "normalized": bool(pooling and pooling.normalize),
+        "prompt_names": sorted(pooling.prompts) if pooling else [],
     }

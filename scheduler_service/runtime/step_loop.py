@@ -24,43 +24,22 @@ import structlog
 from protos.codec import (
     CodecError,
     decode_accepted,
-    decode_logprobs,
     decode_pooled,
     decode_result,
     encode_mask,
     encode_plan,
 )
 from scheduler_service.core.batch import SchedulerOutput, StepUpdate
-from scheduler_service.core.block_allocator import block_hash
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import FinishReason, Request
+from scheduler_service.runtime.step_results import StepProfile, StepReport, read_logprobs
 from scheduler_service.runtime.worker_client import WorkerClient, WorkerError, WorkerGroup, WorkerLost
 from scheduler_service.text.output import Delta, SampleOutput, TokenLogprob
 
 log = structlog.get_logger("scheduler.replica")
 
 
-@dataclass
-class StepProfile:
-    """Where the time of a replica's steps went, cumulative seconds."""
-
-    steps: int = 0
-    tokens: int = 0
-    prefill_tokens: int = 0
-    schedule: float = 0.0
-    build_plan: float = 0.0
-    round_trip: float = 0.0  # plan sent -> result received (with overlap, includes time queued behind a step)
-    wait: float = 0.0  # the step loop blocked on a result: what the scheduler did not hide behind the workers
-    worker_prepare: float = 0.0
-    worker_forward: float = 0.0
-    worker_sample: float = 0.0
-    process_output: float = 0.0
-    masks: float = 0.0  # structured-output masks that followed their plans
-    draft: float = 0.0  # making drafts (part of schedule)
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
 
 
 @dataclass
@@ -78,16 +57,8 @@ class _Flight:
     masks_sent: bool = False
 
 
-@dataclass
-class StepReport:
-    """One applied step, for the sink: the step as scheduled, what its result did, each sample's stream delta
-    (request, delta) in order, the gaps between tokens of one sequence, and the plan's round trip."""
 
-    out: SchedulerOutput
-    update: StepUpdate
-    deltas: list[tuple[Request, Delta]]
-    token_gaps: list[float]
-    seconds: float
+
 
 
 class StepSink(Protocol):
@@ -107,47 +78,8 @@ class StepSink(Protocol):
 WAITING_WEIGHT = 4
 
 
-def prompt_block_hashes(prompt: list[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks that prefix caching could reuse (never the last token)."""
-    hashes: list[bytes] = []
-    for i in range((len(prompt) - 1) // block_size):
-        hashes.append(block_hash(hashes[-1] if hashes else None, prompt[i * block_size:(i + 1) * block_size]))
-    return hashes
 
 
-def read_logprobs(out: SchedulerOutput, result) -> dict[int, TokenLogprob] | None:
-    """The step result's logprobs: those of sampled tokens by sequence id; prompt logprobs are stored in
-    their requests at once (positions recomputed after a preemption overwrite theirs with the same values).
-    Raises CodecError when the arrays do not match what the plan asked for."""
-    by_seq = None
-    if out.logprobs_k is not None:
-        k = out.logprobs_k
-        rows = np.flatnonzero(k >= 0)
-        lp = decode_logprobs(result, "logprobs", rows.size, int(k[rows].sum()))
-        if lp is not None:
-            by_seq, at = {}, 0
-            chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_values.tolist()
-            for n, row in enumerate(rows.tolist()):
-                seq, kk = out.scheduled[row].seq, int(k[row])
-                by_seq[seq.seq_id] = TokenLogprob(-1, chosen[n],
-                                                  list(zip(ids[at:at + kk], values[at:at + kk], strict=True)))
-                at += kk
-    if out.prompt_logprobs is not None:
-        k, counts = out.prompt_logprobs
-        rows = np.flatnonzero(counts > 0)
-        total = int(counts.sum())
-        lp = decode_logprobs(result, "prompt_logprobs", total, int((counts[rows] * k[rows]).sum()))
-        chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_values.tolist()
-        pos = top_at = 0
-        for row in rows.tolist():
-            item = out.scheduled[row]
-            request, kk = item.seq.request, int(k[row])
-            for j in range(item.start + 1, item.start + 1 + int(counts[row])):
-                top = list(zip(ids[top_at:top_at + kk], values[top_at:top_at + kk], strict=True))
-                request.prompt_logprobs[j] = TokenLogprob(request.prompt_token_ids[j], chosen[pos], top)
-                pos += 1
-                top_at += kk
-    return by_seq
 
 
 class StepLoop:
@@ -197,7 +129,7 @@ class StepLoop:
 
     def cached_blocks(self, hashes: list[bytes]) -> int:
         """Leading blocks of a prompt this replica's prefix cache holds (read-only: no LRU touch)."""
-        return self._sched.cached_blocks(hashes) if self._sched else 0
+        return self._sched.kv.cached_blocks(hashes) if self._sched else 0
 
     # --- requests ----------------------------------------------------------------------------------
     def submit(self, request: Request, samples: list[SampleOutput]) -> None:
@@ -229,7 +161,7 @@ class StepLoop:
         """Forget every cached prefix: how many blocks, and the prefix cache's events that says so."""
         if self._sched is None:
             return 0, []
-        return self._sched.reset_prefix_cache(), self._sched.take_kv_events()
+        return self._sched.kv.reset_prefix_cache(), self._sched.kv.take_kv_events()
 
     # --- lifecycle -------------------------------------------------------------------------------
     def attach(self, max_model_len: int) -> None:
@@ -237,7 +169,7 @@ class StepLoop:
         self._sched = Scheduler(self.config, self.group.num_blocks, max_model_len,
                                 kv_window=self.group.handshake.kv_window)
         # KV-event subscribers learn that this replica's cache starts empty (published after its first step).
-        self._sched.record_kv_events()
+        self._sched.kv.record_kv_events()
         self._samples = {}
         self.down_reason = None
         self.profile = StepProfile()
@@ -460,24 +392,3 @@ class StepLoop:
                          "num_bytes": blocks * bpb,
                          "num_tokens": sum(s.num_computed_tokens for s in req.seqs)})
         return rows
-
-    def stats(self) -> dict:
-        """This replica's pool accounting (zeros while it is down)."""
-        s = self.pool_stats()
-        group = self.group
-        bpb = group.bytes_per_block if group.is_ready else 0
-        row = {"replica": self.index, "serving": self.is_serving, "status": self.down_reason or "serving",
-               "num_requests": self.num_routed, "worker_pids": group.pids if group.is_ready else [],
-               "bytes_per_block": bpb, "num_generated_tokens": self.num_generated_tokens,
-               "num_embeddings": self.num_embeddings,
-               "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
-               "num_draft_verifications": self.num_draft_rows, "num_draft_tokens": self.num_drafted_tokens,
-               "num_accepted_draft_tokens": self.num_accepted_tokens}
-        if s is None:
-            return row
-        kept = ("num_blocks", "num_free_blocks", "num_cached_blocks", "num_shared_blocks",
-                "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_running", "num_waiting")
-        row.update({k: s[k] for k in kept})
-        row.update(used_bytes=s["num_used_blocks"] * bpb, total_bytes=s["num_blocks"] * bpb,
-                   utilization=s["num_used_blocks"] / s["num_blocks"])
-        return row

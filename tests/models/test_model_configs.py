@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from worker.model.config import ModelConfig, UnsupportedModel
+from worker.model.config import ModelConfig
+from worker.model.families import UnsupportedModel
 
 BASE = dict(model_type="llama", vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)

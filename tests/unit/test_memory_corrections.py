@@ -123,7 +123,7 @@ async def first_item(gen):
 
 
 def test_a_failed_step_fails_the_request_it_held_not_a_new_one_with_the_same_id(tiny_model_dir):
-    from scheduler_service.runtime.engine import StepFailed
+    from scheduler_service.runtime.errors import StepFailed
 
     async def run():
         engine, replica = hand_engine(tiny_model_dir)
@@ -151,7 +151,7 @@ def test_a_failed_step_fails_the_request_it_held_not_a_new_one_with_the_same_id(
 
 
 def test_a_request_that_can_never_be_scheduled_gets_an_error_not_a_retry_forever(tiny_model_dir):
-    from scheduler_service.runtime.engine import Unschedulable
+    from scheduler_service.runtime.errors import Unschedulable
 
     async def run():
         engine, replica = hand_engine(tiny_model_dir, num_blocks=2)  # 8 tokens of pool

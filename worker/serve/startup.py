@@ -254,7 +254,7 @@ def start_device(args):
 
 def read_config(args, tp: int):
     """The model's config, refused where it cannot be served right or split over tp ranks."""
-    from worker.model.config import UnsupportedModel
+    from worker.model.families import UnsupportedModel
     from worker.model.parallel import ParallelConfigError, make_shard
     from worker.weights.loader import load_config
 

@@ -1,0 +1,88 @@
+"""Building the native CPU library (kernels/cpu/*.c) for this machine: with the system C compiler at -O3
+-march=native -fopenmp, cached under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve) by a hash of every source
+and header, the flags, the compiler and the CPU's feature flags, so a machine with other vector units builds
+its own copy (`make setup` builds it ahead)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).with_name("cpu")
+
+
+def sources(folder: Path = SOURCE_DIR) -> list[Path]:
+    """Every translation unit of the library: each .c in the folder."""
+    return sorted(folder.glob("*.c"))
+
+
+def build_inputs(folder: Path = SOURCE_DIR) -> list[Path]:
+    """Every file the compiled library depends on (each .c and each .h: a header edited alone rebuilds)."""
+    return sorted([*folder.glob("*.c"), *folder.glob("*.h")])
+
+
+# PAGEDSERVE_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2, no AVX-512, for a
+# fleet of older machines; the tests build it so to check the portable paths here)
+MARCH = os.environ.get("PAGEDSERVE_NATIVE_MARCH", "native")
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
+if platform.machine() in ("x86_64", "AMD64"):
+    CFLAGS.append("-mprefer-vector-width=512")  # full-width vectors where AVX-512 exists; no effect elsewhere
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve") / "kernels"
+
+
+def build_key(cc: str, folder: Path = SOURCE_DIR, cflags: list[str] = CFLAGS) -> str:
+    """The cached library's name: a hash of every source and header, the flags, the compiler and the CPU."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    digest = hashlib.sha256()
+    for f in build_inputs(folder):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    for part in (" ".join(cflags), str(version), _cpu_flags()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the library for this machine (once per source, compiler and CPU) and return its path."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    target = cache_dir() / f"pagedserve_cpu-{build_key(cc)}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # built aside, then renamed: ranks may race
+    os.close(fd)
+    try:
+        res = subprocess.run([cc, *CFLAGS, *map(str, sources()), "-o", tmp, "-lm"], capture_output=True,
+                             text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"building the native CPU kernels failed: {res.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    if verbose:
+        print(f"built {target}")
+    return target

@@ -1,0 +1,19 @@
+"""Why the engine refused or ended a request; each maps to one gRPC status and one HTTP status."""
+
+from __future__ import annotations
+
+
+class QueueFull(RuntimeError):
+    """Too many requests wait already; answered with RESOURCE_EXHAUSTED."""
+
+
+class EngineUnavailable(RuntimeError):
+    """No replica can serve (no live worker group); answered with UNAVAILABLE."""
+
+
+class StepFailed(RuntimeError):
+    """A step holding this request failed on a worker; answered with INTERNAL."""
+
+
+class Unschedulable(RuntimeError):
+    """The request can never be admitted to its replica's pool; answered with RESOURCE_EXHAUSTED."""
