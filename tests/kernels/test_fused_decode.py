@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kernels import cpu_native
-from tests.support.forward import BLOCK, step_inputs
+from tests.support.forward import STEP_BLOCK as BLOCK
+from tests.support.forward import step_inputs
 from tests.support.tiny import make_tiny_gguf, make_tiny_llama
 from worker.model.attention import make_backend
 from worker.model.kv_pool import KVPool

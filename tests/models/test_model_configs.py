@@ -258,7 +258,8 @@ def test_a_plan_may_leave_out_blocks_behind_every_window_and_no_others():
     scheduler) only when every layer slides that far; a hole inside a window is refused."""
     import numpy as np
 
-    from tests.support.forward import BLOCK, step_inputs
+    from tests.support.forward import STEP_BLOCK as BLOCK
+    from tests.support.forward import step_inputs
     from worker.step.plan_checks import PlanError, validate_plan
 
     p, blocks = step_inputs([(1, 70), (16, 66)])  # a decode at position 69, a chunk over positions 50..65

@@ -10,7 +10,8 @@ from protos.codec import PlanArrays, decode_plan, encode_plan
 from worker.model.attention import make_backend
 from worker.model.llama import StepInputs
 
-BLOCK = 4
+BLOCK = 4  # run_step's blocks
+STEP_BLOCK = 16  # step_inputs' blocks (the fused decode step's tests)
 
 
 def run_step(model, config, pool, seqs, backend="torch"):
@@ -42,7 +43,7 @@ def run_step(model, config, pool, seqs, backend="torch"):
 def step_inputs(seqs: list[tuple[int, int]], seed: int = 0):
     """StepInputs for (new tokens, sequence length) per sequence, blocks laid out one sequence after another,
     and the number of blocks used."""
-    need = [-(-n // BLOCK) for _, n in seqs]
+    need = [-(-n // STEP_BLOCK) for _, n in seqs]
     tables = np.full((len(seqs), max(need)), -1, dtype="<i4")
     start = 0
     for i, n in enumerate(need):
@@ -51,7 +52,7 @@ def step_inputs(seqs: list[tuple[int, int]], seed: int = 0):
     q_lens = np.array([q for q, _ in seqs])
     rows = np.repeat(np.arange(len(seqs)), q_lens)
     pos = np.concatenate([np.arange(n - q, n) for q, n in seqs])
-    slots = tables[rows, pos // BLOCK].astype("<i8") * BLOCK + pos % BLOCK
+    slots = tables[rows, pos // STEP_BLOCK].astype("<i8") * STEP_BLOCK + pos % STEP_BLOCK
     qsl = np.zeros(len(seqs) + 1, dtype="<i4")
     np.cumsum(q_lens, out=qsl[1:])
     k = len(seqs)
