@@ -16,318 +16,27 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import grpc
 
+from deploy.client import (
+    CHAT_HELP,
+    DEFAULT_SERVER,
+    SERVER_ENV,
+    cmd_abort,
+    cmd_chat,
+    cmd_embed,
+    cmd_generate,
+    cmd_info,
+    cmd_stats,
+    cmd_top,
+    logit_bias,
+    text_or_file,
+)
 from protos import EXIT_CONFIG, ConfigError
 from protos.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range, int_range
-
-DEFAULT_SERVER = "127.0.0.1:50051"
-SERVER_ENV = "PAGEDSERVE_SERVER"
-
-
-def _stub(server: str, tls_ca: str | None = None):
-    from protos import generation_pb2_grpc
-
-    if tls_ca:
-        with open(tls_ca, "rb") as f:
-            channel = grpc.secure_channel(server, grpc.ssl_channel_credentials(root_certificates=f.read()))
-    else:
-        channel = grpc.insecure_channel(server)
-    return generation_pb2_grpc.GenerationStub(channel)
-
-
-def text_or_file(value: str) -> str:
-    """An argparse type: a flag's text, or with a leading @ the text of that file (a message naming the path
-    where it cannot be read)."""
-    if not value.startswith("@"):
-        return value
-    try:
-        with open(value[1:], encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise argparse.ArgumentTypeError(f"cannot read {value[1:]}: {getattr(e, 'strerror', None) or e}") \
-            from None
-
-
-def logit_bias(item: str) -> tuple[int, float]:
-    """An argparse type: TOKEN_ID=BIAS."""
-    token, sep, bias = item.partition("=")
-    try:
-        pair = int(token), float(bias)
-    except ValueError:
-        pair = None
-    if not sep or pair is None or pair[0] < 0:
-        raise argparse.ArgumentTypeError(f"wants TOKEN_ID=BIAS (a token id and a number), got {item!r}")
-    return pair
-
-
-def sampling_from_args(args: argparse.Namespace):
-    from protos import generation_pb2
-
-    temperature = 0.0 if args.greedy else args.temperature
-    sampling = generation_pb2.SamplingParams(
-        temperature=temperature, top_k=args.top_k, stop=args.stop,
-        stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos, n=args.n, min_p=args.min_p,
-        min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias),
-        json_schema=args.json_schema or "", regex=args.regex or "", grammar=args.grammar or "",
-    )
-    if args.top_p is not None and temperature > 0:
-        sampling.top_p = args.top_p
-    for name in ("max_tokens", "seed", "repetition_penalty", "logprobs", "prompt_logprobs"):
-        if getattr(args, name) is not None:
-            setattr(sampling, name, getattr(args, name))
-    return sampling
-
-
-def _print_logprobs(entries, out=sys.stderr) -> None:
-    """A line a token: its text, id and logprob, then the most likely ones."""
-    for lp in entries:
-        alternatives = "  ".join(f"{t.token!r} {t.logprob:.3f}" for t in lp.top_logprobs)
-        print(f"  {lp.token!r:>14} ({lp.token_id:>6})  {lp.logprob:8.4f}   {alternatives}", file=out)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from google.protobuf import json_format
-
-    from protos import generation_pb2
-
-    if args.system is not None:
-        if args.raw:
-            raise SystemExit("--system needs the chat template: leave out --raw")
-        req = generation_pb2.GenerateRequest(messages=[
-            generation_pb2.ChatMessage(role="system", content=args.system),
-            generation_pb2.ChatMessage(role="user", content=args.prompt)], sampling=sampling_from_args(args))
-    else:
-        req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling_from_args(args),
-                                             raw_prompt=args.raw)
-    stub = _stub(args.server, args.tls_ca)
-    try:
-        if args.json:
-            print(json_format.MessageToJson(stub.Generate(req, timeout=args.timeout)))
-            return 0
-        if args.no_stream or args.n > 1:  # several samples are shown one after the other
-            resp = stub.Generate(req, timeout=args.timeout)
-            for c in resp.choices:
-                if len(resp.choices) > 1:
-                    print(f"--- sample {c.index} ({generation_pb2.FinishReason.Name(c.finish_reason)}) ---")
-                print(c.text)
-                if c.logprobs:
-                    _print_logprobs(c.logprobs)
-            usage, logprobs, prompt_logprobs = resp.usage, [], list(resp.prompt_logprobs)
-        else:
-            usage, logprobs, prompt_logprobs = None, [], []
-            for msg in stub.GenerateStream(req, timeout=args.timeout):
-                sys.stdout.write(msg.text)
-                sys.stdout.flush()
-                logprobs.extend(msg.logprobs)
-                prompt_logprobs.extend(msg.prompt_logprobs)
-                if msg.HasField("usage"):
-                    usage = msg.usage
-            print()
-            if logprobs:
-                print("logprobs:", file=sys.stderr)
-                _print_logprobs(logprobs)
-        if prompt_logprobs:
-            print("prompt logprobs:", file=sys.stderr)
-            _print_logprobs(prompt_logprobs)
-    except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    if args.verbose and usage is not None:
-        print(f"[prompt {usage.prompt_tokens} tokens ({usage.cached_prompt_tokens} cached), "
-              f"completion {usage.completion_tokens} tokens]", file=sys.stderr)
-    return 0
-
-
-CHAT_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer."
-
-
-def chat_turn(stub, history: list, sampling, timeout: float, out=sys.stdout) -> tuple[str, bool]:
-    """Send the conversation, stream the assistant's answer to `out`; return (answer, finished). Ctrl-C
-    cancels the stream and aborts the request on the server; the partial answer is returned."""
-    import uuid
-
-    from protos import generation_pb2
-
-    request_id = f"chat-{uuid.uuid4().hex}"
-    call = stub.GenerateStream(
-        generation_pb2.GenerateRequest(request_id=request_id, messages=history, sampling=sampling),
-        timeout=timeout)
-    answer = []
-    try:
-        for msg in call:
-            out.write(msg.text)
-            out.flush()
-            answer.append(msg.text)
-    except KeyboardInterrupt:
-        call.cancel()
-        try:
-            stub.Abort(generation_pb2.AbortRequest(request_id=request_id), timeout=5)
-        except grpc.RpcError:
-            pass
-        out.write(" [stopped]\n")
-        return "".join(answer), False
-    out.write("\n")
-    return "".join(answer), True
-
-
-def cmd_chat(args: argparse.Namespace) -> int:
-    from protos import generation_pb2
-
-    stub = _stub(args.server, args.tls_ca)
-    sampling = sampling_from_args(args)
-    system = [generation_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
-    history = list(system)
-    print(CHAT_HELP, file=sys.stderr)
-    prompt = ">>> " if sys.stdin.isatty() else ""  # piped input: stdout carries the answers alone
-    while True:
-        try:
-            line = input(prompt)
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/exit", "/quit"):
-            return 0
-        if text == "/reset":
-            history = list(system)
-            print("(conversation forgotten)", file=sys.stderr)
-            continue
-        history.append(generation_pb2.ChatMessage(role="user", content=line))
-        try:
-            answer, _ = chat_turn(stub, history, sampling, args.timeout)
-        except grpc.RpcError as e:
-            history.pop()
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            continue
-        history.append(generation_pb2.ChatMessage(role="assistant", content=answer))
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    from google.protobuf import json_format
-
-    from protos import generation_pb2
-
-    stub = _stub(args.server, args.tls_ca)
-    info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout)
-    if args.json:
-        print(json_format.MessageToJson(info, always_print_fields_with_no_presence=True))
-        return 0
-    from rich.console import Console
-
-    from deploy.console import info_table
-
-    Console().print(info_table(info, args.server))
-    return 0
-
-
-def cmd_embed(args: argparse.Namespace) -> int:
-    """Each text's vector as one JSON line ({"index", "prompt_tokens", "embedding"}), in input order."""
-    from protos import generation_pb2
-
-    texts = args.texts
-    request = generation_pb2.EmbedRequest(texts=texts, dimensions=args.dimensions,
-                                          truncate_prompt_tokens=args.truncate_prompt_tokens,
-                                          prompt_name=args.prompt_name or "", prompt=args.prompt or "")
-    try:
-        response = _stub(args.server, args.tls_ca).Embed(request, timeout=args.timeout)
-    except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    for d in response.data:
-        print(json.dumps({"index": d.index, "prompt_tokens": d.prompt_tokens,
-                          "embedding": [round(v, 7) for v in d.values]}))
-    return 0
-
-
-def cmd_stats(args: argparse.Namespace) -> int:
-    from google.protobuf import json_format
-
-    from protos import generation_pb2
-
-    try:
-        stats = _stub(args.server, args.tls_ca).GetCacheStats(
-            generation_pb2.GetCacheStatsRequest(), timeout=args.timeout)
-    except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json_format.MessageToJson(stats, always_print_fields_with_no_presence=True))
-        return 0
-    from rich.console import Console
-
-    from deploy.console import stats_view
-
-    Console().print(stats_view(stats))
-    return 0
-
-
-def cmd_top(args: argparse.Namespace) -> int:
-    import time
-
-    from rich.console import Console
-    from rich.live import Live
-
-    from deploy.console import Reading, top_view
-    from protos import generation_pb2
-
-    stub = _stub(args.server, args.tls_ca)
-    console = Console()
-    try:
-        model = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout).model_name
-    except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    # a first reading a moment before the first frame, so that its rates are there from the start
-    before = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=args.timeout),
-                     time.monotonic())
-    time.sleep(min(args.interval, 0.5))
-    drawn = 0
-    view = None
-    try:
-        with Live(console=console, auto_refresh=False, screen=not args.no_screen, transient=False) as live:
-            while args.iterations is None or drawn < args.iterations:
-                try:
-                    now = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(),
-                                                     timeout=args.timeout),
-                                  time.monotonic())
-                    view = top_view(now, before, args.server, model)
-                    live.update(view, refresh=True)
-                    before = now
-                except grpc.RpcError as e:  # a restarting server: say so and keep trying
-                    from rich.text import Text
-
-                    live.update(Text(f"{args.server}: {e.code().name}: {e.details()} (retrying)",
-                                     style="red"),
-                                refresh=True)
-                drawn += 1
-                if args.iterations is None or drawn < args.iterations:
-                    time.sleep(args.interval)
-    except KeyboardInterrupt:
-        pass
-    if args.svg and view is not None:  # the last frame as a picture (docs/top.svg is one)
-        import io
-
-        recorder = Console(record=True, width=110, file=io.StringIO())
-        recorder.print(view)
-        recorder.save_svg(args.svg, title="pagedserve top")
-    return 0
-
-
-def cmd_abort(args: argparse.Namespace) -> int:
-    from protos import generation_pb2
-
-    resp = _stub(args.server, args.tls_ca).Abort(generation_pb2.AbortRequest(request_id=args.request_id),
-                                                 timeout=args.timeout)
-    print("aborted" if resp.aborted else "no live request with that id")
-    return 0 if resp.aborted else 1
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -377,6 +86,7 @@ def _sampling_args(g: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # one function: every command's flag table
     p = Parser(prog="pagedserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("serve", help="start a scheduler and its workers (see `pagedserve serve --help`)")

@@ -36,7 +36,7 @@ from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos import EXIT_CONFIG, ConfigError
 from protos.argtypes import PORT, Parser
 from protos.logs import configure_logging
-from scheduler_service.main import DEFAULT_HTTP_PORT, add_scheduler_args, check_model_folder
+from scheduler_service.options import DEFAULT_HTTP_PORT, add_scheduler_args, check_model_folder
 from worker.serve.main import add_worker_args
 
 log = structlog.get_logger("deploy")

@@ -24,7 +24,8 @@ from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos import EXIT_CONFIG, ConfigError
 from protos.argtypes import Parser
 from protos.logs import configure_logging
-from scheduler_service.main import add_scheduler_args, serve
+from scheduler_service.main import serve
+from scheduler_service.options import add_scheduler_args
 from worker.serve.main import add_worker_args
 from worker.serve.main import build_parser as worker_parser
 

@@ -35,6 +35,7 @@ class NativeKernels:
     """The loaded library: `paged_decode(...)` and its compile-time limits."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        # one function: the library's prototypes, one line an entry point
         self.path = path
         self._decode = lib.pagedserve_paged_decode
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64

@@ -95,6 +95,7 @@ def gguf_bos(gguf: Path) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # one function: the benchmark's script, read top to bottom
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a folder prepared from a GGUF (the default model's)")
     p.add_argument("--text", type=Path, default=TEXT)

@@ -273,6 +273,7 @@ def measure(targets, prompts, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # one function: the benchmark's script, read top to bottom
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="the prepared folder of the GGUF below")
     p.add_argument("--gguf", type=Path, default=None, help="default: the embedded model's Q4_1 file")

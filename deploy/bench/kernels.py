@@ -158,7 +158,7 @@ def _sweep_decode() -> None:
         for (q, kc, vc, tables, lens, qsl), (_, c) in zip(inputs, decode_cases, strict=True):
             times.append(_time_cuda(functools.partial(ta.paged_attention, q, kc, vc, tables, lens, qsl,
                                                       head_dim**-0.5, max_seq_len=c, max_q_len=1)))
-        v = runtime_report()["_decode_split_kernel"][0]
+        v = runtime_report()["decode_split_kernel"][0]
         label = ",".join(f"{k}={x}" for k, x in cfg.items())
         print(f"{'decode':<8} {label:<36} {v['regs']!s:>5} {v['spills']!s:>6} "
               + " ".join(f"{t * 1e3:>8.3f}" for t in times))
@@ -212,7 +212,7 @@ def _sweep_prefill(n_heads: int, n_kv: int, head_dim: int, shapes) -> None:
         except Exception as e:  # noqa: BLE001 - out of shared memory, a compiler refusal
             print(f"{label:<58} {type(e).__name__}: {str(e)[:80]}")
             continue
-        v = runtime_report()["_prefill_kernel"][0]
+        v = runtime_report()["prefill_kernel"][0]
         print(f"{label:<58} {v['regs']!s:>5} {v['spills']!s:>6} {err:>8.1e} " + " ".join(cols), flush=True)
     ta.OVERRIDES.pop("prefill", None)
 

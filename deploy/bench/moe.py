@@ -56,6 +56,7 @@ def _sync(device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # one function: the benchmark's script, read top to bottom
     import torch
 
     p = argparse.ArgumentParser(prog="pagedserve-bench-moe", description=__doc__,

@@ -103,6 +103,7 @@ def serve_worker(args) -> int:
 
 
 async def measure_overlap(args, overlap: bool) -> dict[str, float]:
+    # one function: the benchmark's script, read top to bottom
     """Serve `seqs` requests of `context`-token prompts through the real engine and a simulated worker
     process; time the decode steps once every request has its first token."""
     import asyncio

@@ -71,6 +71,7 @@ def decode_window(snaps: list[dict]) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # one function: the benchmark's script, read top to bottom
     p = argparse.ArgumentParser(prog="pagedserve-bench-serve-gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")

@@ -106,6 +106,7 @@ def run_steps(runner, plans, pipelined: bool) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # one function: the benchmark's script, read top to bottom
     p = argparse.ArgumentParser(prog="pagedserve-bench-step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")

@@ -40,14 +40,17 @@ import grpc
 import structlog
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
-from protos import generation_pb2
 from scheduler_service.api.embedding import EmbedInputs, prepare_embeddings, run_embeddings
+from scheduler_service.api.engine_protocol_messages import (
+    input_logprobs,
+    output_logprobs,
+    to_generation_request,
+)
 from scheduler_service.api.rpc import CLIENT_ERRORS, Malformed, prepare_request, reject, tolerant
-from scheduler_service.api.validation import MAX_LOGPROBS, InvalidRequest
+from scheduler_service.api.validation import InvalidRequest
 from scheduler_service.core.sequence import FinishReason
 from scheduler_service.runtime.engine import Engine
 from scheduler_service.runtime.kv_events import SubscriberGone
-from scheduler_service.text.structured import choice_regex
 
 log = structlog.get_logger("scheduler.engine_protocol")
 
@@ -58,97 +61,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "ge
 CHUNK_BYTES = 64 * 1024
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
            FinishReason.ERROR: "error"}
-def to_generation_request(msg: vllm_engine_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
-    """The engine protocol's request as a pagedserve.v1 request, or InvalidRequest naming the field that
-    cannot be served."""
-    for name, what in (("mm_inputs", "multimodal inputs"), ("media_refs", "media references"),
-                       ("kv_transfer_params", "KV transfer (disaggregated prefill)")):
-        if msg.HasField(name):
-            raise InvalidRequest(f"{name}: this engine serves text-only models without {what}")
-    if msg.extra_mm_inputs:
-        raise InvalidRequest("extra_mm_inputs: this engine serves text-only models without multimodal inputs")
-    if msg.HasField("kv_transfer_params_json"):
-        raise InvalidRequest("kv_transfer_params_json: this engine has no KV transfer (disaggregated "
-                             "prefill)")
-    if msg.HasField("data_parallel_rank") and msg.data_parallel_rank != 0:
-        raise InvalidRequest(f"data_parallel_rank {msg.data_parallel_rank}: this engine reports one rank and "
-                             "balances its data-parallel replicas itself")
-    out = generation_pb2.GenerateRequest(request_id=msg.request_id)
-    kind = msg.WhichOneof("input")
-    if kind == "tokenized":
-        out.prompt_token_ids.extend(msg.tokenized.input_ids)
-    elif kind == "text":
-        out.prompt, out.raw_prompt = msg.text, True
-    p = msg.sampling_params
-    s = out.sampling
-    s.temperature = p.temperature if p.HasField("temperature") else 1.0
-    if p.top_p:
-        s.top_p = p.top_p
-    s.top_k = p.top_k
-    s.min_p, s.presence_penalty, s.frequency_penalty = p.min_p, p.presence_penalty, p.frequency_penalty
-    if p.repetition_penalty:
-        s.repetition_penalty = p.repetition_penalty
-    if p.HasField("max_tokens"):
-        s.max_tokens = p.max_tokens
-    s.min_tokens = p.min_tokens
-    s.stop.extend(p.stop)
-    s.stop_token_ids.extend(p.stop_token_ids)
-    s.skip_special_tokens = p.skip_special_tokens
-    s.ignore_eos = p.ignore_eos
-    s.n = p.n
-    s.include_stop_str_in_output = p.include_stop_str_in_output
-    for name in ("logprobs", "prompt_logprobs"):
-        if p.HasField(name):
-            value = getattr(p, name)
-            if not 0 <= value <= MAX_LOGPROBS:
-                raise InvalidRequest(f"sampling_params.{name} must lie in [0, {MAX_LOGPROBS}], got {value} "
-                                     "(-1, every token, is not served)")
-            setattr(s, name, value)
-    if p.HasField("seed"):
-        if p.seed < 0:
-            raise InvalidRequest(f"sampling_params.seed must be >= 0, got {p.seed}")
-        s.seed = p.seed
-    for token, bias in p.logit_bias.items():
-        if token < 0:
-            raise InvalidRequest(f"sampling_params.logit_bias has a negative token id {token}")
-        s.logit_bias[token] = bias
-    if p.HasField("truncate_prompt_tokens"):
-        s.truncate_prompt_tokens = p.truncate_prompt_tokens
-    constraint = p.WhichOneof("constraint")
-    if constraint in ("json_schema", "regex", "grammar"):
-        setattr(s, constraint, getattr(p, constraint))
-    elif constraint == "json_object":
-        if p.json_object:
-            s.json_schema = '{"type": "object"}'
-    elif constraint == "choice":
-        if not p.choice.choices:
-            raise InvalidRequest("sampling_params.choice has no choices")
-        s.regex = choice_regex(list(p.choice.choices))
-    elif constraint == "structural_tag":
-        raise InvalidRequest("sampling_params.structural_tag is not served: use json_schema, regex or "
-                             "grammar")
-    return out
 
 
-def _output_logprobs(entries) -> vllm_engine_pb2.OutputLogProbs | None:
-    if not entries:
-        return None
-    return vllm_engine_pb2.OutputLogProbs(
-        token_logprobs=[e.logprob for e in entries], token_ids=[e.token_id for e in entries],
-        top_logprobs=[vllm_engine_pb2.TopLogProbs(values=[v for _, v in e.top],
-                                                  token_ids=[t for t, _ in e.top])
-                      for e in entries])
 
 
-def _input_logprobs(prompt_ids: list[int], entries) -> vllm_engine_pb2.InputLogProbs:
-    """The prompt's logprobs: none for its first token, then one entry per token."""
-    out = vllm_engine_pb2.InputLogProbs(token_ids=prompt_ids)
-    out.token_logprobs.add()
-    out.top_logprobs.add()
-    for e in entries:
-        out.token_logprobs.add(value=e.logprob)
-        out.top_logprobs.add(values=[v for _, v in e.top], token_ids=[t for t, _ in e.top])
-    return out
 
 
 class _Sample:
@@ -211,7 +127,7 @@ class EngineProtocolServicer:
                 if delta.logprobs:
                     sample.logprobs.extend(delta.logprobs)
                 if delta.prompt_logprobs is not None:
-                    prompt_logprobs = _input_logprobs(request.prompt_token_ids, delta.prompt_logprobs)
+                    prompt_logprobs = input_logprobs(request.prompt_token_ids, delta.prompt_logprobs)
                 if not msg.stream:
                     if delta.finish_reason is not None:
                         sample.finish = delta
@@ -220,7 +136,7 @@ class EngineProtocolServicer:
                 if delta.token_ids or delta.finish_reason is not None:
                     chunk = vllm_engine_pb2.GenerateStreamChunk(
                         token_ids=delta.token_ids, completion_tokens=len(delta.token_ids), index=delta.index,
-                        output_logprobs=_output_logprobs(delta.logprobs), **counts)
+                        output_logprobs=output_logprobs(delta.logprobs), **counts)
                     if not sample.sent_first and prompt_logprobs is not None:
                         chunk.input_logprobs.CopyFrom(prompt_logprobs)
                     sample.sent_first = True
@@ -244,7 +160,7 @@ class EngineProtocolServicer:
     def _complete(delta, tokens, logprobs, counts, prompt_logprobs) -> vllm_engine_pb2.GenerateResponse:
         done = vllm_engine_pb2.GenerateComplete(
             output_ids=tokens, finish_reason=_FINISH[delta.finish_reason], completion_tokens=len(tokens),
-            index=delta.index, output_logprobs=_output_logprobs(logprobs), input_logprobs=prompt_logprobs,
+            index=delta.index, output_logprobs=output_logprobs(logprobs), input_logprobs=prompt_logprobs,
             **counts)
         if delta.usage is not None:
             done.cached_tokens = delta.usage.cached_prompt_tokens

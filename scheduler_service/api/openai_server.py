@@ -1,11 +1,6 @@
-"""The OpenAI-compatible HTTP server, served by the scheduler process beside gRPC (--http-port): Starlette
-routes on uvicorn in the scheduler's own event loop, so a request goes straight to the engine with no hop.
-
-/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /health, /metrics. Bodies are parsed by
-pydantic models (openai_schema.py), put in the shape of a pagedserve.v1 request (openai_requests.py) and
-validated by the same code as gRPC requests; every failure is a 4xx/5xx in OpenAI's error shape. A client
-that disconnects aborts its request (its blocks return at once). --api-key guards /v1/ with bearer tokens.
-"""
+"""The OpenAI-compatible HTTP server in the scheduler process beside gRPC (--http-port): Starlette routes in
+the scheduler's own event loop. A body is parsed (openai_schema.py), made a pagedserve.v1 request
+(openai_requests.py) and validated as gRPC's are; a client that disconnects aborts its request."""
 
 from __future__ import annotations
 
@@ -29,6 +24,7 @@ from starlette.routing import Route
 from scheduler_service.api import openai_requests as to_engine
 from scheduler_service.api import openai_responses as out
 from scheduler_service.api.embedding import prepare_embeddings, run_embeddings
+from scheduler_service.api.openai_errors import ApiError, api_error, error_response, validation_message
 from scheduler_service.api.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,65 +33,23 @@ from scheduler_service.api.openai_schema import (
     TokenizeRequest,
 )
 from scheduler_service.api.rpc import prepare_request
-from scheduler_service.api.streams import ClientGone, merged, unless_disconnected
+from scheduler_service.api.streams import merged, unless_disconnected
 from scheduler_service.api.tool_calls import template_writes_tool_calls
 from scheduler_service.api.validation import InvalidRequest
-from scheduler_service.core.batch import DuplicateRequestId
 from scheduler_service.runtime.engine import Engine
-from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, StepFailed, Unschedulable
+from scheduler_service.runtime.errors import EngineUnavailable, StepFailed
 
 log = structlog.get_logger("scheduler.http")
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
 
 
-def _api_error(error: Exception) -> ApiError:
-    """An engine or validation error as the HTTP status and OpenAI error type it is answered with."""
-    if isinstance(error, ApiError):
-        return error
-    if isinstance(error, ClientGone):
-        return ApiError(499, str(error))
-    if isinstance(error, (InvalidRequest, DuplicateRequestId)):
-        return ApiError(400, str(error).replace("sampling.", ""))
-    if isinstance(error, QueueFull):
-        return ApiError(429, str(error), "rate_limit_error")
-    if isinstance(error, Unschedulable):
-        return ApiError(400, str(error))
-    if isinstance(error, EngineUnavailable):
-        return ApiError(503, str(error), "service_unavailable")
-    return ApiError(500, str(error), "server_error")
 
 
-def _error_response(error: ApiError, request_id: str = "", logged: bool = True) -> Response:
-    if logged:
-        log.info("request_rejected", request_id=request_id, status=error.status, error=str(error))
-    return Response(
-        out.dumps(out.error_body(str(error), error.kind, error.code)),
-        error.status,
-        media_type="application/json",
-    )
 
 
-def _validation_message(e: pydantic.ValidationError) -> str:
-    parts = []
-    for err in e.errors()[:4]:
-        where = ".".join(
-            str(x)
-            for x in err["loc"]
-            if not str(x).startswith(("function-", "list[", "str", "literal[", "int"))
-        )
-        what = "is not a field of this request" if err["type"] == "extra_forbidden" else err["msg"]
-        parts.append(f"{where}: {what}" if where else what)
-    more = f" (and {len(e.errors()) - 4} more)" if len(e.errors()) > 4 else ""
-    return "; ".join(dict.fromkeys(parts)) + more
 
 
 async def _body(request: Request, model: type[pydantic.BaseModel]):
@@ -111,7 +65,7 @@ async def _body(request: Request, model: type[pydantic.BaseModel]):
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
-        raise ApiError(400, _validation_message(e)) from None
+        raise ApiError(400, validation_message(e)) from None
 
 
 class OpenAIServer:
@@ -144,7 +98,7 @@ class OpenAIServer:
             "/v1/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize, /health and /metrics",
             405: f"{request.method} is not allowed on {request.url.path}",
         }.get(exc.status_code, str(exc.detail))
-        return _error_response(ApiError(exc.status_code, message))
+        return error_response(ApiError(exc.status_code, message))
 
     def _check_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -178,10 +132,10 @@ class OpenAIServer:
             self._check_key(request)
             return await handler(rid)
         except Exception as e:  # noqa: BLE001 - every failure is answered in OpenAI's shape
-            error = _api_error(e)
+            error = api_error(e)
             if error.status >= 500 and not isinstance(e, (EngineUnavailable, StepFailed)):
                 log.exception("http_handler_failed", request_id=rid)
-            return _error_response(error, rid)
+            return error_response(error, rid)
 
     def _usage(self, prompt: int, completion: int, cached: int) -> dict:
         return out.usage_body(prompt, completion, cached)
@@ -236,7 +190,7 @@ class OpenAIServer:
             return Response(b"{}", 200, media_type="application/json")
         reason = "draining" if e.is_draining else (e.unavailable_reason or "not ready")
         # a probe, not a request: not logged
-        return _error_response(ApiError(503, reason, "service_unavailable"), logged=False)
+        return error_response(ApiError(503, reason, "service_unavailable"), logged=False)
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -324,7 +278,7 @@ class OpenAIServer:
                     if chunk is not None:
                         yield chunk
             except Exception as e:  # noqa: BLE001 - a stream that fails midway says so in its last event
-                error = _api_error(e)
+                error = api_error(e)
                 yield b"data: " + out.dumps(out.error_body(str(error), error.kind)) + b"\n\n"
             yield stream.closing(usage if include_usage else None)
 
@@ -405,7 +359,7 @@ class OpenAIServer:
                             ]
                         )
             except Exception as e:  # noqa: BLE001 - said in the stream's last event
-                error = _api_error(e)
+                error = api_error(e)
                 yield b"data: " + out.dumps(out.error_body(str(error), error.kind)) + b"\n\n"
             if include_usage:
                 yield (

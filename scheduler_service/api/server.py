@@ -1,8 +1,8 @@
 """The gRPC front door: pagedserve.v1.Generation, grpc.health.v1 and server reflection.
 
 The servicer is thin: protobuf in → engine call → protobuf out. Errors map to status codes in one
-place (`_status_for`). Requests are parsed by a tolerant deserializer, so a malformed message or a
-string that is not UTF-8 is answered with INVALID_ARGUMENT instead of gRPC's UNKNOWN; validation and
+place (api/rpc.py status_for). Requests are parsed by a tolerant deserializer, so a malformed message or
+a string that is not UTF-8 is answered with INVALID_ARGUMENT instead of gRPC's UNKNOWN; validation and
 tokenization run off the event loop, so one huge prompt never stalls the other clients.
 
 The API has no authentication of its own: `--tls-cert/--tls-key` serve it over TLS, and anything more

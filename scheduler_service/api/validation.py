@@ -35,6 +35,7 @@ class InvalidRequest(ValueError):
 
 
 def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> Request:
+    # one function: the one validation path, in the order a request is read
     """The one validation path: pagedserve.v1 requests come here directly, the engine protocol's after
     scheduler_service/api/engine_protocol.py has put them in this shape."""
     given = [name for name, present in (("prompt", bool(msg.prompt)),
@@ -193,7 +194,8 @@ def _constraint(p: generation_pb2.SamplingParams, limits: Limits) -> Constraint 
         raise InvalidRequest(f"sampling.{e}" if str(e).startswith(kind) else f"sampling.{kind}: {e}") from e
 
 
-def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits) -> SamplingOptions:
+def _max_tokens(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits) -> int:
+    """What the context leaves after the prompt, at most; the server's default where a request names none."""
     room = limits.max_context - prompt_len
     if p.HasField("max_tokens"):
         if p.max_tokens < 1:
@@ -206,18 +208,10 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
         max_tokens = p.max_tokens
     else:
         max_tokens = min(room, limits.default_max_tokens) if limits.default_max_tokens else room
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        raise InvalidRequest(f"sampling.temperature must be >= 0 (0 is greedy), got {p.temperature}")
-    top_p = 1.0
-    if p.HasField("top_p"):
-        if not (0.0 < p.top_p <= 1.0):
-            raise InvalidRequest(f"sampling.top_p must lie in (0, 1], got {p.top_p}")
-        top_p = p.top_p
-    if p.top_k < -1:
-        raise InvalidRequest(f"sampling.top_k must be >= 0 (0 or -1 turn it off), got {p.top_k}")
-    n = p.n or 1
-    if n > MAX_SAMPLES:
-        raise InvalidRequest(f"sampling.n must be at most {MAX_SAMPLES}, got {n}")
+    return max_tokens
+
+
+def _check_stops(p: generation_pb2.SamplingParams, limits: Limits) -> None:
     if len(p.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}")
     if any(s == "" for s in p.stop):
@@ -230,9 +224,10 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
                              f"{limits.vocab_size})")
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}")
-    for name in ("logprobs", "prompt_logprobs"):
-        if p.HasField(name) and getattr(p, name) > MAX_LOGPROBS:
-            raise InvalidRequest(f"sampling.{name} must lie in [0, {MAX_LOGPROBS}], got {getattr(p, name)}")
+
+
+def _penalties(p: generation_pb2.SamplingParams) -> float:
+    """Penalties within their ranges; the repetition penalty (1 is off)."""
     repetition = 1.0
     if p.HasField("repetition_penalty"):
         if not (math.isfinite(p.repetition_penalty) and 0.0 < p.repetition_penalty <= 2.0):
@@ -245,11 +240,10 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
             raise InvalidRequest(f"sampling.{name} must lie in [-2, 2] (0 is off), got {value}")
     if not (math.isfinite(p.min_p) and 0.0 <= p.min_p <= 1.0):
         raise InvalidRequest(f"sampling.min_p must lie in [0, 1] (0 is off), got {p.min_p}")
-    if p.min_tokens > max_tokens:
-        raise InvalidRequest(f"sampling.min_tokens ({p.min_tokens}) is more than max_tokens ({max_tokens})")
-    if p.min_tokens and any(getattr(p, k) for k in ("json_schema", "regex", "grammar")):
-        raise InvalidRequest("sampling.min_tokens cannot be combined with structured output: the structure "
-                             "decides where the output ends")
+    return repetition
+
+
+def _logit_bias(p: generation_pb2.SamplingParams, limits: Limits) -> list[tuple[int, float]]:
     if len(p.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequest(f"sampling.logit_bias has {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
     bias = []
@@ -261,6 +255,34 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
             raise InvalidRequest(f"sampling.logit_bias[{token}] must lie in [-100, 100], got {value}")
         if value:
             bias.append((int(token), float(value)))
+    return bias
+
+
+def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits) -> SamplingOptions:
+    max_tokens = _max_tokens(p, prompt_len, limits)
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise InvalidRequest(f"sampling.temperature must be >= 0 (0 is greedy), got {p.temperature}")
+    top_p = 1.0
+    if p.HasField("top_p"):
+        if not (0.0 < p.top_p <= 1.0):
+            raise InvalidRequest(f"sampling.top_p must lie in (0, 1], got {p.top_p}")
+        top_p = p.top_p
+    if p.top_k < -1:
+        raise InvalidRequest(f"sampling.top_k must be >= 0 (0 or -1 turn it off), got {p.top_k}")
+    n = p.n or 1
+    if n > MAX_SAMPLES:
+        raise InvalidRequest(f"sampling.n must be at most {MAX_SAMPLES}, got {n}")
+    _check_stops(p, limits)
+    for name in ("logprobs", "prompt_logprobs"):
+        if p.HasField(name) and getattr(p, name) > MAX_LOGPROBS:
+            raise InvalidRequest(f"sampling.{name} must lie in [0, {MAX_LOGPROBS}], got {getattr(p, name)}")
+    repetition = _penalties(p)
+    if p.min_tokens > max_tokens:
+        raise InvalidRequest(f"sampling.min_tokens ({p.min_tokens}) is more than max_tokens ({max_tokens})")
+    if p.min_tokens and any(getattr(p, k) for k in ("json_schema", "regex", "grammar")):
+        raise InvalidRequest("sampling.min_tokens cannot be combined with structured output: the structure "
+                             "decides where the output ends")
+    bias = _logit_bias(p, limits)
     ban = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(limits.eos_token_ids))))
     return SamplingOptions(
         max_tokens=max_tokens,

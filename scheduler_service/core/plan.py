@@ -209,6 +209,7 @@ class PlanBuilder:
 
     def _controls(self, out, plan: PlanArrays, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
                   do_sample: np.ndarray) -> None:
+        # one function: each control's arrays, in the order the wire lists them
         """The request-control arrays of the step's plan; `out` keeps what decoding its result needs."""
         if self.penalized[rows].any():
             plan.repetition_penalty = self.repetition[rows]

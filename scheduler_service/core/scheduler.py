@@ -132,6 +132,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> int:
+        # one function: the order decodes, drafts and prompt chunks are taken in is the policy
         """Every running decode a token, then prompt chunks from what is left; -> the budget left."""
         kv = self.kv
         decodes, prefills, drafting_now = [], [], 0

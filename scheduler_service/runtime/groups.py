@@ -1,11 +1,17 @@
-"""Whether a worker group that completed its handshake can serve: its vocabulary, and a pool that holds one
-request of the full context (or of a sliding window and a step's tokens), and after start no less than the
-pool the service promised its requests."""
+"""Worker groups as the scheduler knows them: each rank (its handshake, heartbeats, pid), each replica's
+group, the errors a group's step ends with, whether a rank's handshake may join, and whether a complete
+group can serve (its vocabulary; a pool that holds one request of the full context, or of a sliding window
+and a step's tokens; after start, no less than the pool the service promised its requests)."""
 
 from __future__ import annotations
 
+import ipaddress
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from protos import wire_pb2
 from scheduler_service.core.config import ModelSpec, SchedulerConfig
-from scheduler_service.runtime.worker_client import WorkerGroup
 from scheduler_service.text.limits import Limits
 
 
@@ -45,4 +51,111 @@ def group_problem(group: WorkerGroup, spec: ModelSpec, config: SchedulerConfig, 
         return (f"the KV pool ({group.num_blocks} blocks x {config.block_size} = {pool_tokens} "
                 f"tokens) cannot hold one request of {what}: give the workers more KV memory "
                 "(--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len")
+    return ""
+
+
+class WorkerError(RuntimeError):
+    """A worker rejected or failed a step; the requests in it are failed, the service goes on."""
+
+
+class WorkerLost(RuntimeError):
+    """A rank of the group is gone (no heartbeat, unreachable, or dropped): the replica cannot serve."""
+
+
+class InsecureEndpoint(ValueError):
+    """A non-loopback endpoint without CurveZMQ keys or an explicit insecure flag."""
+
+
+@dataclass
+class WorkerInfo:
+    replica: int
+    tp_rank: int
+    identity: bytes  # w.<nonce>: plans and results
+    heartbeat_identity: bytes  # hb.<nonce>
+    handshake: wire_pb2.Handshake
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    # The worker's process id when it runs on this host and this process can see it (a loopback wire and
+    # the same pid namespace): its exit is then seen at once, and a lost one can be fenced.
+    local_pid: int | None = None
+
+
+def worker_process_state(pid: int) -> str | None:
+    """'alive', 'dead', or None when pid is not a pagedserve worker this process can see."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "dead"
+    if b"worker.serve.main" not in cmdline and b"pagedserve-worker" not in cmdline:
+        return None
+    return "dead" if state in ("Z", "X") else "alive"
+
+
+@dataclass
+class WorkerGroup:
+    """The ranks of one replica: candidates until every rank has shaken hands, then accepted."""
+
+    replica: int
+    tp_size: int
+    workers: dict[int, WorkerInfo] = field(default_factory=dict)
+    num_blocks: int = 0
+    is_ready: bool = False
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes over all ranks (each rank holds its heads' slice)."""
+        return sum(w.handshake.bytes_per_block for w in self.workers.values())
+
+    @property
+    def handshake(self) -> wire_pb2.Handshake:
+        return self.workers[0].handshake
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.workers[r].handshake.pid for r in sorted(self.workers)]
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    scheme = endpoint.split("://", 1)[0]
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name or a host name
+        return False
+
+
+# Handshake fields every rank of every replica must agree on (one model behind the service).
+SAME_MODEL = ("model_fingerprint", "vocab_size", "block_size", "max_context", "dtype", "kv_window")
+
+
+def handshake_problem(hs: wire_pb2.Handshake, groups: list[WorkerGroup], tp_size: int,
+                      expected: dict[str, object]) -> str:
+    """Why a rank's handshake cannot join (a size or rank out of range, a setting other than the scheduler's,
+    a model other than its peers'), or ""."""
+    if hs.tp_size != tp_size:
+        return f"tensor-parallel size {hs.tp_size}, the scheduler expects {tp_size}"
+    if hs.replica >= len(groups):
+        return f"replica {hs.replica} is out of range: the scheduler drives {len(groups)}"
+    if hs.tp_rank >= tp_size:
+        return f"rank {hs.tp_rank} is out of range for a group of {tp_size}"
+    group = groups[hs.replica]
+    if group.is_ready:
+        return f"replica {hs.replica} rank {hs.tp_rank} is already connected"
+    for key, value in expected.items():
+        if getattr(hs, key) != value:
+            return f"{key} is {getattr(hs, key)}, the scheduler's is {value}"
+    peers = [w for g in groups for w in g.workers.values() if g.is_ready or g is group]
+    for other in peers:
+        if other.tp_rank == hs.tp_rank and other.replica == hs.replica:
+            continue  # a candidate replaced by its restart
+        for key in SAME_MODEL + (("rendezvous",) if other.replica == hs.replica else ()):
+            if getattr(hs, key) != getattr(other.handshake, key):
+                return (f"{key} {getattr(hs, key)!r} differs from replica {other.replica} rank "
+                        f"{other.tp_rank}'s {getattr(other.handshake, key)!r}")
     return ""

@@ -1,31 +1,19 @@
-"""The scheduler's side of the ZeroMQ wire: one ROUTER socket that every worker rank of every replica
-connects to.
+"""The scheduler's side of the ZeroMQ wire: one ROUTER socket every worker rank of every replica connects to.
 
-Workers form groups: replica d is a tensor-parallel group of tp_size ranks. A group is accepted when all
-its ranks have sent a handshake that agrees with the scheduler's settings (block size, per-step budget,
-group size) and with each other (model, vocabulary, rendezvous); then each rank gets an ack with the
-group's pool size (the smallest rank's). From then on a message counts only if it comes from the ZeroMQ
-identity that completed the handshake ("w.<nonce>" for plans and results, "hb.<nonce>" for heartbeats),
-never because of a field inside it. Each step one StepPlan, serialized once, goes to every rank of the
-group; every rank answers (so a failed rank is seen) and their sampled tokens must agree; rank 0's
-answer is the step's result. A rank silent for longer than heartbeat_timeout is lost, however long
-its step takes; the group is then dropped (its other ranks are told to shut down) and a complete new
-group for that replica may join again.
-
-The socket binds to loopback unless CurveZMQ keys are given (or insecure_wire is set, which logs a
-warning): a worker on the wire can read prompts and write any client's output.
+A replica's group (tp_size ranks) is accepted once every rank's handshake agrees with the scheduler and the
+others (runtime/groups.py); from then on a message counts only from the ZeroMQ identity that completed the
+handshake. A step's plan goes to every rank of the group, every rank answers, rank 0's answer is the result;
+a rank silent past heartbeat_timeout is lost and its group dropped. Loopback only unless CurveZMQ keys are
+given (a worker on the wire can read prompts and write any client's output).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import structlog
 import zmq
@@ -33,6 +21,16 @@ import zmq.asyncio
 
 from protos import WIRE_VERSION, wire_pb2
 from protos.curve import server_keys
+from scheduler_service.runtime.groups import (
+    InsecureEndpoint,
+    WorkerError,
+    WorkerGroup,
+    WorkerInfo,
+    WorkerLost,
+    handshake_problem,
+    is_loopback_endpoint,
+    worker_process_state,
+)
 
 log = structlog.get_logger("scheduler.worker_client")
 
@@ -42,84 +40,19 @@ REJOIN_SILENCE_S = 1.5
 # Largest frame accepted from a worker: results and handshakes are small.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
-# Handshake fields every rank of every replica must agree on (one model behind the service).
-_SAME_MODEL = ("model_fingerprint", "vocab_size", "block_size", "max_context", "dtype", "kv_window")
 
 
-class WorkerError(RuntimeError):
-    """A worker rejected or failed a step; the requests in it are failed, the service goes on."""
 
 
-class WorkerLost(RuntimeError):
-    """A rank of the group is gone (no heartbeat, unreachable, or dropped): the replica cannot serve."""
 
 
-class InsecureEndpoint(ValueError):
-    """A non-loopback endpoint without CurveZMQ keys or an explicit insecure flag."""
 
 
-@dataclass
-class WorkerInfo:
-    replica: int
-    tp_rank: int
-    identity: bytes  # w.<nonce>: plans and results
-    heartbeat_identity: bytes  # hb.<nonce>
-    handshake: wire_pb2.Handshake
-    last_heartbeat: float = field(default_factory=time.monotonic)
-    # The worker's process id when it runs on this host and this process can see it (a loopback wire and
-    # the same pid namespace): its exit is then seen at once, and a lost one can be fenced.
-    local_pid: int | None = None
 
 
-def worker_process_state(pid: int) -> str | None:
-    """'alive', 'dead', or None when pid is not a pagedserve worker this process can see."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read()
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "dead"
-    if b"worker.serve.main" not in cmdline and b"pagedserve-worker" not in cmdline:
-        return None
-    return "dead" if state in ("Z", "X") else "alive"
 
 
-@dataclass
-class WorkerGroup:
-    """The ranks of one replica: candidates until every rank has shaken hands, then accepted."""
 
-    replica: int
-    tp_size: int
-    workers: dict[int, WorkerInfo] = field(default_factory=dict)
-    num_blocks: int = 0
-    is_ready: bool = False
-
-    @property
-    def bytes_per_block(self) -> int:
-        """Bytes one block takes over all ranks (each rank holds its heads' slice)."""
-        return sum(w.handshake.bytes_per_block for w in self.workers.values())
-
-    @property
-    def handshake(self) -> wire_pb2.Handshake:
-        return self.workers[0].handshake
-
-    @property
-    def pids(self) -> list[int]:
-        return [self.workers[r].handshake.pid for r in sorted(self.workers)]
-
-
-def is_loopback_endpoint(endpoint: str) -> bool:
-    scheme = endpoint.split("://", 1)[0]
-    if scheme in ("ipc", "inproc"):
-        return True
-    host = urlsplit(endpoint).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # "*", an interface name or a host name
-        return False
 
 
 class WorkerClient:
@@ -223,27 +156,7 @@ class WorkerClient:
 
     # --- handshakes ------------------------------------------------------------------------------
     def _refuse_reason(self, hs: wire_pb2.Handshake) -> str:
-        if hs.tp_size != self.tp_size:
-            return f"tensor-parallel size {hs.tp_size}, the scheduler expects {self.tp_size}"
-        if hs.replica >= len(self.groups):
-            return f"replica {hs.replica} is out of range: the scheduler drives {len(self.groups)}"
-        if hs.tp_rank >= self.tp_size:
-            return f"rank {hs.tp_rank} is out of range for a group of {self.tp_size}"
-        group = self.groups[hs.replica]
-        if group.is_ready:
-            return f"replica {hs.replica} rank {hs.tp_rank} is already connected"
-        for key, value in self.expected.items():
-            if getattr(hs, key) != value:
-                return f"{key} is {getattr(hs, key)}, the scheduler's is {value}"
-        peers = [w for g in self.groups for w in g.workers.values() if g.is_ready or g is group]
-        for other in peers:
-            if other.tp_rank == hs.tp_rank and other.replica == hs.replica:
-                continue  # a candidate replaced by its restart
-            for key in _SAME_MODEL + (("rendezvous",) if other.replica == hs.replica else ()):
-                if getattr(hs, key) != getattr(other.handshake, key):
-                    return (f"{key} {getattr(hs, key)!r} differs from replica {other.replica} rank "
-                            f"{other.tp_rank}'s {getattr(other.handshake, key)!r}")
-        return ""
+        return handshake_problem(hs, self.groups, self.tp_size, self.expected)
 
     async def _on_handshake(self, identity: bytes, hs: wire_pb2.Handshake) -> None:
         if not identity.startswith(b"w."):

@@ -177,7 +177,7 @@ def test_kv_pool_refuses_a_block_size_that_is_not_a_power_of_two():
 def test_each_local_rank_owns_its_own_gpu():
     """The launchers pass one --device to every rank of a host; each rank must land on its own GPU (Triton
     launches on the current device, so two ranks on one GPU would also run each other's kernels there)."""
-    from worker.serve.startup import rank_device
+    from worker.serve.choices import rank_device
 
     assert [rank_device(None, r, 4) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert [rank_device("cuda", r, 2) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]

@@ -56,7 +56,7 @@ def _hf_model(kind: str):
 def _model(tmp_path, kind: str, packing: bool = False, int8: bool = False):
     """(model with the fused step attached, config) of a tiny random model of that family (GGUF Q4 blocks
     packed for the integer kernel with packing, meeting 8-bit activations with int8)."""
-    from worker.serve.startup import use_fused_decode
+    from worker.serve.choices import use_fused_decode
 
     if kind == "llama":
         folder = make_tiny_llama(tmp_path / kind)
@@ -327,7 +327,7 @@ def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_
     type."""
     from tests.support.quant import random_k_blocks
     from worker.model.quantized import QuantizedMatmul, QuantLinear, QuantWeight
-    from worker.serve.startup import use_fused_decode
+    from worker.serve.choices import use_fused_decode
 
     folder = make_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=512, head_dim=64,
                              num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
@@ -388,7 +388,7 @@ def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
     the matmul library's logits up to summation order; more rows take the library; a quantized head (its
     own kernel) is left alone."""
     from worker.model.fused_decode import NativeHead
-    from worker.serve.startup import FUSED_DENSE_ROWS
+    from worker.serve.choices import FUSED_DENSE_ROWS
 
     model, config = _model(tmp_path, "llama")
     weight = NativeHead.weight_of(model)

@@ -169,5 +169,5 @@ def test_every_kernel_is_compiled_once_across_steps_of_every_kind_and_none_spill
     for name, versions in report.items():
         assert len(versions) <= (2 if name in twice else 1), (name, versions)
         assert all(v["spills"] == 0 for v in versions), (name, versions)
-    assert {"_decode_split_kernel", "_prefill_kernel", "_write_kv_kernel",
+    assert {"decode_split_kernel", "prefill_kernel", "write_kv_kernel",
             "_top_p_floor_kernel"} <= set(report)

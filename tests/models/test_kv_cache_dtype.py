@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from protos import generation_pb2 as pb
-from worker.serve.startup import kv_cache_dtype
+from worker.serve.choices import kv_cache_dtype
 
 CPU = torch.device("cpu")
 

@@ -341,7 +341,7 @@ def test_staging_packs_a_steps_arrays_into_one_transfer_and_cuts_them_back():
     and reuses and grows its two buffers across steps without touching the previous step's."""
     import numpy as np
 
-    from worker.step.runner import Staging
+    from worker.step.staging import Staging
 
     staging = Staging(torch.device("cpu"), pack=True)
     rng = np.random.default_rng(0)

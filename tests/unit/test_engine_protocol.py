@@ -7,7 +7,7 @@ import re
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from scheduler_service.api.engine_protocol import to_generation_request
+from scheduler_service.api.engine_protocol_messages import to_generation_request
 from scheduler_service.api.validation import InvalidRequest
 from scheduler_service.core.block_allocator import BlockAllocator, block_hash
 from scheduler_service.runtime.kv_events import KvEventPublisher, SubscriberGone, event_hash

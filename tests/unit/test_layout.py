@@ -85,8 +85,8 @@ def test_each_service_shows_its_layers():
     for pkg, layers in (("scheduler_service", set(SCHEDULER)), ("worker", set(WORKER))):
         folders = {p.name for p in (ROOT / pkg).iterdir() if (p / "__init__.py").exists()}
         assert folders == layers, f"{pkg}/ holds {sorted(folders)}"
-        loose = {p.stem for p in (ROOT / pkg).glob("*.py")} - {"__init__", "main"}
-        assert not loose, f"{pkg}/ top level: only main.py beside the layers, not {sorted(loose)}"
+        loose = {p.stem for p in (ROOT / pkg).glob("*.py")} - {"__init__", "main", "options"}
+        assert not loose, f"{pkg}/ top level: main.py and options.py beside the layers, not {sorted(loose)}"
 
 
 def _runtime_imports(tree: ast.Module):
@@ -176,7 +176,7 @@ def test_the_project_reads_as_five_packages_and_deploy_shows_the_product():
     top |= {p.parent.name for p in (ROOT / "deploy").glob("*/__main__.py")} - {"bench"}
     assert not {n for n in top if n.startswith("bench")}, "benchmarks belong in deploy/bench/"
     assert top == {"cli", "launcher", "supervisor", "fleet", "gateway", "console", "prepare_model",
-                   "loadtest", "processes"}
+                   "loadtest", "processes", "client"}
 
 
 def test_no_product_module_imports_the_tests():
@@ -205,57 +205,26 @@ def test_tests_are_grouped_by_kind_and_share_helpers_only_through_support():
     assert not wrong, "shared helpers live in tests/support:\n" + "\n".join(wrong)
 
 
-def test_no_module_outside_tests_and_kernels_runs_past_500_lines():
-    """A module a newcomer opens fits in one sitting; past 500 lines it is two modules."""
-    files = [p for folder in ("protos", "scheduler_service", "worker", "deploy")
-             for p in sorted((ROOT / folder).rglob("*.py")) if "_pb2" not in p.name]
+def test_no_module_runs_past_400_lines():
+    """A module a newcomer opens fits in one sitting; past 400 lines it is two modules."""
+    files = [p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py")) if "_pb2" not in p.name]
     sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in files}
-    long = [f"{p}: {n} lines" for p, n in sizes.items() if n > 500]
+    long = [f"{p}: {n} lines" for p, n in sizes.items() if n > 400]
     assert not long, "split these:\n" + "\n".join(long)
 
 
-def _product(prefix: str):
-    return {name: tree for name, tree in MODULES.items() if name.startswith(prefix)}
-
-
-def test_only_the_step_loop_reaches_the_scheduler():
-    """The step loop owns its scheduler; the router, the API and the reports ask the loop, never reaching
-    through it into the scheduler or the allocator."""
-    owners = [(name, tree) for name, tree in _product("scheduler_service").items()
-              if not name.startswith("scheduler_service.core")
-              and name != "scheduler_service.runtime.step_loop"]
-    wrong = [f"{name}:{node.lineno} {ast.unparse(node)}" for name, tree in owners
-             for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-             and node.attr in ("scheduler", "allocator", "kv", "running", "waiting")
-             and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
-    assert not wrong, "\n".join(wrong)
-
-
-def test_a_sequence_is_finished_in_one_place():
-    """Only Sequence.finish writes a sequence's end; everything else asks for it (the scheduler after its
-    blocks are back, the router for a request no replica holds)."""
-    wrong = []
-    for name, tree in _product("scheduler_service").items():
-        if name == "scheduler_service.core.sequence":
-            continue
+def test_no_function_runs_past_60_lines_without_saying_why():
+    """A function past 60 lines is two functions, unless a comment on its first lines says why it is one
+    (a flag table, a benchmark's script read top to bottom)."""
+    long = []
+    for name, tree in MODULES.items():
+        path = ROOT / (name.replace(".", "/") + ".py")
+        path = path if path.exists() else ROOT / name.replace(".", "/") / "__init__.py"
+        lines = path.read_text().splitlines()
         for node in ast.walk(tree):
-            if not isinstance(node, ast.Assign):
-                continue
-            value = ast.unparse(node.value)
-            for t in (e for target in node.targets
-                      for e in (target.elts if isinstance(target, ast.Tuple) else [target])):
-                ends = (t.attr == "status" and "SequenceStatus.FINISHED" in value
-                        or t.attr == "finish_reason" and "FinishReason." in value) \
-                    if isinstance(t, ast.Attribute) else False
-                if ends:
-                    wrong.append(f"{name}:{node.lineno} {ast.unparse(node)}")
-    assert not wrong, "\n".join(wrong)
-
-
-def test_no_scheduler_field_is_typed_object():
-    """Every field of the scheduler's state says what it holds (a Protocol where the thing lives above)."""
-    wrong = [f"{name}:{node.lineno} {ast.unparse(node)}"
-             for name, tree in _product("scheduler_service").items()
-             for node in ast.walk(tree) if isinstance(node, ast.AnnAssign)
-             and "object" in {n.id for n in ast.walk(node.annotation) if isinstance(n, ast.Name)}]
-    assert not wrong, "\n".join(wrong)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.end_lineno - node.lineno >= 60:
+                head = "\n".join(lines[node.lineno - 1:node.body[0].lineno])
+                if "# one function:" not in head:
+                    long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, "split these, or say why not (`# one function: ...`):\n" + "\n".join(long)

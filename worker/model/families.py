@@ -26,6 +26,7 @@ class UnsupportedModel(ValueError):
 
 
 def check_supported(cfg: dict) -> None:
+    # one function: one check a config field, read as a list
     """Refuse, naming the field and its value, every config field that would change the math and that the
     model code does not implement — rather than serve wrong text without a word. What is implemented:
     docs (README, "Models")."""

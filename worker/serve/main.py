@@ -16,9 +16,8 @@ import structlog
 from protos import EXIT_CONFIG
 from protos.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range
 from protos.logs import LOG_FORMATS, configure_logging
+from worker.serve.choices import DTYPES, KV_CACHE_DTYPES
 from worker.serve.startup import (
-    DTYPES,
-    KV_CACHE_DTYPES,
     Refused,
     build_runner,
     check_flags,
@@ -60,6 +59,7 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
+    # one function: the worker's flag table
     """The worker's own flags; `pagedserve serve` and `pagedserve deploy` pass them through unchanged."""
     g = p.add_argument_group("workers")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],

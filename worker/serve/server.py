@@ -24,7 +24,8 @@ from zmq.utils.monitor import recv_monitor_message
 from protos import EXIT_CONFIG, EXIT_FAILED, EXIT_RETRY, WIRE_VERSION, wire_pb2
 from protos.codec import decode_mask
 from protos.curve import client_keys
-from worker.step.runner import ModelRunner, is_device_fatal
+from worker.step.runner import ModelRunner
+from worker.step.staging import is_device_fatal
 
 log = structlog.get_logger("worker.serve.server")
 

@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from protos import wire_pb2
-from protos.codec import POOL_FIRST, POOL_SUM, CodecError, PlanArrays, decode_plan, encode_plan, encode_result
+from protos.codec import CodecError, PlanArrays, decode_plan, encode_plan, encode_result
 from worker.model.attention import AttentionBackend
 from worker.model.kv_pool import KVPool
 from worker.model.llama import LlamaModel, StepInputs
@@ -19,6 +19,7 @@ from worker.step.controls import apply_controls, gather_controls, top_logprobs
 from worker.step.plan_checks import PlanError, check_mask, validate_plan
 from worker.step.sampler import NonFiniteLogits, SamplingBatch, check_sampled, sample_async
 from worker.step.speculation import Drafts, accept_drafts, expand_drafts, stage_drafts
+from worker.step.staging import Staging, StepClock, is_device_fatal, pool_hidden
 
 log = structlog.get_logger("worker.step.runner")
 
@@ -324,86 +325,12 @@ class ModelRunner:
         return top_logprobs(logits, torch.from_numpy(p.prompt_logprob_targets.astype(np.int64)), ks)
 
 
-def pool_hidden(hidden: torch.Tensor, p: PlanArrays) -> torch.Tensor | None:
-    """What the plan's pooling rows ask of their final hidden states (protos/wire.proto StepPlan.pooling),
-    fp32 [pooling rows, hidden] in row order: the last token's, the sum over the row's tokens, or the
-    first token's. None when no row pools."""
-    rows = np.flatnonzero(p.pooling > 0)
-    if rows.size == 0:
-        return None
-    kinds = p.pooling[rows]
-    starts = p.query_start_loc[rows].astype(np.int64)
-    ends = p.query_start_loc[rows + 1].astype(np.int64)
-    pick = np.where(kinds == POOL_FIRST, starts, ends - 1)
-    out = hidden[torch.from_numpy(pick).to(hidden.device)].float()
-    summing = np.flatnonzero(kinds == POOL_SUM)
-    if summing.size:
-        lens = ends[summing] - starts[summing]
-        tokens = np.repeat(starts[summing] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
-        owner = torch.from_numpy(np.repeat(summing, lens)).to(hidden.device)
-        values = hidden[torch.from_numpy(tokens).to(hidden.device)].float()
-        sums = torch.zeros_like(out).index_add_(0, owner, values)
-        at = torch.from_numpy(summing).to(hidden.device)
-        out[at] = sums[at]
-    return out
 
 
-_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 
 
-class Staging:
-    """A step's host arrays on the device. On CUDA they are packed into a pinned buffer and moved in one
-    non-blocking transfer, then cut into typed views, instead of one pageable, synchronous copy each. Two
-    buffers are used in turn, each with an event recorded after its transfer: the worker launches a step
-    before the one before it is done, so the buffer written now is the one of two steps ago, whose transfer
-    has run (the event says so; waiting on it is a formality). Every array starts at a multiple of ALIGN
-    bytes. On a CPU each array is used as a tensor as it is (copied once, off the read-only wire buffer);
-    `pack` forces the packed path there (for tests)."""
-
-    ALIGN = 16  # every view starts 16-byte aligned, whatever the arrays before it
-
-    def __init__(self, device: torch.device, pack: bool | None = None) -> None:
-        self.device = device
-        self.pack = device.type == "cuda" if pack is None else pack
-        self._hosts: list[torch.Tensor | None] = [None, None]
-        self._moved: list[torch.cuda.Event | None] = [None, None]
-        self._turn = 0
-
-    def put(self, arrays: list[tuple[np.ndarray, torch.dtype]]) -> list[torch.Tensor]:
-        typed = [np.ascontiguousarray(a, dtype=_NUMPY[dtype]) for a, dtype in arrays]
-        if not self.pack:
-            return [torch.from_numpy(a if a.flags.writeable else a.copy()) for a in typed]
-        offsets, total = [], 0
-        for a in typed:
-            offsets.append(total)
-            total += -(-a.nbytes // self.ALIGN) * self.ALIGN
-        self._turn ^= 1
-        turn, cuda = self._turn, self.device.type == "cuda"
-        if self._moved[turn] is not None:
-            self._moved[turn].synchronize()  # this buffer's last transfer (two steps ago) has run
-        buf = self._hosts[turn]
-        if buf is None or buf.numel() < total:
-            size = max(total, 2 * (0 if buf is None else buf.numel()), 1 << 16)
-            buf = self._hosts[turn] = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
-        host = buf.numpy()
-        for a, at in zip(typed, offsets, strict=True):
-            host[at : at + a.nbytes] = a.reshape(-1).view(np.uint8)
-        moved = buf[:total].to(self.device, non_blocking=True)
-        if cuda:
-            self._moved[turn] = torch.cuda.Event()
-            self._moved[turn].record()
-        return [moved[at : at + a.nbytes].view(dtype).view(a.shape)
-                for a, at, (_, dtype) in zip(typed, offsets, arrays, strict=True)]
 
 
-def is_device_fatal(error: BaseException) -> bool:
-    """A CUDA error (illegal address, device-side assert, ...) leaves the context unusable: every later
-    call fails too. torch raises torch.AcceleratorError (2.8+) or a RuntimeError naming CUDA."""
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(error, accelerator_error):
-        return True
-    text = str(error)
-    return "CUDA error" in text or "device-side assert" in text or "CUBLAS_STATUS" in text
 
 
 def warm_up(runner: ModelRunner) -> float:
@@ -449,34 +376,3 @@ def warm_up(runner: ModelRunner) -> float:
     return time.perf_counter() - t0
 
 
-class StepClock:
-    """Forward and sampling times of a step. On CUDA the host returns from the forward as soon as its kernels
-    are queued, so host clocks would show GPU time as sampling: events recorded on the stream between the
-    phases give the device's own times. The "end" event, recorded after the copy of the step's tokens to the
-    host, is what `wait` blocks on: work queued after it (the next step) is not waited for. On a CPU the host
-    clocks are the truth and this records nothing."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.events: dict[str, torch.cuda.Event] | None = {} if device.type == "cuda" else None
-
-    def mark(self, name: str) -> None:
-        if self.events is not None:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.events[name] = event
-
-    def wait(self) -> None:
-        if self.events:
-            self.events["end"].synchronize()
-
-    def done(self) -> bool:
-        """Whether the step's tokens are on the host (always, on a CPU)."""
-        return not self.events or self.events["end"].query()
-
-    def split(self, host_forward: float, host_sample: float) -> tuple[float, float]:
-        """(forward, sampling) seconds; call after wait()."""
-        if not self.events:
-            return host_forward, host_sample
-        e = self.events
-        forward = e["start"].elapsed_time(e["logits"]) / 1000
-        return forward, e["logits"].elapsed_time(e["end"]) / 1000

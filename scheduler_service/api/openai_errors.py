@@ -1,0 +1,65 @@
+"""Every failure of the OpenAI API as OpenAI's error body and an HTTP status: the engine's and validation's
+errors mapped once, a body pydantic refused said in one line naming the field."""
+
+from __future__ import annotations
+
+import pydantic
+import structlog
+from starlette.responses import Response
+
+from scheduler_service.api import openai_responses as out
+from scheduler_service.api.streams import ClientGone
+from scheduler_service.api.validation import InvalidRequest
+from scheduler_service.core.batch import DuplicateRequestId
+from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, Unschedulable
+
+log = structlog.get_logger("scheduler.http")
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
+
+
+def api_error(error: Exception) -> ApiError:
+    """An engine or validation error as the HTTP status and OpenAI error type it is answered with."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, ClientGone):
+        return ApiError(499, str(error))
+    if isinstance(error, (InvalidRequest, DuplicateRequestId)):
+        return ApiError(400, str(error).replace("sampling.", ""))
+    if isinstance(error, QueueFull):
+        return ApiError(429, str(error), "rate_limit_error")
+    if isinstance(error, Unschedulable):
+        return ApiError(400, str(error))
+    if isinstance(error, EngineUnavailable):
+        return ApiError(503, str(error), "service_unavailable")
+    return ApiError(500, str(error), "server_error")
+
+
+def error_response(error: ApiError, request_id: str = "", logged: bool = True) -> Response:
+    if logged:
+        log.info("request_rejected", request_id=request_id, status=error.status, error=str(error))
+    return Response(
+        out.dumps(out.error_body(str(error), error.kind, error.code)),
+        error.status,
+        media_type="application/json",
+    )
+
+
+def validation_message(e: pydantic.ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:4]:
+        where = ".".join(
+            str(x)
+            for x in err["loc"]
+            if not str(x).startswith(("function-", "list[", "str", "literal[", "int"))
+        )
+        what = "is not a field of this request" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{where}: {what}" if where else what)
+    more = f" (and {len(e.errors()) - 4} more)" if len(e.errors()) > 4 else ""
+    return "; ".join(dict.fromkeys(parts)) + more

@@ -1,0 +1,182 @@
+"""The choices a worker's start-up makes, each from its flags and the machine: the rank's device, the KV
+cache's dtype and byte budget, whether the model fits, where weights come from (a GGUF's blocks, bf16
+rows), the quantized library, the native LM head and the fused decode step."""
+
+from __future__ import annotations
+
+import structlog
+
+CPU_KV_CACHE_MEMORY = "2GiB"
+
+log = structlog.get_logger("worker.serve.main")
+
+
+# decode rows the native rows kernel multiplies on dense fp32 weights (each weight row read once per 8 rows);
+# the fused step takes more on the same weights through the process's BLAS sgemm where it finds one
+FUSED_DENSE_ROWS = 8
+
+
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+KV_CACHE_DTYPES = {"auto": None, **DTYPES}
+
+
+def rank_device(device: str | None, local_rank: int, cuda_count: int) -> str:
+    """The device of the worker process with index local_rank on its host: each rank owns its own GPU.
+    None: cuda:local_rank where the host has GPUs (wrapping), else cpu. cuda: the same. cuda:N: the host's
+    ranks take the GPUs from N on (N + local_rank, wrapping), since the launchers pass one --device to
+    every rank. cpu: cpu."""
+    if device is None:
+        device = "cuda" if cuda_count else "cpu"
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return device
+    if cuda_count == 0:
+        raise ValueError(f"--device {device} asks for a GPU and this host has none")
+    if index and not index.isdigit():
+        raise ValueError(f"--device {device}: expected cuda or cuda:N")
+    first = int(index) if index else 0
+    if not 0 <= first < cuda_count:
+        raise ValueError(f"--device {device}: this host has GPUs 0-{cuda_count - 1}")
+    return f"cuda:{(first + local_rank) % cuda_count}"
+
+
+def kv_cache_dtype(choice: str, compute, weights, device):
+    """The KV pool's dtype for --kv-cache-dtype (auto: bf16 for a model served in bf16, else the compute
+    dtype); ValueError for a pool wider than the compute dtype (it would hold nothing more) or one the
+    device's attention cannot read."""
+    import torch
+
+    if choice == "auto":
+        return torch.bfloat16 if weights == torch.bfloat16 else compute
+    chosen = getattr(torch, KV_CACHE_DTYPES[choice])
+    if chosen.itemsize > compute.itemsize:
+        raise ValueError(f"--kv-cache-dtype {choice}: the model computes in "
+                         f"{str(compute).removeprefix('torch.')}, so a wider KV pool would hold nothing "
+                         "more; use auto or bf16")
+    if device.type == "cpu" and chosen not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"--kv-cache-dtype {choice}: a CPU worker's attention reads a float32 or bfloat16 "
+                         "pool")
+    return chosen
+
+
+def kv_budget_bytes(args, config, dtype, heads: int) -> int:
+    """The KV pool a CPU worker will take: --num-blocks, --kv-cache-memory, or the default budget."""
+    from worker.model.kv_pool import bytes_per_block, parse_bytes
+
+    if args.num_blocks:
+        return args.num_blocks * bytes_per_block(config, args.block_size, dtype, heads)
+    return parse_bytes(args.kv_cache_memory or CPU_KV_CACHE_MEMORY)
+
+
+def refuse_what_cannot_fit(args, config, dtype, kv_dtype, tp: int, source=None) -> str | None:
+    """Before loading: the weights as this worker loads them (its share of every parameter at --dtype, or of
+    a GGUF's blocks where they are served as they ship) and its KV pool against the memory the machine has
+    available, or the message to refuse with."""
+    import torch
+
+    from worker.model.config import parameter_count
+    from worker.serve.memory_plan import available_bytes, check_fits
+
+    heads = max(1, config.num_kv_heads // tp)
+    kv = kv_budget_bytes(args, config, kv_dtype, heads)
+    if source is not None:
+        weights = source.held_bytes(config.tie_word_embeddings) // tp
+        what = f"this model ({source.description}, {weights / 1e9:.2f} GB a rank) with its KV pool"
+    else:
+        params = parameter_count(config) // tp
+        weights = params * torch.tensor([], dtype=dtype).element_size()
+        what = f"this model ({params / 1e9:.2f}B parameters a rank, loaded as {dtype}) with its KV pool"
+    return check_fits(what, weights + kv, available_bytes(),
+                      "serve a smaller model, lower --kv-cache-memory, or split it over more ranks "
+                      "(--tensor-parallel-size)")
+
+
+def quantized_source(args, config, device, dtype):
+    """The GGUF whose own blocks this worker serves, or None (logged where it could have been): a *.gguf
+    model, or a folder prepared from one (its pagedserve_model.json names the file), on a CPU with the
+    native kernels (whatever --dtype: the kernels compute in fp32), unless --dequantize."""
+    from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
+
+    path = find_gguf(args.model)
+    if path is None or args.dequantize or args.load_format == "dummy":
+        return None
+    from kernels import cpu_native
+
+    why = ("not on a CPU" if device.type != "cpu"
+           else "no native CPU kernels" if cpu_native.load() is None else "")
+    if why:
+        log.info("quantized_weights_off", gguf=str(path), reason=why)
+        return None
+    return GGUFQuantSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
+
+
+def half_weights(args, config, dtype):
+    """--dtype bfloat16 (or float16) on a CPU: the checkpoint's matrices held as bf16 (fp16) rows for the
+    native kernels (worker/model/quantized.py CastSource), the rest of the model computing in fp32; None where
+    there are no native kernels or no checkpoint (random weights): then the whole model runs in that dtype
+    through torch."""
+    import torch
+
+    from kernels import cpu_native
+    from worker.weights.gguf_blocks import CastSource
+    from worker.weights.loader import tensor_source
+
+    if cpu_native.load() is None or args.load_format == "dummy":
+        log.info("half_weights_off", dtype=str(dtype),
+                 reason="no native CPU kernels" if args.load_format != "dummy" else "random weights")
+        return None
+    qtype = "BF16" if dtype == torch.bfloat16 else "F16"
+    return CastSource(tensor_source(args.model, args.load_format, config), config, qtype)
+
+
+def quantized_library(args):
+    """The matmul library over a GGUF's blocks (model/quantized.py), made before the model loads so each
+    weight is packed as it is read; its dense library is set once chosen. ValueError: flags that conflict."""
+    from kernels import cpu_native
+    from worker.model.quantized import QuantizedMatmul
+
+    kernels = cpu_native.load()
+    if args.quantized_activations == "auto":
+        args.quantized_activations = "int16" if kernels is not None and kernels.packed_fast else "fp32"
+    packed = kernels is not None and kernels.packed_fast
+    return QuantizedMatmul(kernels, None, int8_activations=args.quantized_activations == "int8",
+                           packing=args.quantized_activations == "int16"
+                           or (args.quantized_activations == "int8" and packed))
+
+
+def use_native_head(model) -> None:
+    """A decode step's logits (up to FUSED_DENSE_ROWS rows) on the native rows kernel where the head is plain
+    fp32 (a quantized head has its own kernel), on both decode paths alike."""
+    from kernels import cpu_native
+    from worker.model.fused_decode import NativeHead
+
+    kernels = cpu_native.load()
+    weight = NativeHead.weight_of(model) if kernels is not None else None
+    if weight is not None:
+        model.native_head = NativeHead(kernels, weight, FUSED_DENSE_ROWS)
+        log.info("native_head", max_rows=FUSED_DENSE_ROWS)
+
+
+def use_fused_decode(model, tp: int, activations: str) -> None:
+    """Decode-only steps as one native call (model/fused_decode.py), where the model allows it; the reason
+    logged where not. Up to as many rows as the quantized kernels serve (8 on dense fp32 rows) on the row
+    kernels; any number where every matrix has a plain fp32 copy for the BLAS sgemm."""
+    from kernels import cpu_native
+    from worker.model.fused_decode import FusedDecode
+    from worker.model.quantized import QuantizedMatmul
+
+    kernels = cpu_native.load()
+    why = "the native CPU kernels are not built" if kernels is None else FusedDecode.unsupported(model, tp)
+    if why is None and activations == "int8" and not getattr(model.mm, "packing", False):
+        why = ("int8 activations on the file's layout (the fused step multiplies 8-bit ones on packed "
+               "weights only)")
+    if why is not None:
+        log.info("fused_decode_off", reason=why)
+        return
+    max_rows = model.mm.max_kernel_rows if isinstance(model.mm, QuantizedMatmul) else FUSED_DENSE_ROWS
+    model.fused = FusedDecode(kernels, model, max_rows)
+    log.info("fused_decode", max_kernel_rows=max_rows,
+             more_rows="sgemm" if model.fused.sgemm else "layer path")
