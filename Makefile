@@ -26,7 +26,7 @@ PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wir
 # `make` alone lists the targets.
 .DEFAULT_GOAL := help
 
-.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-accuracy bench-moe gpu-compile-report plot-kv clean
+.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-accuracy bench-moe gpu-compile-report plot-kv clean
 
 help:  ## list the targets, one line each
 	@awk -F ':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  make %-20s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -97,6 +97,15 @@ test-unit: setup  ## the unit tests only (about a minute)
 # Worker-only kernel tests: natively on CUDA, under TRITON_INTERPRET=1 elsewhere (tests/conftest.py).
 test-kernels: setup  ## kernel tests only (natively on CUDA, interpreted elsewhere)
 	$(PY) -m pytest -q -m kernels $(PYTEST_ARGS)
+
+# The native kernels' tests against a build with AddressSanitizer and UndefinedBehaviorSanitizer (its own
+# cache, so the normal build is untouched); the ASan runtime is preloaded into Python. Any finding aborts.
+SANITIZE_ENV = PAGEDSERVE_NATIVE_SANITIZE=1 PAGEDSERVE_CACHE=$(CURDIR)/.stamps/sanitize \
+	ASAN_OPTIONS=detect_leaks=0:verify_asan_link_order=0:abort_on_error=1 \
+	UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 LD_PRELOAD="$$($${CC:-cc} -print-file-name=libasan.so)"
+test-sanitize: setup  ## native kernel tests under AddressSanitizer + UndefinedBehaviorSanitizer
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/kernels -m "not slow" \
+		-k "not triton and not cuda and not portable" $(PYTEST_ARGS)
 
 test-e2e: setup  ## end-to-end tests only (real processes)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -32,6 +32,11 @@ MARCH = os.environ.get("PAGEDSERVE_NATIVE_MARCH", "native")
 CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # full-width vectors where AVX-512 exists; no effect elsewhere
+# PAGEDSERVE_NATIVE_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer (`make
+# test-sanitize`, which preloads the ASan runtime into Python): any bad read, write or UB aborts the test
+SANITIZE = os.environ.get("PAGEDSERVE_NATIVE_SANITIZE") == "1"
+if SANITIZE:
+    CFLAGS += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
 
 
 def _cpu_flags() -> str:

@@ -10,15 +10,40 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
 import structlog
 import torch
 
-from kernels.cpu_build import build
+from kernels.cpu_build import SOURCE_DIR, build
 
 log = structlog.get_logger("kernels.cpu_native")
+
+HEADER = SOURCE_DIR / "pagedserve.h"
+_C_TYPES = {"void": None, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
+            "float": ctypes.c_float}
+
+
+def prototypes(header: str) -> dict[str, tuple[object, list]]:
+    """Each `pagedserve_*` function the header declares: (ctypes restype, argtypes). Pointers of any kind
+    pass as void pointers (torch data pointers), scalars as their fixed-width types."""
+
+    def ctype(decl: str):
+        decl = decl.strip()
+        if "*" in decl:
+            return ctypes.c_void_p
+        words = decl.replace("const ", "").split()
+        return _C_TYPES[words[0]]
+
+    text = re.sub(r"/\*.*?\*/", "", header, flags=re.S)
+    found = {}
+    for ret, name, params in re.findall(r"^\s*([\w ]+?\**)\s*(pagedserve_\w+)\s*\(([^)]*)\);", text, re.M):
+        args = [] if params.strip() in ("", "void") else [ctype(p) for p in params.split(",")]
+        found[name] = (ctype(ret), args)
+    return found
+
 
 def blas_sgemm() -> int | None:
     """The address of the BLAS `sgemm_` (Fortran interface, 32-bit integers) that torch's CPU library carries
@@ -35,68 +60,34 @@ class NativeKernels:
     """The loaded library: `paged_decode(...)` and its compile-time limits."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
-        # one function: the library's prototypes, one line an entry point
         self.path = path
-        self._decode = lib.pagedserve_paged_decode
-        p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        self._decode.argtypes = [p, p, p, p, p, p, i64, p, i32, i32, i32, i32, i32, ctypes.c_float, i32,
-                                 ctypes.c_float, i32]
-        self._decode.restype = None
+        for name, (restype, argtypes) in prototypes(HEADER.read_text()).items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        self._decode, self._prefill = lib.pagedserve_paged_decode, lib.pagedserve_paged_prefill
+        self._add_rms_norm, self._silu_mul = lib.pagedserve_add_rms_norm, lib.pagedserve_silu_mul
+        self._silu_mul_bf16, self._rope = lib.pagedserve_silu_mul_bf16, lib.pagedserve_rope
+        self._head_rms_norm, self._argmax_rows = lib.pagedserve_head_rms_norm, lib.pagedserve_argmax_rows
+        self._quant_matmul = lib.pagedserve_quant_matmul
+        self._quant_matmul_q8act = lib.pagedserve_quant_matmul_q8act
+        self._quant_dequant, self._pack = lib.pagedserve_quant_dequant, lib.pagedserve_pack
+        self._decode_step = lib.pagedserve_decode_step
+        self._decode_step_scratch = lib.pagedserve_decode_step_scratch
         limits = (ctypes.c_int32 * 3)()
         lib.pagedserve_decode_limits(limits)
         self.max_group, self.max_head_dim, self.max_block = limits[0], limits[1], limits[2]
-        self._prefill = lib.pagedserve_paged_prefill
-        self._prefill.argtypes = [p, i64, p, p, p, p, p, p, p, i64, i32, i32, i32, i32, i32, ctypes.c_float,
-                                  i32, ctypes.c_float, i32, i32]
-        self._prefill.restype = None
-        lib.pagedserve_prefill_bf16_dots.restype = ctypes.c_int
-        # a bf16 pool's prefill can run in bf16 dot products here (AVX512_BF16; see paged_prefill.c)
-        self.prefill_bf16_dots = bool(lib.pagedserve_prefill_bf16_dots())
         lib.pagedserve_prefill_limits(limits)
         self.prefill_state, self.prefill_max_head_dim = limits[0], limits[1]
-        self._add_rms_norm = lib.pagedserve_add_rms_norm
-        self._add_rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
-        self._silu_mul = lib.pagedserve_silu_mul
-        self._silu_mul.argtypes = [p, p, i64, i64]
-        self._rope = lib.pagedserve_rope
-        self._rope.argtypes = [p, i64, i64, i32, i32, p, p, p, i32]
-        self._silu_mul_bf16 = lib.pagedserve_silu_mul_bf16
-        self._silu_mul_bf16.argtypes = [p, p, i64, i64]
-        self._silu_mul_bf16.restype = None
-        self._head_rms_norm = lib.pagedserve_head_rms_norm
-        self._head_rms_norm.argtypes = [p, i64, i64, i32, i32, p, ctypes.c_float]
-        self._head_rms_norm.restype = None
-        for f in (self._add_rms_norm, self._silu_mul, self._rope):
-            f.restype = None
-        self._quant_matmul = lib.pagedserve_quant_matmul
-        self._quant_matmul.argtypes = [p, i64, i64, p, i64, i32, p]
-        self._quant_matmul.restype = ctypes.c_int
-        self._quant_matmul_q8act = lib.pagedserve_quant_matmul_q8act
-        self._quant_matmul_q8act.argtypes = [p, i64, i64, p, i64, i32, p]
-        self._quant_matmul_q8act.restype = ctypes.c_int
-        self._quant_dequant = lib.pagedserve_quant_dequant
-        self._quant_dequant.argtypes = [p, i64, i64, i32, p]
-        self._quant_dequant.restype = ctypes.c_int
-        self._pack = lib.pagedserve_pack
-        self._pack.argtypes = [p, i64, i64, i32, p]
-        self._pack.restype = ctypes.c_int
-        lib.pagedserve_packed_fast.restype = ctypes.c_int
+        # a bf16 pool's prefill can run in bf16 dot products here (AVX512_BF16; see paged_prefill.c)
+        self.prefill_bf16_dots = bool(lib.pagedserve_prefill_bf16_dots())
         # the packed kernel has its integer dot products here (AVX-512 VNNI, or AVX2 for the 4-6 bit layouts);
         # elsewhere its portable loop is slower than the fp32-activation kernel, and the worker packs nothing
         self.packed_fast = bool(lib.pagedserve_packed_fast())
-        lib.pagedserve_packed_q8_fast.restype = ctypes.c_int
         self.packed_q8_fast = bool(lib.pagedserve_packed_q8_fast())  # AVX2 packs the 4-6 bit types only
-        lib.pagedserve_native_isa.restype = ctypes.c_int
         self.isa = lib.pagedserve_native_isa()  # 512: AVX-512 intrinsics; 256: AVX2 (the portable loops)
-        self._argmax_rows = lib.pagedserve_argmax_rows
-        self._argmax_rows.argtypes = [p, i64, i64, p]
-        self._argmax_rows.restype = None
-        self._decode_step = lib.pagedserve_decode_step
-        self._decode_step.argtypes = [p, i64, p, p, p, p, i64, p, p]
-        self._decode_step.restype = ctypes.c_int
-        self._decode_step_scratch = lib.pagedserve_decode_step_scratch
-        self._decode_step_scratch.argtypes = [p, i64]
-        self._decode_step_scratch.restype = ctypes.c_int64
+        sizes = (ctypes.c_int64 * 4)()
+        lib.pagedserve_struct_sizes(sizes)
+        self.struct_sizes = tuple(sizes)  # PsSegment, PsMatrix, PsLayer, PsModel (model/fused_decode.py)
         self.sgemm = blas_sgemm()
 
     # --- the fused decode step (worker/model/fused_decode.py describes the model) --------------------

@@ -21,79 +21,26 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "pagedserve.h"
 #include "packed_blocks.h"
 #include "quant_blocks.h"
 #include "kv_rows.h"
 #include "rows.h"
-
-void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
-                             float* out, int64_t start, int32_t q_len, int32_t seq_len, const int32_t* table,
-                             int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
-                             float scale, int32_t window, float softcap, int32_t kv_bf16);
-void pagedserve_decode_run(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
-                           float* out, int64_t out_row_stride, int32_t n, const int32_t* table, int32_t len0,
-                           int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
-                           float scale, float softcap, int32_t kv_bf16);
-int pagedserve_decode_run_rows(int32_t n_heads, int32_t n_kv_heads);
-void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
-                            const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
-                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
-                            int kv_bf16);
-
-int pagedserve_decode_heads_per_item(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim);
-
-#define MAX_SEGMENTS 3
-
-typedef void (*SgemmFn)(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-                        const float* beta, float* c, const int* ldc);
-
-typedef struct {
-    const uint8_t* w; /* `rows` rows of in_dim values as blocks of ggml type `type` (0: fp32 values) */
-    int64_t rows;
-    int32_t type, pad;
-} PsSegment;
-
-typedef struct {
-    /* consecutive row ranges, each in its own type: a stack of q, k and v (or gate and up) may mix them, as
-       a Q4_K_M file's Q4_K queries beside its Q6_K values do; unused segments have 0 rows */
-    PsSegment seg[MAX_SEGMENTS]; /* a packed segment (PACKED_Q4/Q8/Q4K/Q6K) holds whole groups of 16 rows */
-    int64_t out_dim, in_dim;
-    const float* dense; /* the same matrix as plain fp32 rows [out_dim, in_dim], or NULL */
-} PsMatrix;
-
-typedef struct {
-    PsMatrix qkv, o_proj, gate_up, down;
-    const float *input_norm, *post_norm;
-    const float* qkv_bias;        /* [q + 2 kv] or NULL */
-    const float *q_norm, *k_norm; /* [head_dim] each, or NULL (Qwen3's per-head RMSNorm) */
-    void *k_cache, *v_cache;      /* [num_blocks, block_size, n_kv_heads, head_dim], fp32 or bf16 (kv_bf16) */
-    int32_t rope;                 /* 0: a layer without positions (SmolLM3's NoPE layers) */
-    int32_t window;               /* > 0: a sliding-window layer, each token sees its last `window` keys */
-} PsLayer;
-
-typedef struct {
-    int32_t num_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate, block_size;
-    int32_t rotary_half; /* the cos/sin tables' width: head_dim / 2, less under a partial_rotary_factor */
-    float eps, scale;
-    const float *cos, *sin; /* [max_positions, rotary_half] */
-    const float* final_norm;
-    const PsLayer* layers;
-    /* A BLAS sgemm (Fortran interface, 32-bit integers: the one the process already has, found by the
-       caller) for steps of more than gemm_rows tokens on matrices with a dense copy; NULL: never. Each thread
-       calls it on its own share of the output rows from inside the parallel region, where the library runs
-       single-threaded, so a step keeps one parallel region whatever its size. */
-    SgemmFn sgemm;
-    int32_t gemm_rows;
-    int32_t kv_bf16; /* the KV pool holds bf16 (kv_rows.h) */
-    int32_t x8;      /* packed weights meet 8-bit activations (packed_blocks.h bits8), else 16-bit */
-} PsModel;
 
 #define OUT_CHUNK 32 /* output rows a thread takes at a time */
 
 static int64_t max_in(const PsModel* m) {
     const int64_t h = m->hidden, q = (int64_t)m->n_heads * m->head_dim, i = m->intermediate;
     return h > q ? (h > i ? h : i) : (q > i ? q : i);
+}
+
+/* the sizes of the structs the binding builds (pagedserve.h), for it to check its mirrors against */
+int pagedserve_struct_sizes(int64_t* out) {
+    out[0] = sizeof(PsSegment);
+    out[1] = sizeof(PsMatrix);
+    out[2] = sizeof(PsLayer);
+    out[3] = sizeof(PsModel);
+    return 4;
 }
 
 /* floats of scratch a step of `rows` tokens needs: the activations between stages, and a matmul's input
@@ -124,7 +71,7 @@ static void gemm_part(SgemmFn sgemm, const PsMatrix* w, const float* x, int64_t 
 }
 
 static int has_packed(const PsMatrix* w) {
-    for (int s = 0; s < MAX_SEGMENTS; s++)
+    for (int s = 0; s < PS_MAX_SEGMENTS; s++)
         if (w->seg[s].rows && pack_block_bytes(w->seg[s].type)) return 1;
     return 0;
 }
@@ -180,7 +127,7 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
 
 static int matrix_served(const PsMatrix* w, int64_t out_dim, int64_t in_dim) {
     int64_t total = 0;
-    for (int s = 0; s < MAX_SEGMENTS; s++) {
+    for (int s = 0; s < PS_MAX_SEGMENTS; s++) {
         if (w->seg[s].rows == 0) continue;
         if (pack_block_bytes(w->seg[s].type)) {
             if (w->seg[s].rows % PACK_ROWS || in_dim % QK) return 0;

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "pagedserve.h"
 #include "rows.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>

@@ -17,6 +17,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "pagedserve.h"
 #include "kv_rows.h"
 #include "vec_math.h"
 #if defined(__AVX512F__)

@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "pagedserve.h"
 #include "kv_rows.h"
 #include "vec_math.h"
 #if defined(__AVX512F__)

@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "pagedserve.h"
 #include "packed_blocks.h"
 #include "quant_blocks.h"
 

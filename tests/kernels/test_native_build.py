@@ -37,3 +37,40 @@ def test_a_renamed_file_changes_the_library_it_builds(sources):
     header = next(p for p in sorted(sources.glob("*.h")))
     header.rename(sources / ("x_" + header.name))
     assert cpu_build.build_key(cc, sources) != before
+
+
+def _defined_entry_points() -> set[str]:
+    found = set()
+    for c in cpu_build.sources():
+        found |= set(re.findall(r"^(?!static)[\w ]+?\**\s*(pagedserve_\w+)\s*\(", c.read_text(), re.M))
+    return found
+
+
+def test_every_entry_point_is_declared_once_in_the_public_header():
+    header = (cpu_build.SOURCE_DIR / "pagedserve.h").read_text()
+    declared = re.findall(r"(pagedserve_\w+)\s*\(", header)
+    assert sorted(set(declared)) == sorted(declared), "declared twice"
+    assert _defined_entry_points() == set(declared)
+    for c in cpu_build.sources():
+        assert '#include "pagedserve.h"' in c.read_text(), f"{c.name} does not include the public header"
+
+
+def test_the_binding_reads_each_signature_from_the_header():
+    import ctypes
+
+    from kernels import cpu_native
+
+    protos = cpu_native.prototypes((cpu_build.SOURCE_DIR / "pagedserve.h").read_text())
+    assert set(protos) == _defined_entry_points()
+    restype, args = protos["pagedserve_paged_decode"]
+    assert restype is None and len(args) == 17
+    assert args[:8] == [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p]
+    assert args[13] is ctypes.c_float and args[-1] is ctypes.c_int32
+    assert protos["pagedserve_decode_step_scratch"][0] is ctypes.c_int64
+    assert protos["pagedserve_native_isa"] == (ctypes.c_int, [])
+
+
+def test_the_fused_steps_structs_match_the_librarys(native):
+    from worker.model.fused_decode import mirrors_match
+
+    assert len(native.struct_sizes) == 4 and mirrors_match(native)

@@ -83,8 +83,15 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def mirrors_match(kernels) -> bool:
+    """Whether the ctypes structs here have the sizes the library's own (kernels/cpu/pagedserve.h) have."""
+    return tuple(ctypes.sizeof(t) for t in (PsSegment, PsMatrix, PsLayer, PsModel)) == kernels.struct_sizes
+
+
 class FusedDecode:
     def __init__(self, kernels, model, max_rows: int) -> None:
+        if not mirrors_match(kernels):
+            raise RuntimeError("the fused decode step's structs differ from kernels/cpu/pagedserve.h's")
         self.kernels = kernels
         self.model = model
         self.max_rows = max_rows

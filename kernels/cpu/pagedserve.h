@@ -1,0 +1,124 @@
+/* The native CPU library's public interface: every entry point, and the fused decode step's model
+ * description. kernels/cpu_native.py reads the prototypes below to call them (one place says each
+ * signature); every .c includes this header, so a definition that drifts from it does not compile. */
+#ifndef PAGEDSERVE_H
+#define PAGEDSERVE_H
+
+#include <stdint.h>
+
+/* --- what this build has --------------------------------------------------------------------------- */
+int pagedserve_native_isa(void);
+int pagedserve_packed_fast(void);
+int pagedserve_packed_q8_fast(void);
+int pagedserve_prefill_bf16_dots(void);
+int pagedserve_decode_limits(int32_t* out);
+int pagedserve_prefill_limits(int32_t* out);
+int pagedserve_struct_sizes(int64_t* out);
+
+/* --- paged attention (paged_decode.c, paged_prefill.c) -------------------------------------------- */
+void pagedserve_paged_decode(const float* q, const void* k_cache, const void* v_cache, float* out,
+                             const int64_t* rows, const int32_t* block_tables, int64_t table_stride,
+                             const int32_t* seq_lens, int32_t n, int32_t n_heads, int32_t n_kv_heads,
+                             int32_t head_dim, int32_t block_size, float scale, int32_t window, float softcap,
+                             int32_t kv_bf16);
+void pagedserve_paged_prefill(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
+                              float* out, const int64_t* starts, const int32_t* q_lens, const int32_t* seq_lens,
+                              const int32_t* block_tables, int64_t table_stride, int32_t n, int32_t n_heads,
+                              int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale,
+                              int32_t window, float softcap, int32_t kv_bf16, int32_t bf16_dots);
+
+/* --- the elementwise tail (elementwise.c) ---------------------------------------------------------- */
+void pagedserve_add_rms_norm(float* residual, const float* delta, const float* weight, float* out, int64_t rows,
+                             int64_t dim, float eps);
+void pagedserve_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter);
+void pagedserve_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter);
+void pagedserve_rope(float* x, int64_t rows, int64_t row_stride, int32_t heads, int32_t head_dim,
+                     const float* cos_table, const float* sin_table, const int64_t* positions, int32_t half);
+void pagedserve_head_rms_norm(float* x, int64_t rows, int64_t row_stride, int32_t heads, int32_t head_dim,
+                              const float* weight, float eps);
+void pagedserve_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
+
+/* --- matmuls on GGUF blocks (quant_matmul.c) ------------------------------------------------------- */
+int pagedserve_pack(const uint8_t* w, int64_t out_dim, int64_t in_dim, int32_t type, uint8_t* out);
+int pagedserve_quant_matmul(const float* x, int64_t rows, int64_t in_dim, const uint8_t* w, int64_t out_dim,
+                            int32_t type, float* y);
+int pagedserve_quant_matmul_q8act(const float* x, int64_t rows, int64_t in_dim, const uint8_t* w,
+                                  int64_t out_dim, int32_t type, float* y);
+int pagedserve_quant_dequant(const uint8_t* w, int64_t out_dim, int64_t in_dim, int32_t type, float* out);
+
+/* --- the fused decode step (decode_step.c); worker/model/fused_decode.py mirrors these structs --------- */
+#define PS_MAX_SEGMENTS 3
+
+typedef void (*SgemmFn)(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                        const float* beta, float* c, const int* ldc);
+typedef struct {
+    const uint8_t* w; /* `rows` rows of in_dim values as blocks of ggml type `type` (0: fp32 values) */
+    int64_t rows;
+    int32_t type, pad;
+} PsSegment;
+
+typedef struct {
+    /* consecutive row ranges, each in its own type: a stack of q, k and v (or gate and up) may mix them, as
+       a Q4_K_M file's Q4_K queries beside its Q6_K values do; unused segments have 0 rows */
+    PsSegment seg[PS_MAX_SEGMENTS]; /* a packed segment (PACKED_Q4/Q8/Q4K/Q6K) holds whole groups of 16 rows */
+    int64_t out_dim, in_dim;
+    const float* dense; /* the same matrix as plain fp32 rows [out_dim, in_dim], or NULL */
+} PsMatrix;
+
+typedef struct {
+    PsMatrix qkv, o_proj, gate_up, down;
+    const float *input_norm, *post_norm;
+    const float* qkv_bias;        /* [q + 2 kv] or NULL */
+    const float *q_norm, *k_norm; /* [head_dim] each, or NULL (Qwen3's per-head RMSNorm) */
+    void *k_cache, *v_cache;      /* [num_blocks, block_size, n_kv_heads, head_dim], fp32 or bf16 (kv_bf16) */
+    int32_t rope;                 /* 0: a layer without positions (SmolLM3's NoPE layers) */
+    int32_t window;               /* > 0: a sliding-window layer, each token sees its last `window` keys */
+} PsLayer;
+
+typedef struct {
+    int32_t num_layers, hidden, n_heads, n_kv_heads, head_dim, intermediate, block_size;
+    int32_t rotary_half; /* the cos/sin tables' width: head_dim / 2, less under a partial_rotary_factor */
+    float eps, scale;
+    const float *cos, *sin; /* [max_positions, rotary_half] */
+    const float* final_norm;
+    const PsLayer* layers;
+    /* A BLAS sgemm (Fortran interface, 32-bit integers: the one the process already has, found by the
+       caller) for steps of more than gemm_rows tokens on matrices with a dense copy; NULL: never. Each thread
+       calls it on its own share of the output rows from inside the parallel region, where the library runs
+       single-threaded, so a step keeps one parallel region whatever its size. */
+    SgemmFn sgemm;
+    int32_t gemm_rows;
+    int32_t kv_bf16; /* the KV pool holds bf16 (kv_rows.h) */
+    int32_t x8;      /* packed weights meet 8-bit activations (packed_blocks.h bits8), else 16-bit */
+} PsModel;
+
+/* worker/model/fused_decode.py builds these with ctypes; the library reports their sizes
+   (pagedserve_struct_sizes) and the binding refuses a mismatch. On LP64 they are: */
+_Static_assert(sizeof(PsSegment) == 24, "PsSegment: pointer, int64 rows, int32 type and pad");
+_Static_assert(sizeof(PsMatrix) == 3 * 24 + 24, "PsMatrix: segments, out_dim, in_dim, dense");
+_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 7 * sizeof(void*) + 8, "PsLayer's fields");
+_Static_assert(sizeof(PsModel) == 96, "PsModel's fields");
+
+int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows);
+int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64_t* positions,
+                           const int64_t* slots, const int32_t* block_tables, int64_t table_stride,
+                           const int32_t* seq_lens, float* scratch);
+
+/* --- shared between translation units (the fused step runs attention through these) ---------------- */
+void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
+                            const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
+                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
+                            int kv_bf16);
+int pagedserve_decode_run_rows(int32_t n_heads, int32_t n_kv_heads);
+void pagedserve_decode_run(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
+                           float* out, int64_t out_row_stride, int32_t n, const int32_t* table, int32_t len0,
+                           int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
+                           float scale, float softcap, int32_t kv_bf16);
+int pagedserve_decode_heads_per_item(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim);
+void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
+                             float* out, int64_t start, int32_t q_len, int32_t seq_len, const int32_t* table,
+                             int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
+                             float scale, int32_t window, float softcap, int32_t kv_bf16);
+
+#endif
