@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from tests.support.server import greedy_request
-from tests.support.serving import assert_pool_clean, children_of, sampled, wait_health
+from tests.support.serving import assert_all_blocks_back, children_of, sampled, wait_health
 
 pytestmark = pytest.mark.slow
 
@@ -74,6 +74,6 @@ def test_cancels_a_kill_and_a_stall_under_load_lose_nothing(server_factory, tiny
         else:
             assert tokens == reference[i], i
     assert server.stats().replicas[0].worker_pids[0] not in (first, second)
-    assert_pool_clean(server)
+    assert_all_blocks_back(server)
     stats = server.stats()
     assert stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks

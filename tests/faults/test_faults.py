@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from tests.support.server import greedy_request
-from tests.support.serving import Streams, assert_pool_clean, children_of, sampled, wait_health
+from tests.support.serving import Streams, assert_all_blocks_back, children_of, sampled, wait_health
 from tests.support.tiny import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def test_a_killed_worker_is_replaced_and_every_stream_completes_as_if_nothing_ha
     assert streams.tokens == reference  # nothing repeated, nothing skipped, same draws when sampling
     (new,) = children_of(server.proc.pid)
     assert new != old
-    assert_pool_clean(server)
+    assert_all_blocks_back(server)
 
 
 def test_a_stall_past_the_deadline_is_fenced_and_replaced_and_a_short_one_changes_nothing(fault_server):
@@ -82,7 +82,7 @@ def test_a_stall_past_the_deadline_is_fenced_and_replaced_and_a_short_one_change
     streams.join()
     assert streams.errors == [None] * 3 and streams.tokens == reference
     assert children_of(server.proc.pid) != [worker]
-    assert_pool_clean(server)
+    assert_all_blocks_back(server)
 
 
 @contextlib.contextmanager
@@ -334,7 +334,7 @@ def test_no_local_process_can_forge_results_or_heartbeats(fault_server):
         forger.close()
         beats.close()
         ctx.term()
-    assert_pool_clean(fault_server)
+    assert_all_blocks_back(fault_server)
 
 
 def test_a_worker_asked_to_stop_serves_its_draining_scheduler_to_the_end(tmp_path, tiny_model_dir):
