@@ -35,7 +35,7 @@ from deploy.client import (
     logit_bias,
     text_or_file,
 )
-from protos import EXIT_CONFIG, ConfigError
+from protos import EXIT_CONFIG, ConfigError, env
 from protos.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range, int_range
 
 
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("abort", help="abort a request")
     a.add_argument("request_id", help="the id the request was sent with")
     a.set_defaults(func=cmd_abort)
-    server = os.environ.get(SERVER_ENV) or DEFAULT_SERVER
+    server = env.server()
     for name, s in sub.choices.items():
         if name in ("keys", "serve", "deploy", "prepare-model"):
             continue

@@ -17,7 +17,7 @@ import struct
 import sys
 from pathlib import Path
 
-from protos import ConfigError
+from protos import ConfigError, env
 from protos.argtypes import Parser
 from worker.weights.gguf import find_embedded_gguf
 
@@ -104,12 +104,10 @@ def model_folder(model: str) -> str:
 
 def _prepared_folder(path: Path) -> str:
     import hashlib
-    import os
 
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    base = Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
-    cache = Path(os.environ.get("PAGEDSERVE_MODELS") or base / "models")
+    cache = env.models_dir()
     out = cache / f"{path.stem}-{key}"
     dense = needs_dense_copy(path)
     if not is_prepared(out, dense):

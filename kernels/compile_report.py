@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from protos import env
+
 
 def _jit_functions():
     from kernels import triton_attention, triton_elementwise, triton_moe, triton_sampling
@@ -131,7 +133,7 @@ def offline_report(head_dims=(64, 128, 256), block_sizes=(16, 32, 256), capabili
 
 
 def main(argv: list[str] | None = None) -> int:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if env.triton_interpreted():
         print("gpu-compile-report compiles for a GPU: run it without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what Triton does today, without its warning

@@ -13,6 +13,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from protos import env
+
 SOURCE_DIR = Path(__file__).with_name("cpu")
 
 
@@ -28,13 +30,13 @@ def build_inputs(folder: Path = SOURCE_DIR) -> list[Path]:
 
 # PAGEDSERVE_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2, no AVX-512, for a
 # fleet of older machines; the tests build it so to check the portable paths here)
-MARCH = os.environ.get("PAGEDSERVE_NATIVE_MARCH", "native")
+MARCH = env.native_march()
 CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
 if platform.machine() in ("x86_64", "AMD64"):
     CFLAGS.append("-mprefer-vector-width=512")  # full-width vectors where AVX-512 exists; no effect elsewhere
 # PAGEDSERVE_NATIVE_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer (`make
 # test-sanitize`, which preloads the ASan runtime into Python): any bad read, write or UB aborts the test
-SANITIZE = os.environ.get("PAGEDSERVE_NATIVE_SANITIZE") == "1"
+SANITIZE = env.native_sanitize()
 if SANITIZE:
     CFLAGS += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
 
@@ -50,11 +52,11 @@ def _cpu_flags() -> str:
 
 
 def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return env.c_compiler() or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve") / "kernels"
+    return env.cache_dir() / "kernels"
 
 
 def build_key(cc: str, folder: Path = SOURCE_DIR, cflags: list[str] = CFLAGS) -> str:

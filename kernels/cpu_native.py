@@ -8,7 +8,6 @@ fails, `load()` returns None and callers keep their pure-torch path.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import re
 import subprocess
@@ -18,6 +17,7 @@ import structlog
 import torch
 
 from kernels.cpu_build import SOURCE_DIR, build
+from protos import env
 
 log = structlog.get_logger("kernels.cpu_native")
 
@@ -298,7 +298,7 @@ def load() -> NativeKernels | None:
     if _TRIED:
         return _LOADED
     _TRIED = True
-    if os.environ.get("PAGEDSERVE_NATIVE", "1") == "0":
+    if not env.native_kernels():
         return None
     try:
         path = build()

@@ -4,10 +4,9 @@ checked before anything starts (one line saying what is wrong, never a traceback
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-from protos import ConfigError
+from protos import ConfigError, env
 from protos.argtypes import COUNT, PORT, PORT_OR_ANY, POSITIVE, SECONDS, float_range, int_range
 from protos.logs import LOG_FORMATS
 from scheduler_service.core.config import TASKS, SchedulerConfig
@@ -33,7 +32,7 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=PORT_OR_ANY, default=DEFAULT_HTTP_PORT,
                    help=f"OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}, left off with a warning "
                         "where it is taken; 0: off; -1: any free port, written to --port-file)")
-    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+    p.add_argument("--api-key", default=env.api_key(),
                    help="require `Authorization: Bearer KEY` on the HTTP API's /v1/ routes (default: "
                         "$PAGEDSERVE_API_KEY; unset: no key)")
     p.add_argument("--max-tokens-default", type=COUNT, default=1024,

@@ -228,3 +228,20 @@ def test_no_function_runs_past_60_lines_without_saying_why():
                 if "# one function:" not in head:
                     long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not long, "split these, or say why not (`# one function: ...`):\n" + "\n".join(long)
+
+
+def test_environment_variables_are_read_in_one_module():
+    """protos/env.py names every variable pagedserve reads; elsewhere the environment is only passed on to
+    a child process (the benchmarks, dev tools, may read their own)."""
+    wrong = []
+    for name, tree in MODULES.items():
+        if name in ("protos.env",) or name.startswith("deploy.bench"):
+            continue
+        for node in ast.walk(tree):
+            text = ast.unparse(node) if isinstance(node, (ast.Call, ast.Subscript)) else ""
+            reads = isinstance(node, ast.Call) and text.startswith(("os.environ.get(", "os.getenv("))
+            reads |= isinstance(node, ast.Subscript) and text.startswith("os.environ[") \
+                and isinstance(node.ctx, ast.Load)
+            if reads:
+                wrong.append(f"{name}:{node.lineno} {text}")
+    assert not wrong, "read it through protos/env.py:\n" + "\n".join(wrong)

@@ -26,6 +26,8 @@ import glob
 import os
 import sys
 
+from protos import env
+
 MODES = ("auto", "tcmalloc", "glibc", "default")
 _REEXEC_GUARD = "PAGEDSERVE_MALLOC_REEXEC"
 _TCMALLOC_GLOBS = ("libtcmalloc_minimal.so*", "libtcmalloc.so*")
@@ -83,7 +85,7 @@ def tune_glibc() -> bool:
 
 
 def resolve_mode(mode: str | None) -> str:
-    mode = mode or os.environ.get("PAGEDSERVE_MALLOC") or "auto"
+    mode = mode or env.malloc()
     if mode not in MODES:
         raise ValueError(f"unknown malloc mode {mode!r}; expected one of {', '.join(MODES)}")
     return mode
@@ -107,16 +109,16 @@ def ensure_allocator(mode: str, device: str | None, module: str, argv: list[str]
     current = loaded_allocator()
     if current != "glibc":
         return current
-    if wants_tcmalloc(mode, device) and not os.environ.get(_REEXEC_GUARD):
+    if wants_tcmalloc(mode, device) and not env.malloc_reexec():
         lib = find_tcmalloc()
         if lib is not None:
-            env = dict(os.environ)
-            env["LD_PRELOAD"] = " ".join(filter(None, (lib, env.get("LD_PRELOAD", ""))))
-            env[_REEXEC_GUARD] = "1"  # once: if the library did not take, go on with glibc
+            child = dict(os.environ)
+            child["LD_PRELOAD"] = " ".join(filter(None, (lib, child.get("LD_PRELOAD", ""))))
+            child[_REEXEC_GUARD] = "1"  # once: if the library did not take, go on with glibc
             sys.stdout.flush()
             sys.stderr.flush()
             try:
-                os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+                os.execve(sys.executable, [sys.executable, "-m", module, *argv], child)
             except OSError:
                 pass
     if mode == "default":

@@ -8,12 +8,11 @@ requires CurveZMQ)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import structlog
 
-from protos import EXIT_CONFIG
+from protos import EXIT_CONFIG, env
 from protos.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range
 from protos.logs import LOG_FORMATS, configure_logging
 from worker.serve.choices import DTYPES, KV_CACHE_DTYPES
@@ -171,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    if os.environ.get("PAGEDSERVE_SUPERVISED") == "1":
+    if env.supervised():
         # Ctrl-C reaches the terminal's whole process group: under a supervisor the worker leaves it to the
         # supervisor, which lets the scheduler drain on this worker first and then stops it with SIGTERM
         import signal
@@ -208,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
              graph_contexts=runner.graphs.contexts if runner.graphs is not None else None)
     server = WorkerServer(args.scheduler, runner, handshake, scheduler_timeout=args.scheduler_timeout,
                           curve_keys=args.curve_keys)
-    if os.environ.get("PAGEDSERVE_SUPERVISED") != "1":  # a supervisor stops its workers after their scheduler
+    if not env.supervised():  # a supervisor stops its workers after their scheduler
         import signal
 
         signal.signal(signal.SIGTERM, lambda *_: server.request_stop(args.stop_timeout))
