@@ -283,7 +283,7 @@ def test_int8_activations_start_a_worker_on_the_packed_kernel_alone(tmp_path):
     device, dtype = start_device(args)
     loaded = load(args, device, dtype, 1)
     lib = loaded.model.mm
-    assert lib.int8_activations and lib.packing and args.quantized_prefill == "dequantize"
+    assert lib.int8_activations and lib.packing and loaded.quantized_prefill == "dequantize"
     assert lib.max_kernel_rows >= 1 << 30 and loaded.model.fused is not None
     assert loaded.model.fused.max_rows == lib.max_kernel_rows
     assert all(w.dense is None and w.q.qtype.endswith("_x16") for w in loaded.model.layers[0].w.values()

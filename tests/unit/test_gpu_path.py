@@ -98,3 +98,21 @@ def test_no_kernel_spills_registers_when_compiled_for_an_h100():
     assert not spilled
     assert {r["name"].split()[0] for r in rows} >= {"decode_split", "prefill", "decode_reduce", "write_kv",
                                                     "rope"}
+
+
+def test_the_worker_config_holds_every_flag_and_is_frozen():
+    """Every worker flag reaches the start-up phases through one frozen WorkerConfig."""
+    import dataclasses
+
+    from worker.serve.config import WorkerConfig
+    from worker.serve.main import build_parser
+
+    parser = build_parser()
+    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    assert {f.name for f in dataclasses.fields(WorkerConfig)} == dests
+    args = parser.parse_args(["--model", "m", "--scheduler", "tcp://127.0.0.1:1",
+                              "--kv-cache-memory", "1GiB"])
+    cfg = WorkerConfig.from_args(args)
+    assert cfg.kv_cache_memory == "1GiB" and cfg.tp == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_size = 32

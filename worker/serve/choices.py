@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import structlog
 
+from worker.serve.config import WorkerConfig
+
 CPU_KV_CACHE_MEMORY = "2GiB"
 
 log = structlog.get_logger("worker.serve.main")
@@ -62,16 +64,16 @@ def kv_cache_dtype(choice: str, compute, weights, device):
     return chosen
 
 
-def kv_budget_bytes(args, config, dtype, heads: int) -> int:
+def kv_budget_bytes(cfg: WorkerConfig, config, dtype, heads: int) -> int:
     """The KV pool a CPU worker will take: --num-blocks, --kv-cache-memory, or the default budget."""
     from worker.model.kv_pool import bytes_per_block, parse_bytes
 
-    if args.num_blocks:
-        return args.num_blocks * bytes_per_block(config, args.block_size, dtype, heads)
-    return parse_bytes(args.kv_cache_memory or CPU_KV_CACHE_MEMORY)
+    if cfg.num_blocks:
+        return cfg.num_blocks * bytes_per_block(config, cfg.block_size, dtype, heads)
+    return parse_bytes(cfg.kv_cache_memory or CPU_KV_CACHE_MEMORY)
 
 
-def refuse_what_cannot_fit(args, config, dtype, kv_dtype, tp: int, source=None) -> str | None:
+def refuse_what_cannot_fit(cfg: WorkerConfig, config, dtype, kv_dtype, tp: int, source=None) -> str | None:
     """Before loading: the weights as this worker loads them (its share of every parameter at --dtype, or of
     a GGUF's blocks where they are served as they ship) and its KV pool against the memory the machine has
     available, or the message to refuse with."""
@@ -81,7 +83,7 @@ def refuse_what_cannot_fit(args, config, dtype, kv_dtype, tp: int, source=None) 
     from worker.serve.memory_plan import available_bytes, check_fits
 
     heads = max(1, config.num_kv_heads // tp)
-    kv = kv_budget_bytes(args, config, kv_dtype, heads)
+    kv = kv_budget_bytes(cfg, config, kv_dtype, heads)
     if source is not None:
         weights = source.held_bytes(config.tie_word_embeddings) // tp
         what = f"this model ({source.description}, {weights / 1e9:.2f} GB a rank) with its KV pool"
@@ -94,14 +96,14 @@ def refuse_what_cannot_fit(args, config, dtype, kv_dtype, tp: int, source=None) 
                       "(--tensor-parallel-size)")
 
 
-def quantized_source(args, config, device, dtype):
+def quantized_source(cfg: WorkerConfig, config, device, dtype):
     """The GGUF whose own blocks this worker serves, or None (logged where it could have been): a *.gguf
     model, or a folder prepared from one (its pagedserve_model.json names the file), on a CPU with the
     native kernels (whatever --dtype: the kernels compute in fp32), unless --dequantize."""
     from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
 
-    path = find_gguf(args.model)
-    if path is None or args.dequantize or args.load_format == "dummy":
+    path = find_gguf(cfg.model)
+    if path is None or cfg.dequantize or cfg.load_format == "dummy":
         return None
     from kernels import cpu_native
 
@@ -113,7 +115,7 @@ def quantized_source(args, config, device, dtype):
     return GGUFQuantSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
 
 
-def half_weights(args, config, dtype):
+def half_weights(cfg: WorkerConfig, config, dtype):
     """--dtype bfloat16 (or float16) on a CPU: the checkpoint's matrices held as bf16 (fp16) rows for the
     native kernels (worker/model/quantized.py CastSource), the rest of the model computing in fp32; None where
     there are no native kernels or no checkpoint (random weights): then the whole model runs in that dtype
@@ -124,27 +126,32 @@ def half_weights(args, config, dtype):
     from worker.weights.gguf_blocks import CastSource
     from worker.weights.loader import tensor_source
 
-    if cpu_native.load() is None or args.load_format == "dummy":
+    if cpu_native.load() is None or cfg.load_format == "dummy":
         log.info("half_weights_off", dtype=str(dtype),
-                 reason="no native CPU kernels" if args.load_format != "dummy" else "random weights")
+                 reason="no native CPU kernels" if cfg.load_format != "dummy" else "random weights")
         return None
     qtype = "BF16" if dtype == torch.bfloat16 else "F16"
-    return CastSource(tensor_source(args.model, args.load_format, config), config, qtype)
+    return CastSource(tensor_source(cfg.model, cfg.load_format, config), config, qtype)
 
 
-def quantized_library(args):
+def quantized_library(cfg: WorkerConfig):
     """The matmul library over a GGUF's blocks (model/quantized.py), made before the model loads so each
     weight is packed as it is read; its dense library is set once chosen. ValueError: flags that conflict."""
     from kernels import cpu_native
     from worker.model.quantized import QuantizedMatmul
 
     kernels = cpu_native.load()
-    if args.quantized_activations == "auto":
-        args.quantized_activations = "int16" if kernels is not None and kernels.packed_fast else "fp32"
     packed = kernels is not None and kernels.packed_fast
-    return QuantizedMatmul(kernels, None, int8_activations=args.quantized_activations == "int8",
-                           packing=args.quantized_activations == "int16"
-                           or (args.quantized_activations == "int8" and packed))
+    activations = cfg.quantized_activations
+    if activations == "auto":
+        activations = "int16" if packed else "fp32"
+    return QuantizedMatmul(kernels, None, int8_activations=activations == "int8",
+                           packing=activations == "int16" or (activations == "int8" and packed))
+
+
+def activations_of(lib) -> str:
+    """What a quantized library's kernels multiply the weights with: int8, int16 (packed) or fp32."""
+    return "int8" if lib.int8_activations else "int16" if lib.packing else "fp32"
 
 
 def use_native_head(model) -> None:

@@ -16,6 +16,7 @@ from protos import EXIT_CONFIG, env
 from protos.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range
 from protos.logs import LOG_FORMATS, configure_logging
 from worker.serve.choices import DTYPES, KV_CACHE_DTYPES
+from worker.serve.config import WorkerConfig
 from worker.serve.startup import (
     Refused,
     build_runner,
@@ -178,16 +179,17 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     from worker.serve.host_memory import ensure_allocator, resolve_mode
 
+    cfg = WorkerConfig.from_args(args)
     # may re-execute
-    allocator = ensure_allocator(resolve_mode(args.malloc), args.device, "worker.serve.main", argv)
-    tp = args.tensor_parallel_size
-    configure_logging(args.log_level, process=f"worker-{args.replica}.{args.rank}",
-                      log_format=args.log_format)
+    allocator = ensure_allocator(resolve_mode(cfg.malloc), cfg.device, "worker.serve.main", argv)
+    tp = cfg.tp
+    configure_logging(cfg.log_level, process=f"worker-{cfg.replica}.{cfg.rank}",
+                      log_format=cfg.log_format)
     try:
-        check_flags(args, tp)
-        device, dtype = start_device(args)
-        loaded = load(args, device, dtype, tp)
-        plan = size_pool(args, loaded, device, tp)
+        check_flags(cfg, tp)
+        device, dtype = start_device(cfg)
+        loaded = load(cfg, device, dtype, tp)
+        plan = size_pool(cfg, loaded, device, tp)
         runner, warm_s = build_runner(loaded, plan, device)
     except Refused as e:
         log.error(e.event, **e.fields)
@@ -197,20 +199,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     from worker.serve.server import WorkerServer
 
-    handshake = handshake_for(args, loaded, plan, device, tp)
-    log.info("model_loaded", model=args.model, device=str(device), dtype=handshake.dtype,
+    handshake = handshake_for(cfg, loaded, plan, device, tp)
+    log.info("model_loaded", model=cfg.model, device=str(device), dtype=handshake.dtype,
              compute_dtype=str(loaded.dtype).removeprefix("torch."), kv_cache_dtype=handshake.kv_cache_dtype,
              num_blocks=plan.num_blocks, attention_backend=loaded.attn.name, matmul=loaded.model.mm.name,
-             malloc=allocator, warm_up_s=round(warm_s, 3), tp_rank=args.rank, tp_size=tp,
-             replica=args.replica, kv_heads=loaded.heads, max_num_seqs=plan.max_num_seqs,
+             malloc=allocator, warm_up_s=round(warm_s, 3), tp_rank=cfg.rank, tp_size=tp,
+             replica=cfg.replica, kv_heads=loaded.heads, max_num_seqs=plan.max_num_seqs,
              decode_graphs=runner.graphs.buckets if runner.graphs is not None else None,
              graph_contexts=runner.graphs.contexts if runner.graphs is not None else None)
-    server = WorkerServer(args.scheduler, runner, handshake, scheduler_timeout=args.scheduler_timeout,
-                          curve_keys=args.curve_keys)
+    server = WorkerServer(cfg.scheduler, runner, handshake, scheduler_timeout=cfg.scheduler_timeout,
+                          curve_keys=cfg.curve_keys)
     if not env.supervised():  # a supervisor stops its workers after their scheduler
         import signal
 
-        signal.signal(signal.SIGTERM, lambda *_: server.request_stop(args.stop_timeout))
+        signal.signal(signal.SIGTERM, lambda *_: server.request_stop(cfg.stop_timeout))
     return server.serve()
 
 

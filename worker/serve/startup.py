@@ -12,6 +12,7 @@ import structlog
 from worker.serve.choices import (
     CPU_KV_CACHE_MEMORY,
     DTYPES,
+    activations_of,
     half_weights,
     kv_budget_bytes,
     kv_cache_dtype,
@@ -22,6 +23,7 @@ from worker.serve.choices import (
     use_fused_decode,
     use_native_head,
 )
+from worker.serve.config import WorkerConfig
 
 log = structlog.get_logger("worker.serve.main")
 
@@ -71,6 +73,7 @@ class Loaded:
     kv_dtype: object
     attn: object
     heads: int  # this rank's KV heads
+    quantized_prefill: str = ""  # how prompt chunks multiply a file's blocks, as chosen ("": no blocks)
 
 
 @dataclass
@@ -83,50 +86,50 @@ class PoolPlan:
     graph_context: list[int]
 
 
-def check_flags(args, tp: int) -> None:
+def check_flags(cfg: WorkerConfig, tp: int) -> None:
     """Phase 0: flags that contradict each other, before anything is loaded."""
-    if tp > 1 and not args.rendezvous:
+    if tp > 1 and not cfg.rendezvous:
         raise Refused("no_rendezvous", tensor_parallel_size=tp)
     # the kernels' tile arithmetic needs it
-    if args.block_size < 1 or args.block_size & (args.block_size - 1):
-        raise Refused("bad_block_size", block_size=args.block_size,
+    if cfg.block_size < 1 or cfg.block_size & (cfg.block_size - 1):
+        raise Refused("bad_block_size", block_size=cfg.block_size,
                       error="--block-size must be a power of two")
 
 
-def start_device(args):
+def start_device(cfg: WorkerConfig):
     """Phase 1: this rank's device and the dtype it computes in (bf16 on CUDA, fp32 on a CPU, or --dtype)."""
     import torch
 
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cuda_count == 0 and (args.device or "cuda").startswith("cuda") and nvidia_gpu_present():
+    if cuda_count == 0 and (cfg.device or "cuda").startswith("cuda") and nvidia_gpu_present():
         why = ("this torch is a CPU-only build" if torch.version.cuda is None
                else f"this torch (CUDA {torch.version.cuda}) cannot use it: check the driver")
         raise Refused("gpu_unusable", f"this host has an NVIDIA GPU and {why} (torch {torch.__version__}). "
                       "Install a CUDA build of torch, or pass --device cpu to serve on the CPU.",
                       torch=torch.__version__, reason=why)
     try:
-        device = torch.device(rank_device(args.device, args.local_rank, cuda_count))
+        device = torch.device(rank_device(cfg.device, cfg.local_rank, cuda_count))
     except ValueError as e:
-        raise Refused("bad_device", str(e), device=args.device, error=str(e)) from None
+        raise Refused("bad_device", str(e), device=cfg.device, error=str(e)) from None
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches on the current device
     default = "bfloat16" if device.type == "cuda" else "float32"
-    dtype = getattr(torch, DTYPES[args.dtype] if args.dtype else default)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, DTYPES[cfg.dtype] if cfg.dtype else default)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     return device, dtype
 
 
-def read_config(args, tp: int):
+def read_config(cfg: WorkerConfig, tp: int):
     """The model's config, refused where it cannot be served right or split over tp ranks."""
     from worker.model.families import UnsupportedModel
     from worker.model.parallel import ParallelConfigError, make_shard
     from worker.weights.loader import load_config
 
     try:
-        config = load_config(args.model, args.load_format)
+        config = load_config(cfg.model, cfg.load_format)
         make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size,
-                   args.rank, tp, config.moe_intermediate_size)
+                   cfg.rank, tp, config.moe_intermediate_size)
     except UnsupportedModel as e:  # served wrong without a word otherwise: refused, naming the field
         raise Refused("unsupported_model", f"this model cannot be served right: {e}", field=e.field_name,
                       value=repr(e.value), error=str(e)) from None
@@ -138,7 +141,7 @@ def read_config(args, tp: int):
     return config
 
 
-def load(args, device, dtype, tp: int) -> Loaded:
+def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
     """Phase 2: the config, where the weights come from (a GGUF's blocks, bf16 rows, a checkpoint), what
     this machine cannot hold refused, the model loaded (joining the TP group), its matmuls and attention."""
     import torch
@@ -147,49 +150,51 @@ def load(args, device, dtype, tp: int) -> Loaded:
     from worker.model.parallel import init_group
     from worker.weights.loader import load_model
 
-    config = read_config(args, tp)
-    source = quantized_source(args, config, device, dtype)
+    config = read_config(cfg, tp)
+    source = quantized_source(cfg, config, device, dtype)
     weights_dtype = dtype  # what the matrices are held in; the model computes in `dtype`
     if device.type == "cpu" and dtype != torch.float32:
         if source is None:
-            source = half_weights(args, config, dtype)
+            source = half_weights(cfg, config, dtype)
         if source is not None:  # the blocks' kernels take fp32 activations: norms and activations in fp32
             dtype = torch.float32
     try:
-        kv_dtype = kv_cache_dtype(args.kv_cache_dtype, dtype, weights_dtype, device)
-        lib = quantized_library(args) if source is not None else None
+        kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, weights_dtype, device)
+        lib = quantized_library(cfg) if source is not None else None
     except ValueError as e:
         raise Refused("bad_worker_option", str(e), error=str(e)) from None
-    if device.type == "cpu" and args.load_format != "dummy":
-        refusal = refuse_what_cannot_fit(args, config, dtype, kv_dtype, tp, source)
+    if device.type == "cpu" and cfg.load_format != "dummy":
+        refusal = refuse_what_cannot_fit(cfg, config, dtype, kv_dtype, tp, source)
         if refusal:
             raise Refused("model_too_large", refusal, error=refusal)
-    comm = init_group(args.rendezvous, args.rank, tp, device, args.collective_timeout, args.rendezvous_file)
+    comm = init_group(cfg.rendezvous, cfg.rank, tp, device, cfg.collective_timeout, cfg.rendezvous_file)
     t0 = time.perf_counter()
     try:  # a tensor missing, or one the model has no place for, fails every start alike
-        model, config = load_model(args.model, args.load_format, dtype, device, seed=args.seed,
-                                   tp_rank=args.rank, tp_size=tp, comm=comm, quantized=source,
+        model, config = load_model(cfg.model, cfg.load_format, dtype, device, seed=cfg.seed,
+                                   tp_rank=cfg.rank, tp_size=tp, comm=comm, quantized=source,
                                    pack=lib.pack if lib else None)
     except KeyError as e:
         reason = e.args[0] if e.args else str(e)
-        raise Refused("checkpoint_refused", f"{args.model}: {reason}", error=reason) from None
+        raise Refused("checkpoint_refused", f"{cfg.model}: {reason}", error=reason) from None
     load_s = time.perf_counter() - t0
     try:
-        attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp, load_s)
+        prefill = attach_matmuls(cfg, model, config, source, lib, device, dtype, kv_dtype, tp, load_s)
         heads = model.shard.num_kv_heads
-        attn = make_backend(args.attention_backend, device, (model.shard.num_q_heads, heads, config.head_dim,
-                            args.block_size, dtype, kv_dtype), getattr(model, "bf16_prefill", False))
+        attn = make_backend(cfg.attention_backend, device, (model.shard.num_q_heads, heads, config.head_dim,
+                            cfg.block_size, dtype, kv_dtype), getattr(model, "bf16_prefill", False))
         if getattr(attn, "prefill_bf16_dots", False):
             log.info("prefill_attention", arithmetic="bf16 dot products", why="bf16 prompt matmuls and pool")
     except ValueError as e:
         raise Refused("bad_worker_option", str(e), error=str(e)) from None
-    return Loaded(model, config, dtype, weights_dtype, kv_dtype, attn, heads)
+    return Loaded(model, config, dtype, weights_dtype, kv_dtype, attn, heads, prefill)
 
 
-def attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp: int, load_s: float) -> None:
+def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype, kv_dtype, tp: int,
+                   load_s: float) -> str:
     """The model's matmul libraries: the dense one chosen by timing, the quantized one over a GGUF's blocks
     with prefill's path (a dense copy or not) and the rows its kernel takes; the fused decode step and the
-    native head on a CPU. ValueError: flags that conflict."""
+    native head on a CPU. Returns prefill's path ("" without a file's blocks). ValueError: flags that
+    conflict."""
     import torch
 
     from worker.model.linear import choose as choose_matmul
@@ -197,33 +202,33 @@ def attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp
 
     t0 = time.perf_counter()
     bf16_source = source is not None and getattr(source, "qtype_name", "") == "BF16"
-    if bf16_source and args.quantized_prefill == "auto" and lib.bf16_gemm:
-        args.quantized_prefill = "dequantize"
+    prefill = cfg.quantized_prefill  # "auto" resolved here
+    if bf16_source and prefill == "auto" and lib.bf16_gemm:
+        prefill = "dequantize"
         model.bf16_prefill = True  # prompt chunks multiply bf16 activations: attention may too
         log.info("quantized_prefill", chosen="dequantize",
                  why="the CPU's bf16 GEMM multiplies the weights as held")
-    elif source is not None and args.quantized_prefill == "auto" and lib.packing and lib.int8_activations:
-        args.quantized_prefill = "dequantize"  # no dense copy: many rows run on the packed kernel too
+    elif source is not None and prefill == "auto" and lib.packing and lib.int8_activations:
+        prefill = "dequantize"  # no dense copy: many rows run on the packed kernel too
         log.info("quantized_prefill", chosen="dequantize",
                  why="the packed kernel with 8-bit activations multiplies many rows faster than an fp32 copy")
     elif source is not None:
         prefill, why = choose_quantized_prefill(
-            args.quantized_prefill, dense_copy_bytes(model.file_blocks),
-            kv_budget_bytes(args, config, kv_dtype, model.shard.num_kv_heads), available_bytes())
-        args.quantized_prefill = prefill
+            prefill, dense_copy_bytes(model.file_blocks),
+            kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads), available_bytes())
         log.info("quantized_prefill", chosen=prefill, why=why)
     # a prefill that dequantizes tiles multiplies them with F.linear: no library to measure (measuring
     # one allocates the model's shapes in fp32, which is what that choice is avoiding)
-    no_dense_copy = source is not None and args.quantized_prefill == "dequantize"
-    dense = choose_matmul("dense" if no_dense_copy else args.matmul, model.matmul_shapes(), device, dtype)
-    fused = device.type == "cpu" and args.cpu_decode == "fused" and tp == 1 and dtype == torch.float32
+    no_dense_copy = source is not None and prefill == "dequantize"
+    dense = choose_matmul("dense" if no_dense_copy else cfg.matmul, model.matmul_shapes(), device, dtype)
+    fused = device.type == "cpu" and cfg.cpu_decode == "fused" and tp == 1 and dtype == torch.float32
     if source is None:  # the fused decode step reads plain fp32 rows: kept beside oneDNN's packed copies
         model.use_matmul(dense, drop_dense=not fused)
     else:
         from worker.model.quantized import choose_threshold, model_linears
 
         lib.dense = dense
-        counts = model.use_quantized(model.file_blocks, lib, keep_dense=args.quantized_prefill == "dense")
+        counts = model.use_quantized(model.file_blocks, lib, keep_dense=prefill == "dense")
         if lib.packing and lib.int8_activations and no_dense_copy:
             # every step on the packed kernel: faster than dequantizing tiles at any row count (1B and 8B
             # measured), and one arithmetic for every batch, so an answer does not depend on its company
@@ -231,16 +236,17 @@ def attach_matmuls(args, model, config, source, lib, device, dtype, kv_dtype, tp
         else:
             choose_threshold(lib, model_linears(model))
         log.info("quantized_weights", source=source.description, matrices=counts,
-                 prefill=args.quantized_prefill,
-                 activations=args.quantized_activations, max_kernel_rows=lib.max_kernel_rows,
+                 prefill=prefill, activations=activations_of(lib), max_kernel_rows=lib.max_kernel_rows,
                  read_s=round(load_s, 1), ready_s=round(load_s + time.perf_counter() - t0, 1))
     if fused:
-        use_fused_decode(model, tp, args.quantized_activations)
+        activations = activations_of(lib) if source is not None else cfg.quantized_activations
+        use_fused_decode(model, tp, activations)
     if device.type == "cpu" and tp == 1 and dtype == torch.float32:
         use_native_head(model)
+    return prefill if source is not None else ""
 
 
-def size_pool(args, loaded: Loaded, device, tp: int) -> PoolPlan:
+def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     """Phase 3: the KV pool's blocks (by flag; on CUDA what the card holds after the largest step and the
     decode graphs, each measured), the most sequences a step runs, and whether decode runs as graphs."""
     import torch
@@ -255,34 +261,34 @@ def size_pool(args, loaded: Loaded, device, tp: int) -> PoolPlan:
     )
 
     config, attn = loaded.config, loaded.attn
-    per_block = bytes_per_block(config, args.block_size, loaded.kv_dtype, loaded.heads)
+    per_block = bytes_per_block(config, cfg.block_size, loaded.kv_dtype, loaded.heads)
     # graphs capture the step as the triton backend runs it (its per-step metadata is built without a host
     # sync); the torch backend reads lengths back on the host, which a capture cannot hold
-    use_graphs = device.type == "cuda" and not args.enforce_eager and tp == 1 and attn.name == "triton"
-    if device.type == "cuda" and not args.enforce_eager and attn.name != "triton":
+    use_graphs = device.type == "cuda" and not cfg.enforce_eager and tp == 1 and attn.name == "triton"
+    if device.type == "cuda" and not cfg.enforce_eager and attn.name != "triton":
         log.info("decode_graphs_off",
                  reason=f"the {attn.name} attention backend syncs with the host each step")
-    if device.type == "cuda" and not args.enforce_eager and tp > 1:
+    if device.type == "cuda" and not cfg.enforce_eager and tp > 1:
         # collectives inside a captured graph are not covered yet: TP groups decode eagerly
         log.info("decode_graphs_off", reason="tensor parallel")
-    model_len = min(config.max_position_embeddings, args.max_model_len or config.max_position_embeddings)
-    graph_context = sorted({min(model_len, args.graph_max_context), model_len})  # a long tier where longer
+    model_len = min(config.max_position_embeddings, cfg.max_model_len or config.max_position_embeddings)
+    graph_context = sorted({min(model_len, cfg.graph_max_context), model_len})  # a long tier where longer
     # the most rows a step may hold before the pool is sized: what the sampler and the graphs are measured at
-    rows_bound = min(args.max_num_seqs or GPU_MAX_NUM_SEQS[1], args.max_num_batched_tokens)
+    rows_bound = min(cfg.max_num_seqs or GPU_MAX_NUM_SEQS[1], cfg.max_num_batched_tokens)
     try:
-        if args.num_blocks:
-            num_blocks = args.num_blocks
-        elif args.kv_cache_memory:
-            num_blocks = parse_bytes(args.kv_cache_memory) // per_block
+        if cfg.num_blocks:
+            num_blocks = cfg.num_blocks
+        elif cfg.kv_cache_memory:
+            num_blocks = parse_bytes(cfg.kv_cache_memory) // per_block
         elif device.type == "cuda":
-            non_kv = profile_gpu_peak(loaded.model, attn, device, loaded.kv_dtype, args.block_size,
-                                      args.max_num_batched_tokens, rows_bound)
-            graph_bytes = measure_graph_bytes(loaded.model, attn, device, loaded.kv_dtype, args.block_size,
+            non_kv = profile_gpu_peak(loaded.model, attn, device, loaded.kv_dtype, cfg.block_size,
+                                      cfg.max_num_batched_tokens, rows_bound)
+            graph_bytes = measure_graph_bytes(loaded.model, attn, device, loaded.kv_dtype, cfg.block_size,
                                               rows_bound, graph_context) if use_graphs else 0
-            num_blocks = gpu_blocks(device, args.gpu_memory_utilization, non_kv + graph_bytes, per_block)
+            num_blocks = gpu_blocks(device, cfg.gpu_memory_utilization, non_kv + graph_bytes, per_block)
             log.info("gpu_memory_budget", non_kv_bytes=non_kv, graph_bytes=graph_bytes,
                      bytes_per_block=per_block,
-                     num_blocks=num_blocks, utilization=args.gpu_memory_utilization)
+                     num_blocks=num_blocks, utilization=cfg.gpu_memory_utilization)
         else:
             num_blocks = parse_bytes(CPU_KV_CACHE_MEMORY) // per_block
     except torch.cuda.OutOfMemoryError as e:
@@ -292,11 +298,11 @@ def size_pool(args, loaded: Loaded, device, tp: int) -> PoolPlan:
     if num_blocks < 1:
         raise Refused("kv_budget_too_small", f"the KV budget holds no block of {per_block} bytes: give "
                       "--kv-cache-memory (or --num-blocks, --gpu-memory-utilization) more",
-                      kv_cache_memory=args.kv_cache_memory,
-                      gpu_memory_utilization=args.gpu_memory_utilization, bytes_per_block=per_block)
-    max_num_seqs = args.max_num_seqs or default_max_num_seqs(
-        device.type, num_blocks, args.block_size, args.max_num_batched_tokens)
-    return PoolPlan(num_blocks, args.block_size, per_block, max_num_seqs, use_graphs, graph_context)
+                      kv_cache_memory=cfg.kv_cache_memory,
+                      gpu_memory_utilization=cfg.gpu_memory_utilization, bytes_per_block=per_block)
+    max_num_seqs = cfg.max_num_seqs or default_max_num_seqs(
+        device.type, num_blocks, cfg.block_size, cfg.max_num_batched_tokens)
+    return PoolPlan(num_blocks, cfg.block_size, per_block, max_num_seqs, use_graphs, graph_context)
 
 
 def build_runner(loaded: Loaded, plan: PoolPlan, device):
@@ -337,23 +343,23 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device):
     return runner, warm_s
 
 
-def handshake_for(args, loaded: Loaded, plan: PoolPlan, device, tp: int):
+def handshake_for(cfg: WorkerConfig, loaded: Loaded, plan: PoolPlan, device, tp: int):
     """Phase 5: what this rank tells the scheduler it is (the scheduler checks it against the group's)."""
     from protos import wire_pb2
 
     config = loaded.config
     return wire_pb2.Handshake(
-        tp_rank=args.rank,
+        tp_rank=cfg.rank,
         tp_size=tp,
-        replica=args.replica,
-        rendezvous=args.rendezvous,
+        replica=cfg.replica,
+        rendezvous=cfg.rendezvous,
         num_blocks=plan.num_blocks,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=cfg.block_size,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=plan.max_num_seqs,
         kv_window=config.max_window,
-        model_fingerprint=config.fingerprint(os.path.basename(os.path.normpath(args.model))
-                                             + args.load_format),
+        model_fingerprint=config.fingerprint(os.path.basename(os.path.normpath(cfg.model))
+                                             + cfg.load_format),
         vocab_size=config.vocab_size,
         max_context=config.max_position_embeddings,
         bytes_per_block=plan.bytes_per_block,
