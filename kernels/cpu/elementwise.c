@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "pagedserve.h"
+#include "convert.h"
 #include "rows.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -38,17 +39,13 @@ void pagedserve_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t ro
         uint16_t* o = out + r * inter;
         for (int64_t c = 0; c < inter; c += 512) { /* widened (exactly) into L1, silu_mul_span, rounded back */
             const int n = inter - c < 512 ? (int)(inter - c) : 512;
-            uint32_t gw[512], uw[512], yw[512];
+            float gw[512], uw[512], yw[512];
             for (int i = 0; i < n; i++) {
-                gw[i] = (uint32_t)g[c + i] << 16;
-                uw[i] = (uint32_t)u[c + i] << 16;
+                gw[i] = bf16_to_float(g[c + i]);
+                uw[i] = bf16_to_float(u[c + i]);
             }
-            silu_mul_span((const float*)gw, (const float*)uw, (float*)yw, 0, n);
-            for (int i = 0; i < n; i++) { /* float_to_bf16 without its early return, so it vectorizes */
-                const uint32_t x = yw[i];
-                const uint32_t nearest = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16, quiet = (x >> 16) | 0x40u;
-                o[c + i] = (uint16_t)((x & 0x7fffffffu) > 0x7f800000u ? quiet : nearest);
-            }
+            silu_mul_span(gw, uw, yw, 0, n);
+            for (int i = 0; i < n; i++) o[c + i] = float_to_bf16_nobranch(yw[i]);
         }
     }
 }

@@ -1,12 +1,14 @@
 /* The KV pool's rows in either of its element types: fp32, or bf16 (--kv-cache-dtype bf16: half the bytes a
  * long context reads). The attention kernels widen a block's bf16 rows into an fp32 scratch that stays in L1
  * and run their fp32 code on it, so the pool is read at half the bytes and the arithmetic is unchanged.
- * bf16 -> fp32 is exact (a 16-bit shift); fp32 -> bf16 rounds to nearest even, as torch's conversion does,
+ * The conversions are convert.h's: bf16 -> fp32 exact, fp32 -> bf16 to nearest even, as torch converts,
  * a NaN staying a (quiet) NaN. */
 #ifndef PAGEDSERVE_KV_ROWS_H
 #define PAGEDSERVE_KV_ROWS_H
 #include <stdint.h>
 #include <string.h>
+
+#include "convert.h"
 
 /* dst[0..n) = the n values at src, element `at` on (bf16: uint16 elements, else floats). */
 static inline void kv_widen(const void* src, int64_t at, int bf16, float* dst, int n) {
@@ -16,20 +18,9 @@ static inline void kv_widen(const void* src, int64_t at, int bf16, float* dst, i
     }
     const uint16_t* s = (const uint16_t*)src + at;
 #pragma omp simd
-    for (int i = 0; i < n; i++) {
-        const uint32_t bits = (uint32_t)s[i] << 16;
-        float f;
-        memcpy(&f, &bits, 4);
-        dst[i] = f;
-    }
+    for (int i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
 }
 
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40); /* NaN: quiet, sign kept */
-    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
 
 /* The n values of src stored at element `at` of dst (bf16: rounded to nearest even). */
 static inline void kv_store(void* dst, int64_t at, int bf16, const float* src, int n) {

@@ -159,31 +159,6 @@ static inline void x_words(PackedX x, int64_t at, int32_t *l0, int32_t *l1, int3
     memcpy(h1, x.hi + at + 16, 4);
 }
 
-/* fp32 -> fp16 bits, rounded to nearest even (only exact values reach it here: -8 d of a Q4_0 block). */
-static inline uint16_t float_to_half(float f) {
-#if defined(__F16C__)
-    return (uint16_t)_cvtss_sh(f, 0);
-#else
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
-    const uint32_t ax = x & 0x7fffffff;
-    if (ax >= 0x7f800000) return sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 : 0); /* inf, NaN */
-    if (ax >= 0x477ff000) return sign | 0x7c00;                                  /* rounds past 65504 */
-    if (ax < 0x38800000) {                                                        /* fp16 subnormal or 0 */
-        if (ax < 0x33000000) return sign;
-        const uint32_t mant = (ax & 0x7fffff) | 0x800000, shift = 126 - (ax >> 23);
-        uint32_t h = mant >> shift;
-        const uint32_t rest = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rest > half || (rest == half && (h & 1))) h++;
-        return sign | (uint16_t)h;
-    }
-    uint32_t h = ((ax >> 13) - (112u << 10));
-    const uint32_t rest = ax & 0x1fff;
-    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
-    return sign | (uint16_t)h;
-#endif
-}
 
 /* Rows [16 g0, 16 (g0 + n)) of a Q4_0 / Q4_1 / Q8_0 matrix -> n packed groups. */
 static inline void pack_groups(const uint8_t *w, int type, int64_t nblocks, int64_t g0, int64_t n, uint8_t *out) {

@@ -7,6 +7,8 @@
 #define PAGEDSERVE_QUANT_BLOCKS_H
 #include <stdint.h>
 #include <string.h>
+
+#include "convert.h"
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -44,29 +46,6 @@ static inline int64_t row_bytes(int type, int64_t in_dim) {
     return in_dim / block_values(type) * block_bytes(type);
 }
 
-static inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {  // subnormal: normalize
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000 | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
 
 static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
@@ -82,8 +61,7 @@ static inline void dequant_block(int type, const uint8_t *b, float *out) {
             if (type == F16) {
                 out[j] = half_to_float(h);
             } else {
-                const uint32_t bits = (uint32_t)h << 16;
-                memcpy(out + j, &bits, 4);
+                out[j] = bf16_to_float(h);
             }
         }
         return;

@@ -74,3 +74,12 @@ def test_the_fused_steps_structs_match_the_librarys(native):
     from worker.model.fused_decode import mirrors_match
 
     assert len(native.struct_sizes) == 4 and mirrors_match(native)
+
+
+def test_half_width_conversions_are_defined_once():
+    """bf16 and fp16 to and from fp32 live in convert.h; every other file calls them."""
+    defs = {}
+    for path in cpu_build.build_inputs():
+        for name in re.findall(r"static inline \w+ (\w*(?:bf16|half)\w*)\s*\(", path.read_text()):
+            defs.setdefault(name, []).append(path.name)
+    assert defs and all(files == ["convert.h"] for files in defs.values()), defs
