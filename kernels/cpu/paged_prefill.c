@@ -106,6 +106,50 @@ static void write_rows(float* out, const float* acc, const float* l, int64_t sta
     }
 }
 
+/* Each query row's state before its first key tile: no keys seen, and the keys it may see, the causal limit
+ * (its own position) and a sliding window's first key. */
+static inline void init_rows(int rows, int group, int p0, int offset, int window, int head_dim, float* acc,
+                             float* m, float* l, int* limit, int* lowest) {
+    for (int row = 0; row < rows * group; row++) {
+        const int r = row % rows;
+        for (int d = 0; d < head_dim; d++) acc[row * head_dim + d] = 0.0f;
+        m[row] = -INFINITY;
+        l[row] = 0.0f;
+        limit[row] = offset + p0 + r;
+        lowest[row] = window > 0 && limit[row] + 1 > window ? limit[row] + 1 - window : 0;
+    }
+}
+
+/* The keys [from, n) of the tile at j0 (nk keys) a row sees. */
+static inline void row_span(int limit, int lowest, int j0, int nk, int* from, int* n) {
+    const int see = limit - j0 + 1;
+    *from = lowest > j0 ? lowest - j0 : 0;
+    *n = see < nk ? see : nk;
+}
+
+/* A row's running softmax after a tile whose new maximum is top and whose exponentials sum to sum: the
+ * factor its accumulator is rescaled by (0 on the first tile, m = -inf; 1, with no call, while m holds). */
+static inline float rescale(float top, float sum, float* m, float* l) {
+    const float corr = top > *m ? expf(*m - top) : 1.0f;
+    *l = *l * corr + sum;
+    *m = top;
+    return corr;
+}
+
+#if defined(__AVX512F__)
+/* A row's tile of scores s (one vector) over keys [from, n): max, exponentials and sum without leaving the
+ * vector. Returns the exponentials (0 outside the span); the running state updated, its factor in *corr. */
+static inline __m512 tile_softmax512(const float* s, int from, int n, float* m, float* l, float* corr) {
+    const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << from) - 1u));
+    const __m512 sv = _mm512_loadu_ps(s);
+    const float top_tile = _mm512_mask_reduce_max_ps(valid, sv);
+    const float top = top_tile > *m ? top_tile : *m;
+    const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
+    *corr = rescale(top, _mm512_reduce_add_ps(pv), m, l);
+    return pv;
+}
+#endif
+
 /* One work item: query positions [p0, p1) of a sequence (positions within its q_len new tokens), one KV
  * head's group of query heads. */
 static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
@@ -128,16 +172,10 @@ static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cac
         for (int r = 0; r < rows; r++) {
             const int row = g * rows + r;
             const float* src = q + (start + p0 + r) * q_row_stride + (int64_t)h * head_dim;
-            for (int d = 0; d < head_dim; d++) {
-                qs[row * head_dim + d] = src[d] * scale;
-                acc[row * head_dim + d] = 0.0f;
-            }
-            m[row] = -INFINITY;
-            l[row] = 0.0f;
-            limit[row] = offset + p0 + r;
-            lowest[row] = window > 0 && limit[row] + 1 > window ? limit[row] + 1 - window : 0;
+            for (int d = 0; d < head_dim; d++) qs[row * head_dim + d] = src[d] * scale;
         }
     }
+    init_rows(rows, group, p0, offset, window, head_dim, acc, m, l, limit, lowest);
     const int last_key = offset + p1 - 1; /* the tile's last row sees keys 0..last_key */
     const int first_key = lowest[0];      /* ... and its first row sees the earliest */
     for (int j0 = first_key - first_key % KT; j0 <= last_key; j0 += KT) {
@@ -196,35 +234,23 @@ static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cac
             int from_of[ROWS], n_of[ROWS];
             for (int i = 0; i < nr; i++) {
                 const int row = row0 + i;
-                const int see = limit[row] - j0 + 1; /* keys of this tile the row sees: [from, n) */
-                const int from = lowest[row] > j0 ? lowest[row] - j0 : 0;
-                const int n = see < nk ? see : nk;
+                int from, n;
+                row_span(limit[row], lowest[row], j0, nk, &from, &n);
                 from_of[i] = from;
                 n_of[i] = n;
                 if (n <= from) continue;
-                float top, sum;
-#if defined(__AVX512F__) /* the tile's scores are one vector: max, exponentials and sum without leaving it */
-                const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << from) - 1u));
-                const __m512 sv = _mm512_loadu_ps(s[i]);
-                const float top_tile = _mm512_mask_reduce_max_ps(valid, sv);
-                top = top_tile > m[row] ? top_tile : m[row];
-                const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
-                _mm512_storeu_ps(p[i], pv);
-                sum = _mm512_reduce_add_ps(pv);
+#if defined(__AVX512F__)
+                _mm512_storeu_ps(p[i], tile_softmax512(s[i], from, n, &m[row], &l[row], &corr[i]));
 #else
-                top = m[row];
+                float top = m[row], sum = 0.0f;
                 for (int jj = from; jj < n; jj++) top = s[i][jj] > top ? s[i][jj] : top;
-                sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
                 for (int jj = 0; jj < KT; jj++) {
                     p[i][jj] = jj >= from && jj < n ? vec_exp(s[i][jj] - top) : 0.0f;
                     sum += p[i][jj];
                 }
+                corr[i] = rescale(top, sum, &m[row], &l[row]);
 #endif
-                /* 0 on the first tile (m = -inf); 1, with no call, while the running max holds */
-                corr[i] = top > m[row] ? expf(m[row] - top) : 1.0f;
-                l[row] = l[row] * corr[i] + sum;
-                m[row] = top;
             }
             for (int i = 0; i < nr; i++) {
                 const int from = from_of[i], n = n_of[i];
@@ -300,13 +326,9 @@ static void prefill_item_bf16(const float* q, int64_t q_row_stride, const uint16
                 const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(src + d + 16), sc);
                 _mm512_storeu_si512((void*)(qp + row * hp + d / 2), (__m512i)_mm512_cvtne2ps_pbh(b, a));
             }
-            for (int d = 0; d < head_dim; d++) acc[row * head_dim + d] = 0.0f;
-            m[row] = -INFINITY;
-            l[row] = 0.0f;
-            limit[row] = offset + p0 + r;
-            lowest[row] = window > 0 && limit[row] + 1 > window ? limit[row] + 1 - window : 0;
         }
     }
+    init_rows(rows, group, p0, offset, window, head_dim, acc, m, l, limit, lowest);
     const int last_key = offset + p1 - 1, first_key = lowest[0];
     for (int j0 = first_key - first_key % KT; j0 <= last_key; j0 += KT) {
         const int nk = last_key + 1 - j0 < KT ? last_key + 1 - j0 : KT;
@@ -350,21 +372,13 @@ static void prefill_item_bf16(const float* q, int64_t q_row_stride, const uint16
             int from_of[ROWS], n_of[ROWS];
             for (int i = 0; i < nr; i++) {
                 const int row = row0 + i;
-                const int see = limit[row] - j0 + 1;
-                const int from = lowest[row] > j0 ? lowest[row] - j0 : 0;
-                const int n = see < nk ? see : nk;
+                int from, n;
+                row_span(limit[row], lowest[row], j0, nk, &from, &n);
                 from_of[i] = from;
                 n_of[i] = n;
                 if (n <= from) continue;
-                const __mmask16 valid = (__mmask16)(((1u << n) - 1u) & ~((1u << from) - 1u));
-                const __m512 sv = _mm512_loadu_ps(s[i]);
-                const float top_tile = _mm512_mask_reduce_max_ps(valid, sv);
-                const float top = top_tile > m[row] ? top_tile : m[row];
-                const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(top))));
+                const __m512 pv = tile_softmax512(s[i], from, n, &m[row], &l[row], &corr[i]);
                 _mm256_storeu_si256((__m256i*)pp[i], (__m256i)_mm512_cvtneps_pbh(pv));
-                corr[i] = top > m[row] ? expf(m[row] - top) : 1.0f;
-                l[row] = l[row] * corr[i] + _mm512_reduce_add_ps(pv);
-                m[row] = top;
             }
             for (int i = 0; i < nr; i++) {
                 const int from = from_of[i], n = n_of[i];
