@@ -71,10 +71,10 @@ class PlanBuilder:
     # --- rows --------------------------------------------------------------------------------------
     def attach(self, seq) -> None:
         """seq starts running (its block_ids were just set): give it a row."""
-        if seq.row < 0:
+        if seq.mirror.row < 0:
             if not self._free_rows:
                 raise RuntimeError("more running sequences than block-table rows")
-            seq.row = row = self._free_rows.pop()
+            seq.mirror.row = row = self._free_rows.pop()
             params = seq.request.sampling
             self.prompt_len[row] = seq.prompt_len
             self.temperature[row], self.top_p[row] = params.temperature, params.top_p
@@ -87,27 +87,27 @@ class PlanBuilder:
             self.pool_kind[row] = 0 if embed is None else _POOL_KINDS[embed.spec.pooling]
             self.special[row] = (params.has_bias or seq.matcher is not None
                                  or (params.prompt_logprobs is not None and seq.index == 0))
-        seq.num_mirrored_blocks = 0
+        seq.mirror.blocks = 0
 
     def detach(self, seq) -> None:
         """seq gave its blocks back: its row is cleared and free."""
-        if seq.row >= 0:
-            self.tables[seq.row] = -1
-            self._free_rows.append(seq.row)
-            seq.row = -1
-        seq.num_mirrored_blocks = 0
+        if seq.mirror.row >= 0:
+            self.tables[seq.mirror.row] = -1
+            self._free_rows.append(seq.mirror.row)
+            seq.mirror.row = -1
+        seq.mirror.blocks = 0
 
     def trimmed(self, seq) -> None:
         """seq's table lost its tail (a rejected draft's blocks): the mirror forgets those entries."""
         n = len(seq.block_ids)
-        if seq.row >= 0:
-            self.tables[seq.row, n:] = -1
-        seq.num_mirrored_blocks = min(seq.num_mirrored_blocks, n)
+        if seq.mirror.row >= 0:
+            self.tables[seq.mirror.row, n:] = -1
+        seq.mirror.blocks = min(seq.mirror.blocks, n)
 
     @staticmethod
     def replaced(seq, index: int) -> None:
         """seq.block_ids[index] changed (copy-on-write)."""
-        seq.num_mirrored_blocks = min(seq.num_mirrored_blocks, index)
+        seq.mirror.blocks = min(seq.mirror.blocks, index)
 
     # --- one step ----------------------------------------------------------------------------------
     def build(self, out) -> PlanArrays:
@@ -182,13 +182,13 @@ class PlanBuilder:
             seq = item.seq
             blocks = seq.block_ids
             n = len(blocks)
-            if seq.num_mirrored_blocks < n:
-                tables[seq.row, seq.num_mirrored_blocks : n] = blocks[seq.num_mirrored_blocks :]
-                seq.num_mirrored_blocks = n
+            if seq.mirror.blocks < n:
+                tables[seq.mirror.row, seq.mirror.blocks : n] = blocks[seq.mirror.blocks :]
+                seq.mirror.blocks = n
             if n > max_blocks:
                 max_blocks = n
             start, q = item.start, item.num_new_tokens
-            rows[i], starts[i], q_lens[i], do_sample[i] = seq.row, start, q, item.do_sample
+            rows[i], starts[i], q_lens[i], do_sample[i] = seq.mirror.row, start, q, item.do_sample
             end = start + q
             known = seq.token_ids
             if item.draft:  # the known last token, then the draft

@@ -130,7 +130,7 @@ def take_pooled(out, pooled: np.ndarray | None) -> list:
     """A step's result for its embedding rows (`out.embed_rows`): each pooling row's vector added to its
     sequence's (a mean's chunks sum; the last or first token's comes once). Returns the sequences whose last
     chunk this was, their vectors finished (the scheduler then ends them). A sequence preempted since the
-    step was planned is left alone: it pools again from its next admission (`Sequence.pooled` starts over)."""
+    step was planned is left alone: it pools again from its next admission (its `pooling.sum` starts over)."""
     done = []
     at = np.flatnonzero(out.pooling).tolist() if out.pooling is not None else []
     for i in np.flatnonzero(out.embed_rows).tolist():
@@ -140,9 +140,9 @@ def take_pooled(out, pooled: np.ndarray | None) -> list:
             continue
         if i in at:
             v = pooled[at.index(i)]
-            seq.pooled = v.copy() if seq.pooled is None else seq.pooled + v
+            seq.pooling.sum = v.copy() if seq.pooling.sum is None else seq.pooling.sum + v
         if item.start + item.num_new_tokens == seq.prompt_len:
             embed = seq.request.embed
-            seq.embedding = finish_vector(seq.pooled, seq.prompt_len, embed.spec, embed.dimensions)
+            seq.pooling.vector = finish_vector(seq.pooling.sum, seq.prompt_len, embed.spec, embed.dimensions)
             done.append(seq)
     return done

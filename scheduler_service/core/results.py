@@ -34,7 +34,7 @@ def apply_result(sched: Scheduler, out: SchedulerOutput, sampled: list[int], acc
     for i, (item, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
         seq = item.seq
         if item.do_sample:
-            seq.num_pending -= 1
+            seq.pending.count -= 1
         if seq.status is finished:
             continue
         current = seq.epoch == item.epoch and seq.status is running

@@ -84,9 +84,9 @@ class Scheduler:
         resumed = [s for s in request.seqs if not s.is_finished and s not in request.pending_forks]
         for seq in reversed(resumed):
             self.kv.disown(seq)
-            seq.num_pending = 0  # the steps in flight were lost: their tokens are drawn again
+            seq.pending.count = 0  # the steps in flight were lost: their tokens are drawn again
             seq.drafter = None  # drafted again from this replica's n-grams
-            seq.row = -1
+            seq.mirror.row = -1
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
 
@@ -137,7 +137,7 @@ class Scheduler:
         kv = self.kv
         decodes, prefills, drafting_now = [], [], 0
         for s in self.running:
-            left = len(s.token_ids) + s.num_pending - s.num_computed_tokens
+            left = len(s.token_ids) + s.pending.count - s.num_computed_tokens
             if left == 1 and s.request.embed is None:
                 decodes.append(s)
             elif left > 0:  # (an embedding's last prompt token too: it never decodes)
@@ -152,11 +152,11 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
             drafter = self._drafter(seq) if drafting else None
-            if seq.num_pending and (self._at_limit(seq) or (drafter is not None and drafter.expects)):
+            if seq.pending.count and (self._at_limit(seq) or (drafter is not None and drafter.expects)):
                 continue  # the step in flight samples its last token, or it drafts once that is known
             pos = seq.num_computed_tokens
             draft = []
-            if drafter is not None and not seq.num_pending:
+            if drafter is not None and not seq.pending.count:
                 t = time.perf_counter()
                 draft = self._draft(seq, drafter, budget)
                 out.draft_seconds += time.perf_counter() - t
@@ -204,7 +204,7 @@ class Scheduler:
         while (at < len(self.waiting) and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[at]
-            if seq.num_pending:  # preempted while its last token was in flight: admitted once it is known
+            if seq.pending.count:  # preempted while its last token was in flight: admitted once it is known
                 break
             room = out.embed_room if seq.request.embed is not None else budget
             if not room:
@@ -227,7 +227,7 @@ class Scheduler:
             if seq.request.cached_prompt_tokens is None:
                 seq.request.cached_prompt_tokens = min(num_cached, seq.prompt_len)
             del self.waiting[at]
-            seq.pooled = None  # (an embedding recomputed after a preemption pools again)
+            seq.pooling.sum = None  # (an embedding recomputed after a preemption pools again)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.planner.attach(seq)
@@ -292,19 +292,19 @@ class Scheduler:
             out.embed_room -= num_new
             out.num_embed_tokens += num_new
         else:
-            do_sample = start + num_new == known + seq.num_pending or bool(draft)
+            do_sample = start + num_new == known + seq.pending.count or bool(draft)
         item = ScheduledSeq(seq, start, num_new, do_sample, seq.epoch, draft=draft)
         if draft:
-            if seq.num_pending or start + 1 != known or num_new != 1 + len(draft):
+            if seq.pending.count or start + 1 != known or num_new != 1 + len(draft):
                 raise RuntimeError(f"{seq}: a draft follows the known last token, nothing else")
         elif start + num_new > known:  # its input is the token the step in flight samples
-            if seq.pending_step != out.step_id - 1 or start + num_new != known + 1:
+            if seq.pending.step != out.step_id - 1 or start + num_new != known + 1:
                 raise RuntimeError(f"{seq}: step {out.step_id} would read a token not sampled by the "
                                    "previous step")
-            item.prev_row = seq.pending_row
+            item.prev_row = seq.pending.row
         if do_sample:
-            seq.num_pending += 1
-            seq.pending_step, seq.pending_row = out.step_id, len(out.scheduled)
+            seq.pending.count += 1
+            seq.pending.step, seq.pending.row = out.step_id, len(out.scheduled)
         out.scheduled.append(item)
         seq.num_computed_tokens = start + num_new
         scheduled.add(seq.seq_id)

@@ -117,8 +117,36 @@ class EmbedOptions:
     dimensions: int | None = None
 
 
+@dataclass(slots=True)
+class PendingToken:
+    """Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last one."""
+
+    count: int = 0
+    step: int = 0
+    row: int = -1
+
+
+@dataclass(slots=True)
+class PlanRow:
+    """The plan's block-table mirror of a running sequence (core/plan.py): its row, and how many of its
+    block_ids are copied there."""
+
+    row: int = -1
+    blocks: int = 0
+
+
+@dataclass(slots=True)
+class Pooling:
+    """An embedding's pooled hidden state so far (fp32; the chunks' sum for a mean), started again at each
+    admission, and once its last chunk is in, the finished vector."""
+
+    sum: np.ndarray | None = None
+    vector: np.ndarray | None = None
+
+
 class Sequence:
-    """One sample's tokens and the KV blocks that hold them."""
+    """One sample's tokens and the KV blocks that hold them; a feature's state in its own part (`pending`,
+    `mirror`, `pooling`, `drafter`, `matcher`)."""
 
     def __init__(self, seq_id: int, request: Request, index: int) -> None:
         self.seq_id = seq_id
@@ -134,17 +162,11 @@ class Sequence:
         self.num_dropped_blocks = 0  # leading blocks given back, out of every sliding window (entries -1)
         self.dropped_ids: list[int] = []  # what those entries held (their blocks may be cached still)
         self._block_hashes: list[bytes] = []  # chained hashes of full blocks, computed on demand
-        # Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last one.
-        self.num_pending = 0
-        self.pending_step = 0
-        self.pending_row = -1
+        self.pending = PendingToken()
         # Bumped whenever the sequence's blocks are given back (preemption, a lost replica): a step result
         # from an older epoch may still add its token but must not touch the blocks.
         self.epoch = 0
-        # The scheduler's block-table mirror: this sequence's row while it runs, and how many of its
-        # block_ids are copied there (scheduler_service/core/plan.py).
-        self.row = -1
-        self.num_mirrored_blocks = 0
+        self.mirror = PlanRow()
         self.last_token_time: float | None = None  # for the inter-token latency histogram
         # Structured output: the llguidance matcher that has consumed this sample's generated tokens.
         constraint = request.constraint
@@ -152,10 +174,7 @@ class Sequence:
         # Speculative decoding: its n-grams and draft length (scheduler_service/core/drafting.py), made at its
         # first decode where it may draft.
         self.drafter: SequenceDrafter | None = None
-        # An embedding's pooled hidden state so far (fp32; the chunks' sum for a mean), started again at each
-        # admission, and once its last chunk is in, the finished vector.
-        self.pooled: np.ndarray | None = None
-        self.embedding: np.ndarray | None = None
+        self.pooling = Pooling()  # an embedding's
 
     @property
     def prompt_len(self) -> int:
@@ -184,11 +203,11 @@ class Sequence:
     @property
     def num_planned_tokens(self) -> int:
         """Known tokens plus those that steps in flight will sample."""
-        return len(self.token_ids) + self.num_pending
+        return len(self.token_ids) + self.pending.count
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) + self.num_pending - self.num_computed_tokens
+        return len(self.token_ids) + self.pending.count - self.num_computed_tokens
 
     def block_hash(self, index: int, block_size: int) -> bytes:
         """Chained hash of full block `index` of this sequence's tokens (prefix caching)."""
@@ -212,7 +231,7 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request.request_id}#{self.index}, {self.status.value}, "
-            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, pending={self.num_pending}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, pending={self.pending.count}, "
             f"blocks={len(self.block_ids)})"
         )
 

@@ -340,7 +340,7 @@ class StepLoop:
             sample = self._samples.get(seq.seq_id)
             if sample is not None:
                 delta = sample.finish(FinishReason.STOP)
-                delta.embedding = seq.embedding
+                delta.embedding = seq.pooling.vector
                 deltas.append((seq.request, delta))
                 seen.append(seq)
         for seq in seen:

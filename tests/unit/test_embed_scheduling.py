@@ -78,7 +78,7 @@ def test_a_long_input_pools_per_chunk_and_finishes_with_its_blocks_back(pooling,
     assert not any(s.do_sample for o in outs for s in o.scheduled), "an embedding samples nothing"
     seq = request.seqs[0]
     assert seq.finish_reason is FinishReason.STOP and seq.num_output_tokens == 0
-    np.testing.assert_allclose(seq.embedding, expected(prompt, pooling), rtol=1e-6)
+    np.testing.assert_allclose(seq.pooling.vector, expected(prompt, pooling), rtol=1e-6)
     a = sched.allocator
     assert a.num_free_blocks + a.num_cached_blocks == a.num_blocks and not sched.requests
 
@@ -106,7 +106,7 @@ def test_embeddings_share_steps_with_decodes_paced_to_keep_them_going():
     assert admitted <= 62, "a generation waited behind the paced embeddings"
     assert generation.seqs[0].num_output_tokens == 200 and late.seqs[0].num_output_tokens == 3
     for e in embeddings:
-        np.testing.assert_allclose(e.seqs[0].embedding, [float(sum(e.prompt_token_ids))])  # dimensions=1
+        np.testing.assert_allclose(e.seqs[0].pooling.vector, [float(sum(e.prompt_token_ids))])  # dimensions=1
     alone = Scheduler(config, num_blocks=256, max_model_len=256)
     first = run_overlapped(alone, SimulatedWorker(256, 4), {0: [embed_request("x", list(range(10, 110)))]})
     assert first[0].num_embed_tokens == 64, "with nothing decoding, an embedding takes the whole budget"
@@ -124,7 +124,7 @@ def test_a_preempted_embedding_pools_again_from_scratch():
     embedding = embed_request("e", prompt, "mean")
     run_overlapped(sched, worker, {0: generations, 1: [embedding]})
     assert embedding.seqs[0].num_preemptions > 0, "the pool was meant to preempt the embedding"
-    np.testing.assert_allclose(embedding.seqs[0].embedding, expected(prompt, "mean"), rtol=1e-6)
+    np.testing.assert_allclose(embedding.seqs[0].pooling.vector, expected(prompt, "mean"), rtol=1e-6)
     assert all(g.seqs[0].num_output_tokens == 17 for g in generations)
     a = sched.allocator
     assert a.num_free_blocks + a.num_cached_blocks == a.num_blocks
@@ -142,4 +142,4 @@ def test_where_the_model_also_generates_an_embedding_step_is_bounded():
     assert max(o.num_embed_tokens for o in outs) <= 16
     admitted = next(i for i, o in enumerate(outs) if any(s.seq.request is late for s in o.scheduled))
     assert admitted <= 3 and late.seqs[0].num_output_tokens == 2
-    assert all(e.seqs[0].embedding is not None for e in embeddings)
+    assert all(e.seqs[0].pooling.vector is not None for e in embeddings)
