@@ -1,18 +1,6 @@
-"""A process supervisor that knows what a worker group is.
-
-Units are sets of processes started and stopped together: a tensor-parallel group is one unit, since
-its ranks share a torch.distributed group that cannot take a lone new rank; the scheduler service is
-another. When any process of a unit exits, the rest of the unit is stopped and the whole unit is
-started again after a backoff that doubles on every quick failure (1 s, 2 s, 4 s ... 30 s) and resets
-once the unit has run for a minute. A process that exits with EXIT_CONFIG (2: a configuration the
-program refuses, e.g. a model the tensor-parallel size cannot split) is not restarted: the supervisor
-reports it and gives up, since the same flags would fail the same way.
-
-Why not supervisord or circus: both restart processes one at a time and know nothing of groups (a TP
-group with one fresh rank never forms again), their backoff only covers processes that fail to start,
-and neither can wait for the service's gRPC health before it reports a deployment ready. This one is
-~150 lines, has no dependency, and runs the same in a terminal, in `make deploy` and in a container.
-"""
+"""A process supervisor that knows what a worker group is: a unit (a tensor-parallel group, the scheduler
+service) is started, stopped and restarted as a whole, with a doubling backoff; a process that exits with
+EXIT_CONFIG (2) is not restarted, since the same flags would fail the same way."""
 
 from __future__ import annotations
 
@@ -65,6 +53,15 @@ class FatalExit(RuntimeError):
 
 
 class Supervisor:
+    """A tensor-parallel group is one unit, since its ranks share a torch.distributed group that cannot take
+    a lone new rank. When any process of a unit exits, the rest of the unit is stopped and the whole unit
+    is started again after a backoff that doubles on every quick failure (1 s, 2 s, 4 s ... 30 s) and
+    resets once the unit has run for a minute.
+
+    Why not supervisord or circus: both restart processes one at a time and know nothing of groups, their
+    backoff only covers processes that fail to start, and neither can wait for the service's gRPC health
+    before it reports a deployment ready. This one has no dependency and runs the same in a terminal, in
+    `make deploy` and in a container."""
     def __init__(self, units: list[Unit], env: dict[str, str] | None = None, cwd: Path | None = None,
                  min_backoff: float = 1.0, max_backoff: float = 30.0, stable_after: float = 60.0,
                  stop_timeout: float = 15.0) -> None:

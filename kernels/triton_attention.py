@@ -1,20 +1,7 @@
-"""Triton kernels over the paged KV pool: write K/V at slots, and paged attention.
-
-- `write_kv`: one program per (token, KV head) stores the token's K and V at its slot; slot -1 is
-  padding and stores nothing.
-- `paged_attention`: one entry point. When every sequence has one query (decode) it runs the split-KV
-  (flash-decoding) kernel: one program per (sequence, KV head, split) holds all the query heads that
-  share that KV head, so each KV tile is read once, then a second kernel merges the splits by their
-  log-sum-exp. Otherwise it runs the variable-length prefill/extend kernel: one program per
-  (sequence, query head, tile of queries), walking the block table up to the causal limit, so chunked
-  prefill over a cached prefix and mixed batches need nothing special.
-
-Every load outside a sequence's length or a padded head dimension is masked (never-written or poisoned
-bytes are not read), block ids are widened to int64 before they multiply a stride, and non-power-of-two
-head dims and GQA ratios are padded to the next power of two and masked.
-Runs natively on CUDA and on the CPU under TRITON_INTERPRET=1 (fp32/fp16; the interpreter mishandles
-bf16 dots).
-"""
+"""Triton kernels over the paged KV pool: `write_kv` stores each token's K and V at its slot (-1: padding,
+nothing stored), and `paged_attention` attends through the block tables (split-KV decode, or variable-length
+prefill over a cached prefix). Every load past a sequence's length or a padded head dim is masked. Runs
+natively on CUDA and on the CPU under TRITON_INTERPRET=1 (fp32/fp16; the interpreter mishandles bf16 dots)."""
 
 from __future__ import annotations
 
@@ -169,7 +156,15 @@ def paged_attention(
     window: int = 0,  # > 0: a sliding-window layer (each query sees its last `window` keys)
     softcap: float = 0.0,  # > 0: scores soft-capped, softcap * tanh(s / softcap) (Gemma 2)
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.paged_attention. Returns [num_tokens, n_heads, head_dim].
+    """When every sequence has one query (decode) it runs the split-KV (flash-decoding) kernel: one program
+    per (sequence, KV head, split) holds all the query heads that share that KV head, so each KV tile is
+    read once, then a second kernel merges the splits by their log-sum-exp. Otherwise it runs the
+    variable-length prefill/extend kernel: one program per (sequence, query head, tile of queries),
+    walking the block table up to the causal limit, so chunked prefill over a cached prefix and mixed
+    batches need nothing special. Block ids are widened to int64 before they multiply a stride; non-power-
+    of-two head dims and GQA ratios are padded to the next power of two and masked.
+
+    Same contract as kernels.reference.paged_attention. Returns [num_tokens, n_heads, head_dim].
 
     A step of decodes only runs the split-KV decode kernels; one of prompt chunks only, the prefill kernel.
     A mixed step (chunked prefill admits prompts beside running decodes) given decode_seqs and prefill_seqs

@@ -1,16 +1,6 @@
-"""A mixture-of-experts MLP on the GPU as two grouped matmuls (Triton), the experts' weights read once a step.
-
-A step's T tokens are each routed to k of E experts: T·k (token, expert) pairs. `align` sorts the pairs by
-expert and pads each expert's run to a multiple of BLOCK_M, entirely on the device and with shapes fixed by
-T·k and E alone (no host sync: a CUDA graph can hold it). Then one launch computes every pair's
-gate/up projection: a program takes BLOCK_M pairs of one expert and BLOCK_N outputs, loads that expert's
-weight tile once for all of them, and gathers the pairs' token rows itself (no permuted copy of the
-activations). After SiLU·mul, a second launch does the down projections the same way, scaling each pair by
-its routing weight, and the k pairs of a token are summed. Experts no token chose are never read.
-
-`worker/model/moe.py`'s grouped torch loop is the definition it is tested against (natively on CUDA, under
-TRITON_INTERPRET=1 elsewhere).
-"""
+"""A mixture-of-experts MLP on the GPU as two grouped matmuls (Triton), each chosen expert's weights read once
+a step and experts no token chose never read. `worker/model/moe.py`'s grouped torch loop is the definition
+it is tested against (natively on CUDA, under TRITON_INTERPRET=1 elsewhere)."""
 
 from __future__ import annotations
 
@@ -111,7 +101,15 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor,
 
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
               down: torch.Tensor, silu_mul) -> torch.Tensor:
-    """x [T, H]; topk_weights, topk_ids [T, k]; gate_up [E, 2I, H]; down [E, H, I] -> [T, H]:
+    """A step's T tokens are each routed to k of E experts: T·k (token, expert) pairs. `align` sorts the
+    pairs by expert and pads each expert's run to a multiple of BLOCK_M, entirely on the device and with
+    shapes fixed by T·k and E alone (no host sync: a CUDA graph can hold it). Then one launch computes
+    every pair's gate/up projection: a program takes BLOCK_M pairs of one expert and BLOCK_N outputs,
+    loads that expert's weight tile once for all of them, and gathers the pairs' token rows itself (no
+    permuted copy of the activations). After SiLU·mul, a second launch does the down projections the same
+    way, scaling each pair by its routing weight, and the k pairs of a token are summed.
+
+    x [T, H]; topk_weights, topk_ids [T, k]; gate_up [E, 2I, H]; down [E, H, I] -> [T, H]:
     sum over each token's k experts of weight * down(silu(gate) * up). silu_mul([rows, 2I]) -> [rows, I]."""
     x = x.contiguous()
     tokens, top_k = topk_ids.shape

@@ -1,14 +1,6 @@
-"""Top-p without sorting the vocabulary, for the GPU sampler (worker/step/sampler.py).
-
-A row keeps token i when the probability mass strictly above p_i is below top_p (every token tied with
-the last one kept stays, as with top-k). That set is {i : p_i >= floor} for one floor, which is one of the
-row's probabilities: the kernel finds it by bisection on the bits of a float32 (positive floats order as
-their bit patterns), 31 halvings of [0, max p], each a masked sum over the row — no sort, no host sync.
-One program per row; the row is read from L2 on every halving.
-
-kernels/reference.py's `top_p_floor_torch` is the same search in torch (the CPU sampler's, and the definition
-the kernel is tested against, natively on CUDA and under TRITON_INTERPRET=1 elsewhere).
-"""
+"""Top-p without sorting the vocabulary, for the GPU sampler (worker/step/sampler.py): no sort, no host sync.
+kernels/reference.py's `top_p_floor_torch` is the same search in torch (the CPU sampler's, and the
+definition the kernel is tested against, natively on CUDA and under TRITON_INTERPRET=1 elsewhere)."""
 
 from __future__ import annotations
 
@@ -47,7 +39,13 @@ def _top_p_floor_kernel(probs_ptr, top_p_ptr, floor_ptr, vocab, stride, HALVINGS
 
 
 def top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """probs fp32 [rows, vocab] (rows sum to 1), top_p fp32 [rows] in (0, 1] on the same device -> the
+    """A row keeps token i when the probability mass strictly above p_i is below top_p (every token tied with
+    the last one kept stays, as with top-k). That set is {i : p_i >= floor} for one floor, which is one of
+    the row's probabilities: the kernel finds it by bisection on the bits of a float32 (positive floats
+    order as their bit patterns), 31 halvings of [0, max p], each a masked sum over the row. One program
+    per row; the row is read from L2 on every halving.
+
+    probs fp32 [rows, vocab] (rows sum to 1), top_p fp32 [rows] in (0, 1] on the same device -> the
     smallest probability each row keeps, fp32 [rows] (0 where top_p is 1)."""
     rows, vocab = probs.shape
     floor = torch.empty(rows, dtype=torch.float32, device=probs.device)

@@ -1,29 +1,7 @@
 """The SMG engine protocol (`vllm.grpc.engine.VllmEngine` of the pinned `smg-grpc-proto` package), served on
 the same port as pagedserve.v1.Generation, so the gateways that drive vLLM, SGLang and TensorRT-LLM over
-gRPC (SMG: OpenAI- and Anthropic-compatible HTTP, chat templates, tool and reasoning parsing, cache-aware
-routing) drive pagedserve too.
-
-One request path: an engine-protocol GenerateRequest is put in the shape of a pagedserve.v1 request
-(`to_generation_request`) and goes through the same `request_from_proto` validation and the same
-`Engine.generate` as our own API. Every SamplingParams field is honoured or refused with INVALID_ARGUMENT
-naming it: json_object and choice become a JSON Schema and a regex for the structured-output matcher;
-structural_tag, multimodal inputs, KV-transfer parameters and a data-parallel rank other than 0 are
-refused (this engine balances its replicas itself and reports one rank). The gateway tokenizes and
-detokenizes: answers carry token ids, and text only matters here for stop strings (so
-spaces_between_special_tokens, which shapes text alone, changes nothing the gateway receives;
-grammar_from_first_token holds already, as this engine runs no reasoning parser).
-
-Streams follow the protocol's rules: with `stream`, a chunk per step that produced tokens for a sample
-(prompt and cached token counts on each, prompt logprobs on a sample's first), then a `complete` for
-that sample repeating its last chunk's tokens with the finish reason and the matched stop; without,
-one `complete` per sample with all its tokens once the request has finished.
-
-SubscribeKvEvents streams the prefix cache's stored / removed / cleared blocks (scheduler_service/
-kv_events.py) with the allocator's own chained hashes and the service's load on every batch;
-GetTokenizer streams the model folder's tokenizer files as a zip; Embed answers one tokenized input's vector
-(api/embedding.py) from an embedding model (GetModelInfo's is_generation false); the profiler
-is UNIMPLEMENTED with a message.
-"""
+gRPC drive pagedserve too. Every request goes through the same validation and `Engine.generate` as our own
+API; every SamplingParams field is honoured or refused with INVALID_ARGUMENT naming it."""
 
 from __future__ import annotations
 
@@ -78,6 +56,22 @@ class _Sample:
 
 
 class EngineProtocolServicer:
+    """One request path: an engine-protocol GenerateRequest is put in the shape of a pagedserve.v1 request
+    (`to_generation_request`) and validated by `request_from_proto`. json_object and choice become a JSON
+    Schema and a regex for the structured-output matcher; structural_tag, multimodal inputs, KV-transfer
+    parameters and a data-parallel rank other than 0 are refused (this engine balances its replicas itself
+    and reports one rank). The gateway tokenizes and detokenizes: answers carry token ids, and text only
+    matters here for stop strings (so spaces_between_special_tokens changes nothing the gateway receives).
+
+    Streams: with `stream`, a chunk per step that produced tokens for a sample (prompt and cached token
+    counts on each, prompt logprobs on a sample's first), then a `complete` for that sample repeating its
+    last chunk's tokens with the finish reason and the matched stop; without, one `complete` per sample at
+    the end.
+
+    SubscribeKvEvents streams the prefix cache's stored / removed / cleared blocks with the allocator's
+    own chained hashes and the service's load; GetTokenizer streams the tokenizer files as a zip; Embed
+    answers one tokenized input's vector from an embedding model; the profiler is UNIMPLEMENTED with a
+    message."""
     def __init__(self, engine: Engine, model_dir: str | Path) -> None:
         self.engine = engine
         self.model_dir = Path(model_dir).resolve()

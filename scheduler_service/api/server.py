@@ -1,14 +1,6 @@
-"""The gRPC front door: pagedserve.v1.Generation, grpc.health.v1 and server reflection.
-
-The servicer is thin: protobuf in → engine call → protobuf out. Errors map to status codes in one
-place (api/rpc.py status_for). Requests are parsed by a tolerant deserializer, so a malformed message or
-a string that is not UTF-8 is answered with INVALID_ARGUMENT instead of gRPC's UNKNOWN; validation and
-tokenization run off the event loop, so one huge prompt never stalls the other clients.
-
-The API has no authentication of its own: `--tls-cert/--tls-key` serve it over TLS, and anything more
-(client certificates, tokens) belongs in a proxy in front of it. Per-request ids in GetCacheStats are
-shown only with `--expose-request-ids` (an id is all Abort needs).
-"""
+"""The gRPC front door: pagedserve.v1.Generation, grpc.health.v1 and server reflection. The servicer is thin
+(protobuf in, engine call, protobuf out; errors map to status codes in api/rpc.py status_for); a malformed
+message or a string that is not UTF-8 is answered with INVALID_ARGUMENT, never UNKNOWN."""
 
 from __future__ import annotations
 
@@ -206,7 +198,13 @@ class HealthReporter:
 def build_server(engine: Engine, address: str, expose_request_ids: bool = False,
                  tls: tuple[bytes, bytes] | None = None,
                  model_dir: str | None = None) -> tuple[grpc.aio.Server, HealthReporter, int]:
-    """tls: (private key, certificate chain) in PEM to serve over TLS; None for plaintext. model_dir: the
+    """Requests are parsed by a tolerant deserializer; validation and tokenization run off the event loop, so
+    one huge prompt never stalls the other clients. The API has no authentication of its own: `--tls-cert`
+    and `--tls-key` serve it over TLS, and anything more (client certificates, tokens) belongs in a proxy
+    in front of it. Per-request ids in GetCacheStats are shown only with `--expose-request-ids` (an id is
+    all Abort needs).
+
+    tls: (private key, certificate chain) in PEM to serve over TLS; None for plaintext. model_dir: the
     model folder, whose tokenizer files the engine protocol's GetTokenizer serves (the protocol is served
     only with it)."""
     server = grpc.aio.server(options=[

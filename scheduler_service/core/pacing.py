@@ -1,13 +1,7 @@
-"""How much embedding work a step that decodes may carry.
-
-Embeddings are batch work; a generation stream is someone reading. A step that decodes and also computes
-embedding prompt chunks takes longer, and every stream in it slows by as much. `EmbedPacer` keeps that
-slowdown near a target (`--embed-slowdown`, 0.2: streams keep about 0.8 of their speed while embeddings
-run beside them) by measuring it: the workers' time for steps that only decode (the base, refreshed by a
-step without embedding tokens every `REFRESH` steps while both run) against the time of steps that carry
-embedding tokens, and the number of embedding tokens such a step may carry moves multiplicatively, down
-when a step ran over the target, up while they run under it. Steps without decodes are not paced: there
-embeddings take the whole token budget."""
+"""How much embedding work a step that decodes may carry: embeddings are batch work, a generation stream is
+someone reading, so `EmbedPacer` keeps the streams' slowdown near `--embed-slowdown` (0.2: streams keep
+about 0.8 of their speed while embeddings run beside them) by measuring it. Steps without decodes are not
+paced: there embeddings take the whole token budget."""
 
 from __future__ import annotations
 
@@ -18,6 +12,10 @@ EWMA = 0.3
 
 
 class EmbedPacer:
+    """The workers' time for steps that only decode (the base, refreshed by a step without embedding tokens
+    every `REFRESH` steps while both run) is measured against the time of steps that carry embedding
+    tokens; the number of embedding tokens such a step may carry moves multiplicatively, down when a step
+    ran over the target, up while they run under it."""
     def __init__(self, slowdown: float, max_tokens: int) -> None:
         if not 0.0 < slowdown <= 1.0:
             raise ValueError(f"embed slowdown must lie in (0, 1], got {slowdown}")

@@ -1,19 +1,6 @@
-"""Turn a scheduler step into the arrays of a StepPlan (protos/codec.py packs them), without a per-token
-Python loop.
-
-`PlanBuilder` keeps a numpy mirror of what changes rarely: each running sequence owns a row of a block-table
-array (filled as its page table grows, a copy-on-write patching one entry) and of per-row sampling
-parameters. A step then costs one short pass over its sequences (row, start, length) and a few vectorized
-numpy operations: positions, slots, sequence lengths and the block tables are gathered, not rebuilt.
-
-A row whose last input token is still pending (sampled by the step in flight; see sequence.py) carries a
-placeholder in token_ids and, in prev_rows, the row of the previous step whose sampled token the worker
-puts there.
-
-Request controls (penalties, min_p, logprobs) are per-row mirrors too, shipped only in steps where some row
-uses them; the ragged parts (logit biases, prompt-logprob targets, structured-output masks) are built by a
-loop over just the rows that have them.
-"""
+"""Turn a scheduler step into the arrays of a StepPlan (protos/codec.py packs them) without a per-token Python
+loop: `PlanBuilder` keeps a numpy mirror of what changes rarely (each running sequence's block-table row and
+sampling parameters), so a step gathers positions, slots, lengths and tables rather than rebuilding them."""
 
 from __future__ import annotations
 
@@ -47,6 +34,17 @@ class DeferredMasks:
 
 
 class PlanBuilder:
+    """Each running sequence owns a row of a block-table array (filled as its page table grows, a copy-on-
+    write patching one entry) and of per-row sampling parameters. A step costs one short pass over its
+    sequences (row, start, length) and a few vectorized numpy operations.
+
+    A row whose last input token is still pending (sampled by the step in flight; see core/sequence.py)
+    carries a placeholder in token_ids and, in prev_rows, the row of the previous step whose sampled token
+    the worker puts there.
+
+    Request controls (penalties, min_p, logprobs) are per-row mirrors too, shipped only in steps where
+    some row uses them; the ragged parts (logit biases, prompt-logprob targets, structured-output masks)
+    are built by a loop over just the rows that have them."""
     def __init__(self, max_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq

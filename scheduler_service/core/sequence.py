@@ -1,17 +1,9 @@
-"""Request and sequence state.
-
-A Request is what a client asked for (prompt, sampling parameters); it owns one Sequence per sample.
-A Sequence is what the scheduler moves through its states and what owns KV blocks:
+"""Request and sequence state. A Request is what a client asked for (prompt, sampling parameters); it owns one
+Sequence per sample. A Sequence is what the scheduler moves through its states and what owns KV blocks:
 
     WAITING ──admit──▶ RUNNING ──finish/abort──▶ FINISHED
        ▲                  │
-       └────preempt───────┘   (recompute: blocks freed, generated tokens kept)
-
-A step is committed when it is scheduled: its tokens count as computed at once, and a sampling row adds
-one *pending* token, whose value the worker knows before the scheduler does (overlap: the next step is
-planned while this one runs, and refers to the pending token by its row). `token_ids` holds known tokens
-only; what clients see and stop conditions read is always known tokens.
-"""
+       └────preempt───────┘   (recompute: blocks freed, generated tokens kept)"""
 
 from __future__ import annotations
 
@@ -119,7 +111,12 @@ class EmbedOptions:
 
 @dataclass(slots=True)
 class PendingToken:
-    """Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last one."""
+    """A step is committed when it is scheduled: its tokens count as computed at once, and a sampling row
+    adds one *pending* token, whose value the worker knows before the scheduler does (overlap: the next
+    step is planned while this one runs, and refers to the pending token by its row). `Sequence.token_ids`
+    holds known tokens only; what clients see and stop conditions read is always known tokens.
+
+    Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last one."""
 
     count: int = 0
     step: int = 0

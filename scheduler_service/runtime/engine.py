@@ -1,16 +1,7 @@
-"""The engine: routes requests to data-parallel replicas, streams their outputs, reports the pool.
-
-Runs in the scheduler process beside the gRPC server. Each replica (runtime/step_loop.py) has
-its own step loop; the engine owns what spans them: the live requests and their streams, routing,
-abort by request id, and the service's accounting. While steps run on the workers the event loop keeps
-serving RPCs (new requests, aborts, stats).
-
-Routing: a new request goes to the serving replica that holds the longest cached prefix of its prompt,
-unless that replica's load exceeds the least loaded one's by more than `route_slack`; otherwise (no
-replica holds any of it, or the holder is overloaded) it goes to the least loaded replica. Load is
-waiting x 4 + running sequences: a waiting sequence is a whole prefill away from its first token, and
-its being there means the replica is already full. Ties go to the replica that was sent fewer requests.
-"""
+"""The engine: routes requests to data-parallel replicas, streams their outputs, reports the pool. It runs in
+the scheduler process beside the gRPC server and owns what spans the replicas' step loops
+(runtime/step_loop.py): the live requests and their streams, routing, abort by request id, and the
+service's accounting."""
 
 from __future__ import annotations
 
@@ -63,6 +54,11 @@ class RequestStream:
 
 
 class Engine:
+    """Routing: a new request goes to the serving replica that holds the longest cached prefix of its prompt,
+    unless that replica's load exceeds the least loaded one's by more than `route_slack`; otherwise it
+    goes to the least loaded replica. Load is waiting x 4 + running sequences: a waiting sequence is a
+    whole prefill away from its first token, and its being there means the replica is already full. Ties
+    go to the replica that was sent fewer requests."""
     def __init__(self, config: SchedulerConfig, spec: ModelSpec, tokenizer: Tokenizer, client: WorkerClient,
                  worker_restart_timeout: float = 120.0) -> None:
         self.config = config

@@ -1,16 +1,7 @@
-"""The prefix cache's changes, as a numbered stream for subscribers (a gateway's cache-aware routing).
-
-Each replica's allocator records every prefix it gains ("stored": the block's chained hash, its parent's
-and its token ids) and loses ("removed": evicted; "cleared": the cache was flushed or the replica came
-up with a fresh pool). After each step the engine hands the records to `collect`, which turns them into
-one batch with the next sequence number, keeps it in a bounded history (a subscriber that reconnects
-resumes from its last sequence number) and puts it on every subscriber's queue. A subscriber that falls
-more than `max_pending` batches behind is dropped with a reason rather than let the scheduler's memory
-grow.
-
-Hashes go out as the allocator's own: `event_hash` reads the first 8 bytes of its blake2b digest as a
-signed little-endian 64-bit integer, the wire's type.
-"""
+"""The prefix cache's changes, as a numbered stream for subscribers (a gateway's cache-aware routing): blocks
+stored (the block's chained hash, its parent's and its token ids), removed (evicted) and cleared (flushed,
+or a fresh pool). A subscriber that reconnects resumes from its last sequence number; one that falls more
+than `max_pending` batches behind is dropped with a reason rather than let the scheduler's memory grow."""
 
 from __future__ import annotations
 
@@ -25,6 +16,8 @@ log = structlog.get_logger("scheduler.kv_events")
 
 
 def event_hash(h: bytes) -> int:
+    """Hashes go out as the allocator's own: the first 8 bytes of its blake2b digest as a signed little-
+    endian 64-bit integer, the wire's type."""
     return int.from_bytes(h[:8], "little", signed=True)
 
 
@@ -41,6 +34,8 @@ class SubscriberGone(Exception):
 
 
 class KvEventPublisher:
+    """After each step the engine hands a replica's records to `collect`, which turns them into one batch
+    with the next sequence number, keeps it in a bounded history and puts it on every subscriber's queue."""
     def __init__(self, history: int = 4096, max_pending: int = 4096) -> None:
         self._history: deque[KvEventBatch] = deque(maxlen=history)
         self._subscribers: set[asyncio.Queue] = set()

@@ -1,14 +1,6 @@
 """The step loop of one data-parallel replica: a worker group and the scheduler that owns its pool (allocator,
-page tables, prefix cache). Replicas step concurrently in one event loop: a step in flight is an await on
-the wire, so a replica whose workers are slow never holds up another's.
-
-Each turn: schedule a step, build its plan, send it; with overlap on (the default), schedule and send the
-next step before awaiting this one's result (`_steps`); apply each result in order (`_finish`): the
-scheduler's `update`, then each new token through its sample's text (stop strings end sequences here),
-then one `StepReport` to the sink (the engine, which streams the deltas). A failed step fails only its
-requests; a lost rank takes the replica down (the engine decides what happens to its requests) until a new
-group joins. Nothing outside this module reaches the scheduler.
-"""
+page tables, prefix cache). Replicas step concurrently in one event loop, so a replica whose workers are
+slow never holds up another's. Nothing outside this module reaches the scheduler."""
 
 from __future__ import annotations
 
@@ -83,6 +75,12 @@ WAITING_WEIGHT = 4
 
 
 class StepLoop:
+    """Each turn: schedule a step, build its plan, send it; with overlap on (the default), schedule and send
+    the next step before awaiting this one's result (`_steps`); apply each result in order (`_finish`):
+    the scheduler's `update`, then each new token through its sample's text (stop strings end sequences
+    here), then one `StepReport` to the sink (the engine, which streams the deltas). A failed step fails
+    only its requests; a lost rank takes the replica down (the engine decides what happens to its
+    requests) until a new group joins."""
     def __init__(self, index: int, config: SchedulerConfig, client: WorkerClient, sink: StepSink,
                  hidden_size: int = 0) -> None:
         """hidden_size: the length of what a pooling row gives back."""

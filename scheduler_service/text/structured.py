@@ -1,20 +1,7 @@
 """Structured output: JSON Schema, regular expression or Lark grammar, enforced with llguidance token masks.
-
-The matchers live in the scheduler, beside the tokens they follow: the scheduler already owns every
-sequence's tokens and the plan, llguidance is a Rust library with no torch in it, and a matcher advanced
-where tokens become known needs no state on the workers (a restarted worker, a preempted or moved
-sequence keep theirs). Each step, the masks of every constrained row that samples are computed in one
-parallel call (llguidance's executor, threads outside the GIL) and travel as a bitmask, in the plan or
-right after it (protos/wire.proto); the worker sets every masked-out logit to -inf.
-
-With overlap, the next step is planned before the step in flight has sampled a constrained row's last
-token, on which its mask depends: that plan goes out with `mask_follows`, and once the step in flight is
-applied (its tokens consumed by the matchers) the replica computes the masks and sends them in a StepMask
-while the workers run the forward; they wait for it only before sampling. A sample ends
-with STOP when its matcher has nothing left to match (the grammar is complete and allows no more tokens),
-or when it draws an end-of-sequence token, which the mask allows only where the structure is complete; it
-ends with LENGTH at max_tokens otherwise, its text then incomplete.
-"""
+The matchers live in the scheduler, beside the tokens they follow, so a restarted worker or a preempted
+sequence keeps its state; the workers only apply the bitmask each plan carries. A sample ends with STOP when
+its matcher is complete, with LENGTH at max_tokens otherwise (its text then incomplete)."""
 
 from __future__ import annotations
 
@@ -31,7 +18,18 @@ class GrammarError(ValueError):
 
 
 class GrammarEngine:
-    """Compiles requests' constraints and computes token masks for one tokenizer and vocabulary."""
+    """The scheduler already owns every sequence's tokens and the plan, and llguidance is a Rust library with
+    no torch in it. Each step, the masks of every constrained row that samples are computed in one
+    parallel call (llguidance's executor, threads outside the GIL) and travel as a bitmask, in the plan or
+    right after it (protos/wire.proto); the worker sets every masked-out logit to -inf.
+
+    With overlap, the next step is planned before the step in flight has sampled a constrained row's last
+    token, on which its mask depends: that plan goes out with `mask_follows`, and once the step in flight
+    is applied the step loop computes the masks and sends them in a StepMask while the workers run the
+    forward; they wait for it only before sampling. An end-of-sequence token is allowed only where the
+    structure is complete.
+
+    Compiles requests' constraints and computes token masks for one tokenizer and vocabulary."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self._tokenizer_json = tokenizer_json

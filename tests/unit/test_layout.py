@@ -245,3 +245,16 @@ def test_environment_variables_are_read_in_one_module():
             if reads:
                 wrong.append(f"{name}:{node.lineno} {text}")
     assert not wrong, "read it through protos/env.py:\n" + "\n".join(wrong)
+
+
+def test_a_module_docstring_is_its_contract():
+    """A module's docstring says what it provides and what it promises, in a paragraph; how and why belong
+    on the class or function they explain. A command's docstring is its --help text and may say more."""
+    long = []
+    for name, tree in MODULES.items():
+        doc = ast.get_docstring(tree) or ""
+        is_help = any(isinstance(node, ast.keyword) and node.arg == "description"
+                      and ast.unparse(node.value).startswith("__doc__") for node in ast.walk(tree))
+        if not is_help and len(doc.split()) > 110:
+            long.append(f"{name}: {len(doc.split())} words")
+    assert not long, "cut to the contract, the detail onto its class or function:\n" + "\n".join(long)

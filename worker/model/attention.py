@@ -1,15 +1,6 @@
-"""Attention backends: how the model writes K/V into the pool and attends through block tables.
-
-`triton` (the default wherever CUDA is present) runs the kernels of `kernels.triton_attention`
-directly on the pool; on a CPU it runs under TRITON_INTERPRET=1 (slow, for tests).
-`cpu` (the CPU default where the native library builds) attends decode rows in place through the
-block tables with the C kernel of `kernels/cpu/paged_decode.c` (no gathered copy, each key read once
-for all heads of its GQA group) and prefill rows as `torch` does.
-`torch` (the CPU fallback) gathers each sequence's keys through its block table once per layer and
-runs torch's fused scaled_dot_product_attention (GQA-aware, no repeated KV heads). Decode rows of a
-step go in one batched call; prefill rows (few, long) one call per sequence, so a long prompt never
-pads the decodes beside it. It is tested against `kernels.reference`.
-"""
+"""Attention backends: how the model writes K/V into the pool and attends through block tables. `triton` (the
+default wherever CUDA is present; under TRITON_INTERPRET=1 on a CPU, for tests), `cpu` (the CPU default
+where the native library builds) and `torch` (the CPU fallback, tested against `kernels.reference`)."""
 
 from __future__ import annotations
 
@@ -112,6 +103,10 @@ DECODE_BUCKET_ROWS = 16
 
 
 class TorchAttention(AttentionBackend):
+    """Gathers each sequence's keys through its block table once per layer and runs torch's fused
+    scaled_dot_product_attention (GQA-aware, no repeated KV heads). Decode rows of a step go in one
+    batched call; prefill rows (few, long) one call per sequence, so a long prompt never pads the decodes
+    beside it."""
     name = "torch"
 
     def prepare(self, block_tables, seq_lens, query_start_loc, block_size, max_seq_len, max_q_len,
@@ -198,6 +193,8 @@ class CpuAttentionMeta:
 
 
 class CpuAttention(TorchAttention):
+    """Decode rows attend in place through the block tables with the C kernel of kernels/cpu/paged_decode.c
+    (no gathered copy, each key read once for all heads of its GQA group); prefill rows as `torch` does."""
     name = "cpu"
     # prompt chunks over a bf16 pool in bf16 dot products (set by the worker for a model served in bf16)
     prefill_bf16_dots = False

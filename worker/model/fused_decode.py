@@ -1,18 +1,7 @@
-"""The fused CPU decode step: a decode-only step of a few sequences run as one native call.
-
-The layer-by-layer forward (model/llama.py) makes about ten calls a layer, each a trip through Python and
-torch and its own OpenMP parallel region: at one sequence on the 135M default model that overhead is a
-third of the step. `FusedDecode` hands the whole model to kernels/cpu/decode_step.c once — every layer's
-weights (GGUF blocks or plain fp32 rows), norms, biases, q/k norms, RoPE tables and KV cache — and a step
-whose every sequence decodes one token runs from the embeddings to the final norm in one call whose threads
-meet at a barrier between stages. Up to `max_rows` rows the projections run on the row kernels (GGUF blocks,
-packed blocks, fp32 rows), which read each weight once for a few rows; past that, where every matrix has a
-plain fp32 copy, on that copy through the BLAS sgemm torch's CPU library carries (MKL), each thread calling
-it on its share of the output rows inside the step's one parallel region — at 64 rows that removed the
-layer path's per-call costs (K/V writes, elementwise ops, dispatch: ~17 of 150 ms on the default model).
-Anything else (prefill, a mixed step, more rows without a dense copy or a BLAS, tensor parallelism, another
-dtype) takes the layer path, which stays the definition: tests hold the two to the same tokens.
-"""
+"""The fused CPU decode step: a decode-only step of a few sequences run as one native call
+(kernels/cpu/decode_step.c), from the embeddings to the final norm. Anything else (prefill, a mixed step,
+tensor parallelism, another dtype) takes the layer path, which stays the definition: tests hold the two to
+the same tokens."""
 
 from __future__ import annotations
 
@@ -89,6 +78,15 @@ def mirrors_match(kernels) -> bool:
 
 
 class FusedDecode:
+    """The layer-by-layer forward (model/llama.py) makes about ten calls a layer, each a trip through Python
+    and torch and its own OpenMP parallel region: at one sequence on the 135M default model that overhead
+    is a third of the step. This hands the whole model to the library once (every layer's weights as GGUF
+    blocks or plain fp32 rows, norms, biases, q/k norms, RoPE tables and KV cache); a step runs in one
+    call whose threads meet at a barrier between stages. Up to `max_rows` rows the projections run on the
+    row kernels, which read each weight once for a few rows; past that, where every matrix has a plain
+    fp32 copy, on that copy through the BLAS sgemm torch's CPU library carries (MKL), each thread calling
+    it on its share of the output rows inside the step's one parallel region (at 64 rows that removed ~17
+    of 150 ms of per-call costs on the default model)."""
     def __init__(self, kernels, model, max_rows: int) -> None:
         if not mirrors_match(kernels):
             raise RuntimeError("the fused decode step's structs differ from kernels/cpu/pagedserve.h's")

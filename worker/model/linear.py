@@ -1,19 +1,8 @@
-"""Matmul libraries for the projections, chosen by measurement when the worker starts.
-
-`dense`: F.linear on the weights as loaded (cuBLAS on a GPU, MKL or OpenBLAS on a CPU).
-`onednn`: on CPUs, oneDNN with each weight reordered once into the blocked layout its kernels read
-(`torch.ops.mkldnn._reorder_linear_weight`); the same fp32 arithmetic, often 2-3x the rate of a
-plain matmul because no step re-packs the weight.
-`mkl`: on CPUs whose torch carries MKL, each weight packed once by MKL's own packing API
-(`cblas_sgemm_pack`) and multiplied with `cblas_sgemm_compute`, the kernel F.linear reaches without
-re-packing the weight each call: the default model's 2k-token prefill chunk spends 5-8% less time in
-its matmuls than on oneDNN, same process, 2-core AVX-512 machine. The packed buffer is sized by MKL (2-5x
-the weight in address space; only the weight's size is ever written, so resident memory grows by one
-copy, as with oneDNN).
-Which one wins differs between machines (AVX2 vs AVX-512, core counts), so `choose()` times them all on
-the model's own shapes, at decode and at prefill row counts, checks each packed result against F.linear,
-and keeps the fastest.
-"""
+"""Matmul libraries for the projections, chosen by measurement when the worker starts: `dense` (F.linear on
+the weights as loaded), `onednn` and `mkl` (CPU: each weight packed once into the layout its library's
+kernels read). Which one wins differs between machines, so `choose()` times them all on the model's own
+shapes, at decode and at prefill row counts, checks each packed result against F.linear, and keeps the
+fastest."""
 
 from __future__ import annotations
 
@@ -40,6 +29,9 @@ class DenseMatmul:
 
 
 class OneDNNMatmul:
+    """oneDNN with each weight reordered once into the blocked layout its kernels read
+    (`torch.ops.mkldnn._reorder_linear_weight`): the same fp32 arithmetic, often 2-3x the rate of a plain
+    matmul because no step re-packs the weight."""
     name = "onednn"
 
     @staticmethod
@@ -100,6 +92,11 @@ class MKLPacked:
 
 
 class MKLMatmul:
+    """Each weight packed once by MKL's own packing API (`cblas_sgemm_pack`) and multiplied with
+    `cblas_sgemm_compute`, the kernel F.linear reaches without re-packing the weight each call: the
+    default model's 2k-token prefill chunk spends 5-8% less time in its matmuls than on oneDNN (same
+    process, 2-core AVX-512 machine). The packed buffer is sized by MKL (2-5x the weight in address space;
+    only the weight's size is ever written, so resident memory grows by one copy, as with oneDNN)."""
     name = "mkl"
 
     @staticmethod

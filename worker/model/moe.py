@@ -1,17 +1,7 @@
 """A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each a SwiGLU
-MLP.
-
-Routing is transformers': router logits in the activations' dtype, softmax in fp32, the k largest
-probabilities (renormalized to sum to 1 where the config says norm_topk_prob, always for Mixtral), cast back.
-The experts run grouped: the tokens routed to an expert are gathered and go through its gate/up and down
-projections as one matmul each, so a step reads each chosen expert's weights once however many of its tokens
-chose it, and an expert nobody chose is not read. On a CPU that is a loop over the chosen experts (in expert
-order, as transformers adds them up); on CUDA two grouped-matmul launches (kernels/triton_moe.py).
-
-Under tensor parallelism every rank holds a slice of every expert's intermediate dimension (as a dense MLP
-is split) and the router whole: ranks route identically, each computes its slice's partial down
-projections, and the layer's all-reduce after the MLP sums them.
-"""
+MLP, routed as transformers routes; the experts run grouped, so a step reads each chosen expert's weights
+once and an expert nobody chose not at all (a loop over the chosen experts on a CPU, two grouped-matmul
+launches on CUDA: kernels/triton_moe.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +14,13 @@ from worker.model.parallel import Shard
 
 
 class MoE(nn.Module):
+    """Routing is transformers': router logits in the activations' dtype, softmax in fp32, the k largest
+    probabilities (renormalized to sum to 1 where the config says norm_topk_prob, always for Mixtral),
+    cast back. On a CPU the chosen experts run in expert order, as transformers adds them up.
+
+    Under tensor parallelism every rank holds a slice of every expert's intermediate dimension (as a dense
+    MLP is split) and the router whole: ranks route identically, each computes its slice's partial down
+    projections, and the layer's all-reduce after the MLP sums them."""
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         experts, hidden, inter = config.num_experts, config.hidden_size, shard.expert_intermediate_size

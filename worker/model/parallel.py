@@ -1,15 +1,6 @@
-"""Tensor parallelism: how a model is split over the ranks of a group, and the group's collectives.
-
-Rank r of N holds 1/N of the query heads and of the KV heads (its slice of the pool), 1/N of the MLP's
-intermediate size and 1/N of the vocabulary:
-  - QKV and gate/up are column-parallel (each rank computes its heads / its slice of the MLP);
-  - o_proj and down are row-parallel: each rank's partial product is summed by one all-reduce;
-  - the embedding is vocabulary-parallel (a rank looks up the ids it holds, zeros elsewhere, all-reduce);
-  - the LM head is vocabulary-parallel: each rank computes its slice of the logits and an all-gather
-    gives every rank the same full logits, so every rank draws the same (seed, index) token.
-When the model has fewer KV heads than ranks, each KV head is replicated on N / n_kv consecutive ranks
-(their query heads all read that head), as vLLM does.
-"""
+"""Tensor parallelism: how a model is split over the ranks of a group (`make_shard`), and the group's
+collectives. Rank r of N holds 1/N of the query and KV heads, of the MLP's intermediate size and of the
+vocabulary; every rank ends a step with the same full logits, so every rank draws the same token."""
 
 from __future__ import annotations
 
@@ -30,7 +21,14 @@ class ParallelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Shard:
-    """The slices of the model one rank holds (half-open ranges over the full model's dimensions)."""
+    """QKV and gate/up are column-parallel (each rank computes its heads / its slice of the MLP); o_proj and
+    down are row-parallel (each rank's partial product summed by one all-reduce); the embedding is
+    vocabulary-parallel (a rank looks up the ids it holds, zeros elsewhere, all-reduce); the LM head is
+    vocabulary-parallel (each rank its slice of the logits, then an all-gather). When the model has fewer
+    KV heads than ranks, each KV head is replicated on N / n_kv consecutive ranks (their query heads all
+    read that head), as vLLM does.
+
+    The slices of the model one rank holds (half-open ranges over the full model's dimensions)."""
 
     rank: int
     size: int

@@ -1,17 +1,6 @@
 """Quantized weights served as a GGUF file ships them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K),
-without dequantizing.
-
-A `QuantWeight` is a matrix's raw blocks, one row of blocks per output feature (worker/weights/gguf_blocks.py
-reads them from a file); a rank of a tensor-parallel group takes its rows, or its columns in whole 32-value
-blocks.
-
-`QuantizedMatmul` is a matmul library (worker/model/linear.py's interface) over those weights: up to
-`max_kernel_rows` rows of activations go through the native weight-only kernel (kernels/cpu/
-quant_matmul.c: each block dequantized once into registers for up to four rows at a time, so a decode step
-reads 4.5-8.5 bits a weight instead of 32); more rows (prefill) dequantize the weight into a scratch fp32
-matrix and run the dense matmul there. Where that switch pays is measured at start (`choose_threshold`),
-as the worker measures its other matmul choices.
-"""
+without dequantizing: a `QuantWeight` is a matrix's raw blocks, one row of blocks per output feature, and
+`QuantizedMatmul` is a matmul library (worker/model/linear.py's interface) over them."""
 
 from __future__ import annotations
 
@@ -43,6 +32,8 @@ PACKED_FROM = {"Q4_0": "Q4_x16", "Q4_1": "Q4_x16", "Q8_0": "Q8_0_x16", "Q4_K": "
 
 @dataclass
 class QuantWeight:
+    """worker/weights/gguf_blocks.py reads them from a file; a rank of a tensor-parallel group takes its
+    rows, or its columns in whole 32-value blocks."""
     data: torch.Tensor  # uint8 [out_dim, in_dim / 32 * block_bytes], contiguous
     qtype: str
     in_dim: int
@@ -177,7 +168,13 @@ class QuantLinear:
 
 
 class QuantizedMatmul:
-    """The matmul library for quantized weights (QuantWeight / QuantLinear); plain tensors (a matrix of a
+    """Up to `max_kernel_rows` rows of activations go through the native weight-only kernel
+    (kernels/cpu/quant_matmul.c: each block dequantized once into registers for several rows at a time, so
+    a decode step reads 4.5-8.5 bits a weight instead of 32); more rows (prefill) dequantize the weight
+    into a scratch fp32 matrix and run the dense matmul there. Where that switch pays is measured at start
+    (`choose_threshold`).
+
+    The matmul library for quantized weights (QuantWeight / QuantLinear); plain tensors (a matrix of a
     type the kernels do not serve) go to the dense library."""
 
     name = "quantized"

@@ -1,22 +1,8 @@
-"""The host allocator a worker runs on.
+"""The host allocator a worker runs on: tcmalloc where the system has it, else glibc tuned to keep freed
+blocks, so a CPU forward's tens of MiB a layer are not given back to the kernel and faulted in again every
+step. `--malloc` / PAGEDSERVE_MALLOC: auto, tcmalloc, glibc, default (malloc as it is, for comparisons).
 
-A CPU forward allocates and frees tens of MiB per layer (at a 2048-token prefill chunk of the default
-model the MLP's gate/up activation alone is 25 MiB). glibc's malloc serves large blocks with fresh mmaps
-and trims the top of its heap when enough is free, so the same memory is given back to the kernel and
-faulted in again, zero-filled, page by page, every layer of every step: measured on a 2-core AVX-512
-machine, 28% of a prefill chunk went there (docs/BENCHMARKS.md). Two remedies:
-
-- `tcmalloc` (where the system has it, e.g. Debian's libtcmalloc-minimal4): keeps freed spans for
-  reuse and is faster still for torch's many small allocations. A library must be in place before the
-  process starts, so the worker re-executes itself once with it in LD_PRELOAD (same pid, same argv).
-- `glibc`, tuned with mallopt: the mmap threshold at its maximum (32 MiB) and no trimming, so freed
-  blocks stay in the heap and are reused.
-
-`auto` takes tcmalloc where found and for a CPU worker, the tuned glibc otherwise; `default` leaves malloc
-as it is (for comparisons). PAGEDSERVE_MALLOC sets the mode where no flag does.
-
-    python -m worker.serve.host_memory [MODE]   # prints the allocator this process ends up with
-"""
+    python -m worker.serve.host_memory [MODE]   # prints the allocator this process ends up with"""
 
 from __future__ import annotations
 
@@ -103,7 +89,15 @@ def wants_tcmalloc(mode: str, device: str | None) -> bool:
 
 
 def ensure_allocator(mode: str, device: str | None, module: str, argv: list[str]) -> str:
-    """Called first thing in a process's main: with tcmalloc wanted and found but not loaded, re-execute
+    """Why: at a 2048-token prefill chunk of the default model the MLP's gate/up activation alone is 25 MiB.
+    glibc's malloc serves large blocks with fresh mmaps and trims the top of its heap when enough is free,
+    so the same memory is faulted in again, zero-filled, page by page, every layer of every step: measured
+    on a 2-core AVX-512 machine, 28% of a prefill chunk went there (docs/BENCHMARKS.md). tcmalloc keeps
+    freed spans for reuse and is faster still for torch's many small allocations, but must be in place
+    before the process starts, hence the re-execution; glibc is tuned with mallopt (the mmap threshold at
+    its maximum, 32 MiB, and no trimming).
+
+    Called first thing in a process's main: with tcmalloc wanted and found but not loaded, re-execute
     `python -m module argv` with it preloaded (this call then never returns); otherwise tune glibc unless
     mode is 'default'. Returns what the process runs on, for the start-up log."""
     current = loaded_allocator()

@@ -1,15 +1,5 @@
-"""The worker's side of the ZeroMQ wire: handshake, step loop, heartbeats.
-
-A DEALER socket carries the handshake, plans and results; a second DEALER on its own thread sends
-heartbeats even while a long forward runs, so the scheduler can tell a dead worker from a slow one.
-Both identities carry a random nonce ("w.<nonce>", "hb.<nonce>"): the scheduler binds them to this
-worker when it accepts the handshake, and a restarted worker is a new peer, never mistaken for the old
-one. Only protobuf crosses the socket, never pickle. With CurveZMQ keys both sockets are encrypted and
-authenticated.
-
-In a tensor-parallel group a failed step may leave the ranks out of step in their collectives, so a
-rank whose step raises exits (and is restarted with its group) instead of answering more plans.
-"""
+"""The worker's side of the ZeroMQ wire: handshake, step loop, heartbeats. Only protobuf crosses the socket,
+never pickle; with CurveZMQ keys both sockets are encrypted and authenticated."""
 
 from __future__ import annotations
 
@@ -42,6 +32,12 @@ class StopServing(Exception):
 
 
 class WorkerServer:
+    """A DEALER socket carries the handshake, plans and results; a second DEALER on its own thread sends
+    heartbeats even while a long forward runs, so the scheduler can tell a dead worker from a slow one.
+    Both identities carry a random nonce ("w.<nonce>", "hb.<nonce>"): the scheduler binds them to this
+    worker when it accepts the handshake, and a restarted worker is a new peer, never mistaken for the old
+    one. In a tensor-parallel group a failed step may leave the ranks out of step in their collectives, so
+    a rank whose step raises exits (and is restarted with its group) instead of answering more plans."""
     def __init__(
         self,
         endpoint: str,

@@ -1,22 +1,6 @@
-"""Request controls on the worker: logit biases, structured-output masks, penalties, and logprobs.
-
-Everything is batched over the rows that use it (one gather, one scatter, no per-row Python loop) and is
-a function of the plan and the pool alone, so the (seed, token index) guarantee of sampling holds: a
-replayed step sees the same context tokens, the same biases and the same masks.
-
-Order, before the sampler's temperature / min_p / top-k / top-p (worker/step/sampler.py):
-  1. additive biases (logit_bias, and -inf on end tokens while min_tokens is not reached: the scheduler
-     sends both as one ragged list);
-  2. the structured-output mask (tokens outside it get -inf);
-  3. repetition penalty over the context (prompt and output, transformers' semantics), then frequency and
-     presence penalties over the output tokens (OpenAI's semantics). Context tokens are read through the
-     block table from the pool's token record (worker/model/kv_pool.py).
-A row left with no finite logit by its controls (a grammar that allows nothing, biases that forbid every
-token) falls back to its raw logits rather than failing the whole step; the scheduler then finds the
-token outside the constraint and ends that request alone.
-
-Logprobs are those of the raw logits (before any of the above), fp32 log_softmax, as vLLM returns them.
-"""
+"""Request controls on the worker: logit biases, structured-output masks, penalties, and logprobs. Each is
+batched over the rows that use it and is a function of the plan and the pool alone, so a replayed step sees
+the same context tokens, biases and masks (the (seed, token index) guarantee of sampling holds)."""
 
 from __future__ import annotations
 
@@ -112,7 +96,18 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def apply_controls(logits: torch.Tensor, c: StepControls, pool) -> torch.Tensor:
-    """fp32 [rows, vocab] -> the controlled logits (a new tensor; `logits` is left as it was)."""
+    """Order, before the sampler's temperature / min_p / top-k / top-p (worker/step/sampler.py): 1. additive
+    biases (logit_bias, and -inf on end tokens while min_tokens is not reached: the scheduler sends both
+    as one ragged list); 2. the structured-output mask (tokens outside it get -inf); 3. repetition penalty
+    over the context (prompt and output, transformers' semantics), then frequency and presence penalties
+    over the output tokens (OpenAI's semantics), context tokens read through the block table from the
+    pool's token record.
+
+    A row left with no finite logit by its controls (a grammar that allows nothing, biases that forbid
+    every token) falls back to its raw logits rather than failing the whole step; the scheduler then finds
+    the token outside the constraint and ends that request alone.
+
+    fp32 [rows, vocab] -> the controlled logits (a new tensor; `logits` is left as it was)."""
     if c.is_empty:
         return logits
     rows, vocab = logits.shape
@@ -148,7 +143,9 @@ def apply_controls(logits: torch.Tensor, c: StepControls, pool) -> torch.Tensor:
 
 
 def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, ks: np.ndarray) -> Logprobs:
-    """fp32 [rows, vocab] raw logits, int64 [rows] the token of each row whose log-probability is wanted,
+    """Logprobs are those of the raw logits (before any control), fp32 log_softmax, as vLLM returns them.
+
+    fp32 [rows, vocab] raw logits, int64 [rows] the token of each row whose log-probability is wanted,
     K per row -> each row's chosen log-probability and its K most likely tokens, flattened in row order."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     picked = logp.gather(1, chosen.view(-1, 1).to(logp.device)).view(-1).cpu().numpy().astype(np.float32)

@@ -1,20 +1,7 @@
-"""CUDA graphs of the decode step: a small model's decode step on a GPU is mostly kernel launches (per
-layer: projections, attention, the elementwise passes), so it is captured once per batch-size bucket at
-start and replayed, one launch for the whole forward and LM head.
-
-A graph replays fixed shapes and addresses, so a step is fitted to it: its arrays are copied into static
-buffers sized for the largest bucket, the batch is padded to the smallest bucket that holds it (padding
-rows write no K/V, slot -1, and attend one key of block 0; their logits are dropped), block tables are
-padded to the width of the tier's context, and attention is captured for that context length (fixed
-splits per bucket and tier; the kernels read each row's true length from the buffer and splits past it
-write nothing). Two tiers where the model's context is longer than `--graph-max-context`: a step whose
-longest sequence fits the short tier replays it (few splits), a longer one the long tier. Steps that do
-not fit — a prompt chunk in them, more rows than the largest bucket — run eagerly. Only decode steps are
-captured: prefill steps are long enough that launches do not matter.
-
-On a CPU (tests) "capture" records nothing and "replay" runs the same static-buffer forward eagerly, so
-the fitting — padding, buffers, the bucket choice — is tested here against the plain path.
-"""
+"""CUDA graphs of the decode step: a small model's decode step on a GPU is mostly kernel launches, so it is
+captured once per batch-size bucket at start and replayed, one launch for the whole forward and LM head.
+Steps that do not fit a graph run eagerly; on a CPU "replay" runs the same static-buffer forward eagerly,
+so the fitting is tested against the plain path."""
 
 from __future__ import annotations
 
@@ -41,7 +28,17 @@ def bucket_sizes(max_rows: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """contexts: the longest sequence each tier of graphs serves, ascending — `--graph-max-context`, and
+    """A graph replays fixed shapes and addresses, so a step is fitted to it: its arrays are copied into
+    static buffers sized for the largest bucket, the batch is padded to the smallest bucket that holds it
+    (padding rows write no K/V, slot -1, and attend one key of block 0; their logits are dropped), block
+    tables are padded to the width of the tier's context, and attention is captured for that context
+    length (fixed splits per bucket and tier; the kernels read each row's true length and splits past it
+    write nothing). Two tiers where the model's context is longer than `--graph-max-context`: a step whose
+    longest sequence fits the short tier replays it, a longer one the long tier. A prompt chunk in the
+    step, or more rows than the largest bucket, runs eagerly: prefill steps are long enough that launches
+    do not matter.
+
+    contexts: the longest sequence each tier of graphs serves, ascending — `--graph-max-context`, and
     the model's whole context (`--max-model-len`) where that is longer. A step replays the smallest tier
     that holds its longest sequence, so one long sequence among short ones does not send the batch eager,
     while the short tier keeps its few splits."""

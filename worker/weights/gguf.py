@@ -1,14 +1,6 @@
 """A GGUF file's tensors read straight from the file, by their Hugging Face names: no fp32 copy of the model.
-
-`GGUFFile` reads a tensor's bytes with plain reads (not through a memory map: the mapped pages of a 5 GB
-file would count in the worker's resident memory beside its own copy of the blocks). `GGUFTensorSource` is
-a checkpoint (weights/checkpoint.py's interface) over such a file for the architectures whose tensors it
-maps (`NATIVE_ARCHS`): norms, biases and any matrix served dense are dequantized one tensor at a time as the
-model loads it (llama.cpp's permuted query/key rows put back in Hugging Face's order); the matrices served
-on their own blocks are never read here (model/quantized.py reads those). A file of another architecture
-(Gemma's offset norms, experts stacked per layer, Phi-3's long-context rope factors) is prepared through
-transformers instead (deploy/prepare_model.py).
-"""
+A file of an architecture whose tensors are not mapped here (`NATIVE_ARCHS`) is prepared through
+transformers instead (deploy/prepare_model.py)."""
 
 from __future__ import annotations
 
@@ -70,7 +62,10 @@ def rope_rows(n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 class GGUFFile:
-    """A GGUF's header (architecture, tensor table) and its tensors' bytes, read on demand."""
+    """Plain reads, not a memory map: the mapped pages of a 5 GB file would count in the worker's resident
+    memory beside its own copy of the blocks.
+
+    A GGUF's header (architecture, tensor table) and its tensors' bytes, read on demand."""
 
     def __init__(self, path: str | Path) -> None:
         from gguf import GGUFReader
@@ -157,7 +152,12 @@ def reads_natively(path: str | Path) -> bool:
 
 
 class GGUFTensorSource(TensorSource):
-    """A GGUF file as a Hugging Face checkpoint: each tensor dequantized to fp32 when it is asked for."""
+    """A checkpoint (weights/checkpoint.py's interface): norms, biases and any matrix served dense are
+    dequantized one tensor at a time as the model loads it (llama.cpp's permuted query/key rows put back
+    in Hugging Face's order); the matrices served on their own blocks are never read here
+    (weights/gguf_blocks.py reads those).
+
+    A GGUF file as a Hugging Face checkpoint: each tensor dequantized to fp32 when it is asked for."""
 
     def __init__(self, path: str | Path, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
         self.file = GGUFFile(path)
