@@ -62,6 +62,7 @@ class Supervisor:
     backoff only covers processes that fail to start, and neither can wait for the service's gRPC health
     before it reports a deployment ready. This one has no dependency and runs the same in a terminal, in
     `make deploy` and in a container."""
+
     def __init__(self, units: list[Unit], env: dict[str, str] | None = None, cwd: Path | None = None,
                  min_backoff: float = 1.0, max_backoff: float = 30.0, stable_after: float = 60.0,
                  stop_timeout: float = 15.0) -> None:

@@ -72,6 +72,7 @@ class EngineProtocolServicer:
     own chained hashes and the service's load; GetTokenizer streams the tokenizer files as a zip; Embed
     answers one tokenized input's vector from an embedding model; the profiler is UNIMPLEMENTED with a
     message."""
+
     def __init__(self, engine: Engine, model_dir: str | Path) -> None:
         self.engine = engine
         self.model_dir = Path(model_dir).resolve()

@@ -16,6 +16,7 @@ class EmbedPacer:
     every `REFRESH` steps while both run) is measured against the time of steps that carry embedding
     tokens; the number of embedding tokens such a step may carry moves multiplicatively, down when a step
     ran over the target, up while they run under it."""
+
     def __init__(self, slowdown: float, max_tokens: int) -> None:
         if not 0.0 < slowdown <= 1.0:
             raise ValueError(f"embed slowdown must lie in (0, 1], got {slowdown}")

@@ -45,6 +45,7 @@ class PlanBuilder:
     Request controls (penalties, min_p, logprobs) are per-row mirrors too, shipped only in steps where
     some row uses them; the ragged parts (logit biases, prompt-logprob targets, structured-output masks)
     are built by a loop over just the rows that have them."""
+
     def __init__(self, max_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
         self.block_size = block_size
         self.max_blocks = max_blocks_per_seq

@@ -59,6 +59,7 @@ class Engine:
     goes to the least loaded replica. Load is waiting x 4 + running sequences: a waiting sequence is a
     whole prefill away from its first token, and its being there means the replica is already full. Ties
     go to the replica that was sent fewer requests."""
+
     def __init__(self, config: SchedulerConfig, spec: ModelSpec, tokenizer: Tokenizer, client: WorkerClient,
                  worker_restart_timeout: float = 120.0) -> None:
         self.config = config

@@ -36,6 +36,7 @@ class SubscriberGone(Exception):
 class KvEventPublisher:
     """After each step the engine hands a replica's records to `collect`, which turns them into one batch
     with the next sequence number, keeps it in a bounded history and puts it on every subscriber's queue."""
+
     def __init__(self, history: int = 4096, max_pending: int = 4096) -> None:
         self._history: deque[KvEventBatch] = deque(maxlen=history)
         self._subscribers: set[asyncio.Queue] = set()

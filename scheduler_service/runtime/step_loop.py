@@ -81,6 +81,7 @@ class StepLoop:
     here), then one `StepReport` to the sink (the engine, which streams the deltas). A failed step fails
     only its requests; a lost rank takes the replica down (the engine decides what happens to its
     requests) until a new group joins."""
+
     def __init__(self, index: int, config: SchedulerConfig, client: WorkerClient, sink: StepSink,
                  hidden_size: int = 0) -> None:
         """hidden_size: the length of what a pooling row gives back."""

@@ -21,6 +21,7 @@ class MoE(nn.Module):
     Under tensor parallelism every rank holds a slice of every expert's intermediate dimension (as a dense
     MLP is split) and the router whole: ranks route identically, each computes its slice's partial down
     projections, and the layer's all-reduce after the MLP sums them."""
+
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         experts, hidden, inter = config.num_experts, config.hidden_size, shard.expert_intermediate_size

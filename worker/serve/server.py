@@ -38,6 +38,7 @@ class WorkerServer:
     worker when it accepts the handshake, and a restarted worker is a new peer, never mistaken for the old
     one. In a tensor-parallel group a failed step may leave the ranks out of step in their collectives, so
     a rank whose step raises exits (and is restarted with its group) instead of answering more plans."""
+
     def __init__(
         self,
         endpoint: str,
