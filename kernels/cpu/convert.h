@@ -56,6 +56,13 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
+/* An fp16 stored as two bytes at any alignment (a GGUF block's scale) -> fp32. */
+static inline float half_at(const uint8_t* h) {
+    uint16_t v;
+    memcpy(&v, h, 2);
+    return half_to_float(v);
+}
+
 /* fp32 -> fp16 bits, rounded to nearest even (only exact values reach it here: -8 d of a Q4_0 block). */
 static inline uint16_t float_to_half(float f) {
 #if defined(__F16C__)

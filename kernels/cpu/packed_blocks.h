@@ -38,6 +38,7 @@
 #ifndef PAGEDSERVE_PACKED_BLOCKS_H
 #define PAGEDSERVE_PACKED_BLOCKS_H
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -51,24 +52,52 @@
 #define PACK_ROWS 16
 #define QK_K 256
 
-/* bytes of a group's 32-value block: 256 of nibbles, 16 d, 16 m (Q4); 512 int8 values, 16 d (Q8); for the
-   K-quants an eighth of a super-block (head included), so nblocks * pack_block_bytes spans a group as well */
+/* The layouts above as structs. Each starts with its 4-bit values, the 16 rows' nibbles interleaved (part k,
+   byte 4 r + t), so a pointer to any of them is one to its PackedNibbles. */
+typedef struct { uint8_t q[4][64]; } PackedNibbles;
+typedef struct { PackedNibbles nib; uint16_t d[PACK_ROWS], m[PACK_ROWS]; } PackedQ4Block; /* fp16 d, m */
+typedef struct { int8_t q[8][64]; uint16_t d[PACK_ROWS]; } PackedQ8Block;
+typedef struct { float d[PACK_ROWS], dmin[PACK_ROWS]; } PackedKHead;   /* a Q4_K / Q5_K super-block's */
+typedef struct { float d[PACK_ROWS]; } PackedQ6KHead;
+typedef struct { PackedNibbles nib; uint8_t sc[PACK_ROWS], m[PACK_ROWS]; } PackedQ4KSub;
+typedef struct { PackedNibbles nib; uint8_t qh[64], sc[PACK_ROWS], m[PACK_ROWS]; } PackedQ5KSub;
+typedef struct { PackedNibbles nib; uint8_t qh[2][64]; int8_t sc[2][PACK_ROWS]; } PackedQ6KSub;
+_Static_assert(sizeof(PackedQ4Block) == 320 && sizeof(PackedQ8Block) == 544, "PACKED_Q4, PACKED_Q8");
+_Static_assert(sizeof(PackedKHead) + 8 * sizeof(PackedQ4KSub) == 2432, "PACKED_Q4K");
+_Static_assert(sizeof(PackedKHead) + 8 * sizeof(PackedQ5KSub) == 2944, "PACKED_Q5K");
+_Static_assert(sizeof(PackedQ6KHead) + 8 * sizeof(PackedQ6KSub) == 3392, "PACKED_Q6K");
+_Static_assert(offsetof(PackedKHead, d) == offsetof(PackedQ6KHead, d), "every K head starts with its d");
+
+/* bytes of a group's 32-value block; for the K-quants an eighth of a super-block (head included), so
+   nblocks * pack_block_bytes spans a group as well */
 static inline int pack_block_bytes(int ptype) {
     switch (ptype) {
-        case PACKED_Q4: return 320;
-        case PACKED_Q8: return 544;
-        case PACKED_Q4K: return 304;
-        case PACKED_Q6K: return 424;
-        case PACKED_Q5K: return 368;
+        case PACKED_Q4: return sizeof(PackedQ4Block);
+        case PACKED_Q8: return sizeof(PackedQ8Block);
+        case PACKED_Q4K: return (sizeof(PackedKHead) + 8 * sizeof(PackedQ4KSub)) / 8;
+        case PACKED_Q6K: return (sizeof(PackedQ6KHead) + 8 * sizeof(PackedQ6KSub)) / 8;
+        case PACKED_Q5K: return (sizeof(PackedKHead) + 8 * sizeof(PackedQ5KSub)) / 8;
         default: return 0;
     }
 }
 static inline int packed_is_k(int ptype) { return ptype == PACKED_Q4K || ptype == PACKED_Q5K || ptype == PACKED_Q6K; }
-#define Q4K_HEAD 128
-#define Q4K_SUB 288
-#define Q6K_HEAD 64
-#define Q6K_SUB 416
-#define Q5K_SUB 352 /* after a head of Q4K_HEAD bytes */
+
+/* A packed K super-block's sub-block sb (head: the super-block's first byte). */
+static inline const uint8_t *packed_k_sub_at(int ptype, const uint8_t *head, int sb) {
+    if (ptype == PACKED_Q6K) return (const uint8_t *)((const PackedQ6KSub *)(head + sizeof(PackedQ6KHead)) + sb);
+    if (ptype == PACKED_Q5K) return (const uint8_t *)((const PackedQ5KSub *)(head + sizeof(PackedKHead)) + sb);
+    return (const uint8_t *)((const PackedQ4KSub *)(head + sizeof(PackedKHead)) + sb);
+}
+static inline int packed_k_sub_bytes(int ptype) {
+    return ptype == PACKED_Q4K ? sizeof(PackedQ4KSub) : ptype == PACKED_Q5K ? sizeof(PackedQ5KSub) : sizeof(PackedQ6KSub);
+}
+/* Q4_K's and Q5_K's 6-bit scales and mins of the 16 rows */
+static inline const uint8_t *packed_k_scales(int ptype, const uint8_t *sub) {
+    return ptype == PACKED_Q5K ? ((const PackedQ5KSub *)sub)->sc : ((const PackedQ4KSub *)sub)->sc;
+}
+static inline const uint8_t *packed_k_mins(int ptype, const uint8_t *sub) {
+    return ptype == PACKED_Q5K ? ((const PackedQ5KSub *)sub)->m : ((const PackedQ4KSub *)sub)->m;
+}
 #define PACK_XROWS 4         /* activation rows per pass over a group's weights (accumulators in registers) */
 
 /* Activations of a matmul as the packed kernel reads them: per row and 32-value block, the 16-bit integers
@@ -168,21 +197,21 @@ static inline void pack_groups(const uint8_t *w, int type, int64_t nblocks, int6
             uint8_t *dst = out + (g * nblocks + b) * pb;
             for (int r = 0; r < PACK_ROWS; r++) {
                 const uint8_t *src = w + ((g * PACK_ROWS + r) * nblocks + b) * bb;
-                const uint16_t d = read_u16(src);
+                const uint16_t d = read_u16(src); /* every 32-value type's scale comes first */
                 if (type == Q8_0) { /* part k (of 8): byte 4 r + t is row r's value 4k + t */
-                    memcpy(dst + 512 + 2 * r, &d, 2);
-                    for (int k = 0; k < 8; k++) memcpy(dst + 64 * k + 4 * r, src + 2 + 4 * k, 4);
+                    PackedQ8Block *p8 = (PackedQ8Block *)dst;
+                    p8->d[r] = d;
+                    for (int k = 0; k < 8; k++) memcpy(p8->q[k] + 4 * r, ((const BlockQ8_0 *)src)->qs + 4 * k, 4);
                     continue;
                 }
-                uint16_t *dm = (uint16_t *)(dst + 256);
-                dm[r] = d;
+                PackedQ4Block *p4 = (PackedQ4Block *)dst;
+                p4->d[r] = d;
                 if (type == Q4_1) {
-                    dm[16 + r] = read_u16(src + 2);
+                    p4->m[r] = read_u16(((const BlockQ4_1 *)src)->m);
                 } else { /* w = d (q - 8) = d q + m with m = -8 d, exact in fp16 below its overflow */
-                    dm[16 + r] = float_to_half(-8.0f * half_to_float(d));
+                    p4->m[r] = float_to_half(-8.0f * half_to_float(d));
                 }
-                const int off = type == Q4_1 ? 4 : 2;
-                for (int k = 0; k < 4; k++) memcpy(dst + 64 * k + 4 * r, src + off + 4 * k, 4);
+                for (int k = 0; k < 4; k++) memcpy(p4->nib.q[k] + 4 * r, q4_nibbles(type, src) + 4 * k, 4);
             }
         }
 }
@@ -201,15 +230,14 @@ static inline __m256i avx2_dot(__m256i acc, __m256i a_u8, __m256i b_s8) {
 /* One packed value: row r's value j of a group-block, as a float (Q4: d q + m; Q8: d q). */
 static inline float packed_value(int ptype, const uint8_t *blk, int r, int j) {
     if (ptype == PACKED_Q8) {
-        uint16_t d;
-        memcpy(&d, blk + 512 + 2 * r, 2);
-        return half_to_float(d) * (float)(int8_t)blk[64 * (j / 4) + 4 * r + j % 4];
+        const PackedQ8Block *p8 = (const PackedQ8Block *)blk;
+        return half_to_float(p8->d[r]) * (float)p8->q[j / 4][4 * r + j % 4];
     }
+    const PackedQ4Block *p4 = (const PackedQ4Block *)blk;
     const int lo = j < 16, jj = lo ? j : j - 16;
-    const uint8_t byte = blk[64 * (jj / 4) + 4 * r + jj % 4];
+    const uint8_t byte = p4->nib.q[jj / 4][4 * r + jj % 4];
     const int q = lo ? byte & 15 : byte >> 4;
-    const uint16_t *dm = (const uint16_t *)(blk + 256);
-    return half_to_float(dm[r]) * (float)q + half_to_float(dm[16 + r]);
+    return half_to_float(p4->d[r]) * (float)q + half_to_float(p4->m[r]);
 }
 
 /* out[r * 16 + i] = row i of the group . activation row r, for nr <= PACK_XROWS rows of x.
@@ -225,12 +253,14 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
     const __m512i nib = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *p = grp + b * pb;
+        const PackedQ4Block *p4 = (const PackedQ4Block *)p;
+        const PackedQ8Block *p8 = (const PackedQ8Block *)p;
         for (int c = 0; c < pb; c += 64) __builtin_prefetch(p + 4096 + c, 0, 3);
         __m512i ilo[PACK_XROWS], ihi[PACK_XROWS];
         for (int r = 0; r < nr; r++) ilo[r] = ihi[r] = _mm512_setzero_si512();
         if (ptype == PACKED_Q8) {
             for (int k = 0; k < 8; k++) {
-                const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * k)), wu = _mm512_xor_si512(w, flip);
+                const __m512i w = _mm512_loadu_si512((const void *)p8->q[k]), wu = _mm512_xor_si512(w, flip);
                 for (int r = 0; r < nr; r++) {
                     const int64_t at = r * in_dim + b * QK + 4 * k;
                     int32_t l, h;
@@ -242,7 +272,7 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
             }
         } else {
             for (int k = 0; k < 4; k++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)(p + 64 * k));
+                const __m512i raw = _mm512_loadu_si512((const void *)p4->nib.q[k]);
                 const __m512i wl = _mm512_and_si512(raw, nib), wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
                 for (int r = 0; r < nr; r++) {
                     const int64_t at = r * in_dim + b * QK + 4 * k;
@@ -257,14 +287,14 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                 }
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + (ptype == PACKED_Q8 ? 512 : 256))));
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ptype == PACKED_Q8 ? p8->d : p4->d)));
         for (int r = 0; r < nr; r++) {
             const int64_t xb = r * (in_dim / QK) + b;
             if (ptype == PACKED_Q8) ihi[r] = _mm512_sub_epi32(ihi[r], _mm512_set1_epi32(128 * x.hsum[xb]));
             const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ihi[r], 8), ilo[r]));
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x.d[xb])), d, acc[r]);
             if (ptype == PACKED_Q4)
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288))),
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p4->m)),
                                          _mm512_set1_ps(x.sum[xb]), acc[r]);
         }
     }
@@ -277,10 +307,10 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
             for (int hf = 0; hf < 2; hf++) {
                 __m256 acc = _mm256_setzero_ps();
                 for (int64_t b = 0; b < nblocks; b++) {
-                    const uint8_t *p = grp + b * pb;
+                    const PackedQ4Block *p4 = (const PackedQ4Block *)(grp + b * pb);
                     __m256i ilo = _mm256_setzero_si256(), ihi = _mm256_setzero_si256();
                     for (int k = 0; k < 4; k++) {
-                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p + 64 * k + 32 * hf));
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p4->nib.q[k] + 32 * hf));
                         const __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
                         const int64_t at = r * in_dim + b * QK + 4 * k;
                         int32_t l0, l1, h0, h1;
@@ -289,8 +319,8 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                         ihi = avx2_dot(avx2_dot(ihi, wl, _mm256_set1_epi32(h0)), wh, _mm256_set1_epi32(h1));
                     }
                     const int64_t xb = r * (in_dim / QK) + b;
-                    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * hf)));
-                    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + 16 * hf)));
+                    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->d + 8 * hf)));
+                    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->m + 8 * hf)));
                     const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ihi, 8), ilo));
                     acc = _mm256_fmadd_ps(_mm256_mul_ps(dot, _mm256_set1_ps(x.d[xb])), d, acc);
                     acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[xb]), acc);
@@ -306,8 +336,9 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
     for (int r = 0; r < nr; r++)
         for (int i = 0; i < PACK_ROWS; i++) acc[r][i] = 0.0f;
     for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t *p = grp + b * pb;
-        const uint16_t *dm = (const uint16_t *)(p + (ptype == PACKED_Q8 ? 512 : 256));
+        const PackedQ4Block *p4 = (const PackedQ4Block *)(grp + b * pb);
+        const PackedQ8Block *p8 = (const PackedQ8Block *)(grp + b * pb);
+        const uint16_t *dw = ptype == PACKED_Q8 ? p8->d : p4->d;
         for (int r = 0; r < nr; r++) {
             const int64_t at = r * in_dim + b * QK, xb = r * (in_dim / QK) + b;
             int32_t ilo[PACK_ROWS] = {0}, ihi[PACK_ROWS] = {0};
@@ -315,10 +346,10 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                 for (int j = 0; j < QK; j++) {
                     int q;
                     if (ptype == PACKED_Q8) {
-                        q = (int8_t)p[64 * (j / 4) + 4 * i + j % 4];
+                        q = p8->q[j / 4][4 * i + j % 4];
                     } else {
                         const int jj = j < 16 ? j : j - 16;
-                        const uint8_t byte = p[64 * (jj / 4) + 4 * i + jj % 4];
+                        const uint8_t byte = p4->nib.q[jj / 4][4 * i + jj % 4];
                         q = j < 16 ? byte & 15 : byte >> 4;
                     }
                     ilo[i] += q * x.lo[at + j];
@@ -326,8 +357,8 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                 }
             for (int i = 0; i < PACK_ROWS; i++) {
                 const float dot = (float)(ihi[i] * 256 + ilo[i]);
-                acc[r][i] = fmaf(dot * x.d[xb], half_to_float(dm[i]), acc[r][i]);
-                if (ptype == PACKED_Q4) acc[r][i] = fmaf(half_to_float(dm[16 + i]), x.sum[xb], acc[r][i]);
+                acc[r][i] = fmaf(dot * x.d[xb], half_to_float(dw[i]), acc[r][i]);
+                if (ptype == PACKED_Q4) acc[r][i] = fmaf(half_to_float(p4->m[i]), x.sum[xb], acc[r][i]);
             }
         }
     }
@@ -344,58 +375,61 @@ static inline void pack_k_groups(const uint8_t *w, int type, int64_t nsuper, int
         for (int64_t s = 0; s < nsuper; s++) {
             uint8_t *dst = out + (g * nsuper + s) * supb;
             memset(dst, 0, (size_t)supb);
+            PackedKHead *head = (PackedKHead *)dst; /* Q6_K's is its d alone */
             for (int r = 0; r < PACK_ROWS; r++) {
                 const uint8_t *src = w + ((g * PACK_ROWS + r) * nsuper + s) * bb;
-                const float d = half_to_float(read_u16(src + (type == Q6_K ? 208 : 0)));
-                memcpy(dst + 4 * r, &d, 4);
-                if (type != Q6_K) {
-                    const float dmin = half_to_float(read_u16(src + 2));
-                    memcpy(dst + 64 + 4 * r, &dmin, 4);
-                }
+                const BlockQ4_K *b4 = (const BlockQ4_K *)src; /* Q5_K's d, dmin and scales are where Q4_K's are */
+                const BlockQ5_K *b5 = (const BlockQ5_K *)src;
+                const BlockQ6_K *b6 = (const BlockQ6_K *)src;
+                head->d[r] = half_at(type == Q6_K ? b6->d : b4->d);
+                if (type != Q6_K) head->dmin[r] = half_at(b4->dmin);
                 for (int sb = 0; sb < 8; sb++) {
                     uint8_t u[QK];
-                    uint8_t *sub;
+                    PackedNibbles *nib;
                     if (type == Q4_K) {
                         int sc, m;
-                        q4k_scale_min(src + 4, sb, &sc, &m);
-                        const uint8_t *q = src + 16 + 32 * (sb >> 1);
+                        q4k_scale_min(b4->scales, sb, &sc, &m);
+                        const uint8_t *q = b4->qs + 32 * (sb >> 1);
                         for (int j = 0; j < QK; j++) u[j] = (q[j] >> (4 * (sb & 1))) & 15;
-                        sub = dst + Q4K_HEAD + sb * Q4K_SUB;
-                        sub[256 + r] = (uint8_t)sc;
-                        sub[272 + r] = (uint8_t)m;
+                        PackedQ4KSub *sub = (PackedQ4KSub *)(dst + sizeof(PackedKHead)) + sb;
+                        nib = &sub->nib;
+                        sub->sc[r] = (uint8_t)sc;
+                        sub->m[r] = (uint8_t)m;
                     } else if (type == Q5_K) {
                         int sc, m;
-                        q4k_scale_min(src + 4, sb, &sc, &m);
-                        const uint8_t *q = src + 48 + 32 * (sb >> 1), *qh = src + 16;
+                        q4k_scale_min(b5->scales, sb, &sc, &m);
+                        const uint8_t *q = b5->qs + 32 * (sb >> 1);
                         for (int j = 0; j < QK; j++)
-                            u[j] = (uint8_t)(((q[j] >> (4 * (sb & 1))) & 15) | (((qh[j] >> sb) & 1) << 4));
-                        sub = dst + Q4K_HEAD + sb * Q5K_SUB;
-                        sub[320 + r] = (uint8_t)sc;
-                        sub[336 + r] = (uint8_t)m;
+                            u[j] = (uint8_t)(((q[j] >> (4 * (sb & 1))) & 15) | (((b5->qh[j] >> sb) & 1) << 4));
+                        PackedQ5KSub *sub = (PackedQ5KSub *)(dst + sizeof(PackedKHead)) + sb;
+                        nib = &sub->nib;
+                        sub->sc[r] = (uint8_t)sc;
+                        sub->m[r] = (uint8_t)m;
                         for (int t = 0; t < 4; t++) {
                             uint8_t bits = 0;
                             for (int k = 0; k < 4; k++)
                                 bits |= (uint8_t)((((u[4 * k + t] >> 4) & 1) << (2 * k))
                                                   | (((u[16 + 4 * k + t] >> 4) & 1) << (2 * k + 1)));
-                            sub[256 + 4 * r + t] = bits;
+                            sub->qh[4 * r + t] = bits;
                         }
                     } else {
                         const int nn = sb >> 2, jj = sb & 3;
-                        const uint8_t *q = src + 64 * nn + (jj & 1) * 32, *qh = src + 128 + 32 * nn;
+                        const uint8_t *q = b6->ql + 64 * nn + (jj & 1) * 32, *qh = b6->qh + 32 * nn;
                         for (int j = 0; j < QK; j++)
                             u[j] = (uint8_t)(((q[j] >> ((jj >> 1) * 4)) & 15) | (((qh[j] >> (2 * jj)) & 3) << 4));
-                        sub = dst + Q6K_HEAD + sb * Q6K_SUB;
-                        sub[384 + r] = src[192 + 8 * nn + 2 * jj];
-                        sub[400 + r] = src[192 + 8 * nn + 2 * jj + 1];
+                        PackedQ6KSub *sub = (PackedQ6KSub *)(dst + sizeof(PackedQ6KHead)) + sb;
+                        nib = &sub->nib;
+                        sub->sc[0][r] = b6->scales[8 * nn + 2 * jj];
+                        sub->sc[1][r] = b6->scales[8 * nn + 2 * jj + 1];
                         for (int p = 0; p < 2; p++)
                             for (int t = 0; t < 4; t++)
-                                sub[256 + 64 * p + 4 * r + t] =
+                                sub->qh[p][4 * r + t] =
                                     (uint8_t)((u[8 * p + t] >> 4) | ((u[16 + 8 * p + t] >> 4) << 2)
                                               | ((u[8 * p + 4 + t] >> 4) << 4) | ((u[20 + 8 * p + t] >> 4) << 6));
                     }
                     for (int k = 0; k < 4; k++)
                         for (int t = 0; t < 4; t++)
-                            sub[64 * k + 4 * r + t] = (uint8_t)((u[4 * k + t] & 15) | ((u[16 + 4 * k + t] & 15) << 4));
+                            nib->q[k][4 * r + t] = (uint8_t)((u[4 * k + t] & 15) | ((u[16 + 4 * k + t] & 15) << 4));
                 }
             }
         }
@@ -406,21 +440,15 @@ static inline void pack_k_groups(const uint8_t *w, int type, int64_t nsuper, int
 static inline const uint8_t *packed_k_sub(int ptype, const uint8_t *grp, int64_t b, int r, float scale[2],
                                           float *offset) {
     const uint8_t *head = grp + (b >> 3) * 8 * pack_block_bytes(ptype);
-    const int sb = (int)(b & 7);
-    float d;
-    memcpy(&d, head + 4 * r, 4);
+    const uint8_t *sub = packed_k_sub_at(ptype, head, (int)(b & 7));
+    const float d = ((const PackedKHead *)head)->d[r];
     if (ptype != PACKED_Q6K) {
-        const int q5 = ptype == PACKED_Q5K;
-        const uint8_t *sub = head + Q4K_HEAD + sb * (q5 ? Q5K_SUB : Q4K_SUB);
-        float dmin;
-        memcpy(&dmin, head + 64 + 4 * r, 4);
-        scale[0] = scale[1] = d * (float)sub[(q5 ? 320 : 256) + r];
-        *offset = dmin * (float)sub[(q5 ? 336 : 272) + r];
+        scale[0] = scale[1] = d * (float)packed_k_scales(ptype, sub)[r];
+        *offset = ((const PackedKHead *)head)->dmin[r] * (float)packed_k_mins(ptype, sub)[r];
         return sub;
     }
-    const uint8_t *sub = head + Q6K_HEAD + sb * Q6K_SUB;
-    scale[0] = d * (float)(int8_t)sub[384 + r];
-    scale[1] = d * (float)(int8_t)sub[400 + r];
+    scale[0] = d * (float)((const PackedQ6KSub *)sub)->sc[0][r];
+    scale[1] = d * (float)((const PackedQ6KSub *)sub)->sc[1][r];
     *offset = 0.0f;
     return sub;
 }
@@ -428,10 +456,10 @@ static inline const uint8_t *packed_k_sub(int ptype, const uint8_t *grp, int64_t
 /* The unsigned integer of row r's value j in a packed K sub-block (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63). */
 static inline int packed_k_u(int ptype, const uint8_t *sub, int r, int j) {
     const int hi = j >> 4, k = (j & 15) >> 2, t = j & 3;
-    const uint8_t byte = sub[64 * k + 4 * r + t];
+    const uint8_t byte = ((const PackedNibbles *)sub)->q[k][4 * r + t];
     int u = hi ? byte >> 4 : byte & 15;
-    if (ptype == PACKED_Q6K) u |= ((sub[256 + 64 * (k >> 1) + 4 * r + t] >> (4 * (k & 1) + 2 * hi)) & 3) << 4;
-    if (ptype == PACKED_Q5K) u |= ((sub[256 + 4 * r + t] >> (2 * k + hi)) & 1) << 4;
+    if (ptype == PACKED_Q6K) u |= ((((const PackedQ6KSub *)sub)->qh[k >> 1][4 * r + t] >> (4 * (k & 1) + 2 * hi)) & 3) << 4;
+    if (ptype == PACKED_Q5K) u |= ((((const PackedQ5KSub *)sub)->qh[4 * r + t] >> (2 * k + hi)) & 1) << 4;
     return u;
 }
 
@@ -454,28 +482,28 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
     __m512 acc[PACK_XROWS];
     for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
     const __m512i nib = _mm512_set1_epi8(0x0f), three = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
-    const int subb = ptype == PACKED_Q4K ? Q4K_SUB : ptype == PACKED_Q5K ? Q5K_SUB : Q6K_SUB;
-    const int sc_at = ptype == PACKED_Q5K ? 320 : 256; /* Q4K / Q5K: the sub-block's 6-bit scales, then mins */
+    const int subb = packed_k_sub_bytes(ptype);
     for (int64_t s = 0; s < nblocks / 8; s++) {
         const uint8_t *head = grp + s * supb;
-        const __m512 d = _mm512_loadu_ps((const float *)head);
-        const __m512 dmin = ptype != PACKED_Q6K ? _mm512_loadu_ps((const float *)(head + 64)) : _mm512_setzero_ps();
+        const __m512 d = _mm512_loadu_ps(((const PackedKHead *)head)->d);
+        const __m512 dmin = ptype != PACKED_Q6K ? _mm512_loadu_ps(((const PackedKHead *)head)->dmin) : _mm512_setzero_ps();
         for (int sb = 0; sb < 8; sb++) {
             const int64_t b = s * 8 + sb;
-            const uint8_t *sub = head + (ptype == PACKED_Q6K ? Q6K_HEAD : Q4K_HEAD) + sb * subb;
+            const uint8_t *sub = packed_k_sub_at(ptype, head, sb);
+            const PackedQ5KSub *s5 = (const PackedQ5KSub *)sub;
+            const PackedQ6KSub *s6 = (const PackedQ6KSub *)sub;
             for (int c = 0; c < subb; c += 64) __builtin_prefetch(sub + 4096 + c, 0, 3);
             __m512i la[PACK_XROWS], ha[PACK_XROWS], lb[PACK_XROWS], hb[PACK_XROWS];
             for (int r = 0; r < nr; r++) la[r] = ha[r] = lb[r] = hb[r] = _mm512_setzero_si512();
             for (int k = 0; k < 4; k++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)(sub + 64 * k));
+                const __m512i raw = _mm512_loadu_si512((const void *)((const PackedNibbles *)sub)->q[k]);
                 __m512i wl = _mm512_and_si512(raw, nib), wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
                 if (ptype == PACKED_Q6K) {
-                    const __m512i h = _mm512_srli_epi16(_mm512_loadu_si512((const void *)(sub + 256 + 64 * (k >> 1))),
-                                                        4 * (k & 1));
+                    const __m512i h = _mm512_srli_epi16(_mm512_loadu_si512((const void *)s6->qh[k >> 1]), 4 * (k & 1));
                     wl = _mm512_or_si512(wl, _mm512_slli_epi16(_mm512_and_si512(h, three), 4));
                     wh = _mm512_or_si512(wh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2), three), 4));
                 } else if (ptype == PACKED_Q5K) {
-                    const __m512i h = _mm512_srli_epi16(_mm512_loadu_si512((const void *)(sub + 256)), 2 * k);
+                    const __m512i h = _mm512_srli_epi16(_mm512_loadu_si512((const void *)s5->qh), 2 * k);
                     wl = _mm512_or_si512(wl, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
                     wh = _mm512_or_si512(wh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 1), one), 4));
                 }
@@ -493,9 +521,9 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
             }
             if (ptype != PACKED_Q6K) {
                 const __m512 scale = _mm512_mul_ps(
-                    d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sub + sc_at)))));
+                    d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)packed_k_scales(ptype, sub)))));
                 const __m512 offset = _mm512_mul_ps(
-                    dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sub + sc_at + 16)))));
+                    dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)packed_k_mins(ptype, sub)))));
                 for (int r = 0; r < nr; r++) {
                     const int64_t xb = r * xb0 + b;
                     const __m512i hs = _mm512_add_epi32(ha[r], hb[r]), ls = _mm512_add_epi32(la[r], lb[r]);
@@ -505,9 +533,9 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
                 }
             } else {
                 const __m512 s0 = _mm512_mul_ps(
-                    d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sub + 384)))));
+                    d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)s6->sc[0]))));
                 const __m512 s1 = _mm512_mul_ps(
-                    d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sub + 400)))));
+                    d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)s6->sc[1]))));
                 for (int r = 0; r < nr; r++) {
                     const int64_t xb = r * xb0 + b;
                     const __m512 dx = _mm512_set1_ps(x.d[xb]);
@@ -525,30 +553,30 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
 #elif defined(PACKED_AVX2)
     /* a row at a time, each half of the 16 rows in 8 lanes (the group's weights stay in cache between them) */
     const __m256i nib = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    const int subb = ptype == PACKED_Q4K ? Q4K_SUB : ptype == PACKED_Q5K ? Q5K_SUB : Q6K_SUB;
-    const int sc_at = ptype == PACKED_Q5K ? 320 : 256;
     for (int r = 0; r < nr; r++)
         for (int hf = 0; hf < 2; hf++) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t s = 0; s < nblocks / 8; s++) {
                 const uint8_t *head = grp + s * supb;
-                const __m256 d = _mm256_loadu_ps((const float *)head + 8 * hf);
+                const __m256 d = _mm256_loadu_ps(((const PackedKHead *)head)->d + 8 * hf);
                 const __m256 dmin =
-                    ptype != PACKED_Q6K ? _mm256_loadu_ps((const float *)(head + 64) + 8 * hf) : _mm256_setzero_ps();
+                    ptype != PACKED_Q6K ? _mm256_loadu_ps(((const PackedKHead *)head)->dmin + 8 * hf) : _mm256_setzero_ps();
                 for (int sb = 0; sb < 8; sb++) {
                     const int64_t b = s * 8 + sb;
-                    const uint8_t *sub = head + (ptype == PACKED_Q6K ? Q6K_HEAD : Q4K_HEAD) + sb * subb;
+                    const uint8_t *sub = packed_k_sub_at(ptype, head, sb);
+                    const PackedQ5KSub *s5 = (const PackedQ5KSub *)sub;
+                    const PackedQ6KSub *s6 = (const PackedQ6KSub *)sub;
                     __m256i la = _mm256_setzero_si256(), ha = la, lb = la, hb = la;
                     for (int k = 0; k < 4; k++) {
-                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(sub + 64 * k + 32 * hf));
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(((const PackedNibbles *)sub)->q[k] + 32 * hf));
                         __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
                         if (ptype == PACKED_Q6K) {
                             const __m256i h = _mm256_srli_epi16(
-                                _mm256_loadu_si256((const __m256i *)(sub + 256 + 64 * (k >> 1) + 32 * hf)), 4 * (k & 1));
+                                _mm256_loadu_si256((const __m256i *)(s6->qh[k >> 1] + 32 * hf)), 4 * (k & 1));
                             wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
                             wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
                         } else if (ptype == PACKED_Q5K) {
-                            const __m256i h = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(sub + 256 + 32 * hf)), 2 * k);
+                            const __m256i h = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(s5->qh + 32 * hf)), 2 * k);
                             wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
                             wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
                         }
@@ -566,18 +594,18 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
                     const __m256 dx = _mm256_set1_ps(x.d[xb]);
                     if (ptype != PACKED_Q6K) {
                         const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                                  _mm_loadl_epi64((const __m128i *)(sub + sc_at + 8 * hf)))));
+                                                                  _mm_loadl_epi64((const __m128i *)(packed_k_scales(ptype, sub) + 8 * hf)))));
                         const __m256 offset = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                                     _mm_loadl_epi64((const __m128i *)(sub + sc_at + 16 + 8 * hf)))));
+                                                                     _mm_loadl_epi64((const __m128i *)(packed_k_mins(ptype, sub) + 8 * hf)))));
                         const __m256i hs = _mm256_add_epi32(ha, hb), ls = _mm256_add_epi32(la, lb);
                         const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hs, 8), ls));
                         acc = _mm256_fmadd_ps(_mm256_mul_ps(dot, dx), scale, acc);
                         acc = _mm256_fnmadd_ps(offset, _mm256_set1_ps(x.sum[xb]), acc);
                     } else {
                         const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                               _mm_loadl_epi64((const __m128i *)(sub + 384 + 8 * hf)))));
+                                                               _mm_loadl_epi64((const __m128i *)(s6->sc[0] + 8 * hf)))));
                         const __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                               _mm_loadl_epi64((const __m128i *)(sub + 400 + 8 * hf)))));
+                                                               _mm_loadl_epi64((const __m128i *)(s6->sc[1] + 8 * hf)))));
                         const __m256 da = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ha, 8), la));
                         const __m256 db = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hb, 8), lb));
                         acc = _mm256_fmadd_ps(_mm256_mul_ps(da, dx), s0, acc);

@@ -5,6 +5,7 @@
    half fp32's bytes, exact: bf16 -> fp32 is a 16-bit shift). */
 #ifndef PAGEDSERVE_QUANT_BLOCKS_H
 #define PAGEDSERVE_QUANT_BLOCKS_H
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -18,22 +19,39 @@
 
 enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
 
-/* Bytes of one block of block_values(type) values (0: a type not served). The K-quants (Q4_K, Q5_K, Q6_K)
-   pack 256 values a block with a scale per 32 (Q4_K and Q5_K, and a min) or per 16 (Q6_K); the loops below
-   walk every type in 32-value sub-blocks. */
+/* GGUF's blocks, laid out as ggml declares them. The fp16 scales are two bytes each, so every struct has
+   alignment 1 and a block may start at any byte of a row; the static asserts pin each layout to the file's.
+   The K-quants (Q4_K, Q5_K, Q6_K) pack 256 values a block with a scale per 32 (Q4_K and Q5_K, and a min) or
+   per 16 (Q6_K); the loops below walk every type in 32-value sub-blocks. */
+typedef struct { uint8_t d[2], qs[QK / 2]; } BlockQ4_0;                    /* w = d (q - 8) */
+typedef struct { uint8_t d[2], m[2], qs[QK / 2]; } BlockQ4_1;              /* w = d q + m */
+typedef struct { uint8_t d[2], qh[4], qs[QK / 2]; } BlockQ5_0;             /* w = d (u - 16), bit j of qh: u_j's fifth */
+typedef struct { uint8_t d[2], m[2], qh[4], qs[QK / 2]; } BlockQ5_1;       /* w = d u + m */
+typedef struct { uint8_t d[2]; int8_t qs[QK]; } BlockQ8_0;                 /* w = d q */
+typedef struct { uint8_t d[2], dmin[2], scales[12], qs[128]; } BlockQ4_K;  /* 6-bit scales and mins, packed */
+typedef struct { uint8_t d[2], dmin[2], scales[12], qh[32], qs[128]; } BlockQ5_K;
+typedef struct { uint8_t ql[128], qh[64]; int8_t scales[16]; uint8_t d[2]; } BlockQ6_K;
+_Static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "ggml's block_q4_0, block_q4_1");
+_Static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "ggml's block_q5_0, block_q5_1");
+_Static_assert(sizeof(BlockQ8_0) == 34, "ggml's block_q8_0");
+_Static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "ggml's K-quants");
+_Static_assert(offsetof(BlockQ5_K, qs) == 48 && offsetof(BlockQ6_K, scales) == 192 && offsetof(BlockQ6_K, d) == 208,
+               "ggml's K-quant fields");
+
+/* Bytes of one block of block_values(type) values (0: a type not served). */
 static inline int block_bytes(int type) {
     switch (type) {
-        case Q4_0: return 18;
-        case Q4_1: return 20;
-        case Q5_0: return 22; /* d, 4 bytes of fifth bits, 16 of nibbles: w = d (u - 16) */
-        case Q5_1: return 24; /* d, m, 4 bytes of fifth bits, 16 of nibbles: w = d u + m */
-        case Q8_0: return 34;
-        case Q4_K: return 144;
-        case Q5_K: return 176;
-        case Q6_K: return 210;
-        case F32: return 128;
-        case F16: return 64;
-        case BF16: return 64;
+        case Q4_0: return sizeof(BlockQ4_0);
+        case Q4_1: return sizeof(BlockQ4_1);
+        case Q5_0: return sizeof(BlockQ5_0);
+        case Q5_1: return sizeof(BlockQ5_1);
+        case Q8_0: return sizeof(BlockQ8_0);
+        case Q4_K: return sizeof(BlockQ4_K);
+        case Q5_K: return sizeof(BlockQ5_K);
+        case Q6_K: return sizeof(BlockQ6_K);
+        case F32: return QK * sizeof(float);
+        case F16: return QK * sizeof(uint16_t);
+        case BF16: return QK * sizeof(uint16_t);
         default: return 0;
     }
 }
@@ -48,6 +66,17 @@ static inline int64_t row_bytes(int type, int64_t in_dim) {
 
 
 static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* The fields the 32-value types share, wherever each type keeps them (Q4_1 and Q5_1 add a min after d). */
+static inline const uint8_t *q4_nibbles(int type, const uint8_t *b) {
+    return type == Q4_1 ? ((const BlockQ4_1 *)b)->qs : ((const BlockQ4_0 *)b)->qs;
+}
+static inline const uint8_t *q5_nibbles(int type, const uint8_t *b) {
+    return type == Q5_1 ? ((const BlockQ5_1 *)b)->qs : ((const BlockQ5_0 *)b)->qs;
+}
+static inline const uint8_t *q5_fifth_bits(int type, const uint8_t *b) {
+    return type == Q5_1 ? ((const BlockQ5_1 *)b)->qh : ((const BlockQ5_0 *)b)->qh;
+}
 
 /* One block -> 32 floats. */
 static inline void dequant_block(int type, const uint8_t *b, float *out) {
@@ -66,23 +95,23 @@ static inline void dequant_block(int type, const uint8_t *b, float *out) {
         }
         return;
     }
-    const float d = half_to_float(read_u16(b));
+    const float d = half_at(b); /* every 32-value type's scale comes first */
     if (type == Q8_0) {
-        const int8_t *q = (const int8_t *)(b + 2);
+        const int8_t *q = ((const BlockQ8_0 *)b)->qs;
         for (int j = 0; j < QK; j++) out[j] = d * (float)q[j];
     } else if (type == Q4_1) {
-        const float m = half_to_float(read_u16(b + 2));
-        const uint8_t *q = b + 4;
+        const float m = half_at(((const BlockQ4_1 *)b)->m);
+        const uint8_t *q = ((const BlockQ4_1 *)b)->qs;
         for (int j = 0; j < QK / 2; j++) {
             out[j] = d * (float)(q[j] & 0x0f) + m;
             out[j + QK / 2] = d * (float)(q[j] >> 4) + m;
         }
     } else if (type == Q5_0 || type == Q5_1) { /* value j's fifth bit is bit j of qh */
         const int q51 = type == Q5_1;
-        const float m = q51 ? half_to_float(read_u16(b + 2)) : 0.0f;
+        const float m = q51 ? half_at(((const BlockQ5_1 *)b)->m) : 0.0f;
         uint32_t qh;
-        memcpy(&qh, b + (q51 ? 4 : 2), 4);
-        const uint8_t *q = b + (q51 ? 8 : 6);
+        memcpy(&qh, q5_fifth_bits(type, b), 4);
+        const uint8_t *q = q5_nibbles(type, b);
         for (int j = 0; j < QK / 2; j++) {
             const int u0 = (q[j] & 0x0f) | (int)(((qh >> j) & 1) << 4);
             const int u1 = (q[j] >> 4) | (int)(((qh >> (j + QK / 2)) & 1) << 4);
@@ -90,7 +119,7 @@ static inline void dequant_block(int type, const uint8_t *b, float *out) {
             out[j + QK / 2] = q51 ? d * (float)u1 + m : d * (float)(u1 - 16);
         }
     } else {  /* Q4_0 */
-        const uint8_t *q = b + 2;
+        const uint8_t *q = ((const BlockQ4_0 *)b)->qs;
         for (int j = 0; j < QK / 2; j++) {
             out[j] = d * (float)((int)(q[j] & 0x0f) - 8);
             out[j + QK / 2] = d * (float)((int)(q[j] >> 4) - 8);
@@ -109,12 +138,10 @@ static inline void q4k_scale_min(const uint8_t *q, int j, int *sc, int *m) {
     }
 }
 
-/* Where sub-block sb's values of a K-quant block live. Q4_K (d, dmin, 12 bytes of scales, 128 of nibbles):
-   sub-block s is the low (s even) or high (s odd) nibbles of bytes 32 * (s / 2) .. + 31, value d * sc - dmin
-   * m with its own 6-bit sc and m. Q5_K (d, dmin, 12 bytes of scales, 32 of high bits, 128 of nibbles): as
-   Q4_K, each value's fifth bit the bit s of qh[j]. Q6_K (128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales,
-   d): sub-block s = 4n + k of half n takes low (k < 2) or high nibbles of ql + 64n + 32 (k & 1) and bits 2k of
-   qh + 32n, value d * scale * (q - 32), a scale per 16 values. */
+/* Where sub-block sb's values of a K-quant block live. Q4_K: sub-block s is the low (s even) or high (s odd)
+   nibbles of qs[32 (s / 2) ..], value d sc q - dmin m with its own 6-bit sc and m. Q5_K: as Q4_K, each value's
+   fifth bit the bit s of qh[j]. Q6_K: sub-block s = 4n + k of half n takes the low (k < 2) or high nibbles of
+   ql[64n + 32 (k & 1) ..] and bits 2k of qh[32n ..], value d scale (q - 32), a scale per 16 values. */
 typedef struct {
     const uint8_t *q, *qh;
     float scale[2], offset;
@@ -124,26 +151,27 @@ typedef struct {
 static inline KSub k_sub(int type, const uint8_t *wrow, int64_t sb) {
     KSub k;
     const int s = (int)(sb & 7);
-    if (type == Q4_K || type == Q5_K) {
+    if (type == Q4_K || type == Q5_K) { /* Q5_K is Q4_K's layout with the fifth bits before the nibbles */
         const uint8_t *b = wrow + (sb >> 3) * block_bytes(type);
+        const BlockQ4_K *b4 = (const BlockQ4_K *)b;
         int sc, m;
-        q4k_scale_min(b + 4, s, &sc, &m);
-        k.scale[0] = k.scale[1] = half_to_float(read_u16(b)) * (float)sc;
-        k.offset = half_to_float(read_u16(b + 2)) * (float)m;
-        k.q = b + (type == Q4_K ? 16 : 48) + 32 * (s >> 1);
-        k.qh = type == Q5_K ? b + 16 : 0;
+        q4k_scale_min(b4->scales, s, &sc, &m);
+        k.scale[0] = k.scale[1] = half_at(b4->d) * (float)sc;
+        k.offset = half_at(b4->dmin) * (float)m;
+        k.q = (type == Q4_K ? b4->qs : ((const BlockQ5_K *)b)->qs) + 32 * (s >> 1);
+        k.qh = type == Q5_K ? ((const BlockQ5_K *)b)->qh : 0;
         k.shift = (s & 1) * 4;
         k.hshift = s;
     } else { /* Q6_K */
-        const uint8_t *b = wrow + (sb >> 3) * 210;
+        const BlockQ6_K *b = (const BlockQ6_K *)wrow + (sb >> 3);
         const int n = s >> 2, j = s & 3;
-        const int8_t *sc = (const int8_t *)(b + 192) + 8 * n + 2 * j;
-        const float d = half_to_float(read_u16(b + 208));
+        const int8_t *sc = b->scales + 8 * n + 2 * j;
+        const float d = half_at(b->d);
         k.scale[0] = d * (float)sc[0];
         k.scale[1] = d * (float)sc[1];
         k.offset = 0.0f;
-        k.q = b + 64 * n + (j & 1) * 32;
-        k.qh = b + 128 + 32 * n;
+        k.q = b->ql + 64 * n + (j & 1) * 32;
+        k.qh = b->qh + 32 * n;
         k.shift = (j >> 1) * 4;
         k.hshift = 2 * j;
     }
@@ -187,10 +215,11 @@ static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m
         *hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
         return;
     }
-    const __m512 d = _mm512_set1_ps(half_to_float(read_u16(b))); /* unused by Q4_1: the compiler drops it */
+    const __m512 d = _mm512_set1_ps(half_at(b)); /* unused by Q4_1: the compiler drops it */
     if (type == Q8_0) {
-        __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
-        __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+        const int8_t *q = ((const BlockQ8_0 *)b)->qs;
+        __m128i q0 = _mm_loadu_si128((const __m128i *)q);
+        __m128i q1 = _mm_loadu_si128((const __m128i *)(q + 16));
         *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
         *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
         return;
@@ -202,7 +231,7 @@ static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m
         const __m512 sixteen = _mm512_set1_ps(16.0f);
         __m512 t0, t1;
         if (q51) {
-            const __m512 m = _mm512_set1_ps(half_to_float(read_u16(b + 2)));
+            const __m512 m = _mm512_set1_ps(half_at(((const BlockQ5_1 *)b)->m));
             t0 = _mm512_fmadd_ps(d, iota, m);
             t1 = _mm512_fmadd_ps(d, _mm512_add_ps(iota, sixteen), m);
         } else {
@@ -210,13 +239,13 @@ static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m
             t1 = _mm512_mul_ps(d, iota);
         }
         uint32_t qh;
-        memcpy(&qh, b + (q51 ? 4 : 2), 4);
+        memcpy(&qh, q5_fifth_bits(type, b), 4);
         const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const __m512i h = _mm512_set1_epi32((int)qh), one = _mm512_set1_epi32(1);
         const __m512i h0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, lane), one), 4);
         const __m512i h1 = _mm512_slli_epi32(
             _mm512_and_si512(_mm512_srlv_epi32(h, _mm512_add_epi32(lane, _mm512_set1_epi32(16))), one), 4);
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (q51 ? 8 : 6))));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q5_nibbles(type, b)));
         *lo = _mm512_permutex2var_ps(t0, _mm512_or_si512(_mm512_and_si512(q, _mm512_set1_epi32(15)), h0), t1);
         *hi = _mm512_permutex2var_ps(t0, _mm512_or_si512(_mm512_srli_epi32(q, 4), h1), t1);
         return;
@@ -229,13 +258,13 @@ static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m
     __m512 table;
     if (type == Q4_1) {
         uint32_t dm;
-        memcpy(&dm, b, 4);
+        memcpy(&dm, b, 4); /* Q4_1's d and m */
         const __m512 v = _mm512_cvtph_ps(_mm256_set1_epi32((int)dm)); /* d, m, d, m, ... */
         table = _mm512_fmadd_ps(_mm512_permute_ps(v, 0x00), iota, _mm512_permute_ps(v, 0x55));
     } else {
         table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
     }
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 4 : 2))));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q4_nibbles(type, b)));
     *lo = _mm512_permutexvar_ps(q, table);
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
 }
@@ -292,7 +321,7 @@ static inline void dequant_sub_512(int type, const uint8_t *wrow, int64_t sb, __
 #define PREFETCH_AHEAD 4096
 
 static inline __attribute__((always_inline)) void prefetch_sub(int type, const uint8_t *wrow, int64_t sb) {
-    /* the sub-block's byte offset (a K-quant's 32-value sub-blocks share its 144 or 210 bytes) */
+    /* the sub-block's byte offset (a K-quant's 32-value sub-blocks share its 144, 176 or 210 bytes) */
     const uint8_t *p = wrow + sb * block_bytes(type) * QK / block_values(type) + PREFETCH_AHEAD;
     __builtin_prefetch(p, 0, 3);
     if (type == F32) __builtin_prefetch(p + 64, 0, 3); /* 128 bytes a sub-block */

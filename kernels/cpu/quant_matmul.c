@@ -184,10 +184,10 @@ static int quantize_x(const float *x, int64_t rows, int64_t in_dim, QuantX *out)
 static inline int32_t block_idot(int type, const uint8_t *b, const int8_t *xq) {
     int32_t s = 0;
     if (type == Q8_0) {
-        const int8_t *q = (const int8_t *)(b + 2);
+        const int8_t *q = ((const BlockQ8_0 *)b)->qs;
         for (int j = 0; j < QK; j++) s += (int32_t)q[j] * xq[j];
     } else {
-        const uint8_t *q = b + (type == Q4_1 ? 4 : 2);
+        const uint8_t *q = q4_nibbles(type, b);
         for (int j = 0; j < QK / 2; j++) s += (int32_t)(q[j] & 0x0f) * xq[j] + (int32_t)(q[j] >> 4) * xq[j + QK / 2];
     }
     return s;
@@ -195,8 +195,8 @@ static inline int32_t block_idot(int type, const uint8_t *b, const int8_t *xq) {
 
 /* The block's contribution given its integer dot: d_w * d_x * dot, with Q4_0's -8 and Q4_1's offset. */
 static inline float block_value(int type, const uint8_t *b, int32_t dot, float dx, int32_t xsum) {
-    const float dw = half_to_float(read_u16(b));
-    if (type == Q4_1) return dw * dx * (float)dot + half_to_float(read_u16(b + 2)) * dx * (float)xsum;
+    const float dw = half_at(b);
+    if (type == Q4_1) return dw * dx * (float)dot + half_at(((const BlockQ4_1 *)b)->m) * dx * (float)xsum;
     if (type == Q4_0) return dw * dx * (float)(dot - 8 * xsum);
     return dw * dx * (float)dot;
 }
@@ -206,15 +206,16 @@ static inline float block_value(int type, const uint8_t *b, int32_t dot, float d
 static inline __m512i pair_dot(int type, const uint8_t *b0, const uint8_t *b1, const int8_t *xq) {
     __m512i x = _mm512_loadu_si512((const void *)xq);
     if (type == Q8_0) {
-        __m256i w0 = _mm256_loadu_si256((const __m256i *)(b0 + 2)), w1 = _mm256_loadu_si256((const __m256i *)(b1 + 2));
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)((const BlockQ8_0 *)b0)->qs);
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)((const BlockQ8_0 *)b1)->qs);
         __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
         __mmask64 neg = _mm512_movepi8_mask(w);
         x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);  /* x * sign(w): |w| * that = w * x */
         return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), x);
     }
-    const int off = type == Q4_1 ? 4 : 2;
     const __m128i mask = _mm_set1_epi8(0x0f);
-    __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + off)), q1 = _mm_loadu_si128((const __m128i *)(b1 + off));
+    __m128i q0 = _mm_loadu_si128((const __m128i *)q4_nibbles(type, b0));
+    __m128i q1 = _mm_loadu_si128((const __m128i *)q4_nibbles(type, b1));
     __m256i n0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q0, 4), mask), _mm_and_si128(q0, mask));
     __m256i n1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q1, 4), mask), _mm_and_si128(q1, mask));
     __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(n0), n1, 1);
@@ -232,11 +233,11 @@ static float row_dot_q8(int type, const uint8_t *wrow, int64_t nb, const int8_t 
     for (; blk + 1 < nb; blk += 2) {
         const uint8_t *b0 = wrow + blk * bb, *b1 = b0 + bb;
         __m512 dots = _mm512_cvtepi32_ps(pair_dot(type, b0, b1, xq + blk * QK));
-        const float s0 = half_to_float(read_u16(b0)) * xd[blk], s1 = half_to_float(read_u16(b1)) * xd[blk + 1];
+        const float s0 = half_at(b0) * xd[blk], s1 = half_at(b1) * xd[blk + 1];
         acc = _mm512_fmadd_ps(dots, _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1)), acc);
         if (type == Q4_1) {
-            total += half_to_float(read_u16(b0 + 2)) * xd[blk] * (float)xsum[blk]
-                   + half_to_float(read_u16(b1 + 2)) * xd[blk + 1] * (float)xsum[blk + 1];
+            total += half_at(((const BlockQ4_1 *)b0)->m) * xd[blk] * (float)xsum[blk]
+                   + half_at(((const BlockQ4_1 *)b1)->m) * xd[blk + 1] * (float)xsum[blk + 1];
         } else if (type == Q4_0) {
             total -= 8.0f * (s0 * (float)xsum[blk] + s1 * (float)xsum[blk + 1]);
         }
