@@ -26,7 +26,7 @@ PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wir
 # `make` alone lists the targets.
 .DEFAULT_GOAL := help
 
-.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-accuracy bench-moe gpu-compile-report plot-kv clean
+.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-moe gpu-compile-report plot-kv clean
 
 help:  ## list the targets, one line each
 	@awk -F ':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  make %-20s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -154,6 +154,11 @@ bench-quantized: setup  ## GGUF K-quant blocks vs fp32
 # pagedserve against llama.cpp's llama-server on the same Q4_1 GGUF (built once from the llama-cpp-python sdist).
 bench-cpu-peers: setup  ## against llama.cpp and vLLM's CPU build
 	$(PY) -m deploy.bench.cpu_peers --model $(MODEL_DIR) $(ARGS)
+
+# One stream's decode step split into its parts (the fused step's stages, LM head, sampling, the worker's
+# Python; --served: the scheduler and the wire), each against the bytes it reads. MODEL: a .gguf or folder.
+bench-budget: setup  ## one stream's per-token budget on a CPU
+	$(PY) -m deploy.bench.budget --model $(or $(MODEL),$(MODEL_DIR)) $(ARGS)
 
 # Random-weight Llama-3.2-1B / 3.1-8B shapes made into GGUFs by llama.cpp's converter and llama-quantize (once,
 # cached), then served by pagedserve and llama-server in alternating rounds. ARGS: --shape 1b|8b --quant Q4_K_M...

@@ -26,6 +26,10 @@ _C_TYPES = {"void": None, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64
             "float": ctypes.c_float}
 
 
+# the fused decode step's stages as pagedserve_decode_profile counts them (kernels/cpu/pagedserve.h)
+DECODE_STAGES = ("norms", "rounding", "qkv", "heads", "attention", "o_proj", "gate_up", "silu", "down")
+
+
 def prototypes(header: str) -> dict[str, tuple[object, list]]:
     """Each `pagedserve_*` function the header declares: (ctypes restype, argtypes). Pointers of any kind
     pass as void pointers (torch data pointers), scalars as their fixed-width types."""
@@ -73,6 +77,7 @@ class NativeKernels:
         self._quant_dequant, self._pack = lib.pagedserve_quant_dequant, lib.pagedserve_pack
         self._decode_step = lib.pagedserve_decode_step
         self._decode_step_scratch = lib.pagedserve_decode_step_scratch
+        self._decode_profile = lib.pagedserve_decode_profile
         limits = (ctypes.c_int32 * 3)()
         lib.pagedserve_decode_limits(limits)
         self.max_group, self.max_head_dim, self.max_block = limits[0], limits[1], limits[2]
@@ -114,6 +119,15 @@ class NativeKernels:
                              slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                              seq_lens.data_ptr(), scratch.data_ptr()):
             raise ValueError("decode_step does not serve this model's shapes")
+
+    def decode_profile(self, on: bool) -> dict[str, float]:
+        """Timing of the fused decode step's stages: on, every step from now adds each stage's wall time (its
+        work and the barrier closing it); the call returns the seconds each stage took since the last call,
+        and "steps", the steps they cover."""
+        out = (ctypes.c_int64 * (len(DECODE_STAGES) + 1))()
+        if self._decode_profile(int(on), out) != len(DECODE_STAGES):
+            raise RuntimeError("the library's decode stages differ from DECODE_STAGES")
+        return {name: out[i] / 1e9 for i, name in enumerate(DECODE_STAGES)} | {"steps": out[len(DECODE_STAGES)]}
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of fp32 logits [rows, vocab] on the CPU: int64 [rows], the first index of each row's

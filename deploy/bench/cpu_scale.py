@@ -1,13 +1,15 @@
 """The sizes people serve on a CPU, made here: `make bench-cpu-scale`.
 
 Random-weight models at Llama-3.2-1B and Llama-3.1-8B shapes, written as a Hugging Face folder (bf16
-safetensors, the default model's tokenizer, the vocabulary padded to Llama-3's 128,256 as llama.cpp's
-converter pads it), converted to GGUF by the llama.cpp built from the `llama-cpp-python` sdist
+safetensors, the default model's tokenizer; the vocabulary its own 49,152 or padded to Llama-3's 128,256 as
+llama.cpp's converter pads it: the LM head a smaller or larger share of a token's bytes), converted to GGUF
+by the llama.cpp built from the `llama-cpp-python` sdist
 (`convert_hf_to_gguf.py`, then `llama-quantize` to Q4_K_M or Q8_0): the files a user downloads, made by
 the tools that make them. Each is made once and cached under ~/.cache/pagedserve-peers/scale/.
 
-Then pagedserve and `llama-server` serve the same GGUF in alternating rounds (deploy/bench/cpu_peers.py):
-one stream of 128 greedy tokens (ignore_eos), and the workload's first N prompts at once.
+For each vocabulary: the per-token budget of one stream (deploy/bench/budget.py), then pagedserve and
+`llama-server` serve the same GGUF in alternating rounds (deploy/bench/cpu_peers.py): one stream of 128
+greedy tokens (ignore_eos), and the workload's first N prompts at once.
 
     python -m deploy.bench.cpu_scale --shape 1b --quant Q4_K_M --streams 16
 """
@@ -30,21 +32,21 @@ SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B, as their config.json give them
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
-VOCAB = 128256
+VOCABS = (49152, 128256)  # SmolLM2's own, Llama-3's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def hf_folder(shape: str, tokenizer_from: Path) -> Path:
+def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
     """The random-weight model as a Hugging Face folder (bf16, one safetensors shard a layer); made once."""
     import torch
     from safetensors.torch import save_file
 
-    out = CACHE / "scale" / f"llama-{shape}-random"
+    out = CACHE / "scale" / f"llama-{shape}-v{vocab}-random"
     if (out / "done").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
     s = SHAPES[shape]
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, rms_norm_eps=1e-5,
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5,
                   max_position_embeddings=8192, rope_theta=500000.0, hidden_act="silu",
                   torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, **s)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -64,9 +66,9 @@ def hf_folder(shape: str, tokenizer_from: Path) -> Path:
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         index.update({k: name for k in tensors})
 
-    shard("embed.safetensors", {"model.embed_tokens.weight": rand(VOCAB, h), "model.norm.weight":
+    shard("embed.safetensors", {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight":
                                 torch.ones(h, dtype=torch.bfloat16),
-                                **({} if s["tie_word_embeddings"] else {"lm_head.weight": rand(VOCAB, h)})})
+                                **({} if s["tie_word_embeddings"] else {"lm_head.weight": rand(vocab, h)})})
     for n in range(s["num_hidden_layers"]):
         p = f"model.layers.{n}."
         shard(f"layer{n:03d}.safetensors", {
@@ -81,15 +83,15 @@ def hf_folder(shape: str, tokenizer_from: Path) -> Path:
     return out
 
 
-def gguf_file(shape: str, quant: str, tokenizer_from: Path) -> Path:
+def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
     """The model as a GGUF of `quant` (BF16, Q8_0, Q4_K_M, ...): converted with llama.cpp's own converter,
     then quantized with its llama-quantize; made once."""
-    target = CACHE / "scale" / f"llama-{shape}-random.{quant}.gguf"
+    target = CACHE / "scale" / f"llama-{shape}-v{vocab}-random.{quant}.gguf"
     if target.is_file():
         return target
-    bf16 = CACHE / "scale" / f"llama-{shape}-random.BF16.gguf"
+    bf16 = CACHE / "scale" / f"llama-{shape}-v{vocab}-random.BF16.gguf"
     if not bf16.is_file():
-        folder = hf_folder(shape, tokenizer_from)
+        folder = hf_folder(shape, tokenizer_from, vocab)
         source = CACHE / "llama.cpp"
         if not (source / "convert_hf_to_gguf.py").is_file():
             build_llama_tool("llama-quantize")  # fetches the source too
@@ -109,16 +111,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     p.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type name (Q4_K_M, Q8_0, ...) or BF16")
+    p.add_argument("--vocab", default=",".join(map(str, VOCABS)), help="vocabulary sizes, each its own model")
     p.add_argument("--tokenizer-from", type=Path, default=Path(".models/smollm2-135m-instruct"))
-    p.add_argument("--make-only", action="store_true", help="make the GGUF and print its path")
+    p.add_argument("--make-only", action="store_true", help="make the GGUFs and print their paths")
+    p.add_argument("--no-budget", action="store_true", help="skip the per-token budget")
+    p.add_argument("--repeats", default="3", help="rounds of the one-stream measurement (at least three)")
     args, rest = p.parse_known_args(argv)
-    path = gguf_file(args.shape, args.quant, args.tokenizer_from)
-    print(f"{args.shape} {args.quant}: {path} ({path.stat().st_size / 2**30:.2f} GiB)", flush=True)
-    if args.make_only:
-        return 0
-    from deploy import bench_cpu_peers
+    from deploy.bench import cpu_peers
 
-    return bench_cpu_peers.main(["--model", str(path), "--gguf", str(path), *rest])
+    for vocab in (int(v) for v in args.vocab.split(",")):
+        path = gguf_file(args.shape, args.quant, args.tokenizer_from, vocab)
+        size = path.stat().st_size / 2**30
+        print(f"\n{args.shape} {args.quant}, vocabulary {vocab}: {path} ({size:.2f} GiB)", flush=True)
+        if args.make_only:
+            continue
+        if not args.no_budget:  # its own process: the worker's allocator and memory, then given back
+            subprocess.run([sys.executable, "-m", "deploy.bench.budget", "--model", str(path)], check=True)
+        status = cpu_peers.main(["--model", str(path), "--gguf", str(path), "--repeats", args.repeats, *rest])
+        if status:
+            return status
+    return 0
 
 
 if __name__ == "__main__":

@@ -81,9 +81,9 @@ async def http_pass(base_url: str, bodies: list[dict], path: str, concurrency: i
     return {"wall_s": wall, "ttfts": [r[0] for r in results], "tokens": sum(r[1] for r in results)}
 
 
-def step_plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1):
+def step_plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1, vocab: int = 40000):
     """A StepPlan computing, for each (new_tokens, seq_len), its last new_tokens positions; blocks laid out
-    one sequence after another from block 0. -> (plan, blocks used)."""
+    one sequence after another from block 0; random token ids below `vocab`. -> (plan, blocks used)."""
     import numpy as np
 
     from protos.codec import PlanArrays, encode_plan
@@ -104,7 +104,7 @@ def step_plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1):
     np.cumsum(q_lens, out=qsl[1:])
     rng = np.random.default_rng(0)
     plan = encode_plan(PlanArrays(
-        step_id=step_id, token_ids=rng.integers(100, 40000, len(pos)).astype("<i4"),
+        step_id=step_id, token_ids=rng.integers(min(100, vocab - 1), vocab, len(pos)).astype("<i4"),
         positions=pos.astype("<i4"),
         slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
         do_sample=np.ones(k, bool), sample_index=np.zeros(k, "<i4"), temperature=np.zeros(k, "<f4"),
@@ -132,3 +132,33 @@ def median_time(fn, reps=3) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+class Tally:
+    """Wall time spent inside chosen methods of chosen objects while active (restored on exit)."""
+
+    def __init__(self, targets: dict[str, tuple[object, str]]) -> None:
+        self.targets = targets
+        self.seconds: dict[str, float] = {}
+
+    def __enter__(self):
+        self.saved = []
+        for label, (obj, name) in self.targets.items():
+            real = getattr(obj, name)
+            self.saved.append((obj, name, obj.__dict__.get(name)))
+
+            def timed(*a, _real=real, _label=label, **k):
+                t = time.perf_counter()
+                try:
+                    return _real(*a, **k)
+                finally:
+                    self.seconds[_label] = self.seconds.get(_label, 0.0) + time.perf_counter() - t
+            setattr(obj, name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, before in reversed(self.saved):
+            if before is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, before)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from deploy.bench.harness import best, step_plan
+from deploy.bench.harness import Tally, best, step_plan
 
 
 def _worker(args, num_blocks: int):
@@ -150,36 +150,6 @@ def _served_model(args, cpu):
     return model, config
 
 
-class _Tally:
-    """Wall time spent inside chosen methods of chosen objects while active (restored on exit)."""
-
-    def __init__(self, targets: dict[str, tuple[object, str]]) -> None:
-        self.targets = targets
-        self.seconds: dict[str, float] = {}
-
-    def __enter__(self):
-        self.saved = []
-        for label, (obj, name) in self.targets.items():
-            real = getattr(obj, name)
-            self.saved.append((obj, name, obj.__dict__.get(name)))
-
-            def timed(*a, _real=real, _label=label, **k):
-                t = time.perf_counter()
-                try:
-                    return _real(*a, **k)
-                finally:
-                    self.seconds[_label] = self.seconds.get(_label, 0.0) + time.perf_counter() - t
-            setattr(obj, name, timed)
-        return self
-
-    def __exit__(self, *exc):
-        for obj, name, before in reversed(self.saved):
-            if before is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, before)
-
-
 def decode_breakdown(args) -> dict:
     """A decode step of the model as the worker serves it, at each of --decode-rows sequences (context: the
     workload's mean prompt plus half its output), run by the runner as a plan from the scheduler: the layer
@@ -226,7 +196,7 @@ def _decode_rows(model, config, attn, fused, rows: int, context: int, reps: int)
         targets = {"matmul": (type(model.mm), "__call__"), "attention": (attn, "forward"),
                    "kv_write": (attn, "write_kv"), "norm": (ops, "add_rms_norm"), "silu": (ops, "silu_mul"),
                    "rope": (ops, "rope"), "lm_head": (model, "compute_logits")}
-        with _Tally(targets) as tally:
+        with Tally(targets) as tally:
             t0 = time.perf_counter()
             for _ in range(reps):
                 runner.execute(plan)

@@ -29,6 +29,31 @@
 
 #define OUT_CHUNK 32 /* output rows a thread takes at a time */
 
+/* The step's own profile (pagedserve_decode_profile): thread 0, just past a stage's closing barrier, adds
+   the time since the previous stage ended to this one. Off, a stage costs a load and a branch. */
+static int prof_on;
+static double prof_s[PS_DECODE_STAGES];
+static int64_t prof_steps;
+
+static inline void stage_done(int stage, double* prof_t) {
+    if (prof_on && omp_get_thread_num() == 0) {
+        const double t = omp_get_wtime();
+        prof_s[stage] += t - *prof_t;
+        *prof_t = t;
+    }
+}
+
+int pagedserve_decode_profile(int32_t on, int64_t* out) {
+    for (int s = 0; s < PS_DECODE_STAGES; s++) {
+        if (out) out[s] = (int64_t)(prof_s[s] * 1e9);
+        prof_s[s] = 0.0;
+    }
+    if (out) out[PS_DECODE_STAGES] = prof_steps;
+    prof_steps = 0;
+    prof_on = on != 0;
+    return PS_DECODE_STAGES;
+}
+
 static int64_t max_in(const PsModel* m) {
     const int64_t h = m->hidden, q = (int64_t)m->n_heads * m->head_dim, i = m->intermediate;
     return h > q ? (h > i ? h : i) : (q > i ? q : i);
@@ -78,16 +103,19 @@ static int has_packed(const PsMatrix* w) {
 
 /* y[r, :] = x[r, :] @ W^T for this thread's share of W's rows (called by every thread of the region). A
    matrix with packed segments first rounds x into px, split over the threads (one more barrier). */
-static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int64_t rows, float* y, PackedX px) {
+static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int64_t rows, float* y, PackedX px,
+                        int stage, double* prof_t) {
     const int64_t nblocks = w->in_dim / QK, out_dim = w->out_dim;
     const int64_t chunks = (out_dim + OUT_CHUNK - 1) / OUT_CHUNK;
     if (m->sgemm && w->dense && rows > m->gemm_rows) {
         gemm_part(m->sgemm, w, x, rows, y);
+        stage_done(stage, prof_t);
         return;
     }
     if (has_packed(w)) {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < rows * nblocks; i++) packed_x_block(x, px, i);
+        stage_done(PS_ROUNDING, prof_t);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; c++) {
@@ -123,6 +151,7 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
             }
         }
     }
+    stage_done(stage, prof_t);
 }
 
 static int matrix_served(const PsMatrix* w, int64_t out_dim, int64_t in_dim) {
@@ -229,6 +258,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
         }
     }
 
+    double prof_t = prof_on ? omp_get_wtime() : 0.0; /* the profile's clock (thread 0's) */
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -239,7 +269,8 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 add_rms_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
-            matmul_part(m, &ly->qkv, h, rows, qkv, px);
+            stage_done(PS_NORMS, &prof_t);
+            matmul_part(m, &ly->qkv, h, rows, qkv, px, PS_QKV, &prof_t);
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < rows * heads; it++) { /* q heads, then k heads (each with its v head) */
                 const int64_t r = it / heads, hh = it % heads;
@@ -261,6 +292,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                     }
                 }
             }
+            stage_done(PS_HEADS, &prof_t);
             if (runs == rows) {
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t it = 0; it < rows * att_split; it++) { /* a sequence's KV heads and their query heads */
@@ -295,22 +327,27 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                     }
                 }
             }
-            matmul_part(m, &ly->o_proj, attn, rows, delta, px);
+            stage_done(PS_ATTENTION, &prof_t);
+            matmul_part(m, &ly->o_proj, attn, rows, delta, px, PS_O_PROJ, &prof_t);
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 add_rms_norm_row(residual + r * H, delta + r * H, ly->post_norm, h + r * H, H, m->eps);
-            matmul_part(m, &ly->gate_up, h, rows, gu, px);
+            stage_done(PS_NORMS, &prof_t);
+            matmul_part(m, &ly->gate_up, h, rows, gu, px, PS_GATE_UP, &prof_t);
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < rows * act_chunks; it++) {
                 const int64_t r = it / act_chunks, i0 = it % act_chunks * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
                 silu_mul_span(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, i0, i1);
             }
-            matmul_part(m, &ly->down, act, rows, delta, px);
+            stage_done(PS_SILU, &prof_t);
+            matmul_part(m, &ly->down, act, rows, delta, px, PS_DOWN, &prof_t);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             add_rms_norm_row(residual + r * H, delta + r * H, m->final_norm, x + r * H, H, m->eps);
+        stage_done(PS_NORMS, &prof_t);
     }
+    if (prof_on) prof_steps++;
     free(run_start);
     return 0;
 }

@@ -105,6 +105,15 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                            const int64_t* slots, const int32_t* block_tables, int64_t table_stride,
                            const int32_t* seq_lens, float* scratch);
 
+/* The fused step's stages as its profile counts them (kernels/cpu_native.py DECODE_STAGES names them in this
+   order): each stage's work and the barrier closing it; the region's start counts in NORMS. */
+enum { PS_NORMS, PS_ROUNDING, PS_QKV, PS_HEADS, PS_ATTENTION, PS_O_PROJ, PS_GATE_UP, PS_SILU, PS_DOWN,
+       PS_DECODE_STAGES };
+/* on: 1 times every fused step's stages from now, 0 stops. out (or null): int64 [PS_DECODE_STAGES + 1]
+   receives the nanoseconds each stage took since the last call, then the steps counted; the counts then
+   restart. Returns PS_DECODE_STAGES. */
+int pagedserve_decode_profile(int32_t on, int64_t* out);
+
 /* --- shared between translation units (the fused step runs attention through these) ---------------- */
 void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,

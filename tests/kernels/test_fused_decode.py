@@ -410,3 +410,45 @@ def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
     tied_quantized = SimpleNamespace(head=QuantLinear(blocks), lm_head=None, embed=model.embed,
                                      shard=model.shard)
     assert NativeHead.weight_of(tied_quantized) is None  # not the fp32 embeddings in the Q8_0 head's place
+
+
+def test_the_steps_own_profile_times_every_stage_and_changes_nothing(tmp_path):
+    """The fused step's profile (what `make bench-budget` prints): on, each step counts once and every stage
+    it ran took time; the hidden states are the same bits as without it; off, nothing is counted."""
+    kernels = cpu_native.load()
+    model, config = _model(tmp_path, "gguf-Q4_1", packing=True)  # packed: the rounding stage runs too
+    seqs = DECODES[2]
+    want, _ = _run(model, config, seqs, fused=True)
+    kernels.decode_profile(True)
+    try:
+        got, _ = _run(model, config, seqs, fused=True)
+        _run(model, config, seqs, fused=True)
+        prof = kernels.decode_profile(False)
+    finally:
+        kernels.decode_profile(False)
+    assert torch.equal(got, want)
+    assert prof["steps"] == 2
+    assert set(prof) == set(cpu_native.DECODE_STAGES) | {"steps"}
+    assert all(prof[s] > 0 for s in cpu_native.DECODE_STAGES), prof
+    _run(model, config, seqs, fused=True)
+    assert kernels.decode_profile(False) == dict.fromkeys(cpu_native.DECODE_STAGES, 0.0) | {"steps": 0}
+
+
+def test_the_per_token_budget_accounts_for_the_whole_step(tmp_path, capsys):
+    """`make bench-budget` builds the worker as `serve` does and splits one stream's step into parts that add
+    up to it: the fused step's stages, the LM head, sampling, the worker's own Python."""
+    from deploy.bench import budget
+
+    folder = make_tiny_gguf(tmp_path / "m", qtype="Q4_1")
+    runner = budget.build_worker(str(folder), ["--threads", "1", "--num-blocks", "64"])
+    assert runner.model.fused is not None
+    res = budget.budget(runner, context=40, steps=3)
+    parts = res["parts"]
+    assert all(parts[f"stage {s}"] > 0 for s in cpu_native.DECODE_STAGES if s != "rounding"), parts
+    assert parts["lm_head"] > 0 and parts["sampling"] > 0
+    assert sum(parts.values()) == pytest.approx(res["step"], rel=0.02)
+    mats = budget.matrix_bytes(runner.model)
+    assert mats["gate_up"] == 2 * mats["down"] > 0  # the tiny model's gate and up are each down's size
+    budget.print_budget(res, 1e10, mats, budget.head_bytes(runner.model), budget.kv_bytes(runner, 40))
+    out = capsys.readouterr().out
+    assert "gate_up" in out and "worker Python and staging" in out and "read limit" in out

@@ -68,6 +68,18 @@ def _matrix(layer, name: str) -> tuple[PsMatrix, list[torch.Tensor]] | None:
     return None
 
 
+def matrix_bytes(layer) -> dict[str, int]:
+    """Bytes of each of a layer's projections as the fused step's row kernels read them (its blocks, packed
+    or as the file has them, or its fp32 rows)."""
+    out = {}
+    for name in layer.matmul_names:
+        desc = _matrix(layer, name)
+        if desc is not None:
+            keep = desc[1][:-1] if desc[0].dense and len(desc[1]) > 1 else desc[1]
+            out[name] = sum(t.numel() * t.element_size() for t in keep)
+    return out
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 

@@ -1,0 +1,204 @@
+"""The per-token budget of one decode stream on a CPU (`make bench-budget`): where a token's time goes.
+
+The worker is built in this process exactly as `pagedserve serve --model X` builds it (the same flags and
+start-up phases: the file's blocks, packing, the fused decode step), then fed the plan of one sequence
+decoding at --context keys. Printed per part, in ms a token: each stage of the fused step as the native
+library times it (kernels/cpu/decode_step.c: the four projections, attention, the norms, the heads' RoPE
+and K/V write, the activations' rounding, SiLU), the LM head, sampling, and the worker's own Python and
+staging. Beside each matrix: the bytes it reads a token and the rate that makes against a plain read of
+memory measured in the same run; the read limit is every byte a token must read over that rate. With
+--served the same model then runs behind a real server (one greedy stream): its inter-token time less the
+worker's step is what the scheduler, the wire and the client add.
+
+    python -m deploy.bench.budget --served \
+        --model ~/.cache/pagedserve-peers/scale/llama-1b-v128256-random.Q4_K_M.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+import types
+
+from deploy.bench.harness import Tally, step_plan
+
+MATRICES = ("qkv", "o_proj", "gate_up", "down")
+
+
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Bytes a second of a plain read of memory (a sum over 1 GiB of fp32, torch's threads), the best of
+    `reps`."""
+    import torch
+
+    big = torch.ones(nbytes // 4)
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - t)
+    return nbytes / min(times[1:])
+
+
+def build_worker(model: str, flags: list[str]):
+    """The runner a worker started with these flags serves with (no scheduler: nothing is connected)."""
+    from worker.serve.config import WorkerConfig
+    from worker.serve.main import build_parser
+    from worker.serve.startup import build_runner, check_flags, load, size_pool, start_device
+
+    args = build_parser().parse_args(["--model", model, "--scheduler", "tcp://127.0.0.1:1", *flags])
+    cfg = WorkerConfig.from_args(args)
+    check_flags(cfg, cfg.tp)
+    device, dtype = start_device(cfg)
+    loaded = load(cfg, device, dtype, cfg.tp)
+    runner, _ = build_runner(loaded, size_pool(cfg, loaded, device, cfg.tp), device)
+    return runner
+
+
+def matrix_bytes(model) -> dict[str, int]:
+    """Bytes each projection reads a token, every layer together (the weights the fused step multiplies)."""
+    from worker.model.fused_decode import matrix_bytes as one_layer
+
+    total = dict.fromkeys(MATRICES, 0)
+    for layer in model.layers:
+        for name, n in one_layer(layer).items():
+            total[name] += n
+    return total
+
+
+def head_bytes(model) -> int:
+    from worker.model.quantized import QuantLinear, QuantStack, QuantWeight
+
+    head = model.head
+    if isinstance(head, QuantLinear):
+        head = head.q
+    if isinstance(head, (QuantWeight, QuantStack)):
+        return sum(s.data.numel() for s in head.segments)
+    weight = model.lm_head if model.lm_head is not None else model.embed
+    return weight.numel() * weight.element_size()
+
+
+def budget(runner, context: int, steps: int) -> dict:
+    """Seconds a token of each part, averaged over `steps` decode steps of one sequence."""
+    model, kernels = runner.model, runner.model.fused.kernels if runner.model.fused else None
+    blocks = -(-(context + 1) // runner.pool.block_size)
+    if blocks + 1 > runner.pool.num_blocks:
+        raise SystemExit(f"--context {context} needs {blocks + 1} blocks; the pool has "
+                         f"{runner.pool.num_blocks}")
+    plan, _ = step_plan([(1, context)], block=runner.pool.block_size, step_id=2,
+                        vocab=min(model.config.vocab_size, 40000))
+    for t in runner.pool.k + runner.pool.v:
+        t.normal_()
+    for _ in range(3):
+        if (error := runner.execute(plan).error):
+            raise SystemExit(f"the worker refused the step: {error}")
+    targets = {"lm_head": (model, "compute_logits"), "sampling": (runner, "_sample")}
+    if model.fused is not None:
+        targets["fused"] = (model.fused, "forward")
+        kernels.decode_profile(True)
+    try:
+        with Tally(targets) as tally:
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                runner.execute(plan)
+                times.append(time.perf_counter() - t)
+        stages = kernels.decode_profile(False) if model.fused is not None else {}
+    finally:
+        if model.fused is not None:
+            kernels.decode_profile(False)
+    part = {k: v / steps for k, v in tally.seconds.items()}
+    per = {f"stage {k}": v / max(stages.get("steps", 1), 1) for k, v in stages.items() if k != "steps"}
+    step = statistics.mean(times)
+    per["lm_head"], per["sampling"] = part.get("lm_head", 0.0), part.get("sampling", 0.0)
+    inside = part.get("fused", 0.0)
+    staged = sum(v for k, v in per.items() if k.startswith("stage"))
+    per["fused step, outside its stages"] = max(inside - staged, 0.0)
+    per["worker Python and staging"] = max(step - inside - per["lm_head"] - per["sampling"], 0.0)
+    return {"parts": per, "step": step, "median_step": statistics.median(times)}
+
+
+def kv_bytes(runner, context: int) -> int:
+    """Bytes of keys and values one sequence of `context` keys reads a token, every layer."""
+    model = runner.model
+    per_key = model.shard.num_kv_heads * model.config.head_dim * runner.pool.k[0].element_size()
+    return 2 * context * per_key * model.config.num_layers
+
+
+def served_token_s(model: str, flags: list[str], max_tokens: int, repeats: int) -> list[float]:
+    """Seconds a token of one greedy stream through a real server, each repeat."""
+    from deploy.bench.cpu_peers import PagedserveTarget
+
+    target = PagedserveTarget(types.SimpleNamespace(model=model), "pagedserve", *flags)
+    try:
+        return [1.0 / target.one([1 + i % 1000 for i in range(32)], max_tokens) for _ in range(repeats)]
+    finally:
+        target.stop()
+
+
+def print_budget(res: dict, bw: float, mats: dict, head: int, kv: int) -> None:
+    parts, step = res["parts"], res["step"]
+    print(f"\n{'part':34} {'ms/token':>9} {'share':>6} {'MB read':>8} {'GB/s':>6} {'of read':>8}")
+    rows = [(k, v) for k, v in parts.items()]
+    if "served" in res:
+        rows.append(("scheduler, wire and client", res["served"] - step))
+    total = step + (res["served"] - step if "served" in res else 0.0)
+    for k, v in rows:
+        name = k.removeprefix("stage ")
+        nbytes = {**mats, "attention": kv, "lm_head": head}.get(name)
+        if nbytes and v > 0:
+            rate = nbytes / v
+            extra = f" {nbytes / 1e6:8.1f} {rate / 1e9:6.1f} {rate / bw:7.0%}"
+        else:
+            extra = ""
+        print(f"{name:34} {v * 1e3:9.3f} {v / total:6.1%}{extra}")
+    read = sum(mats.values()) + head + kv
+    print(f"{'worker step':34} {step * 1e3:9.3f} (median {res['median_step'] * 1e3:.3f})")
+    if "served" in res:
+        print(f"{'served, one stream':34} {res['served'] * 1e3:9.3f} ({1 / res['served']:.1f} tok/s)")
+    print(f"read limit: {read / 1e6:.0f} MB a token at {bw / 1e9:.1f} GB/s = {read / bw * 1e3:.2f} ms "
+          f"({bw / read:.1f} tok/s); the worker's step is at {read / bw / step:.0%} of it"
+          + (f", the served stream at {read / bw / res['served']:.0%}" if "served" in res else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pagedserve-bench-budget", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a .gguf file or model folder, as `pagedserve serve` takes")
+    p.add_argument("--context", type=int, default=256, help="keys the sequence attends (default 256)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--served", action="store_true", help="also one stream through a real server")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="served streams (the median is printed)")
+    p.add_argument("--flags", default="", help="worker flags, as `pagedserve serve` would pass them")
+    args = p.parse_args(argv)
+    import shlex
+
+    import torch
+
+    from protos.logs import configure_logging
+    from worker.serve.host_memory import ensure_allocator, resolve_mode
+
+    flags = shlex.split(args.flags)
+    configure_logging("warning", process="bench-budget")
+    ensure_allocator(resolve_mode(None), "cpu", "deploy.bench.budget", sys.argv[1:] if argv is None else argv)
+    bw = read_bandwidth()
+    runner = build_worker(args.model, flags)
+    model = runner.model
+    mats = matrix_bytes(model) if model.fused is not None else {}
+    head, kv = head_bytes(model), kv_bytes(runner, args.context)
+    print(f"{args.model}: {torch.get_num_threads()} threads, context {args.context}, weights "
+          f"{model.mm.name}, fused step {'on' if model.fused is not None else 'off'}")
+    res = budget(runner, args.context, args.steps)
+    del runner, model
+    gc.collect()
+    if args.served:
+        res["served"] = statistics.median(served_token_s(args.model, flags, args.max_tokens, args.repeats))
+    print_budget(res, bw, mats, head, kv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
