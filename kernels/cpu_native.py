@@ -127,7 +127,8 @@ class NativeKernels:
         out = (ctypes.c_int64 * (len(DECODE_STAGES) + 1))()
         if self._decode_profile(int(on), out) != len(DECODE_STAGES):
             raise RuntimeError("the library's decode stages differ from DECODE_STAGES")
-        return {name: out[i] / 1e9 for i, name in enumerate(DECODE_STAGES)} | {"steps": out[len(DECODE_STAGES)]}
+        n = len(DECODE_STAGES)
+        return {name: out[i] / 1e9 for i, name in enumerate(DECODE_STAGES)} | {"steps": out[n]}
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """Greedy tokens of fp32 logits [rows, vocab] on the CPU: int64 [rows], the first index of each row's
