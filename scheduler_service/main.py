@@ -264,8 +264,10 @@ def ready_line(engine: Engine, host: str, port: int, http: HttpServer | None = N
         layout = f", {info['data_parallel_size']} replica(s) x {info['tensor_parallel_size']} rank(s)"
     command = cli_command()
     cap = engine.config.default_max_tokens
-    lines = [f"pagedserve is serving {info['model_name']} ({info['dtype']}, context {info['max_context']:,} "
-             f"tokens{layout}; KV pool {info['num_blocks']:,} blocks x {info['block_size']} tokens = "
+    weights = f", {info['weights']}" if info["weights"] else ""
+    lines = [f"pagedserve is serving {info['model_name']} ({info['dtype']}{weights}, context "
+             f"{info['max_context']:,} tokens{layout}; KV pool {info['num_blocks']:,} blocks x "
+             f"{info['block_size']} tokens = "
              f"{human_bytes(pool_bytes)}; requests without max_tokens stop at "
              f"{f'{cap:,} tokens' if cap else 'the end of the context'})",
              f"  gRPC     {where}    try: {command} generate{server} \"Write a haiku about the sea\"   "

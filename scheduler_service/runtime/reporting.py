@@ -79,6 +79,7 @@ def model_info(engine) -> dict:
         "block_size": engine.config.block_size, "num_blocks": sum(g.num_blocks for g in groups),
         "dtype": groups[0].handshake.dtype if groups else "", "num_workers": engine.client.num_workers,
         "kv_cache_dtype": groups[0].handshake.kv_cache_dtype if groups else "",
+        "weights": groups[0].handshake.weights if groups else "",
         "tensor_parallel_size": engine.client.tp_size, "data_parallel_size": len(engine.replicas),
         "task": engine.spec.task, "pooling": pooling.pooling if pooling else "",
         "embedding_dimension": engine.spec.hidden_size if pooling else 0,

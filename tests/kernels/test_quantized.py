@@ -155,8 +155,9 @@ def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_ans
 
     folder = make_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "m", "Q8_0", seed=3)
     flags = ["--block-size", "4", "--num-blocks", "256"]
-    servers = {"blocks": server_factory(folder, *flags),
-               "blocks, TP=2": server_factory(folder, *flags, "--tp", "2"),
+    exact = ["--quantized-activations", "int16"]  # the dequantized model's arithmetic (auto: llama.cpp's)
+    servers = {"blocks": server_factory(folder, *flags, *exact),
+               "blocks, TP=2": server_factory(folder, *flags, *exact, "--tp", "2"),
                "dequantized": server_factory(folder, *flags, "--dequantize")}
     assert '"matrices": {"Q8_0": 12, "dense": 1}' in servers["blocks"].log_path.read_text()  # F32 head
     prompts = [[5, 9, 13, 200, 31], list(range(40, 75)), [7] * 12]
@@ -166,6 +167,35 @@ def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_ans
             req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
                 max_tokens=24, temperature=0, ignore_eos=True))
             assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == want, name
+
+
+@pytest.mark.slow
+def test_by_default_a_gguf_meets_llama_cpps_8_bit_activations_and_says_so(server_factory, native, tmp_path):
+    """Where the integer kernels run (AVX-512 VNNI, AVX2), a GGUF is served at llama.cpp's precision unless
+    asked otherwise: 8-bit activations and no fp32 copy of its weights (prompts on the packed kernel too);
+    the ready line and GetModelInfo say how the matrices are multiplied, and int16 is there for the
+    dequantized model's arithmetic."""
+    from protos import generation_pb2 as pb
+    from tests.support.tiny import make_tiny_gguf
+
+    folder = make_tiny_gguf(tmp_path / "m", qtype="Q4_1")
+    flags = ["--block-size", "4", "--num-blocks", "256"]
+    default = "8-bit activations (llama.cpp's precision)" if native.packed_fast else "fp32 activations"
+    for extra, words in (([], default), (["--quantized-activations", "int16"], "16-bit activations")):
+        server = server_factory(folder, *flags, *extra)
+        try:
+            log = server.log_path.read_text()
+            ready = next(line for line in log.splitlines() if line.startswith("pagedserve is serving"))
+            assert f"the file's blocks x {words}" in ready
+            info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            assert info.weights == f"the file's blocks x {words}"
+            if not extra and native.packed_fast:
+                assert '"activations": "int8"' in log and '"chosen": "dequantize"' in log
+            req = pb.GenerateRequest(prompt_token_ids=[5, 9, 13, 200, 31], sampling=pb.SamplingParams(
+                max_tokens=8, temperature=0, ignore_eos=True))
+            assert len(server.stub.Generate(req, timeout=120).choices[0].token_ids) == 8
+        finally:
+            server.stop()
 
 
 def int8_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
@@ -209,8 +239,8 @@ def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(ser
     """`pagedserve serve --model X.gguf` (`make run`'s model): the file is prepared once into a cached folder
     that names it — the config and tokenizer `make setup` prepares from it, and no copy of its weights — and
     served on its own Q4_1 blocks, the rest of its tensors read from the file: the same weights as the
-    dequantized fp32 model, so greedy answers agree and the chosen tokens' logprobs differ only by summation
-    order."""
+    dequantized fp32 model, so with 16-bit activations greedy answers agree and the chosen tokens' logprobs
+    differ only by summation order."""
     import hashlib
     import json
 
@@ -221,7 +251,9 @@ def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(ser
         pytest.skip("default model not prepared")
     monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path))
     path = find_embedded_gguf()
-    server = server_factory(path, "--num-blocks", "256", "--max-model-len", "1024")
+    # 16-bit activations: the dequantized model's arithmetic (the default's 8 bits are llama.cpp's: below)
+    server = server_factory(path, "--num-blocks", "256", "--max-model-len", "1024",
+                            "--quantized-activations", "int16")
     try:
         log = server.log_path.read_text()
         assert '"matmul": "quantized"' in log and '"matrices": {"Q4_1": 120, "Q8_0": 1}' in log
@@ -331,7 +363,8 @@ def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(
 
     folder = make_tiny_gguf(tmp_path_factory.mktemp(f"gguf-{family}") / "m", "Q8_0", seed=3, family=family,
                             **GGUF_FAMILIES[family])
-    server = server_factory(folder, "--block-size", "4", "--num-blocks", "256")
+    server = server_factory(folder, "--block-size", "4", "--num-blocks", "256",
+                            "--quantized-activations", "int16")
     assert '"Q8_0": ' in server.log_path.read_text()
     for prompt in ([5, 9, 13, 200, 31], list(range(40, 75))):
         req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(

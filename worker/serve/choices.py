@@ -143,8 +143,8 @@ def quantized_library(cfg: WorkerConfig):
     kernels = cpu_native.load()
     packed = kernels is not None and kernels.packed_fast
     activations = cfg.quantized_activations
-    if activations == "auto":
-        activations = "int16" if packed else "fp32"
+    if activations == "auto":  # llama.cpp's precision where the integer kernels run (docs/BENCHMARKS.md)
+        activations = "int8" if packed else "fp32"
     return QuantizedMatmul(kernels, None, int8_activations=activations == "int8",
                            packing=activations == "int16" or (activations == "int8" and packed))
 
@@ -152,6 +152,18 @@ def quantized_library(cfg: WorkerConfig):
 def activations_of(lib) -> str:
     """What a quantized library's kernels multiply the weights with: int8, int16 (packed) or fp32."""
     return "int8" if lib.int8_activations else "int16" if lib.packing else "fp32"
+
+
+def weights_of(model) -> str:
+    """How the model's matrices are held and multiplied, in the words of the ready line ("" for plain
+    weights, whose dtype says it)."""
+    from worker.model.quantized import QuantizedMatmul
+
+    if not isinstance(model.mm, QuantizedMatmul):
+        return ""
+    words = {"int8": "8-bit activations (llama.cpp's precision)", "int16": "16-bit activations",
+             "fp32": "fp32 activations"}
+    return f"the file's blocks x {words[activations_of(model.mm)]}"
 
 
 def use_native_head(model) -> None:

@@ -22,6 +22,7 @@ from worker.serve.choices import (
     refuse_what_cannot_fit,
     use_fused_decode,
     use_native_head,
+    weights_of,
 )
 from worker.serve.config import WorkerConfig
 
@@ -368,5 +369,6 @@ def handshake_for(cfg: WorkerConfig, loaded: Loaded, plan: PoolPlan, device, tp:
         dtype=str(loaded.weights_dtype).removeprefix("torch."),
         kv_cache_dtype=str(loaded.kv_dtype).removeprefix("torch."),
         attention_backend=loaded.attn.name,
+        weights=weights_of(loaded.model),
         pid=os.getpid(),
     )
