@@ -20,8 +20,11 @@
 #include "pagedserve.h"
 #include "kv_rows.h"
 #include "vec_math.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define BLOCK_AVX2 1 /* block_avx2 below: the kernel of an AVX2 build */
 #endif
 
 #define MAX_GROUP 16
@@ -198,17 +201,51 @@ static void block_avx512(const float* qs, const float* kb, const float* vb, int6
 }
 #endif
 
-/* One block of keys for one GQA group without AVX-512: scores, online-softmax update, values. */
-static void block_portable(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
-                           int group, int head_dim, float* m, float* l, float* acc, const float* kn, const float* vn,
-                           int next_count, float softcap) {
-    float scores[MAX_GROUP * MAX_BLOCK];
-    prefetch_rows(kn, token_stride, next_count, head_dim);
-    prefetch_rows(vn, token_stride, next_count, head_dim);
-    for (int t = 0; t < count; t++) {
-        const float* key = kb + t * token_stride;
-        for (int g = 0; g < group; g++) scores[g * MAX_BLOCK + t] = dot(qs + g * head_dim, key, head_dim);
+/* ag[d] += sum over the block's keys t of p[t] * value_t[d]. On AVX2 (head_dim a multiple of 8) 32 dimensions
+   at a time in four registers held across the keys, where the vectorized loop over d loaded and stored the
+   accumulator for every key. */
+static inline void add_values(float* ag, const float* p, const float* vb, int64_t token_stride, int count,
+                              int head_dim) {
+#if defined(BLOCK_AVX2)
+    if (head_dim % 8 == 0) {
+        int d = 0;
+        for (; d + 32 <= head_dim; d += 32) {
+            __m256 a0 = _mm256_loadu_ps(ag + d), a1 = _mm256_loadu_ps(ag + d + 8);
+            __m256 a2 = _mm256_loadu_ps(ag + d + 16), a3 = _mm256_loadu_ps(ag + d + 24);
+            for (int t = 0; t < count; t++) {
+                const float* value = vb + t * token_stride + d;
+                const __m256 pt = _mm256_set1_ps(p[t]);
+                a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(value), a0);
+                a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(value + 8), a1);
+                a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(value + 16), a2);
+                a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(value + 24), a3);
+            }
+            _mm256_storeu_ps(ag + d, a0);
+            _mm256_storeu_ps(ag + d + 8, a1);
+            _mm256_storeu_ps(ag + d + 16, a2);
+            _mm256_storeu_ps(ag + d + 24, a3);
+        }
+        for (; d < head_dim; d += 8) {
+            __m256 a = _mm256_loadu_ps(ag + d);
+            for (int t = 0; t < count; t++)
+                a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vb + t * token_stride + d), a);
+            _mm256_storeu_ps(ag + d, a);
+        }
+        return;
     }
+#endif
+    for (int t = 0; t < count; t++) {
+        const float pt = p[t];
+        const float* value = vb + t * token_stride;
+#pragma omp simd
+        for (int d = 0; d < head_dim; d++) ag[d] += pt * value[d];
+    }
+}
+
+/* A block's scores (scores[g * MAX_BLOCK + t]: head g, key t) -> the online-softmax update of each head's max
+   and sum, and its values accumulated. */
+static void block_update(float* scores, const float* vb, int64_t token_stride, int count, int group, int head_dim,
+                         float* m, float* l, float* acc, float softcap) {
     if (softcap > 0.0f) soft_cap(scores, group * MAX_BLOCK, softcap);
     for (int g = 0; g < group; g++) {
         float* sg = scores + g * MAX_BLOCK;
@@ -229,13 +266,79 @@ static void block_portable(const float* qs, const float* kb, const float* vb, in
             sum += sg[t];
         }
         l[g] += sum;
-        for (int t = 0; t < count; t++) {
-            const float p = sg[t];
-            const float* value = vb + t * token_stride;
-#pragma omp simd
-            for (int d = 0; d < head_dim; d++) ag[d] += p * value[d];
+        add_values(ag, sg, vb, token_stride, count, head_dim);
+    }
+}
+
+/* One block of keys for one GQA group without AVX-512 or AVX2: scores, online-softmax update, values. */
+static void block_portable(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
+                           int group, int head_dim, float* m, float* l, float* acc, const float* kn, const float* vn,
+                           int next_count, float softcap) {
+    float scores[MAX_GROUP * MAX_BLOCK];
+    prefetch_rows(kn, token_stride, next_count, head_dim);
+    prefetch_rows(vn, token_stride, next_count, head_dim);
+    for (int t = 0; t < count; t++) {
+        const float* key = kb + t * token_stride;
+        for (int g = 0; g < group; g++) scores[g * MAX_BLOCK + t] = dot(qs + g * head_dim, key, head_dim);
+    }
+    block_update(scores, vb, token_stride, count, group, head_dim, m, l, acc, softcap);
+}
+
+#if defined(BLOCK_AVX2)
+/* sum8: lane t of the result is the sum of v[t]'s eight lanes (a transposing tree, as sum16 on AVX-512): the
+ * eight keys' scores in one register where eight horizontal reductions took three times the instructions. */
+static inline __m256 sum8(const __m256* v) {
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3); /* per 128-bit half: keys 0-3, 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+/* One block of keys for one GQA group on AVX2 (head_dim a multiple of 8): each key's dot product in two
+ * multiply-add chains, eight keys' summed together by sum8; then the portable block's softmax and values. */
+static void block_avx2(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
+                       int group, int head_dim, float* m, float* l, float* acc, const float* kn, const float* vn,
+                       int next_count, float softcap) {
+    float scores[MAX_GROUP * MAX_BLOCK];
+    prefetch_rows(kn, token_stride, next_count, head_dim);
+    prefetch_rows(vn, token_stride, next_count, head_dim);
+    for (int g = 0; g < group; g++) {
+        const float* qg = qs + g * head_dim;
+        for (int t0 = 0; t0 < count; t0 += 8) { /* MAX_BLOCK is a multiple of 8: the last store stays inside */
+            __m256 part[8];
+            for (int t = 0; t < 8; t++) {
+                if (t0 + t >= count) {
+                    part[t] = _mm256_setzero_ps();
+                    continue;
+                }
+                const float* key = kb + (t0 + t) * token_stride;
+                __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(key)), a1 = _mm256_setzero_ps();
+                int d = 8;
+                for (; d + 16 <= head_dim; d += 16) {
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(key + d), a1);
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(key + d + 8), a0);
+                }
+                if (d < head_dim) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(key + d), a1);
+                part[t] = _mm256_add_ps(a0, a1);
+            }
+            _mm256_storeu_ps(scores + g * MAX_BLOCK + t0, sum8(part));
         }
     }
+    block_update(scores, vb, token_stride, count, group, head_dim, m, l, acc, softcap);
+}
+#endif
+
+/* The block kernel of a build without AVX-512: AVX2's where head_dim allows, else the portable loops. */
+static inline void block_no512(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
+                               int group, int head_dim, float* m, float* l, float* acc, const float* kn,
+                               const float* vn, int next_count, float softcap) {
+#if defined(BLOCK_AVX2)
+    if (head_dim % 8 == 0) {
+        block_avx2(qs, kb, vb, token_stride, count, group, head_dim, m, l, acc, kn, vn, next_count, softcap);
+        return;
+    }
+#endif
+    block_portable(qs, kb, vb, token_stride, count, group, head_dim, m, l, acc, kn, vn, next_count, softcap);
 }
 
 int pagedserve_decode_limits(int32_t* out) {
@@ -301,7 +404,7 @@ void pagedserve_decode_item(const float* q_row, const void* k_cache, const void*
                         continue;
                     }
 #endif
-                    block_portable(qs_h, kw, vw, head_dim, c, group, head_dim, m + h, l + h, acc_h, 0, 0, 0, softcap);
+                    block_no512(qs_h, kw, vw, head_dim, c, group, head_dim, m + h, l + h, acc_h, 0, 0, 0, softcap);
                 }
                 continue;
             }
@@ -320,7 +423,7 @@ void pagedserve_decode_item(const float* q_row, const void* k_cache, const void*
                 continue;
             }
 #endif
-            block_portable(qs_h, kb, vb, token_stride, count, group, head_dim, m + h, l + h, acc_h, kn, vn,
+            block_no512(qs_h, kb, vb, token_stride, count, group, head_dim, m + h, l + h, acc_h, kn, vn,
                            next_count, softcap);
         }
     }
@@ -360,7 +463,7 @@ static void attend_range(float* qs, float* acc, float* m, float* l, int heads, c
                     continue;
                 }
 #endif
-                block_portable(qs, kw, vw, head_dim, c, heads, head_dim, m, l, acc, 0, 0, 0, softcap);
+                block_no512(qs, kw, vw, head_dim, c, heads, head_dim, m, l, acc, 0, 0, 0, softcap);
             }
             continue;
         }
@@ -379,7 +482,7 @@ static void attend_range(float* qs, float* acc, float* m, float* l, int heads, c
             continue;
         }
 #endif
-        block_portable(qs, kb, vb, token_stride, count, heads, head_dim, m, l, acc, kn, vn, next_count, softcap);
+        block_no512(qs, kb, vb, token_stride, count, heads, head_dim, m, l, acc, kn, vn, next_count, softcap);
     }
 }
 
