@@ -91,7 +91,7 @@ def budget(runner, context: int, steps: int) -> dict:
                         vocab=min(model.config.vocab_size, 40000))
     for t in runner.pool.k + runner.pool.v:
         t.normal_()
-    for _ in range(3):
+    for _ in range(20):  # the first steps after loading run slower (pages settling): not the steady state
         if (error := runner.execute(plan).error):
             raise SystemExit(f"the worker refused the step: {error}")
     targets = {"lm_head": (model, "compute_logits"), "sampling": (runner, "_sample")}
@@ -127,13 +127,15 @@ def kv_bytes(runner, context: int) -> int:
     return 2 * context * per_key * model.config.num_layers
 
 
-def served_token_s(model: str, flags: list[str], max_tokens: int, repeats: int) -> list[float]:
-    """Seconds a token of one greedy stream through a real server, each repeat."""
+def served_token_s(model: str, flags: list[str], context: int, max_tokens: int, repeats: int) -> list[float]:
+    """Seconds a token of one greedy stream through a real server, each repeat; the prompt long enough that
+    the mean context is `context` keys, as in process."""
     from deploy.bench.cpu_peers import PagedserveTarget
 
+    prompt = [1 + i % 1000 for i in range(max(context - max_tokens // 2, 1))]
     target = PagedserveTarget(types.SimpleNamespace(model=model), "pagedserve", *flags)
     try:
-        return [1.0 / target.one([1 + i % 1000 for i in range(32)], max_tokens) for _ in range(repeats)]
+        return [1.0 / target.one(prompt, max_tokens) for _ in range(repeats)]
     finally:
         target.stop()
 
@@ -142,7 +144,7 @@ def print_budget(res: dict, bw: float, mats: dict, head: int, kv: int) -> None:
     parts, step = res["parts"], res["step"]
     print(f"\n{'part':34} {'ms/token':>9} {'share':>6} {'MB read':>8} {'GB/s':>6} {'of read':>8}")
     rows = [(k, v) for k, v in parts.items()]
-    if "served" in res:
+    if "served" in res:  # below zero: the two runs differ by more than this costs (a noisy machine)
         rows.append(("scheduler, wire and client", res["served"] - step))
     total = step + (res["served"] - step if "served" in res else 0.0)
     for k, v in rows:
@@ -195,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     del runner, model
     gc.collect()
     if args.served:
-        res["served"] = statistics.median(served_token_s(args.model, flags, args.max_tokens, args.repeats))
+        res["served"] = statistics.median(served_token_s(args.model, flags, args.context, args.max_tokens,
+                                                         args.repeats))
     print_budget(res, bw, mats, head, kv)
     return 0
 
