@@ -28,7 +28,7 @@ from deploy.bench.harness import Tally, step_plan
 MATRICES = ("qkv", "o_proj", "gate_up", "down")
 
 
-def read_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+def read_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
     """Bytes a second of a plain read of memory (a sum over 1 GiB of fp32, torch's threads), the best of
     `reps`."""
     import torch
