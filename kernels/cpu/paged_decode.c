@@ -24,7 +24,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define BLOCK_AVX2 1 /* block_avx2 below: the kernel of an AVX2 build */
+#define BLOCK_AVX2 1 /* block_scores_avx2 and add_values: an AVX2 build's */
 #endif
 
 #define MAX_GROUP 16
@@ -270,18 +270,13 @@ static void block_update(float* scores, const float* vb, int64_t token_stride, i
     }
 }
 
-/* One block of keys for one GQA group without AVX-512 or AVX2: scores, online-softmax update, values. */
-static void block_portable(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
-                           int group, int head_dim, float* m, float* l, float* acc, const float* kn, const float* vn,
-                           int next_count, float softcap) {
-    float scores[MAX_GROUP * MAX_BLOCK];
-    prefetch_rows(kn, token_stride, next_count, head_dim);
-    prefetch_rows(vn, token_stride, next_count, head_dim);
+/* The scores of a block's keys against each query head of the group: scores[g * MAX_BLOCK + t]. */
+static void block_scores(const float* qs, const float* kb, int64_t token_stride, int count, int group,
+                         int head_dim, float* scores) {
     for (int t = 0; t < count; t++) {
         const float* key = kb + t * token_stride;
         for (int g = 0; g < group; g++) scores[g * MAX_BLOCK + t] = dot(qs + g * head_dim, key, head_dim);
     }
-    block_update(scores, vb, token_stride, count, group, head_dim, m, l, acc, softcap);
 }
 
 #if defined(BLOCK_AVX2)
@@ -294,14 +289,10 @@ static inline __m256 sum8(const __m256* v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
-/* One block of keys for one GQA group on AVX2 (head_dim a multiple of 8): each key's dot product in two
- * multiply-add chains, eight keys' summed together by sum8; then the portable block's softmax and values. */
-static void block_avx2(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
-                       int group, int head_dim, float* m, float* l, float* acc, const float* kn, const float* vn,
-                       int next_count, float softcap) {
-    float scores[MAX_GROUP * MAX_BLOCK];
-    prefetch_rows(kn, token_stride, next_count, head_dim);
-    prefetch_rows(vn, token_stride, next_count, head_dim);
+/* block_scores on AVX2 (head_dim a multiple of 8): each key's dot product in two multiply-add chains, eight
+ * keys' summed together by sum8. */
+static void block_scores_avx2(const float* qs, const float* kb, int64_t token_stride, int count, int group,
+                              int head_dim, float* scores) {
     for (int g = 0; g < group; g++) {
         const float* qg = qs + g * head_dim;
         for (int t0 = 0; t0 < count; t0 += 8) { /* MAX_BLOCK is a multiple of 8: the last store stays inside */
@@ -324,21 +315,24 @@ static void block_avx2(const float* qs, const float* kb, const float* vb, int64_
             _mm256_storeu_ps(scores + g * MAX_BLOCK + t0, sum8(part));
         }
     }
-    block_update(scores, vb, token_stride, count, group, head_dim, m, l, acc, softcap);
 }
 #endif
 
-/* The block kernel of a build without AVX-512: AVX2's where head_dim allows, else the portable loops. */
-static inline void block_no512(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
-                               int group, int head_dim, float* m, float* l, float* acc, const float* kn,
-                               const float* vn, int next_count, float softcap) {
+/* One block of keys for one GQA group without AVX-512: scores (AVX2's where head_dim allows, else the
+ * portable loops), online-softmax update, values. */
+static void block_no512(const float* qs, const float* kb, const float* vb, int64_t token_stride, int count,
+                        int group, int head_dim, float* m, float* l, float* acc, const float* kn, const float* vn,
+                        int next_count, float softcap) {
+    float scores[MAX_GROUP * MAX_BLOCK];
+    prefetch_rows(kn, token_stride, next_count, head_dim);
+    prefetch_rows(vn, token_stride, next_count, head_dim);
 #if defined(BLOCK_AVX2)
-    if (head_dim % 8 == 0) {
-        block_avx2(qs, kb, vb, token_stride, count, group, head_dim, m, l, acc, kn, vn, next_count, softcap);
-        return;
-    }
+    if (head_dim % 8 == 0)
+        block_scores_avx2(qs, kb, token_stride, count, group, head_dim, scores);
+    else
 #endif
-    block_portable(qs, kb, vb, token_stride, count, group, head_dim, m, l, acc, kn, vn, next_count, softcap);
+        block_scores(qs, kb, token_stride, count, group, head_dim, scores);
+    block_update(scores, vb, token_stride, count, group, head_dim, m, l, acc, softcap);
 }
 
 int pagedserve_decode_limits(int32_t* out) {
