@@ -106,6 +106,7 @@ def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(server_facto
     reason = "the CPU's bf16 GEMM" if native_bf16() else "available"
     log = auto.log_path.read_text()
     assert reason in log and '"kv_cache_dtype": "bfloat16"' in log
+    assert auto.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).weights == ""  # "bfloat16" says it
     dots = native_bf16() and native.prefill_bf16_dots
     assert ('"arithmetic": "bf16 dot products"' in log) == dots
     req = pb.GenerateRequest(prompt_token_ids=list(range(40, 75)), sampling=pb.SamplingParams(

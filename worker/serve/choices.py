@@ -134,9 +134,11 @@ def half_weights(cfg: WorkerConfig, config, dtype):
     return CastSource(tensor_source(cfg.model, cfg.load_format, config), config, qtype)
 
 
-def quantized_library(cfg: WorkerConfig):
-    """The matmul library over a GGUF's blocks (model/quantized.py), made before the model loads so each
-    weight is packed as it is read; its dense library is set once chosen. ValueError: flags that conflict."""
+def quantized_library(cfg: WorkerConfig, half: bool = False):
+    """The matmul library over a GGUF's blocks (model/quantized.py), or over a checkpoint's bf16 / fp16 rows
+    (`half`: nothing there is rounded or packed, so auto keeps what it chose before), made before the model
+    loads so each weight is packed as it is read; its dense library is set once chosen. ValueError: flags that
+    conflict."""
     from kernels import cpu_native
     from worker.model.quantized import QuantizedMatmul
 
@@ -144,7 +146,7 @@ def quantized_library(cfg: WorkerConfig):
     packed = kernels is not None and kernels.packed_fast
     activations = cfg.quantized_activations
     if activations == "auto":  # llama.cpp's precision where the integer kernels run (docs/BENCHMARKS.md)
-        activations = "int8" if packed else "fp32"
+        activations = "fp32" if not packed else "int16" if half else "int8"
     return QuantizedMatmul(kernels, None, int8_activations=activations == "int8",
                            packing=activations == "int16" or (activations == "int8" and packed))
 
@@ -154,16 +156,20 @@ def activations_of(lib) -> str:
     return "int8" if lib.int8_activations else "int16" if lib.packing else "fp32"
 
 
-def weights_of(model) -> str:
-    """How the model's matrices are held and multiplied, in the words of the ready line ("" for plain
-    weights, whose dtype says it)."""
-    from worker.model.quantized import QuantizedMatmul
+def block_types(model) -> set[str]:
+    """The types of the file's matrices as loaded (packed ones by their packed names), before the model takes
+    them over (model.use_quantized)."""
+    return {s.qtype for w in model.file_blocks.values() for s in w.segments}
 
-    if not isinstance(model.mm, QuantizedMatmul):
+
+def weights_of(lib, types: set[str]) -> str:
+    """How the matrices are held and multiplied (lib: the quantized library, types: block_types), in the words
+    of the ready line ("" for plain or half-width rows, whose dtype says it)."""
+    if lib is None or types <= {"BF16", "F16", "F32"}:
         return ""
     words = {"int8": "8-bit activations (llama.cpp's precision)", "int16": "16-bit activations",
              "fp32": "fp32 activations"}
-    return f"the file's blocks x {words[activations_of(model.mm)]}"
+    return f"the file's blocks x {words[activations_of(lib)]}"
 
 
 def use_native_head(model) -> None:

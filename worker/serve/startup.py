@@ -13,6 +13,7 @@ from worker.serve.choices import (
     CPU_KV_CACHE_MEMORY,
     DTYPES,
     activations_of,
+    block_types,
     half_weights,
     kv_budget_bytes,
     kv_cache_dtype,
@@ -75,6 +76,7 @@ class Loaded:
     attn: object
     heads: int  # this rank's KV heads
     quantized_prefill: str = ""  # how prompt chunks multiply a file's blocks, as chosen ("": no blocks)
+    weights: str = ""  # how the matrices are held and multiplied, for the ready line (choices.weights_of)
 
 
 @dataclass
@@ -161,7 +163,8 @@ def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
             dtype = torch.float32
     try:
         kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, weights_dtype, device)
-        lib = quantized_library(cfg) if source is not None else None
+        half = getattr(source, "qtype_name", "") in ("BF16", "F16")  # a checkpoint's rows, not blocks
+        lib = quantized_library(cfg, half) if source is not None else None
     except ValueError as e:
         raise Refused("bad_worker_option", str(e), error=str(e)) from None
     if device.type == "cpu" and cfg.load_format != "dummy":
@@ -179,6 +182,7 @@ def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
         raise Refused("checkpoint_refused", f"{cfg.model}: {reason}", error=reason) from None
     load_s = time.perf_counter() - t0
     try:
+        types = block_types(model)  # before attach_matmuls hands the blocks to the model
         prefill = attach_matmuls(cfg, model, config, source, lib, device, dtype, kv_dtype, tp, load_s)
         heads = model.shard.num_kv_heads
         attn = make_backend(cfg.attention_backend, device, (model.shard.num_q_heads, heads, config.head_dim,
@@ -187,7 +191,8 @@ def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
             log.info("prefill_attention", arithmetic="bf16 dot products", why="bf16 prompt matmuls and pool")
     except ValueError as e:
         raise Refused("bad_worker_option", str(e), error=str(e)) from None
-    return Loaded(model, config, dtype, weights_dtype, kv_dtype, attn, heads, prefill)
+    return Loaded(model, config, dtype, weights_dtype, kv_dtype, attn, heads, prefill,
+                  weights_of(lib, types))
 
 
 def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype, kv_dtype, tp: int,
@@ -199,17 +204,21 @@ def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype,
     import torch
 
     from worker.model.linear import choose as choose_matmul
+    from worker.model.quantized import PACKED_TYPES
     from worker.serve.memory_plan import available_bytes, choose_quantized_prefill, dense_copy_bytes
 
     t0 = time.perf_counter()
     bf16_source = source is not None and getattr(source, "qtype_name", "") == "BF16"
     prefill = cfg.quantized_prefill  # "auto" resolved here
+    # 8-bit activations meet packed blocks only: a file of bf16 / fp16 rows keeps the choices below
+    int8_packed = source is not None and lib.packing and lib.int8_activations and bool(
+        block_types(model) & PACKED_TYPES.keys())
     if bf16_source and prefill == "auto" and lib.bf16_gemm:
         prefill = "dequantize"
         model.bf16_prefill = True  # prompt chunks multiply bf16 activations: attention may too
         log.info("quantized_prefill", chosen="dequantize",
                  why="the CPU's bf16 GEMM multiplies the weights as held")
-    elif source is not None and prefill == "auto" and lib.packing and lib.int8_activations:
+    elif source is not None and prefill == "auto" and int8_packed:
         prefill = "dequantize"  # no dense copy: many rows run on the packed kernel too
         log.info("quantized_prefill", chosen="dequantize",
                  why="the packed kernel with 8-bit activations multiplies many rows faster than an fp32 copy")
@@ -230,7 +239,7 @@ def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype,
 
         lib.dense = dense
         counts = model.use_quantized(model.file_blocks, lib, keep_dense=prefill == "dense")
-        if lib.packing and lib.int8_activations and no_dense_copy:
+        if int8_packed and no_dense_copy:
             # every step on the packed kernel: faster than dequantizing tiles at any row count (1B and 8B
             # measured), and one arithmetic for every batch, so an answer does not depend on its company
             lib.max_kernel_rows = 1 << 30
@@ -369,6 +378,6 @@ def handshake_for(cfg: WorkerConfig, loaded: Loaded, plan: PoolPlan, device, tp:
         dtype=str(loaded.weights_dtype).removeprefix("torch."),
         kv_cache_dtype=str(loaded.kv_dtype).removeprefix("torch."),
         attention_backend=loaded.attn.name,
-        weights=weights_of(loaded.model),
+        weights=loaded.weights,
         pid=os.getpid(),
     )
