@@ -12,11 +12,9 @@ token takes the path generated tokens take (decode steps: the quantized kernels,
 server after the other:
   - fp32: the GGUF dequantized (`--dequantize`), the reference;
   - the GGUF's blocks (the default model's: Q4_1) as `make run` serves them (`--quantized-activations
-    auto`: packed, with 8-bit integer activations, llama.cpp's scheme, where the CPU has AVX-512 VNNI or
-    AVX2);
+    auto`: packed, with 16-bit integer activations where the CPU has AVX-512 VNNI or AVX2);
   - the same blocks with fp32 activations (`--quantized-activations fp32`);
-  - the same blocks with int16 activations (`--quantized-activations int16`: 2^-16 of each block's largest
-    value, the dequantized model's perplexity);
+  - the same blocks with int8 activations (`--quantized-activations int8`, llama.cpp's scheme);
   - bf16: the GGUF dequantized, served with --dtype bfloat16 (bf16 weights and, by default, KV pool);
   - fp32 weights over a bf16 KV pool (--kv-cache-dtype bf16): what rounding each key and value costs;
   - Q8_0: a Q8_0 copy of the file (its values quantized again as llama.cpp's Q8_0 files are: every matrix,
@@ -131,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                            "bf16"]),
             (f"{kind} blocks, as served (default)", Path(args.model), []),
             (f"{kind} blocks, fp32 activations", Path(args.model), ["--quantized-activations", "fp32"]),
-            (f"{kind} blocks, int16 activations", Path(args.model), ["--quantized-activations", "int16"]),
+            (f"{kind} blocks, int8 activations", Path(args.model), ["--quantized-activations", "int8"]),
             ("Q8_0 copy of the file, as served", q8, [])]
     results = []
     for name, model, extra in runs:

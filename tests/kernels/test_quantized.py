@@ -170,18 +170,18 @@ def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_ans
 
 
 @pytest.mark.slow
-def test_by_default_a_gguf_meets_llama_cpps_8_bit_activations_and_says_so(server_factory, native, tmp_path):
-    """Where the integer kernels run (AVX-512 VNNI, AVX2), a GGUF is served at llama.cpp's precision unless
-    asked otherwise: 8-bit activations and no fp32 copy of its weights (prompts on the packed kernel too);
-    the ready line and GetModelInfo say how the matrices are multiplied, and int16 is there for the
-    dequantized model's arithmetic."""
+def test_the_ready_line_says_how_a_ggufs_blocks_are_multiplied(server_factory, native, tmp_path):
+    """Where the integer kernels run (AVX-512 VNNI, AVX2), a GGUF's blocks meet 16-bit activations unless
+    asked otherwise (the dequantized model's answers), and 8-bit ones (llama.cpp's precision) with no fp32
+    copy of the weights when asked; the ready line and GetModelInfo say which."""
     from protos import generation_pb2 as pb
     from tests.support.tiny import make_tiny_gguf
 
     folder = make_tiny_gguf(tmp_path / "m", qtype="Q4_1")
     flags = ["--block-size", "4", "--num-blocks", "256"]
-    default = "8-bit activations (llama.cpp's precision)" if native.packed_fast else "fp32 activations"
-    for extra, words in (([], default), (["--quantized-activations", "int16"], "16-bit activations")):
+    default = "16-bit activations" if native.packed_fast else "fp32 activations"
+    int8 = "8-bit activations (llama.cpp's precision)" if native.packed_fast else "fp32 activations"
+    for extra, words in (([], default), (["--quantized-activations", "int8"], int8)):
         server = server_factory(folder, *flags, *extra)
         try:
             log = server.log_path.read_text()
@@ -189,7 +189,7 @@ def test_by_default_a_gguf_meets_llama_cpps_8_bit_activations_and_says_so(server
             assert f"the file's blocks x {words}" in ready
             info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
             assert info.weights == f"the file's blocks x {words}"
-            if not extra and native.packed_fast:
+            if extra and native.packed_fast:
                 assert '"activations": "int8"' in log and '"chosen": "dequantize"' in log
             req = pb.GenerateRequest(prompt_token_ids=[5, 9, 13, 200, 31], sampling=pb.SamplingParams(
                 max_tokens=8, temperature=0, ignore_eos=True))

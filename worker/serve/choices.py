@@ -134,19 +134,18 @@ def half_weights(cfg: WorkerConfig, config, dtype):
     return CastSource(tensor_source(cfg.model, cfg.load_format, config), config, qtype)
 
 
-def quantized_library(cfg: WorkerConfig, half: bool = False):
-    """The matmul library over a GGUF's blocks (model/quantized.py), or over a checkpoint's bf16 / fp16 rows
-    (`half`: nothing there is rounded or packed, so auto keeps what it chose before), made before the model
-    loads so each weight is packed as it is read; its dense library is set once chosen. ValueError: flags that
-    conflict."""
+def quantized_library(cfg: WorkerConfig):
+    """The matmul library over a GGUF's blocks (model/quantized.py), or over a checkpoint's bf16 / fp16 rows,
+    made before the model loads so each weight is packed as it is read; its dense library is set once chosen.
+    ValueError: flags that conflict."""
     from kernels import cpu_native
     from worker.model.quantized import QuantizedMatmul
 
     kernels = cpu_native.load()
     packed = kernels is not None and kernels.packed_fast
     activations = cfg.quantized_activations
-    if activations == "auto":  # llama.cpp's precision where the integer kernels run (docs/BENCHMARKS.md)
-        activations = "fp32" if not packed else "int16" if half else "int8"
+    if activations == "auto":  # int8 changes the default model's answers (docs/BENCHMARKS.md): not by default
+        activations = "int16" if packed else "fp32"
     return QuantizedMatmul(kernels, None, int8_activations=activations == "int8",
                            packing=activations == "int16" or (activations == "int8" and packed))
 

@@ -102,9 +102,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "8 bits instead (llama.cpp's precision: 1.3-1.9%% perplexity on the default model's "
                         "files) for one byte dot product a weight where 16 bits take two (1.4-1.5x the "
                         "throughput of many rows and of prefill on the packed kernel); fp32 multiplies fp32 "
-                        "activations (exact up to summation order); auto: int8 where the CPU has AVX-512 "
-                        "VNNI or AVX2 (the peer's precision, and no fp32 copy of the weights), else fp32; "
-                        "the ready line says which")
+                        "activations (exact up to summation order); auto: int16 where the CPU has AVX-512 "
+                        "VNNI or AVX2, else fp32; the ready line says which")
     g.add_argument("--cpu-decode", default="fused", choices=["fused", "layers"],
                    help="on a CPU (fp32, one rank), a decode-only step of a few sequences runs as one native "
                         "call (fused: the threads stay up for the whole step; fp32 weights are then also "

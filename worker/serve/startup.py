@@ -163,8 +163,7 @@ def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
             dtype = torch.float32
     try:
         kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, dtype, weights_dtype, device)
-        half = getattr(source, "qtype_name", "") in ("BF16", "F16")  # a checkpoint's rows, not blocks
-        lib = quantized_library(cfg, half) if source is not None else None
+        lib = quantized_library(cfg) if source is not None else None
     except ValueError as e:
         raise Refused("bad_worker_option", str(e), error=str(e)) from None
     if device.type == "cpu" and cfg.load_format != "dummy":
