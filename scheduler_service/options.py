@@ -78,11 +78,13 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=("auto", "ngram", "off"), default="auto",
                    help="speculative decoding: draft tokens from each sequence's own n-grams (and earlier "
                         "requests') and verify them in one step, the same answers in fewer steps. auto: "
-                        "only in steps of at most --speculative-max-rows decodes; ngram: in every step; off")
+                        "only in steps of at most --speculative-max-rows decodes and no prompt to compute; "
+                        "ngram: in every step; off")
     p.add_argument("--num-speculative-tokens", type=POSITIVE, default=10,
                    help="the longest draft (made after a suffix match of 6 tokens or more)")
     p.add_argument("--speculative-max-rows", type=COUNT, default=4,
-                   help="with --speculative auto: steps of more decodes than this draft nothing")
+                   help="with --speculative auto: steps of more decodes than this (or with a prompt to "
+                        "compute) draft nothing")
     p.add_argument("--embed-slowdown", type=float_range(0.0, 1.0, low_open=True), default=0.2,
                    help="embeddings beside generation: the share of their speed decoding streams may lose to "
                         "embedding chunks in their steps (1: embeddings are not held back)")

@@ -7,8 +7,9 @@ the workload (tokens - 1 over seconds), for
   - pagedserve with --speculative off, ngram and auto;
   - llama.cpp's llama-server on the same Q4_1 GGUF without speculation and with each n-gram --spec-type
     (built once from the llama-cpp-python sdist, as `make bench-cpu-peers` does);
-then the shared 64-stream workload (random token prompts: nothing to draft), all at once, pagedserve with
-speculation off and on: output tokens/s. Each round starts every server afresh (n-grams learned in a round
+then 64 streams of random token prompts (the shared workload's lengths, new tokens each round), all at
+once, pagedserve with each mode: output tokens/s. Each round starts every server afresh (n-grams learned in
+a round
 never draft the next: both engines keep some across requests), and within it the servers take each prompt in
 turn, the first one rotating, so a slow moment of a noisy machine falls on all of them alike; medians over
 rounds, ratios per round. Prompts go to both as the same token ids.
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="the many-stream workload")
     p.add_argument("--streams", type=int, default=64, help="0: skip the many-stream part")
     p.add_argument("--stream-tokens", type=int, default=128)
-    p.add_argument("--stream-rounds", type=int, default=2)
+    p.add_argument("--stream-rounds", type=int, default=4)
     args = p.parse_args(argv)
     gguf = args.gguf or find_embedded_gguf()
     prompts = edit_prompts(args.model)
@@ -144,23 +145,48 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for t in servers:
                 t.stop()
-    many = {}
-    if args.streams:
-        stream_prompts = load_workload(args.workload)[:args.streams]
-        ours = [Ours(args.model, m, args.threads) for m in modes]
-        try:
-            for _ in range(args.stream_rounds):
-                for t in ours:
-                    many.setdefault(t.name, []).append(t.many(stream_prompts, args.stream_tokens))
-        finally:
-            for t in ours:
-                t.stop()
+    many = many_streams(args, modes) if args.streams else {}
     report(rates, drafts, kinds, many, args)
     return 0
 
 
+def many_streams(args, modes: list[str]) -> dict[str, list[float]]:
+    """Output tokens/s of `--streams` random-token prompts at once (the shared workload's lengths, new
+    tokens each round: a prompt asked again would draft its earlier answer from the n-grams every server
+    keeps), each mode's server started afresh every round (what a start measures and chooses, and the
+    memory it is given, differ between processes: one process a mode would carry its luck into every
+    round) and the modes taking turns, the first one rotating."""
+    import random
+
+    lengths = [len(p) for p in load_workload(args.workload)[:args.streams]]
+    many: dict[str, list[float]] = {}
+    for r in range(args.stream_rounds):
+        rng = random.Random(r)
+        prompts = [[rng.randrange(100, 30000) for _ in range(n)] for n in lengths]
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            ours = Ours(args.model, mode, args.threads)
+            try:
+                rate = ours.many(prompts, args.stream_tokens)
+                many.setdefault(ours.name, []).append(rate)
+                print(f"  {args.streams} streams, round {r + 1}: {ours.name}: {rate:.1f} tok/s "
+                      f"{ours.drafts()}", flush=True)
+            finally:
+                ours.stop()
+    return {f"pagedserve --speculative {m}": many[f"pagedserve --speculative {m}"] for m in modes}
+
+
 def report(rates: dict, drafts: dict, kinds: dict, many: dict, args) -> None:
     med = statistics.median
+    if any(many.values()):
+        first = next(iter(many))
+        print(f"\n{args.streams} random streams x {args.stream_tokens} tokens, output tok/s "
+              f"({args.stream_rounds} rounds; ratios per round, their median):")
+        for name, r in many.items():
+            ratios = [a / b for a, b in zip(r, many[first], strict=True)]
+            print(f"  {name:38} {med(r):7.1f}  x{med(ratios):.3f} vs {first.split()[-1]}  "
+                  f"({', '.join(f'x{x:.3f}' for x in ratios)})")
+    if not rates:
+        return
     base = next(iter(rates))
     llama = [name for name in rates if kinds[name] is Llama]
     best_llama = max(llama, key=lambda n: med(rates[n])) if llama else None
@@ -174,11 +200,6 @@ def report(rates: dict, drafts: dict, kinds: dict, many: dict, args) -> None:
         print(f"  {name:38} {med(r):7.1f}{cols}  {drafts[name]}")
     if best_llama:
         print(f"  best llama.cpp mode: {best_llama}")
-    if any(many.values()):
-        print(f"\n{args.streams} random streams x {args.stream_tokens} tokens, output tok/s:")
-        for name, r in many.items():
-            ratio = med(a / b for a, b in zip(r, many[base], strict=True))
-            print(f"  {name:38} {med(r):7.1f}  x{ratio:.3f} vs {base.split()[-1]}")
 
 
 if __name__ == "__main__":

@@ -110,8 +110,8 @@ class SchedulerConfig:
     # replica holding a request's cached prefix may be and still get it. None: max_num_seqs / 4.
     route_overload_slack: int | None = None
     # Speculative decoding (scheduler_service/core/drafting.py): "off"; "ngram" drafts wherever a sequence's
-    # n-grams propose; "auto" also stops drafting in steps of more than speculative_max_rows decodes, where
-    # the batch already keeps the workers busy.
+    # n-grams propose; "auto" only in steps of at most speculative_max_rows decodes and no prompt to compute
+    # (waiting or chunked), where the rows drafts add are nearly free.
     speculative: str = "auto"
     num_speculative_tokens: int = 10  # the longest draft (a long suffix match drafts this many)
     speculative_max_rows: int = 4

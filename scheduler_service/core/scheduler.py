@@ -144,8 +144,10 @@ class Scheduler:
                 prefills.append(s)
             elif s.request.embed is None:  # a draft in flight (its tokens count as computed until its result)
                 drafting_now += 1
-        drafting = self.speculating and (self.config.speculative == "ngram"
-                                         or len(decodes) <= self.config.speculative_max_rows)
+        # auto drafts only where a step would be small: a few decodes and no prompt to compute (a prompt
+        # chunk fills the step, where each drafted row costs about what a plain step's row does)
+        small = len(decodes) <= self.config.speculative_max_rows and not prefills and not self.waiting
+        drafting = self.speculating and (self.config.speculative == "ngram" or small)
         for seq in decodes:
             if budget == 0:
                 break

@@ -91,3 +91,33 @@ def test_a_sequence_drafts_from_its_own_copy_before_a_shorter_shared_match():
     fresh = SequenceDrafter([70, 71], 10, shared)
     fresh.append([1, 2, 3, 4])  # nothing of its own: the shared continuation
     assert fresh.match(4) == (4 - SHARED_DISCOUNT, [50, 51, 52, 53])
+
+
+@pytest.mark.parametrize("mode", ["auto", "ngram"])
+def test_auto_drafts_in_small_steps_only_never_beside_a_prompt_to_compute(mode):
+    """A prompt asked again drafts its earlier answer; once another request's prompt is being computed
+    (its chunks fill the steps), `auto` drafts nothing until it is done, `ngram` drafts on; the answers are
+    the same either way."""
+    from scheduler_service.core.sequence import Request, SamplingOptions
+    from tests.support.simulated import drain, expected, make, step
+
+    sched, worker = make(200, budget=16, speculative=mode)
+    prompt = list(range(100, 110))
+    sched.add_request(Request("first", prompt, SamplingOptions(max_tokens=30)))
+    drain(sched, worker)
+    again = Request("again", prompt, SamplingOptions(max_tokens=30))
+    sched.add_request(again)
+    step(sched, worker)  # its prompt
+    alone = step(sched, worker)
+    assert alone.scheduled[0].draft  # alone: it drafts what the first answer went on with
+    long = Request("long", list(range(500, 560)), SamplingOptions(max_tokens=2))
+    sched.add_request(long)
+    beside = []
+    while long.seqs[0].num_computed_tokens < 60 and sched.has_work:
+        out = step(sched, worker)
+        beside += [s.draft for s in out.scheduled if s.seq.request is again]
+    assert beside  # the first answer's copy was decoding while the prompt's chunks ran
+    assert any(beside) == (mode == "ngram")
+    drain(sched, worker)
+    for req in (again, long):
+        assert req.seqs[0].output_token_ids == expected(req, req.seqs[0])
