@@ -290,6 +290,35 @@ def test_int8_activations_start_a_worker_on_the_packed_kernel_alone(tmp_path):
                if hasattr(w, "q") and w.q.out_dim % 16 == 0)
 
 
+def test_auto_activations_are_8_bit_where_prefill_keeps_no_dense_copy_and_16_bit_where_it_does(tmp_path):
+    """A model past the dense copy's limit (here: asked for with --quantized-prefill dequantize) serves at
+    llama.cpp's precision, prompts at the 8-bit kernel's speed and nothing held in fp32; a small model keeps
+    its copy and 16-bit activations (the default model's answers); an explicit int16 is kept either way."""
+    from worker.serve.choices import activations_of
+    from worker.serve.main import build_parser
+    from worker.serve.startup import load, start_device
+
+    if not cpu_native.load().packed_fast:
+        pytest.skip("no byte dot products here: nothing is packed")
+    folder = make_tiny_gguf(tmp_path / "q4", qtype="Q4_1")
+
+    def start(*flags):
+        args = build_parser().parse_args(["--model", str(folder), "--scheduler", "tcp://127.0.0.1:1",
+                                          "--device", "cpu", "--num-blocks", "8", *flags])
+        device, dtype = start_device(args)
+        loaded = load(args, device, dtype, 1)
+        return loaded, loaded.model.mm
+
+    loaded, lib = start("--quantized-prefill", "dequantize")
+    assert activations_of(lib) == "int8" and lib.max_kernel_rows >= 1 << 30
+    assert "8-bit activations" in loaded.weights
+    assert all(w.dense is None for w in loaded.model.layers[0].w.values() if hasattr(w, "dense"))
+    loaded, lib = start()
+    assert activations_of(lib) == "int16" and loaded.quantized_prefill == "dense"
+    loaded, lib = start("--quantized-prefill", "dequantize", "--quantized-activations", "int16")
+    assert activations_of(lib) == "int16"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets only")
 def test_the_portable_paths_built_for_avx2_compute_the_same(tmp_path):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from worker.model.config import parameter_count
-from worker.serve.memory_plan import MARGIN, GiB, check_fits, choose_quantized_prefill
+from worker.serve.memory_plan import DENSE_COPY_LIMIT, MARGIN, GiB, check_fits, choose_quantized_prefill
 
 
 def test_the_parameter_count_is_the_models_own(tiny_model_dir):
@@ -22,14 +22,18 @@ def test_the_parameter_count_is_the_models_own(tiny_model_dir):
     assert parameter_count(config) == held
 
 
-def test_prefill_keeps_its_dense_copy_only_where_it_fits():
-    dense, kv = 4 * GiB, 2 * GiB
+def test_prefill_keeps_a_dense_copy_only_for_a_small_model_and_where_it_fits():
+    dense, kv = DENSE_COPY_LIMIT, 2 * GiB
     chosen, why = choose_quantized_prefill("auto", dense, kv, dense + kv + MARGIN)
     assert chosen == "dense" and "available" in why
     chosen, why = choose_quantized_prefill("auto", dense, kv, dense + kv + MARGIN - 1)
-    assert chosen == "dequantize" and "cannot hold" in why and "4.0 GiB" in why
-    assert choose_quantized_prefill("dense", dense, kv, 0)[0] == "dense"  # asked for: as asked
+    assert chosen == "dequantize" and "cannot hold" in why and "1.0 GiB" in why
     assert choose_quantized_prefill("auto", dense, kv, None)[0] == "dense"  # the system does not say
+    # a 1B model's copy (5 GiB) is never taken by default, however much the machine has: the server holds
+    # its file and its pool, as llama.cpp does
+    chosen, why = choose_quantized_prefill("auto", 5 * GiB, kv, 100 * GiB)
+    assert chosen == "dequantize" and "5.0 GiB" in why and "--quantized-prefill dense" in why
+    assert choose_quantized_prefill("dense", 5 * GiB, kv, 0)[0] == "dense"  # asked for: as asked
 
 
 def test_the_refusal_names_what_is_needed_and_what_there_is():

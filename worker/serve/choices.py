@@ -144,10 +144,27 @@ def quantized_library(cfg: WorkerConfig):
     kernels = cpu_native.load()
     packed = kernels is not None and kernels.packed_fast
     activations = cfg.quantized_activations
-    if activations == "auto":  # int8 changes the default model's answers (docs/BENCHMARKS.md): not by default
+    # auto: 16-bit where a small model keeps a dense copy for prefill (int8 changed the default model's
+    # answers, docs/BENCHMARKS.md); startup.attach_matmuls turns 8-bit on where no copy is held
+    if activations == "auto":
         activations = "int16" if packed else "fp32"
     return QuantizedMatmul(kernels, None, int8_activations=activations == "int8",
                            packing=activations == "int16" or (activations == "int8" and packed))
+
+
+def int8_without_copy(cfg, lib, types: set[str]) -> bool:
+    """auto's activations where prefill keeps no dense copy (a model past its limit, or asked for): prompts
+    would run on the 16-bit kernel, 1.4x slower than on 8-bit activations, whose precision is llama.cpp's
+    (docs/BENCHMARKS.md, accuracy). Turns them on in lib where they apply; whether it did."""
+    from worker.model.quantized import PACKED_TYPES
+
+    if cfg.quantized_activations != "auto" or not lib.packing or lib.int8_activations \
+            or not types & PACKED_TYPES.keys():
+        return False
+    lib.int8_activations = True
+    log.info("quantized_activations", chosen="int8",
+             why="no dense copy for prefill: 8-bit activations multiply prompts at its speed")
+    return True
 
 
 def activations_of(lib) -> str:

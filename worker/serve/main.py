@@ -91,9 +91,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantized-prefill", default="auto", choices=["auto", "dense", "dequantize"],
                    help="with quantized weights, prefill on a dense copy of each weight (memory for speed) "
                         "or dequantize each into a scratch matrix when it is used (or multiply on the packed "
-                        "kernel where it is faster); auto: the dense copy where the machine's available "
-                        "memory holds it beside the KV pool, none with --quantized-activations int8 (the "
-                        "choice is logged)")
+                        "kernel where it is faster); auto: the dense copy for a model whose copy holds at "
+                        "most 1 GiB, where the machine's available memory holds it beside the KV pool, none "
+                        "with --quantized-activations int8 (the choice is logged)")
     g.add_argument("--quantized-activations", default="auto", choices=["auto", "int16", "fp32", "int8"],
                    help="with quantized weights, what the kernels multiply the weights with: int16 rounds "
                         "activations per 32-value block to 16-bit integers (2^-16 of the block's largest "
@@ -103,7 +103,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "files) for one byte dot product a weight where 16 bits take two (1.4-1.5x the "
                         "throughput of many rows and of prefill on the packed kernel); fp32 multiplies fp32 "
                         "activations (exact up to summation order); auto: int16 where the CPU has AVX-512 "
-                        "VNNI or AVX2, else fp32; the ready line says which")
+                        "VNNI or AVX2 and prefill keeps a dense copy (a small model), int8 where it keeps "
+                        "none, else fp32; the ready line says which")
     g.add_argument("--cpu-decode", default="fused", choices=["fused", "layers"],
                    help="on a CPU (fp32, one rank), a decode-only step of a few sequences runs as one native "
                         "call (fused: the threads stay up for the whole step; fp32 weights are then also "

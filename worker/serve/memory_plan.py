@@ -13,6 +13,10 @@ from pathlib import Path
 
 GiB = 1 << 30
 MARGIN = 2 * GiB  # activations, scratch, the allocator's slack, the scheduler beside the worker
+# The most a dense copy for prefill may hold under --quantized-prefill auto: a server holds its file, its KV
+# pool and about 1 GiB beside them (as llama.cpp does), so a full-precision copy is for small models only
+# (the default 135M model's is 0.5 GiB; a 1B model's would be 5 GiB, an 8B's 30)
+DENSE_COPY_LIMIT = GiB
 
 
 def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
@@ -59,11 +63,15 @@ def check_fits(what: str, need: int, available: int | None, fix: str) -> str | N
 def choose_quantized_prefill(choice: str, dense_copy: int, kv: int, available: int | None) -> tuple[str, str]:
     """'dense' or 'dequantize' for --quantized-prefill auto, and why. The worker holds the file's blocks when
     this is asked; a dense copy of the matrices they serve (`dense_copy` bytes: prefill on the dense library's
-    own layout, the fastest) is kept where it, the KV pool and a margin still fit in what is available;
-    otherwise prefill dequantizes a tile of each weight at a time into a small scratch, and nothing of the
-    model is ever held in full precision."""
+    own layout, the fastest) is kept where it is at most DENSE_COPY_LIMIT and it, the KV pool and a margin
+    still fit in what is available; otherwise prefill runs on the kernel or dequantizes a tile of each weight
+    at a time into a small scratch, and nothing of the model is ever held in full precision."""
     if choice != "auto":
         return choice, "asked for"
+    if dense_copy > DENSE_COPY_LIMIT:
+        return "dequantize", (f"a dense copy ({human(dense_copy)}) would hold more than "
+                              f"{human(DENSE_COPY_LIMIT)} beside the file (--quantized-prefill dense keeps "
+                              "one)")
     if available is None:
         return "dense", "the system does not report its available memory"
     need = dense_copy + kv + MARGIN

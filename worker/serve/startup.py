@@ -15,6 +15,7 @@ from worker.serve.choices import (
     activations_of,
     block_types,
     half_weights,
+    int8_without_copy,
     kv_budget_bytes,
     kv_cache_dtype,
     quantized_library,
@@ -229,6 +230,7 @@ def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype,
     # a prefill that dequantizes tiles multiplies them with F.linear: no library to measure (measuring
     # one allocates the model's shapes in fp32, which is what that choice is avoiding)
     no_dense_copy = source is not None and prefill == "dequantize"
+    int8_packed = int8_packed or (no_dense_copy and int8_without_copy(cfg, lib, block_types(model)))
     dense = choose_matmul("dense" if no_dense_copy else cfg.matmul, model.matmul_shapes(), device, dtype)
     fused = device.type == "cpu" and cfg.cpu_decode == "fused" and tp == 1 and dtype == torch.float32
     if source is None:  # the fused decode step reads plain fp32 rows: kept beside oneDNN's packed copies
