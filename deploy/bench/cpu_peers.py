@@ -345,6 +345,15 @@ def main(argv: list[str] | None = None) -> int:
                        f" {med(a[1] / b[1] for a, b in pairs[n]):7.2f}" for n in args.streams)
         cols += f" {med(a / b for a, b in zip(r['prefill'], q['prefill'], strict=True)):11.2f}" if pp else ""
         print(f"{t.name[:24] + ' / llama.cpp':38} {ratio:16.2f}{cols} {r['rss'] / q['rss']:9.2f}")
+    for t in targets[:-1]:  # the spread behind each median ratio: its rounds' lowest and highest
+        r, q = res[t.name], res[peer]
+        keys = ["one", *args.streams, *(["prefill"] if pp else [])]
+
+        def per_round(k, r=r, q=q):
+            return [(a[0] / b[0]) if isinstance(a, tuple) else a / b for a, b in zip(r[k], q[k], strict=True)]
+        print(f"{t.name[:24]} / llama.cpp, each round's ratio: " + "; ".join(
+            f"{'1 stream' if k == 'one' else k if k == 'prefill' else f'{k} streams'} "
+            + ", ".join(f"{x:.2f}" for x in per_round(k)) for k in keys))
     print("one stream, every round (tok/s): " + "; ".join(
         f"{t.name.split(' (')[0]}: " + ", ".join(f"{x:.1f}" for x in res[t.name]["one"]) for t in targets))
     return 0
