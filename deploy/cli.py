@@ -83,6 +83,8 @@ def _sampling_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--regex", default=None, help="a regular expression the output matches")
     g.add_argument("--grammar", type=text_or_file, default=None,
                    help="a Lark grammar the output follows (text, or @file)")
+    g.add_argument("--lora", default="", metavar="NAME",
+                   help="generate with this LoRA adapter (a name the server loaded; see `pagedserve info`)")
 
 
 def build_parser() -> argparse.ArgumentParser:

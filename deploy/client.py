@@ -87,10 +87,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise SystemExit("--system needs the chat template: leave out --raw")
         req = generation_pb2.GenerateRequest(messages=[
             generation_pb2.ChatMessage(role="system", content=args.system),
-            generation_pb2.ChatMessage(role="user", content=args.prompt)], sampling=sampling_from_args(args))
+            generation_pb2.ChatMessage(role="user", content=args.prompt)], sampling=sampling_from_args(args),
+            lora=args.lora)
     else:
         req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling_from_args(args),
-                                             raw_prompt=args.raw)
+                                             raw_prompt=args.raw, lora=args.lora)
     stub = stub_for(args.server, args.tls_ca)
     try:
         if args.json:
@@ -133,7 +134,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 CHAT_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer."
 
 
-def chat_turn(stub, history: list, sampling, timeout: float, out=sys.stdout) -> tuple[str, bool]:
+def chat_turn(stub, history: list, sampling, timeout: float, out=sys.stdout,
+              lora: str = "") -> tuple[str, bool]:
     """Send the conversation, stream the assistant's answer to `out`; return (answer, finished). Ctrl-C
     cancels the stream and aborts the request on the server; the partial answer is returned."""
     import uuid
@@ -142,7 +144,7 @@ def chat_turn(stub, history: list, sampling, timeout: float, out=sys.stdout) -> 
 
     request_id = f"chat-{uuid.uuid4().hex}"
     call = stub.GenerateStream(
-        generation_pb2.GenerateRequest(request_id=request_id, messages=history, sampling=sampling),
+        generation_pb2.GenerateRequest(request_id=request_id, messages=history, sampling=sampling, lora=lora),
         timeout=timeout)
     answer = []
     try:
@@ -188,7 +190,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append(generation_pb2.ChatMessage(role="user", content=line))
         try:
-            answer, _ = chat_turn(stub, history, sampling, args.timeout)
+            answer, _ = chat_turn(stub, history, sampling, args.timeout, lora=args.lora)
         except grpc.RpcError as e:
             history.pop()
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)

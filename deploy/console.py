@@ -42,6 +42,8 @@ def info_table(info, server: str) -> Table:
                                    f"{', normalized' if info.normalized else ''}"))
     if info.prompt_names:
         rows.append(("prompt names", ", ".join(info.prompt_names)))
+    for a in info.lora_adapters:
+        rows.append(("LoRA adapter", f"{a.name} (rank {a.rank}: {', '.join(a.target_modules)})"))
     for name, value in rows:
         t.add_row(name, value)
     return t

@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, process="scheduler", log_format=args.log_format)
     try:
         args.model = model_folder(args.model)  # a .gguf file: its prepared folder, served on its blocks
+        if args.lora_modules and args.max_cpu_loras is None:  # the workers keep every adapter a step may run
+            args.max_cpu_loras = args.max_loras
         return asyncio.run(launch(args))
     except ConfigError as e:
         sys.stderr.write(f"pagedserve serve: error: {e}\n")

@@ -62,6 +62,8 @@ class PlanArrays:
     mask_follows: bool = False  # the bitmasks come in a StepMask once the step in flight's tokens are known
     num_draft: np.ndarray | None = None  # int32 [S]: drafted tokens at the end of each row (speculation)
     pooling: np.ndarray | None = None  # int32 [S]: 0, or what the row's hidden states give back (POOL_*)
+    lora_index: np.ndarray | None = None  # int32 [S]: -1 (the base model) or an index into loras
+    loras: list[tuple[str, str]] | None = None  # LoRA adapters the rows use: (identity, path)
 
     @property
     def num_seqs(self) -> int:
@@ -79,7 +81,7 @@ _OPTIONAL = (
     ("bias_values", F32, "*"),
     ("logprobs", I32, "S"), ("prompt_logprobs", I32, "S"), ("prompt_logprob_counts", I32, "S"),
     ("prompt_logprob_targets", I32, "*"), ("mask_rows", I32, "S"), ("num_draft", I32, "S"),
-    ("pooling", I32, "S"),
+    ("pooling", I32, "S"), ("lora_index", I32, "S"),
 )
 
 # StepPlan.pooling: what a row's final hidden states give back
@@ -116,6 +118,7 @@ def encode_plan(p: PlanArrays) -> wire_pb2.StepPlan:
         token_bitmask=b(mask, I32),
         bitmask_words=int(mask.shape[1]) if mask is not None else 0,
         mask_follows=p.mask_follows,
+        loras=[wire_pb2.LoraRef(identity=i, path=path) for i, path in p.loras or ()],
         **{name: b(getattr(p, name), dtype) for name, dtype, _ in _OPTIONAL},
     )
 
@@ -163,6 +166,7 @@ def decode_plan(msg: wire_pb2.StepPlan) -> PlanArrays:
         prev_step_id=msg.prev_step_id,
         prev_rows=_array(msg.prev_rows, I32, t, "prev_rows") if msg.prev_rows else None,
         mask_follows=msg.mask_follows,
+        loras=[(r.identity, r.path) for r in msg.loras] or None,
         **extra,
     )
 

@@ -34,6 +34,7 @@ from scheduler_service.options import (
     DEFAULT_HTTP_PORT,
     add_scheduler_args,
     check_model_folder,
+    lora_registry,
     scheduler_config,
 )
 from scheduler_service.runtime.engine import Engine
@@ -65,8 +66,10 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     """Phases: check the flags and read the model, bind the worker socket, start gRPC (NOT_SERVING), call
     on_bound(endpoint) (to start workers), wait for them, serve until stopped, drain."""
     config, spec, tokenizer = prepare(args)
+    adapters = lora_registry(args, tuple(served_names(args, spec)))
     client, endpoint = bind_workers(args, config)
     engine = Engine(config, spec, tokenizer, client, worker_restart_timeout=args.worker_restart_timeout)
+    engine.adapters = adapters
     metrics_port = start_metrics(engine, args)
     http = await start_http(engine, spec, args)
     server, health, port = await start_grpc(args, engine, endpoint, metrics_port, http)
@@ -163,13 +166,18 @@ def bind_workers(args: argparse.Namespace, config: SchedulerConfig) -> tuple[Wor
 
 
 
+def served_names(args: argparse.Namespace, spec: ModelSpec) -> list[str]:
+    """The names OpenAI requests give the base model as `model`."""
+    return args.served_model_name or [Path(spec.path or args.model).name]
+
+
 async def start_http(engine: Engine, spec: ModelSpec, args: argparse.Namespace) -> HttpServer | None:
     """The OpenAI-compatible HTTP server, listening (it answers 503 until the workers join). Where the
     default port is taken the service goes on without it, saying so; a port asked for that is taken is a
     ConfigError."""
     if args.http_port == 0:
         return None
-    names = args.served_model_name or [Path(spec.path or args.model).name]
+    names = served_names(args, spec)
     try:
         sock = bind(args.host, max(args.http_port, 0))
     except OSError as e:

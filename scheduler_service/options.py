@@ -4,11 +4,13 @@ checked before anything starts (one line saying what is wrong, never a traceback
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from protos import ConfigError, env
 from protos.argtypes import COUNT, PORT, PORT_OR_ANY, POSITIVE, SECONDS, float_range, int_range
 from protos.logs import LOG_FORMATS
+from scheduler_service.core.adapters import AdapterError, AdapterRegistry, BaseShapes, parse_module_flag
 from scheduler_service.core.config import TASKS, SchedulerConfig
 from scheduler_service.core.pooling import POOLINGS
 
@@ -91,6 +93,12 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embed-step-tokens", type=COUNT, default=512,
                    help="with --task both: the most embedding tokens a step without decodes takes (bounds "
                         "how long a new generation request waits behind embeddings; 0: the whole budget)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served beside the base model, each under its name: a "
+                        "request's lora (OpenAI: model) picks one; more load at run time (LoadLoraAdapter)")
+    p.add_argument("--max-loras", type=POSITIVE, default=8,
+                   help="the most LoRA adapters whose requests run at once (a request whose adapter would be "
+                        "one more waits); the workers keep at least this many (--max-cpu-loras)")
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")
     p.add_argument("--step-profile-interval", type=SECONDS, default=5.0,
                    help="seconds between step_profile log lines (where a busy replica's step time went)")
@@ -143,7 +151,27 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         embed_slowdown=args.embed_slowdown,
         embed_step_tokens=args.embed_step_tokens,
         default_max_tokens=args.max_tokens_default,
+        max_loras=args.max_loras,
     )
+
+
+def lora_registry(args: argparse.Namespace, base_names: tuple[str, ...]) -> AdapterRegistry | None:
+    """The adapters of --lora-modules, each checked against the model (ConfigError naming a bad one), in the
+    registry that later loads join; None where the model's config gives no shapes to check adapters by.
+    Under `pagedserve serve` the workers' --max-lora-rank bounds them here already."""
+    try:
+        base = BaseShapes.from_config(json.loads((Path(args.model) / "config.json").read_text()))
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        if args.lora_modules:
+            raise ConfigError(f"{args.model}/config.json does not give the shapes LoRA needs: {e}") from None
+        return None
+    registry = AdapterRegistry(base, base_names, getattr(args, "max_lora_rank", None))
+    try:
+        for name, path in parse_module_flag(args.lora_modules or []):
+            registry.load(name, path)
+    except (AdapterError, OSError) as e:
+        raise ConfigError(str(e)) from None
+    return registry
 
 
 def check_model_folder(path: str) -> None:

@@ -342,7 +342,9 @@ class EngineProtocolServicer:
             item = out.events.add(event_id=batch.sequence_number * 1_000_000 + i)
             if event[0] == "stored":
                 stored = item.stored
-                stored.blocks.add(block_hash=event[1], token_ids=event[3], block_size=block_size)
+                block = stored.blocks.add(block_hash=event[1], token_ids=event[3], block_size=block_size)
+                if len(event) > 4:  # a LoRA adapter's K/V
+                    block.lora_id = event[4]
                 if event[2] is not None:
                     stored.parent_block_hash = event[2]
                 stored.tier = common_pb2.KV_CACHE_TIER_DEVICE

@@ -3,15 +3,22 @@ errors mapped once, a body pydantic refused said in one line naming the field.""
 
 from __future__ import annotations
 
+import json
+
 import pydantic
 import structlog
+from starlette.requests import Request
 from starlette.responses import Response
 
 from scheduler_service.api import openai_responses as out
+from scheduler_service.api.lora import AdapterExists, AdapterNotFound
 from scheduler_service.api.streams import ClientGone
 from scheduler_service.api.validation import InvalidRequest
+from scheduler_service.core.adapters import AdapterError
 from scheduler_service.core.batch import DuplicateRequestId
 from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, Unschedulable
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
 
 log = structlog.get_logger("scheduler.http")
 
@@ -36,6 +43,10 @@ def api_error(error: Exception) -> ApiError:
         return ApiError(429, str(error), "rate_limit_error")
     if isinstance(error, Unschedulable):
         return ApiError(400, str(error))
+    if isinstance(error, AdapterNotFound):
+        return ApiError(404, str(error), code="model_not_found")
+    if isinstance(error, AdapterError):  # a bad folder, or a name in use
+        return ApiError(409 if isinstance(error, AdapterExists) else 400, str(error))
     if isinstance(error, EngineUnavailable):
         return ApiError(503, str(error), "service_unavailable")
     return ApiError(500, str(error), "server_error")
@@ -63,3 +74,23 @@ def validation_message(e: pydantic.ValidationError) -> str:
         parts.append(f"{where}: {what}" if where else what)
     more = f" (and {len(e.errors()) - 4} more)" if len(e.errors()) > 4 else ""
     return "; ".join(dict.fromkeys(parts)) + more
+
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+async def read_body(request: Request, model: type[pydantic.BaseModel]):
+    """The request's JSON body as `model`, or ApiError saying what is wrong with it."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise ApiError(400, validation_message(e)) from None

@@ -175,3 +175,15 @@ class TokenizeRequest(Strict):
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoraRequest(Strict):
+    """vLLM's /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+    replace: bool = False
+
+
+class UnloadLoraRequest(Strict):
+    lora_name: str

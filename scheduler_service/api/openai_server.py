@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import base64
 import hmac
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import numpy as np
-import pydantic
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -24,13 +22,16 @@ from starlette.routing import Route
 from scheduler_service.api import openai_requests as to_engine
 from scheduler_service.api import openai_responses as out
 from scheduler_service.api.embedding import prepare_embeddings, run_embeddings
-from scheduler_service.api.openai_errors import ApiError, api_error, error_response, validation_message
+from scheduler_service.api.lora import load_adapter, loaded, unload_adapter
+from scheduler_service.api.openai_errors import ApiError, api_error, error_response, read_body
 from scheduler_service.api.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoraRequest,
     TokenizeRequest,
+    UnloadLoraRequest,
 )
 from scheduler_service.api.rpc import prepare_request
 from scheduler_service.api.streams import merged, unless_disconnected
@@ -40,33 +41,6 @@ from scheduler_service.runtime.engine import Engine
 from scheduler_service.runtime.errors import EngineUnavailable, StepFailed
 
 log = structlog.get_logger("scheduler.http")
-
-MAX_BODY_BYTES = 64 * 1024 * 1024
-
-
-
-
-
-
-
-
-
-
-async def _body(request: Request, model: type[pydantic.BaseModel]):
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-    try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except pydantic.ValidationError as e:
-        raise ApiError(400, validation_message(e)) from None
-
 
 class OpenAIServer:
     """The routes, over one engine."""
@@ -86,6 +60,8 @@ class OpenAIServer:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
@@ -115,14 +91,18 @@ class OpenAIServer:
                 "invalid_api_key",
             )
 
-    def _model(self, name: str | None) -> str:
-        if name is None or name in self.names:
+    def _model(self, name: str | None, lora: bool = True) -> str:
+        """The model a request names: the base model's name, or (where `lora`) a LoRA adapter's."""
+        adapters = [a.name for a in loaded(self.engine)] if lora else []
+        if name is None or name in self.names or name in adapters:
             return name or self.names[0]
-        raise ApiError(
-            404,
-            f"the model {name!r} does not exist: this server serves {', '.join(repr(n) for n in self.names)}",
-            code="model_not_found",
-        )
+        served = ", ".join(repr(n) for n in self.names + adapters)
+        raise ApiError(404, f"the model {name!r} does not exist: this server serves {served}",
+                       code="model_not_found")
+
+    def _lora(self, model: str) -> str:
+        """GenerateRequest.lora for a request that names `model`."""
+        return "" if model in self.names else model
 
     async def _guarded(self, request: Request, handler, prefix: str = "req") -> Response:
         """handler(request id) answered, or its failure in OpenAI's error shape. The id is the client's
@@ -145,7 +125,7 @@ class OpenAIServer:
         """vLLM's /tokenize: a prompt's token ids as this server would compute them."""
 
         async def handler(rid: str):
-            body = await _body(request, TokenizeRequest)
+            body = await read_body(request, TokenizeRequest)
             self._model(body.model)
             if (body.prompt is None) == (body.messages is None):
                 raise InvalidRequest("set exactly one of prompt and messages")
@@ -171,7 +151,7 @@ class OpenAIServer:
 
     async def detokenize(self, request: Request) -> Response:
         async def handler(rid: str):
-            body = await _body(request, DetokenizeRequest)
+            body = await read_body(request, DetokenizeRequest)
             self._model(body.model)
             vocab = self.engine.spec.vocab_size
             bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -209,8 +189,29 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         async def handler(rid: str):
-            body = {"object": "list", "data": [self._model_card(n) for n in self.names]}
+            cards = [self._model_card(n) for n in self.names] + [
+                {**self._model_card(a.name), "root": a.path, "parent": self.names[0]}
+                for a in loaded(self.engine)]
+            body = {"object": "list", "data": cards}
             return Response(out.dumps(body), media_type="application/json")
+
+        return await self._guarded(request, handler)
+
+    async def load_lora(self, request: Request) -> Response:
+        """vLLM's /v1/load_lora_adapter: {"lora_name", "lora_path"[, "replace"]}."""
+        async def handler(rid: str):
+            body = await read_body(request, LoadLoraRequest)
+            a = await load_adapter(self.engine, body.lora_name, body.lora_path, body.replace)
+            return Response(f"LoRA adapter {a.name!r} loaded (rank {a.rank})", media_type="text/plain")
+
+        return await self._guarded(request, handler)
+
+    async def unload_lora(self, request: Request) -> Response:
+        async def handler(rid: str):
+            body = await read_body(request, UnloadLoraRequest)
+            running = unload_adapter(self.engine, body.lora_name)
+            return Response(f"LoRA adapter {body.lora_name!r} unloaded ({running} running requests finish on "
+                            "it)", media_type="text/plain")
 
         return await self._guarded(request, handler)
 
@@ -225,10 +226,10 @@ class OpenAIServer:
 
     async def chat(self, request: Request) -> Response:
         async def handler(rid: str):
-            body = await _body(request, ChatCompletionRequest)
+            body = await read_body(request, ChatCompletionRequest)
             model = self._model(body.model)
             msg, mode = to_engine.chat_request(body, self.defaults, self.parse_auto_tools)
-            msg.request_id = rid
+            msg.request_id, msg.lora = rid, self._lora(model)
             prepared = await prepare_request(self.engine, msg)
             token_text = self.token_text if body.logprobs else None
             if body.stream:
@@ -288,11 +289,11 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         async def handler(rid: str):
-            body = await _body(request, CompletionRequest)
+            body = await read_body(request, CompletionRequest)
             model = self._model(body.model)
             msgs = to_engine.completion_requests(body, self.defaults)
             for i, m in enumerate(msgs):
-                m.request_id = rid if len(msgs) == 1 else f"{rid}-{i}"
+                m.request_id, m.lora = rid if len(msgs) == 1 else f"{rid}-{i}", self._lora(model)
             prepared = [await prepare_request(self.engine, m) for m in msgs]
             token_text = self.token_text if body.logprobs is not None else None
             echoes = [self._echo(m, p) if body.echo else None for m, p in zip(msgs, prepared, strict=True)]
@@ -373,8 +374,8 @@ class OpenAIServer:
 
     async def embeddings(self, request: Request) -> Response:
         async def handler(rid: str):
-            body = await _body(request, EmbeddingRequest)
-            model = self._model(body.model)
+            body = await read_body(request, EmbeddingRequest)
+            model = self._model(body.model, lora=False)
             inputs = to_engine.embed_inputs(body)
             inputs.request_id = rid
             requests = await prepare_embeddings(self.engine, inputs)

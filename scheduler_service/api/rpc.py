@@ -64,7 +64,7 @@ async def prepare_request(engine: Engine, msg):
     if engine.limits is None:
         raise EngineUnavailable(engine.unavailable_reason)
     refuse_task(engine, embedding=False)
-    return await asyncio.to_thread(request_from_proto, msg, engine.tokenizer, engine.limits)
+    return await asyncio.to_thread(request_from_proto, msg, engine.tokenizer, engine.limits, engine.adapters)
 
 
 async def reject(context: grpc.aio.ServicerContext, error: Exception, request_id: str = "") -> None:

@@ -11,8 +11,17 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import generation_pb2
 from scheduler_service.api.embedding import EmbedInputs, prepare_embeddings, run_embeddings
+from scheduler_service.api.lora import (
+    AdapterExists,
+    AdapterNotFound,
+    adapter_message,
+    load_adapter,
+    loaded,
+    unload_adapter,
+)
 from scheduler_service.api.rpc import CLIENT_ERRORS, Malformed, prepare_request, reject, tolerant
 from scheduler_service.api.validation import InvalidRequest
+from scheduler_service.core.adapters import AdapterError
 from scheduler_service.core.sequence import FinishReason
 from scheduler_service.runtime.engine import Engine
 from scheduler_service.text.output import Delta
@@ -71,6 +80,12 @@ class GenerationServicer:
             "GetCacheStats": (grpc.unary_unary_rpc_method_handler, self.GetCacheStats,
                               pb.GetCacheStatsRequest),
             "Embed": (grpc.unary_unary_rpc_method_handler, self.Embed, pb.EmbedRequest),
+            "LoadLoraAdapter": (grpc.unary_unary_rpc_method_handler, self.LoadLoraAdapter,
+                                pb.LoadLoraAdapterRequest),
+            "UnloadLoraAdapter": (grpc.unary_unary_rpc_method_handler, self.UnloadLoraAdapter,
+                                  pb.UnloadLoraAdapterRequest),
+            "ListLoraAdapters": (grpc.unary_unary_rpc_method_handler, self.ListLoraAdapters,
+                                 pb.ListLoraAdaptersRequest),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
             name: kind(fn, request_deserializer=tolerant(cls),
@@ -165,7 +180,35 @@ class GenerationServicer:
         e = self.engine
         if e.limits is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, e.unavailable_reason or "not ready")
-        return generation_pb2.ModelInfo(**e.model_info())
+        adapters = [adapter_message(a) for a in loaded(e)]
+        return generation_pb2.ModelInfo(**e.model_info(), lora_adapters=adapters)
+
+    async def LoadLoraAdapter(self, msg, context):
+        if isinstance(msg, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.error)
+        try:
+            adapter = await load_adapter(self.engine, msg.name, msg.path, msg.replace)
+        except AdapterExists as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except (AdapterError, OSError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        log.info("lora_loaded", name=adapter.name, path=adapter.path, rank=adapter.rank,
+                 identity=adapter.identity)
+        return adapter_message(adapter)
+
+    async def UnloadLoraAdapter(self, msg, context):
+        if isinstance(msg, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.error)
+        try:
+            running = unload_adapter(self.engine, msg.name)
+        except AdapterNotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        log.info("lora_unloaded", name=msg.name, running=running)
+        return generation_pb2.UnloadLoraAdapterResponse(num_running=running)
+
+    async def ListLoraAdapters(self, msg, context):
+        adapters = [adapter_message(a) for a in loaded(self.engine)]
+        return generation_pb2.ListLoraAdaptersResponse(adapters=adapters)
 
     async def GetCacheStats(self, msg, context):
         if self.engine.limits is None:

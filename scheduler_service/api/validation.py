@@ -11,6 +11,7 @@ import uuid
 from google.protobuf import json_format
 
 from protos import generation_pb2
+from scheduler_service.core.adapters import AdapterRegistry
 from scheduler_service.core.sequence import Request, SamplingOptions
 from scheduler_service.text.limits import Limits
 from scheduler_service.text.structured import Constraint, GrammarError
@@ -34,7 +35,8 @@ class InvalidRequest(ValueError):
     """Bad client input; answered with INVALID_ARGUMENT and this message."""
 
 
-def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> Request:
+def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits,
+                       adapters: AdapterRegistry | None = None) -> Request:
     # one function: the one validation path, in the order a request is read
     """The one validation path: pagedserve.v1 requests come here directly, the engine protocol's after
     scheduler_service/api/engine_protocol.py has put them in this shape."""
@@ -54,6 +56,14 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
         for field, present in chat_only.items():
             if present:
                 raise InvalidRequest(f"{field} applies to messages only")
+    lora = None
+    if msg.lora:
+        if adapters is None:
+            raise InvalidRequest(f"unknown LoRA adapter {msg.lora!r}: this model serves none")
+        try:
+            lora = adapters.get(msg.lora)
+        except KeyError as e:
+            raise InvalidRequest(e.args[0]) from None
     if given[0] == "messages":
         prompt_ids = _chat_prompt(msg, tokenizer, limits)
     elif given[0] == "prompt_token_ids":
@@ -102,7 +112,7 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     constraint = _constraint(msg.sampling, limits)
     return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-                   constraint=constraint)
+                   constraint=constraint, lora=lora)
 
 
 def _chat_prompt(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:

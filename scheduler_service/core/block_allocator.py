@@ -145,10 +145,12 @@ class BlockAllocator:
                 else:
                     self._free.append(b)
 
-    def register(self, block_id: int, h: bytes, parent: bytes | None = None, tokens=()) -> None:
+    def register(self, block_id: int, h: bytes, parent: bytes | None = None, tokens=(),
+                 lora: int | None = None) -> None:
         """Mark a referenced, full, computed block as holding the prefix with hash h. When another block
         already holds that prefix (computed at the same time), the first one stays the cached copy.
-        parent and tokens (the previous block's hash and this block's token ids) go to event subscribers."""
+        parent and tokens (the previous block's hash and this block's token ids) go to event subscribers, and
+        the LoRA adapter whose K/V it holds (its event id) where it is one's."""
         if not self.enable_prefix_caching or self._hash_of[block_id] is not None:
             return
         if self._refcount[block_id] <= 0:
@@ -157,7 +159,7 @@ class BlockAllocator:
             self._block_of[h] = block_id
             self._hash_of[block_id] = h
             if self.events is not None:
-                self.events.append(("stored", h, parent, list(tokens)))
+                self.events.append(("stored", h, parent, list(tokens)) + (() if lora is None else (lora,)))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (FlushCache): cached-free blocks become free, held blocks keep their

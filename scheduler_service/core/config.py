@@ -124,6 +124,9 @@ class SchedulerConfig:
     # max_tokens of a request that names none (capped by what its prompt leaves of the context); 0: the
     # whole context, as vLLM.
     default_max_tokens: int = 0
+    # LoRA: the most adapters whose requests run at once (so in any one step); a request whose adapter would
+    # be one more waits until one of them has no running request left.
+    max_loras: int = 8
 
     @property
     def route_slack(self) -> int:
@@ -140,6 +143,8 @@ class SchedulerConfig:
             raise ValueError(f"speculative must be auto, ngram or off, got {self.speculative!r}")
         if not 0.0 < self.embed_slowdown <= 1.0:
             raise ValueError(f"embed_slowdown must lie in (0, 1], got {self.embed_slowdown}")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -154,10 +154,12 @@ class KVCacheManager:
         for i in range(seq.num_registered_blocks, full):
             if seq.block_ids[i] < 0:  # given back before its step was confirmed (drop_out_of_window)
                 continue
-            if events:  # subscribers see each block's parent and tokens
+            if events:  # subscribers see each block's parent, tokens and adapter
+                lora = seq.request.lora
                 self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size),
                                         seq.block_hash(i - 1, self.block_size) if i else None,
-                                        seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                                        seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
+                                        lora.event_id if lora is not None else None)
             else:
                 self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)

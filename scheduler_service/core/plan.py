@@ -65,6 +65,7 @@ class PlanBuilder:
         self.special = np.zeros(max_seqs, dtype=bool)
         # embeddings: how a row's sequence pools (0: it does not; POOL_LAST, POOL_SUM, POOL_FIRST)
         self.pool_kind = np.zeros(max_seqs, dtype=I32)
+        self.lora = np.full(max_seqs, -1, dtype=I64)  # the row's LoRA adapter's id (-1: the base model)
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
     # --- rows --------------------------------------------------------------------------------------
@@ -84,6 +85,7 @@ class PlanBuilder:
             self.penalized[row] = params.is_penalized
             embed = seq.request.embed
             self.pool_kind[row] = 0 if embed is None else _POOL_KINDS[embed.spec.pooling]
+            self.lora[row] = -1 if seq.request.lora is None else seq.request.lora.id
             self.special[row] = (params.has_bias or seq.matcher is not None
                                  or (params.prompt_logprobs is not None and seq.index == 0))
         seq.mirror.blocks = 0
@@ -153,6 +155,14 @@ class PlanBuilder:
             at, counts = zip(*drafts, strict=True)
             plan.num_draft[list(at)] = counts
         self._controls(out, plan, rows, starts, q_lens, do_sample)
+        lora = self.lora[rows]
+        if (lora >= 0).any():  # the step's adapters, each once, and every row's index into them
+            ids, index = np.unique(lora, return_inverse=True)
+            first = ids[0] < 0  # the base model's -1 sorts first
+            by_id = {item.seq.request.lora.id: item.seq.request.lora for item in out.scheduled
+                     if item.seq.request.lora is not None}
+            plan.loras = [(by_id[i].identity, by_id[i].path) for i in ids[int(first):].tolist()]
+            plan.lora_index = (index - int(first)).astype(I32)
         kinds = self.pool_kind[rows]
         if kinds.any():  # a mean sums every chunk; the last token pools in the last chunk, cls in the first
             out.embed_rows = kinds

@@ -203,12 +203,19 @@ class Scheduler:
         in a step that preempted: the pool is short)."""
         kv = self.kv
         at = 0  # the queue's head, or past embeddings while a decoding step has no room for them
+        adapters = None  # the LoRA adapters of the running sequences, once a waiting one has an adapter
         while (at < len(self.waiting) and budget > 0 and not out.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[at]
             if seq.pending.count:  # preempted while its last token was in flight: admitted once it is known
                 break
             room = out.embed_room if seq.request.embed is not None else budget
+            lora = seq.request.lora
+            if lora is not None:
+                if adapters is None:
+                    adapters = {s.request.lora.id for s in self.running if s.request.lora is not None}
+                if lora.id not in adapters and len(adapters) >= self.config.max_loras:
+                    room = 0  # no adapter slot: it waits, and requests behind it may go
             if not room:
                 at += 1
                 continue
@@ -235,6 +242,8 @@ class Scheduler:
             self.planner.attach(seq)
             self._add(out, seq, num_new, scheduled)
             budget -= num_new
+            if lora is not None and adapters is not None:
+                adapters.add(lora.id)
 
     def _drafter(self, seq: Sequence) -> SequenceDrafter | None:
         """seq's drafting state, made at its first decode; None for a sequence that asks logprobs (see

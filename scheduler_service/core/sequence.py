@@ -210,7 +210,9 @@ class Sequence:
         """Chained hash of full block `index` of this sequence's tokens (prefix caching)."""
         while len(self._block_hashes) <= index:
             i = len(self._block_hashes)
-            parent = self._block_hashes[-1] if self._block_hashes else None
+            # the first block's parent: the adapter's identity (None for the base): none shares across them
+            parent = self._block_hashes[-1] if self._block_hashes else (
+                self.request.lora.hash_root if self.request.lora is not None else None)
             self._block_hashes.append(block_hash(parent,
                                                  self.token_ids[i * block_size : (i + 1) * block_size]))
         return self._block_hashes[index]
@@ -251,6 +253,8 @@ class Request:
     prompt_logprobs: list | None = None
     # An embedding: the prompt is computed (chunked, batched, prefix-cached) and pooled; nothing is sampled.
     embed: EmbedOptions | None = None
+    # A LoRA adapter (core/adapters.py Adapter) the request generates with; None: the base model.
+    lora: object | None = None
 
     def __post_init__(self) -> None:
         if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:

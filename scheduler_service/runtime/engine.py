@@ -12,12 +12,13 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
+from scheduler_service.core.adapters import AdapterRegistry
 from scheduler_service.core.batch import DuplicateRequestId, SchedulerOutput, make_sequences
 from scheduler_service.core.config import ModelSpec, SchedulerConfig
 from scheduler_service.core.sequence import FinishReason, Request
 from scheduler_service.runtime import reporting
 from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, StepFailed, Unschedulable
-from scheduler_service.runtime.groups import context_limit, group_problem, workers_max_num_seqs
+from scheduler_service.runtime.groups import context_limit, group_problem, lora_problem, workers_max_num_seqs
 from scheduler_service.runtime.kv_events import KvEventPublisher
 from scheduler_service.runtime.metrics import Metrics
 from scheduler_service.runtime.orphans import Orphans
@@ -83,6 +84,7 @@ class Engine:
         # the deadline.
         self.worker_restart_timeout = worker_restart_timeout
         self._orphans = Orphans(worker_restart_timeout)
+        self.adapters: AdapterRegistry | None = None  # LoRA adapters by name (core/adapters.py)
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self, worker_timeout: float) -> None:
@@ -150,7 +152,8 @@ class Engine:
 
     def _check_group(self, group: WorkerGroup) -> str:
         """Why a complete worker group cannot serve this model, or ""."""
-        return group_problem(group, self.spec, self.config, self.limits)
+        return group_problem(group, self.spec, self.config, self.limits) or lora_problem(
+            group, self.adapters, self.config.max_loras)
 
     def _group_ready(self, group: WorkerGroup) -> None:
         """A replica's group rejoined after start (a restarted worker group)."""
@@ -194,7 +197,8 @@ class Engine:
         least = min(serving, key=lambda r: (r.load, r.num_routed))
         if len(serving) == 1 or not self.config.enable_prefix_caching:
             return least
-        hashes = prompt_block_hashes(request.prompt_token_ids, self.config.block_size)
+        hashes = prompt_block_hashes(request.prompt_token_ids, self.config.block_size,
+                                     request.lora.hash_root if request.lora is not None else None)
         hits = {r.index: r.cached_blocks(hashes) for r in serving}
         best = max(serving, key=lambda r: (hits[r.index], -r.load))
         if hits[best.index] and best.load <= least.load + self.config.route_slack:
@@ -274,11 +278,8 @@ class Engine:
             stream = self.streams.get(request.request_id)
             if stream is not None and stream.request is request:
                 self._emit(stream, delta)
-        u, out = report.update, report.out
-        self.metrics.on_step(replica.index, report.seconds, len(u.tokens), out.num_prefill_tokens,
-                             len(out.preempted), u.num_running, u.num_waiting, u.num_free_blocks,
-                             replica.num_blocks, (u.num_draft_rows, u.num_drafted, u.num_accepted))
-        self.kv_events.collect(replica.index, u.kv_events)
+        self.metrics.on_step(replica.index, report, replica.num_blocks)
+        self.kv_events.collect(replica.index, report.update.kv_events)
 
     def on_step_failed(self, replica: StepLoop, out: SchedulerOutput, message: str) -> None:
         for request in {id(s.seq.request): s.seq.request for s in out.scheduled}.values():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from protos import wire_pb2
+from scheduler_service.core.adapters import AdapterRegistry
 from scheduler_service.core.config import ModelSpec, SchedulerConfig
 from scheduler_service.text.limits import Limits
 
@@ -51,6 +52,25 @@ def group_problem(group: WorkerGroup, spec: ModelSpec, config: SchedulerConfig, 
         return (f"the KV pool ({group.num_blocks} blocks x {config.block_size} = {pool_tokens} "
                 f"tokens) cannot hold one request of {what}: give the workers more KV memory "
                 "(--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len")
+    return ""
+
+
+def lora_problem(group: WorkerGroup, adapters: AdapterRegistry | None, max_loras: int) -> str:
+    """Why a group's workers cannot hold the LoRA adapters this service runs, or ""; on success the
+    registry's rank bound becomes the workers' (adapters loaded later are checked against it)."""
+    if adapters is None:
+        return ""
+    for w in group.workers.values() if adapters.adapters else ():
+        hs = w.handshake
+        if hs.lora_slots < max_loras:
+            return (f"rank {hs.tp_rank} keeps {hs.lora_slots} LoRA adapters (--max-cpu-loras), fewer than "
+                    f"the {max_loras} that may run at once (--max-loras)")
+        for a in adapters.adapters.values():
+            if a.rank > hs.max_lora_rank:
+                return (f"LoRA adapter {a.name!r} has rank {a.rank}; the workers take up to "
+                        f"{hs.max_lora_rank} (--max-lora-rank)")
+    ranks = [w.handshake.max_lora_rank for w in group.workers.values()]
+    adapters.max_rank = min(ranks + ([adapters.max_rank] if adapters.max_rank else []))
     return ""
 
 

@@ -50,7 +50,8 @@ class KvEventPublisher:
         events = []
         for r in records:
             if r[0] == "stored":
-                events.append(("stored", event_hash(r[1]), None if r[2] is None else event_hash(r[2]), r[3]))
+                events.append(("stored", event_hash(r[1]), None if r[2] is None else event_hash(r[2]), r[3],
+                               *r[4:]))  # and the LoRA adapter's event id, where the block is one's
             elif r[0] == "removed":
                 events.append(("removed", event_hash(r[1])))
             else:

@@ -68,6 +68,16 @@ class Metrics:
                                   registry=r)
         self.embedding_tokens = Counter("pagedserve_embedding_tokens", "Prompt tokens of finished embeddings",
                                         registry=r)
+        # LoRA: each adapter's finished requests and tokens, and how many adapters the last step ran (of
+        # --max-loras)
+        self.lora_requests = Counter("pagedserve_lora_requests", "Finished requests by LoRA adapter",
+                                     ["adapter"], registry=r)
+        self.lora_prompt_tokens = Counter("pagedserve_lora_prompt_tokens", "Prompt tokens of finished "
+                                          "requests by LoRA adapter", ["adapter"], registry=r)
+        self.lora_generation_tokens = Counter("pagedserve_lora_generation_tokens", "Generated tokens of "
+                                              "finished requests by LoRA adapter", ["adapter"], registry=r)
+        self.lora_step_adapters = Gauge("pagedserve_lora_step_adapters", "LoRA adapters the replica's last "
+                                        "step ran", rep, registry=r)
         self.step = Histogram("pagedserve_step_seconds", "Engine step, plan to result", rep, registry=r,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
 
@@ -76,25 +86,26 @@ class Metrics:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
 
-    def on_step(self, replica: int, seconds: float, num_sampled: int, num_prefill: int, num_preempted: int,
-                running: int, waiting: int, free_blocks: int, total_blocks: int,
-                drafts: tuple[int, int, int] = (0, 0, 0)) -> None:
-        """drafts: rows that verified a draft, tokens drafted, drafted tokens accepted."""
-        label = str(replica)
-        self.step.labels(label).observe(seconds)
-        self.generation_tokens.labels(label).inc(num_sampled)
-        self.prefill_tokens.labels(label).inc(num_prefill)
-        if num_preempted:
-            self.preemptions.labels(label).inc(num_preempted)
-        self.running.labels(label).set(running)
-        self.waiting.labels(label).set(waiting)
-        self.blocks_free.labels(label).set(free_blocks)
+    def on_step(self, replica: int, report, total_blocks: int) -> None:
+        """One step's report (runtime/step_results.py StepReport) of a replica whose pool has total_blocks."""
+        label, u, out = str(replica), report.update, report.out
+        self.step.labels(label).observe(report.seconds)
+        self.generation_tokens.labels(label).inc(len(u.tokens))
+        self.prefill_tokens.labels(label).inc(out.num_prefill_tokens)
+        if out.preempted:
+            self.preemptions.labels(label).inc(len(out.preempted))
+        self.running.labels(label).set(u.num_running)
+        self.waiting.labels(label).set(u.num_waiting)
+        self.blocks_free.labels(label).set(u.num_free_blocks)
         self.blocks_total.labels(label).set(total_blocks)
-        if drafts[0]:
-            self.draft_rows.labels(label).inc(drafts[0])
-            self.draft_tokens.labels(label).inc(drafts[1])
-            self.accepted_tokens.labels(label).inc(drafts[2])
-        self.kv_usage.labels(label).set((total_blocks - free_blocks) / total_blocks if total_blocks else 0.0)
+        if u.num_draft_rows:
+            self.draft_rows.labels(label).inc(u.num_draft_rows)
+            self.draft_tokens.labels(label).inc(u.num_drafted)
+            self.accepted_tokens.labels(label).inc(u.num_accepted)
+        used = total_blocks - u.num_free_blocks
+        self.kv_usage.labels(label).set(used / total_blocks if total_blocks else 0.0)
+        adapters = {item.seq.request.lora.id for item in out.scheduled if item.seq.request.lora is not None}
+        self.lora_step_adapters.labels(label).set(len(adapters))
 
     def on_token_gap(self, replica: int, seconds: float) -> None:
         self.itl.labels(str(replica)).observe(seconds)
@@ -108,6 +119,11 @@ class Metrics:
         self.prompt_tokens.inc(request.prompt_len)
         self.cached_prompt_tokens.inc(request.cached_prompt_tokens or 0)
         self.latency.observe(now - request.arrival_time)
+        if request.lora is not None:
+            name = request.lora.name
+            self.lora_requests.labels(name).inc()
+            self.lora_prompt_tokens.labels(name).inc(request.prompt_len)
+            self.lora_generation_tokens.labels(name).inc(sum(s.num_output_tokens for s in request.seqs))
         if request.embed is not None and reason is not None and reason.value == "stop":
             self.embeddings.inc()
             self.embedding_tokens.inc(request.prompt_len)

@@ -38,11 +38,12 @@ class StepProfile:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
 
 
-def prompt_block_hashes(prompt: list[int], block_size: int) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks that prefix caching could reuse (never the last token)."""
+def prompt_block_hashes(prompt: list[int], block_size: int, root: bytes | None = None) -> list[bytes]:
+    """Chained hashes of the prompt's full blocks that prefix caching could reuse (never the last token);
+    root: the first block's parent (a LoRA adapter's identity, as core/sequence.py chains them)."""
     hashes: list[bytes] = []
     for i in range((len(prompt) - 1) // block_size):
-        hashes.append(block_hash(hashes[-1] if hashes else None, prompt[i * block_size:(i + 1) * block_size]))
+        hashes.append(block_hash(hashes[-1] if hashes else root, prompt[i * block_size:(i + 1) * block_size]))
     return hashes
 
 

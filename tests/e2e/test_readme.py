@@ -46,7 +46,14 @@ def commands() -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(server_factory):
-    return server_factory(MODEL_DIR, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
+    # the README's adapter, made by its own snippet first, then served as its serve line says
+    made = [body for lang, body in BLOCKS if lang == "python" and "save_pretrained" in body]
+    extra = []
+    if made:
+        subprocess.run([sys.executable, "-c", made[0]], cwd=ROOT, check=True, capture_output=True,
+                       timeout=300)
+        extra = ["--lora-modules", re.search(r"--lora-modules (\S+)", README)[1]]
+    return server_factory(MODEL_DIR, "--max-model-len", "2048", "--kv-cache-memory", "256MiB", *extra)
 
 
 def localize(text: str, server) -> str:

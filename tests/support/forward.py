@@ -14,8 +14,9 @@ BLOCK = 4  # run_step's blocks
 STEP_BLOCK = 16  # step_inputs' blocks (the fused decode step's tests)
 
 
-def run_step(model, config, pool, seqs, backend="torch"):
-    """seqs: list of (new_tokens, start_position, block_ids) -> (logits of each seq's last token, hidden)."""
+def run_step(model, config, pool, seqs, backend="torch", lora=None):
+    """seqs: list of (new_tokens, start_position, block_ids) -> (logits of each seq's last token, hidden);
+    lora: (adapters, each sequence's index into them or -1) -> the rows' LoRA updates (model/lora.py)."""
     attn = make_backend(backend, torch.device("cpu"))
     tokens, positions, slots, lens, qsl = [], [], [], [], [0]
     width = max(len(b) for _, _, b in seqs)
@@ -34,6 +35,12 @@ def run_step(model, config, pool, seqs, backend="torch"):
                         max(len(new) for new, _, _ in seqs))
     step = StepInputs(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
                       torch.tensor(slots, device=dev), meta)
+    if lora is not None:
+        from worker.model.lora import StepLora
+
+        adapters, index = lora
+        step.lora = StepLora.of(adapters, torch.repeat_interleave(torch.tensor(index), torch.tensor(
+            [len(new) for new, _, _ in seqs])).to(dev))
     with torch.no_grad():
         hidden = model(step, pool, attn)
         last = torch.tensor(qsl[1:], device=dev) - 1

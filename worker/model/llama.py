@@ -21,6 +21,7 @@ from worker.model.config import ModelConfig
 from worker.model.elementwise import TorchOps, default_ops, rms_norm
 from worker.model.kv_pool import KVPool
 from worker.model.linear import DenseMatmul, head_library
+from worker.model.lora import StepLora
 from worker.model.moe import MoE
 from worker.model.parallel import Collectives, Shard, make_shard
 
@@ -31,6 +32,7 @@ class StepInputs:
     positions: torch.Tensor  # int64 [num_tokens]
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     attn_meta: object  # the backend's per-step metadata (built once, shared by all layers)
+    lora: StepLora | None = None  # LoRA adapters' updates of the step's rows (model/lora.py), where any
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -112,8 +114,10 @@ class DecoderLayer(nn.Module):
             residual, h = ops.add_rms_norm(x, None, self.input_norm, c.rms_norm_eps)
         else:
             residual, h = ops.add_rms_norm(residual, x, self.input_norm, c.rms_norm_eps)
-        mm, w = self.mm, self.w
+        mm, w, lora, i = self.mm, self.w, step.lora, self.layer_idx
         qkv = mm(h, w["qkv"], self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        if lora is not None:
+            qkv = lora.apply(i, "qkv", h, qkv)
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, c.head_dim)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, c.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, c.head_dim)
@@ -127,19 +131,23 @@ class DecoderLayer(nn.Module):
         attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
         o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.attn_scale, c.window(self.layer_idx),
                          c.attn_softcap)  # [num_tokens, n_heads, hd]
-        a = self.comm.all_reduce(mm(o.reshape(num_tokens, self.q_size), w["o_proj"]))
+        o = o.reshape(num_tokens, self.q_size)
+        a = mm(o, w["o_proj"])
+        a = self.comm.all_reduce(a if lora is None else lora.apply(i, "o_proj", o, a))
         if self.attn_out_norm is not None:
             a = rms_norm(a, self.attn_out_norm, c.rms_norm_eps)
         residual, h = ops.add_rms_norm(residual, a, self.post_attn_norm, c.rms_norm_eps)
         if self.moe is not None:
             out = self.comm.all_reduce(self.moe(h, ops))
         else:
-            if c.hidden_act == "silu":  # a bf16 GEMM's gate/up stays bf16 into the SiLU·mul and the down GEMM
-                act = ops.silu_mul(mm(h, w["gate_up"], bf16_out=True) if getattr(mm, "keeps_bf16", False)
-                                   else mm(h, w["gate_up"]))
-            else:
-                act = gelu_tanh_mul(mm(h, w["gate_up"]))
-            out = self.comm.all_reduce(mm(act, w["down"]))
+            # a bf16 GEMM's gate/up stays bf16 into the SiLU·mul and the down GEMM
+            gate_up = (mm(h, w["gate_up"], bf16_out=True) if c.hidden_act == "silu" and getattr(
+                mm, "keeps_bf16", False) else mm(h, w["gate_up"]))
+            if lora is not None:
+                gate_up = lora.apply(i, "gate_up", h, gate_up)
+            act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
+            out = mm(act, w["down"])
+            out = self.comm.all_reduce(out if lora is None else lora.apply(i, "down", act, out))
         if self.mlp_out_norm is not None:
             out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)
         return out, residual
@@ -257,7 +265,7 @@ class LlamaModel(nn.Module):
             self.ops = default_ops(self.embed.device, self.embed.dtype)
         ops = self.ops
         x = self._embed(step.token_ids)
-        if self.fused is not None and self.fused.covers(step, x.shape[0]):
+        if self.fused is not None and step.lora is None and self.fused.covers(step, x.shape[0]):
             return self.fused.forward(x, step, pool)
         rope = ops.rope_tables(self.rotary, step.positions, x.dtype)
         if self.local_rotary is not None:

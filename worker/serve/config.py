@@ -41,6 +41,8 @@ class WorkerConfig:
     enforce_eager: bool = False
     graph_max_context: int = 8192
     malloc: str | None = None
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
     seed: int = 0
     scheduler_timeout: float = 30.0
     stop_timeout: float = 60.0

@@ -124,6 +124,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="host allocator (serve/host_memory.py): auto preloads the system's tcmalloc for a "
                         "CPU worker where present, else tunes glibc to reuse freed blocks; default: "
                         "$PAGEDSERVE_MALLOC or auto")
+    g.add_argument("--max-cpu-loras", type=COUNT, default=None,
+                   help="LoRA adapters this worker keeps read at once (the least recently used given back), "
+                        "their "
+                        "memory at --max-lora-rank taken from the KV pool's budget; default: --max-loras "
+                        "under `pagedserve serve` with --lora-modules, else 0 (no adapters)")
+    g.add_argument("--max-lora-rank", type=POSITIVE, default=16,
+                   help="the highest LoRA rank served (an adapter above it is refused by name)")
     g.add_argument("--seed", type=COUNT, default=0, help="seed of dummy weights")
     g.add_argument("--scheduler-timeout", type=SECONDS, default=30.0,
                    help="exit when the scheduler is silent this long")
@@ -191,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype = start_device(cfg)
         loaded = load(cfg, device, dtype, tp)
         plan = size_pool(cfg, loaded, device, tp)
-        runner, warm_s = build_runner(loaded, plan, device)
+        runner, warm_s = build_runner(loaded, plan, device, cfg)
     except Refused as e:
         log.error(e.event, **e.fields)
         details = ", ".join(f"{k}={v}" for k, v in e.fields.items())

@@ -111,3 +111,25 @@ def gpu_blocks(device: torch.device, utilization: float, non_kv_bytes: int, per_
     free, total = torch.cuda.mem_get_info(device)
     other = max(0, (total - free) - torch.cuda.memory_reserved(device))
     return blocks_for_gpu_budget(total, utilization, non_kv_bytes, other, per_block)
+
+
+def lora_reserve(cfg, config, shard, dtype: torch.dtype) -> int:
+    """Bytes --max-cpu-loras LoRA adapters of --max-lora-rank on every projection take on this rank: set
+    aside from the KV pool's budget, so that turning LoRA on can never run a worker out of memory."""
+    from worker.weights.lora import lora_bytes
+
+    if not cfg.max_cpu_loras:
+        return 0
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return cfg.max_cpu_loras * lora_bytes(config, shard, cfg.max_lora_rank, itemsize)
+
+
+def lora_cache(cfg, config, shard, dtype: torch.dtype, device: torch.device):
+    """The runner's LoRA adapters (model/lora.py LoraCache), read from their folders on first use."""
+    from worker.model.lora import LoraCache
+    from worker.weights.lora import read_lora
+
+    def read(identity: str, path: str):
+        return read_lora(path, identity, config, shard, dtype, device, cfg.max_lora_rank)
+
+    return LoraCache(cfg.max_cpu_loras, cfg.max_lora_rank, read)

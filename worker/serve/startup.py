@@ -267,6 +267,7 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
         GPU_MAX_NUM_SEQS,
         default_max_num_seqs,
         gpu_blocks,
+        lora_reserve,
         measure_graph_bytes,
         profile_gpu_peak,
     )
@@ -286,29 +287,31 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     graph_context = sorted({min(model_len, cfg.graph_max_context), model_len})  # a long tier where longer
     # the most rows a step may hold before the pool is sized: what the sampler and the graphs are measured at
     rows_bound = min(cfg.max_num_seqs or GPU_MAX_NUM_SEQS[1], cfg.max_num_batched_tokens)
+    lora = lora_reserve(cfg, loaded.config, loaded.model.shard, loaded.dtype)  # LoRA: from the pool's budget
     try:
         if cfg.num_blocks:
             num_blocks = cfg.num_blocks
         elif cfg.kv_cache_memory:
-            num_blocks = parse_bytes(cfg.kv_cache_memory) // per_block
+            num_blocks = (parse_bytes(cfg.kv_cache_memory) - lora) // per_block
         elif device.type == "cuda":
             non_kv = profile_gpu_peak(loaded.model, attn, device, loaded.kv_dtype, cfg.block_size,
                                       cfg.max_num_batched_tokens, rows_bound)
             graph_bytes = measure_graph_bytes(loaded.model, attn, device, loaded.kv_dtype, cfg.block_size,
                                               rows_bound, graph_context) if use_graphs else 0
-            num_blocks = gpu_blocks(device, cfg.gpu_memory_utilization, non_kv + graph_bytes, per_block)
-            log.info("gpu_memory_budget", non_kv_bytes=non_kv, graph_bytes=graph_bytes,
-                     bytes_per_block=per_block,
-                     num_blocks=num_blocks, utilization=cfg.gpu_memory_utilization)
+            non_kv += graph_bytes + lora
+            num_blocks = gpu_blocks(device, cfg.gpu_memory_utilization, non_kv, per_block)
+            log.info("gpu_memory_budget", non_kv_bytes=non_kv, graph_bytes=graph_bytes, lora_bytes=lora,
+                     bytes_per_block=per_block, num_blocks=num_blocks, utilization=cfg.gpu_memory_utilization)
         else:
-            num_blocks = parse_bytes(CPU_KV_CACHE_MEMORY) // per_block
+            num_blocks = (parse_bytes(CPU_KV_CACHE_MEMORY) - lora) // per_block
     except torch.cuda.OutOfMemoryError as e:
         raise Refused("profile_out_of_memory", "out of GPU memory while measuring the largest step: lower "
                       "--max-num-batched-tokens or --max-num-seqs, or raise --gpu-memory-utilization "
                       f"({e})", error=str(e)) from None
     if num_blocks < 1:
-        raise Refused("kv_budget_too_small", f"the KV budget holds no block of {per_block} bytes: give "
-                      "--kv-cache-memory (or --num-blocks, --gpu-memory-utilization) more",
+        beside = f" beside {lora} bytes of LoRA adapters (--max-cpu-loras x --max-lora-rank)" if lora else ""
+        raise Refused("kv_budget_too_small", f"the KV budget holds no block of {per_block} bytes{beside}: "
+                      "give --kv-cache-memory (or --num-blocks, --gpu-memory-utilization) more",
                       kv_cache_memory=cfg.kv_cache_memory,
                       gpu_memory_utilization=cfg.gpu_memory_utilization, bytes_per_block=per_block)
     max_num_seqs = cfg.max_num_seqs or default_max_num_seqs(
@@ -316,11 +319,12 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     return PoolPlan(num_blocks, cfg.block_size, per_block, max_num_seqs, use_graphs, graph_context)
 
 
-def build_runner(loaded: Loaded, plan: PoolPlan, device):
+def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | None = None):
     """Phase 4: the pool allocated, the runner warmed (kernels compiled, libraries warmed before the first
     request, not during it), decode graphs captured. -> (runner, seconds the warm-up took)."""
     from worker.model.kv_pool import KVPool
     from worker.serve.memory_plan import available_bytes, resident_bytes
+    from worker.serve.sizing import lora_cache
     from worker.step.runner import ModelRunner, warm_up
     from worker.step.staging import is_device_fatal
 
@@ -334,6 +338,8 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device):
                  planned_bytes=model_resident + pool_bytes, peak_resident_bytes=peak, resident_bytes=rss,
                  available_bytes=available_bytes())
     runner = ModelRunner(loaded.model, pool, loaded.attn, device)
+    if cfg is not None and cfg.max_cpu_loras:
+        runner.adapters = lora_cache(cfg, loaded.config, loaded.model.shard, loaded.dtype, device)
     warm_s = warm_up(runner)
     if plan.use_graphs:
         from worker.step.graphs import DecodeGraphs
@@ -380,5 +386,7 @@ def handshake_for(cfg: WorkerConfig, loaded: Loaded, plan: PoolPlan, device, tp:
         kv_cache_dtype=str(loaded.kv_dtype).removeprefix("torch."),
         attention_backend=loaded.attn.name,
         weights=loaded.weights,
+        lora_slots=cfg.max_cpu_loras or 0,
+        max_lora_rank=cfg.max_lora_rank,
         pid=os.getpid(),
     )

@@ -111,6 +111,10 @@ def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
             raise PlanError("pooling must be 0 (none), 1 (last token), 2 (sum) or 3 (first token)")
         if p.num_draft is not None and ((p.pooling > 0) & (p.num_draft > 0)).any():
             raise PlanError("a pooling row does not draft")
+    if p.lora_index is not None:
+        count = len(p.loras or ())
+        if ((p.lora_index < -1) | (p.lora_index >= count)).any():
+            raise PlanError(f"lora_index must be -1 or name one of the plan's {count} adapters")
     if p.mask_follows and (p.mask_rows is None or p.token_bitmask is not None):
         raise PlanError("a plan whose masks follow it carries mask_rows and no token_bitmask")
     if p.mask_rows is not None and not p.mask_follows:

@@ -15,6 +15,7 @@ from protos.codec import CodecError, PlanArrays, decode_plan, encode_plan, encod
 from worker.model.attention import AttentionBackend
 from worker.model.kv_pool import KVPool
 from worker.model.llama import LlamaModel, StepInputs
+from worker.model.lora import LoraCache, StepLora
 from worker.step.controls import apply_controls, gather_controls, top_logprobs
 from worker.step.plan_checks import PlanError, check_mask, validate_plan
 from worker.step.sampler import NonFiniteLogits, SamplingBatch, check_sampled, sample_async
@@ -75,6 +76,7 @@ class ModelRunner:
         self.config = model.config
         self.staging = Staging(device)
         self.graphs = None  # step/graphs.py DecodeGraphs, set once captured (CUDA, unless --enforce-eager)
+        self.adapters: LoraCache | None = None  # LoRA adapters held (--max-cpu-loras > 0)
         # The tokens sampled by the last step launched, on the device: the next plan may refer to them
         # (overlap), before they are read back. Which of its rows sampled is known on the host.
         self.last_step_id = 0
@@ -102,8 +104,8 @@ class ModelRunner:
         accepted = self._accept(plan, await_mask)
         if isinstance(accepted, wire_pb2.StepResult):
             return accepted
-        p, pending = accepted
-        s = self._stage(p, pending)
+        p, pending, lora = accepted
+        s = self._stage(p, pending, lora)
         clock = StepClock(self.device)
         t1 = time.perf_counter()
         clock.mark("start")
@@ -145,9 +147,9 @@ class ModelRunner:
                         depends_on=p.prev_step_id if pending else 0, time_prepare=t1 - t0,
                         host_forward=t2 - t1, host_sample=t3 - t2, pooled=pooled)
 
-    def _accept(self, plan: wire_pb2.StepPlan, await_mask) -> tuple[PlanArrays, bool] | wire_pb2.StepResult:
-        """The plan decoded and validated, and whether it reads tokens of the step before (or the result
-        that rejects it)."""
+    def _accept(self, plan: wire_pb2.StepPlan, await_mask) -> tuple | wire_pb2.StepResult:
+        """The plan decoded and validated, whether it reads tokens of the step before, and its rows' LoRA
+        adapters read or found (model/lora.py StepLora, None without any); or the result that rejects it."""
         try:
             p = decode_plan(plan)
             pending = self._pending_rows(p)
@@ -155,12 +157,17 @@ class ModelRunner:
                           self.config.max_position_embeddings, self.config.max_window)
             if p.mask_follows and await_mask is None:
                 raise PlanError("the plan's masks follow it, and this worker has no socket to wait on them")
-        except (CodecError, PlanError) as e:
+            lora = None
+            if p.lora_index is not None and (p.lora_index >= 0).any():
+                if self.adapters is None:
+                    raise PlanError("the plan names LoRA adapters; this worker holds none (--max-cpu-loras)")
+                lora = self.adapters.step(p.loras, p.lora_index, np.diff(p.query_start_loc), self.device)
+        except (CodecError, PlanError, ValueError, OSError) as e:
             self._forget_tokens()  # a plan that refers to this one's tokens must not run either
             return wire_pb2.StepResult(step_id=plan.step_id, error=f"rejected plan: {e}")
-        return p, pending
+        return p, pending, lora
 
-    def _stage(self, p: PlanArrays, pending: bool) -> Staged:
+    def _stage(self, p: PlanArrays, pending: bool, lora: StepLora | None = None) -> Staged:
         """Every host array of the step in one transfer (the logits' row index included), the tokens of the
         step before read where they are, block copies and the pool's token record queued. Drafting rows run
         as one decode row a token (expand_drafts), with logits at each of their tokens."""
@@ -187,14 +194,15 @@ class ModelRunner:
         if pending:  # tokens the step in flight (or done) sampled, read where they are
             prev = staged[8]
             token_ids = torch.where(prev >= 0, self._last_tokens[prev.clamp(min=0)].clamp(min=0), token_ids)
-        graphed = self.graphs is not None and p.pooling is None and self.graphs.covers(q_lens, seq_lens_h)
+        graphed = (self.graphs is not None and p.pooling is None and lora is None
+                   and self.graphs.covers(q_lens, seq_lens_h))
         step = None
         if not graphed:
             meta = self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size,
                                      max_seq_len=int(seq_lens_h.max()), max_q_len=int(q_lens.max()),
                                      host_q_lens=q_lens)
             step = StepInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
-                              attn_meta=meta)
+                              attn_meta=meta, lora=lora)
         self.pool.copy_blocks(copies)
         self.pool.record_tokens(slot_mapping, token_ids)
         drafts = (stage_drafts(p, rows, owner, drafted, ex_owner, self.device) if drafted is not None

@@ -1,0 +1,125 @@
+"""A PEFT LoRA adapter's weights, read for this rank: each changed projection's A and B in the model's compute
+dtype, the scale (lora_alpha / r, or / sqrt(r) with use_rslora) folded into B, split the way the base
+weights are (worker/model/lora.py says how they are applied). The scheduler has checked the folder against
+the model already (scheduler_service/core/adapters.py); the files' hash is checked again here, so a folder
+rewritten since the scheduler read it is never served under the old identity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from worker.model.config import ModelConfig
+from worker.model.lora import PROJECTIONS, LoraWeights, Projection
+from worker.model.parallel import Shard
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# Phi-3's fused names: each the parts it stacks
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def files_identity(folder: Path) -> str:
+    """The same hash as the scheduler's (core/adapters.py identity_of)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        with open(folder / name, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _part_rows(config: ModelConfig, shard: Shard) -> dict[str, tuple[int, int, int]]:
+    """Each output part's (rows of the full model's part this rank holds: lo, hi; its offset in the rank's
+    fused output)."""
+    hd = config.head_dim
+    q = (shard.q_heads[0] * hd, shard.q_heads[1] * hd)
+    kv = (shard.kv_heads[0] * hd, shard.kv_heads[1] * hd)
+    inter = shard.intermediate
+    q_local, kv_local = q[1] - q[0], kv[1] - kv[0]
+    return {"q_proj": (*q, 0), "k_proj": (*kv, q_local), "v_proj": (*kv, q_local + kv_local),
+            "gate_proj": (*inter, 0), "up_proj": (*inter, inter[1] - inter[0]),
+            "o_proj": (0, config.hidden_size, 0), "down_proj": (0, config.hidden_size, 0)}
+
+
+def _input_cols(config: ModelConfig, shard: Shard, part: str) -> slice:
+    """The columns of A this rank multiplies: its input slice for the row-parallel o_proj and down."""
+    if part == "o_proj":
+        return slice(shard.q_heads[0] * config.head_dim, shard.q_heads[1] * config.head_dim)
+    if part == "down_proj":
+        return slice(*shard.intermediate)
+    return slice(None)
+
+
+def read_lora(folder: str | Path, identity: str, config: ModelConfig, shard: Shard, dtype: torch.dtype,
+              device: torch.device, max_rank: int) -> LoraWeights:
+    """The adapter in `folder` for this rank; ValueError where its files no longer match `identity`, or it
+    cannot be served as the scheduler checked it."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if files_identity(folder) != identity:
+        raise ValueError(f"the LoRA adapter at {folder} changed on disk since it was loaded: load it again")
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    rank = int(cfg["r"])
+    if rank > max_rank:
+        raise ValueError(f"the LoRA adapter at {folder} has rank {rank}, above --max-lora-rank {max_rank}")
+    scale = cfg.get("lora_alpha", rank) / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in load_file(str(folder / WEIGHTS_FILE)).items():
+        m = _KEY.search(key)
+        if m is None:
+            raise ValueError(f"the LoRA adapter at {folder} holds {key}, which is not served")
+        pairs.setdefault((int(m[1]), m[2]), {})[m[3]] = t
+    rows = _part_rows(config, shard)
+    layers: list[dict[str, Projection]] = [{} for _ in range(config.num_layers)]
+    for fused, parts in PROJECTIONS.items():
+        for layer in range(config.num_layers):
+            pieces = []  # (part, A [r, in], B [out_part_full, r])
+            for name in (*parts, *(n for n, p in _FUSED.items() if p == parts)):
+                ab = pairs.get((layer, name))
+                if ab is None:
+                    continue
+                if name in _FUSED:  # its B split into its parts' rows (q, k, v or gate, up) of the full model
+                    sizes = {"q_proj": config.num_heads * config.head_dim,
+                             "k_proj": config.num_kv_heads * config.head_dim,
+                             "v_proj": config.num_kv_heads * config.head_dim,
+                             "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+                    bs = torch.split(ab["B"], [sizes[p] for p in _FUSED[name]])
+                    pieces += [(p, ab["A"], b) for p, b in zip(_FUSED[name], bs, strict=True)]
+                else:
+                    pieces.append((name, ab["A"], ab["B"]))
+            if not pieces:
+                continue
+            a_rows, parts_out, at = [], [], 0
+            shared = {}  # a fused adapter's parts share one A: shrink once
+            for part, a, b in pieces:
+                lo, hi, offset = rows[part]
+                if id(a) not in shared:
+                    a_rows.append(a[:, _input_cols(config, shard, part)])
+                    shared[id(a)] = (at, at + a.shape[0])
+                    at += a.shape[0]
+                a_lo, a_hi = shared[id(a)]
+                b_local = (b[lo:hi].float() * scale).to(dtype)
+                parts_out.append((b_local.to(device), offset, offset + hi - lo, a_lo, a_hi))
+            a_cat = torch.cat(a_rows).to(dtype).to(device).contiguous()
+            layers[layer][fused] = Projection(a_cat, parts_out)
+    return LoraWeights(identity, layers)
+
+
+def lora_bytes(config: ModelConfig, shard: Shard, rank: int, itemsize: int) -> int:
+    """Memory one adapter of `rank` on all seven projections of every layer takes on this rank: what each of
+    --max-cpu-loras sets aside from the KV pool's budget."""
+    rows = _part_rows(config, shard)
+    per_layer = 0
+    for part, (lo, hi, _) in rows.items():
+        cols = _input_cols(config, shard, part)
+        width = config.hidden_size if cols == slice(None) else cols.stop - cols.start
+        per_layer += rank * (width + hi - lo)
+    return per_layer * config.num_layers * itemsize
