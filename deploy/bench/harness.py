@@ -19,9 +19,10 @@ def load_workload(path: Path) -> list[list[int]]:
     return json.loads(path.read_text())
 
 
-async def drive(address: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float], int]:
-    """Every prompt streamed at once (greedy, ignore_eos, max_tokens each) -> (wall seconds, each TTFT
-    from the start, output tokens)."""
+async def drive(address: str, prompts: list[list[int]], max_tokens: int,
+                loras: list[str] | None = None) -> tuple[float, list[float], int]:
+    """Every prompt streamed at once (greedy, ignore_eos, max_tokens each; with `loras`, each with its LoRA
+    adapter, "" the base model) -> (wall seconds, each TTFT from the start, output tokens)."""
     import grpc
 
     from protos import generation_pb2, generation_pb2_grpc
@@ -30,8 +31,8 @@ async def drive(address: str, prompts: list[list[int]], max_tokens: int) -> tupl
         stub = generation_pb2_grpc.GenerationStub(channel)
         t0 = time.perf_counter()
 
-        async def one(prompt):
-            req = generation_pb2.GenerateRequest(prompt_token_ids=prompt,
+        async def one(prompt, lora):
+            req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, lora=lora,
                                                  sampling=generation_pb2.SamplingParams(
                 max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
             ttft, n = None, 0
@@ -41,7 +42,8 @@ async def drive(address: str, prompts: list[list[int]], max_tokens: int) -> tupl
                 n += len(msg.token_ids)
             return ttft, n
 
-        results = await asyncio.gather(*(one(p) for p in prompts))
+        loras = loras or [""] * len(prompts)
+        results = await asyncio.gather(*(one(p, lora) for p, lora in zip(prompts, loras, strict=True)))
         wall = time.perf_counter() - t0
     return wall, [r[0] for r in results], sum(r[1] for r in results)
 

@@ -69,6 +69,28 @@ def test_a_step_of_three_adapters_and_the_base_equals_peft_row_by_row(family_mod
         assert (w < 0) == torch.allclose(base_logits[row], logits[row], atol=1e-5)
 
 
+def test_many_adapters_of_one_shape_batched_together_equal_peft(family_models, tmp_path):
+    """Adapters that change the same projections at the same rank go through one batched update (their rows
+    padded into one batch, their A and B stacked): each row still gets its own adapter's."""
+    base, adapters = family_models["llama"]
+    folders = [adapters["all"]] + [make_adapter(base, tmp_path / f"s{i}", r=8, targets=ALL, alpha=16,
+                                                seed=10 + i, use_rslora=True) for i in range(3)]
+    model, config, weights = _ours(base, folders)
+    prompts = [[5 + i, 9, 33 + 2 * i, 7, 81, 4 + i][: 3 + i % 4] for i in range(9)]
+    which = [0, 1, 2, 3, -1, 3, 2, 1, 0]
+    seqs, at = [], 0
+    for p in prompts:
+        n = -(-len(p) // BLOCK)
+        seqs.append((p, 0, list(range(at, at + n))))
+        at += n
+    pool = KVPool(config, 64, BLOCK, torch.float32, torch.device("cpu"))
+    step_logits, _ = run_step(model, config, pool, seqs, lora=(weights, which))
+    for row, (p, w) in enumerate(zip(prompts, which, strict=True)):
+        with torch.no_grad():
+            want = peft_model(base, folders[w] if w >= 0 else None)(input_ids=torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(step_logits[row], want, rtol=1e-4, atol=1e-4)
+
+
 def test_decode_rows_through_the_pool_after_a_prefill_stay_equal(family_models):
     """Prefill then token-by-token decode with the adapter on every step: the KV written under the adapter
     is read back by later steps, as PEFT's cache does."""
@@ -100,20 +122,22 @@ def test_tensor_parallel_halves_sum_to_the_whole_update(family_models):
     x = torch.randn(3, config.hidden_size)
     hd, q = config.head_dim, config.num_heads * config.head_dim
 
-    def update(w, name, x):
+    def update(w, name, x):  # the projection's output columns lo:hi this adapter changes
         p = w.layers[1][name]
-        s = x @ p.a.t()
-        return [(s[:, a_lo:a_hi] @ b.t(), lo, hi) for b, lo, hi, a_lo, a_hi in p.parts]
+        return (x @ p.a.t()) @ p.b.t(), p.lo, p.hi
 
-    full = {lo: d for d, lo, _ in update(whole, "qkv", x)}  # q, k, v columns
-    halves = [update(w, "qkv", x) for w in ranks]
-    q_half = q // 2
-    torch.testing.assert_close(torch.cat([halves[0][0][0], halves[1][0][0]], 1), full[0])
-    assert halves[0][0][0].shape[1] == q_half
+    full, lo, hi = update(whole, "qkv", x)
+    assert (lo, hi) == (0, q + 2 * config.num_kv_heads * hd)
+    q_half, kv_half = q // 2, config.num_kv_heads * hd // 2
+    halves = [update(w, "qkv", x)[0] for w in ranks]  # each rank: its q heads, then its k and v heads
+    for part, (start, size) in enumerate([(0, q_half), (q_half, kv_half), (q_half + kv_half, kv_half)]):
+        whole_start = [0, q, q + 2 * kv_half][part]
+        for r in range(2):
+            torch.testing.assert_close(halves[r][:, start:start + size],
+                                       full[:, whole_start + r * size:whole_start + (r + 1) * size])
     xo = torch.randn(3, q)
-    parts = [update(w, "o_proj", xo[:, r * q_half:(r + 1) * q_half])[0][0] for r, w in enumerate(ranks)]
-    torch.testing.assert_close(parts[0] + parts[1], update(whole, "o_proj", xo)[0][0], rtol=1e-5, atol=1e-5)
-    assert hd * config.num_heads == q
+    parts = [update(w, "o_proj", xo[:, r * q_half:(r + 1) * q_half])[0] for r, w in enumerate(ranks)]
+    torch.testing.assert_close(parts[0] + parts[1], update(whole, "o_proj", xo)[0], rtol=1e-5, atol=1e-5)
     # what --max-cpu-loras sets aside covers an adapter of the highest rank on every projection
     assert whole.nbytes <= lora_bytes(config, make_shard(config.num_heads, config.num_kv_heads,
                                                          config.intermediate_size, config.vocab_size), 8, 4)

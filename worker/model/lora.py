@@ -19,10 +19,13 @@ PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 @dataclass
 class Projection:
     """One adapter's update of one fused projection on this rank: A of every part it changes, stacked
-    [sum r, in], and each part's (B [out_part, r] x scale, its columns lo:hi of the output, its rows of A)."""
+    [sum r, in], and one B [hi - lo, sum r] over the output columns lo:hi the parts cover, each part's
+    block (x scale) at its columns and its rows of A, zeros elsewhere."""
 
     a: torch.Tensor
-    parts: list[tuple[torch.Tensor, int, int, int, int]]  # (B, out lo, out hi, A row lo, A row hi)
+    b: torch.Tensor
+    lo: int
+    hi: int
 
 
 @dataclass
@@ -34,7 +37,7 @@ class LoraWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.a.numel() * p.a.element_size() + sum(b.numel() * b.element_size() for b, *_ in p.parts)
+        return sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size()
                    for layer in self.layers for p in layer.values())
 
 
@@ -42,13 +45,23 @@ class StepLora:
     """A step's rows grouped by adapter once: the token rows of each (None where one adapter has every row).
     Every projection then adds, for each group, shrink (x @ A^T, r columns) then expand (@ B^T, the scale
     folded into B) into its rows in place (index_add); a fused projection (QKV, gate+up) stacks its parts'
-    A so each group shrinks once, then expands into each part's columns."""
+    A so each group shrinks once and expands once over the columns its parts cover.
 
-    def __init__(self, groups: list[tuple[LoraWeights, torch.Tensor | None]]) -> None:
+    Where several groups of about the same size share the step (decodes of many adapters), they go together:
+    their rows gathered into one padded batch [groups, most rows, in] and multiplied by the groups' A and B
+    stacked (`stacks`: kept from step to step while the step's adapters are the same), two batched matmuls
+    a projection whatever the number of adapters."""
+
+    def __init__(self, groups: list[tuple[LoraWeights, torch.Tensor | None]],
+                 batched: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 stacks: dict | None = None) -> None:
         self.groups = groups
+        self.batched = batched  # (gather index [G, most], pad mask [G, most, 1], scatter index [G * most])
+        self.stacks = stacks if stacks is not None else {}
 
     @classmethod
-    def of(cls, adapters: list[LoraWeights], token_index: torch.Tensor) -> StepLora | None:
+    def of(cls, adapters: list[LoraWeights], token_index: torch.Tensor, stacks: dict | None = None
+           ) -> StepLora | None:
         """token_index: int64 [num_tokens], each token's adapter in `adapters` (-1: the base model)."""
         groups = []
         for i, weights in enumerate(adapters):
@@ -57,22 +70,48 @@ class StepLora:
                 groups.append((weights, None))
             elif rows.numel():
                 groups.append((weights, rows))
-        return cls(groups) if groups else None
+        if not groups:
+            return None
+        most = max(r.numel() for _, r in groups if r is not None) if len(groups) > 1 else 0
+        if len(groups) < 2 or len(groups) * most > 2 * token_index.numel() + 64:
+            return cls(groups)
+        gather = torch.zeros(len(groups), most, dtype=torch.int64, device=token_index.device)
+        mask = torch.zeros(len(groups), most, 1, device=token_index.device)
+        for g, (_, rows) in enumerate(groups):
+            gather[g, :rows.numel()] = rows
+            mask[g, :rows.numel()] = 1.0
+        return cls(groups, (gather, mask, gather.flatten()), stacks)
+
+    def _stacked(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """Every group's A and B of the projection stacked, where all change it alike (else None)."""
+        key = (layer, name)
+        if key not in self.stacks:
+            ps = [w.layers[layer].get(name) for w, _ in self.groups]
+            same = all(p is not None and p.a.shape == ps[0].a.shape and (p.lo, p.hi) == (ps[0].lo, ps[0].hi)
+                       for p in ps)
+            self.stacks[key] = (torch.stack([p.a.t() for p in ps]), torch.stack([p.b.t() for p in ps]),
+                                ps[0].lo, ps[0].hi) if same else None
+        return self.stacks[key]
 
     def apply(self, layer: int, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (the base projection of x, [rows, out]) with every group's update added, in place."""
+        stacked = self._stacked(layer, name) if self.batched is not None else None
+        if stacked is not None:
+            a, b, lo, hi = stacked  # [G, in, r], [G, r, hi - lo]
+            gather, mask, scatter = self.batched
+            delta = torch.bmm(torch.bmm(x[gather].to(a.dtype), a), b) * mask  # pads add nothing
+            out[:, lo:hi].index_add_(0, scatter, delta.reshape(-1, hi - lo).to(out.dtype))
+            return out
         for weights, rows in self.groups:
             p = weights.layers[layer].get(name)
             if p is None:
                 continue
             xs = x if rows is None else x.index_select(0, rows)
-            shrunk = xs.to(p.a.dtype) @ p.a.t()  # [rows, sum r]
-            for b, lo, hi, a_lo, a_hi in p.parts:
-                delta = (shrunk[:, a_lo:a_hi] @ b.t()).to(out.dtype)
-                if rows is None:
-                    out[:, lo:hi] += delta
-                else:
-                    out[:, lo:hi].index_add_(0, rows, delta)
+            delta = ((xs.to(p.a.dtype) @ p.a.t()) @ p.b.t()).to(out.dtype)  # shrink to sum r, expand
+            if rows is None:
+                out[:, p.lo:p.hi] += delta
+            else:
+                out[:, p.lo:p.hi].index_add_(0, rows, delta)
         return out
 
 
@@ -86,6 +125,8 @@ class LoraCache:
         self.slots, self.max_rank = slots, max_rank
         self.loader = loader
         self.held: OrderedDict[str, LoraWeights] = OrderedDict()
+        self.stacks_of: tuple[str, ...] = ()  # the adapters (in step order) `stacks` holds stacked
+        self.stacks: dict = {}
 
     def step(self, loras: list[tuple[str, str]], seq_index, q_lens, device: torch.device) -> StepLora | None:
         """The step's adapters read or found, and its rows grouped by them; ValueError for a plan that names
@@ -105,4 +146,7 @@ class LoraCache:
             wanted.append(weights)
         index = torch.repeat_interleave(torch.as_tensor(seq_index, dtype=torch.int64),
                                         torch.as_tensor(q_lens, dtype=torch.int64)).to(device)
-        return StepLora.of(wanted, index)
+        key = tuple(w.identity for w in wanted)
+        if key != self.stacks_of:  # the last step's stacked adapters serve this one only if they are the same
+            self.stacks_of, self.stacks = key, {}
+        return StepLora.of(wanted, index, self.stacks)

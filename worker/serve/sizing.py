@@ -114,14 +114,15 @@ def gpu_blocks(device: torch.device, utilization: float, non_kv_bytes: int, per_
 
 
 def lora_reserve(cfg, config, shard, dtype: torch.dtype) -> int:
-    """Bytes --max-cpu-loras LoRA adapters of --max-lora-rank on every projection take on this rank: set
-    aside from the KV pool's budget, so that turning LoRA on can never run a worker out of memory."""
+    """Bytes --max-cpu-loras LoRA adapters of --max-lora-rank on every projection take on this rank, twice
+    (a step's adapters are also kept stacked for its batched update: model/lora.py StepLora): set aside from
+    the KV pool's budget, so that turning LoRA on can never run a worker out of memory."""
     from worker.weights.lora import lora_bytes
 
     if not cfg.max_cpu_loras:
         return 0
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    return cfg.max_cpu_loras * lora_bytes(config, shard, cfg.max_lora_rank, itemsize)
+    return 2 * cfg.max_cpu_loras * lora_bytes(config, shard, cfg.max_lora_rank, itemsize)
 
 
 def lora_cache(cfg, config, shard, dtype: torch.dtype, device: torch.device):

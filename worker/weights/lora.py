@@ -97,7 +97,7 @@ def read_lora(folder: str | Path, identity: str, config: ModelConfig, shard: Sha
                     pieces.append((name, ab["A"], ab["B"]))
             if not pieces:
                 continue
-            a_rows, parts_out, at = [], [], 0
+            a_rows, placed, at = [], [], 0
             shared = {}  # a fused adapter's parts share one A: shrink once
             for part, a, b in pieces:
                 lo, hi, offset = rows[part]
@@ -105,11 +105,15 @@ def read_lora(folder: str | Path, identity: str, config: ModelConfig, shard: Sha
                     a_rows.append(a[:, _input_cols(config, shard, part)])
                     shared[id(a)] = (at, at + a.shape[0])
                     at += a.shape[0]
-                a_lo, a_hi = shared[id(a)]
-                b_local = (b[lo:hi].float() * scale).to(dtype)
-                parts_out.append((b_local.to(device), offset, offset + hi - lo, a_lo, a_hi))
+                placed.append((b[lo:hi], offset, offset + hi - lo, *shared[id(a)]))
+            # one B over the output columns the parts cover, each part's block at its columns and its rows of
+            # A (zeros elsewhere): each group expands once
+            lo, hi = min(p[1] for p in placed), max(p[2] for p in placed)
+            b_all = torch.zeros(hi - lo, at)
+            for b, o_lo, o_hi, a_lo, a_hi in placed:
+                b_all[o_lo - lo:o_hi - lo, a_lo:a_hi] = b.float() * scale
             a_cat = torch.cat(a_rows).to(dtype).to(device).contiguous()
-            layers[layer][fused] = Projection(a_cat, parts_out)
+            layers[layer][fused] = Projection(a_cat, b_all.to(dtype).to(device), lo, hi)
     return LoraWeights(identity, layers)
 
 
@@ -118,8 +122,9 @@ def lora_bytes(config: ModelConfig, shard: Shard, rank: int, itemsize: int) -> i
     --max-cpu-loras sets aside from the KV pool's budget."""
     rows = _part_rows(config, shard)
     per_layer = 0
-    for part, (lo, hi, _) in rows.items():
-        cols = _input_cols(config, shard, part)
-        width = config.hidden_size if cols == slice(None) else cols.stop - cols.start
-        per_layer += rank * (width + hi - lo)
+    for parts in PROJECTIONS.values():  # A: each part's rank x its input; B: the parts' outputs x their ranks
+        a = sum(rank * (config.hidden_size if _input_cols(config, shard, p) == slice(None)
+                        else _input_cols(config, shard, p).stop - _input_cols(config, shard, p).start)
+                for p in parts)
+        per_layer += a + sum(rows[p][1] - rows[p][0] for p in parts) * rank * len(parts)
     return per_layer * config.num_layers * itemsize
