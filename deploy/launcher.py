@@ -49,6 +49,8 @@ def passthrough(parser: argparse.ArgumentParser, args: argparse.Namespace, skip:
         flag = max(action.option_strings, key=len)
         if isinstance(action, argparse._StoreTrueAction):
             out.append(flag)
+        elif isinstance(value, list):  # nargs="+": --lora-modules a=/x b=/y
+            out += [flag, *map(str, value)]
         else:
             out += [flag, str(value)]
     return out
@@ -58,6 +60,8 @@ def worker_units(args: argparse.Namespace, endpoint: str, replicas: list[int] | 
                  log_dir: Path | None = None, rendezvous_host: str = "127.0.0.1") -> list[Unit]:
     """One unit per replica: its tp ranks, each told its replica, rank, rendezvous and local index."""
     flags = passthrough(worker_parser(), args, _PER_RANK)
+    if getattr(args, "lora_modules", None) and args.max_cpu_loras is None:  # every adapter a step may run
+        flags += ["--max-cpu-loras", str(args.max_loras)]
     tp = args.tensor_parallel_size
     units = []
     for local_group, d in enumerate(replicas if replicas is not None else range(args.data_parallel_size)):
@@ -133,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, process="scheduler", log_format=args.log_format)
     try:
         args.model = model_folder(args.model)  # a .gguf file: its prepared folder, served on its blocks
-        if args.lora_modules and args.max_cpu_loras is None:  # the workers keep every adapter a step may run
-            args.max_cpu_loras = args.max_loras
         return asyncio.run(launch(args))
     except ConfigError as e:
         sys.stderr.write(f"pagedserve serve: error: {e}\n")

@@ -8,7 +8,9 @@ server (`--lora-modules`, `--max-loras` and the workers' slots as many). In alte
   - one stream: the workload's first prompt, greedy tokens after the first, base and with one adapter;
   - N streams (16, 64) of the workload's first N prompts at once, on the base model, then with each stream's
     adapter drawn from 1, 8 and 64 adapters (stream i takes adapter i mod K).
-Prints output tokens/s (mean TTFT) of each, and each ratio to the base model's in the same round.
+The prefix cache is off: every pass computes its prompts (the same prompts come back each round, under
+other adapters). Prints output tokens/s (mean TTFT) of each, and each ratio to the base model's in the same
+round.
 
     python -m deploy.bench.lora --streams 16,64 --pools 1,8,64
 """
@@ -99,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_workload(args.workload)
     log = Path(tempfile.mkdtemp(prefix="pagedserve-lora-")) / "server.log"
     flags = ["--lora-modules", *(f"{n}={a}" for n, a in zip(names, adapters, strict=True)),
-             "--max-loras", str(len(names)), "--max-lora-rank", str(args.rank), "--kv-cache-memory", "6GiB",
-             "--metrics-port", "0", *args.serve_flags.split()]
+             "--max-loras", str(len(names)), "--max-lora-rank", str(args.rank), "--kv-cache-memory", "12GiB",
+             "--no-prefix-caching", "--metrics-port", "0", *args.serve_flags.split()]
     server = ServerProcess(folder, log, *flags).start(timeout=900)
     res: dict[str, list] = {}
     try:

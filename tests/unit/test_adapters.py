@@ -183,3 +183,16 @@ def test_kv_events_say_which_adapter_a_stored_block_belongs_to(tmp_path):
     stored = [e for e in events if e[0] == "stored"]
     assert [e[4] if len(e) > 4 else None for e in stored] == [a.event_id] * 2 + [None] * 2
     assert stored[0][2] is None and stored[0][1] != stored[2][1]  # same tokens, other hashes
+
+
+def test_the_launchers_pass_every_adapter_on_and_give_the_workers_their_slots():
+    from deploy.launcher import build_parser, passthrough, worker_units
+    from scheduler_service.main import build_parser as scheduler_parser
+
+    args = build_parser().parse_args(["--model", "m", "--lora-modules", "a=/x", "b=/y", "--max-loras", "3"])
+    assert passthrough(scheduler_parser(), args, {"model"})[-5:] == ["--lora-modules", "a=/x", "b=/y",
+                                                                     "--max-loras", "3"]
+    worker_argv = worker_units(args, "tcp://127.0.0.1:1")[0].programs[0].argv
+    assert worker_argv[worker_argv.index("--max-cpu-loras") + 1] == "3"
+    plain = build_parser().parse_args(["--model", "m"])
+    assert "--max-cpu-loras" not in worker_units(plain, "tcp://127.0.0.1:1")[0].programs[0].argv

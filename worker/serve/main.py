@@ -126,7 +126,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "$PAGEDSERVE_MALLOC or auto")
     g.add_argument("--max-cpu-loras", type=COUNT, default=None,
                    help="LoRA adapters this worker keeps read at once (the least recently used given back), "
-                        "their "
+                        "their (twice: a step's are also kept stacked) "
                         "memory at --max-lora-rank taken from the KV pool's budget; default: --max-loras "
                         "under `pagedserve serve` with --lora-modules, else 0 (no adapters)")
     g.add_argument("--max-lora-rank", type=POSITIVE, default=16,
