@@ -20,6 +20,21 @@ U64 = np.dtype("<u8")
 F32 = np.dtype("<f4")
 
 
+def lora_identity(folder) -> str:
+    """What LoraRef.identity holds for the LoRA adapter in `folder` (a PEFT folder): a hash of its config and
+    weights as bytes on disk; the scheduler keys the adapter by it, the worker checks it when it reads one."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.blake2b(digest_size=16)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        with open(Path(folder) / name, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
 class CodecError(ValueError):
     """An array of a plan or result has the wrong number of bytes."""
 

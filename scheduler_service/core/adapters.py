@@ -9,13 +9,14 @@ blocks. Workers read the tensors themselves (worker/weights/lora.py) and check t
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from protos.codec import lora_identity
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # the projections LoRA may change, as Hugging Face names them; Phi-3's fused names included
@@ -96,17 +97,6 @@ def safetensors_header(path: Path) -> dict:
     return header
 
 
-def identity_of(folder: Path) -> str:
-    """The adapter's identity: a hash of its config and weights, as bytes on disk."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        with open(folder / name, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        h.update(b"\0")
-    return h.hexdigest()
-
-
 def read_adapter(name: str, path: str | Path, base: BaseShapes, max_rank: int | None = None) -> Adapter:
     # one function: every check of a PEFT folder, each with the message that names it
     """The adapter in a PEFT folder, or AdapterError naming what stops it being served as meant."""
@@ -167,7 +157,7 @@ def read_adapter(name: str, path: str | Path, base: BaseShapes, max_rank: int | 
             if halves != {"A", "B"}:
                 raise AdapterError(f"{what}: layer {layer} {module} has lora_{''.join(halves)} without its "
                                    "other half")
-    return Adapter(name, str(folder.resolve()), identity_of(folder), rank, tuple(sorted(targets)))
+    return Adapter(name, str(folder.resolve()), lora_identity(folder), rank, tuple(sorted(targets)))
 
 
 def parse_module_flag(entries: list[str]) -> list[tuple[str, str]]:

@@ -49,16 +49,25 @@ def with_lora(prompt, max_tokens, lora, request_id=""):
     return req
 
 
-def test_adapters_and_the_base_in_one_batch_each_equal_peft(server, tiny_model_dir, adapters):
-    rng = random.Random(3)
-    names = ["attn", "all", "mlp", ""]
-    items = [([rng.randrange(3, 380) for _ in range(rng.randint(6, 40))], names[i % 4]) for i in range(16)]
+def all_at_once_equal_peft(server, tiny_model_dir, adapters, names, count, longest, max_tokens, seed):
+    """`count` random prompts at once, prompt i under adapter names[i % len] ("" the base): each answer equals
+    PEFT's own greedy decode of its adapter. -> the prompts."""
+    rng = random.Random(seed)
+    items = [([rng.randrange(3, 380) for _ in range(rng.randint(5, longest))], names[i % len(names)])
+             for i in range(count)]
     with ThreadPoolExecutor(len(items)) as pool:
-        got = list(pool.map(lambda it: list(server.stub.Generate(with_lora(it[0], 12, it[1]), timeout=120)
-                                            .choices[0].token_ids), items))
-    assert server.stats().num_preemptions > 0, "the pool is small enough to preempt"
+        got = list(pool.map(lambda it: list(server.stub.Generate(with_lora(it[0], max_tokens, it[1]),
+                                                                 timeout=120).choices[0].token_ids), items))
     for (prompt, name), tokens in zip(items, got, strict=True):
-        assert tokens == peft_greedy(tiny_model_dir, adapters[name] if name else None, prompt, 12), name
+        want = peft_greedy(tiny_model_dir, adapters[name] if name else None, prompt, max_tokens)
+        assert tokens == want, name
+    return items
+
+
+def test_adapters_and_the_base_in_one_batch_each_equal_peft(server, tiny_model_dir, adapters):
+    names = ["attn", "all", "mlp", ""]
+    items = all_at_once_equal_peft(server, tiny_model_dir, adapters, names, 16, 40, 12, seed=3)
+    assert server.stats().num_preemptions > 0, "the pool is small enough to preempt"
     # the adapters do change the answers
     prompt = items[0][0]
     base = peft_greedy(tiny_model_dir, None, prompt, 12)
@@ -167,14 +176,8 @@ def test_adapters_over_two_ranks_and_two_replicas_equal_peft(server_factory, tin
     server = server_factory(tiny_model_dir, *layout, "--block-size", "4", "--num-blocks", "160",
                             "--max-num-batched-tokens", "64", "--lora-modules", *modules)
     try:
-        rng = random.Random(5)
-        names = ["all", "", "mlp", "attn"]
-        items = [([rng.randrange(3, 380) for _ in range(rng.randint(5, 30))], names[i % 4]) for i in range(8)]
-        with ThreadPoolExecutor(len(items)) as pool:
-            got = list(pool.map(lambda it: list(server.stub.Generate(with_lora(it[0], 10, it[1]), timeout=120)
-                                                .choices[0].token_ids), items))
-        for (prompt, name), tokens in zip(items, got, strict=True):
-            assert tokens == peft_greedy(tiny_model_dir, adapters[name] if name else None, prompt, 10), name
+        all_at_once_equal_peft(server, tiny_model_dir, adapters, ["all", "", "mlp", "attn"], 8, 30, 10,
+                               seed=5)
         assert_all_blocks_back(server)
     finally:
         server.stop()

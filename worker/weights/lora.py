@@ -6,7 +6,6 @@ rewritten since the scheduler read it is never served under the old identity."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from protos.codec import lora_identity
 from worker.model.config import ModelConfig
 from worker.model.lora import PROJECTIONS, LoraWeights, Projection
 from worker.model.parallel import Shard
@@ -22,17 +22,6 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # Phi-3's fused names: each the parts it stacks
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def files_identity(folder: Path) -> str:
-    """The same hash as the scheduler's (core/adapters.py identity_of)."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        with open(folder / name, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        h.update(b"\0")
-    return h.hexdigest()
 
 
 def _part_rows(config: ModelConfig, shard: Shard) -> dict[str, tuple[int, int, int]]:
@@ -64,7 +53,7 @@ def read_lora(folder: str | Path, identity: str, config: ModelConfig, shard: Sha
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if files_identity(folder) != identity:
+    if lora_identity(folder) != identity:
         raise ValueError(f"the LoRA adapter at {folder} changed on disk since it was loaded: load it again")
     cfg = json.loads((folder / CONFIG_FILE).read_text())
     rank = int(cfg["r"])
