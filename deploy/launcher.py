@@ -60,8 +60,8 @@ def worker_units(args: argparse.Namespace, endpoint: str, replicas: list[int] | 
                  log_dir: Path | None = None, rendezvous_host: str = "127.0.0.1") -> list[Unit]:
     """One unit per replica: its tp ranks, each told its replica, rank, rendezvous and local index."""
     flags = passthrough(worker_parser(), args, _PER_RANK)
-    if getattr(args, "lora_modules", None) and args.max_cpu_loras is None:  # every adapter a step may run
-        flags += ["--max-cpu-loras", str(args.max_loras)]
+    if getattr(args, "lora_modules", None) and args.max_cpu_loras is None:  # one an adapter, to --max-loras
+        flags += ["--max-cpu-loras", str(min(args.max_loras, len(args.lora_modules)))]
     tp = args.tensor_parallel_size
     units = []
     for local_group, d in enumerate(replicas if replicas is not None else range(args.data_parallel_size)):

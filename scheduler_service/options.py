@@ -98,7 +98,7 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                         "request's lora (OpenAI: model) picks one; more load at run time (LoadLoraAdapter)")
     p.add_argument("--max-loras", type=POSITIVE, default=8,
                    help="the most LoRA adapters whose requests run at once (a request whose adapter would be "
-                        "one more waits); the workers keep at least this many (--max-cpu-loras)")
+                        "one more waits); no more than the workers keep (--max-cpu-loras)")
     p.add_argument("--debug-invariants", action="store_true", help="check allocator invariants every step")
     p.add_argument("--step-profile-interval", type=SECONDS, default=5.0,
                    help="seconds between step_profile log lines (where a busy replica's step time went)")

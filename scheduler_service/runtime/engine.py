@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -18,7 +18,7 @@ from scheduler_service.core.config import ModelSpec, SchedulerConfig
 from scheduler_service.core.sequence import FinishReason, Request
 from scheduler_service.runtime import reporting
 from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, StepFailed, Unschedulable
-from scheduler_service.runtime.groups import context_limit, group_problem, lora_problem, workers_max_num_seqs
+from scheduler_service.runtime.groups import adopted_config, context_limit, group_problem, lora_problem
 from scheduler_service.runtime.kv_events import KvEventPublisher
 from scheduler_service.runtime.metrics import Metrics
 from scheduler_service.runtime.orphans import Orphans
@@ -110,14 +110,12 @@ class Engine:
     def _adopt_max_num_seqs(self, groups) -> None:
         """Where --max-num-seqs was left to the workers, take the smallest they proposed (a GPU worker's comes
         from its KV capacity, and its decode graphs are captured for it)."""
-        chosen = workers_max_num_seqs(self.config, groups)
-        if chosen is None:
-            return
-        if chosen != self.config.max_num_seqs:
-            self.config = replace(self.config, max_num_seqs=chosen)
+        adopted = adopted_config(self.config, groups)  # and no more LoRA adapters at once than they keep
+        if adopted != self.config:
+            self.config = adopted
             for replica in self.replicas:
                 replica.config = self.config
-        log.info("max_num_seqs", max_num_seqs=chosen, source="workers")
+            log.info("adopted_from_workers", max_num_seqs=adopted.max_num_seqs, max_loras=adopted.max_loras)
 
     async def _watch_workers(self, interval: float = 0.5) -> None:
         """Find ranks that went silent while their replica was idle (a step in flight checks its own)."""
@@ -152,8 +150,7 @@ class Engine:
 
     def _check_group(self, group: WorkerGroup) -> str:
         """Why a complete worker group cannot serve this model, or ""."""
-        return group_problem(group, self.spec, self.config, self.limits) or lora_problem(
-            group, self.adapters, self.config.max_loras)
+        return group_problem(group, self.spec, self.config, self.limits) or lora_problem(group, self.adapters)
 
     def _group_ready(self, group: WorkerGroup) -> None:
         """A replica's group rejoined after start (a restarted worker group)."""

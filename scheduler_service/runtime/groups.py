@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from protos import wire_pb2
@@ -24,6 +24,16 @@ def workers_max_num_seqs(config: SchedulerConfig, groups: list[WorkerGroup]) -> 
     if not config.auto_max_num_seqs or not proposed:
         return None
     return min(min(proposed), config.max_num_batched_tokens)
+
+
+def adopted_config(config: SchedulerConfig, groups: list[WorkerGroup]) -> SchedulerConfig:
+    """The config with what the workers decide: --max-num-seqs where it was left to them, and --max-loras
+    within the LoRA adapters every worker keeps (--max-cpu-loras; a request whose adapter would be one more
+    waits)."""
+    slots = [getattr(w.handshake, "lora_slots", 0) for g in groups for w in g.workers.values()]
+    held = min(slots, default=0)
+    return replace(config, max_num_seqs=workers_max_num_seqs(config, groups) or config.max_num_seqs,
+                   max_loras=min(config.max_loras, held) if held else config.max_loras)
 
 
 def context_limit(spec: ModelSpec, group: WorkerGroup) -> int:
@@ -55,16 +65,16 @@ def group_problem(group: WorkerGroup, spec: ModelSpec, config: SchedulerConfig, 
     return ""
 
 
-def lora_problem(group: WorkerGroup, adapters: AdapterRegistry | None, max_loras: int) -> str:
+def lora_problem(group: WorkerGroup, adapters: AdapterRegistry | None) -> str:
     """Why a group's workers cannot hold the LoRA adapters this service runs, or ""; on success the
     registry's rank bound becomes the workers' (adapters loaded later are checked against it)."""
     if adapters is None:
         return ""
     for w in group.workers.values() if adapters.adapters else ():
         hs = w.handshake
-        if hs.lora_slots < max_loras:
-            return (f"rank {hs.tp_rank} keeps {hs.lora_slots} LoRA adapters (--max-cpu-loras), fewer than "
-                    f"the {max_loras} that may run at once (--max-loras)")
+        if hs.lora_slots < 1:
+            return (f"rank {hs.tp_rank} keeps no LoRA adapters (--max-cpu-loras 0) and this service serves "
+                    f"{len(adapters.adapters)}: start the workers with --max-cpu-loras N")
         for a in adapters.adapters.values():
             if a.rank > hs.max_lora_rank:
                 return (f"LoRA adapter {a.name!r} has rank {a.rank}; the workers take up to "

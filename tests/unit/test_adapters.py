@@ -193,6 +193,21 @@ def test_the_launchers_pass_every_adapter_on_and_give_the_workers_their_slots():
     assert passthrough(scheduler_parser(), args, {"model"})[-5:] == ["--lora-modules", "a=/x", "b=/y",
                                                                      "--max-loras", "3"]
     worker_argv = worker_units(args, "tcp://127.0.0.1:1")[0].programs[0].argv
-    assert worker_argv[worker_argv.index("--max-cpu-loras") + 1] == "3"
+    assert worker_argv[worker_argv.index("--max-cpu-loras") + 1] == "2"  # one an adapter, to --max-loras
     plain = build_parser().parse_args(["--model", "m"])
     assert "--max-cpu-loras" not in worker_units(plain, "tcp://127.0.0.1:1")[0].programs[0].argv
+
+
+def test_no_more_adapters_run_at_once_than_every_worker_keeps():
+    from types import SimpleNamespace
+
+    from scheduler_service.runtime.groups import adopted_config
+
+    def group(*slots):
+        hs = [SimpleNamespace(max_num_seqs=0, lora_slots=s) for s in slots]
+        return SimpleNamespace(workers={i: SimpleNamespace(handshake=h) for i, h in enumerate(hs)})
+
+    config = SchedulerConfig(max_loras=8)
+    assert adopted_config(config, [group(3, 5), group(4)]).max_loras == 3
+    assert adopted_config(config, [group(16)]).max_loras == 8
+    assert adopted_config(config, [group(0)]).max_loras == 8  # LoRA off there: nothing to bound

@@ -126,9 +126,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "$PAGEDSERVE_MALLOC or auto")
     g.add_argument("--max-cpu-loras", type=COUNT, default=None,
                    help="LoRA adapters this worker keeps read at once (the least recently used given back), "
-                        "their (twice: a step's are also kept stacked) "
-                        "memory at --max-lora-rank taken from the KV pool's budget; default: --max-loras "
-                        "under `pagedserve serve` with --lora-modules, else 0 (no adapters)")
+                        "their (twice: a step's are also kept stacked) memory at --max-lora-rank taken from "
+                        "the KV pool's budget; default: under `pagedserve serve` one per adapter "
+                        "--lora-modules names, up to --max-loras, else 0 (no adapters)")
     g.add_argument("--max-lora-rank", type=POSITIVE, default=16,
                    help="the highest LoRA rank served (an adapter above it is refused by name)")
     g.add_argument("--seed", type=COUNT, default=0, help="seed of dummy weights")
