@@ -24,10 +24,10 @@ from protos import env
 
 
 def _jit_functions():
-    from kernels import triton_attention, triton_elementwise, triton_moe, triton_sampling
+    from kernels import triton_attention, triton_elementwise, triton_lora, triton_moe, triton_sampling
 
     out = {}
-    for module in (triton_attention, triton_elementwise, triton_sampling, triton_moe):
+    for module in (triton_attention, triton_elementwise, triton_sampling, triton_moe, triton_lora):
         for name in dir(module):
             obj = getattr(module, name)
             if hasattr(obj, "device_caches") and hasattr(obj, "arg_names"):
@@ -120,12 +120,13 @@ def offline_report(head_dims=(64, 128, 256), block_sizes=(16, 32, 256), capabili
     """Every attention and elementwise kernel at the configurations its launcher picks on a GPU."""
     from kernels import triton_attention as ta
     from kernels import triton_elementwise as te
+    from kernels import triton_lora as tlora
     from kernels import triton_moe as tmoe
     from kernels import triton_sampling as tsamp
 
     rows = []
     for case in ta.launch_cases(head_dims, block_sizes, dtype) + te.launch_cases(head_dims, dtype) + \
-            tsamp.launch_cases() + tmoe.launch_cases(dtype):
+            tsamp.launch_cases() + tmoe.launch_cases(dtype) + tlora.launch_cases(dtype):
         usage = compile_offline(case["fn"], case["signature"], case["constexprs"], case["num_warps"],
                                 case["num_stages"], capability, case.get("aligned", ()))
         rows.append(dict(name=case["name"], **usage))

@@ -27,7 +27,8 @@ _C_TYPES = {"void": None, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64
 
 
 # the fused decode step's stages as pagedserve_decode_profile counts them (kernels/cpu/pagedserve.h)
-DECODE_STAGES = ("norms", "rounding", "qkv", "heads", "attention", "o_proj", "gate_up", "silu", "down")
+DECODE_STAGES = ("norms", "rounding", "qkv", "heads", "attention", "o_proj", "gate_up", "silu", "down",
+                 "lora")
 
 
 def prototypes(header: str) -> dict[str, tuple[object, list]]:
@@ -90,9 +91,10 @@ class NativeKernels:
         self.packed_fast = bool(lib.pagedserve_packed_fast())
         self.packed_q8_fast = bool(lib.pagedserve_packed_q8_fast())  # AVX2 packs the 4-6 bit types only
         self.isa = lib.pagedserve_native_isa()  # 512: AVX-512 intrinsics; 256: AVX2 (the portable loops)
-        sizes = (ctypes.c_int64 * 4)()
+        sizes = (ctypes.c_int64 * 6)()
         lib.pagedserve_struct_sizes(sizes)
-        self.struct_sizes = tuple(sizes)  # PsSegment, PsMatrix, PsLayer, PsModel (model/fused_decode.py)
+        # PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora (model/fused_decode.py)
+        self.struct_sizes = tuple(sizes)
         self.sgemm = blas_sgemm()
 
     # --- the fused decode step (worker/model/fused_decode.py describes the model) --------------------
@@ -102,10 +104,12 @@ class NativeKernels:
 
     def decode_step(self, model_desc, rows: int, x: torch.Tensor, positions: torch.Tensor,
                     slots: torch.Tensor,
-                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scratch: torch.Tensor) -> None:
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scratch: torch.Tensor,
+                    lora=None) -> None:
         """Every layer of `rows` decoding tokens in one call: x fp32 [rows, hidden] contiguous holds their
         embeddings and receives the final-norm hidden states; positions, slots int64 [rows]; block_tables
-        int32 [rows, max_blocks] (row stride may exceed max_blocks); seq_lens int32 [rows]."""
+        int32 [rows, max_blocks] (row stride may exceed max_blocks); seq_lens int32 [rows]; lora: a PsLora
+        (model/fused_decode.py) naming the rows' adapters, or None."""
         for t, dt in ((x, torch.float32), (positions, torch.int64), (slots, torch.int64),
                       (block_tables, torch.int32), (seq_lens, torch.int32), (scratch, torch.float32)):
             if t.dtype != dt or t.device.type != "cpu":
@@ -117,7 +121,8 @@ class NativeKernels:
             raise ValueError("decode_step needs contiguous tensors of `rows` tokens and enough scratch")
         if self._decode_step(ctypes.addressof(model_desc), rows, x.data_ptr(), positions.data_ptr(),
                              slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                             seq_lens.data_ptr(), scratch.data_ptr()):
+                             seq_lens.data_ptr(), None if lora is None else ctypes.addressof(lora),
+                             scratch.data_ptr()):
             raise ValueError("decode_step does not serve this model's shapes")
 
     def decode_profile(self, on: bool) -> dict[str, float]:

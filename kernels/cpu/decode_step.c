@@ -13,7 +13,7 @@
  * fp32 rows as type 0) or packed_blocks.h's on weights packed at load (their input rounded to 16-bit integers
  * first, a stage of its own) — or, past gemm_rows tokens, a BLAS sgemm on the matrix's plain fp32 copy, called
  * by each thread on its share of the output rows — the norms, RoPE and SiLU are elementwise.c's formulas,
- * attention is the same kernel.
+ * attention is the same kernel. Rows of a LoRA adapter get its update after each projection (lora_rows.h).
  * No tensor parallelism here (a rank would all-reduce between stages): the worker runs it at TP=1.
  */
 #include <math.h>
@@ -25,6 +25,7 @@
 #include "packed_blocks.h"
 #include "quant_blocks.h"
 #include "kv_rows.h"
+#include "lora_rows.h"
 #include "rows.h"
 
 #define OUT_CHUNK 32 /* output rows a thread takes at a time */
@@ -65,7 +66,9 @@ int pagedserve_struct_sizes(int64_t* out) {
     out[1] = sizeof(PsMatrix);
     out[2] = sizeof(PsLayer);
     out[3] = sizeof(PsModel);
-    return 4;
+    out[4] = sizeof(PsLoraProj);
+    out[5] = sizeof(PsLora);
+    return 6;
 }
 
 /* floats of scratch a step of `rows` tokens needs: the activations between stages, and a matmul's input
@@ -189,7 +192,8 @@ static void head_prologue(float* v, const float* bias, const float* norm, const 
  * [rows]; block_tables: int32 [rows, table_stride]; seq_lens: int32 [rows] (this token included). scratch:
  * pagedserve_decode_step_scratch floats. Returns 0, or -1 for a shape the step does not serve. */
 int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64_t* positions, const int64_t* slots,
-                           const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens, float* scratch) {
+                           const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
+                           const PsLora* lora, float* scratch) {
     const int64_t H = m->hidden, I = m->intermediate, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads;
     const int64_t qsz = nh * hd, kvsz = nkv * hd, qkv_w = qsz + 2 * kvsz;
     if (rows < 1 || H % QK || I % QK || qsz % QK || hd % 2 || nkv < 1 || nh % nkv || m->rotary_half < 1
@@ -201,6 +205,12 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
         const int64_t shapes[4][2] = {{qkv_w, H}, {H, qsz}, {2 * I, H}, {H, I}};
         for (int j = 0; j < 4; j++)
             if (!matrix_served(mats[j], shapes[j][0], shapes[j][1])) return -1;
+    }
+    LoraRuns lr;
+    const int64_t out_dims[4] = {qkv_w, H, 2 * I, H};
+    if (lora_runs(lora, m->num_layers, out_dims, rows, &lr)) {
+        lora_runs_free(&lr);
+        return -1;
     }
     float* residual = scratch;
     float* h = residual + rows * H;
@@ -225,7 +235,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
        with equal tables over the keys they read and consecutive lengths attend alike however they came. */
     int64_t runs = 0;
     int32_t* run_start = malloc(sizeof(int32_t) * 4 * rows);
-    if (run_start == 0) return -1;
+    if (run_start == 0) {
+        lora_runs_free(&lr);
+        return -1;
+    }
     int32_t* run_len = run_start + rows;
     int32_t* part_start = run_len + rows; /* the runs cut into parts, each a work item with every KV head */
     int32_t* part_len = part_start + rows;
@@ -271,6 +284,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 add_rms_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
             stage_done(PS_NORMS, &prof_t);
             matmul_part(m, &ly->qkv, h, rows, qkv, px, PS_QKV, &prof_t);
+            if (lr.n) {
+                lora_part(lora, &lr, m->num_layers, li, 0, h, H, qkv, qkv_w);
+                stage_done(PS_LORA, &prof_t);
+            }
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < rows * heads; it++) { /* q heads, then k heads (each with its v head) */
                 const int64_t r = it / heads, hh = it % heads;
@@ -329,11 +346,19 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             }
             stage_done(PS_ATTENTION, &prof_t);
             matmul_part(m, &ly->o_proj, attn, rows, delta, px, PS_O_PROJ, &prof_t);
+            if (lr.n) {
+                lora_part(lora, &lr, m->num_layers, li, 1, attn, qsz, delta, H);
+                stage_done(PS_LORA, &prof_t);
+            }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 add_rms_norm_row(residual + r * H, delta + r * H, ly->post_norm, h + r * H, H, m->eps);
             stage_done(PS_NORMS, &prof_t);
             matmul_part(m, &ly->gate_up, h, rows, gu, px, PS_GATE_UP, &prof_t);
+            if (lr.n) {
+                lora_part(lora, &lr, m->num_layers, li, 2, h, H, gu, 2 * I);
+                stage_done(PS_LORA, &prof_t);
+            }
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < rows * act_chunks; it++) {
                 const int64_t r = it / act_chunks, i0 = it % act_chunks * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
@@ -341,6 +366,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             }
             stage_done(PS_SILU, &prof_t);
             matmul_part(m, &ly->down, act, rows, delta, px, PS_DOWN, &prof_t);
+            if (lr.n) {
+                lora_part(lora, &lr, m->num_layers, li, 3, act, I, delta, H);
+                stage_done(PS_LORA, &prof_t);
+            }
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
@@ -349,5 +378,6 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     }
     if (prof_on) prof_steps++;
     free(run_start);
+    lora_runs_free(&lr);
     return 0;
 }

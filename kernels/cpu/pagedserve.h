@@ -100,15 +100,35 @@ _Static_assert(sizeof(PsMatrix) == 3 * 24 + 24, "PsMatrix: segments, out_dim, in
 _Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 7 * sizeof(void*) + 8, "PsLayer's fields");
 _Static_assert(sizeof(PsModel) == 96, "PsModel's fields");
 
+/* One LoRA adapter's update of one fused projection (worker/model/lora.py Projection): y[:, out_lo:out_hi] +=
+   (x @ A^T) @ B^T, where A stacks every changed part's rows and B holds part j's block (the scale folded in)
+   at its output rows and its rows of A, zeros elsewhere; only the blocks are read. a NULL: unchanged. */
+typedef struct {
+    const float* a;  /* [a_rows, in_dim] */
+    const float* b;  /* [out_hi - out_lo, a_rows] */
+    int32_t a_rows, out_lo, out_hi, n_parts;
+    int32_t part[PS_MAX_SEGMENTS][4]; /* each part's rows of A (a_lo, a_hi) and of the output (o_lo, o_hi) */
+} PsLoraProj;
+
+typedef struct {
+    const PsLoraProj* proj;     /* [n_adapters][num_layers][4]: qkv, o_proj, gate_up, down */
+    const int32_t* row_adapter; /* [rows]: each token's adapter, -1 for the base model */
+    int32_t n_adapters, pad;
+} PsLora;
+
+_Static_assert(sizeof(PsLoraProj) == 2 * sizeof(void*) + 16 + PS_MAX_SEGMENTS * 16, "PsLoraProj's fields");
+_Static_assert(sizeof(PsLora) == 2 * sizeof(void*) + 8, "PsLora's fields");
+
 int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows);
+/* lora: the step's adapters, or NULL where no row has one */
 int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64_t* positions,
                            const int64_t* slots, const int32_t* block_tables, int64_t table_stride,
-                           const int32_t* seq_lens, float* scratch);
+                           const int32_t* seq_lens, const PsLora* lora, float* scratch);
 
 /* The fused step's stages as its profile counts them (kernels/cpu_native.py DECODE_STAGES names them in this
    order): each stage's work and the barrier closing it; the region's start counts in NORMS. */
 enum { PS_NORMS, PS_ROUNDING, PS_QKV, PS_HEADS, PS_ATTENTION, PS_O_PROJ, PS_GATE_UP, PS_SILU, PS_DOWN,
-       PS_DECODE_STAGES };
+       PS_LORA, PS_DECODE_STAGES };
 /* on: 1 times every fused step's stages from now, 0 stops. out (or null): int64 [PS_DECODE_STAGES + 1]
    receives the nanoseconds each stage took since the last call, then the steps counted; the counts then
    restart. Returns PS_DECODE_STAGES. */

@@ -84,6 +84,16 @@ def lora_problem(group: WorkerGroup, adapters: AdapterRegistry | None) -> str:
     return ""
 
 
+def preload_refs(group: WorkerGroup, adapters: AdapterRegistry | None) -> list[tuple[str, str]]:
+    """The adapters a ready group's workers read before serving, (identity, path): the latest loaded, as
+    many as every rank keeps."""
+    if adapters is None or not adapters.adapters:
+        return []
+    slots = min(w.handshake.lora_slots for w in group.workers.values())
+    loaded = list(adapters.adapters.values())
+    return [(a.identity, a.path) for a in loaded[max(len(loaded) - slots, 0):]]
+
+
 class WorkerError(RuntimeError):
     """A worker rejected or failed a step; the requests in it are failed, the service goes on."""
 

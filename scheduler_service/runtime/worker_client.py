@@ -76,6 +76,8 @@ class WorkerClient:
         # Called with a group once it is accepted; returns "" or why the service refuses it.
         self.check_group: Callable[[WorkerGroup], str] = lambda group: ""
         self.on_group_ready: Callable[[WorkerGroup], None] = lambda group: None
+        # The LoRA adapters (identity, path) an accepted group reads before it serves.
+        self.preload_loras: Callable[[WorkerGroup], list[tuple[str, str]]] = lambda group: []
         # Called (and awaited) when the client finds a ready group's rank gone outside a step.
         self.on_group_lost = None
         self._by_identity: dict[bytes, WorkerInfo] = {}
@@ -200,11 +202,12 @@ class WorkerClient:
             group.workers.clear()
             return
         group.is_ready = True
+        loras = [wire_pb2.LoraRef(identity=i, path=p) for i, p in self.preload_loras(group)]
         for w in group.workers.values():
             w.last_heartbeat = time.monotonic()
             await self._send_quietly(w.identity,
                                      handshake_ack=wire_pb2.HandshakeAck(
-                                         accepted=True, num_blocks=group.num_blocks))
+                                         accepted=True, num_blocks=group.num_blocks, loras=loras))
         log.info("group_ready", replica=group.replica, num_blocks=group.num_blocks, pids=group.pids)
         self._changed.set()
         self.on_group_ready(group)

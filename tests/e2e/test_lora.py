@@ -40,7 +40,8 @@ def server(server_factory, tiny_model_dir, adapters):
     modules = [f"{n}={adapters[n]}" for n in ("attn", "all", "mlp")]
     return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "56", "--max-model-len", "200",
                           "--max-num-seqs", "8",
-                          "--max-num-batched-tokens", "32", "--lora-modules", *modules)
+                          "--max-num-batched-tokens", "32", "--speculative", "ngram",
+                          "--lora-modules", *modules)
 
 
 def with_lora(prompt, max_tokens, lora, request_id=""):
@@ -87,6 +88,31 @@ def test_one_prompt_alternating_between_adapters_under_the_prefix_cache(server, 
         # its own blocks are
         assert (res.usage.cached_prompt_tokens > 0) == (name in seen), name
         seen.add(name)
+
+
+def test_drafts_samples_and_structured_output_hold_under_an_adapter(server, tiny_model_dir, adapters):
+    """The same request twice under an adapter: the second drafts from the first (n-gram) and both equal
+    PEFT's greedy decode; n = 2 greedy samples forked from one prompt both equal it; a regex holds."""
+    stub = server.stub
+    prompt = [(13 * i) % 370 + 5 for i in range(24)]
+    want = peft_greedy(tiny_model_dir, adapters["all"], prompt, 40)
+    st = server.stats()
+    before = (st.num_draft_tokens, st.num_accepted_draft_tokens)
+    for _ in range(2):
+        assert list(stub.Generate(with_lora(prompt, 40, "all"), timeout=60).choices[0].token_ids) == want
+    st = server.stats()
+    assert st.num_accepted_draft_tokens > before[1] and st.num_draft_tokens > before[0]
+    req = with_lora(prompt[:11], 10, "mlp")
+    req.sampling.n = 2
+    choices = stub.Generate(req, timeout=60).choices
+    assert [list(c.token_ids) for c in choices] == [peft_greedy(tiny_model_dir, adapters["mlp"], prompt[:11],
+                                                                10)] * 2
+    req = with_lora(prompt[:9], 12, "attn")
+    req.sampling.ignore_eos = False
+    req.sampling.regex = r"[a-z]{2,5}\."
+    done = stub.Generate(req, timeout=60).choices[0]
+    assert re.fullmatch(r"[a-z]{2,5}\.", done.text) and done.finish_reason == generation_pb2.STOP
+    assert_all_blocks_back(server)
 
 
 def test_an_adapter_reloaded_under_its_name_answers_with_its_new_weights(server, tiny_model_dir, adapters):

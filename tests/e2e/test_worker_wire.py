@@ -231,3 +231,46 @@ def test_masks_that_follow_their_plan_are_awaited_after_the_forward(worker):
     peer.send_msg(plan=plan(step_id=6, mask_rows=rows, mask_follows=True))
     peer.send_msg(shutdown=wire_pb2.Shutdown(reason="test over"))
     assert proc.wait(timeout=30) == 0
+
+
+def test_adapters_the_handshake_names_are_read_before_the_first_plan(tiny_model_dir, tmp_path):
+    """A new or restarted worker reads the adapters the scheduler serves when it is accepted: a plan naming
+    one is served from memory even once its folder is gone, while one it was not given must be read then."""
+    import shutil
+
+    from protos.codec import lora_identity
+    from tests.support.lora import ALL, make_adapter
+
+    folders = [make_adapter(tiny_model_dir, tmp_path / f"a{i}", r=4, targets=ALL, alpha=16, seed=i)
+               for i in range(2)]
+    refs = [wire_pb2.LoraRef(identity=lora_identity(f), path=str(f)) for f in folders]
+    peer = Peer()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.serve.main", "--model", str(tiny_model_dir), "--scheduler",
+         peer.endpoint,
+         "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK), "--threads", "1", "--scheduler-timeout",
+         "3", "--max-cpu-loras", "2"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        peer.worker_id, hs = peer.recv("handshake")
+        assert hs.lora_slots == 2
+        peer.send_msg(handshake_ack=wire_pb2.HandshakeAck(accepted=True, num_blocks=NUM_BLOCKS,
+                                                          loras=refs[:1]))
+        peer.send_msg(plan=plan(step_id=1))  # its result comes after the ack's adapters were read
+        _, base = peer.recv("result")
+        assert not base.error
+        for f in folders:
+            shutil.rmtree(f)
+        one = np.array([0], "<i4").tobytes()
+        peer.send_msg(plan=plan(step_id=2, loras=refs[:1], lora_index=one))
+        _, held = peer.recv("result")
+        assert not held.error, held.error
+        peer.send_msg(plan=plan(step_id=3, loras=refs[1:], lora_index=one))
+        _, missing = peer.recv("result")
+        assert missing.error and "LoRA" in missing.error, missing.error
+        peer.send_msg(shutdown=wire_pb2.Shutdown(reason="test over"))
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        peer.close()

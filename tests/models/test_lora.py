@@ -141,3 +141,43 @@ def test_tensor_parallel_halves_sum_to_the_whole_update(family_models):
     # what --max-cpu-loras sets aside covers an adapter of the highest rank on every projection
     assert whole.nbytes <= lora_bytes(config, make_shard(config.num_heads, config.num_kv_heads,
                                                          config.intermediate_size, config.vocab_size), 8, 4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_fused_cpu_decode_step_adds_each_rows_adapter_as_the_layer_path_does(family_models, family):
+    """Decode rows of three adapters and the base, a run of one adapter longer than the native kernel takes
+    at once among them, through the fused CPU step (kernels/cpu/lora_rows.h): the layer path's logits and
+    PEFT's, and the step's profile counts the adapters' stage."""
+    from kernels import cpu_native
+    from worker.serve.choices import use_fused_decode
+
+    kernels = cpu_native.load()
+    if kernels is None:
+        pytest.skip("native CPU kernels not built")
+    base, adapters = family_models[family]
+    names = list(adapters)
+    model, config, weights = _ours(base, [adapters[n] for n in names])
+    use_fused_decode(model, 1, "fp32")
+    assert model.fused is not None
+    which = [0, 1, -1, 2] + [1] * 10 + [-1, 0]
+    prompts = [[5 + i, 9, 33 + i, 7 + 2 * i, 81][: 2 + i % 4] for i in range(len(which))]
+    pool = KVPool(config, 128, BLOCK, torch.float32, torch.device("cpu"))
+    blocks = [list(range(4 * i, 4 * i + 4)) for i in range(len(which))]
+    first, _ = run_step(model, config, pool, [(p, 0, b) for p, b in zip(prompts, blocks, strict=True)],
+                        backend="cpu", lora=(weights, which))
+    tokens = [p + [int(t)] for p, t in zip(prompts, first.argmax(-1), strict=True)]
+    decode = [([t[-1]], len(t) - 1, b) for t, b in zip(tokens, blocks, strict=True)]
+    fused = model.fused
+    kernels.decode_profile(True)
+    got, _ = run_step(model, config, pool, decode, backend="cpu", lora=(weights, which))
+    assert kernels.decode_profile(False)["lora"] > 0  # the native step ran, and ran the adapters' stage
+    model.fused = None
+    try:
+        want, _ = run_step(model, config, pool, decode, backend="cpu", lora=(weights, which))
+    finally:
+        model.fused = fused
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for row in (0, 1, 3, 13):
+        with torch.no_grad():
+            ref = peft_model(base, adapters[names[which[row]]])(input_ids=torch.tensor([tokens[row]]))
+        torch.testing.assert_close(got[row], ref.logits[0, -1], rtol=1e-4, atol=1e-4)

@@ -40,6 +40,53 @@ class PsModel(ctypes.Structure):
                 ("x8", _I32)]
 
 
+class PsLoraProj(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("a_rows", _I32), ("out_lo", _I32), ("out_hi", _I32), ("n_parts", _I32),
+                ("part", (_I32 * 4) * MAX_SEGMENTS)]
+
+
+class PsLora(ctypes.Structure):
+    _fields_ = [("proj", _P), ("row_adapter", _P), ("n_adapters", _I32), ("pad", _I32)]
+
+
+LORA_ORDER = ("qkv", "o_proj", "gate_up", "down")  # decode_step.c's order of a layer's projections
+
+
+def _native_lora(weights, num_layers: int):
+    """An adapter's projections as the fused step reads them ([layers][4] PsLoraProj, made once and kept on
+    the adapter), or False where it holds anything but plain fp32 rows on the CPU."""
+    if weights.native is None:
+        projs = (PsLoraProj * (num_layers * 4))()
+        ok = len(weights.layers) == num_layers
+        for i, layer in enumerate(weights.layers if ok else ()):
+            for j, name in enumerate(LORA_ORDER):
+                p = layer.get(name)
+                if p is None:
+                    continue
+                if not (_plain(p.a) and _plain(p.b) and 0 < len(p.parts) <= MAX_SEGMENTS):
+                    ok = False
+                    break
+                parts = ((_I32 * 4) * MAX_SEGMENTS)(*((_I32 * 4)(*q) for q in p.parts))
+                projs[i * 4 + j] = PsLoraProj(p.a.data_ptr(), p.b.data_ptr(), p.a.shape[0], p.lo, p.hi,
+                                              len(p.parts), parts)
+        weights.native = projs if ok else False
+    return weights.native
+
+
+def _step_lora(lora, num_layers: int) -> tuple[PsLora, tuple] | None:
+    """The step's adapters and each row's one as a PsLora (with what it points into), or None where one of
+    them cannot be read by the fused step."""
+    natives = [_native_lora(w, num_layers) for w in lora.adapters]
+    if not all(natives) or lora.index is None:
+        return None
+    size = ctypes.sizeof(PsLoraProj) * num_layers * 4
+    projs = (PsLoraProj * (num_layers * 4 * len(natives)))()
+    for g, n in enumerate(natives):
+        ctypes.memmove(ctypes.addressof(projs) + g * size, ctypes.addressof(n), size)
+    rows = lora.index.to(torch.int32).contiguous()
+    return PsLora(ctypes.addressof(projs), rows.data_ptr(), len(natives), 0), (projs, rows)
+
+
 def _plain(w) -> bool:
     return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and w.numel() > 0
             and w.is_contiguous() and w.layout == torch.strided and not w.is_mkldnn)
@@ -86,7 +133,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def mirrors_match(kernels) -> bool:
     """Whether the ctypes structs here have the sizes the library's own (kernels/cpu/pagedserve.h) have."""
-    return tuple(ctypes.sizeof(t) for t in (PsSegment, PsMatrix, PsLayer, PsModel)) == kernels.struct_sizes
+    return (tuple(ctypes.sizeof(t) for t in (PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora))
+            == kernels.struct_sizes)
 
 
 class FusedDecode:
@@ -140,9 +188,14 @@ class FusedDecode:
         from worker.model.attention import CpuAttentionMeta
 
         meta = step.attn_meta
-        return (isinstance(meta, CpuAttentionMeta) and 0 < num_tokens
+        if not (isinstance(meta, CpuAttentionMeta) and 0 < num_tokens
                 and (num_tokens <= self.max_rows or self.sgemm)
-                and meta.decode_rows.numel() == num_tokens and meta.prefill_starts.numel() == 0)
+                and meta.decode_rows.numel() == num_tokens and meta.prefill_starts.numel() == 0):
+            return False
+        if step.lora is not None:  # the step's adapters described for the native step (None: it cannot)
+            step.lora.native = _step_lora(step.lora, self.model.config.num_layers)
+            return step.lora.native is not None
+        return True
 
     def _describe(self, pool) -> None:
         """The model, its weights and this pool's caches as the native step reads them (once per pool)."""
@@ -183,7 +236,7 @@ class FusedDecode:
         tables = meta.decode_tables
         self.kernels.decode_step(self._desc, rows, x, step.positions.to(torch.int64).contiguous(),
                                  step.slot_mapping.to(torch.int64).contiguous(), tables, meta.decode_lens,
-                                 self._scratch)
+                                 self._scratch, None if step.lora is None else step.lora.native[0])
         return x
 
 

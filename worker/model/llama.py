@@ -265,7 +265,7 @@ class LlamaModel(nn.Module):
             self.ops = default_ops(self.embed.device, self.embed.dtype)
         ops = self.ops
         x = self._embed(step.token_ids)
-        if self.fused is not None and step.lora is None and self.fused.covers(step, x.shape[0]):
+        if self.fused is not None and self.fused.covers(step, x.shape[0]):
             return self.fused.forward(x, step, pool)
         rope = ops.rope_tables(self.rotary, step.positions, x.dtype)
         if self.local_rotary is not None:

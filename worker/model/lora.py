@@ -9,7 +9,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import structlog
 import torch
+
+log = structlog.get_logger("worker.model.lora")
 
 # the layer's fused projections and, for each, its parts in output order (an adapter may change any of them)
 PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -26,6 +29,7 @@ class Projection:
     b: torch.Tensor
     lo: int
     hi: int
+    parts: tuple[tuple[int, int, int, int], ...] = ()  # each part's rows of A and output columns lo:hi
 
 
 @dataclass
@@ -34,6 +38,7 @@ class LoraWeights:
 
     identity: str
     layers: list[dict[str, Projection]]
+    native: object = None  # the fused decode step's description of it (model/fused_decode.py), made once
 
     @property
     def nbytes(self) -> int:
@@ -50,12 +55,22 @@ class StepLora:
     Where several groups of about the same size share the step (decodes of many adapters), they go together:
     their rows gathered into one padded batch [groups, most rows, in] and multiplied by the groups' A and B
     stacked (`stacks`: kept from step to step while the step's adapters are the same), two batched matmuls
-    a projection whatever the number of adapters."""
+    a projection whatever the number of adapters. On a GPU, two Triton launches a projection over every
+    token (kernels/triton_lora.py)."""
 
     def __init__(self, groups: list[tuple[LoraWeights, torch.Tensor | None]],
                  batched: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 stacks: dict | None = None) -> None:
+                 stacks: dict | None = None, adapters: list[LoraWeights] | None = None,
+                 index: torch.Tensor | None = None) -> None:
         self.groups = groups
+        # the step's adapters and each token's one in them (-1: the base), as the fused decode step reads them
+        self.adapters = adapters if adapters is not None else [w for w, _ in groups]
+        self.index = index
+        self.native = None  # the fused decode step's PsLora of them, where it runs the step
+        # on a GPU, every projection's update is two Triton launches over all the step's tokens
+        # (kernels/triton_lora.py), each token reading its adapter's stacked weights
+        self.gpu = index is not None and index.is_cuda
+        self.gpu_index = index.to(torch.int32) if self.gpu else None
         self.batched = batched  # (gather index [G, most], pad mask [G, most, 1], scatter index [G * most])
         self.stacks = stacks if stacks is not None else {}
 
@@ -74,13 +89,13 @@ class StepLora:
             return None
         most = max(r.numel() for _, r in groups if r is not None) if len(groups) > 1 else 0
         if len(groups) < 2 or len(groups) * most > 2 * token_index.numel() + 64:
-            return cls(groups)
+            return cls(groups, stacks=stacks, adapters=adapters, index=token_index)
         gather = torch.zeros(len(groups), most, dtype=torch.int64, device=token_index.device)
         mask = torch.zeros(len(groups), most, 1, device=token_index.device)
         for g, (_, rows) in enumerate(groups):
             gather[g, :rows.numel()] = rows
             mask[g, :rows.numel()] = 1.0
-        return cls(groups, (gather, mask, gather.flatten()), stacks)
+        return cls(groups, (gather, mask, gather.flatten()), stacks, adapters, token_index)
 
     def _stacked(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
         """Every group's A and B of the projection stacked, where all change it alike (else None)."""
@@ -93,8 +108,40 @@ class StepLora:
                                 ps[0].lo, ps[0].hi) if same else None
         return self.stacks[key]
 
+    def _gpu_stack(self, layer: int, name: str):
+        """The step's adapters' A [G, R, in] and B [G, S, R] of the projection stacked for the Triton kernels
+        (zeros past each one's rank and span; span 0 where one leaves it unchanged), with each one's first
+        output column and span; None where none changes it."""
+        key = ("gpu", layer, name)
+        if key not in self.stacks:
+            ps = [w.layers[layer].get(name) for w in self.adapters]
+            live = [p for p in ps if p is not None]
+            if not live:
+                self.stacks[key] = None
+                return None
+            ref = live[0].a
+            rank, span = max(p.a.shape[0] for p in live), max(p.hi - p.lo for p in live)
+            a = torch.zeros(len(ps), rank, ref.shape[1], dtype=ref.dtype, device=ref.device)
+            b = torch.zeros(len(ps), span, rank, dtype=ref.dtype, device=ref.device)
+            lo = torch.zeros(len(ps), dtype=torch.int32)
+            spans = torch.zeros(len(ps), dtype=torch.int32)
+            for g, p in enumerate(ps):
+                if p is not None:
+                    a[g, :p.a.shape[0]] = p.a
+                    b[g, :p.hi - p.lo, :p.a.shape[0]] = p.b
+                    lo[g], spans[g] = p.lo, p.hi - p.lo
+            self.stacks[key] = (a, b, lo.to(ref.device), spans.to(ref.device))
+        return self.stacks[key]
+
     def apply(self, layer: int, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (the base projection of x, [rows, out]) with every group's update added, in place."""
+        if self.gpu:
+            stack = self._gpu_stack(layer, name)
+            if stack is not None:
+                from kernels.triton_lora import lora_update
+
+                lora_update(x, *stack, self.gpu_index, out)
+            return out
         stacked = self._stacked(layer, name) if self.batched is not None else None
         if stacked is not None:
             a, b, lo, hi = stacked  # [G, in, r], [G, r, hi - lo]
@@ -127,6 +174,18 @@ class LoraCache:
         self.held: OrderedDict[str, LoraWeights] = OrderedDict()
         self.stacks_of: tuple[str, ...] = ()  # the adapters (in step order) `stacks` holds stacked
         self.stacks: dict = {}
+
+    def preload(self, loras: list[tuple[str, str]]) -> None:
+        """Read adapters ahead of the plans that will name them, into free slots only (none is given back)."""
+        for identity, path in loras:
+            if identity in self.held or len(self.held) >= self.slots:
+                continue
+            try:
+                self.held[identity] = self.loader(identity, path)
+            except (OSError, ValueError) as e:
+                log.warning("lora_preload_failed", identity=identity[:16], path=path, error=str(e))
+                continue
+            log.info("lora_preloaded", identity=identity[:16], path=path)
 
     def step(self, loras: list[tuple[str, str]], seq_index, q_lens, device: torch.device) -> StepLora | None:
         """The step's adapters read or found, and its rows grouped by them; ValueError for a plan that names

@@ -86,6 +86,12 @@ class ModelRunner:
         self._token_buffers: list[torch.Tensor | None] = [None, None]
         self._flip = 0
 
+    def preload_loras(self, loras: list[tuple[str, str]]) -> None:
+        """Read the adapters the scheduler serves now (identity, path), before any plan names them; one
+        that cannot be read is logged and read again when a plan names it (its error then fails the step)."""
+        if self.adapters is not None and loras:
+            self.adapters.preload(loras)
+
     @torch.inference_mode()
     def execute(self, plan: wire_pb2.StepPlan, await_mask=None) -> wire_pb2.StepResult:
         """Run one step to its result (launch, then finish). await_mask(step_id) -> int32 [masks, words]: for

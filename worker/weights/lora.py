@@ -53,7 +53,11 @@ def read_lora(folder: str | Path, identity: str, config: ModelConfig, shard: Sha
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if lora_identity(folder) != identity:
+    try:
+        found = lora_identity(folder)
+    except OSError as e:
+        raise ValueError(f"the LoRA adapter at {folder} cannot be read: {e.strerror or e}") from e
+    if found != identity:
         raise ValueError(f"the LoRA adapter at {folder} changed on disk since it was loaded: load it again")
     cfg = json.loads((folder / CONFIG_FILE).read_text())
     rank = int(cfg["r"])
@@ -102,7 +106,8 @@ def read_lora(folder: str | Path, identity: str, config: ModelConfig, shard: Sha
             for b, o_lo, o_hi, a_lo, a_hi in placed:
                 b_all[o_lo - lo:o_hi - lo, a_lo:a_hi] = b.float() * scale
             a_cat = torch.cat(a_rows).to(dtype).to(device).contiguous()
-            layers[layer][fused] = Projection(a_cat, b_all.to(dtype).to(device), lo, hi)
+            spans = tuple((a_lo, a_hi, o_lo, o_hi) for _, o_lo, o_hi, a_lo, a_hi in placed)
+            layers[layer][fused] = Projection(a_cat, b_all.to(dtype).to(device), lo, hi, spans)
     return LoraWeights(identity, layers)
 
 
