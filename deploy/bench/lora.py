@@ -8,6 +8,8 @@ server (`--lora-modules`, `--max-loras` and the workers' slots as many). In alte
   - one stream: the workload's first prompt, greedy tokens after the first, base and with one adapter;
   - N streams (16, 64) of the workload's first N prompts at once, on the base model, then with each stream's
     adapter drawn from 1, 8 and 64 adapters (stream i takes adapter i mod K).
+  - llama.cpp's llama-server on the same GGUF, one stream, without and with the first adapter as its own
+    convert_lora_to_gguf.py writes it (`--lora`), in the same rounds (`--no-llama-cpp` skips it).
 The prefix cache is off: every pass computes its prompts (the same prompts come back each round, under
 other adapters). Prints output tokens/s (mean TTFT) of each, and each ratio to the base model's in the same
 round.
@@ -72,6 +74,41 @@ def write_adapters(folder: Path, count: int, rank: int) -> list[Path]:
     return out
 
 
+def llama_cpp_adapter(folder: Path, adapter: Path) -> Path:
+    """The adapter as llama.cpp's own convert_lora_to_gguf.py writes it for `--lora` (made once)."""
+    import os
+    import subprocess
+
+    from deploy.bench.cpu_peers import CACHE as PEERS
+    from deploy.bench.cpu_peers import build_llama_server
+
+    build_llama_server()  # the sdist's source (and its converter) unpacked once
+    out = adapter / "llama.cpp-lora.gguf"
+    if not out.is_file():
+        source = PEERS / "llama.cpp"
+        env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
+        subprocess.run([sys.executable, str(source / "convert_lora_to_gguf.py"), "--base", str(folder),
+                        "--outtype", "f32", "--outfile", str(out), str(adapter)], check=True, env=env,
+                       stdout=subprocess.DEVNULL)
+    return out
+
+
+class LlamaCpp:
+    """llama-server on the same GGUF, one slot, without or with one adapter (`--lora`)."""
+
+    def __init__(self, gguf: Path, lora: Path | None) -> None:
+        from deploy.bench.cpu_peers import LlamaServer, build_llama_server
+
+        log = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-")) / "llama-server.log"
+        extra = ["--lora", str(lora)] if lora is not None else []
+        self.server = LlamaServer(build_llama_server(), gguf, 1, 4096, 2, log, *extra).wait()
+
+    def one(self, prompt: list[int], max_tokens: int) -> float:
+        from deploy.bench.cpu_peers import LlamaTarget
+
+        return LlamaTarget.one(self, prompt, max_tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     # one function: the benchmark's script, read top to bottom
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     p.add_argument("--serve-flags", default="", help="more flags of the server")
+    p.add_argument("--no-llama-cpp", action="store_true",
+                   help="skip llama-server (one stream, without and with the first adapter; GGUF only)")
     args = p.parse_args(argv)
     from deploy.prepare_model import model_folder
 
@@ -105,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
              "--no-prefix-caching", "--metrics-port", "0", *args.serve_flags.split()]
     server = ServerProcess(folder, log, *flags).start(timeout=900)
     res: dict[str, list] = {}
+    peers = {}
     try:
+        if not args.no_llama_cpp and args.model.endswith(".gguf"):
+            peers = {"base": LlamaCpp(Path(args.model), None),
+                     "1 adapter": LlamaCpp(Path(args.model), llama_cpp_adapter(folder, adapters[0]))}
         asyncio.run(drive(server.address, [[1, 2, 3]] * len(names), 2, names))  # every adapter read once
 
         def one(lora: str) -> float:
@@ -115,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             res.setdefault("1 stream, base", []).append((one(""), 0.0))
             res.setdefault("1 stream, 1 adapter", []).append((one(names[0]), 0.0))
+            for label, peer in peers.items():
+                res.setdefault(f"llama.cpp 1 stream, {label}", []).append(
+                    (peer.one(prompts[0], args.max_tokens), 0.0))
             for n in streams:
                 for k in [0, *pools]:
                     loras = [names[i % k] if k else "" for i in range(n)]
@@ -124,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                     res.setdefault(label, []).append((tokens / wall, statistics.mean(ttfts)))
     finally:
         server.stop()
+        for peer in peers.values():
+            peer.server.stop()
     med = statistics.median
     print(f"\nmodel {args.model}; {len(names)} adapters of rank {args.rank} on all seven projections; "
           f"{args.max_tokens} tokens a stream; {args.rounds} rounds")
@@ -133,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [a[0] / b[0] for a, b in zip(runs, base, strict=True)]
         print(f"{label:24} {med(r[0] for r in runs):8.1f} {med(r[1] for r in runs):6.2f}s "
               f"{med(ratios):7.2f}   " + ", ".join(f"{x:.2f}" for x in ratios))
+    if peers:
+        ours, theirs = res["1 stream, 1 adapter"], res["llama.cpp 1 stream, 1 adapter"]
+        ratios = [a[0] / b[0] for a, b in zip(ours, theirs, strict=True)]
+        print(f"1 stream with the adapter, pagedserve / llama.cpp: {med(ratios):.2f}   "
+              + ", ".join(f"{x:.2f}" for x in ratios))
     return 0
 
 

@@ -36,12 +36,12 @@ static int lora_runs(const PsLora* l, int64_t num_layers, const int64_t out_dims
     for (int64_t i = 0; i < (int64_t)l->n_adapters * num_layers * 4; i++) {
         const PsLoraProj* p = l->proj + i;
         if (p->a == 0) continue;
-        if (p->b == 0 || p->a_rows < 1 || p->n_parts < 1 || p->n_parts > PS_MAX_SEGMENTS || p->out_lo < 0
+        if (p->a_rows < 1 || p->n_parts < 1 || p->n_parts > PS_MAX_SEGMENTS || p->out_lo < 0
             || p->out_hi > out_dims[i % 4] || p->out_lo >= p->out_hi)
             return -1;
         for (int q = 0; q < p->n_parts; q++) {
             const int32_t* pt = p->part[q];
-            if (pt[0] < 0 || pt[1] > p->a_rows || pt[0] >= pt[1] || pt[2] < p->out_lo || pt[3] > p->out_hi
+            if (p->b[q] == 0 || pt[0] < 0 || pt[1] > p->a_rows || pt[0] >= pt[1] || pt[2] < p->out_lo || pt[3] > p->out_hi
                 || pt[2] >= pt[3])
                 return -1;
         }
@@ -104,7 +104,7 @@ static void lora_part(const PsLora* l, const LoraRuns* runs, int64_t num_layers,
                 const int64_t lo = o0 > p->part[q][2] ? o0 : p->part[q][2];
                 const int64_t hi = o1 < p->part[q][3] ? o1 : p->part[q][3];
                 for (int64_t o = lo; o < hi; o++) {
-                    const float* brow = p->b + (o - p->out_lo) * p->a_rows + a_lo;
+                    const float* brow = p->b[q] + (o - p->part[q][2]) * n;
                     for (int r = 0; r < runs->len[u]; r++) {
                         const float* tr = runs->t + (r0 + r) * ts + a_lo;
                         float s = 0.0f;

@@ -100,12 +100,12 @@ _Static_assert(sizeof(PsMatrix) == 3 * 24 + 24, "PsMatrix: segments, out_dim, in
 _Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 7 * sizeof(void*) + 8, "PsLayer's fields");
 _Static_assert(sizeof(PsModel) == 96, "PsModel's fields");
 
-/* One LoRA adapter's update of one fused projection (worker/model/lora.py Projection): y[:, out_lo:out_hi] +=
-   (x @ A^T) @ B^T, where A stacks every changed part's rows and B holds part j's block (the scale folded in)
-   at its output rows and its rows of A, zeros elsewhere; only the blocks are read. a NULL: unchanged. */
+/* One LoRA adapter's update of one fused projection (worker/model/lora.py Projection): for each part q,
+   y[:, o_lo:o_hi] += (x @ A[a_lo:a_hi]^T) @ B_q^T, where A stacks every changed part's rows and B_q is the
+   part's own [o_hi - o_lo, a_hi - a_lo] (the scale folded in). a NULL: unchanged. */
 typedef struct {
-    const float* a;  /* [a_rows, in_dim] */
-    const float* b;  /* [out_hi - out_lo, a_rows] */
+    const float* a;                   /* [a_rows, in_dim] */
+    const float* b[PS_MAX_SEGMENTS];  /* each part's B, rows of a_hi - a_lo values */
     int32_t a_rows, out_lo, out_hi, n_parts;
     int32_t part[PS_MAX_SEGMENTS][4]; /* each part's rows of A (a_lo, a_hi) and of the output (o_lo, o_hi) */
 } PsLoraProj;
@@ -116,7 +116,8 @@ typedef struct {
     int32_t n_adapters, pad;
 } PsLora;
 
-_Static_assert(sizeof(PsLoraProj) == 2 * sizeof(void*) + 16 + PS_MAX_SEGMENTS * 16, "PsLoraProj's fields");
+_Static_assert(sizeof(PsLoraProj) == (1 + PS_MAX_SEGMENTS) * sizeof(void*) + 16 + PS_MAX_SEGMENTS * 16,
+               "PsLoraProj's fields");
 _Static_assert(sizeof(PsLora) == 2 * sizeof(void*) + 8, "PsLora's fields");
 
 int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows);

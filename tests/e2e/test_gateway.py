@@ -451,3 +451,31 @@ def test_a_generative_model_refuses_embeddings_through_the_gateway(client, model
     with pytest.raises(BadRequestError) as e:
         client.embeddings.create(model=model, input=["the quick brown fox"])
     assert "serves no embeddings" in str(e.value)
+
+
+def test_an_adapter_is_out_of_the_gateways_reach_and_in_our_own_https(server_factory, tiny_model_dir,
+                                                                      tmp_path, tmp_path_factory):
+    """SMG 1.13 knows a worker by its one model id and its engine protocol has no LoRA field (said in
+    docs/serving.md): `model=<adapter>` through it is a 404 (never the base model's answer under the
+    adapter's name); the server's own OpenAI API serves the adapter."""
+    from openai import NotFoundError
+
+    from tests.support.lora import ALL, make_adapter
+
+    adapter = make_adapter(tiny_model_dir, tmp_path / "sql", r=4, targets=ALL, alpha=16, seed=4)
+    s = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "160", "--lora-modules",
+                       f"sql={adapter}")
+    g = start_gateway([s], tiny_model_dir, tmp_path_factory)
+    try:
+        through = OpenAI(base_url=f"{g.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        listed = [m.id for m in through.models.list().data]
+        assert "sql" not in listed
+        prompt = "the quick brown fox"
+        with pytest.raises(NotFoundError):
+            through.completions.create(model="sql", prompt=prompt, max_tokens=6, temperature=0)
+        base = through.completions.create(model=listed[0], prompt=prompt, max_tokens=6, temperature=0)
+        own = OpenAI(base_url=s.http_url, api_key="none", max_retries=0, timeout=60)
+        with_adapter = own.completions.create(model="sql", prompt=prompt, max_tokens=6, temperature=0)
+        assert with_adapter.model == "sql" and with_adapter.choices[0].text != base.choices[0].text
+    finally:
+        g.stop()

@@ -15,23 +15,20 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3,
 HIDDEN, QKV = 48, 80  # q 48, k and v 16 each
 
 
-def _projection(g, dtype, parts, rank, out_lo, out_hi):
+def _projection(g, dtype, parts, rank):
     """A fused projection's update changing `parts` output spans (each its own rank-`rank` rows of A)."""
     a = torch.randn(rank * len(parts), HIDDEN, generator=g) * HIDDEN ** -0.5
-    b = torch.zeros(out_hi - out_lo, rank * len(parts))
-    spans = []
-    for j, (lo, hi) in enumerate(parts):
-        b[lo - out_lo:hi - out_lo, j * rank:(j + 1) * rank] = torch.randn(hi - lo, rank, generator=g)
-        spans.append((j * rank, (j + 1) * rank, lo, hi))
-    return Projection(a.to(DEVICE, dtype), b.to(DEVICE, dtype), out_lo, out_hi, tuple(spans))
+    bs = tuple(torch.randn(hi - lo, rank, generator=g).to(DEVICE, dtype) for lo, hi in parts)
+    spans = tuple((j * rank, (j + 1) * rank, lo, hi) for j, (lo, hi) in enumerate(parts))
+    return Projection(a.to(DEVICE, dtype), bs, spans)
 
 
 def _adapters(dtype):
     g = torch.Generator().manual_seed(0)
-    every = LoraWeights("all", [{"qkv": _projection(g, dtype, [(0, 48), (48, 64), (64, 80)], 8, 0, 80)}])
-    v_only = LoraWeights("v", [{"qkv": _projection(g, dtype, [(64, 80)], 2, 64, 80)}])
+    every = LoraWeights("all", [{"qkv": _projection(g, dtype, [(0, 48), (48, 64), (64, 80)], 8)}])
+    v_only = LoraWeights("v", [{"qkv": _projection(g, dtype, [(64, 80)], 2)}])
     none = LoraWeights("mlp", [{}])  # changes other projections: its rows here get nothing
-    q_v = LoraWeights("qv", [{"qkv": _projection(g, dtype, [(0, 48), (64, 80)], 4, 0, 80)}])
+    q_v = LoraWeights("qv", [{"qkv": _projection(g, dtype, [(0, 48), (64, 80)], 4)}])
     return [every, v_only, none, q_v]
 
 

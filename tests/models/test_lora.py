@@ -124,7 +124,7 @@ def test_tensor_parallel_halves_sum_to_the_whole_update(family_models):
 
     def update(w, name, x):  # the projection's output columns lo:hi this adapter changes
         p = w.layers[1][name]
-        return (x @ p.a.t()) @ p.b.t(), p.lo, p.hi
+        return (x @ p.a.t()) @ p.dense_b().t(), p.lo, p.hi
 
     full, lo, hi = update(whole, "qkv", x)
     assert (lo, hi) == (0, q + 2 * config.num_kv_heads * hd)

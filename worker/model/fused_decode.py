@@ -41,8 +41,8 @@ class PsModel(ctypes.Structure):
 
 
 class PsLoraProj(ctypes.Structure):
-    _fields_ = [("a", _P), ("b", _P), ("a_rows", _I32), ("out_lo", _I32), ("out_hi", _I32), ("n_parts", _I32),
-                ("part", (_I32 * 4) * MAX_SEGMENTS)]
+    _fields_ = [("a", _P), ("b", _P * MAX_SEGMENTS), ("a_rows", _I32), ("out_lo", _I32), ("out_hi", _I32),
+                ("n_parts", _I32), ("part", (_I32 * 4) * MAX_SEGMENTS)]
 
 
 class PsLora(ctypes.Structure):
@@ -63,12 +63,13 @@ def _native_lora(weights, num_layers: int):
                 p = layer.get(name)
                 if p is None:
                     continue
-                if not (_plain(p.a) and _plain(p.b) and 0 < len(p.parts) <= MAX_SEGMENTS):
+                if not (_plain(p.a) and all(_plain(b) for b in p.bs) and 0 < len(p.parts) <= MAX_SEGMENTS):
                     ok = False
                     break
                 parts = ((_I32 * 4) * MAX_SEGMENTS)(*((_I32 * 4)(*q) for q in p.parts))
-                projs[i * 4 + j] = PsLoraProj(p.a.data_ptr(), p.b.data_ptr(), p.a.shape[0], p.lo, p.hi,
-                                              len(p.parts), parts)
+                bs = (_P * MAX_SEGMENTS)(*(b.data_ptr() for b in p.bs))
+                projs[i * 4 + j] = PsLoraProj(p.a.data_ptr(), bs, p.a.shape[0], p.lo, p.hi, len(p.parts),
+                                              parts)
         weights.native = projs if ok else False
     return weights.native
 

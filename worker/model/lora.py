@@ -22,14 +22,29 @@ PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
 @dataclass
 class Projection:
     """One adapter's update of one fused projection on this rank: A of every part it changes, stacked
-    [sum r, in], and one B [hi - lo, sum r] over the output columns lo:hi the parts cover, each part's
-    block (x scale) at its columns and its rows of A, zeros elsewhere."""
+    [sum r, in], and each part's B [its output columns, its rank] (x scale) on its own; `parts` says where
+    each sits: its rows a_lo:a_hi of A and its output columns o_lo:o_hi (a fused checkpoint's parts share
+    their rows of A)."""
 
     a: torch.Tensor
-    b: torch.Tensor
-    lo: int
-    hi: int
-    parts: tuple[tuple[int, int, int, int], ...] = ()  # each part's rows of A and output columns lo:hi
+    bs: tuple[torch.Tensor, ...]
+    parts: tuple[tuple[int, int, int, int], ...]
+
+    @property
+    def lo(self) -> int:
+        return min(p[2] for p in self.parts)
+
+    @property
+    def hi(self) -> int:
+        return max(p[3] for p in self.parts)
+
+    def dense_b(self) -> torch.Tensor:
+        """One B [hi - lo, sum r] over the columns the parts cover, each part's block at its columns and its
+        rows of A, zeros elsewhere: one matmul expands every part (the batched and GPU paths' stacks)."""
+        b = torch.zeros(self.hi - self.lo, self.a.shape[0], dtype=self.a.dtype, device=self.a.device)
+        for part, (a_lo, a_hi, o_lo, o_hi) in zip(self.bs, self.parts, strict=True):
+            b[o_lo - self.lo:o_hi - self.lo, a_lo:a_hi] = part
+        return b
 
 
 @dataclass
@@ -42,8 +57,8 @@ class LoraWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size()
-                   for layer in self.layers for p in layer.values())
+        return sum(t.numel() * t.element_size() for layer in self.layers for p in layer.values()
+                   for t in (p.a, *p.bs))
 
 
 class StepLora:
@@ -104,8 +119,8 @@ class StepLora:
             ps = [w.layers[layer].get(name) for w, _ in self.groups]
             same = all(p is not None and p.a.shape == ps[0].a.shape and (p.lo, p.hi) == (ps[0].lo, ps[0].hi)
                        for p in ps)
-            self.stacks[key] = (torch.stack([p.a.t() for p in ps]), torch.stack([p.b.t() for p in ps]),
-                                ps[0].lo, ps[0].hi) if same else None
+            self.stacks[key] = (torch.stack([p.a.t() for p in ps]),
+                                torch.stack([p.dense_b().t() for p in ps]), ps[0].lo, ps[0].hi) if same else None
         return self.stacks[key]
 
     def _gpu_stack(self, layer: int, name: str):
@@ -128,7 +143,7 @@ class StepLora:
             for g, p in enumerate(ps):
                 if p is not None:
                     a[g, :p.a.shape[0]] = p.a
-                    b[g, :p.hi - p.lo, :p.a.shape[0]] = p.b
+                    b[g, :p.hi - p.lo, :p.a.shape[0]] = p.dense_b()
                     lo[g], spans[g] = p.lo, p.hi - p.lo
             self.stacks[key] = (a, b, lo.to(ref.device), spans.to(ref.device))
         return self.stacks[key]
@@ -154,11 +169,13 @@ class StepLora:
             if p is None:
                 continue
             xs = x if rows is None else x.index_select(0, rows)
-            delta = ((xs.to(p.a.dtype) @ p.a.t()) @ p.b.t()).to(out.dtype)  # shrink to sum r, expand
-            if rows is None:
-                out[:, p.lo:p.hi] += delta
-            else:
-                out[:, p.lo:p.hi].index_add_(0, rows, delta)
+            t = xs.to(p.a.dtype) @ p.a.t()  # shrink to sum r, then each part expands its own columns
+            for b, (a_lo, a_hi, o_lo, o_hi) in zip(p.bs, p.parts, strict=True):
+                delta = (t[:, a_lo:a_hi] @ b.t()).to(out.dtype)
+                if rows is None:
+                    out[:, o_lo:o_hi] += delta
+                else:
+                    out[:, o_lo:o_hi].index_add_(0, rows, delta)
         return out
 
 

@@ -99,15 +99,10 @@ def read_lora(folder: str | Path, identity: str, config: ModelConfig, shard: Sha
                     shared[id(a)] = (at, at + a.shape[0])
                     at += a.shape[0]
                 placed.append((b[lo:hi], offset, offset + hi - lo, *shared[id(a)]))
-            # one B over the output columns the parts cover, each part's block at its columns and its rows of
-            # A (zeros elsewhere): each group expands once
-            lo, hi = min(p[1] for p in placed), max(p[2] for p in placed)
-            b_all = torch.zeros(hi - lo, at)
-            for b, o_lo, o_hi, a_lo, a_hi in placed:
-                b_all[o_lo - lo:o_hi - lo, a_lo:a_hi] = b.float() * scale
             a_cat = torch.cat(a_rows).to(dtype).to(device).contiguous()
+            bs = tuple((b.float() * scale).to(dtype).to(device).contiguous() for b, *_ in placed)
             spans = tuple((a_lo, a_hi, o_lo, o_hi) for _, o_lo, o_hi, a_lo, a_hi in placed)
-            layers[layer][fused] = Projection(a_cat, b_all.to(dtype).to(device), lo, hi, spans)
+            layers[layer][fused] = Projection(a_cat, bs, spans)
     return LoraWeights(identity, layers)
 
 
@@ -120,5 +115,5 @@ def lora_bytes(config: ModelConfig, shard: Shard, rank: int, itemsize: int) -> i
         a = sum(rank * (config.hidden_size if _input_cols(config, shard, p) == slice(None)
                         else _input_cols(config, shard, p).stop - _input_cols(config, shard, p).start)
                 for p in parts)
-        per_layer += a + sum(rows[p][1] - rows[p][0] for p in parts) * rank * len(parts)
+        per_layer += a + sum(rows[p][1] - rows[p][0] for p in parts) * rank
     return per_layer * config.num_layers * itemsize
