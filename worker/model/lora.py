@@ -119,8 +119,9 @@ class StepLora:
             ps = [w.layers[layer].get(name) for w, _ in self.groups]
             same = all(p is not None and p.a.shape == ps[0].a.shape and (p.lo, p.hi) == (ps[0].lo, ps[0].hi)
                        for p in ps)
-            self.stacks[key] = None if not same else (
-                torch.stack([p.a.t() for p in ps]), torch.stack([p.dense_b().t() for p in ps]), ps[0].lo, ps[0].hi)
+            self.stacks[key] = None if not same else (torch.stack([p.a.t() for p in ps]),
+                                                      torch.stack([p.dense_b().t() for p in ps]),
+                                                      ps[0].lo, ps[0].hi)
         return self.stacks[key]
 
     def _gpu_stack(self, layer: int, name: str):
