@@ -87,9 +87,13 @@ def llama_cpp_adapter(folder: Path, adapter: Path) -> Path:
     if not out.is_file():
         source = PEERS / "llama.cpp"
         env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
-        subprocess.run([sys.executable, str(source / "convert_lora_to_gguf.py"), "--base", str(folder),
-                        "--outtype", "f32", "--outfile", str(out), str(adapter)], check=True, env=env,
-                       stdout=subprocess.DEVNULL)
+        with tempfile.TemporaryDirectory() as base:  # the converter reads only the base's config, and its
+            config = json.loads((folder / "config.json").read_text())  # architecture from `architectures`
+            config.setdefault("architectures", ["LlamaForCausalLM"])
+            (Path(base) / "config.json").write_text(json.dumps(config))
+            subprocess.run([sys.executable, str(source / "convert_lora_to_gguf.py"), "--base", base,
+                            "--outtype", "f32", "--outfile", str(out), str(adapter)], check=True, env=env,
+                           stdout=subprocess.DEVNULL)
     return out
 
 

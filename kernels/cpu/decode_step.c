@@ -82,7 +82,7 @@ int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
 /* y = x @ W^T on the dense copy through sgemm, the output rows in as many equal chunks (of whole 16s) as
    the threads can share evenly with each at most GEMM_CHUNK: column-major, y^T[out, rows] = W[out, in] x^T. */
 #define GEMM_CHUNK 2048
-static void gemm_part(SgemmFn sgemm, const PsMatrix* w, const float* x, int64_t rows, float* y) {
+static void gemm_part(SgemmFn sgemm, const PsMatrix* w, const float* x, int64_t rows, float* y, const LoraAt* la) {
     const int64_t out_dim = w->out_dim, threads = omp_get_num_threads();
     const int64_t per_thread = (out_dim + threads * GEMM_CHUNK - 1) / (threads * GEMM_CHUNK);
     int64_t size = (out_dim + threads * per_thread - 1) / (threads * per_thread);
@@ -90,8 +90,13 @@ static void gemm_part(SgemmFn sgemm, const PsMatrix* w, const float* x, int64_t 
     const int64_t chunks = (out_dim + size - 1) / size;
     const int k = (int)w->in_dim, n = (int)rows, ldc = (int)out_dim;
     const float one = 1.0f, zero = 0.0f;
+    const int64_t extra = lora_shrink_items(la);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t c = 0; c < chunks; c++) {
+    for (int64_t c = -extra; c < chunks; c++) {
+        if (c < 0) {
+            lora_shrink_item(la, x, k, c + extra);
+            continue;
+        }
         const int64_t o0 = c * size;
         const int mc = (int)(o0 + size < out_dim ? size : out_dim - o0);
         sgemm("T", "N", &mc, &n, &k, &one, w->dense + o0 * k, &k, x, &k, &zero, y + o0, &ldc);
@@ -107,11 +112,11 @@ static int has_packed(const PsMatrix* w) {
 /* y[r, :] = x[r, :] @ W^T for this thread's share of W's rows (called by every thread of the region). A
    matrix with packed segments first rounds x into px, split over the threads (one more barrier). */
 static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int64_t rows, float* y, PackedX px,
-                        int stage, double* prof_t) {
+                        int stage, double* prof_t, const LoraAt* la) {
     const int64_t nblocks = w->in_dim / QK, out_dim = w->out_dim;
     const int64_t chunks = (out_dim + OUT_CHUNK - 1) / OUT_CHUNK;
     if (m->sgemm && w->dense && rows > m->gemm_rows) {
-        gemm_part(m->sgemm, w, x, rows, y);
+        gemm_part(m->sgemm, w, x, rows, y, la);
         stage_done(stage, prof_t);
         return;
     }
@@ -120,8 +125,13 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
         for (int64_t i = 0; i < rows * nblocks; i++) packed_x_block(x, px, i);
         stage_done(PS_ROUNDING, prof_t);
     }
+    const int64_t extra = lora_shrink_items(la); /* the adapters' shrink first, beside the chunks */
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t c = 0; c < chunks; c++) {
+    for (int64_t c = -extra; c < chunks; c++) {
+        if (c < 0) {
+            lora_shrink_item(la, x, w->in_dim, c + extra);
+            continue;
+        }
         const int64_t o1 = (c + 1) * OUT_CHUNK < out_dim ? (c + 1) * OUT_CHUNK : out_dim;
         for (int64_t o = c * OUT_CHUNK; o < o1; o++) {
             int s = 0;
@@ -279,13 +289,16 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             for (int64_t i = 0; i < H; i++) residual[r * H + i] = x[r * H + i];
         for (int li = 0; li < m->num_layers; li++) {
             const PsLayer* ly = &m->layers[li];
+            LoraAt la = {lora, &lr, m->num_layers, li, 0}; /* the LoRA stage's place (NULL: no adapter) */
+            const LoraAt* lq = lr.n ? &la : 0;
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 add_rms_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
             stage_done(PS_NORMS, &prof_t);
-            matmul_part(m, &ly->qkv, h, rows, qkv, px, PS_QKV, &prof_t);
-            if (lr.n) {
-                lora_part(lora, &lr, m->num_layers, li, 0, h, H, qkv, qkv_w);
+            la.which = 0;
+            matmul_part(m, &ly->qkv, h, rows, qkv, px, PS_QKV, &prof_t, lq);
+            if (lq) {
+                lora_expand(lq, qkv, qkv_w);
                 stage_done(PS_LORA, &prof_t);
             }
 #pragma omp for schedule(static)
@@ -345,18 +358,20 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 }
             }
             stage_done(PS_ATTENTION, &prof_t);
-            matmul_part(m, &ly->o_proj, attn, rows, delta, px, PS_O_PROJ, &prof_t);
-            if (lr.n) {
-                lora_part(lora, &lr, m->num_layers, li, 1, attn, qsz, delta, H);
+            la.which = 1;
+            matmul_part(m, &ly->o_proj, attn, rows, delta, px, PS_O_PROJ, &prof_t, lq);
+            if (lq) {
+                lora_expand(lq, delta, H);
                 stage_done(PS_LORA, &prof_t);
             }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)
                 add_rms_norm_row(residual + r * H, delta + r * H, ly->post_norm, h + r * H, H, m->eps);
             stage_done(PS_NORMS, &prof_t);
-            matmul_part(m, &ly->gate_up, h, rows, gu, px, PS_GATE_UP, &prof_t);
-            if (lr.n) {
-                lora_part(lora, &lr, m->num_layers, li, 2, h, H, gu, 2 * I);
+            la.which = 2;
+            matmul_part(m, &ly->gate_up, h, rows, gu, px, PS_GATE_UP, &prof_t, lq);
+            if (lq) {
+                lora_expand(lq, gu, 2 * I);
                 stage_done(PS_LORA, &prof_t);
             }
 #pragma omp for schedule(static)
@@ -365,9 +380,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 silu_mul_span(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, i0, i1);
             }
             stage_done(PS_SILU, &prof_t);
-            matmul_part(m, &ly->down, act, rows, delta, px, PS_DOWN, &prof_t);
-            if (lr.n) {
-                lora_part(lora, &lr, m->num_layers, li, 3, act, I, delta, H);
+            la.which = 3;
+            matmul_part(m, &ly->down, act, rows, delta, px, PS_DOWN, &prof_t, lq);
+            if (lq) {
+                lora_expand(lq, delta, H);
                 stage_done(PS_LORA, &prof_t);
             }
         }

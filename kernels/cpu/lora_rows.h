@@ -1,7 +1,8 @@
 /* The fused decode step's LoRA stage (decode_step.c): after a projection's matmul, each token's adapter adds
  * its low-rank update to the token's outputs, shrink (x @ A^T, a few values a token) then expand (@ B^T), as
  * the layer path's StepLora.apply (worker/model/lora.py) does. The step's rows are cut into runs of one
- * adapter (at most ROWS tokens), so a run reads each row of A and of B once for all its tokens. */
+ * adapter (at most ROWS tokens), so a run reads each row of A and of B once for all its tokens; the shrink
+ * runs inside the projection's own loop, the expand after it. */
 #ifndef PAGEDSERVE_LORA_ROWS_H
 #define PAGEDSERVE_LORA_ROWS_H
 #include <stdint.h>
@@ -76,27 +77,43 @@ static void lora_runs_free(LoraRuns* runs) {
     free(runs->t);
 }
 
-/* y[r, :] (the projection `which` of layer `layer` for x[r, :]) += each run's adapter's update; called by every
-   thread of the region, two barriers (the shrink's and the expand's). */
-static void lora_part(const PsLora* l, const LoraRuns* runs, int64_t num_layers, int layer, int which,
-                      const float* x, int64_t in_dim, float* y, int64_t out_dim) {
+/* Where the stage is: the step's adapters and runs, and the projection (0-3: qkv, o_proj, gate_up, down)
+   of a layer. */
+typedef struct {
+    const PsLora* l;
+    const LoraRuns* runs;
+    int64_t num_layers;
+    int layer, which;
+} LoraAt;
+
+/* The shrink's work items: a run's tokens times one row of A (the matmul's loop takes them beside its own
+   chunks, so the shrink costs no barrier of its own). */
+static inline int64_t lora_shrink_items(const LoraAt* at) {
+    return at ? at->runs->n * at->runs->t_stride : 0;
+}
+
+static void lora_shrink_item(const LoraAt* at, const float* x, int64_t in_dim, int64_t it) {
+    const LoraRuns* runs = at->runs;
+    const int64_t ts = runs->t_stride, u = it / ts, k = it % ts;
+    const PsLoraProj* p = lora_proj(at->l, at->num_layers, runs->adapter[u], at->layer, at->which);
+    if (p->a == 0 || k >= p->a_rows) return;
+    float acc[ROWS];
+    const int64_t r0 = runs->start[u];
+    rows_dot(F32, (const uint8_t*)(p->a + k * in_dim), in_dim / QK, x + r0 * in_dim, in_dim, runs->len[u], acc);
+    for (int r = 0; r < runs->len[u]; r++) runs->t[(r0 + r) * ts + k] = acc[r];
+}
+
+/* y[r, :] += each run's adapter's expand of its tokens' shrunk values, once the shrink is done; called by
+   every thread of the region (one barrier). */
+static void lora_expand(const LoraAt* at, float* y, int64_t out_dim) {
+    const LoraRuns* runs = at->runs;
     const int64_t ts = runs->t_stride;
-#pragma omp for schedule(dynamic, 4)
-    for (int64_t it = 0; it < runs->n * ts; it++) { /* a run's tokens times one row of A */
-        const int64_t u = it / ts, k = it % ts;
-        const PsLoraProj* p = lora_proj(l, num_layers, runs->adapter[u], layer, which);
-        if (p->a == 0 || k >= p->a_rows) continue;
-        float acc[ROWS];
-        const int64_t r0 = runs->start[u];
-        rows_dot(F32, (const uint8_t*)(p->a + k * in_dim), in_dim / QK, x + r0 * in_dim, in_dim, runs->len[u], acc);
-        for (int r = 0; r < runs->len[u]; r++) runs->t[(r0 + r) * ts + k] = acc[r];
-    }
     const int64_t chunks = (out_dim + LORA_OUT_CHUNK - 1) / LORA_OUT_CHUNK;
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t o0 = c * LORA_OUT_CHUNK, o1 = o0 + LORA_OUT_CHUNK < out_dim ? o0 + LORA_OUT_CHUNK : out_dim;
         for (int64_t u = 0; u < runs->n; u++) {
-            const PsLoraProj* p = lora_proj(l, num_layers, runs->adapter[u], layer, which);
+            const PsLoraProj* p = lora_proj(at->l, at->num_layers, runs->adapter[u], at->layer, at->which);
             if (p->a == 0) continue;
             const int64_t r0 = runs->start[u];
             for (int q = 0; q < p->n_parts; q++) {
