@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, list] = {}
     peers = {}
     try:
-        if not args.no_llama_cpp and args.model.endswith(".gguf"):
-            peers = {"base": LlamaCpp(Path(args.model), None),
-                     "1 adapter": LlamaCpp(Path(args.model), llama_cpp_adapter(folder, adapters[0]))}
+        if not args.no_llama_cpp and args.model.endswith(".gguf"):  # each stopped below, whatever happens
+            peers["base"] = LlamaCpp(Path(args.model), None)
+            peers["1 adapter"] = LlamaCpp(Path(args.model), llama_cpp_adapter(folder, adapters[0]))
         asyncio.run(drive(server.address, [[1, 2, 3]] * len(names), 2, names))  # every adapter read once
 
         def one(lora: str) -> float:
