@@ -18,13 +18,7 @@ from scheduler_service.core.config import ModelSpec, SchedulerConfig
 from scheduler_service.core.sequence import FinishReason, Request
 from scheduler_service.runtime import reporting
 from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, StepFailed, Unschedulable
-from scheduler_service.runtime.groups import (
-    adopted_config,
-    context_limit,
-    group_problem,
-    lora_problem,
-    preload_refs,
-)
+from scheduler_service.runtime.groups import adopted_config, context_limit, group_problem, lora_problem
 from scheduler_service.runtime.kv_events import KvEventPublisher
 from scheduler_service.runtime.metrics import Metrics
 from scheduler_service.runtime.orphans import Orphans
@@ -95,7 +89,7 @@ class Engine:
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self, worker_timeout: float) -> None:
         self.client.check_group = self._check_group
-        self.client.preload_loras = lambda group: preload_refs(group, self.adapters)
+        self.client.adapters = self.adapters
         await self.client.wait_for_workers(worker_timeout)
         groups = self.client.groups
         self._adopt_max_num_seqs(groups)

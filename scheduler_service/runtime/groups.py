@@ -84,16 +84,6 @@ def lora_problem(group: WorkerGroup, adapters: AdapterRegistry | None) -> str:
     return ""
 
 
-def preload_refs(group: WorkerGroup, adapters: AdapterRegistry | None) -> list[tuple[str, str]]:
-    """The adapters a ready group's workers read before serving, (identity, path): the latest loaded, as
-    many as every rank keeps."""
-    if adapters is None or not adapters.adapters:
-        return []
-    slots = min(w.handshake.lora_slots for w in group.workers.values())
-    loaded = list(adapters.adapters.values())
-    return [(a.identity, a.path) for a in loaded[max(len(loaded) - slots, 0):]]
-
-
 class WorkerError(RuntimeError):
     """A worker rejected or failed a step; the requests in it are failed, the service goes on."""
 
@@ -155,6 +145,15 @@ class WorkerGroup:
     @property
     def pids(self) -> list[int]:
         return [self.workers[r].handshake.pid for r in sorted(self.workers)]
+
+    def preload(self, adapters: AdapterRegistry | None) -> list[wire_pb2.LoraRef]:
+        """The adapters this group's workers read when accepted, before serving: the latest loaded, as many
+        as every rank keeps."""
+        if adapters is None or not adapters.adapters:
+            return []
+        slots = min(w.handshake.lora_slots for w in self.workers.values())
+        latest = list(adapters.adapters.values())[-slots:] if slots else []
+        return [wire_pb2.LoraRef(identity=a.identity, path=a.path) for a in latest]
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:

@@ -76,8 +76,7 @@ class WorkerClient:
         # Called with a group once it is accepted; returns "" or why the service refuses it.
         self.check_group: Callable[[WorkerGroup], str] = lambda group: ""
         self.on_group_ready: Callable[[WorkerGroup], None] = lambda group: None
-        # The LoRA adapters (identity, path) an accepted group reads before it serves.
-        self.preload_loras: Callable[[WorkerGroup], list[tuple[str, str]]] = lambda group: []
+        self.adapters = None  # the engine's AdapterRegistry: an accepted group reads its adapters first
         # Called (and awaited) when the client finds a ready group's rank gone outside a step.
         self.on_group_lost = None
         self._by_identity: dict[bytes, WorkerInfo] = {}
@@ -202,7 +201,7 @@ class WorkerClient:
             group.workers.clear()
             return
         group.is_ready = True
-        loras = [wire_pb2.LoraRef(identity=i, path=p) for i, p in self.preload_loras(group)]
+        loras = group.preload(self.adapters)
         for w in group.workers.values():
             w.last_heartbeat = time.monotonic()
             await self._send_quietly(w.identity,

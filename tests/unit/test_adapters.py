@@ -211,3 +211,21 @@ def test_no_more_adapters_run_at_once_than_every_worker_keeps():
     assert adopted_config(config, [group(3, 5), group(4)]).max_loras == 3
     assert adopted_config(config, [group(16)]).max_loras == 8
     assert adopted_config(config, [group(0)]).max_loras == 8  # LoRA off there: nothing to bound
+
+
+def test_an_accepted_group_is_sent_the_latest_adapters_its_workers_keep(tmp_path):
+    """The handshake's answer names the adapters a new or restarted worker reads before its first step: the
+    latest loaded, no more than the rank with the fewest slots keeps."""
+    from protos import wire_pb2
+    from scheduler_service.runtime.groups import WorkerGroup, WorkerInfo
+
+    reg = registry()
+    group = WorkerGroup(0, 2)
+    for rank, slots in ((0, 3), (1, 2)):
+        group.workers[rank] = WorkerInfo(0, rank, b"w.x", b"hb.x", wire_pb2.Handshake(lora_slots=slots))
+    assert group.preload(None) == [] and group.preload(reg) == []
+    loaded = [reg.load(n, str(write_adapter(tmp_path / n, seed=i))) for i, n in enumerate("abc")]
+    refs = group.preload(reg)
+    assert [(r.identity, r.path) for r in refs] == [(a.identity, a.path) for a in loaded[1:]]
+    reg.unload("c")
+    assert [r.path for r in group.preload(reg)] == [a.path for a in loaded[:2]]
