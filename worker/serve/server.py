@@ -280,7 +280,8 @@ class WorkerServer:
                 return EXIT_RETRY if msg.handshake_ack.retry else EXIT_CONFIG
             self.runner.num_blocks = msg.handshake_ack.num_blocks
             log.info("handshake_accepted", num_blocks=msg.handshake_ack.num_blocks)
-            self.runner.preload_loras([(r.identity, r.path) for r in msg.handshake_ack.loras])
+            if msg.handshake_ack.loras:  # the adapters the scheduler serves, read before the first plan
+                self.runner.preload_loras([(r.identity, r.path) for r in msg.handshake_ack.loras])
         elif kind == "plan":
             return self._launch(sock, msg.plan)
         elif kind == "shutdown":
