@@ -157,6 +157,10 @@ def test_a_lost_replicas_requests_move_to_the_other_one(dp_server, tiny_model_di
 
     reqs = [greedy_request([40, 41, 42, i], 100, f"move-{i}") for i in range(4)]
     reference = [hf_greedy(tiny_model_dir, list(r.prompt_token_ids), 100) for r in reqs]
+    deadline = time.monotonic() + 60  # both replicas serving (one may still be back from an earlier test)
+    while not all(r.serving for r in dp_server.stats().replicas):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     streams = Streams(dp_server.stub, reqs)
     assert streams.started.wait(30)
     deadline = time.monotonic() + 30  # every request admitted (on a loaded machine the last arrive later)
