@@ -79,6 +79,15 @@ class PlanArrays:
     pooling: np.ndarray | None = None  # int32 [S]: 0, or what the row's hidden states give back (POOL_*)
     lora_index: np.ndarray | None = None  # int32 [S]: -1 (the base model) or an index into loras
     loras: list[tuple[str, str]] | None = None  # LoRA adapters the rows use: (identity, path)
+    kv: TierOps | None = None  # the KV tiers' stores, loads and drops, run before the forward
+
+    @classmethod
+    def empty(cls, step_id: int) -> PlanArrays:
+        """A step with no rows (it only moves blocks between the pool and the KV tiers)."""
+        i32, none = np.zeros(0, dtype=I32), np.zeros(0, dtype=F32)
+        return cls(step_id, i32, i32, np.zeros(0, dtype=I64), np.zeros((0, 1), dtype=I32), i32,
+                   np.zeros(1, dtype=I32), np.zeros(0, dtype=bool), i32, none, none, i32,
+                   np.zeros(0, dtype=U64), np.zeros((0, 2), dtype=I32))
 
     @property
     def num_seqs(self) -> int:
@@ -87,6 +96,46 @@ class PlanArrays:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+
+HASH_BYTES = 16  # a block's chained hash (scheduler_service/core/block_allocator.py block_hash)
+TIER_HOST, TIER_DISK = 1, 2
+
+
+@dataclass
+class TierOps:
+    """One step's KV-tier work (protos/wire.proto StepPlan.kv_*): rows of (pool block, tier, host slot or -1)
+    written down, then read back; each one's block hash (stores first); disk entries to delete."""
+
+    stores: np.ndarray  # int32 [n, 3]
+    loads: np.ndarray  # int32 [m, 3]
+    hashes: list[bytes]  # n + m
+    drops: list[bytes]
+
+    @property
+    def is_empty(self) -> bool:
+        return not (len(self.stores) or len(self.loads) or self.drops)
+
+
+def _hash_list(blob: bytes, count: int | None, what: str) -> list[bytes]:
+    if len(blob) % HASH_BYTES or (count is not None and len(blob) != count * HASH_BYTES):
+        many = count if count is not None else "a whole number"
+        raise CodecError(f"{what}: {len(blob)} bytes is not {many} of {HASH_BYTES}-byte hashes")
+    return [blob[i:i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
+
+
+def _tier_rows(blob: bytes, what: str) -> np.ndarray:
+    if len(blob) % (3 * I32.itemsize):
+        raise CodecError(f"{what} is not a whole number of (block, tier, slot) rows")
+    return np.frombuffer(blob, dtype=I32).reshape(-1, 3)
+
+
+def decode_tiers(msg: wire_pb2.StepPlan) -> TierOps | None:
+    if not (msg.kv_stores or msg.kv_loads or msg.kv_drops):
+        return None
+    stores, loads = _tier_rows(msg.kv_stores, "kv_stores"), _tier_rows(msg.kv_loads, "kv_loads")
+    return TierOps(stores, loads, _hash_list(msg.kv_hashes, len(stores) + len(loads), "kv_hashes"),
+                   _hash_list(msg.kv_drops, None, "kv_drops"))
 
 
 # The optional per-step arrays: (field, dtype, rows) with rows "S" (one per sequence), "S+1" or "*" (ragged).
@@ -134,6 +183,8 @@ def encode_plan(p: PlanArrays) -> wire_pb2.StepPlan:
         bitmask_words=int(mask.shape[1]) if mask is not None else 0,
         mask_follows=p.mask_follows,
         loras=[wire_pb2.LoraRef(identity=i, path=path) for i, path in p.loras or ()],
+        **({} if p.kv is None else dict(kv_stores=b(p.kv.stores, I32), kv_loads=b(p.kv.loads, I32),
+                                        kv_hashes=b"".join(p.kv.hashes), kv_drops=b"".join(p.kv.drops))),
         **{name: b(getattr(p, name), dtype) for name, dtype, _ in _OPTIONAL},
     )
 
@@ -182,6 +233,7 @@ def decode_plan(msg: wire_pb2.StepPlan) -> PlanArrays:
         prev_rows=_array(msg.prev_rows, I32, t, "prev_rows") if msg.prev_rows else None,
         mask_follows=msg.mask_follows,
         loras=[(r.identity, r.path) for r in msg.loras] or None,
+        kv=decode_tiers(msg),
         **extra,
     )
 
@@ -234,11 +286,14 @@ _LOGPROB_FIELDS = {"logprobs": ("logprobs", "top_token_ids", "top_logprobs"),
 
 def encode_result(step_id: int, sampled: np.ndarray, logprobs: Logprobs | None = None,
                   prompt_logprobs: Logprobs | None = None, num_accepted: np.ndarray | None = None,
-                  pooled: np.ndarray | None = None, **timings: float) -> wire_pb2.StepResult:
+                  pooled: np.ndarray | None = None, kv_load_failed: np.ndarray | None = None,
+                  **timings: float) -> wire_pb2.StepResult:
     """sampled: int32 [S], -1 where the sequence did not sample; num_accepted: int32 [S] when the plan
-    drafted; pooled: float32 [pooling rows, hidden] when it pooled."""
+    drafted; pooled: float32 [pooling rows, hidden] when it pooled; kv_load_failed: the plan's tier loads that
+    did not load."""
     msg = wire_pb2.StepResult(step_id=step_id, sampled_token_ids=np.ascontiguousarray(sampled, I32).tobytes(),
-                              num_accepted=_bytes(num_accepted, I32), pooled=_bytes(pooled, F32), **timings)
+                              num_accepted=_bytes(num_accepted, I32), pooled=_bytes(pooled, F32),
+                              kv_load_failed=_bytes(kv_load_failed, I32), **timings)
     for lp, (chosen, ids, values) in ((logprobs, _LOGPROB_FIELDS["logprobs"]),
                                       (prompt_logprobs, _LOGPROB_FIELDS["prompt_logprobs"])):
         if lp is not None:
@@ -273,6 +328,16 @@ def decode_pooled(msg: wire_pb2.StepResult, rows: int, hidden: int) -> np.ndarra
     if rows == 0:
         return None
     return _array(msg.pooled, F32, rows * hidden, "pooled").reshape(rows, hidden)
+
+
+def decode_load_failed(msg: wire_pb2.StepResult, num_loads: int) -> set[int]:
+    """The plan's tier loads (indices) that did not load; raises CodecError for an index out of range."""
+    if len(msg.kv_load_failed) % I32.itemsize:
+        raise CodecError("kv_load_failed is not a whole number of int32")
+    failed = set(np.frombuffer(msg.kv_load_failed, dtype=I32).tolist())
+    if any(not 0 <= i < num_loads for i in failed):
+        raise CodecError(f"kv_load_failed names a load outside the plan's {num_loads}")
+    return failed
 
 
 def decode_accepted(msg: wire_pb2.StepResult, num_seqs: int) -> np.ndarray | None:

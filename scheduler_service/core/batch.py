@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protos.codec import TierOps
 from scheduler_service.core.plan import DeferredMasks
 from scheduler_service.core.sequence import Request, Sequence
 
@@ -59,6 +60,8 @@ class SchedulerOutput:
     num_decodes: int = 0  # sequences decoding (scheduler_service/core/pacing.py paces embeddings beside them)
     embed_room: int = 0  # embedding prompt tokens this step may still take
     num_embed_tokens: int = 0
+    loads: bool = False  # it moves blocks to or from the KV tiers (a step, even without rows)
+    kv_ops: TierOps | None = None  # its KV-tier work, set by the plan
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +73,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.loads
 
 
 @dataclass

@@ -45,6 +45,9 @@ class BlockAllocator:
         # (runtime/kv_events.py): ("stored", hash, parent hash or None, token ids) and ("removed",
         # hash).
         self.events: list[tuple] | None = None
+        # The KV tiers under the pool (core/kv_tiers.py), told of every block that leaves the cache by
+        # eviction and of every block registered.
+        self.tiers = None
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -112,6 +115,8 @@ class BlockAllocator:
             else:  # evict the least recently used cached prefix
                 b, _ = self._cached.popitem(last=False)
                 del self._block_of[self._hash_of[b]]
+                if self.tiers is not None:
+                    self.tiers.evicted(b, self._hash_of[b])
                 if self.events is not None:
                     self.events.append(("removed", self._hash_of[b]))
                 self._hash_of[b] = None
@@ -160,6 +165,8 @@ class BlockAllocator:
             self._hash_of[block_id] = h
             if self.events is not None:
                 self.events.append(("stored", h, parent, list(tokens)) + (() if lora is None else (lora,)))
+            if self.tiers is not None:
+                self.tiers.registered(block_id, h)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (FlushCache): cached-free blocks become free, held blocks keep their

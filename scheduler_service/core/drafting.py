@@ -185,3 +185,20 @@ class SequenceDrafter:
         """After new tokens: whether the next step would draft (a match long enough to, not gated)."""
         n, draft = self.match(1)
         self.expects = bool(draft) and self.length.for_match(n) > 0
+
+
+def propose_draft(seq, drafter: SequenceDrafter, budget: int, max_model_len: int) -> list[int]:
+    """Tokens to draft after seq's (core/sequence.py Sequence) known last one: as many as its suffix match
+    predicts, within the budget, max_tokens and the context, none before min_tokens is reached (the end
+    tokens are banned until then, per position), and under a grammar only the tokens it allows."""
+    params = seq.request.sampling
+    if seq.num_output_tokens < params.min_tokens:
+        return []
+    room = min(budget - 1, params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
+    if room <= 0:
+        return []
+    draft = drafter.propose(room)
+    if draft and seq.matcher is not None:  # only what the grammar allows (its masks follow the draft)
+        draft = [] if seq.matcher.is_stopped() or seq.matcher.is_error() else \
+            draft[:seq.matcher.validate_tokens(draft)]
+    return draft

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from scheduler_service.core.block_allocator import BlockAllocator
+from scheduler_service.core.kv_tiers import KvTiers, Load
 from scheduler_service.core.sequence import Request, Sequence
 
 
@@ -31,6 +32,14 @@ class KVCacheManager:
         # Every layer of the model slides over at least kv_window keys (0: some layer reads everything): a
         # sequence's blocks wholly before its window are given back as it advances (drop_out_of_window).
         self.kv_window = kv_window
+        self.tiers: KvTiers | None = None  # host and disk tiers under the pool (use_tiers)
+
+    def use_tiers(self, tiers: KvTiers) -> None:
+        """Blocks leaving the pool go down to these tiers, and prompts find their prefixes there (only with
+        the prefix cache on)."""
+        if self.caching:
+            self.tiers = tiers
+            self.allocator.tiers = tiers
 
     @property
     def num_blocks(self) -> int:
@@ -43,12 +52,7 @@ class KVCacheManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks of the longest cached run of seq's full blocks, leaving at least its last token to
         compute."""
-        if not self.caching or seq.num_computed_tokens or seq.block_ids:
-            return []
-        request = seq.request
-        if request.sampling.prompt_logprobs is not None:  # every prompt position's logits are needed
-            return []
-        if request.embed is not None and not request.embed.spec.prefix_cacheable:  # a mean reads them all
+        if not self.reads_cache(seq):
             return []
         hits = []
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -57,6 +61,63 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def reads_cache(self, seq: Sequence) -> bool:
+        """seq, waiting with nothing computed, may start from cached blocks."""
+        if not self.caching or seq.num_computed_tokens or seq.block_ids:
+            return False
+        request = seq.request
+        if request.sampling.prompt_logprobs is not None:  # every prompt position's logits are needed
+            return False
+        return request.embed is None or request.embed.spec.prefix_cacheable  # a mean reads them all
+
+    def load_from_tiers(self, seq: Sequence, hits: list[int], step_id: int) -> bool:
+        """Where seq's prompt goes on below its cached prefix `hits` in the KV tiers, and reading those
+        blocks back costs less than computing them: plan the loads into fresh blocks in step step_id. True
+        when seq must wait for a load (this one, or another prompt's of the same blocks)."""
+        tiers = self.tiers
+        if tiers is None or self.kv_window or not self.reads_cache(seq):
+            return False
+        if tiers.is_loading(seq.seq_id):
+            return True
+        bs = self.block_size
+        hashes = [seq.block_hash(i, bs) for i in range(len(hits), (seq.num_tokens - 1) // bs)]
+        if not hashes or tiers.wait_for(seq.seq_id, hashes[0]):
+            return bool(hashes)
+        revived = sum(1 for b in hits if self.allocator.is_cached_free(b))
+        room = self.allocator.num_available_blocks - revived - 1  # a block left for what is computed
+        found = tiers.find(hashes)[:max(room, 0)]
+        if not found or not tiers.worth_loading(found, seq.request.request_id):
+            return False
+        tiers.touch(found)  # blocks this allocation evicts to the host tier do not push these out
+        self.allocator.share(hits)  # nor are the pool's blocks of the prefix evicted for the fresh ones
+        blocks = self.allocator.allocate(len(found))
+        self.allocator.free(hits[::-1])
+        still = tiers.find([h for h, _, _ in found])  # (a tier smaller than the run loses its oldest)
+        keep = next((i for i, (a, b) in enumerate(zip(found, still, strict=False)) if a != b), len(still))
+        if keep < len(found):
+            self.allocator.free(blocks[keep:][::-1])
+            blocks, found = blocks[:keep], found[:keep]
+            if not found:
+                return False
+        first, lora = len(hits), seq.request.lora
+        loads = [Load(b, h, tier, seq.block_hash(first + i - 1, bs) if first + i else None,
+                      seq.token_ids[(first + i) * bs:(first + i + 1) * bs],
+                      lora.event_id if lora is not None else None, tiers.epoch)
+                 for i, (b, (h, tier, _)) in enumerate(zip(blocks, found, strict=True))]
+        tiers.start(step_id, seq.seq_id, loads, [slot for _, _, slot in found])
+        return True
+
+    def finish_loads(self, step_id: int, failed: set[int] | None) -> None:
+        """A step's loads are done (failed: those that did not load; None: none did): each block that loaded
+        enters the prefix cache, and every one is given back (leaf first, as `free` does)."""
+        if self.tiers is None or step_id not in self.tiers.inflight:
+            return
+        done = self.tiers.finish(step_id, failed)
+        for ld, ok in done:
+            if ok:
+                self.allocator.register(ld.block, ld.hash, ld.parent, ld.tokens, ld.lora)
+        self.allocator.free([ld.block for ld, _ in reversed(done)])
 
     def admit(self, seq: Sequence, hits: list[int], num_new: int) -> bool:
         """Give a waiting seq its table: the cached prefix `hits`, then fresh blocks for num_new more tokens.
@@ -188,8 +249,9 @@ class KVCacheManager:
         return n
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (only unreferenced blocks are cached); how many were forgotten."""
-        return self.allocator.reset_prefix_cache()
+        """Forget every cached prefix (only unreferenced blocks are cached), the tiers' too; how many were
+        forgotten."""
+        return self.allocator.reset_prefix_cache() + (self.tiers.clear() if self.tiers is not None else 0)
 
     # --- sliding windows -------------------------------------------------------------------------
     def out_of_window(self, seq: Sequence, start: int) -> int:
@@ -255,6 +317,8 @@ class KVCacheManager:
         every running sequence's table covers its computed tokens, waiting sequences hold nothing."""
         self.allocator.check_invariants()
         owned: dict[int, int] = {}
+        for b in self.tiers.held_blocks() if self.tiers is not None else ():  # loads in flight
+            owned[b] = owned.get(b, 0) + 1
         for seq in running:
             for b in seq.block_ids:
                 if b >= 0:

@@ -20,8 +20,9 @@ from scheduler_service.core.batch import (
     make_sequences,
 )
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.drafting import SequenceDrafter, SharedNgrams
+from scheduler_service.core.drafting import SequenceDrafter, SharedNgrams, propose_draft
 from scheduler_service.core.kv_manager import BlockCopy, KVCacheManager
+from scheduler_service.core.kv_tiers import KvTiers
 from scheduler_service.core.pacing import EmbedPacer
 from scheduler_service.core.plan import PlanBuilder
 from scheduler_service.core.results import apply_result
@@ -30,10 +31,13 @@ from scheduler_service.core.sequence import FinishReason, Request, Sequence, Seq
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int,
-                 kv_window: int = 0) -> None:
+                 kv_window: int = 0, tiers: KvTiers | None = None) -> None:
+        """tiers: the KV tiers under the pool (host, disk), where the workers hold them."""
         self.config = config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_window)
+        if tiers is not None:
+            self.kv.use_tiers(tiers)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -64,7 +68,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Sequences to run, or KV-tier work no plan has carried yet."""
+        return bool(self.waiting or self.running) or (self.kv.tiers is not None and self.kv.tiers.has_ops)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -127,6 +132,7 @@ class Scheduler:
         scheduled: set[int] = set()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, scheduled)
         self._admit_waiting(out, budget, scheduled)
+        out.loads = out.loads or (self.kv.tiers is not None and self.kv.tiers.has_ops)
         if self.config.debug_invariants:
             self.check_invariants()
         return out
@@ -160,7 +166,7 @@ class Scheduler:
             draft = []
             if drafter is not None and not seq.pending.count:
                 t = time.perf_counter()
-                draft = self._draft(seq, drafter, budget)
+                draft = propose_draft(seq, drafter, budget, self.max_model_len)
                 out.draft_seconds += time.perf_counter() - t
             if not draft and kv.writes_in_place(seq, pos):  # fast path: into the sequence's own last block
                 self._add(out, seq, 1, scheduled)
@@ -220,6 +226,9 @@ class Scheduler:
                 at += 1
                 continue
             hits = kv.cached_prefix(seq)
+            if kv.tiers is not None and kv.load_from_tiers(seq, hits, out.step_id):
+                at += 1  # its prefix is read back from the tiers first: admitted once that step is done
+                continue
             num_cached = len(hits) * self.block_size
             num_new = seq.num_tokens - num_cached
             if num_new > min(budget, room):
@@ -257,23 +266,6 @@ class Scheduler:
             seq.drafter.look_ahead()
         return seq.drafter
 
-    def _draft(self, seq: Sequence, drafter: SequenceDrafter, budget: int) -> list[int]:
-        """Tokens to draft after seq's known last one: as many as its suffix match predicts, within the
-        budget, max_tokens and the context, none before min_tokens is reached (the end tokens are banned
-        until then, per position), and under a grammar only the tokens it allows."""
-        params = seq.request.sampling
-        if seq.num_output_tokens < params.min_tokens:
-            return []
-        room = min(budget - 1, params.max_tokens - seq.num_output_tokens - 1,
-                   self.max_model_len - seq.num_tokens - 1)
-        if room <= 0:
-            return []
-        draft = drafter.propose(room)
-        if draft and seq.matcher is not None:  # only what the grammar allows (its masks follow the draft)
-            draft = [] if seq.matcher.is_stopped() or seq.matcher.is_error() else \
-                draft[:seq.matcher.validate_tokens(draft)]
-        return draft
-
     def _at_limit(self, seq: Sequence) -> bool:
         """The step in flight samples seq's last allowed token (max_tokens or the context): nothing to plan;
         its result finishes it."""
@@ -281,13 +273,26 @@ class Scheduler:
                 or seq.num_planned_tokens >= self.max_model_len)
 
     def build_plan(self, out: SchedulerOutput) -> PlanArrays:
-        """The step's plan arrays (scheduler_service/core/plan.py)."""
-        return self.planner.build(out)
+        """The step's plan arrays (scheduler_service/core/plan.py), with the KV tiers' work decided since the
+        last one."""
+        plan = self.planner.build(out) if out.scheduled else PlanArrays.empty(out.step_id)
+        if self.kv.tiers is not None:
+            plan.kv = out.kv_ops = self.kv.tiers.take_ops()
+        return plan
 
     def update(self, out: SchedulerOutput, sampled: list[int], accepted: list[int] | None = None,
-               pooled: np.ndarray | None = None) -> StepUpdate:
-        """Reconcile a step with its result (core/results.py apply_result)."""
+               pooled: np.ndarray | None = None, failed_loads: set[int] = frozenset()) -> StepUpdate:
+        """Reconcile a step with its result (core/results.py apply_result); failed_loads: its tier loads
+        that did not load."""
+        self.kv.finish_loads(out.step_id, failed_loads)
         return apply_result(self, out, sampled, accepted, pooled)
+
+    def observe(self, out: SchedulerOutput, seconds: float, tier_seconds: float) -> None:
+        """A step's worker time: it paces embeddings, and weighs a tier load against computing."""
+        other_prefill = out.num_prefill_tokens - out.num_embed_tokens
+        self.pacer.observe(out.num_decodes, out.num_embed_tokens, other_prefill, seconds)
+        if self.kv.tiers is not None:
+            self.kv.tiers.observe(out.kv_ops, tier_seconds, out.num_prefill_tokens, seconds)
 
     # --- memory ----------------------------------------------------------------------------------
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int],
@@ -382,7 +387,8 @@ class Scheduler:
                 "num_running": len(self.running), "num_waiting": len(self.waiting),
                 "waiting_tokens": sum(s.num_uncomputed_tokens for s in self.waiting),
                 "prefix_cache_queries": self.prefix_cache_queries,
-                "prefix_cache_hits": self.prefix_cache_hits, "num_preemptions": self.num_preemptions}
+                "prefix_cache_hits": self.prefix_cache_hits, "num_preemptions": self.num_preemptions,
+                **(self.kv.tiers.stats() if self.kv.tiers is not None else {})}
 
     def request_blocks(self, request: Request) -> int:
         """Distinct blocks a request holds (samples share their prompt's blocks)."""

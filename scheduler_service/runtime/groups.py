@@ -11,8 +11,10 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from protos import wire_pb2
+from protos.codec import HASH_BYTES
 from scheduler_service.core.adapters import AdapterRegistry
 from scheduler_service.core.config import ModelSpec, SchedulerConfig
+from scheduler_service.core.kv_tiers import KvTiers
 from scheduler_service.text.limits import Limits
 
 
@@ -154,6 +156,34 @@ class WorkerGroup:
         slots = min(w.handshake.lora_slots for w in self.workers.values())
         latest = list(adapters.adapters.values())[-slots:] if slots else []
         return [wire_pb2.LoraRef(identity=a.identity, path=a.path) for a in latest]
+
+    def kv_tiers(self, block_size: int) -> KvTiers | None:
+        """The KV tiers every rank of the group holds (the smallest sizes; on disk, the blocks every rank
+        has its share of), or None where some rank holds none."""
+        ranks = [self.workers[r].handshake for r in sorted(self.workers)]
+        host = min(hs.host_tier_blocks for hs in ranks)
+        disk = min(hs.disk_tier_blocks for hs in ranks)
+        if not host and not disk:
+            return None
+
+        def held(hs: wire_pb2.Handshake) -> list[bytes]:
+            blob = hs.disk_tier_hashes if disk else b""
+            return [blob[i:i + HASH_BYTES] for i in range(0, len(blob) - len(blob) % HASH_BYTES, HASH_BYTES)]
+
+        others = [set(held(hs)) for hs in ranks[1:]]
+        on_disk = [h for h in held(ranks[0]) if all(h in o for o in others)]
+        return KvTiers(host, disk, on_disk, ranks[0].bytes_per_block, block_size)
+
+
+def merged_result(results: dict[int, wire_pb2.StepResult]) -> wire_pb2.StepResult:
+    """Rank 0's result of a step, where a KV-tier load failed if it failed on any rank (each rank loads its
+    own share of a block)."""
+    first = results[0]
+    failed = {r.kv_load_failed for r in results.values()}
+    if len(failed) > 1:
+        merged = sorted({int(i) for blob in failed for i in memoryview(blob).cast("i")})
+        first.kv_load_failed = b"".join(i.to_bytes(4, "little", signed=True) for i in merged)
+    return first
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from scheduler_service.runtime.step_loop import StepLoop
 
+# The KV tiers' figures (core/kv_tiers.py KvTiers.stats), where a replica has tiers
+TIER_KEYS = ("host_tier_blocks", "host_tier_capacity", "host_tier_loaded", "host_tier_stored",
+             "disk_tier_blocks", "disk_tier_capacity", "disk_tier_loaded", "disk_tier_stored",
+             "kv_load_failures", "kv_tier_seconds")
+
 
 def service_load(engine) -> dict:
     """The service's load now, summed over serving replicas (what a gateway balances on)."""
@@ -35,6 +40,8 @@ def cache_stats(engine) -> dict:
     for k in ("num_generated_tokens", "num_prompt_tokens_computed", "num_embeddings",  # down replicas' counts
               "num_draft_verifications", "num_draft_tokens", "num_accepted_draft_tokens"):  # stay
         total[k] = sum(row[k] for row in rows)
+    for k in TIER_KEYS:
+        total[k] = sum(row.get(k, 0) for row in live)
     per_request = [row for replica in engine.replicas for row in replica.request_rows()]
     used = total["num_blocks"] - total["num_free_blocks"] - total["num_cached_blocks"]
     return {
@@ -64,6 +71,7 @@ def replica_row(loop: StepLoop) -> dict:
     kept = ("num_blocks", "num_free_blocks", "num_cached_blocks", "num_shared_blocks",
             "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_running", "num_waiting")
     row.update({k: s[k] for k in kept})
+    row.update({k: s[k] for k in TIER_KEYS if k in s})
     row.update(used_bytes=s["num_used_blocks"] * bpb, total_bytes=s["num_blocks"] * bpb,
                utilization=s["num_used_blocks"] / s["num_blocks"])
     return row

@@ -16,6 +16,7 @@ import structlog
 from protos.codec import (
     CodecError,
     decode_accepted,
+    decode_load_failed,
     decode_pooled,
     decode_result,
     encode_mask,
@@ -166,7 +167,8 @@ class StepLoop:
     def attach(self, max_model_len: int) -> None:
         """A group was accepted: start serving with a fresh scheduler sized to its pool."""
         self._sched = Scheduler(self.config, self.group.num_blocks, max_model_len,
-                                kv_window=self.group.handshake.kv_window)
+                                kv_window=self.group.handshake.kv_window,
+                                tiers=self.group.kv_tiers(self.config.block_size))
         # KV-event subscribers learn that this replica's cache starts empty (published after its first step).
         self._sched.kv.record_kv_events()
         self._samples = {}
@@ -270,6 +272,7 @@ class StepLoop:
             logprobs = read_logprobs(out, result)
             pooled = (decode_pooled(result, int(np.count_nonzero(out.pooling)), self.hidden_size)
                       if out.pooling is not None else None)
+            failed = decode_load_failed(result, len(out.kv_ops.loads) if out.kv_ops is not None else 0)
         except WorkerLost as e:
             await self.sink.on_lost(self, str(e))
             return False
@@ -277,13 +280,12 @@ class StepLoop:
             # Its requests fail; a step planned behind it that needs its tokens is refused by the worker,
             # and fails its own requests in turn.
             log.error("step_failed", replica=self.index, step_id=out.step_id, error=str(e))
+            sched.kv.finish_loads(out.step_id, None)
             self.sink.on_step_failed(self, out, str(e))
             return True
         t3 = time.perf_counter()
-        update = sched.update(out, tokens, accepted, pooled)
-        other_prefill = out.num_prefill_tokens - out.num_embed_tokens
-        sched.pacer.observe(out.num_decodes, out.num_embed_tokens, other_prefill,
-                            result.time_prepare + result.time_forward + result.time_sample)
+        update = sched.update(out, tokens, accepted, pooled, failed)
+        sched.observe(out, result.time_prepare + result.time_forward + result.time_sample, result.time_kv)
         deltas, gaps = self._text(sched, update, logprobs)
         self.sink.on_step(self, StepReport(out, update, deltas, gaps, t3 - flight.t2))
         t4 = time.perf_counter()

@@ -29,6 +29,7 @@ from scheduler_service.runtime.groups import (
     WorkerLost,
     handshake_problem,
     is_loopback_endpoint,
+    merged_result,
     worker_process_state,
 )
 
@@ -310,11 +311,10 @@ class WorkerClient:
         for rank in sorted(results):
             if results[rank].error:
                 raise WorkerError(f"worker rank {rank} of replica {replica}: {results[rank].error}")
-        first = results[0]
         for rank, r in results.items():
-            if r.sampled_token_ids != first.sampled_token_ids:
+            if r.sampled_token_ids != results[0].sampled_token_ids:
                 raise WorkerError(f"replica {replica}: rank {rank} sampled other tokens than rank 0")
-        return first
+        return merged_result(results)
 
     async def send_mask(self, replica: int, mask: wire_pb2.StepMask) -> None:
         """The masks of a plan sent with mask_follows, to every rank of its replica (sent after the plan:

@@ -49,13 +49,20 @@ class SimulatedWorker:
         # the row reads, how many]: a mean sums its own tokens, the last token reads its whole context, the
         # first token itself (a stand-in for a model whose last hidden state depends on the whole context)
         self.last_pooled: np.ndarray | None = None
+        # KV tiers: the host tier's slots (hash, the block's token ids), the disk's blocks by hash, those
+        # whose copy below the pool reads back as corrupt, and the loads of the last step that failed
+        self.host: dict[int, tuple[bytes, np.ndarray]] = {}
+        self.disk: dict[bytes, np.ndarray] = {}
+        self.corrupt: set[bytes] = set()
+        self.last_failed: set[int] = set()
+        self.num_loaded = 0
 
     def step(self, sched, out) -> list:
         """Plan, run and apply one scheduler step (its drafts' acceptance included): what it did."""
         from protos.codec import encode_plan
 
         tokens = self.execute(encode_plan(sched.build_plan(out)))
-        update = sched.update(out, tokens, self.last_accepted, self.last_pooled)
+        update = sched.update(out, tokens, self.last_accepted, self.last_pooled, self.last_failed)
         self.num_drafted += update.num_drafted
         self.num_accepted += update.num_accepted
         return update
@@ -73,6 +80,7 @@ class SimulatedWorker:
         for i in range(p.num_seqs):  # a slot is where the position's block table entry says
             pos = p.positions[qsl[i]:qsl[i + 1]].astype(np.int64)
             assert (p.slot_mapping[qsl[i]:qsl[i + 1]] == tables[i][pos // bs] * bs + pos % bs).all()
+        self._tiers(p)
         for src, dst in p.block_copies:  # copy-on-write, before the step's writes
             self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
         self.pool[p.slot_mapping] = token_ids
@@ -94,6 +102,30 @@ class SimulatedWorker:
         self.last_accepted = accepted if p.num_draft is not None else None
         self.last_pooled = self._pool(p, tables, token_ids) if p.pooling is not None else None
         return out
+
+    def _tiers(self, p) -> None:
+        """The plan's KV-tier work, as a worker runs it: stores, then loads (checked by hash), then drops."""
+        self.last_failed = set()
+        if p.kv is None:
+            return
+        bs, n = self.block_size, len(p.kv.stores)
+        for i, (block, tier, slot) in enumerate(p.kv.stores.tolist()):
+            row = self.pool[block * bs:(block + 1) * bs].copy()
+            assert (row >= 0).all(), "a block written down was never computed"
+            if tier == 1:
+                self.host[slot] = (p.kv.hashes[i], row)
+            else:
+                self.disk[p.kv.hashes[i]] = row
+        for j, (block, tier, slot) in enumerate(p.kv.loads.tolist()):
+            h = p.kv.hashes[n + j]
+            held = self.host.get(slot) if tier == 1 else (h, self.disk[h]) if h in self.disk else None
+            if held is None or held[0] != h or h in self.corrupt:
+                self.last_failed.add(j)
+                continue
+            self.pool[block * bs:(block + 1) * bs] = held[1]
+            self.num_loaded += 1
+        for h in p.kv.drops:
+            self.disk.pop(h, None)
 
     def _pool(self, p, tables: np.ndarray, token_ids: np.ndarray) -> np.ndarray | None:
         from protos.codec import POOL_FIRST, POOL_SUM
@@ -143,11 +175,11 @@ class Pipeline:
             out = self.sched.schedule()
             if not out.is_empty:
                 tokens = self.worker.execute(encode_plan(self.sched.build_plan(out)))
-                self.inflight.append((out, tokens, self.worker.last_accepted))
+                self.inflight.append((out, tokens, self.worker.last_accepted, self.worker.last_failed))
                 launched = True
         if self.inflight and (len(self.inflight) == self.depth or not launched):
-            out, tokens, accepted = self.inflight.pop(0)
-            new = self.sched.update(out, tokens, accepted).tokens
+            out, tokens, accepted, failed = self.inflight.pop(0)
+            new = self.sched.update(out, tokens, accepted, failed_loads=failed).tokens
             for i, (seq, token) in enumerate(new):
                 if seq.is_finished:  # by a stop among this step's tokens: the rest are not its
                     continue
@@ -190,9 +222,10 @@ def drain(sched, worker, limit=20_000):
 
 
 def make(num_blocks, block_size=4, budget=32, caching=True, chunked=True, max_seqs=16, window=0,
-         speculative="auto"):
+         speculative="auto", tiers=None):
+    """tiers: the KV tiers under the pool (scheduler_service/core/kv_tiers.py KvTiers)."""
     config = SchedulerConfig(block_size=block_size, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                              enable_prefix_caching=caching, enable_chunked_prefill=chunked,
                              debug_invariants=True, speculative=speculative)
-    return (Scheduler(config, num_blocks, max_model_len=4096, kv_window=window),
+    return (Scheduler(config, num_blocks, max_model_len=4096, kv_window=window, tiers=tiers),
             SimulatedWorker(num_blocks, block_size, window))

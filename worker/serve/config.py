@@ -30,6 +30,9 @@ class WorkerConfig:
     kv_cache_dtype: str = "auto"
     num_blocks: int | None = None
     kv_cache_memory: str | None = None  # a size ("2GiB"), checked when parsed
+    kv_offload_size: str | None = None
+    kv_offload_dir: str | None = None
+    kv_offload_disk_size: str = "16GiB"
     gpu_memory_utilization: float = 0.9
     attention_backend: str | None = None
     dequantize: bool = False
@@ -55,3 +58,12 @@ class WorkerConfig:
     @property
     def tp(self) -> int:
         return self.tensor_parallel_size
+
+
+class Refused(Exception):
+    """Start-up cannot go on with these flags on this machine: logged as `event` (with `fields`), `message`
+    (where there is one) printed for whoever started the worker, exit EXIT_CONFIG (restarting cannot help)."""
+
+    def __init__(self, event: str, message: str = "", **fields) -> None:
+        super().__init__(message or event)
+        self.event, self.message, self.fields = event, message, fields

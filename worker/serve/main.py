@@ -79,6 +79,17 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=size, default=None,
                    help="KV pool memory per rank, e.g. 2GiB (default: 2GiB on a CPU; on CUDA what "
                         "--gpu-memory-utilization leaves once everything else is measured)")
+    g.add_argument("--kv-offload-size", type=size, default=None,
+                   help="a host-memory tier under the KV pool, e.g. 16GiB (pinned on CUDA): cached blocks "
+                        "the pool evicts are kept there and read back for a prompt that starts with them, "
+                        "instead of computed again (default: none; on a CPU the same memory given to "
+                        "--kv-cache-memory serves as well)")
+    g.add_argument("--kv-offload-dir", default=None,
+                   help="a disk tier under the KV pool: every block entering the prefix cache is also "
+                        "written here (one file a block, checksummed, in a folder per model and layout) and "
+                        "read back across evictions and restarts; default: none")
+    g.add_argument("--kv-offload-disk-size", type=size, default="16GiB",
+                   help="the most the disk tier holds (its least recently used blocks are deleted)")
     g.add_argument("--gpu-memory-utilization", type=float_range(0.0, 1.0, low_open=True), default=0.9,
                    help="on CUDA: share of the GPU's memory this worker may use (weights, activations, KV "
                         "pool)")
@@ -208,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     from worker.serve.server import WorkerServer
 
     handshake = handshake_for(cfg, loaded, plan, device, tp)
+    if runner.tiers is not None:
+        runner.tiers.describe(handshake)
     log.info("model_loaded", model=cfg.model, device=str(device), dtype=handshake.dtype,
              compute_dtype=str(loaded.dtype).removeprefix("torch."), kv_cache_dtype=handshake.kv_cache_dtype,
              num_blocks=plan.num_blocks, attention_backend=loaded.attn.name, matmul=loaded.model.mm.name,

@@ -26,7 +26,8 @@ from worker.serve.choices import (
     use_native_head,
     weights_of,
 )
-from worker.serve.config import WorkerConfig
+from worker.serve.config import Refused, WorkerConfig
+from worker.serve.kv_offload import fingerprint, tier_store
 
 log = structlog.get_logger("worker.serve.main")
 
@@ -54,15 +55,6 @@ def nvidia_gpu_present() -> bool:
 
 
 
-
-
-class Refused(Exception):
-    """Start-up cannot go on with these flags on this machine: logged as `event` (with `fields`), `message`
-    (where there is one) printed for whoever started the worker, exit EXIT_CONFIG (restarting cannot help)."""
-
-    def __init__(self, event: str, message: str = "", **fields) -> None:
-        super().__init__(message or event)
-        self.event, self.message, self.fields = event, message, fields
 
 
 @dataclass
@@ -340,6 +332,8 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
     runner = ModelRunner(loaded.model, pool, loaded.attn, device)
     if cfg is not None and cfg.max_cpu_loras:
         runner.adapters = lora_cache(cfg, loaded.config, loaded.model.shard, loaded.dtype, device)
+    if cfg is not None and (cfg.kv_offload_size or cfg.kv_offload_dir):
+        runner.tiers = tier_store(cfg, loaded, pool)
     warm_s = warm_up(runner)
     if plan.use_graphs:
         from worker.step.graphs import DecodeGraphs
@@ -375,8 +369,7 @@ def handshake_for(cfg: WorkerConfig, loaded: Loaded, plan: PoolPlan, device, tp:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_num_seqs=plan.max_num_seqs,
         kv_window=config.max_window,
-        model_fingerprint=config.fingerprint(os.path.basename(os.path.normpath(cfg.model))
-                                             + cfg.load_format),
+        model_fingerprint=fingerprint(cfg, loaded),
         vocab_size=config.vocab_size,
         max_context=config.max_position_embeddings,
         bytes_per_block=plan.bytes_per_block,

@@ -21,8 +21,10 @@ def validate_plan(p: PlanArrays, num_blocks: int, block_size: int, vocab: int, m
     num_blocks is the count the scheduler acknowledged, not this rank's own pool: every rank of a
     group then accepts or rejects the same plan alike, so none waits in a collective for the others."""
     s, t = p.num_seqs, p.num_tokens
+    if s == 0 and t == 0 and p.kv is not None:  # a step that only moves blocks to or from the KV tiers
+        return
     if s == 0 or t == 0:
-        raise PlanError("a plan needs at least one sequence and one token")
+        raise PlanError("a plan needs at least one sequence and one token (or KV-tier work)")
     qsl = p.query_start_loc.astype(np.int64)
     q_lens = np.diff(qsl)
     if qsl[0] != 0 or qsl[-1] != t or (q_lens < 1).any():

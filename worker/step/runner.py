@@ -14,6 +14,7 @@ from protos import wire_pb2
 from protos.codec import CodecError, PlanArrays, decode_plan, encode_plan, encode_result
 from worker.model.attention import AttentionBackend
 from worker.model.kv_pool import KVPool
+from worker.model.kv_tiers import KvTierStore, check_tiers
 from worker.model.llama import LlamaModel, StepInputs
 from worker.model.lora import LoraCache, StepLora
 from worker.step.controls import apply_controls, gather_controls, top_logprobs
@@ -63,6 +64,7 @@ class InFlight:
     host_forward: float
     host_sample: float
     pooled: torch.Tensor | None = None  # float32 [pooling rows, hidden] on the device, when the plan pooled
+    kv: tuple = (None, 0.0)  # the KV tiers' loads that failed, and their seconds
 
 
 class ModelRunner:
@@ -77,6 +79,7 @@ class ModelRunner:
         self.staging = Staging(device)
         self.graphs = None  # step/graphs.py DecodeGraphs, set once captured (CUDA, unless --enforce-eager)
         self.adapters: LoraCache | None = None  # LoRA adapters held (--max-cpu-loras > 0)
+        self.tiers: KvTierStore | None = None  # the KV tiers' bytes (--kv-offload-size, --kv-offload-dir)
         # The tokens sampled by the last step launched, on the device: the next plan may refer to them
         # (overlap), before they are read back. Which of its rows sampled is known on the host.
         self.last_step_id = 0
@@ -111,6 +114,9 @@ class ModelRunner:
         if isinstance(accepted, wire_pb2.StepResult):
             return accepted
         p, pending, lora = accepted
+        kv_failed, kv_s = self.tiers.run(p.kv) if p.kv is not None else (None, 0.0)  # before any copy
+        if not p.num_seqs:  # a step that only moves blocks between the pool and the tiers
+            return encode_result(plan.step_id, np.zeros(0, np.int32), kv_load_failed=kv_failed, time_kv=kv_s)
         s = self._stage(p, pending, lora)
         clock = StepClock(self.device)
         t1 = time.perf_counter()
@@ -151,7 +157,7 @@ class ModelRunner:
         self.last_step_id = plan.step_id
         return InFlight(plan.step_id, p.do_sample.copy(), host, clock, logprobs, prompt_logprobs,
                         depends_on=p.prev_step_id if pending else 0, time_prepare=t1 - t0,
-                        host_forward=t2 - t1, host_sample=t3 - t2, pooled=pooled)
+                        host_forward=t2 - t1, host_sample=t3 - t2, pooled=pooled, kv=(kv_failed, kv_s))
 
     def _accept(self, plan: wire_pb2.StepPlan, await_mask) -> tuple | wire_pb2.StepResult:
         """The plan decoded and validated, whether it reads tokens of the step before, and its rows' LoRA
@@ -168,6 +174,8 @@ class ModelRunner:
                 if self.adapters is None:
                     raise PlanError("the plan names LoRA adapters; this worker holds none (--max-cpu-loras)")
                 lora = self.adapters.step(p.loras, p.lora_index, np.diff(p.query_start_loc), self.device)
+            if p.kv is not None:
+                check_tiers(self.tiers, p.kv, self.num_blocks)
         except (CodecError, PlanError, ValueError, OSError) as e:
             self._forget_tokens()  # a plan that refers to this one's tokens must not run either
             return wire_pb2.StepResult(step_id=plan.step_id, error=f"rejected plan: {e}")
@@ -276,7 +284,8 @@ class ModelRunner:
         pooled = f.pooled.cpu().numpy() if f.pooled is not None else None
         return encode_result(f.step_id, sampled, logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs,
                              num_accepted=accepted, pooled=pooled, time_prepare=f.time_prepare,
-                             time_forward=forward, time_sample=sampling)
+                             time_forward=forward, time_sample=sampling, kv_load_failed=f.kv[0],
+                             time_kv=f.kv[1])
 
     # --- the previous step's tokens, on the device ------------------------------------------------
     @property
@@ -290,8 +299,7 @@ class ModelRunner:
         self._last_tokens = self._last_sampled_rows = None
 
     def stream_state(self) -> tuple:
-        """What links a step to the one before it (its id, tokens and sampled rows), to put back with
-        restore_stream_state after steps that are not the scheduler's (the warm-up's)."""
+        """A step's link to the one before (id, tokens, sampled rows), put back after the warm-up's steps."""
         return self.last_step_id, self._last_tokens, self._last_sampled_rows
 
     def restore_stream_state(self, state: tuple) -> None:
@@ -314,8 +322,7 @@ class ModelRunner:
         return True
 
     def _host_tokens(self, n: int) -> torch.Tensor:
-        """Pinned host memory for a step's tokens; two buffers in turn, so the step in flight keeps its own
-        while the next one is launched."""
+        """Pinned host memory for a step's tokens; two buffers in turn (the step in flight keeps its own)."""
         self._flip ^= 1
         buf = self._token_buffers[self._flip]
         if buf is None or buf.numel() < n:

@@ -1,0 +1,278 @@
+"""The bytes of the KV tiers under the pool: a host buffer of block slots (pinned on CUDA) and a folder of
+block files. The worker does what a plan says — stores, then loads, then drops — and decides nothing. Each
+block carries its chained hash and a checksum, checked on load: a load that does not match, a missing or
+truncated file, is reported failed and the scheduler computes the block instead. Disk writes run on a
+thread from a copy taken before the step; a failed write is a later miss, logged once."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from protos.codec import HASH_BYTES, TIER_DISK, TIER_HOST, TierOps
+from worker.model.kv_pool import KVPool
+
+log = structlog.get_logger("worker.kv_tiers")
+MAGIC = b"PSKV1"
+HEADER = struct.Struct("<5s16s16sQI")  # magic, layout key, block hash, payload bytes, crc32 of the payload
+
+
+class TierError(ValueError):
+    """A plan's tier work names a block, tier or slot this worker does not have."""
+
+
+def layout_key(fingerprint: str, weights: str, pool: KVPool, rank: int, tp: int, replica: int) -> bytes:
+    """What a block's bytes depend on besides its tokens: the model (config and weight files), the pool's
+    dtype, block size and this rank's slice of heads. Files of any other layout are never read."""
+    text = "|".join(map(str, (fingerprint, weights, pool.dtype, pool.block_size, pool.k[0].shape, rank, tp,
+                              replica, len(pool.k))))
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def weights_identity(model: str, load_format: str, seed: int) -> str:
+    """The model's weight files as they are on disk (name, size, modification time), or the dummy seed."""
+    if load_format == "dummy":
+        return f"dummy:{seed}"
+    path = Path(model)
+    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in (
+        ".safetensors", ".bin", ".gguf", ".pt"))
+    return ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files if p.exists())
+
+
+class BlockBytes:
+    """A pool block as one row of bytes: every layer's K, then every layer's V, then its token record."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.parts = [*pool.k, *pool.v]
+        self.part_bytes = pool.k[0][0].numel() * pool.k[0].element_size()
+        self.token_bytes = pool.tokens[0].numel() * pool.tokens.element_size()
+        self.size = len(self.parts) * self.part_bytes + self.token_bytes
+
+    def gather(self, blocks: list[int]) -> np.ndarray:
+        """uint8 [len(blocks), size] on the host."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.pool.tokens.device)
+        n = len(blocks)
+        rows = [t[idx].reshape(n, -1).view(torch.uint8) for t in self.parts]
+        rows.append(self.pool.tokens[idx].reshape(n, -1).view(torch.uint8))
+        return torch.cat(rows, dim=1).cpu().numpy()
+
+    def scatter(self, blocks: list[int], data: np.ndarray) -> None:
+        """Write rows of bytes (uint8 [len(blocks), size]) into these pool blocks."""
+        dev = self.pool.tokens.device
+        idx = torch.tensor(blocks, dtype=torch.long, device=dev)
+        src = torch.from_numpy(np.ascontiguousarray(data)).to(dev)
+        off = 0
+        for t in self.parts:
+            t[idx] = src[:, off:off + self.part_bytes].contiguous().view(t.dtype).view(len(blocks),
+                                                                                    *t.shape[1:])
+            off += self.part_bytes
+        self.pool.tokens[idx] = src[:, off:].contiguous().view(torch.int32)
+
+
+class HostTier:
+    """Slots of block bytes in host memory, each with the hash and checksum of what it holds."""
+
+    def __init__(self, slots: int, size: int, pin: bool) -> None:
+        self.data = torch.empty((slots, size), dtype=torch.uint8, pin_memory=pin).numpy()
+        self.hashes: list[bytes | None] = [None] * slots
+        self.crcs = [0] * slots
+
+    def store(self, slot: int, h: bytes, row: np.ndarray) -> None:
+        self.data[slot] = row
+        self.hashes[slot], self.crcs[slot] = h, zlib.crc32(row)
+
+    def load(self, slot: int, h: bytes) -> np.ndarray | None:
+        row = self.data[slot]
+        if self.hashes[slot] != h or zlib.crc32(row) != self.crcs[slot]:
+            return None
+        return row
+
+
+class DiskTier:
+    """One file a block under folder/<layout key>/, written atomically on a thread (a copy taken first)."""
+
+    def __init__(self, folder: str, key: bytes, size: int, capacity: int) -> None:
+        self.dir = Path(folder) / key.hex()
+        self.key, self.size, self.capacity = key, size, capacity
+        self.dir.mkdir(parents=True, exist_ok=True)
+        probe = self.dir / ".probe"
+        probe.write_bytes(b"")  # a folder that cannot be written is refused at start (OSError)
+        probe.unlink()
+        for tmp in self.dir.glob("*.tmp"):  # a write cut short by a crash
+            tmp.unlink(missing_ok=True)
+        self._pending: dict[bytes, np.ndarray] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._warned: set[str] = set()
+        self._thread = threading.Thread(target=self._writer, name="kv-disk-writer", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def file_bytes(size: int) -> int:
+        return HEADER.size + size
+
+    def held(self) -> list[bytes]:
+        """Block hashes with a file here, oldest first."""
+        files = []
+        for p in self.dir.glob("*.kv"):
+            try:
+                if len(p.stem) == 2 * HASH_BYTES:
+                    files.append((p.stat().st_mtime_ns, bytes.fromhex(p.stem)))
+            except (OSError, ValueError):
+                continue
+        return [h for _, h in sorted(files)]
+
+    def _path(self, h: bytes) -> Path:
+        return self.dir / f"{h.hex()}.kv"
+
+    def _warn_once(self, what: str, **fields) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(what, folder=str(self.dir), **fields)
+
+    def store(self, h: bytes, row: np.ndarray) -> None:
+        with self._lock:
+            self._pending[h] = row
+        self._queue.put(("store", h))
+
+    def drop(self, h: bytes) -> None:
+        self._queue.put(("drop", h))
+
+    def load(self, h: bytes) -> np.ndarray | None:
+        with self._lock:
+            row = self._pending.get(h)
+        if row is not None:
+            return row
+        try:
+            with open(self._path(h), "rb") as f:
+                blob = f.read(HEADER.size + self.size + 1)
+        except OSError as e:
+            self._warn_once("kv_disk_read_failed", error=str(e))
+            return None
+        if len(blob) != HEADER.size + self.size:
+            self._warn_once("kv_disk_block_truncated", bytes=len(blob))
+            return None
+        magic, key, stored, n, crc = HEADER.unpack_from(blob)
+        row = np.frombuffer(blob, dtype=np.uint8, offset=HEADER.size)
+        if (magic, key, stored, n) != (MAGIC, self.key, h, self.size) or zlib.crc32(row) != crc:
+            self._warn_once("kv_disk_block_corrupt", hash=h.hex())
+            return None
+        return row
+
+    def flush(self) -> None:
+        """Wait until every write and drop asked so far is done."""
+        self._queue.join()
+
+    def _writer(self) -> None:
+        while True:
+            op, h = self._queue.get()
+            try:
+                if op == "store":
+                    self._write(h)
+                else:
+                    self._path(h).unlink(missing_ok=True)
+            except OSError as e:
+                self._warn_once(f"kv_disk_{op}_failed", error=str(e))
+            finally:
+                self._queue.task_done()
+
+    def _write(self, h: bytes) -> None:
+        with self._lock:
+            row = self._pending.get(h)
+        if row is None:
+            return
+        tmp = self.dir / f"{h.hex()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(HEADER.pack(MAGIC, self.key, h, self.size, zlib.crc32(row)))
+                f.write(memoryview(row))
+            os.replace(tmp, self._path(h))
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            with self._lock:
+                if self._pending.get(h) is row:
+                    del self._pending[h]
+
+
+class KvTierStore:
+    """This rank's tiers and the plan's work on them."""
+
+    def __init__(self, pool: KVPool, host_blocks: int, disk: DiskTier | None) -> None:
+        self.bytes = BlockBytes(pool)
+        self.pool = pool
+        pin = pool.tokens.device.type == "cuda"
+        self.host = HostTier(host_blocks, self.bytes.size, pin) if host_blocks else None
+        self.disk = disk
+
+    @property
+    def host_blocks(self) -> int:
+        return len(self.host.hashes) if self.host is not None else 0
+
+    def describe(self, handshake) -> None:
+        """Say this rank's tiers in its handshake: their sizes, and the blocks on disk now."""
+        handshake.host_tier_blocks = self.host_blocks
+        if self.disk is not None:
+            handshake.disk_tier_blocks = self.disk.capacity
+            handshake.disk_tier_hashes = b"".join(self.disk.held())
+
+    def check(self, ops: TierOps, num_blocks: int) -> None:
+        """Raises TierError where the work names a block, tier or slot this rank does not have."""
+        for rows in (ops.stores, ops.loads):
+            if len(rows) and ((rows[:, 0] < 0).any() or (rows[:, 0] >= num_blocks).any()):
+                raise TierError("a KV-tier row names a block outside the pool")
+            for tier, slot in rows[:, 1:].tolist():
+                if tier == TIER_HOST and (self.host is None or not 0 <= slot < self.host_blocks):
+                    raise TierError(f"host slot {slot} is not one of this worker's {self.host_blocks}")
+                if tier == TIER_DISK and self.disk is None:
+                    raise TierError("the plan writes to a disk tier this worker does not have")
+                if tier not in (TIER_HOST, TIER_DISK):
+                    raise TierError(f"unknown KV tier {tier}")
+        if ops.drops and self.disk is None:
+            raise TierError("the plan drops disk blocks this worker does not have")
+
+    def run(self, ops: TierOps) -> tuple[np.ndarray, float]:
+        """Stores, loads, drops; -> (indices of the loads that failed, seconds)."""
+        t0 = time.perf_counter()
+        n = len(ops.stores)
+        if n:
+            rows = self.bytes.gather(ops.stores[:, 0].tolist())
+            for i, (tier, slot) in enumerate(ops.stores[:, 1:].tolist()):
+                if tier == TIER_HOST:
+                    self.host.store(slot, ops.hashes[i], rows[i])
+                else:
+                    self.disk.store(ops.hashes[i], rows[i].copy())
+        failed, good, data = [], [], []
+        for j, (block, tier, slot) in enumerate(ops.loads.tolist()):
+            h = ops.hashes[n + j]
+            row = self.host.load(slot, h) if tier == TIER_HOST else self.disk.load(h)
+            if row is None:
+                failed.append(j)
+            else:
+                good.append(block)
+                data.append(row)
+        if good:
+            self.bytes.scatter(good, np.stack(data))
+        for h in ops.drops:
+            self.disk.drop(h)
+        return np.asarray(failed, dtype=np.int32), time.perf_counter() - t0
+
+
+def check_tiers(store: KvTierStore | None, ops: TierOps, num_blocks: int) -> None:
+    """Raises TierError where a plan's tier work cannot run on this rank (it has no tiers, or not these)."""
+    if store is None:
+        raise TierError("the plan moves KV-tier blocks; this worker has no tiers (--kv-offload-size, "
+                        "--kv-offload-dir)")
+    store.check(ops, num_blocks)
