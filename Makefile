@@ -26,7 +26,7 @@ PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wir
 # `make` alone lists the targets.
 .DEFAULT_GOAL := help
 
-.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-lora bench-moe gpu-compile-report plot-kv clean
+.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-lora bench-kv-tiers bench-moe gpu-compile-report plot-kv clean
 
 help:  ## list the targets, one line each
 	@awk -F ':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  make %-20s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -162,6 +162,9 @@ bench-cpu-peers: setup  ## against llama.cpp and vLLM's CPU build
 bench-lora: setup  ## LoRA adapters against the base model
 	$(PIP) install --quiet sentencepiece  # llama.cpp's converter imports it, where the 1B file is made
 	$(PY) -m deploy.bench.lora --tokenizer-from $(MODEL_DIR) $(ARGS)
+
+bench-kv-tiers: setup  ## multi-turn chats over a pool a quarter of their size: tiers off, host, disk, after a restart, llama.cpp
+	$(PY) -m deploy.bench.kv_tiers $(ARGS)
 
 bench-budget: setup  ## one stream's per-token budget on a CPU
 	$(PY) -m deploy.bench.budget --model $(or $(MODEL),$(MODEL_DIR)) $(ARGS)

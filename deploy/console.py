@@ -108,6 +108,14 @@ def summary_table(s, gen_rate: float | None = None, prompt_rate: float | None = 
               f"{hit_rate(s)} of {s.prefix_cache_queries:,} tokens")
     t.add_row("free", f"{s.num_free_blocks:,}", "preemptions", f"{s.num_preemptions:,}")
     t.add_row("running", f"{s.num_running:,}", "waiting", f"{s.num_waiting:,}")
+    for name in ("host", "disk"):  # the KV tiers under the pool, where there are
+        if cap := getattr(s, f"{name}_tier_capacity"):
+            held = getattr(s, f"{name}_tier_blocks")
+            t.add_row(f"{name} tier", f"{held:,} / {cap:,} ({human_bytes(held * s.bytes_per_block)})",
+                      "loaded / stored", f"{getattr(s, f'{name}_tier_loaded'):,} / "
+                      f"{getattr(s, f'{name}_tier_stored'):,} blocks")
+    if s.kv_load_failures:
+        t.add_row("", "", "failed loads", f"{s.kv_load_failures:,} (computed instead)")
     if gen_rate is not None:
         t.add_row("tokens/s", f"{gen_rate:,.1f}", "prompt tokens/s", f"{prompt_rate:,.1f}")
     else:

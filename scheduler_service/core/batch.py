@@ -90,3 +90,4 @@ class StepUpdate:
     num_running: int = 0
     num_waiting: int = 0
     num_free_blocks: int = 0
+    kv_tiers: dict | None = None  # the KV tiers' figures after it (core/kv_tiers.py KvTiers.stats)

@@ -240,10 +240,11 @@ class KVCacheManager:
         return events
 
     def cached_blocks(self, hashes: list[bytes]) -> int:
-        """Leading blocks of a prompt (its chained block hashes) the prefix cache holds; no LRU touch."""
+        """Leading blocks of a prompt (its chained block hashes) the prefix cache or a tier under it holds
+        (where routing sends a prompt); no LRU touch."""
         n = 0
         for h in hashes:
-            if self.allocator.lookup(h) is None:
+            if self.allocator.lookup(h) is None and (self.tiers is None or not self.tiers.holds(h)):
                 break
             n += 1
         return n

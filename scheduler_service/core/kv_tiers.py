@@ -158,6 +158,9 @@ class KvTiers:
         self._waiting_on[seq_id] = step
         return True
 
+    def holds(self, h: bytes) -> bool:
+        return (self.host is not None and h in self.host) or (self.disk is not None and h in self.disk)
+
     def find(self, hashes: list[bytes]) -> list[tuple[bytes, int, int]]:
         """The leading run of these hashes held below the pool: (hash, tier, host slot or -1), the host
         tier's copy where both hold one."""

@@ -80,6 +80,26 @@ class Metrics:
                                         "step ran", rep, registry=r)
         self.step = Histogram("pagedserve_step_seconds", "Engine step, plan to result", rep, registry=r,
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+        self._add_tier_series(r)
+
+    def _add_tier_series(self, r: CollectorRegistry) -> None:
+        """The KV tiers' series, by replica and tier (host, disk)."""
+        rep = ["replica"]
+        tier = ["replica", "tier"]
+        self.tier_blocks = Gauge("pagedserve_kv_tier_blocks", "KV blocks a tier under the pool holds", tier,
+                                 registry=r)
+        self.tier_capacity = Gauge("pagedserve_kv_tier_capacity_blocks", "KV blocks a tier holds at most",
+                                   tier, registry=r)
+        self.tier_loaded = Counter("pagedserve_kv_tier_loaded_blocks", "KV blocks read back into the pool",
+                                   tier, registry=r)
+        self.tier_stored = Counter("pagedserve_kv_tier_stored_blocks", "KV blocks written down to a tier",
+                                   tier, registry=r)
+        self.tier_failures = Counter("pagedserve_kv_tier_load_failures",
+                                     "KV-tier loads that failed their check (computed instead)", rep,
+                                     registry=r)
+        self.tier_seconds = Counter("pagedserve_kv_tier_seconds", "Workers' seconds storing and loading tier "
+                                    "blocks", rep, registry=r)
+        self._tiers_seen: dict[str, dict] = {}  # each replica's last figures (counters move by differences)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve /metrics; returns the port bound (any free one for port 0)."""
@@ -106,6 +126,25 @@ class Metrics:
         self.kv_usage.labels(label).set(used / total_blocks if total_blocks else 0.0)
         adapters = {item.seq.request.lora.id for item in out.scheduled if item.seq.request.lora is not None}
         self.lora_step_adapters.labels(label).set(len(adapters))
+        if u.kv_tiers is not None:
+            self._on_tiers(label, u.kv_tiers)
+
+    def _on_tiers(self, label: str, now: dict) -> None:
+        """The KV tiers' figures after a step: gauges set, counters moved by what changed since the last
+        (from zero again when a replica's workers were replaced)."""
+        last = self._tiers_seen.get(label, {})
+        self._tiers_seen[label] = now
+
+        def grew(key: str) -> float:
+            return now[key] - last.get(key, 0) if now[key] >= last.get(key, 0) else now[key]
+
+        for name in ("host", "disk"):
+            self.tier_blocks.labels(label, name).set(now[f"{name}_tier_blocks"])
+            self.tier_capacity.labels(label, name).set(now[f"{name}_tier_capacity"])
+            self.tier_loaded.labels(label, name).inc(grew(f"{name}_tier_loaded"))
+            self.tier_stored.labels(label, name).inc(grew(f"{name}_tier_stored"))
+        self.tier_failures.labels(label).inc(grew("kv_load_failures"))
+        self.tier_seconds.labels(label).inc(grew("kv_tier_seconds"))
 
     def on_token_gap(self, replica: int, seconds: float) -> None:
         self.itl.labels(str(replica)).observe(seconds)

@@ -161,6 +161,7 @@ class StepLoop:
         """Forget every cached prefix: how many blocks, and the prefix cache's events that says so."""
         if self._sched is None:
             return 0, []
+        self.wake()  # the tiers' deletes go in the next step, even on an idle replica
         return self._sched.kv.reset_prefix_cache(), self._sched.kv.take_kv_events()
 
     # --- lifecycle -------------------------------------------------------------------------------

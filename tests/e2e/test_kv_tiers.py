@@ -1,30 +1,37 @@
 """KV tiers through real servers: greedy answers identical with tiers off, a host tier and a disk tier while a
-small pool evicts every document; the disk tier read back after a restart (cached tokens in usage), never by
-another model; corrupt and truncated files computed instead; the disk within its size; a folder that cannot
-be written refused at start in one line; TP=2 with each rank's share on disk."""
+small pool evicts every document; the disk tier read back after a restart and after a worker is killed
+(cached tokens in usage), never by another model; returning turns all at once under preemption; corrupt and
+truncated files computed instead; the disk within its size; a folder that cannot be written refused at start
+in one line; TP=2 with each rank's share on disk."""
 
+import os
 import random
+import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from protos import generation_pb2
 from tests.support.server import greedy_request
-from worker.model.kv_tiers import HEADER
-from tests.support.serving import assert_all_blocks_back
+from tests.support.serving import assert_all_blocks_back, wait_health
 from tests.support.tiny import make_tiny_llama
+from worker.model.kv_tiers import HEADER
 
 pytestmark = pytest.mark.slow
 
-SMALL = ("--block-size", "4", "--num-blocks", "48", "--max-model-len", "160", "--max-num-batched-tokens", "64")
+SMALL = ("--block-size", "4", "--num-blocks", "48", "--max-model-len", "160",
+         "--max-num-batched-tokens", "64")
 
 
 def chats(seed=0, docs=5, turns=2):
     """Turn by turn, each document (60 tokens, more than the pool holds beside the others) with a new tail."""
     rng = random.Random(seed)
     texts = [[rng.randrange(3, 380) for _ in range(60)] for _ in range(docs)]
-    return [[doc + [rng.randrange(3, 380) for _ in range(3 * (t + 1))] for doc in texts] for t in range(turns)]
+    return [[doc + [rng.randrange(3, 380) for _ in range(3 * (t + 1))] for doc in texts]
+            for t in range(turns)]
 
 
 def run(server, prompts, max_tokens=6):
@@ -37,8 +44,12 @@ def run(server, prompts, max_tokens=6):
 
 
 @pytest.fixture(scope="module")
-def reference(server_factory, tiny_model_dir):
-    off = server_factory(tiny_model_dir, *SMALL)
+def off(server_factory, tiny_model_dir):
+    return server_factory(tiny_model_dir, *SMALL)
+
+
+@pytest.fixture(scope="module")
+def reference(off):
     return {t: run(off, prompts) for t, prompts in enumerate(chats())}
 
 
@@ -126,3 +137,35 @@ def test_tensor_parallel_ranks_write_and_read_their_own_shares(server_factory, t
     assert len({p.parent for p in files(folder)}) == 2  # one folder a rank
     assert tp.stats().disk_tier_loaded > 0
     assert isinstance(tp.stats(), generation_pb2.CacheStats)
+
+
+def test_a_killed_worker_reads_the_documents_back_from_disk_and_turns_at_once_preempt(server_factory,
+                                                                                     tiny_model_dir, off,
+                                                                                     reference, tmp_path):
+    # the smallest pool a full context fits: two answers at once outgrow it
+    server = server_factory(tiny_model_dir, *SMALL, "--num-blocks", "40", "--kv-offload-size", "4MiB",
+                            "--kv-offload-dir", str(tmp_path / "kv"))
+    assert [g for g, _ in run(server, chats()[0])] == [g for g, _ in reference[0]]
+    (first,) = server.stats().replicas[0].worker_pids
+    os.kill(first, signal.SIGKILL)  # its pool and host tier are gone; the disk is not
+    deadline = time.monotonic() + 60
+    while server.stats().replicas[0].worker_pids in ([], [first]):
+        assert time.monotonic() < deadline, "the worker was not replaced"
+        time.sleep(0.05)
+    wait_health(server, True, 60)
+    turn = chats()[1]
+    want = [g for g, _ in run(off, turn, 30)]  # long enough that two answers outgrow the pool
+    with server.queued_in_order(len(turn)) as delays, ThreadPoolExecutor(len(turn)) as pool:
+        def one(i):
+            time.sleep(delays[i])
+            resp = server.stub.Generate(greedy_request(turn[i], 30), timeout=120)
+            return list(resp.choices[0].token_ids), resp.usage.cached_prompt_tokens
+        got = list(pool.map(one, range(len(turn))))
+    assert [g for g, _ in got] == want
+    stats = server.stats()
+    assert stats.disk_tier_loaded >= 3 * 14 and sum(c >= 56 for _, c in got) >= 3, got
+    assert stats.num_preemptions > 0  # five documents do not fit the pool at once
+    assert_all_blocks_back(server)
+    table = subprocess.run([sys.executable, "-m", "deploy.cli", "stats", "--server", server.address],
+                           capture_output=True, text=True, timeout=60).stdout
+    assert "host tier" in table and "disk tier" in table, table

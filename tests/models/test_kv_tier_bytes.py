@@ -108,3 +108,23 @@ def test_a_folder_that_cannot_be_written_is_refused(tmp_path):
     blocker.write_text("")
     with pytest.raises(OSError):
         DiskTier(str(blocker / "kv"), layout_key("fp", "w", pool, 0, 1, 0), 10, 10)
+
+
+def test_writes_that_fail_are_later_misses_never_an_error(tmp_path):
+    # the folder turns into a file under the worker: every write fails as on a full or vanished disk
+    pool = pool_of(torch.float32)
+    disk = DiskTier(str(tmp_path), layout_key("fp", "w", pool, 0, 1, 0), BlockBytes(pool).size, 10)
+    store = KvTierStore(pool, 0, disk)
+    for p in disk.dir.iterdir():
+        p.unlink()
+    disk.dir.rmdir()
+    disk.dir.write_text("not a folder")
+    store.run(ops(stores=[(0, TIER_DISK, -1), (1, TIER_DISK, -1)], hashes=[H[0], H[1]]))
+    disk.flush()
+    failed, _ = store.run(ops(loads=[(4, TIER_DISK, -1), (5, TIER_DISK, -1)], hashes=[H[0], H[1]]))
+    assert failed.tolist() == [0, 1]
+    disk.dir.unlink()  # the folder is back: the writer goes on
+    disk.dir.mkdir()
+    store.run(ops(stores=[(2, TIER_DISK, -1)], hashes=[H[2]]))
+    disk.flush()
+    assert store.run(ops(loads=[(5, TIER_DISK, -1)], hashes=[H[2]]))[0].tolist() == []

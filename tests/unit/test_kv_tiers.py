@@ -186,3 +186,31 @@ def test_loading_waits_where_computing_is_cheaper():
     found = [(b"x" * 16, TIER_DISK, -1)] * 4
     t.seconds_per_token = 1.0
     assert t.worth_loading(found, "r")
+
+
+def test_prometheus_counts_the_tiers_by_difference_and_from_zero_after_a_replaced_worker():
+    from scheduler_service.core.batch import SchedulerOutput, StepUpdate
+    from scheduler_service.runtime.metrics import Metrics
+    from scheduler_service.runtime.step_results import StepReport
+
+    m = Metrics()
+    t = tiers(host=8, disk=20)
+
+    def report():
+        return StepReport(SchedulerOutput(1), StepUpdate(kv_tiers=t.stats()), [], [], 0.01)
+
+    def value(name, **labels):
+        return m.registry.get_sample_value(name, {"replica": "0", **labels})
+
+    t.loaded[TIER_HOST], t.stored[TIER_DISK] = 3, 5
+    m.on_step(0, report(), 16)
+    t.loaded[TIER_HOST], t.load_failures = 7, 2
+    m.on_step(0, report(), 16)
+    assert value("pagedserve_kv_tier_loaded_blocks_total", tier="host") == 7
+    assert value("pagedserve_kv_tier_stored_blocks_total", tier="disk") == 5
+    assert value("pagedserve_kv_tier_load_failures_total") == 2
+    assert value("pagedserve_kv_tier_capacity_blocks", tier="disk") == 20
+    t = tiers(host=8, disk=20)  # a new group: its counts start again
+    t.loaded[TIER_HOST] = 1
+    m.on_step(0, report(), 16)
+    assert value("pagedserve_kv_tier_loaded_blocks_total", tier="host") == 8
