@@ -45,7 +45,23 @@ def run(server, prompts, max_tokens=6):
 
 @pytest.fixture(scope="module")
 def off(server_factory, tiny_model_dir):
-    return server_factory(tiny_model_dir, *SMALL)
+    server = server_factory(tiny_model_dir, *SMALL)
+    yield server
+    server.stop()  # (not at the session's end: the suite's other servers need the memory)
+
+
+@pytest.fixture
+def serve(server_factory):
+    """server_factory's servers, stopped when the test ends."""
+    started = []
+
+    def start(*args):
+        started.append(server_factory(*args))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +73,10 @@ def files(folder):
     return sorted(p for p in folder.rglob("*.kv"))
 
 
-def test_host_and_disk_tiers_give_the_same_answers_and_serve_returning_turns(server_factory, tiny_model_dir,
+def test_host_and_disk_tiers_give_the_same_answers_and_serve_returning_turns(serve, tiny_model_dir,
                                                                            reference, tmp_path):
-    host = server_factory(tiny_model_dir, *SMALL, "--kv-offload-size", "4MiB")
-    disk = server_factory(tiny_model_dir, *SMALL, "--kv-offload-dir", str(tmp_path / "kv"))
+    host = serve(tiny_model_dir, *SMALL, "--kv-offload-size", "4MiB")
+    disk = serve(tiny_model_dir, *SMALL, "--kv-offload-dir", str(tmp_path / "kv"))
     for server in (host, disk):
         for t, prompts in enumerate(chats()):
             got = run(server, prompts)
@@ -75,10 +91,10 @@ def test_host_and_disk_tiers_give_the_same_answers_and_serve_returning_turns(ser
     assert host.stats().host_tier_capacity > 0 and disk.stats().disk_tier_blocks == len(files(tmp_path))
 
 
-def test_the_disk_tier_survives_a_restart_and_faults_are_misses(server_factory, tiny_model_dir, reference,
+def test_the_disk_tier_survives_a_restart_and_faults_are_misses(serve, tiny_model_dir, reference,
                                                                  tmp_path):
     folder = tmp_path / "kv"
-    first = server_factory(tiny_model_dir, *SMALL, "--kv-offload-dir", str(folder))
+    first = serve(tiny_model_dir, *SMALL, "--kv-offload-dir", str(folder))
     assert [g for g, _ in run(first, chats()[0])] == [g for g, _ in reference[0]]
     first.stop()
     written = files(folder)
@@ -90,7 +106,7 @@ def test_the_disk_tier_survives_a_restart_and_faults_are_misses(server_factory, 
         f.write(bytes([b[0] ^ 0xFF]))
     with open(written[1], "r+b") as f:  # a file cut short
         f.truncate(100)
-    again = server_factory(tiny_model_dir, *SMALL, "--kv-offload-dir", str(folder))
+    again = serve(tiny_model_dir, *SMALL, "--kv-offload-dir", str(folder))
     got = run(again, chats()[1])
     assert [g for g, _ in got] == [g for g, _ in reference[1]]
     assert sum(cached >= 56 for _, cached in got) >= 3, got  # read back after the restart
@@ -98,14 +114,14 @@ def test_the_disk_tier_survives_a_restart_and_faults_are_misses(server_factory, 
     assert_all_blocks_back(again)
     # another model on the same folder reads none of it
     other = make_tiny_llama(tmp_path / "other", seed=11)
-    changed = server_factory(other, *SMALL, "--kv-offload-dir", str(folder))
+    changed = serve(other, *SMALL, "--kv-offload-dir", str(folder))
     got = run(changed, chats()[1][:2])
     assert all(cached == 0 for _, cached in got) and changed.stats().disk_tier_loaded == 0
 
 
-def test_the_disk_tier_stays_within_its_size(server_factory, tiny_model_dir, reference, tmp_path):
+def test_the_disk_tier_stays_within_its_size(serve, tiny_model_dir, reference, tmp_path):
     folder = tmp_path / "kv"
-    small = server_factory(tiny_model_dir, *SMALL, "--kv-offload-dir", str(folder),
+    small = serve(tiny_model_dir, *SMALL, "--kv-offload-dir", str(folder),
                            "--kv-offload-disk-size", "40KB")
     for t, prompts in enumerate(chats()):
         assert [g for g, _ in run(small, prompts)] == [g for g, _ in reference[t]]
@@ -127,10 +143,10 @@ def test_a_folder_that_cannot_be_written_is_refused_in_one_line(tiny_model_dir, 
     assert "Traceback" not in proc.stderr
 
 
-def test_tensor_parallel_ranks_write_and_read_their_own_shares(server_factory, tiny_model_dir, reference,
+def test_tensor_parallel_ranks_write_and_read_their_own_shares(serve, tiny_model_dir, reference,
                                                                tmp_path):
     folder = tmp_path / "kv"
-    tp = server_factory(tiny_model_dir, *SMALL, "--tp", "2", "--kv-offload-dir", str(folder))
+    tp = serve(tiny_model_dir, *SMALL, "--tp", "2", "--kv-offload-dir", str(folder))
     for t, prompts in enumerate(chats()):
         got = run(tp, prompts)
         assert [g for g, _ in got] == [g for g, _ in reference[t]]
@@ -139,11 +155,11 @@ def test_tensor_parallel_ranks_write_and_read_their_own_shares(server_factory, t
     assert isinstance(tp.stats(), generation_pb2.CacheStats)
 
 
-def test_a_killed_worker_reads_the_documents_back_from_disk_and_turns_at_once_preempt(server_factory,
+def test_a_killed_worker_reads_the_documents_back_from_disk_and_turns_at_once_preempt(serve,
                                                                                      tiny_model_dir, off,
                                                                                      reference, tmp_path):
     # the smallest pool a full context fits: two answers at once outgrow it
-    server = server_factory(tiny_model_dir, *SMALL, "--num-blocks", "40", "--kv-offload-size", "4MiB",
+    server = serve(tiny_model_dir, *SMALL, "--num-blocks", "40", "--kv-offload-size", "4MiB",
                             "--kv-offload-dir", str(tmp_path / "kv"))
     assert [g for g, _ in run(server, chats()[0])] == [g for g, _ in reference[0]]
     (first,) = server.stats().replicas[0].worker_pids

@@ -221,6 +221,11 @@ class KvTierStore:
     def host_blocks(self) -> int:
         return len(self.host.hashes) if self.host is not None else 0
 
+    def flush(self) -> None:
+        """Wait for the disk tier's writes and deletes asked for so far."""
+        if self.disk is not None:
+            self.disk.flush()
+
     def describe(self, handshake) -> None:
         """Say this rank's tiers in its handshake: their sizes, and the blocks on disk now."""
         handshake.host_tier_blocks = self.host_blocks

@@ -234,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         import signal
 
         signal.signal(signal.SIGTERM, lambda *_: server.request_stop(cfg.stop_timeout))
-    return server.serve()
+    code = server.serve()
+    if runner.tiers is not None:  # the disk tier's writes asked for so far reach their files before exit
+        runner.tiers.flush()
+    return code
 
 
 if __name__ == "__main__":
