@@ -36,7 +36,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server_factory(tmp_path_factory):
-    """Start servers on the tiny model; all are stopped at the end of the session."""
+    """Start servers on the tiny model; each is stopped at the end of the module that started it."""
     started = []
 
     def start(model_dir, *args):
@@ -60,9 +60,21 @@ def server_factory(tmp_path_factory):
         started.append(server)
         return server
 
+    start.started = started
     yield start
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def servers_stop_with_their_module(server_factory):
+    """The servers a test module started are stopped when it ends: dozens held to the session's end (a few
+    hundred MB each) would take the memory later modules' servers check for at start."""
+    first = len(server_factory.started)
+    yield
+    for server in server_factory.started[first:]:
+        server.stop()
+    del server_factory.started[first:]
 
 
 @pytest.fixture(scope="session")
