@@ -301,32 +301,40 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
 #else
 #if defined(PACKED_AVX2)
-    if (ptype == PACKED_Q4) { /* a row at a time, each half of the 16 rows in 8 lanes */
+    if (ptype == PACKED_Q4) { /* a row at a time, both halves of the 16 rows (8 lanes each) in one pass */
         const __m256i nib = _mm256_set1_epi8(0x0f);
-        for (int r = 0; r < nr; r++)
-            for (int hf = 0; hf < 2; hf++) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t b = 0; b < nblocks; b++) {
-                    const PackedQ4Block *p4 = (const PackedQ4Block *)(grp + b * pb);
-                    __m256i ilo = _mm256_setzero_si256(), ihi = _mm256_setzero_si256();
-                    for (int k = 0; k < 4; k++) {
+        for (int r = 0; r < nr; r++) {
+            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t b = 0; b < nblocks; b++) {
+                const PackedQ4Block *p4 = (const PackedQ4Block *)(grp + b * pb);
+                if (r == 0)
+                    for (int c = 0; c < pb; c += 64) __builtin_prefetch((const uint8_t *)p4 + 4096 + c, 0, 3);
+                __m256i ilo[2], ihi[2];
+                for (int hf = 0; hf < 2; hf++) ilo[hf] = ihi[hf] = _mm256_setzero_si256();
+                for (int k = 0; k < 4; k++) {
+                    const int64_t at = r * in_dim + b * QK + 4 * k;
+                    int32_t l0, l1, h0, h1;
+                    x_words(x, at, &l0, &l1, &h0, &h1);
+                    for (int hf = 0; hf < 2; hf++) {
                         const __m256i raw = _mm256_loadu_si256((const __m256i *)(p4->nib.q[k] + 32 * hf));
                         const __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-                        const int64_t at = r * in_dim + b * QK + 4 * k;
-                        int32_t l0, l1, h0, h1;
-                        x_words(x, at, &l0, &l1, &h0, &h1);
-                        if (!x8) ilo = avx2_dot(avx2_dot(ilo, _mm256_set1_epi32(l0), wl), _mm256_set1_epi32(l1), wh);
-                        ihi = avx2_dot(avx2_dot(ihi, wl, _mm256_set1_epi32(h0)), wh, _mm256_set1_epi32(h1));
+                        if (!x8)
+                            ilo[hf] = avx2_dot(avx2_dot(ilo[hf], _mm256_set1_epi32(l0), wl), _mm256_set1_epi32(l1), wh);
+                        ihi[hf] = avx2_dot(avx2_dot(ihi[hf], wl, _mm256_set1_epi32(h0)), wh, _mm256_set1_epi32(h1));
                     }
-                    const int64_t xb = r * (in_dim / QK) + b;
+                }
+                const int64_t xb = r * (in_dim / QK) + b;
+                for (int hf = 0; hf < 2; hf++) {
                     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->d + 8 * hf)));
                     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->m + 8 * hf)));
-                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ihi, 8), ilo));
-                    acc = _mm256_fmadd_ps(_mm256_mul_ps(dot, _mm256_set1_ps(x.d[xb])), d, acc);
-                    acc = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[xb]), acc);
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ihi[hf], 8), ilo[hf]));
+                    acc[hf] = _mm256_fmadd_ps(_mm256_mul_ps(dot, _mm256_set1_ps(x.d[xb])), d, acc[hf]);
+                    acc[hf] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[xb]), acc[hf]);
                 }
-                _mm256_storeu_ps(out + r * 16 + 8 * hf, acc);
             }
+            _mm256_storeu_ps(out + r * 16, acc[0]);
+            _mm256_storeu_ps(out + r * 16 + 8, acc[1]);
+        }
         return;
     }
 #endif
@@ -551,23 +559,28 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
     }
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
 #elif defined(PACKED_AVX2)
-    /* a row at a time, each half of the 16 rows in 8 lanes (the group's weights stay in cache between them) */
+    /* a row at a time, both halves of the 16 rows (8 lanes each) in one pass over the group, which streams
+       the weights once; the next sub-blocks asked for ahead, as on AVX-512 */
     const __m256i nib = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    for (int r = 0; r < nr; r++)
-        for (int hf = 0; hf < 2; hf++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t s = 0; s < nblocks / 8; s++) {
-                const uint8_t *head = grp + s * supb;
-                const __m256 d = _mm256_loadu_ps(((const PackedKHead *)head)->d + 8 * hf);
-                const __m256 dmin =
-                    ptype != PACKED_Q6K ? _mm256_loadu_ps(((const PackedKHead *)head)->dmin + 8 * hf) : _mm256_setzero_ps();
-                for (int sb = 0; sb < 8; sb++) {
-                    const int64_t b = s * 8 + sb;
-                    const uint8_t *sub = packed_k_sub_at(ptype, head, sb);
-                    const PackedQ5KSub *s5 = (const PackedQ5KSub *)sub;
-                    const PackedQ6KSub *s6 = (const PackedQ6KSub *)sub;
-                    __m256i la = _mm256_setzero_si256(), ha = la, lb = la, hb = la;
-                    for (int k = 0; k < 4; k++) {
+    const int subb = packed_k_sub_bytes(ptype);
+    for (int r = 0; r < nr; r++) {
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t s = 0; s < nblocks / 8; s++) {
+            const uint8_t *head = grp + s * supb;
+            for (int sb = 0; sb < 8; sb++) {
+                const int64_t b = s * 8 + sb;
+                const uint8_t *sub = packed_k_sub_at(ptype, head, sb);
+                const PackedQ5KSub *s5 = (const PackedQ5KSub *)sub;
+                const PackedQ6KSub *s6 = (const PackedQ6KSub *)sub;
+                if (r == 0)
+                    for (int c = 0; c < subb; c += 64) __builtin_prefetch(sub + 4096 + c, 0, 3);
+                __m256i la[2], ha[2], lb[2], hb[2];
+                for (int hf = 0; hf < 2; hf++) la[hf] = ha[hf] = lb[hf] = hb[hf] = _mm256_setzero_si256();
+                for (int k = 0; k < 4; k++) {
+                    const int64_t at = r * in_dim + b * QK + 4 * k;
+                    int32_t l0, l1, h0, h1;
+                    x_words(x, at, &l0, &l1, &h0, &h1);
+                    for (int hf = 0; hf < 2; hf++) {
                         const __m256i raw = _mm256_loadu_si256((const __m256i *)(((const PackedNibbles *)sub)->q[k] + 32 * hf));
                         __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
                         if (ptype == PACKED_Q6K) {
@@ -580,43 +593,46 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
                             wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
                             wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
                         }
-                        const int64_t at = r * in_dim + b * QK + 4 * k;
-                        int32_t l0, l1, h0, h1;
-                        x_words(x, at, &l0, &l1, &h0, &h1);
                         if (!x8) {
-                            la = avx2_dot(la, _mm256_set1_epi32(l0), wl);
-                            lb = avx2_dot(lb, _mm256_set1_epi32(l1), wh);
+                            la[hf] = avx2_dot(la[hf], _mm256_set1_epi32(l0), wl);
+                            lb[hf] = avx2_dot(lb[hf], _mm256_set1_epi32(l1), wh);
                         }
-                        ha = avx2_dot(ha, wl, _mm256_set1_epi32(h0));
-                        hb = avx2_dot(hb, wh, _mm256_set1_epi32(h1));
+                        ha[hf] = avx2_dot(ha[hf], wl, _mm256_set1_epi32(h0));
+                        hb[hf] = avx2_dot(hb[hf], wh, _mm256_set1_epi32(h1));
                     }
-                    const int64_t xb = r * xb0 + b;
-                    const __m256 dx = _mm256_set1_ps(x.d[xb]);
+                }
+                const int64_t xb = r * xb0 + b;
+                const __m256 dx = _mm256_set1_ps(x.d[xb]);
+                for (int hf = 0; hf < 2; hf++) {
+                    const __m256 d = _mm256_loadu_ps(((const PackedKHead *)head)->d + 8 * hf);
                     if (ptype != PACKED_Q6K) {
+                        const __m256 dmin = _mm256_loadu_ps(((const PackedKHead *)head)->dmin + 8 * hf);
                         const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                                                   _mm_loadl_epi64((const __m128i *)(packed_k_scales(ptype, sub) + 8 * hf)))));
                         const __m256 offset = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                                                      _mm_loadl_epi64((const __m128i *)(packed_k_mins(ptype, sub) + 8 * hf)))));
-                        const __m256i hs = _mm256_add_epi32(ha, hb), ls = _mm256_add_epi32(la, lb);
+                        const __m256i hs = _mm256_add_epi32(ha[hf], hb[hf]), ls = _mm256_add_epi32(la[hf], lb[hf]);
                         const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hs, 8), ls));
-                        acc = _mm256_fmadd_ps(_mm256_mul_ps(dot, dx), scale, acc);
-                        acc = _mm256_fnmadd_ps(offset, _mm256_set1_ps(x.sum[xb]), acc);
+                        acc[hf] = _mm256_fmadd_ps(_mm256_mul_ps(dot, dx), scale, acc[hf]);
+                        acc[hf] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(x.sum[xb]), acc[hf]);
                     } else {
                         const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                                                _mm_loadl_epi64((const __m128i *)(s6->sc[0] + 8 * hf)))));
                         const __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                                                _mm_loadl_epi64((const __m128i *)(s6->sc[1] + 8 * hf)))));
-                        const __m256 da = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ha, 8), la));
-                        const __m256 db = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hb, 8), lb));
-                        acc = _mm256_fmadd_ps(_mm256_mul_ps(da, dx), s0, acc);
-                        acc = _mm256_fmadd_ps(_mm256_mul_ps(db, dx), s1, acc);
-                        acc = _mm256_fnmadd_ps(s0, _mm256_set1_ps(32.0f * x.sumh[xb]), acc);
-                        acc = _mm256_fnmadd_ps(s1, _mm256_set1_ps(32.0f * (x.sum[xb] - x.sumh[xb])), acc);
+                        const __m256 da = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ha[hf], 8), la[hf]));
+                        const __m256 db = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hb[hf], 8), lb[hf]));
+                        acc[hf] = _mm256_fmadd_ps(_mm256_mul_ps(da, dx), s0, acc[hf]);
+                        acc[hf] = _mm256_fmadd_ps(_mm256_mul_ps(db, dx), s1, acc[hf]);
+                        acc[hf] = _mm256_fnmadd_ps(s0, _mm256_set1_ps(32.0f * x.sumh[xb]), acc[hf]);
+                        acc[hf] = _mm256_fnmadd_ps(s1, _mm256_set1_ps(32.0f * (x.sum[xb] - x.sumh[xb])), acc[hf]);
                     }
                 }
             }
-            _mm256_storeu_ps(out + r * 16 + 8 * hf, acc);
         }
+        _mm256_storeu_ps(out + r * 16, acc[0]);
+        _mm256_storeu_ps(out + r * 16 + 8, acc[1]);
+    }
 #else
     /* the same integer sums and the same scaling, in plain loops (lo = 0 with x8) */
     (void)supb;
