@@ -480,6 +480,137 @@ static inline float packed_k_value(int ptype, const uint8_t *grp, int64_t b, int
     return scale[j >> 4] * (float)(u - 32);
 }
 
+#if defined(PACKED_AVX2)
+/* packed_k_group_dot_n on AVX2. Weight vector k of a sub-block's half hf (8 of the 16 rows, 4 values each) as
+   unsigned bytes: its first 16 values' in *wl, its last 16 values' in *wh. */
+static inline __attribute__((always_inline)) void avx2_k_weights(const int ptype, const uint8_t *sub, int k, int hf,
+                                                                  __m256i *wl, __m256i *wh) {
+    const __m256i nib = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(((const PackedNibbles *)sub)->q[k] + 32 * hf));
+    *wl = _mm256_and_si256(raw, nib);
+    *wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+    if (ptype == PACKED_Q6K) {
+        const __m256i h = _mm256_srli_epi16(
+            _mm256_loadu_si256((const __m256i *)(((const PackedQ6KSub *)sub)->qh[k >> 1] + 32 * hf)), 4 * (k & 1));
+        *wl = _mm256_or_si256(*wl, _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
+        *wh = _mm256_or_si256(*wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
+    } else if (ptype == PACKED_Q5K) {
+        const __m256i h = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(((const PackedQ5KSub *)sub)->qh + 32 * hf)), 2 * k);
+        *wl = _mm256_or_si256(*wl, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+        *wh = _mm256_or_si256(*wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+    }
+}
+
+/* acc + one activation row's sub-block b of half hf, scaled, from its integer sums: ha / hb the high bytes'
+   against the first / last 16 values (their sum alone where the type scales 32 values as one), la / lb the
+   low bytes' (zero with 8-bit activations). */
+static inline __attribute__((always_inline)) __m256 avx2_k_scaled(const int ptype, const uint8_t *head,
+                                                                   const uint8_t *sub, int hf, PackedX x, int64_t xb,
+                                                                   __m256i la, __m256i ha, __m256i lb, __m256i hb,
+                                                                   __m256 acc) {
+    const __m256 d = _mm256_loadu_ps(((const PackedKHead *)head)->d + 8 * hf), dx = _mm256_set1_ps(x.d[xb]);
+    if (ptype != PACKED_Q6K) {
+        const __m256 dmin = _mm256_loadu_ps(((const PackedKHead *)head)->dmin + 8 * hf);
+        const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                  _mm_loadl_epi64((const __m128i *)(packed_k_scales(ptype, sub) + 8 * hf)))));
+        const __m256 offset = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                     _mm_loadl_epi64((const __m128i *)(packed_k_mins(ptype, sub) + 8 * hf)))));
+        const __m256i hs = _mm256_add_epi32(ha, hb), ls = _mm256_add_epi32(la, lb);
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hs, 8), ls));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(dot, dx), scale, acc);
+        return _mm256_fnmadd_ps(offset, _mm256_set1_ps(x.sum[xb]), acc);
+    }
+    const PackedQ6KSub *s6 = (const PackedQ6KSub *)sub;
+    const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s6->sc[0] + 8 * hf)))));
+    const __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s6->sc[1] + 8 * hf)))));
+    const __m256 da = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ha, 8), la));
+    const __m256 db = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hb, 8), lb));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(da, dx), s0, acc);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(db, dx), s1, acc);
+    acc = _mm256_fnmadd_ps(s0, _mm256_set1_ps(32.0f * x.sumh[xb]), acc);
+    return _mm256_fnmadd_ps(s1, _mm256_set1_ps(32.0f * (x.sum[xb] - x.sumh[xb])), acc);
+}
+
+/* 16-bit activations, one row: both halves of the 16 rows in one pass over the group (it streams from
+   memory once; the next sub-blocks asked for ahead when `ahead`), the low and high bytes' sums each widened */
+static inline __attribute__((always_inline)) void avx2_k_row16(const int ptype, const uint8_t *grp, int64_t nblocks,
+                                                                PackedX x, int64_t in_dim, int ahead, float *out) {
+    const int64_t supb = 8 * pack_block_bytes(ptype);
+    const int subb = packed_k_sub_bytes(ptype);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *head = grp + b / 8 * supb, *sub = packed_k_sub_at(ptype, head, (int)(b % 8));
+        if (ahead)
+            for (int c = 0; c < subb; c += 64) __builtin_prefetch(sub + 4096 + c, 0, 3);
+        __m256i la[2], ha[2], lb[2], hb[2];
+        for (int hf = 0; hf < 2; hf++) la[hf] = ha[hf] = lb[hf] = hb[hf] = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            int32_t l0, l1, h0, h1;
+            x_words(x, b * QK + 4 * k, &l0, &l1, &h0, &h1);
+            for (int hf = 0; hf < 2; hf++) {
+                __m256i wl, wh;
+                avx2_k_weights(ptype, sub, k, hf, &wl, &wh);
+                la[hf] = avx2_dot(la[hf], _mm256_set1_epi32(l0), wl);
+                lb[hf] = avx2_dot(lb[hf], _mm256_set1_epi32(l1), wh);
+                ha[hf] = avx2_dot(ha[hf], wl, _mm256_set1_epi32(h0));
+                hb[hf] = avx2_dot(hb[hf], wh, _mm256_set1_epi32(h1));
+            }
+        }
+        for (int hf = 0; hf < 2; hf++) acc[hf] = avx2_k_scaled(ptype, head, sub, hf, x, b, la[hf], ha[hf], lb[hf], hb[hf], acc[hf]);
+    }
+    _mm256_storeu_ps(out, acc[0]);
+    _mm256_storeu_ps(out + 8, acc[1]);
+}
+
+/* 8-bit activations, nr rows at once: each weight vector unpacked once for all of them; a sub-block's two
+   halves in turn (the second from L1); each row's products summed in 16 bits two weight vectors at a time
+   before one widening: |a| <= 127, so a lane holds at most 8 x 127 x 31 (5-bit) or 4 x 127 x 63 (Q6_K's
+   halves apart), below 2^15 */
+static inline __attribute__((always_inline)) void avx2_k_rows8(const int ptype, const uint8_t *grp, int64_t nblocks,
+                                                                PackedX x, int64_t in_dim, const int nr, float *out) {
+    const int64_t supb = 8 * pack_block_bytes(ptype), xb0 = in_dim / QK;
+    const int subb = packed_k_sub_bytes(ptype);
+    const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+    __m256 acc[PACK_XROWS][2];
+    for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *head = grp + b / 8 * supb, *sub = packed_k_sub_at(ptype, head, (int)(b % 8));
+        for (int c = 0; c < subb; c += 64) __builtin_prefetch(sub + 4096 + c, 0, 3);
+        for (int hf = 0; hf < 2; hf++) {
+            __m256i ha[PACK_XROWS], hb[PACK_XROWS], ta[PACK_XROWS], tb[PACK_XROWS];
+            for (int r = 0; r < nr; r++) ha[r] = hb[r] = ta[r] = tb[r] = zero;
+            for (int k = 0; k < 4; k++) {
+                __m256i wl, wh;
+                avx2_k_weights(ptype, sub, k, hf, &wl, &wh);
+                for (int r = 0; r < nr; r++) {
+                    int32_t l0, l1, h0, h1;
+                    x_words(x, r * in_dim + b * QK + 4 * k, &l0, &l1, &h0, &h1);
+                    const __m256i pa = _mm256_maddubs_epi16(wl, _mm256_set1_epi32(h0));
+                    const __m256i pb = _mm256_maddubs_epi16(wh, _mm256_set1_epi32(h1));
+                    if (ptype == PACKED_Q6K) { /* its halves scaled apart */
+                        ta[r] = _mm256_add_epi16(ta[r], pa);
+                        tb[r] = _mm256_add_epi16(tb[r], pb);
+                    } else {
+                        ta[r] = _mm256_add_epi16(ta[r], _mm256_add_epi16(pa, pb));
+                    }
+                    if (k & 1) {
+                        ha[r] = _mm256_add_epi32(ha[r], _mm256_madd_epi16(ta[r], ones));
+                        hb[r] = _mm256_add_epi32(hb[r], _mm256_madd_epi16(tb[r], ones));
+                        ta[r] = tb[r] = zero;
+                    }
+                }
+            }
+            for (int r = 0; r < nr; r++)
+                acc[r][hf] = avx2_k_scaled(ptype, head, sub, hf, x, r * xb0 + b, zero, ha[r], zero, hb[r], acc[r][hf]);
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        _mm256_storeu_ps(out + r * 16, acc[r][0]);
+        _mm256_storeu_ps(out + r * 16 + 8, acc[r][1]);
+    }
+}
+#endif
+
 /* out[r * 16 + i] = row i of a packed K group . activation row r (nr <= PACK_XROWS), as packed_group_dot_n:
    each sub-block's integer sums per row and half, then its scales for 16 rows at once. */
 static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int ptype, const uint8_t *grp,
@@ -559,79 +690,12 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
     }
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
 #elif defined(PACKED_AVX2)
-    /* a row at a time, both halves of the 16 rows (8 lanes each) in one pass over the group, which streams
-       the weights once; the next sub-blocks asked for ahead, as on AVX-512 */
-    const __m256i nib = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    const int subb = packed_k_sub_bytes(ptype);
-    for (int r = 0; r < nr; r++) {
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int64_t s = 0; s < nblocks / 8; s++) {
-            const uint8_t *head = grp + s * supb;
-            for (int sb = 0; sb < 8; sb++) {
-                const int64_t b = s * 8 + sb;
-                const uint8_t *sub = packed_k_sub_at(ptype, head, sb);
-                const PackedQ5KSub *s5 = (const PackedQ5KSub *)sub;
-                const PackedQ6KSub *s6 = (const PackedQ6KSub *)sub;
-                if (r == 0)
-                    for (int c = 0; c < subb; c += 64) __builtin_prefetch(sub + 4096 + c, 0, 3);
-                __m256i la[2], ha[2], lb[2], hb[2];
-                for (int hf = 0; hf < 2; hf++) la[hf] = ha[hf] = lb[hf] = hb[hf] = _mm256_setzero_si256();
-                for (int k = 0; k < 4; k++) {
-                    const int64_t at = r * in_dim + b * QK + 4 * k;
-                    int32_t l0, l1, h0, h1;
-                    x_words(x, at, &l0, &l1, &h0, &h1);
-                    for (int hf = 0; hf < 2; hf++) {
-                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(((const PackedNibbles *)sub)->q[k] + 32 * hf));
-                        __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-                        if (ptype == PACKED_Q6K) {
-                            const __m256i h = _mm256_srli_epi16(
-                                _mm256_loadu_si256((const __m256i *)(s6->qh[k >> 1] + 32 * hf)), 4 * (k & 1));
-                            wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
-                            wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
-                        } else if (ptype == PACKED_Q5K) {
-                            const __m256i h = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(s5->qh + 32 * hf)), 2 * k);
-                            wl = _mm256_or_si256(wl, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
-                            wh = _mm256_or_si256(wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
-                        }
-                        if (!x8) {
-                            la[hf] = avx2_dot(la[hf], _mm256_set1_epi32(l0), wl);
-                            lb[hf] = avx2_dot(lb[hf], _mm256_set1_epi32(l1), wh);
-                        }
-                        ha[hf] = avx2_dot(ha[hf], wl, _mm256_set1_epi32(h0));
-                        hb[hf] = avx2_dot(hb[hf], wh, _mm256_set1_epi32(h1));
-                    }
-                }
-                const int64_t xb = r * xb0 + b;
-                const __m256 dx = _mm256_set1_ps(x.d[xb]);
-                for (int hf = 0; hf < 2; hf++) {
-                    const __m256 d = _mm256_loadu_ps(((const PackedKHead *)head)->d + 8 * hf);
-                    if (ptype != PACKED_Q6K) {
-                        const __m256 dmin = _mm256_loadu_ps(((const PackedKHead *)head)->dmin + 8 * hf);
-                        const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                                  _mm_loadl_epi64((const __m128i *)(packed_k_scales(ptype, sub) + 8 * hf)))));
-                        const __m256 offset = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                                     _mm_loadl_epi64((const __m128i *)(packed_k_mins(ptype, sub) + 8 * hf)))));
-                        const __m256i hs = _mm256_add_epi32(ha[hf], hb[hf]), ls = _mm256_add_epi32(la[hf], lb[hf]);
-                        const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hs, 8), ls));
-                        acc[hf] = _mm256_fmadd_ps(_mm256_mul_ps(dot, dx), scale, acc[hf]);
-                        acc[hf] = _mm256_fnmadd_ps(offset, _mm256_set1_ps(x.sum[xb]), acc[hf]);
-                    } else {
-                        const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                               _mm_loadl_epi64((const __m128i *)(s6->sc[0] + 8 * hf)))));
-                        const __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                               _mm_loadl_epi64((const __m128i *)(s6->sc[1] + 8 * hf)))));
-                        const __m256 da = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ha[hf], 8), la[hf]));
-                        const __m256 db = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hb[hf], 8), lb[hf]));
-                        acc[hf] = _mm256_fmadd_ps(_mm256_mul_ps(da, dx), s0, acc[hf]);
-                        acc[hf] = _mm256_fmadd_ps(_mm256_mul_ps(db, dx), s1, acc[hf]);
-                        acc[hf] = _mm256_fnmadd_ps(s0, _mm256_set1_ps(32.0f * x.sumh[xb]), acc[hf]);
-                        acc[hf] = _mm256_fnmadd_ps(s1, _mm256_set1_ps(32.0f * (x.sum[xb] - x.sumh[xb])), acc[hf]);
-                    }
-                }
-            }
-        }
-        _mm256_storeu_ps(out + r * 16, acc[0]);
-        _mm256_storeu_ps(out + r * 16 + 8, acc[1]);
+    (void)supb;
+    (void)xb0;
+    if (x8) {
+        avx2_k_rows8(ptype, grp, nblocks, x, in_dim, nr, out);
+    } else { /* a row at a time: four rows' low and high sums would not fit the registers */
+        for (int r = 0; r < nr; r++) avx2_k_row16(ptype, grp, nblocks, packed_x_rows(x, r, in_dim), in_dim, r == 0, out + r * 16);
     }
 #else
     /* the same integer sums and the same scaling, in plain loops (lo = 0 with x8) */

@@ -542,6 +542,26 @@ def test_packed_k_quants_multiply_rounded_activations(native, qtype, rows, in_di
     torch.testing.assert_close(lib(x, packed), exact, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bits):
+    """Every weight at its type's largest integer (15, 31, 63) against activations at full scale of either
+    sign (each block rounds to +-127 with 8 bits): the kernel's integer sums stay within their width (a sum
+    that wrapped would be off by 2^16 of a block's scale), four rows at once and a tail."""
+    w, reference = random_k_blocks(np.random.default_rng(11), 32, 512, qtype)
+    blocks = w.data.numpy().reshape(32, 2, -1)
+    quants = {"Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}[qtype]
+    blocks[..., quants] = 0xFF
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks.reshape(32, -1), kind).reshape(32, 512).copy())
+    signs = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0])[:, None].repeat(1, 512)
+    signs[:, 256:] *= -1  # a sign change between super-blocks
+    x = signs * 3.0
+    lib = packing_lib(native, max_kernel_rows=64, int8_activations=bits == 8)
+    got, want = lib(x, lib.pack(w)), x @ reference.T
+    assert ((got - want).abs() / want.abs().amax(1, keepdim=True)).max() < 1e-5  # fp32 summation apart
+
+
 def test_packed_weights_carry_nan_and_infinity_through(native):
     """A NaN or an infinity among the activations makes that row's outputs NaN, as the fp32 product would
     (never a silently finite answer); other rows are unaffected."""
