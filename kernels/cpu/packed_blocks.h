@@ -142,6 +142,29 @@ static inline PackedX packed_x_rows(PackedX x, int64_t r0, int64_t in_dim) {
     return x;
 }
 
+#if defined(__AVX2__)
+static inline float avx2_hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+
+static inline int32_t avx2_hsum_i32(__m256i v) {
+    __m128i a = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1)));
+}
+
+/* 32 int32 (each in [-128, 255] as the caller keeps them) as 32 bytes in order: signed or unsigned packs,
+   whose lane interleave the permute undoes */
+static inline __m256i avx2_bytes(const __m256i q[4], int is_unsigned) {
+    const __m256i a = is_unsigned ? _mm256_packus_epi32(q[0], q[1]) : _mm256_packs_epi32(q[0], q[1]);
+    const __m256i b = is_unsigned ? _mm256_packus_epi32(q[2], q[3]) : _mm256_packs_epi32(q[2], q[3]);
+    const __m256i c = is_unsigned ? _mm256_packus_epi16(a, b) : _mm256_packs_epi16(a, b);
+    return _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
 /* Block i of the whole activation matrix (rows are contiguous, in_dim a multiple of 32). A NaN or an
    infinity rounds to 0 (an infinite amax gives scale infinity and integers 0), and the block's sum carries it
    into every output through the offset term, NaN where the fp32 product would be NaN or infinite.
@@ -152,16 +175,47 @@ static inline PackedX packed_x_rows(PackedX x, int64_t r0, int64_t in_dim) {
    sums, the 8-bit rounding error would meet the unsigned integers (0..63) instead of the centred values. */
 static inline void packed_x_block(const float *x, PackedX p, int64_t i) {
     const float *xb = x + i * QK;
+    const float top = p.bits8 ? 127.0f : 32767.0f;
     float amax = 0.0f, s = 0.0f, sh = 0.0f;
+#if defined(__AVX2__)
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) { /* max_ps returns its second operand for a NaN: NaNs are passed over */
+        v[k] = _mm256_loadu_ps(xb + 8 * k);
+        m = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[k]), m);
+    }
+    {
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+    sh = avx2_hsum(_mm256_add_ps(v[0], v[1]));
+    s = sh + avx2_hsum(_mm256_add_ps(v[2], v[3]));
+#else
     for (int j = 0; j < QK; j++) {
         amax = fmaxf(amax, fabsf(xb[j]));
         s += xb[j];
         if (j == QK / 2 - 1) sh = s;
     }
-    const float top = p.bits8 ? 127.0f : 32767.0f;
+#endif
     const float d = amax / top, inv = top / amax;
     const float id = d > 0.0f && isfinite(d) && isfinite(inv) ? inv : 0.0f; /* 0: a block of zeros (or ~1e-38) */
     int32_t hs = 0, qs = 0, qsh = 0;
+#if defined(__AVX2__)
+    __m256i q[4], hi[4], lo[4];
+    for (int k = 0; k < 4; k++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_and_ps(r, _mm256_cmp_ps(r, r, _CMP_ORD_Q)); /* NaN (an infinity times 0) -> 0 */
+        r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-top)), _mm256_set1_ps(top));
+        q[k] = _mm256_cvtps_epi32(r);
+        hi[k] = p.bits8 ? q[k] : _mm256_srai_epi32(q[k], 8);
+        lo[k] = p.bits8 ? _mm256_setzero_si256() : _mm256_and_si256(q[k], _mm256_set1_epi32(255));
+    }
+    _mm256_storeu_si256((__m256i *)(p.hi + i * QK), avx2_bytes(hi, 0));
+    _mm256_storeu_si256((__m256i *)(p.lo + i * QK), avx2_bytes(lo, 1));
+    hs = avx2_hsum_i32(_mm256_add_epi32(_mm256_add_epi32(hi[0], hi[1]), _mm256_add_epi32(hi[2], hi[3])));
+    qsh = avx2_hsum_i32(_mm256_add_epi32(q[0], q[1]));
+    qs = qsh + avx2_hsum_i32(_mm256_add_epi32(q[2], q[3]));
+#else
     for (int j = 0; j < QK; j++) {
         float v = nearbyintf(xb[j] * id);
         v = v > top ? top : (v < -top ? -top : v);
@@ -172,6 +226,7 @@ static inline void packed_x_block(const float *x, PackedX p, int64_t i) {
         qs += q;
         if (j == QK / 2 - 1) qsh = qs;
     }
+#endif
     const int rounded = p.bits8 && isfinite(s) && id > 0.0f;
     p.d[i] = p.bits8 ? d * (1.0f / 256.0f) : d;
     p.sum[i] = rounded ? (float)qs * d : s;
