@@ -136,11 +136,57 @@ def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int =
               f"{n_packed / t_8 / 1e9:>6.1f} {t_file * 1e3:>15.2f} {n_file / t_file / 1e9:>6.1f}")
 
 
+def kernel_ab(against: str, types=("Q4_K", "Q5_K", "Q6_K", "Q4_1"), rows: int = 1, passes: int = 40) -> None:
+    """This tree's packed kernels against another build's (`against`: the native library another checkout
+    built, `python -c 'from kernels import cpu_native; print(cpu_native.load().path)'` there), both loaded in
+    this process and timed in alternating passes over the same 24 random 8192 x 2048 matrices of each type,
+    so the VM's drift falls on both alike; 16-bit and 8-bit activations, GB/s of packed weights read."""
+    import ctypes
+
+    import numpy as np
+    import torch
+
+    from kernels import cpu_native
+    from worker.model.quantized import QUANT_TYPES, QuantizedMatmul, QuantWeight
+
+    builds = [cpu_native.load(), cpu_native.NativeKernels(ctypes.CDLL(against), Path(against))]
+    rng = np.random.default_rng(0)
+    x = torch.randn(rows, 2048)
+    print(f"{rows} activation rows, {torch.get_num_threads()} threads; GB/s: this tree / {against}")
+    for qtype in types:
+        _, values, bb = QUANT_TYPES[qtype]
+        blocks = rng.integers(0, 256, (24, 8192, 2048 // values, bb), dtype=np.uint8)
+        scale = np.array([0.01], dtype=np.float16).view(np.uint8)  # finite fp16 scales
+        for at in ((208,) if qtype == "Q6_K" else (0, 2)):
+            blocks[..., at:at + 2] = scale
+        for bits in (16, 8):
+            libs = [QuantizedMatmul(k, dense=None, max_kernel_rows=1 << 20, packing=True, pack_q8=True,
+                                    int8_activations=bits == 8) for k in builds]
+            mats = [libs[0].pack(QuantWeight(torch.from_numpy(b.reshape(8192, -1)), qtype, 2048))
+                    for b in blocks]
+            ys = [[lib.kernel(x, m) for m in mats] for lib in libs]
+            diff = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(*ys, strict=True))
+            times: list[list[float]] = [[], []]
+            for p in range(passes):
+                for i in (0, 1) if p % 2 else (1, 0):
+                    t = time.perf_counter()
+                    for m in mats:
+                        libs[i].kernel(x, m)
+                    times[i].append(time.perf_counter() - t)
+            nbytes = sum(m.nbytes for m in mats)
+            a, b = (statistics.median(t[2:]) for t in times)
+            same = "the same" if diff == 0 else f"apart by {diff:.1e} of the largest"
+            print(f"{qtype:5} {bits:2}-bit  {nbytes / a / 1e9:6.1f} / {nbytes / b / 1e9:6.1f} GB/s"
+                  f"  x{b / a:.2f}  outputs {same}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kernels", action="store_true",
                    help="only the quantized kernels' own speed, per type (GB/s)")
     p.add_argument("--rows", type=int, default=1, help="with --kernels: activation rows")
+    p.add_argument("--against", metavar="LIB", help="with --kernels: this tree's packed kernels against "
+                   "another build's native library, in alternating passes")
     p.add_argument("--model")
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -151,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--with-int8", action="store_true",
                    help="a third server with --quantized-activations int8")
     args = p.parse_args(argv)
+    if args.kernels and args.against:
+        kernel_ab(args.against, rows=args.rows)
+        return 0
     if args.kernels:
         kernel_bandwidth(rows=args.rows)
         return 0
