@@ -72,6 +72,7 @@ class NativeKernels:
         self._decode, self._prefill = lib.pagedserve_paged_decode, lib.pagedserve_paged_prefill
         self._add_rms_norm, self._silu_mul = lib.pagedserve_add_rms_norm, lib.pagedserve_silu_mul
         self._silu_mul_bf16, self._rope = lib.pagedserve_silu_mul_bf16, lib.pagedserve_rope
+        self._widen_bf16, self._write_kv = lib.pagedserve_widen_bf16, lib.pagedserve_write_kv
         self._head_rms_norm, self._argmax_rows = lib.pagedserve_head_rms_norm, lib.pagedserve_argmax_rows
         self._quant_matmul = lib.pagedserve_quant_matmul
         self._quant_matmul_q8act = lib.pagedserve_quant_matmul_q8act
@@ -86,6 +87,7 @@ class NativeKernels:
         self.prefill_state, self.prefill_max_head_dim = limits[0], limits[1]
         # a bf16 pool's prefill can run in bf16 dot products here (AVX512_BF16; see paged_prefill.c)
         self.prefill_bf16_dots = bool(lib.pagedserve_prefill_bf16_dots())
+        self._prefill_tiles = lib.pagedserve_prefill_tiles
         # the packed kernel has its integer dot products here (AVX-512 VNNI, or AVX2 for the 4-6 bit layouts);
         # elsewhere its portable loop is slower than the fp32-activation kernel, and the worker packs nothing
         self.packed_fast = bool(lib.pagedserve_packed_fast())
@@ -207,6 +209,32 @@ class NativeKernels:
         fn = self._silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else self._silu_mul
         fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> bool:
+        """Each token's k and v [tokens, n_kv_heads, head_dim] (fp32; views of one row layout, heads adjacent)
+        into the pool [blocks, block_size, n_kv_heads, head_dim] (fp32 or bf16, contiguous) at its slot (-1:
+        none). False, writing nothing, where the tensors are not of that form."""
+        tokens, heads, dim = k.shape
+        ok = (k.dtype == v.dtype == torch.float32 and k.stride() == v.stride() and k.stride(2) == 1
+              and k.stride(1) == dim and k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
+              and k_cache.is_contiguous() and v_cache.is_contiguous() and k.device.type == "cpu"
+              and tuple(k_cache.shape[2:]) == (heads, dim) and tuple(v.shape) == tuple(k.shape)
+              and slots.numel() == tokens)
+        if not ok:
+            return False
+        slots = slots.to(torch.int64).contiguous()
+        self._write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                       slots.data_ptr(), tokens, heads * dim, int(k_cache.dtype == torch.bfloat16))
+        return True
+
+    def widen_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """x (bf16, contiguous) as a new fp32 tensor of its shape: exact."""
+        if not (x.dtype == torch.bfloat16 and x.is_contiguous() and x.device.type == "cpu"):
+            raise ValueError("widen_bf16 needs a contiguous bf16 tensor on the CPU")
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._widen_bf16(x.data_ptr(), out.data_ptr(), x.numel())
+        return out
+
     def head_rms_norm(self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor,
                       eps: float) -> None:
         """RMSNorm in place of each of the first `heads` heads of each row of x [rows, >= heads *
@@ -221,6 +249,11 @@ class NativeKernels:
         head rotate, the rest stay); positions int64 [rows]."""
         self._rope(x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(),
                    positions.data_ptr(), cos.shape[1])
+
+    def prefill_tiles(self, use: bool | None = None) -> bool:
+        """Whether bf16-dot-product prompt attention runs on AMX tiles (the CPU has them and the OS hands the
+        process their state); `use` turns that on or off for the process (off: the vector kernel)."""
+        return bool(self._prefill_tiles(-1 if use is None else int(use)))
 
     def paged_prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,

@@ -12,6 +12,7 @@
 #include "pagedserve.h"
 #include "convert.h"
 #include "rows.h"
+#include "kv_rows.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -47,6 +48,31 @@ void pagedserve_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t ro
             silu_mul_span(gw, uw, yw, 0, n);
             for (int i = 0; i < n; i++) o[c + i] = float_to_bf16_nobranch(yw[i]);
         }
+    }
+}
+
+/* bf16 -> fp32 of n values (a bf16 GEMM's output for the fp32 residual stream): exact, a 16-bit shift a value,
+   both threads on their own halves; torch's own conversion runs one scalar thread. */
+void pagedserve_widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+    const int64_t chunk = 1 << 14;
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (int64_t c = 0; c < n; c += chunk) {
+        const int64_t end = c + chunk < n ? c + chunk : n;
+#pragma omp simd
+        for (int64_t i = c; i < end; i++) dst[i] = bf16_to_float(src[i]);
+    }
+}
+
+/* Each token's keys and values (width = n_kv_heads * head_dim floats at k + t * row_stride, the fused QKV row's
+   views) into the pool at its slot, fp32 or rounded to bf16; a slot of -1 (padding) writes nothing. One pass,
+   where torch converted the strided views and then scattered them. */
+void pagedserve_write_kv(const float* k, const float* v, int64_t row_stride, void* k_cache, void* v_cache,
+                         const int64_t* slots, int64_t n, int32_t width, int32_t kv_bf16) {
+#pragma omp parallel for schedule(static) if (n * width > 32768)
+    for (int64_t t = 0; t < n; t++) {
+        if (slots[t] < 0) continue;
+        kv_store(k_cache, slots[t] * width, kv_bf16, k + t * row_stride, width);
+        kv_store(v_cache, slots[t] * width, kv_bf16, v + t * row_stride, width);
     }
 }
 

@@ -30,7 +30,7 @@ static inline void kv_store(void* dst, int64_t at, int bf16, const float* src, i
     }
     uint16_t* d = (uint16_t*)dst + at;
 #pragma omp simd
-    for (int i = 0; i < n; i++) d[i] = float_to_bf16(src[i]);
+    for (int i = 0; i < n; i++) d[i] = float_to_bf16_nobranch(src[i]);
 }
 
 /* Ask the cache for n elements of a row (bf16 or fp32) at element `at`. */

@@ -21,8 +21,10 @@
  * multiply-adds a lane into fp32: half the instructions of the fp32 path, and the pool's bf16 keys and values
  * are multiplied as they are, never widened. A key tile is transposed as 32-bit pairs of adjacent dimensions
  * (the same 16 x 16 transposes), a value tile interleaved as pairs of adjacent keys once for all its rows;
- * the running max, sums and accumulators stay fp32.
+ * the running max, sums and accumulators stay fp32. Where the CPU has AMX tiles (and the OS hands them out),
+ * the same item runs on them, 32 keys a tile: prefill_tiles.h.
  */
+#define _GNU_SOURCE /* syscall(), for the tile permission (prefill_tiles.h) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -419,6 +421,19 @@ static void prefill_item_bf16(const float* q, int64_t q_row_stride, const uint16
 }
 #endif
 
+#include "prefill_tiles.h"
+
+/* Whether prompt attention over a bf16 pool runs on AMX tiles; use >= 0 sets it (0: the vector item). */
+int pagedserve_prefill_tiles(int32_t use) {
+#if defined(PREFILL_TILES)
+    if (use >= 0) tiles_wanted = use != 0;
+    return tiles_ready();
+#else
+    (void)use;
+    return 0;
+#endif
+}
+
 /* Query rows [start, start + q_len) of one sequence, one KV head's group of query heads, in tiles of what an
  * item holds: the rows of a drafting sequence in a decode step (decode_step.c), whose keys are then read once
  * for all of them rather than once a row. Arguments as pagedserve_paged_prefill's, for that one sequence. */
@@ -472,11 +487,23 @@ void pagedserve_paged_prefill(
             items[2 * k + 1] = p;
             k++;
         }
+#if defined(PREFILL_TILES)
+    const int on_tiles = bf16_dots && kv_bf16 && head_dim % 32 == 0 && tiles_ready();
+#endif
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t it = 0; it < tiles; it++) {
         for (int kh = 0; kh < n_kv_heads; kh++) {
             const int i = items[2 * it], p0 = items[2 * it + 1];
             const int p1 = p0 + qt < q_lens[i] ? p0 + qt : q_lens[i];
+#if defined(PREFILL_TILES)
+            if (on_tiles) {
+                prefill_item_tiles(q, q_row_stride, (const uint16_t*)k_cache, (const uint16_t*)v_cache, out,
+                                   starts[i], q_lens[i], seq_lens[i], block_tables + (int64_t)i * table_stride, p0,
+                                   p1, kh, n_heads, group, head_dim, block_size, block_stride, token_stride, scale,
+                                   window, softcap);
+                continue;
+            }
+#endif
 #if defined(PREFILL_BF16)
             if (bf16_dots && kv_bf16 && head_dim % 32 == 0) {
                 prefill_item_bf16(q, q_row_stride, (const uint16_t*)k_cache, (const uint16_t*)v_cache, out, starts[i],

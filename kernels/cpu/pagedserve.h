@@ -11,6 +11,7 @@ int pagedserve_native_isa(void);
 int pagedserve_packed_fast(void);
 int pagedserve_packed_q8_fast(void);
 int pagedserve_prefill_bf16_dots(void);
+int pagedserve_prefill_tiles(int32_t use);
 int pagedserve_decode_limits(int32_t* out);
 int pagedserve_prefill_limits(int32_t* out);
 int pagedserve_struct_sizes(int64_t* out);
@@ -32,6 +33,9 @@ void pagedserve_add_rms_norm(float* residual, const float* delta, const float* w
                              int64_t dim, float eps);
 void pagedserve_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter);
 void pagedserve_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter);
+void pagedserve_write_kv(const float* k, const float* v, int64_t row_stride, void* k_cache, void* v_cache,
+                         const int64_t* slots, int64_t n, int32_t width, int32_t kv_bf16);
+void pagedserve_widen_bf16(const uint16_t* src, float* dst, int64_t n);
 void pagedserve_rope(float* x, int64_t rows, int64_t row_stride, int32_t heads, int32_t head_dim,
                      const float* cos_table, const float* sin_table, const int64_t* positions, int32_t half);
 void pagedserve_head_rms_norm(float* x, int64_t rows, int64_t row_stride, int32_t heads, int32_t head_dim,

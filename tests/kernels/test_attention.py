@@ -265,17 +265,22 @@ def test_a_bf16_pool_is_read_as_its_values_widened(backend_name, n_heads, n_kv_h
 @pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size",
                          [(16, 8, 128, 16), (9, 3, 64, 1), (8, 1, 256, 32), (6, 2, 96, 16), (6, 2, 80, 16)])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (21, 0.0), (0, 30.0)])
+@pytest.mark.parametrize("tiles", [True, False], ids=["amx-tiles", "vectors"])
 def test_bf16_dot_prefill_stays_within_bf16_rounding_of_the_exact_answer(n_heads, n_kv_heads, head_dim,
-                                                                         block_size, window, softcap):
+                                                                         block_size, window, softcap, tiles,
+                                                                         request):
     """bf16_dots (a model served in bf16): queries and softmax weights rounded to bf16, both products in
     bf16 dot products. Over the same bf16 pool it stays within bf16's rounding of the exact fp32 answer
     (chunks over cached prefixes, lengths around the 16-key and 16-query tiles, a sliding window,
     soft-capping), differs from the fp32 arithmetic where the CPU has the instructions, and is that
     arithmetic bit for bit where it does not apply: an fp32 pool, a head size not a multiple of 32 (80), a
-    CPU without AVX512_BF16."""
+    CPU without AVX512_BF16. Both kernels: on AMX tiles (where the CPU and the OS have them) and in
+    vector registers."""
     from kernels import cpu_native
 
     native = cpu_native.load()
+    native.prefill_tiles(tiles)
+    request.addfinalizer(lambda: native.prefill_tiles(True))
     q_lens = [2, 17, 16, 40, 33, 5, 300]
     seq_lens = [2, 17, 31, 40, 100, 260, 301]
     c = make_case(q_lens, seq_lens, n_heads, n_kv_heads, head_dim, block_size, seed=5)
@@ -295,6 +300,10 @@ def test_bf16_dot_prefill_stays_within_bf16_rounding_of_the_exact_answer(n_heads
     assert torch.isfinite(got).all()
     err = (got - want).abs()
     assert err.max() < 3e-2 and err.mean() < 3e-3, (err.max(), err.mean())  # |v| ~ 1: bf16's 2^-9 steps
+    if tiles and native.prefill_tiles() and head_dim % 32 == 0:  # the tiles ran, not the vector kernel
+        native.prefill_tiles(False)
+        assert not torch.equal(run(k16, v16, True), got)
+        native.prefill_tiles(True)
     if native.prefill_bf16_dots and head_dim % 32 == 0:
         assert not torch.equal(got, exact)
     else:
@@ -311,3 +320,39 @@ def test_write_kv_rounds_into_a_bf16_pool_as_torch_does():
     flat = k_cache.view(-1, 2, 8)
     assert torch.equal(flat[[0, 5, 6, 11]], k[[0, 1, 2, 4]].to(torch.bfloat16))
     assert torch.equal(v_cache.view(-1, 2, 8)[[0, 5, 6, 11]], v[[0, 1, 2, 4]].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_the_native_kv_write_stores_the_fused_rows_views_as_the_reference_does(kv_dtype):
+    """The CPU backend's write of a step's keys and values: k and v as views of the fused QKV rows (strided,
+    as the layer hands them over), padding slots skipped, a bf16 pool rounded to nearest even, NaN and
+    infinities kept: the reference's pool, value for value; tensors of another form go the reference's way."""
+    from kernels import cpu_native
+
+    native = cpu_native.load()
+    if native is None:
+        pytest.skip("native CPU kernels did not build here")
+    heads, kv_heads, dim, tokens = 6, 2, 64, 300
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(1)) * 50
+    qkv[0, heads * dim: heads * dim + 3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slots = torch.randperm(40 * 16, generator=torch.Generator().manual_seed(2))[:tokens]
+    slots[[3, 77, 299]] = -1
+    want_k, want_v = torch.zeros(40, 16, kv_heads, dim, dtype=kv_dtype), torch.zeros(40, 16, kv_heads, dim,
+                                                                                    dtype=kv_dtype)
+    write_kv(k, v, want_k, want_v, slots)
+    backend = make_backend("cpu", torch.device("cpu"))
+    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    backend.write_kv(k, v, got_k, got_v, slots)
+    def same(a, b):  # every value equal, NaN where NaN (torch writes a bf16 NaN with other payload bits)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+    same(got_k, want_k)
+    same(got_v, want_v)
+    assert got_k.isnan().sum() == 1 and got_k.isinf().sum() == 2 and (got_k != 0).sum() > tokens * 100
+    assert not native.write_kv(k.double(), v.double(), got_k, got_v, slots)
+    odd_k, odd_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    backend.write_kv(k.double(), v.double(), odd_k, odd_v, slots)  # the reference's way: the same values
+    same(odd_k, want_k)
+    same(odd_v, want_v)

@@ -56,6 +56,21 @@ def test_silu_mul_matches_torch(width):
 
 
 @needs_native
+@pytest.mark.parametrize("shape", [(2048, 960), (3, 7), (0, 5)])
+def test_widening_a_bf16_gemm_output_is_torchs_exact_conversion(shape):
+    """A bf16 GEMM's product into the fp32 residual stream: every value, infinities and NaN included, as
+    torch converts it (the bits shifted), at a prompt chunk's size and at sizes of no whole vector."""
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(shape[1])) * 1e3).to(torch.bfloat16)
+    if x.numel():
+        x.view(-1)[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    got = native.widen_bf16(x)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.equal(got.view(torch.int32), x.float().view(torch.int32))
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        native.widen_bf16(x.float())
+
+
+@needs_native
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 0), (128, 0), (40, 0), (64, 48), (96, 32)])
 @pytest.mark.parametrize("fused_row", [True, False])
 def test_rope_matches_torch(head_dim, rotary_dim, fused_row):

@@ -128,7 +128,8 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
         got, got_pool = _run(model, config, seqs, fused=True)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         for a, b in zip(got_pool.k + got_pool.v, want_pool.k + want_pool.v, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # this step's K/V written at its slots
+            # this step's K/V written at its slots (sums in another order than the sgemm's: ~1e-5 apart)
+            torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])

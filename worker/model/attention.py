@@ -211,6 +211,10 @@ class CpuAttention(TorchAttention):
     def native(self):
         return self._native
 
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        if not self._native.write_kv(k, v, k_cache, v_cache, slot_mapping):
+            super().write_kv(k, v, k_cache, v_cache, slot_mapping)
+
     def supports(self, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                  kv_dtype: torch.dtype | None = None) -> bool:
         return self._native.supports(n_heads, n_kv_heads, head_dim, block_size, dtype, kv_dtype)

@@ -250,7 +250,7 @@ class QuantizedMatmul:
         if x.shape[0] > self.max_kernel_rows and dense is None and bias is None and self._bf16_gemm_only(q):
             xb = x if x.dtype == torch.bfloat16 else x.contiguous().to(torch.bfloat16)
             y = F.linear(xb, q.data.view(torch.bfloat16))  # one segment: the weights as they are
-            return y if bf16_out else y.float()
+            return y if bf16_out else self.kernels.widen_bf16(y)
         x = x if x.is_contiguous() and x.dtype == torch.float32 else x.float().contiguous()
         if x.shape[0] <= self.max_kernel_rows:
             y = self.kernel(x, q)

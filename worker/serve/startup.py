@@ -180,7 +180,8 @@ def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
         attn = make_backend(cfg.attention_backend, device, (model.shard.num_q_heads, heads, config.head_dim,
                             cfg.block_size, dtype, kv_dtype), getattr(model, "bf16_prefill", False))
         if getattr(attn, "prefill_bf16_dots", False):
-            log.info("prefill_attention", arithmetic="bf16 dot products", why="bf16 prompt matmuls and pool")
+            log.info("prefill_attention", arithmetic="bf16 dot products", why="bf16 prompt matmuls and pool",
+                     units="AMX tiles" if attn.native.prefill_tiles() else "vector registers")
     except ValueError as e:
         raise Refused("bad_worker_option", str(e), error=str(e)) from None
     return Loaded(model, config, dtype, weights_dtype, kv_dtype, attn, heads, prefill,
