@@ -249,18 +249,38 @@ def bench_cpu_pool(args) -> None:
                   f"{cols[1][0] * 1e3:>8.2f} {cols[1][1]:>6.1f} {cols[0][0] / cols[1][0]:>9.2f}", flush=True)
             del q, k, v
     for head_dim in (64, 128):  # a 512-token chunk after 1536 cached tokens
-        q, k, v, tables, lens, _ = _paged_inputs(1, 2048, 32, 8, head_dim, 16, torch.float32, "cpu")
-        qc = torch.randn(512, 32, head_dim)
-        out = torch.empty_like(qc)
-        args_ = (torch.zeros(1, dtype=torch.int64), torch.tensor([512], dtype=torch.int32), lens, tables,
-                 head_dim**-0.5)
-        times = []
-        for pool in ((k, v), (k.to(torch.bfloat16), v.to(torch.bfloat16))):
-            run = functools.partial(native.paged_prefill, qc, *pool, out, *args_)
+        _cpu_prefill_chunk(native, head_dim)
+
+
+def _cpu_prefill_chunk(native, head_dim: int) -> None:
+    """One 512-token prompt chunk after 1536 cached tokens at 32 query and 8 KV heads: over an fp32 pool, a
+    bf16 pool in fp32 arithmetic, and a bf16 pool in bf16 dot products (a model served in bf16) on vector
+    registers and, where the CPU and the OS have them, on AMX tiles."""
+    import torch
+
+    _, k, v, tables, lens, _ = _paged_inputs(1, 2048, 32, 8, head_dim, 16, torch.float32, "cpu")
+    qc = torch.randn(512, 32, head_dim)
+    out = torch.empty_like(qc)
+    args_ = (torch.zeros(1, dtype=torch.int64), torch.tensor([512], dtype=torch.int32), lens, tables,
+             head_dim**-0.5)
+    k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    tiles = native.prefill_tiles()
+    runs = {"fp32": ((k, v), False, False), "bf16 pool": ((k16, v16), False, False)}
+    if native.prefill_bf16_dots:
+        runs["bf16 dots, vectors"] = ((k16, v16), True, False)
+    if tiles:
+        runs["bf16 dots, AMX tiles"] = ((k16, v16), True, True)
+    times = {}
+    try:
+        for name, (pool, dots, on_tiles) in runs.items():
+            native.prefill_tiles(on_tiles)
+            run = functools.partial(native.paged_prefill, qc, *pool, out, *args_, bf16_dots=dots)
             run()
-            times.append(median_time(run, reps=5))
-        print(f"prefill chunk 512 over 2048, head_dim {head_dim}: fp32 {times[0] * 1e3:.1f} ms, bf16 "
-              f"{times[1] * 1e3:.1f} ms, fp32/bf16 {times[0] / times[1]:.2f}", flush=True)
+            times[name] = median_time(run, reps=5)
+    finally:
+        native.prefill_tiles(tiles)
+    cols = ", ".join(f"{n} {t * 1e3:.1f} ms (x{times['fp32'] / t:.2f})" for n, t in times.items())
+    print(f"prefill chunk 512 over 2048, head_dim {head_dim}: {cols}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

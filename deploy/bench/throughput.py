@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="measure the server (each --server-flags too) and vLLM this many times, taking "
                         "turns; with --with-vllm, prints every round's ratio and their median")
+    p.add_argument("--no-default", action="store_true",
+                   help="measure only the --server-flags configurations, not the server at its defaults")
     p.add_argument("--server-flags", action="append", default=None, metavar="FLAGS",
                    help="run the server once more with these serve flags (repeatable; e.g. --dequantize for "
                         "fp32)")
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {i + 1} of {args.rounds}")
         r: dict = {}
         if args.only in (None, "server"):
-            for flags in ["", *(args.server_flags or ())]:
+            for flags in [*([] if args.no_default else [""]), *(args.server_flags or ())]:
                 key = f"server {flags}".strip()
                 r[key] = bench_server(args, prompts, flags)
                 report(r[key])

@@ -112,3 +112,36 @@ def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(server_facto
     req = pb.GenerateRequest(prompt_token_ids=list(range(40, 75)), sampling=pb.SamplingParams(
         max_tokens=20, temperature=0, ignore_eos=True))
     assert len(auto.stub.Generate(req, timeout=120).choices[0].token_ids) == 20
+
+
+def test_bf16_weights_in_the_gemms_blocked_layout_give_the_plain_gemms_products(native, monkeypatch):
+    """Where the CPU multiplies bf16 (AMX), a BF16 weight may be held a second time in oneDNN's blocked
+    layout for steps past the row kernels' limit: the products of the plain bf16 GEMM, bit for bit, at a
+    decode batch's rows and a prompt chunk's, in fp32 and kept in bf16 for the SiLU·mul; the row kernels
+    still read the rows as held. The choice to hold it follows the memory left."""
+    from worker.model.quantized import QuantLinear, QuantWeight
+    from worker.serve.memory_plan import GiB, choose_gemm_copy
+
+    if not native_bf16():
+        pytest.skip("no bf16 GEMM on this CPU: nothing is held twice")
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(160, 96, generator=g) * 0.3).to(torch.bfloat16)
+    lib = QuantizedMatmul(native)
+    lib.max_kernel_rows = 4
+    plain = QuantLinear(QuantWeight(w.view(torch.uint8), "BF16", 96))
+    blocked = QuantLinear(QuantWeight(w.view(torch.uint8), "BF16", 96))
+    assert lib.gemm_copy_bytes([plain, blocked]) == 2 * w.numel() * 2
+    assert lib.hold_gemm([blocked]) == 1 and blocked.q.gemm is not None and plain.q.gemm is None
+    calls = []
+    blocked_gemm = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *a: calls.append(a[0].shape[0]) or blocked_gemm(*a))
+    for rows in (3, 16, 64, 300):
+        x = torch.randn(rows, 96, generator=g) * 2
+        for bf16_out in (False, True):
+            got, want = lib(x, blocked, bf16_out=bf16_out), lib(x, plain, bf16_out=bf16_out)
+            assert got.dtype == want.dtype and torch.equal(got, want), (rows, bf16_out)
+    assert calls == [16, 16, 64, 64, 300, 300]  # the blocked copy past the row kernels' 4 rows, only there
+    held, _ = choose_gemm_copy(2 * GiB, GiB, 20 * GiB)
+    refused, why = choose_gemm_copy(2 * GiB, GiB, 4 * GiB)
+    assert held and not refused and "cannot hold it (2.0 GiB)" in why

@@ -221,3 +221,17 @@ def use_fused_decode(model, tp: int, activations: str) -> None:
     model.fused = FusedDecode(kernels, model, max_rows)
     log.info("fused_decode", max_kernel_rows=max_rows,
              more_rows="sgemm" if model.fused.sgemm else "layer path")
+
+
+def hold_gemm_copy(cfg: WorkerConfig, model, config, kv_dtype, lib) -> None:
+    """bf16 weights where the CPU multiplies bf16 (AMX): a copy in oneDNN's blocked layout for every step of
+    more rows than the row kernels take, where memory holds it (worker/model/quantized.py hold_gemm)."""
+    from worker.model.quantized import every_linear
+    from worker.serve.memory_plan import available_bytes, choose_gemm_copy
+
+    linears = every_linear(model)
+    copy = lib.gemm_copy_bytes(linears)
+    hold, why = choose_gemm_copy(copy, kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads),
+                                 available_bytes())
+    held = lib.hold_gemm(linears) if hold else 0
+    log.info("bf16_gemm_layout", blocked_copies=held, bytes=copy if held else 0, why=why)

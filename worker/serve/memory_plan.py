@@ -82,6 +82,17 @@ def choose_quantized_prefill(choice: str, dense_copy: int, kv: int, available: i
                           f"KV pool ({human(kv)}) and {human(MARGIN)} beside the blocks")
 
 
+def choose_gemm_copy(copy: int, kv: int, available: int | None) -> tuple[bool, str]:
+    """Whether bf16 weights get a second copy in the GEMM's blocked layout (`copy` bytes), and why: where it,
+    the KV pool and the margin fit in what is still available after loading."""
+    if available is None:
+        return False, "the system does not report its available memory"
+    if copy + kv + MARGIN <= available:
+        return True, f"{human(available)} available holds it ({human(copy)}), the KV pool and {human(MARGIN)}"
+    return False, (f"{human(available)} available cannot hold it ({human(copy)}), the KV pool ({human(kv)}) "
+                   f"and {human(MARGIN)}: the GEMM reorders each weight as it multiplies")
+
+
 def dense_copy_bytes(weights: dict) -> int:
     """What prefill's dense fp32 copy of the matrices served on a file's blocks (model.file_blocks: the
     embeddings' rows are looked up, never multiplied) would hold."""

@@ -15,6 +15,7 @@ from worker.serve.choices import (
     activations_of,
     block_types,
     half_weights,
+    hold_gemm_copy,
     int8_without_copy,
     kv_budget_bytes,
     kv_cache_dtype,
@@ -233,6 +234,8 @@ def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype,
 
         lib.dense = dense
         counts = model.use_quantized(model.file_blocks, lib, keep_dense=prefill == "dense")
+        if bf16_source and lib.bf16_gemm:
+            hold_gemm_copy(cfg, model, config, kv_dtype, lib)
         if int8_packed and no_dense_copy:
             # every step on the packed kernel: faster than dequantizing tiles at any row count (1B and 8B
             # measured), and one arithmetic for every batch, so an answer does not depend on its company
