@@ -60,10 +60,24 @@ def build_llama_tool(name: str) -> Path:
         target = _fetch_llama_cpp()
     build = target / "build"
     subprocess.run(["cmake", "-S", str(target), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"], check=True)
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", *_isa_flags()], check=True)
     subprocess.run(["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 2)],
                    check=True)
     return binary
+
+
+def _isa_flags() -> list[str]:
+    """-march=native, except on a CPU with AMX: the pinned ggml's AMX matmul dies with SIGSEGV at the first
+    decode there (Q4_K), so llama.cpp is built for every vector extension this CPU has, AMX left out (its
+    weight repacking for AVX-512 kept: `--no-repack` would turn both off)."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    if "amx_int8" not in flags:
+        return ["-DGGML_NATIVE=ON"]
+    isa = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx512f": "AVX512",
+           "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16",
+           "avx_vnni": "AVX_VNNI", "bmi2": "BMI2"}
+    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{v}={'ON' if k in flags else 'OFF'}" for k, v in isa.items()),
+            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
 
 
 def _fetch_llama_cpp() -> Path:
