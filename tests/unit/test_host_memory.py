@@ -54,3 +54,35 @@ def test_auto_wants_tcmalloc_only_for_cpu_workers():
     assert not wants_tcmalloc("auto", "cuda:0")
     assert wants_tcmalloc("tcmalloc", "cuda")
     assert not wants_tcmalloc("glibc", "cpu")
+
+
+def _huge_bytes_at(ptr: int) -> int:
+    """AnonHugePages of the mapping holding address ptr, in bytes (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's smaps only")
+def test_weights_are_moved_onto_huge_pages_with_their_values_kept():
+    """A written weight's 2 MiB-aligned interior is advised and collapsed onto 2 MiB pages (where the system
+    has them at all), its values untouched; a small tensor, and the same storage twice, are left alone."""
+    import torch
+
+    from worker.serve.host_memory import HUGE_PAGE, huge_pages
+
+    w = torch.randn(6 * HUGE_PAGE // 4)
+    want = w.clone()
+    ptr, end = w.data_ptr(), w.data_ptr() + w.numel() * 4
+    interior = end // HUGE_PAGE * HUGE_PAGE - -(-ptr // HUGE_PAGE) * HUGE_PAGE
+    assert huge_pages([w, w[10:], torch.ones(100), None], collapse=True) == interior >= 4 * HUGE_PAGE
+    assert torch.equal(w, want)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert _huge_bytes_at(ptr + HUGE_PAGE) >= HUGE_PAGE

@@ -231,6 +231,8 @@ def hold_gemm_copy(cfg: WorkerConfig, model, config, kv_dtype, lib) -> None:
 
     linears = every_linear(model)
     copy = lib.gemm_copy_bytes(linears)
+    if not (copy and lib.bf16_gemm):
+        return
     hold, why = choose_gemm_copy(copy, kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads),
                                  available_bytes())
     held = lib.hold_gemm(linears) if hold else 0

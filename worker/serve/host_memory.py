@@ -1,6 +1,7 @@
 """The host allocator a worker runs on: tcmalloc where the system has it, else glibc tuned to keep freed
 blocks, so a CPU forward's tens of MiB a layer are not given back to the kernel and faulted in again every
 step. `--malloc` / PAGEDSERVE_MALLOC: auto, tcmalloc, glibc, default (malloc as it is, for comparisons).
+The weights and the KV pool are asked for 2 MiB pages (huge_pages).
 
     python -m worker.serve.host_memory [MODE]   # prints the allocator this process ends up with"""
 
@@ -129,3 +130,51 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # Linux's madvise advice values
+HUGE_PAGE = 2 << 20
+
+
+def huge_pages(tensors, collapse: bool) -> int:
+    """Back these CPU tensors' memory with 2 MiB pages, each storage's 2 MiB-aligned interior: MADV_HUGEPAGE
+    (pages faulted from now on come huge, the KV pool's), and with `collapse` MADV_COLLAPSE too (the pages
+    already written are merged now: the weights'). A decode step streams every weight once and 4 KiB pages
+    cost it a TLB walk each: 5-15% of a 1B step where the system leaves huge pages to madvise. Best effort:
+    where the kernel refuses (huge pages off, an older kernel) nothing changes. -> bytes advised."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    advised, seen = 0, set()
+    for t in tensors:
+        if t is None or t.device.type != "cpu" or t.is_mkldnn:
+            continue
+        storage = t.untyped_storage()
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        start, end = -(-ptr // HUGE_PAGE) * HUGE_PAGE, (ptr + size) // HUGE_PAGE * HUGE_PAGE
+        if end - start < HUGE_PAGE or start in seen:
+            continue
+        seen.add(start)
+        if madvise(start, end - start, MADV_HUGEPAGE) != 0:
+            continue
+        if collapse:
+            madvise(start, end - start, MADV_COLLAPSE)
+        advised += end - start
+    return advised
+
+
+def weight_tensors(model) -> list:
+    """The tensors a forward streams: every parameter, and each quantized projection's blocks and copy."""
+    import torch
+
+    from worker.model.quantized import QuantLinear
+
+    out = list(model.parameters())
+    for w in [*(w for layer in model.layers for w in layer.w.values()), getattr(model, "head", None)]:
+        if isinstance(w, QuantLinear):
+            out += [p.data for p in w.q.segments] + [w.dense]
+        elif hasattr(w, "segments"):
+            out += [p.data for p in w.segments]
+        elif isinstance(w, torch.Tensor):
+            out.append(w)
+    return out

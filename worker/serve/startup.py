@@ -221,8 +221,7 @@ def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype,
             prefill, dense_copy_bytes(model.file_blocks),
             kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads), available_bytes())
         log.info("quantized_prefill", chosen=prefill, why=why)
-    # a prefill that dequantizes tiles multiplies them with F.linear: no library to measure (measuring
-    # one allocates the model's shapes in fp32, which is what that choice is avoiding)
+    # dequantized tiles meet F.linear: no library to measure (that would allocate the fp32 copy avoided)
     no_dense_copy = source is not None and prefill == "dequantize"
     int8_packed = int8_packed or (no_dense_copy and int8_without_copy(cfg, lib, block_types(model)))
     dense = choose_matmul("dense" if no_dense_copy else cfg.matmul, model.matmul_shapes(), device, dtype)
@@ -234,8 +233,7 @@ def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype,
 
         lib.dense = dense
         counts = model.use_quantized(model.file_blocks, lib, keep_dense=prefill == "dense")
-        if bf16_source and lib.bf16_gemm:
-            hold_gemm_copy(cfg, model, config, kv_dtype, lib)
+        hold_gemm_copy(cfg, model, config, kv_dtype, lib)  # bf16 weights where the CPU has AMX
         if int8_packed and no_dense_copy:
             # every step on the packed kernel: faster than dequantizing tiles at any row count (1B and 8B
             # measured), and one arithmetic for every batch, so an answer does not depend on its company
@@ -333,6 +331,11 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
         log.info("host_memory", model_resident_bytes=model_resident, kv_pool_bytes=pool_bytes,
                  planned_bytes=model_resident + pool_bytes, peak_resident_bytes=peak, resident_bytes=rss,
                  available_bytes=available_bytes())
+    if device.type == "cpu":
+        from worker.serve.host_memory import huge_pages, weight_tensors
+
+        log.info("huge_pages", weights_bytes=huge_pages(weight_tensors(loaded.model), collapse=True),
+                 kv_pool_bytes=huge_pages(pool.k + pool.v, collapse=False))
     runner = ModelRunner(loaded.model, pool, loaded.attn, device)
     if cfg is not None and cfg.max_cpu_loras:
         runner.adapters = lora_cache(cfg, loaded.config, loaded.model.shard, loaded.dtype, device)
