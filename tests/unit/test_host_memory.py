@@ -72,7 +72,8 @@ def _huge_bytes_at(ptr: int) -> int:
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's smaps only")
 def test_weights_are_moved_onto_huge_pages_with_their_values_kept():
     """A written weight's 2 MiB-aligned interior is advised and collapsed onto 2 MiB pages (where the system
-    has them at all), its values untouched; a small tensor, and the same storage twice, are left alone."""
+    has them at all), its values untouched; a small tensor, the same storage twice and a library's own packed
+    weight (not a tensor) are left alone."""
     import torch
 
     from worker.serve.host_memory import HUGE_PAGE, huge_pages
@@ -81,7 +82,7 @@ def test_weights_are_moved_onto_huge_pages_with_their_values_kept():
     want = w.clone()
     ptr, end = w.data_ptr(), w.data_ptr() + w.numel() * 4
     interior = end // HUGE_PAGE * HUGE_PAGE - -(-ptr // HUGE_PAGE) * HUGE_PAGE
-    assert huge_pages([w, w[10:], torch.ones(100), None], collapse=True) == interior >= 4 * HUGE_PAGE
+    assert huge_pages([w, w[10:], torch.ones(100), None, object()], collapse=True) == interior >= 4 * HUGE_PAGE
     assert torch.equal(w, want)
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if thp.exists() and "[never]" not in thp.read_text():

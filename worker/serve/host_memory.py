@@ -142,13 +142,15 @@ def huge_pages(tensors, collapse: bool) -> int:
     already written are merged now: the weights'). A decode step streams every weight once and 4 KiB pages
     cost it a TLB walk each: 5-15% of a 1B step where the system leaves huge pages to madvise. Best effort:
     where the kernel refuses (huge pages off, an older kernel) nothing changes. -> bytes advised."""
+    import torch
+
     libc = ctypes.CDLL(None, use_errno=True)
     madvise = libc.madvise
     madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     advised, seen = 0, set()
     for t in tensors:
-        if t is None or t.device.type != "cpu" or t.is_mkldnn:
-            continue
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_mkldnn:
+            continue  # a library's own packed weight (MKL's, oneDNN's) is not ours to advise
         storage = t.untyped_storage()
         ptr, size = storage.data_ptr(), storage.nbytes()
         start, end = -(-ptr // HUGE_PAGE) * HUGE_PAGE, (ptr + size) // HUGE_PAGE * HUGE_PAGE
