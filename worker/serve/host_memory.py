@@ -1,7 +1,7 @@
 """The host allocator a worker runs on: tcmalloc where the system has it, else glibc tuned to keep freed
 blocks, so a CPU forward's tens of MiB a layer are not given back to the kernel and faulted in again every
 step. `--malloc` / PAGEDSERVE_MALLOC: auto, tcmalloc, glibc, default (malloc as it is, for comparisons).
-The weights and the KV pool are asked for 2 MiB pages (huge_pages).
+The weights are moved onto 2 MiB pages once loaded (huge_pages).
 
     python -m worker.serve.host_memory [MODE]   # prints the allocator this process ends up with"""
 
