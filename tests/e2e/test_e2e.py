@@ -214,14 +214,22 @@ def test_model_info_health_and_reflection(server):
 
 
 def test_duplicate_live_request_id_is_refused(server):
+    """Live means admitted and not finished, waiting or running; the workers are held still so the first
+    request cannot finish before the second arrives, however slowly this machine runs the test."""
     first = threading.Event()
     t = threading.Thread(target=run_stream_with_signal,
                          args=(server.stub, greedy_request([1, 2], 300, "dup"), first))
-    t.start()
-    assert first.wait(30)
-    with pytest.raises(grpc.RpcError) as err:
-        server.stub.Generate(greedy_request([1, 2], 3, "dup"), timeout=10)
-    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    with server.queued_in_order(1, gap=3.0):
+        t.start()
+        deadline = time.monotonic() + 2.5
+        while server.stats().num_waiting + server.stats().num_running == 0:
+            assert time.monotonic() < deadline, "the first request never reached the scheduler"
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as err:
+            server.stub.Generate(greedy_request([1, 2], 3, "dup"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "already in use" in err.value.details()
+    assert first.wait(30), "the first request did not go on after the refusal"
     server.stub.Abort(generation_pb2.AbortRequest(request_id="dup"), timeout=10)
     t.join(30)
     assert_all_blocks_back(server)

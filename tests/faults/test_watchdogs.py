@@ -205,3 +205,39 @@ def test_a_step_that_fails_when_read_back_is_reported(error, exits):
     assert sock.frames[-1].result.step_id == 4 and "step failed" in sock.frames[-1].result.error
     assert code == (EXIT_FAILED if exits else None)
     server._ctx.term()
+
+
+def test_a_handshake_done_before_the_worker_looks_still_counts_as_connected(monkeypatch):
+    """The heartbeat thread learns that its connection is up from libzmq's handshake event. A connect that
+    completes before the thread looks (a loaded machine) must not read as a scheduler that never came: the
+    worker stays up past its timeout against a scheduler that holds the connection but never echoes."""
+    from worker.serve.server import WorkerServer
+
+    peer_ctx = zmq.Context()
+    peer = peer_ctx.socket(zmq.ROUTER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.bind("tcp://127.0.0.1:0")
+    connect = zmq.Socket.connect
+
+    def connect_then_stall(sock, addr):
+        out = connect(sock, addr)
+        time.sleep(0.3)  # the I/O thread finishes the handshake meanwhile
+        return out
+
+    monkeypatch.setattr(zmq.Socket, "connect", connect_then_stall)
+    server = WorkerServer(peer.getsockopt_string(zmq.LAST_ENDPOINT), PipelinedRunner(),
+                          wire_pb2.Handshake(tp_rank=0, tp_size=1), heartbeat_interval=0.1,
+                          scheduler_timeout=0.8)
+    beats = threading.Thread(target=server._heartbeats, daemon=True)
+    beats.start()
+    deadline = time.monotonic() + 2.5
+    while time.monotonic() < deadline and not server._stop.is_set():
+        if peer.poll(50):
+            peer.recv_multipart()  # held, never echoed
+    lost = server._stop.is_set()
+    server._stop.set()
+    beats.join(5)
+    peer.close()
+    peer_ctx.term()
+    server._ctx.term()
+    assert not lost, "the worker took a live connection for a lost scheduler"

@@ -66,7 +66,9 @@ class WorkerServer:
         self.stop_requested_at: float | None = None
         self.stop_timeout = 60.0
 
-    def _socket(self, identity: str) -> zmq.Socket:
+    def _socket(self, identity: str, monitor_events: int = 0) -> tuple[zmq.Socket, zmq.Socket | None]:
+        """A DEALER to the scheduler, and a monitor of `monitor_events` on it when asked: the monitor is
+        attached before the connect, or a handshake done at once is an event nobody saw."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
@@ -78,8 +80,9 @@ class WorkerServer:
         if self._curve is not None:
             public, secret, server_public = self._curve
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_public
+        monitor = sock.get_monitor_socket(monitor_events) if monitor_events else None
         sock.connect(self.endpoint)
-        return sock
+        return sock, monitor
 
     def _send(self, sock: zmq.Socket, **body) -> None:
         sock.send(wire_pb2.WireMessage(version=WIRE_VERSION, **body).SerializeToString())
@@ -91,8 +94,8 @@ class WorkerServer:
         (answered by the scheduler's I/O thread, whatever its event loop is busy with) drop a dead or
         frozen peer, and a connection down for longer than scheduler_timeout ends this worker. A
         scheduler that is merely slow to echo the application beats never makes a worker quit."""
-        sock = self._socket(f"hb.{self.nonce}")
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        sock, monitor = self._socket(f"hb.{self.nonce}", events)
         down_since: float | None = time.monotonic()  # not connected yet
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -131,7 +134,7 @@ class WorkerServer:
         the scheduler's next plan (sent ahead, with overlap) arrives before the step is done, that plan is
         launched first — its input tokens read on the device — and only then is the step read back and
         answered, so the device never waits for the host between steps. On a CPU a launched step is done."""
-        sock = self._socket(f"w.{self.nonce}")
+        sock, _ = self._socket(f"w.{self.nonce}")
         self._send(sock, handshake=self.handshake)
         beats = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
         beats.start()
