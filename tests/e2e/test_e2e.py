@@ -171,12 +171,15 @@ def test_abort_rpc_ends_a_request_and_frees_blocks_at_once(server):
         box["result"] = run_stream_with_signal(server.stub, greedy_request([4, 4, 4], 400, "to-abort"), first)
 
     t = threading.Thread(target=consume)
+    pids = server.worker_pids()
     t.start()
     assert first.wait(30)
-    resp = server.stub.Abort(generation_pb2.AbortRequest(request_id="to-abort"), timeout=10)
-    assert resp.aborted
-    stats = server.stats()  # no waiting: Abort returns after the blocks are back
-    assert not any(r.request_id == "to-abort" for r in stats.requests)
+    with server.held_still(3.0, pids):  # no step runs: the request is still decoding when the Abort comes
+        assert any(r.request_id == "to-abort" for r in server.stats().requests), "finished before the Abort"
+        resp = server.stub.Abort(generation_pb2.AbortRequest(request_id="to-abort"), timeout=10)
+        assert resp.aborted
+        stats = server.stats()  # no waiting: Abort returns after the blocks are back
+        assert not any(r.request_id == "to-abort" for r in stats.requests)
     t.join(30)
     tokens, finish, usage = box["result"]
     assert finish == generation_pb2.ABORT
@@ -219,7 +222,7 @@ def test_duplicate_live_request_id_is_refused(server):
     first = threading.Event()
     t = threading.Thread(target=run_stream_with_signal,
                          args=(server.stub, greedy_request([1, 2], 300, "dup"), first))
-    with server.queued_in_order(1, gap=3.0):
+    with server.held_still(3.5):
         t.start()
         deadline = time.monotonic() + 2.5
         while server.stats().num_waiting + server.stats().num_running == 0:

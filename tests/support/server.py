@@ -21,17 +21,19 @@ class ServerProcess(LocalServer):
     def stats(self) -> generation_pb2.CacheStats:
         return self.stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=10)
 
-    @contextlib.contextmanager
-    def queued_in_order(self, n: int, gap: float = 0.05):
-        """Yields n arrival delays, `gap` apart, while this server's workers are held still (SIGSTOP):
-        requests sent at those delays all wait in the scheduler, in that order, before its next step, and
-        the workers go on `gap` * n + 0.5 s after the block begins (far below the heartbeat deadline).
-        Whether a small pool preempts then follows from the workload alone, not from how fast this machine
-        ran the first arrivals before the last came."""
+    def worker_pids(self) -> list[int]:
         deadline = time.monotonic() + 30
         while not (pids := [p for replica in self.stats().replicas for p in replica.worker_pids]):
             assert time.monotonic() < deadline, "the server never reported its workers"
             time.sleep(0.1)
+        return pids
+
+    @contextlib.contextmanager
+    def held_still(self, seconds: float, pids: list[int] | None = None):
+        """This server's workers held still (SIGSTOP) from now for `seconds`, whatever the block does (keep
+        it far below the heartbeat deadline): no step runs, so no request finishes meanwhile. `pids` read
+        beforehand make the hold begin at once."""
+        pids = pids or self.worker_pids()
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
 
@@ -40,12 +42,21 @@ class ServerProcess(LocalServer):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
 
-        release = threading.Timer(gap * n + 0.5, resume)
+        release = threading.Timer(seconds, resume)
         release.start()
         try:
-            yield [gap * i for i in range(n)]
+            yield
         finally:
             release.join()
+
+    @contextlib.contextmanager
+    def queued_in_order(self, n: int, gap: float = 0.05):
+        """Yields n arrival delays, `gap` apart, while this server's workers are held still: requests sent at
+        those delays all wait in the scheduler, in that order, before its next step, and the workers go on
+        `gap` * n + 0.5 s after the block begins. Whether a small pool preempts then follows from the
+        workload alone, not from how fast this machine ran the first arrivals before the last came."""
+        with self.held_still(gap * n + 0.5):
+            yield [gap * i for i in range(n)]
 
 
 def greedy_request(prompt: list[int], max_tokens: int,
