@@ -73,6 +73,7 @@ class NativeKernels:
         self._add_rms_norm, self._silu_mul = lib.pagedserve_add_rms_norm, lib.pagedserve_silu_mul
         self._silu_mul_bf16, self._rope = lib.pagedserve_silu_mul_bf16, lib.pagedserve_rope
         self._widen_bf16, self._write_kv = lib.pagedserve_widen_bf16, lib.pagedserve_write_kv
+        self._add_rms_norm_mixed = lib.pagedserve_add_rms_norm_mixed
         self._head_rms_norm, self._argmax_rows = lib.pagedserve_head_rms_norm, lib.pagedserve_argmax_rows
         self._quant_matmul = lib.pagedserve_quant_matmul
         self._quant_matmul_q8act = lib.pagedserve_quant_matmul_q8act
@@ -201,6 +202,16 @@ class NativeKernels:
         rows, dim = residual.shape
         self._add_rms_norm(residual.data_ptr(), None if delta is None else delta.data_ptr(),
                            weight.data_ptr(), out.data_ptr(), rows, dim, float(eps))
+
+    def add_rms_norm_mixed(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                           out: torch.Tensor, eps: float) -> None:
+        """add_rms_norm with the delta (or none) and out each fp32 or bf16, the residual fp32: residual +=
+        delta widened, out = rms_norm(residual) * weight, rounded to bf16 where out is."""
+        rows, dim = residual.shape
+        bf16 = torch.bfloat16
+        self._add_rms_norm_mixed(residual.data_ptr(), None if delta is None else delta.data_ptr(),
+                                 int(delta is not None and delta.dtype == bf16), weight.data_ptr(),
+                                 out.data_ptr(), int(out.dtype == bf16), rows, dim, float(eps))
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
         """out = silu(gate_up[:, :I]) * gate_up[:, I:]: fp32, or bf16 in and out (computed in fp32, rounded

@@ -19,6 +19,8 @@ server after the other:
   - fp32 weights over a bf16 KV pool (--kv-cache-dtype bf16): what rounding each key and value costs;
   - Q8_0: a Q8_0 copy of the file (its values quantized again as llama.cpp's Q8_0 files are: every matrix,
     1-D tensors F32; made once under ~/.cache/pagedserve-peers), served on its blocks.
+With --tokens-per-step 128 every chunk is one prompt step instead (the prompt path: the blocks' copy, bf16
+on AMX), and the blocks with prompts on the fp32 copy (--quantized-prefill dense) run beside the default.
 llama.cpp's llama-perplexity runs on the file and on the Q8_0 copy.
 Beside each, the mean and largest |difference| of the scored tokens' logprobs from the fp32 server's.
 
@@ -131,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             (f"{kind} blocks, fp32 activations", Path(args.model), ["--quantized-activations", "fp32"]),
             (f"{kind} blocks, int8 activations", Path(args.model), ["--quantized-activations", "int8"]),
             ("Q8_0 copy of the file, as served", q8, [])]
+    if args.tokens_per_step > 1:  # prompt steps: the default's copy (bf16 on AMX) against the fp32 one
+        runs.insert(4, (f"{kind} blocks, prompts on the fp32 copy", Path(args.model),
+                        ["--quantized-prefill", "dense"]))
     results = []
     for name, model, extra in runs:
         log = Path(tempfile.mkdtemp(prefix="pagedserve-accuracy-")) / "server.log"

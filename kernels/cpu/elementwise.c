@@ -8,6 +8,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "pagedserve.h"
 #include "convert.h"
@@ -22,6 +23,38 @@ void pagedserve_add_rms_norm(float* residual, const float* delta, const float* w
 #pragma omp parallel for schedule(static) if (rows * dim > 32768)
     for (int64_t r = 0; r < rows; r++)
         add_rms_norm_row(residual + r * dim, delta ? delta + r * dim : 0, weight, out + r * dim, dim, eps);
+}
+
+/* add_rms_norm beside bf16 GEMMs: the delta fp32 or bf16 (a bf16 GEMM's output), the normed row fp32 or rounded
+   to bf16 for the next bf16 GEMM; the residual stream stays fp32. add_rms_norm_row itself on the row widened
+   into a thread's scratch (so every sum is the fp32 kernel's, bit for bit), the output rounded to nearest even
+   as torch rounds: one pass over memory where widening, the norm and narrowing took three. */
+void pagedserve_add_rms_norm_mixed(float* residual, const void* delta, int32_t delta_bf16, const float* weight,
+                                   void* out, int32_t out_bf16, int64_t rows, int64_t dim, float eps) {
+#pragma omp parallel if (rows * dim > 32768)
+    {
+        float* scratch = (float*)malloc(sizeof(float) * 2 * (size_t)dim);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float* d = 0;
+            if (delta && delta_bf16) {
+                const uint16_t* src = (const uint16_t*)delta + r * dim;
+#pragma omp simd
+                for (int64_t i = 0; i < dim; i++) scratch[i] = bf16_to_float(src[i]);
+                d = scratch;
+            } else if (delta) {
+                d = (const float*)delta + r * dim;
+            }
+            float* o = out_bf16 ? scratch + dim : (float*)out + r * dim;
+            add_rms_norm_row(residual + r * dim, d, weight, o, dim, eps);
+            if (out_bf16) {
+                uint16_t* dst = (uint16_t*)out + r * dim;
+#pragma omp simd
+                for (int64_t i = 0; i < dim; i++) dst[i] = float_to_bf16_nobranch(o[i]);
+            }
+        }
+        free(scratch);
+    }
 }
 
 void pagedserve_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter) {

@@ -31,6 +31,8 @@ void pagedserve_paged_prefill(const float* q, int64_t q_row_stride, const void* 
 /* --- the elementwise tail (elementwise.c) ---------------------------------------------------------- */
 void pagedserve_add_rms_norm(float* residual, const float* delta, const float* weight, float* out, int64_t rows,
                              int64_t dim, float eps);
+void pagedserve_add_rms_norm_mixed(float* residual, const void* delta, int32_t delta_bf16, const float* weight,
+                                   void* out, int32_t out_bf16, int64_t rows, int64_t dim, float eps);
 void pagedserve_silu_mul(const float* gate_up, float* out, int64_t rows, int64_t inter);
 void pagedserve_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t inter);
 void pagedserve_write_kv(const float* k, const float* v, int64_t row_stride, void* k_cache, void* v_cache,

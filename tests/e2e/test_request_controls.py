@@ -26,7 +26,8 @@ def real(server_factory):
     # of the packed kernel moves a logprob by ~1e-3 on average (test_quantized holds that path to the
     # dequantized model's greedy answers and logprobs)
     return server_factory(MODEL_DIR, "--kv-cache-memory", "192MiB", "--max-model-len", "2048",
-                          "--max-num-batched-tokens", "256", "--quantized-activations", "fp32")
+                          "--max-num-batched-tokens", "256", "--quantized-activations", "fp32",
+                          "--quantized-prefill", "dense")  # transformers' fp32 arithmetic, prompts too
 
 
 @pytest.fixture(scope="module")

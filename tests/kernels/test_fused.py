@@ -47,6 +47,29 @@ def test_add_rms_norm_matches_torch(hidden, with_delta):
 
 
 @needs_native
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bf16_out", [False, True])
+def test_add_rms_norm_between_bf16_gemms_is_the_fp32_norm_rounded(delta_dtype, bf16_out):
+    """A bf16 GEMM's product added to the fp32 residual and the norm handed to the next bf16 GEMM in bf16: the
+    residual exactly the fp32 kernel's on the widened product, the output that kernel's rounded to nearest
+    even (the rounding the GEMM applied to its input anyway), in one pass."""
+    g = torch.Generator().manual_seed(7)
+    residual = torch.randn(9, 576, generator=g) * 3
+    delta = None if delta_dtype is None else (torch.randn(9, 576, generator=g) * 2).to(delta_dtype)
+    weight = torch.randn(576, generator=g)
+    ops = NativeOps(native)
+    wide = None if delta is None else delta.float()
+    want_res, want = ops.add_rms_norm(residual.clone(), wide, weight, 1e-5)
+    got_res, got = ops.add_rms_norm(residual.clone(), delta, weight, 1e-5, bf16_out)
+    assert torch.equal(got_res, want_res)
+    assert got.dtype == (torch.bfloat16 if bf16_out else torch.float32)
+    assert torch.equal(got, want.to(got.dtype))
+    ref_res, ref = TorchOps().add_rms_norm(residual.clone(), delta, weight, 1e-5, bf16_out)
+    assert ref.dtype == got.dtype and torch.equal(ref_res, want_res)
+    torch.testing.assert_close(ref.float(), got.float(), rtol=1e-2 if bf16_out else 1e-5, atol=1e-5)
+
+
+@needs_native
 @pytest.mark.parametrize("width", [1536, 17])
 def test_silu_mul_matches_torch(width):
     # exp over a wide range

@@ -259,7 +259,10 @@ def test_a_server_decodes_the_same_greedy_tokens_fused_and_layer_by_layer(server
     prompts = [[1, 5 + i, 9, 30 + 2 * i, 7] * (1 + i) for i in range(6)]
     outputs = []
     for mode in ("fused", "layers"):
-        server = server_factory(folder, "--block-size", "4", "--cpu-decode", mode)
+        # the fp32 copy past the row kernels: with AMX's bf16 one, each server's timed row limit would decide
+        # which rows round to bf16
+        server = server_factory(folder, "--block-size", "4", "--cpu-decode", mode,
+                                "--quantized-prefill", "dense")
         futures = [server.stub.Generate.future(pb.GenerateRequest(
             prompt_token_ids=p, sampling=pb.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
             for p in prompts]
@@ -315,7 +318,10 @@ def test_auto_activations_are_8_bit_where_prefill_keeps_no_dense_copy_and_16_bit
     assert "8-bit activations" in loaded.weights
     assert all(w.dense is None for w in loaded.model.layers[0].w.values() if hasattr(w, "dense"))
     loaded, lib = start()
-    assert activations_of(lib) == "int16" and loaded.quantized_prefill == "dense"
+    from worker.model.linear import OneDNNBf16Matmul
+
+    assert activations_of(lib) == "int16"
+    assert loaded.quantized_prefill == ("bf16" if OneDNNBf16Matmul.tiles() else "dense")
     loaded, lib = start("--quantized-prefill", "dequantize", "--quantized-activations", "int16")
     assert activations_of(lib) == "int16"
 
@@ -484,3 +490,72 @@ def test_the_per_token_budget_accounts_for_the_whole_step(tmp_path, capsys):
     budget.print_budget(res, 1e10, mats, budget.head_bytes(runner.model), budget.kv_bytes(runner, 40))
     out = capsys.readouterr().out
     assert "gate_up" in out and "worker Python and staging" in out and "read limit" in out
+
+
+def test_a_quantized_files_prompt_copy_is_bf16_where_the_cpu_multiplies_bf16_in_tiles(tmp_path):
+    """On AMX `auto` holds a 4-8 bit file's copy for prompt steps in bf16, in oneDNN's blocked layout (half an
+    fp32 copy's bytes, several times its rate): its products within bf16's rounding of the fp32 copy's, the
+    decode rows' kernels and the fused step's untouched, the choice in the ready line; `dense` keeps fp32
+    (the dequantized model's arithmetic, exactly), and `bf16` where the CPU has no bf16 is refused. With the
+    bf16 copy the KV pool is bf16 too (`--kv-cache-dtype auto`), and prompt attention runs on tiles."""
+    from worker.model.linear import OneDNNBf16Matmul
+    from worker.serve.main import build_parser
+    from worker.serve.startup import Refused, load, start_device
+
+    folder = make_tiny_gguf(tmp_path / "q4", qtype="Q4_1")
+
+    def start(*flags):
+        args = build_parser().parse_args(["--model", str(folder), "--scheduler", "tcp://127.0.0.1:1",
+                                          "--device", "cpu", "--num-blocks", "8", *flags])
+        device, dtype = start_device(args)
+        return load(args, device, dtype, 1)
+
+    auto, fp32 = start(), start("--quantized-prefill", "dense")
+    assert fp32.quantized_prefill == "dense" and fp32.model.mm.copies is None
+    assert "bf16" not in fp32.weights and fp32.model.layers[0].w["gate_up"].dense.dtype == torch.float32
+    if not OneDNNBf16Matmul.available():
+        with pytest.raises(Refused, match="multiplies bf16"):
+            start("--quantized-prefill", "bf16")
+    if not OneDNNBf16Matmul.tiles():
+        assert auto.quantized_prefill == "dense"
+        return
+    assert auto.quantized_prefill == "bf16" and "prompts on a bf16 copy" in auto.weights
+    assert auto.kv_dtype == torch.bfloat16 and fp32.kv_dtype == torch.float32
+    assert auto.attn.prefill_bf16_dots == cpu_native.load().prefill_bf16_dots  # AVX512_BF16 in this build
+    assert not getattr(fp32.attn, "prefill_bf16_dots", False)
+    model = auto.model
+    w, w32 = model.layers[0].w["gate_up"], fp32.model.layers[0].w["gate_up"]
+    assert w.dense.dtype == torch.bfloat16 and w.dense.is_mkldnn
+    x = torch.randn(64, w.q.in_dim, generator=torch.Generator().manual_seed(0))
+    saved = model.mm.max_kernel_rows, fp32.model.mm.max_kernel_rows
+    model.mm.max_kernel_rows = fp32.model.mm.max_kernel_rows = 8  # 64 rows: the copies
+    got, want = model.mm(x, w), fp32.model.mm(x, w32)
+    assert got.dtype == torch.float32 and not torch.equal(got, want)
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 2e-2, err  # bf16 activations and weights: 2^-8 steps
+    assert torch.equal(model.mm(x[:4], w), fp32.model.mm(x[:4], w32))  # decode rows: the same kernel
+    assert model.fused is not None and model.fused.sgemm is None  # the fused step never reads bf16 as fp32
+    # a prompt step past the row limit: between the bf16 GEMMs the norms take and give bf16 rows, with the
+    # same values
+    from tests.support.forward import run_step
+    from worker.model.elementwise import NativeOps
+    from worker.model.kv_pool import KVPool
+
+    seqs = [(list(range(5, 45)), 0, list(range(10))), (list(range(60, 90)), 0, list(range(10, 18)))]
+    calls = []
+    kernels = cpu_native.load()
+    mixed = kernels.add_rms_norm_mixed
+    kernels.add_rms_norm_mixed = lambda *a: (calls.append(1), mixed(*a))[1]
+    try:
+        outs = []
+        for between in (True, False):
+            calls.clear()
+            model.ops = NativeOps(kernels)
+            model.ops.mixed_bf16 = between
+            pool = KVPool(model.config, 24, 4, torch.bfloat16, torch.device("cpu"))
+            outs.append(run_step(model, model.config, pool, seqs, backend="cpu"))
+            assert bool(calls) == between
+    finally:
+        kernels.add_rms_norm_mixed = mixed
+        model.mm.max_kernel_rows, fp32.model.mm.max_kernel_rows = saved
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -155,7 +155,8 @@ def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_ans
 
     folder = make_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "m", "Q8_0", seed=3)
     flags = ["--block-size", "4", "--num-blocks", "256"]
-    exact = ["--quantized-activations", "int16"]  # the dequantized model's arithmetic (auto: llama.cpp's)
+    # the dequantized model's arithmetic (auto: llama.cpp's activations; prompts in bf16 on AMX)
+    exact = ["--quantized-activations", "int16", "--quantized-prefill", "dense"]
     servers = {"blocks": server_factory(folder, *flags, *exact),
                "blocks, TP=2": server_factory(folder, *flags, *exact, "--tp", "2"),
                "dequantized": server_factory(folder, *flags, "--dequantize")}
@@ -173,13 +174,16 @@ def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_ans
 def test_the_ready_line_says_how_a_ggufs_blocks_are_multiplied(server_factory, native, tmp_path):
     """Where the integer kernels run (AVX-512 VNNI, AVX2), a GGUF's blocks meet 16-bit activations unless
     asked otherwise (the dequantized model's answers), and 8-bit ones (llama.cpp's precision) with no fp32
-    copy of the weights when asked; the ready line and GetModelInfo say which."""
+    copy of the weights when asked; where the CPU has AMX, prompts run on a bf16 copy; the ready line and
+    GetModelInfo say which."""
     from protos import generation_pb2 as pb
     from tests.support.tiny import make_tiny_gguf
+    from worker.model.linear import OneDNNBf16Matmul
 
     folder = make_tiny_gguf(tmp_path / "m", qtype="Q4_1")
     flags = ["--block-size", "4", "--num-blocks", "256"]
     default = "16-bit activations" if native.packed_fast else "fp32 activations"
+    default += ", prompts on a bf16 copy" if OneDNNBf16Matmul.tiles() else ""
     int8 = "8-bit activations (llama.cpp's precision)" if native.packed_fast else "fp32 activations"
     for extra, words in (([], default), (["--quantized-activations", "int8"], int8)):
         server = server_factory(folder, *flags, *extra)
@@ -251,14 +255,14 @@ def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(ser
         pytest.skip("default model not prepared")
     monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path))
     path = find_embedded_gguf()
-    # 16-bit activations: the dequantized model's arithmetic (the default's 8 bits are llama.cpp's: below)
+    # 16-bit activations and prompts on the fp32 copy: the dequantized model's arithmetic (AMX's default
+    # bf16 copy rounds prompts' products: tests/kernels/test_fused_decode.py)
     server = server_factory(path, "--num-blocks", "256", "--max-model-len", "1024",
-                            "--quantized-activations", "int16")
+                            "--quantized-activations", "int16", "--quantized-prefill", "dense")
     try:
         log = server.log_path.read_text()
         assert '"matmul": "quantized"' in log and '"matrices": {"Q4_1": 120, "Q8_0": 1}' in log
-        # --quantized-prefill auto: the machine holds the dense copy
-        assert '"chosen": "dense", "why":' in log
+        assert '"chosen": "dense", "why": "asked for"' in log
         prepared = list(tmp_path.iterdir())
         assert len(prepared) == 1 and model_folder(str(path)) == str(prepared[0])  # found again, not redone
         assert json.loads((prepared[0] / "pagedserve_model.json").read_text())["gguf"] == str(path.resolve())
@@ -364,7 +368,7 @@ def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(
     folder = make_tiny_gguf(tmp_path_factory.mktemp(f"gguf-{family}") / "m", "Q8_0", seed=3, family=family,
                             **GGUF_FAMILIES[family])
     server = server_factory(folder, "--block-size", "4", "--num-blocks", "256",
-                            "--quantized-activations", "int16")
+                            "--quantized-activations", "int16", "--quantized-prefill", "dense")
     assert '"Q8_0": ' in server.log_path.read_text()
     for prompt in ([5, 9, 13, 200, 31], list(range(40, 75))):
         req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(

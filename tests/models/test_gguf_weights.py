@@ -143,7 +143,7 @@ def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch
     the file's bytes where they do not fit, where an fp32 copy would have been counted four times over."""
     from argparse import Namespace
 
-    from worker.serve import startup as worker_main
+    from worker.serve import choices as worker_main
     from worker.weights.loader import load_config
 
     folder = make_tiny_gguf(tmp_path / "m", "Q8_0", seed=2, family="llama", tables=True)

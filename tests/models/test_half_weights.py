@@ -8,7 +8,8 @@ import torch
 from tests.support.forward import BLOCK, run_step
 from tests.support.tiny import hf_greedy, make_tiny_llama
 from worker.model.kv_pool import KVPool
-from worker.model.quantized import QuantizedMatmul, native_bf16
+from worker.model.linear import native_bf16
+from worker.model.quantized import QuantizedMatmul
 from worker.weights.gguf_blocks import CastSource
 from worker.weights.loader import load_config, load_model, tensor_source
 

@@ -89,7 +89,7 @@ def test_tensor_parallel_3_on_the_default_model_equals_transformers(server_facto
     tok = Tokenizer(MODEL_DIR)
     prompts = [tok.encode_prompt(p, raw=False) for p in ("Name three colors.", "What is 2 + 2?")]
     tp3 = server_factory(MODEL_DIR, "--tensor-parallel-size", "3", "--quantized-activations", "int16",
-                         "--kv-cache-memory", "64MiB",
+                         "--quantized-prefill", "dense", "--kv-cache-memory", "64MiB",
                          "--max-model-len", "1024")
     info = tp3.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
     assert (info.tensor_parallel_size, info.num_workers) == (3, 3)

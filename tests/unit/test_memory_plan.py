@@ -36,6 +36,21 @@ def test_prefill_keeps_a_dense_copy_only_for_a_small_model_and_where_it_fits():
     assert choose_quantized_prefill("dense", 5 * GiB, kv, 0)[0] == "dense"  # asked for: as asked
 
 
+def test_a_bf16_copy_takes_half_the_bytes_and_the_same_limits():
+    """Where the CPU multiplies bf16 in tiles the copy is bf16: a model twice the fp32 limit's size still gets
+    one, and a copy that cannot fit even at half the bytes is not taken; an explicit choice stays."""
+    kv = 2 * GiB
+    chosen, why = choose_quantized_prefill("auto", 2 * DENSE_COPY_LIMIT, kv, DENSE_COPY_LIMIT + kv + MARGIN,
+                                           bf16=True)
+    assert chosen == "bf16" and "AMX" in why
+    assert choose_quantized_prefill("auto", 2 * DENSE_COPY_LIMIT, kv, 100 * GiB)[0] == "dequantize"
+    chosen, why = choose_quantized_prefill("auto", 5 * GiB, kv, 100 * GiB, bf16=True)
+    assert chosen == "dequantize" and "2.5 GiB" in why
+    chosen, _ = choose_quantized_prefill("auto", GiB, kv, GiB // 2 + kv + MARGIN - 1, bf16=True)
+    assert chosen == "dequantize"
+    assert choose_quantized_prefill("dense", GiB, kv, 100 * GiB, bf16=True)[0] == "dense"
+
+
 def test_the_refusal_names_what_is_needed_and_what_there_is():
     assert check_fits("this model", 10 * GiB, 12 * GiB, "fix") is None
     message = check_fits("this model", 30 * GiB, 22 * GiB, "serve a smaller model")

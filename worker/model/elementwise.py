@@ -31,11 +31,14 @@ class TorchOps:
     name = "torch"
 
     def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (residual + delta, rms_norm of it); residual alone when delta is None."""
+                     eps: float, bf16_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (residual + delta, rms_norm of it); residual alone when delta is None. delta may come in bf16 (a
+        bf16 GEMM's output: widened, exactly), and with bf16_out the norm goes out rounded to bf16 (for the
+        next bf16 GEMM); the residual keeps its dtype."""
         if delta is not None:
-            residual = residual + delta
-        return residual, rms_norm(residual, weight, eps)
+            residual = residual + delta.to(residual.dtype)
+        out = rms_norm(residual, weight, eps)
+        return residual, out.to(torch.bfloat16) if bf16_out else out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -65,10 +68,20 @@ class NativeOps(TorchOps):
     def covers(x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.dtype == torch.float32
 
-    def add_rms_norm(self, residual, delta, weight, eps):
+    # the norms take a bf16 GEMM's output and give the next one bf16 rows (add_rms_norm_mixed)
+    mixed_bf16 = True
+
+    def add_rms_norm(self, residual, delta, weight, eps, bf16_out=False):
         if not (residual.is_contiguous() and (delta is None or delta.is_contiguous())
                 and weight.is_contiguous()):
-            return super().add_rms_norm(residual, delta, weight, eps)
+            return super().add_rms_norm(residual, delta, weight, eps, bf16_out)
+        if bf16_out or (delta is not None and delta.dtype != residual.dtype):
+            if not (self.mixed_bf16 and residual.dtype == torch.float32
+                    and (delta is None or delta.dtype in (torch.float32, torch.bfloat16))):
+                return super().add_rms_norm(residual, delta, weight, eps, bf16_out)
+            out = torch.empty_like(residual, dtype=torch.bfloat16 if bf16_out else torch.float32)
+            self.k.add_rms_norm_mixed(residual, delta, weight, out, eps)  # residual += delta in place
+            return residual, out
         out = torch.empty_like(residual)
         self.k.add_rms_norm(residual, delta, weight, out, eps)  # residual += delta in place
         return residual, out
@@ -119,6 +132,7 @@ class TritonOps(NativeOps):
 
     name = "triton"
     head_norms = TorchOps.head_norms
+    mixed_bf16 = False
 
     def __init__(self) -> None:
         from kernels.triton_elementwise import TritonElementwise

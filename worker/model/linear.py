@@ -47,6 +47,39 @@ class OneDNNMatmul:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512_BF16 or AMX-BF16), where torch's bf16 GEMM
+    (oneDNN) is faster than fp32's; elsewhere it is emulated, slower."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, c, lambda: False)()) for c in checks)
+
+
+class OneDNNBf16Matmul:
+    """A quantized file's copy for prompt steps in bf16, in oneDNN's blocked layout (`--quantized-prefill
+    bf16`): each step's activations rounded to bf16, products summed in fp32 and returned in fp32. Half an
+    fp32 copy's bytes, and on AMX tiles several times its rate; the decode rows' kernels never read it."""
+    name = "onednn-bf16"
+
+    @staticmethod
+    def available() -> bool:
+        return native_bf16() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+    @staticmethod
+    def tiles() -> bool:
+        """Whether the CPU multiplies bf16 in AMX tiles, where --quantized-prefill auto takes this copy."""
+        return OneDNNBf16Matmul.available() and bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous())
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        xb = x.contiguous().to(torch.bfloat16)
+        y = torch.ops.mkldnn._linear_pointwise(xb, weight, None, "none", [], "")
+        return y.float() if bias is None else y.float().add_(bias)
+
+
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151  # MKL's CBLAS enumerations
 
 

@@ -110,11 +110,12 @@ class DecoderLayer(nn.Module):
         residual None, x is the embeddings. Returns (this layer's MLP output, the residual stream)."""
         c = self.config
         num_tokens = x.shape[0]
-        if residual is None:
-            residual, h = ops.add_rms_norm(x, None, self.input_norm, c.rms_norm_eps)
-        else:
-            residual, h = ops.add_rms_norm(residual, x, self.input_norm, c.rms_norm_eps)
         mm, w, lora, i = self.mm, self.w, step.lora, self.layer_idx
+        into_bf16 = self._bf16_between(mm, ops, lora, num_tokens)
+        if residual is None:
+            residual, h = ops.add_rms_norm(x, None, self.input_norm, c.rms_norm_eps, into_bf16("qkv"))
+        else:
+            residual, h = ops.add_rms_norm(residual, x, self.input_norm, c.rms_norm_eps, into_bf16("qkv"))
         qkv = mm(h, w["qkv"], self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         if lora is not None:
             qkv = lora.apply(i, "qkv", h, qkv)
@@ -132,11 +133,13 @@ class DecoderLayer(nn.Module):
         o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.attn_scale, c.window(self.layer_idx),
                          c.attn_softcap)  # [num_tokens, n_heads, hd]
         o = o.reshape(num_tokens, self.q_size)
-        a = mm(o, w["o_proj"])
+        a = mm(o, w["o_proj"], bf16_out=True) if into_bf16("o_proj") and self.attn_out_norm is None \
+            else mm(o, w["o_proj"])
         a = self.comm.all_reduce(a if lora is None else lora.apply(i, "o_proj", o, a))
         if self.attn_out_norm is not None:
             a = rms_norm(a, self.attn_out_norm, c.rms_norm_eps)
-        residual, h = ops.add_rms_norm(residual, a, self.post_attn_norm, c.rms_norm_eps)
+        residual, h = ops.add_rms_norm(residual, a, self.post_attn_norm, c.rms_norm_eps,
+                                       self.moe is None and into_bf16("gate_up"))
         if self.moe is not None:
             out = self.comm.all_reduce(self.moe(h, ops))
         else:
@@ -146,11 +149,22 @@ class DecoderLayer(nn.Module):
             if lora is not None:
                 gate_up = lora.apply(i, "gate_up", h, gate_up)
             act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
-            out = mm(act, w["down"])
+            out = mm(act, w["down"], bf16_out=True) if into_bf16("down") and self.mlp_out_norm is None \
+                else mm(act, w["down"])
             out = self.comm.all_reduce(out if lora is None else lora.apply(i, "down", act, out))
         if self.mlp_out_norm is not None:
             out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)
         return out, residual
+
+    def _bf16_between(self, mm, ops, lora, rows: int):
+        """name -> whether that projection's input and output stay bf16 this step: a step past the row kernels
+        on bf16 weights (a bf16 file's, or a quantized file's bf16 copy) on one rank without adapters, whose
+        norms take and give bf16 rows (ops.mixed_bf16) — no pass widens a product or narrows a norm's rows
+        (the values are the same: every bf16 GEMM rounds its input to bf16 anyway)."""
+        if lora is not None or self.comm.size > 1 or not getattr(ops, "mixed_bf16", False) \
+                or not hasattr(mm, "bf16_rows"):
+            return lambda name: False
+        return lambda name: mm.bf16_rows(rows, self.w[name])
 
 
 class LlamaModel(nn.Module):
@@ -226,7 +240,7 @@ class LlamaModel(nn.Module):
                 return lib.dense.prepare(param), False
             counts[q.file_qtype] = counts.get(q.file_qtype, 0) + 1
             # prefill's copy is the blocks' own values, whatever the loaded parameter held
-            dense = lib.dense.prepare(lib.dequantize(q)) if keep_dense else None
+            dense = (lib.copies or lib.dense).prepare(lib.dequantize(q)) if keep_dense else None
             return QuantLinear(lib.pack(q), dense), True
 
         for i, layer in enumerate(self.layers):

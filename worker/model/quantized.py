@@ -10,6 +10,8 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from worker.model.linear import native_bf16
+
 log = structlog.get_logger("worker.model.quantized")
 
 INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the types --quantized-activations int8 multiplies in integers
@@ -130,14 +132,6 @@ class QuantStack:
         return "+".join(p.file_qtype for p in self.segments)
 
 
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512_BF16 or AMX-BF16), where torch's bf16 GEMM
-    (oneDNN) is faster than fp32's; elsewhere it is emulated, slower."""
-    cpu = getattr(torch, "cpu", None)
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, c, lambda: False)()) for c in checks)
-
-
 class QuantEmbedding:
     """The token embeddings as the file ships them (this rank's rows of blocks, unpacked): a lookup
     dequantizes just the rows it gathers, so the table is never held in fp32 (2.1 GB at Llama-3-8B's)."""
@@ -197,6 +191,7 @@ class QuantizedMatmul:
         self.packing = packing
         self.pack_q8 = getattr(kernels, "packed_q8_fast", True) if pack_q8 is None else pack_q8
         self.dense = dense or DenseMatmul()
+        self.copies = None  # the library of the blocks' copies for prompt steps, where not `dense` (bf16)
         self.max_kernel_rows = max_kernel_rows
         self.bf16_gemm = native_bf16()
         self._scratch = torch.empty(0)
@@ -248,17 +243,19 @@ class QuantizedMatmul:
         if not isinstance(w, (QuantWeight, QuantStack, QuantLinear)):  # the dense library's own weight
             return self.dense(x.float(), w, bias)
         q, dense = (w.q, w.dense) if isinstance(w, QuantLinear) else (w, None)
-        if x.shape[0] > self.max_kernel_rows and dense is None and bias is None and self._bf16_gemm_only(q):
+        if x.shape[0] > self.max_kernel_rows and (gemm := self._bf16_weight(q, dense)) is not None:
             xb = x if x.dtype == torch.bfloat16 else x.contiguous().to(torch.bfloat16)
-            y = (F.linear(xb, q.data.view(torch.bfloat16)) if q.gemm is None  # one segment, as held
-                 else torch.ops.mkldnn._linear_pointwise(xb, q.gemm, None, "none", [], ""))
+            y = (F.linear(xb, gemm) if not gemm.is_mkldnn  # a BF16 file's one segment, as held
+                 else torch.ops.mkldnn._linear_pointwise(xb, gemm, None, "none", [], ""))
+            if bias is not None:
+                return self.kernels.widen_bf16(y).add_(bias)
             return y if bf16_out else self.kernels.widen_bf16(y)
         x = x if x.is_contiguous() and x.dtype == torch.float32 else x.float().contiguous()
         if x.shape[0] <= self.max_kernel_rows:
             y = self.kernel(x, q)
             return y if bias is None else y.add_(bias)
         if dense is not None:
-            return self.dense(x, dense, bias)
+            return (self.copies or self.dense)(x, dense, bias)
         return self.tiled(x, q, bias)
 
     @staticmethod
@@ -281,6 +278,22 @@ class QuantizedMatmul:
 
     def _bf16_gemm_only(self, w) -> bool:
         return self.bf16_gemm and isinstance(w, QuantWeight) and w.qtype == "BF16"
+
+    def bf16_rows(self, rows: int, w) -> bool:
+        """Whether a step of `rows` rows multiplies w through the bf16 GEMM (its input may come in bf16, its
+        output go out in bf16)."""
+        if rows <= self.max_kernel_rows or not isinstance(w, (QuantWeight, QuantStack, QuantLinear)):
+            return False
+        return self._bf16_weight(*((w.q, w.dense) if isinstance(w, QuantLinear) else (w, None))) is not None
+
+    def _bf16_weight(self, q, dense) -> torch.Tensor | None:
+        """The bf16 weight a step of many rows multiplies through the bf16 GEMM: a BF16 file's rows (their
+        blocked copy where held), or a quantized file's bf16 copy (`copies`: --quantized-prefill bf16)."""
+        if dense is not None:
+            return dense if self.copies is not None and dense.dtype == torch.bfloat16 else None
+        if not self._bf16_gemm_only(q):
+            return None
+        return q.data.view(torch.bfloat16) if q.gemm is None else q.gemm
 
     SCRATCH_VALUES = 4 << 20  # 16 MB of fp32: the most of a weight dequantized at once for prefill
 

@@ -167,6 +167,40 @@ def int8_without_copy(cfg, lib, types: set[str]) -> bool:
     return True
 
 
+def prefill_path(cfg: WorkerConfig, model, config, source, lib, kv_dtype, int8_packed: bool) -> str:
+    """--quantized-prefill resolved (`auto` by the file, the activations, the CPU and memory), logged: what
+    prompt steps multiply a file's blocks on — "dense" (an fp32 copy), "bf16" (a bf16 copy: lib.copies),
+    "dequantize" (tiles, or the packed kernel) — and "auto" kept without blocks. ValueError: bf16 asked for
+    where it cannot run."""
+    from worker.model.linear import OneDNNBf16Matmul
+    from worker.serve.memory_plan import available_bytes, choose_quantized_prefill, dense_copy_bytes
+
+    prefill = cfg.quantized_prefill
+    if source is not None and getattr(source, "qtype_name", "") == "BF16" and prefill == "auto" \
+            and lib.bf16_gemm:
+        prefill = "dequantize"
+        model.bf16_prefill = True  # prompt chunks multiply bf16 activations: attention may too
+        log.info("quantized_prefill", chosen="dequantize",
+                 why="the CPU's bf16 GEMM multiplies the weights as held")
+    elif source is not None and prefill == "auto" and int8_packed:
+        prefill = "dequantize"  # no dense copy: many rows run on the packed kernel too
+        log.info("quantized_prefill", chosen="dequantize",
+                 why="the packed kernel with 8-bit activations multiplies many rows faster than an fp32 copy")
+    elif source is not None:
+        prefill, why = choose_quantized_prefill(
+            prefill, dense_copy_bytes(model.file_blocks),
+            kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads), available_bytes(),
+            bf16=cfg.matmul == "auto" and OneDNNBf16Matmul.tiles())
+        log.info("quantized_prefill", chosen=prefill, why=why)
+    if prefill == "bf16":
+        if source is None or not OneDNNBf16Matmul.available():
+            raise ValueError("--quantized-prefill bf16 needs a quantized file's blocks and a CPU that "
+                             "multiplies bf16 (AVX512_BF16 or AMX)")
+        lib.copies = OneDNNBf16Matmul()
+        model.bf16_prefill = True  # prompt chunks multiply bf16 activations: attention may too
+    return prefill
+
+
 def activations_of(lib) -> str:
     """What a quantized library's kernels multiply the weights with: int8, int16 (packed) or fp32."""
     return "int8" if lib.int8_activations else "int16" if lib.packing else "fp32"
@@ -178,14 +212,16 @@ def block_types(model) -> set[str]:
     return {s.qtype for w in model.file_blocks.values() for s in w.segments}
 
 
-def weights_of(lib, types: set[str]) -> str:
-    """How the matrices are held and multiplied (lib: the quantized library, types: block_types), in the words
-    of the ready line ("" for plain or half-width rows, whose dtype says it)."""
+def weights_of(lib, types: set[str], prefill: str = "") -> str:
+    """How the matrices are held and multiplied (lib: the quantized library, types: block_types, prefill: the
+    path prompts take), in the words of the ready line ("" for plain or half-width rows, whose dtype says
+    it)."""
     if lib is None or types <= {"BF16", "F16", "F32"}:
         return ""
     words = {"int8": "8-bit activations (llama.cpp's precision)", "int16": "16-bit activations",
              "fp32": "fp32 activations"}
-    return f"the file's blocks x {words[activations_of(lib)]}"
+    prompts = ", prompts on a bf16 copy" if prefill == "bf16" else ""
+    return f"the file's blocks x {words[activations_of(lib)]}{prompts}"
 
 
 def use_native_head(model) -> None:

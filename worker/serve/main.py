@@ -72,8 +72,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_CACHE_DTYPES),
                    help="the KV pool's element type: bf16 holds twice the tokens in the same memory and "
                         "halves the bytes a long context reads (keys and values rounded to bf16); auto: bf16 "
-                        "where the model is served in bfloat16 (--dtype bfloat16), else the model's compute "
-                        "dtype")
+                        "where the model is served in bfloat16 (--dtype bfloat16) or a quantized file's "
+                        "prompts run on a bf16 copy (--quantized-prefill), else the model's compute dtype")
     g.add_argument("--num-blocks", type=POSITIVE, default=None,
                    help="KV pool size in blocks (overrides the memory budget)")
     g.add_argument("--kv-cache-memory", type=size, default=None,
@@ -99,12 +99,14 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dequantize", action="store_true",
                    help="serve a quantized GGUF (or a folder prepared from one) dequantized to --dtype "
                         "instead of on its own blocks")
-    g.add_argument("--quantized-prefill", default="auto", choices=["auto", "dense", "dequantize"],
-                   help="with quantized weights, prefill on a dense copy of each weight (memory for speed) "
-                        "or dequantize each into a scratch matrix when it is used (or multiply on the packed "
-                        "kernel where it is faster); auto: the dense copy for a model whose copy holds at "
-                        "most 1 GiB, where the machine's available memory holds it beside the KV pool, none "
-                        "with --quantized-activations int8 (the choice is logged)")
+    g.add_argument("--quantized-prefill", default="auto", choices=["auto", "dense", "bf16", "dequantize"],
+                   help="with quantized weights, prefill on a dense fp32 copy of each weight (memory for "
+                        "speed), on a bf16 copy (half the memory; bf16 products, several times fp32's rate "
+                        "on AMX) or dequantize each into a scratch matrix when it is used (or multiply on "
+                        "the packed kernel where it is faster); auto: the copy (bf16 where the CPU has AMX) "
+                        "for a model whose copy holds at most 1 GiB, where the machine's available memory "
+                        "holds it beside the KV pool, none with --quantized-activations int8 (the choice "
+                        "is logged and said in the ready line)")
     g.add_argument("--quantized-activations", default="auto", choices=["auto", "int16", "fp32", "int8"],
                    help="with quantized weights, what the kernels multiply the weights with: int16 rounds "
                         "activations per 32-value block to 16-bit integers (2^-16 of the block's largest "

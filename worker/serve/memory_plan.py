@@ -60,14 +60,20 @@ def check_fits(what: str, need: int, available: int | None, fix: str) -> str | N
     return (f"{what} needs {human(need)} of memory and this machine has {human(available)} available; {fix}")
 
 
-def choose_quantized_prefill(choice: str, dense_copy: int, kv: int, available: int | None) -> tuple[str, str]:
-    """'dense' or 'dequantize' for --quantized-prefill auto, and why. The worker holds the file's blocks when
-    this is asked; a dense copy of the matrices they serve (`dense_copy` bytes: prefill on the dense library's
-    own layout, the fastest) is kept where it is at most DENSE_COPY_LIMIT and it, the KV pool and a margin
-    still fit in what is available; otherwise prefill runs on the kernel or dequantizes a tile of each weight
-    at a time into a small scratch, and nothing of the model is ever held in full precision."""
+def choose_quantized_prefill(choice: str, dense_copy: int, kv: int, available: int | None,
+                             bf16: bool = False) -> tuple[str, str]:
+    """'dense', 'bf16' or 'dequantize' for --quantized-prefill auto, and why. The worker holds the file's
+    blocks when this is asked; a copy of the matrices they serve (`dense_copy` bytes in fp32: prefill on the
+    dense library's own layout, the fastest) is kept where it is at most DENSE_COPY_LIMIT and it, the KV pool
+    and a margin still fit in what is available — in bf16 (half the bytes) where `bf16` says the CPU
+    multiplies bf16 in tiles (AMX: several times fp32's rate, at the accuracy docs/BENCHMARKS.md measures);
+    otherwise prefill runs on the kernel or dequantizes a tile of each weight at a time into a small scratch,
+    and nothing of the model is ever held in full precision."""
     if choice != "auto":
         return choice, "asked for"
+    if bf16:
+        chosen, why = choose_quantized_prefill(choice, dense_copy // 2, kv, available)
+        return ("bf16", f"AMX multiplies bf16; {why}") if chosen == "dense" else (chosen, why)
     if dense_copy > DENSE_COPY_LIMIT:
         return "dequantize", (f"a dense copy ({human(dense_copy)}) would hold more than "
                               f"{human(DENSE_COPY_LIMIT)} beside the file (--quantized-prefill dense keeps "

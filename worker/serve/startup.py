@@ -17,8 +17,8 @@ from worker.serve.choices import (
     half_weights,
     hold_gemm_copy,
     int8_without_copy,
-    kv_budget_bytes,
     kv_cache_dtype,
+    prefill_path,
     quantized_library,
     quantized_source,
     rank_device,
@@ -177,6 +177,10 @@ def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
     try:
         types = block_types(model)  # before attach_matmuls hands the blocks to the model
         prefill = attach_matmuls(cfg, model, config, source, lib, device, dtype, kv_dtype, tp, load_s)
+        if prefill == "bf16" and cfg.kv_cache_dtype == "auto":  # prompts computed in bf16: keys, values too
+            kv_dtype = torch.bfloat16
+            log.info("kv_cache_dtype", chosen="bfloat16", why="prompts multiply a bf16 copy (AMX): the pool "
+                     "holds twice the tokens and prompt attention runs on tiles")
         heads = model.shard.num_kv_heads
         attn = make_backend(cfg.attention_backend, device, (model.shard.num_q_heads, heads, config.head_dim,
                             cfg.block_size, dtype, kv_dtype), getattr(model, "bf16_prefill", False))
@@ -186,7 +190,7 @@ def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
     except ValueError as e:
         raise Refused("bad_worker_option", str(e), error=str(e)) from None
     return Loaded(model, config, dtype, weights_dtype, kv_dtype, attn, heads, prefill,
-                  weights_of(lib, types))
+                  weights_of(lib, types, prefill))
 
 
 def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype, kv_dtype, tp: int,
@@ -199,28 +203,12 @@ def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype,
 
     from worker.model.linear import choose as choose_matmul
     from worker.model.quantized import PACKED_TYPES
-    from worker.serve.memory_plan import available_bytes, choose_quantized_prefill, dense_copy_bytes
 
     t0 = time.perf_counter()
-    bf16_source = source is not None and getattr(source, "qtype_name", "") == "BF16"
-    prefill = cfg.quantized_prefill  # "auto" resolved here
     # 8-bit activations meet packed blocks only: a file of bf16 / fp16 rows keeps the choices below
     int8_packed = source is not None and lib.packing and lib.int8_activations and bool(
         block_types(model) & PACKED_TYPES.keys())
-    if bf16_source and prefill == "auto" and lib.bf16_gemm:
-        prefill = "dequantize"
-        model.bf16_prefill = True  # prompt chunks multiply bf16 activations: attention may too
-        log.info("quantized_prefill", chosen="dequantize",
-                 why="the CPU's bf16 GEMM multiplies the weights as held")
-    elif source is not None and prefill == "auto" and int8_packed:
-        prefill = "dequantize"  # no dense copy: many rows run on the packed kernel too
-        log.info("quantized_prefill", chosen="dequantize",
-                 why="the packed kernel with 8-bit activations multiplies many rows faster than an fp32 copy")
-    elif source is not None:
-        prefill, why = choose_quantized_prefill(
-            prefill, dense_copy_bytes(model.file_blocks),
-            kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads), available_bytes())
-        log.info("quantized_prefill", chosen=prefill, why=why)
+    prefill = prefill_path(cfg, model, config, source, lib, kv_dtype, int8_packed)
     # dequantized tiles meet F.linear: no library to measure (that would allocate the fp32 copy avoided)
     no_dense_copy = source is not None and prefill == "dequantize"
     int8_packed = int8_packed or (no_dense_copy and int8_without_copy(cfg, lib, block_types(model)))
@@ -232,7 +220,7 @@ def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype,
         from worker.model.quantized import choose_threshold, model_linears
 
         lib.dense = dense
-        counts = model.use_quantized(model.file_blocks, lib, keep_dense=prefill == "dense")
+        counts = model.use_quantized(model.file_blocks, lib, keep_dense=prefill in ("dense", "bf16"))
         hold_gemm_copy(cfg, model, config, kv_dtype, lib)  # bf16 weights where the CPU has AMX
         if int8_packed and no_dense_copy:
             # every step on the packed kernel: faster than dequantizing tiles at any row count (1B and 8B
