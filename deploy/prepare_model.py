@@ -19,7 +19,7 @@ from pathlib import Path
 
 from protos import ConfigError, env
 from protos.argtypes import Parser
-from worker.weights.gguf import find_embedded_gguf
+from worker.weights.gguf_header import find_embedded_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -34,7 +34,7 @@ def is_prepared(out: Path, dense: bool = False) -> bool:
 def needs_dense_copy(gguf_path: Path) -> bool:
     """Whether the workers need the file's weights dequantized beforehand (an architecture they do not
     read)."""
-    from worker.weights.gguf import reads_natively
+    from worker.weights.gguf_header import reads_natively
 
     return not reads_natively(gguf_path)
 
@@ -127,11 +127,10 @@ def preparation_refusal(path: Path, cache: Path, available: int | None = None,
     starting, instead of the kernel's OOM killer ending the process halfway with only `Killed`)."""
     import shutil
 
-    from gguf import GGUFReader
-
     from worker.serve.memory_plan import GiB, available_bytes, human
+    from worker.weights.gguf_header import read_header
 
-    fp32 = 4 * sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+    fp32 = 4 * sum(t.n_elements for t in read_header(path)[1].values())
     available = available_bytes() if available is None else available
     if available is not None and fp32 + GiB > available:
         return (f"{path.name} holds {fp32 // 4 / 1e9:.2f}B values; preparing it takes an fp32 copy of them "

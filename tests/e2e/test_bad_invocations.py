@@ -58,7 +58,7 @@ def taken_port():
 
 
 def bad_models(tmp):
-    from worker.weights.gguf import find_embedded_gguf
+    from worker.weights.gguf_header import find_embedded_gguf
 
     (tmp / "not-a-model").mkdir()
     (tmp / "plain.txt").write_text("hello")

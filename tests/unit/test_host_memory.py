@@ -88,3 +88,32 @@ def test_weights_are_moved_onto_huge_pages_with_their_values_kept():
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if thp.exists() and "[never]" not in thp.read_text():
         assert _huge_bytes_at(ptr + HUGE_PAGE) >= HUGE_PAGE
+
+
+LOAD_THEN_RELEASE = """
+import torch
+from worker.serve.host_memory import loaded_allocator, release_free_memory, tune_glibc
+from worker.serve.memory_plan import resident_bytes
+if loaded_allocator() == "glibc":
+    tune_glibc()  # as a worker on glibc runs: freed blocks kept
+held = [torch.ones(1 << 19) for _ in range(200)]  # 2 MiB each, loading's transients: 400 MiB touched
+del held
+kept = resident_bytes()[0]
+assert release_free_memory()
+print(loaded_allocator(), kept - resident_bytes()[0])
+"""
+
+
+@pytest.mark.parametrize("allocator", ["tcmalloc", "glibc"])
+def test_what_loading_freed_is_given_back_to_the_system(allocator):
+    """The allocators a worker runs on keep freed memory for reuse (what a step's scratch wants), so loading's
+    transients would stay resident beside the model for good: released once, after loading."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PAGEDSERVE_MALLOC_REEXEC")}
+    if allocator == "tcmalloc":
+        if find_tcmalloc() is None:
+            pytest.skip("no tcmalloc on this system")
+        clean["LD_PRELOAD"] = find_tcmalloc()
+    out = subprocess.run([sys.executable, "-c", LOAD_THEN_RELEASE], cwd=ROOT, env=clean, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out[0] == allocator
+    assert int(out[1]) > 300 << 20  # of the 400 MiB freed

@@ -310,6 +310,10 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
     from worker.step.runner import ModelRunner, warm_up
     from worker.step.staging import is_device_fatal
 
+    if device.type == "cpu":
+        from worker.serve.host_memory import huge_pages, release_free_memory, weight_tensors
+
+        release_free_memory()
     model_resident, _ = resident_bytes()  # weights (and their copies), libraries: everything but the pool
     pool = KVPool(loaded.config, plan.num_blocks, plan.block_size, loaded.kv_dtype, device, loaded.heads)
     # what this worker will hold: the model as loaded, and the pool (paged in as used)
@@ -319,9 +323,6 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
         log.info("host_memory", model_resident_bytes=model_resident, kv_pool_bytes=pool_bytes,
                  planned_bytes=model_resident + pool_bytes, peak_resident_bytes=peak, resident_bytes=rss,
                  available_bytes=available_bytes())
-    if device.type == "cpu":
-        from worker.serve.host_memory import huge_pages, weight_tensors
-
         # the weights only: a pool advised too faults its pages in 2 MiB at a time, compacting memory as
         # prompts arrive (a served 16-stream run lost a quarter of its rate)
         log.info("huge_pages", weights_bytes=huge_pages(weight_tensors(loaded.model), collapse=True))

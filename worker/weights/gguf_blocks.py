@@ -65,7 +65,7 @@ def find_gguf(model: str | Path) -> Path | None:
     if info.get("gguf") and Path(info["gguf"]).is_file():
         return Path(info["gguf"])
     if info.get("source"):
-        from worker.weights.gguf import find_embedded_gguf
+        from worker.weights.gguf_header import find_embedded_gguf
 
         try:
             return find_embedded_gguf(name=info["source"])
@@ -83,7 +83,8 @@ class GGUFQuantSource:
              "mlp.down_proj": "ffn_down"}
 
     def __init__(self, path: str | Path, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
-        from worker.weights.gguf import PERMUTED_ARCHS, rope_rows
+        from worker.weights.gguf import rope_rows
+        from worker.weights.gguf_header import PERMUTED_ARCHS
 
         self.file = GGUFFile(path)
         self.path = self.file.path

@@ -45,7 +45,8 @@ def load_config(source: str, load_format: str) -> ModelConfig:
 def with_rope_freqs(config: ModelConfig, gguf: Path) -> ModelConfig:
     """config with the GGUF's rope_freqs factors: llama.cpp's converter writes a Llama 3.x model's rope
     scaling as that tensor, not as metadata, so transformers' reading of the file's config leaves it out."""
-    from worker.weights.gguf import ROPE_FREQS, GGUFFile
+    from worker.weights.gguf import GGUFFile
+    from worker.weights.gguf_header import ROPE_FREQS
 
     file = GGUFFile(gguf)
     if ROPE_FREQS not in file.tensors:
@@ -55,7 +56,8 @@ def with_rope_freqs(config: ModelConfig, gguf: Path) -> ModelConfig:
 
 
 def read_gguf(path: Path, config: ModelConfig) -> TensorSource:
-    from worker.weights.gguf import GGUFTensorSource, reads_natively
+    from worker.weights.gguf import GGUFTensorSource
+    from worker.weights.gguf_header import reads_natively
 
     if reads_natively(path):
         return GGUFTensorSource(path, config.num_heads, config.num_kv_heads, config.head_dim)

