@@ -4,6 +4,7 @@ parsed, and a parser whose errors are one line (what is wrong, where to look) wi
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 
@@ -59,3 +60,24 @@ PORT_OR_ANY = int_range(-1, 65535)  # -1: any free port (written to --port-file)
 COUNT = int_range(0)
 POSITIVE = int_range(1)
 SECONDS = float_range(0.0, low_open=True)
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1048576' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size (examples: 2GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def memory_size(text: str) -> str:
+    """An argparse type: a memory size as --kv-cache-memory takes it (2GiB, 512MiB, 1000000), checked now and
+    passed on as written."""
+    try:
+        if parse_bytes(text) < 1:
+            raise ValueError(f"{text!r} is no memory at all")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

@@ -4,21 +4,9 @@ them."""
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from worker.model.config import ModelConfig
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB', '512MiB', '1.5GB', '1048576' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size (examples: 2GiB, 512MiB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,

@@ -66,7 +66,8 @@ def kv_cache_dtype(choice: str, compute, weights, device):
 
 def kv_budget_bytes(cfg: WorkerConfig, config, dtype, heads: int) -> int:
     """The KV pool a CPU worker will take: --num-blocks, --kv-cache-memory, or the default budget."""
-    from worker.model.kv_pool import bytes_per_block, parse_bytes
+    from protos.argtypes import parse_bytes
+    from worker.model.kv_pool import bytes_per_block
 
     if cfg.num_blocks:
         return cfg.num_blocks * bytes_per_block(config, cfg.block_size, dtype, heads)

@@ -13,7 +13,7 @@ import sys
 import structlog
 
 from protos import EXIT_CONFIG, env
-from protos.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range
+from protos.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range, memory_size
 from protos.logs import LOG_FORMATS, configure_logging
 from worker.serve.choices import DTYPES, KV_CACHE_DTYPES
 from worker.serve.config import WorkerConfig
@@ -28,20 +28,6 @@ from worker.serve.startup import (
 )
 
 log = structlog.get_logger("worker.serve.main")
-
-
-def size(text: str) -> str:
-    """An argparse type: a memory size as --kv-cache-memory takes it (2GiB, 512MiB, 1000000), checked now and
-    passed on as written."""
-    from worker.model.kv_pool import parse_bytes
-
-    try:
-        if parse_bytes(text) < 1:
-            raise ValueError(f"{text!r} is no memory at all")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
@@ -76,10 +62,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                         "prompts run on a bf16 copy (--quantized-prefill), else the model's compute dtype")
     g.add_argument("--num-blocks", type=POSITIVE, default=None,
                    help="KV pool size in blocks (overrides the memory budget)")
-    g.add_argument("--kv-cache-memory", type=size, default=None,
+    g.add_argument("--kv-cache-memory", type=memory_size, default=None,
                    help="KV pool memory per rank, e.g. 2GiB (default: 2GiB on a CPU; on CUDA what "
                         "--gpu-memory-utilization leaves once everything else is measured)")
-    g.add_argument("--kv-offload-size", type=size, default=None,
+    g.add_argument("--kv-offload-size", type=memory_size, default=None,
                    help="a host-memory tier under the KV pool, e.g. 16GiB (pinned on CUDA): cached blocks "
                         "the pool evicts are kept there and read back for a prompt that starts with them, "
                         "instead of computed again (default: none; on a CPU the same memory given to "
@@ -88,7 +74,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="a disk tier under the KV pool: every block entering the prefix cache is also "
                         "written here (one file a block, checksummed, in a folder per model and layout) and "
                         "read back across evictions and restarts; default: none")
-    g.add_argument("--kv-offload-disk-size", type=size, default="16GiB",
+    g.add_argument("--kv-offload-disk-size", type=memory_size, default="16GiB",
                    help="the most the disk tier holds (its least recently used blocks are deleted)")
     g.add_argument("--gpu-memory-utilization", type=float_range(0.0, 1.0, low_open=True), default=0.9,
                    help="on CUDA: share of the GPU's memory this worker may use (weights, activations, KV "

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from protos.argtypes import parse_bytes
 from worker.serve.choices import (
     CPU_KV_CACHE_MEMORY,
     DTYPES,
@@ -244,7 +245,7 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     decode graphs, each measured), the most sequences a step runs, and whether decode runs as graphs."""
     import torch
 
-    from worker.model.kv_pool import bytes_per_block, parse_bytes
+    from worker.model.kv_pool import bytes_per_block
     from worker.serve.sizing import (
         GPU_MAX_NUM_SEQS,
         default_max_num_seqs,
