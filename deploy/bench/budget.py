@@ -132,10 +132,13 @@ def served_token_s(model: str, flags: list[str], context: int, max_tokens: int, 
     the mean context is `context` keys, as in process."""
     from deploy.bench.cpu_peers import PagedserveTarget
 
-    prompt = [1 + i % 1000 for i in range(max(context - max_tokens // 2, 1))]
+    n = max(context - max_tokens // 2, 1)
+    # each repeat its own prompt: the same one again would draft its earlier answer from the n-grams
+    # speculation keeps of earlier requests
+    prompts = [[1 + (i * (2 * r + 3) + 97 * r) % 1000 for i in range(n)] for r in range(repeats)]
     target = PagedserveTarget(types.SimpleNamespace(model=model), "pagedserve", *flags)
     try:
-        return [1.0 / target.one(prompt, max_tokens) for _ in range(repeats)]
+        return [1.0 / target.one(p, max_tokens) for p in prompts]
     finally:
         target.stop()
 

@@ -4,7 +4,9 @@ llama.cpp is built from the `llama-cpp-python` source distribution on PyPI (it v
 sdist is fetched with pip once, `llama-server` built with cmake for this machine, both cached under
 ~/.cache/pagedserve-peers. Both servers serve the default model's own Q4_1 GGUF on both cores (with
 --precision fp32: llama.cpp an F32 copy of it, pagedserve the same values with --dequantize):
-  - one stream: the workload's first prompt (64 tokens), 128 greedy tokens, ignore_eos;
+  - one stream: the workload's first prompt (64 tokens) in the first round, its second in the next, and so
+    on, 128 greedy tokens, ignore_eos (the same prompt again would have pagedserve's speculation draft the
+    answer it gave before, from the n-grams it keeps of earlier requests: a replay, not a decode rate);
   - many streams: the first 8, then all 64 prompts of the fixed CPU workload (64-256 token ids, 128 tokens
     each, all at once); llama.cpp gets 64 slots with continuous batching;
   - with --with-layers, pagedserve again with --cpu-decode layers (no fused decode step), for the change;
@@ -269,9 +271,9 @@ def measure(targets, prompts, args) -> dict:
     slow spell of a noisy machine falls on all of them alike; medians over the rounds, and the median of the
     per-round ratios to the last target."""
     res = {t.name: {"one": [], "prefill": [], **{n: [] for n in args.streams}} for t in targets}
-    for _ in range(args.repeats):
+    for r in range(args.repeats):  # a prompt not seen before each round (module docstring)
         for t in targets:
-            res[t.name]["one"].append(t.one(prompts[0], args.max_tokens))
+            res[t.name]["one"].append(t.one(prompts[r % len(prompts)], args.max_tokens))
     if args.prompt_tokens:  # distinct ids each round: no prefix cache on either side holds it
         for r in range(args.prefill_rounds):
             long = [(7 * i + 1000 * r + 11) % 30000 + 100 for i in range(args.prompt_tokens)]

@@ -27,11 +27,13 @@ from protos import generation_pb2
 from tests.support.server import ServerProcess
 
 
-def one_stream(server: ServerProcess, prompt: list[int], max_tokens: int, repeats: int) -> dict:
+def one_stream(server: ServerProcess, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
+    """Each repeat a prompt of its own: the same one again would draft its earlier answer (speculation keeps
+    earlier requests' n-grams)."""
     decode, whole = [], []
-    for _ in range(repeats):
-        req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    for r in range(repeats):
+        sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        req = generation_pb2.GenerateRequest(prompt_token_ids=prompts[r % len(prompts)], sampling=sampling)
         t0 = time.perf_counter()
         first = None
         n = 0
@@ -61,7 +63,7 @@ def measure(args, name: str, extra: list[str], prompts) -> dict:
                            "0", *extra).start(timeout=600)
     try:
         asyncio.run(drive(server.address, prompts[:2], 4))  # warm-up
-        row = {"name": name, **one_stream(server, prompts[0], args.max_tokens, args.repeats)}
+        row = {"name": name, **one_stream(server, prompts, args.max_tokens, args.repeats)}
         wall, ttfts, tokens = asyncio.run(drive(server.address, prompts, args.max_tokens))
         row.update(many_tok_s=tokens / wall, many_mean_ttft_s=statistics.mean(ttfts))
         row["answers"] = answers(server, prompts[: args.agreement], args.agreement_tokens)
