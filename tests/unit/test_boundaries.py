@@ -1,5 +1,5 @@
-"""Process and package boundaries: the scheduler (and `pagedserve serve`, its process) never needs torch; our `kernels` package does not
-confuse transformers (which probes for a PyPI package of the same name)."""
+"""Process and package boundaries: the scheduler (and `pagedserve serve`, its process) never needs torch;
+our `kernels` package does not confuse transformers (which probes for a PyPI package of the same name)."""
 
 import subprocess
 import sys
@@ -25,7 +25,8 @@ def test_the_serving_process_reads_its_flags_and_a_ggufs_header_without_torch():
     code = (
         "import sys\nfrom deploy.launcher import build_parser\nfrom deploy.prepare_model import "
         "needs_dense_copy\nfrom worker.weights.gguf_header import find_embedded_gguf\n"
-        "build_parser().parse_args(['--model', 'x', '--kv-cache-memory', '1GiB', '--kv-offload-size', '2GiB'])\n"
+        "build_parser().parse_args(['--model', 'x', '--kv-cache-memory', '1GiB',\n"
+        "                           '--kv-offload-size', '2GiB'])\n"
         "assert not needs_dense_copy(find_embedded_gguf())\n"
         "print(sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'transformers')))\n"
     )
