@@ -155,16 +155,19 @@ def main(argv: list[str] | None = None) -> int:
             peers["1 adapter"] = LlamaCpp(Path(args.model), llama_cpp_adapter(folder, adapters[0]))
         asyncio.run(drive(server.address, [[1, 2, 3]] * len(names), 2, names))  # every adapter read once
 
-        def one(lora: str) -> float:
-            wall, ttfts, n = asyncio.run(drive(server.address, prompts[:1], args.max_tokens, [lora]))
+        def one(lora: str, prompt: list[int]) -> float:
+            wall, ttfts, n = asyncio.run(drive(server.address, [prompt], args.max_tokens, [lora]))
             return (n - 1) / (wall - ttfts[0])
 
-        for _ in range(args.rounds):
-            res.setdefault("1 stream, base", []).append((one(""), 0.0))
-            res.setdefault("1 stream, 1 adapter", []).append((one(names[0]), 0.0))
+        for r in range(args.rounds):
+            # one stream: a prompt not asked before (the same one again would draft its earlier answer from
+            # the n-grams speculation keeps of earlier requests), the base and the adapter each their own
+            base, adapted = prompts[(2 * r) % len(prompts)], prompts[(2 * r + 1) % len(prompts)]
+            res.setdefault("1 stream, base", []).append((one("", base), 0.0))
+            res.setdefault("1 stream, 1 adapter", []).append((one(names[0], adapted), 0.0))
             for label, peer in peers.items():
                 res.setdefault(f"llama.cpp 1 stream, {label}", []).append(
-                    (peer.one(prompts[0], args.max_tokens), 0.0))
+                    (peer.one(base if label == "base" else adapted, args.max_tokens), 0.0))
             for n in streams:
                 for k in [0, *pools]:
                     loras = [names[i % k] if k else "" for i in range(n)]
