@@ -20,6 +20,9 @@ SERVERS     ?= 1
 GATEWAY     ?=
 PYTEST_ARGS ?=
 
+# HTTP_PORT given (make run HTTP_PORT=9000) is a port asked for: taken, it is an error, not a warning
+HTTP_PORT_FLAG = $(if $(filter command line environment,$(origin HTTP_PORT)),--http-port $(HTTP_PORT))
+
 PROTO_SRC   := protos/generation.proto protos/wire.proto
 PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wire_pb2.py
 
@@ -29,7 +32,9 @@ PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wir
 .PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-lora bench-kv-tiers bench-moe gpu-compile-report plot-kv clean
 
 help:  ## list the targets, one line each
-	@awk -F ':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  make %-20s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk -F ':.*## ' -v port='$(PORT)' -v http='$(HTTP_PORT)' -v rundir='$(RUN_DIR)' \
+		'/^[a-z][a-z0-9-]*:.*## / {d = $$2; gsub(/\$$\(PORT\)/, port, d); gsub(/\$$\(HTTP_PORT\)/, http, d); \
+		gsub(/\$$\(RUN_DIR\)/, rundir, d); printf "  make %-20s %s\n", $$1, d}' $(MAKEFILE_LIST)
 
 setup: .stamps/deps $(PROTO_OUT) .stamps/model .stamps/native  ## create .venv, install, build protos, prepare the default model, compile the CPU kernels (idempotent)
 
@@ -63,7 +68,7 @@ $(PROTO_OUT): $(PROTO_SRC) .stamps/deps
 	@touch $@
 
 run: setup  ## serve the embedded default model: gRPC on $(PORT), OpenAI HTTP on $(HTTP_PORT)
-	$(PY) -m deploy.launcher --model $(MODEL_DIR) --host $(HOST) --port $(PORT) $(ARGS)
+	$(PY) -m deploy.launcher --model $(MODEL_DIR) --host $(HOST) --port $(PORT) $(HTTP_PORT_FLAG) $(ARGS)
 
 # The scheduler and TP x DP workers under the supervisor, logs under $(RUN_DIR); Ctrl-C stops everything.
 # SERVERS=N: N independent servers (a fleet's shape); GATEWAY=1: SMG in front (OpenAI HTTP on HTTP_PORT).

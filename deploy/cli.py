@@ -33,6 +33,7 @@ from deploy.client import (
     cmd_stats,
     cmd_top,
     logit_bias,
+    rpc_failure,
     text_or_file,
 )
 from protos import EXIT_CONFIG, ConfigError, env
@@ -148,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"the server's gRPC HOST:PORT (${SERVER_ENV}, else {DEFAULT_SERVER}; "
                             "now %(default)s)")
         s.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this CA certificate (PEM)")
+        s.add_argument("--api-key", default=env.api_key(),
+                       help="the key of a server started with --api-key (default: $PAGEDSERVE_API_KEY)")
         s.add_argument("--timeout", type=SECONDS, default=600.0, help="seconds to wait for an answer")
     return p
 
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()} (server {args.server})", file=sys.stderr)
+        print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
         return 1
 
 

@@ -15,15 +15,35 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 SERVER_ENV = "PAGEDSERVE_SERVER"
 
 
-def stub_for(server: str, tls_ca: str | None = None):
+def rpc_failure(e: grpc.RpcError, server: str) -> str:
+    """A failed call said in one line, with what to do where that is plain (no server there: start one)."""
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and not _server_answered(details):
+        return (f"no pagedserve server answers at {server}: start one (`make run`, or `pagedserve serve "
+                f"--model MODEL`), or point --server or ${SERVER_ENV} at a running one")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"no answer from {server} within the timeout (--timeout SECONDS)"
+    return f"{code.name}: {details}"
+
+
+def _server_answered(details: str) -> bool:
+    """Whether an UNAVAILABLE came from a pagedserve server (starting, draining, no workers) rather than from
+    the connection (nothing listening, the host unreachable)."""
+    lowered = details.lower()
+    return not any(s in lowered for s in ("failed to connect", "connection refused", "connect failed",
+                                            "dns resolution failed", "name resolution", "socket closed",
+                                            "no route to host"))
+
+
+def stub_for(server: str, tls_ca: str | None = None, api_key: str | None = None):
+    from deploy.processes import channel_to
     from protos import generation_pb2_grpc
 
+    certificates = None
     if tls_ca:
         with open(tls_ca, "rb") as f:
-            channel = grpc.secure_channel(server, grpc.ssl_channel_credentials(root_certificates=f.read()))
-    else:
-        channel = grpc.insecure_channel(server)
-    return generation_pb2_grpc.GenerationStub(channel)
+            certificates = f.read()
+    return generation_pb2_grpc.GenerationStub(channel_to(server, api_key, certificates))
 
 
 def text_or_file(value: str) -> str:
@@ -92,7 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling_from_args(args),
                                              raw_prompt=args.raw, lora=args.lora)
-    stub = stub_for(args.server, args.tls_ca)
+    stub = stub_for(args.server, args.tls_ca, args.api_key)
     try:
         if args.json:
             print(json_format.MessageToJson(stub.Generate(req, timeout=args.timeout)))
@@ -123,7 +143,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print("prompt logprobs:", file=sys.stderr)
             print_logprobs(prompt_logprobs)
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
         return 1
     if args.verbose and usage is not None:
         print(f"[prompt {usage.prompt_tokens} tokens ({usage.cached_prompt_tokens} cached), "
@@ -167,7 +187,7 @@ def chat_turn(stub, history: list, sampling, timeout: float, out=sys.stdout,
 def cmd_chat(args: argparse.Namespace) -> int:
     from protos import generation_pb2
 
-    stub = stub_for(args.server, args.tls_ca)
+    stub = stub_for(args.server, args.tls_ca, args.api_key)
     sampling = sampling_from_args(args)
     system = [generation_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
     history = list(system)
@@ -193,7 +213,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             answer, _ = chat_turn(stub, history, sampling, args.timeout, lora=args.lora)
         except grpc.RpcError as e:
             history.pop()
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
             continue
         history.append(generation_pb2.ChatMessage(role="assistant", content=answer))
 
@@ -203,7 +223,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     from protos import generation_pb2
 
-    stub = stub_for(args.server, args.tls_ca)
+    stub = stub_for(args.server, args.tls_ca, args.api_key)
     info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout)
     if args.json:
         print(json_format.MessageToJson(info, always_print_fields_with_no_presence=True))
@@ -225,9 +245,9 @@ def cmd_embed(args: argparse.Namespace) -> int:
                                           truncate_prompt_tokens=args.truncate_prompt_tokens,
                                           prompt_name=args.prompt_name or "", prompt=args.prompt or "")
     try:
-        response = stub_for(args.server, args.tls_ca).Embed(request, timeout=args.timeout)
+        response = stub_for(args.server, args.tls_ca, args.api_key).Embed(request, timeout=args.timeout)
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
         return 1
     for d in response.data:
         print(json.dumps({"index": d.index, "prompt_tokens": d.prompt_tokens,
@@ -241,10 +261,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from protos import generation_pb2
 
     try:
-        stats = stub_for(args.server, args.tls_ca).GetCacheStats(
+        stats = stub_for(args.server, args.tls_ca, args.api_key).GetCacheStats(
             generation_pb2.GetCacheStatsRequest(), timeout=args.timeout)
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
         return 1
     if args.json:
         print(json_format.MessageToJson(stats, always_print_fields_with_no_presence=True))
@@ -266,12 +286,12 @@ def cmd_top(args: argparse.Namespace) -> int:
     from deploy.console import Reading, top_view
     from protos import generation_pb2
 
-    stub = stub_for(args.server, args.tls_ca)
+    stub = stub_for(args.server, args.tls_ca, args.api_key)
     console = Console()
     try:
         model = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout).model_name
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
         return 1
     # a first reading a moment before the first frame, so that its rates are there from the start
     before = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=args.timeout),
@@ -312,7 +332,8 @@ def cmd_top(args: argparse.Namespace) -> int:
 def cmd_abort(args: argparse.Namespace) -> int:
     from protos import generation_pb2
 
-    resp = stub_for(args.server, args.tls_ca).Abort(generation_pb2.AbortRequest(request_id=args.request_id),
+    stub = stub_for(args.server, args.tls_ca, args.api_key)
+    resp = stub.Abort(generation_pb2.AbortRequest(request_id=args.request_id),
                                                  timeout=args.timeout)
     print("aborted" if resp.aborted else "no live request with that id")
     return 0 if resp.aborted else 1

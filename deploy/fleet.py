@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address of this host that the ranks of its tensor-parallel groups reach each other "
                         "on")
     d.add_argument("--servers", type=int, default=1,
-                   help="independent servers (scheduler + workers each); more than one bind any free ports")
+                   help="independent servers (scheduler + workers each); more than one take consecutive gRPC "
+                        "and HTTP ports from --port and --http-port (8000), any free ones with --port 0")
     g = p.add_argument_group("gateway (SMG in front: OpenAI-compatible HTTP)")
     g.add_argument("--gateway", action="store_true", help="start SMG in front of the servers")
     g.add_argument("--gateway-host", default="127.0.0.1", help="where the gateway listens")
@@ -88,7 +89,7 @@ def scheduler_program(args: argparse.Namespace, endpoint: str, log_dir: Path, in
 
     flags = passthrough(scheduler_parser(), args,
                         {"worker_endpoint", "model", "port_file", "port", "metrics_port", "http_port"})
-    port = args.port if args.servers == 1 else 0
+    port = args.port if args.servers == 1 or not args.port else args.port + index  # 0: any free one
     metrics = args.metrics_port
     if args.servers > 1:  # a port each: any free one, or the one given plus the server's index (0: off)
         metrics = -1 if metrics is None or metrics < 0 else (metrics + index if metrics else 0)
@@ -98,11 +99,14 @@ def scheduler_program(args: argparse.Namespace, endpoint: str, log_dir: Path, in
     if metrics is not None:
         argv += ["--metrics-port", str(metrics)]
     http = args.http_port
-    if http == DEFAULT_HTTP_PORT and (args.servers > 1 or args.gateway):  # the gateway (or one server) has it
+    if http is None and args.gateway:  # the gateway has the default port
         http = -1
-    elif args.servers > 1 and http > 0:
+    elif http is None and args.servers > 1:
+        http = DEFAULT_HTTP_PORT + index
+    elif http is not None and args.servers > 1 and http > 0:
         http += index
-    argv += ["--http-port", str(http)]
+    if http is not None:
+        argv += ["--http-port", str(http)]
     return Program("scheduler" if args.servers == 1 else f"scheduler-{index}", argv,
                    log_dir / "scheduler.log")
 
@@ -195,12 +199,15 @@ def stop_command(run_dir: Path) -> str:
 
 
 def summary(addresses: list[str], supervisor: Supervisor, run_dir: Path,
-            gateway: list[str] | None = None) -> str:
+            gateway: list[str] | None = None, http_urls: list[str | None] | None = None) -> str:
     lines = list(gateway or [])
-    for address in addresses:
+    for i, address in enumerate(addresses):
         lines += [f"pagedserve is serving on {address}",
                   f"  try: .venv/bin/pagedserve generate --server {address} \"What is the capital of "
                   "France?\""]
+        url = (http_urls or [])[i] if i < len(http_urls or []) else None
+        if url:
+            lines.append(f"  OpenAI API: {url}   (curl {url}/models)")
     lines.append(f"processes (logs in {run_dir}/):")
     for unit in supervisor.units:
         for prog, proc in zip(unit.programs, unit.procs, strict=True):
@@ -218,6 +225,7 @@ class Fleet:
     schedulers: list[Unit]
     dirs: list[Path]
     followers: dict[str, list[Unit]] = field(default_factory=dict)
+    http_urls: list[str | None] = field(default_factory=list)  # each server's OpenAI API, as bound
 
 
 def refuse_second_deployment(pid_file: Path) -> str | None:
@@ -262,6 +270,8 @@ def start_servers(args, fleet: Fleet, replicas: list[int] | None) -> list[str]:
         if bound is None:
             return []
         addresses.append(f"{args.host}:{bound['port']}")
+        http = bound.get("http_port")
+        fleet.http_urls.append(f"http://{args.host}:{http}/v1" if http else None)
         pin_ports(sched.programs[0], bound["port"], bound["worker_endpoint"])
         for unit in worker_units(args, bound["worker_endpoint"], replicas, folder, args.rendezvous_host):
             if args.servers > 1:
@@ -366,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             code = 1
         if code == 0 and stopping["signal"] is None:
-            print(summary(addresses, fleet.supervisor, run_dir, banner), flush=True)
+            print(summary(addresses, fleet.supervisor, run_dir, banner, fleet.http_urls), flush=True)
             watch(fleet, stopping)
     except FatalExit as e:
         print(f"pagedserve deploy: {e}; see {run_dir}/", file=sys.stderr)

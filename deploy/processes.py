@@ -3,6 +3,7 @@ helpers share."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -26,6 +27,42 @@ def read_port_file(path: Path) -> dict | None:
         return json.loads(Path(path).read_text())
     except (FileNotFoundError, ValueError):
         return None
+
+
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                            "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <key>` to every call's metadata (a server started with --api-key)."""
+
+    def __init__(self, key: str) -> None:
+        self.header = ("authorization", f"Bearer {key}")
+
+    def _with_key(self, d):
+        metadata = [*(d.metadata or ()), self.header]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+
+def channel_to(address: str, api_key: str | None = None,
+               root_certificates: bytes | None = None) -> grpc.Channel:
+    """A channel to a pagedserve server: over TLS where a CA is given, each call carrying the API key where
+    one is given."""
+    if root_certificates is not None:
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
+    else:
+        channel = grpc.insecure_channel(address)
+    return grpc.intercept_channel(channel, _BearerKey(api_key)) if api_key else channel
 
 
 def free_port() -> int:
@@ -65,6 +102,12 @@ class LocalServer:
         self._log = None
 
     @property
+    def api_key(self) -> str | None:
+        """The --api-key this server was started with (its gRPC calls carry it), if any."""
+        args = self.args
+        return args[args.index("--api-key") + 1] if "--api-key" in args[:-1] else None
+
+    @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
@@ -90,7 +133,7 @@ class LocalServer:
             if self.channel is None and (bound := read_port_file(self.port_file)) is not None:
                 self.port, self.worker_endpoint = bound["port"], bound["worker_endpoint"]
                 self.metrics_port, self.http_port = bound.get("metrics_port"), bound.get("http_port")
-                self.channel = grpc.insecure_channel(self.address)
+                self.channel = channel_to(self.address, self.api_key)
             if self.channel is not None and self._serving():
                 return self
             time.sleep(0.2)

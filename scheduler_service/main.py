@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -66,12 +68,16 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     """Phases: check the flags and read the model, bind the worker socket, start gRPC (NOT_SERVING), call
     on_bound(endpoint) (to start workers), wait for them, serve until stopped, drain."""
     config, spec, tokenizer = prepare(args)
-    adapters = lora_registry(args, tuple(served_names(args, spec)))
+    names = served_names(args, spec)
+    aliases = [spec.name] if spec.name not in names else []  # the config's own name is accepted too
+    spec = replace(spec, name=names[0])
+    adapters = lora_registry(args, tuple(names + aliases))
     client, endpoint = bind_workers(args, config)
     engine = Engine(config, spec, tokenizer, client, worker_restart_timeout=args.worker_restart_timeout)
     engine.adapters = adapters
     metrics_port = start_metrics(engine, args)
-    http = await start_http(engine, spec, args)
+    warn_if_open(args)
+    http = await start_http(engine, names, aliases, args)
     server, health, port = await start_grpc(args, engine, endpoint, metrics_port, http)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -86,7 +92,7 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     if error is not None:
         log.error("workers_failed", error=error)
         await server.stop(0)
-        if http is not None:
+        if isinstance(http, HttpServer):
             await http.stop()
         await client.close()
         return 1
@@ -96,7 +102,8 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
              num_blocks=[g.num_blocks for g in client.groups], block_size=config.block_size,
              max_context=engine.limits.max_context, tensor_parallel_size=args.tensor_parallel_size,
              data_parallel_size=args.data_parallel_size)
-    sys.stdout.write(ready_line(engine, args.host, port, http) + "\n")  # one write: the log file is shared
+    # one write: the log file is shared
+    sys.stdout.write(ready_line(engine, args.host, port, http, args.api_key) + "\n")
     sys.stdout.flush()
     watcher = loop.create_task(_watch_health(engine, health, stop))  # engine.start reported SERVING
     await stop.wait()
@@ -108,7 +115,7 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     finished = await engine.drain(args.drain_timeout)
     log.info("stopping", drained=finished)
     await server.stop(grace=2.0)
-    if http is not None:
+    if isinstance(http, HttpServer):
         await http.stop()
     await engine.stop()
     return 0
@@ -167,35 +174,56 @@ def bind_workers(args: argparse.Namespace, config: SchedulerConfig) -> tuple[Wor
 
 
 def served_names(args: argparse.Namespace, spec: ModelSpec) -> list[str]:
-    """The names OpenAI requests give the base model as `model`."""
-    return args.served_model_name or [Path(spec.path or args.model).name]
+    """The names the model is served as (`model` in OpenAI requests; the first in the ready line, `info` and
+    /v1/models): --served-model-name, else the folder's name, less the hash suffix of a folder prepared
+    from a GGUF file (`llama8b-q4km`, not `llama8b-q4km-aade0a0acd1d`)."""
+    if args.served_model_name:
+        return args.served_model_name
+    folder = Path(spec.path or args.model)
+    if (folder / "pagedserve_model.json").is_file():
+        return [re.sub(r"-[0-9a-f]{12}$", "", folder.name)]
+    return [folder.name]
 
 
-async def start_http(engine: Engine, spec: ModelSpec, args: argparse.Namespace) -> HttpServer | None:
-    """The OpenAI-compatible HTTP server, listening (it answers 503 until the workers join). Where the
-    default port is taken the service goes on without it, saying so; a port asked for that is taken is a
-    ConfigError."""
+async def start_http(engine: Engine, names: list[str], aliases: list[str],
+                     args: argparse.Namespace) -> HttpServer | str:
+    """The OpenAI-compatible HTTP server, listening (it answers 503 until the workers join), or why there is
+    none. Where the default port is taken the service goes on without it, saying so; a port given with
+    --http-port that is taken is a ConfigError."""
     if args.http_port == 0:
-        return None
-    names = served_names(args, spec)
+        return "off (--http-port 0)"
+    port = DEFAULT_HTTP_PORT if args.http_port is None else max(args.http_port, 0)
     try:
-        sock = bind(args.host, max(args.http_port, 0))
+        sock = bind(args.host, port)
     except OSError as e:
-        if args.http_port != DEFAULT_HTTP_PORT:
-            raise ConfigError(f"cannot serve HTTP on {args.host}:{args.http_port}: {e.strerror or e} "
-                              "(another process holds it? --http-port N, or 0 for no HTTP)") from None
-        log.warning("http_off", port=args.http_port, error=str(e),
-                    fix="--http-port N (or -1 for any free port)")
-        return None
+        if args.http_port is not None:
+            raise ConfigError(f"cannot serve HTTP on {args.host}:{port}: {e.strerror or e} (another "
+                              "process holds it? --http-port N, or 0 for no HTTP)") from None
+        log.warning("http_off", port=port, error=str(e), fix="--http-port N (or -1 for any free port)")
+        return f"off: {args.host}:{port} is taken by another process (--http-port N serves it elsewhere)"
     tls = (args.tls_key, args.tls_cert) if args.tls_cert else None
-    http = HttpServer(OpenAIServer(engine, names, args.api_key or None).app, sock, tls)
+    http = HttpServer(OpenAIServer(engine, names, args.api_key or None, aliases).app, sock, tls)
     await http.start()
     log.info("http_serving", port=http.port, models=names, api_key=bool(args.api_key), tls=bool(tls))
     return http
 
 
+def warn_if_open(args: argparse.Namespace) -> None:
+    """A server reachable beyond this machine with no key: said once, at start."""
+    if not args.api_key and not is_loopback(args.host):
+        log.warning("serving_without_api_key", host=args.host,
+                    fix="--api-key KEY (or $PAGEDSERVE_API_KEY): anyone who reaches this host can use it")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 async def start_grpc(args: argparse.Namespace, engine: Engine, endpoint: str, metrics_port: int | None,
-                     http: HttpServer | None = None):
+                     http: HttpServer | str | None = None):
     """The gRPC server started, NOT_SERVING until the workers join; the port file written. -> (server,
     health, port)."""
     try:
@@ -210,12 +238,13 @@ async def start_grpc(args: argparse.Namespace, engine: Engine, endpoint: str, me
                               "process holds it? --port N, or 0 for any free port)") from None
     try:
         server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls,
-                                            model_dir=args.model)
+                                            model_dir=args.model, api_key=args.api_key or None)
     except RuntimeError as e:
         raise ConfigError(f"cannot serve gRPC on {args.host}:{args.port}: {e}") from None
     await server.start()
     if args.port_file:
-        write_port_file(Path(args.port_file), port, endpoint, metrics_port, http.port if http else None)
+        write_port_file(Path(args.port_file), port, endpoint, metrics_port,
+                        http.port if isinstance(http, HttpServer) else None)
     await health.set(False)
     return server, health, port
 
@@ -261,8 +290,10 @@ def write_port_file(path: Path, port: int, worker_endpoint: str, metrics_port: i
     os.replace(tmp, path)
 
 
-def ready_line(engine: Engine, host: str, port: int, http: HttpServer | None = None) -> str:
-    """The lines that end start-up (stdout; the logs go to stderr): where it serves, how to try it."""
+def ready_line(engine: Engine, host: str, port: int, http: HttpServer | str | None = None,
+               api_key: str | None = None) -> str:
+    """The lines that end start-up (stdout; the logs go to stderr): where each API serves and how to try it,
+    or why it does not serve."""
     info = engine.model_info()
     pool_bytes = sum(g.num_blocks * g.bytes_per_block for g in engine.client.groups if g.is_ready)
     where = f"{host}:{port}"
@@ -273,19 +304,23 @@ def ready_line(engine: Engine, host: str, port: int, http: HttpServer | None = N
     command = cli_command()
     cap = engine.config.default_max_tokens
     weights = f", {info['weights']}" if info["weights"] else ""
+    keyed = "   (the key: export PAGEDSERVE_API_KEY=...)" if api_key else ""
     lines = [f"pagedserve is serving {info['model_name']} ({info['dtype']}{weights}, context "
              f"{info['max_context']:,} tokens{layout}; KV pool {info['num_blocks']:,} blocks x "
              f"{info['block_size']} tokens = "
              f"{human_bytes(pool_bytes)}; requests without max_tokens stop at "
              f"{f'{cap:,} tokens' if cap else 'the end of the context'})",
              f"  gRPC     {where}    try: {command} generate{server} \"Write a haiku about the sea\"   "
-             f"(watch: {command} top{server})"]
-    if http is not None:
+             f"(watch: {command} top{server}){keyed}"]
+    if isinstance(http, HttpServer):
         scheme = "https" if http.tls else "http"
         base = f"{scheme}://{host}:{http.port}/v1"
+        auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if api_key else ""
         lines.append(f"  OpenAI   {base}    try: curl {base}/chat/completions -H 'Content-Type: "
-                     "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
-                     "\"max_tokens\": 50}'")
+                     f"application/json'{auth} -d '{{\"messages\": [{{\"role\": \"user\", \"content\": "
+                     "\"Hi\"}], \"max_tokens\": 50}'   (also /v1/completions, /v1/responses, /v1/messages)")
+    elif http:
+        lines.append(f"  OpenAI   {http}")
     return "\n".join(lines)
 
 

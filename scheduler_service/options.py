@@ -31,12 +31,14 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address both ports listen on (0.0.0.0: every "
                    "interface)")
     p.add_argument("--port", type=PORT, default=50051, help="gRPC port (0: any free one; see --port-file)")
-    p.add_argument("--http-port", type=PORT_OR_ANY, default=DEFAULT_HTTP_PORT,
+    p.add_argument("--http-port", type=PORT_OR_ANY, default=None,
                    help=f"OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}, left off with a warning "
-                        "where it is taken; 0: off; -1: any free port, written to --port-file)")
+                        "where it is taken; a port given here and taken is an error; 0: off; -1: any free "
+                        "port, written to --port-file)")
     p.add_argument("--api-key", default=env.api_key(),
-                   help="require `Authorization: Bearer KEY` on the HTTP API's /v1/ routes (default: "
-                        "$PAGEDSERVE_API_KEY; unset: no key)")
+                   help="require this key on every API: `Authorization: Bearer KEY` on HTTP (or Anthropic's "
+                        "`x-api-key: KEY`), metadata `authorization: Bearer KEY` on gRPC; health checks stay "
+                        "open (default: $PAGEDSERVE_API_KEY; unset: no key)")
     p.add_argument("--max-tokens-default", type=COUNT, default=1024,
                    help="max_tokens of a request that names none (within what its prompt leaves of the "
                         "context; 0: up to the end of the context)")

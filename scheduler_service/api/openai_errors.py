@@ -52,9 +52,13 @@ def api_error(error: Exception) -> ApiError:
     return ApiError(500, str(error), "server_error")
 
 
+def log_refusal(error: ApiError, request_id: str) -> None:
+    log.info("request_rejected", request_id=request_id, status=error.status, error=str(error))
+
+
 def error_response(error: ApiError, request_id: str = "", logged: bool = True) -> Response:
     if logged:
-        log.info("request_rejected", request_id=request_id, status=error.status, error=str(error))
+        log_refusal(error, request_id)
     return Response(
         out.dumps(out.error_body(str(error), error.kind, error.code)),
         error.status,

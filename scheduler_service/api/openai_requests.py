@@ -140,14 +140,25 @@ def chat_request(
         s.logprobs = _count("top_logprobs", body.top_logprobs or 0, 0, MAX_LOGPROBS)
     elif body.top_logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true")
+    if body.prompt_logprobs is not None:
+        if body.stream:
+            raise InvalidRequest("prompt_logprobs is served on a chat request with stream false (or on "
+                                 "/v1/completions, streamed too)")
+        s.prompt_logprobs = _count("prompt_logprobs", body.prompt_logprobs, 0, MAX_LOGPROBS)
     _response_format(body, s)
     msg = generation_pb2.GenerateRequest(sampling=s, continue_final_message=body.continue_final_message)
     for i, m in enumerate(body.messages):
         msg.messages.append(_message(i, m))
     if body.add_generation_prompt is not None:
         msg.add_generation_prompt = body.add_generation_prompt
-    if body.chat_template_kwargs:
-        msg.chat_template_kwargs.update(body.chat_template_kwargs)
+    kwargs = {}
+    if body.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = body.reasoning_effort
+        if body.reasoning_effort == "none":
+            kwargs["enable_thinking"] = False
+    kwargs.update(body.chat_template_kwargs or {})  # what the request sets there itself wins
+    if kwargs:
+        msg.chat_template_kwargs.update(kwargs)
     mode = _tools(body, msg, template_parses_calls)
     return msg, mode
 
@@ -233,13 +244,13 @@ def completion_requests(body: CompletionRequest, defaults: dict) -> list[generat
         raise InvalidRequest("suffix is not served: these models do not fill in the middle")
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequest("best_of other than n is not served")
-    if body.echo and (body.logprobs is not None or body.prompt_logprobs is not None):
-        raise InvalidRequest("echo with logprobs is not served: ask prompt_logprobs without echo")
     s = sampling(body, defaults, body.max_tokens)
     if body.logprobs is not None:
         s.logprobs = _count("logprobs", body.logprobs, 0, MAX_LOGPROBS)
     if body.prompt_logprobs is not None:
         s.prompt_logprobs = _count("prompt_logprobs", body.prompt_logprobs, 0, MAX_LOGPROBS)
+    elif body.echo and body.logprobs is not None:  # the echoed prompt's tokens get logprobs too, as vLLM's
+        s.prompt_logprobs = s.logprobs
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts: list = [prompt]

@@ -72,13 +72,15 @@ def usage_body(prompt: int, completion: int, cached: int) -> dict:
 class Sample:
     """One choice, gathered from its deltas."""
 
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason")
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stop_reason", "prompt_logprobs")
 
     def __init__(self) -> None:
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None  # the stop string or token id that ended it
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # its request's, where asked
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
@@ -86,12 +88,12 @@ class Sample:
         if delta.logprobs:
             self.logprobs += delta.logprobs
         if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 def chat_message(sample: Sample, mode: ToolMode) -> tuple[dict, str | None]:
     """The assistant's message and the finish reason, with tool calls parsed out as the request's tool mode
-    says."""
+    says. A required or named call cut short (max_tokens) is no content: its text is half a call."""
     finish = FINISH[sample.finish_reason]
     text = sample.text
     calls = None
@@ -110,6 +112,8 @@ def chat_message(sample: Sample, mode: ToolMode) -> tuple[dict, str | None]:
             "content": text if mode.kind == "auto" else None,
             "tool_calls": calls,
         }, finish
+    if mode.kind in ("required", "named"):
+        return {"role": "assistant", "content": None}, finish
     return {"role": "assistant", "content": text}, finish
 
 
@@ -218,7 +222,7 @@ class ChatStream:
             sent = self.sent.get(index, 0)
             if self.mode.parse_auto and len(rest) > sent:
                 delta["content"] = rest[sent:]
-        else:
+        elif message["content"] is not None:
             delta["content"] = s.text[self.sent.get(index, 0) :]
         return self.chunk(
             [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], usage
@@ -230,23 +234,95 @@ class ChatStream:
         return tail + b"data: [DONE]\n\n"
 
 
-def completion(request_id: str, model: str, choices: list[dict], usage: dict) -> dict:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage,
-    }
+def prompt_logprobs_body(table: TokenTable, items: list[TokenLogprob] | None) -> list | None:
+    """vLLM's prompt_logprobs: None for the first prompt token (nothing comes before it), then for each one
+    {token id: {logprob, rank, decoded_token}} of the prompt's own token and the k most likely."""
+    if items is None:
+        return None
+    body: list = [None]
+    for lp in items:
+        ranks = {t: i + 1 for i, (t, _) in enumerate(lp.top)}
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": ranks.get(lp.token_id),
+                                    "decoded_token": table.text(lp.token_id)}}
+        for t, v in lp.top:
+            entry.setdefault(str(t), {"logprob": v, "rank": ranks[t], "decoded_token": table.text(t)})
+        body.append(entry)
+    return body
 
 
-def completion_choice(index: int, sample: Sample, token_text: TokenText | None, echo: str | None) -> dict:
-    prefix = echo or ""
-    logprobs = token_text.completion_logprobs(sample.logprobs, len(prefix)) if token_text else None
-    return {
-        "index": index,
-        "text": prefix + sample.text,
-        "logprobs": logprobs,
-        "finish_reason": FINISH[sample.finish_reason],
-    }
+class CompletionShape:
+    """A text completion's choices, whole or as streamed chunks: each choice's text after its echoed prompt,
+    its logprobs (with echo, the prompt's tokens first, the very first without a logprob, as vLLM gives
+    them) and, where asked, its prompt's logprobs."""
+
+    def __init__(self, request_id: str, model: str, n: int, echoes: list[str | None],
+                 token_text: TokenText | None, table: TokenText, prompts: list[list[int]],
+                 prompt_logprobs: int | None) -> None:
+        self.id, self.model, self.n = request_id, model, n
+        self.echoes, self.token_text, self.table = echoes, token_text, table
+        self.prompts, self.wants_prompt = prompts, prompt_logprobs is not None
+        self.head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                     "model": model}
+        self.offsets: dict[int, int] = {}  # characters of each choice's text sent so far
+        self.prompt_lps: dict[int, list[TokenLogprob]] = {}  # each request's, from its first delta
+
+    def _echo_logprobs(self, i: int, items: list[TokenLogprob] | None) -> dict:
+        """The echoed prompt's tokens in completion logprobs' shape (the first has no logprob)."""
+        ids = self.prompts[i]
+        first = self.table.text(ids[0]) if ids else ""
+        body = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+        rest = self.table.completion_logprobs(items or [], len(first))
+        for key in body:
+            body[key] += rest[key]
+        return body
+
+    def _logprobs(self, i: int, items: list[TokenLogprob], first: bool, offset: int) -> dict | None:
+        if self.token_text is None:
+            return None
+        own = self.token_text.completion_logprobs(items, offset)
+        if not (first and self.echoes[i] is not None):
+            return own
+        echoed = self._echo_logprobs(i, self.prompt_lps.get(i))
+        return {key: echoed[key] + own[key] for key in own}
+
+    def choice(self, index: int, sample: Sample) -> dict:
+        i = index // self.n
+        if sample.prompt_logprobs:
+            self.prompt_lps[i] = sample.prompt_logprobs
+        echo = self.echoes[i] or ""
+        body = {"index": index, "text": echo + sample.text,
+                "logprobs": self._logprobs(i, sample.logprobs, True, len(echo)),
+                "finish_reason": FINISH[sample.finish_reason]}
+        if self.wants_prompt:
+            body["prompt_logprobs"] = prompt_logprobs_body(self.table, self.prompt_lps.get(i))
+        return body
+
+    def whole(self, samples: dict[int, Sample], usage: dict) -> dict:
+        choices = [self.choice(k, samples[k]) for k in sorted(samples)]
+        return {**self.head, "choices": choices, "usage": usage}
+
+    def event(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        payload = {**self.head, "choices": choices}
+        if usage is not None:
+            payload["usage"] = usage
+        return b"data: " + dumps(payload) + b"\n\n"
+
+    def delta(self, i: int, delta: Delta, usage: dict | None) -> bytes | None:
+        """The chunk for request i's delta, or None where it carries nothing to say."""
+        if delta.prompt_logprobs:
+            self.prompt_lps[i] = delta.prompt_logprobs
+        index = i * self.n + delta.index
+        first = index not in self.offsets
+        text = (self.echoes[i] or "") + delta.text if first else delta.text
+        offset = self.offsets.get(index, 0)
+        logprobs = self._logprobs(i, delta.logprobs or [], first, offset + len(text) - len(delta.text)) \
+            if self.token_text is not None and (delta.logprobs or (first and self.echoes[i] is not None)) \
+            else None
+        self.offsets[index] = offset + len(text)
+        if not (text or logprobs or delta.finish_reason is not None):
+            return None
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": FINISH[delta.finish_reason]}
+        if first and self.wants_prompt:
+            choice["prompt_logprobs"] = prompt_logprobs_body(self.table, self.prompt_lps.get(i))
+        return self.event([choice], usage)

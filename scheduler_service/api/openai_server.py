@@ -5,8 +5,6 @@ the scheduler's own event loop. A body is parsed (openai_schema.py), made a page
 from __future__ import annotations
 
 import base64
-import hmac
-import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -21,6 +19,7 @@ from starlette.routing import Route
 
 from scheduler_service.api import openai_requests as to_engine
 from scheduler_service.api import openai_responses as out
+from scheduler_service.api.agents.routes import AgentRoutes
 from scheduler_service.api.embedding import prepare_embeddings, run_embeddings
 from scheduler_service.api.lora import load_adapter, loaded, unload_adapter
 from scheduler_service.api.openai_errors import ApiError, api_error, error_response, read_body
@@ -33,7 +32,7 @@ from scheduler_service.api.openai_schema import (
     TokenizeRequest,
     UnloadLoraRequest,
 )
-from scheduler_service.api.rpc import prepare_request
+from scheduler_service.api.rpc import bearer_matches, prepare_request
 from scheduler_service.api.streams import merged, unless_disconnected
 from scheduler_service.api.tool_calls import template_writes_tool_calls
 from scheduler_service.api.validation import InvalidRequest
@@ -45,14 +44,17 @@ log = structlog.get_logger("scheduler.http")
 class OpenAIServer:
     """The routes, over one engine."""
 
-    def __init__(self, engine: Engine, served_model_names: list[str], api_key: str | None = None) -> None:
+    def __init__(self, engine: Engine, served_model_names: list[str], api_key: str | None = None,
+                 aliases: list[str] | None = None) -> None:
         self.engine = engine
         self.names = served_model_names
+        self.aliases = aliases or []  # accepted as `model`, not listed (the config's own name)
         self.api_key = api_key
         self.defaults = engine.spec.sampling_defaults
         self.parse_auto_tools = template_writes_tool_calls(engine.tokenizer.chat_template)
         self.token_text = out.TokenText(engine.tokenizer)
-        routes = [
+        self.agents = AgentRoutes(self)
+        routes = self.agents.routes + [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
@@ -70,8 +72,9 @@ class OpenAIServer:
     # --- plumbing ------------------------------------------------------------------------------------
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         message = {
-            404: f"no route {request.url.path}: this server serves /v1/chat/completions, "
-            "/v1/completions, /v1/embeddings, /v1/models, /tokenize, /detokenize, /health and /metrics",
+            404: f"no route {request.url.path}: this server serves /v1/chat/completions, /v1/completions, "
+            "/v1/responses, /v1/messages, /v1/embeddings, /v1/models, /tokenize, /detokenize, /health and "
+            "/metrics",
             405: f"{request.method} is not allowed on {request.url.path}",
         }.get(exc.status_code, str(exc.detail))
         return error_response(ApiError(exc.status_code, message))
@@ -80,45 +83,45 @@ class OpenAIServer:
         if self.api_key is None:
             return
         given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        ):
+        anthropic = request.headers.get("x-api-key", "")  # Anthropic's SDKs send the key so
+        if not (bearer_matches(given, self.api_key) or bearer_matches(f"Bearer {anthropic}", self.api_key)):
             raise ApiError(
                 401,
-                "invalid or missing API key: send the header Authorization: Bearer <key>",
+                "invalid or missing API key: send the header Authorization: Bearer <key> (or "
+                "x-api-key: <key>)",
                 "authentication_error",
                 "invalid_api_key",
             )
 
-    def _model(self, name: str | None, lora: bool = True) -> str:
+    def resolve_model(self, name: str | None, lora: bool = True) -> str:
         """The model a request names: the base model's name, or (where `lora`) a LoRA adapter's."""
         adapters = [a.name for a in loaded(self.engine)] if lora else []
+        if name in self.aliases:
+            return self.names[0]
         if name is None or name in self.names or name in adapters:
             return name or self.names[0]
         served = ", ".join(repr(n) for n in self.names + adapters)
         raise ApiError(404, f"the model {name!r} does not exist: this server serves {served}",
                        code="model_not_found")
 
-    def _lora(self, model: str) -> str:
+    def lora_of(self, model: str) -> str:
         """GenerateRequest.lora for a request that names `model`."""
         return "" if model in self.names else model
 
-    async def _guarded(self, request: Request, handler, prefix: str = "req") -> Response:
-        """handler(request id) answered, or its failure in OpenAI's error shape. The id is the client's
-        X-Request-Id, else one made here, so a refusal's log line names the request too."""
+    async def guarded(self, request: Request, handler, prefix: str = "req",
+                      render=error_response) -> Response:
+        """handler(request id) answered, or its failure said by render(ApiError, id) (OpenAI's error shape by
+        default). The id is the client's X-Request-Id, else one made here, so a refusal's log line names the
+        request too."""
         rid = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
         try:
             self._check_key(request)
             return await handler(rid)
-        except Exception as e:  # noqa: BLE001 - every failure is answered in OpenAI's shape
+        except Exception as e:  # noqa: BLE001 - every failure is answered in the API's error shape
             error = api_error(e)
             if error.status >= 500 and not isinstance(e, (EngineUnavailable, StepFailed)):
                 log.exception("http_handler_failed", request_id=rid)
-            return error_response(error, rid)
-
-    def _usage(self, prompt: int, completion: int, cached: int) -> dict:
-        return out.usage_body(prompt, completion, cached)
+            return render(error, rid)
 
     # --- routes ----------------------------------------------------------------------------------------
     async def tokenize(self, request: Request) -> Response:
@@ -126,7 +129,7 @@ class OpenAIServer:
 
         async def handler(rid: str):
             body = await read_body(request, TokenizeRequest)
-            self._model(body.model)
+            self.resolve_model(body.model)
             if (body.prompt is None) == (body.messages is None):
                 raise InvalidRequest("set exactly one of prompt and messages")
             if body.prompt is not None:
@@ -147,12 +150,12 @@ class OpenAIServer:
                 media_type="application/json",
             )
 
-        return await self._guarded(request, handler)
+        return await self.guarded(request, handler)
 
     async def detokenize(self, request: Request) -> Response:
         async def handler(rid: str):
             body = await read_body(request, DetokenizeRequest)
-            self._model(body.model)
+            self.resolve_model(body.model)
             vocab = self.engine.spec.vocab_size
             bad = [t for t in body.tokens if not 0 <= t < vocab]
             if bad:
@@ -162,7 +165,7 @@ class OpenAIServer:
             text = self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
             return Response(out.dumps({"prompt": text}), media_type="application/json")
 
-        return await self._guarded(request, handler)
+        return await self.guarded(request, handler)
 
     async def health(self, request: Request) -> Response:
         e = self.engine
@@ -195,7 +198,7 @@ class OpenAIServer:
             body = {"object": "list", "data": cards}
             return Response(out.dumps(body), media_type="application/json")
 
-        return await self._guarded(request, handler)
+        return await self.guarded(request, handler)
 
     async def load_lora(self, request: Request) -> Response:
         """vLLM's /v1/load_lora_adapter: {"lora_name", "lora_path"[, "replace"]}."""
@@ -204,7 +207,7 @@ class OpenAIServer:
             a = await load_adapter(self.engine, body.lora_name, body.lora_path, body.replace)
             return Response(f"LoRA adapter {a.name!r} loaded (rank {a.rank})", media_type="text/plain")
 
-        return await self._guarded(request, handler)
+        return await self.guarded(request, handler)
 
     async def unload_lora(self, request: Request) -> Response:
         async def handler(rid: str):
@@ -213,49 +216,57 @@ class OpenAIServer:
             return Response(f"LoRA adapter {body.lora_name!r} unloaded ({running} running requests finish on "
                             "it)", media_type="text/plain")
 
-        return await self._guarded(request, handler)
+        return await self.guarded(request, handler)
 
     async def model(self, request: Request) -> Response:
         async def handler(rid: str):
             return Response(
-                out.dumps(self._model_card(self._model(request.path_params["model"]))),
+                out.dumps(self._model_card(self.resolve_model(request.path_params["model"]))),
                 media_type="application/json",
             )
 
-        return await self._guarded(request, handler)
+        return await self.guarded(request, handler)
 
     async def chat(self, request: Request) -> Response:
         async def handler(rid: str):
             body = await read_body(request, ChatCompletionRequest)
-            model = self._model(body.model)
+            model = self.resolve_model(body.model)
             msg, mode = to_engine.chat_request(body, self.defaults, self.parse_auto_tools)
-            msg.request_id, msg.lora = rid, self._lora(model)
+            msg.request_id, msg.lora = rid, self.lora_of(model)
             prepared = await prepare_request(self.engine, msg)
             token_text = self.token_text if body.logprobs else None
             if body.stream:
                 return self._chat_stream(body, model, prepared, mode, token_text)
-            samples, usage = await unless_disconnected(request, self._collect([prepared]))
-            return Response(
-                out.dumps(out.chat_completion(prepared.request_id, model, samples, mode, usage, token_text)),
-                media_type="application/json",
-            )
+            samples, usage = await unless_disconnected(request, self.collect([prepared]))
+            answer = out.chat_completion(prepared.request_id, model, samples, mode, usage, token_text)
+            if body.prompt_logprobs is not None:
+                table, prompt = self.token_text, samples[0].prompt_logprobs
+                answer["prompt_logprobs"] = out.prompt_logprobs_body(table, prompt)
+            return Response(out.dumps(answer), media_type="application/json")
 
-        return await self._guarded(request, handler, "chatcmpl")
+        return await self.guarded(request, handler, "chatcmpl")
 
-    async def _collect(self, requests: list) -> tuple[dict[int, out.Sample], dict]:
-        """Every request's samples (numbered request i * n + sample) and the summed usage."""
+    async def collect(self, requests: list) -> tuple[dict[int, out.Sample], dict]:
+        """Every request's samples (numbered request i * n + sample) and the summed usage; each sample holds
+        its request's prompt logprobs where it asked for them."""
         samples: dict[int, out.Sample] = {}
         prompt = completion = cached = 0
+        prompt_logprobs: dict[int, list] = {}
         streams = [self.engine.generate(r) for r in requests]
         async for i, delta in merged(streams):
             n = requests[i].sampling.n
             samples.setdefault(i * n + delta.index, out.Sample()).add(delta)
+            if delta.prompt_logprobs:
+                prompt_logprobs[i] = delta.prompt_logprobs
             if delta.usage is not None:
                 u = delta.usage
                 prompt += u.prompt_tokens
                 completion += u.completion_tokens
                 cached += u.cached_prompt_tokens
-        return samples, self._usage(prompt, completion, cached)
+        n = requests[0].sampling.n if requests else 1  # every request of one call samples alike
+        for k, sample in samples.items():
+            sample.prompt_logprobs = prompt_logprobs.get(k // n)
+        return samples, out.usage_body(prompt, completion, cached)
 
     def _chat_stream(self, body: ChatCompletionRequest, model: str, prepared, mode, token_text) -> Response:
         options = body.stream_options
@@ -271,10 +282,10 @@ class OpenAIServer:
             try:
                 async for delta in self.engine.generate(prepared):
                     generated += len(delta.token_ids)
-                    now = self._usage(prompt_len, generated, 0) if continuous else None
+                    now = out.usage_body(prompt_len, generated, 0) if continuous else None
                     if delta.usage is not None:
                         u = delta.usage
-                        usage = self._usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+                        usage = out.usage_body(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
                     chunk = stream.delta(delta, now)
                     if chunk is not None:
                         yield chunk
@@ -290,92 +301,54 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         async def handler(rid: str):
             body = await read_body(request, CompletionRequest)
-            model = self._model(body.model)
+            model = self.resolve_model(body.model)
             msgs = to_engine.completion_requests(body, self.defaults)
             for i, m in enumerate(msgs):
-                m.request_id, m.lora = rid if len(msgs) == 1 else f"{rid}-{i}", self._lora(model)
+                m.request_id, m.lora = rid if len(msgs) == 1 else f"{rid}-{i}", self.lora_of(model)
             prepared = [await prepare_request(self.engine, m) for m in msgs]
-            token_text = self.token_text if body.logprobs is not None else None
+            table = self.token_text if body.logprobs is not None else None
             echoes = [self._echo(m, p) if body.echo else None for m, p in zip(msgs, prepared, strict=True)]
+            shape = out.CompletionShape(rid, model, body.n, echoes, table, self.token_text,
+                                        [p.prompt_token_ids for p in prepared], body.prompt_logprobs)
             if body.stream:
-                return self._completion_stream(body, rid, model, prepared, token_text, echoes)
-            samples, usage = await unless_disconnected(request, self._collect(prepared))
-            n = body.n
-            choices = [
-                out.completion_choice(k, samples[k], token_text, echoes[k // n]) for k in sorted(samples)
-            ]
-            return Response(
-                out.dumps(out.completion(rid, model, choices, usage)), media_type="application/json"
-            )
+                options = body.stream_options
+                usage = bool(options and (options.include_usage or options.continuous_usage_stats))
+                return self._completion_stream(shape, prepared, usage)
+            samples, usage = await unless_disconnected(request, self.collect(prepared))
+            return Response(out.dumps(shape.whole(samples, usage)), media_type="application/json")
 
-        return await self._guarded(request, handler, "cmpl")
+        return await self.guarded(request, handler, "cmpl")
 
     def _echo(self, msg, prepared) -> str:
         return msg.prompt or self.engine.tokenizer.decode(
             prepared.prompt_token_ids, skip_special_tokens=False
         )
 
-    def _completion_stream(
-        self, body: CompletionRequest, rid: str, model: str, prepared: list, token_text, echoes: list
-    ) -> Response:
-        options = body.stream_options
-        include_usage = bool(options and (options.include_usage or options.continuous_usage_stats))
-        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
-        n = body.n
-
-        def event(choices: list[dict], usage: dict | None = None) -> bytes:
-            payload = {**head, "choices": choices}
-            if include_usage:
-                payload["usage"] = usage
-            return b"data: " + out.dumps(payload) + b"\n\n"
-
+    def _completion_stream(self, shape: out.CompletionShape, prepared: list, include_usage: bool) -> Response:
         async def chunks() -> AsyncIterator[bytes]:
-            prompt = completion = cached = 0
-            offsets: dict[int, int] = {}
-            started: set[int] = set()
+            totals = [0, 0, 0]
             try:
                 async for i, delta in merged([self.engine.generate(r) for r in prepared]):
-                    index = i * n + delta.index
-                    text = delta.text
-                    if echoes[i] and index not in started:
-                        text = echoes[i] + text
-                    started.add(index)
-                    logprobs = None
-                    if token_text is not None and delta.logprobs:
-                        logprobs = token_text.completion_logprobs(delta.logprobs, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + len(text)
                     if delta.usage is not None:
-                        prompt += delta.usage.prompt_tokens
-                        completion += delta.usage.completion_tokens
-                        cached += delta.usage.cached_prompt_tokens
-                    if text or logprobs or delta.finish_reason is not None:
-                        yield event(
-                            [
-                                {
-                                    "index": index,
-                                    "text": text,
-                                    "logprobs": logprobs,
-                                    "finish_reason": out.FINISH[delta.finish_reason],
-                                }
-                            ]
-                        )
+                        u = delta.usage
+                        totals = [a + b for a, b in zip(totals, (u.prompt_tokens, u.completion_tokens,
+                                                                  u.cached_prompt_tokens), strict=True)]
+                    chunk = shape.delta(i, delta, out.usage_body(*totals) if include_usage else None)
+                    if chunk is not None:
+                        yield chunk
             except Exception as e:  # noqa: BLE001 - said in the stream's last event
                 error = api_error(e)
                 yield b"data: " + out.dumps(out.error_body(str(error), error.kind)) + b"\n\n"
             if include_usage:
-                yield (
-                    b"data: "
-                    + out.dumps({**head, "choices": [], "usage": self._usage(prompt, completion, cached)})
-                    + b"\n\n"
-                )
+                yield shape.event([], out.usage_body(*totals))
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(chunks(), media_type="text/event-stream", headers={"x-request-id": rid})
+        return StreamingResponse(chunks(), media_type="text/event-stream", headers={"x-request-id": shape.id})
 
     async def embeddings(self, request: Request) -> Response:
         async def handler(rid: str):
             body = await read_body(request, EmbeddingRequest)
-            model = self._model(body.model, lora=False)
+            model = self.resolve_model(body.model, lora=False)
             inputs = to_engine.embed_inputs(body)
             inputs.request_id = rid
             requests = await prepare_embeddings(self.engine, inputs)
@@ -396,4 +369,4 @@ class OpenAIServer:
                 media_type="application/json",
             )
 
-        return await self._guarded(request, handler, "embd")
+        return await self.guarded(request, handler, "embd")

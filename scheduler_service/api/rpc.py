@@ -4,6 +4,7 @@ tolerant deserializer, the client errors and their status codes, and a request's
 from __future__ import annotations
 
 import asyncio
+import hmac
 import uuid
 
 import grpc
@@ -72,3 +73,53 @@ async def reject(context: grpc.aio.ServicerContext, error: Exception, request_id
     code = status_for(error)
     log.info("request_rejected", request_id=request_id, code=code.name, error=str(error))
     await context.abort(code, str(error))
+
+
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes (load balancers, kubelets) carry no key
+
+
+def bearer_matches(header: str, key: str) -> bool:
+    """Whether an `authorization` value is `Bearer <key>` (compared in constant time)."""
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """--api-key on gRPC: every call but health checks carries metadata `authorization: Bearer <key>`, or
+    ends UNAUTHENTICATED before its handler runs (reflection included: it lists what a key would reach)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHODS):
+            return handler
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if bearer_matches(given, self.key):
+            return handler
+        return _refusal(handler, "invalid or missing API key: send the metadata authorization: Bearer <key>"
+                        if given else "this server needs an API key: send the metadata authorization: "
+                        "Bearer <key> (pagedserve's commands read $PAGEDSERVE_API_KEY or --api-key)")
+
+
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that ends the call UNAUTHENTICATED."""
+
+    async def refuse(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def refuse_stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - an async generator that ends at the abort
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    streaming = (handler.request_streaming, handler.response_streaming)
+    return kinds[streaming](refuse_stream if handler.response_streaming else refuse,
+                            request_deserializer=handler.request_deserializer,
+                            response_serializer=handler.response_serializer)

@@ -19,7 +19,14 @@ from scheduler_service.api.lora import (
     loaded,
     unload_adapter,
 )
-from scheduler_service.api.rpc import CLIENT_ERRORS, Malformed, prepare_request, reject, tolerant
+from scheduler_service.api.rpc import (
+    CLIENT_ERRORS,
+    ApiKeyInterceptor,
+    Malformed,
+    prepare_request,
+    reject,
+    tolerant,
+)
 from scheduler_service.api.validation import InvalidRequest
 from scheduler_service.core.adapters import AdapterError
 from scheduler_service.core.sequence import FinishReason
@@ -240,17 +247,18 @@ class HealthReporter:
 
 def build_server(engine: Engine, address: str, expose_request_ids: bool = False,
                  tls: tuple[bytes, bytes] | None = None,
-                 model_dir: str | None = None) -> tuple[grpc.aio.Server, HealthReporter, int]:
+                 model_dir: str | None = None,
+                 api_key: str | None = None) -> tuple[grpc.aio.Server, HealthReporter, int]:
     """Requests are parsed by a tolerant deserializer; validation and tokenization run off the event loop, so
-    one huge prompt never stalls the other clients. The API has no authentication of its own: `--tls-cert`
-    and `--tls-key` serve it over TLS, and anything more (client certificates, tokens) belongs in a proxy
-    in front of it. Per-request ids in GetCacheStats are shown only with `--expose-request-ids` (an id is
-    all Abort needs).
+    one huge prompt never stalls the other clients. `api_key` (--api-key) guards every call but health
+    checks (ApiKeyInterceptor); `--tls-cert` and `--tls-key` serve it over TLS. Per-request ids in
+    GetCacheStats are shown only with `--expose-request-ids` (an id is all Abort needs).
 
     tls: (private key, certificate chain) in PEM to serve over TLS; None for plaintext. model_dir: the
     model folder, whose tokenizer files the engine protocol's GetTokenizer serves (the protocol is served
     only with it)."""
-    server = grpc.aio.server(options=[
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ])

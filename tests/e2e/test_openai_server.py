@@ -350,3 +350,44 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server):
         f"{server.http_url.removesuffix('/v1')}/detokenize", json={"tokens": [10**9]}, headers=auth
     )
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+
+
+def test_prompt_logprobs_on_both_endpoints_and_echo_with_logprobs_as_vllm_serves_them(server, client):
+    prompt = "the quick brown fox"
+    want = grpc_answer(server, prompt=prompt, raw_prompt=True, sampling=generation_pb2.SamplingParams(
+        max_tokens=4, temperature=0, prompt_logprobs=2, logprobs=2))
+    expected = [lp.logprob for lp in want.prompt_logprobs]
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    entries = got.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(expected) + 1
+    own = [e[str(lp.token_id)]["logprob"] for e, lp in zip(entries[1:], want.prompt_logprobs, strict=True)]
+    assert own == pytest.approx(expected, abs=1e-6)
+    assert all(2 <= len(e) <= 3 for e in entries[1:])  # the prompt's token and the 2 most likely
+
+    streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                              stream=True, extra_body={"prompt_logprobs": 2}))
+    assert streamed[0].choices[0].model_extra["prompt_logprobs"] == entries
+
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                       logprobs=2)
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == prompt + want.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(
+        expected + [t.logprob for t in want.choices[0].logprobs], abs=1e-6)
+    assert "".join(lp.tokens) == echoed.choices[0].text and lp.text_offset[len(expected) + 1] == len(prompt)
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                            echo=True, logprobs=2, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
+    assert [x for c in chunks if c.choices and c.choices[0].logprobs
+            for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+
+    chat = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 1})
+    chat_entries = chat.model_extra["prompt_logprobs"]
+    assert chat_entries[0] is None and len(chat_entries) == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs is served on a chat request with"):
+        client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=2, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+    no_leak(server)

@@ -1,0 +1,234 @@
+"""The agent APIs' routes on the OpenAI server: each request made a chat request (the same validation,
+template and tool modes as /v1/chat/completions), run on the engine, and its turn said in the API's shape."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from scheduler_service.api import openai_requests as to_engine
+from scheduler_service.api.agents import messages as anthropic
+from scheduler_service.api.agents import response_events as answers
+from scheduler_service.api.agents import responses as openai
+from scheduler_service.api.agents.turns import (
+    ResponseStore,
+    TurnStream,
+    parse_turn,
+    prompt_opens_thinking,
+    template_thinks,
+)
+from scheduler_service.api.openai_errors import ApiError, api_error, log_refusal, read_body
+from scheduler_service.api.openai_responses import dumps
+from scheduler_service.api.rpc import prepare_request
+from scheduler_service.api.streams import unless_disconnected
+
+JSON = "application/json"
+
+
+class AgentRoutes:
+    """/v1/responses (with a bounded store for previous_response_id) and /v1/messages, over an OpenAIServer's
+    engine, model names and key."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.engine = server.engine
+        self.thinks = template_thinks(server.engine.tokenizer.chat_template)
+        self.store = ResponseStore()
+        self.routes = [
+            Route("/v1/responses", self.create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
+            Route("/v1/messages", self.create_message, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+        ]
+
+    async def _prepare(self, chat, rid: str, model: str):
+        """The chat request validated, templated and tokenized as chat's are: (prepared, tool mode,
+        whether the prompt opened a <think> block)."""
+        msg, mode = to_engine.chat_request(chat, self.server.defaults, self.server.parse_auto_tools)
+        msg.request_id, msg.lora = rid, self.server.lora_of(model)
+        prepared = await prepare_request(self.engine, msg)
+        opened = self.thinks and prompt_opens_thinking(
+            self.engine.tokenizer.decode(prepared.prompt_token_ids[-8:], skip_special_tokens=False)
+        )
+        return prepared, mode, opened
+
+    async def _stream(self, prepared, stream: TurnStream, shape) -> AsyncIterator[tuple[str, object]]:
+        """("event", bytes) for each event the answer lets out, then ("usage", (prompt, completion, cached))
+        and ("turn", Turn)."""
+        totals = (prepared.prompt_len, 0, 0)
+        async for delta in self.engine.generate(prepared):
+            for event in shape.add(*stream.add(delta)):
+                yield "event", event
+            if delta.usage is not None:
+                u = delta.usage
+                totals = (u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+        turn, reasoning, content = stream.finish()
+        for event in shape.add(reasoning, content):
+            yield "event", event
+        yield "usage", totals
+        yield "turn", turn
+
+    # --- OpenAI's Responses API ------------------------------------------------------------------------
+    async def create_response(self, request: Request) -> Response:
+        async def handler(rid: str):
+            body = await read_body(request, openai.ResponsesRequest)
+            model = self.server.resolve_model(body.model)
+            earlier: list[dict] = []
+            if body.previous_response_id is not None:
+                stored = self.store.get(body.previous_response_id)
+                if stored is None:
+                    raise ApiError(
+                        404,
+                        f"no stored response {body.previous_response_id!r}: this server keeps "
+                        f"the last {self.store.capacity} responses made with store true, in "
+                        "memory until it restarts",
+                        code="response_not_found",
+                    )
+                earlier = stored[0]
+            messages = openai.conversation(body, earlier)
+            prepared, mode, opened = await self._prepare(openai.chat_body(body, messages), rid, model)
+            shape = answers.ResponseShape(rid, model, body)
+            if body.stream:
+                return self._response_stream(body, prepared, mode, opened, shape, messages)
+            samples, usage = await unless_disconnected(request, self.server.collect([prepared]))
+            turn = parse_turn(samples[0], mode, self.thinks, opened)
+            logprobs = self._logprobs(samples[0]) if prepared.sampling.logprobs is not None else None
+            result = shape.whole(
+                turn,
+                answers.usage(
+                    usage["prompt_tokens"],
+                    usage["completion_tokens"],
+                    usage["prompt_tokens_details"]["cached_tokens"],
+                ),
+                logprobs,
+            )
+            if body.store:
+                self.store.put(rid, answers.history(messages, turn), result)
+            return Response(dumps(result), media_type=JSON)
+
+        return await self.server.guarded(request, handler, "resp")
+
+    def _logprobs(self, sample) -> list[dict]:
+        table = self.server.token_text
+        return table.chat_logprobs(sample.logprobs)["content"]
+
+    def _response_stream(self, body, prepared, mode, opened, shape, messages) -> Response:
+        stream = answers.ResponseStream(shape)
+
+        async def events() -> AsyncIterator[bytes]:
+            for event in stream.opening():
+                yield event
+            totals = (prepared.prompt_len, 0, 0)
+            try:
+                async for kind, value in self._stream(
+                    prepared, TurnStream(mode, self.thinks, opened), stream
+                ):
+                    if kind == "event":
+                        yield value
+                    elif kind == "usage":
+                        totals = value
+                    else:
+                        for event in stream.closing(value, answers.usage(*totals)):
+                            yield event
+                        if body.store:
+                            self.store.put(shape.id, answers.history(messages, value), stream.final)
+            except Exception as e:  # noqa: BLE001 - a stream that fails midway says so in its last event
+                error = api_error(e)
+                yield stream.failure(str(error), error.code or error.kind)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"x-request-id": shape.id})
+
+    async def get_response(self, request: Request) -> Response:
+        async def handler(rid: str):
+            stored = self.store.get(request.path_params["response_id"])
+            if stored is None:
+                raise ApiError(
+                    404,
+                    f"no stored response {request.path_params['response_id']!r}",
+                    code="response_not_found",
+                )
+            return Response(dumps(stored[1]), media_type=JSON)
+
+        return await self.server.guarded(request, handler)
+
+    async def delete_response(self, request: Request) -> Response:
+        async def handler(rid: str):
+            response_id = request.path_params["response_id"]
+            if not self.store.delete(response_id):
+                raise ApiError(404, f"no stored response {response_id!r}", code="response_not_found")
+            return Response(
+                dumps({"id": response_id, "object": "response", "deleted": True}), media_type=JSON
+            )
+
+        return await self.server.guarded(request, handler)
+
+    # --- Anthropic's Messages API ----------------------------------------------------------------------
+    @staticmethod
+    def _anthropic_error(error: ApiError, rid: str) -> Response:
+        log_refusal(error, rid)
+        return Response(
+            dumps(anthropic.error_body(error.status, str(error))),
+            error.status,
+            media_type=JSON,
+            headers={"request-id": rid},
+        )
+
+    async def create_message(self, request: Request) -> Response:
+        async def handler(rid: str):
+            body = await read_body(request, anthropic.MessagesRequest)
+            model = self.server.resolve_model(body.model)
+            prepared, mode, opened = await self._prepare(anthropic.chat_body(body), rid, model)
+            message_id = anthropic.new_id()
+            if body.stream:
+                return self._message_stream(prepared, mode, opened, message_id, model)
+            samples, usage = await unless_disconnected(request, self.server.collect([prepared]))
+            turn = parse_turn(samples[0], mode, self.thinks, opened)
+            counts = anthropic.usage(
+                usage["prompt_tokens"],
+                usage["completion_tokens"],
+                usage["prompt_tokens_details"]["cached_tokens"],
+            )
+            result = anthropic.message(message_id, model, turn, counts)
+            return Response(dumps(result), media_type=JSON, headers={"request-id": rid})
+
+        return await self.server.guarded(request, handler, "msg", render=self._anthropic_error)
+
+    def _message_stream(self, prepared, mode, opened, message_id: str, model: str) -> Response:
+        stream = anthropic.MessageStream(message_id, model)
+
+        async def events() -> AsyncIterator[bytes]:
+            yield stream.opening(prepared.prompt_len, 0)
+            totals = (prepared.prompt_len, 0, 0)
+            try:
+                async for kind, value in self._stream(
+                    prepared, TurnStream(mode, self.thinks, opened), stream
+                ):
+                    if kind == "event":
+                        yield value
+                    elif kind == "usage":
+                        totals = value
+                    else:
+                        for event in stream.closing(value, anthropic.usage(*totals)):
+                            yield event
+            except Exception as e:  # noqa: BLE001 - said in the stream's last event
+                error = api_error(e)
+                yield stream.failure(error.status, str(error))
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"request-id": prepared.request_id}
+        )
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's /v1/messages/count_tokens: the prompt's tokens as this server would count them."""
+
+        async def handler(rid: str):
+            body = await read_body(request, anthropic.CountTokensRequest)
+            model = self.server.resolve_model(body.model)
+            prepared, _, _ = await self._prepare(anthropic.chat_body(body), rid, model)
+            return Response(dumps({"input_tokens": prepared.prompt_len}), media_type=JSON)
+
+        return await self.server.guarded(request, handler, "count", render=self._anthropic_error)

@@ -1,0 +1,154 @@
+"""An answer as both agent APIs see it: reasoning (where the chat template thinks in <think> blocks), content
+and tool calls, parsed once whole (`parse_turn`) and incrementally while it streams (`TurnStream`); and the
+bounded store that `previous_response_id` reads."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from scheduler_service.api import openai_responses as out
+from scheduler_service.api import tool_calls
+from scheduler_service.api.openai_requests import ToolMode
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def template_thinks(chat_template: str | None) -> bool:
+    """Whether a chat template's models think in <think> blocks (Qwen3, SmolLM3, DeepSeek-R1 and others)."""
+    return bool(chat_template) and THINK_CLOSE in chat_template
+
+
+def prompt_opens_thinking(prompt_tail: str) -> bool:
+    """Whether the prompt itself ends inside a <think> block (templates that open it for the model)."""
+    tail = prompt_tail.rstrip()
+    return tail.endswith(THINK_OPEN)
+
+
+@dataclass
+class Turn:
+    """One finished answer, parsed."""
+
+    content: str | None
+    calls: list[dict] = field(default_factory=list)  # chat's tool_calls entries
+    reasoning: str | None = None
+    finish: str | None = None  # chat's finish_reason: stop, length, tool_calls, abort
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
+
+
+def split_reasoning(text: str, thinks: bool, opened: bool) -> tuple[str | None, str]:
+    """(reasoning, the rest) of an answer; reasoning None where the answer did not think."""
+    if not thinks:
+        return None, text
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_OPEN):
+        stripped, opened = stripped[len(THINK_OPEN) :], True
+    if not opened:
+        return None, text
+    if THINK_CLOSE not in stripped:  # cut while thinking
+        return stripped.strip(), ""
+    reasoning, rest = stripped.split(THINK_CLOSE, 1)
+    return reasoning.strip(), rest.lstrip()
+
+
+def parse_turn(sample: out.Sample, mode: ToolMode, thinks: bool = False, opened: bool = False) -> Turn:
+    reasoning, rest = split_reasoning(sample.text, thinks, opened)
+    answer = out.Sample()
+    answer.text, answer.finish_reason = rest, sample.finish_reason
+    message, finish = out.chat_message(answer, mode)
+    stop = sample.stop_reason if isinstance(sample.stop_reason, str) else None
+    return Turn(message["content"], message.get("tool_calls") or [], reasoning, finish, stop)
+
+
+def call_arguments(call: dict) -> dict:
+    """A chat tool call's arguments as an object (what Anthropic's tool_use.input holds)."""
+    try:
+        value = json.loads(call["function"]["arguments"])
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+class TurnStream:
+    """A streamed answer's text cut, as it arrives, into reasoning and content that can go out now: content
+    that might open a tool call (auto), or that is one (required, named), is held until the end."""
+
+    def __init__(self, mode: ToolMode, thinks: bool, opened: bool) -> None:
+        self.mode, self.thinks, self.opened = mode, thinks, opened
+        self.sample = out.Sample()
+        self.sent_reasoning = 0
+        self.sent_content = 0
+
+    def add(self, delta) -> tuple[str, str]:
+        """(new reasoning, new content) that delta's text lets go out."""
+        self.sample.add(delta)
+        reasoning, content = self._regions(self.sample.text)
+        return self._take(reasoning, content)
+
+    def finish(self) -> tuple[Turn, str, str]:
+        """The whole turn, and the reasoning and content not yet sent."""
+        turn = parse_turn(self.sample, self.mode, self.thinks, self.opened)
+        reasoning = (turn.reasoning or "")[self.sent_reasoning :]
+        content = (turn.content or "")[self.sent_content :] if self.mode.kind in ("none", "auto") else ""
+        self.sent_reasoning += len(reasoning)
+        self.sent_content += len(content)
+        return turn, reasoning, content
+
+    def _regions(self, text: str) -> tuple[str, str]:
+        """The reasoning and content of text so far, each cut back to what is certain."""
+        if self.thinks:
+            stripped = text.lstrip()
+            if not self.opened and len(stripped) < len(THINK_OPEN) and THINK_OPEN.startswith(stripped):
+                return "", ""  # maybe the opening of a <think> block
+            if self.opened or stripped.startswith(THINK_OPEN):
+                body = stripped.removeprefix(THINK_OPEN).lstrip()
+                if THINK_CLOSE not in body:
+                    return body[: len(body) - _partial(body, THINK_CLOSE)].rstrip(), ""
+                reasoning, text = body.split(THINK_CLOSE, 1)
+                return reasoning.strip(), self._content(text.lstrip())
+        return "", self._content(text)
+
+    def _content(self, text: str) -> str:
+        if self.mode.kind in ("required", "named"):
+            return ""
+        if self.mode.parse_auto:
+            opened = text.find(tool_calls.TOOL_CALL_OPEN)
+            return text[:opened] if opened >= 0 else text[: len(text) - tool_calls.held_back(text)]
+        return text
+
+    def _take(self, reasoning: str, content: str) -> tuple[str, str]:
+        new_r = reasoning[self.sent_reasoning :]
+        new_c = content[self.sent_content :]
+        self.sent_reasoning = max(self.sent_reasoning, len(reasoning))
+        self.sent_content = max(self.sent_content, len(content))
+        return new_r, new_c
+
+
+def _partial(text: str, tag: str) -> int:
+    """How many characters at the end of text might begin tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ResponseStore:
+    """The last `capacity` stored responses' conversations (input and output items), for previous_response_id
+    and GET /v1/responses/{id}: kept in memory, the oldest dropped first, gone at a restart."""
+
+    def __init__(self, capacity: int = 512) -> None:
+        self.capacity = capacity
+        self.items: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
+
+    def put(self, response_id: str, conversation: list[dict], response: dict) -> None:
+        self.items[response_id] = (conversation, response)
+        self.items.move_to_end(response_id)
+        while len(self.items) > self.capacity:
+            self.items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[list[dict], dict] | None:
+        return self.items.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self.items.pop(response_id, None) is not None

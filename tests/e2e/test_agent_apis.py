@@ -1,0 +1,314 @@
+"""The APIs agents speak, driven by the SDKs a user drives them with: OpenAI's Responses API
+(`responses.create`, unary and streamed, tools, previous_response_id) and Anthropic's Messages API
+(`messages.create`, streamed, a named tool, tool results), each answer equal to chat's for the same
+conversation; the key guarding every door (HTTP, x-api-key, gRPC) and errors in each API's own shape."""
+
+import json
+import time
+
+import anthropic
+import grpc
+import httpx
+import openai
+import pytest
+
+from protos import generation_pb2, generation_pb2_grpc
+
+KEY = "sk-agents"
+pytestmark = pytest.mark.slow
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, tiny_model_dir):
+    return server_factory(tiny_model_dir, "--api-key", KEY, "--served-model-name", "tiny")
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.http_url, api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(
+        base_url=server.http_url.removesuffix("/v1"), api_key=KEY, max_retries=0, timeout=120
+    )
+
+
+def chat_text(oai, messages, **fields) -> str:
+    got = oai.chat.completions.create(model="tiny", messages=messages, temperature=0, **fields)
+    return got.choices[0].message.content
+
+
+def no_leak(server):
+    deadline = time.monotonic() + 10
+    while (st := server.stats()).num_running or st.num_waiting:
+        assert time.monotonic() < deadline, "a request is still running"
+        time.sleep(0.1)
+    assert st.num_free_blocks + st.num_cached_blocks == st.num_blocks, "blocks leaked"
+
+
+def test_a_response_equals_chat_streams_the_same_text_and_continues_from_its_id(server, oai):
+    first = oai.responses.create(
+        model="tiny", input="the quick brown", instructions="be terse.", max_output_tokens=10, temperature=0
+    )
+    conversation = [
+        {"role": "system", "content": "be terse."},
+        {"role": "user", "content": "the quick brown"},
+    ]
+    assert first.output_text == chat_text(oai, conversation, max_tokens=10)
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+    assert first.usage.output_tokens == 10 and first.model == "tiny"
+
+    events = list(
+        oai.responses.create(
+            model="tiny",
+            input="the quick brown",
+            instructions="be terse.",
+            max_output_tokens=10,
+            temperature=0,
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
+    assert events[-1].response.output_text == first.output_text
+
+    second = oai.responses.create(
+        model="tiny",
+        input="over the lazy",
+        previous_response_id=first.id,
+        instructions="be terse.",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    whole = conversation + [
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "over the lazy"},
+    ]
+    assert second.output_text == chat_text(oai, whole, max_tokens=8)
+    assert oai.responses.retrieve(second.id).output_text == second.output_text
+    with pytest.raises(openai.NotFoundError, match="no stored response"):
+        oai.responses.create(model="tiny", input="x", previous_response_id="resp_nowhere")
+    no_leak(server)
+
+
+def test_a_response_calls_a_function_and_takes_its_output_back(server, oai):
+    tool = {"type": "function", "name": "get_weather", "parameters": CITY}
+    called = oai.responses.create(
+        model="tiny",
+        input="weather?",
+        tools=[tool],
+        tool_choice="required",
+        max_output_tokens=60,
+        temperature=0.8,
+        parallel_tool_calls=False,
+    )
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
+    answer = oai.responses.create(
+        model="tiny",
+        previous_response_id=called.id,
+        tools=[tool],
+        max_output_tokens=5,
+        temperature=0,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}],
+    )
+    assert answer.output[0].type == "message" and answer.usage.input_tokens > called.usage.input_tokens
+    named = list(
+        oai.responses.create(
+            model="tiny",
+            input="weather?",
+            tools=[tool],
+            stream=True,
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=60,
+            temperature=0.8,
+        )
+    )
+    done = [e for e in named if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0].arguments)["city"] in ("Paris", "Rome")
+    assert not [e for e in named if e.type == "response.output_text.delta"]
+    no_leak(server)
+
+
+def test_a_message_equals_chat_streams_the_same_text_and_stops_on_a_sequence(server, oai, claude):
+    msgs = [
+        {"role": "user", "content": "the quick brown"},
+        {"role": "assistant", "content": "fox jumps"},
+        {"role": "user", "content": [{"type": "text", "text": "over the lazy"}]},
+    ]
+    got = claude.messages.create(
+        model="tiny", max_tokens=10, system="be terse.", messages=msgs, extra_body={"temperature": 0}
+    )
+    chat = [
+        {"role": "system", "content": "be terse."},
+        *msgs[:2],
+        {"role": "user", "content": "over the lazy"},
+    ]
+    assert got.content[0].text == chat_text(oai, chat, max_tokens=10)
+    assert got.stop_reason == "max_tokens" and got.usage.output_tokens == 10 and got.role == "assistant"
+
+    with claude.messages.stream(
+        model="tiny", max_tokens=10, system="be terse.", messages=msgs, extra_body={"temperature": 0}
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == got.content[0].text and final.stop_reason == "max_tokens"
+
+    stop = got.content[0].text[3:6]
+    cut = claude.messages.create(
+        model="tiny",
+        max_tokens=10,
+        system="be terse.",
+        messages=msgs,
+        stop_sequences=[stop],
+        extra_body={"temperature": 0},
+    )
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert got.content[0].text.startswith(cut.content[0].text) and stop not in cut.content[0].text
+    counted = claude.messages.count_tokens(model="tiny", system="be terse.", messages=msgs)
+    assert counted.input_tokens == got.usage.input_tokens + got.usage.cache_read_input_tokens
+    no_leak(server)
+
+
+def test_a_message_uses_a_named_tool_and_reads_its_result(server, claude):
+    tool = {"name": "get_weather", "description": "the weather in a city", "input_schema": CITY}
+    used = claude.messages.create(
+        model="tiny",
+        max_tokens=60,
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "weather in Paris?"}],
+    )
+    assert used.stop_reason == "tool_use"
+    block = [b for b in used.content if b.type == "tool_use"][0]
+    assert block.name == "get_weather" and block.input["city"] in ("Paris", "Rome")
+    with claude.messages.stream(
+        model="tiny",
+        max_tokens=60,
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "weather in Paris?"}],
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert [b.type for b in streamed.content] == ["tool_use"] and streamed.content[0].input["city"]
+    after = claude.messages.create(
+        model="tiny",
+        max_tokens=4,
+        tools=[tool],
+        messages=[
+            {"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": used.content},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "sunny"}],
+            },
+        ],
+    )
+    assert after.content[0].type == "text" and after.usage.input_tokens > used.usage.input_tokens
+    no_leak(server)
+
+
+@pytest.mark.parametrize(
+    "body, status, kind, message",
+    [
+        (
+            {"model": "gpt-4", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
+            404,
+            "not_found_error",
+            "'gpt-4' does not exist",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+            400,
+            "invalid_request_error",
+            "max_tokens: Field required",
+        ),
+        (
+            {
+                "model": "tiny",
+                "max_tokens": 5,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+                            }
+                        ],
+                    }
+                ],
+            },
+            400,
+            "invalid_request_error",
+            "text only",
+        ),
+        (
+            {"model": "tiny", "max_tokens": 5, "messages": []},
+            400,
+            "invalid_request_error",
+            "at least one message",
+        ),
+        (
+            {"model": "tiny", "max_tokens": 5, "top_k": -7, "messages": [{"role": "user", "content": "x"}]},
+            400,
+            "invalid_request_error",
+            "top_k",
+        ),
+    ],
+)
+def test_bad_messages_are_answered_in_anthropics_error_shape(server, body, status, kind, message):
+    r = httpx.post(f"{server.http_url}/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()
+    assert (
+        error["type"] == "error" and error["error"]["type"] == kind and message in error["error"]["message"]
+    )
+
+
+def test_bad_responses_name_the_field(server):
+    cases = [
+        ({"input": "x", "background": True}, "background is not served"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "text only"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens must be at least 1"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "calls functions only"),
+        ({"input": "x", "frobnicate": 1}, "frobnicate: is not a field"),
+    ]
+    for body, message in cases:
+        r = httpx.post(f"{server.http_url}/responses", json=body, headers={"authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+
+
+def test_one_key_guards_every_door(server, tiny_model_dir):
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
+        for path in ("/responses", "/messages", "/chat/completions"):
+            r = httpx.post(server.http_url + path, json={}, headers=headers)
+            assert r.status_code == 401, (path, headers, r.text)
+    bare = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(server.address))
+    with pytest.raises(grpc.RpcError) as refused:
+        bare.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "authorization: Bearer" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as streamed:
+        list(bare.GenerateStream(generation_pb2.GenerateRequest(prompt="x"), timeout=10))
+    assert streamed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    wrong = [("authorization", "Bearer nope")]
+    with pytest.raises(grpc.RpcError) as bad:
+        bare.GetModelInfo(generation_pb2.GetModelInfoRequest(), metadata=wrong, timeout=10)
+    assert bad.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    info = bare.GetModelInfo(
+        generation_pb2.GetModelInfoRequest(), timeout=10, metadata=[("authorization", f"Bearer {KEY}")]
+    )
+    assert info.model_name == "tiny"  # the name the HTTP APIs serve it as
+    assert server.stats().num_blocks > 0  # the helper's channel carries the key
