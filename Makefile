@@ -29,7 +29,7 @@ PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wir
 # `make` alone lists the targets.
 .DEFAULT_GOAL := help
 
-.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-lora bench-kv-tiers bench-moe gpu-compile-report plot-kv clean
+.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-lora bench-kv-tiers bench-moe bench-start gpu-compile-report plot-kv clean
 
 help:  ## list the targets, one line each
 	@awk -F ':.*## ' -v port='$(PORT)' -v http='$(HTTP_PORT)' -v rundir='$(RUN_DIR)' \
@@ -184,6 +184,9 @@ bench-cpu-scale: setup  ## 1B and 8B shapes against the peers
 # llama-server's n-gram --spec-type modes on the same GGUF; then 64 random streams, speculation off and on.
 bench-spec: setup  ## speculative decoding against off and llama.cpp
 	$(PY) -m deploy.bench.speculative --model $(MODEL_DIR) $(ARGS)
+
+bench-start: setup  ## seconds to serve, cold and warm (the choices kept per machine and model)
+	$(PY) -m deploy.bench.warm_start --model $(MODEL_DIR) $(ARGS)
 
 bench-embeddings: setup  ## embeddings/s against sentence-transformers and vLLM
 	$(PY) -m deploy.bench.embeddings --beside $(ARGS)

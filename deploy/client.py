@@ -297,6 +297,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     before = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=args.timeout),
                      time.monotonic())
     time.sleep(min(args.interval, 0.5))
+    if not console.is_terminal:  # a pipe or a file: each frame printed whole, one after another (top -b)
+        return _top_frames(args, stub, console, before, model)
     drawn = 0
     view = None
     try:
@@ -326,6 +328,29 @@ def cmd_top(args: argparse.Namespace) -> int:
         recorder = Console(record=True, width=110, file=io.StringIO())
         recorder.print(view)
         recorder.save_svg(args.svg, title="pagedserve top")
+    return 0
+
+
+def _top_frames(args: argparse.Namespace, stub, console, before, model: str) -> int:
+    import time
+
+    from deploy.console import Reading, top_view
+    from protos import generation_pb2
+
+    drawn = 0
+    while args.iterations is None or drawn < args.iterations:
+        if drawn:
+            time.sleep(args.interval)
+        try:
+            now = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=args.timeout),
+                          time.monotonic())
+        except grpc.RpcError as e:
+            print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
+            return 1
+        console.print(top_view(now, before, args.server, model))
+        console.file.flush()
+        before = now
+        drawn += 1
     return 0
 
 

@@ -287,6 +287,7 @@ def start_gateway(args, fleet: Fleet, addresses: list[str], run_dir: Path) -> li
     RuntimeError / TimeoutError: it did not come up."""
     from deploy.gateway import smg_command, wait_ready
     from scheduler_service.core.config import ModelSpec
+    from scheduler_service.main import served_names
 
     gateway = Program("gateway", smg_command(addresses, args.gateway_host, args.gateway_port, args.model,
                                              args.gateway_policy, gateway_metrics_port(args)),
@@ -297,7 +298,8 @@ def start_gateway(args, fleet: Fleet, addresses: list[str], run_dir: Path) -> li
     base_url = f"http://{args.gateway_host}:{args.gateway_port}"
     wait_ready(base_url, len(addresses), args.ready_timeout,
                alive=lambda: (fleet.supervisor.poll(), unit.restarts == 0)[1])
-    return gateway_banner(base_url, ModelSpec.from_folder(args.model).name, len(addresses))
+    name = served_names(args, ModelSpec.from_folder(args.model))[0]  # the one name the servers serve
+    return gateway_banner(base_url, name, len(addresses))
 
 
 def watch(fleet: Fleet, stopping: dict) -> None:

@@ -101,7 +101,20 @@ async def supervise(supervisor: Supervisor, stop: asyncio.Event, interval: float
         stop.set()
 
 
+def warn_if_oversubscribed(args: argparse.Namespace) -> None:
+    """More CPU ranks than cores: each gets less than a core and the model runs slower than on one rank."""
+    from worker.serve.startup import nvidia_gpu_present
+
+    ranks = args.tensor_parallel_size * args.data_parallel_size
+    cores = len(os.sched_getaffinity(0))
+    on_cpu = args.device == "cpu" or (args.device is None and not nvidia_gpu_present())
+    if on_cpu and ranks > cores:
+        log.warning("more_ranks_than_cores", ranks=ranks, cores=cores,
+                    fix=f"--tp x --dp of at most {cores}: one rank already uses every core")
+
+
 async def launch(args: argparse.Namespace) -> int:
+    warn_if_oversubscribed(args)
     stop = asyncio.Event()
     state: dict = {}
 

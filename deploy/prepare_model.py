@@ -97,7 +97,7 @@ def model_folder(model: str) -> str:
         return _prepared_folder(path)
     except ConfigError:
         raise
-    except (ValueError, OSError, KeyError, IndexError, struct.error) as e:  # what gguf's reader raises
+    except (ValueError, OSError, KeyError, IndexError, TypeError, struct.error) as e:  # the readers raise
         raise ConfigError(f"{model}: the GGUF file is truncated or corrupt ({type(e).__name__}: {e})") \
             from None
 
@@ -105,6 +105,12 @@ def model_folder(model: str) -> str:
 def _prepared_folder(path: Path) -> str:
     import hashlib
 
+    from worker.weights.gguf_header import SERVED_ARCHS, GGUFHeader
+
+    arch = GGUFHeader(path).arch
+    if arch not in SERVED_ARCHS:
+        raise ConfigError(f"{path.name} is a GGUF of architecture {arch!r}, which pagedserve does not serve "
+                          f"(it serves {', '.join(SERVED_ARCHS)})")
     stat = path.resolve().stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     cache = env.models_dir()

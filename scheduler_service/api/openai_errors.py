@@ -3,7 +3,9 @@ errors mapped once, a body pydantic refused said in one line naming the field.""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 
 import pydantic
 import structlog
@@ -18,17 +20,38 @@ from scheduler_service.core.adapters import AdapterError
 from scheduler_service.core.batch import DuplicateRequestId
 from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, Unschedulable
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
-
 log = structlog.get_logger("scheduler.http")
 
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
+        self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.kind, self.code = status, kind, code
+        self.param = param if param is not None else param_of(message) if status == 400 else None
+
+
+_PATH = re.compile(r"^([a-z][a-z0-9_]*)((?:\[\d+\]|\.[a-z][a-z0-9_]*)*)(?=[ :]|$)")
+
+
+@functools.cache
+def request_fields() -> frozenset[str]:
+    """Every top-level field of a request body the HTTP APIs take."""
+    from scheduler_service.api import openai_schema as schema
+    from scheduler_service.api.agents import messages, responses
+
+    models = (schema.ChatCompletionRequest, schema.CompletionRequest, schema.EmbeddingRequest,
+              schema.TokenizeRequest, responses.ResponsesRequest, messages.MessagesRequest)
+    return frozenset(f.alias or name for m in models for name, f in m.model_fields.items())
+
+
+def param_of(message: str) -> str | None:
+    """The field an error message begins with (`max_tokens must be...`, `tools[0].function: ...`), where
+    it begins with one: OpenAI's error `param`."""
+    m = _PATH.match(message)
+    return m.group(0) if m and m.group(1) in request_fields() else None
 
 
 def api_error(error: Exception) -> ApiError:
@@ -60,20 +83,23 @@ def error_response(error: ApiError, request_id: str = "", logged: bool = True) -
     if logged:
         log_refusal(error, request_id)
     return Response(
-        out.dumps(out.error_body(str(error), error.kind, error.code)),
+        out.dumps(out.error_body(str(error), error.kind, error.code, error.param)),
         error.status,
         media_type="application/json",
+    )
+
+
+def _where(err: dict) -> str:
+    """A pydantic error's location as the body names it (`messages.0.content`), less pydantic's own steps."""
+    return ".".join(
+        str(x) for x in err["loc"] if not str(x).startswith(("function-", "list[", "str", "literal[", "int"))
     )
 
 
 def validation_message(e: pydantic.ValidationError) -> str:
     parts = []
     for err in e.errors()[:4]:
-        where = ".".join(
-            str(x)
-            for x in err["loc"]
-            if not str(x).startswith(("function-", "list[", "str", "literal[", "int"))
-        )
+        where = _where(err)
         what = "is not a field of this request" if err["type"] == "extra_forbidden" else err["msg"]
         parts.append(f"{where}: {what}" if where else what)
     more = f" (and {len(e.errors()) - 4} more)" if len(e.errors()) > 4 else ""
@@ -97,4 +123,4 @@ async def read_body(request: Request, model: type[pydantic.BaseModel]):
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as e:
-        raise ApiError(400, validation_message(e)) from None
+        raise ApiError(400, validation_message(e), param=_where(e.errors()[0]) or None) from None

@@ -312,3 +312,13 @@ def test_one_key_guards_every_door(server, tiny_model_dir):
     )
     assert info.model_name == "tiny"  # the name the HTTP APIs serve it as
     assert server.stats().num_blocks > 0  # the helper's channel carries the key
+
+
+def test_the_ready_line_says_the_served_name_and_its_curl_carries_the_key(server, oai):
+    lines = server.log_path.read_text().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("pagedserve is serving"))
+    assert lines[head].startswith("pagedserve is serving tiny (")
+    assert "export PAGEDSERVE_API_KEY" in lines[head + 1]
+    assert '-H "Authorization: Bearer $PAGEDSERVE_API_KEY"' in lines[head + 2]
+    assert "/v1/responses" in lines[head + 2] and "/v1/messages" in lines[head + 2]
+    assert [m.id for m in oai.models.list().data] == ["tiny"]

@@ -57,6 +57,23 @@ def taken_port():
         yield s.getsockname()[1]
 
 
+def write_gguf(path, arch: str) -> None:
+    """A small GGUF file of an architecture, as llama.cpp's converter writes its header."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(128)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def bad_models(tmp):
     from worker.weights.gguf_header import find_embedded_gguf
 
@@ -64,6 +81,7 @@ def bad_models(tmp):
     (tmp / "plain.txt").write_text("hello")
     truncated = tmp / "truncated.gguf"
     truncated.write_bytes(find_embedded_gguf().read_bytes()[:1_000_000])
+    write_gguf(tmp / "gpt-oss-20b.gguf", "gpt-oss")
     (tmp / "bad-config").mkdir()
     (tmp / "bad-config" / "config.json").write_text("{not json")
     (tmp / "bad-config" / "tokenizer.json").write_text("{}")
@@ -73,6 +91,7 @@ def bad_models(tmp):
         (tmp / "plain.txt", "is a file but not a .gguf one"),
         (tmp / "missing.gguf", "no such GGUF file"),
         (truncated, "the GGUF file is truncated or corrupt"),
+        (tmp / "gpt-oss-20b.gguf", "a GGUF of architecture 'gpt-oss', which pagedserve does not serve"),
         (tmp / "bad-config", "config.json cannot be read"),
     ]
 

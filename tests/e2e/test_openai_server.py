@@ -245,6 +245,20 @@ def test_bad_chat_requests_are_answered_in_openais_error_shape(server, body, sta
     assert message in error["message"] and error["type"]
 
 
+def test_an_error_names_the_field_it_is_about_as_param(server):
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [({"messages": []}, "messages"), ({"messages": hi, "max_tokens": -1}, "max_tokens"),
+             ({"messages": hi, "frobnicate": 1}, "frobnicate"),
+             ({"messages": hi, "top_logprobs": 3}, "top_logprobs"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+              "messages[0].content[0]"),
+             ({"messages": hi, "temperature": "hot"}, "temperature")]
+    for body, param in cases:
+        r = httpx.post(f"{server.http_url}/chat/completions", json=body,
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
 def test_malformed_json_a_missing_key_and_unknown_routes(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(f"{server.http_url}/chat/completions", content=b"{not json", headers=auth)

@@ -57,7 +57,11 @@ def server(server_factory):
 
 
 def localize(text: str, server) -> str:
-    return text.replace("localhost:50051", server.address).replace(
+    """The README's addresses made this server's: `make run`'s ports, and the second server's of the LoRA
+    example (this one serves its adapter too)."""
+    for grpc_address in ("localhost:50051", "localhost:50052"):
+        text = text.replace(grpc_address, server.address)
+    return text.replace(
         "127.0.0.1:8000", f"127.0.0.1:{server.http_port}"
     )
 

@@ -5,6 +5,7 @@ import os
 import pty
 import re
 import select
+import socket
 import subprocess
 import sys
 import threading
@@ -101,6 +102,23 @@ def test_top_draws_the_pool_the_rates_and_the_requests_holding_most_blocks(serve
     assert rates and max(rates) > 0  # tokens were generated between two refreshes
 
 
+def test_top_into_a_pipe_prints_each_frame_whole(server):
+    out = cli("top", "--server", server.address, "--iterations", "2", "--interval", "0.2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("pagedserve top") == 2 and "blocks" in out.stdout
+    assert "\x1b[?1049h" not in out.stdout  # no full-screen switch written to a file
+
+
+def test_a_client_with_no_server_there_is_told_to_start_one():
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    out = cli("generate", "--server", f"127.0.0.1:{port}", "hi", "--timeout", "5")
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"no pagedserve server answers at 127.0.0.1:{port}: start one (`make run`" in out.stderr
+
+
 def test_stats_is_a_table_and_json_for_machines(server):
     table = cli("stats", "--server", server.address)
     assert table.returncode == 0, table.stderr
@@ -129,11 +147,13 @@ def test_generate_passes_every_control_and_prints_json_or_text(server):
     assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr and "context" in refused.stderr
 
 
-def test_the_server_log_ends_start_up_with_where_it_serves_and_how_to_try_it(server):
+def test_the_server_log_ends_start_up_with_where_it_serves_and_how_to_try_it(server, tiny_model_dir):
     lines = server.log_path.read_text().splitlines()
     ready = [i for i, line in enumerate(lines) if line.startswith("pagedserve is serving")]
     assert len(ready) == 1
     head, grpc_line, http_line = lines[ready[0]:ready[0] + 3]
+    assert head.startswith(f"pagedserve is serving {tiny_model_dir.name} (")  # the name /v1/models lists
+    assert "Authorization" not in http_line  # no key asked for, none shown
     assert "KV pool 200 blocks x 4 tokens" in head
     assert "requests without max_tokens stop at 1,024 tokens" in head
     assert grpc_line.split()[:2] == ["gRPC", server.address]

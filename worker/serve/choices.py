@@ -8,7 +8,15 @@ import structlog
 
 from worker.serve.config import WorkerConfig
 
-CPU_KV_CACHE_MEMORY = "2GiB"
+CPU_KV_CACHE_MEMORY = "2GiB"  # the whole pool's on a CPU: its tensor-parallel ranks share it
+
+
+def cpu_default_kv_bytes(tp: int) -> int:
+    """One rank's share of the CPU's default pool: every rank holds its heads' share of each block, so the
+    pool holds as many tokens at any --tp."""
+    from protos.argtypes import parse_bytes
+
+    return parse_bytes(CPU_KV_CACHE_MEMORY) // max(tp, 1)
 
 log = structlog.get_logger("worker.serve.main")
 
@@ -71,7 +79,7 @@ def kv_budget_bytes(cfg: WorkerConfig, config, dtype, heads: int) -> int:
 
     if cfg.num_blocks:
         return cfg.num_blocks * bytes_per_block(config, cfg.block_size, dtype, heads)
-    return parse_bytes(cfg.kv_cache_memory or CPU_KV_CACHE_MEMORY)
+    return parse_bytes(cfg.kv_cache_memory) if cfg.kv_cache_memory else cpu_default_kv_bytes(cfg.tp)
 
 
 def refuse_what_cannot_fit(cfg: WorkerConfig, config, dtype, kv_dtype, tp: int, source=None) -> str | None:

@@ -63,7 +63,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-blocks", type=POSITIVE, default=None,
                    help="KV pool size in blocks (overrides the memory budget)")
     g.add_argument("--kv-cache-memory", type=memory_size, default=None,
-                   help="KV pool memory per rank, e.g. 2GiB (default: 2GiB on a CPU; on CUDA what "
+                   help="KV pool memory per rank, e.g. 2GiB (default: 2GiB on a CPU shared by the "
+                        "tensor-parallel ranks, so --tp holds as many tokens; on CUDA what "
                         "--gpu-memory-utilization leaves once everything else is measured)")
     g.add_argument("--kv-offload-size", type=memory_size, default=None,
                    help="a host-memory tier under the KV pool, e.g. 16GiB (pinned on CUDA): cached blocks "

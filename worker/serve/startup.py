@@ -11,10 +11,10 @@ import structlog
 
 from protos.argtypes import parse_bytes
 from worker.serve.choices import (
-    CPU_KV_CACHE_MEMORY,
     DTYPES,
     activations_of,
     block_types,
+    cpu_default_kv_bytes,
     half_weights,
     hold_gemm_copy,
     int8_without_copy,
@@ -34,29 +34,9 @@ from worker.serve.kv_offload import fingerprint, tier_store
 log = structlog.get_logger("worker.serve.main")
 
 
-
-
 def nvidia_gpu_present() -> bool:
     """Whether the NVIDIA driver reports a GPU on this host, whatever torch can see."""
     return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 @dataclass
@@ -204,6 +184,7 @@ def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype,
 
     from worker.model.linear import choose as choose_matmul
     from worker.model.quantized import PACKED_TYPES
+    from worker.serve.start_cache import start_cache
 
     t0 = time.perf_counter()
     # 8-bit activations meet packed blocks only: a file of bf16 / fp16 rows keeps the choices below
@@ -213,7 +194,14 @@ def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype,
     # dequantized tiles meet F.linear: no library to measure (that would allocate the fp32 copy avoided)
     no_dense_copy = source is not None and prefill == "dequantize"
     int8_packed = int8_packed or (no_dense_copy and int8_without_copy(cfg, lib, block_types(model)))
-    dense = choose_matmul("dense" if no_dense_copy else cfg.matmul, model.matmul_shapes(), device, dtype)
+    cache = start_cache(cfg, device, dtype, tp, prefill, activations_of(lib) if lib else "")
+    measured = cache.get("matmul") if cfg.matmul == "auto" and not no_dense_copy else None
+    dense = choose_matmul(measured or ("dense" if no_dense_copy else cfg.matmul), model.matmul_shapes(),
+                          device, dtype)
+    if cfg.matmul == "auto" and not no_dense_copy and measured is None:
+        cache.put("matmul", dense.name)
+    elif measured is not None:
+        log.info("matmul_chosen", library=measured, measured="at an earlier start", kept=str(cache.path))
     fused = device.type == "cpu" and cfg.cpu_decode == "fused" and tp == 1 and dtype == torch.float32
     if source is None:  # the fused decode step reads plain fp32 rows: kept beside oneDNN's packed copies
         model.use_matmul(dense, drop_dense=not fused)
@@ -227,8 +215,11 @@ def attach_matmuls(cfg: WorkerConfig, model, config, source, lib, device, dtype,
             # every step on the packed kernel: faster than dequantizing tiles at any row count (1B and 8B
             # measured), and one arithmetic for every batch, so an answer does not depend on its company
             lib.max_kernel_rows = 1 << 30
+        elif (rows := cache.get(f"max_kernel_rows/{dense.name}")) is not None:
+            lib.max_kernel_rows = rows  # measured at an earlier start: the same machine, build and model
+            log.info("quantized_matmul_threshold", max_kernel_rows=rows, measured="at an earlier start")
         else:
-            choose_threshold(lib, model_linears(model))
+            cache.put(f"max_kernel_rows/{dense.name}", choose_threshold(lib, model_linears(model)))
         log.info("quantized_weights", source=source.description, matrices=counts,
                  prefill=prefill, activations=activations_of(lib), max_kernel_rows=lib.max_kernel_rows,
                  read_s=round(load_s, 1), ready_s=round(load_s + time.perf_counter() - t0, 1))
@@ -286,7 +277,7 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
             log.info("gpu_memory_budget", non_kv_bytes=non_kv, graph_bytes=graph_bytes, lora_bytes=lora,
                      bytes_per_block=per_block, num_blocks=num_blocks, utilization=cfg.gpu_memory_utilization)
         else:
-            num_blocks = (parse_bytes(CPU_KV_CACHE_MEMORY) - lora) // per_block
+            num_blocks = (cpu_default_kv_bytes(tp) - lora) // per_block
     except torch.cuda.OutOfMemoryError as e:
         raise Refused("profile_out_of_memory", "out of GPU memory while measuring the largest step: lower "
                       "--max-num-batched-tokens or --max-num-seqs, or raise --gpu-memory-utilization "

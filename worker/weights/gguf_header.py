@@ -151,8 +151,12 @@ def find_embedded_gguf(package: str = DEFAULT_GGUF_PACKAGE, name: str = DEFAULT_
             return path
     raise FileNotFoundError(f"{name} not found in package {package!r}")
 
+
 # llama.cpp's architectures whose every tensor this module maps ("llama" also names Mistral's files)
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+# the architectures served at all: those read natively, and those transformers' GGUF reader turns into a
+# family the workers serve (through a prepared fp32 copy)
+SERVED_ARCHS = (*NATIVE_ARCHS, "mistral", "qwen3moe", "gemma2", "gemma3")
 PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp's converter interleaves q/k rotary halves for these
 # llama.cpp's rope scaling factors (Llama 3.x): not a weight; read into the config (worker/weights/loader.py)
 ROPE_FREQS = "rope_freqs.weight"

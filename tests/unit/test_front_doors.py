@@ -1,0 +1,106 @@
+"""The front doors as a user meets them before any request: a port given and taken, the default one taken,
+a fleet's ports, the one served name, a warning where ranks outnumber cores, a CPU pool that --tp does not
+multiply, and a client's failure said with what to do."""
+
+import asyncio
+import socket
+from argparse import Namespace
+from pathlib import Path
+
+import grpc
+import pytest
+from structlog.testing import capture_logs
+
+from deploy.client import rpc_failure
+from deploy.fleet import build_parser as fleet_parser
+from deploy.fleet import scheduler_program, summary
+from deploy.launcher import warn_if_oversubscribed
+from protos import ConfigError
+from scheduler_service import main as scheduler_main
+from scheduler_service.core.config import ModelSpec
+
+
+@pytest.fixture
+def held_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def http_args(port):
+    return Namespace(http_port=port, host="127.0.0.1", tls_cert=None, tls_key=None, api_key=None)
+
+
+def test_a_port_given_and_taken_is_an_error_and_the_default_taken_is_said(held_port, monkeypatch):
+    with pytest.raises(ConfigError, match=f"cannot serve HTTP on 127.0.0.1:{held_port}"):
+        asyncio.run(scheduler_main.start_http(None, ["m"], [], http_args(held_port)))
+    monkeypatch.setattr(scheduler_main, "DEFAULT_HTTP_PORT", held_port)  # the default, taken
+    why = asyncio.run(scheduler_main.start_http(None, ["m"], [], http_args(None)))
+    assert why.startswith(f"off: 127.0.0.1:{held_port} is taken by another process (--http-port N")
+    assert asyncio.run(scheduler_main.start_http(None, ["m"], [], http_args(0))) == "off (--http-port 0)"
+
+
+def test_a_fleet_of_two_takes_consecutive_ports_and_says_each_http_api():
+    args = fleet_parser().parse_args(["--model", "m", "--servers", "2", "--port", "50061"])
+    argvs = [scheduler_program(args, "tcp://127.0.0.1:0", Path("/tmp"), i).argv for i in (0, 1)]
+    ports = [(a[a.index("--port") + 1], a[a.index("--http-port") + 1]) for a in argvs]
+    assert ports == [("50061", "8000"), ("50062", "8001")]
+
+    class Unit:
+        programs, procs = [], []
+
+    text = summary(["127.0.0.1:50061", "127.0.0.1:50062"], Namespace(units=[Unit()]), Path("run/deploy"),
+                   http_urls=["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1"])
+    assert "OpenAI API: http://127.0.0.1:8001/v1" in text and "OpenAI API: http://127.0.0.1:8000/v1" in text
+    gated = fleet_parser().parse_args(["--model", "m", "--servers", "2", "--gateway"])
+    argv = scheduler_program(gated, "tcp://127.0.0.1:0", Path("/tmp"), 1).argv
+    assert argv[argv.index("--http-port") + 1] == "-1"  # the gateway has 8000
+
+
+def test_one_name_is_served_and_a_prepared_ggufs_hash_is_not_part_of_it(tmp_path):
+    folder = tmp_path / "llama8b-q4km-aade0a0acd1d"
+    folder.mkdir()
+    (folder / "pagedserve_model.json").write_text("{}")
+    spec = ModelSpec(name="Llama-3-8B", vocab_size=10, max_context=16, eos_token_ids=(1,), path=str(folder))
+    args = Namespace(served_model_name=None, model=str(folder))
+    assert scheduler_main.served_names(args, spec) == ["llama8b-q4km"]
+    plain = tmp_path / "my-model-aade0a0acd1d"
+    plain.mkdir()
+    assert scheduler_main.served_names(Namespace(served_model_name=None, model=str(plain)),
+                                       ModelSpec(name="x", vocab_size=1, max_context=2, eos_token_ids=(1,),
+                                                 path=str(plain))) == [plain.name]
+    assert scheduler_main.served_names(Namespace(served_model_name=["a", "b"], model="x"), spec) == ["a", "b"]
+
+
+def test_more_cpu_ranks_than_cores_is_said_at_start(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    with capture_logs() as logs:
+        warn_if_oversubscribed(Namespace(tensor_parallel_size=3, data_parallel_size=1, device="cpu"))
+        warn_if_oversubscribed(Namespace(tensor_parallel_size=2, data_parallel_size=1, device="cpu"))
+    assert [e["event"] for e in logs] == ["more_ranks_than_cores"] and logs[0]["cores"] == 2
+
+
+def test_the_cpu_pool_holds_as_many_tokens_at_any_tp():
+    from worker.serve.choices import cpu_default_kv_bytes
+
+    assert cpu_default_kv_bytes(1) == 2 * 2**30 and cpu_default_kv_bytes(3) == 2 * 2**30 // 3
+
+
+class Failed(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+
+def test_a_failed_call_says_what_to_do():
+    gone = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"), "h:1")
+    assert gone.startswith("no pagedserve server answers at h:1: start one (`make run`")
+    draining = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, "the server is draining"), "h:1")
+    assert draining == "UNAVAILABLE: the server is draining"
+    assert "--timeout" in rpc_failure(Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), "h:1")
