@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -28,8 +29,6 @@ from protos import EXIT_CONFIG, ConfigError
 from protos.argtypes import Parser
 from protos.logs import configure_logging, human_bytes
 from scheduler_service.api.http_server import HttpServer, bind
-from scheduler_service.api.openai_server import OpenAIServer
-from scheduler_service.api.server import build_server
 from scheduler_service.core.config import ModelSpec, SchedulerConfig
 from scheduler_service.core.pooling import PoolingConfigError
 from scheduler_service.options import (
@@ -65,8 +64,9 @@ def tune_gc() -> None:
 
 async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None = None,
                 stop: asyncio.Event | None = None) -> int:
-    """Phases: check the flags and read the model, bind the worker socket, start gRPC (NOT_SERVING), call
-    on_bound(endpoint) (to start workers), wait for them, serve until stopped, drain."""
+    """Phases: check the flags and read the model, bind the worker socket and every port, call
+    on_bound(endpoint) (to start workers, which load while the rest starts), start HTTP and gRPC
+    (NOT_SERVING), wait for the workers, serve until stopped, drain."""
     config, spec, tokenizer = prepare(args)
     names = served_names(args, spec)
     aliases = [spec.name] if spec.name not in names else []  # the config's own name is accepted too
@@ -77,7 +77,11 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
     engine.adapters = adapters
     metrics_port = start_metrics(engine, args)
     warn_if_open(args)
-    http = await start_http(engine, names, aliases, args)
+    http_socket = bind_http(args)
+    check_grpc_port(args)
+    if on_bound is not None:  # every port is ours: the workers load the model while the APIs start
+        on_bound(endpoint)
+    http = await start_http(engine, names, aliases, args, http_socket)
     server, health, port = await start_grpc(args, engine, endpoint, metrics_port, http)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -86,8 +90,6 @@ async def serve(args: argparse.Namespace, on_bound: Callable[[str], None] | None
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
-    if on_bound is not None:
-        on_bound(endpoint)
     error = await wait_for_workers(engine, args.worker_timeout, stop)
     if error is not None:
         log.error("workers_failed", error=error)
@@ -185,24 +187,33 @@ def served_names(args: argparse.Namespace, spec: ModelSpec) -> list[str]:
     return [folder.name]
 
 
-async def start_http(engine: Engine, names: list[str], aliases: list[str],
-                     args: argparse.Namespace) -> HttpServer | str:
-    """The OpenAI-compatible HTTP server, listening (it answers 503 until the workers join), or why there is
-    none. Where the default port is taken the service goes on without it, saying so; a port given with
-    --http-port that is taken is a ConfigError."""
+def bind_http(args: argparse.Namespace) -> socket.socket | str:
+    """The OpenAI API's socket, bound, or why there is none. Where the default port is taken the service goes
+    on without it, saying so; a port given with --http-port that is taken is a ConfigError."""
     if args.http_port == 0:
         return "off (--http-port 0)"
     port = DEFAULT_HTTP_PORT if args.http_port is None else max(args.http_port, 0)
     try:
-        sock = bind(args.host, port)
+        return bind(args.host, port)
     except OSError as e:
         if args.http_port is not None:
             raise ConfigError(f"cannot serve HTTP on {args.host}:{port}: {e.strerror or e} (another "
                               "process holds it? --http-port N, or 0 for no HTTP)") from None
         log.warning("http_off", port=port, error=str(e), fix="--http-port N (or -1 for any free port)")
         return f"off: {args.host}:{port} is taken by another process (--http-port N serves it elsewhere)"
+
+
+async def start_http(engine: Engine, names: list[str], aliases: list[str], args: argparse.Namespace,
+                     bound: socket.socket | str) -> HttpServer | str:
+    """The OpenAI-compatible HTTP server on its bound socket, listening (it answers 503 until the workers
+    join), or why there is none."""
+    if isinstance(bound, str):
+        return bound
+    # the routes' modules (pydantic models, Starlette; half a second) load while the workers start
+    from scheduler_service.api.openai_server import OpenAIServer
+
     tls = (args.tls_key, args.tls_cert) if args.tls_cert else None
-    http = HttpServer(OpenAIServer(engine, names, args.api_key or None, aliases).app, sock, tls)
+    http = HttpServer(OpenAIServer(engine, names, args.api_key or None, aliases).app, bound, tls)
     await http.start()
     log.info("http_serving", port=http.port, models=names, api_key=bool(args.api_key), tls=bool(tls))
     return http
@@ -222,6 +233,17 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def check_grpc_port(args: argparse.Namespace) -> None:
+    """A gRPC port that is taken, said plainly before gRPC tries (its own failure is a C-core log line and a
+    vague error)."""
+    if args.port:
+        try:
+            bind(args.host, args.port).close()
+        except OSError as e:
+            raise ConfigError(f"cannot serve gRPC on {args.host}:{args.port}: {e.strerror or e} (another "
+                              "process holds it? --port N, or 0 for any free port)") from None
+
+
 async def start_grpc(args: argparse.Namespace, engine: Engine, endpoint: str, metrics_port: int | None,
                      http: HttpServer | str | None = None):
     """The gRPC server started, NOT_SERVING until the workers join; the port file written. -> (server,
@@ -230,12 +252,8 @@ async def start_grpc(args: argparse.Namespace, engine: Engine, endpoint: str, me
         tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
     except OSError as e:
         raise ConfigError(f"cannot read the TLS key or certificate: {e}") from None
-    if args.port:  # said plainly before gRPC tries (its own failure is a C-core log line and a vague error)
-        try:
-            bind(args.host, args.port).close()
-        except OSError as e:
-            raise ConfigError(f"cannot serve gRPC on {args.host}:{args.port}: {e.strerror or e} (another "
-                              "process holds it? --port N, or 0 for any free port)") from None
+    from scheduler_service.api.server import build_server  # grpc's modules, loaded while the workers start
+
     try:
         server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls,
                                             model_dir=args.model, api_key=args.api_key or None)

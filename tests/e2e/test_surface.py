@@ -274,3 +274,28 @@ def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
     finally:
         if long.poll() is None:
             long.kill()
+
+
+def test_a_second_start_of_a_model_finds_what_the_first_measured(server_factory, tiny_model_dir, tmp_path,
+                                                                  monkeypatch):
+    """The matmul library is timed at the first start and read back at the second (a warm start)."""
+    import shutil
+
+    from protos import env
+
+    kernels = env.cache_dir() / "kernels"
+    if kernels.is_dir():  # the native build is kept, as on any second start
+        shutil.copytree(kernels, tmp_path / "kernels")
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    logs = []
+    for _ in range(2):
+        started = server_factory(tiny_model_dir, "--matmul", "auto")
+        logs.append([json.loads(line) for line in started.log_path.read_text().splitlines()
+                     if line.startswith("{") and '"matmul_chosen"' in line])
+        started.stop()
+    if not logs[0]:
+        pytest.skip("this machine has one matmul library only: nothing to choose between")
+    assert len(logs[0]) == 1 and "measured" not in logs[0][0]  # timed: each library's milliseconds
+    assert len(logs[1]) == 1 and logs[1][0]["measured"] == "at an earlier start"
+    assert logs[1][0]["library"] == logs[0][0]["library"]
+    assert list((tmp_path / "choices").glob("*.json"))

@@ -34,11 +34,14 @@ def http_args(port):
 
 def test_a_port_given_and_taken_is_an_error_and_the_default_taken_is_said(held_port, monkeypatch):
     with pytest.raises(ConfigError, match=f"cannot serve HTTP on 127.0.0.1:{held_port}"):
-        asyncio.run(scheduler_main.start_http(None, ["m"], [], http_args(held_port)))
+        scheduler_main.bind_http(http_args(held_port))
     monkeypatch.setattr(scheduler_main, "DEFAULT_HTTP_PORT", held_port)  # the default, taken
-    why = asyncio.run(scheduler_main.start_http(None, ["m"], [], http_args(None)))
+    why = scheduler_main.bind_http(http_args(None))
     assert why.startswith(f"off: 127.0.0.1:{held_port} is taken by another process (--http-port N")
-    assert asyncio.run(scheduler_main.start_http(None, ["m"], [], http_args(0))) == "off (--http-port 0)"
+    assert asyncio.run(scheduler_main.start_http(None, ["m"], [], http_args(None), why)) == why
+    assert scheduler_main.bind_http(http_args(0)) == "off (--http-port 0)"
+    with pytest.raises(ConfigError, match=f"cannot serve gRPC on 127.0.0.1:{held_port}"):
+        scheduler_main.check_grpc_port(Namespace(host="127.0.0.1", port=held_port))
 
 
 def test_a_fleet_of_two_takes_consecutive_ports_and_says_each_http_api():

@@ -188,7 +188,9 @@ def huge_pages(tensors, collapse: bool) -> int:
 
 
 def weight_tensors(model) -> list:
-    """The tensors a forward streams: every parameter, and each quantized projection's blocks and copy."""
+    """The tensors a decode step streams: every parameter, and each quantized projection's blocks. Not a
+    quantized projection's dense copy: it serves steps past the kernels' rows, whose products reuse each
+    weight row across many rows, and moving it onto huge pages costs start-up a second a 300 MB."""
     import torch
 
     from worker.model.quantized import QuantLinear
@@ -196,7 +198,7 @@ def weight_tensors(model) -> list:
     out = list(model.parameters())
     for w in [*(w for layer in model.layers for w in layer.w.values()), getattr(model, "head", None)]:
         if isinstance(w, QuantLinear):
-            out += [p.data for p in w.q.segments] + [w.dense]
+            out += [p.data for p in w.q.segments]
         elif hasattr(w, "segments"):
             out += [p.data for p in w.segments]
         elif isinstance(w, torch.Tensor):

@@ -317,7 +317,9 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
                  available_bytes=available_bytes())
         # the weights only: a pool advised too faults its pages in 2 MiB at a time, compacting memory as
         # prompts arrive (a served 16-stream run lost a quarter of its rate)
-        log.info("huge_pages", weights_bytes=huge_pages(weight_tensors(loaded.model), collapse=True))
+        t0 = time.perf_counter()
+        advised = huge_pages(weight_tensors(loaded.model), collapse=True)
+        log.info("huge_pages", weights_bytes=advised, seconds=round(time.perf_counter() - t0, 2))
     runner = ModelRunner(loaded.model, pool, loaded.attn, device)
     if cfg is not None and cfg.max_cpu_loras:
         runner.adapters = lora_cache(cfg, loaded.config, loaded.model.shard, loaded.dtype, device)

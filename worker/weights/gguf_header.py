@@ -12,8 +12,10 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -41,6 +43,8 @@ class TensorInfo:
 
     @property
     def n_bytes(self) -> int:
+        from gguf import GGML_QUANT_SIZES  # the gguf package is read only when a file is (0.15 s to import)
+
         block, size = GGML_QUANT_SIZES[self.tensor_type]
         return self.n_elements // block * size
 
@@ -101,6 +105,8 @@ def read_header(path: str | Path) -> tuple[dict[str, object], dict[str, TensorIn
         order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"  # a big-endian file's version
         cur = _Cursor(buf, order)
         cur.pos = 8
+        from gguf import GGMLQuantizationType
+
         n_tensors, n_fields = cur.take("Q"), cur.take("Q")
         fields = {}
         for _ in range(n_fields):

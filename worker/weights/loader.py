@@ -90,6 +90,24 @@ def tensor_source(source: str, load_format: str, config: ModelConfig) -> TensorS
     raise ValueError(f"unknown load format {load_format!r}")
 
 
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Module.to_empty without its path for meta tensors, which imports sympy (a second of every start):
+    each parameter and buffer allocated on device, uninitialized, a tensor shared by two modules still
+    shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            is_param = isinstance(t, torch.nn.Parameter)
+            made[id(t)] = torch.nn.Parameter(new, t.requires_grad) if is_param else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            setattr(module, name, empty(t))
+
+
 def load_model(
     source: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
     tp_rank: int = 0, tp_size: int = 1, comm: Collectives | None = None, quantized=None, pack=None,
@@ -110,7 +128,7 @@ def load_model(
         model = LlamaModel(config, shard, comm).to(dtype)
     model.file_blocks = read_quantized(model, quantized, True, pack) if quantized is not None else {}
     model.release(model.file_blocks)
-    model = model.to_empty(device=device)
+    materialize(model, device)
     if weights is None:
         model.init_random(seed)
     else:
