@@ -334,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.model = model_folder(args.model)  # a .gguf file: its prepared folder, served on its blocks
         check_model_folder(args.model)
+        if args.gateway and args.api_key:
+            raise ConfigError("--api-key with --gateway: SMG 1.13 sends no key to the servers it drives "
+                              "over gRPC, so a keyed server cannot sit behind it; serve the fleet behind the "
+                              "gateway on loopback without a key (and guard the gateway's port), or give "
+                              "each server its key and no gateway")
     except ConfigError as e:
         sys.stderr.write(f"pagedserve deploy: error: {e}\n")
         return EXIT_CONFIG

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from protos import generation_pb2, generation_pb2_grpc
+from tests.support.default_model import MODEL_DIR, has_model
 
 KEY = "sk-agents"
 pytestmark = pytest.mark.slow
@@ -322,3 +323,33 @@ def test_the_ready_line_says_the_served_name_and_its_curl_carries_the_key(server
     assert '-H "Authorization: Bearer $PAGEDSERVE_API_KEY"' in lines[head + 2]
     assert "/v1/responses" in lines[head + 2] and "/v1/messages" in lines[head + 2]
     assert [m.id for m in oai.models.list().data] == ["tiny"]
+
+
+@has_model
+@pytest.mark.real_model
+def test_the_sdks_against_the_default_model_as_make_run_serves_it(server_factory):
+    """`make run`'s model and flags (its GGUF's blocks, its template): Responses unary and streamed,
+    Messages unary, streamed and with a named tool, each through its own SDK."""
+    served = server_factory(MODEL_DIR, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
+    name = MODEL_DIR.name
+    oai = openai.OpenAI(base_url=served.http_url, api_key="none", max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(base_url=served.http_url.removesuffix("/v1"), api_key="none", max_retries=0,
+                                 timeout=120)
+    question = "What is the capital of France? Answer in one sentence."
+    answer = oai.responses.create(model=name, input=question, max_output_tokens=30, temperature=0)
+    assert "Paris" in answer.output_text and answer.status == "completed"
+    streamed = list(oai.responses.create(model=name, input=question, max_output_tokens=30, temperature=0,
+                                         stream=True))
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == answer.output_text
+    ask = [{"role": "user", "content": question}]
+    reply = claude.messages.create(model=name, max_tokens=30, messages=ask, extra_body={"temperature": 0})
+    assert "Paris" in reply.content[0].text and reply.stop_reason == "end_turn"
+    with claude.messages.stream(model=name, max_tokens=30, messages=ask,
+                                extra_body={"temperature": 0}) as stream:
+        assert "".join(stream.text_stream) == reply.content[0].text
+    tool = {"name": "get_weather", "description": "the weather in a city", "input_schema": CITY}
+    used = claude.messages.create(model=name, max_tokens=40, tools=[tool],
+                                  tool_choice={"type": "tool", "name": "get_weather"},
+                                  messages=[{"role": "user", "content": "What is the weather in Rome?"}])
+    assert used.stop_reason == "tool_use" and used.content[-1].input["city"] in ("Paris", "Rome")
+    no_leak(served)

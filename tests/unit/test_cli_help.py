@@ -39,3 +39,15 @@ def test_every_serve_flag_is_in_the_serving_guide():
     missing = [max(a.option_strings, key=len) for _, a in actions(serve_parser(), "serve")
                if a.option_strings and f"`{max(a.option_strings, key=len)}`" not in guide]
     assert not missing, "docs/serving.md does not say: " + ", ".join(missing)
+
+
+def test_make_help_says_the_values_a_target_uses():
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    out = subprocess.run(["make", "--no-print-directory", "help", "PORT=50077", "RUN_DIR=run/elsewhere"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    assert "gRPC on 50077, OpenAI HTTP on 8000" in out and "logs in run/elsewhere" in out
+    assert "$(" not in out

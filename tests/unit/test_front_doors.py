@@ -107,3 +107,19 @@ def test_a_failed_call_says_what_to_do():
     draining = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, "the server is draining"), "h:1")
     assert draining == "UNAVAILABLE: the server is draining"
     assert "--timeout" in rpc_failure(Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), "h:1")
+
+
+def test_a_keyed_fleet_behind_the_gateway_is_refused_in_one_line(tiny_model_dir, capsys, monkeypatch):
+    """SMG 1.13 sends no key over gRPC: its servers would refuse it every call, so the pair is refused."""
+    import structlog
+
+    from deploy.fleet import main as deploy_main
+
+    config = structlog.get_config()
+    try:
+        code = deploy_main(["--model", str(tiny_model_dir), "--gateway", "--api-key", "k", "--log-format",
+                            "json"])
+    finally:
+        structlog.configure(**config)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("pagedserve deploy: error: --api-key with --gateway")
