@@ -285,12 +285,12 @@ class MessageStream:
     """A streamed message's events: message_start, then each block's start, deltas and stop (thinking, text,
     then each tool_use), message_delta with the stop reason and usage, message_stop."""
 
-    def __init__(self, message_id: str, model: str) -> None:
-        self.id, self.model = message_id, model
+    def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
+        self.id, self.model, self.prompt_tokens = message_id, model, prompt_tokens
         self.index = 0
         self.open: str | None = None  # the kind of the block open now
 
-    def opening(self, prompt: int, cached: int) -> bytes:
+    def opening(self) -> list[bytes]:
         start = {
             "id": self.id,
             "type": "message",
@@ -299,9 +299,9 @@ class MessageStream:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": usage(prompt, 0, cached),
+            "usage": usage(self.prompt_tokens, 0, 0),
         }
-        return sse("message_start", {"message": start})
+        return [sse("message_start", {"message": start})]
 
     def add(self, reasoning: str, content: str) -> list[bytes]:
         events = []
@@ -342,8 +342,9 @@ class MessageStream:
         events.append(sse("message_delta", {"delta": delta, "usage": usage_}))
         return events + [sse("message_stop", {})]
 
-    def failure(self, status: int, message_: str) -> bytes:
-        return sse("error", error_body(status, message_))
+    def failure(self, error) -> bytes:
+        """The stream's last event where it fails midway (an ApiError)."""
+        return sse("error", error_body(error.status, str(error)))
 
     def _switch(self, kind: str, block: dict, always: bool = False) -> list[bytes]:
         if self.open == kind and not always:

@@ -195,8 +195,9 @@ class ResponseStream:
             self.shape.event("response.incomplete" if cut else "response.completed", response=self.final)
         ]
 
-    def failure(self, message: str, code: str) -> bytes:
-        return self.shape.event("error", code=code, message=message, param=None)
+    def failure(self, error) -> bytes:
+        """The stream's last event where it fails midway (an ApiError)."""
+        return self.shape.event("error", code=error.code or error.kind, message=str(error), param=None)
 
     @property
     def _index(self) -> int:

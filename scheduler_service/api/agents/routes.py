@@ -56,21 +56,32 @@ class AgentRoutes:
         )
         return prepared, mode, opened
 
-    async def _stream(self, prepared, stream: TurnStream, shape) -> AsyncIterator[tuple[str, object]]:
-        """("event", bytes) for each event the answer lets out, then ("usage", (prompt, completion, cached))
-        and ("turn", Turn)."""
-        totals = (prepared.prompt_len, 0, 0)
-        async for delta in self.engine.generate(prepared):
-            for event in shape.add(*stream.add(delta)):
-                yield "event", event
-            if delta.usage is not None:
-                u = delta.usage
-                totals = (u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
-        turn, reasoning, content = stream.finish()
-        for event in shape.add(reasoning, content):
-            yield "event", event
-        yield "usage", totals
-        yield "turn", turn
+    def _event_stream(self, prepared, mode, opened, shape, usage, on_turn=None, headers=None) -> Response:
+        """The answer as an API's server-sent events: `shape` (a ResponseStream or a MessageStream) says each
+        piece of reasoning and content as it can go out, then the turn's end with `usage(prompt,
+        completion, cached)`; on_turn(turn) once it is whole. A failure midway is the stream's last event."""
+
+        async def events() -> AsyncIterator[bytes]:
+            for event in shape.opening():
+                yield event
+            stream = TurnStream(mode, self.thinks, opened)
+            totals = (prepared.prompt_len, 0, 0)
+            try:
+                async for delta in self.engine.generate(prepared):
+                    for event in shape.add(*stream.add(delta)):
+                        yield event
+                    if delta.usage is not None:
+                        u = delta.usage
+                        totals = (u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+                turn, reasoning, content = stream.finish()
+                for event in shape.add(reasoning, content) + shape.closing(turn, usage(*totals)):
+                    yield event
+                if on_turn is not None:
+                    on_turn(turn)
+            except Exception as e:  # noqa: BLE001 - a stream that fails midway says so in its last event
+                yield shape.failure(api_error(e))
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
     # --- OpenAI's Responses API ------------------------------------------------------------------------
     async def create_response(self, request: Request) -> Response:
@@ -119,28 +130,12 @@ class AgentRoutes:
     def _response_stream(self, body, prepared, mode, opened, shape, messages) -> Response:
         stream = answers.ResponseStream(shape)
 
-        async def events() -> AsyncIterator[bytes]:
-            for event in stream.opening():
-                yield event
-            totals = (prepared.prompt_len, 0, 0)
-            try:
-                async for kind, value in self._stream(
-                    prepared, TurnStream(mode, self.thinks, opened), stream
-                ):
-                    if kind == "event":
-                        yield value
-                    elif kind == "usage":
-                        totals = value
-                    else:
-                        for event in stream.closing(value, answers.usage(*totals)):
-                            yield event
-                        if body.store:
-                            self.store.put(shape.id, answers.history(messages, value), stream.final)
-            except Exception as e:  # noqa: BLE001 - a stream that fails midway says so in its last event
-                error = api_error(e)
-                yield stream.failure(str(error), error.code or error.kind)
+        def keep(turn) -> None:
+            if body.store:
+                self.store.put(shape.id, answers.history(messages, turn), stream.final)
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"x-request-id": shape.id})
+        return self._event_stream(prepared, mode, opened, stream, answers.usage, keep,
+                                  {"x-request-id": shape.id})
 
     async def get_response(self, request: Request) -> Response:
         async def handler(rid: str):
@@ -198,29 +193,9 @@ class AgentRoutes:
         return await self.server.guarded(request, handler, "msg", render=self._anthropic_error)
 
     def _message_stream(self, prepared, mode, opened, message_id: str, model: str) -> Response:
-        stream = anthropic.MessageStream(message_id, model)
-
-        async def events() -> AsyncIterator[bytes]:
-            yield stream.opening(prepared.prompt_len, 0)
-            totals = (prepared.prompt_len, 0, 0)
-            try:
-                async for kind, value in self._stream(
-                    prepared, TurnStream(mode, self.thinks, opened), stream
-                ):
-                    if kind == "event":
-                        yield value
-                    elif kind == "usage":
-                        totals = value
-                    else:
-                        for event in stream.closing(value, anthropic.usage(*totals)):
-                            yield event
-            except Exception as e:  # noqa: BLE001 - said in the stream's last event
-                error = api_error(e)
-                yield stream.failure(error.status, str(error))
-
-        return StreamingResponse(
-            events(), media_type="text/event-stream", headers={"request-id": prepared.request_id}
-        )
+        stream = anthropic.MessageStream(message_id, model, prepared.prompt_len)
+        return self._event_stream(prepared, mode, opened, stream, anthropic.usage,
+                                  headers={"request-id": prepared.request_id})
 
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's /v1/messages/count_tokens: the prompt's tokens as this server would count them."""
