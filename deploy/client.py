@@ -18,21 +18,20 @@ SERVER_ENV = "PAGEDSERVE_SERVER"
 def rpc_failure(e: grpc.RpcError, server: str) -> str:
     """A failed call said in one line, with what to do where that is plain (no server there: start one)."""
     code, details = e.code(), e.details() or ""
-    if code == grpc.StatusCode.UNAVAILABLE and not _server_answered(details):
+    lowered = details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE and any(s in lowered for s in NOTHING_LISTENS):
         return (f"no pagedserve server answers at {server}: start one (`make run`, or `pagedserve serve "
                 f"--model MODEL`), or point --server or ${SERVER_ENV} at a running one")
+    if code == grpc.StatusCode.UNAVAILABLE and "socket closed" in lowered:  # a TLS port spoken to in plain
+        return f"UNAVAILABLE: {details} (a server with TLS? --tls-ca CERT)"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"no answer from {server} within the timeout (--timeout SECONDS)"
     return f"{code.name}: {details}"
 
 
-def _server_answered(details: str) -> bool:
-    """Whether an UNAVAILABLE came from a pagedserve server (starting, draining, no workers) rather than from
-    the connection (nothing listening, the host unreachable)."""
-    lowered = details.lower()
-    return not any(s in lowered for s in ("failed to connect", "connection refused", "connect failed",
-                                            "dns resolution failed", "name resolution", "socket closed",
-                                            "no route to host"))
+# what gRPC says where nothing listens at the address, or the address leads nowhere
+NOTHING_LISTENS = ("connection refused", "dns resolution failed", "name resolution", "no route to host",
+                   "network is unreachable")
 
 
 def stub_for(server: str, tls_ca: str | None = None, api_key: str | None = None):

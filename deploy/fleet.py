@@ -17,7 +17,6 @@ schedulers first, the gateway still carrying their answers, then stops the gatew
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -169,26 +168,6 @@ def gateway_metrics_port(args: argparse.Namespace) -> int:
             return port
 
 
-def _python() -> str:
-    """This interpreter as a newcomer would type it (.venv/bin/python from the checkout)."""
-    try:
-        inside = Path(sys.executable).is_relative_to(ROOT)
-        return os.path.relpath(sys.executable) if inside else sys.executable
-    except ValueError:
-        return sys.executable
-
-
-def gateway_banner(base_url: str, model: str, servers: int) -> list[str]:
-    body = json.dumps({"model": model,
-                       "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-    return [f"SMG serves an OpenAI-compatible API for {model} on {base_url}/v1 "
-            f"(in front of {servers} pagedserve server{'s' if servers > 1 else ''})",
-            f"  try: curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
-            f"   or: {_python()} -c \"from openai import OpenAI; print(OpenAI(base_url='{base_url}/v1', "
-            f"api_key='none').chat.completions.create(model='{model}', messages=[{{'role': 'user', "
-            "'content': 'Hi!'}]).choices[0].message.content)\""]
-
-
 def stop_command(run_dir: Path) -> str:
     """The make command that stops the deployment running from run_dir."""
     try:
@@ -285,7 +264,7 @@ def start_servers(args, fleet: Fleet, replicas: list[int] | None) -> list[str]:
 def start_gateway(args, fleet: Fleet, addresses: list[str], run_dir: Path) -> list[str]:
     """SMG in front of the servers, supervised like them; its banner once every server is registered.
     RuntimeError / TimeoutError: it did not come up."""
-    from deploy.gateway import smg_command, wait_ready
+    from deploy.gateway import gateway_banner, smg_command, wait_ready
     from scheduler_service.core.config import ModelSpec
     from scheduler_service.main import served_names
 
@@ -328,17 +307,23 @@ def stop(args, fleet: Fleet) -> None:
     fleet.supervisor.stop_all(first=[u.name for u in fleet.schedulers], first_timeout=drain)
 
 
+def check_fleet(args) -> None:
+    """The model made a folder (a .gguf file: its prepared folder, served on its blocks) and checked, and
+    the flags that cannot go together refused: ConfigError."""
+    args.model = model_folder(args.model)
+    check_model_folder(args.model)
+    if args.gateway and args.api_key:
+        raise ConfigError("--api-key with --gateway: SMG 1.13 sends no key to the servers it drives over "
+                          "gRPC, so a keyed server cannot sit behind it; serve the fleet behind the gateway "
+                          "on loopback without a key (and guard the gateway's port), or give each server its "
+                          "key and no gateway")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, process="deploy", log_format=args.log_format)
     try:
-        args.model = model_folder(args.model)  # a .gguf file: its prepared folder, served on its blocks
-        check_model_folder(args.model)
-        if args.gateway and args.api_key:
-            raise ConfigError("--api-key with --gateway: SMG 1.13 sends no key to the servers it drives "
-                              "over gRPC, so a keyed server cannot sit behind it; serve the fleet behind the "
-                              "gateway on loopback without a key (and guard the gateway's port), or give "
-                              "each server its key and no gateway")
+        check_fleet(args)
     except ConfigError as e:
         sys.stderr.write(f"pagedserve deploy: error: {e}\n")
         return EXIT_CONFIG

@@ -138,3 +138,23 @@ class GatewayProcess:
         stop_group(self.proc, 15)
         if hasattr(self, "_log"):
             self._log.close()
+
+
+def _python() -> str:
+    """This interpreter as a newcomer would type it (.venv/bin/python from the checkout)."""
+    try:
+        inside = Path(sys.executable).is_relative_to(ROOT)
+        return os.path.relpath(sys.executable) if inside else sys.executable
+    except ValueError:
+        return sys.executable
+
+
+def gateway_banner(base_url: str, model: str, servers: int) -> list[str]:
+    body = json.dumps({"model": model,
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    return [f"SMG serves an OpenAI-compatible API for {model} on {base_url}/v1 "
+            f"(in front of {servers} pagedserve server{'s' if servers > 1 else ''})",
+            f"  try: curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+            f"   or: {_python()} -c \"from openai import OpenAI; print(OpenAI(base_url='{base_url}/v1', "
+            f"api_key='none').chat.completions.create(model='{model}', messages=[{{'role': 'user', "
+            "'content': 'Hi!'}]).choices[0].message.content)\""]

@@ -387,38 +387,36 @@ def test_n4_holds_its_prompt_once_fewer_blocks_than_four_separate_sequences(serv
     prompt = list(range(20, 60))  # 40 tokens: 10 full blocks of 4
 
     def blocks_while_running(requests):
-        first = threading.Event()
-        calls = []
+        """The requests' blocks, bytes and tokens read while they decode: the workers are held still from
+        their first token on, so a fast machine cannot finish them before the reading (tried again where
+        one finished between its first token and the hold)."""
+        pids = server.worker_pids()
+        for _ in range(3):
+            first = threading.Event()
 
-        def consume(req):
-            call = server.stub.GenerateStream(req, timeout=60)
-            calls.append(call)
-            try:
-                for msg in call:
-                    if len(msg.token_ids):
-                        first.set()
-            except grpc.RpcError:
-                pass
+            def consume(req, first=first):
+                try:
+                    for msg in server.stub.GenerateStream(req, timeout=60):
+                        if len(msg.token_ids):
+                            first.set()
+                except grpc.RpcError:
+                    pass
 
-        threads = [threading.Thread(target=consume, args=(r,)) for r in requests]
-        for t in threads:
-            t.start()
-        assert first.wait(30)
-        ids = {r.request_id for r in requests}
-        deadline = time.monotonic() + 60  # generous: a loaded 2-core machine runs the server slowly
-        while True:
-            stats = server.stats()
-            rows = [r for r in stats.requests if r.request_id in ids]
+            threads = [threading.Thread(target=consume, args=(r,)) for r in requests]
+            for t in threads:
+                t.start()
+            assert first.wait(30)
+            ids = {r.request_id for r in requests}
+            with server.held_still(2.0, pids):  # no step runs: what decodes now is still decoding
+                rows = [r for r in server.stats().requests if r.request_id in ids]
+                for rid in ids:
+                    server.stub.Abort(generation_pb2.AbortRequest(request_id=rid), timeout=10)
+            for t in threads:
+                t.join(30)
             if len(rows) == len(ids) and all(r.num_tokens > len(prompt) for r in rows):
-                break
-            assert time.monotonic() < deadline, f"not all of {sorted(ids)} decoding: {rows}"
-            time.sleep(0.02)  # polling without a pause takes the server's CPU
-        for rid in ids:
-            server.stub.Abort(generation_pb2.AbortRequest(request_id=rid), timeout=10)
-        for t in threads:
-            t.join(30)
-        return (sum(r.num_blocks for r in rows), sum(r.num_bytes for r in rows),
-                sum(r.num_tokens for r in rows))
+                return (sum(r.num_blocks for r in rows), sum(r.num_bytes for r in rows),
+                        sum(r.num_tokens for r in rows))
+        raise AssertionError(f"not all of {sorted(ids)} decoding when held: {rows}")
 
     n4 = sampled_request(prompt, 100, seed=1, n=4, request_id="n4")  # 10 + 4 x 25 blocks at most
     n4_blocks, n4_bytes, n4_tokens = blocks_while_running([n4])

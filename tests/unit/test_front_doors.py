@@ -102,8 +102,13 @@ class Failed(grpc.RpcError):
 
 
 def test_a_failed_call_says_what_to_do():
-    gone = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"), "h:1")
+    refused = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect " \
+        "to remote host: Connection refused"
+    gone = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, refused), "h:1")
     assert gone.startswith("no pagedserve server answers at h:1: start one (`make run`")
+    tls = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: "
+                             "UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed"), "h:1")
+    assert tls.startswith("UNAVAILABLE: ") and "--tls-ca" in tls
     draining = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, "the server is draining"), "h:1")
     assert draining == "UNAVAILABLE: the server is draining"
     assert "--timeout" in rpc_failure(Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), "h:1")
