@@ -28,6 +28,7 @@ from scheduler_service.api.rpc import CLIENT_ERRORS, Malformed, prepare_request,
 from scheduler_service.api.validation import InvalidRequest
 from scheduler_service.core.sequence import FinishReason
 from scheduler_service.runtime.engine import Engine
+from scheduler_service.runtime.errors import Draining
 from scheduler_service.runtime.kv_events import SubscriberGone
 
 log = structlog.get_logger("scheduler.engine_protocol")
@@ -199,7 +200,7 @@ class EngineProtocolServicer:
         e = self.engine
         if e.limits is not None and e.is_serving and not e.is_draining:
             return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="Health")
-        reason = ("the server is draining (shutting down)" if e.is_draining
+        reason = (Draining.REASON if e.is_draining
                   else e.unavailable_reason or "not ready")
         return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=reason)
 

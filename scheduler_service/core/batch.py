@@ -26,6 +26,9 @@ def make_sequences(request: Request) -> None:
 class DuplicateRequestId(ValueError):
     """A live request already has this id."""
 
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request id {request_id!r} is already in use by a live request")
+
 
 @dataclass(slots=True)
 class ScheduledSeq:

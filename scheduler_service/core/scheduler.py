@@ -73,7 +73,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
+            raise DuplicateRequestId(request.request_id)
         if not request.seqs:
             make_sequences(request)
         self.requests[request.request_id] = request
@@ -84,7 +84,7 @@ class Scheduler:
         their tokens (prompt and generated) and wait at the head of the queue to be recomputed, exactly as
         after a preemption; samples not yet forked stay pending."""
         if request.request_id in self.requests:
-            raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
+            raise DuplicateRequestId(request.request_id)
         self.requests[request.request_id] = request
         resumed = [s for s in request.seqs if not s.is_finished and s not in request.pending_forks]
         for seq in reversed(resumed):

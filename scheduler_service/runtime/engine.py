@@ -17,7 +17,7 @@ from scheduler_service.core.batch import DuplicateRequestId, SchedulerOutput, ma
 from scheduler_service.core.config import ModelSpec, SchedulerConfig
 from scheduler_service.core.sequence import FinishReason, Request
 from scheduler_service.runtime import reporting
-from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, StepFailed, Unschedulable
+from scheduler_service.runtime.errors import Draining, EngineUnavailable, QueueFull, StepFailed, Unschedulable
 from scheduler_service.runtime.groups import adopted_config, context_limit, group_problem, lora_problem
 from scheduler_service.runtime.kv_events import KvEventPublisher
 from scheduler_service.runtime.metrics import Metrics
@@ -184,8 +184,7 @@ class Engine:
     def route(self, request: Request) -> StepLoop:
         """The replica a new request goes to (see the module docstring)."""
         if self._draining:
-            raise EngineUnavailable("the server is draining (shutting down); send the request to another "
-                                    "instance")
+            raise Draining()
         return self._pick(request)
 
     def _pick(self, request: Request) -> StepLoop:
@@ -208,13 +207,12 @@ class Engine:
 
         Leaving the iteration early (client cancelled or disconnected) aborts the request."""
         if self._draining:
-            raise EngineUnavailable("the server is draining (shutting down); send the request to another "
-                                    "instance")
+            raise Draining()
         waiting = len(self._orphans) + sum(r.num_waiting for r in self.replicas)
         if waiting >= self.config.max_queue_len:
             raise QueueFull(f"{waiting} requests are waiting already; try again later")
         if request.request_id in self.streams:
-            raise DuplicateRequestId(f"request id {request.request_id!r} is already in use by a live request")
+            raise DuplicateRequestId(request.request_id)
         make_sequences(request)
         samples = [SampleOutput(self.tokenizer, s, self.spec.eos_token_ids, self.limits.max_context)
                    for s in request.seqs]

@@ -11,6 +11,15 @@ class EngineUnavailable(RuntimeError):
     """No replica can serve (no live worker group); answered with UNAVAILABLE."""
 
 
+class Draining(EngineUnavailable):
+    """The server is shutting down: running requests finish, new ones are refused (UNAVAILABLE)."""
+
+    REASON = "the server is draining (shutting down)"
+
+    def __init__(self) -> None:
+        super().__init__(f"{self.REASON}; send the request to another instance")
+
+
 class StepFailed(RuntimeError):
     """A step holding this request failed on a worker; answered with INTERNAL."""
 
