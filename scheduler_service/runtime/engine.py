@@ -33,14 +33,6 @@ from scheduler_service.text.tokenizer import Tokenizer
 log = structlog.get_logger("scheduler.engine")
 
 
-
-
-
-
-
-
-
-
 @dataclass
 class RequestStream:
     request: Request
@@ -88,8 +80,7 @@ class Engine:
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self, worker_timeout: float) -> None:
-        self.client.check_group = self._check_group
-        self.client.adapters = self.adapters
+        self.client.attach(self)
         await self.client.wait_for_workers(worker_timeout)
         groups = self.client.groups
         self._adopt_max_num_seqs(groups)
@@ -104,8 +95,6 @@ class Engine:
         for replica in self.replicas:
             replica.attach(self.limits.max_context)
         self._was_serving = True
-        self.client.on_group_ready = self._group_ready
-        self.client.on_group_lost = lambda d, reason: self.on_lost(self.replicas[d], reason)
         self._monitor = asyncio.get_running_loop().create_task(self._watch_workers(), name="worker-monitor")
 
     def _adopt_max_num_seqs(self, groups) -> None:
@@ -149,12 +138,15 @@ class Engine:
             self.abort(rid)
         await self.client.close()
 
-    def _check_group(self, group: WorkerGroup) -> str:
+    # --- the worker client's events (runtime/worker_client.py GroupEvents) ------------------------------
+    def check_group(self, group: WorkerGroup) -> str:
         """Why a complete worker group cannot serve this model, or ""."""
         return group_problem(group, self.spec, self.config, self.limits) or lora_problem(group, self.adapters)
 
-    def _group_ready(self, group: WorkerGroup) -> None:
-        """A replica's group rejoined after start (a restarted worker group)."""
+    def group_ready(self, group: WorkerGroup) -> None:
+        """A replica's group rejoined after start (a restarted worker group); start attaches the first."""
+        if self.limits is None:
+            return
         self.replicas[group.replica].attach(self.limits.max_context)
         self._report_health()
         self._resume_orphans()
@@ -283,6 +275,14 @@ class Engine:
 
     def on_unschedulable(self, replica: StepLoop, request: Request, message: str) -> None:
         self._fail_request(request, Unschedulable(message))
+
+    async def group_lost(self, replica: int, reason: str) -> None:
+        """A ready group's rank went silent or exited outside a step: before start its group is dropped,
+        after it the replica goes down (on_lost)."""
+        if self.limits is None:
+            await self.client.drop_group(replica, reason)
+        else:
+            await self.on_lost(self.replicas[replica], reason)
 
     async def on_lost(self, replica: StepLoop, message: str) -> None:
         """A rank of the replica is gone (found by its step, the monitor or a replacement's handshake): the

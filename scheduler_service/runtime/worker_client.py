@@ -13,7 +13,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 import zmq
@@ -41,45 +41,38 @@ REJOIN_SILENCE_S = 1.5
 # Largest frame accepted from a worker: results and handshakes are small.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
+if TYPE_CHECKING:
+    from scheduler_service.core.adapters import AdapterRegistry
 
 
+class GroupEvents(Protocol):
+    """What a WorkerClient asks and tells its owner (the engine) about worker groups: why a complete group
+    cannot serve ("" where it can), that one was accepted, that a ready group's rank is gone outside a step
+    (the owner takes the replica down: drop_group). An accepted group loads `adapters` first."""
 
+    adapters: AdapterRegistry | None
 
+    def check_group(self, group: WorkerGroup) -> str: ...
 
+    def group_ready(self, group: WorkerGroup) -> None: ...
 
-
-
-
-
-
-
-
+    async def group_lost(self, replica: int, reason: str) -> None: ...
 
 
 class WorkerClient:
-    def __init__(self, endpoint: str, num_replicas: int = 1, tp_size: int = 1,
-                 heartbeat_timeout: float = 10.0,
+    def __init__(self, endpoint: str, num_replicas: int = 1, tp_size: int = 1, heartbeat_timeout: float = 10,
                  expected: dict[str, object] | None = None, curve_keys: str | None = None,
                  insecure_wire: bool = False, step_timeout: float = 60.0,
                  step_timeout_per_token: float = 0.05) -> None:
         """expected: handshake fields the scheduler's own settings fix (block_size, max_num_batched_tokens).
         A step of T tokens must finish within step_timeout + T x step_timeout_per_token seconds, however
         alive its ranks' heartbeats say they are (a hung kernel or collective beats on)."""
-        self.endpoint = endpoint
-        self.tp_size = tp_size
-        self.heartbeat_timeout = heartbeat_timeout
-        self.step_timeout = step_timeout
-        self.step_timeout_per_token = step_timeout_per_token
+        self.endpoint, self.tp_size, self.heartbeat_timeout = endpoint, tp_size, heartbeat_timeout
+        self.step_timeout, self.step_timeout_per_token = step_timeout, step_timeout_per_token
         self.expected = dict(expected or {})
-        self.curve_keys = curve_keys
-        self.insecure_wire = insecure_wire
+        self.curve_keys, self.insecure_wire = curve_keys, insecure_wire
         self.groups = [WorkerGroup(d, tp_size) for d in range(num_replicas)]
-        # Called with a group once it is accepted; returns "" or why the service refuses it.
-        self.check_group: Callable[[WorkerGroup], str] = lambda group: ""
-        self.on_group_ready: Callable[[WorkerGroup], None] = lambda group: None
-        self.adapters = None  # the engine's AdapterRegistry: an accepted group reads its adapters first
-        # Called (and awaited) when the client finds a ready group's rank gone outside a step.
-        self.on_group_lost = None
+        self.events: GroupEvents | None = None  # without an owner: any group is accepted, a lost one dropped
         self._by_identity: dict[bytes, WorkerInfo] = {}
         self._by_heartbeat: dict[bytes, WorkerInfo] = {}
         self._refusals: list[str] = []
@@ -91,6 +84,10 @@ class WorkerClient:
         self._pending: dict[tuple[int, int], tuple[asyncio.Future, dict[int, wire_pb2.StepResult]]] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------
+    def attach(self, events: GroupEvents) -> None:
+        """The owner that judges, hears of and takes down this client's groups."""
+        self.events = events
+
     def bind(self) -> str:
         """Bind the ROUTER socket; returns the endpoint workers must connect to (port resolved)."""
         if not is_loopback_endpoint(self.endpoint):
@@ -194,7 +191,7 @@ class WorkerClient:
         if len(group.workers) < self.tp_size:
             return
         group.num_blocks = min(w.handshake.num_blocks for w in group.workers.values())
-        reason = self.check_group(group)
+        reason = self.events.check_group(group) if self.events is not None else ""
         if reason:
             for w in list(group.workers.values()):
                 self._forget(w)
@@ -202,7 +199,7 @@ class WorkerClient:
             group.workers.clear()
             return
         group.is_ready = True
-        loras = group.preload(self.adapters)
+        loras = group.preload(self.events.adapters if self.events is not None else None)
         for w in group.workers.values():
             w.last_heartbeat = time.monotonic()
             await self._send_quietly(w.identity,
@@ -210,7 +207,8 @@ class WorkerClient:
                                          accepted=True, num_blocks=group.num_blocks, loras=loras))
         log.info("group_ready", replica=group.replica, num_blocks=group.num_blocks, pids=group.pids)
         self._changed.set()
-        self.on_group_ready(group)
+        if self.events is not None:
+            self.events.group_ready(group)
 
     async def _refuse(self, identity: bytes, hs: wire_pb2.Handshake, reason: str,
                       retry: bool = False) -> None:
@@ -225,8 +223,8 @@ class WorkerClient:
 
     async def lost(self, replica: int, reason: str) -> None:
         """A rank of a ready group is gone: the engine takes the replica down (it calls drop_group)."""
-        if self.on_group_lost is not None:
-            await self.on_group_lost(replica, reason)
+        if self.events is not None:
+            await self.events.group_lost(replica, reason)
         else:
             await self.drop_group(replica, reason)
 
