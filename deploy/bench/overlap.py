@@ -164,7 +164,7 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
         p0, t0 = dict(replica.profile.as_dict()), time.perf_counter()
         await asyncio.sleep(args.window)
         p1, t1 = dict(replica.profile.as_dict()), time.perf_counter()
-        if replica.pool_stats()["num_running"] != args.seqs:
+        if replica.pool_stats().num_running != args.seqs:
             raise SystemExit("some requests finished inside the timed window: raise --steps")
         for t in tasks:
             t.cancel()

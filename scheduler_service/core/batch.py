@@ -11,6 +11,7 @@ import numpy as np
 from protos.codec import TierOps
 from scheduler_service.core.plan import DeferredMasks
 from scheduler_service.core.sequence import Request, Sequence
+from scheduler_service.core.stats import TierStats
 
 # Sequence ids are unique in the process, not per scheduler: a request moved to another replica (its
 # workers were lost) keeps its sequences.
@@ -93,4 +94,4 @@ class StepUpdate:
     num_running: int = 0
     num_waiting: int = 0
     num_free_blocks: int = 0
-    kv_tiers: dict | None = None  # the KV tiers' figures after it (core/kv_tiers.py KvTiers.stats)
+    kv_tiers: TierStats | None = None  # the KV tiers' figures after it (core/kv_tiers.py KvTiers.stats)

@@ -14,6 +14,7 @@ import numpy as np
 import structlog
 
 from protos.codec import TIER_DISK, TIER_HOST, TierOps
+from scheduler_service.core.stats import TierStats
 
 log = structlog.get_logger("scheduler.kv_tiers")
 TIER_NAMES = {TIER_HOST: "host", TIER_DISK: "disk"}
@@ -272,13 +273,14 @@ class KvTiers:
             n += len(gone)
         return n  # (stores already planned still run: the drops, run after them, delete what they write)
 
-    def stats(self) -> dict:
-        """Blocks held and their bytes, loads and stores by tier, failures, the tiers' seconds."""
-        out = {"kv_load_failures": self.load_failures, "kv_tier_seconds": self.seconds}
-        for tier, index in ((TIER_HOST, self.host), (TIER_DISK, self.disk)):
-            name = TIER_NAMES[tier]
-            out[f"{name}_tier_blocks"] = len(index) if index is not None else 0
-            out[f"{name}_tier_capacity"] = index.capacity if index is not None else 0
-            out[f"{name}_tier_loaded"] = self.loaded[tier]
-            out[f"{name}_tier_stored"] = self.stored[tier]
-        return out
+    def stats(self) -> TierStats:
+        """Blocks held and their capacity, loads and stores by tier, failures, the tiers' seconds."""
+        host, disk = self.host, self.disk  # an empty index is falsy: each compared with None
+        return TierStats(
+            host_blocks=len(host) if host is not None else 0,
+            host_capacity=host.capacity if host is not None else 0,
+            host_loaded=self.loaded[TIER_HOST], host_stored=self.stored[TIER_HOST],
+            disk_blocks=len(disk) if disk is not None else 0,
+            disk_capacity=disk.capacity if disk is not None else 0,
+            disk_loaded=self.loaded[TIER_DISK], disk_stored=self.stored[TIER_DISK],
+            load_failures=self.load_failures, seconds=self.seconds)

@@ -27,6 +27,7 @@ from scheduler_service.core.pacing import EmbedPacer
 from scheduler_service.core.plan import PlanBuilder
 from scheduler_service.core.results import apply_result
 from scheduler_service.core.sequence import FinishReason, Request, Sequence, SequenceStatus
+from scheduler_service.core.stats import PoolStats
 
 
 class Scheduler:
@@ -379,17 +380,14 @@ class Scheduler:
         self.planner.detach(seq)
 
     # --- the prefix cache and accounting -----------------------------------------------------------
-    def pool_stats(self) -> dict[str, int]:
-        """The pool's books now: blocks by state, queues, prefix-cache lookups and preemptions."""
+    def pool_stats(self) -> PoolStats:
+        """The pool's books now: blocks by state, queues, prefix-cache lookups, preemptions, tiers."""
         a = self.kv.allocator
-        return {"num_blocks": a.num_blocks, "num_free_blocks": a.num_free_blocks,
-                "num_available_blocks": a.num_available_blocks, "num_used_blocks": a.num_used_blocks,
-                "num_cached_blocks": a.num_cached_blocks, "num_shared_blocks": a.num_shared_blocks,
-                "num_running": len(self.running), "num_waiting": len(self.waiting),
-                "waiting_tokens": sum(s.num_uncomputed_tokens for s in self.waiting),
-                "prefix_cache_queries": self.prefix_cache_queries,
-                "prefix_cache_hits": self.prefix_cache_hits, "num_preemptions": self.num_preemptions,
-                **(self.kv.tiers.stats() if self.kv.tiers is not None else {})}
+        return PoolStats(a.num_blocks, a.num_free_blocks, a.num_available_blocks, a.num_used_blocks,
+                         a.num_cached_blocks, a.num_shared_blocks, len(self.running), len(self.waiting),
+                         sum(s.num_uncomputed_tokens for s in self.waiting), self.prefix_cache_queries,
+                         self.prefix_cache_hits, self.num_preemptions,
+                         self.kv.tiers.stats() if self.kv.tiers is not None else None)
 
     def request_blocks(self, request: Request) -> int:
         """Distinct blocks a request holds (samples share their prompt's blocks)."""

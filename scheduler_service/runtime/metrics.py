@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from scheduler_service.core.sequence import Request
+from scheduler_service.core.stats import TierStats
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
 
@@ -99,7 +100,8 @@ class Metrics:
                                      registry=r)
         self.tier_seconds = Counter("pagedserve_kv_tier_seconds", "Workers' seconds storing and loading tier "
                                     "blocks", rep, registry=r)
-        self._tiers_seen: dict[str, dict] = {}  # each replica's last figures (counters move by differences)
+        # each replica's last figures (its counters move by differences)
+        self._tiers_seen: dict[str, TierStats] = {}
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve /metrics; returns the port bound (any free one for port 0)."""
@@ -129,22 +131,23 @@ class Metrics:
         if u.kv_tiers is not None:
             self._on_tiers(label, u.kv_tiers)
 
-    def _on_tiers(self, label: str, now: dict) -> None:
+    def _on_tiers(self, label: str, now: TierStats) -> None:
         """The KV tiers' figures after a step: gauges set, counters moved by what changed since the last
         (from zero again when a replica's workers were replaced)."""
-        last = self._tiers_seen.get(label, {})
+        last = self._tiers_seen.get(label, TierStats())
         self._tiers_seen[label] = now
 
-        def grew(key: str) -> float:
-            return now[key] - last.get(key, 0) if now[key] >= last.get(key, 0) else now[key]
+        def grew(name: str) -> float:
+            was, is_ = getattr(last, name), getattr(now, name)
+            return is_ - was if is_ >= was else is_
 
-        for name in ("host", "disk"):
-            self.tier_blocks.labels(label, name).set(now[f"{name}_tier_blocks"])
-            self.tier_capacity.labels(label, name).set(now[f"{name}_tier_capacity"])
-            self.tier_loaded.labels(label, name).inc(grew(f"{name}_tier_loaded"))
-            self.tier_stored.labels(label, name).inc(grew(f"{name}_tier_stored"))
-        self.tier_failures.labels(label).inc(grew("kv_load_failures"))
-        self.tier_seconds.labels(label).inc(grew("kv_tier_seconds"))
+        for tier in ("host", "disk"):
+            self.tier_blocks.labels(label, tier).set(getattr(now, f"{tier}_blocks"))
+            self.tier_capacity.labels(label, tier).set(getattr(now, f"{tier}_capacity"))
+            self.tier_loaded.labels(label, tier).inc(grew(f"{tier}_loaded"))
+            self.tier_stored.labels(label, tier).inc(grew(f"{tier}_stored"))
+        self.tier_failures.labels(label).inc(grew("load_failures"))
+        self.tier_seconds.labels(label).inc(grew("seconds"))
 
     def on_token_gap(self, replica: int, seconds: float) -> None:
         self.itl.labels(str(replica)).observe(seconds)

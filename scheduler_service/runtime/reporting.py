@@ -3,24 +3,20 @@ accounting (GetCacheStats), summed over replicas, per replica and per live reque
 
 from __future__ import annotations
 
+from scheduler_service.core.stats import TIER_FIELDS
 from scheduler_service.runtime.step_loop import StepLoop
-
-# The KV tiers' figures (core/kv_tiers.py KvTiers.stats), where a replica has tiers
-TIER_KEYS = ("host_tier_blocks", "host_tier_capacity", "host_tier_loaded", "host_tier_stored",
-             "disk_tier_blocks", "disk_tier_capacity", "disk_tier_loaded", "disk_tier_stored",
-             "kv_load_failures", "kv_tier_seconds")
 
 
 def service_load(engine) -> dict:
     """The service's load now, summed over serving replicas (what a gateway balances on)."""
     live = [s for r in engine.replicas if (s := r.pool_stats()) is not None]
-    used = sum(s["num_used_blocks"] for s in live)
-    blocks = sum(s["num_blocks"] for s in live)
-    queries = sum(s["prefix_cache_queries"] for s in live)
-    hits = sum(s["prefix_cache_hits"] for s in live)
-    waiting_tokens = sum(r.prompt_len for r in engine.orphans) + sum(s["waiting_tokens"] for s in live)
-    return {"running": sum(s["num_running"] for s in live),
-            "waiting": sum(s["num_waiting"] for s in live) + len(engine.orphans), "used_blocks": used,
+    used = sum(s.num_used_blocks for s in live)
+    blocks = sum(s.num_blocks for s in live)
+    queries = sum(s.prefix_cache_queries for s in live)
+    hits = sum(s.prefix_cache_hits for s in live)
+    waiting_tokens = sum(r.prompt_len for r in engine.orphans) + sum(s.waiting_tokens for s in live)
+    return {"running": sum(s.num_running for s in live),
+            "waiting": sum(s.num_waiting for s in live) + len(engine.orphans), "used_blocks": used,
             "num_blocks": blocks, "block_size": engine.config.block_size,
             "token_usage": used / blocks if blocks else 0.0,
             "cache_hit_rate": hits / queries if queries else 0.0,
@@ -40,7 +36,7 @@ def cache_stats(engine) -> dict:
     for k in ("num_generated_tokens", "num_prompt_tokens_computed", "num_embeddings",  # down replicas' counts
               "num_draft_verifications", "num_draft_tokens", "num_accepted_draft_tokens"):  # stay
         total[k] = sum(row[k] for row in rows)
-    for k in TIER_KEYS:
+    for k in TIER_FIELDS:
         total[k] = sum(row.get(k, 0) for row in live)
     per_request = [row for replica in engine.replicas for row in replica.request_rows()]
     used = total["num_blocks"] - total["num_free_blocks"] - total["num_cached_blocks"]
@@ -68,12 +64,14 @@ def replica_row(loop: StepLoop) -> dict:
            "num_accepted_draft_tokens": loop.num_accepted_tokens}
     if s is None:
         return row
-    kept = ("num_blocks", "num_free_blocks", "num_cached_blocks", "num_shared_blocks",
-            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_running", "num_waiting")
-    row.update({k: s[k] for k in kept})
-    row.update({k: s[k] for k in TIER_KEYS if k in s})
-    row.update(used_bytes=s["num_used_blocks"] * bpb, total_bytes=s["num_blocks"] * bpb,
-               utilization=s["num_used_blocks"] / s["num_blocks"])
+    row.update(num_blocks=s.num_blocks, num_free_blocks=s.num_free_blocks,
+               num_cached_blocks=s.num_cached_blocks, num_shared_blocks=s.num_shared_blocks,
+               prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+               num_preemptions=s.num_preemptions,
+               num_running=s.num_running, num_waiting=s.num_waiting, used_bytes=s.num_used_blocks * bpb,
+               total_bytes=s.num_blocks * bpb, utilization=s.num_used_blocks / s.num_blocks)
+    if s.tiers is not None:
+        row.update(s.tiers.as_fields())
     return row
 
 

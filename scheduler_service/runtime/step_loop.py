@@ -26,6 +26,7 @@ from scheduler_service.core.batch import SchedulerOutput, StepUpdate
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import FinishReason, Request
+from scheduler_service.core.stats import PoolStats
 from scheduler_service.runtime.step_results import StepProfile, StepReport, read_logprobs
 from scheduler_service.runtime.worker_client import WorkerClient, WorkerError, WorkerGroup, WorkerLost
 from scheduler_service.text.output import Delta, SampleOutput, TokenLogprob
@@ -366,7 +367,7 @@ class StepLoop:
     async def _no_progress(self, sched: Scheduler) -> None:
         """Nothing runs and the head of the queue cannot be admitted: it can never be, so it gets an error
         rather than a retry forever (validated sizes make this a last line of defence)."""
-        free = sched.pool_stats()["num_available_blocks"]
+        free = sched.pool_stats().num_available_blocks
         log.error("no_progress", replica=self.index, waiting=len(sched.waiting),
                   running=len(sched.running), free_blocks=free)
         if not sched.running and sched.waiting:
@@ -378,7 +379,7 @@ class StepLoop:
             await asyncio.sleep(0.05)
 
     # --- reporting -------------------------------------------------------------------------------
-    def pool_stats(self) -> dict[str, int] | None:
+    def pool_stats(self) -> PoolStats | None:
         """The scheduler's books now (core/scheduler.py pool_stats); None while the replica is down."""
         return self._sched.pool_stats() if self._sched else None
 

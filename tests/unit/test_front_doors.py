@@ -102,8 +102,8 @@ class Failed(grpc.RpcError):
 
 
 def test_a_failed_call_says_what_to_do():
-    refused = "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect " \
-        "to remote host: Connection refused"
+    refused = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to "
+               "connect to remote host: Connection refused")
     gone = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, refused), "h:1")
     assert gone.startswith("no pagedserve server answers at h:1: start one (`make run`")
     tls = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: "

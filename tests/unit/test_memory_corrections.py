@@ -161,6 +161,6 @@ def test_a_request_that_can_never_be_scheduled_gets_an_error_not_a_retry_forever
         with pytest.raises(Unschedulable, match="cannot be scheduled"):
             await asyncio.wait_for(task, 5)
         loop.cancel()
-        assert not replica.live_requests() and replica.pool_stats()["num_available_blocks"] == 2
+        assert not replica.live_requests() and replica.pool_stats().num_available_blocks == 2
 
     asyncio.run(run())
