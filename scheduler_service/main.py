@@ -210,7 +210,7 @@ async def start_http(engine: Engine, names: list[str], aliases: list[str], args:
     if isinstance(bound, str):
         return bound
     # the routes' modules (pydantic models, Starlette; half a second) load while the workers start
-    from scheduler_service.api.openai_server import OpenAIServer
+    from scheduler_service.api.openai_routes import OpenAIServer
 
     tls = (args.tls_key, args.tls_cert) if args.tls_cert else None
     http = HttpServer(OpenAIServer(engine, names, args.api_key or None, aliases).app, bound, tls)
@@ -252,7 +252,8 @@ async def start_grpc(args: argparse.Namespace, engine: Engine, endpoint: str, me
         tls = (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes()) if args.tls_cert else None
     except OSError as e:
         raise ConfigError(f"cannot read the TLS key or certificate: {e}") from None
-    from scheduler_service.api.server import build_server  # grpc's modules, loaded while the workers start
+    # grpc's modules, loaded while the workers start
+    from scheduler_service.api.grpc_server import build_server
 
     try:
         server, health, port = build_server(engine, f"{args.host}:{args.port}", args.expose_request_ids, tls,

@@ -91,7 +91,7 @@ def serve_worker(args) -> int:
     """A worker process of one rank that simulates its steps (see SimulatedRunner)."""
     import os
 
-    from worker.serve.server import WorkerServer
+    from worker.serve.step_server import WorkerServer
 
     handshake = wire_pb2.Handshake(
         tp_rank=0, tp_size=1, replica=0, num_blocks=args.num_blocks, block_size=args.block_size,

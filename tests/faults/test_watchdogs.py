@@ -105,7 +105,7 @@ class Sent:
 ])
 def test_a_device_error_makes_the_worker_report_and_exit(error, exits):
     from protos import EXIT_FAILED
-    from worker.serve.server import WorkerServer
+    from worker.serve.step_server import WorkerServer
 
     server = WorkerServer("tcp://127.0.0.1:1", FailingRunner(error), wire_pb2.Handshake(tp_rank=0, tp_size=1))
     sock = Sent()
@@ -158,7 +158,7 @@ def _plan_frame(step_id, **kw):
 def test_a_plan_that_arrives_while_a_step_runs_is_launched_before_that_step_is_read_back():
     """The device never waits on the host between steps: step 2 is queued behind step 1 before step 1's
     tokens are read, and the results still go out in order."""
-    from worker.serve.server import WorkerServer
+    from worker.serve.step_server import WorkerServer
 
     runner = PipelinedRunner()
     server = WorkerServer("tcp://127.0.0.1:1", runner, wire_pb2.Handshake(tp_rank=0, tp_size=1))
@@ -176,7 +176,7 @@ def test_a_plan_that_arrives_while_a_step_runs_is_launched_before_that_step_is_r
 def test_a_plan_whose_masks_follow_answers_the_step_before_it_first():
     """The scheduler computes a step's masks from the previous step's tokens: the worker answers that step
     before it waits for the masks, or both would wait forever."""
-    from worker.serve.server import WorkerServer
+    from worker.serve.step_server import WorkerServer
 
     runner = PipelinedRunner()
     server = WorkerServer("tcp://127.0.0.1:1", runner, wire_pb2.Handshake(tp_rank=0, tp_size=1))
@@ -195,7 +195,7 @@ def test_a_plan_whose_masks_follow_answers_the_step_before_it_first():
 ])
 def test_a_step_that_fails_when_read_back_is_reported(error, exits):
     from protos import EXIT_FAILED
-    from worker.serve.server import WorkerServer
+    from worker.serve.step_server import WorkerServer
 
     server = WorkerServer("tcp://127.0.0.1:1", PipelinedRunner(fail_finish=error),
                           wire_pb2.Handshake(tp_rank=0, tp_size=1))
@@ -211,7 +211,7 @@ def test_a_handshake_done_before_the_worker_looks_still_counts_as_connected(monk
     """The heartbeat thread learns that its connection is up from libzmq's handshake event. A connect that
     completes before the thread looks (a loaded machine) must not read as a scheduler that never came: the
     worker stays up past its timeout against a scheduler that holds the connection but never echoes."""
-    from worker.serve.server import WorkerServer
+    from worker.serve.step_server import WorkerServer
 
     peer_ctx = zmq.Context()
     peer = peer_ctx.socket(zmq.ROUTER)

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         message = e.message or f"{e.event.replace('_', ' ')} ({details})"
         print(f"pagedserve-worker: {message}", file=sys.stderr)
         return EXIT_CONFIG
-    from worker.serve.server import WorkerServer
+    from worker.serve.step_server import WorkerServer
 
     handshake = handshake_for(cfg, loaded, plan, device, tp)
     if runner.tiers is not None:

@@ -17,7 +17,7 @@ from protos.curve import client_keys
 from worker.step.runner import ModelRunner
 from worker.step.staging import is_device_fatal
 
-log = structlog.get_logger("worker.serve.server")
+log = structlog.get_logger("worker.serve.step_server")
 
 # Largest frame accepted from the scheduler (a plan of a million tokens is ~20 MB).
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024

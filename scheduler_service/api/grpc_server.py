@@ -34,7 +34,7 @@ from scheduler_service.runtime.engine import Engine
 from scheduler_service.text.output import Delta
 from scheduler_service.text.tokenizer import TokenTable
 
-log = structlog.get_logger("scheduler.server")
+log = structlog.get_logger("scheduler.grpc")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 

@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP server in the scheduler process beside gRPC (--http-port): Starlette routes in
-the scheduler's own event loop. A body is parsed (openai_schema.py), made a pagedserve.v1 request
-(openai_requests.py) and validated as gRPC's are; a client that disconnects aborts its request."""
+"""The OpenAI-compatible routes the scheduler process serves beside gRPC (--http-port; uvicorn runs
+them, http_server.py), in the scheduler's own event loop. A body is parsed (openai_schema.py), made a
+pagedserve.v1 request (openai_requests.py) and validated as gRPC's are; a client that disconnects aborts
+its request."""
 
 from __future__ import annotations
 
