@@ -52,13 +52,13 @@ class SimulatedRunner:
         return SimulatedStep(plan.step_id, encode_result(plan.step_id, sampled, time_forward=done_at - start),
                              SimulatedClock(done_at))
 
-    def finish(self, f: SimulatedStep) -> wire_pb2.StepResult:
+    def land(self, f: SimulatedStep) -> wire_pb2.StepResult:
         f.clock.wait()
         return f.result
 
     def execute(self, plan: wire_pb2.StepPlan) -> wire_pb2.StepResult:
         launched = self.launch(plan)
-        return launched if isinstance(launched, wire_pb2.StepResult) else self.finish(launched)
+        return launched if isinstance(launched, wire_pb2.StepResult) else self.land(launched)
 
 
 class SimulatedClock:

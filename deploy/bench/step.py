@@ -96,12 +96,12 @@ def run_steps(runner, plans, pipelined: bool) -> tuple[float, float]:
             raise SystemExit(f"plan rejected: {launched.error}")
         if pipelined:
             if before is not None:
-                forward.append(runner.finish(before).time_forward)
+                forward.append(runner.land(before).time_forward)
             before = launched
         else:
-            forward.append(runner.finish(launched).time_forward)
+            forward.append(runner.land(launched).time_forward)
     if before is not None:
-        forward.append(runner.finish(before).time_forward)
+        forward.append(runner.land(before).time_forward)
     return (time.perf_counter() - t0) / len(plans), statistics.median(forward)
 
 

@@ -47,13 +47,13 @@ _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReaso
 
 
 class _Sample:
-    __slots__ = ("tokens", "logprobs", "sent_first", "finish")
+    __slots__ = ("tokens", "logprobs", "sent_first", "last")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.logprobs: list = []
         self.sent_first = False
-        self.finish = None  # the sample's last delta
+        self.last = None  # the sample's last delta
 
 
 class EngineProtocolServicer:
@@ -126,7 +126,7 @@ class EngineProtocolServicer:
                     prompt_logprobs = input_logprobs(request.prompt_token_ids, delta.prompt_logprobs)
                 if not msg.stream:
                     if delta.finish_reason is not None:
-                        sample.finish = delta
+                        sample.last = delta
                     continue
                 counts = self._counts(request)
                 if delta.token_ids or delta.finish_reason is not None:
@@ -143,7 +143,7 @@ class EngineProtocolServicer:
                 counts = self._counts(request)
                 for index in sorted(samples):
                     sample = samples[index]
-                    yield self._complete(sample.finish, sample.tokens, sample.logprobs, counts,
+                    yield self._complete(sample.last, sample.tokens, sample.logprobs, counts,
                                          prompt_logprobs)
         except CLIENT_ERRORS as e:
             await reject(context, e, request_id)

@@ -108,12 +108,12 @@ class KVCacheManager:
         tiers.start(step_id, seq.seq_id, loads, [slot for _, _, slot in found])
         return True
 
-    def finish_loads(self, step_id: int, failed: set[int] | None) -> None:
+    def settle_loads(self, step_id: int, failed: set[int] | None) -> None:
         """A step's loads are done (failed: those that did not load; None: none did): each block that loaded
         enters the prefix cache, and every one is given back (leaf first, as `free` does)."""
         if self.tiers is None or step_id not in self.tiers.inflight:
             return
-        done = self.tiers.finish(step_id, failed)
+        done = self.tiers.settle(step_id, failed)
         for ld, ok in done:
             if ok:
                 self.allocator.register(ld.block, ld.hash, ld.parent, ld.tokens, ld.lora)

@@ -201,7 +201,7 @@ class KvTiers:
         self.inflight.setdefault(step_id, []).extend(loads)
         self._waiting_on[seq_id] = step_id
 
-    def finish(self, step_id: int, failed: set[int] | None) -> list[tuple[Load, bool]]:
+    def settle(self, step_id: int, failed: set[int] | None) -> list[tuple[Load, bool]]:
         """The step's result: each load and whether it holds its block now (failed: the indices that did not
         load; None: the step failed, so none did). An entry that failed to load is forgotten."""
         loads = self.inflight.pop(step_id, [])

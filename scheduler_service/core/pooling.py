@@ -98,7 +98,7 @@ class PoolingSpec:
                    default_prompt=default, source=str(modules_path))
 
 
-def finish_vector(pooled: np.ndarray, num_tokens: int, spec: PoolingSpec,
+def embedding_vector(pooled: np.ndarray, num_tokens: int, spec: PoolingSpec,
                   dimensions: int | None) -> np.ndarray:
     """The embedding from what the worker pooled: a mean's sum divided by the tokens it summed, the first
     `dimensions` values kept (Matryoshka truncation), then scaled to unit length where the model normalizes
@@ -143,6 +143,7 @@ def take_pooled(out, pooled: np.ndarray | None) -> list:
             seq.pooling.sum = v.copy() if seq.pooling.sum is None else seq.pooling.sum + v
         if item.start + item.num_new_tokens == seq.prompt_len:
             embed = seq.request.embed
-            seq.pooling.vector = finish_vector(seq.pooling.sum, seq.prompt_len, embed.spec, embed.dimensions)
+            seq.pooling.vector = embedding_vector(seq.pooling.sum, seq.prompt_len, embed.spec,
+                                                  embed.dimensions)
             done.append(seq)
     return done

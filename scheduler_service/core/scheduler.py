@@ -284,7 +284,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: list[int], accepted: list[int] | None = None,
                pooled: np.ndarray | None = None, failed_loads: set[int] = frozenset()) -> StepUpdate:
         """Reconcile a step with its result (core/results.py apply_result), its tier loads that failed too."""
-        self.kv.finish_loads(out.step_id, failed_loads)
+        self.kv.settle_loads(out.step_id, failed_loads)
         update = apply_result(self, out, sampled, accepted, pooled)
         update.kv_tiers = self.kv.tiers.stats() if self.kv.tiers is not None else None
         return update

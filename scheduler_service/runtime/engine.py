@@ -247,7 +247,7 @@ class Engine:
             for out in unfinished:
                 out.seq.finish(FinishReason.ABORT)
         for out in unfinished:
-            self._emit(stream, out.finish(FinishReason.ABORT))
+            self._emit(stream, out.last_delta(FinishReason.ABORT))
         log.info("request_aborted", request_id=request_id, reason=reason)
         return True
 

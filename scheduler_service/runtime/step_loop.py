@@ -250,7 +250,7 @@ class StepLoop:
                     continue
                 if launched and len(inflight) < depth and sched.has_work:
                     continue  # room for one more in flight: plan it before waiting
-                if not await self._finish(sched, inflight.popleft()):
+                if not await self._land(sched, inflight.popleft()):
                     return
                 for flight in inflight:  # its masks waited for the step just applied (failed or not)
                     await self._send_masks(flight)
@@ -262,7 +262,7 @@ class StepLoop:
             for flight in inflight:
                 flight.task.cancel()
 
-    async def _finish(self, sched: Scheduler, flight: _Flight) -> bool:
+    async def _land(self, sched: Scheduler, flight: _Flight) -> bool:
         """Await a step's result and apply it; False when the replica is lost."""
         t_wait = time.perf_counter()
         out = flight.out
@@ -282,7 +282,7 @@ class StepLoop:
             # Its requests fail; a step planned behind it that needs its tokens is refused by the worker,
             # and fails its own requests in turn.
             log.error("step_failed", replica=self.index, step_id=out.step_id, error=str(e))
-            sched.kv.finish_loads(out.step_id, None)
+            sched.kv.settle_loads(out.step_id, None)
             self.sink.on_step_failed(self, out, str(e))
             return True
         t3 = time.perf_counter()
@@ -342,7 +342,7 @@ class StepLoop:
         for seq in update.embedded:
             sample = self._samples.get(seq.seq_id)
             if sample is not None:
-                delta = sample.finish(FinishReason.STOP)
+                delta = sample.last_delta(FinishReason.STOP)
                 delta.embedding = seq.pooling.vector
                 deltas.append((seq.request, delta))
                 seen.append(seq)

@@ -117,7 +117,7 @@ class SampleOutput:
                       logprobs=logprobs, stop_reason=stop_reason)
         return delta, reason
 
-    def finish(self, reason: FinishReason) -> Delta:
+    def last_delta(self, reason: FinishReason) -> Delta:
         """A last delta for a sample ended from outside (abort, error)."""
         return Delta(self.seq.index, [], self._take_text(final=True), reason)
 

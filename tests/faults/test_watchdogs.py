@@ -141,8 +141,8 @@ class PipelinedRunner:
 
         return SimpleNamespace(step_id=plan.step_id, clock=_Clock(False))
 
-    def finish(self, f):
-        self.events.append(("finish", f.step_id))
+    def land(self, f):
+        self.events.append(("land", f.step_id))
         if self.fail_finish is not None:
             raise self.fail_finish
         return wire_pb2.StepResult(step_id=f.step_id)
@@ -166,9 +166,9 @@ def test_a_plan_that_arrives_while_a_step_runs_is_launched_before_that_step_is_r
     assert server._handle(sock, _plan_frame(1)) is None
     assert runner.events == [("launch", 1)] and not sock.frames  # in flight, not answered yet
     assert server._handle(sock, _plan_frame(2)) is None
-    assert runner.events == [("launch", 1), ("launch", 2), ("finish", 1)]
+    assert runner.events == [("launch", 1), ("launch", 2), ("land", 1)]
     assert [f.result.step_id for f in sock.frames] == [1]
-    assert server._finish(sock) is None
+    assert server._land(sock) is None
     assert [f.result.step_id for f in sock.frames] == [1, 2]
     server._ctx.term()
 
@@ -184,7 +184,7 @@ def test_a_plan_whose_masks_follow_answers_the_step_before_it_first():
     server._await_mask = lambda s, step_id: (sock.frames.append("waited"), None)[1]
     server._handle(sock, _plan_frame(1))
     server._handle(sock, _plan_frame(2, mask_follows=True))
-    assert runner.events == [("launch", 1), ("launch", 2), ("finish", 1), ("masks", 2)]
+    assert runner.events == [("launch", 1), ("launch", 2), ("land", 1), ("masks", 2)]
     assert sock.frames[0].result.step_id == 1 and sock.frames[1] == "waited"
     server._ctx.term()
 
@@ -201,7 +201,7 @@ def test_a_step_that_fails_when_read_back_is_reported(error, exits):
                           wire_pb2.Handshake(tp_rank=0, tp_size=1))
     sock = Sent()
     server._handle(sock, _plan_frame(4))
-    code = server._finish(sock)
+    code = server._land(sock)
     assert sock.frames[-1].result.step_id == 4 and "step failed" in sock.frames[-1].result.error
     assert code == (EXIT_FAILED if exits else None)
     server._ctx.term()

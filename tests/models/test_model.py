@@ -316,9 +316,9 @@ def test_a_step_launched_before_the_last_one_is_read_back_takes_its_tokens_on_th
     piped = runner()
     f5 = piped.launch(_one_seq_plan(5, [3, 4, 5, 6, 7], 0))
     f6 = piped.launch(_one_seq_plan(6, [0], 5, prev=5))
-    r5 = piped.finish(f5)
+    r5 = piped.land(f5)
     f7 = piped.launch(_one_seq_plan(7, [0], 6, prev=6))
-    got = [r5, piped.finish(f6), piped.finish(f7)]
+    got = [r5, piped.land(f6), piped.land(f7)]
     assert [r.sampled_token_ids for r in got] == [r.sampled_token_ids for r in want]
     assert not any(r.error for r in got)
 
@@ -328,9 +328,9 @@ def test_a_step_launched_before_the_last_one_is_read_back_takes_its_tokens_on_th
     with torch.inference_mode():
         f5.host_tokens.fill_(-1)  # as if its row had no finite logits
     with pytest.raises(NonFiniteLogits):
-        broken.finish(f5)
+        broken.land(f5)
     with pytest.raises(StepDependencyError, match="step 5"):
-        broken.finish(f6)
+        broken.land(f6)
     rejected = broken.execute(_one_seq_plan(7, [0], 6, prev=6))
     assert "rejected plan" in rejected.error and "step 6" in rejected.error
 

@@ -59,7 +59,7 @@ def test_streamed_pieces_add_up_to_the_whole_turn(pieces):
         r, c = stream.add(Delta(index=0, text=piece, finish_reason=FinishReason.STOP if last else None))
         reasoning, content = reasoning + r, content + c
         assert "<think" not in content and "</th" not in reasoning
-    turn, r, c = stream.finish()
+    turn, r, c = stream.close()
     assert (reasoning + r, content + c) == (turn.reasoning or "", turn.content or "")
     assert turn == parse_turn(sample("".join(pieces)), ToolMode(), True, False)
 
@@ -70,7 +70,7 @@ def test_auto_tool_calls_are_held_back_and_parsed_at_the_end():
     for piece in ["Let me check. <tool", '_call>{"name": "f", "arguments": {"x": 1}}</tool_call>']:
         said.append(stream.add(Delta(index=0, text=piece))[1])
     stream.add(Delta(index=0, finish_reason=FinishReason.STOP))
-    turn, _, rest = stream.finish()
+    turn, _, rest = stream.close()
     assert said == ["Let me check. ", ""] and rest == "" and turn.content == "Let me check."
     assert [c["function"]["name"] for c in turn.calls] == ["f"] and turn.finish == "tool_calls"
 

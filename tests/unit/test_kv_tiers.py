@@ -159,7 +159,7 @@ def test_a_failed_step_gives_its_loads_blocks_back_and_the_prompt_is_computed():
     out = sched.schedule()
     assert out.loads and not out.scheduled  # a step that only reads the prefix back
     sched.build_plan(out)
-    sched.kv.finish_loads(out.step_id, None)  # its result never came: the step failed
+    sched.kv.settle_loads(out.step_id, None)  # its result never came: the step failed
     sched.check_invariants()
     assert sched.kv.tiers.load_failures == 10
     drain(sched, worker)

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from scheduler_service.core.pooling import PoolingConfigError, PoolingSpec, finish_vector
+from scheduler_service.core.pooling import PoolingConfigError, PoolingSpec, embedding_vector
 
 
 def st_folder(folder, mode="pooling_mode_lasttoken", normalize=True, prompts=None, default=None, extra=()):
@@ -57,11 +57,11 @@ def test_what_cannot_be_served_is_refused_by_name(tmp_path, kwargs, message):
 def test_a_vector_is_finished_as_a_mean_truncated_and_made_unit_length():
     pooled = np.array([3.0, 4.0, 12.0, 0.0], dtype=np.float32)
     last = PoolingSpec(pooling="last")
-    np.testing.assert_allclose(finish_vector(pooled, 5, last, None), pooled / 13)
-    np.testing.assert_allclose(finish_vector(pooled, 5, last, 2), [0.6, 0.8])  # renormalized after cutting
+    np.testing.assert_allclose(embedding_vector(pooled, 5, last, None), pooled / 13)
+    np.testing.assert_allclose(embedding_vector(pooled, 5, last, 2), [0.6, 0.8])  # renormalized after cutting
     mean = PoolingSpec(pooling="mean", normalize=False)
-    np.testing.assert_allclose(finish_vector(pooled, 4, mean, None), pooled / 4)  # a sum over 4 tokens
-    assert finish_vector(np.zeros(3, np.float32), 1, last, None).tolist() == [0.0, 0.0, 0.0]
+    np.testing.assert_allclose(embedding_vector(pooled, 4, mean, None), pooled / 4)  # a sum over 4 tokens
+    assert embedding_vector(np.zeros(3, np.float32), 1, last, None).tolist() == [0.0, 0.0, 0.0]
 
 
 def test_the_task_follows_the_folder_and_a_headless_checkpoint_only_embeds(tmp_path):

@@ -149,7 +149,7 @@ class WorkerServer:
                     return 0
                 if self._inflight is not None:
                     frame = self._next_frame_before_done(sock)
-                    code = self._finish(sock) if frame is None else self._handle(sock, frame)
+                    code = self._land(sock) if frame is None else self._handle(sock, frame)
                 elif sock.poll(200):
                     code = self._handle(sock, sock.recv())
                 else:
@@ -180,11 +180,11 @@ class WorkerServer:
             time.sleep(0.0001)
         return None
 
-    def _finish(self, sock: zmq.Socket) -> int | None:
+    def _land(self, sock: zmq.Socket) -> int | None:
         """Read back the step in flight and answer it."""
         f, self._inflight = self._inflight, None
         try:
-            result = self.runner.finish(f)
+            result = self.runner.land(f)
         except Exception as e:  # noqa: BLE001 - a failed step is reported
             return self._failed(sock, f.step_id, e)
         finally:
@@ -234,7 +234,7 @@ class WorkerServer:
             if previous is None:
                 return None
             self._inflight, previous = previous, None
-            return self._finish(sock)
+            return self._land(sock)
 
         def await_mask(step_id: int):
             if (code := answer_previous()) is not None:
@@ -274,7 +274,7 @@ class WorkerServer:
             return None
         kind = msg.WhichOneof("body")
         if kind != "plan" and self._inflight is not None:  # anything but a plan waits for the step in flight
-            code = self._finish(sock)
+            code = self._land(sock)
             if code is not None:
                 return code
         if kind == "handshake_ack":

@@ -97,17 +97,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: wire_pb2.StepPlan, await_mask=None) -> wire_pb2.StepResult:
-        """Run one step to its result (launch, then finish). await_mask(step_id) -> int32 [masks, words]: for
+        """Run one step to its result (launch, then land). await_mask(step_id) -> int32 [masks, words]: for
         a plan sent with mask_follows, blocks until the scheduler sends that step's masks."""
         launched = self.launch(plan, await_mask)
-        return launched if isinstance(launched, wire_pb2.StepResult) else self.finish(launched)
+        return launched if isinstance(launched, wire_pb2.StepResult) else self.land(launched)
 
     @torch.inference_mode()
     def launch(self, plan: wire_pb2.StepPlan, await_mask=None) -> InFlight | wire_pb2.StepResult:
         """Queue a step's whole work on the device — forward, logits, controls, sampling, and the copy of
         its tokens to pinned host memory — and return without waiting for it (a rejected plan: its error
         result). Tokens the plan takes from the previous step (prev_rows) are read on the device from that
-        step's sampled tokens, so the worker can launch step N+1 before it reads step N back; `finish`
+        step's sampled tokens, so the worker can launch step N+1 before it reads step N back; `land`
         then waits for this step's own work only. Phases: accept → stage → forward → sample."""
         t0 = time.perf_counter()
         accepted = self._accept(plan, await_mask)
@@ -151,7 +151,7 @@ class ModelRunner:
             clock.mark("logits")
         host = self._host_tokens(out.numel())
         host.copy_(out, non_blocking=True)
-        clock.mark("end")  # finish waits for this, not for what is queued after it
+        clock.mark("end")  # land waits for this, not for what is queued after it
         t3 = time.perf_counter()
         self._last_tokens, self._last_sampled_rows = tokens, p.do_sample.copy()
         self.last_step_id = plan.step_id
@@ -260,7 +260,7 @@ class ModelRunner:
         index = torch.from_numpy(at).to(raw.device)
         return top_logprobs(raw[index], sampled[index].clamp(min=0), ks[at].astype(np.int64))
 
-    def finish(self, f: InFlight) -> wire_pb2.StepResult:
+    def land(self, f: InFlight) -> wire_pb2.StepResult:
         """Wait for a launched step's tokens and answer with its result. A step that read its input tokens
         from one that failed reports that instead of its own (garbage) tokens."""
         t = time.perf_counter()

@@ -73,7 +73,7 @@ class AgentRoutes:
                     if delta.usage is not None:
                         u = delta.usage
                         totals = (u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
-                turn, reasoning, content = stream.finish()
+                turn, reasoning, content = stream.close()
                 for event in shape.add(reasoning, content) + shape.closing(turn, usage(*totals)):
                     yield event
                 if on_turn is not None:

@@ -86,7 +86,7 @@ class TurnStream:
         reasoning, content = self._regions(self.sample.text)
         return self._take(reasoning, content)
 
-    def finish(self) -> tuple[Turn, str, str]:
+    def close(self) -> tuple[Turn, str, str]:
         """The whole turn, and the reasoning and content not yet sent."""
         turn = parse_turn(self.sample, self.mode, self.thinks, self.opened)
         reasoning = (turn.reasoning or "")[self.sent_reasoning :]
