@@ -287,7 +287,7 @@ class CompletionShape:
 
     def choice(self, index: int, sample: Sample) -> dict:
         i = index // self.n
-        if sample.prompt_logprobs:
+        if sample.prompt_logprobs is not None:
             self.prompt_lps[i] = sample.prompt_logprobs
         echo = self.echoes[i] or ""
         body = {"index": index, "text": echo + sample.text,
@@ -309,7 +309,7 @@ class CompletionShape:
 
     def delta(self, i: int, delta: Delta, usage: dict | None) -> bytes | None:
         """The chunk for request i's delta, or None where it carries nothing to say."""
-        if delta.prompt_logprobs:
+        if delta.prompt_logprobs is not None:
             self.prompt_lps[i] = delta.prompt_logprobs
         index = i * self.n + delta.index
         first = index not in self.offsets

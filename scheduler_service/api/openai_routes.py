@@ -257,7 +257,7 @@ class OpenAIServer:
         async for i, delta in merged(streams):
             n = requests[i].sampling.n
             samples.setdefault(i * n + delta.index, out.Sample()).add(delta)
-            if delta.prompt_logprobs:
+            if delta.prompt_logprobs is not None:
                 prompt_logprobs[i] = delta.prompt_logprobs
             if delta.usage is not None:
                 u = delta.usage

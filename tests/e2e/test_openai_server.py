@@ -397,6 +397,8 @@ def test_prompt_logprobs_on_both_endpoints_and_echo_with_logprobs_as_vllm_serves
     assert [x for c in chunks if c.choices and c.choices[0].logprobs
             for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
 
+    one = client.completions.create(model="tiny", prompt=[5], max_tokens=2, extra_body={"prompt_logprobs": 1})
+    assert one.choices[0].model_extra["prompt_logprobs"] == [None]  # nothing comes before the first token
     chat = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=2, temperature=0,
                                           extra_body={"prompt_logprobs": 1})
     chat_entries = chat.model_extra["prompt_logprobs"]
