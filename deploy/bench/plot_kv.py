@@ -17,7 +17,7 @@ from deploy.bench.harness import DEFAULT_WORKLOAD
 from protos.codec import encode_plan
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.sequence import FinishReason, Request, SamplingOptions
+from scheduler_service.core.sequence import Request, SamplingOptions
 from tests.support.simulated import SimulatedWorker
 
 
@@ -45,8 +45,7 @@ def simulate(prompts: list[list[int]], max_tokens: int, num_blocks: int, block_s
             out = sched.schedule()
             if not out.is_empty:
                 for seq, _ in sched.update(out, worker.execute(encode_plan(sched.build_plan(out)))).tokens:
-                    if seq.num_output_tokens >= seq.request.sampling.max_tokens:
-                        sched.finish(seq, FinishReason.LENGTH)
+                    if seq.is_finished:  # (the scheduler ends it at max_tokens)
                         live.pop(seq.request.request_id, None)
         running = {s.request.request_id for s in sched.running}
         static = sum(live[r] for r in running)

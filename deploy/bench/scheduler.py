@@ -42,7 +42,7 @@ def measure(tokenizer: Tokenizer, num_seqs: int, context: int, steps: int, block
         req = Request(f"r{i}", rng.integers(100, 40000, context).tolist(),
                       SamplingOptions(max_tokens=steps + 4, ignore_eos=True))
         sched.add_request(req)
-        outputs[req.seqs[0].seq_id] = SampleOutput(tokenizer, req.seqs[0], (), sched.max_model_len)
+        outputs[req.seqs[0].seq_id] = SampleOutput(tokenizer, req.seqs[0])
         queues[req.seqs[0].seq_id] = DeltaQueue()  # the engine's request stream
     out = sched.schedule()  # prefill everything (not timed), then time decode steps
     assert len(out.scheduled) == num_seqs and not sched.waiting

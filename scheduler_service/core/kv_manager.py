@@ -131,6 +131,7 @@ class KVCacheManager:
             return False
         self.allocator.share(hits[skip:])
         seq.block_ids = [-1] * skip + hits[skip:] + self.allocator.allocate(need)
+        seq.mirror.stale()
         seq.num_dropped_blocks = skip
         seq.dropped_ids = hits[:skip]
         seq.num_computed_tokens = num_cached
@@ -144,6 +145,7 @@ class KVCacheManager:
         for seq in forks:
             self.allocator.share([b for b in prompt_blocks if b >= 0])
             seq.block_ids = list(prompt_blocks)
+            seq.mirror.stale()
             seq.num_dropped_blocks = min(leader.num_dropped_blocks, len(prompt_blocks))
             seq.dropped_ids = leader.dropped_ids[:seq.num_dropped_blocks]
             seq.num_computed_tokens = prompt_len - 1
@@ -183,20 +185,21 @@ class KVCacheManager:
             src, dst = seq.block_ids[i], fresh.pop()
             done.append(BlockCopy(i, src, dst))
             seq.block_ids[i] = dst
+            seq.mirror.stale(i)
             self.allocator.free([src])
         seq.block_ids.extend(fresh)
         return done
 
-    def trim(self, seq: Sequence, num_tokens: int) -> bool:
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back seq's blocks past those num_tokens need (a rejected draft's; last first): they are its
-        own, fresh and never offered to the cache. Whether any went back."""
+        own, fresh and never offered to the cache."""
         keep = self.blocks_for_tokens(num_tokens)
         if len(seq.block_ids) <= keep:
-            return False
+            return
         tail = seq.block_ids[keep:]
         del seq.block_ids[keep:]
+        seq.mirror.stale(keep)
         self.allocator.free(tail[::-1])
-        return True
 
     def tokens_that_fit(self, seq: Sequence, num_new: int) -> int:
         """How many of seq's next num_new tokens the free blocks hold (a prompt chunk shrinks to that before
@@ -261,24 +264,24 @@ class KVCacheManager:
             return 0
         return max(start - self.kv_window, 0) // self.block_size
 
-    def drop_out_of_window(self, seq: Sequence, start: int) -> int | None:
+    def drop_out_of_window(self, seq: Sequence, start: int) -> None:
         """Give back seq's blocks that no query from position `start` on reads: with every layer sliding over
         kv_window keys, a query at p reads keys after p - kv_window, so keys before start - kv_window are done
         (one key of slack: a sample forked from this sequence recomputes the prompt's last token, start - 1).
         Their table entries become -1, which the kernels never look up. A block in the prefix cache stays
         there (it is only unreferenced); sequences with penalties keep every block, since those read the
-        whole context's tokens through the table. Returns the first entry rewritten, or None."""
+        whole context's tokens through the table."""
         end = self.out_of_window(seq, start)
         if end <= seq.num_dropped_blocks:
-            return None
+            return
         first = seq.num_dropped_blocks
         dropped = [b for b in seq.block_ids[first:end] if b >= 0]
         for i in range(first, end):
             seq.dropped_ids.append(seq.block_ids[i])
             seq.block_ids[i] = -1
+        seq.mirror.stale(first)
         seq.num_dropped_blocks = end
         self.allocator.free(dropped[::-1])
-        return first
 
     # --- release ---------------------------------------------------------------------------------
     @staticmethod
@@ -286,6 +289,7 @@ class KVCacheManager:
         """seq comes from another pool (a replica whose workers were lost): its table named that pool's
         blocks, so it starts empty here, to be recomputed, and nothing is given back."""
         seq.block_ids = []
+        seq.mirror.stale()
         seq.dropped_ids = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

@@ -67,48 +67,66 @@ class PlanBuilder:
         self.pool_kind = np.zeros(max_seqs, dtype=I32)
         self.lora = np.full(max_seqs, -1, dtype=I64)  # the row's LoRA adapter's id (-1: the base model)
         self._free_rows = list(range(max_seqs - 1, -1, -1))
+        self._owners: list = [None] * max_seqs  # the sequence each row mirrors
+        self._filled = [0] * max_seqs  # entries written in each row (the rest are -1)
 
     # --- rows --------------------------------------------------------------------------------------
-    def attach(self, seq) -> None:
-        """seq starts running (its block_ids were just set): give it a row."""
-        if seq.mirror.row < 0:
-            if not self._free_rows:
-                raise RuntimeError("more running sequences than block-table rows")
-            seq.mirror.row = row = self._free_rows.pop()
-            params = seq.request.sampling
-            self.prompt_len[row] = seq.prompt_len
-            self.temperature[row], self.top_p[row] = params.temperature, params.top_p
-            self.top_k[row], self.seed[row] = params.top_k, seq.sample_seed
-            self.repetition[row], self.presence[row] = params.repetition_penalty, params.presence_penalty
-            self.frequency[row], self.min_p[row] = params.frequency_penalty, params.min_p
-            self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
-            self.penalized[row] = params.is_penalized
-            embed = seq.request.embed
-            self.pool_kind[row] = 0 if embed is None else _POOL_KINDS[embed.spec.pooling]
-            self.lora[row] = -1 if seq.request.lora is None else seq.request.lora.id
-            self.special[row] = (params.has_bias or seq.matcher is not None
-                                 or (params.prompt_logprobs is not None and seq.index == 0))
+    def _row(self, seq) -> int:
+        """seq's row, given at its first step since it was admitted (or moved here from another replica):
+        its sampling parameters are mirrored once; rows of sequences no longer running are taken back when
+        none is free."""
+        row = seq.mirror.row
+        if row >= 0 and self._owners[row] is seq:
+            return row
+        if not self._free_rows:
+            self._reclaim()
+        row = seq.mirror.row = self._free_rows.pop()
+        self._owners[row] = seq
+        self.tables[row, : self._filled[row]] = -1
+        self._filled[row] = 0
         seq.mirror.blocks = 0
+        params = seq.request.sampling
+        self.prompt_len[row] = seq.prompt_len
+        self.temperature[row], self.top_p[row] = params.temperature, params.top_p
+        self.top_k[row], self.seed[row] = params.top_k, seq.sample_seed
+        self.repetition[row], self.presence[row] = params.repetition_penalty, params.presence_penalty
+        self.frequency[row], self.min_p[row] = params.frequency_penalty, params.min_p
+        self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.penalized[row] = params.is_penalized
+        embed = seq.request.embed
+        self.pool_kind[row] = 0 if embed is None else _POOL_KINDS[embed.spec.pooling]
+        self.lora[row] = -1 if seq.request.lora is None else seq.request.lora.id
+        self.special[row] = (params.has_bias or seq.matcher is not None
+                             or (params.prompt_logprobs is not None and seq.index == 0))
+        return row
 
-    def detach(self, seq) -> None:
-        """seq gave its blocks back: its row is cleared and free."""
-        if seq.mirror.row >= 0:
-            self.tables[seq.mirror.row] = -1
-            self._free_rows.append(seq.mirror.row)
-            seq.mirror.row = -1
-        seq.mirror.blocks = 0
+    def _reclaim(self) -> None:
+        for row, owner in enumerate(self._owners):
+            if owner is not None and (not owner.is_running or owner.mirror.row != row):
+                self._owners[row] = None
+                if owner.mirror.row == row:
+                    owner.mirror.row = -1
+                self._free_rows.append(row)
+        if not self._free_rows:
+            raise RuntimeError("more running sequences than block-table rows")
 
-    def trimmed(self, seq) -> None:
-        """seq's table lost its tail (a rejected draft's blocks): the mirror forgets those entries."""
-        n = len(seq.block_ids)
-        if seq.mirror.row >= 0:
-            self.tables[seq.mirror.row, n:] = -1
-        seq.mirror.blocks = min(seq.mirror.blocks, n)
+    def _sync(self, seq, row: int, n: int) -> None:
+        """Copy seq's page table (n entries) into its row from the first entry that changed."""
+        blocks, mirror = seq.block_ids, seq.mirror
+        if mirror.blocks < n:
+            self.tables[row, mirror.blocks : n] = blocks[mirror.blocks :]
+        if self._filled[row] > n:  # the table lost its tail (a rejected draft's blocks)
+            self.tables[row, n : self._filled[row]] = -1
+        mirror.blocks = self._filled[row] = n
 
-    @staticmethod
-    def replaced(seq, index: int) -> None:
-        """seq.block_ids[index] changed (copy-on-write)."""
-        seq.mirror.blocks = min(seq.mirror.blocks, index)
+    def check(self, running) -> None:
+        """Every running sequence's mirrored entries are its page table's (debug_invariants)."""
+        for seq in running:
+            row = seq.mirror.row
+            if row >= 0 and self._owners[row] is seq:
+                b = seq.mirror.blocks
+                if self.tables[row, :b].tolist() != seq.block_ids[:b]:
+                    raise AssertionError(f"{seq}: the plan's row {row} no longer mirrors its page table")
 
     # --- one step ----------------------------------------------------------------------------------
     def build(self, out) -> PlanArrays:
@@ -177,7 +195,6 @@ class PlanBuilder:
         input tokens (0 where the step in flight samples it: `pending` says where, and from which row), and
         the widest table; new table entries are mirrored on the way."""
         num_seqs = len(scheduled)
-        tables = self.tables
         rows = np.empty(num_seqs, dtype=I64)
         starts = np.empty(num_seqs, dtype=I64)
         q_lens = np.empty(num_seqs, dtype=I64)
@@ -189,15 +206,14 @@ class PlanBuilder:
         offset = 0
         for i, item in enumerate(scheduled):
             seq = item.seq
-            blocks = seq.block_ids
-            n = len(blocks)
-            if seq.mirror.blocks < n:
-                tables[seq.mirror.row, seq.mirror.blocks : n] = blocks[seq.mirror.blocks :]
-                seq.mirror.blocks = n
+            row = self._row(seq)
+            n = len(seq.block_ids)
+            if seq.mirror.blocks != n or self._filled[row] != n:
+                self._sync(seq, row, n)
             if n > max_blocks:
                 max_blocks = n
             start, q = item.start, item.num_new_tokens
-            rows[i], starts[i], q_lens[i], do_sample[i] = seq.mirror.row, start, q, item.do_sample
+            rows[i], starts[i], q_lens[i], do_sample[i] = row, start, q, item.do_sample
             end = start + q
             known = seq.token_ids
             if item.draft:  # the known last token, then the draft

@@ -1,129 +1,30 @@
 """Continuous batching, the policy over kv_manager.py's memory: each step running decodes first, then running
 prompt chunks, then admissions, within the token budget; when the pool is full, whom to preempt (`_victim`).
-A step is committed when scheduled and reconciled in `update` when its result arrives, so the next one can
-be planned meanwhile. The whole walk, with its reasons: docs/ARCHITECTURE.md (routing and scheduling)."""
+A step is committed when scheduled and reconciled in `update` (core/queues.py) when its result arrives, so
+the next one can be planned meanwhile. The whole walk: docs/ARCHITECTURE.md (routing and scheduling)."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
-
-import numpy as np
 
 from protos.codec import PlanArrays
-from scheduler_service.core.batch import (
-    DuplicateRequestId,
-    ScheduledSeq,
-    SchedulerOutput,
-    StepUpdate,
-    make_sequences,
-)
+from scheduler_service.core.batch import ScheduledSeq, SchedulerOutput
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.drafting import SequenceDrafter, SharedNgrams, propose_draft
-from scheduler_service.core.kv_manager import BlockCopy, KVCacheManager
+from scheduler_service.core.drafting import SequenceDrafter, propose_draft
+from scheduler_service.core.kv_manager import BlockCopy
 from scheduler_service.core.kv_tiers import KvTiers
 from scheduler_service.core.pacing import EmbedPacer
-from scheduler_service.core.plan import PlanBuilder
-from scheduler_service.core.results import apply_result
-from scheduler_service.core.sequence import FinishReason, Request, Sequence, SequenceStatus
-from scheduler_service.core.stats import PoolStats
+from scheduler_service.core.queues import Queues
+from scheduler_service.core.sequence import Sequence, SequenceStatus
 
 
-class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int,
-                 kv_window: int = 0, tiers: KvTiers | None = None) -> None:
-        """tiers: the KV tiers under the pool (host, disk), where the workers hold them."""
-        self.config = config
-        self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_window)
-        if tiers is not None:
-            self.kv.use_tiers(tiers)
-        self.requests: dict[str, Request] = {}
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.num_preemptions = 0
-        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
-        self.prefix_cache_hits = 0  # of those, tokens found in cached blocks
+class Scheduler(Queues):
+    def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int, kv_window: int = 0,
+                 tiers: KvTiers | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+        super().__init__(config, num_blocks, max_model_len, kv_window, tiers, eos_token_ids)
         self._step_ids = itertools.count(1)
-        self.planner = PlanBuilder(config.max_num_seqs, self.kv.blocks_for_tokens(max_model_len),
-                                   config.block_size)
-        # Speculative decoding: n-grams of finished requests, shared by every sequence here.
-        self.speculating = config.speculative != "off"
-        self.shared_ngrams = SharedNgrams() if self.speculating else None
         self.pacer = EmbedPacer(config.embed_slowdown, config.max_num_batched_tokens)
-
-    # --- requests ------------------------------------------------------------------------------
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.kv.num_blocks
-
-    @property
-    def allocator(self):
-        """The pool's block allocator (counts, the prefix cache, its events)."""
-        return self.kv.allocator
-
-    @property
-    def has_work(self) -> bool:
-        """Sequences to run, or KV-tier work no plan has carried yet."""
-        return bool(self.waiting or self.running) or (self.kv.tiers is not None and self.kv.tiers.has_ops)
-
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise DuplicateRequestId(request.request_id)
-        if not request.seqs:
-            make_sequences(request)
-        self.requests[request.request_id] = request
-        self.waiting.append(request.seqs[0])
-
-    def adopt(self, request: Request) -> None:
-        """Take over a live request from a scheduler whose workers were lost: its unfinished sequences keep
-        their tokens (prompt and generated) and wait at the head of the queue to be recomputed, exactly as
-        after a preemption; samples not yet forked stay pending."""
-        if request.request_id in self.requests:
-            raise DuplicateRequestId(request.request_id)
-        self.requests[request.request_id] = request
-        resumed = [s for s in request.seqs if not s.is_finished and s not in request.pending_forks]
-        for seq in reversed(resumed):
-            self.kv.disown(seq)
-            seq.pending.count = 0  # the steps in flight were lost: their tokens are drawn again
-            seq.drafter = None  # drafted again from this replica's n-grams
-            seq.mirror.row = -1
-            seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
-
-    def abort_request(self, request_id: str) -> Request | None:
-        """End every sample of a request; its blocks return at once. None if it is not live."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        for seq in request.seqs:
-            if not seq.is_finished:
-                self.finish(seq, FinishReason.ABORT)
-        return request
-
-    def finish(self, seq: Sequence, reason: FinishReason, drop: int = 0) -> None:
-        """End seq; `drop`: its last tokens came after the one that ended it (a draft's) and are not its."""
-        if seq.is_finished:
-            return
-        if drop:
-            del seq.token_ids[-drop:]
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq in seq.request.pending_forks:
-            seq.request.pending_forks.remove(seq)
-        else:
-            self.waiting.remove(seq)
-        self._release(seq)
-        seq.finish(reason)
-        if seq.drafter is not None and reason is not FinishReason.ABORT:
-            self.shared_ngrams.learn(seq.token_ids)
-        if seq.request.is_finished:
-            self.requests.pop(seq.request.request_id, None)
 
     # --- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -173,11 +74,11 @@ class Scheduler:
                 self._add(out, seq, 1, scheduled)
                 budget -= 1
                 continue
-            self._drop_out_of_window(seq, pos)  # blocks behind the window go back before any is asked for
+            self.kv.drop_out_of_window(seq, pos)  # blocks behind the window go back before any is asked for
             if draft:  # a draft takes free blocks only: it never preempts anyone, or it is dropped
                 copies = kv.allocate_slots(seq, 1 + len(draft))
                 if copies is not None:
-                    self._copies(out, seq, copies)
+                    self._copies(out, copies)
                     self._add(out, seq, 1 + len(draft), scheduled, tuple(draft))
                     budget -= 1 + len(draft)
                     continue
@@ -197,7 +98,7 @@ class Scheduler:
             embed = seq.request.embed is not None
             if seq.status is not SequenceStatus.RUNNING or (embed and not out.embed_room):
                 continue
-            self._drop_out_of_window(seq, seq.num_computed_tokens)
+            self.kv.drop_out_of_window(seq, seq.num_computed_tokens)
             wanted = min(seq.num_uncomputed_tokens, budget, out.embed_room if embed else budget)
             num_new = self._reserve(seq, wanted, scheduled, out)
             if num_new:
@@ -249,7 +150,6 @@ class Scheduler:
             seq.pooling.sum = None  # (an embedding recomputed after a preemption pools again)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self.planner.attach(seq)
             self._add(out, seq, num_new, scheduled)
             budget -= num_new
             if lora is not None and adapters is not None:
@@ -281,14 +181,6 @@ class Scheduler:
             plan.kv = out.kv_ops = self.kv.tiers.take_ops()
         return plan
 
-    def update(self, out: SchedulerOutput, sampled: list[int], accepted: list[int] | None = None,
-               pooled: np.ndarray | None = None, failed_loads: set[int] = frozenset()) -> StepUpdate:
-        """Reconcile a step with its result (core/results.py apply_result), its tier loads that failed too."""
-        self.kv.settle_loads(out.step_id, failed_loads)
-        update = apply_result(self, out, sampled, accepted, pooled)
-        update.kv_tiers = self.kv.tiers.stats() if self.kv.tiers is not None else None
-        return update
-
     def observe(self, out: SchedulerOutput, seconds: float, tier_seconds: float) -> None:
         """A step's worker time: it paces embeddings, and weighs a tier load against computing."""
         other_prefill = out.num_prefill_tokens - out.num_embed_tokens
@@ -303,7 +195,7 @@ class Scheduler:
         With a draft, the tokens are seq's last known one and the draft: all computed until the result says
         how many stand (update)."""
         start = seq.num_computed_tokens
-        self._drop_out_of_window(seq, start)
+        self.kv.drop_out_of_window(seq, start)
         known = len(seq.token_ids)
         if seq.request.embed is not None:  # prompt chunks only, paced beside decodes
             do_sample = False
@@ -334,7 +226,7 @@ class Scheduler:
         while True:
             copies = self.kv.allocate_slots(seq, num_new)
             if copies is not None:
-                self._copies(out, seq, copies)
+                self._copies(out, copies)
                 return num_new
             if self.config.enable_chunked_prefill and num_new > 1:
                 fits = self.kv.tokens_that_fit(seq, num_new)
@@ -348,51 +240,12 @@ class Scheduler:
             if victim is seq:
                 return 0
 
-    def _copies(self, out: SchedulerOutput, seq: Sequence, copies: list[BlockCopy]) -> None:
-        """A step's copies-on-write: the worker runs them before the forward; the plan's mirror of the
-        entries they rewrote is refreshed."""
-        for c in copies:
-            out.block_copies.append((c.src, c.dst))
-            self.planner.replaced(seq, c.index)
-
-    def _drop_out_of_window(self, seq: Sequence, start: int) -> None:
-        first = self.kv.drop_out_of_window(seq, start)
-        if first is not None:
-            self.planner.replaced(seq, first)
+    @staticmethod
+    def _copies(out: SchedulerOutput, copies: list[BlockCopy]) -> None:
+        """A step's copies-on-write: the worker runs them before the forward."""
+        out.block_copies.extend((c.src, c.dst) for c in copies)
 
     def _victim(self, scheduled: set[int]) -> Sequence | None:
         """Whom to preempt for room: the most recently admitted running sequence not yet in this step (its
         recompute costs least, and the oldest requests keep going)."""
         return next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
-
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
-        self._release(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-        out.preempted.append(seq)
-
-    def _release(self, seq: Sequence) -> None:
-        """The one path that gives a sequence's blocks back (finish, abort, preemption)."""
-        self.kv.free(seq)
-        self.planner.detach(seq)
-
-    # --- the prefix cache and accounting -----------------------------------------------------------
-    def pool_stats(self) -> PoolStats:
-        """The pool's books now: blocks by state, queues, prefix-cache lookups, preemptions, tiers."""
-        a = self.kv.allocator
-        return PoolStats(a.num_blocks, a.num_free_blocks, a.num_available_blocks, a.num_used_blocks,
-                         a.num_cached_blocks, a.num_shared_blocks, len(self.running), len(self.waiting),
-                         sum(s.num_uncomputed_tokens for s in self.waiting), self.prefix_cache_queries,
-                         self.prefix_cache_hits, self.num_preemptions,
-                         self.kv.tiers.stats() if self.kv.tiers is not None else None)
-
-    def request_blocks(self, request: Request) -> int:
-        """Distinct blocks a request holds (samples share their prompt's blocks)."""
-        return self.kv.request_blocks(request)
-
-    def check_invariants(self) -> None:
-        """The pool's books balance and every table matches its sequence's state (kv_manager.py)."""
-        self.kv.check_invariants(self.running, self.waiting)

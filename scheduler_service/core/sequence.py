@@ -126,10 +126,15 @@ class PendingToken:
 @dataclass(slots=True)
 class PlanRow:
     """The plan's block-table mirror of a running sequence (core/plan.py): its row, and how many of its
-    block_ids are copied there."""
+    block_ids are copied there. The KV manager, which alone changes a page table, marks where it changed
+    (`stale`); the plan copies from there on when it next gathers the row."""
 
     row: int = -1
     blocks: int = 0
+
+    def stale(self, index: int = 0) -> None:
+        if index < self.blocks:
+            self.blocks = index
 
 
 @dataclass(slots=True)
@@ -255,6 +260,9 @@ class Request:
     embed: EmbedOptions | None = None
     # A LoRA adapter (core/adapters.py Adapter) the request generates with; None: the base model.
     lora: object | None = None
+    # The token ids that end a sample (its stop ids, and the model's end-of-sequence ids unless ignored):
+    # set by the scheduler that takes the request.
+    stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -59,7 +59,7 @@ class Engine:
         self.spec = spec
         self.tokenizer = tokenizer
         self.client = client
-        self.replicas = [StepLoop(d, config, client, self, spec.hidden_size)
+        self.replicas = [StepLoop(d, config, client, self, spec.hidden_size, spec.eos_token_ids)
                          for d in range(len(client.groups))]
         self.limits: Limits | None = None
         self.streams: dict[str, RequestStream] = {}
@@ -206,8 +206,7 @@ class Engine:
         if request.request_id in self.streams:
             raise DuplicateRequestId(request.request_id)
         make_sequences(request)
-        samples = [SampleOutput(self.tokenizer, s, self.spec.eos_token_ids, self.limits.max_context)
-                   for s in request.seqs]
+        samples = [SampleOutput(self.tokenizer, s) for s in request.seqs]
         if self.is_serving:
             replica = self.route(request)
             replica.submit(request, samples)

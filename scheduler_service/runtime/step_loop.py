@@ -34,8 +34,6 @@ from scheduler_service.text.output import Delta, SampleOutput, TokenLogprob
 log = structlog.get_logger("scheduler.replica")
 
 
-
-
 @dataclass
 class _Flight:
     """A step sent to the workers whose result has not been applied yet."""
@@ -49,10 +47,6 @@ class _Flight:
     # Set once its plan is on the socket; its structured-output masks, when they follow the plan, go after.
     sent: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     masks_sent: bool = False
-
-
-
-
 
 
 class StepSink(Protocol):
@@ -72,22 +66,19 @@ class StepSink(Protocol):
 WAITING_WEIGHT = 4
 
 
-
-
-
-
 class StepLoop:
     """Each turn: schedule a step, build its plan, send it; with overlap on (the default), schedule and send
-    the next step before awaiting this one's result (`_steps`); apply each result in order (`_finish`):
-    the scheduler's `update`, then each new token through its sample's text (stop strings end sequences
-    here), then one `StepReport` to the sink (the engine, which streams the deltas). A failed step fails
-    only its requests; a lost rank takes the replica down (the engine decides what happens to its
-    requests) until a new group joins."""
+    the next step before awaiting this one's result (`_steps`); apply each result in order (`_land`): the
+    scheduler's `update` (which ends the sequences that stop), then each new token through its sample's text
+    (stop strings end sequences here), then one `StepReport` to the sink (the engine, which streams the
+    deltas). A failed step fails only its requests; a lost rank takes the replica down (the engine decides
+    what happens to its requests) until a new group joins."""
 
     def __init__(self, index: int, config: SchedulerConfig, client: WorkerClient, sink: StepSink,
-                 hidden_size: int = 0) -> None:
-        """hidden_size: the length of what a pooling row gives back."""
+                 hidden_size: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
+        """hidden_size: the length of what a pooling row gives back; eos_token_ids: the model's."""
         self.index = index
+        self.eos_token_ids = eos_token_ids
         self.config = config
         self.client = client
         self.sink = sink
@@ -168,17 +159,22 @@ class StepLoop:
     # --- lifecycle -------------------------------------------------------------------------------
     def attach(self, max_model_len: int) -> None:
         """A group was accepted: start serving with a fresh scheduler sized to its pool."""
-        self._sched = Scheduler(self.config, self.group.num_blocks, max_model_len,
-                                kv_window=self.group.handshake.kv_window,
-                                tiers=self.group.kv_tiers(self.config.block_size))
+        self.serve(Scheduler(self.config, self.group.num_blocks, max_model_len,
+                             kv_window=self.group.handshake.kv_window,
+                             tiers=self.group.kv_tiers(self.config.block_size),
+                             eos_token_ids=self.eos_token_ids))
+        log.info("replica_serving", replica=self.index, num_blocks=self.group.num_blocks,
+                 pids=self.group.pids)
+
+    def serve(self, sched: Scheduler) -> None:
+        """Start stepping `sched`, whose pool is the group's."""
+        self._sched = sched
         # KV-event subscribers learn that this replica's cache starts empty (published after its first step).
-        self._sched.kv.record_kv_events()
+        sched.kv.record_kv_events()
         self._samples = {}
         self.down_reason = None
         self.profile = StepProfile()
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"replica-{self.index}")
-        log.info("replica_serving", replica=self.index, num_blocks=self.group.num_blocks,
-                 pids=self.group.pids)
 
     async def detach(self, reason: str) -> None:
         """Stop serving: end the step loop, drop the group (survivors are told to exit), forget the
@@ -316,15 +312,16 @@ class StepLoop:
 
     def _text(self, sched: Scheduler, update: StepUpdate,
               logprobs: dict[int, TokenLogprob] | None) -> tuple[list[tuple[Request, Delta]], list[float]]:
-        """Each new token through its sample's text: a stop (string, id, length or grammar) ends the sequence
-        here, and its tokens after the stop (an accepted draft's) are dropped. An embedding's one delta
-        carries its vector. Returns the deltas in order and the gaps between a sequence's tokens."""
+        """Each new token through its sample's text: the scheduler ended some sequences already (their last
+        token's delta says why); a stop string ends one here, its tokens after the stop (an accepted
+        draft's) dropped. An embedding's one delta carries its vector. Returns the deltas in order and the
+        gaps between a sequence's tokens."""
         now = time.monotonic()
-        deltas, gaps, seen = [], [], []
+        deltas, gaps, ended = [], [], []
         tokens = update.tokens
         for i, (seq, token) in enumerate(tokens):
             sample = self._samples.get(seq.seq_id)
-            if sample is None or seq.is_finished:  # (finished: by a stop among its tokens of this step)
+            if sample is None or sample.finished:  # (finished: by a stop string among this step's tokens)
                 continue
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
@@ -336,19 +333,19 @@ class StepLoop:
                 lp.token_id = token
             delta, reason = sample.add_token(token, lp)
             if reason is not None:
-                sched.finish(seq, reason, drop=sum(1 for s, _ in tokens[i + 1:] if s is seq))
+                if reason is not seq.finish_reason:  # a stop string: the text ends it
+                    sched.finish(seq, reason, drop=sum(1 for s, _ in tokens[i + 1:] if s is seq))
+                ended.append(seq)
             deltas.append((seq.request, delta))
-            seen.append(seq)
         for seq in update.embedded:
             sample = self._samples.get(seq.seq_id)
             if sample is not None:
                 delta = sample.last_delta(FinishReason.STOP)
                 delta.embedding = seq.pooling.vector
                 deltas.append((seq.request, delta))
-                seen.append(seq)
-        for seq in seen:
-            if seq.is_finished:
-                self._samples.pop(seq.seq_id, None)
+                ended.append(seq)
+        for seq in ended:
+            self._samples.pop(seq.seq_id, None)
         return deltas, gaps
 
     async def _send_masks(self, flight: _Flight) -> None:

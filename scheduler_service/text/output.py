@@ -1,10 +1,8 @@
-"""Per-sample output handling: incremental text, stop conditions, stream deltas.
-
-Stop conditions, checked after every new token: a stop token id or (unless ignore_eos) an eos id
-→ STOP, the token kept; a stop string → STOP, the text cut before it; max_tokens or the model's
-context → LENGTH. While a sample runs, text that might be the start of a stop string is held back.
-Before min_tokens tokens, no stop applies (the worker also keeps end tokens from being drawn). A
-structured-output sample also ends with STOP when its matcher is complete (text/structured.py).
+"""Per-sample output: incremental text, stop strings, stream deltas. A sample's other ends (a stop id or
+end-of-sequence, max_tokens or the context, its grammar's) are the scheduler's (core/results.py): its last
+token's delta carries that reason. A stop string ends the sample here, the text cut before it (or after,
+with include_stop_str_in_output); text that might begin one is held back while the sample runs. Before
+min_tokens tokens, no stop string applies.
 """
 
 from __future__ import annotations
@@ -52,70 +50,45 @@ class Delta:
 
 
 class SampleOutput:
-    def __init__(self, tokenizer: Tokenizer, seq: Sequence, eos_token_ids: tuple[int, ...],
-                 max_context: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, seq: Sequence) -> None:
         self.seq = seq
         params = seq.request.sampling
         self._detok = IncrementalDetokenizer(tokenizer, seq.request.prompt_token_ids,
                                              params.skip_special_tokens)
-        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._named_stop_ids = set(params.stop_token_ids)
         self._keep_stop_str = params.include_stop_str_in_output
         self._stops = params.stop
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
-        self._max_tokens = params.max_tokens
         self._min_tokens = params.min_tokens
         self._wants_logprobs = params.logprobs is not None
-        # tokens this sample may still take before max_tokens or the model's context ends it
-        self._left = min(params.max_tokens - seq.num_output_tokens, max_context - seq.num_tokens)
         self.text = ""
         self._emitted = 0
         self._seen = seq.num_output_tokens  # tokens added so far (a step may bring several)
+        self.finished = False
 
     def add_token(self, token: int, logprob: TokenLogprob | None = None) -> tuple[Delta, FinishReason | None]:
         """Take one new token (and its logprob, when the request asked); return the stream delta and the
-        finish reason, if it finished."""
+        reason the sample ends with it: the scheduler's, on its last token, or a stop string's."""
         piece = self._detok.add(token)
         self.text += piece
-        self._left -= 1
-        logprobs = [logprob or TokenLogprob(token, float("nan"))] if self._wants_logprobs else None
-        may_stop = self.seq.num_output_tokens >= self._min_tokens
         self._seen += 1
-        matcher = self.seq.matcher  # its state is the sequence's last token's: the end is seen there
-        if matcher is not None and self._seen == self.seq.num_output_tokens and (matcher.is_stopped()
-                                                                                 or matcher.is_error()):
-            reason = FinishReason.STOP if not matcher.is_error() else FinishReason.ERROR
-            delta = Delta(self.seq.index, [token], self._take_text(final=True) if self._stops else piece,
-                          reason, logprobs=logprobs)
-            self._emitted = len(self.text)
-            return delta, reason
-        stop_reason = None
-        if not self._stops:  # nothing is held back: the new text goes out as it comes
-            self._emitted = len(self.text)
-            reason = FinishReason.STOP if may_stop and token in self._stop_ids else (
-                FinishReason.LENGTH if self._left <= 0 else None)
-            if reason is FinishReason.STOP and token in self._named_stop_ids:
-                stop_reason = token
-            return Delta(self.seq.index, [token], piece, reason, logprobs=logprobs,
-                         stop_reason=stop_reason), reason
-        reason = None
-        if not may_stop:
-            pass
-        elif token in self._stop_ids:
-            reason = FinishReason.STOP
-            stop_reason = token if token in self._named_stop_ids else None
-        elif piece:
+        seq = self.seq
+        reason = seq.finish_reason if self._seen == seq.num_output_tokens else None
+        stop_reason = token if reason is FinishReason.STOP and token in self._named_stop_ids else None
+        if self._stops and piece and reason in (None, FinishReason.LENGTH) and self._seen >= self._min_tokens:
             start = max(0, len(self.text) - len(piece) - self._holdback)
             hits = [(i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0]
             if hits:
                 at, stop_reason = min(hits, key=lambda h: (h[0], -len(h[1])))
                 self.text = self.text[: at + len(stop_reason) if self._keep_stop_str else at]
                 reason = FinishReason.STOP
-        if reason is None and self._left <= 0:
-            reason = FinishReason.LENGTH
-        delta = Delta(self.seq.index, [token], self._take_text(final=reason is not None), reason,
-                      logprobs=logprobs, stop_reason=stop_reason)
-        return delta, reason
+        if self._stops:
+            text = self._take_text(final=reason is not None)
+        else:  # nothing is held back: the new text goes out as it comes
+            text, self._emitted = piece, len(self.text)
+        self.finished = reason is not None
+        logprobs = [logprob or TokenLogprob(token, float("nan"))] if self._wants_logprobs else None
+        return Delta(seq.index, [token], text, reason, logprobs=logprobs, stop_reason=stop_reason), reason
 
     def last_delta(self, reason: FinishReason) -> Delta:
         """A last delta for a sample ended from outside (abort, error)."""

@@ -3,6 +3,7 @@ memory management is checked token for token without a model (tests/unit, the ov
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import numpy as np
@@ -11,7 +12,6 @@ from protos import wire_pb2
 from protos.codec import decode_plan, resolve_tokens
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.sequence import FinishReason
 
 VOCAB = 1000
 
@@ -152,47 +152,109 @@ class SimulatedWorker:
         return ctx.tolist()
 
 
-class Pipeline:
-    """Drives a scheduler and a SimulatedWorker the way a replica's step loop does: with overlap, step N+1 is
-    planned and sent before step N's result is applied (the worker keeps N's tokens for it)."""
+class SimulatedClient:
+    """A WorkerClient over one SimulatedWorker, in process: a plan runs when it is sent (in order, as a worker
+    takes plans), and its result is handed back once `release` lets one more through."""
 
-    def __init__(self, sched, worker: SimulatedWorker, overlap: bool, on_token) -> None:
-        """on_token(seq, token): the engine's part (stop checks; it may finish the sequence)."""
-        self.sched, self.worker, self.on_token = sched, worker, on_token
-        self.depth = 2 if overlap else 1
-        self.inflight: list = []
+    def __init__(self, worker: SimulatedWorker) -> None:
+        self.worker = worker
+        self.sent = 0
+        self._released = asyncio.Semaphore(0)
+
+    def release(self) -> None:
+        self._released.release()
+
+    def step_limit(self, plan) -> float:
+        return 60.0
+
+    async def execute(self, replica, plan, queued_behind=0.0, sent=None):
+        from protos.codec import encode_result
+
+        self.sent += 1
+        if sent is not None:
+            sent.set()
+        w = self.worker
+        sampled = np.asarray(w.execute(plan), dtype=np.int32)
+        accepted = np.asarray(w.last_accepted, dtype=np.int32) if w.last_accepted is not None else None
+        failed = np.asarray(sorted(w.last_failed), dtype=np.int32) if w.last_failed else None
+        # a prompt token costs a millisecond of the model's time, a tier's block far less (so loads pay)
+        result = encode_result(plan.step_id, sampled, num_accepted=accepted, pooled=w.last_pooled,
+                               kv_load_failed=failed, time_forward=1e-3 * plan.num_tokens, time_kv=1e-5)
+        await self._released.acquire()
+        return result
+
+    async def send_mask(self, replica, mask) -> None:
+        pass
+
+    async def drop_group(self, replica, reason) -> None:
+        pass
+
+
+class Pipeline:
+    """The replica's real step loop (runtime/step_loop.py) over a SimulatedWorker, let through one result
+    at a time: with overlap, step N+1 is planned and sent before step N's result is applied.
+    Requests arrive and are aborted through the loop, between results."""
+
+    def __init__(self, sched, worker: SimulatedWorker, overlap: bool = True) -> None:
+        from dataclasses import replace
+
+        from scheduler_service.runtime.step_loop import StepLoop
+
+        self.sched = sched
+        self.client = SimulatedClient(worker)
+        self.landed = 0
+        self.lost: str | None = None
+        self.events = asyncio.new_event_loop()
+        self.loop = StepLoop(0, replace(sched.config, overlap=overlap), self.client, self)
+        self.events.run_until_complete(self._start())
+
+    async def _start(self) -> None:
+        self.loop.serve(self.sched)
+
+    # the step loop's sink
+    def on_step(self, loop, report) -> None:
+        self.landed += 1
+
+    def on_step_failed(self, loop, out, message) -> None:
+        self.landed += 1
+        self.lost = f"step {out.step_id} failed: {message}"
+
+    def on_unschedulable(self, loop, request, message) -> None:
+        self.lost = message
+
+    async def on_lost(self, loop, message) -> None:
+        self.lost = message
 
     @property
     def busy(self) -> bool:
-        return bool(self.inflight) or self.sched.has_work
+        return self.sched.has_work or self.landed < self.client.sent
+
+    def submit(self, request) -> None:
+        self.loop.submit(request, [])
+
+    def abort(self, request_id: str) -> None:
+        self.loop.abort(request_id)
 
     def step(self) -> bool:
-        """One turn of the loop; False when it could do nothing (no work, or nothing schedulable)."""
-        from protos.codec import encode_plan
+        """Let one result through and run the loop until it is applied (and the next plans are sent); False
+        when there was nothing to apply."""
+        if not self.busy:
+            return False
+        target = self.landed + 1
+        self.client.release()
+        self.events.run_until_complete(self._settle(lambda: self.landed >= target or self.lost is not None))
+        assert self.lost is None, self.lost
+        return self.landed >= target
 
-        launched = False
-        if self.sched.has_work and len(self.inflight) < self.depth:
-            out = self.sched.schedule()
-            if not out.is_empty:
-                tokens = self.worker.execute(encode_plan(self.sched.build_plan(out)))
-                self.inflight.append((out, tokens, self.worker.last_accepted, self.worker.last_failed))
-                launched = True
-        if self.inflight and (len(self.inflight) == self.depth or not launched):
-            out, tokens, accepted, failed = self.inflight.pop(0)
-            new = self.sched.update(out, tokens, accepted, failed_loads=failed).tokens
-            for i, (seq, token) in enumerate(new):
-                if seq.is_finished:  # by a stop among this step's tokens: the rest are not its
-                    continue
-                # on_token sees the sequence as it was when this token came (an accepted draft's tokens
-                # come together), and if it ends the sequence, those after it are dropped
-                later = sum(1 for s, _ in new[i + 1:] if s is seq)
-                after = seq.token_ids[len(seq.token_ids) - later:]
-                del seq.token_ids[len(seq.token_ids) - later:]
-                self.on_token(seq, token)
-                if not seq.is_finished:
-                    seq.token_ids.extend(after)
-            return True
-        return launched
+    async def _settle(self, done, turns: int = 1000) -> None:
+        for _ in range(turns):
+            if done():
+                return
+            await asyncio.sleep(0)
+
+    def close(self) -> None:
+        self.events.run_until_complete(self.loop.stop())
+        self.events.close()
 
 
 def expected(req, seq, window=0):
@@ -202,14 +264,12 @@ def expected(req, seq, window=0):
 
 
 def step(sched, worker):
+    """One step, in order: scheduled, run, applied (the scheduler ends what stops); invariants around it."""
     out = sched.schedule()
     sched.check_invariants()
-    if out.is_empty:
-        return out
-    for seq, _ in worker.step(sched, out).tokens:
-        if seq.num_output_tokens >= seq.request.sampling.max_tokens:
-            sched.finish(seq, FinishReason.LENGTH)
-    sched.check_invariants()
+    if not out.is_empty:
+        worker.step(sched, out)
+        sched.check_invariants()
     return out
 
 

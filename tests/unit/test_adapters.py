@@ -10,7 +10,7 @@ from protos.codec import decode_plan, encode_plan
 from scheduler_service.core.adapters import AdapterError, AdapterRegistry, BaseShapes, parse_module_flag
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.sequence import FinishReason, Request, SamplingOptions
+from scheduler_service.core.sequence import Request, SamplingOptions
 from tests.support.simulated import SimulatedWorker
 
 BASE = BaseShapes(num_layers=2, hidden=8, q_size=8, kv_size=4, intermediate=16)
@@ -117,10 +117,7 @@ def test_the_same_prompt_under_two_adapters_never_shares_a_block(tmp_path):
     def run(req):
         sched.add_request(req)
         while sched.has_work:
-            out = sched.schedule()
-            for seq, _ in worker.step(sched, out).tokens:
-                if seq.num_output_tokens >= seq.request.sampling.max_tokens:
-                    sched.finish(seq, FinishReason.LENGTH)
+            worker.step(sched, sched.schedule())
         return req.cached_prompt_tokens
 
     assert run(_request("a1", prompt, a)) == 0
@@ -157,10 +154,7 @@ def test_steps_hold_at_most_max_loras_adapters_and_every_request_finishes(tmp_pa
             assert (index < 0) == (lora is None)
             if lora is not None:
                 assert named[index] == (lora.identity, lora.path)
-        update = sched.update(out, worker.execute(wire), worker.last_accepted, worker.last_pooled)
-        for seq, _ in update.tokens:
-            if seq.num_output_tokens >= seq.request.sampling.max_tokens:
-                sched.finish(seq, FinishReason.LENGTH)
+        sched.update(out, worker.execute(wire), worker.last_accepted, worker.last_pooled)
     assert most == 2  # two adapters did share steps
     assert all(r.is_finished for r in reqs)
 
@@ -178,8 +172,6 @@ def test_kv_events_say_which_adapter_a_stored_block_belongs_to(tmp_path):
         while sched.has_work:
             update = worker.step(sched, sched.schedule())
             events += update.kv_events
-            for seq, _ in update.tokens:
-                sched.finish(seq, FinishReason.LENGTH)
     stored = [e for e in events if e[0] == "stored"]
     assert [e[4] if len(e) > 4 else None for e in stored] == [a.event_id] * 2 + [None] * 2
     assert stored[0][2] is None and stored[0][1] != stored[2][1]  # same tokens, other hashes

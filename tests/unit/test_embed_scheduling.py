@@ -53,9 +53,7 @@ def run_overlapped(sched, worker, arrivals, max_steps=2000):
                 outs.append(out)
         if len(inflight) == 2 or (inflight and not sched.has_work) or (inflight and out.is_empty):
             done, tokens, accepted, pooled = inflight.popleft()
-            for seq, _ in sched.update(done, tokens, accepted, pooled).tokens:
-                if seq.num_output_tokens >= seq.request.sampling.max_tokens:
-                    sched.finish(seq, FinishReason.LENGTH)
+            sched.update(done, tokens, accepted, pooled)
             sched.pacer.observe(done.num_decodes, done.num_embed_tokens,
                                 done.num_prefill_tokens - done.num_embed_tokens, step_seconds(done))
         sched.check_invariants()

@@ -6,7 +6,7 @@ import random
 
 from protos.codec import TIER_DISK, TIER_HOST
 from scheduler_service.core.kv_tiers import KvTiers
-from scheduler_service.core.sequence import FinishReason, Request, SamplingOptions
+from scheduler_service.core.sequence import Request, SamplingOptions
 from tests.support.simulated import Pipeline, drain, expected, make, step
 
 BS = 4
@@ -131,20 +131,16 @@ def test_two_prompts_needing_the_same_blocks_load_them_once():
 def test_loads_under_overlap_give_exact_answers():
     sched, worker = make(20, BS, budget=64, tiers=tiers(host=40, disk=100))
     got = {}
-
-    def on_token(seq, token):
-        if seq.num_output_tokens >= seq.request.sampling.max_tokens:
-            sched.finish(seq, FinishReason.LENGTH)
-
-    pipe = Pipeline(sched, worker, overlap=True, on_token=on_token)
+    pipe = Pipeline(sched, worker, overlap=True)
     for reqs in conversations(n_docs=5, turns=3, seed=4):
         for r in reqs:
-            sched.add_request(r)
+            pipe.submit(r)
             got[r.request_id] = r
             for _ in range(3):
                 pipe.step()
         while pipe.busy:
             pipe.step()
+    pipe.close()
     assert worker.num_loaded > 0
     for r in got.values():
         assert r.seqs[0].output_token_ids == expected(r, r.seqs[0]), r.request_id

@@ -89,24 +89,12 @@ def test_each_service_shows_its_layers():
         assert not loose, f"{pkg}/ top level: main.py and options.py beside the layers, not {sorted(loose)}"
 
 
-def _runtime_imports(tree: ast.Module):
-    """Imports that run: those under `if TYPE_CHECKING:` only name a type and make no cycle."""
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and ast.unparse(node.test) == "TYPE_CHECKING" for n in ast.walk(node)}
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            yield node.lineno, node.module, [alias.name for alias in node.names]
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name, None
-
-
 def _graph() -> dict[str, set[str]]:
+    """Who imports whom, imports under `if TYPE_CHECKING:` included: a type named both ways is a cycle of
+    the design even where no import runs."""
     edges = defaultdict(set)
     for name, tree in MODULES.items():
-        for _, mod, names in _runtime_imports(tree):
+        for _, mod, names in _imports(tree):
             if mod in MODULES and mod != name:
                 edges[name].add(mod)
             for n in names or ():

@@ -142,17 +142,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         # slots and blocks given back
         self.sched, self.worker = make(num_blocks, block_size, budget, caching, chunked, max_seqs=8,
                                        window=window, speculative=speculative)
-        self.pipe = Pipeline(self.sched, self.worker, overlap, self.on_token)
+        self.pipe = Pipeline(self.sched, self.worker, overlap)
         self.prefixes = [[(i * 37 + j * 11) % 997 + 1 for j in range(3 * block_size + i)] for i in range(3)]
         self.requests = []
         self.ids = 0
-
-    def on_token(self, seq, token):
-        assert not seq.is_finished
-        if token in seq.request.sampling.stop_token_ids:
-            self.sched.finish(seq, FinishReason.STOP)
-        elif seq.num_output_tokens >= seq.request.sampling.max_tokens:
-            self.sched.finish(seq, FinishReason.LENGTH)
 
     @rule(prefix=st.integers(0, 2), extra=st.lists(st.integers(1, 999), max_size=6),
           max_tokens=st.integers(1, 10), n=st.integers(1, 3), sampled=st.booleans(),
@@ -167,7 +160,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         params = SamplingOptions(max_tokens=max_tokens, n=n, temperature=1.0 if sampled else 0.0,
                                  seed=self.ids, stop_token_ids=tuple(stops))
         req = Request(f"q{self.ids}", prompt, params)
-        self.sched.add_request(req)
+        self.pipe.submit(req)
         self.requests.append(req)
 
     @precondition(lambda self: self.pipe.busy)
@@ -182,7 +175,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 1000))
     def abort(self, pick):
         ids = sorted(self.sched.requests)
-        self.sched.abort_request(ids[pick % len(ids)])
+        self.pipe.abort(ids[pick % len(ids)])
 
     @invariant()
     def accounting_holds(self):
@@ -194,6 +187,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             assert self.pipe.step(), "work left but nothing scheduled"
         assert not self.pipe.busy, "did not finish"
+        self.pipe.close()
         assert self.sched.allocator.num_available_blocks == self.sched.num_blocks, "a block leaked"
         assert not self.sched.requests
         for req in self.requests:

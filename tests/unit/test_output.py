@@ -2,6 +2,7 @@
 
 import pytest
 
+from scheduler_service.core.results import stop_at
 from scheduler_service.core.sequence import FinishReason, Request, SamplingOptions, Sequence
 from scheduler_service.text.output import SampleOutput
 from scheduler_service.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -12,16 +13,30 @@ def tok(tiny_model_dir):
     return Tokenizer(tiny_model_dir)
 
 
+def sample(prompt, **params):
+    """A sample as the scheduler holds it: its stop ids are its own and (unless ignored) end-of-sequence 2."""
+    request = Request("r", prompt, SamplingOptions(max_tokens=params.pop("max_tokens", 100), **params))
+    request.stop_ids = frozenset(request.sampling.stop_token_ids) | (
+        frozenset() if request.sampling.ignore_eos else {2})
+    return Sequence(0, request, 0)
+
+
+def feed(seq, out, token):
+    """One token as a step brings it: the scheduler's stop check (core/results.py), then the text's."""
+    _, reason = stop_at(seq, (token,), max_model_len=512)
+    seq.token_ids.append(token)
+    if reason is not None:
+        seq.finish(reason)
+    return out.add_token(token)
+
+
 def run(tok, text_out, **params):
     ids = tok.encode(text_out, add_special_tokens=False)
-    request = Request("r", tok.encode("prompt here", add_special_tokens=False),
-                      SamplingOptions(max_tokens=params.pop("max_tokens", 100), **params))
-    seq = Sequence(0, request, 0)
-    out = SampleOutput(tok, seq, eos_token_ids=(2,), max_context=512)
+    seq = sample(tok.encode("prompt here", add_special_tokens=False), **params)
+    out = SampleOutput(tok, seq)
     deltas = []
     for t in ids:
-        seq.token_ids.append(t)
-        delta, reason = out.add_token(t)
+        delta, reason = feed(seq, out, t)
         deltas.append(delta)
         if reason:
             return deltas, reason, out
@@ -110,16 +125,10 @@ def test_stop_token_id_is_kept_in_tokens(tok):
 
 
 def test_eos_stops_unless_ignored(tok):
-    request = Request("r", [5], SamplingOptions(max_tokens=10))
-    seq = Sequence(0, request, 0)
-    out = SampleOutput(tok, seq, eos_token_ids=(2,), max_context=512)
-    seq.token_ids.append(2)
-    assert out.add_token(2)[1] is FinishReason.STOP
-    request = Request("r", [5], SamplingOptions(max_tokens=10, ignore_eos=True))
-    seq = Sequence(0, request, 0)
-    out = SampleOutput(tok, seq, eos_token_ids=(2,), max_context=512)
-    seq.token_ids.append(2)
-    assert out.add_token(2)[1] is None
+    seq = sample([5], max_tokens=10)
+    assert feed(seq, SampleOutput(tok, seq), 2)[1] is FinishReason.STOP
+    seq = sample([5], max_tokens=10, ignore_eos=True)
+    assert feed(seq, SampleOutput(tok, seq), 2)[1] is None
 
 
 def test_max_tokens_is_length(tok):
@@ -134,11 +143,8 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_sample(tok):
     ids = tok.encode(" fox jumps", add_special_tokens=False)
     deltas, _, _ = run(tok, "the quick brown fox jumps", stop_token_ids=(ids[0],))
     assert deltas[-1].stop_reason == ids[0]
-    request = Request("r", [5], SamplingOptions(max_tokens=10))  # end of sequence: no stop_reason
-    seq = Sequence(0, request, 0)
-    out = SampleOutput(tok, seq, eos_token_ids=(2,), max_context=512)
-    seq.token_ids.append(2)
-    delta, reason = out.add_token(2)
+    seq = sample([5], max_tokens=10)  # end of sequence: no stop_reason
+    delta, reason = feed(seq, SampleOutput(tok, seq), 2)
     assert reason is FinishReason.STOP and delta.stop_reason is None
     deltas, reason, _ = run(tok, "the quick brown fox", max_tokens=2)
     assert reason is FinishReason.LENGTH and deltas[-1].stop_reason is None

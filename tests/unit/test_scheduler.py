@@ -27,9 +27,7 @@ def run_to_completion(sched, worker, arrivals, max_steps=10_000):
         sched.check_invariants()
         assert not out.is_empty, "a step with work to do scheduled nothing"
         assert out.num_tokens <= sched.config.max_num_batched_tokens
-        for seq, _ in worker.step(sched, out).tokens:
-            if seq.num_output_tokens >= seq.request.sampling.max_tokens:
-                sched.finish(seq, FinishReason.LENGTH)
+        worker.step(sched, out)
         trace.append((len(sched.running), len(sched.waiting)))
     return trace
 
