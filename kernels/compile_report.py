@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from protos import env
+from protos.base import env
 
 
 def _jit_functions():

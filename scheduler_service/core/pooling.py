@@ -127,13 +127,14 @@ def checkpoint_has_head(folder: str | Path) -> bool:
 
 
 def take_pooled(out, pooled: np.ndarray | None) -> list:
-    """A step's result for its embedding rows (`out.embed_rows`): each pooling row's vector added to its
+    """A step's result for its embedding rows (`out.read.embed_rows`): each pooling row's vector added to its
     sequence's (a mean's chunks sum; the last or first token's comes once). Returns the sequences whose last
     chunk this was, their vectors finished (the scheduler then ends them). A sequence preempted since the
     step was planned is left alone: it pools again from its next admission (its `pooling.sum` starts over)."""
     done = []
-    at = np.flatnonzero(out.pooling).tolist() if out.pooling is not None else []
-    for i in np.flatnonzero(out.embed_rows).tolist():
+    read = out.read
+    at = np.flatnonzero(read.pooling).tolist() if read.pooling is not None else []
+    for i in np.flatnonzero(read.embed_rows).tolist():
         item = out.scheduled[i]
         seq = item.seq
         if seq.epoch != item.epoch or not seq.is_running:

@@ -150,7 +150,7 @@ class Queues:
         result = StepUpdate()
         for i, (item, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
             self._apply_row(item, token, accepted[i] if accepted is not None else 0, result)
-        if out.embed_rows is not None:  # embeddings: their pooled states, and those finished
+        if out.read.embed_rows is not None:  # embeddings: their pooled states, and those finished
             result.embedded = take_pooled(out, pooled)
             for seq in result.embedded:
                 self.finish(seq, FinishReason.STOP)

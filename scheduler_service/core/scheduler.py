@@ -176,9 +176,12 @@ class Scheduler(Queues):
     def build_plan(self, out: SchedulerOutput) -> PlanArrays:
         """The step's plan arrays (scheduler_service/core/plan.py), with the KV tiers' work decided since the
         last one."""
-        plan = self.planner.build(out) if out.scheduled else PlanArrays.empty(out.step_id)
+        if out.scheduled:
+            plan, out.read = self.planner.build(out)
+        else:
+            plan = PlanArrays.empty(out.step_id)
         if self.kv.tiers is not None:
-            plan.kv = out.kv_ops = self.kv.tiers.take_ops()
+            plan.kv = out.read.kv_ops = self.kv.tiers.take_ops()
         return plan
 
     def observe(self, out: SchedulerOutput, seconds: float, tier_seconds: float) -> None:
@@ -186,7 +189,7 @@ class Scheduler(Queues):
         other_prefill = out.num_prefill_tokens - out.num_embed_tokens
         self.pacer.observe(out.num_decodes, out.num_embed_tokens, other_prefill, seconds)
         if self.kv.tiers is not None:
-            self.kv.tiers.observe(out.kv_ops, tier_seconds, out.num_prefill_tokens, seconds)
+            self.kv.tiers.observe(out.read.kv_ops, tier_seconds, out.num_prefill_tokens, seconds)
 
     # --- memory ----------------------------------------------------------------------------------
     def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int],

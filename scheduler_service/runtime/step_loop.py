@@ -268,9 +268,10 @@ class StepLoop:
             accepted = decode_accepted(result, len(out.scheduled))
             accepted = accepted.tolist() if accepted is not None else None
             logprobs = read_logprobs(out, result)
-            pooled = (decode_pooled(result, int(np.count_nonzero(out.pooling)), self.hidden_size)
-                      if out.pooling is not None else None)
-            failed = decode_load_failed(result, len(out.kv_ops.loads) if out.kv_ops is not None else 0)
+            read = out.read
+            pooled = (decode_pooled(result, int(np.count_nonzero(read.pooling)), self.hidden_size)
+                      if read.pooling is not None else None)
+            failed = decode_load_failed(result, len(read.kv_ops.loads) if read.kv_ops is not None else 0)
         except WorkerLost as e:
             await self.sink.on_lost(self, str(e))
             return False
@@ -352,11 +353,12 @@ class StepLoop:
         """Compute the masks of a step sent with mask_follows from its matchers as they are now and send them,
         after its plan and before any later plan. Called once the step before it is applied; if that step
         failed, its requests were ended and whatever this step draws for them is dropped."""
-        if flight.out.deferred_masks is None or flight.masks_sent:
+        masks = flight.out.read.deferred_masks
+        if masks is None or flight.masks_sent:
             return
         flight.masks_sent = True
         t0 = time.perf_counter()
-        mask = encode_mask(flight.out.step_id, flight.out.deferred_masks.fill())
+        mask = encode_mask(flight.out.step_id, masks.fill())
         self.profile.masks += time.perf_counter() - t0
         await flight.sent.wait()
         await self.client.send_mask(self.index, mask)

@@ -166,7 +166,7 @@ def test_the_server_log_ends_start_up_with_where_it_serves_and_how_to_try_it(ser
 
 
 def test_logs_are_console_lines_on_a_terminal_and_json_when_asked():
-    code = ("import structlog; from protos.logs import configure_logging; import sys;"
+    code = ("import structlog; from protos.base.logs import configure_logging; import sys;"
             "configure_logging('info', 'probe', sys.argv[1]);"
             "structlog.get_logger('t').info('hello_event', request_id='r-1', n=3)")
     console = plain(in_terminal([sys.executable, "-c", code, "auto"], seconds=30))
@@ -281,7 +281,7 @@ def test_a_second_start_of_a_model_finds_what_the_first_measured(server_factory,
     """The matmul library is timed at the first start and read back at the second (a warm start)."""
     import shutil
 
-    from protos import env
+    from protos.base import env
 
     kernels = env.cache_dir() / "kernels"
     if kernels.is_dir():  # the native build is kept, as on any second start

@@ -104,7 +104,7 @@ class Sent:
     (ValueError("an ordinary bug in one step"), False),
 ])
 def test_a_device_error_makes_the_worker_report_and_exit(error, exits):
-    from protos import EXIT_FAILED
+    from protos.base import EXIT_FAILED
     from worker.serve.step_server import WorkerServer
 
     server = WorkerServer("tcp://127.0.0.1:1", FailingRunner(error), wire_pb2.Handshake(tp_rank=0, tp_size=1))
@@ -194,7 +194,7 @@ def test_a_plan_whose_masks_follow_answers_the_step_before_it_first():
     (ValueError("no finite logits"), False),
 ])
 def test_a_step_that_fails_when_read_back_is_reported(error, exits):
-    from protos import EXIT_FAILED
+    from protos.base import EXIT_FAILED
     from worker.serve.step_server import WorkerServer
 
     server = WorkerServer("tcp://127.0.0.1:1", PipelinedRunner(fail_finish=error),

@@ -247,7 +247,7 @@ def test_gpu_pool_sizing_arithmetic():
 
 
 def test_kv_memory_budget_parsing():
-    from protos.argtypes import parse_bytes
+    from protos.base.argtypes import parse_bytes
 
     assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("1000") == 1000

@@ -45,7 +45,7 @@ def test_the_worker_exits_2_at_start_naming_the_field(tmp_path, capsys, name, ov
     import structlog
 
     import worker.serve.main as worker_main
-    from protos import EXIT_CONFIG
+    from protos.base import EXIT_CONFIG
 
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **overrides}))
     try:

@@ -71,7 +71,7 @@ def test_a_long_input_pools_per_chunk_and_finishes_with_its_blocks_back(pooling,
     prompt = list(range(3, 43))  # 40 tokens: chunks of 16, 16, 8
     request = embed_request("e", prompt, pooling)
     outs = run_overlapped(sched, worker, {0: [request]})
-    pooled = [int(o.pooling[0]) if o.pooling is not None else 0 for o in outs]
+    pooled = [int(o.read.pooling[0]) if o.read.pooling is not None else 0 for o in outs]
     assert pooled == kinds
     assert not any(s.do_sample for o in outs for s in o.scheduled), "an embedding samples nothing"
     seq = request.seqs[0]

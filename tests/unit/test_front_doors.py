@@ -15,7 +15,7 @@ from deploy.client import rpc_failure
 from deploy.fleet import build_parser as fleet_parser
 from deploy.fleet import scheduler_program, summary
 from deploy.launcher import warn_if_oversubscribed
-from protos import ConfigError
+from protos.base import ConfigError
 from scheduler_service import main as scheduler_main
 from scheduler_service.core.config import ModelSpec
 

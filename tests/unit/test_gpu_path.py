@@ -52,7 +52,7 @@ def test_a_cpu_only_torch_on_a_host_with_an_nvidia_gpu_refuses_to_start(monkeypa
     """Serving on the CPU by accident, hundreds of times slower, with no word: refused with what to do."""
     import worker.serve.main as worker_main
     import worker.serve.startup
-    from protos import EXIT_CONFIG
+    from protos.base import EXIT_CONFIG
 
     if torch.cuda.is_available():
         pytest.skip("torch sees the GPU here")

@@ -16,7 +16,7 @@ log = structlog.get_logger("worker.serve.main")
 def tier_store(cfg: WorkerConfig, loaded, pool):
     """The KV tiers' bytes under the pool (--kv-offload-size, --kv-offload-dir), or a refusal that says why
     they cannot be."""
-    from protos.argtypes import parse_bytes
+    from protos.base.argtypes import parse_bytes
     from worker.model.kv_tiers import BlockBytes, DiskTier, KvTierStore, layout_key, weights_identity
 
     size = BlockBytes(pool).size
