@@ -35,7 +35,9 @@ class ScheduledSeq:
     num_new_tokens: int
     do_sample: bool
     epoch: int  # the sequence's epoch when scheduled: its blocks are still these while the epochs agree
-    prev_row: int = -1  # >= 0: the last input token is the one the previous step samples in this row
+    prev_row: int = (
+        -1
+    )  # >= 0: the last input token is the one the previous step samples in this row
     draft: tuple[int, ...] = ()  # drafted tokens after the known last one, verified by this step
 
 
@@ -47,13 +49,19 @@ class SchedulerOutput:
     step_id: int
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
+    block_copies: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (src, dst), run before the forward
     draft_seconds: float = 0.0  # speculative decoding: seconds spent drafting (part of schedule)
-    num_decodes: int = 0  # sequences decoding (scheduler_service/core/pacing.py paces embeddings beside them)
+    num_decodes: int = (
+        0  # sequences decoding (scheduler_service/core/pacing.py paces embeddings beside them)
+    )
     embed_room: int = 0  # embedding prompt tokens this step may still take
     num_embed_tokens: int = 0
     loads: bool = False  # it moves blocks to or from the KV tiers (a step, even without rows)
-    read: ReadBack = field(default_factory=ReadBack)  # what its plan asked of the result (build_plan)
+    read: ReadBack = field(
+        default_factory=ReadBack
+    )  # what its plan asked of the result (build_plan)
 
     @property
     def num_tokens(self) -> int:
@@ -76,10 +84,14 @@ class StepUpdate:
     tokens: list[tuple[Sequence, int]] = field(default_factory=list)
     embedded: list[Sequence] = field(default_factory=list)
     kv_events: list[tuple] = field(default_factory=list)
-    num_draft_rows: int = 0  # rows that verified a draft, the tokens they drafted, and how many stood
+    num_draft_rows: int = (
+        0  # rows that verified a draft, the tokens they drafted, and how many stood
+    )
     num_drafted: int = 0
     num_accepted: int = 0
     num_running: int = 0
     num_waiting: int = 0
     num_free_blocks: int = 0
-    kv_tiers: TierStats | None = None  # the KV tiers' figures after it (core/kv_tiers.py KvTiers.stats)
+    kv_tiers: TierStats | None = (
+        None  # the KV tiers' figures after it (core/kv_tiers.py KvTiers.stats)
+    )

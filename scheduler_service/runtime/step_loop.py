@@ -28,7 +28,12 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import FinishReason, Request
 from scheduler_service.core.stats import PoolStats
 from scheduler_service.runtime.step_results import StepProfile, StepReport, read_logprobs
-from scheduler_service.runtime.worker_client import WorkerClient, WorkerError, WorkerGroup, WorkerLost
+from scheduler_service.runtime.worker_client import (
+    WorkerClient,
+    WorkerError,
+    WorkerGroup,
+    WorkerLost,
+)
 from scheduler_service.text.output import Delta, SampleOutput, TokenLogprob
 
 log = structlog.get_logger("scheduler.replica")
@@ -192,10 +197,7 @@ class StepLoop:
         log.info("step_profile", replica=self.index, **self.profile.as_dict(), final=True)
         if self._task:
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+            await asyncio.gather(self._task, return_exceptions=True)  # (cancelled, or failed: it is done)
 
     def wake(self) -> None:
         self._wake.set()
