@@ -115,8 +115,9 @@ test-sanitize: setup  ## native kernel tests under AddressSanitizer + UndefinedB
 test-e2e: setup  ## end-to-end tests only (real processes)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-lint: setup  ## ruff over every package
+lint: setup  ## ruff check over every package, and ruff format (line length 100) where adopted
 	$(PY) -m ruff check protos scheduler_service worker kernels deploy tests
+	$(PY) -m ruff format --check protos scheduler_service worker kernels deploy tests
 
 # Fixed CPU workload of ../shared/bench against a server it starts, and transformers static batching, same run.
 bench: setup  ## the shared CPU workload against transformers, same run

@@ -36,8 +36,8 @@ from deploy.client import (
     rpc_failure,
     text_or_file,
 )
-from protos import EXIT_CONFIG, ConfigError, env
-from protos.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range, int_range
+from protos.base import EXIT_CONFIG, ConfigError, env
+from protos.base.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range, int_range
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from protos.logs import human_bytes
+from protos.base.logs import human_bytes
 
 # Colours of the pool's parts, in the bar and the legend.
 COLORS = {"held": "red", "shared": "magenta", "cached": "yellow", "free": "green"}

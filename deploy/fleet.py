@@ -32,9 +32,9 @@ from deploy.launcher import passthrough, worker_units
 from deploy.prepare_model import model_folder
 from deploy.processes import read_port_file
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
-from protos import EXIT_CONFIG, ConfigError
-from protos.argtypes import PORT, Parser
-from protos.logs import configure_logging
+from protos.base import EXIT_CONFIG, ConfigError
+from protos.base.argtypes import PORT, Parser
+from protos.base.logs import configure_logging
 from scheduler_service.options import DEFAULT_HTTP_PORT, add_scheduler_args, check_model_folder
 from worker.serve.main import add_worker_args
 

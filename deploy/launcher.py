@@ -21,9 +21,9 @@ import structlog
 
 from deploy.prepare_model import model_folder
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
-from protos import EXIT_CONFIG, ConfigError
-from protos.argtypes import Parser
-from protos.logs import configure_logging
+from protos.base import EXIT_CONFIG, ConfigError
+from protos.base.argtypes import Parser
+from protos.base.logs import configure_logging
 from scheduler_service.main import serve
 from scheduler_service.options import add_scheduler_args
 from worker.serve.main import add_worker_args

@@ -17,8 +17,8 @@ import struct
 import sys
 from pathlib import Path
 
-from protos import ConfigError, env
-from protos.argtypes import Parser
+from protos.base import ConfigError, env
+from protos.base.argtypes import Parser
 from worker.weights.gguf_header import find_embedded_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import structlog
 
-from protos import EXIT_CONFIG
+from protos.base import EXIT_CONFIG
 
 log = structlog.get_logger("supervisor")
 

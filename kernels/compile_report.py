@@ -20,11 +20,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from protos import env
+from protos.base import env
 
 
 def _jit_functions():
-    from kernels import triton_attention, triton_elementwise, triton_lora, triton_moe, triton_sampling
+    from kernels import (
+        triton_attention,
+        triton_elementwise,
+        triton_lora,
+        triton_moe,
+        triton_sampling,
+    )
 
     out = {}
     for module in (triton_attention, triton_elementwise, triton_sampling, triton_moe, triton_lora):

@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from protos import env
+from protos.base import env
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
 

@@ -17,7 +17,7 @@ import structlog
 import torch
 
 from kernels.cpu_build import SOURCE_DIR, build
-from protos import env
+from protos.base import env
 
 log = structlog.get_logger("kernels.cpu_native")
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import structlog
 
-from protos import EXIT_CONFIG, ConfigError
-from protos.argtypes import Parser
-from protos.logs import configure_logging, human_bytes
+from protos.base import EXIT_CONFIG, ConfigError
+from protos.base.argtypes import Parser
+from protos.base.logs import configure_logging, human_bytes
 from scheduler_service.api.http_server import HttpServer, bind
 from scheduler_service.core.config import ModelSpec, SchedulerConfig
 from scheduler_service.core.pooling import PoolingConfigError

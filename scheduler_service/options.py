@@ -7,10 +7,15 @@ import argparse
 import json
 from pathlib import Path
 
-from protos import ConfigError, env
-from protos.argtypes import COUNT, PORT, PORT_OR_ANY, POSITIVE, SECONDS, float_range, int_range
-from protos.logs import LOG_FORMATS
-from scheduler_service.core.adapters import AdapterError, AdapterRegistry, BaseShapes, parse_module_flag
+from protos.base import ConfigError, env
+from protos.base.argtypes import COUNT, PORT, PORT_OR_ANY, POSITIVE, SECONDS, float_range, int_range
+from protos.base.logs import LOG_FORMATS
+from scheduler_service.core.adapters import (
+    AdapterError,
+    AdapterRegistry,
+    BaseShapes,
+    parse_module_flag,
+)
 from scheduler_service.core.config import TASKS, SchedulerConfig
 from scheduler_service.core.pooling import POOLINGS
 

@@ -20,12 +20,16 @@ def pytest_collection_modifyitems(config, items):
     there."""
     if INTERPRETED:
         return
-    skip = pytest.mark.skip(reason="the triton backend on host tensors needs TRITON_INTERPRET=1; on this GPU "
-                                   "machine the kernel and CUDA tests cover it")
+    skip = pytest.mark.skip(
+        reason="the triton backend on host tensors needs TRITON_INTERPRET=1; on this GPU "
+        "machine the kernel and CUDA tests cover it"
+    )
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if "triton" in (params.get("backend"), params.get("backend_name")) and item.module.__name__ in (
-                "tests.models.test_model", "tests.kernels.test_attention"):
+        if "triton" in (
+            params.get("backend"),
+            params.get("backend_name"),
+        ) and item.module.__name__ in ("tests.models.test_model", "tests.kernels.test_attention"):
             item.add_marker(skip)
 
 
@@ -55,8 +59,16 @@ def server_factory(tmp_path_factory):
                 extra += ["--kv-cache-memory", "1GiB"]
         elif not sized:
             extra += ["--kv-cache-memory", "64MiB"]
-        server = ServerProcess(model_dir, log, "--debug-invariants", "--expose-request-ids", "--threads", "1",
-                               *extra, *args).start()
+        server = ServerProcess(
+            model_dir,
+            log,
+            "--debug-invariants",
+            "--expose-request-ids",
+            "--threads",
+            "1",
+            *extra,
+            *args,
+        ).start()
         started.append(server)
         return server
 

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from protos.logs import configure_logging
+    from protos.base.logs import configure_logging
     from worker.serve.host_memory import ensure_allocator, resolve_mode
 
     flags = shlex.split(args.flags)

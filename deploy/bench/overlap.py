@@ -186,7 +186,7 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
 def bench(args) -> int:
     import asyncio
 
-    from protos.logs import configure_logging
+    from protos.base.logs import configure_logging
 
     configure_logging("warning", "simulate")
 

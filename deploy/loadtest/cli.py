@@ -41,7 +41,7 @@ from deploy.loadtest.report import compare, parse_slo, plot, summarize, table
 from deploy.loadtest.run import Run, Settings
 from deploy.loadtest.targets import GrpcTarget, OpenAITarget
 from deploy.loadtest.workload import Item, load_dataset, synthetic
-from protos.argtypes import Parser
+from protos.base.argtypes import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:

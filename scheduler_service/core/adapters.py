@@ -22,8 +22,10 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # the projections LoRA may change, as Hugging Face names them; Phi-3's fused names included
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
 MLP = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
-                  r"\.lora_([AB])\.weight$")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+    r"\.lora_([AB])\.weight$"
+)
 
 
 class AdapterError(ValueError):
@@ -47,15 +49,29 @@ class BaseShapes:
         hidden, heads = text["hidden_size"], text["num_attention_heads"]
         head_dim = text.get("head_dim") or hidden // heads
         moe = bool(text.get("num_experts") or text.get("num_local_experts"))
-        return cls(text["num_hidden_layers"], hidden, heads * head_dim,
-                   text.get("num_key_value_heads", heads) * head_dim, text.get("intermediate_size", 0), moe)
+        return cls(
+            text["num_hidden_layers"],
+            hidden,
+            heads * head_dim,
+            text.get("num_key_value_heads", heads) * head_dim,
+            text.get("intermediate_size", 0),
+            moe,
+        )
 
     def shape(self, module: str) -> tuple[int, int]:
         """(out, in) of a projection."""
         h, q, kv, i = self.hidden, self.q_size, self.kv_size, self.intermediate
-        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-                "qkv_proj": (q + 2 * kv, h), "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
-                "gate_up_proj": (2 * i, h)}[module]
+        return {
+            "q_proj": (q, h),
+            "k_proj": (kv, h),
+            "v_proj": (kv, h),
+            "o_proj": (h, q),
+            "qkv_proj": (q + 2 * kv, h),
+            "gate_proj": (i, h),
+            "up_proj": (i, h),
+            "down_proj": (h, i),
+            "gate_up_proj": (2 * i, h),
+        }[module]
 
 
 @dataclass(frozen=True)
@@ -97,26 +113,38 @@ def safetensors_header(path: Path) -> dict:
     return header
 
 
-def read_adapter(name: str, path: str | Path, base: BaseShapes, max_rank: int | None = None) -> Adapter:
+def read_adapter(
+    name: str, path: str | Path, base: BaseShapes, max_rank: int | None = None
+) -> Adapter:
     # one function: every check of a PEFT folder, each with the message that names it
     """The adapter in a PEFT folder, or AdapterError naming what stops it being served as meant."""
     folder = Path(path).expanduser()
     what = f"LoRA adapter {name!r} ({folder})"
     if not (folder / CONFIG_FILE).is_file():
-        raise AdapterError(f"{what}: no {CONFIG_FILE} there (a PEFT adapter folder has it and "
-                           f"{WEIGHTS_FILE})")
+        raise AdapterError(
+            f"{what}: no {CONFIG_FILE} there (a PEFT adapter folder has it and {WEIGHTS_FILE})"
+        )
     if not (folder / WEIGHTS_FILE).is_file():
-        raise AdapterError(f"{what}: no {WEIGHTS_FILE} there (save it with PEFT's save_pretrained, "
-                           "safe_serialization on)")
+        raise AdapterError(
+            f"{what}: no {WEIGHTS_FILE} there (save it with PEFT's save_pretrained, "
+            "safe_serialization on)"
+        )
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except ValueError as e:
         raise AdapterError(f"{what}: {CONFIG_FILE} is not JSON ({e})") from None
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise AdapterError(f"{what}: peft_type {config.get('peft_type')!r} is not served (LoRA only)")
-    refused = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (whole modules trained beside LoRA)",
-               "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern",
-               "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)", "layers_pattern": None}
+        raise AdapterError(
+            f"{what}: peft_type {config.get('peft_type')!r} is not served (LoRA only)"
+        )
+    refused = {
+        "use_dora": "DoRA",
+        "modules_to_save": "modules_to_save (whole modules trained beside LoRA)",
+        "rank_pattern": "rank_pattern",
+        "alpha_pattern": "alpha_pattern",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)",
+        "layers_pattern": None,
+    }
     for key, label in refused.items():
         if label and config.get(key):
             raise AdapterError(f"{what}: {label} is not served")
@@ -132,31 +160,43 @@ def read_adapter(name: str, path: str | Path, base: BaseShapes, max_rank: int | 
         m = _KEY.match(key)
         if m is None:
             module = key.split(".lora_")[0].rsplit(".", 1)[-1] if ".lora_" in key else key
-            raise AdapterError(f"{what}: {module} is not served (LoRA on q/k/v/o/gate/up/down projections "
-                               f"only; found {key})")
+            raise AdapterError(
+                f"{what}: {module} is not served (LoRA on q/k/v/o/gate/up/down projections "
+                f"only; found {key})"
+            )
         layer, part, module, ab = int(m[1]), m[2], m[3], m[4]
         if module not in (ATTENTION if part == "self_attn" else MLP):
-            raise AdapterError(f"{what}: {part}.{module} is not served (LoRA on q/k/v/o/gate/up/down "
-                               "projections only)")
+            raise AdapterError(
+                f"{what}: {part}.{module} is not served (LoRA on q/k/v/o/gate/up/down "
+                "projections only)"
+            )
         if layer >= base.num_layers:
-            raise AdapterError(f"{what}: it changes layer {layer}; the base model has {base.num_layers} "
-                               "(an adapter of another base model)")
+            raise AdapterError(
+                f"{what}: it changes layer {layer}; the base model has {base.num_layers} "
+                "(an adapter of another base model)"
+            )
         if part == "mlp" and base.moe:
-            raise AdapterError(f"{what}: LoRA on a mixture of experts' MLP ({module}) is not served")
+            raise AdapterError(
+                f"{what}: LoRA on a mixture of experts' MLP ({module}) is not served"
+            )
         out, inp = base.shape(module)
         want = [rank, inp] if ab == "A" else [out, rank]
         if list(meta.get("shape", ())) != want:
-            raise AdapterError(f"{what}: layer {layer} {module}.lora_{ab} is {meta.get('shape')}, this base "
-                               f"model needs {want} (an adapter of another base model, or r in its config "
-                               "does not match its weights)")
+            raise AdapterError(
+                f"{what}: layer {layer} {module}.lora_{ab} is {meta.get('shape')}, this base "
+                f"model needs {want} (an adapter of another base model, or r in its config "
+                "does not match its weights)"
+            )
         targets.setdefault(module, {}).setdefault(layer, set()).add(ab)
     if not targets:
         raise AdapterError(f"{what}: {WEIGHTS_FILE} holds no LoRA weights")
     for module, layers in targets.items():
         for layer, halves in layers.items():
             if halves != {"A", "B"}:
-                raise AdapterError(f"{what}: layer {layer} {module} has lora_{''.join(halves)} without its "
-                                   "other half")
+                raise AdapterError(
+                    f"{what}: layer {layer} {module} has lora_{''.join(halves)} without its "
+                    "other half"
+                )
     return Adapter(name, str(folder.resolve()), lora_identity(folder), rank, tuple(sorted(targets)))
 
 
@@ -188,7 +228,9 @@ class AdapterRegistry:
 
     def load(self, name: str, path: str, replace: bool = False) -> Adapter:
         if not name or name in self.base_names:
-            raise AdapterError(f"LoRA adapter name {name!r} is {'empty' if not name else 'the base model'}")
+            raise AdapterError(
+                f"LoRA adapter name {name!r} is {'empty' if not name else 'the base model'}"
+            )
         if name in self.adapters and not replace:
             raise AdapterError(f"a LoRA adapter named {name!r} is loaded already")
         a = read_adapter(name, path, self.base, self.max_rank)

@@ -6,10 +6,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from protos.codec import TierOps
-from scheduler_service.core.plan import DeferredMasks
+from scheduler_service.core.plan import ReadBack
 from scheduler_service.core.sequence import Request, Sequence
 from scheduler_service.core.stats import TierStats
 
@@ -38,34 +35,33 @@ class ScheduledSeq:
     num_new_tokens: int
     do_sample: bool
     epoch: int  # the sequence's epoch when scheduled: its blocks are still these while the epochs agree
-    prev_row: int = -1  # >= 0: the last input token is the one the previous step samples in this row
+    prev_row: int = (
+        -1
+    )  # >= 0: the last input token is the one the previous step samples in this row
     draft: tuple[int, ...] = ()  # drafted tokens after the known last one, verified by this step
 
 
 @dataclass
 class SchedulerOutput:
-    """One scheduled step: its rows, what it preempted and copies, and what its plan added for reading the
-    result back."""
+    """One scheduled step, as the scheduler decided it: its rows, what it preempted and copies, the counts
+    that pace embeddings; and what its plan asked of the result."""
 
     step_id: int
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run before the forward
-    # Set by the plan when rows asked for logprobs: the plan's per-row K (-1 none), and for prompt logprobs
-    # (K per row, positions per row); the result's arrays are decoded with them.
-    logprobs_k: np.ndarray | None = None
-    prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None
-    deferred_masks: DeferredMasks | None = None
+    block_copies: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (src, dst), run before the forward
     draft_seconds: float = 0.0  # speculative decoding: seconds spent drafting (part of schedule)
-    # Embeddings: the rows' pooling kinds (set where an embedding runs), the plan's pooling (where a row pools
-    # this step).
-    embed_rows: np.ndarray | None = None
-    pooling: np.ndarray | None = None
-    num_decodes: int = 0  # sequences decoding (scheduler_service/core/pacing.py paces embeddings beside them)
+    num_decodes: int = (
+        0  # sequences decoding (scheduler_service/core/pacing.py paces embeddings beside them)
+    )
     embed_room: int = 0  # embedding prompt tokens this step may still take
     num_embed_tokens: int = 0
     loads: bool = False  # it moves blocks to or from the KV tiers (a step, even without rows)
-    kv_ops: TierOps | None = None  # its KV-tier work, set by the plan
+    read: ReadBack = field(
+        default_factory=ReadBack
+    )  # what its plan asked of the result (build_plan)
 
     @property
     def num_tokens(self) -> int:
@@ -88,10 +84,14 @@ class StepUpdate:
     tokens: list[tuple[Sequence, int]] = field(default_factory=list)
     embedded: list[Sequence] = field(default_factory=list)
     kv_events: list[tuple] = field(default_factory=list)
-    num_draft_rows: int = 0  # rows that verified a draft, the tokens they drafted, and how many stood
+    num_draft_rows: int = (
+        0  # rows that verified a draft, the tokens they drafted, and how many stood
+    )
     num_drafted: int = 0
     num_accepted: int = 0
     num_running: int = 0
     num_waiting: int = 0
     num_free_blocks: int = 0
-    kv_tiers: TierStats | None = None  # the KV tiers' figures after it (core/kv_tiers.py KvTiers.stats)
+    kv_tiers: TierStats | None = (
+        None  # the KV tiers' figures after it (core/kv_tiers.py KvTiers.stats)
+    )

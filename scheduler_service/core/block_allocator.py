@@ -29,14 +29,18 @@ def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("the pool needs at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
-        self._cached: OrderedDict[int, None] = OrderedDict()  # LRU of cached-free blocks, oldest first
+        self._cached: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # LRU of cached-free blocks, oldest first
         self._refcount = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._block_of: dict[bytes, int] = {}
@@ -107,7 +111,9 @@ class BlockAllocator:
         if num_blocks < 0:
             raise ValueError("cannot allocate a negative number of blocks")
         if not self.can_allocate(num_blocks):
-            raise OutOfBlocks(f"asked for {num_blocks} blocks, {self.num_available_blocks} available")
+            raise OutOfBlocks(
+                f"asked for {num_blocks} blocks, {self.num_available_blocks} available"
+            )
         blocks = []
         for _ in range(num_blocks):
             if self._free:
@@ -150,8 +156,14 @@ class BlockAllocator:
                 else:
                     self._free.append(b)
 
-    def register(self, block_id: int, h: bytes, parent: bytes | None = None, tokens=(),
-                 lora: int | None = None) -> None:
+    def register(
+        self,
+        block_id: int,
+        h: bytes,
+        parent: bytes | None = None,
+        tokens=(),
+        lora: int | None = None,
+    ) -> None:
         """Mark a referenced, full, computed block as holding the prefix with hash h. When another block
         already holds that prefix (computed at the same time), the first one stays the cached copy.
         parent and tokens (the previous block's hash and this block's token ids) go to event subscribers, and
@@ -164,7 +176,9 @@ class BlockAllocator:
             self._block_of[h] = block_id
             self._hash_of[block_id] = h
             if self.events is not None:
-                self.events.append(("stored", h, parent, list(tokens)) + (() if lora is None else (lora,)))
+                self.events.append(
+                    ("stored", h, parent, list(tokens)) + (() if lora is None else (lora,))
+                )
             if self.tiers is not None:
                 self.tiers.registered(block_id, h)
 

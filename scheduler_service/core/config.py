@@ -35,8 +35,13 @@ class ModelSpec:
         return "generate" if self.pooling is None else "both" if self.generates else "embed"
 
     @classmethod
-    def from_folder(cls, folder: str | Path, max_model_len: int | None = None, task: str = "auto",
-                    pooling: str | None = None) -> ModelSpec:
+    def from_folder(
+        cls,
+        folder: str | Path,
+        max_model_len: int | None = None,
+        task: str = "auto",
+        pooling: str | None = None,
+    ) -> ModelSpec:
         """task: "auto" embeds a folder with sentence-transformers' files and generates otherwise; "embed"
         serves any decoder as an embedding model (`pooling`, last token unless said, normalized; the folder's
         own where it has them), "both" generates and embeds with one model (in the same steps), "generate"
@@ -58,21 +63,7 @@ class ModelSpec:
         if max_model_len is not None:
             context = min(context, max_model_len)
         hidden = int(config.get("hidden_size", 0))
-        spec = PoolingSpec.from_folder(folder) if task != "generate" else None
-        generates = task in ("generate", "both") or (task == "auto" and spec is None)
-        if generates and not config.get("tie_word_embeddings") and not checkpoint_has_head(folder):
-            raise PoolingConfigError(f"{folder}: the checkpoint has no language-model head (lm_head.weight): "
-                                     "it can only embed (--task embed)")
-        if spec is None and task in ("embed", "both"):
-            spec = PoolingSpec(pooling=pooling or "last", normalize=True, dimension=hidden)
-        elif spec is None and pooling:
-            raise PoolingConfigError("--pooling applies to an embedding model: give --task embed (or both)")
-        elif spec is not None:
-            spec = replace(spec, dimension=spec.dimension or hidden,
-                           **({"pooling": pooling, "source": "--pooling"} if pooling else {}))
-            if spec.dimension != hidden:
-                raise PoolingConfigError(f"{spec.source}: word_embedding_dimension {spec.dimension} is not "
-                                         f"the model's hidden size {hidden}")
+        spec, generates = _embedding(folder, config, task, pooling, hidden)
         return cls(
             name=meta.get("model_name") or config.get("_name_or_path") or folder.name,
             vocab_size=int(config["vocab_size"]),
@@ -82,9 +73,43 @@ class ModelSpec:
             hidden_size=hidden,
             pooling=spec,
             generates=generates,
-            sampling_defaults={k: generation[k] for k in SAMPLING_DEFAULTS
-                               if isinstance(generation.get(k), (int, float))},
+            sampling_defaults={
+                k: generation[k]
+                for k in SAMPLING_DEFAULTS
+                if isinstance(generation.get(k), (int, float))
+            },
         )
+
+
+def _embedding(
+    folder: Path, config: dict, task: str, pooling: str | None, hidden: int
+) -> tuple[PoolingSpec | None, bool]:
+    """How the folder embeds (None: it does not) under `task`, and whether it generates."""
+    spec = PoolingSpec.from_folder(folder) if task != "generate" else None
+    generates = task in ("generate", "both") or (task == "auto" and spec is None)
+    if generates and not config.get("tie_word_embeddings") and not checkpoint_has_head(folder):
+        raise PoolingConfigError(
+            f"{folder}: the checkpoint has no language-model head (lm_head.weight): "
+            "it can only embed (--task embed)"
+        )
+    if spec is None and task in ("embed", "both"):
+        return PoolingSpec(pooling=pooling or "last", normalize=True, dimension=hidden), generates
+    if spec is None and pooling:
+        raise PoolingConfigError(
+            "--pooling applies to an embedding model: give --task embed (or both)"
+        )
+    if spec is not None:
+        spec = replace(
+            spec,
+            dimension=spec.dimension or hidden,
+            **({"pooling": pooling, "source": "--pooling"} if pooling else {}),
+        )
+        if spec.dimension != hidden:
+            raise PoolingConfigError(
+                f"{spec.source}: word_embedding_dimension {spec.dimension} is not "
+                f"the model's hidden size {hidden}"
+            )
+    return spec, generates
 
 
 @dataclass(frozen=True)
@@ -148,4 +173,6 @@ class SchedulerConfig:
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be at least max_num_seqs (one decode token each)")
+            raise ValueError(
+                "max_num_batched_tokens must be at least max_num_seqs (one decode token each)"
+            )

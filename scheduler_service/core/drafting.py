@@ -18,10 +18,14 @@ class NgramIndex:
 
     def __init__(self, min_n: int = 1, max_n: int = 3) -> None:
         if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n} and {max_n}")
+            raise ValueError(
+                f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n} and {max_n}"
+            )
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
-        self._next: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest one is
+        self._next: dict[
+            tuple[int, ...], int
+        ] = {}  # n-gram -> where the token after its latest one is
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -33,7 +37,9 @@ class NgramIndex:
     def append(self, token: int) -> None:
         toks, end = self.tokens, len(self.tokens)
         for n in range(self.min_n, min(self.max_n, end) + 1):
-            self._next[tuple(toks[end - n:end])] = end  # the n-gram ending here is followed by `token`
+            self._next[tuple(toks[end - n : end])] = (
+                end  # the n-gram ending here is followed by `token`
+            )
         toks.append(token)
 
     def propose(self, k: int) -> list[int]:
@@ -47,9 +53,9 @@ class NgramIndex:
         if k <= 0:
             return 0, []
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
-            at = self._next.get(tuple(toks[end - n:]))
+            at = self._next.get(tuple(toks[end - n :]))
             if at is not None:
-                return n, toks[at:at + k]
+                return n, toks[at : at + k]
         return 0, []
 
 
@@ -58,7 +64,9 @@ class SharedNgrams:
     every sequence of a replica, least recently used first out past `max_entries`: what a sequence's own
     tokens cannot propose, a request seen before may (a template, a repeated document, a common answer)."""
 
-    def __init__(self, max_entries: int = 200_000, min_n: int = 2, max_n: int = 8, span: int = 10) -> None:
+    def __init__(
+        self, max_entries: int = 200_000, min_n: int = 2, max_n: int = 8, span: int = 10
+    ) -> None:
         if max_entries < 1 or span < 1 or not 1 <= min_n <= max_n:
             raise ValueError("max_entries and span must be positive, and 1 <= min_n <= max_n")
         self.max_entries, self.min_n, self.max_n, self.span = max_entries, min_n, max_n, span
@@ -71,9 +79,9 @@ class SharedNgrams:
         """Remember what followed every n-gram of `tokens` (a finished sequence's prompt and output)."""
         follow = self._follow
         for end in range(self.min_n, len(tokens)):
-            after = tuple(tokens[end:end + self.span])
+            after = tuple(tokens[end : end + self.span])
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                key = tuple(tokens[end - n:end])
+                key = tuple(tokens[end - n : end])
                 follow[key] = after
                 follow.move_to_end(key)
         while len(follow) > self.max_entries:
@@ -89,7 +97,7 @@ class SharedNgrams:
         if k <= 0:
             return 0, []
         for n in range(min(self.max_n, len(tokens)), max(self.min_n, longer_than + 1) - 1, -1):
-            key = tuple(tokens[len(tokens) - n:])
+            key = tuple(tokens[len(tokens) - n :])
             after = self._follow.get(key)
             if after is not None:
                 self._follow.move_to_end(key)
@@ -113,11 +121,15 @@ class DraftLength:
     `threshold`), and tries again as that rate drifts back while it drafts none: text with nothing to copy
     then decodes as without drafts, while long matches (a copy under way) always draft."""
 
-    def __init__(self, max_k: int, threshold: float = 0.2, decay: float = 0.85, short: int = 2) -> None:
+    def __init__(
+        self, max_k: int, threshold: float = 0.2, decay: float = 0.85, short: int = 2
+    ) -> None:
         if max_k < 1 or not 0.0 <= threshold < 1.0 or not 0.0 < decay < 1.0 or short < 0:
             raise ValueError("max_k >= 1, 0 <= threshold < 1, 0 < decay < 1 and short >= 0")
         self.max_k, self.threshold, self.decay, self.short = max_k, threshold, decay, short
-        self.short_rate = 0.5  # of short drafts whose first token stood (no evidence yet: worth a try)
+        self.short_rate = (
+            0.5  # of short drafts whose first token stood (no evidence yet: worth a try)
+        )
 
     def for_match(self, n: int) -> int:
         """Tokens to draft after a suffix match of n tokens (0: decode one token the plain way)."""
@@ -129,7 +141,9 @@ class DraftLength:
         """A step made no short draft for a match of n tokens it gated: the rate creeps back towards the
         threshold, so the sequence tries again after a while."""
         if 0 < n <= self.short and self.short_rate < self.threshold:
-            self.short_rate = self.decay * self.short_rate + (1 - self.decay) * self.threshold * 1.01
+            self.short_rate = (
+                self.decay * self.short_rate + (1 - self.decay) * self.threshold * 1.01
+            )
 
     def record(self, n: int, drafted: int, accepted: int) -> None:
         """A verification of `drafted` tokens made after a match of n tokens: `accepted` of them stood."""
@@ -194,11 +208,19 @@ def propose_draft(seq, drafter: SequenceDrafter, budget: int, max_model_len: int
     params = seq.request.sampling
     if seq.num_output_tokens < params.min_tokens:
         return []
-    room = min(budget - 1, params.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1)
+    room = min(
+        budget - 1,
+        params.max_tokens - seq.num_output_tokens - 1,
+        max_model_len - seq.num_tokens - 1,
+    )
     if room <= 0:
         return []
     draft = drafter.propose(room)
-    if draft and seq.matcher is not None:  # only what the grammar allows (its masks follow the draft)
-        draft = [] if seq.matcher.is_stopped() or seq.matcher.is_error() else \
-            draft[:seq.matcher.validate_tokens(draft)]
+    # only what the grammar allows (its masks follow the draft)
+    if draft and seq.matcher is not None:
+        draft = (
+            []
+            if seq.matcher.is_stopped() or seq.matcher.is_error()
+            else draft[: seq.matcher.validate_tokens(draft)]
+        )
     return draft

@@ -24,8 +24,9 @@ class BlockCopy(NamedTuple):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 kv_window: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, kv_window: int = 0
+    ) -> None:
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
         self.caching = enable_prefix_caching
@@ -67,7 +68,8 @@ class KVCacheManager:
         if not self.caching or seq.num_computed_tokens or seq.block_ids:
             return False
         request = seq.request
-        if request.sampling.prompt_logprobs is not None:  # every prompt position's logits are needed
+        # every prompt position's logits are needed
+        if request.sampling.prompt_logprobs is not None:
             return False
         return request.embed is None or request.embed.spec.prefix_cacheable  # a mean reads them all
 
@@ -85,26 +87,42 @@ class KVCacheManager:
         if not hashes or tiers.wait_for(seq.seq_id, hashes[0]):
             return bool(hashes)
         revived = sum(1 for b in hits if self.allocator.is_cached_free(b))
-        room = self.allocator.num_available_blocks - revived - 1  # a block left for what is computed
-        found = tiers.find(hashes)[:max(room, 0)]
+        room = (
+            self.allocator.num_available_blocks - revived - 1
+        )  # a block left for what is computed
+        found = tiers.find(hashes)[: max(room, 0)]
         if not found or not tiers.worth_loading(found, seq.request.request_id):
             return False
         tiers.touch(found)  # blocks this allocation evicts to the host tier do not push these out
-        self.allocator.share(hits)  # nor are the pool's blocks of the prefix evicted for the fresh ones
+        self.allocator.share(
+            hits
+        )  # nor are the pool's blocks of the prefix evicted for the fresh ones
         blocks = self.allocator.allocate(len(found))
         self.allocator.free(hits[::-1])
-        still = tiers.find([h for h, _, _ in found])  # (a tier smaller than the run loses its oldest)
-        keep = next((i for i, (a, b) in enumerate(zip(found, still, strict=False)) if a != b), len(still))
+        still = tiers.find(
+            [h for h, _, _ in found]
+        )  # (a tier smaller than the run loses its oldest)
+        keep = next(
+            (i for i, (a, b) in enumerate(zip(found, still, strict=False)) if a != b), len(still)
+        )
         if keep < len(found):
             self.allocator.free(blocks[keep:][::-1])
             blocks, found = blocks[:keep], found[:keep]
             if not found:
                 return False
         first, lora = len(hits), seq.request.lora
-        loads = [Load(b, h, tier, seq.block_hash(first + i - 1, bs) if first + i else None,
-                      seq.token_ids[(first + i) * bs:(first + i + 1) * bs],
-                      lora.event_id if lora is not None else None, tiers.epoch)
-                 for i, (b, (h, tier, _)) in enumerate(zip(blocks, found, strict=True))]
+        loads = [
+            Load(
+                b,
+                h,
+                tier,
+                seq.block_hash(first + i - 1, bs) if first + i else None,
+                seq.token_ids[(first + i) * bs : (first + i + 1) * bs],
+                lora.event_id if lora is not None else None,
+                tiers.epoch,
+            )
+            for i, (b, (h, tier, _)) in enumerate(zip(blocks, found, strict=True))
+        ]
         tiers.start(step_id, seq.seq_id, loads, [slot for _, _, slot in found])
         return True
 
@@ -126,7 +144,9 @@ class KVCacheManager:
         need = self.blocks_for_tokens(num_cached + num_new) - len(hits)
         # a cached prefix longer than every sliding window: its blocks before the window stay in the cache
         skip = self.out_of_window(seq, num_cached) if hits else 0
-        revived = sum(1 for b in hits[skip:] if self.allocator.is_cached_free(b))  # hits that leave the LRU
+        revived = sum(
+            1 for b in hits[skip:] if self.allocator.is_cached_free(b)
+        )  # hits that leave the LRU
         if not self.allocator.can_allocate(need + revived):
             return False
         self.allocator.share(hits[skip:])
@@ -147,7 +167,7 @@ class KVCacheManager:
             seq.block_ids = list(prompt_blocks)
             seq.mirror.stale()
             seq.num_dropped_blocks = min(leader.num_dropped_blocks, len(prompt_blocks))
-            seq.dropped_ids = leader.dropped_ids[:seq.num_dropped_blocks]
+            seq.dropped_ids = leader.dropped_ids[: seq.num_dropped_blocks]
             seq.num_computed_tokens = prompt_len - 1
             seq.num_registered_blocks = (prompt_len - 1) // self.block_size
 
@@ -165,18 +185,27 @@ class KVCacheManager:
         place: shared with another sequence, or holding a cached prefix."""
         first = seq.num_computed_tokens // self.block_size
         last = min(len(seq.block_ids), self.blocks_for_tokens(seq.num_computed_tokens + num_tokens))
-        return [i for i in range(first, last)
-                if self.allocator.refcount(seq.block_ids[i]) > 1
-                or self.allocator.is_hashed(seq.block_ids[i])]
+        return [
+            i
+            for i in range(first, last)
+            if self.allocator.refcount(seq.block_ids[i]) > 1
+            or self.allocator.is_hashed(seq.block_ids[i])
+        ]
 
-    def allocate_slots(self, seq: Sequence, num_new: int, lookahead: int = 0) -> list[BlockCopy] | None:
+    def allocate_slots(
+        self, seq: Sequence, num_new: int, lookahead: int = 0
+    ) -> list[BlockCopy] | None:
         """Make seq's table hold num_new more tokens, and `lookahead` beyond them (slots a step may write and
         then give up): grow it, and copy each block those tokens would write that is not seq's own alone.
         Returns the copies, each a table entry rewritten, or None, changing nothing, when the pool cannot
         hold them."""
         num_tokens = num_new + lookahead
         copies = self._writes_need_copy(seq, num_tokens)
-        need = self.blocks_for_tokens(seq.num_computed_tokens + num_tokens) - len(seq.block_ids) + len(copies)
+        need = (
+            self.blocks_for_tokens(seq.num_computed_tokens + num_tokens)
+            - len(seq.block_ids)
+            + len(copies)
+        )
         if not self.allocator.can_allocate(need):
             return None
         fresh = self.allocator.allocate(need)
@@ -216,14 +245,18 @@ class KVCacheManager:
         full = computed // self.block_size
         events = self.allocator.events is not None
         for i in range(seq.num_registered_blocks, full):
-            if seq.block_ids[i] < 0:  # given back before its step was confirmed (drop_out_of_window)
+            # given back before its step was confirmed (drop_out_of_window)
+            if seq.block_ids[i] < 0:
                 continue
             if events:  # subscribers see each block's parent, tokens and adapter
                 lora = seq.request.lora
-                self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size),
-                                        seq.block_hash(i - 1, self.block_size) if i else None,
-                                        seq.token_ids[i * self.block_size:(i + 1) * self.block_size],
-                                        lora.event_id if lora is not None else None)
+                self.allocator.register(
+                    seq.block_ids[i],
+                    seq.block_hash(i, self.block_size),
+                    seq.block_hash(i - 1, self.block_size) if i else None,
+                    seq.token_ids[i * self.block_size : (i + 1) * self.block_size],
+                    lora.event_id if lora is not None else None,
+                )
             else:
                 self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
@@ -255,7 +288,9 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (only unreferenced blocks are cached), the tiers' too; how many were
         forgotten."""
-        return self.allocator.reset_prefix_cache() + (self.tiers.clear() if self.tiers is not None else 0)
+        return self.allocator.reset_prefix_cache() + (
+            self.tiers.clear() if self.tiers is not None else 0
+        )
 
     # --- sliding windows -------------------------------------------------------------------------
     def out_of_window(self, seq: Sequence, start: int) -> int:
@@ -330,14 +365,17 @@ class KVCacheManager:
                     owned[b] = owned.get(b, 0) + 1
             if len(seq.block_ids) < self.blocks_for_tokens(seq.num_computed_tokens):
                 raise AssertionError(f"{seq} holds too few blocks for its computed tokens")
-            if any(b < 0 for b in seq.block_ids[seq.num_dropped_blocks:]) or \
-                    any(b >= 0 for b in seq.block_ids[:seq.num_dropped_blocks]):
-                raise AssertionError(f"{seq}: given-back blocks are not exactly its first "
-                                     f"{seq.num_dropped_blocks}")
+            if any(b < 0 for b in seq.block_ids[seq.num_dropped_blocks :]) or any(
+                b >= 0 for b in seq.block_ids[: seq.num_dropped_blocks]
+            ):
+                raise AssertionError(
+                    f"{seq}: given-back blocks are not exactly its first {seq.num_dropped_blocks}"
+                )
         for seq in waiting:
             if seq.block_ids or seq.num_computed_tokens:
                 raise AssertionError(f"waiting {seq} holds blocks")
         for b in range(self.num_blocks):
             if owned.get(b, 0) != self.allocator.refcount(b):
-                raise AssertionError(f"block {b}: refcount {self.allocator.refcount(b)}, owners "
-                                     f"{owned.get(b, 0)}")
+                raise AssertionError(
+                    f"block {b}: refcount {self.allocator.refcount(b)}, owners {owned.get(b, 0)}"
+                )

@@ -83,8 +83,14 @@ class Load:
 
 
 class KvTiers:
-    def __init__(self, host_blocks: int, disk_blocks: int, disk_hashes: list[bytes], bytes_per_block: int,
-                 block_size: int) -> None:
+    def __init__(
+        self,
+        host_blocks: int,
+        disk_blocks: int,
+        disk_hashes: list[bytes],
+        bytes_per_block: int,
+        block_size: int,
+    ) -> None:
         self.host = TierIndex(TIER_HOST, host_blocks, True) if host_blocks else None
         self.disk = TierIndex(TIER_DISK, disk_blocks, False) if disk_blocks else None
         self.bytes_per_block, self.block_size = bytes_per_block, block_size
@@ -96,14 +102,17 @@ class KvTiers:
         self.inflight: dict[int, list[Load]] = {}  # by step id: the loads it carries
         self._waiting_on: dict[int, int] = {}  # sequence id -> the step loading its next blocks
         self._loading: dict[bytes, int] = {}  # block hash -> the step loading it
-        self._epoch = 0  # moves on when every tier is cleared: loads planned before then are dropped
+        self._epoch = (
+            0  # moves on when every tier is cleared: loads planned before then are dropped
+        )
         self.loaded = {TIER_HOST: 0, TIER_DISK: 0}  # blocks loaded back, by tier
         self.stored = {TIER_HOST: 0, TIER_DISK: 0}  # blocks written down, by tier
         self.load_failures = 0
         self.seconds = 0.0  # the workers' time on the tiers
         self.seconds_per_byte = dict(_START_SECONDS_PER_BYTE)
         self.seconds_per_token: float | None = None  # a prompt token's compute, measured
-        if self.disk is not None:  # what an earlier run left, oldest first; past the size, the oldest go
+        # what an earlier run left, oldest first; past the size, the oldest go
+        if self.disk is not None:
             for h in disk_hashes:
                 _, gone = self.disk.add(h)
                 self._drops.extend(gone)
@@ -160,7 +169,9 @@ class KvTiers:
         return True
 
     def holds(self, h: bytes) -> bool:
-        return (self.host is not None and h in self.host) or (self.disk is not None and h in self.disk)
+        return (self.host is not None and h in self.host) or (
+            self.disk is not None and h in self.disk
+        )
 
     def find(self, hashes: list[bytes]) -> list[tuple[bytes, int, int]]:
         """The leading run of these hashes held below the pool: (hash, tier, host slot or -1), the host
@@ -179,12 +190,21 @@ class KvTiers:
         """Whether reading these blocks back costs less than computing their tokens, by the measured cost of
         each (logged with the choice)."""
         load = sum(self.seconds_per_byte[tier] for _, tier, _ in found) * self.bytes_per_block
-        compute = (self.seconds_per_token * len(found) * self.block_size
-                   if self.seconds_per_token is not None else None)
+        compute = (
+            self.seconds_per_token * len(found) * self.block_size
+            if self.seconds_per_token is not None
+            else None
+        )
         worth = compute is None or load < compute
-        log.info("kv_tier_lookup", request_id=request_id, blocks=len(found), load_s=round(load, 4),
-                 compute_s=round(compute, 4) if compute is not None else None, load=worth,
-                 host=sum(1 for _, tier, _ in found if tier == TIER_HOST))
+        log.info(
+            "kv_tier_lookup",
+            request_id=request_id,
+            blocks=len(found),
+            load_s=round(load, 4),
+            compute_s=round(compute, 4) if compute is not None else None,
+            load=worth,
+            host=sum(1 for _, tier, _ in found if tier == TIER_HOST),
+        )
         return worth
 
     def touch(self, found: list[tuple[bytes, int, int]]) -> None:
@@ -241,19 +261,32 @@ class KvTiers:
         """This step's stores, loads and drops, in the order they were decided; None when there are none."""
         if not (self._stores or self._loads or self._drops):
             return None
-        ops = TierOps(np.asarray(self._stores, dtype=np.int32).reshape(-1, 3),
-                      np.asarray(self._loads, dtype=np.int32).reshape(-1, 3),
-                      self._store_hashes + self._load_hashes, self._drops)
-        self._stores, self._loads, self._store_hashes, self._load_hashes, self._drops = [], [], [], [], []
+        ops = TierOps(
+            np.asarray(self._stores, dtype=np.int32).reshape(-1, 3),
+            np.asarray(self._loads, dtype=np.int32).reshape(-1, 3),
+            self._store_hashes + self._load_hashes,
+            self._drops,
+        )
+        self._stores, self._loads, self._store_hashes, self._load_hashes, self._drops = (
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
         return ops
 
-    def observe(self, ops: TierOps | None, seconds: float, prefill_tokens: int, step_seconds: float) -> None:
+    def observe(
+        self, ops: TierOps | None, seconds: float, prefill_tokens: int, step_seconds: float
+    ) -> None:
         """A step's timings: the tiers' share per byte moved (into the tier most of its loads came from), a
         prompt token's compute where the step was mostly prompt."""
         self.seconds += seconds
         if ops is not None and len(ops.loads):
             tiers = ops.loads[:, 1]
-            tier = TIER_HOST if np.count_nonzero(tiers == TIER_HOST) * 2 >= len(tiers) else TIER_DISK
+            tier = (
+                TIER_HOST if np.count_nonzero(tiers == TIER_HOST) * 2 >= len(tiers) else TIER_DISK
+            )
             per_byte = seconds / ((len(ops.loads) + len(ops.stores)) * self.bytes_per_block)
             self.seconds_per_byte[tier] += _EWMA * (per_byte - self.seconds_per_byte[tier])
         if prefill_tokens >= self.block_size:
@@ -279,8 +312,12 @@ class KvTiers:
         return TierStats(
             host_blocks=len(host) if host is not None else 0,
             host_capacity=host.capacity if host is not None else 0,
-            host_loaded=self.loaded[TIER_HOST], host_stored=self.stored[TIER_HOST],
+            host_loaded=self.loaded[TIER_HOST],
+            host_stored=self.stored[TIER_HOST],
             disk_blocks=len(disk) if disk is not None else 0,
             disk_capacity=disk.capacity if disk is not None else 0,
-            disk_loaded=self.loaded[TIER_DISK], disk_stored=self.stored[TIER_DISK],
-            load_failures=self.load_failures, seconds=self.seconds)
+            disk_loaded=self.loaded[TIER_DISK],
+            disk_stored=self.stored[TIER_DISK],
+            load_failures=self.load_failures,
+            seconds=self.seconds,
+        )

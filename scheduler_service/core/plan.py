@@ -9,7 +9,7 @@ from typing import Protocol
 
 import numpy as np
 
-from protos.codec import F32, I32, I64, POOL_FIRST, POOL_LAST, POOL_SUM, U64, PlanArrays
+from protos.codec import F32, I32, I64, POOL_FIRST, POOL_LAST, POOL_SUM, U64, PlanArrays, TierOps
 
 _POOL_KINDS = {"last": POOL_LAST, "mean": POOL_SUM, "cls": POOL_FIRST}
 
@@ -17,7 +17,9 @@ _POOL_KINDS = {"last": POOL_LAST, "mean": POOL_SUM, "cls": POOL_FIRST}
 class MaskFiller(Protocol):
     """What fills structured-output masks (text/structured.py GrammarEngine)."""
 
-    def fill_masks(self, matchers: list, drafts: list[tuple[int, ...]] | None = None) -> np.ndarray: ...
+    def fill_masks(
+        self, matchers: list, drafts: list[tuple[int, ...]] | None = None
+    ) -> np.ndarray: ...
 
 
 @dataclass
@@ -31,6 +33,20 @@ class DeferredMasks:
 
     def fill(self) -> np.ndarray:
         return self.filler.fill_masks(self.matchers, self.drafts)
+
+
+@dataclass
+class ReadBack:
+    """What a step's plan asked of its result, kept to read it back: each row's logprob K (-1 none), prompt
+    logprobs (K per row, positions per row), masks that follow the plan, the embedding rows' pooling kinds
+    and the rows that pool this step, and the KV-tier work it carries."""
+
+    logprobs_k: np.ndarray | None = None
+    prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None
+    deferred_masks: DeferredMasks | None = None
+    embed_rows: np.ndarray | None = None
+    pooling: np.ndarray | None = None
+    kv_ops: TierOps | None = None
 
 
 class PlanBuilder:
@@ -65,7 +81,9 @@ class PlanBuilder:
         self.special = np.zeros(max_seqs, dtype=bool)
         # embeddings: how a row's sequence pools (0: it does not; POOL_LAST, POOL_SUM, POOL_FIRST)
         self.pool_kind = np.zeros(max_seqs, dtype=I32)
-        self.lora = np.full(max_seqs, -1, dtype=I64)  # the row's LoRA adapter's id (-1: the base model)
+        self.lora = np.full(
+            max_seqs, -1, dtype=I64
+        )  # the row's LoRA adapter's id (-1: the base model)
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self._owners: list = [None] * max_seqs  # the sequence each row mirrors
         self._filled = [0] * max_seqs  # entries written in each row (the rest are -1)
@@ -89,15 +107,21 @@ class PlanBuilder:
         self.prompt_len[row] = seq.prompt_len
         self.temperature[row], self.top_p[row] = params.temperature, params.top_p
         self.top_k[row], self.seed[row] = params.top_k, seq.sample_seed
-        self.repetition[row], self.presence[row] = params.repetition_penalty, params.presence_penalty
+        self.repetition[row], self.presence[row] = (
+            params.repetition_penalty,
+            params.presence_penalty,
+        )
         self.frequency[row], self.min_p[row] = params.frequency_penalty, params.min_p
         self.logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self.penalized[row] = params.is_penalized
         embed = seq.request.embed
         self.pool_kind[row] = 0 if embed is None else _POOL_KINDS[embed.spec.pooling]
         self.lora[row] = -1 if seq.request.lora is None else seq.request.lora.id
-        self.special[row] = (params.has_bias or seq.matcher is not None
-                             or (params.prompt_logprobs is not None and seq.index == 0))
+        self.special[row] = (
+            params.has_bias
+            or seq.matcher is not None
+            or (params.prompt_logprobs is not None and seq.index == 0)
+        )
         return row
 
     def _reclaim(self) -> None:
@@ -126,12 +150,17 @@ class PlanBuilder:
             if row >= 0 and self._owners[row] is seq:
                 b = seq.mirror.blocks
                 if self.tables[row, :b].tolist() != seq.block_ids[:b]:
-                    raise AssertionError(f"{seq}: the plan's row {row} no longer mirrors its page table")
+                    raise AssertionError(
+                        f"{seq}: the plan's row {row} no longer mirrors its page table"
+                    )
 
     # --- one step ----------------------------------------------------------------------------------
-    def build(self, out) -> PlanArrays:
+    def build(self, out) -> tuple[PlanArrays, ReadBack]:
         """The step's plan: its rows gathered from the sequences, then every per-token array vectorized."""
-        rows, starts, q_lens, do_sample, tokens, pending, max_blocks, drafts = self._gather(out.scheduled)
+        rows, starts, q_lens, do_sample, tokens, pending, max_blocks, drafts = self._gather(
+            out.scheduled
+        )
+        read = ReadBack()
         num_seqs, num_tokens = len(rows), len(tokens)
         tables = self.tables
         query_start_loc = np.zeros(num_seqs + 1, dtype=I32)
@@ -141,7 +170,9 @@ class PlanBuilder:
             positions, token_rows = starts, rows
         else:
             token_rows = np.repeat(rows, q_lens)
-            positions = np.arange(num_tokens, dtype=I64) - np.repeat(query_start_loc[:-1] - starts, q_lens)
+            positions = np.arange(num_tokens, dtype=I64) - np.repeat(
+                query_start_loc[:-1] - starts, q_lens
+            )
         bs = self.block_size
         slot_mapping = tables[token_rows, positions // bs].astype(I64) * bs + positions % bs
         prev_rows = None
@@ -172,23 +203,40 @@ class PlanBuilder:
             plan.num_draft = np.zeros(num_seqs, dtype=I32)
             at, counts = zip(*drafts, strict=True)
             plan.num_draft[list(at)] = counts
-        self._controls(out, plan, rows, starts, q_lens, do_sample)
+        self._controls(out.scheduled, plan, read, rows, starts, q_lens, do_sample)
+        self._adapters(out.scheduled, plan, rows)
+        self._pooling(plan, read, rows, starts, seq_lens)
+        return plan, read
+
+    def _pooling(self, plan: PlanArrays, read: ReadBack, rows, starts, seq_lens) -> None:
+        """Embedding rows: a mean sums every chunk; the last token pools in the last chunk, cls in the
+        first."""
+        kinds = self.pool_kind[rows]
+        if not kinds.any():
+            return
+        read.embed_rows = kinds
+        ends = seq_lens == self.prompt_len[rows]
+        at = (
+            (kinds == POOL_SUM)
+            | ((kinds == POOL_LAST) & ends)
+            | ((kinds == POOL_FIRST) & (starts == 0))
+        )
+        if at.any():
+            plan.pooling = read.pooling = np.where(at, kinds, 0).astype(I32)
+
+    def _adapters(self, scheduled, plan: PlanArrays, rows: np.ndarray) -> None:
+        """The step's LoRA adapters, each once, and every row's index into them (-1: the base model)."""
         lora = self.lora[rows]
-        if (lora >= 0).any():  # the step's adapters, each once, and every row's index into them
+        if (lora >= 0).any():
             ids, index = np.unique(lora, return_inverse=True)
             first = ids[0] < 0  # the base model's -1 sorts first
-            by_id = {item.seq.request.lora.id: item.seq.request.lora for item in out.scheduled
-                     if item.seq.request.lora is not None}
-            plan.loras = [(by_id[i].identity, by_id[i].path) for i in ids[int(first):].tolist()]
+            by_id = {
+                item.seq.request.lora.id: item.seq.request.lora
+                for item in scheduled
+                if item.seq.request.lora is not None
+            }
+            plan.loras = [(by_id[i].identity, by_id[i].path) for i in ids[int(first) :].tolist()]
             plan.lora_index = (index - int(first)).astype(I32)
-        kinds = self.pool_kind[rows]
-        if kinds.any():  # a mean sums every chunk; the last token pools in the last chunk, cls in the first
-            out.embed_rows = kinds
-            ends = seq_lens == self.prompt_len[rows]
-            at = (kinds == POOL_SUM) | ((kinds == POOL_LAST) & ends) | ((kinds == POOL_FIRST) & (starts == 0))
-            if at.any():
-                plan.pooling = out.pooling = np.where(at, kinds, 0).astype(I32)
-        return plan
 
     def _gather(self, scheduled):
         """One pass over the scheduled sequences: their rows, starts, new-token counts and sampling flags, the
@@ -232,8 +280,16 @@ class PlanBuilder:
             offset += q
         return rows, starts, q_lens, do_sample, tokens, pending, max_blocks, drafts
 
-    def _controls(self, out, plan: PlanArrays, rows: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
-                  do_sample: np.ndarray) -> None:
+    def _controls(
+        self,
+        scheduled,
+        plan: PlanArrays,
+        read: ReadBack,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        q_lens: np.ndarray,
+        do_sample: np.ndarray,
+    ) -> None:
         # one function: each control's arrays, in the order the wire lists them
         """The request-control arrays of the step's plan; `out` keeps what decoding its result needs."""
         if self.penalized[rows].any():
@@ -245,11 +301,10 @@ class PlanBuilder:
         lp = self.logprobs[rows]
         if (lp >= 0).any():
             plan.logprobs = np.where(do_sample, lp, -1).astype(I32)
-            out.logprobs_k = plan.logprobs
+            read.logprobs_k = plan.logprobs
         special = np.flatnonzero(self.special[rows])
         if special.size == 0:
             return
-        scheduled = out.scheduled
         num_seqs = len(scheduled)
         bias_rows: list[tuple[int, list[tuple[int, float]]]] = []
         matchers, mask_at, drafted, engine = [], [], [], None
@@ -289,17 +344,18 @@ class PlanBuilder:
             plan.bias_offsets = np.cumsum(offsets, dtype=I32)
             plan.bias_token_ids = np.asarray(ids, dtype=I32)
             plan.bias_values = np.asarray(values, dtype=F32)
-        if matchers:  # a drafting row's masks: its first position's, then one after each drafted token
+        # a drafting row's masks: its first position's, then one after each drafted token
+        if matchers:
             plan.mask_rows = np.full(num_seqs, -1, dtype=I32)
             plan.mask_rows[mask_at] = np.cumsum([0] + [1 + len(d) for d in drafted[:-1]], dtype=I32)
             if any(scheduled[i].prev_row >= 0 for i in mask_at):
                 # a row's last token is the one the step in flight samples: its matcher has not seen it yet,
                 # so the masks follow the plan once that step's result is in (runtime/step_loop.py)
                 plan.mask_follows = True
-                out.deferred_masks = DeferredMasks(engine, matchers, drafted)
+                read.deferred_masks = DeferredMasks(engine, matchers, drafted)
             else:
                 plan.token_bitmask = engine.fill_masks(matchers, drafted)
         if plp_k is not None:
             plan.prompt_logprobs, plan.prompt_logprob_counts = plp_k, plp_counts
             plan.prompt_logprob_targets = np.asarray(plp_targets, dtype=I32)
-            out.prompt_logprobs = (plp_k, plp_counts)
+            read.prompt_logprobs = (plp_k, plp_counts)

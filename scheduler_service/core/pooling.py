@@ -15,13 +15,21 @@ import numpy as np
 
 POOLINGS = ("last", "mean", "cls")
 # sentence-transformers' pooling config keys, and what each is here
-_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
-          "pooling_mode_cls_token": "cls"}
-_UNSERVED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
-                   "pooling_mode_weightedmean_tokens")
-_TRANSFORMER, _POOLING, _NORMALIZE = ("sentence_transformers.models.Transformer",
-                                      "sentence_transformers.models.Pooling",
-                                      "sentence_transformers.models.Normalize")
+_MODES = {
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+}
+_UNSERVED_MODES = (
+    "pooling_mode_max_tokens",
+    "pooling_mode_mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens",
+)
+_TRANSFORMER, _POOLING, _NORMALIZE = (
+    "sentence_transformers.models.Transformer",
+    "sentence_transformers.models.Pooling",
+    "sentence_transformers.models.Normalize",
+)
 
 
 class PoolingConfigError(ValueError):
@@ -43,7 +51,9 @@ class PoolingSpec:
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLINGS:
-            raise PoolingConfigError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+            raise PoolingConfigError(
+                f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}"
+            )
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -65,10 +75,14 @@ class PoolingSpec:
         types = [m.get("type", "") for m in modules]
         unserved = [t for t in types if t not in (_TRANSFORMER, _POOLING, _NORMALIZE)]
         if unserved:
-            raise PoolingConfigError(f"{modules_path}: modules {unserved} are not served (a Transformer, its "
-                                     "Pooling and a Normalize are)")
+            raise PoolingConfigError(
+                f"{modules_path}: modules {unserved} are not served (a Transformer, its "
+                "Pooling and a Normalize are)"
+            )
         if _POOLING not in types:
-            raise PoolingConfigError(f"{modules_path}: no Pooling module (how the hidden states pool)")
+            raise PoolingConfigError(
+                f"{modules_path}: no Pooling module (how the hidden states pool)"
+            )
         pool_dir = folder / next(m.get("path", "") for m in modules if m.get("type") == _POOLING)
         try:
             pool = json.loads((pool_dir / "config.json").read_text())
@@ -76,11 +90,15 @@ class PoolingSpec:
             raise PoolingConfigError(f"{pool_dir / 'config.json'}: {e}") from None
         asked = [k for k in (*_MODES, *_UNSERVED_MODES) if pool.get(k)]
         if len(asked) != 1 or asked[0] in _UNSERVED_MODES:
-            raise PoolingConfigError(f"{pool_dir / 'config.json'}: pooling {asked or 'none'}; one of "
-                                     f"{', '.join(_MODES)} is served")
+            raise PoolingConfigError(
+                f"{pool_dir / 'config.json'}: pooling {asked or 'none'}; one of "
+                f"{', '.join(_MODES)} is served"
+            )
         if pool.get("include_prompt") is False:
-            raise PoolingConfigError(f"{pool_dir / 'config.json'}: include_prompt false (pooling without the "
-                                     "instruction's tokens) is not served")
+            raise PoolingConfigError(
+                f"{pool_dir / 'config.json'}: include_prompt false (pooling without the "
+                "instruction's tokens) is not served"
+            )
         prompts, default = {}, None
         st_config = folder / "config_sentence_transformers.json"
         if st_config.exists():
@@ -91,15 +109,22 @@ class PoolingSpec:
             prompts = {str(k): str(v) for k, v in (st.get("prompts") or {}).items()}
             default = st.get("default_prompt_name")
             if default is not None and default not in prompts:
-                raise PoolingConfigError(f"{st_config}: default_prompt_name {default!r} is not one of its "
-                                         "prompts")
-        return cls(pooling=_MODES[asked[0]], normalize=_NORMALIZE in types,
-                   dimension=int(pool.get("word_embedding_dimension") or 0), prompts=prompts,
-                   default_prompt=default, source=str(modules_path))
+                raise PoolingConfigError(
+                    f"{st_config}: default_prompt_name {default!r} is not one of its prompts"
+                )
+        return cls(
+            pooling=_MODES[asked[0]],
+            normalize=_NORMALIZE in types,
+            dimension=int(pool.get("word_embedding_dimension") or 0),
+            prompts=prompts,
+            default_prompt=default,
+            source=str(modules_path),
+        )
 
 
-def embedding_vector(pooled: np.ndarray, num_tokens: int, spec: PoolingSpec,
-                  dimensions: int | None) -> np.ndarray:
+def embedding_vector(
+    pooled: np.ndarray, num_tokens: int, spec: PoolingSpec, dimensions: int | None
+) -> np.ndarray:
     """The embedding from what the worker pooled: a mean's sum divided by the tokens it summed, the first
     `dimensions` values kept (Matryoshka truncation), then scaled to unit length where the model normalizes
     (after truncating: a shortened vector is a unit vector too, as OpenAI's `dimensions` answers). fp32."""
@@ -127,13 +152,14 @@ def checkpoint_has_head(folder: str | Path) -> bool:
 
 
 def take_pooled(out, pooled: np.ndarray | None) -> list:
-    """A step's result for its embedding rows (`out.embed_rows`): each pooling row's vector added to its
+    """A step's result for its embedding rows (`out.read.embed_rows`): each pooling row's vector added to its
     sequence's (a mean's chunks sum; the last or first token's comes once). Returns the sequences whose last
     chunk this was, their vectors finished (the scheduler then ends them). A sequence preempted since the
     step was planned is left alone: it pools again from its next admission (its `pooling.sum` starts over)."""
     done = []
-    at = np.flatnonzero(out.pooling).tolist() if out.pooling is not None else []
-    for i in np.flatnonzero(out.embed_rows).tolist():
+    read = out.read
+    at = np.flatnonzero(read.pooling).tolist() if read.pooling is not None else []
+    for i in np.flatnonzero(read.embed_rows).tolist():
         item = out.scheduled[i]
         seq = item.seq
         if seq.epoch != item.epoch or not seq.is_running:
@@ -143,7 +169,8 @@ def take_pooled(out, pooled: np.ndarray | None) -> list:
             seq.pooling.sum = v.copy() if seq.pooling.sum is None else seq.pooling.sum + v
         if item.start + item.num_new_tokens == seq.prompt_len:
             embed = seq.request.embed
-            seq.pooling.vector = embedding_vector(seq.pooling.sum, seq.prompt_len, embed.spec,
-                                                  embed.dimensions)
+            seq.pooling.vector = embedding_vector(
+                seq.pooling.sum, seq.prompt_len, embed.spec, embed.dimensions
+            )
             done.append(seq)
     return done

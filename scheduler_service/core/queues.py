@@ -28,14 +28,23 @@ from scheduler_service.core.stats import PoolStats
 
 
 class Queues:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int, kv_window: int = 0,
-                 tiers: KvTiers | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        max_model_len: int,
+        kv_window: int = 0,
+        tiers: KvTiers | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
         """tiers: the KV tiers under the pool (host, disk), where the workers hold them; eos_token_ids: the
         model's, which end a sample unless it ignores them."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_window)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, kv_window
+        )
         if tiers is not None:
             self.kv.use_tiers(tiers)
         self.requests: dict[str, Request] = {}
@@ -44,8 +53,9 @@ class Queues:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found in cached blocks
-        self.planner = PlanBuilder(config.max_num_seqs, self.kv.blocks_for_tokens(max_model_len),
-                                   config.block_size)
+        self.planner = PlanBuilder(
+            config.max_num_seqs, self.kv.blocks_for_tokens(max_model_len), config.block_size
+        )
         # Speculative decoding: n-grams of finished requests, shared by every sequence here.
         self.speculating = config.speculative != "off"
         self.shared_ngrams = SharedNgrams() if self.speculating else None
@@ -66,7 +76,9 @@ class Queues:
     @property
     def has_work(self) -> bool:
         """Sequences to run, or KV-tier work no plan has carried yet."""
-        return bool(self.waiting or self.running) or (self.kv.tiers is not None and self.kv.tiers.has_ops)
+        return bool(self.waiting or self.running) or (
+            self.kv.tiers is not None and self.kv.tiers.has_ops
+        )
 
     # --- arrivals and ends -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -76,7 +88,8 @@ class Queues:
             make_sequences(request)
         params = request.sampling
         request.stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else self.eos_token_ids)
+            frozenset() if params.ignore_eos else self.eos_token_ids
+        )
         self.requests[request.request_id] = request
         self.waiting.append(request.seqs[0])
 
@@ -137,8 +150,14 @@ class Queues:
         out.preempted.append(seq)
 
     # --- a step's result ---------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[int], accepted: list[int] | None = None,
-               pooled: np.ndarray | None = None, failed_loads: set[int] = frozenset()) -> StepUpdate:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: list[int],
+        accepted: list[int] | None = None,
+        pooled: np.ndarray | None = None,
+        failed_loads: set[int] = frozenset(),
+    ) -> StepUpdate:
         # sampled: Python ints, one per scheduled row; accepted: drafted tokens each row accepted (None: the
         # step drafted nothing); pooled: fp32 [pooling rows, hidden]
         """Reconcile a step with its result: each row's tokens become known and a sequence that stops there
@@ -150,7 +169,7 @@ class Queues:
         result = StepUpdate()
         for i, (item, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
             self._apply_row(item, token, accepted[i] if accepted is not None else 0, result)
-        if out.embed_rows is not None:  # embeddings: their pooled states, and those finished
+        if out.read.embed_rows is not None:  # embeddings: their pooled states, and those finished
             result.embedded = take_pooled(out, pooled)
             for seq in result.embedded:
                 self.finish(seq, FinishReason.STOP)
@@ -215,11 +234,21 @@ class Queues:
     def pool_stats(self) -> PoolStats:
         """The pool's books now: blocks by state, queues, prefix-cache lookups, preemptions, tiers."""
         a = self.kv.allocator
-        return PoolStats(a.num_blocks, a.num_free_blocks, a.num_available_blocks, a.num_used_blocks,
-                         a.num_cached_blocks, a.num_shared_blocks, len(self.running), len(self.waiting),
-                         sum(s.num_uncomputed_tokens for s in self.waiting), self.prefix_cache_queries,
-                         self.prefix_cache_hits, self.num_preemptions,
-                         self.kv.tiers.stats() if self.kv.tiers is not None else None)
+        return PoolStats(
+            a.num_blocks,
+            a.num_free_blocks,
+            a.num_available_blocks,
+            a.num_used_blocks,
+            a.num_cached_blocks,
+            a.num_shared_blocks,
+            len(self.running),
+            len(self.waiting),
+            sum(s.num_uncomputed_tokens for s in self.waiting),
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.num_preemptions,
+            self.kv.tiers.stats() if self.kv.tiers is not None else None,
+        )
 
     def request_blocks(self, request: Request) -> int:
         """Distinct blocks a request holds (samples share their prompt's blocks)."""

@@ -21,7 +21,9 @@ def row_tokens(seq: Sequence, draft: tuple[int, ...], token: int, accepted: int)
     return tokens
 
 
-def stop_at(seq: Sequence, tokens: tuple[int, ...], max_model_len: int) -> tuple[int, FinishReason | None]:
+def stop_at(
+    seq: Sequence, tokens: tuple[int, ...], max_model_len: int
+) -> tuple[int, FinishReason | None]:
     """How many of `tokens` (new to seq, in order) it keeps, and why it ends after the last of them (None:
     it goes on). Before min_tokens no stop id counts; a grammar ends where row_tokens cut."""
     params = seq.request.sampling
@@ -29,7 +31,11 @@ def stop_at(seq: Sequence, tokens: tuple[int, ...], max_model_len: int) -> tuple
     length = min(params.max_tokens, max_model_len - seq.prompt_len)
     matcher = seq.matcher
     for n, t in enumerate(tokens, 1):
-        if n == len(tokens) and matcher is not None and (matcher.is_stopped() or matcher.is_error()):
+        if (
+            n == len(tokens)
+            and matcher is not None
+            and (matcher.is_stopped() or matcher.is_error())
+        ):
             return n, FinishReason.ERROR if matcher.is_error() else FinishReason.STOP
         if t in seq.request.stop_ids and done + n >= params.min_tokens:
             return n, FinishReason.STOP

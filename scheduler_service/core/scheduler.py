@@ -20,8 +20,15 @@ from scheduler_service.core.sequence import Sequence, SequenceStatus
 
 
 class Scheduler(Queues):
-    def __init__(self, config: SchedulerConfig, num_blocks: int, max_model_len: int, kv_window: int = 0,
-                 tiers: KvTiers | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        max_model_len: int,
+        kv_window: int = 0,
+        tiers: KvTiers | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
         super().__init__(config, num_blocks, max_model_len, kv_window, tiers, eos_token_ids)
         self._step_ids = itertools.count(1)
         self.pacer = EmbedPacer(config.embed_slowdown, config.max_num_batched_tokens)
@@ -50,11 +57,14 @@ class Scheduler(Queues):
                 decodes.append(s)
             elif left > 0:  # (an embedding's last prompt token too: it never decodes)
                 prefills.append(s)
-            elif s.request.embed is None:  # a draft in flight (its tokens count as computed until its result)
+            # a draft in flight (its tokens count as computed until its result)
+            elif s.request.embed is None:
                 drafting_now += 1
         # auto drafts only where a step would be small: a few decodes and no prompt to compute (a prompt
         # chunk fills the step, where each drafted row costs about what a plain step's row does)
-        small = len(decodes) <= self.config.speculative_max_rows and not prefills and not self.waiting
+        small = (
+            len(decodes) <= self.config.speculative_max_rows and not prefills and not self.waiting
+        )
         drafting = self.speculating and (self.config.speculative == "ngram" or small)
         for seq in decodes:
             if budget == 0:
@@ -62,7 +72,9 @@ class Scheduler(Queues):
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
                 continue
             drafter = self._drafter(seq) if drafting else None
-            if seq.pending.count and (self._at_limit(seq) or (drafter is not None and drafter.expects)):
+            if seq.pending.count and (
+                self._at_limit(seq) or (drafter is not None and drafter.expects)
+            ):
                 continue  # the step in flight samples its last token, or it drafts once that is known
             pos = seq.num_computed_tokens
             draft = []
@@ -70,11 +82,14 @@ class Scheduler(Queues):
                 t = time.perf_counter()
                 draft = propose_draft(seq, drafter, budget, self.max_model_len)
                 out.draft_seconds += time.perf_counter() - t
-            if not draft and kv.writes_in_place(seq, pos):  # fast path: into the sequence's own last block
+            # fast path: into the sequence's own last block
+            if not draft and kv.writes_in_place(seq, pos):
                 self._add(out, seq, 1, scheduled)
                 budget -= 1
                 continue
-            self.kv.drop_out_of_window(seq, pos)  # blocks behind the window go back before any is asked for
+            self.kv.drop_out_of_window(
+                seq, pos
+            )  # blocks behind the window go back before any is asked for
             if draft:  # a draft takes free blocks only: it never preempts anyone, or it is dropped
                 copies = kv.allocate_slots(seq, 1 + len(draft))
                 if copies is not None:
@@ -91,7 +106,9 @@ class Scheduler(Queues):
         out.num_decodes = len(decodes) + drafting_now
         plain = out.scheduled and not any(s.draft for s in out.scheduled)
         cap = self.config.embed_step_tokens or budget
-        out.embed_room = min(budget, cap) if not out.num_decodes else self.pacer.room(budget) if plain else 0
+        out.embed_room = (
+            min(budget, cap) if not out.num_decodes else self.pacer.room(budget) if plain else 0
+        )
         for seq in prefills:
             if budget == 0:
                 break
@@ -111,17 +128,26 @@ class Scheduler(Queues):
         in a step that preempted: the pool is short)."""
         kv = self.kv
         at = 0  # the queue's head, or past embeddings while a decoding step has no room for them
-        adapters = None  # the LoRA adapters of the running sequences, once a waiting one has an adapter
-        while (at < len(self.waiting) and budget > 0 and not out.preempted
-               and len(self.running) < self.config.max_num_seqs):
+        adapters = (
+            None  # the LoRA adapters of the running sequences, once a waiting one has an adapter
+        )
+        while (
+            at < len(self.waiting)
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
             seq = self.waiting[at]
-            if seq.pending.count:  # preempted while its last token was in flight: admitted once it is known
+            # preempted while its last token was in flight: admitted once it is known
+            if seq.pending.count:
                 break
             room = out.embed_room if seq.request.embed is not None else budget
             lora = seq.request.lora
             if lora is not None:
                 if adapters is None:
-                    adapters = {s.request.lora.id for s in self.running if s.request.lora is not None}
+                    adapters = {
+                        s.request.lora.id for s in self.running if s.request.lora is not None
+                    }
                 if lora.id not in adapters and len(adapters) >= self.config.max_loras:
                     room = 0  # no adapter slot: it waits, and requests behind it may go
             if not room:
@@ -162,23 +188,29 @@ class Scheduler(Queues):
         if seq.drafter is None:
             if not seq.request.sampling.may_draft:
                 return None
-            seq.drafter = SequenceDrafter(seq.token_ids, self.config.num_speculative_tokens,
-                                          self.shared_ngrams)
+            seq.drafter = SequenceDrafter(
+                seq.token_ids, self.config.num_speculative_tokens, self.shared_ngrams
+            )
             seq.drafter.look_ahead()
         return seq.drafter
 
     def _at_limit(self, seq: Sequence) -> bool:
         """The step in flight samples seq's last allowed token (max_tokens or the context): nothing to plan;
         its result finishes it."""
-        return (seq.num_planned_tokens - seq.prompt_len >= seq.request.sampling.max_tokens
-                or seq.num_planned_tokens >= self.max_model_len)
+        return (
+            seq.num_planned_tokens - seq.prompt_len >= seq.request.sampling.max_tokens
+            or seq.num_planned_tokens >= self.max_model_len
+        )
 
     def build_plan(self, out: SchedulerOutput) -> PlanArrays:
         """The step's plan arrays (scheduler_service/core/plan.py), with the KV tiers' work decided since the
         last one."""
-        plan = self.planner.build(out) if out.scheduled else PlanArrays.empty(out.step_id)
+        if out.scheduled:
+            plan, out.read = self.planner.build(out)
+        else:
+            plan = PlanArrays.empty(out.step_id)
         if self.kv.tiers is not None:
-            plan.kv = out.kv_ops = self.kv.tiers.take_ops()
+            plan.kv = out.read.kv_ops = self.kv.tiers.take_ops()
         return plan
 
     def observe(self, out: SchedulerOutput, seconds: float, tier_seconds: float) -> None:
@@ -186,11 +218,17 @@ class Scheduler(Queues):
         other_prefill = out.num_prefill_tokens - out.num_embed_tokens
         self.pacer.observe(out.num_decodes, out.num_embed_tokens, other_prefill, seconds)
         if self.kv.tiers is not None:
-            self.kv.tiers.observe(out.kv_ops, tier_seconds, out.num_prefill_tokens, seconds)
+            self.kv.tiers.observe(out.read.kv_ops, tier_seconds, out.num_prefill_tokens, seconds)
 
     # --- memory ----------------------------------------------------------------------------------
-    def _add(self, out: SchedulerOutput, seq: Sequence, num_new: int, scheduled: set[int],
-             draft: tuple[int, ...] = ()) -> None:
+    def _add(
+        self,
+        out: SchedulerOutput,
+        seq: Sequence,
+        num_new: int,
+        scheduled: set[int],
+        draft: tuple[int, ...] = (),
+    ) -> None:
         """Schedule num_new tokens of seq and commit them: computed from now on, one pending if it samples.
         With a draft, the tokens are seq's last known one and the draft: all computed until the result says
         how many stand (update)."""
@@ -209,8 +247,9 @@ class Scheduler(Queues):
                 raise RuntimeError(f"{seq}: a draft follows the known last token, nothing else")
         elif start + num_new > known:  # its input is the token the step in flight samples
             if seq.pending.step != out.step_id - 1 or start + num_new != known + 1:
-                raise RuntimeError(f"{seq}: step {out.step_id} would read a token not sampled by the "
-                                   "previous step")
+                raise RuntimeError(
+                    f"{seq}: step {out.step_id} would read a token not sampled by the previous step"
+                )
             item.prev_row = seq.pending.row
         if do_sample:
             seq.pending.count += 1
@@ -219,7 +258,9 @@ class Scheduler(Queues):
         seq.num_computed_tokens = start + num_new
         scheduled.add(seq.seq_id)
 
-    def _reserve(self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput) -> int:
+    def _reserve(
+        self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput
+    ) -> int:
         """Room in seq's page table for num_new more tokens, preempting others while the pool is empty. A
         prompt chunk shrinks to what the free blocks hold before anyone is preempted. Returns the number of
         tokens reserved: 0 when seq itself was the one preempted, or when everyone else already runs."""

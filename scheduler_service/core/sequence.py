@@ -86,7 +86,11 @@ class SamplingOptions:
 
     @property
     def is_penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def may_draft(self) -> bool:
@@ -161,8 +165,12 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
-        self.num_dropped_blocks = 0  # leading blocks given back, out of every sliding window (entries -1)
-        self.dropped_ids: list[int] = []  # what those entries held (their blocks may be cached still)
+        self.num_dropped_blocks = (
+            0  # leading blocks given back, out of every sliding window (entries -1)
+        )
+        self.dropped_ids: list[
+            int
+        ] = []  # what those entries held (their blocks may be cached still)
         self._block_hashes: list[bytes] = []  # chained hashes of full blocks, computed on demand
         self.pending = PendingToken()
         # Bumped whenever the sequence's blocks are given back (preemption, a lost replica): a step result
@@ -216,10 +224,14 @@ class Sequence:
         while len(self._block_hashes) <= index:
             i = len(self._block_hashes)
             # the first block's parent: the adapter's identity (None for the base): none shares across them
-            parent = self._block_hashes[-1] if self._block_hashes else (
-                self.request.lora.hash_root if self.request.lora is not None else None)
-            self._block_hashes.append(block_hash(parent,
-                                                 self.token_ids[i * block_size : (i + 1) * block_size]))
+            parent = (
+                self._block_hashes[-1]
+                if self._block_hashes
+                else (self.request.lora.hash_root if self.request.lora is not None else None)
+            )
+            self._block_hashes.append(
+                block_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size])
+            )
         return self._block_hashes[index]
 
     def finish(self, reason: FinishReason) -> None:

@@ -24,11 +24,18 @@ class TierStats:
 
     def as_fields(self) -> dict[str, int | float]:
         """Them by GetCacheStats' names."""
-        return {"host_tier_blocks": self.host_blocks, "host_tier_capacity": self.host_capacity,
-                "host_tier_loaded": self.host_loaded, "host_tier_stored": self.host_stored,
-                "disk_tier_blocks": self.disk_blocks, "disk_tier_capacity": self.disk_capacity,
-                "disk_tier_loaded": self.disk_loaded, "disk_tier_stored": self.disk_stored,
-                "kv_load_failures": self.load_failures, "kv_tier_seconds": self.seconds}
+        return {
+            "host_tier_blocks": self.host_blocks,
+            "host_tier_capacity": self.host_capacity,
+            "host_tier_loaded": self.host_loaded,
+            "host_tier_stored": self.host_stored,
+            "disk_tier_blocks": self.disk_blocks,
+            "disk_tier_capacity": self.disk_capacity,
+            "disk_tier_loaded": self.disk_loaded,
+            "disk_tier_stored": self.disk_stored,
+            "kv_load_failures": self.load_failures,
+            "kv_tier_seconds": self.seconds,
+        }
 
 
 TIER_FIELDS = tuple(TierStats().as_fields())  # GetCacheStats' tier fields, in order

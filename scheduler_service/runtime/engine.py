@@ -17,8 +17,19 @@ from scheduler_service.core.batch import DuplicateRequestId, SchedulerOutput, ma
 from scheduler_service.core.config import ModelSpec, SchedulerConfig
 from scheduler_service.core.sequence import FinishReason, Request
 from scheduler_service.runtime import reporting
-from scheduler_service.runtime.errors import Draining, EngineUnavailable, QueueFull, StepFailed, Unschedulable
-from scheduler_service.runtime.groups import adopted_config, context_limit, group_problem, lora_problem
+from scheduler_service.runtime.errors import (
+    Draining,
+    EngineUnavailable,
+    QueueFull,
+    StepFailed,
+    Unschedulable,
+)
+from scheduler_service.runtime.groups import (
+    adopted_config,
+    context_limit,
+    group_problem,
+    lora_problem,
+)
 from scheduler_service.runtime.kv_events import KvEventPublisher
 from scheduler_service.runtime.metrics import Metrics
 from scheduler_service.runtime.orphans import Orphans
@@ -161,8 +172,7 @@ class Engine:
         return any(r.is_serving for r in self.replicas)
 
     @property
-    def is_draining(self) -> bool:
-        """Stopping: running requests finish, new ones are refused."""
+    def is_draining(self) -> bool:  # stopping: running requests finish, new ones are refused
         return self._draining
 
     @property
@@ -195,9 +205,7 @@ class Engine:
         return least
 
     async def generate(self, request: Request) -> AsyncIterator[Delta]:
-        """Add a request and yield its deltas until every sample has finished.
-
-        Leaving the iteration early (client cancelled or disconnected) aborts the request."""
+        """Add a request and yield its deltas until every sample has finished; leaving early aborts it."""
         if self._draining:
             raise Draining()
         waiting = len(self._orphans) + sum(r.num_waiting for r in self.replicas)

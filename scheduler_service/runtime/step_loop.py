@@ -28,7 +28,12 @@ from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import FinishReason, Request
 from scheduler_service.core.stats import PoolStats
 from scheduler_service.runtime.step_results import StepProfile, StepReport, read_logprobs
-from scheduler_service.runtime.worker_client import WorkerClient, WorkerError, WorkerGroup, WorkerLost
+from scheduler_service.runtime.worker_client import (
+    WorkerClient,
+    WorkerError,
+    WorkerGroup,
+    WorkerLost,
+)
 from scheduler_service.text.output import Delta, SampleOutput, TokenLogprob
 
 log = structlog.get_logger("scheduler.replica")
@@ -192,10 +197,7 @@ class StepLoop:
         log.info("step_profile", replica=self.index, **self.profile.as_dict(), final=True)
         if self._task:
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+            await asyncio.gather(self._task, return_exceptions=True)  # (cancelled, or failed: it is done)
 
     def wake(self) -> None:
         self._wake.set()
@@ -268,9 +270,10 @@ class StepLoop:
             accepted = decode_accepted(result, len(out.scheduled))
             accepted = accepted.tolist() if accepted is not None else None
             logprobs = read_logprobs(out, result)
-            pooled = (decode_pooled(result, int(np.count_nonzero(out.pooling)), self.hidden_size)
-                      if out.pooling is not None else None)
-            failed = decode_load_failed(result, len(out.kv_ops.loads) if out.kv_ops is not None else 0)
+            read = out.read
+            pooled = (decode_pooled(result, int(np.count_nonzero(read.pooling)), self.hidden_size)
+                      if read.pooling is not None else None)
+            failed = decode_load_failed(result, len(read.kv_ops.loads) if read.kv_ops is not None else 0)
         except WorkerLost as e:
             await self.sink.on_lost(self, str(e))
             return False
@@ -352,11 +355,12 @@ class StepLoop:
         """Compute the masks of a step sent with mask_follows from its matchers as they are now and send them,
         after its plan and before any later plan. Called once the step before it is applied; if that step
         failed, its requests were ended and whatever this step draws for them is dropped."""
-        if flight.out.deferred_masks is None or flight.masks_sent:
+        masks = flight.out.read.deferred_masks
+        if masks is None or flight.masks_sent:
             return
         flight.masks_sent = True
         t0 = time.perf_counter()
-        mask = encode_mask(flight.out.step_id, flight.out.deferred_masks.fill())
+        mask = encode_mask(flight.out.step_id, masks.fill())
         self.profile.masks += time.perf_counter() - t0
         await flight.sent.wait()
         await self.client.send_mask(self.index, mask)

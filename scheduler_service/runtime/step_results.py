@@ -52,8 +52,9 @@ def read_logprobs(out: SchedulerOutput, result) -> dict[int, TokenLogprob] | Non
     their requests at once (positions recomputed after a preemption overwrite theirs with the same values).
     Raises CodecError when the arrays do not match what the plan asked for."""
     by_seq = None
-    if out.logprobs_k is not None:
-        k = out.logprobs_k
+    read = out.read
+    if read.logprobs_k is not None:
+        k = read.logprobs_k
         rows = np.flatnonzero(k >= 0)
         lp = decode_logprobs(result, "logprobs", rows.size, int(k[rows].sum()))
         if lp is not None:
@@ -64,8 +65,8 @@ def read_logprobs(out: SchedulerOutput, result) -> dict[int, TokenLogprob] | Non
                 by_seq[seq.seq_id] = TokenLogprob(-1, chosen[n],
                                                   list(zip(ids[at:at + kk], values[at:at + kk], strict=True)))
                 at += kk
-    if out.prompt_logprobs is not None:
-        k, counts = out.prompt_logprobs
+    if read.prompt_logprobs is not None:
+        k, counts = read.prompt_logprobs
         rows = np.flatnonzero(counts > 0)
         total = int(counts.sum())
         lp = decode_logprobs(result, "prompt_logprobs", total, int((counts[rows] * k[rows]).sum()))

@@ -28,7 +28,9 @@ class Usage:
 class TokenLogprob:
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+    top: list[tuple[int, float]] = field(
+        default_factory=list
+    )  # (token id, logprob), most likely first
 
 
 @dataclass(slots=True)
@@ -53,8 +55,9 @@ class SampleOutput:
     def __init__(self, tokenizer: Tokenizer, seq: Sequence) -> None:
         self.seq = seq
         params = seq.request.sampling
-        self._detok = IncrementalDetokenizer(tokenizer, seq.request.prompt_token_ids,
-                                             params.skip_special_tokens)
+        self._detok = IncrementalDetokenizer(
+            tokenizer, seq.request.prompt_token_ids, params.skip_special_tokens
+        )
         self._named_stop_ids = set(params.stop_token_ids)
         self._keep_stop_str = params.include_stop_str_in_output
         self._stops = params.stop
@@ -66,7 +69,9 @@ class SampleOutput:
         self._seen = seq.num_output_tokens  # tokens added so far (a step may bring several)
         self.finished = False
 
-    def add_token(self, token: int, logprob: TokenLogprob | None = None) -> tuple[Delta, FinishReason | None]:
+    def add_token(
+        self, token: int, logprob: TokenLogprob | None = None
+    ) -> tuple[Delta, FinishReason | None]:
         """Take one new token (and its logprob, when the request asked); return the stream delta and the
         reason the sample ends with it: the scheduler's, on its last token, or a stop string's."""
         piece = self._detok.add(token)
@@ -74,8 +79,15 @@ class SampleOutput:
         self._seen += 1
         seq = self.seq
         reason = seq.finish_reason if self._seen == seq.num_output_tokens else None
-        stop_reason = token if reason is FinishReason.STOP and token in self._named_stop_ids else None
-        if self._stops and piece and reason in (None, FinishReason.LENGTH) and self._seen >= self._min_tokens:
+        stop_reason = (
+            token if reason is FinishReason.STOP and token in self._named_stop_ids else None
+        )
+        if (
+            self._stops
+            and piece
+            and reason in (None, FinishReason.LENGTH)
+            and self._seen >= self._min_tokens
+        ):
             start = max(0, len(self.text) - len(piece) - self._holdback)
             hits = [(i, s) for s in self._stops if (i := self.text.find(s, start)) >= 0]
             if hits:
@@ -88,7 +100,9 @@ class SampleOutput:
             text, self._emitted = piece, len(self.text)
         self.finished = reason is not None
         logprobs = [logprob or TokenLogprob(token, float("nan"))] if self._wants_logprobs else None
-        return Delta(seq.index, [token], text, reason, logprobs=logprobs, stop_reason=stop_reason), reason
+        return Delta(
+            seq.index, [token], text, reason, logprobs=logprobs, stop_reason=stop_reason
+        ), reason
 
     def last_delta(self, reason: FinishReason) -> Delta:
         """A last delta for a sample ended from outside (abort, error)."""

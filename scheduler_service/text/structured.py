@@ -10,7 +10,10 @@ import threading
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+from llguidance.numpy import (
+    fill_next_token_bitmask_par,
+    fill_next_token_bitmask_par_with_draft_tokens,
+)
 
 
 class GrammarError(ValueError):
@@ -31,7 +34,9 @@ class GrammarEngine:
 
     Compiles requests' constraints and computes token masks for one tokenizer and vocabulary."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]
+    ) -> None:
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -45,8 +50,11 @@ class GrammarEngine:
         """Built on first use (~0.2 s for a 49k vocabulary), from the tokenizer.json text alone."""
         with self._lock:
             if self._tok is None:
-                self._tok = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                   eos_token=list(self.eos_token_ids) or None)
+                self._tok = llguidance.LLTokenizer(
+                    self._tokenizer_json,
+                    n_vocab=self.vocab_size,
+                    eos_token=list(self.eos_token_ids) or None,
+                )
             return self._tok
 
     def compile(self, json_schema: str = "", regex: str = "", grammar: str = "") -> str:
@@ -62,7 +70,8 @@ class GrammarEngine:
                 # JSON as json.dumps writes it (", " and ": ", no other whitespace) unless the schema's own
                 # x-guidance says otherwise: free whitespace lets a model spend its tokens on blank space
                 compiled = llguidance.LLMatcher.grammar_from_json_schema(
-                    json.dumps(schema), defaults={"whitespace_flexible": False})
+                    json.dumps(schema), defaults={"whitespace_flexible": False}
+                )
             except ValueError as e:
                 raise GrammarError(f"json_schema: {e}") from e
             what = "json_schema"
@@ -81,20 +90,25 @@ class GrammarEngine:
             raise GrammarError(m.get_error())
         return m
 
-    def fill_masks(self, matchers: list[llguidance.LLMatcher],
-                   drafts: list[tuple[int, ...]] | None = None) -> np.ndarray:
+    def fill_masks(
+        self, matchers: list[llguidance.LLMatcher], drafts: list[tuple[int, ...]] | None = None
+    ) -> np.ndarray:
         """int32 [masks, words]: the next-token bitmask of each matcher, computed in parallel; with drafts
         (speculative decoding), one more after each of its drafted tokens, its matcher left as it was."""
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         if drafts is None or not any(drafts):
             masks = np.zeros((len(matchers), self.words), dtype=np.int32)
-            fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], masks)
+            fill_next_token_bitmask_par(
+                self._executor, [(m, i) for i, m in enumerate(matchers)], masks
+            )
             return masks
         starts = np.cumsum([0] + [1 + len(d) for d in drafts])
         masks = np.zeros((int(starts[-1]), self.words), dtype=np.int32)
         at = list(zip(matchers, starts.tolist(), drafts, strict=False))
-        plain = [(m, i) for m, i, d in at if not d]  # (llguidance refuses an empty draft, and an empty list)
+        plain = [
+            (m, i) for m, i, d in at if not d
+        ]  # (llguidance refuses an empty draft, and an empty list)
         if plain:
             fill_next_token_bitmask_par(self._executor, plain, masks)
         drafting = [(m, i, list(d)) for m, i, d in at if d]
@@ -116,7 +130,7 @@ class Constraint:
         return self.engine.matcher(self.compiled)
 
 
-REGEX_META = set("\\.^$|?*+()[]{}-/#&~\"")
+REGEX_META = set('\\.^$|?*+()[]{}-/#&~"')
 
 
 def choice_regex(choices: list[str]) -> str:

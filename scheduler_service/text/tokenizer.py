@@ -20,7 +20,9 @@ from tokenizers.decoders import DecodeStream
 class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
-        self.hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))  # the tokenizers library's own
+        self.hf = HFTokenizer.from_file(
+            str(folder / "tokenizer.json")
+        )  # the tokenizers library's own
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         template = cfg.get("chat_template")
@@ -37,10 +39,13 @@ class Tokenizer:
         self._token_bytes: list[bytes] | None | bool = False  # False: not looked at yet
         self._token_bytes_special: list[bytes] | None | bool = False
         # The special tokens' texts a template may name (bos_token, eos_token, pad_token, unk_token, ...).
-        self._special_texts = {k: t for k, v in cfg.items() if k.endswith("_token") and (t := _token_text(v))}
+        self._special_texts = {
+            k: t for k, v in cfg.items() if k.endswith("_token") and (t := _token_text(v))
+        }
         if self.chat_template:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
             env.globals["raise_exception"] = _raise_template_error
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             env.filters["tojson"] = _tojson
@@ -59,8 +64,9 @@ class Tokenizer:
         """Bytes of UTF-8 the longest token can stand for (an upper bound): a text of B bytes has at least
         B / max_token_bytes tokens, so a prompt can be refused as too long without tokenizing it."""
         if self._max_token_bytes is None:
-            self._max_token_bytes = max((len(t.encode()) for t in self.hf.get_vocab(with_added_tokens=True)),
-                                        default=1)
+            self._max_token_bytes = max(
+                (len(t.encode()) for t in self.hf.get_vocab(with_added_tokens=True)), default=1
+            )
         return self._max_token_bytes
 
     @property
@@ -95,7 +101,9 @@ class Tokenizer:
         for token, i in self.hf.get_vocab(with_added_tokens=False).items():
             try:
                 table[i] = bytes(to_byte[c] for c in token)
-            except KeyError:  # a vocabulary entry outside the byte alphabet: not a plain byte-level BPE
+            except (
+                KeyError
+            ):  # a vocabulary entry outside the byte alphabet: not a plain byte-level BPE
                 return None
         for added in spec.get("added_tokens", []):  # as the tokenizer itself decodes each one alone
             special = added.get("special") and not keep_special
@@ -113,32 +121,58 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                            tools: list[dict] | None = None, continue_final_message: bool = False,
-                            template_kwargs: dict | None = None) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> str:
         """Render a conversation the way transformers does: the template sees messages, tools,
         add_generation_prompt, the special tokens' texts and any extra kwargs. continue_final_message leaves
         the last message open (everything the template writes after its content is cut)."""
         if self._template is None:
-            raise ValueError("this model has no chat template; send a raw prompt or prompt_token_ids")
+            raise ValueError(
+                "this model has no chat template; send a raw prompt or prompt_token_ids"
+            )
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
-        context = {"bos_token": "", "eos_token": "", **self._special_texts, **(template_kwargs or {})}
+        context = {
+            "bos_token": "",
+            "eos_token": "",
+            **self._special_texts,
+            **(template_kwargs or {}),
+        }
         try:
-            text = self._template.render(messages=messages, tools=tools or None,
-                                         add_generation_prompt=add_generation_prompt, **context)
+            text = self._template.render(
+                messages=messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"the chat template refused the conversation: {e}") from e
-        except (TypeError, KeyError, AttributeError) as e:  # a template indexing a field the message lacks
-            raise ValueError(f"the chat template failed on the conversation: {type(e).__name__}: {e}") from e
+        except (
+            TypeError,
+            KeyError,
+            AttributeError,
+        ) as e:  # a template indexing a field the message lacks
+            raise ValueError(
+                f"the chat template failed on the conversation: {type(e).__name__}: {e}"
+            ) from e
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
             if not isinstance(final, str) or not final.strip():
-                raise ValueError("continue_final_message needs a last message with text to continue")
+                raise ValueError(
+                    "continue_final_message needs a last message with text to continue"
+                )
             end = text.rfind(final.strip())
             if end < 0:
-                raise ValueError("continue_final_message: the template does not write the last message's "
-                                 "text")
+                raise ValueError(
+                    "continue_final_message: the template does not write the last message's text"
+                )
             text = text[: end + len(final.strip())]
         return text
 
@@ -167,14 +201,19 @@ class IncrementalDetokenizer:
 
     CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
-        self._table = tokenizer.token_bytes if skip_special_tokens else tokenizer.token_bytes_with_special
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
+        self._table = (
+            tokenizer.token_bytes if skip_special_tokens else tokenizer.token_bytes_with_special
+        )
         if self._table is not None:
             self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
             return
         self._hf = tokenizer.hf
-        self._stream = DecodeStream(ids=list(prompt_ids[-self.CONTEXT_TOKENS :]),
-                                    skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(
+            ids=list(prompt_ids[-self.CONTEXT_TOKENS :]), skip_special_tokens=skip_special_tokens
+        )
 
     def add(self, token_id: int) -> str:
         if self._table is not None:
@@ -186,8 +225,11 @@ class IncrementalDetokenizer:
 
 def _gpt2_byte_decoder() -> dict[str, int]:
     """The byte-level alphabet: printable bytes stand for themselves, the other 68 for chr(256 + k)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {chr(b): b for b in printable}
     extra = 0
     for b in range(256):
@@ -203,10 +245,13 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False
+) -> str:
     """transformers' tojson: keys kept in order and non-ASCII kept (jinja's own sorts and escapes)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_template_error(message: str) -> None:

@@ -57,7 +57,11 @@ def no_leak(server):
 
 def test_a_response_equals_chat_streams_the_same_text_and_continues_from_its_id(server, oai):
     first = oai.responses.create(
-        model="tiny", input="the quick brown", instructions="be terse.", max_output_tokens=10, temperature=0
+        model="tiny",
+        input="the quick brown",
+        instructions="be terse.",
+        max_output_tokens=10,
+        temperature=0,
     )
     conversation = [
         {"role": "system", "content": "be terse."},
@@ -78,9 +82,15 @@ def test_a_response_equals_chat_streams_the_same_text_and_continues_from_its_id(
         )
     )
     kinds = [e.type for e in events]
-    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert (
+        kinds[:2] == ["response.created", "response.in_progress"]
+        and kinds[-1] == "response.incomplete"
+    )
     assert [e.sequence_number for e in events] == list(range(len(events)))
-    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.output_text
+    assert (
+        "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        == first.output_text
+    )
     assert events[-1].response.output_text == first.output_text
 
     second = oai.responses.create(
@@ -124,7 +134,9 @@ def test_a_response_calls_a_function_and_takes_its_output_back(server, oai):
         temperature=0,
         input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}],
     )
-    assert answer.output[0].type == "message" and answer.usage.input_tokens > called.usage.input_tokens
+    assert (
+        answer.output[0].type == "message" and answer.usage.input_tokens > called.usage.input_tokens
+    )
     named = list(
         oai.responses.create(
             model="tiny",
@@ -149,7 +161,11 @@ def test_a_message_equals_chat_streams_the_same_text_and_stops_on_a_sequence(ser
         {"role": "user", "content": [{"type": "text", "text": "over the lazy"}]},
     ]
     got = claude.messages.create(
-        model="tiny", max_tokens=10, system="be terse.", messages=msgs, extra_body={"temperature": 0}
+        model="tiny",
+        max_tokens=10,
+        system="be terse.",
+        messages=msgs,
+        extra_body={"temperature": 0},
     )
     chat = [
         {"role": "system", "content": "be terse."},
@@ -157,10 +173,18 @@ def test_a_message_equals_chat_streams_the_same_text_and_stops_on_a_sequence(ser
         {"role": "user", "content": "over the lazy"},
     ]
     assert got.content[0].text == chat_text(oai, chat, max_tokens=10)
-    assert got.stop_reason == "max_tokens" and got.usage.output_tokens == 10 and got.role == "assistant"
+    assert (
+        got.stop_reason == "max_tokens"
+        and got.usage.output_tokens == 10
+        and got.role == "assistant"
+    )
 
     with claude.messages.stream(
-        model="tiny", max_tokens=10, system="be terse.", messages=msgs, extra_body={"temperature": 0}
+        model="tiny",
+        max_tokens=10,
+        system="be terse.",
+        messages=msgs,
+        extra_body={"temperature": 0},
     ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -245,7 +269,11 @@ def test_a_message_uses_a_named_tool_and_reads_its_result(server, claude):
                         "content": [
                             {
                                 "type": "image",
-                                "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+                                "source": {
+                                    "type": "base64",
+                                    "media_type": "image/png",
+                                    "data": "AA==",
+                                },
                             }
                         ],
                     }
@@ -262,7 +290,12 @@ def test_a_message_uses_a_named_tool_and_reads_its_result(server, claude):
             "at least one message",
         ),
         (
-            {"model": "tiny", "max_tokens": 5, "top_k": -7, "messages": [{"role": "user", "content": "x"}]},
+            {
+                "model": "tiny",
+                "max_tokens": 5,
+                "top_k": -7,
+                "messages": [{"role": "user", "content": "x"}],
+            },
             400,
             "invalid_request_error",
             "top_k",
@@ -274,20 +307,27 @@ def test_bad_messages_are_answered_in_anthropics_error_shape(server, body, statu
     assert r.status_code == status, r.text
     error = r.json()
     assert (
-        error["type"] == "error" and error["error"]["type"] == kind and message in error["error"]["message"]
+        error["type"] == "error"
+        and error["error"]["type"] == kind
+        and message in error["error"]["message"]
     )
 
 
 def test_bad_responses_name_the_field(server):
     cases = [
         ({"input": "x", "background": True}, "background is not served"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "text only"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "text only",
+        ),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens must be at least 1"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "calls functions only"),
         ({"input": "x", "frobnicate": 1}, "frobnicate: is not a field"),
     ]
     for body, message in cases:
-        r = httpx.post(f"{server.http_url}/responses", json=body, headers={"authorization": f"Bearer {KEY}"})
+        r = httpx.post(
+            f"{server.http_url}/responses", json=body, headers={"authorization": f"Bearer {KEY}"}
+        )
         assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
 
 
@@ -309,7 +349,9 @@ def test_one_key_guards_every_door(server, tiny_model_dir):
         bare.GetModelInfo(generation_pb2.GetModelInfoRequest(), metadata=wrong, timeout=10)
     assert bad.value.code() == grpc.StatusCode.UNAUTHENTICATED
     info = bare.GetModelInfo(
-        generation_pb2.GetModelInfoRequest(), timeout=10, metadata=[("authorization", f"Bearer {KEY}")]
+        generation_pb2.GetModelInfoRequest(),
+        timeout=10,
+        metadata=[("authorization", f"Bearer {KEY}")],
     )
     assert info.model_name == "tiny"  # the name the HTTP APIs serve it as
     assert server.stats().num_blocks > 0  # the helper's channel carries the key
@@ -333,23 +375,37 @@ def test_the_sdks_against_the_default_model_as_make_run_serves_it(server_factory
     served = server_factory(MODEL_DIR, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
     name = MODEL_DIR.name
     oai = openai.OpenAI(base_url=served.http_url, api_key="none", max_retries=0, timeout=120)
-    claude = anthropic.Anthropic(base_url=served.http_url.removesuffix("/v1"), api_key="none", max_retries=0,
-                                 timeout=120)
+    claude = anthropic.Anthropic(
+        base_url=served.http_url.removesuffix("/v1"), api_key="none", max_retries=0, timeout=120
+    )
     question = "What is the capital of France? Answer in one sentence."
     answer = oai.responses.create(model=name, input=question, max_output_tokens=30, temperature=0)
     assert "Paris" in answer.output_text and answer.status == "completed"
-    streamed = list(oai.responses.create(model=name, input=question, max_output_tokens=30, temperature=0,
-                                         stream=True))
-    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == answer.output_text
+    streamed = list(
+        oai.responses.create(
+            model=name, input=question, max_output_tokens=30, temperature=0, stream=True
+        )
+    )
+    assert (
+        "".join(e.delta for e in streamed if e.type == "response.output_text.delta")
+        == answer.output_text
+    )
     ask = [{"role": "user", "content": question}]
-    reply = claude.messages.create(model=name, max_tokens=30, messages=ask, extra_body={"temperature": 0})
+    reply = claude.messages.create(
+        model=name, max_tokens=30, messages=ask, extra_body={"temperature": 0}
+    )
     assert "Paris" in reply.content[0].text and reply.stop_reason == "end_turn"
-    with claude.messages.stream(model=name, max_tokens=30, messages=ask,
-                                extra_body={"temperature": 0}) as stream:
+    with claude.messages.stream(
+        model=name, max_tokens=30, messages=ask, extra_body={"temperature": 0}
+    ) as stream:
         assert "".join(stream.text_stream) == reply.content[0].text
     tool = {"name": "get_weather", "description": "the weather in a city", "input_schema": CITY}
-    used = claude.messages.create(model=name, max_tokens=40, tools=[tool],
-                                  tool_choice={"type": "tool", "name": "get_weather"},
-                                  messages=[{"role": "user", "content": "What is the weather in Rome?"}])
+    used = claude.messages.create(
+        model=name,
+        max_tokens=40,
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "What is the weather in Rome?"}],
+    )
     assert used.stop_reason == "tool_use" and used.content[-1].input["city"] in ("Paris", "Rome")
     no_leak(served)

@@ -32,7 +32,10 @@ CLIENT = [
     (["generate", "--top-p", "0", "Hi"], "--top-p: 0.0 is outside (0.0, 1.0]"),
     (["generate", "--logit-bias", "5=x", "Hi"], "wants TOKEN_ID=BIAS"),
     (["generate", "--json-schema", "@missing.json", "Hi"], "cannot read missing.json"),
-    (["generate", "--system", "@/nonexistent/system.txt", "Hi"], "cannot read /nonexistent/system.txt"),
+    (
+        ["generate", "--system", "@/nonexistent/system.txt", "Hi"],
+        "cannot read /nonexistent/system.txt",
+    ),
     (["generate", "--logprobs", "99", "Hi"], "--logprobs: 99 is outside [0, 20]"),
     (["embed", "x", "--dimensions", "-1"], "--dimensions: -1 is below 0"),
     (["top", "--interval", "0"], "--interval: 0.0 is outside"),
@@ -91,7 +94,10 @@ def bad_models(tmp):
         (tmp / "plain.txt", "is a file but not a .gguf one"),
         (tmp / "missing.gguf", "no such GGUF file"),
         (truncated, "the GGUF file is truncated or corrupt"),
-        (tmp / "gpt-oss-20b.gguf", "a GGUF of architecture 'gpt-oss', which pagedserve does not serve"),
+        (
+            tmp / "gpt-oss-20b.gguf",
+            "a GGUF of architecture 'gpt-oss', which pagedserve does not serve",
+        ),
         (tmp / "bad-config", "config.json cannot be read"),
     ]
 
@@ -109,23 +115,35 @@ def logging_restored():
     structlog.contextvars.bind_contextvars(**context)
 
 
-def test_serve_says_what_is_wrong_with_a_model_path_or_a_flag(tmp_path, tiny_model_dir, capsys, monkeypatch,
-                                                              logging_restored):
+def test_serve_says_what_is_wrong_with_a_model_path_or_a_flag(
+    tmp_path, tiny_model_dir, capsys, monkeypatch, logging_restored
+):
     """Each refused before anything is bound or started (in this process: `pagedserve serve`'s own main)."""
     from deploy.launcher import main as serve_main
 
     monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path / "prepared"))
     cases = [(["--model", str(path)], message) for path, message in bad_models(tmp_path)] + [
-        (["--model", str(tiny_model_dir), "--port", "99999"], "--port: 99999 is outside [0, 65535]"),
-        (["--model", str(tiny_model_dir), "--tls-cert", "x.pem"], "--tls-cert and --tls-key go together"),
+        (
+            ["--model", str(tiny_model_dir), "--port", "99999"],
+            "--port: 99999 is outside [0, 65535]",
+        ),
+        (
+            ["--model", str(tiny_model_dir), "--tls-cert", "x.pem"],
+            "--tls-cert and --tls-key go together",
+        ),
         (["--model", str(tiny_model_dir), "--block-size", "0"], "--block-size: 0 is below 1"),
-        (["--model", str(tiny_model_dir), "--kv-cache-memory", "lots"], "cannot read 'lots' as a size"),
+        (
+            ["--model", str(tiny_model_dir), "--kv-cache-memory", "lots"],
+            "cannot read 'lots' as a size",
+        ),
         (["--model", str(tiny_model_dir), "--num-blocks", "-1"], "--num-blocks: -1 is below 1"),
     ]
     failures = []
     for argv, message in cases:
         try:
-            code = serve_main([*argv, "--metrics-port", "0", "--http-port", "0", "--log-format", "json"])
+            code = serve_main(
+                [*argv, "--metrics-port", "0", "--http-port", "0", "--log-format", "json"]
+            )
         except SystemExit as e:
             code = e.code
         err = capsys.readouterr().err.strip().splitlines()
@@ -134,17 +152,45 @@ def test_serve_says_what_is_wrong_with_a_model_path_or_a_flag(tmp_path, tiny_mod
     assert not failures, "\n".join(failures)
 
 
-def test_a_running_serve_refuses_a_taken_port_or_a_worker_that_cannot_start(tiny_model_dir, taken_port):
+def test_a_running_serve_refuses_a_taken_port_or_a_worker_that_cannot_start(
+    tiny_model_dir, taken_port
+):
     """As typed, real processes: the last line says what is wrong, exit 2, no traceback."""
     model = str(tiny_model_dir)
     cases = [
-        (["--model", model, "--port", str(taken_port), "--metrics-port", "0"],
-         f"cannot serve gRPC on 127.0.0.1:{taken_port}"),
-        (["--model", model, "--port", "0", "--http-port", str(taken_port), "--metrics-port", "0"],
-         f"cannot serve HTTP on 127.0.0.1:{taken_port}"),
+        (
+            ["--model", model, "--port", str(taken_port), "--metrics-port", "0"],
+            f"cannot serve gRPC on 127.0.0.1:{taken_port}",
+        ),
+        (
+            [
+                "--model",
+                model,
+                "--port",
+                "0",
+                "--http-port",
+                str(taken_port),
+                "--metrics-port",
+                "0",
+            ],
+            f"cannot serve HTTP on 127.0.0.1:{taken_port}",
+        ),
         # a worker that refuses: its reason, then the server's one line naming it
-        (["--model", model, "--tp", "3", "--port", "0", "--http-port", "0", "--metrics-port", "0"],
-         "a worker could not start"),
+        (
+            [
+                "--model",
+                model,
+                "--tp",
+                "3",
+                "--port",
+                "0",
+                "--http-port",
+                "0",
+                "--metrics-port",
+                "0",
+            ],
+            "a worker could not start",
+        ),
     ]
     failures = []
     for argv, message in cases:

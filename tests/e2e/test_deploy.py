@@ -21,11 +21,34 @@ pytestmark = pytest.mark.slow
 
 def start_deploy(tmp_path, model_dir, *extra):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "deploy.fleet", "--model", str(model_dir), "--port", "0",
-           "--run-dir", str(run_dir), "--threads", "1", "--block-size", "4", "--num-blocks", "200",
-           "--ready-timeout", "180", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.fleet",
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        "--threads",
+        "1",
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "200",
+        "--ready-timeout",
+        "180",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     deadline = time.monotonic() + 200
     while time.monotonic() < deadline:
@@ -33,7 +56,8 @@ def start_deploy(tmp_path, model_dir, *extra):
         if not line:
             break
         lines.append(line)
-        if line.startswith("stop:"):  # the port the scheduler bound (--port 0), as the deployment says it
+        # the port the scheduler bound (--port 0), as the deployment says it
+        if line.startswith("stop:"):
             port = int(re.search(r"serving on 127\.0\.0\.1:(\d+)", "".join(lines)).group(1))
             return proc, port, run_dir, "".join(lines)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -63,11 +87,18 @@ def test_deploy_serves_with_a_log_per_process_and_stops_everything(tmp_path, tin
             stub = generation_pb2_grpc.GenerationStub(channel)
             info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
             assert (info.tensor_parallel_size, info.data_parallel_size) == (int(tp), int(dp))
-            assert len(stub.Generate(greedy_request([5, 6, 7], 4), timeout=60).choices[0].token_ids) == 4
+            assert (
+                len(stub.Generate(greedy_request([5, 6, 7], 4), timeout=60).choices[0].token_ids)
+                == 4
+            )
         assert '"event": "serving"' in (run_dir / "scheduler.log").read_text()
         if how == "deploy-stop":
-            subprocess.run(["make", "-s", "deploy-stop", f"RUN_DIR={run_dir}"], cwd=ROOT, check=True,
-                           timeout=60)
+            subprocess.run(
+                ["make", "-s", "deploy-stop", f"RUN_DIR={run_dir}"],
+                cwd=ROOT,
+                check=True,
+                timeout=60,
+            )
         else:
             proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
@@ -163,9 +194,19 @@ def test_two_servers_behind_the_gateway_serve_openai_and_stop_together(tmp_path,
     from deploy.processes import free_port
 
     http_port = free_port()
-    proc, port, run_dir, banner = start_deploy(tmp_path, tiny_model_dir, "--servers", "2", "--gateway",
-                                               "--gateway-port", str(http_port), "--gateway-metrics-port",
-                                               str(free_port()), "--metrics-port", "0")
+    proc, port, run_dir, banner = start_deploy(
+        tmp_path,
+        tiny_model_dir,
+        "--servers",
+        "2",
+        "--gateway",
+        "--gateway-port",
+        str(http_port),
+        "--gateway-metrics-port",
+        str(free_port()),
+        "--metrics-port",
+        "0",
+    )
     try:
         assert f"on http://127.0.0.1:{http_port}/v1 (in front of 2 pagedserve servers)" in banner
         assert "curl http://" in banner and "OpenAI(base_url=" in banner
@@ -176,18 +217,28 @@ def test_two_servers_behind_the_gateway_serve_openai_and_stop_together(tmp_path,
         for i in range(2):
             assert (run_dir / f"server-{i}" / "scheduler.log").exists()
             assert (run_dir / f"server-{i}" / "worker-0.0.log").exists()
-        client = OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0,
-                        timeout=60)
+        client = OpenAI(
+            base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=60
+        )
         model = client.models.list().data[0].id
-        resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "the fox"}],
-                                              max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+        resp = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "the fox"}],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert resp.usage.completion_tokens == 4 and resp.choices[0].finish_reason == "length"
         # an answer streaming through the gateway when the deployment is told to stop still ends whole
-        stream = client.chat.completions.create(model=model,
-                                                messages=[{"role": "user", "content": "the dog"}],
-                                                max_tokens=120, temperature=0, stream=True,
-                                                stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True})
+        stream = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "the dog"}],
+            max_tokens=120,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         chunks = iter(stream)
         next(chunks)
         proc.send_signal(signal.SIGTERM)

@@ -26,24 +26,35 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(server_factory, tiny_model_dir):
     # block size 4 and a per-step budget of 32 tokens: long prompts go in chunks, tables grow often
-    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "256",
-                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16",
-                          "--metrics-port", "-1")
+    return server_factory(
+        tiny_model_dir,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "256",
+        "--max-num-batched-tokens",
+        "32",
+        "--max-num-seqs",
+        "16",
+        "--metrics-port",
+        "-1",
+    )
 
 
 @pytest.fixture(scope="module")
 def tight_server(server_factory, tiny_model_dir):
     # 40 blocks of 4 tokens: the workload below needs far more at once, so requests wait and are preempted
-    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "40",
-                          "--max-num-batched-tokens", "64", "--max-model-len", "160")
-
-
-
-
-
-
-
-
+    return server_factory(
+        tiny_model_dir,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "40",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-model-len",
+        "160",
+    )
 
 
 def test_concurrent_requests_equal_solo_transformers_greedy(server, tiny_model_dir):
@@ -69,7 +80,9 @@ def test_streamed_tokens_equal_unary_tokens(server):
         assert s_text == u_text
         assert s_finish == u_finish
         assert (s_usage.prompt_tokens, s_usage.completion_tokens) == (
-            u_usage.prompt_tokens, u_usage.completion_tokens)
+            u_usage.prompt_tokens,
+            u_usage.completion_tokens,
+        )
         # the unary round came second: its full prompt blocks were cached by the streamed round
         assert u_usage.cached_prompt_tokens == (len(items_by_id[rid]) - 1) // 4 * 4
     assert_all_blocks_back(server)
@@ -80,19 +93,24 @@ def test_tight_pool_preempts_and_outputs_stay_identical(tight_server, tiny_model
     # before the pool fills
     before = tight_server.stats().num_preemptions
     with tight_server.queued_in_order(10) as delays:
-        items = [(rid, p, m, delay)
-                 for (rid, p, m, _), delay in zip(workload(10, seed=3), delays, strict=True)]
+        items = [
+            (rid, p, m, delay)
+            for (rid, p, m, _), delay in zip(workload(10, seed=3), delays, strict=True)
+        ]
         results = submit_all(tight_server, items, stream=True)
     for rid, prompt, max_tokens, _ in items:
         assert results[rid][0] == hf_greedy(tiny_model_dir, prompt, max_tokens), rid
-    assert tight_server.stats().num_preemptions > before, "this pool is small enough that it must preempt"
+    assert tight_server.stats().num_preemptions > before, (
+        "this pool is small enough that it must preempt"
+    )
     assert_all_blocks_back(tight_server)
 
 
 def test_text_prompt_goes_through_the_chat_template_and_stops(server):
     req = generation_pb2.GenerateRequest(
         prompt="What is the capital of France?",
-        sampling=generation_pb2.SamplingParams(max_tokens=12))
+        sampling=generation_pb2.SamplingParams(max_tokens=12),
+    )
     resp = server.stub.Generate(req, timeout=60)
     assert resp.usage.prompt_tokens > 5
     assert 1 <= resp.usage.completion_tokens <= 12
@@ -101,25 +119,48 @@ def test_text_prompt_goes_through_the_chat_template_and_stops(server):
 
 BAD = [
     ("empty prompt", dict(), "empty"),
-    ("both prompt kinds", dict(prompt="hi", prompt_token_ids=[5, 6]), "not prompt and prompt_token_ids"),
+    (
+        "both prompt kinds",
+        dict(prompt="hi", prompt_token_ids=[5, 6]),
+        "not prompt and prompt_token_ids",
+    ),
     ("prompt longer than context", dict(prompt_token_ids=[5] * 600), "context"),
     ("max_tokens 0", dict(prompt_token_ids=[5, 6], sampling=dict(max_tokens=0)), "max_tokens"),
-    ("max_tokens beyond context", dict(prompt_token_ids=[5, 6], sampling=dict(max_tokens=600)), "context"),
+    (
+        "max_tokens beyond context",
+        dict(prompt_token_ids=[5, 6], sampling=dict(max_tokens=600)),
+        "context",
+    ),
     ("token id outside vocab", dict(prompt_token_ids=[5, 384]), "vocabulary"),
-    ("negative temperature", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, temperature=-0.5)),
-     "temperature"),
+    (
+        "negative temperature",
+        dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, temperature=-0.5)),
+        "temperature",
+    ),
     ("top_p zero", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, top_p=0.0)), "top_p"),
-    ("top_p above one", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, top_p=1.5)), "top_p"),
-    ("empty stop string", dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, stop=[""])), "stop"),
+    (
+        "top_p above one",
+        dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, top_p=1.5)),
+        "top_p",
+    ),
+    (
+        "empty stop string",
+        dict(prompt_token_ids=[5], sampling=dict(max_tokens=2, stop=[""])),
+        "stop",
+    ),
 ]
 
 
 @pytest.mark.parametrize("name,fields,needle", BAD, ids=[b[0] for b in BAD])
 @pytest.mark.parametrize("rpc", ["Generate", "GenerateStream"])
-def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(server, name, fields, needle, rpc):
+def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(
+    server, name, fields, needle, rpc
+):
     fields = dict(fields)
     sampling = fields.pop("sampling", dict(max_tokens=2))
-    req = generation_pb2.GenerateRequest(sampling=generation_pb2.SamplingParams(**sampling), **fields)
+    req = generation_pb2.GenerateRequest(
+        sampling=generation_pb2.SamplingParams(**sampling), **fields
+    )
     with pytest.raises(grpc.RpcError) as err:
         call = getattr(server.stub, rpc)(req, timeout=30)
         if rpc == "GenerateStream":
@@ -145,7 +186,9 @@ def test_cancelled_stream_frees_its_blocks_and_others_finish(server, tiny_model_
     others = workload(3, seed=5)
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(submit_all, server, others, False)
-        call = server.stub.GenerateStream(greedy_request([9, 8, 7, 6], 400, "to-cancel"), timeout=120)
+        call = server.stub.GenerateStream(
+            greedy_request([9, 8, 7, 6], 400, "to-cancel"), timeout=120
+        )
         got = 0
         for msg in call:
             got += len(msg.token_ids)
@@ -168,14 +211,19 @@ def test_abort_rpc_ends_a_request_and_frees_blocks_at_once(server):
     box = {}
 
     def consume():
-        box["result"] = run_stream_with_signal(server.stub, greedy_request([4, 4, 4], 400, "to-abort"), first)
+        box["result"] = run_stream_with_signal(
+            server.stub, greedy_request([4, 4, 4], 400, "to-abort"), first
+        )
 
     t = threading.Thread(target=consume)
     pids = server.worker_pids()
     t.start()
     assert first.wait(30)
-    with server.held_still(3.0, pids):  # no step runs: the request is still decoding when the Abort comes
-        assert any(r.request_id == "to-abort" for r in server.stats().requests), "finished before the Abort"
+    # no step runs: the request is still decoding when the Abort comes
+    with server.held_still(3.0, pids):
+        assert any(r.request_id == "to-abort" for r in server.stats().requests), (
+            "finished before the Abort"
+        )
         resp = server.stub.Abort(generation_pb2.AbortRequest(request_id="to-abort"), timeout=10)
         assert resp.aborted
         stats = server.stats()  # no waiting: Abort returns after the blocks are back
@@ -184,7 +232,9 @@ def test_abort_rpc_ends_a_request_and_frees_blocks_at_once(server):
     tokens, finish, usage = box["result"]
     assert finish == generation_pb2.ABORT
     assert 1 <= len(tokens) < 400 and usage.completion_tokens == len(tokens)
-    assert not server.stub.Abort(generation_pb2.AbortRequest(request_id="to-abort"), timeout=10).aborted
+    assert not server.stub.Abort(
+        generation_pb2.AbortRequest(request_id="to-abort"), timeout=10
+    ).aborted
     assert_all_blocks_back(server)
 
 
@@ -205,13 +255,22 @@ def test_model_info_health_and_reflection(server):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     info = server.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
-    assert (info.vocab_size, info.max_context, info.block_size, info.num_blocks) == (384, 512, 4, 256)
+    assert (info.vocab_size, info.max_context, info.block_size, info.num_blocks) == (
+        384,
+        512,
+        4,
+        256,
+    )
     assert list(info.eos_token_ids) == [2]
     health = health_pb2_grpc.HealthStub(server.channel)
-    status = health.Check(health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=10)
+    status = health.Check(
+        health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=10
+    )
     assert status.status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(server.channel)
-    answers = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    answers = refl.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
     names = {s.name for a in answers for s in a.list_services_response.service}
     assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
 
@@ -220,8 +279,9 @@ def test_duplicate_live_request_id_is_refused(server):
     """Live means admitted and not finished, waiting or running; the workers are held still so the first
     request cannot finish before the second arrives, however slowly this machine runs the test."""
     first = threading.Event()
-    t = threading.Thread(target=run_stream_with_signal,
-                         args=(server.stub, greedy_request([1, 2], 300, "dup"), first))
+    t = threading.Thread(
+        target=run_stream_with_signal, args=(server.stub, greedy_request([1, 2], 300, "dup"), first)
+    )
     with server.held_still(3.5):
         t.start()
         deadline = time.monotonic() + 2.5
@@ -245,11 +305,16 @@ def test_prometheus_metrics_count_requests_and_tokens(server):
     def scrape():
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=10).read().decode()
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
 
     before = scrape()
-    prompt = list(range(3, 40))  # more than two blocks: its second run finds them in the prefix cache
+    prompt = list(
+        range(3, 40)
+    )  # more than two blocks: its second run finds them in the prefix cache
     for _ in range(2):
         server.stub.Generate(greedy_request(prompt, 5), timeout=30)
     after = scrape()
@@ -263,16 +328,16 @@ def test_prometheus_metrics_count_requests_and_tokens(server):
     assert grew("pagedserve_prefix_cache_hit_tokens_total") >= 32  # the second run's cached blocks
     assert after['pagedserve_kv_blocks_total{replica="0"}'] == 256
     assert 0.0 <= after['pagedserve_kv_usage_ratio{replica="0"}'] <= 1.0
-    for series in ("pagedserve_time_to_first_token_seconds_count",
-                   "pagedserve_time_per_output_token_seconds_count",
-                   'pagedserve_inter_token_latency_seconds_count{replica="0"}',
-                   'pagedserve_queue_time_seconds_count{replica="0"}'):
+    for series in (
+        "pagedserve_time_to_first_token_seconds_count",
+        "pagedserve_time_per_output_token_seconds_count",
+        'pagedserve_inter_token_latency_seconds_count{replica="0"}',
+        'pagedserve_queue_time_seconds_count{replica="0"}',
+    ):
         assert grew(series) >= 2, series
-    assert grew('pagedserve_inter_token_latency_seconds_count{replica="0"}') == 8  # 4 gaps a request
-
-
-
-
+    assert (
+        grew('pagedserve_inter_token_latency_seconds_count{replica="0"}') == 8
+    )  # 4 gaps a request
 
 
 def test_n_samples_each_get_their_own_choice_and_stream_index(server):
@@ -280,7 +345,9 @@ def test_n_samples_each_get_their_own_choice_and_stream_index(server):
     resp = server.stub.Generate(req, timeout=60)
     assert [c.index for c in resp.choices] == [0, 1, 2]
     assert all(len(c.token_ids) == 12 for c in resp.choices)
-    assert len({tuple(c.token_ids) for c in resp.choices}) == 3, "samples with different seeds all agreed"
+    assert len({tuple(c.token_ids) for c in resp.choices}) == 3, (
+        "samples with different seeds all agreed"
+    )
     assert resp.usage.completion_tokens == 36 and resp.usage.prompt_tokens == 4
     tokens, _, finish, usage = run_stream(server.stub, req)
     assert {i: tokens[i] for i in range(3)} == {c.index: list(c.token_ids) for c in resp.choices}
@@ -293,16 +360,20 @@ def test_seeded_sampling_is_reproducible_even_across_preemption(server, tight_se
     """A seeded request draws the same tokens alone on a roomy pool and preempted on a tight one; with
     penalties too, whose context a recompute rewrites into fresh blocks."""
     items = workload(10, seed=9)
-    roomy = {rid: server.stub.Generate(sampled_request(p, m, seed=i, **controls),
-                                       timeout=120).choices[0].token_ids
-             for i, (rid, p, m, _) in enumerate(items)}
+    roomy = {
+        rid: server.stub.Generate(sampled_request(p, m, seed=i, **controls), timeout=120)
+        .choices[0]
+        .token_ids
+        for i, (rid, p, m, _) in enumerate(items)
+    }
     before = tight_server.stats().num_preemptions
 
     def one(i):
         rid, p, m, delay = items[i]
         time.sleep(delay)
-        return rid, tight_server.stub.Generate(sampled_request(p, m, seed=i, **controls),
-                                               timeout=120).choices[0].token_ids
+        return rid, tight_server.stub.Generate(
+            sampled_request(p, m, seed=i, **controls), timeout=120
+        ).choices[0].token_ids
 
     # all queued in a fixed order before the first step: the pool overflows however fast the machine
     with tight_server.queued_in_order(len(items)) as delays:
@@ -317,8 +388,9 @@ def test_seeded_sampling_is_reproducible_even_across_preemption(server, tight_se
 @pytest.mark.kernels
 def test_triton_backend_gives_the_same_greedy_outputs(server_factory, tiny_model_dir):
     """The worker with --attention-backend triton (interpreted without a GPU) against transformers."""
-    triton_server = server_factory(tiny_model_dir, "--block-size", "16", "--num-blocks", "64",
-                                   "--attention-backend", "triton")
+    triton_server = server_factory(
+        tiny_model_dir, "--block-size", "16", "--num-blocks", "64", "--attention-backend", "triton"
+    )
     items = [(f"tri-{i}", p, 6, 0.1 * i) for i, (_, p, _, _) in enumerate(workload(3, seed=11))]
     results = submit_all(triton_server, items, stream=True)
     for rid, prompt, max_tokens, _ in items:
@@ -330,33 +402,59 @@ def test_triton_backend_gives_the_same_greedy_outputs(server_factory, tiny_model
 def plain_server(server_factory, tiny_model_dir):
     # no prefix caching, no chunked prefill, no overlap: whole prompts in one step, each step planned after
     # the previous one's result
-    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "256", "--no-prefix-caching",
-                          "--no-chunked-prefill", "--max-num-batched-tokens", "512", "--no-overlap")
+    return server_factory(
+        tiny_model_dir,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "256",
+        "--no-prefix-caching",
+        "--no-chunked-prefill",
+        "--max-num-batched-tokens",
+        "512",
+        "--no-overlap",
+    )
 
 
 def shared_prefix_workload(seed, n=10):
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 384) for _ in range(rng.randint(9, 40))] for _ in range(3)]
-    return [(f"sp-{seed}-{i}",
-             rng.choice(prefixes) + [rng.randrange(3, 384) for _ in range(rng.randint(1, 6))],
-             rng.randint(3, 20), rng.uniform(0, 0.3)) for i in range(n)]
+    return [
+        (
+            f"sp-{seed}-{i}",
+            rng.choice(prefixes) + [rng.randrange(3, 384) for _ in range(rng.randint(1, 6))],
+            rng.randint(3, 20),
+            rng.uniform(0, 0.3),
+        )
+        for i in range(n)
+    ]
 
 
 def test_outputs_identical_with_prefix_caching_chunking_and_preemption_on_or_off(
-        server, plain_server, tight_server, tiny_model_dir):
+    server, plain_server, tight_server, tiny_model_dir
+):
     items = shared_prefix_workload(seed=21)
     expected = {rid: hf_greedy(tiny_model_dir, p, m) for rid, p, m, _ in items}
     hits_before = server.stats().prefix_cache_hits
-    for srv in (plain_server, server, server, tight_server):  # the second round on `server` hits its cache
+    # the second round on `server` hits its cache
+    for srv in (
+        plain_server,
+        server,
+        server,
+        tight_server,
+    ):
         results = submit_all(srv, items, stream=True)
         assert {rid: r[0] for rid, r in results.items()} == expected
         assert_all_blocks_back(srv)
     assert server.stats().prefix_cache_hits > hits_before
-    assert plain_server.stats().prefix_cache_hits == 0 and plain_server.stats().num_cached_blocks == 0
+    assert (
+        plain_server.stats().prefix_cache_hits == 0 and plain_server.stats().num_cached_blocks == 0
+    )
 
 
 def test_overlap_on_and_off_give_identical_sampled_outputs_cut_at_their_stops(
-        server, plain_server, tight_server):
+    server, plain_server, tight_server
+):
     """Seeded sampling with stop tokens: a request stops at the same token whether its steps were planned
     one by one (plain_server) or while the previous step ran (server, and tight_server, which preempts),
     and no token after its stop reaches the client."""
@@ -364,20 +462,37 @@ def test_overlap_on_and_off_give_identical_sampled_outputs_cut_at_their_stops(
 
     def request(i, prompt, max_tokens, stop=()):
         return generation_pb2.GenerateRequest(
-            request_id=f"ov-{i}", prompt_token_ids=prompt,
-            sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=100 + i,
-                                                   stop_token_ids=list(stop), ignore_eos=True))
+            request_id=f"ov-{i}",
+            prompt_token_ids=prompt,
+            sampling=generation_pb2.SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0.8,
+                seed=100 + i,
+                stop_token_ids=list(stop),
+                ignore_eos=True,
+            ),
+        )
 
-    free = [plain_server.stub.Generate(request(i, p, m + 8), timeout=120).choices[0].token_ids
-            for i, (_, p, m, _) in enumerate(items)]
-    stops = [(out[len(out) // 2],) for out in free]  # a token from the middle of each free-running output
-    want = [list(out[: list(out).index(stop[0]) + 1]) for out, stop in zip(free, stops, strict=True)]
+    free = [
+        plain_server.stub.Generate(request(i, p, m + 8), timeout=120).choices[0].token_ids
+        for i, (_, p, m, _) in enumerate(items)
+    ]
+    stops = [
+        (out[len(out) // 2],) for out in free
+    ]  # a token from the middle of each free-running output
+    want = [
+        list(out[: list(out).index(stop[0]) + 1]) for out, stop in zip(free, stops, strict=True)
+    ]
     for srv in (plain_server, server, tight_server):
         with ThreadPoolExecutor(len(items)) as pool:
-            got = list(pool.map(lambda i,
-                                srv=srv: run_stream(srv.stub,
-                                                    request(i, items[i][1], items[i][2] + 8, stops[i])),
-                                range(len(items))))
+            got = list(
+                pool.map(
+                    lambda i, srv=srv: run_stream(
+                        srv.stub, request(i, items[i][1], items[i][2] + 8, stops[i])
+                    ),
+                    range(len(items)),
+                )
+            )
         assert [g[0][0] for g in got] == want
         assert all(g[2][0] == generation_pb2.STOP for g in got)
         assert_all_blocks_back(srv)
@@ -414,8 +529,11 @@ def test_n4_holds_its_prompt_once_fewer_blocks_than_four_separate_sequences(serv
             for t in threads:
                 t.join(30)
             if len(rows) == len(ids) and all(r.num_tokens > len(prompt) for r in rows):
-                return (sum(r.num_blocks for r in rows), sum(r.num_bytes for r in rows),
-                        sum(r.num_tokens for r in rows))
+                return (
+                    sum(r.num_blocks for r in rows),
+                    sum(r.num_bytes for r in rows),
+                    sum(r.num_tokens for r in rows),
+                )
         raise AssertionError(f"not all of {sorted(ids)} decoding when held: {rows}")
 
     n4 = sampled_request(prompt, 100, seed=1, n=4, request_id="n4")  # 10 + 4 x 25 blocks at most
@@ -435,8 +553,13 @@ def test_samples_never_see_each_others_tokens(server):
     """Sample i of an n=3 request draws exactly what a lone request with seed + i draws."""
     prompt = [31, 41, 59, 26, 53, 58, 97]
     together = server.stub.Generate(sampled_request(prompt, 15, seed=100, n=3), timeout=60)
-    alone = [list(server.stub.Generate(sampled_request(prompt, 15, seed=100 + i),
-                                       timeout=60).choices[0].token_ids)
-             for i in range(3)]
+    alone = [
+        list(
+            server.stub.Generate(sampled_request(prompt, 15, seed=100 + i), timeout=60)
+            .choices[0]
+            .token_ids
+        )
+        for i in range(3)
+    ]
     assert [list(c.token_ids) for c in together.choices] == alone
     assert len({tuple(a) for a in alone}) == 3

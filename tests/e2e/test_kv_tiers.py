@@ -22,16 +22,26 @@ from worker.model.kv_tiers import HEADER
 
 pytestmark = pytest.mark.slow
 
-SMALL = ("--block-size", "4", "--num-blocks", "48", "--max-model-len", "160",
-         "--max-num-batched-tokens", "64")
+SMALL = (
+    "--block-size",
+    "4",
+    "--num-blocks",
+    "48",
+    "--max-model-len",
+    "160",
+    "--max-num-batched-tokens",
+    "64",
+)
 
 
 def chats(seed=0, docs=5, turns=2):
     """Turn by turn, each document (60 tokens, more than the pool holds beside the others) with a new tail."""
     rng = random.Random(seed)
     texts = [[rng.randrange(3, 380) for _ in range(60)] for _ in range(docs)]
-    return [[doc + [rng.randrange(3, 380) for _ in range(3 * (t + 1))] for doc in texts]
-            for t in range(turns)]
+    return [
+        [doc + [rng.randrange(3, 380) for _ in range(3 * (t + 1))] for doc in texts]
+        for t in range(turns)
+    ]
 
 
 def run(server, prompts, max_tokens=6):
@@ -73,26 +83,31 @@ def files(folder):
     return sorted(p for p in folder.rglob("*.kv"))
 
 
-def test_host_and_disk_tiers_give_the_same_answers_and_serve_returning_turns(serve, tiny_model_dir,
-                                                                           reference, tmp_path):
+def test_host_and_disk_tiers_give_the_same_answers_and_serve_returning_turns(
+    serve, tiny_model_dir, reference, tmp_path
+):
     host = serve(tiny_model_dir, *SMALL, "--kv-offload-size", "4MiB")
     disk = serve(tiny_model_dir, *SMALL, "--kv-offload-dir", str(tmp_path / "kv"))
     for server in (host, disk):
         for t, prompts in enumerate(chats()):
             got = run(server, prompts)
             assert [g for g, _ in got] == [g for g, _ in reference[t]]
-            if t:  # a returning turn finds its document below the pool, not in it (others evicted it)
+            # a returning turn finds its document below the pool, not in it (others evicted it)
+            if t:
                 assert all(cached >= 56 for _, cached in got), got
                 assert all(cached == 0 for _, cached in reference[t]), reference[t]
         stats = server.stats()
         assert stats.host_tier_loaded + stats.disk_tier_loaded >= 5 * 14
         assert stats.kv_load_failures == 0
         assert_all_blocks_back(server)
-    assert host.stats().host_tier_capacity > 0 and disk.stats().disk_tier_blocks == len(files(tmp_path))
+    assert host.stats().host_tier_capacity > 0 and disk.stats().disk_tier_blocks == len(
+        files(tmp_path)
+    )
 
 
-def test_the_disk_tier_survives_a_restart_and_faults_are_misses(serve, tiny_model_dir, reference,
-                                                                 tmp_path):
+def test_the_disk_tier_survives_a_restart_and_faults_are_misses(
+    serve, tiny_model_dir, reference, tmp_path
+):
     folder = tmp_path / "kv"
     first = serve(tiny_model_dir, *SMALL, "--kv-offload-dir", str(folder))
     assert [g for g, _ in run(first, chats()[0])] == [g for g, _ in reference[0]]
@@ -121,12 +136,15 @@ def test_the_disk_tier_survives_a_restart_and_faults_are_misses(serve, tiny_mode
 
 def test_the_disk_tier_stays_within_its_size(serve, tiny_model_dir, reference, tmp_path):
     folder = tmp_path / "kv"
-    small = serve(tiny_model_dir, *SMALL, "--kv-offload-dir", str(folder),
-                           "--kv-offload-disk-size", "40KB")
+    small = serve(
+        tiny_model_dir, *SMALL, "--kv-offload-dir", str(folder), "--kv-offload-disk-size", "40KB"
+    )
     for t, prompts in enumerate(chats()):
         assert [g for g, _ in run(small, prompts)] == [g for g, _ in reference[t]]
     stats = small.stats()
-    per_file = HEADER.size + stats.bytes_per_block + 4 * 4  # header, K/V, the block's four token ids
+    per_file = (
+        HEADER.size + stats.bytes_per_block + 4 * 4
+    )  # header, K/V, the block's four token ids
     cap = 40_000 // per_file
     assert stats.disk_tier_capacity == cap and stats.disk_tier_blocks <= cap
     assert stats.disk_tier_stored > 2 * cap and len(files(folder)) <= cap
@@ -135,16 +153,31 @@ def test_the_disk_tier_stays_within_its_size(serve, tiny_model_dir, reference, t
 def test_a_folder_that_cannot_be_written_is_refused_in_one_line(tiny_model_dir, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--model", str(tiny_model_dir),
-                           "--port", "0", "--kv-offload-dir", str(blocker / "kv")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--kv-offload-dir",
+            str(blocker / "kv"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--kv-offload-dir" in proc.stderr and "cannot be written" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-def test_tensor_parallel_ranks_write_and_read_their_own_shares(serve, tiny_model_dir, reference,
-                                                               tmp_path):
+def test_tensor_parallel_ranks_write_and_read_their_own_shares(
+    serve, tiny_model_dir, reference, tmp_path
+):
     folder = tmp_path / "kv"
     tp = serve(tiny_model_dir, *SMALL, "--tp", "2", "--kv-offload-dir", str(folder))
     for t, prompts in enumerate(chats()):
@@ -155,12 +188,20 @@ def test_tensor_parallel_ranks_write_and_read_their_own_shares(serve, tiny_model
     assert isinstance(tp.stats(), generation_pb2.CacheStats)
 
 
-def test_a_killed_worker_reads_the_documents_back_from_disk_and_turns_at_once_preempt(serve,
-                                                                                     tiny_model_dir, off,
-                                                                                     reference, tmp_path):
+def test_a_killed_worker_reads_the_documents_back_from_disk_and_turns_at_once_preempt(
+    serve, tiny_model_dir, off, reference, tmp_path
+):
     # the smallest pool a full context fits: two answers at once outgrow it
-    server = serve(tiny_model_dir, *SMALL, "--num-blocks", "40", "--kv-offload-size", "4MiB",
-                            "--kv-offload-dir", str(tmp_path / "kv"))
+    server = serve(
+        tiny_model_dir,
+        *SMALL,
+        "--num-blocks",
+        "40",
+        "--kv-offload-size",
+        "4MiB",
+        "--kv-offload-dir",
+        str(tmp_path / "kv"),
+    )
     assert [g for g, _ in run(server, chats()[0])] == [g for g, _ in reference[0]]
     (first,) = server.stats().replicas[0].worker_pids
     os.kill(first, signal.SIGKILL)  # its pool and host tier are gone; the disk is not
@@ -172,16 +213,22 @@ def test_a_killed_worker_reads_the_documents_back_from_disk_and_turns_at_once_pr
     turn = chats()[1]
     want = [g for g, _ in run(off, turn, 30)]  # long enough that two answers outgrow the pool
     with server.queued_in_order(len(turn)) as delays, ThreadPoolExecutor(len(turn)) as pool:
+
         def one(i):
             time.sleep(delays[i])
             resp = server.stub.Generate(greedy_request(turn[i], 30), timeout=120)
             return list(resp.choices[0].token_ids), resp.usage.cached_prompt_tokens
+
         got = list(pool.map(one, range(len(turn))))
     assert [g for g, _ in got] == want
     stats = server.stats()
     assert stats.disk_tier_loaded >= 3 * 14 and sum(c >= 56 for _, c in got) >= 3, got
     assert stats.num_preemptions > 0  # five documents do not fit the pool at once
     assert_all_blocks_back(server)
-    table = subprocess.run([sys.executable, "-m", "deploy.cli", "stats", "--server", server.address],
-                           capture_output=True, text=True, timeout=60).stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "stats", "--server", server.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert "host tier" in table and "disk tier" in table, table

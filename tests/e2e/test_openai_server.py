@@ -50,7 +50,9 @@ TIME = {
 
 @pytest.fixture(scope="module")
 def server(server_factory, tiny_model_dir):
-    return server_factory(tiny_model_dir, "--api-key", KEY, "--served-model-name", "tiny", "tiny-alias")
+    return server_factory(
+        tiny_model_dir, "--api-key", KEY, "--served-model-name", "tiny", "tiny-alias"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,9 @@ CONVERSATION = [
 
 
 def test_a_two_turn_chat_equals_grpc_and_streams_the_same_text_with_usage(server, client):
-    answer = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=12, temperature=0)
+    answer = client.chat.completions.create(
+        model="tiny", messages=CONVERSATION, max_tokens=12, temperature=0
+    )
     expected = grpc_answer(
         server,
         messages=[generation_pb2.ChatMessage(**m) for m in CONVERSATION],
@@ -115,7 +119,9 @@ def test_a_two_turn_chat_equals_grpc_and_streams_the_same_text_with_usage(server
 
 def test_completion_logprobs_equal_grpc_and_n2_with_a_seed_repeats(server, client):
     prompt = "the quick brown fox"
-    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    got = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=3
+    )
     want = grpc_answer(
         server,
         prompt=prompt,
@@ -124,12 +130,18 @@ def test_completion_logprobs_equal_grpc_and_n2_with_a_seed_repeats(server, clien
     )
     lp = got.choices[0].logprobs
     assert got.choices[0].text == want.choices[0].text
-    assert lp.token_logprobs == pytest.approx([t.logprob for t in want.choices[0].logprobs], abs=1e-6)
-    assert [len(t) for t in lp.top_logprobs] == [3] * 6 or all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    assert lp.token_logprobs == pytest.approx(
+        [t.logprob for t in want.choices[0].logprobs], abs=1e-6
+    )
+    assert [len(t) for t in lp.top_logprobs] == [3] * 6 or all(
+        1 <= len(t) <= 3 for t in lp.top_logprobs
+    )
     assert "".join(lp.tokens) == got.choices[0].text
 
     twice = [
-        client.completions.create(model="tiny", prompt=prompt, max_tokens=8, n=2, seed=11, temperature=1.0)
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=8, n=2, seed=11, temperature=1.0
+        )
         for _ in range(2)
     ]
     assert [c.text for c in twice[0].choices] == [c.text for c in twice[1].choices]
@@ -141,7 +153,10 @@ def test_completion_logprobs_equal_grpc_and_n2_with_a_seed_repeats(server, clien
 def test_structured_output_and_tool_calls_parse(server, client):
     schema = {
         "type": "object",
-        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+        "properties": {
+            "answer": {"type": "string", "enum": ["yes", "no"]},
+            "sure": {"type": "boolean"},
+        },
         "required": ["answer", "sure"],
         "additionalProperties": False,
     }
@@ -151,7 +166,10 @@ def test_structured_output_and_tool_calls_parse(server, client):
         max_tokens=40,
         temperature=0.8,
         seed=1,
-        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "verdict", "schema": schema},
+        },
     )
     data = json.loads(got.choices[0].message.content)
     assert data["answer"] in ("yes", "no") and isinstance(data["sure"], bool)
@@ -211,7 +229,11 @@ def test_structured_output_and_tool_calls_parse(server, client):
             400,
             "max_tokens must be at least 1",
         ),
-        ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "'gpt-4' does not exist"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"},
+            404,
+            "'gpt-4' does not exist",
+        ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
             400,
@@ -227,9 +249,17 @@ def test_structured_output_and_tool_calls_parse(server, client):
             400,
             "frobnicate: is not a field",
         ),
-        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "no tools"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+            400,
+            "no tools",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ]
+            },
             400,
             "text only",
         ),
@@ -247,15 +277,27 @@ def test_bad_chat_requests_are_answered_in_openais_error_shape(server, body, sta
 
 def test_an_error_names_the_field_it_is_about_as_param(server):
     hi = [{"role": "user", "content": "hi"}]
-    cases = [({"messages": []}, "messages"), ({"messages": hi, "max_tokens": -1}, "max_tokens"),
-             ({"messages": hi, "frobnicate": 1}, "frobnicate"),
-             ({"messages": hi, "top_logprobs": 3}, "top_logprobs"),
-             ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-              "messages[0].content[0]"),
-             ({"messages": hi, "temperature": "hot"}, "temperature")]
+    cases = [
+        ({"messages": []}, "messages"),
+        ({"messages": hi, "max_tokens": -1}, "max_tokens"),
+        ({"messages": hi, "frobnicate": 1}, "frobnicate"),
+        ({"messages": hi, "top_logprobs": 3}, "top_logprobs"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ]
+            },
+            "messages[0].content[0]",
+        ),
+        ({"messages": hi, "temperature": "hot"}, "temperature"),
+    ]
     for body, param in cases:
-        r = httpx.post(f"{server.http_url}/chat/completions", json=body,
-                       headers={"Authorization": f"Bearer {KEY}"})
+        r = httpx.post(
+            f"{server.http_url}/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
 
@@ -268,7 +310,10 @@ def test_malformed_json_a_missing_key_and_unknown_routes(server):
     )
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert (
-        httpx.get(f"{server.http_url}/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        httpx.get(
+            f"{server.http_url}/models", headers={"Authorization": "Bearer wrong"}
+        ).status_code
+        == 401
     )
     r = httpx.get(f"{server.http_url}/nothing", headers=auth)
     assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"]
@@ -338,17 +383,23 @@ def test_auto_tool_calls_are_parsed_out_of_hermes_blocks_whole_and_streamed():
 def test_tokenize_and_detokenize_as_vllm_serves_them(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     text = httpx.post(
-        f"{server.http_url.removesuffix('/v1')}/tokenize", json={"prompt": "the quick brown"}, headers=auth
+        f"{server.http_url.removesuffix('/v1')}/tokenize",
+        json={"prompt": "the quick brown"},
+        headers=auth,
     ).json()
     want = server.stub.Generate(
         generation_pb2.GenerateRequest(
-            prompt="the quick brown", raw_prompt=True, sampling=generation_pb2.SamplingParams(max_tokens=1)
+            prompt="the quick brown",
+            raw_prompt=True,
+            sampling=generation_pb2.SamplingParams(max_tokens=1),
         ),
         timeout=60,
     ).usage.prompt_tokens
     assert text["count"] == len(text["tokens"]) == want and text["max_model_len"] > 0
     chat = httpx.post(
-        f"{server.http_url.removesuffix('/v1')}/tokenize", json={"messages": CONVERSATION}, headers=auth
+        f"{server.http_url.removesuffix('/v1')}/tokenize",
+        json={"messages": CONVERSATION},
+        headers=auth,
     ).json()
     expected = grpc_answer(
         server,
@@ -357,7 +408,9 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server):
     ).usage.prompt_tokens
     assert chat["count"] == expected
     back = httpx.post(
-        f"{server.http_url.removesuffix('/v1')}/detokenize", json={"tokens": text["tokens"]}, headers=auth
+        f"{server.http_url.removesuffix('/v1')}/detokenize",
+        json={"tokens": text["tokens"]},
+        headers=auth,
     ).json()
     assert back["prompt"] == "the quick brown"
     bad = httpx.post(
@@ -366,44 +419,97 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(server):
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
 
 
-def test_prompt_logprobs_on_both_endpoints_and_echo_with_logprobs_as_vllm_serves_them(server, client):
+def test_prompt_logprobs_on_both_endpoints_and_echo_with_logprobs_as_vllm_serves_them(
+    server, client
+):
     prompt = "the quick brown fox"
-    want = grpc_answer(server, prompt=prompt, raw_prompt=True, sampling=generation_pb2.SamplingParams(
-        max_tokens=4, temperature=0, prompt_logprobs=2, logprobs=2))
+    want = grpc_answer(
+        server,
+        prompt=prompt,
+        raw_prompt=True,
+        sampling=generation_pb2.SamplingParams(
+            max_tokens=4, temperature=0, prompt_logprobs=2, logprobs=2
+        ),
+    )
     expected = [lp.logprob for lp in want.prompt_logprobs]
-    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
-                                    extra_body={"prompt_logprobs": 2})
+    got = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
     entries = got.choices[0].model_extra["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(expected) + 1
-    own = [e[str(lp.token_id)]["logprob"] for e, lp in zip(entries[1:], want.prompt_logprobs, strict=True)]
+    own = [
+        e[str(lp.token_id)]["logprob"]
+        for e, lp in zip(entries[1:], want.prompt_logprobs, strict=True)
+    ]
     assert own == pytest.approx(expected, abs=1e-6)
     assert all(2 <= len(e) <= 3 for e in entries[1:])  # the prompt's token and the 2 most likely
 
-    streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
-                                              stream=True, extra_body={"prompt_logprobs": 2}))
+    streamed = list(
+        client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            extra_body={"prompt_logprobs": 2},
+        )
+    )
     assert streamed[0].choices[0].model_extra["prompt_logprobs"] == entries
 
-    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True,
-                                       logprobs=2)
+    echoed = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2
+    )
     lp = echoed.choices[0].logprobs
     assert echoed.choices[0].text == prompt + want.choices[0].text
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:] == pytest.approx(
-        expected + [t.logprob for t in want.choices[0].logprobs], abs=1e-6)
-    assert "".join(lp.tokens) == echoed.choices[0].text and lp.text_offset[len(expected) + 1] == len(prompt)
-    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
-                                            echo=True, logprobs=2, stream=True))
+        expected + [t.logprob for t in want.choices[0].logprobs], abs=1e-6
+    )
+    assert "".join(lp.tokens) == echoed.choices[0].text and lp.text_offset[
+        len(expected) + 1
+    ] == len(prompt)
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=4,
+            temperature=0,
+            echo=True,
+            logprobs=2,
+            stream=True,
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
-    assert [x for c in chunks if c.choices and c.choices[0].logprobs
-            for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    assert [
+        x
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for x in c.choices[0].logprobs.token_logprobs
+    ] == lp.token_logprobs
 
-    one = client.completions.create(model="tiny", prompt=[5], max_tokens=2, extra_body={"prompt_logprobs": 1})
-    assert one.choices[0].model_extra["prompt_logprobs"] == [None]  # nothing comes before the first token
-    chat = client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=2, temperature=0,
-                                          extra_body={"prompt_logprobs": 1})
+    one = client.completions.create(
+        model="tiny", prompt=[5], max_tokens=2, extra_body={"prompt_logprobs": 1}
+    )
+    assert one.choices[0].model_extra["prompt_logprobs"] == [
+        None
+    ]  # nothing comes before the first token
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=CONVERSATION,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"prompt_logprobs": 1},
+    )
     chat_entries = chat.model_extra["prompt_logprobs"]
     assert chat_entries[0] is None and len(chat_entries) == chat.usage.prompt_tokens
-    with pytest.raises(openai.BadRequestError, match="prompt_logprobs is served on a chat request with"):
-        client.chat.completions.create(model="tiny", messages=CONVERSATION, max_tokens=2, stream=True,
-                                       extra_body={"prompt_logprobs": 1})
+    with pytest.raises(
+        openai.BadRequestError, match="prompt_logprobs is served on a chat request with"
+    ):
+        client.chat.completions.create(
+            model="tiny",
+            messages=CONVERSATION,
+            max_tokens=2,
+            stream=True,
+            extra_body={"prompt_logprobs": 1},
+        )
     no_leak(server)

@@ -50,10 +50,13 @@ def server(server_factory):
     made = [body for lang, body in BLOCKS if lang == "python" and "save_pretrained" in body]
     extra = []
     if made:
-        subprocess.run([sys.executable, "-c", made[0]], cwd=ROOT, check=True, capture_output=True,
-                       timeout=300)
+        subprocess.run(
+            [sys.executable, "-c", made[0]], cwd=ROOT, check=True, capture_output=True, timeout=300
+        )
         extra = ["--lora-modules", re.search(r"--lora-modules (\S+)", README)[1]]
-    return server_factory(MODEL_DIR, "--max-model-len", "2048", "--kv-cache-memory", "256MiB", *extra)
+    return server_factory(
+        MODEL_DIR, "--max-model-len", "2048", "--kv-cache-memory", "256MiB", *extra
+    )
 
 
 def localize(text: str, server) -> str:
@@ -61,9 +64,7 @@ def localize(text: str, server) -> str:
     example (this one serves its adapter too)."""
     for grpc_address in ("localhost:50051", "localhost:50052"):
         text = text.replace(grpc_address, server.address)
-    return text.replace(
-        "127.0.0.1:8000", f"127.0.0.1:{server.http_port}"
-    )
+    return text.replace("127.0.0.1:8000", f"127.0.0.1:{server.http_port}")
 
 
 def test_the_readme_has_its_examples():
@@ -77,14 +78,24 @@ def test_every_readme_command_runs(server, command):
     if command.endswith(" top"):  # the live view, drawn twice instead of until Ctrl-C
         command += " --iterations 2 --interval 0.5 --no-screen"
     r = subprocess.run(
-        localize(command, server), shell=True, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env
+        localize(command, server),
+        shell=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert r.returncode == 0, f"{command}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
-    assert "Traceback" not in r.stderr and "error" not in r.stdout[:200].lower(), r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "error" not in r.stdout[:200].lower(), (
+        r.stdout + r.stderr
+    )
 
 
 @pytest.mark.parametrize("index", [i for i, (lang, _) in enumerate(BLOCKS) if lang == "python"])
 def test_every_readme_snippet_runs(server, index):
     code = localize(BLOCKS[index][1], server)
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, f"{code}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"

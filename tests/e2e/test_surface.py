@@ -21,13 +21,27 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(server_factory, tiny_model_dir):
-    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "200",
-                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+    return server_factory(
+        tiny_model_dir,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "200",
+        "--max-num-batched-tokens",
+        "32",
+        "--max-num-seqs",
+        "16",
+    )
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def in_terminal(argv: list[str], seconds: float, columns: int = 120, rows: int = 50) -> str:
@@ -35,8 +49,9 @@ def in_terminal(argv: list[str], seconds: float, columns: int = 120, rows: int =
     master, slave = pty.openpty()
     env = {**os.environ, "COLUMNS": str(columns), "LINES": str(rows), "TERM": "xterm-256color"}
     env.pop("NO_COLOR", None)
-    proc = subprocess.Popen(argv, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True
+    )
     os.close(slave)
     out = b""
     deadline = time.monotonic() + seconds
@@ -73,9 +88,14 @@ def test_top_draws_the_pool_the_rates_and_the_requests_holding_most_blocks(serve
         i = 0
         while not stop.is_set():
             try:
-                server.stub.Generate(generation_pb2.GenerateRequest(
-                    request_id=f"busy-{i}", prompt_token_ids=list(range(3, 60)),
-                    sampling=generation_pb2.SamplingParams(max_tokens=150, ignore_eos=True)), timeout=60)
+                server.stub.Generate(
+                    generation_pb2.GenerateRequest(
+                        request_id=f"busy-{i}",
+                        prompt_token_ids=list(range(3, 60)),
+                        sampling=generation_pb2.SamplingParams(max_tokens=150, ignore_eos=True),
+                    ),
+                    timeout=60,
+                )
             except Exception:  # noqa: BLE001 - the test reads the screen, not these answers
                 pass
             i += 1
@@ -85,8 +105,22 @@ def test_top_draws_the_pool_the_rates_and_the_requests_holding_most_blocks(serve
         w.start()
     try:
         time.sleep(1.0)
-        screen = in_terminal([sys.executable, "-m", "deploy.cli", "top", "--server", server.address,
-                              "--iterations", "4", "--interval", "0.5", "--no-screen"], seconds=60)
+        screen = in_terminal(
+            [
+                sys.executable,
+                "-m",
+                "deploy.cli",
+                "top",
+                "--server",
+                server.address,
+                "--iterations",
+                "4",
+                "--interval",
+                "0.5",
+                "--no-screen",
+            ],
+            seconds=60,
+        )
     finally:
         stop.set()
         for w in workers:
@@ -94,8 +128,17 @@ def test_top_draws_the_pool_the_rates_and_the_requests_holding_most_blocks(serve
     text = plain(screen)
     assert "pagedserve top" in text and "@ " + server.address in text
     assert "█" in text  # the pool's bar
-    for word in ("held", "shared", "cached", "free", "running", "waiting", "prefix hit rate", "tokens/s",
-                 "requests holding the most blocks"):
+    for word in (
+        "held",
+        "shared",
+        "cached",
+        "free",
+        "running",
+        "waiting",
+        "prefix hit rate",
+        "tokens/s",
+        "requests holding the most blocks",
+    ):
         assert word in text, word
     assert re.search(r"busy-\d+", text)  # a request holding blocks, by id (--expose-request-ids)
     rates = [float(x.replace(",", "")) for x in re.findall(r"tokens/s\s+([\d,]+\.\d)", text)]
@@ -131,33 +174,72 @@ def test_stats_is_a_table_and_json_for_machines(server):
 
 
 def test_generate_passes_every_control_and_prints_json_or_text(server):
-    out = cli("generate", "--server", server.address, "--raw", "hello", "--greedy", "--max-tokens", "5",
-              "--ignore-eos", "--logprobs", "2", "--logit-bias", "7=100", "--json")
+    out = cli(
+        "generate",
+        "--server",
+        server.address,
+        "--raw",
+        "hello",
+        "--greedy",
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--logprobs",
+        "2",
+        "--logit-bias",
+        "7=100",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     resp = json.loads(out.stdout)
     choice = resp["choices"][0]
     assert choice["tokenIds"] == [7] * 5 and len(choice["logprobs"]) == 5
     assert all(len(lp["topLogprobs"]) == 2 for lp in choice["logprobs"])
-    text = cli("generate", "--server", server.address, "--raw", "hello", "--max-tokens", "4", "--ignore-eos",
-               "--seed", "1", "--logprobs", "1", "-v")
-    assert text.returncode == 0 and "logprobs:" in text.stderr and "completion 4 tokens" in text.stderr
+    text = cli(
+        "generate",
+        "--server",
+        server.address,
+        "--raw",
+        "hello",
+        "--max-tokens",
+        "4",
+        "--ignore-eos",
+        "--seed",
+        "1",
+        "--logprobs",
+        "1",
+        "-v",
+    )
+    assert (
+        text.returncode == 0 and "logprobs:" in text.stderr and "completion 4 tokens" in text.stderr
+    )
     bad = cli("generate", "--server", server.address, "hi", "--repetition-penalty", "9")
     assert bad.returncode == 2 and "--repetition-penalty: 9.0 is outside (0.0, 2.0]" in bad.stderr
     refused = cli("generate", "--server", server.address, "hi", "--max-tokens", "100000")
-    assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr and "context" in refused.stderr
+    assert (
+        refused.returncode == 1
+        and "INVALID_ARGUMENT" in refused.stderr
+        and "context" in refused.stderr
+    )
 
 
-def test_the_server_log_ends_start_up_with_where_it_serves_and_how_to_try_it(server, tiny_model_dir):
+def test_the_server_log_ends_start_up_with_where_it_serves_and_how_to_try_it(
+    server, tiny_model_dir
+):
     lines = server.log_path.read_text().splitlines()
     ready = [i for i, line in enumerate(lines) if line.startswith("pagedserve is serving")]
     assert len(ready) == 1
-    head, grpc_line, http_line = lines[ready[0]:ready[0] + 3]
-    assert head.startswith(f"pagedserve is serving {tiny_model_dir.name} (")  # the name /v1/models lists
+    head, grpc_line, http_line = lines[ready[0] : ready[0] + 3]
+    assert head.startswith(
+        f"pagedserve is serving {tiny_model_dir.name} ("
+    )  # the name /v1/models lists
     assert "Authorization" not in http_line  # no key asked for, none shown
     assert "KV pool 200 blocks x 4 tokens" in head
     assert "requests without max_tokens stop at 1,024 tokens" in head
     assert grpc_line.split()[:2] == ["gRPC", server.address]
-    assert re.search(r"try: (\S*/)?pagedserve generate --server " + re.escape(server.address), grpc_line)
+    assert re.search(
+        r"try: (\S*/)?pagedserve generate --server " + re.escape(server.address), grpc_line
+    )
     assert http_line.split()[:2] == ["OpenAI", server.http_url]
     assert f"curl {server.http_url}/chat/completions" in http_line
     # not a terminal: every other line is a JSON event
@@ -166,15 +248,26 @@ def test_the_server_log_ends_start_up_with_where_it_serves_and_how_to_try_it(ser
 
 
 def test_logs_are_console_lines_on_a_terminal_and_json_when_asked():
-    code = ("import structlog; from protos.logs import configure_logging; import sys;"
-            "configure_logging('info', 'probe', sys.argv[1]);"
-            "structlog.get_logger('t').info('hello_event', request_id='r-1', n=3)")
+    code = (
+        "import structlog; from protos.base.logs import configure_logging; import sys;"
+        "configure_logging('info', 'probe', sys.argv[1]);"
+        "structlog.get_logger('t').info('hello_event', request_id='r-1', n=3)"
+    )
     console = plain(in_terminal([sys.executable, "-c", code, "auto"], seconds=30))
-    assert "hello_event" in console and "request_id=r-1" in console and not console.lstrip().startswith("{")
-    forced = subprocess.run([sys.executable, "-c", code, "json"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=30)
+    assert (
+        "hello_event" in console
+        and "request_id=r-1" in console
+        and not console.lstrip().startswith("{")
+    )
+    forced = subprocess.run(
+        [sys.executable, "-c", code, "json"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
     event = json.loads(forced.stderr.strip().splitlines()[-1])
-    assert event["event"] == "hello_event" and event["request_id"] == "r-1" and event["process"] == "probe"
+    assert (
+        event["event"] == "hello_event"
+        and event["request_id"] == "r-1"
+        and event["process"] == "probe"
+    )
 
 
 def test_top_shows_each_replica_and_a_lost_one_in_red_words():
@@ -185,12 +278,30 @@ def test_top_shows_each_replica_and_a_lost_one_in_red_words():
 
     from deploy.console import Reading, top_view
 
-    s = generation_pb2.CacheStats(block_size=16, num_blocks=200, num_free_blocks=150, num_cached_blocks=20,
-                                  num_shared_blocks=5, bytes_per_block=1 << 20, used_bytes=30 << 20,
-                                  total_bytes=200 << 20, utilization=0.15, num_running=7,
-                                  num_generated_tokens=900)
-    s.replicas.add(replica=0, serving=True, status="serving", num_blocks=200, num_free_blocks=150,
-                   num_cached_blocks=20, utilization=0.15, num_running=7, num_requests=12)
+    s = generation_pb2.CacheStats(
+        block_size=16,
+        num_blocks=200,
+        num_free_blocks=150,
+        num_cached_blocks=20,
+        num_shared_blocks=5,
+        bytes_per_block=1 << 20,
+        used_bytes=30 << 20,
+        total_bytes=200 << 20,
+        utilization=0.15,
+        num_running=7,
+        num_generated_tokens=900,
+    )
+    s.replicas.add(
+        replica=0,
+        serving=True,
+        status="serving",
+        num_blocks=200,
+        num_free_blocks=150,
+        num_cached_blocks=20,
+        utilization=0.15,
+        num_running=7,
+        num_requests=12,
+    )
     s.replicas.add(replica=1, serving=False, status="worker rank 0 of replica 1 exited")
     s.requests.add(request_id="", num_blocks=9, num_tokens=140, num_bytes=9 << 20)
     before = Reading(generation_pb2.CacheStats(num_generated_tokens=400), 10.0)
@@ -205,7 +316,12 @@ def test_top_shows_each_replica_and_a_lost_one_in_red_words():
     from deploy.console import stats_view
 
     for r in s.replicas:  # the largest figures a replica shows still fit an 80-column terminal
-        r.num_blocks, r.num_free_blocks, r.num_requests, r.num_waiting = 1_234_567, 1_000_000, 9_876_543, 4096
+        r.num_blocks, r.num_free_blocks, r.num_requests, r.num_waiting = (
+            1_234_567,
+            1_000_000,
+            9_876_543,
+            4096,
+        )
     narrow = io.StringIO()
     Console(file=narrow, width=80).print(stats_view(s))
     lines = narrow.getvalue().splitlines()
@@ -215,14 +331,37 @@ def test_top_shows_each_replica_and_a_lost_one_in_red_words():
 
 
 def test_generate_with_a_system_prompt_equals_the_same_messages(server):
-    out = cli("generate", "--server", server.address, "the fox", "--system", "you are terse", "--greedy",
-              "--max-tokens", "6", "--ignore-eos", "--json")
+    out = cli(
+        "generate",
+        "--server",
+        server.address,
+        "the fox",
+        "--system",
+        "you are terse",
+        "--greedy",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)["choices"][0]["tokenIds"]
-    want = server.stub.Generate(generation_pb2.GenerateRequest(messages=[
-        generation_pb2.ChatMessage(role="system", content="you are terse"),
-        generation_pb2.ChatMessage(role="user", content="the fox")], sampling=generation_pb2.SamplingParams(
-            max_tokens=6, temperature=0, ignore_eos=True)), timeout=30).choices[0].token_ids
+    want = (
+        server.stub.Generate(
+            generation_pb2.GenerateRequest(
+                messages=[
+                    generation_pb2.ChatMessage(role="system", content="you are terse"),
+                    generation_pb2.ChatMessage(role="user", content="the fox"),
+                ],
+                sampling=generation_pb2.SamplingParams(
+                    max_tokens=6, temperature=0, ignore_eos=True
+                ),
+            ),
+            timeout=30,
+        )
+        .choices[0]
+        .token_ids
+    )
     assert got == list(want)
 
 
@@ -230,32 +369,78 @@ def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
     """Two turns, /reset, then an answer stopped with Ctrl-C: the conversation each turn sends is what the
     server saw (its prompt grows with the history and starts over after /reset), and the stopped request
     is gone from the server at once."""
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "chat", "--server", server.address,
-                             "--greedy",
-                             "--max-tokens", "4", "--ignore-eos", "--system", "be brief"], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "chat",
+            "--server",
+            server.address,
+            "--greedy",
+            "--max-tokens",
+            "4",
+            "--ignore-eos",
+            "--system",
+            "be brief",
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate("the fox\nand the dog\n/reset\nthe fox\n/exit\n", timeout=60)
         assert proc.returncode == 0 and "conversation forgotten" in err
 
         def answer(*turns):
             roles = ["system"] + ["user", "assistant"] * (len(turns) // 2) + ["user"]
-            msgs = [generation_pb2.ChatMessage(role=r, content=c)
-                    for r, c in zip(roles, ["be brief", *turns], strict=True)]
-            return server.stub.Generate(generation_pb2.GenerateRequest(messages=msgs, sampling=generation_pb2.
-                                        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)),
-                                        timeout=30).choices[0].text
+            msgs = [
+                generation_pb2.ChatMessage(role=r, content=c)
+                for r, c in zip(roles, ["be brief", *turns], strict=True)
+            ]
+            return (
+                server.stub.Generate(
+                    generation_pb2.GenerateRequest(
+                        messages=msgs,
+                        sampling=generation_pb2.SamplingParams(
+                            max_tokens=4, temperature=0, ignore_eos=True
+                        ),
+                    ),
+                    timeout=30,
+                )
+                .choices[0]
+                .text
+            )
 
         first = answer("the fox")
         second = answer("the fox", first, "and the dog")
-        assert out == f"{first}\n{second}\n{first}\n"  # the history went with the second turn, not the third
+        assert (
+            out == f"{first}\n{second}\n{first}\n"
+        )  # the history went with the second turn, not the third
     finally:
         if proc.poll() is None:
             proc.kill()
-    long = subprocess.Popen([sys.executable, "-m", "deploy.cli", "chat", "--server", server.address,
-                             "--greedy",
-                             "--max-tokens", "450", "--ignore-eos"], cwd=ROOT, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    long = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "chat",
+            "--server",
+            server.address,
+            "--greedy",
+            "--max-tokens",
+            "450",
+            "--ignore-eos",
+        ],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         long.stdin.write("tell me everything\n")
         long.stdin.flush()
@@ -276,12 +461,13 @@ def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
             long.kill()
 
 
-def test_a_second_start_of_a_model_finds_what_the_first_measured(server_factory, tiny_model_dir, tmp_path,
-                                                                  monkeypatch):
+def test_a_second_start_of_a_model_finds_what_the_first_measured(
+    server_factory, tiny_model_dir, tmp_path, monkeypatch
+):
     """The matmul library is timed at the first start and read back at the second (a warm start)."""
     import shutil
 
-    from protos import env
+    from protos.base import env
 
     kernels = env.cache_dir() / "kernels"
     if kernels.is_dir():  # the native build is kept, as on any second start
@@ -290,8 +476,13 @@ def test_a_second_start_of_a_model_finds_what_the_first_measured(server_factory,
     logs = []
     for _ in range(2):
         started = server_factory(tiny_model_dir, "--matmul", "auto")
-        logs.append([json.loads(line) for line in started.log_path.read_text().splitlines()
-                     if line.startswith("{") and '"matmul_chosen"' in line])
+        logs.append(
+            [
+                json.loads(line)
+                for line in started.log_path.read_text().splitlines()
+                if line.startswith("{") and '"matmul_chosen"' in line
+            ]
+        )
         started.stop()
     if not logs[0]:
         pytest.skip("this machine has one matmul library only: nothing to choose between")

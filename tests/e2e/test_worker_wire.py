@@ -61,16 +61,36 @@ class Peer:
 def worker(tiny_model_dir):
     peer = Peer()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "worker.serve.main", "--model", str(tiny_model_dir),
-         "--scheduler", peer.endpoint,
-         "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK), "--threads", "1", "--scheduler-timeout",
-         "3"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "worker.serve.main",
+            "--model",
+            str(tiny_model_dir),
+            "--scheduler",
+            peer.endpoint,
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            "--block-size",
+            str(BLOCK),
+            "--threads",
+            "1",
+            "--scheduler-timeout",
+            "3",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     identity, hs = peer.recv("handshake")
     peer.worker_id = identity
     assert (hs.num_blocks, hs.block_size, hs.vocab_size, hs.tp_rank, hs.tp_size) == (
-        NUM_BLOCKS, BLOCK, 384, 0, 1)
+        NUM_BLOCKS,
+        BLOCK,
+        384,
+        0,
+        1,
+    )
     assert hs.model_fingerprint and hs.bytes_per_block == 2 * 3 * 2 * 16 * BLOCK * 4
     peer.send_msg(handshake_ack=wire_pb2.HandshakeAck(accepted=True, num_blocks=NUM_BLOCKS))
     yield peer, proc
@@ -83,22 +103,31 @@ def worker(tiny_model_dir):
 def plan(step_id=1, tokens=(5, 6, 7), blocks=(3,), **override):
     n = len(tokens)
     fields = dict(
-        step_id=step_id, num_seqs=1, num_tokens=n,
+        step_id=step_id,
+        num_seqs=1,
+        num_tokens=n,
         token_ids=np.array(tokens, "<i4").tobytes(),
         positions=np.arange(n, dtype="<i4").tobytes(),
         slot_mapping=(blocks[0] * BLOCK + np.arange(n, dtype="<i8")).tobytes(),
-        block_tables=np.array(blocks, "<i4").tobytes(), max_blocks_per_seq=len(blocks),
-        seq_lens=np.array([n], "<i4").tobytes(), query_start_loc=np.array([0, n], "<i4").tobytes(),
-        do_sample=np.array([1], np.uint8).tobytes(), sample_index=np.array([0], "<i4").tobytes(),
-        temperature=np.zeros(1, "<f4").tobytes(), top_p=np.ones(1, "<f4").tobytes(),
-        top_k=np.zeros(1, "<i4").tobytes(), seed=np.zeros(1, "<u8").tobytes(),
+        block_tables=np.array(blocks, "<i4").tobytes(),
+        max_blocks_per_seq=len(blocks),
+        seq_lens=np.array([n], "<i4").tobytes(),
+        query_start_loc=np.array([0, n], "<i4").tobytes(),
+        do_sample=np.array([1], np.uint8).tobytes(),
+        sample_index=np.array([0], "<i4").tobytes(),
+        temperature=np.zeros(1, "<f4").tobytes(),
+        top_p=np.ones(1, "<f4").tobytes(),
+        top_k=np.zeros(1, "<i4").tobytes(),
+        seed=np.zeros(1, "<u8").tobytes(),
     )
     fields.update(override)
     return wire_pb2.StepPlan(**fields)
 
 
 BAD_PLANS = {
-    "slot outside the pool": dict(slot_mapping=np.array([0, 1, NUM_BLOCKS * BLOCK], "<i8").tobytes()),
+    "slot outside the pool": dict(
+        slot_mapping=np.array([0, 1, NUM_BLOCKS * BLOCK], "<i8").tobytes()
+    ),
     "block id outside the pool": dict(block_tables=np.array([NUM_BLOCKS], "<i4").tobytes()),
     "token outside the vocabulary": dict(token_ids=np.array([5, 6, 384], "<i4").tobytes()),
     "truncated array": dict(positions=b"\x00\x00"),
@@ -121,7 +150,9 @@ def test_bad_plans_and_frames_get_error_results_and_the_worker_keeps_serving(wor
     peer.send(b"\xff\xfe not a protobuf")
     _, res = peer.recv("result")
     assert "malformed" in res.error
-    peer.send(wire_pb2.WireMessage(version=WIRE_VERSION + 1, plan=plan(step_id=50)).SerializeToString())
+    peer.send(
+        wire_pb2.WireMessage(version=WIRE_VERSION + 1, plan=plan(step_id=50)).SerializeToString()
+    )
     _, res = peer.recv("result")
     assert "wire version" in res.error
     peer.send_msg(plan=plan(step_id=99))  # still alive, and the same input gives the same token
@@ -134,7 +165,9 @@ def test_bad_plans_and_frames_get_error_results_and_the_worker_keeps_serving(wor
 
 def test_a_busy_scheduler_that_stops_echoing_is_not_mistaken_for_a_lost_one(worker):
     peer, proc = worker
-    deadline = time.monotonic() + 8  # well past --scheduler-timeout 3: the connection itself is alive
+    deadline = (
+        time.monotonic() + 8
+    )  # well past --scheduler-timeout 3: the connection itself is alive
     while time.monotonic() < deadline:
         if peer.sock.poll(100):
             peer.sock.recv_multipart()  # swallow heartbeats without echoing them, as a stalled loop would
@@ -154,8 +187,22 @@ def test_worker_refuses_a_block_size_that_is_not_a_power_of_two(tiny_model_dir):
     """The kernels' tile arithmetic needs a power of two: refused at start with a configuration exit (the
     supervisor does not restart it) and a message naming the flag, before any model is loaded."""
     proc = subprocess.run(
-        [sys.executable, "-m", "worker.serve.main", "--model", str(tiny_model_dir), "--scheduler",
-         "tcp://127.0.0.1:9", "--block-size", "12"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "worker.serve.main",
+            "--model",
+            str(tiny_model_dir),
+            "--scheduler",
+            "tcp://127.0.0.1:9",
+            "--block-size",
+            "12",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "--block-size must be a power of two" in proc.stdout + proc.stderr
 
@@ -166,10 +213,17 @@ def test_kv_pool_refuses_a_block_size_that_is_not_a_power_of_two():
     from worker.model.config import ModelConfig
     from worker.model.kv_pool import KVPool
 
-    config = ModelConfig.from_dict(dict(vocab_size=10, hidden_size=8, intermediate_size=16,
-                                        num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1,
-                                        max_position_embeddings=8))
+    config = ModelConfig.from_dict(
+        dict(
+            vocab_size=10,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=8,
+        )
+    )
     with pytest.raises(ValueError, match="power of two, got 24"):
         KVPool(config, 4, 24, torch.float32, torch.device("cpu"))
 
@@ -181,9 +235,18 @@ def test_each_local_rank_owns_its_own_gpu():
 
     assert [rank_device(None, r, 4) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert [rank_device("cuda", r, 2) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
-    assert [rank_device("cuda:2", r, 4) for r in range(4)] == ["cuda:2", "cuda:3", "cuda:0", "cuda:1"]
+    assert [rank_device("cuda:2", r, 4) for r in range(4)] == [
+        "cuda:2",
+        "cuda:3",
+        "cuda:0",
+        "cuda:1",
+    ]
     assert rank_device(None, 3, 0) == "cpu" and rank_device("cpu", 1, 8) == "cpu"
-    for bad, count, message in (("cuda:4", 4, "GPUs 0-3"), ("cuda", 0, "has none"), ("cuda:x", 2, "cuda:N")):
+    for bad, count, message in (
+        ("cuda:4", 4, "GPUs 0-3"),
+        ("cuda", 0, "has none"),
+        ("cuda:x", 2, "cuda:N"),
+    ):
         with pytest.raises(ValueError, match=message):
             rank_device(bad, 0, count)
 
@@ -214,8 +277,11 @@ def test_masks_that_follow_their_plan_are_awaited_after_the_forward(worker):
     _, res = peer.recv("result")
     assert not res.error and np.frombuffer(res.sampled_token_ids, "<i4").tolist() == [allowed]
     # a refused plan's masks arrive after it and are skipped, by the loop or by a later step's wait
-    peer.send_msg(plan=plan(step_id=3, mask_rows=rows, mask_follows=True,
-                            top_p=np.array([7.0], "<f4").tobytes()))
+    peer.send_msg(
+        plan=plan(
+            step_id=3, mask_rows=rows, mask_follows=True, top_p=np.array([7.0], "<f4").tobytes()
+        )
+    )
     _, refused = peer.recv("result")
     assert refused.error.startswith("rejected plan")
     peer.send_msg(plan=plan(step_id=4, mask_rows=rows, mask_follows=True))
@@ -241,20 +307,44 @@ def test_adapters_the_handshake_names_are_read_before_the_first_plan(tiny_model_
     from protos.codec import lora_identity
     from tests.support.lora import ALL, make_adapter
 
-    folders = [make_adapter(tiny_model_dir, tmp_path / f"a{i}", r=4, targets=ALL, alpha=16, seed=i)
-               for i in range(2)]
+    folders = [
+        make_adapter(tiny_model_dir, tmp_path / f"a{i}", r=4, targets=ALL, alpha=16, seed=i)
+        for i in range(2)
+    ]
     refs = [wire_pb2.LoraRef(identity=lora_identity(f), path=str(f)) for f in folders]
     peer = Peer()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "worker.serve.main", "--model", str(tiny_model_dir), "--scheduler",
-         peer.endpoint,
-         "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK), "--threads", "1", "--scheduler-timeout",
-         "3", "--max-cpu-loras", "2"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "worker.serve.main",
+            "--model",
+            str(tiny_model_dir),
+            "--scheduler",
+            peer.endpoint,
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            "--block-size",
+            str(BLOCK),
+            "--threads",
+            "1",
+            "--scheduler-timeout",
+            "3",
+            "--max-cpu-loras",
+            "2",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         peer.worker_id, hs = peer.recv("handshake")
         assert hs.lora_slots == 2
-        peer.send_msg(handshake_ack=wire_pb2.HandshakeAck(accepted=True, num_blocks=NUM_BLOCKS,
-                                                          loras=refs[:1]))
+        peer.send_msg(
+            handshake_ack=wire_pb2.HandshakeAck(
+                accepted=True, num_blocks=NUM_BLOCKS, loras=refs[:1]
+            )
+        )
         peer.send_msg(plan=plan(step_id=1))  # its result comes after the ack's adapters were read
         _, base = peer.recv("result")
         assert not base.error

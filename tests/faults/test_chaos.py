@@ -18,8 +18,19 @@ pytestmark = pytest.mark.slow
 
 
 def test_cancels_a_kill_and_a_stall_under_load_lose_nothing(server_factory, tiny_model_dir):
-    server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "96", "--heartbeat-timeout",
-                            "2", "--max-model-len", "256", "--max-num-batched-tokens", "64")
+    server = server_factory(
+        tiny_model_dir,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "96",
+        "--heartbeat-timeout",
+        "2",
+        "--max-model-len",
+        "256",
+        "--max-num-batched-tokens",
+        "64",
+    )
     rng = random.Random(2026)
     reqs = []
     for i in range(24):
@@ -52,7 +63,11 @@ def test_cancels_a_kill_and_a_stall_under_load_lose_nothing(server_factory, tiny
     (first,) = server.stats().replicas[0].worker_pids
     os.kill(first, signal.SIGKILL)
     deadline = time.monotonic() + 60
-    while server.stats().replicas[0].worker_pids in ([], [first]):  # until the replacement has joined
+    # until the replacement has joined
+    while server.stats().replicas[0].worker_pids in (
+        [],
+        [first],
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     time.sleep(1.0)

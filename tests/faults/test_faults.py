@@ -19,24 +19,24 @@ from tests.support.tiny import hf_greedy
 pytestmark = pytest.mark.slow
 
 
-
-
-
-
-
-
-
-
-
-
 @pytest.fixture(scope="module")
 def fault_server(server_factory, tiny_model_dir):
-    return server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "128", "--heartbeat-timeout",
-                          "2", "--max-model-len", "256")
+    return server_factory(
+        tiny_model_dir,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "128",
+        "--heartbeat-timeout",
+        "2",
+        "--max-model-len",
+        "256",
+    )
 
 
 def test_a_killed_worker_is_replaced_and_every_stream_completes_as_if_nothing_happened(
-        fault_server, tiny_model_dir):
+    fault_server, tiny_model_dir
+):
     server = fault_server
     prompts = [[3, 4, 5], [9, 9, 8, 7, 6, 5, 4, 3, 2, 10, 11], [20, 21]]
     reqs = [greedy_request(p, 120) for p in prompts]
@@ -48,16 +48,22 @@ def test_a_killed_worker_is_replaced_and_every_stream_completes_as_if_nothing_ha
     assert streams.started.wait(30)
     os.kill(int(old), signal.SIGKILL)
     wait_health(server, False, 5)  # the process is watched: seen well within a heartbeat timeout
-    wait_health(server, True, 60)  # the supervisor starts a new worker; its handshake brings the replica back
+    wait_health(
+        server, True, 60
+    )  # the supervisor starts a new worker; its handshake brings the replica back
     streams.join()
     assert streams.errors == [None] * len(reqs)
-    assert streams.tokens == reference  # nothing repeated, nothing skipped, same draws when sampling
+    assert (
+        streams.tokens == reference
+    )  # nothing repeated, nothing skipped, same draws when sampling
     (new,) = children_of(server.proc.pid)
     assert new != old
     assert_all_blocks_back(server)
 
 
-def test_a_stall_past_the_deadline_is_fenced_and_replaced_and_a_short_one_changes_nothing(fault_server):
+def test_a_stall_past_the_deadline_is_fenced_and_replaced_and_a_short_one_changes_nothing(
+    fault_server,
+):
     server = fault_server
     reqs = [greedy_request([5, 6, 7, i], 100) for i in range(3)]
     reference = [list(server.stub.Generate(r, timeout=120).choices[0].token_ids) for r in reqs]
@@ -93,25 +99,61 @@ def lone_scheduler(tmp_path, model_dir, scheduler_flags, worker_blocks):
 
     log = open(tmp_path / "scheduler.log", "w")
     ports = tmp_path / "scheduler.port"
-    sched = subprocess.Popen([sys.executable, "-m", "scheduler_service.main", "--model", str(model_dir),
-                              "--port", "0", "--port-file", str(ports), "--worker-endpoint",
-                              "tcp://127.0.0.1:0",
-                              "--block-size", "4", *scheduler_flags], cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT)
+    sched = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "scheduler_service.main",
+            "--model",
+            str(model_dir),
+            "--port",
+            "0",
+            "--port-file",
+            str(ports),
+            "--worker-endpoint",
+            "tcp://127.0.0.1:0",
+            "--block-size",
+            "4",
+            *scheduler_flags,
+        ],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     worker = channel = None
     try:
         deadline = time.monotonic() + 60
-        while ((bound := read_port_file(ports)) is None and sched.poll() is None
-               and time.monotonic() < deadline):
+        while (
+            (bound := read_port_file(ports)) is None
+            and sched.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         assert bound is not None, "the scheduler did not say which ports it bound"
-        env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_SUPERVISED"}  # nobody orders its stop
-        worker = subprocess.Popen([sys.executable, "-m", "worker.serve.main", "--model", str(model_dir),
-                                   "--scheduler",
-                                   bound["worker_endpoint"], "--block-size", "4", "--num-blocks",
-                                   str(worker_blocks),
-                                   "--threads", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+        env = {
+            k: v for k, v in os.environ.items() if k != "PAGEDSERVE_SUPERVISED"
+        }  # nobody orders its stop
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker.serve.main",
+                "--model",
+                str(model_dir),
+                "--scheduler",
+                bound["worker_endpoint"],
+                "--block-size",
+                "4",
+                "--num-blocks",
+                str(worker_blocks),
+                "--threads",
+                "1",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         channel = grpc.insecure_channel(f"127.0.0.1:{bound['port']}")
         wait_health(type("S", (), {"channel": channel})(), True, 120)
         yield sched, worker, channel
@@ -132,7 +174,9 @@ def test_requests_end_unavailable_when_no_worker_comes_back_in_time(tmp_path, ti
 
     flags = ["--worker-restart-timeout", "3", "--heartbeat-timeout", "2"]
     with lone_scheduler(tmp_path, tiny_model_dir, flags, 200) as (_, worker, channel):
-        streams = Streams(generation_pb2_grpc.GenerationStub(channel), [greedy_request([3, 4, 5], 400)])
+        streams = Streams(
+            generation_pb2_grpc.GenerationStub(channel), [greedy_request([3, 4, 5], 400)]
+        )
         assert streams.started.wait(30)
         worker.kill()
         t0 = time.monotonic()
@@ -144,8 +188,17 @@ def test_requests_end_unavailable_when_no_worker_comes_back_in_time(tmp_path, ti
 
 
 def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
-    server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "128",
-                            "--max-num-seqs", "1", "--max-queue-len", "1")
+    server = server_factory(
+        tiny_model_dir,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "128",
+        "--max-num-seqs",
+        "1",
+        "--max-queue-len",
+        "1",
+    )
     running = threading.Event()
     calls = []
 
@@ -176,7 +229,9 @@ def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
             server.stub.Generate(greedy_request([1, 2], 2), timeout=5)
     finally:
         os.kill(int(worker), signal.SIGCONT)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting" in err.value.details()
+    assert (
+        err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting" in err.value.details()
+    )
     for call in calls:
         call.cancel()
     for t in threads:
@@ -216,8 +271,9 @@ def test_a_checkpoint_that_cannot_load_is_refused_once_with_the_tensor_named(tmp
 def test_a_pool_too_small_for_one_full_context_request_is_refused(tmp_path, tiny_model_dir):
     from tests.support.server import ServerProcess
 
-    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--block-size", "4", "--num-blocks", "8",
-                           "--threads", "1")
+    server = ServerProcess(
+        tiny_model_dir, tmp_path / "log", "--block-size", "4", "--num-blocks", "8", "--threads", "1"
+    )
     with pytest.raises(RuntimeError, match="exited") as err:
         server.start(timeout=120)
     server.stop()
@@ -227,11 +283,15 @@ def test_a_pool_too_small_for_one_full_context_request_is_refused(tmp_path, tiny
 
 @pytest.mark.parametrize("drain,finishes", [(60, True), (3, False)])
 def test_sigterm_drains_running_requests_then_every_process_exits(
-        server_factory, tiny_model_dir, drain, finishes):
-    server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "128", "--drain-timeout",
-                            str(drain))
+    server_factory, tiny_model_dir, drain, finishes
+):
+    server = server_factory(
+        tiny_model_dir, "--block-size", "4", "--num-blocks", "128", "--drain-timeout", str(drain)
+    )
     workers = children_of(server.proc.pid)
-    reference = list(server.stub.Generate(greedy_request([8, 9, 10], 400), timeout=60).choices[0].token_ids)
+    reference = list(
+        server.stub.Generate(greedy_request([8, 9, 10], 400), timeout=60).choices[0].token_ids
+    )
     streams = Streams(server.stub, [greedy_request([8, 9, 10], 400)])
     assert streams.started.wait(30)
     # The workers are held still while the server is told to stop, so the stream is still running when the
@@ -247,7 +307,10 @@ def test_sigterm_drains_running_requests_then_every_process_exits(
         wait_health(server, False, 2)  # at once, with the port still open
         with pytest.raises(grpc.RpcError) as refused:
             server.stub.Generate(greedy_request([1, 2], 2), timeout=10)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+        assert (
+            refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            and "draining" in refused.value.details()
+        )
         if finishes:
             while held:
                 os.kill(int(held.pop()), signal.SIGCONT)
@@ -261,7 +324,10 @@ def test_sigterm_drains_running_requests_then_every_process_exits(
         err = streams.errors[0]
         assert err.code() == grpc.StatusCode.UNAVAILABLE
         assert "did not finish within its 3s drain" in err.details()
-        assert 0 < len(streams.tokens[0]) < 400 and streams.tokens[0] == reference[: len(streams.tokens[0])]
+        assert (
+            0 < len(streams.tokens[0]) < 400
+            and streams.tokens[0] == reference[: len(streams.tokens[0])]
+        )
     assert server.proc.wait(timeout=30) == 0
     for pid in workers:
         with pytest.raises(ProcessLookupError):
@@ -269,7 +335,9 @@ def test_sigterm_drains_running_requests_then_every_process_exits(
 
 
 def test_a_worker_that_dies_while_idle_is_seen_within_seconds_and_replaced(fault_server):
-    wait_health(fault_server, True, 60)  # a test before this one may have left its worker still coming back
+    wait_health(
+        fault_server, True, 60
+    )  # a test before this one may have left its worker still coming back
     deadline = time.monotonic() + 30
     while not fault_server.stats().replicas[0].worker_pids:
         assert time.monotonic() < deadline, "the replica never reported its worker"
@@ -289,10 +357,16 @@ def test_no_local_process_can_forge_results_or_heartbeats(fault_server):
 
     from protos import WIRE_VERSION, wire_pb2
 
-    endpoint = next(line.split('"endpoint": "')[1].split('"')[0] for line in fault_server.log_path.read_text()
-                    .splitlines() if '"worker_socket_bound"' in line)
-    reference = list(fault_server.stub.Generate(greedy_request([30, 31, 32], 60),
-                                                timeout=60).choices[0].token_ids)
+    endpoint = next(
+        line.split('"endpoint": "')[1].split('"')[0]
+        for line in fault_server.log_path.read_text().splitlines()
+        if '"worker_socket_bound"' in line
+    )
+    reference = list(
+        fault_server.stub.Generate(greedy_request([30, 31, 32], 60), timeout=60)
+        .choices[0]
+        .token_ids
+    )
     ctx = zmq.Context()
     forger = ctx.socket(zmq.DEALER)
     forger.setsockopt(zmq.LINGER, 0)
@@ -306,10 +380,15 @@ def test_no_local_process_can_forge_results_or_heartbeats(fault_server):
         step = 0
         while not stop.is_set():
             step += 1
-            res = wire_pb2.StepResult(step_id=step, tp_rank=0, sampled_token_ids=(7).to_bytes(4, "little"))
+            res = wire_pb2.StepResult(
+                step_id=step, tp_rank=0, sampled_token_ids=(7).to_bytes(4, "little")
+            )
             forger.send(wire_pb2.WireMessage(version=WIRE_VERSION, result=res).SerializeToString())
-            beats.send(wire_pb2.WireMessage(version=WIRE_VERSION, heartbeat=wire_pb2.Heartbeat(tp_rank=0))
-                       .SerializeToString())
+            beats.send(
+                wire_pb2.WireMessage(
+                    version=WIRE_VERSION, heartbeat=wire_pb2.Heartbeat(tp_rank=0)
+                ).SerializeToString()
+            )
             time.sleep(0.002)
 
     t = threading.Thread(target=forge)
@@ -317,7 +396,9 @@ def test_no_local_process_can_forge_results_or_heartbeats(fault_server):
     try:
         streams = Streams(fault_server.stub, [greedy_request([30, 31, 32], 60)])
         streams.join()
-        assert streams.errors == [None] and streams.tokens == [reference], "a forged result reached a client"
+        assert streams.errors == [None] and streams.tokens == [reference], (
+            "a forged result reached a client"
+        )
         (pid,) = fault_server.stats().replicas[0].worker_pids
         os.kill(pid, signal.SIGSTOP)  # forged heartbeats must not keep a stopped worker alive
         try:

@@ -18,15 +18,18 @@ pytestmark = pytest.mark.slow
 def plain(tmp_path_factory, tiny_model_dir):
     """A server as users run it: request ids are not exposed in GetCacheStats."""
     log = tmp_path_factory.mktemp("hostile") / "server.log"
-    server = ServerProcess(tiny_model_dir, log, "--threads", "1", "--block-size", "4", "--num-blocks",
-                           "256").start()
+    server = ServerProcess(
+        tiny_model_dir, log, "--threads", "1", "--block-size", "4", "--num-blocks", "256"
+    ).start()
     yield server
     server.stop()
 
 
 def test_a_huge_prompt_is_refused_at_once_and_never_stalls_other_clients(plain):
-    huge = generation_pb2.GenerateRequest(prompt="paged attention " * 2_500_000,  # 40 MB of text
-                                          sampling=generation_pb2.SamplingParams(max_tokens=4))
+    huge = generation_pb2.GenerateRequest(
+        prompt="paged attention " * 2_500_000,  # 40 MB of text
+        sampling=generation_pb2.SamplingParams(max_tokens=4),
+    )
     health = health_pb2_grpc.HealthStub(plain.channel)
     errors, ok = [], []
 
@@ -41,9 +44,13 @@ def test_a_huge_prompt_is_refused_at_once_and_never_stalls_other_clients(plain):
     t0 = time.monotonic()
     t.start()
     while t.is_alive():  # meanwhile health answers and a normal request is served
-        assert health.Check(health_pb2.HealthCheckRequest(),
-                            timeout=5).status == health_pb2.HealthCheckResponse.SERVING
-        ok.append(len(plain.stub.Generate(greedy_request([5, 6, 7], 3), timeout=30).choices[0].token_ids))
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
+        ok.append(
+            len(plain.stub.Generate(greedy_request([5, 6, 7], 3), timeout=30).choices[0].token_ids)
+        )
     t.join()
     assert len(errors) == 3 and all(e.code() == grpc.StatusCode.INVALID_ARGUMENT for e in errors)
     assert "more than any 512-token context can hold" in errors[0].details()
@@ -51,8 +58,11 @@ def test_a_huge_prompt_is_refused_at_once_and_never_stalls_other_clients(plain):
 
 
 def test_a_prompt_too_long_in_tokens_is_refused_after_tokenizing_off_the_loop(plain):
-    req = generation_pb2.GenerateRequest(prompt="the quick brown fox " * 400, raw_prompt=True,
-                                         sampling=generation_pb2.SamplingParams(max_tokens=4))
+    req = generation_pb2.GenerateRequest(
+        prompt="the quick brown fox " * 400,
+        raw_prompt=True,
+        sampling=generation_pb2.SamplingParams(max_tokens=4),
+    )
     with pytest.raises(grpc.RpcError) as err:
         plain.stub.Generate(req, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in err.value.details()
@@ -65,8 +75,9 @@ def test_malformed_messages_and_invalid_utf8_are_invalid_argument(plain, kind, m
     field = b"\x0a" if method == "Abort" else b"\x12"
     raw = field + b"\x02\xff\xfe" if kind == "invalid utf-8" else b"\xff\xff\xff\xff not a protobuf"
     path = f"/pagedserve.v1.Generation/{method}"
-    call = (plain.channel.unary_stream if method == "GenerateStream" else plain.channel.unary_unary)(
-        path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    call = (
+        plain.channel.unary_stream if method == "GenerateStream" else plain.channel.unary_unary
+    )(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
     with pytest.raises(grpc.RpcError) as err:
         result = call(raw, timeout=10)
         if method == "GenerateStream":
@@ -88,7 +99,10 @@ def test_stop_strings_are_capped_in_length(plain):
     req.sampling.stop.append("x" * 257)
     with pytest.raises(grpc.RpcError) as err:
         plain.stub.Generate(req, timeout=30)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "256 characters" in err.value.details()
+    assert (
+        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "256 characters" in err.value.details()
+    )
 
 
 def test_request_ids_are_not_exposed_and_logged_truncated(plain):
@@ -105,7 +119,9 @@ def test_request_ids_are_not_exposed_and_logged_truncated(plain):
     assert first.wait(30)
     rows = plain.stats().requests
     assert len(rows) == 1 and rows[0].request_id == "" and rows[0].num_blocks > 0
-    assert plain.stub.Abort(generation_pb2.AbortRequest(request_id=rid), timeout=10).aborted  # the owner can
+    assert plain.stub.Abort(
+        generation_pb2.AbortRequest(request_id=rid), timeout=10
+    ).aborted  # the owner can
     t.join(30)
     log = plain.log_path.read_text()
     assert rid[:64] in log and rid not in log
@@ -118,28 +134,88 @@ def test_the_api_can_be_served_over_tls(tmp_path, tiny_model_dir):
     from deploy.processes import ROOT, read_port_file
 
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext",
-                    "subjectAltName=DNS:localhost"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
     ports = tmp_path / "server.port"
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.launcher", "--model", str(tiny_model_dir),
-                             "--port", "0",
-                             "--port-file", str(ports), "--threads", "1", "--block-size", "4", "--num-blocks",
-                             "200", "--tls-cert", str(cert), "--tls-key", str(key), "--http-port", "-1",
-                             "--metrics-port", "0"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.launcher",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--port-file",
+            str(ports),
+            "--threads",
+            "1",
+            "--block-size",
+            "4",
+            "--num-blocks",
+            "200",
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+            "--http-port",
+            "-1",
+            "--metrics-port",
+            "0",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
-        while ((bound := read_port_file(ports)) is None and proc.poll() is None
-               and time.monotonic() < deadline):
+        while (
+            (bound := read_port_file(ports)) is None
+            and proc.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         assert bound is not None, "the server did not say which port it bound"
-        generate = [sys.executable, "-m", "deploy.cli", "generate", "--raw", "the quick", "--max-tokens", "4",
-                    "--server", f"localhost:{bound['port']}", "--timeout", "10"]
+        generate = [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "generate",
+            "--raw",
+            "the quick",
+            "--max-tokens",
+            "4",
+            "--server",
+            f"localhost:{bound['port']}",
+            "--timeout",
+            "10",
+        ]
         deadline = time.monotonic() + 120
         while True:  # UNAVAILABLE while the worker loads
-            out = subprocess.run([*generate, "--tls-ca", str(cert)], cwd=ROOT, capture_output=True, text=True)
+            out = subprocess.run(
+                [*generate, "--tls-ca", str(cert)], cwd=ROOT, capture_output=True, text=True
+            )
             if out.returncode == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
@@ -151,8 +227,12 @@ def test_the_api_can_be_served_over_tls(tmp_path, tiny_model_dir):
         import httpx  # the OpenAI API: HTTPS with the same certificate, and no plain HTTP either
 
         trust = ssl.create_default_context(cafile=str(cert))
-        https = httpx.post(f"https://localhost:{bound['http_port']}/v1/completions", verify=trust, timeout=30,
-                           json={"prompt": "the quick", "max_tokens": 3})
+        https = httpx.post(
+            f"https://localhost:{bound['http_port']}/v1/completions",
+            verify=trust,
+            timeout=30,
+            json={"prompt": "the quick", "max_tokens": 3},
+        )
         assert https.status_code == 200 and https.json()["usage"]["completion_tokens"] == 3
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://localhost:{bound['http_port']}/v1/models", timeout=10)

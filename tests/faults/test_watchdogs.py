@@ -31,12 +31,23 @@ class BeatingButHung:
             sock.setsockopt(zmq.IDENTITY, name)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.endpoint)
-        hs = wire_pb2.Handshake(tp_rank=0, tp_size=1, num_blocks=64, block_size=4, max_num_batched_tokens=64,
-                                vocab_size=100, max_context=512, pid=1)
+        hs = wire_pb2.Handshake(
+            tp_rank=0,
+            tp_size=1,
+            num_blocks=64,
+            block_size=4,
+            max_num_batched_tokens=64,
+            vocab_size=100,
+            max_context=512,
+            pid=1,
+        )
         main.send(wire_pb2.WireMessage(version=WIRE_VERSION, handshake=hs).SerializeToString())
         while not self.stop.is_set():
-            beat.send(wire_pb2.WireMessage(version=WIRE_VERSION,
-                                           heartbeat=wire_pb2.Heartbeat()).SerializeToString())
+            beat.send(
+                wire_pb2.WireMessage(
+                    version=WIRE_VERSION, heartbeat=wire_pb2.Heartbeat()
+                ).SerializeToString()
+            )
             if main.poll(100):
                 msg = wire_pb2.WireMessage.FromString(main.recv())
                 if msg.WhichOneof("body") == "plan":
@@ -50,28 +61,44 @@ class BeatingButHung:
 
 def one_token_plan(step_id):
     one = np.ones(1, "<i4")
-    return encode_plan(PlanArrays(
-        step_id=step_id, token_ids=one, positions=np.zeros(1, "<i4"), slot_mapping=np.zeros(1, "<i8"),
-        block_tables=np.zeros((1, 1), "<i4"), seq_lens=one, query_start_loc=np.array([0, 1], "<i4"),
-        do_sample=np.ones(1, bool), sample_index=np.zeros(1, "<i4"), temperature=np.zeros(1, "<f4"),
-        top_p=np.ones(1, "<f4"), top_k=np.zeros(1, "<i4"), seed=np.zeros(1, "<u8"),
-        block_copies=np.empty((0, 2), "<i4")))
+    return encode_plan(
+        PlanArrays(
+            step_id=step_id,
+            token_ids=one,
+            positions=np.zeros(1, "<i4"),
+            slot_mapping=np.zeros(1, "<i8"),
+            block_tables=np.zeros((1, 1), "<i4"),
+            seq_lens=one,
+            query_start_loc=np.array([0, 1], "<i4"),
+            do_sample=np.ones(1, bool),
+            sample_index=np.zeros(1, "<i4"),
+            temperature=np.zeros(1, "<f4"),
+            top_p=np.ones(1, "<f4"),
+            top_k=np.zeros(1, "<i4"),
+            seed=np.zeros(1, "<u8"),
+            block_copies=np.empty((0, 2), "<i4"),
+        )
+    )
 
 
 def test_a_step_past_its_deadline_loses_the_worker_even_while_it_beats():
     async def run():
-        client = WorkerClient("tcp://127.0.0.1:0", heartbeat_timeout=5.0, step_timeout=1.0,
-                              step_timeout_per_token=0.5)
+        client = WorkerClient(
+            "tcp://127.0.0.1:0", heartbeat_timeout=5.0, step_timeout=1.0, step_timeout_per_token=0.5
+        )
         endpoint = client.bind()
         worker = BeatingButHung(endpoint)
         try:
             await client.wait_for_workers(10)
             t0 = time.monotonic()
-            with pytest.raises(WorkerLost,
-                               match=r"did not finish step 1 \(1 tokens\) within its 1.5s deadline"):
+            with pytest.raises(
+                WorkerLost, match=r"did not finish step 1 \(1 tokens\) within its 1.5s deadline"
+            ):
                 await client.execute(0, one_token_plan(1))
             assert worker.got_plan.is_set() and 1.5 <= time.monotonic() - t0 < 4
-            client.check_alive(0)  # its heartbeats were fresh all along: only the deadline caught it
+            client.check_alive(
+                0
+            )  # its heartbeats were fresh all along: only the deadline caught it
         finally:
             worker.stop.set()
             await client.close()
@@ -98,16 +125,21 @@ class Sent:
         self.frames.append(wire_pb2.WireMessage.FromString(frame))
 
 
-@pytest.mark.parametrize("error,exits", [
-    (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
-    (RuntimeError("CUDA error: device-side assert triggered"), True),
-    (ValueError("an ordinary bug in one step"), False),
-])
+@pytest.mark.parametrize(
+    "error,exits",
+    [
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+        (RuntimeError("CUDA error: device-side assert triggered"), True),
+        (ValueError("an ordinary bug in one step"), False),
+    ],
+)
 def test_a_device_error_makes_the_worker_report_and_exit(error, exits):
-    from protos import EXIT_FAILED
+    from protos.base import EXIT_FAILED
     from worker.serve.step_server import WorkerServer
 
-    server = WorkerServer("tcp://127.0.0.1:1", FailingRunner(error), wire_pb2.Handshake(tp_rank=0, tp_size=1))
+    server = WorkerServer(
+        "tcp://127.0.0.1:1", FailingRunner(error), wire_pb2.Handshake(tp_rank=0, tp_size=1)
+    )
     sock = Sent()
     frame = wire_pb2.WireMessage(version=WIRE_VERSION, plan=one_token_plan(7)).SerializeToString()
     code = server._handle(sock, frame)
@@ -189,16 +221,22 @@ def test_a_plan_whose_masks_follow_answers_the_step_before_it_first():
     server._ctx.term()
 
 
-@pytest.mark.parametrize("error,exits", [
-    (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
-    (ValueError("no finite logits"), False),
-])
+@pytest.mark.parametrize(
+    "error,exits",
+    [
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+        (ValueError("no finite logits"), False),
+    ],
+)
 def test_a_step_that_fails_when_read_back_is_reported(error, exits):
-    from protos import EXIT_FAILED
+    from protos.base import EXIT_FAILED
     from worker.serve.step_server import WorkerServer
 
-    server = WorkerServer("tcp://127.0.0.1:1", PipelinedRunner(fail_finish=error),
-                          wire_pb2.Handshake(tp_rank=0, tp_size=1))
+    server = WorkerServer(
+        "tcp://127.0.0.1:1",
+        PipelinedRunner(fail_finish=error),
+        wire_pb2.Handshake(tp_rank=0, tp_size=1),
+    )
     sock = Sent()
     server._handle(sock, _plan_frame(4))
     code = server._land(sock)
@@ -225,9 +263,13 @@ def test_a_handshake_done_before_the_worker_looks_still_counts_as_connected(monk
         return out
 
     monkeypatch.setattr(zmq.Socket, "connect", connect_then_stall)
-    server = WorkerServer(peer.getsockopt_string(zmq.LAST_ENDPOINT), PipelinedRunner(),
-                          wire_pb2.Handshake(tp_rank=0, tp_size=1), heartbeat_interval=0.1,
-                          scheduler_timeout=0.8)
+    server = WorkerServer(
+        peer.getsockopt_string(zmq.LAST_ENDPOINT),
+        PipelinedRunner(),
+        wire_pb2.Handshake(tp_rank=0, tp_size=1),
+        heartbeat_interval=0.1,
+        scheduler_timeout=0.8,
+    )
     beats = threading.Thread(target=server._heartbeats, daemon=True)
     beats.start()
     deadline = time.monotonic() + 2.5

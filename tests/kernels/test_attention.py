@@ -21,8 +21,9 @@ def test_backend_matches_reference_on_mixed_batches(backend_name, n_heads, n_kv_
     c = make_case(q_lens, seq_lens, n_heads, n_kv_heads, 16, block_size, seed=0)
     backend = make_backend(backend_name, torch.device("cpu"))
     assert backend.name == backend_name
-    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens),
-                           max(q_lens))
+    meta = backend.prepare(
+        c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens)
+    )
     if backend_name == "triton":
         # gathered once for the step: each decoding sequence's query token, the chunks' starts and ends
         qsl = c.query_start_loc.tolist()
@@ -39,8 +40,17 @@ def test_reference_head_mapping_and_causality():
     """One KV head filled with a constant value: exactly its query heads read that constant."""
     block_size, n_heads, n_kv_heads = 4, 6, 3
     c = make_case([3], [6], n_heads, n_kv_heads, 8, block_size, seed=1)
-    q, k, v, tables, lens, qsl = c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens, c.query_start_loc
-    slots = tables[0, torch.arange(6) // block_size].long() * block_size + torch.arange(6) % block_size
+    q, k, v, tables, lens, qsl = (
+        c.q,
+        c.k_cache,
+        c.v_cache,
+        c.block_tables,
+        c.seq_lens,
+        c.query_start_loc,
+    )
+    slots = (
+        tables[0, torch.arange(6) // block_size].long() * block_size + torch.arange(6) % block_size
+    )
     v.view(-1, n_kv_heads, 8)[slots, 1] = 7.0
     out = paged_attention(q, k, v, tables, lens, qsl, 0.3)
     assert torch.allclose(out[:, 2:4], torch.full_like(out[:, 2:4], 7.0))
@@ -62,9 +72,10 @@ def test_write_kv_padding_slots_write_nothing():
     assert changed == [5]
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim",
-                         [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24),
-                                                      (48, 12, 256)])
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim",
+    [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24), (48, 12, 256)],
+)
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_native_decode_kernel_on_long_ragged_batches(n_heads, n_kv_heads, head_dim, block_size):
     """Every decode row at once: lengths from 1 to past 2k (partial last blocks, a block boundary exactly),
@@ -76,8 +87,16 @@ def test_native_decode_kernel_on_long_ragged_batches(n_heads, n_kv_heads, head_d
     seq_lens = [1, 2, block_size, block_size + 1, 3 * block_size - 1, 300, 2100]
     c = make_case([1] * len(seq_lens), seq_lens, n_heads, n_kv_heads, head_dim, block_size, seed=4)
     out = torch.full_like(c.q, float("nan"))
-    native.paged_decode(c.q, c.k_cache, c.v_cache, out, torch.arange(len(seq_lens)), c.block_tables,
-                        c.seq_lens, c.scale)
+    native.paged_decode(
+        c.q,
+        c.k_cache,
+        c.v_cache,
+        out,
+        torch.arange(len(seq_lens)),
+        c.block_tables,
+        c.seq_lens,
+        c.scale,
+    )
     torch.testing.assert_close(out, paged_attention(*c.args), atol=2e-5, rtol=1e-5)
 
 
@@ -86,35 +105,59 @@ def test_native_decode_kernel_writes_only_its_rows_and_rejects_wrong_inputs():
 
     native = cpu_native.load()
     c = make_case([3, 1, 2, 1], [5, 9, 2, 17], 4, 2, 16, 4, seed=5)
-    rows = torch.tensor([3, 6])  # the decode rows' query tokens: sequence 1 (token 3) and 3 (token 6)
+    rows = torch.tensor(
+        [3, 6]
+    )  # the decode rows' query tokens: sequence 1 (token 3) and 3 (token 6)
     out = torch.zeros_like(c.q)
-    native.paged_decode(c.q, c.k_cache, c.v_cache, out, rows, c.block_tables[[1, 3]].contiguous(),
-                        c.seq_lens[[1, 3]].contiguous(), c.scale)
+    native.paged_decode(
+        c.q,
+        c.k_cache,
+        c.v_cache,
+        out,
+        rows,
+        c.block_tables[[1, 3]].contiguous(),
+        c.seq_lens[[1, 3]].contiguous(),
+        c.scale,
+    )
     ref = paged_attention(*c.args)
     torch.testing.assert_close(out[rows], ref[rows], atol=1e-5, rtol=1e-5)
     others = [i for i in range(c.q.shape[0]) if i not in rows.tolist()]
     assert torch.equal(out[others], torch.zeros_like(out[others]))
     with pytest.raises(TypeError, match="float32"):
-        native.paged_decode(c.q.double(), c.k_cache, c.v_cache, out, rows, c.block_tables, c.seq_lens,
-                            c.scale)
+        native.paged_decode(
+            c.q.double(), c.k_cache, c.v_cache, out, rows, c.block_tables, c.seq_lens, c.scale
+        )
     with pytest.raises(ValueError, match="contiguous"):
-        native.paged_decode(c.q.transpose(0, 1), c.k_cache, c.v_cache, out, rows, c.block_tables, c.seq_lens,
-                            c.scale)
+        native.paged_decode(
+            c.q.transpose(0, 1),
+            c.k_cache,
+            c.v_cache,
+            out,
+            rows,
+            c.block_tables,
+            c.seq_lens,
+            c.scale,
+        )
 
 
 def test_cpu_backend_falls_back_to_torch_where_the_kernel_does_not_cover_the_shape():
-    assert make_backend(None, torch.device("cpu"), (64, 1, 64, 16, torch.float32)).name == "torch"  # group 64
+    assert (
+        make_backend(None, torch.device("cpu"), (64, 1, 64, 16, torch.float32)).name == "torch"
+    )  # group 64
     assert make_backend(None, torch.device("cpu"), (8, 2, 64, 16, torch.bfloat16)).name == "torch"
     assert make_backend(None, torch.device("cpu"), (8, 2, 64, 16, torch.float32)).name == "cpu"
     with pytest.raises(ValueError, match="does not cover"):
         make_backend("cpu", torch.device("cpu"), (64, 1, 64, 16, torch.float32))
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim",
-                         [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24),
-                                                      (16, 1, 64)])
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim",
+    [(9, 3, 64), (32, 8, 128), (8, 1, 256), (6, 2, 80), (4, 4, 24), (16, 1, 64)],
+)
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_native_prefill_kernel_on_chunks_with_cached_prefixes(n_heads, n_kv_heads, head_dim, block_size):
+def test_native_prefill_kernel_on_chunks_with_cached_prefixes(
+    n_heads, n_kv_heads, head_dim, block_size
+):
     """Prompt chunks of every shape in one step: whole prompts (q_len == seq_len), chunks over a cached prefix
     (q_len < seq_len), lengths around the 16-key and 16-query tiles and past them, among decode rows; the
     queries a strided view of a fused QKV row, as the model passes them; NaN everywhere unwritten; only the
@@ -131,9 +174,17 @@ def test_native_prefill_kernel_on_chunks_with_cached_prefixes(n_heads, n_kv_head
     qsl = c.query_start_loc.long()
     pre = [i for i, n in enumerate(q_lens) if n > 1]
     out = torch.full_like(c.q, float("nan"))
-    native.paged_prefill(q, c.k_cache, c.v_cache, out, qsl[pre].contiguous(),
-                         torch.tensor([q_lens[i] for i in pre], dtype=torch.int32),
-                         c.seq_lens[pre].contiguous(), c.block_tables[pre].contiguous(), c.scale)
+    native.paged_prefill(
+        q,
+        c.k_cache,
+        c.v_cache,
+        out,
+        qsl[pre].contiguous(),
+        torch.tensor([q_lens[i] for i in pre], dtype=torch.int32),
+        c.seq_lens[pre].contiguous(),
+        c.block_tables[pre].contiguous(),
+        c.scale,
+    )
     expected = paged_attention(*c.args)
     for i in range(len(q_lens)):
         rows = slice(int(qsl[i]), int(qsl[i + 1]))
@@ -150,8 +201,12 @@ def test_cpu_backend_prefill_falls_back_to_torch_for_queries_it_cannot_read_in_p
     meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, 16, 50, 30)
     odd = c.q.transpose(1, 2).contiguous().transpose(1, 2)  # head_dim not the unit stride
     assert odd.stride(2) != 1
-    torch.testing.assert_close(backend.forward(odd, c.k_cache, c.v_cache, meta, c.scale),
-                               paged_attention(*c.args), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        backend.forward(odd, c.k_cache, c.v_cache, meta, c.scale),
+        paged_attention(*c.args),
+        atol=2e-5,
+        rtol=1e-5,
+    )
 
 
 def _brute_force(c, window: int, softcap: float = 0.0) -> torch.Tensor:
@@ -209,8 +264,9 @@ def test_a_sliding_window_shows_each_query_its_last_keys_only(backend_name, wind
     if backend_name != "torch":  # torch gathers every slot and masks them: finite values only
         _poison_out_of_window(c, window)
     backend = make_backend(backend_name, torch.device("cpu"))
-    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens),
-                           max(q_lens))
+    meta = backend.prepare(
+        c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens)
+    )
     out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
 
@@ -228,47 +284,57 @@ def test_soft_capped_scores_equal_brute_force(backend_name, window):
     c.q.mul_(4.0)  # scores of several units: tanh bends them
     want = _brute_force(c, window, softcap=cap)
     assert not torch.allclose(_brute_force(c, window), want, atol=1e-3)  # the cap mattered
-    torch.testing.assert_close(paged_attention(*c.args, window=window, softcap=cap), want, atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(
+        paged_attention(*c.args, window=window, softcap=cap), want, atol=1e-5, rtol=1e-5
+    )
     backend = make_backend(backend_name, torch.device("cpu"))
-    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens),
-                           max(q_lens))
+    meta = backend.prepare(
+        c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens)
+    )
     out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window, cap)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size",
-                         [(8, 2, 64, 16), (32, 8, 128, 32), (6, 2, 24, 4), (8, 1, 256, 1)])
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,block_size",
+    [(8, 2, 64, 16), (32, 8, 128, 32), (6, 2, 24, 4), (8, 1, 256, 1)],
+)
 @pytest.mark.parametrize("window", [0, 21])
-def test_a_bf16_pool_is_read_as_its_values_widened(backend_name, n_heads, n_kv_heads, head_dim, block_size,
-                                                   window):
+def test_a_bf16_pool_is_read_as_its_values_widened(
+    backend_name, n_heads, n_kv_heads, head_dim, block_size, window
+):
     """--kv-cache-dtype bf16: decodes and prompt chunks (one over a cached prefix, one past the tiles) over a
     bf16 pool with fp32 queries give the reference's answer over the same pool widened to fp32 (head sizes
     on the vector paths and off them, one-token blocks, a sliding window), and differ from the fp32 pool's."""
     if backend_name == "triton" and head_dim == 256:
-        pytest.skip("the interpreter's 256-wide tiles take minutes; 64/128/24 cover the kernel's paths")
+        pytest.skip(
+            "the interpreter's 256-wide tiles take minutes; 64/128/24 cover the kernel's paths"
+        )
     q_lens = [1, 19, 1, 9, 1, 40]
     seq_lens = [1, 19, 23, 61, 100, 70]
     c = make_case(q_lens, seq_lens, n_heads, n_kv_heads, head_dim, block_size, seed=21)
     k16, v16 = c.k_cache.to(torch.bfloat16), c.v_cache.to(torch.bfloat16)
     want = paged_attention(c.q, k16.float(), v16.float(), *c.args[3:], window=window)
     backend = make_backend(backend_name, torch.device("cpu"))
-    meta = backend.prepare(c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens),
-                           max(q_lens))
+    meta = backend.prepare(
+        c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens)
+    )
     out = backend.forward(c.q, k16, v16, meta, c.scale, window)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
     assert not torch.allclose(out, paged_attention(*c.args, window=window), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim,block_size",
-                         [(16, 8, 128, 16), (9, 3, 64, 1), (8, 1, 256, 32), (6, 2, 96, 16), (6, 2, 80, 16)])
+@pytest.mark.parametrize(
+    "n_heads,n_kv_heads,head_dim,block_size",
+    [(16, 8, 128, 16), (9, 3, 64, 1), (8, 1, 256, 32), (6, 2, 96, 16), (6, 2, 80, 16)],
+)
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (21, 0.0), (0, 30.0)])
 @pytest.mark.parametrize("tiles", [True, False], ids=["amx-tiles", "vectors"])
-def test_bf16_dot_prefill_stays_within_bf16_rounding_of_the_exact_answer(n_heads, n_kv_heads, head_dim,
-                                                                         block_size, window, softcap, tiles,
-                                                                         request):
+def test_bf16_dot_prefill_stays_within_bf16_rounding_of_the_exact_answer(
+    n_heads, n_kv_heads, head_dim, block_size, window, softcap, tiles, request
+):
     """bf16_dots (a model served in bf16): queries and softmax weights rounded to bf16, both products in
     bf16 dot products. Over the same bf16 pool it stays within bf16's rounding of the exact fp32 answer
     (chunks over cached prefixes, lengths around the 16-key and 16-query tiles, a sliding window,
@@ -286,7 +352,12 @@ def test_bf16_dot_prefill_stays_within_bf16_rounding_of_the_exact_answer(n_heads
     c = make_case(q_lens, seq_lens, n_heads, n_kv_heads, head_dim, block_size, seed=5)
     k16, v16 = c.k_cache.to(torch.bfloat16), c.v_cache.to(torch.bfloat16)
     qsl = c.query_start_loc.long()
-    args = (qsl[:-1].contiguous(), torch.tensor(q_lens, dtype=torch.int32), c.seq_lens, c.block_tables)
+    args = (
+        qsl[:-1].contiguous(),
+        torch.tensor(q_lens, dtype=torch.int32),
+        c.seq_lens,
+        c.block_tables,
+    )
 
     def run(k, v, bf16_dots):
         out = torch.full_like(c.q, float("nan"))
@@ -294,13 +365,19 @@ def test_bf16_dot_prefill_stays_within_bf16_rounding_of_the_exact_answer(n_heads
         return out
 
     exact = run(k16, v16, False)
-    want = paged_attention(c.q, k16.float(), v16.float(), *c.args[3:], window=window, softcap=softcap)
+    want = paged_attention(
+        c.q, k16.float(), v16.float(), *c.args[3:], window=window, softcap=softcap
+    )
     torch.testing.assert_close(exact, want, atol=2e-5, rtol=1e-5)
     got = run(k16, v16, True)
     assert torch.isfinite(got).all()
     err = (got - want).abs()
-    assert err.max() < 3e-2 and err.mean() < 3e-3, (err.max(), err.mean())  # |v| ~ 1: bf16's 2^-9 steps
-    if tiles and native.prefill_tiles() and head_dim % 32 == 0:  # the tiles ran, not the vector kernel
+    assert err.max() < 3e-2 and err.mean() < 3e-3, (
+        err.max(),
+        err.mean(),
+    )  # |v| ~ 1: bf16's 2^-9 steps
+    # the tiles ran, not the vector kernel
+    if tiles and native.prefill_tiles() and head_dim % 32 == 0:
         native.prefill_tiles(False)
         assert not torch.equal(run(k16, v16, True), got)
         native.prefill_tiles(True)
@@ -308,7 +385,9 @@ def test_bf16_dot_prefill_stays_within_bf16_rounding_of_the_exact_answer(n_heads
         assert not torch.equal(got, exact)
     else:
         assert torch.equal(got, exact)
-    assert torch.equal(run(c.k_cache, c.v_cache, True), run(c.k_cache, c.v_cache, False))  # fp32 pool
+    assert torch.equal(
+        run(c.k_cache, c.v_cache, True), run(c.k_cache, c.v_cache, False)
+    )  # fp32 pool
 
 
 def test_write_kv_rounds_into_a_bf16_pool_as_torch_does():
@@ -333,26 +412,42 @@ def test_the_native_kv_write_stores_the_fused_rows_views_as_the_reference_does(k
     if native is None:
         pytest.skip("native CPU kernels did not build here")
     heads, kv_heads, dim, tokens = 6, 2, 64, 300
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(1)) * 50
-    qkv[0, heads * dim: heads * dim + 3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
-    k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
-    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    qkv = (
+        torch.randn(
+            tokens, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(1)
+        )
+        * 50
+    )
+    qkv[0, heads * dim : heads * dim + 3] = torch.tensor(
+        [float("nan"), float("inf"), float("-inf")]
+    )
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
     slots = torch.randperm(40 * 16, generator=torch.Generator().manual_seed(2))[:tokens]
     slots[[3, 77, 299]] = -1
-    want_k, want_v = torch.zeros(40, 16, kv_heads, dim, dtype=kv_dtype), torch.zeros(40, 16, kv_heads, dim,
-                                                                                    dtype=kv_dtype)
+    want_k, want_v = (
+        torch.zeros(40, 16, kv_heads, dim, dtype=kv_dtype),
+        torch.zeros(40, 16, kv_heads, dim, dtype=kv_dtype),
+    )
     write_kv(k, v, want_k, want_v, slots)
     backend = make_backend("cpu", torch.device("cpu"))
     got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
     backend.write_kv(k, v, got_k, got_v, slots)
-    def same(a, b):  # every value equal, NaN where NaN (torch writes a bf16 NaN with other payload bits)
+
+    def same(
+        a, b
+    ):  # every value equal, NaN where NaN (torch writes a bf16 NaN with other payload bits)
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
     same(got_k, want_k)
     same(got_v, want_v)
-    assert got_k.isnan().sum() == 1 and got_k.isinf().sum() == 2 and (got_k != 0).sum() > tokens * 100
+    assert (
+        got_k.isnan().sum() == 1 and got_k.isinf().sum() == 2 and (got_k != 0).sum() > tokens * 100
+    )
     assert not native.write_kv(k.double(), v.double(), got_k, got_v, slots)
     odd_k, odd_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
-    backend.write_kv(k.double(), v.double(), odd_k, odd_v, slots)  # the reference's way: the same values
+    backend.write_kv(
+        k.double(), v.double(), odd_k, odd_v, slots
+    )  # the reference's way: the same values
     same(odd_k, want_k)
     same(odd_v, want_v)

@@ -25,10 +25,20 @@ from worker.weights.loader import load_model
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(cpu_native.load() is None, reason="native CPU kernels not built")
 
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-              num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
-              eos_token_id=2, pad_token_id=0, initializer_range=0.25)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    initializer_range=0.25,
+)
 
 
 def _hf_model(kind: str):
@@ -40,16 +50,25 @@ def _hf_model(kind: str):
     if kind == "qwen3":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **COMMON))
     if kind == "smollm3":
-        return transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(no_rope_layer_interval=2, **COMMON))
-    if kind == "mistral":  # every layer slides over 20 keys: the decodes below are shorter and longer
-        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=20, **COMMON))
-    if kind == "phi3":  # fused checkpoint tensors, a window on every layer, half of each head rotated
+        return transformers.SmolLM3ForCausalLM(
+            transformers.SmolLM3Config(no_rope_layer_interval=2, **COMMON)
+        )
+    # every layer slides over 20 keys: the decodes below are shorter and longer
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(
+            transformers.MistralConfig(sliding_window=20, **COMMON)
+        )
+    # fused checkpoint tensors, a window on every layer, half of each head rotated
+    if kind == "phi3":
         return transformers.Phi3ForCausalLM(
-            transformers.Phi3Config(sliding_window=24, partial_rotary_factor=0.5, **COMMON))
+            transformers.Phi3Config(sliding_window=24, partial_rotary_factor=0.5, **COMMON)
+        )
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
         return transformers.Qwen2ForCausalLM(
-            transformers.Qwen2Config(use_sliding_window=True, sliding_window=13, max_window_layers=1,
-                                     **COMMON))
+            transformers.Qwen2Config(
+                use_sliding_window=True, sliding_window=13, max_window_layers=1, **COMMON
+            )
+        )
     raise ValueError(kind)
 
 
@@ -74,17 +93,22 @@ def _model(tmp_path, kind: str, packing: bool = False, int8: bool = False):
         from worker.weights.fill import read_quantized
         from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
 
-        source = GGUFQuantSource(find_gguf(folder), config.num_heads, config.num_kv_heads, config.head_dim)
-        lib = QuantizedMatmul(cpu_native.load(), DenseMatmul(), packing=packing, pack_q8=packing,
-                              int8_activations=int8)
+        source = GGUFQuantSource(
+            find_gguf(folder), config.num_heads, config.num_kv_heads, config.head_dim
+        )
+        lib = QuantizedMatmul(
+            cpu_native.load(),
+            DenseMatmul(),
+            packing=packing,
+            pack_q8=packing,
+            int8_activations=int8,
+        )
         model.use_quantized(read_quantized(model, source), lib, keep_dense=True)
     else:
         model.use_matmul(DenseMatmul())
     use_fused_decode(model, 1, "int8" if int8 else "fp32")
     assert model.fused is not None
     return model, config
-
-
 
 
 def _run(model, config, seqs, fused: bool, kv_dtype=torch.float32):
@@ -94,16 +118,25 @@ def _run(model, config, seqs, fused: bool, kv_dtype=torch.float32):
     g = torch.Generator().manual_seed(1)
     for t in pool.k + pool.v:
         t.copy_(torch.randn(t.shape, generator=g))
-    attn = make_backend("cpu", torch.device("cpu"),
-                        (config.num_heads, config.num_kv_heads, config.head_dim, BLOCK,
-                                                     torch.float32, kv_dtype))
+    attn = make_backend(
+        "cpu",
+        torch.device("cpu"),
+        (config.num_heads, config.num_kv_heads, config.head_dim, BLOCK, torch.float32, kv_dtype),
+    )
     lens = torch.from_numpy(p.seq_lens.astype("int32"))
-    step = StepInputs(torch.from_numpy(p.token_ids.astype("int64")),
-                      torch.from_numpy(p.positions.astype("int64")),
-                      torch.from_numpy(p.slot_mapping.astype("int64")),
-                      attn.prepare(torch.from_numpy(p.block_tables.copy()), lens,
-                                   torch.from_numpy(p.query_start_loc.astype("int32")), BLOCK,
-                                   int(lens.max()), int(np.diff(p.query_start_loc).max())))
+    step = StepInputs(
+        torch.from_numpy(p.token_ids.astype("int64")),
+        torch.from_numpy(p.positions.astype("int64")),
+        torch.from_numpy(p.slot_mapping.astype("int64")),
+        attn.prepare(
+            torch.from_numpy(p.block_tables.copy()),
+            lens,
+            torch.from_numpy(p.query_start_loc.astype("int32")),
+            BLOCK,
+            int(lens.max()),
+            int(np.diff(p.query_start_loc).max()),
+        ),
+    )
     saved = model.fused
     model.fused = saved if fused else None
     try:
@@ -114,15 +147,25 @@ def _run(model, config, seqs, fused: bool, kv_dtype=torch.float32):
     return hidden, pool
 
 
-DECODES = [[(1, 9)], [(1, 40)], [(1, 17), (1, 70), (1, 33)], [(1, n) for n in range(5, 85, 10)],
-           [(1, n) for n in range(5, 205, 10)]]  # 20 rows: past the row kernels, the dense copy through sgemm
+DECODES = [
+    [(1, 9)],
+    [(1, 40)],
+    [(1, 17), (1, 70), (1, 33)],
+    [(1, n) for n in range(5, 85, 10)],
+    [(1, n) for n in range(5, 205, 10)],
+]  # 20 rows: past the row kernels, the dense copy through sgemm
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"])
+@pytest.mark.parametrize(
+    "kind", ["llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"]
+)
 def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
     model, config = _model(tmp_path, kind)
-    assert config.layer_windows == {"mistral": (20, 20, 20), "qwen2-sliding": (0, 13, 13),
-                                    "phi3": (24, 24, 24)}.get(kind, ())
+    assert config.layer_windows == {
+        "mistral": (20, 20, 20),
+        "qwen2-sliding": (0, 13, 13),
+        "phi3": (24, 24, 24),
+    }.get(kind, ())
     for seqs in DECODES:
         want, want_pool = _run(model, config, seqs, fused=False)
         got, got_pool = _run(model, config, seqs, fused=True)
@@ -134,7 +177,9 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_drafting_rows_as_decode_rows_equal_their_tokens_as_one_prompt_chunk(tmp_path, kind, kv_dtype):
+def test_drafting_rows_as_decode_rows_equal_their_tokens_as_one_prompt_chunk(
+    tmp_path, kind, kv_dtype
+):
     """A drafting sequence's tokens run as one decode row each (step/speculation.py), whose keys the fused
     step reads once for the run: the same hidden states and K/V as those tokens as one chunk on the layer
     path (causal over the chunk, windows included: mistral's 20 keys are crossed inside the run)."""
@@ -156,25 +201,34 @@ def _check_drafting_rows(model, config, seqs, kv_dtype):
     g = torch.Generator().manual_seed(1)
     for t in pool.k + pool.v:
         t.copy_(torch.randn(t.shape, generator=g))
-    attn = make_backend("cpu", torch.device("cpu"), (config.num_heads, config.num_kv_heads, config.head_dim,
-                                                     BLOCK, torch.float32, kv_dtype))
+    attn = make_backend(
+        "cpu",
+        torch.device("cpu"),
+        (config.num_heads, config.num_kv_heads, config.head_dim, BLOCK, torch.float32, kv_dtype),
+    )
     lens = torch.from_numpy(seq_lens)
     tables = torch.from_numpy(p.block_tables[owner].copy())
-    step = StepInputs(torch.from_numpy(p.token_ids.astype("int64")),
-                      torch.from_numpy(p.positions.astype("int64")),
-                      torch.from_numpy(p.slot_mapping.astype("int64")),
-                      attn.prepare(tables, lens, torch.from_numpy(qsl), BLOCK, int(lens.max()), 1))
+    step = StepInputs(
+        torch.from_numpy(p.token_ids.astype("int64")),
+        torch.from_numpy(p.positions.astype("int64")),
+        torch.from_numpy(p.slot_mapping.astype("int64")),
+        attn.prepare(tables, lens, torch.from_numpy(qsl), BLOCK, int(lens.max()), 1),
+    )
     assert model.fused.covers(step, p.num_tokens)
     with torch.inference_mode():
         got = model(step, pool, attn).clone()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    tol = 1e-5 if kv_dtype == torch.float32 else 8e-3  # a later layer's K/V may round to the next bf16 value
+    tol = (
+        1e-5 if kv_dtype == torch.float32 else 8e-3
+    )  # a later layer's K/V may round to the next bf16 value
     for a, b in zip(pool.k + pool.v, want_pool.k + want_pool.v, strict=True):
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
-def test_on_a_bf16_kv_pool_the_fused_step_writes_the_same_bits_and_attends_as_the_layer_path(tmp_path, kind):
+def test_on_a_bf16_kv_pool_the_fused_step_writes_the_same_bits_and_attends_as_the_layer_path(
+    tmp_path, kind
+):
     """--kv-cache-dtype bf16: the step's K/V rounded to bf16 as torch rounds them (nearest even, bit for bit
     against the fp32 pool's values), and attention over the bf16 keys (contexts across blocks, a sliding
     window) as the layer path's; close to the fp32 pool's result, not equal to it."""
@@ -225,12 +279,15 @@ def test_steps_it_does_not_cover_take_the_layer_path(tmp_path, monkeypatch):
     _run(model, config, [(5, 20), (1, 30)], fused=True)  # a prompt chunk beside a decode
     assert calls == [2]
     more = [(1, 20 + i) for i in range(model.fused.max_rows + 1)]
-    if kernels.sgemm is not None:  # more rows than the row kernels serve: the dense copy through sgemm
+    # more rows than the row kernels serve: the dense copy through sgemm
+    if kernels.sgemm is not None:
         assert model.fused.sgemm == kernels.sgemm
         _run(model, config, more, fused=True)
         assert calls == [2, len(more)]
     before = list(calls)
-    monkeypatch.setattr(model.fused, "sgemm", None)  # no BLAS in the process: more rows take the layer path
+    monkeypatch.setattr(
+        model.fused, "sgemm", None
+    )  # no BLAS in the process: more rows take the layer path
     _run(model, config, more, fused=True)
     assert calls == before
 
@@ -246,7 +303,9 @@ def test_a_model_the_step_cannot_serve_says_why():
     from worker.model.fused_decode import FusedDecode
     from worker.model.llama import LlamaModel
 
-    config = ModelConfig.from_dict({**COMMON, "model_type": "llama", "hidden_size": 72, "head_dim": 18})
+    config = ModelConfig.from_dict(
+        {**COMMON, "model_type": "llama", "hidden_size": 72, "head_dim": 18}
+    )
     assert "multiples of 32" in FusedDecode.unsupported(LlamaModel(config), 1)
     assert "tensor parallel" in FusedDecode.unsupported(LlamaModel(config), 2)
 
@@ -261,11 +320,18 @@ def test_a_server_decodes_the_same_greedy_tokens_fused_and_layer_by_layer(server
     for mode in ("fused", "layers"):
         # the fp32 copy past the row kernels: with AMX's bf16 one, each server's timed row limit would decide
         # which rows round to bf16
-        server = server_factory(folder, "--block-size", "4", "--cpu-decode", mode,
-                                "--quantized-prefill", "dense")
-        futures = [server.stub.Generate.future(pb.GenerateRequest(
-            prompt_token_ids=p, sampling=pb.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)))
-            for p in prompts]
+        server = server_factory(
+            folder, "--block-size", "4", "--cpu-decode", mode, "--quantized-prefill", "dense"
+        )
+        futures = [
+            server.stub.Generate.future(
+                pb.GenerateRequest(
+                    prompt_token_ids=p,
+                    sampling=pb.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                )
+            )
+            for p in prompts
+        ]
         outputs.append([list(f.result(timeout=120).choices[0].token_ids) for f in futures])
         assert ('"fused_decode"' in server.log_path.read_text()) == (mode == "fused")
         server.stop()
@@ -282,19 +348,36 @@ def test_int8_activations_start_a_worker_on_the_packed_kernel_alone(tmp_path):
     if not cpu_native.load().packed_fast:
         pytest.skip("no byte dot products here: nothing is packed")
     folder = make_tiny_gguf(tmp_path / "q4", qtype="Q4_1")
-    args = build_parser().parse_args(["--model", str(folder), "--scheduler", "tcp://127.0.0.1:1", "--device",
-                                      "cpu", "--quantized-activations", "int8", "--num-blocks", "8"])
+    args = build_parser().parse_args(
+        [
+            "--model",
+            str(folder),
+            "--scheduler",
+            "tcp://127.0.0.1:1",
+            "--device",
+            "cpu",
+            "--quantized-activations",
+            "int8",
+            "--num-blocks",
+            "8",
+        ]
+    )
     device, dtype = start_device(args)
     loaded = load(args, device, dtype, 1)
     lib = loaded.model.mm
     assert lib.int8_activations and lib.packing and loaded.quantized_prefill == "dequantize"
     assert lib.max_kernel_rows >= 1 << 30 and loaded.model.fused is not None
     assert loaded.model.fused.max_rows == lib.max_kernel_rows
-    assert all(w.dense is None and w.q.qtype.endswith("_x16") for w in loaded.model.layers[0].w.values()
-               if hasattr(w, "q") and w.q.out_dim % 16 == 0)
+    assert all(
+        w.dense is None and w.q.qtype.endswith("_x16")
+        for w in loaded.model.layers[0].w.values()
+        if hasattr(w, "q") and w.q.out_dim % 16 == 0
+    )
 
 
-def test_auto_activations_are_8_bit_where_prefill_keeps_no_dense_copy_and_16_bit_where_it_does(tmp_path):
+def test_auto_activations_are_8_bit_where_prefill_keeps_no_dense_copy_and_16_bit_where_it_does(
+    tmp_path,
+):
     """A model past the dense copy's limit (here: asked for with --quantized-prefill dequantize) serves at
     llama.cpp's precision, prompts at the 8-bit kernel's speed and nothing held in fp32; a small model keeps
     its copy and 16-bit activations (the default model's answers); an explicit int16 is kept either way."""
@@ -307,8 +390,19 @@ def test_auto_activations_are_8_bit_where_prefill_keeps_no_dense_copy_and_16_bit
     folder = make_tiny_gguf(tmp_path / "q4", qtype="Q4_1")
 
     def start(*flags):
-        args = build_parser().parse_args(["--model", str(folder), "--scheduler", "tcp://127.0.0.1:1",
-                                          "--device", "cpu", "--num-blocks", "8", *flags])
+        args = build_parser().parse_args(
+            [
+                "--model",
+                str(folder),
+                "--scheduler",
+                "tcp://127.0.0.1:1",
+                "--device",
+                "cpu",
+                "--num-blocks",
+                "8",
+                *flags,
+            ]
+        )
         device, dtype = start_device(args)
         loaded = load(args, device, dtype, 1)
         return loaded, loaded.model.mm
@@ -337,25 +431,53 @@ def test_the_portable_paths_built_for_avx2_compute_the_same(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "PAGEDSERVE_NATIVE_MARCH": "x86-64-v3", "PAGEDSERVE_CACHE": str(tmp_path / "cache")}
-    isa = subprocess.run([sys.executable, "-c",
-                          "from kernels import cpu_native; print(cpu_native.load().isa)"],
-                         env=env, capture_output=True, text=True, cwd=ROOT)
+    env = {
+        **os.environ,
+        "PAGEDSERVE_NATIVE_MARCH": "x86-64-v3",
+        "PAGEDSERVE_CACHE": str(tmp_path / "cache"),
+    }
+    isa = subprocess.run(
+        [sys.executable, "-c", "from kernels import cpu_native; print(cpu_native.load().isa)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if isa.returncode != 0 or not isa.stdout.strip():
         pytest.skip(f"no x86-64-v3 build here: {isa.stderr[-300:]}")
     assert isa.stdout.strip() == "256"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
-                          "tests/kernels/test_fused_decode.py", "tests/kernels/test_quantized.py",
-                          "tests/kernels/test_attention.py", "tests/kernels/test_fused.py",
-                          "-k", "not cuda and not triton and not torch"],
-                         env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not slow",
+            "tests/kernels/test_fused_decode.py",
+            "tests/kernels/test_quantized.py",
+            "tests/kernels/test_attention.py",
+            "tests/kernels/test_fused.py",
+            "-k",
+            "not cuda and not triton and not torch",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-3000:]
     assert " passed" in run.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize("mode", ["file-layout", "packed", "packed-int8"])
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
-def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_model(tmp_path, qtype, mode):
+def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_model(
+    tmp_path, qtype, mode
+):
     """Every projection as random K-quant blocks (256-value blocks: a model 256 wide), the QKV stack's values
     in the other K type: the fused step gives the layer path's floats, and both the dense model's on gguf's
     dequantization of the same blocks — on the file's layout with fp32 activations, and packed for the
@@ -365,26 +487,35 @@ def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_
     from worker.model.quantized import QuantizedMatmul, QuantLinear, QuantWeight
     from worker.serve.choices import use_fused_decode
 
-    folder = make_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=512, head_dim=64,
-                             num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02)
+    folder = make_tiny_llama(
+        tmp_path / "wide",
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.02,
+    )
     model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
     dense_model, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
     dense_model.use_matmul(DenseMatmul())
     rng = np.random.default_rng(0)
     packing, int8 = mode != "file-layout", mode == "packed-int8"
-    lib = QuantizedMatmul(cpu_native.load(), DenseMatmul(), max_kernel_rows=16, packing=packing,
-                          int8_activations=int8)
+    lib = QuantizedMatmul(
+        cpu_native.load(), DenseMatmul(), max_kernel_rows=16, packing=packing, int8_activations=int8
+    )
     for layer, twin in zip(model.layers, dense_model.layers, strict=True):
         layer.w = {}
         for name in layer.MATMUL_WEIGHTS:
             out_dim, in_dim = getattr(layer, name).shape
             q, reference = random_k_blocks(rng, out_dim, in_dim, qtype)
-            if name == "qkv":  # v in the other K type, as a Q4_K_M file has it: a stack of two segments
+            # v in the other K type, as a Q4_K_M file has it: a stack of two segments
+            if name == "qkv":
                 other = "Q4_K" if qtype == "Q6_K" else "Q6_K"
                 kv = config.num_kv_heads * config.head_dim
                 v, v_ref = random_k_blocks(rng, kv, in_dim, other)
                 q = QuantWeight.cat([q.rows(slice(0, out_dim - kv)), v])
-                reference[out_dim - kv:] = v_ref
+                reference[out_dim - kv :] = v_ref
                 assert [p.qtype for p in q.segments] == [qtype, other]
             packed = lib.pack(q)
             assert all(p.qtype.endswith("_x16") == packing for p in packed.segments)
@@ -441,18 +572,24 @@ def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
     assert not head.covers(torch.randn(FUSED_DENSE_ROWS + 1, config.hidden_size))
     from worker.model.quantized import QuantLinear, QuantWeight
 
-    blocks = QuantWeight(torch.zeros(config.vocab_size, 34 * 2, dtype=torch.uint8), "Q8_0",
-                         config.hidden_size)
-    tied_quantized = SimpleNamespace(head=QuantLinear(blocks), lm_head=None, embed=model.embed,
-                                     shard=model.shard)
-    assert NativeHead.weight_of(tied_quantized) is None  # not the fp32 embeddings in the Q8_0 head's place
+    blocks = QuantWeight(
+        torch.zeros(config.vocab_size, 34 * 2, dtype=torch.uint8), "Q8_0", config.hidden_size
+    )
+    tied_quantized = SimpleNamespace(
+        head=QuantLinear(blocks), lm_head=None, embed=model.embed, shard=model.shard
+    )
+    assert (
+        NativeHead.weight_of(tied_quantized) is None
+    )  # not the fp32 embeddings in the Q8_0 head's place
 
 
 def test_the_steps_own_profile_times_every_stage_and_changes_nothing(tmp_path):
     """The fused step's profile (what `make bench-budget` prints): on, each step counts once and every stage
     it ran took time; the hidden states are the same bits as without it; off, nothing is counted."""
     kernels = cpu_native.load()
-    model, config = _model(tmp_path, "gguf-Q4_1", packing=True)  # packed: the rounding stage runs too
+    model, config = _model(
+        tmp_path, "gguf-Q4_1", packing=True
+    )  # packed: the rounding stage runs too
     seqs = DECODES[2]
     want, _ = _run(model, config, seqs, fused=True)
     kernels.decode_profile(True)
@@ -466,9 +603,13 @@ def test_the_steps_own_profile_times_every_stage_and_changes_nothing(tmp_path):
     assert prof["steps"] == 2
     assert set(prof) == set(cpu_native.DECODE_STAGES) | {"steps"}
     assert all(prof[s] > 0 for s in cpu_native.DECODE_STAGES if s != "lora"), prof
-    assert prof["lora"] == 0  # no adapter in these steps: the stage never ran (tests/models/test_lora.py)
+    assert (
+        prof["lora"] == 0
+    )  # no adapter in these steps: the stage never ran (tests/models/test_lora.py)
     _run(model, config, seqs, fused=True)
-    assert kernels.decode_profile(False) == dict.fromkeys(cpu_native.DECODE_STAGES, 0.0) | {"steps": 0}
+    assert kernels.decode_profile(False) == dict.fromkeys(cpu_native.DECODE_STAGES, 0.0) | {
+        "steps": 0
+    }
 
 
 def test_the_per_token_budget_accounts_for_the_whole_step(tmp_path, capsys):
@@ -486,8 +627,12 @@ def test_the_per_token_budget_accounts_for_the_whole_step(tmp_path, capsys):
     assert parts["lm_head"] > 0 and parts["sampling"] > 0
     assert sum(parts.values()) == pytest.approx(res["step"], rel=0.02)
     mats = budget.matrix_bytes(runner.model)
-    assert mats["gate_up"] == 2 * mats["down"] > 0  # the tiny model's gate and up are each down's size
-    budget.print_budget(res, 1e10, mats, budget.head_bytes(runner.model), budget.kv_bytes(runner, 40))
+    assert (
+        mats["gate_up"] == 2 * mats["down"] > 0
+    )  # the tiny model's gate and up are each down's size
+    budget.print_budget(
+        res, 1e10, mats, budget.head_bytes(runner.model), budget.kv_bytes(runner, 40)
+    )
     out = capsys.readouterr().out
     assert "gate_up" in out and "worker Python and staging" in out and "read limit" in out
 
@@ -505,14 +650,28 @@ def test_a_quantized_files_prompt_copy_is_bf16_where_the_cpu_multiplies_bf16_in_
     folder = make_tiny_gguf(tmp_path / "q4", qtype="Q4_1")
 
     def start(*flags):
-        args = build_parser().parse_args(["--model", str(folder), "--scheduler", "tcp://127.0.0.1:1",
-                                          "--device", "cpu", "--num-blocks", "8", *flags])
+        args = build_parser().parse_args(
+            [
+                "--model",
+                str(folder),
+                "--scheduler",
+                "tcp://127.0.0.1:1",
+                "--device",
+                "cpu",
+                "--num-blocks",
+                "8",
+                *flags,
+            ]
+        )
         device, dtype = start_device(args)
         return load(args, device, dtype, 1)
 
     auto, fp32 = start(), start("--quantized-prefill", "dense")
     assert fp32.quantized_prefill == "dense" and fp32.model.mm.copies is None
-    assert "bf16" not in fp32.weights and fp32.model.layers[0].w["gate_up"].dense.dtype == torch.float32
+    assert (
+        "bf16" not in fp32.weights
+        and fp32.model.layers[0].w["gate_up"].dense.dtype == torch.float32
+    )
     if not OneDNNBf16Matmul.available():
         with pytest.raises(Refused, match="multiplies bf16"):
             start("--quantized-prefill", "bf16")
@@ -521,7 +680,9 @@ def test_a_quantized_files_prompt_copy_is_bf16_where_the_cpu_multiplies_bf16_in_
         return
     assert auto.quantized_prefill == "bf16" and "prompts on a bf16 copy" in auto.weights
     assert auto.kv_dtype == torch.bfloat16 and fp32.kv_dtype == torch.float32
-    assert auto.attn.prefill_bf16_dots == cpu_native.load().prefill_bf16_dots  # AVX512_BF16 in this build
+    assert (
+        auto.attn.prefill_bf16_dots == cpu_native.load().prefill_bf16_dots
+    )  # AVX512_BF16 in this build
     assert not getattr(fp32.attn, "prefill_bf16_dots", False)
     model = auto.model
     w, w32 = model.layers[0].w["gate_up"], fp32.model.layers[0].w["gate_up"]
@@ -533,8 +694,12 @@ def test_a_quantized_files_prompt_copy_is_bf16_where_the_cpu_multiplies_bf16_in_
     assert got.dtype == torch.float32 and not torch.equal(got, want)
     err = (got - want).abs().max() / want.abs().max()
     assert err < 2e-2, err  # bf16 activations and weights: 2^-8 steps
-    assert torch.equal(model.mm(x[:4], w), fp32.model.mm(x[:4], w32))  # decode rows: the same kernel
-    assert model.fused is not None and model.fused.sgemm is None  # the fused step never reads bf16 as fp32
+    assert torch.equal(
+        model.mm(x[:4], w), fp32.model.mm(x[:4], w32)
+    )  # decode rows: the same kernel
+    assert (
+        model.fused is not None and model.fused.sgemm is None
+    )  # the fused step never reads bf16 as fp32
     # a prompt step past the row limit: between the bf16 GEMMs the norms take and give bf16 rows, with the
     # same values
     from tests.support.forward import run_step

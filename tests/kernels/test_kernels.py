@@ -15,16 +15,19 @@ triton_attention = pytest.importorskip("kernels.triton_attention", reason="trito
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=3e-3, rtol=1e-2),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=3e-3, rtol=1e-2),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 
 # (n_heads, n_kv_heads, head_dim, block_size): every GQA ratio, head dim and block size at least once
 SHAPES = [
-    (4, 4, 64, 16),    # 1:1
-    (4, 2, 80, 32),    # 2:1, head dim padded to 128
-    (8, 2, 96, 16),    # 4:1, head dim padded to 128
+    (4, 4, 64, 16),  # 1:1
+    (4, 2, 80, 32),  # 2:1, head dim padded to 128
+    (8, 2, 96, 16),  # 4:1, head dim padded to 128
     (10, 2, 128, 32),  # 5:1, group padded
-    (6, 2, 64, 32),    # 3:1
+    (6, 2, 64, 32),  # 3:1
     (8, 8, 128, 16),
 ]
 
@@ -43,8 +46,9 @@ def close(out, ref, dtype):
 def test_decode_matches_reference(shape, dtype):
     n_heads, n_kv, head_dim, block = shape
     seq_lens = lengths(block)
-    case = make_case([1] * len(seq_lens), seq_lens, n_heads, n_kv, head_dim, block, dtype, seed=1,
-                     device=DEVICE)
+    case = make_case(
+        [1] * len(seq_lens), seq_lens, n_heads, n_kv, head_dim, block, dtype, seed=1, device=DEVICE
+    )
     out = triton_attention.paged_attention(*case.args)
     close(out, reference.paged_attention(*case.args), dtype)
 
@@ -87,7 +91,9 @@ def test_poisoned_scratch_is_never_read(monkeypatch):
 def test_write_kv_matches_reference_from_a_strided_view_and_padding_writes_nothing():
     dtype = DTYPES[0]
     n_kv, head_dim, block, num_blocks = 2, 80, 16, 6
-    qkv = torch.randn(9, (4 + 2 * n_kv) * head_dim, device=DEVICE).to(dtype)  # fused projection output
+    qkv = torch.randn(9, (4 + 2 * n_kv) * head_dim, device=DEVICE).to(
+        dtype
+    )  # fused projection output
     k = qkv[:, 4 * head_dim : (4 + n_kv) * head_dim].view(9, n_kv, head_dim)  # a strided view
     v = qkv[:, (4 + n_kv) * head_dim :].view(9, n_kv, head_dim)
     slots = torch.tensor([0, 17, -1, 95, 40, -1, 41, 2, 63], device=DEVICE)
@@ -100,7 +106,9 @@ def test_write_kv_matches_reference_from_a_strided_view_and_padding_writes_nothi
     assert torch.equal(pools[1].view(bits), pools[3].view(bits))
     untouched = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
     before = untouched.clone()
-    triton_attention.write_kv(k, v, untouched, untouched.clone(), torch.full((9,), -1, device=DEVICE))
+    triton_attention.write_kv(
+        k, v, untouched, untouched.clone(), torch.full((9,), -1, device=DEVICE)
+    )
     assert torch.equal(untouched.view(bits), before.view(bits)), "a -1 slot wrote into the pool"
 
 
@@ -108,11 +116,18 @@ def test_one_kv_head_constant_proves_the_head_mapping():
     dtype = DTYPES[0]
     n_heads, n_kv, head_dim, block = 10, 2, 64, 16  # 5 query heads per KV head
     for q_lens in ([1, 1], [4, 9]):
-        case = make_case(q_lens, [20, 37], n_heads, n_kv, head_dim, block, dtype, seed=5, device=DEVICE)
+        case = make_case(
+            q_lens, [20, 37], n_heads, n_kv, head_dim, block, dtype, seed=5, device=DEVICE
+        )
         case.v_cache[:, :, 1] = 3.0  # KV head 1 holds a constant value everywhere
         out = triton_attention.paged_attention(*case.args)
-        torch.testing.assert_close(out[:, 5:].float(), torch.full_like(out[:, 5:].float(), 3.0), atol=1e-3,
-                                   rtol=0, msg="query heads 5..9 must read KV head 1")
+        torch.testing.assert_close(
+            out[:, 5:].float(),
+            torch.full_like(out[:, 5:].float(), 3.0),
+            atol=1e-3,
+            rtol=0,
+            msg="query heads 5..9 must read KV head 1",
+        )
         assert (out[:, :5].float() - 3.0).abs().min() > 0.5, "query heads 0..4 must read KV head 0"
 
 
@@ -131,13 +146,27 @@ def test_chunked_prefill_then_decode_equals_one_full_prefill():
     case = make_case([total], [total], n_heads, n_kv, head_dim, block, dtype, seed=7, device=DEVICE)
     full = triton_attention.paged_attention(*case.args)
     pieces, done = [], 0
-    for chunk in (16, 15, 9, 1):  # three chunks over the growing cached prefix, then one decode token
+    # three chunks over the growing cached prefix, then one decode token
+    for chunk in (
+        16,
+        15,
+        9,
+        1,
+    ):
         done += chunk
         qsl = torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE)
         lens = torch.tensor([done], dtype=torch.int32, device=DEVICE)
-        pieces.append(triton_attention.paged_attention(case.q[done - chunk : done], case.k_cache,
-                                                       case.v_cache,
-                                                       case.block_tables, lens, qsl, case.scale))
+        pieces.append(
+            triton_attention.paged_attention(
+                case.q[done - chunk : done],
+                case.k_cache,
+                case.v_cache,
+                case.block_tables,
+                lens,
+                qsl,
+                case.scale,
+            )
+        )
     close(torch.cat(pieces), full, dtype)
 
 
@@ -156,8 +185,15 @@ def test_step_varying_arguments_are_not_specialized():
     parameters (a misspelt name would be ignored by the interpreter and refused on a GPU)."""
     import inspect
 
-    varying = {"stride_bts", "stride_mos", "stride_moh", "stride_mop", "stride_mls", "stride_mlh",
-               "split_len"}
+    varying = {
+        "stride_bts",
+        "stride_mos",
+        "stride_moh",
+        "stride_mop",
+        "stride_mls",
+        "stride_mlh",
+        "split_len",
+    }
     for name, listed in triton_attention.STEP_VARYING.items():
         kernel = getattr(triton_attention, name)
         params = set(inspect.signature(kernel.fn).parameters)
@@ -170,8 +206,17 @@ def test_many_splits_over_a_long_context_among_short_ones(n_heads, n_kv_heads, h
     """One 8k-token sequence beside short ones, split 40 ways (the merge takes its splits 16 at a time, so
     three tiles, the last one partial; short sequences write and read only their own few splits)."""
     dtype = DTYPES[0]
-    case = make_case([1, 1, 1, 1], [8200, 3, 700, 17], n_heads, n_kv_heads, head_dim, 16, dtype, seed=11,
-                     device=DEVICE)
+    case = make_case(
+        [1, 1, 1, 1],
+        [8200, 3, 700, 17],
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        16,
+        dtype,
+        seed=11,
+        device=DEVICE,
+    )
     out = triton_attention.paged_attention(*case.args, num_splits=40)
     close(out, reference.paged_attention(*case.args), dtype)
 
@@ -193,8 +238,9 @@ def test_split_scratch_is_allocated_once_per_step_and_stale_splits_are_never_rea
     dtype = DTYPES[0]
     calls = []
     real = triton_attention.decode_workspace
-    monkeypatch.setattr(triton_attention, "decode_workspace", lambda *a,
-                        **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(
+        triton_attention, "decode_workspace", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
     layer1 = make_case([1, 1, 1], [90, 3, 40], 4, 2, 64, 16, dtype, seed=5, device=DEVICE)
     layer2 = make_case([1, 1, 1], [90, 3, 40], 4, 2, 64, 16, dtype, seed=6, device=DEVICE)
     workspace = {}
@@ -212,7 +258,9 @@ def test_top_p_floor_kernel_matches_the_torch_bisection():
 
     g = torch.Generator().manual_seed(9)
     vocab = 1000 if DEVICE == "cpu" else 128_256
-    logits = torch.randn(6, vocab, generator=g) * torch.tensor([0.1, 1.0, 3.0, 8.0, 20.0, 2.0])[:, None]
+    logits = (
+        torch.randn(6, vocab, generator=g) * torch.tensor([0.1, 1.0, 3.0, 8.0, 20.0, 2.0])[:, None]
+    )
     probs = torch.softmax(logits, dim=-1).to(DEVICE)
     top_p = torch.tensor([0.5, 0.9, 0.95, 0.3, 0.999, 1.0], device=DEVICE)
     got = top_p_floor(probs, top_p)

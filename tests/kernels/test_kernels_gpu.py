@@ -12,8 +12,10 @@ import torch
 
 from kernels import reference
 
-pytestmark = [pytest.mark.kernels,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="native kernels need a CUDA GPU")]
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="native kernels need a CUDA GPU"),
+]
 
 SHAPES = [(32, 8, 128), (28, 4, 128), (14, 2, 64)]
 BLOCK = 16
@@ -29,10 +31,12 @@ def paged(q_lens, seq_lens, n_heads, n_kv, head_dim, seed, dtype=torch.bfloat16)
     v = torch.full_like(k, float("nan"))
     # block 0 never used
     order = torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1
-    tables = torch.zeros(len(seq_lens), max(pages) + 1, dtype=torch.int32, device="cuda")  # 0: a NaN page
+    tables = torch.zeros(
+        len(seq_lens), max(pages) + 1, dtype=torch.int32, device="cuda"
+    )  # 0: a NaN page
     at = 0
     for i, n in enumerate(pages):
-        ids = order[at:at + n]
+        ids = order[at : at + n]
         at += n
         tables[i, :n] = ids
         k[ids] = torch.randn(n, BLOCK, n_kv, head_dim, generator=g, device="cuda").to(dtype)
@@ -40,8 +44,8 @@ def paged(q_lens, seq_lens, n_heads, n_kv, head_dim, seed, dtype=torch.bfloat16)
     # the tail of each sequence's last page lies past its length: poison it again
     for i, s in enumerate(seq_lens):
         if s % BLOCK:
-            k[tables[i, pages[i] - 1], s % BLOCK:] = float("nan")
-            v[tables[i, pages[i] - 1], s % BLOCK:] = float("nan")
+            k[tables[i, pages[i] - 1], s % BLOCK :] = float("nan")
+            v[tables[i, pages[i] - 1], s % BLOCK :] = float("nan")
     q = torch.randn(sum(q_lens), n_heads, head_dim, generator=g, device="cuda").to(dtype)
     qsl = torch.tensor(np.cumsum([0] + list(q_lens)), dtype=torch.int32, device="cuda")
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
@@ -87,10 +91,18 @@ def test_mixed_steps_of_decodes_chunks_and_fresh_prompts(shape):
     from worker.model.attention import make_backend
 
     q_lens = [1] * 40 + [512, 1, 97, 1, 1000]
-    seq_lens = [int(x) for x in np.random.default_rng(3).integers(1, 6000, 40)] + [512, 7000, 2097, 33, 1000]
+    seq_lens = [int(x) for x in np.random.default_rng(3).integers(1, 6000, 40)] + [
+        512,
+        7000,
+        2097,
+        33,
+        1000,
+    ]
     q, k, v, tables, lens, qsl, scale = paged(q_lens, seq_lens, *shape, seed=11)
     backend = make_backend("triton", torch.device("cuda"))
-    meta = backend.prepare(tables, lens, qsl, BLOCK, max(seq_lens), max(q_lens), host_q_lens=np.array(q_lens))
+    meta = backend.prepare(
+        tables, lens, qsl, BLOCK, max(seq_lens), max(q_lens), host_q_lens=np.array(q_lens)
+    )
     assert meta.mixed is not None
     out = backend.forward(q, k, v, meta, scale)
     assert rel_error(out, reference.paged_attention(q, k, v, tables, lens, qsl, scale)) < 1e-2
@@ -113,10 +125,19 @@ def test_every_kernel_is_compiled_once_across_steps_of_every_kind_and_none_spill
 
     for fn in _jit_functions().values():
         fn.device_caches.clear()  # count what this test compiles
-    cfg = dict(model_type="llama", vocab_size=32000, hidden_size=576, intermediate_size=1536,
-               num_hidden_layers=4,
-               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096, rope_theta=10000.0,
-               rms_norm_eps=1e-5, tie_word_embeddings=True)
+    cfg = dict(
+        model_type="llama",
+        vocab_size=32000,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     device = torch.device("cuda")
     model, config = load_model(str(tmp_path), "dummy", torch.bfloat16, device)
@@ -140,19 +161,28 @@ def test_every_kernel_is_compiled_once_across_steps_of_every_kind_and_none_spill
             tables[i, :n] = free[:n]
             free.extend(free[:n])
             del free[:n]
-        positions = np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens, strict=True)])
+        positions = np.concatenate(
+            [np.arange(s - q, s) for q, s in zip(q_lens, seq_lens, strict=True)]
+        )
         owner = np.repeat(np.arange(len(q_lens)), q_lens)
         slots = tables[owner, positions // BLOCK].astype(np.int64) * BLOCK + positions % BLOCK
         s = len(q_lens)
         plan = PlanArrays(
-            step_id=step_id, token_ids=rng.integers(0, 32000, len(positions)).astype(np.int32),
-            positions=positions.astype(np.int32), slot_mapping=slots, block_tables=tables,
+            step_id=step_id,
+            token_ids=rng.integers(0, 32000, len(positions)).astype(np.int32),
+            positions=positions.astype(np.int32),
+            slot_mapping=slots,
+            block_tables=tables,
             seq_lens=np.array(seq_lens, dtype=np.int32),
             query_start_loc=np.cumsum([0] + q_lens).astype(np.int32),
-            do_sample=np.ones(s, dtype=bool), sample_index=np.zeros(s, dtype=np.int32),
-            temperature=np.full(s, temperature, dtype=np.float32), top_p=np.full(s, top_p, dtype=np.float32),
-            top_k=np.zeros(s, dtype=np.int32), seed=np.arange(s, dtype=np.uint64),
-            block_copies=np.zeros((0, 2), dtype=np.int32))
+            do_sample=np.ones(s, dtype=bool),
+            sample_index=np.zeros(s, dtype=np.int32),
+            temperature=np.full(s, temperature, dtype=np.float32),
+            top_p=np.full(s, top_p, dtype=np.float32),
+            top_k=np.zeros(s, dtype=np.int32),
+            seed=np.arange(s, dtype=np.uint64),
+            block_copies=np.zeros((0, 2), dtype=np.int32),
+        )
         result = runner.execute(encode_plan(plan))
         assert not result.error, result.error
 
@@ -169,5 +199,9 @@ def test_every_kernel_is_compiled_once_across_steps_of_every_kind_and_none_spill
     for name, versions in report.items():
         assert len(versions) <= (2 if name in twice else 1), (name, versions)
         assert all(v["spills"] == 0 for v in versions), (name, versions)
-    assert {"decode_split_kernel", "prefill_kernel", "write_kv_kernel",
-            "_top_p_floor_kernel"} <= set(report)
+    assert {
+        "decode_split_kernel",
+        "prefill_kernel",
+        "write_kv_kernel",
+        "_top_p_floor_kernel",
+    } <= set(report)

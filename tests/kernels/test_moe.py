@@ -26,15 +26,17 @@ def naive(h, weights, ids, gate_up, down):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             gu = F.linear(h[t].float(), gate_up[e].float())
-            out[t] += weights[t, j].float() * F.linear(F.silu(gu[:inter]) * gu[inter:], down[e].float())
+            out[t] += weights[t, j].float() * F.linear(
+                F.silu(gu[:inter]) * gu[inter:], down[e].float()
+            )
     return out
 
 
 def case(tokens, experts, top_k, hidden, inter, dtype, seed=0, unused=()):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(tokens, hidden, generator=g).to(DEVICE, dtype)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(DEVICE, dtype)
-    down = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(DEVICE, dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(DEVICE, dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(DEVICE, dtype)
     scores = torch.rand(tokens, experts, generator=g)
     scores[:, list(unused)] = -1.0  # experts no token chooses
     weights, ids = torch.topk(torch.softmax(scores, -1), top_k, dim=-1)
@@ -52,7 +54,9 @@ SHAPES = [  # tokens, experts, top_k, hidden, intermediate, experts nobody choos
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"T{s[0]}-E{s[1]}-k{s[2]}" for s in SHAPES])
 def test_grouped_loop_equals_each_token_through_its_experts(shape):
     tokens, experts, top_k, hidden, inter, unused = shape
-    h, w, ids, gate_up, down = case(tokens, experts, top_k, hidden, inter, torch.float32, unused=unused)
+    h, w, ids, gate_up, down = case(
+        tokens, experts, top_k, hidden, inter, torch.float32, unused=unused
+    )
     h, w, ids, gate_up, down = (x.cpu() for x in (h, w, ids, gate_up, down))
     got = grouped_experts(h, w, ids, gate_up, down, TorchOps().silu_mul)
     torch.testing.assert_close(got, naive(h, w, ids, gate_up, down), atol=2e-5, rtol=2e-5)
@@ -64,7 +68,9 @@ def test_grouped_loop_equals_each_token_through_its_experts(shape):
 def test_triton_grouped_matmuls_equal_the_grouped_loop(shape, dtype):
     triton_moe = pytest.importorskip("kernels.triton_moe", reason="triton is not installed")
     tokens, experts, top_k, hidden, inter, unused = shape
-    h, w, ids, gate_up, down = case(tokens, experts, top_k, hidden, inter, dtype, seed=1, unused=unused)
+    h, w, ids, gate_up, down = case(
+        tokens, experts, top_k, hidden, inter, dtype, seed=1, unused=unused
+    )
     got = triton_moe.fused_moe(h, w, ids, gate_up, down, TorchOps().silu_mul)
     assert got.shape == h.shape and got.dtype == dtype and torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), naive(h, w, ids, gate_up, down), **TOL[dtype])
@@ -75,10 +81,16 @@ def test_align_groups_every_pair_once_by_expert_with_padded_runs():
     triton_moe = pytest.importorskip("kernels.triton_moe", reason="triton is not installed")
     g = torch.Generator().manual_seed(3)
     for tokens, experts, top_k in [(1, 8, 2), (13, 5, 2), (40, 16, 4), (3, 64, 8)]:
-        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(
+            DEVICE
+        )
         pairs = tokens * top_k
         sorted_pairs, block_expert = triton_moe.align(ids, experts, block_m=4)
-        sorted_pairs, block_expert, flat = sorted_pairs.cpu(), block_expert.cpu(), ids.reshape(-1).cpu()
+        sorted_pairs, block_expert, flat = (
+            sorted_pairs.cpu(),
+            block_expert.cpu(),
+            ids.reshape(-1).cpu(),
+        )
         real = sorted_pairs[sorted_pairs < pairs]
         assert sorted(real.tolist()) == list(range(pairs))  # each pair exactly once
         assert (sorted_pairs[sorted_pairs >= pairs] == pairs).all()  # padding names no pair
@@ -88,15 +100,27 @@ def test_align_groups_every_pair_once_by_expert_with_padded_runs():
             if e < 0:
                 assert run.numel() == 0
             else:
-                assert run.numel() > 0 and (flat[run.long()] == e).all()  # a block holds one expert's pairs
+                assert (
+                    run.numel() > 0 and (flat[run.long()] == e).all()
+                )  # a block holds one expert's pairs
                 assert run.tolist() == sorted(run.tolist())  # in token order
 
 
 def moe_config(**fields) -> ModelConfig:
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                num_kv_heads=2,
-                head_dim=16, moe_layers=(True,), num_experts=6, experts_per_token=2, moe_intermediate_size=24,
-                norm_topk_prob=True)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=16,
+        moe_layers=(True,),
+        num_experts=6,
+        experts_per_token=2,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+    )
     return ModelConfig(**{**base, **fields})
 
 
@@ -116,7 +140,9 @@ def test_tensor_parallel_slices_of_every_expert_sum_to_the_whole():
         lo, hi = shard.expert_intermediate
         part = MoE(config, shard)
         part.router.data.copy_(whole.router)
-        part.gate_up.data.copy_(torch.cat([whole.gate_up[:, lo:hi], whole.gate_up[:, 24 + lo : 24 + hi]], 1))
+        part.gate_up.data.copy_(
+            torch.cat([whole.gate_up[:, lo:hi], whole.gate_up[:, 24 + lo : 24 + hi]], 1)
+        )
         part.down.data.copy_(whole.down[:, :, lo:hi])
         parts.append(part(h, ops))
     torch.testing.assert_close(parts[0] + parts[1], whole(h, ops), atol=1e-4, rtol=1e-4)
@@ -126,13 +152,18 @@ def test_routing_renormalizes_only_where_asked():
     torch.manual_seed(1)
     h = torch.randn(5, 32)
     for normalize in (False, True):
-        moe = MoE(moe_config(norm_topk_prob=normalize), make_shard(2, 2, 64, 64, expert_intermediate_size=24))
+        moe = MoE(
+            moe_config(norm_topk_prob=normalize),
+            make_shard(2, 2, 64, 64, expert_intermediate_size=24),
+        )
         moe.router.data.normal_()
         weights, ids = moe.route(h)
         probs = torch.softmax(h @ moe.router.T, -1)
         assert (ids == probs.topk(2, -1).indices).all()
         want = probs.topk(2, -1).values
-        torch.testing.assert_close(weights, want / want.sum(-1, keepdim=True) if normalize else want)
+        torch.testing.assert_close(
+            weights, want / want.sum(-1, keepdim=True) if normalize else want
+        )
 
 
 def test_an_expert_split_that_does_not_divide_is_refused():
@@ -154,8 +185,15 @@ def test_a_whole_model_through_the_triton_experts_equals_the_grouped_loop(tmp_pa
     from worker.model.kv_pool import KVPool
     from worker.weights.loader import load_model
 
-    folder = make_tiny_llama(tmp_path, seed=5, family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
-                             moe_intermediate_size=32, norm_topk_prob=True)
+    folder = make_tiny_llama(
+        tmp_path,
+        seed=5,
+        family="qwen3_moe",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+    )
     model, config = load_model(str(folder), "auto", torch.float32, device)
     # a prompt, and two sequences of one token (decode rows over only their own key: no unwritten slot read)
     seqs = [([(5 * i) % 300 + 3 for i in range(9)], 0, [0, 1, 2]), ([7], 0, [3]), ([11], 0, [5])]

@@ -18,8 +18,12 @@ def sources(tmp_path):
 def test_every_source_and_header_is_compiled_or_hashed(sources):
     on_disk = {p.name for p in sources.iterdir() if p.suffix in (".c", ".h")}
     assert {p.name for p in cpu_build.build_inputs(sources)} == on_disk
-    included = {m for p in sources.iterdir() if p.suffix in (".c", ".h")
-                for m in re.findall(r'#include "([^"]+)"', p.read_text())}
+    included = {
+        m
+        for p in sources.iterdir()
+        if p.suffix in (".c", ".h")
+        for m in re.findall(r'#include "([^"]+)"', p.read_text())
+    }
     assert included <= on_disk, "a header the sources include is not in the folder"
 
 
@@ -28,7 +32,9 @@ def test_an_edit_to_any_one_file_changes_the_library_it_builds(sources, name):
     cc = shutil.which("cc") or shutil.which("gcc") or "cc"
     before = cpu_build.build_key(cc, sources)
     (sources / name).write_text((sources / name).read_text() + "\n/* edited */\n")
-    assert cpu_build.build_key(cc, sources) != before, f"{name} edited alone would reuse a stale library"
+    assert cpu_build.build_key(cc, sources) != before, (
+        f"{name} edited alone would reuse a stale library"
+    )
 
 
 def test_a_renamed_file_changes_the_library_it_builds(sources):
@@ -42,7 +48,9 @@ def test_a_renamed_file_changes_the_library_it_builds(sources):
 def _defined_entry_points() -> set[str]:
     found = set()
     for c in cpu_build.sources():
-        found |= set(re.findall(r"^(?!static)[\w ]+?\**\s*(pagedserve_\w+)\s*\(", c.read_text(), re.M))
+        found |= set(
+            re.findall(r"^(?!static)[\w ]+?\**\s*(pagedserve_\w+)\s*\(", c.read_text(), re.M)
+        )
     return found
 
 
@@ -52,7 +60,9 @@ def test_every_entry_point_is_declared_once_in_the_public_header():
     assert sorted(set(declared)) == sorted(declared), "declared twice"
     assert _defined_entry_points() == set(declared)
     for c in cpu_build.sources():
-        assert '#include "pagedserve.h"' in c.read_text(), f"{c.name} does not include the public header"
+        assert '#include "pagedserve.h"' in c.read_text(), (
+            f"{c.name} does not include the public header"
+        )
 
 
 def test_the_binding_reads_each_signature_from_the_header():
@@ -73,7 +83,9 @@ def test_the_binding_reads_each_signature_from_the_header():
 def test_the_fused_steps_structs_match_the_librarys(native):
     from worker.model.fused_decode import mirrors_match
 
-    assert len(native.struct_sizes) == 6 and mirrors_match(native)  # model, layers, and the LoRA pair
+    assert len(native.struct_sizes) == 6 and mirrors_match(
+        native
+    )  # model, layers, and the LoRA pair
 
 
 def test_half_width_conversions_are_defined_once():

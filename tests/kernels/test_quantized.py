@@ -20,7 +20,11 @@ MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", ROOT / ".models" / "smol
 # the served types gguf can quantize to (the K types: random_k_blocks); Q5_0 / Q5_1: a Q4_K_M file's rows
 # that are not a multiple of 256 values wide
 GGUF_QUANTIZES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-INT8_QUANTIZES = ["Q4_0", "Q4_1", "Q8_0"]  # what --quantized-activations int8 multiplies in integers
+INT8_QUANTIZES = [
+    "Q4_0",
+    "Q4_1",
+    "Q8_0",
+]  # what --quantized-activations int8 multiplies in integers
 
 
 def quantized(rng, out_dim, in_dim, qtype):
@@ -28,8 +32,9 @@ def quantized(rng, out_dim, in_dim, qtype):
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     blocks = gguf.quants.quantize(w, kind)
     reference = gguf.quants.dequantize(blocks, kind).reshape(out_dim, in_dim)
-    return QuantWeight(torch.from_numpy(np.ascontiguousarray(blocks)), qtype,
-                       in_dim), torch.from_numpy(reference)
+    return QuantWeight(
+        torch.from_numpy(np.ascontiguousarray(blocks)), qtype, in_dim
+    ), torch.from_numpy(reference)
 
 
 @pytest.mark.parametrize("qtype", GGUF_QUANTIZES)
@@ -40,7 +45,9 @@ def test_dequantizing_matches_ggufs_own(native, qtype):
 
 
 @pytest.mark.parametrize("qtype", GGUF_QUANTIZES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 8, 9, 13, 40])  # every row-count copy, and the tails
+@pytest.mark.parametrize(
+    "rows", [1, 3, 4, 5, 7, 8, 9, 13, 40]
+)  # every row-count copy, and the tails
 def test_the_kernel_computes_x_times_the_dequantized_weight(native, qtype, rows):
     rng = np.random.default_rng(rows)
     w, reference = quantized(rng, 72, 576, qtype)
@@ -70,16 +77,26 @@ def test_half_rows_compute_x_times_the_widened_weight(native, qtype, rows):
 
 def test_block_boundaries_are_kept_and_mixed_types_stack(native):
     w, reference = quantized(np.random.default_rng(1), 8, 128, "Q4_1")
-    torch.testing.assert_close(QuantizedMatmul(native, dense=None).dequantize(w.cols(32, 96)),
-                               reference[:, 32:96], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        QuantizedMatmul(native, dense=None).dequantize(w.cols(32, 96)),
+        reference[:, 32:96],
+        rtol=1e-6,
+        atol=1e-7,
+    )
     with pytest.raises(ValueError, match="block boundaries"):
         w.cols(16, 64)
     stacked = QuantWeight.cat([w.rows(slice(0, 3)), w.rows(slice(5, 8))])
-    torch.testing.assert_close(QuantizedMatmul(native, dense=None).dequantize(stacked),
-                               torch.cat([reference[:3], reference[5:]]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        QuantizedMatmul(native, dense=None).dequantize(stacked),
+        torch.cat([reference[:3], reference[5:]]),
+        rtol=1e-6,
+        atol=1e-7,
+    )
     other, other_ref = quantized(np.random.default_rng(2), 8, 128, "Q8_0")
     third, third_ref = quantized(np.random.default_rng(3), 4, 128, "Q8_0")
-    mixed = QuantWeight.cat([w, other, third])  # q in one type, k and v in another: runs of one type each
+    mixed = QuantWeight.cat(
+        [w, other, third]
+    )  # q in one type, k and v in another: runs of one type each
     assert [p.qtype for p in mixed.segments] == ["Q4_1", "Q8_0"] and mixed.shape == (20, 128)
     lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
     want = torch.cat([reference, other_ref, third_ref])
@@ -114,9 +131,13 @@ def test_the_default_models_blocks_read_back_as_the_dequantized_checkpoint(nativ
     src = GGUFQuantSource(default_gguf(), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     lib = QuantizedMatmul(native, dense=None)
     with safe_open(str(MODEL_DIR / "model.safetensors"), framework="pt") as f:
-        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-                     "model.layers.7.self_attn.v_proj.weight", "model.layers.29.mlp.down_proj.weight",
-                     "model.embed_tokens.weight"):
+        for name in (
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.7.self_attn.v_proj.weight",
+            "model.layers.29.mlp.down_proj.weight",
+            "model.embed_tokens.weight",
+        ):
             hf = name if name != "model.embed_tokens.weight" else "lm_head.weight"
             w = src.get(hf)
             assert w.qtype in ("Q4_1", "Q8_0")
@@ -130,23 +151,32 @@ def compare_quantized_and_dense(quant, dense):
     assert '"matmul": "quantized"' in quant.log_path.read_text()
     assert '"matmul": "quantized"' not in dense.log_path.read_text()
     tok = Tokenizer(MODEL_DIR)
-    prompts = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
+    prompts = [
+        "What is the capital of France?",
+        "Name three colors.",
+        "Write a haiku about the sea.",
+    ]
     for text in prompts:
-        req = pb.GenerateRequest(prompt_token_ids=tok.encode_prompt(text, raw=False),
-                                 sampling=pb.SamplingParams(
-            max_tokens=24, temperature=0, ignore_eos=True, logprobs=0))
+        req = pb.GenerateRequest(
+            prompt_token_ids=tok.encode_prompt(text, raw=False),
+            sampling=pb.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0),
+        )
         a, b = (s.stub.Generate(req, timeout=120).choices[0] for s in (quant, dense))
         assert list(a.token_ids) == list(b.token_ids), text
         diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)]
         assert max(diffs) < 1e-2, (text, max(diffs))
     # a batch past the kernel's rows (prefill on the dense copy) and one within it (decode on the blocks)
     stats = quant.stats()
-    assert stats.num_running == 0 and stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks
+    assert (
+        stats.num_running == 0
+        and stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks
+    )
 
 
 @pytest.mark.slow
 def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_answers(
-        server_factory, native, tmp_path_factory):
+    server_factory, native, tmp_path_factory
+):
     """A tiny Llama shipped as Q8_0: served on its blocks alone and split over two tensor-parallel ranks
     (rows of q/k/v and gate/up, whole blocks of o_proj's and down's columns), every greedy answer equals
     transformers' on the same (dequantized) weights, and the dequantized serving too."""
@@ -157,16 +187,22 @@ def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_ans
     flags = ["--block-size", "4", "--num-blocks", "256"]
     # the dequantized model's arithmetic (auto: llama.cpp's activations; prompts in bf16 on AMX)
     exact = ["--quantized-activations", "int16", "--quantized-prefill", "dense"]
-    servers = {"blocks": server_factory(folder, *flags, *exact),
-               "blocks, TP=2": server_factory(folder, *flags, *exact, "--tp", "2"),
-               "dequantized": server_factory(folder, *flags, "--dequantize")}
-    assert '"matrices": {"Q8_0": 12, "dense": 1}' in servers["blocks"].log_path.read_text()  # F32 head
+    servers = {
+        "blocks": server_factory(folder, *flags, *exact),
+        "blocks, TP=2": server_factory(folder, *flags, *exact, "--tp", "2"),
+        "dequantized": server_factory(folder, *flags, "--dequantize"),
+    }
+    assert (
+        '"matrices": {"Q8_0": 12, "dense": 1}' in servers["blocks"].log_path.read_text()
+    )  # F32 head
     prompts = [[5, 9, 13, 200, 31], list(range(40, 75)), [7] * 12]
     for prompt in prompts:
         want = hf_greedy(folder, prompt, 24)
         for name, server in servers.items():
-            req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-                max_tokens=24, temperature=0, ignore_eos=True))
+            req = pb.GenerateRequest(
+                prompt_token_ids=prompt,
+                sampling=pb.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+            )
             assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == want, name
 
 
@@ -189,14 +225,18 @@ def test_the_ready_line_says_how_a_ggufs_blocks_are_multiplied(server_factory, n
         server = server_factory(folder, *flags, *extra)
         try:
             log = server.log_path.read_text()
-            ready = next(line for line in log.splitlines() if line.startswith("pagedserve is serving"))
+            ready = next(
+                line for line in log.splitlines() if line.startswith("pagedserve is serving")
+            )
             assert f"the file's blocks x {words}" in ready
             info = server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
             assert info.weights == f"the file's blocks x {words}"
             if extra and native.packed_fast:
                 assert '"activations": "int8"' in log and '"chosen": "dequantize"' in log
-            req = pb.GenerateRequest(prompt_token_ids=[5, 9, 13, 200, 31], sampling=pb.SamplingParams(
-                max_tokens=8, temperature=0, ignore_eos=True))
+            req = pb.GenerateRequest(
+                prompt_token_ids=[5, 9, 13, 200, 31],
+                sampling=pb.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+            )
             assert len(server.stub.Generate(req, timeout=120).choices[0].token_ids) == 8
         finally:
             server.stop()
@@ -215,7 +255,9 @@ def int8_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> 
 @pytest.mark.parametrize("qtype", INT8_QUANTIZES)
 @pytest.mark.parametrize("rows", [1, 2, 7])
 @pytest.mark.parametrize("in_dim", [576, 160])  # an even and an odd number of blocks
-def test_int8_activations_compute_the_rounded_activations_times_the_weight(native, qtype, rows, in_dim):
+def test_int8_activations_compute_the_rounded_activations_times_the_weight(
+    native, qtype, rows, in_dim
+):
     rng = np.random.default_rng(in_dim + rows)
     w, reference = quantized(rng, 40, in_dim, qtype)
     x = torch.from_numpy(rng.standard_normal((rows, in_dim)).astype(np.float32))
@@ -238,8 +280,9 @@ def test_perplexity_chunks_follow_llama_perplexity():
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(server_factory, native, tmp_path,
-                                                                            monkeypatch):
+def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(
+    server_factory, native, tmp_path, monkeypatch
+):
     """`pagedserve serve --model X.gguf` (`make run`'s model): the file is prepared once into a cached folder
     that names it — the config and tokenizer `make setup` prepares from it, and no copy of its weights — and
     served on its own Q4_1 blocks, the rest of its tensors read from the file: the same weights as the
@@ -257,36 +300,58 @@ def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(ser
     path = find_embedded_gguf()
     # 16-bit activations and prompts on the fp32 copy: the dequantized model's arithmetic (AMX's default
     # bf16 copy rounds prompts' products: tests/kernels/test_fused_decode.py)
-    server = server_factory(path, "--num-blocks", "256", "--max-model-len", "1024",
-                            "--quantized-activations", "int16", "--quantized-prefill", "dense")
+    server = server_factory(
+        path,
+        "--num-blocks",
+        "256",
+        "--max-model-len",
+        "1024",
+        "--quantized-activations",
+        "int16",
+        "--quantized-prefill",
+        "dense",
+    )
     try:
         log = server.log_path.read_text()
         assert '"matmul": "quantized"' in log and '"matrices": {"Q4_1": 120, "Q8_0": 1}' in log
         assert '"chosen": "dense", "why": "asked for"' in log
         prepared = list(tmp_path.iterdir())
-        assert len(prepared) == 1 and model_folder(str(path)) == str(prepared[0])  # found again, not redone
-        assert json.loads((prepared[0] / "pagedserve_model.json").read_text())["gguf"] == str(path.resolve())
-        digests = {hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
-                   for folder in (prepared[0], MODEL_DIR)}
+        assert len(prepared) == 1 and model_folder(str(path)) == str(
+            prepared[0]
+        )  # found again, not redone
+        assert json.loads((prepared[0] / "pagedserve_model.json").read_text())["gguf"] == str(
+            path.resolve()
+        )
+        digests = {
+            hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
+            for folder in (prepared[0], MODEL_DIR)
+        }
         assert len(digests) == 1
-        configs = [json.loads((folder / "config.json").read_text()) for folder in (prepared[0], MODEL_DIR)]
+        configs = [
+            json.loads((folder / "config.json").read_text()) for folder in (prepared[0], MODEL_DIR)
+        ]
         assert configs[0] == {k: v for k, v in configs[1].items() if k != "dtype"}
-        assert not list(prepared[0].glob("*.safetensors"))  # no fp32 copy: the tensors are read from the file
-        req = pb.GenerateRequest(prompt_token_ids=list(range(300, 340)), sampling=pb.SamplingParams(
-            max_tokens=16, temperature=0, ignore_eos=True))
+        assert not list(
+            prepared[0].glob("*.safetensors")
+        )  # no fp32 copy: the tensors are read from the file
+        req = pb.GenerateRequest(
+            prompt_token_ids=list(range(300, 340)),
+            sampling=pb.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+        )
         assert len(server.stub.Generate(req, timeout=120).choices[0].token_ids) == 16
         # served as the file is named, without the prepared folder's hash
-        assert server.stub.GetModelInfo(pb.GetModelInfoRequest(),
-                                        timeout=10).model_name == path.stem
-        dense = server_factory(MODEL_DIR, "--num-blocks", "256", "--max-model-len", "1024", "--dequantize")
+        assert (
+            server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).model_name == path.stem
+        )
+        dense = server_factory(
+            MODEL_DIR, "--num-blocks", "256", "--max-model-len", "1024", "--dequantize"
+        )
         try:
             compare_quantized_and_dense(server, dense)
         finally:
             dense.stop()
     finally:  # copies of the model: not kept for the rest of the session
         server.stop()
-
-
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
@@ -302,8 +367,12 @@ def test_k_quant_blocks_compute_x_times_gguf_dequantization(native, qtype, rows)
     x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))
     torch.testing.assert_close(lib(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)
     int8 = QuantizedMatmul(native, dense=None, max_kernel_rows=64, int8_activations=True)
-    torch.testing.assert_close(int8(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)  # K types: fp32 activations
-    torch.testing.assert_close(lib.dequantize(w.cols(256, 768)), reference[:, 256:], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        int8(x, w), x @ reference.T, rtol=1e-4, atol=1e-4
+    )  # K types: fp32 activations
+    torch.testing.assert_close(
+        lib.dequantize(w.cols(256, 768)), reference[:, 256:], rtol=1e-6, atol=1e-7
+    )
     with pytest.raises(ValueError, match="256-value"):
         w.cols(32, 768)
 
@@ -312,10 +381,21 @@ GGUF_FAMILIES = {  # family -> config fields (support/tiny.py writes its llama.c
     "mistral": dict(sliding_window=12),  # llama.cpp's "llama": q/k rows permuted
     "qwen2": dict(),  # q/k/v biases (F32 beside the blocks), nothing permuted
     "phi3": dict(pad_token_id=0),  # q/k/v one attn_qkv tensor, gate and up one ffn_up tensor
-    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=10, attn_logit_softcapping=5.0,
-                   final_logit_softcapping=30.0, pad_token_id=0, hidden_activation="gelu_pytorch_tanh"),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),  # experts stay dense
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),  # "llama": permuted
+    "gemma2": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=10,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=30.0,
+        pad_token_id=0,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    ),  # experts stay dense
+    "mixtral": dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=32
+    ),  # "llama": permuted
 }
 
 
@@ -330,52 +410,80 @@ def test_each_familys_gguf_blocks_give_the_dequantized_models_logits(native, tmp
     from worker.model.kv_pool import KVPool
     from worker.weights.loader import load_model
 
-    folder = make_tiny_gguf(tmp_path / family, "Q8_0", seed=4, family=family, **GGUF_FAMILIES[family])
+    folder = make_tiny_gguf(
+        tmp_path / family, "Q8_0", seed=4, family=family, **GGUF_FAMILIES[family]
+    )
     prompt = [(11 * i) % 380 + 3 for i in range(30)]
     seqs = [(prompt, 0, list(range(-(-len(prompt) // BLOCK))))]
     dense, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
-    want = run_step(dense, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")), seqs)[0]
+    want = run_step(
+        dense, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")), seqs
+    )[0]
     # each rank's blocks are its slices: its partial o_proj/down sums equal the dense's
     for rank in range(tp):
-        model, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank,
-                              tp_size=tp)
-        source = GGUFQuantSource(next(folder.glob("*.gguf")), config.num_heads, config.num_kv_heads,
-                                 config.head_dim)
-        counts = model.use_quantized(read_quantized(model, source), QuantizedMatmul(native, dense=None),
-                                     keep_dense=False)
+        model, _ = load_model(
+            str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank, tp_size=tp
+        )
+        source = GGUFQuantSource(
+            next(folder.glob("*.gguf")), config.num_heads, config.num_kv_heads, config.head_dim
+        )
+        counts = model.use_quantized(
+            read_quantized(model, source), QuantizedMatmul(native, dense=None), keep_dense=False
+        )
         per_layer = 2 if config.moe_layers else 4
-        assert counts == {"Q8_0": per_layer * config.num_layers, "dense": 1}  # the head: F32 in these files
+        assert counts == {
+            "Q8_0": per_layer * config.num_layers,
+            "dense": 1,
+        }  # the head: F32 in these files
         if tp == 1:
-            got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")),
-                           seqs)[0]
+            got = run_step(
+                model, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")), seqs
+            )[0]
             torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
         else:  # a rank's projections against the same rows/columns of the dense model's
-            ref, _ = load_model(str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank,
-                                tp_size=tp)
+            ref, _ = load_model(
+                str(folder), "auto", torch.float32, torch.device("cpu"), tp_rank=rank, tp_size=tp
+            )
             assert_projections_match(model, ref)
-
-
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["phi3", "qwen3_moe"])
 def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(
-        server_factory, native, tmp_path_factory, family):
+    server_factory, native, tmp_path_factory, family
+):
     """Served from the file's blocks (Phi-3's stacked tensors; Qwen3-MoE's attention, its experts dense),
     every greedy answer equals transformers' on the same dequantized weights."""
     from protos import generation_pb2 as pb
     from tests.support.tiny import hf_greedy, make_tiny_gguf
 
-    folder = make_tiny_gguf(tmp_path_factory.mktemp(f"gguf-{family}") / "m", "Q8_0", seed=3, family=family,
-                            **GGUF_FAMILIES[family])
-    server = server_factory(folder, "--block-size", "4", "--num-blocks", "256",
-                            "--quantized-activations", "int16", "--quantized-prefill", "dense")
+    folder = make_tiny_gguf(
+        tmp_path_factory.mktemp(f"gguf-{family}") / "m",
+        "Q8_0",
+        seed=3,
+        family=family,
+        **GGUF_FAMILIES[family],
+    )
+    server = server_factory(
+        folder,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "256",
+        "--quantized-activations",
+        "int16",
+        "--quantized-prefill",
+        "dense",
+    )
     assert '"Q8_0": ' in server.log_path.read_text()
     for prompt in ([5, 9, 13, 200, 31], list(range(40, 75))):
-        req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-            max_tokens=24, temperature=0, ignore_eos=True))
+        req = pb.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=pb.SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+        )
         assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == hf_greedy(
-            folder, prompt, 24)
+            folder, prompt, 24
+        )
 
 
 def int16_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
@@ -384,8 +492,11 @@ def int16_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) ->
     Q8_0's 0) times x's own sum."""
     blocks = w.data.numpy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
-    m = {"Q4_1": lambda: blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64),
-         "Q4_0": lambda: -8 * d, "Q8_0": lambda: np.zeros_like(d)}[w.qtype]()
+    m = {
+        "Q4_1": lambda: blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64),
+        "Q4_0": lambda: -8 * d,
+        "Q8_0": lambda: np.zeros_like(d),
+    }[w.qtype]()
     m = torch.from_numpy(m)  # [out, blocks]
     # rounded in fp32 as the kernel rounds: x * (32767 / amax), to nearest even
     xf = x.view(x.shape[0], -1, 32)
@@ -426,15 +537,21 @@ def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
     lib = packing_lib(native)
     packed = lib.pack(w)
     assert packed.qtype == PACKED_FROM[qtype] and packed.shape == w.shape
-    assert packed.nbytes == 48 * 10 * (34 if qtype == "Q8_0" else 20)  # Q4_0 gains its offset: 18 -> 20 bytes
+    assert packed.nbytes == 48 * 10 * (
+        34 if qtype == "Q8_0" else 20
+    )  # Q4_0 gains its offset: 18 -> 20 bytes
     assert torch.equal(lib.dequantize(packed), lib.dequantize(w))
     torch.testing.assert_close(lib.dequantize(packed), reference, rtol=1e-6, atol=1e-7)
     ragged, _ = quantized(np.random.default_rng(5), 40, 320, qtype)  # not whole 16-row groups
     assert lib.pack(ragged) is ragged
     other = "Q4_1" if qtype == "Q8_0" else "Q8_0"
     other_ragged, _ = quantized(np.random.default_rng(7), 40, 320, other)
-    stack = lib.pack(QuantWeight.cat([w, other_ragged]))  # each run of a stack packed where it applies
-    assert [p.qtype for p in stack.segments] == [PACKED_FROM[qtype], other] and isinstance(stack, QuantStack)
+    stack = lib.pack(
+        QuantWeight.cat([w, other_ragged])
+    )  # each run of a stack packed where it applies
+    assert [p.qtype for p in stack.segments] == [PACKED_FROM[qtype], other] and isinstance(
+        stack, QuantStack
+    )
     assert QuantizedMatmul(native, dense=None).pack(w) is w  # packing off: as the file ships it
     with pytest.raises(ValueError, match="interleaved"):
         packed.rows(slice(0, 16))
@@ -445,7 +562,9 @@ def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13])  # every pass of four activation rows, and the tails
+@pytest.mark.parametrize(
+    "rows", [1, 3, 4, 5, 8, 9, 13]
+)  # every pass of four activation rows, and the tails
 @pytest.mark.parametrize("in_dim", [576, 160])
 @pytest.mark.parametrize("bits", [16, 8])
 def test_packed_weights_multiply_rounded_activations(native, qtype, rows, in_dim, bits):
@@ -486,7 +605,8 @@ def int16_k_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) 
     else:
         zero[..., 0:192] = 0  # the low nibbles and the high bit pairs
     z = torch.from_numpy(
-        gguf.quants.dequantize(zero.reshape(w.out_dim, -1), kind).reshape(w.out_dim, w.in_dim))
+        gguf.quants.dequantize(zero.reshape(w.out_dim, -1), kind).reshape(w.out_dim, w.in_dim)
+    )
     xf = x.view(x.shape[0], -1, 32)
     amax = xf.abs().amax(-1, keepdim=True)
     inv = torch.full_like(amax, 32767.0) / amax.clamp_min(1e-30)
@@ -513,7 +633,9 @@ def test_packed_k_quants_hold_gguf_values_at_the_files_size(native, qtype):
     v, v_ref = random_k_blocks(np.random.default_rng(9), 32, 768, other)
     stack = lib.pack(QuantWeight.cat([w, v]))
     assert isinstance(stack, QuantStack) and [p.qtype for p in stack.segments] == [
-        PACKED_FROM[qtype], PACKED_FROM[other]]
+        PACKED_FROM[qtype],
+        PACKED_FROM[other],
+    ]
     assert torch.equal(lib.dequantize(stack), torch.cat([reference, v_ref]))
     with pytest.raises(ValueError, match="interleaved"):
         packed.cols(0, 256)
@@ -522,7 +644,9 @@ def test_packed_k_quants_hold_gguf_values_at_the_files_size(native, qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13])  # every pass of four activation rows, and the tails
+@pytest.mark.parametrize(
+    "rows", [1, 3, 4, 5, 8, 9, 13]
+)  # every pass of four activation rows, and the tails
 @pytest.mark.parametrize("in_dim", [768, 256])  # three super-blocks, and one
 @pytest.mark.parametrize("bits", [16, 8])
 def test_packed_k_quants_multiply_rounded_activations(native, qtype, rows, in_dim, bits):
@@ -558,13 +682,17 @@ def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bit
     quants = {"Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}[qtype]
     blocks[..., quants] = 0xFF
     kind = getattr(gguf.GGMLQuantizationType, qtype)
-    reference = torch.from_numpy(gguf.quants.dequantize(blocks.reshape(32, -1), kind).reshape(32, 512).copy())
+    reference = torch.from_numpy(
+        gguf.quants.dequantize(blocks.reshape(32, -1), kind).reshape(32, 512).copy()
+    )
     signs = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0])[:, None].repeat(1, 512)
     signs[:, 256:] *= -1  # a sign change between super-blocks
     x = signs * 3.0
     lib = packing_lib(native, max_kernel_rows=64, int8_activations=bits == 8)
     got, want = lib(x, lib.pack(w)), x @ reference.T
-    assert ((got - want).abs() / want.abs().amax(1, keepdim=True)).max() < 1e-5  # fp32 summation apart
+    assert (
+        (got - want).abs() / want.abs().amax(1, keepdim=True)
+    ).max() < 1e-5  # fp32 summation apart
 
 
 def test_packed_weights_carry_nan_and_infinity_through(native):
@@ -577,7 +705,9 @@ def test_packed_weights_carry_nan_and_infinity_through(native):
     x[1, 5] = float("inf")
     got = lib(x, lib.pack(w))
     assert got[0].isnan().all() and got[1].isnan().all()
-    torch.testing.assert_close(got[2], int16_reference(x[2:], w, reference)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got[2], int16_reference(x[2:], w, reference)[0], rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
@@ -593,12 +723,15 @@ def test_the_copies_for_llama_cpp_hold_the_files_values(tmp_path, monkeypatch, q
     monkeypatch.setattr(bench_cpu_peers, "CACHE", tmp_path / "cache")
     copy = bench_cpu_peers.requantized_gguf(source, qtype)
     a, b = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(copy))
+
     def keys(reader):
         return {k for k in reader.fields if not k.startswith("GGUF.")}
+
     assert keys(a) <= keys(b)
     file_type = gguf.LlamaFileType.ALL_F32 if qtype == "F32" else gguf.LlamaFileType.MOSTLY_Q8_0
     assert b.fields["general.file_type"].contents() == int(file_type)
-    for key in a.fields:  # every metadata value as it was (the tokenizer's included, where the file has one)
+    # every metadata value as it was (the tokenizer's included, where the file has one)
+    for key in a.fields:
         if not key.startswith("GGUF.") and key != "general.file_type":
             assert a.fields[key].contents() == b.fields[key].contents(), key
     assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
@@ -627,10 +760,14 @@ def test_the_kernel_row_threshold_survives_one_slow_moment(monkeypatch):
     from worker.model.quantized import choose_threshold
 
     lib = QuantizedMatmul(None, dense=None)
-    script = iter([(1.0, 5.0), (9.0, 5.0), (1.5, 5.0), (6.0, 5.0), (6.0, 5.0), (6.5, 5.0)])  # (kernel, dense)
+    script = iter(
+        [(1.0, 5.0), (9.0, 5.0), (1.5, 5.0), (6.0, 5.0), (6.0, 5.0), (6.5, 5.0)]
+    )  # (kernel, dense)
     pending = []
 
-    def scripted(fn, reps):  # the kernel path is timed first, then the dense one (max_kernel_rows 0)
+    def scripted(
+        fn, reps
+    ):  # the kernel path is timed first, then the dense one (max_kernel_rows 0)
         if lib.max_kernel_rows:
             pending[:] = next(script)
             return pending[0]

@@ -50,28 +50,40 @@ def test_a_gguf_is_served_from_the_file_with_no_dense_copy(native, tmp_path, fam
     from worker.weights.gguf import GGUFTensorSource
 
     name = family.split("-")[0]
-    folder = make_tiny_gguf(tmp_path / "m", "Q8_0", seed=5, family=name, tables=True, **FAMILIES[family])
+    folder = make_tiny_gguf(
+        tmp_path / "m", "Q8_0", seed=5, family=name, tables=True, **FAMILIES[family]
+    )
     bare = weightless(folder, tmp_path / "bare")
     prompt = [(7 * i) % 380 + 3 for i in range(21)]
-    reference, config = load_model(str(folder), "auto", torch.float32, CPU)  # the dequantized safetensors
+    reference, config = load_model(
+        str(folder), "auto", torch.float32, CPU
+    )  # the dequantized safetensors
     want = logits(reference, config, prompt)
 
     from_file, _ = load_model(str(bare), "auto", torch.float32, CPU)
     torch.testing.assert_close(logits(from_file, config, prompt), want, atol=1e-4, rtol=1e-4)
 
-    source = GGUFQuantSource(next(bare.glob("*.gguf")), config.num_heads, config.num_kv_heads,
-                             config.head_dim)
+    source = GGUFQuantSource(
+        next(bare.glob("*.gguf")), config.num_heads, config.num_kv_heads, config.head_dim
+    )
     model, _ = load_model(str(bare), "auto", torch.float32, CPU, quantized=source)
     held = {n for n, p in model.named_parameters() if p.numel() == 0}
-    assert all(any(n.endswith(w) for w in ("qkv", "o_proj", "gate_up", "down")) or n in ("embed", "lm_head")
-               for n in held)
+    assert all(
+        any(n.endswith(w) for w in ("qkv", "o_proj", "gate_up", "down"))
+        or n in ("embed", "lm_head")
+        for n in held
+    )
     assert "embed" in held and sum(n.endswith("qkv") for n in held) == config.num_layers
     counts = model.use_quantized(model.file_blocks, QuantizedMatmul(native), keep_dense=False)
     assert counts == {"Q8_0": 4 * config.num_layers + 1} and model.file_blocks == {}
     assert model.embed_q is not None and model.embed.numel() == 0
     torch.testing.assert_close(logits(model, config, prompt), want, atol=2e-3, rtol=1e-3)
-    assert isinstance(GGUFTensorSource(next(bare.glob("*.gguf")), config.num_heads, config.num_kv_heads,
-                                       config.head_dim).get("model.norm.weight"), torch.Tensor)
+    assert isinstance(
+        GGUFTensorSource(
+            next(bare.glob("*.gguf")), config.num_heads, config.num_kv_heads, config.head_dim
+        ).get("model.norm.weight"),
+        torch.Tensor,
+    )
 
 
 def test_each_rank_reads_its_share_of_the_file(native, tmp_path):
@@ -81,10 +93,12 @@ def test_each_rank_reads_its_share_of_the_file(native, tmp_path):
     bare = weightless(folder, tmp_path / "bare")
     for rank in range(2):
         dense, config = load_model(str(bare), "auto", torch.float32, CPU, tp_rank=rank, tp_size=2)
-        source = GGUFQuantSource(next(bare.glob("*.gguf")), config.num_heads, config.num_kv_heads,
-                                 config.head_dim)
-        model, _ = load_model(str(bare), "auto", torch.float32, CPU, tp_rank=rank, tp_size=2,
-                              quantized=source)
+        source = GGUFQuantSource(
+            next(bare.glob("*.gguf")), config.num_heads, config.num_kv_heads, config.head_dim
+        )
+        model, _ = load_model(
+            str(bare), "auto", torch.float32, CPU, tp_rank=rank, tp_size=2, quantized=source
+        )
         model.use_quantized(model.file_blocks, QuantizedMatmul(native), keep_dense=False)
         ids = torch.arange(config.vocab_size)
         lo, hi = model.shard.vocab
@@ -94,7 +108,9 @@ def test_each_rank_reads_its_share_of_the_file(native, tmp_path):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("packing", [False, True])
-def test_prefill_dequantizes_a_tile_at_a_time_as_the_whole_weight(native, qtype, packing, monkeypatch):
+def test_prefill_dequantizes_a_tile_at_a_time_as_the_whole_weight(
+    native, qtype, packing, monkeypatch
+):
     """Prefill without a dense copy: tiles of whole 16-row groups (several a segment, a last short one) of a
     stack of two types give what the whole dequantized weight gives."""
     import numpy as np
@@ -122,17 +138,30 @@ def test_prefill_dequantizes_a_tile_at_a_time_as_the_whole_weight(native, qtype,
     assert lib._scratch.numel() == 32 * in_dim  # never the whole weight
 
 
-def test_a_gguf_is_prepared_without_weights_unless_its_architecture_needs_them(tmp_path, monkeypatch):
+def test_a_gguf_is_prepared_without_weights_unless_its_architecture_needs_them(
+    tmp_path, monkeypatch
+):
     """Preparing a llama GGUF writes config and tokenizer only (fast, no memory to speak of); a Gemma 2 GGUF,
     whose tensors the workers do not map (llama.cpp stores its norms offset), still needs its fp32 copy."""
     from deploy.prepare_model import model_folder, needs_dense_copy
 
     monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path / "cache"))
     llama = next(make_tiny_gguf(tmp_path / "llama", "Q8_0", seed=1).glob("*.gguf"))
-    gemma = next(make_tiny_gguf(tmp_path / "gemma", "Q8_0", seed=1, family="gemma2", head_dim=16,
-                                query_pre_attn_scalar=24, pad_token_id=0).glob("*.gguf"))
+    gemma = next(
+        make_tiny_gguf(
+            tmp_path / "gemma",
+            "Q8_0",
+            seed=1,
+            family="gemma2",
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            pad_token_id=0,
+        ).glob("*.gguf")
+    )
     out = model_folder(str(llama))
-    names = {p.name for p in (tmp_path / "cache").glob("*/*") if p.parent.name == out.split("/")[-1]}
+    names = {
+        p.name for p in (tmp_path / "cache").glob("*/*") if p.parent.name == out.split("/")[-1]
+    }
     assert {"config.json", "tokenizer.json", "pagedserve_model.json"} <= names
     assert not any(n.endswith(".safetensors") for n in names)
     assert needs_dense_copy(gemma) and not needs_dense_copy(llama)
@@ -155,11 +184,19 @@ def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch
     args = Namespace(num_blocks=4, block_size=16, kv_cache_memory=None)
     kv = worker_main.kv_budget_bytes(args, config, torch.float32, config.num_kv_heads)
     monkeypatch.setattr("worker.serve.memory_plan.available_bytes", lambda: held + kv + 1)
-    assert worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1, source) is None
+    assert (
+        worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1, source)
+        is None
+    )
     # fp32: 3.6x the bytes
-    assert worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1) is not None
+    assert (
+        worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1)
+        is not None
+    )
     monkeypatch.setattr("worker.serve.memory_plan.available_bytes", lambda: held // 2)
-    message = worker_main.refuse_what_cannot_fit(args, config, torch.float32, torch.float32, 1, source)
+    message = worker_main.refuse_what_cannot_fit(
+        args, config, torch.float32, torch.float32, 1, source
+    )
     assert gguf.name in message and "on its own blocks" in message
 
 
@@ -172,19 +209,28 @@ def test_a_llama3_gguf_rotates_by_its_rope_freqs_as_the_scaling_they_came_from(t
     from worker.model.llama import Rotary
     from worker.weights.loader import load_config
 
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 64}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     plain = load_config(str(make_tiny_gguf(tmp_path / "plain")), "auto")
     assert plain.rope_freq_factors == ()
     scaled = dataclasses.replace(plain, rope_scaling=llama3)
     factors = [a / b for a, b in zip(plain.rope_inv_freq(), scaled.rope_inv_freq(), strict=True)]
     assert len(set(round(f, 3) for f in factors)) > 2  # kept, divided by 8, and smoothed between
     folder = make_tiny_gguf(tmp_path / "llama3", rope_freqs=factors)
-    for config in (load_config(str(folder), "auto"), load_config(str(next(folder.glob("*.gguf"))), "gguf")):
+    for config in (
+        load_config(str(folder), "auto"),
+        load_config(str(next(folder.glob("*.gguf"))), "gguf"),
+    ):
         assert config.rope_freq_factors == pytest.approx(factors)
         assert config.rope_inv_freq() == pytest.approx(scaled.rope_inv_freq(), rel=1e-6)
         assert config.fingerprint("m") != plain.fingerprint("m")
-        torch.testing.assert_close(Rotary(config, torch.device("cpu")).cos,
-                                   Rotary(scaled, torch.device("cpu")).cos)
+        torch.testing.assert_close(
+            Rotary(config, torch.device("cpu")).cos, Rotary(scaled, torch.device("cpu")).cos
+        )
     with pytest.raises(Exception, match="rope_freqs holds 3 factors"):
         dataclasses.replace(plain, rope_freq_factors=(1.0, 2.0, 3.0)).rope_inv_freq()

@@ -15,8 +15,15 @@ from worker.model.kv_tiers import HEADER, BlockBytes, DiskTier, KvTierStore, lay
 
 
 def pool_of(dtype, blocks=8, seed=0):
-    cfg = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
-                      num_kv_heads=2, head_dim=16)
+    cfg = ModelConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     pool = KVPool(cfg, blocks, 4, dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
     for t in [*pool.k, *pool.v]:
@@ -49,7 +56,9 @@ def test_a_block_round_trips_through_each_tier_bit_for_bit(tmp_path, dtype):
     want = [block_of(pool, 1), block_of(pool, 2)]
     failed, _ = store.run(ops(stores=[(1, TIER_HOST, 3), (2, TIER_DISK, -1)], hashes=[H[1], H[2]]))
     store.disk.flush()
-    assert (tmp_path / key.hex() / f"{H[2].hex()}.kv").stat().st_size == HEADER.size + BlockBytes(pool).size
+    assert (tmp_path / key.hex() / f"{H[2].hex()}.kv").stat().st_size == HEADER.size + BlockBytes(
+        pool
+    ).size
     for t in [*pool.k, *pool.v]:  # the pool's blocks are reused for something else
         t[5:7].zero_()
     failed, _ = store.run(ops(loads=[(5, TIER_HOST, 3), (6, TIER_DISK, -1)], hashes=[H[1], H[2]]))
@@ -62,8 +71,12 @@ def test_a_block_that_fails_its_check_does_not_load(tmp_path):
     key = layout_key("fp", "w", pool, 0, 1, 0)
     disk = DiskTier(str(tmp_path), key, BlockBytes(pool).size, 10)
     store = KvTierStore(pool, 2, disk)
-    store.run(ops(stores=[(0, TIER_HOST, 0), (1, TIER_DISK, -1), (2, TIER_DISK, -1), (3, TIER_DISK, -1)],
-                  hashes=[H[0], H[1], H[2], H[3]]))
+    store.run(
+        ops(
+            stores=[(0, TIER_HOST, 0), (1, TIER_DISK, -1), (2, TIER_DISK, -1), (3, TIER_DISK, -1)],
+            hashes=[H[0], H[1], H[2], H[3]],
+        )
+    )
     disk.flush()
     path = lambda h: disk.dir / f"{h.hex()}.kv"  # noqa: E731
     with open(path(H[1]), "r+b") as f:  # one byte of the payload flipped
@@ -75,9 +88,19 @@ def test_a_block_that_fails_its_check_does_not_load(tmp_path):
         f.truncate(HEADER.size + 10)
     os.replace(path(H[3]), path(H[4]))  # a file under another block's name
     before = block_of(pool, 7)
-    failed, _ = store.run(ops(loads=[(7, TIER_HOST, 0), (7, TIER_HOST, 1), (7, TIER_DISK, -1),
-                                     (7, TIER_DISK, -1), (7, TIER_DISK, -1), (7, TIER_DISK, -1)],
-                              hashes=[H[5], H[0], H[1], H[2], H[4], H[6]]))
+    failed, _ = store.run(
+        ops(
+            loads=[
+                (7, TIER_HOST, 0),
+                (7, TIER_HOST, 1),
+                (7, TIER_DISK, -1),
+                (7, TIER_DISK, -1),
+                (7, TIER_DISK, -1),
+                (7, TIER_DISK, -1),
+            ],
+            hashes=[H[5], H[0], H[1], H[2], H[4], H[6]],
+        )
+    )
     # the host slot holds H[0], not H[5]; slot 1 holds nothing; then the flipped, cut, renamed and missing
     assert failed.tolist() == [0, 1, 2, 3, 4, 5]
     assert same(block_of(pool, 7), before)  # nothing was written
@@ -93,10 +116,15 @@ def test_another_layout_never_reads_these_files_and_drops_delete_them(tmp_path):
     store.run(ops(stores=[(0, TIER_DISK, -1), (1, TIER_DISK, -1)], hashes=[H[0], H[1]]))
     disk.flush()
     assert DiskTier(str(tmp_path), key, BlockBytes(pool).size, 10).held() == [H[0], H[1]]
-    for other in (layout_key("fp2", "w", pool, 0, 1, 0), layout_key("fp", "w2", pool, 0, 1, 0),
-                  layout_key("fp", "w", pool, 1, 2, 0),
-                  layout_key("fp", "w", pool_of(torch.bfloat16), 0, 1, 0)):
-        assert other != key and DiskTier(str(tmp_path), other, BlockBytes(pool).size, 10).held() == []
+    for other in (
+        layout_key("fp2", "w", pool, 0, 1, 0),
+        layout_key("fp", "w2", pool, 0, 1, 0),
+        layout_key("fp", "w", pool, 1, 2, 0),
+        layout_key("fp", "w", pool_of(torch.bfloat16), 0, 1, 0),
+    ):
+        assert (
+            other != key and DiskTier(str(tmp_path), other, BlockBytes(pool).size, 10).held() == []
+        )
     store.run(ops(drops=[H[0]]))
     disk.flush()
     assert disk.held() == [H[1]]

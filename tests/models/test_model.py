@@ -38,12 +38,12 @@ def model_for(request, packed: bool):
     return request.getfixturevalue("tiny_packed" if packed else "tiny")
 
 
-
-
 def test_prefill_logits_match_transformers(tiny):
     model, config, hf, _ = tiny
     pool = KVPool(config, 32, BLOCK, torch.float32, torch.device("cpu"))
-    prompt = torch.randint(0, config.vocab_size, (13,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(
+        0, config.vocab_size, (13,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     blocks = [31, 0, 17, 5]  # scattered, out of order, first and last block of the pool included
     _, hidden = run_step(model, config, pool, [(prompt, 0, blocks)])
     ours = model.compute_logits(hidden)
@@ -52,8 +52,9 @@ def test_prefill_logits_match_transformers(tiny):
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend,packed",
-                         [("torch", False), ("triton", False), ("cpu", True), ("cpu", False)])
+@pytest.mark.parametrize(
+    "backend,packed", [("torch", False), ("triton", False), ("cpu", True), ("cpu", False)]
+)
 def test_token_by_token_decode_through_the_paged_pool_matches(request, backend, packed):
     """Two interleaved sequences decode token by token in one batch, blocks scattered and interleaved.
     The triton backend runs its kernels (under TRITON_INTERPRET=1 without a GPU); the cpu backend its native
@@ -66,16 +67,18 @@ def test_token_by_token_decode_through_the_paged_pool_matches(request, backend, 
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in (6, 3)]
     blocks = [[9, 2, 30, 14, 7, 22], [1, 27, 11, 31, 20, 0]]
     # Prefill of sequence 0 and 1 together (a mixed-length batch).
-    logits, _ = run_step(model, config, pool, [(prompts[0], 0, blocks[0]), (prompts[1], 0, blocks[1])],
-                         backend)
+    logits, _ = run_step(
+        model, config, pool, [(prompts[0], 0, blocks[0]), (prompts[1], 0, blocks[1])], backend
+    )
     seqs = [list(p) for p in prompts]
     for _ in range(6 if backend == "triton" else 14):
         nxt = logits.argmax(-1).tolist()
         starts = [len(s) for s in seqs]
         for s, t in zip(seqs, nxt, strict=True):
             s.append(t)
-        logits, _ = run_step(model, config, pool, [([seqs[i][-1]], starts[i], blocks[i]) for i in range(2)],
-                             backend)
+        logits, _ = run_step(
+            model, config, pool, [([seqs[i][-1]], starts[i], blocks[i]) for i in range(2)], backend
+        )
         with torch.no_grad():
             for i in range(2):
                 ref = hf(torch.tensor([seqs[i]])).logits[0, -1]
@@ -92,8 +95,12 @@ def test_mixed_prefill_and_decode_rows_in_one_step(request, backend, packed):
     # a decodes its 7th token while b prefills from scratch, in the same forward
     logits, _ = run_step(model, config, pool, [([a[6]], 6, [3, 8]), (b, 0, [12, 4])], backend)
     with torch.no_grad():
-        torch.testing.assert_close(logits[0], hf(torch.tensor([a])).logits[0, -1], atol=ATOL, rtol=1e-4)
-        torch.testing.assert_close(logits[1], hf(torch.tensor([b])).logits[0, -1], atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(
+            logits[0], hf(torch.tensor([a])).logits[0, -1], atol=ATOL, rtol=1e-4
+        )
+        torch.testing.assert_close(
+            logits[1], hf(torch.tensor([b])).logits[0, -1], atol=ATOL, rtol=1e-4
+        )
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "tied"])
@@ -102,14 +109,23 @@ def test_other_llama_family_variants(tmp_path, family):
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128)
+    common = dict(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
     if family == "qwen2":
         hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     elif family == "qwen3":
         hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common))
     else:
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=True, **common))
+        hf = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(tie_word_embeddings=True, **common)
+        )
     with torch.no_grad():  # random biases, so that a dropped bias would show
         for name, p in hf.named_parameters():
             if name.endswith("bias"):
@@ -120,8 +136,9 @@ def test_other_llama_family_variants(tmp_path, family):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5]
     _, hidden = run_step(model, config, pool, [(prompt, 0, [6, 1, 3])])
     with torch.no_grad():
-        torch.testing.assert_close(model.compute_logits(hidden), hf(torch.tensor([prompt])).logits[0],
-                                   atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(
+            model.compute_logits(hidden), hf(torch.tensor([prompt])).logits[0], atol=ATOL, rtol=1e-4
+        )
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -136,15 +153,32 @@ def test_a_step_pools_its_rows_hidden_states_as_asked_through_chunks(tmp_path, b
     from worker.step.runner import ModelRunner
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=128, tie_word_embeddings=True)
+    cfg = transformers.Qwen3Config(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     transformers.Qwen3Model(cfg).eval().save_pretrained(str(tmp_path))
     hf = transformers.Qwen3Model.from_pretrained(str(tmp_path)).eval()
     model, config = load_model(str(tmp_path), "auto", torch.float32, torch.device("cpu"))
-    runner = ModelRunner(model, KVPool(config, 32, BLOCK, torch.float32, torch.device("cpu")),
-                         make_backend(backend, torch.device("cpu")), torch.device("cpu"))
-    prompts = [[5, 17, 3, 9, 40, 2, 11], [8, 1, 60, 61, 62, 7, 30, 31, 4, 12, 99], [4, 4, 9], [3, 1, 4, 1]]
+    runner = ModelRunner(
+        model,
+        KVPool(config, 32, BLOCK, torch.float32, torch.device("cpu")),
+        make_backend(backend, torch.device("cpu")),
+        torch.device("cpu"),
+    )
+    prompts = [
+        [5, 17, 3, 9, 40, 2, 11],
+        [8, 1, 60, 61, 62, 7, 30, 31, 4, 12, 99],
+        [4, 4, 9],
+        [3, 1, 4, 1],
+    ]
     with torch.no_grad():
         ref = [hf(torch.tensor([q])).last_hidden_state[0] for q in prompts]
 
@@ -157,33 +191,60 @@ def test_a_step_pools_its_rows_hidden_states_as_asked_through_chunks(tmp_path, b
             slots += [(4 * i + t // BLOCK) * BLOCK + t % BLOCK for t in range(a, b)]
             qsl.append(qsl[-1] + b - a)
         k = len(rows)
-        plan = encode_plan(PlanArrays(
-            step_id=step_id, token_ids=np.array(tokens, np.int32), positions=np.array(pos, np.int32),
-            slot_mapping=np.array(slots, np.int64),
-            block_tables=np.array([[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i, _, _ in rows], np.int32),
-            seq_lens=np.array([b for _, _, b in rows], np.int32), query_start_loc=np.array(qsl, np.int32),
-            do_sample=np.array([p == 0 for p in pooling]), sample_index=np.zeros(k, np.int32),
-            temperature=np.zeros(k, np.float32), top_p=np.ones(k, np.float32), top_k=np.zeros(k, np.int32),
-            seed=np.zeros(k, np.uint64), block_copies=np.zeros((0, 2), np.int32),
-            pooling=np.array(pooling, np.int32)))
+        plan = encode_plan(
+            PlanArrays(
+                step_id=step_id,
+                token_ids=np.array(tokens, np.int32),
+                positions=np.array(pos, np.int32),
+                slot_mapping=np.array(slots, np.int64),
+                block_tables=np.array(
+                    [[4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i, _, _ in rows], np.int32
+                ),
+                seq_lens=np.array([b for _, _, b in rows], np.int32),
+                query_start_loc=np.array(qsl, np.int32),
+                do_sample=np.array([p == 0 for p in pooling]),
+                sample_index=np.zeros(k, np.int32),
+                temperature=np.zeros(k, np.float32),
+                top_p=np.ones(k, np.float32),
+                top_k=np.zeros(k, np.int32),
+                seed=np.zeros(k, np.uint64),
+                block_copies=np.zeros((0, 2), np.int32),
+                pooling=np.array(pooling, np.int32),
+            )
+        )
         result = runner.execute(plan)
         assert not result.error
         return decode_pooled(result, sum(p > 0 for p in pooling), config.hidden_size)
 
     tol = dict(atol=1e-4, rtol=1e-4)
-    first = step(1, [(0, 0, 7), (1, 0, 5), (2, 0, 3), (3, 0, 4)], [POOL_LAST, POOL_SUM, POOL_FIRST, 0])
+    first = step(
+        1, [(0, 0, 7), (1, 0, 5), (2, 0, 3), (3, 0, 4)], [POOL_LAST, POOL_SUM, POOL_FIRST, 0]
+    )
     torch.testing.assert_close(torch.tensor(first[0]), ref[0][-1], **tol)
     torch.testing.assert_close(torch.tensor(first[2]), ref[2][0], **tol)
     second = step(2, [(1, 5, 11)], [POOL_SUM])  # the rest of prompt 1, over its first chunk's K/V
     torch.testing.assert_close(torch.tensor(first[1] + second[0]), ref[1].sum(0), **tol)
-    assert runner.execute(encode_plan(PlanArrays(
-        step_id=3, token_ids=np.array([1], np.int32), positions=np.array([0], np.int32),
-        slot_mapping=np.array([0], np.int64), block_tables=np.array([[0]], np.int32),
-        seq_lens=np.array([1], np.int32), query_start_loc=np.array([0, 1], np.int32),
-        do_sample=np.array([False]), sample_index=np.zeros(1, np.int32), temperature=np.zeros(1, np.float32),
-        top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32), seed=np.zeros(1, np.uint64),
-        block_copies=np.zeros((0, 2), np.int32), pooling=np.array([5], np.int32)))).error.startswith(
-        "rejected plan: pooling must be")
+    assert runner.execute(
+        encode_plan(
+            PlanArrays(
+                step_id=3,
+                token_ids=np.array([1], np.int32),
+                positions=np.array([0], np.int32),
+                slot_mapping=np.array([0], np.int64),
+                block_tables=np.array([[0]], np.int32),
+                seq_lens=np.array([1], np.int32),
+                query_start_loc=np.array([0, 1], np.int32),
+                do_sample=np.array([False]),
+                sample_index=np.zeros(1, np.int32),
+                temperature=np.zeros(1, np.float32),
+                top_p=np.ones(1, np.float32),
+                top_k=np.zeros(1, np.int32),
+                seed=np.zeros(1, np.uint64),
+                block_copies=np.zeros((0, 2), np.int32),
+                pooling=np.array([5], np.int32),
+            )
+        )
+    ).error.startswith("rejected plan: pooling must be")
 
 
 def test_a_bare_decoder_checkpoint_loads_and_its_hidden_states_match_transformers(tmp_path):
@@ -192,22 +253,33 @@ def test_a_bare_decoder_checkpoint_loads_and_its_hidden_states_match_transformer
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=128, tie_word_embeddings=True)
+    cfg = transformers.Qwen3Config(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     hf = transformers.Qwen3Model(cfg).eval()
     hf.save_pretrained(str(tmp_path))
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        assert "embed_tokens.weight" in f.keys() and not any(k.startswith("model.") for k in f.keys())
+        assert "embed_tokens.weight" in f.keys() and not any(
+            k.startswith("model.") for k in f.keys()
+        )
     model, config = load_model(str(tmp_path), "auto", torch.float32, torch.device("cpu"))
     pool = KVPool(config, 8, BLOCK, torch.float32, torch.device("cpu"))
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5]
     _, hidden = run_step(model, config, pool, [(prompt, 0, [6, 1, 3])])
     with torch.no_grad():
-        torch.testing.assert_close(hidden, hf(torch.tensor([prompt])).last_hidden_state[0], atol=ATOL,
-                                   rtol=1e-4)
+        torch.testing.assert_close(
+            hidden, hf(torch.tensor([prompt])).last_hidden_state[0], atol=ATOL, rtol=1e-4
+        )
 
 
 def test_checkpoint_missing_a_weight_is_refused(tmp_path):
@@ -224,7 +296,9 @@ def test_checkpoint_missing_a_weight_is_refused(tmp_path):
 def test_dummy_weights_have_the_real_shapes_and_run(tmp_path):
     folder = make_tiny_llama(tmp_path, seed=0, num_hidden_layers=2)
     real, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
-    dummy, dummy_config = load_model(str(folder), "dummy", torch.float32, torch.device("cpu"), seed=1)
+    dummy, dummy_config = load_model(
+        str(folder), "dummy", torch.float32, torch.device("cpu"), seed=1
+    )
     assert dummy_config == config
     for (name, a), (_, b) in zip(real.named_parameters(), dummy.named_parameters(), strict=True):
         assert a.shape == b.shape, name
@@ -239,15 +313,18 @@ def test_gpu_pool_sizing_arithmetic():
 
     gib = 2**30
     # 80 GiB card at 0.9: 72 GiB, minus 16 GiB of weights and activations, minus 1 GiB used by others
-    assert blocks_for_gpu_budget(80 * gib, 0.9, 16 * gib, 1 * gib,
-                                 2 * 2**20) == (72 * gib - 17 * gib) // (2 * 2**20)
-    assert blocks_for_gpu_budget(8 * gib, 0.5, 5 * gib, 0, 2**20) == 0  # the weights alone exceed the share
+    assert blocks_for_gpu_budget(80 * gib, 0.9, 16 * gib, 1 * gib, 2 * 2**20) == (
+        72 * gib - 17 * gib
+    ) // (2 * 2**20)
+    assert (
+        blocks_for_gpu_budget(8 * gib, 0.5, 5 * gib, 0, 2**20) == 0
+    )  # the weights alone exceed the share
     with pytest.raises(ValueError):
         blocks_for_gpu_budget(8 * gib, 1.5, 0, 0, 1)
 
 
 def test_kv_memory_budget_parsing():
-    from protos.argtypes import parse_bytes
+    from protos.base.argtypes import parse_bytes
 
     assert parse_bytes("2GiB") == 2 * 2**30 and parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("1000") == 1000
@@ -261,16 +338,26 @@ def _one_seq_plan(step_id, tokens, start, prev=None, seed=7):
     from protos.codec import PlanArrays, encode_plan
 
     pos = np.arange(start, start + len(tokens), dtype=np.int32)
-    return encode_plan(PlanArrays(
-        step_id=step_id, token_ids=np.asarray(tokens, dtype=np.int32), positions=pos,
-        slot_mapping=(10 * BLOCK + pos).astype(np.int64),
-        block_tables=np.array([[10, 11, 12]], dtype=np.int32),
-        seq_lens=np.array([start + len(tokens)], dtype=np.int32),
-        query_start_loc=np.array([0, len(tokens)], dtype=np.int32), do_sample=np.array([True]),
-        sample_index=np.array([start], dtype=np.int32), temperature=np.array([0.8], dtype=np.float32),
-        top_p=np.full(1, 0.9, dtype=np.float32), top_k=np.zeros(1, dtype=np.int32),
-        seed=np.array([seed], dtype=np.uint64), block_copies=np.zeros((0, 2), dtype=np.int32),
-        prev_step_id=prev or 0, prev_rows=None if prev is None else np.array([0], dtype=np.int32)))
+    return encode_plan(
+        PlanArrays(
+            step_id=step_id,
+            token_ids=np.asarray(tokens, dtype=np.int32),
+            positions=pos,
+            slot_mapping=(10 * BLOCK + pos).astype(np.int64),
+            block_tables=np.array([[10, 11, 12]], dtype=np.int32),
+            seq_lens=np.array([start + len(tokens)], dtype=np.int32),
+            query_start_loc=np.array([0, len(tokens)], dtype=np.int32),
+            do_sample=np.array([True]),
+            sample_index=np.array([start], dtype=np.int32),
+            temperature=np.array([0.8], dtype=np.float32),
+            top_p=np.full(1, 0.9, dtype=np.float32),
+            top_k=np.zeros(1, dtype=np.int32),
+            seed=np.array([seed], dtype=np.uint64),
+            block_copies=np.zeros((0, 2), dtype=np.int32),
+            prev_step_id=prev or 0,
+            prev_rows=None if prev is None else np.array([0], dtype=np.int32),
+        )
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
@@ -286,7 +373,9 @@ def test_warm_up_leaves_the_runner_as_it_found_it(tiny, backend):
     answers = []
     for warm in (False, True):
         pool = KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu"))
-        runner = ModelRunner(model, pool, make_backend(backend, torch.device("cpu")), torch.device("cpu"))
+        runner = ModelRunner(
+            model, pool, make_backend(backend, torch.device("cpu")), torch.device("cpu")
+        )
         first = runner.execute(plan(5, [3, 4, 5, 6, 7], 0))
         if warm:
             assert warm_up(runner) > 0
@@ -307,12 +396,16 @@ def test_a_step_launched_before_the_last_one_is_read_back_takes_its_tokens_on_th
 
     def runner():
         pool = KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu"))
-        return ModelRunner(model, pool, make_backend("torch", torch.device("cpu")), torch.device("cpu"))
+        return ModelRunner(
+            model, pool, make_backend("torch", torch.device("cpu")), torch.device("cpu")
+        )
 
     one_by_one = runner()
-    want = [one_by_one.execute(_one_seq_plan(5, [3, 4, 5, 6, 7], 0)),
-            one_by_one.execute(_one_seq_plan(6, [0], 5, prev=5)),
-            one_by_one.execute(_one_seq_plan(7, [0], 6, prev=6))]
+    want = [
+        one_by_one.execute(_one_seq_plan(5, [3, 4, 5, 6, 7], 0)),
+        one_by_one.execute(_one_seq_plan(6, [0], 5, prev=5)),
+        one_by_one.execute(_one_seq_plan(7, [0], 6, prev=6)),
+    ]
     piped = runner()
     f5 = piped.launch(_one_seq_plan(5, [3, 4, 5, 6, 7], 0))
     f6 = piped.launch(_one_seq_plan(6, [0], 5, prev=5))
@@ -347,18 +440,21 @@ def test_staging_packs_a_steps_arrays_into_one_transfer_and_cuts_them_back():
     rng = np.random.default_rng(0)
     before, previous = [], []
     for step in range(3):
-        arrays = [(rng.integers(-5, 100, (3 + step, 7)).astype(np.int32), torch.int32),
-                  (rng.integers(0, 1 << 40, 5 + 1000 * step), torch.int64),
-                  (np.zeros((0, 2), dtype=np.int32), torch.int64),
-                  (rng.integers(0, 9, 3).astype(np.int16), torch.int32),  # converted on the way
-                  (rng.random(11).astype(np.float32), torch.float32)]
+        arrays = [
+            (rng.integers(-5, 100, (3 + step, 7)).astype(np.int32), torch.int32),
+            (rng.integers(0, 1 << 40, 5 + 1000 * step), torch.int64),
+            (np.zeros((0, 2), dtype=np.int32), torch.int64),
+            (rng.integers(0, 9, 3).astype(np.int16), torch.int32),  # converted on the way
+            (rng.random(11).astype(np.float32), torch.float32),
+        ]
         out = staging.put(arrays)
         for (a, dtype), t in zip(arrays, out, strict=True):
             assert t.dtype == dtype and tuple(t.shape) == a.shape
             assert np.array_equal(t.numpy(), a.astype(t.numpy().dtype))
             # 16-byte aligned whatever came before: a kernel argument's alignment never changes step to step
             assert t.data_ptr() % 16 == 0
-        for (a, _), t in zip(before, previous, strict=True):  # the step before is still on the device: intact
+        # the step before is still on the device: intact
+        for (a, _), t in zip(before, previous, strict=True):
             assert np.array_equal(t.numpy(), a.astype(t.numpy().dtype))
         before, previous = arrays, out
     assert max(h.numel() for h in staging._hosts) >= 8 * 2005
@@ -389,28 +485,40 @@ def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
         for i, (_, _, b) in enumerate(seqs):
             tables[i, : len(b)] = b
         n = len(seqs)
-        return encode_plan(PlanArrays(
-            step_id=step_id, token_ids=np.asarray(tokens, dtype=np.int32), positions=pos,
-            slot_mapping=tables[owner, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK,
-            block_tables=tables, seq_lens=np.array([a + len(new) for new, a, _ in seqs], dtype=np.int32),
-            query_start_loc=np.cumsum([0] + [len(new) for new, _, _ in seqs]).astype(np.int32),
-            do_sample=np.ones(n, dtype=bool), sample_index=np.arange(n, dtype=np.int32),
-            temperature=np.where(np.arange(n) % 2, 0.7, 0.0).astype(np.float32),
-            top_p=np.ones(n, dtype=np.float32),
-            top_k=np.zeros(n, dtype=np.int32), seed=np.arange(n, dtype=np.uint64) + 3,
-            block_copies=np.zeros((0, 2), dtype=np.int32)))
+        return encode_plan(
+            PlanArrays(
+                step_id=step_id,
+                token_ids=np.asarray(tokens, dtype=np.int32),
+                positions=pos,
+                slot_mapping=tables[owner, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK,
+                block_tables=tables,
+                seq_lens=np.array([a + len(new) for new, a, _ in seqs], dtype=np.int32),
+                query_start_loc=np.cumsum([0] + [len(new) for new, _, _ in seqs]).astype(np.int32),
+                do_sample=np.ones(n, dtype=bool),
+                sample_index=np.arange(n, dtype=np.int32),
+                temperature=np.where(np.arange(n) % 2, 0.7, 0.0).astype(np.float32),
+                top_p=np.ones(n, dtype=np.float32),
+                top_k=np.zeros(n, dtype=np.int32),
+                seed=np.arange(n, dtype=np.uint64) + 3,
+                block_copies=np.zeros((0, 2), dtype=np.int32),
+            )
+        )
 
     def serve(with_graphs):
         pool = KVPool(config, 40, BLOCK, torch.float32, cpu)
         runner = ModelRunner(model, pool, make_backend(backend, cpu), cpu)
         if with_graphs:
             # two tiers: sequences up to 12 keys replay the short one, up to 24 the long one
-            runner.graphs = DecodeGraphs(model, pool, runner.attn, cpu, max_rows=8, max_context=[24, 12])
+            runner.graphs = DecodeGraphs(
+                model, pool, runner.attn, cpu, max_rows=8, max_context=[24, 12]
+            )
             runner.graphs.capture_all()
             assert runner.graphs.buckets == [1, 2, 4, 8] and runner.graphs.contexts == [12, 24]
             assert sorted(runner.graphs.graphs) == [(c, b) for c in (12, 24) for b in (1, 2, 4, 8)]
             assert [runner.graphs.tier(n) for n in (1, 12, 13, 24)] == [12, 12, 24, 24]
-        blocks = [[(7 * i + 3 * j) % 35 for j in range(7)] for i in range(5)]  # scattered, 28 keys each
+        blocks = [
+            [(7 * i + 3 * j) % 35 for j in range(7)] for i in range(5)
+        ]  # scattered, 28 keys each
         prompts = [[5 + i, 9, 11 + i] for i in range(5)]
         rows = [(p, 0, b) for p, b in zip(prompts, blocks, strict=True)]
         out = [runner.execute(plan(1, rows)).sampled_token_ids]
@@ -418,12 +526,17 @@ def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
         last = dict(zip(live, np.frombuffer(out[-1], dtype=np.int32).tolist(), strict=True))
         while live:
             if with_graphs:
-                assert runner.graphs.covers(np.ones(len(live)),
-                                            np.full(len(live), length + 1)) == (length < 24)
+                assert runner.graphs.covers(np.ones(len(live)), np.full(len(live), length + 1)) == (
+                    length < 24
+                )
             res = runner.execute(plan(step, [([last[i]], length, blocks[i]) for i in live]))
             assert not res.error
             out.append(res.sampled_token_ids)
-            last = dict(zip(live, np.frombuffer(res.sampled_token_ids, dtype=np.int32).tolist(), strict=True))
+            last = dict(
+                zip(
+                    live, np.frombuffer(res.sampled_token_ids, dtype=np.int32).tolist(), strict=True
+                )
+            )
             length, step = length + 1, step + 1
             if length in (7, 12, 15):  # rows leave: 5 -> 4 -> 3 -> 2 (buckets 8, 4, 4, 2)
                 live = live[:-1]
@@ -445,13 +558,20 @@ def test_decode_graph_replay_on_cuda_matches_the_eager_forward(tiny):
     model, config = load_model(str(folder), "auto", torch.float32, cuda)
     pool = KVPool(config, 32, BLOCK, torch.float32, cuda)
     attn = make_backend("triton", cuda)
-    run_step(model, config, pool, [([5, 6, 7, 8, 9], 0, [1, 2]), ([3, 4], 0, [3])], "triton")  # some K/V
+    run_step(
+        model, config, pool, [([5, 6, 7, 8, 9], 0, [1, 2]), ([3, 4], 0, [3])], "triton"
+    )  # some K/V
     graphs = DecodeGraphs(model, pool, attn, cuda, max_rows=4, max_context=16)
     graphs.capture_all()
     tables = torch.tensor([[1, 2], [3, -1]], dtype=torch.int32, device=cuda)
-    got = graphs.run(torch.tensor([10, 11], device=cuda), torch.tensor([5, 2], device=cuda),
-                     torch.tensor([2 * BLOCK + 1, 3 * BLOCK + 2], device=cuda), tables,  # positions 5 and 2
-                     torch.tensor([6, 3], dtype=torch.int32, device=cuda), 6)
+    got = graphs.run(
+        torch.tensor([10, 11], device=cuda),
+        torch.tensor([5, 2], device=cuda),
+        torch.tensor([2 * BLOCK + 1, 3 * BLOCK + 2], device=cuda),
+        tables,  # positions 5 and 2
+        torch.tensor([6, 3], dtype=torch.int32, device=cuda),
+        6,
+    )
     pool2 = KVPool(config, 32, BLOCK, torch.float32, cuda)
     run_step(model, config, pool2, [([5, 6, 7, 8, 9], 0, [1, 2]), ([3, 4], 0, [3])], "triton")
     want, _ = run_step(model, config, pool2, [([10], 5, [1, 2]), ([11], 2, [3])], "triton")

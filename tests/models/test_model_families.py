@@ -23,35 +23,80 @@ FAMILIES = {
     "mistral": (dict(sliding_window=12), (12, 12, 12), ("--num-blocks", "200")),
     # Phi-3: q/k/v and gate/up each one tensor in the checkpoint (split per rank under tensor parallelism),
     # every layer sliding as Mistral's, three quarters of each head rotated (Phi-4-mini's factor)
-    "phi3": (dict(sliding_window=12, pad_token_id=0, partial_rotary_factor=0.75), (12, 12, 12),
-             ("--num-blocks", "200")),
+    "phi3": (
+        dict(sliding_window=12, pad_token_id=0, partial_rotary_factor=0.75),
+        (12, 12, 12),
+        ("--num-blocks", "200"),
+    ),
     # Gemma 3: sliding and global layers alternating (pattern 2 here), each kind with its own RoPE, GeGLU,
     # (1 + w) norms around attention and MLP, scaled embeddings, query_pre_attn_scalar, soft-capped logits
-    "gemma3_text": (dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=10, sliding_window_pattern=2,
-                         rope_parameters={
-                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-                         final_logit_softcapping=30.0, pad_token_id=0, hidden_activation="gelu_pytorch_tanh"),
-                    (10, 0, 10), ("--num-blocks", "36", "--max-model-len", "128")),
+    "gemma3_text": (
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=10,
+            sliding_window_pattern=2,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            final_logit_softcapping=30.0,
+            pad_token_id=0,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+        (10, 0, 10),
+        ("--num-blocks", "36", "--max-model-len", "128"),
+    ),
     # Gemma 2: Gemma 3's norms, GeGLU and scalings without q/k norm, sliding and global layers alternating
     # over one RoPE, attention scores soft-capped (at 5: scores of several units bend) and final logits too
-    "gemma2": (dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=10, attn_logit_softcapping=5.0,
-                    final_logit_softcapping=30.0, pad_token_id=0, hidden_activation="gelu_pytorch_tanh"),
-               (10, 0, 10), ("--num-blocks", "36", "--max-model-len", "128")),
+    "gemma2": (
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=10,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=30.0,
+            pad_token_id=0,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+        (10, 0, 10),
+        ("--num-blocks", "36", "--max-model-len", "128"),
+    ),
     # Qwen2's default layout: layers from max_window_layers on slide (here 1 and 2), layer 0 reads everything
     # (every block is kept, so the context must fit the pool)
-    "qwen2": (dict(use_sliding_window=True, sliding_window=10, max_window_layers=1), (0, 10, 10),
-              ("--num-blocks", "36", "--max-model-len", "128")),
+    "qwen2": (
+        dict(use_sliding_window=True, sliding_window=10, max_window_layers=1),
+        (0, 10, 10),
+        ("--num-blocks", "36", "--max-model-len", "128"),
+    ),
     # Mixtral: Mistral's window on every layer (blocks behind it go back) and every MLP 6 experts, 2 a token
-    "mixtral": (dict(sliding_window=12, num_local_experts=6, num_experts_per_tok=2, intermediate_size=48),
-                (12, 12, 12), ("--num-blocks", "200")),
+    "mixtral": (
+        dict(sliding_window=12, num_local_experts=6, num_experts_per_tok=2, intermediate_size=48),
+        (12, 12, 12),
+        ("--num-blocks", "200"),
+    ),
     # Qwen3: per-head q/k norm; its last layer slides (layer_types), the others read everything
-    "qwen3": (dict(use_sliding_window=True, sliding_window=10,
-                   layer_types=["full_attention", "full_attention", "sliding_attention"]), (0, 0, 10),
-              ("--num-blocks", "36", "--max-model-len", "128")),
+    "qwen3": (
+        dict(
+            use_sliding_window=True,
+            sliding_window=10,
+            layer_types=["full_attention", "full_attention", "sliding_attention"],
+        ),
+        (0, 0, 10),
+        ("--num-blocks", "36", "--max-model-len", "128"),
+    ),
     # Qwen3-MoE: 8 experts, 2 a token (renormalized), layer 1 a dense MLP (mlp_only_layers); no window
-    "qwen3_moe": (dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-                       mlp_only_layers=[1]), (0, 0, 0), ("--num-blocks", "36", "--max-model-len", "128")),
+    "qwen3_moe": (
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+        (0, 0, 0),
+        ("--num-blocks", "36", "--max-model-len", "128"),
+    ),
 }
 
 
@@ -62,8 +107,20 @@ def family(request, tmp_path_factory, server_factory):
     folder = make_tiny_llama(tmp_path_factory.mktemp(f"tiny-{name}"), seed=3, family=name, **fields)
     # blocks of 4, 16 tokens a step (prompts go in chunks), a pool too small for all requests at once (they
     # wait, and are preempted), prefix caching on, drafts verified in every step
-    server = server_factory(folder, "--block-size", "4", "--max-num-batched-tokens", "16",
-                            "--max-num-seqs", "8", "--metrics-port", "-1", "--speculative", "ngram", *flags)
+    server = server_factory(
+        folder,
+        "--block-size",
+        "4",
+        "--max-num-batched-tokens",
+        "16",
+        "--max-num-seqs",
+        "8",
+        "--metrics-port",
+        "-1",
+        "--speculative",
+        "ngram",
+        *flags,
+    )
     return name, folder, windows, server
 
 
@@ -72,9 +129,15 @@ def workload(seed: int, n: int = 8) -> list[tuple[str, list[int], int, float]]:
     windows several times over."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 384) for _ in range(rng.randint(16, 30))] for _ in range(2)]
-    return [(f"fam-{seed}-{i}",
-             rng.choice(prefixes) + [rng.randrange(3, 384) for _ in range(rng.randint(4, 20))],
-             rng.randint(30, 45), rng.uniform(0, 0.3)) for i in range(n)]
+    return [
+        (
+            f"fam-{seed}-{i}",
+            rng.choice(prefixes) + [rng.randrange(3, 384) for _ in range(rng.randint(4, 20))],
+            rng.randint(30, 45),
+            rng.uniform(0, 0.3),
+        )
+        for i in range(n)
+    ]
 
 
 def test_the_worker_reads_each_layers_window(family):
@@ -88,17 +151,21 @@ def test_the_worker_reads_each_layers_window(family):
 
 def test_greedy_outputs_equal_transformers_across_windows_chunks_cache_and_preemption(family):
     name, folder, _, server = family
-    items = workload(seed=11)  # every greedy choice at least 2.7e-3 ahead of the next (no near-ties)
+    items = workload(
+        seed=11
+    )  # every greedy choice at least 2.7e-3 ahead of the next (no near-ties)
     expected = {rid: hf_greedy(folder, prompt, max_tokens) for rid, prompt, max_tokens, _ in items}
     before = server.stats()
-    for _ in range(2):  # the second round finds the shared prefixes cached, and drafts the first's answers
+    # the second round finds the shared prefixes cached, and drafts the first's answers
+    for _ in range(2):
         results = submit_all(server, items, stream=True)
         assert {rid: r[0] for rid, r in results.items()} == expected
         assert_all_blocks_back(server)
     after = server.stats()
     assert after.prefix_cache_hits > before.prefix_cache_hits
     assert after.num_accepted_draft_tokens > before.num_accepted_draft_tokens
-    if not all(FAMILIES[name][1]):  # every block kept: the pool is too small for all of them at once
+    # every block kept: the pool is too small for all of them at once
+    if not all(FAMILIES[name][1]):
         assert after.num_preemptions > before.num_preemptions
 
 
@@ -110,9 +177,22 @@ def test_preempted_sliding_window_sequences_recompute_the_same_tokens(family, se
     name, folder, windows, _ = family
     if not all(windows):
         pytest.skip("covered by the shared server's pool above")
-    tight = server_factory(folder, "--block-size", "4", "--num-blocks", "24", "--max-num-batched-tokens",
-                           "16", "--max-num-seqs", "8", "--max-model-len", "96", "--no-prefix-caching",
-                           "--metrics-port", "-1")
+    tight = server_factory(
+        folder,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "24",
+        "--max-num-batched-tokens",
+        "16",
+        "--max-num-seqs",
+        "8",
+        "--max-model-len",
+        "96",
+        "--no-prefix-caching",
+        "--metrics-port",
+        "-1",
+    )
     try:
         items = workload(seed=13)
 
@@ -152,8 +232,17 @@ def test_a_sliding_window_model_serves_sequences_longer_than_its_pool(family, se
     name, folder, windows, _ = family
     if not all(windows):
         pytest.skip("a layer reads the whole context: every block is kept")
-    small = server_factory(folder, "--block-size", "4", "--num-blocks", "20", "--max-num-batched-tokens",
-                           "16", "--metrics-port", "-1")
+    small = server_factory(
+        folder,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "20",
+        "--max-num-batched-tokens",
+        "16",
+        "--metrics-port",
+        "-1",
+    )
     try:
         prompt = [3 + (11 * i) % 380 for i in range(200)]
         resp = small.stub.Generate(greedy_request(prompt, 200, f"fam-long-{name}"), timeout=300)
@@ -165,8 +254,21 @@ def test_a_sliding_window_model_serves_sequences_longer_than_its_pool(family, se
 
 def test_a_tensor_parallel_pair_equals_transformers(family, server_factory):
     name, folder, _, _ = family
-    tp = server_factory(folder, "--tensor-parallel-size", "2", "--block-size", "4", "--num-blocks", "160",
-                        "--max-num-batched-tokens", "16", "--max-model-len", "128", "--metrics-port", "-1")
+    tp = server_factory(
+        folder,
+        "--tensor-parallel-size",
+        "2",
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "160",
+        "--max-num-batched-tokens",
+        "16",
+        "--max-model-len",
+        "128",
+        "--metrics-port",
+        "-1",
+    )
     try:
         items = workload(seed=14, n=4)  # no near-ties: TP sums in another order
         results = submit_all(tp, items, stream=True)

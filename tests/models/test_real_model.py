@@ -14,8 +14,10 @@ MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", ROOT / ".models" / "smol
 
 pytestmark = [
     pytest.mark.real_model,
-    pytest.mark.skipif(not (MODEL_DIR / "model.safetensors").exists(),
-                       reason=f"default model not prepared in {MODEL_DIR} (run `make setup`)"),
+    pytest.mark.skipif(
+        not (MODEL_DIR / "model.safetensors").exists(),
+        reason=f"default model not prepared in {MODEL_DIR} (run `make setup`)",
+    ),
 ]
 
 
@@ -40,11 +42,19 @@ def test_own_forward_greedy_equals_transformers_on_the_default_model():
             new = tokens[start:]
             pos = list(range(start, len(tokens)))
             slots = [blocks[p // block] * block + p % block for p in pos]
-            meta = attn.prepare(torch.tensor([blocks], dtype=torch.int32),
-                                torch.tensor([len(tokens)], dtype=torch.int32),
-                                torch.tensor([0, len(new)], dtype=torch.int32), block, len(tokens), len(new))
-            hidden = model(StepInputs(torch.tensor(new), torch.tensor(pos), torch.tensor(slots), meta), pool,
-                           attn)
+            meta = attn.prepare(
+                torch.tensor([blocks], dtype=torch.int32),
+                torch.tensor([len(tokens)], dtype=torch.int32),
+                torch.tensor([0, len(new)], dtype=torch.int32),
+                block,
+                len(tokens),
+                len(new),
+            )
+            hidden = model(
+                StepInputs(torch.tensor(new), torch.tensor(pos), torch.tensor(slots), meta),
+                pool,
+                attn,
+            )
             nxt = int(model.compute_logits(hidden[-1:]).argmax())
             start = len(tokens)
             tokens.append(nxt)
@@ -55,8 +65,10 @@ def test_own_forward_greedy_equals_transformers_on_the_default_model():
 @pytest.mark.slow
 def test_make_run_answers_the_capital_of_france(server_factory):
     server = server_factory(MODEL_DIR, "--kv-cache-memory", "256MiB", "--max-model-len", "4096")
-    req = generation_pb2.GenerateRequest(prompt="What is the capital of France?",
-                                         sampling=generation_pb2.SamplingParams(max_tokens=40))
+    req = generation_pb2.GenerateRequest(
+        prompt="What is the capital of France?",
+        sampling=generation_pb2.SamplingParams(max_tokens=40),
+    )
     resp = server.stub.Generate(req, timeout=120)
     assert "Paris" in resp.choices[0].text
     assert resp.choices[0].finish_reason == generation_pb2.STOP  # it ends on <|im_end|>
@@ -74,9 +86,13 @@ def test_gguf_loads_directly_and_matches_the_prepared_folder():
     except (FileNotFoundError, ModuleNotFoundError) as e:
         pytest.skip(f"the embedded GGUF is not installed here ({e})")
     gguf_model, gguf_config = load_model(gguf, "auto", torch.float32, torch.device("cpu"))
-    folder_model, folder_config = load_model(str(MODEL_DIR), "auto", torch.float32, torch.device("cpu"))
+    folder_model, folder_config = load_model(
+        str(MODEL_DIR), "auto", torch.float32, torch.device("cpu")
+    )
     assert gguf_config == folder_config
-    for (name, a), (_, b) in zip(gguf_model.named_parameters(), folder_model.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(
+        gguf_model.named_parameters(), folder_model.named_parameters(), strict=True
+    ):
         assert torch.equal(a, b), name
 
 
@@ -88,12 +104,24 @@ def test_tensor_parallel_3_on_the_default_model_equals_transformers(server_facto
 
     tok = Tokenizer(MODEL_DIR)
     prompts = [tok.encode_prompt(p, raw=False) for p in ("Name three colors.", "What is 2 + 2?")]
-    tp3 = server_factory(MODEL_DIR, "--tensor-parallel-size", "3", "--quantized-activations", "int16",
-                         "--quantized-prefill", "dense", "--kv-cache-memory", "64MiB",
-                         "--max-model-len", "1024")
+    tp3 = server_factory(
+        MODEL_DIR,
+        "--tensor-parallel-size",
+        "3",
+        "--quantized-activations",
+        "int16",
+        "--quantized-prefill",
+        "dense",
+        "--kv-cache-memory",
+        "64MiB",
+        "--max-model-len",
+        "1024",
+    )
     info = tp3.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
     assert (info.tensor_parallel_size, info.num_workers) == (3, 3)
-    for prompt in prompts:  # one rank equals transformers too: test_own_forward_greedy_equals_transformers
+    for (
+        prompt
+    ) in prompts:  # one rank equals transformers too: test_own_forward_greedy_equals_transformers
         got = list(tp3.stub.Generate(greedy_request(prompt, 10), timeout=120).choices[0].token_ids)
         assert got == hf_greedy(MODEL_DIR, prompt, 10)
 
@@ -105,7 +133,9 @@ def _hf_cuda(dtype):
 
 
 def _generate(server, prompt_ids, max_tokens, temperature=0.0, seed=None):
-    sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+    sampling = generation_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, ignore_eos=True
+    )
     if seed is not None:
         sampling.seed = seed
     req = generation_pb2.GenerateRequest(prompt_token_ids=prompt_ids, sampling=sampling)
@@ -118,7 +148,9 @@ NEAR_TIE = 0.25  # logits within this of the best are a tie bf16 rounding may br
 def _follows_transformers(hf, prompt, out):
     """Every token chosen greedily is transformers' argmax on the same prefix, or within NEAR_TIE of it."""
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + out], device="cuda")).logits[0, len(prompt) - 1: -1].float()
+        logits = (
+            hf(torch.tensor([prompt + out], device="cuda")).logits[0, len(prompt) - 1 : -1].float()
+        )
     best = logits.max(dim=-1).values
     chosen = logits.gather(1, torch.tensor(out, device="cuda")[:, None])[:, 0]
     gaps = (best - chosen).tolist()
@@ -126,7 +158,9 @@ def _follows_transformers(hf, prompt, out):
 
 
 @pytest.mark.slow
-def test_on_a_gpu_in_bf16_greedy_follows_transformers_sampling_repeats_backends_agree(server_factory):
+def test_on_a_gpu_in_bf16_greedy_follows_transformers_sampling_repeats_backends_agree(
+    server_factory,
+):
     """The default GPU configuration (bf16, triton kernels, decode graphs, pool from
     --gpu-memory-utilization): the pool lands where the share says, greedy text is transformers' (bf16 on the
     same GPU) up to near ties, seeded sampling repeats, and the torch backend gives the same tokens."""
@@ -137,19 +171,43 @@ def test_on_a_gpu_in_bf16_greedy_follows_transformers_sampling_repeats_backends_
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     share = 0.35
-    server = server_factory(MODEL_DIR, "--dtype", "bfloat16", "--gpu-memory-utilization", str(share),
-                            "--max-model-len", "4096")
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total",
-                          "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout.split(",")
+    server = server_factory(
+        MODEL_DIR,
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization",
+        str(share),
+        "--max-model-len",
+        "4096",
+    )
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split(",")
     used, total = float(smi[0]), float(smi[1])
-    assert abs(used / total - share) < 0.03, (used, total)  # the worker's share (its CUDA context included)
+    assert abs(used / total - share) < 0.03, (
+        used,
+        total,
+    )  # the worker's share (its CUDA context included)
     tok = Tokenizer(MODEL_DIR)
-    prompts = [tok.encode_prompt(p, raw=False) for p in
-               ("Name three colors.", "Write a haiku about the sea.", "What is 12 times 7?")]
+    prompts = [
+        tok.encode_prompt(p, raw=False)
+        for p in ("Name three colors.", "Write a haiku about the sea.", "What is 12 times 7?")
+    ]
     greedy = [_generate(server, p, 32) for p in prompts]
-    torch_backend = server_factory(MODEL_DIR, "--dtype", "bfloat16", "--attention-backend", "torch",
-                                   "--kv-cache-memory", "1GiB", "--max-model-len", "4096")
+    torch_backend = server_factory(
+        MODEL_DIR,
+        "--dtype",
+        "bfloat16",
+        "--attention-backend",
+        "torch",
+        "--kv-cache-memory",
+        "1GiB",
+        "--max-model-len",
+        "4096",
+    )
     other = [_generate(torch_backend, p, 32) for p in prompts]
     hf = _hf_cuda(torch.bfloat16)
     for prompt, ours, theirs in zip(prompts, greedy, other, strict=True):

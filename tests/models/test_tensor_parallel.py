@@ -24,16 +24,23 @@ def test_shards_cover_the_model_and_replicate_kv_heads_when_they_are_fewer_than_
     assert [s.kv_heads for s in four] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     for s in four:  # every query head of a rank belongs to the KV head it holds (group of 4)
         assert all(h // 4 == s.kv_heads[0] for h in range(*s.q_heads))
-    assert [s.vocab for s in four] == [(0, 3), (3, 6), (6, 9), (9, 10)] and four[0].vocab_shard_size == 3
+    assert [s.vocab for s in four] == [(0, 3), (3, 6), (6, 9), (9, 10)] and four[
+        0
+    ].vocab_shard_size == 3
 
 
-@pytest.mark.parametrize("heads,kv,inter,tp,needle", [
-    (9, 3, 1536, 2, "cannot split the model's 9 query heads"),
-    (12, 4, 60, 6, "is not a multiple of the model's 4 KV heads"),
-    (8, 8, 62, 4, "cannot split the model's MLP intermediate size 62"),
-    (12, 6, 64, 4, "cannot split the model's 6 KV heads"),
-])
-def test_a_size_that_cannot_split_the_model_is_refused_with_the_numbers(heads, kv, inter, tp, needle):
+@pytest.mark.parametrize(
+    "heads,kv,inter,tp,needle",
+    [
+        (9, 3, 1536, 2, "cannot split the model's 9 query heads"),
+        (12, 4, 60, 6, "is not a multiple of the model's 4 KV heads"),
+        (8, 8, 62, 4, "cannot split the model's MLP intermediate size 62"),
+        (12, 6, 64, 4, "cannot split the model's 6 KV heads"),
+    ],
+)
+def test_a_size_that_cannot_split_the_model_is_refused_with_the_numbers(
+    heads, kv, inter, tp, needle
+):
     with pytest.raises(ParallelConfigError, match=needle):
         make_shard(heads, kv, inter, 1000, 0, tp)
 
@@ -57,8 +64,15 @@ def _run(folder, tp_rank, tp_size, comm=None):
     from worker.model.kv_pool import KVPool
     from worker.weights.loader import load_model
 
-    model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"),
-                               tp_rank=tp_rank, tp_size=tp_size, comm=comm)
+    model, config = load_model(
+        str(folder),
+        "auto",
+        torch.float32,
+        torch.device("cpu"),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        comm=comm,
+    )
     pool = KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu"), model.shard.num_kv_heads)
     return [run_step(model, config, pool, seqs)[0] for seqs in _steps(config.vocab_size)]
 
@@ -68,20 +82,35 @@ def _rank_main(folder, rank, size, meeting, out):
     from worker.model.parallel import init_group
 
     # rank 0 listens on any free port and writes it to the meeting file, where the others find it
-    comm = init_group("tcp://127.0.0.1:0", rank, size, torch.device("cpu"), 60, rendezvous_file=str(meeting))
+    comm = init_group(
+        "tcp://127.0.0.1:0", rank, size, torch.device("cpu"), 60, rendezvous_file=str(meeting)
+    )
     logits = _run(folder, rank, size, comm)
     out.put((rank, [t.tolist() for t in logits]))
     torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,overrides", [
-    (2, {}),  # 4 query heads, 2 KV heads: one KV head per rank
-    (4, {}),  # 2 KV heads on 4 ranks: each KV head replicated on two ranks
-    # 6 heads / 3 KV heads on 3 ranks, tied embeddings, a vocabulary that 3 does not divide (padded shard)
-    (3, dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=48, head_dim=8, intermediate_size=96,
-             vocab_size=383, tie_word_embeddings=True)),
-])
+@pytest.mark.parametrize(
+    "tp,overrides",
+    [
+        (2, {}),  # 4 query heads, 2 KV heads: one KV head per rank
+        (4, {}),  # 2 KV heads on 4 ranks: each KV head replicated on two ranks
+        # 6 heads / 3 KV heads on 3 ranks, tied embeddings, a vocabulary that 3 does not divide (padded shard)
+        (
+            3,
+            dict(
+                num_attention_heads=6,
+                num_key_value_heads=3,
+                hidden_size=48,
+                head_dim=8,
+                intermediate_size=96,
+                vocab_size=383,
+                tie_word_embeddings=True,
+            ),
+        ),
+    ],
+)
 def test_split_forward_through_gloo_ranks_equals_the_unsplit_model(tmp_path, tp, overrides):
     folder = make_tiny_llama(tmp_path / "model", seed=11, **overrides)
     expected = _run(folder, 0, 1)

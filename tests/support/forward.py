@@ -30,17 +30,30 @@ def run_step(model, config, pool, seqs, backend="torch", lora=None):
         qsl.append(qsl[-1] + len(new))
         tables[i, : len(blocks)] = torch.tensor(blocks)
     dev = pool.k[0].device  # the pool's device (CUDA in the CUDA-only tests)
-    meta = attn.prepare(tables.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev),
-                        torch.tensor(qsl, dtype=torch.int32, device=dev), BLOCK, max(lens),
-                        max(len(new) for new, _, _ in seqs))
-    step = StepInputs(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
-                      torch.tensor(slots, device=dev), meta)
+    meta = attn.prepare(
+        tables.to(dev),
+        torch.tensor(lens, dtype=torch.int32, device=dev),
+        torch.tensor(qsl, dtype=torch.int32, device=dev),
+        BLOCK,
+        max(lens),
+        max(len(new) for new, _, _ in seqs),
+    )
+    step = StepInputs(
+        torch.tensor(tokens, device=dev),
+        torch.tensor(positions, device=dev),
+        torch.tensor(slots, device=dev),
+        meta,
+    )
     if lora is not None:
         from worker.model.lora import StepLora
 
         adapters, index = lora
-        step.lora = StepLora.of(adapters, torch.repeat_interleave(torch.tensor(index), torch.tensor(
-            [len(new) for new, _, _ in seqs])).to(dev))
+        step.lora = StepLora.of(
+            adapters,
+            torch.repeat_interleave(
+                torch.tensor(index), torch.tensor([len(new) for new, _, _ in seqs])
+            ).to(dev),
+        )
     with torch.no_grad():
         hidden = model(step, pool, attn)
         last = torch.tensor(qsl[1:], device=dev) - 1
@@ -54,7 +67,9 @@ def step_inputs(seqs: list[tuple[int, int]], seed: int = 0):
     tables = np.full((len(seqs), max(need)), -1, dtype="<i4")
     start = 0
     for i, n in enumerate(need):
-        tables[i, :n] = np.arange(start, start + n)[::-1]  # blocks anywhere in the pool, not in order
+        tables[i, :n] = np.arange(start, start + n)[
+            ::-1
+        ]  # blocks anywhere in the pool, not in order
         start += n
     q_lens = np.array([q for q, _ in seqs])
     rows = np.repeat(np.arange(len(seqs)), q_lens)
@@ -64,10 +79,24 @@ def step_inputs(seqs: list[tuple[int, int]], seed: int = 0):
     np.cumsum(q_lens, out=qsl[1:])
     k = len(seqs)
     rng = np.random.default_rng(seed)
-    p = decode_plan(encode_plan(PlanArrays(
-        step_id=1, token_ids=rng.integers(3, 200, len(pos)).astype("<i4"), positions=pos.astype("<i4"),
-        slot_mapping=slots, block_tables=tables, seq_lens=np.array([n for _, n in seqs], dtype="<i4"),
-        query_start_loc=qsl, do_sample=np.ones(k, bool), sample_index=np.zeros(k, "<i4"),
-        temperature=np.zeros(k, "<f4"), top_p=np.ones(k, "<f4"), top_k=np.zeros(k, "<i4"),
-        seed=np.zeros(k, "<u8"), block_copies=np.empty((0, 2), "<i4"))))
+    p = decode_plan(
+        encode_plan(
+            PlanArrays(
+                step_id=1,
+                token_ids=rng.integers(3, 200, len(pos)).astype("<i4"),
+                positions=pos.astype("<i4"),
+                slot_mapping=slots,
+                block_tables=tables,
+                seq_lens=np.array([n for _, n in seqs], dtype="<i4"),
+                query_start_loc=qsl,
+                do_sample=np.ones(k, bool),
+                sample_index=np.zeros(k, "<i4"),
+                temperature=np.zeros(k, "<f4"),
+                top_p=np.ones(k, "<f4"),
+                top_k=np.zeros(k, "<i4"),
+                seed=np.zeros(k, "<u8"),
+                block_copies=np.empty((0, 2), "<i4"),
+            )
+        )
+    )
     return p, start

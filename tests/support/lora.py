@@ -8,8 +8,16 @@ from pathlib import Path
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(base: Path, out: Path, r: int, targets: list[str], alpha: float, seed: int,
-                 std: float = 0.15, **config) -> Path:
+def make_adapter(
+    base: Path,
+    out: Path,
+    r: int,
+    targets: list[str],
+    alpha: float,
+    seed: int,
+    std: float = 0.15,
+    **config,
+) -> Path:
     """A PEFT LoRA adapter of the model in `base` with random A and B (PEFT starts B at zero, which would
     change nothing), saved as PEFT saves it."""
     import torch
@@ -17,8 +25,9 @@ def make_adapter(base: Path, out: Path, r: int, targets: list[str], alpha: float
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(base))
-    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
-                                                  lora_dropout=0.0, **config))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, **config)
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -62,6 +71,9 @@ def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], max_tokens:
         for _ in range(max_tokens):
             token = int(res.logits[0, -1].argmax())
             out.append(token)
-            res = model(input_ids=torch.tensor([[token]]), past_key_values=res.past_key_values,
-                        use_cache=True)
+            res = model(
+                input_ids=torch.tensor([[token]]),
+                past_key_values=res.past_key_values,
+                use_cache=True,
+            )
     return out

@@ -22,12 +22,29 @@ class PagedCase:
 
     @property
     def args(self):
-        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc,
-                self.scale)
+        return (
+            self.q,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+        )
 
 
-def make_case(q_lens, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0,
-              device="cpu", spare_blocks=3) -> PagedCase:
+def make_case(
+    q_lens,
+    seq_lens,
+    n_heads,
+    n_kv_heads,
+    head_dim,
+    block_size,
+    dtype=torch.float32,
+    seed=0,
+    device="cpu",
+    spare_blocks=3,
+) -> PagedCase:
     g = torch.Generator().manual_seed(seed)
     needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(needed) + spare_blocks
@@ -47,13 +64,25 @@ def make_case(q_lens, seq_lens, n_heads, n_kv_heads, head_dim, block_size, dtype
         used += n
         pos = torch.arange(s)
         slots = tables[i, pos // block_size].long() * block_size + pos % block_size
-        write_kv(torch.randn(s, n_kv_heads, head_dim, generator=g).to(dtype),
-                 torch.randn(s, n_kv_heads, head_dim, generator=g).to(dtype), k_cache, v_cache, slots)
+        write_kv(
+            torch.randn(s, n_kv_heads, head_dim, generator=g).to(dtype),
+            torch.randn(s, n_kv_heads, head_dim, generator=g).to(dtype),
+            k_cache,
+            v_cache,
+            slots,
+        )
     # unused table entries point at never-written (NaN) blocks rather than -1: they must not be read
     spare = order[used:]
     for i, n in enumerate(needed):
         tables[i, n:] = spare[i % len(spare)]
     q = torch.randn(sum(q_lens), n_heads, head_dim, generator=g).to(dtype)
     qsl = torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32)
-    return PagedCase(q.to(device), k_cache.to(device), v_cache.to(device), tables.to(device),
-                     torch.tensor(seq_lens, dtype=torch.int32, device=device), qsl.to(device), head_dim**-0.5)
+    return PagedCase(
+        q.to(device),
+        k_cache.to(device),
+        v_cache.to(device),
+        tables.to(device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        qsl.to(device),
+        head_dim**-0.5,
+    )

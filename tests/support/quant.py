@@ -18,15 +18,18 @@ def random_k_blocks(rng, out_dim: int, in_dim: int, qtype: str) -> tuple[QuantWe
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     _, values, bb = QUANT_TYPES[qtype]
     blocks = rng.integers(0, 256, (out_dim, in_dim // values, bb), dtype=np.uint8)
-    scales = rng.uniform(0.002, 0.02, (out_dim, in_dim // values, 2)).astype(np.float16).view(np.uint8)
+    scales = (
+        rng.uniform(0.002, 0.02, (out_dim, in_dim // values, 2)).astype(np.float16).view(np.uint8)
+    )
     if qtype in ("Q4_K", "Q5_K"):  # d, dmin first
         blocks[..., 0:4] = scales.reshape(out_dim, in_dim // values, 4)
     else:  # Q6_K: d last
         blocks[..., 208:210] = scales[..., 0:2]
     blocks = blocks.reshape(out_dim, -1)
     reference = gguf.quants.dequantize(blocks, kind).reshape(out_dim, in_dim)
-    return QuantWeight(torch.from_numpy(blocks), qtype,
-                       in_dim), torch.from_numpy(np.ascontiguousarray(reference))
+    return QuantWeight(torch.from_numpy(blocks), qtype, in_dim), torch.from_numpy(
+        np.ascontiguousarray(reference)
+    )
 
 
 def assert_projections_match(model, dense) -> None:
@@ -36,4 +39,6 @@ def assert_projections_match(model, dense) -> None:
         for name in layer.matmul_names:
             w = getattr(dense_layer, name)
             inp = x if w.shape[1] == model.config.hidden_size else torch.randn(3, w.shape[1])
-            torch.testing.assert_close(layer.mm(inp, layer.w[name]), inp @ w.T, atol=2e-4, rtol=1e-3)
+            torch.testing.assert_close(
+                layer.mm(inp, layer.w[name]), inp @ w.T, atol=2e-4, rtol=1e-3
+            )

@@ -59,9 +59,13 @@ class ServerProcess(LocalServer):
             yield [gap * i for i in range(n)]
 
 
-def greedy_request(prompt: list[int], max_tokens: int,
-                   request_id: str = "") -> generation_pb2.GenerateRequest:
+def greedy_request(
+    prompt: list[int], max_tokens: int, request_id: str = ""
+) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=prompt,
-        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=generation_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        ),
     )

@@ -39,6 +39,7 @@ def run_stream(stub, req):
 
 def submit_all(server, items, stream):
     """items: (id, prompt, max_tokens, delay); requests arrive at their delay, all in flight together."""
+
     def one(item):
         rid, prompt, max_tokens, delay = item
         time.sleep(delay)
@@ -59,7 +60,10 @@ def assert_all_blocks_back(server):
     deadline = time.monotonic() + 5
     while True:
         stats = server.stats()
-        if stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks and not stats.requests:
+        if (
+            stats.num_free_blocks + stats.num_cached_blocks == stats.num_blocks
+            and not stats.requests
+        ):
             break
         assert time.monotonic() < deadline, f"blocks still held: {stats}"
         time.sleep(0.05)
@@ -68,14 +72,30 @@ def assert_all_blocks_back(server):
 
 def sampled_request(prompt, max_tokens, seed, n=1, request_id="", **controls):
     return generation_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=prompt,
-        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.9, top_p=0.95, top_k=50,
-                                               seed=seed, n=n, ignore_eos=True, **controls))
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=generation_pb2.SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.9,
+            top_p=0.95,
+            top_k=50,
+            seed=seed,
+            n=n,
+            ignore_eos=True,
+            **controls,
+        ),
+    )
 
 
 # Request controls that read the context (penalties), add biases, filter (min_p) and report (logprobs).
-CONTROLS = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.6, min_p=0.02,
-                logit_bias={5: 2.0, 6: -100.0}, logprobs=2)
+CONTROLS = dict(
+    repetition_penalty=1.3,
+    presence_penalty=0.4,
+    frequency_penalty=0.6,
+    min_p=0.02,
+    logit_bias={5: 2.0, 6: -100.0},
+    logprobs=2,
+)
 
 
 def children_of(pid):
@@ -85,8 +105,12 @@ def children_of(pid):
 def sampled(prompt, max_tokens, seed):
     from protos import generation_pb2
 
-    return generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
-        max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True))
+    return generation_pb2.GenerateRequest(
+        prompt_token_ids=prompt,
+        sampling=generation_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True
+        ),
+    )
 
 
 class Streams:
@@ -96,7 +120,9 @@ class Streams:
         self.tokens = [[] for _ in requests]
         self.errors = [None] * len(requests)
         self.started = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(stub, i, r)) for i, r in enumerate(requests)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(stub, i, r)) for i, r in enumerate(requests)
+        ]
         for t in self.threads:
             t.start()
 
@@ -117,7 +143,11 @@ class Streams:
 
 def wait_health(server, serving, timeout):
     health = health_pb2_grpc.HealthStub(server.channel)
-    want = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    want = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -125,5 +155,7 @@ def wait_health(server, serving, timeout):
                 return
         except grpc.RpcError:  # not listening yet
             pass
-        assert time.monotonic() < deadline, f"health never became {'SERVING' if serving else 'NOT_SERVING'}"
+        assert time.monotonic() < deadline, (
+            f"health never became {'SERVING' if serving else 'NOT_SERVING'}"
+        )
         time.sleep(0.05)

@@ -24,13 +24,14 @@ def next_token(context: list[int], seed: int | None = None, index: int = 0) -> i
     return int.from_bytes(digest, "little") % VOCAB
 
 
-def expected_output(prompt: list[int], max_tokens: int, seed: int | None = None,
-                    window: int = 0) -> list[int]:
+def expected_output(
+    prompt: list[int], max_tokens: int, seed: int | None = None, window: int = 0
+) -> list[int]:
     """window > 0: a sliding-window model, each token a function of the last `window` tokens only."""
     ctx = list(prompt)
     for i in range(max_tokens):
         ctx.append(next_token(ctx[-window:] if window else ctx, seed, i))
-    return ctx[len(prompt):]
+    return ctx[len(prompt) :]
 
 
 class SimulatedWorker:
@@ -41,10 +42,16 @@ class SimulatedWorker:
         self.window = window
         self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
         self.num_steps = 0
-        self.num_drafted = self.num_accepted = 0  # drafted tokens the steps applied by `step` verified, stood
+        self.num_drafted = self.num_accepted = (
+            0  # drafted tokens the steps applied by `step` verified, stood
+        )
         self.last_step_id = 0
-        self.last_sampled: np.ndarray | None = None  # kept for the next plan's pending tokens (overlap)
-        self.last_accepted: list[int] | None = None  # drafted tokens each row of the last step accepted
+        self.last_sampled: np.ndarray | None = (
+            None  # kept for the next plan's pending tokens (overlap)
+        )
+        self.last_accepted: list[int] | None = (
+            None  # drafted tokens each row of the last step accepted
+        )
         # what the last step's pooling rows gave back: a hidden state of two values, [sum of the token ids
         # the row reads, how many]: a mean sums its own tokens, the last token reads its whole context, the
         # first token itself (a stand-in for a model whose last hidden state depends on the whole context)
@@ -78,11 +85,13 @@ class SimulatedWorker:
         tables, qsl = p.block_tables.astype(np.int64), p.query_start_loc
         assert (p.slot_mapping >= 0).all()
         for i in range(p.num_seqs):  # a slot is where the position's block table entry says
-            pos = p.positions[qsl[i]:qsl[i + 1]].astype(np.int64)
-            assert (p.slot_mapping[qsl[i]:qsl[i + 1]] == tables[i][pos // bs] * bs + pos % bs).all()
+            pos = p.positions[qsl[i] : qsl[i + 1]].astype(np.int64)
+            assert (
+                p.slot_mapping[qsl[i] : qsl[i + 1]] == tables[i][pos // bs] * bs + pos % bs
+            ).all()
         self._tiers(p)
         for src, dst in p.block_copies:  # copy-on-write, before the step's writes
-            self.pool[dst * bs:(dst + 1) * bs] = self.pool[src * bs:(src + 1) * bs]
+            self.pool[dst * bs : (dst + 1) * bs] = self.pool[src * bs : (src + 1) * bs]
         self.pool[p.slot_mapping] = token_ids
         out, accepted = [], [0] * p.num_seqs
         for i in range(p.num_seqs):
@@ -91,9 +100,12 @@ class SimulatedWorker:
                 continue
             drafted = int(p.num_draft[i]) if p.num_draft is not None else 0
             seed = int(p.seed[i]) if p.temperature[i] > 0 else None
-            for j in range(drafted + 1):  # each draft position in turn, then the token after the draft
+            # each draft position in turn, then the token after the draft
+            for j in range(drafted + 1):
                 end = int(p.seq_lens[i]) - drafted + j
-                token = next_token(self._context(tables[i], end), seed, int(p.sample_index[i]) - drafted + j)
+                token = next_token(
+                    self._context(tables[i], end), seed, int(p.sample_index[i]) - drafted + j
+                )
                 if j == drafted or token != token_ids[qsl[i + 1] - drafted + j]:
                     break
                 accepted[i] += 1
@@ -110,7 +122,7 @@ class SimulatedWorker:
             return
         bs, n = self.block_size, len(p.kv.stores)
         for i, (block, tier, slot) in enumerate(p.kv.stores.tolist()):
-            row = self.pool[block * bs:(block + 1) * bs].copy()
+            row = self.pool[block * bs : (block + 1) * bs].copy()
             assert (row >= 0).all(), "a block written down was never computed"
             if tier == 1:
                 self.host[slot] = (p.kv.hashes[i], row)
@@ -118,11 +130,13 @@ class SimulatedWorker:
                 self.disk[p.kv.hashes[i]] = row
         for j, (block, tier, slot) in enumerate(p.kv.loads.tolist()):
             h = p.kv.hashes[n + j]
-            held = self.host.get(slot) if tier == 1 else (h, self.disk[h]) if h in self.disk else None
+            held = (
+                self.host.get(slot) if tier == 1 else (h, self.disk[h]) if h in self.disk else None
+            )
             if held is None or held[0] != h or h in self.corrupt:
                 self.last_failed.add(j)
                 continue
-            self.pool[block * bs:(block + 1) * bs] = held[1]
+            self.pool[block * bs : (block + 1) * bs] = held[1]
             self.num_loaded += 1
         for h in p.kv.drops:
             self.disk.pop(h, None)
@@ -136,7 +150,7 @@ class SimulatedWorker:
             if p.pooling[i] == POOL_SUM:
                 ids = token_ids[start:end]
             elif p.pooling[i] == POOL_FIRST:
-                ids = token_ids[start:start + 1]
+                ids = token_ids[start : start + 1]
             else:
                 ids = np.asarray(self._context(tables[i], int(p.seq_lens[i])))
             rows.append([float(np.sum(ids)), float(len(ids))])
@@ -175,11 +189,20 @@ class SimulatedClient:
             sent.set()
         w = self.worker
         sampled = np.asarray(w.execute(plan), dtype=np.int32)
-        accepted = np.asarray(w.last_accepted, dtype=np.int32) if w.last_accepted is not None else None
+        accepted = (
+            np.asarray(w.last_accepted, dtype=np.int32) if w.last_accepted is not None else None
+        )
         failed = np.asarray(sorted(w.last_failed), dtype=np.int32) if w.last_failed else None
         # a prompt token costs a millisecond of the model's time, a tier's block far less (so loads pay)
-        result = encode_result(plan.step_id, sampled, num_accepted=accepted, pooled=w.last_pooled,
-                               kv_load_failed=failed, time_forward=1e-3 * plan.num_tokens, time_kv=1e-5)
+        result = encode_result(
+            plan.step_id,
+            sampled,
+            num_accepted=accepted,
+            pooled=w.last_pooled,
+            kv_load_failed=failed,
+            time_forward=1e-3 * plan.num_tokens,
+            time_kv=1e-5,
+        )
         await self._released.acquire()
         return result
 
@@ -242,7 +265,9 @@ class Pipeline:
             return False
         target = self.landed + 1
         self.client.release()
-        self.events.run_until_complete(self._settle(lambda: self.landed >= target or self.lost is not None))
+        self.events.run_until_complete(
+            self._settle(lambda: self.landed >= target or self.lost is not None)
+        )
         assert self.lost is None, self.lost
         return self.landed >= target
 
@@ -281,11 +306,28 @@ def drain(sched, worker, limit=20_000):
     raise AssertionError("did not finish")
 
 
-def make(num_blocks, block_size=4, budget=32, caching=True, chunked=True, max_seqs=16, window=0,
-         speculative="auto", tiers=None):
+def make(
+    num_blocks,
+    block_size=4,
+    budget=32,
+    caching=True,
+    chunked=True,
+    max_seqs=16,
+    window=0,
+    speculative="auto",
+    tiers=None,
+):
     """tiers: the KV tiers under the pool (scheduler_service/core/kv_tiers.py KvTiers)."""
-    config = SchedulerConfig(block_size=block_size, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                             enable_prefix_caching=caching, enable_chunked_prefill=chunked,
-                             debug_invariants=True, speculative=speculative)
-    return (Scheduler(config, num_blocks, max_model_len=4096, kv_window=window, tiers=tiers),
-            SimulatedWorker(num_blocks, block_size, window))
+    config = SchedulerConfig(
+        block_size=block_size,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        enable_chunked_prefill=chunked,
+        debug_invariants=True,
+        speculative=speculative,
+    )
+    return (
+        Scheduler(config, num_blocks, max_model_len=4096, kv_window=window, tiers=tiers),
+        SimulatedWorker(num_blocks, block_size, window),
+    )

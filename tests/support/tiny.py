@@ -70,7 +70,9 @@ def make_tiny_llama(folder: Path, seed: int = 0, family: str = "llama", **overri
     return folder
 
 
-def hf_greedy(folder: Path, prompt: list[int], max_tokens: int, repetition_penalty: float = 1.0) -> list[int]:
+def hf_greedy(
+    folder: Path, prompt: list[int], max_tokens: int, repetition_penalty: float = 1.0
+) -> list[int]:
     """transformers' own solo greedy decode (its KV cache, one request alone), eos ignored: the reference
     every batched output must equal token for token. repetition_penalty as transformers' logits processor
     applies it: every token seen so far (prompt and output) divided by it where positive, else times it."""
@@ -86,10 +88,14 @@ def hf_greedy(folder: Path, prompt: list[int], max_tokens: int, repetition_penal
                 seen = torch.tensor(sorted(set(prompt + out)))
                 score = logits[seen]
                 logits = logits.clone()
-                logits[seen] = torch.where(score > 0, score / repetition_penalty, score * repetition_penalty)
+                logits[seen] = torch.where(
+                    score > 0, score / repetition_penalty, score * repetition_penalty
+                )
             token = int(logits.argmax())
             out.append(token)
-            res = model(torch.tensor([[token]]), past_key_values=res.past_key_values, use_cache=True)
+            res = model(
+                torch.tensor([[token]]), past_key_values=res.past_key_values, use_cache=True
+            )
     return out
 
 
@@ -105,21 +111,51 @@ def load_hf_cached(folder: str):
 
 
 # llama.cpp's architecture name of each transformers family; only "llama" has its q/k rows permuted
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
-GGUF_MATRICES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                 "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-GGUF_OTHERS = {"input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
-               "self_attn.k_norm": "attn_k_norm",
-               "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-               "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate": "ffn_gate_inp",
-               "block_sparse_moe.gate": "ffn_gate_inp",
-               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "mixtral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
+GGUF_MATRICES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
+}
+GGUF_OTHERS = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
-def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str = "llama",
-                   tables: bool = False, rope_freqs: list[float] | None = None, **overrides) -> Path:
+def make_tiny_gguf(
+    folder: Path,
+    qtype: str = "Q8_0",
+    seed: int = 0,
+    family: str = "llama",
+    tables: bool = False,
+    rope_freqs: list[float] | None = None,
+    **overrides,
+) -> Path:
     """A tiny model of a transformers family shipped as llama.cpp ships one: a GGUF of that family's
     architecture whose projections are `qtype` blocks under llama.cpp's names (q and k rows permuted where
     llama.cpp's converter permutes them; Phi-3's q/k/v and gate/up stacked as its converter writes them;
@@ -177,10 +213,16 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str
             blocks = quants.quantize(w, kind)
             # what the file holds, in Hugging Face's order
             w = quants.dequantize(blocks, kind).reshape(w.shape)
-            stored = permute(w, heads if gname == "attn_q" else kv) if arch == "llama" and gname in (
-                "attn_q", "attn_k") else w
-            writer.add_tensor(f"blk.{parts[2]}.{gname}.weight", quants.quantize(stored, kind), raw_dtype=kind)
-        elif parts[4] == "experts":  # model.layers.N.mlp.experts.E.gate_proj.weight: stacked per layer below
+            stored = (
+                permute(w, heads if gname == "attn_q" else kv)
+                if arch == "llama" and gname in ("attn_q", "attn_k")
+                else w
+            )
+            writer.add_tensor(
+                f"blk.{parts[2]}.{gname}.weight", quants.quantize(stored, kind), raw_dtype=kind
+            )
+        # model.layers.N.mlp.experts.E.gate_proj.weight: stacked per layer below
+        elif parts[4] == "experts":
             experts.setdefault((parts[2], parts[6]), {})[int(parts[5])] = w
         else:
             rest = ".".join(parts[3:-1]) + (".bias" if parts[-1] == "bias" else "")
@@ -188,12 +230,20 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str
                 gname = "post_attention_norm" if gemma else "ffn_norm"
             else:
                 gname = GGUF_OTHERS.get(rest, rest)
-            writer.add_tensor(f"blk.{parts[2]}.{gname}{'' if gname.endswith('.bias') else '.weight'}", w)
+            writer.add_tensor(
+                f"blk.{parts[2]}.{gname}{'' if gname.endswith('.bias') else '.weight'}", w
+            )
         dequantized[name] = torch.from_numpy(np.ascontiguousarray(w))
     for (layer, proj), by_expert in sorted(experts.items()):
         stacked = np.stack([by_expert[e] for e in sorted(by_expert)])  # [E, out, in]
-        gname = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
-                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}[proj]  # Mixtral's names
+        gname = {
+            "gate_proj": "ffn_gate_exps",
+            "up_proj": "ffn_up_exps",
+            "down_proj": "ffn_down_exps",
+            "w1": "ffn_gate_exps",
+            "w3": "ffn_up_exps",
+            "w2": "ffn_down_exps",
+        }[proj]  # Mixtral's names
         writer.add_tensor(f"blk.{layer}.{gname}.weight", stacked)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
@@ -207,8 +257,14 @@ def make_tiny_gguf(folder: Path, qtype: str = "Q8_0", seed: int = 0, family: str
     return folder
 
 
-def make_tiny_embedder(folder: Path, pooling: str = "lasttoken", seed: int = 0, tied: bool = False,
-                       prompts: dict[str, str] | None = None, default_prompt: str | None = None) -> Path:
+def make_tiny_embedder(
+    folder: Path,
+    pooling: str = "lasttoken",
+    seed: int = 0,
+    tied: bool = False,
+    prompts: dict[str, str] | None = None,
+    default_prompt: str | None = None,
+) -> Path:
     """A random Qwen3 embedding model as Qwen3-Embedding ships (a `Qwen3Model` checkpoint: the decoder's
     tensors without `model.`, no head unless `tied`), with sentence-transformers' files: pooling (its
     config's pooling_mode_<pooling>), a Normalize module, named prompts."""
@@ -218,9 +274,21 @@ def make_tiny_embedder(folder: Path, pooling: str = "lasttoken", seed: int = 0, 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.for_model(
-        "qwen3", vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, initializer_range=0.25)
+        "qwen3",
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.25,
+    )
     torch.manual_seed(seed)
     AutoModel.from_config(config).eval().save_pretrained(str(folder), safe_serialization=True)
     make_tokenizer(folder, config.vocab_size)
@@ -232,17 +300,46 @@ def make_tiny_embedder(folder: Path, pooling: str = "lasttoken", seed: int = 0, 
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     kinds = ("Transformer", "Pooling", "Normalize")
     paths = ("", "1_Pooling", "2_Normalize")
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
-        for i, (kind, path) in enumerate(zip(kinds, paths, strict=True))]))
+    (folder / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": i,
+                    "name": str(i),
+                    "path": path,
+                    "type": f"sentence_transformers.models.{kind}",
+                }
+                for i, (kind, path) in enumerate(zip(kinds, paths, strict=True))
+            ]
+        )
+    )
     for path in paths[1:]:
         (folder / path).mkdir(exist_ok=True)
-    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
-             "lasttoken")
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": config.hidden_size, "include_prompt": True,
-         **{f"pooling_mode_{m}": m == pooling for m in modes}}))
+    modes = (
+        "cls_token",
+        "mean_tokens",
+        "max_tokens",
+        "mean_sqrt_len_tokens",
+        "weightedmean_tokens",
+        "lasttoken",
+    )
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": config.hidden_size,
+                "include_prompt": True,
+                **{f"pooling_mode_{m}": m == pooling for m in modes},
+            }
+        )
+    )
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
-    (folder / "config_sentence_transformers.json").write_text(json.dumps(
-        {"prompts": prompts or {}, "default_prompt_name": default_prompt, "similarity_fn_name": "cosine"}))
+    (folder / "config_sentence_transformers.json").write_text(
+        json.dumps(
+            {
+                "prompts": prompts or {},
+                "default_prompt_name": default_prompt,
+                "similarity_fn_name": "cosine",
+            }
+        )
+    )
     return folder

@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 from protos.codec import decode_plan, encode_plan
-from scheduler_service.core.adapters import AdapterError, AdapterRegistry, BaseShapes, parse_module_flag
+from scheduler_service.core.adapters import (
+    AdapterError,
+    AdapterRegistry,
+    BaseShapes,
+    parse_module_flag,
+)
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import Request, SamplingOptions
@@ -16,8 +21,9 @@ from tests.support.simulated import SimulatedWorker
 BASE = BaseShapes(num_layers=2, hidden=8, q_size=8, kv_size=4, intermediate=16)
 
 
-def write_adapter(folder, r=4, modules=("q_proj", "v_proj"), layers=2, seed=0, shapes=None, extra=None,
-                  **config):
+def write_adapter(
+    folder, r=4, modules=("q_proj", "v_proj"), layers=2, seed=0, shapes=None, extra=None, **config
+):
     """A PEFT-shaped adapter folder: its config and a safetensors file of lora_A / lora_B per module."""
     from safetensors.numpy import save_file
 
@@ -33,8 +39,17 @@ def write_adapter(folder, r=4, modules=("q_proj", "v_proj"), layers=2, seed=0, s
             tensors[f"{prefix}.lora_B.weight"] = rng.standard_normal((out, r)).astype(np.float32)
     tensors.update(extra or {})
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    cfg = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(modules), "bias": "none",
-           "use_dora": False, "use_rslora": False, "modules_to_save": None, **config}
+    cfg = {
+        "peft_type": "LORA",
+        "r": r,
+        "lora_alpha": 2 * r,
+        "target_modules": list(modules),
+        "bias": "none",
+        "use_dora": False,
+        "use_rslora": False,
+        "modules_to_save": None,
+        **config,
+    }
     (folder / "adapter_config.json").write_text(json.dumps(cfg))
     return folder
 
@@ -47,29 +62,49 @@ def test_a_peft_folder_loads_with_its_rank_targets_and_an_identity_of_its_files(
     reg = registry()
     a = reg.load("a", str(write_adapter(tmp_path / "a", modules=("q_proj", "v_proj", "down_proj"))))
     assert (a.rank, a.target_modules) == (4, ("down_proj", "q_proj", "v_proj"))
-    same = registry().load("b", str(write_adapter(tmp_path / "b", modules=("q_proj", "v_proj", "down_proj"))))
-    other = registry().load("c", str(write_adapter(tmp_path / "c", seed=1, modules=("q_proj", "v_proj",
-                                                                                     "down_proj"))))
+    same = registry().load(
+        "b", str(write_adapter(tmp_path / "b", modules=("q_proj", "v_proj", "down_proj")))
+    )
+    other = registry().load(
+        "c", str(write_adapter(tmp_path / "c", seed=1, modules=("q_proj", "v_proj", "down_proj")))
+    )
     assert same.identity == a.identity  # the same files
     assert other.identity != a.identity  # other weights, same names and shapes
     assert reg.get("a") is a
 
 
-@pytest.mark.parametrize("make, needle", [
-    (lambda d: write_adapter(d, use_dora=True), "DoRA"),
-    (lambda d: write_adapter(d, modules_to_save=["lm_head"]), "modules_to_save"),
-    (lambda d: write_adapter(d, r=32), "rank 32 is above --max-lora-rank 16"),
-    (lambda d: write_adapter(d, bias="lora_only"), "biases"),
-    (lambda d: write_adapter(d, peft_type="IA3"), "peft_type 'IA3'"),
-    (lambda d: write_adapter(d, extra={
-        "base_model.model.lm_head.lora_A.weight": np.zeros((4, 8), np.float32)}),
-     "lm_head is not served"),
-    (lambda d: write_adapter(d, extra={
-        "base_model.model.model.embed_tokens.lora_embedding_A": np.zeros((4, 8), np.float32)}),
-     "embed_tokens is not served"),
-    (lambda d: write_adapter(d, shapes={"q_proj": (16, 8)}), "an adapter of another base model"),
-    (lambda d: write_adapter(d, layers=3), "it changes layer 2; the base model has 2"),
-])
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda d: write_adapter(d, use_dora=True), "DoRA"),
+        (lambda d: write_adapter(d, modules_to_save=["lm_head"]), "modules_to_save"),
+        (lambda d: write_adapter(d, r=32), "rank 32 is above --max-lora-rank 16"),
+        (lambda d: write_adapter(d, bias="lora_only"), "biases"),
+        (lambda d: write_adapter(d, peft_type="IA3"), "peft_type 'IA3'"),
+        (
+            lambda d: write_adapter(
+                d, extra={"base_model.model.lm_head.lora_A.weight": np.zeros((4, 8), np.float32)}
+            ),
+            "lm_head is not served",
+        ),
+        (
+            lambda d: write_adapter(
+                d,
+                extra={
+                    "base_model.model.model.embed_tokens.lora_embedding_A": np.zeros(
+                        (4, 8), np.float32
+                    )
+                },
+            ),
+            "embed_tokens is not served",
+        ),
+        (
+            lambda d: write_adapter(d, shapes={"q_proj": (16, 8)}),
+            "an adapter of another base model",
+        ),
+        (lambda d: write_adapter(d, layers=3), "it changes layer 2; the base model has 2"),
+    ],
+)
 def test_what_cannot_be_served_as_meant_is_refused_by_name(tmp_path, make, needle):
     folder = make(tmp_path / "bad")
     with pytest.raises(AdapterError, match="LoRA adapter 'bad'") as e:
@@ -109,7 +144,9 @@ def test_the_same_prompt_under_two_adapters_never_shares_a_block(tmp_path):
     reg = registry()
     a = reg.load("a", str(write_adapter(tmp_path / "a")))
     b = reg.load("b", str(write_adapter(tmp_path / "b", seed=1)))
-    config = SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, debug_invariants=True)
+    config = SchedulerConfig(
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=64, debug_invariants=True
+    )
     sched = Scheduler(config, 64, max_model_len=256)
     worker = SimulatedWorker(64, 4)
     prompt = list(range(10, 30))
@@ -130,13 +167,16 @@ def test_the_same_prompt_under_two_adapters_never_shares_a_block(tmp_path):
 def test_steps_hold_at_most_max_loras_adapters_and_every_request_finishes(tmp_path):
     reg = registry()
     adapters = [reg.load(f"a{i}", str(write_adapter(tmp_path / f"a{i}", seed=i))) for i in range(4)]
-    config = SchedulerConfig(block_size=4, max_num_seqs=16, max_num_batched_tokens=64, max_loras=2,
-                             debug_invariants=True)
+    config = SchedulerConfig(
+        block_size=4, max_num_seqs=16, max_num_batched_tokens=64, max_loras=2, debug_invariants=True
+    )
     sched = Scheduler(config, 128, max_model_len=256)
     worker = SimulatedWorker(128, 4)
     rng = np.random.default_rng(0)
-    reqs = [_request(f"r{i}", rng.integers(3, 300, 9).tolist(), adapters[i % 4] if i % 5 else None, 8)
-            for i in range(20)]
+    reqs = [
+        _request(f"r{i}", rng.integers(3, 300, 9).tolist(), adapters[i % 4] if i % 5 else None, 8)
+        for i in range(20)
+    ]
     for r in reqs:
         sched.add_request(r)
     most = 0
@@ -148,7 +188,8 @@ def test_steps_hold_at_most_max_loras_adapters_and_every_request_finishes(tmp_pa
         assert len(running) <= 2
         named = [] if plan.loras is None else plan.loras
         most = max(most, len(named))
-        for i, item in enumerate(out.scheduled):  # each row points at its own adapter's identity and path
+        # each row points at its own adapter's identity and path
+        for i, item in enumerate(out.scheduled):
             lora = item.seq.request.lora
             index = -1 if plan.lora_index is None else int(plan.lora_index[i])
             assert (index < 0) == (lora is None)
@@ -159,10 +200,11 @@ def test_steps_hold_at_most_max_loras_adapters_and_every_request_finishes(tmp_pa
     assert all(r.is_finished for r in reqs)
 
 
-
 def test_kv_events_say_which_adapter_a_stored_block_belongs_to(tmp_path):
     a = registry().load("a", str(write_adapter(tmp_path / "a")))
-    config = SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, debug_invariants=True)
+    config = SchedulerConfig(
+        block_size=4, max_num_seqs=4, max_num_batched_tokens=64, debug_invariants=True
+    )
     sched = Scheduler(config, 32, max_model_len=128)
     sched.kv.record_kv_events()
     worker = SimulatedWorker(32, 4)
@@ -181,11 +223,20 @@ def test_the_launchers_pass_every_adapter_on_and_give_the_workers_their_slots():
     from deploy.launcher import build_parser, passthrough, worker_units
     from scheduler_service.main import build_parser as scheduler_parser
 
-    args = build_parser().parse_args(["--model", "m", "--lora-modules", "a=/x", "b=/y", "--max-loras", "3"])
-    assert passthrough(scheduler_parser(), args, {"model"})[-5:] == ["--lora-modules", "a=/x", "b=/y",
-                                                                     "--max-loras", "3"]
+    args = build_parser().parse_args(
+        ["--model", "m", "--lora-modules", "a=/x", "b=/y", "--max-loras", "3"]
+    )
+    assert passthrough(scheduler_parser(), args, {"model"})[-5:] == [
+        "--lora-modules",
+        "a=/x",
+        "b=/y",
+        "--max-loras",
+        "3",
+    ]
     worker_argv = worker_units(args, "tcp://127.0.0.1:1")[0].programs[0].argv
-    assert worker_argv[worker_argv.index("--max-cpu-loras") + 1] == "2"  # one an adapter, to --max-loras
+    assert (
+        worker_argv[worker_argv.index("--max-cpu-loras") + 1] == "2"
+    )  # one an adapter, to --max-loras
     plain = build_parser().parse_args(["--model", "m"])
     assert "--max-cpu-loras" not in worker_units(plain, "tcp://127.0.0.1:1")[0].programs[0].argv
 
@@ -214,7 +265,9 @@ def test_an_accepted_group_is_sent_the_latest_adapters_its_workers_keep(tmp_path
     reg = registry()
     group = WorkerGroup(0, 2)
     for rank, slots in ((0, 3), (1, 2)):
-        group.workers[rank] = WorkerInfo(0, rank, b"w.x", b"hb.x", wire_pb2.Handshake(lora_slots=slots))
+        group.workers[rank] = WorkerInfo(
+            0, rank, b"w.x", b"hb.x", wire_pb2.Handshake(lora_slots=slots)
+        )
     assert group.preload(None) == [] and group.preload(reg) == []
     loaded = [reg.load(n, str(write_adapter(tmp_path / n, seed=i))) for i, n in enumerate("abc")]
     refs = group.preload(reg)

@@ -27,8 +27,18 @@ def sample(text: str, finish=FinishReason.STOP, stop=None) -> Sample:
 @pytest.mark.parametrize(
     "text, opened, reasoning, rest",
     [
-        ("<think>\nfirst a, then b\n</think>\n\nThe answer.", False, "first a, then b", "The answer."),
-        ("weighing it</think>The answer.", True, "weighing it", "The answer."),  # the prompt opened the block
+        (
+            "<think>\nfirst a, then b\n</think>\n\nThe answer.",
+            False,
+            "first a, then b",
+            "The answer.",
+        ),
+        (
+            "weighing it</think>The answer.",
+            True,
+            "weighing it",
+            "The answer.",
+        ),  # the prompt opened the block
         ("<think>still thinking when cut", False, "still thinking when cut", ""),
         ("No thinking here.", False, None, "No thinking here."),
     ],
@@ -56,7 +66,9 @@ def test_streamed_pieces_add_up_to_the_whole_turn(pieces):
     reasoning = content = ""
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
-        r, c = stream.add(Delta(index=0, text=piece, finish_reason=FinishReason.STOP if last else None))
+        r, c = stream.add(
+            Delta(index=0, text=piece, finish_reason=FinishReason.STOP if last else None)
+        )
         reasoning, content = reasoning + r, content + c
         assert "<think" not in content and "</th" not in reasoning
     turn, r, c = stream.close()
@@ -78,12 +90,16 @@ def test_auto_tool_calls_are_held_back_and_parsed_at_the_end():
 def test_a_stop_string_is_kept_and_a_required_call_cut_short_is_no_content():
     turn = parse_turn(sample("The end", stop="STOP"), ToolMode())
     assert turn.stop_sequence == "STOP" and turn.finish == "stop"
-    message, finish = chat_message(sample('[{"name": "get_we', FinishReason.LENGTH), ToolMode("required"))
+    message, finish = chat_message(
+        sample('[{"name": "get_we', FinishReason.LENGTH), ToolMode("required")
+    )
     assert message["content"] is None and "tool_calls" not in message and finish == "length"
 
 
 def test_reasoning_effort_reaches_the_template_and_none_turns_thinking_off():
-    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], reasoning_effort="high")
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], reasoning_effort="high"
+    )
     msg, _ = chat_request(body, {}, False)
     assert dict(msg.chat_template_kwargs) == {"reasoning_effort": "high"}
     off = ChatCompletionRequest(

@@ -28,15 +28,20 @@ def test_paged_vs_static_accounting():
 
 
 def test_page_table_grows_exactly_at_block_boundaries():
-    sched = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                                      speculative="off"), 16, 256)  # a token a step
+    sched = Scheduler(
+        SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, speculative="off"),
+        16,
+        256,
+    )  # a token a step
     req = Request("r", [1, 2, 3], SamplingOptions(max_tokens=10))
     sched.add_request(req)
     seq = req.seqs[0]
     history = []
     for _ in range(8):
         out = sched.schedule()
-        history.append((out.scheduled[0].start + out.scheduled[0].num_new_tokens, len(seq.block_ids)))
+        history.append(
+            (out.scheduled[0].start + out.scheduled[0].num_new_tokens, len(seq.block_ids))
+        )
         sched.update(out, [7])
     # (tokens held after the step, blocks held): a new block appears exactly with token 5 and token 9
     assert history == [(3, 1), (4, 1), (5, 2), (6, 2), (7, 2), (8, 2), (9, 3), (10, 3)]
@@ -82,8 +87,13 @@ def test_double_free_is_refused_without_damage():
 
 def test_a_request_that_cannot_be_admitted_holds_nothing():
     """Admission is all-or-nothing: a prompt bigger than the free blocks waits and owns no block."""
-    sched = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                                      enable_chunked_prefill=False), 4, 256)
+    sched = Scheduler(
+        SchedulerConfig(
+            block_size=4, max_num_seqs=4, max_num_batched_tokens=64, enable_chunked_prefill=False
+        ),
+        4,
+        256,
+    )
     big = Request("big", list(range(1, 13)), SamplingOptions(max_tokens=4))  # 3 blocks
     small = Request("small", list(range(1, 5)), SamplingOptions(max_tokens=8))  # 1 block, grows
     sched.add_request(small)

@@ -17,10 +17,16 @@ def _modules_on_disk() -> set[str]:
             if p.name != "__init__.py" and "_pb2" not in p.name:
                 found.add(str(p.relative_to(ROOT)))
     found |= {str(p.relative_to(ROOT)) for p in (ROOT / "protos").glob("*.proto")}
-    found |= {str(p.relative_to(ROOT)) for ext in ("*.c", "*.h")
-              for p in (ROOT / "kernels" / "cpu").glob(ext)}
-    found |= {str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "support").glob("*.py")
-              if p.name != "__init__.py"}
+    found |= {
+        str(p.relative_to(ROOT))
+        for ext in ("*.c", "*.h")
+        for p in (ROOT / "kernels" / "cpu").glob(ext)
+    }
+    found |= {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests" / "support").glob("*.py")
+        if p.name != "__init__.py"
+    }
     return found
 
 
@@ -48,7 +54,9 @@ def _defined(path: Path, dotted: str) -> bool:
 
 def test_it_reads_in_one_sitting():
     words = len(DOC.split())
-    assert words <= MAX_WORDS, f"{words} words; at most {MAX_WORDS}: say it once, in the code's words"
+    assert words <= MAX_WORDS, (
+        f"{words} words; at most {MAX_WORDS}: say it once, in the code's words"
+    )
 
 
 def test_every_module_is_named_once_in_the_list():
@@ -56,7 +64,9 @@ def test_every_module_is_named_once_in_the_list():
     twice = sorted({m for m in listed if listed.count(m) > 1})
     assert not twice, f"named twice: {twice}"
     on_disk = _modules_on_disk()
-    assert not on_disk - set(listed), f"not in docs/ARCHITECTURE.md: {sorted(on_disk - set(listed))}"
+    assert not on_disk - set(listed), (
+        f"not in docs/ARCHITECTURE.md: {sorted(on_disk - set(listed))}"
+    )
     assert not set(listed) - on_disk, f"listed but gone: {sorted(set(listed) - on_disk)}"
 
 

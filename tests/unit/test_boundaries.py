@@ -15,8 +15,12 @@ def test_scheduler_service_never_imports_torch():
         "+ m.name)\nbad = sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.') or n == "
         "'transformers')\nprint(bad)\nsys.exit(1 if bad else 0)\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, f"scheduler_service pulled in {res.stdout.strip()} {res.stderr[-2000:]}"
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, (
+        f"scheduler_service pulled in {res.stdout.strip()} {res.stderr[-2000:]}"
+    )
 
 
 def test_the_serving_process_reads_its_flags_and_a_ggufs_header_without_torch():
@@ -30,7 +34,9 @@ def test_the_serving_process_reads_its_flags_and_a_ggufs_header_without_torch():
         "assert not needs_dense_copy(find_embedded_gguf())\n"
         "print(sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'transformers')))\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "[]"
 
@@ -51,5 +57,7 @@ def test_transformers_loads_a_model_beside_our_kernels_package(tmp_path):
         f"transformers.AutoModelForCausalLM.from_pretrained(r'{tmp_path}')\nout = m(torch.tensor([[1, 2, "
         "3]])).logits\nassert out.shape == (1, 3, 64)\nprint('ok')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

@@ -33,7 +33,8 @@ def sample_plan(num_seqs=3, max_blocks=4, seed=0):
         temperature=rng.random(num_seqs, dtype=np.float32),
         top_p=rng.random(num_seqs, dtype=np.float32),
         top_k=rng.integers(0, 50, num_seqs, dtype=np.int32),
-        seed=rng.integers(0, 2**63, num_seqs, dtype=np.uint64) * 2 + 1,  # uses the top bit of a uint64
+        seed=rng.integers(0, 2**63, num_seqs, dtype=np.uint64) * 2
+        + 1,  # uses the top bit of a uint64
         block_copies=rng.integers(0, 10000, (2, 2), dtype=np.int32),
         prev_step_id=int(rng.integers(1, 2**40)),
         prev_rows=rng.integers(-1, 8, t, dtype=np.int32),
@@ -51,16 +52,18 @@ def with_controls(plan, seed=0):
     counts = rng.integers(0, 4, s)
     plan.bias_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     plan.bias_token_ids = rng.integers(0, 50000, int(counts.sum()), dtype=np.int32)
-    plan.bias_values = np.where(rng.random(int(counts.sum())) < 0.3, -np.inf,
-                                rng.normal(size=int(counts.sum())))
+    plan.bias_values = np.where(
+        rng.random(int(counts.sum())) < 0.3, -np.inf, rng.normal(size=int(counts.sum()))
+    )
     plan.bias_values = plan.bias_values.astype(np.float32)
     plan.logprobs = rng.integers(-1, 21, s, dtype=np.int32)
     plan.prompt_logprobs = rng.integers(-1, 21, s, dtype=np.int32)
     plan.prompt_logprob_counts = rng.integers(0, 3, s, dtype=np.int32)
-    plan.prompt_logprob_targets = rng.integers(0, 50000, int(plan.prompt_logprob_counts.sum()),
-                                               dtype=np.int32)
+    plan.prompt_logprob_targets = rng.integers(
+        0, 50000, int(plan.prompt_logprob_counts.sum()), dtype=np.int32
+    )
     plan.mask_rows = rng.integers(-1, 2, s, dtype=np.int32)
-    plan.token_bitmask = rng.integers(-2**31, 2**31, (2, 1536), dtype=np.int32)
+    plan.token_bitmask = rng.integers(-(2**31), 2**31, (2, 1536), dtype=np.int32)
     return plan
 
 
@@ -73,7 +76,9 @@ def test_plan_round_trip_through_bytes_is_exact(num_seqs, max_blocks, controls):
     wire = wire_pb2.StepPlan.FromString(encode_plan(plan).SerializeToString())
     back = decode_plan(wire)
     assert back.step_id == plan.step_id and (back.num_seqs, back.num_tokens) == (
-        plan.num_seqs, plan.num_tokens)
+        plan.num_seqs,
+        plan.num_tokens,
+    )
     assert back.prev_step_id == plan.prev_step_id and back.mask_follows == plan.mask_follows
     for name in PlanArrays.__dataclass_fields__:
         if name not in ("step_id", "prev_step_id", "mask_follows"):
@@ -96,7 +101,8 @@ def test_pending_tokens_come_from_the_previous_steps_rows_and_nowhere_else():
     assert np.array_equal(tokens[1:-1], plan.token_ids[1:-1])
     with pytest.raises(CodecError, match="step 41"):  # a worker whose last step was another one
         resolve_tokens(back, 40, last)
-    with pytest.raises(CodecError, match="step 41"):  # a worker that has no tokens (its last step failed)
+    # a worker that has no tokens (its last step failed)
+    with pytest.raises(CodecError, match="step 41"):
         resolve_tokens(back, 41, None)
     plan.prev_rows[0] = 1  # a row that sampled nothing
     with pytest.raises(CodecError, match="sampled no token"):
@@ -119,7 +125,9 @@ def test_a_plan_with_a_wrong_sized_array_is_refused():
 
 def test_result_round_trip_and_count_check():
     tokens = np.array([5, -1, 49151], dtype=np.int32)
-    msg = wire_pb2.StepResult.FromString(encode_result(7, tokens, time_forward=0.5).SerializeToString())
+    msg = wire_pb2.StepResult.FromString(
+        encode_result(7, tokens, time_forward=0.5).SerializeToString()
+    )
     assert msg.step_id == 7 and msg.time_forward == 0.5
     assert decode_result(msg, 3).tolist() == [5, -1, 49151]
     with pytest.raises(CodecError, match="2 sequences"):
@@ -128,10 +136,17 @@ def test_result_round_trip_and_count_check():
 
 def test_logprobs_round_trip_and_wrong_counts_are_refused():
     from protos.codec import Logprobs, decode_logprobs
-    lp = Logprobs(np.array([-0.5, -3.25], np.float32), np.array([7, 8, 9], np.int32),
-                  np.array([-0.1, -0.2, -0.3], np.float32))
-    msg = wire_pb2.StepResult.FromString(encode_result(5, np.array([1, 2], np.int32), logprobs=lp,
-                                                       prompt_logprobs=lp).SerializeToString())
+
+    lp = Logprobs(
+        np.array([-0.5, -3.25], np.float32),
+        np.array([7, 8, 9], np.int32),
+        np.array([-0.1, -0.2, -0.3], np.float32),
+    )
+    msg = wire_pb2.StepResult.FromString(
+        encode_result(
+            5, np.array([1, 2], np.int32), logprobs=lp, prompt_logprobs=lp
+        ).SerializeToString()
+    )
     for which in ("logprobs", "prompt_logprobs"):
         back = decode_logprobs(msg, which, 2, 3)
         assert np.array_equal(back.chosen, lp.chosen) and np.array_equal(back.top_ids, lp.top_ids)

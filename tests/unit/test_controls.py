@@ -16,8 +16,15 @@ VOCAB, BS = 50, 4
 
 def pool_with(contexts: list[list[int]], num_blocks=32, seed=0):
     """A pool whose token record holds each context in scattered blocks; returns (pool, block tables)."""
-    cfg = ModelConfig(vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=4)
+    cfg = ModelConfig(
+        vocab_size=VOCAB,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+    )
     pool = KVPool(cfg, num_blocks, BS, torch.float32, torch.device("cpu"))
     free = list(np.random.default_rng(seed).permutation(num_blocks))
     width = max(-(-len(c) // BS) for c in contexts)
@@ -42,7 +49,7 @@ def reference(logits, contexts, prompt_lens, rep, pres, freq, bias, masks):
         for t in set(contexts[r]):
             if rep[r] != 1.0:
                 out[r, t] = out[r, t] / rep[r] if out[r, t] > 0 else out[r, t] * rep[r]
-        generated = contexts[r][prompt_lens[r]:]
+        generated = contexts[r][prompt_lens[r] :]
         for t in set(generated):
             out[r, t] -= freq[r] * generated.count(t) + pres[r]
     return out
@@ -68,28 +75,45 @@ def test_batched_controls_equal_the_per_row_reference():
         offsets[r + 1] = offsets[r] + len(bias.get(r, []))
     lens = np.array([len(c) for c in contexts], np.int32)
     plan = PlanArrays(
-        step_id=1, token_ids=np.zeros(s, np.int32), positions=lens - 1, slot_mapping=np.zeros(s, np.int64),
-        block_tables=tables, seq_lens=lens, query_start_loc=np.arange(s + 1, dtype=np.int32),
-        do_sample=np.ones(s, bool), sample_index=lens - np.array(prompt_lens, np.int32),
-        temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32), top_k=np.zeros(s, np.int32),
-        seed=np.zeros(s, np.uint64), block_copies=np.zeros((0, 2), np.int32),
-        repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
+        step_id=1,
+        token_ids=np.zeros(s, np.int32),
+        positions=lens - 1,
+        slot_mapping=np.zeros(s, np.int64),
+        block_tables=tables,
+        seq_lens=lens,
+        query_start_loc=np.arange(s + 1, dtype=np.int32),
+        do_sample=np.ones(s, bool),
+        sample_index=lens - np.array(prompt_lens, np.int32),
+        temperature=np.zeros(s, np.float32),
+        top_p=np.ones(s, np.float32),
+        top_k=np.zeros(s, np.int32),
+        seed=np.zeros(s, np.uint64),
+        block_copies=np.zeros((0, 2), np.int32),
+        repetition_penalty=rep,
+        presence_penalty=pres,
+        frequency_penalty=freq,
         bias_offsets=offsets,
         bias_token_ids=np.array([t for r in range(s) for t, _ in bias.get(r, [])], np.int32),
         bias_values=np.array([v for r in range(s) for _, v in bias.get(r, [])], np.float32),
-        mask_rows=np.array([-1, 0, -1, -1, 1], np.int32), token_bitmask=bitmask.view(np.int32))
+        mask_rows=np.array([-1, 0, -1, -1, 1], np.int32),
+        token_bitmask=bitmask.view(np.int32),
+    )
     validate_controls(plan, np.ones(s, np.int64), VOCAB)
     logits = torch.randn(s, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
     rows = np.arange(s)
-    got = apply_controls(logits, gather_controls(plan, rows, torch.from_numpy(tables), torch.device("cpu")),
-                         pool)
+    got = apply_controls(
+        logits, gather_controls(plan, rows, torch.from_numpy(tables), torch.device("cpu")), pool
+    )
     want = reference(logits, contexts, prompt_lens, rep, pres, freq, bias, allowed)
     torch.testing.assert_close(got, want)
     assert not torch.equal(got, logits)  # the raw logits are left as they were (logprobs read them)
     # a subset of rows sampling: each gets its own controls, nothing of the others'
     some = np.array([1, 4])
-    got = apply_controls(logits[some],
-                         gather_controls(plan, some, torch.from_numpy(tables), torch.device("cpu")), pool)
+    got = apply_controls(
+        logits[some],
+        gather_controls(plan, some, torch.from_numpy(tables), torch.device("cpu")),
+        pool,
+    )
     torch.testing.assert_close(got, want[some])
 
 
@@ -97,16 +121,28 @@ def test_a_row_its_controls_leave_without_any_token_falls_back_to_its_raw_logits
     pool, tables = pool_with([[1, 2]])
     logits = torch.randn(1, VOCAB)
     plan = PlanArrays(
-        step_id=1, token_ids=np.zeros(1, np.int32), positions=np.ones(1, np.int32),
+        step_id=1,
+        token_ids=np.zeros(1, np.int32),
+        positions=np.ones(1, np.int32),
         slot_mapping=np.zeros(1, np.int64),
-        block_tables=tables, seq_lens=np.array([2], np.int32), query_start_loc=np.array([0, 1], np.int32),
-        do_sample=np.ones(1, bool), sample_index=np.zeros(1, np.int32), temperature=np.zeros(1, np.float32),
-        top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32), seed=np.zeros(1, np.uint64),
-        block_copies=np.zeros((0, 2), np.int32), mask_rows=np.zeros(1, np.int32),
-        token_bitmask=np.zeros((1, 2), np.int32))  # nothing allowed
-    got = apply_controls(logits,
-                         gather_controls(plan, np.arange(1), torch.from_numpy(tables), torch.device("cpu")),
-                         pool)
+        block_tables=tables,
+        seq_lens=np.array([2], np.int32),
+        query_start_loc=np.array([0, 1], np.int32),
+        do_sample=np.ones(1, bool),
+        sample_index=np.zeros(1, np.int32),
+        temperature=np.zeros(1, np.float32),
+        top_p=np.ones(1, np.float32),
+        top_k=np.zeros(1, np.int32),
+        seed=np.zeros(1, np.uint64),
+        block_copies=np.zeros((0, 2), np.int32),
+        mask_rows=np.zeros(1, np.int32),
+        token_bitmask=np.zeros((1, 2), np.int32),
+    )  # nothing allowed
+    got = apply_controls(
+        logits,
+        gather_controls(plan, np.arange(1), torch.from_numpy(tables), torch.device("cpu")),
+        pool,
+    )
     assert torch.equal(got, logits)
 
 
@@ -132,9 +168,14 @@ def test_min_p_keeps_tokens_within_a_factor_of_the_most_likely():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
     drawn = set()
     for seed in range(200):
-        batch = SamplingBatch(temperature=torch.tensor([1.0]), top_p=torch.tensor([1.0]),
-                              top_k=torch.tensor([0]),
-                              seeds=[seed], sample_index=[0], min_p=torch.tensor([0.25]))
+        batch = SamplingBatch(
+            temperature=torch.tensor([1.0]),
+            top_p=torch.tensor([1.0]),
+            top_k=torch.tensor([0]),
+            seeds=[seed],
+            sample_index=[0],
+            min_p=torch.tensor([0.25]),
+        )
         drawn.add(int(sample(logits, batch)[0]))
     assert drawn == {0, 1}  # 0.1 < 0.25 x 0.5
 
@@ -143,26 +184,41 @@ def test_top_logprobs_flattens_each_rows_own_k():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0], [1.0, 1.0, 1.0, 5.0]])
     lp = top_logprobs(logits, torch.tensor([0, 0, 3]), np.array([2, 0, 3]))
     ref = torch.log_softmax(logits, -1)
-    assert lp.chosen.tolist() == pytest.approx([ref[0, 0].item(), ref[1, 0].item(), ref[2, 3].item()])
-    assert lp.top_ids.tolist()[:2] == [3, 2] and lp.top_ids.tolist()[2] == 3 and len(lp.top_ids) == 5
+    assert lp.chosen.tolist() == pytest.approx(
+        [ref[0, 0].item(), ref[1, 0].item(), ref[2, 3].item()]
+    )
+    assert (
+        lp.top_ids.tolist()[:2] == [3, 2] and lp.top_ids.tolist()[2] == 3 and len(lp.top_ids) == 5
+    )
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("repetition_penalty", np.array([0.0], np.float32), "repetition_penalty must be > 0"),
-    ("min_p", np.array([1.5], np.float32), "min_p"),
-    ("logprobs", np.array([99], np.int32), "logprobs must lie"),
-    ("mask_rows", np.array([3], np.int32), "mask_rows"),
-    ("bias_offsets", np.array([0, 5], np.int32), "bias_offsets"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("repetition_penalty", np.array([0.0], np.float32), "repetition_penalty must be > 0"),
+        ("min_p", np.array([1.5], np.float32), "min_p"),
+        ("logprobs", np.array([99], np.int32), "logprobs must lie"),
+        ("mask_rows", np.array([3], np.int32), "mask_rows"),
+        ("bias_offsets", np.array([0, 5], np.int32), "bias_offsets"),
+    ],
+)
 def test_malformed_control_arrays_are_refused(field, value, message):
     plan = PlanArrays(
-        step_id=1, token_ids=np.zeros(1, np.int32), positions=np.zeros(1, np.int32),
-        slot_mapping=np.zeros(1, np.int64), block_tables=np.zeros((1, 1), np.int32),
+        step_id=1,
+        token_ids=np.zeros(1, np.int32),
+        positions=np.zeros(1, np.int32),
+        slot_mapping=np.zeros(1, np.int64),
+        block_tables=np.zeros((1, 1), np.int32),
         seq_lens=np.ones(1, np.int32),
-        query_start_loc=np.array([0, 1], np.int32), do_sample=np.ones(1, bool),
+        query_start_loc=np.array([0, 1], np.int32),
+        do_sample=np.ones(1, bool),
         sample_index=np.zeros(1, np.int32),
-        temperature=np.zeros(1, np.float32), top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32),
-        seed=np.zeros(1, np.uint64), block_copies=np.zeros((0, 2), np.int32))
+        temperature=np.zeros(1, np.float32),
+        top_p=np.ones(1, np.float32),
+        top_k=np.zeros(1, np.int32),
+        seed=np.zeros(1, np.uint64),
+        block_copies=np.zeros((0, 2), np.int32),
+    )
     if field == "repetition_penalty":
         plan.presence_penalty = plan.frequency_penalty = np.zeros(1, np.float32)
     if field == "bias_offsets":
@@ -178,15 +234,35 @@ def test_a_drafting_rows_positions_take_its_masks_in_turn_and_its_biases_each():
     pool, tables = pool_with([[1, 2, 3], [4, 5]])
     bitmask = np.arange(4 * 2, dtype=np.int32).reshape(4, 2)  # four distinct masks
     plan = PlanArrays(
-        step_id=1, token_ids=np.zeros(4, np.int32), positions=np.array([0, 1, 2, 1], np.int32),
-        slot_mapping=np.zeros(4, np.int64), block_tables=tables, seq_lens=np.array([3, 2], np.int32),
-        query_start_loc=np.array([0, 3, 4], np.int32), do_sample=np.ones(2, bool),
-        sample_index=np.array([2, 1], np.int32), temperature=np.zeros(2, np.float32),
-        top_p=np.ones(2, np.float32), top_k=np.zeros(2, np.int32), seed=np.zeros(2, np.uint64),
-        block_copies=np.zeros((0, 2), np.int32), bias_offsets=np.array([0, 1, 1], np.int32),
-        bias_token_ids=np.array([5], np.int32), bias_values=np.array([2.0], np.float32),
-        mask_rows=np.array([0, 3], np.int32), token_bitmask=bitmask, num_draft=np.array([2, 0], np.int32))
-    c = gather_controls(plan, np.array([0, 0, 0, 1]), torch.from_numpy(tables), torch.device("cpu"),
-                        offsets=np.array([0, 1, 2, 0]))
-    assert c.mask_rows.tolist() == [0, 1, 2, 3] and torch.equal(c.bitmask, torch.from_numpy(bitmask))
+        step_id=1,
+        token_ids=np.zeros(4, np.int32),
+        positions=np.array([0, 1, 2, 1], np.int32),
+        slot_mapping=np.zeros(4, np.int64),
+        block_tables=tables,
+        seq_lens=np.array([3, 2], np.int32),
+        query_start_loc=np.array([0, 3, 4], np.int32),
+        do_sample=np.ones(2, bool),
+        sample_index=np.array([2, 1], np.int32),
+        temperature=np.zeros(2, np.float32),
+        top_p=np.ones(2, np.float32),
+        top_k=np.zeros(2, np.int32),
+        seed=np.zeros(2, np.uint64),
+        block_copies=np.zeros((0, 2), np.int32),
+        bias_offsets=np.array([0, 1, 1], np.int32),
+        bias_token_ids=np.array([5], np.int32),
+        bias_values=np.array([2.0], np.float32),
+        mask_rows=np.array([0, 3], np.int32),
+        token_bitmask=bitmask,
+        num_draft=np.array([2, 0], np.int32),
+    )
+    c = gather_controls(
+        plan,
+        np.array([0, 0, 0, 1]),
+        torch.from_numpy(tables),
+        torch.device("cpu"),
+        offsets=np.array([0, 1, 2, 0]),
+    )
+    assert c.mask_rows.tolist() == [0, 1, 2, 3] and torch.equal(
+        c.bitmask, torch.from_numpy(bitmask)
+    )
     assert c.bias_rows.tolist() == [0, 1, 2] and c.bias_ids.tolist() == [5, 5, 5]

@@ -16,20 +16,27 @@ def lookup_by_scanning(tokens: list[int], k: int, min_n: int, max_n: int) -> lis
     after it; its latest such occurrence proposes the k tokens that followed."""
     end = len(tokens)
     for n in range(min(max_n, end), min_n - 1, -1):
-        suffix = tokens[end - n:]
+        suffix = tokens[end - n :]
         for start in range(end - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
     return []
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 4), max_size=60), st.integers(1, 6), st.integers(1, 2), st.integers(0, 2))
-def test_prompt_lookup_proposes_what_followed_the_longest_suffix_seen_before(tokens, k, min_n, extra):
+@given(
+    st.lists(st.integers(0, 4), max_size=60),
+    st.integers(1, 6),
+    st.integers(1, 2),
+    st.integers(0, 2),
+)
+def test_prompt_lookup_proposes_what_followed_the_longest_suffix_seen_before(
+    tokens, k, min_n, extra
+):
     index = NgramIndex(min_n, min_n + extra)
     for i, t in enumerate(tokens):  # drafting as the sequence grows, one accepted token at a time
         index.append(t)
-        assert index.propose(k) == lookup_by_scanning(tokens[:i + 1], k, min_n, min_n + extra)
+        assert index.propose(k) == lookup_by_scanning(tokens[: i + 1], k, min_n, min_n + extra)
 
 
 def test_an_edit_drafts_the_rest_of_the_line_it_is_copying():
@@ -81,13 +88,19 @@ def test_a_sequence_drafts_from_its_own_copy_before_a_shorter_shared_match():
     shared.learn([1, 2, 3, 4, 50, 51, 52, 53])  # an earlier request went 3, 4 -> 50
     d = SequenceDrafter([9, 3, 4, 60, 61, 62, 63, 64, 1, 2], 10, shared)
     d.append([3, 4])  # own: (3, 4) -> 60 ... (a 2-token match); shared: (1, 2, 3, 4), 4 tokens long
-    assert d.match(5) == (2, [60, 61, 62, 63, 64])  # the shared match counts SHARED_DISCOUNT shorter
+    assert d.match(5) == (
+        2,
+        [60, 61, 62, 63, 64],
+    )  # the shared match counts SHARED_DISCOUNT shorter
     d.append([60, 61])
     assert d.propose(10) == [62, 63, 64, 1, 2, 3]  # a 4-token own match: six tokens
     assert d.matched == 4
     d2 = SequenceDrafter([7, 1, 2, 3, 4, 5], 10, shared)
     d2.append([8, 1, 2, 3, 4])
-    assert d2.match(3) == (4, [5, 8, 1])  # its own (1, 2, 3, 4) beats the shared one of equal length
+    assert d2.match(3) == (
+        4,
+        [5, 8, 1],
+    )  # its own (1, 2, 3, 4) beats the shared one of equal length
     fresh = SequenceDrafter([70, 71], 10, shared)
     fresh.append([1, 2, 3, 4])  # nothing of its own: the shared continuation
     assert fresh.match(4) == (4 - SHARED_DISCOUNT, [50, 51, 52, 53])

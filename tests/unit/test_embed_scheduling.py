@@ -17,8 +17,12 @@ from tests.support.simulated import SimulatedWorker
 
 
 def embed_request(rid, prompt, pooling="mean", dimensions=None):
-    return Request(rid, prompt, SamplingOptions(max_tokens=1),
-                   embed=EmbedOptions(PoolingSpec(pooling=pooling, normalize=False, dimension=2), dimensions))
+    return Request(
+        rid,
+        prompt,
+        SamplingOptions(max_tokens=1),
+        embed=EmbedOptions(PoolingSpec(pooling=pooling, normalize=False, dimension=2), dimensions),
+    )
 
 
 def expected(prompt, pooling):
@@ -54,24 +58,32 @@ def run_overlapped(sched, worker, arrivals, max_steps=2000):
         if len(inflight) == 2 or (inflight and not sched.has_work) or (inflight and out.is_empty):
             done, tokens, accepted, pooled = inflight.popleft()
             sched.update(done, tokens, accepted, pooled)
-            sched.pacer.observe(done.num_decodes, done.num_embed_tokens,
-                                done.num_prefill_tokens - done.num_embed_tokens, step_seconds(done))
+            sched.pacer.observe(
+                done.num_decodes,
+                done.num_embed_tokens,
+                done.num_prefill_tokens - done.num_embed_tokens,
+                step_seconds(done),
+            )
         sched.check_invariants()
         if not sched.has_work and not inflight and not arrivals:
             return outs
     raise AssertionError("did not finish")
 
 
-@pytest.mark.parametrize("pooling,kinds", [("mean", [POOL_SUM] * 3), ("last", [0, 0, POOL_LAST]),
-                                           ("cls", [POOL_FIRST, 0, 0])])
+@pytest.mark.parametrize(
+    "pooling,kinds",
+    [("mean", [POOL_SUM] * 3), ("last", [0, 0, POOL_LAST]), ("cls", [POOL_FIRST, 0, 0])],
+)
 def test_a_long_input_pools_per_chunk_and_finishes_with_its_blocks_back(pooling, kinds):
-    config = SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, debug_invariants=True)
+    config = SchedulerConfig(
+        block_size=4, max_num_seqs=4, max_num_batched_tokens=16, debug_invariants=True
+    )
     sched = Scheduler(config, num_blocks=32, max_model_len=128)
     worker = SimulatedWorker(32, 4)
     prompt = list(range(3, 43))  # 40 tokens: chunks of 16, 16, 8
     request = embed_request("e", prompt, pooling)
     outs = run_overlapped(sched, worker, {0: [request]})
-    pooled = [int(o.pooling[0]) if o.pooling is not None else 0 for o in outs]
+    pooled = [int(o.read.pooling[0]) if o.read.pooling is not None else 0 for o in outs]
     assert pooled == kinds
     assert not any(s.do_sample for o in outs for s in o.scheduled), "an embedding samples nothing"
     seq = request.seqs[0]
@@ -85,36 +97,54 @@ def test_embeddings_share_steps_with_decodes_paced_to_keep_them_going():
     """Steps cost 50 ms and 2 ms a prompt token (step_seconds): beside a decoding stream, embeddings take
     what keeps its steps within 1 / 0.8 of a decode's time on average (about 6 tokens a step); a
     generation's own prompt is not held back, and with no decode running they take the whole budget."""
-    config = SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, debug_invariants=True)
+    config = SchedulerConfig(
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=64, debug_invariants=True
+    )
     sched = Scheduler(config, num_blocks=256, max_model_len=256)
     worker = SimulatedWorker(256, 4)
     generation = Request("g", [5, 6, 7], SamplingOptions(max_tokens=200))
-    embeddings = [embed_request(f"e{i}", list(range(10 + i, 110 + i)), "last", dimensions=1)
-                  for i in range(4)]
+    embeddings = [
+        embed_request(f"e{i}", list(range(10 + i, 110 + i)), "last", dimensions=1) for i in range(4)
+    ]
     late = Request("late", list(range(3, 43)), SamplingOptions(max_tokens=3))
     outs = run_overlapped(sched, worker, {0: [generation], 3: embeddings, 60: [late]})
     beside = [o for o in outs if o.num_decodes and o.num_embed_tokens]
     assert beside, "the embeddings never ran beside the decodes"
-    first, last = outs.index(beside[0]), outs.index(beside[-1])  # while embeddings ran beside the stream
-    decoding = [o for o in outs[first:last + 1] if not (o.num_prefill_tokens - o.num_embed_tokens)]
+    first, last = (
+        outs.index(beside[0]),
+        outs.index(beside[-1]),
+    )  # while embeddings ran beside the stream
+    decoding = [
+        o for o in outs[first : last + 1] if not (o.num_prefill_tokens - o.num_embed_tokens)
+    ]
     slowdown = np.mean([step_seconds(o) for o in decoding]) / 0.05
     assert slowdown <= 1 / 0.8 + 0.05, f"decoding steps ran {slowdown:.2f}x a decode's time"
     assert max(o.num_embed_tokens for o in beside) < 64
-    admitted = next(i for i, o in enumerate(outs) if any(s.seq.request is late for s in o.scheduled))
+    admitted = next(
+        i for i, o in enumerate(outs) if any(s.seq.request is late for s in o.scheduled)
+    )
     assert admitted <= 62, "a generation waited behind the paced embeddings"
     assert generation.seqs[0].num_output_tokens == 200 and late.seqs[0].num_output_tokens == 3
     for e in embeddings:
-        np.testing.assert_allclose(e.seqs[0].pooling.vector, [float(sum(e.prompt_token_ids))])  # dimensions=1
+        np.testing.assert_allclose(
+            e.seqs[0].pooling.vector, [float(sum(e.prompt_token_ids))]
+        )  # dimensions=1
     alone = Scheduler(config, num_blocks=256, max_model_len=256)
-    first = run_overlapped(alone, SimulatedWorker(256, 4), {0: [embed_request("x", list(range(10, 110)))]})
-    assert first[0].num_embed_tokens == 64, "with nothing decoding, an embedding takes the whole budget"
+    first = run_overlapped(
+        alone, SimulatedWorker(256, 4), {0: [embed_request("x", list(range(10, 110)))]}
+    )
+    assert first[0].num_embed_tokens == 64, (
+        "with nothing decoding, an embedding takes the whole budget"
+    )
 
 
 def test_a_preempted_embedding_pools_again_from_scratch():
     """A pool of 12 blocks of 4: two generations grow into it and preempt the embedding (the most recently
     admitted) mid-prompt, while a step that already summed a chunk of it is in flight; that sum must not
     count, and the vector equals the one computed without preemption."""
-    config = SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=12, debug_invariants=True)
+    config = SchedulerConfig(
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=12, debug_invariants=True
+    )
     sched = Scheduler(config, num_blocks=12, max_model_len=64)
     worker = SimulatedWorker(12, 4)
     generations = [Request(f"g{i}", [5 + i] * 7, SamplingOptions(max_tokens=17)) for i in range(2)]
@@ -122,7 +152,9 @@ def test_a_preempted_embedding_pools_again_from_scratch():
     embedding = embed_request("e", prompt, "mean")
     run_overlapped(sched, worker, {0: generations, 1: [embedding]})
     assert embedding.seqs[0].num_preemptions > 0, "the pool was meant to preempt the embedding"
-    np.testing.assert_allclose(embedding.seqs[0].pooling.vector, expected(prompt, "mean"), rtol=1e-6)
+    np.testing.assert_allclose(
+        embedding.seqs[0].pooling.vector, expected(prompt, "mean"), rtol=1e-6
+    )
     assert all(g.seqs[0].num_output_tokens == 17 for g in generations)
     a = sched.allocator
     assert a.num_free_blocks + a.num_cached_blocks == a.num_blocks
@@ -131,13 +163,20 @@ def test_a_preempted_embedding_pools_again_from_scratch():
 def test_where_the_model_also_generates_an_embedding_step_is_bounded():
     """--embed-step-tokens: a step without decodes takes at most that many embedding tokens, so a generation
     request arriving meanwhile waits behind short steps; it is admitted in the next one."""
-    config = SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, embed_step_tokens=16,
-                             debug_invariants=True)
+    config = SchedulerConfig(
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        embed_step_tokens=16,
+        debug_invariants=True,
+    )
     sched = Scheduler(config, num_blocks=256, max_model_len=256)
     embeddings = [embed_request(f"e{i}", list(range(10 + i, 110 + i))) for i in range(3)]
     late = Request("late", [5, 6, 7], SamplingOptions(max_tokens=2))
     outs = run_overlapped(sched, SimulatedWorker(256, 4), {0: embeddings, 2: [late]})
     assert max(o.num_embed_tokens for o in outs) <= 16
-    admitted = next(i for i, o in enumerate(outs) if any(s.seq.request is late for s in o.scheduled))
+    admitted = next(
+        i for i, o in enumerate(outs) if any(s.seq.request is late for s in o.scheduled)
+    )
     assert admitted <= 3 and late.seqs[0].num_output_tokens == 2
     assert all(e.seqs[0].pooling.vector is not None for e in embeddings)

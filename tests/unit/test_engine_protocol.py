@@ -15,22 +15,54 @@ from scheduler_service.text.structured import choice_regex
 
 
 def request(**params):
-    return vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[5, 6, 7]),
-                               sampling_params=vpb.SamplingParams(**params))
+    return vpb.GenerateRequest(
+        request_id="r",
+        tokenized=vpb.TokenizedInput(input_ids=[5, 6, 7]),
+        sampling_params=vpb.SamplingParams(**params),
+    )
 
 
 def test_every_sampling_field_is_carried_over():
-    out = to_generation_request(request(
-        temperature=0.5, top_p=0.9, top_k=40, min_p=0.1, frequency_penalty=0.2, presence_penalty=-0.3,
-        repetition_penalty=1.1, max_tokens=12, min_tokens=2, stop=["\n\n"], stop_token_ids=[9],
-        skip_special_tokens=True, ignore_eos=True, n=3, logprobs=4, prompt_logprobs=2, seed=11,
-        include_stop_str_in_output=True, logit_bias={17: -5.0}, truncate_prompt_tokens=64, regex="[a-z]+"))
+    out = to_generation_request(
+        request(
+            temperature=0.5,
+            top_p=0.9,
+            top_k=40,
+            min_p=0.1,
+            frequency_penalty=0.2,
+            presence_penalty=-0.3,
+            repetition_penalty=1.1,
+            max_tokens=12,
+            min_tokens=2,
+            stop=["\n\n"],
+            stop_token_ids=[9],
+            skip_special_tokens=True,
+            ignore_eos=True,
+            n=3,
+            logprobs=4,
+            prompt_logprobs=2,
+            seed=11,
+            include_stop_str_in_output=True,
+            logit_bias={17: -5.0},
+            truncate_prompt_tokens=64,
+            regex="[a-z]+",
+        )
+    )
     s = out.sampling
     assert list(out.prompt_token_ids) == [5, 6, 7] and out.request_id == "r"
     assert (s.temperature, s.top_p, s.top_k) == pytest.approx((0.5, 0.9, 40))
-    assert (s.min_p, s.frequency_penalty, s.presence_penalty,
-            s.repetition_penalty) == pytest.approx((0.1, 0.2, -0.3, 1.1))
-    assert (s.max_tokens, s.min_tokens, list(s.stop), list(s.stop_token_ids)) == (12, 2, ["\n\n"], [9])
+    assert (
+        s.min_p,
+        s.frequency_penalty,
+        s.presence_penalty,
+        s.repetition_penalty,
+    ) == pytest.approx((0.1, 0.2, -0.3, 1.1))
+    assert (s.max_tokens, s.min_tokens, list(s.stop), list(s.stop_token_ids)) == (
+        12,
+        2,
+        ["\n\n"],
+        [9],
+    )
     assert s.skip_special_tokens and s.ignore_eos and s.n == 3 and s.include_stop_str_in_output
     assert (s.logprobs, s.prompt_logprobs, s.seed, dict(s.logit_bias)) == (4, 2, 11, {17: -5.0})
     assert s.truncate_prompt_tokens == 64 and s.regex == "[a-z]+"
@@ -39,9 +71,15 @@ def test_every_sampling_field_is_carried_over():
 def test_unset_fields_take_the_protocols_defaults():
     s = to_generation_request(request()).sampling
     assert s.temperature == 1.0  # unset temperature samples, as vLLM does
-    assert not s.HasField("top_p") and not s.HasField("repetition_penalty") and not s.HasField("max_tokens")
+    assert (
+        not s.HasField("top_p")
+        and not s.HasField("repetition_penalty")
+        and not s.HasField("max_tokens")
+    )
     assert not s.HasField("logprobs") and not s.HasField("seed") and not s.skip_special_tokens
-    text = to_generation_request(vpb.GenerateRequest(text="hello", sampling_params=vpb.SamplingParams()))
+    text = to_generation_request(
+        vpb.GenerateRequest(text="hello", sampling_params=vpb.SamplingParams())
+    )
     assert text.prompt == "hello" and text.raw_prompt  # a text input is the prompt as it is
 
 
@@ -54,20 +92,35 @@ def test_json_object_and_choice_become_constraints_the_matcher_reads():
     assert re.fullmatch(rx, "c|d") and re.fullmatch(rx, "(x)") and not re.fullmatch(rx, "axb")
 
 
-@pytest.mark.parametrize("build, message", [
-    (lambda: request(structural_tag="{}"), "structural_tag is not served"),
-    (lambda: request(logprobs=-1), "logprobs must lie in \\[0, 20\\]"),
-    (lambda: request(prompt_logprobs=21), "prompt_logprobs must lie in \\[0, 20\\]"),
-    (lambda: request(seed=-4), "seed must be >= 0"),
-    (lambda: request(logit_bias={-3: 1.0}), "negative token id -3"),
-    (lambda: request(choice=vpb.ChoiceConstraint()), "choice has no choices"),
-    (lambda: vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[1]), data_parallel_rank=1),
-     "data_parallel_rank 1"),
-    (lambda: vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[1]), kv_transfer_params_json="{}"),
-     "kv_transfer_params_json"),
-    (lambda: vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[1]), media_refs=vpb.MediaRefs()),
-     "media_refs"),
-])
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: request(structural_tag="{}"), "structural_tag is not served"),
+        (lambda: request(logprobs=-1), "logprobs must lie in \\[0, 20\\]"),
+        (lambda: request(prompt_logprobs=21), "prompt_logprobs must lie in \\[0, 20\\]"),
+        (lambda: request(seed=-4), "seed must be >= 0"),
+        (lambda: request(logit_bias={-3: 1.0}), "negative token id -3"),
+        (lambda: request(choice=vpb.ChoiceConstraint()), "choice has no choices"),
+        (
+            lambda: vpb.GenerateRequest(
+                tokenized=vpb.TokenizedInput(input_ids=[1]), data_parallel_rank=1
+            ),
+            "data_parallel_rank 1",
+        ),
+        (
+            lambda: vpb.GenerateRequest(
+                tokenized=vpb.TokenizedInput(input_ids=[1]), kv_transfer_params_json="{}"
+            ),
+            "kv_transfer_params_json",
+        ),
+        (
+            lambda: vpb.GenerateRequest(
+                tokenized=vpb.TokenizedInput(input_ids=[1]), media_refs=vpb.MediaRefs()
+            ),
+            "media_refs",
+        ),
+    ],
+)
 def test_what_cannot_be_served_is_refused_by_name(build, message):
     with pytest.raises(InvalidRequest, match=message):
         to_generation_request(build())
@@ -84,7 +137,11 @@ def test_the_allocator_records_stored_evicted_and_cleared_prefixes():
     a.register(blocks[1], h1, h0, [5, 6, 7, 8])  # already held: nothing new
     a.free(blocks)
     a.allocate(1)  # evicts the least recently used prefix
-    assert a.events == [("stored", h0, None, [1, 2, 3, 4]), ("stored", h1, h0, [5, 6, 7, 8]), ("removed", h0)]
+    assert a.events == [
+        ("stored", h0, None, [1, 2, 3, 4]),
+        ("stored", h1, h0, [5, 6, 7, 8]),
+        ("removed", h0),
+    ]
     a.events.clear()
     assert a.reset_prefix_cache() == 1 and a.events == [("cleared",)] and a.lookup(h1) is None
     a.check_invariants()

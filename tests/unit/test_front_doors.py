@@ -15,7 +15,7 @@ from deploy.client import rpc_failure
 from deploy.fleet import build_parser as fleet_parser
 from deploy.fleet import scheduler_program, summary
 from deploy.launcher import warn_if_oversubscribed
-from protos import ConfigError
+from protos.base import ConfigError
 from scheduler_service import main as scheduler_main
 from scheduler_service.core.config import ModelSpec
 
@@ -53,9 +53,16 @@ def test_a_fleet_of_two_takes_consecutive_ports_and_says_each_http_api():
     class Unit:
         programs, procs = [], []
 
-    text = summary(["127.0.0.1:50061", "127.0.0.1:50062"], Namespace(units=[Unit()]), Path("run/deploy"),
-                   http_urls=["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1"])
-    assert "OpenAI API: http://127.0.0.1:8001/v1" in text and "OpenAI API: http://127.0.0.1:8000/v1" in text
+    text = summary(
+        ["127.0.0.1:50061", "127.0.0.1:50062"],
+        Namespace(units=[Unit()]),
+        Path("run/deploy"),
+        http_urls=["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1"],
+    )
+    assert (
+        "OpenAI API: http://127.0.0.1:8001/v1" in text
+        and "OpenAI API: http://127.0.0.1:8000/v1" in text
+    )
     gated = fleet_parser().parse_args(["--model", "m", "--servers", "2", "--gateway"])
     argv = scheduler_program(gated, "tcp://127.0.0.1:0", Path("/tmp"), 1).argv
     assert argv[argv.index("--http-port") + 1] == "-1"  # the gateway has 8000
@@ -65,22 +72,31 @@ def test_one_name_is_served_and_a_prepared_ggufs_hash_is_not_part_of_it(tmp_path
     folder = tmp_path / "llama8b-q4km-aade0a0acd1d"
     folder.mkdir()
     (folder / "pagedserve_model.json").write_text("{}")
-    spec = ModelSpec(name="Llama-3-8B", vocab_size=10, max_context=16, eos_token_ids=(1,), path=str(folder))
+    spec = ModelSpec(
+        name="Llama-3-8B", vocab_size=10, max_context=16, eos_token_ids=(1,), path=str(folder)
+    )
     args = Namespace(served_model_name=None, model=str(folder))
     assert scheduler_main.served_names(args, spec) == ["llama8b-q4km"]
     plain = tmp_path / "my-model-aade0a0acd1d"
     plain.mkdir()
-    assert scheduler_main.served_names(Namespace(served_model_name=None, model=str(plain)),
-                                       ModelSpec(name="x", vocab_size=1, max_context=2, eos_token_ids=(1,),
-                                                 path=str(plain))) == [plain.name]
-    assert scheduler_main.served_names(Namespace(served_model_name=["a", "b"], model="x"), spec) == ["a", "b"]
+    assert scheduler_main.served_names(
+        Namespace(served_model_name=None, model=str(plain)),
+        ModelSpec(name="x", vocab_size=1, max_context=2, eos_token_ids=(1,), path=str(plain)),
+    ) == [plain.name]
+    assert scheduler_main.served_names(
+        Namespace(served_model_name=["a", "b"], model="x"), spec
+    ) == ["a", "b"]
 
 
 def test_more_cpu_ranks_than_cores_is_said_at_start(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     with capture_logs() as logs:
-        warn_if_oversubscribed(Namespace(tensor_parallel_size=3, data_parallel_size=1, device="cpu"))
-        warn_if_oversubscribed(Namespace(tensor_parallel_size=2, data_parallel_size=1, device="cpu"))
+        warn_if_oversubscribed(
+            Namespace(tensor_parallel_size=3, data_parallel_size=1, device="cpu")
+        )
+        warn_if_oversubscribed(
+            Namespace(tensor_parallel_size=2, data_parallel_size=1, device="cpu")
+        )
     assert [e["event"] for e in logs] == ["more_ranks_than_cores"] and logs[0]["cores"] == 2
 
 
@@ -102,19 +118,31 @@ class Failed(grpc.RpcError):
 
 
 def test_a_failed_call_says_what_to_do():
-    refused = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to "
-               "connect to remote host: Connection refused")
+    refused = (
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to "
+        "connect to remote host: Connection refused"
+    )
     gone = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, refused), "h:1")
     assert gone.startswith("no pagedserve server answers at h:1: start one (`make run`")
-    tls = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: "
-                             "UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed"), "h:1")
+    tls = rpc_failure(
+        Failed(
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: "
+            "UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed",
+        ),
+        "h:1",
+    )
     assert tls.startswith("UNAVAILABLE: ") and "--tls-ca" in tls
     draining = rpc_failure(Failed(grpc.StatusCode.UNAVAILABLE, "the server is draining"), "h:1")
     assert draining == "UNAVAILABLE: the server is draining"
-    assert "--timeout" in rpc_failure(Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), "h:1")
+    assert "--timeout" in rpc_failure(
+        Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"), "h:1"
+    )
 
 
-def test_a_keyed_fleet_behind_the_gateway_is_refused_in_one_line(tiny_model_dir, capsys, monkeypatch):
+def test_a_keyed_fleet_behind_the_gateway_is_refused_in_one_line(
+    tiny_model_dir, capsys, monkeypatch
+):
     """SMG 1.13 sends no key over gRPC: its servers would refuse it every call, so the pair is refused."""
     import structlog
 
@@ -122,8 +150,9 @@ def test_a_keyed_fleet_behind_the_gateway_is_refused_in_one_line(tiny_model_dir,
 
     config = structlog.get_config()
     try:
-        code = deploy_main(["--model", str(tiny_model_dir), "--gateway", "--api-key", "k", "--log-format",
-                            "json"])
+        code = deploy_main(
+            ["--model", str(tiny_model_dir), "--gateway", "--api-key", "k", "--log-format", "json"]
+        )
     finally:
         structlog.configure(**config)
     err = capsys.readouterr().err.strip().splitlines()

@@ -50,16 +50,26 @@ def test_the_header_reads_as_ggufs_own_reader_reads_it(tmp_path, alignment):
     for t in theirs.tensors:
         mine = tensors[t.name]
         assert (mine.tensor_type, mine.shape, mine.data_offset, mine.n_bytes, mine.n_elements) == (
-            t.tensor_type, tuple(int(d) for d in t.shape), t.data_offset, t.n_bytes, t.n_elements)
-        assert path.read_bytes()[mine.data_offset: mine.data_offset + mine.n_bytes] == bytes(t.data.tobytes())
+            t.tensor_type,
+            tuple(int(d) for d in t.shape),
+            t.data_offset,
+            t.n_bytes,
+            t.n_elements,
+        )
+        assert path.read_bytes()[mine.data_offset : mine.data_offset + mine.n_bytes] == bytes(
+            t.data.tobytes()
+        )
     for key, field in theirs.fields.items():
         if key.startswith("GGUF."):
             continue
         if len(field.data) > SMALL_ARRAY:
             assert fields[key] == SkippedArray(fields[key].item_type, len(field.data))
         else:
-            assert fields[key] == pytest.approx(field.contents()) if "f" in key else \
-                fields[key] == field.contents(), key
+            assert (
+                fields[key] == pytest.approx(field.contents())
+                if "f" in key
+                else fields[key] == field.contents()
+            ), key
     assert fields["t.str"] == "héllo ✓" and fields["t.small"] == [1, 2, 3]
     assert fields["tokenizer.ggml.tokens"].count == 5000
 
@@ -85,7 +95,9 @@ def test_a_file_without_an_architecture_is_refused(tmp_path):
     w.write_tensors_to_file()
     w.close()
     assert GGUFFile(tmp_path / "x.gguf").arch == "llama"
-    raw = (tmp_path / "x.gguf").read_bytes().replace(b"general.architecture", b"general.architecturX")
+    raw = (
+        (tmp_path / "x.gguf").read_bytes().replace(b"general.architecture", b"general.architecturX")
+    )
     (tmp_path / "y.gguf").write_bytes(raw)
     with pytest.raises(ValueError, match="names no architecture"):
         GGUFFile(tmp_path / "y.gguf")

@@ -6,7 +6,12 @@ import os
 import pytest
 import torch
 
-from worker.serve.sizing import CPU_MAX_NUM_SEQS, GPU_MAX_NUM_SEQS, TOKENS_PER_SEQ, default_max_num_seqs
+from worker.serve.sizing import (
+    CPU_MAX_NUM_SEQS,
+    GPU_MAX_NUM_SEQS,
+    TOKENS_PER_SEQ,
+    default_max_num_seqs,
+)
 from worker.step.graphs import bucket_sizes
 
 
@@ -36,23 +41,34 @@ def test_the_scheduler_adopts_the_smallest_proposal_when_left_to_the_workers():
     from scheduler_service.runtime.engine import Engine
 
     def group(*proposals):
-        return SimpleNamespace(workers={i: SimpleNamespace(handshake=SimpleNamespace(max_num_seqs=p))
-                                        for i, p in enumerate(proposals)})
+        return SimpleNamespace(
+            workers={
+                i: SimpleNamespace(handshake=SimpleNamespace(max_num_seqs=p))
+                for i, p in enumerate(proposals)
+            }
+        )
 
     for auto, want in ((True, 200), (False, 64)):
         engine = Engine.__new__(Engine)
-        engine.config = SchedulerConfig(max_num_seqs=64, auto_max_num_seqs=auto, max_num_batched_tokens=4096)
-        engine.replicas = [SimpleNamespace(config=engine.config), SimpleNamespace(config=engine.config)]
+        engine.config = SchedulerConfig(
+            max_num_seqs=64, auto_max_num_seqs=auto, max_num_batched_tokens=4096
+        )
+        engine.replicas = [
+            SimpleNamespace(config=engine.config),
+            SimpleNamespace(config=engine.config),
+        ]
         engine._adopt_max_num_seqs([group(256, 200), group(300)])
         assert engine.config.max_num_seqs == want
         assert all(r.config.max_num_seqs == want for r in engine.replicas)
 
 
-def test_a_cpu_only_torch_on_a_host_with_an_nvidia_gpu_refuses_to_start(monkeypatch, capsys, tiny_model_dir):
+def test_a_cpu_only_torch_on_a_host_with_an_nvidia_gpu_refuses_to_start(
+    monkeypatch, capsys, tiny_model_dir
+):
     """Serving on the CPU by accident, hundreds of times slower, with no word: refused with what to do."""
     import worker.serve.main as worker_main
     import worker.serve.startup
-    from protos import EXIT_CONFIG
+    from protos.base import EXIT_CONFIG
 
     if torch.cuda.is_available():
         pytest.skip("torch sees the GPU here")
@@ -60,8 +76,18 @@ def test_a_cpu_only_torch_on_a_host_with_an_nvidia_gpu_refuses_to_start(monkeypa
 
     monkeypatch.setattr(worker.serve.startup, "nvidia_gpu_present", lambda: True)
     try:
-        code = worker_main.main(["--model", str(tiny_model_dir), "--scheduler", "tcp://127.0.0.1:1",
-                                 "--malloc", "glibc", "--log-format", "json"])
+        code = worker_main.main(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--scheduler",
+                "tcp://127.0.0.1:1",
+                "--malloc",
+                "glibc",
+                "--log-format",
+                "json",
+            ]
+        )
     finally:
         structlog.reset_defaults()  # main() pointed the logs at this test's captured stderr
     assert code == EXIT_CONFIG
@@ -87,17 +113,42 @@ def test_no_kernel_spills_registers_when_compiled_for_an_h100():
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiling, not interpreting
-    done = subprocess.run([sys.executable, "-m", "kernels.compile_report", "--head-dims", "64", "128", "256",
-                           "--block-sizes", "16", "256", "--json"], capture_output=True, text=True, env=env,
-                          timeout=300)
+    env = {
+        k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"
+    }  # compiling, not interpreting
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kernels.compile_report",
+            "--head-dims",
+            "64",
+            "128",
+            "256",
+            "--block-sizes",
+            "16",
+            "256",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     if done.returncode not in (0, 1):
         pytest.skip(f"cannot compile for sm_90 here: {done.stderr[-500:]}")
     rows = json.loads(done.stdout)
-    spilled = [(r["name"], r["spill_stores"], r["stack"]) for r in rows if r["spill_stores"] or r["stack"]]
+    spilled = [
+        (r["name"], r["spill_stores"], r["stack"]) for r in rows if r["spill_stores"] or r["stack"]
+    ]
     assert not spilled
-    assert {r["name"].split()[0] for r in rows} >= {"decode_split", "prefill", "decode_reduce", "write_kv",
-                                                    "rope"}
+    assert {r["name"].split()[0] for r in rows} >= {
+        "decode_split",
+        "prefill",
+        "decode_reduce",
+        "write_kv",
+        "rope",
+    }
 
 
 def test_the_worker_config_holds_every_flag_and_is_frozen():
@@ -110,8 +161,9 @@ def test_the_worker_config_holds_every_flag_and_is_frozen():
     parser = build_parser()
     dests = {a.dest for a in parser._actions if a.dest != "help"}
     assert {f.name for f in dataclasses.fields(WorkerConfig)} == dests
-    args = parser.parse_args(["--model", "m", "--scheduler", "tcp://127.0.0.1:1",
-                              "--kv-cache-memory", "1GiB"])
+    args = parser.parse_args(
+        ["--model", "m", "--scheduler", "tcp://127.0.0.1:1", "--kv-cache-memory", "1GiB"]
+    )
     cfg = WorkerConfig.from_args(args)
     assert cfg.kv_cache_memory == "1GiB" and cfg.tp == 1
     with pytest.raises(dataclasses.FrozenInstanceError):

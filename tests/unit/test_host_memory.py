@@ -17,10 +17,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def allocator_of(mode: str, **env) -> str:
     """Start `python -m worker.serve.host_memory MODE` (it re-executes itself where needed), read its
     answer."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PAGEDSERVE_MALLOC_REEXEC")}
-    out = subprocess.run([sys.executable, "-m", "worker.serve.host_memory", mode], cwd=ROOT,
-                         env={**clean, **env},
-                         capture_output=True, text=True, timeout=60, check=True)
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PAGEDSERVE_MALLOC_REEXEC")
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.serve.host_memory", mode],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return out.stdout.strip()
 
 
@@ -108,12 +116,21 @@ print(loaded_allocator(), kept - resident_bytes()[0])
 def test_what_loading_freed_is_given_back_to_the_system(allocator):
     """The allocators a worker runs on keep freed memory for reuse (what a step's scratch wants), so loading's
     transients would stay resident beside the model for good: released once, after loading."""
-    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PAGEDSERVE_MALLOC_REEXEC")}
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PAGEDSERVE_MALLOC_REEXEC")
+    }
     if allocator == "tcmalloc":
         if find_tcmalloc() is None:
             pytest.skip("no tcmalloc on this system")
         clean["LD_PRELOAD"] = find_tcmalloc()
-    out = subprocess.run([sys.executable, "-c", LOAD_THEN_RELEASE], cwd=ROOT, env=clean, capture_output=True,
-                         text=True, timeout=120, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_THEN_RELEASE],
+        cwd=ROOT,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
     assert out[0] == allocator
     assert int(out[1]) > 300 << 20  # of the 400 MiB freed

@@ -6,7 +6,9 @@ from scheduler_service.core.sequence import Request, SamplingOptions
 
 
 def _seq(prompt_len: int, n: int = 1, request_id: str = "r"):
-    request = Request(request_id, list(range(1, prompt_len + 1)), SamplingOptions(max_tokens=8, n=n))
+    request = Request(
+        request_id, list(range(1, prompt_len + 1)), SamplingOptions(max_tokens=8, n=n)
+    )
     make_sequences(request)
     return request.seqs
 
@@ -16,7 +18,9 @@ def test_slots_grow_the_table_exactly_at_block_boundaries_and_lookahead_reserves
     (seq,) = _seq(6)
     assert kv.admit(seq, [], 6) and len(seq.block_ids) == 2
     seq.num_computed_tokens = 6
-    assert kv.allocate_slots(seq, 2) == [] and len(seq.block_ids) == 2  # 8 tokens still fit in 2 blocks
+    assert (
+        kv.allocate_slots(seq, 2) == [] and len(seq.block_ids) == 2
+    )  # 8 tokens still fit in 2 blocks
     assert kv.allocate_slots(seq, 2, lookahead=3) == [] and len(seq.block_ids) == 3  # 6 + 5 tokens
     assert kv.allocator.num_available_blocks == 5
     kv.check_invariants([seq], [])

@@ -22,8 +22,12 @@ def conversations(n_docs=4, turns=3, doc_len=40, seed=0):
     docs = [[rng.randrange(1, 900) for _ in range(doc_len)] for _ in range(n_docs)]
     rounds = []
     for t in range(turns):
-        rounds.append([Request(f"d{d}t{t}", doc + [900 + t] * (t + 1), SamplingOptions(max_tokens=4))
-                       for d, doc in enumerate(docs)])
+        rounds.append(
+            [
+                Request(f"d{d}t{t}", doc + [900 + t] * (t + 1), SamplingOptions(max_tokens=4))
+                for d, doc in enumerate(docs)
+            ]
+        )
     return rounds
 
 
@@ -64,7 +68,9 @@ def test_cached_prompt_tokens_count_blocks_read_back_from_a_tier():
     rounds = conversations(n_docs=3, turns=2)
     serve(sched, worker, rounds)
     returning = rounds[1]
-    assert all(r.cached_prompt_tokens >= 40 for r in returning), [r.cached_prompt_tokens for r in returning]
+    assert all(r.cached_prompt_tokens >= 40 for r in returning), [
+        r.cached_prompt_tokens for r in returning
+    ]
 
 
 def test_the_disk_tier_survives_a_restart_and_a_different_layout_reads_nothing():
@@ -104,7 +110,9 @@ def test_tiers_stay_within_their_sizes_under_a_long_load():
     docs = [[rng.randrange(1, 900) for _ in range(rng.randint(9, 40))] for _ in range(12)]
     for i in range(60):
         doc = rng.choice(docs)
-        r = Request(f"r{i}", doc + [rng.randrange(1, 900)], SamplingOptions(max_tokens=rng.randint(1, 6)))
+        r = Request(
+            f"r{i}", doc + [rng.randrange(1, 900)], SamplingOptions(max_tokens=rng.randint(1, 6))
+        )
         sched.add_request(r)
         if i % 3 == 2:
             drain(sched, worker)
@@ -122,8 +130,13 @@ def test_two_prompts_needing_the_same_blocks_load_them_once():
     for _ in range(3):  # other documents push it out of the pool
         serve(sched, worker, conversations(n_docs=2, turns=1, seed=9 + _))
     loaded = worker.num_loaded
-    twins = conversations(n_docs=1, turns=2)[1] + [Request("twin", conversations(n_docs=1, turns=2)[1][0]
-                                                           .prompt_token_ids, SamplingOptions(max_tokens=4))]
+    twins = conversations(n_docs=1, turns=2)[1] + [
+        Request(
+            "twin",
+            conversations(n_docs=1, turns=2)[1][0].prompt_token_ids,
+            SamplingOptions(max_tokens=4),
+        )
+    ]
     serve(sched, worker, [twins], one_at_a_time=False)
     assert worker.num_loaded - loaded == 10  # the document's ten blocks, once
 

@@ -10,17 +10,27 @@ PACKAGES = ("protos", "kernels", "worker", "scheduler_service", "deploy")
 # The layers, bottom first within each service; a module in a layer may import its own layer and those listed
 # (anything else it imports is a third-party library). A service's main may import all of it.
 SCHEDULER = ("core", "text", "runtime", "api")
-WORKER = {"model": (), "weights": ("model",), "step": ("model",), "serve": ("model", "weights", "step")}
+WORKER = {
+    "model": (),
+    "weights": ("model",),
+    "step": ("model",),
+    "serve": ("model", "weights", "step"),
+}
 MAY_IMPORT = {
     "protos": {"protos"},
     "kernels": {"protos", "kernels"},
     "worker": {"protos", "kernels", "worker"},
     "scheduler_service": {"protos", "scheduler_service"},
     "deploy": set(PACKAGES),
-    **{f"scheduler_service.{layer}": {"protos"} | {f"scheduler_service.{b}" for b in SCHEDULER[:i + 1]}
-       for i, layer in enumerate(SCHEDULER)},
-    **{f"worker.{layer}": {"protos", "kernels", f"worker.{layer}"} | {f"worker.{b}" for b in below}
-       for layer, below in WORKER.items()},
+    **{
+        f"scheduler_service.{layer}": {"protos"}
+        | {f"scheduler_service.{b}" for b in SCHEDULER[: i + 1]}
+        for i, layer in enumerate(SCHEDULER)
+    },
+    **{
+        f"worker.{layer}": {"protos", "kernels", f"worker.{layer}"} | {f"worker.{b}" for b in below}
+        for layer, below in WORKER.items()
+    },
 }
 
 
@@ -64,20 +74,29 @@ def _allowed(importer: str, imported: str) -> bool:
 
 
 def test_layers_import_only_the_layers_below_them():
-    wrong = [f"{name}:{line} imports {mod}" for name, tree in MODULES.items()
-             for line, mod, names in _imports(tree) if _project(mod)
-             for target in ([f"{mod}.{n}" for n in names or () if f"{mod}.{n}" in MODULES] or [mod])
-             if not _allowed(name, target)]
-    assert not wrong, ("protos <- kernels <- worker (model <- weights, step <- serve); scheduler_service "
-                       "takes protos only (core <- text <- runtime <- api); deploy is on top:\n"
-                       + "\n".join(wrong))
+    wrong = [
+        f"{name}:{line} imports {mod}"
+        for name, tree in MODULES.items()
+        for line, mod, names in _imports(tree)
+        if _project(mod)
+        for target in ([f"{mod}.{n}" for n in names or () if f"{mod}.{n}" in MODULES] or [mod])
+        if not _allowed(name, target)
+    ]
+    assert not wrong, (
+        "protos <- kernels <- worker (model <- weights, step <- serve); scheduler_service "
+        "takes protos only (core <- text <- runtime <- api); deploy is on top:\n" + "\n".join(wrong)
+    )
 
 
 def test_the_scheduler_core_is_plain_python():
     """core/ is the policy: no event loop, no RPC, no sockets, so it is read and tested as plain code."""
-    wrong = [f"{name}:{line} imports {mod}" for name, tree in MODULES.items()
-             if _layer(name) == "scheduler_service.core"
-             for line, mod, _ in _imports(tree) if mod.split(".")[0] in ("asyncio", "grpc", "zmq")]
+    wrong = [
+        f"{name}:{line} imports {mod}"
+        for name, tree in MODULES.items()
+        if _layer(name) == "scheduler_service.core"
+        for line, mod, _ in _imports(tree)
+        if mod.split(".")[0] in ("asyncio", "grpc", "zmq")
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -86,7 +105,9 @@ def test_each_service_shows_its_layers():
         folders = {p.name for p in (ROOT / pkg).iterdir() if (p / "__init__.py").exists()}
         assert folders == layers, f"{pkg}/ holds {sorted(folders)}"
         loose = {p.stem for p in (ROOT / pkg).glob("*.py")} - {"__init__", "main", "options"}
-        assert not loose, f"{pkg}/ top level: main.py and options.py beside the layers, not {sorted(loose)}"
+        assert not loose, (
+            f"{pkg}/ top level: main.py and options.py beside the layers, not {sorted(loose)}"
+        )
 
 
 def _graph() -> dict[str, set[str]]:
@@ -111,7 +132,7 @@ def test_no_module_imports_its_way_back_to_itself():
         state[node] = "open"
         for nxt in sorted(edges[node]):
             if state.get(nxt) == "open":
-                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = "done"
@@ -123,9 +144,14 @@ def test_no_module_imports_its_way_back_to_itself():
 
 
 def test_no_private_name_is_imported_from_another_module():
-    wrong = [f"{name}:{line} from {mod} import {n}" for name, tree in MODULES.items()
-             for line, mod, names in _imports(tree) if _project(mod)
-             for n in names or () if n.startswith("_") and not n.startswith("__")]
+    wrong = [
+        f"{name}:{line} from {mod} import {n}"
+        for name, tree in MODULES.items()
+        for line, mod, names in _imports(tree)
+        if _project(mod)
+        for n in names or ()
+        if n.startswith("_") and not n.startswith("__")
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -163,15 +189,29 @@ def test_the_project_reads_as_five_packages_and_deploy_shows_the_product():
     top = {p.stem for p in (ROOT / "deploy").glob("*.py")} - {"__init__"}
     top |= {p.parent.name for p in (ROOT / "deploy").glob("*/__main__.py")} - {"bench"}
     assert not {n for n in top if n.startswith("bench")}, "benchmarks belong in deploy/bench/"
-    assert top == {"cli", "launcher", "supervisor", "fleet", "gateway", "console", "prepare_model",
-                   "loadtest", "processes", "client"}
+    assert top == {
+        "cli",
+        "launcher",
+        "supervisor",
+        "fleet",
+        "gateway",
+        "console",
+        "prepare_model",
+        "loadtest",
+        "processes",
+        "client",
+    }
 
 
 def test_no_product_module_imports_the_tests():
     """tests/support is dev-only: the tests and the benchmarks (deploy/bench) use it, nothing a user runs."""
-    wrong = [f"{name}:{line} imports {mod}" for name, tree in MODULES.items()
-             if not name.startswith("deploy.bench")
-             for line, mod, _ in _imports(tree) if mod.split(".")[0] == "tests"]
+    wrong = [
+        f"{name}:{line} imports {mod}"
+        for name, tree in MODULES.items()
+        if not name.startswith("deploy.bench")
+        for line, mod, _ in _imports(tree)
+        if mod.split(".")[0] == "tests"
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -195,7 +235,12 @@ def test_tests_are_grouped_by_kind_and_share_helpers_only_through_support():
 
 def test_no_module_runs_past_400_lines():
     """A module a newcomer opens fits in one sitting; past 400 lines it is two modules."""
-    files = [p for folder in PACKAGES for p in sorted((ROOT / folder).rglob("*.py")) if "_pb2" not in p.name]
+    files = [
+        p
+        for folder in PACKAGES
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        if "_pb2" not in p.name
+    ]
     sizes = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in files}
     long = [f"{p}: {n} lines" for p, n in sizes.items() if n > 400]
     assert not long, "split these:\n" + "\n".join(long)
@@ -210,29 +255,36 @@ def test_no_function_runs_past_60_lines_without_saying_why():
         path = path if path.exists() else ROOT / name.replace(".", "/") / "__init__.py"
         lines = path.read_text().splitlines()
         for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
-                    and node.end_lineno - node.lineno >= 60:
-                head = "\n".join(lines[node.lineno - 1:node.body[0].lineno])
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.end_lineno - node.lineno >= 60
+            ):
+                head = "\n".join(lines[node.lineno - 1 : node.body[0].lineno])
                 if "# one function:" not in head:
                     long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not long, "split these, or say why not (`# one function: ...`):\n" + "\n".join(long)
 
 
 def test_environment_variables_are_read_in_one_module():
-    """protos/env.py names every variable pagedserve reads; elsewhere the environment is only passed on to
-    a child process (the benchmarks, dev tools, may read their own)."""
+    """protos/base/env.py names every variable pagedserve reads; elsewhere the environment is only passed
+    on to a child process (the benchmarks, dev tools, may read their own)."""
     wrong = []
     for name, tree in MODULES.items():
-        if name in ("protos.env",) or name.startswith("deploy.bench"):
+        if name in ("protos.base.env",) or name.startswith("deploy.bench"):
             continue
         for node in ast.walk(tree):
             text = ast.unparse(node) if isinstance(node, (ast.Call, ast.Subscript)) else ""
-            reads = isinstance(node, ast.Call) and text.startswith(("os.environ.get(", "os.getenv("))
-            reads |= isinstance(node, ast.Subscript) and text.startswith("os.environ[") \
+            reads = isinstance(node, ast.Call) and text.startswith(
+                ("os.environ.get(", "os.getenv(")
+            )
+            reads |= (
+                isinstance(node, ast.Subscript)
+                and text.startswith("os.environ[")
                 and isinstance(node.ctx, ast.Load)
+            )
             if reads:
                 wrong.append(f"{name}:{node.lineno} {text}")
-    assert not wrong, "read it through protos/env.py:\n" + "\n".join(wrong)
+    assert not wrong, "read it through protos/base/env.py:\n" + "\n".join(wrong)
 
 
 def test_a_module_docstring_is_its_contract():
@@ -241,8 +293,14 @@ def test_a_module_docstring_is_its_contract():
     long = []
     for name, tree in MODULES.items():
         doc = ast.get_docstring(tree) or ""
-        is_help = any(isinstance(node, ast.keyword) and node.arg == "description"
-                      and ast.unparse(node.value).startswith("__doc__") for node in ast.walk(tree))
+        is_help = any(
+            isinstance(node, ast.keyword)
+            and node.arg == "description"
+            and ast.unparse(node.value).startswith("__doc__")
+            for node in ast.walk(tree)
+        )
         if not is_help and len(doc.split()) > 110:
             long.append(f"{name}: {len(doc.split())} words")
-    assert not long, "cut to the contract, the detail onto its class or function:\n" + "\n".join(long)
+    assert not long, "cut to the contract, the detail onto its class or function:\n" + "\n".join(
+        long
+    )

@@ -23,7 +23,9 @@ def test_packed_weights_give_f_linear_results_with_bias_and_any_row_count(cls):
     for rows in (1, 7, 64, 300):
         x = torch.randn(rows, 40, generator=g)
         torch.testing.assert_close(lib(x, packed, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-    x = torch.randn(200, 64, generator=g)[:, 10:50]  # a strided view, as a slice of a fused projection is
+    x = torch.randn(200, 64, generator=g)[
+        :, 10:50
+    ]  # a strided view, as a slice of a fused projection is
     torch.testing.assert_close(lib(x, packed), F.linear(x, w), atol=1e-4, rtol=1e-5)
     x3 = torch.randn(2, 5, 40, generator=g)  # leading dimensions, as F.linear takes them
     torch.testing.assert_close(lib(x3, packed), F.linear(x3, w), atol=1e-4, rtol=1e-5)
@@ -41,7 +43,9 @@ def test_the_mkl_library_is_found_where_torch_carries_mkl():
 
 def test_choice_by_measurement_and_by_name():
     seconds = measure([(64, 32), (32, 64)], (4, 16), CPU, torch.float32, reps=1)
-    assert set(seconds) == {"dense"} | {c.name for c in PACKING} and all(t > 0 for t in seconds.values())
+    assert set(seconds) == {"dense"} | {c.name for c in PACKING} and all(
+        t > 0 for t in seconds.values()
+    )
     assert choose("auto", [(64, 32)], CPU, torch.float32).name in set(seconds)
     assert isinstance(choose("dense", [(64, 32)], CPU, torch.float32), DenseMatmul)
     # oneDNN path is fp32 only

@@ -60,18 +60,25 @@ class FakeService:
 
         handlers = {
             "GenerateStream": grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=pb.GenerateRequest.FromString,
-                response_serializer=pb.GenerateStreamResponse.SerializeToString),
+                stream,
+                request_deserializer=pb.GenerateRequest.FromString,
+                response_serializer=pb.GenerateStreamResponse.SerializeToString,
+            ),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                info, request_deserializer=pb.GetModelInfoRequest.FromString,
-                response_serializer=pb.ModelInfo.SerializeToString),
+                info,
+                request_deserializer=pb.GetModelInfoRequest.FromString,
+                response_serializer=pb.ModelInfo.SerializeToString,
+            ),
             "GetCacheStats": grpc.unary_unary_rpc_method_handler(
-                stats, request_deserializer=pb.GetCacheStatsRequest.FromString,
-                response_serializer=pb.CacheStats.SerializeToString),
+                stats,
+                request_deserializer=pb.GetCacheStatsRequest.FromString,
+                response_serializer=pb.CacheStats.SerializeToString,
+            ),
         }
         self.server = grpc.aio.server()
         self.server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("pagedserve.v1.Generation", handlers),))
+            (grpc.method_handlers_generic_handler("pagedserve.v1.Generation", handlers),)
+        )
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
 
@@ -95,11 +102,29 @@ def run_json(tmp_path, *argv):
 
 
 def test_latencies_and_throughputs_match_the_arithmetic(fake, tmp_path):
-    r = run_json(tmp_path, "--target", f"127.0.0.1:{fake.port}", "--num-requests", "12", "--concurrency", "4",
-                 "--input-len", "10", "--output-len", str(TOKENS), "--slo", "ttft_ms=150")
+    r = run_json(
+        tmp_path,
+        "--target",
+        f"127.0.0.1:{fake.port}",
+        "--num-requests",
+        "12",
+        "--concurrency",
+        "4",
+        "--input-len",
+        "10",
+        "--output-len",
+        str(TOKENS),
+        "--slo",
+        "ttft_ms=150",
+    )
     e2el = FIRST_S + (TOKENS - 1) * EVERY_S  # 0.4 s
     assert (r["completed"], r["failed"], r["aborted"]) == (12, 0, 0)
-    for key, want in (("ttft_ms", FIRST_S), ("tpot_ms", EVERY_S), ("itl_ms", EVERY_S), ("e2el_ms", e2el)):
+    for key, want in (
+        ("ttft_ms", FIRST_S),
+        ("tpot_ms", EVERY_S),
+        ("itl_ms", EVERY_S),
+        ("e2el_ms", e2el),
+    ):
         # a sleep never ends early, so no figure is below the arithmetic; the middle of the distribution is
         # close to it, while the tail may carry one scheduling stall of a busy machine (the exact percentile
         # arithmetic is pinned by test_percentiles_interpolate_between_ranks)
@@ -130,11 +155,22 @@ def test_percentiles_interpolate_between_ranks():
 
 
 def test_an_open_loop_at_a_set_rate_sends_at_that_rate(fake, tmp_path):
-    r = run_json(tmp_path, "--target", f"127.0.0.1:{fake.port}", "--num-requests", "20", "--rate", "20",
-                 "--output-len", "2")
+    r = run_json(
+        tmp_path,
+        "--target",
+        f"127.0.0.1:{fake.port}",
+        "--num-requests",
+        "20",
+        "--rate",
+        "20",
+        "--output-len",
+        "2",
+    )
     # 20 arrivals at 20/s take about a second, then the last request's 0.25 s
     assert r["completed"] == 20 and 0.5 < r["duration_s"] < 2.5
-    assert r["ttft_ms"]["p50"] < FIRST_S * 1000 * SLACK  # an open loop does not queue behind itself here
+    assert (
+        r["ttft_ms"]["p50"] < FIRST_S * 1000 * SLACK
+    )  # an open loop does not queue behind itself here
 
 
 @pytest.mark.parametrize("burstiness", [1.0, 0.5, 4.0])
@@ -148,28 +184,56 @@ def test_arrivals_have_the_asked_rate_and_burstiness(burstiness):
 
 
 def test_synthetic_prompts_share_their_prefix_and_keep_their_lengths():
-    items = synthetic(200, input_len=100, output_len=50, range_ratio=0.2, shared_prefix_len=32,
-                               vocab=1000, seed=1)
+    items = synthetic(
+        200, input_len=100, output_len=50, range_ratio=0.2, shared_prefix_len=32, vocab=1000, seed=1
+    )
     assert all(it.prompt_token_ids[:32] == items[0].prompt_token_ids[:32] for it in items)
-    assert all(32 + 80 <= len(it.prompt_token_ids) <= 32 + 120 and 40 <= it.output_len <= 60 for it in items)
+    assert all(
+        32 + 80 <= len(it.prompt_token_ids) <= 32 + 120 and 40 <= it.output_len <= 60
+        for it in items
+    )
     assert len({len(it.prompt_token_ids) for it in items}) > 10
 
 
 def test_datasets_in_every_shape(tmp_path):
     f = tmp_path / "d.jsonl"
-    f.write_text('[1, 2, 3]\n"a text prompt"\n{"prompt_token_ids": [4, 5], "output_len": 9}\n{"prompt": '
-                 '"hi"}\n')
+    f.write_text(
+        '[1, 2, 3]\n"a text prompt"\n{"prompt_token_ids": [4, 5], "output_len": 9}\n{"prompt": '
+        '"hi"}\n'
+    )
     items = load_dataset(f, output_len=16, shared_prefix_len=0, vocab=1000, seed=0)
     assert [(i.prompt_token_ids, i.prompt, i.output_len) for i in items] == [
-        ([1, 2, 3], None, 16), (None, "a text prompt", 16), ([4, 5], None, 9), (None, "hi", 16)]
+        ([1, 2, 3], None, 16),
+        (None, "a text prompt", 16),
+        ([4, 5], None, 9),
+        (None, "hi", 16),
+    ]
 
 
 @pytest.mark.slow
 def test_cancels_against_the_real_server_leak_no_block(server_factory, tiny_model_dir, tmp_path):
     server = server_factory(tiny_model_dir, "--block-size", "4", "--num-blocks", "200")
-    r = run_json(tmp_path, "--target", server.address, "--num-requests", "16", "--concurrency", "6",
-                 "--input-len", "20", "--output-len", "40", "--range-ratio", "0.5", "--abort-fraction", "0.5",
-                 "--shared-prefix-len", "8", "--seed", "4")
+    r = run_json(
+        tmp_path,
+        "--target",
+        server.address,
+        "--num-requests",
+        "16",
+        "--concurrency",
+        "6",
+        "--input-len",
+        "20",
+        "--output-len",
+        "40",
+        "--range-ratio",
+        "0.5",
+        "--abort-fraction",
+        "0.5",
+        "--shared-prefix-len",
+        "8",
+        "--seed",
+        "4",
+    )
     assert r["aborted"] > 0 and r["failed"] == 0 and r["completed"] + r["aborted"] == 16
     assert r["leaked_blocks"] == 0
     assert r["cache"]["prefix_cache_hit_rate"] > 0  # the shared prefix is reused
@@ -178,8 +242,23 @@ def test_cancels_against_the_real_server_leak_no_block(server_factory, tiny_mode
 
 def test_a_sweep_draws_its_curve_and_compares_with_an_earlier_run(fake, tmp_path, capsys):
     out = tmp_path / "sweep.json"
-    argv = ["--target", f"127.0.0.1:{fake.port}", "--num-requests", "4", "--output-len", "3", "--sweep", "3",
-            "--no-progress", "--warmup", "0", "--output", str(out), "--plot", str(tmp_path / "plots")]
+    argv = [
+        "--target",
+        f"127.0.0.1:{fake.port}",
+        "--num-requests",
+        "4",
+        "--output-len",
+        "3",
+        "--sweep",
+        "3",
+        "--no-progress",
+        "--warmup",
+        "0",
+        "--output",
+        str(out),
+        "--plot",
+        str(tmp_path / "plots"),
+    ]
     assert loadtest_main(argv) == 0
     runs = json.loads(out.read_text())
     assert [r["label"] for r in runs][:2] == ["synchronous", "saturating"] and len(runs) == 3
@@ -209,8 +288,9 @@ class FakeOpenAI:
                 pass
 
             def do_GET(self):
-                body = json.dumps({"object": "list",
-                                   "data": [{"id": "fake-http", "object": "model"}]}).encode()
+                body = json.dumps(
+                    {"object": "list", "data": [{"id": "fake-http", "object": "model"}]}
+                ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -236,13 +316,22 @@ class FakeOpenAI:
                 for i in range(n):
                     if i:
                         _time.sleep(EVERY_S)
-                    chunk = {"choices": [{"index": 0, "text": "x",
-                                          "finish_reason": "length" if i == n - 1 else None}]}
+                    chunk = {
+                        "choices": [
+                            {
+                                "index": 0,
+                                "text": "x",
+                                "finish_reason": "length" if i == n - 1 else None,
+                            }
+                        ]
+                    }
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
                 usage = {"prompt_tokens": len(req["prompt"]), "completion_tokens": n}
-                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: "
-                                 "[DONE]\n\n".encode())
+                self.wfile.write(
+                    f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: "
+                    "[DONE]\n\n".encode()
+                )
                 self.wfile.flush()
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -260,19 +349,46 @@ def test_an_openai_endpoint_is_measured_the_same_way(tmp_path):
     the model its /v1/models names; server-side figures left out; refusals counted by HTTP status."""
     fake = FakeOpenAI()
     try:
-        r = run_json(tmp_path, "--target", f"http://127.0.0.1:{fake.port}", "--num-requests", "8",
-                     "--concurrency", "4", "--input-len", "10", "--output-len", str(TOKENS))
+        r = run_json(
+            tmp_path,
+            "--target",
+            f"http://127.0.0.1:{fake.port}",
+            "--num-requests",
+            "8",
+            "--concurrency",
+            "4",
+            "--input-len",
+            "10",
+            "--output-len",
+            str(TOKENS),
+        )
         e2el = FIRST_S + (TOKENS - 1) * EVERY_S
         assert (r["completed"], r["failed"]) == (8, 0) and r["target_model"] == "fake-http"
-        for key, want in (("ttft_ms", FIRST_S), ("tpot_ms", EVERY_S), ("itl_ms", EVERY_S), ("e2el_ms", e2el)):
+        for key, want in (
+            ("ttft_ms", FIRST_S),
+            ("tpot_ms", EVERY_S),
+            ("itl_ms", EVERY_S),
+            ("e2el_ms", e2el),
+        ):
             assert want * 1000 * 0.97 <= r[key]["p50"] <= want * 1000 * SLACK, (key, r[key])
         assert r["total_output_tokens"] == 8 * TOKENS and r["total_input_tokens"] == 8 * 10
         assert "cache" not in r and r["leaked_blocks"] is None
         sent = fake.bodies[-1]
         assert sent["model"] == "fake-http" and sent["stream"] and len(sent["prompt"]) == 10
         assert all(isinstance(t, int) and t < 32000 for t in sent["prompt"])
-        r = run_json(tmp_path, "--target", f"http://127.0.0.1:{fake.port}", "--num-requests", "3",
-                     "--concurrency", "3", "--input-len", "10", "--output-len", "5000")
+        r = run_json(
+            tmp_path,
+            "--target",
+            f"http://127.0.0.1:{fake.port}",
+            "--num-requests",
+            "3",
+            "--concurrency",
+            "3",
+            "--input-len",
+            "10",
+            "--output-len",
+            "5000",
+        )
         assert (r["completed"], r["failed"], r["errors"]) == (0, 3, {"HTTP_400": 3})
     finally:
         fake.close()

@@ -63,16 +63,22 @@ def test_n_samples_share_prompt_blocks_and_copy_the_partial_block():
     drain(sched, worker)
     outputs = [s.output_token_ids for s in req.seqs]
     assert outputs == [expected_output(prompt, 6, seed=50 + i) for i in range(4)]
-    assert len({tuple(o) for o in outputs}) == 4  # the samples diverged, and none saw another's tokens
+    assert (
+        len({tuple(o) for o in outputs}) == 4
+    )  # the samples diverged, and none saw another's tokens
     assert sched.allocator.num_available_blocks == 64
 
 
 def test_n_samples_use_fewer_blocks_than_separate_requests():
     prompt = list(range(400, 441))  # 41 tokens: 10 full blocks
     used = {}
-    for label, reqs in (("n=4", [Request("n", prompt, SamplingOptions(max_tokens=20, n=4))]),
-                        ("4 requests",
-                         [Request(f"s{i}", prompt, SamplingOptions(max_tokens=20)) for i in range(4)])):
+    for label, reqs in (
+        ("n=4", [Request("n", prompt, SamplingOptions(max_tokens=20, n=4))]),
+        (
+            "4 requests",
+            [Request(f"s{i}", prompt, SamplingOptions(max_tokens=20)) for i in range(4)],
+        ),
+    ):
         sched, worker = make(256, caching=False)
         for r in reqs:
             sched.add_request(r)
@@ -95,8 +101,13 @@ def test_evicted_blocks_are_never_read_in_a_long_run_with_a_tiny_pool():
         if i >= 10 and i % 4 == 0:  # asked before
             prompt = list(live[rng.randrange(i // 2)].prompt_token_ids)
         n = rng.choice([1, 1, 2])
-        req = Request(f"r{i}", prompt, SamplingOptions(max_tokens=rng.randint(1, 12), n=n,
-                                                       temperature=1.0 if n > 1 else 0.0, seed=i))
+        req = Request(
+            f"r{i}",
+            prompt,
+            SamplingOptions(
+                max_tokens=rng.randint(1, 12), n=n, temperature=1.0 if n > 1 else 0.0, seed=i
+            ),
+        )
         sched.add_request(req)
         live.append(req)
         for _ in range(rng.randint(0, 4)):
@@ -105,7 +116,11 @@ def test_evicted_blocks_are_never_read_in_a_long_run_with_a_tiny_pool():
     while sched.has_work:
         out = step(sched, worker)
         assert not out.is_empty, "work left but nothing scheduled"
-    assert sched.allocator.num_evictions > 0 and sched.prefix_cache_hits > 0 and sched.num_preemptions > 0
+    assert (
+        sched.allocator.num_evictions > 0
+        and sched.prefix_cache_hits > 0
+        and sched.num_preemptions > 0
+    )
     assert worker.num_drafted > worker.num_accepted > 0  # drafts stood and drafts were rejected
     for req in live:
         for s in req.seqs:
@@ -128,28 +143,51 @@ class SchedulerMachine(RuleBasedStateMachine):
     its own produced exactly the simulated model's output up to its stop, an aborted one a prefix of it,
     and none a token after its stop; nothing leaks."""
 
-    @initialize(num_blocks=st.integers(24, 60), block_size=st.sampled_from([2, 4, 8]),
-                budget=st.integers(16, 64), caching=st.booleans(), chunked=st.booleans(),
-                overlap=st.booleans(), window=st.sampled_from([0, 0, 3, 7, 12]),
-                speculative=st.sampled_from(["off", "auto", "ngram"]))
+    @initialize(
+        num_blocks=st.integers(24, 60),
+        block_size=st.sampled_from([2, 4, 8]),
+        budget=st.integers(16, 64),
+        caching=st.booleans(),
+        chunked=st.booleans(),
+        overlap=st.booleans(),
+        window=st.sampled_from([0, 0, 3, 7, 12]),
+        speculative=st.sampled_from(["off", "auto", "ngram"]),
+    )
     def setup(self, num_blocks, block_size, budget, caching, chunked, overlap, window, speculative):
         self.max_len = num_blocks * block_size // 3  # every request fits the pool on its own
         # without chunked prefill the budget holds the longest sequence (a preempted one is recomputed whole):
         # a prompt of at most max_len // 2 tokens and 10 more
         budget = budget if chunked else max(budget, self.max_len // 2 + 10)
-        self.window = window  # > 0: a sliding-window model, whose blocks behind every window are given back
+        self.window = (
+            window  # > 0: a sliding-window model, whose blocks behind every window are given back
+        )
         # speculative: drafts (from the shared prefixes' earlier answers, mostly) accepted and rejected, their
         # slots and blocks given back
-        self.sched, self.worker = make(num_blocks, block_size, budget, caching, chunked, max_seqs=8,
-                                       window=window, speculative=speculative)
+        self.sched, self.worker = make(
+            num_blocks,
+            block_size,
+            budget,
+            caching,
+            chunked,
+            max_seqs=8,
+            window=window,
+            speculative=speculative,
+        )
         self.pipe = Pipeline(self.sched, self.worker, overlap)
-        self.prefixes = [[(i * 37 + j * 11) % 997 + 1 for j in range(3 * block_size + i)] for i in range(3)]
+        self.prefixes = [
+            [(i * 37 + j * 11) % 997 + 1 for j in range(3 * block_size + i)] for i in range(3)
+        ]
         self.requests = []
         self.ids = 0
 
-    @rule(prefix=st.integers(0, 2), extra=st.lists(st.integers(1, 999), max_size=6),
-          max_tokens=st.integers(1, 10), n=st.integers(1, 3), sampled=st.booleans(),
-          stops=st.lists(st.integers(0, 999), max_size=40))
+    @rule(
+        prefix=st.integers(0, 2),
+        extra=st.lists(st.integers(1, 999), max_size=6),
+        max_tokens=st.integers(1, 10),
+        n=st.integers(1, 3),
+        sampled=st.booleans(),
+        stops=st.lists(st.integers(0, 999), max_size=40),
+    )
     def arrive(self, prefix, extra, max_tokens, n, sampled, stops):
         prompt = (self.prefixes[prefix] + extra)[: self.max_len // 2]
         shared = len(prompt) // self.sched.block_size
@@ -157,8 +195,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         if shared + n * per_seq > self.sched.num_blocks:
             n = 1
         self.ids += 1
-        params = SamplingOptions(max_tokens=max_tokens, n=n, temperature=1.0 if sampled else 0.0,
-                                 seed=self.ids, stop_token_ids=tuple(stops))
+        params = SamplingOptions(
+            max_tokens=max_tokens,
+            n=n,
+            temperature=1.0 if sampled else 0.0,
+            seed=self.ids,
+            stop_token_ids=tuple(stops),
+        )
         req = Request(f"q{self.ids}", prompt, params)
         self.pipe.submit(req)
         self.requests.append(req)
@@ -200,8 +243,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                         suppress_health_check=[HealthCheck.too_slow])
+TestSchedulerMachine.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def test_a_sliding_window_gives_back_the_blocks_behind_it():
@@ -219,9 +266,11 @@ def test_a_sliding_window_gives_back_the_blocks_behind_it():
         if not seq.is_finished:
             held = max(held, sum(1 for b in seq.block_ids if b >= 0))
             dropped = max(dropped, seq.num_dropped_blocks)
-            assert seq.block_ids[:seq.num_dropped_blocks] == [-1] * seq.num_dropped_blocks
+            assert seq.block_ids[: seq.num_dropped_blocks] == [-1] * seq.num_dropped_blocks
     assert req.seqs[0].output_token_ids == expected_output(prompt, 50, window=8)
-    assert expected_output(prompt, 50, window=8) != expected_output(prompt, 50)  # the window mattered
+    assert expected_output(prompt, 50, window=8) != expected_output(
+        prompt, 50
+    )  # the window mattered
     assert held <= (8 + 8) // 4 + 2 and dropped >= 15
     assert sched.allocator.num_available_blocks == 10 and sched.allocator.num_cached_blocks > 0
 
@@ -245,8 +294,12 @@ def test_penalized_samples_keep_every_block_and_forks_share_the_window():
     """Penalties read a sequence's whole context through its table: nothing is given back for them. n
     samples fork from the prompt's blocks with the leader's given-back ones already gone."""
     sched, worker = make(64, block_size=4, budget=16, max_seqs=8, window=5)
-    penalized = Request("p", list(range(600, 630)), SamplingOptions(max_tokens=12, repetition_penalty=1.2))
-    forked = Request("n", list(range(700, 731)), SamplingOptions(max_tokens=12, n=3, temperature=1.0, seed=4))
+    penalized = Request(
+        "p", list(range(600, 630)), SamplingOptions(max_tokens=12, repetition_penalty=1.2)
+    )
+    forked = Request(
+        "n", list(range(700, 731)), SamplingOptions(max_tokens=12, n=3, temperature=1.0, seed=4)
+    )
     for req in (penalized, forked):
         sched.add_request(req)
     while sched.has_work:

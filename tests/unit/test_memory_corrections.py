@@ -21,7 +21,9 @@ def test_eviction_takes_a_cached_chain_from_its_leaf_so_its_prefix_still_hits():
     sched.add_request(Request("a", prompt, SamplingOptions(max_tokens=1)))
     drain(sched, worker)
     assert sched.allocator.num_cached_blocks == 3
-    sched.add_request(Request("b", [7, 7, 7, 7, 7], SamplingOptions(max_tokens=1)))  # evicts one cached block
+    sched.add_request(
+        Request("b", [7, 7, 7, 7, 7], SamplingOptions(max_tokens=1))
+    )  # evicts one cached block
     drain(sched, worker)
     again = Request("c", prompt, SamplingOptions(max_tokens=1))
     sched.add_request(again)
@@ -35,9 +37,10 @@ def limits(num_blocks):
 
 
 def n_request(prompt_len, max_tokens, n):
-    return generation_pb2.GenerateRequest(prompt_token_ids=list(range(10, 10 + prompt_len)),
-                                          sampling=generation_pb2.SamplingParams(
-                                              max_tokens=max_tokens, n=n, temperature=1.0, seed=3))
+    return generation_pb2.GenerateRequest(
+        prompt_token_ids=list(range(10, 10 + prompt_len)),
+        sampling=generation_pb2.SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0, seed=3),
+    )
 
 
 def test_samples_of_a_prompt_on_a_block_boundary_count_their_copied_block():
@@ -57,11 +60,13 @@ def test_a_sliding_window_model_takes_requests_longer_than_its_pool():
     """Every layer sliding over 12 keys, a step of 16 tokens: a sample holds at most (12 + 16) / 4 + 2 = 9
     blocks, so 600 tokens pass a 10-block pool, two samples do not; a penalized request keeps every block
     and must fit whole. The scheduler then runs it to the windowed model's output without preemption."""
-    windowed = Limits(vocab_size=1000, max_context=4096, num_blocks=10, block_size=4, kv_window=12,
-                      step_tokens=16)
-    long = generation_pb2.GenerateRequest(prompt_token_ids=list(range(10, 310)),
-                                          sampling=generation_pb2.SamplingParams(
-                                              max_tokens=300, ignore_eos=True))
+    windowed = Limits(
+        vocab_size=1000, max_context=4096, num_blocks=10, block_size=4, kv_window=12, step_tokens=16
+    )
+    long = generation_pb2.GenerateRequest(
+        prompt_token_ids=list(range(10, 310)),
+        sampling=generation_pb2.SamplingParams(max_tokens=300, ignore_eos=True),
+    )
     req = request_from_proto(long, None, windowed)
     with pytest.raises(InvalidRequest, match="needs up to 18 KV blocks"):
         request_from_proto(n_request(300, 300, 2), None, windowed)
@@ -77,7 +82,9 @@ def test_a_sliding_window_model_takes_requests_longer_than_its_pool():
 
 def test_forks_respect_max_num_seqs():
     sched, worker = make(64, max_seqs=2)
-    req = Request("n", list(range(50, 63)), SamplingOptions(max_tokens=5, n=4, temperature=1.0, seed=9))
+    req = Request(
+        "n", list(range(50, 63)), SamplingOptions(max_tokens=5, n=4, temperature=1.0, seed=9)
+    )
     sched.add_request(req)
     for _ in range(200):
         if not sched.has_work:
@@ -138,7 +145,8 @@ def test_a_failed_step_fails_the_request_it_held_not_a_new_one_with_the_same_id(
         assert not new_next.done(), "the new request was failed for the old one's step"
         assert engine.streams["same-id"].request is new
         new_next.cancel()
-        with pytest.raises(StepFailed):  # while the request that was in the step does get the failure
+        # while the request that was in the step does get the failure
+        with pytest.raises(StepFailed):
             req = Request("other", [1, 2], SamplingOptions(max_tokens=2))
             task = await first_item(engine.generate(req))
             out = replica._sched.schedule()
@@ -153,7 +161,9 @@ def test_a_request_that_can_never_be_scheduled_gets_an_error_not_a_retry_forever
 
     async def run():
         engine, replica = hand_engine(tiny_model_dir, num_blocks=2)  # 8 tokens of pool
-        req = Request("too-big", list(range(5, 25)), SamplingOptions(max_tokens=2))  # bypasses validation
+        req = Request(
+            "too-big", list(range(5, 25)), SamplingOptions(max_tokens=2)
+        )  # bypasses validation
         task = await first_item(engine.generate(req))
         loop = asyncio.ensure_future(replica._steps())
         with pytest.raises(Unschedulable, match="cannot be scheduled"):

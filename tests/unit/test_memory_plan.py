@@ -7,7 +7,13 @@ import json
 import pytest
 
 from worker.model.config import parameter_count
-from worker.serve.memory_plan import DENSE_COPY_LIMIT, MARGIN, GiB, check_fits, choose_quantized_prefill
+from worker.serve.memory_plan import (
+    DENSE_COPY_LIMIT,
+    MARGIN,
+    GiB,
+    check_fits,
+    choose_quantized_prefill,
+)
 
 
 def test_the_parameter_count_is_the_models_own(tiny_model_dir):
@@ -28,7 +34,9 @@ def test_prefill_keeps_a_dense_copy_only_for_a_small_model_and_where_it_fits():
     assert chosen == "dense" and "available" in why
     chosen, why = choose_quantized_prefill("auto", dense, kv, dense + kv + MARGIN - 1)
     assert chosen == "dequantize" and "cannot hold" in why and "1.0 GiB" in why
-    assert choose_quantized_prefill("auto", dense, kv, None)[0] == "dense"  # the system does not say
+    assert (
+        choose_quantized_prefill("auto", dense, kv, None)[0] == "dense"
+    )  # the system does not say
     # a 1B model's copy (5 GiB) is never taken by default, however much the machine has: the server holds
     # its file and its pool, as llama.cpp does
     chosen, why = choose_quantized_prefill("auto", 5 * GiB, kv, 100 * GiB)
@@ -40,8 +48,9 @@ def test_a_bf16_copy_takes_half_the_bytes_and_the_same_limits():
     """Where the CPU multiplies bf16 in tiles the copy is bf16: a model twice the fp32 limit's size still gets
     one, and a copy that cannot fit even at half the bytes is not taken; an explicit choice stays."""
     kv = 2 * GiB
-    chosen, why = choose_quantized_prefill("auto", 2 * DENSE_COPY_LIMIT, kv, DENSE_COPY_LIMIT + kv + MARGIN,
-                                           bf16=True)
+    chosen, why = choose_quantized_prefill(
+        "auto", 2 * DENSE_COPY_LIMIT, kv, DENSE_COPY_LIMIT + kv + MARGIN, bf16=True
+    )
     assert chosen == "bf16" and "AMX" in why
     assert choose_quantized_prefill("auto", 2 * DENSE_COPY_LIMIT, kv, 100 * GiB)[0] == "dequantize"
     chosen, why = choose_quantized_prefill("auto", 5 * GiB, kv, 100 * GiB, bf16=True)
@@ -73,13 +82,16 @@ def test_preparing_a_gguf_too_large_for_the_machine_is_refused_before_it_starts(
 
 
 @pytest.mark.slow
-def test_a_kv_pool_larger_than_the_machine_is_refused_with_the_bytes_it_needs(tmp_path, tiny_model_dir):
+def test_a_kv_pool_larger_than_the_machine_is_refused_with_the_bytes_it_needs(
+    tmp_path, tiny_model_dir
+):
     """Asking for more KV pool than the machine has available: the worker says so and exits 2, instead of
     allocating until the OOM killer ends it."""
     from tests.support.server import ServerProcess
 
-    server = ServerProcess(tiny_model_dir, tmp_path / "log", "--kv-cache-memory", "100000GiB", "--threads",
-                           "1")
+    server = ServerProcess(
+        tiny_model_dir, tmp_path / "log", "--kv-cache-memory", "100000GiB", "--threads", "1"
+    )
     with pytest.raises(RuntimeError, match="exited"):
         server.start(timeout=120)
     server.stop()
@@ -97,8 +109,11 @@ def test_the_worker_reports_what_it_holds(server_factory, tiny_model_dir):
     from worker.weights.loader import load_config
 
     server = server_factory(tiny_model_dir, "--kv-cache-memory", "64MiB")
-    memory = [json.loads(line) for line in server.log_path.read_text().splitlines()
-              if '"host_memory"' in line]
+    memory = [
+        json.loads(line)
+        for line in server.log_path.read_text().splitlines()
+        if '"host_memory"' in line
+    ]
     assert len(memory) == 1
     m = memory[0]
     config = load_config(str(tiny_model_dir), "auto")

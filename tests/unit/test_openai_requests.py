@@ -6,7 +6,11 @@ import json
 import pytest
 
 from scheduler_service.api.openai_requests import chat_request, completion_requests, embed_inputs
-from scheduler_service.api.openai_schema import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from scheduler_service.api.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
 from scheduler_service.api.validation import InvalidRequest
 from scheduler_service.core.config import ModelSpec
 from tests.support.tiny import make_tiny_llama
@@ -16,13 +20,19 @@ TOOL = {
     "type": "function",
     "function": {
         "name": "f",
-        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"x": {"type": "integer"}},
+            "required": ["x"],
+        },
     },
 }
 
 
 def chat(**body):
-    return chat_request(ChatCompletionRequest.model_validate({"messages": HI, **body}), DEFAULTS, True)
+    return chat_request(
+        ChatCompletionRequest.model_validate({"messages": HI, **body}), DEFAULTS, True
+    )
 
 
 DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
@@ -40,8 +50,16 @@ def test_what_a_request_leaves_out_comes_from_the_models_generation_config(tmp_p
     assert round(s.repetition_penalty, 4) == 1.1 and not s.HasField("max_tokens")
     msg, _ = chat(temperature=0, top_p=1.0, top_k=0, repetition_penalty=1.0, max_tokens=5)
     s = msg.sampling
-    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.max_tokens) == (0, 1.0, 0, 1.0, 5)
-    bare = chat_request(ChatCompletionRequest.model_validate({"messages": HI}), {}, False)[0].sampling
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.max_tokens) == (
+        0,
+        1.0,
+        0,
+        1.0,
+        5,
+    )
+    bare = chat_request(ChatCompletionRequest.model_validate({"messages": HI}), {}, False)[
+        0
+    ].sampling
     assert bare.temperature == 1.0 and not bare.HasField("top_p")  # OpenAI's own defaults
 
 
@@ -59,8 +77,18 @@ def test_structured_output_and_tool_choices_become_one_constraint():
     assert mode.kind == "auto" and mode.parse_auto
     assert chat(structured_outputs={"choice": ["yes", "no"]})[0].sampling.regex == "(yes|no)"
     for body, message in (
-        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not among"),
-        ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "not among",
+        ),
+        (
+            {
+                "tools": [TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "cannot",
+        ),
         ({"guided_regex": "a+", "guided_json": {"type": "object"}}, "at most one"),
         ({"logit_bias": {"x": 1}}, "token ids"),
         ({"max_tokens": 1, "max_completion_tokens": 2}, "not both"),
@@ -71,7 +99,9 @@ def test_structured_output_and_tool_choices_become_one_constraint():
 
 
 def test_a_completion_of_several_prompts_is_several_requests_and_embeddings_take_every_input_shape():
-    many = completion_requests(CompletionRequest.model_validate({"prompt": [[1, 2], [3]], "n": 2}), {})
+    many = completion_requests(
+        CompletionRequest.model_validate({"prompt": [[1, 2], [3]], "n": 2}), {}
+    )
     assert [list(m.prompt_token_ids) for m in many] == [[1, 2], [3]] and many[0].sampling.n == 2
     texts = completion_requests(CompletionRequest.model_validate({"prompt": ["a", "b"]}), {})
     assert [m.prompt for m in texts] == ["a", "b"] and all(m.raw_prompt for m in texts)
@@ -79,7 +109,13 @@ def test_a_completion_of_several_prompts_is_several_requests_and_embeddings_take
         completion_requests(CompletionRequest.model_validate({"prompt": "a", "suffix": "b"}), {})
     assert embed_inputs(EmbeddingRequest.model_validate({"input": "a"})).texts == ["a"]
     assert embed_inputs(EmbeddingRequest.model_validate({"input": [1, 2]})).token_ids == [[1, 2]]
-    assert embed_inputs(EmbeddingRequest.model_validate({"input": [[1], [2, 3]]})).token_ids == [[1], [2, 3]]
+    assert embed_inputs(EmbeddingRequest.model_validate({"input": [[1], [2, 3]]})).token_ids == [
+        [1],
+        [2, 3],
+    ]
     assert (
-        embed_inputs(EmbeddingRequest.model_validate({"input": ["a", "b"], "dimensions": 4})).dimensions == 4
+        embed_inputs(
+            EmbeddingRequest.model_validate({"input": ["a", "b"], "dimensions": 4})
+        ).dimensions
+        == 4
     )

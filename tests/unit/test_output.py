@@ -15,9 +15,12 @@ def tok(tiny_model_dir):
 
 def sample(prompt, **params):
     """A sample as the scheduler holds it: its stop ids are its own and (unless ignored) end-of-sequence 2."""
-    request = Request("r", prompt, SamplingOptions(max_tokens=params.pop("max_tokens", 100), **params))
+    request = Request(
+        "r", prompt, SamplingOptions(max_tokens=params.pop("max_tokens", 100), **params)
+    )
     request.stop_ids = frozenset(request.sampling.stop_token_ids) | (
-        frozenset() if request.sampling.ignore_eos else {2})
+        frozenset() if request.sampling.ignore_eos else {2}
+    )
     return Sequence(0, request, 0)
 
 
@@ -44,7 +47,11 @@ def run(tok, text_out, **params):
 
 
 def test_incremental_detokenizer_matches_full_decode(tok):
-    for text in ["the quick brown fox", "Paris is the capital of France.", "naïve café — ünïcode 日本 ✓"]:
+    for text in [
+        "the quick brown fox",
+        "Paris is the capital of France.",
+        "naïve café — ünïcode 日本 ✓",
+    ]:
         ids = tok.encode(text, add_special_tokens=False)
         detok = IncrementalDetokenizer(tok, tok.encode("context", add_special_tokens=False))
         pieces = [detok.add(i) for i in ids]
@@ -57,14 +64,16 @@ def test_byte_level_detokenizer_streams_any_token_sequence_as_its_decode(tok):
     full decode, but for an incomplete character at the very end, which is held back, not sent as U+FFFD."""
     import random
 
-    assert tok.token_bytes is not None  # the tiny tokenizer is byte-level BPE, like the default model's
+    assert (
+        tok.token_bytes is not None
+    )  # the tiny tokenizer is byte-level BPE, like the default model's
     rng = random.Random(0)
     for _ in range(100):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
         detok = IncrementalDetokenizer(tok, [])
         streamed = "".join(detok.add(i) for i in ids)
         full = tok.decode(ids)
-        assert full.startswith(streamed) and set(full[len(streamed):]) <= {"\ufffd"}
+        assert full.startswith(streamed) and set(full[len(streamed) :]) <= {"\ufffd"}
     detok = IncrementalDetokenizer(tok, [])
     euro = "€".encode()  # three bytes, three byte tokens: nothing until the last
     pieces = [detok.add(tok.hf.token_to_id(tok_str)) for tok_str in _byte_tokens(euro)]
@@ -88,8 +97,10 @@ def test_other_decoders_stream_through_decode_stream(tmp_path):
     hf = HF(models.BPE(unk_token="<unk>"))
     hf.pre_tokenizer = pre_tokenizers.Metaspace()
     hf.decoder = decoders.Metaspace()
-    hf.train_from_iterator(["the quick brown fox jumps over the lazy dog " * 20],
-                           trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"], show_progress=False))
+    hf.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog " * 20],
+        trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"], show_progress=False),
+    )
     hf.save(str(tmp_path / "tokenizer.json"))
     sp = Tokenizer(tmp_path)
     assert sp.token_bytes is None
@@ -139,7 +150,11 @@ def test_max_tokens_is_length(tok):
 
 def test_stop_reason_names_the_stop_string_or_token_that_ended_the_sample(tok):
     deltas, reason, out = run(tok, "the quick brown fox jumps over", stop=("fox", "brown"))
-    assert reason is FinishReason.STOP and deltas[-1].stop_reason == "brown" and out.text == "the quick "
+    assert (
+        reason is FinishReason.STOP
+        and deltas[-1].stop_reason == "brown"
+        and out.text == "the quick "
+    )
     ids = tok.encode(" fox jumps", add_special_tokens=False)
     deltas, _, _ = run(tok, "the quick brown fox jumps", stop_token_ids=(ids[0],))
     assert deltas[-1].stop_reason == ids[0]
@@ -151,19 +166,27 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_sample(tok):
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string(tok):
-    deltas, reason, out = run(tok, "paged attention stores keys", stop=("on sto",),
-                              include_stop_str_in_output=True)
+    deltas, reason, out = run(
+        tok, "paged attention stores keys", stop=("on sto",), include_stop_str_in_output=True
+    )
     assert reason is FinishReason.STOP and out.text == "paged attention sto"
     assert "".join(d.text for d in deltas) == "paged attention sto"
 
 
 def test_special_tokens_are_in_the_text_only_when_asked(tok):
     eos = tok.hf.token_to_id("</s>")
-    ids = tok.encode("the fox", add_special_tokens=False) + [eos] + tok.encode(
-        " dog", add_special_tokens=False)
+    ids = (
+        tok.encode("the fox", add_special_tokens=False)
+        + [eos]
+        + tok.encode(" dog", add_special_tokens=False)
+    )
     for skip, expected in ((True, "the fox dog"), (False, "the fox</s> dog")):
         detok = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
-        assert "".join(detok.add(i) for i in ids) == expected == tok.decode(ids, skip_special_tokens=skip)
+        assert (
+            "".join(detok.add(i) for i in ids)
+            == expected
+            == tok.decode(ids, skip_special_tokens=skip)
+        )
 
 
 def test_chat_template_renders_messages_tools_and_continuation(tmp_path):
@@ -178,20 +201,34 @@ def test_chat_template_renders_messages_tools_and_continuation(tmp_path):
         "{% if tools %}<s>tools: {{ tools | map(attribute='function') | map(attribute='name') | join(',') "
         "}}</s>{% endif %}{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}{% if m.tool_calls "
         "%}{{ m.tool_calls[0].function.arguments | tojson }}{% endif %}</s>{% endfor %}{% if "
-        "add_generation_prompt %}<s>assistant:{% endif %}{% if greeting %}{{ greeting }}{% endif %}")
+        "add_generation_prompt %}<s>assistant:{% endif %}{% if greeting %}{{ greeting }}{% endif %}"
+    )
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     t = Tokenizer(folder)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert t.apply_chat_template(messages) == "<s>system: be brief</s><s>user: hi</s><s>assistant:"
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    ]
     assert t.apply_chat_template(messages, tools=tools, add_generation_prompt=False).startswith(
-        "<s>tools: get_weather</s>")
-    calls = [{"id": "c1", "type": "function",
-              "function": {"name": "f", "arguments": {"city": "Zürich", "a": 1}}}]
+        "<s>tools: get_weather</s>"
+    )
+    calls = [
+        {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "f", "arguments": {"city": "Zürich", "a": 1}},
+        }
+    ]
     text = t.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": calls}], False)
-    assert '{"city": "Zürich", "a": 1}' in text  # transformers' tojson: key order and non-ASCII kept
-    cont = t.apply_chat_template([*messages, {"role": "assistant", "content": "The answer is"}],
-                                 add_generation_prompt=False, continue_final_message=True)
+    assert (
+        '{"city": "Zürich", "a": 1}' in text
+    )  # transformers' tojson: key order and non-ASCII kept
+    cont = t.apply_chat_template(
+        [*messages, {"role": "assistant", "content": "The answer is"}],
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
     assert cont.endswith("<s>assistant: The answer is")
     assert t.apply_chat_template(messages, template_kwargs={"greeting": "hey"}).endswith("hey")
     with pytest.raises(ValueError, match="exclude"):

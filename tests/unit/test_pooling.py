@@ -9,31 +9,57 @@ import pytest
 from scheduler_service.core.pooling import PoolingConfigError, PoolingSpec, embedding_vector
 
 
-def st_folder(folder, mode="pooling_mode_lasttoken", normalize=True, prompts=None, default=None, extra=()):
+def st_folder(
+    folder, mode="pooling_mode_lasttoken", normalize=True, prompts=None, default=None, extra=()
+):
     """A folder with sentence-transformers' files as Qwen3-Embedding ships them."""
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
+        modules.append(
+            {
+                "idx": 2,
+                "name": "2",
+                "path": "2_Normalize",
+                "type": "sentence_transformers.models.Normalize",
+            }
+        )
     modules += [{"idx": 3 + i, "name": t, "path": t, "type": t} for i, t in enumerate(extra)]
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "1_Pooling").mkdir(exist_ok=True)
     pool = {"word_embedding_dimension": 64, "include_prompt": True}
-    for key in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
-                "lasttoken"):
+    for key in (
+        "cls_token",
+        "mean_tokens",
+        "max_tokens",
+        "mean_sqrt_len_tokens",
+        "weightedmean_tokens",
+        "lasttoken",
+    ):
         pool[f"pooling_mode_{key}"] = False
     pool[mode] = True
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(pool))
     if prompts is not None:
-        (folder / "config_sentence_transformers.json").write_text(json.dumps(
-            {"prompts": prompts, "default_prompt_name": default, "similarity_fn_name": "cosine"}))
+        (folder / "config_sentence_transformers.json").write_text(
+            json.dumps(
+                {"prompts": prompts, "default_prompt_name": default, "similarity_fn_name": "cosine"}
+            )
+        )
     return folder
 
 
 def test_a_sentence_transformers_folder_says_how_it_pools(tmp_path):
     assert PoolingSpec.from_folder(tmp_path) is None  # a generative model's folder
-    spec = PoolingSpec.from_folder(st_folder(tmp_path, prompts={"query": "Instruct: find it\nQuery:"}))
+    spec = PoolingSpec.from_folder(
+        st_folder(tmp_path, prompts={"query": "Instruct: find it\nQuery:"})
+    )
     assert (spec.pooling, spec.normalize, spec.dimension) == ("last", True, 64)
     assert spec.prompts == {"query": "Instruct: find it\nQuery:"} and spec.default_prompt is None
     assert spec.prefix_cacheable
@@ -42,11 +68,14 @@ def test_a_sentence_transformers_folder_says_how_it_pools(tmp_path):
     assert PoolingSpec.from_folder(st_folder(tmp_path, "pooling_mode_cls_token")).pooling == "cls"
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(mode="pooling_mode_max_tokens"), "pooling_mode_max_tokens"),
-    (dict(extra=("sentence_transformers.models.Dense",)), "Dense"),
-    (dict(prompts={"query": "q: "}, default="passage"), "default_prompt_name 'passage'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(mode="pooling_mode_max_tokens"), "pooling_mode_max_tokens"),
+        (dict(extra=("sentence_transformers.models.Dense",)), "Dense"),
+        (dict(prompts={"query": "q: "}, default="passage"), "default_prompt_name 'passage'"),
+    ],
+)
 def test_what_cannot_be_served_is_refused_by_name(tmp_path, kwargs, message):
     with pytest.raises(PoolingConfigError, match=message):
         PoolingSpec.from_folder(st_folder(tmp_path, **kwargs))
@@ -58,9 +87,13 @@ def test_a_vector_is_finished_as_a_mean_truncated_and_made_unit_length():
     pooled = np.array([3.0, 4.0, 12.0, 0.0], dtype=np.float32)
     last = PoolingSpec(pooling="last")
     np.testing.assert_allclose(embedding_vector(pooled, 5, last, None), pooled / 13)
-    np.testing.assert_allclose(embedding_vector(pooled, 5, last, 2), [0.6, 0.8])  # renormalized after cutting
+    np.testing.assert_allclose(
+        embedding_vector(pooled, 5, last, 2), [0.6, 0.8]
+    )  # renormalized after cutting
     mean = PoolingSpec(pooling="mean", normalize=False)
-    np.testing.assert_allclose(embedding_vector(pooled, 4, mean, None), pooled / 4)  # a sum over 4 tokens
+    np.testing.assert_allclose(
+        embedding_vector(pooled, 4, mean, None), pooled / 4
+    )  # a sum over 4 tokens
     assert embedding_vector(np.zeros(3, np.float32), 1, last, None).tolist() == [0.0, 0.0, 0.0]
 
 
@@ -72,7 +105,9 @@ def test_the_task_follows_the_folder_and_a_headless_checkpoint_only_embeds(tmp_p
     spec = ModelSpec.from_folder(headless)
     assert (spec.task, spec.pooling.pooling, spec.pooling.normalize) == ("embed", "mean", True)
     assert spec.hidden_size == 64
-    assert ModelSpec.from_folder(headless, pooling="last").pooling.pooling == "last"  # --pooling overrides
+    assert (
+        ModelSpec.from_folder(headless, pooling="last").pooling.pooling == "last"
+    )  # --pooling overrides
     for task in ("generate", "both"):
         with pytest.raises(PoolingConfigError, match="no language-model head"):
             ModelSpec.from_folder(headless, task=task)

@@ -34,7 +34,10 @@ def test_same_seed_and_index_give_the_same_token_different_index_varies():
 def test_rows_do_not_share_random_streams():
     logits = torch.zeros(3, 1000)
     together = sample(logits, batch(3, seeds=[1, 2, 3], index=[5, 5, 5])).tolist()
-    alone = [int(sample(logits[i:i + 1], batch(1, seeds=[s], index=[5]))) for i, s in enumerate([1, 2, 3])]
+    alone = [
+        int(sample(logits[i : i + 1], batch(1, seeds=[s], index=[5])))
+        for i, s in enumerate([1, 2, 3])
+    ]
     assert together == alone  # a row's draw does not depend on what else is in the batch
 
 
@@ -149,7 +152,9 @@ def test_sampler_takes_host_parameters_for_device_logits():
     b.temperature[::2] = 0.0  # mixed greedy and sampled rows
     on_gpu = sample(logits.cuda(), b)
     assert on_gpu.device.type == "cuda"
-    assert on_gpu.cpu().tolist() == sample(logits, b).tolist()  # counter-based: the same draws on both
+    assert (
+        on_gpu.cpu().tolist() == sample(logits, b).tolist()
+    )  # counter-based: the same draws on both
 
 
 def test_top_k_keeps_ties_with_the_kth_token_whatever_else_is_in_the_batch():
@@ -237,4 +242,9 @@ def test_an_all_greedy_batch_takes_the_first_maximum_as_a_mixed_batch_does(nativ
     assert greedy[:4] == mixed[:4] and greedy[:3] == [5, -1, 11]
     assert greedy[3] == int(logits[3, 1:].argmax()) + 1
     no_nan = logits[[0, 1, 2, 4]]
-    assert sample_async(no_nan, batch(4, temperature=0.0)).tolist() == [5, -1, 11, int(no_nan[3].argmax())]
+    assert sample_async(no_nan, batch(4, temperature=0.0)).tolist() == [
+        5,
+        -1,
+        11,
+        int(no_nan[3].argmax()),
+    ]

@@ -44,8 +44,13 @@ def make_requests(n, seed, prompt_range=(3, 40), out_range=(1, 30)):
 @pytest.mark.parametrize("chunked", [True, False])
 def test_small_pool_waits_preempts_and_finishes_everything(chunked):
     block_size, num_blocks = 4, 24
-    config = SchedulerConfig(block_size=block_size, max_num_seqs=16, max_num_batched_tokens=64,
-                             enable_chunked_prefill=chunked, debug_invariants=True)
+    config = SchedulerConfig(
+        block_size=block_size,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=chunked,
+        debug_invariants=True,
+    )
     sched = Scheduler(config, num_blocks, max_model_len=512)
     worker = SimulatedWorker(num_blocks, block_size)
     reqs = make_requests(12, seed=1)
@@ -58,14 +63,17 @@ def test_small_pool_waits_preempts_and_finishes_everything(chunked):
     for r in reqs:
         seq = r.seqs[0]
         assert seq.finish_reason is FinishReason.LENGTH
-        assert seq.output_token_ids == expected_output(r.prompt_token_ids,
-                                                       r.sampling.max_tokens), r.request_id
+        assert seq.output_token_ids == expected_output(r.prompt_token_ids, r.sampling.max_tokens), (
+            r.request_id
+        )
     assert sched.allocator.num_available_blocks == num_blocks
     assert not sched.requests
 
 
 def test_chunked_prefill_splits_a_long_prompt_and_keeps_decodes_going():
-    config = SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=16, debug_invariants=True)
+    config = SchedulerConfig(
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=16, debug_invariants=True
+    )
     sched = Scheduler(config, 64, max_model_len=512)
     worker = SimulatedWorker(64, 4)
     short = Request("short", [5, 6, 7], SamplingOptions(max_tokens=20))
@@ -89,7 +97,9 @@ def test_chunked_prefill_splits_a_long_prompt_and_keeps_decodes_going():
 
 
 def test_abort_frees_blocks_at_once_waiting_or_running():
-    config = SchedulerConfig(block_size=4, max_num_seqs=1, max_num_batched_tokens=64, debug_invariants=True)
+    config = SchedulerConfig(
+        block_size=4, max_num_seqs=1, max_num_batched_tokens=64, debug_invariants=True
+    )
     sched = Scheduler(config, 16, max_model_len=512)
     a = Request("a", list(range(1, 10)), SamplingOptions(max_tokens=5))
     b = Request("b", list(range(1, 10)), SamplingOptions(max_tokens=5))
@@ -131,8 +141,15 @@ def test_the_overlap_benchmarks_simulated_worker_serves_the_real_engine(tiny_mod
 
     from deploy.bench.overlap import measure_overlap
 
-    args = argparse.Namespace(model=str(tiny_model_dir), seqs=4, context=20, steps=0, step_ms=2.0,
-                              block_size=16, window=0.3)
+    args = argparse.Namespace(
+        model=str(tiny_model_dir),
+        seqs=4,
+        context=20,
+        steps=0,
+        step_ms=2.0,
+        block_size=16,
+        window=0.3,
+    )
     for overlap in (False, True):
         per = asyncio.run(measure_overlap(args, overlap))
         assert per["period"] > 0 and per["worker_forward"] > 0

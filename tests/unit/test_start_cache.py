@@ -9,7 +9,12 @@ from worker.serve.start_cache import StartCache, cpu_identity, file_identity, we
 
 
 def parts(model: Path, **changed) -> dict:
-    return {"cpu": cpu_identity(), "files": file_identity(weight_files(str(model))), "tp": 1, **changed}
+    return {
+        "cpu": cpu_identity(),
+        "files": file_identity(weight_files(str(model))),
+        "tp": 1,
+        **changed,
+    }
 
 
 def test_a_choice_is_found_again_until_what_it_depends_on_changes(tmp_path):
@@ -26,7 +31,9 @@ def test_a_choice_is_found_again_until_what_it_depends_on_changes(tmp_path):
     assert StartCache(parts(model, tp=2), cache).get("matmul") is None
     assert StartCache(parts(model, cpu="another CPU"), cache).get("matmul") is None
     st = (model / "model.safetensors").stat()
-    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file rewritten
+    os.utime(
+        model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9)
+    )  # the file rewritten
     assert StartCache(parts(model), cache).get("matmul") is None
 
 

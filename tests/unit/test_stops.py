@@ -15,13 +15,20 @@ def test_max_tokens_ends_the_sequence_in_the_update_that_brings_its_last_token()
     sched.add_request(req)
     drain(sched, worker)
     seq = req.seqs[0]
-    assert seq.finish_reason is FinishReason.LENGTH and seq.output_token_ids == expected_output(PROMPT, 5)
+    assert seq.finish_reason is FinishReason.LENGTH and seq.output_token_ids == expected_output(
+        PROMPT, 5
+    )
     assert not sched.requests and sched.allocator.num_available_blocks == 32
 
 
 def test_the_context_ends_a_sequence_before_max_tokens():
-    config = SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=32, debug_invariants=True,
-                             speculative="off")
+    config = SchedulerConfig(
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        debug_invariants=True,
+        speculative="off",
+    )
     sched, worker = Scheduler(config, 16, max_model_len=20), SimulatedWorker(16, 4)
     req = Request("r", PROMPT, SamplingOptions(max_tokens=100))
     sched.add_request(req)
@@ -34,11 +41,18 @@ def test_end_of_sequence_stops_unless_ignored_and_no_stop_counts_before_min_toke
     out = expected_output(PROMPT, 12)
     eos = out[2]
     assert eos not in out[:2]
-    for params, want, reason in ((SamplingOptions(max_tokens=12), 3, FinishReason.STOP),
-                                 (SamplingOptions(max_tokens=12, ignore_eos=True), 12, FinishReason.LENGTH),
-                                 (SamplingOptions(max_tokens=12, min_tokens=5), 12, FinishReason.LENGTH)):
-        config = SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
-                                 debug_invariants=True, speculative="off")
+    for params, want, reason in (
+        (SamplingOptions(max_tokens=12), 3, FinishReason.STOP),
+        (SamplingOptions(max_tokens=12, ignore_eos=True), 12, FinishReason.LENGTH),
+        (SamplingOptions(max_tokens=12, min_tokens=5), 12, FinishReason.LENGTH),
+    ):
+        config = SchedulerConfig(
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            debug_invariants=True,
+            speculative="off",
+        )
         sched, worker = Scheduler(config, 32, 4096, eos_token_ids=(eos,)), SimulatedWorker(32, 4)
         req = Request("r", PROMPT, params)
         sched.add_request(req)
@@ -62,7 +76,9 @@ def test_a_stop_id_inside_an_accepted_draft_ends_the_sample_there_and_drops_the_
     while sched.has_work:
         outs.append(step(sched, worker))
     drafted = [s for out in outs for s in out.scheduled if s.draft]
-    assert drafted and len(drafted[0].draft) > 3 and worker.num_accepted > 3  # the stop came inside a draft
+    assert (
+        drafted and len(drafted[0].draft) > 3 and worker.num_accepted > 3
+    )  # the stop came inside a draft
     seq = second.seqs[0]
     assert seq.output_token_ids == answer[:4] and seq.finish_reason is FinishReason.STOP
     assert sched.allocator.num_available_blocks == 64

@@ -274,7 +274,9 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self) -> None:
-        from kernels import triton_attention  # imported only when chosen: triton is a GPU dependency
+        from kernels import (
+            triton_attention,  # imported only when chosen: triton is a GPU dependency
+        )
 
         self._kernels = triton_attention
 

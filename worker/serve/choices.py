@@ -14,7 +14,7 @@ CPU_KV_CACHE_MEMORY = "2GiB"  # the whole pool's on a CPU: its tensor-parallel r
 def cpu_default_kv_bytes(tp: int) -> int:
     """One rank's share of the CPU's default pool: every rank holds its heads' share of each block, so the
     pool holds as many tokens at any --tp."""
-    from protos.argtypes import parse_bytes
+    from protos.base.argtypes import parse_bytes
 
     return parse_bytes(CPU_KV_CACHE_MEMORY) // max(tp, 1)
 
@@ -74,7 +74,7 @@ def kv_cache_dtype(choice: str, compute, weights, device):
 
 def kv_budget_bytes(cfg: WorkerConfig, config, dtype, heads: int) -> int:
     """The KV pool a CPU worker will take: --num-blocks, --kv-cache-memory, or the default budget."""
-    from protos.argtypes import parse_bytes
+    from protos.base.argtypes import parse_bytes
     from worker.model.kv_pool import bytes_per_block
 
     if cfg.num_blocks:

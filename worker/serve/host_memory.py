@@ -13,7 +13,7 @@ import glob
 import os
 import sys
 
-from protos import env
+from protos.base import env
 
 MODES = ("auto", "tcmalloc", "glibc", "default")
 _REEXEC_GUARD = "PAGEDSERVE_MALLOC_REEXEC"

@@ -16,8 +16,14 @@ log = structlog.get_logger("worker.serve.main")
 def tier_store(cfg: WorkerConfig, loaded, pool):
     """The KV tiers' bytes under the pool (--kv-offload-size, --kv-offload-dir), or a refusal that says why
     they cannot be."""
-    from protos.argtypes import parse_bytes
-    from worker.model.kv_tiers import BlockBytes, DiskTier, KvTierStore, layout_key, weights_identity
+    from protos.base.argtypes import parse_bytes
+    from worker.model.kv_tiers import (
+        BlockBytes,
+        DiskTier,
+        KvTierStore,
+        layout_key,
+        weights_identity,
+    )
 
     size = BlockBytes(pool).size
     host = parse_bytes(cfg.kv_offload_size) // size if cfg.kv_offload_size else 0

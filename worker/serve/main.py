@@ -12,9 +12,9 @@ import sys
 
 import structlog
 
-from protos import EXIT_CONFIG, env
-from protos.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range, memory_size
-from protos.logs import LOG_FORMATS, configure_logging
+from protos.base import EXIT_CONFIG, env
+from protos.base.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range, memory_size
+from protos.base.logs import LOG_FORMATS, configure_logging
 from worker.serve.choices import DTYPES, KV_CACHE_DTYPES
 from worker.serve.config import WorkerConfig
 from worker.serve.startup import (

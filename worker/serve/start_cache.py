@@ -14,7 +14,7 @@ from pathlib import Path
 
 import structlog
 
-from protos import env
+from protos.base import env
 
 log = structlog.get_logger("worker.serve.main")
 

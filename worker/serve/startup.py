@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from protos.argtypes import parse_bytes
+from protos.base.argtypes import parse_bytes
 from worker.serve.choices import (
     DTYPES,
     activations_of,

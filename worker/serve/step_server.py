@@ -11,7 +11,8 @@ import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from protos import EXIT_CONFIG, EXIT_FAILED, EXIT_RETRY, WIRE_VERSION, wire_pb2
+from protos import WIRE_VERSION, wire_pb2
+from protos.base import EXIT_CONFIG, EXIT_FAILED, EXIT_RETRY
 from protos.codec import decode_mask
 from protos.curve import client_keys
 from worker.step.runner import ModelRunner

@@ -43,7 +43,9 @@ class TensorInfo:
 
     @property
     def n_bytes(self) -> int:
-        from gguf import GGML_QUANT_SIZES  # the gguf package is read only when a file is (0.15 s to import)
+        from gguf import (
+            GGML_QUANT_SIZES,  # the gguf package is read only when a file is (0.15 s to import)
+        )
 
         block, size = GGML_QUANT_SIZES[self.tensor_type]
         return self.n_elements // block * size

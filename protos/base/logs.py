@@ -30,7 +30,9 @@ def wants_json(log_format: str = "auto") -> bool:
     return log_format == "json" or (log_format == "auto" and not sys.stderr.isatty())
 
 
-def configure_logging(level: str = "info", process: str = "pagedserve", log_format: str = "auto") -> None:
+def configure_logging(
+    level: str = "info", process: str = "pagedserve", log_format: str = "auto"
+) -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
     if wants_json(log_format):
         renderer = structlog.processors.JSONRenderer()
