@@ -10,28 +10,19 @@ import time
 
 from protos.codec import PlanArrays
 from scheduler_service.core.batch import ScheduledSeq, SchedulerOutput
-from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.drafting import SequenceDrafter, propose_draft
 from scheduler_service.core.kv_manager import BlockCopy
-from scheduler_service.core.kv_tiers import KvTiers
 from scheduler_service.core.pacing import EmbedPacer
 from scheduler_service.core.queues import Queues
 from scheduler_service.core.sequence import Sequence, SequenceStatus
 
 
 class Scheduler(Queues):
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        num_blocks: int,
-        max_model_len: int,
-        kv_window: int = 0,
-        tiers: KvTiers | None = None,
-        eos_token_ids: tuple[int, ...] = (),
-    ) -> None:
-        super().__init__(config, num_blocks, max_model_len, kv_window, tiers, eos_token_ids)
+    def __init__(self, *args, **kwargs) -> None:
+        """As Queues (the books), with the policy's own state: step ids, the embeddings' pace."""
+        super().__init__(*args, **kwargs)
         self._step_ids = itertools.count(1)
-        self.pacer = EmbedPacer(config.embed_slowdown, config.max_num_batched_tokens)
+        self.pacer = EmbedPacer(self.config.embed_slowdown, self.config.max_num_batched_tokens)
 
     # --- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

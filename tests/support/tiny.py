@@ -36,6 +36,23 @@ def make_tokenizer(folder: Path, vocab_size: int) -> None:
     )
 
 
+# Every tiny model's shape. Large weights give peaked logits, so greedy choices are far from ties and
+# batch-order rounding cannot flip them.
+TINY = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.25,
+)
+
+
 def make_tiny_llama(folder: Path, seed: int = 0, family: str = "llama", **overrides) -> Path:
     """Save a random model of a transformers family (model_type: llama, mistral, qwen2, ...; safetensors)
     with a tokenizer into folder; returns folder. overrides: that family's config fields."""
@@ -44,23 +61,7 @@ def make_tiny_llama(folder: Path, seed: int = 0, family: str = "llama", **overri
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    params = dict(
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        # Large weights give peaked logits, so greedy choices are far from ties and batch-order
-        # rounding cannot flip them.
-        initializer_range=0.25,
-    )
+    params = dict(TINY, rms_norm_eps=1e-5, tie_word_embeddings=False)
     params.update(overrides)
     config = AutoConfig.for_model(family, **params)
     torch.manual_seed(seed)
@@ -273,22 +274,7 @@ def make_tiny_embedder(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    config = AutoConfig.for_model(
-        "qwen3",
-        vocab_size=384,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.25,
-    )
+    config = AutoConfig.for_model("qwen3", **TINY, rms_norm_eps=1e-6, tie_word_embeddings=tied)
     torch.manual_seed(seed)
     AutoModel.from_config(config).eval().save_pretrained(str(folder), safe_serialization=True)
     make_tokenizer(folder, config.vocab_size)
