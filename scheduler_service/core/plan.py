@@ -252,9 +252,12 @@ class PlanBuilder:
         drafts: list[tuple[int, int]] = []  # (row, tokens drafted)
         max_blocks = 1
         offset = 0
+        owners = self._owners
         for i, item in enumerate(scheduled):
             seq = item.seq
-            row = self._row(seq)
+            row = seq.mirror.row
+            if row < 0 or owners[row] is not seq:
+                row = self._row(seq)
             n = len(seq.block_ids)
             if seq.mirror.blocks != n or self._filled[row] != n:
                 self._sync(seq, row, n)

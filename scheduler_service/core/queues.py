@@ -22,7 +22,7 @@ from scheduler_service.core.kv_manager import KVCacheManager
 from scheduler_service.core.kv_tiers import KvTiers
 from scheduler_service.core.plan import PlanBuilder
 from scheduler_service.core.pooling import take_pooled
-from scheduler_service.core.results import row_tokens, stop_at
+from scheduler_service.core.results import ends_with, row_tokens, stop_at
 from scheduler_service.core.sequence import FinishReason, PlanRow, Request, Sequence, SequenceStatus
 from scheduler_service.core.stats import PoolStats
 
@@ -42,6 +42,7 @@ class Queues:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.caching = config.enable_prefix_caching
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, kv_window
         )
@@ -167,8 +168,25 @@ class Queues:
         (computed from its blocks as they were) but its blocks, given back, are left alone."""
         self.kv.settle_loads(out.step_id, failed_loads)
         result = StepUpdate()
+        tokens, running, max_len = result.tokens, SequenceStatus.RUNNING, self.max_model_len
         for i, (item, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
-            self._apply_row(item, token, accepted[i] if accepted is not None else 0, result)
+            seq = item.seq
+            slow = item.draft or seq.matcher is not None or not item.do_sample
+            if slow or seq.status is not running:
+                self._apply_row(item, token, accepted[i] if accepted is not None else 0, result)
+                continue
+            # the common row (a decode, or a prompt's last chunk) samples one token: applied inline
+            seq.pending.count -= 1
+            known = seq.token_ids
+            known.append(token)
+            tokens.append((seq, token))
+            reason = ends_with(seq, token, len(known) - seq.request.prompt_len, max_len)
+            if seq.drafter is not None and reason is None:
+                seq.drafter.append((token,))
+                seq.drafter.look_ahead()
+            self._settle_row(
+                item, seq, item.start + item.num_new_tokens, seq.epoch == item.epoch, reason
+            )
         if out.read.embed_rows is not None:  # embeddings: their pooled states, and those finished
             result.embedded = take_pooled(out, pooled)
             for seq in result.embedded:
@@ -207,8 +225,13 @@ class Queues:
             if seq.drafter is not None and reason is None:
                 seq.drafter.append(tokens)
                 seq.drafter.look_ahead()
-        caching = self.config.enable_prefix_caching
-        if current and caching and end // self.block_size > seq.num_registered_blocks:
+        self._settle_row(item, seq, end, current, reason)
+
+    def _settle_row(
+        self, item: ScheduledSeq, seq: Sequence, end: int, current: bool, reason
+    ) -> None:
+        """A row's tokens are in: full blocks to the prefix cache, waiting samples fork, a stop ends it."""
+        if current and self.caching and end // self.block_size > seq.num_registered_blocks:
             self.kv.register_full_blocks(seq, end)
         if item.do_sample and seq.index == 0 and seq.request.pending_forks:
             self._fork(seq, current)

@@ -21,14 +21,23 @@ def row_tokens(seq: Sequence, draft: tuple[int, ...], token: int, accepted: int)
     return tokens
 
 
+def ends_with(seq: Sequence, token: int, count: int, max_model_len: int) -> FinishReason | None:
+    """Why seq ends with `token` as its count-th output token (None: it goes on): a stop id or
+    end-of-sequence once min_tokens are out, then max_tokens or the context."""
+    params = seq.request.sampling
+    if token in seq.request.stop_ids and count >= params.min_tokens:
+        return FinishReason.STOP
+    if count >= params.max_tokens or seq.request.prompt_len + count >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
 def stop_at(
     seq: Sequence, tokens: tuple[int, ...], max_model_len: int
 ) -> tuple[int, FinishReason | None]:
-    """How many of `tokens` (new to seq, in order) it keeps, and why it ends after the last of them (None:
-    it goes on). Before min_tokens no stop id counts; a grammar ends where row_tokens cut."""
-    params = seq.request.sampling
+    """How many of `tokens` (new to seq, in order) it keeps, and why it ends after the last of them
+    (None: it goes on); a grammar ends where row_tokens cut."""
     done = seq.num_output_tokens
-    length = min(params.max_tokens, max_model_len - seq.prompt_len)
     matcher = seq.matcher
     for n, t in enumerate(tokens, 1):
         if (
@@ -37,8 +46,7 @@ def stop_at(
             and (matcher.is_stopped() or matcher.is_error())
         ):
             return n, FinishReason.ERROR if matcher.is_error() else FinishReason.STOP
-        if t in seq.request.stop_ids and done + n >= params.min_tokens:
-            return n, FinishReason.STOP
-        if done + n >= length:
-            return n, FinishReason.LENGTH
+        reason = ends_with(seq, t, done + n, max_model_len)
+        if reason is not None:
+            return n, reason
     return len(tokens), None
