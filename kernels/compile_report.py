@@ -1,12 +1,12 @@
-"""What the Triton kernels compile to: registers, spills, shared memory, and how many versions of each.
+"""What the Triton kernels compile to: registers, spills, shared memory, and how many versions of
+each.
 
-Two ways to read it:
-- `offline_report()` compiles every Triton kernel of kernels/ for a CUDA target (sm_90 by default) without a
-  GPU, at the launch configurations the launchers choose for each head_dim and block size, and reads registers
-  and spill bytes from ptxas (`make gpu-compile-report`).
-- `runtime_report()` lists what this process has compiled and launched so far (on a GPU: registers and
-  spills as the driver loaded them) — one entry per compiled version, so a kernel that was compiled again
-  for a step of another shape shows up as two.
+Two ways to read it: - `offline_report()` compiles every Triton kernel of kernels/ for a CUDA
+target (sm_90 by default) without a GPU, at the launch configurations the launchers choose for each
+head_dim and block size, and reads registers and spill bytes from ptxas (`make gpu-compile-report`).
+- `runtime_report()` lists what this process has compiled and launched so far (on a GPU: registers
+and spills as the driver loaded them) — one entry per compiled version, so a kernel that was
+compiled again for a step of another shape shows up as two.
 """
 
 from __future__ import annotations
@@ -50,10 +50,15 @@ def runtime_report() -> dict[str, list[dict]]:
             kernel_cache = caches[0]
             for kernel in kernel_cache.values():
                 meta = kernel.metadata
-                versions.append(dict(regs=getattr(kernel, "n_regs", None),
-                                     spills=getattr(kernel, "n_spills", None),
-                                     shared=meta.shared, num_warps=meta.num_warps,
-                                     num_stages=meta.num_stages))
+                versions.append(
+                    dict(
+                        regs=getattr(kernel, "n_regs", None),
+                        spills=getattr(kernel, "n_spills", None),
+                        shared=meta.shared,
+                        num_warps=meta.num_warps,
+                        num_stages=meta.num_stages,
+                    )
+                )
         if versions:
             report[name] = versions
     return report
@@ -61,16 +66,22 @@ def runtime_report() -> dict[str, list[dict]]:
 
 def print_runtime_report(report: dict[str, list[dict]] | None = None, file=sys.stdout) -> None:
     report = runtime_report() if report is None else report
-    print(f"{'kernel':<28} {'versions':>8} {'regs':>5} {'spills':>7} {'shared':>7} {'warps':>5} "
-          f"{'stages':>6}",
-          file=file)
+    print(
+        f"{'kernel':<28} {'versions':>8} {'regs':>5} {'spills':>7} {'shared':>7} {'warps':>5} "
+        f"{'stages':>6}",
+        file=file,
+    )
     for name, versions in sorted(report.items()):
         for i, v in enumerate(versions):
-            print(f"{name if i == 0 else '':<28} {len(versions) if i == 0 else '':>8} {v['regs']!s:>5} "
-                  f"{v['spills']!s:>7} {v['shared']:>7} {v['num_warps']:>5} {v['num_stages']:>6}", file=file)
+            print(
+                f"{name if i == 0 else '':<28} {len(versions) if i == 0 else '':>8} "
+                f"{v['regs']!s:>5} {v['spills']!s:>7} {v['shared']:>7} {v['num_warps']:>5} "
+                f"{v['num_stages']:>6}",
+                file=file,
+            )
 
 
-# --- offline: compile for a CUDA target without a GPU ------------------------------------------------------
+# --- offline: compile for a CUDA target without a GPU ---------------------------------------------
 
 _PTXAS_LINE = re.compile(r"Used (\d+) registers.*?(?:(\d+) bytes spill stores)?", re.S)
 
@@ -87,23 +98,37 @@ def ptxas_usage(ptx: str, capability: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        done = subprocess.run([path, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [path, "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     text = done.stdout + done.stderr
     regs = int(re.search(r"Used (\d+) registers", text).group(1))
     stores = re.search(r"(\d+) bytes spill stores", text)
     loads = re.search(r"(\d+) bytes spill loads", text)
     stack = re.search(r"(\d+) bytes stack frame", text)
-    return dict(regs=regs, spill_stores=int(stores.group(1)) if stores else 0,
-                spill_loads=int(loads.group(1)) if loads else 0, stack=int(stack.group(1)) if stack else 0)
+    return dict(
+        regs=regs,
+        spill_stores=int(stores.group(1)) if stores else 0,
+        spill_loads=int(loads.group(1)) if loads else 0,
+        stack=int(stack.group(1)) if stack else 0,
+    )
 
 
-def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int,
-                    capability: int = 90, aligned: tuple[str, ...] = ()) -> dict:
-    """Compile one kernel for CUDA `capability` with no GPU present; -> regs, spills, shared bytes.
-    signature: argument name -> Triton type ("*bf16", "i32", "fp32"); constexprs: name -> value; aligned:
-    arguments specialized as 16-byte aligned (pointers) or divisible by 16 (integers), as the runtime
-    would."""
+def compile_offline(
+    fn,
+    signature: dict,
+    constexprs: dict,
+    num_warps: int,
+    num_stages: int,
+    capability: int = 90,
+    aligned: tuple[str, ...] = (),
+) -> dict:
+    """Compile one kernel for CUDA `capability` with no GPU -> regs, spills, shared bytes. Pointers
+    aligned and integers divisible by 16 are specialized as the runtime would.
+    """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -111,58 +136,95 @@ def compile_offline(fn, signature: dict, constexprs: dict, num_warps: int, num_s
     sig = {}
     for name in fn.arg_names:
         sig[name] = "constexpr" if name in constexprs else signature[name]
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned
-             if a in fn.arg_names and a not in constexprs}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
-                    attrs=attrs)
+    attrs = {
+        (fn.arg_names.index(a),): [["tt.divisibility", 16]]
+        for a in aligned
+        if a in fn.arg_names and a not in constexprs
+    }
+    src = ASTSource(
+        fn,
+        sig,
+        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
+    )
     target = GPUTarget("cuda", capability, 32)
-    compiled = triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+    compiled = triton.compile(
+        src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
     usage = ptxas_usage(compiled.asm["ptx"], capability)
     return dict(usage, shared=compiled.metadata.shared, num_warps=num_warps, num_stages=num_stages)
 
 
-def offline_report(head_dims=(64, 128, 256), block_sizes=(16, 32, 256), capability: int = 90,
-                   dtype: str = "bf16") -> list[dict]:
+def offline_report(
+    head_dims=(64, 128, 256), block_sizes=(16, 32, 256), capability: int = 90, dtype: str = "bf16"
+) -> list[dict]:
     """Every attention and elementwise kernel at the configurations its launcher picks on a GPU."""
-    from kernels import triton_attention as ta
+    from kernels import triton_configs as ta
     from kernels import triton_elementwise as te
     from kernels import triton_lora as tlora
     from kernels import triton_moe as tmoe
     from kernels import triton_sampling as tsamp
 
     rows = []
-    for case in ta.launch_cases(head_dims, block_sizes, dtype) + te.launch_cases(head_dims, dtype) + \
-            tsamp.launch_cases() + tmoe.launch_cases(dtype) + tlora.launch_cases(dtype):
-        usage = compile_offline(case["fn"], case["signature"], case["constexprs"], case["num_warps"],
-                                case["num_stages"], capability, case.get("aligned", ()))
+    for case in (
+        ta.launch_cases(head_dims, block_sizes, dtype)
+        + te.launch_cases(head_dims, dtype)
+        + tsamp.launch_cases()
+        + tmoe.launch_cases(dtype)
+        + tlora.launch_cases(dtype)
+    ):
+        usage = compile_offline(
+            case["fn"],
+            case["signature"],
+            case["constexprs"],
+            case["num_warps"],
+            case["num_stages"],
+            capability,
+            case.get("aligned", ()),
+        )
         rows.append(dict(name=case["name"], **usage))
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     if env.triton_interpreted():
-        print("gpu-compile-report compiles for a GPU: run it without TRITON_INTERPRET=1", file=sys.stderr)
+        print(
+            "gpu-compile-report compiles for a GPU: run it without TRITON_INTERPRET=1",
+            file=sys.stderr,
+        )
         return 2
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what Triton does today, without its warning
-    p = argparse.ArgumentParser(prog="gpu-compile-report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--capability", type=int, default=90, help="CUDA compute capability (90: H100/H200)")
+    # what Triton does today, without its warning
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    p = argparse.ArgumentParser(
+        prog="gpu-compile-report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--capability", type=int, default=90, help="CUDA compute capability (90: H100/H200)"
+    )
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 256])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = p.parse_args(argv)
-    rows = offline_report(tuple(args.head_dims), tuple(args.block_sizes), args.capability, args.dtype)
+    rows = offline_report(
+        tuple(args.head_dims), tuple(args.block_sizes), args.capability, args.dtype
+    )
     if args.json:
         print(json.dumps(rows))
         return 1 if any(r["spill_stores"] for r in rows) else 0
     print(f"sm_{args.capability}, {args.dtype}")
-    print(f"{'kernel':<44} {'regs':>5} {'spill st':>8} {'spill ld':>8} {'stack':>6} {'shared':>7} "
-          f"{'warps':>5} {'stages':>6}")
+    print(
+        f"{'kernel':<44} {'regs':>5} {'spill st':>8} {'spill ld':>8} {'stack':>6} {'shared':>7} "
+        f"{'warps':>5} {'stages':>6}"
+    )
     spilled = 0
     for r in rows:
-        print(f"{r['name']:<44} {r['regs']:>5} {r['spill_stores']:>8} {r['spill_loads']:>8} {r['stack']:>6} "
-              f"{r['shared']:>7} {r['num_warps']:>5} {r['num_stages']:>6}")
+        print(
+            f"{r['name']:<44} {r['regs']:>5} {r['spill_stores']:>8} {r['spill_loads']:>8} "
+            f"{r['stack']:>6} {r['shared']:>7} {r['num_warps']:>5} {r['num_stages']:>6}"
+        )
         spilled += r["spill_stores"] > 0
     print(f"{len(rows)} kernel configurations, {spilled} spill")
     return 1 if spilled else 0

@@ -1,7 +1,7 @@
-"""Building the native CPU library (kernels/cpu/*.c) for this machine: with the system C compiler at -O3
--march=native -fopenmp, cached under $PAGEDSERVE_CACHE (default ~/.cache/pagedserve) by a hash of every source
-and header, the flags, the compiler and the CPU's feature flags, so a machine with other vector units builds
-its own copy (`make setup` builds it ahead)."""
+"""Build kernels/cpu/*.c for this machine (-O3 -march=native -fopenmp), cached under
+$PAGEDSERVE_CACHE by a hash of the sources, flags, compiler and CPU features, so each vector unit
+gets its own copy.
+"""
 
 from __future__ import annotations
 
@@ -24,21 +24,30 @@ def sources(folder: Path = SOURCE_DIR) -> list[Path]:
 
 
 def build_inputs(folder: Path = SOURCE_DIR) -> list[Path]:
-    """Every file the compiled library depends on (each .c and each .h: a header edited alone rebuilds)."""
+    """Every file the compiled library depends on (each .c and each .h: a header edited alone
+    rebuilds).
+    """
     return sorted([*folder.glob("*.c"), *folder.glob("*.h")])
 
 
-# PAGEDSERVE_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2, no AVX-512, for a
-# fleet of older machines; the tests build it so to check the portable paths here)
+# PAGEDSERVE_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2, no AVX-512,
+# for a fleet of older machines; the tests build it so to check the portable paths here)
 MARCH = env.native_march()
 CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
 if platform.machine() in ("x86_64", "AMD64"):
-    CFLAGS.append("-mprefer-vector-width=512")  # full-width vectors where AVX-512 exists; no effect elsewhere
+    # full-width vectors where AVX-512 exists; no effect elsewhere
+    CFLAGS.append("-mprefer-vector-width=512")
 # PAGEDSERVE_NATIVE_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer (`make
-# test-sanitize`, which preloads the ASan runtime into Python): any bad read, write or UB aborts the test
+# test-sanitize`, which preloads the ASan runtime into Python): any bad read, write or UB aborts the
+# test
 SANITIZE = env.native_sanitize()
 if SANITIZE:
-    CFLAGS += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
+    CFLAGS += [
+        "-fsanitize=address,undefined",
+        "-fno-sanitize-recover=all",
+        "-fno-omit-frame-pointer",
+        "-g",
+    ]
 
 
 def _cpu_flags() -> str:
@@ -60,8 +69,12 @@ def cache_dir() -> Path:
 
 
 def build_key(cc: str, folder: Path = SOURCE_DIR, cflags: list[str] = CFLAGS) -> str:
-    """The cached library's name: a hash of every source and header, the flags, the compiler and the CPU."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    """The cached library's name: a hash of every source and header, the flags, the compiler and the
+    CPU.
+    """
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[
+        :1
+    ]
     digest = hashlib.sha256()
     for f in build_inputs(folder):
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
@@ -71,7 +84,9 @@ def build_key(cc: str, folder: Path = SOURCE_DIR, cflags: list[str] = CFLAGS) ->
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the library for this machine (once per source, compiler and CPU) and return its path."""
+    """Compile the library for this machine (once per source, compiler
+    and CPU) and return its path.
+    """
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
@@ -79,13 +94,17 @@ def build(verbose: bool = False) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # built aside, then renamed: ranks may race
+    # built aside, then renamed: ranks may race
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *CFLAGS, *map(str, sources()), "-o", tmp, "-lm"], capture_output=True,
-                             text=True)
+        res = subprocess.run(
+            [cc, *CFLAGS, *map(str, sources()), "-o", tmp, "-lm"], capture_output=True, text=True
+        )
         if res.returncode != 0:
-            raise RuntimeError(f"building the native CPU kernels failed: {res.stderr.strip()[-2000:]}")
+            raise RuntimeError(
+                f"building the native CPU kernels failed: {res.stderr.strip()[-2000:]}"
+            )
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -1,9 +1,5 @@
-"""Pure-torch paged attention: the definition every kernel is checked against.
-
-Pool layout (block-tensor): k_cache, v_cache are [num_blocks, block_size, n_kv_heads, head_dim].
-The slot of position p of a sequence is block_table[p // block_size] * block_size + p % block_size.
-Written plainly (gather through the block table, repeat KV heads, masked softmax in fp32) so that it is
-obviously right; speed is the kernels' business.
+"""Pure-torch paged attention: the definition every kernel is checked against, written to be
+obviously right. Slot of position p = block_table[p // block_size] * block_size + p % block_size.
 """
 
 from __future__ import annotations
@@ -30,16 +26,17 @@ def write_kv(
     flat_v.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def kv_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
-    """int64 [num_seqs, width]: the pool slot of each key position of each sequence.
-
-    Positions at or beyond a sequence's length, and those whose block was given back (a table entry of -1:
-    keys before every sliding window), point at the sequence's last key, a slot that is always written,
-    so a gather never touches a block the sequence does not own (unused table entries and never-written
-    slots may hold anything, NaN included); the attention mask hides them.
+def kv_slots(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, width: int
+) -> torch.Tensor:
+    """int64 [seqs, width]: each key position's pool slot. Positions past the length or in a freed
+    block (-1) point at the last key, always written, so a gather never reads a block the sequence
+    does not own.
     """
     pos = torch.arange(width, device=block_tables.device)
-    blocks = block_tables.to(torch.int64)[:, (pos // block_size).clamp(max=block_tables.shape[1] - 1)]
+    blocks = block_tables.to(torch.int64)[
+        :, (pos // block_size).clamp(max=block_tables.shape[1] - 1)
+    ]
     slots = blocks * block_size + pos % block_size  # [num_seqs, width]
     lens = seq_lens.to(torch.int64)[:, None]
     valid = (pos[None, :] < lens) & (blocks >= 0)
@@ -58,14 +55,9 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its paged keys.
-
-    Query i of a sequence with q_len queries and seq_len keys sees keys j < seq_len - q_len + i + 1, and with
-    a sliding window (window > 0) only the last `window` of those: j > seq_len - q_len + i - window.
-    With softcap > 0 every score (after scaling) becomes softcap * tanh(score / softcap) before the softmax
-    (Gemma 2's attention-logit soft-capping). One entry point for prefill, prefill over a cached prefix, and
-    decode.
-    Returns [num_tokens, n_heads, head_dim] in q's dtype.
+    """Causal attention of each sequence's new queries over its paged keys (prefill, extend and
+    decode alike), with an optional sliding window and Gemma 2 softcap. Returns [tokens, heads,
+    head_dim] in q's dtype.
     """
     num_tokens, n_heads, head_dim = q.shape
     num_blocks, block_size, n_kv_heads, _ = k_cache.shape
@@ -80,10 +72,12 @@ def paged_attention(
         q_len = end - start
         if q_len == 0:
             continue
-        slots = kv_slots(block_tables[i : i + 1], seq_lens[i : i + 1], block_size, seq_len)[0]  # [seq_len]
+        # [seq_len]
+        slots = kv_slots(block_tables[i : i + 1], seq_lens[i : i + 1], block_size, seq_len)[0]
         keys = k_flat[slots].float().repeat_interleave(group, dim=1)  # [seq_len, n_heads, head_dim]
         values = v_flat[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale  # [n_heads, q_len, seq_len]
+        # [n_heads, q_len, seq_len]
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
         if softcap > 0:
             scores = torch.tanh(scores / softcap) * softcap
         query_pos = torch.arange(q_len, device=q.device)[:, None]
@@ -96,18 +90,18 @@ def paged_attention(
     return out
 
 
-# Bisection steps of the top-p floor: bit patterns of floats in [0, 1] span fewer than 2^31 values, so 31
-# halvings end on the exact floor.
+# Bisection steps of the top-p floor: bit patterns of floats in [0, 1] span fewer than 2^31 values,
+# so 31 halvings end on the exact floor.
 HALVINGS = 31
 
 
 def top_p_floor_torch(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """probs fp32 [rows, vocab], top_p fp32 [rows] -> the smallest probability each row keeps: token i stays
-    when the mass strictly above p_i is below top_p, which holds exactly for p_i >= one floor, itself one of
-    the row's probabilities. Found by bisection on the float bits (positive floats order as their bit
-    patterns), each step a masked sum: no sort. 0 where top_p is 1."""
+    """The smallest probability each row keeps under top_p, found by bisection on float bits (a
+    masked sum per step, no sort); 0 where top_p is 1.
+    """
     rows = probs.shape[0]
-    lo = torch.zeros(rows, dtype=torch.int32, device=probs.device)  # mass above 0 is everything: >= top_p
+    # mass above 0 is everything: >= top_p
+    lo = torch.zeros(rows, dtype=torch.int32, device=probs.device)
     hi = probs.amax(dim=-1).view(torch.int32)  # mass above the largest is 0: < top_p
     for _ in range(HALVINGS):
         mid = lo + (hi - lo) // 2

@@ -1,8 +1,6 @@
-"""The elementwise tail of a layer as Triton kernels, one launch each, for the GPU: residual add + RMSNorm,
-SiLU·mul, and RoPE in place on the fused QKV row. In torch each is four to six kernels and temporaries
-per layer, launch overhead that dominates a decode step of a small batch. Arithmetic in fp32, results
-rounded to the tensors' dtype once; worker/model/elementwise.py's `TorchOps` is the definition they are tested
-against (natively on CUDA, under TRITON_INTERPRET=1 elsewhere).
+"""A layer's elementwise tail in Triton, one launch each: residual add + RMSNorm, SiLU·mul, RoPE in
+place. fp32 arithmetic; worker/model/elementwise.py's TorchOps is the definition they are tested
+against.
 """
 
 from __future__ import annotations
@@ -13,14 +11,24 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rms_norm_kernel(residual_ptr, delta_ptr, weight_ptr, out_ptr, dim, eps,
-                         HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(
+    residual_ptr,
+    delta_ptr,
+    weight_ptr,
+    out_ptr,
+    dim,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     x = tl.load(residual_ptr + row * dim + cols, mask=mask, other=0.0)
     if HAS_DELTA:
-        x = (x.to(tl.float32) + tl.load(delta_ptr + row * dim + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(delta_ptr + row * dim + cols, mask=mask, other=0.0).to(
+            tl.float32
+        )
         x = x.to(residual_ptr.dtype.element_ty)
         tl.store(residual_ptr + row * dim + cols, x, mask=mask)  # the residual stream, in place
     x32 = x.to(tl.float32)
@@ -41,10 +49,14 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * inter + cols, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])  # staged per step: see triton_attention
-def _rope_kernel(x_ptr, row_stride, positions_ptr, cos_ptr, sin_ptr, half, head_dim, HALF: tl.constexpr):
-    """Rotate-half RoPE of head program_id(1) of token program_id(0), in place, over its first 2 * half values
-    (all of the head but under a partial_rotary_factor)."""
+# staged per step: see triton_attention
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr"])
+def _rope_kernel(
+    x_ptr, row_stride, positions_ptr, cos_ptr, sin_ptr, half, head_dim, HALF: tl.constexpr
+):
+    """Rotate-half RoPE of head program_id(1) of token program_id(0), in place, over its first 2 *
+    half values (all of the head but under a partial_rotary_factor).
+    """
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     i = tl.arange(0, HALF)
@@ -64,14 +76,28 @@ class TritonElementwise:
     drives both)."""
 
     @staticmethod
-    def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     out: torch.Tensor, eps: float) -> None:
-        """residual += delta in place (when given); out = rms_norm(residual) * weight. Contiguous [rows,
-        dim]."""
+    def add_rms_norm(
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        weight: torch.Tensor,
+        out: torch.Tensor,
+        eps: float,
+    ) -> None:
+        """residual += delta in place (when given); out = rms_norm(residual) * weight. Contiguous
+        [rows, dim].
+        """
         rows, dim = residual.shape
         if rows:
-            _add_rms_norm_kernel[(rows,)](residual, residual if delta is None else delta, weight, out, dim,
-                                          eps, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(dim))
+            _add_rms_norm_kernel[(rows,)](
+                residual,
+                residual if delta is None else delta,
+                weight,
+                out,
+                dim,
+                eps,
+                HAS_DELTA=delta is not None,
+                BLOCK=triton.next_power_of_2(dim),
+            )
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
@@ -83,39 +109,77 @@ class TritonElementwise:
             _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
 
     @staticmethod
-    def rope(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
-             positions: torch.Tensor) -> None:
-        """Rotate-half RoPE in place on the first `heads` heads of each row of x [rows, >= heads * head_dim]
-        (row stride x.stride(0), unit stride inside a row); cos, sin fp32 [max_pos, rotary_dim / 2]."""
+    def rope(
+        x: torch.Tensor,
+        heads: int,
+        head_dim: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> None:
+        """Rotate-half RoPE in place on the first `heads` heads of each row of x; cos, sin fp32
+        [max_pos, rotary_dim / 2].
+        """
         rows, half = x.shape[0], cos.shape[1]
         if rows:
-            _rope_kernel[(rows, heads)](x, x.stride(0), positions, cos, sin, half, head_dim,
-                                        HALF=triton.next_power_of_2(half))
+            _rope_kernel[(rows, heads)](
+                x,
+                x.stride(0),
+                positions,
+                cos,
+                sin,
+                half,
+                head_dim,
+                HALF=triton.next_power_of_2(half),
+            )
 
 
 def launch_cases(head_dims, dtype: str = "bf16") -> list[dict]:
-    """The elementwise kernels as their launchers run them, for kernels/compile_report.py (one hidden size
-    of 4096 and an MLP of 14336: what they hold per program depends on these, not on head_dim, except
-    RoPE)."""
+    """The elementwise kernels as launched at hidden 4096,
+    MLP 14336, for kernels/compile_report.py.
+    """
     ptr = f"*{dtype}"
     hidden, inter = 4096, 14336
     cases = [
-        dict(name=f"add_rms_norm h{hidden}", fn=_add_rms_norm_kernel,
-             signature=dict(residual_ptr=ptr, delta_ptr=ptr, weight_ptr=ptr, out_ptr=ptr, dim="i32",
-                            eps="fp32"),
-             constexprs=dict(HAS_DELTA=True, BLOCK=triton.next_power_of_2(hidden)),
-             aligned=("residual_ptr", "delta_ptr", "weight_ptr", "out_ptr", "dim"), num_warps=4,
-             num_stages=3),
-        dict(name=f"silu_mul i{inter}", fn=_silu_mul_kernel,
-             signature=dict(gate_up_ptr=ptr, out_ptr=ptr, inter="i32"),
-             constexprs=dict(BLOCK=min(1024, triton.next_power_of_2(inter))),
-             aligned=("gate_up_ptr", "out_ptr", "inter"), num_warps=4, num_stages=3),
+        dict(
+            name=f"add_rms_norm h{hidden}",
+            fn=_add_rms_norm_kernel,
+            signature=dict(
+                residual_ptr=ptr, delta_ptr=ptr, weight_ptr=ptr, out_ptr=ptr, dim="i32", eps="fp32"
+            ),
+            constexprs=dict(HAS_DELTA=True, BLOCK=triton.next_power_of_2(hidden)),
+            aligned=("residual_ptr", "delta_ptr", "weight_ptr", "out_ptr", "dim"),
+            num_warps=4,
+            num_stages=3,
+        ),
+        dict(
+            name=f"silu_mul i{inter}",
+            fn=_silu_mul_kernel,
+            signature=dict(gate_up_ptr=ptr, out_ptr=ptr, inter="i32"),
+            constexprs=dict(BLOCK=min(1024, triton.next_power_of_2(inter))),
+            aligned=("gate_up_ptr", "out_ptr", "inter"),
+            num_warps=4,
+            num_stages=3,
+        ),
     ]
     for head_dim in head_dims:
-        cases.append(dict(
-            name=f"rope d{head_dim}", fn=_rope_kernel,
-            signature=dict(x_ptr=ptr, row_stride="i32", positions_ptr="*i64", cos_ptr="*fp32",
-                           sin_ptr="*fp32", half="i32", head_dim="i32"),
-            constexprs=dict(HALF=triton.next_power_of_2(head_dim // 2)), aligned=("x_ptr", "row_stride"),
-            num_warps=4, num_stages=3))
+        cases.append(
+            dict(
+                name=f"rope d{head_dim}",
+                fn=_rope_kernel,
+                signature=dict(
+                    x_ptr=ptr,
+                    row_stride="i32",
+                    positions_ptr="*i64",
+                    cos_ptr="*fp32",
+                    sin_ptr="*fp32",
+                    half="i32",
+                    head_dim="i32",
+                ),
+                constexprs=dict(HALF=triton.next_power_of_2(head_dim // 2)),
+                aligned=("x_ptr", "row_stride"),
+                num_warps=4,
+                num_stages=3,
+            )
+        )
     return cases

@@ -1,9 +1,7 @@
-"""LoRA updates of many adapters in one step as two Triton kernels for the GPU, each token reading its own
-adapter's weights (BGMV): shrink, t = x @ A[g]^T for every token's adapter g, then expand, y[:, lo[g]:lo[g] +
-span[g]] += t @ B[g]^T, in place. The step's adapters are stacked, A [G, R, in] and B [G, S, R] padded with
-zeros to the largest rank R and span S, so one launch serves any mix of adapters and base rows (index -1).
-Arithmetic in fp32; worker/model/lora.py's grouped matmuls are the definition they are tested against
-(natively on CUDA, under TRITON_INTERPRET=1 elsewhere)."""
+"""Multi-adapter LoRA (BGMV) in two Triton launches: shrink t = x @ A[g]^T, then expand into each
+token's output span. Adapters are stacked and zero-padded to the largest rank, so one launch serves
+any mix; worker/model/lora.py is the definition they are tested against.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +11,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, x_stride, a_ptr, index_ptr, t_ptr, in_dim, rank,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _shrink_kernel(
+    x_ptr,
+    x_stride,
+    a_ptr,
+    index_ptr,
+    t_ptr,
+    in_dim,
+    rank,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
-    g = tl.maximum(tl.load(index_ptr + token).to(tl.int64), 0)  # a base row's values go unused (span 0)
+    # a base row's values go unused (span 0)
+    g = tl.maximum(tl.load(index_ptr + token).to(tl.int64), 0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < rank
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -25,15 +33,29 @@ def _shrink_kernel(x_ptr, x_stride, a_ptr, index_ptr, t_ptr, in_dim, rank,
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < in_dim
         x = tl.load(x_ptr + token * x_stride + k, mask=k_mask, other=0.0).to(tl.float32)
-        a = tl.load(a_base + r[:, None] * in_dim + k[None, :], mask=r_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)
+        a = tl.load(
+            a_base + r[:, None] * in_dim + k[None, :],
+            mask=r_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
         acc += tl.sum(a * x[None, :], axis=1)
     tl.store(t_ptr + token * rank + r, acc, mask=r_mask)
 
 
 @triton.jit
-def _expand_kernel(t_ptr, b_ptr, lo_ptr, span_ptr, index_ptr, y_ptr, y_stride, span_max, rank,
-                   BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _expand_kernel(
+    t_ptr,
+    b_ptr,
+    lo_ptr,
+    span_ptr,
+    index_ptr,
+    y_ptr,
+    y_stride,
+    span_max,
+    rank,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     g = tl.load(index_ptr + token).to(tl.int64)
     gs = tl.maximum(g, 0)
@@ -44,8 +66,11 @@ def _expand_kernel(t_ptr, b_ptr, lo_ptr, span_ptr, index_ptr, y_ptr, y_stride, s
     r = tl.arange(0, BLOCK_R)
     r_mask = r < rank
     t = tl.load(t_ptr + token * rank + r, mask=r_mask, other=0.0)
-    b = tl.load(b_ptr + gs * span_max * rank + n[:, None] * rank + r[None, :],
-                mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+    b = tl.load(
+        b_ptr + gs * span_max * rank + n[:, None] * rank + r[None, :],
+        mask=n_mask[:, None] & r_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
     delta = tl.sum(b * t[None, :], axis=1)
     y = y_ptr + token * y_stride + lo + n
     old = tl.load(y, mask=n_mask, other=0.0).to(tl.float32)
@@ -56,31 +81,69 @@ SHRINK_BLOCK_K, EXPAND_BLOCK_N = 128, 64
 
 
 def launch_cases(dtype: str = "bf16") -> list[dict]:
-    """Both kernels as lora_update launches them at an 8B shape (hidden 4096, MLP 14336) with adapters of
-    rank 16 on every projection (QKV's three parts stacked: 48 rows of A), for kernels/compile_report.py."""
+    """Both kernels as launched at an 8B shape with rank-16 adapters on every projection, for
+    compile_report.
+    """
     ptr = f"*{dtype}"
     cases = []
     for rank in (16, 48):
-        cases.append(dict(
-            name=f"lora shrink r{rank}", fn=_shrink_kernel,
-            signature=dict(x_ptr=ptr, x_stride="i32", a_ptr=ptr, index_ptr="*i32", t_ptr="*fp32",
-                           in_dim="i32", rank="i32"),
-            constexprs=dict(BLOCK_R=min(triton.next_power_of_2(rank), 32), BLOCK_K=SHRINK_BLOCK_K),
-            aligned=("x_ptr", "a_ptr", "t_ptr", "in_dim"), num_warps=4, num_stages=3))
-        cases.append(dict(
-            name=f"lora expand r{rank}", fn=_expand_kernel,
-            signature=dict(t_ptr="*fp32", b_ptr=ptr, lo_ptr="*i32", span_ptr="*i32", index_ptr="*i32",
-                           y_ptr=ptr, y_stride="i32", span_max="i32", rank="i32"),
-            constexprs=dict(BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=triton.next_power_of_2(rank)),
-            aligned=("t_ptr", "b_ptr", "y_ptr"), num_warps=4, num_stages=3))
+        cases.append(
+            dict(
+                name=f"lora shrink r{rank}",
+                fn=_shrink_kernel,
+                signature=dict(
+                    x_ptr=ptr,
+                    x_stride="i32",
+                    a_ptr=ptr,
+                    index_ptr="*i32",
+                    t_ptr="*fp32",
+                    in_dim="i32",
+                    rank="i32",
+                ),
+                constexprs=dict(
+                    BLOCK_R=min(triton.next_power_of_2(rank), 32), BLOCK_K=SHRINK_BLOCK_K
+                ),
+                aligned=("x_ptr", "a_ptr", "t_ptr", "in_dim"),
+                num_warps=4,
+                num_stages=3,
+            )
+        )
+        cases.append(
+            dict(
+                name=f"lora expand r{rank}",
+                fn=_expand_kernel,
+                signature=dict(
+                    t_ptr="*fp32",
+                    b_ptr=ptr,
+                    lo_ptr="*i32",
+                    span_ptr="*i32",
+                    index_ptr="*i32",
+                    y_ptr=ptr,
+                    y_stride="i32",
+                    span_max="i32",
+                    rank="i32",
+                ),
+                constexprs=dict(BLOCK_N=EXPAND_BLOCK_N, BLOCK_R=triton.next_power_of_2(rank)),
+                aligned=("t_ptr", "b_ptr", "y_ptr"),
+                num_warps=4,
+                num_stages=3,
+            )
+        )
     return cases
 
 
-def lora_update(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, span: torch.Tensor,
-                index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[i, lo[g]:lo[g] + span[g]] += (x[i] @ a[g]^T) @ b[g, :span[g]]^T for each token i's adapter
-    g = index[i] (-1: nothing), in place. x [T, in] and out [T, out] with unit column stride; a [G, R, in],
-    b [G, S, R] contiguous; lo, span, index int32."""
+def lora_update(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    lo: torch.Tensor,
+    span: torch.Tensor,
+    index: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out[i, lo[g]:lo[g] + span[g]] += (x[i] @ a[g]^T) @ b[g, :span[g]]^T for token i's adapter g
+    (-1: none).
+    """
     tokens, in_dim = x.shape
     groups, rank, _ = a.shape
     span_max = b.shape[1]
@@ -90,10 +153,21 @@ def lora_update(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, lo: torch.Ten
         raise ValueError("lora_update needs unit column strides and contiguous stacks")
     t = torch.empty(tokens, rank, dtype=torch.float32, device=x.device)
     block_r = min(triton.next_power_of_2(rank), 32)
-    _shrink_kernel[(tokens, triton.cdiv(rank, block_r))](x, x.stride(0), a, index, t, in_dim, rank,
-                                                          BLOCK_R=block_r, BLOCK_K=SHRINK_BLOCK_K)
+    _shrink_kernel[(tokens, triton.cdiv(rank, block_r))](
+        x, x.stride(0), a, index, t, in_dim, rank, BLOCK_R=block_r, BLOCK_K=SHRINK_BLOCK_K
+    )
     block_n = EXPAND_BLOCK_N
-    _expand_kernel[(tokens, triton.cdiv(span_max, block_n))](t, b, lo, span, index, out, out.stride(0),
-                                                             span_max, rank, BLOCK_N=block_n,
-                                                             BLOCK_R=triton.next_power_of_2(rank))
+    _expand_kernel[(tokens, triton.cdiv(span_max, block_n))](
+        t,
+        b,
+        lo,
+        span,
+        index,
+        out,
+        out.stride(0),
+        span_max,
+        rank,
+        BLOCK_N=block_n,
+        BLOCK_R=triton.next_power_of_2(rank),
+    )
     return out

@@ -1,6 +1,6 @@
-"""A mixture-of-experts MLP on the GPU as two grouped matmuls (Triton), each chosen expert's weights read once
-a step and experts no token chose never read. `worker/model/moe.py`'s grouped torch loop is the definition
-it is tested against (natively on CUDA, under TRITON_INTERPRET=1 elsewhere)."""
+"""MoE MLP on the GPU as two grouped Triton matmuls: each chosen expert read once a step, the others
+never. worker/model/moe.py's loop is the definition it is tested against.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +10,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _grouped_matmul_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, weight_ptr,
-                           num_pairs, N, K, top_k, stride_am, stride_we, stride_wn, stride_cm,
-                           A_BY_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """c[pair, n] = a[row(pair), :] . w[expert, n, :] (x the pair's routing weight), for the BLOCK_M sorted
-    pairs of program_id(0), all of one expert; row(pair) = pair // top_k (its token) or the pair itself."""
+def _grouped_matmul_kernel(
+    a_ptr,
+    w_ptr,
+    c_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    weight_ptr,
+    num_pairs,
+    N,
+    K,
+    top_k,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_cm,
+    A_BY_PAIR: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """c[pair, n] = a[row(pair)] . w[expert, n] (times the routing weight) for BLOCK_M sorted pairs
+    of one expert.
+    """
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # past the last expert's run: padding
@@ -34,25 +53,37 @@ def _grouped_matmul_kernel(a_ptr, w_ptr, c_ptr, sorted_ptr, block_expert_ptr, we
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        a = tl.load(a_ptr + row[:, None] * stride_am + offs_k[None, :], mask=valid[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        a = tl.load(
+            a_ptr + row[:, None] * stride_am + offs_k[None, :],
+            mask=valid[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None],
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
         acc += tl.dot(a, w, input_precision=PRECISION)
     if MUL_WEIGHT:
         acc = acc * tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
-    tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=valid[:, None] & n_ok[None, :])
+    tl.store(
+        c_ptr + pair[:, None] * stride_cm + offs_n[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=valid[:, None] & n_ok[None, :],
+    )
 
 
-BLOCK_M = 16  # pairs a program takes (tl.dot's smallest); one expert's run is padded to a multiple of it
+BLOCK_M = (
+    16  # pairs a program takes (tl.dot's smallest); one expert's run is padded to a multiple of it
+)
 
 
-def align(expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[
-        torch.Tensor, torch.Tensor]:
-    """expert_ids [T, k] -> (sorted_pairs, block_expert): the flat pair indices (t * k + j) grouped by expert,
-    each expert's run padded with T·k (no pair) to a multiple of block_m; and the expert of each block of
-    block_m entries (-1 past the last run). Sizes depend on T·k and E only: device ops, no host sync."""
+def align(
+    expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group (token, expert) pairs by expert, each run padded to block_m; shapes depend on T·k and E
+    only, so there is no host sync.
+    """
     flat = expert_ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
     device = flat.device
@@ -79,11 +110,19 @@ def _blocks(n: int, k: int) -> tuple[int, int]:
     return max(16, min(64, triton.next_power_of_2(n))), max(16, min(64, triton.next_power_of_2(k)))
 
 
-def grouped_matmul(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
-                   top_k: int, num_pairs: int, a_by_pair: bool,
-                   weights: torch.Tensor | None = None) -> torch.Tensor:
-    """-> [num_pairs, N]: each pair's row of `a` (its token's, or its own with a_by_pair) times its expert's
-    w [E, N, K] transposed, scaled by weights[pair] where given."""
+def grouped_matmul(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    sorted_pairs: torch.Tensor,
+    block_expert: torch.Tensor,
+    top_k: int,
+    num_pairs: int,
+    a_by_pair: bool,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """-> [num_pairs, N]: each pair's row of `a` (its token's, or its own with a_by_pair) times its
+    expert's w [E, N, K] transposed, scaled by weights[pair] where given.
+    """
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
     if num_pairs == 0:
@@ -91,52 +130,112 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, sorted_pairs: torch.Tensor,
     block_n, block_k = _blocks(n, k)
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_matmul_kernel[grid](
-        a, w, out, sorted_pairs, block_expert, weights if weights is not None else out,
-        num_pairs, n, k, top_k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_BY_PAIR=a_by_pair, MUL_WEIGHT=weights is not None,
+        a,
+        w,
+        out,
+        sorted_pairs,
+        block_expert,
+        weights if weights is not None else out,
+        num_pairs,
+        n,
+        k,
+        top_k,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        A_BY_PAIR=a_by_pair,
+        MUL_WEIGHT=weights is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
     return out
 
 
-def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, silu_mul) -> torch.Tensor:
-    """A step's T tokens are each routed to k of E experts: T·k (token, expert) pairs. `align` sorts the
-    pairs by expert and pads each expert's run to a multiple of BLOCK_M, entirely on the device and with
-    shapes fixed by T·k and E alone (no host sync: a CUDA graph can hold it). Then one launch computes
-    every pair's gate/up projection: a program takes BLOCK_M pairs of one expert and BLOCK_N outputs,
-    loads that expert's weight tile once for all of them, and gathers the pairs' token rows itself (no
-    permuted copy of the activations). After SiLU·mul, a second launch does the down projections the same
-    way, scaling each pair by its routing weight, and the k pairs of a token are summed.
-
-    x [T, H]; topk_weights, topk_ids [T, k]; gate_up [E, 2I, H]; down [E, H, I] -> [T, H]:
-    sum over each token's k experts of weight * down(silu(gate) * up). silu_mul([rows, 2I]) -> [rows, I]."""
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    silu_mul,
+) -> torch.Tensor:
+    """x [T, H] routed to k of E experts -> [T, H]. Pairs are sorted by expert on the device (no
+    host sync, so a CUDA graph can hold it); each program loads one expert's tile once for BLOCK_M
+    pairs and gathers their rows itself; the down projection scales by the routing weight and a
+    token's k pairs are summed.
+    """
     x = x.contiguous()
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
     sorted_pairs, block_expert = align(topk_ids, gate_up.shape[0])
     gu = grouped_matmul(x, gate_up, sorted_pairs, block_expert, top_k, pairs, a_by_pair=False)
     act = silu_mul(gu)
-    y = grouped_matmul(act, down, sorted_pairs, block_expert, top_k, pairs, a_by_pair=True,
-                       weights=topk_weights.reshape(-1).contiguous())
+    y = grouped_matmul(
+        act,
+        down,
+        sorted_pairs,
+        block_expert,
+        top_k,
+        pairs,
+        a_by_pair=True,
+        weights=topk_weights.reshape(-1).contiguous(),
+    )
     return y.view(tokens, top_k, -1).sum(1)
 
 
 def launch_cases(dtype: str = "bf16") -> list[dict]:
-    """The grouped matmul as fused_moe launches it at Qwen3-30B-A3B's shapes (hidden 2048, experts of 768):
-    gate/up (rows gathered by token) and down (by pair, routing weights applied), for
-    kernels/compile_report.py."""
+    """The grouped matmul as fused_moe launches it at Qwen3-30B-A3B's shapes (hidden 2048, experts
+    of 768): gate/up (rows gathered by token) and down (by pair, routing weights applied), for
+    kernels/compile_report.py.
+    """
     ptr = f"*{dtype}"
     cases = []
     for name, n, k, by_pair in (("gate_up", 2 * 768, 2048, False), ("down", 2048, 768, True)):
         block_n, block_k = _blocks(n, k)
-        cases.append(dict(
-            name=f"moe {name} n{n} k{k}", fn=_grouped_matmul_kernel,
-            signature=dict(a_ptr=ptr, w_ptr=ptr, c_ptr=ptr, sorted_ptr="*i32", block_expert_ptr="*i32",
-                           weight_ptr=ptr, num_pairs="i32", N="i32", K="i32", top_k="i32", stride_am="i32",
-                           stride_we="i32", stride_wn="i32", stride_cm="i32"),
-            constexprs=dict(A_BY_PAIR=by_pair, MUL_WEIGHT=by_pair, PRECISION="tf32", BLOCK_M=BLOCK_M,
-                            BLOCK_N=block_n, BLOCK_K=block_k),
-            aligned=("a_ptr", "w_ptr", "c_ptr", "N", "K", "stride_am", "stride_we", "stride_wn", "stride_cm"),
-            num_warps=4, num_stages=3))
+        cases.append(
+            dict(
+                name=f"moe {name} n{n} k{k}",
+                fn=_grouped_matmul_kernel,
+                signature=dict(
+                    a_ptr=ptr,
+                    w_ptr=ptr,
+                    c_ptr=ptr,
+                    sorted_ptr="*i32",
+                    block_expert_ptr="*i32",
+                    weight_ptr=ptr,
+                    num_pairs="i32",
+                    N="i32",
+                    K="i32",
+                    top_k="i32",
+                    stride_am="i32",
+                    stride_we="i32",
+                    stride_wn="i32",
+                    stride_cm="i32",
+                ),
+                constexprs=dict(
+                    A_BY_PAIR=by_pair,
+                    MUL_WEIGHT=by_pair,
+                    PRECISION="tf32",
+                    BLOCK_M=BLOCK_M,
+                    BLOCK_N=block_n,
+                    BLOCK_K=block_k,
+                ),
+                aligned=(
+                    "a_ptr",
+                    "w_ptr",
+                    "c_ptr",
+                    "N",
+                    "K",
+                    "stride_am",
+                    "stride_we",
+                    "stride_wn",
+                    "stride_cm",
+                ),
+                num_warps=4,
+                num_stages=3,
+            )
+        )
     return cases

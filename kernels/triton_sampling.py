@@ -1,6 +1,6 @@
-"""Top-p without sorting the vocabulary, for the GPU sampler (worker/step/sampler.py): no sort, no host sync.
-kernels/reference.py's `top_p_floor_torch` is the same search in torch (the CPU sampler's, and the
-definition the kernel is tested against, natively on CUDA and under TRITON_INTERPRET=1 elsewhere)."""
+"""Top-p without sorting or host sync, for the GPU sampler; kernels/reference.py's top_p_floor_torch
+is the same search in torch.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from kernels.reference import HALVINGS  # one number for both searches
 
 
 @triton.jit
-def _top_p_floor_kernel(probs_ptr, top_p_ptr, floor_ptr, vocab, stride, HALVINGS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _top_p_floor_kernel(
+    probs_ptr, top_p_ptr, floor_ptr, vocab, stride, HALVINGS: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     base = probs_ptr + row * stride
     target = tl.load(top_p_ptr + row)
@@ -39,28 +40,40 @@ def _top_p_floor_kernel(probs_ptr, top_p_ptr, floor_ptr, vocab, stride, HALVINGS
 
 
 def top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """A row keeps token i when the probability mass strictly above p_i is below top_p (every token tied with
-    the last one kept stays, as with top-k). That set is {i : p_i >= floor} for one floor, which is one of
-    the row's probabilities: the kernel finds it by bisection on the bits of a float32 (positive floats
-    order as their bit patterns), 31 halvings of [0, max p], each a masked sum over the row. One program
-    per row; the row is read from L2 on every halving.
-
-    probs fp32 [rows, vocab] (rows sum to 1), top_p fp32 [rows] in (0, 1] on the same device -> the
-    smallest probability each row keeps, fp32 [rows] (0 where top_p is 1)."""
+    """The smallest probability each row keeps under top_p (0 where top_p is 1). Token i stays when
+    the mass strictly above p_i is below top_p, i.e. p_i >= one floor, found by bisection on float32
+    bits.
+    """
     rows, vocab = probs.shape
     floor = torch.empty(rows, dtype=torch.float32, device=probs.device)
     if rows:
         probs = probs.contiguous()
         block = 4096 if probs.is_cuda else min(1024, triton.next_power_of_2(vocab))
-        _top_p_floor_kernel[(rows,)](probs, top_p.contiguous(), floor, vocab, probs.stride(0),
-                                     HALVINGS=HALVINGS, BLOCK=block, num_warps=8 if probs.is_cuda else 4)
+        _top_p_floor_kernel[(rows,)](
+            probs,
+            top_p.contiguous(),
+            floor,
+            vocab,
+            probs.stride(0),
+            HALVINGS=HALVINGS,
+            BLOCK=block,
+            num_warps=8 if probs.is_cuda else 4,
+        )
     return floor
 
 
 def launch_cases() -> list[dict]:
     """The top-p kernel as the sampler launches it on a GPU, for kernels/compile_report.py."""
-    return [dict(name="top_p_floor", fn=_top_p_floor_kernel,
-                 signature=dict(probs_ptr="*fp32", top_p_ptr="*fp32", floor_ptr="*fp32", vocab="i32",
-                                stride="i32"),
-                 constexprs=dict(HALVINGS=HALVINGS, BLOCK=4096),
-                 aligned=("probs_ptr", "top_p_ptr", "floor_ptr"), num_warps=8, num_stages=3)]
+    return [
+        dict(
+            name="top_p_floor",
+            fn=_top_p_floor_kernel,
+            signature=dict(
+                probs_ptr="*fp32", top_p_ptr="*fp32", floor_ptr="*fp32", vocab="i32", stride="i32"
+            ),
+            constexprs=dict(HALVINGS=HALVINGS, BLOCK=4096),
+            aligned=("probs_ptr", "top_p_ptr", "floor_ptr"),
+            num_warps=8,
+            num_stages=3,
+        )
+    ]

@@ -142,6 +142,7 @@ def _sweep_decode() -> None:
     import torch
 
     from kernels import triton_attention as ta
+    from kernels import triton_configs as tc
     from kernels.compile_report import runtime_report
 
     dtype, (n_heads, n_kv, head_dim, block) = torch.bfloat16, (32, 8, 128, 16)
@@ -153,7 +154,7 @@ def _sweep_decode() -> None:
     print(f"{'kernel':<8} {'config':<36} {'regs':>5} {'spills':>6} " + cases)
     inputs = [_paged_inputs(b, c, n_heads, n_kv, head_dim, block, dtype, "cuda") for b, c in decode_cases]
     for cfg in configs:
-        ta.override("decode", cfg)
+        tc.override("decode", cfg)
         times = []
         for (q, kc, vc, tables, lens, qsl), (_, c) in zip(inputs, decode_cases, strict=True):
             times.append(_time_cuda(functools.partial(ta.paged_attention, q, kc, vc, tables, lens, qsl,
@@ -162,7 +163,7 @@ def _sweep_decode() -> None:
         label = ",".join(f"{k}={x}" for k, x in cfg.items())
         print(f"{'decode':<8} {label:<36} {v['regs']!s:>5} {v['spills']!s:>6} "
               + " ".join(f"{t * 1e3:>8.3f}" for t in times))
-    ta.OVERRIDES.pop("decode", None)
+    tc.OVERRIDES.pop("decode", None)
 
 
 def _sweep_prefill(n_heads: int, n_kv: int, head_dim: int, shapes) -> None:
@@ -172,6 +173,7 @@ def _sweep_prefill(n_heads: int, n_kv: int, head_dim: int, shapes) -> None:
     import torch.nn.functional as F
 
     from kernels import triton_attention as ta
+    from kernels import triton_configs as tc
     from kernels.compile_report import runtime_report
 
     dtype, block = torch.bfloat16, 16
@@ -197,7 +199,7 @@ def _sweep_prefill(n_heads: int, n_kv: int, head_dim: int, shapes) -> None:
     names = " ".join(f"{n:>6} ms x sdpa" for n, *_ in cases)
     print(f"{'config':<58} {'regs':>5} {'spills':>6} {'err':>8} " + names)
     for cfg in configs:
-        ta.override("prefill", cfg)
+        tc.override("prefill", cfg)
         label = ",".join(f"{k}={x}" for k, x in cfg.items())
         cols = []
         try:
@@ -214,7 +216,7 @@ def _sweep_prefill(n_heads: int, n_kv: int, head_dim: int, shapes) -> None:
             continue
         v = runtime_report()["prefill_kernel"][0]
         print(f"{label:<58} {v['regs']!s:>5} {v['spills']!s:>6} {err:>8.1e} " + " ".join(cols), flush=True)
-    ta.OVERRIDES.pop("prefill", None)
+    tc.OVERRIDES.pop("prefill", None)
 
 
 def bench_cpu_pool(args) -> None:

@@ -12,6 +12,7 @@ from tests.support.paged_case import make_case
 pytestmark = pytest.mark.kernels
 
 triton_attention = pytest.importorskip("kernels.triton_attention", reason="triton is not installed")
+triton_configs = pytest.importorskip("kernels.triton_configs", reason="triton is not installed")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]
@@ -194,7 +195,7 @@ def test_step_varying_arguments_are_not_specialized():
         "stride_mlh",
         "split_len",
     }
-    for name, listed in triton_attention.STEP_VARYING.items():
+    for name, listed in triton_configs.STEP_VARYING.items():
         kernel = getattr(triton_attention, name)
         params = set(inspect.signature(kernel.fn).parameters)
         assert set(listed) <= params, (name, set(listed) - params)
@@ -222,14 +223,14 @@ def test_many_splits_over_a_long_context_among_short_ones(n_heads, n_kv_heads, h
 
 
 def test_split_choice_caps_the_keys_of_a_split_and_fills_the_gpu(monkeypatch):
-    monkeypatch.setattr(triton_attention, "_multiprocessors", lambda index: 132)
+    monkeypatch.setattr(triton_configs, "_multiprocessors", lambda index: 132)
     cuda = torch.device("cuda", 0)
-    pick = triton_attention.default_num_splits
-    assert pick(64, 8, 8192, 16, cuda) == 8192 // triton_attention.MAX_SPLIT_KEYS  # by length: 16
+    pick = triton_configs.default_num_splits
+    assert pick(64, 8, 8192, 16, cuda) == 8192 // triton_configs.MAX_SPLIT_KEYS  # by length: 16
     assert pick(1, 8, 2048, 16, cuda) == 33  # few programs: split finer to fill 132 SMs twice
     assert pick(256, 8, 300, 16, cuda) == 1
     assert pick(1, 1, 40, 16, cuda) == 3  # never more splits than blocks
-    assert pick(1, 8, 10**7, 16, cuda) == triton_attention.MAX_SPLITS
+    assert pick(1, 8, 10**7, 16, cuda) == triton_configs.MAX_SPLITS
 
 
 def test_split_scratch_is_allocated_once_per_step_and_stale_splits_are_never_read(monkeypatch):
