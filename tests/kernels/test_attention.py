@@ -1,20 +1,22 @@
-"""The worker's CPU attention backends (torch, and cpu with its native decode and prefill kernels) against
-the plain reference, on adversarial paged inputs."""
+"""The worker's CPU attention backends (torch, and cpu with its native decode and prefill kernels)
+against the plain reference, on adversarial paged inputs.
+"""
 
 import pytest
 import torch
 
 from kernels.reference import paged_attention, write_kv
 from tests.support.paged_case import make_case
-from worker.model.attention import make_backend
+from worker.model.attention_native import make_backend
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(4, 4), (4, 2), (8, 2), (10, 2)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_backend_matches_reference_on_mixed_batches(backend_name, n_heads, n_kv_heads, block_size):
-    """triton (in the interpreter here) splits the mixed step: decode rows through the split-KV kernels,
-    prompt chunks through the prefill kernel."""
+    """triton (in the interpreter here) splits the mixed step: decode rows through the split-KV
+    kernels, prompt chunks through the prefill kernel.
+    """
     # decode rows, a fresh prefill, a chunk over a cached prefix, lengths at block boundaries
     q_lens = [1, 7, 1, 5, 1, 3]
     seq_lens = [1, 7, block_size, block_size + 5, block_size + 1, 3 * block_size - 1]
@@ -25,7 +27,8 @@ def test_backend_matches_reference_on_mixed_batches(backend_name, n_heads, n_kv_
         c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens)
     )
     if backend_name == "triton":
-        # gathered once for the step: each decoding sequence's query token, the chunks' starts and ends
+        # gathered once for the step: each decoding sequence's query token, the chunks' starts and
+        # ends
         qsl = c.query_start_loc.tolist()
         assert meta.mixed.decode_rows.tolist() == [qsl[0], qsl[2], qsl[4]]
         assert meta.mixed.prefill_starts.tolist() == [qsl[1], qsl[3], qsl[5]]
@@ -55,8 +58,8 @@ def test_reference_head_mapping_and_causality():
     out = paged_attention(q, k, v, tables, lens, qsl, 0.3)
     assert torch.allclose(out[:, 2:4], torch.full_like(out[:, 2:4], 7.0))
     assert not torch.allclose(out[:, 0:2], torch.full_like(out[:, 0:2], 7.0))
-    # the first query of a 3-token chunk over 6 keys sees keys 0..3 only: changing key 5 changes nothing for
-    # it
+    # the first query of a 3-token chunk over 6 keys sees keys 0..3 only: changing key 5 changes
+    # nothing for it
     v2 = v.clone()
     v2.view(-1, n_kv_heads, 8)[slots[5]] += 100.0
     out2 = paged_attention(q, k, v2, tables, lens, qsl, 0.3)
@@ -78,9 +81,11 @@ def test_write_kv_padding_slots_write_nothing():
 )
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_native_decode_kernel_on_long_ragged_batches(n_heads, n_kv_heads, head_dim, block_size):
-    """Every decode row at once: lengths from 1 to past 2k (partial last blocks, a block boundary exactly),
-    GQA groups 1-8, head dims on (multiples of 16) and off the vector path, NaN everywhere unwritten; 48 heads
-    of 256 are more state than one work item holds, so a sequence's KV heads are split over items (8 + 4)."""
+    """Every decode row at once: lengths from 1 to past 2k (partial last blocks, a block boundary
+    exactly), GQA groups 1-8, head dims on (multiples of 16) and off the vector path, NaN everywhere
+    unwritten; 48 heads of 256 are more state than one work item holds, so a sequence's KV heads are
+    split over items (8 + 4).
+    """
     from kernels import cpu_native
 
     native = cpu_native.load()
@@ -105,9 +110,8 @@ def test_native_decode_kernel_writes_only_its_rows_and_rejects_wrong_inputs():
 
     native = cpu_native.load()
     c = make_case([3, 1, 2, 1], [5, 9, 2, 17], 4, 2, 16, 4, seed=5)
-    rows = torch.tensor(
-        [3, 6]
-    )  # the decode rows' query tokens: sequence 1 (token 3) and 3 (token 6)
+    # the decode rows' query tokens: sequence 1 (token 3) and 3 (token 6)
+    rows = torch.tensor([3, 6])
     out = torch.zeros_like(c.q)
     native.paged_decode(
         c.q,
@@ -141,9 +145,8 @@ def test_native_decode_kernel_writes_only_its_rows_and_rejects_wrong_inputs():
 
 
 def test_cpu_backend_falls_back_to_torch_where_the_kernel_does_not_cover_the_shape():
-    assert (
-        make_backend(None, torch.device("cpu"), (64, 1, 64, 16, torch.float32)).name == "torch"
-    )  # group 64
+    # group 64
+    assert make_backend(None, torch.device("cpu"), (64, 1, 64, 16, torch.float32)).name == "torch"
     assert make_backend(None, torch.device("cpu"), (8, 2, 64, 16, torch.bfloat16)).name == "torch"
     assert make_backend(None, torch.device("cpu"), (8, 2, 64, 16, torch.float32)).name == "cpu"
     with pytest.raises(ValueError, match="does not cover"):
@@ -158,10 +161,11 @@ def test_cpu_backend_falls_back_to_torch_where_the_kernel_does_not_cover_the_sha
 def test_native_prefill_kernel_on_chunks_with_cached_prefixes(
     n_heads, n_kv_heads, head_dim, block_size
 ):
-    """Prompt chunks of every shape in one step: whole prompts (q_len == seq_len), chunks over a cached prefix
-    (q_len < seq_len), lengths around the 16-key and 16-query tiles and past them, among decode rows; the
-    queries a strided view of a fused QKV row, as the model passes them; NaN everywhere unwritten; only the
-    prefill rows are written."""
+    """Prompt chunks of every shape in one step: whole prompts (q_len == seq_len), chunks over a
+    cached prefix (q_len < seq_len), lengths around the 16-key and 16-query tiles and past them,
+    among decode rows; the queries a strided view of a fused QKV row, as the model passes them; NaN
+    everywhere unwritten; only the prefill rows are written.
+    """
     from kernels import cpu_native
 
     native = cpu_native.load()
@@ -210,8 +214,9 @@ def test_cpu_backend_prefill_falls_back_to_torch_for_queries_it_cannot_read_in_p
 
 
 def _brute_force(c, window: int, softcap: float = 0.0) -> torch.Tensor:
-    """Each query's softmax over exactly the keys it may see (scores soft-capped where softcap > 0), in
-    float64, one query at a time."""
+    """Each query's softmax over exactly the keys it may see (scores soft-capped where softcap > 0),
+    in float64, one query at a time.
+    """
     n_heads = c.q.shape[1]
     block_size, n_kv = c.k_cache.shape[1], c.k_cache.shape[2]
     out = torch.zeros_like(c.q, dtype=torch.float64)
@@ -236,7 +241,9 @@ def _brute_force(c, window: int, softcap: float = 0.0) -> torch.Tensor:
 
 
 def _poison_out_of_window(c, window: int) -> None:
-    """NaN into every key and value no query of its sequence may see: a kernel that read one would say so."""
+    """NaN into every key and value no query of its sequence may see: a kernel that read one would
+    say so.
+    """
     block_size = c.k_cache.shape[1]
     qsl = c.query_start_loc.tolist()
     for i, seq_len in enumerate(c.seq_lens.tolist()):
@@ -251,8 +258,10 @@ def _poison_out_of_window(c, window: int) -> None:
 @pytest.mark.parametrize("window", [1, 3, 16, 37, 500])
 def test_a_sliding_window_shows_each_query_its_last_keys_only(backend_name, window):
     """Decodes and prompt chunks (one over a cached prefix, one longer than the prefill tiles) in a
-    sliding-window layer: each query sees its last `window` keys, itself included, as brute force says; the
-    reference agrees; the native and Triton kernels never read a key outside every window (poisoned)."""
+    sliding-window layer: each query sees its last `window` keys, itself included, as brute force
+    says; the reference agrees; the native and Triton kernels never read a key outside every window
+    (poisoned).
+    """
     block_size = 4
     q_lens = [1, 40, 1, 9, 1, 70]
     seq_lens = [1, 40, 23, 61, 100, 70]
@@ -274,9 +283,10 @@ def test_a_sliding_window_shows_each_query_its_last_keys_only(backend_name, wind
 @pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("window", [0, 5])
 def test_soft_capped_scores_equal_brute_force(backend_name, window):
-    """Gemma 2's attention-logit soft-capping (every scaled score s becomes cap * tanh(s / cap)), with and
-    without a sliding window, over decodes and prompt chunks (one over a cached prefix): scores large enough
-    that the cap changes the result."""
+    """Gemma 2's attention-logit soft-capping (every scaled score s becomes cap * tanh(s / cap)),
+    with and without a sliding window, over decodes and prompt chunks (one over a cached prefix):
+    scores large enough that the cap changes the result.
+    """
     block_size, cap = 4, 2.0
     q_lens = [1, 19, 1, 9, 33]
     seq_lens = [1, 19, 23, 30, 33]
@@ -304,9 +314,11 @@ def test_soft_capped_scores_equal_brute_force(backend_name, window):
 def test_a_bf16_pool_is_read_as_its_values_widened(
     backend_name, n_heads, n_kv_heads, head_dim, block_size, window
 ):
-    """--kv-cache-dtype bf16: decodes and prompt chunks (one over a cached prefix, one past the tiles) over a
-    bf16 pool with fp32 queries give the reference's answer over the same pool widened to fp32 (head sizes
-    on the vector paths and off them, one-token blocks, a sliding window), and differ from the fp32 pool's."""
+    """--kv-cache-dtype bf16: decodes and prompt chunks (one over a cached prefix, one past the
+    tiles) over a bf16 pool with fp32 queries give the reference's answer over the same pool widened
+    to fp32 (head sizes on the vector paths and off them, one-token blocks, a sliding window), and
+    differ from the fp32 pool's.
+    """
     if backend_name == "triton" and head_dim == 256:
         pytest.skip(
             "the interpreter's 256-wide tiles take minutes; 64/128/24 cover the kernel's paths"
@@ -335,13 +347,14 @@ def test_a_bf16_pool_is_read_as_its_values_widened(
 def test_bf16_dot_prefill_stays_within_bf16_rounding_of_the_exact_answer(
     n_heads, n_kv_heads, head_dim, block_size, window, softcap, tiles, request
 ):
-    """bf16_dots (a model served in bf16): queries and softmax weights rounded to bf16, both products in
-    bf16 dot products. Over the same bf16 pool it stays within bf16's rounding of the exact fp32 answer
-    (chunks over cached prefixes, lengths around the 16-key and 16-query tiles, a sliding window,
-    soft-capping), differs from the fp32 arithmetic where the CPU has the instructions, and is that
-    arithmetic bit for bit where it does not apply: an fp32 pool, a head size not a multiple of 32 (80), a
-    CPU without AVX512_BF16. Both kernels: on AMX tiles (where the CPU and the OS have them) and in
-    vector registers."""
+    """bf16_dots (a model served in bf16): queries and softmax weights rounded to bf16, both
+    products in bf16 dot products. Over the same bf16 pool it stays within bf16's rounding of the
+    exact fp32 answer (chunks over cached prefixes, lengths around the 16-key and 16-query tiles, a
+    sliding window, soft-capping), differs from the fp32 arithmetic where the CPU has the
+    instructions, and is that arithmetic bit for bit where it does not apply: an fp32 pool, a head
+    size not a multiple of 32 (80), a CPU without AVX512_BF16. Both kernels: on AMX tiles (where the
+    CPU and the OS have them) and in vector registers.
+    """
     from kernels import cpu_native
 
     native = cpu_native.load()
@@ -372,10 +385,11 @@ def test_bf16_dot_prefill_stays_within_bf16_rounding_of_the_exact_answer(
     got = run(k16, v16, True)
     assert torch.isfinite(got).all()
     err = (got - want).abs()
+    # |v| ~ 1: bf16's 2^-9 steps
     assert err.max() < 3e-2 and err.mean() < 3e-3, (
         err.max(),
         err.mean(),
-    )  # |v| ~ 1: bf16's 2^-9 steps
+    )
     # the tiles ran, not the vector kernel
     if tiles and native.prefill_tiles() and head_dim % 32 == 0:
         native.prefill_tiles(False)
@@ -385,9 +399,8 @@ def test_bf16_dot_prefill_stays_within_bf16_rounding_of_the_exact_answer(
         assert not torch.equal(got, exact)
     else:
         assert torch.equal(got, exact)
-    assert torch.equal(
-        run(c.k_cache, c.v_cache, True), run(c.k_cache, c.v_cache, False)
-    )  # fp32 pool
+    # fp32 pool
+    assert torch.equal(run(c.k_cache, c.v_cache, True), run(c.k_cache, c.v_cache, False))
 
 
 def test_write_kv_rounds_into_a_bf16_pool_as_torch_does():
@@ -403,9 +416,11 @@ def test_write_kv_rounds_into_a_bf16_pool_as_torch_does():
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_the_native_kv_write_stores_the_fused_rows_views_as_the_reference_does(kv_dtype):
-    """The CPU backend's write of a step's keys and values: k and v as views of the fused QKV rows (strided,
-    as the layer hands them over), padding slots skipped, a bf16 pool rounded to nearest even, NaN and
-    infinities kept: the reference's pool, value for value; tensors of another form go the reference's way."""
+    """The CPU backend's write of a step's keys and values: k and v as views of the fused QKV rows
+    (strided, as the layer hands them over), padding slots skipped, a bf16 pool rounded to nearest
+    even, NaN and infinities kept: the reference's pool, value for value; tensors of another form go
+    the reference's way.
+    """
     from kernels import cpu_native
 
     native = cpu_native.load()
@@ -434,9 +449,8 @@ def test_the_native_kv_write_stores_the_fused_rows_views_as_the_reference_does(k
     got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
     backend.write_kv(k, v, got_k, got_v, slots)
 
-    def same(
-        a, b
-    ):  # every value equal, NaN where NaN (torch writes a bf16 NaN with other payload bits)
+    # every value equal, NaN where NaN (torch writes a bf16 NaN with other payload bits)
+    def same(a, b):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
     same(got_k, want_k)
@@ -446,8 +460,7 @@ def test_the_native_kv_write_stores_the_fused_rows_views_as_the_reference_does(k
     )
     assert not native.write_kv(k.double(), v.double(), got_k, got_v, slots)
     odd_k, odd_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
-    backend.write_kv(
-        k.double(), v.double(), odd_k, odd_v, slots
-    )  # the reference's way: the same values
+    # the reference's way: the same values
+    backend.write_kv(k.double(), v.double(), odd_k, odd_v, slots)
     same(odd_k, want_k)
     same(odd_v, want_v)

@@ -6,8 +6,7 @@ import torch
 
 from kernels import cpu_native
 from worker.model.config import ModelConfig
-from worker.model.elementwise import NativeOps, TorchOps, default_ops
-from worker.model.llama import Rotary
+from worker.model.elementwise import NativeOps, Rotary, TorchOps, default_ops
 
 native = cpu_native.load()
 needs_native = pytest.mark.skipif(native is None, reason="native CPU kernels did not build here")
@@ -30,7 +29,9 @@ def _config(head_dim: int, rotary_dim: int = 0) -> ModelConfig:
 
 
 def test_partial_rotary_turns_the_first_values_of_each_head_and_leaves_the_rest():
-    """A partial_rotary_factor (Phi-3's configs): rotate-half over the first rotary_dim values only."""
+    """A partial_rotary_factor (Phi-3's configs): rotate-half over the
+    first rotary_dim values only.
+    """
     rotary = Rotary(_config(64, rotary_dim=48), torch.device("cpu"))
     assert rotary.cos.shape[1] == 24
     x = torch.randn(3, 2, 64)
@@ -62,9 +63,10 @@ def test_add_rms_norm_matches_torch(hidden, with_delta):
 @pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bf16_out", [False, True])
 def test_add_rms_norm_between_bf16_gemms_is_the_fp32_norm_rounded(delta_dtype, bf16_out):
-    """A bf16 GEMM's product added to the fp32 residual and the norm handed to the next bf16 GEMM in bf16: the
-    residual exactly the fp32 kernel's on the widened product, the output that kernel's rounded to nearest
-    even (the rounding the GEMM applied to its input anyway), in one pass."""
+    """A bf16 GEMM's product added to the fp32 residual and the norm handed to the next bf16 GEMM in
+    bf16: the residual exactly the fp32 kernel's on the widened product, the output that kernel's
+    rounded to nearest even (the rounding the GEMM applied to its input anyway), in one pass.
+    """
     g = torch.Generator().manual_seed(7)
     residual = torch.randn(9, 576, generator=g) * 3
     delta = None if delta_dtype is None else (torch.randn(9, 576, generator=g) * 2).to(delta_dtype)
@@ -94,8 +96,10 @@ def test_silu_mul_matches_torch(width):
 @needs_native
 @pytest.mark.parametrize("shape", [(2048, 960), (3, 7), (0, 5)])
 def test_widening_a_bf16_gemm_output_is_torchs_exact_conversion(shape):
-    """A bf16 GEMM's product into the fp32 residual stream: every value, infinities and NaN included, as
-    torch converts it (the bits shifted), at a prompt chunk's size and at sizes of no whole vector."""
+    """A bf16 GEMM's product into the fp32 residual stream: every value, infinities and NaN
+    included, as torch converts it (the bits shifted), at a prompt chunk's size and at sizes of no
+    whole vector.
+    """
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(shape[1])) * 1e3).to(
         torch.bfloat16
     )
@@ -148,8 +152,10 @@ def test_rope_matches_torch(head_dim, rotary_dim, fused_row):
 @needs_native
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
 def test_head_norms_normalize_q_and_k_in_place_on_the_fused_row_as_torch(head_dim):
-    """Qwen3's per-head q and k norms: in place on the QKV row (V untouched), so RoPE then still finds q and
-    k adjacent there; tensors that are not such views (a copy, another dtype) go through torch."""
+    """Qwen3's per-head q and k norms: in place on the QKV row (V untouched), so RoPE then still
+    finds q and k adjacent there; tensors that are not such views (a copy, another dtype) go through
+    torch.
+    """
     heads, kv_heads, tokens = 4, 2, 9
     g = torch.Generator().manual_seed(head_dim)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g) * 3
@@ -172,9 +178,8 @@ def test_head_norms_normalize_q_and_k_in_place_on_the_fused_row_as_torch(head_di
         rows[:, (heads + kv_heads) * head_dim :], qkv[:, (heads + kv_heads) * head_dim :]
     )
     copies = [t.contiguous().clone() * 1.0 for t in split(qkv)]
-    copies[0] = (
-        copies[0].transpose(1, 2).contiguous().transpose(1, 2)
-    )  # head values not at unit stride
+    # head values not at unit stride
+    copies[0] = copies[0].transpose(1, 2).contiguous().transpose(1, 2)
     got_q, got_k = NativeOps(native).head_norms(*copies, qw, kw, 1e-6)
     torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
 
@@ -182,8 +187,10 @@ def test_head_norms_normalize_q_and_k_in_place_on_the_fused_row_as_torch(head_di
 @needs_native
 @pytest.mark.parametrize("vocab", [1, 15, 16, 49152, 49157])
 def test_greedy_argmax_is_the_first_largest_and_never_nan(vocab):
-    """The sampler's all-greedy pass: torch's argmax with NaN as -inf, ties to the first index (across the
-    vector lanes and into the tail past the last full vector), -1 for a row with nothing above -inf."""
+    """The sampler's all-greedy pass: torch's argmax with NaN as -inf, ties to the first index
+    (across the vector lanes and into the tail past the last full vector), -1 for a row with nothing
+    above -inf.
+    """
     g = torch.Generator().manual_seed(vocab)
     for trial in range(12):
         x = torch.randn(4, vocab, generator=g)
@@ -200,9 +207,8 @@ def test_greedy_argmax_is_the_first_largest_and_never_nan(vocab):
         ref = x.masked_fill(x.isnan(), float("-inf"))
         want = torch.where(ref.amax(-1) == float("-inf"), -1, ref.argmax(-1))
         assert native.argmax_rows(x).tolist() == want.tolist()
-        assert (
-            native.argmax_rows(x[2:3]).tolist() == want[2:3].tolist()
-        )  # one row: no parallel region
+        # one row: no parallel region
+        assert native.argmax_rows(x[2:3]).tolist() == want[2:3].tolist()
 
 
 @needs_native
@@ -225,7 +231,8 @@ def test_default_ops_by_device_and_dtype(monkeypatch):
     assert type(ops) is TorchOps
 
 
-# --- the Triton kernels (kernels/triton_elementwise.py): natively on CUDA, in the interpreter elsewhere ---
+# --- the Triton kernels (kernels/triton_elementwise.py): natively on CUDA, in the interpreter
+# elsewhere ---
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_DTYPES = (
     [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]
@@ -254,9 +261,8 @@ def test_triton_add_rms_norm_matches_torch(dtype, hidden, with_delta):
     weight = torch.randn(hidden, generator=g).to(DEVICE, dtype)
     want_res, want = TorchOps().add_rms_norm(residual.clone(), delta, weight, 1e-5)
     got_res, got = ops.add_rms_norm(residual.clone(), delta, weight, 1e-5)
-    torch.testing.assert_close(
-        got_res, want_res, rtol=0, atol=0
-    )  # the residual add rounds once, as torch's
+    # the residual add rounds once, as torch's
+    torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
     torch.testing.assert_close(got, want, **TRITON_TOL[dtype])
 
 
@@ -296,9 +302,10 @@ def test_triton_rope_in_place_on_the_fused_row_matches_torch(dtype, head_dim, ro
     got_q, got_k = ops.rope(*split(rows), ops.rope_tables(rotary, positions, dtype))
     torch.testing.assert_close(got_q, want_q, **TRITON_TOL[dtype])
     torch.testing.assert_close(got_k, want_k, **TRITON_TOL[dtype])
+    # V
     assert torch.equal(
         rows[:, (heads + kv_heads) * head_dim :], qkv[:, (heads + kv_heads) * head_dim :]
-    )  # V
+    )
 
 
 def test_default_ops_on_cuda_are_the_triton_kernels():

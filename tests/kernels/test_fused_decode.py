@@ -1,8 +1,10 @@
-"""The fused CPU decode step (model/fused_decode.py, kernels/cpu/decode_step.c) against the layer path it
-stands in for: the same hidden states and the same K/V written, for every layer variant the model code
-serves (Llama, Qwen2's QKV bias, Qwen3's q/k norm, SmolLM3's layers without RoPE), for dense fp32 and GGUF
-blocks, at one and several sequences whose contexts cross blocks; steps it does not cover take the layer
-path; and a server decodes the same greedy tokens with it as with --cpu-decode layers."""
+"""The fused CPU decode step (model/fused_decode.py, kernels/cpu/decode_step.c) against the layer
+path it stands in for: the same hidden states and the same K/V written, for every layer variant the
+model code serves (Llama, Qwen2's QKV bias, Qwen3's q/k norm, SmolLM3's layers without RoPE), for
+dense fp32 and GGUF blocks, at one and several sequences whose contexts cross blocks; steps it does
+not cover take the layer path; and a server decodes the same greedy tokens with it as with
+--cpu-decode layers.
+"""
 
 import platform
 from pathlib import Path
@@ -16,7 +18,7 @@ from kernels import cpu_native
 from tests.support.forward import STEP_BLOCK as BLOCK
 from tests.support.forward import step_inputs
 from tests.support.tiny import make_tiny_gguf, make_tiny_llama
-from worker.model.attention import make_backend
+from worker.model.attention_native import make_backend
 from worker.model.kv_pool import KVPool
 from worker.model.linear import DenseMatmul
 from worker.model.llama import StepInputs
@@ -73,8 +75,9 @@ def _hf_model(kind: str):
 
 
 def _model(tmp_path, kind: str, packing: bool = False, int8: bool = False):
-    """(model with the fused step attached, config) of a tiny random model of that family (GGUF Q4 blocks
-    packed for the integer kernel with packing, meeting 8-bit activations with int8)."""
+    """(model with the fused step attached, config) of a tiny random model of that family (GGUF Q4
+    blocks packed for the integer kernel with packing, meeting 8-bit activations with int8).
+    """
     from worker.serve.choices import use_fused_decode
 
     if kind == "llama":
@@ -147,13 +150,14 @@ def _run(model, config, seqs, fused: bool, kv_dtype=torch.float32):
     return hidden, pool
 
 
+# 20 rows: past the row kernels, the dense copy through sgemm
 DECODES = [
     [(1, 9)],
     [(1, 40)],
     [(1, 17), (1, 70), (1, 33)],
     [(1, n) for n in range(5, 85, 10)],
     [(1, n) for n in range(5, 205, 10)],
-]  # 20 rows: past the row kernels, the dense copy through sgemm
+]
 
 
 @pytest.mark.parametrize(
@@ -171,7 +175,8 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
         got, got_pool = _run(model, config, seqs, fused=True)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         for a, b in zip(got_pool.k + got_pool.v, want_pool.k + want_pool.v, strict=True):
-            # this step's K/V written at its slots (sums in another order than the sgemm's: ~1e-5 apart)
+            # this step's K/V written at its slots (sums in another order than the sgemm's: ~1e-5
+            # apart)
             torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)
 
 
@@ -180,12 +185,14 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
 def test_drafting_rows_as_decode_rows_equal_their_tokens_as_one_prompt_chunk(
     tmp_path, kind, kv_dtype
 ):
-    """A drafting sequence's tokens run as one decode row each (step/speculation.py), whose keys the fused
-    step reads once for the run: the same hidden states and K/V as those tokens as one chunk on the layer
-    path (causal over the chunk, windows included: mistral's 20 keys are crossed inside the run)."""
+    """A drafting sequence's tokens run as one decode row each (step/speculation.py), whose keys the
+    fused step reads once for the run: the same hidden states and K/V as those tokens as one chunk
+    on the layer path (causal over the chunk, windows included: mistral's 20 keys are crossed inside
+    the run).
+    """
     model, config = _model(tmp_path, kind)
-    # 16 rows: a run longer than one item's tile where hd is big; a lone drafting sequence: its run cut into
-    # parts so that every thread has work
+    # 16 rows: a run longer than one item's tile where hd is big; a lone drafting sequence: its run
+    # cut into parts so that every thread has work
     for seqs in ([(6, 40), (1, 17), (4, 60), (16, 90)], [(6, 40)], [(9, 33)]):
         _check_drafting_rows(model, config, seqs, kv_dtype)
 
@@ -218,9 +225,8 @@ def _check_drafting_rows(model, config, seqs, kv_dtype):
     with torch.inference_mode():
         got = model(step, pool, attn).clone()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    tol = (
-        1e-5 if kv_dtype == torch.float32 else 8e-3
-    )  # a later layer's K/V may round to the next bf16 value
+    # a later layer's K/V may round to the next bf16 value
+    tol = 1e-5 if kv_dtype == torch.float32 else 8e-3
     for a, b in zip(pool.k + pool.v, want_pool.k + want_pool.v, strict=True):
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
@@ -229,9 +235,10 @@ def _check_drafting_rows(model, config, seqs, kv_dtype):
 def test_on_a_bf16_kv_pool_the_fused_step_writes_the_same_bits_and_attends_as_the_layer_path(
     tmp_path, kind
 ):
-    """--kv-cache-dtype bf16: the step's K/V rounded to bf16 as torch rounds them (nearest even, bit for bit
-    against the fp32 pool's values), and attention over the bf16 keys (contexts across blocks, a sliding
-    window) as the layer path's; close to the fp32 pool's result, not equal to it."""
+    """--kv-cache-dtype bf16: the step's K/V rounded to bf16 as torch rounds them (nearest even, bit
+    for bit against the fp32 pool's values), and attention over the bf16 keys (contexts across
+    blocks, a sliding window) as the layer path's; close to the fp32 pool's result, not equal to it.
+    """
     model, config = _model(tmp_path, kind)
     for seqs in DECODES:
         want, want_pool = _run(model, config, seqs, fused=False, kv_dtype=torch.bfloat16)
@@ -241,8 +248,8 @@ def test_on_a_bf16_kv_pool_the_fused_step_writes_the_same_bits_and_attends_as_th
             torch.testing.assert_close(a, b, atol=1e-5, rtol=2**-7)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         fp32, fp32_pool = _run(model, config, seqs, fused=True)
-        # the first layer's K/V (its inputs are the same either way) are the fp32 pool's rounded as torch
-        # rounds
+        # the first layer's K/V (its inputs are the same either way) are the fp32 pool's rounded as
+        # torch rounds
         assert torch.equal(got_pool.k[0], fp32_pool.k[0].to(torch.bfloat16))
         assert torch.equal(got_pool.v[0], fp32_pool.v[0].to(torch.bfloat16))
         torch.testing.assert_close(got, fp32, atol=5e-2, rtol=5e-2)  # close to fp32's, not equal
@@ -252,10 +259,11 @@ def test_on_a_bf16_kv_pool_the_fused_step_writes_the_same_bits_and_attends_as_th
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
 @pytest.mark.parametrize("mode", ["file-layout", "packed", "packed-int8"])
 def test_the_fused_step_on_gguf_blocks_is_the_layer_path_bit_for_bit(tmp_path, qtype, mode):
-    """Same dot products in the same order: the same floats, not merely close ones — on the file's blocks,
-    and on blocks packed for the integer kernel (the same 16-bit, or 8-bit, rounding of each matmul's input;
-    Q5_0 and Q5_1 stay in the file's layout, fp32 activations)."""
-    from worker.model.quantized import PACKED_FROM, PACKED_TYPES
+    """Same dot products in the same order: the same floats, not merely close ones — on the file's
+    blocks, and on blocks packed for the integer kernel (the same 16-bit, or 8-bit, rounding of each
+    matmul's input; Q5_0 and Q5_1 stay in the file's layout, fp32 activations).
+    """
+    from worker.model.quant_weights import PACKED_FROM, PACKED_TYPES
 
     packing = mode != "file-layout"
     model, config = _model(tmp_path, f"gguf-{qtype}", packing, int8=mode == "packed-int8")
@@ -285,9 +293,8 @@ def test_steps_it_does_not_cover_take_the_layer_path(tmp_path, monkeypatch):
         _run(model, config, more, fused=True)
         assert calls == [2, len(more)]
     before = list(calls)
-    monkeypatch.setattr(
-        model.fused, "sgemm", None
-    )  # no BLAS in the process: more rows take the layer path
+    # no BLAS in the process: more rows take the layer path
+    monkeypatch.setattr(model.fused, "sgemm", None)
     _run(model, config, more, fused=True)
     assert calls == before
 
@@ -318,8 +325,8 @@ def test_a_server_decodes_the_same_greedy_tokens_fused_and_layer_by_layer(server
     prompts = [[1, 5 + i, 9, 30 + 2 * i, 7] * (1 + i) for i in range(6)]
     outputs = []
     for mode in ("fused", "layers"):
-        # the fp32 copy past the row kernels: with AMX's bf16 one, each server's timed row limit would decide
-        # which rows round to bf16
+        # the fp32 copy past the row kernels: with AMX's bf16 one, each server's timed row limit
+        # would decide which rows round to bf16
         server = server_factory(
             folder, "--block-size", "4", "--cpu-decode", mode, "--quantized-prefill", "dense"
         )
@@ -339,9 +346,11 @@ def test_a_server_decodes_the_same_greedy_tokens_fused_and_layer_by_layer(server
 
 
 def test_int8_activations_start_a_worker_on_the_packed_kernel_alone(tmp_path):
-    """`--quantized-activations int8` as the worker starts it: packed weights meeting 8-bit activations in
-    the layer path and the fused step, no fp32 copy for prefill and no timed row limit, so every step runs
-    one arithmetic whatever the batch (the fused step equals the layer path: the tests above)."""
+    """`--quantized-activations int8` as the worker starts it: packed weights meeting 8-bit
+    activations in the layer path and the fused step, no fp32 copy for prefill and no timed row
+    limit, so every step runs one arithmetic whatever the batch (the fused step equals the layer
+    path: the tests above).
+    """
     from worker.serve.main import build_parser
     from worker.serve.startup import load, start_device
 
@@ -378,9 +387,11 @@ def test_int8_activations_start_a_worker_on_the_packed_kernel_alone(tmp_path):
 def test_auto_activations_are_8_bit_where_prefill_keeps_no_dense_copy_and_16_bit_where_it_does(
     tmp_path,
 ):
-    """A model past the dense copy's limit (here: asked for with --quantized-prefill dequantize) serves at
-    llama.cpp's precision, prompts at the 8-bit kernel's speed and nothing held in fp32; a small model keeps
-    its copy and 16-bit activations (the default model's answers); an explicit int16 is kept either way."""
+    """A model past the dense copy's limit (here: asked for with --quantized-prefill dequantize)
+    serves at llama.cpp's precision, prompts at the 8-bit kernel's speed and nothing held in fp32; a
+    small model keeps its copy and 16-bit activations (the default model's answers); an explicit
+    int16 is kept either way.
+    """
     from worker.serve.choices import activations_of
     from worker.serve.main import build_parser
     from worker.serve.startup import load, start_device
@@ -423,10 +434,11 @@ def test_auto_activations_are_8_bit_where_prefill_keeps_no_dense_copy_and_16_bit
 @pytest.mark.slow
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets only")
 def test_the_portable_paths_built_for_avx2_compute_the_same(tmp_path):
-    """This CPU has AVX-512, so the kernels' portable loops (what an AVX2 or ARM machine runs) never run here
-    otherwise: built for x86-64-v3 into a cache of their own, the quantized matmuls, the fused step (dense and
-    GGUF blocks), decode and prefill attention and the elementwise tail pass the same checks against their
-    references."""
+    """This CPU has AVX-512, so the kernels' portable loops (what an AVX2 or ARM machine runs) never
+    run here otherwise: built for x86-64-v3 into a cache of their own, the quantized matmuls, the
+    fused step (dense and GGUF blocks), decode and prefill attention and the elementwise tail pass
+    the same checks against their references.
+    """
     import os
     import subprocess
     import sys
@@ -478,13 +490,15 @@ def test_the_portable_paths_built_for_avx2_compute_the_same(tmp_path):
 def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_model(
     tmp_path, qtype, mode
 ):
-    """Every projection as random K-quant blocks (256-value blocks: a model 256 wide), the QKV stack's values
-    in the other K type: the fused step gives the layer path's floats, and both the dense model's on gguf's
-    dequantization of the same blocks — on the file's layout with fp32 activations, and packed for the
-    integer kernel (16-bit activations, or 8-bit ones), the stack's two segments each packed in its own
-    type."""
+    """Every projection as random K-quant blocks (256-value blocks: a model 256 wide), the QKV
+    stack's values in the other K type: the fused step gives the layer path's floats, and both the
+    dense model's on gguf's dequantization of the same blocks — on the file's layout with fp32
+    activations, and packed for the integer kernel (16-bit activations, or 8-bit ones), the stack's
+    two segments each packed in its own type.
+    """
     from tests.support.quant import random_k_blocks
-    from worker.model.quantized import QuantizedMatmul, QuantLinear, QuantWeight
+    from worker.model.quant_weights import QuantLinear, QuantWeight
+    from worker.model.quantized import QuantizedMatmul
     from worker.serve.choices import use_fused_decode
 
     folder = make_tiny_llama(
@@ -538,9 +552,10 @@ def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_
 
 
 def test_the_fused_step_on_packed_blocks_stays_with_the_fp32_activations(tmp_path):
-    """Rounding each matmul's input to 16 bits moves a whole model's hidden states by about 1e-4 of their
-    size (int8 activations move them by about 1e-2): the packed step, fused and layer by layer, against
-    the same blocks multiplied with fp32 activations."""
+    """Rounding each matmul's input to 16 bits moves a whole model's hidden states by about 1e-4 of
+    their size (int8 activations move them by about 1e-2): the packed step, fused and layer by
+    layer, against the same blocks multiplied with fp32 activations.
+    """
     packed, config = _model(tmp_path / "p", "gguf-Q4_1", packing=True)
     plain, _ = _model(tmp_path / "f", "gguf-Q4_1")
     for seqs in DECODES:
@@ -551,9 +566,10 @@ def test_the_fused_step_on_packed_blocks_stays_with_the_fp32_activations(tmp_pat
 
 
 def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
-    """A decode step's logits (up to eight rows) on plain fp32 head rows go through the native rows kernel:
-    the matmul library's logits up to summation order; more rows take the library; a quantized head (its
-    own kernel) is left alone."""
+    """A decode step's logits (up to eight rows) on plain fp32 head rows go through the native rows
+    kernel: the matmul library's logits up to summation order; more rows take the library; a
+    quantized head (its own kernel) is left alone.
+    """
     from worker.model.fused_decode import NativeHead
     from worker.serve.choices import FUSED_DENSE_ROWS
 
@@ -570,7 +586,7 @@ def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
         finally:
             model.native_head = None
     assert not head.covers(torch.randn(FUSED_DENSE_ROWS + 1, config.hidden_size))
-    from worker.model.quantized import QuantLinear, QuantWeight
+    from worker.model.quant_weights import QuantLinear, QuantWeight
 
     blocks = QuantWeight(
         torch.zeros(config.vocab_size, 34 * 2, dtype=torch.uint8), "Q8_0", config.hidden_size
@@ -578,18 +594,18 @@ def test_a_few_rows_logits_on_the_native_head_are_the_matmuls(tmp_path):
     tied_quantized = SimpleNamespace(
         head=QuantLinear(blocks), lm_head=None, embed=model.embed, shard=model.shard
     )
-    assert (
-        NativeHead.weight_of(tied_quantized) is None
-    )  # not the fp32 embeddings in the Q8_0 head's place
+    # not the fp32 embeddings in the Q8_0 head's place
+    assert NativeHead.weight_of(tied_quantized) is None
 
 
 def test_the_steps_own_profile_times_every_stage_and_changes_nothing(tmp_path):
-    """The fused step's profile (what `make bench-budget` prints): on, each step counts once and every stage
-    it ran took time; the hidden states are the same bits as without it; off, nothing is counted."""
+    """The fused step's profile (what `make bench-budget` prints): on, each step counts once and
+    every stage it ran took time; the hidden states are the same bits as without it; off, nothing is
+    counted.
+    """
     kernels = cpu_native.load()
-    model, config = _model(
-        tmp_path, "gguf-Q4_1", packing=True
-    )  # packed: the rounding stage runs too
+    # packed: the rounding stage runs too
+    model, config = _model(tmp_path, "gguf-Q4_1", packing=True)
     seqs = DECODES[2]
     want, _ = _run(model, config, seqs, fused=True)
     kernels.decode_profile(True)
@@ -603,9 +619,8 @@ def test_the_steps_own_profile_times_every_stage_and_changes_nothing(tmp_path):
     assert prof["steps"] == 2
     assert set(prof) == set(cpu_native.DECODE_STAGES) | {"steps"}
     assert all(prof[s] > 0 for s in cpu_native.DECODE_STAGES if s != "lora"), prof
-    assert (
-        prof["lora"] == 0
-    )  # no adapter in these steps: the stage never ran (tests/models/test_lora.py)
+    # no adapter in these steps: the stage never ran (tests/models/test_lora.py)
+    assert prof["lora"] == 0
     _run(model, config, seqs, fused=True)
     assert kernels.decode_profile(False) == dict.fromkeys(cpu_native.DECODE_STAGES, 0.0) | {
         "steps": 0
@@ -613,8 +628,9 @@ def test_the_steps_own_profile_times_every_stage_and_changes_nothing(tmp_path):
 
 
 def test_the_per_token_budget_accounts_for_the_whole_step(tmp_path, capsys):
-    """`make bench-budget` builds the worker as `serve` does and splits one stream's step into parts that add
-    up to it: the fused step's stages, the LM head, sampling, the worker's own Python."""
+    """`make bench-budget` builds the worker as `serve` does and splits one stream's step into parts
+    that add up to it: the fused step's stages, the LM head, sampling, the worker's own Python.
+    """
     from deploy.bench import budget
 
     folder = make_tiny_gguf(tmp_path / "m", qtype="Q4_1")
@@ -627,9 +643,8 @@ def test_the_per_token_budget_accounts_for_the_whole_step(tmp_path, capsys):
     assert parts["lm_head"] > 0 and parts["sampling"] > 0
     assert sum(parts.values()) == pytest.approx(res["step"], rel=0.02)
     mats = budget.matrix_bytes(runner.model)
-    assert (
-        mats["gate_up"] == 2 * mats["down"] > 0
-    )  # the tiny model's gate and up are each down's size
+    # the tiny model's gate and up are each down's size
+    assert mats["gate_up"] == 2 * mats["down"] > 0
     budget.print_budget(
         res, 1e10, mats, budget.head_bytes(runner.model), budget.kv_bytes(runner, 40)
     )
@@ -638,11 +653,13 @@ def test_the_per_token_budget_accounts_for_the_whole_step(tmp_path, capsys):
 
 
 def test_a_quantized_files_prompt_copy_is_bf16_where_the_cpu_multiplies_bf16_in_tiles(tmp_path):
-    """On AMX `auto` holds a 4-8 bit file's copy for prompt steps in bf16, in oneDNN's blocked layout (half an
-    fp32 copy's bytes, several times its rate): its products within bf16's rounding of the fp32 copy's, the
-    decode rows' kernels and the fused step's untouched, the choice in the ready line; `dense` keeps fp32
-    (the dequantized model's arithmetic, exactly), and `bf16` where the CPU has no bf16 is refused. With the
-    bf16 copy the KV pool is bf16 too (`--kv-cache-dtype auto`), and prompt attention runs on tiles."""
+    """On AMX `auto` holds a 4-8 bit file's copy for prompt steps in bf16, in oneDNN's blocked
+    layout (half an fp32 copy's bytes, several times its rate): its products within bf16's rounding
+    of the fp32 copy's, the decode rows' kernels and the fused step's untouched, the choice in the
+    ready line; `dense` keeps fp32 (the dequantized model's arithmetic, exactly), and `bf16` where
+    the CPU has no bf16 is refused. With the bf16 copy the KV pool is bf16 too (`--kv-cache-dtype
+    auto`), and prompt attention runs on tiles.
+    """
     from worker.model.linear import OneDNNBf16Matmul
     from worker.serve.main import build_parser
     from worker.serve.startup import Refused, load, start_device
@@ -680,9 +697,8 @@ def test_a_quantized_files_prompt_copy_is_bf16_where_the_cpu_multiplies_bf16_in_
         return
     assert auto.quantized_prefill == "bf16" and "prompts on a bf16 copy" in auto.weights
     assert auto.kv_dtype == torch.bfloat16 and fp32.kv_dtype == torch.float32
-    assert (
-        auto.attn.prefill_bf16_dots == cpu_native.load().prefill_bf16_dots
-    )  # AVX512_BF16 in this build
+    # AVX512_BF16 in this build
+    assert auto.attn.prefill_bf16_dots == cpu_native.load().prefill_bf16_dots
     assert not getattr(fp32.attn, "prefill_bf16_dots", False)
     model = auto.model
     w, w32 = model.layers[0].w["gate_up"], fp32.model.layers[0].w["gate_up"]
@@ -694,14 +710,12 @@ def test_a_quantized_files_prompt_copy_is_bf16_where_the_cpu_multiplies_bf16_in_
     assert got.dtype == torch.float32 and not torch.equal(got, want)
     err = (got - want).abs().max() / want.abs().max()
     assert err < 2e-2, err  # bf16 activations and weights: 2^-8 steps
-    assert torch.equal(
-        model.mm(x[:4], w), fp32.model.mm(x[:4], w32)
-    )  # decode rows: the same kernel
-    assert (
-        model.fused is not None and model.fused.sgemm is None
-    )  # the fused step never reads bf16 as fp32
-    # a prompt step past the row limit: between the bf16 GEMMs the norms take and give bf16 rows, with the
-    # same values
+    # decode rows: the same kernel
+    assert torch.equal(model.mm(x[:4], w), fp32.model.mm(x[:4], w32))
+    # the fused step never reads bf16 as fp32
+    assert model.fused is not None and model.fused.sgemm is None
+    # a prompt step past the row limit: between the bf16 GEMMs the norms take and give bf16 rows,
+    # with the same values
     from tests.support.forward import run_step
     from worker.model.elementwise import NativeOps
     from worker.model.kv_pool import KVPool

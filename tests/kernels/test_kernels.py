@@ -22,7 +22,8 @@ TOL = {
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
 }
 
-# (n_heads, n_kv_heads, head_dim, block_size): every GQA ratio, head dim and block size at least once
+# (n_heads, n_kv_heads, head_dim, block_size): every GQA ratio, head dim and block size at least
+# once
 SHAPES = [
     (4, 4, 64, 16),  # 1:1
     (4, 2, 80, 32),  # 2:1, head dim padded to 128
@@ -92,9 +93,8 @@ def test_poisoned_scratch_is_never_read(monkeypatch):
 def test_write_kv_matches_reference_from_a_strided_view_and_padding_writes_nothing():
     dtype = DTYPES[0]
     n_kv, head_dim, block, num_blocks = 2, 80, 16, 6
-    qkv = torch.randn(9, (4 + 2 * n_kv) * head_dim, device=DEVICE).to(
-        dtype
-    )  # fused projection output
+    # fused projection output
+    qkv = torch.randn(9, (4 + 2 * n_kv) * head_dim, device=DEVICE).to(dtype)
     k = qkv[:, 4 * head_dim : (4 + n_kv) * head_dim].view(9, n_kv, head_dim)  # a strided view
     v = qkv[:, (4 + n_kv) * head_dim :].view(9, n_kv, head_dim)
     slots = torch.tensor([0, 17, -1, 95, 40, -1, 41, 2, 63], device=DEVICE)
@@ -172,8 +172,9 @@ def test_chunked_prefill_then_decode_equals_one_full_prefill():
 
 
 def test_prefill_kernel_handles_single_token_rows_in_a_mixed_batch():
-    """A step with decodes and one prefill goes to the varlen kernel; its decode rows must agree with
-    what the decode kernel gives for them."""
+    """A step with decodes and one prefill goes to the varlen kernel; its decode rows must agree
+    with what the decode kernel gives for them.
+    """
     dtype = DTYPES[0]
     mixed = make_case([1, 6, 1], [30, 6, 50], 8, 2, 64, 16, dtype, seed=8, device=DEVICE)
     out = triton_attention.paged_attention(*mixed.args)
@@ -181,9 +182,10 @@ def test_prefill_kernel_handles_single_token_rows_in_a_mixed_batch():
 
 
 def test_step_varying_arguments_are_not_specialized():
-    """Every integer argument that changes between steps (the block-table row stride, the split scratch's
-    strides, the split length) is named in do_not_specialize, and every name is one of the kernel's
-    parameters (a misspelt name would be ignored by the interpreter and refused on a GPU)."""
+    """Every integer argument that changes between steps (the block-table row stride, the split
+    scratch's strides, the split length) is named in do_not_specialize, and every name is one of the
+    kernel's parameters (a misspelt name would be ignored by the interpreter and refused on a GPU).
+    """
     import inspect
 
     varying = {
@@ -204,8 +206,10 @@ def test_step_varying_arguments_are_not_specialized():
 
 @pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(8, 1, 256), (4, 2, 64)])
 def test_many_splits_over_a_long_context_among_short_ones(n_heads, n_kv_heads, head_dim):
-    """One 8k-token sequence beside short ones, split 40 ways (the merge takes its splits 16 at a time, so
-    three tiles, the last one partial; short sequences write and read only their own few splits)."""
+    """One 8k-token sequence beside short ones, split 40 ways (the merge takes its splits 16 at a
+    time, so three tiles, the last one partial; short sequences write and read only their own few
+    splits).
+    """
     dtype = DTYPES[0]
     case = make_case(
         [1, 1, 1, 1],
@@ -234,8 +238,10 @@ def test_split_choice_caps_the_keys_of_a_split_and_fills_the_gpu(monkeypatch):
 
 
 def test_split_scratch_is_allocated_once_per_step_and_stale_splits_are_never_read(monkeypatch):
-    """A step's layers share one scratch (the caller's workspace): the second layer finds the first one's
-    partial results in it, for splits its short sequences do not write, and must not read them."""
+    """A step's layers share one scratch (the caller's workspace): the second layer finds the first
+    one's partial results in it, for splits its short sequences do not write, and must not read
+    them.
+    """
     dtype = DTYPES[0]
     calls = []
     real = triton_attention.decode_workspace
@@ -252,8 +258,9 @@ def test_split_scratch_is_allocated_once_per_step_and_stale_splits_are_never_rea
 
 
 def test_top_p_floor_kernel_matches_the_torch_bisection():
-    """The sampler's Triton top-p search finds the floor the torch one does, rows of several shapes, a vocab
-    that is not a multiple of the kernel's chunk, top_p 1 rows left alone."""
+    """The sampler's Triton top-p search finds the floor the torch one does, rows of several shapes,
+    a vocab that is not a multiple of the kernel's chunk, top_p 1 rows left alone.
+    """
     from kernels.reference import top_p_floor_torch
     from kernels.triton_sampling import top_p_floor
 

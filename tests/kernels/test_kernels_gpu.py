@@ -1,10 +1,12 @@
-"""The Triton kernels natively on a GPU, at the shapes real models serve (`make test-kernels` on a CUDA
-machine; skipped elsewhere, where tests/kernels/test_kernels.py runs them in the interpreter on small shapes).
+"""The Triton kernels natively on a GPU, at the shapes real models serve (`make test-kernels` on a
+CUDA machine; skipped elsewhere, where tests/kernels/test_kernels.py runs them in the interpreter on
+small shapes).
 
-Llama-3-8B (32 query heads, 8 KV heads, head_dim 128), a 28/4 x 128 and a 14/2 x 64 model; bf16; pages of
-16 tokens scattered through a pool whose unused pages hold NaN; decode batches of 1 to 256 sequences of
-ragged lengths up to 8k; a 4k prompt, a 1k chunk over a 3k prefix, and mixed steps. Then the whole step:
-every kernel compiled once across steps of every kind, none spilling."""
+Llama-3-8B (32 query heads, 8 KV heads, head_dim 128), a 28/4 x 128 and a 14/2 x 64 model; bf16;
+pages of 16 tokens scattered through a pool whose unused pages hold NaN; decode batches of 1 to 256
+sequences of ragged lengths up to 8k; a 4k prompt, a 1k chunk over a 3k prefix, and mixed steps.
+Then the whole step: every kernel compiled once across steps of every kind, none spilling.
+"""
 
 import numpy as np
 import pytest
@@ -22,8 +24,9 @@ BLOCK = 16
 
 
 def paged(q_lens, seq_lens, n_heads, n_kv, head_dim, seed, dtype=torch.bfloat16):
-    """A pool holding exactly these sequences' keys on scattered pages, NaN everywhere else (and in every
-    table entry past a sequence's pages)."""
+    """A pool holding exactly these sequences' keys on scattered pages, NaN everywhere else (and in
+    every table entry past a sequence's pages).
+    """
     g = torch.Generator(device="cuda").manual_seed(seed)
     pages = [-(-s // BLOCK) for s in seq_lens]
     num_blocks = sum(pages) + 2
@@ -31,9 +34,8 @@ def paged(q_lens, seq_lens, n_heads, n_kv, head_dim, seed, dtype=torch.bfloat16)
     v = torch.full_like(k, float("nan"))
     # block 0 never used
     order = torch.randperm(num_blocks - 1, generator=g, device="cuda").to(torch.int32) + 1
-    tables = torch.zeros(
-        len(seq_lens), max(pages) + 1, dtype=torch.int32, device="cuda"
-    )  # 0: a NaN page
+    # 0: a NaN page
+    tables = torch.zeros(len(seq_lens), max(pages) + 1, dtype=torch.int32, device="cuda")
     at = 0
     for i, n in enumerate(pages):
         ids = order[at : at + n]
@@ -87,8 +89,10 @@ def test_prefill_a_4k_prompt_and_a_1k_chunk_over_a_3k_prefix(shape):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}".format(*s))
 def test_mixed_steps_of_decodes_chunks_and_fresh_prompts(shape):
-    """Chunked prefill puts prompt chunks beside running decodes; the backend sends each to its kernel."""
-    from worker.model.attention import make_backend
+    """Chunked prefill puts prompt chunks beside running decodes; the backend sends each to its
+    kernel.
+    """
+    from worker.model.attention_native import make_backend
 
     q_lens = [1] * 40 + [512, 1, 97, 1, 1000]
     seq_lens = [int(x) for x in np.random.default_rng(3).integers(1, 6000, 40)] + [
@@ -109,18 +113,21 @@ def test_mixed_steps_of_decodes_chunks_and_fresh_prompts(shape):
 
 
 def test_every_kernel_is_compiled_once_across_steps_of_every_kind_and_none_spills(tmp_path):
-    """A worker's steps change their shapes, lengths and (from the staging buffer) the offsets of their small
-    arrays; none of that may compile a kernel again (a stall of seconds while serving). Warm-up, graph
-    capture, prompts, chunks beside decodes, decode batches in and out of the graphs: one version per kernel
-    (two of the residual-add + norm, with and without the residual), and no spilled registers."""
+    """A worker's steps change their shapes, lengths and (from the staging buffer) the offsets of
+    their small arrays; none of that may compile a kernel again (a stall of seconds while serving).
+    Warm-up, graph capture, prompts, chunks beside decodes, decode batches in and out of the graphs:
+    one version per kernel (two of the residual-add + norm, with and without the residual), and no
+    spilled registers.
+    """
     import json
 
     from kernels.compile_report import _jit_functions, runtime_report
     from protos.codec import PlanArrays, encode_plan
-    from worker.model.attention import make_backend
+    from worker.model.attention_native import make_backend
     from worker.model.kv_pool import KVPool
     from worker.step.graphs import DecodeGraphs
-    from worker.step.runner import ModelRunner, warm_up
+    from worker.step.runner import ModelRunner
+    from worker.step.warm_up import warm_up
     from worker.weights.loader import load_model
 
     for fn in _jit_functions().values():

@@ -1,6 +1,7 @@
-"""The mixture-of-experts MLP: the grouped torch loop (the CPU path, and the definition), the Triton grouped
-matmuls against it (natively on CUDA, under TRITON_INTERPRET=1 elsewhere), its tensor-parallel split, and
-the layout `align` hands the kernel."""
+"""The mixture-of-experts MLP: the grouped torch loop (the CPU path, and the definition), the Triton
+grouped matmuls against it (natively on CUDA, under TRITON_INTERPRET=1 elsewhere), its
+tensor-parallel split, and the layout `align` hands the kernel.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2
 
 
 def naive(h, weights, ids, gate_up, down):
-    """Every token through each of its experts, one at a time: what the grouped versions must equal."""
+    """Every token through each of its experts, one at a time:
+    what the grouped versions must equal.
+    """
     out = torch.zeros_like(h, dtype=torch.float32)
     inter = gate_up.shape[1] // 2
     for t in range(h.shape[0]):
@@ -100,9 +103,8 @@ def test_align_groups_every_pair_once_by_expert_with_padded_runs():
             if e < 0:
                 assert run.numel() == 0
             else:
-                assert (
-                    run.numel() > 0 and (flat[run.long()] == e).all()
-                )  # a block holds one expert's pairs
+                # a block holds one expert's pairs
+                assert run.numel() > 0 and (flat[run.long()] == e).all()
                 assert run.tolist() == sorted(run.tolist())  # in token order
 
 
@@ -125,8 +127,10 @@ def moe_config(**fields) -> ModelConfig:
 
 
 def test_tensor_parallel_slices_of_every_expert_sum_to_the_whole():
-    """Two ranks, each with half of every expert's intermediate dimension and the whole router, route the
-    same and their partial outputs add up to one rank's (what the layer's all-reduce does)."""
+    """Two ranks, each with half of every expert's intermediate dimension and the whole router,
+    route the same and their partial outputs add up to one rank's (what the layer's all-reduce
+    does).
+    """
     config = moe_config()
     torch.manual_seed(0)
     whole = MoE(config, make_shard(2, 2, 64, 64, expert_intermediate_size=24))
@@ -175,9 +179,11 @@ def test_an_expert_split_that_does_not_divide_is_refused():
 
 @pytest.mark.kernels
 def test_a_whole_model_through_the_triton_experts_equals_the_grouped_loop(tmp_path):
-    """A Qwen3-MoE model's step (a prompt and a batch of decodes) with the experts on the Triton kernels gives
-    the logits of the grouped loop: the layer hands both the same routing and adds the result alike. On a GPU
-    machine both run on the GPU (the native kernels take device tensors); elsewhere in the interpreter."""
+    """A Qwen3-MoE model's step (a prompt and a batch of decodes) with the experts on the Triton
+    kernels gives the logits of the grouped loop: the layer hands both the same routing and adds the
+    result alike. On a GPU machine both run on the GPU (the native kernels take device tensors);
+    elsewhere in the interpreter.
+    """
     pytest.importorskip("kernels.triton_moe", reason="triton is not installed")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from tests.support.forward import BLOCK, run_step
@@ -195,7 +201,8 @@ def test_a_whole_model_through_the_triton_experts_equals_the_grouped_loop(tmp_pa
         norm_topk_prob=True,
     )
     model, config = load_model(str(folder), "auto", torch.float32, device)
-    # a prompt, and two sequences of one token (decode rows over only their own key: no unwritten slot read)
+    # a prompt, and two sequences of one token (decode rows over only their own key: no unwritten
+    # slot read)
     seqs = [([(5 * i) % 300 + 3 for i in range(9)], 0, [0, 1, 2]), ([7], 0, [3]), ([11], 0, [5])]
     logits = {}
     for backend in ("torch", "triton"):

@@ -1,4 +1,6 @@
-"""The native CPU library's build: what goes into its cache key, so an edit never reuses a stale library."""
+"""The native CPU library's build: what goes into its cache key, so an edit never reuses a stale
+library.
+"""
 
 import re
 import shutil
@@ -83,9 +85,8 @@ def test_the_binding_reads_each_signature_from_the_header():
 def test_the_fused_steps_structs_match_the_librarys(native):
     from worker.model.fused_decode import mirrors_match
 
-    assert len(native.struct_sizes) == 6 and mirrors_match(
-        native
-    )  # model, layers, and the LoRA pair
+    # model, layers, and the LoRA pair
+    assert len(native.struct_sizes) == 6 and mirrors_match(native)
 
 
 def test_half_width_conversions_are_defined_once():

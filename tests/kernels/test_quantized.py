@@ -1,6 +1,7 @@
-"""Quantized weights as the GGUF ships them: the native kernels against gguf's own dequantization, the
-default model's blocks read in Hugging Face's row order, and the server on them against the dequantized
-model."""
+"""Quantized weights as the GGUF ships them: the native kernels against gguf's own dequantization,
+the default model's blocks read in Hugging Face's row order, and the server on them against the
+dequantized model.
+"""
 
 import os
 from pathlib import Path
@@ -10,21 +11,23 @@ import pytest
 import torch
 
 from tests.support.quant import assert_projections_match, random_k_blocks
-from worker.model.quantized import QUANT_TYPES, QuantizedMatmul, QuantWeight
+from worker.model.quant_weights import QUANT_TYPES, QuantWeight
+from worker.model.quantized import QuantizedMatmul
 from worker.weights.fill import read_quantized
 from worker.weights.gguf_blocks import GGUFQuantSource
 
 gguf = pytest.importorskip("gguf")
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", ROOT / ".models" / "smollm2-135m-instruct"))
-# the served types gguf can quantize to (the K types: random_k_blocks); Q5_0 / Q5_1: a Q4_K_M file's rows
-# that are not a multiple of 256 values wide
+# the served types gguf can quantize to (the K types: random_k_blocks); Q5_0 / Q5_1: a Q4_K_M file's
+# rows that are not a multiple of 256 values wide
 GGUF_QUANTIZES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+# what --quantized-activations int8 multiplies in integers
 INT8_QUANTIZES = [
     "Q4_0",
     "Q4_1",
     "Q8_0",
-]  # what --quantized-activations int8 multiplies in integers
+]
 
 
 def quantized(rng, out_dim, in_dim, qtype):
@@ -45,9 +48,8 @@ def test_dequantizing_matches_ggufs_own(native, qtype):
 
 
 @pytest.mark.parametrize("qtype", GGUF_QUANTIZES)
-@pytest.mark.parametrize(
-    "rows", [1, 3, 4, 5, 7, 8, 9, 13, 40]
-)  # every row-count copy, and the tails
+# every row-count copy, and the tails
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 7, 8, 9, 13, 40])
 def test_the_kernel_computes_x_times_the_dequantized_weight(native, qtype, rows):
     rng = np.random.default_rng(rows)
     w, reference = quantized(rng, 72, 576, qtype)
@@ -63,8 +65,9 @@ def test_the_kernel_computes_x_times_the_dequantized_weight(native, qtype, rows)
 @pytest.mark.parametrize("qtype", ["BF16", "F16"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 40])
 def test_half_rows_compute_x_times_the_widened_weight(native, qtype, rows):
-    """bf16 / fp16 rows (a bf16 checkpoint's matrices, an F16/BF16 GGUF's) through the row kernels: exactly
-    the widened weight times fp32 activations, at every row count; dequantized exactly."""
+    """bf16 / fp16 rows (a bf16 checkpoint's matrices, an F16/BF16 GGUF's) through the row kernels:
+    exactly the widened weight times fp32 activations, at every row count; dequantized exactly.
+    """
     dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
     gen = torch.Generator().manual_seed(rows)
     half = torch.randn(72, 576, generator=gen).to(dtype)
@@ -94,9 +97,8 @@ def test_block_boundaries_are_kept_and_mixed_types_stack(native):
     )
     other, other_ref = quantized(np.random.default_rng(2), 8, 128, "Q8_0")
     third, third_ref = quantized(np.random.default_rng(3), 4, 128, "Q8_0")
-    mixed = QuantWeight.cat(
-        [w, other, third]
-    )  # q in one type, k and v in another: runs of one type each
+    # q in one type, k and v in another: runs of one type each
+    mixed = QuantWeight.cat([w, other, third])
     assert [p.qtype for p in mixed.segments] == ["Q4_1", "Q8_0"] and mixed.shape == (20, 128)
     lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
     want = torch.cat([reference, other_ref, third_ref])
@@ -119,8 +121,9 @@ def default_gguf():
 
 @pytest.mark.real_model
 def test_the_default_models_blocks_read_back_as_the_dequantized_checkpoint(native):
-    """Rows of q and k come back in Hugging Face's order (llama.cpp interleaves each head's rotary halves):
-    dequantized they equal transformers' dequantization of the same file, matrix by matrix."""
+    """Rows of q and k come back in Hugging Face's order (llama.cpp interleaves each head's rotary
+    halves): dequantized they equal transformers' dequantization of the same file, matrix by matrix.
+    """
     from safetensors import safe_open
 
     from worker.model.config import ModelConfig
@@ -165,7 +168,8 @@ def compare_quantized_and_dense(quant, dense):
         assert list(a.token_ids) == list(b.token_ids), text
         diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs, strict=True)]
         assert max(diffs) < 1e-2, (text, max(diffs))
-    # a batch past the kernel's rows (prefill on the dense copy) and one within it (decode on the blocks)
+    # a batch past the kernel's rows (prefill on the dense copy) and one within it (decode on the
+    # blocks)
     stats = quant.stats()
     assert (
         stats.num_running == 0
@@ -177,9 +181,10 @@ def compare_quantized_and_dense(quant, dense):
 def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_answers(
     server_factory, native, tmp_path_factory
 ):
-    """A tiny Llama shipped as Q8_0: served on its blocks alone and split over two tensor-parallel ranks
-    (rows of q/k/v and gate/up, whole blocks of o_proj's and down's columns), every greedy answer equals
-    transformers' on the same (dequantized) weights, and the dequantized serving too."""
+    """A tiny Llama shipped as Q8_0: served on its blocks alone and split over two tensor-parallel
+    ranks (rows of q/k/v and gate/up, whole blocks of o_proj's and down's columns), every greedy
+    answer equals transformers' on the same (dequantized) weights, and the dequantized serving too.
+    """
     from protos import generation_pb2 as pb
     from tests.support.tiny import hf_greedy, make_tiny_gguf
 
@@ -192,9 +197,8 @@ def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_ans
         "blocks, TP=2": server_factory(folder, *flags, *exact, "--tp", "2"),
         "dequantized": server_factory(folder, *flags, "--dequantize"),
     }
-    assert (
-        '"matrices": {"Q8_0": 12, "dense": 1}' in servers["blocks"].log_path.read_text()
-    )  # F32 head
+    # F32 head
+    assert '"matrices": {"Q8_0": 12, "dense": 1}' in servers["blocks"].log_path.read_text()
     prompts = [[5, 9, 13, 200, 31], list(range(40, 75)), [7] * 12]
     for prompt in prompts:
         want = hf_greedy(folder, prompt, 24)
@@ -208,10 +212,11 @@ def test_a_gguf_is_served_on_its_blocks_split_over_two_ranks_as_transformers_ans
 
 @pytest.mark.slow
 def test_the_ready_line_says_how_a_ggufs_blocks_are_multiplied(server_factory, native, tmp_path):
-    """Where the integer kernels run (AVX-512 VNNI, AVX2), a GGUF's blocks meet 16-bit activations unless
-    asked otherwise (the dequantized model's answers), and 8-bit ones (llama.cpp's precision) with no fp32
-    copy of the weights when asked; where the CPU has AMX, prompts run on a bf16 copy; the ready line and
-    GetModelInfo say which."""
+    """Where the integer kernels run (AVX-512 VNNI, AVX2), a GGUF's blocks meet 16-bit activations
+    unless asked otherwise (the dequantized model's answers), and 8-bit ones (llama.cpp's precision)
+    with no fp32 copy of the weights when asked; where the CPU has AMX, prompts run on a bf16 copy;
+    the ready line and GetModelInfo say which.
+    """
     from protos import generation_pb2 as pb
     from tests.support.tiny import make_tiny_gguf
     from worker.model.linear import OneDNNBf16Matmul
@@ -243,8 +248,9 @@ def test_the_ready_line_says_how_a_ggufs_blocks_are_multiplied(server_factory, n
 
 
 def int8_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
-    """llama.cpp's scheme, in float64: x rounded per 32-value block to int8 with scale amax/127 (in fp32 as
-    the kernels round: x * (127 / amax), to nearest even), times the dequantized weight."""
+    """llama.cpp's scheme, in float64: x rounded per 32-value block to int8 with scale amax/127 (in
+    fp32 as the kernels round: x * (127 / amax), to nearest even), times the dequantized weight.
+    """
     xb = x.view(x.shape[0], -1, 32)
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.full_like(amax, 127.0) / amax.clamp_min(1e-30)
@@ -269,8 +275,9 @@ def test_int8_activations_compute_the_rounded_activations_times_the_weight(
 
 
 def test_perplexity_chunks_follow_llama_perplexity():
-    """bench-accuracy scores the text as llama.cpp's perplexity tool does: whole ctx-token windows (the
-    remainder dropped), each one's first token replaced by BOS where the tokenizer adds one."""
+    """bench-accuracy scores the text as llama.cpp's perplexity tool does: whole ctx-token windows
+    (the remainder dropped), each one's first token replaced by BOS where the tokenizer adds one.
+    """
     from deploy.bench.accuracy import chunks
 
     tokens = list(range(10, 31))  # 21 tokens
@@ -283,11 +290,12 @@ def test_perplexity_chunks_follow_llama_perplexity():
 def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(
     server_factory, native, tmp_path, monkeypatch
 ):
-    """`pagedserve serve --model X.gguf` (`make run`'s model): the file is prepared once into a cached folder
-    that names it — the config and tokenizer `make setup` prepares from it, and no copy of its weights — and
-    served on its own Q4_1 blocks, the rest of its tensors read from the file: the same weights as the
-    dequantized fp32 model, so with 16-bit activations greedy answers agree and the chosen tokens' logprobs
-    differ only by summation order."""
+    """`pagedserve serve --model X.gguf` (`make run`'s model): the file is prepared once into a
+    cached folder that names it — the config and tokenizer `make setup` prepares from it, and no
+    copy of its weights — and served on its own Q4_1 blocks, the rest of its tensors read from the
+    file: the same weights as the dequantized fp32 model, so with 16-bit activations greedy answers
+    agree and the chosen tokens' logprobs differ only by summation order.
+    """
     import hashlib
     import json
 
@@ -298,8 +306,8 @@ def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(
         pytest.skip("default model not prepared")
     monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path))
     path = find_embedded_gguf()
-    # 16-bit activations and prompts on the fp32 copy: the dequantized model's arithmetic (AMX's default
-    # bf16 copy rounds prompts' products: tests/kernels/test_fused_decode.py)
+    # 16-bit activations and prompts on the fp32 copy: the dequantized model's arithmetic (AMX's
+    # default bf16 copy rounds prompts' products: tests/kernels/test_fused_decode.py)
     server = server_factory(
         path,
         "--num-blocks",
@@ -316,9 +324,8 @@ def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(
         assert '"matmul": "quantized"' in log and '"matrices": {"Q4_1": 120, "Q8_0": 1}' in log
         assert '"chosen": "dense", "why": "asked for"' in log
         prepared = list(tmp_path.iterdir())
-        assert len(prepared) == 1 and model_folder(str(path)) == str(
-            prepared[0]
-        )  # found again, not redone
+        # found again, not redone
+        assert len(prepared) == 1 and model_folder(str(path)) == str(prepared[0])
         assert json.loads((prepared[0] / "pagedserve_model.json").read_text())["gguf"] == str(
             path.resolve()
         )
@@ -331,9 +338,8 @@ def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(
             json.loads((folder / "config.json").read_text()) for folder in (prepared[0], MODEL_DIR)
         ]
         assert configs[0] == {k: v for k, v in configs[1].items() if k != "dtype"}
-        assert not list(
-            prepared[0].glob("*.safetensors")
-        )  # no fp32 copy: the tensors are read from the file
+        # no fp32 copy: the tensors are read from the file
+        assert not list(prepared[0].glob("*.safetensors"))
         req = pb.GenerateRequest(
             prompt_token_ids=list(range(300, 340)),
             sampling=pb.SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
@@ -357,9 +363,10 @@ def test_a_gguf_file_is_served_as_given_and_answers_as_the_dequantized_model(
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
 def test_k_quant_blocks_compute_x_times_gguf_dequantization(native, qtype, rows):
-    """Q4_K, Q5_K and Q6_K (what Q4_K_M and Q5_K_M files mostly hold): the kernel on the blocks, and their
-    dequantization, against gguf's reading of the same bytes; a tensor-parallel column split falls on whole
-    256-value blocks."""
+    """Q4_K, Q5_K and Q6_K (what Q4_K_M and Q5_K_M files mostly hold): the kernel on the blocks, and
+    their dequantization, against gguf's reading of the same bytes; a tensor-parallel column split
+    falls on whole 256-value blocks.
+    """
     rng = np.random.default_rng(rows)
     w, reference = random_k_blocks(rng, 40, 768, qtype)
     lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
@@ -367,9 +374,8 @@ def test_k_quant_blocks_compute_x_times_gguf_dequantization(native, qtype, rows)
     x = torch.from_numpy(rng.standard_normal((rows, 768)).astype(np.float32))
     torch.testing.assert_close(lib(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)
     int8 = QuantizedMatmul(native, dense=None, max_kernel_rows=64, int8_activations=True)
-    torch.testing.assert_close(
-        int8(x, w), x @ reference.T, rtol=1e-4, atol=1e-4
-    )  # K types: fp32 activations
+    # K types: fp32 activations
+    torch.testing.assert_close(int8(x, w), x @ reference.T, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(
         lib.dequantize(w.cols(256, 768)), reference[:, 256:], rtol=1e-6, atol=1e-7
     )
@@ -402,9 +408,10 @@ GGUF_FAMILIES = {  # family -> config fields (support/tiny.py writes its llama.c
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
 @pytest.mark.parametrize("tp", [1, 2])
 def test_each_familys_gguf_blocks_give_the_dequantized_models_logits(native, tmp_path, family, tp):
-    """A GGUF of each family, read by its llama.cpp tensor names (stacked Phi-3 tensors split, llama's
-    permuted rows put back) and sliced for each tensor-parallel rank as the dense weights are: every
-    projection is served from the blocks, and the logits are the dequantized model's."""
+    """A GGUF of each family, read by its llama.cpp tensor names (stacked Phi-3 tensors split,
+    llama's permuted rows put back) and sliced for each tensor-parallel rank as the dense weights
+    are: every projection is served from the blocks, and the logits are the dequantized model's.
+    """
     from tests.support.forward import BLOCK, run_step
     from tests.support.tiny import make_tiny_gguf
     from worker.model.kv_pool import KVPool
@@ -431,10 +438,11 @@ def test_each_familys_gguf_blocks_give_the_dequantized_models_logits(native, tmp
             read_quantized(model, source), QuantizedMatmul(native, dense=None), keep_dense=False
         )
         per_layer = 2 if config.moe_layers else 4
+        # the head: F32 in these files
         assert counts == {
             "Q8_0": per_layer * config.num_layers,
             "dense": 1,
-        }  # the head: F32 in these files
+        }
         if tp == 1:
             got = run_step(
                 model, config, KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu")), seqs
@@ -452,8 +460,9 @@ def test_each_familys_gguf_blocks_give_the_dequantized_models_logits(native, tmp
 def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(
     server_factory, native, tmp_path_factory, family
 ):
-    """Served from the file's blocks (Phi-3's stacked tensors; Qwen3-MoE's attention, its experts dense),
-    every greedy answer equals transformers' on the same dequantized weights."""
+    """Served from the file's blocks (Phi-3's stacked tensors; Qwen3-MoE's attention, its experts
+    dense), every greedy answer equals transformers' on the same dequantized weights.
+    """
     from protos import generation_pb2 as pb
     from tests.support.tiny import hf_greedy, make_tiny_gguf
 
@@ -487,9 +496,10 @@ def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(
 
 
 def int16_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
-    """The packed kernel's arithmetic in float64: each block's scaled values (d q) times x rounded per
-    32-value block to 16-bit integers (scale amax/32767), plus the block's offset (Q4_1's m, Q4_0's -8 d,
-    Q8_0's 0) times x's own sum."""
+    """The packed kernel's arithmetic in float64: each block's scaled values (d q) times x rounded
+    per 32-value block to 16-bit integers (scale amax/32767), plus the block's offset (Q4_1's m,
+    Q4_0's -8 d, Q8_0's 0) times x's own sum.
+    """
     blocks = w.data.numpy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     m = {
@@ -511,13 +521,16 @@ def int16_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) ->
 
 
 def packing_lib(native, **kw) -> QuantizedMatmul:
-    """Packing on for every packed layout, Q8_0's too (whose integer loop is the portable one on AVX2)."""
+    """Packing on for every packed layout, Q8_0's too (whose integer loop is the portable one on
+    AVX2).
+    """
     return QuantizedMatmul(native, dense=None, packing=True, pack_q8=True, **kw)
 
 
 def test_q8_0_is_packed_only_where_its_integer_kernel_is_fast(native):
-    """On AVX2 the packed 4-6 bit layouts have byte dot products (maddubs) and Q8_0's would saturate them, so
-    the worker leaves Q8_0 as the file ships it there; with VNNI everything packs."""
+    """On AVX2 the packed 4-6 bit layouts have byte dot products (maddubs) and Q8_0's would saturate
+    them, so the worker leaves Q8_0 as the file ships it there; with VNNI everything packs.
+    """
     w, _ = quantized(np.random.default_rng(3), 32, 64, "Q8_0")
     q4, _ = quantized(np.random.default_rng(3), 32, 64, "Q4_1")
     lib = QuantizedMatmul(native, dense=None, packing=True)
@@ -529,26 +542,26 @@ def test_q8_0_is_packed_only_where_its_integer_kernel_is_fast(native):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
 def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
-    """Packing (16 rows interleaved) keeps every value: dequantizing the packed weight gives gguf's values
-    exactly. A weight it does not apply to is left as it is, and a packed one cannot be sliced."""
-    from worker.model.quantized import PACKED_FROM, QuantStack
+    """Packing (16 rows interleaved) keeps every value: dequantizing the packed weight gives gguf's
+    values exactly. A weight it does not apply to is left as it is, and a packed one cannot be
+    sliced.
+    """
+    from worker.model.quant_weights import PACKED_FROM, QuantStack
 
     w, reference = quantized(np.random.default_rng(4), 48, 320, qtype)
     lib = packing_lib(native)
     packed = lib.pack(w)
     assert packed.qtype == PACKED_FROM[qtype] and packed.shape == w.shape
-    assert packed.nbytes == 48 * 10 * (
-        34 if qtype == "Q8_0" else 20
-    )  # Q4_0 gains its offset: 18 -> 20 bytes
+    # Q4_0 gains its offset: 18 -> 20 bytes
+    assert packed.nbytes == 48 * 10 * (34 if qtype == "Q8_0" else 20)
     assert torch.equal(lib.dequantize(packed), lib.dequantize(w))
     torch.testing.assert_close(lib.dequantize(packed), reference, rtol=1e-6, atol=1e-7)
     ragged, _ = quantized(np.random.default_rng(5), 40, 320, qtype)  # not whole 16-row groups
     assert lib.pack(ragged) is ragged
     other = "Q4_1" if qtype == "Q8_0" else "Q8_0"
     other_ragged, _ = quantized(np.random.default_rng(7), 40, 320, other)
-    stack = lib.pack(
-        QuantWeight.cat([w, other_ragged])
-    )  # each run of a stack packed where it applies
+    # each run of a stack packed where it applies
+    stack = lib.pack(QuantWeight.cat([w, other_ragged]))
     assert [p.qtype for p in stack.segments] == [PACKED_FROM[qtype], other] and isinstance(
         stack, QuantStack
     )
@@ -562,16 +575,16 @@ def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize(
-    "rows", [1, 3, 4, 5, 8, 9, 13]
-)  # every pass of four activation rows, and the tails
+# every pass of four activation rows, and the tails
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13])
 @pytest.mark.parametrize("in_dim", [576, 160])
 @pytest.mark.parametrize("bits", [16, 8])
 def test_packed_weights_multiply_rounded_activations(native, qtype, rows, in_dim, bits):
-    """The integer kernel computes the activations rounded per 32-value block to 16 bits (8 with int8
-    activations) times the weight: within 2e-4 of the fp32 activations' answer (8 bits, with one block 1e4
-    times the rest: 5e-2); prefill's path (dequantized, then a dense matmul) on the packed weight gives the
-    fp32 answer."""
+    """The integer kernel computes the activations rounded per 32-value block to 16 bits (8 with
+    int8 activations) times the weight: within 2e-4 of the fp32 activations' answer (8 bits, with
+    one block 1e4 times the rest: 5e-2); prefill's path (dequantized, then a dense matmul) on the
+    packed weight gives the fp32 answer.
+    """
     rng = np.random.default_rng(in_dim + rows)
     w, reference = quantized(rng, 64, in_dim, qtype)
     x = torch.from_numpy(rng.standard_normal((rows, in_dim)).astype(np.float32))
@@ -592,10 +605,11 @@ def test_packed_weights_multiply_rounded_activations(native, qtype, rows, in_dim
 
 
 def int16_k_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
-    """The packed K kernel's arithmetic in float64. A K-quant value is a_j + z_j, a_j = (d sc) u_j and z_j its
-    zero point (Q4_K: -dmin m; Q6_K: -32 d sc, per 16 values): gguf's dequantization of the same blocks with
-    every u set to 0 gives z (Q5_K as Q4_K). The kernel multiplies a with x rounded per 32-value block to
-    16-bit integers, and z with x itself."""
+    """The packed K kernel's arithmetic in float64. A K-quant value is a_j + z_j, a_j = (d sc) u_j
+    and z_j its zero point (Q4_K: -dmin m; Q6_K: -32 d sc, per 16 values): gguf's dequantization of
+    the same blocks with every u set to 0 gives z (Q5_K as Q4_K). The kernel multiplies a with x
+    rounded per 32-value block to 16-bit integers, and z with x itself.
+    """
     kind = getattr(gguf.GGMLQuantizationType, w.qtype)
     zero = w.data.numpy().copy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
     if w.qtype == "Q4_K":
@@ -617,11 +631,12 @@ def int16_k_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_packed_k_quants_hold_gguf_values_at_the_files_size(native, qtype):
-    """Q4_K, Q5_K and Q6_K packed for the integer kernel keep every value (gguf's dequantization, exactly) and
-    about the file's size (the 16 rows' scales as fp32 once a super-block: 152 bytes a row's 256 values for
-    Q4_K's 144, 184 for Q5_K's 176, 212 for Q6_K's 210); a K_M projection's mix stacks as two packed runs;
-    packed rows stay whole."""
-    from worker.model.quantized import PACKED_FROM, QuantStack
+    """Q4_K, Q5_K and Q6_K packed for the integer kernel keep every value (gguf's dequantization,
+    exactly) and about the file's size (the 16 rows' scales as fp32 once a super-block: 152 bytes a
+    row's 256 values for Q4_K's 144, 184 for Q5_K's 176, 212 for Q6_K's 210); a K_M projection's mix
+    stacks as two packed runs; packed rows stay whole.
+    """
+    from worker.model.quant_weights import PACKED_FROM, QuantStack
 
     w, reference = random_k_blocks(np.random.default_rng(8), 48, 768, qtype)
     lib = packing_lib(native)
@@ -644,16 +659,16 @@ def test_packed_k_quants_hold_gguf_values_at_the_files_size(native, qtype):
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
-@pytest.mark.parametrize(
-    "rows", [1, 3, 4, 5, 8, 9, 13]
-)  # every pass of four activation rows, and the tails
+# every pass of four activation rows, and the tails
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13])
 @pytest.mark.parametrize("in_dim", [768, 256])  # three super-blocks, and one
 @pytest.mark.parametrize("bits", [16, 8])
 def test_packed_k_quants_multiply_rounded_activations(native, qtype, rows, in_dim, bits):
-    """The integer kernel on packed K-quants computes the activations rounded to 16 bits (8 with int8
-    activations) per 32-value block times the values' scaled integers, plus each zero point times the
-    activations' own sums (per 16 values for Q6_K): within 2e-4 of the fp32 product (8 bits: 5e-2); prefill's
-    path (dequantized, then dense) gives that product."""
+    """The integer kernel on packed K-quants computes the activations rounded to 16 bits (8 with
+    int8 activations) per 32-value block times the values' scaled integers, plus each zero point
+    times the activations' own sums (per 16 values for Q6_K): within 2e-4 of the fp32 product (8
+    bits: 5e-2); prefill's path (dequantized, then dense) gives that product.
+    """
     rng = np.random.default_rng(in_dim + rows)
     w, reference = random_k_blocks(rng, 64, in_dim, qtype)
     x = torch.from_numpy(rng.standard_normal((rows, in_dim)).astype(np.float32))
@@ -674,9 +689,11 @@ def test_packed_k_quants_multiply_rounded_activations(native, qtype, rows, in_di
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("bits", [16, 8])
 def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bits):
-    """Every weight at its type's largest integer (15, 31, 63) against activations at full scale of either
-    sign (each block rounds to +-127 with 8 bits): the kernel's integer sums stay within their width (a sum
-    that wrapped would be off by 2^16 of a block's scale), four rows at once and a tail."""
+    """Every weight at its type's largest integer (15, 31, 63) against activations at full scale of
+    either sign (each block rounds to +-127 with 8 bits): the kernel's integer sums stay within
+    their width (a sum that wrapped would be off by 2^16 of a block's scale), four rows at once and
+    a tail.
+    """
     w, reference = random_k_blocks(np.random.default_rng(11), 32, 512, qtype)
     blocks = w.data.numpy().reshape(32, 2, -1)
     quants = {"Q4_K": slice(16, 144), "Q5_K": slice(16, 176), "Q6_K": slice(0, 192)}[qtype]
@@ -696,8 +713,9 @@ def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bit
 
 
 def test_packed_weights_carry_nan_and_infinity_through(native):
-    """A NaN or an infinity among the activations makes that row's outputs NaN, as the fp32 product would
-    (never a silently finite answer); other rows are unaffected."""
+    """A NaN or an infinity among the activations makes that row's outputs NaN, as the fp32 product
+    would (never a silently finite answer); other rows are unaffected.
+    """
     w, reference = quantized(np.random.default_rng(7), 32, 128, "Q4_1")
     lib = packing_lib(native, max_kernel_rows=64)
     x = torch.randn(3, 128)
@@ -712,16 +730,17 @@ def test_packed_weights_carry_nan_and_infinity_through(native):
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_the_copies_for_llama_cpp_hold_the_files_values(tmp_path, monkeypatch, qtype):
-    """bench-cpu-peers --precision fp32 gives llama.cpp an F32 copy of the GGUF, bench-accuracy a Q8_0 one:
-    the same metadata and tokenizer, every tensor gguf's dequantization of the original (for Q8_0 every
-    matrix quantized again, to within its 8-bit step; 1-D tensors F32)."""
-    from deploy.bench import cpu_peers as bench_cpu_peers
+    """bench-cpu-peers --precision fp32 gives llama.cpp an F32 copy of the GGUF, bench-accuracy a
+    Q8_0 one: the same metadata and tokenizer, every tensor gguf's dequantization of the original
+    (for Q8_0 every matrix quantized again, to within its 8-bit step; 1-D tensors F32).
+    """
+    from deploy.bench import llama_build
     from tests.support.tiny import make_tiny_gguf
 
     folder = make_tiny_gguf(tmp_path / "m", qtype="Q4_1")
     source = next(folder.glob("*.gguf"))
-    monkeypatch.setattr(bench_cpu_peers, "CACHE", tmp_path / "cache")
-    copy = bench_cpu_peers.requantized_gguf(source, qtype)
+    monkeypatch.setattr(llama_build, "CACHE", tmp_path / "cache")
+    copy = llama_build.requantized_gguf(source, qtype)
     a, b = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(copy))
 
     def keys(reader):
@@ -747,27 +766,27 @@ def test_the_copies_for_llama_cpp_hold_the_files_values(tmp_path, monkeypatch, q
         else:
             assert y.tensor_type == gguf.GGMLQuantizationType.F32
             np.testing.assert_array_equal(got, want)
-    assert bench_cpu_peers.requantized_gguf(source, qtype) == copy  # made once
+    assert llama_build.requantized_gguf(source, qtype) == copy  # made once
 
 
 def test_the_kernel_row_threshold_survives_one_slow_moment(monkeypatch):
-    """The start-up timing that picks how many rows the quantized kernel takes: a row count where the kernel
-    loses once (another process starting beside the worker) is timed again before it is given up, so one slow
-    moment does not send every larger decode step to the dense path for good; a real loss still stops it."""
+    """The start-up timing that picks how many rows the quantized kernel takes: a row count where
+    the kernel loses once (another process starting beside the worker) is timed again before it is
+    given up, so one slow moment does not send every larger decode step to the dense path for good;
+    a real loss still stops it.
+    """
     from types import SimpleNamespace
 
     import worker.model.linear
     from worker.model.quantized import choose_threshold
 
     lib = QuantizedMatmul(None, dense=None)
-    script = iter(
-        [(1.0, 5.0), (9.0, 5.0), (1.5, 5.0), (6.0, 5.0), (6.0, 5.0), (6.5, 5.0)]
-    )  # (kernel, dense)
+    # (kernel, dense)
+    script = iter([(1.0, 5.0), (9.0, 5.0), (1.5, 5.0), (6.0, 5.0), (6.0, 5.0), (6.5, 5.0)])
     pending = []
 
-    def scripted(
-        fn, reps
-    ):  # the kernel path is timed first, then the dense one (max_kernel_rows 0)
+    # the kernel path is timed first, then the dense one (max_kernel_rows 0)
+    def scripted(fn, reps):
         if lib.max_kernel_rows:
             pending[:] = next(script)
             return pending[0]

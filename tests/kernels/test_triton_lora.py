@@ -1,6 +1,7 @@
-"""The Triton LoRA kernels (kernels/triton_lora.py) against the grouped matmuls of worker/model/lora.py they
-stand in for on a GPU: a step of adapters of different ranks and projections and base rows, natively on
-CUDA, under TRITON_INTERPRET=1 elsewhere."""
+"""The Triton LoRA kernels (kernels/triton_lora.py) against the grouped matmuls of
+worker/model/lora.py they stand in for on a GPU: a step of adapters of different ranks and
+projections and base rows, natively on CUDA, under TRITON_INTERPRET=1 elsewhere.
+"""
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ HIDDEN, QKV = 48, 80  # q 48, k and v 16 each
 
 
 def _projection(g, dtype, parts, rank):
-    """A fused projection's update changing `parts` output spans (each its own rank-`rank` rows of A)."""
+    """A fused projection's update changing `parts` output spans (each its own rank-`rank` rows of
+    A).
+    """
     a = torch.randn(rank * len(parts), HIDDEN, generator=g) * HIDDEN**-0.5
     bs = tuple(torch.randn(hi - lo, rank, generator=g).to(DEVICE, dtype) for lo, hi in parts)
     spans = tuple((j * rank, (j + 1) * rank, lo, hi) for j, (lo, hi) in enumerate(parts))

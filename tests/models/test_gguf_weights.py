@@ -1,6 +1,7 @@
-"""A GGUF served with no full-precision copy of it: tensors read from the file by their Hugging Face names,
-the matrices and the token table kept as the file's blocks, prefill dequantizing a tile at a time, and the
-folder a GGUF is prepared into holding no weights."""
+"""A GGUF served with no full-precision copy of it: tensors read from the file by their Hugging Face
+names, the matrices and the token table kept as the file's blocks, prefill dequantizing a tile at a
+time, and the folder a GGUF is prepared into holding no weights.
+"""
 
 import json
 import shutil
@@ -12,12 +13,14 @@ from tests.support.forward import BLOCK, run_step
 from tests.support.quant import assert_projections_match
 from tests.support.tiny import make_tiny_gguf
 from worker.model.kv_pool import KVPool
-from worker.model.quantized import QuantizedMatmul, QuantWeight
+from worker.model.quant_weights import QuantWeight
+from worker.model.quantized import QuantizedMatmul
 from worker.weights.gguf_blocks import GGUFQuantSource
 from worker.weights.loader import load_model
 
 CPU = torch.device("cpu")
-FAMILIES = {  # family -> config fields: llama.cpp's permuted llama rows, Qwen2's biases, Qwen3's q/k norms,
+# family -> config fields: llama.cpp's permuted llama rows, Qwen2's biases, Qwen3's q/k norms,
+FAMILIES = {
     "llama": dict(),  # Phi-3's stacked q/k/v and gate/up
     "llama-tied": dict(tie_word_embeddings=True),
     "qwen2": dict(),
@@ -27,7 +30,9 @@ FAMILIES = {  # family -> config fields: llama.cpp's permuted llama rows, Qwen2'
 
 
 def weightless(folder, to):
-    """The folder prepare-model makes of a GGUF: config, tokenizer, the file's name; no safetensors."""
+    """The folder prepare-model makes of a GGUF: config, tokenizer,
+    the file's name; no safetensors.
+    """
     to.mkdir()
     for f in folder.iterdir():
         if f.suffix != ".safetensors":
@@ -44,9 +49,11 @@ def logits(model, config, prompt):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_gguf_is_served_from_the_file_with_no_dense_copy(native, tmp_path, family):
-    """From a folder holding only the GGUF: the dense load dequantizes the file's tensors (the same logits as
-    the dequantized checkpoint), and the quantized load never allocates a projection, the head or the token
-    table in fp32 — the blocks serve them, the table looked up row by row — with the same logits."""
+    """From a folder holding only the GGUF: the dense load dequantizes the file's tensors (the same
+    logits as the dequantized checkpoint), and the quantized load never allocates a projection, the
+    head or the token table in fp32 — the blocks serve them, the table looked up row by row — with
+    the same logits.
+    """
     from worker.weights.gguf import GGUFTensorSource
 
     name = family.split("-")[0]
@@ -55,9 +62,8 @@ def test_a_gguf_is_served_from_the_file_with_no_dense_copy(native, tmp_path, fam
     )
     bare = weightless(folder, tmp_path / "bare")
     prompt = [(7 * i) % 380 + 3 for i in range(21)]
-    reference, config = load_model(
-        str(folder), "auto", torch.float32, CPU
-    )  # the dequantized safetensors
+    # the dequantized safetensors
+    reference, config = load_model(str(folder), "auto", torch.float32, CPU)
     want = logits(reference, config, prompt)
 
     from_file, _ = load_model(str(bare), "auto", torch.float32, CPU)
@@ -87,8 +93,9 @@ def test_a_gguf_is_served_from_the_file_with_no_dense_copy(native, tmp_path, fam
 
 
 def test_each_rank_reads_its_share_of_the_file(native, tmp_path):
-    """Tensor parallel from the bare file: each rank's quantized and dense loads agree on its projections
-    and its rows of the token table."""
+    """Tensor parallel from the bare file: each rank's quantized and dense loads agree on its
+    projections and its rows of the token table.
+    """
     folder = make_tiny_gguf(tmp_path / "m", "Q8_0", seed=6, family="llama", tables=True)
     bare = weightless(folder, tmp_path / "bare")
     for rank in range(2):
@@ -111,8 +118,9 @@ def test_each_rank_reads_its_share_of_the_file(native, tmp_path):
 def test_prefill_dequantizes_a_tile_at_a_time_as_the_whole_weight(
     native, qtype, packing, monkeypatch
 ):
-    """Prefill without a dense copy: tiles of whole 16-row groups (several a segment, a last short one) of a
-    stack of two types give what the whole dequantized weight gives."""
+    """Prefill without a dense copy: tiles of whole 16-row groups (several a segment, a last short
+    one) of a stack of two types give what the whole dequantized weight gives.
+    """
     import numpy as np
     from gguf import GGMLQuantizationType, quants
 
@@ -141,8 +149,10 @@ def test_prefill_dequantizes_a_tile_at_a_time_as_the_whole_weight(
 def test_a_gguf_is_prepared_without_weights_unless_its_architecture_needs_them(
     tmp_path, monkeypatch
 ):
-    """Preparing a llama GGUF writes config and tokenizer only (fast, no memory to speak of); a Gemma 2 GGUF,
-    whose tensors the workers do not map (llama.cpp stores its norms offset), still needs its fp32 copy."""
+    """Preparing a llama GGUF writes config and tokenizer only (fast, no memory to speak of); a
+    Gemma 2 GGUF, whose tensors the workers do not map (llama.cpp stores its norms offset), still
+    needs its fp32 copy.
+    """
     from deploy.prepare_model import model_folder, needs_dense_copy
 
     monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path / "cache"))
@@ -168,8 +178,10 @@ def test_a_gguf_is_prepared_without_weights_unless_its_architecture_needs_them(
 
 
 def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch):
-    """The memory check before loading counts a GGUF served on its blocks at the file's size: refused with
-    the file's bytes where they do not fit, where an fp32 copy would have been counted four times over."""
+    """The memory check before loading counts a GGUF served on its blocks at the file's size:
+    refused with the file's bytes where they do not fit, where an fp32 copy would have been counted
+    four times over.
+    """
     from argparse import Namespace
 
     from worker.serve import choices as worker_main
@@ -201,12 +213,13 @@ def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch
 
 
 def test_a_llama3_gguf_rotates_by_its_rope_freqs_as_the_scaling_they_came_from(tmp_path):
-    """llama.cpp's converter writes a Llama 3.x model's rope scaling as a rope_freqs tensor (each frequency's
-    divisor), not as metadata: the file, and the folder prepared from it, rotate as the Hugging Face config
-    with that llama3 scaling does, and the model's cos/sin tables follow."""
+    """llama.cpp's converter writes a Llama 3.x model's rope scaling as a rope_freqs tensor (each
+    frequency's divisor), not as metadata: the file, and the folder prepared from it, rotate as the
+    Hugging Face config with that llama3 scaling does, and the model's cos/sin tables follow.
+    """
     import dataclasses
 
-    from worker.model.llama import Rotary
+    from worker.model.elementwise import Rotary
     from worker.weights.loader import load_config
 
     llama3 = {

@@ -1,6 +1,7 @@
-"""`--dtype bfloat16` (or float16) on a CPU: the checkpoint's matrices held as bf16 rows (half fp32's bytes)
-and read by the native row kernels with fp32 activations, many rows through the CPU's bf16 GEMM where it
-has one; norms, activations and the KV cache in fp32."""
+"""`--dtype bfloat16` (or float16) on a CPU: the checkpoint's matrices held as bf16 rows (half
+fp32's bytes) and read by the native row kernels with fp32 activations, many rows through the CPU's
+bf16 GEMM where it has one; norms, activations and the KV cache in fp32.
+"""
 
 import pytest
 import torch
@@ -34,9 +35,10 @@ def rounded(folder, to):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_bf16_weights_give_the_rounded_models_logits(native, tmp_path, tied):
-    """Every projection, the head and the token table as bf16 rows (none of them allocated in fp32): the
-    logits are the fp32 model's on bf16-rounded matrices — to fp32 rounding through the row kernels, to
-    bf16 activation rounding through the bf16 GEMM."""
+    """Every projection, the head and the token table as bf16 rows (none of them allocated in fp32):
+    the logits are the fp32 model's on bf16-rounded matrices — to fp32 rounding through the row
+    kernels, to bf16 activation rounding through the bf16 GEMM.
+    """
     folder = make_tiny_llama(tmp_path / "m", seed=3, tie_word_embeddings=tied)
     config = load_config(str(folder), "auto")
     prompt = [(7 * i) % 380 + 3 for i in range(21)]
@@ -47,9 +49,8 @@ def test_bf16_weights_give_the_rounded_models_logits(native, tmp_path, tied):
     lib = QuantizedMatmul(native)
     source = CastSource(tensor_source(str(folder), "auto", config), config)
     model, _ = load_model(str(folder), "auto", torch.float32, CPU, quantized=source, pack=lib.pack)
-    assert all(
-        p.numel() == 0 for n, p in model.named_parameters() if p.dim() == 2
-    )  # no fp32 matrix
+    # no fp32 matrix
+    assert all(p.numel() == 0 for n, p in model.named_parameters() if p.dim() == 2)
     assert model.use_quantized(model.file_blocks, lib, keep_dense=False) == {
         "BF16": 4 * config.num_layers + 1
     }
@@ -65,11 +66,13 @@ def test_bf16_weights_give_the_rounded_models_logits(native, tmp_path, tied):
 
 
 def test_a_bf16_gemm_keeps_its_gate_up_in_bf16_through_the_silu_mul_with_the_same_values(native):
-    """Through the bf16 GEMM the MLP's gate/up goes on in bf16 (bf16_out) into a bf16 SiLU·mul and the down
-    GEMM: the values of the fp32 round trip it replaces, bit for bit (fp32 arithmetic on the widened values,
-    one rounding to nearest even), with no fp32 copy on either side; the row kernels' path stays fp32."""
+    """Through the bf16 GEMM the MLP's gate/up goes on in bf16 (bf16_out) into a bf16 SiLU·mul and
+    the down GEMM: the values of the fp32 round trip it replaces, bit for bit (fp32 arithmetic on
+    the widened values, one rounding to nearest even), with no fp32 copy on either side; the row
+    kernels' path stays fp32.
+    """
     from worker.model.elementwise import NativeOps
-    from worker.model.quantized import QuantWeight
+    from worker.model.quant_weights import QuantWeight
 
     if not native_bf16():
         pytest.skip("no bf16 GEMM on this CPU: prompt chunks take the fp32 tiles")
@@ -88,18 +91,18 @@ def test_a_bf16_gemm_keeps_its_gate_up_in_bf16_through_the_silu_mul_with_the_sam
     )
     assert lib(x[:3], q, bf16_out=True).dtype == torch.float32  # a few rows: the row kernel, fp32
     down = QuantWeight(w[:, :48].contiguous().view(torch.uint8), "BF16", 48)
-    assert torch.equal(
-        lib(act, down), lib(act.float(), down)
-    )  # a bf16 input is multiplied as it is
+    # a bf16 input is multiplied as it is
+    assert torch.equal(lib(act, down), lib(act.float(), down))
 
 
 @pytest.mark.slow
 def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(
     server_factory, native, tmp_path_factory
 ):
-    """`--dtype bfloat16` on a CPU: the worker holds bf16 matrices and computes in fp32, so every greedy
-    answer equals transformers' on the bf16-rounded weights (prefill on the fp32 copy of those values, asked
-    for; the KV pool kept fp32 here: by default it is bf16 too)."""
+    """`--dtype bfloat16` on a CPU: the worker holds bf16 matrices and computes in fp32, so every
+    greedy answer equals transformers' on the bf16-rounded weights (prefill on the fp32 copy of
+    those values, asked for; the KV pool kept fp32 here: by default it is bf16 too).
+    """
     from protos import generation_pb2 as pb
 
     base = tmp_path_factory.mktemp("bf16")
@@ -129,15 +132,15 @@ def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(
         assert list(server.stub.Generate(req, timeout=120).choices[0].token_ids) == hf_greedy(
             reference, prompt, 20
         )
-    # the default: prefill through the CPU's bf16 GEMM where it has one (no fp32 copy), else as memory allows;
-    # with the bf16 GEMM, prompt chunks attend over the bf16 pool in bf16 dot products where the CPU has them
+    # the default: prefill through the CPU's bf16 GEMM where it has one (no fp32 copy), else as
+    # memory allows; with the bf16 GEMM, prompt chunks attend over the bf16 pool in bf16 dot
+    # products where the CPU has them
     auto = server_factory(folder, "--dtype", "bfloat16", "--block-size", "4", "--num-blocks", "256")
     reason = "the CPU's bf16 GEMM" if native_bf16() else "available"
     log = auto.log_path.read_text()
     assert reason in log and '"kv_cache_dtype": "bfloat16"' in log
-    assert (
-        auto.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).weights == ""
-    )  # "bfloat16" says it
+    # "bfloat16" says it
+    assert auto.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).weights == ""
     dots = native_bf16() and native.prefill_bf16_dots
     assert ('"arithmetic": "bf16 dot products"' in log) == dots
     req = pb.GenerateRequest(
@@ -150,11 +153,13 @@ def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(
 def test_bf16_weights_in_the_gemms_blocked_layout_give_the_plain_gemms_products(
     native, monkeypatch
 ):
-    """Where the CPU multiplies bf16 (AMX), a BF16 weight may be held a second time in oneDNN's blocked
-    layout for steps past the row kernels' limit: the products of the plain bf16 GEMM, bit for bit, at a
-    decode batch's rows and a prompt chunk's, in fp32 and kept in bf16 for the SiLU·mul; the row kernels
-    still read the rows as held. The choice to hold it follows the memory left."""
-    from worker.model.quantized import QuantLinear, QuantWeight
+    """Where the CPU multiplies bf16 (AMX), a BF16 weight may be held a second time in oneDNN's
+    blocked layout for steps past the row kernels' limit: the products of the plain bf16 GEMM, bit
+    for bit, at a decode batch's rows and a prompt chunk's, in fp32 and kept in bf16 for the
+    SiLU·mul; the row kernels still read the rows as held. The choice to hold it follows the memory
+    left.
+    """
+    from worker.model.quant_weights import QuantLinear, QuantWeight
     from worker.serve.memory_plan import GiB, choose_gemm_copy
 
     if not native_bf16():
@@ -179,6 +184,7 @@ def test_bf16_weights_in_the_gemms_blocked_layout_give_the_plain_gemms_products(
         for bf16_out in (False, True):
             got, want = lib(x, blocked, bf16_out=bf16_out), lib(x, plain, bf16_out=bf16_out)
             assert got.dtype == want.dtype and torch.equal(got, want), (rows, bf16_out)
+    # the blocked copy past the row kernels' 4 rows, only there
     assert calls == [
         16,
         16,
@@ -186,7 +192,7 @@ def test_bf16_weights_in_the_gemms_blocked_layout_give_the_plain_gemms_products(
         64,
         300,
         300,
-    ]  # the blocked copy past the row kernels' 4 rows, only there
+    ]
     held, _ = choose_gemm_copy(2 * GiB, GiB, 20 * GiB)
     refused, why = choose_gemm_copy(2 * GiB, GiB, 4 * GiB)
     assert held and not refused and "cannot hold it (2.0 GiB)" in why

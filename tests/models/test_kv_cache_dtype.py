@@ -1,6 +1,7 @@
-"""--kv-cache-dtype: a bf16 KV pool holds twice the tokens of an fp32 one in the same memory, is read by
-every CPU path (native decode and prefill, the fused step, torch) as its values widened, and is said in
-GetModelInfo; what cannot work is refused before loading."""
+"""--kv-cache-dtype: a bf16 KV pool holds twice the tokens of an fp32 one in the same memory, is
+read by every CPU path (native decode and prefill, the fused step, torch) as its values widened, and
+is said in GetModelInfo; what cannot work is refused before loading.
+"""
 
 import pytest
 import torch
@@ -48,9 +49,10 @@ def _answers(server, prompts):
 def test_a_bf16_pool_doubles_the_blocks_and_answers_as_the_torch_path_over_the_same_values(
     server_factory, tiny_model_dir
 ):
-    """Same --kv-cache-memory: twice the blocks. The native kernels and the fused step over the bf16 pool
-    decode the greedy tokens the torch path decodes over it; prompt logprobs stay within bf16's rounding of
-    the fp32 pool's; GetModelInfo says which pool it is; nothing leaks."""
+    """Same --kv-cache-memory: twice the blocks. The native kernels and the fused step over the bf16
+    pool decode the greedy tokens the torch path decodes over it; prompt logprobs stay within bf16's
+    rounding of the fp32 pool's; GetModelInfo says which pool it is; nothing leaks.
+    """
     # up to 70 tokens: blocks crossed
     prompts = [[1, 5 + i, 9, 30 + 2 * i, 7] * (2 + 3 * i) for i in range(5)]
     runs = {}
@@ -68,9 +70,8 @@ def test_a_bf16_pool_doubles_the_blocks_and_answers_as_the_torch_path_over_the_s
         info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
         runs[name] = (info, _answers(server, prompts))
         stats = server.stub.GetCacheStats(pb.GetCacheStatsRequest())
-        assert (
-            stats.num_free_blocks + stats.num_cached_blocks == info.num_blocks
-        )  # every block back
+        # every block back
+        assert stats.num_free_blocks + stats.num_cached_blocks == info.num_blocks
         server.stop()
     (f32_info, f32), (bf_info, bf), (torch_info, via_torch) = (
         runs["fp32"],

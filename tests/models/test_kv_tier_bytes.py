@@ -1,6 +1,8 @@
-"""The KV tiers' bytes on a worker: a pool block written to the host or disk tier and read back into another
-block is the same block, bit for bit (every layer's K and V, and its token record); a block that fails its
-check — another hash, a flipped byte, a truncated file, another model's layout — does not load."""
+"""The KV tiers' bytes on a worker: a pool block written to the host or disk tier and read back into
+another block is the same block, bit for bit (every layer's K and V, and its token record); a block
+that fails its check — another hash, a flipped byte, a truncated file, another model's layout — does
+not load.
+"""
 
 import os
 
@@ -101,7 +103,8 @@ def test_a_block_that_fails_its_check_does_not_load(tmp_path):
             hashes=[H[5], H[0], H[1], H[2], H[4], H[6]],
         )
     )
-    # the host slot holds H[0], not H[5]; slot 1 holds nothing; then the flipped, cut, renamed and missing
+    # the host slot holds H[0], not H[5]; slot 1 holds nothing; then the flipped, cut, renamed and
+    # missing
     assert failed.tolist() == [0, 1, 2, 3, 4, 5]
     assert same(block_of(pool, 7), before)  # nothing was written
     store.host.data[0, 17] ^= 1  # the host copy changed under it

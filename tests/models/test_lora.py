@@ -1,5 +1,6 @@
-"""LoRA in the worker's forward: adapters read from PEFT's own files, many in one step, each row's logits
-equal to PEFT's model with that adapter (and the base rows to the base model's)."""
+"""LoRA in the worker's forward: adapters read from PEFT's own files, many in one step, each row's
+logits equal to PEFT's model with that adapter (and the base rows to the base model's).
+"""
 
 import json
 
@@ -92,8 +93,10 @@ def test_a_step_of_three_adapters_and_the_base_equals_peft_row_by_row(family_mod
 
 
 def test_many_adapters_of_one_shape_batched_together_equal_peft(family_models, tmp_path):
-    """Adapters that change the same projections at the same rank go through one batched update (their rows
-    padded into one batch, their A and B stacked): each row still gets its own adapter's."""
+    """Adapters that change the same projections at the same rank go through one batched update
+    (their rows padded into one batch, their A and B stacked): each row still gets its own
+    adapter's.
+    """
     base, adapters = family_models["llama"]
     folders = [adapters["all"]] + [
         make_adapter(
@@ -120,8 +123,9 @@ def test_many_adapters_of_one_shape_batched_together_equal_peft(family_models, t
 
 
 def test_decode_rows_through_the_pool_after_a_prefill_stay_equal(family_models):
-    """Prefill then token-by-token decode with the adapter on every step: the KV written under the adapter
-    is read back by later steps, as PEFT's cache does."""
+    """Prefill then token-by-token decode with the adapter on every step: the KV written under the
+    adapter is read back by later steps, as PEFT's cache does.
+    """
     base, adapters = family_models["llama"]
     model, config, weights = _ours(base, [adapters["all"]])
     pool = KVPool(config, 64, BLOCK, torch.float32, torch.device("cpu"))
@@ -140,8 +144,9 @@ def test_decode_rows_through_the_pool_after_a_prefill_stay_equal(family_models):
 
 
 def test_tensor_parallel_halves_sum_to_the_whole_update(family_models):
-    """Each rank's A and B as the base weights are split: the column-parallel parts' rows and the row-parallel
-    parts' partial products put together give the unsplit adapter's update."""
+    """Each rank's A and B as the base weights are split: the column-parallel parts' rows and the
+    row-parallel parts' partial products put together give the unsplit adapter's update.
+    """
     base, adapters = family_models["llama"]
     _, config, (whole,) = _ours(base, [adapters["all"]])
     identity = whole.identity
@@ -174,9 +179,8 @@ def test_tensor_parallel_halves_sum_to_the_whole_update(family_models):
     full, lo, hi = update(whole, "qkv", x)
     assert (lo, hi) == (0, q + 2 * config.num_kv_heads * hd)
     q_half, kv_half = q // 2, config.num_kv_heads * hd // 2
-    halves = [
-        update(w, "qkv", x)[0] for w in ranks
-    ]  # each rank: its q heads, then its k and v heads
+    # each rank: its q heads, then its k and v heads
+    halves = [update(w, "qkv", x)[0] for w in ranks]
     for part, (start, size) in enumerate(
         [(0, q_half), (q_half, kv_half), (q_half + kv_half, kv_half)]
     ):
@@ -208,9 +212,10 @@ def test_tensor_parallel_halves_sum_to_the_whole_update(family_models):
 def test_the_fused_cpu_decode_step_adds_each_rows_adapter_as_the_layer_path_does(
     family_models, family
 ):
-    """Decode rows of three adapters and the base, a run of one adapter longer than the native kernel takes
-    at once among them, through the fused CPU step (kernels/cpu/lora_rows.h): the layer path's logits and
-    PEFT's, and the step's profile counts the adapters' stage."""
+    """Decode rows of three adapters and the base, a run of one adapter longer than the native
+    kernel takes at once among them, through the fused CPU step (kernels/cpu/lora_rows.h): the layer
+    path's logits and PEFT's, and the step's profile counts the adapters' stage.
+    """
     from kernels import cpu_native
     from worker.serve.choices import use_fused_decode
 
@@ -239,9 +244,8 @@ def test_the_fused_cpu_decode_step_adds_each_rows_adapter_as_the_layer_path_does
     fused = model.fused
     kernels.decode_profile(True)
     got, _ = run_step(model, config, pool, decode, backend="cpu", lora=(weights, which))
-    assert (
-        kernels.decode_profile(False)["lora"] > 0
-    )  # the native step ran, and ran the adapters' stage
+    # the native step ran, and ran the adapters' stage
+    assert kernels.decode_profile(False)["lora"] > 0
     model.fused = None
     try:
         want, _ = run_step(model, config, pool, decode, backend="cpu", lora=(weights, which))

@@ -5,7 +5,7 @@ import torch
 
 from tests.support.forward import BLOCK, run_step
 from tests.support.tiny import make_tiny_llama
-from worker.model.attention import make_backend
+from worker.model.attention_native import make_backend
 from worker.model.kv_pool import KVPool
 from worker.weights.loader import load_model
 
@@ -23,8 +23,9 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_packed(tiny):
-    """The same weights with the projections on oneDNN, each weight packed once and the loaded copies
-    dropped: what the CPU worker runs where oneDNN is the faster library."""
+    """The same weights with the projections on oneDNN, each weight packed once and the loaded
+    copies dropped: what the CPU worker runs where oneDNN is the faster library.
+    """
     from worker.model.linear import OneDNNMatmul
 
     _, _, hf, folder = tiny
@@ -56,9 +57,10 @@ def test_prefill_logits_match_transformers(tiny):
     "backend,packed", [("torch", False), ("triton", False), ("cpu", True), ("cpu", False)]
 )
 def test_token_by_token_decode_through_the_paged_pool_matches(request, backend, packed):
-    """Two interleaved sequences decode token by token in one batch, blocks scattered and interleaved.
-    The triton backend runs its kernels (under TRITON_INTERPRET=1 without a GPU); the cpu backend its native
-    decode kernel, with the projections on packed oneDNN weights or F.linear."""
+    """Two interleaved sequences decode token by token in one batch, blocks scattered and
+    interleaved. The triton backend runs its kernels (under TRITON_INTERPRET=1 without a GPU); the
+    cpu backend its native decode kernel, with the projections on packed oneDNN weights or F.linear.
+    """
     model, config, hf, _ = model_for(request, packed)
     pool = KVPool(config, 32, BLOCK, torch.float32, torch.device("cpu"))
     pool.k[0].fill_(float("nan"))  # stale bytes anywhere but the written slots must not matter
@@ -143,13 +145,15 @@ def test_other_llama_family_variants(tmp_path, family):
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_a_step_pools_its_rows_hidden_states_as_asked_through_chunks(tmp_path, backend):
-    """StepPlan.pooling: a row gives back its last token's final hidden state, the sum over its tokens (a
-    prompt in two chunks: the sums add up to the whole prompt's), or its first token's, beside a row that
-    samples; what transformers' Qwen3Model says at those positions."""
+    """StepPlan.pooling: a row gives back its last token's final hidden state, the sum over its
+    tokens (a prompt in two chunks: the sums add up to the whole prompt's), or its first token's,
+    beside a row that samples; what transformers' Qwen3Model says at those positions.
+    """
     import numpy as np
     import transformers
 
-    from protos.codec import POOL_FIRST, POOL_LAST, POOL_SUM, PlanArrays, decode_pooled, encode_plan
+    from protos.codec import POOL_FIRST, POOL_LAST, POOL_SUM, PlanArrays, encode_plan
+    from protos.result_codec import decode_pooled
     from worker.step.runner import ModelRunner
 
     torch.manual_seed(0)
@@ -248,8 +252,10 @@ def test_a_step_pools_its_rows_hidden_states_as_asked_through_chunks(tmp_path, b
 
 
 def test_a_bare_decoder_checkpoint_loads_and_its_hidden_states_match_transformers(tmp_path):
-    """Embedding models ship the decoder without its head (Qwen3-Embedding: a `Qwen3Model`, tensors named
-    `layers.0...`, no `model.` before them): it loads, and the final hidden states are transformers'."""
+    """Embedding models ship the decoder without its head (Qwen3-Embedding: a `Qwen3Model`, tensors
+    named `layers.0...`, no `model.` before them): it loads, and the final hidden states are
+    transformers'.
+    """
     import transformers
 
     torch.manual_seed(0)
@@ -312,13 +318,13 @@ def test_gpu_pool_sizing_arithmetic():
     from worker.serve.sizing import blocks_for_gpu_budget
 
     gib = 2**30
-    # 80 GiB card at 0.9: 72 GiB, minus 16 GiB of weights and activations, minus 1 GiB used by others
+    # 80 GiB card at 0.9: 72 GiB, minus 16 GiB of weights and activations, minus 1 GiB used by
+    # others
     assert blocks_for_gpu_budget(80 * gib, 0.9, 16 * gib, 1 * gib, 2 * 2**20) == (
         72 * gib - 17 * gib
     ) // (2 * 2**20)
-    assert (
-        blocks_for_gpu_budget(8 * gib, 0.5, 5 * gib, 0, 2**20) == 0
-    )  # the weights alone exceed the share
+    # the weights alone exceed the share
+    assert blocks_for_gpu_budget(8 * gib, 0.5, 5 * gib, 0, 2**20) == 0
     with pytest.raises(ValueError):
         blocks_for_gpu_budget(8 * gib, 1.5, 0, 0, 1)
 
@@ -362,10 +368,12 @@ def _one_seq_plan(step_id, tokens, start, prev=None, seed=7):
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_warm_up_leaves_the_runner_as_it_found_it(tiny, backend):
-    """The start-up warm-up step runs the whole path (mixed prefill and decode, greedy and sampled) and
-    changes nothing a plan can observe: the next plan, and one that refers to the previous step's tokens,
-    give what they give on a runner that was never warmed."""
-    from worker.step.runner import ModelRunner, warm_up
+    """The start-up warm-up step runs the whole path (mixed prefill and decode, greedy and sampled)
+    and changes nothing a plan can observe: the next plan, and one that refers to the previous
+    step's tokens, give what they give on a runner that was never warmed.
+    """
+    from worker.step.runner import ModelRunner
+    from worker.step.warm_up import warm_up
 
     model, config, _, _ = tiny
     plan = _one_seq_plan
@@ -386,9 +394,11 @@ def test_warm_up_leaves_the_runner_as_it_found_it(tiny, backend):
 
 
 def test_a_step_launched_before_the_last_one_is_read_back_takes_its_tokens_on_the_device(tiny):
-    """The worker launches step N+1 (its input token read from step N's sampled tokens on the device) before
-    it reads step N back: the tokens are those of running the steps one after the other. A step whose source
-    step fails once read back fails too, and so does a later plan that refers to it."""
+    """The worker launches step N+1 (its input token read from step N's sampled tokens on the
+    device) before it reads step N back: the tokens are those of running the steps one after the
+    other. A step whose source step fails once read back fails too, and so does a later plan that
+    refers to it.
+    """
     from worker.step.runner import ModelRunner, StepDependencyError
     from worker.step.sampler import NonFiniteLogits
 
@@ -429,9 +439,11 @@ def test_a_step_launched_before_the_last_one_is_read_back_takes_its_tokens_on_th
 
 
 def test_staging_packs_a_steps_arrays_into_one_transfer_and_cuts_them_back():
-    """The packed path (a pinned buffer and one transfer on CUDA; forced here on the CPU) gives back every
-    array with its values, dtype and shape, empty ones and odd byte counts included, each 16-byte aligned,
-    and reuses and grows its two buffers across steps without touching the previous step's."""
+    """The packed path (a pinned buffer and one transfer on CUDA; forced here on the CPU) gives back
+    every array with its values, dtype and shape, empty ones and odd byte counts included, each
+    16-byte aligned, and reuses and grows its two buffers across steps without touching the previous
+    step's.
+    """
     import numpy as np
 
     from worker.step.staging import Staging
@@ -451,7 +463,8 @@ def test_staging_packs_a_steps_arrays_into_one_transfer_and_cuts_them_back():
         for (a, dtype), t in zip(arrays, out, strict=True):
             assert t.dtype == dtype and tuple(t.shape) == a.shape
             assert np.array_equal(t.numpy(), a.astype(t.numpy().dtype))
-            # 16-byte aligned whatever came before: a kernel argument's alignment never changes step to step
+            # 16-byte aligned whatever came before: a kernel argument's alignment never changes step
+            # to step
             assert t.data_ptr() % 16 == 0
         # the step before is still on the device: intact
         for (a, _), t in zip(before, previous, strict=True):
@@ -462,10 +475,11 @@ def test_staging_packs_a_steps_arrays_into_one_transfer_and_cuts_them_back():
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
-    """Decode steps through DecodeGraphs' static buffers (padded to a bucket, tables padded to the captured
-    width; on CUDA a graph replay, here the same forward eagerly) sample exactly what the plain path does,
-    step after step, as the batch shrinks between buckets and the sequences grow from the short context tier
-    into the long one; a prompt chunk or a longer sequence runs eagerly."""
+    """Decode steps through DecodeGraphs' static buffers (padded to a bucket, tables padded to the
+    captured width; on CUDA a graph replay, here the same forward eagerly) sample exactly what the
+    plain path does, step after step, as the batch shrinks between buckets and the sequences grow
+    from the short context tier into the long one; a prompt chunk or a longer sequence runs eagerly.
+    """
     import numpy as np
 
     from protos.codec import PlanArrays, encode_plan
@@ -516,9 +530,8 @@ def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
             assert runner.graphs.buckets == [1, 2, 4, 8] and runner.graphs.contexts == [12, 24]
             assert sorted(runner.graphs.graphs) == [(c, b) for c in (12, 24) for b in (1, 2, 4, 8)]
             assert [runner.graphs.tier(n) for n in (1, 12, 13, 24)] == [12, 12, 24, 24]
-        blocks = [
-            [(7 * i + 3 * j) % 35 for j in range(7)] for i in range(5)
-        ]  # scattered, 28 keys each
+        # scattered, 28 keys each
+        blocks = [[(7 * i + 3 * j) % 35 for j in range(7)] for i in range(5)]
         prompts = [[5 + i, 9, 11 + i] for i in range(5)]
         rows = [(p, 0, b) for p, b in zip(prompts, blocks, strict=True)]
         out = [runner.execute(plan(1, rows)).sampled_token_ids]
@@ -548,7 +561,9 @@ def test_decode_graph_fitting_gives_the_eager_steps_tokens(tiny, backend):
 
 
 def test_decode_graph_replay_on_cuda_matches_the_eager_forward(tiny):
-    """Natively on CUDA: a captured bucket replayed for a smaller batch gives the eager forward's logits."""
+    """Natively on CUDA: a captured bucket replayed for a smaller batch gives the eager forward's
+    logits.
+    """
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from worker.step.graphs import DecodeGraphs
@@ -558,9 +573,8 @@ def test_decode_graph_replay_on_cuda_matches_the_eager_forward(tiny):
     model, config = load_model(str(folder), "auto", torch.float32, cuda)
     pool = KVPool(config, 32, BLOCK, torch.float32, cuda)
     attn = make_backend("triton", cuda)
-    run_step(
-        model, config, pool, [([5, 6, 7, 8, 9], 0, [1, 2]), ([3, 4], 0, [3])], "triton"
-    )  # some K/V
+    # some K/V
+    run_step(model, config, pool, [([5, 6, 7, 8, 9], 0, [1, 2]), ([3, 4], 0, [3])], "triton")
     graphs = DecodeGraphs(model, pool, attn, cuda, max_rows=4, max_context=16)
     graphs.capture_all()
     tables = torch.tensor([[1, 2], [3, -1]], dtype=torch.int32, device=cuda)

@@ -1,5 +1,7 @@
-"""Models served right, or refused at start: every config field that changes the computation is either
-implemented (and equals transformers) or makes the worker exit 2 naming the field and its value."""
+"""Models served right, or refused at start: every config field that changes the computation is
+either implemented (and equals transformers) or makes the worker exit 2 naming the field and its
+value.
+"""
 
 import json
 
@@ -137,7 +139,9 @@ def test_smollm3_nope_layers_equal_transformers(tmp_path):
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_a_prompt_longer_than_its_sliding_window_equals_transformers(tmp_path, family):
-    """Sliding-window layers see each token's last `sliding_window` keys, at the model's full context."""
+    """Sliding-window layers see each token's last `sliding_window` keys, at the model's full
+    context.
+    """
     import transformers
 
     torch.manual_seed(1)
@@ -159,9 +163,10 @@ def test_a_prompt_longer_than_its_sliding_window_equals_transformers(tmp_path, f
 
 @pytest.mark.parametrize("window,partial", [(None, 1.0), (16, 1.0), (None, 0.75)])
 def test_phi3_fused_weights_window_and_partial_rotary_equal_transformers(tmp_path, window, partial):
-    """Phi-3 ships q/k/v and gate/up as single tensors (split here into this model's fused parameters),
-    slides every layer when its config has a window (Phi-3-mini's 2047), and with a partial_rotary_factor
-    (Phi-4-mini's 0.75) rotates only the first part of each head."""
+    """Phi-3 ships q/k/v and gate/up as single tensors (split here into this model's fused
+    parameters), slides every layer when its config has a window (Phi-3-mini's 2047), and with a
+    partial_rotary_factor (Phi-4-mini's 0.75) rotates only the first part of each head.
+    """
     import transformers
 
     torch.manual_seed(4)
@@ -180,9 +185,10 @@ def test_phi3_fused_weights_window_and_partial_rotary_equal_transformers(tmp_pat
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_gemma3_equals_transformers(tmp_path, softcap):
-    """Gemma 3: (1 + w) RMSNorms, norms on the attention and MLP outputs, GeGLU, q/k norm, embeddings times
-    sqrt(hidden), query_pre_attn_scalar, sliding layers with their own RoPE (and the global ones with linear
-    scaling), final-logit soft-capping; a prompt longer than the window."""
+    """Gemma 3: (1 + w) RMSNorms, norms on the attention and MLP outputs, GeGLU, q/k norm,
+    embeddings times sqrt(hidden), query_pre_attn_scalar, sliding layers with their own RoPE (and
+    the global ones with linear scaling), final-logit soft-capping; a prompt longer than the window.
+    """
     import transformers
 
     torch.manual_seed(6)
@@ -223,8 +229,10 @@ def test_gemma3_equals_transformers(tmp_path, softcap):
     ids=["top2", "top3-normalized-one-dense-layer", "top1-every-second-layer"],
 )
 def test_qwen3_moe_equals_transformers(tmp_path, top_k, normalize, sparse_step, dense_layers):
-    """Qwen3-MoE: the router's softmax top-k (renormalized or not), the experts grouped per step, the layers
-    decoder_sparse_step and mlp_only_layers leave dense; a prompt whose tokens spread over every expert."""
+    """Qwen3-MoE: the router's softmax top-k (renormalized or not), the experts grouped per step,
+    the layers decoder_sparse_step and mlp_only_layers leave dense; a prompt whose tokens spread
+    over every expert.
+    """
     import transformers
 
     torch.manual_seed(8)
@@ -254,10 +262,11 @@ def test_qwen3_moe_equals_transformers(tmp_path, top_k, normalize, sparse_step, 
 
 @pytest.mark.parametrize("attn_cap,final_cap", [(None, None), (2.0, 5.0)])
 def test_gemma2_equals_transformers(tmp_path, attn_cap, final_cap):
-    """Gemma 2: Gemma's (1 + w) norms around attention and MLP, GeGLU, scaled embeddings and query scaling,
-    sliding and global layers alternating over one RoPE, attention-logit soft-capping (a cap of 2 on scores
-    of several units: it changes every softmax) and final-logit soft-capping; a prompt longer than the
-    window."""
+    """Gemma 2: Gemma's (1 + w) norms around attention and MLP, GeGLU, scaled embeddings and query
+    scaling, sliding and global layers alternating over one RoPE, attention-logit soft-capping (a
+    cap of 2 on scores of several units: it changes every softmax) and final-logit soft-capping; a
+    prompt longer than the window.
+    """
     import transformers
 
     torch.manual_seed(9)
@@ -301,9 +310,10 @@ def test_gemma2_equals_transformers(tmp_path, attn_cap, final_cap):
 
 
 def test_mixtral_equals_transformers(tmp_path):
-    """Mixtral: Mistral's attention (a window on every layer, crossed by the prompt), every MLP a mixture of
-    intermediate_size-wide experts (block_sparse_moe's w1/w3/w2), the chosen experts' weights always
-    renormalized."""
+    """Mixtral: Mistral's attention (a window on every layer, crossed by the prompt), every MLP a
+    mixture of intermediate_size-wide experts (block_sparse_moe's w1/w3/w2), the chosen experts'
+    weights always renormalized.
+    """
     import transformers
 
     torch.manual_seed(10)
@@ -333,15 +343,15 @@ def test_mixtral_equals_transformers(tmp_path):
 
 
 def test_sliding_window_fields_that_do_not_slide():
-    """Llama ignores sliding_window (as transformers does); Qwen2 without use_sliding_window does not
-    slide."""
+    """Llama ignores sliding_window (as transformers does); Qwen2 without use_sliding_window does
+    not slide.
+    """
     assert ModelConfig.from_dict({**BASE, "sliding_window": 16}).layer_windows == ()
     qwen = {**BASE, "model_type": "qwen2", "sliding_window": 16, "use_sliding_window": False}
     assert ModelConfig.from_dict(qwen).layer_windows == ()
     typed = {**qwen, "layer_types": ["sliding_attention", "full_attention"] * 2}
-    assert (
-        ModelConfig.from_dict(typed).layer_windows == ()
-    )  # transformers drops the window without the flag
+    # transformers drops the window without the flag
+    assert ModelConfig.from_dict(typed).layer_windows == ()
     assert ModelConfig.from_dict({**typed, "use_sliding_window": True}).layer_windows == (
         16,
         0,
@@ -392,17 +402,17 @@ def test_llama3_linear_yarn_and_dynamic_rope_scaling_equal_transformers(tmp_path
 
 
 def test_a_plan_may_leave_out_blocks_behind_every_window_and_no_others():
-    """The worker accepts a table whose entries behind its queries' windows are -1 (given back by the
-    scheduler) only when every layer slides that far; a hole inside a window is refused."""
+    """The worker accepts a table whose entries behind its queries' windows are -1 (given back by
+    the scheduler) only when every layer slides that far; a hole inside a window is refused.
+    """
     import numpy as np
 
     from tests.support.forward import STEP_BLOCK as BLOCK
     from tests.support.forward import step_inputs
     from worker.step.plan_checks import PlanError, validate_plan
 
-    p, blocks = step_inputs(
-        [(1, 70), (16, 66)]
-    )  # a decode at position 69, a chunk over positions 50..65
+    # a decode at position 69, a chunk over positions 50..65
+    p, blocks = step_inputs([(1, 70), (16, 66)])
     p.block_tables = p.block_tables.copy()  # decoded from the wire: a read-only view
     args = (blocks + 1, BLOCK, 256, 512)
     validate_plan(p, *args)

@@ -1,6 +1,7 @@
-"""Model families beyond Llama served end to end, each equal to transformers token for token: tiny random
-models of the family made here, a server that chunks prompts, caches prefixes, preempts and verifies drafts,
-and generations long enough to cross the family's sliding window several times."""
+"""Model families beyond Llama served end to end, each equal to transformers token for token: tiny
+random models of the family made here, a server that chunks prompts, caches prefixes, preempts and
+verifies drafts, and generations long enough to cross the family's sliding window several times.
+"""
 
 from __future__ import annotations
 
@@ -18,18 +19,20 @@ pytestmark = pytest.mark.slow
 
 # family -> (config fields, each layer's window as the worker must read it, extra server flags)
 FAMILIES = {
-    # every layer slides over 12 keys: blocks behind the window go back as a sequence advances (full ones
-    # into the prefix cache, which a pool of 200 keeps for the second round)
+    # every layer slides over 12 keys: blocks behind the window go back as a sequence advances (full
+    # ones into the prefix cache, which a pool of 200 keeps for the second round)
     "mistral": (dict(sliding_window=12), (12, 12, 12), ("--num-blocks", "200")),
-    # Phi-3: q/k/v and gate/up each one tensor in the checkpoint (split per rank under tensor parallelism),
-    # every layer sliding as Mistral's, three quarters of each head rotated (Phi-4-mini's factor)
+    # Phi-3: q/k/v and gate/up each one tensor in the checkpoint (split per rank under tensor
+    # parallelism), every layer sliding as Mistral's, three quarters of each head rotated
+    # (Phi-4-mini's factor)
     "phi3": (
         dict(sliding_window=12, pad_token_id=0, partial_rotary_factor=0.75),
         (12, 12, 12),
         ("--num-blocks", "200"),
     ),
-    # Gemma 3: sliding and global layers alternating (pattern 2 here), each kind with its own RoPE, GeGLU,
-    # (1 + w) norms around attention and MLP, scaled embeddings, query_pre_attn_scalar, soft-capped logits
+    # Gemma 3: sliding and global layers alternating (pattern 2 here), each kind with its own RoPE,
+    # GeGLU, (1 + w) norms around attention and MLP, scaled embeddings, query_pre_attn_scalar,
+    # soft-capped logits
     "gemma3_text": (
         dict(
             head_dim=16,
@@ -47,8 +50,9 @@ FAMILIES = {
         (10, 0, 10),
         ("--num-blocks", "36", "--max-model-len", "128"),
     ),
-    # Gemma 2: Gemma 3's norms, GeGLU and scalings without q/k norm, sliding and global layers alternating
-    # over one RoPE, attention scores soft-capped (at 5: scores of several units bend) and final logits too
+    # Gemma 2: Gemma 3's norms, GeGLU and scalings without q/k norm, sliding and global layers
+    # alternating over one RoPE, attention scores soft-capped (at 5: scores of several units bend)
+    # and final logits too
     "gemma2": (
         dict(
             head_dim=16,
@@ -62,14 +66,15 @@ FAMILIES = {
         (10, 0, 10),
         ("--num-blocks", "36", "--max-model-len", "128"),
     ),
-    # Qwen2's default layout: layers from max_window_layers on slide (here 1 and 2), layer 0 reads everything
-    # (every block is kept, so the context must fit the pool)
+    # Qwen2's default layout: layers from max_window_layers on slide (here 1 and 2), layer 0 reads
+    # everything (every block is kept, so the context must fit the pool)
     "qwen2": (
         dict(use_sliding_window=True, sliding_window=10, max_window_layers=1),
         (0, 10, 10),
         ("--num-blocks", "36", "--max-model-len", "128"),
     ),
-    # Mixtral: Mistral's window on every layer (blocks behind it go back) and every MLP 6 experts, 2 a token
+    # Mixtral: Mistral's window on every layer (blocks behind it go back) and every MLP 6 experts, 2
+    # a token
     "mixtral": (
         dict(sliding_window=12, num_local_experts=6, num_experts_per_tok=2, intermediate_size=48),
         (12, 12, 12),
@@ -85,7 +90,8 @@ FAMILIES = {
         (0, 0, 10),
         ("--num-blocks", "36", "--max-model-len", "128"),
     ),
-    # Qwen3-MoE: 8 experts, 2 a token (renormalized), layer 1 a dense MLP (mlp_only_layers); no window
+    # Qwen3-MoE: 8 experts, 2 a token (renormalized), layer 1 a dense MLP (mlp_only_layers); no
+    # window
     "qwen3_moe": (
         dict(
             num_experts=8,
@@ -105,8 +111,8 @@ def family(request, tmp_path_factory, server_factory):
     name = request.param
     fields, windows, flags = FAMILIES[name]
     folder = make_tiny_llama(tmp_path_factory.mktemp(f"tiny-{name}"), seed=3, family=name, **fields)
-    # blocks of 4, 16 tokens a step (prompts go in chunks), a pool too small for all requests at once (they
-    # wait, and are preempted), prefix caching on, drafts verified in every step
+    # blocks of 4, 16 tokens a step (prompts go in chunks), a pool too small for all requests at
+    # once (they wait, and are preempted), prefix caching on, drafts verified in every step
     server = server_factory(
         folder,
         "--block-size",
@@ -125,8 +131,9 @@ def family(request, tmp_path_factory, server_factory):
 
 
 def workload(seed: int, n: int = 8) -> list[tuple[str, list[int], int, float]]:
-    """Prompts sharing prefixes (the cache), 20-50 tokens, then 30-45 generated: every sequence outgrows the
-    windows several times over."""
+    """Prompts sharing prefixes (the cache), 20-50 tokens, then 30-45 generated: every sequence
+    outgrows the windows several times over.
+    """
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, 384) for _ in range(rng.randint(16, 30))] for _ in range(2)]
     return [
@@ -151,9 +158,8 @@ def test_the_worker_reads_each_layers_window(family):
 
 def test_greedy_outputs_equal_transformers_across_windows_chunks_cache_and_preemption(family):
     name, folder, _, server = family
-    items = workload(
-        seed=11
-    )  # every greedy choice at least 2.7e-3 ahead of the next (no near-ties)
+    # every greedy choice at least 2.7e-3 ahead of the next (no near-ties)
+    items = workload(seed=11)
     expected = {rid: hf_greedy(folder, prompt, max_tokens) for rid, prompt, max_tokens, _ in items}
     before = server.stats()
     # the second round finds the shared prefixes cached, and drafts the first's answers
@@ -170,10 +176,11 @@ def test_greedy_outputs_equal_transformers_across_windows_chunks_cache_and_preem
 
 
 def test_preempted_sliding_window_sequences_recompute_the_same_tokens(family, server_factory):
-    """Where every layer slides, a decoding sequence gives a block back for each it takes, so it never
-    grows and nobody is preempted for it; a sequence with a repetition penalty keeps every block (the
-    penalty reads its whole context), grows, and in a 24-block pool gets others preempted. Every output
-    equals transformers', penalized ones with transformers' own penalty."""
+    """Where every layer slides, a decoding sequence gives a block back for each it takes, so it
+    never grows and nobody is preempted for it; a sequence with a repetition penalty keeps every
+    block (the penalty reads its whole context), grows, and in a 24-block pool gets others
+    preempted. Every output equals transformers', penalized ones with transformers' own penalty.
+    """
     name, folder, windows, _ = family
     if not all(windows):
         pytest.skip("covered by the shared server's pool above")
@@ -226,9 +233,10 @@ def test_n_greedy_samples_all_equal_transformers(family):
 
 
 def test_a_sliding_window_model_serves_sequences_longer_than_its_pool(family, server_factory):
-    """Every layer sliding: a 200-token prompt and 200 more tokens through a pool of 80 token slots (the
-    model's context is 512), equal to transformers; the blocks behind the window went back to the pool as
-    it advanced."""
+    """Every layer sliding: a 200-token prompt and 200 more tokens through a pool of 80 token slots
+    (the model's context is 512), equal to transformers; the blocks behind the window went back to
+    the pool as it advanced.
+    """
     name, folder, windows, _ = family
     if not all(windows):
         pytest.skip("a layer reads the whole context: every block is kept")

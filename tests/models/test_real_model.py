@@ -23,7 +23,7 @@ pytestmark = [
 
 def test_own_forward_greedy_equals_transformers_on_the_default_model():
     from scheduler_service.text.tokenizer import Tokenizer
-    from worker.model.attention import make_backend
+    from worker.model.attention_native import make_backend
     from worker.model.kv_pool import KVPool
     from worker.model.llama import StepInputs
     from worker.weights.loader import load_model
@@ -98,7 +98,9 @@ def test_gguf_loads_directly_and_matches_the_prepared_folder():
 
 @pytest.mark.slow
 def test_tensor_parallel_3_on_the_default_model_equals_transformers(server_factory):
-    """9 query heads and 3 KV heads over three gloo ranks (one thread each): the same greedy tokens."""
+    """9 query heads and 3 KV heads over three gloo ranks (one
+    thread each): the same greedy tokens.
+    """
     from scheduler_service.text.tokenizer import Tokenizer
     from tests.support.server import greedy_request
 
@@ -146,7 +148,9 @@ NEAR_TIE = 0.25  # logits within this of the best are a tie bf16 rounding may br
 
 
 def _follows_transformers(hf, prompt, out):
-    """Every token chosen greedily is transformers' argmax on the same prefix, or within NEAR_TIE of it."""
+    """Every token chosen greedily is transformers' argmax on the same prefix, or within NEAR_TIE of
+    it.
+    """
     with torch.no_grad():
         logits = (
             hf(torch.tensor([prompt + out], device="cuda")).logits[0, len(prompt) - 1 : -1].float()
@@ -162,8 +166,10 @@ def test_on_a_gpu_in_bf16_greedy_follows_transformers_sampling_repeats_backends_
     server_factory,
 ):
     """The default GPU configuration (bf16, triton kernels, decode graphs, pool from
-    --gpu-memory-utilization): the pool lands where the share says, greedy text is transformers' (bf16 on the
-    same GPU) up to near ties, seeded sampling repeats, and the torch backend gives the same tokens."""
+    --gpu-memory-utilization): the pool lands where the share says, greedy text is transformers'
+    (bf16 on the same GPU) up to near ties, seeded sampling repeats, and the torch backend gives the
+    same tokens.
+    """
     import subprocess
 
     from scheduler_service.text.tokenizer import Tokenizer
@@ -187,10 +193,11 @@ def test_on_a_gpu_in_bf16_greedy_follows_transformers_sampling_repeats_backends_
         check=True,
     ).stdout.split(",")
     used, total = float(smi[0]), float(smi[1])
+    # the worker's share (its CUDA context included)
     assert abs(used / total - share) < 0.03, (
         used,
         total,
-    )  # the worker's share (its CUDA context included)
+    )
     tok = Tokenizer(MODEL_DIR)
     prompts = [
         tok.encode_prompt(p, raw=False)

@@ -1,5 +1,6 @@
-"""Tensor parallelism: how a model splits over ranks, and the split forward through real torch.distributed
-(gloo) ranks against the unsplit model on the same steps."""
+"""Tensor parallelism: how a model splits over ranks, and the split forward through real
+torch.distributed (gloo) ranks against the unsplit model on the same steps.
+"""
 
 import multiprocessing as mp
 
@@ -46,7 +47,9 @@ def test_a_size_that_cannot_split_the_model_is_refused_with_the_numbers(
 
 
 def _steps(vocab):
-    """Two sequences prefilled into scattered blocks, then two decode steps: (tokens, start, blocks) each."""
+    """Two sequences prefilled into scattered blocks, then two decode steps: (tokens, start, blocks)
+    each.
+    """
     g = torch.Generator().manual_seed(5)
     a = torch.randint(0, vocab, (11,), generator=g).tolist()
     b = torch.randint(0, vocab, (6,), generator=g).tolist()
@@ -96,7 +99,8 @@ def _rank_main(folder, rank, size, meeting, out):
     [
         (2, {}),  # 4 query heads, 2 KV heads: one KV head per rank
         (4, {}),  # 2 KV heads on 4 ranks: each KV head replicated on two ranks
-        # 6 heads / 3 KV heads on 3 ranks, tied embeddings, a vocabulary that 3 does not divide (padded shard)
+        # 6 heads / 3 KV heads on 3 ranks, tied embeddings, a vocabulary that 3 does not divide
+        # (padded shard)
         (
             3,
             dict(

@@ -1,5 +1,6 @@
-"""One forward step of the paged model outside a server: a step's inputs laid out by hand, run through a
-KV pool."""
+"""One forward step of the paged model outside a server: a step's inputs laid out by hand, run
+through a KV pool.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import torch
 
 from protos.codec import PlanArrays, decode_plan, encode_plan
-from worker.model.attention import make_backend
+from worker.model.attention_native import make_backend
 from worker.model.llama import StepInputs
 
 BLOCK = 4  # run_step's blocks
@@ -15,8 +16,10 @@ STEP_BLOCK = 16  # step_inputs' blocks (the fused decode step's tests)
 
 
 def run_step(model, config, pool, seqs, backend="torch", lora=None):
-    """seqs: list of (new_tokens, start_position, block_ids) -> (logits of each seq's last token, hidden);
-    lora: (adapters, each sequence's index into them or -1) -> the rows' LoRA updates (model/lora.py)."""
+    """seqs: list of (new_tokens, start_position, block_ids) -> (logits of each seq's last token,
+    hidden); lora: (adapters, each sequence's index into them or -1) -> the rows' LoRA updates
+    (model/lora.py).
+    """
     attn = make_backend(backend, torch.device("cpu"))
     tokens, positions, slots, lens, qsl = [], [], [], [], [0]
     width = max(len(b) for _, _, b in seqs)
@@ -61,15 +64,15 @@ def run_step(model, config, pool, seqs, backend="torch", lora=None):
 
 
 def step_inputs(seqs: list[tuple[int, int]], seed: int = 0):
-    """StepInputs for (new tokens, sequence length) per sequence, blocks laid out one sequence after another,
-    and the number of blocks used."""
+    """StepInputs for (new tokens, sequence length) per sequence, blocks laid out one sequence after
+    another, and the number of blocks used.
+    """
     need = [-(-n // STEP_BLOCK) for _, n in seqs]
     tables = np.full((len(seqs), max(need)), -1, dtype="<i4")
     start = 0
     for i, n in enumerate(need):
-        tables[i, :n] = np.arange(start, start + n)[
-            ::-1
-        ]  # blocks anywhere in the pool, not in order
+        # blocks anywhere in the pool, not in order
+        tables[i, :n] = np.arange(start, start + n)[::-1]
         start += n
     q_lens = np.array([q for q, _ in seqs])
     rows = np.repeat(np.arange(len(seqs)), q_lens)

@@ -18,8 +18,9 @@ def make_adapter(
     std: float = 0.15,
     **config,
 ) -> Path:
-    """A PEFT LoRA adapter of the model in `base` with random A and B (PEFT starts B at zero, which would
-    change nothing), saved as PEFT saves it."""
+    """A PEFT LoRA adapter of the model in `base` with random A and B (PEFT starts B at zero, which
+    would change nothing), saved as PEFT saves it.
+    """
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -61,7 +62,9 @@ def peft_model(base: Path, adapter: Path | None):
 
 
 def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], max_tokens: int) -> list[int]:
-    """PEFT's own greedy decode of one request alone (its model's forward and KV cache), eos ignored."""
+    """PEFT's own greedy decode of one request alone (its model's forward and KV cache), eos
+    ignored.
+    """
     import torch
 
     model = peft_model(base, adapter)

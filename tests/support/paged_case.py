@@ -1,5 +1,6 @@
-"""Random paged-attention inputs with adversarial layout: blocks scattered and out of order (the first
-and last block of the pool among them), everything not written poisoned with NaN."""
+"""Random paged-attention inputs with adversarial layout: blocks scattered and out of order (the
+first and last block of the pool among them), everything not written poisoned with NaN.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Quantized blocks for tests: random K-quant weights beside gguf's own dequantization of them, and the
-check that a model served on a file's blocks computes the projections its dense copy does."""
+"""Quantized blocks for tests: random K-quant weights beside gguf's own dequantization of them, and
+the check that a model served on a file's blocks computes the projections its dense copy does.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from worker.model.quantized import QUANT_TYPES, QuantWeight
+from worker.model.quant_weights import QUANT_TYPES, QuantWeight
 
 gguf = pytest.importorskip("gguf")
 
 
 def random_k_blocks(rng, out_dim: int, in_dim: int, qtype: str) -> tuple[QuantWeight, torch.Tensor]:
-    """Random K-quant blocks (any bytes are a valid block once its fp16 scales are finite and modest) and
-    gguf's own dequantization of them: gguf cannot quantize to the K types, only read them."""
+    """Random K-quant blocks (any bytes are a valid block once its fp16 scales are finite and
+    modest) and gguf's own dequantization of them: gguf cannot quantize to the K types, only read
+    them.
+    """
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     _, values, bb = QUANT_TYPES[qtype]
     blocks = rng.integers(0, 256, (out_dim, in_dim // values, bb), dtype=np.uint8)
@@ -33,7 +36,9 @@ def random_k_blocks(rng, out_dim: int, in_dim: int, qtype: str) -> tuple[QuantWe
 
 
 def assert_projections_match(model, dense) -> None:
-    """Every projection of `model` (on its matmul library) multiplies as `dense`'s loaded parameter does."""
+    """Every projection of `model` (on its matmul library) multiplies as `dense`'s loaded parameter
+    does.
+    """
     x = torch.randn(3, model.config.hidden_size)
     for layer, dense_layer in zip(model.layers, dense.layers, strict=True):
         for name in layer.matmul_names:

@@ -1,5 +1,6 @@
-"""A real pagedserve (scheduler + worker processes, gRPC + ZeroMQ on localhost) for the end-to-end tests and
-the benchmarks: deploy/processes.py's LocalServer with what a test asks of it."""
+"""A real pagedserve (scheduler + worker processes, gRPC + ZeroMQ on localhost) for the end-to-end
+tests and the benchmarks: deploy/processes.py's LocalServer with what a test asks of it.
+"""
 
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ class ServerProcess(LocalServer):
 
     @contextlib.contextmanager
     def held_still(self, seconds: float, pids: list[int] | None = None):
-        """This server's workers held still (SIGSTOP) from now for `seconds`, whatever the block does (keep
-        it far below the heartbeat deadline): no step runs, so no request finishes meanwhile. `pids` read
-        beforehand make the hold begin at once."""
+        """This server's workers held still (SIGSTOP) from now for `seconds`, whatever the block
+        does (keep it far below the heartbeat deadline): no step runs, so no request finishes
+        meanwhile. `pids` read beforehand make the hold begin at once.
+        """
         pids = pids or self.worker_pids()
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
@@ -51,10 +53,12 @@ class ServerProcess(LocalServer):
 
     @contextlib.contextmanager
     def queued_in_order(self, n: int, gap: float = 0.05):
-        """Yields n arrival delays, `gap` apart, while this server's workers are held still: requests sent at
-        those delays all wait in the scheduler, in that order, before its next step, and the workers go on
-        `gap` * n + 0.5 s after the block begins. Whether a small pool preempts then follows from the
-        workload alone, not from how fast this machine ran the first arrivals before the last came."""
+        """Yields n arrival delays, `gap` apart, while this server's workers are held still:
+        requests sent at those delays all wait in the scheduler, in that order, before its next
+        step, and the workers go on `gap` * n + 0.5 s after the block begins. Whether a small pool
+        preempts then follows from the workload alone, not from how fast this machine ran the first
+        arrivals before the last came.
+        """
         with self.held_still(gap * n + 0.5):
             yield [gap * i for i in range(n)]
 

@@ -1,5 +1,6 @@
-"""What the end-to-end and fault tests do to a live server: workloads, streams read to the end, the pool
-checked clean, health awaited, a worker's children found."""
+"""What the end-to-end and fault tests do to a live server: workloads, streams read to the end, the
+pool checked clean, health awaited, a worker's children found.
+"""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ def run_stream(stub, req):
 
 
 def submit_all(server, items, stream):
-    """items: (id, prompt, max_tokens, delay); requests arrive at their delay, all in flight together."""
+    """items: (id, prompt, max_tokens, delay); requests arrive at their delay, all in flight
+    together.
+    """
 
     def one(item):
         rid, prompt, max_tokens, delay = item
@@ -87,7 +90,8 @@ def sampled_request(prompt, max_tokens, seed, n=1, request_id="", **controls):
     )
 
 
-# Request controls that read the context (penalties), add biases, filter (min_p) and report (logprobs).
+# Request controls that read the context (penalties), add biases, filter (min_p) and report
+# (logprobs).
 CONTROLS = dict(
     repetition_penalty=1.3,
     presence_penalty=0.4,

@@ -1,5 +1,7 @@
-"""The simulated worker: a torch-free model whose output depends on every paging decision, so the scheduler's
-memory management is checked token for token without a model (tests/unit, the overlap benchmark)."""
+"""The simulated worker: a torch-free model whose output depends on every paging decision, so the
+scheduler's memory management is checked token for token without a model (tests/unit, the overlap
+benchmark).
+"""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ VOCAB = 1000
 
 
 def next_token(context: list[int], seed: int | None = None, index: int = 0) -> int:
-    """Greedy (seed None): a function of the context. Sampled: also of the seed and the token's index,
-    so samples of one prompt diverge, as they do with a real sampler."""
+    """Greedy (seed None): a function of the context. Sampled: also of the seed and the token's
+    index, so samples of one prompt diverge, as they do with a real sampler.
+    """
     key = list(context) if seed is None else list(context) + [seed, index]
     digest = hashlib.blake2b(np.asarray(key, dtype=np.uint64).tobytes(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % VOCAB
@@ -27,7 +30,9 @@ def next_token(context: list[int], seed: int | None = None, index: int = 0) -> i
 def expected_output(
     prompt: list[int], max_tokens: int, seed: int | None = None, window: int = 0
 ) -> list[int]:
-    """window > 0: a sliding-window model, each token a function of the last `window` tokens only."""
+    """window > 0: a sliding-window model, each token a function
+    of the last `window` tokens only.
+    """
     ctx = list(prompt)
     for i in range(max_tokens):
         ctx.append(next_token(ctx[-window:] if window else ctx, seed, i))
@@ -36,8 +41,10 @@ def expected_output(
 
 class SimulatedWorker:
     def __init__(self, num_blocks: int, block_size: int, window: int = 0) -> None:
-        """window > 0: the model reads only each token's last `window` positions (a sliding window), so the
-        scheduler may give back blocks before it; reading one of those would change the output."""
+        """window > 0: the model reads only each token's last `window` positions (a sliding window),
+        so the scheduler may give back blocks before it; reading one of those would change the
+        output.
+        """
         self.block_size = block_size
         self.window = window
         self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
@@ -52,12 +59,14 @@ class SimulatedWorker:
         self.last_accepted: list[int] | None = (
             None  # drafted tokens each row of the last step accepted
         )
-        # what the last step's pooling rows gave back: a hidden state of two values, [sum of the token ids
-        # the row reads, how many]: a mean sums its own tokens, the last token reads its whole context, the
-        # first token itself (a stand-in for a model whose last hidden state depends on the whole context)
+        # what the last step's pooling rows gave back: a hidden state of two values, [sum of the
+        # token ids the row reads, how many]: a mean sums its own tokens, the last token reads its
+        # whole context, the first token itself (a stand-in for a model whose last hidden state
+        # depends on the whole context)
         self.last_pooled: np.ndarray | None = None
-        # KV tiers: the host tier's slots (hash, the block's token ids), the disk's blocks by hash, those
-        # whose copy below the pool reads back as corrupt, and the loads of the last step that failed
+        # KV tiers: the host tier's slots (hash, the block's token ids), the disk's blocks by hash,
+        # those whose copy below the pool reads back as corrupt, and the loads of the last step that
+        # failed
         self.host: dict[int, tuple[bytes, np.ndarray]] = {}
         self.disk: dict[bytes, np.ndarray] = {}
         self.corrupt: set[bytes] = set()
@@ -75,9 +84,11 @@ class SimulatedWorker:
         return update
 
     def execute(self, plan: wire_pb2.StepPlan) -> list[int]:
-        """Run a plan as it comes off the wire; -1 for rows that do not sample. A drafting row's drafted
-        tokens stand while each is the token the model gives at its position (`last_accepted` says how
-        many), and its token is the one after them, as the worker's sampler does."""
+        """Run a plan as it comes off the wire; -1 for rows that do not sample. A drafting row's
+        drafted tokens stand while each is the token the model gives at its position
+        (`last_accepted` says how many), and its token is the one after them, as the worker's
+        sampler does.
+        """
         self.num_steps += 1
         p = decode_plan(plan)
         token_ids = resolve_tokens(p, self.last_step_id, self.last_sampled)
@@ -116,7 +127,9 @@ class SimulatedWorker:
         return out
 
     def _tiers(self, p) -> None:
-        """The plan's KV-tier work, as a worker runs it: stores, then loads (checked by hash), then drops."""
+        """The plan's KV-tier work, as a worker runs it: stores, then loads (checked by hash), then
+        drops.
+        """
         self.last_failed = set()
         if p.kv is None:
             return
@@ -167,8 +180,9 @@ class SimulatedWorker:
 
 
 class SimulatedClient:
-    """A WorkerClient over one SimulatedWorker, in process: a plan runs when it is sent (in order, as a worker
-    takes plans), and its result is handed back once `release` lets one more through."""
+    """A WorkerClient over one SimulatedWorker, in process: a plan runs when it is sent (in order,
+    as a worker takes plans), and its result is handed back once `release` lets one more through.
+    """
 
     def __init__(self, worker: SimulatedWorker) -> None:
         self.worker = worker
@@ -182,7 +196,7 @@ class SimulatedClient:
         return 60.0
 
     async def execute(self, replica, plan, queued_behind=0.0, sent=None):
-        from protos.codec import encode_result
+        from protos.result_codec import encode_result
 
         self.sent += 1
         if sent is not None:
@@ -193,7 +207,8 @@ class SimulatedClient:
             np.asarray(w.last_accepted, dtype=np.int32) if w.last_accepted is not None else None
         )
         failed = np.asarray(sorted(w.last_failed), dtype=np.int32) if w.last_failed else None
-        # a prompt token costs a millisecond of the model's time, a tier's block far less (so loads pay)
+        # a prompt token costs a millisecond of the model's time, a tier's block far less (so loads
+        # pay)
         result = encode_result(
             plan.step_id,
             sampled,
@@ -214,9 +229,10 @@ class SimulatedClient:
 
 
 class Pipeline:
-    """The replica's real step loop (runtime/step_loop.py) over a SimulatedWorker, let through one result
-    at a time: with overlap, step N+1 is planned and sent before step N's result is applied.
-    Requests arrive and are aborted through the loop, between results."""
+    """The replica's real step loop (runtime/step_loop.py) over a SimulatedWorker, let through one
+    result at a time: with overlap, step N+1 is planned and sent before step N's result is applied.
+    Requests arrive and are aborted through the loop, between results.
+    """
 
     def __init__(self, sched, worker: SimulatedWorker, overlap: bool = True) -> None:
         from dataclasses import replace
@@ -259,8 +275,9 @@ class Pipeline:
         self.loop.abort(request_id)
 
     def step(self) -> bool:
-        """Let one result through and run the loop until it is applied (and the next plans are sent); False
-        when there was nothing to apply."""
+        """Let one result through and run the loop until it is applied (and the next plans are
+        sent); False when there was nothing to apply.
+        """
         if not self.busy:
             return False
         target = self.landed + 1
@@ -289,7 +306,9 @@ def expected(req, seq, window=0):
 
 
 def step(sched, worker):
-    """One step, in order: scheduled, run, applied (the scheduler ends what stops); invariants around it."""
+    """One step, in order: scheduled, run, applied (the scheduler ends what stops); invariants
+    around it.
+    """
     out = sched.schedule()
     sched.check_invariants()
     if not out.is_empty:

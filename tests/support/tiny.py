@@ -6,14 +6,15 @@ import json
 from pathlib import Path
 
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    "{% for message in messages %}<s>{{ message['role'] }}: "
+    "{{ message['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}"
 )
 
 CORPUS = (
-    "the quick brown fox jumps over the lazy dog. paged attention stores keys and values in blocks. "
-    "a scheduler batches requests continuously; each step admits waiting requests while blocks allow. "
-    "What is the capital of France? Paris is the capital of France. 0123456789 +-*/=()[]{}<>!?,.;:'\" "
+    "the quick brown fox jumps over the lazy dog. paged attention stores keys and values in "
+    "blocks. a scheduler batches requests continuously; each step admits waiting requests while "
+    "blocks allow. What is the capital of France? Paris is the capital of France. 0123456789 "
+    "+-*/=()[]{}<>!?,.;:'\" "
 ) * 4
 
 
@@ -36,8 +37,8 @@ def make_tokenizer(folder: Path, vocab_size: int) -> None:
     )
 
 
-# Every tiny model's shape. Large weights give peaked logits, so greedy choices are far from ties and
-# batch-order rounding cannot flip them.
+# Every tiny model's shape. Large weights give peaked logits, so greedy choices are far from ties
+# and batch-order rounding cannot flip them.
 TINY = dict(
     vocab_size=384,
     hidden_size=64,
@@ -54,8 +55,10 @@ TINY = dict(
 
 
 def make_tiny_llama(folder: Path, seed: int = 0, family: str = "llama", **overrides) -> Path:
-    """Save a random model of a transformers family (model_type: llama, mistral, qwen2, ...; safetensors)
-    with a tokenizer into folder; returns folder. overrides: that family's config fields."""
+    """Save a random model of a transformers family (model_type: llama, mistral, qwen2, ...;
+    safetensors) with a tokenizer into folder; returns folder. overrides: that family's config
+    fields.
+    """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -74,9 +77,11 @@ def make_tiny_llama(folder: Path, seed: int = 0, family: str = "llama", **overri
 def hf_greedy(
     folder: Path, prompt: list[int], max_tokens: int, repetition_penalty: float = 1.0
 ) -> list[int]:
-    """transformers' own solo greedy decode (its KV cache, one request alone), eos ignored: the reference
-    every batched output must equal token for token. repetition_penalty as transformers' logits processor
-    applies it: every token seen so far (prompt and output) divided by it where positive, else times it."""
+    """transformers' own solo greedy decode (its KV cache, one request alone), eos ignored: the
+    reference every batched output must equal token for token. repetition_penalty as transformers'
+    logits processor applies it: every token seen so far (prompt and output) divided by it where
+    positive, else times it.
+    """
     import torch
 
     model = load_hf_cached(str(folder))
@@ -158,13 +163,14 @@ def make_tiny_gguf(
     **overrides,
 ) -> Path:
     """A tiny model of a transformers family shipped as llama.cpp ships one: a GGUF of that family's
-    architecture whose projections are `qtype` blocks under llama.cpp's names (q and k rows permuted where
-    llama.cpp's converter permutes them; Phi-3's q/k/v and gate/up stacked as its converter writes them;
-    MoE experts stacked per layer), norms, biases and (unless `tables`: `qtype` too) embeddings and head F32;
-    rope_freqs: a rope_freqs tensor of those factors, as llama.cpp writes a Llama 3.x file's rope scaling;
-    beside it, the folder `prepare-model`
-    would make of it (config, tokenizer, the GGUF's weights dequantized to fp32, and pagedserve_model.json
-    naming the file). Returns the folder."""
+    architecture whose projections are `qtype` blocks under llama.cpp's names (q and k rows permuted
+    where llama.cpp's converter permutes them; Phi-3's q/k/v and gate/up stacked as its converter
+    writes them; MoE experts stacked per layer), norms, biases and (unless `tables`: `qtype` too)
+    embeddings and head F32; rope_freqs: a rope_freqs tensor of those factors, as llama.cpp writes a
+    Llama 3.x file's rope scaling; beside it, the folder `prepare-model` would make of it (config,
+    tokenizer, the GGUF's weights dequantized to fp32, and pagedserve_model.json naming the file).
+    Returns the folder.
+    """
     import json
 
     import numpy as np
@@ -266,9 +272,10 @@ def make_tiny_embedder(
     prompts: dict[str, str] | None = None,
     default_prompt: str | None = None,
 ) -> Path:
-    """A random Qwen3 embedding model as Qwen3-Embedding ships (a `Qwen3Model` checkpoint: the decoder's
-    tensors without `model.`, no head unless `tied`), with sentence-transformers' files: pooling (its
-    config's pooling_mode_<pooling>), a Normalize module, named prompts."""
+    """A random Qwen3 embedding model as Qwen3-Embedding ships (a `Qwen3Model` checkpoint: the
+    decoder's tensors without `model.`, no head unless `tied`), with sentence-transformers' files:
+    pooling (its config's pooling_mode_<pooling>), a Normalize module, named prompts.
+    """
     import torch
     from transformers import AutoConfig, AutoModel
 
@@ -280,8 +287,9 @@ def make_tiny_embedder(
     make_tokenizer(folder, config.vocab_size)
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     tokenizer_config["pad_token"] = "<unk>"  # sentence-transformers pads its batches
-    # tokenizer.json as it is (transformers' Qwen2 class would put Qwen's own digit-splitting pre-tokenizer
-    # in front of this tiny vocabulary; a real Qwen tokenizer.json carries that one itself)
+    # tokenizer.json as it is (transformers' Qwen2 class would put Qwen's own digit-splitting
+    # pre-tokenizer in front of this tiny vocabulary; a real Qwen tokenizer.json carries that one
+    # itself)
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     kinds = ("Transformer", "Pooling", "Normalize")

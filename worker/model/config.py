@@ -1,4 +1,6 @@
-"""Model shape and hyper-parameters of a Llama-family model, read from a Hugging Face config.json."""
+"""Model shape and hyper-parameters of a Llama-family model, read
+from a Hugging Face config.json.
+"""
 
 from __future__ import annotations
 
@@ -42,23 +44,27 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()
     # per layer: its sliding window (0: full attention); empty = no layer slides
     layer_windows: tuple[int, ...] = ()
-    # values of each head that RoPE rotates (the first ones; head_dim but under a partial_rotary_factor)
+    # values of each head that RoPE rotates (the first ones; head_dim but under a
+    # partial_rotary_factor)
     rotary_dim: int = 0
-    # Gemma 3: its sliding layers' RoPE (rope_theta and scaling of their own); None: every layer shares one
+    # Gemma 3: its sliding layers' RoPE (rope_theta and scaling of their own); None: every layer
+    # shares one
     local_rope: dict | None = None
-    # a GGUF's rope_freqs (llama.cpp's Llama 3.x files carry their rope scaling so): each inverse frequency is
-    # divided by its factor, as llama.cpp rotates; empty = none
+    # a GGUF's rope_freqs (llama.cpp's Llama 3.x files carry their rope scaling so): each inverse
+    # frequency is divided by its factor, as llama.cpp rotates; empty = none
     rope_freq_factors: tuple[float, ...] = ()
     hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (GeGLU)
     attn_scale: float = 0.0  # softmax scale of the scores; 0: head_dim ** -0.5
     embed_scale: float = 1.0  # Gemma multiplies its input embeddings by sqrt(hidden_size)
-    sandwich_norms: bool = False  # Gemma: RMSNorm on the attention and MLP outputs before each residual add
-    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight): added to every norm weight at load
+    # Gemma: RMSNorm on the attention and MLP outputs before each residual add
+    sandwich_norms: bool = False
+    # Gemma's RMSNorm scales by (1 + weight): added to every norm weight at load
+    norm_offset: float = 0.0
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: off
     attn_softcap: float = 0.0  # Gemma 2: attention scores = cap * tanh(scores / cap); 0: off
-    # mixture of experts: per layer whether its MLP is one (empty: a dense model), the experts, how many a
-    # token is routed to, each expert's intermediate size, and whether the chosen experts' weights are
-    # renormalized to sum to 1
+    # mixture of experts: per layer whether its MLP is one (empty: a dense model), the experts, how
+    # many a token is routed to, each expert's intermediate size, and whether the chosen experts'
+    # weights are renormalized to sum to 1
     moe_layers: tuple[bool, ...] = ()
     num_experts: int = 0
     experts_per_token: int = 0
@@ -72,38 +78,52 @@ class ModelConfig:
         return not self.rope_layers or self.rope_layers[layer]
 
     def local_rope_config(self) -> ModelConfig | None:
-        """This config with the sliding layers' RoPE as its own (Gemma 3), for their rotary tables; None when
-        every layer shares one."""
+        """This config with the sliding layers' RoPE as its own (Gemma 3), for their rotary tables;
+        None when every layer shares one.
+        """
         if self.local_rope is None:
             return None
         from dataclasses import replace
 
-        return replace(self, rope_theta=float(self.local_rope["rope_theta"]), local_rope=None,
-                       rope_scaling={k: v for k, v in self.local_rope.items() if k != "rope_theta"})
+        return replace(
+            self,
+            rope_theta=float(self.local_rope["rope_theta"]),
+            local_rope=None,
+            rope_scaling={k: v for k, v in self.local_rope.items() if k != "rope_theta"},
+        )
 
     def window(self, layer: int) -> int:
-        """The layer's sliding window: a token sees its last `window` keys; 0 = every earlier key."""
+        """The layer's sliding window: a token sees its last `window`
+        keys; 0 = every earlier key.
+        """
         return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def max_window(self) -> int:
-        """The widest window when every layer slides (keys older than it are never read again); 0 when any
-        layer attends over the whole context."""
+        """The widest window when every layer slides (keys older than it are never read again); 0
+        when any layer attends over the whole context.
+        """
         return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
 
     def __post_init__(self) -> None:
         if not self.rotary_dim:
             object.__setattr__(self, "rotary_dim", self.head_dim)
         if not self.attn_scale:
-            object.__setattr__(self, "attn_scale", self.head_dim ** -0.5)
+            object.__setattr__(self, "attn_scale", self.head_dim**-0.5)
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            raise ValueError(f"a rotary dimension of {self.rotary_dim} does not fit heads of {self.head_dim}")
+            raise ValueError(
+                f"a rotary dimension of {self.rotary_dim} does not fit heads of {self.head_dim}"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"{self.num_heads} query heads cannot share {self.num_kv_heads} KV heads evenly")
+            raise ValueError(
+                f"{self.num_heads} query heads cannot share {self.num_kv_heads} KV heads evenly"
+            )
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
-        """Raises UnsupportedModel for a field the model code does not implement (check_supported)."""
+        """Raises UnsupportedModel for a field the model code
+        does not implement (check_supported).
+        """
         check_supported(cfg)
         model_type = cfg.get("model_type", "llama")
         num_heads = int(cfg["num_attention_heads"])
@@ -111,7 +131,9 @@ class ModelConfig:
         ropes = rope_sets(cfg)
         rope = ropes[0]
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
-        partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+        partial = float(
+            rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
+        )
         theta = rope["rope_theta"]
         gemma = model_type in GEMMA_TYPES
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
@@ -141,14 +163,19 @@ class ModelConfig:
             sandwich_norms=gemma,
             norm_offset=1.0 if gemma else 0.0,
             final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
-            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0) if model_type == "gemma2" else 0.0,
+            attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0)
+            if model_type == "gemma2"
+            else 0.0,
             moe_layers=moe_layers(cfg, num_layers),
             num_experts=num_experts(cfg),
             experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
-            # Mixtral's experts are intermediate_size wide, and it always renormalizes the chosen experts'
-            # weights
-            moe_intermediate_size=int(cfg.get("intermediate_size") if model_type == "mixtral"
-                                      else cfg.get("moe_intermediate_size") or 0),
+            # Mixtral's experts are intermediate_size wide, and it always renormalizes the chosen
+            # experts' weights
+            moe_intermediate_size=int(
+                cfg.get("intermediate_size")
+                if model_type == "mixtral"
+                else cfg.get("moe_intermediate_size") or 0
+            ),
             norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
         )
 
@@ -168,10 +195,9 @@ class ModelConfig:
         return self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default"
 
     def _yarn(self) -> tuple[list[float], float]:
-        """YaRN's inverse frequencies and attention factor, computed as transformers does (float32 ramps):
-        frequencies above beta_fast rotations over the original context kept, below beta_slow divided by
-        factor, a linear ramp between; cos/sin scaled by 0.1 ln(factor) + 1 unless attention_factor (or
-        mscale / mscale_all_dim) says otherwise."""
+        """YaRN's inverse frequencies and attention factor, computed as transformers does (float32
+        ramps).
+        """
         import torch
 
         r, dim, base = self.rope_scaling, self.rotary_dim, self.rope_theta
@@ -185,8 +211,11 @@ class ModelConfig:
         attention = r.get("attention_factor")
         if attention is None:
             mscale, mscale_all = r.get("mscale"), r.get("mscale_all_dim")
-            attention = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all
-                         else get_mscale(factor))
+            attention = (
+                get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
+                if mscale and mscale_all
+                else get_mscale(factor)
+            )
         beta_fast, beta_slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
 
         def correction_dim(rotations: float) -> float:
@@ -205,15 +234,19 @@ class ModelConfig:
         return inv.tolist(), float(attention)
 
     def rope_inv_freq(self) -> list[float]:
-        """Inverse frequencies of the rotary embedding (rotary_dim / 2 of them), with the scaling the config
-        asks for, each divided by the GGUF's rope_freqs factor where it has them."""
+        """Inverse frequencies of the rotary embedding (rotary_dim / 2 of them), with the scaling
+        the config asks for, each divided by the GGUF's rope_freqs factor where it has them.
+        """
         inv = self._scaled_inv_freq()
         if not self.rope_freq_factors:
             return inv
         if len(self.rope_freq_factors) != len(inv):
-            raise UnsupportedModel("rope_freqs", len(self.rope_freq_factors),
-                                   f"the GGUF's rope_freqs holds {len(self.rope_freq_factors)} factors where "
-                                   f"the rotary embedding has {len(inv)} frequencies")
+            raise UnsupportedModel(
+                "rope_freqs",
+                len(self.rope_freq_factors),
+                f"the GGUF's rope_freqs holds {len(self.rope_freq_factors)} factors where "
+                f"the rotary embedding has {len(inv)} frequencies",
+            )
         return [f / factor for f, factor in zip(inv, self.rope_freq_factors, strict=True)]
 
     def _scaled_inv_freq(self) -> list[float]:
@@ -249,12 +282,15 @@ class ModelConfig:
 
 
 def parameter_count(config) -> int:
-    """The parameters a model's config implies (embeddings, attention, the MLP or its experts, the head):
-    what loading it takes, before anything is allocated."""
+    """The parameters a model's config implies (embeddings, attention, the MLP or its experts, the
+    head): what loading it takes, before anything is allocated.
+    """
     h, hd = config.hidden_size, config.head_dim
     attn = h * config.num_heads * hd * 2 + h * config.num_kv_heads * hd * 2
     dense_mlp = 3 * h * config.intermediate_size
     moe = config.num_experts * 3 * h * config.moe_intermediate_size + h * config.num_experts
-    layers = sum(attn + (moe if (config.moe_layers and config.moe_layers[i]) else dense_mlp)
-                 for i in range(config.num_layers))
+    layers = sum(
+        attn + (moe if (config.moe_layers and config.moe_layers[i]) else dense_mlp)
+        for i in range(config.num_layers)
+    )
     return config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + layers

@@ -1,15 +1,14 @@
-"""The elementwise tail of a layer (residual add + RMSNorm, SiLU·mul, RoPE) behind one interface.
-
-`TorchOps` is plain torch and runs anywhere (and is the definition). `NativeOps` runs each of them as one
-pass of the C kernels in kernels/cpu/elementwise.c, for fp32 on a CPU, where torch spends four to six
-passes and temporaries on each; `TritonOps` the same passes as Triton kernels on the GPU (the default
-there). Tests hold them to the same results.
+"""A layer's elementwise tail (residual add + RMSNorm, SiLU·mul, RoPE) behind one interface:
+`TorchOps` (the definition), `NativeOps` (one C pass each on a CPU) and `TritonOps` (the GPU's
+default).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from worker.model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,9 +18,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, n_heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim / 2]: rotate-half over the
-    # first rotary_dim values of each head (all of them but with a partial_rotary_factor), the rest as they
-    # are
+    # x: [num_tokens, n_heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim / 2]: rotate-half
+    # over the first rotary_dim values of each head (all of them but with a partial_rotary_factor),
+    # the rest as they are
     half = cos.shape[-1]
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
@@ -30,11 +29,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class TorchOps:
     name = "torch"
 
-    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float, bf16_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (residual + delta, rms_norm of it); residual alone when delta is None. delta may come in bf16 (a
-        bf16 GEMM's output: widened, exactly), and with bf16_out the norm goes out rounded to bf16 (for the
-        next bf16 GEMM); the residual keeps its dtype."""
+    def add_rms_norm(
+        self,
+        residual: torch.Tensor,
+        delta: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        bf16_out: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (residual + delta, its RMSNorm). delta may be bf16 (a bf16 GEMM's output); bf16_out
+        rounds the norm for the next bf16 GEMM.
+        """
         if delta is not None:
             residual = residual + delta.to(residual.dtype)
         out = rms_norm(residual, weight, eps)
@@ -44,9 +49,17 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def head_norms(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Qwen3's RMSNorm of each query and key head: q [tokens, heads, hd], k [tokens, kv_heads, hd]."""
+    def head_norms(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's RMSNorm of each query and key head: q [tokens, heads, hd], k [tokens, kv_heads,
+        hd].
+        """
         return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
 
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
@@ -54,7 +67,9 @@ class TorchOps:
         return rotary.lookup(positions, dtype)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [tokens, heads, hd], k [tokens, kv_heads, hd] (views of one fused row) -> rotated q, k."""
+        """q [tokens, heads, hd], k [tokens, kv_heads, hd] (views of one
+        fused row) -> rotated q, k.
+        """
         return apply_rotary(q, *state), apply_rotary(k, *state)
 
 
@@ -72,38 +87,61 @@ class NativeOps(TorchOps):
     mixed_bf16 = True
 
     def add_rms_norm(self, residual, delta, weight, eps, bf16_out=False):
-        if not (residual.is_contiguous() and (delta is None or delta.is_contiguous())
-                and weight.is_contiguous()):
+        if not (
+            residual.is_contiguous()
+            and (delta is None or delta.is_contiguous())
+            and weight.is_contiguous()
+        ):
             return super().add_rms_norm(residual, delta, weight, eps, bf16_out)
         if bf16_out or (delta is not None and delta.dtype != residual.dtype):
-            if not (self.mixed_bf16 and residual.dtype == torch.float32
-                    and (delta is None or delta.dtype in (torch.float32, torch.bfloat16))):
+            if not (
+                self.mixed_bf16
+                and residual.dtype == torch.float32
+                and (delta is None or delta.dtype in (torch.float32, torch.bfloat16))
+            ):
                 return super().add_rms_norm(residual, delta, weight, eps, bf16_out)
             out = torch.empty_like(residual, dtype=torch.bfloat16 if bf16_out else torch.float32)
-            self.k.add_rms_norm_mixed(residual, delta, weight, out, eps)  # residual += delta in place
+            # residual += delta in place
+            self.k.add_rms_norm_mixed(residual, delta, weight, out, eps)
             return residual, out
         out = torch.empty_like(residual)
         self.k.add_rms_norm(residual, delta, weight, out, eps)  # residual += delta in place
         return residual, out
 
     def silu_mul(self, gate_up):
-        if not gate_up.is_contiguous() or (gate_up.device.type == "cpu"
-                                           and gate_up.dtype not in (torch.float32, torch.bfloat16)):
+        if not gate_up.is_contiguous() or (
+            gate_up.device.type == "cpu" and gate_up.dtype not in (torch.float32, torch.bfloat16)
+        ):
             return super().silu_mul(gate_up)
-        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
+        out = torch.empty(
+            gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device
+        )
         self.k.silu_mul(gate_up, out)
         return out
 
     def head_norms(self, q, k, q_weight, k_weight, eps):
-        """In place on the fused QKV row (one pass a head; rope then finds q and k still adjacent there)."""
-        views = all(t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
-                    for t in (q, k))
-        if not (views and q_weight.is_contiguous() and k_weight.is_contiguous()
-                and q_weight.dtype == k_weight.dtype == torch.float32):
+        """In place on the fused QKV row (one pass a head; rope then finds q and k still adjacent
+        there).
+        """
+        views = all(
+            t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+            for t in (q, k)
+        )
+        if not (
+            views
+            and q_weight.is_contiguous()
+            and k_weight.is_contiguous()
+            and q_weight.dtype == k_weight.dtype == torch.float32
+        ):
             return super().head_norms(q, k, q_weight, k_weight, eps)
         for t, w in ((q, q_weight), (k, k_weight)):
-            self.k.head_rms_norm(t.as_strided((t.shape[0], t.shape[1] * t.shape[2]), (t.stride(0), 1)),
-                                 t.shape[1], t.shape[2], w, eps)
+            self.k.head_rms_norm(
+                t.as_strided((t.shape[0], t.shape[1] * t.shape[2]), (t.stride(0), 1)),
+                t.shape[1],
+                t.shape[2],
+                w,
+                eps,
+            )
         return q, k
 
     def rope_tables(self, rotary, positions, dtype):
@@ -113,10 +151,16 @@ class NativeOps(TorchOps):
         rotary, positions = state
         tokens, heads, head_dim = q.shape
         kv_heads = k.shape[1]
-        fused = (q.stride(1) == head_dim and k.stride(1) == head_dim and q.stride(2) == 1 and k.stride(2) == 1
-                 and q.stride(0) == k.stride(0)
-                 and k.data_ptr() == q.data_ptr() + heads * head_dim * q.element_size())
-        if fused:  # q then k heads, adjacent in each row of the fused QKV output: one pass, in place
+        fused = (
+            q.stride(1) == head_dim
+            and k.stride(1) == head_dim
+            and q.stride(2) == 1
+            and k.stride(2) == 1
+            and q.stride(0) == k.stride(0)
+            and k.data_ptr() == q.data_ptr() + heads * head_dim * q.element_size()
+        )
+        # q then k heads, adjacent in each row of the fused QKV output: one pass, in place
+        if fused:
             rows = q.as_strided((tokens, (heads + kv_heads) * head_dim), (q.stride(0), 1))
             self.k.rope(rows, heads + kv_heads, head_dim, rotary.cos, rotary.sin, positions)
             return q, k
@@ -127,8 +171,9 @@ class NativeOps(TorchOps):
 
 
 class TritonOps(NativeOps):
-    """The same single passes as Triton kernels (kernels/triton_elementwise.py), for the GPU, any float dtype:
-    one launch each where torch runs four to six kernels and temporaries."""
+    """The same single passes as Triton kernels (kernels/triton_elementwise.py), for the GPU, any
+    float dtype: one launch each where torch runs four to six kernels and temporaries.
+    """
 
     name = "triton"
     head_norms = TorchOps.head_norms
@@ -141,12 +186,14 @@ class TritonOps(NativeOps):
 
 
 def default_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
-    """Triton kernels on CUDA, native kernels for fp32 on a CPU where they build (kernels/cpu_native.py),
-    torch otherwise."""
+    """Triton kernels on CUDA, native kernels for fp32 on a CPU where they build
+    (kernels/cpu_native.py), torch otherwise.
+    """
     if device.type == "cuda":
         try:
             return TritonOps()
-        except ImportError:  # the worker said so at start (worker/model/attention.py default_backend_name)
+        # the worker said so at start (worker/model/attention.py default_backend_name)
+        except ImportError:
             return TorchOps()
     if device.type == "cpu" and dtype == torch.float32:
         from kernels import cpu_native
@@ -155,3 +202,30 @@ def default_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
         if kernels is not None:
             return NativeOps(kernels)
     return TorchOps()
+
+
+class RopeSets(tuple):
+    """A step's rotary tables for the global layers and for the sliding ones, where they differ
+    (Gemma 3).
+    """
+
+
+class Rotary:
+    """cos/sin tables for every position (rotate-half convention); a step
+    looks its tokens up once.
+    """
+
+    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+        inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float32, device=device)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, rotary_dim / 2]
+        scale = config.rope_attention_factor()  # YaRN scales both (1 elsewhere)
+        self.cos, self.sin = freqs.cos() * scale, freqs.sin() * scale
+
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> cos, sin of each token, [num_tokens, 1, rotary_dim / 2]."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(
+            dtype
+        )

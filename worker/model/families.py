@@ -1,12 +1,23 @@
-"""The model families a worker serves and what their config.json may say: `check_supported` refuses a field
-that would change the computation in a way the forward does not implement (by name, at start), and the
-per-layer patterns (experts, sliding windows, RoPE on or off, RoPE sets) are read here."""
+"""The model families a worker serves: `check_supported` refuses config fields the forward does not
+implement, and the per-layer patterns (experts, windows, RoPE sets) are read here.
+"""
 
 from __future__ import annotations
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3",
-                         "gemma2", "gemma3_text")
-GEMMA_TYPES = ("gemma2", "gemma3_text")  # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "smollm3",
+    "gemma2",
+    "gemma3_text",
+)
+# (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 # the mixture-of-experts families (router top-k over SwiGLU experts)
 MOE_TYPES = ("qwen3_moe", "mixtral")
 # activations of the gated MLP: SiLU (SwiGLU) everywhere, GELU-tanh (GeGLU) where the family uses it
@@ -27,71 +38,111 @@ class UnsupportedModel(ValueError):
 
 def check_supported(cfg: dict) -> None:
     # one function: one check a config field, read as a list
-    """Refuse, naming the field and its value, every config field that would change the math and that the
-    model code does not implement — rather than serve wrong text without a word. What is implemented:
-    docs (README, "Models")."""
+    """Refuse, naming field and value, every config field that would change the math and is not
+    implemented, rather than serve wrong text.
+    """
     model_type = cfg.get("model_type", "llama")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise UnsupportedModel(
+            "model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     act_field = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
     act = cfg.get(act_field, "silu")
-    if act not in GATED_ACTIVATIONS or (GATED_ACTIVATIONS[act] == "gelu_tanh"
-                                        and model_type not in GEMMA_TYPES):
-        raise UnsupportedModel(act_field, act,
-                               "the gated MLP is implemented with SiLU, and with GELU-tanh for "
-                                               "Gemma 2 and 3")
+    if act not in GATED_ACTIVATIONS or (
+        GATED_ACTIVATIONS[act] == "gelu_tanh" and model_type not in GEMMA_TYPES
+    ):
+        raise UnsupportedModel(
+            act_field,
+            act,
+            "the gated MLP is implemented with SiLU, and with GELU-tanh for Gemma 2 and 3",
+        )
     if cfg.get("use_bidirectional_attention"):
-        raise UnsupportedModel("use_bidirectional_attention", True,
-                               "bidirectional attention is not implemented")
+        raise UnsupportedModel(
+            "use_bidirectional_attention", True, "bidirectional attention is not implemented"
+        )
     if cfg.get("mlp_bias"):
-        raise UnsupportedModel("mlp_bias", cfg["mlp_bias"], "MLP projections with biases are not implemented")
-    if cfg.get("attention_bias") and model_type != "qwen2":  # Qwen2's q/k/v biases are; an o_proj bias is not
-        raise UnsupportedModel("attention_bias", cfg["attention_bias"],
-                               f"{model_type} puts a bias on o_proj too, which is not implemented")
+        raise UnsupportedModel(
+            "mlp_bias", cfg["mlp_bias"], "MLP projections with biases are not implemented"
+        )
+    # Qwen2's q/k/v biases are; an o_proj bias is not
+    if cfg.get("attention_bias") and model_type != "qwen2":
+        raise UnsupportedModel(
+            "attention_bias",
+            cfg["attention_bias"],
+            f"{model_type} puts a bias on o_proj too, which is not implemented",
+        )
     for rope in rope_sets(cfg):
         kind = rope.get("rope_type") or rope.get("type") or "default"
         if kind not in ROPE_TYPES:
-            raise UnsupportedModel("rope_scaling.rope_type", kind, f"implemented: {', '.join(ROPE_TYPES)}")
+            raise UnsupportedModel(
+                "rope_scaling.rope_type", kind, f"implemented: {', '.join(ROPE_TYPES)}"
+            )
     rope = rope_sets(cfg)[0]
-    for name, value in (("partial_rotary_factor", rope.get("partial_rotary_factor")),
-                        ("partial_rotary_factor", cfg.get("partial_rotary_factor"))):
+    for name, value in (
+        ("partial_rotary_factor", rope.get("partial_rotary_factor")),
+        ("partial_rotary_factor", cfg.get("partial_rotary_factor")),
+    ):
         if value is not None and float(value) != 1.0 and model_type not in PARTIAL_ROTARY_TYPES:
-            raise UnsupportedModel(name, value, "partial rotary embeddings are implemented for "
-                                                f"{', '.join(PARTIAL_ROTARY_TYPES)} only (as transformers "
-                                                "does)")
+            raise UnsupportedModel(
+                name,
+                value,
+                "partial rotary embeddings are implemented for "
+                f"{', '.join(PARTIAL_ROTARY_TYPES)} only (as transformers "
+                "does)",
+            )
     for name in ("attn_logit_softcapping", "final_logit_softcapping", "logit_softcapping"):
-        allowed = {"attn_logit_softcapping": ("gemma2",), "final_logit_softcapping": GEMMA_TYPES}.get(
-            name, ())
+        allowed = {
+            "attn_logit_softcapping": ("gemma2",),
+            "final_logit_softcapping": GEMMA_TYPES,
+        }.get(name, ())
         if cfg.get(name) is not None and model_type not in allowed:
-            raise UnsupportedModel(name, cfg[name], f"{'attention-' if name.startswith('attn') else ''}logit "
-                                                    "soft-capping is implemented for "
-                                                    f"{', '.join(allowed) or 'no'} models as transformers "
-                                                    "runs them")
-    for name in ("embedding_multiplier", "scale_emb", "logits_scaling", "residual_multiplier",
-                 "attention_multiplier"):
+            raise UnsupportedModel(
+                name,
+                cfg[name],
+                f"{'attention-' if name.startswith('attn') else ''}logit "
+                "soft-capping is implemented for "
+                f"{', '.join(allowed) or 'no'} models as transformers "
+                "runs them",
+            )
+    for name in (
+        "embedding_multiplier",
+        "scale_emb",
+        "logits_scaling",
+        "residual_multiplier",
+        "attention_multiplier",
+    ):
         if cfg.get(name) not in (None, 1, 1.0):
-            raise UnsupportedModel(name, cfg[name],
-                                   "scaled embeddings, residuals or logits are not implemented")
+            raise UnsupportedModel(
+                name, cfg[name], "scaled embeddings, residuals or logits are not implemented"
+            )
     for name in ("num_experts", "num_local_experts", "n_routed_experts"):
         if cfg.get(name) and model_type not in MOE_TYPES:
-            raise UnsupportedModel(name, cfg[name], f"mixture-of-experts layers are implemented for "
-                                                    f"{', '.join(MOE_TYPES)}")
+            raise UnsupportedModel(
+                name,
+                cfg[name],
+                f"mixture-of-experts layers are implemented for {', '.join(MOE_TYPES)}",
+            )
     if model_type in MOE_TYPES:
         experts, top_k = num_experts(cfg), int(cfg.get("num_experts_per_tok") or 0)
         if experts and not 0 < top_k <= experts:
-            raise UnsupportedModel("num_experts_per_tok", top_k,
-                                   f"needs 1 to num_experts ({experts}) experts a token")
+            raise UnsupportedModel(
+                "num_experts_per_tok", top_k, f"needs 1 to num_experts ({experts}) experts a token"
+            )
         for name in ("shared_expert_intermediate_size", "n_shared_experts"):
             if cfg.get(name):
                 raise UnsupportedModel(name, cfg[name], "shared experts are not implemented")
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
-        raise UnsupportedModel("quantization_config.quant_method", method,
-                               "quantized checkpoints are not loaded as they ship; dequantize to bf16/fp16 "
-                               "first")
+        raise UnsupportedModel(
+            "quantization_config.quant_method",
+            method,
+            "quantized checkpoints are not loaded as they ship; dequantize to bf16/fp16 first",
+        )
     for layer_type in set(cfg.get("layer_types") or ()):
         if layer_type not in ("full_attention", "sliding_attention"):
-            raise UnsupportedModel("layer_types", layer_type, "only full and sliding-window attention layers")
+            raise UnsupportedModel(
+                "layer_types", layer_type, "only full and sliding-window attention layers"
+            )
 
 
 def num_experts(cfg: dict) -> int:
@@ -99,8 +150,10 @@ def num_experts(cfg: dict) -> int:
 
 
 def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
-    """Which layers' MLP is a mixture of experts (Mixtral: all; Qwen3-MoE: every decoder_sparse_step-th
-    layer, but those in mlp_only_layers, as transformers builds it); () for a dense model."""
+    """Which layers' MLP is a mixture of experts (Mixtral: all; Qwen3-MoE: every
+    decoder_sparse_step-th layer, but those in mlp_only_layers, as transformers builds it); () for a
+    dense model.
+    """
     if cfg.get("model_type") not in MOE_TYPES or not num_experts(cfg):
         return ()
     if cfg.get("model_type") == "mixtral":
@@ -111,9 +164,9 @@ def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
 
 
 def rope_sets(cfg: dict) -> list[dict]:
-    """The RoPE parameters (rope_theta included where the config says it) of each kind of layer: one set for
-    most families; Gemma 3 has its global layers' (rope_theta, rope_scaling) first and its sliding layers'
-    (rope_local_base_freq) second, or both under rope_parameters by layer type."""
+    """The RoPE parameters of each kind of layer: one set for most families; Gemma 3 global layers
+    first, then sliding.
+    """
     params = cfg.get("rope_parameters") or {}
     if cfg.get("model_type") != "gemma3_text":
         rope = dict(params or cfg.get("rope_scaling") or {})
@@ -132,11 +185,9 @@ def rope_sets(cfg: dict) -> list[dict]:
 
 
 def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
-    """Each layer's sliding window as transformers builds the model: a layer with window W lets a token see
-    its last W keys (itself included); 0 = full attention; () when no layer slides. Mistral and Phi-3
-    slide every layer over sliding_window; Qwen2/Qwen3/SmolLM3, with use_sliding_window set, the layers their
-    layer_types mark sliding_attention, by default those from max_window_layers on (SmolLM3: its NoPE
-    layers)."""
+    """Each layer's sliding window as transformers builds the model (0 = full attention; () when
+    none slides).
+    """
     window = cfg.get("sliding_window")
     if not window:
         return ()
@@ -147,18 +198,23 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
     # layer_types; by default Gemma 3 slides five layers of six, Gemma 2 every other
     if model_type in GEMMA_TYPES:
         pattern = int(cfg.get("sliding_window_pattern", 6)) if model_type == "gemma3_text" else 2
-        types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                           for i in range(num_layers)]
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
         sliding = [t == "sliding_attention" for t in types[:num_layers]]
         return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
-    if model_type not in ("qwen2", "qwen3", "qwen3_moe", "smollm3") or not cfg.get("use_sliding_window"):
+    if model_type not in ("qwen2", "qwen3", "qwen3_moe", "smollm3") or not cfg.get(
+        "use_sliding_window"
+    ):
         # Llama's attention has no window, the others' only with use_sliding_window: as transformers
         return ()
     types = cfg.get("layer_types")
     if types:
         if len(types) < num_layers:
-            raise UnsupportedModel("layer_types", types,
-                                   f"needs one entry for each of the {num_layers} layers")
+            raise UnsupportedModel(
+                "layer_types", types, f"needs one entry for each of the {num_layers} layers"
+            )
         sliding = [t == "sliding_attention" for t in types[:num_layers]]
     elif model_type == "smollm3":  # its NoPE layers slide
         sliding = [not uses for uses in rope_layers(cfg, num_layers)]
@@ -169,8 +225,9 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
 
 
 def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
-    """Which layers apply RoPE: all, but SmolLM3's NoPE layers (no_rope_layers, 1 = RoPE, 0 = none; by
-    default every no_rope_layer_interval-th layer, as transformers builds it)."""
+    """Which layers apply RoPE: all, but SmolLM3's NoPE layers (no_rope_layers, 1 = RoPE, 0 = none;
+    by default every no_rope_layer_interval-th layer, as transformers builds it).
+    """
     if cfg.get("model_type") != "smollm3":
         return (True,) * num_layers
     flags = cfg.get("no_rope_layers")
@@ -178,6 +235,7 @@ def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
         interval = int(cfg.get("no_rope_layer_interval", 4))
         flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
     if len(flags) < num_layers:
-        raise UnsupportedModel("no_rope_layers", flags,
-                               f"needs one entry for each of the {num_layers} layers")
+        raise UnsupportedModel(
+            "no_rope_layers", flags, f"needs one entry for each of the {num_layers} layers"
+        )
     return tuple(bool(f) for f in flags[:num_layers])

@@ -1,7 +1,6 @@
-"""The fused CPU decode step: a decode-only step of a few sequences run as one native call
-(kernels/cpu/decode_step.c), from the embeddings to the final norm. Anything else (prefill, a mixed step,
-tensor parallelism, another dtype) takes the layer path, which stays the definition: tests hold the two to
-the same tokens."""
+"""The fused CPU decode step: a decode-only step run as one native call (kernels/cpu/decode_step.c).
+Anything else takes the layer path, which stays the definition: tests hold both to the same tokens.
+"""
 
 from __future__ import annotations
 
@@ -23,26 +22,65 @@ MAX_SEGMENTS = 3  # decode_step.c: a projection's row ranges of different types 
 
 
 class PsMatrix(ctypes.Structure):
-    _fields_ = [("seg", PsSegment * MAX_SEGMENTS), ("out_dim", _I64), ("in_dim", _I64), ("dense", _P)]
+    _fields_ = [
+        ("seg", PsSegment * MAX_SEGMENTS),
+        ("out_dim", _I64),
+        ("in_dim", _I64),
+        ("dense", _P),
+    ]
 
 
 class PsLayer(ctypes.Structure):
-    _fields_ = [("qkv", PsMatrix), ("o_proj", PsMatrix), ("gate_up", PsMatrix), ("down", PsMatrix),
-                ("input_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P),
-                ("k_cache", _P), ("v_cache", _P), ("rope", _I32), ("window", _I32)]
+    _fields_ = [
+        ("qkv", PsMatrix),
+        ("o_proj", PsMatrix),
+        ("gate_up", PsMatrix),
+        ("down", PsMatrix),
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("qkv_bias", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
+        ("k_cache", _P),
+        ("v_cache", _P),
+        ("rope", _I32),
+        ("window", _I32),
+    ]
 
 
 class PsModel(ctypes.Structure):
-    _fields_ = [("num_layers", _I32), ("hidden", _I32), ("n_heads", _I32), ("n_kv_heads", _I32),
-                ("head_dim", _I32), ("intermediate", _I32), ("block_size", _I32), ("rotary_half", _I32),
-                ("eps", _F), ("scale", _F), ("cos", _P), ("sin", _P), ("final_norm", _P),
-                ("layers", ctypes.POINTER(PsLayer)), ("sgemm", _P), ("gemm_rows", _I32), ("kv_bf16", _I32),
-                ("x8", _I32)]
+    _fields_ = [
+        ("num_layers", _I32),
+        ("hidden", _I32),
+        ("n_heads", _I32),
+        ("n_kv_heads", _I32),
+        ("head_dim", _I32),
+        ("intermediate", _I32),
+        ("block_size", _I32),
+        ("rotary_half", _I32),
+        ("eps", _F),
+        ("scale", _F),
+        ("cos", _P),
+        ("sin", _P),
+        ("final_norm", _P),
+        ("layers", ctypes.POINTER(PsLayer)),
+        ("sgemm", _P),
+        ("gemm_rows", _I32),
+        ("kv_bf16", _I32),
+        ("x8", _I32),
+    ]
 
 
 class PsLoraProj(ctypes.Structure):
-    _fields_ = [("a", _P), ("b", _P * MAX_SEGMENTS), ("a_rows", _I32), ("out_lo", _I32), ("out_hi", _I32),
-                ("n_parts", _I32), ("part", (_I32 * 4) * MAX_SEGMENTS)]
+    _fields_ = [
+        ("a", _P),
+        ("b", _P * MAX_SEGMENTS),
+        ("a_rows", _I32),
+        ("out_lo", _I32),
+        ("out_hi", _I32),
+        ("n_parts", _I32),
+        ("part", (_I32 * 4) * MAX_SEGMENTS),
+    ]
 
 
 class PsLora(ctypes.Structure):
@@ -53,8 +91,9 @@ LORA_ORDER = ("qkv", "o_proj", "gate_up", "down")  # decode_step.c's order of a 
 
 
 def _native_lora(weights, num_layers: int):
-    """An adapter's projections as the fused step reads them ([layers][4] PsLoraProj, made once and kept on
-    the adapter), or False where it holds anything but plain fp32 rows on the CPU."""
+    """An adapter's projections as the fused step reads them, or False where they are not plain fp32
+    rows.
+    """
     if weights.native is None:
         projs = (PsLoraProj * (num_layers * 4))()
         ok = len(weights.layers) == num_layers
@@ -63,20 +102,26 @@ def _native_lora(weights, num_layers: int):
                 p = layer.get(name)
                 if p is None:
                     continue
-                if not (_plain(p.a) and all(_plain(b) for b in p.bs) and 0 < len(p.parts) <= MAX_SEGMENTS):
+                if not (
+                    _plain(p.a)
+                    and all(_plain(b) for b in p.bs)
+                    and 0 < len(p.parts) <= MAX_SEGMENTS
+                ):
                     ok = False
                     break
                 parts = ((_I32 * 4) * MAX_SEGMENTS)(*((_I32 * 4)(*q) for q in p.parts))
                 bs = (_P * MAX_SEGMENTS)(*(b.data_ptr() for b in p.bs))
-                projs[i * 4 + j] = PsLoraProj(p.a.data_ptr(), bs, p.a.shape[0], p.lo, p.hi, len(p.parts),
-                                              parts)
+                projs[i * 4 + j] = PsLoraProj(
+                    p.a.data_ptr(), bs, p.a.shape[0], p.lo, p.hi, len(p.parts), parts
+                )
         weights.native = projs if ok else False
     return weights.native
 
 
 def _step_lora(lora, num_layers: int) -> tuple[PsLora, tuple] | None:
-    """The step's adapters and each row's one as a PsLora (with what it points into), or None where one of
-    them cannot be read by the fused step."""
+    """The step's adapters and each row's one as a PsLora (with what it points into), or None where
+    one of them cannot be read by the fused step.
+    """
     natives = [_native_lora(w, num_layers) for w in lora.adapters]
     if not all(natives) or lora.index is None:
         return None
@@ -89,17 +134,22 @@ def _step_lora(lora, num_layers: int) -> tuple[PsLora, tuple] | None:
 
 
 def _plain(w) -> bool:
-    return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2 and w.numel() > 0
-            and w.is_contiguous() and w.layout == torch.strided and not w.is_mkldnn)
+    return (
+        isinstance(w, torch.Tensor)
+        and w.dtype == torch.float32
+        and w.dim() == 2
+        and w.numel() > 0
+        and w.is_contiguous()
+        and w.layout == torch.strided
+        and not w.is_mkldnn
+    )
 
 
 def _matrix(layer, name: str) -> tuple[PsMatrix, list[torch.Tensor]] | None:
-    """The native description of one projection: the quantized library's blocks, or plain fp32 rows — the
-    layer path's own weight, or the loaded parameter where that one is in oneDNN's packed layout (the worker
-    keeps it for this step) — with its plain fp32 copy where there is one (the matrix itself, or a quantized
-    weight's dense copy when that one is plain), for steps of more rows than the row kernels serve. None: no
-    layout the fused step can read."""
-    from worker.model.quantized import QuantLinear, QuantStack, QuantWeight
+    """The native description of one projection (quantized blocks or fp32 rows, with an fp32 copy
+    for wide steps where one exists); None where the fused step cannot read it.
+    """
+    from worker.model.quant_weights import QuantLinear, QuantStack, QuantWeight
 
     w = layer.w.get(name)
     dense = None
@@ -111,14 +161,19 @@ def _matrix(layer, name: str) -> tuple[PsMatrix, list[torch.Tensor]] | None:
         return PsMatrix((PsSegment * MAX_SEGMENTS)(*segs), w.out_dim, w.in_dim, _ptr(dense)), keep
     for t in (w, getattr(layer, name)):
         if _plain(t):
-            return PsMatrix((PsSegment * MAX_SEGMENTS)(PsSegment(t.data_ptr(), t.shape[0], 0, 0)), t.shape[0],
-                            t.shape[1], t.data_ptr()), [t]
+            return PsMatrix(
+                (PsSegment * MAX_SEGMENTS)(PsSegment(t.data_ptr(), t.shape[0], 0, 0)),
+                t.shape[0],
+                t.shape[1],
+                t.data_ptr(),
+            ), [t]
     return None
 
 
 def matrix_bytes(layer) -> dict[str, int]:
-    """Bytes of each of a layer's projections as the fused step's row kernels read them (its blocks, packed
-    or as the file has them, or its fp32 rows)."""
+    """Bytes of each of a layer's projections as the fused step's row kernels read them (its blocks,
+    packed or as the file has them, or its fp32 rows).
+    """
     out = {}
     for name in layer.matmul_names:
         desc = _matrix(layer, name)
@@ -133,31 +188,36 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def mirrors_match(kernels) -> bool:
-    """Whether the ctypes structs here have the sizes the library's own (kernels/cpu/pagedserve.h) have."""
-    return (tuple(ctypes.sizeof(t) for t in (PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora))
-            == kernels.struct_sizes)
+    """Whether the ctypes structs here have the sizes the library's own (kernels/cpu/pagedserve.h)
+    have.
+    """
+    return (
+        tuple(ctypes.sizeof(t) for t in (PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora))
+        == kernels.struct_sizes
+    )
 
 
 class FusedDecode:
-    """The layer-by-layer forward (model/llama.py) makes about ten calls a layer, each a trip through Python
-    and torch and its own OpenMP parallel region: at one sequence on the 135M default model that overhead
-    is a third of the step. This hands the whole model to the library once (every layer's weights as GGUF
-    blocks or plain fp32 rows, norms, biases, q/k norms, RoPE tables and KV cache); a step runs in one
-    call whose threads meet at a barrier between stages. Up to `max_rows` rows the projections run on the
-    row kernels, which read each weight once for a few rows; past that, where every matrix has a plain
-    fp32 copy, on that copy through the BLAS sgemm torch's CPU library carries (MKL), each thread calling
-    it on its share of the output rows inside the step's one parallel region (at 64 rows that removed ~17
-    of 150 ms of per-call costs on the default model)."""
+    """The whole model handed to the library once, so a decode step is one call whose threads meet
+    at a barrier between stages: per-layer Python and OpenMP overhead was a third of a one-sequence
+    step. Up to `max_rows` rows run on the row kernels; more go through torch's BLAS sgemm inside
+    the same region.
+    """
 
     def __init__(self, kernels, model, max_rows: int) -> None:
         if not mirrors_match(kernels):
-            raise RuntimeError("the fused decode step's structs differ from kernels/cpu/pagedserve.h's")
+            raise RuntimeError(
+                "the fused decode step's structs differ from kernels/cpu/pagedserve.h's"
+            )
         self.kernels = kernels
         self.model = model
         self.max_rows = max_rows
-        # past max_rows, where every matrix has a plain fp32 copy and the process has a BLAS sgemm, the step
-        # multiplies on that copy (each thread its share of the output rows) and serves any number of rows
-        dense = all(_matrix(layer, name)[0].dense for layer in model.layers for name in layer.matmul_names)
+        # past max_rows, where every matrix has a plain fp32 copy and the process has a BLAS sgemm,
+        # the step multiplies on that copy (each thread its share of the output rows) and serves any
+        # number of rows
+        dense = all(
+            _matrix(layer, name)[0].dense for layer in model.layers for name in layer.matmul_names
+        )
         self.sgemm = kernels.sgemm if dense else None
         self._pool = None
         self._scratch = torch.empty(0)
@@ -175,31 +235,45 @@ class FusedDecode:
             return "dimensions not multiples of 32"
         if c.moe_layers:
             return "mixture-of-experts layers (the layer path routes their tokens)"
-        if c.sandwich_norms or c.hidden_act != "silu" or c.local_rope is not None or c.embed_scale != 1.0 \
-                or c.attn_scale != c.head_dim ** -0.5:
+        if (
+            c.sandwich_norms
+            or c.hidden_act != "silu"
+            or c.local_rope is not None
+            or c.embed_scale != 1.0
+            or c.attn_scale != c.head_dim**-0.5
+        ):
             return "Gemma's norms, GeGLU, two RoPE tables and scales (the layer path runs them)"
         for layer in model.layers:
             for name in layer.matmul_names:
                 if _matrix(layer, name) is None:
-                    return (f"{model.mm.name} weights only (the fused step reads GGUF blocks or plain fp32 "
-                            "rows)")
+                    return (
+                        f"{model.mm.name} weights only (the fused step reads GGUF blocks "
+                        "or plain fp32 rows)"
+                    )
         return None
 
     def covers(self, step, num_tokens: int) -> bool:
-        from worker.model.attention import CpuAttentionMeta
+        from worker.model.attention_native import CpuAttentionMeta
 
         meta = step.attn_meta
-        if not (isinstance(meta, CpuAttentionMeta) and 0 < num_tokens
-                and (num_tokens <= self.max_rows or self.sgemm)
-                and meta.decode_rows.numel() == num_tokens and meta.prefill_starts.numel() == 0):
+        if not (
+            isinstance(meta, CpuAttentionMeta)
+            and 0 < num_tokens
+            and (num_tokens <= self.max_rows or self.sgemm)
+            and meta.decode_rows.numel() == num_tokens
+            and meta.prefill_starts.numel() == 0
+        ):
             return False
-        if step.lora is not None:  # the step's adapters described for the native step (None: it cannot)
+        # the step's adapters described for the native step (None: it cannot)
+        if step.lora is not None:
             step.lora.native = _step_lora(step.lora, self.model.config.num_layers)
             return step.lora.native is not None
         return True
 
     def _describe(self, pool) -> None:
-        """The model, its weights and this pool's caches as the native step reads them (once per pool)."""
+        """The model, its weights and this pool's caches as the native step reads them (once per
+        pool).
+        """
         m, c = self.model, self.model.config
         keep, layers = [], (PsLayer * c.num_layers)()
         for i, layer in enumerate(m.layers):
@@ -209,18 +283,42 @@ class FusedDecode:
                 mats[name] = desc
                 keep.extend(tensors)
             k_cache, v_cache = pool.layer(i)
-            layers[i] = PsLayer(mats["qkv"], mats["o_proj"], mats["gate_up"], mats["down"],
-                                _ptr(layer.input_norm), _ptr(layer.post_attn_norm), _ptr(layer.qkv_bias),
-                                _ptr(layer.q_norm), _ptr(layer.k_norm), _ptr(k_cache), _ptr(v_cache),
-                                int(c.uses_rope(i)), c.window(i))
+            layers[i] = PsLayer(
+                mats["qkv"],
+                mats["o_proj"],
+                mats["gate_up"],
+                mats["down"],
+                _ptr(layer.input_norm),
+                _ptr(layer.post_attn_norm),
+                _ptr(layer.qkv_bias),
+                _ptr(layer.q_norm),
+                _ptr(layer.k_norm),
+                _ptr(k_cache),
+                _ptr(v_cache),
+                int(c.uses_rope(i)),
+                c.window(i),
+            )
         rotary = m.rotary
-        self._desc = PsModel(c.num_layers, c.hidden_size, m.shard.num_q_heads, m.shard.num_kv_heads,
-                             c.head_dim,
-                             m.shard.intermediate_size, pool.block_size, c.rotary_dim // 2, c.rms_norm_eps,
-                             c.head_dim**-0.5,
-                             _ptr(rotary.cos), _ptr(rotary.sin), _ptr(m.norm), layers, self.sgemm,
-                             self.max_rows,
-                             int(pool.dtype == torch.bfloat16), int(getattr(m.mm, "int8_activations", False)))
+        self._desc = PsModel(
+            c.num_layers,
+            c.hidden_size,
+            m.shard.num_q_heads,
+            m.shard.num_kv_heads,
+            c.head_dim,
+            m.shard.intermediate_size,
+            pool.block_size,
+            c.rotary_dim // 2,
+            c.rms_norm_eps,
+            c.head_dim**-0.5,
+            _ptr(rotary.cos),
+            _ptr(rotary.sin),
+            _ptr(m.norm),
+            layers,
+            self.sgemm,
+            self.max_rows,
+            int(pool.dtype == torch.bfloat16),
+            int(getattr(m.mm, "int8_activations", False)),
+        )
         self._keep = (keep, layers, rotary)
         self._pool = pool
 
@@ -235,17 +333,24 @@ class FusedDecode:
             self._scratch = torch.empty(need)
         x = x.contiguous()
         tables = meta.decode_tables
-        self.kernels.decode_step(self._desc, rows, x, step.positions.to(torch.int64).contiguous(),
-                                 step.slot_mapping.to(torch.int64).contiguous(), tables, meta.decode_lens,
-                                 self._scratch, None if step.lora is None else step.lora.native[0])
+        self.kernels.decode_step(
+            self._desc,
+            rows,
+            x,
+            step.positions.to(torch.int64).contiguous(),
+            step.slot_mapping.to(torch.int64).contiguous(),
+            tables,
+            meta.decode_lens,
+            self._scratch,
+            None if step.lora is None else step.lora.native[0],
+        )
         return x
 
 
 class NativeHead:
-    """The LM head of a few rows (a decode step's) on plain fp32 rows through the native rows kernel, which
-    reads the 49k x 576 matrix once for up to eight rows at memory speed; a BLAS matmul of eight rows ran it
-    at a third of that (~20 ms of a 56 ms eight-row step on the default model). More rows take the matmul
-    library. One rank (the head's rows are all here), fp32 on a CPU."""
+    """The LM head of a decode step on the native rows kernel, which reads the matrix once for up to
+    eight rows (a BLAS matmul ran at a third of that). More rows take the matmul library.
+    """
 
     def __init__(self, kernels, weight: torch.Tensor, max_rows: int) -> None:
         self.kernels = kernels
@@ -255,9 +360,8 @@ class NativeHead:
 
     @staticmethod
     def weight_of(model) -> torch.Tensor | None:
-        """The head as plain fp32 rows (the matmul library's own weight, or the tied embeddings / the loaded
-        parameter where that one is in another layout), or None: a quantized head keeps its own kernel."""
-        from worker.model.quantized import QuantLinear, QuantStack, QuantWeight
+        """The head as plain fp32 rows, or None: a quantized head keeps its own kernel."""
+        from worker.model.quant_weights import QuantLinear, QuantStack, QuantWeight
 
         if isinstance(model.head, (QuantLinear, QuantStack, QuantWeight)):
             return None
@@ -267,8 +371,11 @@ class NativeHead:
         return None
 
     def covers(self, hidden: torch.Tensor) -> bool:
-        return (0 < hidden.shape[0] <= self.max_rows and hidden.dtype == torch.float32
-                and hidden.device.type == "cpu")
+        return (
+            0 < hidden.shape[0] <= self.max_rows
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+        )
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.contiguous()

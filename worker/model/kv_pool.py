@@ -1,6 +1,6 @@
-"""The paged KV pool: per layer K and V in the block-tensor layout
-[num_blocks, block_size, n_kv_heads, head_dim]. The worker owns the bytes; the scheduler owns who uses
-them."""
+"""The paged KV pool: per layer K and V in the block-tensor layout [num_blocks, block_size,
+n_kv_heads, head_dim]. The worker owns the bytes; the scheduler owns who uses them.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import torch
 from worker.model.config import ModelConfig
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                    num_kv_heads: int | None = None) -> int:
-    """Bytes of one block over all layers; num_kv_heads: the heads this rank holds (default: all)."""
+def bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+) -> int:
+    """Bytes of one block over all layers; num_kv_heads: the heads
+    this rank holds (default: all).
+    """
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * heads * config.head_dim * block_size * element
@@ -19,7 +22,12 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
 
 class KVPool:
     def __init__(
-        self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
         num_kv_heads: int | None = None,
     ) -> None:
         """num_kv_heads: the KV heads this rank holds (a tensor-parallel rank holds its slice)."""
@@ -36,9 +44,12 @@ class KVPool:
         # Never zeroed: attention masks by sequence length, so stale bytes are never read.
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        # The token record: the id of the token whose K/V each slot holds (plus one scratch slot at the end
-        # for writes that go nowhere). Penalties read a sequence's context tokens through its block table.
-        self._token_slots = torch.full((num_blocks * block_size + 1,), -1, dtype=torch.int32, device=device)
+        # The token record: the id of the token whose K/V each slot holds (plus one scratch slot at
+        # the end for writes that go nowhere). Penalties read a sequence's context tokens through
+        # its block table.
+        self._token_slots = torch.full(
+            (num_blocks * block_size + 1,), -1, dtype=torch.int32, device=device
+        )
         self.tokens = self._token_slots[:-1].view(num_blocks, block_size)
 
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,11 +70,16 @@ class KVPool:
     def record_tokens(self, slot_mapping: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Write each new token's id where its K/V goes (slot -1: nowhere), without a host sync."""
         scratch = torch.full_like(slot_mapping, self._token_slots.numel() - 1)
-        self._token_slots[torch.where(slot_mapping >= 0, slot_mapping, scratch)] = token_ids.to(torch.int32)
+        self._token_slots[torch.where(slot_mapping >= 0, slot_mapping, scratch)] = token_ids.to(
+            torch.int32
+        )
 
-    def context_tokens(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, pad: int) -> torch.Tensor:
-        """int64 [rows, max(seq_lens)]: each row's context token ids, position order, `pad` past its length.
-        block_tables: int32 [rows, blocks]; seq_lens: int64 [rows] (on the pool's device)."""
+    def context_tokens(
+        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, pad: int
+    ) -> torch.Tensor:
+        """int64 [rows, max(seq_lens)]: each row's context token ids, position order, `pad` past its
+        length. block_tables: int32 [rows, blocks]; seq_lens: int64 [rows] (on the pool's device).
+        """
         width = int(seq_lens.max()) if seq_lens.numel() else 0
         pos = torch.arange(width, device=block_tables.device)
         blocks = pos // self.block_size

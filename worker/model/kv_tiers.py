@@ -1,8 +1,7 @@
-"""The bytes of the KV tiers under the pool: a host buffer of block slots (pinned on CUDA) and a folder of
-block files. The worker does what a plan says — stores, then loads, then drops — and decides nothing. Each
-block carries its chained hash and a checksum, checked on load: a load that does not match, a missing or
-truncated file, is reported failed and the scheduler computes the block instead. Disk writes run on a
-thread from a copy taken before the step; a failed write is a later miss, logged once."""
+"""The bytes of the KV tiers under the pool: a host buffer (pinned on CUDA) and a folder of block
+files. The worker does what a plan says; each block carries its hash and a checksum, and a failed
+load is reported so the scheduler computes the block instead. Disk writes run on a thread.
+"""
 
 from __future__ import annotations
 
@@ -24,33 +23,62 @@ from worker.model.kv_pool import KVPool
 
 log = structlog.get_logger("worker.kv_tiers")
 MAGIC = b"PSKV1"
-HEADER = struct.Struct("<5s16s16sQI")  # magic, layout key, block hash, payload bytes, crc32 of the payload
+# magic, layout key, block hash, payload bytes, crc32 of the payload
+HEADER = struct.Struct("<5s16s16sQI")
 
 
 class TierError(ValueError):
     """A plan's tier work names a block, tier or slot this worker does not have."""
 
 
-def layout_key(fingerprint: str, weights: str, pool: KVPool, rank: int, tp: int, replica: int) -> bytes:
-    """What a block's bytes depend on besides its tokens: the model (config and weight files), the pool's
-    dtype, block size and this rank's slice of heads. Files of any other layout are never read."""
-    text = "|".join(map(str, (fingerprint, weights, pool.dtype, pool.block_size, pool.k[0].shape, rank, tp,
-                              replica, len(pool.k))))
+def layout_key(
+    fingerprint: str, weights: str, pool: KVPool, rank: int, tp: int, replica: int
+) -> bytes:
+    """What a block's bytes depend on besides its tokens (model, pool dtype, block size, this rank's
+    heads): files of another layout are never read.
+    """
+    text = "|".join(
+        map(
+            str,
+            (
+                fingerprint,
+                weights,
+                pool.dtype,
+                pool.block_size,
+                pool.k[0].shape,
+                rank,
+                tp,
+                replica,
+                len(pool.k),
+            ),
+        )
+    )
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 def weights_identity(model: str, load_format: str, seed: int) -> str:
-    """The model's weight files as they are on disk (name, size, modification time), or the dummy seed."""
+    """The model's weight files as they are on disk (name, size, modification time), or the dummy
+    seed.
+    """
     if load_format == "dummy":
         return f"dummy:{seed}"
     path = Path(model)
-    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.suffix in (
-        ".safetensors", ".bin", ".gguf", ".pt"))
-    return ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files if p.exists())
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(
+            p for p in path.glob("*") if p.suffix in (".safetensors", ".bin", ".gguf", ".pt")
+        )
+    )
+    return ";".join(
+        f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files if p.exists()
+    )
 
 
 class BlockBytes:
-    """A pool block as one row of bytes: every layer's K, then every layer's V, then its token record."""
+    """A pool block as one row of bytes: every layer's K, then every layer's V, then its token
+    record.
+    """
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
@@ -74,8 +102,12 @@ class BlockBytes:
         src = torch.from_numpy(np.ascontiguousarray(data)).to(dev)
         off = 0
         for t in self.parts:
-            t[idx] = src[:, off:off + self.part_bytes].contiguous().view(t.dtype).view(len(blocks),
-                                                                                    *t.shape[1:])
+            t[idx] = (
+                src[:, off : off + self.part_bytes]
+                .contiguous()
+                .view(t.dtype)
+                .view(len(blocks), *t.shape[1:])
+            )
             off += self.part_bytes
         self.pool.tokens[idx] = src[:, off:].contiguous().view(torch.int32)
 
@@ -100,7 +132,9 @@ class HostTier:
 
 
 class DiskTier:
-    """One file a block under folder/<layout key>/, written atomically on a thread (a copy taken first)."""
+    """One file a block under folder/<layout key>/, written atomically on a thread (a copy taken
+    first).
+    """
 
     def __init__(self, folder: str, key: bytes, size: int, capacity: int) -> None:
         self.dir = Path(folder) / key.hex()
@@ -240,7 +274,9 @@ class KvTierStore:
                 raise TierError("a KV-tier row names a block outside the pool")
             for tier, slot in rows[:, 1:].tolist():
                 if tier == TIER_HOST and (self.host is None or not 0 <= slot < self.host_blocks):
-                    raise TierError(f"host slot {slot} is not one of this worker's {self.host_blocks}")
+                    raise TierError(
+                        f"host slot {slot} is not one of this worker's {self.host_blocks}"
+                    )
                 if tier == TIER_DISK and self.disk is None:
                     raise TierError("the plan writes to a disk tier this worker does not have")
                 if tier not in (TIER_HOST, TIER_DISK):
@@ -276,8 +312,12 @@ class KvTierStore:
 
 
 def check_tiers(store: KvTierStore | None, ops: TierOps, num_blocks: int) -> None:
-    """Raises TierError where a plan's tier work cannot run on this rank (it has no tiers, or not these)."""
+    """Raises TierError where a plan's tier work cannot run on this rank (it has no tiers, or not
+    these).
+    """
     if store is None:
-        raise TierError("the plan moves KV-tier blocks; this worker has no tiers (--kv-offload-size, "
-                        "--kv-offload-dir)")
+        raise TierError(
+            "the plan moves KV-tier blocks; this worker has no tiers (--kv-offload-size, "
+            "--kv-offload-dir)"
+        )
     store.check(ops, num_blocks)

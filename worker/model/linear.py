@@ -1,8 +1,7 @@
-"""Matmul libraries for the projections, chosen by measurement when the worker starts: `dense` (F.linear on
-the weights as loaded), `onednn` and `mkl` (CPU: each weight packed once into the layout its library's
-kernels read). Which one wins differs between machines, so `choose()` times them all on the model's own
-shapes, at decode and at prefill row counts, checks each packed result against F.linear, and keeps the
-fastest."""
+"""Matmul libraries for the projections (`dense`, `onednn`, `mkl`), chosen by timing each on the
+model's own shapes at start, its results checked against F.linear: the winner differs between
+machines.
+"""
 
 from __future__ import annotations
 
@@ -23,42 +22,51 @@ class DenseMatmul:
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
 
 class OneDNNMatmul:
-    """oneDNN with each weight reordered once into the blocked layout its kernels read
-    (`torch.ops.mkldnn._reorder_linear_weight`): the same fp32 arithmetic, often 2-3x the rate of a plain
-    matmul because no step re-packs the weight."""
+    """oneDNN with each weight reordered once into its blocked layout: fp32, often 2-3x a plain
+    matmul.
+    """
+
     name = "onednn"
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype) -> bool:
-        return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+        return (
+            device.type == "cpu"
+            and dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        )
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512_BF16 or AMX-BF16), where torch's bf16 GEMM
-    (oneDNN) is faster than fp32's; elsewhere it is emulated, slower."""
+    """Whether this CPU multiplies bf16 in hardware (AVX512_BF16 or AMX-BF16), where torch's bf16
+    GEMM (oneDNN) is faster than fp32's; elsewhere it is emulated, slower.
+    """
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(cpu, c, lambda: False)()) for c in checks)
 
 
 class OneDNNBf16Matmul:
-    """A quantized file's copy for prompt steps in bf16, in oneDNN's blocked layout (`--quantized-prefill
-    bf16`): each step's activations rounded to bf16, products summed in fp32 and returned in fp32. Half an
-    fp32 copy's bytes, and on AMX tiles several times its rate; the decode rows' kernels never read it."""
+    """A quantized file's bf16 copy for prompt steps in oneDNN's layout (`--quantized-prefill
+    bf16`): half the bytes of fp32, several times its rate on AMX.
+    """
+
     name = "onednn-bf16"
 
     @staticmethod
@@ -67,20 +75,28 @@ class OneDNNBf16Matmul:
 
     @staticmethod
     def tiles() -> bool:
-        """Whether the CPU multiplies bf16 in AMX tiles, where --quantized-prefill auto takes this copy."""
-        return OneDNNBf16Matmul.available() and bool(getattr(torch.cpu, "_is_amx_tile_supported", bool)())
+        """Whether the CPU multiplies bf16 in AMX tiles, where --quantized-prefill auto takes this
+        copy.
+        """
+        return OneDNNBf16Matmul.available() and bool(
+            getattr(torch.cpu, "_is_amx_tile_supported", bool)()
+        )
 
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous())
+        return torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().to(torch.bfloat16).contiguous()
+        )
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         xb = x.contiguous().to(torch.bfloat16)
         y = torch.ops.mkldnn._linear_pointwise(xb, weight, None, "none", [], "")
         return y.float() if bias is None else y.float().add_(bias)
 
 
-_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151  # MKL's CBLAS enumerations
+# MKL's CBLAS enumerations
+_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
 
 
 def _mkl():
@@ -107,7 +123,9 @@ _MKL = None
 
 
 class MKLPacked:
-    """One weight [out, in] in MKL's packed layout for `cblas_sgemm_compute` (any number of rows)."""
+    """One weight [out, in] in MKL's packed layout for
+    `cblas_sgemm_compute` (any number of rows).
+    """
 
     def __init__(self, weight: torch.Tensor) -> None:
         lib = _mkl()
@@ -116,20 +134,22 @@ class MKLPacked:
         self.shape = w.shape
         self.dtype, self.device = w.dtype, w.device
         nbytes = lib.cblas_sgemm_pack_get_size(_B_MATRIX, 1, out, k)
-        self.buf = torch.empty((nbytes + 63) // 4 + 16)  # floats; the buffer's start aligned to 64 bytes
+        # floats; the buffer's start aligned to 64 bytes
+        self.buf = torch.empty((nbytes + 63) // 4 + 16)
         self.ptr = (self.buf.data_ptr() + 63) & ~63
-        lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 1, out, k, 1.0, w.data_ptr(), k, self.ptr)
+        lib.cblas_sgemm_pack(
+            _ROW_MAJOR, _B_MATRIX, _TRANS, 1, out, k, 1.0, w.data_ptr(), k, self.ptr
+        )
 
     def dim(self) -> int:
         return 2
 
 
 class MKLMatmul:
-    """Each weight packed once by MKL's own packing API (`cblas_sgemm_pack`) and multiplied with
-    `cblas_sgemm_compute`, the kernel F.linear reaches without re-packing the weight each call: the
-    default model's 2k-token prefill chunk spends 5-8% less time in its matmuls than on oneDNN (same
-    process, 2-core AVX-512 machine). The packed buffer is sized by MKL (2-5x the weight in address space;
-    only the weight's size is ever written, so resident memory grows by one copy, as with oneDNN)."""
+    """Each weight packed once by MKL (`cblas_sgemm_pack`), multiplied by `cblas_sgemm_compute`:
+    5-8% faster than oneDNN on prefill chunks; resident memory grows by one copy.
+    """
+
     name = "mkl"
 
     @staticmethod
@@ -139,16 +159,33 @@ class MKLMatmul:
     def prepare(self, weight: torch.Tensor) -> MKLPacked:
         return MKLPacked(weight)
 
-    def __call__(self, x: torch.Tensor, weight: MKLPacked, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: MKLPacked, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         out, k = weight.shape
         x2 = x.reshape(-1, k)
         if x2.dtype != torch.float32 or x2.device.type != "cpu":
-            raise TypeError(f"the mkl matmul multiplies fp32 on the CPU, got {x2.dtype} on {x2.device}")
+            raise TypeError(
+                f"the mkl matmul multiplies fp32 on the CPU, got {x2.dtype} on {x2.device}"
+            )
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], out)
         if x2.shape[0]:
-            _MKL.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, x2.shape[0], out, k, x2.data_ptr(), k,
-                                     weight.ptr, k, 0.0, y.data_ptr(), out)
+            _MKL.cblas_sgemm_compute(
+                _ROW_MAJOR,
+                _NO_TRANS,
+                _PACKED,
+                x2.shape[0],
+                out,
+                k,
+                x2.data_ptr(),
+                k,
+                weight.ptr,
+                k,
+                0.0,
+                y.data_ptr(),
+                out,
+            )
         if bias is not None:
             y += bias
         return y.view(*x.shape[:-1], out)
@@ -158,38 +195,54 @@ LIBRARIES = {"dense": DenseMatmul, "onednn": OneDNNMatmul, "mkl": MKLMatmul}
 
 
 def head_library(lib, device: torch.device, dtype: torch.dtype):
-    """The LM head's library beside `lib`, the projections': oneDNN where it runs. The head is one wide
-    matrix read cold at every decode step by a few dozen rows; there oneDNN's blocked layout reads fastest:
-    20.5 ms against MKL's packed 27 ms and F.linear's 27-32 ms for the default model's 49k x 576 head at
-    64 rows, caches flushed between calls (2-core AVX-512 machine), where the projections' prefill shapes
-    rank the other way."""
-    return OneDNNMatmul() if lib.name in ("dense", "mkl") and OneDNNMatmul.available(device, dtype) else lib
+    """The LM head's library: oneDNN where it runs, whose blocked layout reads a wide cold matrix
+    fastest.
+    """
+    return (
+        OneDNNMatmul()
+        if lib.name in ("dense", "mkl") and OneDNNMatmul.available(device, dtype)
+        else lib
+    )
 
 
-def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], device: torch.device, dtype: torch.dtype,
-            reps: int = 5) -> dict[str, float]:
-    """Seconds each available library takes for every (out, in) weight shape at every row count (the best
-    of `reps` rounds, the libraries taking turns within each round so that a machine's drift from one
-    moment to the next falls on all of them alike), and raises if a packed result strays from F.linear
-    beyond fp32 rounding."""
+def measure(
+    shapes: list[tuple[int, int]],
+    rows: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int = 5,
+) -> dict[str, float]:
+    """Seconds each library takes per weight shape and row count (best of `reps`, libraries
+    interleaved so drift falls on all); raises if a packed result strays from F.linear.
+    """
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g).to(device, dtype) * k**-0.5 for n, k in shapes]
-    inputs = {m: {k: torch.randn(m, k, generator=g).to(device, dtype) for _, k in shapes} for m in rows}
-    libs = [DenseMatmul()] + [cls() for cls in (OneDNNMatmul, MKLMatmul) if cls.available(device, dtype)]
+    inputs = {
+        m: {k: torch.randn(m, k, generator=g).to(device, dtype) for _, k in shapes} for m in rows
+    }
+    libs = [DenseMatmul()] + [
+        cls() for cls in (OneDNNMatmul, MKLMatmul) if cls.available(device, dtype)
+    ]
     runs = {}
     for lib in libs:
         prepared = [lib.prepare(w) for w in weights]
-        calls = [(lambda x=inputs[m][w.shape[1]], p=p, lib=lib: lib(x, p))
-                 for m in rows for w, p in zip(weights, prepared, strict=True)]
+        calls = [
+            (lambda x=inputs[m][w.shape[1]], p=p, lib=lib: lib(x, p))
+            for m in rows
+            for w, p in zip(weights, prepared, strict=True)
+        ]
         if lib.name != "dense":
             for m in rows:
                 for w, p in zip(weights, prepared, strict=True):
                     x = inputs[m][w.shape[1]]
                     want = F.linear(x, w)
-                    err = (lib(x, p) - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+                    err = (lib(x, p) - want).abs().max().item() / max(
+                        want.abs().max().item(), 1e-30
+                    )
                     if err > 1e-4:
-                        raise ArithmeticError(f"{lib.name} matmul differs from F.linear by {err:.1e} "
-                                              "(relative)")
+                        raise ArithmeticError(
+                            f"{lib.name} matmul differs from F.linear by {err:.1e} (relative)"
+                        )
         runs[lib.name] = lambda calls=calls: [call() for call in calls]
         runs[lib.name]()  # warm: first-call allocations and dispatch
     totals = {name: float("inf") for name in runs}
@@ -212,23 +265,33 @@ def best_time(fn, reps: int) -> float:
     return best
 
 
-PROBE_FLOP = 30e9  # the start-up measurement's prefill rows stay under this many multiply-adds x 2 a round
+# the start-up measurement's prefill rows stay under this many multiply-adds x 2 a round
+PROBE_FLOP = 30e9
 
 
 def choose(name: str, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype):
-    """The library to use: `name` if it is not "auto", else the fastest on these shapes by measurement."""
+    """The library to use: `name` if it is not "auto", else the fastest on these shapes by
+    measurement.
+    """
     if name != "auto":
         if name not in LIBRARIES:
-            raise ValueError(f"unknown matmul library {name!r}; choose from auto, {', '.join(LIBRARIES)}")
+            raise ValueError(
+                f"unknown matmul library {name!r}; choose from auto, {', '.join(LIBRARIES)}"
+            )
         if name == "onednn" and not OneDNNMatmul.available(device, dtype):
-            raise ValueError(f"the onednn matmul needs fp32 on a CPU with oneDNN, not {dtype} on {device}")
+            raise ValueError(
+                f"the onednn matmul needs fp32 on a CPU with oneDNN, not {dtype} on {device}"
+            )
         if name == "mkl" and not MKLMatmul.available(device, dtype):
-            raise ValueError(f"the mkl matmul needs fp32 on a CPU and a torch built with MKL, not {dtype} on "
-                             f"{device}")
+            raise ValueError(
+                f"the mkl matmul needs fp32 on a CPU and a torch built with MKL, not {dtype} on "
+                f"{device}"
+            )
         return LIBRARIES[name]()
     if not (OneDNNMatmul.available(device, dtype) or MKLMatmul.available(device, dtype)):
         return DenseMatmul()
-    # decode rows and a prefill chunk's (the default token budget; fewer where that is a long measurement)
+    # decode rows and a prefill chunk's (the default token budget; fewer where that is a long
+    # measurement)
     prefill_rows = 2048 if 2 * 2048 * sum(n * k for n, k in shapes) <= PROBE_FLOP else 512
     try:
         seconds = measure(shapes, (64, prefill_rows), device, dtype)
@@ -236,5 +299,7 @@ def choose(name: str, shapes: list[tuple[int, int]], device: torch.device, dtype
         log.warning("matmul_probe_failed", error=str(e))
         return DenseMatmul()
     best = min(seconds, key=seconds.get)
-    log.info("matmul_chosen", library=best, **{f"{k}_ms": round(v * 1e3, 2) for k, v in seconds.items()})
+    log.info(
+        "matmul_chosen", library=best, **{f"{k}_ms": round(v * 1e3, 2) for k, v in seconds.items()}
+    )
     return LIBRARIES[best]()

@@ -1,11 +1,6 @@
-"""A compact Llama-family forward driven by positions, slot mapping and block tables.
-
-No per-request cache object: every layer writes this step's K/V at the plan's slots and attends
-through the block tables. Covers Llama, Mistral, SmolLM (GQA, RoPE, RMSNorm, SwiGLU, tied embeddings),
-Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (its MLPs mixtures of experts: worker/model/moe.py),
-Phi-3, Gemma 2 and Gemma 3. Projections are fused (QKV, gate+up) so a layer
-runs four matmuls. Under tensor parallelism (worker/model/parallel.py) each rank holds its shard of every
-weight and the layer adds one all-reduce after o_proj and one after down.
+"""A compact Llama-family forward driven by positions, slot mapping and block tables: no per-request
+cache. Projections are fused (QKV, gate+up); under tensor parallelism each rank holds its shard and
+a layer all-reduces twice. Families: docs/models.md.
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ from torch import nn
 
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig
-from worker.model.elementwise import TorchOps, default_ops, rms_norm
+from worker.model.elementwise import RopeSets, Rotary, TorchOps, default_ops, rms_norm
 from worker.model.kv_pool import KVPool
 from worker.model.linear import DenseMatmul, head_library
 from worker.model.lora import StepLora
@@ -32,7 +27,8 @@ class StepInputs:
     positions: torch.Tensor  # int64 [num_tokens]
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     attn_meta: object  # the backend's per-step metadata (built once, shared by all layers)
-    lora: StepLora | None = None  # LoRA adapters' updates of the step's rows (model/lora.py), where any
+    # LoRA adapters' updates of the step's rows (model/lora.py), where any
+    lora: StepLora | None = None
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -41,27 +37,10 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-class RopeSets(tuple):
-    """A step's rotary tables for the global layers and for the sliding ones, where they differ (Gemma 3)."""
-
-
-class Rotary:
-    """cos/sin tables for every position (rotate-half convention); a step looks its tokens up once."""
-
-    def __init__(self, config: ModelConfig, device: torch.device) -> None:
-        inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float32, device=device)
-        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
-        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, rotary_dim / 2]
-        scale = config.rope_attention_factor()  # YaRN scales both (1 elsewhere)
-        self.cos, self.sin = freqs.cos() * scale, freqs.sin() * scale
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> cos, sin of each token, [num_tokens, 1, rotary_dim / 2]."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, shard: Shard, comm: Collectives) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, shard: Shard, comm: Collectives
+    ) -> None:
         super().__init__()
         c = config
         self.layer_idx = layer_idx
@@ -83,14 +62,20 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
         # the MLP: dense (gate and up stacked), or a mixture of experts
         self.moe = MoE(c, shard) if c.is_moe(layer_idx) else None
-        self.gate_up = None if self.moe else nn.Parameter(
-            torch.empty(2 * shard.intermediate_size, c.hidden_size))
-        self.down = None if self.moe else nn.Parameter(torch.empty(c.hidden_size, shard.intermediate_size))
+        self.gate_up = (
+            None
+            if self.moe
+            else nn.Parameter(torch.empty(2 * shard.intermediate_size, c.hidden_size))
+        )
+        self.down = (
+            None if self.moe else nn.Parameter(torch.empty(c.hidden_size, shard.intermediate_size))
+        )
         self.matmul_names = self.MATMUL_WEIGHTS[:2] if self.moe else self.MATMUL_WEIGHTS
         # kept when released
         self.shapes = {name: tuple(getattr(self, name).shape) for name in self.matmul_names}
         self.config = c
-        self.mm = DenseMatmul()  # the matmul library and the weights in its layout (LlamaModel.use_matmul)
+        # the matmul library and the weights in its layout (LlamaModel.use_matmul)
+        self.mm = DenseMatmul()
         self.w: dict[str, torch.Tensor] = {}
 
     MATMUL_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
@@ -98,106 +83,170 @@ class DecoderLayer(nn.Module):
     def use_matmul(self, lib, drop_dense: bool) -> None:
         self.mm = lib
         self.w = {name: lib.prepare(getattr(self, name)) for name in self.matmul_names}
-        if drop_dense:  # the prepared copy is all the forward reads: give the loaded layout's memory back
+        # the prepared copy is all the forward reads: give the loaded layout's memory back
+        if drop_dense:
             for name in self.matmul_names:
                 getattr(self, name).data = torch.empty(0, dtype=getattr(self, name).dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, step: StepInputs, pool: KVPool, rope,
-        attn: AttentionBackend, ops: TorchOps,
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        step: StepInputs,
+        pool: KVPool,
+        rope,
+        attn: AttentionBackend,
+        ops: TorchOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's output, added to the residual stream here (fused with the norm); with
-        residual None, x is the embeddings. Returns (this layer's MLP output, the residual stream)."""
+        """x: the previous layer's output, added to the residual stream here (fused with the norm);
+        with residual None, x is the embeddings. Returns (this layer's MLP output, the residual
+        stream).
+        """
         c = self.config
         num_tokens = x.shape[0]
         mm, w, lora, i = self.mm, self.w, step.lora, self.layer_idx
         into_bf16 = self._bf16_between(mm, ops, lora, num_tokens)
         if residual is None:
-            residual, h = ops.add_rms_norm(x, None, self.input_norm, c.rms_norm_eps, into_bf16("qkv"))
+            residual, h = ops.add_rms_norm(
+                x, None, self.input_norm, c.rms_norm_eps, into_bf16("qkv")
+            )
         else:
-            residual, h = ops.add_rms_norm(residual, x, self.input_norm, c.rms_norm_eps, into_bf16("qkv"))
+            residual, h = ops.add_rms_norm(
+                residual, x, self.input_norm, c.rms_norm_eps, into_bf16("qkv")
+            )
         qkv = mm(h, w["qkv"], self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         if lora is not None:
             qkv = lora.apply(i, "qkv", h, qkv)
         q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, c.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, c.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+            num_tokens, self.num_kv_heads, c.head_dim
+        )
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = ops.head_norms(q, k, self.q_norm, self.k_norm, c.rms_norm_eps)
         if c.uses_rope(self.layer_idx):  # SmolLM3's NoPE layers attend without positions
-            # rope: the step's tables, or (global, local) where sliding layers have their own (Gemma 3)
-            q, k = ops.rope(q, k, rope[1] if isinstance(rope, RopeSets) and c.window(self.layer_idx) else
-                            rope[0] if isinstance(rope, RopeSets) else rope)
+            # rope: the step's tables, or (global, local) where sliding layers have their own (Gemma
+            # 3)
+            q, k = ops.rope(
+                q,
+                k,
+                rope[1]
+                if isinstance(rope, RopeSets) and c.window(self.layer_idx)
+                else rope[0]
+                if isinstance(rope, RopeSets)
+                else rope,
+            )
         k_cache, v_cache = pool.layer(self.layer_idx)
         attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
-        o = attn.forward(q, k_cache, v_cache, step.attn_meta, c.attn_scale, c.window(self.layer_idx),
-                         c.attn_softcap)  # [num_tokens, n_heads, hd]
+        # [num_tokens, n_heads, hd]
+        o = attn.forward(
+            q,
+            k_cache,
+            v_cache,
+            step.attn_meta,
+            c.attn_scale,
+            c.window(self.layer_idx),
+            c.attn_softcap,
+        )
         o = o.reshape(num_tokens, self.q_size)
-        a = mm(o, w["o_proj"], bf16_out=True) if into_bf16("o_proj") and self.attn_out_norm is None \
+        a = (
+            mm(o, w["o_proj"], bf16_out=True)
+            if into_bf16("o_proj") and self.attn_out_norm is None
             else mm(o, w["o_proj"])
+        )
         a = self.comm.all_reduce(a if lora is None else lora.apply(i, "o_proj", o, a))
         if self.attn_out_norm is not None:
             a = rms_norm(a, self.attn_out_norm, c.rms_norm_eps)
-        residual, h = ops.add_rms_norm(residual, a, self.post_attn_norm, c.rms_norm_eps,
-                                       self.moe is None and into_bf16("gate_up"))
+        residual, h = ops.add_rms_norm(
+            residual,
+            a,
+            self.post_attn_norm,
+            c.rms_norm_eps,
+            self.moe is None and into_bf16("gate_up"),
+        )
         if self.moe is not None:
             out = self.comm.all_reduce(self.moe(h, ops))
         else:
             # a bf16 GEMM's gate/up stays bf16 into the SiLU·mul and the down GEMM
-            gate_up = (mm(h, w["gate_up"], bf16_out=True) if c.hidden_act == "silu" and getattr(
-                mm, "keeps_bf16", False) else mm(h, w["gate_up"]))
+            gate_up = (
+                mm(h, w["gate_up"], bf16_out=True)
+                if c.hidden_act == "silu" and getattr(mm, "keeps_bf16", False)
+                else mm(h, w["gate_up"])
+            )
             if lora is not None:
                 gate_up = lora.apply(i, "gate_up", h, gate_up)
             act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
-            out = mm(act, w["down"], bf16_out=True) if into_bf16("down") and self.mlp_out_norm is None \
+            out = (
+                mm(act, w["down"], bf16_out=True)
+                if into_bf16("down") and self.mlp_out_norm is None
                 else mm(act, w["down"])
+            )
             out = self.comm.all_reduce(out if lora is None else lora.apply(i, "down", act, out))
         if self.mlp_out_norm is not None:
             out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)
         return out, residual
 
     def _bf16_between(self, mm, ops, lora, rows: int):
-        """name -> whether that projection's input and output stay bf16 this step: a step past the row kernels
-        on bf16 weights (a bf16 file's, or a quantized file's bf16 copy) on one rank without adapters, whose
-        norms take and give bf16 rows (ops.mixed_bf16) — no pass widens a product or narrows a norm's rows
-        (the values are the same: every bf16 GEMM rounds its input to bf16 anyway)."""
-        if lora is not None or self.comm.size > 1 or not getattr(ops, "mixed_bf16", False) \
-                or not hasattr(mm, "bf16_rows"):
+        """name -> whether that projection's input and output stay bf16 this step (bf16 GEMMs on one
+        rank without adapters), so no pass widens or narrows rows in between.
+        """
+        if (
+            lora is not None
+            or self.comm.size > 1
+            or not getattr(ops, "mixed_bf16", False)
+            or not hasattr(mm, "bf16_rows")
+        ):
             return lambda name: False
         return lambda name: mm.bf16_rows(rows, self.w[name])
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, shard: Shard | None = None,
-                 comm: Collectives | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, shard: Shard | None = None, comm: Collectives | None = None
+    ) -> None:
         super().__init__()
         c = config
         self.config = config
-        self.shard = shard or make_shard(c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size,
-                                           expert_intermediate_size=c.moe_intermediate_size)
+        self.shard = shard or make_shard(
+            c.num_heads,
+            c.num_kv_heads,
+            c.intermediate_size,
+            c.vocab_size,
+            expert_intermediate_size=c.moe_intermediate_size,
+        )
         self.comm = comm or Collectives(self.shard.size)
-        rows = self.shard.vocab_shard_size  # this rank's vocabulary rows (all of them with one rank)
+        # this rank's vocabulary rows (all of them with one rank)
+        rows = self.shard.vocab_shard_size
         self.embed = nn.Parameter(torch.empty(rows, c.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(c, i, self.shard, self.comm) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, i, self.shard, self.comm) for i in range(c.num_layers)
+        )
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.lm_head = None if c.tie_word_embeddings else nn.Parameter(torch.empty(rows, c.hidden_size))
+        self.lm_head = (
+            None if c.tie_word_embeddings else nn.Parameter(torch.empty(rows, c.hidden_size))
+        )
         self.head_shape = (rows, c.hidden_size)
-        self.embed_q = None  # QuantEmbedding (model/quantized.py): lookups from the file's blocks, where set
-        self.file_blocks: dict[tuple, object] = {}  # set by worker/weights/loader.py, for use_quantized
+        # QuantEmbedding (model/quantized.py): lookups from the file's blocks, where set
+        self.embed_q = None
+        # set by worker/weights/loader.py, for use_quantized
+        self.file_blocks: dict[tuple, object] = {}
         self.rotary: Rotary | None = None
         self.local_rotary: Rotary | None = None  # Gemma 3's sliding layers' own
-        self.mm = None  # set by use_matmul (dense F.linear on the loaded weights unless told otherwise)
+        # set by use_matmul (dense F.linear on the loaded weights unless told otherwise)
+        self.mm = None
         # the elementwise tail (worker/model/elementwise.py), chosen at the first forward
         self.ops: TorchOps | None = None
         self.head: torch.Tensor | None = None  # the LM head as the head's matmul library holds it
         self.head_mm = None  # the LM head's library: the projections' unless that one names another
-        self.fused = None  # worker/model/fused_decode.py: decode-only steps in one native call, where set
-        self.native_head = None  # NativeHead (model/fused_decode.py): a few rows' logits on plain fp32 rows
+        # worker/model/fused_decode.py: decode-only steps in one native call, where set
+        self.fused = None
+        # NativeHead (model/fused_decode.py): a few rows' logits on plain fp32 rows
+        self.native_head = None
 
     def use_matmul(self, lib, drop_dense: bool = True) -> None:
-        """Run the projections and the LM head through `lib` (model/linear.py) with every weight prepared
-        once in its layout; unless told to keep them, the loaded copies of the layers' weights are freed
-        (the embedding table stays: token lookup reads it)."""
+        """Run projections and LM head through `lib` with weights prepared once; the loaded copies
+        are freed unless kept.
+        """
         drop = drop_dense and lib.name != "dense"
         for layer in self.layers:
             layer.use_matmul(lib, drop)
@@ -209,31 +258,34 @@ class LlamaModel(nn.Module):
 
     def _parameter_of(self, key: tuple) -> nn.Parameter | None:
         if key == ("head",):
-            return self.lm_head  # tied: the embeddings stay for lookup unless served on their own blocks
+            # tied: the embeddings stay for lookup unless served on their own blocks
+            return self.lm_head
         if key == ("embed",):
             return self.embed
         return getattr(self.layers[key[0]], key[1])
 
     def release(self, weights: dict[tuple, object]) -> None:
-        """Give up the parameters `weights` serve (zero-size, on their device): to_empty allocates nothing for
-        them and worker/weights/fill.py does not read them, so a quantized model is never held in fp32."""
+        """Give up the parameters `weights` serve (zero-size, on their device): to_empty allocates
+        nothing for them and worker/weights/fill.py does not read them, so a quantized model is
+        never held in fp32.
+        """
         for key in weights:
             param = self._parameter_of(key)
             if param is not None:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
-    def use_quantized(self, weights: dict[tuple, object], lib, keep_dense: bool = True) -> dict[str, int]:
-        """Serve the projections and the LM head from the GGUF's own blocks: `weights` as
-        worker/weights/fill.py read_quantized read them (their parameters released before loading). A matrix
-        of a type the kernels do not serve (or a stack of mixed types) stays on the dense library. keep_dense:
-        each weight is also kept in the dense library's layout for prefill (memory for prefill at the dense
-        rate; otherwise prefill dequantizes a tile at a time into a small scratch). Returns matrices by
-        type."""
-        from worker.model.quantized import QuantEmbedding, QuantLinear
+    def use_quantized(
+        self, weights: dict[tuple, object], lib, keep_dense: bool = True
+    ) -> dict[str, int]:
+        """Serve projections and LM head from the GGUF's own blocks; types the kernels lack stay
+        dense. keep_dense also keeps a dense copy for prefill. Returns matrices by type.
+        """
+        from worker.model.quant_weights import QuantEmbedding, QuantLinear
 
         counts: dict[str, int] = {}
 
-        def linear(key, param):  # each weight leaves `weights` as it is packed: one matrix held twice at most
+        # each weight leaves `weights` as it is packed: one matrix held twice at most
+        def linear(key, param):
             q = weights.pop(key, None)
             if q is None:
                 counts["dense"] = counts.get("dense", 0) + 1
@@ -255,7 +307,9 @@ class LlamaModel(nn.Module):
         if embed is not None:
             self.embed_q = QuantEmbedding(lib.kernels, embed)
             self.embed.data = torch.empty(0, dtype=self.embed.dtype)
-        self.head, quantized = linear(("head",), self.embed if self.lm_head is None else self.lm_head)
+        self.head, quantized = linear(
+            ("head",), self.embed if self.lm_head is None else self.lm_head
+        )
         # the embeddings stay: lookup
         if self.lm_head is not None and (quantized or lib.dense.name != "dense"):
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype)
@@ -264,7 +318,8 @@ class LlamaModel(nn.Module):
 
     def matmul_shapes(self) -> list[tuple[int, int]]:
         """(out, in) of each projection of a layer, for choosing a matmul library by measurement."""
-        layer = min(self.layers, key=lambda x: x.moe is not None)  # a dense layer where there is one
+        # a dense layer where there is one
+        layer = min(self.layers, key=lambda x: x.moe is not None)
         return [layer.shapes[n] for n in layer.matmul_names]
 
     def forward(self, step: StepInputs, pool: KVPool, attn: AttentionBackend) -> torch.Tensor:
@@ -311,7 +366,8 @@ class LlamaModel(nn.Module):
         if self.native_head is not None and self.native_head.covers(hidden):
             logits = self.native_head(hidden)
         else:
-            logits = (self.head_mm or self.mm)(hidden, self.head).float()  # [rows, vocab_shard_size]
+            # [rows, vocab_shard_size]
+            logits = (self.head_mm or self.mm)(hidden, self.head).float()
         if self.shard.size > 1:
             logits = self.comm.all_gather_last(logits)[:, : self.config.vocab_size]
         cap = self.config.final_logit_softcap
@@ -322,7 +378,8 @@ class LlamaModel(nn.Module):
         """Random weights at the real shapes ("dummy" loading, for benchmarks)."""
         g = None
         for name, param in self.named_parameters():
-            if g is None:  # on the parameters' own device: nothing is drawn on the host and copied over
+            # on the parameters' own device: nothing is drawn on the host and copied over
+            if g is None:
                 g = torch.Generator(device=param.device).manual_seed(seed * 1009 + self.shard.rank)
             if "norm" in name:
                 param.data.fill_(1.0)

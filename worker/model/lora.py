@@ -1,7 +1,6 @@
-"""LoRA adapters applied beside the base model's projections, many adapters in one step: each row gets its
-own adapter's low-rank update added to every projection it changes (`StepLora`), from the adapters a worker
-holds (`LoraCache`). Under tensor parallelism a rank holds A and B split as the base weight is: B by rows for
-QKV and gate+up, A by columns for o_proj and down (the partial updates meet in the layer's all-reduce)."""
+"""LoRA adapters beside the base projections, many in one step (`StepLora`), from those a worker
+holds (`LoraCache`). Under tensor parallelism A and B are split as the base weight is.
+"""
 
 from __future__ import annotations
 
@@ -14,17 +13,21 @@ import torch
 
 log = structlog.get_logger("worker.model.lora")
 
-# the layer's fused projections and, for each, its parts in output order (an adapter may change any of them)
-PROJECTIONS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-               "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+# the layer's fused projections and, for each, its parts in output order (an adapter may change any
+# of them)
+PROJECTIONS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 
 
 @dataclass
 class Projection:
-    """One adapter's update of one fused projection on this rank: A of every part it changes, stacked
-    [sum r, in], and each part's B [its output columns, its rank] (x scale) on its own; `parts` says where
-    each sits: its rows a_lo:a_hi of A and its output columns o_lo:o_hi (a fused checkpoint's parts share
-    their rows of A)."""
+    """One adapter's update of one fused projection on this rank: its parts' A stacked, each part's
+    B apart.
+    """
 
     a: torch.Tensor
     bs: tuple[torch.Tensor, ...]
@@ -39,11 +42,14 @@ class Projection:
         return max(p[3] for p in self.parts)
 
     def dense_b(self) -> torch.Tensor:
-        """One B [hi - lo, sum r] over the columns the parts cover, each part's block at its columns and its
-        rows of A, zeros elsewhere: one matmul expands every part (the batched and GPU paths' stacks)."""
-        b = torch.zeros(self.hi - self.lo, self.a.shape[0], dtype=self.a.dtype, device=self.a.device)
+        """One B over the columns the parts cover (zeros elsewhere), so one matmul expands every
+        part.
+        """
+        b = torch.zeros(
+            self.hi - self.lo, self.a.shape[0], dtype=self.a.dtype, device=self.a.device
+        )
         for part, (a_lo, a_hi, o_lo, o_hi) in zip(self.bs, self.parts, strict=True):
-            b[o_lo - self.lo:o_hi - self.lo, a_lo:a_hi] = part
+            b[o_lo - self.lo : o_hi - self.lo, a_lo:a_hi] = part
         return b
 
 
@@ -53,32 +59,36 @@ class LoraWeights:
 
     identity: str
     layers: list[dict[str, Projection]]
-    native: object = None  # the fused decode step's description of it (model/fused_decode.py), made once
+    # the fused decode step's description of it (model/fused_decode.py), made once
+    native: object = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for p in layer.values()
-                   for t in (p.a, *p.bs))
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            for p in layer.values()
+            for t in (p.a, *p.bs)
+        )
 
 
 class StepLora:
-    """A step's rows grouped by adapter once: the token rows of each (None where one adapter has every row).
-    Every projection then adds, for each group, shrink (x @ A^T, r columns) then expand (@ B^T, the scale
-    folded into B) into its rows in place (index_add); a fused projection (QKV, gate+up) stacks its parts'
-    A so each group shrinks once and expands once over the columns its parts cover.
+    """A step's rows grouped by adapter once; every projection adds shrink then expand per group in
+    place. Groups of similar size are batched (two matmuls whatever their number); on a GPU, two
+    Triton launches (kernels/triton_lora.py).
+    """
 
-    Where several groups of about the same size share the step (decodes of many adapters), they go together:
-    their rows gathered into one padded batch [groups, most rows, in] and multiplied by the groups' A and B
-    stacked (`stacks`: kept from step to step while the step's adapters are the same), two batched matmuls
-    a projection whatever the number of adapters. On a GPU, two Triton launches a projection over every
-    token (kernels/triton_lora.py)."""
-
-    def __init__(self, groups: list[tuple[LoraWeights, torch.Tensor | None]],
-                 batched: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 stacks: dict | None = None, adapters: list[LoraWeights] | None = None,
-                 index: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        groups: list[tuple[LoraWeights, torch.Tensor | None]],
+        batched: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        stacks: dict | None = None,
+        adapters: list[LoraWeights] | None = None,
+        index: torch.Tensor | None = None,
+    ) -> None:
         self.groups = groups
-        # the step's adapters and each token's one in them (-1: the base), as the fused decode step reads them
+        # the step's adapters and each token's one in them (-1: the base), as the fused decode step
+        # reads them
         self.adapters = adapters if adapters is not None else [w for w, _ in groups]
         self.index = index
         self.native = None  # the fused decode step's PsLora of them, where it runs the step
@@ -86,13 +96,17 @@ class StepLora:
         # (kernels/triton_lora.py), each token reading its adapter's stacked weights
         self.gpu = index is not None and index.is_cuda
         self.gpu_index = index.to(torch.int32) if self.gpu else None
-        self.batched = batched  # (gather index [G, most], pad mask [G, most, 1], scatter index [G * most])
+        # (gather index [G, most], pad mask [G, most, 1], scatter index [G * most])
+        self.batched = batched
         self.stacks = stacks if stacks is not None else {}
 
     @classmethod
-    def of(cls, adapters: list[LoraWeights], token_index: torch.Tensor, stacks: dict | None = None
-           ) -> StepLora | None:
-        """token_index: int64 [num_tokens], each token's adapter in `adapters` (-1: the base model)."""
+    def of(
+        cls, adapters: list[LoraWeights], token_index: torch.Tensor, stacks: dict | None = None
+    ) -> StepLora | None:
+        """token_index: int64 [num_tokens], each token's adapter in `adapters`
+        (-1: the base model).
+        """
         groups = []
         for i, weights in enumerate(adapters):
             rows = torch.nonzero(token_index == i).flatten()
@@ -108,26 +122,39 @@ class StepLora:
         gather = torch.zeros(len(groups), most, dtype=torch.int64, device=token_index.device)
         mask = torch.zeros(len(groups), most, 1, device=token_index.device)
         for g, (_, rows) in enumerate(groups):
-            gather[g, :rows.numel()] = rows
-            mask[g, :rows.numel()] = 1.0
+            gather[g, : rows.numel()] = rows
+            mask[g, : rows.numel()] = 1.0
         return cls(groups, (gather, mask, gather.flatten()), stacks, adapters, token_index)
 
     def _stacked(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-        """Every group's A and B of the projection stacked, where all change it alike (else None)."""
+        """Every group's A and B of the projection stacked, where
+        all change it alike (else None).
+        """
         key = (layer, name)
         if key not in self.stacks:
             ps = [w.layers[layer].get(name) for w, _ in self.groups]
-            same = all(p is not None and p.a.shape == ps[0].a.shape and (p.lo, p.hi) == (ps[0].lo, ps[0].hi)
-                       for p in ps)
-            self.stacks[key] = None if not same else (torch.stack([p.a.t() for p in ps]),
-                                                      torch.stack([p.dense_b().t() for p in ps]),
-                                                      ps[0].lo, ps[0].hi)
+            same = all(
+                p is not None
+                and p.a.shape == ps[0].a.shape
+                and (p.lo, p.hi) == (ps[0].lo, ps[0].hi)
+                for p in ps
+            )
+            self.stacks[key] = (
+                None
+                if not same
+                else (
+                    torch.stack([p.a.t() for p in ps]),
+                    torch.stack([p.dense_b().t() for p in ps]),
+                    ps[0].lo,
+                    ps[0].hi,
+                )
+            )
         return self.stacks[key]
 
     def _gpu_stack(self, layer: int, name: str):
-        """The step's adapters' A [G, R, in] and B [G, S, R] of the projection stacked for the Triton kernels
-        (zeros past each one's rank and span; span 0 where one leaves it unchanged), with each one's first
-        output column and span; None where none changes it."""
+        """The step's adapters' A [G, R, in] and B [G, S, R] stacked for the Triton kernels; None
+        where none changes this projection.
+        """
         key = ("gpu", layer, name)
         if key not in self.stacks:
             ps = [w.layers[layer].get(name) for w in self.adapters]
@@ -143,8 +170,8 @@ class StepLora:
             spans = torch.zeros(len(ps), dtype=torch.int32)
             for g, p in enumerate(ps):
                 if p is not None:
-                    a[g, :p.a.shape[0]] = p.a
-                    b[g, :p.hi - p.lo, :p.a.shape[0]] = p.dense_b()
+                    a[g, : p.a.shape[0]] = p.a
+                    b[g, : p.hi - p.lo, : p.a.shape[0]] = p.dense_b()
                     lo[g], spans[g] = p.lo, p.hi - p.lo
             self.stacks[key] = (a, b, lo.to(ref.device), spans.to(ref.device))
         return self.stacks[key]
@@ -170,7 +197,8 @@ class StepLora:
             if p is None:
                 continue
             xs = x if rows is None else x.index_select(0, rows)
-            t = xs.to(p.a.dtype) @ p.a.t()  # shrink to sum r, then each part expands its own columns
+            # shrink to sum r, then each part expands its own columns
+            t = xs.to(p.a.dtype) @ p.a.t()
             for b, (a_lo, a_hi, o_lo, o_hi) in zip(p.bs, p.parts, strict=True):
                 delta = (t[:, a_lo:a_hi] @ b.t()).to(out.dtype)
                 if rows is None:
@@ -181,12 +209,13 @@ class StepLora:
 
 
 class LoraCache:
-    """The adapters this worker holds, by identity (the hash of their files the scheduler names them by);
-    `slots` at most (their memory was set aside from the KV pool's budget), the least recently used one not
-    in the current step given back for a new one, which the loader (worker/weights/lora.py) reads the first
-    time a plan names it."""
+    """The adapters this worker holds, by content hash, at most `slots` (reserved from the pool's
+    budget); the least recently used one not in this step makes room.
+    """
 
-    def __init__(self, slots: int, max_rank: int, loader: Callable[[str, str], LoraWeights]) -> None:
+    def __init__(
+        self, slots: int, max_rank: int, loader: Callable[[str, str], LoraWeights]
+    ) -> None:
         self.slots, self.max_rank = slots, max_rank
         self.loader = loader
         self.held: OrderedDict[str, LoraWeights] = OrderedDict()
@@ -194,7 +223,9 @@ class LoraCache:
         self.stacks: dict = {}
 
     def preload(self, loras: list[tuple[str, str]]) -> None:
-        """Read adapters ahead of the plans that will name them, into free slots only (none is given back)."""
+        """Read adapters ahead of the plans that will name them, into free slots only (none is given
+        back).
+        """
         for identity, path in loras:
             if identity in self.held or len(self.held) >= self.slots:
                 continue
@@ -205,12 +236,17 @@ class LoraCache:
                 continue
             log.info("lora_preloaded", identity=identity[:16], path=path)
 
-    def step(self, loras: list[tuple[str, str]], seq_index, q_lens, device: torch.device) -> StepLora | None:
-        """The step's adapters read or found, and its rows grouped by them; ValueError for a plan that names
-        more adapters than this worker holds, or one that cannot be read."""
+    def step(
+        self, loras: list[tuple[str, str]], seq_index, q_lens, device: torch.device
+    ) -> StepLora | None:
+        """The step's adapters read or found, and its rows grouped by them; ValueError for a plan
+        that names more adapters than this worker holds, or one that cannot be read.
+        """
         if len(loras) > self.slots:
-            raise ValueError(f"the step names {len(loras)} LoRA adapters; this worker holds {self.slots} "
-                             "(--max-cpu-loras)")
+            raise ValueError(
+                f"the step names {len(loras)} LoRA adapters; this worker holds {self.slots} "
+                "(--max-cpu-loras)"
+            )
         wanted = []
         for identity, path in loras:
             weights = self.held.get(identity)
@@ -221,9 +257,12 @@ class LoraCache:
                 weights = self.held[identity] = self.loader(identity, path)
             self.held.move_to_end(identity)
             wanted.append(weights)
-        index = torch.repeat_interleave(torch.as_tensor(seq_index, dtype=torch.int64),
-                                        torch.as_tensor(q_lens, dtype=torch.int64)).to(device)
+        index = torch.repeat_interleave(
+            torch.as_tensor(seq_index, dtype=torch.int64),
+            torch.as_tensor(q_lens, dtype=torch.int64),
+        ).to(device)
         key = tuple(w.identity for w in wanted)
-        if key != self.stacks_of:  # the last step's stacked adapters serve this one only if they are the same
+        # the last step's stacked adapters serve this one only if they are the same
+        if key != self.stacks_of:
             self.stacks_of, self.stacks = key, {}
         return StepLora.of(wanted, index, self.stacks)

@@ -1,7 +1,6 @@
-"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, each a SwiGLU
-MLP, routed as transformers routes; the experts run grouped, so a step reads each chosen expert's weights
-once and an expert nobody chose not at all (a loop over the chosen experts on a CPU, two grouped-matmul
-launches on CUDA: kernels/triton_moe.py)."""
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral), routed as transformers routes; each chosen
+expert's weights are read once a step, the others never (kernels/triton_moe.py on CUDA).
+"""
 
 from __future__ import annotations
 
@@ -14,21 +13,22 @@ from worker.model.parallel import Shard
 
 
 class MoE(nn.Module):
-    """Routing is transformers': router logits in the activations' dtype, softmax in fp32, the k largest
-    probabilities (renormalized to sum to 1 where the config says norm_topk_prob, always for Mixtral),
-    cast back. On a CPU the chosen experts run in expert order, as transformers adds them up.
-
-    Under tensor parallelism every rank holds a slice of every expert's intermediate dimension (as a dense
-    MLP is split) and the router whole: ranks route identically, each computes its slice's partial down
-    projections, and the layer's all-reduce after the MLP sums them."""
+    """transformers' routing: softmax in fp32, top-k, renormalized where the config says. Under
+    tensor parallelism each rank holds a slice of every expert, so routing needs no exchange.
+    """
 
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
-        experts, hidden, inter = config.num_experts, config.hidden_size, shard.expert_intermediate_size
+        experts, hidden, inter = (
+            config.num_experts,
+            config.hidden_size,
+            shard.expert_intermediate_size,
+        )
         self.top_k = config.experts_per_token
         self.normalize = config.norm_topk_prob
         self.router = nn.Parameter(torch.empty(experts, hidden))
-        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))  # gate rows, then up rows
+        # gate rows, then up rows
+        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
         # "triton" or "torch", chosen at the first forward (where the weights are)
         self.backend: str | None = None
@@ -42,8 +42,9 @@ class MoE(nn.Module):
         return weights.to(h.dtype), ids
 
     def forward(self, h: torch.Tensor, ops) -> torch.Tensor:
-        """h [T, hidden] (the post-attention norm's output) -> this rank's share of the MLP output [T,
-        hidden]."""
+        """h [T, hidden] (the post-attention norm's output) -> this rank's share of the MLP output
+        [T, hidden].
+        """
         weights, ids = self.route(h)
         if self.backend is None:
             self.backend = default_backend(h.device)
@@ -65,10 +66,17 @@ def default_backend(device: torch.device) -> str:
     return "torch"
 
 
-def grouped_experts(h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, silu_mul) -> torch.Tensor:
-    """The experts as one matmul pair per chosen expert, over the tokens routed to it; each token's share
-    added in expert order. weights, ids [T, k]; gate_up [E, 2I, H]; down [E, H, I]."""
+def grouped_experts(
+    h: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    silu_mul,
+) -> torch.Tensor:
+    """One matmul pair per chosen expert over its tokens, each
+    token's share added in expert order.
+    """
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices

@@ -1,6 +1,6 @@
-"""Tensor parallelism: how a model is split over the ranks of a group (`make_shard`), and the group's
-collectives. Rank r of N holds 1/N of the query and KV heads, of the MLP's intermediate size and of the
-vocabulary; every rank ends a step with the same full logits, so every rank draws the same token."""
+"""Tensor parallelism: how a model is split over a group's ranks (`make_shard`) and its collectives.
+Every rank ends a step with the same full logits, so every rank draws the same token.
+"""
 
 from __future__ import annotations
 
@@ -21,23 +21,21 @@ class ParallelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Shard:
-    """QKV and gate/up are column-parallel (each rank computes its heads / its slice of the MLP); o_proj and
-    down are row-parallel (each rank's partial product summed by one all-reduce); the embedding is
-    vocabulary-parallel (a rank looks up the ids it holds, zeros elsewhere, all-reduce); the LM head is
-    vocabulary-parallel (each rank its slice of the logits, then an all-gather). When the model has fewer
-    KV heads than ranks, each KV head is replicated on N / n_kv consecutive ranks (their query heads all
-    read that head), as vLLM does.
-
-    The slices of the model one rank holds (half-open ranges over the full model's dimensions)."""
+    """The slices of the model one rank holds (half-open ranges). QKV and gate/up column-parallel,
+    o_proj and down row-parallel, embedding and LM head vocabulary-parallel; fewer KV heads than
+    ranks are replicated, as vLLM does.
+    """
 
     rank: int
     size: int
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
-    vocab: tuple[int, int]  # rows of the embedding / LM head this rank holds (the last shard may be short)
+    # rows of the embedding / LM head this rank holds (the last shard may be short)
+    vocab: tuple[int, int]
     vocab_shard_size: int  # ceil(vocab / size): every rank's shard is padded to this many rows
-    expert_intermediate: tuple[int, int] = (0, 0)  # each expert's intermediate slice (mixture of experts)
+    # each expert's intermediate slice (mixture of experts)
+    expert_intermediate: tuple[int, int] = (0, 0)
 
     @property
     def num_q_heads(self) -> int:
@@ -56,27 +54,36 @@ class Shard:
         return self.expert_intermediate[1] - self.expert_intermediate[0]
 
 
-def make_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
-               rank: int = 0, size: int = 1, expert_intermediate_size: int = 0) -> Shard:
-    """Rank's slices, or ParallelConfigError when `size` cannot split the model. A mixture of experts splits
-    every expert's intermediate dimension the way a dense MLP's is split (each rank holds a slice of every
-    expert, so routing needs no exchange and the down projections' partial sums meet in the MLP's
-    all-reduce)."""
+def make_shard(
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    vocab_size: int,
+    rank: int = 0,
+    size: int = 1,
+    expert_intermediate_size: int = 0,
+) -> Shard:
+    """Rank's slices, or ParallelConfigError when `size` cannot split the model."""
     if size < 1 or not 0 <= rank < size:
         raise ParallelConfigError(f"tensor-parallel rank {rank} is outside a group of size {size}")
     if num_heads % size:
         raise ParallelConfigError(
-            f"tensor-parallel size {size} cannot split the model's {num_heads} query heads evenly")
+            f"tensor-parallel size {size} cannot split the model's {num_heads} query heads evenly"
+        )
     if num_kv_heads >= size and num_kv_heads % size:
         raise ParallelConfigError(
-            f"tensor-parallel size {size} cannot split the model's {num_kv_heads} KV heads evenly")
+            f"tensor-parallel size {size} cannot split the model's {num_kv_heads} KV heads evenly"
+        )
     if num_kv_heads < size and size % num_kv_heads:
         raise ParallelConfigError(
-            f"tensor-parallel size {size} is not a multiple of the model's {num_kv_heads} KV heads, "
-            "so they cannot be replicated evenly")
+            f"tensor-parallel size {size} is not a multiple of the model's {num_kv_heads} "
+            "KV heads, so they cannot be replicated evenly"
+        )
     if intermediate_size % size:
         raise ParallelConfigError(
-            f"tensor-parallel size {size} cannot split the model's MLP intermediate size {intermediate_size}")
+            f"tensor-parallel size {size} cannot split the model's MLP intermediate size "
+            f"{intermediate_size}"
+        )
     q = num_heads // size
     if num_kv_heads >= size:
         kv = num_kv_heads // size
@@ -85,13 +92,16 @@ def make_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_
         head = rank // (size // num_kv_heads)
         kv_range = (head, head + 1)
     if expert_intermediate_size % size:
-        raise ParallelConfigError(f"tensor-parallel size {size} cannot split the experts' intermediate size "
-                                  f"{expert_intermediate_size}")
+        raise ParallelConfigError(
+            f"tensor-parallel size {size} cannot split the experts' intermediate size "
+            f"{expert_intermediate_size}"
+        )
     inter = intermediate_size // size
     einter = expert_intermediate_size // size
     vshard = -(-vocab_size // size)
     return Shard(
-        rank=rank, size=size,
+        rank=rank,
+        size=size,
         q_heads=(rank * q, (rank + 1) * q),
         kv_heads=kv_range,
         intermediate=(rank * inter, (rank + 1) * inter),
@@ -102,8 +112,9 @@ def make_shard(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_
 
 
 class Collectives:
-    """The group's all-reduce and all-gather; with one rank they are identities and torch.distributed
-    is never touched."""
+    """The group's all-reduce and all-gather; with one rank they are identities and
+    torch.distributed is never touched.
+    """
 
     def __init__(self, size: int = 1) -> None:
         self.size = size
@@ -122,12 +133,18 @@ class Collectives:
         return torch.cat(parts, dim=-1)
 
 
-def init_group(rendezvous: str, rank: int, size: int, device: torch.device, timeout_s: float,
-               rendezvous_file: str | None = None) -> Collectives:
-    """Join the tensor-parallel group (gloo on the CPU, NCCL on CUDA) at `rendezvous` (tcp://host:port).
-    With rendezvous_file (the launchers' way, for a group on one host), rank 0 listens on any free port
-    of the rendezvous host and writes it to that file, where the other ranks read it: no port is picked
-    beforehand for another process to take."""
+def init_group(
+    rendezvous: str,
+    rank: int,
+    size: int,
+    device: torch.device,
+    timeout_s: float,
+    rendezvous_file: str | None = None,
+) -> Collectives:
+    """Join the tensor-parallel group (gloo on CPU, NCCL on CUDA). With rendezvous_file, rank 0
+    listens on a free port and writes it there, so no port is picked beforehand for another process
+    to take.
+    """
     if size == 1:
         return Collectives(1)
     import torch.distributed as dist
@@ -137,17 +154,20 @@ def init_group(rendezvous: str, rank: int, size: int, device: torch.device, time
     timeout = timedelta(seconds=timeout_s)
     if rendezvous_file:
         store = _store_through_file(rendezvous, rank, size, Path(rendezvous_file), timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=size, timeout=timeout, **kwargs
+        )
     else:
-        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=size, timeout=timeout,
-                                **kwargs)
+        dist.init_process_group(
+            backend, init_method=rendezvous, rank=rank, world_size=size, timeout=timeout, **kwargs
+        )
     return Collectives(size)
 
 
 def _store_through_file(rendezvous: str, rank: int, size: int, path: Path, timeout: timedelta):
-    """Rank 0: a TCPStore on a free port, its address written to `path` (whole, or not at all). The others:
-    the address read from `path` once it is there, connected to (retrying: a file left by an earlier start
-    of the group can name a port nobody listens on any more)."""
+    """Rank 0 writes a TCPStore's address to `path` atomically; the others read and connect,
+    retrying past a stale file.
+    """
     import torch.distributed as dist
 
     host = urlparse(rendezvous).hostname or "127.0.0.1"
@@ -161,9 +181,13 @@ def _store_through_file(rendezvous: str, rank: int, size: int, path: Path, timeo
     while True:
         try:
             where = json.loads(path.read_text())
-            return dist.TCPStore(where["host"], int(where["port"]), size, False, timeout=timedelta(seconds=5))
+            return dist.TCPStore(
+                where["host"], int(where["port"]), size, False, timeout=timedelta(seconds=5)
+            )
         except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank} found no rendezvous through {path} within "
-                                   f"{timeout.total_seconds():g}s: {e}") from e
+                raise TimeoutError(
+                    f"rank {rank} found no rendezvous through {path} within "
+                    f"{timeout.total_seconds():g}s: {e}"
+                ) from e
             time.sleep(0.2)

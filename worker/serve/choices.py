@@ -1,6 +1,6 @@
-"""The choices a worker's start-up makes, each from its flags and the machine: the rank's device, the KV
-cache's dtype and byte budget, whether the model fits, where weights come from (a GGUF's blocks, bf16
-rows), the quantized library, the native LM head and the fused decode step."""
+"""The choices a worker's start makes from its flags and the machine: device, KV dtype and budget,
+whether the model fits, where weights come from, the quantized library, native head and fused step.
+"""
 
 from __future__ import annotations
 
@@ -12,32 +12,40 @@ CPU_KV_CACHE_MEMORY = "2GiB"  # the whole pool's on a CPU: its tensor-parallel r
 
 
 def cpu_default_kv_bytes(tp: int) -> int:
-    """One rank's share of the CPU's default pool: every rank holds its heads' share of each block, so the
-    pool holds as many tokens at any --tp."""
+    """One rank's share of the CPU's default pool: every rank holds its heads' share of each block,
+    so the pool holds as many tokens at any --tp.
+    """
     from protos.base.argtypes import parse_bytes
 
     return parse_bytes(CPU_KV_CACHE_MEMORY) // max(tp, 1)
 
+
 log = structlog.get_logger("worker.serve.main")
 
 
-# decode rows the native rows kernel multiplies on dense fp32 weights (each weight row read once per 8 rows);
-# the fused step takes more on the same weights through the process's BLAS sgemm where it finds one
+# decode rows the native rows kernel multiplies on dense fp32 weights (each weight row read once per
+# 8 rows); the fused step takes more on the same weights through the process's BLAS sgemm where it
+# finds one
 FUSED_DENSE_ROWS = 8
 
 
-DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
-          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
 
 
 KV_CACHE_DTYPES = {"auto": None, **DTYPES}
 
 
 def rank_device(device: str | None, local_rank: int, cuda_count: int) -> str:
-    """The device of the worker process with index local_rank on its host: each rank owns its own GPU.
-    None: cuda:local_rank where the host has GPUs (wrapping), else cpu. cuda: the same. cuda:N: the host's
-    ranks take the GPUs from N on (N + local_rank, wrapping), since the launchers pass one --device to
-    every rank. cpu: cpu."""
+    """Each local rank's device: cuda:N gives ranks N + local_rank (wrapping); None picks cuda where
+    present, else cpu.
+    """
     if device is None:
         device = "cuda" if cuda_count else "cpu"
     kind, _, index = device.partition(":")
@@ -54,26 +62,31 @@ def rank_device(device: str | None, local_rank: int, cuda_count: int) -> str:
 
 
 def kv_cache_dtype(choice: str, compute, weights, device):
-    """The KV pool's dtype for --kv-cache-dtype (auto: bf16 for a model served in bf16, else the compute
-    dtype); ValueError for a pool wider than the compute dtype (it would hold nothing more) or one the
-    device's attention cannot read."""
+    """The KV pool's dtype for --kv-cache-dtype (auto: bf16 for a bf16 model, else the compute
+    dtype); ValueError for one wider than compute or that attention cannot read.
+    """
     import torch
 
     if choice == "auto":
         return torch.bfloat16 if weights == torch.bfloat16 else compute
     chosen = getattr(torch, KV_CACHE_DTYPES[choice])
     if chosen.itemsize > compute.itemsize:
-        raise ValueError(f"--kv-cache-dtype {choice}: the model computes in "
-                         f"{str(compute).removeprefix('torch.')}, so a wider KV pool would hold nothing "
-                         "more; use auto or bf16")
+        raise ValueError(
+            f"--kv-cache-dtype {choice}: the model computes in "
+            f"{str(compute).removeprefix('torch.')}, so a wider KV pool would hold nothing "
+            "more; use auto or bf16"
+        )
     if device.type == "cpu" and chosen not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"--kv-cache-dtype {choice}: a CPU worker's attention reads a float32 or bfloat16 "
-                         "pool")
+        raise ValueError(
+            f"--kv-cache-dtype {choice}: a CPU worker's attention reads a float32 or bfloat16 pool"
+        )
     return chosen
 
 
 def kv_budget_bytes(cfg: WorkerConfig, config, dtype, heads: int) -> int:
-    """The KV pool a CPU worker will take: --num-blocks, --kv-cache-memory, or the default budget."""
+    """The KV pool a CPU worker will take: --num-blocks,
+    --kv-cache-memory, or the default budget.
+    """
     from protos.base.argtypes import parse_bytes
     from worker.model.kv_pool import bytes_per_block
 
@@ -82,10 +95,12 @@ def kv_budget_bytes(cfg: WorkerConfig, config, dtype, heads: int) -> int:
     return parse_bytes(cfg.kv_cache_memory) if cfg.kv_cache_memory else cpu_default_kv_bytes(cfg.tp)
 
 
-def refuse_what_cannot_fit(cfg: WorkerConfig, config, dtype, kv_dtype, tp: int, source=None) -> str | None:
-    """Before loading: the weights as this worker loads them (its share of every parameter at --dtype, or of
-    a GGUF's blocks where they are served as they ship) and its KV pool against the memory the machine has
-    available, or the message to refuse with."""
+def refuse_what_cannot_fit(
+    cfg: WorkerConfig, config, dtype, kv_dtype, tp: int, source=None
+) -> str | None:
+    """Before loading: this worker's weights and KV pool against the memory available, or the
+    message to refuse with.
+    """
     import torch
 
     from worker.model.config import parameter_count
@@ -99,16 +114,23 @@ def refuse_what_cannot_fit(cfg: WorkerConfig, config, dtype, kv_dtype, tp: int, 
     else:
         params = parameter_count(config) // tp
         weights = params * torch.tensor([], dtype=dtype).element_size()
-        what = f"this model ({params / 1e9:.2f}B parameters a rank, loaded as {dtype}) with its KV pool"
-    return check_fits(what, weights + kv, available_bytes(),
-                      "serve a smaller model, lower --kv-cache-memory, or split it over more ranks "
-                      "(--tensor-parallel-size)")
+        what = (
+            f"this model ({params / 1e9:.2f}B parameters a rank, loaded as {dtype}) with its "
+            "KV pool"
+        )
+    return check_fits(
+        what,
+        weights + kv,
+        available_bytes(),
+        "serve a smaller model, lower --kv-cache-memory, or split it over more ranks "
+        "(--tensor-parallel-size)",
+    )
 
 
 def quantized_source(cfg: WorkerConfig, config, device, dtype):
-    """The GGUF whose own blocks this worker serves, or None (logged where it could have been): a *.gguf
-    model, or a folder prepared from one (its pagedserve_model.json names the file), on a CPU with the
-    native kernels (whatever --dtype: the kernels compute in fp32), unless --dequantize."""
+    """The GGUF whose blocks this worker serves (a *.gguf, or a folder prepared from one), on a CPU
+    with the native kernels unless --dequantize; else None.
+    """
     from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
 
     path = find_gguf(cfg.model)
@@ -116,8 +138,13 @@ def quantized_source(cfg: WorkerConfig, config, device, dtype):
         return None
     from kernels import cpu_native
 
-    why = ("not on a CPU" if device.type != "cpu"
-           else "no native CPU kernels" if cpu_native.load() is None else "")
+    why = (
+        "not on a CPU"
+        if device.type != "cpu"
+        else "no native CPU kernels"
+        if cpu_native.load() is None
+        else ""
+    )
     if why:
         log.info("quantized_weights_off", gguf=str(path), reason=why)
         return None
@@ -125,10 +152,9 @@ def quantized_source(cfg: WorkerConfig, config, device, dtype):
 
 
 def half_weights(cfg: WorkerConfig, config, dtype):
-    """--dtype bfloat16 (or float16) on a CPU: the checkpoint's matrices held as bf16 (fp16) rows for the
-    native kernels (worker/model/quantized.py CastSource), the rest of the model computing in fp32; None where
-    there are no native kernels or no checkpoint (random weights): then the whole model runs in that dtype
-    through torch."""
+    """--dtype bfloat16/float16 on a CPU: matrices held as half-width rows for the native kernels,
+    the rest in fp32; None without native kernels or a checkpoint (then torch runs in that dtype).
+    """
     import torch
 
     from kernels import cpu_native
@@ -136,106 +162,141 @@ def half_weights(cfg: WorkerConfig, config, dtype):
     from worker.weights.loader import tensor_source
 
     if cpu_native.load() is None or cfg.load_format == "dummy":
-        log.info("half_weights_off", dtype=str(dtype),
-                 reason="no native CPU kernels" if cfg.load_format != "dummy" else "random weights")
+        log.info(
+            "half_weights_off",
+            dtype=str(dtype),
+            reason="no native CPU kernels" if cfg.load_format != "dummy" else "random weights",
+        )
         return None
     qtype = "BF16" if dtype == torch.bfloat16 else "F16"
     return CastSource(tensor_source(cfg.model, cfg.load_format, config), config, qtype)
 
 
 def quantized_library(cfg: WorkerConfig):
-    """The matmul library over a GGUF's blocks (model/quantized.py), or over a checkpoint's bf16 / fp16 rows,
-    made before the model loads so each weight is packed as it is read; its dense library is set once chosen.
-    ValueError: flags that conflict."""
+    """The matmul library over a GGUF's blocks or half-width rows, made before loading so each
+    weight is packed as read. ValueError: conflicting flags.
+    """
     from kernels import cpu_native
     from worker.model.quantized import QuantizedMatmul
 
     kernels = cpu_native.load()
     packed = kernels is not None and kernels.packed_fast
     activations = cfg.quantized_activations
-    # auto: 16-bit where a small model keeps a dense copy for prefill (int8 changed the default model's
-    # answers, docs/BENCHMARKS.md); startup.attach_matmuls turns 8-bit on where no copy is held
+    # auto: 16-bit where a small model keeps a dense copy for prefill (int8 changed the default
+    # model's answers, docs/BENCHMARKS.md); startup.attach_matmuls turns 8-bit on where no copy is
+    # held
     if activations == "auto":
         activations = "int16" if packed else "fp32"
-    return QuantizedMatmul(kernels, None, int8_activations=activations == "int8",
-                           packing=activations == "int16" or (activations == "int8" and packed))
+    return QuantizedMatmul(
+        kernels,
+        None,
+        int8_activations=activations == "int8",
+        packing=activations == "int16" or (activations == "int8" and packed),
+    )
 
 
 def int8_without_copy(cfg, lib, types: set[str]) -> bool:
-    """auto's activations where prefill keeps no dense copy (a model past its limit, or asked for): prompts
-    would run on the 16-bit kernel, 1.4x slower than on 8-bit activations, whose precision is llama.cpp's
-    (docs/BENCHMARKS.md, accuracy). Turns them on in lib where they apply; whether it did."""
-    from worker.model.quantized import PACKED_TYPES
+    """With no dense copy for prefill, auto turns on 8-bit activations (1.4x the 16-bit kernel,
+    llama.cpp's precision); whether it did.
+    """
+    from worker.model.quant_weights import PACKED_TYPES
 
-    if cfg.quantized_activations != "auto" or not lib.packing or lib.int8_activations \
-            or not types & PACKED_TYPES.keys():
+    if (
+        cfg.quantized_activations != "auto"
+        or not lib.packing
+        or lib.int8_activations
+        or not types & PACKED_TYPES.keys()
+    ):
         return False
     lib.int8_activations = True
-    log.info("quantized_activations", chosen="int8",
-             why="no dense copy for prefill: 8-bit activations multiply prompts at its speed")
+    log.info(
+        "quantized_activations",
+        chosen="int8",
+        why="no dense copy for prefill: 8-bit activations multiply prompts at its speed",
+    )
     return True
 
 
 def prefill_path(cfg: WorkerConfig, model, config, source, lib, kv_dtype, int8_packed: bool) -> str:
-    """--quantized-prefill resolved (`auto` by the file, the activations, the CPU and memory), logged: what
-    prompt steps multiply a file's blocks on — "dense" (an fp32 copy), "bf16" (a bf16 copy: lib.copies),
-    "dequantize" (tiles, or the packed kernel) — and "auto" kept without blocks. ValueError: bf16 asked for
-    where it cannot run."""
+    """--quantized-prefill resolved and logged: "dense", "bf16", "dequantize", or "auto" without
+    blocks. ValueError: bf16 where it cannot run.
+    """
     from worker.model.linear import OneDNNBf16Matmul
     from worker.serve.memory_plan import available_bytes, choose_quantized_prefill, dense_copy_bytes
 
     prefill = cfg.quantized_prefill
-    if source is not None and getattr(source, "qtype_name", "") == "BF16" and prefill == "auto" \
-            and lib.bf16_gemm:
+    if (
+        source is not None
+        and getattr(source, "qtype_name", "") == "BF16"
+        and prefill == "auto"
+        and lib.bf16_gemm
+    ):
         prefill = "dequantize"
         model.bf16_prefill = True  # prompt chunks multiply bf16 activations: attention may too
-        log.info("quantized_prefill", chosen="dequantize",
-                 why="the CPU's bf16 GEMM multiplies the weights as held")
+        log.info(
+            "quantized_prefill",
+            chosen="dequantize",
+            why="the CPU's bf16 GEMM multiplies the weights as held",
+        )
     elif source is not None and prefill == "auto" and int8_packed:
         prefill = "dequantize"  # no dense copy: many rows run on the packed kernel too
-        log.info("quantized_prefill", chosen="dequantize",
-                 why="the packed kernel with 8-bit activations multiplies many rows faster than an fp32 copy")
+        log.info(
+            "quantized_prefill",
+            chosen="dequantize",
+            why=(
+                "the packed kernel with 8-bit activations multiplies many rows faster than "
+                "an fp32 copy"
+            ),
+        )
     elif source is not None:
         prefill, why = choose_quantized_prefill(
-            prefill, dense_copy_bytes(model.file_blocks),
-            kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads), available_bytes(),
-            bf16=cfg.matmul == "auto" and OneDNNBf16Matmul.tiles())
+            prefill,
+            dense_copy_bytes(model.file_blocks),
+            kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads),
+            available_bytes(),
+            bf16=cfg.matmul == "auto" and OneDNNBf16Matmul.tiles(),
+        )
         log.info("quantized_prefill", chosen=prefill, why=why)
     if prefill == "bf16":
         if source is None or not OneDNNBf16Matmul.available():
-            raise ValueError("--quantized-prefill bf16 needs a quantized file's blocks and a CPU that "
-                             "multiplies bf16 (AVX512_BF16 or AMX)")
+            raise ValueError(
+                "--quantized-prefill bf16 needs a quantized file's blocks and a CPU that "
+                "multiplies bf16 (AVX512_BF16 or AMX)"
+            )
         lib.copies = OneDNNBf16Matmul()
         model.bf16_prefill = True  # prompt chunks multiply bf16 activations: attention may too
     return prefill
 
 
 def activations_of(lib) -> str:
-    """What a quantized library's kernels multiply the weights with: int8, int16 (packed) or fp32."""
+    """What a quantized library's kernels multiply the weights with:
+    int8, int16 (packed) or fp32.
+    """
     return "int8" if lib.int8_activations else "int16" if lib.packing else "fp32"
 
 
 def block_types(model) -> set[str]:
-    """The types of the file's matrices as loaded (packed ones by their packed names), before the model takes
-    them over (model.use_quantized)."""
+    """The types of the file's matrices as loaded (packed ones by their packed names), before the
+    model takes them over (model.use_quantized).
+    """
     return {s.qtype for w in model.file_blocks.values() for s in w.segments}
 
 
 def weights_of(lib, types: set[str], prefill: str = "") -> str:
-    """How the matrices are held and multiplied (lib: the quantized library, types: block_types, prefill: the
-    path prompts take), in the words of the ready line ("" for plain or half-width rows, whose dtype says
-    it)."""
+    """How the matrices are held and multiplied, in the ready line's words ("" for plain rows)."""
     if lib is None or types <= {"BF16", "F16", "F32"}:
         return ""
-    words = {"int8": "8-bit activations (llama.cpp's precision)", "int16": "16-bit activations",
-             "fp32": "fp32 activations"}
+    words = {
+        "int8": "8-bit activations (llama.cpp's precision)",
+        "int16": "16-bit activations",
+        "fp32": "fp32 activations",
+    }
     prompts = ", prompts on a bf16 copy" if prefill == "bf16" else ""
     return f"the file's blocks x {words[activations_of(lib)]}{prompts}"
 
 
 def use_native_head(model) -> None:
-    """A decode step's logits (up to FUSED_DENSE_ROWS rows) on the native rows kernel where the head is plain
-    fp32 (a quantized head has its own kernel), on both decode paths alike."""
+    """A decode step's logits on the native rows kernel where the head is plain fp32."""
     from kernels import cpu_native
     from worker.model.fused_decode import NativeHead
 
@@ -247,30 +308,42 @@ def use_native_head(model) -> None:
 
 
 def use_fused_decode(model, tp: int, activations: str) -> None:
-    """Decode-only steps as one native call (model/fused_decode.py), where the model allows it; the reason
-    logged where not. Up to as many rows as the quantized kernels serve (8 on dense fp32 rows) on the row
-    kernels; any number where every matrix has a plain fp32 copy for the BLAS sgemm."""
+    """Decode-only steps as one native call where the model allows
+    it, the reason logged where not.
+    """
     from kernels import cpu_native
     from worker.model.fused_decode import FusedDecode
     from worker.model.quantized import QuantizedMatmul
 
     kernels = cpu_native.load()
-    why = "the native CPU kernels are not built" if kernels is None else FusedDecode.unsupported(model, tp)
+    why = (
+        "the native CPU kernels are not built"
+        if kernels is None
+        else FusedDecode.unsupported(model, tp)
+    )
     if why is None and activations == "int8" and not getattr(model.mm, "packing", False):
-        why = ("int8 activations on the file's layout (the fused step multiplies 8-bit ones on packed "
-               "weights only)")
+        why = (
+            "int8 activations on the file's layout (the fused step multiplies 8-bit ones on packed "
+            "weights only)"
+        )
     if why is not None:
         log.info("fused_decode_off", reason=why)
         return
-    max_rows = model.mm.max_kernel_rows if isinstance(model.mm, QuantizedMatmul) else FUSED_DENSE_ROWS
+    max_rows = (
+        model.mm.max_kernel_rows if isinstance(model.mm, QuantizedMatmul) else FUSED_DENSE_ROWS
+    )
     model.fused = FusedDecode(kernels, model, max_rows)
-    log.info("fused_decode", max_kernel_rows=max_rows,
-             more_rows="sgemm" if model.fused.sgemm else "layer path")
+    log.info(
+        "fused_decode",
+        max_kernel_rows=max_rows,
+        more_rows="sgemm" if model.fused.sgemm else "layer path",
+    )
 
 
 def hold_gemm_copy(cfg: WorkerConfig, model, config, kv_dtype, lib) -> None:
-    """bf16 weights where the CPU multiplies bf16 (AMX): a copy in oneDNN's blocked layout for every step of
-    more rows than the row kernels take, where memory holds it (worker/model/quantized.py hold_gemm)."""
+    """bf16 weights where the CPU multiplies bf16 (AMX): a blocked copy for wide steps, where memory
+    holds it.
+    """
     from worker.model.quantized import every_linear
     from worker.serve.memory_plan import available_bytes, choose_gemm_copy
 
@@ -278,7 +351,8 @@ def hold_gemm_copy(cfg: WorkerConfig, model, config, kv_dtype, lib) -> None:
     copy = lib.gemm_copy_bytes(linears)
     if not (copy and lib.bf16_gemm):
         return
-    hold, why = choose_gemm_copy(copy, kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads),
-                                 available_bytes())
+    hold, why = choose_gemm_copy(
+        copy, kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads), available_bytes()
+    )
     held = lib.hold_gemm(linears) if hold else 0
     log.info("bf16_gemm_layout", blocked_copies=held, bytes=copy if held else 0, why=why)

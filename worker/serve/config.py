@@ -1,5 +1,6 @@
-"""Everything a worker's flags say, built once from the command line (`WorkerConfig.from_args`) and handed to
-every start-up phase; frozen, so no phase changes what another reads."""
+"""Everything a worker's flags say, built once from the command line (`WorkerConfig.from_args`) and
+handed to every start-up phase; frozen, so no phase changes what another reads.
+"""
 
 from __future__ import annotations
 
@@ -61,8 +62,9 @@ class WorkerConfig:
 
 
 class Refused(Exception):
-    """Start-up cannot go on with these flags on this machine: logged as `event` (with `fields`), `message`
-    (where there is one) printed for whoever started the worker, exit EXIT_CONFIG (restarting cannot help)."""
+    """Start-up cannot go on with these flags on this machine: logged, `message` printed, exit
+    EXIT_CONFIG.
+    """
 
     def __init__(self, event: str, message: str = "", **fields) -> None:
         super().__init__(message or event)

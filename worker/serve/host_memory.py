@@ -1,9 +1,9 @@
-"""The host allocator a worker runs on: tcmalloc where the system has it, else glibc tuned to keep freed
-blocks, so a CPU forward's tens of MiB a layer are not given back to the kernel and faulted in again every
-step. `--malloc` / PAGEDSERVE_MALLOC: auto, tcmalloc, glibc, default (malloc as it is, for comparisons).
-The weights are moved onto 2 MiB pages once loaded (huge_pages).
+"""The host allocator a worker runs on: tcmalloc where present, else glibc tuned to keep freed
+blocks, so a CPU forward's buffers are not faulted in again every step; weights moved onto 2 MiB
+pages.
 
-    python -m worker.serve.host_memory [MODE]   # prints the allocator this process ends up with"""
+python -m worker.serve.host_memory [MODE] # prints the allocator this process ends up with
+"""
 
 from __future__ import annotations
 
@@ -18,8 +18,15 @@ from protos.base import env
 MODES = ("auto", "tcmalloc", "glibc", "default")
 _REEXEC_GUARD = "PAGEDSERVE_MALLOC_REEXEC"
 _TCMALLOC_GLOBS = ("libtcmalloc_minimal.so*", "libtcmalloc.so*")
-_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
-             "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib64")
+_LIB_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+    "/lib/x86_64-linux-gnu",
+    "/lib64",
+)
 
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -58,7 +65,9 @@ def loaded_allocator() -> str:
 
 
 def tune_glibc() -> bool:
-    """Keep freed large blocks in glibc's heap for reuse; False where the C library has no mallopt."""
+    """Keep freed large blocks in glibc's heap for reuse; False where
+    the C library has no mallopt.
+    """
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
@@ -79,7 +88,9 @@ def resolve_mode(mode: str | None) -> str:
 
 
 def wants_tcmalloc(mode: str, device: str | None) -> bool:
-    """auto: a CPU worker (an explicit cpu device, or no GPU on the host) on a system that has tcmalloc."""
+    """auto: a CPU worker (an explicit cpu device, or no GPU on the host) on a system that has
+    tcmalloc.
+    """
     if mode == "tcmalloc":
         return True
     if mode != "auto":
@@ -90,17 +101,11 @@ def wants_tcmalloc(mode: str, device: str | None) -> bool:
 
 
 def ensure_allocator(mode: str, device: str | None, module: str, argv: list[str]) -> str:
-    """Why: at a 2048-token prefill chunk of the default model the MLP's gate/up activation alone is 25 MiB.
-    glibc's malloc serves large blocks with fresh mmaps and trims the top of its heap when enough is free,
-    so the same memory is faulted in again, zero-filled, page by page, every layer of every step: measured
-    on a 2-core AVX-512 machine, 28% of a prefill chunk went there (docs/BENCHMARKS.md). tcmalloc keeps
-    freed spans for reuse and is faster still for torch's many small allocations, but must be in place
-    before the process starts, hence the re-execution; glibc is tuned with mallopt (the mmap threshold at
-    its maximum, 32 MiB, and no trimming).
-
-    Called first thing in a process's main: with tcmalloc wanted and found but not loaded, re-execute
-    `python -m module argv` with it preloaded (this call then never returns); otherwise tune glibc unless
-    mode is 'default'. Returns what the process runs on, for the start-up log."""
+    """Called first in main: re-execute with tcmalloc preloaded where wanted and found (never
+    returns), else tune glibc (no trimming, largest mmap threshold) unless mode is 'default'.
+    glibc's fresh mmaps had cost 28% of a prefill chunk in page faults. Returns what the process
+    runs on.
+    """
     current = loaded_allocator()
     if current != "glibc":
         return current
@@ -122,10 +127,9 @@ def ensure_allocator(mode: str, device: str | None, module: str, argv: list[str]
 
 
 def release_free_memory() -> bool:
-    """Give the system back what the allocator holds free: loading's transients (each matrix read, then
-    packed; the file's header), which a tcmalloc or an untrimmed glibc keeps for reuse: 0.3-0.7 GiB at 8B.
-    Called once, after loading and before the KV pool and the warm-up: what the steps reuse is taken again
-    by the warm-up and kept. Whether the allocator had a way to."""
+    """Give back what the allocator holds free after loading (0.3-0.7 GiB at 8B), before the pool
+    and warm-up. Whether it could.
+    """
     try:
         libc = ctypes.CDLL(None)
     except OSError:
@@ -159,16 +163,18 @@ HUGE_PAGE = 2 << 20
 
 
 def huge_pages(tensors, collapse: bool) -> int:
-    """Back these CPU tensors' memory with 2 MiB pages, each storage's 2 MiB-aligned interior: MADV_HUGEPAGE
-    (pages faulted from now on come huge, the KV pool's), and with `collapse` MADV_COLLAPSE too (the pages
-    already written are merged now: the weights'). A decode step streams every weight once and 4 KiB pages
-    cost it a TLB walk each: 5-15% of a 1B step where the system leaves huge pages to madvise. Best effort:
-    where the kernel refuses (huge pages off, an older kernel) nothing changes. -> bytes advised."""
+    """Back these tensors with 2 MiB pages (MADV_HUGEPAGE; with `collapse`, MADV_COLLAPSE for pages
+    already written): 4 KiB pages cost a decode step 5-15% in TLB walks. Best effort. -> bytes
+    advised.
+    """
     import torch
 
     libc = ctypes.CDLL(None, use_errno=True)
     madvise = libc.madvise
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    madvise.argtypes, madvise.restype = (
+        [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
+        ctypes.c_int,
+    )
     advised, seen = 0, set()
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.is_mkldnn:
@@ -188,15 +194,18 @@ def huge_pages(tensors, collapse: bool) -> int:
 
 
 def weight_tensors(model) -> list:
-    """The tensors a decode step streams: every parameter, and each quantized projection's blocks. Not a
-    quantized projection's dense copy: it serves steps past the kernels' rows, whose products reuse each
-    weight row across many rows, and moving it onto huge pages costs start-up a second a 300 MB."""
+    """The tensors a decode step streams (parameters, quantized
+    blocks), not prefill's dense copies.
+    """
     import torch
 
-    from worker.model.quantized import QuantLinear
+    from worker.model.quant_weights import QuantLinear
 
     out = list(model.parameters())
-    for w in [*(w for layer in model.layers for w in layer.w.values()), getattr(model, "head", None)]:
+    for w in [
+        *(w for layer in model.layers for w in layer.w.values()),
+        getattr(model, "head", None),
+    ]:
         if isinstance(w, QuantLinear):
             out += [p.data for p in w.q.segments]
         elif hasattr(w, "segments"):

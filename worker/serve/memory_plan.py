@@ -1,9 +1,5 @@
-"""What a CPU worker will hold in host memory, checked against what the machine has before it is taken.
-
-A model that does not fit is refused at start with the bytes it needs (never killed by the kernel's OOM
-killer halfway through loading, the user seeing only `Killed`); where prefill's dense copy of quantized
-weights does not fit beside the KV pool, prefill dequantizes each weight when it is used instead; and the
-worker reports what it holds once the pool is allocated.
+"""What a CPU worker will hold in host memory, checked before it is taken: a model that does not fit
+is refused at start with the bytes it needs, never killed by the OOM killer halfway.
 """
 
 from __future__ import annotations
@@ -13,9 +9,9 @@ from pathlib import Path
 
 GiB = 1 << 30
 MARGIN = 2 * GiB  # activations, scratch, the allocator's slack, the scheduler beside the worker
-# The most a dense copy for prefill may hold under --quantized-prefill auto: a server holds its file, its KV
-# pool and about 1 GiB beside them (as llama.cpp does), so a full-precision copy is for small models only
-# (the default 135M model's is 0.5 GiB; a 1B model's would be 5 GiB, an 8B's 30)
+# The most a dense copy for prefill may hold under --quantized-prefill auto: a server holds its
+# file, its KV pool and about 1 GiB beside them (as llama.cpp does), so a full-precision copy is for
+# small models only (the default 135M model's is 0.5 GiB; a 1B model's would be 5 GiB, an 8B's 30)
 DENSE_COPY_LIMIT = GiB
 
 
@@ -31,7 +27,9 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 
 def resident_bytes() -> tuple[int, int]:
-    """(resident now, peak resident so far) of this process, as the kernel counts them (VmRSS, VmHWM)."""
+    """(resident now, peak resident so far) of this process, as the kernel counts them (VmRSS,
+    VmHWM).
+    """
     fields = {}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -39,7 +37,8 @@ def resident_bytes() -> tuple[int, int]:
                 fields[line.split(":")[0]] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    if len(fields) < 2:  # not Linux: the peak getrusage reports (kilobytes on Linux, bytes on macOS)
+    # not Linux: the peak getrusage reports (kilobytes on Linux, bytes on macOS)
+    if len(fields) < 2:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak, peak
     return fields["VmRSS"], max(fields["VmHWM"], fields["VmRSS"])
@@ -54,52 +53,71 @@ def weight_bytes(num_params: int, element_size: int) -> int:
 
 
 def check_fits(what: str, need: int, available: int | None, fix: str) -> str | None:
-    """None where `need` bytes fit in what the machine has available, else the message to refuse with."""
+    """None where `need` bytes fit in what the machine has available, else the message to refuse
+    with.
+    """
     if available is None or need <= available:
         return None
-    return (f"{what} needs {human(need)} of memory and this machine has {human(available)} available; {fix}")
+    return (
+        f"{what} needs {human(need)} of memory and this machine has {human(available)} "
+        f"available; {fix}"
+    )
 
 
-def choose_quantized_prefill(choice: str, dense_copy: int, kv: int, available: int | None,
-                             bf16: bool = False) -> tuple[str, str]:
-    """'dense', 'bf16' or 'dequantize' for --quantized-prefill auto, and why. The worker holds the file's
-    blocks when this is asked; a copy of the matrices they serve (`dense_copy` bytes in fp32: prefill on the
-    dense library's own layout, the fastest) is kept where it is at most DENSE_COPY_LIMIT and it, the KV pool
-    and a margin still fit in what is available — in bf16 (half the bytes) where `bf16` says the CPU
-    multiplies bf16 in tiles (AMX: several times fp32's rate, at the accuracy docs/BENCHMARKS.md measures);
-    otherwise prefill runs on the kernel or dequantizes a tile of each weight at a time into a small scratch,
-    and nothing of the model is ever held in full precision."""
+def choose_quantized_prefill(
+    choice: str, dense_copy: int, kv: int, available: int | None, bf16: bool = False
+) -> tuple[str, str]:
+    """'dense', 'bf16' or 'dequantize' for --quantized-prefill auto, and why: a dense copy (bf16
+    where the CPU has AMX) is kept only where it, the pool and a margin fit; otherwise prefill
+    dequantizes tiles and nothing is held in full precision.
+    """
     if choice != "auto":
         return choice, "asked for"
     if bf16:
         chosen, why = choose_quantized_prefill(choice, dense_copy // 2, kv, available)
         return ("bf16", f"AMX multiplies bf16; {why}") if chosen == "dense" else (chosen, why)
     if dense_copy > DENSE_COPY_LIMIT:
-        return "dequantize", (f"a dense copy ({human(dense_copy)}) would hold more than "
-                              f"{human(DENSE_COPY_LIMIT)} beside the file (--quantized-prefill dense keeps "
-                              "one)")
+        return "dequantize", (
+            f"a dense copy ({human(dense_copy)}) would hold more than "
+            f"{human(DENSE_COPY_LIMIT)} beside the file (--quantized-prefill dense keeps "
+            "one)"
+        )
     if available is None:
         return "dense", "the system does not report its available memory"
     need = dense_copy + kv + MARGIN
     if need <= available:
-        return "dense", (f"{human(available)} available holds a dense copy ({human(dense_copy)}), the KV "
-                         f"pool and {human(MARGIN)} beside the blocks")
-    return "dequantize", (f"{human(available)} available cannot hold a dense copy ({human(dense_copy)}), the "
-                          f"KV pool ({human(kv)}) and {human(MARGIN)} beside the blocks")
+        return "dense", (
+            f"{human(available)} available holds a dense copy ({human(dense_copy)}), the KV "
+            f"pool and {human(MARGIN)} beside the blocks"
+        )
+    return "dequantize", (
+        f"{human(available)} available cannot hold a dense copy ({human(dense_copy)}), the "
+        f"KV pool ({human(kv)}) and {human(MARGIN)} beside the blocks"
+    )
 
 
 def choose_gemm_copy(copy: int, kv: int, available: int | None) -> tuple[bool, str]:
-    """Whether bf16 weights get a second copy in the GEMM's blocked layout (`copy` bytes), and why: where it,
-    the KV pool and the margin fit in what is still available after loading."""
+    """Whether bf16 weights get a blocked GEMM copy, and why: where it,
+    the pool and the margin fit.
+    """
     if available is None:
         return False, "the system does not report its available memory"
     if copy + kv + MARGIN <= available:
-        return True, f"{human(available)} available holds it ({human(copy)}), the KV pool and {human(MARGIN)}"
-    return False, (f"{human(available)} available cannot hold it ({human(copy)}), the KV pool ({human(kv)}) "
-                   f"and {human(MARGIN)}: the GEMM reorders each weight as it multiplies")
+        return (
+            True,
+            (
+                f"{human(available)} available holds it ({human(copy)}), the KV pool and "
+                f"{human(MARGIN)}"
+            ),
+        )
+    return False, (
+        f"{human(available)} available cannot hold it ({human(copy)}), the KV pool ({human(kv)}) "
+        f"and {human(MARGIN)}: the GEMM reorders each weight as it multiplies"
+    )
 
 
 def dense_copy_bytes(weights: dict) -> int:
-    """What prefill's dense fp32 copy of the matrices served on a file's blocks (model.file_blocks: the
-    embeddings' rows are looked up, never multiplied) would hold."""
+    """What prefill's dense fp32 copy of the matrices served on a file's blocks (model.file_blocks:
+    the embeddings' rows are looked up, never multiplied) would hold.
+    """
     return sum(4 * w.out_dim * w.in_dim for key, w in weights.items() if key != ("embed",))

@@ -1,7 +1,7 @@
-"""How many KV blocks a worker can hold: from a byte budget on the CPU, from the GPU's memory on CUDA, where
-everything else the worker will hold is measured first — weights, a forward at the largest step, prompt
-logprobs' logits, the sampler at the most rows, and the decode graphs — so that what is left for the pool
-is really left. And how many sequences a step may hold when that is left to the workers."""
+"""How many KV blocks a worker can hold: from a byte budget on a CPU; on CUDA after measuring all
+else it will hold (weights, largest step, prompt logprobs, sampler, graphs), so what is left is
+really left.
+"""
 
 from __future__ import annotations
 
@@ -12,18 +12,21 @@ from worker.model.attention import AttentionBackend
 from worker.model.kv_pool import KVPool
 from worker.model.llama import LlamaModel, StepInputs
 
-# --max-num-seqs when it is left to the workers: on a CPU a step of more sequences runs no faster per token;
-# on a GPU a decode step is bound by reading the weights until the batch is in the hundreds, so it is sized
-# from what the KV pool holds: room for every sequence to reach TOKENS_PER_SEQ tokens, within the bounds.
+# --max-num-seqs when it is left to the workers: on a CPU a step of more sequences runs no faster
+# per token; on a GPU a decode step is bound by reading the weights until the batch is in the
+# hundreds, so it is sized from what the KV pool holds: room for every sequence to reach
+# TOKENS_PER_SEQ tokens, within the bounds.
 CPU_MAX_NUM_SEQS = 64
 GPU_MAX_NUM_SEQS = (64, 512)
 TOKENS_PER_SEQ = 1024
 
 
-def default_max_num_seqs(device_type: str, num_blocks: int, block_size: int,
-                         max_num_batched_tokens: int) -> int:
-    """The step's sequence limit a worker proposes when --max-num-seqs is not given (never above the token
-    budget: each decode takes one token of it)."""
+def default_max_num_seqs(
+    device_type: str, num_blocks: int, block_size: int, max_num_batched_tokens: int
+) -> int:
+    """The step's sequence limit a worker proposes when --max-num-seqs is not given (never above the
+    token budget: each decode takes one token of it).
+    """
     if device_type != "cuda":
         chosen = CPU_MAX_NUM_SEQS
     else:
@@ -32,8 +35,9 @@ def default_max_num_seqs(device_type: str, num_blocks: int, block_size: int,
     return max(1, min(chosen, max_num_batched_tokens))
 
 
-def blocks_for_gpu_budget(total: int, utilization: float, non_kv_peak: int, other_processes: int,
-                          per_block: int) -> int:
+def blocks_for_gpu_budget(
+    total: int, utilization: float, non_kv_peak: int, other_processes: int, per_block: int
+) -> int:
     """Blocks that fit in utilization x total once this process's peak without the pool (weights,
     activations) and other processes' memory are set aside."""
     if not 0.0 < utilization <= 1.0:
@@ -43,11 +47,18 @@ def blocks_for_gpu_budget(total: int, utilization: float, non_kv_peak: int, othe
 
 
 @torch.inference_mode()
-def profile_gpu_peak(model: LlamaModel, attn: AttentionBackend, device: torch.device, kv_dtype: torch.dtype,
-                     block_size: int, max_num_batched_tokens: int, max_sample_rows: int) -> int:
-    """Peak bytes this worker uses besides its KV pool, measured: a forward at the largest step the scheduler
-    may send, the logits and log-softmax of every token of it (prompt logprobs), and the sampler over
-    max_sample_rows rows with every filter on (its [rows, vocab] working tensors). Weights included."""
+def profile_gpu_peak(
+    model: LlamaModel,
+    attn: AttentionBackend,
+    device: torch.device,
+    kv_dtype: torch.dtype,
+    block_size: int,
+    max_num_batched_tokens: int,
+    max_sample_rows: int,
+) -> int:
+    """Peak bytes besides the KV pool, measured: a forward at the largest step, its prompt logprobs
+    and the sampler at max_sample_rows rows. Weights included.
+    """
     from worker.step.controls import top_logprobs
     from worker.step.sampler import SamplingBatch, sample_async
 
@@ -74,9 +85,14 @@ def profile_gpu_peak(model: LlamaModel, attn: AttentionBackend, device: torch.de
     top_logprobs(model.compute_logits(hidden), targets, np.full(num_tokens, 20, dtype=np.int64))
     rows = max(1, min(max_sample_rows, max_num_batched_tokens))
     logits = model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
-    batch = SamplingBatch(temperature=torch.ones(rows), top_p=torch.full((rows,), 0.9),
-                          top_k=torch.full((rows,), 50, dtype=torch.int64), seeds=list(range(rows)),
-                          sample_index=[0] * rows, min_p=torch.full((rows,), 0.01))
+    batch = SamplingBatch(
+        temperature=torch.ones(rows),
+        top_p=torch.full((rows,), 0.9),
+        top_k=torch.full((rows,), 50, dtype=torch.int64),
+        seeds=list(range(rows)),
+        sample_index=[0] * rows,
+        min_p=torch.full((rows,), 0.01),
+    )
     sample_async(logits, batch)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -86,10 +102,16 @@ def profile_gpu_peak(model: LlamaModel, attn: AttentionBackend, device: torch.de
     return peak - temp_pool_bytes
 
 
-def measure_graph_bytes(model: LlamaModel, attn: AttentionBackend, device: torch.device,
-                        kv_dtype: torch.dtype, block_size: int, max_rows: int, max_context: int) -> int:
-    """GPU memory the decode graphs of up to max_rows rows hold (their private pool, static buffers and
-    scratch), measured by capturing them once over a one-block pool and letting them go."""
+def measure_graph_bytes(
+    model: LlamaModel,
+    attn: AttentionBackend,
+    device: torch.device,
+    kv_dtype: torch.dtype,
+    block_size: int,
+    max_rows: int,
+    max_context: int,
+) -> int:
+    """GPU memory the decode graphs hold, measured by capturing them once over a one-block pool."""
     from worker.step.graphs import DecodeGraphs
 
     torch.cuda.synchronize(device)
@@ -106,17 +128,18 @@ def measure_graph_bytes(model: LlamaModel, attn: AttentionBackend, device: torch
 
 
 def gpu_blocks(device: torch.device, utilization: float, non_kv_bytes: int, per_block: int) -> int:
-    """Blocks that fit once non_kv_bytes (the measured peak without the pool, plus the graphs) and other
-    processes' memory are set aside."""
+    """Blocks that fit once non_kv_bytes (the measured peak without the pool, plus the graphs) and
+    other processes' memory are set aside.
+    """
     free, total = torch.cuda.mem_get_info(device)
     other = max(0, (total - free) - torch.cuda.memory_reserved(device))
     return blocks_for_gpu_budget(total, utilization, non_kv_bytes, other, per_block)
 
 
 def lora_reserve(cfg, config, shard, dtype: torch.dtype) -> int:
-    """Bytes --max-cpu-loras LoRA adapters of --max-lora-rank on every projection take on this rank, twice
-    (a step's adapters are also kept stacked for its batched update: model/lora.py StepLora): set aside from
-    the KV pool's budget, so that turning LoRA on can never run a worker out of memory."""
+    """Bytes the LoRA slots take on this rank (twice: a step's adapters are also kept stacked), set
+    aside from the KV budget so LoRA never runs a worker out of memory.
+    """
     from worker.weights.lora import lora_bytes
 
     if not cfg.max_cpu_loras:
@@ -126,7 +149,9 @@ def lora_reserve(cfg, config, shard, dtype: torch.dtype) -> int:
 
 
 def lora_cache(cfg, config, shard, dtype: torch.dtype, device: torch.device):
-    """The runner's LoRA adapters (model/lora.py LoraCache), read from their folders on first use."""
+    """The runner's LoRA adapters (model/lora.py LoraCache), read from
+    their folders on first use.
+    """
     from worker.model.lora import LoraCache
     from worker.weights.lora import read_lora
 

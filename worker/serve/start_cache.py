@@ -1,9 +1,7 @@
-"""What a worker's start measures, kept per machine and model: the dense matmul library and the quantized
-kernel's row threshold, so a second start of the same model on the same CPU skips the timing (seconds of a
-warm start). An entry is keyed by the CPU (model name and flags), torch's version, the native kernels' build,
-the thread count, the rank's shard and the model's weight files (path, size, modification time): a file
-changed on disk, another CPU or another build measures again. Kept under $PAGEDSERVE_CACHE/choices; a
-folder that cannot be written only costs the measurement."""
+"""What a worker's start measures (matmul library, quantized row threshold), kept per machine and
+model so a second start skips the timing. Keyed by CPU, torch, native build, threads, shard and
+weight files; an unwritable folder only costs the measurement.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +22,10 @@ def cpu_identity() -> str:
     keep = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags", "Features", "CPU part")) and line not in keep:
+            if (
+                line.startswith(("model name", "flags", "Features", "CPU part"))
+                and line not in keep
+            ):
                 keep.append(line)
     except OSError:
         pass
@@ -32,8 +33,9 @@ def cpu_identity() -> str:
 
 
 def weight_files(model: str) -> list[Path]:
-    """The files a model's weights are read from: its folder's GGUF and safetensors files, and the GGUF a
-    prepared folder names."""
+    """The files a model's weights are read from: its folder's GGUF and safetensors files, and the
+    GGUF a prepared folder names.
+    """
     path = Path(model)
     if path.is_file():
         return [path]
@@ -59,11 +61,14 @@ def file_identity(files: list[Path]) -> list[str]:
 
 
 class StartCache:
-    """The measured choices of one (machine, build, model, shard): get(name) before measuring, put(name,
-    value) after."""
+    """The measured choices of one (machine, build, model, shard): get(name) before measuring,
+    put(name, value) after.
+    """
 
     def __init__(self, parts: dict, folder: Path | None = None) -> None:
-        digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+        digest = hashlib.sha256(
+            json.dumps(parts, sort_keys=True, default=str).encode()
+        ).hexdigest()[:20]
         self.path = (folder or env.cache_dir() / "choices") / f"{digest}.json"
         try:
             self.values: dict = json.loads(self.path.read_text())
@@ -85,16 +90,27 @@ class StartCache:
 
 
 def start_cache(cfg, device, dtype, tp: int, prefill: str, activations: str) -> StartCache:
-    """The choices an earlier start of this worker's model measured on this machine, for its shard and the
-    paths its flags chose."""
+    """The choices an earlier start of this worker's model measured on this machine, for its shard
+    and the paths its flags chose.
+    """
     import torch
 
     from kernels.cpu_native import load as native
 
     lib = native() if device.type == "cpu" else None
-    parts = {"cpu": cpu_identity(), "torch": torch.__version__, "native": str(lib.path) if lib else "",
-             "threads": torch.get_num_threads(), "tp": tp, "rank": cfg.rank,
-             "files": file_identity(weight_files(cfg.model)), "device": str(device), "dtype": str(dtype),
-             "prefill": prefill, "activations": activations, "cpu_decode": cfg.cpu_decode,
-             "load_format": cfg.load_format}
+    parts = {
+        "cpu": cpu_identity(),
+        "torch": torch.__version__,
+        "native": str(lib.path) if lib else "",
+        "threads": torch.get_num_threads(),
+        "tp": tp,
+        "rank": cfg.rank,
+        "files": file_identity(weight_files(cfg.model)),
+        "device": str(device),
+        "dtype": str(dtype),
+        "prefill": prefill,
+        "activations": activations,
+        "cpu_decode": cfg.cpu_decode,
+        "load_format": cfg.load_format,
+    }
     return StartCache(parts)

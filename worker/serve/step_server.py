@@ -1,5 +1,6 @@
-"""The worker's side of the ZeroMQ wire: handshake, step loop, heartbeats. Only protobuf crosses the socket,
-never pickle; with CurveZMQ keys both sockets are encrypted and authenticated."""
+"""The worker's side of the ZeroMQ wire: handshake, step loop, heartbeats. Only protobuf crosses the
+socket, never pickle; with CurveZMQ keys both sockets are encrypted and authenticated.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 class StopServing(Exception):
-    """Shutdown (or a lost scheduler) while a step waited for its masks: the worker exits with `code`."""
+    """Shutdown (or a lost scheduler) while a step waited for its masks: the worker exits with
+    `code`.
+    """
 
     def __init__(self, reason: str, code: int) -> None:
         super().__init__(reason)
@@ -33,12 +36,10 @@ class StopServing(Exception):
 
 
 class WorkerServer:
-    """A DEALER socket carries the handshake, plans and results; a second DEALER on its own thread sends
-    heartbeats even while a long forward runs, so the scheduler can tell a dead worker from a slow one.
-    Both identities carry a random nonce ("w.<nonce>", "hb.<nonce>"): the scheduler binds them to this
-    worker when it accepts the handshake, and a restarted worker is a new peer, never mistaken for the old
-    one. In a tensor-parallel group a failed step may leave the ranks out of step in their collectives, so
-    a rank whose step raises exits (and is restarted with its group) instead of answering more plans."""
+    """Plans and results on one DEALER, heartbeats on a second with its own thread, so a long
+    forward never looks dead. Identities carry a nonce: a restarted worker is a new peer. A TP rank
+    whose step raises exits and restarts with its group, since collectives may be out of step.
+    """
 
     def __init__(
         self,
@@ -60,27 +61,36 @@ class WorkerServer:
         self._curve = client_keys(curve_keys) if curve_keys else None
         self._stop = threading.Event()
         self._ctx = zmq.Context()
-        self._inflight = None  # worker/step/runner.py InFlight: the step launched and not yet answered
-        # Asked to stop (SIGTERM where no supervisor orders the stop, as under Kubernetes): the worker goes on
-        # serving its scheduler, which is draining, until told to shut down or the scheduler is gone, at most
-        # stop_timeout seconds.
+        # worker/step/runner.py InFlight: the step launched and not yet answered
+        self._inflight = None
+        # Asked to stop (SIGTERM where no supervisor orders the stop, as under Kubernetes): the
+        # worker goes on serving its scheduler, which is draining, until told to shut down or the
+        # scheduler is gone, at most stop_timeout seconds.
         self.stop_requested_at: float | None = None
         self.stop_timeout = 60.0
 
-    def _socket(self, identity: str, monitor_events: int = 0) -> tuple[zmq.Socket, zmq.Socket | None]:
-        """A DEALER to the scheduler, and a monitor of `monitor_events` on it when asked: the monitor is
-        attached before the connect, or a handshake done at once is an event nobody saw."""
+    def _socket(
+        self, identity: str, monitor_events: int = 0
+    ) -> tuple[zmq.Socket, zmq.Socket | None]:
+        """A DEALER to the scheduler, its monitor attached before the connect so no early event is
+        missed.
+        """
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SNDTIMEO, 1000)
-        # ZMTP heartbeats, handled by libzmq's I/O threads on both sides: a dead or frozen peer is dropped.
+        # ZMTP heartbeats, handled by libzmq's I/O threads on both sides: a dead or frozen peer is
+        # dropped.
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         if self._curve is not None:
             public, secret, server_public = self._curve
-            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, server_public
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = (
+                public,
+                secret,
+                server_public,
+            )
         monitor = sock.get_monitor_socket(monitor_events) if monitor_events else None
         sock.connect(self.endpoint)
         return sock, monitor
@@ -89,12 +99,10 @@ class WorkerServer:
         sock.send(wire_pb2.WireMessage(version=WIRE_VERSION, **body).SerializeToString())
 
     def _heartbeats(self) -> None:
-        """Beat every heartbeat_interval; decide whether the scheduler is gone.
-
-        The scheduler counts as gone only when the connection itself is: libzmq's own ZMTP heartbeats
-        (answered by the scheduler's I/O thread, whatever its event loop is busy with) drop a dead or
-        frozen peer, and a connection down for longer than scheduler_timeout ends this worker. A
-        scheduler that is merely slow to echo the application beats never makes a worker quit."""
+        """Beat every heartbeat_interval; the scheduler is gone only when libzmq's own ZMTP
+        heartbeats drop the connection for longer than scheduler_timeout, never because it is slow
+        to echo.
+        """
         events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         sock, monitor = self._socket(f"hb.{self.nonce}", events)
         down_since: float | None = time.monotonic()  # not connected yet
@@ -103,8 +111,9 @@ class WorkerServer:
         poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                beat = wire_pb2.Heartbeat(tp_rank=self.tp_rank, sent_at_ns=time.time_ns(),
-                                          busy_step_id=self.busy_step_id)
+                beat = wire_pb2.Heartbeat(
+                    tp_rank=self.tp_rank, sent_at_ns=time.time_ns(), busy_step_id=self.busy_step_id
+                )
                 try:
                     self._send(sock, heartbeat=beat)
                 except zmq.Again:
@@ -120,7 +129,10 @@ class WorkerServer:
                             down_since = time.monotonic()
                     if sock in ready:
                         sock.recv()  # the scheduler's echo
-                if down_since is not None and time.monotonic() - down_since > self.scheduler_timeout:
+                if (
+                    down_since is not None
+                    and time.monotonic() - down_since > self.scheduler_timeout
+                ):
                     log.error("scheduler_lost", timeout_s=self.scheduler_timeout)
                     self._stop.set()
         finally:
@@ -129,12 +141,10 @@ class WorkerServer:
             sock.close()
 
     def serve(self) -> int:
-        """Run until the scheduler says shutdown or is lost. Returns a process exit code.
-
-        Steps are pipelined on a GPU: a launched step's kernels are queued and the loop returns at once; if
-        the scheduler's next plan (sent ahead, with overlap) arrives before the step is done, that plan is
-        launched first — its input tokens read on the device — and only then is the step read back and
-        answered, so the device never waits for the host between steps. On a CPU a launched step is done."""
+        """Run until shutdown or the scheduler is lost; returns an exit code. On a GPU steps are
+        pipelined: a plan that arrives while a step runs is launched first, then the step is read
+        back, so the device never waits for the host.
+        """
         sock, _ = self._socket(f"w.{self.nonce}")
         self._send(sock, handshake=self.handshake)
         beats = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
@@ -143,10 +153,18 @@ class WorkerServer:
         self._inflight = None
         try:
             while not self._stop.is_set():
-                if self.stop_requested_at is not None and self._inflight is None \
-                        and time.monotonic() - self.stop_requested_at > self.stop_timeout:
-                    log.warning("stopping_without_scheduler", waited_s=self.stop_timeout,
-                                reason="asked to stop, and the scheduler neither said shutdown nor went away")
+                if (
+                    self.stop_requested_at is not None
+                    and self._inflight is None
+                    and time.monotonic() - self.stop_requested_at > self.stop_timeout
+                ):
+                    log.warning(
+                        "stopping_without_scheduler",
+                        waited_s=self.stop_timeout,
+                        reason=(
+                            "asked to stop, and the scheduler neither said shutdown nor went away"
+                        ),
+                    )
                     return 0
                 if self._inflight is not None:
                     frame = self._next_frame_before_done(sock)
@@ -157,7 +175,8 @@ class WorkerServer:
                     continue
                 if code is not None:
                     return code
-            return 0 if self.stop_requested_at is not None else 1  # asked to stop, and the scheduler is gone
+            # asked to stop, and the scheduler is gone
+            return 0 if self.stop_requested_at is not None else 1
         finally:
             self._stop.set()
             beats.join(timeout=2)
@@ -165,13 +184,17 @@ class WorkerServer:
             self._ctx.term()
 
     def request_stop(self, timeout: float) -> None:
-        """Stop once the scheduler says shutdown or is gone, or after `timeout` seconds (signal-safe)."""
+        """Stop once the scheduler says shutdown or is gone, or after `timeout` seconds
+        (signal-safe).
+        """
         if self.stop_requested_at is None:
             self.stop_requested_at, self.stop_timeout = time.monotonic(), timeout
             log.info("stop_requested", timeout_s=timeout, waiting_for="the scheduler's shutdown")
 
     def _next_frame_before_done(self, sock: zmq.Socket) -> bytes | None:
-        """The next message if one arrives while the step in flight is still running, else None (done)."""
+        """The next message if one arrives while the step in flight is still running, else None
+        (done).
+        """
         clock = self._inflight.clock
         while not self._stop.is_set():
             if clock.done():
@@ -196,18 +219,24 @@ class WorkerServer:
 
     def _failed(self, sock: zmq.Socket, step_id: int, e: Exception) -> int | None:
         log.error("step_failed", step_id=step_id, error=repr(e), exc_info=e)
-        result = wire_pb2.StepResult(step_id=step_id, error=f"step failed: {e!r}", tp_rank=self.tp_rank)
+        result = wire_pb2.StepResult(
+            step_id=step_id, error=f"step failed: {e!r}", tp_rank=self.tp_rank
+        )
         self._send(sock, result=result)
         # A CUDA error poisons the context for good, and a failed rank leaves its group out of step:
         # either way this process reports and exits, and its supervisor starts a fresh one.
         if is_device_fatal(e) or self.handshake.tp_size > 1:
-            log.error("worker_exiting", reason="device error" if is_device_fatal(e) else "group out of step")
+            log.error(
+                "worker_exiting",
+                reason="device error" if is_device_fatal(e) else "group out of step",
+            )
             return EXIT_FAILED
         return None
 
     def _await_mask(self, sock: zmq.Socket, step_id: int):
-        """Read the socket until the StepMask of `step_id` (a plan sent with mask_follows). The scheduler
-        sends it before any later plan, so anything else here is a shutdown or a broken peer."""
+        """Read until the StepMask of `step_id`; anything else here is
+        a shutdown or a broken peer.
+        """
         while True:
             if self._stop.is_set():
                 raise StopServing("the scheduler is gone", 1)
@@ -225,9 +254,9 @@ class WorkerServer:
             raise RuntimeError(f"step {step_id} waited for its masks and got a {kind} message")
 
     def _launch(self, sock: zmq.Socket, plan) -> int | None:
-        """Launch a plan; then answer the step that was in flight before it (its tokens stay on the device
-        for this plan), and keep this one in flight. A plan whose masks follow it answers the previous step
-        first: the scheduler computes those masks from that step's tokens."""
+        """Launch a plan, then answer the step in flight before it; a plan whose masks follow
+        answers first, since its masks come from that step's tokens.
+        """
         previous, self._inflight = self._inflight, None
 
         def answer_previous() -> int | None:
@@ -267,31 +296,46 @@ class WorkerServer:
             msg.ParseFromString(frame)
         except Exception as e:  # noqa: BLE001 - any malformed frame is answered, never fatal
             log.warning("malformed_frame", error=str(e), size=len(frame))
-            self._send(sock, result=wire_pb2.StepResult(tp_rank=self.tp_rank, error=f"malformed frame: {e}"))
+            self._send(
+                sock,
+                result=wire_pb2.StepResult(tp_rank=self.tp_rank, error=f"malformed frame: {e}"),
+            )
             return None
         if msg.version != WIRE_VERSION:
-            self._send(sock, result=wire_pb2.StepResult(
-                tp_rank=self.tp_rank, error=f"wire version {msg.version}, this worker speaks {WIRE_VERSION}"))
+            self._send(
+                sock,
+                result=wire_pb2.StepResult(
+                    tp_rank=self.tp_rank,
+                    error=f"wire version {msg.version}, this worker speaks {WIRE_VERSION}",
+                ),
+            )
             return None
         kind = msg.WhichOneof("body")
-        if kind != "plan" and self._inflight is not None:  # anything but a plan waits for the step in flight
+        # anything but a plan waits for the step in flight
+        if kind != "plan" and self._inflight is not None:
             code = self._land(sock)
             if code is not None:
                 return code
         if kind == "handshake_ack":
             if not msg.handshake_ack.accepted:
-                log.error("handshake_refused", reason=msg.handshake_ack.reason, retry=msg.handshake_ack.retry)
+                log.error(
+                    "handshake_refused",
+                    reason=msg.handshake_ack.reason,
+                    retry=msg.handshake_ack.retry,
+                )
                 return EXIT_RETRY if msg.handshake_ack.retry else EXIT_CONFIG
             self.runner.num_blocks = msg.handshake_ack.num_blocks
             log.info("handshake_accepted", num_blocks=msg.handshake_ack.num_blocks)
-            if msg.handshake_ack.loras:  # the adapters the scheduler serves, read before the first plan
+            # the adapters the scheduler serves, read before the first plan
+            if msg.handshake_ack.loras:
                 self.runner.preload_loras([(r.identity, r.path) for r in msg.handshake_ack.loras])
         elif kind == "plan":
             return self._launch(sock, msg.plan)
         elif kind == "shutdown":
             log.info("shutdown", reason=msg.shutdown.reason)
             return 0
-        elif kind == "mask":  # the masks of a plan this worker refused before its forward: nothing waits
+        # the masks of a plan this worker refused before its forward: nothing waits
+        elif kind == "mask":
             log.debug("stale_mask", step_id=msg.mask.step_id)
         else:
             log.warning("unexpected_message", kind=kind)

@@ -1,6 +1,7 @@
-"""Request controls on the worker: logit biases, structured-output masks, penalties, and logprobs. Each is
-batched over the rows that use it and is a function of the plan and the pool alone, so a replayed step sees
-the same context tokens, biases and masks (the (seed, token index) guarantee of sampling holds)."""
+"""Request controls on the worker: logit biases, structured-output masks, penalties, logprobs. Each
+is batched over its rows and a function of the plan and pool alone, so a replayed step sees the
+same.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import numpy as np
 import structlog
 import torch
 
-from protos.codec import Logprobs, PlanArrays
+from protos.codec import PlanArrays
+from protos.result_codec import Logprobs
 
 log = structlog.get_logger("worker.step.controls")
 
@@ -37,20 +39,25 @@ class StepControls:
         return self.bias_rows is None and self.mask_rows is None and self.penalty_rows is None
 
 
-def gather_controls(p: PlanArrays, rows: np.ndarray, block_tables: torch.Tensor,
-                    device: torch.device, table_rows: np.ndarray | None = None,
-                    offsets: np.ndarray | None = None) -> StepControls:
-    """The controls of the sampled `rows` (plan row indices) of a validated plan. block_tables: the step's
-    tables, already on the device. In a drafting step (worker/step/speculation.py) a drafting row repeats once
-    a drafted position, `offsets` says which (its masks follow one another), and table_rows is each plan
-    row's row in the step's tables."""
+def gather_controls(
+    p: PlanArrays,
+    rows: np.ndarray,
+    block_tables: torch.Tensor,
+    device: torch.device,
+    table_rows: np.ndarray | None = None,
+    offsets: np.ndarray | None = None,
+) -> StepControls:
+    """The controls of a validated plan's sampled `rows`. In a drafting step a row repeats once a
+    drafted position (`offsets` says which) and table_rows maps plan rows to the step's tables.
+    """
     c = StepControls()
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         # owned, writable
         return torch.from_numpy(np.array(a)).to(device=device, dtype=dtype, non_blocking=True)
 
-    if p.bias_offsets is not None:  # each of `rows` (a drafting row's repeat too) takes its plan row's list
+    # each of `rows` (a drafting row's repeat too) takes its plan row's list
+    if p.bias_offsets is not None:
         listed = p.bias_offsets.astype(np.int64)
         counts = (listed[1:] - listed[:-1])[rows]
         total = int(counts.sum())
@@ -65,14 +72,21 @@ def gather_controls(p: PlanArrays, rows: np.ndarray, block_tables: torch.Tensor,
         at = np.flatnonzero(which >= 0)
         if at.size:
             c.mask_rows = dev(at, torch.int64)
-            c.bitmask = dev(p.token_bitmask[which[at] + (0 if offsets is None else offsets[at])], torch.int32)
+            c.bitmask = dev(
+                p.token_bitmask[which[at] + (0 if offsets is None else offsets[at])], torch.int32
+            )
     if p.repetition_penalty is not None:
-        rep, pres, freq = p.repetition_penalty[rows], p.presence_penalty[rows], p.frequency_penalty[rows]
+        rep, pres, freq = (
+            p.repetition_penalty[rows],
+            p.presence_penalty[rows],
+            p.frequency_penalty[rows],
+        )
         at = np.flatnonzero((rep != 1.0) | (pres != 0.0) | (freq != 0.0))
         if at.size:
             lens = p.seq_lens[rows[at]].astype(np.int64)
             prompt_lens = lens - p.sample_index[rows[at]]
-            if offsets is not None:  # a drafted position's context ends before it: the drafts before it count
+            # a drafted position's context ends before it: the drafts before it count
+            if offsets is not None:
                 lens = lens - p.num_draft[rows[at]] + offsets[at]
             c.penalty_rows = dev(at, torch.int64)
             tables_at = rows[at] if table_rows is None else table_rows[rows[at]]
@@ -96,18 +110,12 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def apply_controls(logits: torch.Tensor, c: StepControls, pool) -> torch.Tensor:
-    """Order, before the sampler's temperature / min_p / top-k / top-p (worker/step/sampler.py): 1. additive
-    biases (logit_bias, and -inf on end tokens while min_tokens is not reached: the scheduler sends both
-    as one ragged list); 2. the structured-output mask (tokens outside it get -inf); 3. repetition penalty
-    over the context (prompt and output, transformers' semantics), then frequency and presence penalties
-    over the output tokens (OpenAI's semantics), context tokens read through the block table from the
-    pool's token record.
-
-    A row left with no finite logit by its controls (a grammar that allows nothing, biases that forbid
-    every token) falls back to its raw logits rather than failing the whole step; the scheduler then finds
-    the token outside the constraint and ends that request alone.
-
-    fp32 [rows, vocab] -> the controlled logits (a new tensor; `logits` is left as it was)."""
+    """fp32 [rows, vocab] -> controlled logits (a new tensor), before the sampler: 1. biases
+    (logit_bias, -inf on end tokens before min_tokens); 2. the structured-output mask; 3. repetition
+    penalty over the context (transformers'), then frequency and presence over the output
+    (OpenAI's). A row left with no finite logit keeps its raw logits; the scheduler then ends that
+    request alone.
+    """
     if c.is_empty:
         return logits
     rows, vocab = logits.shape
@@ -126,15 +134,20 @@ def apply_controls(logits: torch.Tensor, c: StepControls, pool) -> torch.Tensor:
         valid = (ctx >= 0) & (ctx < vocab)
         at = c.penalty_rows[:, None] * vocab + ctx
         scratch = torch.full_like(at, rows * vocab)
-        every = torch.where(valid, at, scratch)  # each context token (repeats write identical values)
+        # each context token (repeats write identical values)
+        every = torch.where(valid, at, scratch)
         values = flat[every]
         rep = c.repetition[:, None]
         flat[every] = torch.where(values > 0, values / rep, values * rep)
         pos = torch.arange(ctx.shape[1], device=ctx.device)
-        generated = torch.where(valid & (pos[None, :] >= c.penalty_prompt_lens[:, None]), at, scratch)
+        generated = torch.where(
+            valid & (pos[None, :] >= c.penalty_prompt_lens[:, None]), at, scratch
+        )
         flat[generated] = flat[generated] - c.presence[:, None]  # once per distinct output token
         # per use
-        flat.index_put_((generated,), (-c.frequency[:, None]).expand(generated.shape), accumulate=True)
+        flat.index_put_(
+            (generated,), (-c.frequency[:, None]).expand(generated.shape), accumulate=True
+        )
     dead = torch.isneginf(out).all(dim=-1) & ~torch.isneginf(logits).all(dim=-1)
     if bool(dead.any()):
         log.warning("controls_left_no_token", rows=dead.nonzero().flatten().tolist())
@@ -143,16 +156,20 @@ def apply_controls(logits: torch.Tensor, c: StepControls, pool) -> torch.Tensor:
 
 
 def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, ks: np.ndarray) -> Logprobs:
-    """Logprobs are those of the raw logits (before any control), fp32 log_softmax, as vLLM returns them.
-
-    fp32 [rows, vocab] raw logits, int64 [rows] the token of each row whose log-probability is wanted,
-    K per row -> each row's chosen log-probability and its K most likely tokens, flattened in row order."""
+    """Each row's chosen log-probability and its K most likely tokens, from the raw logits (fp32
+    log_softmax, as vLLM returns them), flattened in row order.
+    """
     logp = torch.log_softmax(logits.float(), dim=-1)
-    picked = logp.gather(1, chosen.view(-1, 1).to(logp.device)).view(-1).cpu().numpy().astype(np.float32)
+    picked = (
+        logp.gather(1, chosen.view(-1, 1).to(logp.device)).view(-1).cpu().numpy().astype(np.float32)
+    )
     kmax = int(ks.max()) if ks.size else 0
     if kmax == 0:
         return Logprobs(picked, np.zeros(0, np.int32), np.zeros(0, np.float32))
     values, ids = logp.topk(min(kmax, logp.shape[1]), dim=-1)
     keep = np.arange(values.shape[1])[None, :] < ks[:, None]
-    return Logprobs(picked, ids.cpu().numpy().astype(np.int32)[keep],
-                    values.cpu().numpy().astype(np.float32)[keep])
+    return Logprobs(
+        picked,
+        ids.cpu().numpy().astype(np.int32)[keep],
+        values.cpu().numpy().astype(np.float32)[keep],
+    )

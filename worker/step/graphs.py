@@ -1,7 +1,7 @@
-"""CUDA graphs of the decode step: a small model's decode step on a GPU is mostly kernel launches, so it is
-captured once per batch-size bucket at start and replayed, one launch for the whole forward and LM head.
-Steps that do not fit a graph run eagerly; on a CPU "replay" runs the same static-buffer forward eagerly,
-so the fitting is tested against the plain path."""
+"""CUDA graphs of the decode step, captured per batch-size bucket at start and replayed as one
+launch. Steps that do not fit run eagerly; on a CPU "replay" runs the static-buffer forward, so the
+fitting is tested against the plain path.
+"""
 
 from __future__ import annotations
 
@@ -17,34 +17,56 @@ from worker.model.llama import LlamaModel, StepInputs
 
 log = structlog.get_logger("worker.step.graphs")
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896,
-           1024)
+BUCKETS = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    160,
+    192,
+    224,
+    256,
+    320,
+    384,
+    448,
+    512,
+    640,
+    768,
+    896,
+    1024,
+)
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
-    """Batch sizes captured for a step limit of max_rows sequences (--max-num-seqs): the standard sizes below
-    it and max_rows itself, each once."""
+    """Batch sizes captured for a step limit of max_rows sequences (--max-num-seqs): the standard
+    sizes below it and max_rows itself, each once.
+    """
     return sorted({b for b in BUCKETS if b < max_rows} | {max_rows})
 
 
 class DecodeGraphs:
-    """A graph replays fixed shapes and addresses, so a step is fitted to it: its arrays are copied into
-    static buffers sized for the largest bucket, the batch is padded to the smallest bucket that holds it
-    (padding rows write no K/V, slot -1, and attend one key of block 0; their logits are dropped), block
-    tables are padded to the width of the tier's context, and attention is captured for that context
-    length (fixed splits per bucket and tier; the kernels read each row's true length and splits past it
-    write nothing). Two tiers where the model's context is longer than `--graph-max-context`: a step whose
-    longest sequence fits the short tier replays it, a longer one the long tier. A prompt chunk in the
-    step, or more rows than the largest bucket, runs eagerly: prefill steps are long enough that launches
-    do not matter.
+    """A step fitted to a graph: arrays copied into static buffers, the batch padded to the smallest
+    bucket (padding rows write nothing, their logits dropped), tables padded to the tier's context.
+    `contexts`: the longest sequence each tier serves, ascending; a step replays the smallest tier
+    that holds it. Prompt chunks, or more rows than the largest bucket, run eagerly.
+    """
 
-    contexts: the longest sequence each tier of graphs serves, ascending — `--graph-max-context`, and
-    the model's whole context (`--max-model-len`) where that is longer. A step replays the smallest tier
-    that holds its longest sequence, so one long sequence among short ones does not send the batch eager,
-    while the short tier keeps its few splits."""
-
-    def __init__(self, model: LlamaModel, pool: KVPool, attn: AttentionBackend, device: torch.device,
-                 max_rows: int, max_context: int | list[int]) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: KVPool,
+        attn: AttentionBackend,
+        device: torch.device,
+        max_rows: int,
+        max_context: int | list[int],
+    ) -> None:
         self.model, self.pool, self.attn, self.device = model, pool, attn, device
         if max_rows < 1:
             raise ValueError(f"decode graphs need at least one row, got {max_rows}")
@@ -53,7 +75,8 @@ class DecodeGraphs:
         if not self.contexts or self.contexts[0] < 1:
             raise ValueError(f"decode graphs need a positive context, got {max_context}")
         self.max_context = self.contexts[-1]
-        self.width = -(-self.max_context // pool.block_size)  # block-table entries of the longest sequence
+        # block-table entries of the longest sequence
+        self.width = -(-self.max_context // pool.block_size)
         top = self.buckets[-1]
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         self.token_ids = torch.zeros(top, **i64)
@@ -62,16 +85,20 @@ class DecodeGraphs:
         self.tables = torch.zeros(top, self.width, **i32)
         self.seq_lens = torch.ones(top, **i32)
         self.qsl = torch.arange(top + 1, **i32)
-        # One logits buffer for every bucket (a graph writes its rows' logits into its head): captured outputs
-        # kept per bucket would each hold [bucket, vocab] fp32 for the worker's life.
+        # One logits buffer for every bucket (a graph writes its rows' logits into its head):
+        # captured outputs kept per bucket would each hold [bucket, vocab] fp32 for the worker's
+        # life.
         self.logits = torch.empty(top, model.config.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}  # (context tier, rows)
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
     def covers(self, q_lens: np.ndarray, seq_lens: np.ndarray) -> bool:
         """Whether a step with these query and sequence lengths can replay a graph."""
-        return (0 < len(q_lens) <= self.buckets[-1] and bool((q_lens == 1).all())
-                and int(seq_lens.max()) <= self.max_context)
+        return (
+            0 < len(q_lens) <= self.buckets[-1]
+            and bool((q_lens == 1).all())
+            and int(seq_lens.max()) <= self.max_context
+        )
 
     def bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
@@ -79,13 +106,21 @@ class DecodeGraphs:
     def tier(self, longest: int) -> int:
         return next(c for c in self.contexts if c >= longest)
 
-    # --- capture ---------------------------------------------------------------------------------------
+    # --- capture ----------------------------------------------------------------------------------
     def _forward(self, rows: int, context: int) -> torch.Tensor:
-        """The decode step over the first `rows` static rows, sequences up to `context` keys -> logits."""
+        """The decode step over the first `rows` static rows, sequences up to `context` keys ->
+        logits.
+        """
         width = -(-context // self.pool.block_size)
-        meta = self.attn.prepare(self.tables[:rows, :width], self.seq_lens[:rows], self.qsl[: rows + 1],
-                                 self.pool.block_size, max_seq_len=context, max_q_len=1,
-                                 host_q_lens=np.ones(rows, dtype=np.int64))
+        meta = self.attn.prepare(
+            self.tables[:rows, :width],
+            self.seq_lens[:rows],
+            self.qsl[: rows + 1],
+            self.pool.block_size,
+            max_seq_len=context,
+            max_q_len=1,
+            host_q_lens=np.ones(rows, dtype=np.int64),
+        )
         step = StepInputs(self.token_ids[:rows], self.positions[:rows], self.slots[:rows], meta)
         hidden = self.model(step, self.pool, self.attn)
         logits = self.logits[:rows]
@@ -93,9 +128,10 @@ class DecodeGraphs:
         return logits
 
     def capture_all(self) -> float:
-        """Capture every (tier, bucket), largest first (they share one memory pool), on one side stream.
-        Returns seconds taken. Raises whatever capture raises (out of memory, most likely): the caller
-        decides."""
+        """Capture every (tier, bucket), largest first (they share one memory pool), on one side
+        stream. Returns seconds taken. Raises whatever capture raises (out of memory, most likely):
+        the caller decides.
+        """
         t0 = time.perf_counter()
         self._pad(0)
         with torch.inference_mode():
@@ -106,7 +142,8 @@ class DecodeGraphs:
                         self.graphs[context, rows] = None
                         continue
                     stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):  # a first run off the capture: lazy initialization here
+                    # a first run off the capture: lazy initialization here
+                    with torch.cuda.stream(stream):
                         self._forward(rows, context)
                     torch.cuda.current_stream().wait_stream(stream)
                     graph = torch.cuda.CUDAGraph()
@@ -116,11 +153,15 @@ class DecodeGraphs:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        log.info("decode_graphs_captured", buckets=self.buckets, contexts=self.contexts,
-                 seconds=round(seconds, 2))
+        log.info(
+            "decode_graphs_captured",
+            buckets=self.buckets,
+            contexts=self.contexts,
+            seconds=round(seconds, 2),
+        )
         return seconds
 
-    # --- replay ----------------------------------------------------------------------------------------
+    # --- replay -----------------------------------------------------------------------------------
     def _pad(self, rows: int) -> None:
         """Rows from `rows` on: no K/V write, one key of block 0."""
         self.token_ids[rows:] = 0
@@ -129,16 +170,25 @@ class DecodeGraphs:
         self.tables[rows:] = 0
         self.seq_lens[rows:] = 1
 
-    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
-            seq_lens: torch.Tensor, longest: int) -> torch.Tensor:
-        """A covered decode step (its arrays on the device; `longest`, its longest sequence, from the plan
-        on the host) -> logits [rows, vocab] of every row."""
+    def run(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        longest: int,
+    ) -> torch.Tensor:
+        """A covered decode step (its arrays on the device; `longest`, its longest sequence, from
+        the plan on the host) -> logits [rows, vocab] of every row.
+        """
         rows = token_ids.shape[0]
         bucket, context = self.bucket(rows), self.tier(longest)
         self.token_ids[:rows].copy_(token_ids)
         self.positions[:rows].copy_(positions)
         self.slots[:rows].copy_(slots)
-        width = min(self.width, tables.shape[1])  # a row's blocks past max_context keys are never read
+        # a row's blocks past max_context keys are never read
+        width = min(self.width, tables.shape[1])
         self.tables[:rows, :width].copy_(tables[:, :width])
         self.tables[:rows, width:] = 0
         self.seq_lens[:rows].copy_(seq_lens)

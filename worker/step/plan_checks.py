@@ -1,5 +1,6 @@
-"""Every plan is checked before anything touches the pool: a malformed or out-of-range plan is rejected
-with an error result, never a crash and never a write outside the pool."""
+"""Every plan is checked before anything touches the pool: a malformed or out-of-range plan is
+rejected with an error result, never a crash and never a write outside the pool.
+"""
 
 from __future__ import annotations
 
@@ -12,23 +13,25 @@ class PlanError(ValueError):
     """The plan is malformed or out of range; the worker answers with an error result."""
 
 
-def validate_plan(p: PlanArrays, num_blocks: int, block_size: int, vocab: int, max_pos: int,
-                  kv_window: int = 0) -> None:
-    """Raise PlanError unless every array fits the pool, the vocabulary and the context. kv_window > 0 (every
-    layer slides): a table needs blocks from the first one holding a key its queries' windows reach (the
-    scheduler gives back those before; their entries are -1).
-
-    num_blocks is the count the scheduler acknowledged, not this rank's own pool: every rank of a
-    group then accepts or rejects the same plan alike, so none waits in a collective for the others."""
+def validate_plan(
+    p: PlanArrays, num_blocks: int, block_size: int, vocab: int, max_pos: int, kv_window: int = 0
+) -> None:
+    """Raise PlanError unless every array fits the pool, the vocabulary and the context. num_blocks
+    is the count the scheduler acknowledged, so every rank of a group accepts or rejects a plan
+    alike.
+    """
     s, t = p.num_seqs, p.num_tokens
-    if s == 0 and t == 0 and p.kv is not None:  # a step that only moves blocks to or from the KV tiers
+    # a step that only moves blocks to or from the KV tiers
+    if s == 0 and t == 0 and p.kv is not None:
         return
     if s == 0 or t == 0:
         raise PlanError("a plan needs at least one sequence and one token (or KV-tier work)")
     qsl = p.query_start_loc.astype(np.int64)
     q_lens = np.diff(qsl)
     if qsl[0] != 0 or qsl[-1] != t or (q_lens < 1).any():
-        raise PlanError("query_start_loc must rise from 0 to num_tokens, at least one token per sequence")
+        raise PlanError(
+            "query_start_loc must rise from 0 to num_tokens, at least one token per sequence"
+        )
     mb = p.block_tables.shape[1]
     if (p.seq_lens < q_lens).any() or (p.seq_lens > mb * block_size).any():
         raise PlanError("seq_lens must cover this step's tokens and fit the block tables")
@@ -68,16 +71,22 @@ def check_mask(bitmask: np.ndarray, p: PlanArrays, vocab: int) -> np.ndarray:
             last = np.where(p.mask_rows >= 0, p.mask_rows + p.num_draft, -1)
         need = int(last.max()) + 1
     if bitmask.shape[0] < need or bitmask.shape[1] * 32 < vocab:
-        raise PlanError(f"the step's masks are {bitmask.shape[0]} x {bitmask.shape[1]} words; it needs "
-                        f"{need} x {(vocab + 31) // 32}")
+        raise PlanError(
+            f"the step's masks are {bitmask.shape[0]} x {bitmask.shape[1]} words; it needs "
+            f"{need} x {(vocab + 31) // 32}"
+        )
     return bitmask
 
 
 def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
     """The request-control arrays of a plan (protos/wire.proto) must be consistent and in range."""
+
+    # one function: one check per control, in the order the sampler applies them
     if p.repetition_penalty is not None:
         if p.presence_penalty is None or p.frequency_penalty is None:
-            raise PlanError("repetition_penalty, presence_penalty and frequency_penalty travel together")
+            raise PlanError(
+                "repetition_penalty, presence_penalty and frequency_penalty travel together"
+            )
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
             if not np.isfinite(getattr(p, name)).all():
                 raise PlanError(f"{name} must be finite")
@@ -88,22 +97,39 @@ def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
     if p.bias_offsets is not None:
         off = p.bias_offsets
         n = 0 if p.bias_token_ids is None else p.bias_token_ids.shape[0]
-        if off[0] != 0 or (np.diff(off) < 0).any() or off[-1] != n or p.bias_values is None \
-                or p.bias_values.shape[0] != n:
+        if (
+            off[0] != 0
+            or (np.diff(off) < 0).any()
+            or off[-1] != n
+            or p.bias_values is None
+            or p.bias_values.shape[0] != n
+        ):
             raise PlanError("bias_offsets must rise from 0 to the number of bias entries")
-        if n and (((p.bias_token_ids < 0) | (p.bias_token_ids >= vocab)).any()
-                  or np.isnan(p.bias_values).any() or (p.bias_values == np.inf).any()):
-            raise PlanError(f"a bias token outside the vocabulary [0, {vocab}) or a bias that is NaN or +inf")
+        if n and (
+            ((p.bias_token_ids < 0) | (p.bias_token_ids >= vocab)).any()
+            or np.isnan(p.bias_values).any()
+            or (p.bias_values == np.inf).any()
+        ):
+            raise PlanError(
+                f"a bias token outside the vocabulary [0, {vocab}) or a bias that is NaN or +inf"
+            )
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(p, name)
         if k is not None and ((k < -1) | (k > MAX_PLAN_LOGPROBS)).any():
             raise PlanError(f"{name} must lie in [-1, {MAX_PLAN_LOGPROBS}]")
     if p.prompt_logprobs is not None:
         counts, targets = p.prompt_logprob_counts, p.prompt_logprob_targets
-        if counts is None or targets is None or (counts < 0).any() or (counts > q_lens).any() \
-                or ((counts > 0) & (p.prompt_logprobs < 0)).any() or targets.shape[0] != int(counts.sum()):
-            raise PlanError("prompt_logprob_counts must lie within each row's new tokens and match the "
-                            "targets")
+        if (
+            counts is None
+            or targets is None
+            or (counts < 0).any()
+            or (counts > q_lens).any()
+            or ((counts > 0) & (p.prompt_logprobs < 0)).any()
+            or targets.shape[0] != int(counts.sum())
+        ):
+            raise PlanError(
+                "prompt_logprob_counts must lie within each row's new tokens and match the targets"
+            )
         if ((targets < 0) | (targets >= vocab)).any():
             raise PlanError(f"a prompt logprob target outside the vocabulary [0, {vocab})")
     if p.num_draft is not None:
@@ -124,15 +150,16 @@ def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
         if ((p.mask_rows < -1) | (p.mask_rows >= masks)).any():
             raise PlanError("mask_rows refers to a bitmask the plan does not carry")
         if masks and p.token_bitmask.shape[1] * 32 < vocab:
-            raise PlanError(f"token_bitmask rows have {p.token_bitmask.shape[1]} words; {vocab} tokens need "
-                            f"{(vocab + 31) // 32}")
+            raise PlanError(
+                f"token_bitmask rows have {p.token_bitmask.shape[1]} words; {vocab} tokens need "
+                f"{(vocab + 31) // 32}"
+            )
 
 
 def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
-    """A drafting row samples, ends with its draft after one token that is not drafted (all its tokens:
-    its K/V before them is in the pool), keys its draws by a token index the draft fits under, has a mask a
-    position where it is constrained, and asks for no logprobs (those of a one-row step are what a request
-    sees) nor what a decode row has none of (prompt logprobs)."""
+    """A drafting row samples, ends with its draft after one undrafted token, keys its draws within
+    the draft, has a mask a constrained position, and asks for no logprobs.
+    """
     nd = p.num_draft
     if (nd < 0).any():
         raise PlanError("num_draft must be >= 0")
@@ -140,17 +167,27 @@ def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
     if not rows.any():
         return
     if (~p.do_sample[rows]).any() or (q_lens[rows] != nd[rows] + 1).any():
-        raise PlanError("a drafting row samples and holds its last known token and its draft, nothing more")
+        raise PlanError(
+            "a drafting row samples and holds its last known token and its draft, nothing more"
+        )
     if (p.sample_index[rows] < nd[rows]).any():
         raise PlanError("a drafting row's sample_index must count its drafted tokens")
     if p.prev_rows is not None:
         starts = p.query_start_loc[:-1][rows].astype(np.int64)
-        spans = np.concatenate([np.arange(a, a + q) for a, q in zip(starts, q_lens[rows], strict=True)])
+        spans = np.concatenate(
+            [np.arange(a, a + q) for a, q in zip(starts, q_lens[rows], strict=True)]
+        )
         if (p.prev_rows[spans] >= 0).any():
-            raise PlanError("a drafting row's tokens must all be known (none from the step in flight)")
-    uses = [("logprobs", p.logprobs is not None and (p.logprobs[rows] >= 0).any()),
-            ("prompt logprobs", p.prompt_logprob_counts is not None
-             and (p.prompt_logprob_counts[rows] > 0).any())]
+            raise PlanError(
+                "a drafting row's tokens must all be known (none from the step in flight)"
+            )
+    uses = [
+        ("logprobs", p.logprobs is not None and (p.logprobs[rows] >= 0).any()),
+        (
+            "prompt logprobs",
+            p.prompt_logprob_counts is not None and (p.prompt_logprob_counts[rows] > 0).any(),
+        ),
+    ]
     for what, used in uses:
         if used:
             raise PlanError(f"a drafting row may not use {what}")

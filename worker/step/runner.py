@@ -1,27 +1,29 @@
-"""Step execution: a StepPlan in, one batched forward and one sampler call, a StepResult out. The plan is
-checked (worker/step/plan_checks.py) before anything touches the pool."""
+"""Step execution: a StepPlan in, one batched forward and one sampler call, a StepResult out. The
+plan is checked (worker/step/plan_checks.py) before anything touches the pool.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import structlog
 import torch
 
 from protos import wire_pb2
-from protos.codec import CodecError, PlanArrays, decode_plan, encode_plan, encode_result
+from protos.codec import CodecError, PlanArrays, decode_plan
+from protos.result_codec import encode_result
 from worker.model.attention import AttentionBackend
 from worker.model.kv_pool import KVPool
 from worker.model.kv_tiers import KvTierStore, check_tiers
 from worker.model.llama import LlamaModel, StepInputs
 from worker.model.lora import LoraCache, StepLora
+from worker.step.chain import TokenChain
 from worker.step.controls import apply_controls, gather_controls, top_logprobs
 from worker.step.plan_checks import PlanError, check_mask, validate_plan
 from worker.step.sampler import NonFiniteLogits, SamplingBatch, check_sampled, sample_async
-from worker.step.speculation import Drafts, accept_drafts, expand_drafts, stage_drafts
-from worker.step.staging import Staging, StepClock, is_device_fatal, pool_hidden
+from worker.step.speculation import accept_drafts, expand_drafts, stage_drafts
+from worker.step.staging import InFlight, Staged, Staging, StepClock, pool_hidden
 
 log = structlog.get_logger("worker.step.runner")
 
@@ -30,45 +32,10 @@ class StepDependencyError(RuntimeError):
     """A step took its input tokens from a step that failed after it was launched."""
 
 
-@dataclass
-class Staged:
-    """A step's inputs on the device, where the forward reads them."""
-
-    rows: np.ndarray  # the plan rows that sample
-    logit_owner: np.ndarray  # the plan row of each logits row: `rows`, a drafting row once per position
-    graphed: bool  # a decode graph replays this step
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    last_rows: torch.Tensor  # the token row each logits row comes from
-    step: StepInputs | None  # the eager forward's inputs (None when a graph replays)
-    drafts: Drafts | None = None  # the rows that verify drafts (worker/step/speculation.py)
-
-
-@dataclass
-class InFlight:
-    """A launched step: its tokens are being copied to `host_tokens`; `clock` knows when that is done."""
-
-    step_id: int
-    do_sample: np.ndarray  # bool [S]
-    # int64 [S] (then [S] drafted tokens accepted, when the step drafts), pinned on CUDA; -1 where a row
-    # does not sample
-    host_tokens: torch.Tensor
-    clock: StepClock
-    logprobs: object
-    prompt_logprobs: object
-    depends_on: int  # the step whose tokens it read on the device, 0 if none
-    time_prepare: float
-    host_forward: float
-    host_sample: float
-    pooled: torch.Tensor | None = None  # float32 [pooling rows, hidden] on the device, when the plan pooled
-    kv: tuple = (None, 0.0)  # the KV tiers' loads that failed, and their seconds
-
-
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, attn: AttentionBackend, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaModel, pool: KVPool, attn: AttentionBackend, device: torch.device
+    ) -> None:
         self.model = model
         self.pool = pool
         # Blocks plans may address: the pool's size until the scheduler acknowledges its own count.
@@ -77,69 +44,87 @@ class ModelRunner:
         self.device = device
         self.config = model.config
         self.staging = Staging(device)
-        self.graphs = None  # step/graphs.py DecodeGraphs, set once captured (CUDA, unless --enforce-eager)
+        # step/graphs.py DecodeGraphs, set once captured (CUDA, unless --enforce-eager)
+        self.graphs = None
         self.adapters: LoraCache | None = None  # LoRA adapters held (--max-cpu-loras > 0)
-        self.tiers: KvTierStore | None = None  # the KV tiers' bytes (--kv-offload-size, --kv-offload-dir)
-        # The tokens sampled by the last step launched, on the device: the next plan may refer to them
-        # (overlap), before they are read back. Which of its rows sampled is known on the host.
-        self.last_step_id = 0
-        self._last_tokens: torch.Tensor | None = None
-        self._last_sampled_rows: np.ndarray | None = None
-        self._failed_steps: list[int] = []  # recent steps whose tokens must not be used
-        self._token_buffers: list[torch.Tensor | None] = [None, None]
-        self._flip = 0
+        # the KV tiers' bytes (--kv-offload-size, --kv-offload-dir)
+        self.tiers: KvTierStore | None = None
+        self.chain = TokenChain(device)
 
     def preload_loras(self, loras: list[tuple[str, str]]) -> None:
-        """Read the adapters the scheduler serves now (identity, path), before any plan names them; one
-        that cannot be read is logged and read again when a plan names it (its error then fails the step)."""
+        """Read the adapters the scheduler serves now; one that fails is retried when a plan names
+        it.
+        """
         if self.adapters is not None and loras:
             self.adapters.preload(loras)
 
     @torch.inference_mode()
     def execute(self, plan: wire_pb2.StepPlan, await_mask=None) -> wire_pb2.StepResult:
-        """Run one step to its result (launch, then land). await_mask(step_id) -> int32 [masks, words]: for
-        a plan sent with mask_follows, blocks until the scheduler sends that step's masks."""
+        """Run one step to its result (launch, then land). await_mask(step_id) -> int32 [masks,
+        words]: for a plan sent with mask_follows, blocks until the scheduler sends that step's
+        masks.
+        """
         launched = self.launch(plan, await_mask)
         return launched if isinstance(launched, wire_pb2.StepResult) else self.land(launched)
 
     @torch.inference_mode()
     def launch(self, plan: wire_pb2.StepPlan, await_mask=None) -> InFlight | wire_pb2.StepResult:
-        """Queue a step's whole work on the device — forward, logits, controls, sampling, and the copy of
-        its tokens to pinned host memory — and return without waiting for it (a rejected plan: its error
-        result). Tokens the plan takes from the previous step (prev_rows) are read on the device from that
-        step's sampled tokens, so the worker can launch step N+1 before it reads step N back; `land`
-        then waits for this step's own work only. Phases: accept → stage → forward → sample."""
+        """Queue a step's whole work on the device (forward, logits, controls, sampling, tokens to
+        pinned host) and return without waiting. Tokens taken from the previous step are read on the
+        device, so step N+1 launches before step N is read back. Phases: accept → stage → forward →
+        sample.
+        """
         t0 = time.perf_counter()
         accepted = self._accept(plan, await_mask)
         if isinstance(accepted, wire_pb2.StepResult):
             return accepted
         p, pending, lora = accepted
-        kv_failed, kv_s = self.tiers.run(p.kv) if p.kv is not None else (None, 0.0)  # before any copy
+        # before any copy
+        kv_failed, kv_s = self.tiers.run(p.kv) if p.kv is not None else (None, 0.0)
         if not p.num_seqs:  # a step that only moves blocks between the pool and the tiers
-            return encode_result(plan.step_id, np.zeros(0, np.int32), kv_load_failed=kv_failed, time_kv=kv_s)
+            return encode_result(
+                plan.step_id, np.zeros(0, np.int32), kv_load_failed=kv_failed, time_kv=kv_s
+            )
         s = self._stage(p, pending, lora)
         clock = StepClock(self.device)
         t1 = time.perf_counter()
         clock.mark("start")
         if s.graphed:  # a decode step replays its bucket's graph: forward and LM head of every row
-            hidden, all_logits = None, self.graphs.run(s.token_ids, s.positions, s.slot_mapping,
-                                                       s.block_tables, s.seq_lens, int(p.seq_lens.max()))
+            hidden, all_logits = (
+                None,
+                self.graphs.run(
+                    s.token_ids,
+                    s.positions,
+                    s.slot_mapping,
+                    s.block_tables,
+                    s.seq_lens,
+                    int(p.seq_lens.max()),
+                ),
+            )
         else:
-            hidden, all_logits = self.model(s.step, self.pool, self.attn), None  # [num_tokens, hidden]
+            # [num_tokens, hidden]
+            hidden, all_logits = self.model(s.step, self.pool, self.attn), None
         t2 = time.perf_counter()
         logprobs = prompt_logprobs = None
         pooled = pool_hidden(hidden, p) if p.pooling is not None else None
-        if p.prompt_logprobs is not None:  # every rank computes them too: compute_logits is a collective
+        # every rank computes them too: compute_logits is a collective
+        if p.prompt_logprobs is not None:
             prompt_logprobs = self._prompt_logprobs(p, all_logits, hidden)
         # the step's tokens, then (when it drafts) how many drafted tokens each row accepted
         drafting = s.drafts is not None
-        out = torch.full((2 * p.num_seqs if drafting else p.num_seqs,), -1, dtype=torch.int64,
-                         device=self.device)
-        tokens, accepted = out[:p.num_seqs], (out[p.num_seqs:] if drafting else None)
+        out = torch.full(
+            (2 * p.num_seqs if drafting else p.num_seqs,), -1, dtype=torch.int64, device=self.device
+        )
+        tokens, accepted = out[: p.num_seqs], (out[p.num_seqs :] if drafting else None)
         if drafting:
             accepted.zero_()
-        if s.rows.size:  # every rank of a group sees the same plan, so all of them take this branch or none
-            raw = all_logits[s.last_rows] if s.graphed else self.model.compute_logits(hidden[s.last_rows])
+        # every rank of a group sees the same plan, so all of them take this branch or none
+        if s.rows.size:
+            raw = (
+                all_logits[s.last_rows]
+                if s.graphed
+                else self.model.compute_logits(hidden[s.last_rows])
+            )
             clock.mark("logits")
             t2 = time.perf_counter()
             if p.mask_follows:  # the forward is queued (or done): now the masks computed meanwhile
@@ -149,42 +134,65 @@ class ModelRunner:
             logprobs = self._sample(p, s, raw, tokens, accepted)
         else:
             clock.mark("logits")
-        host = self._host_tokens(out.numel())
+        host = self.chain.host_buffer(out.numel())
         host.copy_(out, non_blocking=True)
         clock.mark("end")  # land waits for this, not for what is queued after it
         t3 = time.perf_counter()
-        self._last_tokens, self._last_sampled_rows = tokens, p.do_sample.copy()
-        self.last_step_id = plan.step_id
-        return InFlight(plan.step_id, p.do_sample.copy(), host, clock, logprobs, prompt_logprobs,
-                        depends_on=p.prev_step_id if pending else 0, time_prepare=t1 - t0,
-                        host_forward=t2 - t1, host_sample=t3 - t2, pooled=pooled, kv=(kv_failed, kv_s))
+        self.chain.link(plan.step_id, tokens, p.do_sample)
+        return InFlight(
+            plan.step_id,
+            p.do_sample.copy(),
+            host,
+            clock,
+            logprobs,
+            prompt_logprobs,
+            depends_on=p.prev_step_id if pending else 0,
+            time_prepare=t1 - t0,
+            host_forward=t2 - t1,
+            host_sample=t3 - t2,
+            pooled=pooled,
+            kv=(kv_failed, kv_s),
+        )
 
     def _accept(self, plan: wire_pb2.StepPlan, await_mask) -> tuple | wire_pb2.StepResult:
-        """The plan decoded and validated, whether it reads tokens of the step before, and its rows' LoRA
-        adapters read or found (model/lora.py StepLora, None without any); or the result that rejects it."""
+        """The plan decoded and validated, whether it reads the previous step's tokens, and its LoRA
+        rows; or the result that rejects it.
+        """
         try:
             p = decode_plan(plan)
-            pending = self._pending_rows(p)
-            validate_plan(p, self.num_blocks, self.pool.block_size, self.config.vocab_size,
-                          self.config.max_position_embeddings, self.config.max_window)
+            pending = self.chain.pending_rows(p)
+            validate_plan(
+                p,
+                self.num_blocks,
+                self.pool.block_size,
+                self.config.vocab_size,
+                self.config.max_position_embeddings,
+                self.config.max_window,
+            )
             if p.mask_follows and await_mask is None:
-                raise PlanError("the plan's masks follow it, and this worker has no socket to wait on them")
+                raise PlanError(
+                    "the plan's masks follow it, and this worker has no socket to wait on them"
+                )
             lora = None
             if p.lora_index is not None and (p.lora_index >= 0).any():
                 if self.adapters is None:
-                    raise PlanError("the plan names LoRA adapters; this worker holds none (--max-cpu-loras)")
-                lora = self.adapters.step(p.loras, p.lora_index, np.diff(p.query_start_loc), self.device)
+                    raise PlanError(
+                        "the plan names LoRA adapters; this worker holds none (--max-cpu-loras)"
+                    )
+                lora = self.adapters.step(
+                    p.loras, p.lora_index, np.diff(p.query_start_loc), self.device
+                )
             if p.kv is not None:
                 check_tiers(self.tiers, p.kv, self.num_blocks)
         except (CodecError, PlanError, ValueError, OSError) as e:
-            self._forget_tokens()  # a plan that refers to this one's tokens must not run either
+            self.chain.forget()  # a plan that refers to this one's tokens must not run either
             return wire_pb2.StepResult(step_id=plan.step_id, error=f"rejected plan: {e}")
         return p, pending, lora
 
     def _stage(self, p: PlanArrays, pending: bool, lora: StepLora | None = None) -> Staged:
-        """Every host array of the step in one transfer (the logits' row index included), the tokens of the
-        step before read where they are, block copies and the pool's token record queued. Drafting rows run
-        as one decode row a token (expand_drafts), with logits at each of their tokens."""
+        """Every host array of the step in one transfer, the previous step's tokens read where they
+        are, block copies queued. Drafting rows run as one decode row a token.
+        """
         rows = np.flatnonzero(p.do_sample)
         tables, seq_lens_h, qsl_h = p.block_tables, p.seq_lens, p.query_start_loc
         ends = p.query_start_loc[1:].astype(np.int64) - 1
@@ -198,43 +206,90 @@ class ModelRunner:
             logit_rows = ends[owner] - p.num_draft[owner] + offsets
             drafted = offsets
         q_lens = np.diff(qsl_h)
-        arrays = [(tables, torch.int32), (seq_lens_h, torch.int32), (qsl_h, torch.int32),
-                  (p.token_ids, torch.int64), (p.positions, torch.int64), (p.slot_mapping, torch.int64),
-                  (p.block_copies, torch.int64), (logit_rows, torch.int64)]
+        arrays = [
+            (tables, torch.int32),
+            (seq_lens_h, torch.int32),
+            (qsl_h, torch.int32),
+            (p.token_ids, torch.int64),
+            (p.positions, torch.int64),
+            (p.slot_mapping, torch.int64),
+            (p.block_copies, torch.int64),
+            (logit_rows, torch.int64),
+        ]
         if pending:
             arrays.append((p.prev_rows, torch.int64))
         staged = self.staging.put(arrays)
-        block_tables, seq_lens, qsl, token_ids, positions, slot_mapping, copies, last_rows = staged[:8]
+        block_tables, seq_lens, qsl, token_ids, positions, slot_mapping, copies, last_rows = staged[
+            :8
+        ]
         if pending:  # tokens the step in flight (or done) sampled, read where they are
             prev = staged[8]
-            token_ids = torch.where(prev >= 0, self._last_tokens[prev.clamp(min=0)].clamp(min=0), token_ids)
-        graphed = (self.graphs is not None and p.pooling is None and lora is None
-                   and self.graphs.covers(q_lens, seq_lens_h))
+            token_ids = self.chain.read(prev, token_ids)
+        graphed = (
+            self.graphs is not None
+            and p.pooling is None
+            and lora is None
+            and self.graphs.covers(q_lens, seq_lens_h)
+        )
         step = None
         if not graphed:
-            meta = self.attn.prepare(block_tables, seq_lens, qsl, self.pool.block_size,
-                                     max_seq_len=int(seq_lens_h.max()), max_q_len=int(q_lens.max()),
-                                     host_q_lens=q_lens)
-            step = StepInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping,
-                              attn_meta=meta, lora=lora)
+            meta = self.attn.prepare(
+                block_tables,
+                seq_lens,
+                qsl,
+                self.pool.block_size,
+                max_seq_len=int(seq_lens_h.max()),
+                max_q_len=int(q_lens.max()),
+                host_q_lens=q_lens,
+            )
+            step = StepInputs(
+                token_ids=token_ids,
+                positions=positions,
+                slot_mapping=slot_mapping,
+                attn_meta=meta,
+                lora=lora,
+            )
         self.pool.copy_blocks(copies)
         self.pool.record_tokens(slot_mapping, token_ids)
-        drafts = (stage_drafts(p, rows, owner, drafted, ex_owner, self.device) if drafted is not None
-                  else None)
-        return Staged(rows, owner, graphed, token_ids, positions, slot_mapping, block_tables, seq_lens,
-                      last_rows, step, drafts)
+        drafts = (
+            stage_drafts(p, rows, owner, drafted, ex_owner, self.device)
+            if drafted is not None
+            else None
+        )
+        return Staged(
+            rows,
+            owner,
+            graphed,
+            token_ids,
+            positions,
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            last_rows,
+            step,
+            drafts,
+        )
 
-    def _sample(self, p: PlanArrays, s: Staged, raw: torch.Tensor, tokens: torch.Tensor,
-                accepted: torch.Tensor | None):
-        """The request controls on the logits, the draw written into `tokens` on the device (and, for drafting
-        rows, how many drafted tokens it accepted into `accepted`), and the logprobs asked for (None when
-        none were)."""
+    def _sample(
+        self,
+        p: PlanArrays,
+        s: Staged,
+        raw: torch.Tensor,
+        tokens: torch.Tensor,
+        accepted: torch.Tensor | None,
+    ):
+        """Controls, the draw into `tokens` (and accepted drafts into `accepted`), and the logprobs
+        asked for.
+        """
         rows, owner = s.rows, s.logit_owner
         d = s.drafts
-        controls = gather_controls(p, owner, s.block_tables, self.device, d and d.table_rows, d and d.offsets)
+        controls = gather_controls(
+            p, owner, s.block_tables, self.device, d and d.table_rows, d and d.offsets
+        )
         logits = apply_controls(raw, controls, self.pool)
         index = p.sample_index[owner]
-        if s.drafts is not None:  # the token at draft position j is the (index - drafted + j)-th generated
+        # the token at draft position j is the (index - drafted + j)-th generated
+        if s.drafts is not None:
             index = index - p.num_draft[owner] + s.drafts.offsets
         batch = SamplingBatch(
             temperature=torch.from_numpy(p.temperature[owner].copy()),
@@ -247,12 +302,14 @@ class ModelRunner:
         sampled = sample_async(logits, batch)
         if s.drafts is not None:
             last = torch.from_numpy(np.flatnonzero(np.append(owner[1:] != owner[:-1], True))).to(
-                self.device, non_blocking=True)
+                self.device, non_blocking=True
+            )
             tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled[last]
             accept_drafts(sampled, s.drafts, tokens, accepted)
         else:
             tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled
-        # by logits row: a drafting row asks none (plan_checks), so each row asking has its one logits row
+        # by logits row: a drafting row asks none (plan_checks), so each row asking has its one
+        # logits row
         ks = p.logprobs[owner] if p.logprobs is not None else np.zeros(0, dtype=np.int32)
         at = np.flatnonzero(ks >= 0)
         if not at.size:
@@ -261,139 +318,60 @@ class ModelRunner:
         return top_logprobs(raw[index], sampled[index].clamp(min=0), ks[at].astype(np.int64))
 
     def land(self, f: InFlight) -> wire_pb2.StepResult:
-        """Wait for a launched step's tokens and answer with its result. A step that read its input tokens
-        from one that failed reports that instead of its own (garbage) tokens."""
+        """Wait for a launched step's tokens and answer with its result. A step that read its input
+        tokens from one that failed reports that instead of its own (garbage) tokens.
+        """
         t = time.perf_counter()
         f.clock.wait()
         sampled = f.host_tokens.numpy().astype(np.int32)
         num_seqs = f.do_sample.shape[0]
-        sampled, accepted = sampled[:num_seqs], (sampled[num_seqs:] if sampled.shape[0] > num_seqs else None)
+        sampled, accepted = (
+            sampled[:num_seqs],
+            (sampled[num_seqs:] if sampled.shape[0] > num_seqs else None),
+        )
         try:
-            if f.depends_on and f.depends_on in self._failed_steps:
-                raise StepDependencyError(f"step {f.step_id} took its tokens from step {f.depends_on}, which "
-                                          "failed")
+            if f.depends_on and f.depends_on in self.chain.failed:
+                raise StepDependencyError(
+                    f"step {f.step_id} took its tokens from step {f.depends_on}, which failed"
+                )
             check_sampled(sampled[f.do_sample])
         except (NonFiniteLogits, StepDependencyError):
-            self._failed_steps.append(f.step_id)
-            del self._failed_steps[:-8]
-            if self.last_step_id == f.step_id:
-                self._forget_tokens()
+            self.chain.fail(f.step_id)
             raise
         waited = time.perf_counter() - t
         forward, sampling = f.clock.split(f.host_forward, f.host_sample + waited)
         pooled = f.pooled.cpu().numpy() if f.pooled is not None else None
-        return encode_result(f.step_id, sampled, logprobs=f.logprobs, prompt_logprobs=f.prompt_logprobs,
-                             num_accepted=accepted, pooled=pooled, time_prepare=f.time_prepare,
-                             time_forward=forward, time_sample=sampling, kv_load_failed=f.kv[0],
-                             time_kv=f.kv[1])
-
-    # --- the previous step's tokens, on the device ------------------------------------------------
-    @property
-    def last_sampled(self) -> np.ndarray | None:
-        """The last launched step's tokens on the host (-1 where a row did not sample); waits for it."""
-        if self._last_tokens is None:
-            return None
-        return self._last_tokens.cpu().numpy().astype(np.int32)
-
-    def _forget_tokens(self) -> None:
-        self._last_tokens = self._last_sampled_rows = None
-
-    def stream_state(self) -> tuple:
-        """A step's link to the one before (id, tokens, sampled rows), put back after the warm-up's steps."""
-        return self.last_step_id, self._last_tokens, self._last_sampled_rows
-
-    def restore_stream_state(self, state: tuple) -> None:
-        self.last_step_id, self._last_tokens, self._last_sampled_rows = state
-
-    def _pending_rows(self, p: PlanArrays) -> bool:
-        """Whether the plan takes tokens from the previous step (prev_rows), checked against which rows of
-        that step sample — known on the host without waiting for their values. Their places in
-        p.token_ids hold 0 until the device fills them."""
-        if p.prev_rows is None or not (p.prev_rows >= 0).any():
-            return False
-        if self._last_sampled_rows is None or p.prev_step_id != self.last_step_id \
-                or p.prev_step_id in self._failed_steps:
-            raise CodecError(f"the plan needs tokens sampled in step {p.prev_step_id}, which this worker "
-                             f"does not have (its last completed step is {self.last_step_id})")
-        src = p.prev_rows[p.prev_rows >= 0]
-        if (src >= self._last_sampled_rows.shape[0]).any() or not self._last_sampled_rows[src].all():
-            raise CodecError(f"the plan refers to rows of step {p.prev_step_id} that sampled no token")
-        p.token_ids = np.where(p.prev_rows >= 0, 0, p.token_ids).astype(np.int32)
-        return True
-
-    def _host_tokens(self, n: int) -> torch.Tensor:
-        """Pinned host memory for a step's tokens; two buffers in turn (the step in flight keeps its own)."""
-        self._flip ^= 1
-        buf = self._token_buffers[self._flip]
-        if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-            self._token_buffers[self._flip] = buf
-        return buf[:n]
+        return encode_result(
+            f.step_id,
+            sampled,
+            logprobs=f.logprobs,
+            prompt_logprobs=f.prompt_logprobs,
+            num_accepted=accepted,
+            pooled=pooled,
+            time_prepare=f.time_prepare,
+            time_forward=forward,
+            time_sample=sampling,
+            kv_load_failed=f.kv[0],
+            time_kv=f.kv[1],
+        )
 
     def _prompt_logprobs(self, p: PlanArrays, all_logits, hidden):
-        """Log-probabilities of the prompt tokens after each row's first `count` new tokens (the plan's
-        targets), from the logits at those positions."""
+        """Log-probabilities of the prompt tokens after each row's first `count` new tokens (the
+        plan's targets), from the logits at those positions.
+        """
         counts = p.prompt_logprob_counts.astype(np.int64)
         at = np.flatnonzero(counts > 0)
         if at.size == 0:
             return None
         starts = p.query_start_loc[at].astype(np.int64)
-        index = np.repeat(starts - np.concatenate([[0], np.cumsum(counts[at])[:-1]]), counts[at]) \
-            + np.arange(int(counts[at].sum()))
+        index = np.repeat(
+            starts - np.concatenate([[0], np.cumsum(counts[at])[:-1]]), counts[at]
+        ) + np.arange(int(counts[at].sum()))
         where = torch.from_numpy(index).to(self.device)
-        logits = all_logits[where] if all_logits is not None else self.model.compute_logits(hidden[where])
+        logits = (
+            all_logits[where]
+            if all_logits is not None
+            else self.model.compute_logits(hidden[where])
+        )
         ks = np.repeat(p.prompt_logprobs[at].astype(np.int64), counts[at])
         return top_logprobs(logits, torch.from_numpy(p.prompt_logprob_targets.astype(np.int64)), ks)
-
-
-
-
-
-
-
-
-
-
-def warm_up(runner: ModelRunner) -> float:
-    """Run three small steps through the whole path before serving — prompt chunks only, a mixed step,
-    decodes only (each kind has its own kernels), greedy and sampled rows — so kernels compile, libraries
-    pick their algorithms and the allocator warms now rather than on the first requests. It writes K/V into
-    the pool's first blocks only (the scheduler owns no content there yet) and leaves the runner as it found
-    it. Returns seconds taken."""
-    bs = runner.pool.block_size
-    per_seq = -(-5 // bs)  # blocks for 5 positions
-    if runner.pool.num_blocks < 2 * per_seq:
-        return 0.0
-    tables = np.arange(2 * per_seq, dtype=np.int32).reshape(2, per_seq)
-    # (sequence, first position, new tokens) of each row, per step
-    steps = [[(0, 0, 3), (1, 0, 2)], [(0, 3, 1), (1, 2, 2)], [(0, 4, 1), (1, 4, 1)]]
-    kept = runner.stream_state()
-    t0 = time.perf_counter()
-    try:  # a model whose logits are not finite (a broken checkpoint) fails here as it would on every step:
-        # the steps report it to the scheduler; the warm-up only says so in the log
-        for rows in steps:
-            positions = np.concatenate([np.arange(a, a + n) for _, a, n in rows]).astype(np.int32)
-            owner = np.repeat([r for r, _, _ in rows], [n for _, _, n in rows])
-            plan = PlanArrays(
-                step_id=(1 << 63) - 1, token_ids=(positions + 1).astype(np.int32), positions=positions,
-                slot_mapping=tables[owner, positions // bs].astype(np.int64) * bs + positions % bs,
-                block_tables=tables, seq_lens=np.array([a + n for _, a, n in rows], dtype=np.int32),
-                query_start_loc=np.cumsum([0] + [n for _, _, n in rows]).astype(np.int32),
-                do_sample=np.ones(2, dtype=bool), sample_index=np.zeros(2, dtype=np.int32),
-                temperature=np.array([0.0, 1.0], dtype=np.float32),
-                top_p=np.array([1.0, 0.9], dtype=np.float32),
-                top_k=np.array([0, 5], dtype=np.int32), seed=np.zeros(2, dtype=np.uint64),
-                block_copies=np.zeros((0, 2), dtype=np.int32))
-            result = runner.execute(encode_plan(plan))
-            if result.error:
-                log.warning("warm_up_step_failed", error=result.error)
-                break
-    except Exception as e:  # noqa: BLE001 - any failure but a device's own is left to the steps to report
-        if is_device_fatal(e):
-            raise
-        log.warning("warm_up_step_failed", error=repr(e))
-    finally:
-        runner.restore_stream_state(kept)
-    return time.perf_counter() - t0
-
-

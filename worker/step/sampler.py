@@ -1,7 +1,5 @@
-"""Sampling on the worker's device: greedy, temperature, min-p, top-k, top-p, per-request seed.
-
-Stateless: the random draw for a sequence's k-th generated token is keyed by (seed, k) alone, so a
-sequence preempted and recomputed, or replayed on a restarted worker, draws exactly the same tokens.
+"""Sampling on the worker's device: greedy, temperature, min-p, top-k, top-p, per-request seed. The
+draw for a sequence's k-th token is keyed by (seed, k) alone, so a replay draws the same tokens.
 """
 
 from __future__ import annotations
@@ -42,9 +40,9 @@ class NonFiniteLogits(ValueError):
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits: fp32 [rows, vocab] on the worker's device -> int64 [rows] token ids on it. NaN logits never
-    win; +inf ones always do. Raises NonFiniteLogits for a row with no finite logit (this waits for the
-    device; the runner uses sample_async and checks the tokens it reads back anyway)."""
+    """fp32 logits [rows, vocab] -> int64 tokens. NaN never wins, +inf always does; NonFiniteLogits
+    for a row with no finite logit (this syncs; the runner uses sample_async).
+    """
     tokens = sample_async(logits, batch)
     check_sampled(tokens.cpu())
     return tokens
@@ -58,18 +56,20 @@ def check_sampled(tokens) -> None:
 
 
 def sample_async(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """sample() without a host sync: every path is chosen from the batch's parameters, which live on the
-    host (the plan's), and a row with no finite logit comes back as -1 instead of raising. Top-p takes no
-    sort of the vocabulary (kernels/triton_sampling.py)."""
+    """sample() without a host sync: paths chosen from the host's parameters, a row with no finite
+    logit returned as -1.
+    """
     temperature = batch.temperature.cpu()
     if logits.device.type == "cpu" and not bool((temperature >= MIN_TEMPERATURE).any()):
-        # every row greedy, on the host: one pass over the vocabulary (the native kernel's, ~10 us at 50k
-        # tokens) instead of the general path's four; same tokens, NaN never chosen, -1 for an empty row
+        # every row greedy, on the host: one pass over the vocabulary (the native kernel's, ~10 us
+        # at 50k tokens) instead of the general path's four; same tokens, NaN never chosen, -1 for
+        # an empty row
         native = _native()
         if native is not None and logits.dtype == torch.float32:
             return native.argmax_rows(logits)
         best, tokens = logits.max(dim=-1)  # the first maximal index, as argmax
-        if not bool(best.isnan().any()):  # a row holding a NaN takes the general path, which masks it
+        # a row holding a NaN takes the general path, which masks it
+        if not bool(best.isnan().any()):
             return torch.where(best == float("-inf"), -1, tokens)
     logits = logits.masked_fill(logits.isnan(), float("-inf"))
     tokens = logits.argmax(dim=-1)
@@ -84,38 +84,47 @@ def sample_async(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.min_p is not None and bool((batch.min_p.cpu()[host_rows] > 0).any()):
             # p < min_p * p_max  <=>  scaled < max(scaled) + log(min_p); log(0) = -inf: off
             floor = torch.log(batch.min_p.cpu()[host_rows].to(device, non_blocking=True))
-            scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + floor[:, None],
-                                        float("-inf"))
+            scaled = scaled.masked_fill(
+                scaled < scaled.amax(dim=-1, keepdim=True) + floor[:, None], float("-inf")
+            )
         top_k = batch.top_k.cpu()[host_rows]
-        if bool((top_k > 0).any()):  # the k-th largest of each row from one partial selection, no sort
+        # the k-th largest of each row from one partial selection, no sort
+        if bool((top_k > 0).any()):
             vocab = scaled.shape[-1]
             k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
             kth = scaled.topk(int(k.max()), dim=-1).values.gather(
-                -1, (k - 1).to(device, non_blocking=True)[:, None])
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))  # ties with the k-th value all stay
+                -1, (k - 1).to(device, non_blocking=True)[:, None]
+            )
+            # ties with the k-th value all stay
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
         top_p = batch.top_p.cpu()[host_rows]
         if bool((top_p < 1.0).any()):
             floor = _top_p_floor(probs, top_p.to(torch.float32).to(device, non_blocking=True))
             probs = probs.masked_fill(probs < floor[:, None], 0.0)
         keys = [mix_seed(batch.seeds[r], batch.sample_index[r]) for r in host_rows.tolist()]
-        noise = exponential_noise(torch.tensor(keys, dtype=torch.int64).to(device, non_blocking=True),
-                                  probs.shape[-1])
-        # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with one keyed stream per row.
+        noise = exponential_noise(
+            torch.tensor(keys, dtype=torch.int64).to(device, non_blocking=True), probs.shape[-1]
+        )
+        # argmax(p / E) with E ~ Exp(1) draws from p (the exponential race), with one keyed stream
+        # per row.
         tokens[rows] = (probs / noise).argmax(dim=-1)
     return torch.where(empty, -1, tokens)
 
 
 def _native():
-    """The native CPU kernels where they load (worker/serve/main.py builds them at start), else None."""
+    """The native CPU kernels where they load (worker/serve/main.py builds them at start), else
+    None.
+    """
     from kernels import cpu_native
 
     return cpu_native.load()
 
 
 def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The smallest probability each row keeps under top-p: a Triton kernel on CUDA (one launch), the same
-    bisection in torch elsewhere."""
+    """The smallest probability each row keeps under top-p: a Triton kernel on CUDA (one launch),
+    the same bisection in torch elsewhere.
+    """
     if probs.is_cuda:
         try:
             from kernels.triton_sampling import top_p_floor
@@ -126,7 +135,8 @@ def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return top_p_floor_torch(probs, top_p)
 
 
-# splitmix64's constants as wrapping int64 (two's complement): torch's int64 multiply wraps like uint64's.
+# splitmix64's constants as wrapping int64 (two's complement): torch's int64 multiply wraps like
+# uint64's.
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MIX2 = 0x94D049BB133111EB - (1 << 64)
@@ -138,9 +148,9 @@ def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise [rows, vocab] from a counter-based generator: element (r, v) is a function of keys[r]
-    and v alone (splitmix64 of the pair, 23 bits to a uniform in (0, 1), then -log), so one batched pass
-    over all rows on any device draws what a replay of the same (seed, token index) draws."""
+    """Exp(1) noise [rows, vocab] from a counter-based generator: element (r, v) depends on keys[r]
+    and v alone (splitmix64), so any device and any replay draw the same.
+    """
     v = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
     z = keys[:, None] + v[None, :] * _GOLDEN
     z = (z ^ _shr(z, 30)) * _MIX1
@@ -149,9 +159,9 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return -torch.log(uniform_from_bits(_shr(z, 64 - UNIFORM_BITS)))
 
 
-# Bits of a uniform draw. (k + 0.5) / 2^23 for k < 2^23 is exact in float32 and lies in (0, 1) strictly;
-# with 24 bits the top value rounds to 1.0, whose -log is 0, and a token of probability 0 (filtered by
-# top-k, top-p, min-p or a mask) would then win the race as 0 / 0 = NaN.
+# Bits of a uniform draw. (k + 0.5) / 2^23 for k < 2^23 is exact in float32 and lies in (0, 1)
+# strictly; with 24 bits the top value rounds to 1.0, whose -log is 0, and a token of probability 0
+# (filtered by top-k, top-p, min-p or a mask) would then win the race as 0 / 0 = NaN.
 UNIFORM_BITS = 23
 
 

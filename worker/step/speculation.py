@@ -1,6 +1,6 @@
-"""Speculative decoding on the worker: a plan's drafting rows (protos/wire.proto StepPlan.num_draft) run
-as decode rows, one a token, with logits at each; acceptance keeps the drafted tokens the sampler itself
-draws there. Why the answers equal speculation off: docs/ARCHITECTURE.md (the worker step)."""
+"""Speculative decoding on the worker: drafting rows run as decode rows, one a token, and acceptance
+keeps the drafts the sampler itself draws there (docs/ARCHITECTURE.md, the worker step).
+"""
 
 from __future__ import annotations
 
@@ -19,17 +19,23 @@ class Drafts:
     rows: torch.Tensor  # int64 [D]: the plan rows that draft
     first: torch.Tensor  # int64 [D]: each one's first logits row
     tokens: torch.Tensor  # int64 [D, K]: the drafted tokens, -1 past each row's count
-    offsets: np.ndarray  # int32 [L]: each logits row's place in its row's draft positions (0 for others)
-    table_rows: np.ndarray  # int64 [S]: each plan row's first row in the step's (expanded) block tables
+    # int32 [L]: each logits row's place in its row's draft positions (0 for others)
+    offsets: np.ndarray
+    # int64 [S]: each plan row's first row in the step's (expanded) block tables
+    table_rows: np.ndarray
 
 
-def accept_drafts(sampled: torch.Tensor, d: Drafts, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
-    """Speculative acceptance, on the device: a drafted token stands while it equals the token sampled at
-    the position before it (keyed by the same seed and token index as without drafts, so the answer is the
-    one speculation off draws, token for token, greedy or sampled); the row's token is then the one sampled
-    after the last accepted draft. `tokens` [S] and `accepted` [S] are written at the drafting rows."""
+def accept_drafts(
+    sampled: torch.Tensor, d: Drafts, tokens: torch.Tensor, accepted: torch.Tensor
+) -> None:
+    """A draft stands while it equals the token sampled at the position before it (same seed and
+    token index as without drafts, so answers equal speculation off); the row's token is the one
+    after the last accepted draft.
+    """
     k = d.tokens.shape[1]
-    at = (d.first[:, None] + torch.arange(k, device=sampled.device)[None, :]).clamp(max=sampled.shape[0] - 1)
+    at = (d.first[:, None] + torch.arange(k, device=sampled.device)[None, :]).clamp(
+        max=sampled.shape[0] - 1
+    )
     same = (sampled[at] == d.tokens) & (d.tokens >= 0)
     n = torch.cumprod(same.to(torch.int64), dim=1).sum(dim=1)
     tokens[d.rows] = sampled[d.first + n]
@@ -37,10 +43,10 @@ def accept_drafts(sampled: torch.Tensor, d: Drafts, tokens: torch.Tensor, accept
 
 
 def expand_drafts(p: PlanArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The plan's rows with each drafting row cut into one decode row per token (each reads the row's table
-    up to its own position): (owner plan row, seq_lens, query_start_loc) of the rows the forward runs. The
-    K/V of every token of a step is written before any is attended to, so a token reads exactly the keys
-    before it, as in one row, and a step of decodes and drafts stays a decode step (graphs, fused step)."""
+    """Each drafting row cut into one decode row per token: (owner plan row, seq_lens,
+    query_start_loc). All K/V is written before any is read, so the step stays a decode step
+    (graphs, fused step).
+    """
     q_lens = np.diff(p.query_start_loc.astype(np.int64))
     split = p.num_draft > 0
     per_row = np.where(split, q_lens, 1)
@@ -54,9 +60,17 @@ def expand_drafts(p: PlanArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return owner, seq_lens.astype(np.int32), qsl.astype(np.int32)
 
 
-def stage_drafts(p: PlanArrays, rows: np.ndarray, owner: np.ndarray, offsets: np.ndarray,
-                 ex_owner: np.ndarray, device: torch.device) -> Drafts:
-    """What acceptance needs of a drafting step's rows: their first logits rows and drafted tokens."""
+def stage_drafts(
+    p: PlanArrays,
+    rows: np.ndarray,
+    owner: np.ndarray,
+    offsets: np.ndarray,
+    ex_owner: np.ndarray,
+    device: torch.device,
+) -> Drafts:
+    """What acceptance needs of a drafting step's rows: their first
+    logits rows and drafted tokens.
+    """
     nd = p.num_draft.astype(np.int64)
     which = np.flatnonzero(nd[rows] > 0)
     drafting = rows[which]
@@ -65,10 +79,19 @@ def stage_drafts(p: PlanArrays, rows: np.ndarray, owner: np.ndarray, offsets: np
     k = int(counts.max())
     ends = p.query_start_loc[1:].astype(np.int64)[drafting]
     at = ends[:, None] - counts[:, None] + np.arange(k)[None, :]
-    tokens = np.where(np.arange(k)[None, :] < counts[:, None],
-                      p.token_ids[np.minimum(at, p.num_tokens - 1)], -1).astype(np.int64)
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)
+    tokens = np.where(
+        np.arange(k)[None, :] < counts[:, None], p.token_ids[np.minimum(at, p.num_tokens - 1)], -1
+    ).astype(np.int64)
 
-    return Drafts(dev(drafting), dev(first), dev(tokens), offsets.astype(np.int32),
-                  np.searchsorted(ex_owner, np.arange(p.num_seqs)))
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(
+            device, non_blocking=True
+        )
+
+    return Drafts(
+        dev(drafting),
+        dev(first),
+        dev(tokens),
+        offsets.astype(np.int32),
+        np.searchsorted(ex_owner, np.arange(p.num_seqs)),
+    )

@@ -1,18 +1,23 @@
-"""What a step moves and times around its forward: the plan's arrays staged to the device in one copy, pooled
-rows gathered, a step's device time split, and which errors leave the device unusable."""
+"""What a step moves and times around its forward: arrays staged in one copy, pooled rows gathered,
+its device time split, and the errors that leave the device unusable.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from protos.codec import POOL_FIRST, POOL_SUM, PlanArrays
+from worker.model.llama import StepInputs
+from worker.step.speculation import Drafts
 
 
 def pool_hidden(hidden: torch.Tensor, p: PlanArrays) -> torch.Tensor | None:
-    """What the plan's pooling rows ask of their final hidden states (protos/wire.proto StepPlan.pooling),
-    fp32 [pooling rows, hidden] in row order: the last token's, the sum over the row's tokens, or the
-    first token's. None when no row pools."""
+    """The pooling rows' final hidden states (last token, sum or first), fp32 [rows, hidden]; None
+    if none.
+    """
     rows = np.flatnonzero(p.pooling > 0)
     if rows.size == 0:
         return None
@@ -24,7 +29,9 @@ def pool_hidden(hidden: torch.Tensor, p: PlanArrays) -> torch.Tensor | None:
     summing = np.flatnonzero(kinds == POOL_SUM)
     if summing.size:
         lens = ends[summing] - starts[summing]
-        tokens = np.repeat(starts[summing] - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+        tokens = np.repeat(starts[summing] - np.cumsum(lens) + lens, lens) + np.arange(
+            int(lens.sum())
+        )
         owner = torch.from_numpy(np.repeat(summing, lens)).to(hidden.device)
         values = hidden[torch.from_numpy(tokens).to(hidden.device)].float()
         sums = torch.zeros_like(out).index_add_(0, owner, values)
@@ -37,13 +44,10 @@ _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float3
 
 
 class Staging:
-    """A step's host arrays on the device. On CUDA they are packed into a pinned buffer and moved in one
-    non-blocking transfer, then cut into typed views, instead of one pageable, synchronous copy each. Two
-    buffers are used in turn, each with an event recorded after its transfer: the worker launches a step
-    before the one before it is done, so the buffer written now is the one of two steps ago, whose transfer
-    has run (the event says so; waiting on it is a formality). Every array starts at a multiple of ALIGN
-    bytes. On a CPU each array is used as a tensor as it is (copied once, off the read-only wire buffer);
-    `pack` forces the packed path there (for tests)."""
+    """A step's host arrays on the device: on CUDA packed into one of two pinned buffers used in
+    turn and moved in one non-blocking copy (an event guards reuse); on a CPU used as they are.
+    `pack` forces the packed path (tests).
+    """
 
     ALIGN = 16  # every view starts 16-byte aligned, whatever the arrays before it
 
@@ -77,13 +81,16 @@ class Staging:
         if cuda:
             self._moved[turn] = torch.cuda.Event()
             self._moved[turn].record()
-        return [moved[at : at + a.nbytes].view(dtype).view(a.shape)
-                for a, at, (_, dtype) in zip(typed, offsets, arrays, strict=True)]
+        return [
+            moved[at : at + a.nbytes].view(dtype).view(a.shape)
+            for a, at, (_, dtype) in zip(typed, offsets, arrays, strict=True)
+        ]
 
 
 def is_device_fatal(error: BaseException) -> bool:
-    """A CUDA error (illegal address, device-side assert, ...) leaves the context unusable: every later
-    call fails too. torch raises torch.AcceleratorError (2.8+) or a RuntimeError naming CUDA."""
+    """A CUDA error (illegal address, device-side assert, ...) leaves the context unusable: every
+    later call fails too. torch raises torch.AcceleratorError (2.8+) or a RuntimeError naming CUDA.
+    """
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):
         return True
@@ -92,11 +99,10 @@ def is_device_fatal(error: BaseException) -> bool:
 
 
 class StepClock:
-    """Forward and sampling times of a step. On CUDA the host returns from the forward as soon as its kernels
-    are queued, so host clocks would show GPU time as sampling: events recorded on the stream between the
-    phases give the device's own times. The "end" event, recorded after the copy of the step's tokens to the
-    host, is what `wait` blocks on: work queued after it (the next step) is not waited for. On a CPU the host
-    clocks are the truth and this records nothing."""
+    """A step's forward and sampling times. On CUDA, events on the stream give the device's own
+    times, and `wait` blocks on the "end" event only, not on the next step queued after it; on a CPU
+    the host clock.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.events: dict[str, torch.cuda.Event] | None = {} if device.type == "cuda" else None
@@ -122,3 +128,44 @@ class StepClock:
         e = self.events
         forward = e["start"].elapsed_time(e["logits"]) / 1000
         return forward, e["logits"].elapsed_time(e["end"]) / 1000
+
+
+@dataclass
+class Staged:
+    """A step's inputs on the device, where the forward reads them."""
+
+    rows: np.ndarray  # the plan rows that sample
+    # the plan row of each logits row: `rows`, a drafting row once per position
+    logit_owner: np.ndarray
+    graphed: bool  # a decode graph replays this step
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    last_rows: torch.Tensor  # the token row each logits row comes from
+    step: StepInputs | None  # the eager forward's inputs (None when a graph replays)
+    drafts: Drafts | None = None  # the rows that verify drafts (worker/step/speculation.py)
+
+
+@dataclass
+class InFlight:
+    """A launched step: its tokens are being copied to `host_tokens`; `clock` knows when that is
+    done.
+    """
+
+    step_id: int
+    do_sample: np.ndarray  # bool [S]
+    # int64 [S] (then [S] drafted tokens accepted, when the step drafts), pinned on CUDA; -1 where a
+    # row does not sample
+    host_tokens: torch.Tensor
+    clock: StepClock
+    logprobs: object
+    prompt_logprobs: object
+    depends_on: int  # the step whose tokens it read on the device, 0 if none
+    time_prepare: float
+    host_forward: float
+    host_sample: float
+    # float32 [pooling rows, hidden] on the device, when the plan pooled
+    pooled: torch.Tensor | None = None
+    kv: tuple = (None, 0.0)  # the KV tiers' loads that failed, and their seconds

@@ -1,5 +1,6 @@
-"""Checkpoint tensors by name, read a slice at a time: a rank of a tensor-parallel group reads only
-its rows or columns of each weight (lazily from safetensors files, without loading the rest)."""
+"""Checkpoint tensors by name, read a slice at a time: a TP rank reads only its rows or columns,
+lazily from safetensors.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ Range = tuple[int, int] | None
 
 
 class TensorSource:
-    """Hugging Face-named tensors; `get` returns rows [a, b) and/or columns [c, d) of one of them."""
+    """Hugging Face-named tensors; `get` returns rows [a, b) and/or columns
+    [c, d) of one of them.
+    """
 
     def names(self) -> set[str]:
         raise NotImplementedError
@@ -68,9 +71,10 @@ class SafetensorsSource(TensorSource):
 
 
 class BareDecoderSource(TensorSource):
-    """A decoder saved without its language-model wrapper (a `Qwen3Model` / `LlamaModel` checkpoint, as
-    embedding models ship: `layers.0...`, `embed_tokens.weight`, `norm.weight`, no head) under the names the
-    model reads, `model.` before each."""
+    """A decoder saved without its language-model wrapper (a `Qwen3Model` / `LlamaModel` checkpoint,
+    as embedding models ship: `layers.0...`, `embed_tokens.weight`, `norm.weight`, no head) under
+    the names the model reads, `model.` before each.
+    """
 
     PREFIX = "model."
 
@@ -79,7 +83,9 @@ class BareDecoderSource(TensorSource):
 
     @classmethod
     def wrap(cls, source: TensorSource) -> TensorSource:
-        """source itself, or its bare decoder's tensors under `model.` where that is what it holds."""
+        """source itself, or its bare decoder's tensors under `model.` where
+        that is what it holds.
+        """
         names = source.names()
         bare = "embed_tokens.weight" in names and not any(n.startswith(cls.PREFIX) for n in names)
         return cls(source) if bare else source
@@ -90,7 +96,7 @@ class BareDecoderSource(TensorSource):
     def get(self, name, rows=None, cols=None):
         if not name.startswith(self.PREFIX):
             raise KeyError(name)
-        return self.inner.get(name[len(self.PREFIX):], rows, cols)
+        return self.inner.get(name[len(self.PREFIX) :], rows, cols)
 
 
 @dataclass(frozen=True)
@@ -98,12 +104,16 @@ class LayerNames:
     """Where a family's checkpoint keeps a decoder layer's tensors, under `model.layers.{i}.`."""
 
     moe: str = "mlp."  # the mixture-of-experts block: its router `gate.weight`, `experts.{e}.`
-    expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's gate, up, down
+    # an expert's gate, up, down
+    expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     qkv: str = "self_attn.qkv_proj"  # q, k and v as one tensor (Phi-3), where the checkpoint has it
     gate_up: str = "mlp.gate_up_proj.weight"  # gate then up as one tensor (Phi-3), where present
     # Gemma's four norms a layer: on the attention output, before and after the MLP
-    sandwich: tuple[str, str, str] = ("post_attention_layernorm", "pre_feedforward_layernorm",
-                                      "post_feedforward_layernorm")
+    sandwich: tuple[str, str, str] = (
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    )
 
 
 LAYER_NAMES = {"mixtral": LayerNames(moe="block_sparse_moe.", expert=("w1", "w3", "w2"))}
@@ -111,8 +121,9 @@ DEFAULT_LAYER_NAMES = LayerNames()
 
 
 class CheckpointReader:
-    """One rank's reads of a checkpoint: each tensor as the model's dtype, remembered, so that at the end
-    every parameter is covered and every tensor used."""
+    """One rank's reads of a checkpoint: each tensor as the model's dtype, remembered, so that at
+    the end every parameter is covered and every tensor used.
+    """
 
     def __init__(self, source: TensorSource, dtype: torch.dtype, norm_offset: float) -> None:
         self.source, self.dtype, self.norm_offset = source, dtype, norm_offset
@@ -136,7 +147,9 @@ class CheckpointReader:
         return F.pad(t, (0, 0, 0, shard_size - t.shape[0]))  # the last shard may be short
 
     def served(self, param, *names: str) -> bool:
-        """A parameter released for the file's blocks (model.release): its tensors count as used, unread."""
+        """A parameter released for the file's blocks (model.release): its tensors count as used,
+        unread.
+        """
         if param is None or param.numel():
             return False
         self.loaded.update(names)

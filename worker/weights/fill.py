@@ -1,5 +1,7 @@
-"""A checkpoint's tensors into a LlamaModel's fused parameters: this rank's slices of the Hugging Face-named
-tensors (copy_checkpoint), or the GGUF blocks that will serve its matrices (read_quantized)."""
+"""A checkpoint's tensors into a LlamaModel's fused parameters: this rank's slices of the Hugging
+Face-named tensors (copy_checkpoint), or the GGUF blocks that will serve its matrices
+(read_quantized).
+"""
 
 from __future__ import annotations
 
@@ -16,13 +18,14 @@ from worker.weights.checkpoint import (
 )
 
 
-def read_quantized(model: LlamaModel, source, embeddings: bool = False, pack=None) -> dict[tuple, object]:
-    """This rank's rows or columns of each matrix the GGUF's blocks serve (worker/model/quantized.py), stacked
-    as the fused parameters are, read from the file: {(layer index, parameter name) or ("head",): the
-    weight}. A matrix of a type the kernels do not serve (or that does not stack) is left out: it loads
-    dense. embeddings: the token table's blocks too, under ("embed",), where its type can be looked up by
-    row (as the file lays them out). pack: applied to each matrix as it is read (QuantizedMatmul.pack)."""
-    from worker.model.quantized import QuantWeight
+def read_quantized(
+    model: LlamaModel, source, embeddings: bool = False, pack=None
+) -> dict[tuple, object]:
+    """This rank's slices of each matrix the GGUF's blocks serve, stacked as the fused parameters
+    are; unserved types load dense. embeddings adds the token table under ("embed",); pack is
+    applied as read.
+    """
+    from worker.model.quant_weights import QuantWeight
 
     c, sh = model.config, model.shard
     hd = c.head_dim
@@ -30,8 +33,9 @@ def read_quantized(model: LlamaModel, source, embeddings: bool = False, pack=Non
     kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
 
     def quant(parts, cols=None, rows_to=None, packed=True):
-        """rows_to: rows padded with zero blocks to that many (the last vocabulary shard is short, as
-        the dense one is padded)."""
+        """rows_to: rows padded with zero blocks to that many (the last vocabulary shard is short,
+        as the dense one is padded).
+        """
         if any(source.qtype(name) is None for name, _ in parts):
             return None
         try:
@@ -47,22 +51,37 @@ def read_quantized(model: LlamaModel, source, embeddings: bool = False, pack=Non
     for i, layer in enumerate(model.layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         plan = {
-            "qkv": quant([(a + "q_proj.weight", q_rows), (a + "k_proj.weight", kv_rows),
-                          (a + "v_proj.weight", kv_rows)]),
+            "qkv": quant(
+                [
+                    (a + "q_proj.weight", q_rows),
+                    (a + "k_proj.weight", kv_rows),
+                    (a + "v_proj.weight", kv_rows),
+                ]
+            ),
             "o_proj": quant([(a + "o_proj.weight", None)], cols=q_rows),
         }
-        if layer.moe is None:  # a mixture of experts stays as loaded (worker/model/moe.py reads the experts)
-            plan["gate_up"] = quant([(m + "gate_proj.weight", sh.intermediate),
-                                     (m + "up_proj.weight", sh.intermediate)])
+        # a mixture of experts stays as loaded (worker/model/moe.py reads the experts)
+        if layer.moe is None:
+            plan["gate_up"] = quant(
+                [(m + "gate_proj.weight", sh.intermediate), (m + "up_proj.weight", sh.intermediate)]
+            )
             plan["down"] = quant([(m + "down_proj.weight", None)], cols=sh.intermediate)
-        found.update({(i, name): q for name, q in plan.items()
-                      if q is not None and tuple(q.shape) == layer.shapes[name]})
+        found.update(
+            {
+                (i, name): q
+                for name, q in plan.items()
+                if q is not None and tuple(q.shape) == layer.shapes[name]
+            }
+        )
     head = quant([("lm_head.weight", sh.vocab)], rows_to=sh.vocab_shard_size)
     if head is not None and tuple(head.shape) == model.head_shape:
         found[("head",)] = head
     tied_dense = model.lm_head is None and ("head",) not in found  # the dense head reads the table
-    table = quant([("model.embed_tokens.weight", sh.vocab)], rows_to=sh.vocab_shard_size,
-                  packed=False) if embeddings and not tied_dense else None
+    table = (
+        quant([("model.embed_tokens.weight", sh.vocab)], rows_to=sh.vocab_shard_size, packed=False)
+        if embeddings and not tied_dense
+        else None
+    )
     if table is not None:
         found[("embed",)] = table
     return found
@@ -92,8 +111,9 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
     ck.check_all_used(c.tie_word_embeddings)
 
 
-def _load_norms(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str,
-                names: LayerNames) -> None:
+def _load_norms(
+    model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
+) -> None:
     layer.input_norm.copy_(ck.norm(p + "input_layernorm.weight"))
     if model.config.sandwich_norms:  # Gemma's post-attention norm is on the attention output
         attn_out, mlp_in, mlp_out = (f"{p}{n}.weight" for n in names.sandwich)
@@ -104,8 +124,9 @@ def _load_norms(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p:
         layer.post_attn_norm.copy_(ck.take(p + "post_attention_layernorm.weight"))
 
 
-def _load_attention(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str,
-                    names: LayerNames) -> None:
+def _load_attention(
+    model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
+) -> None:
     """This rank's query heads and KV heads of q, k and v (weights and biases), q/k norms, and the
     matching columns of o_proj."""
     c, sh, hd = model.config, model.shard, model.config.head_dim
@@ -119,11 +140,17 @@ def _load_attention(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer
             continue
         if fused in ck:  # one tensor: this rank's rows of each part
             q_size, kv_size = c.num_heads * hd, c.num_kv_heads * hd
-            parts = [ck.take(fused, q_rows), ck.take(fused, (q_size + kv_rows[0], q_size + kv_rows[1])),
-                     ck.take(fused, (q_size + kv_size + kv_rows[0], q_size + kv_size + kv_rows[1]))]
+            parts = [
+                ck.take(fused, q_rows),
+                ck.take(fused, (q_size + kv_rows[0], q_size + kv_rows[1])),
+                ck.take(fused, (q_size + kv_size + kv_rows[0], q_size + kv_size + kv_rows[1])),
+            ]
         else:
-            parts = [ck.take(f"{a}q_proj.{kind}", q_rows), ck.take(f"{a}k_proj.{kind}", kv_rows),
-                     ck.take(f"{a}v_proj.{kind}", kv_rows)]
+            parts = [
+                ck.take(f"{a}q_proj.{kind}", q_rows),
+                ck.take(f"{a}k_proj.{kind}", kv_rows),
+                ck.take(f"{a}v_proj.{kind}", kv_rows),
+            ]
         target.copy_(torch.cat(parts))
     if layer.q_norm is not None:
         layer.q_norm.copy_(ck.norm(a + "q_norm.weight"))
@@ -132,30 +159,38 @@ def _load_attention(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer
         layer.o_proj.copy_(ck.take(a + "o_proj.weight", cols=q_rows))
 
 
-def _load_mlp(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str,
-              names: LayerNames) -> None:
+def _load_mlp(
+    model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
+) -> None:
     """This rank's intermediate rows of gate and up (fused), and columns of down."""
     m, inter, fused = p + "mlp.", model.shard.intermediate, p + names.gate_up
     if ck.served(layer.gate_up, m + "gate_proj.weight", m + "up_proj.weight", fused):
         pass
     elif fused in ck:  # gate then up in one tensor
         size = model.config.intermediate_size
-        layer.gate_up.copy_(torch.cat([ck.take(fused, inter),
-                                       ck.take(fused, (size + inter[0], size + inter[1]))]))
+        layer.gate_up.copy_(
+            torch.cat([ck.take(fused, inter), ck.take(fused, (size + inter[0], size + inter[1]))])
+        )
     else:
-        layer.gate_up.copy_(torch.cat([ck.take(m + "gate_proj.weight", inter),
-                                       ck.take(m + "up_proj.weight", inter)]))
+        layer.gate_up.copy_(
+            torch.cat(
+                [ck.take(m + "gate_proj.weight", inter), ck.take(m + "up_proj.weight", inter)]
+            )
+        )
     if not ck.served(layer.down, m + "down_proj.weight"):
         layer.down.copy_(ck.take(m + "down_proj.weight", cols=inter))
 
 
-def _load_experts(model: LlamaModel, ck: CheckpointReader, moe: MoE, m: str, names: LayerNames) -> None:
+def _load_experts(
+    model: LlamaModel, ck: CheckpointReader, moe: MoE, m: str, names: LayerNames
+) -> None:
     """The router whole, this rank's slice of every expert."""
     inter = model.shard.expert_intermediate
     gate, up, down = names.expert
     moe.router.copy_(ck.take(m + "gate.weight"))
     for e in range(model.config.num_experts):
         x = f"{m}experts.{e}."
-        moe.gate_up[e].copy_(torch.cat([ck.take(f"{x}{gate}.weight", inter),
-                                        ck.take(f"{x}{up}.weight", inter)]))
+        moe.gate_up[e].copy_(
+            torch.cat([ck.take(f"{x}{gate}.weight", inter), ck.take(f"{x}{up}.weight", inter)])
+        )
         moe.down[e].copy_(ck.take(f"{x}{down}.weight", cols=inter))

@@ -1,6 +1,6 @@
-"""A GGUF file's tensors read straight from the file, by their Hugging Face names: no fp32 copy of the model.
-A file of an architecture whose tensors are not mapped here (`NATIVE_ARCHS`) is prepared through
-transformers instead (deploy/prepare_model.py)."""
+"""A GGUF's tensors read straight from the file by Hugging Face names, no fp32 copy. Unmapped
+architectures go through transformers (deploy/prepare_model.py).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.model.quantized import QUANT_TYPES
+from worker.model.quant_weights import QUANT_TYPES
 from worker.weights.checkpoint import Range, TensorSource, range_index
 from worker.weights.gguf_header import NATIVE_ARCHS, PERMUTED_ARCHS, GGUFHeader, hf_names
 
 
 def rope_rows(n_heads: int, head_dim: int) -> torch.Tensor:
-    """For Hugging Face row h*hd + half*hd/2 + i, the GGUF row h*hd + 2*i + half (llama.cpp's permute)."""
+    """For Hugging Face row h*hd + half*hd/2 + i, the GGUF row h*hd + 2*i + half (llama.cpp's
+    permute).
+    """
     h = torch.arange(n_heads).view(-1, 1, 1)
     half = torch.arange(2).view(1, -1, 1)
     i = torch.arange(head_dim // 2).view(1, 1, -1)
@@ -24,10 +26,9 @@ def rope_rows(n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 class GGUFFile(GGUFHeader):
-    """Plain reads, not a memory map: the mapped pages of a 5 GB file would count in the worker's resident
-    memory beside its own copy of the blocks.
-
-    A GGUF's header (architecture, tensor table) and its tensors' bytes, read on demand."""
+    """A GGUF's header and tensor bytes, read on demand with plain reads: a memory map's pages would
+    count twice in resident memory.
+    """
 
     def type_name(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
@@ -37,7 +38,9 @@ class GGUFFile(GGUFHeader):
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor's bytes as stored, uint8 [rows, bytes a row], read into memory this process owns."""
+        """The tensor's bytes as stored, uint8 [rows, bytes a row], read into memory this process
+        owns.
+        """
         t = self.tensors[name]
         out = torch.empty(int(t.n_bytes), dtype=torch.uint8)
         view, done = memoryview(out.numpy()), 0
@@ -51,8 +54,9 @@ class GGUFFile(GGUFHeader):
         return out.view(rows, -1)
 
     def dequantize(self, name: str) -> torch.Tensor:
-        """The tensor as fp32 in torch's shape: the native kernels where they serve its type, else gguf's
-        own."""
+        """The tensor as fp32 in torch's shape: the native kernels where they serve its type, else
+        gguf's own.
+        """
         from gguf import GGMLQuantizationType, quants
 
         shape, qtype = self.shape(name), self.type_name(name)
@@ -76,24 +80,25 @@ class GGUFFile(GGUFHeader):
 
 
 class GGUFTensorSource(TensorSource):
-    """A checkpoint (weights/checkpoint.py's interface): norms, biases and any matrix served dense are
-    dequantized one tensor at a time as the model loads it (llama.cpp's permuted query/key rows put back
-    in Hugging Face's order); the matrices served on their own blocks are never read here
-    (weights/gguf_blocks.py reads those).
-
-    A GGUF file as a Hugging Face checkpoint: each tensor dequantized to fp32 when it is asked for."""
+    """A GGUF file as a checkpoint: tensors served dense are dequantized one at a time as loaded
+    (q/k rows put back in Hugging Face order); those served as blocks are read by gguf_blocks.py.
+    """
 
     def __init__(self, path: str | Path, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
         self.file = GGUFFile(path)
         names = hf_names(self.file)
         if names is None:
-            raise ValueError(f"{self.file.path.name}: a {self.file.arch!r} GGUF is not read directly "
-                             f"(this reader maps {', '.join(NATIVE_ARCHS)})")
+            raise ValueError(
+                f"{self.file.path.name}: a {self.file.arch!r} GGUF is not read directly "
+                f"(this reader maps {', '.join(NATIVE_ARCHS)})"
+            )
         self._names = names
         self._perm = {}
         if self.file.arch in PERMUTED_ARCHS:
-            self._perm = {"self_attn.q_proj.weight": rope_rows(n_heads, head_dim),
-                          "self_attn.k_proj.weight": rope_rows(n_kv_heads, head_dim)}
+            self._perm = {
+                "self_attn.q_proj.weight": rope_rows(n_heads, head_dim),
+                "self_attn.k_proj.weight": rope_rows(n_kv_heads, head_dim),
+            }
 
     def names(self) -> set[str]:
         return set(self._names)

@@ -1,8 +1,7 @@
-"""Where a model's matrices are served from their file's blocks: a GGUF's quantized matrices by their Hugging
-Face names (`GGUFQuantSource`), or a checkpoint's matrices cast to bf16 rows (`CastSource`), each matrix a
-`QuantWeight` (worker/model/quantized.py). llama.cpp stores the query and key projections of Llama-family
-models with each head's rotary halves interleaved; their rows are put back in Hugging Face's order here (a
-row permutation: every row's blocks stay as they are)."""
+"""Matrices served from their file's blocks: a GGUF's (`GGUFQuantSource`) or a checkpoint's cast to
+bf16 (`CastSource`). llama.cpp's interleaved q/k rows are put back in Hugging Face order (a row
+permutation).
+"""
 
 from __future__ import annotations
 
@@ -11,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from worker.model.quantized import QUANT_TYPES, QuantWeight
+from worker.model.quant_weights import QUANT_TYPES, QuantWeight
 from worker.weights.gguf import GGUFFile
 
 
 class CastSource:
-    """A Hugging Face checkpoint's matrices as bf16 rows (`--dtype bfloat16` on a CPU): the projections, the
-    head and the token table held at half fp32's bytes and read by the same kernels as a GGUF's blocks (the
-    row kernels widen each value exactly; many rows go through the bf16 GEMM), everything else in fp32."""
+    """A checkpoint's matrices as bf16 rows (`--dtype bfloat16` on a CPU), read by the GGUF kernels;
+    the rest in fp32.
+    """
 
     MATRICES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
 
@@ -37,15 +36,18 @@ class CastSource:
     def qtype(self, hf_name: str) -> str | None:
         return self.qtype_name if self._name(hf_name) is not None else None
 
-    def get(self, hf_name: str, rows: tuple[int, int] | None = None,
-            cols: tuple[int, int] | None = None) -> QuantWeight:
+    def get(
+        self, hf_name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+    ) -> QuantWeight:
         t = self.checkpoint.get(self._name(hf_name), rows, cols).to(self.dtype).contiguous()
         if t.dim() != 2 or t.shape[1] % 32:
             raise ValueError(f"{hf_name}: {tuple(t.shape)} is not rows of whole 32-value blocks")
         return QuantWeight(t.view(torch.uint8), self.qtype_name, t.shape[1])
 
     def held_bytes(self, tied: bool) -> int:
-        """The parameters at 2 bytes a value (the table twice where tied: looked up, and the head)."""
+        """The parameters at 2 bytes a value (the table twice where
+        tied: looked up, and the head).
+        """
         from worker.model.config import parameter_count
 
         c = self.config
@@ -53,8 +55,9 @@ class CastSource:
 
 
 def find_gguf(model: str | Path) -> Path | None:
-    """The GGUF file a model comes from: the model itself when it is one, or the file a folder prepared from
-    one names in its pagedserve_model.json (the embedded default model's, found in its wheel); else None."""
+    """The GGUF a model comes from (itself, or the file
+    its pagedserve_model.json names); else None.
+    """
     path = Path(model)
     if path.suffix == ".gguf":
         return path if path.is_file() else None
@@ -75,12 +78,19 @@ def find_gguf(model: str | Path) -> Path | None:
 
 
 class GGUFQuantSource:
-    """A GGUF file's quantized matrices of a Llama-family model, by Hugging Face name. Where the file stacks
-    matrices as one tensor (Phi-3's attn_qkv, and ffn_up holding gate then up), each is its rows of it."""
+    """A GGUF's quantized matrices by Hugging Face name; stacked tensors (Phi-3's attn_qkv) give
+    their rows.
+    """
 
-    LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+    LAYER = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
 
     def __init__(self, path: str | Path, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
         from worker.weights.gguf import rope_rows
@@ -91,35 +101,55 @@ class GGUFQuantSource:
         self.description = f"{self.path.name} on its own blocks"
         self.arch = self.file.arch
         self._tensors = self.file.tensors
-        self._perm = {"attn_q": rope_rows(n_heads, head_dim), "attn_k": rope_rows(n_kv_heads, head_dim)}
+        self._perm = {
+            "attn_q": rope_rows(n_heads, head_dim),
+            "attn_k": rope_rows(n_kv_heads, head_dim),
+        }
         self._permute = self.arch in PERMUTED_ARCHS
         self._q_rows, self._kv_rows = n_heads * head_dim, n_kv_heads * head_dim
 
     def held_bytes(self, tied: bool) -> int:
-        """What serving this file holds in memory: the blocks of the types the kernels serve (packed ones up
-        to 6% larger), every other tensor in fp32, and a tied table's blocks twice (looked up, and packed
-        for the head)."""
+        """What serving this file holds: served blocks (packed up to 6% larger), other tensors in
+        fp32, a tied table twice.
+        """
         held = 0
         for t in self._tensors.values():
             quantized = t.tensor_type.name in QUANT_TYPES
             held += int(t.n_bytes) * 106 // 100 if quantized else 4 * int(t.n_elements)
         embd = self._tensors.get("token_embd.weight")
-        if (tied and embd is not None and "output.weight" not in self._tensors
-                and embd.tensor_type.name in QUANT_TYPES):
+        if (
+            tied
+            and embd is not None
+            and "output.weight" not in self._tensors
+            and embd.tensor_type.name in QUANT_TYPES
+        ):
             held += int(embd.n_bytes)
         return held
 
     def _locate(self, hf_name: str) -> tuple[str, int, int | None]:
-        """-> (the file's tensor holding the matrix, its first row there, its rows there or None: all)."""
+        """-> (the file's tensor holding the matrix, its first row there, its rows there or None:
+        all).
+        """
         name = self.gguf_name(hf_name)
         prefix, kind = name.rsplit(".", 2)[0], name.split(".")[-2]
         qkv = f"{prefix}.attn_qkv.weight"
-        if kind in ("attn_q", "attn_k", "attn_v") and name not in self._tensors and qkv in self._tensors:
+        if (
+            kind in ("attn_q", "attn_k", "attn_v")
+            and name not in self._tensors
+            and qkv in self._tensors
+        ):
             q, kv = self._q_rows, self._kv_rows
-            return qkv, {"attn_q": 0, "attn_k": q, "attn_v": q + kv}[kind], q if kind == "attn_q" else kv
+            return (
+                qkv,
+                {"attn_q": 0, "attn_k": q, "attn_v": q + kv}[kind],
+                q if kind == "attn_q" else kv,
+            )
         up = f"{prefix}.ffn_up.weight"
-        if kind in ("ffn_gate",
-                    "ffn_up") and f"{prefix}.ffn_gate.weight" not in self._tensors and up in self._tensors:
+        if (
+            kind in ("ffn_gate", "ffn_up")
+            and f"{prefix}.ffn_gate.weight" not in self._tensors
+            and up in self._tensors
+        ):
             half = int(self._tensors[up].shape[1]) // 2  # gate's rows, then up's
             return up, 0 if kind == "ffn_gate" else half, half
         return name, 0, None
@@ -137,22 +167,28 @@ class GGUFQuantSource:
         raise KeyError(f"{hf_name} has no quantized matrix in {self.path.name}")
 
     def qtype(self, hf_name: str) -> str | None:
-        """The quantization of a matrix, or None when the kernels do not serve its type (F32, Q3_K, ...)."""
+        """The quantization of a matrix, or None when the kernels do not serve its type (F32, Q3_K,
+        ...).
+        """
         name = self._locate(hf_name)[0]
         t = self._tensors.get(name)
         if t is None:
             raise KeyError(f"{hf_name} ({name}) is missing from {self.path.name}")
         return t.tensor_type.name if t.tensor_type.name in QUANT_TYPES else None
 
-    def get(self, hf_name: str, rows: tuple[int, int] | None = None,
-            cols: tuple[int, int] | None = None) -> QuantWeight:
+    def get(
+        self, hf_name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+    ) -> QuantWeight:
         name, first, count = self._locate(hf_name)
         t = self._tensors[name]
         qtype = t.tensor_type.name
         if qtype not in QUANT_TYPES:
-            raise ValueError(f"{name} is {qtype}; the quantized kernels serve {', '.join(QUANT_TYPES)}")
+            raise ValueError(
+                f"{name} is {qtype}; the quantized kernels serve {', '.join(QUANT_TYPES)}"
+            )
         in_dim = int(t.shape[0])  # ggml lists dimensions innermost first
-        w = QuantWeight(self.file.read(name), qtype, in_dim)  # read into this process's memory, not mapped
+        # read into this process's memory, not mapped
+        w = QuantWeight(self.file.read(name), qtype, in_dim)
         kind = name.split(".")[-2]
         if self._permute and kind in self._perm:
             w = w.rows(self._perm[kind])

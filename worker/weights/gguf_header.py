@@ -1,10 +1,7 @@
-"""What a GGUF file holds, read from its header alone, without torch (the launcher reads it too): the
-metadata's scalars, the tensor table, the Hugging Face names this project maps its tensors to, and where
-the embedded default model's file is.
-
-The header is read in one pass, the tokenizer's long arrays skipped rather than read: gguf's own reader
-makes Python objects of every token and merge (at Llama-3's 128k vocabulary 0.3 GB and 4 s a read, and the
-launcher and each worker read the header several times); this reads it in milliseconds and a few MB."""
+"""What a GGUF holds, read from its header alone without torch: metadata, tensor table, Hugging Face
+names, the default model's file. One pass that skips the tokenizer arrays: gguf's reader took 4 s
+and 0.3 GB on a 128k vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -19,16 +16,31 @@ if TYPE_CHECKING:
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
-SMALL_ARRAY = 64  # arrays up to this many items are kept (a model's per-layer settings); longer ones skipped
+# arrays up to this many items are kept (a model's per-layer settings); longer ones skipped
+SMALL_ARRAY = 64
 # GGUF's value types (its spec's enum order): the struct format of each fixed-size one
-SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 STRING, ARRAY = 8, 9
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One entry of the tensor table; shape innermost first, as ggml lists it; data_offset from the file's
-    start."""
+    """One entry of the tensor table; shape innermost first, as ggml lists it; data_offset from the
+    file's start.
+    """
+
     name: str
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]
@@ -54,6 +66,7 @@ class TensorInfo:
 @dataclass(frozen=True)
 class SkippedArray:
     """A metadata array too long to keep: its item type and length."""
+
     item_type: int
     count: int
 
@@ -70,7 +83,7 @@ class _Cursor:
     def string(self) -> str:
         n = self.take("Q")
         self.pos += n
-        return bytes(self.buf[self.pos - n: self.pos]).decode("utf-8", errors="replace")
+        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8", errors="replace")
 
     def skip_strings(self, count: int) -> None:
         order, buf, pos = self.order + "Q", self.buf, self.pos
@@ -99,12 +112,12 @@ class _Cursor:
 
 
 def read_header(path: str | Path) -> tuple[dict[str, object], dict[str, TensorInfo]]:
-    """(metadata, tensors by name) of a GGUF file. ValueError where it is not one, or is cut short
-    (struct.error, which callers report as a truncated file, where the header itself is)."""
+    """(metadata, tensors by name) of a GGUF; ValueError where it is not one or is cut short."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != MAGIC:
             raise ValueError(f"{Path(path).name} is not a GGUF file (no GGUF magic)")
-        order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"  # a big-endian file's version
+        # a big-endian file's version
+        order = "<" if struct.unpack_from("<I", buf, 4)[0] < 0x10000 else ">"
         cur = _Cursor(buf, order)
         cur.pos = 8
         from gguf import GGMLQuantizationType
@@ -129,7 +142,9 @@ def read_header(path: str | Path) -> tuple[dict[str, object], dict[str, TensorIn
 
 
 class GGUFHeader:
-    """A GGUF file's architecture, metadata and tensor table (its tensors' bytes: worker/weights/gguf.py)."""
+    """A GGUF file's architecture, metadata and tensor table (its tensors' bytes:
+    worker/weights/gguf.py).
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -162,30 +177,43 @@ def find_embedded_gguf(package: str = DEFAULT_GGUF_PACKAGE, name: str = DEFAULT_
 
 # llama.cpp's architectures whose every tensor this module maps ("llama" also names Mistral's files)
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
-# the architectures served at all: those read natively, and those transformers' GGUF reader turns into a
-# family the workers serve (through a prepared fp32 copy)
+# the architectures served at all: those read natively, and those transformers' GGUF reader turns
+# into a family the workers serve (through a prepared fp32 copy)
 SERVED_ARCHS = (*NATIVE_ARCHS, "mistral", "qwen3moe", "gemma2", "gemma3")
-PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp's converter interleaves q/k rotary halves for these
-# llama.cpp's rope scaling factors (Llama 3.x): not a weight; read into the config (worker/weights/loader.py)
+# llama.cpp's converter interleaves q/k rotary halves for these
+PERMUTED_ARCHS = ("llama", "mistral")
+# llama.cpp's rope scaling factors (Llama 3.x): not a weight; read into the config
+# (worker/weights/loader.py)
 ROPE_FREQS = "rope_freqs.weight"
 IGNORED = (ROPE_FREQS,)
 LAYER_TENSORS = {  # blk.N.<gguf> -> model.layers.N.<hugging face>
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias", "attn_qkv.weight": "self_attn.qkv_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                  "output.weight": "lm_head.weight"}
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def hf_names(file: GGUFHeader) -> dict[str, str] | None:
-    """{Hugging Face name: the file's tensor} for every tensor of a file this module can read, or None where
-    the architecture or a tensor is one it does not map."""
+    """{Hugging Face name: the file's tensor} for every tensor of a file this module can read, or
+    None where the architecture or a tensor is one it does not map.
+    """
     if file.arch not in NATIVE_ARCHS:
         return None
     names: dict[str, str] = {}
@@ -209,5 +237,7 @@ def hf_names(file: GGUFHeader) -> dict[str, str] | None:
 
 
 def reads_natively(path: str | Path) -> bool:
-    """Whether a GGUF's weights load from the file itself (no dequantized copy of it prepared first)."""
+    """Whether a GGUF's weights load from the file itself (no dequantized copy of it prepared
+    first).
+    """
     return hf_names(GGUFHeader(path)) is not None

@@ -1,8 +1,7 @@
-"""Weight loading: a Hugging Face folder (safetensors), a GGUF file (read from the file itself, or for an
-architecture worker/weights/gguf.py does not map, dequantized through transformers), a folder prepared from
-a GGUF (config and tokenizer beside the name of the file), or random weights at the real shapes ("dummy");
-each rank of a tensor-parallel group loads its shard. Where the GGUF's blocks are served as they ship, the
-matrices they serve are never allocated or read in full precision."""
+"""Weight loading: safetensors, GGUF (mapped here or through transformers), a folder prepared from a
+GGUF, or random weights ("dummy"); each TP rank loads its shard, and matrices served as blocks are
+never allocated in full precision.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +18,9 @@ from worker.weights.fill import copy_checkpoint, read_quantized
 
 
 def load_config(source: str, load_format: str) -> ModelConfig:
-    """A model's config: a GGUF's own (through transformers), or a folder's; the GGUF's rope_freqs added
-    where the file (or the one the folder was prepared from) carries them."""
+    """A model's config: a GGUF's own (through transformers), or a folder's; the GGUF's rope_freqs
+    added where the file (or the one the folder was prepared from) carries them.
+    """
     from worker.weights.gguf_blocks import find_gguf
 
     path = Path(source)
@@ -32,19 +32,24 @@ def load_config(source: str, load_format: str) -> ModelConfig:
     else:
         config = ModelConfig.from_folder(path)
         gguf = None if load_format == "dummy" else find_gguf(path)
-        if (not config.tie_word_embeddings and (path / "modules.json").exists() and gguf is None
-                and any(path.glob("*.safetensors"))
-                and "lm_head.weight" not in SafetensorsSource(path).names()):
-            # an embedding model saved without a head (sentence-transformers' folder): the token table
-            # stands in the head's place, never read (such a model only embeds; the scheduler refuses
-            # generation for it)
+        if (
+            not config.tie_word_embeddings
+            and (path / "modules.json").exists()
+            and gguf is None
+            and any(path.glob("*.safetensors"))
+            and "lm_head.weight" not in SafetensorsSource(path).names()
+        ):
+            # an embedding model saved without a head (sentence-transformers' folder): the token
+            # table stands in the head's place, never read (such a model only embeds; the scheduler
+            # refuses generation for it)
             config = dataclasses.replace(config, tie_word_embeddings=True)
     return with_rope_freqs(config, gguf) if gguf is not None else config
 
 
 def with_rope_freqs(config: ModelConfig, gguf: Path) -> ModelConfig:
-    """config with the GGUF's rope_freqs factors: llama.cpp's converter writes a Llama 3.x model's rope
-    scaling as that tensor, not as metadata, so transformers' reading of the file's config leaves it out."""
+    """config with the GGUF's rope_freqs factors, which llama.cpp writes
+    as a tensor, not metadata.
+    """
     from worker.weights.gguf import GGUFFile
     from worker.weights.gguf_header import ROPE_FREQS
 
@@ -63,17 +68,24 @@ def read_gguf(path: Path, config: ModelConfig) -> TensorSource:
         return GGUFTensorSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     return DictSource(dict(model.state_dict()))
 
 
 def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
-    """A folder's weights: its safetensors files (a bare decoder's under the names of one with its head), or
-    where it holds none, the GGUF it was prepared from."""
+    """A folder's weights: its safetensors files (a bare decoder's under the names of one with its
+    head), or where it holds none, the GGUF it was prepared from.
+    """
     from worker.weights.gguf_blocks import find_gguf
 
     gguf = None if any(path.glob("*.safetensors")) else find_gguf(path)
-    return read_gguf(gguf, config) if gguf is not None else BareDecoderSource.wrap(SafetensorsSource(path))
+    return (
+        read_gguf(gguf, config)
+        if gguf is not None
+        else BareDecoderSource.wrap(SafetensorsSource(path))
+    )
 
 
 def tensor_source(source: str, load_format: str, config: ModelConfig) -> TensorSource | None:
@@ -91,9 +103,9 @@ def tensor_source(source: str, load_format: str, config: ModelConfig) -> TensorS
 
 
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
-    """Module.to_empty without its path for meta tensors, which imports sympy (a second of every start):
-    each parameter and buffer allocated on device, uninitialized, a tensor shared by two modules still
-    shared."""
+    """Module.to_empty without its sympy import (a second of every start); shared tensors stay
+    shared.
+    """
     made: dict[int, torch.Tensor] = {}
 
     def empty(t: torch.Tensor) -> torch.Tensor:
@@ -104,29 +116,48 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
         return made[id(t)]
 
     for module in model.modules():
-        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        for name, t in [
+            *module.named_parameters(recurse=False),
+            *module.named_buffers(recurse=False),
+        ]:
             setattr(module, name, empty(t))
 
 
 def load_model(
-    source: str, load_format: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
-    tp_rank: int = 0, tp_size: int = 1, comm: Collectives | None = None, quantized=None, pack=None,
+    source: str,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    comm: Collectives | None = None,
+    quantized=None,
+    pack=None,
 ) -> tuple[LlamaModel, ModelConfig]:
-    """load_format: 'auto' (folder → safetensors, *.gguf → gguf), 'safetensors', 'gguf' or 'dummy'.
-    With tp_size > 1 the model holds rank tp_rank's shard (ParallelConfigError if it cannot split).
-    quantized: a GGUFQuantSource whose blocks will serve the projections, the head and the embeddings: they
-    are read from it first (model.file_blocks, for use_quantized) and their parameters never allocated;
-    pack: applied to each matrix as it is read (QuantizedMatmul.pack), so two layouts of the model are never
-    held at once. A quantized source over the checkpoint itself (CastSource) lends it its checkpoint."""
+    """load_format: auto, safetensors, gguf or dummy; tp_size > 1 loads rank tp_rank's shard.
+    quantized: a block source read first, its parameters never allocated; pack applied as read, so
+    two layouts are never held at once.
+    """
     config = load_config(source, load_format)
-    shard = make_shard(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size,
-                       tp_rank, tp_size, config.moe_intermediate_size)
+    shard = make_shard(
+        config.num_heads,
+        config.num_kv_heads,
+        config.intermediate_size,
+        config.vocab_size,
+        tp_rank,
+        tp_size,
+        config.moe_intermediate_size,
+    )
     weights = getattr(quantized, "checkpoint", None) or tensor_source(source, load_format, config)
-    # The parameters are allocated where they will run, in their dtype, and filled there: no fp32 copy of
-    # the model on the host first (32 GB and minutes for an 8B model). Every parameter is written below.
+    # The parameters are allocated where they will run, in their dtype, and filled there: no fp32
+    # copy of the model on the host first (32 GB and minutes for an 8B model). Every parameter is
+    # written below.
     with torch.device("meta"):
         model = LlamaModel(config, shard, comm).to(dtype)
-    model.file_blocks = read_quantized(model, quantized, True, pack) if quantized is not None else {}
+    model.file_blocks = (
+        read_quantized(model, quantized, True, pack) if quantized is not None else {}
+    )
     model.release(model.file_blocks)
     materialize(model, device)
     if weights is None:

@@ -1,8 +1,7 @@
-"""A PEFT LoRA adapter's weights, read for this rank: each changed projection's A and B in the model's compute
-dtype, the scale (lora_alpha / r, or / sqrt(r) with use_rslora) folded into B, split the way the base
-weights are (worker/model/lora.py says how they are applied). The scheduler has checked the folder against
-the model already (scheduler_service/core/adapters.py); the files' hash is checked again here, so a folder
-rewritten since the scheduler read it is never served under the old identity."""
+"""A PEFT adapter's weights for this rank: A and B in the compute dtype, the scale folded into B,
+split as the base weights are. The files' hash is checked again, so a rewritten folder is never
+served under the old identity.
+"""
 
 from __future__ import annotations
 
@@ -25,20 +24,29 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def _part_rows(config: ModelConfig, shard: Shard) -> dict[str, tuple[int, int, int]]:
-    """Each output part's (rows of the full model's part this rank holds: lo, hi; its offset in the rank's
-    fused output)."""
+    """Each output part's (rows of the full model's part this rank holds: lo, hi; its offset in the
+    rank's fused output).
+    """
     hd = config.head_dim
     q = (shard.q_heads[0] * hd, shard.q_heads[1] * hd)
     kv = (shard.kv_heads[0] * hd, shard.kv_heads[1] * hd)
     inter = shard.intermediate
     q_local, kv_local = q[1] - q[0], kv[1] - kv[0]
-    return {"q_proj": (*q, 0), "k_proj": (*kv, q_local), "v_proj": (*kv, q_local + kv_local),
-            "gate_proj": (*inter, 0), "up_proj": (*inter, inter[1] - inter[0]),
-            "o_proj": (0, config.hidden_size, 0), "down_proj": (0, config.hidden_size, 0)}
+    return {
+        "q_proj": (*q, 0),
+        "k_proj": (*kv, q_local),
+        "v_proj": (*kv, q_local + kv_local),
+        "gate_proj": (*inter, 0),
+        "up_proj": (*inter, inter[1] - inter[0]),
+        "o_proj": (0, config.hidden_size, 0),
+        "down_proj": (0, config.hidden_size, 0),
+    }
 
 
 def _input_cols(config: ModelConfig, shard: Shard, part: str) -> slice:
-    """The columns of A this rank multiplies: its input slice for the row-parallel o_proj and down."""
+    """The columns of A this rank multiplies: its input slice
+    for the row-parallel o_proj and down.
+    """
     if part == "o_proj":
         return slice(shard.q_heads[0] * config.head_dim, shard.q_heads[1] * config.head_dim)
     if part == "down_proj":
@@ -46,10 +54,20 @@ def _input_cols(config: ModelConfig, shard: Shard, part: str) -> slice:
     return slice(None)
 
 
-def read_lora(folder: str | Path, identity: str, config: ModelConfig, shard: Shard, dtype: torch.dtype,
-              device: torch.device, max_rank: int) -> LoraWeights:
-    """The adapter in `folder` for this rank; ValueError where its files no longer match `identity`, or it
-    cannot be served as the scheduler checked it."""
+def read_lora(
+    folder: str | Path,
+    identity: str,
+    config: ModelConfig,
+    shard: Shard,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_rank: int,
+) -> LoraWeights:
+    """The adapter in `folder` for this rank; ValueError where its files no longer match `identity`,
+    or it cannot be served as the scheduler checked it.
+    """
+
+    # one function: a PEFT folder read in order: its config checked, then each tensor
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -58,11 +76,15 @@ def read_lora(folder: str | Path, identity: str, config: ModelConfig, shard: Sha
     except OSError as e:
         raise ValueError(f"the LoRA adapter at {folder} cannot be read: {e.strerror or e}") from e
     if found != identity:
-        raise ValueError(f"the LoRA adapter at {folder} changed on disk since it was loaded: load it again")
+        raise ValueError(
+            f"the LoRA adapter at {folder} changed on disk since it was loaded: load it again"
+        )
     cfg = json.loads((folder / CONFIG_FILE).read_text())
     rank = int(cfg["r"])
     if rank > max_rank:
-        raise ValueError(f"the LoRA adapter at {folder} has rank {rank}, above --max-lora-rank {max_rank}")
+        raise ValueError(
+            f"the LoRA adapter at {folder} has rank {rank}, above --max-lora-rank {max_rank}"
+        )
     scale = cfg.get("lora_alpha", rank) / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in load_file(str(folder / WEIGHTS_FILE)).items():
@@ -79,11 +101,15 @@ def read_lora(folder: str | Path, identity: str, config: ModelConfig, shard: Sha
                 ab = pairs.get((layer, name))
                 if ab is None:
                     continue
-                if name in _FUSED:  # its B split into its parts' rows (q, k, v or gate, up) of the full model
-                    sizes = {"q_proj": config.num_heads * config.head_dim,
-                             "k_proj": config.num_kv_heads * config.head_dim,
-                             "v_proj": config.num_kv_heads * config.head_dim,
-                             "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+                # its B split into its parts' rows (q, k, v or gate, up) of the full model
+                if name in _FUSED:
+                    sizes = {
+                        "q_proj": config.num_heads * config.head_dim,
+                        "k_proj": config.num_kv_heads * config.head_dim,
+                        "v_proj": config.num_kv_heads * config.head_dim,
+                        "gate_proj": config.intermediate_size,
+                        "up_proj": config.intermediate_size,
+                    }
                     bs = torch.split(ab["B"], [sizes[p] for p in _FUSED[name]])
                     pieces += [(p, ab["A"], b) for p, b in zip(_FUSED[name], bs, strict=True)]
                 else:
@@ -107,13 +133,21 @@ def read_lora(folder: str | Path, identity: str, config: ModelConfig, shard: Sha
 
 
 def lora_bytes(config: ModelConfig, shard: Shard, rank: int, itemsize: int) -> int:
-    """Memory one adapter of `rank` on all seven projections of every layer takes on this rank: what each of
-    --max-cpu-loras sets aside from the KV pool's budget."""
+    """Memory one adapter of `rank` on all seven projections of every layer takes on this rank: what
+    each of --max-cpu-loras sets aside from the KV pool's budget.
+    """
     rows = _part_rows(config, shard)
     per_layer = 0
-    for parts in PROJECTIONS.values():  # A: each part's rank x its input; B: the parts' outputs x their ranks
-        a = sum(rank * (config.hidden_size if _input_cols(config, shard, p) == slice(None)
-                        else _input_cols(config, shard, p).stop - _input_cols(config, shard, p).start)
-                for p in parts)
+    # A: each part's rank x its input; B: the parts' outputs x their ranks
+    for parts in PROJECTIONS.values():
+        a = sum(
+            rank
+            * (
+                config.hidden_size
+                if _input_cols(config, shard, p) == slice(None)
+                else _input_cols(config, shard, p).stop - _input_cols(config, shard, p).start
+            )
+            for p in parts
+        )
         per_layer += a + sum(rows[p][1] - rows[p][0] for p in parts) * rank
     return per_layer * config.num_layers * itemsize
