@@ -1,8 +1,5 @@
-"""The numpy codec of the wire: StepPlan and StepResult arrays <-> packed little-endian bytes.
-
-One place knows every array's dtype and shape (protos/wire.proto documents them); the scheduler
-encodes with it, the worker and the simulated worker decode with it. Decoding checks sizes only:
-whether values fit a pool or a vocabulary is the worker's business (worker/step/runner.py).
+"""The numpy codec of the wire: StepPlan and StepResult arrays <-> little-endian bytes, in one place
+(protos/wire.proto documents them). Decoding checks sizes only; values are the worker's business.
 """
 
 from __future__ import annotations
@@ -21,8 +18,9 @@ F32 = np.dtype("<f4")
 
 
 def lora_identity(folder) -> str:
-    """What LoraRef.identity holds for the LoRA adapter in `folder` (a PEFT folder): a hash of its config and
-    weights as bytes on disk; the scheduler keys the adapter by it, the worker checks it when it reads one."""
+    """LoraRef.identity for a PEFT folder: a hash of its config and weights as on disk, checked by
+    both sides.
+    """
     import hashlib
     from pathlib import Path
 
@@ -41,7 +39,9 @@ class CodecError(ValueError):
 
 @dataclass
 class PlanArrays:
-    """One step's plan as arrays (shapes: S sequences, T tokens, B blocks per sequence, C copies)."""
+    """One step's plan as arrays (shapes: S sequences, T tokens,
+    B blocks per sequence, C copies).
+    """
 
     step_id: int
     token_ids: np.ndarray  # int32 [T]
@@ -74,9 +74,12 @@ class PlanArrays:
     prompt_logprob_targets: np.ndarray | None = None  # int32 [sum counts]
     mask_rows: np.ndarray | None = None  # int32 [S]; -1 = unconstrained
     token_bitmask: np.ndarray | None = None  # int32 [M, W]
-    mask_follows: bool = False  # the bitmasks come in a StepMask once the step in flight's tokens are known
-    num_draft: np.ndarray | None = None  # int32 [S]: drafted tokens at the end of each row (speculation)
-    pooling: np.ndarray | None = None  # int32 [S]: 0, or what the row's hidden states give back (POOL_*)
+    # the bitmasks come in a StepMask once the step in flight's tokens are known
+    mask_follows: bool = False
+    # int32 [S]: drafted tokens at the end of each row (speculation)
+    num_draft: np.ndarray | None = None
+    # int32 [S]: 0, or what the row's hidden states give back (POOL_*)
+    pooling: np.ndarray | None = None
     lora_index: np.ndarray | None = None  # int32 [S]: -1 (the base model) or an index into loras
     loras: list[tuple[str, str]] | None = None  # LoRA adapters the rows use: (identity, path)
     kv: TierOps | None = None  # the KV tiers' stores, loads and drops, run before the forward
@@ -85,9 +88,22 @@ class PlanArrays:
     def empty(cls, step_id: int) -> PlanArrays:
         """A step with no rows (it only moves blocks between the pool and the KV tiers)."""
         i32, none = np.zeros(0, dtype=I32), np.zeros(0, dtype=F32)
-        return cls(step_id, i32, i32, np.zeros(0, dtype=I64), np.zeros((0, 1), dtype=I32), i32,
-                   np.zeros(1, dtype=I32), np.zeros(0, dtype=bool), i32, none, none, i32,
-                   np.zeros(0, dtype=U64), np.zeros((0, 2), dtype=I32))
+        return cls(
+            step_id,
+            i32,
+            i32,
+            np.zeros(0, dtype=I64),
+            np.zeros((0, 1), dtype=I32),
+            i32,
+            np.zeros(1, dtype=I32),
+            np.zeros(0, dtype=bool),
+            i32,
+            none,
+            none,
+            i32,
+            np.zeros(0, dtype=U64),
+            np.zeros((0, 2), dtype=I32),
+        )
 
     @property
     def num_seqs(self) -> int:
@@ -104,8 +120,10 @@ TIER_HOST, TIER_DISK = 1, 2
 
 @dataclass
 class TierOps:
-    """One step's KV-tier work (protos/wire.proto StepPlan.kv_*): rows of (pool block, tier, host slot or -1)
-    written down, then read back; each one's block hash (stores first); disk entries to delete."""
+    """One step's KV-tier work (protos/wire.proto StepPlan.kv_*): rows of (pool block, tier, host
+    slot or -1) written down, then read back; each one's block hash (stores first); disk entries to
+    delete.
+    """
 
     stores: np.ndarray  # int32 [n, 3]
     loads: np.ndarray  # int32 [m, 3]
@@ -121,7 +139,7 @@ def _hash_list(blob: bytes, count: int | None, what: str) -> list[bytes]:
     if len(blob) % HASH_BYTES or (count is not None and len(blob) != count * HASH_BYTES):
         many = count if count is not None else "a whole number"
         raise CodecError(f"{what}: {len(blob)} bytes is not {many} of {HASH_BYTES}-byte hashes")
-    return [blob[i:i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
+    return [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
 
 
 def _tier_rows(blob: bytes, what: str) -> np.ndarray:
@@ -134,30 +152,44 @@ def decode_tiers(msg: wire_pb2.StepPlan) -> TierOps | None:
     if not (msg.kv_stores or msg.kv_loads or msg.kv_drops):
         return None
     stores, loads = _tier_rows(msg.kv_stores, "kv_stores"), _tier_rows(msg.kv_loads, "kv_loads")
-    return TierOps(stores, loads, _hash_list(msg.kv_hashes, len(stores) + len(loads), "kv_hashes"),
-                   _hash_list(msg.kv_drops, None, "kv_drops"))
+    return TierOps(
+        stores,
+        loads,
+        _hash_list(msg.kv_hashes, len(stores) + len(loads), "kv_hashes"),
+        _hash_list(msg.kv_drops, None, "kv_drops"),
+    )
 
 
-# The optional per-step arrays: (field, dtype, rows) with rows "S" (one per sequence), "S+1" or "*" (ragged).
+# The optional per-step arrays: (field, dtype, rows) with rows "S" (one per sequence), "S+1" or "*"
+# (ragged).
 _OPTIONAL = (
-    ("repetition_penalty", F32, "S"), ("presence_penalty", F32, "S"), ("frequency_penalty", F32, "S"),
-    ("min_p", F32, "S"), ("bias_offsets", I32, "S+1"), ("bias_token_ids", I32, "*"),
+    ("repetition_penalty", F32, "S"),
+    ("presence_penalty", F32, "S"),
+    ("frequency_penalty", F32, "S"),
+    ("min_p", F32, "S"),
+    ("bias_offsets", I32, "S+1"),
+    ("bias_token_ids", I32, "*"),
     ("bias_values", F32, "*"),
-    ("logprobs", I32, "S"), ("prompt_logprobs", I32, "S"), ("prompt_logprob_counts", I32, "S"),
-    ("prompt_logprob_targets", I32, "*"), ("mask_rows", I32, "S"), ("num_draft", I32, "S"),
-    ("pooling", I32, "S"), ("lora_index", I32, "S"),
+    ("logprobs", I32, "S"),
+    ("prompt_logprobs", I32, "S"),
+    ("prompt_logprob_counts", I32, "S"),
+    ("prompt_logprob_targets", I32, "*"),
+    ("mask_rows", I32, "S"),
+    ("num_draft", I32, "S"),
+    ("pooling", I32, "S"),
+    ("lora_index", I32, "S"),
 )
 
 # StepPlan.pooling: what a row's final hidden states give back
 POOL_LAST, POOL_SUM, POOL_FIRST = 1, 2, 3
 
 
-def _bytes(a: np.ndarray | None, dtype: np.dtype) -> bytes:
+def array_bytes(a: np.ndarray | None, dtype: np.dtype) -> bytes:
     return b"" if a is None else np.ascontiguousarray(a, dtype=dtype).tobytes()
 
 
 def encode_plan(p: PlanArrays) -> wire_pb2.StepPlan:
-    b = _bytes
+    b = array_bytes
     mask = p.token_bitmask
     return wire_pb2.StepPlan(
         step_id=p.step_id,
@@ -183,13 +215,21 @@ def encode_plan(p: PlanArrays) -> wire_pb2.StepPlan:
         bitmask_words=int(mask.shape[1]) if mask is not None else 0,
         mask_follows=p.mask_follows,
         loras=[wire_pb2.LoraRef(identity=i, path=path) for i, path in p.loras or ()],
-        **({} if p.kv is None else dict(kv_stores=b(p.kv.stores, I32), kv_loads=b(p.kv.loads, I32),
-                                        kv_hashes=b"".join(p.kv.hashes), kv_drops=b"".join(p.kv.drops))),
+        **(
+            {}
+            if p.kv is None
+            else dict(
+                kv_stores=b(p.kv.stores, I32),
+                kv_loads=b(p.kv.loads, I32),
+                kv_hashes=b"".join(p.kv.hashes),
+                kv_drops=b"".join(p.kv.drops),
+            )
+        ),
         **{name: b(getattr(p, name), dtype) for name, dtype, _ in _OPTIONAL},
     )
 
 
-def _array(blob: bytes, dtype: np.dtype, count: int, what: str) -> np.ndarray:
+def bytes_array(blob: bytes, dtype: np.dtype, count: int, what: str) -> np.ndarray:
     if len(blob) != count * dtype.itemsize:
         raise CodecError(f"{what}: {len(blob)} bytes, expected {count} x {dtype.itemsize}")
     return np.frombuffer(blob, dtype=dtype)
@@ -207,30 +247,32 @@ def decode_plan(msg: wire_pb2.StepPlan) -> PlanArrays:
             continue
         if rows == "*":
             if len(blob) % dtype.itemsize:
-                raise CodecError(f"{name}: {len(blob)} bytes is not a whole number of {dtype.itemsize}-byte "
-                                 "items")
+                raise CodecError(
+                    f"{name}: {len(blob)} bytes is not a whole number of {dtype.itemsize}-byte "
+                    "items"
+                )
             extra[name] = np.frombuffer(blob, dtype=dtype)
         else:
-            extra[name] = _array(blob, dtype, s + (rows == "S+1"), name)
+            extra[name] = bytes_array(blob, dtype, s + (rows == "S+1"), name)
     if msg.token_bitmask:
         extra["token_bitmask"] = decode_mask(msg)
     return PlanArrays(
         step_id=msg.step_id,
-        token_ids=_array(msg.token_ids, I32, t, "token_ids"),
-        positions=_array(msg.positions, I32, t, "positions"),
-        slot_mapping=_array(msg.slot_mapping, I64, t, "slot_mapping"),
-        block_tables=_array(msg.block_tables, I32, s * mb, "block_tables").reshape(s, mb),
-        seq_lens=_array(msg.seq_lens, I32, s, "seq_lens"),
-        query_start_loc=_array(msg.query_start_loc, I32, s + 1, "query_start_loc"),
-        do_sample=_array(msg.do_sample, U8, s, "do_sample").astype(bool),
-        sample_index=_array(msg.sample_index, I32, s, "sample_index"),
-        temperature=_array(msg.temperature, F32, s, "temperature"),
-        top_p=_array(msg.top_p, F32, s, "top_p"),
-        top_k=_array(msg.top_k, I32, s, "top_k"),
-        seed=_array(msg.seed, U64, s, "seed"),
+        token_ids=bytes_array(msg.token_ids, I32, t, "token_ids"),
+        positions=bytes_array(msg.positions, I32, t, "positions"),
+        slot_mapping=bytes_array(msg.slot_mapping, I64, t, "slot_mapping"),
+        block_tables=bytes_array(msg.block_tables, I32, s * mb, "block_tables").reshape(s, mb),
+        seq_lens=bytes_array(msg.seq_lens, I32, s, "seq_lens"),
+        query_start_loc=bytes_array(msg.query_start_loc, I32, s + 1, "query_start_loc"),
+        do_sample=bytes_array(msg.do_sample, U8, s, "do_sample").astype(bool),
+        sample_index=bytes_array(msg.sample_index, I32, s, "sample_index"),
+        temperature=bytes_array(msg.temperature, F32, s, "temperature"),
+        top_p=bytes_array(msg.top_p, F32, s, "top_p"),
+        top_k=bytes_array(msg.top_k, I32, s, "top_k"),
+        seed=bytes_array(msg.seed, U64, s, "seed"),
         block_copies=np.frombuffer(msg.block_copies, dtype=I32).reshape(-1, 2),
         prev_step_id=msg.prev_step_id,
-        prev_rows=_array(msg.prev_rows, I32, t, "prev_rows") if msg.prev_rows else None,
+        prev_rows=bytes_array(msg.prev_rows, I32, t, "prev_rows") if msg.prev_rows else None,
         mask_follows=msg.mask_follows,
         loras=[(r.identity, r.path) for r in msg.loras] or None,
         kv=decode_tiers(msg),
@@ -239,8 +281,11 @@ def decode_plan(msg: wire_pb2.StepPlan) -> PlanArrays:
 
 
 def encode_mask(step_id: int, bitmask: np.ndarray) -> wire_pb2.StepMask:
-    return wire_pb2.StepMask(step_id=step_id, token_bitmask=_bytes(bitmask, I32),
-                             bitmask_words=int(bitmask.shape[1]))
+    return wire_pb2.StepMask(
+        step_id=step_id,
+        token_bitmask=array_bytes(bitmask, I32),
+        bitmask_words=int(bitmask.shape[1]),
+    )
 
 
 def decode_mask(msg: wire_pb2.StepMask) -> np.ndarray:
@@ -252,96 +297,22 @@ def decode_mask(msg: wire_pb2.StepMask) -> np.ndarray:
 
 
 def resolve_tokens(p: PlanArrays, last_step_id: int, last_sampled: np.ndarray | None) -> np.ndarray:
-    """The plan's token ids with every pending one filled from the tokens this worker sampled in its last
-    step (`last_sampled`, int32, -1 where a row did not sample). Raises CodecError when the plan refers to
-    a step or a row the worker has no token for (a restarted worker, a failed step)."""
+    """The plan's token ids with pending ones filled from the worker's last step; CodecError where
+    it has no such token.
+    """
     if p.prev_rows is None:
         return p.token_ids
     at = np.flatnonzero(p.prev_rows >= 0)
     if at.size == 0:
         return p.token_ids
     if last_sampled is None or p.prev_step_id != last_step_id:
-        raise CodecError(f"the plan needs tokens sampled in step {p.prev_step_id}, which this worker does "
-                         f"not have (its last completed step is {last_step_id})")
+        raise CodecError(
+            f"the plan needs tokens sampled in step {p.prev_step_id}, which this worker does "
+            f"not have (its last completed step is {last_step_id})"
+        )
     src = p.prev_rows[at]
     if (src >= last_sampled.shape[0]).any() or (last_sampled[src] < 0).any():
         raise CodecError(f"the plan refers to rows of step {p.prev_step_id} that sampled no token")
     tokens = p.token_ids.copy()
     tokens[at] = last_sampled[src]
     return tokens
-
-
-@dataclass
-class Logprobs:
-    """Log-probabilities of a step's rows that asked, row order (protos/wire.proto StepResult)."""
-
-    chosen: np.ndarray  # float32 [N]: the log-probability of each position's token
-    top_ids: np.ndarray  # int32 [sum K]
-    top_values: np.ndarray  # float32 [sum K]
-
-
-_LOGPROB_FIELDS = {"logprobs": ("logprobs", "top_token_ids", "top_logprobs"),
-                   "prompt_logprobs": ("prompt_logprobs", "prompt_top_token_ids", "prompt_top_logprobs")}
-
-
-def encode_result(step_id: int, sampled: np.ndarray, logprobs: Logprobs | None = None,
-                  prompt_logprobs: Logprobs | None = None, num_accepted: np.ndarray | None = None,
-                  pooled: np.ndarray | None = None, kv_load_failed: np.ndarray | None = None,
-                  **timings: float) -> wire_pb2.StepResult:
-    """sampled: int32 [S], -1 where the sequence did not sample; num_accepted: int32 [S] when the plan
-    drafted; pooled: float32 [pooling rows, hidden] when it pooled; kv_load_failed: the plan's tier loads that
-    did not load."""
-    msg = wire_pb2.StepResult(step_id=step_id, sampled_token_ids=np.ascontiguousarray(sampled, I32).tobytes(),
-                              num_accepted=_bytes(num_accepted, I32), pooled=_bytes(pooled, F32),
-                              kv_load_failed=_bytes(kv_load_failed, I32), **timings)
-    for lp, (chosen, ids, values) in ((logprobs, _LOGPROB_FIELDS["logprobs"]),
-                                      (prompt_logprobs, _LOGPROB_FIELDS["prompt_logprobs"])):
-        if lp is not None:
-            setattr(msg, chosen, _bytes(lp.chosen, F32))
-            setattr(msg, ids, _bytes(lp.top_ids, I32))
-            setattr(msg, values, _bytes(lp.top_values, F32))
-    return msg
-
-
-def decode_logprobs(msg: wire_pb2.StepResult, which: str, positions: int, tops: int) -> Logprobs | None:
-    """which: "logprobs" or "prompt_logprobs"; the plan said how many positions and top entries to expect.
-    None when the plan asked for none; raises CodecError when the sizes do not match."""
-    if positions == 0:
-        return None
-    chosen, ids, values = _LOGPROB_FIELDS[which]
-    return Logprobs(_array(getattr(msg, chosen), F32, positions, chosen),
-                    _array(getattr(msg, ids), I32, tops, ids),
-                    _array(getattr(msg, values), F32, tops, values))
-
-
-def decode_result(msg: wire_pb2.StepResult, num_seqs: int) -> np.ndarray:
-    """-> int32 [num_seqs] sampled token ids; raises CodecError when the count is wrong."""
-    tokens = np.frombuffer(msg.sampled_token_ids, dtype=I32)
-    if tokens.shape[0] != num_seqs:
-        raise CodecError(f"step {msg.step_id}: {tokens.shape[0]} sampled tokens for {num_seqs} sequences")
-    return tokens
-
-
-def decode_pooled(msg: wire_pb2.StepResult, rows: int, hidden: int) -> np.ndarray | None:
-    """-> float32 [rows, hidden] of the rows whose plan pooled (None when it pooled none); raises CodecError
-    when the size does not match."""
-    if rows == 0:
-        return None
-    return _array(msg.pooled, F32, rows * hidden, "pooled").reshape(rows, hidden)
-
-
-def decode_load_failed(msg: wire_pb2.StepResult, num_loads: int) -> set[int]:
-    """The plan's tier loads (indices) that did not load; raises CodecError for an index out of range."""
-    if len(msg.kv_load_failed) % I32.itemsize:
-        raise CodecError("kv_load_failed is not a whole number of int32")
-    failed = set(np.frombuffer(msg.kv_load_failed, dtype=I32).tolist())
-    if any(not 0 <= i < num_loads for i in failed):
-        raise CodecError(f"kv_load_failed names a load outside the plan's {num_loads}")
-    return failed
-
-
-def decode_accepted(msg: wire_pb2.StepResult, num_seqs: int) -> np.ndarray | None:
-    """-> int32 [num_seqs] drafted tokens accepted per row, or None when the result carries none."""
-    if not msg.num_accepted:
-        return None
-    return _array(msg.num_accepted, I32, num_seqs, "num_accepted")

@@ -1,4 +1,5 @@
-"""The CPU scheduler service: request state, KV block allocation, continuous batching, gRPC front door.
+"""The CPU scheduler service: request state, KV block allocation, continuous batching, gRPC front
+door.
 
 Never imports torch: it decides everything about memory and ships plans to the workers.
 """

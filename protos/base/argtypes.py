@@ -1,5 +1,7 @@
-"""Command-line parsing shared by every pagedserve command: argparse types that check ranges where a value is
-parsed, and a parser whose errors are one line (what is wrong, where to look) with exit code 2."""
+"""Command-line parsing shared by every pagedserve command: argparse types that check ranges where a
+value is parsed, and a parser whose errors are one line (what is wrong, where to look) with exit
+code 2.
+"""
 
 from __future__ import annotations
 
@@ -82,8 +84,9 @@ def parse_bytes(text: str) -> int:
 
 
 def memory_size(text: str) -> str:
-    """An argparse type: a memory size as --kv-cache-memory takes it (2GiB, 512MiB, 1000000), checked now and
-    passed on as written."""
+    """An argparse type: a memory size as --kv-cache-memory takes it (2GiB, 512MiB, 1000000),
+    checked now and passed on as written.
+    """
     try:
         if parse_bytes(text) < 1:
             raise ValueError(f"{text!r} is no memory at all")

@@ -1,6 +1,7 @@
-"""Every environment variable pagedserve reads, in one place: each read when asked (a test or a child
-process may set it), with its default. Flags win where a flag exists; these are for what a deployment sets
-once (a key, a cache folder) and for the processes pagedserve starts itself."""
+"""Every environment variable pagedserve reads, in one place: each read when asked (a test or a
+child process may set it), with its default. Flags win where a flag exists; these are for what a
+deployment sets once (a key, a cache folder) and for the processes pagedserve starts itself.
+"""
 
 from __future__ import annotations
 
@@ -23,17 +24,23 @@ def server() -> str:
 
 
 def supervised() -> bool:
-    """PAGEDSERVE_SUPERVISED=1: this worker runs under deploy/supervisor.py (set by the supervisor)."""
+    """PAGEDSERVE_SUPERVISED=1: this worker runs under deploy/supervisor.py
+    (set by the supervisor).
+    """
     return _get("PAGEDSERVE_SUPERVISED") == "1"
 
 
 def malloc() -> str:
-    """PAGEDSERVE_MALLOC: the worker's host allocator (--malloc): auto, tcmalloc, glibc or default."""
+    """PAGEDSERVE_MALLOC: the worker's host allocator (--malloc): auto,
+    tcmalloc, glibc or default.
+    """
     return _get("PAGEDSERVE_MALLOC", "auto")
 
 
 def malloc_reexec() -> bool:
-    """PAGEDSERVE_MALLOC_REEXEC: set by a worker that re-executed itself onto tcmalloc (so once only)."""
+    """PAGEDSERVE_MALLOC_REEXEC: set by a worker that re-executed itself onto tcmalloc (so once
+    only).
+    """
     return bool(_get("PAGEDSERVE_MALLOC_REEXEC"))
 
 
@@ -58,7 +65,9 @@ def native_march() -> str:
 
 
 def native_sanitize() -> bool:
-    """PAGEDSERVE_NATIVE_SANITIZE=1: build the native library with ASan and UBSan (make test-sanitize)."""
+    """PAGEDSERVE_NATIVE_SANITIZE=1: build the native library with ASan and UBSan (make
+    test-sanitize).
+    """
     return _get("PAGEDSERVE_NATIVE_SANITIZE") == "1"
 
 

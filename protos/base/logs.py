@@ -1,6 +1,8 @@
 """Structured logging (structlog) shared by every pagedserve process (scheduler, workers, launcher):
-one event per line, each naming its process (and its request, where there is one). Readable console lines
-when stderr is a terminal, JSON lines otherwise; `--log-format console|json` chooses either way."""
+one event per line, each naming its process (and its request, where there is one). Readable console
+lines when stderr is a terminal, JSON lines otherwise; `--log-format console|json` chooses either
+way.
+"""
 
 from __future__ import annotations
 
@@ -50,8 +52,8 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        # one write a line: processes that share a log file (a launcher and its workers) never interleave
-        # halves
+        # one write a line: processes that share a log file (a launcher and its workers) never
+        # interleave halves
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )

@@ -1,7 +1,7 @@
-"""The SMG engine protocol (`vllm.grpc.engine.VllmEngine` of the pinned `smg-grpc-proto` package), served on
-the same port as pagedserve.v1.Generation, so the gateways that drive vLLM, SGLang and TensorRT-LLM over
-gRPC drive pagedserve too. Every request goes through the same validation and `Engine.generate` as our own
-API; every SamplingParams field is honoured or refused with INVALID_ARGUMENT naming it."""
+"""The SMG engine protocol (`vllm.grpc.engine.VllmEngine`), served beside pagedserve.v1 so gateways
+that drive vLLM or SGLang over gRPC drive pagedserve too. Same validation and engine as our own API;
+every SamplingParams field is honoured or refused by name.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import io
 import json
 import time
 import zipfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 import grpc
@@ -20,6 +19,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2
 
 from scheduler_service.api.embedding import EmbedInputs, prepare_embeddings, run_embeddings
 from scheduler_service.api.engine_protocol_messages import (
+    LoadReports,
     input_logprobs,
     output_logprobs,
     to_generation_request,
@@ -29,21 +29,30 @@ from scheduler_service.api.validation import InvalidRequest
 from scheduler_service.core.sequence import FinishReason
 from scheduler_service.runtime.engine import Engine
 from scheduler_service.runtime.errors import Draining
-from scheduler_service.runtime.kv_events import SubscriberGone
 
 log = structlog.get_logger("scheduler.engine_protocol")
 
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
-                   "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
-                   "chat_template.json", "chat_template.jinja", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.json",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
 CHUNK_BYTES = 64 * 1024
-_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
-           FinishReason.ERROR: "error"}
-
-
-
-
+_FINISH = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+}
 
 
 class _Sample:
@@ -56,23 +65,12 @@ class _Sample:
         self.last = None  # the sample's last delta
 
 
-class EngineProtocolServicer:
-    """One request path: an engine-protocol GenerateRequest is put in the shape of a pagedserve.v1 request
-    (`to_generation_request`) and validated by `request_from_proto`. json_object and choice become a JSON
-    Schema and a regex for the structured-output matcher; structural_tag, multimodal inputs, KV-transfer
-    parameters and a data-parallel rank other than 0 are refused (this engine balances its replicas itself
-    and reports one rank). The gateway tokenizes and detokenizes: answers carry token ids, and text only
-    matters here for stop strings (so spaces_between_special_tokens changes nothing the gateway receives).
-
-    Streams: with `stream`, a chunk per step that produced tokens for a sample (prompt and cached token
-    counts on each, prompt logprobs on a sample's first), then a `complete` for that sample repeating its
-    last chunk's tokens with the finish reason and the matched stop; without, one `complete` per sample at
-    the end.
-
-    SubscribeKvEvents streams the prefix cache's stored / removed / cleared blocks with the allocator's
-    own chained hashes and the service's load; GetTokenizer streams the tokenizer files as a zip; Embed
-    answers one tokenized input's vector from an embedding model; the profiler is UNIMPLEMENTED with a
-    message."""
+class EngineProtocolServicer(LoadReports):
+    """A GenerateRequest is made a pagedserve.v1 request and validated as one; structured outputs
+    map onto the matcher, and what this engine cannot do (structural_tag, multimodal, KV transfer, a
+    dp rank) is refused. The gateway tokenizes: answers carry token ids. Streams send a chunk per
+    step, then a `complete` per sample with its finish reason.
+    """
 
     def __init__(self, engine: Engine, model_dir: str | Path) -> None:
         self.engine = engine
@@ -97,11 +95,17 @@ class EngineProtocolServicer:
             "GetTokenizer": (stream, self.GetTokenizer, common.GetTokenizerRequest),
             "SubscribeKvEvents": (stream, self.SubscribeKvEvents, common.SubscribeKvEventsRequest),
         }
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: kind(fn, request_deserializer=tolerant(cls),
-                       response_serializer=lambda m: m.SerializeToString())
-            for name, (kind, fn, cls) in methods.items()
-        })
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                name: kind(
+                    fn,
+                    request_deserializer=tolerant(cls),
+                    response_serializer=lambda m: m.SerializeToString(),
+                )
+                for name, (kind, fn, cls) in methods.items()
+            },
+        )
 
     async def _malformed(self, msg, context) -> None:
         if isinstance(msg, Malformed):
@@ -123,7 +127,9 @@ class EngineProtocolServicer:
                 if delta.logprobs:
                     sample.logprobs.extend(delta.logprobs)
                 if delta.prompt_logprobs is not None:
-                    prompt_logprobs = input_logprobs(request.prompt_token_ids, delta.prompt_logprobs)
+                    prompt_logprobs = input_logprobs(
+                        request.prompt_token_ids, delta.prompt_logprobs
+                    )
                 if not msg.stream:
                     if delta.finish_reason is not None:
                         sample.last = delta
@@ -131,33 +137,50 @@ class EngineProtocolServicer:
                 counts = self._counts(request)
                 if delta.token_ids or delta.finish_reason is not None:
                     chunk = vllm_engine_pb2.GenerateStreamChunk(
-                        token_ids=delta.token_ids, completion_tokens=len(delta.token_ids), index=delta.index,
-                        output_logprobs=output_logprobs(delta.logprobs), **counts)
+                        token_ids=delta.token_ids,
+                        completion_tokens=len(delta.token_ids),
+                        index=delta.index,
+                        output_logprobs=output_logprobs(delta.logprobs),
+                        **counts,
+                    )
                     if not sample.sent_first and prompt_logprobs is not None:
                         chunk.input_logprobs.CopyFrom(prompt_logprobs)
                     sample.sent_first = True
                     yield vllm_engine_pb2.GenerateResponse(chunk=chunk)
                 if delta.finish_reason is not None:
-                    yield self._complete(delta, delta.token_ids, delta.logprobs, counts, prompt_logprobs)
+                    yield self._complete(
+                        delta, delta.token_ids, delta.logprobs, counts, prompt_logprobs
+                    )
             if not msg.stream:
                 counts = self._counts(request)
                 for index in sorted(samples):
                     sample = samples[index]
-                    yield self._complete(sample.last, sample.tokens, sample.logprobs, counts,
-                                         prompt_logprobs)
+                    yield self._complete(
+                        sample.last, sample.tokens, sample.logprobs, counts, prompt_logprobs
+                    )
         except CLIENT_ERRORS as e:
             await reject(context, e, request_id)
 
     @staticmethod
     def _counts(request) -> dict:
-        return {"prompt_tokens": request.prompt_len, "cached_tokens": request.cached_prompt_tokens or 0}
+        return {
+            "prompt_tokens": request.prompt_len,
+            "cached_tokens": request.cached_prompt_tokens or 0,
+        }
 
     @staticmethod
-    def _complete(delta, tokens, logprobs, counts, prompt_logprobs) -> vllm_engine_pb2.GenerateResponse:
+    def _complete(
+        delta, tokens, logprobs, counts, prompt_logprobs
+    ) -> vllm_engine_pb2.GenerateResponse:
         done = vllm_engine_pb2.GenerateComplete(
-            output_ids=tokens, finish_reason=_FINISH[delta.finish_reason], completion_tokens=len(tokens),
-            index=delta.index, output_logprobs=output_logprobs(logprobs), input_logprobs=prompt_logprobs,
-            **counts)
+            output_ids=tokens,
+            finish_reason=_FINISH[delta.finish_reason],
+            completion_tokens=len(tokens),
+            index=delta.index,
+            output_logprobs=output_logprobs(logprobs),
+            input_logprobs=prompt_logprobs,
+            **counts,
+        )
         if delta.usage is not None:
             done.cached_tokens = delta.usage.cached_prompt_tokens
         if isinstance(delta.stop_reason, str):
@@ -173,25 +196,32 @@ class EngineProtocolServicer:
         return vllm_engine_pb2.AbortResponse()
 
     async def Embed(self, msg, context):
-        """One tokenized input's vector (the gateway tokenizes /v1/embeddings' texts and sends each alone),
-        through the same path as pagedserve.v1 Embed."""
+        """One tokenized input's vector (the gateway tokenizes /v1/embeddings' texts and sends each
+        alone), through the same path as pagedserve.v1 Embed.
+        """
         try:
             if isinstance(msg, Malformed):
                 raise InvalidRequest(msg.error)
             ids = list(msg.tokenized.input_ids)
             inputs = EmbedInputs(request_id=msg.request_id, token_ids=[ids] if ids else [])
-            (result,) = await run_embeddings(self.engine, await prepare_embeddings(self.engine, inputs))
+            (result,) = await run_embeddings(
+                self.engine, await prepare_embeddings(self.engine, inputs)
+            )
         except CLIENT_ERRORS as e:
             await reject(context, e, msg.request_id)
             return None
-        return vllm_engine_pb2.EmbedResponse(embedding=result.vector.tolist(),
-                                             prompt_tokens=result.prompt_tokens,
-                                             embedding_dim=int(result.vector.shape[0]))
+        return vllm_engine_pb2.EmbedResponse(
+            embedding=result.vector.tolist(),
+            prompt_tokens=result.prompt_tokens,
+            embedding_dim=int(result.vector.shape[0]),
+        )
 
     async def StartProfile(self, msg, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "the profiler is not served over this protocol: use "
-                            "the scheduler's --step-profile-interval and the workers' step timings")
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "the profiler is not served over this protocol: use "
+            "the scheduler's --step-profile-interval and the workers' step timings",
+        )
 
     StopProfile = StartProfile
 
@@ -200,8 +230,7 @@ class EngineProtocolServicer:
         e = self.engine
         if e.limits is not None and e.is_serving and not e.is_draining:
             return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="Health")
-        reason = (Draining.REASON if e.is_draining
-                  else e.unavailable_reason or "not ready")
+        reason = Draining.REASON if e.is_draining else e.unavailable_reason or "not ready"
         return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=reason)
 
     def _config(self, name: str) -> dict:
@@ -212,73 +241,60 @@ class EngineProtocolServicer:
             return {}
 
     async def GetModelInfo(self, msg, context):
-        """Answered from the model's config even before the workers connect: a gateway registers a server
-        when it first sees it (one starting beside it included) and reads this once."""
+        """Answered from the model's config even before the workers connect: a gateway registers a
+        server when it first sees it (one starting beside it included) and reads this once.
+        """
         e = self.engine
         max_context = e.limits.max_context if e.limits is not None else e.spec.max_context
         config, generation = self._config("config.json"), self._config("generation_config.json")
-        defaults = {k: generation[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                    if k in generation}
+        defaults = {
+            k: generation[k]
+            for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if k in generation
+        }
         return vllm_engine_pb2.GetModelInfoResponse(
-            model_path=str(self.model_dir), is_generation=e.spec.generates, max_context_length=max_context,
-            vocab_size=e.spec.vocab_size, supports_vision=False, served_model_name=e.spec.name,
-            tokenizer_path=str(self.model_dir), model_type=config.get("model_type", ""),
-            architectures=config.get("architectures", []), eos_token_ids=list(e.spec.eos_token_ids),
-            pad_token_id=config.get("pad_token_id") if isinstance(config.get("pad_token_id"), int) else -1,
-            bos_token_id=config.get("bos_token_id") if isinstance(config.get("bos_token_id"), int) else -1,
+            model_path=str(self.model_dir),
+            is_generation=e.spec.generates,
+            max_context_length=max_context,
+            vocab_size=e.spec.vocab_size,
+            supports_vision=False,
+            served_model_name=e.spec.name,
+            tokenizer_path=str(self.model_dir),
+            model_type=config.get("model_type", ""),
+            architectures=config.get("architectures", []),
+            eos_token_ids=list(e.spec.eos_token_ids),
+            pad_token_id=config.get("pad_token_id")
+            if isinstance(config.get("pad_token_id"), int)
+            else -1,
+            bos_token_id=config.get("bos_token_id")
+            if isinstance(config.get("bos_token_id"), int)
+            else -1,
             max_req_input_len=max_context - 1,
-            default_sampling_params_json=json.dumps(defaults) if defaults else "")
+            default_sampling_params_json=json.dumps(defaults) if defaults else "",
+        )
 
     async def GetServerInfo(self, msg, context):
         e = self.engine
         info = e.model_info() if e.limits is not None else {}
         return vllm_engine_pb2.GetServerInfoResponse(
-            active_requests=len(e.streams), is_paused=e.is_draining,
+            active_requests=len(e.streams),
+            is_paused=e.is_draining,
             last_receive_timestamp=self._last_receive,
-            uptime_seconds=time.time() - e.started_at, server_type="pagedserve-grpc", data_parallel_size=1,
-            kv_cache_dtype=info.get("kv_cache_dtype") or "auto", block_size=e.config.block_size,
-            model_dtype=info.get("dtype", ""), max_num_seqs=e.config.max_num_seqs * len(e.replicas))
-
-    def _load(self) -> dict:
-        load = self.engine.loads()
-        return {"running": load["running"], "waiting": load["waiting"], "token_usage": load["token_usage"],
-                "capacity": load["num_blocks"] * load["block_size"],
-                "used": load["used_blocks"] * load["block_size"],
-                "hit_rate": load["cache_hit_rate"], "waiting_tokens": load["waiting_tokens"],
-                "max_running": load["max_running"], "throughput": self._throughput(load["generated_tokens"])}
-
-    def _throughput(self, generated: int) -> float:
-        """Tokens generated per second over the interval since the previous reading (at least a second)."""
-        now = time.monotonic()
-        last = getattr(self, "_rate_mark", None)
-        if last is None:
-            self._rate_mark, self._rate = (now, generated), 0.0
-        elif now - last[0] >= 1.0:
-            self._rate = (generated - last[1]) / (now - last[0])
-            self._rate_mark = (now, generated)
-        return self._rate
-
-    async def GetLoads(self, msg, context):
-        await self._malformed(msg, context)
-        if msg.HasField("dp_rank") and msg.dp_rank != 0:
-            return vllm_engine_pb2.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(),
-                                                    version="pagedserve", dp_rank_count=0)
-        x = self._load()
-        load = vllm_engine_pb2.SchedulerLoad(
-            dp_rank=0, num_running_reqs=x["running"], num_waiting_reqs=x["waiting"],
-            num_total_reqs=x["running"] + x["waiting"], num_used_tokens=x["used"],
-            max_total_num_tokens=x["capacity"],
-            token_usage=x["token_usage"], gen_throughput=x["throughput"], cache_hit_rate=x["hit_rate"],
-            utilization=x["token_usage"], max_running_requests=x["max_running"],
-            num_waiting_uncached_tokens=x["waiting_tokens"])
-        return vllm_engine_pb2.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(),
-                                                version="pagedserve", dp_rank_count=1, loads=[load])
+            uptime_seconds=time.time() - e.started_at,
+            server_type="pagedserve-grpc",
+            data_parallel_size=1,
+            kv_cache_dtype=info.get("kv_cache_dtype") or "auto",
+            block_size=e.config.block_size,
+            model_dtype=info.get("dtype", ""),
+            max_num_seqs=e.config.max_num_seqs * len(e.replicas),
+        )
 
     async def FlushCache(self, msg, context):
         await self._malformed(msg, context)
         if msg.timeout_s < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"timeout_s must be >= 0, got {msg.timeout_s}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be >= 0, got {msg.timeout_s}"
+            )
         ok, message = await self.engine.flush_prefix_cache(msg.timeout_s)
         return common_pb2.FlushCacheResponse(success=ok, message=message)
 
@@ -291,8 +307,9 @@ class EngineProtocolServicer:
         data, digest = self._tokenizer_zip
         for start in range(0, len(data), CHUNK_BYTES):
             end = min(start + CHUNK_BYTES, len(data))
-            yield common_pb2.GetTokenizerChunk(data=data[start:end],
-                                               sha256=digest if end == len(data) else "")
+            yield common_pb2.GetTokenizerChunk(
+                data=data[start:end], sha256=digest if end == len(data) else ""
+            )
 
     def _zip_tokenizer(self) -> tuple[bytes, str]:
         buf = io.BytesIO()
@@ -305,60 +322,7 @@ class EngineProtocolServicer:
         data = buf.getvalue()
         return data, hashlib.sha256(data).hexdigest()
 
-    async def SubscribeKvEvents(self, msg, context):
-        await self._malformed(msg, context)
-        publisher = self.engine.kv_events
-        queue = publisher.subscribe(msg.start_sequence_number)
-        log.info("kv_events_subscribed", start=msg.start_sequence_number,
-                 subscribers=publisher.num_subscribers)
-        sent = 0  # the last sequence number this stream carried (a heartbeat repeats it: 0 before any)
-        try:
-            while True:
-                try:
-                    batch = await asyncio.wait_for(queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:  # a heartbeat with the load while the cache is quiet
-                    yield common_pb2.KvEventBatch(sequence_number=sent, timestamp=time.time(),
-                                                  load=self._load_record(load_only=True))
-                    continue
-                if isinstance(batch, SubscriberGone):
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(batch))
-                sent = batch.sequence_number
-                yield self._batch(batch)
-        finally:
-            publisher.unsubscribe(queue)
-
-    def _load_record(self, load_only: bool = False) -> common_pb2.EngineLoad:
-        x = self._load()
-        return common_pb2.EngineLoad(
-            running_requests=x["running"], waiting_requests=x["waiting"],
-            waiting_uncached_tokens=x["waiting_tokens"],
-            token_usage=x["token_usage"], gen_throughput=x["throughput"],
-            max_running_requests=x["max_running"], load_only=load_only)
-
-    def _batch(self, batch) -> common_pb2.KvEventBatch:
-        out = common_pb2.KvEventBatch(sequence_number=batch.sequence_number, timestamp=batch.timestamp,
-                                      dp_rank=batch.replica, load=self._load_record())
-        block_size = self.engine.config.block_size
-        for i, event in enumerate(batch.events):
-            item = out.events.add(event_id=batch.sequence_number * 1_000_000 + i)
-            if event[0] == "stored":
-                stored = item.stored
-                block = stored.blocks.add(block_hash=event[1], token_ids=event[3], block_size=block_size)
-                if len(event) > 4:  # a LoRA adapter's K/V
-                    block.lora_id = event[4]
-                if event[2] is not None:
-                    stored.parent_block_hash = event[2]
-                stored.tier = common_pb2.KV_CACHE_TIER_DEVICE
-                stored.locality = common_pb2.KV_CACHE_LOCALITY_LOCAL
-            elif event[0] == "removed":
-                item.removed.block_hashes.append(event[1])
-                item.removed.tier = common_pb2.KV_CACHE_TIER_DEVICE
-            else:
-                item.cleared.SetInParent()
-        return out
-
 
 def add_to_server(server: grpc.aio.Server, engine: Engine, model_dir: str | Path) -> str:
     server.add_generic_rpc_handlers((EngineProtocolServicer(engine, model_dir).handlers(),))
     return SERVICE_NAME
-

@@ -1,6 +1,6 @@
-"""The gRPC front door: pagedserve.v1.Generation, grpc.health.v1 and server reflection. The servicer is thin
-(protobuf in, engine call, protobuf out; errors map to status codes in api/rpc.py status_for); a malformed
-message or a string that is not UTF-8 is answered with INVALID_ARGUMENT, never UNKNOWN."""
+"""The gRPC front door: pagedserve.v1.Generation, health and reflection. The servicer is thin; a
+malformed message or non-UTF-8 string gets INVALID_ARGUMENT, never UNKNOWN.
+"""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ _FINISH = {
 def _usage(delta: Delta) -> generation_pb2.Usage:
     u = delta.usage
     return generation_pb2.Usage(
-        prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
         cached_prompt_tokens=u.cached_prompt_tokens,
     )
 
@@ -62,10 +63,18 @@ def _set_stop_reason(out, stop_reason: str | int | None) -> None:
 
 
 def _logprobs(items, text: TokenTable) -> list[generation_pb2.TokenLogprob]:
-    return [generation_pb2.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob, token=text.text(lp.token_id),
-        top_logprobs=[generation_pb2.TopLogprob(token_id=t, logprob=v, token=text.text(t))
-                      for t, v in lp.top]) for lp in items]
+    return [
+        generation_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            token=text.text(lp.token_id),
+            top_logprobs=[
+                generation_pb2.TopLogprob(token_id=t, logprob=v, token=text.text(t))
+                for t, v in lp.top
+            ],
+        )
+        for lp in items
+    ]
 
 
 class GenerationServicer:
@@ -81,26 +90,54 @@ class GenerationServicer:
         pb = generation_pb2
         methods = {
             "Generate": (grpc.unary_unary_rpc_method_handler, self.Generate, pb.GenerateRequest),
-            "GenerateStream": (grpc.unary_stream_rpc_method_handler, self.GenerateStream, pb.GenerateRequest),
+            "GenerateStream": (
+                grpc.unary_stream_rpc_method_handler,
+                self.GenerateStream,
+                pb.GenerateRequest,
+            ),
             "Abort": (grpc.unary_unary_rpc_method_handler, self.Abort, pb.AbortRequest),
-            "GetModelInfo": (grpc.unary_unary_rpc_method_handler, self.GetModelInfo, pb.GetModelInfoRequest),
-            "GetCacheStats": (grpc.unary_unary_rpc_method_handler, self.GetCacheStats,
-                              pb.GetCacheStatsRequest),
+            "GetModelInfo": (
+                grpc.unary_unary_rpc_method_handler,
+                self.GetModelInfo,
+                pb.GetModelInfoRequest,
+            ),
+            "GetCacheStats": (
+                grpc.unary_unary_rpc_method_handler,
+                self.GetCacheStats,
+                pb.GetCacheStatsRequest,
+            ),
             "Embed": (grpc.unary_unary_rpc_method_handler, self.Embed, pb.EmbedRequest),
-            "LoadLoraAdapter": (grpc.unary_unary_rpc_method_handler, self.LoadLoraAdapter,
-                                pb.LoadLoraAdapterRequest),
-            "UnloadLoraAdapter": (grpc.unary_unary_rpc_method_handler, self.UnloadLoraAdapter,
-                                  pb.UnloadLoraAdapterRequest),
-            "ListLoraAdapters": (grpc.unary_unary_rpc_method_handler, self.ListLoraAdapters,
-                                 pb.ListLoraAdaptersRequest),
+            "LoadLoraAdapter": (
+                grpc.unary_unary_rpc_method_handler,
+                self.LoadLoraAdapter,
+                pb.LoadLoraAdapterRequest,
+            ),
+            "UnloadLoraAdapter": (
+                grpc.unary_unary_rpc_method_handler,
+                self.UnloadLoraAdapter,
+                pb.UnloadLoraAdapterRequest,
+            ),
+            "ListLoraAdapters": (
+                grpc.unary_unary_rpc_method_handler,
+                self.ListLoraAdapters,
+                pb.ListLoraAdaptersRequest,
+            ),
         }
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            name: kind(fn, request_deserializer=tolerant(cls),
-                       response_serializer=lambda m: m.SerializeToString())
-            for name, (kind, fn, cls) in methods.items()
-        })
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                name: kind(
+                    fn,
+                    request_deserializer=tolerant(cls),
+                    response_serializer=lambda m: m.SerializeToString(),
+                )
+                for name, (kind, fn, cls) in methods.items()
+            },
+        )
 
-    async def _fail(self, context: grpc.aio.ServicerContext, error: Exception, request_id: str = "") -> None:
+    async def _fail(
+        self, context: grpc.aio.ServicerContext, error: Exception, request_id: str = ""
+    ) -> None:
         await reject(context, error, request_id)
 
     async def Generate(self, msg, context):
@@ -126,7 +163,9 @@ class GenerationServicer:
             await self._fail(context, e, msg.request_id)
             return None
         return generation_pb2.GenerateResponse(
-            request_id=request.request_id, choices=[choices[i] for i in sorted(choices)], usage=usage,
+            request_id=request.request_id,
+            choices=[choices[i] for i in sorted(choices)],
+            usage=usage,
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -135,8 +174,10 @@ class GenerationServicer:
             request = await self._request(msg)
             async for delta in self.engine.generate(request):
                 out = generation_pb2.GenerateStreamResponse(
-                    request_id=request.request_id, index=delta.index, token_ids=delta.token_ids,
-                    text=delta.text
+                    request_id=request.request_id,
+                    index=delta.index,
+                    token_ids=delta.token_ids,
+                    text=delta.text,
                 )
                 if delta.logprobs:
                     out.logprobs.extend(_logprobs(delta.logprobs, self.token_text))
@@ -156,10 +197,14 @@ class GenerationServicer:
             if isinstance(msg, Malformed):
                 raise InvalidRequest(msg.error)
             inputs = EmbedInputs(
-                request_id=msg.request_id, texts=list(msg.texts) if msg.texts else None,
+                request_id=msg.request_id,
+                texts=list(msg.texts) if msg.texts else None,
                 token_ids=[list(t.ids) for t in msg.inputs] if msg.inputs else None,
-                dimensions=msg.dimensions, truncate_prompt_tokens=msg.truncate_prompt_tokens,
-                prompt_name=msg.prompt_name, prompt=msg.prompt)
+                dimensions=msg.dimensions,
+                truncate_prompt_tokens=msg.truncate_prompt_tokens,
+                prompt_name=msg.prompt_name,
+                prompt=msg.prompt,
+            )
             if inputs.texts is None and inputs.token_ids is None:
                 inputs.texts = []  # (said as "no input")
             requests = await prepare_embeddings(self.engine, inputs)
@@ -170,18 +215,29 @@ class GenerationServicer:
         prompt = sum(r.prompt_tokens for r in results)
         return generation_pb2.EmbedResponse(
             request_id=inputs.request_id,
-            data=[generation_pb2.Embedding(index=r.index, values=r.vector.tolist(),
-                                           prompt_tokens=r.prompt_tokens,
-                                           cached_prompt_tokens=r.cached_prompt_tokens) for r in results],
-            usage=generation_pb2.Usage(prompt_tokens=prompt,
-                                       cached_prompt_tokens=sum(r.cached_prompt_tokens for r in results)))
+            data=[
+                generation_pb2.Embedding(
+                    index=r.index,
+                    values=r.vector.tolist(),
+                    prompt_tokens=r.prompt_tokens,
+                    cached_prompt_tokens=r.cached_prompt_tokens,
+                )
+                for r in results
+            ],
+            usage=generation_pb2.Usage(
+                prompt_tokens=prompt,
+                cached_prompt_tokens=sum(r.cached_prompt_tokens for r in results),
+            ),
+        )
 
     async def Abort(self, msg, context):
         if isinstance(msg, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.error)
         if not msg.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        return generation_pb2.AbortResponse(aborted=self.engine.abort(msg.request_id, reason="Abort RPC"))
+        return generation_pb2.AbortResponse(
+            aborted=self.engine.abort(msg.request_id, reason="Abort RPC")
+        )
 
     async def GetModelInfo(self, msg, context):
         e = self.engine
@@ -199,8 +255,13 @@ class GenerationServicer:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
         except (AdapterError, OSError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        log.info("lora_loaded", name=adapter.name, path=adapter.path, rank=adapter.rank,
-                 identity=adapter.identity)
+        log.info(
+            "lora_loaded",
+            name=adapter.name,
+            path=adapter.path,
+            rank=adapter.rank,
+            identity=adapter.identity,
+        )
         return adapter_message(adapter)
 
     async def UnloadLoraAdapter(self, msg, context):
@@ -219,10 +280,13 @@ class GenerationServicer:
 
     async def GetCacheStats(self, msg, context):
         if self.engine.limits is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.unavailable_reason or "not ready")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, self.engine.unavailable_reason or "not ready"
+            )
         stats = self.engine.cache_stats()
         requests = [generation_pb2.RequestCacheUsage(**r) for r in stats.pop("requests")]
-        if not self.expose_request_ids:  # blocks and tokens per request, but not ids anyone could abort
+        # blocks and tokens per request, but not ids anyone could abort
+        if not self.expose_request_ids:
             for r in requests:
                 r.request_id = ""
         replicas = [generation_pb2.ReplicaCacheStats(**r) for r in stats.pop("replicas")]
@@ -233,7 +297,9 @@ class HealthReporter:
     """Keeps grpc.health.v1 in step with the engine: SERVING only while workers are live."""
 
     def __init__(self, services: list[str] | None = None) -> None:
-        self.servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.servicer = (
+            health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        )
         self.services = services or [SERVICE_NAME]
 
     async def set(self, serving: bool) -> None:
@@ -245,23 +311,26 @@ class HealthReporter:
                 await result
 
 
-def build_server(engine: Engine, address: str, expose_request_ids: bool = False,
-                 tls: tuple[bytes, bytes] | None = None,
-                 model_dir: str | None = None,
-                 api_key: str | None = None) -> tuple[grpc.aio.Server, HealthReporter, int]:
-    """Requests are parsed by a tolerant deserializer; validation and tokenization run off the event loop, so
-    one huge prompt never stalls the other clients. `api_key` (--api-key) guards every call but health
-    checks (ApiKeyInterceptor); `--tls-cert` and `--tls-key` serve it over TLS. Per-request ids in
-    GetCacheStats are shown only with `--expose-request-ids` (an id is all Abort needs).
-
-    tls: (private key, certificate chain) in PEM to serve over TLS; None for plaintext. model_dir: the
-    model folder, whose tokenizer files the engine protocol's GetTokenizer serves (the protocol is served
-    only with it)."""
+def build_server(
+    engine: Engine,
+    address: str,
+    expose_request_ids: bool = False,
+    tls: tuple[bytes, bytes] | None = None,
+    model_dir: str | None = None,
+    api_key: str | None = None,
+) -> tuple[grpc.aio.Server, HealthReporter, int]:
+    """Requests parsed tolerantly, validated and tokenized off the event loop. `api_key` guards
+    every call but health; `tls` (key, chain) serves TLS; `model_dir` enables the engine protocol's
+    GetTokenizer.
+    """
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
-    server = grpc.aio.server(interceptors=interceptors, options=[
-        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ])
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ],
+    )
     generation = GenerationServicer(engine, expose_request_ids)
     server.add_generic_rpc_handlers((generation.handlers(),))
     services = [SERVICE_NAME]
@@ -272,8 +341,12 @@ def build_server(engine: Engine, address: str, expose_request_ids: bool = False,
     reporter = HealthReporter(services)
     health_pb2_grpc.add_HealthServicer_to_server(reporter.servicer, server)
     reflection.enable_server_reflection(
-        (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server
+        (
+            *services,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
     )
     if tls is None:
         port = server.add_insecure_port(address)

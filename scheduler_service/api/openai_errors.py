@@ -1,5 +1,6 @@
-"""Every failure of the OpenAI API as OpenAI's error body and an HTTP status: the engine's and validation's
-errors mapped once, a body pydantic refused said in one line naming the field."""
+"""Every OpenAI API failure as OpenAI's error body and status, a refused body said in one line
+naming the field.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ log = structlog.get_logger("scheduler.http")
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
         param: str | None = None,
     ) -> None:
         super().__init__(message)
@@ -42,20 +47,29 @@ def request_fields() -> frozenset[str]:
     from scheduler_service.api import openai_schema as schema
     from scheduler_service.api.agents import messages, responses
 
-    models = (schema.ChatCompletionRequest, schema.CompletionRequest, schema.EmbeddingRequest,
-              schema.TokenizeRequest, responses.ResponsesRequest, messages.MessagesRequest)
+    models = (
+        schema.ChatCompletionRequest,
+        schema.CompletionRequest,
+        schema.EmbeddingRequest,
+        schema.TokenizeRequest,
+        responses.ResponsesRequest,
+        messages.MessagesRequest,
+    )
     return frozenset(f.alias or name for m in models for name, f in m.model_fields.items())
 
 
 def param_of(message: str) -> str | None:
-    """The field an error message begins with (`max_tokens must be...`, `tools[0].function: ...`), where
-    it begins with one: OpenAI's error `param`."""
+    """The field an error message begins with (`max_tokens must be...`, `tools[0].function: ...`),
+    where it begins with one: OpenAI's error `param`.
+    """
     m = _PATH.match(message)
     return m.group(0) if m and m.group(1) in request_fields() else None
 
 
 def api_error(error: Exception) -> ApiError:
-    """An engine or validation error as the HTTP status and OpenAI error type it is answered with."""
+    """An engine or validation error as the HTTP status and OpenAI
+    error type it is answered with.
+    """
     if isinstance(error, ApiError):
         return error
     if isinstance(error, ClientGone):
@@ -90,9 +104,13 @@ def error_response(error: ApiError, request_id: str = "", logged: bool = True) -
 
 
 def _where(err: dict) -> str:
-    """A pydantic error's location as the body names it (`messages.0.content`), less pydantic's own steps."""
+    """A pydantic error's location as the body names it (`messages.0.content`), less pydantic's own
+    steps.
+    """
     return ".".join(
-        str(x) for x in err["loc"] if not str(x).startswith(("function-", "list[", "str", "literal[", "int"))
+        str(x)
+        for x in err["loc"]
+        if not str(x).startswith(("function-", "list[", "str", "literal[", "int"))
     )
 
 

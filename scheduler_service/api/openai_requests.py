@@ -1,7 +1,6 @@
-"""OpenAI request bodies -> pagedserve.v1 GenerateRequests (and EmbedInputs), so that an HTTP request goes
-through the same validation (`request_from_proto`) and the same engine as a gRPC one. Only what the proto
-cannot hold is checked here (negative counts, a bias keyed by a non-number, fields with no meaning in this
-engine); every other message comes from the one validator."""
+"""OpenAI bodies -> pagedserve.v1 requests, so HTTP goes through the same validator and engine as
+gRPC; only what the proto cannot hold is checked here.
+"""
 
 from __future__ import annotations
 
@@ -27,8 +26,9 @@ UINT32 = 2**32 - 1
 
 @dataclass(frozen=True)
 class ToolMode:
-    """What the answer's text becomes: "none" (content), "auto" (content with <tool_call> blocks parsed
-    out), "required" (a JSON array of calls) or "named" (one call's arguments)."""
+    """What the answer's text becomes: "none" (content), "auto" (content with <tool_call> blocks
+    parsed out), "required" (a JSON array of calls) or "named" (one call's arguments).
+    """
 
     kind: str = "none"
     name: str = ""
@@ -43,13 +43,19 @@ def _count(name: str, value: int | None, low: int = 0, high: int = UINT32) -> in
     return value
 
 
-def sampling(body: SamplingFields, defaults: dict, max_tokens: int | None) -> generation_pb2.SamplingParams:
-    """The sampling fields both generation endpoints share. Unset temperature, top_p, top_k, min_p and
-    repetition_penalty take the model's generation_config.json values (as vLLM's do), then OpenAI's."""
+def sampling(
+    body: SamplingFields, defaults: dict, max_tokens: int | None
+) -> generation_pb2.SamplingParams:
+    """The sampling fields both generation endpoints share. Unset temperature, top_p, top_k, min_p
+    and repetition_penalty take the model's generation_config.json values (as vLLM's do), then
+    OpenAI's.
+    """
     s = generation_pb2.SamplingParams()
     if max_tokens is not None:
         s.max_tokens = _count("max_tokens", max_tokens, 1)
-    temperature = body.temperature if body.temperature is not None else defaults.get("temperature", 1.0)
+    temperature = (
+        body.temperature if body.temperature is not None else defaults.get("temperature", 1.0)
+    )
     s.temperature = temperature
     top_p = body.top_p if body.top_p is not None else defaults.get("top_p")
     if top_p is not None:
@@ -59,7 +65,9 @@ def sampling(body: SamplingFields, defaults: dict, max_tokens: int | None) -> ge
     )
     s.min_p = body.min_p if body.min_p is not None else defaults.get("min_p", 0.0)
     repetition = (
-        body.repetition_penalty if body.repetition_penalty is not None else defaults.get("repetition_penalty")
+        body.repetition_penalty
+        if body.repetition_penalty is not None
+        else defaults.get("repetition_penalty")
     )
     if repetition is not None:
         s.repetition_penalty = repetition
@@ -134,7 +142,9 @@ def chat_request(
         raise InvalidRequest("set max_tokens or max_completion_tokens, not both")
     if not body.messages:
         raise InvalidRequest("messages is empty: a chat request needs at least one message")
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
     s = sampling(body, defaults, max_tokens)
     if body.logprobs:
         s.logprobs = _count("top_logprobs", body.top_logprobs or 0, 0, MAX_LOGPROBS)
@@ -142,11 +152,15 @@ def chat_request(
         raise InvalidRequest("top_logprobs needs logprobs: true")
     if body.prompt_logprobs is not None:
         if body.stream:
-            raise InvalidRequest("prompt_logprobs is served on a chat request with stream false (or on "
-                                 "/v1/completions, streamed too)")
+            raise InvalidRequest(
+                "prompt_logprobs is served on a chat request with stream false (or on "
+                "/v1/completions, streamed too)"
+            )
         s.prompt_logprobs = _count("prompt_logprobs", body.prompt_logprobs, 0, MAX_LOGPROBS)
     _response_format(body, s)
-    msg = generation_pb2.GenerateRequest(sampling=s, continue_final_message=body.continue_final_message)
+    msg = generation_pb2.GenerateRequest(
+        sampling=s, continue_final_message=body.continue_final_message
+    )
     for i, m in enumerate(body.messages):
         msg.messages.append(_message(i, m))
     if body.add_generation_prompt is not None:
@@ -224,7 +238,9 @@ def _tools(
             "be combined with response_format or a structured-output constraint"
         )
     if choice == "required":
-        msg.sampling.json_schema = json.dumps(tool_calls.required_schema(functions, body.parallel_tool_calls))
+        msg.sampling.json_schema = json.dumps(
+            tool_calls.required_schema(functions, body.parallel_tool_calls)
+        )
         return ToolMode("required")
     named = [f for f in functions if f["name"] == choice.function.name]
     if not named:
@@ -237,9 +253,12 @@ def _tools(
     return ToolMode("named", name=choice.function.name)
 
 
-def completion_requests(body: CompletionRequest, defaults: dict) -> list[generation_pb2.GenerateRequest]:
-    """One request per prompt (a list of texts or of token-id lists is several); the text is the model's
-    input as it is: no chat template."""
+def completion_requests(
+    body: CompletionRequest, defaults: dict
+) -> list[generation_pb2.GenerateRequest]:
+    """One request per prompt (a list of texts or of token-id lists is several); the text is the
+    model's input as it is: no chat template.
+    """
     if body.suffix:
         raise InvalidRequest("suffix is not served: these models do not fill in the middle")
     if body.best_of is not None and body.best_of != body.n:
@@ -249,7 +268,8 @@ def completion_requests(body: CompletionRequest, defaults: dict) -> list[generat
         s.logprobs = _count("logprobs", body.logprobs, 0, MAX_LOGPROBS)
     if body.prompt_logprobs is not None:
         s.prompt_logprobs = _count("prompt_logprobs", body.prompt_logprobs, 0, MAX_LOGPROBS)
-    elif body.echo and body.logprobs is not None:  # the echoed prompt's tokens get logprobs too, as vLLM's
+    # the echoed prompt's tokens get logprobs too, as vLLM's
+    elif body.echo and body.logprobs is not None:
         s.prompt_logprobs = s.logprobs
     prompt = body.prompt
     if isinstance(prompt, str):

@@ -1,5 +1,6 @@
-"""The engine's deltas as OpenAI response bodies: chat and text completions (whole and streamed), logprobs in
-both of OpenAI's shapes, usage, and the error body every failure is answered with."""
+"""The engine's deltas as OpenAI response bodies: chat and text completions (whole and streamed),
+logprobs in both of OpenAI's shapes, usage, and the error body every failure is answered with.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +36,11 @@ class TokenText(TokenTable):
 
     def chat_entry(self, token: int, logprob: float) -> dict:
         raw = self.bytes(token)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        return {
+            "token": raw.decode("utf-8", errors="replace"),
+            "logprob": logprob,
+            "bytes": list(raw),
+        }
 
     def chat_logprobs(self, items: list[TokenLogprob]) -> dict:
         return {
@@ -92,8 +97,9 @@ class Sample:
 
 
 def chat_message(sample: Sample, mode: ToolMode) -> tuple[dict, str | None]:
-    """The assistant's message and the finish reason, with tool calls parsed out as the request's tool mode
-    says. A required or named call cut short (max_tokens) is no content: its text is half a call."""
+    """The assistant's message and finish reason, tool calls parsed out by the tool mode; a forced
+    call cut short is no content.
+    """
     finish = FINISH[sample.finish_reason]
     text = sample.text
     calls = None
@@ -130,7 +136,9 @@ def chat_completion(
         s = samples[index]
         message, finish = chat_message(s, mode)
         logprobs = token_text.chat_logprobs(s.logprobs) if token_text is not None else None
-        choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+        choices.append(
+            {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        )
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -142,9 +150,9 @@ def chat_completion(
 
 
 class ChatStream:
-    """Chunks of a streamed chat completion. Content streams as it comes; where the answer's text is a tool
-    call (required, named) it is held until the sample ends and sent as one tool_calls delta; in auto mode
-    the content streams up to a <tool_call> opening and the calls follow at the end."""
+    """Chunks of a streamed chat completion; text that is a forced tool call is held to the end, and
+    auto mode streams up to a <tool_call>.
+    """
 
     def __init__(
         self,
@@ -190,14 +198,23 @@ class ChatStream:
     def delta(self, d: Delta, usage: dict | None) -> bytes | None:
         s = self.samples.setdefault(d.index, Sample())
         s.add(d)
-        logprobs = self.token_text.chat_logprobs(d.logprobs) if self.token_text and d.logprobs else None
+        logprobs = (
+            self.token_text.chat_logprobs(d.logprobs) if self.token_text and d.logprobs else None
+        )
         if d.finish_reason is not None:
             return self._last(d.index, s, logprobs, usage)
         content = self._streamable(d.index, s)
         if not content and logprobs is None:
             return None
         return self.chunk(
-            [{"index": d.index, "delta": {"content": content}, "logprobs": logprobs, "finish_reason": None}],
+            [
+                {
+                    "index": d.index,
+                    "delta": {"content": content},
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                }
+            ],
             usage,
         )
 
@@ -230,39 +247,63 @@ class ChatStream:
 
     def closing(self, usage: dict | None) -> bytes:
         """The usage chunk (include_usage), then [DONE]."""
-        tail = b"data: " + dumps({**self.head, "choices": [], "usage": usage}) + b"\n\n" if usage else b""
+        tail = (
+            b"data: " + dumps({**self.head, "choices": [], "usage": usage}) + b"\n\n"
+            if usage
+            else b""
+        )
         return tail + b"data: [DONE]\n\n"
 
 
 def prompt_logprobs_body(table: TokenTable, items: list[TokenLogprob] | None) -> list | None:
-    """vLLM's prompt_logprobs: None for the first prompt token (nothing comes before it), then for each one
-    {token id: {logprob, rank, decoded_token}} of the prompt's own token and the k most likely."""
+    """vLLM's prompt_logprobs: None for the first token, then each token's and the top k's {logprob,
+    rank, decoded_token}.
+    """
     if items is None:
         return None
     body: list = [None]
     for lp in items:
         ranks = {t: i + 1 for i, (t, _) in enumerate(lp.top)}
-        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": ranks.get(lp.token_id),
-                                    "decoded_token": table.text(lp.token_id)}}
+        entry = {
+            str(lp.token_id): {
+                "logprob": lp.logprob,
+                "rank": ranks.get(lp.token_id),
+                "decoded_token": table.text(lp.token_id),
+            }
+        }
         for t, v in lp.top:
-            entry.setdefault(str(t), {"logprob": v, "rank": ranks[t], "decoded_token": table.text(t)})
+            entry.setdefault(
+                str(t), {"logprob": v, "rank": ranks[t], "decoded_token": table.text(t)}
+            )
         body.append(entry)
     return body
 
 
 class CompletionShape:
-    """A text completion's choices, whole or as streamed chunks: each choice's text after its echoed prompt,
-    its logprobs (with echo, the prompt's tokens first, the very first without a logprob, as vLLM gives
-    them) and, where asked, its prompt's logprobs."""
+    """A text completion's choices, whole or streamed: text after the echo, logprobs as vLLM gives
+    them, prompt logprobs where asked.
+    """
 
-    def __init__(self, request_id: str, model: str, n: int, echoes: list[str | None],
-                 token_text: TokenText | None, table: TokenText, prompts: list[list[int]],
-                 prompt_logprobs: int | None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        n: int,
+        echoes: list[str | None],
+        token_text: TokenText | None,
+        table: TokenText,
+        prompts: list[list[int]],
+        prompt_logprobs: int | None,
+    ) -> None:
         self.id, self.model, self.n = request_id, model, n
         self.echoes, self.token_text, self.table = echoes, token_text, table
         self.prompts, self.wants_prompt = prompts, prompt_logprobs is not None
-        self.head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                     "model": model}
+        self.head = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
         self.offsets: dict[int, int] = {}  # characters of each choice's text sent so far
         self.prompt_lps: dict[int, list[TokenLogprob]] = {}  # each request's, from its first delta
 
@@ -270,7 +311,12 @@ class CompletionShape:
         """The echoed prompt's tokens in completion logprobs' shape (the first has no logprob)."""
         ids = self.prompts[i]
         first = self.table.text(ids[0]) if ids else ""
-        body = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+        body = {
+            "tokens": [first],
+            "token_logprobs": [None],
+            "top_logprobs": [None],
+            "text_offset": [0],
+        }
         rest = self.table.completion_logprobs(items or [], len(first))
         for key in body:
             body[key] += rest[key]
@@ -290,9 +336,12 @@ class CompletionShape:
         if sample.prompt_logprobs is not None:
             self.prompt_lps[i] = sample.prompt_logprobs
         echo = self.echoes[i] or ""
-        body = {"index": index, "text": echo + sample.text,
-                "logprobs": self._logprobs(i, sample.logprobs, True, len(echo)),
-                "finish_reason": FINISH[sample.finish_reason]}
+        body = {
+            "index": index,
+            "text": echo + sample.text,
+            "logprobs": self._logprobs(i, sample.logprobs, True, len(echo)),
+            "finish_reason": FINISH[sample.finish_reason],
+        }
         if self.wants_prompt:
             body["prompt_logprobs"] = prompt_logprobs_body(self.table, self.prompt_lps.get(i))
         return body
@@ -315,14 +364,21 @@ class CompletionShape:
         first = index not in self.offsets
         text = (self.echoes[i] or "") + delta.text if first else delta.text
         offset = self.offsets.get(index, 0)
-        logprobs = self._logprobs(i, delta.logprobs or [], first, offset + len(text) - len(delta.text)) \
-            if self.token_text is not None and (delta.logprobs or (first and self.echoes[i] is not None)) \
+        logprobs = (
+            self._logprobs(i, delta.logprobs or [], first, offset + len(text) - len(delta.text))
+            if self.token_text is not None
+            and (delta.logprobs or (first and self.echoes[i] is not None))
             else None
+        )
         self.offsets[index] = offset + len(text)
         if not (text or logprobs or delta.finish_reason is not None):
             return None
-        choice = {"index": index, "text": text, "logprobs": logprobs,
-                  "finish_reason": FINISH[delta.finish_reason]}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": FINISH[delta.finish_reason],
+        }
         if first and self.wants_prompt:
             choice["prompt_logprobs"] = prompt_logprobs_body(self.table, self.prompt_lps.get(i))
         return self.event([choice], usage)

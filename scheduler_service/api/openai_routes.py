@@ -1,7 +1,6 @@
-"""The OpenAI-compatible routes the scheduler process serves beside gRPC (--http-port; uvicorn runs
-them, http_server.py), in the scheduler's own event loop. A body is parsed (openai_schema.py), made a
-pagedserve.v1 request (openai_requests.py) and validated as gRPC's are; a client that disconnects aborts
-its request."""
+"""The OpenAI-compatible routes, served in the scheduler's event loop: a body parsed, made a
+pagedserve.v1 request and validated as gRPC's are; a client that disconnects aborts its request.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -22,31 +20,33 @@ from scheduler_service.api import openai_requests as to_engine
 from scheduler_service.api import openai_responses as out
 from scheduler_service.api.agents.routes import AgentRoutes
 from scheduler_service.api.embedding import prepare_embeddings, run_embeddings
-from scheduler_service.api.lora import load_adapter, loaded, unload_adapter
+from scheduler_service.api.lora import loaded
 from scheduler_service.api.openai_errors import ApiError, api_error, error_response, read_body
 from scheduler_service.api.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     EmbeddingRequest,
-    LoadLoraRequest,
-    TokenizeRequest,
-    UnloadLoraRequest,
 )
+from scheduler_service.api.openai_service import ServiceRoutes
 from scheduler_service.api.rpc import bearer_matches, prepare_request
 from scheduler_service.api.streams import merged, unless_disconnected
 from scheduler_service.api.tool_calls import template_writes_tool_calls
-from scheduler_service.api.validation import InvalidRequest
 from scheduler_service.runtime.engine import Engine
 from scheduler_service.runtime.errors import EngineUnavailable, StepFailed
 
 log = structlog.get_logger("scheduler.http")
 
-class OpenAIServer:
+
+class OpenAIServer(ServiceRoutes):
     """The routes, over one engine."""
 
-    def __init__(self, engine: Engine, served_model_names: list[str], api_key: str | None = None,
-                 aliases: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        served_model_names: list[str],
+        api_key: str | None = None,
+        aliases: list[str] | None = None,
+    ) -> None:
         self.engine = engine
         self.names = served_model_names
         self.aliases = aliases or []  # accepted as `model`, not listed (the config's own name)
@@ -70,12 +70,14 @@ class OpenAIServer:
         ]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
 
-    # --- plumbing ------------------------------------------------------------------------------------
+    # --- plumbing ---------------------------------------------------------------------------------
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         message = {
-            404: f"no route {request.url.path}: this server serves /v1/chat/completions, /v1/completions, "
-            "/v1/responses, /v1/messages, /v1/embeddings, /v1/models, /tokenize, /detokenize, /health and "
-            "/metrics",
+            404: (
+                f"no route {request.url.path}: this server serves /v1/chat/completions, "
+                "/v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /v1/models, "
+                "/tokenize, /detokenize, /health and /metrics"
+            ),
             405: f"{request.method} is not allowed on {request.url.path}",
         }.get(exc.status_code, str(exc.detail))
         return error_response(ApiError(exc.status_code, message))
@@ -85,7 +87,10 @@ class OpenAIServer:
             return
         given = request.headers.get("authorization", "")
         anthropic = request.headers.get("x-api-key", "")  # Anthropic's SDKs send the key so
-        if not (bearer_matches(given, self.api_key) or bearer_matches(f"Bearer {anthropic}", self.api_key)):
+        if not (
+            bearer_matches(given, self.api_key)
+            or bearer_matches(f"Bearer {anthropic}", self.api_key)
+        ):
             raise ApiError(
                 401,
                 "invalid or missing API key: send the header Authorization: Bearer <key> (or "
@@ -102,18 +107,22 @@ class OpenAIServer:
         if name is None or name in self.names or name in adapters:
             return name or self.names[0]
         served = ", ".join(repr(n) for n in self.names + adapters)
-        raise ApiError(404, f"the model {name!r} does not exist: this server serves {served}",
-                       code="model_not_found")
+        raise ApiError(
+            404,
+            f"the model {name!r} does not exist: this server serves {served}",
+            code="model_not_found",
+        )
 
     def lora_of(self, model: str) -> str:
         """GenerateRequest.lora for a request that names `model`."""
         return "" if model in self.names else model
 
-    async def guarded(self, request: Request, handler, prefix: str = "req",
-                      render=error_response) -> Response:
-        """handler(request id) answered, or its failure said by render(ApiError, id) (OpenAI's error shape by
-        default). The id is the client's X-Request-Id, else one made here, so a refusal's log line names the
-        request too."""
+    async def guarded(
+        self, request: Request, handler, prefix: str = "req", render=error_response
+    ) -> Response:
+        """handler(request id) answered, or its failure rendered; the id is the client's
+        X-Request-Id or made here, so logs name it.
+        """
         rid = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
         try:
             self._check_key(request)
@@ -123,110 +132,6 @@ class OpenAIServer:
             if error.status >= 500 and not isinstance(e, (EngineUnavailable, StepFailed)):
                 log.exception("http_handler_failed", request_id=rid)
             return render(error, rid)
-
-    # --- routes ----------------------------------------------------------------------------------------
-    async def tokenize(self, request: Request) -> Response:
-        """vLLM's /tokenize: a prompt's token ids as this server would compute them."""
-
-        async def handler(rid: str):
-            body = await read_body(request, TokenizeRequest)
-            self.resolve_model(body.model)
-            if (body.prompt is None) == (body.messages is None):
-                raise InvalidRequest("set exactly one of prompt and messages")
-            if body.prompt is not None:
-                ids = self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-            else:  # the chat request's own path: template, tools, the same checks
-                chat = ChatCompletionRequest(
-                    messages=body.messages,
-                    tools=body.tools,
-                    max_tokens=1,
-                    add_generation_prompt=body.add_generation_prompt,
-                )
-                msg, _ = to_engine.chat_request(chat, {}, False)
-                msg.request_id = rid
-                ids = (await prepare_request(self.engine, msg)).prompt_token_ids
-            limit = self.engine.limits.max_context if self.engine.limits else self.engine.spec.max_context
-            return Response(
-                out.dumps({"count": len(ids), "max_model_len": limit, "tokens": ids}),
-                media_type="application/json",
-            )
-
-        return await self.guarded(request, handler)
-
-    async def detokenize(self, request: Request) -> Response:
-        async def handler(rid: str):
-            body = await read_body(request, DetokenizeRequest)
-            self.resolve_model(body.model)
-            vocab = self.engine.spec.vocab_size
-            bad = [t for t in body.tokens if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(
-                    f"tokens has {len(bad)} id(s) outside the vocabulary [0, {vocab}), e.g. {bad[0]}"
-                )
-            text = self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
-            return Response(out.dumps({"prompt": text}), media_type="application/json")
-
-        return await self.guarded(request, handler)
-
-    async def health(self, request: Request) -> Response:
-        e = self.engine
-        if e.limits is not None and e.is_serving and not e.is_draining:
-            return Response(b"{}", 200, media_type="application/json")
-        reason = "draining" if e.is_draining else (e.unavailable_reason or "not ready")
-        # a probe, not a request: not logged
-        return error_response(ApiError(503, reason, "service_unavailable"), logged=False)
-
-    async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(self.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    def _model_card(self, name: str) -> dict:
-        limits = self.engine.limits
-        return {
-            "id": name,
-            "object": "model",
-            "created": int(self.engine.started_at),
-            "owned_by": "pagedserve",
-            "root": self.engine.spec.path,
-            "parent": None,
-            "max_model_len": limits.max_context if limits else self.engine.spec.max_context,
-        }
-
-    async def models(self, request: Request) -> Response:
-        async def handler(rid: str):
-            cards = [self._model_card(n) for n in self.names] + [
-                {**self._model_card(a.name), "root": a.path, "parent": self.names[0]}
-                for a in loaded(self.engine)]
-            body = {"object": "list", "data": cards}
-            return Response(out.dumps(body), media_type="application/json")
-
-        return await self.guarded(request, handler)
-
-    async def load_lora(self, request: Request) -> Response:
-        """vLLM's /v1/load_lora_adapter: {"lora_name", "lora_path"[, "replace"]}."""
-        async def handler(rid: str):
-            body = await read_body(request, LoadLoraRequest)
-            a = await load_adapter(self.engine, body.lora_name, body.lora_path, body.replace)
-            return Response(f"LoRA adapter {a.name!r} loaded (rank {a.rank})", media_type="text/plain")
-
-        return await self.guarded(request, handler)
-
-    async def unload_lora(self, request: Request) -> Response:
-        async def handler(rid: str):
-            body = await read_body(request, UnloadLoraRequest)
-            running = unload_adapter(self.engine, body.lora_name)
-            return Response(f"LoRA adapter {body.lora_name!r} unloaded ({running} running requests finish on "
-                            "it)", media_type="text/plain")
-
-        return await self.guarded(request, handler)
-
-    async def model(self, request: Request) -> Response:
-        async def handler(rid: str):
-            return Response(
-                out.dumps(self._model_card(self.resolve_model(request.path_params["model"]))),
-                media_type="application/json",
-            )
-
-        return await self.guarded(request, handler)
 
     async def chat(self, request: Request) -> Response:
         async def handler(rid: str):
@@ -239,7 +144,9 @@ class OpenAIServer:
             if body.stream:
                 return self._chat_stream(body, model, prepared, mode, token_text)
             samples, usage = await unless_disconnected(request, self.collect([prepared]))
-            answer = out.chat_completion(prepared.request_id, model, samples, mode, usage, token_text)
+            answer = out.chat_completion(
+                prepared.request_id, model, samples, mode, usage, token_text
+            )
             if body.prompt_logprobs is not None:
                 table, prompt = self.token_text, samples[0].prompt_logprobs
                 answer["prompt_logprobs"] = out.prompt_logprobs_body(table, prompt)
@@ -248,8 +155,9 @@ class OpenAIServer:
         return await self.guarded(request, handler, "chatcmpl")
 
     async def collect(self, requests: list) -> tuple[dict[int, out.Sample], dict]:
-        """Every request's samples (numbered request i * n + sample) and the summed usage; each sample holds
-        its request's prompt logprobs where it asked for them."""
+        """Every request's samples (numbered request i * n + sample) and the summed usage; each
+        sample holds its request's prompt logprobs where it asked for them.
+        """
         samples: dict[int, out.Sample] = {}
         prompt = completion = cached = 0
         prompt_logprobs: dict[int, list] = {}
@@ -269,7 +177,9 @@ class OpenAIServer:
             sample.prompt_logprobs = prompt_logprobs.get(k // n)
         return samples, out.usage_body(prompt, completion, cached)
 
-    def _chat_stream(self, body: ChatCompletionRequest, model: str, prepared, mode, token_text) -> Response:
+    def _chat_stream(
+        self, body: ChatCompletionRequest, model: str, prepared, mode, token_text
+    ) -> Response:
         options = body.stream_options
         include_usage = bool(options and (options.include_usage or options.continuous_usage_stats))
         continuous = bool(options and options.continuous_usage_stats)
@@ -286,11 +196,14 @@ class OpenAIServer:
                     now = out.usage_body(prompt_len, generated, 0) if continuous else None
                     if delta.usage is not None:
                         u = delta.usage
-                        usage = out.usage_body(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+                        usage = out.usage_body(
+                            u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens
+                        )
                     chunk = stream.delta(delta, now)
                     if chunk is not None:
                         yield chunk
-            except Exception as e:  # noqa: BLE001 - a stream that fails midway says so in its last event
+            # noqa: BLE001 - a stream that fails midway says so in its last event
+            except Exception as e:
                 error = api_error(e)
                 yield b"data: " + out.dumps(out.error_body(str(error), error.kind)) + b"\n\n"
             yield stream.closing(usage if include_usage else None)
@@ -308,9 +221,19 @@ class OpenAIServer:
                 m.request_id, m.lora = rid if len(msgs) == 1 else f"{rid}-{i}", self.lora_of(model)
             prepared = [await prepare_request(self.engine, m) for m in msgs]
             table = self.token_text if body.logprobs is not None else None
-            echoes = [self._echo(m, p) if body.echo else None for m, p in zip(msgs, prepared, strict=True)]
-            shape = out.CompletionShape(rid, model, body.n, echoes, table, self.token_text,
-                                        [p.prompt_token_ids for p in prepared], body.prompt_logprobs)
+            echoes = [
+                self._echo(m, p) if body.echo else None for m, p in zip(msgs, prepared, strict=True)
+            ]
+            shape = out.CompletionShape(
+                rid,
+                model,
+                body.n,
+                echoes,
+                table,
+                self.token_text,
+                [p.prompt_token_ids for p in prepared],
+                body.prompt_logprobs,
+            )
             if body.stream:
                 options = body.stream_options
                 usage = bool(options and (options.include_usage or options.continuous_usage_stats))
@@ -325,16 +248,26 @@ class OpenAIServer:
             prepared.prompt_token_ids, skip_special_tokens=False
         )
 
-    def _completion_stream(self, shape: out.CompletionShape, prepared: list, include_usage: bool) -> Response:
+    def _completion_stream(
+        self, shape: out.CompletionShape, prepared: list, include_usage: bool
+    ) -> Response:
         async def chunks() -> AsyncIterator[bytes]:
             totals = [0, 0, 0]
             try:
                 async for i, delta in merged([self.engine.generate(r) for r in prepared]):
                     if delta.usage is not None:
                         u = delta.usage
-                        totals = [a + b for a, b in zip(totals, (u.prompt_tokens, u.completion_tokens,
-                                                                  u.cached_prompt_tokens), strict=True)]
-                    chunk = shape.delta(i, delta, out.usage_body(*totals) if include_usage else None)
+                        totals = [
+                            a + b
+                            for a, b in zip(
+                                totals,
+                                (u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens),
+                                strict=True,
+                            )
+                        ]
+                    chunk = shape.delta(
+                        i, delta, out.usage_body(*totals) if include_usage else None
+                    )
                     if chunk is not None:
                         yield chunk
             except Exception as e:  # noqa: BLE001 - said in the stream's last event
@@ -344,7 +277,9 @@ class OpenAIServer:
                 yield shape.event([], out.usage_body(*totals))
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(chunks(), media_type="text/event-stream", headers={"x-request-id": shape.id})
+        return StreamingResponse(
+            chunks(), media_type="text/event-stream", headers={"x-request-id": shape.id}
+        )
 
     async def embeddings(self, request: Request) -> Response:
         async def handler(rid: str):

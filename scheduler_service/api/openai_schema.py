@@ -1,7 +1,6 @@
-"""The OpenAI API's request bodies as pydantic models: what /v1/chat/completions, /v1/completions and
-/v1/embeddings accept. A field this server does not know is refused (400 naming it) rather than ignored; the
-engine's own extras (top_k, min_p, repetition_penalty, ignore_eos, structured outputs...) sit beside
-OpenAI's fields, named as vLLM names them."""
+"""The OpenAI request bodies as pydantic models. An unknown field is refused (400 naming it); the
+engine's extras sit beside OpenAI's fields under vLLM's names.
+"""
 
 from __future__ import annotations
 
@@ -55,7 +54,8 @@ class SamplingFields(Strict):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # taken and ignored: an end user's id, and OpenAI's platform storage (this server stores nothing)
+    # taken and ignored: an end user's id, and OpenAI's platform storage (this server stores
+    # nothing)
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -104,7 +104,8 @@ class ChatMessage(Strict):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None
-    reasoning_content: str | None = None  # an earlier answer's reasoning, sent back: dropped, as templates do
+    # an earlier answer's reasoning, sent back: dropped, as templates do
+    reasoning_content: str | None = None
 
 
 class FunctionDef(Strict):
@@ -133,7 +134,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, top-level in the answer
+    # vLLM's: the prompt tokens' logprobs, top-level in the answer
+    prompt_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -141,8 +143,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # how hard a reasoning model thinks: passed to the chat template (gpt-oss reads it; "none" also turns
-    # enable_thinking off, as Qwen3's and SmolLM3's templates read it)
+    # how hard a reasoning model thinks: passed to the chat template (gpt-oss reads it; "none" also
+    # turns enable_thinking off, as Qwen3's and SmolLM3's templates read it)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 

@@ -1,5 +1,7 @@
-"""What both gRPC front ends share (server.py's pagedserve.v1, engine_protocol.py's SMG engine protocol): the
-tolerant deserializer, the client errors and their status codes, and a request's preparation."""
+"""What both gRPC front ends share (server.py's pagedserve.v1, engine_protocol.py's SMG engine
+protocol): the tolerant deserializer, the client errors and their status codes, and a request's
+preparation.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +21,14 @@ from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, StepF
 log = structlog.get_logger("scheduler.rpc")
 
 # errors a request's sender caused or must retry: answered with a status, never a crash
-CLIENT_ERRORS = (InvalidRequest, QueueFull, EngineUnavailable, StepFailed, DuplicateRequestId, Unschedulable)
+CLIENT_ERRORS = (
+    InvalidRequest,
+    QueueFull,
+    EngineUnavailable,
+    StepFailed,
+    DuplicateRequestId,
+    Unschedulable,
+)
 
 
 def status_for(error: Exception) -> grpc.StatusCode:
@@ -43,8 +52,10 @@ class Malformed:
 
 
 def tolerant(message_cls):
-    """A deserializer that never raises: bytes that do not parse become a Malformed, which the handler
-    answers with INVALID_ARGUMENT naming the problem (grpc's own failure would be an opaque INTERNAL)."""
+    """A deserializer that never raises: bytes that do not parse become a Malformed, which the
+    handler answers with INVALID_ARGUMENT naming the problem (grpc's own failure would be an opaque
+    INTERNAL).
+    """
 
     def parse(data: bytes):
         try:
@@ -56,16 +67,20 @@ def tolerant(message_cls):
 
 
 async def prepare_request(engine: Engine, msg):
-    """A pagedserve.v1 GenerateRequest (or a Malformed) -> the engine's Request, validated and tokenized off
-    the event loop. Raises one of CLIENT_ERRORS."""
+    """A pagedserve.v1 GenerateRequest (or a Malformed) -> the engine's Request, validated and
+    tokenized off the event loop. Raises one of CLIENT_ERRORS.
+    """
     if isinstance(msg, Malformed):
         raise InvalidRequest(msg.error)
-    if not msg.request_id:  # assigned before validation, so that a refusal's log line names the request too
+    # assigned before validation, so that a refusal's log line names the request too
+    if not msg.request_id:
         msg.request_id = uuid.uuid4().hex
     if engine.limits is None:
         raise EngineUnavailable(engine.unavailable_reason)
     refuse_task(engine, embedding=False)
-    return await asyncio.to_thread(request_from_proto, msg, engine.tokenizer, engine.limits, engine.adapters)
+    return await asyncio.to_thread(
+        request_from_proto, msg, engine.tokenizer, engine.limits, engine.adapters
+    )
 
 
 async def reject(context: grpc.aio.ServicerContext, error: Exception, request_id: str = "") -> None:
@@ -85,8 +100,10 @@ def bearer_matches(header: str, key: str) -> bool:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """--api-key on gRPC: every call but health checks carries metadata `authorization: Bearer <key>`, or
-    ends UNAUTHENTICATED before its handler runs (reflection included: it lists what a key would reach)."""
+    """--api-key on gRPC: every call but health checks carries metadata `authorization: Bearer
+    <key>`, or ends UNAUTHENTICATED before its handler runs (reflection included: it lists what a
+    key would reach).
+    """
 
     def __init__(self, key: str) -> None:
         self.key = key
@@ -98,9 +115,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         given = dict(details.invocation_metadata or ()).get("authorization", "")
         if bearer_matches(given, self.key):
             return handler
-        return _refusal(handler, "invalid or missing API key: send the metadata authorization: Bearer <key>"
-                        if given else "this server needs an API key: send the metadata authorization: "
-                        "Bearer <key> (pagedserve's commands read $PAGEDSERVE_API_KEY or --api-key)")
+        return _refusal(
+            handler,
+            "invalid or missing API key: send the metadata authorization: Bearer <key>"
+            if given
+            else "this server needs an API key: send the metadata authorization: "
+            "Bearer <key> (pagedserve's commands read $PAGEDSERVE_API_KEY or --api-key)",
+        )
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -120,6 +141,8 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
     streaming = (handler.request_streaming, handler.response_streaming)
-    return kinds[streaming](refuse_stream if handler.response_streaming else refuse,
-                            request_deserializer=handler.request_deserializer,
-                            response_serializer=handler.response_serializer)
+    return kinds[streaming](
+        refuse_stream if handler.response_streaming else refuse,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )

@@ -1,5 +1,6 @@
-"""Async plumbing of the HTTP front door: a request's work raced against its client's disconnect, and several
-engine streams read as one."""
+"""Async plumbing of the HTTP front door: a request's work raced against its client's disconnect,
+and several engine streams read as one.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ class ClientGone(Exception):
 
 
 async def disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body already read, the next ASGI message is the disconnect)."""
+    """Returns when the client has gone (the body already read, the next ASGI message is the
+    disconnect).
+    """
     while (await request.receive())["type"] != "http.disconnect":
         pass
 

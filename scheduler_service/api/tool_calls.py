@@ -1,12 +1,6 @@
-"""Tool calls: what `tool_choice` does to a chat request and how the answer's text becomes `tool_calls`.
-
-- "required" and a named function constrain the output with the structured-output engine, so it always
-  parses: "required" to a JSON array of {"name", "parameters"} objects (at least one; one only without
-  parallel_tool_calls), a named function to that function's parameters object.
-- "auto" lets the model choose; where its chat template writes calls as Hermes-style
-  `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks (Qwen, Hermes, SmolLM3, many others), the
-  blocks are parsed out of the text into `tool_calls` and the rest stays content.
-- "none" offers the tools to the template and parses nothing.
+"""Tool calls: `tool_choice` "required" or a named function constrains the output with the grammar
+engine so it always parses; "auto" parses Hermes-style <tool_call> blocks out of the text; "none"
+offers the tools and parses nothing.
 """
 
 from __future__ import annotations
@@ -88,8 +82,9 @@ class AutoParse:
 
 
 def parse_auto(text: str) -> AutoParse:
-    """<tool_call> blocks out of an answer: each a JSON object with "name" and "arguments" (or
-    "parameters"). A block that is not such JSON stays in the content, as the model wrote it."""
+    """<tool_call> blocks out of an answer, each a JSON object with name and arguments; a bad block
+    stays in the content.
+    """
     if TOOL_CALL_OPEN not in text:
         return AutoParse(text, [])
     calls, kept = [], []
@@ -108,8 +103,9 @@ def parse_auto(text: str) -> AutoParse:
 
 
 def held_back(text: str) -> int:
-    """How many characters at the end of streamed text might open a <tool_call> block (kept back until the
-    next token tells)."""
+    """How many characters at the end of streamed text might open a <tool_call> block (kept back
+    until the next token tells).
+    """
     for n in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
         if TOOL_CALL_OPEN.startswith(text[-n:]):
             return n

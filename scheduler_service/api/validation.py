@@ -1,5 +1,6 @@
-"""GenerateRequest (protobuf) → a validated Request, or InvalidRequest with a message that says what is
-wrong."""
+"""GenerateRequest (protobuf) → a validated Request, or InvalidRequest with a message that says what
+is wrong.
+"""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ MAX_LOGIT_BIAS = 300
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_MESSAGES = 1024
 MAX_TOOLS = 128
-# Temperatures below this are greedy: dividing logits by them overflows to inf and NaN probabilities.
+# Temperatures below this are greedy: dividing logits by them overflows to inf and NaN
+# probabilities.
 MIN_TEMPERATURE = 1e-5
 
 
@@ -35,24 +37,38 @@ class InvalidRequest(ValueError):
     """Bad client input; answered with INVALID_ARGUMENT and this message."""
 
 
-def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits,
-                       adapters: AdapterRegistry | None = None) -> Request:
+def request_from_proto(
+    msg: generation_pb2.GenerateRequest,
+    tokenizer: Tokenizer,
+    limits: Limits,
+    adapters: AdapterRegistry | None = None,
+) -> Request:
     # one function: the one validation path, in the order a request is read
-    """The one validation path: pagedserve.v1 requests come here directly, the engine protocol's after
-    scheduler_service/api/engine_protocol.py has put them in this shape."""
-    given = [name for name, present in (("prompt", bool(msg.prompt)),
-                                        ("prompt_token_ids", len(msg.prompt_token_ids) > 0),
-                                        ("messages", len(msg.messages) > 0)) if present]
+    """The one validation path: pagedserve.v1 requests come here directly, the engine protocol's
+    after scheduler_service/api/engine_protocol.py has put them in this shape.
+    """
+    given = [
+        name
+        for name, present in (
+            ("prompt", bool(msg.prompt)),
+            ("prompt_token_ids", len(msg.prompt_token_ids) > 0),
+            ("messages", len(msg.messages) > 0),
+        )
+        if present
+    ]
     if len(given) > 1:
-        raise InvalidRequest("set exactly one of prompt, prompt_token_ids and messages, not "
-                             f"{' and '.join(given)}")
+        raise InvalidRequest(
+            f"set exactly one of prompt, prompt_token_ids and messages, not {' and '.join(given)}"
+        )
     if not given:
         raise InvalidRequest("the prompt is empty: set prompt (text), prompt_token_ids or messages")
     if not msg.messages:
-        chat_only = {"tools": len(msg.tools) > 0,
-                     "chat_template_kwargs": msg.HasField("chat_template_kwargs"),
-                     "add_generation_prompt": msg.HasField("add_generation_prompt"),
-                     "continue_final_message": msg.continue_final_message}
+        chat_only = {
+            "tools": len(msg.tools) > 0,
+            "chat_template_kwargs": msg.HasField("chat_template_kwargs"),
+            "add_generation_prompt": msg.HasField("add_generation_prompt"),
+            "continue_final_message": msg.continue_final_message,
+        }
         for field, present in chat_only.items():
             if present:
                 raise InvalidRequest(f"{field} applies to messages only")
@@ -71,15 +87,16 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
         bad = [t for t in prompt_ids if t >= limits.vocab_size]
         if bad:
             raise InvalidRequest(
-                f"prompt_token_ids has {len(bad)} id(s) outside the vocabulary [0, {limits.vocab_size}), "
-                f"e.g. {bad[0]}"
+                f"prompt_token_ids has {len(bad)} id(s) outside the vocabulary [0, "
+                f"{limits.vocab_size}), e.g. {bad[0]}"
             )
     else:
         size = len(msg.prompt.encode())
         if limits.max_prompt_bytes is not None and size > limits.max_prompt_bytes:
             raise InvalidRequest(
-                f"the prompt is {size} bytes, more than any {limits.max_context}-token context can hold "
-                f"({limits.max_prompt_bytes} bytes at most)")
+                f"the prompt is {size} bytes, more than any {limits.max_context}-token context "
+                f"can hold ({limits.max_prompt_bytes} bytes at most)"
+            )
         try:
             prompt_ids = tokenizer.encode_prompt(msg.prompt, raw=msg.raw_prompt)
         except ValueError as e:
@@ -90,32 +107,40 @@ def request_from_proto(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer
     prompt_len = len(prompt_ids)
     if prompt_len >= limits.max_context:
         raise InvalidRequest(
-            f"the prompt has {prompt_len} tokens; the model's context is {limits.max_context} tokens and at "
-            "least one must be left to generate"
+            f"the prompt has {prompt_len} tokens; the model's context is {limits.max_context} "
+            "tokens and at least one must be left to generate"
         )
     sampling = _sampling(msg.sampling, prompt_len, limits)
     seq_tokens = prompt_len + sampling.max_tokens
-    # Samples share the prompt's blocks up to the one holding its last token, which each sample recomputes
-    # to draw its own first token: when the prompt ends on a block boundary that block is copied per sample.
+    # Samples share the prompt's blocks up to the one holding its last token, which each sample
+    # recomputes to draw its own first token: when the prompt ends on a block boundary that block is
+    # copied per sample.
     shared = (prompt_len - 1) // limits.block_size
     need = shared + sampling.n * (math.ceil(seq_tokens / limits.block_size) - shared)
     if limits.kv_window:  # a sliding window holds a bounded stretch of each sample at a time
         need = min(need, sampling.n * limits.sample_blocks(seq_tokens, sampling.is_penalized))
     if need > limits.num_blocks:
         raise InvalidRequest(
-            f"the request needs up to {need} KV blocks ({sampling.n} sample(s) of up to {seq_tokens} tokens) "
-            f"but the whole pool has {limits.num_blocks} blocks of {limits.block_size} tokens; lower "
-            "max_tokens or n"
+            f"the request needs up to {need} KV blocks ({sampling.n} sample(s) of up to "
+            f"{seq_tokens} tokens) but the whole pool has {limits.num_blocks} blocks of "
+            f"{limits.block_size} tokens; lower max_tokens or n"
         )
     request_id = msg.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
     constraint = _constraint(msg.sampling, limits)
-    return Request(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-                   constraint=constraint, lora=lora)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        sampling=sampling,
+        constraint=constraint,
+        lora=lora,
+    )
 
 
-def _chat_prompt(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+def _chat_prompt(
+    msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits
+) -> list[int]:
     if len(msg.messages) > MAX_MESSAGES:
         raise InvalidRequest(f"at most {MAX_MESSAGES} messages, got {len(msg.messages)}")
     if len(msg.tools) > MAX_TOOLS:
@@ -132,8 +157,9 @@ def _chat_prompt(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limi
             entry["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             if m.role != "assistant":
-                raise InvalidRequest(f"messages[{i}] has tool_calls but its role is {m.role!r}, not "
-                                     "assistant")
+                raise InvalidRequest(
+                    f"messages[{i}] has tool_calls but its role is {m.role!r}, not assistant"
+                )
             calls = []
             for j, c in enumerate(m.tool_calls):
                 if not c.name:
@@ -141,29 +167,48 @@ def _chat_prompt(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limi
                 try:
                     arguments = json.loads(c.arguments or "{}")
                 except ValueError as e:
-                    raise InvalidRequest(f"messages[{i}].tool_calls[{j}].arguments is not JSON: {e}") from e
-                calls.append({"id": c.id, "type": c.type or "function",
-                              "function": {"name": c.name, "arguments": arguments}})
+                    raise InvalidRequest(
+                        f"messages[{i}].tool_calls[{j}].arguments is not JSON: {e}"
+                    ) from e
+                calls.append(
+                    {
+                        "id": c.id,
+                        "type": c.type or "function",
+                        "function": {"name": c.name, "arguments": arguments},
+                    }
+                )
             entry["tool_calls"] = calls
         size += len(m.content.encode())
         messages.append(entry)
     if limits.max_prompt_bytes is not None and size > limits.max_prompt_bytes:
-        raise InvalidRequest(f"the messages hold {size} bytes of text, more than any "
-                             f"{limits.max_context}-token context can hold ({limits.max_prompt_bytes} bytes "
-                             "at most)")
+        raise InvalidRequest(
+            f"the messages hold {size} bytes of text, more than any "
+            f"{limits.max_context}-token context can hold ({limits.max_prompt_bytes} bytes "
+            "at most)"
+        )
     tools = [json_format.MessageToDict(t) for t in msg.tools] or None
     kwargs = {}
     if msg.HasField("chat_template_kwargs"):
         kwargs = json_format.MessageToDict(msg.chat_template_kwargs)
     reserved = {"messages", "tools", "add_generation_prompt"} & set(kwargs)
     if reserved:
-        raise InvalidRequest(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}: use the "
-                             "request's fields")
-    add_generation_prompt = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else \
-        not msg.continue_final_message
+        raise InvalidRequest(
+            f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}: use the "
+            "request's fields"
+        )
+    add_generation_prompt = (
+        msg.add_generation_prompt
+        if msg.HasField("add_generation_prompt")
+        else not msg.continue_final_message
+    )
     try:
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                    continue_final_message=msg.continue_final_message, template_kwargs=kwargs)
+        ids = tokenizer.encode_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            continue_final_message=msg.continue_final_message,
+            template_kwargs=kwargs,
+        )
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
     if not ids:
@@ -172,17 +217,23 @@ def _chat_prompt(msg: generation_pb2.GenerateRequest, tokenizer: Tokenizer, limi
 
 
 def _truncate(prompt_ids: list[int], p: generation_pb2.SamplingParams, limits: Limits) -> list[int]:
-    """truncate_prompt_tokens: keep the prompt's last K tokens (-1: as many as the context allows)."""
+    """truncate_prompt_tokens: keep the prompt's last K tokens (-1: as
+    many as the context allows).
+    """
     if not p.HasField("truncate_prompt_tokens") or p.truncate_prompt_tokens == 0:
         return prompt_ids
     keep = p.truncate_prompt_tokens
     if keep == -1:
         keep = limits.max_context - 1
     elif keep < -1:
-        raise InvalidRequest(f"sampling.truncate_prompt_tokens must be -1, 0 or positive, got {keep}")
+        raise InvalidRequest(
+            f"sampling.truncate_prompt_tokens must be -1, 0 or positive, got {keep}"
+        )
     elif keep >= limits.max_context:
-        raise InvalidRequest(f"sampling.truncate_prompt_tokens is {keep} but the model's context is "
-                             f"{limits.max_context} tokens and one must be left to generate")
+        raise InvalidRequest(
+            f"sampling.truncate_prompt_tokens is {keep} but the model's context is "
+            f"{limits.max_context} tokens and one must be left to generate"
+        )
     return prompt_ids[-keep:]
 
 
@@ -191,8 +242,10 @@ def _constraint(p: generation_pb2.SamplingParams, limits: Limits) -> Constraint 
     if not given:
         return None
     if len(given) > 1:
-        raise InvalidRequest("set at most one of json_schema, regex and grammar, not "
-                             f"{' and '.join(k for k, _ in given)}")
+        raise InvalidRequest(
+            "set at most one of json_schema, regex and grammar, not "
+            f"{' and '.join(k for k, _ in given)}"
+        )
     kind, text = given[0]
     if len(text) > MAX_GRAMMAR_CHARS:
         raise InvalidRequest(f"sampling.{kind} is longer than {MAX_GRAMMAR_CHARS} characters")
@@ -201,19 +254,23 @@ def _constraint(p: generation_pb2.SamplingParams, limits: Limits) -> Constraint 
     try:
         return Constraint(limits.grammars, limits.grammars.compile(**{kind: text}), kind)
     except GrammarError as e:
-        raise InvalidRequest(f"sampling.{e}" if str(e).startswith(kind) else f"sampling.{kind}: {e}") from e
+        raise InvalidRequest(
+            f"sampling.{e}" if str(e).startswith(kind) else f"sampling.{kind}: {e}"
+        ) from e
 
 
 def _max_tokens(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits) -> int:
-    """What the context leaves after the prompt, at most; the server's default where a request names none."""
+    """What the context leaves after the prompt, at most; the server's default where a request names
+    none.
+    """
     room = limits.max_context - prompt_len
     if p.HasField("max_tokens"):
         if p.max_tokens < 1:
             raise InvalidRequest("sampling.max_tokens must be at least 1")
         if p.max_tokens > room:
             raise InvalidRequest(
-                f"sampling.max_tokens is {p.max_tokens} but the prompt ({prompt_len} tokens) leaves only "
-                f"{room} of the model's {limits.max_context}-token context"
+                f"sampling.max_tokens is {p.max_tokens} but the prompt ({prompt_len} tokens) "
+                f"leaves only {room} of the model's {limits.max_context}-token context"
             )
         max_tokens = p.max_tokens
     else:
@@ -230,10 +287,13 @@ def _check_stops(p: generation_pb2.SamplingParams, limits: Limits) -> None:
         raise InvalidRequest(f"a stop string is longer than {MAX_STOP_CHARS} characters")
     bad = [t for t in p.stop_token_ids if t >= limits.vocab_size]
     if bad:
-        raise InvalidRequest(f"stop_token_ids has id {bad[0]} outside the vocabulary [0, "
-                             f"{limits.vocab_size})")
+        raise InvalidRequest(
+            f"stop_token_ids has id {bad[0]} outside the vocabulary [0, {limits.vocab_size})"
+        )
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}")
+        raise InvalidRequest(
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(p.stop_token_ids)}"
+        )
 
 
 def _penalties(p: generation_pb2.SamplingParams) -> float:
@@ -241,8 +301,10 @@ def _penalties(p: generation_pb2.SamplingParams) -> float:
     repetition = 1.0
     if p.HasField("repetition_penalty"):
         if not (math.isfinite(p.repetition_penalty) and 0.0 < p.repetition_penalty <= 2.0):
-            raise InvalidRequest("sampling.repetition_penalty must lie in (0, 2] (1 is off), got "
-                                 f"{p.repetition_penalty}")
+            raise InvalidRequest(
+                "sampling.repetition_penalty must lie in (0, 2] (1 is off), got "
+                f"{p.repetition_penalty}"
+            )
         repetition = p.repetition_penalty
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
@@ -255,14 +317,20 @@ def _penalties(p: generation_pb2.SamplingParams) -> float:
 
 def _logit_bias(p: generation_pb2.SamplingParams, limits: Limits) -> list[tuple[int, float]]:
     if len(p.logit_bias) > MAX_LOGIT_BIAS:
-        raise InvalidRequest(f"sampling.logit_bias has {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        raise InvalidRequest(
+            f"sampling.logit_bias has {len(p.logit_bias)} entries; at most {MAX_LOGIT_BIAS}"
+        )
     bias = []
     for token, value in sorted(p.logit_bias.items()):
         if token >= limits.vocab_size:
-            raise InvalidRequest(f"sampling.logit_bias has token id {token} outside the vocabulary "
-                                 f"[0, {limits.vocab_size})")
+            raise InvalidRequest(
+                f"sampling.logit_bias has token id {token} outside the vocabulary "
+                f"[0, {limits.vocab_size})"
+            )
         if not (math.isfinite(value) and -100.0 <= value <= 100.0):
-            raise InvalidRequest(f"sampling.logit_bias[{token}] must lie in [-100, 100], got {value}")
+            raise InvalidRequest(
+                f"sampling.logit_bias[{token}] must lie in [-100, 100], got {value}"
+            )
         if value:
             bias.append((int(token), float(value)))
     return bias
@@ -271,7 +339,9 @@ def _logit_bias(p: generation_pb2.SamplingParams, limits: Limits) -> list[tuple[
 def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits) -> SamplingOptions:
     max_tokens = _max_tokens(p, prompt_len, limits)
     if not math.isfinite(p.temperature) or p.temperature < 0:
-        raise InvalidRequest(f"sampling.temperature must be >= 0 (0 is greedy), got {p.temperature}")
+        raise InvalidRequest(
+            f"sampling.temperature must be >= 0 (0 is greedy), got {p.temperature}"
+        )
     top_p = 1.0
     if p.HasField("top_p"):
         if not (0.0 < p.top_p <= 1.0):
@@ -285,15 +355,23 @@ def _sampling(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits)
     _check_stops(p, limits)
     for name in ("logprobs", "prompt_logprobs"):
         if p.HasField(name) and getattr(p, name) > MAX_LOGPROBS:
-            raise InvalidRequest(f"sampling.{name} must lie in [0, {MAX_LOGPROBS}], got {getattr(p, name)}")
+            raise InvalidRequest(
+                f"sampling.{name} must lie in [0, {MAX_LOGPROBS}], got {getattr(p, name)}"
+            )
     repetition = _penalties(p)
     if p.min_tokens > max_tokens:
-        raise InvalidRequest(f"sampling.min_tokens ({p.min_tokens}) is more than max_tokens ({max_tokens})")
+        raise InvalidRequest(
+            f"sampling.min_tokens ({p.min_tokens}) is more than max_tokens ({max_tokens})"
+        )
     if p.min_tokens and any(getattr(p, k) for k in ("json_schema", "regex", "grammar")):
-        raise InvalidRequest("sampling.min_tokens cannot be combined with structured output: the structure "
-                             "decides where the output ends")
+        raise InvalidRequest(
+            "sampling.min_tokens cannot be combined with structured output: the structure "
+            "decides where the output ends"
+        )
     bias = _logit_bias(p, limits)
-    ban = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(limits.eos_token_ids))))
+    ban = tuple(
+        sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(limits.eos_token_ids)))
+    )
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=float(p.temperature) if p.temperature >= MIN_TEMPERATURE else 0.0,

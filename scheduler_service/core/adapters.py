@@ -1,10 +1,12 @@
-"""LoRA adapters as PEFT saves them, checked against the base model before anything is served with them.
+"""LoRA adapters as PEFT saves them, checked against the base model before anything is served with
+them.
 
-An adapter is a folder with `adapter_config.json` and `adapter_model.safetensors`. The scheduler reads the
-config and the tensors' names and shapes (the safetensors header: no torch here), refuses by name what it
-cannot serve as meant, and keys the adapter by its identity, a hash of both files: the prefix cache's block
-hashes start from it, so two adapters (or one reloaded under its name with new weights) never share KV
-blocks. Workers read the tensors themselves (worker/weights/lora.py) and check the same hash.
+An adapter is a folder with `adapter_config.json` and `adapter_model.safetensors`. The scheduler
+reads the config and the tensors' names and shapes (the safetensors header: no torch here), refuses
+by name what it cannot serve as meant, and keys the adapter by its identity, a hash of both files:
+the prefix cache's block hashes start from it, so two adapters (or one reloaded under its name with
+new weights) never share KV blocks. Workers read the tensors themselves (worker/weights/lora.py) and
+check the same hash.
 """
 
 from __future__ import annotations
@@ -76,7 +78,9 @@ class BaseShapes:
 
 @dataclass(frozen=True)
 class Adapter:
-    """One loaded adapter: `id` is this registry's (a reload gets a new one), `identity` its files' hash."""
+    """One loaded adapter: `id` is this registry's (a reload gets a new one), `identity` its files'
+    hash.
+    """
 
     name: str
     path: str
@@ -87,7 +91,9 @@ class Adapter:
 
     @property
     def event_id(self) -> int:
-        """Its id in KV events (KvBlock.lora_id): the identity's first 8 bytes, as a signed 64-bit number."""
+        """Its id in KV events (KvBlock.lora_id): the identity's first 8 bytes, as a signed 64-bit
+        number.
+        """
         return int.from_bytes(bytes.fromhex(self.identity)[:8], "big", signed=True)
 
     @property
@@ -217,8 +223,9 @@ def parse_module_flag(entries: list[str]) -> list[tuple[str, str]]:
 
 @dataclass
 class AdapterRegistry:
-    """The adapters loaded now, by name; a name reloaded gets a new Adapter (and id), while the requests that
-    hold the old one finish on it."""
+    """The adapters loaded now, by name; a name reloaded gets a new Adapter (and id), while the
+    requests that hold the old one finish on it.
+    """
 
     base: BaseShapes
     base_names: tuple[str, ...] = ()  # the base model's names: an adapter may not take one

@@ -1,5 +1,6 @@
-"""What one step is: the rows the scheduler chose (`SchedulerOutput`), and what applying its result did
-(`StepUpdate`); how a request becomes its sequences."""
+"""What one step is: the rows the scheduler chose (`SchedulerOutput`), and what applying its result
+did (`StepUpdate`); how a request becomes its sequences.
+"""
 
 from __future__ import annotations
 
@@ -34,24 +35,24 @@ class ScheduledSeq:
     start: int  # first position computed this step (== num_computed_tokens when scheduled)
     num_new_tokens: int
     do_sample: bool
-    epoch: int  # the sequence's epoch when scheduled: its blocks are still these while the epochs agree
-    prev_row: int = (
-        -1
-    )  # >= 0: the last input token is the one the previous step samples in this row
+    # the sequence's epoch when scheduled: its blocks are still these while the epochs agree
+    epoch: int
+    # >= 0: the last input token is the one the previous step samples in this row
+    prev_row: int = -1
     draft: tuple[int, ...] = ()  # drafted tokens after the known last one, verified by this step
 
 
 @dataclass
 class SchedulerOutput:
-    """One scheduled step, as the scheduler decided it: its rows, what it preempted and copies, the counts
-    that pace embeddings; and what its plan asked of the result."""
+    """One scheduled step, as the scheduler decided it: its rows, what it preempted and copies, the
+    counts that pace embeddings; and what its plan asked of the result.
+    """
 
     step_id: int
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (src, dst), run before the forward
+    # (src, dst), run before the forward
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     draft_seconds: float = 0.0  # speculative decoding: seconds spent drafting (part of schedule)
     num_decodes: int = (
         0  # sequences decoding (scheduler_service/core/pacing.py paces embeddings beside them)
@@ -59,9 +60,8 @@ class SchedulerOutput:
     embed_room: int = 0  # embedding prompt tokens this step may still take
     num_embed_tokens: int = 0
     loads: bool = False  # it moves blocks to or from the KV tiers (a step, even without rows)
-    read: ReadBack = field(
-        default_factory=ReadBack
-    )  # what its plan asked of the result (build_plan)
+    # what its plan asked of the result (build_plan)
+    read: ReadBack = field(default_factory=ReadBack)
 
     @property
     def num_tokens(self) -> int:
@@ -78,8 +78,10 @@ class SchedulerOutput:
 
 @dataclass
 class StepUpdate:
-    """What applying a step's result did (Scheduler.update): every token a sequence got, in order; the
-    embeddings it finished; the prefix cache's changes; the drafts it verified; the queues after it."""
+    """What applying a step's result did (Scheduler.update): every token a sequence got, in order;
+    the embeddings it finished; the prefix cache's changes; the drafts it verified; the queues after
+    it.
+    """
 
     tokens: list[tuple[Sequence, int]] = field(default_factory=list)
     embedded: list[Sequence] = field(default_factory=list)

@@ -22,7 +22,9 @@ class OutOfBlocks(RuntimeError):
 
 
 def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
-    """Chained hash of a full block: its tokens and everything before them (via the parent's hash)."""
+    """Chained hash of a full block: its tokens and everything
+    before them (via the parent's hash).
+    """
     h = hashlib.blake2b(parent or b"root", digest_size=16)
     h.update(np.asarray(token_ids, dtype="<i8").tobytes())
     return h.digest()
@@ -38,9 +40,8 @@ class BlockAllocator:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
-        self._cached: OrderedDict[int, None] = (
-            OrderedDict()
-        )  # LRU of cached-free blocks, oldest first
+        # LRU of cached-free blocks, oldest first
+        self._cached: OrderedDict[int, None] = OrderedDict()
         self._refcount = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._block_of: dict[bytes, int] = {}
@@ -49,8 +50,8 @@ class BlockAllocator:
         # (runtime/kv_events.py): ("stored", hash, parent hash or None, token ids) and ("removed",
         # hash).
         self.events: list[tuple] | None = None
-        # The KV tiers under the pool (core/kv_tiers.py), told of every block that leaves the cache by
-        # eviction and of every block registered.
+        # The KV tiers under the pool (core/kv_tiers.py), told of every block that leaves the cache
+        # by eviction and of every block registered.
         self.tiers = None
 
     # --- queries -------------------------------------------------------------------------------
@@ -74,7 +75,9 @@ class BlockAllocator:
 
     @property
     def num_shared_blocks(self) -> int:
-        """Held blocks with more than one owner (a pass over the pool: for reports, not the step loop)."""
+        """Held blocks with more than one owner (a pass over the pool: for reports, not the step
+        loop).
+        """
         return sum(1 for r in self._refcount if r > 1)
 
     def refcount(self, block_id: int) -> int:
@@ -91,15 +94,18 @@ class BlockAllocator:
         return block_id in self._cached
 
     def touch(self, block_id: int, h: bytes) -> bool:
-        """Make a cached-free block that still holds `h` the most recently freed (evicted last). False where
-        it was evicted, reused or is held again."""
+        """Make a cached-free block that still holds `h` the most recently freed (evicted last).
+        False where it was evicted, reused or is held again.
+        """
         if block_id not in self._cached or self._hash_of[block_id] != h:
             return False
         self._cached.move_to_end(block_id)
         return True
 
     def is_hashed(self, block_id: int) -> bool:
-        """The block holds a registered prefix: other requests may read it, so it is never rewritten."""
+        """The block holds a registered prefix: other requests may read it, so it is never
+        rewritten.
+        """
         return self._hash_of[block_id] is not None
 
     # --- check, then act -----------------------------------------------------------------------
@@ -143,8 +149,9 @@ class BlockAllocator:
             self._refcount[b] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block. At 0 a hashed block joins the LRU of cached blocks (most
-        recently used end), any other block the free list. Freeing never zeroes memory."""
+        """Drop one reference from each block. At 0 a hashed block joins the LRU of cached blocks
+        (most recently used end), any other block the free list. Freeing never zeroes memory.
+        """
         for b in block_ids:
             if self._refcount[b] <= 0:
                 raise ValueError(f"double free of block {b}")
@@ -164,10 +171,11 @@ class BlockAllocator:
         tokens=(),
         lora: int | None = None,
     ) -> None:
-        """Mark a referenced, full, computed block as holding the prefix with hash h. When another block
-        already holds that prefix (computed at the same time), the first one stays the cached copy.
-        parent and tokens (the previous block's hash and this block's token ids) go to event subscribers, and
-        the LoRA adapter whose K/V it holds (its event id) where it is one's."""
+        """Mark a referenced, full, computed block as holding the prefix with hash h. When another
+        block already holds that prefix (computed at the same time), the first one stays the cached
+        copy. parent and tokens (the previous block's hash and this block's token ids) go to event
+        subscribers, and the LoRA adapter whose K/V it holds (its event id) where it is one's.
+        """
         if not self.enable_prefix_caching or self._hash_of[block_id] is not None:
             return
         if self._refcount[block_id] <= 0:
@@ -183,8 +191,10 @@ class BlockAllocator:
                 self.tiers.registered(block_id, h)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (FlushCache): cached-free blocks become free, held blocks keep their
-        contents but are no longer offered to new requests. Returns how many prefixes were forgotten."""
+        """Forget every cached prefix (FlushCache): cached-free blocks become free, held blocks keep
+        their contents but are no longer offered to new requests. Returns how many prefixes were
+        forgotten.
+        """
         forgotten = len(self._block_of)
         self._block_of.clear()
         self._hash_of = [None] * self.num_blocks

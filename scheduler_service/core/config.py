@@ -1,4 +1,6 @@
-"""Configuration of the scheduler service: frozen, built once from the command line and the model folder."""
+"""Configuration of the scheduler service: frozen, built once from the command line and the model
+folder.
+"""
 
 from __future__ import annotations
 
@@ -22,12 +24,12 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     path: str | None = None
     hidden_size: int = 0
-    # What it serves: a PoolingSpec where it embeds (Embed), `generates` where it generates (Generate);
-    # each refuses the other's requests where the model does not serve them.
+    # What it serves: a PoolingSpec where it embeds (Embed), `generates` where it generates
+    # (Generate); each refuses the other's requests where the model does not serve them.
     pooling: PoolingSpec | None = None
     generates: bool = True
-    # generation_config.json's sampling values (temperature, top_p, top_k, min_p, repetition_penalty): what
-    # an OpenAI request that leaves them out gets, as from vLLM.
+    # generation_config.json's sampling values (temperature, top_p, top_k, min_p,
+    # repetition_penalty): what an OpenAI request that leaves them out gets, as from vLLM.
     sampling_defaults: dict = field(default_factory=dict, hash=False)
 
     @property
@@ -42,11 +44,12 @@ class ModelSpec:
         task: str = "auto",
         pooling: str | None = None,
     ) -> ModelSpec:
-        """task: "auto" embeds a folder with sentence-transformers' files and generates otherwise; "embed"
-        serves any decoder as an embedding model (`pooling`, last token unless said, normalized; the folder's
-        own where it has them), "both" generates and embeds with one model (in the same steps), "generate"
-        only generates. A checkpoint without a language-model head only embeds. Raises PoolingConfigError
-        saying what is wrong."""
+        """task: "auto" embeds a folder with sentence-transformers' files and generates otherwise;
+        "embed" serves any decoder as an embedding model (`pooling`, last token unless said,
+        normalized; the folder's own where it has them), "both" generates and embeds with one model
+        (in the same steps), "generate" only generates. A checkpoint without a language-model head
+        only embeds. Raises PoolingConfigError saying what is wrong.
+        """
         folder = Path(folder)
         if task not in TASKS:
             raise PoolingConfigError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
@@ -125,32 +128,34 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_queue_len: int = 1024
-    # Plan step N+1 while the workers run step N (the plan refers to step N's sampled tokens by row).
+    # Plan step N+1 while the workers run step N (the plan refers to step N's sampled tokens by
+    # row).
     overlap: bool = True
     # Check allocator invariants after every step (tests turn it on).
     debug_invariants: bool = False
     # Seconds between the step_profile log lines of a busy replica (cumulative figures).
     step_profile_interval: float = 5.0
-    # Data parallelism: how much more loaded (waiting x 4 + running) than the least loaded replica the
-    # replica holding a request's cached prefix may be and still get it. None: max_num_seqs / 4.
+    # Data parallelism: how much more loaded (waiting x 4 + running) than the least loaded replica
+    # the replica holding a request's cached prefix may be and still get it. None: max_num_seqs / 4.
     route_overload_slack: int | None = None
-    # Speculative decoding (scheduler_service/core/drafting.py): "off"; "ngram" drafts wherever a sequence's
-    # n-grams propose; "auto" only in steps of at most speculative_max_rows decodes and no prompt to compute
-    # (waiting or chunked), where the rows drafts add are nearly free.
+    # Speculative decoding (scheduler_service/core/drafting.py): "off"; "ngram" drafts wherever a
+    # sequence's n-grams propose; "auto" only in steps of at most speculative_max_rows decodes and
+    # no prompt to compute (waiting or chunked), where the rows drafts add are nearly free.
     speculative: str = "auto"
     num_speculative_tokens: int = 10  # the longest draft (a long suffix match drafts this many)
     speculative_max_rows: int = 4
     # Embeddings beside generation (core/pacing.py): the share of their speed decoding streams
     # may lose to embedding prompt chunks in their steps (1: none kept back).
     embed_slowdown: float = 0.2
-    # Where the model also generates: the most embedding tokens a step without decodes takes, so a generation
-    # request that arrives meanwhile waits behind steps of at most this many (0: the whole budget).
+    # Where the model also generates: the most embedding tokens a step without decodes takes, so a
+    # generation request that arrives meanwhile waits behind steps of at most this many (0: the
+    # whole budget).
     embed_step_tokens: int = 512
-    # max_tokens of a request that names none (capped by what its prompt leaves of the context); 0: the
-    # whole context, as vLLM.
+    # max_tokens of a request that names none (capped by what its prompt leaves of the context); 0:
+    # the whole context, as vLLM.
     default_max_tokens: int = 0
-    # LoRA: the most adapters whose requests run at once (so in any one step); a request whose adapter would
-    # be one more waits until one of them has no running request left.
+    # LoRA: the most adapters whose requests run at once (so in any one step); a request whose
+    # adapter would be one more waits until one of them has no running request left.
     max_loras: int = 8
 
     @property

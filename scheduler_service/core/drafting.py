@@ -1,6 +1,8 @@
-"""Drafts for speculative decoding, made where the tokens are (the scheduler; no torch): prompt lookup over
-a sequence's own tokens, a bounded index of n-grams shared across requests, and a draft as long as the
-suffix match predicts. Verification, and what a rejected draft gives back: docs/ARCHITECTURE.md."""
+"""Drafts for speculative decoding, made where the tokens are (the scheduler; no torch): prompt
+lookup over a sequence's own tokens, a bounded index of n-grams shared across requests, and a draft
+as long as the suffix match predicts. Verification, and what a rejected draft gives back:
+docs/ARCHITECTURE.md.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ SHARED_DISCOUNT = 2
 
 
 class NgramIndex:
-    """Where each n-gram (min_n..max_n tokens) of one token stream last ended, kept as tokens are appended:
-    O(max_n) a token, so a long sequence drafts without scanning itself. Only accepted tokens are appended, so
-    a rejected draft leaves nothing to undo."""
+    """Where each n-gram (min_n..max_n tokens) of one token stream last ended, kept as tokens are
+    appended: O(max_n) a token, so a long sequence drafts without scanning itself. Only accepted
+    tokens are appended, so a rejected draft leaves nothing to undo.
+    """
 
     def __init__(self, min_n: int = 1, max_n: int = 3) -> None:
         if not 1 <= min_n <= max_n:
@@ -43,8 +46,10 @@ class NgramIndex:
         toks.append(token)
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix found ([]: none).
-        The suffix itself is never its own match: an n-gram is indexed only once a token follows it."""
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix found
+        ([]: none). The suffix itself is never its own match: an n-gram is indexed only once a token
+        follows it.
+        """
         return self.match(k)[1]
 
     def match(self, k: int) -> tuple[int, list[int]]:
@@ -60,9 +65,11 @@ class NgramIndex:
 
 
 class SharedNgrams:
-    """N-grams of earlier requests (their prompts and answers) and the tokens that followed them, shared by
-    every sequence of a replica, least recently used first out past `max_entries`: what a sequence's own
-    tokens cannot propose, a request seen before may (a template, a repeated document, a common answer)."""
+    """N-grams of earlier requests (their prompts and answers) and the tokens that followed them,
+    shared by every sequence of a replica, least recently used first out past `max_entries`: what a
+    sequence's own tokens cannot propose, a request seen before may (a template, a repeated
+    document, a common answer).
+    """
 
     def __init__(
         self, max_entries: int = 200_000, min_n: int = 2, max_n: int = 8, span: int = 10
@@ -76,7 +83,9 @@ class SharedNgrams:
         return len(self._follow)
 
     def learn(self, tokens: list[int]) -> None:
-        """Remember what followed every n-gram of `tokens` (a finished sequence's prompt and output)."""
+        """Remember what followed every n-gram of `tokens` (a finished sequence's prompt and
+        output).
+        """
         follow = self._follow
         for end in range(self.min_n, len(tokens)):
             after = tuple(tokens[end : end + self.span])
@@ -88,7 +97,9 @@ class SharedNgrams:
             follow.popitem(last=False)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest suffix of `tokens` in an earlier request ([]: none)."""
+        """Up to k tokens that followed the longest suffix of `tokens` in an earlier request ([]:
+        none).
+        """
         return self.match(tokens, k)[1]
 
     def match(self, tokens: list[int], k: int, longer_than: int = 0) -> tuple[int, list[int]]:
@@ -105,21 +116,24 @@ class SharedNgrams:
         return 0, []
 
 
-# Tokens worth drafting after a suffix match of n tokens (index n; the last entry for longer ones). A longer
-# match predicts further: on the edit workload's greedy answers (deploy/bench/edit_workload.json, the default
-# model) a 1-token match's first drafted token stood 28% of the time and its fourth 7%, a 3-token match's
-# fourth 42%, a match of 6 or more tokens' tenth 79%. A drafted token pays where the chance it stands is above
-# what one more row costs a verifying step (~0.2 of a one-row step on a 2-core CPU, less on a GPU): docs/
-# BENCHMARKS.md, the speculative section.
+# Tokens worth drafting after a suffix match of n tokens (index n; the last entry for longer ones).
+# A longer match predicts further: on the edit workload's greedy answers
+# (deploy/bench/edit_workload.json, the default model) a 1-token match's first drafted token stood
+# 28% of the time and its fourth 7%, a 3-token match's fourth 42%, a match of 6 or more tokens'
+# tenth 79%. A drafted token pays where the chance it stands is above what one more row costs a
+# verifying step (~0.2 of a one-row step on a 2-core CPU, less on a GPU): docs/ BENCHMARKS.md, the
+# speculative section.
 DRAFT_BY_MATCH = (0, 1, 2, 3, 6, 6, 10)
 
 
 class DraftLength:
     """How many tokens to draft for one sequence: as many as its suffix match's length predicts
-    (DRAFT_BY_MATCH, at most max_k). Short matches (`short` tokens or fewer) guess; a sequence whose short
-    drafts keep failing stops making them (a running rate of their first tokens standing, below
-    `threshold`), and tries again as that rate drifts back while it drafts none: text with nothing to copy
-    then decodes as without drafts, while long matches (a copy under way) always draft."""
+    (DRAFT_BY_MATCH, at most max_k). Short matches (`short` tokens or fewer) guess; a sequence whose
+    short drafts keep failing stops making them (a running rate of their first tokens standing,
+    below `threshold`), and tries again as that rate drifts back while it drafts none: text with
+    nothing to copy then decodes as without drafts, while long matches (a copy under way) always
+    draft.
+    """
 
     def __init__(
         self, max_k: int, threshold: float = 0.2, decay: float = 0.85, short: int = 2
@@ -138,15 +152,18 @@ class DraftLength:
         return min(self.max_k, DRAFT_BY_MATCH[min(n, len(DRAFT_BY_MATCH) - 1)])
 
     def skipped(self, n: int) -> None:
-        """A step made no short draft for a match of n tokens it gated: the rate creeps back towards the
-        threshold, so the sequence tries again after a while."""
+        """A step made no short draft for a match of n tokens it gated: the rate creeps back towards
+        the threshold, so the sequence tries again after a while.
+        """
         if 0 < n <= self.short and self.short_rate < self.threshold:
             self.short_rate = (
                 self.decay * self.short_rate + (1 - self.decay) * self.threshold * 1.01
             )
 
     def record(self, n: int, drafted: int, accepted: int) -> None:
-        """A verification of `drafted` tokens made after a match of n tokens: `accepted` of them stood."""
+        """A verification of `drafted` tokens made after a match of n tokens: `accepted` of them
+        stood.
+        """
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted {accepted} of {drafted} drafted tokens")
         if drafted and n <= self.short:
@@ -154,9 +171,10 @@ class DraftLength:
 
 
 class SequenceDrafter:
-    """One sequence's drafting state: its tokens' n-gram index (the prompt, then each accepted token), its
-    draft length policy, and whether its next step would draft (`expects`: the scheduler then waits for the
-    sequence's token in flight rather than plan a plain decode past it)."""
+    """One sequence's drafting state: its tokens' n-gram index (the prompt, then each accepted
+    token), its draft length policy, and whether its next step would draft (`expects`: the scheduler
+    then waits for the sequence's token in flight rather than plan a plain decode past it).
+    """
 
     def __init__(self, tokens: list[int], max_k: int, shared: SharedNgrams | None) -> None:
         self.index = NgramIndex(1, MAX_MATCH)
@@ -170,9 +188,11 @@ class SequenceDrafter:
         self.index.extend(tokens)
 
     def match(self, k: int) -> tuple[int, list[int]]:
-        """(match length, up to k tokens that followed it): the sequence's own longest suffix match, or that
-        of earlier requests where it is longer by more than SHARED_DISCOUNT tokens (another request's text
-        predicts this one's less well than the sequence's own: its match counts that much shorter)."""
+        """(match length, up to k tokens that followed it): the sequence's own longest suffix match,
+        or that of earlier requests where it is longer by more than SHARED_DISCOUNT tokens (another
+        request's text predicts this one's less well than the sequence's own: its match counts that
+        much shorter).
+        """
         n, draft = self.index.match(k)
         if self.shared is not None:
             m, shared = self.shared.match(self.index.tokens, k, longer_than=n + SHARED_DISCOUNT)
@@ -181,8 +201,9 @@ class SequenceDrafter:
         return n, draft
 
     def propose(self, room: int) -> list[int]:
-        """The draft for this step, at most `room` tokens: what followed the best suffix match, as long as
-        the match's length predicts (DraftLength)."""
+        """The draft for this step, at most `room` tokens: what followed the best suffix match, as
+        long as the match's length predicts (DraftLength).
+        """
         n, draft = self.match(self.length.max_k)
         k = min(self.length.for_match(n), room)
         if k <= 0:
@@ -196,15 +217,19 @@ class SequenceDrafter:
         self.length.record(self.matched, drafted, accepted)
 
     def look_ahead(self) -> None:
-        """After new tokens: whether the next step would draft (a match long enough to, not gated)."""
+        """After new tokens: whether the next step would draft (a
+        match long enough to, not gated).
+        """
         n, draft = self.match(1)
         self.expects = bool(draft) and self.length.for_match(n) > 0
 
 
 def propose_draft(seq, drafter: SequenceDrafter, budget: int, max_model_len: int) -> list[int]:
-    """Tokens to draft after seq's (core/sequence.py Sequence) known last one: as many as its suffix match
-    predicts, within the budget, max_tokens and the context, none before min_tokens is reached (the end
-    tokens are banned until then, per position), and under a grammar only the tokens it allows."""
+    """Tokens to draft after seq's (core/sequence.py Sequence) known last one: as many as its suffix
+    match predicts, within the budget, max_tokens and the context, none before min_tokens is reached
+    (the end tokens are banned until then, per position), and under a grammar only the tokens it
+    allows.
+    """
     params = seq.request.sampling
     if seq.num_output_tokens < params.min_tokens:
         return []

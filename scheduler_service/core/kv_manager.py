@@ -1,8 +1,6 @@
-"""Page tables over the block allocator: every change to what a sequence's table holds.
-
-The scheduler decides who runs, how many tokens each computes and whom to preempt; this module carries
-the decisions out on memory and answers whether they fit. `allocate_slots` returns None when the pool
-cannot hold a growth: the scheduler then preempts a victim of its choosing and asks again.
+"""Page tables over the block allocator: every change to what a sequence's table holds. The
+scheduler decides; this carries decisions out on memory and says whether they fit (None: preempt and
+ask again).
 """
 
 from __future__ import annotations
@@ -15,8 +13,9 @@ from scheduler_service.core.sequence import Request, Sequence
 
 
 class BlockCopy(NamedTuple):
-    """Copy-on-write: entry `index` of a sequence's table now holds `dst`, which the worker fills from `src`
-    before the forward."""
+    """Copy-on-write: entry `index` of a sequence's table now holds `dst`, which the worker fills
+    from `src` before the forward.
+    """
 
     index: int
     src: int
@@ -30,14 +29,16 @@ class KVCacheManager:
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
         self.caching = enable_prefix_caching
-        # Every layer of the model slides over at least kv_window keys (0: some layer reads everything): a
-        # sequence's blocks wholly before its window are given back as it advances (drop_out_of_window).
+        # Every layer of the model slides over at least kv_window keys (0: some layer reads
+        # everything): a sequence's blocks wholly before its window are given back as it advances
+        # (drop_out_of_window).
         self.kv_window = kv_window
         self.tiers: KvTiers | None = None  # host and disk tiers under the pool (use_tiers)
 
     def use_tiers(self, tiers: KvTiers) -> None:
-        """Blocks leaving the pool go down to these tiers, and prompts find their prefixes there (only with
-        the prefix cache on)."""
+        """Blocks leaving the pool go down to these tiers, and prompts find their prefixes there
+        (only with the prefix cache on).
+        """
         if self.caching:
             self.tiers = tiers
             self.allocator.tiers = tiers
@@ -74,9 +75,9 @@ class KVCacheManager:
         return request.embed is None or request.embed.spec.prefix_cacheable  # a mean reads them all
 
     def load_from_tiers(self, seq: Sequence, hits: list[int], step_id: int) -> bool:
-        """Where seq's prompt goes on below its cached prefix `hits` in the KV tiers, and reading those
-        blocks back costs less than computing them: plan the loads into fresh blocks in step step_id. True
-        when seq must wait for a load (this one, or another prompt's of the same blocks)."""
+        """Plan loads of seq's prompt blocks found in the KV tiers below its cached prefix, where
+        reading costs less than computing. True when seq must wait for a load.
+        """
         tiers = self.tiers
         if tiers is None or self.kv_window or not self.reads_cache(seq):
             return False
@@ -87,21 +88,18 @@ class KVCacheManager:
         if not hashes or tiers.wait_for(seq.seq_id, hashes[0]):
             return bool(hashes)
         revived = sum(1 for b in hits if self.allocator.is_cached_free(b))
-        room = (
-            self.allocator.num_available_blocks - revived - 1
-        )  # a block left for what is computed
+        # a block left for what is computed
+        room = self.allocator.num_available_blocks - revived - 1
         found = tiers.find(hashes)[: max(room, 0)]
         if not found or not tiers.worth_loading(found, seq.request.request_id):
             return False
         tiers.touch(found)  # blocks this allocation evicts to the host tier do not push these out
-        self.allocator.share(
-            hits
-        )  # nor are the pool's blocks of the prefix evicted for the fresh ones
+        # nor are the pool's blocks of the prefix evicted for the fresh ones
+        self.allocator.share(hits)
         blocks = self.allocator.allocate(len(found))
         self.allocator.free(hits[::-1])
-        still = tiers.find(
-            [h for h, _, _ in found]
-        )  # (a tier smaller than the run loses its oldest)
+        # (a tier smaller than the run loses its oldest)
+        still = tiers.find([h for h, _, _ in found])
         keep = next(
             (i for i, (a, b) in enumerate(zip(found, still, strict=False)) if a != b), len(still)
         )
@@ -127,8 +125,10 @@ class KVCacheManager:
         return True
 
     def settle_loads(self, step_id: int, failed: set[int] | None) -> None:
-        """A step's loads are done (failed: those that did not load; None: none did): each block that loaded
-        enters the prefix cache, and every one is given back (leaf first, as `free` does)."""
+        """A step's loads are done (failed: those that did not load; None: none did): each block
+        that loaded enters the prefix cache, and every one is given back (leaf first, as `free`
+        does).
+        """
         if self.tiers is None or step_id not in self.tiers.inflight:
             return
         done = self.tiers.settle(step_id, failed)
@@ -138,15 +138,16 @@ class KVCacheManager:
         self.allocator.free([ld.block for ld, _ in reversed(done)])
 
     def admit(self, seq: Sequence, hits: list[int], num_new: int) -> bool:
-        """Give a waiting seq its table: the cached prefix `hits`, then fresh blocks for num_new more tokens.
-        False (nothing changed) when the pool cannot hold them."""
+        """Give a waiting seq its table: the cached prefix `hits`, then fresh blocks for num_new
+        more tokens. False (nothing changed) when the pool cannot hold them.
+        """
         num_cached = len(hits) * self.block_size
         need = self.blocks_for_tokens(num_cached + num_new) - len(hits)
-        # a cached prefix longer than every sliding window: its blocks before the window stay in the cache
+        # a cached prefix longer than every sliding window: its blocks before the window stay in the
+        # cache
         skip = self.out_of_window(seq, num_cached) if hits else 0
-        revived = sum(
-            1 for b in hits[skip:] if self.allocator.is_cached_free(b)
-        )  # hits that leave the LRU
+        # hits that leave the LRU
+        revived = sum(1 for b in hits[skip:] if self.allocator.is_cached_free(b))
         if not self.allocator.can_allocate(need + revived):
             return False
         self.allocator.share(hits[skip:])
@@ -159,7 +160,9 @@ class KVCacheManager:
         return True
 
     def fork(self, leader: Sequence, forks: list[Sequence]) -> None:
-        """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token."""
+        """Samples 1..n-1 share the leader's prompt blocks and recompute
+        only the last prompt token.
+        """
         prompt_len = leader.request.prompt_len
         prompt_blocks = leader.block_ids[: self.blocks_for_tokens(prompt_len)]
         for seq in forks:
@@ -173,16 +176,18 @@ class KVCacheManager:
 
     # --- growth ----------------------------------------------------------------------------------
     def writes_in_place(self, seq: Sequence, pos: int) -> bool:
-        """A token at `pos` lands in seq's last block and that block is its own (not shared, not cached):
-        a decode's fast path, no allocation to ask for."""
+        """A token at `pos` lands in seq's last block and that block is its own (not shared, not
+        cached): a decode's fast path, no allocation to ask for.
+        """
         if not pos % self.block_size:
             return False
         block = seq.block_ids[pos // self.block_size]
         return self.allocator.refcount(block) == 1 and not self.allocator.is_hashed(block)
 
     def _writes_need_copy(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Indices of seq's existing blocks that the next num_tokens write into but may not be changed in
-        place: shared with another sequence, or holding a cached prefix."""
+        """Indices of seq's existing blocks that the next num_tokens write into but may not be
+        changed in place: shared with another sequence, or holding a cached prefix.
+        """
         first = seq.num_computed_tokens // self.block_size
         last = min(len(seq.block_ids), self.blocks_for_tokens(seq.num_computed_tokens + num_tokens))
         return [
@@ -195,10 +200,10 @@ class KVCacheManager:
     def allocate_slots(
         self, seq: Sequence, num_new: int, lookahead: int = 0
     ) -> list[BlockCopy] | None:
-        """Make seq's table hold num_new more tokens, and `lookahead` beyond them (slots a step may write and
-        then give up): grow it, and copy each block those tokens would write that is not seq's own alone.
-        Returns the copies, each a table entry rewritten, or None, changing nothing, when the pool cannot
-        hold them."""
+        """Make seq's table hold num_new more tokens plus `lookahead`, copying each block they would
+        write that seq does not own alone. Returns the copies, or None (nothing changed) when the
+        pool cannot hold them.
+        """
         num_tokens = num_new + lookahead
         copies = self._writes_need_copy(seq, num_tokens)
         need = (
@@ -220,8 +225,9 @@ class KVCacheManager:
         return done
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
-        """Give back seq's blocks past those num_tokens need (a rejected draft's; last first): they are its
-        own, fresh and never offered to the cache."""
+        """Give back seq's blocks past those num_tokens need (a rejected draft's; last first): they
+        are its own, fresh and never offered to the cache.
+        """
         keep = self.blocks_for_tokens(num_tokens)
         if len(seq.block_ids) <= keep:
             return
@@ -231,15 +237,18 @@ class KVCacheManager:
         self.allocator.free(tail[::-1])
 
     def tokens_that_fit(self, seq: Sequence, num_new: int) -> int:
-        """How many of seq's next num_new tokens the free blocks hold (a prompt chunk shrinks to that before
-        anyone is preempted)."""
+        """How many of seq's next num_new tokens the free blocks hold (a prompt chunk shrinks to
+        that before anyone is preempted).
+        """
         copies = len(self._writes_need_copy(seq, num_new))
         have = len(seq.block_ids)
         blocks = have + self.allocator.num_available_blocks - copies
         return blocks * self.block_size - seq.num_computed_tokens
 
     def register_full_blocks(self, seq: Sequence, computed: int) -> None:
-        """Offer seq's blocks that `computed` tokens (a step's confirmed end) fill to the prefix cache."""
+        """Offer seq's blocks that `computed` tokens (a step's confirmed end) fill to the prefix
+        cache.
+        """
         if not self.caching:
             return
         full = computed // self.block_size
@@ -263,8 +272,9 @@ class KVCacheManager:
 
     # --- the prefix cache's reports --------------------------------------------------------------
     def record_kv_events(self) -> None:
-        """From now on the prefix cache's changes are kept for take_kv_events (KV-event subscribers); the
-        first says the cache starts empty."""
+        """From now on the prefix cache's changes are kept for take_kv_events (KV-event
+        subscribers); the first says the cache starts empty.
+        """
         self.allocator.events = [("cleared",)]
 
     def take_kv_events(self) -> list[tuple]:
@@ -276,8 +286,9 @@ class KVCacheManager:
         return events
 
     def cached_blocks(self, hashes: list[bytes]) -> int:
-        """Leading blocks of a prompt (its chained block hashes) the prefix cache or a tier under it holds
-        (where routing sends a prompt); no LRU touch."""
+        """Leading blocks of a prompt (its chained block hashes) the prefix cache or a tier under it
+        holds (where routing sends a prompt); no LRU touch.
+        """
         n = 0
         for h in hashes:
             if self.allocator.lookup(h) is None and (self.tiers is None or not self.tiers.holds(h)):
@@ -286,8 +297,9 @@ class KVCacheManager:
         return n
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (only unreferenced blocks are cached), the tiers' too; how many were
-        forgotten."""
+        """Forget every cached prefix (only unreferenced blocks are cached), the tiers' too; how
+        many were forgotten.
+        """
         return self.allocator.reset_prefix_cache() + (
             self.tiers.clear() if self.tiers is not None else 0
         )
@@ -300,12 +312,11 @@ class KVCacheManager:
         return max(start - self.kv_window, 0) // self.block_size
 
     def drop_out_of_window(self, seq: Sequence, start: int) -> None:
-        """Give back seq's blocks that no query from position `start` on reads: with every layer sliding over
-        kv_window keys, a query at p reads keys after p - kv_window, so keys before start - kv_window are done
-        (one key of slack: a sample forked from this sequence recomputes the prompt's last token, start - 1).
-        Their table entries become -1, which the kernels never look up. A block in the prefix cache stays
-        there (it is only unreferenced); sequences with penalties keep every block, since those read the
-        whole context's tokens through the table."""
+        """Give back seq's blocks no query from `start` on reads (every layer sliding over kv_window
+        keys, one key of slack for a fork); their entries become -1. Cached blocks stay cached;
+        sequences with penalties keep every block, since those read the whole context through the
+        table.
+        """
         end = self.out_of_window(seq, start)
         if end <= seq.num_dropped_blocks:
             return
@@ -321,8 +332,9 @@ class KVCacheManager:
     # --- release ---------------------------------------------------------------------------------
     @staticmethod
     def disown(seq: Sequence) -> None:
-        """seq comes from another pool (a replica whose workers were lost): its table named that pool's
-        blocks, so it starts empty here, to be recomputed, and nothing is given back."""
+        """seq comes from another pool (a replica whose workers were lost): its table named that
+        pool's blocks, so it starts empty here, to be recomputed, and nothing is given back.
+        """
         seq.block_ids = []
         seq.mirror.stale()
         seq.dropped_ids = []
@@ -332,15 +344,15 @@ class KVCacheManager:
         seq.epoch += 1
 
     def free(self, seq: Sequence) -> None:
-        """Give every block of seq back (finish, abort, preemption). Last block first: the LRU then evicts a
-        cached chain from its leaf, and its root — which every lookup needs — last. The epoch moves on, so a
-        step planned on the old table knows its blocks are gone."""
+        """Give every block of seq back, last first, so the LRU evicts a cached chain from its leaf.
+        The epoch moves on, so a step planned on the old table knows its blocks are gone.
+        """
         if seq.block_ids:
             self.allocator.free([b for b in reversed(seq.block_ids) if b >= 0])
         if seq.dropped_ids and self.caching:
-            # blocks given back behind the window went into the cache's LRU when dropped, so the chain's root
-            # would be evicted first, cutting every later lookup of the prefix: those still cached become the
-            # most recent now, root last, as the rest are ordered
+            # blocks given back behind the window went into the cache's LRU when dropped, so the
+            # chain's root would be evicted first, cutting every later lookup of the prefix: those
+            # still cached become the most recent now, root last, as the rest are ordered
             for i in range(len(seq.dropped_ids) - 1, -1, -1):
                 if seq.dropped_ids[i] >= 0:
                     self.allocator.touch(seq.dropped_ids[i], seq.block_hash(i, self.block_size))
@@ -354,7 +366,8 @@ class KVCacheManager:
 
     def check_invariants(self, running: list[Sequence], waiting) -> None:
         """free + cached + referenced == num_blocks, no block in two states, refcounts equal owners,
-        every running sequence's table covers its computed tokens, waiting sequences hold nothing."""
+        every running sequence's table covers its computed tokens, waiting sequences hold nothing.
+        """
         self.allocator.check_invariants()
         owned: dict[int, int] = {}
         for b in self.tiers.held_blocks() if self.tiers is not None else ():  # loads in flight

@@ -1,9 +1,11 @@
-"""KV tiers under the pool: where a block's K/V goes when it leaves the pool, and where a prompt's prefix is
-found when the pool no longer holds it. The scheduler owns the index (an LRU of chained block hashes per
-tier, within each tier's size); the worker holds the bytes and does what a step's plan says. A cached block
-the pool evicts is written to the host tier (write-back); a block entering the prefix cache is written to
-the disk tier at once (write-through, so it survives a restart). Loaded blocks become prefix-cache blocks
-once their step's result says they loaded; a failed one is computed instead."""
+"""KV tiers under the pool: where a block's K/V goes when it leaves the pool, and where a prompt's
+prefix is found when the pool no longer holds it. The scheduler owns the index (an LRU of chained
+block hashes per tier, within each tier's size); the worker holds the bytes and does what a step's
+plan says. A cached block the pool evicts is written to the host tier (write-back); a block entering
+the prefix cache is written to the disk tier at once (write-through, so it survives a restart).
+Loaded blocks become prefix-cache blocks once their step's result says they loaded; a failed one is
+computed instead.
+"""
 
 from __future__ import annotations
 
@@ -18,15 +20,16 @@ from scheduler_service.core.stats import TierStats
 
 log = structlog.get_logger("scheduler.kv_tiers")
 TIER_NAMES = {TIER_HOST: "host", TIER_DISK: "disk"}
-# Before anything is measured: what a block costs to load (per byte) from each tier. A prompt token's
-# compute is not guessed: until a step measures it, loading is taken to pay.
+# Before anything is measured: what a block costs to load (per byte) from each tier. A prompt
+# token's compute is not guessed: until a step measures it, loading is taken to pay.
 _START_SECONDS_PER_BYTE = {TIER_HOST: 1 / 2e9, TIER_DISK: 1 / 4e8}
 _EWMA = 0.2
 
 
 class TierIndex:
-    """The block hashes one tier holds, least recently used first, within its capacity in blocks; the host
-    tier's entries each name the slot of the worker's buffer that holds them."""
+    """The block hashes one tier holds, least recently used first, within its capacity in blocks;
+    the host tier's entries each name the slot of the worker's buffer that holds them.
+    """
 
     def __init__(self, tier: int, capacity: int, slotted: bool) -> None:
         self.tier, self.capacity = tier, capacity
@@ -46,7 +49,9 @@ class TierIndex:
         self._lru.move_to_end(h)
 
     def add(self, h: bytes) -> tuple[int, list[bytes]]:
-        """Hold h (most recently used): its slot (-1 unslotted), and the entries evicted for room."""
+        """Hold h (most recently used): its slot (-1 unslotted), and
+        the entries evicted for room.
+        """
         evicted = []
         while len(self._lru) >= self.capacity:
             old, slot = self._lru.popitem(last=False)
@@ -71,7 +76,9 @@ class TierIndex:
 
 @dataclass(slots=True)
 class Load:
-    """A block read back into the pool in some step: it becomes a prefix-cache block if it loaded."""
+    """A block read back into the pool in some step: it becomes
+    a prefix-cache block if it loaded.
+    """
 
     block: int
     hash: bytes
@@ -122,10 +129,11 @@ class KvTiers:
         """Moves on when every tier is cleared."""
         return self._epoch
 
-    # --- writing down --------------------------------------------------------------------------------
+    # --- writing down -----------------------------------------------------------------------------
     def evicted(self, block: int, h: bytes) -> None:
-        """A cached block leaves the pool: the host tier keeps its K/V (the plan copies it before the step
-        reuses the block)."""
+        """A cached block leaves the pool: the host tier keeps its K/V (the plan copies it before
+        the step reuses the block).
+        """
         if self.host is None:
             return
         if h in self.host:
@@ -151,7 +159,7 @@ class KvTiers:
         self._store_hashes.append(h)
         self.stored[TIER_DISK] += 1
 
-    # --- reading back --------------------------------------------------------------------------------
+    # --- reading back -----------------------------------------------------------------------------
     def is_loading(self, seq_id: int) -> bool:
         """The sequence waits for a step that loads its prefix."""
         step = self._waiting_on.get(seq_id)
@@ -161,7 +169,9 @@ class KvTiers:
         return step is not None
 
     def wait_for(self, seq_id: int, h: bytes) -> bool:
-        """Another prompt's step loads block h now: the sequence waits for it rather than load it twice."""
+        """Another prompt's step loads block h now: the sequence waits for it rather than load it
+        twice.
+        """
         step = self._loading.get(h)
         if step is None or step not in self.inflight:
             return False
@@ -174,8 +184,9 @@ class KvTiers:
         )
 
     def find(self, hashes: list[bytes]) -> list[tuple[bytes, int, int]]:
-        """The leading run of these hashes held below the pool: (hash, tier, host slot or -1), the host
-        tier's copy where both hold one."""
+        """The leading run of these hashes held below the pool: (hash, tier, host slot or -1), the
+        host tier's copy where both hold one.
+        """
         found = []
         for h in hashes:
             if self.host is not None and h in self.host:
@@ -187,8 +198,9 @@ class KvTiers:
         return found
 
     def worth_loading(self, found: list[tuple[bytes, int, int]], request_id: str) -> bool:
-        """Whether reading these blocks back costs less than computing their tokens, by the measured cost of
-        each (logged with the choice)."""
+        """Whether reading these blocks back costs less than computing their tokens, by the measured
+        cost of each (logged with the choice).
+        """
         load = sum(self.seconds_per_byte[tier] for _, tier, _ in found) * self.bytes_per_block
         compute = (
             self.seconds_per_token * len(found) * self.block_size
@@ -208,12 +220,16 @@ class KvTiers:
         return worth
 
     def touch(self, found: list[tuple[bytes, int, int]]) -> None:
-        """These entries are the most recently used of their tiers, the first (the prefix's root) last."""
+        """These entries are the most recently used of their tiers, the first (the prefix's root)
+        last.
+        """
         for h, tier, _ in reversed(found):
             (self.host if tier == TIER_HOST else self.disk).touch(h)
 
     def start(self, step_id: int, seq_id: int, loads: list[Load], slots: list[int]) -> None:
-        """Plan these loads in step step_id (their blocks held until its result); the sequence waits."""
+        """Plan these loads in step step_id (their blocks held until its result); the sequence
+        waits.
+        """
         for ld, slot in zip(loads, slots, strict=True):
             self._loads.append((ld.block, ld.tier, slot))
             self._load_hashes.append(ld.hash)
@@ -222,8 +238,10 @@ class KvTiers:
         self._waiting_on[seq_id] = step_id
 
     def settle(self, step_id: int, failed: set[int] | None) -> list[tuple[Load, bool]]:
-        """The step's result: each load and whether it holds its block now (failed: the indices that did not
-        load; None: the step failed, so none did). An entry that failed to load is forgotten."""
+        """The step's result: each load and whether it holds its block now (failed: the indices that
+        did not load; None: the step failed, so none did). An entry that failed to load is
+        forgotten.
+        """
         loads = self.inflight.pop(step_id, [])
         done = []
         for i, ld in enumerate(loads):
@@ -256,9 +274,11 @@ class KvTiers:
         """Work decided that no plan has carried yet (a step, even without rows, carries it)."""
         return bool(self._stores or self._loads or self._drops)
 
-    # --- the plan, the measurements ------------------------------------------------------------------
+    # --- the plan, the measurements ---------------------------------------------------------------
     def take_ops(self) -> TierOps | None:
-        """This step's stores, loads and drops, in the order they were decided; None when there are none."""
+        """This step's stores, loads and drops, in the order they were decided; None when there are
+        none.
+        """
         if not (self._stores or self._loads or self._drops):
             return None
         ops = TierOps(
@@ -279,8 +299,9 @@ class KvTiers:
     def observe(
         self, ops: TierOps | None, seconds: float, prefill_tokens: int, step_seconds: float
     ) -> None:
-        """A step's timings: the tiers' share per byte moved (into the tier most of its loads came from), a
-        prompt token's compute where the step was mostly prompt."""
+        """A step's timings: the tiers' share per byte moved (into the tier most of its loads came
+        from), a prompt token's compute where the step was mostly prompt.
+        """
         self.seconds += seconds
         if ops is not None and len(ops.loads):
             tiers = ops.loads[:, 1]
@@ -295,7 +316,9 @@ class KvTiers:
             self.seconds_per_token = per_token if old is None else old + _EWMA * (per_token - old)
 
     def clear(self) -> int:
-        """Forget every tier's blocks (FlushCache); the disk's entries are deleted. How many were held."""
+        """Forget every tier's blocks (FlushCache); the disk's entries are deleted. How many were
+        held.
+        """
         n = 0
         self._epoch += 1
         if self.host is not None:
@@ -304,10 +327,13 @@ class KvTiers:
             gone = self.disk.clear()
             self._drops.extend(gone)
             n += len(gone)
-        return n  # (stores already planned still run: the drops, run after them, delete what they write)
+        # (stores already planned still run: the drops, run after them, delete what they write)
+        return n
 
     def stats(self) -> TierStats:
-        """Blocks held and their capacity, loads and stores by tier, failures, the tiers' seconds."""
+        """Blocks held and their capacity, loads and stores by
+        tier, failures, the tiers' seconds.
+        """
         host, disk = self.host, self.disk  # an empty index is falsy: each compared with None
         return TierStats(
             host_blocks=len(host) if host is not None else 0,

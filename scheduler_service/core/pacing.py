@@ -1,7 +1,8 @@
-"""How much embedding work a step that decodes may carry: embeddings are batch work, a generation stream is
-someone reading, so `EmbedPacer` keeps the streams' slowdown near `--embed-slowdown` (0.2: streams keep
-about 0.8 of their speed while embeddings run beside them) by measuring it. Steps without decodes are not
-paced: there embeddings take the whole token budget."""
+"""How much embedding work a step that decodes may carry: embeddings are batch work, a generation
+stream is someone reading, so `EmbedPacer` keeps the streams' slowdown near `--embed-slowdown` (0.2:
+streams keep about 0.8 of their speed while embeddings run beside them) by measuring it. Steps
+without decodes are not paced: there embeddings take the whole token budget.
+"""
 
 from __future__ import annotations
 
@@ -12,15 +13,17 @@ EWMA = 0.3
 
 
 class EmbedPacer:
-    """The workers' time for steps that only decode (the base, refreshed by a step without embedding tokens
-    every `REFRESH` steps while both run) is measured against the time of steps that carry embedding
-    tokens; the number of embedding tokens such a step may carry moves multiplicatively, down when a step
-    ran over the target, up while they run under it."""
+    """The workers' time for steps that only decode (the base, refreshed by a step without embedding
+    tokens every `REFRESH` steps while both run) is measured against the time of steps that carry
+    embedding tokens; the number of embedding tokens such a step may carry moves multiplicatively,
+    down when a step ran over the target, up while they run under it.
+    """
 
     def __init__(self, slowdown: float, max_tokens: int) -> None:
         if not 0.0 < slowdown <= 1.0:
             raise ValueError(f"embed slowdown must lie in (0, 1], got {slowdown}")
-        # a stream keeping (1 - slowdown) of its speed: its steps may take 1 / (1 - slowdown) as long
+        # a stream keeping (1 - slowdown) of its speed: its steps may take 1 / (1 - slowdown) as
+        # long
         self.limit_ratio = 1.0 / (1.0 - slowdown) if slowdown < 1.0 else float("inf")
         # aimed a little under: the tokens overshoot it before they come back down
         self.aim = 1.0 + AIM * (self.limit_ratio - 1.0)
@@ -38,7 +41,9 @@ class EmbedPacer:
         return min(budget, max(1, int(self.tokens)))
 
     def observe(self, decodes: int, embed_tokens: int, other_tokens: int, seconds: float) -> None:
-        """A step's result: its decode rows, embedding and other prompt tokens, and the workers' seconds."""
+        """A step's result: its decode rows, embedding and other prompt tokens, and the workers'
+        seconds.
+        """
         if not decodes or other_tokens:
             return
         if not embed_tokens:

@@ -1,6 +1,8 @@
-"""Turn a scheduler step into the arrays of a StepPlan (protos/codec.py packs them) without a per-token Python
-loop: `PlanBuilder` keeps a numpy mirror of what changes rarely (each running sequence's block-table row and
-sampling parameters), so a step gathers positions, slots, lengths and tables rather than rebuilding them."""
+"""Turn a scheduler step into the arrays of a StepPlan (protos/codec.py packs them) without a
+per-token Python loop: `PlanBuilder` keeps a numpy mirror of what changes rarely (each running
+sequence's block-table row and sampling parameters), so a step gathers positions, slots, lengths and
+tables rather than rebuilding them.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ class MaskFiller(Protocol):
 
 @dataclass
 class DeferredMasks:
-    """A step's structured-output masks that follow its plan: computed once the step before it is applied
-    (its matchers have then seen their last token), sent before any later plan."""
+    """A step's structured-output masks that follow its plan: computed once the step before it is
+    applied (its matchers have then seen their last token), sent before any later plan.
+    """
 
     filler: MaskFiller
     matchers: list
@@ -37,9 +40,10 @@ class DeferredMasks:
 
 @dataclass
 class ReadBack:
-    """What a step's plan asked of its result, kept to read it back: each row's logprob K (-1 none), prompt
-    logprobs (K per row, positions per row), masks that follow the plan, the embedding rows' pooling kinds
-    and the rows that pool this step, and the KV-tier work it carries."""
+    """What a step's plan asked of its result, kept to read it back: each row's logprob K (-1 none),
+    prompt logprobs (K per row, positions per row), masks that follow the plan, the embedding rows'
+    pooling kinds and the rows that pool this step, and the KV-tier work it carries.
+    """
 
     logprobs_k: np.ndarray | None = None
     prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None
@@ -50,17 +54,18 @@ class ReadBack:
 
 
 class PlanBuilder:
-    """Each running sequence owns a row of a block-table array (filled as its page table grows, a copy-on-
-    write patching one entry) and of per-row sampling parameters. A step costs one short pass over its
-    sequences (row, start, length) and a few vectorized numpy operations.
+    """Each running sequence owns a row of a block-table array (filled as its page table grows, a
+    copy-on- write patching one entry) and of per-row sampling parameters. A step costs one short
+    pass over its sequences (row, start, length) and a few vectorized numpy operations.
 
-    A row whose last input token is still pending (sampled by the step in flight; see core/sequence.py)
-    carries a placeholder in token_ids and, in prev_rows, the row of the previous step whose sampled token
-    the worker puts there.
+    A row whose last input token is still pending (sampled by the step in flight; see
+    core/sequence.py) carries a placeholder in token_ids and, in prev_rows, the row of the previous
+    step whose sampled token the worker puts there.
 
-    Request controls (penalties, min_p, logprobs) are per-row mirrors too, shipped only in steps where
-    some row uses them; the ragged parts (logit biases, prompt-logprob targets, structured-output masks)
-    are built by a loop over just the rows that have them."""
+    Request controls (penalties, min_p, logprobs) are per-row mirrors too, shipped only in steps
+    where some row uses them; the ragged parts (logit biases, prompt-logprob targets,
+    structured-output masks) are built by a loop over just the rows that have them.
+    """
 
     def __init__(self, max_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
         self.block_size = block_size
@@ -77,22 +82,23 @@ class PlanBuilder:
         self.min_p = np.zeros(max_seqs, dtype=F32)
         self.logprobs = np.full(max_seqs, -1, dtype=I32)
         self.penalized = np.zeros(max_seqs, dtype=bool)
-        # rows with a ragged part: logit_bias or min_tokens, prompt logprobs, a structured-output matcher
+        # rows with a ragged part: logit_bias or min_tokens, prompt logprobs, a structured-output
+        # matcher
         self.special = np.zeros(max_seqs, dtype=bool)
         # embeddings: how a row's sequence pools (0: it does not; POOL_LAST, POOL_SUM, POOL_FIRST)
         self.pool_kind = np.zeros(max_seqs, dtype=I32)
-        self.lora = np.full(
-            max_seqs, -1, dtype=I64
-        )  # the row's LoRA adapter's id (-1: the base model)
+        # the row's LoRA adapter's id (-1: the base model)
+        self.lora = np.full(max_seqs, -1, dtype=I64)
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         self._owners: list = [None] * max_seqs  # the sequence each row mirrors
         self._filled = [0] * max_seqs  # entries written in each row (the rest are -1)
 
-    # --- rows --------------------------------------------------------------------------------------
+    # --- rows -------------------------------------------------------------------------------------
     def _row(self, seq) -> int:
-        """seq's row, given at its first step since it was admitted (or moved here from another replica):
-        its sampling parameters are mirrored once; rows of sequences no longer running are taken back when
-        none is free."""
+        """seq's row, given at its first step since it was admitted (or moved here from another
+        replica): its sampling parameters are mirrored once; rows of sequences no longer running are
+        taken back when none is free.
+        """
         row = seq.mirror.row
         if row >= 0 and self._owners[row] is seq:
             return row
@@ -154,9 +160,11 @@ class PlanBuilder:
                         f"{seq}: the plan's row {row} no longer mirrors its page table"
                     )
 
-    # --- one step ----------------------------------------------------------------------------------
+    # --- one step ---------------------------------------------------------------------------------
     def build(self, out) -> tuple[PlanArrays, ReadBack]:
-        """The step's plan: its rows gathered from the sequences, then every per-token array vectorized."""
+        """The step's plan: its rows gathered from the sequences, then every per-token array
+        vectorized.
+        """
         rows, starts, q_lens, do_sample, tokens, pending, max_blocks, drafts = self._gather(
             out.scheduled
         )
@@ -209,8 +217,9 @@ class PlanBuilder:
         return plan, read
 
     def _pooling(self, plan: PlanArrays, read: ReadBack, rows, starts, seq_lens) -> None:
-        """Embedding rows: a mean sums every chunk; the last token pools in the last chunk, cls in the
-        first."""
+        """Embedding rows: a mean sums every chunk; the last token pools in the last chunk, cls in
+        the first.
+        """
         kinds = self.pool_kind[rows]
         if not kinds.any():
             return
@@ -225,7 +234,9 @@ class PlanBuilder:
             plan.pooling = read.pooling = np.where(at, kinds, 0).astype(I32)
 
     def _adapters(self, scheduled, plan: PlanArrays, rows: np.ndarray) -> None:
-        """The step's LoRA adapters, each once, and every row's index into them (-1: the base model)."""
+        """The step's LoRA adapters, each once, and every row's index into them (-1: the base
+        model).
+        """
         lora = self.lora[rows]
         if (lora >= 0).any():
             ids, index = np.unique(lora, return_inverse=True)
@@ -239,9 +250,10 @@ class PlanBuilder:
             plan.lora_index = (index - int(first)).astype(I32)
 
     def _gather(self, scheduled):
-        """One pass over the scheduled sequences: their rows, starts, new-token counts and sampling flags, the
-        input tokens (0 where the step in flight samples it: `pending` says where, and from which row), and
-        the widest table; new table entries are mirrored on the way."""
+        """One pass over the scheduled sequences: their rows, starts, new-token counts and sampling
+        flags, the input tokens (0 where the step in flight samples it: `pending` says where, and
+        from which row), and the widest table; new table entries are mirrored on the way.
+        """
         num_seqs = len(scheduled)
         rows = np.empty(num_seqs, dtype=I64)
         starts = np.empty(num_seqs, dtype=I64)
@@ -294,7 +306,9 @@ class PlanBuilder:
         do_sample: np.ndarray,
     ) -> None:
         # one function: each control's arrays, in the order the wire lists them
-        """The request-control arrays of the step's plan; `out` keeps what decoding its result needs."""
+        """The request-control arrays of the step's plan; `out` keeps what decoding its result
+        needs.
+        """
         if self.penalized[rows].any():
             plan.repetition_penalty = self.repetition[rows]
             plan.presence_penalty = self.presence[rows]
@@ -352,8 +366,9 @@ class PlanBuilder:
             plan.mask_rows = np.full(num_seqs, -1, dtype=I32)
             plan.mask_rows[mask_at] = np.cumsum([0] + [1 + len(d) for d in drafted[:-1]], dtype=I32)
             if any(scheduled[i].prev_row >= 0 for i in mask_at):
-                # a row's last token is the one the step in flight samples: its matcher has not seen it yet,
-                # so the masks follow the plan once that step's result is in (runtime/step_loop.py)
+                # a row's last token is the one the step in flight samples: its matcher has not seen
+                # it yet, so the masks follow the plan once that step's result is in
+                # (runtime/step_loop.py)
                 plan.mask_follows = True
                 read.deferred_masks = DeferredMasks(engine, matchers, drafted)
             else:

@@ -1,8 +1,9 @@
-"""What a model folder says about embeddings: sentence-transformers' files (`modules.json`, the pooling
-module's `config.json`, a `Normalize` module, `config_sentence_transformers.json`'s prompts) read into a
-`PoolingSpec`; and the arithmetic the scheduler finishes a pooled vector with (mean over chunks, Matryoshka
-truncation, normalization). A folder without them is a generative model unless `--task embed` says
-otherwise, with `--pooling` choosing how its hidden states pool."""
+"""What a model folder says about embeddings: sentence-transformers' files (`modules.json`, the
+pooling module's `config.json`, a `Normalize` module, `config_sentence_transformers.json`'s prompts)
+read into a `PoolingSpec`; and the arithmetic the scheduler finishes a pooled vector with (mean over
+chunks, Matryoshka truncation, normalization). A folder without them is a generative model unless
+`--task embed` says otherwise, with `--pooling` choosing how its hidden states pool.
+"""
 
 from __future__ import annotations
 
@@ -38,9 +39,11 @@ class PoolingConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PoolingSpec:
-    """How a model's final hidden states become one vector: `pooling` (last token, mean over the prompt, or
-    its first token), then unit length where `normalize`. `prompts`: named instructions put before a text
-    (`config_sentence_transformers.json`), `default_prompt` the one used when a request names none."""
+    """How a model's final hidden states become one vector: `pooling` (last token, mean over the
+    prompt, or its first token), then unit length where `normalize`. `prompts`: named instructions
+    put before a text (`config_sentence_transformers.json`), `default_prompt` the one used when a
+    request names none.
+    """
 
     pooling: str = "last"
     normalize: bool = True
@@ -57,8 +60,10 @@ class PoolingSpec:
 
     @property
     def prefix_cacheable(self) -> bool:
-        """Whether a cached prefix can stand in for computing it: last-token pooling reads only the last
-        token's hidden state, which is never cached; mean and first-token pooling read the prompt's."""
+        """Whether a cached prefix can stand in for computing it: last-token pooling reads only the
+        last token's hidden state, which is never cached; mean and first-token pooling read the
+        prompt's.
+        """
         return self.pooling == "last"
 
     @classmethod
@@ -125,9 +130,11 @@ class PoolingSpec:
 def embedding_vector(
     pooled: np.ndarray, num_tokens: int, spec: PoolingSpec, dimensions: int | None
 ) -> np.ndarray:
-    """The embedding from what the worker pooled: a mean's sum divided by the tokens it summed, the first
-    `dimensions` values kept (Matryoshka truncation), then scaled to unit length where the model normalizes
-    (after truncating: a shortened vector is a unit vector too, as OpenAI's `dimensions` answers). fp32."""
+    """The embedding from what the worker pooled: a mean's sum divided by the tokens it summed, the
+    first `dimensions` values kept (Matryoshka truncation), then scaled to unit length where the
+    model normalizes (after truncating: a shortened vector is a unit vector too, as OpenAI's
+    `dimensions` answers). fp32.
+    """
     v = np.asarray(pooled, dtype=np.float32)
     if spec.pooling == "mean":
         v = v / np.float32(max(num_tokens, 1))
@@ -140,8 +147,10 @@ def embedding_vector(
 
 
 def checkpoint_has_head(folder: str | Path) -> bool:
-    """Whether a folder's safetensors files hold a language-model head (`lm_head.weight`), read from their
-    headers alone; True where the folder holds none (a GGUF's, or random weights: the worker decides)."""
+    """Whether a folder's safetensors files hold a language-model head (`lm_head.weight`), read from
+    their headers alone; True where the folder holds none (a GGUF's, or random weights: the worker
+    decides).
+    """
     files = sorted(Path(folder).glob("*.safetensors"))
     for f in files:
         with open(f, "rb") as fh:
@@ -152,10 +161,12 @@ def checkpoint_has_head(folder: str | Path) -> bool:
 
 
 def take_pooled(out, pooled: np.ndarray | None) -> list:
-    """A step's result for its embedding rows (`out.read.embed_rows`): each pooling row's vector added to its
-    sequence's (a mean's chunks sum; the last or first token's comes once). Returns the sequences whose last
-    chunk this was, their vectors finished (the scheduler then ends them). A sequence preempted since the
-    step was planned is left alone: it pools again from its next admission (its `pooling.sum` starts over)."""
+    """A step's result for its embedding rows (`out.read.embed_rows`): each pooling row's vector
+    added to its sequence's (a mean's chunks sum; the last or first token's comes once). Returns the
+    sequences whose last chunk this was, their vectors finished (the scheduler then ends them). A
+    sequence preempted since the step was planned is left alone: it pools again from its next
+    admission (its `pooling.sum` starts over).
+    """
     done = []
     read = out.read
     at = np.flatnonzero(read.pooling).tolist() if read.pooling is not None else []

@@ -1,7 +1,8 @@
-"""The scheduler's books: live requests, the waiting queue and the running list over the KV manager, and the
-one place each change of a sequence's life happens: it arrives or moves here (`add_request`, `adopt`), gets
-a step's tokens and stops (`update`), forks, is preempted, ends (`finish`). core/scheduler.py adds the policy
-that picks each step."""
+"""The scheduler's books: live requests, the waiting queue and the running list over the KV manager,
+and the one place each change of a sequence's life happens: it arrives or moves here (`add_request`,
+`adopt`), gets a step's tokens and stops (`update`), forks, is preempted, ends (`finish`).
+core/scheduler.py adds the policy that picks each step.
+"""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ class Queues:
         tiers: KvTiers | None = None,
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
-        """tiers: the KV tiers under the pool (host, disk), where the workers hold them; eos_token_ids: the
-        model's, which end a sample unless it ignores them."""
+        """tiers: the KV tiers under the pool (host, disk), where the workers hold them;
+        eos_token_ids: the model's, which end a sample unless it ignores them.
+        """
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -95,9 +97,10 @@ class Queues:
         self.waiting.append(request.seqs[0])
 
     def adopt(self, request: Request) -> None:
-        """Take over a live request from a scheduler whose workers were lost: its unfinished sequences keep
-        their tokens (prompt and generated) and wait at the head of the queue to be recomputed, exactly as
-        after a preemption; samples not yet forked stay pending."""
+        """Take over a live request from a scheduler whose workers were lost: its unfinished
+        sequences keep their tokens (prompt and generated) and wait at the head of the queue to be
+        recomputed, exactly as after a preemption; samples not yet forked stay pending.
+        """
         if request.request_id in self.requests:
             raise DuplicateRequestId(request.request_id)
         self.requests[request.request_id] = request
@@ -120,8 +123,10 @@ class Queues:
         return request
 
     def finish(self, seq: Sequence, reason: FinishReason, drop: int = 0) -> None:
-        """End seq; its blocks go back. `drop`: its last tokens came after the one that ended it (a draft's)
-        and are not its. A stop string found in the last token max_tokens allowed is still a stop."""
+        """End seq; its blocks go back. `drop`: its last tokens came after the one that ended it (a
+        draft's) and are not its. A stop string found in the last token max_tokens allowed is still
+        a stop.
+        """
         if seq.is_finished:
             if reason is FinishReason.STOP and seq.finish_reason is FinishReason.LENGTH:
                 seq.finish(reason)
@@ -150,7 +155,7 @@ class Queues:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    # --- a step's result ---------------------------------------------------------------------------
+    # --- a step's result --------------------------------------------------------------------------
     def update(
         self,
         out: SchedulerOutput,
@@ -159,13 +164,15 @@ class Queues:
         pooled: np.ndarray | None = None,
         failed_loads: set[int] = frozenset(),
     ) -> StepUpdate:
-        # sampled: Python ints, one per scheduled row; accepted: drafted tokens each row accepted (None: the
-        # step drafted nothing); pooled: fp32 [pooling rows, hidden]
-        """Reconcile a step with its result: each row's tokens become known and a sequence that stops there
-        ends (results.py); blocks held only for rejected drafts go back, full blocks go to the prefix
-        cache, waiting samples fork, embeddings take their pooled rows, failed tier loads are settled. A
-        sequence finished since the step was planned gets nothing; one preempted since keeps its tokens
-        (computed from its blocks as they were) but its blocks, given back, are left alone."""
+        # sampled: Python ints, one per scheduled row; accepted: drafted tokens each row accepted
+        # (None: the step drafted nothing); pooled: fp32 [pooling rows, hidden]
+        """Reconcile a step with its result: each row's tokens become known and a sequence that
+        stops there ends (results.py); blocks held only for rejected drafts go back, full blocks go
+        to the prefix cache, waiting samples fork, embeddings take their pooled rows, failed tier
+        loads are settled. A sequence finished since the step was planned gets nothing; one
+        preempted since keeps its tokens (computed from its blocks as they were) but its blocks,
+        given back, are left alone.
+        """
         self.kv.settle_loads(out.step_id, failed_loads)
         result = StepUpdate()
         tokens, running, max_len = result.tokens, SequenceStatus.RUNNING, self.max_model_len
@@ -230,7 +237,9 @@ class Queues:
     def _settle_row(
         self, item: ScheduledSeq, seq: Sequence, end: int, current: bool, reason
     ) -> None:
-        """A row's tokens are in: full blocks to the prefix cache, waiting samples fork, a stop ends it."""
+        """A row's tokens are in: full blocks to the prefix cache, waiting samples fork, a stop ends
+        it.
+        """
         if current and self.caching and end // self.block_size > seq.num_registered_blocks:
             self.kv.register_full_blocks(seq, end)
         if item.do_sample and seq.index == 0 and seq.request.pending_forks:
@@ -239,10 +248,11 @@ class Queues:
             self.finish(seq, reason)
 
     def _fork(self, leader: Sequence, leader_current: bool) -> None:
-        """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token. Those
-        beyond max_num_seqs wait at the head of the queue instead, where admission finds the prompt's full
-        blocks in the prefix cache; so do all of them when the leader lost its blocks (preempted while its
-        first token was in flight)."""
+        """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token.
+        Those beyond max_num_seqs wait at the head of the queue instead, where admission finds the
+        prompt's full blocks in the prefix cache; so do all of them when the leader lost its blocks
+        (preempted while its first token was in flight).
+        """
         request = leader.request
         room = max(0, self.config.max_num_seqs - len(self.running)) if leader_current else 0
         forks, queued = request.pending_forks[:room], request.pending_forks[room:]
@@ -255,7 +265,9 @@ class Queues:
 
     # --- accounting ------------------------------------------------------------------------------
     def pool_stats(self) -> PoolStats:
-        """The pool's books now: blocks by state, queues, prefix-cache lookups, preemptions, tiers."""
+        """The pool's books now: blocks by state, queues,
+        prefix-cache lookups, preemptions, tiers.
+        """
         a = self.kv.allocator
         return PoolStats(
             a.num_blocks,
@@ -278,7 +290,8 @@ class Queues:
         return self.kv.request_blocks(request)
 
     def check_invariants(self) -> None:
-        """The pool's books balance, every table matches its sequence's state (kv_manager.py), and the plan's
-        rows mirror the tables (plan.py)."""
+        """The pool's books balance, every table matches its sequence's state (kv_manager.py), and
+        the plan's rows mirror the tables (plan.py).
+        """
         self.kv.check_invariants(self.running, self.waiting)
         self.planner.check(self.running)

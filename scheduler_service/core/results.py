@@ -1,7 +1,8 @@
-"""A step's result for one row, as plain functions of its sequence: the tokens the row gives (a draft's
-accepted tokens, then the sampled one, cut where a grammar ends) and where the sequence stops: a stop id
-or end-of-sequence, its grammar's end, max_tokens or the context. The scheduler applies them
-(core/queues.py `update`), so a sequence's end is decided in one place."""
+"""A step's result for one row, as plain functions of its sequence: the tokens the row gives (a
+draft's accepted tokens, then the sampled one, cut where a grammar ends) and where the sequence
+stops: a stop id or end-of-sequence, its grammar's end, max_tokens or the context. The scheduler
+applies them (core/queues.py `update`), so a sequence's end is decided in one place.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from scheduler_service.core.sequence import FinishReason, Sequence
 
 
 def row_tokens(seq: Sequence, draft: tuple[int, ...], token: int, accepted: int) -> tuple[int, ...]:
-    """The tokens a sampling row gives seq, in order: its accepted draft, then the sampled token; a grammar
-    takes them up to the one that completes or breaks it (a refused token ends the sample there)."""
+    """The tokens a sampling row gives seq, in order: its accepted draft, then the sampled token; a
+    grammar takes them up to the one that completes or breaks it (a refused token ends the sample
+    there).
+    """
     tokens = (*draft[:accepted], token) if draft else (token,)
     if seq.matcher is None:
         return tokens

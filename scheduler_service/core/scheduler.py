@@ -1,7 +1,9 @@
-"""Continuous batching, the policy over kv_manager.py's memory: each step running decodes first, then running
-prompt chunks, then admissions, within the token budget; when the pool is full, whom to preempt (`_victim`).
-A step is committed when scheduled and reconciled in `update` (core/queues.py) when its result arrives, so
-the next one can be planned meanwhile. The whole walk: docs/ARCHITECTURE.md (routing and scheduling)."""
+"""Continuous batching, the policy over kv_manager.py's memory: each step running decodes first,
+then running prompt chunks, then admissions, within the token budget; when the pool is full, whom to
+preempt (`_victim`). A step is committed when scheduled and reconciled in `update` (core/queues.py)
+when its result arrives, so the next one can be planned meanwhile. The whole walk:
+docs/ARCHITECTURE.md (routing and scheduling).
+"""
 
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ class Scheduler(Queues):
 
     # --- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """One step: the running sequences first (decodes, then prompt chunks), then waiting ones admitted
-        while the token budget, the pool and max_num_seqs allow."""
+        """One step: the running sequences first (decodes, then prompt chunks), then waiting ones
+        admitted while the token budget, the pool and max_num_seqs allow.
+        """
         out = SchedulerOutput(step_id=next(self._step_ids))
         scheduled: set[int] = set()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, scheduled)
@@ -39,7 +42,9 @@ class Scheduler(Queues):
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> int:
         # one function: the order decodes, drafts and prompt chunks are taken in is the policy
-        """Every running decode a token, then prompt chunks from what is left; -> the budget left."""
+        """Every running decode a token, then prompt chunks from what
+        is left; -> the budget left.
+        """
         kv = self.kv
         decodes, prefills, drafting_now = [], [], 0
         for s in self.running:
@@ -51,8 +56,9 @@ class Scheduler(Queues):
             # a draft in flight (its tokens count as computed until its result)
             elif s.request.embed is None:
                 drafting_now += 1
-        # auto drafts only where a step would be small: a few decodes and no prompt to compute (a prompt
-        # chunk fills the step, where each drafted row costs about what a plain step's row does)
+        # auto drafts only where a step would be small: a few decodes and no prompt to compute (a
+        # prompt chunk fills the step, where each drafted row costs about what a plain step's row
+        # does)
         small = (
             len(decodes) <= self.config.speculative_max_rows and not prefills and not self.waiting
         )
@@ -66,7 +72,8 @@ class Scheduler(Queues):
             if seq.pending.count and (
                 self._at_limit(seq) or (drafter is not None and drafter.expects)
             ):
-                continue  # the step in flight samples its last token, or it drafts once that is known
+                # the step in flight samples its last token, or it drafts once that is known
+                continue
             pos = seq.num_computed_tokens
             draft = []
             if drafter is not None and not seq.pending.count:
@@ -78,9 +85,8 @@ class Scheduler(Queues):
                 self._add(out, seq, 1, scheduled)
                 budget -= 1
                 continue
-            self.kv.drop_out_of_window(
-                seq, pos
-            )  # blocks behind the window go back before any is asked for
+            # blocks behind the window go back before any is asked for
+            self.kv.drop_out_of_window(seq, pos)
             if draft:  # a draft takes free blocks only: it never preempts anyone, or it is dropped
                 copies = kv.allocate_slots(seq, 1 + len(draft))
                 if copies is not None:
@@ -91,9 +97,10 @@ class Scheduler(Queues):
             if self._reserve(seq, 1, scheduled, out):
                 self._add(out, seq, 1, scheduled)
                 budget -= 1
-        # Embeddings are paced while any stream decodes (a token or a draft of it may be in flight), and ride
-        # only in steps that decode one token a row: a step of embeddings alone would hold up the stream's
-        # next one, and a verifying step runs its own fast path, which another row would take away.
+        # Embeddings are paced while any stream decodes (a token or a draft of it may be in flight),
+        # and ride only in steps that decode one token a row: a step of embeddings alone would hold
+        # up the stream's next one, and a verifying step runs its own fast path, which another row
+        # would take away.
         out.num_decodes = len(decodes) + drafting_now
         plain = out.scheduled and not any(s.draft for s in out.scheduled)
         cap = self.config.embed_step_tokens or budget
@@ -115,8 +122,9 @@ class Scheduler(Queues):
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> None:
-        """Waiting sequences in arrival order, each on its cached prefix, while budget and pool allow (none
-        in a step that preempted: the pool is short)."""
+        """Waiting sequences in arrival order, each on its cached prefix, while budget and pool
+        allow (none in a step that preempted: the pool is short).
+        """
         kv = self.kv
         at = 0  # the queue's head, or past embeddings while a decoding step has no room for them
         adapters = (
@@ -146,7 +154,8 @@ class Scheduler(Queues):
                 continue
             hits = kv.cached_prefix(seq)
             if kv.tiers is not None and kv.load_from_tiers(seq, hits, out.step_id):
-                at += 1  # its prefix is read back from the tiers first: admitted once that step is done
+                # its prefix is read back from the tiers first: admitted once that step is done
+                at += 1
                 continue
             num_cached = len(hits) * self.block_size
             num_new = seq.num_tokens - num_cached
@@ -173,9 +182,10 @@ class Scheduler(Queues):
                 adapters.add(lora.id)
 
     def _drafter(self, seq: Sequence) -> SequenceDrafter | None:
-        """seq's drafting state, made at its first decode; None for a sequence that asks logprobs (see
-        SamplingOptions.may_draft). A drafted position's penalties count the drafts before it, a grammar's
-        masks follow the draft."""
+        """seq's drafting state, made at its first decode; None for a sequence that asks logprobs
+        (see SamplingOptions.may_draft). A drafted position's penalties count the drafts before it,
+        a grammar's masks follow the draft.
+        """
         if seq.drafter is None:
             if not seq.request.sampling.may_draft:
                 return None
@@ -186,16 +196,18 @@ class Scheduler(Queues):
         return seq.drafter
 
     def _at_limit(self, seq: Sequence) -> bool:
-        """The step in flight samples seq's last allowed token (max_tokens or the context): nothing to plan;
-        its result finishes it."""
+        """The step in flight samples seq's last allowed token (max_tokens or the context): nothing
+        to plan; its result finishes it.
+        """
         return (
             seq.num_planned_tokens - seq.prompt_len >= seq.request.sampling.max_tokens
             or seq.num_planned_tokens >= self.max_model_len
         )
 
     def build_plan(self, out: SchedulerOutput) -> PlanArrays:
-        """The step's plan arrays (scheduler_service/core/plan.py), with the KV tiers' work decided since the
-        last one."""
+        """The step's plan arrays (scheduler_service/core/plan.py), with the KV tiers' work decided
+        since the last one.
+        """
         if out.scheduled:
             plan, out.read = self.planner.build(out)
         else:
@@ -220,9 +232,10 @@ class Scheduler(Queues):
         scheduled: set[int],
         draft: tuple[int, ...] = (),
     ) -> None:
-        """Schedule num_new tokens of seq and commit them: computed from now on, one pending if it samples.
-        With a draft, the tokens are seq's last known one and the draft: all computed until the result says
-        how many stand (update)."""
+        """Schedule num_new tokens of seq and commit them: computed from now on, one pending if it
+        samples. With a draft, the tokens are seq's last known one and the draft: all computed until
+        the result says how many stand (update).
+        """
         start = seq.num_computed_tokens
         self.kv.drop_out_of_window(seq, start)
         known = len(seq.token_ids)
@@ -252,9 +265,11 @@ class Scheduler(Queues):
     def _reserve(
         self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput
     ) -> int:
-        """Room in seq's page table for num_new more tokens, preempting others while the pool is empty. A
-        prompt chunk shrinks to what the free blocks hold before anyone is preempted. Returns the number of
-        tokens reserved: 0 when seq itself was the one preempted, or when everyone else already runs."""
+        """Room in seq's page table for num_new more tokens, preempting others while the pool is
+        empty. A prompt chunk shrinks to what the free blocks hold before anyone is preempted.
+        Returns the number of tokens reserved: 0 when seq itself was the one preempted, or when
+        everyone else already runs.
+        """
         while True:
             copies = self.kv.allocate_slots(seq, num_new)
             if copies is not None:
@@ -278,6 +293,7 @@ class Scheduler(Queues):
         out.block_copies.extend((c.src, c.dst) for c in copies)
 
     def _victim(self, scheduled: set[int]) -> Sequence | None:
-        """Whom to preempt for room: the most recently admitted running sequence not yet in this step (its
-        recompute costs least, and the oldest requests keep going)."""
+        """Whom to preempt for room: the most recently admitted running sequence not yet in this
+        step (its recompute costs least, and the oldest requests keep going).
+        """
         return next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)

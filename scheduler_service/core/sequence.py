@@ -1,9 +1,11 @@
-"""Request and sequence state. A Request is what a client asked for (prompt, sampling parameters); it owns one
-Sequence per sample. A Sequence is what the scheduler moves through its states and what owns KV blocks:
+"""Request and sequence state. A Request is what a client asked for (prompt, sampling parameters);
+it owns one Sequence per sample. A Sequence is what the scheduler moves through its states and what
+owns KV blocks:
 
-    WAITING ──admit──▶ RUNNING ──finish/abort──▶ FINISHED
+WAITING ──admit──▶ RUNNING ──finish/abort──▶ FINISHED
        ▲                  │
-       └────preempt───────┘   (recompute: blocks freed, generated tokens kept)"""
+       └────preempt───────┘   (recompute: blocks freed, generated tokens kept)
+"""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ from scheduler_service.core.pooling import PoolingSpec
 
 
 class Matcher(Protocol):
-    """A sample's grammar state (llguidance's LLMatcher, text/structured.py): it takes tokens in turn."""
+    """A sample's grammar state (llguidance's LLMatcher, text/structured.py): it takes tokens in
+    turn.
+    """
 
     def consume_token(self, token: int) -> bool: ...
 
@@ -33,8 +37,9 @@ class Matcher(Protocol):
 
 
 class Constraint(Protocol):
-    """A request's compiled grammar (text/structured.py Constraint): a matcher for each sample, and the
-    engine that fills their masks."""
+    """A request's compiled grammar (text/structured.py Constraint): a matcher for each sample, and
+    the engine that fills their masks.
+    """
 
     engine: MaskFiller
 
@@ -94,9 +99,10 @@ class SamplingOptions:
 
     @property
     def may_draft(self) -> bool:
-        """Whether drafts can be verified for it: anything but logprobs (a verifying step's logits differ
-        from a one-row step's in their last digits, and so would the logprobs shown). A drafted position's
-        penalties count the drafts before it; a grammar is checked per sequence."""
+        """Whether drafts can be verified for it: anything but logprobs (a verifying step's logits
+        differ from a one-row step's in their last digits, and so would the logprobs shown). A
+        drafted position's penalties count the drafts before it; a grammar is checked per sequence.
+        """
         return self.logprobs is None and self.prompt_logprobs is None
 
     @property
@@ -115,12 +121,15 @@ class EmbedOptions:
 
 @dataclass(slots=True)
 class PendingToken:
-    """A step is committed when it is scheduled: its tokens count as computed at once, and a sampling row
-    adds one *pending* token, whose value the worker knows before the scheduler does (overlap: the next
-    step is planned while this one runs, and refers to the pending token by its row). `Sequence.token_ids`
-    holds known tokens only; what clients see and stop conditions read is always known tokens.
+    """A step is committed when it is scheduled: its tokens count as computed at once, and a
+    sampling row adds one *pending* token, whose value the worker knows before the scheduler does
+    (overlap: the next step is planned while this one runs, and refers to the pending token by its
+    row). `Sequence.token_ids` holds known tokens only; what clients see and stop conditions read is
+    always known tokens.
 
-    Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last one."""
+    Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last
+    one.
+    """
 
     count: int = 0
     step: int = 0
@@ -129,9 +138,10 @@ class PendingToken:
 
 @dataclass(slots=True)
 class PlanRow:
-    """The plan's block-table mirror of a running sequence (core/plan.py): its row, and how many of its
-    block_ids are copied there. The KV manager, which alone changes a page table, marks where it changed
-    (`stale`); the plan copies from there on when it next gathers the row."""
+    """The plan's block-table mirror of a running sequence (core/plan.py): its row, and how many of
+    its block_ids are copied there. The KV manager, which alone changes a page table, marks where it
+    changed (`stale`); the plan copies from there on when it next gathers the row.
+    """
 
     row: int = -1
     blocks: int = 0
@@ -143,16 +153,18 @@ class PlanRow:
 
 @dataclass(slots=True)
 class Pooling:
-    """An embedding's pooled hidden state so far (fp32; the chunks' sum for a mean), started again at each
-    admission, and once its last chunk is in, the finished vector."""
+    """An embedding's pooled hidden state so far (fp32; the chunks' sum for a mean), started again
+    at each admission, and once its last chunk is in, the finished vector.
+    """
 
     sum: np.ndarray | None = None
     vector: np.ndarray | None = None
 
 
 class Sequence:
-    """One sample's tokens and the KV blocks that hold them; a feature's state in its own part (`pending`,
-    `mirror`, `pooling`, `drafter`, `matcher`)."""
+    """One sample's tokens and the KV blocks that hold them; a feature's state in its own part
+    (`pending`, `mirror`, `pooling`, `drafter`, `matcher`).
+    """
 
     def __init__(self, seq_id: int, request: Request, index: int) -> None:
         self.seq_id = seq_id
@@ -173,16 +185,17 @@ class Sequence:
         ] = []  # what those entries held (their blocks may be cached still)
         self._block_hashes: list[bytes] = []  # chained hashes of full blocks, computed on demand
         self.pending = PendingToken()
-        # Bumped whenever the sequence's blocks are given back (preemption, a lost replica): a step result
-        # from an older epoch may still add its token but must not touch the blocks.
+        # Bumped whenever the sequence's blocks are given back (preemption, a lost replica): a step
+        # result from an older epoch may still add its token but must not touch the blocks.
         self.epoch = 0
         self.mirror = PlanRow()
         self.last_token_time: float | None = None  # for the inter-token latency histogram
-        # Structured output: the llguidance matcher that has consumed this sample's generated tokens.
+        # Structured output: the llguidance matcher that has consumed this sample's generated
+        # tokens.
         constraint = request.constraint
         self.matcher: Matcher | None = constraint.new_matcher() if constraint is not None else None
-        # Speculative decoding: its n-grams and draft length (scheduler_service/core/drafting.py), made at its
-        # first decode where it may draft.
+        # Speculative decoding: its n-grams and draft length (scheduler_service/core/drafting.py),
+        # made at its first decode where it may draft.
         self.drafter: SequenceDrafter | None = None
         self.pooling = Pooling()  # an embedding's
 
@@ -223,7 +236,8 @@ class Sequence:
         """Chained hash of full block `index` of this sequence's tokens (prefix caching)."""
         while len(self._block_hashes) <= index:
             i = len(self._block_hashes)
-            # the first block's parent: the adapter's identity (None for the base): none shares across them
+            # the first block's parent: the adapter's identity (None for the base): none shares
+            # across them
             parent = (
                 self._block_hashes[-1]
                 if self._block_hashes
@@ -235,8 +249,9 @@ class Sequence:
         return self._block_hashes[index]
 
     def finish(self, reason: FinishReason) -> None:
-        """The one place a sequence ends (the scheduler calls it once the blocks are back; a request that no
-        replica holds ends its samples here directly)."""
+        """The one place a sequence ends (the scheduler calls it once the blocks are back; a request
+        that no replica holds ends its samples here directly).
+        """
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
 
@@ -247,8 +262,8 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request.request_id}#{self.index}, {self.status.value}, "
-            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, pending={self.pending.count}, "
-            f"blocks={len(self.block_ids)})"
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"pending={self.pending.count}, blocks={len(self.block_ids)})"
         )
 
 
@@ -261,19 +276,21 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
     scheduled_time: float | None = None  # start of the first step that computed it (queue time)
-    # samples 1..n-1 wait here until sample 0 has computed the prompt; then they fork from its blocks
+    # samples 1..n-1 wait here until sample 0 has computed the prompt; then they fork from its
+    # blocks
     pending_forks: list[Sequence] = field(default_factory=list)
     cached_prompt_tokens: int | None = None  # prefix-cache hit of the first admission
     constraint: Constraint | None = None  # text/structured.py makes it
-    # With sampling.prompt_logprobs: entry j (1 <= j < prompt_len) is prompt token j's TokenLogprob once
-    # known.
+    # With sampling.prompt_logprobs: entry j (1 <= j < prompt_len) is prompt token j's TokenLogprob
+    # once known.
     prompt_logprobs: list | None = None
-    # An embedding: the prompt is computed (chunked, batched, prefix-cached) and pooled; nothing is sampled.
+    # An embedding: the prompt is computed (chunked, batched, prefix-cached) and pooled; nothing is
+    # sampled.
     embed: EmbedOptions | None = None
     # A LoRA adapter (core/adapters.py Adapter) the request generates with; None: the base model.
     lora: object | None = None
-    # The token ids that end a sample (its stop ids, and the model's end-of-sequence ids unless ignored):
-    # set by the scheduler that takes the request.
+    # The token ids that end a sample (its stop ids, and the model's end-of-sequence ids unless
+    # ignored): set by the scheduler that takes the request.
     stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:

@@ -1,5 +1,6 @@
-"""The pool's and the KV tiers' figures as the scheduler reports them (GetCacheStats, the gateway's load,
-the metrics): typed records, each field said once, read by name."""
+"""The pool's and the KV tiers' figures as the scheduler reports them (GetCacheStats, the gateway's
+load, the metrics): typed records, each field said once, read by name.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
-    """The KV tiers' figures: each tier's blocks held and capacity, the blocks loaded from it and stored to
-    it so far, the loads that failed, and the seconds the tiers' work took."""
+    """The KV tiers' figures: each tier's blocks held and capacity, the blocks loaded from it and
+    stored to it so far, the loads that failed, and the seconds the tiers' work took.
+    """
 
     host_blocks: int = 0
     host_capacity: int = 0
@@ -43,8 +45,9 @@ TIER_FIELDS = tuple(TierStats().as_fields())  # GetCacheStats' tier fields, in o
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
-    """One scheduler's pool now: blocks by state, its queues, prefix-cache lookups, preemptions and, where
-    its replica has KV tiers, theirs."""
+    """One scheduler's pool now: blocks by state, its queues, prefix-cache lookups, preemptions and,
+    where its replica has KV tiers, theirs.
+    """
 
     num_blocks: int
     num_free_blocks: int

@@ -1,7 +1,6 @@
-"""The engine: routes requests to data-parallel replicas, streams their outputs, reports the pool. It runs in
-the scheduler process beside the gRPC server and owns what spans the replicas' step loops
-(runtime/step_loop.py): the live requests and their streams, routing, abort by request id, and the
-service's accounting."""
+"""The engine: routes requests to data-parallel replicas, streams their outputs, reports the pool.
+It owns what spans the replicas' step loops: live requests and streams, routing, abort, accounting.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from scheduler_service.runtime.groups import (
 )
 from scheduler_service.runtime.kv_events import KvEventPublisher
 from scheduler_service.runtime.metrics import Metrics
-from scheduler_service.runtime.orphans import Orphans
+from scheduler_service.runtime.orphans import Failover, Orphans
 from scheduler_service.runtime.step_loop import StepLoop
 from scheduler_service.runtime.step_results import StepReport, prompt_block_hashes
 from scheduler_service.runtime.worker_client import WorkerClient, WorkerGroup
@@ -57,21 +56,26 @@ class RequestStream:
         self.num_open = len(self.samples)
 
 
-class Engine:
-    """Routing: a new request goes to the serving replica that holds the longest cached prefix of its prompt,
-    unless that replica's load exceeds the least loaded one's by more than `route_slack`; otherwise it
-    goes to the least loaded replica. Load is waiting x 4 + running sequences: a waiting sequence is a
-    whole prefill away from its first token, and its being there means the replica is already full. Ties
-    go to the replica that was sent fewer requests."""
+class Engine(Failover):
+    """Routing: to the replica holding the longest cached prefix, unless its load (waiting x 4 +
+    running) exceeds the least loaded one's by more than `route_slack`."""
 
-    def __init__(self, config: SchedulerConfig, spec: ModelSpec, tokenizer: Tokenizer, client: WorkerClient,
-                 worker_restart_timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        spec: ModelSpec,
+        tokenizer: Tokenizer,
+        client: WorkerClient,
+        worker_restart_timeout: float = 120.0,
+    ) -> None:
         self.config = config
         self.spec = spec
         self.tokenizer = tokenizer
         self.client = client
-        self.replicas = [StepLoop(d, config, client, self, spec.hidden_size, spec.eos_token_ids)
-                         for d in range(len(client.groups))]
+        self.replicas = [
+            StepLoop(d, config, client, self, spec.hidden_size, spec.eos_token_ids)
+            for d in range(len(client.groups))
+        ]
         self.limits: Limits | None = None
         self.streams: dict[str, RequestStream] = {}
         self.metrics = Metrics()
@@ -80,11 +84,9 @@ class Engine:
         self._starting_reason = "workers not connected yet"
         self._monitor: asyncio.Task | None = None
         self._draining = False
-        # Every change of "any replica serving" after start, in order (the gRPC health service follows it).
+        # each change of "any replica serving" after start, in order (gRPC health follows it)
         self.health_changes: asyncio.Queue[bool] = asyncio.Queue()
         self._was_serving = False
-        # Requests whose replica was lost while no other served: resumed when a group (re)joins, failed at
-        # the deadline.
         self.worker_restart_timeout = worker_restart_timeout
         self._orphans = Orphans(worker_restart_timeout)
         self.adapters: AdapterRegistry | None = None  # LoRA adapters by name (core/adapters.py)
@@ -95,31 +97,45 @@ class Engine:
         await self.client.wait_for_workers(worker_timeout)
         groups = self.client.groups
         self._adopt_max_num_seqs(groups)
-        self.limits = Limits(self.spec.vocab_size, context_limit(self.spec, groups[0]),
-                             min(g.num_blocks for g in groups), self.config.block_size,
-                             self.tokenizer.max_token_bytes, self.spec.eos_token_ids,
-                             GrammarEngine(self.tokenizer.to_json(), self.spec.vocab_size,
-                                           self.spec.eos_token_ids),
-                             kv_window=groups[0].handshake.kv_window,
-                             step_tokens=self.config.max_num_batched_tokens,
-                             default_max_tokens=self.config.default_max_tokens)
+        self.limits = Limits(
+            self.spec.vocab_size,
+            context_limit(self.spec, groups[0]),
+            min(g.num_blocks for g in groups),
+            self.config.block_size,
+            self.tokenizer.max_token_bytes,
+            self.spec.eos_token_ids,
+            GrammarEngine(self.tokenizer.to_json(), self.spec.vocab_size, self.spec.eos_token_ids),
+            kv_window=groups[0].handshake.kv_window,
+            step_tokens=self.config.max_num_batched_tokens,
+            default_max_tokens=self.config.default_max_tokens,
+        )
         for replica in self.replicas:
             replica.attach(self.limits.max_context)
         self._was_serving = True
-        self._monitor = asyncio.get_running_loop().create_task(self._watch_workers(), name="worker-monitor")
+        self._monitor = asyncio.get_running_loop().create_task(
+            self._watch_workers(), name="worker-monitor"
+        )
 
     def _adopt_max_num_seqs(self, groups) -> None:
-        """Where --max-num-seqs was left to the workers, take the smallest they proposed (a GPU worker's comes
-        from its KV capacity, and its decode graphs are captured for it)."""
-        adopted = adopted_config(self.config, groups)  # and no more LoRA adapters at once than they keep
+        """Where --max-num-seqs was left to the workers, take the smallest they proposed (a GPU
+        worker's comes from its KV capacity, and its decode graphs are captured for it).
+        """
+        # and no more LoRA adapters at once than they keep
+        adopted = adopted_config(self.config, groups)
         if adopted != self.config:
             self.config = adopted
             for replica in self.replicas:
                 replica.config = self.config
-            log.info("adopted_from_workers", max_num_seqs=adopted.max_num_seqs, max_loras=adopted.max_loras)
+            log.info(
+                "adopted_from_workers",
+                max_num_seqs=adopted.max_num_seqs,
+                max_loras=adopted.max_loras,
+            )
 
     async def _watch_workers(self, interval: float = 0.5) -> None:
-        """Find ranks that went silent while their replica was idle (a step in flight checks its own)."""
+        """Find ranks that went silent while their replica was idle (a step in flight checks its
+        own).
+        """
         while True:
             await asyncio.sleep(interval)
             for d, reason in self.client.find_lost():
@@ -127,16 +143,22 @@ class Engine:
             self._expire_orphans()
 
     async def drain(self, timeout: float) -> bool:
-        """Refuse new requests and wait up to `timeout` for the running ones; the rest end with UNAVAILABLE.
-        True when every request finished on its own."""
+        """Refuse new requests and wait up to `timeout` for the running ones; the rest end with
+        UNAVAILABLE. True when every request finished on its own.
+        """
         self._draining = True
         deadline = time.monotonic() + timeout
         while self.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         left = list(self.streams.values())
         for stream in left:
-            self._fail_request(stream.request, EngineUnavailable(
-                f"the server is shutting down and this request did not finish within its {timeout:g}s drain"))
+            self._fail_request(
+                stream.request,
+                EngineUnavailable(
+                    "the server is shutting down and this request did not finish within its "
+                    f"{timeout:g}s drain"
+                ),
+            )
         await asyncio.sleep(0)  # let the handlers send what they were given
         return not left
 
@@ -149,13 +171,17 @@ class Engine:
             self.abort(rid)
         await self.client.close()
 
-    # --- the worker client's events (runtime/worker_client.py GroupEvents) ------------------------------
+    # --- the worker client's events (runtime/worker_client.py GroupEvents) ------------------------
     def check_group(self, group: WorkerGroup) -> str:
         """Why a complete worker group cannot serve this model, or ""."""
-        return group_problem(group, self.spec, self.config, self.limits) or lora_problem(group, self.adapters)
+        return group_problem(group, self.spec, self.config, self.limits) or lora_problem(
+            group, self.adapters
+        )
 
     def group_ready(self, group: WorkerGroup) -> None:
-        """A replica's group rejoined after start (a restarted worker group); start attaches the first."""
+        """A replica's group rejoined after start (a restarted worker group); start attaches the
+        first.
+        """
         if self.limits is None:
             return
         self.replicas[group.replica].attach(self.limits.max_context)
@@ -196,8 +222,11 @@ class Engine:
         least = min(serving, key=lambda r: (r.load, r.num_routed))
         if len(serving) == 1 or not self.config.enable_prefix_caching:
             return least
-        hashes = prompt_block_hashes(request.prompt_token_ids, self.config.block_size,
-                                     request.lora.hash_root if request.lora is not None else None)
+        hashes = prompt_block_hashes(
+            request.prompt_token_ids,
+            self.config.block_size,
+            request.lora.hash_root if request.lora is not None else None,
+        )
         hits = {r.index: r.cached_blocks(hashes) for r in serving}
         best = max(serving, key=lambda r: (hits[r.index], -r.load))
         if hits[best.index] and best.load <= least.load + self.config.route_slack:
@@ -205,7 +234,9 @@ class Engine:
         return least
 
     async def generate(self, request: Request) -> AsyncIterator[Delta]:
-        """Add a request and yield its deltas until every sample has finished; leaving early aborts it."""
+        """Add a request and yield its deltas until every sample has finished; leaving early aborts
+        it.
+        """
         if self._draining:
             raise Draining()
         waiting = len(self._orphans) + sum(r.num_waiting for r in self.replicas)
@@ -218,14 +249,20 @@ class Engine:
         if self.is_serving:
             replica = self.route(request)
             replica.submit(request, samples)
-        else:  # every group is being replaced: wait for one (at most --worker-restart-timeout), like the
+        # every group is being replaced: wait for one (at most --worker-restart-timeout), like the
+        else:
             replica = None  # requests that were running on it
             self._orphans.add([request], self.unavailable_reason or "no worker")
         stream = RequestStream(request, samples, replica)
         self.streams[request.request_id] = stream
-        log.info("request_added", request_id=request.request_id, prompt_tokens=request.prompt_len,
-                 max_tokens=request.sampling.max_tokens, n=request.sampling.n,
-                 replica=replica.index if replica else None)
+        log.info(
+            "request_added",
+            request_id=request.request_id,
+            prompt_tokens=request.prompt_len,
+            max_tokens=request.sampling.max_tokens,
+            n=request.sampling.n,
+            replica=replica.index if replica else None,
+        )
         finished = False
         try:
             while True:
@@ -258,11 +295,14 @@ class Engine:
         log.info("request_aborted", request_id=request_id, reason=reason)
         return True
 
-    # --- what the replicas report ------------------------------------------------------------------
+    # --- what the replicas report -----------------------------------------------------------------
     def on_step(self, replica: StepLoop, report: StepReport) -> None:
-        """A step applied: its deltas go to their streams (a request failed or aborted meanwhile has none)."""
+        """A step applied: its deltas go to their streams (a request failed or aborted meanwhile has
+        none).
+        """
         started = time.monotonic() - report.seconds
-        for s in report.out.scheduled:  # queue time: arrival to the first step that computes the request
+        # queue time: arrival to the first step that computes the request
+        for s in report.out.scheduled:
             request = s.seq.request
             if request.scheduled_time is None:
                 request.scheduled_time = started
@@ -278,58 +318,12 @@ class Engine:
 
     def on_step_failed(self, replica: StepLoop, out: SchedulerOutput, message: str) -> None:
         for request in {id(s.seq.request): s.seq.request for s in out.scheduled}.values():
-            self._fail_request(request, StepFailed(f"the worker failed a step of this request: {message}"))
+            self._fail_request(
+                request, StepFailed(f"the worker failed a step of this request: {message}")
+            )
 
     def on_unschedulable(self, replica: StepLoop, request: Request, message: str) -> None:
         self._fail_request(request, Unschedulable(message))
-
-    async def group_lost(self, replica: int, reason: str) -> None:
-        """A ready group's rank went silent or exited outside a step: before start its group is dropped,
-        after it the replica goes down (on_lost)."""
-        if self.limits is None:
-            await self.client.drop_group(replica, reason)
-        else:
-            await self.on_lost(self.replicas[replica], reason)
-
-    async def on_lost(self, replica: StepLoop, message: str) -> None:
-        """A rank of the replica is gone (found by its step, the monitor or a replacement's handshake): the
-        replica goes down (its pool and prefix cache are forgotten) and its live requests resume elsewhere:
-        on another serving replica at once, or on this one when its group comes back. Their sequences keep
-        every token already streamed and are recomputed like preempted ones; sampling keyed by (seed, token
-        index) draws the same tokens again, so a client sees a pause, never a repeated or missing token."""
-        if not replica.is_serving:
-            return
-        moved = replica.live_requests()
-        await replica.detach(message)
-        self._report_health()
-        for request in moved:
-            self.streams[request.request_id].replica = None
-        self._orphans.add(moved, message)
-        self._resume_orphans()
-        log.error("workers_lost", replica=replica.index, error=message, requests_to_resume=len(moved),
-                  serving_replicas=sum(r.is_serving for r in self.replicas))
-
-    def _resume_orphans(self) -> None:
-        """Give requests whose replica was lost to serving replicas (oldest at the head of the queues)."""
-        if not self._orphans or not self.is_serving:
-            return
-        for request in reversed(self._orphans.take()):  # adopt() queues at the head: the oldest goes last
-            replica = self._pick(request)
-            stream = self.streams[request.request_id]
-            replica.adopt(request, stream.samples)
-            stream.replica = replica
-            log.info("request_resumed", request_id=request.request_id, replica=replica.index,
-                     tokens=[s.num_output_tokens for s in request.seqs])
-
-    def _expire_orphans(self) -> None:
-        """No replica came back within --worker-restart-timeout: the waiting requests end with UNAVAILABLE."""
-        orphans = self._orphans.expired()
-        if not orphans:
-            return
-        message = self._orphans.expiry_message
-        for request in orphans:
-            self._fail_request(request, EngineUnavailable(message))
-        log.error("requests_expired", count=len(orphans), error=message)
 
     def _emit(self, stream: RequestStream, delta: Delta) -> None:
         request = stream.request
@@ -348,15 +342,19 @@ class Engine:
             )
             self.streams.pop(request.request_id, None)
             self.metrics.on_finish(request, time.monotonic())
-            log.info("request_finished", request_id=request.request_id,
-                     completion_tokens=delta.usage.completion_tokens,
-                     reasons=[s.finish_reason.value for s in request.seqs],
-                     seconds=round(time.monotonic() - request.arrival_time, 3))
+            log.info(
+                "request_finished",
+                request_id=request.request_id,
+                completion_tokens=delta.usage.completion_tokens,
+                reasons=[s.finish_reason.value for s in request.seqs],
+                seconds=round(time.monotonic() - request.arrival_time, 3),
+            )
         stream.queue.put_nowait(delta)
 
     def _fail_request(self, request: Request, error: Exception) -> None:
-        """End a request with an error; matched by identity, so a new request that reuses the id of an
-        aborted one is never failed in its place."""
+        """End a request with an error; matched by identity, so a new request that reuses the id of
+        an aborted one is never failed in its place.
+        """
         stream = self.streams.get(request.request_id)
         if stream is None or stream.request is not request:
             return
@@ -366,13 +364,17 @@ class Engine:
         stream.queue.put_nowait(error)
 
     async def flush_prefix_cache(self, timeout: float) -> tuple[bool, str]:
-        """Forget every cached prefix once no request is live (waiting up to `timeout` seconds for that)."""
+        """Forget every cached prefix once no request is live (waiting up to `timeout` seconds for
+        that).
+        """
         deadline = time.monotonic() + timeout
         while self.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.streams:
-            return False, (f"{len(self.streams)} request(s) still in flight"
-                           + (f" after {timeout:g}s" if timeout else "; give timeout_s to wait for them"))
+            return False, (
+                f"{len(self.streams)} request(s) still in flight"
+                + (f" after {timeout:g}s" if timeout else "; give timeout_s to wait for them")
+            )
         forgotten = 0
         for replica in self.replicas:
             n, events = replica.reset_prefix_cache()
@@ -380,11 +382,6 @@ class Engine:
             self.kv_events.collect(replica.index, events)
         log.info("prefix_cache_flushed", prefixes=forgotten)
         return True, f"forgot {forgotten} cached prefix blocks"
-
-    @property
-    def orphans(self) -> list[Request]:
-        """Live requests whose replica was lost, waiting for one to serve again."""
-        return self._orphans.requests
 
     # --- reporting -------------------------------------------------------------------------------
     def model_info(self) -> dict:

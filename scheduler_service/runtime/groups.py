@@ -1,7 +1,6 @@
-"""Worker groups as the scheduler knows them: each rank (its handshake, heartbeats, pid), each replica's
-group, the errors a group's step ends with, whether a rank's handshake may join, and whether a complete
-group can serve (its vocabulary; a pool that holds one request of the full context, or of a sliding window
-and a step's tokens; after start, no less than the pool the service promised its requests)."""
+"""Worker groups as the scheduler knows them: each rank (handshake, heartbeats, pid), each replica's
+group, a step's errors, whether a handshake may join and whether a complete group can serve.
+"""
 
 from __future__ import annotations
 
@@ -19,23 +18,31 @@ from scheduler_service.text.limits import Limits
 
 
 def workers_max_num_seqs(config: SchedulerConfig, groups: list[WorkerGroup]) -> int | None:
-    """Where --max-num-seqs was left to the workers: the smallest they proposed (a GPU worker's comes from its
-    KV capacity), within a step's tokens; None where it was not, or none proposed one."""
-    proposed = [w.handshake.max_num_seqs for g in groups for w in g.workers.values()
-                if w.handshake.max_num_seqs]
+    """Where --max-num-seqs was left to the workers: the smallest they proposed, within a step's
+    tokens.
+    """
+    proposed = [
+        w.handshake.max_num_seqs
+        for g in groups
+        for w in g.workers.values()
+        if w.handshake.max_num_seqs
+    ]
     if not config.auto_max_num_seqs or not proposed:
         return None
     return min(min(proposed), config.max_num_batched_tokens)
 
 
 def adopted_config(config: SchedulerConfig, groups: list[WorkerGroup]) -> SchedulerConfig:
-    """The config with what the workers decide: --max-num-seqs where it was left to them, and --max-loras
-    within the LoRA adapters every worker keeps (--max-cpu-loras; a request whose adapter would be one more
-    waits)."""
+    """The config with what the workers decide: --max-num-seqs where left to them, --max-loras
+    within their slots.
+    """
     slots = [getattr(w.handshake, "lora_slots", 0) for g in groups for w in g.workers.values()]
     held = min(slots, default=0)
-    return replace(config, max_num_seqs=workers_max_num_seqs(config, groups) or config.max_num_seqs,
-                   max_loras=min(config.max_loras, held) if held else config.max_loras)
+    return replace(
+        config,
+        max_num_seqs=workers_max_num_seqs(config, groups) or config.max_num_seqs,
+        max_loras=min(config.max_loras, held) if held else config.max_loras,
+    )
 
 
 def context_limit(spec: ModelSpec, group: WorkerGroup) -> int:
@@ -43,27 +50,38 @@ def context_limit(spec: ModelSpec, group: WorkerGroup) -> int:
     return min(spec.max_context, group.handshake.max_context)
 
 
-def group_problem(group: WorkerGroup, spec: ModelSpec, config: SchedulerConfig, limits: Limits | None) -> str:
+def group_problem(
+    group: WorkerGroup, spec: ModelSpec, config: SchedulerConfig, limits: Limits | None
+) -> str:
     """Why a complete worker group cannot serve this model, or ""."""
     hs = group.handshake
     if hs.vocab_size != spec.vocab_size:
-        return f"worker vocabulary {hs.vocab_size} differs from the model config's {spec.vocab_size}"
+        return (
+            f"worker vocabulary {hs.vocab_size} differs from the model config's {spec.vocab_size}"
+        )
     max_context = context_limit(spec, group)
     if limits is not None:
         max_context = limits.max_context
         if group.num_blocks < limits.num_blocks:
-            return (f"its pool of {group.num_blocks} blocks is smaller than the {limits.num_blocks} "
-                    "the service promised requests at start")
+            return (
+                f"its pool of {group.num_blocks} blocks is smaller than the {limits.num_blocks} "
+                "the service promised requests at start"
+            )
     pool_tokens = group.num_blocks * config.block_size
     what = f"the full {max_context}-token context"
-    if hs.kv_window and hs.kv_window + config.max_num_batched_tokens + 2 * config.block_size \
-            < max_context:  # a sequence holds its sliding window and a step's tokens at most
+    # a sequence holds its sliding window and a step's tokens at most
+    if (
+        hs.kv_window
+        and hs.kv_window + config.max_num_batched_tokens + 2 * config.block_size < max_context
+    ):
         max_context = hs.kv_window + config.max_num_batched_tokens + 2 * config.block_size
         what = f"a {hs.kv_window}-key sliding window and a step's tokens ({max_context} tokens)"
     if pool_tokens < max_context:
-        return (f"the KV pool ({group.num_blocks} blocks x {config.block_size} = {pool_tokens} "
-                f"tokens) cannot hold one request of {what}: give the workers more KV memory "
-                "(--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len")
+        return (
+            f"the KV pool ({group.num_blocks} blocks x {config.block_size} = {pool_tokens} "
+            f"tokens) cannot hold one request of {what}: give the workers more KV memory "
+            "(--kv-cache-memory / --gpu-memory-utilization / --num-blocks) or lower --max-model-len"
+        )
     return ""
 
 
@@ -75,12 +93,16 @@ def lora_problem(group: WorkerGroup, adapters: AdapterRegistry | None) -> str:
     for w in group.workers.values() if adapters.adapters else ():
         hs = w.handshake
         if hs.lora_slots < 1:
-            return (f"rank {hs.tp_rank} keeps no LoRA adapters (--max-cpu-loras 0) and this service serves "
-                    f"{len(adapters.adapters)}: start the workers with --max-cpu-loras N")
+            return (
+                f"rank {hs.tp_rank} keeps no LoRA adapters (--max-cpu-loras 0) and this service "
+                f"serves {len(adapters.adapters)}: start the workers with --max-cpu-loras N"
+            )
         for a in adapters.adapters.values():
             if a.rank > hs.max_lora_rank:
-                return (f"LoRA adapter {a.name!r} has rank {a.rank}; the workers take up to "
-                        f"{hs.max_lora_rank} (--max-lora-rank)")
+                return (
+                    f"LoRA adapter {a.name!r} has rank {a.rank}; the workers take up to "
+                    f"{hs.max_lora_rank} (--max-lora-rank)"
+                )
     ranks = [w.handshake.max_lora_rank for w in group.workers.values()]
     adapters.max_rank = min(ranks + ([adapters.max_rank] if adapters.max_rank else []))
     return ""
@@ -91,7 +113,9 @@ class WorkerError(RuntimeError):
 
 
 class WorkerLost(RuntimeError):
-    """A rank of the group is gone (no heartbeat, unreachable, or dropped): the replica cannot serve."""
+    """A rank of the group is gone (no heartbeat, unreachable, or dropped): the replica cannot
+    serve.
+    """
 
 
 class InsecureEndpoint(ValueError):
@@ -106,8 +130,8 @@ class WorkerInfo:
     heartbeat_identity: bytes  # hb.<nonce>
     handshake: wire_pb2.Handshake
     last_heartbeat: float = field(default_factory=time.monotonic)
-    # The worker's process id when it runs on this host and this process can see it (a loopback wire and
-    # the same pid namespace): its exit is then seen at once, and a lost one can be fenced.
+    # The worker's process id when it runs on this host and this process can see it (a loopback wire
+    # and the same pid namespace): its exit is then seen at once, and a lost one can be fenced.
     local_pid: int | None = None
 
 
@@ -149,8 +173,9 @@ class WorkerGroup:
         return [self.workers[r].handshake.pid for r in sorted(self.workers)]
 
     def preload(self, adapters: AdapterRegistry | None) -> list[wire_pb2.LoraRef]:
-        """The adapters this group's workers read when accepted, before serving: the latest loaded, as many
-        as every rank keeps."""
+        """The adapters this group's workers read when accepted, before serving: the latest loaded,
+        as many as every rank keeps.
+        """
         if adapters is None or not adapters.adapters:
             return []
         slots = min(w.handshake.lora_slots for w in self.workers.values())
@@ -158,8 +183,9 @@ class WorkerGroup:
         return [wire_pb2.LoraRef(identity=a.identity, path=a.path) for a in latest]
 
     def kv_tiers(self, block_size: int) -> KvTiers | None:
-        """The KV tiers every rank of the group holds (the smallest sizes; on disk, the blocks every rank
-        has its share of), or None where some rank holds none."""
+        """The KV tiers every rank of the group holds (the smallest sizes; on disk, the blocks every
+        rank has its share of), or None where some rank holds none.
+        """
         ranks = [self.workers[r].handshake for r in sorted(self.workers)]
         host = min(hs.host_tier_blocks for hs in ranks)
         disk = min(hs.disk_tier_blocks for hs in ranks)
@@ -168,7 +194,10 @@ class WorkerGroup:
 
         def held(hs: wire_pb2.Handshake) -> list[bytes]:
             blob = hs.disk_tier_hashes if disk else b""
-            return [blob[i:i + HASH_BYTES] for i in range(0, len(blob) - len(blob) % HASH_BYTES, HASH_BYTES)]
+            return [
+                blob[i : i + HASH_BYTES]
+                for i in range(0, len(blob) - len(blob) % HASH_BYTES, HASH_BYTES)
+            ]
 
         others = [set(held(hs)) for hs in ranks[1:]]
         on_disk = [h for h in held(ranks[0]) if all(h in o for o in others)]
@@ -176,8 +205,9 @@ class WorkerGroup:
 
 
 def merged_result(results: dict[int, wire_pb2.StepResult]) -> wire_pb2.StepResult:
-    """Rank 0's result of a step, where a KV-tier load failed if it failed on any rank (each rank loads its
-    own share of a block)."""
+    """Rank 0's result of a step, where a KV-tier load failed if it failed on any rank (each rank
+    loads its own share of a block).
+    """
     first = results[0]
     failed = {r.kv_load_failed for r in results.values()}
     if len(failed) > 1:
@@ -203,10 +233,12 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 SAME_MODEL = ("model_fingerprint", "vocab_size", "block_size", "max_context", "dtype", "kv_window")
 
 
-def handshake_problem(hs: wire_pb2.Handshake, groups: list[WorkerGroup], tp_size: int,
-                      expected: dict[str, object]) -> str:
-    """Why a rank's handshake cannot join (a size or rank out of range, a setting other than the scheduler's,
-    a model other than its peers'), or ""."""
+def handshake_problem(
+    hs: wire_pb2.Handshake, groups: list[WorkerGroup], tp_size: int, expected: dict[str, object]
+) -> str:
+    """Why a rank's handshake cannot join (a size or rank out of range, a setting other than the
+    scheduler's, a model other than its peers'), or "".
+    """
     if hs.tp_size != tp_size:
         return f"tensor-parallel size {hs.tp_size}, the scheduler expects {tp_size}"
     if hs.replica >= len(groups):
@@ -225,6 +257,8 @@ def handshake_problem(hs: wire_pb2.Handshake, groups: list[WorkerGroup], tp_size
             continue  # a candidate replaced by its restart
         for key in SAME_MODEL + (("rendezvous",) if other.replica == hs.replica else ()):
             if getattr(hs, key) != getattr(other.handshake, key):
-                return (f"{key} {getattr(hs, key)!r} differs from replica {other.replica} rank "
-                        f"{other.tp_rank}'s {getattr(other.handshake, key)!r}")
+                return (
+                    f"{key} {getattr(hs, key)!r} differs from replica {other.replica} rank "
+                    f"{other.tp_rank}'s {getattr(other.handshake, key)!r}"
+                )
     return ""

@@ -1,7 +1,7 @@
-"""The prefix cache's changes, as a numbered stream for subscribers (a gateway's cache-aware routing): blocks
-stored (the block's chained hash, its parent's and its token ids), removed (evicted) and cleared (flushed,
-or a fresh pool). A subscriber that reconnects resumes from its last sequence number; one that falls more
-than `max_pending` batches behind is dropped with a reason rather than let the scheduler's memory grow."""
+"""The prefix cache's changes as a numbered stream for subscribers (a gateway's cache-aware
+routing): blocks stored, removed and cleared. A subscriber resumes from its last number; one too far
+behind is dropped with a reason.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ log = structlog.get_logger("scheduler.kv_events")
 
 
 def event_hash(h: bytes) -> int:
-    """Hashes go out as the allocator's own: the first 8 bytes of its blake2b digest as a signed little-
-    endian 64-bit integer, the wire's type."""
+    """Hashes go out as the allocator's own: the first 8 bytes of its blake2b digest as a signed
+    little- endian 64-bit integer, the wire's type.
+    """
     return int.from_bytes(h[:8], "little", signed=True)
 
 
@@ -26,7 +27,8 @@ class KvEventBatch:
     sequence_number: int
     timestamp: float
     replica: int
-    events: list[tuple] = field(default_factory=list)  # the allocator's records, hashes as event_hash ints
+    # the allocator's records, hashes as event_hash ints
+    events: list[tuple] = field(default_factory=list)
 
 
 class SubscriberGone(Exception):
@@ -34,8 +36,9 @@ class SubscriberGone(Exception):
 
 
 class KvEventPublisher:
-    """After each step the engine hands a replica's records to `collect`, which turns them into one batch
-    with the next sequence number, keeps it in a bounded history and puts it on every subscriber's queue."""
+    """After each step `collect` turns a replica's records into one numbered batch, kept in a
+    bounded history and queued for every subscriber.
+    """
 
     def __init__(self, history: int = 4096, max_pending: int = 4096) -> None:
         self._history: deque[KvEventBatch] = deque(maxlen=history)
@@ -50,8 +53,16 @@ class KvEventPublisher:
         events = []
         for r in records:
             if r[0] == "stored":
-                events.append(("stored", event_hash(r[1]), None if r[2] is None else event_hash(r[2]), r[3],
-                               *r[4:]))  # and the LoRA adapter's event id, where the block is one's
+                # and the LoRA adapter's event id, where the block is one's
+                events.append(
+                    (
+                        "stored",
+                        event_hash(r[1]),
+                        None if r[2] is None else event_hash(r[2]),
+                        r[3],
+                        *r[4:],
+                    )
+                )
             elif r[0] == "removed":
                 events.append(("removed", event_hash(r[1])))
             else:
@@ -63,14 +74,17 @@ class KvEventPublisher:
         for queue in list(self._subscribers):
             if queue.qsize() >= self.max_pending:
                 self._subscribers.discard(queue)
-                queue.put_nowait(SubscriberGone(f"the subscriber fell {self.max_pending} batches behind"))
+                queue.put_nowait(
+                    SubscriberGone(f"the subscriber fell {self.max_pending} batches behind")
+                )
                 log.warning("kv_event_subscriber_dropped", pending=queue.qsize())
             else:
                 queue.put_nowait(batch)
 
     def subscribe(self, start_sequence_number: int = 0) -> asyncio.Queue:
-        """A queue of batches: those after start_sequence_number still in the history (0: only new ones),
-        then every new one."""
+        """A queue of batches: those after start_sequence_number still in the history (0: only new
+        ones), then every new one.
+        """
         queue: asyncio.Queue = asyncio.Queue()
         if start_sequence_number:
             for batch in self._history:

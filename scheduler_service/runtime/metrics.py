@@ -1,5 +1,6 @@
-"""Prometheus metrics of the scheduler service (served on --metrics-port: 9090 unless told otherwise, 0
-off)."""
+"""Prometheus metrics of the scheduler service (served on --metrics-port: 9090 unless told
+otherwise, 0 off).
+"""
 
 from __future__ import annotations
 
@@ -11,95 +12,199 @@ from scheduler_service.core.stats import TierStats
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
 
 
-_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
+_TOKEN_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1,
+    2.5,
+    5,
+)
 
-# The port --metrics-port takes when it is not given; -1 binds any free port (reported in --port-file).
+# The port --metrics-port takes when it is not given; -1 binds any free port (reported in
+# --port-file).
 DEFAULT_METRICS_PORT = 9090
 
 
 class Metrics:
-    """Every series a dashboard of an inference server graphs, per data-parallel replica where it is a
-    replica's: running and waiting sequences, KV usage, prefix-cache hits, preemptions, tokens, and the
-    latency histograms (time to first token, time per output token, inter-token latency, queue time, end to
-    end). deploy/grafana/pagedserve.json draws them."""
+    """Every series an inference dashboard graphs, per replica where it is a replica's: sequences,
+    KV usage, prefix hits, preemptions, tokens and latency histograms
+    (deploy/grafana/pagedserve.json).
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         rep = ["replica"]
-        self.requests = Counter("pagedserve_requests",
-                                "Finished requests by finish reason of their first sample",
-                                ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "Prompt tokens of finished requests",
-                                     registry=r)
-        self.cached_prompt_tokens = Counter("pagedserve_prefix_cache_hit_tokens",
-                                            "Prompt tokens of finished requests that came from the prefix "
-                                            "cache",
-                                            registry=r)
-        self.generation_tokens = Counter("pagedserve_generation_tokens", "Generated tokens", rep, registry=r)
-        self.prefill_tokens = Counter("pagedserve_prefill_tokens_computed",
-                                      "Prompt tokens computed (cache misses)", rep, registry=r)
-        self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted by recompute", rep,
-                                   registry=r)
+        self.requests = Counter(
+            "pagedserve_requests",
+            "Finished requests by finish reason of their first sample",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pagedserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            "pagedserve_prefix_cache_hit_tokens",
+            "Prompt tokens of finished requests that came from the prefix cache",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "pagedserve_generation_tokens", "Generated tokens", rep, registry=r
+        )
+        self.prefill_tokens = Counter(
+            "pagedserve_prefill_tokens_computed",
+            "Prompt tokens computed (cache misses)",
+            rep,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "pagedserve_preemptions", "Sequences preempted by recompute", rep, registry=r
+        )
         self.running = Gauge("pagedserve_num_running", "Running sequences", rep, registry=r)
         self.waiting = Gauge("pagedserve_num_waiting", "Waiting sequences", rep, registry=r)
-        self.blocks_free = Gauge("pagedserve_kv_blocks_free",
-                                 "KV blocks no request holds (cached prefixes included)", rep, registry=r)
-        self.blocks_total = Gauge("pagedserve_kv_blocks_total", "KV blocks in the pool", rep, registry=r)
-        self.kv_usage = Gauge("pagedserve_kv_usage_ratio",
-                              "Share of the KV pool's blocks requests hold (0-1)", rep, registry=r)
-        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "Time to first token", registry=r,
-                              buckets=_LATENCY_BUCKETS)
-        self.tpot = Histogram("pagedserve_time_per_output_token_seconds",
-                              "Per request: (last token - first token) / (output tokens - 1)", registry=r,
-                              buckets=_TOKEN_BUCKETS)
-        self.itl = Histogram("pagedserve_inter_token_latency_seconds", "Gap between a sequence's tokens", rep,
-                             registry=r, buckets=_TOKEN_BUCKETS)
-        self.queue = Histogram("pagedserve_queue_time_seconds", "Arrival to the first step that computes it",
-                               rep, registry=r, buckets=_LATENCY_BUCKETS)
-        self.latency = Histogram("pagedserve_request_latency_seconds", "Arrival to last token", registry=r,
-                                 buckets=_LATENCY_BUCKETS)
-        self.draft_rows = Counter("pagedserve_spec_decode_verifications",
-                                  "Sequence-steps that verified a draft (speculative decoding)", rep,
-                                  registry=r)
-        self.draft_tokens = Counter("pagedserve_spec_decode_draft_tokens", "Tokens drafted", rep, registry=r)
-        self.accepted_tokens = Counter("pagedserve_spec_decode_accepted_tokens",
-                                       "Drafted tokens that equalled the model's own", rep, registry=r)
-        self.embeddings = Counter("pagedserve_embeddings", "Embedding vectors finished (Embed inputs)",
-                                  registry=r)
-        self.embedding_tokens = Counter("pagedserve_embedding_tokens", "Prompt tokens of finished embeddings",
-                                        registry=r)
-        # LoRA: each adapter's finished requests and tokens, and how many adapters the last step ran (of
-        # --max-loras)
-        self.lora_requests = Counter("pagedserve_lora_requests", "Finished requests by LoRA adapter",
-                                     ["adapter"], registry=r)
-        self.lora_prompt_tokens = Counter("pagedserve_lora_prompt_tokens", "Prompt tokens of finished "
-                                          "requests by LoRA adapter", ["adapter"], registry=r)
-        self.lora_generation_tokens = Counter("pagedserve_lora_generation_tokens", "Generated tokens of "
-                                              "finished requests by LoRA adapter", ["adapter"], registry=r)
-        self.lora_step_adapters = Gauge("pagedserve_lora_step_adapters", "LoRA adapters the replica's last "
-                                        "step ran", rep, registry=r)
-        self.step = Histogram("pagedserve_step_seconds", "Engine step, plan to result", rep, registry=r,
-                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+        self.blocks_free = Gauge(
+            "pagedserve_kv_blocks_free",
+            "KV blocks no request holds (cached prefixes included)",
+            rep,
+            registry=r,
+        )
+        self.blocks_total = Gauge(
+            "pagedserve_kv_blocks_total", "KV blocks in the pool", rep, registry=r
+        )
+        self.kv_usage = Gauge(
+            "pagedserve_kv_usage_ratio",
+            "Share of the KV pool's blocks requests hold (0-1)",
+            rep,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pagedserve_time_to_first_token_seconds",
+            "Time to first token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "pagedserve_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (output tokens - 1)",
+            registry=r,
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.itl = Histogram(
+            "pagedserve_inter_token_latency_seconds",
+            "Gap between a sequence's tokens",
+            rep,
+            registry=r,
+            buckets=_TOKEN_BUCKETS,
+        )
+        self.queue = Histogram(
+            "pagedserve_queue_time_seconds",
+            "Arrival to the first step that computes it",
+            rep,
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.latency = Histogram(
+            "pagedserve_request_latency_seconds",
+            "Arrival to last token",
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.draft_rows = Counter(
+            "pagedserve_spec_decode_verifications",
+            "Sequence-steps that verified a draft (speculative decoding)",
+            rep,
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            "pagedserve_spec_decode_draft_tokens", "Tokens drafted", rep, registry=r
+        )
+        self.accepted_tokens = Counter(
+            "pagedserve_spec_decode_accepted_tokens",
+            "Drafted tokens that equalled the model's own",
+            rep,
+            registry=r,
+        )
+        self.embeddings = Counter(
+            "pagedserve_embeddings", "Embedding vectors finished (Embed inputs)", registry=r
+        )
+        self.embedding_tokens = Counter(
+            "pagedserve_embedding_tokens", "Prompt tokens of finished embeddings", registry=r
+        )
+        # LoRA: each adapter's finished requests and tokens, and how many adapters the last step ran
+        # (of --max-loras)
+        self.lora_requests = Counter(
+            "pagedserve_lora_requests", "Finished requests by LoRA adapter", ["adapter"], registry=r
+        )
+        self.lora_prompt_tokens = Counter(
+            "pagedserve_lora_prompt_tokens",
+            "Prompt tokens of finished requests by LoRA adapter",
+            ["adapter"],
+            registry=r,
+        )
+        self.lora_generation_tokens = Counter(
+            "pagedserve_lora_generation_tokens",
+            "Generated tokens of finished requests by LoRA adapter",
+            ["adapter"],
+            registry=r,
+        )
+        self.lora_step_adapters = Gauge(
+            "pagedserve_lora_step_adapters",
+            "LoRA adapters the replica's last step ran",
+            rep,
+            registry=r,
+        )
+        self.step = Histogram(
+            "pagedserve_step_seconds",
+            "Engine step, plan to result",
+            rep,
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10),
+        )
         self._add_tier_series(r)
 
     def _add_tier_series(self, r: CollectorRegistry) -> None:
         """The KV tiers' series, by replica and tier (host, disk)."""
         rep = ["replica"]
         tier = ["replica", "tier"]
-        self.tier_blocks = Gauge("pagedserve_kv_tier_blocks", "KV blocks a tier under the pool holds", tier,
-                                 registry=r)
-        self.tier_capacity = Gauge("pagedserve_kv_tier_capacity_blocks", "KV blocks a tier holds at most",
-                                   tier, registry=r)
-        self.tier_loaded = Counter("pagedserve_kv_tier_loaded_blocks", "KV blocks read back into the pool",
-                                   tier, registry=r)
-        self.tier_stored = Counter("pagedserve_kv_tier_stored_blocks", "KV blocks written down to a tier",
-                                   tier, registry=r)
-        self.tier_failures = Counter("pagedserve_kv_tier_load_failures",
-                                     "KV-tier loads that failed their check (computed instead)", rep,
-                                     registry=r)
-        self.tier_seconds = Counter("pagedserve_kv_tier_seconds", "Workers' seconds storing and loading tier "
-                                    "blocks", rep, registry=r)
+        self.tier_blocks = Gauge(
+            "pagedserve_kv_tier_blocks", "KV blocks a tier under the pool holds", tier, registry=r
+        )
+        self.tier_capacity = Gauge(
+            "pagedserve_kv_tier_capacity_blocks", "KV blocks a tier holds at most", tier, registry=r
+        )
+        self.tier_loaded = Counter(
+            "pagedserve_kv_tier_loaded_blocks",
+            "KV blocks read back into the pool",
+            tier,
+            registry=r,
+        )
+        self.tier_stored = Counter(
+            "pagedserve_kv_tier_stored_blocks", "KV blocks written down to a tier", tier, registry=r
+        )
+        self.tier_failures = Counter(
+            "pagedserve_kv_tier_load_failures",
+            "KV-tier loads that failed their check (computed instead)",
+            rep,
+            registry=r,
+        )
+        self.tier_seconds = Counter(
+            "pagedserve_kv_tier_seconds",
+            "Workers' seconds storing and loading tier blocks",
+            rep,
+            registry=r,
+        )
         # each replica's last figures (its counters move by differences)
         self._tiers_seen: dict[str, TierStats] = {}
 
@@ -109,7 +214,9 @@ class Metrics:
         return server.server_port
 
     def on_step(self, replica: int, report, total_blocks: int) -> None:
-        """One step's report (runtime/step_results.py StepReport) of a replica whose pool has total_blocks."""
+        """One step's report (runtime/step_results.py StepReport) of a replica whose pool has
+        total_blocks.
+        """
         label, u, out = str(replica), report.update, report.out
         self.step.labels(label).observe(report.seconds)
         self.generation_tokens.labels(label).inc(len(u.tokens))
@@ -126,14 +233,17 @@ class Metrics:
             self.accepted_tokens.labels(label).inc(u.num_accepted)
         used = total_blocks - u.num_free_blocks
         self.kv_usage.labels(label).set(used / total_blocks if total_blocks else 0.0)
-        adapters = {item.seq.request.lora.id for item in out.scheduled if item.seq.request.lora is not None}
+        adapters = {
+            item.seq.request.lora.id for item in out.scheduled if item.seq.request.lora is not None
+        }
         self.lora_step_adapters.labels(label).set(len(adapters))
         if u.kv_tiers is not None:
             self._on_tiers(label, u.kv_tiers)
 
     def _on_tiers(self, label: str, now: TierStats) -> None:
-        """The KV tiers' figures after a step: gauges set, counters moved by what changed since the last
-        (from zero again when a replica's workers were replaced)."""
+        """The KV tiers' figures after a step: gauges set, counters moved by what changed since the
+        last (from zero again when a replica's workers were replaced).
+        """
         last = self._tiers_seen.get(label, TierStats())
         self._tiers_seen[label] = now
 
@@ -165,7 +275,9 @@ class Metrics:
             name = request.lora.name
             self.lora_requests.labels(name).inc()
             self.lora_prompt_tokens.labels(name).inc(request.prompt_len)
-            self.lora_generation_tokens.labels(name).inc(sum(s.num_output_tokens for s in request.seqs))
+            self.lora_generation_tokens.labels(name).inc(
+                sum(s.num_output_tokens for s in request.seqs)
+            )
         if request.embed is not None and reason is not None and reason.value == "stop":
             self.embeddings.inc()
             self.embedding_tokens.inc(request.prompt_len)

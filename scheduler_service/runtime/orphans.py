@@ -1,11 +1,21 @@
-"""Requests whose replica was lost while no other served: they wait (at most --worker-restart-timeout) for a
-group to join, then resume where they were, or end with UNAVAILABLE."""
+"""A lost replica's requests: they resume on another serving replica at once, or wait (at most
+--worker-restart-timeout) for a group to join, then resume where they were or end with UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+import structlog
 
 from scheduler_service.core.sequence import Request
+from scheduler_service.runtime.errors import EngineUnavailable
+
+if TYPE_CHECKING:
+    from scheduler_service.runtime.step_loop import StepLoop
+
+log = structlog.get_logger("scheduler.engine")
 
 
 class Orphans:
@@ -41,3 +51,75 @@ class Orphans:
     @property
     def expiry_message(self) -> str:
         return f"no worker came back within {self.timeout:g}s after: {self.reason}"
+
+
+class Failover:
+    "The engine's side of a lost replica (a base of Engine): its requests moved or kept waiting."
+
+    async def group_lost(self, replica: int, reason: str) -> None:
+        """A ready group's rank went silent or exited outside a step: before start its group is
+        dropped, after it the replica goes down (on_lost).
+        """
+        if self.limits is None:
+            await self.client.drop_group(replica, reason)
+        else:
+            await self.on_lost(self.replicas[replica], reason)
+
+    async def on_lost(self, replica: StepLoop, message: str) -> None:
+        """A rank of the replica is gone: the replica goes down and its live requests resume
+        elsewhere (or here when the group returns), recomputed like preempted ones. Sampling keyed
+        by (seed, token index) draws the same tokens, so a client sees a pause, never a repeated or
+        missing token.
+        """
+        if not replica.is_serving:
+            return
+        moved = replica.live_requests()
+        await replica.detach(message)
+        self._report_health()
+        for request in moved:
+            self.streams[request.request_id].replica = None
+        self._orphans.add(moved, message)
+        self._resume_orphans()
+        log.error(
+            "workers_lost",
+            replica=replica.index,
+            error=message,
+            requests_to_resume=len(moved),
+            serving_replicas=sum(r.is_serving for r in self.replicas),
+        )
+
+    def _resume_orphans(self) -> None:
+        """Give requests whose replica was lost to serving replicas (oldest at the head of the
+        queues).
+        """
+        if not self._orphans or not self.is_serving:
+            return
+        # adopt() queues at the head: the oldest goes last
+        for request in reversed(self._orphans.take()):
+            replica = self._pick(request)
+            stream = self.streams[request.request_id]
+            replica.adopt(request, stream.samples)
+            stream.replica = replica
+            log.info(
+                "request_resumed",
+                request_id=request.request_id,
+                replica=replica.index,
+                tokens=[s.num_output_tokens for s in request.seqs],
+            )
+
+    def _expire_orphans(self) -> None:
+        """No replica came back within --worker-restart-timeout: the waiting requests end with
+        UNAVAILABLE.
+        """
+        orphans = self._orphans.expired()
+        if not orphans:
+            return
+        message = self._orphans.expiry_message
+        for request in orphans:
+            self._fail_request(request, EngineUnavailable(message))
+        log.error("requests_expired", count=len(orphans), error=message)
+
+    @property
+    def orphans(self) -> list[Request]:
+        """Live requests whose replica was lost, waiting for one to serve again."""
+        return self._orphans.requests

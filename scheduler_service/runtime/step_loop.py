@@ -1,57 +1,40 @@
-"""The step loop of one data-parallel replica: a worker group and the scheduler that owns its pool (allocator,
-page tables, prefix cache). Replicas step concurrently in one event loop, so a replica whose workers are
-slow never holds up another's. Nothing outside this module reaches the scheduler."""
+"""The step loop of one data-parallel replica: a worker group and the scheduler that owns its pool.
+Replicas step concurrently in one event loop, so slow workers never hold up another replica.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import structlog
 
-from protos.codec import (
-    CodecError,
-    decode_accepted,
-    decode_load_failed,
-    decode_pooled,
-    decode_result,
-    encode_mask,
-    encode_plan,
-)
-from scheduler_service.core.batch import SchedulerOutput, StepUpdate
+from protos.codec import CodecError, encode_mask, encode_plan
+from protos.result_codec import decode_accepted, decode_load_failed, decode_pooled, decode_result
+from scheduler_service.core.batch import SchedulerOutput
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
-from scheduler_service.core.sequence import FinishReason, Request
+from scheduler_service.core.sequence import Request
 from scheduler_service.core.stats import PoolStats
-from scheduler_service.runtime.step_results import StepProfile, StepReport, read_logprobs
+from scheduler_service.runtime.step_results import (
+    Flight,
+    StepProfile,
+    StepReport,
+    apply_text,
+    read_logprobs,
+)
 from scheduler_service.runtime.worker_client import (
     WorkerClient,
     WorkerError,
     WorkerGroup,
     WorkerLost,
 )
-from scheduler_service.text.output import Delta, SampleOutput, TokenLogprob
+from scheduler_service.text.output import SampleOutput
 
 log = structlog.get_logger("scheduler.replica")
-
-
-@dataclass
-class _Flight:
-    """A step sent to the workers whose result has not been applied yet."""
-
-    out: SchedulerOutput
-    t0: float  # scheduling began
-    t1: float  # plan building began
-    t2: float  # sent
-    limit: float  # seconds the workers have for it once they start it
-    task: asyncio.Task | None = field(default=None, repr=False)
-    # Set once its plan is on the socket; its structured-output masks, when they follow the plan, go after.
-    sent: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    masks_sent: bool = False
 
 
 class StepSink(Protocol):
@@ -72,15 +55,21 @@ WAITING_WEIGHT = 4
 
 
 class StepLoop:
-    """Each turn: schedule a step, build its plan, send it; with overlap on (the default), schedule and send
-    the next step before awaiting this one's result (`_steps`); apply each result in order (`_land`): the
-    scheduler's `update` (which ends the sequences that stop), then each new token through its sample's text
-    (stop strings end sequences here), then one `StepReport` to the sink (the engine, which streams the
-    deltas). A failed step fails only its requests; a lost rank takes the replica down (the engine decides
-    what happens to its requests) until a new group joins."""
+    """Each turn: schedule, plan, send (with overlap, the next step is sent before this one's result
+    is awaited); then apply each result in order: the scheduler's `update`, each token through its
+    text, one `StepReport` to the sink. A failed step fails only its requests; a lost rank takes the
+    replica down.
+    """
 
-    def __init__(self, index: int, config: SchedulerConfig, client: WorkerClient, sink: StepSink,
-                 hidden_size: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        index: int,
+        config: SchedulerConfig,
+        client: WorkerClient,
+        sink: StepSink,
+        hidden_size: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
         """hidden_size: the length of what a pooling row gives back; eos_token_ids: the model's."""
         self.index = index
         self.eos_token_ids = eos_token_ids
@@ -89,7 +78,8 @@ class StepLoop:
         self.sink = sink
         self.hidden_size = hidden_size
         self._sched: Scheduler | None = None
-        self._samples: dict[int, SampleOutput] = {}  # by sequence id: each live sample's text and stops
+        # by sequence id: each live sample's text and stops
+        self._samples: dict[int, SampleOutput] = {}
         self.down_reason: str | None = "workers not connected yet"
         self.profile = StepProfile()
         self.num_routed = 0
@@ -125,10 +115,12 @@ class StepLoop:
         return self._sched.num_blocks if self._sched else 0
 
     def cached_blocks(self, hashes: list[bytes]) -> int:
-        """Leading blocks of a prompt this replica's prefix cache holds (read-only: no LRU touch)."""
+        """Leading blocks of a prompt this replica's prefix cache
+        holds (read-only: no LRU touch).
+        """
         return self._sched.kv.cached_blocks(hashes) if self._sched else 0
 
-    # --- requests ----------------------------------------------------------------------------------
+    # --- requests ---------------------------------------------------------------------------------
     def submit(self, request: Request, samples: list[SampleOutput]) -> None:
         """A new request (its sequences made), and the text side of each of its samples."""
         self._sched.add_request(request)
@@ -137,7 +129,9 @@ class StepLoop:
         self.wake()
 
     def adopt(self, request: Request, samples: list[SampleOutput]) -> None:
-        """A live request from a replica whose workers were lost: recomputed here, its samples going on."""
+        """A live request from a replica whose workers were lost: recomputed here, its samples going
+        on.
+        """
         self._sched.adopt(request)
         self._samples.update((o.seq.seq_id, o) for o in samples if not o.seq.is_finished)
         self.wake()
@@ -152,10 +146,16 @@ class StepLoop:
 
     def live_requests(self) -> list[Request]:
         """Every live request, oldest first."""
-        return sorted(self._sched.requests.values(), key=lambda r: r.arrival_time) if self._sched else []
+        return (
+            sorted(self._sched.requests.values(), key=lambda r: r.arrival_time)
+            if self._sched
+            else []
+        )
 
     def reset_prefix_cache(self) -> tuple[int, list[tuple]]:
-        """Forget every cached prefix: how many blocks, and the prefix cache's events that says so."""
+        """Forget every cached prefix: how many blocks, and the prefix
+        cache's events that says so.
+        """
         if self._sched is None:
             return 0, []
         self.wake()  # the tiers' deletes go in the next step, even on an idle replica
@@ -164,22 +164,35 @@ class StepLoop:
     # --- lifecycle -------------------------------------------------------------------------------
     def attach(self, max_model_len: int) -> None:
         """A group was accepted: start serving with a fresh scheduler sized to its pool."""
-        self.serve(Scheduler(self.config, self.group.num_blocks, max_model_len,
-                             kv_window=self.group.handshake.kv_window,
-                             tiers=self.group.kv_tiers(self.config.block_size),
-                             eos_token_ids=self.eos_token_ids))
-        log.info("replica_serving", replica=self.index, num_blocks=self.group.num_blocks,
-                 pids=self.group.pids)
+        self.serve(
+            Scheduler(
+                self.config,
+                self.group.num_blocks,
+                max_model_len,
+                kv_window=self.group.handshake.kv_window,
+                tiers=self.group.kv_tiers(self.config.block_size),
+                eos_token_ids=self.eos_token_ids,
+            )
+        )
+        log.info(
+            "replica_serving",
+            replica=self.index,
+            num_blocks=self.group.num_blocks,
+            pids=self.group.pids,
+        )
 
     def serve(self, sched: Scheduler) -> None:
         """Start stepping `sched`, whose pool is the group's."""
         self._sched = sched
-        # KV-event subscribers learn that this replica's cache starts empty (published after its first step).
+        # KV-event subscribers learn that this replica's cache starts empty (published after its
+        # first step).
         sched.kv.record_kv_events()
         self._samples = {}
         self.down_reason = None
         self.profile = StepProfile()
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"replica-{self.index}")
+        self._task = asyncio.get_running_loop().create_task(
+            self._loop(), name=f"replica-{self.index}"
+        )
 
     async def detach(self, reason: str) -> None:
         """Stop serving: end the step loop, drop the group (survivors are told to exit), forget the
@@ -197,7 +210,8 @@ class StepLoop:
         log.info("step_profile", replica=self.index, **self.profile.as_dict(), final=True)
         if self._task:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)  # (cancelled, or failed: it is done)
+            # (cancelled, or failed: it is done)
+            await asyncio.gather(self._task, return_exceptions=True)
 
     def wake(self) -> None:
         self._wake.set()
@@ -213,12 +227,12 @@ class StepLoop:
             await self.sink.on_lost(self, f"replica {self.index} loop error: {e!r}")
 
     async def _steps(self) -> None:
-        """Schedule, plan and send a step; with overlap on, plan and send the next one before awaiting this
-        one's result, so the workers find the next plan queued when they finish (the scheduler's own time
-        is hidden behind theirs). At most two steps are in flight."""
+        """Schedule, plan and send a step; with overlap, the next one too before awaiting this one,
+        so the scheduler's time hides behind the workers'. At most two steps are in flight.
+        """
         sched = self._sched
         depth = 2 if self.config.overlap else 1
-        inflight: deque[_Flight] = deque()
+        inflight: deque[Flight] = deque()
         last_profile_log = time.monotonic()
         try:
             while True:
@@ -227,16 +241,24 @@ class StepLoop:
                     t0 = time.perf_counter()
                     out = sched.schedule()
                     for seq in out.preempted:
-                        log.info("preempted", request_id=seq.request.request_id, index=seq.index,
-                                 tokens=seq.num_tokens, replica=self.index)
+                        log.info(
+                            "preempted",
+                            request_id=seq.request.request_id,
+                            index=seq.index,
+                            tokens=seq.num_tokens,
+                            replica=self.index,
+                        )
                     if not out.is_empty:
                         t1 = time.perf_counter()
                         plan = encode_plan(sched.build_plan(out))
                         t2 = time.perf_counter()
                         behind = inflight[-1].limit if inflight else 0.0
-                        flight = _Flight(out, t0, t1, t2, self.client.step_limit(plan) + behind)
+                        flight = Flight(out, t0, t1, t2, self.client.step_limit(plan) + behind)
                         flight.task = asyncio.get_running_loop().create_task(
-                            self.client.execute(self.index, plan, queued_behind=behind, sent=flight.sent))
+                            self.client.execute(
+                                self.index, plan, queued_behind=behind, sent=flight.sent
+                            )
+                        )
                         inflight.append(flight)
                         launched = True
                     elif not inflight:
@@ -250,17 +272,23 @@ class StepLoop:
                     continue  # room for one more in flight: plan it before waiting
                 if not await self._land(sched, inflight.popleft()):
                     return
-                for flight in inflight:  # its masks waited for the step just applied (failed or not)
+                # its masks waited for the step just applied (failed or not)
+                for flight in inflight:
                     await self._send_masks(flight)
                 if time.monotonic() - last_profile_log > self.config.step_profile_interval:
                     last_profile_log = time.monotonic()
-                    log.info("step_profile", replica=self.index, **self.profile.as_dict(),
-                             running=len(sched.running), waiting=len(sched.waiting))
+                    log.info(
+                        "step_profile",
+                        replica=self.index,
+                        **self.profile.as_dict(),
+                        running=len(sched.running),
+                        waiting=len(sched.waiting),
+                    )
         finally:
             for flight in inflight:
                 flight.task.cancel()
 
-    async def _land(self, sched: Scheduler, flight: _Flight) -> bool:
+    async def _land(self, sched: Scheduler, flight: Flight) -> bool:
         """Await a step's result and apply it; False when the replica is lost."""
         t_wait = time.perf_counter()
         out = flight.out
@@ -271,23 +299,30 @@ class StepLoop:
             accepted = accepted.tolist() if accepted is not None else None
             logprobs = read_logprobs(out, result)
             read = out.read
-            pooled = (decode_pooled(result, int(np.count_nonzero(read.pooling)), self.hidden_size)
-                      if read.pooling is not None else None)
-            failed = decode_load_failed(result, len(read.kv_ops.loads) if read.kv_ops is not None else 0)
+            pooled = (
+                decode_pooled(result, int(np.count_nonzero(read.pooling)), self.hidden_size)
+                if read.pooling is not None
+                else None
+            )
+            failed = decode_load_failed(
+                result, len(read.kv_ops.loads) if read.kv_ops is not None else 0
+            )
         except WorkerLost as e:
             await self.sink.on_lost(self, str(e))
             return False
         except (WorkerError, CodecError) as e:
-            # Its requests fail; a step planned behind it that needs its tokens is refused by the worker,
-            # and fails its own requests in turn.
+            # Its requests fail; a step planned behind it that needs its tokens is refused by the
+            # worker, and fails its own requests in turn.
             log.error("step_failed", replica=self.index, step_id=out.step_id, error=str(e))
             sched.kv.settle_loads(out.step_id, None)
             self.sink.on_step_failed(self, out, str(e))
             return True
         t3 = time.perf_counter()
         update = sched.update(out, tokens, accepted, pooled, failed)
-        sched.observe(out, result.time_prepare + result.time_forward + result.time_sample, result.time_kv)
-        deltas, gaps = self._text(sched, update, logprobs)
+        sched.observe(
+            out, result.time_prepare + result.time_forward + result.time_sample, result.time_kv
+        )
+        deltas, gaps = apply_text(self._samples, sched, update, logprobs)
         self.sink.on_step(self, StepReport(out, update, deltas, gaps, t3 - flight.t2))
         t4 = time.perf_counter()
         self.num_generated_tokens += len(update.tokens)
@@ -296,65 +331,15 @@ class StepLoop:
         self.num_draft_rows += update.num_draft_rows
         self.num_drafted_tokens += update.num_drafted
         self.num_accepted_tokens += update.num_accepted
-        p = self.profile
-        p.steps += 1
-        p.tokens += out.num_tokens
-        p.prefill_tokens += out.num_prefill_tokens
-        p.schedule += flight.t1 - flight.t0
-        p.draft += out.draft_seconds
-        p.build_plan += flight.t2 - flight.t1
-        p.round_trip += t3 - flight.t2
-        p.wait += t3 - t_wait
-        p.worker_prepare += result.time_prepare
-        p.worker_forward += result.time_forward
-        p.worker_sample += result.time_sample
-        p.process_output += t4 - t3
+        self.profile.add(flight, result, t_wait, t3, t4)
         if self.config.debug_invariants:
             sched.check_invariants()
         return True
 
-    def _text(self, sched: Scheduler, update: StepUpdate,
-              logprobs: dict[int, TokenLogprob] | None) -> tuple[list[tuple[Request, Delta]], list[float]]:
-        """Each new token through its sample's text: the scheduler ended some sequences already (their last
-        token's delta says why); a stop string ends one here, its tokens after the stop (an accepted
-        draft's) dropped. An embedding's one delta carries its vector. Returns the deltas in order and the
-        gaps between a sequence's tokens."""
-        now = time.monotonic()
-        deltas, gaps, ended = [], [], []
-        tokens = update.tokens
-        for i, (seq, token) in enumerate(tokens):
-            sample = self._samples.get(seq.seq_id)
-            if sample is None or sample.finished:  # (finished: by a stop string among this step's tokens)
-                continue
-            if seq.request.first_token_time is None:
-                seq.request.first_token_time = now
-            if seq.last_token_time is not None:
-                gaps.append(now - seq.last_token_time)
-            seq.last_token_time = now
-            lp = logprobs.get(seq.seq_id) if logprobs else None
-            if lp is not None:
-                lp.token_id = token
-            delta, reason = sample.add_token(token, lp)
-            if reason is not None:
-                if reason is not seq.finish_reason:  # a stop string: the text ends it
-                    sched.finish(seq, reason, drop=sum(1 for s, _ in tokens[i + 1:] if s is seq))
-                ended.append(seq)
-            deltas.append((seq.request, delta))
-        for seq in update.embedded:
-            sample = self._samples.get(seq.seq_id)
-            if sample is not None:
-                delta = sample.last_delta(FinishReason.STOP)
-                delta.embedding = seq.pooling.vector
-                deltas.append((seq.request, delta))
-                ended.append(seq)
-        for seq in ended:
-            self._samples.pop(seq.seq_id, None)
-        return deltas, gaps
-
-    async def _send_masks(self, flight: _Flight) -> None:
-        """Compute the masks of a step sent with mask_follows from its matchers as they are now and send them,
-        after its plan and before any later plan. Called once the step before it is applied; if that step
-        failed, its requests were ended and whatever this step draws for them is dropped."""
+    async def _send_masks(self, flight: Flight) -> None:
+        """Compute and send the masks of a step sent with mask_follows, once the step before it is
+        applied.
+        """
         masks = flight.out.read.deferred_masks
         if masks is None or flight.masks_sent:
             return
@@ -366,33 +351,49 @@ class StepLoop:
         await self.client.send_mask(self.index, mask)
 
     async def _no_progress(self, sched: Scheduler) -> None:
-        """Nothing runs and the head of the queue cannot be admitted: it can never be, so it gets an error
-        rather than a retry forever (validated sizes make this a last line of defence)."""
+        """Nothing runs and the queue's head can never be admitted: it gets an error rather than a
+        retry forever.
+        """
         free = sched.pool_stats().num_available_blocks
-        log.error("no_progress", replica=self.index, waiting=len(sched.waiting),
-                  running=len(sched.running), free_blocks=free)
+        log.error(
+            "no_progress",
+            replica=self.index,
+            waiting=len(sched.waiting),
+            running=len(sched.running),
+            free_blocks=free,
+        )
         if not sched.running and sched.waiting:
             head = sched.waiting[0]
-            self.sink.on_unschedulable(self, head.request, (
-                f"the request cannot be scheduled: its next step needs more than the "
-                f"{free} free KV blocks of an otherwise idle pool"))
+            self.sink.on_unschedulable(
+                self,
+                head.request,
+                (
+                    f"the request cannot be scheduled: its next step needs more than the "
+                    f"{free} free KV blocks of an otherwise idle pool"
+                ),
+            )
         else:
             await asyncio.sleep(0.05)
 
-    # --- reporting -------------------------------------------------------------------------------
     def pool_stats(self) -> PoolStats | None:
-        """The scheduler's books now (core/scheduler.py pool_stats); None while the replica is down."""
+        """The scheduler's books now; None while the replica is down."""
         return self._sched.pool_stats() if self._sched else None
 
     def request_rows(self) -> list[dict]:
-        """Each live request's blocks, bytes and computed tokens (GetCacheStats' per-request rows)."""
+        """Each live request's blocks, bytes and computed tokens (GetCacheStats' rows)."""
         if self._sched is None:
             return []
         bpb = self.group.bytes_per_block
         rows = []
         for rid, req in self._sched.requests.items():
             blocks = self._sched.request_blocks(req)
-            rows.append({"request_id": rid, "num_blocks": blocks, "replica": self.index,
-                         "num_bytes": blocks * bpb,
-                         "num_tokens": sum(s.num_computed_tokens for s in req.seqs)})
+            rows.append(
+                {
+                    "request_id": rid,
+                    "num_blocks": blocks,
+                    "replica": self.index,
+                    "num_bytes": blocks * bpb,
+                    "num_tokens": sum(s.num_computed_tokens for s in req.seqs),
+                }
+            )
         return rows

@@ -1,10 +1,7 @@
-"""The scheduler's side of the ZeroMQ wire: one ROUTER socket every worker rank of every replica connects to.
-
-A replica's group (tp_size ranks) is accepted once every rank's handshake agrees with the scheduler and the
-others (runtime/groups.py); from then on a message counts only from the ZeroMQ identity that completed the
-handshake. A step's plan goes to every rank of the group, every rank answers, rank 0's answer is the result;
-a rank silent past heartbeat_timeout is lost and its group dropped. Loopback only unless CurveZMQ keys are
-given (a worker on the wire can read prompts and write any client's output).
+"""The scheduler's side of the ZeroMQ wire: one ROUTER every worker rank connects to. A group is
+accepted once every rank's handshake agrees (runtime/groups.py), and then only that identity counts.
+A plan goes to every rank, rank 0's answer is the result; a rank silent past heartbeat_timeout is
+lost. Loopback only unless CurveZMQ keys are given.
 """
 
 from __future__ import annotations
@@ -27,16 +24,13 @@ from scheduler_service.runtime.groups import (
     WorkerGroup,
     WorkerInfo,
     WorkerLost,
-    handshake_problem,
     is_loopback_endpoint,
     merged_result,
     worker_process_state,
 )
+from scheduler_service.runtime.handshakes import Handshakes
 
 log = structlog.get_logger("scheduler.worker_client")
-
-# A rank silent this long is taken for dead when a new process offers itself for the same rank.
-REJOIN_SILENCE_S = 1.5
 
 # Largest frame accepted from a worker: results and handshakes are small.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -46,9 +40,9 @@ if TYPE_CHECKING:
 
 
 class GroupEvents(Protocol):
-    """What a WorkerClient asks and tells its owner (the engine) about worker groups: why a complete group
-    cannot serve ("" where it can), that one was accepted, that a ready group's rank is gone outside a step
-    (the owner takes the replica down: drop_group). An accepted group loads `adapters` first."""
+    """What a WorkerClient asks and tells its owner about groups: why one cannot serve, that one was
+    accepted, that a ready rank is gone outside a step. An accepted group loads `adapters` first.
+    """
 
     adapters: AdapterRegistry | None
 
@@ -59,20 +53,30 @@ class GroupEvents(Protocol):
     async def group_lost(self, replica: int, reason: str) -> None: ...
 
 
-class WorkerClient:
-    def __init__(self, endpoint: str, num_replicas: int = 1, tp_size: int = 1, heartbeat_timeout: float = 10,
-                 expected: dict[str, object] | None = None, curve_keys: str | None = None,
-                 insecure_wire: bool = False, step_timeout: float = 60.0,
-                 step_timeout_per_token: float = 0.05) -> None:
-        """expected: handshake fields the scheduler's own settings fix (block_size, max_num_batched_tokens).
-        A step of T tokens must finish within step_timeout + T x step_timeout_per_token seconds, however
-        alive its ranks' heartbeats say they are (a hung kernel or collective beats on)."""
+class WorkerClient(Handshakes):
+    def __init__(
+        self,
+        endpoint: str,
+        num_replicas: int = 1,
+        tp_size: int = 1,
+        heartbeat_timeout: float = 10,
+        expected: dict[str, object] | None = None,
+        curve_keys: str | None = None,
+        insecure_wire: bool = False,
+        step_timeout: float = 60.0,
+        step_timeout_per_token: float = 0.05,
+    ) -> None:
+        """expected: handshake fields the scheduler's settings fix. A step of T tokens must finish
+        within step_timeout + T x step_timeout_per_token, whatever the heartbeats say (a hung kernel
+        still beats).
+        """
         self.endpoint, self.tp_size, self.heartbeat_timeout = endpoint, tp_size, heartbeat_timeout
         self.step_timeout, self.step_timeout_per_token = step_timeout, step_timeout_per_token
         self.expected = dict(expected or {})
         self.curve_keys, self.insecure_wire = curve_keys, insecure_wire
         self.groups = [WorkerGroup(d, tp_size) for d in range(num_replicas)]
-        self.events: GroupEvents | None = None  # without an owner: any group is accepted, a lost one dropped
+        # without an owner: any group is accepted, a lost one dropped
+        self.events: GroupEvents | None = None
         self._by_identity: dict[bytes, WorkerInfo] = {}
         self._by_heartbeat: dict[bytes, WorkerInfo] = {}
         self._refusals: list[str] = []
@@ -81,7 +85,9 @@ class WorkerClient:
         self._auth = None
         self._sock: zmq.asyncio.Socket | None = None
         self._recv_task: asyncio.Task | None = None
-        self._pending: dict[tuple[int, int], tuple[asyncio.Future, dict[int, wire_pb2.StepResult]]] = {}
+        self._pending: dict[
+            tuple[int, int], tuple[asyncio.Future, dict[int, wire_pb2.StepResult]]
+        ] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------
     def attach(self, events: GroupEvents) -> None:
@@ -94,16 +100,21 @@ class WorkerClient:
             if not self.curve_keys and not self.insecure_wire:
                 raise InsecureEndpoint(
                     f"the worker endpoint {self.endpoint} is not on loopback: give CurveZMQ keys "
-                    "(--curve-keys, made by `pagedserve keys`) or accept an unauthenticated wire with "
-                    "--insecure-wire")
+                    "(--curve-keys, made by `pagedserve keys`) or accept an unauthenticated wire "
+                    "with --insecure-wire"
+                )
             if not self.curve_keys:
-                log.warning("insecure_wire", endpoint=self.endpoint,
-                            detail="any host that reaches this port can act as a worker")
+                log.warning(
+                    "insecure_wire",
+                    endpoint=self.endpoint,
+                    detail="any host that reaches this port can act as a worker",
+                )
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # ZMTP heartbeats: a dead peer host is disconnected
+        # ZMTP heartbeats: a dead peer host is disconnected
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         if self.curve_keys:
             from zmq.auth.asyncio import AsyncioAuthenticator
@@ -128,19 +139,27 @@ class WorkerClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 ready = sum(len(g.workers) for g in self.groups if g.is_ready)
-                raise TimeoutError(f"{ready} of {len(self.groups) * self.tp_size} worker ranks joined within "
-                                   f"{timeout}s")
+                raise TimeoutError(
+                    f"{ready} of {len(self.groups) * self.tp_size} worker ranks joined within "
+                    f"{timeout}s"
+                )
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except asyncio.TimeoutError:
                 pass
-        log.info("workers_ready", replicas=len(self.groups), tp_size=self.tp_size,
-                 num_blocks=[g.num_blocks for g in self.groups])
+        log.info(
+            "workers_ready",
+            replicas=len(self.groups),
+            tp_size=self.tp_size,
+            num_blocks=[g.num_blocks for g in self.groups],
+        )
 
     async def close(self) -> None:
         for info in list(self._by_identity.values()):
-            await self._send_quietly(info.identity, shutdown=wire_pb2.Shutdown(reason="scheduler stopping"))
+            await self._send_quietly(
+                info.identity, shutdown=wire_pb2.Shutdown(reason="scheduler stopping")
+            )
         if self._recv_task:
             self._recv_task.cancel()
         if self._auth is not None:
@@ -153,84 +172,19 @@ class WorkerClient:
     def num_workers(self) -> int:
         return sum(len(g.workers) for g in self.groups if g.is_ready)
 
-    # --- handshakes ------------------------------------------------------------------------------
-    def _refuse_reason(self, hs: wire_pb2.Handshake) -> str:
-        return handshake_problem(hs, self.groups, self.tp_size, self.expected)
-
-    async def _on_handshake(self, identity: bytes, hs: wire_pb2.Handshake) -> None:
-        if not identity.startswith(b"w."):
-            log.warning("handshake_dropped", reason="not a worker identity")
-            return
-        group = self.groups[hs.replica] if hs.replica < len(self.groups) else None
-        if group is not None and group.is_ready and hs.tp_rank in group.workers:
-            old = group.workers[hs.tp_rank]
-            silent = time.monotonic() - old.last_heartbeat
-            if silent < REJOIN_SILENCE_S:
-                await self._refuse(identity, hs, f"replica {hs.replica} rank {hs.tp_rank} is held by a live "
-                                   f"worker (pid {old.handshake.pid})", retry=True)
-                return
-            # a new process for the rank of a silent one: the old one is gone, and so is its group
-            await self.lost(hs.replica, f"worker rank {hs.tp_rank} of replica {hs.replica} (pid "
-                                        f"{old.handshake.pid}) was replaced by pid {hs.pid}")
-        reason = self._refuse_reason(hs)
-        if reason:
-            await self._refuse(identity, hs, reason)
-            return
-        group = self.groups[hs.replica]
-        old = group.workers.get(hs.tp_rank)
-        if old is not None:  # a candidate restarted before its group formed
-            self._forget(old)
-        info = WorkerInfo(hs.replica, hs.tp_rank, identity, b"hb." + identity[2:], hs)
-        if is_loopback_endpoint(self.endpoint) and worker_process_state(hs.pid) == "alive":
-            info.local_pid = hs.pid
-        group.workers[hs.tp_rank] = info
-        self._by_identity[identity] = info
-        self._by_heartbeat[info.heartbeat_identity] = info
-        log.info("worker_handshake", replica=hs.replica, tp_rank=hs.tp_rank, pid=hs.pid,
-                 num_blocks=hs.num_blocks)
-        if len(group.workers) < self.tp_size:
-            return
-        group.num_blocks = min(w.handshake.num_blocks for w in group.workers.values())
-        reason = self.events.check_group(group) if self.events is not None else ""
-        if reason:
-            for w in list(group.workers.values()):
-                self._forget(w)
-                await self._refuse(w.identity, w.handshake, reason)
-            group.workers.clear()
-            return
-        group.is_ready = True
-        loras = group.preload(self.events.adapters if self.events is not None else None)
-        for w in group.workers.values():
-            w.last_heartbeat = time.monotonic()
-            await self._send_quietly(w.identity,
-                                     handshake_ack=wire_pb2.HandshakeAck(
-                                         accepted=True, num_blocks=group.num_blocks, loras=loras))
-        log.info("group_ready", replica=group.replica, num_blocks=group.num_blocks, pids=group.pids)
-        self._changed.set()
-        if self.events is not None:
-            self.events.group_ready(group)
-
-    async def _refuse(self, identity: bytes, hs: wire_pb2.Handshake, reason: str,
-                      retry: bool = False) -> None:
-        log.error("worker_refused", replica=hs.replica, tp_rank=hs.tp_rank, pid=hs.pid, reason=reason,
-                  retry=retry)
-        if not retry:
-            self._refusals.append(f"replica {hs.replica} rank {hs.tp_rank}: {reason}")
-            self._changed.set()
-        await self._send_quietly(identity,
-                                 handshake_ack=wire_pb2.HandshakeAck(
-                                     accepted=False, reason=reason, retry=retry))
-
     async def lost(self, replica: int, reason: str) -> None:
-        """A rank of a ready group is gone: the engine takes the replica down (it calls drop_group)."""
+        """A rank of a ready group is gone: the engine takes
+        the replica down (it calls drop_group).
+        """
         if self.events is not None:
             await self.events.group_lost(replica, reason)
         else:
             await self.drop_group(replica, reason)
 
     def find_lost(self) -> list[tuple[int, str]]:
-        """Ready groups with a rank silent past the heartbeat timeout, with the reason (checked when idle
-        too)."""
+        """Ready groups with a rank silent past the heartbeat timeout, with the reason (checked when
+        idle too).
+        """
         lost = []
         for group in self.groups:
             try:
@@ -245,9 +199,9 @@ class WorkerClient:
         self._by_heartbeat.pop(info.heartbeat_identity, None)
 
     async def drop_group(self, replica: int, reason: str) -> None:
-        """Forget a lost group; its ranks still alive are told to shut down (their supervisor restarts
-        them, and the new group shakes hands again). Ranks on this host are fenced: killed, so a stalled
-        one can never come back and write into a pool the scheduler has given to others."""
+        """Forget a lost group; its live ranks are told to shut down, and those on this host are
+        killed, so a stalled one never writes into a pool given to others.
+        """
         group = self.groups[replica]
         for w in list(group.workers.values()):
             self._forget(w)
@@ -268,12 +222,17 @@ class WorkerClient:
         """Seconds a group has for a step once it starts it."""
         return self.step_timeout + self.step_timeout_per_token * plan.num_tokens
 
-    async def execute(self, replica: int, plan: wire_pb2.StepPlan, queued_behind: float = 0.0,
-                      sent: asyncio.Event | None = None) -> wire_pb2.StepResult:
-        """Send a plan to every rank of a replica and wait for all answers; raises WorkerError / WorkerLost.
-        queued_behind: the deadline of a step sent before this one that the group runs first (overlap).
-        sent: set once the plan's frames are handed to the socket (or the send failed): a StepMask for the
-        plan (`send_mask`) must wait for it, so every rank reads the plan first."""
+    async def execute(
+        self,
+        replica: int,
+        plan: wire_pb2.StepPlan,
+        queued_behind: float = 0.0,
+        sent: asyncio.Event | None = None,
+    ) -> wire_pb2.StepResult:
+        """Send a plan to every rank and wait for all answers; raises WorkerError / WorkerLost.
+        queued_behind: the deadline of a step the group runs first. `sent` is set once the frames
+        are handed over, so a StepMask always follows its plan.
+        """
         group = self.groups[replica]
         if not group.is_ready:
             raise WorkerLost(f"replica {replica} has no workers connected")
@@ -290,8 +249,9 @@ class WorkerClient:
                     try:
                         await self._sock.send_multipart([w.identity, frame])
                     except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer's connection is gone
-                        raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} is unreachable: "
-                                         f"{e}") from e
+                        raise WorkerLost(
+                            f"worker rank {w.tp_rank} of replica {replica} is unreachable: {e}"
+                        ) from e
             finally:
                 if sent is not None:
                     sent.set()
@@ -301,8 +261,10 @@ class WorkerClient:
                     break
                 self.check_alive(replica)
                 if time.monotonic() > deadline:
-                    raise WorkerLost(f"replica {replica} did not finish step {plan.step_id} "
-                                     f"({plan.num_tokens} tokens) within its {limit:.1f}s deadline")
+                    raise WorkerLost(
+                        f"replica {replica} did not finish step {plan.step_id} "
+                        f"({plan.num_tokens} tokens) within its {limit:.1f}s deadline"
+                    )
             results = future.result()
         finally:
             self._pending.pop(key, None)
@@ -311,12 +273,15 @@ class WorkerClient:
                 raise WorkerError(f"worker rank {rank} of replica {replica}: {results[rank].error}")
         for rank, r in results.items():
             if r.sampled_token_ids != results[0].sampled_token_ids:
-                raise WorkerError(f"replica {replica}: rank {rank} sampled other tokens than rank 0")
+                raise WorkerError(
+                    f"replica {replica}: rank {rank} sampled other tokens than rank 0"
+                )
         return merged_result(results)
 
     async def send_mask(self, replica: int, mask: wire_pb2.StepMask) -> None:
-        """The masks of a plan sent with mask_follows, to every rank of its replica (sent after the plan:
-        the caller waits for its `sent`). A rank that cannot be reached fails its step's own wait."""
+        """A mask_follows plan's masks to every rank, after the plan (`sent`); an unreachable rank
+        fails its step.
+        """
         group = self.groups[replica]
         frame = wire_pb2.WireMessage(version=WIRE_VERSION, mask=mask).SerializeToString()
         for w in list(group.workers.values()):
@@ -332,10 +297,14 @@ class WorkerClient:
         now = time.monotonic()
         for w in group.workers.values():
             if w.local_pid is not None and worker_process_state(w.local_pid) != "alive":
-                raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} (pid {w.local_pid}) exited")
+                raise WorkerLost(
+                    f"worker rank {w.tp_rank} of replica {replica} (pid {w.local_pid}) exited"
+                )
             if now - w.last_heartbeat > self.heartbeat_timeout:
-                raise WorkerLost(f"worker rank {w.tp_rank} of replica {replica} (pid {w.handshake.pid}) sent "
-                                 f"no heartbeat for {now - w.last_heartbeat:.1f}s")
+                raise WorkerLost(
+                    f"worker rank {w.tp_rank} of replica {replica} (pid {w.handshake.pid}) sent "
+                    f"no heartbeat for {now - w.last_heartbeat:.1f}s"
+                )
 
     # --- socket ----------------------------------------------------------------------------------
     async def _send_quietly(self, identity: bytes, **body) -> None:
@@ -373,15 +342,19 @@ class WorkerClient:
             info = self._by_heartbeat.get(identity)
             if info is not None:
                 info.last_heartbeat = time.monotonic()
-            # Echo every beat, accepted or not: a worker waiting for its group's ack must not give up.
+            # Echo every beat, accepted or not: a worker waiting for its group's ack must not give
+            # up.
             await self._send_quietly(identity, heartbeat=msg.heartbeat)
         elif kind == "handshake":
             await self._on_handshake(identity, msg.handshake)
         elif kind == "result":
             info = self._by_identity.get(identity)
             if info is None:
-                log.warning("result_dropped", reason="not from an accepted worker",
-                            step_id=msg.result.step_id)
+                log.warning(
+                    "result_dropped",
+                    reason="not from an accepted worker",
+                    step_id=msg.result.step_id,
+                )
                 return
             self._on_result(info, msg.result)
 

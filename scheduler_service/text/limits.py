@@ -1,4 +1,6 @@
-"""What a request must fit: the model's context and vocabulary, the whole KV pool, the grammar engine."""
+"""What a request must fit: the model's context and vocabulary, the whole KV pool, the grammar
+engine.
+"""
 
 from __future__ import annotations
 
@@ -32,9 +34,11 @@ class Limits:
         )
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # every layer slides over kv_window keys: a sequence holds at most its window and a step's tokens
+        # every layer slides over kv_window keys: a sequence holds at most its window and a step's
+        # tokens
         self.kv_window, self.step_tokens = kv_window, step_tokens
-        # A text prompt longer than this cannot fit the context whatever it says: refused before tokenizing.
+        # A text prompt longer than this cannot fit the context whatever it says: refused before
+        # tokenizing.
         self.max_prompt_bytes = max_context * max_token_bytes if max_token_bytes else None
 
     def sample_blocks(self, tokens: int, penalized: bool) -> int:

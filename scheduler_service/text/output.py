@@ -1,8 +1,8 @@
-"""Per-sample output: incremental text, stop strings, stream deltas. A sample's other ends (a stop id or
-end-of-sequence, max_tokens or the context, its grammar's) are the scheduler's (core/results.py): its last
-token's delta carries that reason. A stop string ends the sample here, the text cut before it (or after,
-with include_stop_str_in_output); text that might begin one is held back while the sample runs. Before
-min_tokens tokens, no stop string applies.
+"""Per-sample output: incremental text, stop strings, stream deltas. A sample's other ends (a stop
+id or end-of-sequence, max_tokens or the context, its grammar's) are the scheduler's
+(core/results.py): its last token's delta carries that reason. A stop string ends the sample here,
+the text cut before it (or after, with include_stop_str_in_output); text that might begin one is
+held back while the sample runs. Before min_tokens tokens, no stop string applies.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ class Usage:
 class TokenLogprob:
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(
-        default_factory=list
-    )  # (token id, logprob), most likely first
+    # (token id, logprob), most likely first
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class Delta:
-    """One stream message: a sample's new tokens and text; finish_reason on its last, usage on the request's
-    last."""
+    """One stream message: a sample's new tokens and text; finish_reason on its last, usage on the
+    request's last.
+    """
 
     index: int
     token_ids: list[int] = field(default_factory=list)
@@ -45,8 +45,8 @@ class Delta:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # on the request's first delta, when it asked
-    # On a STOP sample's last delta: the stop string (str) or stop token id (int) that ended it; None for an
-    # end-of-sequence token.
+    # On a STOP sample's last delta: the stop string (str) or stop token id (int) that ended it;
+    # None for an end-of-sequence token.
     stop_reason: str | int | None = None
     embedding: np.ndarray | None = None  # an embedding request's one delta: its vector (float32)
 
@@ -72,8 +72,9 @@ class SampleOutput:
     def add_token(
         self, token: int, logprob: TokenLogprob | None = None
     ) -> tuple[Delta, FinishReason | None]:
-        """Take one new token (and its logprob, when the request asked); return the stream delta and the
-        reason the sample ends with it: the scheduler's, on its last token, or a stop string's."""
+        """Take one new token (and its logprob, when the request asked); return the stream delta and
+        the reason the sample ends with it: the scheduler's, on its last token, or a stop string's.
+        """
         piece = self._detok.add(token)
         self.text += piece
         self._seen += 1
@@ -116,10 +117,11 @@ class SampleOutput:
 
 
 class DeltaQueue:
-    """A request's stream: deltas (or the exception that ends it) put by the step loop, awaited by the
-    request's handler, on one event loop. A deque and at most one waiting future: at a thousand live
-    streams asyncio.Queue's bookkeeping (task counts, an event, size checks) cost as much as the rest of a
-    token's output path."""
+    """A request's stream: deltas (or the exception that ends it) put by the step loop, awaited by
+    the request's handler, on one event loop. A deque and at most one waiting future: at a thousand
+    live streams asyncio.Queue's bookkeeping (task counts, an event, size checks) cost as much as
+    the rest of a token's output path.
+    """
 
     __slots__ = ("_items", "_waiter")
 

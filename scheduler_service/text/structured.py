@@ -1,7 +1,9 @@
-"""Structured output: JSON Schema, regular expression or Lark grammar, enforced with llguidance token masks.
-The matchers live in the scheduler, beside the tokens they follow, so a restarted worker or a preempted
-sequence keeps its state; the workers only apply the bitmask each plan carries. A sample ends with STOP when
-its matcher is complete, with LENGTH at max_tokens otherwise (its text then incomplete)."""
+"""Structured output: JSON Schema, regular expression or Lark grammar, enforced with llguidance
+token masks. The matchers live in the scheduler, beside the tokens they follow, so a restarted
+worker or a preempted sequence keeps its state; the workers only apply the bitmask each plan
+carries. A sample ends with STOP when its matcher is complete, with LENGTH at max_tokens otherwise
+(its text then incomplete).
+"""
 
 from __future__ import annotations
 
@@ -21,18 +23,20 @@ class GrammarError(ValueError):
 
 
 class GrammarEngine:
-    """The scheduler already owns every sequence's tokens and the plan, and llguidance is a Rust library with
-    no torch in it. Each step, the masks of every constrained row that samples are computed in one
-    parallel call (llguidance's executor, threads outside the GIL) and travel as a bitmask, in the plan or
-    right after it (protos/wire.proto); the worker sets every masked-out logit to -inf.
+    """The scheduler already owns every sequence's tokens and the plan, and llguidance is a Rust
+    library with no torch in it. Each step, the masks of every constrained row that samples are
+    computed in one parallel call (llguidance's executor, threads outside the GIL) and travel as a
+    bitmask, in the plan or right after it (protos/wire.proto); the worker sets every masked-out
+    logit to -inf.
 
-    With overlap, the next step is planned before the step in flight has sampled a constrained row's last
-    token, on which its mask depends: that plan goes out with `mask_follows`, and once the step in flight
-    is applied the step loop computes the masks and sends them in a StepMask while the workers run the
-    forward; they wait for it only before sampling. An end-of-sequence token is allowed only where the
-    structure is complete.
+    With overlap, the next step is planned before the step in flight has sampled a constrained
+    row's last token, on which its mask depends: that plan goes out with `mask_follows`, and once
+    the step in flight is applied the step loop computes the masks and sends them in a StepMask
+    while the workers run the forward; they wait for it only before sampling. An end-of-sequence
+    token is allowed only where the structure is complete.
 
-    Compiles requests' constraints and computes token masks for one tokenizer and vocabulary."""
+    Compiles requests' constraints and computes token masks for one tokenizer and vocabulary.
+    """
 
     def __init__(
         self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]
@@ -58,7 +62,9 @@ class GrammarEngine:
             return self._tok
 
     def compile(self, json_schema: str = "", regex: str = "", grammar: str = "") -> str:
-        """The llguidance grammar of the one constraint given; GrammarError with the engine's message."""
+        """The llguidance grammar of the one constraint given; GrammarError with the engine's
+        message.
+        """
         if json_schema:
             try:
                 schema = json.loads(json_schema)
@@ -67,8 +73,9 @@ class GrammarEngine:
             if not isinstance(schema, dict | bool):
                 raise GrammarError("json_schema must be a JSON object (or true/false)")
             try:
-                # JSON as json.dumps writes it (", " and ": ", no other whitespace) unless the schema's own
-                # x-guidance says otherwise: free whitespace lets a model spend its tokens on blank space
+                # JSON as json.dumps writes it (", " and ": ", no other whitespace) unless the
+                # schema's own x-guidance says otherwise: free whitespace lets a model spend its
+                # tokens on blank space
                 compiled = llguidance.LLMatcher.grammar_from_json_schema(
                     json.dumps(schema), defaults={"whitespace_flexible": False}
                 )
@@ -93,8 +100,10 @@ class GrammarEngine:
     def fill_masks(
         self, matchers: list[llguidance.LLMatcher], drafts: list[tuple[int, ...]] | None = None
     ) -> np.ndarray:
-        """int32 [masks, words]: the next-token bitmask of each matcher, computed in parallel; with drafts
-        (speculative decoding), one more after each of its drafted tokens, its matcher left as it was."""
+        """int32 [masks, words]: the next-token bitmask of each matcher, computed in parallel; with
+        drafts (speculative decoding), one more after each of its drafted tokens, its matcher left
+        as it was.
+        """
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         if drafts is None or not any(drafts):
@@ -106,9 +115,8 @@ class GrammarEngine:
         starts = np.cumsum([0] + [1 + len(d) for d in drafts])
         masks = np.zeros((int(starts[-1]), self.words), dtype=np.int32)
         at = list(zip(matchers, starts.tolist(), drafts, strict=False))
-        plain = [
-            (m, i) for m, i, d in at if not d
-        ]  # (llguidance refuses an empty draft, and an empty list)
+        # (llguidance refuses an empty draft, and an empty list)
+        plain = [(m, i) for m, i, d in at if not d]
         if plain:
             fill_next_token_bitmask_par(self._executor, plain, masks)
         drafting = [(m, i, list(d)) for m, i, d in at if d]

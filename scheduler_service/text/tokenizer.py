@@ -1,4 +1,5 @@
-"""Tokenizer, chat template and incremental detokenizer for the scheduler (no torch, no transformers).
+"""Tokenizer, chat template and incremental detokenizer for the scheduler (no torch, no
+transformers).
 
 Reads tokenizer.json with `tokenizers` and the chat template (tokenizer_config.json or
 chat_template.jinja) with jinja2, the way transformers renders it.
@@ -20,9 +21,8 @@ from tokenizers.decoders import DecodeStream
 class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
-        self.hf = HFTokenizer.from_file(
-            str(folder / "tokenizer.json")
-        )  # the tokenizers library's own
+        # the tokenizers library's own
+        self.hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         template = cfg.get("chat_template")
@@ -38,7 +38,8 @@ class Tokenizer:
         self._max_token_bytes: int | None = None
         self._token_bytes: list[bytes] | None | bool = False  # False: not looked at yet
         self._token_bytes_special: list[bytes] | None | bool = False
-        # The special tokens' texts a template may name (bos_token, eos_token, pad_token, unk_token, ...).
+        # The special tokens' texts a template may name (bos_token, eos_token, pad_token, unk_token,
+        # ...).
         self._special_texts = {
             k: t for k, v in cfg.items() if k.endswith("_token") and (t := _token_text(v))
         }
@@ -61,8 +62,10 @@ class Tokenizer:
 
     @property
     def max_token_bytes(self) -> int:
-        """Bytes of UTF-8 the longest token can stand for (an upper bound): a text of B bytes has at least
-        B / max_token_bytes tokens, so a prompt can be refused as too long without tokenizing it."""
+        """Bytes of UTF-8 the longest token can stand for (an upper bound): a text of B bytes has at
+        least B / max_token_bytes tokens, so a prompt can be refused as too long without tokenizing
+        it.
+        """
         if self._max_token_bytes is None:
             self._max_token_bytes = max(
                 (len(t.encode()) for t in self.hf.get_vocab(with_added_tokens=True)), default=1
@@ -71,10 +74,11 @@ class Tokenizer:
 
     @property
     def token_bytes(self) -> list[bytes] | None:
-        """For a byte-level BPE tokenizer (GPT-2, Llama 3, SmolLM, Qwen): the UTF-8 bytes each token id stands
-        for with special tokens skipped (b""), so detokenizing is a table lookup and an incremental UTF-8
-        decode; None for any other decoder (SentencePiece's spacing, byte fallback), which needs
-        DecodeStream."""
+        """For a byte-level BPE tokenizer (GPT-2, Llama 3, SmolLM, Qwen): the UTF-8 bytes each token
+        id stands for with special tokens skipped (b""), so detokenizing is a table lookup and an
+        incremental UTF-8 decode; None for any other decoder (SentencePiece's spacing, byte
+        fallback), which needs DecodeStream.
+        """
         if self._token_bytes is False:
             self._token_bytes = self._byte_table()
         return self._token_bytes
@@ -87,8 +91,10 @@ class Tokenizer:
         return self._token_bytes_special
 
     def warm(self) -> None:
-        """Build the byte tables ahead of the first request (a fifth of a second for a 49k vocabulary, which
-        would otherwise land on that request's first token); the server runs it while its workers load."""
+        """Build the byte tables ahead of the first request (a fifth of a second for a 49k
+        vocabulary, which would otherwise land on that request's first token); the server runs it
+        while its workers load.
+        """
         self.token_bytes  # noqa: B018 - the property builds and keeps the table
         self.token_bytes_with_special  # noqa: B018
 
@@ -101,9 +107,8 @@ class Tokenizer:
         for token, i in self.hf.get_vocab(with_added_tokens=False).items():
             try:
                 table[i] = bytes(to_byte[c] for c in token)
-            except (
-                KeyError
-            ):  # a vocabulary entry outside the byte alphabet: not a plain byte-level BPE
+            # a vocabulary entry outside the byte alphabet: not a plain byte-level BPE
+            except KeyError:
                 return None
         for added in spec.get("added_tokens", []):  # as the tokenizer itself decodes each one alone
             special = added.get("special") and not keep_special
@@ -131,8 +136,10 @@ class Tokenizer:
         template_kwargs: dict | None = None,
     ) -> str:
         """Render a conversation the way transformers does: the template sees messages, tools,
-        add_generation_prompt, the special tokens' texts and any extra kwargs. continue_final_message leaves
-        the last message open (everything the template writes after its content is cut)."""
+        add_generation_prompt, the special tokens' texts and any extra kwargs.
+        continue_final_message leaves the last message open (everything the template writes after
+        its content is cut).
+        """
         if self._template is None:
             raise ValueError(
                 "this model has no chat template; send a raw prompt or prompt_token_ids"
@@ -181,7 +188,9 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
     def encode_prompt(self, prompt: str, raw: bool) -> list[int]:
-        """A user's text prompt → token ids: through the chat template unless raw (or no template)."""
+        """A user's text prompt → token ids: through the chat
+        template unless raw (or no template).
+        """
         if raw or self._template is None:
             return self.encode(prompt, add_special_tokens=True)
         text = self.apply_chat_template([{"role": "user", "content": prompt}])
@@ -191,13 +200,14 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without re-decoding everything.
 
-    Byte-level BPE tokenizers (Tokenizer.token_bytes): each token's bytes from a table, through an
-    incremental UTF-8 decoder that holds an incomplete character back until its last byte comes (invalid
-    bytes become U+FFFD); the output's text is then exactly the decode of the output's tokens. About 0.3 us
-    a token against ~1 us through DecodeStream, which matters at a thousand streams a step.
-    Other tokenizers: tokenizers' DecodeStream (Rust) keeps the window itself: primed with the last few
-    prompt tokens (for spacing context), each step returns the new text, or nothing while a multi-byte
-    character is still being built (byte-fallback tokens)."""
+    Byte-level BPE tokenizers (Tokenizer.token_bytes): each token's bytes from a table, through
+    an incremental UTF-8 decoder that holds an incomplete character back until its last byte comes
+    (invalid bytes become U+FFFD); the output's text is then exactly the decode of the output's
+    tokens. About 0.3 us a token against ~1 us through DecodeStream, which matters at a thousand
+    streams a step. Other tokenizers: tokenizers' DecodeStream (Rust) keeps the window itself:
+    primed with the last few prompt tokens (for spacing context), each step returns the new text, or
+    nothing while a multi-byte character is still being built (byte-fallback tokens).
+    """
 
     CONTEXT_TOKENS = 5
 
@@ -224,7 +234,9 @@ class IncrementalDetokenizer:
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
-    """The byte-level alphabet: printable bytes stand for themselves, the other 68 for chr(256 + k)."""
+    """The byte-level alphabet: printable bytes stand for themselves, the other
+    68 for chr(256 + k).
+    """
     printable = [
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),
@@ -248,7 +260,9 @@ def _token_text(value: object) -> str | None:
 def _tojson(
     value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False
 ) -> str:
-    """transformers' tojson: keys kept in order and non-ASCII kept (jinja's own sorts and escapes)."""
+    """transformers' tojson: keys kept in order and non-ASCII kept
+    (jinja's own sorts and escapes).
+    """
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -259,8 +273,9 @@ def _raise_template_error(message: str) -> None:
 
 
 class TokenTable:
-    """A token's text and UTF-8 bytes as logprobs show them (a token that is part of a character shows the
-    replacement character; its bytes say which part)."""
+    """A token's text and UTF-8 bytes as logprobs show them (a token that is part of a character
+    shows the replacement character; its bytes say which part).
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer

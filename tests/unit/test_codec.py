@@ -1,19 +1,13 @@
-"""The wire codec: plans and results survive the trip through protobuf bytes exactly; wrong sizes are
-refused."""
+"""The wire codec: plans and results survive the trip through protobuf bytes exactly; wrong sizes
+are refused.
+"""
 
 import numpy as np
 import pytest
 
 from protos import wire_pb2
-from protos.codec import (
-    CodecError,
-    PlanArrays,
-    decode_plan,
-    decode_result,
-    encode_plan,
-    encode_result,
-    resolve_tokens,
-)
+from protos.codec import CodecError, PlanArrays, decode_plan, encode_plan, resolve_tokens
+from protos.result_codec import decode_result, encode_result
 
 
 def sample_plan(num_seqs=3, max_blocks=4, seed=0):
@@ -135,7 +129,7 @@ def test_result_round_trip_and_count_check():
 
 
 def test_logprobs_round_trip_and_wrong_counts_are_refused():
-    from protos.codec import Logprobs, decode_logprobs
+    from protos.result_codec import Logprobs, decode_logprobs
 
     lp = Logprobs(
         np.array([-0.5, -3.25], np.float32),

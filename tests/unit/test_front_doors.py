@@ -1,6 +1,7 @@
-"""The front doors as a user meets them before any request: a port given and taken, the default one taken,
-a fleet's ports, the one served name, a warning where ranks outnumber cores, a CPU pool that --tp does not
-multiply, and a client's failure said with what to do."""
+"""The front doors as a user meets them before any request: a port given and taken, the default one
+taken, a fleet's ports, the one served name, a warning where ranks outnumber cores, a CPU pool that
+--tp does not multiply, and a client's failure said with what to do.
+"""
 
 import asyncio
 import socket
@@ -16,7 +17,8 @@ from deploy.fleet import build_parser as fleet_parser
 from deploy.fleet import scheduler_program, summary
 from deploy.launcher import warn_if_oversubscribed
 from protos.base import ConfigError
-from scheduler_service import main as scheduler_main
+from scheduler_service import options
+from scheduler_service.api import front_doors
 from scheduler_service.core.config import ModelSpec
 
 
@@ -34,14 +36,14 @@ def http_args(port):
 
 def test_a_port_given_and_taken_is_an_error_and_the_default_taken_is_said(held_port, monkeypatch):
     with pytest.raises(ConfigError, match=f"cannot serve HTTP on 127.0.0.1:{held_port}"):
-        scheduler_main.bind_http(http_args(held_port))
-    monkeypatch.setattr(scheduler_main, "DEFAULT_HTTP_PORT", held_port)  # the default, taken
-    why = scheduler_main.bind_http(http_args(None))
+        front_doors.bind_http(http_args(held_port))
+    monkeypatch.setattr(front_doors, "DEFAULT_HTTP_PORT", held_port)  # the default, taken
+    why = front_doors.bind_http(http_args(None))
     assert why.startswith(f"off: 127.0.0.1:{held_port} is taken by another process (--http-port N")
-    assert asyncio.run(scheduler_main.start_http(None, ["m"], [], http_args(None), why)) == why
-    assert scheduler_main.bind_http(http_args(0)) == "off (--http-port 0)"
+    assert asyncio.run(front_doors.start_http(None, ["m"], [], http_args(None), why)) == why
+    assert front_doors.bind_http(http_args(0)) == "off (--http-port 0)"
     with pytest.raises(ConfigError, match=f"cannot serve gRPC on 127.0.0.1:{held_port}"):
-        scheduler_main.check_grpc_port(Namespace(host="127.0.0.1", port=held_port))
+        front_doors.check_grpc_port(Namespace(host="127.0.0.1", port=held_port))
 
 
 def test_a_fleet_of_two_takes_consecutive_ports_and_says_each_http_api():
@@ -76,16 +78,17 @@ def test_one_name_is_served_and_a_prepared_ggufs_hash_is_not_part_of_it(tmp_path
         name="Llama-3-8B", vocab_size=10, max_context=16, eos_token_ids=(1,), path=str(folder)
     )
     args = Namespace(served_model_name=None, model=str(folder))
-    assert scheduler_main.served_names(args, spec) == ["llama8b-q4km"]
+    assert options.served_names(args, spec) == ["llama8b-q4km"]
     plain = tmp_path / "my-model-aade0a0acd1d"
     plain.mkdir()
-    assert scheduler_main.served_names(
+    assert options.served_names(
         Namespace(served_model_name=None, model=str(plain)),
         ModelSpec(name="x", vocab_size=1, max_context=2, eos_token_ids=(1,), path=str(plain)),
     ) == [plain.name]
-    assert scheduler_main.served_names(
-        Namespace(served_model_name=["a", "b"], model="x"), spec
-    ) == ["a", "b"]
+    assert options.served_names(Namespace(served_model_name=["a", "b"], model="x"), spec) == [
+        "a",
+        "b",
+    ]
 
 
 def test_more_cpu_ranks_than_cores_is_said_at_start(monkeypatch):
@@ -143,7 +146,9 @@ def test_a_failed_call_says_what_to_do():
 def test_a_keyed_fleet_behind_the_gateway_is_refused_in_one_line(
     tiny_model_dir, capsys, monkeypatch
 ):
-    """SMG 1.13 sends no key over gRPC: its servers would refuse it every call, so the pair is refused."""
+    """SMG 1.13 sends no key over gRPC: its servers would refuse it every call, so the pair is
+    refused.
+    """
     import structlog
 
     from deploy.fleet import main as deploy_main

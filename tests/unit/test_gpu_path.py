@@ -1,5 +1,7 @@
-"""The CUDA path's choices that can be checked without a GPU: graph buckets, the step's sequence limit, the
-memory budget, what a worker says when its GPU is unusable, and what the kernels compile to for sm_90."""
+"""The CUDA path's choices that can be checked without a GPU: graph buckets, the step's sequence
+limit, the memory budget, what a worker says when its GPU is unusable, and what the kernels compile
+to for sm_90.
+"""
 
 import os
 
@@ -65,7 +67,9 @@ def test_the_scheduler_adopts_the_smallest_proposal_when_left_to_the_workers():
 def test_a_cpu_only_torch_on_a_host_with_an_nvidia_gpu_refuses_to_start(
     monkeypatch, capsys, tiny_model_dir
 ):
-    """Serving on the CPU by accident, hundreds of times slower, with no word: refused with what to do."""
+    """Serving on the CPU by accident, hundreds of times slower, with no word: refused with what to
+    do.
+    """
     import worker.serve.main as worker_main
     import worker.serve.startup
     from protos.base import EXIT_CONFIG
@@ -96,7 +100,7 @@ def test_a_cpu_only_torch_on_a_host_with_an_nvidia_gpu_refuses_to_start(
 
 
 def test_without_triton_a_gpu_worker_says_so_and_uses_torch(monkeypatch):
-    import worker.model.attention as attention
+    import worker.model.attention_native as attention
 
     monkeypatch.setattr(attention, "triton_available", lambda: False)
     assert attention.default_backend_name(torch.device("cuda")) == "torch"
@@ -106,16 +110,17 @@ def test_without_triton_a_gpu_worker_says_so_and_uses_torch(monkeypatch):
 
 @pytest.mark.kernels
 def test_no_kernel_spills_registers_when_compiled_for_an_h100():
-    """Every attention kernel at the configuration its launcher picks for head_dim 64/128/256 and page sizes
-    16 and 256, compiled for sm_90 here (no GPU needed: Triton's own ptxas), uses no local memory."""
+    """Every attention kernel at the configuration its launcher picks for head_dim 64/128/256 and
+    page sizes 16 and 256, compiled for sm_90 here (no GPU needed: Triton's own ptxas), uses no
+    local memory.
+    """
     pytest.importorskip("triton")
     import json
     import subprocess
     import sys
 
-    env = {
-        k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"
-    }  # compiling, not interpreting
+    # compiling, not interpreting
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
         [
             sys.executable,

@@ -1,6 +1,6 @@
-"""Anthropic's Messages API (/v1/messages): the request body, its conversation as a chat request, the answer
-as a Message (text, thinking and tool_use blocks) or its stream of events (message_start ...
-message_stop), and errors in Anthropic's shape."""
+"""Anthropic's Messages API (/v1/messages): the body as a chat request, the answer as a Message or
+its event stream, errors in Anthropic's shape.
+"""
 
 from __future__ import annotations
 
@@ -27,12 +27,16 @@ ERROR_TYPES = {
 
 
 def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+    return {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message},
+    }
 
 
 class Block(Strict):
-    """A content block: text, tool_use, tool_result, thinking (sent back: dropped), image or document
-    (refused: these models read text)."""
+    """A content block: text, tool_use, tool_result, thinking (sent back: dropped), image or
+    document (refused: these models read text).
+    """
 
     type: str
     text: str | None = None
@@ -112,7 +116,9 @@ def _texts(blocks: list[Block], where: str) -> str:
 
 
 def _turn(i: int, m: Message) -> list[dict]:
-    """One Anthropic message as chat messages: tool results become tool messages, tool_use blocks calls."""
+    """One Anthropic message as chat messages: tool results become tool messages, tool_use blocks
+    calls.
+    """
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     texts, calls, results = [], [], []
@@ -151,9 +157,13 @@ def _turn(i: int, m: Message) -> list[dict]:
         elif b.type in ("thinking", "redacted_thinking"):
             continue  # an earlier answer's thinking, sent back: dropped, as templates drop it
         elif b.type in ("image", "document"):
-            raise InvalidRequest(f"{where} is of type {b.type!r}: this server's models read text only")
+            raise InvalidRequest(
+                f"{where} is of type {b.type!r}: this server's models read text only"
+            )
         else:
-            raise InvalidRequest(f"{where} is of type {b.type!r}, which a {m.role} message cannot hold here")
+            raise InvalidRequest(
+                f"{where} is of type {b.type!r}, which a {m.role} message cannot hold here"
+            )
     out = results
     if texts or calls or not results:
         message: dict = {"role": m.role, "content": "".join(texts) if texts or not calls else None}
@@ -167,7 +177,10 @@ def conversation(system: str | list[Block] | None, messages: list[Message]) -> l
     out = []
     if system:
         out.append(
-            {"role": "system", "content": system if isinstance(system, str) else _texts(system, "system")}
+            {
+                "role": "system",
+                "content": system if isinstance(system, str) else _texts(system, "system"),
+            }
         )
     for i, m in enumerate(messages):
         out += _turn(i, m)
@@ -182,7 +195,9 @@ def _tools(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict] | Non
     tools = []
     for i, t in enumerate(body.tools):
         if t.type not in (None, "custom"):
-            raise InvalidRequest(f"tools[{i}] is of type {t.type!r}: this server calls client tools only")
+            raise InvalidRequest(
+                f"tools[{i}] is of type {t.type!r}: this server calls client tools only"
+            )
         if t.input_schema is None:
             raise InvalidRequest(f"tools[{i}].input_schema: Field required")
         function = {"name": t.name, "parameters": t.input_schema}
@@ -199,7 +214,9 @@ def _tools(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict] | Non
 
 
 def chat_body(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
-    """The chat request this Messages request is: its own checks first, named with its own fields."""
+    """The chat request this Messages request is: its own checks
+    first, named with its own fields.
+    """
     fields: dict[str, Any] = {"messages": conversation(body.system, body.messages)}
     if not body.messages:
         raise InvalidRequest("messages: at least one message is required")
@@ -214,7 +231,8 @@ def chat_body(body: MessagesRequest | CountTokensRequest) -> ChatCompletionReque
         budget = body.thinking.budget_tokens if body.thinking else None
         if budget is not None and not 0 < budget < body.max_tokens:
             raise InvalidRequest(
-                f"thinking.budget_tokens must lie below max_tokens ({body.max_tokens}), got {budget}"
+                f"thinking.budget_tokens must lie below max_tokens ({body.max_tokens}), got "
+                f"{budget}"
             )
         fields.update(
             max_tokens=body.max_tokens,
@@ -282,8 +300,10 @@ def sse(kind: str, payload: dict) -> bytes:
 
 
 class MessageStream:
-    """A streamed message's events: message_start, then each block's start, deltas and stop (thinking, text,
-    then each tool_use), message_delta with the stop reason and usage, message_stop."""
+    """A streamed message's events: message_start, then each block's start, deltas and stop
+    (thinking, text, then each tool_use), message_delta with the stop reason and usage,
+    message_stop.
+    """
 
     def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
         self.id, self.model, self.prompt_tokens = message_id, model, prompt_tokens
@@ -306,11 +326,16 @@ class MessageStream:
     def add(self, reasoning: str, content: str) -> list[bytes]:
         events = []
         if reasoning:
-            events += self._switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            events += self._switch(
+                "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+            )
             events.append(
                 sse(
                     "content_block_delta",
-                    {"index": self.index, "delta": {"type": "thinking_delta", "thinking": reasoning}},
+                    {
+                        "index": self.index,
+                        "delta": {"type": "thinking_delta", "thinking": reasoning},
+                    },
                 )
             )
         if content:
@@ -333,7 +358,10 @@ class MessageStream:
                     "content_block_delta",
                     {
                         "index": self.index,
-                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+                        "delta": {
+                            "type": "input_json_delta",
+                            "partial_json": json.dumps(block["input"]),
+                        },
                     },
                 )
             )
@@ -359,7 +387,8 @@ class MessageStream:
         if self.open is None:
             return []
         events = []
-        if self.open == "thinking":  # a thinking block ends with its signature (empty: not signed here)
+        # a thinking block ends with its signature (empty: not signed here)
+        if self.open == "thinking":
             events.append(
                 sse(
                     "content_block_delta",

@@ -1,5 +1,6 @@
-"""OpenAI's Responses API's answers: a Response object with its reasoning, message and function_call items,
-whole or as the stream of events OpenAI sends (response.created ... response.completed)."""
+"""OpenAI's Responses API's answers: a Response object with its reasoning, message and function_call
+items, whole or as the stream of events OpenAI sends (response.created ... response.completed).
+"""
 
 from __future__ import annotations
 
@@ -72,7 +73,9 @@ class ResponseShape:
             "content": [{"type": "reasoning_text", "text": text}] if text else [],
         }
 
-    def message_item(self, text: str, status: str = "completed", logprobs: list | None = None) -> dict:
+    def message_item(
+        self, text: str, status: str = "completed", logprobs: list | None = None
+    ) -> dict:
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
         return {
             "type": "message",
@@ -128,7 +131,9 @@ def usage(prompt: int, completion: int, cached: int) -> dict:
 
 
 def history(messages: list[dict], turn: Turn) -> list[dict]:
-    """The conversation as stored for a later previous_response_id: the messages, then this answer."""
+    """The conversation as stored for a later previous_response_id:
+    the messages, then this answer.
+    """
     answer: dict = {"role": "assistant", "content": turn.content}
     if turn.calls:
         answer["tool_calls"] = turn.calls
@@ -136,8 +141,10 @@ def history(messages: list[dict], turn: Turn) -> list[dict]:
 
 
 class ResponseStream:
-    """A streamed response's events in the order OpenAI sends them: the reasoning item, the message item and
-    its output_text part, then each function call, then response.completed (or .incomplete)."""
+    """A streamed response's events in the order OpenAI sends them: the reasoning item, the message
+    item and its output_text part, then each function call, then response.completed (or
+    .incomplete).
+    """
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape = shape
@@ -160,12 +167,16 @@ class ResponseStream:
                 self.reasoning = ""
                 events.append(self._added(self.shape.reasoning_item("", "in_progress")))
             self.reasoning += reasoning
-            events.append(self._delta("response.reasoning_text.delta", self.shape.reasoning_id, reasoning))
+            events.append(
+                self._delta("response.reasoning_text.delta", self.shape.reasoning_id, reasoning)
+            )
         if content:
             events += self._close_reasoning() + self._open_message()
             self.text += content
             events.append(
-                self._delta("response.output_text.delta", self.shape.message_id, content, logprobs=[])
+                self._delta(
+                    "response.output_text.delta", self.shape.message_id, content, logprobs=[]
+                )
             )
         return events
 
@@ -189,15 +200,22 @@ class ResponseStream:
             events.append(self._done(item))
         cut = turn.finish == "length"
         self.final = self.shape.response(
-            "incomplete" if cut else "completed", self.items, usage, "max_output_tokens" if cut else None
+            "incomplete" if cut else "completed",
+            self.items,
+            usage,
+            "max_output_tokens" if cut else None,
         )
         return events + [
-            self.shape.event("response.incomplete" if cut else "response.completed", response=self.final)
+            self.shape.event(
+                "response.incomplete" if cut else "response.completed", response=self.final
+            )
         ]
 
     def failure(self, error) -> bytes:
         """The stream's last event where it fails midway (an ApiError)."""
-        return self.shape.event("error", code=error.code or error.kind, message=str(error), param=None)
+        return self.shape.event(
+            "error", code=error.code or error.kind, message=str(error), param=None
+        )
 
     @property
     def _index(self) -> int:
@@ -252,7 +270,10 @@ class ResponseStream:
             events += self._open_message()
         if self.text is None:
             return events
-        text, part = self.text, {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+        text, part = (
+            self.text,
+            {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []},
+        )
         ids = {"item_id": self.shape.message_id, "output_index": self._index, "content_index": 0}
         events.append(self.shape.event("response.output_text.done", **ids, text=text, logprobs=[]))
         events.append(self.shape.event("response.content_part.done", **ids, part=part))

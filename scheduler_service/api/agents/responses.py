@@ -1,5 +1,6 @@
-"""OpenAI's Responses API (/v1/responses): the request body and its conversation as a chat request (the
-answer's shape is response_events.py's)."""
+"""OpenAI's Responses API (/v1/responses): the request body and its conversation as a chat request
+(the answer's shape is response_events.py's).
+"""
 
 from __future__ import annotations
 
@@ -116,7 +117,9 @@ def _text(content: str | list[InputPart] | None, where: str) -> str:
 
 
 def conversation(body: ResponsesRequest, earlier: list[dict]) -> list[dict]:
-    """Chat messages: the earlier response's conversation, the instructions, then this request's input."""
+    """Chat messages: the earlier response's conversation, the instructions, then this request's
+    input.
+    """
     messages = [m for m in earlier if m["role"] != "system"]
     if body.instructions:
         messages.insert(0, {"role": "system", "content": body.instructions})
@@ -152,7 +155,8 @@ def conversation(body: ResponsesRequest, earlier: list[dict]) -> list[dict]:
                     "content": _text(item.output, f"{where}.output"),
                 }
             )
-        elif kind != "reasoning":  # an earlier turn's reasoning, sent back: dropped, as templates drop it
+        # an earlier turn's reasoning, sent back: dropped, as templates drop it
+        elif kind != "reasoning":
             raise InvalidRequest(
                 f"{where} is of type {kind!r}: this server takes message, function_call, "
                 "function_call_output and reasoning items"
@@ -161,7 +165,9 @@ def conversation(body: ResponsesRequest, earlier: list[dict]) -> list[dict]:
 
 
 def chat_body(body: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
-    """The chat request this Responses request is: its checks first, named with the Responses API's fields."""
+    """The chat request this Responses request is: its checks first, named with the Responses API's
+    fields.
+    """
     if body.background:
         raise InvalidRequest("background is not served: responses run while the request is open")
     if body.max_output_tokens is not None and body.max_output_tokens < 1:

@@ -1,5 +1,6 @@
-"""The agent APIs' routes on the OpenAI server: each request made a chat request (the same validation,
-template and tool modes as /v1/chat/completions), run on the engine, and its turn said in the API's shape."""
+"""The agent APIs' routes: each request made a chat request, run on the engine, its turn said in the
+API's shape.
+"""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ JSON = "application/json"
 
 
 class AgentRoutes:
-    """/v1/responses (with a bounded store for previous_response_id) and /v1/messages, over an OpenAIServer's
-    engine, model names and key."""
+    """/v1/responses (with a bounded store for previous_response_id) and /v1/messages, over an
+    OpenAIServer's engine, model names and key.
+    """
 
     def __init__(self, server) -> None:
         self.server = server
@@ -56,10 +58,12 @@ class AgentRoutes:
         )
         return prepared, mode, opened
 
-    def _event_stream(self, prepared, mode, opened, shape, usage, on_turn=None, headers=None) -> Response:
-        """The answer as an API's server-sent events: `shape` (a ResponseStream or a MessageStream) says each
-        piece of reasoning and content as it can go out, then the turn's end with `usage(prompt,
-        completion, cached)`; on_turn(turn) once it is whole. A failure midway is the stream's last event."""
+    def _event_stream(
+        self, prepared, mode, opened, shape, usage, on_turn=None, headers=None
+    ) -> Response:
+        """The answer as server-sent events in `shape`'s words, then the turn's end with its usage;
+        on_turn(turn) once whole. A failure midway is the last event.
+        """
 
         async def events() -> AsyncIterator[bytes]:
             for event in shape.opening():
@@ -78,12 +82,13 @@ class AgentRoutes:
                     yield event
                 if on_turn is not None:
                     on_turn(turn)
-            except Exception as e:  # noqa: BLE001 - a stream that fails midway says so in its last event
+            # noqa: BLE001 - a stream that fails midway says so in its last event
+            except Exception as e:
                 yield shape.failure(api_error(e))
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
-    # --- OpenAI's Responses API ------------------------------------------------------------------------
+    # --- OpenAI's Responses API -------------------------------------------------------------------
     async def create_response(self, request: Request) -> Response:
         async def handler(rid: str):
             body = await read_body(request, openai.ResponsesRequest)
@@ -101,13 +106,17 @@ class AgentRoutes:
                     )
                 earlier = stored[0]
             messages = openai.conversation(body, earlier)
-            prepared, mode, opened = await self._prepare(openai.chat_body(body, messages), rid, model)
+            prepared, mode, opened = await self._prepare(
+                openai.chat_body(body, messages), rid, model
+            )
             shape = answers.ResponseShape(rid, model, body)
             if body.stream:
                 return self._response_stream(body, prepared, mode, opened, shape, messages)
             samples, usage = await unless_disconnected(request, self.server.collect([prepared]))
             turn = parse_turn(samples[0], mode, self.thinks, opened)
-            logprobs = self._logprobs(samples[0]) if prepared.sampling.logprobs is not None else None
+            logprobs = (
+                self._logprobs(samples[0]) if prepared.sampling.logprobs is not None else None
+            )
             result = shape.whole(
                 turn,
                 answers.usage(
@@ -134,8 +143,9 @@ class AgentRoutes:
             if body.store:
                 self.store.put(shape.id, answers.history(messages, turn), stream.final)
 
-        return self._event_stream(prepared, mode, opened, stream, answers.usage, keep,
-                                  {"x-request-id": shape.id})
+        return self._event_stream(
+            prepared, mode, opened, stream, answers.usage, keep, {"x-request-id": shape.id}
+        )
 
     async def get_response(self, request: Request) -> Response:
         async def handler(rid: str):
@@ -154,14 +164,16 @@ class AgentRoutes:
         async def handler(rid: str):
             response_id = request.path_params["response_id"]
             if not self.store.delete(response_id):
-                raise ApiError(404, f"no stored response {response_id!r}", code="response_not_found")
+                raise ApiError(
+                    404, f"no stored response {response_id!r}", code="response_not_found"
+                )
             return Response(
                 dumps({"id": response_id, "object": "response", "deleted": True}), media_type=JSON
             )
 
         return await self.server.guarded(request, handler)
 
-    # --- Anthropic's Messages API ----------------------------------------------------------------------
+    # --- Anthropic's Messages API -----------------------------------------------------------------
     @staticmethod
     def _anthropic_error(error: ApiError, rid: str) -> Response:
         log_refusal(error, rid)
@@ -194,11 +206,19 @@ class AgentRoutes:
 
     def _message_stream(self, prepared, mode, opened, message_id: str, model: str) -> Response:
         stream = anthropic.MessageStream(message_id, model, prepared.prompt_len)
-        return self._event_stream(prepared, mode, opened, stream, anthropic.usage,
-                                  headers={"request-id": prepared.request_id})
+        return self._event_stream(
+            prepared,
+            mode,
+            opened,
+            stream,
+            anthropic.usage,
+            headers={"request-id": prepared.request_id},
+        )
 
     async def count_tokens(self, request: Request) -> Response:
-        """Anthropic's /v1/messages/count_tokens: the prompt's tokens as this server would count them."""
+        """Anthropic's /v1/messages/count_tokens: the prompt's tokens as this server would count
+        them.
+        """
 
         async def handler(rid: str):
             body = await read_body(request, anthropic.CountTokensRequest)

@@ -1,6 +1,6 @@
-"""An answer as both agent APIs see it: reasoning (where the chat template thinks in <think> blocks), content
-and tool calls, parsed once whole (`parse_turn`) and incrementally while it streams (`TurnStream`); and the
-bounded store that `previous_response_id` reads."""
+"""An answer as both agent APIs see it (reasoning, content, tool calls), parsed whole (`parse_turn`)
+or while it streams (`TurnStream`); and the store `previous_response_id` reads.
+"""
 
 from __future__ import annotations
 
@@ -16,12 +16,16 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def template_thinks(chat_template: str | None) -> bool:
-    """Whether a chat template's models think in <think> blocks (Qwen3, SmolLM3, DeepSeek-R1 and others)."""
+    """Whether a chat template's models think in <think> blocks (Qwen3, SmolLM3, DeepSeek-R1 and
+    others).
+    """
     return bool(chat_template) and THINK_CLOSE in chat_template
 
 
 def prompt_opens_thinking(prompt_tail: str) -> bool:
-    """Whether the prompt itself ends inside a <think> block (templates that open it for the model)."""
+    """Whether the prompt itself ends inside a <think> block (templates
+    that open it for the model).
+    """
     tail = prompt_tail.rstrip()
     return tail.endswith(THINK_OPEN)
 
@@ -52,7 +56,9 @@ def split_reasoning(text: str, thinks: bool, opened: bool) -> tuple[str | None, 
     return reasoning.strip(), rest.lstrip()
 
 
-def parse_turn(sample: out.Sample, mode: ToolMode, thinks: bool = False, opened: bool = False) -> Turn:
+def parse_turn(
+    sample: out.Sample, mode: ToolMode, thinks: bool = False, opened: bool = False
+) -> Turn:
     reasoning, rest = split_reasoning(sample.text, thinks, opened)
     answer = out.Sample()
     answer.text, answer.finish_reason = rest, sample.finish_reason
@@ -71,8 +77,9 @@ def call_arguments(call: dict) -> dict:
 
 
 class TurnStream:
-    """A streamed answer's text cut, as it arrives, into reasoning and content that can go out now: content
-    that might open a tool call (auto), or that is one (required, named), is held until the end."""
+    """A streamed answer cut into reasoning and content that can go out now; text that may be a tool
+    call is held until the end.
+    """
 
     def __init__(self, mode: ToolMode, thinks: bool, opened: bool) -> None:
         self.mode, self.thinks, self.opened = mode, thinks, opened
@@ -90,7 +97,9 @@ class TurnStream:
         """The whole turn, and the reasoning and content not yet sent."""
         turn = parse_turn(self.sample, self.mode, self.thinks, self.opened)
         reasoning = (turn.reasoning or "")[self.sent_reasoning :]
-        content = (turn.content or "")[self.sent_content :] if self.mode.kind in ("none", "auto") else ""
+        content = (
+            (turn.content or "")[self.sent_content :] if self.mode.kind in ("none", "auto") else ""
+        )
         self.sent_reasoning += len(reasoning)
         self.sent_content += len(content)
         return turn, reasoning, content
@@ -99,7 +108,11 @@ class TurnStream:
         """The reasoning and content of text so far, each cut back to what is certain."""
         if self.thinks:
             stripped = text.lstrip()
-            if not self.opened and len(stripped) < len(THINK_OPEN) and THINK_OPEN.startswith(stripped):
+            if (
+                not self.opened
+                and len(stripped) < len(THINK_OPEN)
+                and THINK_OPEN.startswith(stripped)
+            ):
                 return "", ""  # maybe the opening of a <think> block
             if self.opened or stripped.startswith(THINK_OPEN):
                 body = stripped.removeprefix(THINK_OPEN).lstrip()
@@ -134,8 +147,10 @@ def _partial(text: str, tag: str) -> int:
 
 
 class ResponseStore:
-    """The last `capacity` stored responses' conversations (input and output items), for previous_response_id
-    and GET /v1/responses/{id}: kept in memory, the oldest dropped first, gone at a restart."""
+    """The last `capacity` stored responses' conversations (input and output items), for
+    previous_response_id and GET /v1/responses/{id}: kept in memory, the oldest dropped first, gone
+    at a restart.
+    """
 
     def __init__(self, capacity: int = 512) -> None:
         self.capacity = capacity
