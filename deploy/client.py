@@ -1,5 +1,6 @@
-"""The commands that talk to a running server over gRPC: generate, chat, info, embed, stats, top, abort. Each
-failure is one line (a gRPC status said plainly), never a traceback."""
+"""The commands that talk to a running server over gRPC: generate, chat, info, embed, stats, top,
+abort. Each failure is one line (a gRPC status said plainly), never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +17,18 @@ SERVER_ENV = "PAGEDSERVE_SERVER"
 
 
 def rpc_failure(e: grpc.RpcError, server: str) -> str:
-    """A failed call said in one line, with what to do where that is plain (no server there: start one)."""
+    """A failed call said in one line, with what to do where that is plain (no server there: start
+    one).
+    """
     code, details = e.code(), e.details() or ""
     lowered = details.lower()
     if code == grpc.StatusCode.UNAVAILABLE and any(s in lowered for s in NOTHING_LISTENS):
-        return (f"no pagedserve server answers at {server}: start one (`make run`, or `pagedserve serve "
-                f"--model MODEL`), or point --server or ${SERVER_ENV} at a running one")
-    if code == grpc.StatusCode.UNAVAILABLE and "socket closed" in lowered:  # a TLS port spoken to in plain
+        return (
+            f"no pagedserve server answers at {server}: start one (`make run`, or `pagedserve "
+            f"serve --model MODEL`), or point --server or ${SERVER_ENV} at a running one"
+        )
+    # a TLS port spoken to in plain
+    if code == grpc.StatusCode.UNAVAILABLE and "socket closed" in lowered:
         return f"UNAVAILABLE: {details} (a server with TLS? --tls-ca CERT)"
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"no answer from {server} within the timeout (--timeout SECONDS)"
@@ -30,8 +36,13 @@ def rpc_failure(e: grpc.RpcError, server: str) -> str:
 
 
 # what gRPC says where nothing listens at the address, or the address leads nowhere
-NOTHING_LISTENS = ("connection refused", "dns resolution failed", "name resolution", "no route to host",
-                   "network is unreachable")
+NOTHING_LISTENS = (
+    "connection refused",
+    "dns resolution failed",
+    "name resolution",
+    "no route to host",
+    "network is unreachable",
+)
 
 
 def stub_for(server: str, tls_ca: str | None = None, api_key: str | None = None):
@@ -46,16 +57,18 @@ def stub_for(server: str, tls_ca: str | None = None, api_key: str | None = None)
 
 
 def text_or_file(value: str) -> str:
-    """An argparse type: a flag's text, or with a leading @ the text of that file (a message naming the path
-    where it cannot be read)."""
+    """An argparse type: a flag's text, or with a leading @ the text of that file (a message naming
+    the path where it cannot be read).
+    """
     if not value.startswith("@"):
         return value
     try:
         with open(value[1:], encoding="utf-8") as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise argparse.ArgumentTypeError(f"cannot read {value[1:]}: {getattr(e, 'strerror', None) or e}") \
-            from None
+        raise argparse.ArgumentTypeError(
+            f"cannot read {value[1:]}: {getattr(e, 'strerror', None) or e}"
+        ) from None
 
 
 def logit_bias(item: str) -> tuple[int, float]:
@@ -66,7 +79,9 @@ def logit_bias(item: str) -> tuple[int, float]:
     except ValueError:
         pair = None
     if not sep or pair is None or pair[0] < 0:
-        raise argparse.ArgumentTypeError(f"wants TOKEN_ID=BIAS (a token id and a number), got {item!r}")
+        raise argparse.ArgumentTypeError(
+            f"wants TOKEN_ID=BIAS (a token id and a number), got {item!r}"
+        )
     return pair
 
 
@@ -75,11 +90,20 @@ def sampling_from_args(args: argparse.Namespace):
 
     temperature = 0.0 if args.greedy else args.temperature
     sampling = generation_pb2.SamplingParams(
-        temperature=temperature, top_k=args.top_k, stop=args.stop,
-        stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos, n=args.n, min_p=args.min_p,
-        min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, logit_bias=dict(args.logit_bias),
-        json_schema=args.json_schema or "", regex=args.regex or "", grammar=args.grammar or "",
+        temperature=temperature,
+        top_k=args.top_k,
+        stop=args.stop,
+        stop_token_ids=args.stop_token_id,
+        ignore_eos=args.ignore_eos,
+        n=args.n,
+        min_p=args.min_p,
+        min_tokens=args.min_tokens,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias),
+        json_schema=args.json_schema or "",
+        regex=args.regex or "",
+        grammar=args.grammar or "",
     )
     if args.top_p is not None and temperature > 0:
         sampling.top_p = args.top_p
@@ -93,7 +117,9 @@ def print_logprobs(entries, out=sys.stderr) -> None:
     """A line a token: its text, id and logprob, then the most likely ones."""
     for lp in entries:
         alternatives = "  ".join(f"{t.token!r} {t.logprob:.3f}" for t in lp.top_logprobs)
-        print(f"  {lp.token!r:>14} ({lp.token_id:>6})  {lp.logprob:8.4f}   {alternatives}", file=out)
+        print(
+            f"  {lp.token!r:>14} ({lp.token_id:>6})  {lp.logprob:8.4f}   {alternatives}", file=out
+        )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -104,13 +130,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.system is not None:
         if args.raw:
             raise SystemExit("--system needs the chat template: leave out --raw")
-        req = generation_pb2.GenerateRequest(messages=[
-            generation_pb2.ChatMessage(role="system", content=args.system),
-            generation_pb2.ChatMessage(role="user", content=args.prompt)], sampling=sampling_from_args(args),
-            lora=args.lora)
+        req = generation_pb2.GenerateRequest(
+            messages=[
+                generation_pb2.ChatMessage(role="system", content=args.system),
+                generation_pb2.ChatMessage(role="user", content=args.prompt),
+            ],
+            sampling=sampling_from_args(args),
+            lora=args.lora,
+        )
     else:
-        req = generation_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling_from_args(args),
-                                             raw_prompt=args.raw, lora=args.lora)
+        req = generation_pb2.GenerateRequest(
+            prompt=args.prompt,
+            sampling=sampling_from_args(args),
+            raw_prompt=args.raw,
+            lora=args.lora,
+        )
     stub = stub_for(args.server, args.tls_ca, args.api_key)
     try:
         if args.json:
@@ -120,7 +154,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             resp = stub.Generate(req, timeout=args.timeout)
             for c in resp.choices:
                 if len(resp.choices) > 1:
-                    print(f"--- sample {c.index} ({generation_pb2.FinishReason.Name(c.finish_reason)}) ---")
+                    print(
+                        f"--- sample {c.index} "
+                        f"({generation_pb2.FinishReason.Name(c.finish_reason)}) ---"
+                    )
                 print(c.text)
                 if c.logprobs:
                     print_logprobs(c.logprobs)
@@ -145,26 +182,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
         return 1
     if args.verbose and usage is not None:
-        print(f"[prompt {usage.prompt_tokens} tokens ({usage.cached_prompt_tokens} cached), "
-              f"completion {usage.completion_tokens} tokens]", file=sys.stderr)
+        print(
+            f"[prompt {usage.prompt_tokens} tokens ({usage.cached_prompt_tokens} cached), "
+            f"completion {usage.completion_tokens} tokens]",
+            file=sys.stderr,
+        )
     return 0
 
 
 CHAT_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) leaves; Ctrl-C stops an answer."
 
 
-def chat_turn(stub, history: list, sampling, timeout: float, out=sys.stdout,
-              lora: str = "") -> tuple[str, bool]:
-    """Send the conversation, stream the assistant's answer to `out`; return (answer, finished). Ctrl-C
-    cancels the stream and aborts the request on the server; the partial answer is returned."""
+def chat_turn(
+    stub, history: list, sampling, timeout: float, out=sys.stdout, lora: str = ""
+) -> tuple[str, bool]:
+    """Send the conversation, stream the assistant's answer to `out`; return (answer, finished).
+    Ctrl-C cancels the stream and aborts the request on the server; the partial answer is returned.
+    """
     import uuid
 
     from protos import generation_pb2
 
     request_id = f"chat-{uuid.uuid4().hex}"
     call = stub.GenerateStream(
-        generation_pb2.GenerateRequest(request_id=request_id, messages=history, sampling=sampling, lora=lora),
-        timeout=timeout)
+        generation_pb2.GenerateRequest(
+            request_id=request_id, messages=history, sampling=sampling, lora=lora
+        ),
+        timeout=timeout,
+    )
     answer = []
     try:
         for msg in call:
@@ -217,139 +262,37 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append(generation_pb2.ChatMessage(role="assistant", content=answer))
 
 
-def cmd_info(args: argparse.Namespace) -> int:
-    from google.protobuf import json_format
-
-    from protos import generation_pb2
-
-    stub = stub_for(args.server, args.tls_ca, args.api_key)
-    info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout)
-    if args.json:
-        print(json_format.MessageToJson(info, always_print_fields_with_no_presence=True))
-        return 0
-    from rich.console import Console
-
-    from deploy.console import info_table
-
-    Console().print(info_table(info, args.server))
-    return 0
-
-
 def cmd_embed(args: argparse.Namespace) -> int:
-    """Each text's vector as one JSON line ({"index", "prompt_tokens", "embedding"}), in input order."""
+    """Each text's vector as one JSON line ({"index", "prompt_tokens", "embedding"}), in input
+    order.
+    """
     from protos import generation_pb2
 
     texts = args.texts
-    request = generation_pb2.EmbedRequest(texts=texts, dimensions=args.dimensions,
-                                          truncate_prompt_tokens=args.truncate_prompt_tokens,
-                                          prompt_name=args.prompt_name or "", prompt=args.prompt or "")
+    request = generation_pb2.EmbedRequest(
+        texts=texts,
+        dimensions=args.dimensions,
+        truncate_prompt_tokens=args.truncate_prompt_tokens,
+        prompt_name=args.prompt_name or "",
+        prompt=args.prompt or "",
+    )
     try:
-        response = stub_for(args.server, args.tls_ca, args.api_key).Embed(request, timeout=args.timeout)
+        response = stub_for(args.server, args.tls_ca, args.api_key).Embed(
+            request, timeout=args.timeout
+        )
     except grpc.RpcError as e:
         print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
         return 1
     for d in response.data:
-        print(json.dumps({"index": d.index, "prompt_tokens": d.prompt_tokens,
-                          "embedding": [round(v, 7) for v in d.values]}))
-    return 0
-
-
-def cmd_stats(args: argparse.Namespace) -> int:
-    from google.protobuf import json_format
-
-    from protos import generation_pb2
-
-    try:
-        stats = stub_for(args.server, args.tls_ca, args.api_key).GetCacheStats(
-            generation_pb2.GetCacheStatsRequest(), timeout=args.timeout)
-    except grpc.RpcError as e:
-        print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json_format.MessageToJson(stats, always_print_fields_with_no_presence=True))
-        return 0
-    from rich.console import Console
-
-    from deploy.console import stats_view
-
-    Console().print(stats_view(stats))
-    return 0
-
-
-def cmd_top(args: argparse.Namespace) -> int:
-    import time
-
-    from rich.console import Console
-    from rich.live import Live
-
-    from deploy.console import Reading, top_view
-    from protos import generation_pb2
-
-    stub = stub_for(args.server, args.tls_ca, args.api_key)
-    console = Console()
-    try:
-        model = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=args.timeout).model_name
-    except grpc.RpcError as e:
-        print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
-        return 1
-    # a first reading a moment before the first frame, so that its rates are there from the start
-    before = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=args.timeout),
-                     time.monotonic())
-    time.sleep(min(args.interval, 0.5))
-    if not console.is_terminal:  # a pipe or a file: each frame printed whole, one after another (top -b)
-        return _top_frames(args, stub, console, before, model)
-    drawn = 0
-    view = None
-    try:
-        with Live(console=console, auto_refresh=False, screen=not args.no_screen, transient=False) as live:
-            while args.iterations is None or drawn < args.iterations:
-                try:
-                    now = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(),
-                                                     timeout=args.timeout),
-                                  time.monotonic())
-                    view = top_view(now, before, args.server, model)
-                    live.update(view, refresh=True)
-                    before = now
-                except grpc.RpcError as e:  # a restarting server: say so and keep trying
-                    from rich.text import Text
-
-                    live.update(Text(f"{args.server}: {e.code().name}: {e.details()} (retrying)",
-                                     style="red"),
-                                refresh=True)
-                drawn += 1
-                if args.iterations is None or drawn < args.iterations:
-                    time.sleep(args.interval)
-    except KeyboardInterrupt:
-        pass
-    if args.svg and view is not None:  # the last frame as a picture (docs/top.svg is one)
-        import io
-
-        recorder = Console(record=True, width=110, file=io.StringIO())
-        recorder.print(view)
-        recorder.save_svg(args.svg, title="pagedserve top")
-    return 0
-
-
-def _top_frames(args: argparse.Namespace, stub, console, before, model: str) -> int:
-    import time
-
-    from deploy.console import Reading, top_view
-    from protos import generation_pb2
-
-    drawn = 0
-    while args.iterations is None or drawn < args.iterations:
-        if drawn:
-            time.sleep(args.interval)
-        try:
-            now = Reading(stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=args.timeout),
-                          time.monotonic())
-        except grpc.RpcError as e:
-            print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
-            return 1
-        console.print(top_view(now, before, args.server, model))
-        console.file.flush()
-        before = now
-        drawn += 1
+        print(
+            json.dumps(
+                {
+                    "index": d.index,
+                    "prompt_tokens": d.prompt_tokens,
+                    "embedding": [round(v, 7) for v in d.values],
+                }
+            )
+        )
     return 0
 
 
@@ -357,7 +300,6 @@ def cmd_abort(args: argparse.Namespace) -> int:
     from protos import generation_pb2
 
     stub = stub_for(args.server, args.tls_ca, args.api_key)
-    resp = stub.Abort(generation_pb2.AbortRequest(request_id=args.request_id),
-                                                 timeout=args.timeout)
+    resp = stub.Abort(generation_pb2.AbortRequest(request_id=args.request_id), timeout=args.timeout)
     print("aborted" if resp.aborted else "no live request with that id")
     return 0 if resp.aborted else 1

@@ -1,17 +1,18 @@
 """`pagedserve deploy` / `make deploy`: the scheduler service and TP x DP worker processes under the
 group-aware supervisor (deploy/supervisor.py), one log file per process under a run directory.
 
-It waits for the service's health to be SERVING, prints the address, the processes and where their logs
-are, then watches: a process that exits is restarted with its unit (a worker group restarts as a whole,
-and when the scheduler restarts every group follows it). Ctrl-C or SIGTERM (`make deploy-stop`) stops
-every process. With --workers-only it runs only worker groups, for another host, connecting to a
-scheduler given by --scheduler.
+It waits for the service's health to be SERVING, prints the address, the processes and where their
+logs are, then watches: a process that exits is restarted with its unit (a worker group restarts as
+a whole, and when the scheduler restarts every group follows it). Ctrl-C or SIGTERM (`make
+deploy-stop`) stops every process. With --workers-only it runs only worker groups, for another host,
+connecting to a scheduler given by --scheduler.
 
---servers N runs N independent servers (each its own scheduler, workers and pool: the shape of a fleet
-on N hosts), each in a folder of the run directory; --gateway puts SMG (deploy/gateway.py) in front of
-them, its OpenAI-compatible HTTP on --gateway-host:--gateway-port, routing with --gateway-policy (cache_aware:
-a request goes to the server whose cache holds the longest part of its prompt). Stopping drains the
-schedulers first, the gateway still carrying their answers, then stops the gateway and the workers.
+--servers N runs N independent servers (each its own scheduler, workers and pool: the shape of a
+fleet on N hosts), each in a folder of the run directory; --gateway puts SMG (deploy/gateway.py) in
+front of them, its OpenAI-compatible HTTP on --gateway-host:--gateway-port, routing with
+--gateway-policy (cache_aware: a request goes to the server whose cache holds the longest part of
+its prompt). Stopping drains the schedulers first, the gateway still carrying their answers, then
+stops the gateway and the workers.
 """
 
 from __future__ import annotations
@@ -24,18 +25,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.launcher import passthrough, worker_units
+from deploy.gateway import gateway_metrics_port
+from deploy.launcher import (
+    pin_ports,
+    scheduler_program,
+    wait_bound,
+    wait_serving,
+    worker_units,
+)
 from deploy.prepare_model import model_folder
-from deploy.processes import read_port_file
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos.base import EXIT_CONFIG, ConfigError
 from protos.base.argtypes import PORT, Parser
 from protos.base.logs import configure_logging
-from scheduler_service.options import DEFAULT_HTTP_PORT, add_scheduler_args, check_model_folder
+from scheduler_service.options import add_scheduler_args, check_model_folder
 from worker.serve.main import add_worker_args
 
 log = structlog.get_logger("deploy")
@@ -48,124 +53,75 @@ FLEET_ENV = {"PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="pagedserve deploy", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(
+        prog="pagedserve deploy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_scheduler_args(p)
     add_worker_args(p)
     d = p.add_argument_group("deploy")
     d.add_argument("--run-dir", default="run/deploy", help="logs and the pid file go here")
-    d.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for health SERVING")
-    d.add_argument("--workers-only", action="store_true",
-                   help="run worker groups only (another host), connecting to --scheduler")
-    d.add_argument("--scheduler", default=None, help="with --workers-only: the scheduler's ZeroMQ endpoint")
-    d.add_argument("--replicas", default=None,
-                   help="comma-separated replicas whose workers run on this host (default: all; '' for none, "
-                        "when every worker runs elsewhere)")
-    d.add_argument("--rendezvous-host", default="127.0.0.1",
-                   help="address of this host that the ranks of its tensor-parallel groups reach each other "
-                        "on")
-    d.add_argument("--servers", type=int, default=1,
-                   help="independent servers (scheduler + workers each); more than one take consecutive gRPC "
-                        "and HTTP ports from --port and --http-port (8000), any free ones with --port 0")
+    d.add_argument(
+        "--ready-timeout", type=float, default=600.0, help="seconds to wait for health SERVING"
+    )
+    d.add_argument(
+        "--workers-only",
+        action="store_true",
+        help="run worker groups only (another host), connecting to --scheduler",
+    )
+    d.add_argument(
+        "--scheduler", default=None, help="with --workers-only: the scheduler's ZeroMQ endpoint"
+    )
+    d.add_argument(
+        "--replicas",
+        default=None,
+        help="comma-separated replicas whose workers run on this host (default: all; '' for none, "
+        "when every worker runs elsewhere)",
+    )
+    d.add_argument(
+        "--rendezvous-host",
+        default="127.0.0.1",
+        help="address of this host that the ranks of its tensor-parallel groups reach each other "
+        "on",
+    )
+    d.add_argument(
+        "--servers",
+        type=int,
+        default=1,
+        help="independent servers (scheduler + workers each); more than one take consecutive gRPC "
+        "and HTTP ports from --port and --http-port (8000), any free ones with --port 0",
+    )
     g = p.add_argument_group("gateway (SMG in front: OpenAI-compatible HTTP)")
     g.add_argument("--gateway", action="store_true", help="start SMG in front of the servers")
     g.add_argument("--gateway-host", default="127.0.0.1", help="where the gateway listens")
-    g.add_argument("--gateway-port", type=PORT, default=8000,
-                   help="the gateway's HTTP port (each server's own OpenAI API then takes any free port)")
-    g.add_argument("--gateway-policy", default="cache_aware",
-                   choices=["cache_aware", "round_robin", "random", "power_of_two", "least_load",
-                            "prefix_hash", "consistent_hashing"], help="how the gateway picks a server")
-    g.add_argument("--gateway-metrics-port", type=int, default=None,
-                   help="the gateway's Prometheus port (default 29000, or any free port where 29000 is "
-                        "taken)")
+    g.add_argument(
+        "--gateway-port",
+        type=PORT,
+        default=8000,
+        help="the gateway's HTTP port (each server's own OpenAI API then takes any free port)",
+    )
+    g.add_argument(
+        "--gateway-policy",
+        default="cache_aware",
+        choices=[
+            "cache_aware",
+            "round_robin",
+            "random",
+            "power_of_two",
+            "least_load",
+            "prefix_hash",
+            "consistent_hashing",
+        ],
+        help="how the gateway picks a server",
+    )
+    g.add_argument(
+        "--gateway-metrics-port",
+        type=int,
+        default=None,
+        help="the gateway's Prometheus port (default 29000, or any free port where 29000 is taken)",
+    )
     return p
-
-
-def scheduler_program(args: argparse.Namespace, endpoint: str, log_dir: Path, index: int = 0) -> Program:
-    """Server `index`'s scheduler: with more than one server each binds any free gRPC port and endpoint and
-    serves metrics on its own port."""
-    from scheduler_service.main import build_parser as scheduler_parser
-
-    flags = passthrough(scheduler_parser(), args,
-                        {"worker_endpoint", "model", "port_file", "port", "metrics_port", "http_port"})
-    port = args.port if args.servers == 1 or not args.port else args.port + index  # 0: any free one
-    metrics = args.metrics_port
-    if args.servers > 1:  # a port each: any free one, or the one given plus the server's index (0: off)
-        metrics = -1 if metrics is None or metrics < 0 else (metrics + index if metrics else 0)
-    argv = [sys.executable, "-m", "scheduler_service.main", "--model", args.model, "--worker-endpoint",
-            endpoint if args.servers == 1 else "tcp://127.0.0.1:0", "--port", str(port),
-            "--port-file", str(log_dir / "scheduler.port"), *flags]
-    if metrics is not None:
-        argv += ["--metrics-port", str(metrics)]
-    http = args.http_port
-    if http is None and args.gateway:  # the gateway has the default port
-        http = -1
-    elif http is None and args.servers > 1:
-        http = DEFAULT_HTTP_PORT + index
-    elif http is not None and args.servers > 1 and http > 0:
-        http += index
-    if http is not None:
-        argv += ["--http-port", str(http)]
-    return Program("scheduler" if args.servers == 1 else f"scheduler-{index}", argv,
-                   log_dir / "scheduler.log")
-
-
-def wait_bound(port_file: Path, timeout: float, supervisor: Supervisor) -> dict | None:
-    """The ports the scheduler bound (its --port-file), or None after timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        supervisor.poll()
-        bound = read_port_file(port_file)
-        if bound is not None:
-            return bound
-        time.sleep(0.2)
-    return None
-
-
-def pin_ports(program: Program, port: int, worker_endpoint: str) -> None:
-    """Make a restart of the scheduler bind what its first start bound."""
-    argv = program.argv
-    for flag, value in (("--port", str(port)), ("--worker-endpoint", worker_endpoint)):
-        if flag in argv:
-            argv[argv.index(flag) + 1] = value
-        else:
-            argv += [flag, value]
-
-
-def wait_serving(address: str, timeout: float, supervisor: Supervisor) -> bool:
-    channel = grpc.insecure_channel(address)
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            supervisor.poll()
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return True
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-        return False
-    finally:
-        channel.close()
-
-
-def gateway_metrics_port(args: argparse.Namespace) -> int:
-    if args.gateway_metrics_port is not None:
-        return args.gateway_metrics_port
-    import socket
-
-    from deploy.processes import free_port
-
-    with socket.socket() as s:
-        try:
-            s.bind((args.gateway_host, 29000))
-            return 29000
-        except OSError:
-            port = free_port()
-            log.warning("gateway_metrics_port_taken", port=29000, using=port)
-            return port
 
 
 def stop_command(run_dir: Path) -> str:
@@ -177,13 +133,20 @@ def stop_command(run_dir: Path) -> str:
     return "make deploy-stop" + ("" if where == "run/deploy" else f" RUN_DIR={where}")
 
 
-def summary(addresses: list[str], supervisor: Supervisor, run_dir: Path,
-            gateway: list[str] | None = None, http_urls: list[str | None] | None = None) -> str:
+def summary(
+    addresses: list[str],
+    supervisor: Supervisor,
+    run_dir: Path,
+    gateway: list[str] | None = None,
+    http_urls: list[str | None] | None = None,
+) -> str:
     lines = list(gateway or [])
     for i, address in enumerate(addresses):
-        lines += [f"pagedserve is serving on {address}",
-                  f"  try: .venv/bin/pagedserve generate --server {address} \"What is the capital of "
-                  "France?\""]
+        lines += [
+            f"pagedserve is serving on {address}",
+            f'  try: .venv/bin/pagedserve generate --server {address} "What is the capital of '
+            'France?"',
+        ]
         url = (http_urls or [])[i] if i < len(http_urls or []) else None
         if url:
             lines.append(f"  OpenAI API: {url}   (curl {url}/models)")
@@ -197,8 +160,9 @@ def summary(addresses: list[str], supervisor: Supervisor, run_dir: Path,
 
 @dataclass
 class Fleet:
-    """The supervised processes of a deployment: each server's scheduler unit and folder, and the workers
-    that follow each scheduler (restarted with it)."""
+    """The supervised processes of a deployment: each server's scheduler unit and folder, and the
+    workers that follow each scheduler (restarted with it).
+    """
 
     supervisor: Supervisor
     schedulers: list[Unit]
@@ -215,33 +179,42 @@ def refuse_second_deployment(pid_file: Path) -> str | None:
         os.kill(int(pid_file.read_text()), 0)
     except (ProcessLookupError, ValueError):
         return None  # a stale pid file
-    return (f"a deployment is already running from {pid_file.parent} (pid {pid_file.read_text().strip()}); "
-            f"stop it first (`{stop_command(pid_file.parent)}`)")
+    return (
+        f"a deployment is already running from {pid_file.parent} (pid "
+        f"{pid_file.read_text().strip()}); stop it first (`{stop_command(pid_file.parent)}`)"
+    )
 
 
 def plan_fleet(args, run_dir: Path, replicas: list[int] | None) -> Fleet:
-    """The units to start first: each server's scheduler (its workers join once it has bound its ports),
-    or under --workers-only this host's workers of a scheduler elsewhere."""
+    """The units to start first: each server's scheduler (its workers join once it has bound its
+    ports), or under --workers-only this host's workers of a scheduler elsewhere.
+    """
     if args.workers_only:
         units = worker_units(args, args.scheduler, replicas, run_dir, args.rendezvous_host)
         return Fleet(Supervisor(units, env=FLEET_ENV, cwd=ROOT), [], [])
-    # each scheduler starts first and says which ports it bound (any free one where the flag says 0); its
-    # workers start once it has, and a restarted scheduler binds the same ports again, so restarted
-    # workers, clients and the gateway find it
-    dirs = [run_dir] if args.servers == 1 else [run_dir / f"server-{i}" for i in range(args.servers)]
+    # each scheduler starts first and says which ports it bound (any free one where the flag says
+    # 0); its workers start once it has, and a restarted scheduler binds the same ports again, so
+    # restarted workers, clients and the gateway find it
+    dirs = (
+        [run_dir] if args.servers == 1 else [run_dir / f"server-{i}" for i in range(args.servers)]
+    )
     units = []
     for i, folder in enumerate(dirs):
         folder.mkdir(parents=True, exist_ok=True)
         program = scheduler_program(args, args.worker_endpoint, folder, i)
         units.append(Unit(program.name, [program]))
-    return Fleet(Supervisor(units, env=FLEET_ENV, cwd=ROOT), list(units), dirs, {u.name: [] for u in units})
+    return Fleet(
+        Supervisor(units, env=FLEET_ENV, cwd=ROOT), list(units), dirs, {u.name: [] for u in units}
+    )
 
 
 def start_servers(args, fleet: Fleet, replicas: list[int] | None) -> list[str]:
-    """Start every unit; as each scheduler binds, pin its ports and start its workers. Returns the servers'
-    addresses ([] where a scheduler never bound)."""
+    """Start every unit; as each scheduler binds, pin its ports and start its workers. Returns the
+    servers' addresses ([] where a scheduler never bound).
+    """
     for folder in fleet.dirs:
-        (folder / "scheduler.port").unlink(missing_ok=True)  # a file from an earlier run says nothing
+        # a file from an earlier run says nothing
+        (folder / "scheduler.port").unlink(missing_ok=True)
     fleet.supervisor.start_all()
     addresses = []
     for sched, folder in zip(fleet.schedulers, fleet.dirs, strict=True):
@@ -252,7 +225,9 @@ def start_servers(args, fleet: Fleet, replicas: list[int] | None) -> list[str]:
         http = bound.get("http_port")
         fleet.http_urls.append(f"http://{args.host}:{http}/v1" if http else None)
         pin_ports(sched.programs[0], bound["port"], bound["worker_endpoint"])
-        for unit in worker_units(args, bound["worker_endpoint"], replicas, folder, args.rendezvous_host):
+        for unit in worker_units(
+            args, bound["worker_endpoint"], replicas, folder, args.rendezvous_host
+        ):
             if args.servers > 1:
                 unit.name = f"{sched.name}/{unit.name}"
             fleet.followers[sched.name].append(unit)
@@ -262,28 +237,44 @@ def start_servers(args, fleet: Fleet, replicas: list[int] | None) -> list[str]:
 
 
 def start_gateway(args, fleet: Fleet, addresses: list[str], run_dir: Path) -> list[str]:
-    """SMG in front of the servers, supervised like them; its banner once every server is registered.
-    RuntimeError / TimeoutError: it did not come up."""
+    """SMG in front of the servers, supervised like them; its banner once every server is
+    registered. RuntimeError / TimeoutError: it did not come up.
+    """
     from deploy.gateway import gateway_banner, smg_command, wait_ready
     from scheduler_service.core.config import ModelSpec
     from scheduler_service.main import served_names
 
-    gateway = Program("gateway", smg_command(addresses, args.gateway_host, args.gateway_port, args.model,
-                                             args.gateway_policy, gateway_metrics_port(args)),
-                      run_dir / "gateway.log")
+    gateway = Program(
+        "gateway",
+        smg_command(
+            addresses,
+            args.gateway_host,
+            args.gateway_port,
+            args.model,
+            args.gateway_policy,
+            gateway_metrics_port(args),
+        ),
+        run_dir / "gateway.log",
+    )
     unit = Unit("gateway", [gateway])
     fleet.supervisor.units.append(unit)
     fleet.supervisor.start(unit)
     base_url = f"http://{args.gateway_host}:{args.gateway_port}"
-    wait_ready(base_url, len(addresses), args.ready_timeout,
-               alive=lambda: (fleet.supervisor.poll(), unit.restarts == 0)[1])
-    name = served_names(args, ModelSpec.from_folder(args.model))[0]  # the one name the servers serve
+    wait_ready(
+        base_url,
+        len(addresses),
+        args.ready_timeout,
+        alive=lambda: (fleet.supervisor.poll(), unit.restarts == 0)[1],
+    )
+    # the one name the servers serve
+    name = served_names(args, ModelSpec.from_folder(args.model))[0]
     return gateway_banner(base_url, name, len(addresses))
 
 
 def watch(fleet: Fleet, stopping: dict) -> None:
-    """Keep the fleet up until a signal: restart what exits, and when a scheduler restarts, its workers
-    with it (they rejoin the new one)."""
+    """Keep the fleet up until a signal: restart what exits, and when a scheduler restarts, its
+    workers with it (they rejoin the new one).
+    """
     restarts = {u.name: u.restarts for u in fleet.schedulers}
     while stopping["signal"] is None:
         fleet.supervisor.poll()
@@ -297,10 +288,10 @@ def watch(fleet: Fleet, stopping: dict) -> None:
 
 
 def stop(args, fleet: Fleet) -> None:
-    """The schedulers first: they stop admitting and finish what they hold (--drain-timeout) with their
-    workers and the gateway still up; the gateway and workers only then. Under --workers-only the scheduler
-    is elsewhere: the workers go when it tells them (it is draining too) or is gone, or after its drain
-    time."""
+    """The schedulers first (they drain with workers and gateway up), then the gateway and workers.
+    Under --workers-only the workers go when told, when the scheduler is gone, or after its drain
+    time.
+    """
     drain = getattr(args, "drain_timeout", 30.0) + 15.0
     if args.workers_only:
         fleet.supervisor.wait_exit(drain)
@@ -308,18 +299,23 @@ def stop(args, fleet: Fleet) -> None:
 
 
 def check_fleet(args) -> None:
-    """The model made a folder (a .gguf file: its prepared folder, served on its blocks) and checked, and
-    the flags that cannot go together refused: ConfigError."""
+    """The model made a folder (a .gguf file: its prepared folder, served on its blocks) and
+    checked, and the flags that cannot go together refused: ConfigError.
+    """
     args.model = model_folder(args.model)
     check_model_folder(args.model)
     if args.gateway and args.api_key:
-        raise ConfigError("--api-key with --gateway: SMG 1.13 sends no key to the servers it drives over "
-                          "gRPC, so a keyed server cannot sit behind it; serve the fleet behind the gateway "
-                          "on loopback without a key (and guard the gateway's port), or give each server its "
-                          "key and no gateway")
+        raise ConfigError(
+            "--api-key with --gateway: SMG 1.13 sends no key to the servers it drives over "
+            "gRPC, so a keyed server cannot sit behind it; serve the fleet behind the gateway "
+            "on loopback without a key (and guard the gateway's port), or give each server its "
+            "key and no gateway"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
+
+    # one function: a command read top to bottom: plan, start, watch, stop
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, process="deploy", log_format=args.log_format)
     try:
@@ -341,10 +337,14 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    replicas = None if args.replicas is None else [int(x) for x in args.replicas.split(",") if x.strip()]
+    replicas = (
+        None if args.replicas is None else [int(x) for x in args.replicas.split(",") if x.strip()]
+    )
     if args.servers < 1 or (args.servers > 1 and args.workers_only):
-        print("--servers must be at least 1 (and --workers-only runs the workers of one server)",
-              file=sys.stderr)
+        print(
+            "--servers must be at least 1 (and --workers-only runs the workers of one server)",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     if args.workers_only and not args.scheduler:
         print("--workers-only needs --scheduler tcp://HOST:PORT", file=sys.stderr)
@@ -354,21 +354,29 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         addresses = start_servers(args, fleet, replicas)
-        ready = args.workers_only or (len(addresses) == len(fleet.schedulers) and all(
-            wait_serving(a, args.ready_timeout, fleet.supervisor) for a in addresses))
+        ready = args.workers_only or (
+            len(addresses) == len(fleet.schedulers)
+            and all(wait_serving(a, args.ready_timeout, fleet.supervisor) for a in addresses)
+        )
         banner = None
         if ready and args.gateway and stopping["signal"] is None:
             try:
                 banner = start_gateway(args, fleet, addresses, run_dir)
             except (RuntimeError, TimeoutError) as e:
-                print(f"the gateway did not come up: {e}; see {run_dir}/gateway.log", file=sys.stderr)
+                print(
+                    f"the gateway did not come up: {e}; see {run_dir}/gateway.log", file=sys.stderr
+                )
                 code = 1
         if not ready and stopping["signal"] is None:
-            print(f"the service did not become SERVING within {args.ready_timeout}s; see {run_dir}/",
-                  file=sys.stderr)
+            print(
+                f"the service did not become SERVING within {args.ready_timeout}s; see {run_dir}/",
+                file=sys.stderr,
+            )
             code = 1
         if code == 0 and stopping["signal"] is None:
-            print(summary(addresses, fleet.supervisor, run_dir, banner, fleet.http_urls), flush=True)
+            print(
+                summary(addresses, fleet.supervisor, run_dir, banner, fleet.http_urls), flush=True
+            )
             watch(fleet, stopping)
     except FatalExit as e:
         print(f"pagedserve deploy: {e}; see {run_dir}/", file=sys.stderr)

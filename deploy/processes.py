@@ -1,5 +1,6 @@
-"""Ports, process groups and a server in a child process: what the launchers, the load tester and the test
-helpers share."""
+"""Ports, process groups and a server in a child process: what the launchers, the load tester and
+the test helpers share.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def read_port_file(path: Path) -> dict | None:
-    """What a scheduler started with --port-file bound ({"port", "worker_endpoint"}), or None before it has
-    written the file."""
+    """What a scheduler started with --port-file bound ({"port", "worker_endpoint"}), or None before
+    it has written the file.
+    """
     try:
         return json.loads(Path(path).read_text())
     except (FileNotFoundError, ValueError):
@@ -30,22 +32,28 @@ def read_port_file(path: Path) -> dict | None:
 
 
 class _CallDetails(
-    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
-                                            "compression")),
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
     grpc.ClientCallDetails,
 ):
     pass
 
 
 class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds `authorization: Bearer <key>` to every call's metadata (a server started with --api-key)."""
+    """Adds `authorization: Bearer <key>` to every call's metadata (a server started with
+    --api-key).
+    """
 
     def __init__(self, key: str) -> None:
         self.header = ("authorization", f"Bearer {key}")
 
     def _with_key(self, d):
         metadata = [*(d.metadata or ()), self.header]
-        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+        return _CallDetails(
+            d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression
+        )
 
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._with_key(details), request)
@@ -54,10 +62,12 @@ class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
         return continuation(self._with_key(details), request)
 
 
-def channel_to(address: str, api_key: str | None = None,
-               root_certificates: bytes | None = None) -> grpc.Channel:
-    """A channel to a pagedserve server: over TLS where a CA is given, each call carrying the API key where
-    one is given."""
+def channel_to(
+    address: str, api_key: str | None = None, root_certificates: bytes | None = None
+) -> grpc.Channel:
+    """A channel to a pagedserve server: over TLS where a CA is given, each call carrying the API
+    key where one is given.
+    """
     if root_certificates is not None:
         channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
     else:
@@ -72,7 +82,9 @@ def free_port() -> int:
 
 
 def stop_group(proc: subprocess.Popen | None, timeout: float) -> None:
-    """SIGTERM a child started in its own session and everything it started; SIGKILL after timeout."""
+    """SIGTERM a child started in its own session and everything
+    it started; SIGKILL after timeout.
+    """
     if proc is not None and proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -83,12 +95,14 @@ def stop_group(proc: subprocess.Popen | None, timeout: float) -> None:
 
 
 class LocalServer:
-    """`pagedserve serve` in a child process (its own session) on any free ports, ready once gRPC health says
-    SERVING; `stop()` ends it and everything it started."""
+    """`pagedserve serve` in a child process (its own session) on any free ports, ready once gRPC
+    health says SERVING; `stop()` ends it and everything it started.
+    """
 
     def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
-        """args: extra launcher flags (see `pagedserve serve --help`). The server binds any free port
-        (--port 0) and writes the one it got to a file beside its log: no port is picked and hoped for."""
+        """args: extra launcher flags. The server binds any free port and writes it to a file beside
+        its log.
+        """
         self.model_dir = model_dir
         self.log_path = log_path
         self.args = list(args)
@@ -119,20 +133,41 @@ class LocalServer:
     def start(self, timeout: float = 180.0) -> Self:
         self.port_file.unlink(missing_ok=True)
         self.port = self.channel = None  # a restart binds a port of its own
-        ports = [] if "--metrics-port" in self.args else ["--metrics-port", "-1"]  # any free port, reported
+        # any free port, reported
+        ports = [] if "--metrics-port" in self.args else ["--metrics-port", "-1"]
         ports += [] if "--http-port" in self.args else ["--http-port", "-1"]
-        cmd = [sys.executable, "-m", "deploy.launcher", "--model", str(self.model_dir), "--port", "0",
-               "--port-file", str(self.port_file), *ports, *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deploy.launcher",
+            "--model",
+            str(self.model_dir),
+            "--port",
+            "0",
+            "--port-file",
+            str(self.port_file),
+            *ports,
+            *self.args,
+        ]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             if self.channel is None and (bound := read_port_file(self.port_file)) is not None:
                 self.port, self.worker_endpoint = bound["port"], bound["worker_endpoint"]
-                self.metrics_port, self.http_port = bound.get("metrics_port"), bound.get("http_port")
+                self.metrics_port, self.http_port = (
+                    bound.get("metrics_port"),
+                    bound.get("http_port"),
+                )
                 self.channel = channel_to(self.address, self.api_key)
             if self.channel is not None and self._serving():
                 return self
@@ -142,8 +177,9 @@ class LocalServer:
 
     def _serving(self) -> bool:
         try:
-            resp = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                                  timeout=1)
+            resp = health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=1
+            )
         except grpc.RpcError:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,6 +1,6 @@
-"""A process supervisor that knows what a worker group is: a unit (a tensor-parallel group, the scheduler
-service) is started, stopped and restarted as a whole, with a doubling backoff; a process that exits with
-EXIT_CONFIG (2) is not restarted, since the same flags would fail the same way."""
+"""A process supervisor that knows worker groups: a unit (a TP group, the scheduler) starts, stops
+and restarts as a whole with doubling backoff; exit EXIT_CONFIG (2) is not restarted.
+"""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ class Unit:
     backoff: float = 0.0
     next_start: float = 0.0
     started_at: float = 0.0
-    cleanup: list[Path] = field(default_factory=list)  # files removed before every start (a rendezvous file)
+    # files removed before every start (a rendezvous file)
+    cleanup: list[Path] = field(default_factory=list)
 
     @property
     def is_running(self) -> bool:
@@ -53,22 +54,24 @@ class FatalExit(RuntimeError):
 
 
 class Supervisor:
-    """A tensor-parallel group is one unit, since its ranks share a torch.distributed group that cannot take
-    a lone new rank. When any process of a unit exits, the rest of the unit is stopped and the whole unit
-    is started again after a backoff that doubles on every quick failure (1 s, 2 s, 4 s ... 30 s) and
-    resets once the unit has run for a minute.
+    """When any process of a unit exits, the unit is stopped and restarted after a backoff (1 s
+    doubling to 30 s, reset after a minute up). supervisord and circus restart processes one at a
+    time, know no groups and cannot wait on gRPC health.
+    """
 
-    Why not supervisord or circus: both restart processes one at a time and know nothing of groups, their
-    backoff only covers processes that fail to start, and neither can wait for the service's gRPC health
-    before it reports a deployment ready. This one has no dependency and runs the same in a terminal, in
-    `make deploy` and in a container."""
-
-    def __init__(self, units: list[Unit], env: dict[str, str] | None = None, cwd: Path | None = None,
-                 min_backoff: float = 1.0, max_backoff: float = 30.0, stable_after: float = 60.0,
-                 stop_timeout: float = 15.0) -> None:
+    def __init__(
+        self,
+        units: list[Unit],
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        min_backoff: float = 1.0,
+        max_backoff: float = 30.0,
+        stable_after: float = 60.0,
+        stop_timeout: float = 15.0,
+    ) -> None:
         self.units = units
-        # SUPERVISED: a child leaves Ctrl-C (SIGINT to the terminal's whole process group) to its supervisor,
-        # which stops the units in order; it stops on the supervisor's SIGTERM.
+        # SUPERVISED: a child leaves Ctrl-C (SIGINT to the terminal's whole process group) to its
+        # supervisor, which stops the units in order; it stops on the supervisor's SIGTERM.
         self.env = {**os.environ, **(env or {}), SUPERVISED: "1"}
         self.cwd = cwd
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
@@ -85,11 +88,19 @@ class Supervisor:
             out = None
             if prog.log_path is not None:
                 prog.log_path.parent.mkdir(parents=True, exist_ok=True)
-                # a run's first start writes its log anew; a restart goes on after the lines it follows
+                # a run's first start writes its log anew; a restart goes on after the lines it
+                # follows
                 out = open(prog.log_path, "ab" if unit.restarts else "wb")
                 self._logs.append(out)
-            unit.procs.append(subprocess.Popen(prog.argv, cwd=self.cwd, env=self.env, stdout=out,
-                                               stderr=subprocess.STDOUT if out else None))
+            unit.procs.append(
+                subprocess.Popen(
+                    prog.argv,
+                    cwd=self.cwd,
+                    env=self.env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT if out else None,
+                )
+            )
         unit.started_at = time.monotonic()
         log.info("unit_started", unit=unit.name, pids=unit.pids, restarts=unit.restarts)
 
@@ -108,18 +119,30 @@ class Supervisor:
             codes = [p.poll() for p in unit.procs]
             if all(c is None for c in codes):
                 continue
-            exited = {prog.name: c for prog, c in zip(unit.programs, codes, strict=True) if c is not None}
+            exited = {
+                prog.name: c for prog, c in zip(unit.programs, codes, strict=True) if c is not None
+            }
             self._stop_unit(unit)
             if EXIT_CONFIG in exited.values():
-                raise FatalExit(f"{unit.name}: "
-                                f"{', '.join(f'{n} exited with {c}' for n, c in exited.items())}")
+                raise FatalExit(
+                    f"{unit.name}: {', '.join(f'{n} exited with {c}' for n, c in exited.items())}"
+                )
             ran = now - unit.started_at
-            unit.backoff = self.min_backoff if ran >= self.stable_after or not unit.backoff \
+            unit.backoff = (
+                self.min_backoff
+                if ran >= self.stable_after or not unit.backoff
                 else min(self.max_backoff, unit.backoff * 2)
+            )
             unit.restarts += 1
             unit.next_start = now + unit.backoff
-            log.warning("unit_exited", unit=unit.name, exit_codes=exited, ran_s=round(ran, 1),
-                        restart_in_s=unit.backoff, restarts=unit.restarts)
+            log.warning(
+                "unit_exited",
+                unit=unit.name,
+                exit_codes=exited,
+                ran_s=round(ran, 1),
+                restart_in_s=unit.backoff,
+                restarts=unit.restarts,
+            )
 
     def _stop_unit(self, unit: Unit, timeout: float | None = None) -> None:
         for p in unit.procs:
@@ -135,8 +158,9 @@ class Supervisor:
         unit.procs = []
 
     def wait_exit(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for every process to exit on its own (none is restarted meanwhile).
-        True when all did."""
+        """Wait up to `timeout` seconds for every process to exit on its own (none is restarted
+        meanwhile). True when all did.
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all(p.poll() is not None for unit in self.units for p in unit.procs):
@@ -144,10 +168,12 @@ class Supervisor:
             time.sleep(0.2)
         return False
 
-    def stop_all(self, first: str | list[str] | None = None, first_timeout: float | None = None) -> None:
-        """Stop every unit: those named in `first` before the others, all told at once and given
-        `first_timeout` seconds to exit on their SIGTERM — schedulers drain their requests while their workers
-        are still up — then the rest, last started first."""
+    def stop_all(
+        self, first: str | list[str] | None = None, first_timeout: float | None = None
+    ) -> None:
+        """Stop every unit: those in `first` together with `first_timeout` to exit (schedulers drain
+        with workers up), then the rest, last started first.
+        """
         names = {first} if isinstance(first, str) else set(first or ())
         leading = [u for u in self.units if u.name in names]
         for unit in leading:

@@ -3,8 +3,9 @@ import os
 import pytest
 import torch
 
-# Triton kernels run natively on CUDA and in the interpreter everywhere else; the variable must be set
-# before triton is first imported (it is imported lazily, by the kernel tests and the triton backend).
+# Triton kernels run natively on CUDA and in the interpreter everywhere else; the variable must be
+# set before triton is first imported (it is imported lazily, by the kernel tests and the triton
+# backend).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -15,9 +16,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Model-level tests run the triton backend on host tensors, which only the interpreter can do: where a
-    GPU is present (no interpreter) they are skipped — tests/kernels/test_kernels.py and the CUDA tests run it
-    there."""
+    """Model-level tests run the triton backend on host tensors, which only the interpreter can do:
+    where a GPU is present (no interpreter) they are skipped — tests/kernels/test_kernels.py and the
+    CUDA tests run it there.
+    """
     if INTERPRETED:
         return
     skip = pytest.mark.skip(
@@ -45,14 +47,14 @@ def server_factory(tmp_path_factory):
 
     def start(model_dir, *args):
         log = tmp_path_factory.mktemp("server") / "server.log"
-        # invariants checked every step (a pass over the pool: a tiny model's pool is kept small, or 2 GiB of
-        # it would be 700k blocks checked twice a step); one torch thread each, since tests run servers beside
-        # each other
+        # invariants checked every step (a pass over the pool: a tiny model's pool is kept small, or
+        # 2 GiB of it would be 700k blocks checked twice a step); one torch thread each, since tests
+        # run servers beside each other
         extra = []
         sized = {"--kv-cache-memory", "--num-blocks", "--gpu-memory-utilization"} & set(args)
         if torch.cuda.is_available():
-            # on a GPU the tests' exact comparisons hold in fp32 (the default there is bf16), and each server
-            # takes a fixed pool rather than 90% of a GPU its neighbours share
+            # on a GPU the tests' exact comparisons hold in fp32 (the default there is bf16), and
+            # each server takes a fixed pool rather than 90% of a GPU its neighbours share
             if "--dtype" not in args:
                 extra += ["--dtype", "float32"]
             if not sized:
@@ -80,8 +82,9 @@ def server_factory(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def servers_stop_with_their_module(server_factory):
-    """The servers a test module started are stopped when it ends: dozens held to the session's end (a few
-    hundred MB each) would take the memory later modules' servers check for at start."""
+    """The servers a test module started are stopped when it ends: dozens held to the session's end
+    (a few hundred MB each) would take the memory later modules' servers check for at start.
+    """
     first = len(server_factory.started)
     yield
     for server in server_factory.started[first:]:
@@ -91,7 +94,9 @@ def servers_stop_with_their_module(server_factory):
 
 @pytest.fixture(scope="session")
 def native():
-    """The native CPU kernels (kernels/cpu_native.py); the test is skipped where they cannot be built."""
+    """The native CPU kernels (kernels/cpu_native.py); the test is skipped where they cannot be
+    built.
+    """
     from kernels import cpu_native
 
     k = cpu_native.load()

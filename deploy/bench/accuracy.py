@@ -1,28 +1,32 @@
 """Accuracy of the default model as served, measured: `make bench-accuracy`.
 
-Perplexity of a fixed English text (deploy/data/perplexity.txt: public-domain prose, ~1000 tokens) by the
-protocol of llama.cpp's `llama-perplexity`, so the figures sit beside that tool's on the same GGUF: the
-text's tokens (a BOS first where the GGUF's tokenizer adds one) cut into chunks of --ctx tokens (the
-first token of each replaced by BOS in that case), each evaluated alone, and every token of a chunk's
-second half scored from the positions before it; PPL = exp(mean negative log-likelihood).
+Perplexity of a fixed English text (deploy/data/perplexity.txt: public-domain prose, ~1000 tokens)
+by the protocol of llama.cpp's `llama-perplexity`, so the figures sit beside that tool's on the same
+GGUF: the text's tokens (a BOS first where the GGUF's tokenizer adds one) cut into chunks of --ctx
+tokens (the first token of each replaced by BOS in that case), each evaluated alone, and every token
+of a chunk's second half scored from the positions before it; PPL = exp(mean negative
+log-likelihood).
 
-pagedserve's figures come from the server's own prompt logprobs (SamplingParams.prompt_logprobs: the raw
-fp32 log-softmax of each prompt token given the ones before it), computed one token a step so that every
-token takes the path generated tokens take (decode steps: the quantized kernels, the fused step), one
-server after the other:
+pagedserve's figures come from the server's own prompt logprobs (SamplingParams.prompt_logprobs: the
+raw fp32 log-softmax of each prompt token given the ones before it), computed one token a step so
+that every token takes the path generated tokens take (decode steps: the quantized kernels, the
+fused step), one server after the other:
   - fp32: the GGUF dequantized (`--dequantize`), the reference;
-  - the GGUF's blocks (the default model's: Q4_1) as `make run` serves them (`--quantized-activations
-    auto`: packed, with 16-bit integer activations where the CPU has AVX-512 VNNI or AVX2);
+  - the GGUF's blocks (the default model's: Q4_1) as `make run` serves them
+    (`--quantized-activations auto`: packed, with 16-bit integer activations where the CPU has
+    AVX-512 VNNI or AVX2);
   - the same blocks with fp32 activations (`--quantized-activations fp32`);
   - the same blocks with int8 activations (`--quantized-activations int8`, llama.cpp's scheme);
-  - bf16: the GGUF dequantized, served with --dtype bfloat16 (bf16 weights and, by default, KV pool);
-  - fp32 weights over a bf16 KV pool (--kv-cache-dtype bf16): what rounding each key and value costs;
-  - Q8_0: a Q8_0 copy of the file (its values quantized again as llama.cpp's Q8_0 files are: every matrix,
-    1-D tensors F32; made once under ~/.cache/pagedserve-peers), served on its blocks.
-With --tokens-per-step 128 every chunk is one prompt step instead (the prompt path: the blocks' copy, bf16
-on AMX), and the blocks with prompts on the fp32 copy (--quantized-prefill dense) run beside the default.
-llama.cpp's llama-perplexity runs on the file and on the Q8_0 copy.
-Beside each, the mean and largest |difference| of the scored tokens' logprobs from the fp32 server's.
+  - bf16: the GGUF dequantized, served with --dtype bfloat16 (bf16 weights and, by default, KV
+    pool);
+  - fp32 weights over a bf16 KV pool (--kv-cache-dtype bf16): what rounding each key and value
+    costs;
+  - Q8_0: a Q8_0 copy of the file (its values quantized again as llama.cpp's Q8_0 files are: every
+    matrix, 1-D tensors F32; made once under ~/.cache/pagedserve-peers), served on its blocks.
+With --tokens-per-step 128 every chunk is one prompt step instead (the prompt path: the blocks'
+copy, bf16 on AMX), and the blocks with prompts on the fp32 copy (--quantized-prefill dense) run
+beside the default. llama.cpp's llama-perplexity runs on the file and on the Q8_0 copy. Beside each,
+the mean and largest |difference| of the scored tokens' logprobs from the fp32 server's.
 
     python -m deploy.bench.accuracy --model .models/smollm2-135m-instruct
 """
@@ -44,11 +48,12 @@ TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
 
 
 def chunks(tokens: list[int], ctx: int, bos: int | None) -> list[list[int]]:
-    """llama-perplexity's chunks: whole ctx-token windows of the text, each starting with BOS where the
-    tokenizer adds one (the text's own first token replaced)."""
+    """llama-perplexity's chunks: whole ctx-token windows of the text, each starting with BOS where
+    the tokenizer adds one (the text's own first token replaced).
+    """
     out = []
     for i in range(len(tokens) // ctx):
-        c = list(tokens[i * ctx: (i + 1) * ctx])
+        c = list(tokens[i * ctx : (i + 1) * ctx])
         if bos is not None:
             c[0] = bos
         out.append(c)
@@ -56,14 +61,21 @@ def chunks(tokens: list[int], ctx: int, bos: int | None) -> list[list[int]]:
 
 
 def scored_logprobs(server: ServerProcess, chunk_list: list[list[int]]) -> list[float]:
-    """The logprob of every scored token (positions ctx/2 + 1 .. ctx - 1 of each chunk), in order."""
+    """The logprob of every scored token (positions ctx/2 + 1 .. ctx
+    - 1 of each chunk), in order.
+    """
     from protos import generation_pb2 as pb
 
     out = []
     for c in chunk_list:
         first = len(c) // 2
-        resp = server.stub.Generate(pb.GenerateRequest(prompt_token_ids=c, sampling=pb.SamplingParams(
-            max_tokens=1, temperature=0.0, prompt_logprobs=0)), timeout=600)
+        resp = server.stub.Generate(
+            pb.GenerateRequest(
+                prompt_token_ids=c,
+                sampling=pb.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+            ),
+            timeout=600,
+        )
         lps = resp.prompt_logprobs  # one per prompt token from the second on
         if len(lps) != len(c) - 1:
             raise RuntimeError(f"expected {len(c) - 1} prompt logprobs, got {len(lps)}")
@@ -72,14 +84,31 @@ def scored_logprobs(server: ServerProcess, chunk_list: list[list[int]]) -> list[
 
 
 def llama_perplexity(gguf: Path, text: Path, ctx: int, threads: int) -> float:
-    from deploy.bench.cpu_peers import build_llama_tool
+    from deploy.bench.llama_build import build_llama_tool
 
     binary = build_llama_tool("llama-perplexity")
-    run = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx),
-                          "-t", str(threads)], capture_output=True, text=True)
+    run = subprocess.run(
+        [
+            str(binary),
+            "-m",
+            str(gguf),
+            "-f",
+            str(text),
+            "-c",
+            str(ctx),
+            "-b",
+            str(ctx),
+            "-t",
+            str(threads),
+        ],
+        capture_output=True,
+        text=True,
+    )
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
     if run.returncode != 0 or not found:
-        raise RuntimeError(f"llama-perplexity failed ({run.returncode}): {(run.stdout + run.stderr)[-1500:]}")
+        raise RuntimeError(
+            f"llama-perplexity failed ({run.returncode}): {(run.stdout + run.stderr)[-1500:]}"
+        )
     return float(found.group(1))
 
 
@@ -93,65 +122,103 @@ def gguf_bos(gguf: Path) -> int | None:
         f = fields.get(name)
         return None if f is None else f.parts[f.data[0]][0]
 
-    return int(value("tokenizer.ggml.bos_token_id")) if value("tokenizer.ggml.add_bos_token") else None
+    return (
+        int(value("tokenizer.ggml.bos_token_id")) if value("tokenizer.ggml.add_bos_token") else None
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     # one function: the benchmark's script, read top to bottom
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a folder prepared from a GGUF (the default model's)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", required=True, help="a folder prepared from a GGUF (the default model's)"
+    )
     p.add_argument("--text", type=Path, default=TEXT)
     p.add_argument("--ctx", type=int, default=128, help="tokens per chunk (llama-perplexity -c)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp's perplexity tool")
-    p.add_argument("--tokens-per-step", type=int, default=1,
-                   help="prompt tokens a step computes (1: each as a decode step computes a generated token)")
+    p.add_argument(
+        "--tokens-per-step",
+        type=int,
+        default=1,
+        help="prompt tokens a step computes (1: each as a decode step computes a generated token)",
+    )
     args = p.parse_args(argv)
     from scheduler_service.text.tokenizer import Tokenizer
     from worker.weights.gguf_blocks import find_gguf
 
     gguf = find_gguf(args.model)
     if gguf is None:
-        raise SystemExit(f"{args.model} names no GGUF file (prepare it from one: pagedserve prepare-model)")
+        raise SystemExit(
+            f"{args.model} names no GGUF file (prepare it from one: pagedserve prepare-model)"
+        )
     bos = gguf_bos(gguf)
     tokens = Tokenizer(args.model).encode(args.text.read_text(), add_special_tokens=False)
     tokens = ([bos] if bos is not None else []) + tokens
     chunk_list = chunks(tokens, args.ctx, bos)
     if len(chunk_list) < 2:
         raise SystemExit(f"the text has {len(tokens)} tokens: fewer than two chunks of {args.ctx}")
-    from deploy.bench.cpu_peers import requantized_gguf
+    from deploy.bench.llama_build import requantized_gguf
 
-    q8 = requantized_gguf(gguf, "Q8_0")  # a Q8_0 file of the same values, as llama.cpp's Q8_0 files are made
+    # a Q8_0 file of the same values, as llama.cpp's Q8_0 files are made
+    q8 = requantized_gguf(gguf, "Q8_0")
     kind = gguf.stem.rsplit(".", 1)[-1]  # the file's type as its name says it (Q4_1, Q4_K_M, ...)
-    runs = [("fp32 (the GGUF dequantized)", Path(args.model), ["--dequantize"]),
-            ("bf16 (dequantized, --dtype bfloat16)", Path(args.model),
-             ["--dequantize", "--dtype", "bfloat16"]),
-            ("fp32, bf16 KV pool (--kv-cache-dtype bf16)", Path(args.model),
-             ["--dequantize", "--kv-cache-dtype",
-                                                                           "bf16"]),
-            (f"{kind} blocks, as served (default)", Path(args.model), []),
-            (f"{kind} blocks, fp32 activations", Path(args.model), ["--quantized-activations", "fp32"]),
-            (f"{kind} blocks, int8 activations", Path(args.model), ["--quantized-activations", "int8"]),
-            ("Q8_0 copy of the file, as served", q8, [])]
-    if args.tokens_per_step > 1:  # prompt steps: the default's copy (bf16 on AMX) against the fp32 one
-        runs.insert(4, (f"{kind} blocks, prompts on the fp32 copy", Path(args.model),
-                        ["--quantized-prefill", "dense"]))
+    runs = [
+        ("fp32 (the GGUF dequantized)", Path(args.model), ["--dequantize"]),
+        (
+            "bf16 (dequantized, --dtype bfloat16)",
+            Path(args.model),
+            ["--dequantize", "--dtype", "bfloat16"],
+        ),
+        (
+            "fp32, bf16 KV pool (--kv-cache-dtype bf16)",
+            Path(args.model),
+            ["--dequantize", "--kv-cache-dtype", "bf16"],
+        ),
+        (f"{kind} blocks, as served (default)", Path(args.model), []),
+        (f"{kind} blocks, fp32 activations", Path(args.model), ["--quantized-activations", "fp32"]),
+        (f"{kind} blocks, int8 activations", Path(args.model), ["--quantized-activations", "int8"]),
+        ("Q8_0 copy of the file, as served", q8, []),
+    ]
+    # prompt steps: the default's copy (bf16 on AMX) against the fp32 one
+    if args.tokens_per_step > 1:
+        runs.insert(
+            4,
+            (
+                f"{kind} blocks, prompts on the fp32 copy",
+                Path(args.model),
+                ["--quantized-prefill", "dense"],
+            ),
+        )
     results = []
     for name, model, extra in runs:
         log = Path(tempfile.mkdtemp(prefix="pagedserve-accuracy-")) / "server.log"
-        # one prompt token a step: every token goes through the decode path (the quantized kernels, the
-        # fused step), as generated tokens do; a whole chunk at once would take the prefill path, which
-        # runs on the dense copy of the blocks' values and so equals fp32 by construction
-        server = ServerProcess(model, log, "--metrics-port", "0", "--threads", str(args.threads),
-                               "--max-num-batched-tokens", str(args.tokens_per_step),
-                               *extra).start(timeout=600)
+        # one prompt token a step: every token goes through the decode path (the quantized kernels,
+        # the fused step), as generated tokens do; a whole chunk at once would take the prefill
+        # path, which runs on the dense copy of the blocks' values and so equals fp32 by
+        # construction
+        server = ServerProcess(
+            model,
+            log,
+            "--metrics-port",
+            "0",
+            "--threads",
+            str(args.threads),
+            "--max-num-batched-tokens",
+            str(args.tokens_per_step),
+            *extra,
+        ).start(timeout=600)
         try:
             results.append((name, scored_logprobs(server, chunk_list)))
         finally:
             server.stop()
     n = len(results[0][1])
-    print(f"text: {args.text.name}, {len(tokens)} tokens, {len(chunk_list)} chunks of {args.ctx}, {n} tokens "
-          "scored")
+    print(
+        f"text: {args.text.name}, {len(tokens)} tokens, {len(chunk_list)} chunks of {args.ctx}, "
+        f"{n} tokens scored"
+    )
     reference = results[0][1]
     print(f"{'':42} {'PPL':>8} {'mean |Δ logprob|':>17} {'max |Δ logprob|':>16}")
     for name, lps in results:

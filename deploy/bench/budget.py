@@ -1,14 +1,16 @@
-"""The per-token budget of one decode stream on a CPU (`make bench-budget`): where a token's time goes.
+"""The per-token budget of one decode stream on a CPU (`make bench-budget`): where a token's time
+goes.
 
-The worker is built in this process exactly as `pagedserve serve --model X` builds it (the same flags and
-start-up phases: the file's blocks, packing, the fused decode step), then fed the plan of one sequence
-decoding at --context keys. Printed per part, in ms a token: each stage of the fused step as the native
-library times it (kernels/cpu/decode_step.c: the four projections, attention, the norms, the heads' RoPE
-and K/V write, the activations' rounding, SiLU), the LM head, sampling, and the worker's own Python and
-staging. Beside each matrix: the bytes it reads a token and the rate that makes against a plain read of
-memory measured in the same run; the read limit is every byte a token must read over that rate. With
---served the same model then runs behind a real server (one greedy stream): its inter-token time less the
-worker's step is what the scheduler, the wire and the client add.
+The worker is built in this process exactly as `pagedserve serve --model X` builds it (the same
+flags and start-up phases: the file's blocks, packing, the fused decode step), then fed the plan of
+one sequence decoding at --context keys. Printed per part, in ms a token: each stage of the fused
+step as the native library times it (kernels/cpu/decode_step.c: the four projections, attention, the
+norms, the heads' RoPE and K/V write, the activations' rounding, SiLU), the LM head, sampling, and
+the worker's own Python and staging. Beside each matrix: the bytes it reads a token and the rate
+that makes against a plain read of memory measured in the same run; the read limit is every byte a
+token must read over that rate. With --served the same model then runs behind a real server (one
+greedy stream): its inter-token time less the worker's step is what the scheduler, the wire and the
+client add.
 
     python -m deploy.bench.budget --served \
         --model ~/.cache/pagedserve-peers/scale/llama-1b-v128256-random.Q4_K_M.gguf
@@ -29,8 +31,9 @@ MATRICES = ("qkv", "o_proj", "gate_up", "down")
 
 
 def read_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Bytes a second of a plain read of memory (a sum over 1 GiB of fp32, torch's threads), the best of
-    `reps`."""
+    """Bytes a second of a plain read of memory (a sum over 1 GiB of fp32, torch's threads), the
+    best of `reps`.
+    """
     import torch
 
     big = torch.ones(nbytes // 4)
@@ -43,10 +46,13 @@ def read_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
 
 
 def build_worker(model: str, flags: list[str]):
-    """The runner a worker started with these flags serves with (no scheduler: nothing is connected)."""
+    """The runner a worker started with these flags serves with (no scheduler: nothing is
+    connected).
+    """
+    from worker.serve.assembly import build_runner, size_pool
     from worker.serve.config import WorkerConfig
     from worker.serve.main import build_parser
-    from worker.serve.startup import build_runner, check_flags, load, size_pool, start_device
+    from worker.serve.startup import check_flags, load, start_device
 
     args = build_parser().parse_args(["--model", model, "--scheduler", "tcp://127.0.0.1:1", *flags])
     cfg = WorkerConfig.from_args(args)
@@ -58,7 +64,9 @@ def build_worker(model: str, flags: list[str]):
 
 
 def matrix_bytes(model) -> dict[str, int]:
-    """Bytes each projection reads a token, every layer together (the weights the fused step multiplies)."""
+    """Bytes each projection reads a token, every layer together (the weights the fused step
+    multiplies).
+    """
     from worker.model.fused_decode import matrix_bytes as one_layer
 
     total = dict.fromkeys(MATRICES, 0)
@@ -69,7 +77,7 @@ def matrix_bytes(model) -> dict[str, int]:
 
 
 def head_bytes(model) -> int:
-    from worker.model.quantized import QuantLinear, QuantStack, QuantWeight
+    from worker.model.quant_weights import QuantLinear, QuantStack, QuantWeight
 
     head = model.head
     if isinstance(head, QuantLinear):
@@ -85,14 +93,20 @@ def budget(runner, context: int, steps: int) -> dict:
     model, kernels = runner.model, runner.model.fused.kernels if runner.model.fused else None
     blocks = -(-(context + 1) // runner.pool.block_size)
     if blocks + 1 > runner.pool.num_blocks:
-        raise SystemExit(f"--context {context} needs {blocks + 1} blocks; the pool has "
-                         f"{runner.pool.num_blocks}")
-    plan, _ = step_plan([(1, context)], block=runner.pool.block_size, step_id=2,
-                        vocab=min(model.config.vocab_size, 40000))
+        raise SystemExit(
+            f"--context {context} needs {blocks + 1} blocks; the pool has {runner.pool.num_blocks}"
+        )
+    plan, _ = step_plan(
+        [(1, context)],
+        block=runner.pool.block_size,
+        step_id=2,
+        vocab=min(model.config.vocab_size, 40000),
+    )
     for t in runner.pool.k + runner.pool.v:
         t.normal_()
-    for _ in range(20):  # the first steps after loading run slower (pages settling): not the steady state
-        if (error := runner.execute(plan).error):
+    # the first steps after loading run slower (pages settling): not the steady state
+    for _ in range(20):
+        if error := runner.execute(plan).error:
             raise SystemExit(f"the worker refused the step: {error}")
     targets = {"lm_head": (model, "compute_logits"), "sampling": (runner, "_sample")}
     if model.fused is not None:
@@ -110,7 +124,9 @@ def budget(runner, context: int, steps: int) -> dict:
         if model.fused is not None:
             kernels.decode_profile(False)
     part = {k: v / steps for k, v in tally.seconds.items()}
-    per = {f"stage {k}": v / max(stages.get("steps", 1), 1) for k, v in stages.items() if k != "steps"}
+    per = {
+        f"stage {k}": v / max(stages.get("steps", 1), 1) for k, v in stages.items() if k != "steps"
+    }
     step = statistics.mean(times)
     per["lm_head"], per["sampling"] = part.get("lm_head", 0.0), part.get("sampling", 0.0)
     inside = part.get("fused", 0.0)
@@ -127,9 +143,12 @@ def kv_bytes(runner, context: int) -> int:
     return 2 * context * per_key * model.config.num_layers
 
 
-def served_token_s(model: str, flags: list[str], context: int, max_tokens: int, repeats: int) -> list[float]:
-    """Seconds a token of one greedy stream through a real server, each repeat; the prompt long enough that
-    the mean context is `context` keys, as in process."""
+def served_token_s(
+    model: str, flags: list[str], context: int, max_tokens: int, repeats: int
+) -> list[float]:
+    """Seconds a token of one greedy stream through a real server, each repeat; the prompt long
+    enough that the mean context is `context` keys, as in process.
+    """
     from deploy.bench.cpu_peers import PagedserveTarget
 
     n = max(context - max_tokens // 2, 1)
@@ -162,22 +181,35 @@ def print_budget(res: dict, bw: float, mats: dict, head: int, kv: int) -> None:
     read = sum(mats.values()) + head + kv
     print(f"{'worker step':34} {step * 1e3:9.3f} (median {res['median_step'] * 1e3:.3f})")
     if "served" in res:
-        print(f"{'served, one stream':34} {res['served'] * 1e3:9.3f} ({1 / res['served']:.1f} tok/s)")
-    print(f"read limit: {read / 1e6:.0f} MB a token at {bw / 1e9:.1f} GB/s = {read / bw * 1e3:.2f} ms "
-          f"({bw / read:.1f} tok/s); the worker's step is at {read / bw / step:.0%} of it"
-          + (f", the served stream at {read / bw / res['served']:.0%}" if "served" in res else ""))
+        print(
+            f"{'served, one stream':34} {res['served'] * 1e3:9.3f} ({1 / res['served']:.1f} tok/s)"
+        )
+    print(
+        f"read limit: {read / 1e6:.0f} MB a token at {bw / 1e9:.1f} GB/s = {read / bw * 1e3:.2f} "
+        f"ms ({bw / read:.1f} tok/s); the worker's step is at {read / bw / step:.0%} of it"
+        + (f", the served stream at {read / bw / res['served']:.0%}" if "served" in res else "")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pagedserve-bench-budget", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a .gguf file or model folder, as `pagedserve serve` takes")
-    p.add_argument("--context", type=int, default=256, help="keys the sequence attends (default 256)")
+    p = argparse.ArgumentParser(
+        prog="pagedserve-bench-budget",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model", required=True, help="a .gguf file or model folder, as `pagedserve serve` takes"
+    )
+    p.add_argument(
+        "--context", type=int, default=256, help="keys the sequence attends (default 256)"
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--served", action="store_true", help="also one stream through a real server")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="served streams (the median is printed)")
-    p.add_argument("--flags", default="", help="worker flags, as `pagedserve serve` would pass them")
+    p.add_argument(
+        "--flags", default="", help="worker flags, as `pagedserve serve` would pass them"
+    )
     args = p.parse_args(argv)
     import shlex
 
@@ -188,20 +220,25 @@ def main(argv: list[str] | None = None) -> int:
 
     flags = shlex.split(args.flags)
     configure_logging("warning", process="bench-budget")
-    ensure_allocator(resolve_mode(None), "cpu", "deploy.bench.budget", sys.argv[1:] if argv is None else argv)
+    ensure_allocator(
+        resolve_mode(None), "cpu", "deploy.bench.budget", sys.argv[1:] if argv is None else argv
+    )
     bw = read_bandwidth()
     runner = build_worker(args.model, flags)
     model = runner.model
     mats = matrix_bytes(model) if model.fused is not None else {}
     head, kv = head_bytes(model), kv_bytes(runner, args.context)
-    print(f"{args.model}: {torch.get_num_threads()} threads, context {args.context}, weights "
-          f"{model.mm.name}, fused step {'on' if model.fused is not None else 'off'}")
+    print(
+        f"{args.model}: {torch.get_num_threads()} threads, context {args.context}, weights "
+        f"{model.mm.name}, fused step {'on' if model.fused is not None else 'off'}"
+    )
     res = budget(runner, args.context, args.steps)
     del runner, model
     gc.collect()
     if args.served:
-        res["served"] = statistics.median(served_token_s(args.model, flags, args.context, args.max_tokens,
-                                                         args.repeats))
+        res["served"] = statistics.median(
+            served_token_s(args.model, flags, args.context, args.max_tokens, args.repeats)
+        )
     print_budget(res, bw, mats, head, kv)
     return 0
 

@@ -1,13 +1,15 @@
-"""What request controls cost: the fixed workload's prompts through one server, plain and with each control,
-rounds interleaved (plain, control, plain, control...) so every ratio compares readings of the same minutes.
+"""What request controls cost: the fixed workload's prompts through one server, plain and with each
+control, rounds interleaved (plain, control, plain, control...) so every ratio compares readings of
+the same minutes.
 
     python -m deploy.bench.controls --model .models/smollm2-135m-instruct      # make bench-controls
 
-Modes: logprobs (K = 5 with every token), penalties (repetition 1.1, presence and frequency 0.5), bias
-(logit_bias on 20 tokens, min_p 0.05, min_tokens), regex (a pattern no output can finish within
-max_tokens, so every token of every row is masked), json (a JSON Schema; outputs end when the object is
-complete). Each prints output tokens/s and its ratio to the plain rounds around it. In process, it also
-times the scheduler's mask computation for a batch of constrained rows (llguidance's parallel executor).
+Modes: logprobs (K = 5 with every token), penalties (repetition 1.1, presence and frequency 0.5),
+bias (logit_bias on 20 tokens, min_p 0.05, min_tokens), regex (a pattern no output can finish within
+max_tokens, so every token of every row is masked), json (a JSON Schema; outputs end when the object
+is complete). Each prints output tokens/s and its ratio to the plain rounds around it. In process,
+it also times the scheduler's mask computation for a batch of constrained rows (llguidance's
+parallel executor).
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ from pathlib import Path
 
 from deploy.bench.harness import DEFAULT_WORKLOAD, load_workload
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
-    "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4}},
-    "required": ["name", "age", "hobbies"]}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer"},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4},
+    },
+    "required": ["name", "age", "hobbies"],
+}
 
 MODES = {
     "plain": {},
@@ -38,8 +45,9 @@ MODES = {
 }
 
 
-async def drive(address: str, prompts: list[list[int]], max_tokens: int, controls: dict,
-                temperature: float) -> tuple[float, int]:
+async def drive(
+    address: str, prompts: list[list[int]], max_tokens: int, controls: dict, temperature: float
+) -> tuple[float, int]:
     import grpc
 
     from protos import generation_pb2, generation_pb2_grpc
@@ -49,11 +57,17 @@ async def drive(address: str, prompts: list[list[int]], max_tokens: int, control
         t0 = time.perf_counter()
 
         async def one(i, prompt):
-            sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i,
-                                                     ignore_eos="json_schema" not in controls, **controls)
+            sampling = generation_pb2.SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=i,
+                ignore_eos="json_schema" not in controls,
+                **controls,
+            )
             resp = await stub.Generate(
                 generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=sampling),
-                                       timeout=3600)
+                timeout=3600,
+            )
             return len(resp.choices[0].token_ids)
 
         counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
@@ -61,9 +75,9 @@ async def drive(address: str, prompts: list[list[int]], max_tokens: int, control
 
 
 def mask_timing(model: str, rows: int, kind: str) -> float:
-    """Mean seconds per step to compute the masks of `rows` constrained rows as they walk through outputs
-    that match (each row its own text; every step a new state per row, so llguidance's caches help only
-    as much as they would serving)."""
+    """Mean seconds per step to compute `rows` constrained rows' masks as they walk matching
+    outputs, each step a new state per row (llguidance's caches help only as serving would).
+    """
     from scheduler_service.core.config import ModelSpec
     from scheduler_service.text.structured import GrammarEngine
     from scheduler_service.text.tokenizer import Tokenizer
@@ -77,8 +91,15 @@ def mask_timing(model: str, rows: int, kind: str) -> float:
     texts = []
     for i in range(rows):
         if kind == "json":
-            texts.append(json.dumps({"name": f"{words[i % 8].title()} {words[(i + 3) % 8].title()}",
-                                     "age": 20 + i, "hobbies": [words[(i + k) % 8] for k in range(3)]}))
+            texts.append(
+                json.dumps(
+                    {
+                        "name": f"{words[i % 8].title()} {words[(i + 3) % 8].title()}",
+                        "age": 20 + i,
+                        "hobbies": [words[(i + k) % 8] for k in range(3)],
+                    }
+                )
+            )
         else:
             texts.append(" ".join(words[(i + k) % 8] for k in range(40)) + ", " + words[i % 8])
     streams = [tok.encode_prompt(t, raw=True) for t in texts]
@@ -95,8 +116,11 @@ def mask_timing(model: str, rows: int, kind: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_controls", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench_controls",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", required=True)
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     p.add_argument("--num-requests", type=int, default=32)
@@ -115,8 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     from tests.support.server import ServerProcess
 
     log = Path(tempfile.mkdtemp(prefix="pagedserve-bench-controls-")) / "server.log"
-    server = ServerProcess(Path(args.model), log, "--kv-cache-memory", args.kv_cache_memory,
-                           "--max-model-len", "4096", "--log-format", "json").start()
+    server = ServerProcess(
+        Path(args.model),
+        log,
+        "--kv-cache-memory",
+        args.kv_cache_memory,
+        "--max-model-len",
+        "4096",
+        "--log-format",
+        "json",
+    ).start()
     rates: dict[str, list[float]] = {m: [] for m in modes}
     beside: dict[str, list[float]] = {m: [] for m in modes}  # the plain rounds next to each mode's
     try:
@@ -125,23 +157,34 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for mode in modes:
                 for name in ("plain", mode):
-                    wall, tokens = asyncio.run(drive(server.address, prompts, args.max_tokens, MODES[name],
-                                                     args.temperature))
+                    wall, tokens = asyncio.run(
+                        drive(
+                            server.address, prompts, args.max_tokens, MODES[name], args.temperature
+                        )
+                    )
                     (rates if name == mode else beside)[mode].append(tokens / wall)
-                    print(f"  {name:<10} {tokens:6d} tokens in {wall:6.2f} s = {tokens / wall:7.1f} tok/s",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"  {name:<10} {tokens:6d} tokens in {wall:6.2f} s = {tokens / wall:7.1f} "
+                        "tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         server.stop()
-    print(f"{len(prompts)} requests x up to {args.max_tokens} tokens, temperature {args.temperature}, "
-          f"{args.rounds} round(s) each")
+    print(
+        f"{len(prompts)} requests x up to {args.max_tokens} tokens, temperature "
+        f"{args.temperature}, {args.rounds} round(s) each"
+    )
     print(f"{'mode':<10} {'tok/s':>8} {'plain beside it':>16} {'ratio':>6}")
     for mode in modes:
         rate, plain = statistics.median(rates[mode]), statistics.median(beside[mode])
         print(f"{mode:<10} {rate:8.1f} {plain:16.1f} {rate / plain:6.2f}")
     for kind in ("json", "regex"):
         for rows in (1, 16, 64):
-            print(f"masks of {rows:>2} {kind} rows, mean per step (scheduler, in process): "
-                  f"{mask_timing(args.model, rows, kind) * 1e3:.2f} ms")
+            print(
+                f"masks of {rows:>2} {kind} rows, mean per step (scheduler, in process): "
+                f"{mask_timing(args.model, rows, kind) * 1e3:.2f} ms"
+            )
     return 0
 
 

@@ -1,19 +1,21 @@
 """pagedserve against llama.cpp's server on the same GGUF, same run: `make bench-cpu-peers`.
 
-llama.cpp is built from the `llama-cpp-python` source distribution on PyPI (it vendors llama.cpp): the
-sdist is fetched with pip once, `llama-server` built with cmake for this machine, both cached under
-~/.cache/pagedserve-peers. Both servers serve the default model's own Q4_1 GGUF on both cores (with
---precision fp32: llama.cpp an F32 copy of it, pagedserve the same values with --dequantize):
-  - one stream: the workload's first prompt (64 tokens) in the first round, its second in the next, and so
-    on, 128 greedy tokens, ignore_eos (the same prompt again would have pagedserve's speculation draft the
-    answer it gave before, from the n-grams it keeps of earlier requests: a replay, not a decode rate);
-  - many streams: the first 8, then all 64 prompts of the fixed CPU workload (64-256 token ids, 128 tokens
-    each, all at once); llama.cpp gets 64 slots with continuous batching;
-  - with --with-layers, pagedserve again with --cpu-decode layers (no fused decode step), for the change;
-    with --variant NAME=FLAGS, again with any serve flags (repeatable).
-  - prompt processing: one prompt of --prompt-tokens (512) token ids, one output token: prompt tokens/s over
-    the request;
-  - peak resident memory of each server's processes (VmHWM, the scheduler and workers summed for pagedserve).
+llama.cpp is built from the `llama-cpp-python` source distribution on PyPI (it vendors llama.cpp):
+the sdist is fetched with pip once, `llama-server` built with cmake for this machine, both cached
+under ~/.cache/pagedserve-peers. Both servers serve the default model's own Q4_1 GGUF on both cores
+(with --precision fp32: llama.cpp an F32 copy of it, pagedserve the same values with --dequantize):
+  - one stream: the workload's first prompt (64 tokens) in the first round, its second in the next,
+    and so on, 128 greedy tokens, ignore_eos (the same prompt again would have pagedserve's
+    speculation draft the answer it gave before, from the n-grams it keeps of earlier requests: a
+    replay, not a decode rate);
+  - many streams: the first 8, then all 64 prompts of the fixed CPU workload (64-256 token ids, 128
+    tokens each, all at once); llama.cpp gets 64 slots with continuous batching;
+  - with --with-layers, pagedserve again with --cpu-decode layers (no fused decode step), for the
+    change; with --variant NAME=FLAGS, again with any serve flags (repeatable).
+  - prompt processing: one prompt of --prompt-tokens (512) token ids, one output token: prompt
+    tokens/s over the request;
+  - peak resident memory of each server's processes (VmHWM, the scheduler and workers summed for
+    pagedserve).
 All servers are up at once and measured in rounds, each round taking every server in turn, so a slow
 spell of a noisy machine falls on all of them alike: medians over rounds, ratios per round.
 Prompts go to both as the same token ids (pagedserve.v1 over gRPC; llama.cpp's /v1/completions takes
@@ -31,119 +33,15 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 from deploy.bench.harness import DEFAULT_WORKLOAD, drive, http_pass, load_workload
+from deploy.bench.llama_build import build_llama_server, f32_gguf
 from deploy.prepare_model import find_embedded_gguf
 from deploy.processes import free_port, stop_group
 from tests.support.server import ServerProcess
-
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-CACHE = Path(os.environ.get("PAGEDSERVE_PEERS", Path.home() / ".cache" / "pagedserve-peers"))
-
-
-def build_llama_server() -> Path:
-    """llama-server built from the pinned sdist (once: a few minutes on two cores)."""
-    return build_llama_tool("llama-server")
-
-
-def build_llama_tool(name: str) -> Path:
-    """One of llama.cpp's programs (llama-server, llama-perplexity) built from the pinned sdist, once."""
-    binary = CACHE / "llama.cpp" / "build" / "bin" / name
-    if binary.is_file():
-        return binary
-    CACHE.mkdir(parents=True, exist_ok=True)
-    if (CACHE / "llama.cpp" / "CMakeLists.txt").is_file():  # the source is here already: build the target
-        target = CACHE / "llama.cpp"
-    else:
-        target = _fetch_llama_cpp()
-    build = target / "build"
-    subprocess.run(["cmake", "-S", str(target), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", *_isa_flags()], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 2)],
-                   check=True)
-    return binary
-
-
-def _isa_flags() -> list[str]:
-    """-march=native, except on a CPU with AMX: the pinned ggml's AMX matmul dies with SIGSEGV at the first
-    decode there (Q4_K), so llama.cpp is built for every vector extension this CPU has, AMX left out (its
-    weight repacking for AVX-512 kept: `--no-repack` would turn both off)."""
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
-    if "amx_int8" not in flags:
-        return ["-DGGML_NATIVE=ON"]
-    isa = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx512f": "AVX512",
-           "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16",
-           "avx_vnni": "AVX_VNNI", "bmi2": "BMI2"}
-    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{v}={'ON' if k in flags else 'OFF'}" for k, v in isa.items()),
-            "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
-
-
-def _fetch_llama_cpp() -> Path:
-    """The sdist's vendored llama.cpp source, unpacked under the cache."""
-    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        LLAMA_CPP_PYTHON, "-d", tmp], check=True)
-        sdist = next(Path(tmp).glob("*.tar.gz"))
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
-        source = next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
-        target = CACHE / "llama.cpp"
-        if target.exists():
-            subprocess.run(["rm", "-rf", str(target)], check=True)
-        source.rename(target)
-    return target
-
-
-def f32_gguf(source: Path) -> Path:
-    """The GGUF with every quantized tensor dequantized to F32 (metadata, tokenizer and tensor order as they
-    are): llama.cpp at full precision on exactly the values `--dequantize` serves. Made once, cached."""
-    return requantized_gguf(source, "F32")
-
-
-def requantized_gguf(source: Path, qtype: str) -> Path:
-    """A copy of the GGUF at another precision, made once and cached: every tensor dequantized (gguf's
-    reading of the file's blocks) and, for Q8_0, every matrix quantized again as llama.cpp's Q8_0 files
-    hold them (1-D tensors stay F32); metadata, tokenizer and tensor order as they are."""
-    import gguf
-    import numpy as np
-
-    kind = getattr(gguf.GGMLQuantizationType, qtype)
-    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
-    target = CACHE / f"{source.stem}.{qtype}.gguf"  # named after the file it came from, its type included
-    if target.is_file():
-        return target
-    CACHE.mkdir(parents=True, exist_ok=True)
-    reader = gguf.GGUFReader(str(source))
-    arch = reader.fields["general.architecture"].contents()
-    tmp = target.with_suffix(".part")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        value = field.contents()
-        if name == "general.file_type":
-            value = int(file_type)
-        sub = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(name, value, field.types[0], sub_type=sub)
-    if "general.file_type" not in reader.fields:
-        writer.add_file_type(int(file_type))
-    for t in reader.tensors:
-        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        data = data.reshape([int(n) for n in reversed(t.shape)])
-        if kind != gguf.GGMLQuantizationType.F32 and data.ndim == 2 and data.shape[-1] % 32 == 0:
-            writer.add_tensor(t.name, gguf.quants.quantize(data, kind), raw_dtype=kind)
-        else:
-            writer.add_tensor(t.name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.rename(target)
-    return target
 
 
 def peak_rss(pid: int) -> int:
@@ -163,14 +61,43 @@ def peak_rss(pid: int) -> int:
 
 
 class LlamaServer:
-    def __init__(self, binary: Path, gguf: Path, slots: int, context_per_slot: int, threads: int, log: Path,
-                 *extra: str):
+    def __init__(
+        self,
+        binary: Path,
+        gguf: Path,
+        slots: int,
+        context_per_slot: int,
+        threads: int,
+        log: Path,
+        *extra: str,
+    ):
         self.port = free_port()
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
-            [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port), "-np", str(slots),
-             "-c", str(slots * context_per_slot), "-t", str(threads), "-tb", str(threads), "--cont-batching",
-             "--no-webui", *extra], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                str(binary),
+                "-m",
+                str(gguf),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "-np",
+                str(slots),
+                "-c",
+                str(slots * context_per_slot),
+                "-t",
+                str(threads),
+                "-tb",
+                str(threads),
+                "--cont-batching",
+                "--no-webui",
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def wait(self, timeout: float = 300) -> LlamaServer:
@@ -195,8 +122,15 @@ class LlamaServer:
 
 
 def _body(prompt: list[int], max_tokens: int) -> dict:
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "cache_prompt": False}
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "cache_prompt": False,
+    }
 
 
 class LlamaTarget:
@@ -205,18 +139,28 @@ class LlamaTarget:
     def __init__(self, args) -> None:
         folder = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-"))
         self.name = f"llama.cpp llama-server ({args.gguf_label} GGUF)"
-        self.server = LlamaServer(build_llama_server(), args.gguf, args.slots,
-                                  max(384, args.prompt_tokens + 64), args.threads,
-                                  folder / "llama-server.log").wait()
+        self.server = LlamaServer(
+            build_llama_server(),
+            args.gguf,
+            args.slots,
+            max(384, args.prompt_tokens + 64),
+            args.threads,
+            folder / "llama-server.log",
+        ).wait()
         asyncio.run(http_pass(self.server.base_url, [_body([1, 2, 3], 4)], "/v1/completions"))
 
     def one(self, prompt: list[int], max_tokens: int) -> float:
-        r = asyncio.run(http_pass(self.server.base_url, [_body(prompt, max_tokens)], "/v1/completions"))
+        r = asyncio.run(
+            http_pass(self.server.base_url, [_body(prompt, max_tokens)], "/v1/completions")
+        )
         return (r["tokens"] - 1) / (r["wall_s"] - r["ttfts"][0])
 
     def many(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
-        r = asyncio.run(http_pass(self.server.base_url, [_body(p, max_tokens) for p in prompts],
-                                  "/v1/completions"))
+        r = asyncio.run(
+            http_pass(
+                self.server.base_url, [_body(p, max_tokens) for p in prompts], "/v1/completions"
+            )
+        )
         return r["tokens"] / r["wall_s"], statistics.mean(r["ttfts"])
 
     def prefill(self, prompt: list[int]) -> float:
@@ -231,19 +175,27 @@ class LlamaTarget:
 
 
 class PagedserveTarget:
-    """A pagedserve server on the model folder (make run's defaults), over gRPC with token-id prompts."""
+    """A pagedserve server on the model folder (make run's defaults), over gRPC with token-id
+    prompts.
+    """
 
     def __init__(self, args, name: str, *extra: str) -> None:
         self.name = name
         log = Path(tempfile.mkdtemp(prefix="pagedserve-peer-")) / "server.log"
-        self.server = ServerProcess(Path(args.model), log, "--metrics-port", "0", *extra).start(timeout=600)
+        self.server = ServerProcess(Path(args.model), log, "--metrics-port", "0", *extra).start(
+            timeout=600
+        )
         asyncio.run(drive(self.server.address, [[1, 2, 3], [4, 5, 6]], 4))
 
     def one(self, prompt: list[int], max_tokens: int) -> float:
         from protos import generation_pb2
 
-        req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        req = generation_pb2.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=generation_pb2.SamplingParams(
+                max_tokens=max_tokens, temperature=0, ignore_eos=True
+            ),
+        )
         first, n = None, 0
         for msg in self.server.stub.GenerateStream(req, timeout=600):
             if msg.token_ids and first is None:
@@ -267,9 +219,9 @@ class PagedserveTarget:
 
 
 def measure(targets, prompts, args) -> dict:
-    """Every measurement in rounds, each round taking every server in turn (the others idle meanwhile), so a
-    slow spell of a noisy machine falls on all of them alike; medians over the rounds, and the median of the
-    per-round ratios to the last target."""
+    """Every measurement in rounds, each server in turn, so a slow spell falls on all alike;
+    medians, and the median of per-round ratios to the last target.
+    """
     res = {t.name: {"one": [], "prefill": [], **{n: [] for n in args.streams}} for t in targets}
     for r in range(args.repeats):  # a prompt not seen before each round (module docstring)
         for t in targets:
@@ -290,37 +242,65 @@ def measure(targets, prompts, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     # one function: the benchmark's script, read top to bottom
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", required=True, help="the prepared folder of the GGUF below")
-    p.add_argument("--gguf", type=Path, default=None, help="default: the embedded model's Q4_1 file")
+    p.add_argument(
+        "--gguf", type=Path, default=None, help="default: the embedded model's Q4_1 file"
+    )
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5, help="rounds of the one-stream measurement")
     p.add_argument("--rounds", type=int, default=2, help="rounds of each many-stream measurement")
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--streams", default="8,64",
-                   help="concurrencies of the workload's first prompts, all at once")
-    p.add_argument("--prompt-tokens", type=int, default=512,
-                   help="prompt processing: one prompt this long (0: skip)")
+    p.add_argument(
+        "--streams",
+        default="8,64",
+        help="concurrencies of the workload's first prompts, all at once",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=512,
+        help="prompt processing: one prompt this long (0: skip)",
+    )
     p.add_argument("--prefill-rounds", type=int, default=2)
-    p.add_argument("--precision", default="gguf", choices=["gguf", "fp32"],
-                   help="gguf: both servers on the file's blocks; fp32: llama.cpp on an F32 copy of the file "
-                        "(made once, cached) and pagedserve on the dequantized weights (--dequantize)")
-    p.add_argument("--with-layers", action="store_true",
-                   help="also pagedserve with --cpu-decode layers (every decode step layer by layer), same "
-                        "run")
-    p.add_argument("--serve-flags", default="", metavar="FLAGS",
-                   help="serve flags of the first pagedserve too (where one server at a time is all the "
-                        "memory holds beside llama.cpp: an 8B model), e.g. '--quantized-activations int8'")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
-                   help="also pagedserve started with these serve flags, same run (repeatable), e.g. "
-                        "'int8 activations=--quantized-activations int8'")
+    p.add_argument(
+        "--precision",
+        default="gguf",
+        choices=["gguf", "fp32"],
+        help="gguf: both servers on the file's blocks; fp32: llama.cpp on an F32 copy of the file "
+        "(made once, cached) and pagedserve on the dequantized weights (--dequantize)",
+    )
+    p.add_argument(
+        "--with-layers",
+        action="store_true",
+        help="also pagedserve with --cpu-decode layers (every decode step layer by layer), same "
+        "run",
+    )
+    p.add_argument(
+        "--serve-flags",
+        default="",
+        metavar="FLAGS",
+        help="serve flags of the first pagedserve too (where one server at a time is all the "
+        "memory holds beside llama.cpp: an 8B model), e.g. '--quantized-activations int8'",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="also pagedserve started with these serve flags, same run (repeatable), e.g. "
+        "'int8 activations=--quantized-activations int8'",
+    )
     args = p.parse_args(argv)
     args.gguf = args.gguf or find_embedded_gguf()
     ours = []
     args.gguf_label = args.gguf.stem.rsplit(".", 1)[-1]
-    if args.precision == "fp32":  # both at full precision: llama.cpp on the F32 file, pagedserve dequantized
+    # both at full precision: llama.cpp on the F32 file, pagedserve dequantized
+    if args.precision == "fp32":
         args.gguf, args.gguf_label, ours = f32_gguf(args.gguf), "F32", ["--dequantize"]
     args.streams = [int(n) for n in args.streams.split(",") if n]
     prompts = load_workload(args.workload)
@@ -331,11 +311,16 @@ def main(argv: list[str] | None = None) -> int:
             first = f"{first[:-1]}, {args.serve_flags})"
         targets.append(PagedserveTarget(args, first, *ours, *shlex.split(args.serve_flags)))
         if args.with_layers:
-            targets.append(PagedserveTarget(args, "pagedserve, --cpu-decode layers", *ours, "--cpu-decode",
-                                            "layers"))
+            targets.append(
+                PagedserveTarget(
+                    args, "pagedserve, --cpu-decode layers", *ours, "--cpu-decode", "layers"
+                )
+            )
         for v in args.variant:
             name, _, flags = v.partition("=")
-            targets.append(PagedserveTarget(args, f"pagedserve, {name.strip()}", *ours, *shlex.split(flags)))
+            targets.append(
+                PagedserveTarget(args, f"pagedserve, {name.strip()}", *ours, *shlex.split(flags))
+            )
         targets.append(LlamaTarget(args))
         res = measure(targets, prompts, args)
     finally:
@@ -349,29 +334,52 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':38} {'1 stream decode':>16}{head} {'peak RSS':>9}")
     for t in targets:
         r = res[t.name]
-        cols = "".join(f" {med(x[0] for x in r[n]):11.1f} "
-                       f"{med(x[1] for x in r[n]):6.2f}s" for n in args.streams)
+        cols = "".join(
+            f" {med(x[0] for x in r[n]):11.1f} {med(x[1] for x in r[n]):6.2f}s"
+            for n in args.streams
+        )
         cols += f" {med(r['prefill']):7.1f} t/s" if pp else ""
         print(f"{t.name:38} {med(r['one']):10.1f} tok/s{cols} {r['rss'] / 2**30:6.2f} GiB")
     for t in targets[:-1]:
         r, q = res[t.name], res[peer]
         ratio = med(a / b for a, b in zip(r["one"], q["one"], strict=True))
         pairs = {n: list(zip(r[n], q[n], strict=True)) for n in args.streams}
-        cols = "".join(f" {med(a[0] / b[0] for a, b in pairs[n]):11.2f}"
-                       f" {med(a[1] / b[1] for a, b in pairs[n]):7.2f}" for n in args.streams)
-        cols += f" {med(a / b for a, b in zip(r['prefill'], q['prefill'], strict=True)):11.2f}" if pp else ""
+        cols = "".join(
+            f" {med(a[0] / b[0] for a, b in pairs[n]):11.2f}"
+            f" {med(a[1] / b[1] for a, b in pairs[n]):7.2f}"
+            for n in args.streams
+        )
+        cols += (
+            f" {med(a / b for a, b in zip(r['prefill'], q['prefill'], strict=True)):11.2f}"
+            if pp
+            else ""
+        )
         print(f"{t.name[:24] + ' / llama.cpp':38} {ratio:16.2f}{cols} {r['rss'] / q['rss']:9.2f}")
     for t in targets[:-1]:  # the spread behind each median ratio: its rounds' lowest and highest
         r, q = res[t.name], res[peer]
         keys = ["one", *args.streams, *(["prefill"] if pp else [])]
 
         def per_round(k, r=r, q=q):
-            return [(a[0] / b[0]) if isinstance(a, tuple) else a / b for a, b in zip(r[k], q[k], strict=True)]
-        print(f"{t.name[:24]} / llama.cpp, each round's ratio: " + "; ".join(
-            f"{'1 stream' if k == 'one' else k if k == 'prefill' else f'{k} streams'} "
-            + ", ".join(f"{x:.2f}" for x in per_round(k)) for k in keys))
-    print("one stream, every round (tok/s): " + "; ".join(
-        f"{t.name.split(' (')[0]}: " + ", ".join(f"{x:.1f}" for x in res[t.name]["one"]) for t in targets))
+            return [
+                (a[0] / b[0]) if isinstance(a, tuple) else a / b
+                for a, b in zip(r[k], q[k], strict=True)
+            ]
+
+        print(
+            f"{t.name[:24]} / llama.cpp, each round's ratio: "
+            + "; ".join(
+                f"{'1 stream' if k == 'one' else k if k == 'prefill' else f'{k} streams'} "
+                + ", ".join(f"{x:.2f}" for x in per_round(k))
+                for k in keys
+            )
+        )
+    print(
+        "one stream, every round (tok/s): "
+        + "; ".join(
+            f"{t.name.split(' (')[0]}: " + ", ".join(f"{x:.1f}" for x in res[t.name]["one"])
+            for t in targets
+        )
+    )
     return 0
 
 

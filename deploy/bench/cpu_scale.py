@@ -1,15 +1,15 @@
 """The sizes people serve on a CPU, made here: `make bench-cpu-scale`.
 
 Random-weight models at Llama-3.2-1B and Llama-3.1-8B shapes, written as a Hugging Face folder (bf16
-safetensors, the default model's tokenizer; the vocabulary its own 49,152 or padded to Llama-3's 128,256 as
-llama.cpp's converter pads it: the LM head a smaller or larger share of a token's bytes), converted to GGUF
-by the llama.cpp built from the `llama-cpp-python` sdist
-(`convert_hf_to_gguf.py`, then `llama-quantize` to Q4_K_M or Q8_0): the files a user downloads, made by
-the tools that make them. Each is made once and cached under ~/.cache/pagedserve-peers/scale/.
+safetensors, the default model's tokenizer; the vocabulary its own 49,152 or padded to Llama-3's
+128,256 as llama.cpp's converter pads it: the LM head a smaller or larger share of a token's bytes),
+converted to GGUF by the llama.cpp built from the `llama-cpp-python` sdist (`convert_hf_to_gguf.py`,
+then `llama-quantize` to Q4_K_M or Q8_0): the files a user downloads, made by the tools that make
+them. Each is made once and cached under ~/.cache/pagedserve-peers/scale/.
 
-For each vocabulary: the per-token budget of one stream (deploy/bench/budget.py), then pagedserve and
-`llama-server` serve the same GGUF in alternating rounds (deploy/bench/cpu_peers.py): one stream of 128
-greedy tokens (ignore_eos), and the workload's first N prompts at once.
+For each vocabulary: the per-token budget of one stream (deploy/bench/budget.py), then pagedserve
+and `llama-server` serve the same GGUF in alternating rounds (deploy/bench/cpu_peers.py): one stream
+of 128 greedy tokens (ignore_eos), and the workload's first N prompts at once.
 
     python -m deploy.bench.cpu_scale --shape 1b --quant Q4_K_M --streams 16
 """
@@ -24,20 +24,36 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.bench.cpu_peers import CACHE, build_llama_tool
+from deploy.bench.llama_build import CACHE, build_llama_tool
 
 SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B, as their config.json give them
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }
 VOCABS = (49152, 128256)  # SmolLM2's own, Llama-3's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
-    """The random-weight model as a Hugging Face folder (bf16, one safetensors shard a layer); made once."""
+    """The random-weight model as a Hugging Face folder (bf16, one safetensors shard a layer); made
+    once.
+    """
     import torch
     from safetensors.torch import save_file
 
@@ -46,9 +62,19 @@ def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
         return out
     out.mkdir(parents=True, exist_ok=True)
     s = SHAPES[shape]
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab, rms_norm_eps=1e-5,
-                  max_position_embeddings=8192, rope_theta=500000.0, hidden_act="silu",
-                  torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, **s)
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=vocab,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        hidden_act="silu",
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+        **s,
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).is_file():
@@ -66,26 +92,41 @@ def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         index.update({k: name for k in tensors})
 
-    shard("embed.safetensors", {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight":
-                                torch.ones(h, dtype=torch.bfloat16),
-                                **({} if s["tie_word_embeddings"] else {"lm_head.weight": rand(vocab, h)})})
+    shard(
+        "embed.safetensors",
+        {
+            "model.embed_tokens.weight": rand(vocab, h),
+            "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+            **({} if s["tie_word_embeddings"] else {"lm_head.weight": rand(vocab, h)}),
+        },
+    )
     for n in range(s["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shard(f"layer{n:03d}.safetensors", {
-            p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
-            p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.o_proj.weight": rand(h, q),
-            p + "mlp.gate_proj.weight": rand(i, h), p + "mlp.up_proj.weight": rand(i, h),
-            p + "mlp.down_proj.weight": rand(h, i),
-            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        shard(
+            f"layer{n:03d}.safetensors",
+            {
+                p + "self_attn.q_proj.weight": rand(q, h),
+                p + "self_attn.k_proj.weight": rand(kv, h),
+                p + "self_attn.v_proj.weight": rand(kv, h),
+                p + "self_attn.o_proj.weight": rand(h, q),
+                p + "mlp.gate_proj.weight": rand(i, h),
+                p + "mlp.up_proj.weight": rand(i, h),
+                p + "mlp.down_proj.weight": rand(h, i),
+                p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            },
+        )
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": index})
+    )
     (out / "done").write_text("")
     return out
 
 
 def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
-    """The model as a GGUF of `quant` (BF16, Q8_0, Q4_K_M, ...): converted with llama.cpp's own converter,
-    then quantized with its llama-quantize; made once."""
+    """The model as a GGUF of `quant` (BF16, Q8_0, Q4_K_M, ...): converted with llama.cpp's own
+    converter, then quantized with its llama-quantize; made once.
+    """
     target = CACHE / "scale" / f"llama-{shape}-v{vocab}-random.{quant}.gguf"
     if target.is_file():
         return target
@@ -96,38 +137,72 @@ def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
         if not (source / "convert_hf_to_gguf.py").is_file():
             build_llama_tool("llama-quantize")  # fetches the source too
         env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
-        subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(folder), "--outtype",
-                        "bf16", "--outfile", str(bf16.with_suffix(".part"))], check=True, env=env)
+        subprocess.run(
+            [
+                sys.executable,
+                str(source / "convert_hf_to_gguf.py"),
+                str(folder),
+                "--outtype",
+                "bf16",
+                "--outfile",
+                str(bf16.with_suffix(".part")),
+            ],
+            check=True,
+            env=env,
+        )
         bf16.with_suffix(".part").rename(bf16)
     if quant == "BF16":
         return bf16
-    subprocess.run([str(build_llama_tool("llama-quantize")), str(bf16), str(target.with_suffix(".part")),
-                    quant, str(os.cpu_count() or 2)], check=True)
+    subprocess.run(
+        [
+            str(build_llama_tool("llama-quantize")),
+            str(bf16),
+            str(target.with_suffix(".part")),
+            quant,
+            str(os.cpu_count() or 2),
+        ],
+        check=True,
+    )
     target.with_suffix(".part").rename(target)
     return target
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
-    p.add_argument("--quant", default="Q4_K_M", help="llama-quantize's type name (Q4_K_M, Q8_0, ...) or BF16")
-    p.add_argument("--vocab", default=",".join(map(str, VOCABS)), help="vocabulary sizes, each its own model")
+    p.add_argument(
+        "--quant", default="Q4_K_M", help="llama-quantize's type name (Q4_K_M, Q8_0, ...) or BF16"
+    )
+    p.add_argument(
+        "--vocab", default=",".join(map(str, VOCABS)), help="vocabulary sizes, each its own model"
+    )
     p.add_argument("--tokenizer-from", type=Path, default=Path(".models/smollm2-135m-instruct"))
     p.add_argument("--make-only", action="store_true", help="make the GGUFs and print their paths")
     p.add_argument("--no-budget", action="store_true", help="skip the per-token budget")
-    p.add_argument("--repeats", default="3", help="rounds of the one-stream measurement (at least three)")
+    p.add_argument(
+        "--repeats", default="3", help="rounds of the one-stream measurement (at least three)"
+    )
     args, rest = p.parse_known_args(argv)
     from deploy.bench import cpu_peers
 
     for vocab in (int(v) for v in args.vocab.split(",")):
         path = gguf_file(args.shape, args.quant, args.tokenizer_from, vocab)
         size = path.stat().st_size / 2**30
-        print(f"\n{args.shape} {args.quant}, vocabulary {vocab}: {path} ({size:.2f} GiB)", flush=True)
+        print(
+            f"\n{args.shape} {args.quant}, vocabulary {vocab}: {path} ({size:.2f} GiB)", flush=True
+        )
         if args.make_only:
             continue
-        if not args.no_budget:  # its own process: the worker's allocator and memory, then given back
-            subprocess.run([sys.executable, "-m", "deploy.bench.budget", "--model", str(path)], check=True)
-        status = cpu_peers.main(["--model", str(path), "--gguf", str(path), "--repeats", args.repeats, *rest])
+        # its own process: the worker's allocator and memory, then given back
+        if not args.no_budget:
+            subprocess.run(
+                [sys.executable, "-m", "deploy.bench.budget", "--model", str(path)], check=True
+            )
+        status = cpu_peers.main(
+            ["--model", str(path), "--gguf", str(path), "--repeats", args.repeats, *rest]
+        )
         if status:
             return status
     return 0

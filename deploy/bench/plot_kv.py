@@ -21,7 +21,9 @@ from scheduler_service.core.sequence import Request, SamplingOptions
 from tests.support.simulated import SimulatedWorker
 
 
-def simulate(prompts: list[list[int]], max_tokens: int, num_blocks: int, block_size: int, seed: int = 0):
+def simulate(
+    prompts: list[list[int]], max_tokens: int, num_blocks: int, block_size: int, seed: int = 0
+):
     rng = random.Random(seed)
     system = [rng.randrange(100, 40000) for _ in range(96)]
     config = SchedulerConfig(block_size=block_size, max_num_seqs=32, max_num_batched_tokens=512)
@@ -33,24 +35,37 @@ def simulate(prompts: list[list[int]], max_tokens: int, num_blocks: int, block_s
         step += rng.randint(0, 6)
         body = (system + prompt[:64]) if i % 3 == 0 else prompt
         out_len = rng.randint(max_tokens // 4, max_tokens)
-        arrivals.setdefault(step, []).append(Request(f"r{i}", body, SamplingOptions(max_tokens=out_len)))
+        arrivals.setdefault(step, []).append(
+            Request(f"r{i}", body, SamplingOptions(max_tokens=out_len))
+        )
     trace = []
     live: dict[str, int] = {}
     t = 0
     while t <= max(arrivals) or sched.has_work:
         for req in arrivals.get(t, []):
             sched.add_request(req)
-            live[req.request_id] = sched.allocator.blocks_for_tokens(req.prompt_len + req.sampling.max_tokens)
+            live[req.request_id] = sched.allocator.blocks_for_tokens(
+                req.prompt_len + req.sampling.max_tokens
+            )
         if sched.has_work:
             out = sched.schedule()
             if not out.is_empty:
-                for seq, _ in sched.update(out, worker.execute(encode_plan(sched.build_plan(out)))).tokens:
+                for seq, _ in sched.update(
+                    out, worker.execute(encode_plan(sched.build_plan(out)))
+                ).tokens:
                     if seq.is_finished:  # (the scheduler ends it at max_tokens)
                         live.pop(seq.request.request_id, None)
         running = {s.request.request_id for s in sched.running}
         static = sum(live[r] for r in running)
-        trace.append((t, sched.allocator.num_used_blocks, sched.allocator.num_cached_blocks, static,
-                      len(running)))
+        trace.append(
+            (
+                t,
+                sched.allocator.num_used_blocks,
+                sched.allocator.num_cached_blocks,
+                static,
+                len(running),
+            )
+        )
         t += 1
     return trace, sched
 
@@ -63,12 +78,30 @@ def plot(trace, out: Path, num_blocks: int, block_size: int) -> None:
 
     steps = [r[0] for r in trace]
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    ax.plot(steps, [r[3] for r in trace], color="#6b6b6b", linestyle="--",
-            label="static reservation (prompt + max_tokens per running request)")
-    ax.plot(steps, [r[1] for r in trace], color="#8b2635", linewidth=2, label="blocks in use (paged)")
-    ax.fill_between(steps, [r[1] for r in trace], [r[1] + r[2] for r in trace], color="#b8932e", alpha=0.35,
-                    label="cached free blocks (prefix cache)")
-    ax.axhline(num_blocks, color="black", linewidth=0.8, label=f"pool ({num_blocks} blocks of {block_size})")
+    ax.plot(
+        steps,
+        [r[3] for r in trace],
+        color="#6b6b6b",
+        linestyle="--",
+        label="static reservation (prompt + max_tokens per running request)",
+    )
+    ax.plot(
+        steps, [r[1] for r in trace], color="#8b2635", linewidth=2, label="blocks in use (paged)"
+    )
+    ax.fill_between(
+        steps,
+        [r[1] for r in trace],
+        [r[1] + r[2] for r in trace],
+        color="#b8932e",
+        alpha=0.35,
+        label="cached free blocks (prefix cache)",
+    )
+    ax.axhline(
+        num_blocks,
+        color="black",
+        linewidth=0.8,
+        label=f"pool ({num_blocks} blocks of {block_size})",
+    )
     ax.set_xlabel("scheduler step")
     ax.set_ylabel("KV blocks")
     ax.set_title("Paged KV under continuous batching vs static reservation")
@@ -94,10 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     peak_static = max(r[3] for r in trace)
     mean_used = sum(r[1] for r in trace) / len(trace)
     mean_static = sum(r[3] for r in trace) / len(trace)
-    print(f"{len(trace)} steps; peak blocks in use {peak_used} vs static {peak_static} "
-          f"({peak_used / peak_static:.0%}); mean {mean_used:.0f} vs {mean_static:.0f} "
-          f"({mean_used / mean_static:.0%}); prefix-cache hits {sched.prefix_cache_hits} of "
-          f"{sched.prefix_cache_queries} tokens; preemptions {sched.num_preemptions}; wrote {args.out}")
+    print(
+        f"{len(trace)} steps; peak blocks in use {peak_used} vs static {peak_static} "
+        f"({peak_used / peak_static:.0%}); mean {mean_used:.0f} vs {mean_static:.0f} "
+        f"({mean_used / mean_static:.0%}); prefix-cache hits {sched.prefix_cache_hits} of "
+        f"{sched.prefix_cache_queries} tokens; preemptions {sched.num_preemptions}; wrote "
+        f"{args.out}"
+    )
     return 0
 
 

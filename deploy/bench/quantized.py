@@ -2,12 +2,13 @@
 bench-quantized`.
 
 Same run, one server after the other on the same machine:
-  - one stream: the workload's first prompt (64 tokens), 128 tokens greedy, ignore_eos, a few times; decode
-    tokens/s = (tokens - 1) / (end - first token), and the whole request's tokens/s;
-  - 64 streams: the fixed CPU workload (../shared/bench), all at once: output tokens/s and mean TTFT;
-  - agreement: the first 16 greedy answers of each server compared with fp32's token by token (identical
-    answers, and where the others first differ), with the logprob of each chosen token compared where both
-    agree.
+  - one stream: the workload's first prompt (64 tokens), 128 tokens greedy, ignore_eos, a few times;
+    decode tokens/s = (tokens - 1) / (end - first token), and the whole request's tokens/s;
+  - 64 streams: the fixed CPU workload (../shared/bench), all at once: output tokens/s and mean
+    TTFT;
+  - agreement: the first 16 greedy answers of each server compared with fp32's token by token
+    (identical answers, and where the others first differ), with the logprob of each chosen token
+    compared where both agree.
 
     python -m deploy.bench.quantized --model .models/smollm2-135m-instruct
 """
@@ -27,13 +28,20 @@ from protos import generation_pb2
 from tests.support.server import ServerProcess
 
 
-def one_stream(server: ServerProcess, prompts: list[list[int]], max_tokens: int, repeats: int) -> dict:
-    """Each repeat a prompt of its own: the same one again would draft its earlier answer (speculation keeps
-    earlier requests' n-grams)."""
+def one_stream(
+    server: ServerProcess, prompts: list[list[int]], max_tokens: int, repeats: int
+) -> dict:
+    """Each repeat a prompt of its own: the same one again would draft its earlier answer
+    (speculation keeps earlier requests' n-grams).
+    """
     decode, whole = [], []
     for r in range(repeats):
-        sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        req = generation_pb2.GenerateRequest(prompt_token_ids=prompts[r % len(prompts)], sampling=sampling)
+        sampling = generation_pb2.SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        )
+        req = generation_pb2.GenerateRequest(
+            prompt_token_ids=prompts[r % len(prompts)], sampling=sampling
+        )
         t0 = time.perf_counter()
         first = None
         n = 0
@@ -50,8 +58,12 @@ def one_stream(server: ServerProcess, prompts: list[list[int]], max_tokens: int,
 def answers(server: ServerProcess, prompts: list[list[int]], max_tokens: int) -> list:
     out = []
     for p in prompts:
-        req = generation_pb2.GenerateRequest(prompt_token_ids=p, sampling=generation_pb2.SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0))
+        req = generation_pb2.GenerateRequest(
+            prompt_token_ids=p,
+            sampling=generation_pb2.SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0
+            ),
+        )
         c = server.stub.Generate(req, timeout=600).choices[0]
         out.append((list(c.token_ids), [lp.logprob for lp in c.logprobs]))
     return out
@@ -59,8 +71,15 @@ def answers(server: ServerProcess, prompts: list[list[int]], max_tokens: int) ->
 
 def measure(args, name: str, extra: list[str], prompts) -> dict:
     log = Path(tempfile.mkdtemp(prefix=f"pagedserve-bench-{name}-")) / "server.log"
-    server = ServerProcess(Path(args.model), log, "--kv-cache-memory", args.kv_cache_memory, "--metrics-port",
-                           "0", *extra).start(timeout=600)
+    server = ServerProcess(
+        Path(args.model),
+        log,
+        "--kv-cache-memory",
+        args.kv_cache_memory,
+        "--metrics-port",
+        "0",
+        *extra,
+    ).start(timeout=600)
     try:
         asyncio.run(drive(server.address, prompts[:2], 4))  # warm-up
         row = {"name": name, **one_stream(server, prompts, args.max_tokens, args.repeats)}
@@ -75,43 +94,64 @@ def measure(args, name: str, extra: list[str], prompts) -> dict:
 
 def agreement(a: list, b: list) -> dict:
     same = sum(x[0] == y[0] for x, y in zip(a, b, strict=True))
-    firsts = [next(i for i, (s, t) in enumerate(zip(x[0], y[0], strict=True)) if s != t)
-              for x, y in zip(a, b, strict=True) if x[0] != y[0]]
+    firsts = [
+        next(i for i, (s, t) in enumerate(zip(x[0], y[0], strict=True)) if s != t)
+        for x, y in zip(a, b, strict=True)
+        if x[0] != y[0]
+    ]
     diffs = [
-        abs(u - v) for x, y in zip(a, b, strict=True) for s, t, u, v in zip(
-            x[0], y[0], x[1], y[1], strict=True)
-             if s == t]
-    return {"identical": same, "of": len(a), "first_difference_at": sorted(firsts),
-            "max_abs_logprob_difference": max(diffs, default=0.0),
-            "mean_abs_logprob_difference": statistics.mean(diffs) if diffs else 0.0}
+        abs(u - v)
+        for x, y in zip(a, b, strict=True)
+        for s, t, u, v in zip(x[0], y[0], x[1], y[1], strict=True)
+        if s == t
+    ]
+    return {
+        "identical": same,
+        "of": len(a),
+        "first_difference_at": sorted(firsts),
+        "max_abs_logprob_difference": max(diffs, default=0.0),
+        "mean_abs_logprob_difference": statistics.mean(diffs) if diffs else 0.0,
+    }
 
 
-def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int = 1, reps: int = 30) -> None:
-    """The quantized kernels alone: `rows` activation rows against twelve 8192 x 2048 matrices of each type
-    (from memory, not cache), packed (16-bit activations, then 8-bit ones) and on the file's layout with fp32
-    activations; GB/s of weights read, medians, beside a plain read of 256 MB (what the memory gives). Random
-    blocks: speed, not accuracy."""
+def kernel_bandwidth(
+    types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int = 1, reps: int = 30
+) -> None:
+    """The quantized kernels alone on twelve 8192 x 2048 matrices of each type, packed and plain:
+    GB/s of weights read, beside a plain 256 MB read.
+    """
     import numpy as np
     import torch
 
     from deploy.bench.harness import median_time
     from kernels import cpu_native
-    from worker.model.quantized import QUANT_TYPES, QuantizedMatmul, QuantWeight
+    from worker.model.quant_weights import QUANT_TYPES, QuantWeight
+    from worker.model.quantized import QuantizedMatmul
 
     kernels = cpu_native.load()
     lib = QuantizedMatmul(kernels, dense=None, max_kernel_rows=1 << 20, packing=True, pack_q8=True)
-    lib8 = QuantizedMatmul(kernels, dense=None, max_kernel_rows=1 << 20, packing=True, pack_q8=True,
-                           int8_activations=True)
+    lib8 = QuantizedMatmul(
+        kernels,
+        dense=None,
+        max_kernel_rows=1 << 20,
+        packing=True,
+        pack_q8=True,
+        int8_activations=True,
+    )
 
     def timed(fn) -> float:  # one untimed call (first touch), then the median
         fn()
         return median_time(fn, reps)
 
     big = torch.randn(64 << 20)
-    print(f"native ISA {kernels.isa}, packed fast {kernels.packed_fast}, {torch.get_num_threads()} threads; "
-          f"a plain read: {big.numel() * 4 / timed(big.sum) / 1e9:.1f} GB/s")
-    print(f"{'type':6} {'packed ms':>10} {'GB/s':>6} {'8-bit x ms':>11} {'GB/s':>6} {'file layout ms':>15} "
-          f"{'GB/s':>6}")
+    print(
+        f"native ISA {kernels.isa}, packed fast {kernels.packed_fast}, {torch.get_num_threads()} "
+        f"threads; a plain read: {big.numel() * 4 / timed(big.sum) / 1e9:.1f} GB/s"
+    )
+    print(
+        f"{'type':6} {'packed ms':>10} {'GB/s':>6} {'8-bit x ms':>11} {'GB/s':>6} "
+        f"{'file layout ms':>15} {'GB/s':>6}"
+    )
     rng = np.random.default_rng(0)
     x = torch.randn(rows, 2048)
     for qtype in types:
@@ -134,22 +174,27 @@ def kernel_bandwidth(types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int =
         t_file = timed(lambda mats=mats: [lib.kernel(x, w) for w, _ in mats])
         n_packed = sum(p.nbytes for _, p in mats)
         n_file = sum(w.nbytes for w, _ in mats)
-        print(f"{qtype:6} {t_packed * 1e3:>10.2f} {n_packed / t_packed / 1e9:>6.1f} {t_8 * 1e3:>11.2f} "
-              f"{n_packed / t_8 / 1e9:>6.1f} {t_file * 1e3:>15.2f} {n_file / t_file / 1e9:>6.1f}")
+        print(
+            f"{qtype:6} {t_packed * 1e3:>10.2f} {n_packed / t_packed / 1e9:>6.1f} "
+            f"{t_8 * 1e3:>11.2f} {n_packed / t_8 / 1e9:>6.1f} {t_file * 1e3:>15.2f} "
+            f"{n_file / t_file / 1e9:>6.1f}"
+        )
 
 
-def kernel_ab(against: str, types=("Q4_K", "Q5_K", "Q6_K", "Q4_1"), rows: int = 1, passes: int = 40) -> None:
-    """This tree's packed kernels against another build's (`against`: the native library another checkout
-    built, `python -c 'from kernels import cpu_native; print(cpu_native.load().path)'` there), both loaded in
-    this process and timed in alternating passes over the same 24 random 8192 x 2048 matrices of each type,
-    so the VM's drift falls on both alike; 16-bit and 8-bit activations, GB/s of packed weights read."""
+def kernel_ab(
+    against: str, types=("Q4_K", "Q5_K", "Q6_K", "Q4_1"), rows: int = 1, passes: int = 40
+) -> None:
+    """This tree's packed kernels against another build's library, loaded in one process and timed
+    in alternating passes, so drift falls on both alike.
+    """
     import ctypes
 
     import numpy as np
     import torch
 
     from kernels import cpu_native
-    from worker.model.quantized import QUANT_TYPES, QuantizedMatmul, QuantWeight
+    from worker.model.quant_weights import QUANT_TYPES, QuantWeight
+    from worker.model.quantized import QuantizedMatmul
 
     builds = [cpu_native.load(), cpu_native.NativeKernels(ctypes.CDLL(against), Path(against))]
     rng = np.random.default_rng(0)
@@ -159,13 +204,24 @@ def kernel_ab(against: str, types=("Q4_K", "Q5_K", "Q6_K", "Q4_1"), rows: int = 
         _, values, bb = QUANT_TYPES[qtype]
         blocks = rng.integers(0, 256, (24, 8192, 2048 // values, bb), dtype=np.uint8)
         scale = np.array([0.01], dtype=np.float16).view(np.uint8)  # finite fp16 scales
-        for at in ((208,) if qtype == "Q6_K" else (0, 2)):
-            blocks[..., at:at + 2] = scale
+        for at in (208,) if qtype == "Q6_K" else (0, 2):
+            blocks[..., at : at + 2] = scale
         for bits in (16, 8):
-            libs = [QuantizedMatmul(k, dense=None, max_kernel_rows=1 << 20, packing=True, pack_q8=True,
-                                    int8_activations=bits == 8) for k in builds]
-            mats = [libs[0].pack(QuantWeight(torch.from_numpy(b.reshape(8192, -1)), qtype, 2048))
-                    for b in blocks]
+            libs = [
+                QuantizedMatmul(
+                    k,
+                    dense=None,
+                    max_kernel_rows=1 << 20,
+                    packing=True,
+                    pack_q8=True,
+                    int8_activations=bits == 8,
+                )
+                for k in builds
+            ]
+            mats = [
+                libs[0].pack(QuantWeight(torch.from_numpy(b.reshape(8192, -1)), qtype, 2048))
+                for b in blocks
+            ]
             ys = [[lib.kernel(x, m) for m in mats] for lib in libs]
             diff = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(*ys, strict=True))
             times: list[list[float]] = [[], []]
@@ -178,26 +234,40 @@ def kernel_ab(against: str, types=("Q4_K", "Q5_K", "Q6_K", "Q4_1"), rows: int = 
             nbytes = sum(m.nbytes for m in mats)
             a, b = (statistics.median(t[2:]) for t in times)
             same = "the same" if diff == 0 else f"apart by {diff:.1e} of the largest"
-            print(f"{qtype:5} {bits:2}-bit  {nbytes / a / 1e9:6.1f} / {nbytes / b / 1e9:6.1f} GB/s"
-                  f"  x{b / a:.2f}  outputs {same}")
+            print(
+                f"{qtype:5} {bits:2}-bit  {nbytes / a / 1e9:6.1f} / {nbytes / b / 1e9:6.1f} GB/s"
+                f"  x{b / a:.2f}  outputs {same}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", action="store_true",
-                   help="only the quantized kernels' own speed, per type (GB/s)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="only the quantized kernels' own speed, per type (GB/s)",
+    )
     p.add_argument("--rows", type=int, default=1, help="with --kernels: activation rows")
-    p.add_argument("--against", metavar="LIB", help="with --kernels: this tree's packed kernels against "
-                   "another build's native library, in alternating passes")
+    p.add_argument(
+        "--against",
+        metavar="LIB",
+        help="with --kernels: this tree's packed kernels against "
+        "another build's native library, in alternating passes",
+    )
     p.add_argument("--model")
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--agreement", type=int, default=16, help="prompts whose greedy answers are compared")
+    p.add_argument(
+        "--agreement", type=int, default=16, help="prompts whose greedy answers are compared"
+    )
     p.add_argument("--agreement-tokens", type=int, default=128)
     p.add_argument("--kv-cache-memory", default="2GiB")
-    p.add_argument("--with-int8", action="store_true",
-                   help="a third server with --quantized-activations int8")
+    p.add_argument(
+        "--with-int8", action="store_true", help="a third server with --quantized-activations int8"
+    )
     args = p.parse_args(argv)
     if args.kernels and args.against:
         kernel_ab(args.against, rows=args.rows)
@@ -208,24 +278,37 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model:
         p.error("--model is required (or --kernels)")
     prompts = load_workload(args.workload)
-    rows = [measure(args, "fp32 (dequantized)", ["--dequantize"], prompts),
-            measure(args, "GGUF blocks (Q4_1, head Q8_0)", [], prompts)]
+    rows = [
+        measure(args, "fp32 (dequantized)", ["--dequantize"], prompts),
+        measure(args, "GGUF blocks (Q4_1, head Q8_0)", [], prompts),
+    ]
     if args.with_int8:
-        rows.append(measure(args, "GGUF blocks, int8 activations", ["--quantized-activations", "int8"],
-                            prompts))
+        rows.append(
+            measure(
+                args, "GGUF blocks, int8 activations", ["--quantized-activations", "int8"], prompts
+            )
+        )
     base = rows[0]
-    print(f"{'':32} {'1 stream decode':>16} {'1 stream request':>17} {'64 streams':>11} {'mean TTFT':>10}")
+    print(
+        f"{'':32} {'1 stream decode':>16} {'1 stream request':>17} {'64 streams':>11} "
+        f"{'mean TTFT':>10}"
+    )
     for r in rows:
-        print(f"{r['name']:32} {r['decode_tok_s']:11.1f} tok/s {r['request_tok_s']:12.1f} tok/s "
-              f"{r['many_tok_s']:11.1f} {r['many_mean_ttft_s']:9.2f}s   "
-              f"x{r['decode_tok_s'] / base['decode_tok_s']:.2f} one stream, "
-              f"x{r['many_tok_s'] / base['many_tok_s']:.2f} many")
+        print(
+            f"{r['name']:32} {r['decode_tok_s']:11.1f} tok/s {r['request_tok_s']:12.1f} tok/s "
+            f"{r['many_tok_s']:11.1f} {r['many_mean_ttft_s']:9.2f}s   "
+            f"x{r['decode_tok_s'] / base['decode_tok_s']:.2f} one stream, "
+            f"x{r['many_tok_s'] / base['many_tok_s']:.2f} many"
+        )
     for other in rows[1:]:
         agree = agreement(rows[0]["answers"], other["answers"])
-        print(f"{other['name']} against fp32, greedy over {args.agreement_tokens} tokens: "
-              f"{agree['identical']}/{agree['of']} identical answers; others first differ at "
-              f"{agree['first_difference_at']}; chosen-token logprob difference max "
-              f"{agree['max_abs_logprob_difference']:.2e}, mean {agree['mean_abs_logprob_difference']:.2e}")
+        print(
+            f"{other['name']} against fp32, greedy over {args.agreement_tokens} tokens: "
+            f"{agree['identical']}/{agree['of']} identical answers; others first differ at "
+            f"{agree['first_difference_at']}; chosen-token logprob difference max "
+            f"{agree['max_abs_logprob_difference']:.2e}, mean "
+            f"{agree['mean_abs_logprob_difference']:.2e}"
+        )
     return 0
 
 

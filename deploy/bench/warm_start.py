@@ -1,10 +1,11 @@
 """How long `pagedserve serve` takes to serve, cold and warm: `make bench-start`.
 
-Each round starts the server as `make run` does (the default model, default flags, a fresh process), times
-the ready line on its stdout and the first chat answer after it, and stops it. A cold round starts with an
-empty choices cache ($PAGEDSERVE_CACHE/choices: the matmul library and the quantized kernel's threshold are
-measured); a warm round finds what the cold one kept. The native kernels' build is kept in both (`make
-setup` built it). Medians over --rounds pairs, and warm / cold per pair.
+Each round starts the server as `make run` does (the default model, default flags, a fresh process),
+times the ready line on its stdout and the first chat answer after it, and stops it. A cold round
+starts with an empty choices cache ($PAGEDSERVE_CACHE/choices: the matmul library and the quantized
+kernel's threshold are measured); a warm round finds what the cold one kept. The native kernels'
+build is kept in both (`make setup` built it). Medians over --rounds pairs, and warm / cold per
+pair.
 
     python -m deploy.bench.warm_start --model .models/smollm2-135m-instruct --rounds 3
 """
@@ -30,11 +31,29 @@ def start_once(model: str, cache: Path, timeout: float = 300) -> tuple[float, fl
     """(seconds to the ready line, seconds to the first answer) of one start."""
     port, http = free_port(), free_port()
     env = {**os.environ, "PAGEDSERVE_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "deploy.launcher", "--model", model, "--port", str(port), "--http-port",
-           str(http), "--metrics-port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.launcher",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--http-port",
+        str(http),
+        "--metrics-port",
+        "0",
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         for line in proc.stdout:
             if line.startswith("pagedserve is serving"):
@@ -44,10 +63,18 @@ def start_once(model: str, cache: Path, timeout: float = 300) -> tuple[float, fl
         else:
             raise RuntimeError(f"the server exited with {proc.wait()} before serving")
         ready = time.perf_counter() - t0
-        body = json.dumps({"messages": [{"role": "user", "content": "What is the capital of France?"}],
-                           "max_tokens": 8, "temperature": 0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{http}/v1/chat/completions", body,
-                                         {"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{http}/v1/chat/completions",
+            body,
+            {"Content-Type": "application/json"},
+        )
         urllib.request.urlopen(request, timeout=120).read()
         return ready, time.perf_counter() - t0
     finally:
@@ -59,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=".models/smollm2-135m-instruct")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
-    kernels = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "kernels"
+    kernels = (
+        Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "kernels"
+    )
     rows = []
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
@@ -69,12 +98,19 @@ def main(argv: list[str] | None = None) -> int:
             cold = start_once(args.model, cache)
             warm = start_once(args.model, cache)
         rows.append((cold, warm))
-        print(f"round {r + 1}: cold ready {cold[0]:.1f} s, first answer {cold[1]:.1f} s; warm ready "
-              f"{warm[0]:.1f} s, first answer {warm[1]:.1f} s; warm / cold {warm[0] / cold[0]:.2f}",
-              flush=True)
-    med = [statistics.median(x) for x in zip(*[(c[0], c[1], w[0], w[1]) for c, w in rows], strict=True)]
-    print(f"median: cold ready {med[0]:.1f} s (answer {med[1]:.1f} s), warm ready {med[2]:.1f} s (answer "
-          f"{med[3]:.1f} s), warm / cold x{statistics.median(w[0] / c[0] for c, w in rows):.2f}")
+        print(
+            f"round {r + 1}: cold ready {cold[0]:.1f} s, first answer {cold[1]:.1f} s; warm ready "
+            f"{warm[0]:.1f} s, first answer {warm[1]:.1f} s; warm / cold {warm[0] / cold[0]:.2f}",
+            flush=True,
+        )
+    med = [
+        statistics.median(x) for x in zip(*[(c[0], c[1], w[0], w[1]) for c, w in rows], strict=True)
+    ]
+    print(
+        f"median: cold ready {med[0]:.1f} s (answer {med[1]:.1f} s), warm ready {med[2]:.1f} s "
+        f"(answer {med[3]:.1f} s), warm / cold "
+        f"x{statistics.median(w[0] / c[0] for c, w in rows):.2f}"
+    )
     return 0
 
 

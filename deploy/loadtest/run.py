@@ -31,14 +31,16 @@ class Settings:
     ignore_eos: bool = True
     abort_fraction: float = 0.0
     timeout: float = 600.0
-    endpoint: str = "completions"  # or "embeddings": each request one input's vector (no output tokens)
+    # or "embeddings": each request one input's vector (no output tokens)
+    endpoint: str = "completions"
 
 
 class Run:
     """One load pattern against one target; samples GetCacheStats while it runs."""
 
-    def __init__(self, target, items: list[Item], settings: Settings, label: str,
-                 progress: bool = True) -> None:
+    def __init__(
+        self, target, items: list[Item], settings: Settings, label: str, progress: bool = True
+    ) -> None:
         self.target = target
         self.items = items
         self.settings = settings
@@ -111,8 +113,13 @@ class Run:
             rate = (self.tokens_so_far - last_tokens) / (now - last_t)
             last_tokens, last_t = self.tokens_so_far, now
             end = "\r" if sys.stderr.isatty() else "\n"
-            print(f"[{self.label}] {now - self.t0:6.1f}s  done {done}/{total}  failed {failed}  "
-                  f"{rate:8.1f} tok/s", end=end, file=sys.stderr, flush=True)
+            print(
+                f"[{self.label}] {now - self.t0:6.1f}s  done {done}/{total}  failed {failed}  "
+                f"{rate:8.1f} tok/s",
+                end=end,
+                file=sys.stderr,
+                flush=True,
+            )
 
     async def closed_loop(self, concurrency: int, deadline: float) -> None:
         queue = list(enumerate(self.items))
@@ -127,9 +134,11 @@ class Run:
 
     async def open_loop(self, rate: float, burstiness: float, deadline: float) -> None:
         tasks = []
-        for (i, item), gap in zip(enumerate(self.items),
-                                  arrival_gaps(len(self.items), rate, burstiness, self.settings.seed),
-                                  strict=True):
+        for (i, item), gap in zip(
+            enumerate(self.items),
+            arrival_gaps(len(self.items), rate, burstiness, self.settings.seed),
+            strict=True,
+        ):
             await asyncio.sleep(gap)
             if time.perf_counter() >= deadline:
                 break
@@ -153,5 +162,6 @@ class Run:
             if self.progress and sys.stderr.isatty():
                 print(file=sys.stderr)
         duration = time.perf_counter() - self.t0
-        await self.sample_once()  # the closing counters (preemptions, prefix hits over the whole run)
+        # the closing counters (preemptions, prefix hits over the whole run)
+        await self.sample_once()
         return duration

@@ -12,7 +12,9 @@ from protos import generation_pb2, generation_pb2_grpc
 
 
 class TargetError(Exception):
-    """A request the target refused or failed; str() is the status (a gRPC code name, or HTTP_<code>)."""
+    """A request the target refused or failed; str() is the status (a gRPC code name, or
+    HTTP_<code>).
+    """
 
 
 class GrpcTarget:
@@ -26,12 +28,18 @@ class GrpcTarget:
         return info.model_name, info.vocab_size
 
     async def stream(self, item, index: int, s):
-        """Yields (new output tokens, prompt tokens or None, timed) per message that carries tokens."""
+        """Yields (new output tokens, prompt tokens or None, timed)
+        per message that carries tokens.
+        """
         if s.endpoint == "embeddings":
             yield 0, await self._embed(item, s), True
             return
-        sampling = generation_pb2.SamplingParams(max_tokens=item.output_len, temperature=s.temperature,
-                                                 seed=s.seed + index, ignore_eos=s.ignore_eos)
+        sampling = generation_pb2.SamplingParams(
+            max_tokens=item.output_len,
+            temperature=s.temperature,
+            seed=s.seed + index,
+            ignore_eos=s.ignore_eos,
+        )
         req = generation_pb2.GenerateRequest(sampling=sampling)
         if item.prompt_token_ids is not None:
             req.prompt_token_ids.extend(item.prompt_token_ids)
@@ -65,9 +73,14 @@ class GrpcTarget:
             st = await self.stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=5)
         except grpc.aio.AioRpcError:
             return None
-        return dict(utilization=st.utilization, preemptions=st.num_preemptions,
-                    prefix_hits=st.prefix_cache_hits,
-                    prefix_queries=st.prefix_cache_queries, running=st.num_running, waiting=st.num_waiting)
+        return dict(
+            utilization=st.utilization,
+            preemptions=st.num_preemptions,
+            prefix_hits=st.prefix_cache_hits,
+            prefix_queries=st.prefix_cache_queries,
+            running=st.num_running,
+            waiting=st.num_waiting,
+        )
 
     async def leaked_blocks(self, timeout: float = 30.0) -> int | None:
         """Once the server is idle: blocks neither free nor cached (0 unless blocks leaked)."""
@@ -84,12 +97,18 @@ class GrpcTarget:
 
 
 class OpenAITarget:
-    """An OpenAI-compatible HTTP server (SMG in front of pagedserve, vLLM, llama.cpp's server, ...):
-    streamed /v1/completions. Output tokens come from the final usage when the server sends one (each
-    content chunk counts one until then); no server-side figures."""
+    """An OpenAI-compatible HTTP server (streamed /v1/completions); output tokens from the final
+    usage where sent.
+    """
 
-    def __init__(self, base_url: str, model: str | None, vocab_size: int, api_key: str | None = None,
-                 tokenizer: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None,
+        vocab_size: int,
+        api_key: str | None = None,
+        tokenizer: str | None = None,
+    ) -> None:
         import httpx
 
         if tokenizer:
@@ -105,9 +124,11 @@ class OpenAITarget:
         self.model = model
         self.vocab_size = vocab_size
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0), headers=headers,
-                                      limits=httpx.Limits(max_connections=None,
-                                                          max_keepalive_connections=512))
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(600.0, connect=30.0),
+            headers=headers,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+        )
 
     async def info(self) -> tuple[str, int]:
         if self.model is None:
@@ -119,17 +140,28 @@ class OpenAITarget:
     async def stream(self, item, index: int, s):
         prompt = item.prompt
         if item.prompt_token_ids is not None:
-            prompt = self.tokenizer.decode(item.prompt_token_ids) if self.tokenizer else item.prompt_token_ids
+            prompt = (
+                self.tokenizer.decode(item.prompt_token_ids)
+                if self.tokenizer
+                else item.prompt_token_ids
+            )
         if s.endpoint == "embeddings":  # one call, one vector: the whole call is its latency
-            resp = await self.http.post(f"{self.base_url}/v1/embeddings", json={"model": self.model,
-                                                                              "input": [prompt]})
+            resp = await self.http.post(
+                f"{self.base_url}/v1/embeddings", json={"model": self.model, "input": [prompt]}
+            )
             if resp.status_code != 200:
                 raise TargetError(f"HTTP_{resp.status_code}")
             yield 0, (resp.json().get("usage") or {}).get("prompt_tokens"), True
             return
-        body = {"model": self.model, "max_tokens": item.output_len, "temperature": s.temperature,
-                "seed": s.seed + index, "stream": True, "stream_options": {"include_usage": True},
-                "prompt": prompt}
+        body = {
+            "model": self.model,
+            "max_tokens": item.output_len,
+            "temperature": s.temperature,
+            "seed": s.seed + index,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "prompt": prompt,
+        }
         if s.ignore_eos:
             body["ignore_eos"] = True
         counted = 0
@@ -151,9 +183,11 @@ class OpenAITarget:
                     yield 1, None, True
                 usage = chunk.get("usage")
                 if usage:
-                    yield max(0,
-                              usage.get("completion_tokens",
-                                        counted) - counted), usage.get("prompt_tokens"), False
+                    yield (
+                        max(0, usage.get("completion_tokens", counted) - counted),
+                        usage.get("prompt_tokens"),
+                        False,
+                    )
 
     async def cache_stats(self) -> dict | None:
         return None

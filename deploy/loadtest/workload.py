@@ -16,23 +16,43 @@ class Item:
     output_len: int = 128
 
 
-def synthetic(n: int, input_len: int, output_len: int, range_ratio: float, shared_prefix_len: int, vocab: int,
-              seed: int) -> list[Item]:
-    """Token prompts of input_len +- range_ratio (uniform), every one starting with the same shared prefix."""
+def synthetic(
+    n: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    shared_prefix_len: int,
+    vocab: int,
+    seed: int,
+) -> list[Item]:
+    """Token prompts of input_len +- range_ratio (uniform), every one starting with the same shared
+    prefix.
+    """
     rng = random.Random(seed)
     low_id = min(100, vocab // 2)
     prefix = [rng.randrange(low_id, vocab) for _ in range(shared_prefix_len)]
 
     def around(x: int) -> int:
-        return max(1, rng.randint(math.floor(x * (1 - range_ratio)), math.ceil(x * (1 + range_ratio))))
+        return max(
+            1, rng.randint(math.floor(x * (1 - range_ratio)), math.ceil(x * (1 + range_ratio)))
+        )
 
-    return [Item(prompt_token_ids=prefix + [rng.randrange(low_id, vocab) for _ in range(around(input_len))],
-                 output_len=around(output_len)) for _ in range(n)]
+    return [
+        Item(
+            prompt_token_ids=prefix
+            + [rng.randrange(low_id, vocab) for _ in range(around(input_len))],
+            output_len=around(output_len),
+        )
+        for _ in range(n)
+    ]
 
 
-def load_dataset(path: Path, output_len: int, shared_prefix_len: int, vocab: int, seed: int) -> list[Item]:
-    """JSON (a list) or JSONL; each entry a list of token ids, a string, or an object with `prompt` or
-    `prompt_token_ids` and optionally `output_len`."""
+def load_dataset(
+    path: Path, output_len: int, shared_prefix_len: int, vocab: int, seed: int
+) -> list[Item]:
+    """JSON (a list) or JSONL; each entry a list of token ids, a string, or an object with `prompt`
+    or `prompt_token_ids` and optionally `output_len`.
+    """
     text = path.read_text()
     if path.suffix == ".json":
         rows = json.loads(text)
@@ -48,8 +68,11 @@ def load_dataset(path: Path, output_len: int, shared_prefix_len: int, vocab: int
             item = Item(prompt=row, output_len=output_len)
         else:
             ids = row.get("prompt_token_ids")
-            item = Item(prompt_token_ids=[int(t) for t in ids] if ids is not None else None,
-                        prompt=row.get("prompt"), output_len=int(row.get("output_len", output_len)))
+            item = Item(
+                prompt_token_ids=[int(t) for t in ids] if ids is not None else None,
+                prompt=row.get("prompt"),
+                output_len=int(row.get("output_len", output_len)),
+            )
         if item.prompt_token_ids is not None:
             item.prompt_token_ids = prefix + item.prompt_token_ids
         items.append(item)
@@ -59,8 +82,10 @@ def load_dataset(path: Path, output_len: int, shared_prefix_len: int, vocab: int
 
 
 def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Gaps between n arrivals of mean rate `rate`/s: gamma(shape=burstiness, scale=1/(rate x burstiness));
-    burstiness 1 is Poisson, lower is burstier (CV^2 = 1/burstiness). Infinite rate: all at once."""
+    """Gaps between n arrivals of mean rate `rate`/s: gamma(shape=burstiness, scale=1/(rate x
+    burstiness)); burstiness 1 is Poisson, lower is burstier (CV^2 = 1/burstiness). Infinite rate:
+    all at once.
+    """
     if math.isinf(rate):
         return [0.0] * n
     rng = random.Random(seed)

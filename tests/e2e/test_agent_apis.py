@@ -1,7 +1,9 @@
 """The APIs agents speak, driven by the SDKs a user drives them with: OpenAI's Responses API
 (`responses.create`, unary and streamed, tools, previous_response_id) and Anthropic's Messages API
 (`messages.create`, streamed, a named tool, tool results), each answer equal to chat's for the same
-conversation; the key guarding every door (HTTP, x-api-key, gRPC) and errors in each API's own shape."""
+conversation; the key guarding every door (HTTP, x-api-key, gRPC) and errors in each API's own
+shape.
+"""
 
 import json
 import time

@@ -1,5 +1,6 @@
-"""A person's mistakes at the command line: every bad flag, file or model path is one line saying what is
-wrong, exit code 2, and never a traceback (each case a real process, as typed)."""
+"""A person's mistakes at the command line: every bad flag, file or model path is one line saying
+what is wrong, exit code 2, and never a traceback (each case a real process, as typed).
+"""
 
 import socket
 import subprocess
@@ -104,8 +105,9 @@ def bad_models(tmp):
 
 @pytest.fixture
 def logging_restored():
-    """`pagedserve serve`'s main configures structlog to write to this test's captured stderr: put back what
-    the process had, or later tests in it would log to a closed stream."""
+    """`pagedserve serve`'s main configures structlog to write to this test's captured stderr: put
+    back what the process had, or later tests in it would log to a closed stream.
+    """
     import structlog
 
     config, context = structlog.get_config(), structlog.contextvars.get_contextvars()
@@ -118,7 +120,9 @@ def logging_restored():
 def test_serve_says_what_is_wrong_with_a_model_path_or_a_flag(
     tmp_path, tiny_model_dir, capsys, monkeypatch, logging_restored
 ):
-    """Each refused before anything is bound or started (in this process: `pagedserve serve`'s own main)."""
+    """Each refused before anything is bound or started (in this process: `pagedserve serve`'s own
+    main).
+    """
     from deploy.launcher import main as serve_main
 
     monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path / "prepared"))

@@ -1,5 +1,6 @@
-"""`make deploy`: the scheduler and TP x DP workers under the supervisor, one log per process, ready when
-health is SERVING, and stopped whole by `make deploy-stop` (SIGTERM) or Ctrl-C (SIGINT)."""
+"""`make deploy`: the scheduler and TP x DP workers under the supervisor, one log per process, ready
+when health is SERVING, and stopped whole by `make deploy-stop` (SIGTERM) or Ctrl-C (SIGINT).
+"""
 
 import json
 import os
@@ -112,9 +113,11 @@ def test_deploy_serves_with_a_log_per_process_and_stops_everything(tmp_path, tin
 
 @pytest.mark.parametrize("dp,how", [("1", "sigterm"), ("2", "sigterm"), ("2", "ctrl-c")])
 def test_stopping_a_deployment_lets_the_answers_in_flight_finish(tmp_path, tiny_model_dir, dp, how):
-    """SIGTERM to `make deploy` (or Ctrl-C, which reaches the terminal's whole process group) with streams
-    in flight: the scheduler is stopped first and drains with its workers still up, so every stream ends
-    with its normal finish reason and the greedy text it would have had; then every process exits."""
+    """SIGTERM to `make deploy` (or Ctrl-C, which reaches the terminal's whole process group) with
+    streams in flight: the scheduler is stopped first and drains with its workers still up, so every
+    stream ends with its normal finish reason and the greedy text it would have had; then every
+    process exits.
+    """
     import threading
 
     proc, port, run_dir, banner = start_deploy(tmp_path, tiny_model_dir, "--dp", dp)
@@ -161,8 +164,9 @@ def test_stopping_a_deployment_lets_the_answers_in_flight_finish(tmp_path, tiny_
 
 def test_a_restarted_scheduler_serves_again_on_the_ports_it_first_bound(tmp_path, tiny_model_dir):
     """Started on any free ports (--port 0, worker endpoint on port 0), the scheduler is killed: the
-    supervisor starts it again on the same gRPC port and worker endpoint, its workers follow, and clients that
-    knew the address are served again."""
+    supervisor starts it again on the same gRPC port and worker endpoint, its workers follow, and
+    clients that knew the address are served again.
+    """
     proc, port, run_dir, banner = start_deploy(tmp_path, tiny_model_dir)
     try:
         sched_pid = int(re.search(r"scheduler\s+pid (\d+)", banner).group(1))
@@ -188,7 +192,9 @@ def test_a_restarted_scheduler_serves_again_on_the_ports_it_first_bound(tmp_path
 
 
 def test_two_servers_behind_the_gateway_serve_openai_and_stop_together(tmp_path, tiny_model_dir):
-    """`make deploy SERVERS=2 GATEWAY=1`: two independent servers, SMG in front, one banner, one stop."""
+    """`make deploy SERVERS=2 GATEWAY=1`: two independent servers, SMG in front, one banner, one
+    stop.
+    """
     from openai import OpenAI
 
     from deploy.processes import free_port
@@ -229,7 +235,8 @@ def test_two_servers_behind_the_gateway_serve_openai_and_stop_together(tmp_path,
             extra_body={"ignore_eos": True},
         )
         assert resp.usage.completion_tokens == 4 and resp.choices[0].finish_reason == "length"
-        # an answer streaming through the gateway when the deployment is told to stop still ends whole
+        # an answer streaming through the gateway when the deployment is told to stop still ends
+        # whole
         stream = client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": "the dog"}],
@@ -256,8 +263,9 @@ def test_two_servers_behind_the_gateway_serve_openai_and_stop_together(tmp_path,
 
 
 def test_a_run_writes_its_logs_anew_and_a_restart_goes_on_after_the_lines_it_follows(tmp_path):
-    """A deployment started again does not append to the last run's logs; a unit the supervisor restarts
-    within a run keeps what its earlier life wrote."""
+    """A deployment started again does not append to the last run's logs; a unit the supervisor
+    restarts within a run keeps what its earlier life wrote.
+    """
     from deploy.supervisor import Program, Supervisor, Unit
 
     log = tmp_path / "worker.log"

@@ -1,4 +1,6 @@
-"""End to end through real processes and sockets: scheduler process + worker process, gRPC + ZeroMQ."""
+"""End to end through real processes and sockets: scheduler process
++ worker process, gRPC + ZeroMQ.
+"""
 
 import random
 import threading
@@ -43,7 +45,8 @@ def server(server_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def tight_server(server_factory, tiny_model_dir):
-    # 40 blocks of 4 tokens: the workload below needs far more at once, so requests wait and are preempted
+    # 40 blocks of 4 tokens: the workload below needs far more at once, so requests wait and are
+    # preempted
     return server_factory(
         tiny_model_dir,
         "--block-size",
@@ -89,8 +92,8 @@ def test_streamed_tokens_equal_unary_tokens(server):
 
 
 def test_tight_pool_preempts_and_outputs_stay_identical(tight_server, tiny_model_dir):
-    # all queued before the first step: with staggered arrivals a fast machine finishes early requests
-    # before the pool fills
+    # all queued before the first step: with staggered arrivals a fast machine finishes early
+    # requests before the pool fills
     before = tight_server.stats().num_preemptions
     with tight_server.queued_in_order(10) as delays:
         items = [
@@ -172,8 +175,8 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(
 
 
 def test_request_that_could_never_fit_the_pool(tight_server):
-    # 40 blocks of 4 tokens: 4 samples of 50 prompt tokens (12 full blocks, shared) and 60 new tokens
-    # each need 12 + 4 x 16 = 76 blocks, more than the whole pool
+    # 40 blocks of 4 tokens: 4 samples of 50 prompt tokens (12 full blocks, shared) and 60 new
+    # tokens each need 12 + 4 x 16 = 76 blocks, more than the whole pool
     req = greedy_request([5] * 50, 60)
     req.sampling.n = 4
     with pytest.raises(grpc.RpcError) as err:
@@ -276,8 +279,10 @@ def test_model_info_health_and_reflection(server):
 
 
 def test_duplicate_live_request_id_is_refused(server):
-    """Live means admitted and not finished, waiting or running; the workers are held still so the first
-    request cannot finish before the second arrives, however slowly this machine runs the test."""
+    """Live means admitted and not finished, waiting or running; the workers are held still so the
+    first request cannot finish before the second arrives, however slowly this machine runs the
+    test.
+    """
     first = threading.Event()
     t = threading.Thread(
         target=run_stream_with_signal, args=(server.stub, greedy_request([1, 2], 300, "dup"), first)
@@ -299,7 +304,9 @@ def test_duplicate_live_request_id_is_refused(server):
 
 
 def test_prometheus_metrics_count_requests_and_tokens(server):
-    """The series a dashboard graphs, per replica where they are a replica's (deploy/grafana draws them)."""
+    """The series a dashboard graphs, per replica where they are a replica's (deploy/grafana draws
+    them).
+    """
     import urllib.request
 
     def scrape():
@@ -312,9 +319,8 @@ def test_prometheus_metrics_count_requests_and_tokens(server):
         }
 
     before = scrape()
-    prompt = list(
-        range(3, 40)
-    )  # more than two blocks: its second run finds them in the prefix cache
+    # more than two blocks: its second run finds them in the prefix cache
+    prompt = list(range(3, 40))
     for _ in range(2):
         server.stub.Generate(greedy_request(prompt, 5), timeout=30)
     after = scrape()
@@ -335,9 +341,8 @@ def test_prometheus_metrics_count_requests_and_tokens(server):
         'pagedserve_queue_time_seconds_count{replica="0"}',
     ):
         assert grew(series) >= 2, series
-    assert (
-        grew('pagedserve_inter_token_latency_seconds_count{replica="0"}') == 8
-    )  # 4 gaps a request
+    # 4 gaps a request
+    assert grew('pagedserve_inter_token_latency_seconds_count{replica="0"}') == 8
 
 
 def test_n_samples_each_get_their_own_choice_and_stream_index(server):
@@ -357,8 +362,9 @@ def test_n_samples_each_get_their_own_choice_and_stream_index(server):
 
 @pytest.mark.parametrize("controls", [{}, CONTROLS], ids=["plain", "controls"])
 def test_seeded_sampling_is_reproducible_even_across_preemption(server, tight_server, controls):
-    """A seeded request draws the same tokens alone on a roomy pool and preempted on a tight one; with
-    penalties too, whose context a recompute rewrites into fresh blocks."""
+    """A seeded request draws the same tokens alone on a roomy pool and preempted on a tight one;
+    with penalties too, whose context a recompute rewrites into fresh blocks.
+    """
     items = workload(10, seed=9)
     roomy = {
         rid: server.stub.Generate(sampled_request(p, m, seed=i, **controls), timeout=120)
@@ -387,7 +393,9 @@ def test_seeded_sampling_is_reproducible_even_across_preemption(server, tight_se
 
 @pytest.mark.kernels
 def test_triton_backend_gives_the_same_greedy_outputs(server_factory, tiny_model_dir):
-    """The worker with --attention-backend triton (interpreted without a GPU) against transformers."""
+    """The worker with --attention-backend triton (interpreted without
+    a GPU) against transformers.
+    """
     triton_server = server_factory(
         tiny_model_dir, "--block-size", "16", "--num-blocks", "64", "--attention-backend", "triton"
     )
@@ -400,8 +408,8 @@ def test_triton_backend_gives_the_same_greedy_outputs(server_factory, tiny_model
 
 @pytest.fixture(scope="module")
 def plain_server(server_factory, tiny_model_dir):
-    # no prefix caching, no chunked prefill, no overlap: whole prompts in one step, each step planned after
-    # the previous one's result
+    # no prefix caching, no chunked prefill, no overlap: whole prompts in one step, each step
+    # planned after the previous one's result
     return server_factory(
         tiny_model_dir,
         "--block-size",
@@ -455,9 +463,10 @@ def test_outputs_identical_with_prefix_caching_chunking_and_preemption_on_or_off
 def test_overlap_on_and_off_give_identical_sampled_outputs_cut_at_their_stops(
     server, plain_server, tight_server
 ):
-    """Seeded sampling with stop tokens: a request stops at the same token whether its steps were planned
-    one by one (plain_server) or while the previous step ran (server, and tight_server, which preempts),
-    and no token after its stop reaches the client."""
+    """Seeded sampling with stop tokens: a request stops at the same token whether its steps were
+    planned one by one (plain_server) or while the previous step ran (server, and tight_server,
+    which preempts), and no token after its stop reaches the client.
+    """
     items = shared_prefix_workload(seed=23, n=8)
 
     def request(i, prompt, max_tokens, stop=()):
@@ -477,9 +486,8 @@ def test_overlap_on_and_off_give_identical_sampled_outputs_cut_at_their_stops(
         plain_server.stub.Generate(request(i, p, m + 8), timeout=120).choices[0].token_ids
         for i, (_, p, m, _) in enumerate(items)
     ]
-    stops = [
-        (out[len(out) // 2],) for out in free
-    ]  # a token from the middle of each free-running output
+    # a token from the middle of each free-running output
+    stops = [(out[len(out) // 2],) for out in free]
     want = [
         list(out[: list(out).index(stop[0]) + 1]) for out, stop in zip(free, stops, strict=True)
     ]
@@ -502,9 +510,10 @@ def test_n4_holds_its_prompt_once_fewer_blocks_than_four_separate_sequences(serv
     prompt = list(range(20, 60))  # 40 tokens: 10 full blocks of 4
 
     def blocks_while_running(requests):
-        """The requests' blocks, bytes and tokens read while they decode: the workers are held still from
-        their first token on, so a fast machine cannot finish them before the reading (tried again where
-        one finished between its first token and the hold)."""
+        """The requests' blocks, bytes and tokens read while they decode: the workers are held still
+        from their first token on, so a fast machine cannot finish them before the reading (tried
+        again where one finished between its first token and the hold).
+        """
         pids = server.worker_pids()
         for _ in range(3):
             first = threading.Event()
@@ -538,11 +547,13 @@ def test_n4_holds_its_prompt_once_fewer_blocks_than_four_separate_sequences(serv
 
     n4 = sampled_request(prompt, 100, seed=1, n=4, request_id="n4")  # 10 + 4 x 25 blocks at most
     n4_blocks, n4_bytes, n4_tokens = blocks_while_running([n4])
-    # four separate sequences of the same tokens hold the prompt four times: n4_tokens / 4 blocks at least,
-    # whenever the reading is taken (a comparison with four separate requests read at another moment is not)
+    # four separate sequences of the same tokens hold the prompt four times: n4_tokens / 4 blocks at
+    # least, whenever the reading is taken (a comparison with four separate requests read at another
+    # moment is not)
     assert n4_blocks < n4_tokens // 4, (n4_blocks, n4_tokens)
-    # one copy of the prompt's 10 blocks, then each sample's own tokens (however far a loaded machine let
-    # them get before the reading) with a partly filled block and its copy of the prompt's last block each
+    # one copy of the prompt's 10 blocks, then each sample's own tokens (however far a loaded
+    # machine let them get before the reading) with a partly filled block and its copy of the
+    # prompt's last block each
     generated = n4_tokens - 4 * len(prompt)
     assert n4_blocks <= 10 + generated // 4 + 4 * 2, (n4_blocks, generated)
     assert n4_bytes == n4_blocks * server.stats().bytes_per_block

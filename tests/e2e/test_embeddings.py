@@ -1,6 +1,7 @@
-"""Embeddings end to end: an embedding model's vectors equal sentence-transformers' `encode` (last-token and
-mean pooling, prompts, Matryoshka dimensions), alone, batched with generation in the same steps, through
-the prefix cache; bad input refused by name; every block back."""
+"""Embeddings end to end: an embedding model's vectors equal sentence-transformers' `encode`
+(last-token and mean pooling, prompts, Matryoshka dimensions), alone, batched with generation in the
+same steps, through the prefix cache; bad input refused by name; every block back.
+"""
 
 import concurrent.futures
 import threading
@@ -63,9 +64,10 @@ def last_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def both(server_factory, last_model):
-    """The embedding model serving generation too (--task both), in steps of 48 tokens: long texts take
-    several chunks, and embeddings share steps with the decodes (one token a step each: a verifying step
-    carries no embeddings, tests/unit/test_embed_scheduling.py)."""
+    """The embedding model serving generation too (--task both), in steps of 48 tokens: long texts
+    take several chunks, and embeddings share steps with the decodes (one token a step each: a
+    verifying step carries no embeddings, tests/unit/test_embed_scheduling.py).
+    """
     return server_factory(
         last_model, "--task", "both", "--max-num-batched-tokens", "48", "--speculative", "off"
     )
@@ -94,9 +96,8 @@ def test_vectors_equal_sentence_transformers_with_prompts_and_dimensions(both, l
 
     short = vectors(both.stub.Embed(pb.EmbedRequest(texts=TEXTS, dimensions=16), timeout=60))
     ref = reference(last_model, TEXTS)[:, :16]
-    assert_same_vectors(
-        short, ref / np.linalg.norm(ref, axis=1, keepdims=True)
-    )  # truncated, then unit
+    # truncated, then unit
+    assert_same_vectors(short, ref / np.linalg.norm(ref, axis=1, keepdims=True))
 
     from sentence_transformers import SentenceTransformer
 
@@ -188,9 +189,10 @@ def mean_model(tmp_path_factory):
 
 
 def test_mean_pooling_over_chunks_equals_sentence_transformers(server_factory, mean_model):
-    """A head-less model (embed only; it refuses generation), a pool of 24 blocks of 16 and steps of 32
-    tokens: four calls at once, texts of up to ~80 tokens summed over several chunks, waiting for room.
-    (Preempted embeddings pooling again: tests/unit/test_embed_scheduling.py.)"""
+    """A head-less model (embed only; it refuses generation), a pool of 24 blocks of 16 and steps of
+    32 tokens: four calls at once, texts of up to ~80 tokens summed over several chunks, waiting for
+    room. (Preempted embeddings pooling again: tests/unit/test_embed_scheduling.py.)
+    """
     server = server_factory(
         mean_model, "--num-blocks", "24", "--max-num-batched-tokens", "32", "--max-model-len", "256"
     )
@@ -267,8 +269,10 @@ def test_the_terminal_and_the_load_tester_embed(both, last_model, capsys, tmp_pa
 
 
 def test_the_http_api_embeds_a_list_equal_to_grpc_with_dimensions_and_base64(both):
-    """/v1/embeddings through the openai SDK: three inputs give three vectors, each the gRPC Embed's, cut to
-    `dimensions`; base64 carries the same float32 values; bad options are 400s naming them."""
+    """/v1/embeddings through the openai SDK: three inputs give three vectors, each the gRPC
+    Embed's, cut to `dimensions`; base64 carries the same float32 values; bad options are 400s
+    naming them.
+    """
     import base64
 
     import httpx

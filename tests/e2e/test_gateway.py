@@ -49,7 +49,9 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The default model, stopped when this module ends (the session's servers stay up until the end)."""
+    """The default model, stopped when this module ends (the session's servers stay up until the
+    end).
+    """
     if not (MODEL_DIR / "model.safetensors").exists():
         pytest.skip(f"default model not prepared in {MODEL_DIR} (run `make setup`)")
     s = ServerProcess(
@@ -129,9 +131,8 @@ def test_a_chat_through_the_gateway_equals_our_own_api(server, client, model):
     ours = own(server, CONVERSATION, max_tokens=24)
     assert theirs.choices[0].message.content == ours.choices[0].text
     assert theirs.usage.completion_tokens == len(ours.choices[0].token_ids)
-    assert (
-        theirs.usage.prompt_tokens == ours.usage.prompt_tokens
-    )  # the same chat template, rendered by SMG
+    # the same chat template, rendered by SMG
+    assert theirs.usage.prompt_tokens == ours.usage.prompt_tokens
     expected = "length" if ours.choices[0].finish_reason == pb.LENGTH else "stop"
     assert theirs.choices[0].finish_reason == expected
 
@@ -199,8 +200,9 @@ def test_logprobs_match_our_own(server, client, model):
     )
     ours = own(server, CONVERSATION, max_tokens=6, ignore_eos=True, logprobs=3).choices[0].logprobs
     assert len(ours) == 6
-    # A random model draws bytes that are no whole character; the gateway shows such a run of tokens as one
-    # entry. Every entry it shows is one of our tokens, in order, with the same logprob and top 3.
+    # A random model draws bytes that are no whole character; the gateway shows such a run of tokens
+    # as one entry. Every entry it shows is one of our tokens, in order, with the same logprob and
+    # top 3.
     entries = theirs.choices[0].logprobs.content
     assert 2 <= len(entries) <= 6
     j = 0
@@ -241,9 +243,10 @@ def test_a_bad_request_is_a_400_with_the_engines_message(client, model):
 
 
 def test_closing_a_stream_mid_answer_frees_its_blocks(server, gateway, model):
-    """The worker is held still once the answer streams (released whatever happens, well within the heartbeat
-    deadline), so the answer is still running when looked at however fast the machine or its drafts; the
-    stream closed, the gateway aborts it on the engine."""
+    """The worker is held still once the answer streams (released whatever happens, well within the
+    heartbeat deadline), so the answer is still running when looked at however fast the machine or
+    its drafts; the stream closed, the gateway aborts it on the engine.
+    """
     wait_idle(server)
     # 1500 tokens: seconds of work even when earlier answers to this conversation draft most of it
     body = {
@@ -257,15 +260,13 @@ def test_closing_a_stream_mid_answer_frees_its_blocks(server, gateway, model):
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{gateway.base_url}/v1/chat/completions", json=body) as resp:
             assert resp.status_code == 200
-            lines = (
-                resp.iter_lines()
-            )  # kept: dropping the iterator would close the connection (and the
+            # kept: dropping the iterator would close the connection (and the
+            lines = resp.iter_lines()
             for line in lines:  # gateway would abort the answer) before it is looked at
                 if line.startswith("data:"):
                     break
-            deadline = (
-                time.monotonic() + 30
-            )  # the first line may come before the engine has the request
+            # the first line may come before the engine has the request
+            deadline = time.monotonic() + 30
             while server.stats().num_running == 0:
                 assert time.monotonic() < deadline, "the request never ran"
                 time.sleep(0.01)
@@ -446,8 +447,9 @@ def test_two_servers_behind_one_gateway_route_a_shared_prefix_to_its_holder(
 def test_a_gateway_started_before_the_servers_workers_serves_once_they_join(
     tmp_path, tiny_model_dir
 ):
-    """Servers and gateway start side by side (a Kubernetes rollout): the gateway registers the server while
-    it still waits for its workers, and routes to it once it serves."""
+    """Servers and gateway start side by side (a Kubernetes rollout): the gateway registers the
+    server while it still waits for its workers, and routes to it once it serves.
+    """
     log = open(tmp_path / "scheduler.log", "w")
     ports = tmp_path / "scheduler.port"
     procs = [
@@ -522,7 +524,8 @@ def test_a_gateway_started_before_the_servers_workers_serves_once_they_join(
                     extra_body={"ignore_eos": True},
                 )
                 break
-            except Exception:  # noqa: BLE001 - 503 until the gateway's health probe finds the server serving
+            # noqa: BLE001 - 503 until the gateway's health probe finds the server serving
+            except Exception:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(1)
@@ -578,10 +581,11 @@ def embedder(server_factory, tmp_path_factory):
 
 
 def test_openai_embeddings_through_the_gateway_equal_our_embed(embedder, tmp_path_factory):
-    """Each text's vector through SMG (the SDK's default base64 request, and float) equals Embed's. SMG
-    1.13's gRPC embeddings path sends an `input` list as one text (its items joined by spaces) and answers
-    one vector: pinned here, so a gateway that sends them apart is noticed; a batch goes as one call per
-    text, or to Embed itself."""
+    """Each text's vector through SMG (the SDK's default base64 request, and float) equals Embed's.
+    SMG 1.13's gRPC embeddings path sends an `input` list as one text (its items joined by spaces)
+    and answers one vector: pinned here, so a gateway that sends them apart is noticed; a batch goes
+    as one call per text, or to Embed itself.
+    """
     import numpy as np
 
     folder, server = embedder
@@ -602,11 +606,10 @@ def test_openai_embeddings_through_the_gateway_equal_our_embed(embedder, tmp_pat
         np.testing.assert_allclose(np.array([g.data[0].embedding for g in got]), want, atol=1e-6)
         assert [g.usage.prompt_tokens for g in got] == [d.prompt_tokens for d in ours.data]
         floats = client.embeddings.create(model=model, input=texts[0], encoding_format="float")
-        np.testing.assert_allclose(
-            floats.data[0].embedding, want[0], atol=1e-6
-        )  # (the SDK's own: base64)
-        # what SMG 1.13 drops, said in docs/serving.md (the server's own /v1/embeddings serves each):
-        # `dimensions` (the whole vector comes back) and base64 (floats come back)
+        # (the SDK's own: base64)
+        np.testing.assert_allclose(floats.data[0].embedding, want[0], atol=1e-6)
+        # what SMG 1.13 drops, said in docs/serving.md (the server's own /v1/embeddings serves
+        # each): `dimensions` (the whole vector comes back) and base64 (floats come back)
         cut = client.embeddings.create(
             model=model, input=texts[0], dimensions=4, encoding_format="float"
         )
@@ -637,8 +640,9 @@ def test_openai_embeddings_through_the_gateway_equal_our_embed(embedder, tmp_pat
 def test_completion_logprobs_are_dropped_by_the_gateway_and_served_by_our_own_http(
     server, client, model
 ):
-    """SMG 1.13 validates a completion's `logprobs` and returns none (said in docs/serving.md); the server's
-    own OpenAI API returns them."""
+    """SMG 1.13 validates a completion's `logprobs` and returns none (said in docs/serving.md); the
+    server's own OpenAI API returns them.
+    """
     through = client.completions.create(
         model=model, prompt="the quick brown", max_tokens=3, logprobs=2, temperature=0
     )
@@ -663,9 +667,10 @@ def test_a_generative_model_refuses_embeddings_through_the_gateway(client, model
 def test_an_adapter_is_out_of_the_gateways_reach_and_in_our_own_https(
     server_factory, tiny_model_dir, tmp_path, tmp_path_factory
 ):
-    """SMG 1.13 knows a worker by its one model id and its engine protocol has no LoRA field (said in
-    docs/serving.md): `model=<adapter>` through it is a 404 (never the base model's answer under the
-    adapter's name); the server's own OpenAI API serves the adapter."""
+    """SMG 1.13 knows a worker by its one model id and its engine protocol has no LoRA field (said
+    in docs/serving.md): `model=<adapter>` through it is a 404 (never the base model's answer under
+    the adapter's name); the server's own OpenAI API serves the adapter.
+    """
     from openai import NotFoundError
 
     from tests.support.lora import ALL, make_adapter

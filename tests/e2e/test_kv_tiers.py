@@ -1,8 +1,9 @@
-"""KV tiers through real servers: greedy answers identical with tiers off, a host tier and a disk tier while a
-small pool evicts every document; the disk tier read back after a restart and after a worker is killed
-(cached tokens in usage), never by another model; returning turns all at once under preemption; corrupt and
-truncated files computed instead; the disk within its size; a folder that cannot be written refused at start
-in one line; TP=2 with each rank's share on disk."""
+"""KV tiers through real servers: greedy answers identical with tiers off, a host tier and a disk
+tier while a small pool evicts every document; the disk tier read back after a restart and after a
+worker is killed (cached tokens in usage), never by another model; returning turns all at once under
+preemption; corrupt and truncated files computed instead; the disk within its size; a folder that
+cannot be written refused at start in one line; TP=2 with each rank's share on disk.
+"""
 
 import os
 import random
@@ -35,7 +36,9 @@ SMALL = (
 
 
 def chats(seed=0, docs=5, turns=2):
-    """Turn by turn, each document (60 tokens, more than the pool holds beside the others) with a new tail."""
+    """Turn by turn, each document (60 tokens, more than the pool holds beside the others) with a
+    new tail.
+    """
     rng = random.Random(seed)
     texts = [[rng.randrange(3, 380) for _ in range(60)] for _ in range(docs)]
     return [
@@ -142,9 +145,8 @@ def test_the_disk_tier_stays_within_its_size(serve, tiny_model_dir, reference, t
     for t, prompts in enumerate(chats()):
         assert [g for g, _ in run(small, prompts)] == [g for g, _ in reference[t]]
     stats = small.stats()
-    per_file = (
-        HEADER.size + stats.bytes_per_block + 4 * 4
-    )  # header, K/V, the block's four token ids
+    # header, K/V, the block's four token ids
+    per_file = HEADER.size + stats.bytes_per_block + 4 * 4
     cap = 40_000 // per_file
     assert stats.disk_tier_capacity == cap and stats.disk_tier_blocks <= cap
     assert stats.disk_tier_stored > 2 * cap and len(files(folder)) <= cap

@@ -1,6 +1,7 @@
-"""Multi-LoRA through a real server: three PEFT adapters and the base model in the same steps, each answer
-equal to PEFT's own greedy decode, through chunked prefill, preemption, drafts and the prefix cache; adapters
-loaded, replaced and unloaded while serving; the OpenAI `model` reaching an adapter."""
+"""Multi-LoRA through a real server: three PEFT adapters and the base model in the same steps, each
+answer equal to PEFT's own greedy decode, through chunked prefill, preemption, drafts and the prefix
+cache; adapters loaded, replaced and unloaded while serving; the OpenAI `model` reaching an adapter.
+"""
 
 import random
 import re
@@ -75,8 +76,9 @@ def with_lora(prompt, max_tokens, lora, request_id=""):
 def all_at_once_equal_peft(
     server, tiny_model_dir, adapters, names, count, longest, max_tokens, seed
 ):
-    """`count` random prompts at once, prompt i under adapter names[i % len] ("" the base): each answer equals
-    PEFT's own greedy decode of its adapter. -> the prompts."""
+    """`count` random prompts at once, prompt i under adapter names[i % len] ("" the base): each
+    answer equals PEFT's own greedy decode of its adapter. -> the prompts.
+    """
     rng = random.Random(seed)
     items = [
         ([rng.randrange(3, 380) for _ in range(rng.randint(5, longest))], names[i % len(names)])
@@ -113,17 +115,16 @@ def test_adapters_and_the_base_in_one_batch_each_equal_peft(server, tiny_model_d
 def test_one_prompt_alternating_between_adapters_under_the_prefix_cache(
     server, tiny_model_dir, adapters
 ):
-    prompt = [
-        (7 * i) % 370 + 5 for i in range(30)
-    ]  # whole blocks the cache keeps after each request
+    # whole blocks the cache keeps after each request
+    prompt = [(7 * i) % 370 + 5 for i in range(30)]
     names = ("attn", "all", "mlp", "")
     want = {n: peft_greedy(tiny_model_dir, adapters[n] if n else None, prompt, 8) for n in names}
     seen = set()
     for name in ["attn", "all", "", "mlp", "attn", "mlp", "", "all"] * 2:
         res = server.stub.Generate(with_lora(prompt, 8, name), timeout=60)
         assert list(res.choices[0].token_ids) == want[name], name
-        # the first time under an adapter nothing is reused (another adapter's blocks hold other K/V), then
-        # its own blocks are
+        # the first time under an adapter nothing is reused (another adapter's blocks hold other
+        # K/V), then its own blocks are
         assert (res.usage.cached_prompt_tokens > 0) == (name in seen), name
         seen.add(name)
 
@@ -131,8 +132,10 @@ def test_one_prompt_alternating_between_adapters_under_the_prefix_cache(
 def test_drafts_samples_and_structured_output_hold_under_an_adapter(
     server, tiny_model_dir, adapters
 ):
-    """The same request twice under an adapter: the second drafts from the first (n-gram) and both equal
-    PEFT's greedy decode; n = 2 greedy samples forked from one prompt both equal it; a regex holds."""
+    """The same request twice under an adapter: the second drafts from the first (n-gram) and both
+    equal PEFT's greedy decode; n = 2 greedy samples forked from one prompt both equal it; a regex
+    holds.
+    """
     stub = server.stub
     prompt = [(13 * i) % 370 + 5 for i in range(24)]
     want = peft_greedy(tiny_model_dir, adapters["all"], prompt, 40)

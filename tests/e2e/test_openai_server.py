@@ -1,6 +1,7 @@
-"""The OpenAI-compatible HTTP server a pagedserve process serves beside gRPC, driven by the `openai` SDK as a
-user drives it: answers equal to gRPC's, streams with usage, tool calls and JSON that parse, and every bad
-request a 4xx in OpenAI's error shape with pagedserve's message."""
+"""The OpenAI-compatible HTTP server a pagedserve process serves beside gRPC, driven by the `openai`
+SDK as a user drives it: answers equal to gRPC's, streams with usage, tool calls and JSON that
+parse, and every bad request a 4xx in OpenAI's error shape with pagedserve's message.
+"""
 
 import json
 import time
@@ -352,7 +353,10 @@ def test_a_client_that_disconnects_aborts_its_request(server):
 
 
 def test_auto_tool_calls_are_parsed_out_of_hermes_blocks_whole_and_streamed():
-    text = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    text = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        "\n</tool_call>"
+    )
     parsed = tool_calls.parse_auto(text)
     assert parsed.content == "Let me look."
     assert parsed.calls[0]["function"]["name"] == "get_weather"
@@ -490,9 +494,8 @@ def test_prompt_logprobs_on_both_endpoints_and_echo_with_logprobs_as_vllm_serves
     one = client.completions.create(
         model="tiny", prompt=[5], max_tokens=2, extra_body={"prompt_logprobs": 1}
     )
-    assert one.choices[0].model_extra["prompt_logprobs"] == [
-        None
-    ]  # nothing comes before the first token
+    # nothing comes before the first token
+    assert one.choices[0].model_extra["prompt_logprobs"] == [None]
     chat = client.chat.completions.create(
         model="tiny",
         messages=CONVERSATION,

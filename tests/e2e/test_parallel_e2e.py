@@ -1,5 +1,6 @@
-"""Many workers through real processes: tensor-parallel groups (gloo), data-parallel replicas under one
-scheduler, the group-aware supervisor, and the wire's handshake and security rules."""
+"""Many workers through real processes: tensor-parallel groups (gloo), data-parallel replicas under
+one scheduler, the group-aware supervisor, and the wire's handshake and security rules.
+"""
 
 import os
 import random
@@ -67,7 +68,8 @@ def test_tensor_parallel_group_outputs_equal_transformers(tp_server, tiny_model_
     for rid, prompt, max_tokens, _ in items:
         assert results[rid][0] == hf_greedy(tiny_model_dir, prompt, max_tokens), rid
     stats = tp_server.stats()
-    # each rank holds one of the model's two KV heads: a block over the group is the whole model's block
+    # each rank holds one of the model's two KV heads: a block over the group is the whole model's
+    # block
     assert stats.bytes_per_block == 2 * 3 * 2 * 16 * 4 * 4
     assert len(stats.replicas) == 1 and len(stats.replicas[0].worker_pids) == 2
     assert_all_blocks_back(tp_server)
@@ -76,8 +78,10 @@ def test_tensor_parallel_group_outputs_equal_transformers(tp_server, tiny_model_
 def test_embeddings_over_tensor_and_data_parallel_equal_transformers(
     tp_server, dp_server, tiny_model_dir
 ):
-    """Both servers embed too (--task both --pooling mean): the mean of the decoder's last hidden states,
-    unit length, as transformers' own model computes them, whichever rank or replica ran them."""
+    """Both servers embed too (--task both --pooling mean): the mean of the decoder's last hidden
+    states, unit length, as transformers' own model computes them, whichever rank or replica ran
+    them.
+    """
     import numpy as np
     import torch
     from transformers import AutoModel
@@ -104,8 +108,10 @@ def test_embeddings_over_tensor_and_data_parallel_equal_transformers(
 
 
 def test_tensor_parallel_applies_request_controls_like_one_rank(tp_server, dp_server):
-    """Every rank of a group applies the same controls to the same logits and draws the same token: the
-    group answers seeded requests with penalties, biases, min_p and logprobs as a single rank does."""
+    """Every rank of a group applies the same controls to the same logits and draws the same token:
+    the group answers seeded requests with penalties, biases, min_p and logprobs as a single rank
+    does.
+    """
     from tests.support.serving import CONTROLS, sampled_request
 
     for i, prompt in enumerate(([3, 4, 5, 6], list(range(40, 75)), [9] * 12)):
@@ -207,16 +213,16 @@ def test_a_lost_replicas_requests_move_to_the_other_one(dp_server, tiny_model_di
 
     reqs = [greedy_request([40, 41, 42, i], 100, f"move-{i}") for i in range(4)]
     reference = [hf_greedy(tiny_model_dir, list(r.prompt_token_ids), 100) for r in reqs]
-    deadline = (
-        time.monotonic() + 60
-    )  # both replicas serving (one may still be back from an earlier test)
+    # both replicas serving (one may still be back from an earlier test)
+    deadline = time.monotonic() + 60
     while not all(r.serving for r in dp_server.stats().replicas):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     pids = dp_server.worker_pids()
     victim = dp_server.stats().replicas[0].worker_pids[0]
-    # No step runs while the requests arrive and the worker dies: each is live, on either replica, when its
-    # replica is lost, however fast this machine would have finished one before the last arrived.
+    # No step runs while the requests arrive and the worker dies: each is live, on either replica,
+    # when its replica is lost, however fast this machine would have finished one before the last
+    # arrived.
     with dp_server.held_still(5.0, pids):
         streams = Streams(dp_server.stub, reqs)
         deadline = time.monotonic() + 4.5

@@ -1,5 +1,7 @@
-"""Every example in the README, run as printed against a live server of the default model (its ports put
-where the README says 50051 and 8000): each command exits 0, each snippet runs, each answer is bounded."""
+"""Every example in the README, run as printed against a live server of the default model (its ports
+put where the README says 50051 and 8000): each command exits 0, each snippet runs, each answer is
+bounded.
+"""
 
 import os
 import re
@@ -25,7 +27,9 @@ BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, re.DOTALL)
 
 
 def commands() -> list[str]:
-    """The client commands of the README's bash blocks (not the servers, nor the interactive chat)."""
+    """The client commands of the README's bash blocks (not the
+    servers, nor the interactive chat).
+    """
     out = []
     for lang, body in BLOCKS:
         if lang != "bash":
@@ -60,8 +64,9 @@ def server(server_factory):
 
 
 def localize(text: str, server) -> str:
-    """The README's addresses made this server's: `make run`'s ports, and the second server's of the LoRA
-    example (this one serves its adapter too)."""
+    """The README's addresses made this server's: `make run`'s ports, and the second server's of the
+    LoRA example (this one serves its adapter too).
+    """
     for grpc_address in ("localhost:50051", "localhost:50052"):
         text = text.replace(grpc_address, server.address)
     return text.replace("127.0.0.1:8000", f"127.0.0.1:{server.http_port}")

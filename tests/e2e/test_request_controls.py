@@ -1,7 +1,8 @@
 """Logprobs, penalties, biases, min_p, min_tokens and structured output through the whole server.
 
-On the default model (the references are transformers' own forward and generate) and on the tiny model
-(validation, and controls whose effect on any model is certain)."""
+On the default model (the references are transformers' own forward and generate) and on the tiny
+model (validation, and controls whose effect on any model is certain).
+"""
 
 import json
 import math
@@ -22,9 +23,10 @@ SP = generation_pb2.SamplingParams
 
 @pytest.fixture(scope="module")
 def real(server_factory):
-    # fp32 activations: these tests hold logprobs to transformers' within 2e-3; the default 16-bit rounding
-    # of the packed kernel moves a logprob by ~1e-3 on average (test_quantized holds that path to the
-    # dequantized model's greedy answers and logprobs)
+    # fp32 activations: these tests hold logprobs to transformers' within 2e-3; the default 16-bit
+    # rounding of the packed kernel moves a logprob by ~1e-3 on average (test_quantized holds that
+    # path to the dequantized model's greedy answers and logprobs)
+    # transformers' fp32 arithmetic, prompts too
     return server_factory(
         MODEL_DIR,
         "--kv-cache-memory",
@@ -37,7 +39,7 @@ def real(server_factory):
         "fp32",
         "--quantized-prefill",
         "dense",
-    )  # transformers' fp32 arithmetic, prompts too
+    )
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +137,7 @@ def test_streamed_logprobs_match_the_unary_ones(real):
     assert all(len(lp.top_logprobs) == 0 for lp in streamed)  # K = 0: the drawn token's alone
 
 
-# --- penalties --------------------------------------------------------------------------------------
+# --- penalties ------------------------------------------------------------------------------------
 @has_model
 @pytest.mark.real_model
 def test_greedy_repetition_penalty_equals_transformers_generate(real):
@@ -167,9 +169,8 @@ def test_greedy_repetition_penalty_equals_transformers_generate(real):
         ),
         timeout=120,
     )
-    assert (
-        list(plain.choices[0].token_ids) != ref.tolist()
-    )  # the penalty did change what greedy picks
+    # the penalty did change what greedy picks
+    assert list(plain.choices[0].token_ids) != ref.tolist()
 
 
 @pytest.mark.parametrize(
@@ -177,8 +178,10 @@ def test_greedy_repetition_penalty_equals_transformers_generate(real):
     [dict(frequency_penalty=2.0), dict(presence_penalty=2.0), dict(repetition_penalty=1.5)],
 )
 def test_penalties_change_greedy_exactly_where_a_token_would_repeat(tiny, control):
-    """The tiny model's plain greedy output repeats a token; a penalized one agrees with it up to that
-    token and takes another there: the penalty reads the right context, the right tokens, no others."""
+    """The tiny model's plain greedy output repeats a token; a penalized one agrees with it up to
+    that token and takes another there: the penalty reads the right context, the right tokens, no
+    others.
+    """
 
     def run(**kw):
         return list(

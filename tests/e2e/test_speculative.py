@@ -1,7 +1,8 @@
-"""Speculative decoding: drafts change how many steps an answer takes, never the answer. A tiny random model
-rarely repeats itself, so its drafts come from an earlier run of the same request (the n-grams shared across
-requests): the second run drafts what the first answered, and acceptance, rejection and every guarantee
-around them are exercised on purpose."""
+"""Speculative decoding: drafts change how many steps an answer takes, never the answer. A tiny
+random model rarely repeats itself, so its drafts come from an earlier run of the same request (the
+n-grams shared across requests): the second run drafts what the first answered, and acceptance,
+rejection and every guarantee around them are exercised on purpose.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from tests.support.tiny import hf_greedy
 
 @pytest.fixture(scope="module")
 def spec(server_factory, tiny_model_dir):
-    """Drafts in every step (ngram), blocks of 4, 16 tokens a step (prompts in chunks, drafts cut to the
-    budget), a pool of 40 blocks (requests wait and are preempted), prefix caching on."""
+    """Drafts in every step (ngram), blocks of 4, 16 tokens a step (prompts in chunks, drafts cut to
+    the budget), a pool of 40 blocks (requests wait and are preempted), prefix caching on.
+    """
     return server_factory(
         tiny_model_dir,
         "--speculative",
@@ -48,11 +50,12 @@ def drafts(server) -> tuple[int, int]:
 
 
 def test_greedy_answers_equal_transformers_with_drafts_accepted_and_rejected(spec, tiny_model_dir):
-    """Concurrent requests through chunked prefill, the prefix cache and preemption, twice: the second run
-    drafts from the first and accepts most drafts; both equal transformers token for token."""
-    rng = random.Random(
-        21
-    )  # 8 at once, each up to 30 blocks of the 40: some must wait, some be preempted
+    """Concurrent requests through chunked prefill, the prefix cache and preemption, twice: the
+    second run drafts from the first and accepts most drafts; both equal transformers token for
+    token.
+    """
+    # 8 at once, each up to 30 blocks of the 40: some must wait, some be preempted
+    rng = random.Random(21)
     items = [
         (
             f"spec-{i}",
@@ -89,16 +92,16 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_answer_there(spec, tiny_
     assert list(c.token_ids) == first[: stop_at + 1]
     assert c.finish_reason == generation_pb2.STOP and resp.usage.completion_tokens == stop_at + 1
     assert drafts(spec)[1] > before[1]
-    short = spec.stub.Generate(
-        greedy_request(prompt, 9, "stop-c"), timeout=120
-    )  # max_tokens inside a draft
+    # max_tokens inside a draft
+    short = spec.stub.Generate(greedy_request(prompt, 9, "stop-c"), timeout=120)
     assert list(short.choices[0].token_ids) == first[:9] and short.usage.completion_tokens == 9
     assert_all_blocks_back(spec)
 
 
 def test_n_samples_and_seeded_sampling_repeat_with_drafts(spec, server_factory, tiny_model_dir):
-    """n = 2 greedy samples equal transformers; seeded sampled requests draw the same tokens with drafts as
-    a server without speculation."""
+    """n = 2 greedy samples equal transformers; seeded sampled requests draw the same tokens with
+    drafts as a server without speculation.
+    """
     prompt = [40 + (3 * i) % 200 for i in range(13)]
     req = greedy_request(prompt, 30, "n2")
     req.sampling.n = 2
@@ -140,8 +143,10 @@ def test_n_samples_and_seeded_sampling_repeat_with_drafts(spec, server_factory, 
 def test_penalized_requests_draft_and_answer_as_without_speculation(
     spec, server_factory, tiny_model_dir
 ):
-    """A drafted position's penalties count the drafted tokens before it: repetition, presence and frequency
-    penalties, greedy and sampled, answer what a server without speculation answers, with drafts accepted."""
+    """A drafted position's penalties count the drafted tokens before it: repetition, presence and
+    frequency penalties, greedy and sampled, answer what a server without speculation answers, with
+    drafts accepted.
+    """
     prompt = [30 + (7 * i) % 170 for i in range(12)]
     params = generation_pb2.SamplingParams
     requests = [
@@ -182,9 +187,10 @@ def test_penalized_requests_draft_and_answer_as_without_speculation(
 def test_a_request_asking_logprobs_beside_a_drafting_one_gets_them(
     spec, server_factory, tiny_model_dir
 ):
-    """A request asking logprobs decodes one token a step (its logprobs are a one-row step's, as without
-    drafts), in the same steps as a sequence that drafts: both answers and the logprobs equal a server
-    without speculation's."""
+    """A request asking logprobs decodes one token a step (its logprobs are a one-row step's, as
+    without drafts), in the same steps as a sequence that drafts: both answers and the logprobs
+    equal a server without speculation's.
+    """
     drafting = greedy_request([90 + i for i in range(12)], 40, "beside-drafts")
     asking = generation_pb2.GenerateRequest(
         prompt_token_ids=[17, 4, 99, 23, 8, 61],
@@ -259,10 +265,11 @@ def chi_square_p(observed: np.ndarray, expected: np.ndarray) -> float:
 
 
 def test_accepting_a_drafted_token_draws_the_target_distribution_and_the_same_tokens():
-    """The rejection rule with a point-mass draft, as acceptance runs it: over many seeds the token after a
-    draft position follows the target distribution (after temperature and top-k) whatever was drafted, a
-    drafted token stands as often as its probability, and each seed draws exactly the token it draws
-    without a draft."""
+    """The rejection rule with a point-mass draft, as acceptance runs it: over many seeds the token
+    after a draft position follows the target distribution (after temperature and top-k) whatever
+    was drafted, a drafted token stands as often as its probability, and each seed draws exactly the
+    token it draws without a draft.
+    """
     from worker.step.sampler import SamplingBatch, sample_async
     from worker.step.speculation import Drafts, accept_drafts
 
@@ -306,9 +313,11 @@ def test_accepting_a_drafted_token_draws_the_target_distribution_and_the_same_to
 @has_model
 @pytest.mark.real_model
 def test_structured_output_with_drafts_is_valid_and_the_same_as_without(server_factory):
-    """JSON under a schema, greedy and sampled: drafts are cut to what the grammar allows, each drafted
-    position gets its own mask, the matcher takes the accepted tokens in turn; the answers validate and equal
-    those of a server without speculation, and drafts were accepted (the second run drafts the first)."""
+    """JSON under a schema, greedy and sampled: drafts are cut to what the grammar allows, each
+    drafted position gets its own mask, the matcher takes the accepted tokens in turn; the answers
+    validate and equal those of a server without speculation, and drafts were accepted (the second
+    run drafts the first).
+    """
     flags = (
         "--kv-cache-memory",
         "128MiB",

@@ -1,4 +1,6 @@
-"""The terminal surface: `pagedserve generate / stats / top`, console or JSON logs, the start-up line."""
+"""The terminal surface: `pagedserve generate / stats / top`, console or JSON logs, the start-up
+line.
+"""
 
 import json
 import os
@@ -230,9 +232,8 @@ def test_the_server_log_ends_start_up_with_where_it_serves_and_how_to_try_it(
     ready = [i for i, line in enumerate(lines) if line.startswith("pagedserve is serving")]
     assert len(ready) == 1
     head, grpc_line, http_line = lines[ready[0] : ready[0] + 3]
-    assert head.startswith(
-        f"pagedserve is serving {tiny_model_dir.name} ("
-    )  # the name /v1/models lists
+    # the name /v1/models lists
+    assert head.startswith(f"pagedserve is serving {tiny_model_dir.name} (")
     assert "Authorization" not in http_line  # no key asked for, none shown
     assert "KV pool 200 blocks x 4 tokens" in head
     assert "requests without max_tokens stop at 1,024 tokens" in head
@@ -271,7 +272,9 @@ def test_logs_are_console_lines_on_a_terminal_and_json_when_asked():
 
 
 def test_top_shows_each_replica_and_a_lost_one_in_red_words():
-    """With data parallelism the view has a row per replica; a replica whose workers are lost says why."""
+    """With data parallelism the view has a row per replica; a replica whose workers are lost says
+    why.
+    """
     import io
 
     from rich.console import Console
@@ -366,9 +369,10 @@ def test_generate_with_a_system_prompt_equals_the_same_messages(server):
 
 
 def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
-    """Two turns, /reset, then an answer stopped with Ctrl-C: the conversation each turn sends is what the
-    server saw (its prompt grows with the history and starts over after /reset), and the stopped request
-    is gone from the server at once."""
+    """Two turns, /reset, then an answer stopped with Ctrl-C: the conversation each turn sends is
+    what the server saw (its prompt grows with the history and starts over after /reset), and the
+    stopped request is gone from the server at once.
+    """
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -416,9 +420,8 @@ def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
 
         first = answer("the fox")
         second = answer("the fox", first, "and the dog")
-        assert (
-            out == f"{first}\n{second}\n{first}\n"
-        )  # the history went with the second turn, not the third
+        # the history went with the second turn, not the third
+        assert out == f"{first}\n{second}\n{first}\n"
     finally:
         if proc.poll() is None:
             proc.kill()

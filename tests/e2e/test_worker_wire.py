@@ -1,6 +1,8 @@
 """The worker process over its real ZeroMQ socket: handshake, plans, malformed input, shutdown.
 
-A malformed or out-of-range plan gets an error result, never a crash, and never a write outside the pool."""
+A malformed or out-of-range plan gets an error result, never a crash, and never a write outside
+the pool.
+"""
 
 import subprocess
 import sys
@@ -165,12 +167,12 @@ def test_bad_plans_and_frames_get_error_results_and_the_worker_keeps_serving(wor
 
 def test_a_busy_scheduler_that_stops_echoing_is_not_mistaken_for_a_lost_one(worker):
     peer, proc = worker
-    deadline = (
-        time.monotonic() + 8
-    )  # well past --scheduler-timeout 3: the connection itself is alive
+    # well past --scheduler-timeout 3: the connection itself is alive
+    deadline = time.monotonic() + 8
     while time.monotonic() < deadline:
         if peer.sock.poll(100):
-            peer.sock.recv_multipart()  # swallow heartbeats without echoing them, as a stalled loop would
+            # swallow heartbeats without echoing them, as a stalled loop would
+            peer.sock.recv_multipart()
     assert proc.poll() is None, "the worker quit on a scheduler that was only busy"
 
 
@@ -184,8 +186,9 @@ def test_worker_exits_when_the_scheduler_is_gone(worker):
 
 
 def test_worker_refuses_a_block_size_that_is_not_a_power_of_two(tiny_model_dir):
-    """The kernels' tile arithmetic needs a power of two: refused at start with a configuration exit (the
-    supervisor does not restart it) and a message naming the flag, before any model is loaded."""
+    """The kernels' tile arithmetic needs a power of two: refused at start with a configuration exit
+    (the supervisor does not restart it) and a message naming the flag, before any model is loaded.
+    """
     proc = subprocess.run(
         [
             sys.executable,
@@ -229,8 +232,10 @@ def test_kv_pool_refuses_a_block_size_that_is_not_a_power_of_two():
 
 
 def test_each_local_rank_owns_its_own_gpu():
-    """The launchers pass one --device to every rank of a host; each rank must land on its own GPU (Triton
-    launches on the current device, so two ranks on one GPU would also run each other's kernels there)."""
+    """The launchers pass one --device to every rank of a host; each rank must land on its own GPU
+    (Triton launches on the current device, so two ranks on one GPU would also run each other's
+    kernels there).
+    """
     from worker.serve.choices import rank_device
 
     assert [rank_device(None, r, 4) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
@@ -261,7 +266,8 @@ def only(tokens: list[int], words: int = 12) -> np.ndarray:
 
 def test_masks_that_follow_their_plan_are_awaited_after_the_forward(worker):
     """A plan sent with mask_follows runs its forward, then reads its StepMask off the socket before
-    sampling; masks of refused plans are skipped; a shutdown while waiting ends the worker cleanly."""
+    sampling; masks of refused plans are skipped; a shutdown while waiting ends the worker cleanly.
+    """
     from protos.codec import encode_mask
 
     peer, proc = worker
@@ -300,8 +306,10 @@ def test_masks_that_follow_their_plan_are_awaited_after_the_forward(worker):
 
 
 def test_adapters_the_handshake_names_are_read_before_the_first_plan(tiny_model_dir, tmp_path):
-    """A new or restarted worker reads the adapters the scheduler serves when it is accepted: a plan naming
-    one is served from memory even once its folder is gone, while one it was not given must be read then."""
+    """A new or restarted worker reads the adapters the scheduler serves when it is accepted: a plan
+    naming one is served from memory even once its folder is gone, while one it was not given must
+    be read then.
+    """
     import shutil
 
     from protos.codec import lora_identity

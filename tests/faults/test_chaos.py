@@ -1,6 +1,7 @@
-"""Chaos, bounded: a load with random client cancels while one worker is killed and its replacement is
-stalled past the deadline. Every request that finished equals an uninterrupted run, every cancelled one
-saw a prefix of it, and every block is back afterwards."""
+"""Chaos, bounded: a load with random client cancels while one worker is killed and its replacement
+is stalled past the deadline. Every request that finished equals an uninterrupted run, every
+cancelled one saw a prefix of it, and every block is back afterwards.
+"""
 
 import os
 import random

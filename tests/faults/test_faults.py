@@ -1,5 +1,6 @@
-"""Faults: a worker that dies or stalls is replaced and its requests resume with identical output; with no
-worker to come back they end with UNAVAILABLE, never a hang."""
+"""Faults: a worker that dies or stalls is replaced and its requests resume with identical output;
+with no worker to come back they end with UNAVAILABLE, never a hang.
+"""
 
 import contextlib
 import os
@@ -48,14 +49,12 @@ def test_a_killed_worker_is_replaced_and_every_stream_completes_as_if_nothing_ha
     assert streams.started.wait(30)
     os.kill(int(old), signal.SIGKILL)
     wait_health(server, False, 5)  # the process is watched: seen well within a heartbeat timeout
-    wait_health(
-        server, True, 60
-    )  # the supervisor starts a new worker; its handshake brings the replica back
+    # the supervisor starts a new worker; its handshake brings the replica back
+    wait_health(server, True, 60)
     streams.join()
     assert streams.errors == [None] * len(reqs)
-    assert (
-        streams.tokens == reference
-    )  # nothing repeated, nothing skipped, same draws when sampling
+    # nothing repeated, nothing skipped, same draws when sampling
+    assert streams.tokens == reference
     (new,) = children_of(server.proc.pid)
     assert new != old
     assert_all_blocks_back(server)
@@ -93,8 +92,10 @@ def test_a_stall_past_the_deadline_is_fenced_and_replaced_and_a_short_one_change
 
 @contextlib.contextmanager
 def lone_scheduler(tmp_path, model_dir, scheduler_flags, worker_blocks):
-    """A scheduler on its own (any free ports, said in its port file) and one worker started by hand, with
-    no supervisor: yields (scheduler, worker, channel); whatever still runs at the end is killed."""
+    """A scheduler on its own (any free ports, said in its port file) and one worker started by
+    hand, with no supervisor: yields (scheduler, worker, channel); whatever still runs at the end is
+    killed.
+    """
     from deploy.processes import ROOT, read_port_file
 
     log = open(tmp_path / "scheduler.log", "w")
@@ -130,9 +131,8 @@ def lone_scheduler(tmp_path, model_dir, scheduler_flags, worker_blocks):
         ):
             time.sleep(0.1)
         assert bound is not None, "the scheduler did not say which ports it bound"
-        env = {
-            k: v for k, v in os.environ.items() if k != "PAGEDSERVE_SUPERVISED"
-        }  # nobody orders its stop
+        # nobody orders its stop
+        env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_SUPERVISED"}
         worker = subprocess.Popen(
             [
                 sys.executable,
@@ -214,8 +214,9 @@ def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
     threads = [threading.Thread(target=consume, args=("long",))]
     threads[0].start()
     assert running.wait(30)
-    # The worker is held still, so the running request cannot finish (however fast the machine) and the
-    # second one must wait; the hold is shorter than the heartbeat deadline, and is released whatever happens.
+    # The worker is held still, so the running request cannot finish (however fast the machine) and
+    # the second one must wait; the hold is shorter than the heartbeat deadline, and is released
+    # whatever happens.
     (worker,) = children_of(server.proc.pid)
     os.kill(int(worker), signal.SIGSTOP)
     try:
@@ -243,8 +244,9 @@ def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
 
 
 def test_a_checkpoint_that_cannot_load_is_refused_once_with_the_tensor_named(tmp_path):
-    """A tensor missing (or one the model has no place for) fails every start the same way: the worker says
-    which and exits EXIT_CONFIG, and the server stops rather than restart it in a loop."""
+    """A tensor missing (or one the model has no place for) fails every start the same way: the
+    worker says which and exits EXIT_CONFIG, and the server stops rather than restart it in a loop.
+    """
     from safetensors.torch import load_file, save_file
 
     from tests.support.server import ServerProcess
@@ -294,11 +296,11 @@ def test_sigterm_drains_running_requests_then_every_process_exits(
     )
     streams = Streams(server.stub, [greedy_request([8, 9, 10], 400)])
     assert streams.started.wait(30)
-    # The workers are held still while the server is told to stop, so the stream is still running when the
-    # drain begins however fast the machine (the answer asked before drafts most of it); held for far less
-    # than the heartbeat deadline, and where the stream cannot finish, through the drain: the drain, not a
-    # lost worker, ends it. The drain that cannot finish still lasts long enough (3 s) for the refusal below
-    # to reach a port that is still open.
+    # The workers are held still while the server is told to stop, so the stream is still running
+    # when the drain begins however fast the machine (the answer asked before drafts most of it);
+    # held for far less than the heartbeat deadline, and where the stream cannot finish, through the
+    # drain: the drain, not a lost worker, ends it. The drain that cannot finish still lasts long
+    # enough (3 s) for the refusal below to reach a port that is still open.
     held = list(workers)
     for pid in held:
         os.kill(int(pid), signal.SIGSTOP)
@@ -335,9 +337,8 @@ def test_sigterm_drains_running_requests_then_every_process_exits(
 
 
 def test_a_worker_that_dies_while_idle_is_seen_within_seconds_and_replaced(fault_server):
-    wait_health(
-        fault_server, True, 60
-    )  # a test before this one may have left its worker still coming back
+    # a test before this one may have left its worker still coming back
+    wait_health(fault_server, True, 60)
     deadline = time.monotonic() + 30
     while not fault_server.stats().replicas[0].worker_pids:
         assert time.monotonic() < deadline, "the replica never reported its worker"
@@ -352,7 +353,9 @@ def test_a_worker_that_dies_while_idle_is_seen_within_seconds_and_replaced(fault
 
 
 def test_no_local_process_can_forge_results_or_heartbeats(fault_server):
-    """Without CurveZMQ any local process reaches the wire; still, only the peer that shook hands counts."""
+    """Without CurveZMQ any local process reaches the wire; still, only the peer that shook hands
+    counts.
+    """
     import zmq
 
     from protos import WIRE_VERSION, wire_pb2
@@ -419,9 +422,10 @@ def test_no_local_process_can_forge_results_or_heartbeats(fault_server):
 
 
 def test_a_worker_asked_to_stop_serves_its_draining_scheduler_to_the_end(tmp_path, tiny_model_dir):
-    """Under Kubernetes every pod of a release gets SIGTERM at once. A worker (no supervisor) keeps serving
-    until its scheduler — draining — tells it to shut down: the answer in flight ends whole, then both exit
-    0."""
+    """Under Kubernetes every pod of a release gets SIGTERM at once. A worker (no supervisor) keeps
+    serving until its scheduler — draining — tells it to shut down: the answer in flight ends whole,
+    then both exit 0.
+    """
     from protos import generation_pb2_grpc
 
     with lone_scheduler(tmp_path, tiny_model_dir, [], 300) as (sched, worker, channel):

@@ -1,5 +1,7 @@
-"""Requests that must never hurt other clients: huge prompts, malformed messages, invalid UTF-8, absurd
-temperatures and long stop strings get clear errors (or sane behaviour) while everyone else is served."""
+"""Requests that must never hurt other clients: huge prompts, malformed messages, invalid UTF-8,
+absurd temperatures and long stop strings get clear errors (or sane behaviour) while everyone else
+is served.
+"""
 
 import threading
 import time
@@ -71,7 +73,8 @@ def test_a_prompt_too_long_in_tokens_is_refused_after_tokenizing_off_the_loop(pl
 @pytest.mark.parametrize("kind", ["invalid utf-8", "garbage"])
 @pytest.mark.parametrize("method", ["Generate", "GenerateStream", "Abort"])
 def test_malformed_messages_and_invalid_utf8_are_invalid_argument(plain, kind, method):
-    # a string field (prompt = field 2; Abort's request_id = field 1) holding bytes that are not UTF-8
+    # a string field (prompt = field 2; Abort's request_id = field 1) holding bytes that are not
+    # UTF-8
     field = b"\x0a" if method == "Abort" else b"\x12"
     raw = field + b"\x02\xff\xfe" if kind == "invalid utf-8" else b"\xff\xff\xff\xff not a protobuf"
     path = f"/pagedserve.v1.Generation/{method}"

@@ -96,9 +96,8 @@ def test_a_step_past_its_deadline_loses_the_worker_even_while_it_beats():
             ):
                 await client.execute(0, one_token_plan(1))
             assert worker.got_plan.is_set() and 1.5 <= time.monotonic() - t0 < 4
-            client.check_alive(
-                0
-            )  # its heartbeats were fresh all along: only the deadline caught it
+            # its heartbeats were fresh all along: only the deadline caught it
+            client.check_alive(0)
         finally:
             worker.stop.set()
             await client.close()
@@ -188,8 +187,9 @@ def _plan_frame(step_id, **kw):
 
 
 def test_a_plan_that_arrives_while_a_step_runs_is_launched_before_that_step_is_read_back():
-    """The device never waits on the host between steps: step 2 is queued behind step 1 before step 1's
-    tokens are read, and the results still go out in order."""
+    """The device never waits on the host between steps: step 2 is queued behind step 1 before step
+    1's tokens are read, and the results still go out in order.
+    """
     from worker.serve.step_server import WorkerServer
 
     runner = PipelinedRunner()
@@ -206,8 +206,9 @@ def test_a_plan_that_arrives_while_a_step_runs_is_launched_before_that_step_is_r
 
 
 def test_a_plan_whose_masks_follow_answers_the_step_before_it_first():
-    """The scheduler computes a step's masks from the previous step's tokens: the worker answers that step
-    before it waits for the masks, or both would wait forever."""
+    """The scheduler computes a step's masks from the previous step's tokens: the worker answers
+    that step before it waits for the masks, or both would wait forever.
+    """
     from worker.serve.step_server import WorkerServer
 
     runner = PipelinedRunner()
@@ -246,9 +247,11 @@ def test_a_step_that_fails_when_read_back_is_reported(error, exits):
 
 
 def test_a_handshake_done_before_the_worker_looks_still_counts_as_connected(monkeypatch):
-    """The heartbeat thread learns that its connection is up from libzmq's handshake event. A connect that
-    completes before the thread looks (a loaded machine) must not read as a scheduler that never came: the
-    worker stays up past its timeout against a scheduler that holds the connection but never echoes."""
+    """The heartbeat thread learns that its connection is up from libzmq's handshake event. A
+    connect that completes before the thread looks (a loaded machine) must not read as a scheduler
+    that never came: the worker stays up past its timeout against a scheduler that holds the
+    connection but never echoes.
+    """
     from worker.serve.step_server import WorkerServer
 
     peer_ctx = zmq.Context()

@@ -1,5 +1,7 @@
-"""LoRA adapters in the scheduler: a PEFT folder checked against the base model (every refusal names what it
-refuses), the prefix cache keyed by the adapter's identity, and the steps holding at most --max-loras."""
+"""LoRA adapters in the scheduler: a PEFT folder checked against the base model (every refusal names
+what it refuses), the prefix cache keyed by the adapter's identity, and the steps holding at most
+--max-loras.
+"""
 
 import json
 
@@ -24,7 +26,9 @@ BASE = BaseShapes(num_layers=2, hidden=8, q_size=8, kv_size=4, intermediate=16)
 def write_adapter(
     folder, r=4, modules=("q_proj", "v_proj"), layers=2, seed=0, shapes=None, extra=None, **config
 ):
-    """A PEFT-shaped adapter folder: its config and a safetensors file of lora_A / lora_B per module."""
+    """A PEFT-shaped adapter folder: its config and a safetensors file of lora_A / lora_B per
+    module.
+    """
     from safetensors.numpy import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -234,9 +238,8 @@ def test_the_launchers_pass_every_adapter_on_and_give_the_workers_their_slots():
         "3",
     ]
     worker_argv = worker_units(args, "tcp://127.0.0.1:1")[0].programs[0].argv
-    assert (
-        worker_argv[worker_argv.index("--max-cpu-loras") + 1] == "2"
-    )  # one an adapter, to --max-loras
+    # one an adapter, to --max-loras
+    assert worker_argv[worker_argv.index("--max-cpu-loras") + 1] == "2"
     plain = build_parser().parse_args(["--model", "m"])
     assert "--max-cpu-loras" not in worker_units(plain, "tcp://127.0.0.1:1")[0].programs[0].argv
 
@@ -257,8 +260,9 @@ def test_no_more_adapters_run_at_once_than_every_worker_keeps():
 
 
 def test_an_accepted_group_is_sent_the_latest_adapters_its_workers_keep(tmp_path):
-    """The handshake's answer names the adapters a new or restarted worker reads before its first step: the
-    latest loaded, no more than the rank with the fewest slots keeps."""
+    """The handshake's answer names the adapters a new or restarted worker reads before its first
+    step: the latest loaded, no more than the rank with the fewest slots keeps.
+    """
     from protos import wire_pb2
     from scheduler_service.runtime.groups import WorkerGroup, WorkerInfo
 

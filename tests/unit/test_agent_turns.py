@@ -1,6 +1,7 @@
-"""An answer as the agent APIs say it: reasoning split from content where the template thinks, whole and
-while streaming (the streamed pieces add up to the whole), tool calls held until they are whole, and the
-chat fields the agent APIs lean on (reasoning_effort, a cut-short required call)."""
+"""An answer as the agent APIs say it: reasoning split from content where the template thinks, whole
+and while streaming (the streamed pieces add up to the whole), tool calls held until they are whole,
+and the chat fields the agent APIs lean on (reasoning_effort, a cut-short required call).
+"""
 
 import pytest
 

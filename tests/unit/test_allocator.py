@@ -11,7 +11,9 @@ from scheduler_service.core.sequence import Request, SamplingOptions
 
 
 def test_paged_vs_static_accounting():
-    """Lengths 32, 128, 64, 256 with block size 16: 30 blocks paged against 64 for static reservation."""
+    """Lengths 32, 128, 64, 256 with block size 16: 30 blocks paged against 64 for static
+    reservation.
+    """
     block_size = 16
     lengths = [32, 128, 64, 256]
     alloc = BlockAllocator(num_blocks=64, block_size=block_size)
@@ -28,11 +30,12 @@ def test_paged_vs_static_accounting():
 
 
 def test_page_table_grows_exactly_at_block_boundaries():
+    # a token a step
     sched = Scheduler(
         SchedulerConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, speculative="off"),
         16,
         256,
-    )  # a token a step
+    )
     req = Request("r", [1, 2, 3], SamplingOptions(max_tokens=10))
     sched.add_request(req)
     seq = req.seqs[0]
@@ -43,7 +46,8 @@ def test_page_table_grows_exactly_at_block_boundaries():
             (out.scheduled[0].start + out.scheduled[0].num_new_tokens, len(seq.block_ids))
         )
         sched.update(out, [7])
-    # (tokens held after the step, blocks held): a new block appears exactly with token 5 and token 9
+    # (tokens held after the step, blocks held): a new block appears exactly with token 5 and token
+    # 9
     assert history == [(3, 1), (4, 1), (5, 2), (6, 2), (7, 2), (8, 2), (9, 3), (10, 3)]
     sched.abort_request("r")
     assert sched.allocator.num_available_blocks == 16

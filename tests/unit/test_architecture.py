@@ -1,5 +1,6 @@
-"""docs/ARCHITECTURE.md true to the code: read in one sitting, every module named once in its list, every
-file:function it walks through still there."""
+"""docs/ARCHITECTURE.md true to the code: read in one sitting, every module named once in its list,
+every file:function it walks through still there.
+"""
 
 import ast
 import re
@@ -37,7 +38,9 @@ def _listed() -> list[str]:
 
 
 def _defined(path: Path, dotted: str) -> bool:
-    """Whether `Name` or `Name.method` is defined at the top of the file (a class's method for the second)."""
+    """Whether `Name` or `Name.method` is defined at the top of the file (a class's method for the
+    second).
+    """
     scope = ast.parse(path.read_text()).body
     for part in dotted.split("."):
         names = {}

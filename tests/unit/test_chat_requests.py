@@ -1,4 +1,6 @@
-"""GenerateRequest.messages and the request-level controls that came with it: validated in one place."""
+"""GenerateRequest.messages and the request-level controls that came with it: validated in one
+place.
+"""
 
 import pytest
 from google.protobuf import struct_pb2

@@ -1,4 +1,6 @@
-"""The worker's batched request controls against a plain per-row reference, and the plan's control arrays."""
+"""The worker's batched request controls against a plain per-row reference, and the plan's control
+arrays.
+"""
 
 import numpy as np
 import pytest
@@ -15,7 +17,9 @@ VOCAB, BS = 50, 4
 
 
 def pool_with(contexts: list[list[int]], num_blocks=32, seed=0):
-    """A pool whose token record holds each context in scattered blocks; returns (pool, block tables)."""
+    """A pool whose token record holds each context in scattered blocks; returns (pool, block
+    tables).
+    """
     cfg = ModelConfig(
         vocab_size=VOCAB,
         hidden_size=8,
@@ -120,6 +124,7 @@ def test_batched_controls_equal_the_per_row_reference():
 def test_a_row_its_controls_leave_without_any_token_falls_back_to_its_raw_logits():
     pool, tables = pool_with([[1, 2]])
     logits = torch.randn(1, VOCAB)
+    # nothing allowed
     plan = PlanArrays(
         step_id=1,
         token_ids=np.zeros(1, np.int32),
@@ -137,7 +142,7 @@ def test_a_row_its_controls_leave_without_any_token_falls_back_to_its_raw_logits
         block_copies=np.zeros((0, 2), np.int32),
         mask_rows=np.zeros(1, np.int32),
         token_bitmask=np.zeros((1, 2), np.int32),
-    )  # nothing allowed
+    )
     got = apply_controls(
         logits,
         gather_controls(plan, np.arange(1), torch.from_numpy(tables), torch.device("cpu")),
@@ -229,8 +234,10 @@ def test_malformed_control_arrays_are_refused(field, value, message):
 
 
 def test_a_drafting_rows_positions_take_its_masks_in_turn_and_its_biases_each():
-    """In a drafting step a row repeats once a drafted position (worker/step/speculation.py): each repeat gets
-    the row's biases and its own position's mask, the masks of the row following one another."""
+    """In a drafting step a row repeats once a drafted position (worker/step/speculation.py): each
+    repeat gets the row's biases and its own position's mask, the masks of the row following one
+    another.
+    """
     pool, tables = pool_with([[1, 2, 3], [4, 5]])
     bitmask = np.arange(4 * 2, dtype=np.int32).reshape(4, 2)  # four distinct masks
     plan = PlanArrays(

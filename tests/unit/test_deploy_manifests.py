@@ -1,5 +1,6 @@
-"""The container recipe and the Kubernetes manifests: valid against the Kubernetes schemas (offline), and
-every flag they pass exists in the program they start."""
+"""The container recipe and the Kubernetes manifests: valid against the Kubernetes schemas
+(offline), and every flag they pass exists in the program they start.
+"""
 
 import re
 import shlex
@@ -66,8 +67,9 @@ def smg_parser():
 
 
 def test_the_gateway_manifest_fronts_the_schedulers_with_flags_smg_takes():
-    """SMG's container: every flag parses with SMG's own parser; it discovers the scheduler pods (the
-    headless Service's selector) on their gRPC port, under a role that may read pods."""
+    """SMG's container: every flag parses with SMG's own parser; it discovers the scheduler pods
+    (the headless Service's selector) on their gRPC port, under a role that may read pods.
+    """
     docs = {d["metadata"]["name"] + "/" + d["kind"]: d for d in documents()}
     pod = docs["pagedserve-gateway/Deployment"]["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -143,8 +145,10 @@ def test_the_container_recipe_starts_programs_with_flags_that_exist():
 
 
 def test_stopping_under_kubernetes_drains_before_anything_is_cut():
-    """The scheduler's preStop starts the drain and its grace period outlasts --drain-timeout; the workers
-    wait for their draining scheduler (--stop-timeout) within a grace period longer than the scheduler's."""
+    """The scheduler's preStop starts the drain and its grace period outlasts --drain-timeout; the
+    workers wait for their draining scheduler (--stop-timeout) within a grace period longer than the
+    scheduler's.
+    """
     docs = {d["metadata"]["name"] + "/" + d["kind"]: d for d in documents()}
     sched_pod = docs["pagedserve-scheduler/Deployment"]["spec"]["template"]["spec"]
     sched = sched_pod["containers"][0]
@@ -160,8 +164,9 @@ def test_stopping_under_kubernetes_drains_before_anything_is_cut():
 
 
 def test_the_grafana_dashboard_graphs_series_the_server_exports():
-    """Every series the dashboard's queries name is one the scheduler exports (a renamed metric would leave
-    a panel empty without a word), and every exported series is on the dashboard."""
+    """Every series the dashboard's queries name is one the scheduler exports (a renamed metric
+    would leave a panel empty without a word), and every exported series is on the dashboard.
+    """
     import json
 
     from scheduler_service.runtime.metrics import Metrics

@@ -12,8 +12,9 @@ from scheduler_service.core.drafting import (
 
 
 def lookup_by_scanning(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The definition: the longest suffix (max_n down to min_n tokens) that occurred earlier with a token
-    after it; its latest such occurrence proposes the k tokens that followed."""
+    """The definition: the longest suffix (max_n down to min_n tokens) that occurred earlier with a
+    token after it; its latest such occurrence proposes the k tokens that followed.
+    """
     end = len(tokens)
     for n in range(min(max_n, end), min_n - 1, -1):
         suffix = tokens[end - n :]
@@ -58,7 +59,7 @@ def test_shared_ngrams_propose_what_followed_in_an_earlier_request_and_forget_th
     assert shared.propose([2, 3], 3) == []
 
 
-def test_a_longer_suffix_match_drafts_further_and_failing_short_drafts_stop_until_they_may_pay_again():
+def test_a_longer_match_drafts_further_and_failing_short_drafts_stop_until_they_may_pay_again():
     length = DraftLength(max_k=10)
     assert [length.for_match(n) for n in (0, 1, 2, 3, 4, 6, 8, 40)] == [0, 1, 2, 3, 6, 10, 10, 10]
     assert DraftLength(max_k=4).for_match(7) == 4  # never past --num-speculative-tokens
@@ -88,19 +89,21 @@ def test_a_sequence_drafts_from_its_own_copy_before_a_shorter_shared_match():
     shared.learn([1, 2, 3, 4, 50, 51, 52, 53])  # an earlier request went 3, 4 -> 50
     d = SequenceDrafter([9, 3, 4, 60, 61, 62, 63, 64, 1, 2], 10, shared)
     d.append([3, 4])  # own: (3, 4) -> 60 ... (a 2-token match); shared: (1, 2, 3, 4), 4 tokens long
+    # the shared match counts SHARED_DISCOUNT shorter
     assert d.match(5) == (
         2,
         [60, 61, 62, 63, 64],
-    )  # the shared match counts SHARED_DISCOUNT shorter
+    )
     d.append([60, 61])
     assert d.propose(10) == [62, 63, 64, 1, 2, 3]  # a 4-token own match: six tokens
     assert d.matched == 4
     d2 = SequenceDrafter([7, 1, 2, 3, 4, 5], 10, shared)
     d2.append([8, 1, 2, 3, 4])
+    # its own (1, 2, 3, 4) beats the shared one of equal length
     assert d2.match(3) == (
         4,
         [5, 8, 1],
-    )  # its own (1, 2, 3, 4) beats the shared one of equal length
+    )
     fresh = SequenceDrafter([70, 71], 10, shared)
     fresh.append([1, 2, 3, 4])  # nothing of its own: the shared continuation
     assert fresh.match(4) == (4 - SHARED_DISCOUNT, [50, 51, 52, 53])
@@ -108,9 +111,10 @@ def test_a_sequence_drafts_from_its_own_copy_before_a_shorter_shared_match():
 
 @pytest.mark.parametrize("mode", ["auto", "ngram"])
 def test_auto_drafts_in_small_steps_only_never_beside_a_prompt_to_compute(mode):
-    """A prompt asked again drafts its earlier answer; once another request's prompt is being computed
-    (its chunks fill the steps), `auto` drafts nothing until it is done, `ngram` drafts on; the answers are
-    the same either way."""
+    """A prompt asked again drafts its earlier answer; once another request's prompt is being
+    computed (its chunks fill the steps), `auto` drafts nothing until it is done, `ngram` drafts on;
+    the answers are the same either way.
+    """
     from scheduler_service.core.sequence import Request, SamplingOptions
     from tests.support.simulated import drain, expected, make, step
 

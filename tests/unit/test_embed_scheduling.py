@@ -1,7 +1,8 @@
-"""Embedding requests in the scheduler, against the simulated worker (whose pooled "hidden state" is the sum
-of the token ids a row reads and their count): prefill-only, pooled per chunk as the pooling asks, in the same
-steps as decodes, finished with their blocks back, and pooled from scratch after a preemption even while a
-step of the old admission is still in flight."""
+"""Embedding requests in the scheduler, against the simulated worker (whose pooled "hidden state" is
+the sum of the token ids a row reads and their count): prefill-only, pooled per chunk as the pooling
+asks, in the same steps as decodes, finished with their blocks back, and pooled from scratch after a
+preemption even while a step of the old admission is still in flight.
+"""
 
 from collections import deque
 
@@ -26,8 +27,9 @@ def embed_request(rid, prompt, pooling="mean", dimensions=None):
 
 
 def expected(prompt, pooling):
-    """The vector the simulated worker's states finish as: a mean of the ids, the last token's (its whole
-    context), the first token's."""
+    """The vector the simulated worker's states finish as: a mean of the ids, the last token's (its
+    whole context), the first token's.
+    """
     if pooling == "mean":
         return [np.mean(prompt), 1.0]
     if pooling == "last":
@@ -41,9 +43,10 @@ def step_seconds(out):
 
 
 def run_overlapped(sched, worker, arrivals, max_steps=2000):
-    """Two steps in flight, as the replica runs them: step N+1 is scheduled and run before step N's result
-    is applied, and its time (step_seconds) told to the embedding pacer. arrivals: {step: [Request]}.
-    Returns every SchedulerOutput."""
+    """Two steps in flight, as the replica runs them: step N+1 is scheduled and run before step N's
+    result is applied, and its time (step_seconds) told to the embedding pacer. arrivals: {step:
+    [Request]}. Returns every SchedulerOutput.
+    """
     inflight, outs, step = deque(), [], 0
     while step < max_steps:
         for r in arrivals.pop(step, []):
@@ -94,9 +97,11 @@ def test_a_long_input_pools_per_chunk_and_finishes_with_its_blocks_back(pooling,
 
 
 def test_embeddings_share_steps_with_decodes_paced_to_keep_them_going():
-    """Steps cost 50 ms and 2 ms a prompt token (step_seconds): beside a decoding stream, embeddings take
-    what keeps its steps within 1 / 0.8 of a decode's time on average (about 6 tokens a step); a
-    generation's own prompt is not held back, and with no decode running they take the whole budget."""
+    """Steps cost 50 ms and 2 ms a prompt token (step_seconds): beside a decoding stream, embeddings
+    take what keeps its steps within 1 / 0.8 of a decode's time on average (about 6 tokens a step);
+    a generation's own prompt is not held back, and with no decode running they take the whole
+    budget.
+    """
     config = SchedulerConfig(
         block_size=4, max_num_seqs=8, max_num_batched_tokens=64, debug_invariants=True
     )
@@ -110,10 +115,11 @@ def test_embeddings_share_steps_with_decodes_paced_to_keep_them_going():
     outs = run_overlapped(sched, worker, {0: [generation], 3: embeddings, 60: [late]})
     beside = [o for o in outs if o.num_decodes and o.num_embed_tokens]
     assert beside, "the embeddings never ran beside the decodes"
+    # while embeddings ran beside the stream
     first, last = (
         outs.index(beside[0]),
         outs.index(beside[-1]),
-    )  # while embeddings ran beside the stream
+    )
     decoding = [
         o for o in outs[first : last + 1] if not (o.num_prefill_tokens - o.num_embed_tokens)
     ]
@@ -126,9 +132,8 @@ def test_embeddings_share_steps_with_decodes_paced_to_keep_them_going():
     assert admitted <= 62, "a generation waited behind the paced embeddings"
     assert generation.seqs[0].num_output_tokens == 200 and late.seqs[0].num_output_tokens == 3
     for e in embeddings:
-        np.testing.assert_allclose(
-            e.seqs[0].pooling.vector, [float(sum(e.prompt_token_ids))]
-        )  # dimensions=1
+        # dimensions=1
+        np.testing.assert_allclose(e.seqs[0].pooling.vector, [float(sum(e.prompt_token_ids))])
     alone = Scheduler(config, num_blocks=256, max_model_len=256)
     first = run_overlapped(
         alone, SimulatedWorker(256, 4), {0: [embed_request("x", list(range(10, 110)))]}
@@ -139,9 +144,10 @@ def test_embeddings_share_steps_with_decodes_paced_to_keep_them_going():
 
 
 def test_a_preempted_embedding_pools_again_from_scratch():
-    """A pool of 12 blocks of 4: two generations grow into it and preempt the embedding (the most recently
-    admitted) mid-prompt, while a step that already summed a chunk of it is in flight; that sum must not
-    count, and the vector equals the one computed without preemption."""
+    """A pool of 12 blocks of 4: two generations grow into it and preempt the embedding (the most
+    recently admitted) mid-prompt, while a step that already summed a chunk of it is in flight; that
+    sum must not count, and the vector equals the one computed without preemption.
+    """
     config = SchedulerConfig(
         block_size=4, max_num_seqs=8, max_num_batched_tokens=12, debug_invariants=True
     )
@@ -161,8 +167,9 @@ def test_a_preempted_embedding_pools_again_from_scratch():
 
 
 def test_where_the_model_also_generates_an_embedding_step_is_bounded():
-    """--embed-step-tokens: a step without decodes takes at most that many embedding tokens, so a generation
-    request arriving meanwhile waits behind short steps; it is admitted in the next one."""
+    """--embed-step-tokens: a step without decodes takes at most that many embedding tokens, so a
+    generation request arriving meanwhile waits behind short steps; it is admitted in the next one.
+    """
     config = SchedulerConfig(
         block_size=4,
         max_num_seqs=8,

@@ -1,4 +1,6 @@
-"""The engine protocol's requests in our shape, and the KV-event stream's bookkeeping (no processes)."""
+"""The engine protocol's requests in our shape, and the KV-event stream's bookkeeping (no
+processes).
+"""
 
 import asyncio
 import json

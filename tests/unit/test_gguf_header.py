@@ -1,6 +1,7 @@
-"""The GGUF header reader (worker/weights/gguf_header.py) reads what gguf's own reader reads — every scalar,
-every tensor's type, shape, offset and size — with a tokenizer's long arrays counted, not kept, and refuses
-a file that is not one or is cut short."""
+"""The GGUF header reader (worker/weights/gguf_header.py) reads what gguf's own reader reads — every
+scalar, every tensor's type, shape, offset and size — with a tokenizer's long arrays counted, not
+kept, and refuses a file that is not one or is cut short.
+"""
 
 import gguf
 import numpy as np

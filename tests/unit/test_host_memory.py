@@ -1,4 +1,6 @@
-"""The worker's host allocator (serve/host_memory.py): a process asks for one and ends up running on it."""
+"""The worker's host allocator (serve/host_memory.py): a process asks for one and ends up running on
+it.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def allocator_of(mode: str, **env) -> str:
-    """Start `python -m worker.serve.host_memory MODE` (it re-executes itself where needed), read its
-    answer."""
+    """Start `python -m worker.serve.host_memory MODE` (it re-executes itself where needed), read
+    its answer.
+    """
     clean = {
         k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PAGEDSERVE_MALLOC_REEXEC")
     }
@@ -79,9 +82,10 @@ def _huge_bytes_at(ptr: int) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's smaps only")
 def test_weights_are_moved_onto_huge_pages_with_their_values_kept():
-    """A written weight's 2 MiB-aligned interior is advised and collapsed onto 2 MiB pages (where the system
-    has them at all), its values untouched; a small tensor, the same storage twice and a library's own packed
-    weight (not a tensor) are left alone."""
+    """A written weight's 2 MiB-aligned interior is advised and collapsed onto 2 MiB pages (where
+    the system has them at all), its values untouched; a small tensor, the same storage twice and a
+    library's own packed weight (not a tensor) are left alone.
+    """
     import torch
 
     from worker.serve.host_memory import HUGE_PAGE, huge_pages
@@ -104,7 +108,7 @@ from worker.serve.host_memory import loaded_allocator, release_free_memory, tune
 from worker.serve.memory_plan import resident_bytes
 if loaded_allocator() == "glibc":
     tune_glibc()  # as a worker on glibc runs: freed blocks kept
-held = [torch.ones(1 << 19) for _ in range(200)]  # 2 MiB each, loading's transients: 400 MiB touched
+held = [torch.ones(1 << 19) for _ in range(200)]  # 2 MiB each: 400 MiB of loading's transients
 del held
 kept = resident_bytes()[0]
 assert release_free_memory()
@@ -114,8 +118,10 @@ print(loaded_allocator(), kept - resident_bytes()[0])
 
 @pytest.mark.parametrize("allocator", ["tcmalloc", "glibc"])
 def test_what_loading_freed_is_given_back_to_the_system(allocator):
-    """The allocators a worker runs on keep freed memory for reuse (what a step's scratch wants), so loading's
-    transients would stay resident beside the model for good: released once, after loading."""
+    """The allocators a worker runs on keep freed memory for reuse (what a step's scratch wants), so
+    loading's transients would stay resident beside the model for good: released once, after
+    loading.
+    """
     clean = {
         k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PAGEDSERVE_MALLOC_REEXEC")
     }

@@ -1,4 +1,6 @@
-"""Page tables on their own: growth, copy-on-write, refusals that change nothing, forks and release."""
+"""Page tables on their own: growth, copy-on-write, refusals that
+change nothing, forks and release.
+"""
 
 from scheduler_service.core.batch import make_sequences
 from scheduler_service.core.kv_manager import KVCacheManager
@@ -18,9 +20,8 @@ def test_slots_grow_the_table_exactly_at_block_boundaries_and_lookahead_reserves
     (seq,) = _seq(6)
     assert kv.admit(seq, [], 6) and len(seq.block_ids) == 2
     seq.num_computed_tokens = 6
-    assert (
-        kv.allocate_slots(seq, 2) == [] and len(seq.block_ids) == 2
-    )  # 8 tokens still fit in 2 blocks
+    # 8 tokens still fit in 2 blocks
+    assert kv.allocate_slots(seq, 2) == [] and len(seq.block_ids) == 2
     assert kv.allocate_slots(seq, 2, lookahead=3) == [] and len(seq.block_ids) == 3  # 6 + 5 tokens
     assert kv.allocator.num_available_blocks == 5
     kv.check_invariants([seq], [])

@@ -1,6 +1,8 @@
-"""KV tiers under the pool, scheduler side, with the simulated worker (whose tokens depend on every block it
-reads): a prefix evicted from the pool is read back from the host or disk tier instead of computed, answers
-stay exact through eviction, corruption, a restart and a flush, and every tier stays within its size."""
+"""KV tiers under the pool, scheduler side, with the simulated worker (whose tokens depend on every
+block it reads): a prefix evicted from the pool is read back from the host or disk tier instead of
+computed, answers stay exact through eviction, corruption, a restart and a flush, and every tier
+stays within its size.
+"""
 
 import random
 
@@ -32,8 +34,9 @@ def conversations(n_docs=4, turns=3, doc_len=40, seed=0):
 
 
 def serve(sched, worker, rounds, one_at_a_time=True):
-    """Each request to its end (one at a time: each evicts the one before), every answer checked; -> the
-    prompt tokens computed."""
+    """Each request to its end (one at a time: each evicts the one before), every answer checked; ->
+    the prompt tokens computed.
+    """
     computed = 0
     for reqs in rounds:
         for batch in ([r] for r in reqs) if one_at_a_time else [reqs]:
@@ -82,7 +85,8 @@ def test_the_disk_tier_survives_a_restart_and_a_different_layout_reads_nothing()
     w2.disk = dict(worker.disk)
     after = serve(again, w2, conversations(turns=1))
     assert w2.num_loaded > 0 and after < first / 3, (after, first)
-    # one whose workers hold nothing on disk (another model's folder): everything computed, answers right
+    # one whose workers hold nothing on disk (another model's folder): everything computed, answers
+    # right
     cold, w3 = make(24, BS, budget=64, tiers=tiers(disk=200))
     assert serve(cold, w3, conversations(turns=1)) == first and w3.num_loaded == 0
 
@@ -96,7 +100,8 @@ def test_a_corrupt_block_is_a_miss_computed_instead_and_forgotten():
     t = sched.kv.tiers
     failures = t.load_failures
     assert failures > 0
-    # each was forgotten, computed again and written down afresh: the next pass reads every block back
+    # each was forgotten, computed again and written down afresh: the next pass reads every block
+    # back
     worker.corrupt = set()
     assert all(h in worker.disk for h in list(t.disk._lru))
     loaded = worker.num_loaded

@@ -23,9 +23,8 @@ def test_packed_weights_give_f_linear_results_with_bias_and_any_row_count(cls):
     for rows in (1, 7, 64, 300):
         x = torch.randn(rows, 40, generator=g)
         torch.testing.assert_close(lib(x, packed, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-    x = torch.randn(200, 64, generator=g)[
-        :, 10:50
-    ]  # a strided view, as a slice of a fused projection is
+    # a strided view, as a slice of a fused projection is
+    x = torch.randn(200, 64, generator=g)[:, 10:50]
     torch.testing.assert_close(lib(x, packed), F.linear(x, w), atol=1e-4, rtol=1e-5)
     x3 = torch.randn(2, 5, 40, generator=g)  # leading dimensions, as F.linear takes them
     torch.testing.assert_close(lib(x3, packed), F.linear(x3, w), atol=1e-4, rtol=1e-5)

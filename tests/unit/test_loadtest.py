@@ -1,5 +1,6 @@
-"""The load-test client measured against the arithmetic: a fake Generation service with known timing, the
-arrival processes, and a run against the real server with cancels (no block may leak)."""
+"""The load-test client measured against the arithmetic: a fake Generation service with known
+timing, the arrival processes, and a run against the real server with cancels (no block may leak).
+"""
 
 import asyncio
 import json
@@ -15,8 +16,9 @@ from deploy.loadtest.workload import arrival_gaps, load_dataset, synthetic
 from protos import generation_pb2
 
 FIRST_S, EVERY_S, TOKENS = 0.20, 0.05, 5
-# a sleep never ends early, so no figure is below the arithmetic; above it, room for a machine busy with
-# the suite's other process: what these checks catch is arithmetic off by a unit, a wave or a queue
+# a sleep never ends early, so no figure is below the arithmetic; above it, room for a machine busy
+# with the suite's other process: what these checks catch is arithmetic off by a unit, a wave or a
+# queue
 SLACK = 1.6
 
 
@@ -125,9 +127,10 @@ def test_latencies_and_throughputs_match_the_arithmetic(fake, tmp_path):
         ("itl_ms", EVERY_S),
         ("e2el_ms", e2el),
     ):
-        # a sleep never ends early, so no figure is below the arithmetic; the middle of the distribution is
-        # close to it, while the tail may carry one scheduling stall of a busy machine (the exact percentile
-        # arithmetic is pinned by test_percentiles_interpolate_between_ranks)
+        # a sleep never ends early, so no figure is below the arithmetic; the middle of the
+        # distribution is close to it, while the tail may carry one scheduling stall of a busy
+        # machine (the exact percentile arithmetic is pinned by
+        # test_percentiles_interpolate_between_ranks)
         for stat in ("mean", "p50", "p90", "p99", "max"):
             assert want * 1000 * 0.97 <= r[key][stat], (key, stat, r[key])
         for stat in ("mean", "p50"):
@@ -168,9 +171,8 @@ def test_an_open_loop_at_a_set_rate_sends_at_that_rate(fake, tmp_path):
     )
     # 20 arrivals at 20/s take about a second, then the last request's 0.25 s
     assert r["completed"] == 20 and 0.5 < r["duration_s"] < 2.5
-    assert (
-        r["ttft_ms"]["p50"] < FIRST_S * 1000 * SLACK
-    )  # an open loop does not queue behind itself here
+    # an open loop does not queue behind itself here
+    assert r["ttft_ms"]["p50"] < FIRST_S * 1000 * SLACK
 
 
 @pytest.mark.parametrize("burstiness", [1.0, 0.5, 4.0])
@@ -272,8 +274,9 @@ def test_a_sweep_draws_its_curve_and_compares_with_an_earlier_run(fake, tmp_path
 
 
 class FakeOpenAI:
-    """An OpenAI-compatible /v1/completions with the same timing as FakeService, streamed as SSE; the
-    final chunk carries usage. Records the bodies it was sent."""
+    """An OpenAI-compatible /v1/completions with the same timing as FakeService, streamed as SSE;
+    the final chunk carries usage. Records the bodies it was sent.
+    """
 
     def __init__(self):
         import http.server
@@ -345,8 +348,10 @@ class FakeOpenAI:
 
 
 def test_an_openai_endpoint_is_measured_the_same_way(tmp_path):
-    """--target http://...: the same figures from an OpenAI-compatible server's stream; token-id prompts,
-    the model its /v1/models names; server-side figures left out; refusals counted by HTTP status."""
+    """--target http://...: the same figures from an OpenAI-compatible server's stream; token-id
+    prompts, the model its /v1/models names; server-side figures left out; refusals counted by HTTP
+    status.
+    """
     fake = FakeOpenAI()
     try:
         r = run_json(

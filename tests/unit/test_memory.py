@@ -1,5 +1,6 @@
 """Memory management at full strength, against the simulated worker (paging-sensitive outputs):
-prefix caching, copy-on-write for n samples, eviction, and a hypothesis state machine over it all."""
+prefix caching, copy-on-write for n samples, eviction, and a hypothesis state machine over it all.
+"""
 
 import random
 
@@ -63,9 +64,8 @@ def test_n_samples_share_prompt_blocks_and_copy_the_partial_block():
     drain(sched, worker)
     outputs = [s.output_token_ids for s in req.seqs]
     assert outputs == [expected_output(prompt, 6, seed=50 + i) for i in range(4)]
-    assert (
-        len({tuple(o) for o in outputs}) == 4
-    )  # the samples diverged, and none saw another's tokens
+    # the samples diverged, and none saw another's tokens
+    assert len({tuple(o) for o in outputs}) == 4
     assert sched.allocator.num_available_blocks == 64
 
 
@@ -90,8 +90,10 @@ def test_n_samples_use_fewer_blocks_than_separate_requests():
 
 
 def test_evicted_blocks_are_never_read_in_a_long_run_with_a_tiny_pool():
-    """Many requests over a few shared prefixes through a pool that forces eviction and preemption, drafting
-    in every step (a prompt asked again drafts its earlier answer; other drafts mostly fail)."""
+    """Many requests over a few shared prefixes through a pool that forces eviction and preemption,
+    drafting in every step (a prompt asked again drafts its earlier answer; other drafts mostly
+    fail).
+    """
     rng = random.Random(0)
     prefixes = [[rng.randrange(1, 1000) for _ in range(rng.randint(4, 30))] for _ in range(5)]
     sched, worker = make(30, budget=24, speculative="ngram")
@@ -138,10 +140,11 @@ def expected_until_stop(req, seq, window=0):
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random arrivals (shared prefixes, n samples, stop tokens), steps, aborts, with and without overlap
-    (step N+1 planned before step N's result); invariants after every step; every sample that finished on
-    its own produced exactly the simulated model's output up to its stop, an aborted one a prefix of it,
-    and none a token after its stop; nothing leaks."""
+    """Random arrivals (shared prefixes, n samples, stop tokens), steps, aborts, with and without
+    overlap (step N+1 planned before step N's result); invariants after every step; every sample
+    that finished on its own produced exactly the simulated model's output up to its stop, an
+    aborted one a prefix of it, and none a token after its stop; nothing leaks.
+    """
 
     @initialize(
         num_blocks=st.integers(24, 60),
@@ -155,14 +158,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def setup(self, num_blocks, block_size, budget, caching, chunked, overlap, window, speculative):
         self.max_len = num_blocks * block_size // 3  # every request fits the pool on its own
-        # without chunked prefill the budget holds the longest sequence (a preempted one is recomputed whole):
-        # a prompt of at most max_len // 2 tokens and 10 more
+        # without chunked prefill the budget holds the longest sequence (a preempted one is
+        # recomputed whole): a prompt of at most max_len // 2 tokens and 10 more
         budget = budget if chunked else max(budget, self.max_len // 2 + 10)
         self.window = (
             window  # > 0: a sliding-window model, whose blocks behind every window are given back
         )
-        # speculative: drafts (from the shared prefixes' earlier answers, mostly) accepted and rejected, their
-        # slots and blocks given back
+        # speculative: drafts (from the shared prefixes' earlier answers, mostly) accepted and
+        # rejected, their slots and blocks given back
         self.sched, self.worker = make(
             num_blocks,
             block_size,
@@ -252,9 +255,11 @@ TestSchedulerMachine.settings = settings(
 
 
 def test_a_sliding_window_gives_back_the_blocks_behind_it():
-    """A sliding-window model (every layer over 8 keys) runs an 80-token sequence in a pool of 10 blocks of
-    4: blocks wholly behind the window go back as it advances (full ones into the prefix cache), the table
-    marks them -1, at most window + a step's tokens are held, and the output is the windowed model's."""
+    """A sliding-window model (every layer over 8 keys) runs an 80-token sequence in a pool of 10
+    blocks of 4: blocks wholly behind the window go back as it advances (full ones into the prefix
+    cache), the table marks them -1, at most window + a step's tokens are held, and the output is
+    the windowed model's.
+    """
     sched, worker = make(10, block_size=4, budget=8, max_seqs=4, window=8)
     prompt = list(range(300, 330))
     req = Request("w", prompt, SamplingOptions(max_tokens=50))
@@ -268,9 +273,8 @@ def test_a_sliding_window_gives_back_the_blocks_behind_it():
             dropped = max(dropped, seq.num_dropped_blocks)
             assert seq.block_ids[: seq.num_dropped_blocks] == [-1] * seq.num_dropped_blocks
     assert req.seqs[0].output_token_ids == expected_output(prompt, 50, window=8)
-    assert expected_output(prompt, 50, window=8) != expected_output(
-        prompt, 50
-    )  # the window mattered
+    # the window mattered
+    assert expected_output(prompt, 50, window=8) != expected_output(prompt, 50)
     assert held <= (8 + 8) // 4 + 2 and dropped >= 15
     assert sched.allocator.num_available_blocks == 10 and sched.allocator.num_cached_blocks > 0
 
@@ -291,8 +295,9 @@ def test_a_cached_prefix_longer_than_the_window_shares_only_what_the_window_read
 
 
 def test_penalized_samples_keep_every_block_and_forks_share_the_window():
-    """Penalties read a sequence's whole context through its table: nothing is given back for them. n
-    samples fork from the prompt's blocks with the leader's given-back ones already gone."""
+    """Penalties read a sequence's whole context through its table: nothing is given back for them.
+    n samples fork from the prompt's blocks with the leader's given-back ones already gone.
+    """
     sched, worker = make(64, block_size=4, budget=16, max_seqs=8, window=5)
     penalized = Request(
         "p", list(range(600, 630)), SamplingOptions(max_tokens=12, repetition_penalty=1.2)
@@ -314,9 +319,11 @@ def test_penalized_samples_keep_every_block_and_forks_share_the_window():
 
 
 def test_a_windowed_prefix_stays_findable_after_its_sequence_finishes():
-    """Blocks given back behind a window enter the cache's LRU early; at the end of their sequence they are
-    made the most recent again, root last, so an unrelated request evicts the sequence's own late blocks
-    first and a later request with the same prompt still finds the prefix from its root."""
+    """Blocks given back behind a window enter the cache's LRU early; at the end of their sequence
+    they are made the most recent again, root last, so an unrelated request evicts the sequence's
+    own late blocks first and a later request with the same prompt still finds the prefix from its
+    root.
+    """
     sched, worker = make(16, block_size=4, budget=8, max_seqs=4, window=6)
     prompt = list(range(800, 840))  # 10 full blocks, far longer than the window
     sched.add_request(Request("a", prompt, SamplingOptions(max_tokens=20)))

@@ -1,6 +1,7 @@
-"""Corrections to the memory path, each pinned by a test that fails without it: eviction order of cached
-chains, samples on a block boundary, forks and max_num_seqs, request identity across aborts, and a
-request that can never be scheduled."""
+"""Corrections to the memory path, each pinned by a test that fails without it: eviction order of
+cached chains, samples on a block boundary, forks and max_num_seqs, request identity across aborts,
+and a request that can never be scheduled.
+"""
 
 import asyncio
 
@@ -21,14 +22,14 @@ def test_eviction_takes_a_cached_chain_from_its_leaf_so_its_prefix_still_hits():
     sched.add_request(Request("a", prompt, SamplingOptions(max_tokens=1)))
     drain(sched, worker)
     assert sched.allocator.num_cached_blocks == 3
-    sched.add_request(
-        Request("b", [7, 7, 7, 7, 7], SamplingOptions(max_tokens=1))
-    )  # evicts one cached block
+    # evicts one cached block
+    sched.add_request(Request("b", [7, 7, 7, 7, 7], SamplingOptions(max_tokens=1)))
     drain(sched, worker)
     again = Request("c", prompt, SamplingOptions(max_tokens=1))
     sched.add_request(again)
     drain(sched, worker)
-    # the chain lost its leaf, not its root: the first two blocks still hit (the third holds the last token)
+    # the chain lost its leaf, not its root: the first two blocks still hit (the third holds the
+    # last token)
     assert again.cached_prompt_tokens == 8
 
 
@@ -44,8 +45,9 @@ def n_request(prompt_len, max_tokens, n):
 
 
 def test_samples_of_a_prompt_on_a_block_boundary_count_their_copied_block():
-    # 8 prompt tokens = 2 full blocks; 4 samples of 12 tokens. Sample 0 holds 3 blocks; each other sample
-    # shares block 0, copies block 1 (it recomputes the last prompt token there) and grows one: 3 + 3 x 2.
+    # 8 prompt tokens = 2 full blocks; 4 samples of 12 tokens. Sample 0 holds 3 blocks; each other
+    # sample shares block 0, copies block 1 (it recomputes the last prompt token there) and grows
+    # one: 3 + 3 x 2.
     with pytest.raises(InvalidRequest, match="needs up to 9 KV blocks"):
         request_from_proto(n_request(8, 4, 4), None, limits(8))
     req = request_from_proto(n_request(8, 4, 4), None, limits(9))
@@ -57,9 +59,11 @@ def test_samples_of_a_prompt_on_a_block_boundary_count_their_copied_block():
 
 
 def test_a_sliding_window_model_takes_requests_longer_than_its_pool():
-    """Every layer sliding over 12 keys, a step of 16 tokens: a sample holds at most (12 + 16) / 4 + 2 = 9
-    blocks, so 600 tokens pass a 10-block pool, two samples do not; a penalized request keeps every block
-    and must fit whole. The scheduler then runs it to the windowed model's output without preemption."""
+    """Every layer sliding over 12 keys, a step of 16 tokens: a sample holds at most (12 + 16) / 4 +
+    2 = 9 blocks, so 600 tokens pass a 10-block pool, two samples do not; a penalized request keeps
+    every block and must fit whole. The scheduler then runs it to the windowed model's output
+    without preemption.
+    """
     windowed = Limits(
         vocab_size=1000, max_context=4096, num_blocks=10, block_size=4, kv_window=12, step_tokens=16
     )
@@ -96,7 +100,7 @@ def test_forks_respect_max_num_seqs():
     assert [s.output_token_ids for s in req.seqs] == [expected(req, s) for s in req.seqs]
 
 
-# --- the engine, with a scheduler and no workers ---------------------------------------------------------
+# --- the engine, with a scheduler and no workers --------------------------------------------------
 class NoWorkers:
     """Just enough of a WorkerClient for an engine that is driven by hand."""
 
@@ -161,9 +165,8 @@ def test_a_request_that_can_never_be_scheduled_gets_an_error_not_a_retry_forever
 
     async def run():
         engine, replica = hand_engine(tiny_model_dir, num_blocks=2)  # 8 tokens of pool
-        req = Request(
-            "too-big", list(range(5, 25)), SamplingOptions(max_tokens=2)
-        )  # bypasses validation
+        # bypasses validation
+        req = Request("too-big", list(range(5, 25)), SamplingOptions(max_tokens=2))
         task = await first_item(engine.generate(req))
         loop = asyncio.ensure_future(replica._steps())
         with pytest.raises(Unschedulable, match="cannot be scheduled"):

@@ -1,6 +1,7 @@
-"""Host memory: a model or a KV pool the machine cannot hold is refused at start with the bytes it needs (not
-killed by the OOM killer halfway), prefill's dense copy of quantized weights is kept only where it fits, and
-what the worker holds is reported."""
+"""Host memory: a model or a KV pool the machine cannot hold is refused at start with the bytes it
+needs (not killed by the OOM killer halfway), prefill's dense copy of quantized weights is kept only
+where it fits, and what the worker holds is reported.
+"""
 
 import json
 
@@ -34,19 +35,20 @@ def test_prefill_keeps_a_dense_copy_only_for_a_small_model_and_where_it_fits():
     assert chosen == "dense" and "available" in why
     chosen, why = choose_quantized_prefill("auto", dense, kv, dense + kv + MARGIN - 1)
     assert chosen == "dequantize" and "cannot hold" in why and "1.0 GiB" in why
-    assert (
-        choose_quantized_prefill("auto", dense, kv, None)[0] == "dense"
-    )  # the system does not say
-    # a 1B model's copy (5 GiB) is never taken by default, however much the machine has: the server holds
-    # its file and its pool, as llama.cpp does
+    # the system does not say
+    assert choose_quantized_prefill("auto", dense, kv, None)[0] == "dense"
+    # a 1B model's copy (5 GiB) is never taken by default, however much the machine has: the server
+    # holds its file and its pool, as llama.cpp does
     chosen, why = choose_quantized_prefill("auto", 5 * GiB, kv, 100 * GiB)
     assert chosen == "dequantize" and "5.0 GiB" in why and "--quantized-prefill dense" in why
     assert choose_quantized_prefill("dense", 5 * GiB, kv, 0)[0] == "dense"  # asked for: as asked
 
 
 def test_a_bf16_copy_takes_half_the_bytes_and_the_same_limits():
-    """Where the CPU multiplies bf16 in tiles the copy is bf16: a model twice the fp32 limit's size still gets
-    one, and a copy that cannot fit even at half the bytes is not taken; an explicit choice stays."""
+    """Where the CPU multiplies bf16 in tiles the copy is bf16: a model twice the fp32 limit's size
+    still gets one, and a copy that cannot fit even at half the bytes is not taken; an explicit
+    choice stays.
+    """
     kv = 2 * GiB
     chosen, why = choose_quantized_prefill(
         "auto", 2 * DENSE_COPY_LIMIT, kv, DENSE_COPY_LIMIT + kv + MARGIN, bf16=True
@@ -85,8 +87,9 @@ def test_preparing_a_gguf_too_large_for_the_machine_is_refused_before_it_starts(
 def test_a_kv_pool_larger_than_the_machine_is_refused_with_the_bytes_it_needs(
     tmp_path, tiny_model_dir
 ):
-    """Asking for more KV pool than the machine has available: the worker says so and exits 2, instead of
-    allocating until the OOM killer ends it."""
+    """Asking for more KV pool than the machine has available: the worker says so and exits 2,
+    instead of allocating until the OOM killer ends it.
+    """
     from tests.support.server import ServerProcess
 
     server = ServerProcess(
@@ -104,8 +107,9 @@ def test_a_kv_pool_larger_than_the_machine_is_refused_with_the_bytes_it_needs(
 
 @pytest.mark.slow
 def test_the_worker_reports_what_it_holds(server_factory, tiny_model_dir):
-    """At start: the model as loaded (at least its fp32 weights), the KV pool it reserved, their sum, and the
-    peak resident memory so far."""
+    """At start: the model as loaded (at least its fp32 weights), the KV pool it reserved, their
+    sum, and the peak resident memory so far.
+    """
     from worker.weights.loader import load_config
 
     server = server_factory(tiny_model_dir, "--kv-cache-memory", "64MiB")

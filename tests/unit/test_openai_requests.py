@@ -1,5 +1,7 @@
-"""OpenAI bodies in the shape of pagedserve.v1 requests (no processes): model defaults for what a request
-leaves out, structured output and tool choices as constraints, several prompts as several requests."""
+"""OpenAI bodies in the shape of pagedserve.v1 requests (no processes): model defaults for what a
+request leaves out, structured output and tool choices as constraints, several prompts as several
+requests.
+"""
 
 import json
 
@@ -98,7 +100,7 @@ def test_structured_output_and_tool_choices_become_one_constraint():
             chat(**body)
 
 
-def test_a_completion_of_several_prompts_is_several_requests_and_embeddings_take_every_input_shape():
+def test_several_prompts_are_several_requests_and_embeddings_take_every_input_shape():
     many = completion_requests(
         CompletionRequest.model_validate({"prompt": [[1, 2], [3]], "n": 2}), {}
     )

@@ -14,7 +14,9 @@ def tok(tiny_model_dir):
 
 
 def sample(prompt, **params):
-    """A sample as the scheduler holds it: its stop ids are its own and (unless ignored) end-of-sequence 2."""
+    """A sample as the scheduler holds it: its stop ids are its own and (unless ignored)
+    end-of-sequence 2.
+    """
     request = Request(
         "r", prompt, SamplingOptions(max_tokens=params.pop("max_tokens", 100), **params)
     )
@@ -25,7 +27,9 @@ def sample(prompt, **params):
 
 
 def feed(seq, out, token):
-    """One token as a step brings it: the scheduler's stop check (core/results.py), then the text's."""
+    """One token as a step brings it: the scheduler's stop
+    check (core/results.py), then the text's.
+    """
     _, reason = stop_at(seq, (token,), max_model_len=512)
     seq.token_ids.append(token)
     if reason is not None:
@@ -60,13 +64,14 @@ def test_incremental_detokenizer_matches_full_decode(tok):
 
 
 def test_byte_level_detokenizer_streams_any_token_sequence_as_its_decode(tok):
-    """Random ids (split multi-byte characters, invalid bytes, special tokens): the streamed text is the
-    full decode, but for an incomplete character at the very end, which is held back, not sent as U+FFFD."""
+    """Random ids (split multi-byte characters, invalid bytes, special tokens): the streamed text is
+    the full decode, but for an incomplete character at the very end, which is held back, not sent
+    as U+FFFD.
+    """
     import random
 
-    assert (
-        tok.token_bytes is not None
-    )  # the tiny tokenizer is byte-level BPE, like the default model's
+    # the tiny tokenizer is byte-level BPE, like the default model's
+    assert tok.token_bytes is not None
     rng = random.Random(0)
     for _ in range(100):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
@@ -89,8 +94,9 @@ def _byte_tokens(data: bytes) -> list[str]:
 
 
 def test_other_decoders_stream_through_decode_stream(tmp_path):
-    """A SentencePiece-style tokenizer (Metaspace: "▁" for spaces) has no byte table; its deltas come from
-    DecodeStream and still add up to the decode."""
+    """A SentencePiece-style tokenizer (Metaspace: "▁" for spaces) has no byte table; its deltas
+    come from DecodeStream and still add up to the decode.
+    """
     from tokenizers import Tokenizer as HF
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -198,10 +204,11 @@ def test_chat_template_renders_messages_tools_and_continuation(tmp_path):
     folder = make_tiny_llama(tmp_path / "m", seed=1)
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     cfg["chat_template"] = (
-        "{% if tools %}<s>tools: {{ tools | map(attribute='function') | map(attribute='name') | join(',') "
-        "}}</s>{% endif %}{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}{% if m.tool_calls "
-        "%}{{ m.tool_calls[0].function.arguments | tojson }}{% endif %}</s>{% endfor %}{% if "
-        "add_generation_prompt %}<s>assistant:{% endif %}{% if greeting %}{{ greeting }}{% endif %}"
+        "{% if tools %}<s>tools: {{ tools | map(attribute='function') | map(attribute='name') "
+        "| join(',') }}</s>{% endif %}{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}"
+        "{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments | tojson }}{% endif %}</s>"
+        "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}"
+        "{% if greeting %}{{ greeting }}{% endif %}"
     )
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     t = Tokenizer(folder)
@@ -221,9 +228,8 @@ def test_chat_template_renders_messages_tools_and_continuation(tmp_path):
         }
     ]
     text = t.apply_chat_template([{"role": "assistant", "content": "", "tool_calls": calls}], False)
-    assert (
-        '{"city": "Zürich", "a": 1}' in text
-    )  # transformers' tojson: key order and non-ASCII kept
+    # transformers' tojson: key order and non-ASCII kept
+    assert '{"city": "Zürich", "a": 1}' in text
     cont = t.apply_chat_template(
         [*messages, {"role": "assistant", "content": "The answer is"}],
         add_generation_prompt=False,

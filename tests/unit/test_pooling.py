@@ -1,5 +1,6 @@
-"""Embedding models' folders (sentence-transformers' files) read into a PoolingSpec, what cannot be served
-refused by name, and the vector finished from what the worker pooled."""
+"""Embedding models' folders (sentence-transformers' files) read into a PoolingSpec, what cannot be
+served refused by name, and the vector finished from what the worker pooled.
+"""
 
 import json
 
@@ -87,13 +88,11 @@ def test_a_vector_is_finished_as_a_mean_truncated_and_made_unit_length():
     pooled = np.array([3.0, 4.0, 12.0, 0.0], dtype=np.float32)
     last = PoolingSpec(pooling="last")
     np.testing.assert_allclose(embedding_vector(pooled, 5, last, None), pooled / 13)
-    np.testing.assert_allclose(
-        embedding_vector(pooled, 5, last, 2), [0.6, 0.8]
-    )  # renormalized after cutting
+    # renormalized after cutting
+    np.testing.assert_allclose(embedding_vector(pooled, 5, last, 2), [0.6, 0.8])
     mean = PoolingSpec(pooling="mean", normalize=False)
-    np.testing.assert_allclose(
-        embedding_vector(pooled, 4, mean, None), pooled / 4
-    )  # a sum over 4 tokens
+    # a sum over 4 tokens
+    np.testing.assert_allclose(embedding_vector(pooled, 4, mean, None), pooled / 4)
     assert embedding_vector(np.zeros(3, np.float32), 1, last, None).tolist() == [0.0, 0.0, 0.0]
 
 
@@ -105,9 +104,8 @@ def test_the_task_follows_the_folder_and_a_headless_checkpoint_only_embeds(tmp_p
     spec = ModelSpec.from_folder(headless)
     assert (spec.task, spec.pooling.pooling, spec.pooling.normalize) == ("embed", "mean", True)
     assert spec.hidden_size == 64
-    assert (
-        ModelSpec.from_folder(headless, pooling="last").pooling.pooling == "last"
-    )  # --pooling overrides
+    # --pooling overrides
+    assert ModelSpec.from_folder(headless, pooling="last").pooling.pooling == "last"
     for task in ("generate", "both"):
         with pytest.raises(PoolingConfigError, match="no language-model head"):
             ModelSpec.from_folder(headless, task=task)

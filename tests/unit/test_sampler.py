@@ -1,4 +1,6 @@
-"""The sampler: greedy, temperature, top-k, top-p, and per-request seeds that make draws repeatable."""
+"""The sampler: greedy, temperature, top-k, top-p, and per-request
+seeds that make draws repeatable.
+"""
 
 import pytest
 import torch
@@ -100,8 +102,9 @@ def test_nan_and_inf_logits_never_yield_nan_draws():
 
 
 def test_counter_noise_is_splitmix64_of_key_and_position():
-    """The batched generator computes, with wrapping int64 tensor arithmetic, exactly the 64-bit mix a
-    plain integer reference does, so every device draws the same noise."""
+    """The batched generator computes, with wrapping int64 tensor arithmetic, exactly the 64-bit mix
+    a plain integer reference does, so every device draws the same noise.
+    """
     import math
 
     from worker.step.sampler import exponential_noise
@@ -127,8 +130,9 @@ def test_counter_noise_is_splitmix64_of_key_and_position():
 
 def test_no_draw_makes_a_filtered_token_win():
     """The largest uniform stays below 1, so the noise is never 0: a token of probability 0 (masked,
-    top-k'd) never meets 0 / 0 = NaN, which argmax would take. Found with structured output: one draw in
-    2^24 per token had it."""
+    top-k'd) never meets 0 / 0 = NaN, which argmax would take. Found with structured output: one
+    draw in 2^24 per token had it.
+    """
     from worker.step.sampler import UNIFORM_BITS, uniform_from_bits
 
     top = uniform_from_bits(torch.tensor([(1 << UNIFORM_BITS) - 1, 0]))
@@ -141,8 +145,10 @@ def test_no_draw_makes_a_filtered_token_win():
 
 
 def test_sampler_takes_host_parameters_for_device_logits():
-    """The batch's parameters come from the plan on the host; logits live on the worker's device. Rows are
-    indexed on the device they index (on CUDA a host index into device logits, or the reverse, fails)."""
+    """The batch's parameters come from the plan on the host; logits live on the worker's device.
+    Rows are indexed on the device they index (on CUDA a host index into device logits, or the
+    reverse, fails).
+    """
     import pytest
 
     if not torch.cuda.is_available():
@@ -152,14 +158,14 @@ def test_sampler_takes_host_parameters_for_device_logits():
     b.temperature[::2] = 0.0  # mixed greedy and sampled rows
     on_gpu = sample(logits.cuda(), b)
     assert on_gpu.device.type == "cuda"
-    assert (
-        on_gpu.cpu().tolist() == sample(logits, b).tolist()
-    )  # counter-based: the same draws on both
+    # counter-based: the same draws on both
+    assert on_gpu.cpu().tolist() == sample(logits, b).tolist()
 
 
 def test_top_k_keeps_ties_with_the_kth_token_whatever_else_is_in_the_batch():
-    """Top-k alone takes a partial selection, top-k beside top-p a full sort; both keep every token tied
-    with the k-th largest, so a row's draw does not depend on its neighbours' parameters."""
+    """Top-k alone takes a partial selection, top-k beside top-p a full sort; both keep every token
+    tied with the k-th largest, so a row's draw does not depend on its neighbours' parameters.
+    """
     logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
     alone, beside = [], []
     for seed in range(300):
@@ -172,8 +178,10 @@ def test_top_k_keeps_ties_with_the_kth_token_whatever_else_is_in_the_batch():
 
 
 def test_sampling_never_reads_the_device_back():
-    """Every path (greedy, temperature, min-p, top-k, top-p) is chosen from the batch's host parameters:
-    run on meta tensors, which have no values, any read of a device value on the host would raise."""
+    """Every path (greedy, temperature, min-p, top-k, top-p) is chosen from the batch's host
+    parameters: run on meta tensors, which have no values, any read of a device value on the host
+    would raise.
+    """
     from worker.step.sampler import sample_async
 
     logits = torch.empty(4, 300, device="meta")
@@ -187,8 +195,9 @@ def test_sampling_never_reads_the_device_back():
 
 
 def test_top_p_keeps_exactly_the_tokens_with_less_than_top_p_mass_above_them():
-    """The floor found by bisection on the float bits equals the one a full sort gives, on rows of every
-    shape: peaked, flat, with ties at the boundary (all tied tokens stay)."""
+    """The floor found by bisection on the float bits equals the one a full sort gives, on rows of
+    every shape: peaked, flat, with ties at the boundary (all tied tokens stay).
+    """
     from kernels.reference import top_p_floor_torch
 
     g = torch.Generator().manual_seed(5)
@@ -202,7 +211,8 @@ def test_top_p_keeps_exactly_the_tokens_with_less_than_top_p_mass_above_them():
             p = probs[r].double()
             above = torch.stack([p[p > x].sum() for x in p])  # mass strictly above each token
             differ = (probs[r] >= floor[r]) != (above < top_p)
-            # fp32 sums: only a token whose mass above lies within rounding of top_p may fall either way
+            # fp32 sums: only a token whose mass above lies within rounding of top_p may fall either
+            # way
             assert bool(((above - top_p).abs()[differ] < 1e-5).all()), (r, top_p)
     assert bool((top_p_floor_torch(probs, torch.ones(probs.shape[0])) == 0).all())  # top_p 1: off
 
@@ -219,9 +229,10 @@ def test_a_row_without_finite_logits_comes_back_as_minus_one_without_raising():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_an_all_greedy_batch_takes_the_first_maximum_as_a_mixed_batch_does(native, monkeypatch):
-    """All-greedy host batches take one pass (the native kernel's, or torch's max where it is missing)
-    instead of the masked general path: same tokens, ties to the first index, -1 for a row with nothing
-    finite, and a NaN anywhere still never wins."""
+    """All-greedy host batches take one pass (the native kernel's, or torch's max where it is
+    missing) instead of the masked general path: same tokens, ties to the first index, -1 for a row
+    with nothing finite, and a NaN anywhere still never wins.
+    """
     import worker.step.sampler
     from worker.step.sampler import sample_async
 

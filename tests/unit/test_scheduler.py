@@ -12,7 +12,9 @@ from tests.support.simulated import SimulatedWorker, expected_output
 
 
 def run_to_completion(sched, worker, arrivals, max_steps=10_000):
-    """arrivals: {step: [Request]}; runs until everything finished; returns per-step (running, waiting)."""
+    """arrivals: {step: [Request]}; runs until everything finished; returns per-step (running,
+    waiting).
+    """
     trace = []
     step = 0
     while step < max_steps:
@@ -134,8 +136,9 @@ def test_duplicate_live_request_id_is_refused():
 
 
 def test_the_overlap_benchmarks_simulated_worker_serves_the_real_engine(tiny_model_dir):
-    """`make bench-overlap`'s worker process (the real WorkerServer over a runner of fixed step time) takes
-    plans from the real engine, overlap off and on, and every timed step completes."""
+    """`make bench-overlap`'s worker process (the real WorkerServer over a runner of fixed step
+    time) takes plans from the real engine, overlap off and on, and every timed step completes.
+    """
     import argparse
     import asyncio
 

@@ -1,6 +1,7 @@
-"""What a worker's start measures is kept per machine and model, and found again only where nothing it
-depends on changed: the same parts find it, a model file touched or another CPU or flag measures again, and a
-folder that cannot be written costs only the measurement."""
+"""What a worker's start measures is kept per machine and model, and found again only where nothing
+it depends on changed: the same parts find it, a model file touched or another CPU or flag measures
+again, and a folder that cannot be written costs only the measurement.
+"""
 
 import os
 from pathlib import Path
@@ -31,9 +32,8 @@ def test_a_choice_is_found_again_until_what_it_depends_on_changes(tmp_path):
     assert StartCache(parts(model, tp=2), cache).get("matmul") is None
     assert StartCache(parts(model, cpu="another CPU"), cache).get("matmul") is None
     st = (model / "model.safetensors").stat()
-    os.utime(
-        model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9)
-    )  # the file rewritten
+    # the file rewritten
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert StartCache(parts(model), cache).get("matmul") is None
 
 

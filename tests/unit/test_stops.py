@@ -1,5 +1,7 @@
-"""A sequence's end is the scheduler's: `update` stops it at a stop id or end-of-sequence (after min_tokens),
-at max_tokens or the context, and drops a draft's tokens past the stop; its blocks go back at once."""
+"""A sequence's end is the scheduler's: `update` stops it at a stop id or end-of-sequence (after
+min_tokens), at max_tokens or the context, and drops a draft's tokens past the stop; its blocks go
+back at once.
+"""
 
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
@@ -61,8 +63,9 @@ def test_end_of_sequence_stops_unless_ignored_and_no_stop_counts_before_min_toke
 
 
 def test_a_stop_id_inside_an_accepted_draft_ends_the_sample_there_and_drops_the_rest():
-    """A first request's answer is drafted for a second with the same prompt (shared n-grams): the draft
-    stands, and the stop id in its middle ends the sample with the tokens after it dropped."""
+    """A first request's answer is drafted for a second with the same prompt (shared n-grams): the
+    draft stands, and the stop id in its middle ends the sample with the tokens after it dropped.
+    """
     sched, worker = make(64, speculative="ngram")
     first = Request("a", PROMPT, SamplingOptions(max_tokens=12))
     sched.add_request(first)
@@ -76,9 +79,8 @@ def test_a_stop_id_inside_an_accepted_draft_ends_the_sample_there_and_drops_the_
     while sched.has_work:
         outs.append(step(sched, worker))
     drafted = [s for out in outs for s in out.scheduled if s.draft]
-    assert (
-        drafted and len(drafted[0].draft) > 3 and worker.num_accepted > 3
-    )  # the stop came inside a draft
+    # the stop came inside a draft
+    assert drafted and len(drafted[0].draft) > 3 and worker.num_accepted > 3
     seq = second.seqs[0]
     assert seq.output_token_ids == answer[:4] and seq.finish_reason is FinishReason.STOP
     assert sched.allocator.num_available_blocks == 64

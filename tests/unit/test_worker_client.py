@@ -1,5 +1,7 @@
-"""The scheduler's handshake rules: a group is accepted only when every rank agrees with the scheduler's
-settings and with each other; the endpoint binds to loopback unless the wire is authenticated."""
+"""The scheduler's handshake rules: a group is accepted only when every rank agrees with the
+scheduler's settings and with each other; the endpoint binds to loopback unless the wire is
+authenticated.
+"""
 
 import asyncio
 

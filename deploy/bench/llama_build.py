@@ -1,0 +1,166 @@
+"""llama.cpp for the benchmarks: built once from the `llama-cpp-python` sdist on PyPI (it vendors
+llama.cpp) for this CPU, cached under $PAGEDSERVE_PEERS, and GGUF copies at other precisions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+
+
+CACHE = Path(os.environ.get("PAGEDSERVE_PEERS", Path.home() / ".cache" / "pagedserve-peers"))
+
+
+def build_llama_server() -> Path:
+    """llama-server built from the pinned sdist (once: a few minutes on two cores)."""
+    return build_llama_tool("llama-server")
+
+
+def build_llama_tool(name: str) -> Path:
+    """One of llama.cpp's programs (llama-server, llama-perplexity) built from the pinned sdist,
+    once.
+    """
+    binary = CACHE / "llama.cpp" / "build" / "bin" / name
+    if binary.is_file():
+        return binary
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # the source is here already: build the target
+    if (CACHE / "llama.cpp" / "CMakeLists.txt").is_file():
+        target = CACHE / "llama.cpp"
+    else:
+        target = _fetch_llama_cpp()
+    build = target / "build"
+    subprocess.run(
+        [
+            "cmake",
+            "-S",
+            str(target),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            *_isa_flags(),
+        ],
+        check=True,
+    )
+    subprocess.run(
+        ["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 2)],
+        check=True,
+    )
+    return binary
+
+
+def _isa_flags() -> list[str]:
+    """-march=native, except with AMX, where the pinned ggml's AMX matmul crashes at the first
+    decode: then every vector extension but AMX.
+    """
+    flags = (
+        set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    )
+    if "amx_int8" not in flags:
+        return ["-DGGML_NATIVE=ON"]
+    isa = {
+        "avx": "AVX",
+        "avx2": "AVX2",
+        "fma": "FMA",
+        "f16c": "F16C",
+        "avx512f": "AVX512",
+        "avx512vbmi": "AVX512_VBMI",
+        "avx512_vnni": "AVX512_VNNI",
+        "avx512_bf16": "AVX512_BF16",
+        "avx_vnni": "AVX_VNNI",
+        "bmi2": "BMI2",
+    }
+    return [
+        "-DGGML_NATIVE=OFF",
+        *(f"-DGGML_{v}={'ON' if k in flags else 'OFF'}" for k, v in isa.items()),
+        "-DGGML_AMX_TILE=OFF",
+        "-DGGML_AMX_INT8=OFF",
+        "-DGGML_AMX_BF16=OFF",
+    ]
+
+
+def _fetch_llama_cpp() -> Path:
+    """The sdist's vendored llama.cpp source, unpacked under the cache."""
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                LLAMA_CPP_PYTHON,
+                "-d",
+                tmp,
+            ],
+            check=True,
+        )
+        sdist = next(Path(tmp).glob("*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        source = next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
+        target = CACHE / "llama.cpp"
+        if target.exists():
+            subprocess.run(["rm", "-rf", str(target)], check=True)
+        source.rename(target)
+    return target
+
+
+def f32_gguf(source: Path) -> Path:
+    """The GGUF with every quantized tensor dequantized to F32 (metadata, tokenizer and tensor order
+    as they are): llama.cpp at full precision on exactly the values `--dequantize` serves. Made
+    once, cached.
+    """
+    return requantized_gguf(source, "F32")
+
+
+def requantized_gguf(source: Path, qtype: str) -> Path:
+    """A copy of the GGUF at another precision, made once and cached (dequantized, then for Q8_0
+    requantized as llama.cpp does); metadata and order kept.
+    """
+    import gguf
+    import numpy as np
+
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    file_type = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+    # named after the file it came from, its type included
+    target = CACHE / f"{source.stem}.{qtype}.gguf"
+    if target.is_file():
+        return target
+    CACHE.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    tmp = target.with_suffix(".part")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = field.contents()
+        if name == "general.file_type":
+            value = int(file_type)
+        sub = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub)
+    if "general.file_type" not in reader.fields:
+        writer.add_file_type(int(file_type))
+    for t in reader.tensors:
+        data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        data = data.reshape([int(n) for n in reversed(t.shape)])
+        if kind != gguf.GGMLQuantizationType.F32 and data.ndim == 2 and data.shape[-1] % 32 == 0:
+            writer.add_tensor(t.name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(target)
+    return target
