@@ -286,8 +286,7 @@ class NativeKernels(NativeAttention):
             )
         return out, packed
 
-    # --- the elementwise tail (fp32, contiguous rows; callers in worker/model/elementwise.py check)
-    # ---
+    # --- the elementwise tail (fp32, contiguous rows; worker/model/elementwise.py checks) --------
     def add_rms_norm(
         self,
         residual: torch.Tensor,
