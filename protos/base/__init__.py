@@ -1,6 +1,5 @@
-"""What every process shares that is not the wire: the command-line parser (argtypes.py), the
-environment variables it reads (env.py), the log format (logs.py), and how a process says it cannot
-go on.
+"""What every process shares besides the wire: the command-line parser, environment variables, log
+format, and how a process says it cannot go on.
 """
 
 # Exit codes, every process's (the supervisor reads them): a configuration that cannot work
@@ -12,6 +11,6 @@ EXIT_RETRY = 75
 
 
 class ConfigError(Exception):
-    """A setting or input that cannot work (a model path with no model, a port in use): the command
-    says it in one line and exits with EXIT_CONFIG, never with a traceback.
+    """A setting or input that cannot work: said in one
+    line, exit EXIT_CONFIG, never a traceback.
     """

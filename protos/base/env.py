@@ -1,6 +1,5 @@
-"""Every environment variable pagedserve reads, in one place: each read when asked (a test or a
-child process may set it), with its default. Flags win where a flag exists; these are for what a
-deployment sets once (a key, a cache folder) and for the processes pagedserve starts itself.
+"""Every environment variable pagedserve reads, each read when asked and with its default. Flags
+win; these are for what a deployment sets once and for the processes pagedserve starts.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Structured logging (structlog) shared by every pagedserve process (scheduler, workers, launcher):
-one event per line, each naming its process (and its request, where there is one). Readable console
-lines when stderr is a terminal, JSON lines otherwise; `--log-format console|json` chooses either
-way.
+"""Structured logging for every process: one event a line naming its process (and request); console
+lines on a terminal, JSON otherwise (`--log-format`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """LoRA adapters as PEFT saves them, checked against the base model before anything is served with
-them.
-
-An adapter is a folder with `adapter_config.json` and `adapter_model.safetensors`. The scheduler
-reads the config and the tensors' names and shapes (the safetensors header: no torch here), refuses
-by name what it cannot serve as meant, and keys the adapter by its identity, a hash of both files:
-the prefix cache's block hashes start from it, so two adapters (or one reloaded under its name with
-new weights) never share KV blocks. Workers read the tensors themselves (worker/weights/lora.py) and
-check the same hash.
+them: the config and the safetensors header (no torch), refused by name where they cannot be served
+as meant, and keyed by a hash of both files, which starts the prefix cache's block hashes, so two
+adapters never share KV blocks.
 """
 
 from __future__ import annotations

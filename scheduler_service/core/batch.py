@@ -78,9 +78,8 @@ class SchedulerOutput:
 
 @dataclass
 class StepUpdate:
-    """What applying a step's result did (Scheduler.update): every token a sequence got, in order;
-    the embeddings it finished; the prefix cache's changes; the drafts it verified; the queues after
-    it.
+    """What applying a step's result did: each token a sequence got, in order; embeddings finished;
+    prefix cache changes; drafts verified; the queues after.
     """
 
     tokens: list[tuple[Sequence, int]] = field(default_factory=list)

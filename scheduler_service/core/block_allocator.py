@@ -4,9 +4,8 @@ Every block is in exactly one state:
   free       refcount 0, no content worth keeping, on the free list;
   cached     refcount 0, full and hashed: a reusable prefix, in the LRU of cached-free blocks;
   referenced refcount > 0, held by one or more sequences (hashed or not).
-free + cached + referenced == num_blocks. A fresh block comes from the free list first; only when it
-is empty is the least recently used cached block evicted (its hash forgotten). Operations come in
-check-then-act pairs; an act that cannot be satisfied raises and changes nothing.
+A fresh block comes from the free list first, then the LRU's oldest. An act that cannot be satisfied
+raises and changes nothing.
 """
 
 from __future__ import annotations
@@ -149,8 +148,8 @@ class BlockAllocator:
             self._refcount[b] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block. At 0 a hashed block joins the LRU of cached blocks
-        (most recently used end), any other block the free list. Freeing never zeroes memory.
+        """Drop one reference from each block; at 0 a hashed block joins the LRU, any other the free
+        list.
         """
         for b in block_ids:
             if self._refcount[b] <= 0:
@@ -171,10 +170,8 @@ class BlockAllocator:
         tokens=(),
         lora: int | None = None,
     ) -> None:
-        """Mark a referenced, full, computed block as holding the prefix with hash h. When another
-        block already holds that prefix (computed at the same time), the first one stays the cached
-        copy. parent and tokens (the previous block's hash and this block's token ids) go to event
-        subscribers, and the LoRA adapter whose K/V it holds (its event id) where it is one's.
+        """Mark a referenced, full, computed block as holding prefix h (the first holder of h stays
+        the cached copy); parent, tokens and the adapter's id go to event subscribers.
         """
         if not self.enable_prefix_caching or self._hash_of[block_id] is not None:
             return

@@ -45,10 +45,8 @@ class ModelSpec:
         pooling: str | None = None,
     ) -> ModelSpec:
         """task: "auto" embeds a folder with sentence-transformers' files and generates otherwise;
-        "embed" serves any decoder as an embedding model (`pooling`, last token unless said,
-        normalized; the folder's own where it has them), "both" generates and embeds with one model
-        (in the same steps), "generate" only generates. A checkpoint without a language-model head
-        only embeds. Raises PoolingConfigError saying what is wrong.
+        "embed", "both" or "generate" say so. A checkpoint without an LM head only embeds.
+        PoolingConfigError says what is wrong.
         """
         folder = Path(folder)
         if task not in TASKS:

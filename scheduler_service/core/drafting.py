@@ -1,7 +1,5 @@
-"""Drafts for speculative decoding, made where the tokens are (the scheduler; no torch): prompt
-lookup over a sequence's own tokens, a bounded index of n-grams shared across requests, and a draft
-as long as the suffix match predicts. Verification, and what a rejected draft gives back:
-docs/ARCHITECTURE.md.
+"""Drafts for speculative decoding, made where the tokens are: prompt lookup over a sequence's own
+tokens, n-grams shared across requests, a length the suffix match predicts (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -14,9 +12,8 @@ SHARED_DISCOUNT = 2
 
 
 class NgramIndex:
-    """Where each n-gram (min_n..max_n tokens) of one token stream last ended, kept as tokens are
-    appended: O(max_n) a token, so a long sequence drafts without scanning itself. Only accepted
-    tokens are appended, so a rejected draft leaves nothing to undo.
+    """Where each n-gram of one token stream last ended, kept as accepted tokens are appended:
+    O(max_n) a token, so a rejected draft leaves nothing to undo.
     """
 
     def __init__(self, min_n: int = 1, max_n: int = 3) -> None:
@@ -47,8 +44,7 @@ class NgramIndex:
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix found
-        ([]: none). The suffix itself is never its own match: an n-gram is indexed only once a token
-        follows it.
+        ([]: none).
         """
         return self.match(k)[1]
 
@@ -65,10 +61,8 @@ class NgramIndex:
 
 
 class SharedNgrams:
-    """N-grams of earlier requests (their prompts and answers) and the tokens that followed them,
-    shared by every sequence of a replica, least recently used first out past `max_entries`: what a
-    sequence's own tokens cannot propose, a request seen before may (a template, a repeated
-    document, a common answer).
+    """N-grams of earlier requests and what followed them, shared by a replica's sequences (LRU past
+    `max_entries`): a template, a repeated document, a common answer.
     """
 
     def __init__(
@@ -127,12 +121,9 @@ DRAFT_BY_MATCH = (0, 1, 2, 3, 6, 6, 10)
 
 
 class DraftLength:
-    """How many tokens to draft for one sequence: as many as its suffix match's length predicts
-    (DRAFT_BY_MATCH, at most max_k). Short matches (`short` tokens or fewer) guess; a sequence whose
-    short drafts keep failing stops making them (a running rate of their first tokens standing,
-    below `threshold`), and tries again as that rate drifts back while it drafts none: text with
-    nothing to copy then decodes as without drafts, while long matches (a copy under way) always
-    draft.
+    """How many tokens to draft: as many as the suffix match predicts. Short matches guess, and a
+    sequence whose short drafts keep failing stops making them until its rate drifts back; long
+    matches always draft.
     """
 
     def __init__(
@@ -152,8 +143,8 @@ class DraftLength:
         return min(self.max_k, DRAFT_BY_MATCH[min(n, len(DRAFT_BY_MATCH) - 1)])
 
     def skipped(self, n: int) -> None:
-        """A step made no short draft for a match of n tokens it gated: the rate creeps back towards
-        the threshold, so the sequence tries again after a while.
+        """A gated short match drafted nothing: the rate creeps back, so the sequence tries again
+        later.
         """
         if 0 < n <= self.short and self.short_rate < self.threshold:
             self.short_rate = (
@@ -171,9 +162,8 @@ class DraftLength:
 
 
 class SequenceDrafter:
-    """One sequence's drafting state: its tokens' n-gram index (the prompt, then each accepted
-    token), its draft length policy, and whether its next step would draft (`expects`: the scheduler
-    then waits for the sequence's token in flight rather than plan a plain decode past it).
+    """One sequence's drafting state: its n-gram index, its length policy, and whether its next step
+    would draft (`expects`).
     """
 
     def __init__(self, tokens: list[int], max_k: int, shared: SharedNgrams | None) -> None:
@@ -188,10 +178,8 @@ class SequenceDrafter:
         self.index.extend(tokens)
 
     def match(self, k: int) -> tuple[int, list[int]]:
-        """(match length, up to k tokens that followed it): the sequence's own longest suffix match,
-        or that of earlier requests where it is longer by more than SHARED_DISCOUNT tokens (another
-        request's text predicts this one's less well than the sequence's own: its match counts that
-        much shorter).
+        """(match length, following tokens): the sequence's own match, or earlier requests' where
+        longer by more than SHARED_DISCOUNT.
         """
         n, draft = self.index.match(k)
         if self.shared is not None:
@@ -225,10 +213,8 @@ class SequenceDrafter:
 
 
 def propose_draft(seq, drafter: SequenceDrafter, budget: int, max_model_len: int) -> list[int]:
-    """Tokens to draft after seq's (core/sequence.py Sequence) known last one: as many as its suffix
-    match predicts, within the budget, max_tokens and the context, none before min_tokens is reached
-    (the end tokens are banned until then, per position), and under a grammar only the tokens it
-    allows.
+    """Tokens to draft after seq's last known one: as many as its match predicts within the budget,
+    max_tokens and the context; none before min_tokens; under a grammar only what it allows.
     """
     params = seq.request.sampling
     if seq.num_output_tokens < params.min_tokens:

@@ -125,9 +125,8 @@ class KVCacheManager:
         return True
 
     def settle_loads(self, step_id: int, failed: set[int] | None) -> None:
-        """A step's loads are done (failed: those that did not load; None: none did): each block
-        that loaded enters the prefix cache, and every one is given back (leaf first, as `free`
-        does).
+        """A step's loads are done (failed: those that did not; None: none did): loaded blocks enter
+        the prefix cache, and every one is given back.
         """
         if self.tiers is None or step_id not in self.tiers.inflight:
             return
@@ -313,9 +312,8 @@ class KVCacheManager:
 
     def drop_out_of_window(self, seq: Sequence, start: int) -> None:
         """Give back seq's blocks no query from `start` on reads (every layer sliding over kv_window
-        keys, one key of slack for a fork); their entries become -1. Cached blocks stay cached;
-        sequences with penalties keep every block, since those read the whole context through the
-        table.
+        keys); their entries become -1. Sequences with penalties keep every block: those read the
+        whole context.
         """
         end = self.out_of_window(seq, start)
         if end <= seq.num_dropped_blocks:
@@ -332,9 +330,7 @@ class KVCacheManager:
     # --- release ---------------------------------------------------------------------------------
     @staticmethod
     def disown(seq: Sequence) -> None:
-        """seq comes from another pool (a replica whose workers were lost): its table named that
-        pool's blocks, so it starts empty here, to be recomputed, and nothing is given back.
-        """
+        """seq comes from a lost replica's pool: its table starts empty here, to be recomputed."""
         seq.block_ids = []
         seq.mirror.stale()
         seq.dropped_ids = []
@@ -344,8 +340,8 @@ class KVCacheManager:
         seq.epoch += 1
 
     def free(self, seq: Sequence) -> None:
-        """Give every block of seq back, last first, so the LRU evicts a cached chain from its leaf.
-        The epoch moves on, so a step planned on the old table knows its blocks are gone.
+        """Give every block of seq back, last first (the LRU evicts a chain from its leaf); the
+        epoch moves on.
         """
         if seq.block_ids:
             self.allocator.free([b for b in reversed(seq.block_ids) if b >= 0])

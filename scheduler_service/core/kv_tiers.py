@@ -1,10 +1,7 @@
-"""KV tiers under the pool: where a block's K/V goes when it leaves the pool, and where a prompt's
-prefix is found when the pool no longer holds it. The scheduler owns the index (an LRU of chained
-block hashes per tier, within each tier's size); the worker holds the bytes and does what a step's
-plan says. A cached block the pool evicts is written to the host tier (write-back); a block entering
-the prefix cache is written to the disk tier at once (write-through, so it survives a restart).
-Loaded blocks become prefix-cache blocks once their step's result says they loaded; a failed one is
-computed instead.
+"""KV tiers under the pool: where a block goes when it leaves the pool and where a prefix is found
+when the pool no longer holds it. The scheduler owns the index (an LRU of block hashes per tier);
+the worker holds the bytes. Evicted blocks go to the host tier (write-back), cached ones to disk at
+once (write-through, surviving a restart); a failed load is computed instead.
 """
 
 from __future__ import annotations
@@ -27,8 +24,8 @@ _EWMA = 0.2
 
 
 class TierIndex:
-    """The block hashes one tier holds, least recently used first, within its capacity in blocks;
-    the host tier's entries each name the slot of the worker's buffer that holds them.
+    """The block hashes one tier holds, LRU first, within its capacity; host entries name their
+    slot.
     """
 
     def __init__(self, tier: int, capacity: int, slotted: bool) -> None:
@@ -238,9 +235,8 @@ class KvTiers:
         self._waiting_on[seq_id] = step_id
 
     def settle(self, step_id: int, failed: set[int] | None) -> list[tuple[Load, bool]]:
-        """The step's result: each load and whether it holds its block now (failed: the indices that
-        did not load; None: the step failed, so none did). An entry that failed to load is
-        forgotten.
+        """The step's result for its loads (failed: indices that did not load; None: none did);
+        failures are forgotten.
         """
         loads = self.inflight.pop(step_id, [])
         done = []

@@ -1,7 +1,5 @@
-"""How much embedding work a step that decodes may carry: embeddings are batch work, a generation
-stream is someone reading, so `EmbedPacer` keeps the streams' slowdown near `--embed-slowdown` (0.2:
-streams keep about 0.8 of their speed while embeddings run beside them) by measuring it. Steps
-without decodes are not paced: there embeddings take the whole token budget.
+"""How much embedding work a decoding step may carry: `EmbedPacer` measures the streams' slowdown
+and keeps it near `--embed-slowdown`. Steps without decodes are not paced.
 """
 
 from __future__ import annotations
@@ -13,10 +11,8 @@ EWMA = 0.3
 
 
 class EmbedPacer:
-    """The workers' time for steps that only decode (the base, refreshed by a step without embedding
-    tokens every `REFRESH` steps while both run) is measured against the time of steps that carry
-    embedding tokens; the number of embedding tokens such a step may carry moves multiplicatively,
-    down when a step ran over the target, up while they run under it.
+    """Decode-only step time (refreshed every `REFRESH` steps) against steps carrying embedding
+    tokens; the embedding budget moves multiplicatively, down when over the target, up while under.
     """
 
     def __init__(self, slowdown: float, max_tokens: int) -> None:

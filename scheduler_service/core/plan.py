@@ -1,7 +1,5 @@
-"""Turn a scheduler step into the arrays of a StepPlan (protos/codec.py packs them) without a
-per-token Python loop: `PlanBuilder` keeps a numpy mirror of what changes rarely (each running
-sequence's block-table row and sampling parameters), so a step gathers positions, slots, lengths and
-tables rather than rebuilding them.
+"""A scheduler step as StepPlan arrays without a per-token loop: `PlanBuilder` mirrors what changes
+rarely (each running sequence's table row and sampling parameters) and gathers the rest.
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ class MaskFiller(Protocol):
 
 @dataclass
 class DeferredMasks:
-    """A step's structured-output masks that follow its plan: computed once the step before it is
-    applied (its matchers have then seen their last token), sent before any later plan.
+    """Masks that follow a plan: computed once the step before is applied, sent before any later
+    plan.
     """
 
     filler: MaskFiller
@@ -40,9 +38,8 @@ class DeferredMasks:
 
 @dataclass
 class ReadBack:
-    """What a step's plan asked of its result, kept to read it back: each row's logprob K (-1 none),
-    prompt logprobs (K per row, positions per row), masks that follow the plan, the embedding rows'
-    pooling kinds and the rows that pool this step, and the KV-tier work it carries.
+    """What a step's plan asked of its result: logprob K, prompt logprobs, masks that follow,
+    pooling rows and KV-tier work.
     """
 
     logprobs_k: np.ndarray | None = None
@@ -54,17 +51,10 @@ class ReadBack:
 
 
 class PlanBuilder:
-    """Each running sequence owns a row of a block-table array (filled as its page table grows, a
-    copy-on- write patching one entry) and of per-row sampling parameters. A step costs one short
-    pass over its sequences (row, start, length) and a few vectorized numpy operations.
-
-    A row whose last input token is still pending (sampled by the step in flight; see
-    core/sequence.py) carries a placeholder in token_ids and, in prev_rows, the row of the previous
-    step whose sampled token the worker puts there.
-
-    Request controls (penalties, min_p, logprobs) are per-row mirrors too, shipped only in steps
-    where some row uses them; the ragged parts (logit biases, prompt-logprob targets,
-    structured-output masks) are built by a loop over just the rows that have them.
+    """Each running sequence owns a row of the block-table and sampling-parameter mirrors, so a step
+    is one short pass over its sequences and a few numpy operations. A row whose last input token is
+    pending carries a placeholder and, in prev_rows, the row of the previous step that samples it.
+    Controls ship only in steps where some row uses them.
     """
 
     def __init__(self, max_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
@@ -95,9 +85,8 @@ class PlanBuilder:
 
     # --- rows -------------------------------------------------------------------------------------
     def _row(self, seq) -> int:
-        """seq's row, given at its first step since it was admitted (or moved here from another
-        replica): its sampling parameters are mirrored once; rows of sequences no longer running are
-        taken back when none is free.
+        """seq's row, given at its first step here (its sampling parameters mirrored once); rows of
+        finished sequences are reclaimed when none is free.
         """
         row = seq.mirror.row
         if row >= 0 and self._owners[row] is seq:
@@ -250,9 +239,8 @@ class PlanBuilder:
             plan.lora_index = (index - int(first)).astype(I32)
 
     def _gather(self, scheduled):
-        """One pass over the scheduled sequences: their rows, starts, new-token counts and sampling
-        flags, the input tokens (0 where the step in flight samples it: `pending` says where, and
-        from which row), and the widest table; new table entries are mirrored on the way.
+        """One pass over the scheduled sequences: rows, starts, counts, flags, input tokens (0 where
+        pending) and the widest table; new table entries mirrored on the way.
         """
         num_seqs = len(scheduled)
         rows = np.empty(num_seqs, dtype=I64)

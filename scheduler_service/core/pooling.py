@@ -1,8 +1,5 @@
-"""What a model folder says about embeddings: sentence-transformers' files (`modules.json`, the
-pooling module's `config.json`, a `Normalize` module, `config_sentence_transformers.json`'s prompts)
-read into a `PoolingSpec`; and the arithmetic the scheduler finishes a pooled vector with (mean over
-chunks, Matryoshka truncation, normalization). A folder without them is a generative model unless
-`--task embed` says otherwise, with `--pooling` choosing how its hidden states pool.
+"""What a folder says about embeddings (sentence-transformers' files, read into a `PoolingSpec`) and
+the arithmetic that finishes a pooled vector. Without them a model generates unless `--task embed`.
 """
 
 from __future__ import annotations
@@ -39,10 +36,8 @@ class PoolingConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PoolingSpec:
-    """How a model's final hidden states become one vector: `pooling` (last token, mean over the
-    prompt, or its first token), then unit length where `normalize`. `prompts`: named instructions
-    put before a text (`config_sentence_transformers.json`), `default_prompt` the one used when a
-    request names none.
+    """How final hidden states become one vector (last, mean or first token; normalized or not), and
+    the named prompts put before a text.
     """
 
     pooling: str = "last"
@@ -60,10 +55,7 @@ class PoolingSpec:
 
     @property
     def prefix_cacheable(self) -> bool:
-        """Whether a cached prefix can stand in for computing it: last-token pooling reads only the
-        last token's hidden state, which is never cached; mean and first-token pooling read the
-        prompt's.
-        """
+        """Whether a cached prefix can stand in for computing it: not for last-token pooling."""
         return self.pooling == "last"
 
     @classmethod
@@ -130,10 +122,8 @@ class PoolingSpec:
 def embedding_vector(
     pooled: np.ndarray, num_tokens: int, spec: PoolingSpec, dimensions: int | None
 ) -> np.ndarray:
-    """The embedding from what the worker pooled: a mean's sum divided by the tokens it summed, the
-    first `dimensions` values kept (Matryoshka truncation), then scaled to unit length where the
-    model normalizes (after truncating: a shortened vector is a unit vector too, as OpenAI's
-    `dimensions` answers). fp32.
+    """The embedding from what the worker pooled: a mean divided, the first `dimensions` kept
+    (Matryoshka), then unit length where the model normalizes. fp32.
     """
     v = np.asarray(pooled, dtype=np.float32)
     if spec.pooling == "mean":
@@ -147,9 +137,8 @@ def embedding_vector(
 
 
 def checkpoint_has_head(folder: str | Path) -> bool:
-    """Whether a folder's safetensors files hold a language-model head (`lm_head.weight`), read from
-    their headers alone; True where the folder holds none (a GGUF's, or random weights: the worker
-    decides).
+    """Whether a folder's safetensors hold `lm_head.weight` (headers only); True where there are
+    none.
     """
     files = sorted(Path(folder).glob("*.safetensors"))
     for f in files:
@@ -161,11 +150,8 @@ def checkpoint_has_head(folder: str | Path) -> bool:
 
 
 def take_pooled(out, pooled: np.ndarray | None) -> list:
-    """A step's result for its embedding rows (`out.read.embed_rows`): each pooling row's vector
-    added to its sequence's (a mean's chunks sum; the last or first token's comes once). Returns the
-    sequences whose last chunk this was, their vectors finished (the scheduler then ends them). A
-    sequence preempted since the step was planned is left alone: it pools again from its next
-    admission (its `pooling.sum` starts over).
+    """Add each pooling row's vector to its sequence's; returns the sequences finished by this step.
+    One preempted since the plan is left alone and pools again.
     """
     done = []
     read = out.read

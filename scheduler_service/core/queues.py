@@ -1,7 +1,5 @@
-"""The scheduler's books: live requests, the waiting queue and the running list over the KV manager,
-and the one place each change of a sequence's life happens: it arrives or moves here (`add_request`,
-`adopt`), gets a step's tokens and stops (`update`), forks, is preempted, ends (`finish`).
-core/scheduler.py adds the policy that picks each step.
+"""The scheduler's books: live requests, waiting and running queues over the KV manager, and the one
+place each change of a sequence's life happens (arrive, adopt, update, fork, preempt, finish).
 """
 
 from __future__ import annotations
@@ -97,9 +95,8 @@ class Queues:
         self.waiting.append(request.seqs[0])
 
     def adopt(self, request: Request) -> None:
-        """Take over a live request from a scheduler whose workers were lost: its unfinished
-        sequences keep their tokens (prompt and generated) and wait at the head of the queue to be
-        recomputed, exactly as after a preemption; samples not yet forked stay pending.
+        """Take over a lost replica's live request: unfinished sequences keep their tokens and wait
+        at the head of the queue to be recomputed, as after a preemption.
         """
         if request.request_id in self.requests:
             raise DuplicateRequestId(request.request_id)
@@ -123,9 +120,8 @@ class Queues:
         return request
 
     def finish(self, seq: Sequence, reason: FinishReason, drop: int = 0) -> None:
-        """End seq; its blocks go back. `drop`: its last tokens came after the one that ended it (a
-        draft's) and are not its. A stop string found in the last token max_tokens allowed is still
-        a stop.
+        """End seq; its blocks go back. `drop`: its last tokens came after the one that ended it. A
+        stop string in the last allowed token is still a stop.
         """
         if seq.is_finished:
             if reason is FinishReason.STOP and seq.finish_reason is FinishReason.LENGTH:
@@ -166,12 +162,10 @@ class Queues:
     ) -> StepUpdate:
         # sampled: Python ints, one per scheduled row; accepted: drafted tokens each row accepted
         # (None: the step drafted nothing); pooled: fp32 [pooling rows, hidden]
-        """Reconcile a step with its result: each row's tokens become known and a sequence that
-        stops there ends (results.py); blocks held only for rejected drafts go back, full blocks go
-        to the prefix cache, waiting samples fork, embeddings take their pooled rows, failed tier
-        loads are settled. A sequence finished since the step was planned gets nothing; one
-        preempted since keeps its tokens (computed from its blocks as they were) but its blocks,
-        given back, are left alone.
+        """Reconcile a step with its result: tokens become known and stopping sequences end
+        (results.py); blocks of rejected drafts go back, full blocks are cached, samples fork,
+        embeddings pool, tier loads settle. A sequence finished or preempted since the plan gets
+        nothing to its blocks.
         """
         self.kv.settle_loads(out.step_id, failed_loads)
         result = StepUpdate()
@@ -248,10 +242,8 @@ class Queues:
             self.finish(seq, reason)
 
     def _fork(self, leader: Sequence, leader_current: bool) -> None:
-        """Samples 1..n-1 share the leader's prompt blocks and recompute only the last prompt token.
-        Those beyond max_num_seqs wait at the head of the queue instead, where admission finds the
-        prompt's full blocks in the prefix cache; so do all of them when the leader lost its blocks
-        (preempted while its first token was in flight).
+        """Samples 1..n-1 share the leader's prompt blocks and recompute its last token; those past
+        max_num_seqs, or all when the leader lost its blocks, wait at the head of the queue.
         """
         request = leader.request
         room = max(0, self.config.max_num_seqs - len(self.running)) if leader_current else 0

@@ -1,7 +1,5 @@
-"""A step's result for one row, as plain functions of its sequence: the tokens the row gives (a
-draft's accepted tokens, then the sampled one, cut where a grammar ends) and where the sequence
-stops: a stop id or end-of-sequence, its grammar's end, max_tokens or the context. The scheduler
-applies them (core/queues.py `update`), so a sequence's end is decided in one place.
+"""A step's result for one row, as plain functions: the tokens it gives and where its sequence stops
+(stop id, end of sequence, grammar's end, max_tokens, context). Applied by core/queues.py `update`.
 """
 
 from __future__ import annotations
@@ -10,9 +8,8 @@ from scheduler_service.core.sequence import FinishReason, Sequence
 
 
 def row_tokens(seq: Sequence, draft: tuple[int, ...], token: int, accepted: int) -> tuple[int, ...]:
-    """The tokens a sampling row gives seq, in order: its accepted draft, then the sampled token; a
-    grammar takes them up to the one that completes or breaks it (a refused token ends the sample
-    there).
+    """The tokens a row gives seq: its accepted draft, then the sampled token, cut where a grammar
+    ends.
     """
     tokens = (*draft[:accepted], token) if draft else (token,)
     if seq.matcher is None:
@@ -38,8 +35,7 @@ def ends_with(seq: Sequence, token: int, count: int, max_model_len: int) -> Fini
 def stop_at(
     seq: Sequence, tokens: tuple[int, ...], max_model_len: int
 ) -> tuple[int, FinishReason | None]:
-    """How many of `tokens` (new to seq, in order) it keeps, and why it ends after the last of them
-    (None: it goes on); a grammar ends where row_tokens cut."""
+    """How many of `tokens` seq keeps, and why it ends after them (None: it goes on)."""
     done = seq.num_output_tokens
     matcher = seq.matcher
     for n, t in enumerate(tokens, 1):

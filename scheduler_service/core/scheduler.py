@@ -1,8 +1,6 @@
-"""Continuous batching, the policy over kv_manager.py's memory: each step running decodes first,
-then running prompt chunks, then admissions, within the token budget; when the pool is full, whom to
-preempt (`_victim`). A step is committed when scheduled and reconciled in `update` (core/queues.py)
-when its result arrives, so the next one can be planned meanwhile. The whole walk:
-docs/ARCHITECTURE.md (routing and scheduling).
+"""Continuous batching over kv_manager.py's memory: running decodes, then prompt chunks, then
+admissions, within the token budget; whom to preempt when full (`_victim`). A step is committed when
+scheduled and reconciled when its result arrives, so the next is planned meanwhile.
 """
 
 from __future__ import annotations
@@ -182,9 +180,8 @@ class Scheduler(Queues):
                 adapters.add(lora.id)
 
     def _drafter(self, seq: Sequence) -> SequenceDrafter | None:
-        """seq's drafting state, made at its first decode; None for a sequence that asks logprobs
-        (see SamplingOptions.may_draft). A drafted position's penalties count the drafts before it,
-        a grammar's masks follow the draft.
+        """seq's drafting state, made at its first decode; None for
+        a sequence that asks logprobs.
         """
         if seq.drafter is None:
             if not seq.request.sampling.may_draft:
@@ -232,9 +229,8 @@ class Scheduler(Queues):
         scheduled: set[int],
         draft: tuple[int, ...] = (),
     ) -> None:
-        """Schedule num_new tokens of seq and commit them: computed from now on, one pending if it
-        samples. With a draft, the tokens are seq's last known one and the draft: all computed until
-        the result says how many stand (update).
+        """Schedule and commit num_new tokens of seq (one pending if it samples; with a draft, all
+        of them until the result says how many stand).
         """
         start = seq.num_computed_tokens
         self.kv.drop_out_of_window(seq, start)
@@ -265,10 +261,9 @@ class Scheduler(Queues):
     def _reserve(
         self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput
     ) -> int:
-        """Room in seq's page table for num_new more tokens, preempting others while the pool is
-        empty. A prompt chunk shrinks to what the free blocks hold before anyone is preempted.
-        Returns the number of tokens reserved: 0 when seq itself was the one preempted, or when
-        everyone else already runs.
+        """Room for num_new more tokens, preempting others while the pool is empty (a prompt chunk
+        shrinks first). Returns tokens reserved: 0 when seq itself was preempted or everyone else
+        already runs.
         """
         while True:
             copies = self.kv.allocate_slots(seq, num_new)

@@ -99,9 +99,8 @@ class SamplingOptions:
 
     @property
     def may_draft(self) -> bool:
-        """Whether drafts can be verified for it: anything but logprobs (a verifying step's logits
-        differ from a one-row step's in their last digits, and so would the logprobs shown). A
-        drafted position's penalties count the drafts before it; a grammar is checked per sequence.
+        """Whether drafts can be verified for it: not with logprobs (a verifying step's logits
+        differ in their last digits).
         """
         return self.logprobs is None and self.prompt_logprobs is None
 
@@ -121,14 +120,8 @@ class EmbedOptions:
 
 @dataclass(slots=True)
 class PendingToken:
-    """A step is committed when it is scheduled: its tokens count as computed at once, and a
-    sampling row adds one *pending* token, whose value the worker knows before the scheduler does
-    (overlap: the next step is planned while this one runs, and refers to the pending token by its
-    row). `Sequence.token_ids` holds known tokens only; what clients see and stop conditions read is
-    always known tokens.
-
-    Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last
-    one.
+    """Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last
+    one. A step is committed when scheduled; `Sequence.token_ids` holds known tokens only.
     """
 
     count: int = 0
@@ -138,9 +131,8 @@ class PendingToken:
 
 @dataclass(slots=True)
 class PlanRow:
-    """The plan's block-table mirror of a running sequence (core/plan.py): its row, and how many of
-    its block_ids are copied there. The KV manager, which alone changes a page table, marks where it
-    changed (`stale`); the plan copies from there on when it next gathers the row.
+    """The plan's table mirror of a running sequence: its row and how many block ids are copied. The
+    KV manager marks where the table changed (`stale`).
     """
 
     row: int = -1
@@ -153,8 +145,8 @@ class PlanRow:
 
 @dataclass(slots=True)
 class Pooling:
-    """An embedding's pooled hidden state so far (fp32; the chunks' sum for a mean), started again
-    at each admission, and once its last chunk is in, the finished vector.
+    """An embedding's pooled state so far (fp32), restarted at each admission, then the finished
+    vector.
     """
 
     sum: np.ndarray | None = None

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
-    """The KV tiers' figures: each tier's blocks held and capacity, the blocks loaded from it and
-    stored to it so far, the loads that failed, and the seconds the tiers' work took.
+    """The KV tiers' figures: blocks held and capacity per tier, loads and stores so far, failed
+    loads and seconds.
     """
 
     host_blocks: int = 0

@@ -1,8 +1,6 @@
-"""Per-sample output: incremental text, stop strings, stream deltas. A sample's other ends (a stop
-id or end-of-sequence, max_tokens or the context, its grammar's) are the scheduler's
-(core/results.py): its last token's delta carries that reason. A stop string ends the sample here,
-the text cut before it (or after, with include_stop_str_in_output); text that might begin one is
-held back while the sample runs. Before min_tokens tokens, no stop string applies.
+"""Per-sample output: incremental text, stop strings, stream deltas. Other ends are the scheduler's
+(core/results.py). A stop string ends the sample here, its text cut before it; text that might begin
+one is held back. Before min_tokens no stop string applies.
 """
 
 from __future__ import annotations
@@ -72,8 +70,8 @@ class SampleOutput:
     def add_token(
         self, token: int, logprob: TokenLogprob | None = None
     ) -> tuple[Delta, FinishReason | None]:
-        """Take one new token (and its logprob, when the request asked); return the stream delta and
-        the reason the sample ends with it: the scheduler's, on its last token, or a stop string's.
+        """Take one token (and its logprob); return the delta and why the sample ends with it, if it
+        does.
         """
         piece = self._detok.add(token)
         self.text += piece
@@ -117,10 +115,8 @@ class SampleOutput:
 
 
 class DeltaQueue:
-    """A request's stream: deltas (or the exception that ends it) put by the step loop, awaited by
-    the request's handler, on one event loop. A deque and at most one waiting future: at a thousand
-    live streams asyncio.Queue's bookkeeping (task counts, an event, size checks) cost as much as
-    the rest of a token's output path.
+    """A request's stream: a deque and at most one waiting future, since at a thousand streams
+    asyncio.Queue's bookkeeping cost as much as the rest of a token's output path.
     """
 
     __slots__ = ("_items", "_waiter")

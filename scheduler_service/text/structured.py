@@ -1,8 +1,6 @@
-"""Structured output: JSON Schema, regular expression or Lark grammar, enforced with llguidance
-token masks. The matchers live in the scheduler, beside the tokens they follow, so a restarted
-worker or a preempted sequence keeps its state; the workers only apply the bitmask each plan
-carries. A sample ends with STOP when its matcher is complete, with LENGTH at max_tokens otherwise
-(its text then incomplete).
+"""Structured output (JSON Schema, regex, Lark) as llguidance token masks. The matchers live in the
+scheduler beside the tokens, so restarts and preemptions keep their state; workers apply the bitmask
+each plan carries.
 """
 
 from __future__ import annotations
@@ -23,19 +21,9 @@ class GrammarError(ValueError):
 
 
 class GrammarEngine:
-    """The scheduler already owns every sequence's tokens and the plan, and llguidance is a Rust
-    library with no torch in it. Each step, the masks of every constrained row that samples are
-    computed in one parallel call (llguidance's executor, threads outside the GIL) and travel as a
-    bitmask, in the plan or right after it (protos/wire.proto); the worker sets every masked-out
-    logit to -inf.
-
-    With overlap, the next step is planned before the step in flight has sampled a constrained
-    row's last token, on which its mask depends: that plan goes out with `mask_follows`, and once
-    the step in flight is applied the step loop computes the masks and sends them in a StepMask
-    while the workers run the forward; they wait for it only before sampling. An end-of-sequence
-    token is allowed only where the structure is complete.
-
-    Compiles requests' constraints and computes token masks for one tokenizer and vocabulary.
+    """Compiles constraints and computes token masks for one tokenizer. Each step's masks are
+    computed in one parallel llguidance call and travel in the plan; under overlap they follow it
+    (`mask_follows`) and the workers wait for them only before sampling.
     """
 
     def __init__(
@@ -100,9 +88,8 @@ class GrammarEngine:
     def fill_masks(
         self, matchers: list[llguidance.LLMatcher], drafts: list[tuple[int, ...]] | None = None
     ) -> np.ndarray:
-        """int32 [masks, words]: the next-token bitmask of each matcher, computed in parallel; with
-        drafts (speculative decoding), one more after each of its drafted tokens, its matcher left
-        as it was.
+        """int32 [masks, words]: each matcher's next-token bitmask, plus one after each drafted
+        token.
         """
         if self._executor is None:
             self._executor = llguidance.LLExecutor()

@@ -62,9 +62,8 @@ class Tokenizer:
 
     @property
     def max_token_bytes(self) -> int:
-        """Bytes of UTF-8 the longest token can stand for (an upper bound): a text of B bytes has at
-        least B / max_token_bytes tokens, so a prompt can be refused as too long without tokenizing
-        it.
+        """UTF-8 bytes the longest token can stand for: a prompt can be refused as too long
+        untokenized.
         """
         if self._max_token_bytes is None:
             self._max_token_bytes = max(
@@ -74,10 +73,8 @@ class Tokenizer:
 
     @property
     def token_bytes(self) -> list[bytes] | None:
-        """For a byte-level BPE tokenizer (GPT-2, Llama 3, SmolLM, Qwen): the UTF-8 bytes each token
-        id stands for with special tokens skipped (b""), so detokenizing is a table lookup and an
-        incremental UTF-8 decode; None for any other decoder (SentencePiece's spacing, byte
-        fallback), which needs DecodeStream.
+        """The UTF-8 bytes each token stands for (special: b"") for byte-level BPE; None for other
+        decoders.
         """
         if self._token_bytes is False:
             self._token_bytes = self._byte_table()
@@ -91,9 +88,8 @@ class Tokenizer:
         return self._token_bytes_special
 
     def warm(self) -> None:
-        """Build the byte tables ahead of the first request (a fifth of a second for a 49k
-        vocabulary, which would otherwise land on that request's first token); the server runs it
-        while its workers load.
+        """Build the byte tables ahead of the first request; the server runs it while its workers
+        load.
         """
         self.token_bytes  # noqa: B018 - the property builds and keeps the table
         self.token_bytes_with_special  # noqa: B018
@@ -135,10 +131,8 @@ class Tokenizer:
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
     ) -> str:
-        """Render a conversation the way transformers does: the template sees messages, tools,
-        add_generation_prompt, the special tokens' texts and any extra kwargs.
-        continue_final_message leaves the last message open (everything the template writes after
-        its content is cut).
+        """Render a conversation as transformers does; continue_final_message leaves the last
+        message open.
         """
         if self._template is None:
             raise ValueError(
@@ -198,15 +192,8 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without re-decoding everything.
-
-    Byte-level BPE tokenizers (Tokenizer.token_bytes): each token's bytes from a table, through
-    an incremental UTF-8 decoder that holds an incomplete character back until its last byte comes
-    (invalid bytes become U+FFFD); the output's text is then exactly the decode of the output's
-    tokens. About 0.3 us a token against ~1 us through DecodeStream, which matters at a thousand
-    streams a step. Other tokenizers: tokenizers' DecodeStream (Rust) keeps the window itself:
-    primed with the last few prompt tokens (for spacing context), each step returns the new text, or
-    nothing while a multi-byte character is still being built (byte-fallback tokens).
+    """Token ids to text deltas without re-decoding: byte-level BPE through a byte table and an
+    incremental UTF-8 decoder (0.3 us a token); other tokenizers through tokenizers' DecodeStream.
     """
 
     CONTEXT_TOKENS = 5
