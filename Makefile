@@ -115,7 +115,7 @@ test-sanitize: setup  ## native kernel tests under AddressSanitizer + UndefinedB
 test-e2e: setup  ## end-to-end tests only (real processes)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-lint: setup  ## ruff check over every package, and ruff format (line length 100) where adopted
+lint: setup  ## ruff check and ruff format (line length 100) over every package
 	$(PY) -m ruff check protos scheduler_service worker kernels deploy tests
 	$(PY) -m ruff format --check protos scheduler_service worker kernels deploy tests
 
