@@ -1,6 +1,5 @@
-"""Embed: many inputs in one call, each a prefill-only request through the same engine as generation
-(chunked, batched, prefix-cached), answered in input order. Both gRPC front ends use it; bad input
-is InvalidRequest naming what is wrong, and each model refuses the other task (`refuse_task`).
+"""Embed: many inputs in one call, each a prefill-only request through the same engine, answered in
+input order; each model refuses the other task.
 """
 
 from __future__ import annotations

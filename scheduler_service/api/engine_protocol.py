@@ -1,6 +1,5 @@
-"""The SMG engine protocol (`vllm.grpc.engine.VllmEngine`), served beside pagedserve.v1 so gateways
-that drive vLLM or SGLang over gRPC drive pagedserve too. Same validation and engine as our own API;
-every SamplingParams field is honoured or refused by name.
+"""The SMG engine protocol (`vllm.grpc.engine.VllmEngine`) beside pagedserve.v1, so gateways that
+drive vLLM over gRPC drive pagedserve; every SamplingParams field is honoured or refused by name.
 """
 
 from __future__ import annotations
@@ -66,10 +65,8 @@ class _Sample:
 
 
 class EngineProtocolServicer(LoadReports):
-    """A GenerateRequest is made a pagedserve.v1 request and validated as one; structured outputs
-    map onto the matcher, and what this engine cannot do (structural_tag, multimodal, KV transfer, a
-    dp rank) is refused. The gateway tokenizes: answers carry token ids. Streams send a chunk per
-    step, then a `complete` per sample with its finish reason.
+    """A GenerateRequest made a pagedserve.v1 request and validated as one; what this engine cannot
+    do is refused. Answers carry token ids: the gateway detokenizes.
     """
 
     def __init__(self, engine: Engine, model_dir: str | Path) -> None:
@@ -241,8 +238,8 @@ class EngineProtocolServicer(LoadReports):
             return {}
 
     async def GetModelInfo(self, msg, context):
-        """Answered from the model's config even before the workers connect: a gateway registers a
-        server when it first sees it (one starting beside it included) and reads this once.
+        """Answered from the config before the workers connect: a gateway reads it once, at
+        registration.
         """
         e = self.engine
         max_context = e.limits.max_context if e.limits is not None else e.spec.max_context

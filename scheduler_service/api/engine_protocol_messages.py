@@ -1,7 +1,4 @@
-"""The SMG engine protocol's messages in pagedserve's shape: its GenerateRequest as a pagedserve.v1
-request (then validated as any other), logprobs back in its shape, and the service's load and
-prefix-cache events as its GetLoads and SubscribeKvEvents say them.
-"""
+"""The engine protocol's messages in our shape, and its load and KV-event RPCs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The service's front doors, bound before the workers load and started while they do: the OpenAI
-HTTP socket, the gRPC port, Prometheus metrics and the port file. A port given by flag that is taken
-is a ConfigError; a taken default is skipped with a word."""
+"""The front doors, bound before the workers load: HTTP, gRPC, metrics, the port file. A taken port
+given by flag is a ConfigError; a taken default is skipped with a word.
+"""
 
 from __future__ import annotations
 

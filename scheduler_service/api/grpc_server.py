@@ -319,9 +319,8 @@ def build_server(
     model_dir: str | None = None,
     api_key: str | None = None,
 ) -> tuple[grpc.aio.Server, HealthReporter, int]:
-    """Requests parsed tolerantly, validated and tokenized off the event loop. `api_key` guards
-    every call but health; `tls` (key, chain) serves TLS; `model_dir` enables the engine protocol's
-    GetTokenizer.
+    """Requests parsed tolerantly and prepared off the event loop; `api_key`, `tls` and `model_dir`
+    as named.
     """
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
     server = grpc.aio.server(

@@ -1,6 +1,4 @@
-"""uvicorn serving the OpenAI routes inside the scheduler's event loop, on a socket bound at start
-(so that a port in use is said before anything else starts).
-"""
+"""uvicorn serving the OpenAI routes in the scheduler's event loop, on a socket bound at start."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The engine's deltas as OpenAI response bodies: chat and text completions (whole and streamed),
-logprobs in both of OpenAI's shapes, usage, and the error body every failure is answered with.
-"""
+"""The engine's deltas as OpenAI bodies: chat and text completions, logprobs, usage, errors."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible routes, served in the scheduler's event loop: a body parsed, made a
-pagedserve.v1 request and validated as gRPC's are; a client that disconnects aborts its request.
+"""The OpenAI generation routes: a body parsed, made a pagedserve.v1 request and validated as
+gRPC's; a client that leaves aborts its request.
 """
 
 from __future__ import annotations

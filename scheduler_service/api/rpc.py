@@ -1,5 +1,4 @@
-"""What both gRPC front ends share (server.py's pagedserve.v1, engine_protocol.py's SMG engine
-protocol): the tolerant deserializer, the client errors and their status codes, and a request's
+"""What both gRPC front ends share: the tolerant deserializer, client errors as statuses,
 preparation.
 """
 
@@ -52,10 +51,7 @@ class Malformed:
 
 
 def tolerant(message_cls):
-    """A deserializer that never raises: bytes that do not parse become a Malformed, which the
-    handler answers with INVALID_ARGUMENT naming the problem (grpc's own failure would be an opaque
-    INTERNAL).
-    """
+    """A deserializer that never raises: bad bytes become a Malformed, answered INVALID_ARGUMENT."""
 
     def parse(data: bytes):
         try:
@@ -100,9 +96,8 @@ def bearer_matches(header: str, key: str) -> bool:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """--api-key on gRPC: every call but health checks carries metadata `authorization: Bearer
-    <key>`, or ends UNAUTHENTICATED before its handler runs (reflection included: it lists what a
-    key would reach).
+    """--api-key on gRPC: every call but health needs `authorization: Bearer <key>` or ends
+    UNAUTHENTICATED.
     """
 
     def __init__(self, key: str) -> None:

@@ -1,5 +1,5 @@
-"""The engine: routes requests to data-parallel replicas, streams their outputs, reports the pool.
-It owns what spans the replicas' step loops: live requests and streams, routing, abort, accounting.
+"""The engine: routes requests to replicas, streams their outputs, owns
+what spans the step loops.
 """
 
 from __future__ import annotations
@@ -117,9 +117,7 @@ class Engine(Failover):
         )
 
     def _adopt_max_num_seqs(self, groups) -> None:
-        """Where --max-num-seqs was left to the workers, take the smallest they proposed (a GPU
-        worker's comes from its KV capacity, and its decode graphs are captured for it).
-        """
+        """Where --max-num-seqs was left to the workers, the smallest they proposed."""
         # and no more LoRA adapters at once than they keep
         adopted = adopted_config(self.config, groups)
         if adopted != self.config:
@@ -143,8 +141,8 @@ class Engine(Failover):
             self._expire_orphans()
 
     async def drain(self, timeout: float) -> bool:
-        """Refuse new requests and wait up to `timeout` for the running ones; the rest end with
-        UNAVAILABLE. True when every request finished on its own.
+        """Refuse new requests and wait up to `timeout` for running ones (the rest end UNAVAILABLE);
+        True when all finished.
         """
         self._draining = True
         deadline = time.monotonic() + timeout
@@ -352,9 +350,7 @@ class Engine(Failover):
         stream.queue.put_nowait(delta)
 
     def _fail_request(self, request: Request, error: Exception) -> None:
-        """End a request with an error; matched by identity, so a new request that reuses the id of
-        an aborted one is never failed in its place.
-        """
+        """End a request with an error, matched by identity (never a new request reusing its id)."""
         stream = self.streams.get(request.request_id)
         if stream is None or stream.request is not request:
             return

@@ -1,5 +1,5 @@
-"""Worker groups as the scheduler knows them: each rank (handshake, heartbeats, pid), each replica's
-group, a step's errors, whether a handshake may join and whether a complete group can serve.
+"""Worker groups as the scheduler knows them: ranks, groups, step errors, and whether a handshake
+may join or a group serve.
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def group_problem(
 
 
 def lora_problem(group: WorkerGroup, adapters: AdapterRegistry | None) -> str:
-    """Why a group's workers cannot hold the LoRA adapters this service runs, or ""; on success the
-    registry's rank bound becomes the workers' (adapters loaded later are checked against it)."""
+    """Why a group cannot hold this service's LoRA adapters, or ""; on success the registry's rank
+    bound becomes the workers'.
+    """
     if adapters is None:
         return ""
     for w in group.workers.values() if adapters.adapters else ():
@@ -183,9 +184,7 @@ class WorkerGroup:
         return [wire_pb2.LoraRef(identity=a.identity, path=a.path) for a in latest]
 
     def kv_tiers(self, block_size: int) -> KvTiers | None:
-        """The KV tiers every rank of the group holds (the smallest sizes; on disk, the blocks every
-        rank has its share of), or None where some rank holds none.
-        """
+        """The KV tiers every rank holds (the smallest), or None where some rank holds none."""
         ranks = [self.workers[r].handshake for r in sorted(self.workers)]
         host = min(hs.host_tier_blocks for hs in ranks)
         disk = min(hs.disk_tier_blocks for hs in ranks)
@@ -205,9 +204,7 @@ class WorkerGroup:
 
 
 def merged_result(results: dict[int, wire_pb2.StepResult]) -> wire_pb2.StepResult:
-    """Rank 0's result of a step, where a KV-tier load failed if it failed on any rank (each rank
-    loads its own share of a block).
-    """
+    """Rank 0's result, where a tier load failed if it failed on any rank."""
     first = results[0]
     failed = {r.kv_load_failed for r in results.values()}
     if len(failed) > 1:
@@ -236,8 +233,8 @@ SAME_MODEL = ("model_fingerprint", "vocab_size", "block_size", "max_context", "d
 def handshake_problem(
     hs: wire_pb2.Handshake, groups: list[WorkerGroup], tp_size: int, expected: dict[str, object]
 ) -> str:
-    """Why a rank's handshake cannot join (a size or rank out of range, a setting other than the
-    scheduler's, a model other than its peers'), or "".
+    """Why a rank's handshake cannot join (out of range, settings or model unlike the others'), or
+    "".
     """
     if hs.tp_size != tp_size:
         return f"tensor-parallel size {hs.tp_size}, the scheduler expects {tp_size}"

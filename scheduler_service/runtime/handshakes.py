@@ -1,6 +1,6 @@
-"""How a worker rank joins (a base of WorkerClient): its handshake checked against the scheduler and
-its group, a silent rank's replacement taking the replica down first, and a complete group accepted,
-its adapters preloaded, or refused as a whole with the reason."""
+"""How a worker rank joins (a base of WorkerClient): its handshake checked, a silent rank's
+replacement taking the replica down first, a complete group accepted or refused as a whole.
+"""
 
 from __future__ import annotations
 

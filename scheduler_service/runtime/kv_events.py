@@ -16,9 +16,7 @@ log = structlog.get_logger("scheduler.kv_events")
 
 
 def event_hash(h: bytes) -> int:
-    """Hashes go out as the allocator's own: the first 8 bytes of its blake2b digest as a signed
-    little- endian 64-bit integer, the wire's type.
-    """
+    """A hash as the wire carries it: the digest's first 8 bytes as a signed little-endian int64."""
     return int.from_bytes(h[:8], "little", signed=True)
 
 

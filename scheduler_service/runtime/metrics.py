@@ -241,9 +241,7 @@ class Metrics:
             self._on_tiers(label, u.kv_tiers)
 
     def _on_tiers(self, label: str, now: TierStats) -> None:
-        """The KV tiers' figures after a step: gauges set, counters moved by what changed since the
-        last (from zero again when a replica's workers were replaced).
-        """
+        """The tiers' gauges set and counters moved by what changed since the last step."""
         last = self._tiers_seen.get(label, TierStats())
         self._tiers_seen[label] = now
 

@@ -1,5 +1,5 @@
-"""A lost replica's requests: they resume on another serving replica at once, or wait (at most
---worker-restart-timeout) for a group to join, then resume where they were or end with UNAVAILABLE.
+"""A lost replica's requests: resumed on another replica at once, or waiting
+(--worker-restart-timeout) for a group to join, else ended UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -67,9 +67,8 @@ class Failover:
 
     async def on_lost(self, replica: StepLoop, message: str) -> None:
         """A rank of the replica is gone: the replica goes down and its live requests resume
-        elsewhere (or here when the group returns), recomputed like preempted ones. Sampling keyed
-        by (seed, token index) draws the same tokens, so a client sees a pause, never a repeated or
-        missing token.
+        elsewhere, recomputed; sampling keyed by (seed, token index) draws the same tokens, so a
+        client sees only a pause.
         """
         if not replica.is_serving:
             return

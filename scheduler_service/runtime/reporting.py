@@ -1,5 +1,6 @@
-"""What the engine reports of itself: the service's load (what a gateway balances on) and the pool's
-accounting (GetCacheStats), summed over replicas, per replica and per live request."""
+"""What the engine reports: the service's load (for gateways) and the pool's accounting
+(GetCacheStats).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The step loop of one data-parallel replica: a worker group and the scheduler that owns its pool.
-Replicas step concurrently in one event loop, so slow workers never hold up another replica.
+"""The step loop of one replica: a worker group and the scheduler that owns its pool; replicas step
+concurrently in one event loop.
 """
 
 from __future__ import annotations
@@ -55,10 +55,8 @@ WAITING_WEIGHT = 4
 
 
 class StepLoop:
-    """Each turn: schedule, plan, send (with overlap, the next step is sent before this one's result
-    is awaited); then apply each result in order: the scheduler's `update`, each token through its
-    text, one `StepReport` to the sink. A failed step fails only its requests; a lost rank takes the
-    replica down.
+    """Each turn: schedule, plan, send (with overlap, the next is sent before this result is
+    awaited); then apply each result in order and report it. A failed step fails only its requests.
     """
 
     def __init__(
@@ -227,8 +225,8 @@ class StepLoop:
             await self.sink.on_lost(self, f"replica {self.index} loop error: {e!r}")
 
     async def _steps(self) -> None:
-        """Schedule, plan and send a step; with overlap, the next one too before awaiting this one,
-        so the scheduler's time hides behind the workers'. At most two steps are in flight.
+        """Schedule, plan and send steps, at most two in flight, so the scheduler's time hides
+        behind the workers'.
         """
         sched = self._sched
         depth = 2 if self.config.overlap else 1

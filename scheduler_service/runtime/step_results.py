@@ -61,10 +61,7 @@ class StepProfile:
 def prompt_block_hashes(
     prompt: list[int], block_size: int, root: bytes | None = None
 ) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks that prefix caching could reuse (never the last
-    token); root: the first block's parent (a LoRA adapter's identity, as core/sequence.py chains
-    them).
-    """
+    """Chained hashes of the prompt's reusable full blocks; root: a LoRA adapter's identity."""
     hashes: list[bytes] = []
     for i in range((len(prompt) - 1) // block_size):
         hashes.append(
@@ -151,8 +148,8 @@ def apply_text(
     update: StepUpdate,
     logprobs: dict[int, TokenLogprob] | None,
 ) -> tuple[list[tuple[Request, Delta]], list[float]]:
-    """Each new token through its sample's text; a stop string ends a sequence here (later draft
-    tokens dropped). Returns the deltas in order and the gaps between a sequence's tokens.
+    """Each new token through its sample's text, where a stop string ends it; -> deltas and token
+    gaps.
     """
     now = time.monotonic()
     deltas, gaps, ended = [], [], []

@@ -1,7 +1,6 @@
-"""The scheduler's side of the ZeroMQ wire: one ROUTER every worker rank connects to. A group is
-accepted once every rank's handshake agrees (runtime/groups.py), and then only that identity counts.
-A plan goes to every rank, rank 0's answer is the result; a rank silent past heartbeat_timeout is
-lost. Loopback only unless CurveZMQ keys are given.
+"""The scheduler's side of the ZeroMQ wire: one ROUTER all ranks connect to. A plan goes to every
+rank of a group, rank 0 answers; a rank silent past heartbeat_timeout is lost. Loopback only without
+CurveZMQ keys.
 """
 
 from __future__ import annotations
@@ -40,9 +39,7 @@ if TYPE_CHECKING:
 
 
 class GroupEvents(Protocol):
-    """What a WorkerClient asks and tells its owner about groups: why one cannot serve, that one was
-    accepted, that a ready rank is gone outside a step. An accepted group loads `adapters` first.
-    """
+    """What a WorkerClient asks and tells the engine about groups."""
 
     adapters: AdapterRegistry | None
 
@@ -66,9 +63,8 @@ class WorkerClient(Handshakes):
         step_timeout: float = 60.0,
         step_timeout_per_token: float = 0.05,
     ) -> None:
-        """expected: handshake fields the scheduler's settings fix. A step of T tokens must finish
-        within step_timeout + T x step_timeout_per_token, whatever the heartbeats say (a hung kernel
-        still beats).
+        """A step of T tokens must finish within step_timeout + T x step_timeout_per_token, whatever
+        the heartbeats say.
         """
         self.endpoint, self.tp_size, self.heartbeat_timeout = endpoint, tp_size, heartbeat_timeout
         self.step_timeout, self.step_timeout_per_token = step_timeout, step_timeout_per_token
@@ -199,8 +195,8 @@ class WorkerClient(Handshakes):
         self._by_heartbeat.pop(info.heartbeat_identity, None)
 
     async def drop_group(self, replica: int, reason: str) -> None:
-        """Forget a lost group; its live ranks are told to shut down, and those on this host are
-        killed, so a stalled one never writes into a pool given to others.
+        """Forget a lost group; live ranks are told to stop and local ones killed, so none writes a
+        reused pool.
         """
         group = self.groups[replica]
         for w in list(group.workers.values()):
@@ -229,9 +225,8 @@ class WorkerClient(Handshakes):
         queued_behind: float = 0.0,
         sent: asyncio.Event | None = None,
     ) -> wire_pb2.StepResult:
-        """Send a plan to every rank and wait for all answers; raises WorkerError / WorkerLost.
-        queued_behind: the deadline of a step the group runs first. `sent` is set once the frames
-        are handed over, so a StepMask always follows its plan.
+        """Send a plan to every rank and await all answers (WorkerError / WorkerLost); `sent` is set
+        once it is out, so a StepMask follows it.
         """
         group = self.groups[replica]
         if not group.is_ready:

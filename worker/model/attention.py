@@ -1,6 +1,5 @@
-"""Attention backends: how the model writes K/V into the pool and attends through block tables.
-`triton` (CUDA's default; interpreted on a CPU for tests), `cpu` (native) and `torch` (the
-fallback).
+"""Attention backends: writing K/V into the pool and attending
+through block tables; `torch` here.
 """
 
 from __future__ import annotations
@@ -26,9 +25,7 @@ class AttentionBackend:
         max_q_len: int,
         host_q_lens=None,
     ) -> object:
-        """Per-step metadata, built once and shared by every layer (the maxima, and host_q_lens, the
-        query lengths as numpy, come from the plan on the host: no sync).
-        """
+        """Per-step metadata shared by every layer, built from the plan on the host: no sync."""
         raise NotImplementedError
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -125,8 +122,8 @@ DECODE_BUCKET_ROWS = 16
 
 
 class TorchAttention(AttentionBackend):
-    """Gathers each sequence's keys once per layer and runs torch's SDPA: decodes in one batched
-    call, prompts one call each, so a long prompt never pads the decodes beside it.
+    """Gathers each sequence's keys once per layer and runs torch's SDPA: decodes batched, prompts
+    one by one.
     """
 
     name = "torch"
@@ -202,9 +199,7 @@ class TorchAttention(AttentionBackend):
 
 
 def _sdpa(q, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
-    """q [b, n_heads, q_len, hd] over keys/values [b, n_kv, k_len, hd] (grouped heads); mask None =
-    causal. Soft-capped scores take the explicit path (torch's fused attention has no soft-capping).
-    """
+    """SDPA over grouped heads; mask None = causal; soft-capped scores take the explicit path."""
     if softcap <= 0:
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True

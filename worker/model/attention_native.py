@@ -1,6 +1,4 @@
-"""The kernel-backed attention backends: `cpu` (kernels/cpu/paged_*.c through the block tables) and
-`triton` (CUDA's default), and `make_backend`, which picks one for the device and the model's shape.
-"""
+"""The kernel-backed attention backends (`cpu`, `triton`) and `make_backend`, which picks one."""
 
 from __future__ import annotations
 
@@ -211,9 +209,7 @@ class TritonAttention(AttentionBackend):
         max_q_len,
         host_q_lens=None,
     ):
-        """host_q_lens: the plan's query lengths on the host (numpy), so a mixed step is split
-        without a device sync; read back from query_start_loc where not given.
-        """
+        """host_q_lens: query lengths on the host, so a mixed step splits without a sync."""
         meta = TritonAttentionMeta(block_tables, seq_lens, query_start_loc, max_seq_len, max_q_len)
         if host_q_lens is None:
             host_q_lens = (query_start_loc[1:] - query_start_loc[:-1]).cpu().numpy()
@@ -288,8 +284,7 @@ def make_backend(
     name: str | None, device: torch.device, shape: tuple | None = None, bf16_prefill: bool = False
 ) -> AttentionBackend:
     """The device's default backend unless `name` says; `cpu` falls back to `torch` where it cannot
-    be built or does not cover `shape`. bf16_prefill: prompt chunks over a bf16 pool attend in bf16
-    dot products where the CPU has them.
+    serve `shape`. bf16_prefill: bf16 dot products for prompts over a bf16 pool.
     """
     chosen = name or default_backend_name(device)
     if chosen not in BACKENDS:

@@ -234,8 +234,8 @@ class ModelConfig:
         return inv.tolist(), float(attention)
 
     def rope_inv_freq(self) -> list[float]:
-        """Inverse frequencies of the rotary embedding (rotary_dim / 2 of them), with the scaling
-        the config asks for, each divided by the GGUF's rope_freqs factor where it has them.
+        """Rotary inverse frequencies with the config's scaling and
+        the GGUF's rope_freqs factors.
         """
         inv = self._scaled_inv_freq()
         if not self.rope_freq_factors:

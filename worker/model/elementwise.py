@@ -1,6 +1,5 @@
-"""A layer's elementwise tail (residual add + RMSNorm, SiLU·mul, RoPE) behind one interface:
-`TorchOps` (the definition), `NativeOps` (one C pass each on a CPU) and `TritonOps` (the GPU's
-default).
+"""A layer's elementwise tail behind one interface: `TorchOps` (the definition), `NativeOps` (CPU),
+`TritonOps` (GPU), and the RoPE tables.
 """
 
 from __future__ import annotations
@@ -171,9 +170,7 @@ class NativeOps(TorchOps):
 
 
 class TritonOps(NativeOps):
-    """The same single passes as Triton kernels (kernels/triton_elementwise.py), for the GPU, any
-    float dtype: one launch each where torch runs four to six kernels and temporaries.
-    """
+    """The same single passes as Triton kernels, for the GPU."""
 
     name = "triton"
     head_norms = TorchOps.head_norms

@@ -1,6 +1,4 @@
-"""The model families a worker serves: `check_supported` refuses config fields the forward does not
-implement, and the per-layer patterns (experts, windows, RoPE sets) are read here.
-"""
+"""The model families a worker serves, config fields refused by name, and per-layer patterns."""
 
 from __future__ import annotations
 
@@ -150,9 +148,8 @@ def num_experts(cfg: dict) -> int:
 
 
 def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
-    """Which layers' MLP is a mixture of experts (Mixtral: all; Qwen3-MoE: every
-    decoder_sparse_step-th layer, but those in mlp_only_layers, as transformers builds it); () for a
-    dense model.
+    """Layers whose MLP is a mixture of experts, as transformers builds
+    them; () for a dense model.
     """
     if cfg.get("model_type") not in MOE_TYPES or not num_experts(cfg):
         return ()
@@ -225,9 +222,7 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
 
 
 def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
-    """Which layers apply RoPE: all, but SmolLM3's NoPE layers (no_rope_layers, 1 = RoPE, 0 = none;
-    by default every no_rope_layer_interval-th layer, as transformers builds it).
-    """
+    """Layers that apply RoPE: all but SmolLM3's NoPE layers."""
     if cfg.get("model_type") != "smollm3":
         return (True,) * num_layers
     flags = cfg.get("no_rope_layers")

@@ -1,5 +1,5 @@
-"""The fused CPU decode step: a decode-only step run as one native call (kernels/cpu/decode_step.c).
-Anything else takes the layer path, which stays the definition: tests hold both to the same tokens.
+"""The fused CPU decode step: a decode-only step as one native call; the layer path stays the
+definition.
 """
 
 from __future__ import annotations
@@ -119,9 +119,7 @@ def _native_lora(weights, num_layers: int):
 
 
 def _step_lora(lora, num_layers: int) -> tuple[PsLora, tuple] | None:
-    """The step's adapters and each row's one as a PsLora (with what it points into), or None where
-    one of them cannot be read by the fused step.
-    """
+    """The step's adapters as a PsLora, or None where the fused step cannot read one."""
     natives = [_native_lora(w, num_layers) for w in lora.adapters]
     if not all(natives) or lora.index is None:
         return None
@@ -146,9 +144,7 @@ def _plain(w) -> bool:
 
 
 def _matrix(layer, name: str) -> tuple[PsMatrix, list[torch.Tensor]] | None:
-    """The native description of one projection (quantized blocks or fp32 rows, with an fp32 copy
-    for wide steps where one exists); None where the fused step cannot read it.
-    """
+    """One projection as the fused step reads it; None where it cannot."""
     from worker.model.quant_weights import QuantLinear, QuantStack, QuantWeight
 
     w = layer.w.get(name)
@@ -171,9 +167,7 @@ def _matrix(layer, name: str) -> tuple[PsMatrix, list[torch.Tensor]] | None:
 
 
 def matrix_bytes(layer) -> dict[str, int]:
-    """Bytes of each of a layer's projections as the fused step's row kernels read them (its blocks,
-    packed or as the file has them, or its fp32 rows).
-    """
+    """Bytes each projection's row kernels read a token."""
     out = {}
     for name in layer.matmul_names:
         desc = _matrix(layer, name)
@@ -198,10 +192,9 @@ def mirrors_match(kernels) -> bool:
 
 
 class FusedDecode:
-    """The whole model handed to the library once, so a decode step is one call whose threads meet
-    at a barrier between stages: per-layer Python and OpenMP overhead was a third of a one-sequence
-    step. Up to `max_rows` rows run on the row kernels; more go through torch's BLAS sgemm inside
-    the same region.
+    """The model handed to the library once, so a decode step is one call with barriers between
+    stages (per-layer overhead was a third of a one-sequence step); wide steps use torch's sgemm
+    inside it.
     """
 
     def __init__(self, kernels, model, max_rows: int) -> None:
@@ -348,8 +341,8 @@ class FusedDecode:
 
 
 class NativeHead:
-    """The LM head of a decode step on the native rows kernel, which reads the matrix once for up to
-    eight rows (a BLAS matmul ran at a third of that). More rows take the matmul library.
+    """The LM head of a decode step on the native rows kernel, the matrix read once for up to eight
+    rows.
     """
 
     def __init__(self, kernels, weight: torch.Tensor, max_rows: int) -> None:

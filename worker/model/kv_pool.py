@@ -1,5 +1,5 @@
-"""The paged KV pool: per layer K and V in the block-tensor layout [num_blocks, block_size,
-n_kv_heads, head_dim]. The worker owns the bytes; the scheduler owns who uses them.
+"""The paged KV pool: per layer K and V as [blocks, block_size, kv_heads, head_dim]; the worker owns
+the bytes, the scheduler who uses them.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ class KVPool:
     def context_tokens(
         self, block_tables: torch.Tensor, seq_lens: torch.Tensor, pad: int
     ) -> torch.Tensor:
-        """int64 [rows, max(seq_lens)]: each row's context token ids, position order, `pad` past its
-        length. block_tables: int32 [rows, blocks]; seq_lens: int64 [rows] (on the pool's device).
+        """int64 [rows, max len]: each row's context tokens read through its table, `pad` past its
+        length.
         """
         width = int(seq_lens.max()) if seq_lens.numel() else 0
         pos = torch.arange(width, device=block_tables.device)

@@ -1,6 +1,5 @@
-"""The bytes of the KV tiers under the pool: a host buffer (pinned on CUDA) and a folder of block
-files. The worker does what a plan says; each block carries its hash and a checksum, and a failed
-load is reported so the scheduler computes the block instead. Disk writes run on a thread.
+"""The KV tiers' bytes: a host buffer and a folder of block files, each block with its hash and a
+checksum; a failed load is reported and computed instead. Disk writes run on a thread.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Matmul libraries for the projections (`dense`, `onednn`, `mkl`), chosen by timing each on the
-model's own shapes at start, its results checked against F.linear: the winner differs between
-machines.
+"""Matmul libraries for the projections, chosen by timing each on
+the model's own shapes at start.
 """
 
 from __future__ import annotations
@@ -212,8 +211,8 @@ def measure(
     dtype: torch.dtype,
     reps: int = 5,
 ) -> dict[str, float]:
-    """Seconds each library takes per weight shape and row count (best of `reps`, libraries
-    interleaved so drift falls on all); raises if a packed result strays from F.linear.
+    """Seconds each library takes per shape and row count, interleaved; raises on a wrong packed
+    result.
     """
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g).to(device, dtype) * k**-0.5 for n, k in shapes]

@@ -1,6 +1,5 @@
-"""A compact Llama-family forward driven by positions, slot mapping and block tables: no per-request
-cache. Projections are fused (QKV, gate+up); under tensor parallelism each rank holds its shard and
-a layer all-reduces twice. Families: docs/models.md.
+"""A compact Llama-family forward over positions, slot mapping and block tables, projections fused;
+families: docs/models.md.
 """
 
 from __future__ import annotations
@@ -98,9 +97,8 @@ class DecoderLayer(nn.Module):
         attn: AttentionBackend,
         ops: TorchOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's output, added to the residual stream here (fused with the norm);
-        with residual None, x is the embeddings. Returns (this layer's MLP output, the residual
-        stream).
+        """Add x to the residual (fused with the norm), then attention and MLP; -> (MLP output,
+        residual).
         """
         c = self.config
         num_tokens = x.shape[0]
@@ -187,9 +185,7 @@ class DecoderLayer(nn.Module):
         return out, residual
 
     def _bf16_between(self, mm, ops, lora, rows: int):
-        """name -> whether that projection's input and output stay bf16 this step (bf16 GEMMs on one
-        rank without adapters), so no pass widens or narrows rows in between.
-        """
+        """name -> whether that projection's input and output stay bf16 this step."""
         if (
             lora is not None
             or self.comm.size > 1
@@ -265,10 +261,7 @@ class LlamaModel(nn.Module):
         return getattr(self.layers[key[0]], key[1])
 
     def release(self, weights: dict[tuple, object]) -> None:
-        """Give up the parameters `weights` serve (zero-size, on their device): to_empty allocates
-        nothing for them and worker/weights/fill.py does not read them, so a quantized model is
-        never held in fp32.
-        """
+        """Give up the parameters `weights` serve, so a quantized model is never held in fp32."""
         for key in weights:
             param = self._parameter_of(key)
             if param is not None:

@@ -1,4 +1,3 @@
-"""The APIs agents speak beside chat completions: OpenAI's Responses and Anthropic's Messages. Each
-request becomes a chat request (validated, templated, scheduled as chat's) and each answer the same
-parsed turn in the API's own shape.
+"""The APIs agents speak: OpenAI's Responses and Anthropic's Messages, each request made a chat
+request and each answer said in the API's shape.
 """

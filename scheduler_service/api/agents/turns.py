@@ -147,10 +147,7 @@ def _partial(text: str, tag: str) -> int:
 
 
 class ResponseStore:
-    """The last `capacity` stored responses' conversations (input and output items), for
-    previous_response_id and GET /v1/responses/{id}: kept in memory, the oldest dropped first, gone
-    at a restart.
-    """
+    """The last `capacity` responses' conversations, in memory, for previous_response_id."""
 
     def __init__(self, capacity: int = 512) -> None:
         self.capacity = capacity
