@@ -1,7 +1,6 @@
-"""SMG (the Shepherd Model Gateway, PyPI `smg`) in front of pagedserve servers: each
-`grpc://host:port` is registered as a vLLM worker (we serve its engine protocol), and SMG serves
-OpenAI HTTP with its routing policies (cache_aware by default). `smg_command` builds the command
-line; `GatewayProcess` starts one and waits until every server is registered.
+"""SMG (the Shepherd Model Gateway, PyPI `smg`) in front of pagedserve servers, each registered as a
+vLLM worker (we serve its engine protocol); SMG serves OpenAI HTTP with its routing (cache_aware by
+default).
 """
 
 from __future__ import annotations

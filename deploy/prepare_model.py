@@ -98,8 +98,8 @@ def prepare(gguf_path: Path, out: Path, model_name: str, dense: bool = True) -> 
 
 def model_folder(model: str) -> str:
     """The folder to serve for --model: the argument, or for a GGUF the folder prepared from it once
-    (under $PAGEDSERVE_MODELS, keyed by path, size and mtime), naming the file so workers serve its
-    blocks. ConfigError where the file is missing or unreadable.
+    (under $PAGEDSERVE_MODELS, keyed by path, size and mtime). ConfigError where the file is missing
+    or unreadable.
     """
     path = Path(model)
     if path.suffix != ".gguf":

@@ -54,9 +54,9 @@ class FatalExit(RuntimeError):
 
 
 class Supervisor:
-    """When any process of a unit exits, the unit is stopped and restarted after a backoff (1 s
-    doubling to 30 s, reset after a minute up). supervisord and circus restart processes one at a
-    time, know no groups and cannot wait on gRPC health.
+    """When any process of a unit exits the unit is stopped and restarted after a backoff (1 s
+    doubling to 30 s, reset after a minute up), which supervisord and circus, restarting one process
+    at a time, cannot do.
     """
 
     def __init__(

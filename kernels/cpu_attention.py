@@ -86,10 +86,9 @@ class NativeAttention:
         softcap: float = 0.0,
         bf16_dots: bool = False,
     ) -> None:
-        """Causal attention of prompt chunks over their paged keys, a cached prefix included:
-        sequence i's queries are the last q_lens[i] of its seq_lens[i] positions. window > 0 limits
-        each query to its last `window` keys; softcap > 0 soft-caps scores (Gemma 2). bf16_dots with
-        a bf16 pool: bf16 products, fp32 sums.
+        """Causal attention of prompt chunks over their paged keys (a cached prefix included):
+        sequence i's queries are the last q_lens[i] of seq_lens[i] positions. window, softcap (Gemma
+        2); bf16_dots: bf16 products, fp32 sums.
         """
         n = starts.numel()
         if n == 0:

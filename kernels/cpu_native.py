@@ -1,6 +1,6 @@
-"""Native CPU kernels (kernels/cpu/*.c), built on first use and called through ctypes, which
-releases the GIL. OpenMP binds to torch's libgomp, so both share one thread pool. Without a compiler
-`load()` returns None and callers keep their torch path.
+"""Native CPU kernels (kernels/cpu/*.c), built on first use and called through ctypes (which
+releases the GIL); OpenMP shares torch's libgomp pool. Without a compiler `load()` returns None and
+callers keep torch.
 """
 
 from __future__ import annotations

@@ -97,10 +97,9 @@ def paged_attention(
     window: int = 0,  # > 0: a sliding-window layer (each query sees its last `window` keys)
     softcap: float = 0.0,  # > 0: scores soft-capped, softcap * tanh(s / softcap) (Gemma 2)
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.paged_attention. Decode rows run split-KV (one program per
-    sequence, KV head and split, reading each KV tile once, merged by log-sum-exp); prompt rows the
-    variable-length prefill kernel. A mixed step given decode_seqs and prefill_seqs sends each kind
-    to its own kernel, with no sync.
+    """Same contract as kernels.reference.paged_attention. Decode rows run split-KV (merged by
+    log-sum-exp), prompt rows the variable-length prefill kernel; a mixed step given decode_seqs and
+    prefill_seqs launches both, no sync.
     """
     # one function: the dispatch of a step's rows, decode and prompt, read top to bottom
     num_tokens, n_heads, head_dim = q.shape

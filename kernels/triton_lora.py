@@ -1,6 +1,6 @@
 """Multi-adapter LoRA (BGMV) in two Triton launches: shrink t = x @ A[g]^T, then expand into each
-token's output span. Adapters are stacked and zero-padded to the largest rank, so one launch serves
-any mix; worker/model/lora.py is the definition they are tested against.
+token's output span; adapters stacked and zero-padded to the largest rank. worker/model/lora.py is
+the definition.
 """
 
 from __future__ import annotations

@@ -162,10 +162,9 @@ def fused_moe(
     down: torch.Tensor,
     silu_mul,
 ) -> torch.Tensor:
-    """x [T, H] routed to k of E experts -> [T, H]. Pairs are sorted by expert on the device (no
-    host sync, so a CUDA graph can hold it); each program loads one expert's tile once for BLOCK_M
-    pairs and gathers their rows itself; the down projection scales by the routing weight and a
-    token's k pairs are summed.
+    """x [T, H] routed to k of E experts -> [T, H]. Pairs sorted by expert on the device (no host
+    sync, graph-safe); each program loads one expert's tile once for BLOCK_M pairs; down scales by
+    the routing weight.
     """
     x = x.contiguous()
     tokens, top_k = topk_ids.shape

@@ -1,7 +1,6 @@
-"""LoRA adapters as PEFT saves them, checked against the base model before anything is served with
-them: the config and the safetensors header (no torch), refused by name where they cannot be served
-as meant, and keyed by a hash of both files, which starts the prefix cache's block hashes, so two
-adapters never share KV blocks.
+"""LoRA adapters as PEFT saves them, checked against the base model before they are served (config
+and safetensors header, no torch) and keyed by a hash of both files, so two adapters never share KV
+blocks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""KV tiers under the pool: where a block goes when it leaves the pool and where a prefix is found
-when the pool no longer holds it. The scheduler owns the index (an LRU of block hashes per tier);
-the worker holds the bytes. Evicted blocks go to the host tier (write-back), cached ones to disk at
-once (write-through, surviving a restart); a failed load is computed instead.
+"""KV tiers under the pool: the scheduler's index (an LRU of block hashes per tier) of blocks the
+worker holds in host memory (evicted, write-back) or on disk (cached, write-through, surviving a
+restart).
 """
 
 from __future__ import annotations

@@ -51,10 +51,9 @@ class ReadBack:
 
 
 class PlanBuilder:
-    """Each running sequence owns a row of the block-table and sampling-parameter mirrors, so a step
-    is one short pass over its sequences and a few numpy operations. A row whose last input token is
-    pending carries a placeholder and, in prev_rows, the row of the previous step that samples it.
-    Controls ship only in steps where some row uses them.
+    """Each running sequence owns a row of the block-table and sampling mirrors, so a step is one
+    pass over its sequences and a few numpy operations; a pending last token is a placeholder read
+    from prev_rows.
     """
 
     def __init__(self, max_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:

@@ -162,10 +162,9 @@ class Queues:
     ) -> StepUpdate:
         # sampled: Python ints, one per scheduled row; accepted: drafted tokens each row accepted
         # (None: the step drafted nothing); pooled: fp32 [pooling rows, hidden]
-        """Reconcile a step with its result: tokens become known and stopping sequences end
-        (results.py); blocks of rejected drafts go back, full blocks are cached, samples fork,
-        embeddings pool, tier loads settle. A sequence finished or preempted since the plan gets
-        nothing to its blocks.
+        """Reconcile a step with its result: tokens become known and stopping sequences end;
+        rejected drafts' blocks go back, full blocks are cached, samples fork, embeddings pool, tier
+        loads settle.
         """
         self.kv.settle_loads(out.step_id, failed_loads)
         result = StepUpdate()

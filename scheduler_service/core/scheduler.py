@@ -1,6 +1,5 @@
-"""Continuous batching over kv_manager.py's memory: running decodes, then prompt chunks, then
-admissions, within the token budget; whom to preempt when full (`_victim`). A step is committed when
-scheduled and reconciled when its result arrives, so the next is planned meanwhile.
+"""Continuous batching over kv_manager.py's memory: decodes, then prompt chunks, then admissions,
+within the token budget; `_victim` picks whom to preempt. A step is planned while the last one runs.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Per-sample output: incremental text, stop strings, stream deltas. Other ends are the scheduler's
-(core/results.py). A stop string ends the sample here, its text cut before it; text that might begin
-one is held back. Before min_tokens no stop string applies.
+"""Per-sample output: incremental text, stop strings (after min_tokens; the text cut before one,
+text that might begin one held back) and stream deltas. Other ends are core/results.py's.
 """
 
 from __future__ import annotations

@@ -21,9 +21,8 @@ class GrammarError(ValueError):
 
 
 class GrammarEngine:
-    """Compiles constraints and computes token masks for one tokenizer. Each step's masks are
-    computed in one parallel llguidance call and travel in the plan; under overlap they follow it
-    (`mask_follows`) and the workers wait for them only before sampling.
+    """Compiles constraints and computes token masks for one tokenizer, a step's masks in one
+    parallel llguidance call; under overlap they follow the plan (`mask_follows`).
     """
 
     def __init__(

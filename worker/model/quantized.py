@@ -228,9 +228,9 @@ def choose_threshold(
     reps: int = 3,
     rounds: int = 3,
 ) -> int:
-    """The most rows for which the kernel beats the dense path over a forward's matmuls, timed on
-    the model's own weights and set on lib. A losing count is timed again, so one slow moment cannot
-    send decode to the dense path for good.
+    """Time the kernel against the dense path on the model's own weights and set on lib the most
+    rows for which it wins; a losing count is timed again, so one slow moment cannot decide for
+    good.
     """
     from worker.model.linear import best_time
 

@@ -1,6 +1,5 @@
-"""The worker's last start-up phases: the KV pool sized (phase 3: by flag, or on CUDA from what the
-card holds once everything else is measured), then the runner built over it and warmed, and the
-handshake that offers it (phase 4).
+"""The worker's last start-up phases: the KV pool sized (by flag, or on CUDA from what is left once
+all else is measured), the runner built and warmed, and the handshake that offers it.
 """
 
 from __future__ import annotations

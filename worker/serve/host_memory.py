@@ -102,9 +102,8 @@ def wants_tcmalloc(mode: str, device: str | None) -> bool:
 
 def ensure_allocator(mode: str, device: str | None, module: str, argv: list[str]) -> str:
     """Called first in main: re-execute with tcmalloc preloaded where wanted and found (never
-    returns), else tune glibc (no trimming, largest mmap threshold) unless mode is 'default'.
-    glibc's fresh mmaps had cost 28% of a prefill chunk in page faults. Returns what the process
-    runs on.
+    returns), else tune glibc against fresh mmaps (28% of a prefill chunk in page faults). Returns
+    what runs.
     """
     current = loaded_allocator()
     if current != "glibc":

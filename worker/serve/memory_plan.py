@@ -68,8 +68,7 @@ def choose_quantized_prefill(
     choice: str, dense_copy: int, kv: int, available: int | None, bf16: bool = False
 ) -> tuple[str, str]:
     """'dense', 'bf16' or 'dequantize' for --quantized-prefill auto, and why: a dense copy (bf16
-    where the CPU has AMX) is kept only where it, the pool and a margin fit; otherwise prefill
-    dequantizes tiles and nothing is held in full precision.
+    with AMX) only where it, the pool and a margin fit; else prefill dequantizes tiles.
     """
     if choice != "auto":
         return choice, "asked for"

@@ -1,6 +1,5 @@
-"""What a worker's start measures (matmul library, quantized row threshold), kept per machine and
-model so a second start skips the timing. Keyed by CPU, torch, native build, threads, shard and
-weight files; an unwritable folder only costs the measurement.
+"""A worker start's measurements (matmul library, quantized row threshold) kept per machine and
+model (CPU, torch, native build, threads, shard, weights), so a second start skips the timing.
 """
 
 from __future__ import annotations

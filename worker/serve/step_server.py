@@ -37,8 +37,8 @@ class StopServing(Exception):
 
 class WorkerServer:
     """Plans and results on one DEALER, heartbeats on a second with its own thread, so a long
-    forward never looks dead. Identities carry a nonce: a restarted worker is a new peer. A TP rank
-    whose step raises exits and restarts with its group, since collectives may be out of step.
+    forward never looks dead. A restarted worker is a new peer (a nonce in its identity); a failed
+    TP rank exits with its group.
     """
 
     def __init__(
@@ -141,9 +141,9 @@ class WorkerServer:
             sock.close()
 
     def serve(self) -> int:
-        """Run until shutdown or the scheduler is lost; returns an exit code. On a GPU steps are
-        pipelined: a plan that arrives while a step runs is launched first, then the step is read
-        back, so the device never waits for the host.
+        """Run until shutdown or the scheduler is lost; returns an exit code. On a GPU a plan that
+        arrives during a step is launched before that step is read back, so the device never waits
+        for the host.
         """
         sock, _ = self._socket(f"w.{self.nonce}")
         self._send(sock, handshake=self.handshake)

@@ -1,6 +1,6 @@
-"""The link from one step to the next on the device: the last launched step's tokens, which the next
-plan may read before they are read back (overlap), the steps whose tokens must not be used, and the
-pinned buffers the tokens are copied to."""
+"""The link from one step to the next on the device: the last step's tokens (the next plan may read
+them before they are read back), the steps whose tokens must not be used, and their pinned buffers.
+"""
 
 from __future__ import annotations
 

@@ -110,11 +110,9 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def apply_controls(logits: torch.Tensor, c: StepControls, pool) -> torch.Tensor:
-    """fp32 [rows, vocab] -> controlled logits (a new tensor), before the sampler: 1. biases
-    (logit_bias, -inf on end tokens before min_tokens); 2. the structured-output mask; 3. repetition
-    penalty over the context (transformers'), then frequency and presence over the output
-    (OpenAI's). A row left with no finite logit keeps its raw logits; the scheduler then ends that
-    request alone.
+    """fp32 [rows, vocab] -> controlled logits (a new tensor): biases (with -inf on end tokens
+    before min_tokens), the grammar mask, then repetition (transformers') and frequency/presence
+    (OpenAI's) penalties. A row with no finite logit keeps its raw logits.
     """
     if c.is_empty:
         return logits

@@ -1,6 +1,5 @@
-"""CUDA graphs of the decode step, captured per batch-size bucket at start and replayed as one
-launch. Steps that do not fit run eagerly; on a CPU "replay" runs the static-buffer forward, so the
-fitting is tested against the plain path.
+"""CUDA graphs of the decode step, one per batch-size bucket, replayed as one launch; steps that do
+not fit run eagerly. On a CPU "replay" runs the static-buffer forward, so the fitting is tested.
 """
 
 from __future__ import annotations
@@ -53,9 +52,8 @@ def bucket_sizes(max_rows: int) -> list[int]:
 
 class DecodeGraphs:
     """A step fitted to a graph: arrays copied into static buffers, the batch padded to the smallest
-    bucket (padding rows write nothing, their logits dropped), tables padded to the tier's context.
-    `contexts`: the longest sequence each tier serves, ascending; a step replays the smallest tier
-    that holds it. Prompt chunks, or more rows than the largest bucket, run eagerly.
+    bucket (padding writes nothing) and tables to the smallest context tier that holds it; prompt
+    chunks run eagerly.
     """
 
     def __init__(

@@ -70,9 +70,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: wire_pb2.StepPlan, await_mask=None) -> InFlight | wire_pb2.StepResult:
         """Queue a step's whole work on the device (forward, logits, controls, sampling, tokens to
-        pinned host) and return without waiting. Tokens taken from the previous step are read on the
-        device, so step N+1 launches before step N is read back. Phases: accept → stage → forward →
-        sample.
+        pinned host) without waiting; the previous step's tokens are read on the device, so step N+1
+        launches before N is read back.
         """
         t0 = time.perf_counter()
         accepted = self._accept(plan, await_mask)

@@ -28,9 +28,9 @@ class Drafts:
 def accept_drafts(
     sampled: torch.Tensor, d: Drafts, tokens: torch.Tensor, accepted: torch.Tensor
 ) -> None:
-    """A draft stands while it equals the token sampled at the position before it (same seed and
-    token index as without drafts, so answers equal speculation off); the row's token is the one
-    after the last accepted draft.
+    """A draft stands while it equals the token sampled at the position before it (the same seed and
+    index as without drafts, so answers equal speculation off); the row's token follows the last
+    accepted draft.
     """
     k = d.tokens.shape[1]
     at = (d.first[:, None] + torch.arange(k, device=sampled.device)[None, :]).clamp(

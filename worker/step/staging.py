@@ -45,8 +45,8 @@ _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float3
 
 class Staging:
     """A step's host arrays on the device: on CUDA packed into one of two pinned buffers used in
-    turn and moved in one non-blocking copy (an event guards reuse); on a CPU used as they are.
-    `pack` forces the packed path (tests).
+    turn (an event guards reuse) and moved in one copy; on a CPU used as they are. `pack` forces
+    packing (tests).
     """
 
     ALIGN = 16  # every view starts 16-byte aligned, whatever the arrays before it
@@ -99,9 +99,8 @@ def is_device_fatal(error: BaseException) -> bool:
 
 
 class StepClock:
-    """A step's forward and sampling times. On CUDA, events on the stream give the device's own
-    times, and `wait` blocks on the "end" event only, not on the next step queued after it; on a CPU
-    the host clock.
+    """A step's forward and sampling times: on CUDA from events on the stream (`wait` blocks on
+    "end" only, not on the step queued after it); on a CPU the host clock.
     """
 
     def __init__(self, device: torch.device) -> None:

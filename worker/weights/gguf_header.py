@@ -1,6 +1,6 @@
 """What a GGUF holds, read from its header alone without torch: metadata, tensor table, Hugging Face
-names, the default model's file. One pass that skips the tokenizer arrays: gguf's reader took 4 s
-and 0.3 GB on a 128k vocabulary.
+names. One pass skipping the tokenizer arrays (gguf's reader took 4 s and 0.3 GB on a 128k
+vocabulary).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A PEFT adapter's weights for this rank: A and B in the compute dtype, the scale folded into B,
-split as the base weights are. The files' hash is checked again, so a rewritten folder is never
-served under the old identity.
+split as the base is. The files' hash is checked again, so a rewritten folder never serves under the
+old name.
 """
 
 from __future__ import annotations
