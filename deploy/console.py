@@ -147,6 +147,13 @@ def summary_table(s, gen_rate: float | None = None, prompt_rate: float | None = 
     )
     t.add_row("free", f"{s.num_free_blocks:,}", "preemptions", f"{s.num_preemptions:,}")
     t.add_row("running", f"{s.num_running:,}", "waiting", f"{s.num_waiting:,}")
+    if s.num_state_slots:  # a hybrid's recurrent-state pool beside the KV pool
+        t.add_row(
+            "state slots",
+            f"{s.num_used_state_slots:,} / {s.num_state_slots:,}",
+            "state memory",
+            human_bytes(s.num_state_slots * s.bytes_per_state_slot),
+        )
     for name in ("host", "disk"):  # the KV tiers under the pool, where there are
         if cap := getattr(s, f"{name}_tier_capacity"):
             held = getattr(s, f"{name}_tier_blocks")

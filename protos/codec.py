@@ -82,6 +82,7 @@ class PlanArrays:
     pooling: np.ndarray | None = None
     lora_index: np.ndarray | None = None  # int32 [S]: -1 (the base model) or an index into loras
     loras: list[tuple[str, str]] | None = None  # LoRA adapters the rows use: (identity, path)
+    state_slots: np.ndarray | None = None  # int32 [S]: each row's recurrent-state slot (hybrids)
     kv: TierOps | None = None  # the KV tiers' stores, loads and drops, run before the forward
 
     @classmethod
@@ -178,6 +179,7 @@ _OPTIONAL = (
     ("num_draft", I32, "S"),
     ("pooling", I32, "S"),
     ("lora_index", I32, "S"),
+    ("state_slots", I32, "S"),
 )
 
 # StepPlan.pooling: what a row's final hidden states give back

@@ -242,7 +242,7 @@ def ready_line(
         f"{info['max_context']:,} tokens{layout}; KV pool {info['num_blocks']:,} blocks x "
         f"{info['block_size']} tokens = "
         f"{human_bytes(pool_bytes)}; requests without max_tokens stop at "
-        f"{f'{cap:,} tokens' if cap else 'the end of the context'})",
+        f"{f'{cap:,} tokens' if cap else 'the end of the context'}{hybrid_note(engine)})",
         f'  gRPC     {where}    try: {command} generate{server} "Write a haiku about the sea"   '
         f"(watch: {command} top{server}){keyed}",
     ]
@@ -258,6 +258,20 @@ def ready_line(
     elif http:
         lines.append(f"  OpenAI   {http}")
     return "\n".join(lines)
+
+
+def hybrid_note(engine: Engine) -> str:
+    """What the ready line says of a hybrid's state pool and what it turns off."""
+    slots = engine.config.state_slots
+    if not slots:
+        return ""
+    per_slot = min(
+        w.handshake.bytes_per_state_slot for g in engine.client.groups for w in g.workers.values()
+    )
+    return (
+        f"; recurrent state {slots} slots x {human_bytes(per_slot)}, a hybrid: served without "
+        "prefix caching or speculative decoding"
+    )
 
 
 def cli_command() -> str:

@@ -93,6 +93,7 @@ class StepUpdate:
     num_running: int = 0
     num_waiting: int = 0
     num_free_blocks: int = 0
+    num_used_state_slots: int = 0  # a hybrid's recurrent-state slots held after it
     kv_tiers: TierStats | None = (
         None  # the KV tiers' figures after it (core/kv_tiers.py KvTiers.stats)
     )

@@ -10,6 +10,7 @@ from typing import NamedTuple
 from scheduler_service.core.block_allocator import BlockAllocator
 from scheduler_service.core.kv_tiers import KvTiers, Load
 from scheduler_service.core.sequence import Request, Sequence
+from scheduler_service.core.state_slots import StateSlots
 
 
 class BlockCopy(NamedTuple):
@@ -24,14 +25,19 @@ class BlockCopy(NamedTuple):
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool, kv_window: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        kv_window: int = 0,
+        state_slots: int = 0,
     ) -> None:
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
+        # a hybrid's recurrent-state slots: one with each table (None: the model keeps no state)
+        self.states = StateSlots(state_slots) if state_slots else None
         self.block_size = block_size
         self.caching = enable_prefix_caching
-        # Every layer of the model slides over at least kv_window keys (0: some layer reads
-        # everything): a sequence's blocks wholly before its window are given back as it advances
-        # (drop_out_of_window).
+        # every layer slides over kv_window keys or more (0: not all): drop_out_of_window
         self.kv_window = kv_window
         self.tiers: KvTiers | None = None  # host and disk tiers under the pool (use_tiers)
 
@@ -50,7 +56,6 @@ class KVCacheManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return self.allocator.blocks_for_tokens(num_tokens)
 
-    # --- admission -------------------------------------------------------------------------------
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks of the longest cached run of seq's full blocks, leaving at least its last token to
         compute."""
@@ -142,13 +147,16 @@ class KVCacheManager:
         """
         num_cached = len(hits) * self.block_size
         need = self.blocks_for_tokens(num_cached + num_new) - len(hits)
-        # a cached prefix longer than every sliding window: its blocks before the window stay in the
-        # cache
+        # a cached prefix longer than every window: its blocks before the window stay cached
         skip = self.out_of_window(seq, num_cached) if hits else 0
         # hits that leave the LRU
         revived = sum(1 for b in hits[skip:] if self.allocator.is_cached_free(b))
         if not self.allocator.can_allocate(need + revived):
             return False
+        if self.states is not None:
+            if not self.states.num_free:
+                return False
+            self.states.take(seq)
         self.allocator.share(hits[skip:])
         seq.block_ids = [-1] * skip + hits[skip:] + self.allocator.allocate(need)
         seq.mirror.stale()
@@ -173,7 +181,6 @@ class KVCacheManager:
             seq.num_computed_tokens = prompt_len - 1
             seq.num_registered_blocks = (prompt_len - 1) // self.block_size
 
-    # --- growth ----------------------------------------------------------------------------------
     def writes_in_place(self, seq: Sequence, pos: int) -> bool:
         """A token at `pos` lands in seq's last block and that block is its own (not shared, not
         cached): a decode's fast path, no allocation to ask for.
@@ -269,7 +276,6 @@ class KVCacheManager:
                 self.allocator.register(seq.block_ids[i], seq.block_hash(i, self.block_size))
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
-    # --- the prefix cache's reports --------------------------------------------------------------
     def record_kv_events(self) -> None:
         """From now on the prefix cache's changes are kept for take_kv_events (KV-event
         subscribers); the first says the cache starts empty.
@@ -303,7 +309,6 @@ class KVCacheManager:
             self.tiers.clear() if self.tiers is not None else 0
         )
 
-    # --- sliding windows -------------------------------------------------------------------------
     def out_of_window(self, seq: Sequence, start: int) -> int:
         """How many of seq's leading blocks no query from position `start` on reads (see below)."""
         if not self.kv_window or seq.request.sampling.is_penalized:
@@ -327,11 +332,11 @@ class KVCacheManager:
         seq.num_dropped_blocks = end
         self.allocator.free(dropped[::-1])
 
-    # --- release ---------------------------------------------------------------------------------
     @staticmethod
     def disown(seq: Sequence) -> None:
         """seq comes from a lost replica's pool: its table starts empty here, to be recomputed."""
         seq.block_ids = []
+        seq.state_slot = -1
         seq.mirror.stale()
         seq.dropped_ids = []
         seq.num_computed_tokens = 0
@@ -346,15 +351,15 @@ class KVCacheManager:
         if seq.block_ids:
             self.allocator.free([b for b in reversed(seq.block_ids) if b >= 0])
         if seq.dropped_ids and self.caching:
-            # blocks given back behind the window went into the cache's LRU when dropped, so the
-            # chain's root would be evicted first, cutting every later lookup of the prefix: those
-            # still cached become the most recent now, root last, as the rest are ordered
+            # the window's dropped blocks, still cached, become the LRU's newest, root last, so
+            # the chain is evicted from its leaf as the rest are
             for i in range(len(seq.dropped_ids) - 1, -1, -1):
                 if seq.dropped_ids[i] >= 0:
                     self.allocator.touch(seq.dropped_ids[i], seq.block_hash(i, self.block_size))
+        if self.states is not None:
+            self.states.give_back(seq)
         self.disown(seq)  # the table empties; nothing is left to give back
 
-    # --- accounting ------------------------------------------------------------------------------
     @staticmethod
     def request_blocks(request: Request) -> int:
         """Distinct blocks a request holds (samples share their prompt's blocks)."""
@@ -383,6 +388,8 @@ class KVCacheManager:
         for seq in waiting:
             if seq.block_ids or seq.num_computed_tokens:
                 raise AssertionError(f"waiting {seq} holds blocks")
+        if self.states is not None:
+            self.states.check(running)
         for b in range(self.num_blocks):
             if owned.get(b, 0) != self.allocator.refcount(b):
                 raise AssertionError(

@@ -56,8 +56,11 @@ class PlanBuilder:
     from prev_rows.
     """
 
-    def __init__(self, max_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
+    def __init__(
+        self, max_seqs: int, max_blocks_per_seq: int, block_size: int, keeps_state: bool = False
+    ) -> None:
         self.block_size = block_size
+        self.keeps_state = keeps_state  # a hybrid: each row names its recurrent-state slot
         self.max_blocks = max_blocks_per_seq
         self.tables = np.full((max_seqs, max_blocks_per_seq), -1, dtype=I32)
         self.prompt_len = np.zeros(max_seqs, dtype=I64)
@@ -195,6 +198,10 @@ class PlanBuilder:
             prev_step_id=out.step_id - 1 if pending else 0,
             prev_rows=prev_rows,
         )
+        if self.keeps_state:
+            plan.state_slots = np.fromiter(
+                (item.seq.state_slot for item in out.scheduled), dtype=I32, count=num_seqs
+            )
         if drafts:
             plan.num_draft = np.zeros(num_seqs, dtype=I32)
             at, counts = zip(*drafts, strict=True)

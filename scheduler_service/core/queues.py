@@ -44,7 +44,11 @@ class Queues:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.caching = config.enable_prefix_caching
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, kv_window
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            kv_window,
+            config.state_slots,
         )
         if tiers is not None:
             self.kv.use_tiers(tiers)
@@ -55,7 +59,10 @@ class Queues:
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found in cached blocks
         self.planner = PlanBuilder(
-            config.max_num_seqs, self.kv.blocks_for_tokens(max_model_len), config.block_size
+            config.max_num_seqs,
+            self.kv.blocks_for_tokens(max_model_len),
+            config.block_size,
+            keeps_state=bool(config.state_slots),
         )
         # Speculative decoding: n-grams of finished requests, shared by every sequence here.
         self.speculating = config.speculative != "off"
@@ -194,6 +201,8 @@ class Queues:
         result.kv_events = self.kv.take_kv_events()
         result.num_running, result.num_waiting = len(self.running), len(self.waiting)
         result.num_free_blocks = self.kv.allocator.num_available_blocks
+        if (states := self.kv.states) is not None:
+            result.num_used_state_slots = states.num_slots - states.num_free
         result.kv_tiers = self.kv.tiers.stats() if self.kv.tiers is not None else None
         return result
 
@@ -245,7 +254,10 @@ class Queues:
         max_num_seqs, or all when the leader lost its blocks, wait at the head of the queue.
         """
         request = leader.request
-        room = max(0, self.config.max_num_seqs - len(self.running)) if leader_current else 0
+        # a recurrent state cannot be shared as far as the prompt's last token: a hybrid's samples
+        # each compute the prompt themselves
+        shares = leader_current and self.kv.states is None
+        room = max(0, self.config.max_num_seqs - len(self.running)) if shares else 0
         forks, queued = request.pending_forks[:room], request.pending_forks[room:]
         self.kv.fork(leader, forks)
         for seq in forks:
@@ -274,6 +286,7 @@ class Queues:
             self.prefix_cache_hits,
             self.num_preemptions,
             self.kv.tiers.stats() if self.kv.tiers is not None else None,
+            *((st.num_slots, st.num_slots - st.num_free) if (st := self.kv.states) else ()),
         )
 
     def request_blocks(self, request: Request) -> int:

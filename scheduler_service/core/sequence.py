@@ -169,12 +169,11 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
-        self.num_dropped_blocks = (
-            0  # leading blocks given back, out of every sliding window (entries -1)
-        )
-        self.dropped_ids: list[
-            int
-        ] = []  # what those entries held (their blocks may be cached still)
+        # leading blocks given back, out of every sliding window (entries -1), and what those
+        # entries held (their blocks may be cached still)
+        self.num_dropped_blocks = 0
+        self.dropped_ids: list[int] = []
+        self.state_slot = -1  # a hybrid's slot of the recurrent-state pool while it holds blocks
         self._block_hashes: list[bytes] = []  # chained hashes of full blocks, computed on demand
         self.pending = PendingToken()
         # Bumped whenever the sequence's blocks are given back (preemption, a lost replica): a step

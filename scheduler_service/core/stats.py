@@ -62,3 +62,5 @@ class PoolStats:
     prefix_cache_hits: int
     num_preemptions: int
     tiers: TierStats | None = None
+    num_state_slots: int = 0  # a hybrid's recurrent-state slots, and those held now
+    num_used_state_slots: int = 0

@@ -128,6 +128,9 @@ class Engine(Failover):
                 "adopted_from_workers",
                 max_num_seqs=adopted.max_num_seqs,
                 max_loras=adopted.max_loras,
+                state_slots=adopted.state_slots,
+                prefix_caching=adopted.enable_prefix_caching,
+                speculative=adopted.speculative,
             )
 
     async def _watch_workers(self, interval: float = 0.5) -> None:

@@ -38,10 +38,23 @@ def adopted_config(config: SchedulerConfig, groups: list[WorkerGroup]) -> Schedu
     """
     slots = [getattr(w.handshake, "lora_slots", 0) for g in groups for w in g.workers.values()]
     held = min(slots, default=0)
-    return replace(
+    adopted = replace(
         config,
         max_num_seqs=workers_max_num_seqs(config, groups) or config.max_num_seqs,
         max_loras=min(config.max_loras, held) if held else config.max_loras,
+    )
+    workers = [w.handshake for g in groups for w in g.workers.values()]
+    states = min((getattr(hs, "state_slots", 0) for hs in workers), default=0)
+    if not states:
+        return adopted
+    # a hybrid: one state slot a running sequence; no state is kept at block boundaries yet, so
+    # no prefix is reused, and a recurrent state cannot take back a rejected draft
+    return replace(
+        adopted,
+        state_slots=states,
+        max_num_seqs=min(adopted.max_num_seqs, states),
+        enable_prefix_caching=False,
+        speculative="off",
     )
 
 

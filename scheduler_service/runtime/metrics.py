@@ -89,6 +89,12 @@ class Metrics:
             rep,
             registry=r,
         )
+        self.state_slots = Gauge(
+            "pagedserve_state_slots_used",
+            "A hybrid model's recurrent-state slots running sequences hold",
+            rep,
+            registry=r,
+        )
         self.ttft = Histogram(
             "pagedserve_time_to_first_token_seconds",
             "Time to first token",
@@ -227,6 +233,7 @@ class Metrics:
         self.waiting.labels(label).set(u.num_waiting)
         self.blocks_free.labels(label).set(u.num_free_blocks)
         self.blocks_total.labels(label).set(total_blocks)
+        self.state_slots.labels(label).set(u.num_used_state_slots)
         if u.num_draft_rows:
             self.draft_rows.labels(label).inc(u.num_draft_rows)
             self.draft_tokens.labels(label).inc(u.num_drafted)

@@ -50,6 +50,8 @@ def cache_stats(engine) -> dict:
             "num_running",
             "num_waiting",
             "num_shared_blocks",
+            "num_state_slots",
+            "num_used_state_slots",
         )
     }
     # down replicas' counts stay
@@ -70,6 +72,7 @@ def cache_stats(engine) -> dict:
         "block_size": engine.config.block_size,
         **total,
         "bytes_per_block": live[0]["bytes_per_block"] if live else 0,
+        "bytes_per_state_slot": live[0].get("bytes_per_state_slot", 0) if live else 0,
         "utilization": used / total["num_blocks"] if total["num_blocks"] else 0.0,
         "requests": per_request,
         "replicas": rows,
@@ -112,6 +115,9 @@ def replica_row(loop: StepLoop) -> dict:
         used_bytes=s.num_used_blocks * bpb,
         total_bytes=s.num_blocks * bpb,
         utilization=s.num_used_blocks / s.num_blocks,
+        num_state_slots=s.num_state_slots,
+        num_used_state_slots=s.num_used_state_slots,
+        bytes_per_state_slot=group.handshake.bytes_per_state_slot if group.is_ready else 0,
     )
     if s.tiers is not None:
         row.update(s.tiers.as_fields())

@@ -15,10 +15,10 @@ BLOCK = 4  # run_step's blocks
 STEP_BLOCK = 16  # step_inputs' blocks (the fused decode step's tests)
 
 
-def run_step(model, config, pool, seqs, backend="torch", lora=None):
+def run_step(model, config, pool, seqs, backend="torch", lora=None, state_slots=None):
     """seqs: list of (new_tokens, start_position, block_ids) -> (logits of each seq's last token,
     hidden); lora: (adapters, each sequence's index into them or -1) -> the rows' LoRA updates
-    (model/lora.py).
+    (model/lora.py); state_slots: a hybrid's slot for each sequence (those starting at 0 zeroed).
     """
     attn = make_backend(backend, torch.device("cpu"))
     tokens, positions, slots, lens, qsl = [], [], [], [], [0]
@@ -47,6 +47,12 @@ def run_step(model, config, pool, seqs, backend="torch", lora=None):
         torch.tensor(slots, device=dev),
         meta,
     )
+    if state_slots is not None:
+        from worker.model.delta_net import StateStep
+
+        step.state = StateStep(torch.tensor(state_slots, device=dev), qsl)
+        fresh = [x for x, (_, at, _) in zip(state_slots, seqs, strict=True) if at == 0]
+        pool.states.reset(torch.tensor(fresh, dtype=torch.int64))
     if lora is not None:
         from worker.model.lora import StepLora
 

@@ -64,6 +64,7 @@ class SimulatedWorker:
         # whole context, the first token itself (a stand-in for a model whose last hidden state
         # depends on the whole context)
         self.last_pooled: np.ndarray | None = None
+        self.states: dict[int, list[int]] = {}  # a hybrid's state slots: the tokens each has read
         # KV tiers: the host tier's slots (hash, the block's token ids), the disk's blocks by hash,
         # those whose copy below the pool reads back as corrupt, and the loads of the last step that
         # failed
@@ -104,6 +105,8 @@ class SimulatedWorker:
         for src, dst in p.block_copies:  # copy-on-write, before the step's writes
             self.pool[dst * bs : (dst + 1) * bs] = self.pool[src * bs : (src + 1) * bs]
         self.pool[p.slot_mapping] = token_ids
+        if p.state_slots is not None:
+            self._advance_states(p, tables, token_ids)
         out, accepted = [], [0] * p.num_seqs
         for i in range(p.num_seqs):
             if not p.do_sample[i]:
@@ -125,6 +128,20 @@ class SimulatedWorker:
         self.last_accepted = accepted if p.num_draft is not None else None
         self.last_pooled = self._pool(p, tables, token_ids) if p.pooling is not None else None
         return out
+
+    def _advance_states(self, p, tables: np.ndarray, token_ids: np.ndarray) -> None:
+        """A hybrid's state slots as a worker keeps them: each holds exactly its sequence's tokens
+        so far, a row at position 0 starting it afresh; a slot shared or lost mid-sequence fails.
+        """
+        qsl = p.query_start_loc
+        for i, slot in enumerate(p.state_slots.tolist()):
+            first = int(p.positions[qsl[i]])
+            held = [] if first == 0 else self.states.get(slot, [])
+            assert len(held) == first, (
+                f"slot {slot} holds {len(held)} tokens; row starts at {first}"
+            )
+            self.states[slot] = held + token_ids[qsl[i] : qsl[i + 1]].tolist()
+            assert self.states[slot] == self._context(tables[i], int(p.seq_lens[i]))
 
     def _tiers(self, p) -> None:
         """The plan's KV-tier work, as a worker runs it: stores, then loads (checked by hash), then

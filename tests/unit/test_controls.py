@@ -273,3 +273,37 @@ def test_a_drafting_rows_positions_take_its_masks_in_turn_and_its_biases_each():
         c.bitmask, torch.from_numpy(bitmask)
     )
     assert c.bias_rows.tolist() == [0, 1, 2] and c.bias_ids.tolist() == [5, 5, 5]
+
+
+def test_a_hybrids_plan_gives_each_row_its_own_state_slot():
+    from worker.step.plan_checks import validate_states
+
+    plan = PlanArrays(
+        step_id=1,
+        token_ids=np.zeros(2, np.int32),
+        positions=np.zeros(2, np.int32),
+        slot_mapping=np.zeros(2, np.int64),
+        block_tables=np.zeros((2, 1), np.int32),
+        seq_lens=np.ones(2, np.int32),
+        query_start_loc=np.array([0, 1, 2], np.int32),
+        do_sample=np.ones(2, bool),
+        sample_index=np.zeros(2, np.int32),
+        temperature=np.zeros(2, np.float32),
+        top_p=np.ones(2, np.float32),
+        top_k=np.zeros(2, np.int32),
+        seed=np.zeros(2, np.uint64),
+        block_copies=np.zeros((0, 2), np.int32),
+    )
+    with pytest.raises(PlanError, match="must give each row a state slot"):
+        validate_states(plan, 4)
+    for slots, message in (([1, 1], "distinct"), ([0, 4], r"in \[0, 4\)"), ([-1, 0], "distinct")):
+        plan.state_slots = np.array(slots, np.int32)
+        with pytest.raises(PlanError, match=message):
+            validate_states(plan, 4)
+    plan.state_slots = np.array([3, 0], np.int32)
+    validate_states(plan, 4)
+    with pytest.raises(PlanError, match="keeps no recurrent state"):
+        validate_states(plan, 0)
+    plan.num_draft = np.array([0, 2], np.int32)
+    with pytest.raises(PlanError, match="cannot draft"):
+        validate_states(plan, 4)

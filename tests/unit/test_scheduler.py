@@ -156,3 +156,35 @@ def test_the_overlap_benchmarks_simulated_worker_serves_the_real_engine(tiny_mod
     for overlap in (False, True):
         per = asyncio.run(measure_overlap(args, overlap))
         assert per["period"] > 0 and per["worker_forward"] > 0
+
+
+def test_a_hybrids_sequences_each_hold_one_state_slot_given_back_with_their_blocks():
+    """Slots as the worker sees them (tests/support/simulated.py): each holds exactly its
+    sequence's tokens, so a slot shared, reused mid-sequence or kept by a preempted sequence fails.
+    Samples of n = 2 compute their prompt each: no state sits at the prompt's last token to share.
+    """
+    block_size, num_blocks = 4, 24
+    config = SchedulerConfig(
+        block_size=block_size,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+        speculative="off",
+        state_slots=4,
+        debug_invariants=True,
+    )
+    sched = Scheduler(config, num_blocks, max_model_len=512)
+    worker = SimulatedWorker(num_blocks, block_size)
+    reqs = make_requests(10, seed=4)
+    reqs[3].sampling = SamplingOptions(max_tokens=12, n=2)
+    trace = run_to_completion(sched, worker, {0: reqs[:5], 4: reqs[5:]})
+    assert sched.num_preemptions > 0 and max(r for r, _ in trace) == 4
+    for r in reqs:
+        for seq in r.seqs:
+            assert seq.output_token_ids == expected_output(
+                r.prompt_token_ids, r.sampling.max_tokens
+            )
+            assert seq.state_slot == -1
+    assert sched.pool_stats().num_used_state_slots == 0 and worker.states
+    with pytest.raises(ValueError, match="prefix caching and speculative decoding off"):
+        SchedulerConfig(state_slots=4)

@@ -13,9 +13,11 @@ from pathlib import Path
 from worker.model.families import (
     GATED_ACTIVATIONS,
     GEMMA_TYPES,
+    HYBRID_TYPES,
     UnsupportedModel,
     check_supported,
     layer_windows,
+    linear_layers,
     moe_layers,
     num_experts,
     rope_layers,
@@ -70,6 +72,33 @@ class ModelConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # hybrids (Qwen3.5): per layer whether it is Gated DeltaNet (empty: none is), its heads and
+    # dims, the causal conv's width; attention layers gate their output by a second q projection
+    linear_layers: tuple[bool, ...] = ()
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv_kernel: int = 0
+    attn_output_gate: bool = False
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def keeps_state(self) -> bool:
+        """Some layer keeps a recurrent state per sequence beside (or instead of) paged KV."""
+        return any(self.linear_layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that write paged K/V."""
+        return self.num_layers - sum(self.linear_layers)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of a linear layer's causal conv: q, k and v side by side."""
+        return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
@@ -151,7 +180,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_TYPES),
             model_type=model_type,
             rope_layers=rope_layers(cfg, num_layers),
             layer_windows=layer_windows(cfg, num_layers),
@@ -161,7 +190,7 @@ class ModelConfig:
             attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else 0.0,
             embed_scale=float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
             sandwich_norms=gemma,
-            norm_offset=1.0 if gemma else 0.0,
+            norm_offset=1.0 if gemma or model_type in HYBRID_TYPES else 0.0,
             final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0)
             if model_type == "gemma2"
@@ -177,6 +206,7 @@ class ModelConfig:
                 else cfg.get("moe_intermediate_size") or 0
             ),
             norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+            **hybrid_fields(cfg, num_layers),
         )
 
     @classmethod
@@ -281,6 +311,21 @@ class ModelConfig:
         raise ValueError(f"rope scaling {kind!r} is not supported")
 
 
+def hybrid_fields(cfg: dict, num_layers: int) -> dict:
+    """A hybrid's ModelConfig fields (Qwen3.5's names); {} for other families."""
+    if cfg.get("model_type") not in HYBRID_TYPES:
+        return {}
+    return dict(
+        linear_layers=linear_layers(cfg, num_layers),
+        linear_k_heads=int(cfg["linear_num_key_heads"]),
+        linear_v_heads=int(cfg["linear_num_value_heads"]),
+        linear_k_dim=int(cfg["linear_key_head_dim"]),
+        linear_v_dim=int(cfg["linear_value_head_dim"]),
+        linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        attn_output_gate=True,
+    )
+
+
 def parameter_count(config) -> int:
     """The parameters a model's config implies (embeddings, attention, the MLP or its experts, the
     head): what loading it takes, before anything is allocated.
@@ -289,8 +334,14 @@ def parameter_count(config) -> int:
     attn = h * config.num_heads * hd * 2 + h * config.num_kv_heads * hd * 2
     dense_mlp = 3 * h * config.intermediate_size
     moe = config.num_experts * 3 * h * config.moe_intermediate_size + h * config.num_experts
+    v_size = config.linear_v_heads * config.linear_v_dim
+    # in_proj_qkv, z, a and b, the conv, out_proj
+    linear = h * (config.conv_dim + v_size + 2 * config.linear_v_heads) + h * v_size
+    linear += config.conv_dim * config.linear_conv_kernel
+    gate = h * config.num_heads * hd if config.attn_output_gate else 0
     layers = sum(
-        attn + (moe if (config.moe_layers and config.moe_layers[i]) else dense_mlp)
+        (linear if config.is_linear(i) else attn + gate)
+        + (moe if (config.moe_layers and config.moe_layers[i]) else dense_mlp)
         for i in range(config.num_layers)
     )
     return config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + layers

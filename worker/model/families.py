@@ -13,6 +13,7 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3",
     "gemma2",
     "gemma3_text",
+    "qwen3_5_text",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -23,7 +24,9 @@ GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu
 # dynamic (NTK) only changes the frequencies past max_position_embeddings, which is never served
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # families whose transformers attention rotates only the first partial_rotary_factor of each head
-PARTIAL_ROTARY_TYPES = ("phi3",)
+PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text")
+# hybrids: Gated DeltaNet layers (a recurrent state per sequence) between gated attention layers
+HYBRID_TYPES = ("qwen3_5_text",)
 
 
 class UnsupportedModel(ValueError):
@@ -136,11 +139,19 @@ def check_supported(cfg: dict) -> None:
             method,
             "quantized checkpoints are not loaded as they ship; dequantize to bf16/fp16 first",
         )
+    kinds = ("full_attention", "sliding_attention")
+    kinds += ("linear_attention",) if model_type in HYBRID_TYPES else ()
     for layer_type in set(cfg.get("layer_types") or ()):
-        if layer_type not in ("full_attention", "sliding_attention"):
-            raise UnsupportedModel(
-                "layer_types", layer_type, "only full and sliding-window attention layers"
-            )
+        if layer_type not in kinds:
+            raise UnsupportedModel("layer_types", layer_type, f"{model_type} has {kinds} layers")
+    if model_type in HYBRID_TYPES and int(cfg.get("linear_num_value_heads") or 0) % int(
+        cfg.get("linear_num_key_heads") or 1
+    ):
+        raise UnsupportedModel(
+            "linear_num_value_heads",
+            cfg["linear_num_value_heads"],
+            "value heads must be a multiple of the key heads",
+        )
 
 
 def num_experts(cfg: dict) -> int:
@@ -219,6 +230,21 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
         first = int(cfg.get("max_window_layers", 28))
         sliding = [i >= first for i in range(num_layers)]
     return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
+
+
+def linear_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
+    """Layers that are Gated DeltaNet (linear attention) in a hybrid; () when none is."""
+    if cfg.get("model_type") not in HYBRID_TYPES:
+        return ()
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0 else "linear"
+        for i in range(num_layers)
+    ]
+    if len(types) < num_layers:
+        raise UnsupportedModel(
+            "layer_types", types, f"needs one entry for each of the {num_layers} layers"
+        )
+    return tuple(t.startswith("linear") for t in types[:num_layers])
 
 
 def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:

@@ -228,6 +228,8 @@ class FusedDecode:
             return "dimensions not multiples of 32"
         if c.moe_layers:
             return "mixture-of-experts layers (the layer path routes their tokens)"
+        if c.keeps_state or c.attn_output_gate:
+            return "a hybrid's Gated DeltaNet layers and gated attention (the layer path runs them)"
         if (
             c.sandwich_norms
             or c.hidden_act != "silu"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from worker.model.config import ModelConfig
+from worker.model.state_pool import StatePool
 
 
 def bytes_per_block(
@@ -17,7 +18,7 @@ def bytes_per_block(
     """
     heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * heads * config.head_dim * block_size * element
+    return 2 * config.num_kv_layers * heads * config.head_dim * block_size * element
 
 
 class KVPool:
@@ -41,9 +42,12 @@ class KVPool:
         heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
         self.bytes_per_block = bytes_per_block(config, block_size, dtype, heads)
         shape = (num_blocks, block_size, heads, config.head_dim)
-        # Never zeroed: attention masks by sequence length, so stale bytes are never read.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        # Never zeroed: attention masks by sequence length, so stale bytes are never read. A
+        # hybrid's linear layers hold none: their state is in `states`.
+        kv = [not config.is_linear(i) for i in range(config.num_layers)]
+        self.k = [torch.empty(shape if x else 0, dtype=dtype, device=device) for x in kv]
+        self.v = [torch.empty(shape if x else 0, dtype=dtype, device=device) for x in kv]
+        self.states: StatePool | None = None  # a hybrid's recurrent-state slots (use_states)
         # The token record: the id of the token whose K/V each slot holds (plus one scratch slot at
         # the end for writes that go nowhere). Penalties read a sequence's context tokens through
         # its block table.
@@ -62,6 +66,8 @@ class KVPool:
             return
         src, dst = copies[:, 0], copies[:, 1]
         for k, v in zip(self.k, self.v, strict=True):
+            if not k.numel():
+                continue
             k[dst] = k[src]
             v[dst] = v[src]
         self.tokens[dst] = self.tokens[src]

@@ -27,6 +27,9 @@ class PoolPlan:
     max_num_seqs: int
     use_graphs: bool
     graph_context: list[int]
+    # a hybrid's recurrent-state slots (one per running sequence) and their bytes each; 0 for others
+    state_slots: int = 0
+    bytes_per_state_slot: int = 0
 
 
 def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
@@ -50,8 +53,14 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     # graphs capture the step as the triton backend runs it (its per-step metadata is built without
     # a host sync); the torch backend reads lengths back on the host, which a capture cannot hold
     use_graphs = (
-        device.type == "cuda" and not cfg.enforce_eager and tp == 1 and attn.name == "triton"
+        device.type == "cuda"
+        and not cfg.enforce_eager
+        and tp == 1
+        and attn.name == "triton"
+        and not config.keeps_state
     )
+    if device.type == "cuda" and not cfg.enforce_eager and config.keeps_state:
+        log.info("decode_graphs_off", reason="a hybrid's state slots are not captured yet")
     if device.type == "cuda" and not cfg.enforce_eager and attn.name != "triton":
         log.info(
             "decode_graphs_off",
@@ -68,8 +77,10 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     # the most rows a step may hold before the pool is sized: what the sampler and the graphs are
     # measured at
     rows_bound = min(cfg.max_num_seqs or GPU_MAX_NUM_SEQS[1], cfg.max_num_batched_tokens)
-    # LoRA: from the pool's budget
+    # LoRA and a hybrid's state slots: from the pool's budget
     lora = lora_reserve(cfg, loaded.config, loaded.model.shard, loaded.dtype)
+    state_slots, per_slot = hybrid_slots(cfg, config, loaded.dtype, device, GPU_MAX_NUM_SEQS[1])
+    lora += state_slots * per_slot
     try:
         if cfg.num_blocks:
             num_blocks = cfg.num_blocks
@@ -121,7 +132,10 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
         ) from None
     if num_blocks < 1:
         beside = (
-            f" beside {lora} bytes of LoRA adapters (--max-cpu-loras x --max-lora-rank)"
+            f" beside {state_slots * per_slot} bytes of recurrent state ({state_slots} slots, "
+            "--max-num-seqs)"
+            if state_slots
+            else f" beside {lora} bytes of LoRA adapters (--max-cpu-loras x --max-lora-rank)"
             if lora
             else ""
         )
@@ -133,10 +147,32 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             bytes_per_block=per_block,
         )
-    max_num_seqs = cfg.max_num_seqs or default_max_num_seqs(
-        device.type, num_blocks, cfg.block_size, cfg.max_num_batched_tokens
+    max_num_seqs = state_slots or (
+        cfg.max_num_seqs
+        or default_max_num_seqs(device.type, num_blocks, cfg.block_size, cfg.max_num_batched_tokens)
     )
-    return PoolPlan(num_blocks, cfg.block_size, per_block, max_num_seqs, use_graphs, graph_context)
+    return PoolPlan(
+        num_blocks,
+        cfg.block_size,
+        per_block,
+        max_num_seqs,
+        use_graphs,
+        graph_context,
+        state_slots,
+        per_slot,
+    )
+
+
+def hybrid_slots(cfg: WorkerConfig, config, dtype, device, gpu_rows: int) -> tuple[int, int]:
+    """A hybrid's state slots (--max-num-seqs, else 32 on a CPU and the GPU row bound) and their
+    bytes each; (0, 0) for a model without recurrent state.
+    """
+    from worker.model.state_pool import bytes_per_slot
+
+    if not config.keeps_state:
+        return 0, 0
+    slots = cfg.max_num_seqs or (32 if device.type == "cpu" else gpu_rows)
+    return slots, bytes_per_slot(config, dtype)
 
 
 def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | None = None):
@@ -159,6 +195,16 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
     pool = KVPool(
         loaded.config, plan.num_blocks, plan.block_size, loaded.kv_dtype, device, loaded.heads
     )
+    if plan.state_slots:
+        from worker.model.state_pool import StatePool
+
+        pool.states = StatePool(loaded.config, plan.state_slots, loaded.dtype, device)
+        log.info(
+            "state_pool",
+            slots=plan.state_slots,
+            bytes_per_slot=plan.bytes_per_state_slot,
+            linear_layers=sum(loaded.config.linear_layers),
+        )
     # what this worker will hold: the model as loaded, and the pool (paged in as used)
     if device.type == "cpu":
         rss, peak = resident_bytes()
@@ -232,6 +278,8 @@ def handshake_for(cfg: WorkerConfig, loaded: Loaded, plan: PoolPlan, device, tp:
         vocab_size=config.vocab_size,
         max_context=config.max_position_embeddings,
         bytes_per_block=plan.bytes_per_block,
+        state_slots=plan.state_slots,
+        bytes_per_state_slot=plan.bytes_per_state_slot,
         num_kv_heads=loaded.heads,
         device=str(device),
         dtype=str(loaded.weights_dtype).removeprefix("torch."),

@@ -195,3 +195,22 @@ def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
         masks = 0 if p.token_bitmask is None else p.token_bitmask.shape[0]
         if ((p.mask_rows >= 0) & (p.mask_rows + nd >= masks)).any():
             raise PlanError("a constrained drafting row needs a mask for each of its positions")
+
+
+def validate_states(p: PlanArrays, num_slots: int) -> None:
+    """A hybrid's plan gives every row its own slot of the state pool; another model's gives none.
+    A row that drafts cannot be rolled back in a recurrent state, so none may.
+    """
+    slots = p.state_slots
+    if not num_slots:
+        if slots is not None:
+            raise PlanError("the plan names state slots; this model keeps no recurrent state")
+        return
+    if p.num_seqs == 0:
+        return
+    if slots is None:
+        raise PlanError("a hybrid model's plan must give each row a state slot")
+    if ((slots < 0) | (slots >= num_slots)).any() or np.unique(slots).size != slots.size:
+        raise PlanError(f"state slots must be distinct and in [0, {num_slots})")
+    if p.num_draft is not None and (p.num_draft > 0).any():
+        raise PlanError("a hybrid model's rows cannot draft: its recurrent state has no undo")

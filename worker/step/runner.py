@@ -14,13 +14,14 @@ from protos import wire_pb2
 from protos.codec import CodecError, PlanArrays, decode_plan
 from protos.result_codec import encode_result
 from worker.model.attention import AttentionBackend
+from worker.model.delta_net import begin_state_step
 from worker.model.kv_pool import KVPool
 from worker.model.kv_tiers import KvTierStore, check_tiers
 from worker.model.llama import LlamaModel, StepInputs
 from worker.model.lora import LoraCache, StepLora
 from worker.step.chain import TokenChain
 from worker.step.controls import apply_controls, gather_controls, top_logprobs
-from worker.step.plan_checks import PlanError, check_mask, validate_plan
+from worker.step.plan_checks import PlanError, check_mask, validate_plan, validate_states
 from worker.step.sampler import NonFiniteLogits, SamplingBatch, check_sampled, sample_async
 from worker.step.speculation import accept_drafts, expand_drafts, stage_drafts
 from worker.step.staging import InFlight, Staged, Staging, StepClock, pool_hidden
@@ -168,6 +169,8 @@ class ModelRunner:
                 self.config.max_position_embeddings,
                 self.config.max_window,
             )
+            states = self.pool.states
+            validate_states(p, states.num_slots if states is not None else 0)
             if p.mask_follows and await_mask is None:
                 raise PlanError(
                     "the plan's masks follow it, and this worker has no socket to wait on them"
@@ -247,6 +250,7 @@ class ModelRunner:
                 slot_mapping=slot_mapping,
                 attn_meta=meta,
                 lora=lora,
+                state=begin_state_step(self.pool.states, p, self.device),
             )
         self.pool.copy_blocks(copies)
         self.pool.record_tokens(slot_mapping, token_ids)

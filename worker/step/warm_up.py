@@ -22,7 +22,8 @@ def warm_up(runner: ModelRunner) -> float:
     """
     bs = runner.pool.block_size
     per_seq = -(-5 // bs)  # blocks for 5 positions
-    if runner.pool.num_blocks < 2 * per_seq:
+    states = runner.pool.states  # a hybrid's rows each take a slot (reset, as they start at 0)
+    if runner.pool.num_blocks < 2 * per_seq or (states is not None and states.num_slots < 2):
         return 0.0
     tables = np.arange(2 * per_seq, dtype=np.int32).reshape(2, per_seq)
     # (sequence, first position, new tokens) of each row, per step
@@ -51,6 +52,7 @@ def warm_up(runner: ModelRunner) -> float:
                 top_k=np.array([0, 5], dtype=np.int32),
                 seed=np.zeros(2, dtype=np.uint64),
                 block_copies=np.zeros((0, 2), dtype=np.int32),
+                state_slots=np.arange(2, dtype=np.int32) if states is not None else None,
             )
             result = runner.execute(encode_plan(plan))
             if result.error:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.model.llama import DecoderLayer, LlamaModel
+from worker.model.layer import DecoderLayer
+from worker.model.llama import LlamaModel
 from worker.model.moe import MoE
 from worker.weights.checkpoint import (
     DEFAULT_LAYER_NAMES,
@@ -103,7 +104,10 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         _load_norms(model, ck, layer, p, names)
-        _load_attention(model, ck, layer, p, names)
+        if layer.linear is not None:
+            _load_delta_net(ck, layer, p + "linear_attn.")
+        else:
+            _load_attention(model, ck, layer, p, names)
         if layer.moe is not None:
             _load_experts(model, ck, layer.moe, p + names.moe, names)
         else:
@@ -121,7 +125,7 @@ def _load_norms(
         layer.post_attn_norm.copy_(ck.norm(mlp_in))
         layer.mlp_out_norm.copy_(ck.norm(mlp_out))
     else:
-        layer.post_attn_norm.copy_(ck.take(p + "post_attention_layernorm.weight"))
+        layer.post_attn_norm.copy_(ck.norm(p + "post_attention_layernorm.weight"))
 
 
 def _load_attention(
@@ -145,6 +149,15 @@ def _load_attention(
                 ck.take(fused, (q_size + kv_rows[0], q_size + kv_rows[1])),
                 ck.take(fused, (q_size + kv_size + kv_rows[0], q_size + kv_size + kv_rows[1])),
             ]
+        elif c.attn_output_gate:  # q_proj holds each head's query, then its gate: gates go last
+            q = ck.take(f"{a}q_proj.{kind}", (q_rows[0] * 2, q_rows[1] * 2))
+            q = q.reshape(-1, 2, hd, *q.shape[1:])
+            parts = [
+                q[:, 0].reshape(-1, *q.shape[3:]),
+                ck.take(f"{a}k_proj.{kind}", kv_rows),
+                ck.take(f"{a}v_proj.{kind}", kv_rows),
+                q[:, 1].reshape(-1, *q.shape[3:]),
+            ]
         else:
             parts = [
                 ck.take(f"{a}q_proj.{kind}", q_rows),
@@ -157,6 +170,21 @@ def _load_attention(
         layer.k_norm.copy_(ck.norm(a + "k_norm.weight"))
     if not ck.served(layer.o_proj, a + "o_proj.weight"):
         layer.o_proj.copy_(ck.take(a + "o_proj.weight", cols=q_rows))
+
+
+def _load_delta_net(ck: CheckpointReader, layer: DecoderLayer, a: str) -> None:
+    """A Gated DeltaNet layer: its four input projections fused (qkv, z, b, a), the conv, the
+    decay and gate parameters, the gated norm's plain weight and out_proj."""
+    net = layer.linear
+    if not ck.served(layer.in_proj, *(f"{a}in_proj_{x}.weight" for x in ("qkv", "z", "b", "a"))):
+        parts = [ck.take(f"{a}in_proj_{x}.weight") for x in ("qkv", "z", "b", "a")]
+        layer.in_proj.copy_(torch.cat(parts))
+    if not ck.served(layer.out_proj, a + "out_proj.weight"):
+        layer.out_proj.copy_(ck.take(a + "out_proj.weight"))
+    net.conv.copy_(ck.take(a + "conv1d.weight").reshape(net.conv.shape))
+    net.dt_bias.copy_(ck.take(a + "dt_bias"))
+    net.a_log.copy_(ck.take(a + "A_log"))
+    net.norm.copy_(ck.take(a + "norm.weight"))
 
 
 def _load_mlp(

@@ -1,0 +1,106 @@
+"""Gated DeltaNet's recurrent pieces in plain torch, fp32: the causal depthwise conv and the gated
+delta rule, for a prompt (chunks in the WY form) and for one step of many rows. The definition
+the native and Triton kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's new inputs x [T, C] after its last K-1 inputs `state` [K-1, C], through the
+    depthwise conv weight [C, K] and SiLU -> (out [T, C], the new state [K-1, C]).
+    """
+    width = weight.shape[1]
+    xs = torch.cat([state.to(x.dtype), x])  # [T + K - 1, C]
+    out = sum(xs[j : j + x.shape[0]] * weight[:, j] for j in range(width))
+    return F.silu(out), xs[xs.shape[0] - (width - 1) :]
+
+
+def causal_conv_step(
+    x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new input per row: x [R, C], states [R, K-1, C] -> (out [R, C], new states)."""
+    xs = torch.cat([states.to(x.dtype), x[:, None, :]], dim=1)  # [R, K, C]
+    return F.silu((xs * weight.t()[None]).sum(1)), xs[:, 1:]
+
+
+def _l2(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def gated_delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: q, k [R, Hk, Dk], v [R, Hv, Dv], g (log decay) and beta [R, Hv], state
+    fp32 [R, Hv, Dk, Dv] -> (out fp32 [R, Hv, Dv], the new state).
+    """
+    q, k = _heads(q, k, v.shape[-2])
+    s = state * g.float().exp()[..., None, None]
+    delta = (v.float() - torch.einsum("rhkv,rhk->rhv", s, k)) * beta.float()[..., None]
+    s = s + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("rhkv,rhk->rhv", s, q), s
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor, heads_v: int):
+    """q and k in fp32, L2-normalized (q also scaled by 1/sqrt(dim)), repeated so each key head
+    serves its consecutive value heads.
+    """
+    q, k = _l2(q.float()) * q.shape[-1] ** -0.5, _l2(k.float())
+    if q.shape[-2] != heads_v:
+        rep = heads_v // q.shape[-2]
+        q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
+    return q, k
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's tokens: q, k [T, Hk, Dk], v [T, Hv, Dv], g and beta [T, Hv], state fp32
+    [Hv, Dk, Dv] -> (out fp32 [T, Hv, Dv], the new state). Each chunk's updates are folded into
+    two triangular solves (the WY form), then chunks run in order over the state.
+    """
+    length = q.shape[0]
+    q, k = _heads(q, k, v.shape[-2])
+    pad = (-length) % chunk
+    # [H, N, C, D]: padded tokens have k = 0 and g = 0, so they change nothing
+    q, k, v = (F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x.float().t(), (0, pad)) for x in (g, beta))
+    heads = q.shape[0]
+    q, k, v = (x.reshape(heads, -1, chunk, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(heads, -1, chunk), beta.reshape(heads, -1, chunk)
+    gc = g.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its diagonal is taken as 1
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, k_beta * gc.exp()[..., None], upper=False, unitriangular=True
+    )
+    inner = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * gc.exp()[..., None]
+    k_decayed = k * (gc[..., -1:] - gc).exp()[..., None]
+    last = gc[..., -1].exp()
+    out = torch.empty_like(v)
+    s = state.float()
+    for n in range(q.shape[1]):
+        fresh = u[:, n] - w[:, n] @ s
+        out[:, n] = q_decayed[:, n] @ s + inner[:, n] @ fresh
+        s = s * last[:, n, None, None] + k_decayed[:, n].transpose(-1, -2) @ fresh
+    return out.reshape(heads, -1, out.shape[-1])[:, :length].transpose(0, 1), s

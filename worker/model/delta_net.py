@@ -1,0 +1,110 @@
+"""A hybrid's linear-attention layer (Gated DeltaNet, Qwen3.5): between its input and output
+projections, a causal conv and the gated delta rule over the sequence's slot of the state pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.delta_rule import (
+    causal_conv,
+    causal_conv_step,
+    chunk_gated_delta_rule,
+    gated_delta_rule_step,
+)
+from worker.model.config import ModelConfig
+
+
+@dataclass
+class StateStep:
+    """A step's rows in the state pool: each row's slot, and its tokens' offsets (host ints)."""
+
+    slots: torch.Tensor  # int64 [rows]
+    query_start_loc: list[int]  # [rows + 1]
+
+    @property
+    def decode_only(self) -> bool:
+        return self.query_start_loc[-1] == len(self.query_start_loc) - 1
+
+
+def begin_state_step(states, p, device) -> StateStep | None:
+    """A hybrid plan's rows in the state pool (`states`, a StatePool), the slots of rows that
+    start at position 0 zeroed first; None for a model without one.
+    """
+    if states is None or p.state_slots is None:
+        return None
+    starts = p.query_start_loc[:-1]
+    slots = torch.from_numpy(p.state_slots.astype("int64")).to(device)
+    fresh = torch.from_numpy(p.positions[starts] == 0).to(device)
+    states.reset(slots[fresh])
+    return StateStep(slots, p.query_start_loc.tolist())
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.k_heads, self.v_heads = c.linear_k_heads, c.linear_v_heads
+        self.k_dim, self.v_dim = c.linear_k_dim, c.linear_v_dim
+        self.conv_dim = c.conv_dim
+        self.v_size = self.v_heads * self.v_dim
+        self.eps = c.rms_norm_eps
+        self.conv = nn.Parameter(torch.empty(self.conv_dim, c.linear_conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.a_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = nn.Parameter(torch.ones(self.v_dim))  # the gated norm's plain weight
+
+    @property
+    def in_rows(self) -> int:
+        """Rows of the fused input projection: q, k, v (the conv's channels), z, b and a."""
+        return self.conv_dim + self.v_size + 2 * self.v_heads
+
+    def forward(self, proj: torch.Tensor, step: StateStep, conv_states, states) -> torch.Tensor:
+        """proj [tokens, in_rows] -> [tokens, v_size], the gated norm applied; each row's slot of
+        conv_states [slots, K-1, conv_dim] and states [slots, Hv, Dk, Dv] moves past its tokens.
+        """
+        x, z, b, a = proj.split([self.conv_dim, self.v_size, self.v_heads, self.v_heads], -1)
+        beta = torch.sigmoid(b.float())
+        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if step.decode_only:
+            slots = step.slots
+            x, conv_states[slots] = causal_conv_step(x, conv_states[slots], self.conv)
+            out, states[slots] = gated_delta_rule_step(*self._qkv(x), g, beta, states[slots])
+        else:
+            out = x.new_empty(x.shape[0], self.v_heads, self.v_dim, dtype=torch.float32)
+            loc = step.query_start_loc
+            for row, slot in enumerate(step.slots.tolist()):
+                s, e = loc[row], loc[row + 1]
+                y, conv_states[slot] = causal_conv(x[s:e], conv_states[slot], self.conv)
+                q, k, v = self._qkv(y)
+                rule = gated_delta_rule_step if e - s == 1 else _chunk
+                o, new = rule(q, k, v, g[s:e], beta[s:e], states[slot][None])
+                out[s:e], states[slot] = o, new[0]
+        return self._gated_norm(out, z)
+
+    def _qkv(self, x: torch.Tensor):
+        kd = self.k_heads * self.k_dim
+        q, k, v = x.split([kd, kd, self.v_size], -1)
+        rows = x.shape[0]
+        return (
+            q.reshape(rows, self.k_heads, self.k_dim),
+            k.reshape(rows, self.k_heads, self.k_dim),
+            v.reshape(rows, self.v_heads, self.v_dim),
+        )
+
+    def _gated_norm(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of each head's output by the plain weight, times SiLU of its gate z."""
+        normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = (self.norm * normed.to(z.dtype)).float()
+        gate = F.silu(z.float().reshape(normed.shape))
+        return (normed * gate).to(z.dtype).reshape(out.shape[0], self.v_size)
+
+
+def _chunk(q, k, v, g, beta, state):
+    """chunk_gated_delta_rule with the one-row batch dimension the step form has."""
+    out, new = chunk_gated_delta_rule(q, k, v, g, beta, state[0])
+    return out, new[None]

@@ -1,0 +1,225 @@
+"""One decoder layer over the paged KV (or, in a hybrid's linear layers, the state pool): norms,
+attention or Gated DeltaNet, and the MLP or experts, projections fused; and a step's inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.model.attention import AttentionBackend
+from worker.model.config import ModelConfig
+from worker.model.delta_net import GatedDeltaNet, StateStep
+from worker.model.elementwise import RopeSets, TorchOps, rms_norm
+from worker.model.kv_pool import KVPool
+from worker.model.linear import DenseMatmul
+from worker.model.lora import StepLora
+from worker.model.moe import MoE
+from worker.model.parallel import Collectives, Shard
+
+
+@dataclass
+class StepInputs:
+    token_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    attn_meta: object  # the backend's per-step metadata (built once, shared by all layers)
+    # LoRA adapters' updates of the step's rows (model/lora.py), where any
+    lora: StepLora | None = None
+    # a hybrid's rows in the recurrent-state pool (model/delta_net.py)
+    state: StateStep | None = None
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate, tanh approximation) * up, over [rows, 2 * I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, shard: Shard, comm: Collectives
+    ) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.comm = comm
+        self.num_heads = shard.num_q_heads  # this rank's heads
+        self.num_kv_heads = shard.num_kv_heads
+        self.q_size = self.num_heads * c.head_dim
+        self.kv_size = self.num_kv_heads * c.head_dim
+        self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
+        # a hybrid's linear layer: Gated DeltaNet between in_proj and out_proj, no paged K/V
+        self.linear = GatedDeltaNet(c) if c.is_linear(layer_idx) else None
+        self.qkv = self.qkv_bias = self.q_norm = self.k_norm = self.o_proj = None
+        if self.linear is not None:
+            self.in_proj = nn.Parameter(torch.empty(self.linear.in_rows, c.hidden_size))
+            self.out_proj = nn.Parameter(torch.empty(c.hidden_size, self.linear.v_size))
+        else:
+            # q, k, v, then (gated attention) one gate a query value
+            qkv_rows = self.q_size * (2 if c.attn_output_gate else 1) + 2 * self.kv_size
+            self.qkv = nn.Parameter(torch.empty(qkv_rows, c.hidden_size))
+            self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows)) if c.attention_bias else None
+            self.q_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
+            self.k_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
+            self.o_proj = nn.Parameter(torch.empty(c.hidden_size, self.q_size))
+        self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))  # before the MLP
+        # Gemma's norms of the attention and MLP outputs, before each residual add
+        self.attn_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
+        self.mlp_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
+        # the MLP: dense (gate and up stacked), or a mixture of experts
+        self.moe = MoE(c, shard) if c.is_moe(layer_idx) else None
+        self.gate_up = (
+            None
+            if self.moe
+            else nn.Parameter(torch.empty(2 * shard.intermediate_size, c.hidden_size))
+        )
+        self.down = (
+            None if self.moe else nn.Parameter(torch.empty(c.hidden_size, shard.intermediate_size))
+        )
+        names = self.LINEAR_WEIGHTS if self.linear is not None else self.MATMUL_WEIGHTS
+        self.matmul_names = names[:2] if self.moe else names
+        # kept when released
+        self.shapes = {name: tuple(getattr(self, name).shape) for name in self.matmul_names}
+        self.config = c
+        # the matmul library and the weights in its layout (LlamaModel.use_matmul)
+        self.mm = DenseMatmul()
+        self.w: dict[str, torch.Tensor] = {}
+
+    MATMUL_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
+    LINEAR_WEIGHTS = ("in_proj", "out_proj", "gate_up", "down")
+
+    def use_matmul(self, lib, drop_dense: bool) -> None:
+        self.mm = lib
+        self.w = {name: lib.prepare(getattr(self, name)) for name in self.matmul_names}
+        # the prepared copy is all the forward reads: give the loaded layout's memory back
+        if drop_dense:
+            for name in self.matmul_names:
+                getattr(self, name).data = torch.empty(0, dtype=getattr(self, name).dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        step: StepInputs,
+        pool: KVPool,
+        rope,
+        attn: AttentionBackend,
+        ops: TorchOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add x to the residual (fused with the norm), then attention and MLP; -> (MLP output,
+        residual).
+        """
+        c = self.config
+        num_tokens = x.shape[0]
+        mm, w, lora, i = self.mm, self.w, step.lora, self.layer_idx
+        into_bf16 = self._bf16_between(mm, ops, lora, num_tokens)
+        if residual is None:
+            residual, h = ops.add_rms_norm(
+                x, None, self.input_norm, c.rms_norm_eps, into_bf16(self.matmul_names[0])
+            )
+        else:
+            residual, h = ops.add_rms_norm(
+                residual, x, self.input_norm, c.rms_norm_eps, into_bf16(self.matmul_names[0])
+            )
+        if self.linear is not None:
+            conv, state = pool.states.layer(i)
+            core = self.linear(mm(h, w["in_proj"]), step.state, conv, state)
+            a = self.comm.all_reduce(mm(core, w["out_proj"]))
+        else:
+            a = self._attend(h, step, pool, rope, attn, ops, into_bf16)
+        if self.attn_out_norm is not None:
+            a = rms_norm(a, self.attn_out_norm, c.rms_norm_eps)
+        residual, h = ops.add_rms_norm(
+            residual,
+            a,
+            self.post_attn_norm,
+            c.rms_norm_eps,
+            self.moe is None and into_bf16("gate_up"),
+        )
+        if self.moe is not None:
+            out = self.comm.all_reduce(self.moe(h, ops))
+        else:
+            # a bf16 GEMM's gate/up stays bf16 into the SiLU·mul and the down GEMM
+            gate_up = (
+                mm(h, w["gate_up"], bf16_out=True)
+                if c.hidden_act == "silu" and getattr(mm, "keeps_bf16", False)
+                else mm(h, w["gate_up"])
+            )
+            if lora is not None:
+                gate_up = lora.apply(i, "gate_up", h, gate_up)
+            act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
+            out = (
+                mm(act, w["down"], bf16_out=True)
+                if into_bf16("down") and self.mlp_out_norm is None
+                else mm(act, w["down"])
+            )
+            out = self.comm.all_reduce(out if lora is None else lora.apply(i, "down", act, out))
+        if self.mlp_out_norm is not None:
+            out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)
+        return out, residual
+
+    def _attend(self, h, step: StepInputs, pool: KVPool, rope, attn, ops, into_bf16):
+        """Attention over the paged K/V, through o_proj (summed over ranks)."""
+        c, mm, w, lora, i = self.config, self.mm, self.w, step.lora, self.layer_idx
+        num_tokens = h.shape[0]
+        qkv = mm(h, w["qkv"], self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        if lora is not None:
+            qkv = lora.apply(i, "qkv", h, qkv)
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, c.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+            num_tokens, self.num_kv_heads, c.head_dim
+        )
+        v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].view(
+            num_tokens, self.num_kv_heads, c.head_dim
+        )
+        if self.q_norm is not None:
+            q, k = ops.head_norms(q, k, self.q_norm, self.k_norm, c.rms_norm_eps)
+        if c.uses_rope(self.layer_idx):  # SmolLM3's NoPE layers attend without positions
+            # rope: the step's tables, or (global, local) where sliding layers have their own (Gemma
+            # 3)
+            q, k = ops.rope(
+                q,
+                k,
+                rope[1]
+                if isinstance(rope, RopeSets) and c.window(self.layer_idx)
+                else rope[0]
+                if isinstance(rope, RopeSets)
+                else rope,
+            )
+        k_cache, v_cache = pool.layer(self.layer_idx)
+        attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+        # [num_tokens, n_heads, hd]
+        o = attn.forward(
+            q,
+            k_cache,
+            v_cache,
+            step.attn_meta,
+            c.attn_scale,
+            c.window(self.layer_idx),
+            c.attn_softcap,
+        )
+        o = o.reshape(num_tokens, self.q_size)
+        if c.attn_output_gate:  # Qwen3.5: each query value's own gate
+            o = o * torch.sigmoid(qkv[:, self.q_size + 2 * self.kv_size :])
+        a = (
+            mm(o, w["o_proj"], bf16_out=True)
+            if into_bf16("o_proj") and self.attn_out_norm is None
+            else mm(o, w["o_proj"])
+        )
+        a = self.comm.all_reduce(a if lora is None else lora.apply(i, "o_proj", o, a))
+        return a
+
+    def _bf16_between(self, mm, ops, lora, rows: int):
+        """name -> whether that projection's input and output stay bf16 this step."""
+        if (
+            lora is not None
+            or self.comm.size > 1
+            or not getattr(ops, "mixed_bf16", False)
+            or not hasattr(mm, "bf16_rows")
+        ):
+            return lambda name: False
+        return lambda name: mm.bf16_rows(rows, self.w[name])
