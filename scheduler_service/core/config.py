@@ -52,6 +52,7 @@ class ModelSpec:
         if task not in TASKS:
             raise PoolingConfigError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
         config = json.loads((folder / "config.json").read_text())
+        config |= config.get("text_config") or {}  # a multimodal folder served as text
         meta_path = folder / "pagedserve_model.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         eos = config.get("eos_token_id")

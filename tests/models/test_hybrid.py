@@ -108,3 +108,37 @@ def test_a_hybrid_is_not_split_over_ranks_yet_and_says_so(hybrid, server_factory
         server_factory(
             folder, "--tensor-parallel-size", "2", "--max-model-len", "128", "--metrics-port", "-1"
         )
+
+
+def test_a_multimodal_folder_is_served_as_text(tmp_path, server_factory):
+    """Qwen3.5 as it ships (`Qwen3_5ForConditionalGeneration`: the language model under
+    `model.language_model.`, a vision tower beside it): its text served, the tower not loaded.
+    """
+    import torch
+    from transformers import Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+
+    from tests.support.tiny import TINY, make_tokenizer
+
+    text = dict(TINY, rms_norm_eps=1e-5, tie_word_embeddings=False, **QWEN3_5)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(4)
+    model = Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=text, vision_config=vision)
+    ).eval()
+    model.save_pretrained(str(tmp_path))
+    make_tokenizer(tmp_path, TINY["vocab_size"])
+    prompt = [9 + (13 * i) % 350 for i in range(40)]
+    want, ids = [], list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            want.append(token)
+            ids.append(token)
+    server = server_factory(tmp_path, "--max-model-len", "128", "--metrics-port", "-1")
+    try:
+        resp = server.stub.Generate(greedy_request(prompt, 12, "hy-vl"), timeout=120)
+        assert list(resp.choices[0].token_ids) == want
+        assert "text_only" in server.log_path.read_text()
+    finally:
+        server.stop()

@@ -16,6 +16,7 @@ from worker.model.families import (
     HYBRID_TYPES,
     UnsupportedModel,
     check_supported,
+    language_config,
     layer_windows,
     linear_layers,
     moe_layers,
@@ -153,6 +154,7 @@ class ModelConfig:
         """Raises UnsupportedModel for a field the model code
         does not implement (check_supported).
         """
+        cfg = language_config(cfg)
         check_supported(cfg)
         model_type = cfg.get("model_type", "llama")
         num_heads = int(cfg["num_attention_heads"])

@@ -29,6 +29,20 @@ PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text")
 HYBRID_TYPES = ("qwen3_5_text",)
 
 
+# multimodal folders served as text: their language model's config, under its own model_type
+TEXT_OF_MULTIMODAL = {"qwen3_5": "qwen3_5_text"}
+
+
+def language_config(cfg: dict) -> dict:
+    """The config a multimodal folder's language model has (its text_config), else cfg itself."""
+    kind = TEXT_OF_MULTIMODAL.get(cfg.get("model_type"))
+    if kind is None or not isinstance(cfg.get("text_config"), dict):
+        return cfg
+    text = {**cfg["text_config"], "model_type": kind}
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    return text
+
+
 class UnsupportedModel(ValueError):
     """A config field changes the computation in a way this model code does not implement."""
 

@@ -99,6 +99,43 @@ class BareDecoderSource(TensorSource):
         return self.inner.get(name[len(self.PREFIX) :], rows, cols)
 
 
+class LanguageModelSource(TensorSource):
+    """A multimodal checkpoint served as text (Qwen3.5's `...ForConditionalGeneration`): its
+    language model's tensors under the names a text model has; the vision tower and the
+    multi-token-prediction head are not read.
+    """
+
+    INNER, SKIPPED = "model.language_model.", ("model.visual.", "mtp.")
+
+    def __init__(self, inner: TensorSource) -> None:
+        self.inner = inner
+
+    @classmethod
+    def wrap(cls, source: TensorSource) -> TensorSource:
+        names = source.names()
+        return (
+            cls(source) if any(n.startswith((cls.INNER, *cls.SKIPPED)) for n in names) else source
+        )
+
+    @property
+    def skipped(self) -> int:
+        """Tensors left unread (the vision tower's, the MTP head's)."""
+        return sum(n.startswith(self.SKIPPED) for n in self.inner.names())
+
+    def names(self) -> set[str]:
+        return {
+            "model." + n[len(self.INNER) :] if n.startswith(self.INNER) else n
+            for n in self.inner.names()
+            if not n.startswith(self.SKIPPED)
+        }
+
+    def get(self, name, rows=None, cols=None):
+        inner = self.INNER + name[len("model.") :] if name.startswith("model.") else name
+        if inner not in self.inner.names():
+            inner = name
+        return self.inner.get(inner, rows, cols)
+
+
 @dataclass(frozen=True)
 class LayerNames:
     """Where a family's checkpoint keeps a decoder layer's tensors, under `model.layers.{i}.`."""

@@ -8,13 +8,22 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import structlog
 import torch
 
 from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 from worker.model.parallel import Collectives, make_shard
-from worker.weights.checkpoint import BareDecoderSource, DictSource, SafetensorsSource, TensorSource
+from worker.weights.checkpoint import (
+    BareDecoderSource,
+    DictSource,
+    LanguageModelSource,
+    SafetensorsSource,
+    TensorSource,
+)
 from worker.weights.fill import copy_checkpoint, read_quantized
+
+log = structlog.get_logger("worker.weights")
 
 
 def load_config(source: str, load_format: str) -> ModelConfig:
@@ -81,11 +90,12 @@ def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
     from worker.weights.gguf_blocks import find_gguf
 
     gguf = None if any(path.glob("*.safetensors")) else find_gguf(path)
-    return (
-        read_gguf(gguf, config)
-        if gguf is not None
-        else BareDecoderSource.wrap(SafetensorsSource(path))
-    )
+    if gguf is not None:
+        return read_gguf(gguf, config)
+    source = LanguageModelSource.wrap(BareDecoderSource.wrap(SafetensorsSource(path)))
+    if isinstance(source, LanguageModelSource) and source.skipped:
+        log.info("text_only", skipped_tensors=source.skipped, why="the vision tower and MTP head")
+    return source
 
 
 def tensor_source(source: str, load_format: str, config: ModelConfig) -> TensorSource | None:
