@@ -266,7 +266,8 @@ def hybrid_note(engine: Engine) -> str:
     if not slots:
         return ""
     per_slot = min(
-        w.handshake.bytes_per_state_slot for g in engine.client.groups for w in g.workers.values()
+        sum(w.handshake.bytes_per_state_slot for w in g.workers.values())
+        for g in engine.client.groups
     )
     return (
         f"; recurrent state {slots} slots x {human_bytes(per_slot)}, a hybrid: served without "

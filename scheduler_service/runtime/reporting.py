@@ -117,7 +117,9 @@ def replica_row(loop: StepLoop) -> dict:
         utilization=s.num_used_blocks / s.num_blocks,
         num_state_slots=s.num_state_slots,
         num_used_state_slots=s.num_used_state_slots,
-        bytes_per_state_slot=group.handshake.bytes_per_state_slot if group.is_ready else 0,
+        bytes_per_state_slot=sum(w.handshake.bytes_per_state_slot for w in group.workers.values())
+        if group.is_ready
+        else 0,
     )
     if s.tiers is not None:
         row.update(s.tiers.as_fields())

@@ -102,12 +102,39 @@ def test_n_samples_each_keep_their_own_state(hybrid):
     assert_all_blocks_back(server)
 
 
-def test_a_hybrid_is_not_split_over_ranks_yet_and_says_so(hybrid, server_factory):
+def test_a_tensor_parallel_pair_splits_the_delta_net_heads_and_equals_transformers(
+    hybrid, server_factory
+):
+    """Each rank holds half the key and value heads of every Gated DeltaNet layer (their conv
+    channels, decays and state slots) and half the attention heads; out_proj sums over ranks.
+    """
     folder, _ = hybrid
-    with pytest.raises(RuntimeError, match="Gated DeltaNet layers are not split over ranks"):
-        server_factory(
-            folder, "--tensor-parallel-size", "2", "--max-model-len", "128", "--metrics-port", "-1"
-        )
+    tp = server_factory(
+        folder,
+        "--tensor-parallel-size",
+        "2",
+        "--block-size",
+        "4",
+        "--max-num-batched-tokens",
+        "16",
+        "--max-model-len",
+        "128",
+        "--metrics-port",
+        "-1",
+    )
+    try:
+        rng = random.Random(8)
+        items = [
+            (f"hy-tp-{i}", [rng.randrange(3, 384) for _ in range(40)], 24, 0.0) for i in range(3)
+        ]
+        results = submit_all(tp, items, stream=True)
+        for rid, prompt, n, _ in items:
+            assert results[rid][0] == hf_greedy(folder, prompt, n), rid
+        stats = tp.stats()
+        assert stats.bytes_per_state_slot == 3 * (4 * 16 * 16 * 4 + 3 * 128 * 4)  # both halves
+        assert_all_blocks_back(tp)
+    finally:
+        tp.stop()
 
 
 def test_a_multimodal_folder_is_served_as_text(tmp_path, server_factory):

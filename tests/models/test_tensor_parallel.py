@@ -28,6 +28,14 @@ def test_shards_cover_the_model_and_replicate_kv_heads_when_they_are_fewer_than_
     assert [s.vocab for s in four] == [(0, 3), (3, 6), (6, 9), (9, 10)] and four[
         0
     ].vocab_shard_size == 3
+    # a hybrid's Gated DeltaNet heads: each rank its key heads with their value heads
+    pair = [make_shard(4, 2, 64, 10, r, 2, linear_heads=(2, 4)) for r in range(2)]
+    assert [(s.linear_k_heads, s.linear_v_heads) for s in pair] == [
+        ((0, 1), (0, 2)),
+        ((1, 2), (2, 4)),
+    ]
+    with pytest.raises(ParallelConfigError, match="6 Gated DeltaNet value heads"):
+        make_shard(4, 4, 64, 10, 0, 4, linear_heads=(4, 6))
 
 
 @pytest.mark.parametrize(

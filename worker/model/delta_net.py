@@ -45,12 +45,13 @@ def begin_state_step(states, p, device) -> StateStep | None:
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, k_heads: int, v_heads: int) -> None:
+        """k_heads, v_heads: this rank's (all of them with one rank)."""
         super().__init__()
         c = config
-        self.k_heads, self.v_heads = c.linear_k_heads, c.linear_v_heads
+        self.k_heads, self.v_heads = k_heads, v_heads
         self.k_dim, self.v_dim = c.linear_k_dim, c.linear_v_dim
-        self.conv_dim = c.conv_dim
+        self.conv_dim = 2 * k_heads * c.linear_k_dim + v_heads * c.linear_v_dim
         self.v_size = self.v_heads * self.v_dim
         self.eps = c.rms_norm_eps
         self.conv = nn.Parameter(torch.empty(self.conv_dim, c.linear_conv_kernel))

@@ -53,7 +53,11 @@ class DecoderLayer(nn.Module):
         self.kv_size = self.num_kv_heads * c.head_dim
         self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
         # a hybrid's linear layer: Gated DeltaNet between in_proj and out_proj, no paged K/V
-        self.linear = GatedDeltaNet(c) if c.is_linear(layer_idx) else None
+        linear_heads = (
+            shard.linear_k_heads[1] - shard.linear_k_heads[0],
+            shard.linear_v_heads[1] - shard.linear_v_heads[0],
+        )
+        self.linear = GatedDeltaNet(c, *linear_heads) if c.is_linear(layer_idx) else None
         self.qkv = self.qkv_bias = self.q_norm = self.k_norm = self.o_proj = None
         if self.linear is not None:
             self.in_proj = nn.Parameter(torch.empty(self.linear.in_rows, c.hidden_size))

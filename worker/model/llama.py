@@ -30,6 +30,7 @@ class LlamaModel(nn.Module):
             c.intermediate_size,
             c.vocab_size,
             expert_intermediate_size=c.moe_intermediate_size,
+            linear_heads=(c.linear_k_heads, c.linear_v_heads),
         )
         self.comm = comm or Collectives(self.shard.size)
         # this rank's vocabulary rows (all of them with one rank)

@@ -36,6 +36,9 @@ class Shard:
     vocab_shard_size: int  # ceil(vocab / size): every rank's shard is padded to this many rows
     # each expert's intermediate slice (mixture of experts)
     expert_intermediate: tuple[int, int] = (0, 0)
+    # a hybrid's Gated DeltaNet key and value heads (each key head's value heads with it)
+    linear_k_heads: tuple[int, int] = (0, 0)
+    linear_v_heads: tuple[int, int] = (0, 0)
 
     @property
     def num_q_heads(self) -> int:
@@ -62,6 +65,7 @@ def make_shard(
     rank: int = 0,
     size: int = 1,
     expert_intermediate_size: int = 0,
+    linear_heads: tuple[int, int] = (0, 0),
 ) -> Shard:
     """Rank's slices, or ParallelConfigError when `size` cannot split the model."""
     if size < 1 or not 0 <= rank < size:
@@ -96,6 +100,13 @@ def make_shard(
             f"tensor-parallel size {size} cannot split the experts' intermediate size "
             f"{expert_intermediate_size}"
         )
+    for what, n in zip(("key", "value"), linear_heads, strict=True):
+        if n % size:
+            raise ParallelConfigError(
+                f"tensor-parallel size {size} cannot split the model's {n} Gated DeltaNet {what} "
+                "heads evenly"
+            )
+    lk, lv = (n // size for n in linear_heads)
     inter = intermediate_size // size
     einter = expert_intermediate_size // size
     vshard = -(-vocab_size // size)
@@ -108,6 +119,8 @@ def make_shard(
         vocab=(min(rank * vshard, vocab_size), min((rank + 1) * vshard, vocab_size)),
         vocab_shard_size=vshard,
         expert_intermediate=(rank * einter, (rank + 1) * einter),
+        linear_k_heads=(rank * lk, (rank + 1) * lk),
+        linear_v_heads=(rank * lv, (rank + 1) * lv),
     )
 
 

@@ -79,7 +79,7 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     rows_bound = min(cfg.max_num_seqs or GPU_MAX_NUM_SEQS[1], cfg.max_num_batched_tokens)
     # LoRA and a hybrid's state slots: from the pool's budget
     lora = lora_reserve(cfg, loaded.config, loaded.model.shard, loaded.dtype)
-    state_slots, per_slot = hybrid_slots(cfg, config, loaded.dtype, device, GPU_MAX_NUM_SEQS[1])
+    state_slots, per_slot = hybrid_slots(cfg, config, loaded.dtype, device, GPU_MAX_NUM_SEQS[1], tp)
     lora += state_slots * per_slot
     try:
         if cfg.num_blocks:
@@ -163,16 +163,18 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     )
 
 
-def hybrid_slots(cfg: WorkerConfig, config, dtype, device, gpu_rows: int) -> tuple[int, int]:
+def hybrid_slots(
+    cfg: WorkerConfig, config, dtype, device, gpu_rows: int, tp: int
+) -> tuple[int, int]:
     """A hybrid's state slots (--max-num-seqs, else 32 on a CPU and the GPU row bound) and their
-    bytes each; (0, 0) for a model without recurrent state.
+    bytes each on this rank; (0, 0) for a model without recurrent state.
     """
     from worker.model.state_pool import bytes_per_slot
 
     if not config.keeps_state:
         return 0, 0
     slots = cfg.max_num_seqs or (32 if device.type == "cpu" else gpu_rows)
-    return slots, bytes_per_slot(config, dtype)
+    return slots, bytes_per_slot(config, dtype, config.linear_v_heads // tp)
 
 
 def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | None = None):
@@ -198,7 +200,12 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
     if plan.state_slots:
         from worker.model.state_pool import StatePool
 
-        pool.states = StatePool(loaded.config, plan.state_slots, loaded.dtype, device)
+        sh = loaded.model.shard
+        v_heads = sh.linear_v_heads[1] - sh.linear_v_heads[0]
+        conv_dim = loaded.config.conv_dim * v_heads // loaded.config.linear_v_heads
+        pool.states = StatePool(
+            loaded.config, plan.state_slots, loaded.dtype, device, v_heads, conv_dim
+        )
         log.info(
             "state_pool",
             slots=plan.state_slots,

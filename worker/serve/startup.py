@@ -114,6 +114,7 @@ def read_config(cfg: WorkerConfig, tp: int):
             cfg.rank,
             tp,
             config.moe_intermediate_size,
+            (config.linear_k_heads, config.linear_v_heads),
         )
     # served wrong without a word otherwise: refused, naming the field
     except UnsupportedModel as e:
@@ -126,9 +127,6 @@ def read_config(cfg: WorkerConfig, tp: int):
         ) from None
     except ParallelConfigError as e:  # refuse before joining a group that could never run
         raise Refused("cannot_split_model", str(e), error=str(e)) from None
-    if config.keeps_state and tp > 1:
-        why = "a hybrid's Gated DeltaNet layers are not split over ranks yet"
-        raise Refused("cannot_split_model", f"--tensor-parallel-size {tp}: {why}", error=why)
     if config.keeps_state and (cfg.kv_offload_size or cfg.kv_offload_dir):
         why = "a hybrid's KV tiers would need its recurrent state beside each block"
         raise Refused("bad_worker_option", f"--kv-offload-size/--kv-offload-dir: {why}", error=why)

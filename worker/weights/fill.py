@@ -105,7 +105,7 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
         p = f"model.layers.{i}."
         _load_norms(model, ck, layer, p, names)
         if layer.linear is not None:
-            _load_delta_net(ck, layer, p + "linear_attn.")
+            _load_delta_net(model, ck, layer, p + "linear_attn.")
         else:
             _load_attention(model, ck, layer, p, names)
         if layer.moe is not None:
@@ -172,18 +172,27 @@ def _load_attention(
         layer.o_proj.copy_(ck.take(a + "o_proj.weight", cols=q_rows))
 
 
-def _load_delta_net(ck: CheckpointReader, layer: DecoderLayer, a: str) -> None:
-    """A Gated DeltaNet layer: its four input projections fused (qkv, z, b, a), the conv, the
-    decay and gate parameters, the gated norm's plain weight and out_proj."""
-    net = layer.linear
-    if not ck.served(layer.in_proj, *(f"{a}in_proj_{x}.weight" for x in ("qkv", "z", "b", "a"))):
-        parts = [ck.take(f"{a}in_proj_{x}.weight") for x in ("qkv", "z", "b", "a")]
+def _load_delta_net(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, a: str) -> None:
+    """A Gated DeltaNet layer, this rank's heads: its four input projections fused (q, k, v, z, b,
+    a), the conv's channels of q, k and v, the decay and gate parameters, the gated norm's plain
+    weight and out_proj's columns."""
+    c, sh, net = model.config, model.shard, layer.linear
+    dk, dv, key_dim = c.linear_k_dim, c.linear_v_dim, c.linear_k_heads * c.linear_k_dim
+    (k0, k1), (v0, v1) = sh.linear_k_heads, sh.linear_v_heads
+    channels = [(k0 * dk, k1 * dk), (key_dim + k0 * dk, key_dim + k1 * dk)]
+    channels.append((2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv))
+    names = [f"{a}in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
+    if not ck.served(layer.in_proj, *names):
+        parts = [ck.take(names[0], rows) for rows in channels]
+        parts += [ck.take(names[1], (v0 * dv, v1 * dv))]
+        parts += [ck.take(name, (v0, v1)) for name in names[2:]]
         layer.in_proj.copy_(torch.cat(parts))
     if not ck.served(layer.out_proj, a + "out_proj.weight"):
-        layer.out_proj.copy_(ck.take(a + "out_proj.weight"))
-    net.conv.copy_(ck.take(a + "conv1d.weight").reshape(net.conv.shape))
-    net.dt_bias.copy_(ck.take(a + "dt_bias"))
-    net.a_log.copy_(ck.take(a + "A_log"))
+        layer.out_proj.copy_(ck.take(a + "out_proj.weight", cols=(v0 * dv, v1 * dv)))
+    conv = torch.cat([ck.take(a + "conv1d.weight", rows) for rows in channels])
+    net.conv.copy_(conv.reshape(net.conv.shape))
+    net.dt_bias.copy_(ck.take(a + "dt_bias", (v0, v1)))
+    net.a_log.copy_(ck.take(a + "A_log", (v0, v1)))
     net.norm.copy_(ck.take(a + "norm.weight"))
 
 

@@ -158,6 +158,7 @@ def load_model(
         tp_rank,
         tp_size,
         config.moe_intermediate_size,
+        (config.linear_k_heads, config.linear_v_heads),
     )
     weights = getattr(quantized, "checkpoint", None) or tensor_source(source, load_format, config)
     # The parameters are allocated where they will run, in their dtype, and filled there: no fp32
