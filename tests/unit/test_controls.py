@@ -197,6 +197,26 @@ def test_top_logprobs_flattens_each_rows_own_k():
     )
 
 
+def decode_rows(n: int) -> PlanArrays:
+    """A plan of n one-token rows at position 0, each sampling greedily."""
+    return PlanArrays(
+        step_id=1,
+        token_ids=np.zeros(n, np.int32),
+        positions=np.zeros(n, np.int32),
+        slot_mapping=np.zeros(n, np.int64),
+        block_tables=np.zeros((n, 1), np.int32),
+        seq_lens=np.ones(n, np.int32),
+        query_start_loc=np.arange(n + 1, dtype=np.int32),
+        do_sample=np.ones(n, bool),
+        sample_index=np.zeros(n, np.int32),
+        temperature=np.zeros(n, np.float32),
+        top_p=np.ones(n, np.float32),
+        top_k=np.zeros(n, np.int32),
+        seed=np.zeros(n, np.uint64),
+        block_copies=np.zeros((0, 2), np.int32),
+    )
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [
@@ -208,22 +228,7 @@ def test_top_logprobs_flattens_each_rows_own_k():
     ],
 )
 def test_malformed_control_arrays_are_refused(field, value, message):
-    plan = PlanArrays(
-        step_id=1,
-        token_ids=np.zeros(1, np.int32),
-        positions=np.zeros(1, np.int32),
-        slot_mapping=np.zeros(1, np.int64),
-        block_tables=np.zeros((1, 1), np.int32),
-        seq_lens=np.ones(1, np.int32),
-        query_start_loc=np.array([0, 1], np.int32),
-        do_sample=np.ones(1, bool),
-        sample_index=np.zeros(1, np.int32),
-        temperature=np.zeros(1, np.float32),
-        top_p=np.ones(1, np.float32),
-        top_k=np.zeros(1, np.int32),
-        seed=np.zeros(1, np.uint64),
-        block_copies=np.zeros((0, 2), np.int32),
-    )
+    plan = decode_rows(1)
     if field == "repetition_penalty":
         plan.presence_penalty = plan.frequency_penalty = np.zeros(1, np.float32)
     if field == "bias_offsets":
@@ -278,22 +283,7 @@ def test_a_drafting_rows_positions_take_its_masks_in_turn_and_its_biases_each():
 def test_a_hybrids_plan_gives_each_row_its_own_state_slot():
     from worker.step.plan_checks import validate_states
 
-    plan = PlanArrays(
-        step_id=1,
-        token_ids=np.zeros(2, np.int32),
-        positions=np.zeros(2, np.int32),
-        slot_mapping=np.zeros(2, np.int64),
-        block_tables=np.zeros((2, 1), np.int32),
-        seq_lens=np.ones(2, np.int32),
-        query_start_loc=np.array([0, 1, 2], np.int32),
-        do_sample=np.ones(2, bool),
-        sample_index=np.zeros(2, np.int32),
-        temperature=np.zeros(2, np.float32),
-        top_p=np.ones(2, np.float32),
-        top_k=np.zeros(2, np.int32),
-        seed=np.zeros(2, np.uint64),
-        block_copies=np.zeros((0, 2), np.int32),
-    )
+    plan = decode_rows(2)
     with pytest.raises(PlanError, match="must give each row a state slot"):
         validate_states(plan, 4)
     for slots, message in (([1, 1], "distinct"), ([0, 4], r"in \[0, 4\)"), ([-1, 0], "distinct")):
