@@ -74,14 +74,14 @@ def with_lora(prompt, max_tokens, lora, request_id=""):
 
 
 def all_at_once_equal_peft(
-    server, tiny_model_dir, adapters, names, count, longest, max_tokens, seed
+    server, tiny_model_dir, adapters, names, count, lengths, max_tokens, seed
 ):
     """`count` random prompts at once, prompt i under adapter names[i % len] ("" the base): each
     answer equals PEFT's own greedy decode of its adapter. -> the prompts.
     """
     rng = random.Random(seed)
     items = [
-        ([rng.randrange(3, 380) for _ in range(rng.randint(5, longest))], names[i % len(names)])
+        ([rng.randrange(3, 380) for _ in range(rng.randint(*lengths))], names[i % len(names)])
         for i in range(count)
     ]
     with ThreadPoolExecutor(len(items)) as pool:
@@ -103,7 +103,11 @@ def all_at_once_equal_peft(
 
 def test_adapters_and_the_base_in_one_batch_each_equal_peft(server, tiny_model_dir, adapters):
     names = ["attn", "all", "mlp", ""]
-    items = all_at_once_equal_peft(server, tiny_model_dir, adapters, names, 16, 40, 12, seed=3)
+    # 16 requests of 12-40 prompt tokens and 24 new ones: five at once outgrow the 56 blocks, so
+    # sequences are preempted however the requests' arrivals spread
+    items = all_at_once_equal_peft(
+        server, tiny_model_dir, adapters, names, 16, (12, 40), 24, seed=3
+    )
     assert server.stats().num_preemptions > 0, "the pool is small enough to preempt"
     # the adapters do change the answers
     prompt = items[0][0]
@@ -291,7 +295,7 @@ def test_adapters_over_two_ranks_and_two_replicas_equal_peft(
     )
     try:
         all_at_once_equal_peft(
-            server, tiny_model_dir, adapters, ["all", "", "mlp", "attn"], 8, 30, 10, seed=5
+            server, tiny_model_dir, adapters, ["all", "", "mlp", "attn"], 8, (5, 30), 10, seed=5
         )
         assert_all_blocks_back(server)
     finally:
