@@ -154,6 +154,7 @@ def summary_table(s, gen_rate: float | None = None, prompt_rate: float | None = 
             "state memory",
             human_bytes(s.num_state_slots * s.bytes_per_state_slot),
         )
+        t.add_row("state snapshots", f"{s.num_state_snapshots:,}", "", "")
     for name in ("host", "disk"):  # the KV tiers under the pool, where there are
         if cap := getattr(s, f"{name}_tier_capacity"):
             held = getattr(s, f"{name}_tier_blocks")

@@ -83,6 +83,8 @@ class PlanArrays:
     lora_index: np.ndarray | None = None  # int32 [S]: -1 (the base model) or an index into loras
     loras: list[tuple[str, str]] | None = None  # LoRA adapters the rows use: (identity, path)
     state_slots: np.ndarray | None = None  # int32 [S]: each row's recurrent-state slot (hybrids)
+    state_copies: np.ndarray | None = None  # int32 [2C]: (src, dst) slots copied before the forward
+    state_saves: np.ndarray | None = None  # int32 [3V]: (row, offset, dst) snapshots taken in it
     kv: TierOps | None = None  # the KV tiers' stores, loads and drops, run before the forward
 
     @classmethod
@@ -180,6 +182,8 @@ _OPTIONAL = (
     ("pooling", I32, "S"),
     ("lora_index", I32, "S"),
     ("state_slots", I32, "S"),
+    ("state_copies", I32, "*"),
+    ("state_saves", I32, "*"),
 )
 
 # StepPlan.pooling: what a row's final hidden states give back

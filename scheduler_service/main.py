@@ -269,9 +269,15 @@ def hybrid_note(engine: Engine) -> str:
         sum(w.handshake.bytes_per_state_slot for w in g.workers.values())
         for g in engine.client.groups
     )
+    c = engine.config
+    prefixes = (
+        f"prefix snapshots in {slots - c.max_num_seqs} of them"
+        if c.enable_prefix_caching and slots > c.max_num_seqs
+        else "no prefix reused"
+    )
     return (
-        f"; recurrent state {slots} slots x {human_bytes(per_slot)}, a hybrid: served without "
-        "prefix caching or speculative decoding"
+        f"; recurrent state {slots} slots x {human_bytes(per_slot)}, {prefixes}; a hybrid: "
+        "served without speculative decoding"
     )
 
 

@@ -53,6 +53,10 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # (src, dst), run before the forward
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # a hybrid's state snapshots: (snapshot, slot) copies before the forward, and (row, offset,
+    # slot) snapshots taken in it
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
     draft_seconds: float = 0.0  # speculative decoding: seconds spent drafting (part of schedule)
     num_decodes: int = (
         0  # sequences decoding (scheduler_service/core/pacing.py paces embeddings beside them)

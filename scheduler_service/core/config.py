@@ -157,7 +157,7 @@ class SchedulerConfig:
     # adapter would be one more waits until one of them has no running request left.
     max_loras: int = 8
     # A hybrid model's recurrent-state slots (the workers' handshakes; 0: no layer keeps state):
-    # every running sequence holds one.
+    # every running sequence holds one, and prefix caching keeps snapshots in the rest.
     state_slots: int = 0
 
     @property
@@ -175,10 +175,10 @@ class SchedulerConfig:
             raise ValueError(f"speculative must be auto, ngram or off, got {self.speculative!r}")
         if not 0.0 < self.embed_slowdown <= 1.0:
             raise ValueError(f"embed_slowdown must lie in (0, 1], got {self.embed_slowdown}")
-        if self.state_slots and (self.enable_prefix_caching or self.speculative != "off"):
+        if self.state_slots and self.speculative != "off":
             raise ValueError(
-                "a hybrid's state slots need prefix caching and speculative decoding off: no state "
-                "is kept at block boundaries, and a recurrent state cannot take back a draft"
+                "a hybrid's state slots need speculative decoding off: a recurrent state cannot "
+                "take back a rejected draft"
             )
         if self.max_loras < 1:
             raise ValueError("max_loras must be at least 1")

@@ -67,6 +67,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.states is not None:  # a hybrid resumes where a snapshot of its state was taken
+            return hits[: self.states.deepest(seq, len(hits), self.block_size)]
         return hits
 
     def reads_cache(self, seq: Sequence) -> bool:
@@ -153,10 +155,9 @@ class KVCacheManager:
         revived = sum(1 for b in hits[skip:] if self.allocator.is_cached_free(b))
         if not self.allocator.can_allocate(need + revived):
             return False
-        if self.states is not None:
-            if not self.states.num_free:
-                return False
-            self.states.take(seq)
+        resume = seq.block_hash(len(hits) - 1, self.block_size) if hits else None
+        if self.states is not None and not self.states.admit(seq, resume):
+            return False
         self.allocator.share(hits[skip:])
         seq.block_ids = [-1] * skip + hits[skip:] + self.allocator.allocate(need)
         seq.mirror.stale()
@@ -305,6 +306,8 @@ class KVCacheManager:
         """Forget every cached prefix (only unreferenced blocks are cached), the tiers' too; how
         many were forgotten.
         """
+        if self.states is not None:
+            self.states.clear()
         return self.allocator.reset_prefix_cache() + (
             self.tiers.clear() if self.tiers is not None else 0
         )

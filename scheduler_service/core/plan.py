@@ -202,6 +202,10 @@ class PlanBuilder:
             plan.state_slots = np.fromiter(
                 (item.seq.state_slot for item in out.scheduled), dtype=I32, count=num_seqs
             )
+            if out.state_copies:
+                plan.state_copies = np.asarray(out.state_copies, dtype=I32).ravel()
+            if out.state_saves:
+                plan.state_saves = np.asarray(out.state_saves, dtype=I32).ravel()
         if drafts:
             plan.num_draft = np.zeros(num_seqs, dtype=I32)
             at, counts = zip(*drafts, strict=True)

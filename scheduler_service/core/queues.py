@@ -202,7 +202,7 @@ class Queues:
         result.num_running, result.num_waiting = len(self.running), len(self.waiting)
         result.num_free_blocks = self.kv.allocator.num_available_blocks
         if (states := self.kv.states) is not None:
-            result.num_used_state_slots = states.num_slots - states.num_free
+            result.num_used_state_slots = states.num_held
         result.kv_tiers = self.kv.tiers.stats() if self.kv.tiers is not None else None
         return result
 
@@ -286,7 +286,7 @@ class Queues:
             self.prefix_cache_hits,
             self.num_preemptions,
             self.kv.tiers.stats() if self.kv.tiers is not None else None,
-            *((st.num_slots, st.num_slots - st.num_free) if (st := self.kv.states) else ()),
+            *((st.num_slots, st.num_held, st.num_snapshots) if (st := self.kv.states) else ()),
         )
 
     def request_blocks(self, request: Request) -> int:

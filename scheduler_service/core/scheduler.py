@@ -30,8 +30,12 @@ class Scheduler(Queues):
         """
         out = SchedulerOutput(step_id=next(self._step_ids))
         scheduled: set[int] = set()
+        if (states := self.kv.states) is not None:
+            states.new_step()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens, scheduled)
         self._admit_waiting(out, budget, scheduled)
+        if states is not None:
+            out.state_copies = states.copies
         out.loads = out.loads or (self.kv.tiers is not None and self.kv.tiers.has_ops)
         if self.config.debug_invariants:
             self.check_invariants()
@@ -241,6 +245,8 @@ class Scheduler(Queues):
         else:
             do_sample = start + num_new == known + seq.pending.count or bool(draft)
         item = ScheduledSeq(seq, start, num_new, do_sample, seq.epoch, draft=draft)
+        if self.kv.states is not None and self.caching:
+            self._snapshots(out, seq, start, num_new)
         if draft:
             if seq.pending.count or start + 1 != known or num_new != 1 + len(draft):
                 raise RuntimeError(f"{seq}: a draft follows the known last token, nothing else")
@@ -280,6 +286,16 @@ class Scheduler(Queues):
             self._preempt(victim, out)
             if victim is seq:
                 return 0
+
+    def _snapshots(self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int) -> None:
+        """A hybrid's row snapshots its state at the block boundaries it crosses that are kept
+        (core/state_slots.py), each into a slot of its own.
+        """
+        bs, states = self.block_size, self.kv.states
+        for at in states.points(seq, start, num_new, bs):
+            slot = states.save(seq.block_hash(at // bs - 1, bs))
+            if slot is not None:
+                out.state_saves.append((len(out.scheduled), at - start, slot))
 
     @staticmethod
     def _copies(out: SchedulerOutput, copies: list[BlockCopy]) -> None:

@@ -1,40 +1,138 @@
-"""A hybrid model's recurrent-state slots, owned like blocks: a sequence takes one when it is given
-its table and gives it back with its blocks (finish, preemption); the worker holds the bytes.
+"""A hybrid model's recurrent-state slots, owned like blocks. A slot is free, held by a running
+sequence (taken with its table, given back with its blocks), or a snapshot: the state after a
+prompt's full block, keyed by that block's chained hash, in an LRU, so a prompt that shares the
+prefix resumes there instead of from position 0. The worker holds the bytes.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 
 class StateSlots:
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
+        self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
+        # snapshot slots the step being planned reads or writes: not evicted before it is sent
+        # (they are the LRU's newest); slots forgotten meanwhile return at the next step
+        self._pinned: set[int] = set()
+        self._deferred: list[int] = []
+        # (snapshot, slot) copies the step being planned runs first: admissions that resume
+        self.copies: list[tuple[int, int]] = []
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Slots a sequence may take now (free, or an unpinned snapshot to evict)."""
+        return len(self._free) + len(self._snapshots) - len(self._pinned)
 
-    def take(self, seq) -> None:
+    @property
+    def num_snapshots(self) -> int:
+        return len(self._snapshots)
+
+    @property
+    def num_held(self) -> int:
+        return self.num_slots - len(self._free) - len(self._snapshots) - len(self._deferred)
+
+    def new_step(self) -> None:
+        """The last plan was sent: its pins go, its copies were taken."""
+        self._pinned.clear()
+        self._free.extend(self._deferred)
+        self._deferred.clear()
+        self.copies = []
+
+    def _slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if self._snapshots:
+            h, slot = next(iter(self._snapshots.items()))
+            if slot not in self._pinned:
+                del self._snapshots[h]
+                return slot
+        return None
+
+    def admit(self, seq, h: bytes | None) -> bool:
+        """seq takes a slot, resuming from the snapshot after block h (None: from position 0);
+        False (nothing changed) when no slot is left.
+        """
+        need = 1 + (h is not None and self._snapshots[h] not in self._pinned)
+        if self.num_free < need:
+            return False
+        src = self.resume(h) if h is not None else -1
         if seq.state_slot >= 0:
             raise AssertionError(f"{seq} already holds state slot {seq.state_slot}")
-        seq.state_slot = self._free.pop()
+        seq.state_slot = self._slot()
+        if src >= 0:
+            self.copies.append((src, seq.state_slot))
+        return True
 
     def give_back(self, seq) -> None:
         if seq.state_slot >= 0:
             self._free.append(seq.state_slot)
             seq.state_slot = -1
 
+    # --- snapshots -------------------------------------------------------------------------------
+    def deepest(self, seq, hits: int, block_size: int) -> int:
+        """How many of seq's leading `hits` cached blocks a resume can skip: up to the deepest one
+        with a snapshot after it. Where the cached run goes further, it ends where this prompt
+        leaves another: seq snapshots there (`state_branch`) for the prompts that follow.
+        """
+        for n in range(hits, 0, -1):
+            if seq.block_hash(n - 1, block_size) in self._snapshots:
+                break
+        else:
+            n = 0
+        seq.state_branch = hits * block_size if hits > n else 0
+        return n
+
+    def resume(self, h: bytes) -> int:
+        """The snapshot slot after block h, pinned for this step and made the LRU's newest."""
+        self._snapshots.move_to_end(h)
+        slot = self._snapshots[h]
+        self._pinned.add(slot)
+        return slot
+
+    def save(self, h: bytes) -> int | None:
+        """A slot for the state after block h (pinned for this step); None when h has one already
+        or every slot is held or pinned.
+        """
+        if h in self._snapshots:
+            self._snapshots.move_to_end(h)
+            return None
+        slot = self._slot()
+        if slot is not None:
+            self._snapshots[h] = slot
+            self._pinned.add(slot)
+        return slot
+
+    @staticmethod
+    def points(seq, start: int, num_new: int, block_size: int) -> list[int]:
+        """Block boundaries inside start..start+num_new where seq's state is snapshotted: its
+        prompt's last full block short of its last token, and where its cached prefix left
+        another prompt's.
+        """
+        last = (seq.prompt_len - 1) // block_size * block_size
+        end = start + num_new
+        return sorted(p for p in {last, seq.state_branch} if p and start < p <= end)
+
+    def clear(self) -> int:
+        """Forget every snapshot (the prefix cache was flushed); how many."""
+        n = len(self._snapshots)
+        for slot in self._snapshots.values():
+            (self._deferred if slot in self._pinned else self._free).append(slot)
+        self._snapshots.clear()
+        self._pinned.clear()
+        return n
+
     def check(self, holders) -> None:
-        """Every slot is free or held by one sequence with blocks, never both."""
+        """Every slot is free, a snapshot or held by one sequence with blocks, never two."""
         held = [s.state_slot for s in holders if s.state_slot >= 0]
-        free = set(self._free)
-        if (
-            len(set(held)) != len(held)
-            or free & set(held)
-            or len(free) + len(held) != self.num_slots
-        ):
+        parts = [held, self._free, list(self._snapshots.values()), self._deferred]
+        every = [slot for part in parts for slot in part]
+        if len(set(every)) != len(every) or len(every) != self.num_slots:
             raise AssertionError(
-                f"state slots: {len(held)} held, {len(free)} free of {self.num_slots}"
+                f"state slots: {len(held)} held, {len(self._free)} free, "
+                f"{len(self._snapshots)} snapshots of {self.num_slots}"
             )
         if any(s.block_ids and s.state_slot < 0 for s in holders):
             raise AssertionError("a sequence with blocks holds no state slot")

@@ -62,5 +62,6 @@ class PoolStats:
     prefix_cache_hits: int
     num_preemptions: int
     tiers: TierStats | None = None
-    num_state_slots: int = 0  # a hybrid's recurrent-state slots, and those held now
+    num_state_slots: int = 0  # a hybrid's recurrent-state slots, those held now, its snapshots
     num_used_state_slots: int = 0
+    num_state_snapshots: int = 0

@@ -47,13 +47,12 @@ def adopted_config(config: SchedulerConfig, groups: list[WorkerGroup]) -> Schedu
     states = min((getattr(hs, "state_slots", 0) for hs in workers), default=0)
     if not states:
         return adopted
-    # a hybrid: one state slot a running sequence; no state is kept at block boundaries yet, so
-    # no prefix is reused, and a recurrent state cannot take back a rejected draft
+    # a hybrid: one state slot a running sequence, snapshots in the rest; a recurrent state cannot
+    # take back a rejected draft
     return replace(
         adopted,
         state_slots=states,
         max_num_seqs=min(adopted.max_num_seqs, states),
-        enable_prefix_caching=False,
         speculative="off",
     )
 

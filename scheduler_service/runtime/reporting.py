@@ -52,6 +52,7 @@ def cache_stats(engine) -> dict:
             "num_shared_blocks",
             "num_state_slots",
             "num_used_state_slots",
+            "num_state_snapshots",
         )
     }
     # down replicas' counts stay
@@ -117,6 +118,7 @@ def replica_row(loop: StepLoop) -> dict:
         utilization=s.num_used_blocks / s.num_blocks,
         num_state_slots=s.num_state_slots,
         num_used_state_slots=s.num_used_state_slots,
+        num_state_snapshots=s.num_state_snapshots,
         bytes_per_state_slot=sum(w.handshake.bytes_per_state_slot for w in group.workers.values())
         if group.is_ready
         else 0,

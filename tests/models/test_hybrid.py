@@ -1,7 +1,7 @@
 """A hybrid model served end to end: a tiny random Qwen3.5 (three Gated DeltaNet layers to one gated
 attention layer), equal to transformers token for token while prompts go in chunks, requests are
 preempted and recomputed, and samples run side by side; each running sequence holds one slot of
-the recurrent-state pool, given back with its blocks.
+the recurrent-state pool, given back with its blocks, and prompts resume from state snapshots.
 """
 
 from __future__ import annotations
@@ -73,21 +73,36 @@ def test_twelve_requests_at_once_equal_transformers_through_chunks_and_preemptio
     after = server.stats()
     assert after.num_preemptions > before.num_preemptions
     assert_all_blocks_back(server)
-    assert (after.num_state_slots, after.num_used_state_slots) == (6, 0)
+    # six running, six snapshots
+    assert (after.num_state_slots, after.num_used_state_slots) == (12, 0)
     assert after.bytes_per_state_slot == 3 * (4 * 16 * 16 * 4 + 3 * 128 * 4)
 
 
-def test_a_returning_prompt_is_computed_again_not_read_from_a_cache(hybrid):
-    """No state is kept at block boundaries yet: a prefix's blocks alone cannot resume a hybrid."""
+def test_a_returning_conversation_resumes_from_a_state_snapshot_and_stays_equal(hybrid):
+    """The state after a prompt's last full block is kept with the block: the next turn (the
+    prompt, its answer and more) and the same prompt again resume there, reported as cached; a
+    prompt that leaves the cached one mid-way recomputes, snapshotting where it left it, so the
+    next one sharing that much resumes there. Snapshots fall inside 16-token chunks.
+    """
     folder, server = hybrid
+
+    def turn(prompt, rid, cached):
+        resp = server.stub.Generate(greedy_request(prompt, 12, rid), timeout=120)
+        assert list(resp.choices[0].token_ids) == hf_greedy(folder, prompt, 12), rid
+        assert resp.usage.cached_prompt_tokens == cached, rid
+        return list(resp.choices[0].token_ids)
+
     prompt = [7 + (5 * i) % 300 for i in range(33)]
+    answer = turn(prompt, "hy-turn-1", 0)
     before = server.stats()
-    for k in range(2):
-        resp = server.stub.Generate(greedy_request(prompt, 20, f"hy-again-{k}"), timeout=120)
-        assert list(resp.choices[0].token_ids) == hf_greedy(folder, prompt, 20)
+    turn(prompt + answer + [11, 12, 13, 14, 15, 16, 17], "hy-turn-2", 32)
+    turn(prompt, "hy-again", 32)
     after = server.stats()
-    assert after.prefix_cache_hits == before.prefix_cache_hits
-    assert after.num_prompt_tokens_computed - before.num_prompt_tokens_computed >= 2 * 33
+    assert after.num_prompt_tokens_computed - before.num_prompt_tokens_computed == 20 + 1
+    assert after.num_state_snapshots >= 2
+    turn(prompt[:22] + [40, 41, 42, 43, 44, 45], "hy-branch", 0)
+    turn(prompt[:22] + [50, 51, 52, 53, 54], "hy-branch-2", 20)
+    assert_all_blocks_back(server)
 
 
 def test_n_samples_each_keep_their_own_state(hybrid):
@@ -119,6 +134,9 @@ def test_a_tensor_parallel_pair_splits_the_delta_net_heads_and_equals_transforme
         "16",
         "--max-model-len",
         "128",
+        "--state-snapshots",
+        "0",
+        "--no-prefix-caching",
         "--metrics-port",
         "-1",
     )
@@ -132,6 +150,11 @@ def test_a_tensor_parallel_pair_splits_the_delta_net_heads_and_equals_transforme
             assert results[rid][0] == hf_greedy(folder, prompt, n), rid
         stats = tp.stats()
         assert stats.bytes_per_state_slot == 3 * (4 * 16 * 16 * 4 + 3 * 128 * 4)  # both halves
+        # no prefix cache: a returning prompt is computed again, no snapshot is taken
+        prompt = items[0][1]
+        again = tp.stub.Generate(greedy_request(prompt, 24, "hy-tp-again"), timeout=120)
+        assert list(again.choices[0].token_ids) == results["hy-tp-0"][0]
+        assert again.usage.cached_prompt_tokens == 0 and tp.stats().num_state_snapshots == 0
         assert_all_blocks_back(tp)
     finally:
         tp.stop()

@@ -40,12 +40,16 @@ def expected_output(
 
 
 class SimulatedWorker:
-    def __init__(self, num_blocks: int, block_size: int, window: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, window: int = 0, num_state_slots: int = 0
+    ) -> None:
         """window > 0: the model reads only each token's last `window` positions (a sliding window),
         so the scheduler may give back blocks before it; reading one of those would change the
-        output.
+        output. num_state_slots: a hybrid's state pool.
         """
         self.block_size = block_size
+        self.num_state_slots = num_state_slots
+        self.snapshots_taken = 0
         self.window = window
         self.pool = np.full(num_blocks * block_size, -1, dtype=np.int64)
         self.num_steps = 0
@@ -131,8 +135,18 @@ class SimulatedWorker:
 
     def _advance_states(self, p, tables: np.ndarray, token_ids: np.ndarray) -> None:
         """A hybrid's state slots as a worker keeps them: each holds exactly its sequence's tokens
-        so far, a row at position 0 starting it afresh; a slot shared or lost mid-sequence fails.
+        so far, a row at position 0 starting it afresh, a resuming row from the snapshot copied in;
+        a snapshot holds its row's tokens up to where it was taken. The plan passes the worker's
+        own checks; a slot shared or lost mid-sequence fails.
         """
+        from worker.step.plan_checks import validate_states
+
+        validate_states(p, self.num_state_slots)
+        pairs = [] if p.state_copies is None else p.state_copies.reshape(-1, 2).tolist()
+        copied = [list(self.states.get(src, [])) for src, _ in pairs]
+        for (_, dst), held in zip(pairs, copied, strict=True):
+            self.states[dst] = held
+        saves = [] if p.state_saves is None else p.state_saves.reshape(-1, 3).tolist()
         qsl = p.query_start_loc
         for i, slot in enumerate(p.state_slots.tolist()):
             first = int(p.positions[qsl[i]])
@@ -140,8 +154,12 @@ class SimulatedWorker:
             assert len(held) == first, (
                 f"slot {slot} holds {len(held)} tokens; row starts at {first}"
             )
-            self.states[slot] = held + token_ids[qsl[i] : qsl[i + 1]].tolist()
+            new = token_ids[qsl[i] : qsl[i + 1]].tolist()
+            self.states[slot] = held + new
             assert self.states[slot] == self._context(tables[i], int(p.seq_lens[i]))
+            for _, offset, dst in (save for save in saves if save[0] == i):
+                self.states[dst] = held + new[:offset]
+                self.snapshots_taken += 1
 
     def _tiers(self, p) -> None:
         """The plan's KV-tier work, as a worker runs it: stores, then loads (checked by hash), then

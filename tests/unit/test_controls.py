@@ -297,3 +297,35 @@ def test_a_hybrids_plan_gives_each_row_its_own_state_slot():
     plan.num_draft = np.array([0, 2], np.int32)
     with pytest.raises(PlanError, match="cannot draft"):
         validate_states(plan, 4)
+
+
+def test_a_hybrids_snapshots_copy_into_resuming_rows_and_save_inside_rows():
+    from worker.step.plan_checks import validate_states
+
+    plan = decode_rows(2)
+    plan.state_slots = np.array([3, 0], np.int32)
+    plan.positions = np.array([0, 8], np.int32)  # row 0 starts afresh, row 1 resumes at 8
+    # a snapshot read before the forward may be overwritten in it
+    good = [
+        (np.array([5, 0]), None),
+        (None, np.array([0, 1, 6])),
+        (np.array([5, 0]), np.array([1, 1, 5])),
+    ]
+    for copies, saves in good:
+        plan.state_copies, plan.state_saves = copies, saves
+        validate_states(plan, 8)
+    bad = (
+        (np.array([5]), None, "pairs"),
+        (np.array([5, 3]), None, "resuming row's slot"),  # row 0 is not resuming
+        (np.array([0, 0]), None, "from a snapshot slot"),  # a live state is no snapshot
+        (np.array([9, 0]), None, "from a snapshot slot"),
+        (np.array([5, 0, 6, 0]), None, "once"),
+        (None, np.array([0, 2, 6]), "outside it"),  # row 0 has one token
+        (None, np.array([2, 1, 6]), "outside it"),
+        (None, np.array([0, 1, 3]), "which a row runs in"),
+        (np.array([5, 0]), np.array([1, 1, 0]), "once"),
+    )
+    for copies, saves, message in bad:
+        plan.state_copies, plan.state_saves = copies, saves
+        with pytest.raises(PlanError, match=message):
+            validate_states(plan, 8)

@@ -174,7 +174,7 @@ def test_a_hybrids_sequences_each_hold_one_state_slot_given_back_with_their_bloc
         debug_invariants=True,
     )
     sched = Scheduler(config, num_blocks, max_model_len=512)
-    worker = SimulatedWorker(num_blocks, block_size)
+    worker = SimulatedWorker(num_blocks, block_size, num_state_slots=4)
     reqs = make_requests(10, seed=4)
     reqs[3].sampling = SamplingOptions(max_tokens=12, n=2)
     trace = run_to_completion(sched, worker, {0: reqs[:5], 4: reqs[5:]})
@@ -186,5 +186,80 @@ def test_a_hybrids_sequences_each_hold_one_state_slot_given_back_with_their_bloc
             )
             assert seq.state_slot == -1
     assert sched.pool_stats().num_used_state_slots == 0 and worker.states
-    with pytest.raises(ValueError, match="prefix caching and speculative decoding off"):
+    with pytest.raises(ValueError, match="speculative decoding off"):
         SchedulerConfig(state_slots=4)
+
+
+def hybrid_scheduler(num_blocks=64, slots=6, max_num_seqs=4, budget=32):
+    config = SchedulerConfig(
+        block_size=4,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        speculative="off",
+        state_slots=slots,
+        debug_invariants=True,
+    )
+    sched = Scheduler(config, num_blocks, max_model_len=512)
+    return sched, SimulatedWorker(num_blocks, 4, num_state_slots=slots)
+
+
+def answer(sched, worker, request, step=0):
+    run_to_completion(sched, worker, {step: [request]})
+    assert request.seqs[0].output_token_ids == expected_output(
+        request.prompt_token_ids, request.sampling.max_tokens
+    )
+    return request.cached_prompt_tokens
+
+
+def test_a_returning_conversation_resumes_a_hybrid_from_its_last_snapshot():
+    """The worker's view checks every slot holds exactly its sequence's tokens: a resume from a
+    snapshot taken at the wrong place, or a slot reused while a snapshot in it is read, fails.
+    """
+    sched, worker = hybrid_scheduler()
+    rng = random.Random(7)
+    prompt = [rng.randrange(1, 1000) for _ in range(30)]
+    # 30 prompt tokens in 32-token steps and in 8-token chunks: the snapshot after 28 (its last
+    # full block short of the last token) is taken inside a chunk either way
+    first = Request("turn1", prompt, SamplingOptions(max_tokens=6))
+    assert answer(sched, worker, first) == 0 and worker.snapshots_taken == 1
+    follow = prompt + first.seqs[0].output_token_ids + [5, 6, 7, 8, 9]
+    assert answer(sched, worker, Request("turn2", follow, SamplingOptions(max_tokens=6))) == 28
+    # the same prompt again reads the snapshot after its last full block
+    assert (
+        answer(sched, worker, Request("again", list(prompt), SamplingOptions(max_tokens=3))) == 28
+    )
+    # a prompt that shares blocks but no snapshot recomputes, snapshotting where it leaves the
+    # cached prompt; the next one sharing that prefix resumes there
+    other = prompt[:20] + [1, 2, 3, 4, 5, 6, 7]
+    assert answer(sched, worker, Request("branch", other, SamplingOptions(max_tokens=3))) == 0
+    third = prompt[:20] + [9, 9, 9, 9, 9, 9]
+    assert answer(sched, worker, Request("third", third, SamplingOptions(max_tokens=3))) == 20
+    stats = sched.pool_stats()
+    assert stats.num_state_snapshots >= 3 and stats.num_used_state_slots == 0
+    # a flushed cache forgets the snapshots with the blocks
+    sched.kv.reset_prefix_cache()
+    assert answer(sched, worker, Request("flushed", third, SamplingOptions(max_tokens=3))) == 0
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_hybrid_conversations_under_pressure_resume_only_from_true_snapshots(chunk):
+    """Twelve conversations over three shared openings, on a small pool and a state pool four
+    slots past max_num_seqs: preemptions, snapshot evictions and resumes, every answer right.
+    """
+    sched, worker = hybrid_scheduler(num_blocks=20, slots=8, budget=chunk)
+    rng = random.Random(3)
+    openings = [[rng.randrange(1, 1000) for _ in range(rng.randint(9, 24))] for _ in range(3)]
+    reqs = []
+    for i in range(12):
+        tail = [rng.randrange(1, 1000) for _ in range(rng.randint(1, 12))]
+        reqs.append(
+            Request(f"c{i}", openings[i % 3] + tail, SamplingOptions(max_tokens=rng.randint(2, 16)))
+        )
+    run_to_completion(sched, worker, {0: reqs[:6], 5: reqs[6:9], 12: reqs[9:]})
+    for r in reqs:
+        assert r.seqs[0].output_token_ids == expected_output(
+            r.prompt_token_ids, r.sampling.max_tokens
+        )
+    assert sched.num_preemptions > 0 and worker.snapshots_taken > 3
+    assert sum(bool(r.cached_prompt_tokens) for r in reqs) >= 2
+    assert sched.pool_stats().num_used_state_slots == 0

@@ -4,7 +4,7 @@ projections, a causal conv and the gated delta rule over the sequence's slot of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,27 +21,38 @@ from worker.model.config import ModelConfig
 
 @dataclass
 class StateStep:
-    """A step's rows in the state pool: each row's slot, and its tokens' offsets (host ints)."""
+    """A step's rows in the state pool: each row's slot, its tokens' offsets (host ints), and the
+    snapshots taken inside rows: row -> [(offset, slot)], by offset.
+    """
 
     slots: torch.Tensor  # int64 [rows]
     query_start_loc: list[int]  # [rows + 1]
+    saves: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def decode_only(self) -> bool:
-        return self.query_start_loc[-1] == len(self.query_start_loc) - 1
+        return not self.saves and self.query_start_loc[-1] == len(self.query_start_loc) - 1
 
 
 def begin_state_step(states, p, device) -> StateStep | None:
-    """A hybrid plan's rows in the state pool (`states`, a StatePool), the slots of rows that
-    start at position 0 zeroed first; None for a model without one.
+    """A hybrid plan's rows in the state pool (`states`, a StatePool): snapshots resumed from are
+    copied in, then the slots of rows that start at position 0 are zeroed; None for a model
+    without one.
     """
     if states is None or p.state_slots is None:
         return None
+    if p.state_copies is not None and p.state_copies.size:
+        pairs = torch.from_numpy(p.state_copies.astype("int64").reshape(-1, 2)).to(device)
+        states.copy(pairs[:, 0], pairs[:, 1])
     starts = p.query_start_loc[:-1]
     slots = torch.from_numpy(p.state_slots.astype("int64")).to(device)
     fresh = torch.from_numpy(p.positions[starts] == 0).to(device)
     states.reset(slots[fresh])
-    return StateStep(slots, p.query_start_loc.tolist())
+    saves: dict[int, list[tuple[int, int]]] = {}
+    if p.state_saves is not None:
+        for row, offset, dst in sorted(p.state_saves.reshape(-1, 3).tolist()):
+            saves.setdefault(row, []).append((offset, dst))
+    return StateStep(slots, p.query_start_loc.tolist(), saves)
 
 
 class GatedDeltaNet(nn.Module):
@@ -80,12 +91,24 @@ class GatedDeltaNet(nn.Module):
             loc = step.query_start_loc
             for row, slot in enumerate(step.slots.tolist()):
                 s, e = loc[row], loc[row + 1]
-                y, conv_states[slot] = causal_conv(x[s:e], conv_states[slot], self.conv)
-                q, k, v = self._qkv(y)
-                rule = gated_delta_rule_step if e - s == 1 else _chunk
-                o, new = rule(q, k, v, g[s:e], beta[s:e], states[slot][None])
-                out[s:e], states[slot] = o, new[0]
+                # a snapshot splits the row where it is taken
+                for offset, dst in (*step.saves.get(row, ()), (e - s, -1)):
+                    if s < loc[row] + offset:
+                        end = loc[row] + offset
+                        out[s:end] = self._advance(x, g, beta, s, end, slot, conv_states, states)
+                        s = end
+                    if dst >= 0:
+                        conv_states[dst], states[dst] = conv_states[slot], states[slot]
         return self._gated_norm(out, z)
+
+    def _advance(self, x, g, beta, s: int, e: int, slot: int, conv_states, states):
+        """Tokens s:e of one row through the conv and the delta rule from its slot's state."""
+        y, conv_states[slot] = causal_conv(x[s:e], conv_states[slot], self.conv)
+        q, k, v = self._qkv(y)
+        rule = gated_delta_rule_step if e - s == 1 else _chunk
+        o, new = rule(q, k, v, g[s:e], beta[s:e], states[slot][None])
+        states[slot] = new[0]
+        return o
 
     def _qkv(self, x: torch.Tensor):
         kd = self.k_heads * self.k_dim

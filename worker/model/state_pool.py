@@ -1,6 +1,6 @@
 """The recurrent-state pool beside the paged KV: per slot, each Gated DeltaNet layer's last conv
-inputs and its delta-rule state (fp32). The scheduler gives each running sequence a slot; the
-worker holds the bytes.
+inputs and its delta-rule state (fp32). The scheduler gives each running sequence a slot, and keeps
+snapshots of prompts' states in the others; the worker holds the bytes.
 """
 
 from __future__ import annotations
@@ -43,6 +43,14 @@ class StatePool:
 
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv[idx], self.recurrent[idx]
+
+    @torch.no_grad()
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's state of slots src into slots dst (a snapshot taken or resumed from)."""
+        if src.numel():
+            for conv, state in zip(self.conv.values(), self.recurrent.values(), strict=True):
+                conv[dst] = conv[src]
+                state[dst] = state[src]
 
     @torch.no_grad()
     def reset(self, slots: torch.Tensor) -> None:

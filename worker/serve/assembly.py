@@ -79,7 +79,9 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     rows_bound = min(cfg.max_num_seqs or GPU_MAX_NUM_SEQS[1], cfg.max_num_batched_tokens)
     # LoRA and a hybrid's state slots: from the pool's budget
     lora = lora_reserve(cfg, loaded.config, loaded.model.shard, loaded.dtype)
-    state_slots, per_slot = hybrid_slots(cfg, config, loaded.dtype, device, GPU_MAX_NUM_SEQS[1], tp)
+    live, state_slots, per_slot = hybrid_slots(
+        cfg, config, loaded.dtype, device, GPU_MAX_NUM_SEQS[1], tp
+    )
     lora += state_slots * per_slot
     try:
         if cfg.num_blocks:
@@ -133,7 +135,7 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     if num_blocks < 1:
         beside = (
             f" beside {state_slots * per_slot} bytes of recurrent state ({state_slots} slots, "
-            "--max-num-seqs)"
+            "--max-num-seqs and --state-snapshots)"
             if state_slots
             else f" beside {lora} bytes of LoRA adapters (--max-cpu-loras x --max-lora-rank)"
             if lora
@@ -147,7 +149,7 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             bytes_per_block=per_block,
         )
-    max_num_seqs = state_slots or (
+    max_num_seqs = live or (
         cfg.max_num_seqs
         or default_max_num_seqs(device.type, num_blocks, cfg.block_size, cfg.max_num_batched_tokens)
     )
@@ -165,16 +167,18 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
 
 def hybrid_slots(
     cfg: WorkerConfig, config, dtype, device, gpu_rows: int, tp: int
-) -> tuple[int, int]:
-    """A hybrid's state slots (--max-num-seqs, else 32 on a CPU and the GPU row bound) and their
-    bytes each on this rank; (0, 0) for a model without recurrent state.
+) -> tuple[int, int, int]:
+    """A hybrid's running sequences (--max-num-seqs, else 32 on a CPU and the GPU row bound), its
+    state slots (those and --state-snapshots) and their bytes each on this rank; zeros for a model
+    without recurrent state.
     """
     from worker.model.state_pool import bytes_per_slot
 
     if not config.keeps_state:
-        return 0, 0
-    slots = cfg.max_num_seqs or (32 if device.type == "cpu" else gpu_rows)
-    return slots, bytes_per_slot(config, dtype, config.linear_v_heads // tp)
+        return 0, 0, 0
+    live = cfg.max_num_seqs or (32 if device.type == "cpu" else gpu_rows)
+    snapshots = live if cfg.state_snapshots is None else cfg.state_snapshots
+    return live, live + snapshots, bytes_per_slot(config, dtype, config.linear_v_heads // tp)
 
 
 def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | None = None):

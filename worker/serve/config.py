@@ -45,6 +45,7 @@ class WorkerConfig:
     enforce_eager: bool = False
     graph_max_context: int = 8192
     malloc: str | None = None
+    state_snapshots: int | None = None
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
     seed: int = 0

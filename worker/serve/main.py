@@ -206,6 +206,15 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         "$PAGEDSERVE_MALLOC or auto",
     )
     g.add_argument(
+        "--state-snapshots",
+        type=COUNT,
+        default=None,
+        help="a hybrid model's recurrent-state slots for prefix snapshots beside one per "
+        "running sequence (--max-num-seqs), their memory taken from the KV pool's budget; the "
+        "scheduler keeps snapshots in every slot no running sequence holds (default: as many as "
+        "running sequences; 0: snapshots only in slots the running sequences leave idle)",
+    )
+    g.add_argument(
         "--max-cpu-loras",
         type=COUNT,
         default=None,

@@ -214,3 +214,32 @@ def validate_states(p: PlanArrays, num_slots: int) -> None:
         raise PlanError(f"state slots must be distinct and in [0, {num_slots})")
     if p.num_draft is not None and (p.num_draft > 0).any():
         raise PlanError("a hybrid model's rows cannot draft: its recurrent state has no undo")
+    validate_snapshots(p, num_slots)
+
+
+def validate_snapshots(p: PlanArrays, num_slots: int) -> None:
+    """Copies go from a slot no row resumes in (copies run before fresh slots are zeroed) to one a
+    row resumes in; a snapshot is taken inside its row into a slot no row runs in; each slot is
+    written once.
+    """
+    copies = np.zeros(0, np.int32) if p.state_copies is None else p.state_copies
+    saves = np.zeros(0, np.int32) if p.state_saves is None else p.state_saves
+    if copies.size % 2 or saves.size % 3:
+        raise PlanError("state_copies are (src, dst) pairs and state_saves (row, offset, dst)")
+    copies, saves = copies.reshape(-1, 2), saves.reshape(-1, 3)
+    live = set(p.state_slots.tolist())
+    starts = p.query_start_loc[:-1]
+    resuming = set(p.state_slots[p.positions[starts] > 0].tolist())
+    written = copies[:, 1].tolist() + saves[:, 2].tolist()
+    if (
+        any(s in resuming or not 0 <= s < num_slots for s in copies[:, 0].tolist())
+        or any(d not in resuming for d in copies[:, 1].tolist())
+        or len(set(written)) != len(written)
+    ):
+        raise PlanError("a state copy must go from a snapshot slot to a resuming row's slot, once")
+    rows = np.diff(p.query_start_loc)
+    for row, offset, dst in saves.tolist():
+        if not 0 <= row < p.num_seqs or not 0 < offset <= rows[row]:
+            raise PlanError(f"a state snapshot at offset {offset} of row {row} is outside it")
+        if dst in live or not 0 <= dst < num_slots:
+            raise PlanError(f"a state snapshot goes to slot {dst}, which a row runs in")
