@@ -192,3 +192,45 @@ def test_a_multimodal_folder_is_served_as_text(tmp_path, server_factory):
         assert "text_only" in server.log_path.read_text()
     finally:
         server.stop()
+
+
+def test_the_moe_sibling_routes_experts_beside_a_gated_shared_expert(tmp_path, server_factory):
+    """Qwen3.5's MoE (`qwen3_5_moe_text`): every layer's MLP is four routed experts (two a token,
+    renormalized) plus a shared expert scaled by a per-token sigmoid gate; equal to transformers
+    over 48 tokens past 40-token prompts, four at once, split over two ranks (each holding a
+    slice of every expert and of the shared one).
+    """
+    folder = make_tiny_llama(
+        tmp_path,
+        seed=6,
+        family="qwen3_5_moe_text",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        **QWEN3_5,
+    )
+    server = server_factory(
+        folder,
+        "--tensor-parallel-size",
+        "2",
+        "--block-size",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+        "--max-model-len",
+        "128",
+        "--metrics-port",
+        "-1",
+    )
+    try:
+        rng = random.Random(9)
+        items = [
+            (f"hy-moe-{i}", [rng.randrange(3, 384) for _ in range(40)], 48, 0.0) for i in range(4)
+        ]
+        results = submit_all(server, items, stream=False)
+        for rid, prompt, n, _ in items:
+            assert results[rid][0] == hf_greedy(folder, prompt, n), rid
+        assert_all_blocks_back(server)
+    finally:
+        server.stop()

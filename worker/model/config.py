@@ -14,6 +14,7 @@ from worker.model.families import (
     GATED_ACTIVATIONS,
     GEMMA_TYPES,
     HYBRID_TYPES,
+    SHARED_EXPERT_TYPES,
     UnsupportedModel,
     check_supported,
     language_config,
@@ -73,6 +74,8 @@ class ModelConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # beside the experts, a shared one (intermediate_size wide) scaled by a per-token sigmoid gate
+    shared_expert: bool = False
     # hybrids (Qwen3.5): per layer whether it is Gated DeltaNet (empty: none is), its heads and
     # dims, the causal conv's width; attention layers gate their output by a second q projection
     linear_layers: tuple[bool, ...] = ()
@@ -171,7 +174,12 @@ class ModelConfig:
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
+            # (a model whose every MLP is experts: its shared expert's)
+            intermediate_size=int(
+                cfg.get("shared_expert_intermediate_size")
+                if model_type in SHARED_EXPERT_TYPES
+                else cfg["intermediate_size"]
+            ),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -207,7 +215,9 @@ class ModelConfig:
                 if model_type == "mixtral"
                 else cfg.get("moe_intermediate_size") or 0
             ),
-            norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+            norm_topk_prob=model_type in ("mixtral", "qwen3_5_moe_text")
+            or bool(cfg.get("norm_topk_prob", False)),
+            shared_expert=bool(cfg.get("shared_expert_intermediate_size")),
             **hybrid_fields(cfg, num_layers),
         )
 
@@ -343,7 +353,11 @@ def parameter_count(config) -> int:
     gate = h * config.num_heads * hd if config.attn_output_gate else 0
     layers = sum(
         (linear if config.is_linear(i) else attn + gate)
-        + (moe if (config.moe_layers and config.moe_layers[i]) else dense_mlp)
+        + (
+            moe + (dense_mlp + h if config.shared_expert else 0)
+            if (config.moe_layers and config.moe_layers[i])
+            else dense_mlp
+        )
         for i in range(config.num_layers)
     )
     return config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + layers

@@ -14,23 +14,26 @@ SUPPORTED_MODEL_TYPES = (
     "gemma2",
     "gemma3_text",
     "qwen3_5_text",
+    "qwen3_5_moe_text",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # the mixture-of-experts families (router top-k over SwiGLU experts)
-MOE_TYPES = ("qwen3_moe", "mixtral")
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text")
+# and those whose experts sit beside one shared expert, gated per token
+SHARED_EXPERT_TYPES = ("qwen3_5_moe_text",)
 # activations of the gated MLP: SiLU (SwiGLU) everywhere, GELU-tanh (GeGLU) where the family uses it
 GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # dynamic (NTK) only changes the frequencies past max_position_embeddings, which is never served
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # families whose transformers attention rotates only the first partial_rotary_factor of each head
-PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text")
+PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text", "qwen3_5_moe_text")
 # hybrids: Gated DeltaNet layers (a recurrent state per sequence) between gated attention layers
-HYBRID_TYPES = ("qwen3_5_text",)
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 # multimodal folders served as text: their language model's config, under its own model_type
-TEXT_OF_MULTIMODAL = {"qwen3_5": "qwen3_5_text"}
+TEXT_OF_MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def language_config(cfg: dict) -> dict:
@@ -144,8 +147,10 @@ def check_supported(cfg: dict) -> None:
                 "num_experts_per_tok", top_k, f"needs 1 to num_experts ({experts}) experts a token"
             )
         for name in ("shared_expert_intermediate_size", "n_shared_experts"):
-            if cfg.get(name):
-                raise UnsupportedModel(name, cfg[name], "shared experts are not implemented")
+            if cfg.get(name) and model_type not in SHARED_EXPERT_TYPES:
+                raise UnsupportedModel(
+                    name, cfg[name], f"shared experts are implemented for {SHARED_EXPERT_TYPES}"
+                )
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
         raise UnsupportedModel(

@@ -74,18 +74,18 @@ class DecoderLayer(nn.Module):
         # Gemma's norms of the attention and MLP outputs, before each residual add
         self.attn_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
         self.mlp_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
-        # the MLP: dense (gate and up stacked), or a mixture of experts
+        # the MLP: dense (gate and up stacked), or a mixture of experts, beside which a shared
+        # expert is the dense MLP scaled by a per-token sigmoid gate
         self.moe = MoE(c, shard) if c.is_moe(layer_idx) else None
-        self.gate_up = (
-            None
-            if self.moe
-            else nn.Parameter(torch.empty(2 * shard.intermediate_size, c.hidden_size))
-        )
-        self.down = (
-            None if self.moe else nn.Parameter(torch.empty(c.hidden_size, shard.intermediate_size))
+        dense = self.moe is None or c.shared_expert
+        inter = shard.intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(2 * inter, c.hidden_size)) if dense else None
+        self.down = nn.Parameter(torch.empty(c.hidden_size, inter)) if dense else None
+        self.shared_gate = (
+            nn.Parameter(torch.empty(1, c.hidden_size)) if self.moe and c.shared_expert else None
         )
         names = self.LINEAR_WEIGHTS if self.linear is not None else self.MATMUL_WEIGHTS
-        self.matmul_names = names[:2] if self.moe else names
+        self.matmul_names = names if dense else names[:2]
         # kept when released
         self.shapes = {name: tuple(getattr(self, name).shape) for name in self.matmul_names}
         self.config = c
@@ -144,27 +144,36 @@ class DecoderLayer(nn.Module):
             c.rms_norm_eps,
             self.moe is None and into_bf16("gate_up"),
         )
-        if self.moe is not None:
+        if self.moe is None:
+            out = self.comm.all_reduce(self._mlp(h, step, ops, into_bf16("down")))
+        elif self.shared_gate is None:
             out = self.comm.all_reduce(self.moe(h, ops))
         else:
-            # a bf16 GEMM's gate/up stays bf16 into the SiLU·mul and the down GEMM
-            gate_up = (
-                mm(h, w["gate_up"], bf16_out=True)
-                if c.hidden_act == "silu" and getattr(mm, "keeps_bf16", False)
-                else mm(h, w["gate_up"])
-            )
-            if lora is not None:
-                gate_up = lora.apply(i, "gate_up", h, gate_up)
-            act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
-            out = (
-                mm(act, w["down"], bf16_out=True)
-                if into_bf16("down") and self.mlp_out_norm is None
-                else mm(act, w["down"])
-            )
-            out = self.comm.all_reduce(out if lora is None else lora.apply(i, "down", act, out))
+            shared = self._mlp(h, step, ops, False).float()
+            scale = torch.sigmoid(F.linear(h, self.shared_gate).float())
+            out = self.comm.all_reduce(self.moe(h, ops) + (scale * shared).to(h.dtype))
         if self.mlp_out_norm is not None:
             out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)
         return out, residual
+
+    def _mlp(self, h, step: StepInputs, ops, bf16_down: bool) -> torch.Tensor:
+        """The gated MLP (this rank's share, before the sum over ranks)."""
+        c, mm, w, lora, i = self.config, self.mm, self.w, step.lora, self.layer_idx
+        # a bf16 GEMM's gate/up stays bf16 into the SiLU·mul and the down GEMM
+        gate_up = (
+            mm(h, w["gate_up"], bf16_out=True)
+            if c.hidden_act == "silu" and getattr(mm, "keeps_bf16", False)
+            else mm(h, w["gate_up"])
+        )
+        if lora is not None:
+            gate_up = lora.apply(i, "gate_up", h, gate_up)
+        act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
+        out = (
+            mm(act, w["down"], bf16_out=True)
+            if bf16_down and self.mlp_out_norm is None
+            else mm(act, w["down"])
+        )
+        return out if lora is None else lora.apply(i, "down", act, out)
 
     def _attend(self, h, step: StepInputs, pool: KVPool, rope, attn, ops, into_bf16):
         """Attention over the paged K/V, through o_proj (summed over ranks)."""

@@ -61,8 +61,11 @@ def read_quantized(
             ),
             "o_proj": quant([(a + "o_proj.weight", None)], cols=q_rows),
         }
-        # a mixture of experts stays as loaded (worker/model/moe.py reads the experts)
-        if layer.moe is None:
+        # a mixture of experts stays as loaded (worker/model/moe.py reads the experts); its shared
+        # expert is packed as a dense MLP
+        if layer.moe is not None:
+            m += "shared_expert."
+        if layer.gate_up is not None:
             plan["gate_up"] = quant(
                 [(m + "gate_proj.weight", sh.intermediate), (m + "up_proj.weight", sh.intermediate)]
             )
@@ -110,7 +113,9 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
             _load_attention(model, ck, layer, p, names)
         if layer.moe is not None:
             _load_experts(model, ck, layer.moe, p + names.moe, names)
-        else:
+        if layer.shared_gate is not None:
+            layer.shared_gate.copy_(ck.take(p + "mlp.shared_expert_gate.weight"))
+        if layer.gate_up is not None:
             _load_mlp(model, ck, layer, p, names)
     ck.check_all_used(c.tie_word_embeddings)
 
@@ -199,8 +204,12 @@ def _load_delta_net(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer
 def _load_mlp(
     model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
 ) -> None:
-    """This rank's intermediate rows of gate and up (fused), and columns of down."""
+    """This rank's intermediate rows of gate and up (fused), and columns of down (of the shared
+    expert beside a mixture of experts)."""
     m, inter, fused = p + "mlp.", model.shard.intermediate, p + names.gate_up
+    if layer.moe is not None:
+        m = p + "mlp.shared_expert."
+        fused = m + "gate_up_proj.weight"
     if ck.served(layer.gate_up, m + "gate_proj.weight", m + "up_proj.weight", fused):
         pass
     elif fused in ck:  # gate then up in one tensor
@@ -221,10 +230,17 @@ def _load_mlp(
 def _load_experts(
     model: LlamaModel, ck: CheckpointReader, moe: MoE, m: str, names: LayerNames
 ) -> None:
-    """The router whole, this rank's slice of every expert."""
+    """The router whole, this rank's slice of every expert (one tensor each, or all experts' gate
+    and up in one [experts, 2 x I, hidden] tensor and their down in another)."""
     inter = model.shard.expert_intermediate
     gate, up, down = names.expert
     moe.router.copy_(ck.take(m + "gate.weight"))
+    if m + "experts.gate_up_proj" in ck:
+        size, (i0, i1) = model.config.moe_intermediate_size, inter
+        both = ck.take(m + "experts.gate_up_proj")
+        moe.gate_up.copy_(torch.cat([both[:, i0:i1], both[:, size + i0 : size + i1]], dim=1))
+        moe.down.copy_(ck.take(m + "experts.down_proj")[:, :, i0:i1])
+        return
     for e in range(model.config.num_experts):
         x = f"{m}experts.{e}."
         moe.gate_up[e].copy_(
