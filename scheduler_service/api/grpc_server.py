@@ -19,6 +19,11 @@ from scheduler_service.api.lora import (
     loaded,
     unload_adapter,
 )
+from scheduler_service.api.reasoning import (
+    ReasoningSplit,
+    prompt_opens_thinking,
+    template_thinks,
+)
 from scheduler_service.api.rpc import (
     CLIENT_ERRORS,
     ApiKeyInterceptor,
@@ -82,9 +87,19 @@ class GenerationServicer:
         self.engine = engine
         self.expose_request_ids = expose_request_ids
         self.token_text = TokenTable(engine.tokenizer)
+        self.thinks = template_thinks(engine.tokenizer.chat_template)
 
     async def _request(self, msg: generation_pb2.GenerateRequest):
         return await prepare_request(self.engine, msg)
+
+    def _reasoning(self, msg, request) -> ReasoningSplit | None:
+        """A chat request on a template that thinks: its <think> block goes to reasoning_text."""
+        if not (self.thinks and msg.messages):
+            return None
+        tail = self.engine.tokenizer.decode(
+            request.prompt_token_ids[-8:], skip_special_tokens=False
+        )
+        return ReasoningSplit(prompt_opens_thinking(tail))
 
     def handlers(self) -> grpc.GenericRpcHandler:
         pb = generation_pb2
@@ -143,13 +158,20 @@ class GenerationServicer:
     async def Generate(self, msg, context):
         try:
             request = await self._request(msg)
+            split = self._reasoning(msg, request)
             choices = {}
             usage = None
             prompt_logprobs = []
             async for delta in self.engine.generate(request):
                 c = choices.setdefault(delta.index, generation_pb2.Completion(index=delta.index))
                 c.token_ids.extend(delta.token_ids)
-                c.text += delta.text
+                if split is None:
+                    c.text += delta.text
+                else:
+                    last = delta.finish_reason is not None
+                    reasoning, content = split.add(delta.index, delta.text, last)
+                    c.reasoning_text += reasoning
+                    c.text += content
                 if delta.logprobs:
                     c.logprobs.extend(_logprobs(delta.logprobs, self.token_text))
                 if delta.prompt_logprobs:
@@ -172,6 +194,7 @@ class GenerationServicer:
     async def GenerateStream(self, msg, context):
         try:
             request = await self._request(msg)
+            split = self._reasoning(msg, request)
             async for delta in self.engine.generate(request):
                 out = generation_pb2.GenerateStreamResponse(
                     request_id=request.request_id,
@@ -179,6 +202,9 @@ class GenerationServicer:
                     token_ids=delta.token_ids,
                     text=delta.text,
                 )
+                if split is not None:
+                    last = delta.finish_reason is not None
+                    out.reasoning_text, out.text = split.add(delta.index, delta.text, last)
                 if delta.logprobs:
                     out.logprobs.extend(_logprobs(delta.logprobs, self.token_text))
                 if delta.prompt_logprobs:

@@ -7,6 +7,7 @@ import time
 
 from scheduler_service.api import tool_calls
 from scheduler_service.api.openai_requests import ToolMode
+from scheduler_service.api.reasoning import split_reasoning, streamed_regions
 from scheduler_service.core.sequence import FinishReason
 from scheduler_service.text.output import Delta, TokenLogprob
 from scheduler_service.text.tokenizer import TokenTable
@@ -94,12 +95,22 @@ class Sample:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
-def chat_message(sample: Sample, mode: ToolMode) -> tuple[dict, str | None]:
-    """The assistant's message and finish reason, tool calls parsed out by the tool mode; a forced
-    call cut short is no content.
+def chat_message(
+    sample: Sample, mode: ToolMode, thinks: bool = False, opened: bool = False
+) -> tuple[dict, str | None]:
+    """The assistant's message and finish reason: a <think> block's reasoning in
+    reasoning_content where the template thinks (opened: the prompt opened the block), tool calls
+    parsed out of the rest by the tool mode; a forced call cut short is no content.
     """
+    reasoning, text = split_reasoning(sample.text, thinks, opened)
+    message, finish = _answer(sample, text, mode)
+    if thinks:
+        message["reasoning_content"] = reasoning
+    return message, finish
+
+
+def _answer(sample: Sample, text: str, mode: ToolMode) -> tuple[dict, str | None]:
     finish = FINISH[sample.finish_reason]
-    text = sample.text
     calls = None
     if mode.kind == "required":
         calls = tool_calls.parse_required(text)
@@ -128,11 +139,13 @@ def chat_completion(
     mode: ToolMode,
     usage: dict,
     token_text: TokenText | None,
+    thinking: tuple[bool, bool] = (False, False),
 ) -> dict:
+    """thinking: (whether the template thinks, whether the prompt opened the block)."""
     choices = []
     for index in sorted(samples):
         s = samples[index]
-        message, finish = chat_message(s, mode)
+        message, finish = chat_message(s, mode, *thinking)
         logprobs = token_text.chat_logprobs(s.logprobs) if token_text is not None else None
         choices.append(
             {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
@@ -148,8 +161,9 @@ def chat_completion(
 
 
 class ChatStream:
-    """Chunks of a streamed chat completion; text that is a forced tool call is held to the end, and
-    auto mode streams up to a <tool_call>.
+    """Chunks of a streamed chat completion: a <think> block's reasoning in reasoning_content
+    deltas, then content; text that is a forced tool call is held to the end, and auto mode streams
+    up to a <tool_call>.
     """
 
     def __init__(
@@ -159,6 +173,7 @@ class ChatStream:
         mode: ToolMode,
         token_text: TokenText | None,
         usage_each_chunk: bool,
+        thinking: tuple[bool, bool] = (False, False),
     ) -> None:
         self.head = {
             "id": request_id,
@@ -169,8 +184,11 @@ class ChatStream:
         self.mode = mode
         self.token_text = token_text
         self.usage_each_chunk = usage_each_chunk
+        self.thinking = thinking
         self.samples: dict[int, Sample] = {}
-        self.sent: dict[int, int] = {}  # characters of each sample's text already sent as content
+        # characters of each sample's content, and of its reasoning, already sent
+        self.sent: dict[int, int] = {}
+        self.sent_reasoning: dict[int, int] = {}
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
         body = {**self.head, "choices": choices}
@@ -179,17 +197,9 @@ class ChatStream:
         return b"data: " + dumps(body) + b"\n\n"
 
     def opening(self, n: int) -> bytes:
+        first = {"role": "assistant", "content": ""}
         return b"".join(
-            self.chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ]
-            )
+            self.chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None}])
             for i in range(n)
         )
 
@@ -201,36 +211,43 @@ class ChatStream:
         )
         if d.finish_reason is not None:
             return self._last(d.index, s, logprobs, usage)
-        content = self._streamable(d.index, s)
-        if not content and logprobs is None:
+        reasoning, rest = streamed_regions(s.text, *self.thinking)
+        delta = {}
+        if reasoning := self._unsent(self.sent_reasoning, d.index, reasoning):
+            delta["reasoning_content"] = reasoning
+        if content := self._streamable(d.index, rest):
+            delta["content"] = content
+        if not delta and logprobs is None:
             return None
         return self.chunk(
-            [
-                {
-                    "index": d.index,
-                    "delta": {"content": content},
-                    "logprobs": logprobs,
-                    "finish_reason": None,
-                }
-            ],
+            [{"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}],
             usage,
         )
 
-    def _streamable(self, index: int, s: Sample) -> str:
-        """New content that can go out now."""
-        if self.mode.kind in ("required", "named"):
+    @staticmethod
+    def _unsent(sent: dict[int, int], index: int, text: str) -> str:
+        start = sent.get(index, 0)
+        sent[index] = max(start, len(text))
+        return text[start:]
+
+    def _streamable(self, index: int, text: str | None) -> str:
+        """New content that can go out now (text: the answer past any <think> block, None while
+        unknown).
+        """
+        if text is None or self.mode.kind in ("required", "named"):
             return ""
-        sent = self.sent.get(index, 0)
-        end = len(s.text)
+        end = len(text)
         if self.mode.parse_auto:
-            opened = s.text.find(tool_calls.TOOL_CALL_OPEN)
-            end = opened if opened >= 0 else end - tool_calls.held_back(s.text)
-        self.sent[index] = max(sent, end)
-        return s.text[sent:end]
+            opened = text.find(tool_calls.TOOL_CALL_OPEN)
+            end = opened if opened >= 0 else end - tool_calls.held_back(text)
+        return self._unsent(self.sent, index, text[:end])
 
     def _last(self, index: int, s: Sample, logprobs: dict | None, usage: dict | None) -> bytes:
-        message, finish = chat_message(s, self.mode)
+        message, finish = chat_message(s, self.mode, *self.thinking)
         delta: dict = {}
+        reasoning = self._unsent(self.sent_reasoning, index, message.get("reasoning_content") or "")
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
             rest = message["content"] or ""
@@ -238,7 +255,7 @@ class ChatStream:
             if self.mode.parse_auto and len(rest) > sent:
                 delta["content"] = rest[sent:]
         elif message["content"] is not None:
-            delta["content"] = s.text[self.sent.get(index, 0) :]
+            delta["content"] = message["content"][self.sent.get(index, 0) :]
         return self.chunk(
             [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], usage
         )

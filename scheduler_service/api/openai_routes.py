@@ -28,6 +28,7 @@ from scheduler_service.api.openai_schema import (
     EmbeddingRequest,
 )
 from scheduler_service.api.openai_service import ServiceRoutes
+from scheduler_service.api.reasoning import prompt_opens_thinking, template_thinks
 from scheduler_service.api.rpc import bearer_matches, prepare_request
 from scheduler_service.api.streams import merged, unless_disconnected
 from scheduler_service.api.tool_calls import template_writes_tool_calls
@@ -53,6 +54,7 @@ class OpenAIServer(ServiceRoutes):
         self.api_key = api_key
         self.defaults = engine.spec.sampling_defaults
         self.parse_auto_tools = template_writes_tool_calls(engine.tokenizer.chat_template)
+        self.thinks = template_thinks(engine.tokenizer.chat_template)
         self.token_text = out.TokenText(engine.tokenizer)
         self.agents = AgentRoutes(self)
         routes = self.agents.routes + [
@@ -141,11 +143,12 @@ class OpenAIServer(ServiceRoutes):
             msg.request_id, msg.lora = rid, self.lora_of(model)
             prepared = await prepare_request(self.engine, msg)
             token_text = self.token_text if body.logprobs else None
+            thinking = self.thinking(prepared)
             if body.stream:
-                return self._chat_stream(body, model, prepared, mode, token_text)
+                return self._chat_stream(body, model, prepared, mode, token_text, thinking)
             samples, usage = await unless_disconnected(request, self.collect([prepared]))
             answer = out.chat_completion(
-                prepared.request_id, model, samples, mode, usage, token_text
+                prepared.request_id, model, samples, mode, usage, token_text, thinking
             )
             if body.prompt_logprobs is not None:
                 table, prompt = self.token_text, samples[0].prompt_logprobs
@@ -153,6 +156,13 @@ class OpenAIServer(ServiceRoutes):
             return Response(out.dumps(answer), media_type="application/json")
 
         return await self.guarded(request, handler, "chatcmpl")
+
+    def thinking(self, prepared) -> tuple[bool, bool]:
+        """Whether the template thinks in <think> blocks, and whether this prompt opened one."""
+        tail = self.engine.tokenizer.decode(
+            prepared.prompt_token_ids[-8:], skip_special_tokens=False
+        )
+        return self.thinks, self.thinks and prompt_opens_thinking(tail)
 
     async def collect(self, requests: list) -> tuple[dict[int, out.Sample], dict]:
         """Every request's samples (numbered request i * n + sample) and the summed usage; each
@@ -178,12 +188,14 @@ class OpenAIServer(ServiceRoutes):
         return samples, out.usage_body(prompt, completion, cached)
 
     def _chat_stream(
-        self, body: ChatCompletionRequest, model: str, prepared, mode, token_text
+        self, body: ChatCompletionRequest, model: str, prepared, mode, token_text, thinking
     ) -> Response:
         options = body.stream_options
         include_usage = bool(options and (options.include_usage or options.continuous_usage_stats))
         continuous = bool(options and options.continuous_usage_stats)
-        stream = out.ChatStream(prepared.request_id, model, mode, token_text, include_usage)
+        stream = out.ChatStream(
+            prepared.request_id, model, mode, token_text, include_usage, thinking
+        )
         prompt_len = prepared.prompt_len
 
         async def chunks() -> AsyncIterator[bytes]:

@@ -411,3 +411,62 @@ def test_the_sdks_against_the_default_model_as_make_run_serves_it(server_factory
     )
     assert used.stop_reason == "tool_use" and used.content[-1].input["city"] in ("Paris", "Rome")
     no_leak(served)
+
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}</s>"
+    "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% if enable_thinking is defined and "
+    "not enable_thinking %}<think></think>{% else %}<think>{% endif %}{% endif %}"
+)
+
+
+def test_a_thinking_template_answers_with_its_reasoning_apart_in_chat_and_grpc(
+    server_factory, tiny_model_dir, tmp_path
+):
+    """A template that opens a <think> block (as Qwen3.5's does): chat's reasoning_content, its
+    streamed deltas and gRPC's reasoning_text hold the thinking, content and text the answer;
+    chat_template_kwargs.enable_thinking=false turns it off and the whole text is content.
+    """
+    import shutil
+
+    folder = tmp_path / "thinking"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": THINKING_TEMPLATE})
+    )
+    srv = server_factory(folder, "--served-model-name", "tiny")
+    try:
+        client = openai.OpenAI(base_url=srv.http_url, api_key="x", max_retries=0, timeout=120)
+        asked = dict(model="tiny", messages=[{"role": "user", "content": "think"}], max_tokens=12)
+        whole = client.chat.completions.create(temperature=0, **asked).choices[0].message
+        thought = whole.model_extra["reasoning_content"]
+        assert thought and not whole.content and "<think>" not in thought
+        streamed = {"reasoning_content": "", "content": ""}
+        for chunk in client.chat.completions.create(temperature=0, stream=True, **asked):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                streamed["content"] += delta.content or ""
+                streamed["reasoning_content"] += delta.model_extra.get("reasoning_content") or ""
+        assert streamed == {"reasoning_content": thought, "content": ""}
+        req = generation_pb2.GenerateRequest(
+            messages=[generation_pb2.ChatMessage(role="user", content="think")],
+            sampling=generation_pb2.SamplingParams(max_tokens=12),
+        )
+        got = srv.stub.Generate(req, timeout=60).choices[0]
+        assert (got.reasoning_text, got.text) == (thought, "")
+        pieces = list(srv.stub.GenerateStream(req, timeout=60))
+        assert "".join(p.reasoning_text for p in pieces) == thought
+        assert "".join(p.text for p in pieces) == ""
+        off = (
+            client.chat.completions.create(
+                temperature=0,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                **asked,
+            )
+            .choices[0]
+            .message
+        )
+        assert off.content and off.model_extra.get("reasoning_content") is None
+    finally:
+        srv.stop()

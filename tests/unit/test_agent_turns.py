@@ -3,18 +3,15 @@ and while streaming (the streamed pieces add up to the whole), tool calls held u
 and the chat fields the agent APIs lean on (reasoning_effort, a cut-short required call).
 """
 
+import json
+
 import pytest
 
-from scheduler_service.api.agents.turns import (
-    ResponseStore,
-    TurnStream,
-    parse_turn,
-    split_reasoning,
-    template_thinks,
-)
+from scheduler_service.api.agents.turns import ResponseStore, TurnStream, parse_turn
 from scheduler_service.api.openai_requests import ToolMode, chat_request
 from scheduler_service.api.openai_responses import Sample, chat_message
 from scheduler_service.api.openai_schema import ChatCompletionRequest
+from scheduler_service.api.reasoning import split_reasoning, template_thinks
 from scheduler_service.core.sequence import FinishReason
 from scheduler_service.text.output import Delta
 
@@ -122,3 +119,53 @@ def test_the_response_store_keeps_the_newest_within_its_bound():
         store.put(f"r{i}", [{"role": "user", "content": str(i)}], {"id": f"r{i}"})
     assert store.get("r0") is None and store.get("r2")[1] == {"id": "r2"}
     assert store.delete("r1") and not store.delete("r1")
+
+
+@pytest.mark.parametrize("opened", [False, True])
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["<th", "ink>plan", " it</th", "ink>\n\nHel", "lo", " world"],
+        [
+            "<think>a, then b</think>",
+            "<tool_call>\n",
+            '{"name": "f", "arguments": {}}\n</tool_call>',
+        ],
+        ["Plain ", "answer ", "<", "/think> is just text"],
+    ],
+)
+def test_a_chat_completion_says_its_reasoning_apart_whole_and_streamed(pieces, opened):
+    """Chat completions split a <think> block into reasoning_content as vLLM's reasoning parser
+    does: the streamed deltas add up to the whole message, no tag leaks into either field, and
+    tool calls are parsed from what follows the block.
+    """
+    from scheduler_service.api.openai_responses import ChatStream
+
+    if opened:  # the prompt opened the block: the answer starts inside it
+        pieces = [
+            p.replace("<think>", "").replace("<th", "").replace("ink>plan", "plan") for p in pieces
+        ]
+    mode = ToolMode(kind="auto", parse_auto=True)
+    message, finish = chat_message(sample("".join(pieces)), mode, True, opened)
+    stream = ChatStream("chatcmpl-1", "m", mode, None, False, (True, opened))
+    got = {"reasoning_content": "", "content": "", "tool_calls": None}
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        chunk = stream.delta(
+            Delta(index=0, text=piece, finish_reason=FinishReason.STOP if last else None), None
+        )
+        if chunk is None:
+            continue
+        choice = json.loads(chunk[len(b"data: ") :])["choices"][0]
+        for key in ("reasoning_content", "content"):
+            got[key] += choice["delta"].get(key) or ""
+        got["tool_calls"] = choice["delta"].get("tool_calls", got["tool_calls"])
+    assert got["reasoning_content"] == (message["reasoning_content"] or "")
+    assert got["content"] == (message["content"] or "")
+    assert "<think" not in got["content"] and "</th" not in got["reasoning_content"]
+    if "tool_call" in "".join(pieces):
+        assert finish == "tool_calls" and got["tool_calls"][0]["function"]["name"] == "f"
+        assert message["reasoning_content"] == "a, then b"
+    # a template that does not think: the whole text is content, with no reasoning field
+    plain, _ = chat_message(sample("".join(pieces)), ToolMode(), False, False)
+    assert "reasoning_content" not in plain and plain["content"] == "".join(pieces)

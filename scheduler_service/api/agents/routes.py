@@ -14,13 +14,7 @@ from scheduler_service.api import openai_requests as to_engine
 from scheduler_service.api.agents import messages as anthropic
 from scheduler_service.api.agents import response_events as answers
 from scheduler_service.api.agents import responses as openai
-from scheduler_service.api.agents.turns import (
-    ResponseStore,
-    TurnStream,
-    parse_turn,
-    prompt_opens_thinking,
-    template_thinks,
-)
+from scheduler_service.api.agents.turns import ResponseStore, TurnStream, parse_turn
 from scheduler_service.api.openai_errors import ApiError, api_error, log_refusal, read_body
 from scheduler_service.api.openai_responses import dumps
 from scheduler_service.api.rpc import prepare_request
@@ -37,7 +31,7 @@ class AgentRoutes:
     def __init__(self, server) -> None:
         self.server = server
         self.engine = server.engine
-        self.thinks = template_thinks(server.engine.tokenizer.chat_template)
+        self.thinks = server.thinks
         self.store = ResponseStore()
         self.routes = [
             Route("/v1/responses", self.create_response, methods=["POST"]),
@@ -53,10 +47,7 @@ class AgentRoutes:
         msg, mode = to_engine.chat_request(chat, self.server.defaults, self.server.parse_auto_tools)
         msg.request_id, msg.lora = rid, self.server.lora_of(model)
         prepared = await prepare_request(self.engine, msg)
-        opened = self.thinks and prompt_opens_thinking(
-            self.engine.tokenizer.decode(prepared.prompt_token_ids[-8:], skip_special_tokens=False)
-        )
-        return prepared, mode, opened
+        return prepared, mode, self.server.thinking(prepared)[1]
 
     def _event_stream(
         self, prepared, mode, opened, shape, usage, on_turn=None, headers=None

@@ -11,23 +11,7 @@ from dataclasses import dataclass, field
 from scheduler_service.api import openai_responses as out
 from scheduler_service.api import tool_calls
 from scheduler_service.api.openai_requests import ToolMode
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-
-
-def template_thinks(chat_template: str | None) -> bool:
-    """Whether a chat template's models think in <think> blocks (Qwen3, SmolLM3, DeepSeek-R1 and
-    others).
-    """
-    return bool(chat_template) and THINK_CLOSE in chat_template
-
-
-def prompt_opens_thinking(prompt_tail: str) -> bool:
-    """Whether the prompt itself ends inside a <think> block (templates
-    that open it for the model).
-    """
-    tail = prompt_tail.rstrip()
-    return tail.endswith(THINK_OPEN)
+from scheduler_service.api.reasoning import split_reasoning, streamed_regions
 
 
 @dataclass
@@ -39,21 +23,6 @@ class Turn:
     reasoning: str | None = None
     finish: str | None = None  # chat's finish_reason: stop, length, tool_calls, abort
     stop_sequence: str | None = None  # the stop string that ended it, if one did
-
-
-def split_reasoning(text: str, thinks: bool, opened: bool) -> tuple[str | None, str]:
-    """(reasoning, the rest) of an answer; reasoning None where the answer did not think."""
-    if not thinks:
-        return None, text
-    stripped = text.lstrip()
-    if stripped.startswith(THINK_OPEN):
-        stripped, opened = stripped[len(THINK_OPEN) :], True
-    if not opened:
-        return None, text
-    if THINK_CLOSE not in stripped:  # cut while thinking
-        return stripped.strip(), ""
-    reasoning, rest = stripped.split(THINK_CLOSE, 1)
-    return reasoning.strip(), rest.lstrip()
 
 
 def parse_turn(
@@ -106,21 +75,8 @@ class TurnStream:
 
     def _regions(self, text: str) -> tuple[str, str]:
         """The reasoning and content of text so far, each cut back to what is certain."""
-        if self.thinks:
-            stripped = text.lstrip()
-            if (
-                not self.opened
-                and len(stripped) < len(THINK_OPEN)
-                and THINK_OPEN.startswith(stripped)
-            ):
-                return "", ""  # maybe the opening of a <think> block
-            if self.opened or stripped.startswith(THINK_OPEN):
-                body = stripped.removeprefix(THINK_OPEN).lstrip()
-                if THINK_CLOSE not in body:
-                    return body[: len(body) - _partial(body, THINK_CLOSE)].rstrip(), ""
-                reasoning, text = body.split(THINK_CLOSE, 1)
-                return reasoning.strip(), self._content(text.lstrip())
-        return "", self._content(text)
+        reasoning, rest = streamed_regions(text, self.thinks, self.opened)
+        return reasoning, "" if rest is None else self._content(rest)
 
     def _content(self, text: str) -> str:
         if self.mode.kind in ("required", "named"):
@@ -136,14 +92,6 @@ class TurnStream:
         self.sent_reasoning = max(self.sent_reasoning, len(reasoning))
         self.sent_content = max(self.sent_content, len(content))
         return new_r, new_c
-
-
-def _partial(text: str, tag: str) -> int:
-    """How many characters at the end of text might begin tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ResponseStore:
