@@ -7,13 +7,15 @@ tokens and an answer of --answer-tokens greedy tokens appended to the context (a
 starts with the whole turn before it). Turns go round the conversations, --clients at a time, so
 every conversation's blocks have left a pool sized to a quarter of the conversations' contexts (the
 working set is 4x the pool) before it comes back. Passes, each on a fresh server on the same file:
-  off       no tiers (the prefix cache only);
+  recompute no prefix cache at all (every turn computed whole; only with --passes);
+  off       no tiers (the prefix cache only: a hybrid model's turns resume from state snapshots);
   host      --kv-offload-size large enough for the working set;
   disk      --kv-offload-dir, a fresh folder;
   restart   a new server on the folder the disk pass filled: its returning turns (2 on) only, beside
   cold      a server without tiers on the same turns;
   llama.cpp llama-server with its default --cache-ram, one slot a client (--no-llama-cpp: none).
 Prints each pass's mean TTFT of first and returning turns, decode tokens/s a stream, and the ratios.
+--passes picks passes (a hybrid model, whose KV tiers are refused: recompute,off).
 
     python -m deploy.bench.kv_tiers --doc-tokens 6000 --conversations 8
 """
@@ -189,17 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the model's KV bytes a token (the default model's, fp32)",
     )
     p.add_argument("--no-llama-cpp", action="store_true")
-    args = p.parse_args(argv)
-    model = Path(args.model)
-    gguf = (
-        Path(args.gguf)
-        if args.gguf
-        else (
-            Path(json.loads((model / "pagedserve_model.json").read_text())["gguf"])
-            if model.is_dir()
-            else model
-        )
+    p.add_argument(
+        "--passes",
+        default="off,host,disk,restart",
+        help="comma-separated: recompute, off, host, disk, restart (restart needs disk)",
     )
+    args = p.parse_args(argv)
+    passes = set(args.passes.split(","))
+    model = Path(args.model)
     pool = pool_bytes(args, args.bytes_per_token)
     host = 8 * pool
     log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-kv-tiers-"))
@@ -214,10 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = {}
     for name, flags in (
+        ("recompute", ("--no-prefix-caching",)),
         ("off", ()),
         ("host", ("--kv-offload-size", f"{host}")),
         ("disk", ("--kv-offload-dir", str(folder), "--kv-offload-disk-size", f"{host}")),
     ):
+        if name not in passes:
+            continue
         server = serve(args, log_dir, name, *sized, *flags)
         try:
             convs = Conversations(args, seed=1)
@@ -225,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                 ask_pagedserve(server, args.answer_tokens), every, args.clients
             )
             stats = server.stats()
+            base = results.get("recompute" if name == "off" else "off")
             print(
-                summary(name, results[name], results.get("off"))
+                summary(name, results[name], base)
                 + f"   loaded {stats.host_tier_loaded + stats.disk_tier_loaded} blocks",
                 flush=True,
             )
@@ -238,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         ("restart", ("--kv-offload-dir", str(folder), "--kv-offload-disk-size", f"{host}")),
         ("cold", ()),
     ):
+        if "restart" not in passes:
+            break
         server = serve(args, log_dir, name, *sized, *flags)
         try:
             results[name] = Conversations(args, seed=1).run(
@@ -246,8 +251,18 @@ def main(argv: list[str] | None = None) -> int:
             print(summary(name, results[name], results.get("cold")), flush=True)
         finally:
             server.stop()
-    print(summary("restart", results["restart"], results["cold"]) + "   (against a cold server)")
+    if "restart" in passes:
+        print(summary("restart", results["restart"], results["cold"]) + "   (a cold server's)")
     if not args.no_llama_cpp:
+        gguf = (
+            Path(args.gguf)
+            if args.gguf
+            else (
+                Path(json.loads((model / "pagedserve_model.json").read_text())["gguf"])
+                if model.is_dir()
+                else model
+            )
+        )
         from deploy.bench.cpu_peers import LlamaServer
         from deploy.bench.llama_build import build_llama_server
 
@@ -261,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         finally:
             llama.stop()
-        print(summary("llama.cpp", results["llama.cpp"], results["off"]))
-        for name in ("host", "disk"):
+        print(summary("llama.cpp", results["llama.cpp"], results.get("off")))
+        for name in [n for n in ("off", "host", "disk") if n in results]:
             print(summary(name, results[name], results["llama.cpp"]) + "   (against llama.cpp)")
     shutil.rmtree(folder, ignore_errors=True)
     return 0
