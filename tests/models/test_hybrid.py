@@ -124,34 +124,13 @@ def test_a_tensor_parallel_pair_splits_the_delta_net_heads_and_equals_transforme
     channels, decays and state slots) and half the attention heads; out_proj sums over ranks.
     """
     folder, _ = hybrid
-    tp = server_factory(
-        folder,
-        "--tensor-parallel-size",
-        "2",
-        "--block-size",
-        "4",
-        "--max-num-batched-tokens",
-        "16",
-        "--max-model-len",
-        "128",
-        "--state-snapshots",
-        "0",
-        "--no-prefix-caching",
-        "--metrics-port",
-        "-1",
-    )
+    tp = tp_pair(server_factory, folder, "16", "--state-snapshots", "0", "--no-prefix-caching")
     try:
-        rng = random.Random(8)
-        items = [
-            (f"hy-tp-{i}", [rng.randrange(3, 384) for _ in range(40)], 24, 0.0) for i in range(3)
-        ]
-        results = submit_all(tp, items, stream=True)
-        for rid, prompt, n, _ in items:
-            assert results[rid][0] == hf_greedy(folder, prompt, n), rid
+        results = equal_at_once(tp, folder, "hy-tp", 3, 24, seed=8)
         stats = tp.stats()
         assert stats.bytes_per_state_slot == 3 * (4 * 16 * 16 * 4 + 3 * 128 * 4)  # both halves
         # no prefix cache: a returning prompt is computed again, no snapshot is taken
-        prompt = items[0][1]
+        prompt = results["hy-tp-0"][1]
         again = tp.stub.Generate(greedy_request(prompt, 24, "hy-tp-again"), timeout=120)
         assert list(again.choices[0].token_ids) == results["hy-tp-0"][0]
         assert again.usage.cached_prompt_tokens == 0 and tp.stats().num_state_snapshots == 0
@@ -210,27 +189,42 @@ def test_the_moe_sibling_routes_experts_beside_a_gated_shared_expert(tmp_path, s
         shared_expert_intermediate_size=48,
         **QWEN3_5,
     )
-    server = server_factory(
+    server = tp_pair(server_factory, folder, "32")
+    try:
+        equal_at_once(server, folder, "hy-moe", 4, 48, seed=9)
+        assert_all_blocks_back(server)
+    finally:
+        server.stop()
+
+
+def tp_pair(server_factory, folder, step_tokens: str, *flags):
+    """A tensor-parallel pair on folder: blocks of 4, step_tokens a step, a 128-token context."""
+    return server_factory(
         folder,
         "--tensor-parallel-size",
         "2",
         "--block-size",
         "4",
         "--max-num-batched-tokens",
-        "32",
+        step_tokens,
         "--max-model-len",
         "128",
         "--metrics-port",
         "-1",
+        *flags,
     )
-    try:
-        rng = random.Random(9)
-        items = [
-            (f"hy-moe-{i}", [rng.randrange(3, 384) for _ in range(40)], 48, 0.0) for i in range(4)
-        ]
-        results = submit_all(server, items, stream=False)
-        for rid, prompt, n, _ in items:
-            assert results[rid][0] == hf_greedy(folder, prompt, n), rid
-        assert_all_blocks_back(server)
-    finally:
-        server.stop()
+
+
+def equal_at_once(server, folder, prefix: str, count: int, new_tokens: int, seed: int) -> dict:
+    """count random 40-token prompts at once, each answer equal to transformers'; -> {request id:
+    (tokens, prompt)}.
+    """
+    rng = random.Random(seed)
+    items = [
+        (f"{prefix}-{i}", [rng.randrange(3, 384) for _ in range(40)], new_tokens, 0.0)
+        for i in range(count)
+    ]
+    results = submit_all(server, items, stream=True)
+    for rid, prompt, n, _ in items:
+        assert results[rid][0] == hf_greedy(folder, prompt, n), rid
+    return {rid: (results[rid][0], prompt) for rid, prompt, _, _ in items}
