@@ -21,7 +21,12 @@ from pathlib import Path
 
 from protos.base import ConfigError, env
 from protos.base.argtypes import Parser
-from worker.weights.gguf_header import find_embedded_gguf
+from worker.weights.gguf_header import (
+    HYBRID_ARCHS,
+    GGUFHeader,
+    find_embedded_gguf,
+    hybrid_config,
+)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -49,10 +54,38 @@ def prepare(gguf_path: Path, out: Path, model_name: str, dense: bool = True) -> 
     """The folder for gguf_path; dense: the weights dequantized into
     fp32 safetensors beside it too.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    header = GGUFHeader(gguf_path)
+    if header.arch in HYBRID_ARCHS:  # transformers reads no qwen35 config: its header is read here
+        (out / "config.json").write_text(json.dumps(hybrid_config(header), indent=2))
+    else:
+        _write_config(gguf_path, out, dense)
+    tokenizer.save_pretrained(str(out))
+    # The chat template must travel with the folder: the scheduler applies it without transformers.
+    template = getattr(tokenizer, "chat_template", None)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    if template and not cfg.get("chat_template"):
+        cfg["chat_template"] = template
+    cfg.setdefault("eos_token", tokenizer.eos_token)
+    cfg.setdefault("bos_token", tokenizer.bos_token)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    (out / "pagedserve_model.json").write_text(
+        json.dumps(
+            {"model_name": model_name, "source": gguf_path.name, "gguf": str(gguf_path.resolve())},
+            indent=2,
+        )
+    )
+    return out
+
+
+def _write_config(gguf_path: Path, out: Path, dense: bool) -> None:
+    """config.json through transformers' GGUF reader; dense: the weights dequantized beside it."""
+    from transformers import AutoConfig
+
     if dense:
         import torch
         from safetensors.torch import save_file
@@ -77,23 +110,6 @@ def prepare(gguf_path: Path, out: Path, model_name: str, dense: bool = True) -> 
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.to_json_file(str(out / "config.json"))
-    tokenizer.save_pretrained(str(out))
-    # The chat template must travel with the folder: the scheduler applies it without transformers.
-    template = getattr(tokenizer, "chat_template", None)
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-    if template and not cfg.get("chat_template"):
-        cfg["chat_template"] = template
-    cfg.setdefault("eos_token", tokenizer.eos_token)
-    cfg.setdefault("bos_token", tokenizer.bos_token)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    (out / "pagedserve_model.json").write_text(
-        json.dumps(
-            {"model_name": model_name, "source": gguf_path.name, "gguf": str(gguf_path.resolve())},
-            indent=2,
-        )
-    )
-    return out
 
 
 def model_folder(model: str) -> str:

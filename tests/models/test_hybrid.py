@@ -228,3 +228,41 @@ def equal_at_once(server, folder, prefix: str, count: int, new_tokens: int, seed
     for rid, prompt, n, _ in items:
         assert results[rid][0] == hf_greedy(folder, prompt, n), rid
     return {rid: (results[rid][0], prompt) for rid, prompt, _, _ in items}
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_a_qwen35_gguf_is_read_on_its_own_blocks_and_equals_transformers(
+    tmp_path, server_factory, family
+):
+    """A file as llama.cpp's converter writes it (tests/support/qwen35_gguf.py: the layout checked
+    against convert_hf_to_gguf.py --no-mtp of llama-cpp-python 0.3.36): its config read from the
+    header, norms and A put back, value heads read in their tiled order; equal to transformers on
+    the weights the file holds, through chunks and a returning prompt's snapshot.
+    """
+    from tests.support.qwen35_gguf import make_qwen35_gguf
+
+    moe = dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )
+    shape = {**QWEN3_5, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+    served, ref = make_qwen35_gguf(
+        tmp_path, family, seed=12, **shape, **(moe if "moe" in family else {})
+    )
+    server = server_factory(
+        served, "--block-size", "4", "--max-num-batched-tokens", "16", "--metrics-port", "-1"
+    )
+    try:
+        assert "Q8_0" in server.log_path.read_text()  # projections served on their blocks
+        rng = random.Random(13)
+        prompts = [[rng.randrange(3, 384) for _ in range(40)] for _ in range(2)]
+        for i, prompt in enumerate(prompts + prompts[:1]):
+            resp = server.stub.Generate(greedy_request(prompt, 48, f"gguf-{i}"), timeout=120)
+            assert list(resp.choices[0].token_ids) == hf_greedy(ref, prompt, 48), i
+        assert resp.usage.cached_prompt_tokens == 36  # the returning prompt's snapshot
+        with pytest.raises(RuntimeError, match="--tp 1"):
+            server_factory(served, "--tp", "2", "--metrics-port", "-1")
+    finally:
+        server.stop()

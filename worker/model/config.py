@@ -84,6 +84,9 @@ class ModelConfig:
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     linear_conv_kernel: int = 0
+    # value heads in llama.cpp's order (a qwen35 GGUF): head j reads key head j % k_heads, not
+    # j // (v_heads / k_heads)
+    linear_tiled_values: bool = False
     attn_output_gate: bool = False
 
     def is_linear(self, layer: int) -> bool:
@@ -334,6 +337,7 @@ def hybrid_fields(cfg: dict, num_layers: int) -> dict:
         linear_k_dim=int(cfg["linear_key_head_dim"]),
         linear_v_dim=int(cfg["linear_value_head_dim"]),
         linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        linear_tiled_values=cfg.get("linear_value_head_order", "grouped") == "tiled",
         attn_output_gate=True,
     )
 

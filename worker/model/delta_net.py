@@ -64,6 +64,7 @@ class GatedDeltaNet(nn.Module):
         self.k_dim, self.v_dim = c.linear_k_dim, c.linear_v_dim
         self.conv_dim = 2 * k_heads * c.linear_k_dim + v_heads * c.linear_v_dim
         self.v_size = self.v_heads * self.v_dim
+        self.tiled = c.linear_tiled_values
         self.eps = c.rms_norm_eps
         self.conv = nn.Parameter(torch.empty(self.conv_dim, c.linear_conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
@@ -114,11 +115,11 @@ class GatedDeltaNet(nn.Module):
         kd = self.k_heads * self.k_dim
         q, k, v = x.split([kd, kd, self.v_size], -1)
         rows = x.shape[0]
-        return (
-            q.reshape(rows, self.k_heads, self.k_dim),
-            k.reshape(rows, self.k_heads, self.k_dim),
-            v.reshape(rows, self.v_heads, self.v_dim),
-        )
+        q = q.reshape(rows, self.k_heads, self.k_dim)
+        k = k.reshape(rows, self.k_heads, self.k_dim)
+        if self.tiled:  # value head j reads key head j % k_heads: repeat the key heads whole
+            q, k = (t.repeat(1, self.v_heads // self.k_heads, 1) for t in (q, k))
+        return q, k, v.reshape(rows, self.v_heads, self.v_dim)
 
     def _gated_norm(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's output by the plain weight, times SiLU of its gate z."""

@@ -116,6 +116,12 @@ def read_config(cfg: WorkerConfig, tp: int):
             config.moe_intermediate_size,
             (config.linear_k_heads, config.linear_v_heads),
         )
+        if config.linear_tiled_values and tp > 1:
+            raise ParallelConfigError(
+                "a qwen35 GGUF keeps each key head's value heads apart (llama.cpp's tiled order), "
+                "so tensor parallelism cannot split them: serve it with --tp 1, or its Hugging "
+                "Face folder"
+            )
     # served wrong without a word otherwise: refused, naming the field
     except UnsupportedModel as e:
         raise Refused(

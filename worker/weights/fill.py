@@ -51,16 +51,16 @@ def read_quantized(
     found: dict[tuple, object] = {}
     for i, layer in enumerate(model.layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        plan = {
-            "qkv": quant(
+        plan = {}
+        if layer.linear is None:  # (a hybrid's linear layers are read dense)
+            plan["qkv"] = quant(
                 [
                     (a + "q_proj.weight", q_rows),
                     (a + "k_proj.weight", kv_rows),
                     (a + "v_proj.weight", kv_rows),
                 ]
-            ),
-            "o_proj": quant([(a + "o_proj.weight", None)], cols=q_rows),
-        }
+            )
+            plan["o_proj"] = quant([(a + "o_proj.weight", None)], cols=q_rows)
         # a mixture of experts stays as loaded (worker/model/moe.py reads the experts); its shared
         # expert is packed as a dense MLP
         if layer.moe is not None:

@@ -12,7 +12,22 @@ import torch
 
 from worker.model.quant_weights import QUANT_TYPES
 from worker.weights.checkpoint import Range, TensorSource, range_index
-from worker.weights.gguf_header import NATIVE_ARCHS, PERMUTED_ARCHS, GGUFHeader, hf_names
+from worker.weights.gguf_header import (
+    HYBRID_ARCHS,
+    NATIVE_ARCHS,
+    PERMUTED_ARCHS,
+    GGUFHeader,
+    hf_names,
+)
+
+# a qwen35 file's norms hold 1 + w (llama.cpp adds the one Qwen3.5's norms multiply by)
+OFFSET_NORMS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "model.norm.weight",
+)
 
 
 def rope_rows(n_heads: int, head_dim: int) -> torch.Tensor:
@@ -93,6 +108,16 @@ class GGUFTensorSource(TensorSource):
                 f"(this reader maps {', '.join(NATIVE_ARCHS)})"
             )
         self._names = names
+        # stacked experts ([experts, rows, cols]) by expert: {hf name: (file's name, expert)}
+        self._experts: dict[str, tuple[str, int]] = {}
+        for hf, gguf in list(names.items()):
+            if ".mlp.experts." in hf and not hf.endswith(".weight"):
+                del names[hf]
+                prefix, proj = hf.rsplit(".experts.", 1)
+                for e in range(self.file.shape(gguf)[0]):
+                    self._experts[f"{prefix}.experts.{e}.{proj}.weight"] = (gguf, e)
+        self._stack: tuple[str, torch.Tensor] | None = None  # the last stack read, for its experts
+        self.hybrid = self.file.arch in HYBRID_ARCHS
         self._perm = {}
         if self.file.arch in PERMUTED_ARCHS:
             self._perm = {
@@ -101,11 +126,32 @@ class GGUFTensorSource(TensorSource):
             }
 
     def names(self) -> set[str]:
-        return set(self._names)
+        return set(self._names) | set(self._experts)
 
     def get(self, name: str, rows: Range = None, cols: Range = None) -> torch.Tensor:
+        if name in self._experts:
+            stacked, e = self._experts[name]
+            if self._stack is None or self._stack[0] != stacked:
+                self._stack = (stacked, self.file.dequantize(stacked))
+            t = self._stack[1][e]
+            return t[range_index(rows, cols)] if rows is not None or cols is not None else t
         t = self.file.dequantize(self._names[name])
+        if self.hybrid:
+            t = _hybrid_tensor(name, t)
         perm = next((p for suffix, p in self._perm.items() if name.endswith(suffix)), None)
         if perm is not None:
             t = t[perm]
         return t[range_index(rows, cols)] if rows is not None or cols is not None else t
+
+
+def _hybrid_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A qwen35 file's tensor as the Hugging Face checkpoint holds it: norms without the one added,
+    A_log from -exp(A_log), the shared expert's gate as a one-row matrix.
+    """
+    if name.endswith(OFFSET_NORMS):
+        return t - 1.0
+    if name.endswith("linear_attn.A_log"):
+        return torch.log(-t)
+    if name.endswith("shared_expert_gate.weight"):
+        return t.reshape(1, -1)
+    return t

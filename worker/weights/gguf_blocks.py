@@ -90,6 +90,10 @@ class GGUFQuantSource:
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
+        # a qwen35moe file's shared expert
+        "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj": "ffn_up_shexp",
+        "mlp.shared_expert.down_proj": "ffn_down_shexp",
     }
 
     def __init__(self, path: str | Path, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
@@ -161,7 +165,7 @@ class GGUFQuantSource:
             return "token_embd.weight"
         parts = hf_name.split(".")
         if parts[:2] == ["model", "layers"] and parts[-1] == "weight":
-            key = ".".join(parts[3:5])
+            key = ".".join(parts[3:-1])
             if key in self.LAYER:
                 return f"blk.{parts[2]}.{self.LAYER[key]}.weight"
         raise KeyError(f"{hf_name} has no quantized matrix in {self.path.name}")
@@ -170,7 +174,10 @@ class GGUFQuantSource:
         """The quantization of a matrix, or None when the kernels do not serve its type (F32, Q3_K,
         ...).
         """
-        name = self._locate(hf_name)[0]
+        try:
+            name = self._locate(hf_name)[0]
+        except KeyError:  # a matrix this reader does not map (a hybrid's linear layers): dense
+            return None
         t = self._tensors.get(name)
         if t is None:
             raise KeyError(f"{hf_name} ({name}) is missing from {self.path.name}")

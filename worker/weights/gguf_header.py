@@ -176,7 +176,9 @@ def find_embedded_gguf(package: str = DEFAULT_GGUF_PACKAGE, name: str = DEFAULT_
 
 
 # llama.cpp's architectures whose every tensor this module maps ("llama" also names Mistral's files)
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "qwen35", "qwen35moe")
+# Qwen3.5's hybrids, whose config this module reads too (transformers reads none of theirs)
+HYBRID_ARCHS = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 # the architectures served at all: those read natively, and those transformers' GGUF reader turns
 # into a family the workers serve (through a prepared fp32 copy)
 SERVED_ARCHS = (*NATIVE_ARCHS, "mistral", "qwen3moe", "gemma2", "gemma3")
@@ -203,6 +205,27 @@ LAYER_TENSORS = {  # blk.N.<gguf> -> model.layers.N.<hugging face>
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# a qwen35 file's own: its Gated DeltaNet layers, post-attention norm and experts
+HYBRID_TENSORS = {
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_a": "linear_attn.A_log",  # as -exp(A_log)
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",  # [experts, I, hidden]: one expert each
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -218,6 +241,8 @@ def hf_names(file: GGUFHeader) -> dict[str, str] | None:
         return None
     names: dict[str, str] = {}
     fused_gate_up = file.arch == "phi3"  # Phi-3's ffn_up holds gate then up
+    table = {**LAYER_TENSORS, **HYBRID_TENSORS} if file.arch in HYBRID_ARCHS else LAYER_TENSORS
+    layers = hybrid_layers(file.fields) if file.arch in HYBRID_ARCHS else None
     for name in file.tensors:
         if name in IGNORED:
             continue
@@ -226,14 +251,67 @@ def hf_names(file: GGUFHeader) -> dict[str, str] | None:
             continue
         parts = name.split(".")
         rest = ".".join(parts[2:])
-        if parts[0] != "blk" or len(parts) < 3 or rest not in LAYER_TENSORS:
+        if layers is not None and parts[0] == "blk" and int(parts[1]) >= layers:
+            continue  # a multi-token-prediction layer past the model's: not served
+        if parts[0] != "blk" or len(parts) < 3 or rest not in table:
             return None
-        hf = LAYER_TENSORS[rest]
+        hf = table[rest]
         gate = f"blk.{parts[1]}.ffn_gate.weight"
         if fused_gate_up and rest == "ffn_up.weight" and gate not in file.tensors:
             hf = "mlp.gate_up_proj.weight"
         names[f"model.layers.{parts[1]}.{hf}"] = name
     return names
+
+
+def hybrid_layers(fields: dict) -> int:
+    """A qwen35 file's decoder layers: its blocks less the multi-token-prediction ones."""
+    arch = fields["general.architecture"]
+    return int(fields[f"{arch}.block_count"]) - int(fields.get(f"{arch}.nextn_predict_layers", 0))
+
+
+def hybrid_config(file: GGUFHeader) -> dict:
+    """The Hugging Face config.json of a qwen35 / qwen35moe file, from its header."""
+    f, a = file.fields, file.arch
+    layers, heads_v = hybrid_layers(f), int(f[f"{a}.ssm.time_step_rank"])
+    head_dim = int(f[f"{a}.attention.key_length"])
+    recurrent = f.get(f"{a}.attention.recurrent_layers")
+    if not isinstance(recurrent, list):  # (a long array is skipped by the reader)
+        every = int(f.get(f"{a}.full_attention_interval", 4))
+        recurrent = [(i + 1) % every != 0 for i in range(layers)]
+    cfg = {
+        "architectures": ["Qwen3_5ForCausalLM" if a == "qwen35" else "Qwen3_5MoeForCausalLM"],
+        "model_type": HYBRID_ARCHS[a],
+        "vocab_size": int(file.tensors["token_embd.weight"].shape[1]),
+        "hidden_size": int(f[f"{a}.embedding_length"]),
+        "num_hidden_layers": layers,
+        "num_attention_heads": int(f[f"{a}.attention.head_count"]),
+        "num_key_value_heads": int(f[f"{a}.attention.head_count_kv"]),
+        "head_dim": head_dim,
+        "intermediate_size": int(f.get(f"{a}.feed_forward_length", 0)),
+        "rms_norm_eps": float(f[f"{a}.attention.layer_norm_rms_epsilon"]),
+        "max_position_embeddings": int(f[f"{a}.context_length"]),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(f.get(f"{a}.rope.freq_base", 10000.0)),
+            "partial_rotary_factor": int(f[f"{a}.rope.dimension_count"]) / head_dim,
+        },
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+        "linear_conv_kernel_dim": int(f[f"{a}.ssm.conv_kernel"]),
+        "linear_key_head_dim": int(f[f"{a}.ssm.state_size"]),
+        "linear_num_key_heads": int(f[f"{a}.ssm.group_count"]),
+        "linear_num_value_heads": heads_v,
+        "linear_value_head_dim": int(f[f"{a}.ssm.inner_size"]) // heads_v,
+        "linear_value_head_order": "tiled",
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+    }
+    if a == "qwen35moe":
+        cfg.update(
+            num_experts=int(f[f"{a}.expert_count"]),
+            num_experts_per_tok=int(f[f"{a}.expert_used_count"]),
+            moe_intermediate_size=int(f[f"{a}.expert_feed_forward_length"]),
+            shared_expert_intermediate_size=int(f[f"{a}.expert_shared_feed_forward_length"]),
+        )
+    return cfg
 
 
 def reads_natively(path: str | Path) -> bool:
