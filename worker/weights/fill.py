@@ -52,7 +52,9 @@ def read_quantized(
     for i, layer in enumerate(model.layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         plan = {}
-        if layer.linear is None:  # (a hybrid's linear layers are read dense)
+        if layer.linear is not None:
+            plan.update(_delta_net_blocks(c, sh, quant, f"model.layers.{i}.linear_attn."))
+        else:
             plan["qkv"] = quant(
                 [
                     (a + "q_proj.weight", q_rows),
@@ -247,3 +249,19 @@ def _load_experts(
             torch.cat([ck.take(f"{x}{gate}.weight", inter), ck.take(f"{x}{up}.weight", inter)])
         )
         moe.down[e].copy_(ck.take(f"{x}{down}.weight", cols=inter))
+
+
+def _delta_net_blocks(c, sh, quant, a: str) -> dict:
+    """A Gated DeltaNet layer's projections from blocks, this rank's heads: q, k, v, z, b and a
+    stacked as in_proj (runs of one type each), and out_proj's columns."""
+    dk, dv, key_dim = c.linear_k_dim, c.linear_v_dim, c.linear_k_heads * c.linear_k_dim
+    (k0, k1), (v0, v1) = sh.linear_k_heads, sh.linear_v_heads
+    qkv = a + "in_proj_qkv.weight"
+    channels = [(k0 * dk, k1 * dk), (key_dim + k0 * dk, key_dim + k1 * dk)]
+    channels.append((2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv))
+    parts = [(qkv, rows) for rows in channels] + [(a + "in_proj_z.weight", (v0 * dv, v1 * dv))]
+    parts += [(a + f"in_proj_{x}.weight", (v0, v1)) for x in ("b", "a")]
+    return {
+        "in_proj": quant(parts),
+        "out_proj": quant([(a + "out_proj.weight", None)], cols=(v0 * dv, v1 * dv)),
+    }

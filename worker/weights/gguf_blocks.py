@@ -90,7 +90,12 @@ class GGUFQuantSource:
         "mlp.gate_proj": "ffn_gate",
         "mlp.up_proj": "ffn_up",
         "mlp.down_proj": "ffn_down",
-        # a qwen35moe file's shared expert
+        # a qwen35 file's Gated DeltaNet projections, and a qwen35moe file's shared expert
+        "linear_attn.in_proj_qkv": "attn_qkv",
+        "linear_attn.in_proj_z": "attn_gate",
+        "linear_attn.in_proj_b": "ssm_beta",
+        "linear_attn.in_proj_a": "ssm_alpha",
+        "linear_attn.out_proj": "ssm_out",
         "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
         "mlp.shared_expert.up_proj": "ffn_up_shexp",
         "mlp.shared_expert.down_proj": "ffn_down_shexp",
