@@ -11,23 +11,17 @@ import json
 import shutil
 from pathlib import Path
 
+from worker.weights.gguf_blocks import GGUFQuantSource
+
 NORMS = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "post_attention_norm",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
 }
+# the projections under llama.cpp's names (the Gated DeltaNet's are written by _linear, tiled)
 MATRICES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_expert.up_proj": "ffn_up_shexp",
-    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    **{k: v for k, v in GGUFQuantSource.LAYER.items() if not k.startswith("linear_attn.")},
     "mlp.gate": "ffn_gate_inp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
