@@ -15,10 +15,13 @@ def causal_conv(
     """One sequence's new inputs x [T, C] after its last K-1 inputs `state` [K-1, C], through the
     depthwise conv weight [C, K] and SiLU -> (out [T, C], the new state [K-1, C]).
     """
-    width = weight.shape[1]
+    width, tokens = weight.shape[1], x.shape[0]
     xs = torch.cat([state.to(x.dtype), x])  # [T + K - 1, C]
-    out = sum(xs[j : j + x.shape[0]] * weight[:, j] for j in range(width))
-    return F.silu(out), xs[xs.shape[0] - (width - 1) :]
+    taps = weight.t().contiguous()  # [K, C]: each tap's weights contiguous, accumulated in place
+    out = xs[:tokens] * taps[0]
+    for j in range(1, width):
+        out.addcmul_(xs[j : j + tokens], taps[j])
+    return F.silu(out, inplace=True), xs[xs.shape[0] - (width - 1) :]
 
 
 def causal_conv_step(
