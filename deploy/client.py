@@ -204,20 +204,22 @@ def chat_turn(
     from protos import generation_pb2
 
     request_id = f"chat-{uuid.uuid4().hex}"
-    call = stub.GenerateStream(
-        generation_pb2.GenerateRequest(
-            request_id=request_id, messages=history, sampling=sampling, lora=lora
-        ),
-        timeout=timeout,
-    )
-    answer = []
+    answer, call = [], None
+    # (a Ctrl-C from the moment the request may be on its way stops it)
     try:
+        call = stub.GenerateStream(
+            generation_pb2.GenerateRequest(
+                request_id=request_id, messages=history, sampling=sampling, lora=lora
+            ),
+            timeout=timeout,
+        )
         for msg in call:
             out.write(msg.text)
             out.flush()
             answer.append(msg.text)
     except KeyboardInterrupt:
-        call.cancel()
+        if call is not None:
+            call.cancel()
         try:
             stub.Abort(generation_pb2.AbortRequest(request_id=request_id), timeout=5)
         except grpc.RpcError:
