@@ -125,17 +125,39 @@ TIER_HOST, TIER_DISK = 1, 2
 class TierOps:
     """One step's KV-tier work (protos/wire.proto StepPlan.kv_*): rows of (pool block, tier, host
     slot or -1) written down, then read back; each one's block hash (stores first); disk entries to
-    delete.
+    delete. `states`: the same work on a hybrid's state snapshots (rows name state slots).
     """
 
     stores: np.ndarray  # int32 [n, 3]
     loads: np.ndarray  # int32 [m, 3]
     hashes: list[bytes]  # n + m
     drops: list[bytes]
+    states: TierOps | None = None
 
     @property
     def is_empty(self) -> bool:
-        return not (len(self.stores) or len(self.loads) or self.drops)
+        return not (len(self.stores) or len(self.loads) or self.drops) and (
+            self.states is None or self.states.is_empty
+        )
+
+    @property
+    def num_loads(self) -> int:
+        """Loads a result's failures are numbered over: the blocks', then the snapshots'."""
+        return len(self.loads) + (len(self.states.loads) if self.states is not None else 0)
+
+    def fields(self, prefix: str) -> dict[str, bytes]:
+        """As the plan's fields named prefix_stores, _loads, _hashes, _drops."""
+        return {
+            f"{prefix}_stores": self.stores.astype(I32, copy=False).tobytes(),
+            f"{prefix}_loads": self.loads.astype(I32, copy=False).tobytes(),
+            f"{prefix}_hashes": b"".join(self.hashes),
+            f"{prefix}_drops": b"".join(self.drops),
+        }
+
+    @classmethod
+    def none(cls) -> TierOps:
+        rows = np.zeros((0, 3), dtype=I32)
+        return cls(rows, rows, [], [])
 
 
 def _hash_list(blob: bytes, count: int | None, what: str) -> list[bytes]:
@@ -151,16 +173,27 @@ def _tier_rows(blob: bytes, what: str) -> np.ndarray:
     return np.frombuffer(blob, dtype=I32).reshape(-1, 3)
 
 
-def decode_tiers(msg: wire_pb2.StepPlan) -> TierOps | None:
-    if not (msg.kv_stores or msg.kv_loads or msg.kv_drops):
+def _tier_ops(msg: wire_pb2.StepPlan, prefix: str) -> TierOps | None:
+    stores, loads, hashes, drops = (
+        getattr(msg, f"{prefix}_{part}") for part in ("stores", "loads", "hashes", "drops")
+    )
+    if not (stores or loads or drops):
         return None
-    stores, loads = _tier_rows(msg.kv_stores, "kv_stores"), _tier_rows(msg.kv_loads, "kv_loads")
+    stores, loads = _tier_rows(stores, f"{prefix}_stores"), _tier_rows(loads, f"{prefix}_loads")
     return TierOps(
         stores,
         loads,
-        _hash_list(msg.kv_hashes, len(stores) + len(loads), "kv_hashes"),
-        _hash_list(msg.kv_drops, None, "kv_drops"),
+        _hash_list(hashes, len(stores) + len(loads), f"{prefix}_hashes"),
+        _hash_list(drops, None, f"{prefix}_drops"),
     )
+
+
+def decode_tiers(msg: wire_pb2.StepPlan) -> TierOps | None:
+    blocks, states = _tier_ops(msg, "kv"), _tier_ops(msg, "state")
+    if states is not None:
+        blocks = blocks or TierOps.none()
+        blocks.states = states
+    return blocks
 
 
 # The optional per-step arrays: (field, dtype, rows) with rows "S" (one per sequence), "S+1" or "*"
@@ -221,16 +254,8 @@ def encode_plan(p: PlanArrays) -> wire_pb2.StepPlan:
         bitmask_words=int(mask.shape[1]) if mask is not None else 0,
         mask_follows=p.mask_follows,
         loras=[wire_pb2.LoraRef(identity=i, path=path) for i, path in p.loras or ()],
-        **(
-            {}
-            if p.kv is None
-            else dict(
-                kv_stores=b(p.kv.stores, I32),
-                kv_loads=b(p.kv.loads, I32),
-                kv_hashes=b"".join(p.kv.hashes),
-                kv_drops=b"".join(p.kv.drops),
-            )
-        ),
+        **(p.kv.fields("kv") if p.kv is not None else {}),
+        **(p.kv.states.fields("state") if p.kv is not None and p.kv.states is not None else {}),
         **{name: b(getattr(p, name), dtype) for name, dtype, _ in _OPTIONAL},
     )
 

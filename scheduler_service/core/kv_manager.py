@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from scheduler_service.core.block_allocator import BlockAllocator
-from scheduler_service.core.kv_tiers import KvTiers, Load
+from scheduler_service.core.kv_tiers import KvTiers
 from scheduler_service.core.sequence import Request, Sequence
 from scheduler_service.core.state_slots import StateSlots
+from scheduler_service.core.tier_loads import plan_loads, settle_loads
 
 
 class BlockCopy(NamedTuple):
@@ -48,6 +49,8 @@ class KVCacheManager:
         if self.caching:
             self.tiers = tiers
             self.allocator.tiers = tiers
+            if self.states is not None:
+                self.states.tiers = tiers.states
 
     @property
     def num_blocks(self) -> int:
@@ -82,66 +85,18 @@ class KVCacheManager:
         return request.embed is None or request.embed.spec.prefix_cacheable  # a mean reads them all
 
     def load_from_tiers(self, seq: Sequence, hits: list[int], step_id: int) -> bool:
-        """Plan loads of seq's prompt blocks found in the KV tiers below its cached prefix, where
-        reading costs less than computing. True when seq must wait for a load.
+        """Plan loads of seq's prompt blocks (and a hybrid's state snapshot) found in the KV tiers
+        past its cached prefix, where reading costs less than computing (core/tier_loads.py). True
+        when seq must wait for a load.
         """
-        tiers = self.tiers
-        if tiers is None or self.kv_window or not self.reads_cache(seq):
+        if self.tiers is None or self.kv_window or not self.reads_cache(seq):
             return False
-        if tiers.is_loading(seq.seq_id):
-            return True
-        bs = self.block_size
-        hashes = [seq.block_hash(i, bs) for i in range(len(hits), (seq.num_tokens - 1) // bs)]
-        if not hashes or tiers.wait_for(seq.seq_id, hashes[0]):
-            return bool(hashes)
-        revived = sum(1 for b in hits if self.allocator.is_cached_free(b))
-        # a block left for what is computed
-        room = self.allocator.num_available_blocks - revived - 1
-        found = tiers.find(hashes)[: max(room, 0)]
-        if not found or not tiers.worth_loading(found, seq.request.request_id):
-            return False
-        tiers.touch(found)  # blocks this allocation evicts to the host tier do not push these out
-        # nor are the pool's blocks of the prefix evicted for the fresh ones
-        self.allocator.share(hits)
-        blocks = self.allocator.allocate(len(found))
-        self.allocator.free(hits[::-1])
-        # (a tier smaller than the run loses its oldest)
-        still = tiers.find([h for h, _, _ in found])
-        keep = next(
-            (i for i, (a, b) in enumerate(zip(found, still, strict=False)) if a != b), len(still)
-        )
-        if keep < len(found):
-            self.allocator.free(blocks[keep:][::-1])
-            blocks, found = blocks[:keep], found[:keep]
-            if not found:
-                return False
-        first, lora = len(hits), seq.request.lora
-        loads = [
-            Load(
-                b,
-                h,
-                tier,
-                seq.block_hash(first + i - 1, bs) if first + i else None,
-                seq.token_ids[(first + i) * bs : (first + i + 1) * bs],
-                lora.event_id if lora is not None else None,
-                tiers.epoch,
-            )
-            for i, (b, (h, tier, _)) in enumerate(zip(blocks, found, strict=True))
-        ]
-        tiers.start(step_id, seq.seq_id, loads, [slot for _, _, slot in found])
-        return True
+        return plan_loads(self.allocator, self.tiers, self.states, seq, hits, step_id)
 
     def settle_loads(self, step_id: int, failed: set[int] | None) -> None:
-        """A step's loads are done (failed: those that did not; None: none did): loaded blocks enter
-        the prefix cache, and every one is given back.
-        """
-        if self.tiers is None or step_id not in self.tiers.inflight:
-            return
-        done = self.tiers.settle(step_id, failed)
-        for ld, ok in done:
-            if ok:
-                self.allocator.register(ld.block, ld.hash, ld.parent, ld.tokens, ld.lora)
-        self.allocator.free([ld.block for ld, _ in reversed(done)])
+        """A step's loads are done (failed: those that did not; None: none did)."""
+        if self.tiers is not None and step_id in self.tiers.inflight:
+            settle_loads(self.allocator, self.tiers, self.states, step_id, failed)
 
     def admit(self, seq: Sequence, hits: list[int], num_new: int) -> bool:
         """Give a waiting seq its table: the cached prefix `hits`, then fresh blocks for num_new

@@ -1,12 +1,15 @@
 """A hybrid model's recurrent-state slots, owned like blocks. A slot is free, held by a running
 sequence (taken with its table, given back with its blocks), or a snapshot: the state after a
 prompt's full block, keyed by that block's chained hash, in an LRU, so a prompt that shares the
-prefix resumes there instead of from position 0. The worker holds the bytes.
+prefix resumes there instead of from position 0; or loading: a snapshot read back from a KV tier,
+kept once its step loads it. The worker holds the bytes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from scheduler_service.core.tier_lanes import Lane
 
 
 class StateSlots:
@@ -20,6 +23,8 @@ class StateSlots:
         self._deferred: list[int] = []
         # (snapshot, slot) copies the step being planned runs first: admissions that resume
         self.copies: list[tuple[int, int]] = []
+        self._loading: set[int] = set()  # slots a tier's snapshot is read into
+        self.tiers: Lane | None = None  # the KV tiers' snapshot lane: evictions and saves go down
 
     @property
     def num_free(self) -> int:
@@ -32,7 +37,8 @@ class StateSlots:
 
     @property
     def num_held(self) -> int:
-        return self.num_slots - len(self._free) - len(self._snapshots) - len(self._deferred)
+        taken = len(self._free) + len(self._snapshots) + len(self._deferred) + len(self._loading)
+        return self.num_slots - taken
 
     def new_step(self) -> None:
         """The last plan was sent: its pins go, its copies were taken."""
@@ -48,6 +54,8 @@ class StateSlots:
             h, slot = next(iter(self._snapshots.items()))
             if slot not in self._pinned:
                 del self._snapshots[h]
+                if self.tiers is not None:  # the host tier keeps it (stored before reuse)
+                    self.tiers.evicted(slot, h)
                 return slot
         return None
 
@@ -103,7 +111,29 @@ class StateSlots:
         if slot is not None:
             self._snapshots[h] = slot
             self._pinned.add(slot)
+            if self.tiers is not None:  # the disk tier keeps it, written once this step took it
+                self.tiers.registered(slot, h, later=True)
         return slot
+
+    def has(self, h: bytes) -> bool:
+        return h in self._snapshots
+
+    def reserve(self) -> int | None:
+        """A slot to read a tier's snapshot into (kept by `loaded`); None when none is left."""
+        slot = self._slot() if self.num_free > 0 else None
+        if slot is not None:
+            self._loading.add(slot)
+        return slot
+
+    def loaded(self, slot: int, h: bytes, ok: bool) -> None:
+        """A snapshot's load is done: kept as the LRU's newest if it loaded (and is not kept
+        already), else the slot is free again.
+        """
+        self._loading.discard(slot)
+        if ok and h not in self._snapshots:
+            self._snapshots[h] = slot
+        else:
+            self._free.append(slot)
 
     @staticmethod
     def points(seq, start: int, num_new: int, block_size: int) -> list[int]:
@@ -127,7 +157,8 @@ class StateSlots:
     def check(self, holders) -> None:
         """Every slot is free, a snapshot or held by one sequence with blocks, never two."""
         held = [s.state_slot for s in holders if s.state_slot >= 0]
-        parts = [held, self._free, list(self._snapshots.values()), self._deferred]
+        snapshots = list(self._snapshots.values())
+        parts = [held, self._free, snapshots, self._deferred, list(self._loading)]
         every = [slot for part in parts for slot in part]
         if len(set(every)) != len(every) or len(every) != self.num_slots:
             raise AssertionError(

@@ -23,6 +23,8 @@ class TierStats:
     disk_stored: int = 0
     load_failures: int = 0
     seconds: float = 0.0
+    host_snapshots: int = 0  # a hybrid's state snapshots held
+    disk_snapshots: int = 0
 
     def as_fields(self) -> dict[str, int | float]:
         """Them by GetCacheStats' names."""
@@ -37,6 +39,8 @@ class TierStats:
             "disk_tier_stored": self.disk_stored,
             "kv_load_failures": self.load_failures,
             "kv_tier_seconds": self.seconds,
+            "host_tier_snapshots": self.host_snapshots,
+            "disk_tier_snapshots": self.disk_snapshots,
         }
 
 

@@ -196,23 +196,38 @@ class WorkerGroup:
         return [wire_pb2.LoraRef(identity=a.identity, path=a.path) for a in latest]
 
     def kv_tiers(self, block_size: int) -> KvTiers | None:
-        """The KV tiers every rank holds (the smallest), or None where some rank holds none."""
+        """The KV tiers every rank holds (the smallest), or None where some rank holds none; a
+        hybrid's snapshots on them too.
+        """
         ranks = [self.workers[r].handshake for r in sorted(self.workers)]
         host = min(hs.host_tier_blocks for hs in ranks)
         disk = min(hs.disk_tier_blocks for hs in ranks)
         if not host and not disk:
             return None
 
-        def held(hs: wire_pb2.Handshake) -> list[bytes]:
-            blob = hs.disk_tier_hashes if disk else b""
-            return [
-                blob[i : i + HASH_BYTES]
-                for i in range(0, len(blob) - len(blob) % HASH_BYTES, HASH_BYTES)
-            ]
+        def on_disk(field: str) -> list[bytes]:
+            """The hashes every rank holds on disk, in rank 0's order."""
+            held = [getattr(hs, field) for hs in ranks]
+            lists = [[b[i : i + HASH_BYTES] for i in range(0, len(b), HASH_BYTES)] for b in held]
+            others = [set(x) for x in lists[1:]]
+            return [h for h in lists[0] if len(h) == HASH_BYTES and all(h in o for o in others)]
 
-        others = [set(held(hs)) for hs in ranks[1:]]
-        on_disk = [h for h in held(ranks[0]) if all(h in o for o in others)]
-        return KvTiers(host, disk, on_disk, ranks[0].bytes_per_block, block_size)
+        snapshots = None
+        if ranks[0].state_slots:
+            snapshots = (
+                min(hs.host_tier_snapshots for hs in ranks),
+                min(hs.disk_tier_snapshots for hs in ranks),
+                on_disk("disk_tier_snapshot_hashes") if disk else [],
+            )
+        return KvTiers(
+            host,
+            disk,
+            on_disk("disk_tier_hashes") if disk else [],
+            ranks[0].bytes_per_block,
+            block_size,
+            snapshots,
+            ranks[0].bytes_per_state_slot,
+        )
 
 
 def merged_result(results: dict[int, wire_pb2.StepResult]) -> wire_pb2.StepResult:

@@ -303,7 +303,7 @@ class StepLoop:
                 else None
             )
             failed = decode_load_failed(
-                result, len(read.kv_ops.loads) if read.kv_ops is not None else 0
+                result, read.kv_ops.num_loads if read.kv_ops is not None else 0
             )
         except WorkerLost as e:
             await self.sink.on_lost(self, str(e))

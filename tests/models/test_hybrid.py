@@ -105,6 +105,47 @@ def test_a_returning_conversation_resumes_from_a_state_snapshot_and_stays_equal(
     assert_all_blocks_back(server)
 
 
+def test_its_snapshots_go_down_to_the_kv_tiers_and_survive_a_restart(
+    hybrid, server_factory, tmp_path
+):
+    """Three documents on a pool too small for two of them and two state slots: each returning
+    turn reads its document's blocks and the state after them back from the host tier; after a
+    restart, from the disk tier; equal to transformers all the way.
+    """
+    folder, _ = hybrid
+    disk = tmp_path / "kv"
+    flags = ("--block-size", "4", "--num-blocks", "16", "--max-model-len", "64")
+    flags += ("--max-num-seqs", "2", "--state-snapshots", "0", "--metrics-port", "-1")
+    flags += ("--kv-offload-size", "2MiB", "--kv-offload-dir", str(disk))
+    rng = random.Random(9)
+    docs = [[rng.randrange(3, 384) for _ in range(40)] for _ in range(3)]
+
+    def turns(server, t):
+        for d, doc in enumerate(docs):
+            prompt = doc + [380 + t] * (t + 1)
+            resp = server.stub.Generate(greedy_request(prompt, 6, f"hy-tier-{t}-{d}"), timeout=120)
+            assert list(resp.choices[0].token_ids) == hf_greedy(folder, prompt, 6)
+            assert resp.usage.cached_prompt_tokens == (40 if t else 0), (t, d)
+        assert_all_blocks_back(server)
+
+    first = server_factory(folder, *flags)
+    try:
+        turns(first, 0)
+        turns(first, 1)
+        stats = first.stats()
+        assert stats.host_tier_loaded > 0 and stats.host_tier_snapshots > 0
+        assert stats.disk_tier_snapshots >= 3 and stats.kv_load_failures == 0
+    finally:
+        first.stop()
+    assert len(list(disk.rglob("*.st"))) >= 3 and len(list(disk.rglob("*.kv"))) >= 30
+    again = server_factory(folder, *flags)
+    try:
+        turns(again, 2)
+        assert again.stats().disk_tier_loaded >= 30
+    finally:
+        again.stop()
+
+
 def test_n_samples_each_keep_their_own_state(hybrid):
     folder, server = hybrid
     prompt = [5 + (7 * i) % 300 for i in range(21)]

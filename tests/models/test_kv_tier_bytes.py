@@ -13,7 +13,7 @@ import torch
 from protos.codec import TIER_DISK, TIER_HOST, TierOps
 from worker.model.config import ModelConfig
 from worker.model.kv_pool import KVPool
-from worker.model.kv_tiers import HEADER, BlockBytes, DiskTier, KvTierStore, layout_key
+from worker.model.kv_tiers import HEADER, DiskTier, KvTierStore, block_bytes, layout_key
 
 
 def pool_of(dtype, blocks=8, seed=0):
@@ -54,11 +54,11 @@ H = [bytes([i]) * 16 for i in range(8)]
 def test_a_block_round_trips_through_each_tier_bit_for_bit(tmp_path, dtype):
     pool = pool_of(dtype)
     key = layout_key("fp", "w", pool, 0, 1, 0)
-    store = KvTierStore(pool, 4, DiskTier(str(tmp_path), key, BlockBytes(pool).size, 10))
+    store = KvTierStore(pool, 4, DiskTier(str(tmp_path), key, block_bytes(pool).size, 10))
     want = [block_of(pool, 1), block_of(pool, 2)]
     failed, _ = store.run(ops(stores=[(1, TIER_HOST, 3), (2, TIER_DISK, -1)], hashes=[H[1], H[2]]))
     store.disk.flush()
-    assert (tmp_path / key.hex() / f"{H[2].hex()}.kv").stat().st_size == HEADER.size + BlockBytes(
+    assert (tmp_path / key.hex() / f"{H[2].hex()}.kv").stat().st_size == HEADER.size + block_bytes(
         pool
     ).size
     for t in [*pool.k, *pool.v]:  # the pool's blocks are reused for something else
@@ -71,7 +71,7 @@ def test_a_block_round_trips_through_each_tier_bit_for_bit(tmp_path, dtype):
 def test_a_block_that_fails_its_check_does_not_load(tmp_path):
     pool = pool_of(torch.float32)
     key = layout_key("fp", "w", pool, 0, 1, 0)
-    disk = DiskTier(str(tmp_path), key, BlockBytes(pool).size, 10)
+    disk = DiskTier(str(tmp_path), key, block_bytes(pool).size, 10)
     store = KvTierStore(pool, 2, disk)
     store.run(
         ops(
@@ -114,11 +114,11 @@ def test_a_block_that_fails_its_check_does_not_load(tmp_path):
 def test_another_layout_never_reads_these_files_and_drops_delete_them(tmp_path):
     pool = pool_of(torch.float32)
     key = layout_key("fp", "w", pool, 0, 1, 0)
-    disk = DiskTier(str(tmp_path), key, BlockBytes(pool).size, 10)
+    disk = DiskTier(str(tmp_path), key, block_bytes(pool).size, 10)
     store = KvTierStore(pool, 0, disk)
     store.run(ops(stores=[(0, TIER_DISK, -1), (1, TIER_DISK, -1)], hashes=[H[0], H[1]]))
     disk.flush()
-    assert DiskTier(str(tmp_path), key, BlockBytes(pool).size, 10).held() == [H[0], H[1]]
+    assert DiskTier(str(tmp_path), key, block_bytes(pool).size, 10).held() == [H[0], H[1]]
     for other in (
         layout_key("fp2", "w", pool, 0, 1, 0),
         layout_key("fp", "w2", pool, 0, 1, 0),
@@ -126,7 +126,7 @@ def test_another_layout_never_reads_these_files_and_drops_delete_them(tmp_path):
         layout_key("fp", "w", pool_of(torch.bfloat16), 0, 1, 0),
     ):
         assert (
-            other != key and DiskTier(str(tmp_path), other, BlockBytes(pool).size, 10).held() == []
+            other != key and DiskTier(str(tmp_path), other, block_bytes(pool).size, 10).held() == []
         )
     store.run(ops(drops=[H[0]]))
     disk.flush()
@@ -144,7 +144,7 @@ def test_a_folder_that_cannot_be_written_is_refused(tmp_path):
 def test_writes_that_fail_are_later_misses_never_an_error(tmp_path):
     # the folder turns into a file under the worker: every write fails as on a full or vanished disk
     pool = pool_of(torch.float32)
-    disk = DiskTier(str(tmp_path), layout_key("fp", "w", pool, 0, 1, 0), BlockBytes(pool).size, 10)
+    disk = DiskTier(str(tmp_path), layout_key("fp", "w", pool, 0, 1, 0), block_bytes(pool).size, 10)
     store = KvTierStore(pool, 0, disk)
     for p in disk.dir.iterdir():
         p.unlink()
@@ -159,3 +159,69 @@ def test_writes_that_fail_are_later_misses_never_an_error(tmp_path):
     store.run(ops(stores=[(2, TIER_DISK, -1)], hashes=[H[2]]))
     disk.flush()
     assert store.run(ops(loads=[(5, TIER_DISK, -1)], hashes=[H[2]]))[0].tolist() == []
+
+
+def test_a_hybrids_state_snapshot_round_trips_beside_the_blocks_and_fails_numbered_after_them(
+    tmp_path,
+):
+    """Every linear layer's conv and delta-rule state of a slot, written to each tier and read back
+    into another slot, bit for bit; the block files and snapshot files share a folder apart; a
+    snapshot that fails its check is reported after the step's block loads.
+    """
+    from worker.model.kv_tiers import snapshot_bytes
+    from worker.model.state_pool import StatePool
+
+    cfg = ModelConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        linear_layers=(True, True, False),
+        linear_k_heads=2,
+        linear_v_heads=4,
+        linear_k_dim=8,
+        linear_v_dim=8,
+        linear_conv_kernel=4,
+    )
+    # the linear layers hold no K/V in the pool: their state is in the state pool
+    pool = KVPool(cfg, 8, 4, torch.bfloat16, torch.device("cpu"))
+    pool.states = StatePool(cfg, 4, torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    parts = [*pool.k, *pool.v, *pool.states.conv.values(), *pool.states.recurrent.values()]
+    for t in parts:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    key = layout_key("fp", "w", pool, 0, 1, 0)
+    size, snap = block_bytes(pool).size, snapshot_bytes(pool.states).size
+    assert snap == pool.states.bytes_per_slot and size == pool.bytes_per_block + 4 * 4
+    store = KvTierStore(
+        pool,
+        2,
+        DiskTier(str(tmp_path), key, size, 10),
+        2,
+        DiskTier(str(tmp_path), key, snap, 10, suffix=".st"),
+    )
+    slot = lambda s: [t[s].clone() for t in snapshot_bytes(pool.states).parts]  # noqa: E731
+    want = [slot(0), slot(1)]
+    full = lambda b: [t[b].clone() for t in [pool.k[2], pool.v[2], pool.tokens]]  # noqa: E731
+    block = full(0)
+    work = ops(stores=[(0, TIER_DISK, -1)], hashes=[H[0]])
+    work.states = ops(stores=[(0, TIER_HOST, 1), (1, TIER_DISK, -1)], hashes=[H[0], H[1]])
+    store.run(work)
+    store.flush()
+    assert store.disk.held() == [H[0]] and store.states.disk.held() == [H[1]]
+    assert (tmp_path / key.hex() / f"{H[1].hex()}.st").stat().st_size == HEADER.size + snap
+    for t in snapshot_bytes(pool.states).parts:
+        t[2:4].zero_()
+    work = ops(loads=[(5, TIER_DISK, -1), (6, TIER_DISK, -1)], hashes=[H[0], H[7]])
+    work.states = ops(
+        loads=[(2, TIER_HOST, 1), (3, TIER_DISK, -1), (3, TIER_DISK, -1)], hashes=[H[0], H[1], H[0]]
+    )
+    failed, _ = store.run(work)
+    # the second block is missing; the third snapshot names a file only the block tier has
+    assert failed.tolist() == [1, 4]
+    assert same(slot(2), want[0]) and same(slot(3), want[1]) and same(full(5), block)
+    # another state layout (other heads) is another folder
+    assert layout_key("fp", "w", pool_of(torch.bfloat16), 0, 1, 0) != key

@@ -77,6 +77,11 @@ class SimulatedWorker:
         self.corrupt: set[bytes] = set()
         self.last_failed: set[int] = set()
         self.num_loaded = 0
+        # a hybrid's snapshots on the tiers: host slots (hash, the tokens its state has read), the
+        # disk's by hash
+        self.host_states: dict[int, tuple[bytes, list[int]]] = {}
+        self.disk_states: dict[bytes, list[int]] = {}
+        self.num_snapshots_loaded = 0
 
     def step(self, sched, out) -> list:
         """Plan, run and apply one scheduler step (its drafts' acceptance included): what it did."""
@@ -168,6 +173,36 @@ class SimulatedWorker:
         self.last_failed = set()
         if p.kv is None:
             return
+        self._blocks_tiers(p)
+        if p.kv.states is not None:
+            self._state_tiers(p.kv.states, len(p.kv.loads))
+
+    def _state_tiers(self, ops, first: int) -> None:
+        """A hybrid's snapshots on the tiers: a slot's tokens written down, read back by hash;
+        failures numbered after the blocks' loads.
+        """
+        n = len(ops.stores)
+        for i, (slot, tier, host) in enumerate(ops.stores.tolist()):
+            assert slot in self.states, "a snapshot written down was never taken"
+            held = (ops.hashes[i], list(self.states[slot]))
+            if tier == 1:
+                self.host_states[host] = held
+            else:
+                self.disk_states[ops.hashes[i]] = held[1]
+        for j, (slot, tier, host) in enumerate(ops.loads.tolist()):
+            h = ops.hashes[n + j]
+            held = self.host_states.get(host) if tier == 1 else None
+            if tier != 1 and h in self.disk_states:
+                held = (h, self.disk_states[h])
+            if held is None or held[0] != h or h in self.corrupt:
+                self.last_failed.add(first + j)
+                continue
+            self.states[slot] = list(held[1])
+            self.num_snapshots_loaded += 1
+        for h in ops.drops:
+            self.disk_states.pop(h, None)
+
+    def _blocks_tiers(self, p) -> None:
         bs, n = self.block_size, len(p.kv.stores)
         for i, (block, tier, slot) in enumerate(p.kv.stores.tolist()):
             row = self.pool[block * bs : (block + 1) * bs].copy()

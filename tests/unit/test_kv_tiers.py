@@ -58,7 +58,7 @@ def test_a_prefix_evicted_from_the_pool_is_read_back_from_the_host_tier_not_comp
     sched, worker = make(24, BS, budget=64, tiers=tiers(host=64))
     computed = serve(sched, worker, conversations())
     t = sched.kv.tiers
-    assert worker.num_loaded > 0 and t.loaded[TIER_HOST] == worker.num_loaded
+    assert worker.num_loaded > 0 and t.blocks.loaded[TIER_HOST] == worker.num_loaded
     assert computed < base / 2, (computed, base)  # later turns compute their tails only
     first = next(r for rs in conversations() for r in rs if r.request_id == "d0t2")
     assert first.prompt_len > 40
@@ -216,15 +216,15 @@ def test_prometheus_counts_the_tiers_by_difference_and_from_zero_after_a_replace
     def value(name, **labels):
         return m.registry.get_sample_value(name, {"replica": "0", **labels})
 
-    t.loaded[TIER_HOST], t.stored[TIER_DISK] = 3, 5
+    t.blocks.loaded[TIER_HOST], t.blocks.stored[TIER_DISK] = 3, 5
     m.on_step(0, report(), 16)
-    t.loaded[TIER_HOST], t.load_failures = 7, 2
+    t.blocks.loaded[TIER_HOST], t.load_failures = 7, 2
     m.on_step(0, report(), 16)
     assert value("pagedserve_kv_tier_loaded_blocks_total", tier="host") == 7
     assert value("pagedserve_kv_tier_stored_blocks_total", tier="disk") == 5
     assert value("pagedserve_kv_tier_load_failures_total") == 2
     assert value("pagedserve_kv_tier_capacity_blocks", tier="disk") == 20
     t = tiers(host=8, disk=20)  # a new group: its counts start again
-    t.loaded[TIER_HOST] = 1
+    t.blocks.loaded[TIER_HOST] = 1
     m.on_step(0, report(), 16)
     assert value("pagedserve_kv_tier_loaded_blocks_total", tier="host") == 8

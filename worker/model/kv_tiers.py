@@ -19,6 +19,7 @@ import torch
 
 from protos.codec import HASH_BYTES, TIER_DISK, TIER_HOST, TierOps
 from worker.model.kv_pool import KVPool
+from worker.model.state_pool import StatePool
 
 log = structlog.get_logger("worker.kv_tiers")
 MAGIC = b"PSKV1"
@@ -44,11 +45,12 @@ def layout_key(
                 weights,
                 pool.dtype,
                 pool.block_size,
-                pool.k[0].shape,
+                max(t.shape for t in pool.k),
                 rank,
                 tp,
                 replica,
                 len(pool.k),
+                pool.states.bytes_per_slot if pool.states is not None else 0,
             ),
         )
     )
@@ -74,41 +76,41 @@ def weights_identity(model: str, load_format: str, seed: int) -> str:
     )
 
 
-class BlockBytes:
-    """A pool block as one row of bytes: every layer's K, then every layer's V, then its token
-    record.
+class RowBytes:
+    """Entries of some tensors (their first dimension) as rows of bytes: entry i of each in turn.
+    A pool block: every layer's K, then every layer's V, then its token record; a state slot: every
+    linear layer's conv state, then its delta-rule state.
     """
 
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
-        self.parts = [*pool.k, *pool.v]
-        self.part_bytes = pool.k[0][0].numel() * pool.k[0].element_size()
-        self.token_bytes = pool.tokens[0].numel() * pool.tokens.element_size()
-        self.size = len(self.parts) * self.part_bytes + self.token_bytes
+    def __init__(self, parts: list[torch.Tensor]) -> None:
+        self.parts = parts
+        self.part_bytes = [t[0].numel() * t.element_size() for t in parts]
+        self.size = sum(self.part_bytes)
+        self.device = parts[0].device
 
-    def gather(self, blocks: list[int]) -> np.ndarray:
-        """uint8 [len(blocks), size] on the host."""
-        idx = torch.tensor(blocks, dtype=torch.long, device=self.pool.tokens.device)
-        n = len(blocks)
-        rows = [t[idx].reshape(n, -1).view(torch.uint8) for t in self.parts]
-        rows.append(self.pool.tokens[idx].reshape(n, -1).view(torch.uint8))
+    def gather(self, ids: list[int]) -> np.ndarray:
+        """uint8 [len(ids), size] on the host."""
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        rows = [t[idx].reshape(len(ids), -1).view(torch.uint8) for t in self.parts]
         return torch.cat(rows, dim=1).cpu().numpy()
 
-    def scatter(self, blocks: list[int], data: np.ndarray) -> None:
-        """Write rows of bytes (uint8 [len(blocks), size]) into these pool blocks."""
-        dev = self.pool.tokens.device
-        idx = torch.tensor(blocks, dtype=torch.long, device=dev)
-        src = torch.from_numpy(np.ascontiguousarray(data)).to(dev)
+    def scatter(self, ids: list[int], data: np.ndarray) -> None:
+        """Write rows of bytes (uint8 [len(ids), size]) into these entries."""
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        src = torch.from_numpy(np.ascontiguousarray(data)).to(self.device)
         off = 0
-        for t in self.parts:
-            t[idx] = (
-                src[:, off : off + self.part_bytes]
-                .contiguous()
-                .view(t.dtype)
-                .view(len(blocks), *t.shape[1:])
-            )
-            off += self.part_bytes
-        self.pool.tokens[idx] = src[:, off:].contiguous().view(torch.int32)
+        for t, n in zip(self.parts, self.part_bytes, strict=True):
+            t[idx] = src[:, off : off + n].contiguous().view(t.dtype).view(len(ids), *t.shape[1:])
+            off += n
+
+
+def block_bytes(pool: KVPool) -> RowBytes:
+    """A hybrid's linear layers hold no K/V: only its attention layers' are a block's."""
+    return RowBytes([t for t in [*pool.k, *pool.v] if t.numel()] + [pool.tokens])
+
+
+def snapshot_bytes(states: StatePool) -> RowBytes:
+    return RowBytes([*states.conv.values(), *states.recurrent.values()])
 
 
 class HostTier:
@@ -135,9 +137,12 @@ class DiskTier:
     first).
     """
 
-    def __init__(self, folder: str, key: bytes, size: int, capacity: int) -> None:
+    def __init__(
+        self, folder: str, key: bytes, size: int, capacity: int, suffix: str = ".kv"
+    ) -> None:
+        """suffix: what this tier's files end in (".kv" blocks, ".st" state snapshots)."""
         self.dir = Path(folder) / key.hex()
-        self.key, self.size, self.capacity = key, size, capacity
+        self.key, self.size, self.capacity, self.suffix = key, size, capacity, suffix
         self.dir.mkdir(parents=True, exist_ok=True)
         probe = self.dir / ".probe"
         probe.write_bytes(b"")  # a folder that cannot be written is refused at start (OSError)
@@ -158,7 +163,7 @@ class DiskTier:
     def held(self) -> list[bytes]:
         """Block hashes with a file here, oldest first."""
         files = []
-        for p in self.dir.glob("*.kv"):
+        for p in self.dir.glob(f"*{self.suffix}"):
             try:
                 if len(p.stem) == 2 * HASH_BYTES:
                     files.append((p.stat().st_mtime_ns, bytes.fromhex(p.stem)))
@@ -167,7 +172,7 @@ class DiskTier:
         return [h for _, h in sorted(files)]
 
     def _path(self, h: bytes) -> Path:
-        return self.dir / f"{h.hex()}.kv"
+        return self.dir / f"{h.hex()}{self.suffix}"
 
     def _warn_once(self, what: str, **fields) -> None:
         if what not in self._warned:
@@ -225,7 +230,7 @@ class DiskTier:
             row = self._pending.get(h)
         if row is None:
             return
-        tmp = self.dir / f"{h.hex()}.tmp"
+        tmp = self.dir / f"{h.hex()}{self.suffix}.tmp"
         try:
             with open(tmp, "wb") as f:
                 f.write(HEADER.pack(MAGIC, self.key, h, self.size, zlib.crc32(row)))
@@ -240,73 +245,127 @@ class DiskTier:
                     del self._pending[h]
 
 
-class KvTierStore:
-    """This rank's tiers and the plan's work on them."""
+class TierLane:
+    """One kind of entry's tiers on this rank (pool blocks, or a hybrid's state snapshots): how its
+    entries become bytes, a host tier, a disk tier.
+    """
 
-    def __init__(self, pool: KVPool, host_blocks: int, disk: DiskTier | None) -> None:
-        self.bytes = BlockBytes(pool)
-        self.pool = pool
-        pin = pool.tokens.device.type == "cuda"
-        self.host = HostTier(host_blocks, self.bytes.size, pin) if host_blocks else None
-        self.disk = disk
+    def __init__(self, rows: RowBytes, host_slots: int, disk: DiskTier | None, what: str) -> None:
+        self.rows, self.disk, self.what = rows, disk, what
+        pin = rows.device.type == "cuda"
+        self.host = HostTier(host_slots, rows.size, pin) if host_slots else None
 
     @property
-    def host_blocks(self) -> int:
+    def host_slots(self) -> int:
         return len(self.host.hashes) if self.host is not None else 0
 
-    def flush(self) -> None:
-        """Wait for the disk tier's writes and deletes asked for so far."""
-        if self.disk is not None:
-            self.disk.flush()
-
-    def describe(self, handshake) -> None:
-        """Say this rank's tiers in its handshake: their sizes, and the blocks on disk now."""
-        handshake.host_tier_blocks = self.host_blocks
-        if self.disk is not None:
-            handshake.disk_tier_blocks = self.disk.capacity
-            handshake.disk_tier_hashes = b"".join(self.disk.held())
-
-    def check(self, ops: TierOps, num_blocks: int) -> None:
-        """Raises TierError where the work names a block, tier or slot this rank does not have."""
+    def check(self, ops: TierOps, count: int) -> None:
+        """Raises TierError where the work names an entry, tier or slot this rank does not have."""
         for rows in (ops.stores, ops.loads):
-            if len(rows) and ((rows[:, 0] < 0).any() or (rows[:, 0] >= num_blocks).any()):
-                raise TierError("a KV-tier row names a block outside the pool")
+            if len(rows) and ((rows[:, 0] < 0).any() or (rows[:, 0] >= count).any()):
+                raise TierError(f"a KV-tier row names a {self.what} outside the pool")
             for tier, slot in rows[:, 1:].tolist():
-                if tier == TIER_HOST and (self.host is None or not 0 <= slot < self.host_blocks):
+                if tier == TIER_HOST and (self.host is None or not 0 <= slot < self.host_slots):
                     raise TierError(
-                        f"host slot {slot} is not one of this worker's {self.host_blocks}"
+                        f"host slot {slot} is not one of this worker's {self.host_slots} for "
+                        f"{self.what}s"
                     )
                 if tier == TIER_DISK and self.disk is None:
-                    raise TierError("the plan writes to a disk tier this worker does not have")
+                    raise TierError(f"the plan writes {self.what}s to a disk tier it does not have")
                 if tier not in (TIER_HOST, TIER_DISK):
                     raise TierError(f"unknown KV tier {tier}")
         if ops.drops and self.disk is None:
-            raise TierError("the plan drops disk blocks this worker does not have")
+            raise TierError(f"the plan drops disk {self.what}s this worker does not have")
 
-    def run(self, ops: TierOps) -> tuple[np.ndarray, float]:
-        """Stores, loads, drops; -> (indices of the loads that failed, seconds)."""
-        t0 = time.perf_counter()
+    def run(self, ops: TierOps) -> list[int]:
+        """Stores, loads, drops; -> indices of the loads that failed."""
         n = len(ops.stores)
         if n:
-            rows = self.bytes.gather(ops.stores[:, 0].tolist())
+            rows = self.rows.gather(ops.stores[:, 0].tolist())
             for i, (tier, slot) in enumerate(ops.stores[:, 1:].tolist()):
                 if tier == TIER_HOST:
                     self.host.store(slot, ops.hashes[i], rows[i])
                 else:
                     self.disk.store(ops.hashes[i], rows[i].copy())
         failed, good, data = [], [], []
-        for j, (block, tier, slot) in enumerate(ops.loads.tolist()):
+        for j, (entry, tier, slot) in enumerate(ops.loads.tolist()):
             h = ops.hashes[n + j]
             row = self.host.load(slot, h) if tier == TIER_HOST else self.disk.load(h)
             if row is None:
                 failed.append(j)
             else:
-                good.append(block)
+                good.append(entry)
                 data.append(row)
         if good:
-            self.bytes.scatter(good, np.stack(data))
+            self.rows.scatter(good, np.stack(data))
         for h in ops.drops:
             self.disk.drop(h)
+        return failed
+
+
+class KvTierStore:
+    """This rank's tiers and the plan's work on them: pool blocks, and where the model keeps state,
+    its snapshots.
+    """
+
+    def __init__(
+        self,
+        pool: KVPool,
+        host_blocks: int,
+        disk: DiskTier | None,
+        host_snapshots: int = 0,
+        disk_snapshots: DiskTier | None = None,
+    ) -> None:
+        self.pool = pool
+        self.blocks = TierLane(block_bytes(pool), host_blocks, disk, "block")
+        self.states = (
+            TierLane(snapshot_bytes(pool.states), host_snapshots, disk_snapshots, "state slot")
+            if pool.states is not None and (host_snapshots or disk_snapshots is not None)
+            else None
+        )
+
+    @property
+    def host(self) -> HostTier | None:
+        return self.blocks.host
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self.blocks.disk
+
+    def flush(self) -> None:
+        """Wait for the disk tiers' writes and deletes asked for so far."""
+        for lane in (self.blocks, self.states):
+            if lane is not None and lane.disk is not None:
+                lane.disk.flush()
+
+    def describe(self, handshake) -> None:
+        """Say this rank's tiers in its handshake: their sizes, and what is on disk now."""
+        handshake.host_tier_blocks = self.blocks.host_slots
+        if self.disk is not None:
+            handshake.disk_tier_blocks = self.disk.capacity
+            handshake.disk_tier_hashes = b"".join(self.disk.held())
+        if (states := self.states) is not None:
+            handshake.host_tier_snapshots = states.host_slots
+            if states.disk is not None:
+                handshake.disk_tier_snapshots = states.disk.capacity
+                handshake.disk_tier_snapshot_hashes = b"".join(states.disk.held())
+
+    def check(self, ops: TierOps, num_blocks: int) -> None:
+        """Raises TierError where the work names a block, slot or tier this rank does not have."""
+        self.blocks.check(ops, num_blocks)
+        if ops.states is not None:
+            if self.states is None:
+                raise TierError("the plan moves state snapshots; this worker keeps none in tiers")
+            self.states.check(ops.states, self.pool.states.num_slots)
+
+    def run(self, ops: TierOps) -> tuple[np.ndarray, float]:
+        """Blocks, then snapshots: stores, loads, drops; -> (indices of the loads that failed, the
+        snapshots' numbered on after the blocks', seconds).
+        """
+        t0 = time.perf_counter()
+        failed = self.blocks.run(ops)
+        if ops.states is not None:
+            failed += [len(ops.loads) + j for j in self.states.run(ops.states)]
         return np.asarray(failed, dtype=np.int32), time.perf_counter() - t0
 
 

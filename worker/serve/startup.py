@@ -133,9 +133,6 @@ def read_config(cfg: WorkerConfig, tp: int):
         ) from None
     except ParallelConfigError as e:  # refuse before joining a group that could never run
         raise Refused("cannot_split_model", str(e), error=str(e)) from None
-    if config.keeps_state and (cfg.kv_offload_size or cfg.kv_offload_dir):
-        why = "a hybrid's KV tiers would need its recurrent state beside each block"
-        raise Refused("bad_worker_option", f"--kv-offload-size/--kv-offload-dir: {why}", error=why)
     if config.layer_windows:
         log.info(
             "sliding_window_layers",
