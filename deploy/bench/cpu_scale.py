@@ -1,6 +1,7 @@
 """The sizes people serve on a CPU, made here: `make bench-cpu-scale`.
 
-Random-weight models at Llama-3.2-1B and Llama-3.1-8B shapes, written as a Hugging Face folder (bf16
+Random-weight models at Llama-3.2-1B and Llama-3.1-8B shapes (and Qwen3.5-4B's, a hybrid: three
+Gated DeltaNet layers to one gated attention layer), written as a Hugging Face folder (bf16
 safetensors, the default model's tokenizer; the vocabulary its own 49,152 or padded to Llama-3's
 128,256 as llama.cpp's converter pads it: the LM head a smaller or larger share of a token's bytes),
 converted to GGUF by the llama.cpp built from the `llama-cpp-python` sdist (`convert_hf_to_gguf.py`,
@@ -46,6 +47,23 @@ SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B, as their config.json give them
         tie_word_embeddings=False,
     ),
 }
+# Qwen3.5-4B (`qwen3_5_text`), as its config.json gives it
+HYBRID = dict(
+    hidden_size=2560,
+    intermediate_size=9216,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=4,
+    tie_word_embeddings=True,
+)
+SHAPES["qwen35-4b"] = HYBRID
 VOCABS = (49152, 128256)  # SmolLM2's own, Llama-3's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -61,6 +79,8 @@ def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
     if (out / "done").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
+    if shape == "qwen35-4b":
+        return hybrid_folder(out, tokenizer_from, vocab)
     s = SHAPES[shape]
     config = dict(
         architectures=["LlamaForCausalLM"],
@@ -123,6 +143,57 @@ def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
     return out
 
 
+def hybrid_folder(out: Path, tokenizer_from: Path, vocab: int) -> Path:
+    """Qwen3.5-4B's shape with random weights: its tensors named and shaped by transformers' own
+    model (built on the meta device), written a layer a shard; norms as the model starts them
+    ((1 + w) norms at 0, the gated norm at 1), decays as its initializer draws them.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(vocab_size=vocab, rms_norm_eps=1e-6, **HYBRID)
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    config.torch_dtype = "bfloat16"
+    config.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, out / name)
+    with torch.device("meta"):
+        shapes = {
+            k: tuple(v.shape)
+            for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()
+        }
+    shapes.pop("lm_head.weight")  # tied to the embedding
+    g = torch.Generator().manual_seed(0)
+
+    def value(name: str, shape: tuple) -> torch.Tensor:
+        if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+            return torch.ones(shape, dtype=torch.bfloat16)
+        if name.endswith("norm.weight"):
+            return torch.zeros(shape, dtype=torch.bfloat16)
+        if name.endswith("A_log"):
+            return torch.empty(shape).uniform_(1, 16, generator=g).log().to(torch.bfloat16)
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    index = {}
+    shards: dict[str, list[str]] = {}
+    for name in shapes:
+        layer = name.split(".")[2] if name.startswith("model.layers.") else "embed"
+        shards.setdefault(layer, []).append(name)
+    for layer, names in shards.items():
+        file = f"{layer}.safetensors" if layer == "embed" else f"layer{int(layer):03d}.safetensors"
+        save_file(
+            {n: value(n, shapes[n]) for n in names}, str(out / file), metadata={"format": "pt"}
+        )
+        index.update({n: file for n in names})
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": index})
+    )
+    (out / "done").write_text("")
+    return out
+
+
 def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
     """The model as a GGUF of `quant` (BF16, Q8_0, Q4_K_M, ...): converted with llama.cpp's own
     converter, then quantized with its llama-quantize; made once.
@@ -146,6 +217,7 @@ def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
                 "bf16",
                 "--outfile",
                 str(bf16.with_suffix(".part")),
+                *(["--no-mtp"] if shape == "qwen35-4b" else []),
             ],
             check=True,
             env=env,

@@ -16,6 +16,18 @@ int pagedserve_decode_limits(int32_t* out);
 int pagedserve_prefill_limits(int32_t* out);
 int pagedserve_struct_sizes(int64_t* out);
 
+/* --- Gated DeltaNet's decode (delta_rule.c) --------------------------------------------------------- */
+void pagedserve_conv_step(const float* x, int64_t x_stride, float* conv_states, const int64_t* slots,
+                          const float* weight, float* out, int64_t rows, int32_t channels, int32_t kernel);
+int pagedserve_delta_rule_step(const float* x, int64_t x_stride, const float* g, const float* beta,
+                               float* states, const int64_t* slots, float* out, int64_t rows, int32_t k_heads,
+                               int32_t v_heads, int32_t dk, int32_t dv, int32_t tiled);
+int pagedserve_delta_rule_chunked(const float* x, int64_t x_stride, const float* g, const float* beta,
+                                  float* state, float* out, int64_t tokens, int32_t k_heads, int32_t v_heads,
+                                  int32_t dk, int32_t dv, int32_t tiled, int32_t chunk);
+void pagedserve_gated_norm(const float* o, const float* z, int64_t z_stride, const float* weight, float* out,
+                           int64_t rows, int32_t heads, int32_t dim, float eps);
+
 /* --- paged attention (paged_decode.c, paged_prefill.c) -------------------------------------------- */
 void pagedserve_paged_decode(const float* q, const void* k_cache, const void* v_cache, float* out,
                              const int64_t* rows, const int32_t* block_tables, int64_t table_stride,

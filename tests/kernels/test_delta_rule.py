@@ -89,3 +89,73 @@ def test_the_causal_conv_reads_its_last_inputs_and_keeps_the_newest():
         step, states = causal_conv_step(x[t : t + 1].repeat(2, 1), states, weight)
         torch.testing.assert_close(step[1], out[t])
     assert np.array_equal(states[0].numpy(), new.numpy())
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_the_native_decode_equals_the_definition_in_place_in_each_rows_slot(tiled):
+    """conv, delta rule and gated norm in the library's single passes: each row's output, and the
+    states in its slot (others untouched), as the torch pieces give them; rows in any slot order.
+    """
+    from kernels import cpu_native
+
+    native = cpu_native.load()
+    if native is None:
+        pytest.skip("no C compiler here: torch runs the decode")
+    kh, vh, dk, dv, kernel, rows = 2, 4, 16, 8, 4, 3
+    g = torch.Generator().manual_seed(4)
+    conv_dim = 2 * kh * dk + vh * dv
+    proj = torch.randn(rows, conv_dim + vh * dv + 2 * vh, generator=g)
+    x, z, b, a = proj.split([conv_dim, vh * dv, vh, vh], -1)
+    beta, decay = torch.sigmoid(b), -F.softplus(a) * 0.7
+    conv_w = torch.randn(conv_dim, kernel, generator=g) * 0.3
+    norm_w = torch.rand(dv, generator=g) + 0.5
+    conv_states = torch.randn(6, kernel - 1, conv_dim, generator=g)
+    states = torch.randn(6, vh, dk, dv, generator=g) * 0.1
+    slots = torch.tensor([4, 0, 2])
+    # the definition, each row alone
+    y, conv_new = causal_conv_step(x, conv_states[slots], conv_w)
+    q, k, v = y.split([kh * dk, kh * dk, vh * dv], -1)
+    q, k = q.reshape(rows, kh, dk), k.reshape(rows, kh, dk)
+    if tiled:  # value head j reads key head j % kh
+        q, k = q.repeat(1, vh // kh, 1), k.repeat(1, vh // kh, 1)
+    o, state_new = gated_delta_rule_step(q, k, v.reshape(rows, vh, dv), decay, beta, states[slots])
+    normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = (norm_w * normed * F.silu(z.reshape(rows, vh, dv))).reshape(rows, vh * dv)
+    before = conv_states.clone(), states.clone()
+    shape = (kh, vh, dk, dv, tiled, 1e-6)
+    got = native.delta_net_decode(
+        x, z, decay, beta, conv_states, states, slots, conv_w, norm_w, shape
+    )
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(conv_states[slots], conv_new)
+    torch.testing.assert_close(states[slots], state_new, atol=2e-6, rtol=1e-5)
+    others = [1, 3, 5]
+    assert torch.equal(conv_states[others], before[0][others])
+    assert torch.equal(states[others], before[1][others])
+    # a layout it does not take is left to torch, with nothing changed
+    assert (
+        native.delta_net_decode(x.double(), z, decay, beta, *before, slots, conv_w, norm_w, shape)
+        is None
+    )
+
+
+@pytest.mark.parametrize("length", [2, 63, 64, 150])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_the_native_chunked_prompt_equals_the_definition(length, tiled):
+    """A prompt through the library's WY chunks, its slot's state moved on in place: the same
+    outputs and state as the torch chunks (head groups read in either order).
+    """
+    from kernels import cpu_native
+
+    native = cpu_native.load()
+    if native is None:
+        pytest.skip("no C compiler here: torch runs the prompt")
+    q, k, v, decay, beta, state = inputs(length, seed=length)
+    kh, vh = q.shape[1], v.shape[1]
+    y = torch.cat([q.reshape(length, -1), k.reshape(length, -1), v.reshape(length, -1)], -1)
+    qr, kr = (q, k) if not tiled else (q.repeat(1, vh // kh, 1), k.repeat(1, vh // kh, 1))
+    want, want_state = chunk_gated_delta_rule(qr, kr, v, decay, beta, state)
+    slot = state.clone()
+    got = native.delta_rule_chunked(y, decay, beta, slot, (kh, vh, 16, 8, tiled, 1e-6))
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(slot, want_state, atol=3e-5, rtol=1e-4)

@@ -76,13 +76,23 @@ class GatedDeltaNet(nn.Module):
         """Rows of the fused input projection: q, k, v (the conv's channels), z, b and a."""
         return self.conv_dim + self.v_size + 2 * self.v_heads
 
-    def forward(self, proj: torch.Tensor, step: StateStep, conv_states, states) -> torch.Tensor:
+    def forward(
+        self, proj: torch.Tensor, step: StateStep, conv_states, states, ops=None
+    ) -> torch.Tensor:
         """proj [tokens, in_rows] -> [tokens, v_size], the gated norm applied; each row's slot of
         conv_states [slots, K-1, conv_dim] and states [slots, Hv, Dk, Dv] moves past its tokens.
+        ops: the layer's elementwise ops; native ones run a decode in the library's single passes.
         """
         x, z, b, a = proj.split([self.conv_dim, self.v_size, self.v_heads, self.v_heads], -1)
         beta = torch.sigmoid(b.float())
         g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        kernels = getattr(ops, "k", None)
+        native = kernels if hasattr(kernels, "delta_net_decode") else None
+        if step.decode_only and native is not None:
+            pools = (conv_states, states, step.slots)
+            out = native.delta_net_decode(x, z, g, beta, *pools, self.conv, self.norm, self.shape)
+            if out is not None:
+                return out
         if step.decode_only:
             slots = step.slots
             x, conv_states[slots] = causal_conv_step(x, conv_states[slots], self.conv)
@@ -96,15 +106,29 @@ class GatedDeltaNet(nn.Module):
                 for offset, dst in (*step.saves.get(row, ()), (e - s, -1)):
                     if s < loc[row] + offset:
                         end = loc[row] + offset
-                        out[s:end] = self._advance(x, g, beta, s, end, slot, conv_states, states)
+                        out[s:end] = self._advance(
+                            x, g, beta, (s, end), slot, conv_states, states, native
+                        )
                         s = end
                     if dst >= 0:
                         conv_states[dst], states[dst] = conv_states[slot], states[slot]
         return self._gated_norm(out, z)
 
-    def _advance(self, x, g, beta, s: int, e: int, slot: int, conv_states, states):
-        """Tokens s:e of one row through the conv and the delta rule from its slot's state."""
+    @property
+    def shape(self) -> tuple:
+        """What the native kernels need to know of this layer."""
+        return (self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.tiled, self.eps)
+
+    def _advance(self, x, g, beta, span, slot: int, conv_states, states, native=None):
+        """Tokens span = (s, e) of one row through the conv and the delta rule from its slot's
+        state (native: the library's chunked kernel, in place in the slot).
+        """
+        s, e = span
         y, conv_states[slot] = causal_conv(x[s:e], conv_states[slot], self.conv)
+        if native is not None and e - s > 1:
+            out = native.delta_rule_chunked(y, g[s:e], beta[s:e], states[slot], self.shape)
+            if out is not None:
+                return out
         q, k, v = self._qkv(y)
         rule = gated_delta_rule_step if e - s == 1 else _chunk
         o, new = rule(q, k, v, g[s:e], beta[s:e], states[slot][None])

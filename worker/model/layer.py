@@ -131,7 +131,7 @@ class DecoderLayer(nn.Module):
             )
         if self.linear is not None:
             conv, state = pool.states.layer(i)
-            core = self.linear(mm(h, w["in_proj"]), step.state, conv, state)
+            core = self.linear(mm(h, w["in_proj"]), step.state, conv, state, ops)
             a = self.comm.all_reduce(mm(core, w["out_proj"]))
         else:
             a = self._attend(h, step, pool, rope, attn, ops, into_bf16)

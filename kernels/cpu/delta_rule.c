@@ -1,0 +1,278 @@
+/* Gated DeltaNet's decode in single passes over fp32 (kernels/delta_rule.py is the definition):
+ *   conv_step:       one input per row through the depthwise causal conv and SiLU; the row's last K-1
+ *                    inputs in its state slot move on by one, in place
+ *   delta_rule_step: one token per row and value head: q, k L2-normalized (q by 1/sqrt(dk) too), the
+ *                    state S [dk, dv] decayed by e^g, delta = (v - S^T k) * beta, S += k delta^T, o = S^T q;
+ *                    S read once and written once, in its slot (torch gathers, copies and scatters it,
+ *                    about five passes over 64 KiB a head)
+ *   delta_rule_chunked: one sequence's tokens in chunks of the WY form (kernels/delta_rule.py's
+ *                    chunk_gated_delta_rule): a chunk's updates folded into two forward substitutions,
+ *                    then the chunk applied to the state in three small matrix products, a head a thread
+ *   gated_norm:      each head's output RMS-normed by a plain weight, times SiLU of its gate z
+ * Rows and heads split over OpenMP threads; the inner loops run over dv, contiguous, and vectorize. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "pagedserve.h"
+#include "vec_math.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define MAX_DV 512
+
+static inline float silu(float x) { return x / (1.0f + vec_exp(-x)); }
+
+void pagedserve_conv_step(const float* x, int64_t x_stride, float* conv_states, const int64_t* slots,
+                          const float* weight, float* out, int64_t rows, int32_t channels, int32_t kernel) {
+    /* conv_states [slots, K-1, C]; weight [C, K] (tap K-1 meets the new input); out [rows, C] */
+    const int64_t per_slot = (int64_t)(kernel - 1) * channels;
+#pragma omp parallel for schedule(static) if (rows * channels > 16384)
+    for (int64_t r = 0; r < rows; r++) {
+        float* st = conv_states + slots[r] * per_slot;
+        const float* xr = x + r * x_stride;
+        float* o = out + r * channels;
+        for (int32_t c = 0; c < channels; c++) {
+            const float* w = weight + (int64_t)c * kernel;
+            float acc = w[kernel - 1] * xr[c];
+            for (int32_t j = 0; j < kernel - 1; j++) acc += w[j] * st[(int64_t)j * channels + c];
+            o[c] = silu(acc);
+        }
+        for (int32_t j = 0; j + 1 < kernel - 1; j++)
+            for (int32_t c = 0; c < channels; c++)
+                st[(int64_t)j * channels + c] = st[(int64_t)(j + 1) * channels + c];
+        for (int32_t c = 0; c < channels; c++) st[(int64_t)(kernel - 2) * channels + c] = xr[c];
+    }
+}
+
+/* a . b and y += a x over n floats: AVX2 FMAs eight lanes at a time where the build has them (the library is
+   built -std=c11, where plain code is not contracted to FMAs), the rest one by one. */
+static inline float dot(const float* a, const float* b, int32_t n) {
+    float sum = 0.0f;
+    int32_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+#endif
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static inline void axpy(float* y, float a, const float* x, int32_t n) {
+    int32_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 av = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+static inline float inv_norm(const float* x, int32_t n) { return 1.0f / sqrtf(dot(x, x, n) + 1e-6f); }
+
+int pagedserve_delta_rule_step(const float* x, int64_t x_stride, const float* g, const float* beta,
+                               float* states, const int64_t* slots, float* out, int64_t rows, int32_t k_heads,
+                               int32_t v_heads, int32_t dk, int32_t dv, int32_t tiled) {
+    /* x: the conv's output rows (q: k_heads x dk, then k, then v: v_heads x dv); g, beta [rows, v_heads];
+       states fp32 [slots, v_heads, dk, dv]; out fp32 [rows, v_heads, dv]. Value head h reads key head
+       h % k_heads where tiled (llama.cpp's order), else h / (v_heads / k_heads). -1: dv too large. */
+    if (dv > MAX_DV || v_heads % k_heads) return -1;
+    const int32_t group = v_heads / k_heads;
+    const float q_scale = 1.0f / sqrtf((float)dk);
+#pragma omp parallel for collapse(2) schedule(static) if (rows * v_heads * dk * dv > 32768)
+    for (int64_t r = 0; r < rows; r++)
+        for (int32_t h = 0; h < v_heads; h++) {
+            const int32_t kh = tiled ? h % k_heads : h / group;
+            const float* q = x + r * x_stride + (int64_t)kh * dk;
+            const float* k = q + (int64_t)k_heads * dk;
+            const float* v = x + r * x_stride + 2 * (int64_t)k_heads * dk + (int64_t)h * dv;
+            const float qs = inv_norm(q, dk) * q_scale, ks = inv_norm(k, dk);
+            const float decay = vec_exp(g[r * v_heads + h]), b = beta[r * v_heads + h];
+            float* S = states + (slots[r] * v_heads + h) * (int64_t)dk * dv;
+            float kv[MAX_DV], delta[MAX_DV], o[MAX_DV];
+            for (int32_t j = 0; j < dv; j++) kv[j] = 0.0f;
+            for (int32_t i = 0; i < dk; i++) {
+                const float ki = k[i] * ks;
+                const float* s = S + (int64_t)i * dv;
+#pragma omp simd
+                for (int32_t j = 0; j < dv; j++) kv[j] += s[j] * ki;
+            }
+#pragma omp simd
+            for (int32_t j = 0; j < dv; j++) {
+                delta[j] = (v[j] - decay * kv[j]) * b;
+                o[j] = 0.0f;
+            }
+            for (int32_t i = 0; i < dk; i++) {
+                const float ki = k[i] * ks, qi = q[i] * qs;
+                float* s = S + (int64_t)i * dv;
+#pragma omp simd
+                for (int32_t j = 0; j < dv; j++) {
+                    const float nv = s[j] * decay + ki * delta[j];
+                    s[j] = nv;
+                    o[j] += nv * qi;
+                }
+            }
+            float* dst = out + (r * v_heads + h) * (int64_t)dv;
+            for (int32_t j = 0; j < dv; j++) dst[j] = o[j];
+        }
+    return 0;
+}
+
+/* C[m][n] += alpha * sum_k A[m][k] B[k][n] (m < M, n < N, k < K; each row-major at its own stride), in
+   blocks of 4 x 16 kept in eight AVX registers while k runs: the chunk's three products, S sized (dk x dv). */
+static void gemm_acc(int32_t M, int32_t N, int32_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                     float* C, int64_t ldc, float alpha) {
+    int32_t m0 = 0, n_done = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    n_done = N / 16 * 16;
+    for (; m0 + 4 <= M; m0 += 4)
+        for (int32_t n0 = 0; n0 < n_done; n0 += 16) {
+            __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00;
+            __m256 c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+            const float* a = A + m0 * lda;
+            for (int32_t k = 0; k < K; k++) {
+                const __m256 b0 = _mm256_loadu_ps(B + k * ldb + n0), b1 = _mm256_loadu_ps(B + k * ldb + n0 + 8);
+                __m256 x = _mm256_broadcast_ss(a + k);
+                c00 = _mm256_fmadd_ps(x, b0, c00), c01 = _mm256_fmadd_ps(x, b1, c01);
+                x = _mm256_broadcast_ss(a + lda + k);
+                c10 = _mm256_fmadd_ps(x, b0, c10), c11 = _mm256_fmadd_ps(x, b1, c11);
+                x = _mm256_broadcast_ss(a + 2 * lda + k);
+                c20 = _mm256_fmadd_ps(x, b0, c20), c21 = _mm256_fmadd_ps(x, b1, c21);
+                x = _mm256_broadcast_ss(a + 3 * lda + k);
+                c30 = _mm256_fmadd_ps(x, b0, c30), c31 = _mm256_fmadd_ps(x, b1, c31);
+            }
+            const __m256 al = _mm256_set1_ps(alpha);
+            __m256 rows[8] = {c00, c01, c10, c11, c20, c21, c30, c31};
+            for (int32_t i = 0; i < 8; i++) {
+                float* c = C + (m0 + i / 2) * ldc + n0 + (i % 2) * 8;
+                _mm256_storeu_ps(c, _mm256_fmadd_ps(al, rows[i], _mm256_loadu_ps(c)));
+            }
+        }
+#endif
+    /* what the blocks leave: columns past the last whole 16 of their rows, then the last rows */
+    for (int32_t i = 0; i < m0; i++)
+        for (int32_t k = 0; k < K && n_done < N; k++)
+            for (int32_t j = n_done; j < N; j++) C[i * ldc + j] += alpha * A[i * lda + k] * B[k * ldb + j];
+    for (int32_t i = m0; i < M; i++)
+        for (int32_t k = 0; k < K; k++) axpy(C + i * ldc, alpha * A[i * lda + k], B + k * ldb, N);
+}
+
+/* One head's chunk of L tokens (rows of q, k: dk; v: dv, at stride x_stride) over its state S [dk, dv]: out
+   rows at stride out_stride. scratch: 3 * (dk + dv) * C + C * C + 2 * C floats. */
+static void wy_chunk(const float* q, const float* k, const float* v, int64_t x_stride, const float* g,
+                     const float* beta, int64_t gb_stride, float* S, float* out, int64_t out_stride, int32_t L,
+                     int32_t C, int32_t dk, int32_t dv, float q_scale, float* scratch) {
+    float *qn = scratch, *kn = qn + (int64_t)C * dk, *U = kn + (int64_t)C * dk, *W = U + (int64_t)C * dv;
+    float *F = W + (int64_t)C * dk, *O = F + (int64_t)C * dv, *A = O + (int64_t)C * dv, *gc = A + (int64_t)C * C;
+    float* b = gc + C;
+    for (int32_t i = 0; i < L; i++) {
+        const float *qi = q + i * x_stride, *ki = k + i * x_stride;
+        const float qs = inv_norm(qi, dk) * q_scale, ks = inv_norm(ki, dk);
+        for (int32_t j = 0; j < dk; j++) {
+            qn[i * dk + j] = qi[j] * qs;
+            kn[i * dk + j] = ki[j] * ks;
+        }
+        gc[i] = (i ? gc[i - 1] : 0.0f) + g[i * gb_stride];
+        b[i] = beta[i * gb_stride];
+    }
+    /* (I + A) U = b v and (I + A) W = b e^gc k, A strictly lower: A[i][j] = b_i (k_i . k_j) e^(gc_i - gc_j) */
+    for (int32_t i = 0; i < L; i++) {
+        float *u = U + (int64_t)i * dv, *w = W + (int64_t)i * dk;
+        const float* vi = v + i * x_stride;
+        const float eg = vec_exp(gc[i]);
+        for (int32_t j = 0; j < dv; j++) u[j] = b[i] * vi[j];
+        for (int32_t j = 0; j < dk; j++) w[j] = b[i] * eg * kn[i * dk + j];
+        for (int32_t j = 0; j < i; j++) {
+            const float a = b[i] * dot(kn + (int64_t)i * dk, kn + (int64_t)j * dk, dk) * vec_exp(gc[i] - gc[j]);
+            A[i * C + j] = a;
+            axpy(u, -a, U + (int64_t)j * dv, dv);
+            axpy(w, -a, W + (int64_t)j * dk, dk);
+        }
+    }
+    /* fresh = U - W S; out_i = e^gc_i q_i S + sum_{j <= i} (q_i . k_j) e^(gc_i - gc_j) fresh_j */
+    for (int32_t i = 0; i < L; i++)
+        for (int32_t j = 0; j < dv; j++) {
+            F[(int64_t)i * dv + j] = U[(int64_t)i * dv + j];
+            O[(int64_t)i * dv + j] = 0.0f;
+        }
+    gemm_acc(L, dv, dk, W, dk, S, dv, F, dv, -1.0f);
+    gemm_acc(L, dv, dk, qn, dk, S, dv, O, dv, 1.0f);
+    for (int32_t i = 0; i < L; i++) {
+        const float eg = vec_exp(gc[i]);
+        for (int32_t j = 0; j < C; j++)  /* A's rows now hold the chunk's (q_i . k_j) e^(gc_i - gc_j) */
+            A[i * C + j] = j <= i ? dot(qn + (int64_t)i * dk, kn + (int64_t)j * dk, dk) * vec_exp(gc[i] - gc[j]) : 0.0f;
+        float* o = O + (int64_t)i * dv;
+        for (int32_t j = 0; j < dv; j++) o[j] *= eg;
+    }
+    gemm_acc(L, dv, L, A, C, F, dv, O, dv, 1.0f);
+    for (int32_t i = 0; i < L; i++) {
+        float* dst = out + i * out_stride;
+        for (int32_t j = 0; j < dv; j++) dst[j] = O[(int64_t)i * dv + j];
+    }
+    /* S = e^gc_last S + sum_j e^(gc_last - gc_j) k_j fresh_j^T: k's columns scaled, as rows (W's room) */
+    const float last = gc[L - 1], el = vec_exp(last);
+    for (int32_t j = 0; j < L; j++) b[j] = vec_exp(last - gc[j]);
+    for (int32_t kk = 0; kk < dk; kk++)
+        for (int32_t j = 0; j < L; j++) W[(int64_t)kk * C + j] = kn[(int64_t)j * dk + kk] * b[j];
+    for (int64_t i = 0; i < (int64_t)dk * dv; i++) S[i] *= el;
+    gemm_acc(dk, dv, L, W, C, F, dv, S, dv, 1.0f);
+}
+
+int pagedserve_delta_rule_chunked(const float* x, int64_t x_stride, const float* g, const float* beta,
+                                  float* state, float* out, int64_t tokens, int32_t k_heads, int32_t v_heads,
+                                  int32_t dk, int32_t dv, int32_t tiled, int32_t chunk) {
+    /* One sequence's tokens: x rows as delta_rule_step's, g and beta [tokens, v_heads], state fp32 [v_heads,
+       dk, dv] (its slot) moved past them, out fp32 [tokens, v_heads, dv]. -1: shapes it does not take, or no
+       memory (nothing changed). */
+    if (v_heads % k_heads || chunk < 1 || tokens < 1) return -1;
+    const int32_t group = v_heads / k_heads;
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    const int64_t per = 3 * ((int64_t)dk + dv) * chunk + (int64_t)chunk * chunk + 2 * chunk;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float* scratch = malloc(sizeof(float) * per);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int32_t h = 0; h < v_heads; h++) {
+                const int32_t kh = tiled ? h % k_heads : h / group;
+                float* S = state + (int64_t)h * dk * dv;
+                for (int64_t c0 = 0; c0 < tokens; c0 += chunk) {
+                    const int32_t L = (int32_t)(tokens - c0 < chunk ? tokens - c0 : chunk);
+                    const float* row = x + c0 * x_stride;
+                    wy_chunk(row + (int64_t)kh * dk, row + ((int64_t)k_heads + kh) * dk,
+                             row + 2 * (int64_t)k_heads * dk + (int64_t)h * dv, x_stride, g + c0 * v_heads + h,
+                             beta + c0 * v_heads + h, v_heads, S, out + (c0 * v_heads + h) * dv,
+                             (int64_t)v_heads * dv, L, chunk, dk, dv, q_scale, scratch);
+                }
+            }
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+void pagedserve_gated_norm(const float* o, const float* z, int64_t z_stride, const float* weight, float* out,
+                           int64_t rows, int32_t heads, int32_t dim, float eps) {
+    /* o [rows, heads, dim]; z: each row's gates at z + r * z_stride, [heads, dim]; out [rows, heads * dim] */
+#pragma omp parallel for collapse(2) schedule(static) if (rows * heads * dim > 32768)
+    for (int64_t r = 0; r < rows; r++)
+        for (int32_t h = 0; h < heads; h++) {
+            const float* x = o + (r * heads + h) * (int64_t)dim;
+            const float* gate = z + r * z_stride + (int64_t)h * dim;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int32_t j = 0; j < dim; j++) sum += x[j] * x[j];
+            const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+            float* dst = out + (r * heads + h) * (int64_t)dim;
+            for (int32_t j = 0; j < dim; j++) dst[j] = weight[j] * (x[j] * inv) * silu(gate[j]);
+        }
+}
