@@ -76,6 +76,13 @@ class TritonElementwise:
     drives both)."""
 
     @staticmethod
+    def delta_net_decode(*args):
+        """Gated DeltaNet's decode (kernels/triton_delta.py)."""
+        from kernels.triton_delta import delta_net_decode
+
+        return delta_net_decode(*args)
+
+    @staticmethod
     def add_rms_norm(
         residual: torch.Tensor,
         delta: torch.Tensor | None,

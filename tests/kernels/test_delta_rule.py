@@ -91,16 +91,29 @@ def test_the_causal_conv_reads_its_last_inputs_and_keeps_the_newest():
     assert np.array_equal(states[0].numpy(), new.numpy())
 
 
-@pytest.mark.parametrize("tiled", [False, True])
-def test_the_native_decode_equals_the_definition_in_place_in_each_rows_slot(tiled):
-    """conv, delta rule and gated norm in the library's single passes: each row's output, and the
-    states in its slot (others untouched), as the torch pieces give them; rows in any slot order.
+def decode_kernels(backend: str):
+    """The native library, or the Triton kernels (natively on CUDA, interpreted elsewhere), and
+    the device their tensors live on.
     """
+    if backend == "triton":
+        from kernels.triton_elementwise import TritonElementwise
+
+        return TritonElementwise, "cuda" if torch.cuda.is_available() else "cpu"
     from kernels import cpu_native
 
     native = cpu_native.load()
     if native is None:
         pytest.skip("no C compiler here: torch runs the decode")
+    return native, "cpu"
+
+
+@pytest.mark.parametrize("backend", ["native", "triton"])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_the_decode_kernels_equal_the_definition_in_place_in_each_rows_slot(backend, tiled):
+    """conv, delta rule and gated norm in single passes: each row's output, and the states in its
+    slot (others untouched), as the torch pieces give them; rows in any slot order.
+    """
+    kernels, device = decode_kernels(backend)
     kh, vh, dk, dv, kernel, rows = 2, 4, 16, 8, 4, 3
     g = torch.Generator().manual_seed(4)
     conv_dim = 2 * kh * dk + vh * dv
@@ -123,20 +136,27 @@ def test_the_native_decode_equals_the_definition_in_place_in_each_rows_slot(tile
     want = (norm_w * normed * F.silu(z.reshape(rows, vh, dv))).reshape(rows, vh * dv)
     before = conv_states.clone(), states.clone()
     shape = (kh, vh, dk, dv, tiled, 1e-6)
-    got = native.delta_net_decode(
+    proj, conv_states, states, slots, conv_w, norm_w = (
+        t.to(device) for t in (proj, conv_states, states, slots, conv_w, norm_w)
+    )
+    x, z = proj[:, :conv_dim], proj[:, conv_dim : conv_dim + vh * dv]
+    decay, beta = decay.to(device), beta.to(device)
+    got = kernels.delta_net_decode(
         x, z, decay, beta, conv_states, states, slots, conv_w, norm_w, shape
     )
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(conv_states[slots], conv_new)
-    torch.testing.assert_close(states[slots], state_new, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(conv_states[slots].cpu(), conv_new)
+    torch.testing.assert_close(states[slots].cpu(), state_new, atol=2e-6, rtol=1e-5)
     others = [1, 3, 5]
-    assert torch.equal(conv_states[others], before[0][others])
-    assert torch.equal(states[others], before[1][others])
-    # a layout it does not take is left to torch, with nothing changed
+    assert torch.equal(conv_states[others].cpu(), before[0][others])
+    assert torch.equal(states[others].cpu(), before[1][others])
+    # a layout it does not take (a float64 state) is left to torch, with nothing changed
+    wide = states.double()
     assert (
-        native.delta_net_decode(x.double(), z, decay, beta, *before, slots, conv_w, norm_w, shape)
+        kernels.delta_net_decode(x, z, decay, beta, conv_states, wide, slots, conv_w, norm_w, shape)
         is None
     )
+    assert torch.equal(wide.float(), states)
 
 
 @pytest.mark.parametrize("length", [2, 63, 64, 150])

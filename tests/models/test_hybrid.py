@@ -146,6 +146,26 @@ def test_its_snapshots_go_down_to_the_kv_tiers_and_survive_a_restart(
         again.stop()
 
 
+def test_by_default_its_running_sequences_fit_the_state_within_half_the_pool(
+    hybrid, server_factory
+):
+    """Without --max-num-seqs, a model whose state slots are large runs fewer sequences at once
+    (the state within half the KV budget) rather than being refused at start.
+    """
+    folder, _ = hybrid
+    per_slot = 3 * (4 * 16 * 16 * 4 + 3 * 128 * 4)
+    server = server_factory(folder, "--kv-cache-memory", "1MiB", "--max-model-len", "64")
+    try:
+        stats = server.stats()
+        live = (1 << 20) // 2 // per_slot // 2
+        assert stats.num_state_slots == 2 * live and live < 32
+        prompt = [5 + (3 * i) % 300 for i in range(20)]
+        resp = server.stub.Generate(greedy_request(prompt, 8, "hy-fit"), timeout=120)
+        assert list(resp.choices[0].token_ids) == hf_greedy(folder, prompt, 8)
+    finally:
+        server.stop()
+
+
 def test_n_samples_each_keep_their_own_state(hybrid):
     folder, server = hybrid
     prompt = [5 + (7 * i) % 300 for i in range(21)]
@@ -296,10 +316,11 @@ def test_a_qwen35_gguf_is_read_on_its_own_blocks_and_equals_transformers(
         served, "--block-size", "4", "--max-num-batched-tokens", "16", "--metrics-port", "-1"
     )
     try:
-        # every projection on its blocks: each layer's four (the MoE's: its shared expert's
-        # gate/up, whose down is F32, 48 columns wide)
-        blocks = 12 if "moe" in family else 16
-        assert f'"matrices": {{"Q8_0": {blocks}, ' in server.log_path.read_text()
+        # every projection on its blocks: each layer's four (the gated attention's query and gate
+        # rows taken head by head), and the LM head (the MoE's: its shared expert's gate/up, whose
+        # down is F32, 48 columns wide)
+        blocks = 13 if "moe" in family else 17
+        assert f'"matrices": {{"Q8_0": {blocks}' in server.log_path.read_text()
         rng = random.Random(13)
         prompts = [[rng.randrange(3, 384) for _ in range(40)] for _ in range(2)]
         for i, prompt in enumerate(prompts + prompts[:1]):

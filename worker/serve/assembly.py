@@ -79,8 +79,17 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     rows_bound = min(cfg.max_num_seqs or GPU_MAX_NUM_SEQS[1], cfg.max_num_batched_tokens)
     # LoRA and a hybrid's state slots: from the pool's budget
     lora = lora_reserve(cfg, loaded.config, loaded.model.shard, loaded.dtype)
+    budget = (
+        None
+        if cfg.num_blocks
+        else parse_bytes(cfg.kv_cache_memory)
+        if cfg.kv_cache_memory
+        else cpu_default_kv_bytes(tp)
+        if device.type == "cpu"
+        else None
+    )
     live, state_slots, per_slot = hybrid_slots(
-        cfg, config, loaded.dtype, device, GPU_MAX_NUM_SEQS[1], tp
+        cfg, config, loaded.dtype, device, GPU_MAX_NUM_SEQS[1], tp, budget
     )
     lora += state_slots * per_slot
     try:
@@ -166,19 +175,27 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
 
 
 def hybrid_slots(
-    cfg: WorkerConfig, config, dtype, device, gpu_rows: int, tp: int
+    cfg: WorkerConfig, config, dtype, device, gpu_rows: int, tp: int, budget: int | None
 ) -> tuple[int, int, int]:
-    """A hybrid's running sequences (--max-num-seqs, else 32 on a CPU and the GPU row bound), its
-    state slots (those and --state-snapshots) and their bytes each on this rank; zeros for a model
-    without recurrent state.
+    """A hybrid's running sequences (--max-num-seqs, else 32 on a CPU and the GPU row bound, as
+    many as keep the state within half the pool's `budget` where known), its state slots (those
+    and --state-snapshots, by default as many) and their bytes each on this rank; zeros for a
+    model without recurrent state.
     """
     from worker.model.state_pool import bytes_per_slot
 
     if not config.keeps_state:
         return 0, 0, 0
+    per_slot = bytes_per_slot(config, dtype, config.linear_v_heads // tp)
     live = cfg.max_num_seqs or (32 if device.type == "cpu" else gpu_rows)
+    if not cfg.max_num_seqs and budget:
+        fit = budget // 2 // per_slot - (cfg.state_snapshots or 0)
+        chosen = max(1, min(live, fit // (2 if cfg.state_snapshots is None else 1)))
+        if chosen < live:
+            log.info("hybrid_max_num_seqs", max_num_seqs=chosen, bytes_per_state_slot=per_slot)
+        live = chosen
     snapshots = live if cfg.state_snapshots is None else cfg.state_snapshots
-    return live, live + snapshots, bytes_per_slot(config, dtype, config.linear_v_heads // tp)
+    return live, live + snapshots, per_slot
 
 
 def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | None = None):

@@ -55,13 +55,14 @@ def read_quantized(
         if layer.linear is not None:
             plan.update(_delta_net_blocks(c, sh, quant, f"model.layers.{i}.linear_attn."))
         else:
-            plan["qkv"] = quant(
-                [
-                    (a + "q_proj.weight", q_rows),
-                    (a + "k_proj.weight", kv_rows),
-                    (a + "v_proj.weight", kv_rows),
-                ]
-            )
+            kv = [(a + "k_proj.weight", kv_rows), (a + "v_proj.weight", kv_rows)]
+            query = [(a + "q_proj.weight", q_rows)]
+            gates = []
+            if c.attn_output_gate:  # q_proj holds each head's query, then its gate: gates go last
+                heads = range(sh.q_heads[0], sh.q_heads[1])
+                query = [(a + "q_proj.weight", (2 * h * hd, (2 * h + 1) * hd)) for h in heads]
+                gates = [(a + "q_proj.weight", ((2 * h + 1) * hd, (2 * h + 2) * hd)) for h in heads]
+            plan["qkv"] = quant(query + kv + gates)
             plan["o_proj"] = quant([(a + "o_proj.weight", None)], cols=q_rows)
         # a mixture of experts stays as loaded (worker/model/moe.py reads the experts); its shared
         # expert is packed as a dense MLP
