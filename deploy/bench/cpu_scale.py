@@ -1,12 +1,13 @@
 """The sizes people serve on a CPU, made here: `make bench-cpu-scale`.
 
-Random-weight models at Llama-3.2-1B and Llama-3.1-8B shapes (and Qwen3.5-4B's, a hybrid: three
-Gated DeltaNet layers to one gated attention layer), written as a Hugging Face folder (bf16
-safetensors, the default model's tokenizer; the vocabulary its own 49,152 or padded to Llama-3's
-128,256 as llama.cpp's converter pads it: the LM head a smaller or larger share of a token's bytes),
-converted to GGUF by the llama.cpp built from the `llama-cpp-python` sdist (`convert_hf_to_gguf.py`,
-then `llama-quantize` to Q4_K_M or Q8_0): the files a user downloads, made by the tools that make
-them. Each is made once and cached under ~/.cache/pagedserve-peers/scale/.
+Random-weight models at Llama-3.2-1B and Llama-3.1-8B shapes (and Qwen3.5-4B's and -0.8B's,
+hybrids: three Gated DeltaNet layers to one gated attention layer), written as a Hugging Face
+folder (bf16 safetensors, the default model's tokenizer; the vocabulary its own 49,152 or padded
+to Llama-3's 128,256 as llama.cpp's converter pads it: the LM head a smaller or larger share of a
+token's bytes), converted to GGUF by the llama.cpp built from the `llama-cpp-python` sdist
+(`convert_hf_to_gguf.py`, then `llama-quantize` to Q4_K_M or Q8_0): the files a user downloads,
+made by the tools that make them. Each is made once and cached under
+~/.cache/pagedserve-peers/scale/.
 
 For each vocabulary: the per-token budget of one stream (deploy/bench/budget.py), then pagedserve
 and `llama-server` serve the same GGUF in alternating rounds (deploy/bench/cpu_peers.py): one stream
@@ -47,23 +48,36 @@ SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B, as their config.json give them
         tie_word_embeddings=False,
     ),
 }
-# Qwen3.5-4B (`qwen3_5_text`), as its config.json gives it
-HYBRID = dict(
-    hidden_size=2560,
-    intermediate_size=9216,
-    num_hidden_layers=32,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    full_attention_interval=4,
-    tie_word_embeddings=True,
-)
-SHAPES["qwen35-4b"] = HYBRID
+# Qwen3.5-4B and -0.8B (`qwen3_5_text`), as their config.json give them
+HYBRIDS = {
+    "qwen35-4b": dict(
+        hidden_size=2560,
+        intermediate_size=9216,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        linear_num_value_heads=32,
+    ),
+    "qwen35-0.8b": dict(
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        linear_num_value_heads=16,
+    ),
+}
+for _shape in HYBRIDS.values():
+    _shape.update(
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        tie_word_embeddings=True,
+    )
+SHAPES.update(HYBRIDS)
 VOCABS = (49152, 128256)  # SmolLM2's own, Llama-3's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -79,8 +93,8 @@ def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
     if (out / "done").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    if shape == "qwen35-4b":
-        return hybrid_folder(out, tokenizer_from, vocab)
+    if shape in HYBRIDS:
+        return hybrid_folder(out, HYBRIDS[shape], tokenizer_from, vocab)
     s = SHAPES[shape]
     config = dict(
         architectures=["LlamaForCausalLM"],
@@ -143,8 +157,8 @@ def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
     return out
 
 
-def hybrid_folder(out: Path, tokenizer_from: Path, vocab: int) -> Path:
-    """Qwen3.5-4B's shape with random weights: its tensors named and shaped by transformers' own
+def hybrid_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Path:
+    """A Qwen3.5 shape with random weights: its tensors named and shaped by transformers' own
     model (built on the meta device), written a layer a shard; norms as the model starts them
     ((1 + w) norms at 0, the gated norm at 1), decays as its initializer draws them.
     """
@@ -152,7 +166,7 @@ def hybrid_folder(out: Path, tokenizer_from: Path, vocab: int) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(vocab_size=vocab, rms_norm_eps=1e-6, **HYBRID)
+    config = Qwen3_5TextConfig(vocab_size=vocab, rms_norm_eps=1e-6, **shape)
     config.architectures = ["Qwen3_5ForCausalLM"]
     config.torch_dtype = "bfloat16"
     config.save_pretrained(out)
@@ -217,7 +231,7 @@ def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
                 "bf16",
                 "--outfile",
                 str(bf16.with_suffix(".part")),
-                *(["--no-mtp"] if shape == "qwen35-4b" else []),
+                *(["--no-mtp"] if shape in HYBRIDS else []),
             ],
             check=True,
             env=env,
