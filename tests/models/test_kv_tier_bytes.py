@@ -15,17 +15,19 @@ from worker.model.config import ModelConfig
 from worker.model.kv_pool import KVPool
 from worker.model.kv_tiers import HEADER, DiskTier, KvTierStore, block_bytes, layout_key
 
+SHAPE = dict(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+
 
 def pool_of(dtype, blocks=8, seed=0):
-    cfg = ModelConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-    )
+    cfg = ModelConfig(**SHAPE)
     pool = KVPool(cfg, blocks, 4, dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
     for t in [*pool.k, *pool.v]:
@@ -172,13 +174,7 @@ def test_a_hybrids_state_snapshot_round_trips_beside_the_blocks_and_fails_number
     from worker.model.state_pool import StatePool
 
     cfg = ModelConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
+        **SHAPE,
         linear_layers=(True, True, False),
         linear_k_heads=2,
         linear_v_heads=4,
