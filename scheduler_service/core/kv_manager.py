@@ -248,13 +248,21 @@ class KVCacheManager:
 
     def cached_blocks(self, hashes: list[bytes]) -> int:
         """Leading blocks of a prompt (its chained block hashes) the prefix cache or a tier under it
-        holds (where routing sends a prompt); no LRU touch.
+        holds, a hybrid's up to its deepest snapshot (where routing sends a prompt); no LRU touch.
         """
         n = 0
         for h in hashes:
             if self.allocator.lookup(h) is None and (self.tiers is None or not self.tiers.holds(h)):
                 break
             n += 1
+        if self.states is None:
+            return n
+        # a hybrid resumes only where the state after a block is kept, in its pool or a tier
+        lane = self.tiers.states if self.tiers is not None else None
+        while n and not (
+            self.states.has(hashes[n - 1]) or (lane is not None and lane.holds(hashes[n - 1]))
+        ):
+            n -= 1
         return n
 
     def reset_prefix_cache(self) -> int:

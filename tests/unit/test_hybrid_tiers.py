@@ -12,6 +12,7 @@ from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.kv_tiers import KvTiers
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import Request, SamplingOptions
+from scheduler_service.runtime.step_results import prompt_block_hashes
 from tests.support.simulated import SimulatedWorker, drain, expected, step
 
 BS = 4
@@ -150,3 +151,21 @@ def test_flushing_the_cache_deletes_the_disk_snapshots_too():
     assert worker.num_snapshots_loaded == 0 and computed == 4 * 41
     # on disk: the snapshots taken since, and only those
     assert set(worker.disk_states) == set(t.states.disk._lru) and len(worker.disk_states) == 4
+
+
+def test_routing_counts_a_hybrids_prefix_only_up_to_a_kept_snapshot():
+    """A replica is worth routing to for the blocks a prompt would resume after: up to the deepest
+    block with a snapshot in the state pool or a tier, not every cached block.
+    """
+    sched, worker = hybrid(blocks=(64, 0, ()), snapshots=(8, 0, ()))
+    serve(sched, worker, conversations(n_docs=1, turns=1))
+    doc = conversations(n_docs=1, turns=1)[0][0].prompt_token_ids[:40] + [3]  # a question after it
+    branch = doc[:22] + [7] * 19  # shares five blocks and a part, with no snapshot inside them
+    hashes = lambda tokens: prompt_block_hashes(tokens, BS, None)  # noqa: E731
+    kv = sched.kv
+    assert kv.cached_blocks(hashes(doc)) == 10  # the snapshot after the document's tenth block
+    assert kv.cached_blocks(hashes(branch)) == 0
+    # the snapshot evicted to the host tier still counts
+    serve(sched, worker, conversations(n_docs=3, turns=1, seed=5))
+    assert not kv.states.has(hashes(doc)[-1]) and kv.tiers.states.holds(hashes(doc)[-1])
+    assert kv.cached_blocks(hashes(doc)) == 10
