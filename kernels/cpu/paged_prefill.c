@@ -12,8 +12,11 @@
  * eight at a time: their scores as eight independent chains of multiply-adds, then their softmax updates
  * (with AVX-512 each row's tile of scores stays one vector: masked max, exponentials, sum), then their values,
  * so the reductions' latencies overlap instead of following one another; with AVX-512 a whole key tile is
- * transposed in registers, 16 x 16 at a time. Elsewhere written for the compiler to vectorize (-O3
- * -march=native): AVX2 and others alike.
+ * transposed in registers, 16 x 16 at a time; with AVX2 and FMA the same steps are written out in 8-lane
+ * registers (8 x 8 transposes, four rows' scores as eight chains, the softmax's exponentials in vectors):
+ * the library is built -std=c11, where GCC never fuses a * b + c on its own, and the exponentials' loop
+ * stayed scalar (x5.7-8.5 at head_dim 64-256 on a 2-core AVX2 VM). Elsewhere written for the compiler
+ * to vectorize (-O3 -march=native).
  *
  * bf16 dot products (`bf16_dots`, a bf16 pool on a CPU with AVX512_BF16): for a model served in bf16, whose
  * prompt-chunk matmuls already multiply bf16 activations. The scaled queries and each tile's softmax weights
@@ -32,8 +35,11 @@
 #include "pagedserve.h"
 #include "kv_rows.h"
 #include "vec_math.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PREFILL_AVX2 1 /* the same steps in 8-lane registers, written out: -std=c11 never contracts a*b+c */
 #endif
 
 #define KT 16            /* keys per tile: one vector of scores per query row */
@@ -138,6 +144,99 @@ static inline float rescale(float top, float sum, float* m, float* l) {
     return corr;
 }
 
+#if defined(PREFILL_AVX2)
+static const float ZERO_KEY[MAX_HEAD_DIM] = {0}; /* a key or value the tile does not read */
+
+/* out[col + c][r0 + r] = rows[r][col + c] for an 8 x 8 tile: pairs, quads, then the 128-bit halves. */
+static inline void transpose8(const float* const* rows, int col, float (*out)[KT], int r0) {
+    __m256 a[8], t[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(rows[i] + col);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(a[i], a[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        a[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        a[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        a[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        a[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps(out[col + c] + r0, _mm256_permute2f128_ps(a[c], a[c + 4], 0x20));
+        _mm256_storeu_ps(out[col + 4 + c] + r0, _mm256_permute2f128_ps(a[c], a[c + 4], 0x31));
+    }
+}
+
+/* Scores of four query rows against the transposed key tile: eight independent chains (two 8-key halves a
+ * row), the tile's two vectors loaded once for the four rows. */
+static inline void scores4(const float* q0, int head_dim, float (*kt)[KT], float (*s)[KT]) {
+    __m256 c0[4], c1[4];
+    for (int i = 0; i < 4; i++) c0[i] = c1[i] = _mm256_setzero_ps();
+    for (int d = 0; d < head_dim; d++) {
+        const __m256 k0 = _mm256_loadu_ps(kt[d]), k1 = _mm256_loadu_ps(kt[d] + 8);
+        for (int i = 0; i < 4; i++) {
+            const __m256 b = _mm256_broadcast_ss(q0 + i * head_dim + d);
+            c0[i] = _mm256_fmadd_ps(b, k0, c0[i]);
+            c1[i] = _mm256_fmadd_ps(b, k1, c1[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(s[i], c0[i]);
+        _mm256_storeu_ps(s[i] + 8, c1[i]);
+    }
+}
+
+/* tile_softmax512 on two 8-lane halves: a row's 16 scores over keys [from, n) to their exponentials in p (0
+ * outside the span), the running state updated; returns its factor. */
+static inline float tile_softmax256(const float* s, int from, int n, float* m, float* l, float* p) {
+    const __m256i lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), hi = _mm256_add_epi32(lo, _mm256_set1_epi32(8));
+    const __m256i f = _mm256_set1_epi32(from - 1), e = _mm256_set1_epi32(n);
+    const __m256 v0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(lo, f), _mm256_cmpgt_epi32(e, lo)));
+    const __m256 v1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(hi, f), _mm256_cmpgt_epi32(e, hi)));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+    __m256 mx = _mm256_max_ps(_mm256_blendv_ps(ninf, s0, v0), _mm256_blendv_ps(ninf, s1, v1));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float top_tile = _mm_cvtss_f32(h), top = top_tile > *m ? top_tile : *m;
+    const __m256 t = _mm256_set1_ps(top);
+    /* lanes outside the span may hold anything: their exponentials are masked to 0 */
+    const __m256 p0 = _mm256_and_ps(exp256_nonpositive(_mm256_min_ps(_mm256_sub_ps(s0, t), _mm256_setzero_ps())), v0);
+    const __m256 p1 = _mm256_and_ps(exp256_nonpositive(_mm256_min_ps(_mm256_sub_ps(s1, t), _mm256_setzero_ps())), v1);
+    _mm256_storeu_ps(p, p0);
+    _mm256_storeu_ps(p + 8, p1);
+    const __m256 sum8 = _mm256_add_ps(p0, p1);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return rescale(top, _mm_cvtss_f32(q), m, l);
+}
+
+/* acc = acc * correction + sum over keys [from, n) of p[j] * value j, 64 dimensions at a time in eight
+ * registers (head_dim a multiple of 8). */
+static inline void values8(float* acc, const float* p, const float* const* vrows, int from, int n, float correction,
+                           int head_dim) {
+    const __m256 cr = _mm256_set1_ps(correction);
+    int d = 0;
+    for (; d + 64 <= head_dim; d += 64) {
+        __m256 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm256_mul_ps(_mm256_loadu_ps(acc + d + 8 * u), cr);
+        for (int jj = from; jj < n; jj++) {
+            const __m256 pj = _mm256_broadcast_ss(p + jj);
+            const float* value = vrows[jj] + d;
+            for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(value + 8 * u), a[u]);
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(acc + d + 8 * u, a[u]);
+    }
+    for (; d < head_dim; d += 8) {
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc + d), cr);
+        for (int jj = from; jj < n; jj++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + jj), _mm256_loadu_ps(vrows[jj] + d), a);
+        _mm256_storeu_ps(acc + d, a);
+    }
+}
+#endif
+
 #if defined(__AVX512F__)
 /* A row's tile of scores s (one vector) over keys [from, n): max, exponentials and sum without leaving the
  * vector. Returns the exponentials (0 outside the span); the running state updated, its factor in *corr. */
@@ -202,6 +301,17 @@ static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cac
         if (nk == KT && j0 >= first_key && head_dim % 16 == 0) /* a whole tile: 16 x 16 transposes in registers */
             for (int d = 0; d < head_dim; d += 16) transpose16(krows, d, &kt[d]);
         else
+#elif defined(PREFILL_AVX2)
+        if (head_dim % 8 == 0) { /* keys the tile does not read as zero rows, 8 x 8 transposes in registers */
+            for (int jj = 0; jj < KT; jj++) {
+                if (!krows[jj]) krows[jj] = ZERO_KEY;
+                if (!vrows[jj]) vrows[jj] = ZERO_KEY;
+            }
+            for (int d = 0; d < head_dim; d += 8) {
+                transpose8(krows, d, kt, 0);
+                transpose8(krows + 8, d, kt, 8);
+            }
+        } else
 #endif
         for (int jj = 0; jj < KT; jj++)
             for (int d = 0; d < head_dim; d++) kt[d][jj] = krows[jj] ? krows[jj][d] : 0.0f;
@@ -222,8 +332,14 @@ static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cac
                 }
                 for (int i = 0; i < ROWS; i++) _mm512_storeu_ps(s[i], c[i]);
             } else
-#endif
             for (int i = 0; i < nr; i++) {
+#elif defined(PREFILL_AVX2)
+            int done = 0;
+            for (; done + 4 <= nr; done += 4) scores4(qs + (int64_t)(row0 + done) * head_dim, head_dim, kt, s + done);
+            for (int i = done; i < nr; i++) {
+#else
+            for (int i = 0; i < nr; i++) {
+#endif
                 const float* qi = qs + (int64_t)(row0 + i) * head_dim;
                 for (int d = 0; d < head_dim; d++)
 #pragma omp simd
@@ -243,6 +359,8 @@ static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cac
                 if (n <= from) continue;
 #if defined(__AVX512F__)
                 _mm512_storeu_ps(p[i], tile_softmax512(s[i], from, n, &m[row], &l[row], &corr[i]));
+#elif defined(PREFILL_AVX2)
+                corr[i] = tile_softmax256(s[i], from, n, &m[row], &l[row], p[i]);
 #else
                 float top = m[row], sum = 0.0f;
                 for (int jj = from; jj < n; jj++) top = s[i][jj] > top ? s[i][jj] : top;
@@ -281,6 +399,11 @@ static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cac
                         _mm512_storeu_ps(a + d + 32, a2);
                         _mm512_storeu_ps(a + d + 48, a3);
                     }
+                    continue;
+                }
+#elif defined(PREFILL_AVX2)
+                if (head_dim % 8 == 0) {
+                    values8(a, pr, vrows, from, n, correction, head_dim);
                     continue;
                 }
 #endif

@@ -44,6 +44,27 @@ static inline __m512 exp512_nonpositive(__m512 x) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* vec_exp on eight lanes for x <= 0: the same steps in AVX2 registers. */
+static inline __m256 exp256_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.38888889e-3f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333333e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666667e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666667e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 /* Gemma 2's attention-logit soft-capping, in place: s = cap * tanh(s / cap) over n scores. */
 static inline void soft_cap(float* s, int n, float cap) {
     const float inv = 1.0f / cap;
