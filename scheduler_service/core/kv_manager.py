@@ -32,10 +32,11 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         kv_window: int = 0,
         state_slots: int = 0,
+        max_trails: int = 1,
     ) -> None:
         self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
         # a hybrid's recurrent-state slots: one with each table (None: the model keeps no state)
-        self.states = StateSlots(state_slots) if state_slots else None
+        self.states = StateSlots(state_slots, max_trails) if state_slots else None
         self.block_size = block_size
         self.caching = enable_prefix_caching
         # every layer slides over kv_window keys or more (0: not all): drop_out_of_window
@@ -303,6 +304,7 @@ class KVCacheManager:
         """seq comes from a lost replica's pool: its table starts empty here, to be recomputed."""
         seq.block_ids = []
         seq.state_slot = -1
+        seq.state_trail = None
         seq.mirror.stale()
         seq.dropped_ids = []
         seq.num_computed_tokens = 0

@@ -49,6 +49,8 @@ class Queues:
             config.enable_prefix_caching,
             kv_window,
             config.state_slots,
+            # decode snapshots (state_slots.py) take at most half the room beside running sequences
+            max_trails=max(1, (config.state_slots - config.max_num_seqs) // 2),
         )
         if tiers is not None:
             self.kv.use_tiers(tiers)
@@ -174,6 +176,8 @@ class Queues:
         loads settle.
         """
         self.kv.settle_loads(out.step_id, failed_loads)
+        if out.state_trails:
+            self._keep_trails(out)
         result = StepUpdate()
         tokens, running, max_len = result.tokens, SequenceStatus.RUNNING, self.max_model_len
         for i, (item, token) in enumerate(zip(out.scheduled, sampled, strict=True)):
@@ -205,6 +209,17 @@ class Queues:
             result.num_used_state_slots = states.num_held
         result.kv_tiers = self.kv.tiers.stats() if self.kv.tiers is not None else None
         return result
+
+    def _keep_trails(self, out: SchedulerOutput) -> None:
+        """A step's decode snapshots are keyed by their blocks' hashes: every token before a
+        row's end is known once the step before it has given its result.
+        """
+        bs = self.block_size
+        for row, slot in out.state_trails:
+            item = out.scheduled[row]
+            seq, at = item.seq, item.start + item.num_new_tokens
+            h = seq.block_hash(at // bs - 1, bs) if len(seq.token_ids) >= at else None
+            self.kv.states.keep(seq, slot, h)
 
     def _apply_row(self, item: ScheduledSeq, token: int, accepted: int, result: StepUpdate) -> None:
         seq = item.seq

@@ -289,13 +289,22 @@ class Scheduler(Queues):
 
     def _snapshots(self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int) -> None:
         """A hybrid's row snapshots its state at the block boundaries it crosses that are kept
-        (core/state_slots.py), each into a slot of its own.
+        (core/state_slots.py), each into a slot of its own, and where it ends a block past its
+        prompt.
         """
-        bs, states = self.block_size, self.kv.states
-        for at in states.points(seq, start, num_new, bs):
+        bs, states, row = self.block_size, self.kv.states, len(out.scheduled)
+        points = states.points(seq, start, num_new, bs)
+        for at in points:
             slot = states.save(seq.block_hash(at // bs - 1, bs))
             if slot is not None:
-                out.state_saves.append((len(out.scheduled), at - start, slot))
+                out.state_saves.append((row, at - start, slot))
+        end = start + num_new
+        # a decode ending a block: its snapshot is keyed at the result (its input may be in flight)
+        if end % bs == 0 and end >= seq.prompt_len and end not in points:
+            slot = states.save_later(seq)
+            if slot is not None:
+                out.state_saves.append((row, num_new, slot))
+                out.state_trails.append((row, slot))
 
     @staticmethod
     def _copies(out: SchedulerOutput, copies: list[BlockCopy]) -> None:

@@ -175,6 +175,7 @@ class Sequence:
         self.dropped_ids: list[int] = []
         self.state_slot = -1  # a hybrid's slot of the recurrent-state pool while it holds blocks
         self.state_branch = 0  # and where its prompt leaves a cached one's (state_slots.py)
+        self.state_trail: bytes | None = None  # the block its latest decode snapshot follows
         self._block_hashes: list[bytes] = []  # chained hashes of full blocks, computed on demand
         self.pending = PendingToken()
         # Bumped whenever the sequence's blocks are given back (preemption, a lost replica): a step

@@ -1,8 +1,9 @@
 """A hybrid model's recurrent-state slots, owned like blocks. A slot is free, held by a running
-sequence (taken with its table, given back with its blocks), or a snapshot: the state after a
-prompt's full block, keyed by that block's chained hash, in an LRU, so a prompt that shares the
-prefix resumes there instead of from position 0; or loading: a snapshot read back from a KV tier,
-kept once its step loads it. The worker holds the bytes.
+sequence (taken with its table, given back with its blocks), or a snapshot: the state after a full
+block, keyed by its chained hash, in an LRU, so a prompt sharing the prefix resumes there; or
+loading: a snapshot read back from a KV tier; or a trail: a decode's snapshot at a block boundary,
+keyed once its step's result makes the block's tokens known (a sequence keeps its latest, so a
+returning turn resumes after the answer). The worker holds the bytes.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from scheduler_service.core.tier_lanes import Lane
 
 
 class StateSlots:
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
+    def __init__(self, num_slots: int, max_trails: int = 1) -> None:
+        """max_trails: decode snapshots kept at once (each sequence's latest; the oldest goes)."""
+        self.num_slots, self.max_trails = num_slots, max_trails
         self._free = list(range(num_slots - 1, -1, -1))
         self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
         # snapshot slots the step being planned reads or writes: not evicted before it is sent
@@ -24,6 +26,8 @@ class StateSlots:
         # (snapshot, slot) copies the step being planned runs first: admissions that resume
         self.copies: list[tuple[int, int]] = []
         self._loading: set[int] = set()  # slots a tier's snapshot is read into
+        self._trails: set[int] = set()  # decode snapshots taken, keyed at their step's result
+        self._trail_keys: set[bytes] = set()  # and those kept, by hash
         self.tiers: Lane | None = None  # the KV tiers' snapshot lane: evictions and saves go down
 
     @property
@@ -37,7 +41,8 @@ class StateSlots:
 
     @property
     def num_held(self) -> int:
-        taken = len(self._free) + len(self._snapshots) + len(self._deferred) + len(self._loading)
+        taken = len(self._free) + len(self._snapshots) + len(self._deferred)
+        taken += len(self._loading) + len(self._trails)
         return self.num_slots - taken
 
     def new_step(self) -> None:
@@ -47,17 +52,23 @@ class StateSlots:
         self._deferred.clear()
         self.copies = []
 
-    def _slot(self) -> int | None:
-        if self._free:
+    def _slot(self, trail: bool = False) -> int | None:
+        """A free slot, else the oldest snapshot's (evicted); trail: the oldest trail's where
+        max_trails are kept, so decodes never crowd out the prompts' snapshots.
+        """
+        if self._free and not trail:
             return self._free.pop()
-        if self._snapshots:
-            h, slot = next(iter(self._snapshots.items()))
-            if slot not in self._pinned:
-                del self._snapshots[h]
-                if self.tiers is not None:  # the host tier keeps it (stored before reuse)
-                    self.tiers.evicted(slot, h)
-                return slot
-        return None
+        old = next(iter(self._snapshots.items()), None)
+        if trail:
+            old = next(((h, s) for h, s in self._snapshots.items() if h in self._trail_keys), None)
+        if old is None or old[1] in self._pinned:
+            return None
+        h, slot = old
+        del self._snapshots[h]
+        self._trail_keys.discard(h)
+        if self.tiers is not None:  # the host tier keeps it (stored before reuse)
+            self.tiers.evicted(slot, h)
+        return slot
 
     def admit(self, seq, h: bytes | None) -> bool:
         """seq takes a slot, resuming from the snapshot after block h (None: from position 0);
@@ -75,9 +86,13 @@ class StateSlots:
         return True
 
     def give_back(self, seq) -> None:
+        """seq's slot is free again; its latest decode snapshot goes down to the disk tier."""
         if seq.state_slot >= 0:
             self._free.append(seq.state_slot)
             seq.state_slot = -1
+        h, seq.state_trail = seq.state_trail, None
+        if h is not None and h in self._snapshots and self.tiers is not None:
+            self.tiers.registered(self._snapshots[h], h)
 
     # --- snapshots -------------------------------------------------------------------------------
     def deepest(self, seq, hits: int, block_size: int) -> int:
@@ -115,6 +130,36 @@ class StateSlots:
                 self.tiers.registered(slot, h, later=True)
         return slot
 
+    def save_later(self, seq) -> int | None:
+        """A slot for a snapshot at the end of seq's row whose block is known only once the step's
+        result is in (a decode's input token may still be in flight): keyed by `keep`.
+        """
+        kept = len(self._trail_keys) + len(self._trails) - (seq.state_trail in self._trail_keys)
+        slot = self._slot(trail=kept >= self.max_trails)
+        if slot is not None:
+            self._trails.add(slot)
+        return slot
+
+    def keep(self, seq, slot: int, h: bytes | None) -> None:
+        """A `save_later` snapshot's step is done: kept after block h as seq's latest, the one it
+        took before forgotten; freed where h is None (its tokens never came) or kept already. A
+        sequence that no longer runs sends it to the disk tier now.
+        """
+        self._trails.discard(slot)
+        if h is None or h in self._snapshots:
+            self._free.append(slot)
+            return
+        before = seq.state_trail
+        if before is not None and before in self._trail_keys:
+            self._trail_keys.discard(before)
+            old = self._snapshots.pop(before)
+            (self._deferred if old in self._pinned else self._free).append(old)
+        self._snapshots[h] = slot
+        self._trail_keys.add(h)
+        seq.state_trail = h
+        if seq.state_slot < 0:  # finished or preempted while its step ran
+            self.give_back(seq)
+
     def has(self, h: bytes) -> bool:
         return h in self._snapshots
 
@@ -151,6 +196,7 @@ class StateSlots:
         for slot in self._snapshots.values():
             (self._deferred if slot in self._pinned else self._free).append(slot)
         self._snapshots.clear()
+        self._trail_keys.clear()
         self._pinned.clear()
         return n
 
@@ -158,7 +204,7 @@ class StateSlots:
         """Every slot is free, a snapshot or held by one sequence with blocks, never two."""
         held = [s.state_slot for s in holders if s.state_slot >= 0]
         snapshots = list(self._snapshots.values())
-        parts = [held, self._free, snapshots, self._deferred, list(self._loading)]
+        parts = [held, self._free, snapshots, self._deferred, [*self._loading, *self._trails]]
         every = [slot for part in parts for slot in part]
         if len(set(every)) != len(every) or len(every) != self.num_slots:
             raise AssertionError(

@@ -108,7 +108,8 @@ def test_a_hybrids_disk_tier_survives_a_restart():
 
 
 def test_a_corrupt_snapshot_is_computed_instead_and_forgotten():
-    sched, worker = hybrid(blocks=(64, 0, ()), snapshots=(8, 0, ()))
+    # a slot more: the last answer's decode snapshot beside the last prompt's
+    sched, worker = hybrid(blocks=(64, 0, ()), snapshots=(8, 0, ()), slots=4)
     serve(sched, worker, conversations(turns=1))
     worker.corrupt = {h for h, _ in worker.host_states.values()}
     rounds = conversations(turns=2)
@@ -149,8 +150,8 @@ def test_flushing_the_cache_deletes_the_disk_snapshots_too():
     assert len(t.states.host) == len(t.states.disk) == 0
     computed = serve(sched, worker, conversations(turns=1))
     assert worker.num_snapshots_loaded == 0 and computed == 4 * 41
-    # on disk: the snapshots taken since, and only those
-    assert set(worker.disk_states) == set(t.states.disk._lru) and len(worker.disk_states) == 4
+    # on disk: the snapshots taken since, and only those: each prompt's and its answer's last
+    assert set(worker.disk_states) == set(t.states.disk._lru) and len(worker.disk_states) == 8
 
 
 def test_routing_counts_a_hybrids_prefix_only_up_to_a_kept_snapshot():

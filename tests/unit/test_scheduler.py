@@ -8,7 +8,7 @@ from scheduler_service.core.batch import DuplicateRequestId
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import FinishReason, Request, SamplingOptions
-from tests.support.simulated import SimulatedWorker, expected_output
+from tests.support.simulated import Pipeline, SimulatedWorker, expected_output
 
 
 def run_to_completion(sched, worker, arrivals, max_steps=10_000):
@@ -219,11 +219,13 @@ def test_a_returning_conversation_resumes_a_hybrid_from_its_last_snapshot():
     rng = random.Random(7)
     prompt = [rng.randrange(1, 1000) for _ in range(30)]
     # 30 prompt tokens in 32-token steps and in 8-token chunks: the snapshot after 28 (its last
-    # full block short of the last token) is taken inside a chunk either way
+    # full block short of the last token) is taken inside a chunk either way; its decode takes
+    # one where its answer ends a block (after 32: the answer's second token)
     first = Request("turn1", prompt, SamplingOptions(max_tokens=6))
-    assert answer(sched, worker, first) == 0 and worker.snapshots_taken == 1
+    assert answer(sched, worker, first) == 0 and worker.snapshots_taken == 2
+    # the next turn holds the answer: it resumes after it, not after the prompt
     follow = prompt + first.seqs[0].output_token_ids + [5, 6, 7, 8, 9]
-    assert answer(sched, worker, Request("turn2", follow, SamplingOptions(max_tokens=6))) == 28
+    assert answer(sched, worker, Request("turn2", follow, SamplingOptions(max_tokens=6))) == 32
     # the same prompt again reads the snapshot after its last full block
     assert (
         answer(sched, worker, Request("again", list(prompt), SamplingOptions(max_tokens=3))) == 28
@@ -241,12 +243,46 @@ def test_a_returning_conversation_resumes_a_hybrid_from_its_last_snapshot():
     assert answer(sched, worker, Request("flushed", third, SamplingOptions(max_tokens=3))) == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_hybrids_answer_keeps_its_last_block_boundary_for_the_next_turn(overlap):
+    """A decode that ends a block snapshots its state, keyed once the step's result makes the
+    block's tokens known (with overlap its input is still in flight when it is planned); a
+    sequence keeps only its latest, and the next turn, which holds the answer, resumes after it.
+    """
+    sched, worker = hybrid_scheduler()
+    pipe = Pipeline(sched, worker, overlap=overlap)
+
+    def run(request):
+        pipe.submit(request)
+        while pipe.busy:
+            pipe.step()
+        assert request.seqs[0].output_token_ids == expected_output(
+            request.prompt_token_ids, request.sampling.max_tokens
+        )
+        return request.cached_prompt_tokens
+
+    prompt = [random.Random(11).randrange(1, 1000) for _ in range(30)]
+    first = Request("t1", prompt, SamplingOptions(max_tokens=23))
+    assert run(first) == 0
+    # 30 + 22 tokens computed: the prompt's snapshot after 28, its decodes' after 32, 36 ... 52
+    assert worker.snapshots_taken == 7 and sched.pool_stats().num_state_snapshots == 2
+    follow = prompt + first.seqs[0].output_token_ids + [5, 6, 7]
+    assert run(Request("t2", follow, SamplingOptions(max_tokens=4))) == 52
+    # a prompt of the first answer's tokens cut short reads the prompt's snapshot: the decodes'
+    # earlier ones were given back as the next came
+    short = prompt + first.seqs[0].output_token_ids[:8]
+    assert run(Request("t3", short, SamplingOptions(max_tokens=2))) == 28
+    pipe.close()
+    assert sched.pool_stats().num_used_state_slots == 0
+
+
 @pytest.mark.parametrize("chunk", [8, 64])
 def test_hybrid_conversations_under_pressure_resume_only_from_true_snapshots(chunk):
-    """Twelve conversations over three shared openings, on a small pool and a state pool four
-    slots past max_num_seqs: preemptions, snapshot evictions and resumes, every answer right.
+    """Twelve conversations over three shared openings, on a small pool and a state pool six
+    slots past max_num_seqs (three of them for decodes' snapshots): preemptions, snapshot evictions
+    and resumes, every answer right.
     """
-    sched, worker = hybrid_scheduler(num_blocks=20, slots=8, budget=chunk)
+    sched, worker = hybrid_scheduler(num_blocks=20, slots=10, budget=chunk)
     rng = random.Random(3)
     openings = [[rng.randrange(1, 1000) for _ in range(rng.randint(9, 24))] for _ in range(3)]
     reqs = []

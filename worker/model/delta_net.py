@@ -21,13 +21,15 @@ from worker.model.config import ModelConfig
 
 @dataclass
 class StateStep:
-    """A step's rows in the state pool: each row's slot, its tokens' offsets (host ints), and the
-    snapshots taken inside rows: row -> [(offset, slot)], by offset.
+    """A step's rows in the state pool: each row's slot, its tokens' offsets (host ints), the
+    snapshots taken inside rows (row -> [(offset, slot)], by offset) and those taken at a row's
+    end, copied once the layer has run ((row's slot, slot): a decode's at a block boundary).
     """
 
     slots: torch.Tensor  # int64 [rows]
     query_start_loc: list[int]  # [rows + 1]
     saves: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    after: tuple[torch.Tensor, torch.Tensor] | None = None  # (src slots, dst slots)
 
     @property
     def decode_only(self) -> bool:
@@ -48,11 +50,17 @@ def begin_state_step(states, p, device) -> StateStep | None:
     slots = torch.from_numpy(p.state_slots.astype("int64")).to(device)
     fresh = torch.from_numpy(p.positions[starts] == 0).to(device)
     states.reset(slots[fresh])
+    loc = p.query_start_loc.tolist()
     saves: dict[int, list[tuple[int, int]]] = {}
+    after: list[tuple[int, int]] = []
     if p.state_saves is not None:
         for row, offset, dst in sorted(p.state_saves.reshape(-1, 3).tolist()):
-            saves.setdefault(row, []).append((offset, dst))
-    return StateStep(slots, p.query_start_loc.tolist(), saves)
+            if offset == loc[row + 1] - loc[row]:
+                after.append((int(p.state_slots[row]), dst))
+            else:
+                saves.setdefault(row, []).append((offset, dst))
+    ends = torch.tensor(after, dtype=torch.int64, device=device).T if after else None
+    return StateStep(slots, loc, saves, None if ends is None else (ends[0], ends[1]))
 
 
 class GatedDeltaNet(nn.Module):
@@ -83,6 +91,13 @@ class GatedDeltaNet(nn.Module):
         conv_states [slots, K-1, conv_dim] and states [slots, Hv, Dk, Dv] moves past its tokens.
         ops: the layer's elementwise ops; native ones run a decode in the library's single passes.
         """
+        out = self._run(proj, step, conv_states, states, ops)
+        if step.after is not None:
+            src, dst = step.after
+            conv_states[dst], states[dst] = conv_states[src], states[src]
+        return out
+
+    def _run(self, proj, step: StateStep, conv_states, states, ops) -> torch.Tensor:
         x, z, b, a = proj.split([self.conv_dim, self.v_size, self.v_heads, self.v_heads], -1)
         beta = torch.sigmoid(b.float())
         g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
