@@ -152,7 +152,8 @@ def bench_prefill(args, interpreted: bool) -> None:
 
 def bench_cpu_pool(args) -> None:
     """The native CPU attention kernels over an fp32 and a bf16 pool, same keys and run: decode at
-    1B and 8B heads, then one 512-token prompt chunk over a cached prefix.
+    1B and 8B heads, then one 512-token prompt chunk over a cached prefix (head_dim 64, 128, and
+    Qwen3.5's 256).
     """
     import torch
 
@@ -192,7 +193,7 @@ def bench_cpu_pool(args) -> None:
                 flush=True,
             )
             del q, k, v
-    for head_dim in (64, 128):  # a 512-token chunk after 1536 cached tokens
+    for head_dim in (64, 128, 256):  # a 512-token chunk after 1536 cached tokens
         _cpu_prefill_chunk(native, head_dim)
 
 
@@ -229,7 +230,9 @@ def _cpu_prefill_chunk(native, head_dim: int) -> None:
     finally:
         native.prefill_tiles(tiles)
     cols = ", ".join(f"{n} {t * 1e3:.1f} ms (x{times['fp32'] / t:.2f})" for n, t in times.items())
-    print(f"prefill chunk 512 over 2048, head_dim {head_dim}: {cols}", flush=True)
+    flops = 4 * head_dim * 32 * sum(1536 + i + 1 for i in range(512))  # QK and PV, causal
+    gflops = flops / times["fp32"] / 1e9
+    print(f"prefill chunk 512 over 2048, head_dim {head_dim}: {cols}; fp32 {gflops:.0f} GFLOP/s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ working set is 4x the pool) before it comes back. Passes, each on a fresh server
   cold      a server without tiers on the same turns;
   llama.cpp llama-server with its default --cache-ram, one slot a client (--no-llama-cpp: none).
 Prints each pass's mean TTFT of first and returning turns, decode tokens/s a stream, and the ratios.
---passes picks passes (a hybrid model, whose KV tiers are refused: recompute,off).
+--passes picks passes (recompute,off: a hybrid with no prefix reuse against its snapshots).
 
     python -m deploy.bench.kv_tiers --doc-tokens 6000 --conversations 8
 """
