@@ -99,6 +99,12 @@ class KVCacheManager:
         if self.tiers is not None and step_id in self.tiers.inflight:
             settle_loads(self.allocator, self.tiers, self.states, step_id, failed)
 
+    def step_failed(self, step_id: int, state_saves: list[tuple[int, int, int]]) -> None:
+        """A step gave no result: none of its loads came, none of its snapshots was taken."""
+        self.settle_loads(step_id, None)
+        if self.states is not None and state_saves:
+            self.states.failed(state_saves)
+
     def admit(self, seq: Sequence, hits: list[int], num_new: int) -> bool:
         """Give a waiting seq its table: the cached prefix `hits`, then fresh blocks for num_new
         more tokens. False (nothing changed) when the pool cannot hold them.

@@ -160,6 +160,16 @@ class StateSlots:
         if seq.state_slot < 0:  # finished or preempted while its step ran
             self.give_back(seq)
 
+    def failed(self, saves: list[tuple[int, int, int]]) -> None:
+        """A step failed: the snapshots it was to take hold nothing, kept or still to be keyed."""
+        slots = {slot for _, _, slot in saves}
+        for h in [h for h, slot in self._snapshots.items() if slot in slots]:
+            del self._snapshots[h]
+            self._trail_keys.discard(h)
+        for slot in slots:
+            self._trails.discard(slot)
+            (self._deferred if slot in self._pinned else self._free).append(slot)
+
     def has(self, h: bytes) -> bool:
         return h in self._snapshots
 

@@ -312,7 +312,7 @@ class StepLoop:
             # Its requests fail; a step planned behind it that needs its tokens is refused by the
             # worker, and fails its own requests in turn.
             log.error("step_failed", replica=self.index, step_id=out.step_id, error=str(e))
-            sched.kv.settle_loads(out.step_id, None)
+            sched.kv.step_failed(out.step_id, out.state_saves)
             self.sink.on_step_failed(self, out, str(e))
             return True
         t3 = time.perf_counter()

@@ -276,6 +276,31 @@ def test_a_hybrids_answer_keeps_its_last_block_boundary_for_the_next_turn(overla
     assert sched.pool_stats().num_used_state_slots == 0
 
 
+def test_a_failed_step_keeps_none_of_its_snapshots_and_gives_their_slots_back():
+    """A step that gives no result took no snapshot: neither the prompt's (keyed when planned) nor
+    a decode's (keyed at the result that never came); their slots are free again.
+    """
+    sched, worker = hybrid_scheduler()
+    prompt = [random.Random(13).randrange(1, 1000) for _ in range(30)]
+
+    def fail_at(request, planned):
+        sched.add_request(request)
+        while not planned(out := sched.schedule()):
+            worker.step(sched, out)
+        sched.kv.step_failed(out.step_id, out.state_saves)
+        sched.abort_request(request.request_id)  # what the engine does to a failed step's requests
+        sched.check_invariants()
+        assert sched.pool_stats().num_used_state_slots == 0
+
+    fail_at(Request("p", prompt, SamplingOptions(max_tokens=4)), lambda out: out.state_saves)
+    assert sched.pool_stats().num_state_snapshots == 0
+    fail_at(Request("d", prompt, SamplingOptions(max_tokens=8)), lambda out: out.state_trails)
+    assert sched.pool_stats().num_state_snapshots == 1  # the prompt's, from a step that ran
+    # the same prompt and its answer resume after the prompt only, and answer right
+    again = Request("again", prompt + [5, 6, 7], SamplingOptions(max_tokens=4))
+    assert answer(sched, worker, again) == 28
+
+
 @pytest.mark.parametrize("chunk", [8, 64])
 def test_hybrid_conversations_under_pressure_resume_only_from_true_snapshots(chunk):
     """Twelve conversations over three shared openings, on a small pool and a state pool six
