@@ -29,7 +29,7 @@ PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wir
 # `make` alone lists the targets.
 .DEFAULT_GOAL := help
 
-.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-lora bench-kv-tiers bench-moe bench-start gpu-compile-report plot-kv clean
+.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-lora bench-kv-tiers bench-tails bench-moe bench-start gpu-compile-report plot-kv clean
 
 help:  ## list the targets, one line each
 	@awk -F ':.*## ' -v port='$(PORT)' -v http='$(HTTP_PORT)' -v rundir='$(RUN_DIR)' \
@@ -171,6 +171,9 @@ bench-lora: setup  ## LoRA adapters against the base model
 
 bench-kv-tiers: setup  ## multi-turn chats over a pool a quarter of their size: tiers off, host, disk, after a restart, llama.cpp
 	$(PY) -m deploy.bench.kv_tiers $(ARGS)
+
+bench-tails: setup  ## decoding streams beside long prompts: their longest gaps and the prompts' TTFT, against llama.cpp
+	$(PY) -m deploy.bench.tails --model $(MODEL_DIR) $(ARGS)
 
 bench-budget: setup  ## one stream's per-token budget on a CPU
 	$(PY) -m deploy.bench.budget --model $(or $(MODEL),$(MODEL_DIR)) $(ARGS)

@@ -242,7 +242,8 @@ def ready_line(
         f"{info['max_context']:,} tokens{layout}; KV pool {info['num_blocks']:,} blocks x "
         f"{info['block_size']} tokens = "
         f"{human_bytes(pool_bytes)}; requests without max_tokens stop at "
-        f"{f'{cap:,} tokens' if cap else 'the end of the context'}{hybrid_note(engine)})",
+        f"{f'{cap:,} tokens' if cap else 'the end of the context'}{gap_note(engine)}"
+        f"{hybrid_note(engine)})",
         f'  gRPC     {where}    try: {command} generate{server} "Write a haiku about the sea"   '
         f"(watch: {command} top{server}){keyed}",
     ]
@@ -258,6 +259,14 @@ def ready_line(
     elif http:
         lines.append(f"  OpenAI   {http}")
     return "\n".join(lines)
+
+
+def gap_note(engine: Engine) -> str:
+    """What the ready line says of decodes beside prompts (--max-decode-gap-ms)."""
+    c = engine.config
+    if not c.max_decode_gap or not c.enable_chunked_prefill:
+        return ""
+    return f"; a decoding stream waits at most ~{c.max_decode_gap * 1000:.0f} ms beside prompts"
 
 
 def hybrid_note(engine: Engine) -> str:

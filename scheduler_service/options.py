@@ -206,6 +206,14 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
         "how long a new generation request waits behind embeddings; 0: the whole budget)",
     )
     p.add_argument(
+        "--max-decode-gap-ms",
+        type=COUNT,
+        default=500,
+        help="while prompts are computed beside decoding streams, each stream's next token comes "
+        "within about this many milliseconds: prompt chunks are sized from the measured cost of a "
+        "token, the rest in later steps (0: chunks fill --max-num-batched-tokens)",
+    )
+    p.add_argument(
         "--lora-modules",
         nargs="+",
         default=None,
@@ -315,6 +323,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         speculative_max_rows=args.speculative_max_rows,
         embed_slowdown=args.embed_slowdown,
         embed_step_tokens=args.embed_step_tokens,
+        max_decode_gap=args.max_decode_gap_ms / 1000.0,
         default_max_tokens=args.max_tokens_default,
         max_loras=args.max_loras,
     )

@@ -146,6 +146,10 @@ class SchedulerConfig:
     # Embeddings beside generation (core/pacing.py): the share of their speed decoding streams
     # may lose to embedding prompt chunks in their steps (1: none kept back).
     embed_slowdown: float = 0.2
+    # Seconds a decoding stream may wait for its next token while prompts are computed beside it
+    # (core/pacing.py sizes their chunks from the measured cost of a token); 0: chunks fill the
+    # whole budget. The server's flag (--max-decode-gap-ms) gives 0.5.
+    max_decode_gap: float = 0.0
     # Where the model also generates: the most embedding tokens a step without decodes takes, so a
     # generation request that arrives meanwhile waits behind steps of at most this many (0: the
     # whole budget).
@@ -180,6 +184,8 @@ class SchedulerConfig:
                 "a hybrid's state slots need speculative decoding off: a recurrent state cannot "
                 "take back a rejected draft"
             )
+        if self.max_decode_gap < 0:
+            raise ValueError(f"max_decode_gap must be at least 0, got {self.max_decode_gap}")
         if self.max_loras < 1:
             raise ValueError("max_loras must be at least 1")
         if self.num_speculative_tokens < 1:

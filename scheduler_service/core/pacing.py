@@ -1,5 +1,6 @@
-"""How much embedding work a decoding step may carry: `EmbedPacer` measures the streams' slowdown
-and keeps it near `--embed-slowdown`. Steps without decodes are not paced.
+"""How much prompt work a decoding step may carry. `EmbedPacer` measures the streams' slowdown and
+keeps it near `--embed-slowdown`; `PromptPacer` sizes generation prompts' chunks so a decoding
+stream's next token comes within `--max-decode-gap-ms`. Steps without decodes are not paced.
 """
 
 from __future__ import annotations
@@ -51,3 +52,48 @@ class EmbedPacer:
             return
         factor = DOWN if seconds > self.base * self.aim else UP
         self.tokens = min(float(self.max_tokens), max(1.0, self.tokens * factor))
+
+
+GAP_AIM = 0.85  # of the gap: a chunk deeper into its prompt costs a little more than the last
+PROBE = 32  # prompt tokens of the first step beside decodes, before a token's cost is known
+FLOOR = 16  # prompt tokens any step beside decodes may carry (decodes alone past the gap)
+
+
+class PromptPacer:
+    """Prompt tokens a step that decodes may carry: the gap, less a decode-only step's seconds
+    (EWMA, refreshed every `REFRESH` paced steps), over a prompt token's seconds (EWMA of the last
+    steps that carried prompts beside decodes). 0 gap: not paced.
+    """
+
+    def __init__(self, gap: float) -> None:
+        if gap < 0:
+            raise ValueError(f"the decode gap must be at least 0 seconds, got {gap}")
+        self.gap = gap
+        self.base: float | None = None  # seconds of a step that only decodes
+        self.per_token: float | None = None  # seconds a prompt token adds to a decoding step
+        self.since_base = 0
+
+    def room(self, budget: int) -> int:
+        """Prompt tokens a step that decodes may carry (0 for a step that measures the base again;
+        before any is measured, a prompt token's cost holds it too).
+        """
+        if not self.gap:
+            return budget
+        if self.base is not None and self.since_base >= REFRESH:
+            return 0
+        if self.per_token is None:
+            return min(budget, PROBE)
+        left = self.gap * GAP_AIM - (self.base or 0.0)
+        return min(budget, max(FLOOR, int(left / self.per_token)))
+
+    def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
+        """A step's result: its decode rows, generation prompts' tokens and the workers' seconds."""
+        if not decodes or not self.gap:
+            return
+        if not prompt_tokens:
+            self.base = seconds if self.base is None else (1 - EWMA) * self.base + EWMA * seconds
+            self.since_base = 0
+            return
+        self.since_base += 1
+        cost = max(seconds - (self.base or 0.0), 0.0) / prompt_tokens
+        self.per_token = cost if self.per_token is None else 0.5 * (self.per_token + cost)

@@ -11,7 +11,7 @@ from protos.codec import PlanArrays
 from scheduler_service.core.batch import ScheduledSeq, SchedulerOutput
 from scheduler_service.core.drafting import SequenceDrafter, propose_draft
 from scheduler_service.core.kv_manager import BlockCopy
-from scheduler_service.core.pacing import EmbedPacer
+from scheduler_service.core.pacing import EmbedPacer, PromptPacer
 from scheduler_service.core.queues import Queues
 from scheduler_service.core.sequence import Sequence, SequenceStatus
 
@@ -22,6 +22,8 @@ class Scheduler(Queues):
         super().__init__(*args, **kwargs)
         self._step_ids = itertools.count(1)
         self.pacer = EmbedPacer(self.config.embed_slowdown, self.config.max_num_batched_tokens)
+        gap = self.config.max_decode_gap if self.config.enable_chunked_prefill else 0.0
+        self.prompt_pacer = PromptPacer(gap)
 
     # --- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -108,18 +110,22 @@ class Scheduler(Queues):
         out.embed_room = (
             min(budget, cap) if not out.num_decodes else self.pacer.room(budget) if plain else 0
         )
+        # generation prompts beside decodes: as many tokens as keep the streams within the gap
+        out.prompt_room = self.prompt_pacer.room(budget) if out.num_decodes else budget
         for seq in prefills:
             if budget == 0:
                 break
             embed = seq.request.embed is not None
-            if seq.status is not SequenceStatus.RUNNING or (embed and not out.embed_room):
+            room = out.embed_room if embed else out.prompt_room
+            if seq.status is not SequenceStatus.RUNNING or not room:
                 continue
             self.kv.drop_out_of_window(seq, seq.num_computed_tokens)
-            wanted = min(seq.num_uncomputed_tokens, budget, out.embed_room if embed else budget)
+            wanted = min(seq.num_uncomputed_tokens, budget, room)
             num_new = self._reserve(seq, wanted, scheduled, out)
             if num_new:
                 self._add(out, seq, num_new, scheduled)
                 budget -= num_new
+                out.prompt_room -= 0 if embed else num_new
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> None:
@@ -141,7 +147,7 @@ class Scheduler(Queues):
             # preempted while its last token was in flight: admitted once it is known
             if seq.pending.count:
                 break
-            room = out.embed_room if seq.request.embed is not None else budget
+            room = out.embed_room if seq.request.embed is not None else out.prompt_room
             lora = seq.request.lora
             if lora is not None:
                 if adapters is None:
@@ -179,6 +185,7 @@ class Scheduler(Queues):
             self.running.append(seq)
             self._add(out, seq, num_new, scheduled)
             budget -= num_new
+            out.prompt_room -= 0 if seq.request.embed is not None else num_new
             if lora is not None and adapters is not None:
                 adapters.add(lora.id)
 
@@ -220,6 +227,7 @@ class Scheduler(Queues):
         """A step's worker time: it paces embeddings, and weighs a tier load against computing."""
         other_prefill = out.num_prefill_tokens - out.num_embed_tokens
         self.pacer.observe(out.num_decodes, out.num_embed_tokens, other_prefill, seconds)
+        self.prompt_pacer.observe(out.num_decodes, other_prefill, seconds)
         if self.kv.tiers is not None:
             self.kv.tiers.observe(out.read.kv_ops, tier_seconds, out.num_prefill_tokens, seconds)
 

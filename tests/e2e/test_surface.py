@@ -237,6 +237,7 @@ def test_the_server_log_ends_start_up_with_where_it_serves_and_how_to_try_it(
     assert "Authorization" not in http_line  # no key asked for, none shown
     assert "KV pool 200 blocks x 4 tokens" in head
     assert "requests without max_tokens stop at 1,024 tokens" in head
+    assert "a decoding stream waits at most ~500 ms beside prompts" in head  # the default gap
     assert grpc_line.split()[:2] == ["gRPC", server.address]
     assert re.search(
         r"try: (\S*/)?pagedserve generate --server " + re.escape(server.address), grpc_line

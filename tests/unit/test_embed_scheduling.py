@@ -1,7 +1,8 @@
 """Embedding requests in the scheduler, against the simulated worker (whose pooled "hidden state" is
 the sum of the token ids a row reads and their count): prefill-only, pooled per chunk as the pooling
 asks, in the same steps as decodes, finished with their blocks back, and pooled from scratch after a
-preemption even while a step of the old admission is still in flight.
+preemption even while a step of the old admission is still in flight; and generation prompts beside
+a decoding stream, chunked to keep its gap.
 """
 
 from collections import deque
@@ -44,7 +45,7 @@ def step_seconds(out):
 
 def run_overlapped(sched, worker, arrivals, max_steps=2000):
     """Two steps in flight, as the replica runs them: step N+1 is scheduled and run before step N's
-    result is applied, and its time (step_seconds) told to the embedding pacer. arrivals: {step:
+    result is applied, and its time (step_seconds) told to the pacers. arrivals: {step:
     [Request]}. Returns every SchedulerOutput.
     """
     inflight, outs, step = deque(), [], 0
@@ -61,12 +62,7 @@ def run_overlapped(sched, worker, arrivals, max_steps=2000):
         if len(inflight) == 2 or (inflight and not sched.has_work) or (inflight and out.is_empty):
             done, tokens, accepted, pooled = inflight.popleft()
             sched.update(done, tokens, accepted, pooled)
-            sched.pacer.observe(
-                done.num_decodes,
-                done.num_embed_tokens,
-                done.num_prefill_tokens - done.num_embed_tokens,
-                step_seconds(done),
-            )
+            sched.observe(done, step_seconds(done), 0.0)
         sched.check_invariants()
         if not sched.has_work and not inflight and not arrivals:
             return outs
@@ -187,3 +183,41 @@ def test_where_the_model_also_generates_an_embedding_step_is_bounded():
     )
     assert admitted <= 3 and late.seqs[0].num_output_tokens == 2
     assert all(e.seqs[0].pooling.vector is not None for e in embeddings)
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.2])
+def test_long_prompts_beside_a_stream_come_in_chunks_that_keep_its_gap(gap):
+    """Steps cost 50 ms and 2 ms a prompt token (step_seconds). With --max-decode-gap-ms 200 the
+    scheduler learns a token's cost and gives prompts beside a decoding stream what keeps its steps
+    within the gap (about 60 tokens: 85% of it), the rest in later steps; without a decode a prompt
+    takes the whole budget; with no gap, 512-token chunks hold the stream for a second each.
+    """
+    config = SchedulerConfig(
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        max_decode_gap=gap,
+        speculative="off",
+        debug_invariants=True,
+    )
+    sched = Scheduler(config, num_blocks=1024, max_model_len=2048)
+    worker = SimulatedWorker(1024, 4)
+    stream = Request("s", [5, 6, 7], SamplingOptions(max_tokens=300))
+    prompts = [
+        Request(f"p{i}", list(range(10 + i, 1210 + i)), SamplingOptions(max_tokens=2))
+        for i in range(2)
+    ]
+    alone = Request("alone", list(range(40, 1040)), SamplingOptions(max_tokens=2))
+    outs = run_overlapped(sched, worker, {0: [stream], 4: prompts, 400: [alone]})
+    assert stream.seqs[0].num_output_tokens == 300
+    assert all(p.seqs[0].num_output_tokens == 2 for p in (*prompts, alone))
+    beside = [o for o in outs if o.num_decodes and o.num_prefill_tokens]
+    longest = max(step_seconds(o) for o in beside)
+    if not gap:
+        assert longest > 1.0  # the budget less the decode's token: 511 prompt tokens
+    else:
+        # the first step beside the stream probes with 32 tokens; from then on each fits the gap
+        assert longest <= gap and sum(o.num_prefill_tokens for o in beside) >= 2 * 1200
+        assert max(o.num_prefill_tokens for o in beside) <= 0.85 * gap / 0.002
+    # alone, a prompt is not held back
+    assert max(o.num_prefill_tokens for o in outs if not o.num_decodes) == 512
