@@ -30,20 +30,18 @@ from tests.support.server import ServerProcess
 
 
 def pagedserve_stream(server: ServerProcess):
-    """-> ask(prompt, max_tokens): the arrival times of each streamed message's tokens."""
+    """-> ask(prompt, max_tokens, times): each streamed token's arrival time appended to times."""
     from protos import generation_pb2
 
-    def ask(prompt: list[int], max_tokens: int) -> list[float]:
+    def ask(prompt: list[int], max_tokens: int, times: list[float]) -> None:
         req = generation_pb2.GenerateRequest(
             prompt_token_ids=prompt,
             sampling=generation_pb2.SamplingParams(
                 max_tokens=max_tokens, temperature=0, ignore_eos=True
             ),
         )
-        times = []
         for msg in server.stub.GenerateStream(req, timeout=3600):
             times += [time.perf_counter()] * len(msg.token_ids)
-        return times
 
     return ask
 
@@ -51,7 +49,7 @@ def pagedserve_stream(server: ServerProcess):
 def llama_stream(base_url: str):
     import httpx
 
-    def ask(prompt: list[int], max_tokens: int) -> list[float]:
+    def ask(prompt: list[int], max_tokens: int, times: list[float]) -> None:
         body = {
             "prompt": prompt,
             "n_predict": max_tokens,
@@ -61,12 +59,10 @@ def llama_stream(base_url: str):
             "stream": True,
             "return_tokens": True,
         }
-        times = []
         with httpx.stream("POST", base_url + "/completion", json=body, timeout=3600) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data:"):
                     times += [time.perf_counter()] * len(json.loads(line[5:]).get("tokens") or ())
-        return times
 
     return ask
 
@@ -77,7 +73,7 @@ def one_round(ask, args, rng: random.Random) -> dict:
     answers: list[list[float]] = [[] for _ in range(args.prompts)]
 
     def run(into: list, prompt: list[int], n: int) -> None:
-        into.extend(ask(prompt, n))
+        ask(prompt, n, into)
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(n)]
@@ -145,7 +141,7 @@ def measure_pagedserve(args, gap: int, log_dir: Path, name: str) -> dict:
     ).start(timeout=600)
     try:
         ask = pagedserve_stream(server)
-        ask([1, 2, 3], 4)
+        ask([1, 2, 3], 4, [])
         rng = random.Random(1)
         return report(name, [one_round(ask, args, rng) for _ in range(args.rounds)])
     finally:
@@ -164,7 +160,7 @@ def measure_llama(args, log_dir: Path, name: str) -> dict:
     ).wait()
     try:
         ask = llama_stream(llama.base_url)
-        ask([1, 2, 3], 4)
+        ask([1, 2, 3], 4, [])
         rng = random.Random(1)
         return report(name, [one_round(ask, args, rng) for _ in range(args.rounds)])
     finally:

@@ -59,7 +59,6 @@ class SchedulerOutput:
     state_saves: list[tuple[int, int, int]] = field(default_factory=list)
     # (row, slot) of saves at a row's end past its prompt, keyed once the result is in
     state_trails: list[tuple[int, int]] = field(default_factory=list)
-    prompt_room: int = 0  # generation prompt tokens this step may still take (core/pacing.py)
     draft_seconds: float = 0.0  # speculative decoding: seconds spent drafting (part of schedule)
     num_decodes: int = (
         0  # sequences decoding (scheduler_service/core/pacing.py paces embeddings beside them)

@@ -54,15 +54,18 @@ class EmbedPacer:
         self.tokens = min(float(self.max_tokens), max(1.0, self.tokens * factor))
 
 
-GAP_AIM = 0.85  # of the gap: a chunk deeper into its prompt costs a little more than the last
+GAP_AIM = 0.85  # of the gap: what the estimate misses lands under it
 PROBE = 32  # prompt tokens of the first step beside decodes, before a token's cost is known
-FLOOR = 16  # prompt tokens any step beside decodes may carry (decodes alone past the gap)
+FLOOR = 16  # prompt tokens (at position 0) any step beside decodes may carry
+FORGET = 0.7  # weight a cost measured a step ago keeps
 
 
 class PromptPacer:
-    """Prompt tokens a step that decodes may carry: the gap, less a decode-only step's seconds
-    (EWMA, refreshed every `REFRESH` paced steps), over a prompt token's seconds (EWMA of the last
-    steps that carried prompts beside decodes). 0 gap: not paced.
+    """Generation prompt tokens a step that decodes may carry: the gap, less a decode-only step's
+    seconds (EWMA, refreshed every `REFRESH` paced steps), spent at a prompt token's seconds, a
+    line in its position (fit over the last steps that carried prompts beside decodes: a token deep
+    in a long prompt attends to more keys). 0 gap: not paced. A step asks `begin`, then `fit`
+    and `spend` per prompt chunk.
     """
 
     def __init__(self, gap: float) -> None:
@@ -70,24 +73,61 @@ class PromptPacer:
             raise ValueError(f"the decode gap must be at least 0 seconds, got {gap}")
         self.gap = gap
         self.base: float | None = None  # seconds of a step that only decodes
-        self.per_token: float | None = None  # seconds a prompt token adds to a decoding step
         self.since_base = 0
+        self._sums = [0.0] * 5  # forgetting sums: weight, x, y, x*x, x*y (x: kilo-position)
+        self._left: float | None = None  # this step's seconds left (None: not paced)
+        self._probe = 0  # ... or its probe tokens left, before any cost is known
 
-    def room(self, budget: int) -> int:
-        """Prompt tokens a step that decodes may carry (0 for a step that measures the base again;
-        before any is measured, a prompt token's cost holds it too).
-        """
-        if not self.gap:
-            return budget
+    def per_token(self) -> tuple[float, float] | None:
+        """A prompt token's seconds as (at position 0, more per 1,000 positions); None: unknown."""
+        w, x, y, xx, xy = self._sums
+        if w <= 0:
+            return None
+        var = xx / w - (x / w) ** 2
+        slope = max(0.0, (xy / w - x * y / w / w) / var) if var > 1e-6 else 0.0
+        return max(y / w - slope * x / w, 1e-7), slope
+
+    def cost(self, start: int, n: int) -> float:
+        """Seconds of n prompt tokens from position start."""
+        c0, c1 = self.per_token() or (0.0, 0.0)
+        return n * (c0 + c1 * (start + n / 2) / 1000)
+
+    def begin(self, decodes: bool) -> None:
+        """A step is planned: paced where it decodes."""
+        self._left = self._probe = None
+        if not self.gap or not decodes:
+            return
         if self.base is not None and self.since_base >= REFRESH:
-            return 0
-        if self.per_token is None:
-            return min(budget, PROBE)
-        left = self.gap * GAP_AIM - (self.base or 0.0)
-        return min(budget, max(FLOOR, int(left / self.per_token)))
+            self._left = -1.0  # a decode-only step measures the base again
+        elif self.per_token() is None:
+            self._probe = PROBE
+        else:
+            self._left = max(self.gap * GAP_AIM - (self.base or 0.0), self.cost(0, FLOOR))
 
-    def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
-        """A step's result: its decode rows, generation prompts' tokens and the workers' seconds."""
+    def fit(self, start: int, wanted: int) -> int:
+        """Of `wanted` prompt tokens from position start, how many the step has room for."""
+        if self._probe is not None:
+            return min(wanted, self._probe)
+        if self._left is None:
+            return wanted
+        if self._left <= 0:
+            return 0
+        c0, c1 = self.per_token()
+        # n (c0 + c1 (start + n / 2) / 1000) = left, for n
+        a, b = c1 / 2000, c0 + c1 * start / 1000
+        n = 2 * self._left / (b + (b * b + 4 * a * self._left) ** 0.5)  # (no cancellation)
+        return max(0, min(wanted, int(n)))
+
+    def spend(self, start: int, n: int) -> None:
+        if self._probe is not None:
+            self._probe -= n
+        elif self._left is not None:
+            self._left -= self.cost(start, n)
+
+    def observe(self, decodes: int, prompt_tokens: int, positions: int, seconds: float) -> None:
+        """A step's result: its decode rows, generation prompt tokens and the sum of their
+        positions, and the workers' seconds.
+        """
         if not decodes or not self.gap:
             return
         if not prompt_tokens:
@@ -95,5 +135,8 @@ class PromptPacer:
             self.since_base = 0
             return
         self.since_base += 1
-        cost = max(seconds - (self.base or 0.0), 0.0) / prompt_tokens
-        self.per_token = cost if self.per_token is None else 0.5 * (self.per_token + cost)
+        x = positions / prompt_tokens / 1000
+        y = max(seconds - (self.base or 0.0), 0.0) / prompt_tokens
+        self._sums = [FORGET * v for v in self._sums]
+        for k, v in enumerate((1.0, x, y, x * x, x * y)):
+            self._sums[k] += v

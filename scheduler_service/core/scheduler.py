@@ -111,21 +111,23 @@ class Scheduler(Queues):
             min(budget, cap) if not out.num_decodes else self.pacer.room(budget) if plain else 0
         )
         # generation prompts beside decodes: as many tokens as keep the streams within the gap
-        out.prompt_room = self.prompt_pacer.room(budget) if out.num_decodes else budget
+        pacer = self.prompt_pacer
+        pacer.begin(bool(out.num_decodes))
         for seq in prefills:
             if budget == 0:
                 break
-            embed = seq.request.embed is not None
-            room = out.embed_room if embed else out.prompt_room
+            embed, start = seq.request.embed is not None, seq.num_computed_tokens
+            wanted = min(seq.num_uncomputed_tokens, budget)
+            room = min(wanted, out.embed_room) if embed else pacer.fit(start, wanted)
             if seq.status is not SequenceStatus.RUNNING or not room:
                 continue
-            self.kv.drop_out_of_window(seq, seq.num_computed_tokens)
-            wanted = min(seq.num_uncomputed_tokens, budget, room)
-            num_new = self._reserve(seq, wanted, scheduled, out)
+            self.kv.drop_out_of_window(seq, start)
+            num_new = self._reserve(seq, room, scheduled, out)
             if num_new:
                 self._add(out, seq, num_new, scheduled)
                 budget -= num_new
-                out.prompt_room -= 0 if embed else num_new
+                if not embed:
+                    pacer.spend(start, num_new)
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> None:
@@ -147,13 +149,11 @@ class Scheduler(Queues):
             # preempted while its last token was in flight: admitted once it is known
             if seq.pending.count:
                 break
-            room = out.embed_room if seq.request.embed is not None else out.prompt_room
+            embed = seq.request.embed is not None
+            room = out.embed_room if embed else budget
             lora = seq.request.lora
             if lora is not None:
-                if adapters is None:
-                    adapters = {
-                        s.request.lora.id for s in self.running if s.request.lora is not None
-                    }
+                adapters = adapters if adapters is not None else self._running_adapters()
                 if lora.id not in adapters and len(adapters) >= self.config.max_loras:
                     room = 0  # no adapter slot: it waits, and requests behind it may go
             if not room:
@@ -166,6 +166,11 @@ class Scheduler(Queues):
                 continue
             num_cached = len(hits) * self.block_size
             num_new = seq.num_tokens - num_cached
+            if not embed:  # beside decodes: what keeps their gap
+                room = self.prompt_pacer.fit(num_cached, num_new)
+                if not room:
+                    at += 1
+                    continue
             if num_new > min(budget, room):
                 if not self.config.enable_chunked_prefill:
                     if room < budget:  # an embedding beside decodes: it waits for a step with room
@@ -175,19 +180,29 @@ class Scheduler(Queues):
                 num_new = min(budget, room)
             if not kv.admit(seq, hits, num_new):
                 break
-            self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += num_cached
-            if seq.request.cached_prompt_tokens is None:
-                seq.request.cached_prompt_tokens = min(num_cached, seq.prompt_len)
             del self.waiting[at]
-            seq.pooling.sum = None  # (an embedding recomputed after a preemption pools again)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._add(out, seq, num_new, scheduled)
+            self._start(out, seq, num_cached, num_new, scheduled)
             budget -= num_new
-            out.prompt_room -= 0 if seq.request.embed is not None else num_new
             if lora is not None and adapters is not None:
                 adapters.add(lora.id)
+
+    def _start(
+        self, out: SchedulerOutput, seq: Sequence, num_cached: int, num_new: int, scheduled
+    ) -> None:
+        """An admitted seq runs: its first num_new tokens after num_cached from the prefix cache."""
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += num_cached
+        if seq.request.cached_prompt_tokens is None:
+            seq.request.cached_prompt_tokens = min(num_cached, seq.prompt_len)
+        seq.pooling.sum = None  # (an embedding recomputed after a preemption pools again)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._add(out, seq, num_new, scheduled)
+        if seq.request.embed is None:
+            self.prompt_pacer.spend(num_cached, num_new)
+
+    def _running_adapters(self) -> set:
+        return {s.request.lora.id for s in self.running if s.request.lora is not None}
 
     def _drafter(self, seq: Sequence) -> SequenceDrafter | None:
         """seq's drafting state, made at its first decode; None for
@@ -227,7 +242,13 @@ class Scheduler(Queues):
         """A step's worker time: it paces embeddings, and weighs a tier load against computing."""
         other_prefill = out.num_prefill_tokens - out.num_embed_tokens
         self.pacer.observe(out.num_decodes, out.num_embed_tokens, other_prefill, seconds)
-        self.prompt_pacer.observe(out.num_decodes, other_prefill, seconds)
+        if self.prompt_pacer.gap:
+            rows = [
+                s for s in out.scheduled if s.num_new_tokens > 1 and s.seq.request.embed is None
+            ]
+            tokens = sum(s.num_new_tokens for s in rows)
+            at = sum(s.num_new_tokens * (2 * s.start + s.num_new_tokens) // 2 for s in rows)
+            self.prompt_pacer.observe(out.num_decodes, tokens, at, seconds)
         if self.kv.tiers is not None:
             self.kv.tiers.observe(out.read.kv_ops, tier_seconds, out.num_prefill_tokens, seconds)
 

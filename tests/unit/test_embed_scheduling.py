@@ -43,7 +43,7 @@ def step_seconds(out):
     return 0.05 + 0.002 * out.num_prefill_tokens
 
 
-def run_overlapped(sched, worker, arrivals, max_steps=2000):
+def run_overlapped(sched, worker, arrivals, max_steps=2000, seconds=step_seconds):
     """Two steps in flight, as the replica runs them: step N+1 is scheduled and run before step N's
     result is applied, and its time (step_seconds) told to the pacers. arrivals: {step:
     [Request]}. Returns every SchedulerOutput.
@@ -62,7 +62,7 @@ def run_overlapped(sched, worker, arrivals, max_steps=2000):
         if len(inflight) == 2 or (inflight and not sched.has_work) or (inflight and out.is_empty):
             done, tokens, accepted, pooled = inflight.popleft()
             sched.update(done, tokens, accepted, pooled)
-            sched.observe(done, step_seconds(done), 0.0)
+            sched.observe(done, seconds(done), 0.0)
         sched.check_invariants()
         if not sched.has_work and not inflight and not arrivals:
             return outs
@@ -221,3 +221,33 @@ def test_long_prompts_beside_a_stream_come_in_chunks_that_keep_its_gap(gap):
         assert max(o.num_prefill_tokens for o in beside) <= 0.85 * gap / 0.002
     # alone, a prompt is not held back
     assert max(o.num_prefill_tokens for o in outs if not o.num_decodes) == 512
+
+
+def test_chunks_deeper_into_a_prompt_shrink_as_its_tokens_cost_more():
+    """Steps cost 50 ms, 1 ms a prompt token and 2 us a token for each key it attends to: the
+    pacer fits a token's cost against its position, so the chunks of a 2,000-token prompt beside
+    a stream shrink as they go deeper and every step stays within the 200 ms gap.
+    """
+
+    def attending(out):
+        rows = [s for s in out.scheduled if s.num_new_tokens > 1]
+        keys = sum(s.num_new_tokens * (s.start + s.num_new_tokens / 2) for s in rows)
+        return 0.05 + 0.001 * out.num_prefill_tokens + 2e-6 * keys
+
+    config = SchedulerConfig(
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        max_decode_gap=0.2,
+        speculative="off",
+    )
+    sched = Scheduler(config, num_blocks=1024, max_model_len=4096)
+    stream = Request("s", [5, 6, 7], SamplingOptions(max_tokens=300))
+    long = Request("long", list(range(10, 2010)), SamplingOptions(max_tokens=2))
+    outs = run_overlapped(
+        sched, SimulatedWorker(1024, 4), {0: [stream], 4: [long]}, seconds=attending
+    )
+    chunks = [o for o in outs if o.num_decodes and o.num_prefill_tokens]
+    assert sum(o.num_prefill_tokens for o in chunks) == 2000
+    assert max(attending(o) for o in chunks) <= 0.2
+    assert chunks[-2].num_prefill_tokens < chunks[3].num_prefill_tokens * 0.6
