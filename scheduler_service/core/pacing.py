@@ -54,7 +54,7 @@ class EmbedPacer:
         self.tokens = min(float(self.max_tokens), max(1.0, self.tokens * factor))
 
 
-GAP_AIM = 0.85  # of the gap: what the estimate misses lands under it
+GAP_AIM = 0.8  # of the gap: what the estimate and the step's own overheads miss lands under it
 PROBE = 32  # prompt tokens of the first step beside decodes, before a token's cost is known
 FLOOR = 16  # prompt tokens (at position 0) any step beside decodes may carry
 FORGET = 0.7  # weight a cost measured a step ago keeps

@@ -189,7 +189,7 @@ def test_where_the_model_also_generates_an_embedding_step_is_bounded():
 def test_long_prompts_beside_a_stream_come_in_chunks_that_keep_its_gap(gap):
     """Steps cost 50 ms and 2 ms a prompt token (step_seconds). With --max-decode-gap-ms 200 the
     scheduler learns a token's cost and gives prompts beside a decoding stream what keeps its steps
-    within the gap (about 60 tokens: 85% of it), the rest in later steps; without a decode a prompt
+    within the gap (about 55 tokens: 80% of it), the rest in later steps; without a decode a prompt
     takes the whole budget; with no gap, 512-token chunks hold the stream for a second each.
     """
     config = SchedulerConfig(
@@ -218,7 +218,7 @@ def test_long_prompts_beside_a_stream_come_in_chunks_that_keep_its_gap(gap):
     else:
         # the first step beside the stream probes with 32 tokens; from then on each fits the gap
         assert longest <= gap and sum(o.num_prefill_tokens for o in beside) >= 2 * 1200
-        assert max(o.num_prefill_tokens for o in beside) <= 0.85 * gap / 0.002
+        assert max(o.num_prefill_tokens for o in beside) <= 0.8 * gap / 0.002
     # alone, a prompt is not held back
     assert max(o.num_prefill_tokens for o in outs if not o.num_decodes) == 512
 
