@@ -78,19 +78,24 @@ class PromptPacer:
         self._left: float | None = None  # this step's seconds left (None: not paced)
         self._probe = 0  # ... or its probe tokens left, before any cost is known
 
-    def per_token(self) -> tuple[float, float] | None:
-        """A prompt token's seconds as (at position 0, more per 1,000 positions); None: unknown."""
+    def per_token(self) -> tuple[float, float, float] | None:
+        """A prompt token's seconds where measured (the mean), the kilo-position of that mean, and
+        the seconds more per 1,000 positions past it; None: unknown.
+        """
         w, x, y, xx, xy = self._sums
         if w <= 0:
             return None
         var = xx / w - (x / w) ** 2
         slope = max(0.0, (xy / w - x * y / w / w) / var) if var > 1e-6 else 0.0
-        return max(y / w - slope * x / w, 1e-7), slope
+        return max(y / w, 1e-7), x / w, slope
 
     def cost(self, start: int, n: int) -> float:
-        """Seconds of n prompt tokens from position start."""
-        c0, c1 = self.per_token() or (0.0, 0.0)
-        return n * (c0 + c1 * (start + n / 2) / 1000)
+        """Seconds of n prompt tokens from position start: the measured mean, and the line past
+        it (never below: a new prompt's first chunk is not planned on a cost extrapolated to
+        position 0).
+        """
+        mean, at, slope = self.per_token() or (0.0, 0.0, 0.0)
+        return n * (mean + slope * max(0.0, (start + n / 2) / 1000 - at))
 
     def begin(self, decodes: bool) -> None:
         """A step is planned: paced where it decodes."""
@@ -110,13 +115,11 @@ class PromptPacer:
             return min(wanted, self._probe)
         if self._left is None:
             return wanted
-        if self._left <= 0:
-            return 0
-        c0, c1 = self.per_token()
-        # n (c0 + c1 (start + n / 2) / 1000) = left, for n
-        a, b = c1 / 2000, c0 + c1 * start / 1000
-        n = 2 * self._left / (b + (b * b + 4 * a * self._left) ** 0.5)  # (no cancellation)
-        return max(0, min(wanted, int(n)))
+        lo, hi = 0, wanted  # the most tokens whose cost fits: cost grows with n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.cost(start, mid) <= self._left else (lo, mid - 1)
+        return lo
 
     def spend(self, start: int, n: int) -> None:
         if self._probe is not None:
