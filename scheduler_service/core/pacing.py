@@ -11,6 +11,11 @@ AIM = 0.8
 EWMA = 0.3
 
 
+def ewma(old: float | None, new: float) -> float:
+    """A decode-only step's seconds, moved toward the newest."""
+    return new if old is None else (1 - EWMA) * old + EWMA * new
+
+
 class EmbedPacer:
     """Decode-only step time (refreshed every `REFRESH` steps) against steps carrying embedding
     tokens; the embedding budget moves multiplicatively, down when over the target, up while under.
@@ -44,8 +49,7 @@ class EmbedPacer:
         if not decodes or other_tokens:
             return
         if not embed_tokens:
-            self.base = seconds if self.base is None else (1 - EWMA) * self.base + EWMA * seconds
-            self.since_base = 0
+            self.base, self.since_base = ewma(self.base, seconds), 0
             return
         self.since_base += 1
         if self.base is None:
@@ -134,8 +138,7 @@ class PromptPacer:
         if not decodes or not self.gap:
             return
         if not prompt_tokens:
-            self.base = seconds if self.base is None else (1 - EWMA) * self.base + EWMA * seconds
-            self.since_base = 0
+            self.base, self.since_base = ewma(self.base, seconds), 0
             return
         self.since_base += 1
         x = positions / prompt_tokens / 1000
