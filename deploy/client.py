@@ -17,9 +17,7 @@ SERVER_ENV = "PAGEDSERVE_SERVER"
 
 
 def rpc_failure(e: grpc.RpcError, server: str) -> str:
-    """A failed call said in one line, with what to do where that is plain (no server there: start
-    one).
-    """
+    """A failed call in one line, with what to do where plain."""
     code, details = e.code(), e.details() or ""
     lowered = details.lower()
     if code == grpc.StatusCode.UNAVAILABLE and any(s in lowered for s in NOTHING_LISTENS):
@@ -57,9 +55,7 @@ def stub_for(server: str, tls_ca: str | None = None, api_key: str | None = None)
 
 
 def text_or_file(value: str) -> str:
-    """An argparse type: a flag's text, or with a leading @ the text of that file (a message naming
-    the path where it cannot be read).
-    """
+    """argparse type: the text, or with a leading @ that file's text."""
     if not value.startswith("@"):
         return value
     try:
@@ -196,9 +192,7 @@ CHAT_HELP = "/reset forgets the conversation, /exit (or Ctrl-D) leaves; Ctrl-C s
 def chat_turn(
     stub, history: list, sampling, timeout: float, out=sys.stdout, lora: str = ""
 ) -> tuple[str, bool]:
-    """Send the conversation, stream the assistant's answer to `out`; return (answer, finished).
-    Ctrl-C cancels the stream and aborts the request on the server; the partial answer is returned.
-    """
+    """Stream the answer to `out` -> (answer, finished); Ctrl-C aborts it on the server too."""
     import uuid
 
     from protos import generation_pb2

@@ -82,9 +82,7 @@ def pool_parts(s) -> dict[str, int]:
 
 
 def pool_bar(s, width: int = 60) -> Text:
-    """One line: the pool as a bar of its parts, each part's share of `width` cells (at least one
-    cell when it has any block).
-    """
+    """The pool as one bar, each part at least a cell when it has any block."""
     parts = pool_parts(s)
     total = max(1, s.num_blocks)
     cells = {k: (max(1, round(v / total * width)) if v else 0) for k, v in parts.items()}
@@ -180,9 +178,7 @@ def summary_table(s, gen_rate: float | None = None, prompt_rate: float | None = 
 
 
 def replica_table(s) -> Group | None:
-    """A row a replica (fits 80 columns: a light frame, one space between columns), then why each
-    one that is down is down.
-    """
+    """A row a replica within 80 columns, then why each down one is down."""
     if len(s.replicas) < 2 and all(r.serving for r in s.replicas):
         return None
     t = Table(
@@ -301,7 +297,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         print(f"error: {rpc_failure(e, args.server)}", file=sys.stderr)
         return 1
-    # a first reading a moment before the first frame, so that its rates are there from the start
+    # a first reading before the first frame, so rates show from the start
     before = Reading(
         stub.GetCacheStats(generation_pb2.GetCacheStatsRequest(), timeout=args.timeout),
         time.monotonic(),

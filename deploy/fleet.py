@@ -160,9 +160,7 @@ def summary(
 
 @dataclass
 class Fleet:
-    """The supervised processes of a deployment: each server's scheduler unit and folder, and the
-    workers that follow each scheduler (restarted with it).
-    """
+    """A deployment's supervised processes: schedulers and the workers that follow each."""
 
     supervisor: Supervisor
     schedulers: list[Unit]
@@ -172,7 +170,7 @@ class Fleet:
 
 
 def refuse_second_deployment(pid_file: Path) -> str | None:
-    """Why this run folder cannot take another deployment now (one is running from it), or None."""
+    """Why this run folder cannot take another deployment, or None."""
     if not pid_file.exists():
         return None
     try:
@@ -186,15 +184,12 @@ def refuse_second_deployment(pid_file: Path) -> str | None:
 
 
 def plan_fleet(args, run_dir: Path, replicas: list[int] | None) -> Fleet:
-    """The units to start first: each server's scheduler (its workers join once it has bound its
-    ports), or under --workers-only this host's workers of a scheduler elsewhere.
-    """
+    """The first units: each scheduler, or under --workers-only this host's workers."""
     if args.workers_only:
         units = worker_units(args, args.scheduler, replicas, run_dir, args.rendezvous_host)
         return Fleet(Supervisor(units, env=FLEET_ENV, cwd=ROOT), [], [])
-    # each scheduler starts first and says which ports it bound (any free one where the flag says
-    # 0); its workers start once it has, and a restarted scheduler binds the same ports again, so
-    # restarted workers, clients and the gateway find it
+    # each scheduler starts first and says its ports; its workers follow, and a restart binds the
+    # same ports so workers, clients and the gateway find it
     dirs = (
         [run_dir] if args.servers == 1 else [run_dir / f"server-{i}" for i in range(args.servers)]
     )
@@ -209,9 +204,7 @@ def plan_fleet(args, run_dir: Path, replicas: list[int] | None) -> Fleet:
 
 
 def start_servers(args, fleet: Fleet, replicas: list[int] | None) -> list[str]:
-    """Start every unit; as each scheduler binds, pin its ports and start its workers. Returns the
-    servers' addresses ([] where a scheduler never bound).
-    """
+    """Start every unit, each scheduler's workers once it binds -> the servers' addresses."""
     for folder in fleet.dirs:
         # a file from an earlier run says nothing
         (folder / "scheduler.port").unlink(missing_ok=True)
@@ -237,9 +230,7 @@ def start_servers(args, fleet: Fleet, replicas: list[int] | None) -> list[str]:
 
 
 def start_gateway(args, fleet: Fleet, addresses: list[str], run_dir: Path) -> list[str]:
-    """SMG in front of the servers, supervised like them; its banner once every server is
-    registered. RuntimeError / TimeoutError: it did not come up.
-    """
+    """SMG in front of the servers, supervised; raises if it does not come up."""
     from deploy.gateway import gateway_banner, smg_command, wait_ready
     from scheduler_service.core.config import ModelSpec
     from scheduler_service.main import served_names
@@ -272,9 +263,7 @@ def start_gateway(args, fleet: Fleet, addresses: list[str], run_dir: Path) -> li
 
 
 def watch(fleet: Fleet, stopping: dict) -> None:
-    """Keep the fleet up until a signal: restart what exits, and when a scheduler restarts, its
-    workers with it (they rejoin the new one).
-    """
+    """Restart what exits until a signal; a restarted scheduler takes its workers with it."""
     restarts = {u.name: u.restarts for u in fleet.schedulers}
     while stopping["signal"] is None:
         fleet.supervisor.poll()
@@ -288,10 +277,7 @@ def watch(fleet: Fleet, stopping: dict) -> None:
 
 
 def stop(args, fleet: Fleet) -> None:
-    """The schedulers first (they drain with workers and gateway up), then the gateway and workers.
-    Under --workers-only the workers go when told, when the scheduler is gone, or after its drain
-    time.
-    """
+    """Schedulers first (they drain with workers up), then gateway and workers."""
     drain = getattr(args, "drain_timeout", 30.0) + 15.0
     if args.workers_only:
         fleet.supervisor.wait_exit(drain)
@@ -299,9 +285,7 @@ def stop(args, fleet: Fleet) -> None:
 
 
 def check_fleet(args) -> None:
-    """The model made a folder (a .gguf file: its prepared folder, served on its blocks) and
-    checked, and the flags that cannot go together refused: ConfigError.
-    """
+    """The model made a folder and checked; incompatible flags refused with ConfigError."""
     args.model = model_folder(args.model)
     check_model_folder(args.model)
     if args.gateway and args.api_key:

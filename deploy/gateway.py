@@ -57,8 +57,7 @@ def smg_command(
         host,
         "--prometheus-port",
         str(metrics_port),
-        # a server that restarts (or starts after the gateway) is back in rotation within
-        # seconds
+        # a restarted server is back in rotation within seconds
         "--health-check-interval-secs",
         "5",
         "--health-success-threshold",
@@ -104,9 +103,7 @@ def ready_tokenizers(base_url: str, timeout: float = 2.0) -> set[str]:
 
 
 def wait_ready(base_url: str, num_workers: int, timeout: float, alive=lambda: True) -> None:
-    """Until the gateway lists a model, `num_workers` healthy workers, and a loaded tokenizer for
-    every model it lists: the first request it accepts is answered, not refused with 503.
-    """
+    """Until the gateway lists a model, its workers and tokenizers: so it answers at once."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not alive():

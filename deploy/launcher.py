@@ -79,9 +79,7 @@ def worker_units(
     log_dir: Path | None = None,
     rendezvous_host: str = "127.0.0.1",
 ) -> list[Unit]:
-    """One unit per replica: its tp ranks, each told its
-    replica, rank, rendezvous and local index.
-    """
+    """One unit per replica, each rank told its replica, rank and rendezvous."""
     flags = passthrough(worker_parser(), args, _PER_RANK)
     # one an adapter, to --max-loras
     if getattr(args, "lora_modules", None) and args.max_cpu_loras is None:
@@ -91,8 +89,8 @@ def worker_units(
     for local_group, d in enumerate(
         replicas if replicas is not None else range(args.data_parallel_size)
     ):
-        # the group's rank 0 binds a free port and says which in a file beside the logs (removed
-        # before every start of the group, so no rank reads an earlier start's port)
+        # rank 0 writes its free port to a file (removed before each start, so none reads a stale
+        # one)
         rendezvous = f"tcp://{rendezvous_host}:0" if tp > 1 else ""
         meeting_dir = log_dir or Path(tempfile.gettempdir()) / f"pagedserve-{os.getpid()}"
         meeting = meeting_dir / f"rendezvous-{d}.json"
@@ -116,8 +114,7 @@ def worker_units(
                 args.log_level,
                 *flags,
             ]
-            # a worker whose log goes to a file writes JSON; one sharing the terminal follows the
-            # scheduler
+            # JSON logs to a file; a worker on the terminal follows the scheduler
             argv += ["--log-format", "json" if log_dir else getattr(args, "log_format", "auto")]
             if rendezvous:
                 argv += ["--rendezvous", rendezvous, "--rendezvous-file", str(meeting)]
@@ -132,9 +129,7 @@ def worker_units(
 async def supervise(
     supervisor: Supervisor, stop: asyncio.Event, interval: float = 0.2, failed: list | None = None
 ) -> None:
-    """Poll the supervisor until stopped; a configuration error stops the service (and is put in
-    `failed`).
-    """
+    """Poll until stopped; a configuration error stops the service."""
     try:
         while not stop.is_set():
             supervisor.poll()
@@ -147,9 +142,7 @@ async def supervise(
 
 
 def warn_if_oversubscribed(args: argparse.Namespace) -> None:
-    """More CPU ranks than cores: each gets less than a core and the model runs slower than on one
-    rank.
-    """
+    """More CPU ranks than cores run slower than one rank."""
     from worker.serve.startup import nvidia_gpu_present
 
     ranks = args.tensor_parallel_size * args.data_parallel_size
@@ -222,9 +215,7 @@ if __name__ == "__main__":
 def scheduler_program(
     args: argparse.Namespace, endpoint: str, log_dir: Path, index: int = 0
 ) -> Program:
-    """Server `index`'s scheduler: with more than one server each binds any free gRPC port and
-    endpoint and serves metrics on its own port.
-    """
+    """Server `index`'s scheduler; with several, each binds free ports."""
     from scheduler_service.main import build_parser as scheduler_parser
 
     flags = passthrough(

@@ -32,9 +32,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def is_prepared(out: Path, dense: bool = False) -> bool:
-    """Whether `out` is complete: config, tokenizer, the file's name, and the fp32 weights where
-    asked for.
-    """
+    """Whether `out` is complete: config, tokenizer, file name, fp32 weights where asked."""
     need = ("config.json", "tokenizer.json", "pagedserve_model.json") + (
         ("model.safetensors",) if dense else ()
     )
@@ -113,9 +111,8 @@ def _write_config(gguf_path: Path, out: Path, dense: bool) -> None:
 
 
 def model_folder(model: str) -> str:
-    """The folder to serve for --model: the argument, or for a GGUF the folder prepared from it once
-    (under $PAGEDSERVE_MODELS, keyed by path, size and mtime). ConfigError where the file is missing
-    or unreadable.
+    """--model's folder, or a GGUF's prepared one under $PAGEDSERVE_MODELS; ConfigError if
+    unreadable.
     """
     path = Path(model)
     if path.suffix != ".gguf":
@@ -166,9 +163,7 @@ def _prepared_folder(path: Path) -> str:
 def preparation_refusal(
     path: Path, cache: Path, available: int | None = None, free_disk: int | None = None
 ) -> str | None:
-    """A GGUF the workers cannot read directly needs an fp32 copy: None where there is room, else
-    what it needs and has, said before starting.
-    """
+    """None where an fp32 copy of the GGUF fits, else what it needs and has."""
     import shutil
 
     from worker.serve.memory_plan import GiB, available_bytes, human

@@ -22,9 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def read_port_file(path: Path) -> dict | None:
-    """What a scheduler started with --port-file bound ({"port", "worker_endpoint"}), or None before
-    it has written the file.
-    """
+    """{"port", "worker_endpoint"} a scheduler bound, or None before it writes the file."""
     try:
         return json.loads(Path(path).read_text())
     except (FileNotFoundError, ValueError):
@@ -65,9 +63,7 @@ class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterce
 def channel_to(
     address: str, api_key: str | None = None, root_certificates: bytes | None = None
 ) -> grpc.Channel:
-    """A channel to a pagedserve server: over TLS where a CA is given, each call carrying the API
-    key where one is given.
-    """
+    """A channel to a server, TLS where a CA is given, carrying the API key where given."""
     if root_certificates is not None:
         channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
     else:
@@ -95,14 +91,10 @@ def stop_group(proc: subprocess.Popen | None, timeout: float) -> None:
 
 
 class LocalServer:
-    """`pagedserve serve` in a child process (its own session) on any free ports, ready once gRPC
-    health says SERVING; `stop()` ends it and everything it started.
-    """
+    """`pagedserve serve` in its own session on free ports; `stop()` ends all it started."""
 
     def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
-        """args: extra launcher flags. The server binds any free port and writes it to a file beside
-        its log.
-        """
+        """args: extra launcher flags; the port is written beside its log."""
         self.model_dir = model_dir
         self.log_path = log_path
         self.args = list(args)

@@ -54,9 +54,8 @@ class FatalExit(RuntimeError):
 
 
 class Supervisor:
-    """When any process of a unit exits the unit is stopped and restarted after a backoff (1 s
-    doubling to 30 s, reset after a minute up), which supervisord and circus, restarting one process
-    at a time, cannot do.
+    """Any process of a unit exiting restarts the unit (1 s doubling to 30 s), which supervisord and
+    circus cannot do.
     """
 
     def __init__(
@@ -70,8 +69,8 @@ class Supervisor:
         stop_timeout: float = 15.0,
     ) -> None:
         self.units = units
-        # SUPERVISED: a child leaves Ctrl-C (SIGINT to the terminal's whole process group) to its
-        # supervisor, which stops the units in order; it stops on the supervisor's SIGTERM.
+        # SUPERVISED: a child leaves Ctrl-C to its supervisor, which stops units in order, and stops
+        # on its SIGTERM.
         self.env = {**os.environ, **(env or {}), SUPERVISED: "1"}
         self.cwd = cwd
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
@@ -158,9 +157,7 @@ class Supervisor:
         unit.procs = []
 
     def wait_exit(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for every process to exit on its own (none is restarted
-        meanwhile). True when all did.
-        """
+        """Wait up to `timeout` for every process to exit on its own; True if all did."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all(p.poll() is not None for unit in self.units for p in unit.procs):
@@ -171,8 +168,8 @@ class Supervisor:
     def stop_all(
         self, first: str | list[str] | None = None, first_timeout: float | None = None
     ) -> None:
-        """Stop every unit: those in `first` together with `first_timeout` to exit (schedulers drain
-        with workers up), then the rest, last started first.
+        """Units in `first` first (schedulers drain with workers up), then the rest, last started
+        first.
         """
         names = {first} if isinstance(first, str) else set(first or ())
         leading = [u for u in self.units if u.name in names]

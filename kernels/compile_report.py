@@ -87,7 +87,7 @@ _PTXAS_LINE = re.compile(r"Used (\d+) registers.*?(?:(\d+) bytes spill stores)?"
 
 
 def ptxas_usage(ptx: str, capability: int) -> dict:
-    """Registers and spill bytes of a PTX module, from ptxas -v (Triton ships its own ptxas)."""
+    """Registers and spills of a PTX module, from Triton's ptxas -v."""
     import inspect
 
     from triton.backends.nvidia.compiler import get_ptxas
@@ -126,9 +126,7 @@ def compile_offline(
     capability: int = 90,
     aligned: tuple[str, ...] = (),
 ) -> dict:
-    """Compile one kernel for CUDA `capability` with no GPU -> regs, spills, shared bytes. Pointers
-    aligned and integers divisible by 16 are specialized as the runtime would.
-    """
+    """Compile a kernel for `capability` without a GPU -> regs, spills, shared bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

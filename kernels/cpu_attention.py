@@ -37,9 +37,7 @@ class NativeAttention:
         v_cache: torch.Tensor,
         slots: torch.Tensor,
     ) -> bool:
-        """Write k, v [tokens, kv_heads, head_dim] at their slots (-1: none); False, writing
-        nothing, where the tensors are not of the one supported layout.
-        """
+        """Write k, v at their slots (-1: none); False (nothing written) otherwise."""
         tokens, heads, dim = k.shape
         ok = (
             k.dtype == v.dtype == torch.float32
@@ -72,9 +70,7 @@ class NativeAttention:
         return True
 
     def prefill_tiles(self, use: bool | None = None) -> bool:
-        """Whether bf16 prompt attention runs on AMX tiles; `use` turns that on or off for the
-        process.
-        """
+        """Whether bf16 prompt attention runs on AMX tiles; `use` sets it for the process."""
         return bool(self._prefill_tiles(-1 if use is None else int(use)))
 
     def paged_prefill(
@@ -92,9 +88,8 @@ class NativeAttention:
         softcap: float = 0.0,
         bf16_dots: bool = False,
     ) -> None:
-        """Causal attention of prompt chunks over their paged keys (a cached prefix included):
-        sequence i's queries are the last q_lens[i] of seq_lens[i] positions. window, softcap (Gemma
-        2); bf16_dots: bf16 products, fp32 sums.
+        """Causal attention of prompt chunks over paged keys: row i's queries are the last q_lens[i]
+        of seq_lens[i]. bf16_dots: bf16 products, fp32 sums.
         """
         n = starts.numel()
         if n == 0:
@@ -246,8 +241,7 @@ class NativeAttention:
     def head_rms_norm(
         self, x: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor, eps: float
     ) -> None:
-        """RMSNorm in place of each of the first `heads` heads of each row of x [rows, >= heads *
-        head_dim] (row stride x.stride(0), unit stride inside a row), weight [head_dim]."""
+        """In-place RMSNorm of the first `heads` heads of each row of x; weight [head_dim]."""
         self._head_rms_norm(
             x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, weight.data_ptr(), float(eps)
         )
@@ -261,9 +255,7 @@ class NativeAttention:
         sin: torch.Tensor,
         positions: torch.Tensor,
     ) -> None:
-        """Rotate-half RoPE in place on the first `heads` heads of each row of x; cos, sin [max_pos,
-        rotary_dim / 2].
-        """
+        """Rotate-half RoPE on the first `heads` heads; cos, sin [max_pos, rotary_dim / 2]."""
         self._rope(
             x.data_ptr(),
             x.shape[0],
@@ -278,12 +270,11 @@ class NativeAttention:
 
     def delta_net_decode(self, x, z, g, beta, conv_states, states, slots, conv, norm, layer):
         # one function: each tensor's layout is checked where the library reads it
-        """One token a row through Gated DeltaNet's conv, delta rule and gated norm, each row's
-        state moved on in its slot: x [rows, conv_dim] and z [rows, v_heads * dv] (views of the
-        input projection), g, beta fp32 [rows, v_heads], conv_states [slots, K-1, conv_dim] and
-        states [slots, v_heads, dk, dv] fp32, conv [conv_dim, K], norm [dv]; layer: the shapes
-        (k_heads, v_heads, dk, dv, tiled, eps). -> [rows, v_heads * dv], or None (nothing done)
-        where a layout is not the one supported.
+        """One token a row through Gated DeltaNet (conv, delta rule, gated norm), states moved in
+        their slots -> [rows, v_heads * dv], or None for an unsupported layout.
+
+        x [rows, conv_dim], z [rows, v_heads * dv], g, beta fp32 [rows, v_heads], conv_states
+        [slots, K-1, conv_dim], states fp32 [slots, v_heads, dk, dv], conv [conv_dim, K], norm [dv].
         """
         k_heads, v_heads, dk, dv, tiled, eps = layer
         rows, channels = x.shape
@@ -350,10 +341,9 @@ class NativeAttention:
         return out
 
     def delta_rule_chunked(self, y, g, beta, state, layer, chunk: int = 64):
-        """One sequence's tokens through the delta rule in chunks of the WY form: y fp32 [tokens,
-        conv_dim] (the conv's output), g, beta [tokens, v_heads], state fp32 [v_heads, dk, dv] (its
-        slot, moved on in place); layer as delta_net_decode's. -> fp32 [tokens, v_heads, dv], or
-        None (nothing done) where a layout is not the one supported.
+        """One sequence through the delta rule in WY chunks: y fp32 [tokens, conv_dim], g, beta
+        [tokens, v_heads], state fp32 [v_heads, dk, dv] in place -> fp32 [tokens, v_heads, dv], or
+        None.
         """
         k_heads, v_heads, dk, dv, tiled, _ = layer
         f32 = torch.float32

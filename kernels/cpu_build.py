@@ -24,22 +24,18 @@ def sources(folder: Path = SOURCE_DIR) -> list[Path]:
 
 
 def build_inputs(folder: Path = SOURCE_DIR) -> list[Path]:
-    """Every file the compiled library depends on (each .c and each .h: a header edited alone
-    rebuilds).
-    """
+    """Every .c and .h the library depends on: an edited header rebuilds."""
     return sorted([*folder.glob("*.c"), *folder.glob("*.h")])
 
 
-# PAGEDSERVE_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2, no AVX-512,
-# for a fleet of older machines; the tests build it so to check the portable paths here)
+# PAGEDSERVE_NATIVE_MARCH builds for another target (x86-64-v3: AVX2 only; tests use it to check the
+# portable paths)
 MARCH = env.native_march()
 CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-std=c11"]
 if platform.machine() in ("x86_64", "AMD64"):
     # full-width vectors where AVX-512 exists; no effect elsewhere
     CFLAGS.append("-mprefer-vector-width=512")
-# PAGEDSERVE_NATIVE_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer (`make
-# test-sanitize`, which preloads the ASan runtime into Python): any bad read, write or UB aborts the
-# test
+# PAGEDSERVE_NATIVE_SANITIZE=1 builds with ASan and UBSan (`make test-sanitize`)
 SANITIZE = env.native_sanitize()
 if SANITIZE:
     CFLAGS += [
@@ -69,9 +65,7 @@ def cache_dir() -> Path:
 
 
 def build_key(cc: str, folder: Path = SOURCE_DIR, cflags: list[str] = CFLAGS) -> str:
-    """The cached library's name: a hash of every source and header, the flags, the compiler and the
-    CPU.
-    """
+    """A hash of sources, flags, compiler and CPU."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[
         :1
     ]
@@ -84,9 +78,7 @@ def build_key(cc: str, folder: Path = SOURCE_DIR, cflags: list[str] = CFLAGS) ->
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the library for this machine (once per source, compiler
-    and CPU) and return its path.
-    """
+    """Compile once per source, compiler and CPU -> the library's path."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")

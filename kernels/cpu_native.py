@@ -46,9 +46,7 @@ DECODE_STAGES = (
 
 
 def prototypes(header: str) -> dict[str, tuple[object, list]]:
-    """Each `pagedserve_*` function the header declares: (ctypes restype, argtypes). Pointers of any
-    kind pass as void pointers (torch data pointers), scalars as their fixed-width types.
-    """
+    """(restype, argtypes) of each `pagedserve_*` function the header declares."""
 
     def ctype(decl: str):
         decl = decl.strip()
@@ -68,9 +66,7 @@ def prototypes(header: str) -> dict[str, tuple[object, list]]:
 
 
 def blas_sgemm() -> int | None:
-    """Address of torch's BLAS `sgemm_` (Fortran, 32-bit ints) for the fused decode step; None if
-    absent.
-    """
+    """torch's BLAS `sgemm_` address for the fused step; None if absent."""
     lib = (
         Path(torch.__file__).parent
         / "lib"
@@ -83,8 +79,7 @@ def blas_sgemm() -> int | None:
 
 
 class NativeKernels(NativeAttention):
-    """The loaded library: the fused decode step, quantized matmuls, the elementwise tail and
-    (NativeAttention) paged attention."""
+    """The loaded library: fused decode, quantized matmuls, elementwise ops, paged attention."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -107,9 +102,8 @@ class NativeKernels(NativeAttention):
         self._decode_step = lib.pagedserve_decode_step
         self._decode_step_scratch = lib.pagedserve_decode_step_scratch
         self._decode_profile = lib.pagedserve_decode_profile
-        # the packed kernel has its integer dot products here (AVX-512 VNNI, or AVX2 for the 4-6 bit
-        # layouts); elsewhere its portable loop is slower than the fp32-activation kernel, and the
-        # worker packs nothing
+        # the packed kernel's integer dots need VNNI (or AVX2 for 4-6 bits); elsewhere nothing is
+        # packed
         self.packed_fast = bool(lib.pagedserve_packed_fast())
         # AVX2 packs the 4-6 bit types only
         self.packed_q8_fast = bool(lib.pagedserve_packed_q8_fast())
@@ -138,8 +132,8 @@ class NativeKernels(NativeAttention):
         scratch: torch.Tensor,
         lora=None,
     ) -> None:
-        """Every layer of `rows` decoding tokens in one call: x fp32 [rows, hidden] in, final-norm
-        hidden states out; lora: a PsLora or None.
+        """Every layer for `rows` decoding tokens in one call: x fp32 [rows, hidden] -> final-
+        normed.
         """
         for t, dt in (
             (x, torch.float32),
@@ -185,9 +179,7 @@ class NativeKernels(NativeAttention):
             raise ValueError("decode_step does not serve this model's shapes")
 
     def decode_profile(self, on: bool) -> dict[str, float]:
-        """Per-stage wall time of the fused decode step (work plus closing barrier) since the last
-        call, and the "steps" it covers.
-        """
+        """Per-stage wall time of the fused step since the last call, and the steps it covers."""
         out = (ctypes.c_int64 * (len(DECODE_STAGES) + 1))()
         if self._decode_profile(int(on), out) != len(DECODE_STAGES):
             raise RuntimeError("the library's decode stages differ from DECODE_STAGES")
@@ -195,9 +187,7 @@ class NativeKernels(NativeAttention):
         return {name: out[i] / 1e9 for i, name in enumerate(DECODE_STAGES)} | {"steps": out[n]}
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
-        """Greedy tokens of fp32 logits [rows, vocab]: the first largest index, NaN never chosen, -1
-        if all -inf.
-        """
+        """Greedy tokens: the first largest index, NaN never, -1 if all -inf."""
         if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2:
             raise TypeError(
                 f"argmax_rows needs fp32 [rows, vocab] logits on the CPU, got {logits.dtype} "
@@ -218,9 +208,7 @@ class NativeKernels(NativeAttention):
         y: torch.Tensor,
         int8_activations: bool = False,
     ) -> None:
-        """y = x @ W.T over ggml blocks w uint8 [out_dim, blocks]. int8_activations: x quantized per
-        32 values and integer dots (VNNI where present), as llama.cpp does.
-        """
+        """y = x @ W.T over ggml blocks; int8_activations as llama.cpp does (VNNI where present)."""
         rows, in_dim = x.shape
         if not (
             x.dtype == y.dtype == torch.float32
@@ -272,8 +260,8 @@ class NativeKernels(NativeAttention):
     def pack(
         self, w: torch.Tensor, type_id: int, out_dim: int, in_dim: int
     ) -> tuple[torch.Tensor, int]:
-        """Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks -> (packed rows of kernels/cpu/packed_blocks.h, type
-        id) for quant_matmul; rows are interleaved, so the result cannot be sliced.
+        """Blocks -> (interleaved packed rows, type id) for quant_matmul; the result cannot be
+        sliced.
         """
         if not (w.dtype == torch.uint8 and w.is_contiguous() and w.device.type == "cpu"):
             raise ValueError("pack needs contiguous uint8 blocks on the CPU")
@@ -315,9 +303,7 @@ class NativeKernels(NativeAttention):
         out: torch.Tensor,
         eps: float,
     ) -> None:
-        """add_rms_norm with the delta (or none) and out each fp32 or bf16, the residual fp32:
-        residual += delta widened, out = rms_norm(residual) * weight, rounded to bf16 where out is.
-        """
+        """residual += delta; out = rms_norm(residual) * weight, fp32 or bf16 each."""
         rows, dim = residual.shape
         bf16 = torch.bfloat16
         self._add_rms_norm_mixed(
@@ -333,9 +319,7 @@ class NativeKernels(NativeAttention):
         )
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> None:
-        """out = silu(gate_up[:, :I]) * gate_up[:, I:]: fp32, or bf16 in and out (computed in fp32,
-        rounded to nearest even).
-        """
+        """out = silu(gate) * up, fp32 or bf16 (computed in fp32, rounded to nearest even)."""
         rows, width = gate_up.shape
         fn = self._silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else self._silu_mul
         fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
@@ -354,9 +338,7 @@ _TRIED = False
 
 
 def load() -> NativeKernels | None:
-    """The native kernels, built if needed; None (logged once) where they cannot be built or loaded,
-    or when PAGEDSERVE_NATIVE=0.
-    """
+    """The native kernels, built if needed; None (logged once) if not, or PAGEDSERVE_NATIVE=0."""
     global _LOADED, _TRIED
     if _TRIED:
         return _LOADED

@@ -1,6 +1,6 @@
-"""Gated DeltaNet's recurrent pieces in plain torch, fp32: the causal depthwise conv and the gated
-delta rule, for a prompt (chunks in the WY form) and for one step of many rows. The definition
-the native and Triton kernels are tested against.
+"""Gated DeltaNet's recurrent pieces in plain fp32 torch: the causal conv and the gated delta rule,
+chunked (WY form) and one step at a time. The definition the native and Triton kernels are tested
+against.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import torch.nn.functional as F
 def causal_conv(
     x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's new inputs x [T, C] after its last K-1 inputs `state` [K-1, C], through the
-    depthwise conv weight [C, K] and SiLU -> (out [T, C], the new state [K-1, C]).
-    """
+    """x [T, C] after `state` [K-1, C], conv [C, K] and SiLU -> (out [T, C], state)."""
     width, tokens = weight.shape[1], x.shape[0]
     xs = torch.cat([state.to(x.dtype), x])  # [T + K - 1, C]
     taps = weight.t().contiguous()  # [K, C]: each tap's weights contiguous, accumulated in place
@@ -27,7 +25,7 @@ def causal_conv(
 def causal_conv_step(
     x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new input per row: x [R, C], states [R, K-1, C] -> (out [R, C], new states)."""
+    """x [R, C], states [R, K-1, C] -> (out [R, C], new states)."""
     xs = torch.cat([states.to(x.dtype), x[:, None, :]], dim=1)  # [R, K, C]
     return F.silu((xs * weight.t()[None]).sum(1)), xs[:, 1:]
 
@@ -44,9 +42,7 @@ def gated_delta_rule_step(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row: q, k [R, Hk, Dk], v [R, Hv, Dv], g (log decay) and beta [R, Hv], state
-    fp32 [R, Hv, Dk, Dv] -> (out fp32 [R, Hv, Dv], the new state).
-    """
+    """q, k [R, Hk, Dk], v [R, Hv, Dv], g, beta [R, Hv], state [R, Hv, Dk, Dv] -> (out, state)."""
     q, k = _heads(q, k, v.shape[-2])
     s = state * g.float().exp()[..., None, None]
     delta = (v.float() - torch.einsum("rhkv,rhk->rhv", s, k)) * beta.float()[..., None]
@@ -55,9 +51,7 @@ def gated_delta_rule_step(
 
 
 def _heads(q: torch.Tensor, k: torch.Tensor, heads_v: int):
-    """q and k in fp32, L2-normalized (q also scaled by 1/sqrt(dim)), repeated so each key head
-    serves its consecutive value heads.
-    """
+    """q, k in fp32, L2-normalized (q scaled), repeated over their value heads."""
     q, k = _l2(q.float()) * q.shape[-1] ** -0.5, _l2(k.float())
     if q.shape[-2] != heads_v:
         rep = heads_v // q.shape[-2]
@@ -74,9 +68,8 @@ def chunk_gated_delta_rule(
     state: torch.Tensor,
     chunk: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's tokens: q, k [T, Hk, Dk], v [T, Hv, Dv], g and beta [T, Hv], state fp32
-    [Hv, Dk, Dv] -> (out fp32 [T, Hv, Dv], the new state). Each chunk's updates are folded into
-    two triangular solves (the WY form), then chunks run in order over the state.
+    """q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], state [Hv, Dk, Dv] -> (out, state); chunks
+    folded by two triangular solves (WY form), run in order.
     """
     length = q.shape[0]
     q, k = _heads(q, k, v.shape[-2])

@@ -29,9 +29,8 @@ def write_kv(
 def kv_slots(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, width: int
 ) -> torch.Tensor:
-    """int64 [seqs, width]: each key position's pool slot. Positions past the length or in a freed
-    block (-1) point at the last key, always written, so a gather never reads a block the sequence
-    does not own.
+    """int64 [seqs, width] pool slots; out-of-range positions point at the last key, never
+    elsewhere.
     """
     pos = torch.arange(width, device=block_tables.device)
     blocks = block_tables.to(torch.int64)[
@@ -55,9 +54,8 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its paged keys (prefill, extend and
-    decode alike), with an optional sliding window and Gemma 2 softcap. Returns [tokens, heads,
-    head_dim] in q's dtype.
+    """Causal attention of new queries over paged keys, with window and softcap -> [tokens, heads,
+    head_dim].
     """
     num_tokens, n_heads, head_dim = q.shape
     num_blocks, block_size, n_kv_heads, _ = k_cache.shape
@@ -90,15 +88,12 @@ def paged_attention(
     return out
 
 
-# Bisection steps of the top-p floor: bit patterns of floats in [0, 1] span fewer than 2^31 values,
-# so 31 halvings end on the exact floor.
+# Floats in [0, 1] span under 2^31 bit patterns, so 31 halvings end on the exact floor.
 HALVINGS = 31
 
 
 def top_p_floor_torch(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The smallest probability each row keeps under top_p, found by bisection on float bits (a
-    masked sum per step, no sort); 0 where top_p is 1.
-    """
+    """Each row's smallest kept probability under top_p, by bisection on float bits (no sort)."""
     rows = probs.shape[0]
     # mass above 0 is everything: >= top_p
     lo = torch.zeros(rows, dtype=torch.int32, device=probs.device)

@@ -28,7 +28,7 @@ from kernels.triton_prefill import prefill_kernel
 
 
 def _precision(dtype: torch.dtype) -> str | None:
-    """fp32 dots in full precision (the GPU default would be tf32); half types keep the default."""
+    """fp32 dots in full precision, not tf32."""
     return "ieee" if dtype == torch.float32 else None
 
 
@@ -97,10 +97,7 @@ def paged_attention(
     window: int = 0,  # > 0: a sliding-window layer (each query sees its last `window` keys)
     softcap: float = 0.0,  # > 0: scores soft-capped, softcap * tanh(s / softcap) (Gemma 2)
 ) -> torch.Tensor:
-    """Same contract as kernels.reference.paged_attention. Decode rows run split-KV (merged by
-    log-sum-exp), prompt rows the variable-length prefill kernel; a mixed step given decode_seqs and
-    prefill_seqs launches both, no sync.
-    """
+    """As kernels.reference.paged_attention: decodes split-KV, prompts the varlen prefill kernel."""
     # one function: the dispatch of a step's rows, decode and prompt, read top to bottom
     num_tokens, n_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -185,9 +182,7 @@ def paged_attention(
 
 @dataclass
 class MixedStep:
-    """A mixed step's decode rows and prompt chunks, gathered once per step (every layer reuses
-    them).
-    """
+    """A mixed step's decode and prompt rows, gathered once a step for every layer."""
 
     decode_rows: torch.Tensor  # int64 [d]: each decoding sequence's query token
     decode_tables: torch.Tensor

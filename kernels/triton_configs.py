@@ -23,29 +23,21 @@ def pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
 
 
-# Launch configurations. On a GPU the key tile is capped whatever the page size (a tile is gathered
-# key by key through the block table, so it need not span whole pages): at --block-size 256 a
-# 256-key tile held [256, head_dim] K and V in registers and spilled kilobytes a thread. Warps grow
-# with head_dim so that no kernel spills at d64/d128/d256 (`make gpu-compile-report` compiles them
-# all for sm_90 and counts). In the interpreter a tile is two pages, so the tests cover tiles that
-# span pages. OVERRIDES lets deploy/bench/kernels.py --sweep time other configurations; the worker
-# never sets it.
+# Launch configurations. The key tile is capped whatever the page size (it is gathered key by key):
+# 256-key tiles spilled. Warps grow with head_dim so nothing spills at d64/128/256 (`make gpu-
+# compile-report`). In the interpreter a tile is two pages, so tests cover tiles spanning pages.
+# OVERRIDES is for --sweep only.
 OVERRIDES: dict[str, dict] = {}
 
 
 def override(kind: str, config: dict) -> None:
-    """Launch the decode or prefill kernel with these tiles, warps and stages from now on (a sweep's
-    next configuration), the variants compiled for the last one forgotten.
-    """
+    """Launch with these tiles, warps and stages from now on (a sweep's next configuration)."""
     OVERRIDES[kind] = config
     (decode_split_kernel if kind == "decode" else prefill_kernel).device_caches.clear()
 
 
 def decode_config(head_dim: int, group: int, block_size: int, on_gpu: bool) -> dict:
-    """Constexprs and launch options of decode_split_kernel. Chosen on an H100
-    (deploy/bench/kernels.py --sweep, docs/BENCHMARKS.md) among the configurations that spill under
-    no Triton release we build with.
-    """
+    """decode_split_kernel's launch, swept on an H100 among configurations that never spill."""
     block_d = pow2(head_dim, 16)
     if not on_gpu:
         return dict(TILE=2 * block_size, BLOCK_D=block_d, BLOCK_G=pow2(group, 16))
@@ -60,10 +52,7 @@ def decode_config(head_dim: int, group: int, block_size: int, on_gpu: bool) -> d
 
 
 def prefill_config(head_dim: int, block_size: int, on_gpu: bool) -> dict:
-    """prefill_kernel's constexprs and launch options, swept on an H100 among configurations that
-    spill under no supported Triton (docs/BENCHMARKS.md): 64-row query tiles on one warpgroup up to
-    head_dim 128.
-    """
+    """prefill_kernel's launch, swept on an H100 among configurations that never spill."""
     block_d = pow2(head_dim, 16)
     if not on_gpu:
         return dict(BLOCK_M=16, TILE=2 * block_size, BLOCK_D=block_d)
@@ -81,15 +70,12 @@ def reduce_config(head_dim: int, on_gpu: bool) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(index: int) -> int:
-    """The GPU's SM count, asked once (the properties query is not
-    free, and this runs every step).
-    """
+    """The SM count, asked once: the query is not free."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# Keys a decode program attends at most on a GPU: a long sequence among short ones is split into
-# many programs by its own length, not held to the batch's split count (one 8k sequence would
-# otherwise run in one program while the rest of the GPU waits for it).
+# Most keys a decode program attends on a GPU: a long sequence is split by its own length, so one 8k
+# sequence does not hold the GPU up.
 MAX_SPLIT_KEYS = 512
 
 
@@ -99,9 +85,7 @@ MAX_SPLITS = 1024  # past MAX_SPLIT_KEYS x MAX_SPLITS keys the splits grow inste
 def default_num_splits(
     num_seqs: int, n_kv_heads: int, max_seq_len: int, block_size: int, device
 ) -> int:
-    """Splits of the longest sequence: at least enough programs to fill the GPU, and no split longer
-    than MAX_SPLIT_KEYS keys; never more splits than blocks.
-    """
+    """Enough programs to fill the GPU, splits of at most MAX_SPLIT_KEYS keys."""
     max_splits = triton.cdiv(max_seq_len, block_size)
     if device.type != "cuda":
         return min(2, max_splits)  # the interpreter: keep it small
@@ -114,9 +98,8 @@ def default_num_splits(
 
 
 def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
-    """Each attention kernel at the GPU configuration its launcher picks, for each head_dim and
-    block size: the argument types, constexprs and options kernels/compile_report.py compiles them
-    with.
+    """Each attention kernel as its launcher configures it, per head_dim and block size, for
+    compile_report.
     """
     # one function: a table of launches, one entry per kernel
     ptr = f"*{dtype}"
@@ -232,9 +215,8 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
     return cases
 
 
-# Unit strides (a head's elements, a table's entries, a split's partial output) are 1 on every
-# launch, and the runtime compiles an integer argument equal to 1 in as a constant: the report does
-# the same.
+# Unit strides are 1 on every launch and the runtime compiles them in as constants: so does the
+# report.
 _UNIT_STRIDES = (
     "stride_qd",
     "stride_cd",
@@ -247,8 +229,7 @@ _UNIT_STRIDES = (
 )
 
 
-# What the runtime specializes on a real launch: the pool, q and outputs are 16-byte aligned, and
-# the pool's strides are multiples of 16.
+# As a real launch specializes: pool, q and outputs 16-byte aligned, pool strides multiples of 16.
 _ALIGNED = (
     "q_ptr",
     "k_cache_ptr",

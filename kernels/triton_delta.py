@@ -1,8 +1,6 @@
-"""Gated DeltaNet's decode in Triton, one launch a stage: the causal conv's step, the delta rule's
-step (a program per row, value head and block of value columns, the state's tile read and written
-once in its slot) and the gated norm. kernels/delta_rule.py is the definition; the signature is the
-native library's (kernels/cpu_attention.py delta_net_decode). A prompt keeps the torch chunks,
-whose batched matmuls the GPU runs as they are.
+"""Gated DeltaNet's decode in Triton, one launch a stage: the conv step, the delta-rule step (the
+state's tile read and written once in its slot) and the gated norm. kernels/delta_rule.py is the
+definition, the native library's delta_net_decode the signature; prompts keep the torch chunks.
 """
 
 from __future__ import annotations
@@ -16,8 +14,8 @@ import triton.language as tl
 def _conv_step_kernel(
     x_ptr, x_stride, states_ptr, slots_ptr, w_ptr, out_ptr, C, K: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """Row program_id(0), channels of block program_id(1): SiLU of the conv over the slot's last K-1
-    inputs and the new one; the slot's inputs move on by one.
+    """One row's block of channels: SiLU of the conv over the slot's inputs; the slot moves on by
+    one.
     """
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -98,9 +96,8 @@ def _gated_norm_kernel(
 
 
 def delta_net_decode(x, z, g, beta, conv_states, states, slots, conv, norm, layer):
-    """As kernels/cpu_attention.py's: one token a row through the conv, the delta rule and the
-    gated norm, each row's state moved on in its slot; None (nothing done) where a layout is not
-    the one supported (the state fp32, rows with unit stride).
+    """As kernels/cpu_attention.py's; None where the layout is unsupported (fp32 state, unit
+    strides).
     """
     k_heads, v_heads, dk, dv, tiled, eps = layer
     rows, channels = x.shape

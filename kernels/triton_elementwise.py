@@ -54,9 +54,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, inter, BLOCK: tl.constexpr):
 def _rope_kernel(
     x_ptr, row_stride, positions_ptr, cos_ptr, sin_ptr, half, head_dim, HALF: tl.constexpr
 ):
-    """Rotate-half RoPE of head program_id(1) of token program_id(0), in place, over its first 2 *
-    half values (all of the head but under a partial_rotary_factor).
-    """
+    """Rotate-half RoPE of one token's head, in place, over its first 2 * half values."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     i = tl.arange(0, HALF)
@@ -124,8 +122,8 @@ class TritonElementwise:
         sin: torch.Tensor,
         positions: torch.Tensor,
     ) -> None:
-        """Rotate-half RoPE in place on the first `heads` heads of each row of x; cos, sin fp32
-        [max_pos, rotary_dim / 2].
+        """Rotate-half RoPE in place on the first `heads` heads; cos, sin fp32 [max_pos, rotary_dim
+        / 2].
         """
         rows, half = x.shape[0], cos.shape[1]
         if rows:

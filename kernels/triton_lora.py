@@ -81,9 +81,7 @@ SHRINK_BLOCK_K, EXPAND_BLOCK_N = 128, 64
 
 
 def launch_cases(dtype: str = "bf16") -> list[dict]:
-    """Both kernels as launched at an 8B shape with rank-16 adapters on every projection, for
-    compile_report.
-    """
+    """Both kernels at an 8B shape with rank-16 adapters, for compile_report."""
     ptr = f"*{dtype}"
     cases = []
     for rank in (16, 48):
@@ -141,9 +139,7 @@ def lora_update(
     index: torch.Tensor,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """out[i, lo[g]:lo[g] + span[g]] += (x[i] @ a[g]^T) @ b[g, :span[g]]^T for token i's adapter g
-    (-1: none).
-    """
+    """out[i, lo[g]:lo[g] + span[g]] += (x[i] @ a[g]^T) @ b[g, :span[g]]^T (g: i's adapter)."""
     tokens, in_dim = x.shape
     groups, rank, _ = a.shape
     span_max = b.shape[1]

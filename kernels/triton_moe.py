@@ -32,9 +32,7 @@ def _grouped_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """c[pair, n] = a[row(pair)] . w[expert, n] (times the routing weight) for BLOCK_M sorted pairs
-    of one expert.
-    """
+    """c[pair, n] = a[row(pair)] . w[expert, n] x routing weight, one expert's pairs."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # past the last expert's run: padding
@@ -81,9 +79,7 @@ BLOCK_M = (
 def align(
     expert_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group (token, expert) pairs by expert, each run padded to block_m; shapes depend on T·k and E
-    only, so there is no host sync.
-    """
+    """Pairs grouped by expert, runs padded to block_m; shapes depend on T·k and E only: no sync."""
     flat = expert_ids.reshape(-1).to(torch.int64)
     pairs = flat.numel()
     device = flat.device
@@ -120,8 +116,8 @@ def grouped_matmul(
     a_by_pair: bool,
     weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """-> [num_pairs, N]: each pair's row of `a` (its token's, or its own with a_by_pair) times its
-    expert's w [E, N, K] transposed, scaled by weights[pair] where given.
+    """-> [num_pairs, N]: each pair's row of `a` times its expert's w [E, N, K]^T, optionally
+    scaled.
     """
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
@@ -162,10 +158,7 @@ def fused_moe(
     down: torch.Tensor,
     silu_mul,
 ) -> torch.Tensor:
-    """x [T, H] routed to k of E experts -> [T, H]. Pairs sorted by expert on the device (no host
-    sync, graph-safe); each program loads one expert's tile once for BLOCK_M pairs; down scales by
-    the routing weight.
-    """
+    """x [T, H] routed to k of E experts -> [T, H], sorted on the device (graph-safe)."""
     x = x.contiguous()
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
@@ -186,10 +179,7 @@ def fused_moe(
 
 
 def launch_cases(dtype: str = "bf16") -> list[dict]:
-    """The grouped matmul as fused_moe launches it at Qwen3-30B-A3B's shapes (hidden 2048, experts
-    of 768): gate/up (rows gathered by token) and down (by pair, routing weights applied), for
-    kernels/compile_report.py.
-    """
+    """The grouped matmul at Qwen3-30B-A3B's shapes, gate/up and down, for compile_report."""
     ptr = f"*{dtype}"
     cases = []
     for name, n, k, by_pair in (("gate_up", 2 * 768, 2048, False), ("down", 2048, 768, True)):

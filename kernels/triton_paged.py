@@ -7,11 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Pointers to a step's small metadata arrays (read a value a program) are not specialized on
-# alignment either: they come packed from the staging buffer or sliced (query_start_loc[1:]),
-# 16-byte aligned on some steps and not others, and each change would compile the kernel again. The
-# K/V pool, q and the outputs stay specialized: they are always whole allocations or row views of
-# one, and wide loads need the alignment.
+# Metadata pointers are not specialized on alignment (it varies step to step and would recompile);
+# the pool, q and outputs are, since wide loads need it.
 METADATA_POINTERS = {
     "write_kv_kernel": ["slot_ptr"],
     "decode_split_kernel": ["block_tables_ptr", "seq_lens_ptr"],
@@ -95,17 +92,14 @@ def _tile_offsets(
 def _attend_tile(
     q, k, v, visible, m, denom, acc, scale, softcap, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr
 ):
-    """One online-softmax step: fold a tile of keys and values into
-    the running max, sum and output.
-    """
+    """Fold a tile of keys and values into the running max, sum and output."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, TILE]
     # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both ends (exp overflowing to inf gives 1)
     if SOFTCAP:
         scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
-    # a row that has seen no key yet (a sliding window starting past this tile) keeps m = -inf:
-    # subtract 0 then, so it stays at zero weight instead of exp(-inf + inf) = NaN
+    # a row with no key yet keeps m = -inf: subtract 0, not exp(-inf + inf) = NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m - m_safe)
     p = tl.exp(scores - m_safe[:, None])
@@ -114,10 +108,8 @@ def _attend_tile(
     return m_new, denom, acc
 
 
-# Integer arguments that change from step to step are not specialized: Triton would otherwise
-# compile a new variant whenever one of them becomes 1 or a multiple of 16 (0.5-2 s stalls while
-# serving). What remains specialized is fixed for a model and block size, and the worker warms it at
-# start.
+# Step-varying integers are not specialized: a value becoming 1 or a multiple of 16 would recompile
+# (0.5-2 s stalls). The rest is fixed per model and warmed at start.
 STEP_VARYING = {
     "decode_split_kernel": [
         "stride_bts",

@@ -44,9 +44,7 @@ def _prefill_tile(
     POOL_I32: tl.constexpr,
     SLIDING: tl.constexpr,
 ):
-    """One key tile of the prefill kernel, in base-2 units. MASKED: the tile crosses the diagonal,
-    the end or a window's edge; unmasked tiles pay for no comparison. POOL_I32: offsets fit 32 bits.
-    """
+    """One key tile in base-2 units; MASKED only where it crosses the diagonal, end or window."""
     pos = pos0 + tl.arange(0, TILE)
     pos_mask = pos < kv_end
     if MASKED:
@@ -79,8 +77,7 @@ def _prefill_tile(
     else:
         s = s * qk_scale
     if MASKED:
-        # a row's last visible key lies before kv_end for every stored row (rows past q_len are
-        # never stored)
+        # a row's last visible key lies before kv_end for every stored row
         visible = pos[None, :] <= causal[:, None]
         if SLIDING:
             visible = visible & (pos[None, :] > causal[:, None] - window)
@@ -146,8 +143,7 @@ def prefill_kernel(
     # one function: a Triton kernel, one program's work
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    # the last query tiles see the most keys: they are launched first, so the short ones fill the
-    # tail
+    # the last query tiles see the most keys: launched first, short ones fill the tail
     tile = tl.num_programs(2) - 1 - tl.program_id(2)
     # the sequence's query tokens: [start, end) of the step
     q_start = tl.load(q_starts_ptr + seq).to(tl.int64)
@@ -177,9 +173,8 @@ def prefill_kernel(
         causal = prefix + rows  # each row's last visible key
         # the causal limit of this tile's last row
         kv_end = prefix + tl.minimum(q_len, (tile + 1) * BLOCK_M)
-        # keys up to the first row's own are seen by every row of the tile: whole tiles of them go
-        # unmasked. Under a sliding window (whose lower edge moves with the row) none do, and the
-        # tile's first row sees keys from prefix + tile * BLOCK_M - window + 1 on
+        # keys up to the first row's own are seen by every row: whole tiles unmasked. Under a window
+        # none are; the first row sees keys from prefix + tile * BLOCK_M - window + 1 on
         if SLIDING:
             kv_start = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
             full_end = kv_start
@@ -254,8 +249,7 @@ def prefill_kernel(
                 POOL_I32,
                 SLIDING,
             )
-        # rows past q_len in a sliding window see no key (denom 0): they are not stored, and not
-        # divided by 0
+        # rows past q_len in a window see no key (denom 0): not stored, not divided
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(
             out_ptr

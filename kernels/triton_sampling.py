@@ -40,10 +40,7 @@ def _top_p_floor_kernel(
 
 
 def top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The smallest probability each row keeps under top_p (0 where top_p is 1). Token i stays when
-    the mass strictly above p_i is below top_p, i.e. p_i >= one floor, found by bisection on float32
-    bits.
-    """
+    """Each row's smallest kept probability under top_p, by bisection on float32 bits."""
     rows, vocab = probs.shape
     floor = torch.empty(rows, dtype=torch.float32, device=probs.device)
     if rows:

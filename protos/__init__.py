@@ -3,10 +3,6 @@ of the wire's arrays; the *_pb2 modules come from `make proto`. Shared flags, en
 protos/base/.
 """
 
-# Version of the scheduler <-> worker wire format (WireMessage.version); both sides refuse a
-# mismatch.
-# 9: a hybrid's state pool (state_slots, its snapshots and their tiers); 8: KV tiers (kv_stores,
-# kv_loads, kv_load_failed); 7: embeddings; 6: drafts verified in a step
-# (num_draft, num_accepted); 5: masks may follow their plan (StepMask); 4: request controls; 3:
-# overlap
+# Scheduler <-> worker wire version; both sides refuse a mismatch. 9: state pools; 8: KV tiers; 7:
+# embeddings; 6: drafts; 5: masks after their plan; 4: controls; 3: overlap.
 WIRE_VERSION = 9

@@ -18,9 +18,7 @@ F32 = np.dtype("<f4")
 
 
 def lora_identity(folder) -> str:
-    """LoraRef.identity for a PEFT folder: a hash of its config and weights as on disk, checked by
-    both sides.
-    """
+    """A PEFT folder's hash of config and weights, checked by both sides."""
     import hashlib
     from pathlib import Path
 
@@ -39,9 +37,7 @@ class CodecError(ValueError):
 
 @dataclass
 class PlanArrays:
-    """One step's plan as arrays (shapes: S sequences, T tokens,
-    B blocks per sequence, C copies).
-    """
+    """One step's plan as arrays: S sequences, T tokens, B blocks each, C copies."""
 
     step_id: int
     token_ids: np.ndarray  # int32 [T]
@@ -89,7 +85,7 @@ class PlanArrays:
 
     @classmethod
     def empty(cls, step_id: int) -> PlanArrays:
-        """A step with no rows (it only moves blocks between the pool and the KV tiers)."""
+        """A step with no rows: it only moves blocks between the pool and the tiers."""
         i32, none = np.zeros(0, dtype=I32), np.zeros(0, dtype=F32)
         return cls(
             step_id,
@@ -123,9 +119,8 @@ TIER_HOST, TIER_DISK = 1, 2
 
 @dataclass
 class TierOps:
-    """One step's KV-tier work (protos/wire.proto StepPlan.kv_*): rows of (pool block, tier, host
-    slot or -1) written down, then read back; each one's block hash (stores first); disk entries to
-    delete. `states`: the same work on a hybrid's state snapshots (rows name state slots).
+    """One step's KV-tier work: stores, then loads, then disk deletions; `states` does the same for
+    state snapshots.
     """
 
     stores: np.ndarray  # int32 [n, 3]
@@ -196,8 +191,7 @@ def decode_tiers(msg: wire_pb2.StepPlan) -> TierOps | None:
     return blocks
 
 
-# The optional per-step arrays: (field, dtype, rows) with rows "S" (one per sequence), "S+1" or "*"
-# (ragged).
+# Optional per-step arrays: (field, dtype, rows), rows "S" (per sequence), "S+1" or "*" (ragged).
 _OPTIONAL = (
     ("repetition_penalty", F32, "S"),
     ("presence_penalty", F32, "S"),
@@ -328,9 +322,7 @@ def decode_mask(msg: wire_pb2.StepMask) -> np.ndarray:
 
 
 def resolve_tokens(p: PlanArrays, last_step_id: int, last_sampled: np.ndarray | None) -> np.ndarray:
-    """The plan's token ids with pending ones filled from the worker's last step; CodecError where
-    it has no such token.
-    """
+    """Pending token ids filled from the worker's last step; CodecError where there is none."""
     if p.prev_rows is None:
         return p.token_ids
     at = np.flatnonzero(p.prev_rows >= 0)

@@ -1,11 +1,8 @@
-"""CurveZMQ keys for the scheduler <-> worker wire (encryption and mutual authentication).
+"""CurveZMQ keys for the scheduler <-> worker wire: encryption and mutual authentication.
 
-`pagedserve keys --out DIR` writes: DIR/scheduler.key_secret the scheduler's key pair (scheduler
-only) DIR/scheduler.key the scheduler's public key (every worker) DIR/worker.key_secret the workers'
-key pair (every worker) DIR/authorized/worker.key public keys the scheduler accepts (scheduler; add
-one file per extra key) A worker given the folder encrypts to the scheduler's public key; the
-scheduler accepts only peers whose public key is in authorized/. One folder serves a single machine;
-across hosts copy each side only the files it needs.
+`pagedserve keys --out DIR` writes the scheduler's pair (scheduler.key_secret), its public key
+(scheduler.key), the workers' pair (worker.key_secret) and authorized/ (public keys the scheduler
+accepts, one file per key). Copy each host only the files its side needs.
 """
 
 from __future__ import annotations

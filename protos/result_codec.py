@@ -61,9 +61,7 @@ def encode_result(
 def decode_logprobs(
     msg: wire_pb2.StepResult, which: str, positions: int, tops: int
 ) -> Logprobs | None:
-    """which: "logprobs" or "prompt_logprobs"; the plan said how many positions and top entries to
-    expect. None when the plan asked for none; raises CodecError when the sizes do not match.
-    """
+    """`which`: "logprobs" or "prompt_logprobs", as the plan sized it, else CodecError."""
     if positions == 0:
         return None
     chosen, ids, values = _LOGPROB_FIELDS[which]
@@ -85,18 +83,14 @@ def decode_result(msg: wire_pb2.StepResult, num_seqs: int) -> np.ndarray:
 
 
 def decode_pooled(msg: wire_pb2.StepResult, rows: int, hidden: int) -> np.ndarray | None:
-    """-> float32 [rows, hidden] of the rows whose plan pooled (None when it pooled none); raises
-    CodecError when the size does not match.
-    """
+    """float32 [rows, hidden] of the pooled rows, None if none; CodecError on a size mismatch."""
     if rows == 0:
         return None
     return bytes_array(msg.pooled, F32, rows * hidden, "pooled").reshape(rows, hidden)
 
 
 def decode_load_failed(msg: wire_pb2.StepResult, num_loads: int) -> set[int]:
-    """The plan's tier loads (indices) that did not load; raises CodecError for an index out of
-    range.
-    """
+    """The plan's tier loads that failed; CodecError for an index out of range."""
     if len(msg.kv_load_failed) % I32.itemsize:
         raise CodecError("kv_load_failed is not a whole number of int32")
     failed = set(np.frombuffer(msg.kv_load_failed, dtype=I32).tolist())

@@ -49,9 +49,8 @@ log = structlog.get_logger("scheduler.main")
 
 
 def tune_gc() -> None:
-    """Once serving: start-up's objects frozen out of the collector's sight, and young collections
-    every 100k new objects instead of 700; with the defaults a thousand-stream step spent as much on
-    collection as on its work.
+    """Start-up's objects frozen and young collections every 100k objects: a thousand-stream step
+    spent as much on collection as on work.
     """
     gc.collect()
     gc.freeze()
@@ -63,9 +62,7 @@ async def serve(
     on_bound: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
 ) -> int:
-    """Phases: flags and model, bind the worker socket and every port, on_bound(endpoint) (starting
-    workers), HTTP and gRPC as NOT_SERVING, wait for workers, serve, drain.
-    """
+    """Flags, bind every port, start workers, serve as NOT_SERVING until they join, serve, drain."""
 
     # one function: the service's life read top to bottom: bind, start, serve, drain
     config, spec, tokenizer = prepare(args)
@@ -120,8 +117,7 @@ async def serve(
     watcher = loop.create_task(_watch_health(engine, health, stop))  # engine.start reported SERVING
     await stop.wait()
     watcher.cancel()
-    # Drain: NOT_SERVING at once (load balancers stop sending), the port stays open, running
-    # requests get --drain-timeout to finish, then the rest end with UNAVAILABLE and a message.
+    # Drain: NOT_SERVING at once, running requests get --drain-timeout, then end UNAVAILABLE.
     await health.set(False)
     log.info("draining", requests=len(engine.streams), timeout_s=args.drain_timeout)
     finished = await engine.drain(args.drain_timeout)
@@ -134,9 +130,7 @@ async def serve(
 
 
 def prepare(args: argparse.Namespace) -> tuple[SchedulerConfig, ModelSpec, Tokenizer]:
-    """The flags checked together, the model's spec and tokenizer read (the tokenizer warms in a
-    thread).
-    """
+    """Flags checked together; spec and tokenizer read (the tokenizer warms in a thread)."""
     if args.num_speculative_tokens < 1 or args.speculative_max_rows < 0:
         raise ConfigError(
             "--num-speculative-tokens must be at least 1 and --speculative-max-rows at least 0"
@@ -221,9 +215,7 @@ def ready_line(
     http: HttpServer | str | None = None,
     api_key: str | None = None,
 ) -> str:
-    """The lines that end start-up (stdout; the logs go to stderr): where each API serves and how to
-    try it, or why it does not serve.
-    """
+    """The lines ending start-up on stdout: where each API serves, or why it does not."""
     info = engine.model_info()
     pool_bytes = sum(g.num_blocks * g.bytes_per_block for g in engine.client.groups if g.is_ready)
     where = f"{host}:{port}"
@@ -291,9 +283,7 @@ def hybrid_note(engine: Engine) -> str:
 
 
 def cli_command() -> str:
-    """How to type `pagedserve` here: its name when on PATH,
-    else the path beside this interpreter.
-    """
+    """`pagedserve` if on PATH, else the path beside this interpreter."""
     if shutil.which("pagedserve"):
         return "pagedserve"
     beside = Path(sys.executable).parent / "pagedserve"
@@ -306,8 +296,7 @@ def cli_command() -> str:
 
 
 async def _watch_health(engine: Engine, health, stop: asyncio.Event) -> None:
-    """SERVING while any replica serves; NOT_SERVING while none does (and SERVING again when a group
-    rejoins). Every change the engine reports is applied, however short."""
+    """SERVING while any replica serves; every change applied, however short."""
     while not stop.is_set():
         serving = await engine.health_changes.get()
         await health.set(serving)

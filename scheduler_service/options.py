@@ -330,9 +330,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
 
 
 def lora_registry(args: argparse.Namespace, base_names: tuple[str, ...]) -> AdapterRegistry | None:
-    """The adapters of --lora-modules checked against the model (ConfigError naming a bad one); None
-    where the config gives no shapes to check by.
-    """
+    """--lora-modules checked against the model or ConfigError; None without shapes."""
     try:
         base = BaseShapes.from_config(json.loads((Path(args.model) / "config.json").read_text()))
     except (KeyError, TypeError, ValueError, OSError) as e:
@@ -364,9 +362,7 @@ def check_model_folder(path: str) -> None:
 
 
 def served_names(args: argparse.Namespace, spec: ModelSpec) -> list[str]:
-    """The names the model is served as: --served-model-name, else the folder's name less a prepared
-    GGUF folder's hash suffix.
-    """
+    """--served-model-name, else the folder's name less a prepared GGUF folder's hash."""
     if args.served_model_name:
         return args.served_model_name
     folder = Path(spec.path or args.model)

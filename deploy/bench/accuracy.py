@@ -48,8 +48,8 @@ TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
 
 
 def chunks(tokens: list[int], ctx: int, bos: int | None) -> list[list[int]]:
-    """llama-perplexity's chunks: whole ctx-token windows of the text, each starting with BOS where
-    the tokenizer adds one (the text's own first token replaced).
+    """llama-perplexity's chunks: ctx-token windows, each starting with BOS where the tokenizer adds
+    one.
     """
     out = []
     for i in range(len(tokens) // ctx):
@@ -61,9 +61,7 @@ def chunks(tokens: list[int], ctx: int, bos: int | None) -> list[list[int]]:
 
 
 def scored_logprobs(server: ServerProcess, chunk_list: list[list[int]]) -> list[float]:
-    """The logprob of every scored token (positions ctx/2 + 1 .. ctx
-    - 1 of each chunk), in order.
-    """
+    """The logprob of each scored token (ctx/2 + 1 .. ctx - 1 of each chunk)."""
     from protos import generation_pb2 as pb
 
     out = []
@@ -195,10 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name, model, extra in runs:
         log = Path(tempfile.mkdtemp(prefix="pagedserve-accuracy-")) / "server.log"
-        # one prompt token a step: every token goes through the decode path (the quantized kernels,
-        # the fused step), as generated tokens do; a whole chunk at once would take the prefill
-        # path, which runs on the dense copy of the blocks' values and so equals fp32 by
-        # construction
+        # one prompt token a step, so tokens go through the decode path as generated ones do (a
+        # whole chunk would take prefill's dense copy, equal to fp32 by construction)
         server = ServerProcess(
             model,
             log,

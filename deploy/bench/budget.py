@@ -31,9 +31,7 @@ MATRICES = ("qkv", "o_proj", "gate_up", "down")
 
 
 def read_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
-    """Bytes a second of a plain read of memory (a sum over 1 GiB of fp32, torch's threads), the
-    best of `reps`.
-    """
+    """Bytes a second of a plain 1 GiB read, best of `reps`."""
     import torch
 
     big = torch.ones(nbytes // 4)
@@ -146,14 +144,11 @@ def kv_bytes(runner, context: int) -> int:
 def served_token_s(
     model: str, flags: list[str], context: int, max_tokens: int, repeats: int
 ) -> list[float]:
-    """Seconds a token of one greedy stream through a real server, each repeat; the prompt long
-    enough that the mean context is `context` keys, as in process.
-    """
+    """Seconds a token of one greedy stream through a real server at mean context `context`."""
     from deploy.bench.cpu_peers import PagedserveTarget
 
     n = max(context - max_tokens // 2, 1)
-    # each repeat its own prompt: the same one again would draft its earlier answer from the n-grams
-    # speculation keeps of earlier requests
+    # a new prompt each repeat: a repeated one would draft its earlier answer
     prompts = [[1 + (i * (2 * r + 3) + 97 * r) % 1000 for i in range(n)] for r in range(repeats)]
     target = PagedserveTarget(types.SimpleNamespace(model=model), "pagedserve", *flags)
     try:

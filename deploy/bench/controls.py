@@ -75,9 +75,7 @@ async def drive(
 
 
 def mask_timing(model: str, rows: int, kind: str) -> float:
-    """Mean seconds per step to compute `rows` constrained rows' masks as they walk matching
-    outputs, each step a new state per row (llguidance's caches help only as serving would).
-    """
+    """Mean seconds a step for `rows` constrained rows' masks, a new state per row each step."""
     from scheduler_service.core.config import ModelSpec
     from scheduler_service.text.structured import GrammarEngine
     from scheduler_service.text.tokenizer import Tokenizer

@@ -219,9 +219,7 @@ class PagedserveTarget:
 
 
 def measure(targets, prompts, args) -> dict:
-    """Every measurement in rounds, each server in turn, so a slow spell falls on all alike;
-    medians, and the median of per-round ratios to the last target.
-    """
+    """Rounds, each server in turn, so a slow spell falls on all; medians and per-round ratios."""
     res = {t.name: {"one": [], "prefill": [], **{n: [] for n in args.streams}} for t in targets}
     for r in range(args.repeats):  # a prompt not seen before each round (module docstring)
         for t in targets:

@@ -83,9 +83,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
-    """The random-weight model as a Hugging Face folder (bf16, one safetensors shard a layer); made
-    once.
-    """
+    """The random-weight model as a bf16 HF folder, a shard a layer; made once."""
     import torch
     from safetensors.torch import save_file
 
@@ -158,9 +156,8 @@ def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
 
 
 def hybrid_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Path:
-    """A Qwen3.5 shape with random weights: its tensors named and shaped by transformers' own
-    model (built on the meta device), written a layer a shard; norms as the model starts them
-    ((1 + w) norms at 0, the gated norm at 1), decays as its initializer draws them.
+    """A random Qwen3.5 shape named and shaped by transformers' own model, norms and decays as it
+    starts them.
     """
     import torch
     from safetensors.torch import save_file
@@ -209,9 +206,7 @@ def hybrid_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> P
 
 
 def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
-    """The model as a GGUF of `quant` (BF16, Q8_0, Q4_K_M, ...): converted with llama.cpp's own
-    converter, then quantized with its llama-quantize; made once.
-    """
+    """The model as a `quant` GGUF by llama.cpp's converter and llama-quantize; made once."""
     target = CACHE / "scale" / f"llama-{shape}-v{vocab}-random.{quant}.gguf"
     if target.is_file():
         return target

@@ -221,8 +221,7 @@ class Pagedserve:
 
 
 def throughput(systems, folder: Path, args) -> dict:
-    """Embeddings per second of each system, a round at a time (first system rotating); every call's
-    texts are new."""
+    """Embeddings a second per system, a round at a time, texts always new."""
     salt = iter(range(1000, 10**6))
     for s in systems:  # warm-up: first calls pay one-time costs
         s.embed(*make_batch(folder, 2, args.tokens, next(salt)))
@@ -269,9 +268,7 @@ async def stream_rate(server: ServerProcess, tokens: int, salt: int) -> tuple[fl
 async def beside(
     server: ServerProcess, folder: Path, args, salt: int
 ) -> tuple[float, float, float]:
-    """stream_rate's figures for a stream beside clients that keep Embed calls of 4 new texts each
-    coming.
-    """
+    """stream_rate's figures for a stream beside clients sending Embed calls."""
     import grpc
 
     from protos import generation_pb2 as pb

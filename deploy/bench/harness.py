@@ -22,9 +22,7 @@ def load_workload(path: Path) -> list[list[int]]:
 async def drive(
     address: str, prompts: list[list[int]], max_tokens: int, loras: list[str] | None = None
 ) -> tuple[float, list[float], int]:
-    """Every prompt streamed at once (greedy, ignore_eos, max_tokens each; with `loras`, each with
-    its LoRA adapter, "" the base model) -> (wall seconds, each TTFT from the start, output tokens).
-    """
+    """Every prompt streamed at once -> (wall seconds, TTFTs, output tokens)."""
     import grpc
 
     from protos import generation_pb2, generation_pb2_grpc
@@ -59,9 +57,7 @@ async def drive(
 async def http_pass(
     base_url: str, bodies: list[dict], path: str, concurrency: int | None = None
 ) -> dict:
-    """Stream every body to base_url+path (at once, or `concurrency` at a time); -> wall seconds,
-    TTFTs, tokens.
-    """
+    """Stream every body to base_url+path -> wall seconds, TTFTs, tokens."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -101,10 +97,7 @@ async def http_pass(
 
 
 def step_plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1, vocab: int = 40000):
-    """A StepPlan computing, for each (new_tokens, seq_len), its last new_tokens positions; blocks
-    laid out one sequence after another from block 0; random token ids below `vocab`. -> (plan,
-    blocks used).
-    """
+    """A StepPlan for each (new_tokens, seq_len), blocks in order -> (plan, blocks used)."""
     import numpy as np
 
     from protos.codec import PlanArrays, encode_plan

@@ -151,10 +151,7 @@ def bench_prefill(args, interpreted: bool) -> None:
 
 
 def bench_cpu_pool(args) -> None:
-    """The native CPU attention kernels over an fp32 and a bf16 pool, same keys and run: decode at
-    1B and 8B heads, then one 512-token prompt chunk over a cached prefix (head_dim 64, 128, and
-    Qwen3.5's 256).
-    """
+    """Native attention over fp32 and bf16 pools: decode at 1B and 8B heads, a 512-token chunk."""
     import torch
 
     from kernels import cpu_native
@@ -198,9 +195,7 @@ def bench_cpu_pool(args) -> None:
 
 
 def _cpu_prefill_chunk(native, head_dim: int) -> None:
-    """One 512-token chunk after 1536 cached tokens: fp32 pool, bf16 pool in fp32, bf16 pool in bf16
-    dots (on AMX tiles where present).
-    """
+    """A 512-token chunk after 1536 cached: fp32 pool, bf16 pool, bf16 dots."""
     import torch
 
     _, k, v, tables, lens, _ = paged_inputs(1, 2048, 32, 8, head_dim, 16, torch.float32, "cpu")

@@ -64,10 +64,7 @@ class Conversations:
         self.prompts: dict[tuple[int, int], list[int]] = {}
 
     def run(self, ask, turns: range, clients: int, prompts=None) -> dict:
-        """Each turn of `turns` for every conversation, `clients` at a time; ask(prompt) -> (ttft,
-        decode tokens/s, answer). prompts: replay these (conversation, turn) prompts instead of
-        building them.
-        """
+        """Every conversation's turns, `clients` at a time; `prompts` replays recorded ones."""
         ttft = {t: [] for t in turns}
         rates = []
         for t in turns:

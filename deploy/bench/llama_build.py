@@ -57,9 +57,7 @@ def build_llama_tool(name: str) -> Path:
 
 
 def _isa_flags() -> list[str]:
-    """-march=native, except with AMX, where the pinned ggml's AMX matmul crashes at the first
-    decode: then every vector extension but AMX.
-    """
+    """-march=native, but without AMX, where the pinned ggml crashes at the first decode."""
     flags = (
         set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
     )
@@ -116,17 +114,12 @@ def _fetch_llama_cpp() -> Path:
 
 
 def f32_gguf(source: Path) -> Path:
-    """The GGUF with every quantized tensor dequantized to F32 (metadata, tokenizer and tensor order
-    as they are): llama.cpp at full precision on exactly the values `--dequantize` serves. Made
-    once, cached.
-    """
+    """The GGUF dequantized to F32, exactly the values `--dequantize` serves; cached."""
     return requantized_gguf(source, "F32")
 
 
 def requantized_gguf(source: Path, qtype: str) -> Path:
-    """A copy of the GGUF at another precision, made once and cached (dequantized, then for Q8_0
-    requantized as llama.cpp does); metadata and order kept.
-    """
+    """A cached copy at another precision, requantized as llama.cpp does."""
     import gguf
     import numpy as np
 

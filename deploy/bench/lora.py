@@ -46,9 +46,7 @@ MODULES = {
 
 
 def write_adapters(folder: Path, count: int, rank: int) -> list[Path]:
-    """`count` random adapters of `rank` on every projection of the model in `folder` (bf16, PEFT's
-    names); made once.
-    """
+    """`count` random rank-`rank` adapters on every projection, PEFT's names; made once."""
     import numpy as np
     import torch
     from safetensors.torch import save_file
@@ -235,9 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             return (n - 1) / (wall - ttfts[0])
 
         for r in range(args.rounds):
-            # one stream: a prompt not asked before (the same one again would draft its earlier
-            # answer from the n-grams speculation keeps of earlier requests), the base and the
-            # adapter each their own
+            # one stream, a new prompt each (a repeat would draft its earlier answer), base and
+            # adapter each
             base, adapted = prompts[(2 * r) % len(prompts)], prompts[(2 * r + 1) % len(prompts)]
             res.setdefault("1 stream, base", []).append((one("", base), 0.0))
             res.setdefault("1 stream, 1 adapter", []).append((one(names[0], adapted), 0.0))

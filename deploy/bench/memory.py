@@ -158,8 +158,7 @@ def bench_chunked(args) -> None:
 
 
 def _twins(model: str, window: int) -> dict[str, Path]:
-    """Folders of the default model's shapes as a Mistral, with a sliding window on every layer and
-    without, sharing its tokenizer (weights are random: --load-format dummy)."""
+    """The default model's shapes as a Mistral, with and without a window (dummy weights)."""
     src = Path(model)
     config = json.loads((src / "config.json").read_text())
     out = {}

@@ -34,8 +34,7 @@ SHAPES = {
         intermediate_size=2048,
         vocab_size=40960,
     ),  # the plans draw token ids below 40000
-    # Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, 8 a token, 32 q / 4 kv heads), 12 of
-    # its 48 layers
+    # Qwen3-30B-A3B's layer, 12 of its 48
     "cuda": dict(
         hidden_size=2048,
         num_hidden_layers=12,

@@ -12,9 +12,7 @@ from tests.support.simulated import VOCAB, SimulatedWorker
 
 # --- a simulated worker process, and the overlap benchmark ----------------------------------------
 class SimulatedRunner:
-    """Answers plans as the worker's runner does with a fixed step time instead of a model: a GPU
-    worker as the scheduler sees it.
-    """
+    """Answers plans with a fixed step time: a GPU worker as the scheduler sees it."""
 
     def __init__(
         self, num_blocks: int, block_size: int, step_s: float, check: bool = False
@@ -126,9 +124,7 @@ def serve_worker(args) -> int:
 
 async def measure_overlap(args, overlap: bool) -> dict[str, float]:
     # one function: the benchmark's script, read top to bottom
-    """Serve `seqs` requests of `context`-token prompts through the real engine and a simulated
-    worker process; time the decode steps once every request has its first token.
-    """
+    """Decode step times through the real engine over a simulated worker."""
     import asyncio
     import subprocess
     import sys
@@ -149,8 +145,7 @@ async def measure_overlap(args, overlap: bool) -> dict[str, float]:
         max_num_batched_tokens=budget,
         overlap=overlap,
     )
-    # every request still decodes through the timed window: prefill steps + window steps, with room
-    # to spare
+    # every request still decodes through the timed window
     steps = (
         args.steps
         or int(args.seqs * args.context / budget + 3 * args.window * 1000 / args.step_ms) + 50

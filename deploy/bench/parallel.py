@@ -24,8 +24,7 @@ from pathlib import Path
 
 from deploy.bench.harness import DEFAULT_WORKLOAD, drive, load_workload
 
-# hidden, heads, kv heads, intermediate, layers: a shape TP=2 divides, large enough that matmuls
-# dominate
+# hidden, heads, kv heads, intermediate, layers: TP=2 divides it, matmuls dominate
 TP_SHAPES = {
     "small": (1024, 16, 8, 4096, 8),
     "medium": (2048, 16, 8, 5632, 8),
@@ -66,9 +65,7 @@ def report(rows: list[dict]) -> None:
 
 
 def dummy_model(model_dir: Path, shape: tuple[int, int, int, int, int]) -> Path:
-    """A folder with the default model's tokenizer and a config of the given shape (weights:
-    --load-format dummy).
-    """
+    """The default tokenizer with a config of the given shape (dummy weights)."""
     hidden, heads, kv, inter, layers = shape
     folder = Path(tempfile.mkdtemp(prefix="pagedserve-tp-shape-"))
     for f in model_dir.iterdir():

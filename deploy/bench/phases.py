@@ -31,9 +31,7 @@ def _worker(args, num_blocks: int):
 
 
 def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
-    """Seconds of just the step's matmuls on the model's own prepared weights, with this machine's
-    library.
-    """
+    """Seconds of the step's matmuls alone, on the model's prepared weights."""
     import torch
 
     from worker.model.linear import LIBRARIES
@@ -80,9 +78,7 @@ def _matmuls_alone(model, rows: int, sampled_rows: int, reps: int) -> float:
 
 
 def _kv_read(pool, blocks: int, reps: int) -> float:
-    """Seconds to read, once, every layer's K and V of the first `blocks` blocks (a plain
-    reduction).
-    """
+    """Seconds to read every layer's K and V of the first `blocks` blocks once."""
 
     def run():
         for k, v in zip(pool.k, pool.v, strict=True):
@@ -93,9 +89,7 @@ def _kv_read(pool, blocks: int, reps: int) -> float:
 
 
 def phases(args, prompts) -> dict:
-    """A prefill chunk and a decode step of the workload, timed in-process, beside their local
-    limits.
-    """
+    """A prefill chunk and a decode step timed in-process, beside their limits."""
     import statistics as st
 
     q_chunk = []
@@ -158,9 +152,7 @@ def phases(args, prompts) -> dict:
 
 
 def _served_model(args, cpu):
-    """The model as a CPU worker serves it at fp32 (GGUF blocks where present), its library chosen
-    and the fused step attached.
-    """
+    """The model as a CPU worker serves it at fp32, library chosen, fused step attached."""
     import torch
 
     from kernels import cpu_native
@@ -188,9 +180,7 @@ def _served_model(args, cpu):
 
 
 def decode_breakdown(args) -> dict:
-    """A decode step as the worker serves it at each --decode-rows: the layer path with where its
-    time goes, beside the fused step where it covers the rows.
-    """
+    """A decode step at each --decode-rows: the layer path's time by part, beside the fused step."""
     import torch
 
     from worker.model.attention_native import make_backend

@@ -31,9 +31,7 @@ from tests.support.server import ServerProcess
 def one_stream(
     server: ServerProcess, prompts: list[list[int]], max_tokens: int, repeats: int
 ) -> dict:
-    """Each repeat a prompt of its own: the same one again would draft its earlier answer
-    (speculation keeps earlier requests' n-grams).
-    """
+    """A new prompt each repeat: a repeated one would draft its earlier answer."""
     decode, whole = [], []
     for r in range(repeats):
         sampling = generation_pb2.SamplingParams(
@@ -117,9 +115,7 @@ def agreement(a: list, b: list) -> dict:
 def kernel_bandwidth(
     types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0"), rows: int = 1, reps: int = 30
 ) -> None:
-    """The quantized kernels alone on twelve 8192 x 2048 matrices of each type, packed and plain:
-    GB/s of weights read, beside a plain 256 MB read.
-    """
+    """GB/s of the quantized kernels on 8192 x 2048 matrices, packed and not, beside a read."""
     import numpy as np
     import torch
 
@@ -184,9 +180,7 @@ def kernel_bandwidth(
 def kernel_ab(
     against: str, types=("Q4_K", "Q5_K", "Q6_K", "Q4_1"), rows: int = 1, passes: int = 40
 ) -> None:
-    """This tree's packed kernels against another build's library, loaded in one process and timed
-    in alternating passes, so drift falls on both alike.
-    """
+    """This tree's kernels against another build's, one process, alternating passes."""
     import ctypes
 
     import numpy as np

@@ -37,8 +37,7 @@ def measure(
     config = SchedulerConfig(
         block_size=block_size, max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs)
     )
-    # Set-up prefills every prompt in one step (the scheduler takes the whole budget), so no
-    # sequence decodes while others still prefill; the timed steps then run under the real budget.
+    # Set-up prefills every prompt in one step; the timed steps then run under the real budget.
     sched = Scheduler(
         replace(config, max_num_batched_tokens=num_seqs * (context + 1)),
         num_seqs * blocks_per_seq + 8,

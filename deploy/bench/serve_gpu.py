@@ -63,9 +63,7 @@ def profiles(log: Path) -> list[dict]:
 
 
 def decode_window(snaps: list[dict]) -> dict | None:
-    """The difference between the first and last profile of the longest run of snapshots with no
-    prompt tokens in between: where the step time of pure decoding went.
-    """
+    """Where pure decoding's step time went: the longest run of profiles with no prompt tokens."""
     best, start = None, 0
     for i in range(1, len(snaps) + 1):
         if i == len(snaps) or snaps[i]["prefill_tokens"] != snaps[start]["prefill_tokens"]:

@@ -182,9 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def many_streams(args, modes: list[str]) -> dict[str, list[float]]:
-    """Output tok/s of `--streams` random-token prompts at once, each mode's server started afresh
-    every round and the modes taking turns, so no mode carries a process's luck into every round.
-    """
+    """Output tok/s of `--streams` prompts, each mode's server fresh every round, modes in turn."""
     import random
 
     lengths = [len(p) for p in load_workload(args.workload)[: args.streams]]

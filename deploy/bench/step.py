@@ -98,9 +98,7 @@ def decode_plans(
     steps: int,
     first_step: int,
 ) -> list:
-    """`steps` encoded decode plans of `batch` sequences at `context` keys, each taking its input
-    token from the previous step's row (prev_rows), as the scheduler's overlap sends them.
-    """
+    """`steps` decode plans reading the previous step's tokens, as overlap sends them."""
     from protos.codec import PlanArrays, encode_plan
 
     blocks = -(-(context + 1) // block_size)
@@ -139,9 +137,7 @@ def decode_plans(
 
 
 def run_steps(runner, plans, pipelined: bool) -> tuple[float, float]:
-    """(seconds a step, median device forward seconds) over the plans: one after the other (launch,
-    read back), or pipelined as the worker serves (launch N+1, then read back N).
-    """
+    """(seconds a step, median forward) run one by one, or pipelined as the worker serves."""
     forward = []
     t0 = time.perf_counter()
     before = None

@@ -73,10 +73,7 @@ VLLM_SCRIPT = ROOT.parent / "shared" / "bench" / "vllm-cpu.sh"
 
 
 def bench_vllm(args) -> dict:
-    """../shared/bench/vllm-cpu.sh on the same prompts (it builds its venv once, serves the model
-    with its tuned CPU settings, streams the workload through the OpenAI API, prints `tok/s
-    mean_TTFT_s` last).
-    """
+    """../shared/bench/vllm-cpu.sh on the same prompts; it prints `tok/s mean_TTFT_s` last."""
     import os
     import subprocess
 
@@ -166,9 +163,7 @@ def report(r: dict) -> None:
 
 
 def _round_ratios(rounds: list[dict]) -> None:
-    """Every configuration against the vLLM of the same round, and the medians: a slow spell falls
-    on both sides alike.
-    """
+    """Every configuration against the same round's vLLM, and the medians."""
     med = statistics.median
     for key in [k for k in rounds[0] if k.startswith("server")]:
         name = rounds[0][key]["name"]

@@ -191,7 +191,7 @@ async def run_plan(args: argparse.Namespace, target, results: list[dict]) -> Non
     model_name, vocab_size = await target.info()
 
     def workload(k: int) -> list[Item]:
-        """Run k's prompts: synthetic ones fresh for every run of a sweep; a dataset as it is."""
+        """Synthetic prompts fresh every run; a dataset as it is."""
         if args.dataset:
             rows = load_dataset(
                 args.dataset, args.output_len, args.shared_prefix_len, vocab_size, args.seed

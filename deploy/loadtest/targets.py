@@ -12,9 +12,7 @@ from protos import generation_pb2, generation_pb2_grpc
 
 
 class TargetError(Exception):
-    """A request the target refused or failed; str() is the status (a gRPC code name, or
-    HTTP_<code>).
-    """
+    """A refused or failed request; str() is the gRPC code name or HTTP_<code>."""
 
 
 class GrpcTarget:

@@ -50,9 +50,7 @@ def synthetic(
 def load_dataset(
     path: Path, output_len: int, shared_prefix_len: int, vocab: int, seed: int
 ) -> list[Item]:
-    """JSON (a list) or JSONL; each entry a list of token ids, a string, or an object with `prompt`
-    or `prompt_token_ids` and optionally `output_len`.
-    """
+    """JSON or JSONL of token lists, strings, or objects with `prompt` or `prompt_token_ids`."""
     text = path.read_text()
     if path.suffix == ".json":
         rows = json.loads(text)
@@ -82,9 +80,8 @@ def load_dataset(
 
 
 def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
-    """Gaps between n arrivals of mean rate `rate`/s: gamma(shape=burstiness, scale=1/(rate x
-    burstiness)); burstiness 1 is Poisson, lower is burstier (CV^2 = 1/burstiness). Infinite rate:
-    all at once.
+    """Gamma-distributed gaps of mean 1/rate (burstiness 1 is Poisson, lower burstier; inf: at
+    once).
     """
     if math.isinf(rate):
         return [0.0] * n

@@ -84,9 +84,7 @@ def parse_bytes(text: str) -> int:
 
 
 def memory_size(text: str) -> str:
-    """An argparse type: a memory size as --kv-cache-memory takes it (2GiB, 512MiB, 1000000),
-    checked now and passed on as written.
-    """
+    """argparse type for a memory size (2GiB, 512MiB, 1000000), checked and passed on as written."""
     try:
         if parse_bytes(text) < 1:
             raise ValueError(f"{text!r} is no memory at all")

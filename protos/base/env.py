@@ -71,7 +71,7 @@ def native_sanitize() -> bool:
 
 
 def c_compiler() -> str:
-    """CC: the C compiler the native library is built with (else cc, gcc or clang from PATH)."""
+    """CC, else cc, gcc or clang from PATH."""
     return _get("CC")
 
 

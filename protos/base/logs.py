@@ -50,8 +50,7 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        # one write a line: processes that share a log file (a launcher and its workers) never
-        # interleave halves
+        # one write a line: processes sharing a log never interleave halves
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )

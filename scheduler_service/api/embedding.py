@@ -128,9 +128,7 @@ def embed_requests(inputs: EmbedInputs, engine) -> list[Request]:
 
 
 def _instruction(inputs: EmbedInputs, spec) -> str:
-    """What goes before each text: the caller's prompt, a named one
-    of the model's, or its default.
-    """
+    """What goes before each text: the caller's prompt, a named one, or the model's default."""
     if inputs.prompt and inputs.prompt_name:
         raise InvalidRequest("set prompt or prompt_name, not both")
     if inputs.prompt_name:
@@ -161,9 +159,7 @@ def _tokens(i: int, text: str, instruction: str, tokenizer, limits, keep: int) -
 
 
 async def prepare_embeddings(engine, inputs: EmbedInputs) -> list[Request]:
-    """Validated and tokenized off the event loop (a call of many long texts never stalls the
-    others).
-    """
+    """Validated and tokenized off the event loop, so many long texts never stall others."""
     if engine.limits is None:
         raise EngineUnavailable(engine.unavailable_reason)
     return await asyncio.to_thread(embed_requests, inputs, engine)

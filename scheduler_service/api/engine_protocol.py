@@ -65,8 +65,8 @@ class _Sample:
 
 
 class EngineProtocolServicer(LoadReports):
-    """A GenerateRequest made a pagedserve.v1 request and validated as one; what this engine cannot
-    do is refused. Answers carry token ids: the gateway detokenizes.
+    """The SMG engine protocol over pagedserve.v1 validation; answers carry ids, the gateway
+    detokenizes.
     """
 
     def __init__(self, engine: Engine, model_dir: str | Path) -> None:
@@ -193,9 +193,7 @@ class EngineProtocolServicer(LoadReports):
         return vllm_engine_pb2.AbortResponse()
 
     async def Embed(self, msg, context):
-        """One tokenized input's vector (the gateway tokenizes /v1/embeddings' texts and sends each
-        alone), through the same path as pagedserve.v1 Embed.
-        """
+        """One tokenized input's vector: the gateway sends each text alone."""
         try:
             if isinstance(msg, Malformed):
                 raise InvalidRequest(msg.error)

@@ -20,9 +20,7 @@ log = structlog.get_logger("scheduler.engine_protocol")
 
 def to_generation_request(msg: vllm_engine_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
     # one function: a field-by-field translation
-    """The engine protocol's request as a pagedserve.v1 request, or InvalidRequest naming the field
-    that cannot be served.
-    """
+    """The engine protocol's request as pagedserve.v1's, or InvalidRequest naming the field."""
     for name, what in (
         ("mm_inputs", "multimodal inputs"),
         ("media_refs", "media references"),

@@ -24,9 +24,7 @@ DEFAULT_HTTP_PORT = 8000
 
 
 def bind_http(args: argparse.Namespace) -> socket.socket | str:
-    """The OpenAI API's socket, or why there is none: a taken default port is skipped with a word, a
-    taken --http-port is a ConfigError.
-    """
+    """The HTTP socket, or why none: a taken default port is skipped, a taken --http-port fails."""
     if args.http_port == 0:
         return "off (--http-port 0)"
     port = DEFAULT_HTTP_PORT if args.http_port is None else max(args.http_port, 0)
@@ -54,9 +52,7 @@ async def start_http(
     args: argparse.Namespace,
     bound: socket.socket | str,
 ) -> HttpServer | str:
-    """The OpenAI-compatible HTTP server on its bound socket, listening (it answers 503 until the
-    workers join), or why there is none.
-    """
+    """The OpenAI server on its socket, answering 503 until the workers join."""
     if isinstance(bound, str):
         return bound
     # the routes' modules (pydantic models, Starlette; half a second) load while the workers start
@@ -89,9 +85,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_grpc_port(args: argparse.Namespace) -> None:
-    """A gRPC port that is taken, said plainly before gRPC tries (its own failure is a C-core log
-    line and a vague error).
-    """
+    """A taken gRPC port said plainly: gRPC's own failure is vague."""
     if args.port:
         try:
             bind(args.host, args.port).close()
@@ -109,9 +103,7 @@ async def start_grpc(
     metrics_port: int | None,
     http: HttpServer | str | None = None,
 ):
-    """The gRPC server started, NOT_SERVING until the workers join; the port file written. ->
-    (server, health, port).
-    """
+    """The gRPC server, NOT_SERVING until the workers join -> (server, health, port)."""
     try:
         tls = (
             (Path(args.tls_key).read_bytes(), Path(args.tls_cert).read_bytes())
@@ -148,9 +140,7 @@ async def start_grpc(
 
 
 def start_metrics(engine: Engine, args: argparse.Namespace) -> int | None:
-    """Serve Prometheus metrics on --metrics-port (-1: any free one), else 9090 if free. Returns the
-    port or None.
-    """
+    """Prometheus on --metrics-port (-1: any), else 9090 if free; the port or None."""
     port = DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
     if port == 0:
         return None
@@ -176,7 +166,7 @@ def write_port_file(
     metrics_port: int | None = None,
     http_port: int | None = None,
 ) -> None:
-    """What this server bound, written whole or not at all (a reader never sees half a file)."""
+    """Written whole or not at all: a reader never sees half a file."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(
         json.dumps(

@@ -21,7 +21,7 @@ class _Uvicorn(uvicorn.Server):
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound now so that a port in use is said at start (OSError)."""
+    """Bound now, so a port in use is said at start."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

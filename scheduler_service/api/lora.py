@@ -20,17 +20,13 @@ class AdapterNotFound(AdapterError):
 
 
 def lora_slots(engine: Engine) -> int:
-    """Adapters every connected worker keeps at once (0 where none is connected or LoRA is off
-    there).
-    """
+    """Adapters every connected worker holds at once; 0 where none or LoRA is off."""
     slots = [w.handshake.lora_slots for g in engine.client.groups for w in g.workers.values()]
     return min(slots, default=0)
 
 
 async def load_adapter(engine: Engine, name: str, path: str, replace: bool = False) -> Adapter:
-    """The adapter at `path` loaded under `name` (read and checked off the event loop), or
-    AdapterError.
-    """
+    """Read and checked off the event loop; AdapterError if it cannot be served."""
     registry = engine.adapters
     if registry is None:
         raise AdapterError(
@@ -52,9 +48,7 @@ async def load_adapter(engine: Engine, name: str, path: str, replace: bool = Fal
 
 
 def unload_adapter(engine: Engine, name: str) -> int:
-    """Unload `name`: new requests can no longer name it; -> how
-    many running requests finish on it.
-    """
+    """New requests can no longer name it -> how many running ones finish on it."""
     registry = engine.adapters
     if registry is None or name not in registry.adapters:
         have = ", ".join(sorted(registry.adapters)) if registry else ""

@@ -59,17 +59,13 @@ def request_fields() -> frozenset[str]:
 
 
 def param_of(message: str) -> str | None:
-    """The field an error message begins with (`max_tokens must be...`, `tools[0].function: ...`),
-    where it begins with one: OpenAI's error `param`.
-    """
+    """OpenAI's `param`: the field an error message begins with, if any."""
     m = _PATH.match(message)
     return m.group(0) if m and m.group(1) in request_fields() else None
 
 
 def api_error(error: Exception) -> ApiError:
-    """An engine or validation error as the HTTP status and OpenAI
-    error type it is answered with.
-    """
+    """An error's HTTP status and OpenAI error type."""
     if isinstance(error, ApiError):
         return error
     if isinstance(error, ClientGone):

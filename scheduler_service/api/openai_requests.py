@@ -26,9 +26,7 @@ UINT32 = 2**32 - 1
 
 @dataclass(frozen=True)
 class ToolMode:
-    """What the answer's text becomes: "none" (content), "auto" (content with <tool_call> blocks
-    parsed out), "required" (a JSON array of calls) or "named" (one call's arguments).
-    """
+    """What the text becomes: content, content with <tool_call> blocks, calls, or one call."""
 
     kind: str = "none"
     name: str = ""
@@ -46,9 +44,8 @@ def _count(name: str, value: int | None, low: int = 0, high: int = UINT32) -> in
 def sampling(
     body: SamplingFields, defaults: dict, max_tokens: int | None
 ) -> generation_pb2.SamplingParams:
-    """The sampling fields both generation endpoints share. Unset temperature, top_p, top_k, min_p
-    and repetition_penalty take the model's generation_config.json values (as vLLM's do), then
-    OpenAI's.
+    """Fields both generation endpoints share; unset ones take generation_config.json's, as vLLM's
+    do.
     """
     s = generation_pb2.SamplingParams()
     if max_tokens is not None:
@@ -256,9 +253,7 @@ def _tools(
 def completion_requests(
     body: CompletionRequest, defaults: dict
 ) -> list[generation_pb2.GenerateRequest]:
-    """One request per prompt (a list of texts or of token-id lists is several); the text is the
-    model's input as it is: no chat template.
-    """
+    """One request per prompt; no chat template."""
     if body.suffix:
         raise InvalidRequest("suffix is not served: these models do not fill in the middle")
     if body.best_of is not None and body.best_of != body.n:

@@ -98,10 +98,7 @@ class Sample:
 def chat_message(
     sample: Sample, mode: ToolMode, thinks: bool = False, opened: bool = False
 ) -> tuple[dict, str | None]:
-    """The assistant's message and finish reason: a <think> block's reasoning in
-    reasoning_content where the template thinks (opened: the prompt opened the block), tool calls
-    parsed out of the rest by the tool mode; a forced call cut short is no content.
-    """
+    """The message and finish reason: <think> into reasoning_content, tool calls parsed by mode."""
     reasoning, text = split_reasoning(sample.text, thinks, opened)
     message, finish = _answer(sample, text, mode)
     if thinks:
@@ -161,10 +158,7 @@ def chat_completion(
 
 
 class ChatStream:
-    """Chunks of a streamed chat completion: a <think> block's reasoning in reasoning_content
-    deltas, then content; text that is a forced tool call is held to the end, and auto mode streams
-    up to a <tool_call>.
-    """
+    """Streamed chat chunks: reasoning, then content; a forced tool call is held to the end."""
 
     def __init__(
         self,
@@ -231,9 +225,7 @@ class ChatStream:
         return text[start:]
 
     def _streamable(self, index: int, text: str | None) -> str:
-        """New content that can go out now (text: the answer past any <think> block, None while
-        unknown).
-        """
+        """Content past any <think> block that can go out now; None while unknown."""
         if text is None or self.mode.kind in ("required", "named"):
             return ""
         end = len(text)
@@ -271,9 +263,7 @@ class ChatStream:
 
 
 def prompt_logprobs_body(table: TokenTable, items: list[TokenLogprob] | None) -> list | None:
-    """vLLM's prompt_logprobs: None for the first token, then each token's and the top k's {logprob,
-    rank, decoded_token}.
-    """
+    """vLLM's prompt_logprobs: None for the first token, then {logprob, rank, decoded_token}."""
     if items is None:
         return None
     body: list = [None]
@@ -295,9 +285,7 @@ def prompt_logprobs_body(table: TokenTable, items: list[TokenLogprob] | None) ->
 
 
 class CompletionShape:
-    """A text completion's choices, whole or streamed: text after the echo, logprobs as vLLM gives
-    them, prompt logprobs where asked.
-    """
+    """A completion's choices, whole or streamed, with logprobs as vLLM gives them."""
 
     def __init__(
         self,

@@ -122,9 +122,7 @@ class OpenAIServer(ServiceRoutes):
     async def guarded(
         self, request: Request, handler, prefix: str = "req", render=error_response
     ) -> Response:
-        """handler(request id) answered, or its failure rendered; the id is the client's
-        X-Request-Id or made here, so logs name it.
-        """
+        """Runs handler(request id), rendering its failure; the id is X-Request-Id or made here."""
         rid = request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
         try:
             self._check_key(request)
@@ -165,9 +163,7 @@ class OpenAIServer(ServiceRoutes):
         return self.thinks, self.thinks and prompt_opens_thinking(tail)
 
     async def collect(self, requests: list) -> tuple[dict[int, out.Sample], dict]:
-        """Every request's samples (numbered request i * n + sample) and the summed usage; each
-        sample holds its request's prompt logprobs where it asked for them.
-        """
+        """Every request's samples (request i * n + sample) and the summed usage."""
         samples: dict[int, out.Sample] = {}
         prompt = completion = cached = 0
         prompt_logprobs: dict[int, list] = {}

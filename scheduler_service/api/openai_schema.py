@@ -54,8 +54,7 @@ class SamplingFields(Strict):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # taken and ignored: an end user's id, and OpenAI's platform storage (this server stores
-    # nothing)
+    # taken and ignored: this server stores nothing
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -143,8 +142,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # how hard a reasoning model thinks: passed to the chat template (gpt-oss reads it; "none" also
-    # turns enable_thinking off, as Qwen3's and SmolLM3's templates read it)
+    # passed to the chat template; "none" also turns enable_thinking off
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
 

@@ -33,9 +33,7 @@ def split_reasoning(text: str, thinks: bool, opened: bool) -> tuple[str | None, 
 
 
 def streamed_regions(text: str, thinks: bool, opened: bool) -> tuple[str, str | None]:
-    """What an answer so far certainly holds: its reasoning (cut back before what may begin
-    </think>), and the text after the block (None while the block may still open or go on).
-    """
+    """What the answer so far certainly holds: (reasoning, content or None while unknown)."""
     if thinks:
         stripped = text.lstrip()
         if not opened and len(stripped) < len(THINK_OPEN) and THINK_OPEN.startswith(stripped):
@@ -58,9 +56,7 @@ def partial_tag(text: str, tag: str) -> int:
 
 
 class ReasoningSplit:
-    """Each sample's streamed text cut into new reasoning and new content as each becomes
-    certain; the pieces add up to split_reasoning of the whole.
-    """
+    """Streamed text cut into reasoning and content as each becomes certain."""
 
     def __init__(self, opened: bool) -> None:
         self.opened = opened

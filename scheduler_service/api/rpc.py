@@ -63,9 +63,7 @@ def tolerant(message_cls):
 
 
 async def prepare_request(engine: Engine, msg):
-    """A pagedserve.v1 GenerateRequest (or a Malformed) -> the engine's Request, validated and
-    tokenized off the event loop. Raises one of CLIENT_ERRORS.
-    """
+    """pagedserve.v1 GenerateRequest -> Request, off the event loop; raises one of CLIENT_ERRORS."""
     if isinstance(msg, Malformed):
         raise InvalidRequest(msg.error)
     # assigned before validation, so that a refusal's log line names the request too

@@ -16,9 +16,7 @@ class ClientGone(Exception):
 
 
 async def disconnected(request: Request) -> None:
-    """Returns when the client has gone (the body already read, the next ASGI message is the
-    disconnect).
-    """
+    """Returns when the client has gone."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
 

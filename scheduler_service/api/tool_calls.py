@@ -53,8 +53,7 @@ def required_schema(functions: list[dict], parallel: bool) -> dict:
 
 
 def parse_required(text: str) -> list[dict] | None:
-    """The calls of a "required" answer; None where it did not finish as the schema's JSON (cut by
-    max_tokens)."""
+    """A "required" answer's calls; None if cut short by max_tokens."""
     try:
         items = json.loads(text)
     except ValueError:
@@ -82,9 +81,7 @@ class AutoParse:
 
 
 def parse_auto(text: str) -> AutoParse:
-    """<tool_call> blocks out of an answer, each a JSON object with name and arguments; a bad block
-    stays in the content.
-    """
+    """<tool_call> blocks parsed out; a bad block stays in the content."""
     if TOOL_CALL_OPEN not in text:
         return AutoParse(text, [])
     calls, kept = [], []
@@ -103,9 +100,7 @@ def parse_auto(text: str) -> AutoParse:
 
 
 def held_back(text: str) -> int:
-    """How many characters at the end of streamed text might open a <tool_call> block (kept back
-    until the next token tells).
-    """
+    """Characters at the end that might open a <tool_call>, held until the next token."""
     for n in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
         if TOOL_CALL_OPEN.startswith(text[-n:]):
             return n

@@ -44,9 +44,7 @@ def request_from_proto(
     adapters: AdapterRegistry | None = None,
 ) -> Request:
     # one function: the one validation path, in the order a request is read
-    """The one validation path: pagedserve.v1 requests come here directly, the engine protocol's
-    after scheduler_service/api/engine_protocol.py has put them in this shape.
-    """
+    """The one validation path, for pagedserve.v1 and (converted) engine-protocol requests."""
     given = [
         name
         for name, present in (
@@ -112,9 +110,8 @@ def request_from_proto(
         )
     sampling = _sampling(msg.sampling, prompt_len, limits)
     seq_tokens = prompt_len + sampling.max_tokens
-    # Samples share the prompt's blocks up to the one holding its last token, which each sample
-    # recomputes to draw its own first token: when the prompt ends on a block boundary that block is
-    # copied per sample.
+    # Samples share the prompt's blocks but recompute its last token; a prompt ending on a block
+    # boundary has that block copied per sample.
     shared = (prompt_len - 1) // limits.block_size
     need = shared + sampling.n * (math.ceil(seq_tokens / limits.block_size) - shared)
     if limits.kv_window:  # a sliding window holds a bounded stretch of each sample at a time
@@ -260,9 +257,7 @@ def _constraint(p: generation_pb2.SamplingParams, limits: Limits) -> Constraint 
 
 
 def _max_tokens(p: generation_pb2.SamplingParams, prompt_len: int, limits: Limits) -> int:
-    """What the context leaves after the prompt, at most; the server's default where a request names
-    none.
-    """
+    """What the context leaves after the prompt, at most; the server default if unset."""
     room = limits.max_context - prompt_len
     if p.HasField("max_tokens"):
         if p.max_tokens < 1:

@@ -25,7 +25,7 @@ _KEY = re.compile(
 
 
 class AdapterError(ValueError):
-    """An adapter that cannot be served as it is meant; the message names what and why."""
+    """An adapter that cannot be served as meant; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,7 @@ class BaseShapes:
 
 @dataclass(frozen=True)
 class Adapter:
-    """One loaded adapter: `id` is this registry's (a reload gets a new one), `identity` its files'
-    hash.
-    """
+    """A loaded adapter: `id` is per load, `identity` its files' hash."""
 
     name: str
     path: str
@@ -85,9 +83,7 @@ class Adapter:
 
     @property
     def event_id(self) -> int:
-        """Its id in KV events (KvBlock.lora_id): the identity's first 8 bytes, as a signed 64-bit
-        number.
-        """
+        """KvBlock.lora_id: the identity's first 8 bytes as a signed int64."""
         return int.from_bytes(bytes.fromhex(self.identity)[:8], "big", signed=True)
 
     @property
@@ -117,7 +113,7 @@ def read_adapter(
     name: str, path: str | Path, base: BaseShapes, max_rank: int | None = None
 ) -> Adapter:
     # one function: every check of a PEFT folder, each with the message that names it
-    """The adapter in a PEFT folder, or AdapterError naming what stops it being served as meant."""
+    """The adapter in a PEFT folder, or AdapterError."""
     folder = Path(path).expanduser()
     what = f"LoRA adapter {name!r} ({folder})"
     if not (folder / CONFIG_FILE).is_file():
@@ -217,9 +213,7 @@ def parse_module_flag(entries: list[str]) -> list[tuple[str, str]]:
 
 @dataclass
 class AdapterRegistry:
-    """The adapters loaded now, by name; a name reloaded gets a new Adapter (and id), while the
-    requests that hold the old one finish on it.
-    """
+    """Loaded adapters by name; a reload gets a new id while old holders finish on the old one."""
 
     base: BaseShapes
     base_names: tuple[str, ...] = ()  # the base model's names: an adapter may not take one

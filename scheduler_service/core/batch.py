@@ -11,8 +11,7 @@ from scheduler_service.core.plan import ReadBack
 from scheduler_service.core.sequence import Request, Sequence
 from scheduler_service.core.stats import TierStats
 
-# Sequence ids are unique in the process, not per scheduler: a request moved to another replica (its
-# workers were lost) keeps its sequences.
+# Unique in the process: a request moved to another replica keeps its sequences.
 _SEQ_IDS = itertools.count()
 
 
@@ -44,17 +43,14 @@ class ScheduledSeq:
 
 @dataclass
 class SchedulerOutput:
-    """One scheduled step, as the scheduler decided it: its rows, what it preempted and copies, the
-    counts that pace embeddings; and what its plan asked of the result.
-    """
+    """One scheduled step: its rows, preemptions, copies, and what its plan asked of the result."""
 
     step_id: int
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     # (src, dst), run before the forward
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # a hybrid's state snapshots: (snapshot, slot) copies before the forward, and (row, offset,
-    # slot) snapshots taken in it
+    # hybrid state: (snapshot, slot) copies before the forward, (row, offset, slot) saves in it
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int, int]] = field(default_factory=list)
     # (row, slot) of saves at a row's end past its prompt, keyed once the result is in
@@ -84,9 +80,7 @@ class SchedulerOutput:
 
 @dataclass
 class StepUpdate:
-    """What applying a step's result did: each token a sequence got, in order; embeddings finished;
-    prefix cache changes; drafts verified; the queues after.
-    """
+    """What applying a step's result did to each sequence, the prefix cache and the queues."""
 
     tokens: list[tuple[Sequence, int]] = field(default_factory=list)
     embedded: list[Sequence] = field(default_factory=list)

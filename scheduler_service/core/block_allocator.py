@@ -1,11 +1,8 @@
 """The KV block allocator: free list, reference counts, and the prefix cache.
 
-Every block is in exactly one state:
-  free       refcount 0, no content worth keeping, on the free list;
-  cached     refcount 0, full and hashed: a reusable prefix, in the LRU of cached-free blocks;
-  referenced refcount > 0, held by one or more sequences (hashed or not).
-A fresh block comes from the free list first, then the LRU's oldest. An act that cannot be satisfied
-raises and changes nothing.
+A block is free (refcount 0, on the free list), cached (refcount 0, hashed, in the LRU) or
+referenced (refcount > 0). New blocks come from the free list, then the LRU's oldest. A request that
+cannot be met raises and changes nothing.
 """
 
 from __future__ import annotations
@@ -21,9 +18,7 @@ class OutOfBlocks(RuntimeError):
 
 
 def block_hash(parent: bytes | None, token_ids: list[int]) -> bytes:
-    """Chained hash of a full block: its tokens and everything
-    before them (via the parent's hash).
-    """
+    """Chained hash of a full block: its tokens and its parent's hash."""
     h = hashlib.blake2b(parent or b"root", digest_size=16)
     h.update(np.asarray(token_ids, dtype="<i8").tobytes())
     return h.digest()
@@ -45,12 +40,9 @@ class BlockAllocator:
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._block_of: dict[bytes, int] = {}
         self.num_evictions = 0
-        # When a list: every prefix the cache gains or loses, in order, for KV-event subscribers
-        # (runtime/kv_events.py): ("stored", hash, parent hash or None, token ids) and ("removed",
-        # hash).
+        # When a list: the cache's gains and losses in order for KV-event subscribers.
         self.events: list[tuple] | None = None
-        # The KV tiers under the pool (core/kv_tiers.py), told of every block that leaves the cache
-        # by eviction and of every block registered.
+        # The KV tiers under the pool, told of every eviction and registration.
         self.tiers = None
 
     # --- queries -------------------------------------------------------------------------------
@@ -74,9 +66,7 @@ class BlockAllocator:
 
     @property
     def num_shared_blocks(self) -> int:
-        """Held blocks with more than one owner (a pass over the pool: for reports, not the step
-        loop).
-        """
+        """Held blocks with more than one owner (a pass over the pool: for reports only)."""
         return sum(1 for r in self._refcount if r > 1)
 
     def refcount(self, block_id: int) -> int:
@@ -93,18 +83,14 @@ class BlockAllocator:
         return block_id in self._cached
 
     def touch(self, block_id: int, h: bytes) -> bool:
-        """Make a cached-free block that still holds `h` the most recently freed (evicted last).
-        False where it was evicted, reused or is held again.
-        """
+        """Make a cached-free block holding `h` the last to evict; False if it is gone."""
         if block_id not in self._cached or self._hash_of[block_id] != h:
             return False
         self._cached.move_to_end(block_id)
         return True
 
     def is_hashed(self, block_id: int) -> bool:
-        """The block holds a registered prefix: other requests may read it, so it is never
-        rewritten.
-        """
+        """Holds a registered prefix that others may read, so it is never rewritten."""
         return self._hash_of[block_id] is not None
 
     # --- check, then act -----------------------------------------------------------------------
@@ -137,8 +123,7 @@ class BlockAllocator:
         return blocks
 
     def share(self, block_ids: list[int]) -> None:
-        """Add a reference to each block: a held one (several sequences reading it) or a cached-free
-        one (a prefix-cache hit, which takes it out of the LRU)."""
+        """Add a reference to each block; a cached-free one leaves the LRU."""
         for b in block_ids:
             if self._refcount[b] <= 0 and b not in self._cached:
                 raise ValueError(f"block {b} is free and holds nothing to share")
@@ -148,9 +133,7 @@ class BlockAllocator:
             self._refcount[b] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block; at 0 a hashed block joins the LRU, any other the free
-        list.
-        """
+        """Drop a reference; at 0 a hashed block joins the LRU, others the free list."""
         for b in block_ids:
             if self._refcount[b] <= 0:
                 raise ValueError(f"double free of block {b}")
@@ -170,9 +153,7 @@ class BlockAllocator:
         tokens=(),
         lora: int | None = None,
     ) -> None:
-        """Mark a referenced, full, computed block as holding prefix h (the first holder of h stays
-        the cached copy); parent, tokens and the adapter's id go to event subscribers.
-        """
+        """Mark a full computed block as prefix h (the first holder stays the cached copy)."""
         if not self.enable_prefix_caching or self._hash_of[block_id] is not None:
             return
         if self._refcount[block_id] <= 0:
@@ -188,10 +169,7 @@ class BlockAllocator:
                 self.tiers.registered(block_id, h)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (FlushCache): cached-free blocks become free, held blocks keep
-        their contents but are no longer offered to new requests. Returns how many prefixes were
-        forgotten.
-        """
+        """Forget every cached prefix; held blocks keep their contents. Returns how many."""
         forgotten = len(self._block_of)
         self._block_of.clear()
         self._hash_of = [None] * self.num_blocks

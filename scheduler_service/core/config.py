@@ -16,7 +16,7 @@ SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penal
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the scheduler needs to know of a model: read from config.json, no weights, no torch."""
+    """What the scheduler knows of a model, from config.json: no weights, no torch."""
 
     name: str
     vocab_size: int
@@ -24,12 +24,10 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     path: str | None = None
     hidden_size: int = 0
-    # What it serves: a PoolingSpec where it embeds (Embed), `generates` where it generates
-    # (Generate); each refuses the other's requests where the model does not serve them.
+    # A PoolingSpec where it embeds, `generates` where it generates.
     pooling: PoolingSpec | None = None
     generates: bool = True
-    # generation_config.json's sampling values (temperature, top_p, top_k, min_p,
-    # repetition_penalty): what an OpenAI request that leaves them out gets, as from vLLM.
+    # generation_config.json's sampling values: defaults for OpenAI requests, as in vLLM.
     sampling_defaults: dict = field(default_factory=dict, hash=False)
 
     @property
@@ -44,9 +42,8 @@ class ModelSpec:
         task: str = "auto",
         pooling: str | None = None,
     ) -> ModelSpec:
-        """task: "auto" embeds a folder with sentence-transformers' files and generates otherwise;
-        "embed", "both" or "generate" say so. A checkpoint without an LM head only embeds.
-        PoolingConfigError says what is wrong.
+        """task "auto" embeds a sentence-transformers folder, else generates; a head-less one only
+        embeds.
         """
         folder = Path(folder)
         if task not in TASKS:
@@ -127,41 +124,31 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_queue_len: int = 1024
-    # Plan step N+1 while the workers run step N (the plan refers to step N's sampled tokens by
-    # row).
+    # Plan step N+1 while the workers run step N.
     overlap: bool = True
     # Check allocator invariants after every step (tests turn it on).
     debug_invariants: bool = False
     # Seconds between the step_profile log lines of a busy replica (cumulative figures).
     step_profile_interval: float = 5.0
-    # Data parallelism: how much more loaded (waiting x 4 + running) than the least loaded replica
-    # the replica holding a request's cached prefix may be and still get it. None: max_num_seqs / 4.
+    # Data parallelism: how much busier than the least loaded replica the prefix holder may be and
+    # still get a request. None: max_num_seqs / 4.
     route_overload_slack: int | None = None
-    # Speculative decoding (scheduler_service/core/drafting.py): "off"; "ngram" drafts wherever a
-    # sequence's n-grams propose; "auto" only in steps of at most speculative_max_rows decodes and
-    # no prompt to compute (waiting or chunked), where the rows drafts add are nearly free.
+    # Speculative decoding: "off"; "ngram" wherever n-grams propose; "auto" only in small decode-
+    # only steps, where drafted rows are nearly free.
     speculative: str = "auto"
     num_speculative_tokens: int = 10  # the longest draft (a long suffix match drafts this many)
     speculative_max_rows: int = 4
-    # Embeddings beside generation (core/pacing.py): the share of their speed decoding streams
-    # may lose to embedding prompt chunks in their steps (1: none kept back).
+    # The share of decode speed embedding chunks may take (1: none kept back).
     embed_slowdown: float = 0.2
-    # Seconds a decoding stream may wait for its next token while prompts are computed beside it
-    # (core/pacing.py sizes their chunks from the measured cost of a token); 0: chunks fill the
-    # whole budget. The server's flag (--max-decode-gap-ms) gives 0.5.
+    # Seconds a decoding stream may wait while prompts compute beside it; 0: not paced.
     max_decode_gap: float = 0.0
-    # Where the model also generates: the most embedding tokens a step without decodes takes, so a
-    # generation request that arrives meanwhile waits behind steps of at most this many (0: the
-    # whole budget).
+    # Embedding tokens in a step without decodes, so generations wait behind at most this (0: all).
     embed_step_tokens: int = 512
-    # max_tokens of a request that names none (capped by what its prompt leaves of the context); 0:
-    # the whole context, as vLLM.
+    # Default max_tokens, capped by the context; 0: the whole context, as vLLM.
     default_max_tokens: int = 0
-    # LoRA: the most adapters whose requests run at once (so in any one step); a request whose
-    # adapter would be one more waits until one of them has no running request left.
+    # Most adapters running at once; a request for one more waits.
     max_loras: int = 8
-    # A hybrid model's recurrent-state slots (the workers' handshakes; 0: no layer keeps state):
-    # every running sequence holds one, and prefix caching keeps snapshots in the rest.
+    # Hybrid state slots: one per running sequence, snapshots in the rest; 0: stateless.
     state_slots: int = 0
 
     @property

@@ -12,9 +12,7 @@ SHARED_DISCOUNT = 2
 
 
 class NgramIndex:
-    """Where each n-gram of one token stream last ended, kept as accepted tokens are appended:
-    O(max_n) a token, so a rejected draft leaves nothing to undo.
-    """
+    """Where each n-gram of a stream last ended: O(max_n) a token, nothing to undo on rejection."""
 
     def __init__(self, min_n: int = 1, max_n: int = 3) -> None:
         if not 1 <= min_n <= max_n:
@@ -43,9 +41,7 @@ class NgramIndex:
         toks.append(token)
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest suffix found
-        ([]: none).
-        """
+        """Up to k tokens that followed the latest occurrence of the longest suffix."""
         return self.match(k)[1]
 
     def match(self, k: int) -> tuple[int, list[int]]:
@@ -61,9 +57,7 @@ class NgramIndex:
 
 
 class SharedNgrams:
-    """N-grams of earlier requests and what followed them, shared by a replica's sequences (LRU past
-    `max_entries`): a template, a repeated document, a common answer.
-    """
+    """N-grams of earlier requests shared by a replica's sequences (LRU past `max_entries`)."""
 
     def __init__(
         self, max_entries: int = 200_000, min_n: int = 2, max_n: int = 8, span: int = 10
@@ -91,14 +85,11 @@ class SharedNgrams:
             follow.popitem(last=False)
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest suffix of `tokens` in an earlier request ([]:
-        none).
-        """
+        """Up to k tokens that followed the longest suffix in an earlier request."""
         return self.match(tokens, k)[1]
 
     def match(self, tokens: list[int], k: int, longer_than: int = 0) -> tuple[int, list[int]]:
-        """(length of the suffix matched, propose(tokens, k)), looking only at suffixes longer than
-        `longer_than`; (0, []) when none is."""
+        """(suffix length, proposal) for suffixes longer than `longer_than`; (0, []) if none."""
         if k <= 0:
             return 0, []
         for n in range(min(self.max_n, len(tokens)), max(self.min_n, longer_than + 1) - 1, -1):
@@ -110,21 +101,13 @@ class SharedNgrams:
         return 0, []
 
 
-# Tokens worth drafting after a suffix match of n tokens (index n; the last entry for longer ones).
-# A longer match predicts further: on the edit workload's greedy answers
-# (deploy/bench/edit_workload.json, the default model) a 1-token match's first drafted token stood
-# 28% of the time and its fourth 7%, a 3-token match's fourth 42%, a match of 6 or more tokens'
-# tenth 79%. A drafted token pays where the chance it stands is above what one more row costs a
-# verifying step (~0.2 of a one-row step on a 2-core CPU, less on a GPU): docs/ BENCHMARKS.md, the
-# speculative section.
+# Tokens worth drafting after an n-token match (the last entry for longer ones): longer matches
+# predict further (docs/BENCHMARKS.md, the speculative section).
 DRAFT_BY_MATCH = (0, 1, 2, 3, 6, 6, 10)
 
 
 class DraftLength:
-    """How many tokens to draft: as many as the suffix match predicts. Short matches guess, and a
-    sequence whose short drafts keep failing stops making them until its rate drifts back; long
-    matches always draft.
-    """
+    """Tokens to draft for a match length; short matches that keep failing stop drafting a while."""
 
     def __init__(
         self, max_k: int, threshold: float = 0.2, decay: float = 0.85, short: int = 2
@@ -137,24 +120,20 @@ class DraftLength:
         )
 
     def for_match(self, n: int) -> int:
-        """Tokens to draft after a suffix match of n tokens (0: decode one token the plain way)."""
+        """Tokens to draft after an n-token match (0: a plain decode)."""
         if n <= 0 or (n <= self.short and self.short_rate < self.threshold):
             return 0
         return min(self.max_k, DRAFT_BY_MATCH[min(n, len(DRAFT_BY_MATCH) - 1)])
 
     def skipped(self, n: int) -> None:
-        """A gated short match drafted nothing: the rate creeps back, so the sequence tries again
-        later.
-        """
+        """A gated match drafted nothing: its rate creeps back."""
         if 0 < n <= self.short and self.short_rate < self.threshold:
             self.short_rate = (
                 self.decay * self.short_rate + (1 - self.decay) * self.threshold * 1.01
             )
 
     def record(self, n: int, drafted: int, accepted: int) -> None:
-        """A verification of `drafted` tokens made after a match of n tokens: `accepted` of them
-        stood.
-        """
+        """`accepted` of `drafted` tokens stood after an n-token match."""
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted {accepted} of {drafted} drafted tokens")
         if drafted and n <= self.short:
@@ -162,9 +141,7 @@ class DraftLength:
 
 
 class SequenceDrafter:
-    """One sequence's drafting state: its n-gram index, its length policy, and whether its next step
-    would draft (`expects`).
-    """
+    """One sequence's n-gram index, length policy, and whether its next step drafts."""
 
     def __init__(self, tokens: list[int], max_k: int, shared: SharedNgrams | None) -> None:
         self.index = NgramIndex(1, MAX_MATCH)
@@ -178,9 +155,7 @@ class SequenceDrafter:
         self.index.extend(tokens)
 
     def match(self, k: int) -> tuple[int, list[int]]:
-        """(match length, following tokens): the sequence's own match, or earlier requests' where
-        longer by more than SHARED_DISCOUNT.
-        """
+        """Its own match, or earlier requests' where longer by SHARED_DISCOUNT."""
         n, draft = self.index.match(k)
         if self.shared is not None:
             m, shared = self.shared.match(self.index.tokens, k, longer_than=n + SHARED_DISCOUNT)
@@ -189,9 +164,7 @@ class SequenceDrafter:
         return n, draft
 
     def propose(self, room: int) -> list[int]:
-        """The draft for this step, at most `room` tokens: what followed the best suffix match, as
-        long as the match's length predicts (DraftLength).
-        """
+        """This step's draft, at most `room` tokens."""
         n, draft = self.match(self.length.max_k)
         k = min(self.length.for_match(n), room)
         if k <= 0:
@@ -205,16 +178,14 @@ class SequenceDrafter:
         self.length.record(self.matched, drafted, accepted)
 
     def look_ahead(self) -> None:
-        """After new tokens: whether the next step would draft (a
-        match long enough to, not gated).
-        """
+        """Whether the next step would draft."""
         n, draft = self.match(1)
         self.expects = bool(draft) and self.length.for_match(n) > 0
 
 
 def propose_draft(seq, drafter: SequenceDrafter, budget: int, max_model_len: int) -> list[int]:
-    """Tokens to draft after seq's last known one: as many as its match predicts within the budget,
-    max_tokens and the context; none before min_tokens; under a grammar only what it allows.
+    """The draft within budget, max_tokens and context; none before min_tokens; grammar-allowed
+    only.
     """
     params = seq.request.sampling
     if seq.num_output_tokens < params.min_tokens:

@@ -15,9 +15,7 @@ from scheduler_service.core.tier_loads import plan_loads, settle_loads
 
 
 class BlockCopy(NamedTuple):
-    """Copy-on-write: entry `index` of a sequence's table now holds `dst`, which the worker fills
-    from `src` before the forward.
-    """
+    """Copy-on-write: table entry `index` now holds `dst`, filled from `src` before the forward."""
 
     index: int
     src: int
@@ -44,9 +42,7 @@ class KVCacheManager:
         self.tiers: KvTiers | None = None  # host and disk tiers under the pool (use_tiers)
 
     def use_tiers(self, tiers: KvTiers) -> None:
-        """Blocks leaving the pool go down to these tiers, and prompts find their prefixes there
-        (only with the prefix cache on).
-        """
+        """Evicted blocks go down to these tiers and prompts find prefixes there."""
         if self.caching:
             self.tiers = tiers
             self.allocator.tiers = tiers
@@ -61,8 +57,7 @@ class KVCacheManager:
         return self.allocator.blocks_for_tokens(num_tokens)
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks of the longest cached run of seq's full blocks, leaving at least its last token to
-        compute."""
+        """The longest cached run of seq's full blocks, leaving its last token to compute."""
         if not self.reads_cache(seq):
             return []
         hits = []
@@ -86,9 +81,8 @@ class KVCacheManager:
         return request.embed is None or request.embed.spec.prefix_cacheable  # a mean reads them all
 
     def load_from_tiers(self, seq: Sequence, hits: list[int], step_id: int) -> bool:
-        """Plan loads of seq's prompt blocks (and a hybrid's state snapshot) found in the KV tiers
-        past its cached prefix, where reading costs less than computing (core/tier_loads.py). True
-        when seq must wait for a load.
+        """Plans tier loads past the cached prefix where reading beats computing; True if seq must
+        wait.
         """
         if self.tiers is None or self.kv_window or not self.reads_cache(seq):
             return False
@@ -100,14 +94,14 @@ class KVCacheManager:
             settle_loads(self.allocator, self.tiers, self.states, step_id, failed)
 
     def step_failed(self, step_id: int, state_saves: list[tuple[int, int, int]]) -> None:
-        """A step gave no result: none of its loads came, none of its snapshots was taken."""
+        """A step gave no result: drop its loads and snapshots."""
         self.settle_loads(step_id, None)
         if self.states is not None and state_saves:
             self.states.failed(state_saves)
 
     def admit(self, seq: Sequence, hits: list[int], num_new: int) -> bool:
-        """Give a waiting seq its table: the cached prefix `hits`, then fresh blocks for num_new
-        more tokens. False (nothing changed) when the pool cannot hold them.
+        """Cached prefix plus fresh blocks for num_new tokens; False (nothing changed) if they do
+        not fit.
         """
         num_cached = len(hits) * self.block_size
         need = self.blocks_for_tokens(num_cached + num_new) - len(hits)
@@ -145,18 +139,14 @@ class KVCacheManager:
             seq.num_registered_blocks = (prompt_len - 1) // self.block_size
 
     def writes_in_place(self, seq: Sequence, pos: int) -> bool:
-        """A token at `pos` lands in seq's last block and that block is its own (not shared, not
-        cached): a decode's fast path, no allocation to ask for.
-        """
+        """The token lands in seq's own last block: a decode's fast path."""
         if not pos % self.block_size:
             return False
         block = seq.block_ids[pos // self.block_size]
         return self.allocator.refcount(block) == 1 and not self.allocator.is_hashed(block)
 
     def _writes_need_copy(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Indices of seq's existing blocks that the next num_tokens write into but may not be
-        changed in place: shared with another sequence, or holding a cached prefix.
-        """
+        """Indices of blocks the next write would change but may not (shared or cached)."""
         first = seq.num_computed_tokens // self.block_size
         last = min(len(seq.block_ids), self.blocks_for_tokens(seq.num_computed_tokens + num_tokens))
         return [
@@ -169,9 +159,8 @@ class KVCacheManager:
     def allocate_slots(
         self, seq: Sequence, num_new: int, lookahead: int = 0
     ) -> list[BlockCopy] | None:
-        """Make seq's table hold num_new more tokens plus `lookahead`, copying each block they would
-        write that seq does not own alone. Returns the copies, or None (nothing changed) when the
-        pool cannot hold them.
+        """Room for num_new + `lookahead` tokens, copying blocks seq does not own alone -> the
+        copies, or None (nothing changed) if the pool is short.
         """
         num_tokens = num_new + lookahead
         copies = self._writes_need_copy(seq, num_tokens)
@@ -194,9 +183,7 @@ class KVCacheManager:
         return done
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
-        """Give back seq's blocks past those num_tokens need (a rejected draft's; last first): they
-        are its own, fresh and never offered to the cache.
-        """
+        """Give back the blocks past num_tokens (a rejected draft's): fresh and never cached."""
         keep = self.blocks_for_tokens(num_tokens)
         if len(seq.block_ids) <= keep:
             return
@@ -206,8 +193,8 @@ class KVCacheManager:
         self.allocator.free(tail[::-1])
 
     def tokens_that_fit(self, seq: Sequence, num_new: int) -> int:
-        """How many of seq's next num_new tokens the free blocks hold (a prompt chunk shrinks to
-        that before anyone is preempted).
+        """How many of num_new tokens the free blocks hold: a chunk shrinks before anyone is
+        preempted.
         """
         copies = len(self._writes_need_copy(seq, num_new))
         have = len(seq.block_ids)
@@ -240,9 +227,7 @@ class KVCacheManager:
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
 
     def record_kv_events(self) -> None:
-        """From now on the prefix cache's changes are kept for take_kv_events (KV-event
-        subscribers); the first says the cache starts empty.
-        """
+        """Keep the prefix cache's changes for KV-event subscribers from now on."""
         self.allocator.events = [("cleared",)]
 
     def take_kv_events(self) -> list[tuple]:
@@ -254,8 +239,8 @@ class KVCacheManager:
         return events
 
     def cached_blocks(self, hashes: list[bytes]) -> int:
-        """Leading blocks of a prompt (its chained block hashes) the prefix cache or a tier under it
-        holds, a hybrid's up to its deepest snapshot (where routing sends a prompt); no LRU touch.
+        """Leading blocks of a prompt held in the pool or a tier (a hybrid's to its deepest
+        snapshot).
         """
         n = 0
         for h in hashes:
@@ -273,9 +258,7 @@ class KVCacheManager:
         return n
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (only unreferenced blocks are cached), the tiers' too; how
-        many were forgotten.
-        """
+        """Forget every cached prefix, the tiers' too -> how many."""
         if self.states is not None:
             self.states.clear()
         return self.allocator.reset_prefix_cache() + (
@@ -289,10 +272,7 @@ class KVCacheManager:
         return max(start - self.kv_window, 0) // self.block_size
 
     def drop_out_of_window(self, seq: Sequence, start: int) -> None:
-        """Give back seq's blocks no query from `start` on reads (every layer sliding over kv_window
-        keys); their entries become -1. Sequences with penalties keep every block: those read the
-        whole context.
-        """
+        """Give back blocks no query from `start` on reads (all sliding); penalties keep all."""
         end = self.out_of_window(seq, start)
         if end <= seq.num_dropped_blocks:
             return
@@ -319,14 +299,12 @@ class KVCacheManager:
         seq.epoch += 1
 
     def free(self, seq: Sequence) -> None:
-        """Give every block of seq back, last first (the LRU evicts a chain from its leaf); the
-        epoch moves on.
-        """
+        """Give back every block, last first, so the LRU evicts a chain from its leaf."""
         if seq.block_ids:
             self.allocator.free([b for b in reversed(seq.block_ids) if b >= 0])
         if seq.dropped_ids and self.caching:
-            # the window's dropped blocks, still cached, become the LRU's newest, root last, so
-            # the chain is evicted from its leaf as the rest are
+            # dropped blocks become the LRU's newest, root last, so the chain is evicted from its
+            # leaf
             for i in range(len(seq.dropped_ids) - 1, -1, -1):
                 if seq.dropped_ids[i] >= 0:
                     self.allocator.touch(seq.dropped_ids[i], seq.block_hash(i, self.block_size))
@@ -340,9 +318,7 @@ class KVCacheManager:
         return len({b for s in request.seqs for b in s.block_ids if b >= 0})
 
     def check_invariants(self, running: list[Sequence], waiting) -> None:
-        """free + cached + referenced == num_blocks, no block in two states, refcounts equal owners,
-        every running sequence's table covers its computed tokens, waiting sequences hold nothing.
-        """
+        """Every block in exactly one state, refcounts equal owners, tables cover tokens."""
         self.allocator.check_invariants()
         owned: dict[int, int] = {}
         for b in self.tiers.held_blocks() if self.tiers is not None else ():  # loads in flight

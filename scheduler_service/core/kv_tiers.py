@@ -16,17 +16,15 @@ from scheduler_service.core.tier_lanes import Lane, TierIndex
 
 log = structlog.get_logger("scheduler.kv_tiers")
 TIER_NAMES = {TIER_HOST: "host", TIER_DISK: "disk"}
-# Before anything is measured: what a block costs to load (per byte) from each tier. A prompt
-# token's compute is not guessed: until a step measures it, loading is taken to pay.
+# A block's load cost per byte before any is measured; until a prompt token's compute is measured,
+# loading is taken to pay.
 _START_SECONDS_PER_BYTE = {TIER_HOST: 1 / 2e9, TIER_DISK: 1 / 4e8}
 _EWMA = 0.2
 
 
 @dataclass(slots=True)
 class Load:
-    """A block read back into the pool in some step: it becomes a prefix-cache block if it loaded;
-    or (state) a snapshot read back into a state slot (`block`), kept if it loaded.
-    """
+    """A block (or state snapshot) being read back; it joins the cache if it loaded."""
 
     block: int
     hash: bytes
@@ -79,9 +77,7 @@ class KvTiers:
 
     # --- writing down -----------------------------------------------------------------------------
     def evicted(self, block: int, h: bytes) -> None:
-        """A cached block leaves the pool: the host tier keeps its K/V (the plan copies it before
-        the step reuses the block).
-        """
+        """A cached block leaves the pool: the host tier keeps a copy."""
         self.blocks.evicted(block, h)
 
     def registered(self, block: int, h: bytes) -> None:
@@ -98,9 +94,7 @@ class KvTiers:
         return step is not None
 
     def wait_for(self, seq_id: int, h: bytes, state: bool = False) -> bool:
-        """Another prompt's step loads block h (or the snapshot after it) now: the sequence waits
-        for it rather than load it twice.
-        """
+        """Another prompt loads block h now: wait for it rather than load it twice."""
         step = self._loading.get((state, h))
         if step is None or step not in self.inflight:
             return False
@@ -111,9 +105,7 @@ class KvTiers:
         return self.blocks.holds(h)
 
     def find(self, hashes: list[bytes]) -> list[tuple[bytes, int, int]]:
-        """The leading run of these block hashes held below the pool: (hash, tier, host slot or
-        -1), the host tier's copy where both hold one.
-        """
+        """The leading run held below the pool: (hash, tier, host slot or -1), host preferred."""
         return self.blocks.find(hashes)
 
     def worth_loading(
@@ -123,9 +115,7 @@ class KvTiers:
         snapshot: int = 0,
         tokens: int | None = None,
     ) -> bool:
-        """Whether reading these blocks (and a snapshot from tier `snapshot`) back costs less than
-        computing their tokens (or `tokens`), by the measured cost of each (logged with the choice).
-        """
+        """Whether reading back costs less than computing, by each one's measured cost."""
         load = sum(self.seconds_per_byte[tier] for _, tier, _ in found) * self.bytes_per_block
         if snapshot:
             load += self.seconds_per_byte[snapshot] * self.bytes_per_snapshot
@@ -145,15 +135,11 @@ class KvTiers:
         return worth
 
     def touch(self, found: list[tuple[bytes, int, int]]) -> None:
-        """These blocks are the most recently used of their tiers, the first (the prefix's root)
-        last.
-        """
+        """Mark these blocks most recently used, the prefix's root last."""
         self.blocks.touch(found)
 
     def start(self, step_id: int, seq_id: int, loads: list[Load], slots: list[int]) -> None:
-        """Plan these loads in step step_id (their blocks and state slots held until its result);
-        the sequence waits.
-        """
+        """Plan these loads in step step_id, holding their blocks and slots until its result."""
         for ld, slot in zip(loads, slots, strict=True):
             lane = self.states if ld.state else self.blocks
             lane.loads.append((ld.block, ld.tier, slot))
@@ -163,9 +149,7 @@ class KvTiers:
         self._waiting_on[seq_id] = step_id
 
     def settle(self, step_id: int, failed: set[int] | None) -> list[tuple[Load, bool]]:
-        """The step's result for its loads (failed: indices that did not load, the blocks' then
-        the snapshots'; None: none did); failures are forgotten.
-        """
+        """A step's loads done (`failed`: indices that did not load; None: none did)."""
         loads = self.inflight.pop(step_id, [])
         index = [0, sum(1 for ld in loads if not ld.state)]  # the next block's, snapshot's index
         done = []
@@ -196,9 +180,7 @@ class KvTiers:
 
     # --- the plan, the measurements ---------------------------------------------------------------
     def take_ops(self) -> TierOps | None:
-        """This step's stores, loads and drops, in the order they were decided, the snapshots'
-        beside the blocks'; None when there are none.
-        """
+        """This step's stores, loads and drops in decision order; None if none."""
         ops = self.blocks.take()
         states = self.states.take() if self.states is not None else None
         if states is not None:
@@ -209,9 +191,7 @@ class KvTiers:
     def observe(
         self, ops: TierOps | None, seconds: float, prefill_tokens: int, step_seconds: float
     ) -> None:
-        """A step's timings: the tiers' share per byte moved (into the tier most of its loads came
-        from), a prompt token's compute where the step was mostly prompt.
-        """
+        """Learn from a step's timings: seconds per byte moved, and per prompt token computed."""
         self.seconds += seconds
         states = ops.states if ops is not None and ops.states is not None else TierOps.none()
         if ops is not None and len(ops.loads) + len(states.loads):
@@ -230,9 +210,7 @@ class KvTiers:
             self.seconds_per_token = per_token if old is None else old + _EWMA * (per_token - old)
 
     def clear(self) -> int:
-        """Forget every tier's blocks and snapshots (FlushCache); the disk's are deleted. How many
-        blocks were held.
-        """
+        """Forget every tier's entries, deleting the disk's -> how many blocks were held."""
         self._epoch += 1
         if self.states is not None:
             self.states.clear()
@@ -240,9 +218,7 @@ class KvTiers:
         return self.blocks.clear()
 
     def stats(self) -> TierStats:
-        """Blocks held and their capacity, loads and stores by tier, failures, the tiers' seconds,
-        snapshots held.
-        """
+        """Held and capacity, loads and stores per tier, failures, seconds, snapshots."""
         b, s = self.blocks, self.states
         host, disk = b.host, b.disk  # an empty index is falsy: each compared with None
         return TierStats(

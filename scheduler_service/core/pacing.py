@@ -17,9 +17,7 @@ def ewma(old: float | None, new: float) -> float:
 
 
 class EmbedPacer:
-    """Decode-only step time (refreshed every `REFRESH` steps) against steps carrying embedding
-    tokens; the embedding budget moves multiplicatively, down when over the target, up while under.
-    """
+    """Embedding tokens beside decodes, moved multiplicatively against a decode-only step's time."""
 
     def __init__(self, slowdown: float, max_tokens: int) -> None:
         if not 0.0 < slowdown <= 1.0:
@@ -35,7 +33,7 @@ class EmbedPacer:
         self.since_base = 0
 
     def room(self, budget: int) -> int:
-        """Embedding tokens a step that decodes may carry (0 for a step that measures the base)."""
+        """Embedding tokens this decoding step may carry (0 on a measuring step)."""
         if self.limit_ratio == float("inf"):
             return budget
         if self.base is None or self.since_base >= REFRESH:
@@ -65,11 +63,11 @@ FORGET = 0.7  # weight a cost measured a step ago keeps
 
 
 class PromptPacer:
-    """Generation prompt tokens a step that decodes may carry: the gap, less a decode-only step's
-    seconds (EWMA, refreshed every `REFRESH` paced steps), spent at a prompt token's seconds, a
-    line in its position (fit over the last steps that carried prompts beside decodes: a token deep
-    in a long prompt attends to more keys). 0 gap: not paced. A step asks `begin`, then `fit`
-    and `spend` per prompt chunk.
+    """Prompt tokens a decoding step may carry so the decode gap holds.
+
+    The gap less a decode-only step's seconds, spent at a prompt token's cost: a line in its
+    position (a deep token attends to more keys). 0 gap: not paced. A step calls `begin`, then `fit`
+    and `spend` per chunk.
     """
 
     def __init__(self, gap: float) -> None:
@@ -83,8 +81,8 @@ class PromptPacer:
         self._probe = 0  # ... or its probe tokens left, before any cost is known
 
     def per_token(self) -> tuple[float, float, float] | None:
-        """A prompt token's seconds where measured (the mean), the kilo-position of that mean, and
-        the seconds more per 1,000 positions past it; None: unknown.
+        """(mean seconds a token, the mean's kilo-position, seconds more per 1,000 positions); None
+        if unknown.
         """
         w, x, y, xx, xy = self._sums
         if w <= 0:
@@ -94,9 +92,8 @@ class PromptPacer:
         return max(y / w, 1e-7), x / w, slope
 
     def cost(self, start: int, n: int) -> float:
-        """Seconds of n prompt tokens from position start: the measured mean, and the line past
-        it (never below: a new prompt's first chunk is not planned on a cost extrapolated to
-        position 0).
+        """Seconds of n tokens from `start`, never below the mean: no cost extrapolated to position
+        0.
         """
         mean, at, slope = self.per_token() or (0.0, 0.0, 0.0)
         return n * (mean + slope * max(0.0, (start + n / 2) / 1000 - at))
@@ -132,8 +129,8 @@ class PromptPacer:
             self._left -= self.cost(start, n)
 
     def observe(self, decodes: int, prompt_tokens: int, positions: int, seconds: float) -> None:
-        """A step's result: its decode rows, generation prompt tokens and the sum of their
-        positions, and the workers' seconds.
+        """Learn from a step: decode rows, prompt tokens, their summed positions, the workers'
+        seconds.
         """
         if not decodes or not self.gap:
             return

@@ -24,9 +24,7 @@ class MaskFiller(Protocol):
 
 @dataclass
 class DeferredMasks:
-    """Masks that follow a plan: computed once the step before is applied, sent before any later
-    plan.
-    """
+    """Masks computed once the step before is applied, sent before any later plan."""
 
     filler: MaskFiller
     matchers: list
@@ -38,9 +36,7 @@ class DeferredMasks:
 
 @dataclass
 class ReadBack:
-    """What a step's plan asked of its result: logprob K, prompt logprobs, masks that follow,
-    pooling rows and KV-tier work.
-    """
+    """What a plan asked of its result: logprobs, masks, pooling rows, tier work."""
 
     logprobs_k: np.ndarray | None = None
     prompt_logprobs: tuple[np.ndarray, np.ndarray] | None = None
@@ -51,10 +47,7 @@ class ReadBack:
 
 
 class PlanBuilder:
-    """Each running sequence owns a row of the block-table and sampling mirrors, so a step is one
-    pass over its sequences and a few numpy operations; a pending last token is a placeholder read
-    from prev_rows.
-    """
+    """Each running sequence owns a mirror row, so a plan is one pass and a few numpy ops."""
 
     def __init__(
         self, max_seqs: int, max_blocks_per_seq: int, block_size: int, keeps_state: bool = False
@@ -87,8 +80,8 @@ class PlanBuilder:
 
     # --- rows -------------------------------------------------------------------------------------
     def _row(self, seq) -> int:
-        """seq's row, given at its first step here (its sampling parameters mirrored once); rows of
-        finished sequences are reclaimed when none is free.
+        """seq's row, given at its first step; finished sequences' rows are reclaimed when none is
+        free.
         """
         row = seq.mirror.row
         if row >= 0 and self._owners[row] is seq:
@@ -216,9 +209,7 @@ class PlanBuilder:
         return plan, read
 
     def _pooling(self, plan: PlanArrays, read: ReadBack, rows, starts, seq_lens) -> None:
-        """Embedding rows: a mean sums every chunk; the last token pools in the last chunk, cls in
-        the first.
-        """
+        """Mean sums every chunk; last pools in the last chunk, cls in the first."""
         kinds = self.pool_kind[rows]
         if not kinds.any():
             return
@@ -233,9 +224,7 @@ class PlanBuilder:
             plan.pooling = read.pooling = np.where(at, kinds, 0).astype(I32)
 
     def _adapters(self, scheduled, plan: PlanArrays, rows: np.ndarray) -> None:
-        """The step's LoRA adapters, each once, and every row's index into them (-1: the base
-        model).
-        """
+        """The step's adapters once each, and each row's index (-1: base)."""
         lora = self.lora[rows]
         if (lora >= 0).any():
             ids, index = np.unique(lora, return_inverse=True)
@@ -249,9 +238,7 @@ class PlanBuilder:
             plan.lora_index = (index - int(first)).astype(I32)
 
     def _gather(self, scheduled):
-        """One pass over the scheduled sequences: rows, starts, counts, flags, input tokens (0 where
-        pending) and the widest table; new table entries mirrored on the way.
-        """
+        """One pass over the scheduled sequences, mirroring new table entries on the way."""
         num_seqs = len(scheduled)
         rows = np.empty(num_seqs, dtype=I64)
         starts = np.empty(num_seqs, dtype=I64)
@@ -364,9 +351,8 @@ class PlanBuilder:
             plan.mask_rows = np.full(num_seqs, -1, dtype=I32)
             plan.mask_rows[mask_at] = np.cumsum([0] + [1 + len(d) for d in drafted[:-1]], dtype=I32)
             if any(scheduled[i].prev_row >= 0 for i in mask_at):
-                # a row's last token is the one the step in flight samples: its matcher has not seen
-                # it yet, so the masks follow the plan once that step's result is in
-                # (runtime/step_loop.py)
+                # the step in flight samples this row's last token, so its masks follow once that
+                # result is in
                 plan.mask_follows = True
                 read.deferred_masks = DeferredMasks(engine, matchers, drafted)
             else:

@@ -36,8 +36,8 @@ class PoolingConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PoolingSpec:
-    """How final hidden states become one vector (last, mean or first token; normalized or not), and
-    the named prompts put before a text.
+    """How hidden states become one vector (last, mean or first; normalized or not), and named
+    prompts.
     """
 
     pooling: str = "last"
@@ -122,9 +122,7 @@ class PoolingSpec:
 def embedding_vector(
     pooled: np.ndarray, num_tokens: int, spec: PoolingSpec, dimensions: int | None
 ) -> np.ndarray:
-    """The embedding from what the worker pooled: a mean divided, the first `dimensions` kept
-    (Matryoshka), then unit length where the model normalizes. fp32.
-    """
+    """fp32: a mean divided, cut to `dimensions` (Matryoshka), normalized where the model does."""
     v = np.asarray(pooled, dtype=np.float32)
     if spec.pooling == "mean":
         v = v / np.float32(max(num_tokens, 1))
@@ -150,9 +148,7 @@ def checkpoint_has_head(folder: str | Path) -> bool:
 
 
 def take_pooled(out, pooled: np.ndarray | None) -> list:
-    """Add each pooling row's vector to its sequence's; returns the sequences finished by this step.
-    One preempted since the plan is left alone and pools again.
-    """
+    """Add each pooled row to its sequence -> those this step finished; preempted ones redo it."""
     done = []
     read = out.read
     at = np.flatnonzero(read.pooling).tolist() if read.pooling is not None else []

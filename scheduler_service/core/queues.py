@@ -36,9 +36,7 @@ class Queues:
         tiers: KvTiers | None = None,
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
-        """tiers: the KV tiers under the pool (host, disk), where the workers hold them;
-        eos_token_ids: the model's, which end a sample unless it ignores them.
-        """
+        """tiers: the KV tiers under the pool; eos_token_ids end a sample unless it ignores them."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -104,8 +102,8 @@ class Queues:
         self.waiting.append(request.seqs[0])
 
     def adopt(self, request: Request) -> None:
-        """Take over a lost replica's live request: unfinished sequences keep their tokens and wait
-        at the head of the queue to be recomputed, as after a preemption.
+        """A lost replica's request: its sequences keep their tokens and recompute first, as if
+        preempted.
         """
         if request.request_id in self.requests:
             raise DuplicateRequestId(request.request_id)
@@ -120,7 +118,7 @@ class Queues:
             self.waiting.appendleft(seq)
 
     def abort_request(self, request_id: str) -> Request | None:
-        """End every sample of a request; its blocks return at once. None if it is not live."""
+        """End every sample; blocks return at once. None if not live."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -129,9 +127,7 @@ class Queues:
         return request
 
     def finish(self, seq: Sequence, reason: FinishReason, drop: int = 0) -> None:
-        """End seq; its blocks go back. `drop`: its last tokens came after the one that ended it. A
-        stop string in the last allowed token is still a stop.
-        """
+        """End seq, blocks back; `drop`: its last tokens came after the one that ended it."""
         if seq.is_finished:
             if reason is FinishReason.STOP and seq.finish_reason is FinishReason.LENGTH:
                 seq.finish(reason)
@@ -169,11 +165,10 @@ class Queues:
         pooled: np.ndarray | None = None,
         failed_loads: set[int] = frozenset(),
     ) -> StepUpdate:
-        # sampled: Python ints, one per scheduled row; accepted: drafted tokens each row accepted
-        # (None: the step drafted nothing); pooled: fp32 [pooling rows, hidden]
-        """Reconcile a step with its result: tokens become known and stopping sequences end;
-        rejected drafts' blocks go back, full blocks are cached, samples fork, embeddings pool, tier
-        loads settle.
+        # sampled: one int per row; accepted: drafts accepted per row (None: none); pooled: fp32
+        # rows
+        """Apply a step's result: tokens known, stops ended, drafts trimmed, blocks cached, samples
+        forked.
         """
         self.kv.settle_loads(out.step_id, failed_loads)
         if out.state_trails:
@@ -211,9 +206,7 @@ class Queues:
         return result
 
     def _keep_trails(self, out: SchedulerOutput) -> None:
-        """A step's decode snapshots are keyed by their blocks' hashes: every token before a
-        row's end is known once the step before it has given its result.
-        """
+        """Key a step's decode snapshots now that their blocks' tokens are known."""
         bs = self.block_size
         for row, slot in out.state_trails:
             item = out.scheduled[row]
@@ -254,9 +247,7 @@ class Queues:
     def _settle_row(
         self, item: ScheduledSeq, seq: Sequence, end: int, current: bool, reason
     ) -> None:
-        """A row's tokens are in: full blocks to the prefix cache, waiting samples fork, a stop ends
-        it.
-        """
+        """A row's tokens are in: cache full blocks, fork samples, end on a stop."""
         if current and self.caching and end // self.block_size > seq.num_registered_blocks:
             self.kv.register_full_blocks(seq, end)
         if item.do_sample and seq.index == 0 and seq.request.pending_forks:
@@ -265,12 +256,11 @@ class Queues:
             self.finish(seq, reason)
 
     def _fork(self, leader: Sequence, leader_current: bool) -> None:
-        """Samples 1..n-1 share the leader's prompt blocks and recompute its last token; those past
-        max_num_seqs, or all when the leader lost its blocks, wait at the head of the queue.
+        """Samples 1..n-1 share the leader's prompt blocks; those over max_num_seqs wait at the
+        head.
         """
         request = leader.request
-        # a recurrent state cannot be shared as far as the prompt's last token: a hybrid's samples
-        # each compute the prompt themselves
+        # a recurrent state cannot be shared: a hybrid's samples each compute the prompt
         shares = leader_current and self.kv.states is None
         room = max(0, self.config.max_num_seqs - len(self.running)) if shares else 0
         forks, queued = request.pending_forks[:room], request.pending_forks[room:]
@@ -309,8 +299,6 @@ class Queues:
         return self.kv.request_blocks(request)
 
     def check_invariants(self) -> None:
-        """The pool's books balance, every table matches its sequence's state (kv_manager.py), and
-        the plan's rows mirror the tables (plan.py).
-        """
+        """The pool balances, tables match states, plan rows mirror tables."""
         self.kv.check_invariants(self.running, self.waiting)
         self.planner.check(self.running)

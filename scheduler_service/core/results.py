@@ -8,9 +8,7 @@ from scheduler_service.core.sequence import FinishReason, Sequence
 
 
 def row_tokens(seq: Sequence, draft: tuple[int, ...], token: int, accepted: int) -> tuple[int, ...]:
-    """The tokens a row gives seq: its accepted draft, then the sampled token, cut where a grammar
-    ends.
-    """
+    """A row's tokens for seq: accepted draft, then the sample, cut where a grammar ends."""
     tokens = (*draft[:accepted], token) if draft else (token,)
     if seq.matcher is None:
         return tokens
@@ -22,8 +20,7 @@ def row_tokens(seq: Sequence, draft: tuple[int, ...], token: int, accepted: int)
 
 
 def ends_with(seq: Sequence, token: int, count: int, max_model_len: int) -> FinishReason | None:
-    """Why seq ends with `token` as its count-th output token (None: it goes on): a stop id or
-    end-of-sequence once min_tokens are out, then max_tokens or the context."""
+    """Why seq ends at its count-th token (None: it goes on)."""
     params = seq.request.sampling
     if token in seq.request.stop_ids and count >= params.min_tokens:
         return FinishReason.STOP
@@ -35,7 +32,7 @@ def ends_with(seq: Sequence, token: int, count: int, max_model_len: int) -> Fini
 def stop_at(
     seq: Sequence, tokens: tuple[int, ...], max_model_len: int
 ) -> tuple[int, FinishReason | None]:
-    """How many of `tokens` seq keeps, and why it ends after them (None: it goes on)."""
+    """(how many tokens seq keeps, why it ends after them or None)."""
     done = seq.num_output_tokens
     matcher = seq.matcher
     for n, t in enumerate(tokens, 1):

@@ -27,8 +27,8 @@ class Scheduler(Queues):
 
     # --- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """One step: the running sequences first (decodes, then prompt chunks), then waiting ones
-        admitted while the token budget, the pool and max_num_seqs allow.
+        """One step: running sequences first (decodes, then chunks), then waiting ones while room
+        allows.
         """
         out = SchedulerOutput(step_id=next(self._step_ids))
         scheduled: set[int] = set()
@@ -45,9 +45,7 @@ class Scheduler(Queues):
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> int:
         # one function: the order decodes, drafts and prompt chunks are taken in is the policy
-        """Every running decode a token, then prompt chunks from what
-        is left; -> the budget left.
-        """
+        """Every decode a token, then prompt chunks -> the budget left."""
         kv = self.kv
         decodes, prefills, drafting_now = [], [], 0
         for s in self.running:
@@ -59,9 +57,8 @@ class Scheduler(Queues):
             # a draft in flight (its tokens count as computed until its result)
             elif s.request.embed is None:
                 drafting_now += 1
-        # auto drafts only where a step would be small: a few decodes and no prompt to compute (a
-        # prompt chunk fills the step, where each drafted row costs about what a plain step's row
-        # does)
+        # auto drafts only in small steps with no prompt to compute, where drafted rows are nearly
+        # free
         small = (
             len(decodes) <= self.config.speculative_max_rows and not prefills and not self.waiting
         )
@@ -100,10 +97,7 @@ class Scheduler(Queues):
             if self._reserve(seq, 1, scheduled, out):
                 self._add(out, seq, 1, scheduled)
                 budget -= 1
-        # Embeddings are paced while any stream decodes (a token or a draft of it may be in flight),
-        # and ride only in steps that decode one token a row: a step of embeddings alone would hold
-        # up the stream's next one, and a verifying step runs its own fast path, which another row
-        # would take away.
+        # Embeddings ride only in steps decoding one token a row, paced while any stream decodes.
         out.num_decodes = len(decodes) + drafting_now
         plain = out.scheduled and not any(s.draft for s in out.scheduled)
         cap = self.config.embed_step_tokens or budget
@@ -131,9 +125,7 @@ class Scheduler(Queues):
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[int]) -> None:
-        """Waiting sequences in arrival order, each on its cached prefix, while budget and pool
-        allow (none in a step that preempted: the pool is short).
-        """
+        """Admit in arrival order while budget and pool allow; none in a step that preempted."""
         kv = self.kv
         at = 0  # the queue's head, or past embeddings while a decoding step has no room for them
         adapters = (
@@ -218,9 +210,7 @@ class Scheduler(Queues):
         return seq.drafter
 
     def _at_limit(self, seq: Sequence) -> bool:
-        """The step in flight samples seq's last allowed token (max_tokens or the context): nothing
-        to plan; its result finishes it.
-        """
+        """The step in flight samples seq's last allowed token: nothing to plan."""
         return (
             seq.num_planned_tokens - seq.prompt_len >= seq.request.sampling.max_tokens
             or seq.num_planned_tokens >= self.max_model_len
@@ -261,8 +251,8 @@ class Scheduler(Queues):
         scheduled: set[int],
         draft: tuple[int, ...] = (),
     ) -> None:
-        """Schedule and commit num_new tokens of seq (one pending if it samples; with a draft, all
-        of them until the result says how many stand).
+        """Commit num_new tokens of seq (a draft's all pending until the result says how many
+        stand).
         """
         start = seq.num_computed_tokens
         self.kv.drop_out_of_window(seq, start)
@@ -295,9 +285,8 @@ class Scheduler(Queues):
     def _reserve(
         self, seq: Sequence, num_new: int, scheduled: set[int], out: SchedulerOutput
     ) -> int:
-        """Room for num_new more tokens, preempting others while the pool is empty (a prompt chunk
-        shrinks first). Returns tokens reserved: 0 when seq itself was preempted or everyone else
-        already runs.
+        """Room for num_new tokens, preempting others if needed -> tokens reserved (0: seq was
+        preempted).
         """
         while True:
             copies = self.kv.allocate_slots(seq, num_new)
@@ -317,9 +306,8 @@ class Scheduler(Queues):
                 return 0
 
     def _snapshots(self, out: SchedulerOutput, seq: Sequence, start: int, num_new: int) -> None:
-        """A hybrid's row snapshots its state at the block boundaries it crosses that are kept
-        (core/state_slots.py), each into a slot of its own, and where it ends a block past its
-        prompt.
+        """A hybrid row's state snapshots at kept block boundaries, and where it ends a decoded
+        block.
         """
         bs, states, row = self.block_size, self.kv.states, len(out.scheduled)
         points = states.points(seq, start, num_new, bs)
@@ -341,7 +329,5 @@ class Scheduler(Queues):
         out.block_copies.extend((c.src, c.dst) for c in copies)
 
     def _victim(self, scheduled: set[int]) -> Sequence | None:
-        """Whom to preempt for room: the most recently admitted running sequence not yet in this
-        step (its recompute costs least, and the oldest requests keep going).
-        """
+        """The most recently admitted runner not in this step: cheapest to recompute."""
         return next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)

@@ -1,10 +1,8 @@
-"""Request and sequence state. A Request is what a client asked for (prompt, sampling parameters);
-it owns one Sequence per sample. A Sequence is what the scheduler moves through its states and what
-owns KV blocks:
+"""Request and sequence state. A Request is what a client asked for and owns one Sequence per
+sample; a Sequence moves through the scheduler's states and owns KV blocks:
 
-WAITING ──admit──▶ RUNNING ──finish/abort──▶ FINISHED
-       ▲                  │
-       └────preempt───────┘   (recompute: blocks freed, generated tokens kept)
+WAITING ──admit──▶ RUNNING ──finish/abort──▶ FINISHED ▲ │ └────preempt───────┘ (recompute: blocks
+freed, generated tokens kept)
 """
 
 from __future__ import annotations
@@ -37,9 +35,7 @@ class Matcher(Protocol):
 
 
 class Constraint(Protocol):
-    """A request's compiled grammar (text/structured.py Constraint): a matcher for each sample, and
-    the engine that fills their masks.
-    """
+    """A request's compiled grammar: a matcher per sample, and the engine filling their masks."""
 
     engine: MaskFiller
 
@@ -99,9 +95,7 @@ class SamplingOptions:
 
     @property
     def may_draft(self) -> bool:
-        """Whether drafts can be verified for it: not with logprobs (a verifying step's logits
-        differ in their last digits).
-        """
+        """Not with logprobs: a verifying step's logits differ in their last digits."""
         return self.logprobs is None and self.prompt_logprobs is None
 
     @property
@@ -111,8 +105,7 @@ class SamplingOptions:
 
 @dataclass(frozen=True)
 class EmbedOptions:
-    """An embedding request's own: how the model pools (core/pooling.py PoolingSpec), and the
-    Matryoshka `dimensions` kept (None: all)."""
+    """How an embedding pools, and the Matryoshka `dimensions` kept (None: all)."""
 
     spec: PoolingSpec
     dimensions: int | None = None
@@ -120,8 +113,8 @@ class EmbedOptions:
 
 @dataclass(slots=True)
 class PendingToken:
-    """Sampled tokens of steps in flight (0 or 1), and the (step id, row) that will produce the last
-    one. A step is committed when scheduled; `Sequence.token_ids` holds known tokens only.
+    """Tokens of steps in flight and the (step id, row) producing the last; token_ids holds known
+    ones.
     """
 
     count: int = 0
@@ -131,9 +124,7 @@ class PendingToken:
 
 @dataclass(slots=True)
 class PlanRow:
-    """The plan's table mirror of a running sequence: its row and how many block ids are copied. The
-    KV manager marks where the table changed (`stale`).
-    """
+    """A running sequence's plan row and entries copied; the KV manager marks it `stale`."""
 
     row: int = -1
     blocks: int = 0
@@ -154,9 +145,7 @@ class Pooling:
 
 
 class Sequence:
-    """One sample's tokens and the KV blocks that hold them; a feature's state in its own part
-    (`pending`, `mirror`, `pooling`, `drafter`, `matcher`).
-    """
+    """One sample's tokens and KV blocks; each feature's state in its own part."""
 
     def __init__(self, seq_id: int, request: Request, index: int) -> None:
         self.seq_id = seq_id
@@ -169,8 +158,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
-        # leading blocks given back, out of every sliding window (entries -1), and what those
-        # entries held (their blocks may be cached still)
+        # leading blocks out of every window (entries -1), and what they held (maybe still cached)
         self.num_dropped_blocks = 0
         self.dropped_ids: list[int] = []
         self.state_slot = -1  # a hybrid's slot of the recurrent-state pool while it holds blocks
@@ -178,8 +166,8 @@ class Sequence:
         self.state_trail: bytes | None = None  # the block its latest decode snapshot follows
         self._block_hashes: list[bytes] = []  # chained hashes of full blocks, computed on demand
         self.pending = PendingToken()
-        # Bumped whenever the sequence's blocks are given back (preemption, a lost replica): a step
-        # result from an older epoch may still add its token but must not touch the blocks.
+        # Bumped when the blocks are given back: an older step's result may add its token, not touch
+        # blocks.
         self.epoch = 0
         self.mirror = PlanRow()
         self.last_token_time: float | None = None  # for the inter-token latency histogram
@@ -187,8 +175,7 @@ class Sequence:
         # tokens.
         constraint = request.constraint
         self.matcher: Matcher | None = constraint.new_matcher() if constraint is not None else None
-        # Speculative decoding: its n-grams and draft length (scheduler_service/core/drafting.py),
-        # made at its first decode where it may draft.
+        # Speculative decoding's n-grams and draft length, made at the first decode that may draft.
         self.drafter: SequenceDrafter | None = None
         self.pooling = Pooling()  # an embedding's
 
@@ -229,8 +216,8 @@ class Sequence:
         """Chained hash of full block `index` of this sequence's tokens (prefix caching)."""
         while len(self._block_hashes) <= index:
             i = len(self._block_hashes)
-            # the first block's parent: the adapter's identity (None for the base): none shares
-            # across them
+            # the first block's parent: the adapter's identity, so no prefix is shared across
+            # adapters
             parent = (
                 self._block_hashes[-1]
                 if self._block_hashes
@@ -242,9 +229,7 @@ class Sequence:
         return self._block_hashes[index]
 
     def finish(self, reason: FinishReason) -> None:
-        """The one place a sequence ends (the scheduler calls it once the blocks are back; a request
-        that no replica holds ends its samples here directly).
-        """
+        """The one place a sequence ends, once its blocks are back."""
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
 
@@ -269,21 +254,18 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
     scheduled_time: float | None = None  # start of the first step that computed it (queue time)
-    # samples 1..n-1 wait here until sample 0 has computed the prompt; then they fork from its
-    # blocks
+    # samples 1..n-1 wait here, then fork from sample 0's prompt blocks
     pending_forks: list[Sequence] = field(default_factory=list)
     cached_prompt_tokens: int | None = None  # prefix-cache hit of the first admission
     constraint: Constraint | None = None  # text/structured.py makes it
-    # With sampling.prompt_logprobs: entry j (1 <= j < prompt_len) is prompt token j's TokenLogprob
-    # once known.
+    # entry j is prompt token j's TokenLogprob once known
     prompt_logprobs: list | None = None
     # An embedding: the prompt is computed (chunked, batched, prefix-cached) and pooled; nothing is
     # sampled.
     embed: EmbedOptions | None = None
     # A LoRA adapter (core/adapters.py Adapter) the request generates with; None: the base model.
     lora: object | None = None
-    # The token ids that end a sample (its stop ids, and the model's end-of-sequence ids unless
-    # ignored): set by the scheduler that takes the request.
+    # stop ids and, unless ignored, the model's end-of-sequence ids
     stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:

@@ -1,9 +1,7 @@
 """A hybrid model's recurrent-state slots, owned like blocks. A slot is free, held by a running
-sequence (taken with its table, given back with its blocks), or a snapshot: the state after a full
-block, keyed by its chained hash, in an LRU, so a prompt sharing the prefix resumes there; or
-loading: a snapshot read back from a KV tier; or a trail: a decode's snapshot at a block boundary,
-keyed once its step's result makes the block's tokens known (a sequence keeps its latest, so a
-returning turn resumes after the answer). The worker holds the bytes.
+sequence, a snapshot (the state after a full block, keyed by its chained hash, LRU), loading (read
+back from a tier) or a trail (a decode's latest snapshot, so a returning turn resumes after the
+answer). The worker holds the bytes.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ class StateSlots:
         self.num_slots, self.max_trails = num_slots, max_trails
         self._free = list(range(num_slots - 1, -1, -1))
         self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
-        # snapshot slots the step being planned reads or writes: not evicted before it is sent
-        # (they are the LRU's newest); slots forgotten meanwhile return at the next step
+        # slots the step being planned uses: not evicted before it is sent
         self._pinned: set[int] = set()
         self._deferred: list[int] = []
         # (snapshot, slot) copies the step being planned runs first: admissions that resume
@@ -53,8 +50,8 @@ class StateSlots:
         self.copies = []
 
     def _slot(self, trail: bool = False) -> int | None:
-        """A free slot, else the oldest snapshot's (evicted); trail: the oldest trail's where
-        max_trails are kept, so decodes never crowd out the prompts' snapshots.
+        """A free slot, else the oldest snapshot's; decodes' trails never crowd out prompts'
+        snapshots.
         """
         if self._free and not trail:
             return self._free.pop()
@@ -71,9 +68,7 @@ class StateSlots:
         return slot
 
     def admit(self, seq, h: bytes | None) -> bool:
-        """seq takes a slot, resuming from the snapshot after block h (None: from position 0);
-        False (nothing changed) when no slot is left.
-        """
+        """seq takes a slot, resuming after block h (None: from 0); False if none is left."""
         need = 1 + (h is not None and self._snapshots[h] not in self._pinned)
         if self.num_free < need:
             return False
@@ -96,9 +91,8 @@ class StateSlots:
 
     # --- snapshots -------------------------------------------------------------------------------
     def deepest(self, seq, hits: int, block_size: int) -> int:
-        """How many of seq's leading `hits` cached blocks a resume can skip: up to the deepest one
-        with a snapshot after it. Where the cached run goes further, it ends where this prompt
-        leaves another: seq snapshots there (`state_branch`) for the prompts that follow.
+        """How many cached blocks a resume can skip; seq snapshots where its prefix leaves
+        another's.
         """
         for n in range(hits, 0, -1):
             if seq.block_hash(n - 1, block_size) in self._snapshots:
@@ -116,9 +110,7 @@ class StateSlots:
         return slot
 
     def save(self, h: bytes) -> int | None:
-        """A slot for the state after block h (pinned for this step); None when h has one already
-        or every slot is held or pinned.
-        """
+        """A slot for the state after block h, pinned this step; None if h has one or none free."""
         if h in self._snapshots:
             self._snapshots.move_to_end(h)
             return None
@@ -131,8 +123,8 @@ class StateSlots:
         return slot
 
     def save_later(self, seq) -> int | None:
-        """A slot for a snapshot at the end of seq's row whose block is known only once the step's
-        result is in (a decode's input token may still be in flight): keyed by `keep`.
+        """A slot for a row-end snapshot keyed by `keep` once the step's result makes its block
+        known.
         """
         kept = len(self._trail_keys) + len(self._trails) - (seq.state_trail in self._trail_keys)
         slot = self._slot(trail=kept >= self.max_trails)
@@ -141,9 +133,8 @@ class StateSlots:
         return slot
 
     def keep(self, seq, slot: int, h: bytes | None) -> None:
-        """A `save_later` snapshot's step is done: kept after block h as seq's latest, the one it
-        took before forgotten; freed where h is None (its tokens never came) or kept already. A
-        sequence that no longer runs sends it to the disk tier now.
+        """Key a `save_later` snapshot as seq's latest (freed if h is None); a finished one goes to
+        disk.
         """
         self._trails.discard(slot)
         if h is None or h in self._snapshots:
@@ -161,7 +152,7 @@ class StateSlots:
             self.give_back(seq)
 
     def failed(self, saves: list[tuple[int, int, int]]) -> None:
-        """A step failed: the snapshots it was to take hold nothing, kept or still to be keyed."""
+        """A step failed: its snapshots hold nothing."""
         slots = {slot for _, _, slot in saves}
         for h in [h for h, slot in self._snapshots.items() if slot in slots]:
             del self._snapshots[h]
@@ -174,16 +165,14 @@ class StateSlots:
         return h in self._snapshots
 
     def reserve(self) -> int | None:
-        """A slot to read a tier's snapshot into (kept by `loaded`); None when none is left."""
+        """A slot to read a tier's snapshot into; None if none is left."""
         slot = self._slot() if self.num_free > 0 else None
         if slot is not None:
             self._loading.add(slot)
         return slot
 
     def loaded(self, slot: int, h: bytes, ok: bool) -> None:
-        """A snapshot's load is done: kept as the LRU's newest if it loaded (and is not kept
-        already), else the slot is free again.
-        """
+        """A load is done: the snapshot kept if it loaded, else the slot freed."""
         self._loading.discard(slot)
         if ok and h not in self._snapshots:
             self._snapshots[h] = slot
@@ -192,10 +181,7 @@ class StateSlots:
 
     @staticmethod
     def points(seq, start: int, num_new: int, block_size: int) -> list[int]:
-        """Block boundaries inside start..start+num_new where seq's state is snapshotted: its
-        prompt's last full block short of its last token, and where its cached prefix left
-        another prompt's.
-        """
+        """Boundaries in this row where seq's state is snapshotted."""
         last = (seq.prompt_len - 1) // block_size * block_size
         end = start + num_new
         return sorted(p for p in {last, seq.state_branch} if p and start < p <= end)

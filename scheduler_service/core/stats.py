@@ -9,9 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
-    """The KV tiers' figures: blocks held and capacity per tier, loads and stores so far, failed
-    loads and seconds.
-    """
+    """The KV tiers' figures: held and capacity, loads, stores, failures, seconds."""
 
     host_blocks: int = 0
     host_capacity: int = 0
@@ -49,9 +47,7 @@ TIER_FIELDS = tuple(TierStats().as_fields())  # GetCacheStats' tier fields, in o
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
-    """One scheduler's pool now: blocks by state, its queues, prefix-cache lookups, preemptions and,
-    where its replica has KV tiers, theirs.
-    """
+    """One scheduler's pool: blocks by state, queues, prefix lookups, preemptions, tiers."""
 
     num_blocks: int
     num_free_blocks: int

@@ -13,9 +13,7 @@ from protos.codec import TIER_DISK, TIER_HOST, TierOps
 
 
 class TierIndex:
-    """The block hashes one tier holds, LRU first, within its capacity; host entries name their
-    slot.
-    """
+    """One tier's hashes, LRU first, within capacity; host entries name their slot."""
 
     def __init__(self, tier: int, capacity: int, slotted: bool) -> None:
         self.tier, self.capacity = tier, capacity
@@ -61,11 +59,7 @@ class TierIndex:
 
 
 class Lane:
-    """One kind of entry on the tiers (pool blocks; a hybrid's state snapshots, each keyed by the
-    hash of the block it follows): each tier's index, and the work decided for the next plan, rows
-    of (pool block or state slot, tier, host slot or -1) written down and read back, and disk
-    entries to delete.
-    """
+    """One kind of tier entry (blocks or snapshots): each tier's index and pending work."""
 
     def __init__(self, host: int, disk: int, disk_hashes: list[bytes]) -> None:
         self.host = TierIndex(TIER_HOST, host, True) if host else None
@@ -89,7 +83,7 @@ class Lane:
         return self.host if tier == TIER_HOST else self.disk
 
     def evicted(self, entry: int, h: bytes) -> None:
-        """Entry h leaves the pool: the host tier keeps it (written before the plan reuses it)."""
+        """Entry h leaves the pool: the host tier keeps it."""
         if self.host is None:
             return
         if h in self.host:
@@ -101,9 +95,7 @@ class Lane:
         self.stored[TIER_HOST] += 1
 
     def registered(self, entry: int, h: bytes, later: bool = False) -> None:
-        """Entry h was computed: the disk tier keeps it from now on (later: the plan being made
-        computes it, so the next one writes it).
-        """
+        """Entry h was computed: the disk tier keeps it."""
         if self.disk is None:
             return
         if h in self.disk:
@@ -126,9 +118,7 @@ class Lane:
         )
 
     def find(self, hashes: list[bytes]) -> list[tuple[bytes, int, int]]:
-        """The leading run of these hashes held here: (hash, tier, host slot or -1), the host
-        tier's copy where both hold one.
-        """
+        """The leading run held here: (hash, tier, host slot or -1), host preferred."""
         found = []
         for h in hashes:
             if self.host is not None and h in self.host:
@@ -166,9 +156,7 @@ class Lane:
         return bool(self.stores or self.loads or self.drops or self.later)
 
     def take(self) -> TierOps | None:
-        """This plan's stores, loads and drops, in the order they were decided (None: none); what
-        waits for the next plan moves up.
-        """
+        """This plan's work in decision order (None: none)."""
         ops = None
         if self.stores or self.loads or self.drops:
             ops = TierOps(

@@ -1,7 +1,5 @@
-"""A prompt's prefix read back from the KV tiers (the pool's blocks and page tables stay
-kv_manager.py's): which blocks, and for a hybrid which state snapshot, are worth loading; their
-loads planned and settled. A hybrid resumes only where a snapshot follows its blocks, so its run
-is cut to the deepest block with one in the state pool or a tier.
+"""A prompt's prefix read back from the KV tiers: which blocks (and a hybrid's snapshot) are worth
+loading, planned and settled. A hybrid resumes only where a snapshot follows its blocks.
 """
 
 from __future__ import annotations
@@ -15,8 +13,8 @@ from scheduler_service.core.state_slots import StateSlots
 def snapshot_point(
     hashes: list[bytes], run: int, states: StateSlots, tiers: KvTiers
 ) -> tuple[int, tuple[bytes, int, int] | None]:
-    """The deepest n <= run with a snapshot after block hashes[n - 1] (0: none), and where a tier
-    holds it, that tier's entry (None: the state pool holds it).
+    """The deepest n <= run with a snapshot after block n, and the tier entry holding it (None:
+    pool).
     """
     for n in range(run, 0, -1):
         h = hashes[n - 1]
@@ -37,10 +35,7 @@ def plan_loads(
     step_id: int,
 ) -> bool:
     # one function: what is found, cut, afforded and held before the loads start is one decision
-    """Plan loads of seq's prompt blocks found in the tiers past its cached prefix `hits` (and a
-    hybrid's snapshot after them), where reading costs less than computing. True when seq must
-    wait for a load.
-    """
+    """Plan loads past the cached prefix where reading beats computing; True if seq must wait."""
     if tiers.is_loading(seq.seq_id):
         return True
     bs = allocator.block_size
@@ -124,9 +119,7 @@ def settle_loads(
     step_id: int,
     failed: set[int] | None,
 ) -> None:
-    """A step's loads are done (failed: those that did not; None: none did): loaded blocks enter
-    the prefix cache and are given back; loaded snapshots are kept.
-    """
+    """Loaded blocks enter the prefix cache; loaded snapshots are kept."""
     done = tiers.settle(step_id, failed)
     for ld, ok in done:
         if ld.state:

@@ -57,8 +57,9 @@ class RequestStream:
 
 
 class Engine(Failover):
-    """Routing: to the replica holding the longest cached prefix, unless its load (waiting x 4 +
-    running) exceeds the least loaded one's by more than `route_slack`."""
+    """Routes to the replica with the longest cached prefix unless its load exceeds the least's by
+    `route_slack`.
+    """
 
     def __init__(
         self,
@@ -134,9 +135,7 @@ class Engine(Failover):
             )
 
     async def _watch_workers(self, interval: float = 0.5) -> None:
-        """Find ranks that went silent while their replica was idle (a step in flight checks its
-        own).
-        """
+        """Find ranks gone silent while idle (a step in flight checks its own)."""
         while True:
             await asyncio.sleep(interval)
             for d, reason in self.client.find_lost():
@@ -144,9 +143,7 @@ class Engine(Failover):
             self._expire_orphans()
 
     async def drain(self, timeout: float) -> bool:
-        """Refuse new requests and wait up to `timeout` for running ones (the rest end UNAVAILABLE);
-        True when all finished.
-        """
+        """Refuse new requests, wait up to `timeout` for running ones; True if all finished."""
         self._draining = True
         deadline = time.monotonic() + timeout
         while self.streams and time.monotonic() < deadline:
@@ -235,9 +232,7 @@ class Engine(Failover):
         return least
 
     async def generate(self, request: Request) -> AsyncIterator[Delta]:
-        """Add a request and yield its deltas until every sample has finished; leaving early aborts
-        it.
-        """
+        """Yield a request's deltas until every sample ends; leaving early aborts it."""
         if self._draining:
             raise Draining()
         waiting = len(self._orphans) + sum(r.num_waiting for r in self.replicas)
@@ -298,9 +293,7 @@ class Engine(Failover):
 
     # --- what the replicas report -----------------------------------------------------------------
     def on_step(self, replica: StepLoop, report: StepReport) -> None:
-        """A step applied: its deltas go to their streams (a request failed or aborted meanwhile has
-        none).
-        """
+        """A step applied: deltas to their streams."""
         started = time.monotonic() - report.seconds
         # queue time: arrival to the first step that computes the request
         for s in report.out.scheduled:
@@ -353,7 +346,7 @@ class Engine(Failover):
         stream.queue.put_nowait(delta)
 
     def _fail_request(self, request: Request, error: Exception) -> None:
-        """End a request with an error, matched by identity (never a new request reusing its id)."""
+        """End a request with an error, by identity (never a new one reusing its id)."""
         stream = self.streams.get(request.request_id)
         if stream is None or stream.request is not request:
             return
@@ -363,9 +356,7 @@ class Engine(Failover):
         stream.queue.put_nowait(error)
 
     async def flush_prefix_cache(self, timeout: float) -> tuple[bool, str]:
-        """Forget every cached prefix once no request is live (waiting up to `timeout` seconds for
-        that).
-        """
+        """Forget every cached prefix once no request is live (waiting up to `timeout`)."""
         deadline = time.monotonic() + timeout
         while self.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -33,9 +33,7 @@ def workers_max_num_seqs(config: SchedulerConfig, groups: list[WorkerGroup]) -> 
 
 
 def adopted_config(config: SchedulerConfig, groups: list[WorkerGroup]) -> SchedulerConfig:
-    """The config with what the workers decide: --max-num-seqs where left to them, --max-loras
-    within their slots.
-    """
+    """The config with what the workers decide: max_num_seqs, max_loras."""
     slots = [getattr(w.handshake, "lora_slots", 0) for g in groups for w in g.workers.values()]
     held = min(slots, default=0)
     adopted = replace(
@@ -47,8 +45,7 @@ def adopted_config(config: SchedulerConfig, groups: list[WorkerGroup]) -> Schedu
     states = min((getattr(hs, "state_slots", 0) for hs in workers), default=0)
     if not states:
         return adopted
-    # a hybrid: one state slot a running sequence, snapshots in the rest; a recurrent state cannot
-    # take back a rejected draft
+    # one state slot per running sequence, snapshots in the rest; no drafts (state cannot roll back)
     return replace(
         adopted,
         state_slots=states,
@@ -98,9 +95,7 @@ def group_problem(
 
 
 def lora_problem(group: WorkerGroup, adapters: AdapterRegistry | None) -> str:
-    """Why a group cannot hold this service's LoRA adapters, or ""; on success the registry's rank
-    bound becomes the workers'.
-    """
+    """Why a group cannot hold this service's adapters, or ""."""
     if adapters is None:
         return ""
     for w in group.workers.values() if adapters.adapters else ():
@@ -122,13 +117,11 @@ def lora_problem(group: WorkerGroup, adapters: AdapterRegistry | None) -> str:
 
 
 class WorkerError(RuntimeError):
-    """A worker rejected or failed a step; the requests in it are failed, the service goes on."""
+    """A worker rejected or failed a step: its requests fail, the service goes on."""
 
 
 class WorkerLost(RuntimeError):
-    """A rank of the group is gone (no heartbeat, unreachable, or dropped): the replica cannot
-    serve.
-    """
+    """A rank is gone: the replica cannot serve."""
 
 
 class InsecureEndpoint(ValueError):
@@ -143,8 +136,7 @@ class WorkerInfo:
     heartbeat_identity: bytes  # hb.<nonce>
     handshake: wire_pb2.Handshake
     last_heartbeat: float = field(default_factory=time.monotonic)
-    # The worker's process id when it runs on this host and this process can see it (a loopback wire
-    # and the same pid namespace): its exit is then seen at once, and a lost one can be fenced.
+    # The worker's pid where this host sees it: its exit is seen at once and a lost one fenced.
     local_pid: int | None = None
 
 
@@ -186,9 +178,7 @@ class WorkerGroup:
         return [self.workers[r].handshake.pid for r in sorted(self.workers)]
 
     def preload(self, adapters: AdapterRegistry | None) -> list[wire_pb2.LoraRef]:
-        """The adapters this group's workers read when accepted, before serving: the latest loaded,
-        as many as every rank keeps.
-        """
+        """Adapters the workers read before serving: the latest, as many as every rank keeps."""
         if adapters is None or not adapters.adapters:
             return []
         slots = min(w.handshake.lora_slots for w in self.workers.values())
@@ -196,9 +186,7 @@ class WorkerGroup:
         return [wire_pb2.LoraRef(identity=a.identity, path=a.path) for a in latest]
 
     def kv_tiers(self, block_size: int) -> KvTiers | None:
-        """The KV tiers every rank holds (the smallest), or None where some rank holds none; a
-        hybrid's snapshots on them too.
-        """
+        """The smallest tiers every rank holds, or None where some rank has none."""
         ranks = [self.workers[r].handshake for r in sorted(self.workers)]
         host = min(hs.host_tier_blocks for hs in ranks)
         disk = min(hs.disk_tier_blocks for hs in ranks)
@@ -260,9 +248,7 @@ SAME_MODEL = ("model_fingerprint", "vocab_size", "block_size", "max_context", "d
 def handshake_problem(
     hs: wire_pb2.Handshake, groups: list[WorkerGroup], tp_size: int, expected: dict[str, object]
 ) -> str:
-    """Why a rank's handshake cannot join (out of range, settings or model unlike the others'), or
-    "".
-    """
+    """Why a rank cannot join (out of range, unlike the others), or ""."""
     if hs.tp_size != tp_size:
         return f"tensor-parallel size {hs.tp_size}, the scheduler expects {tp_size}"
     if hs.replica >= len(groups):

@@ -16,7 +16,7 @@ log = structlog.get_logger("scheduler.kv_events")
 
 
 def event_hash(h: bytes) -> int:
-    """A hash as the wire carries it: the digest's first 8 bytes as a signed little-endian int64."""
+    """The digest's first 8 bytes as a signed little-endian int64, as the wire carries it."""
     return int.from_bytes(h[:8], "little", signed=True)
 
 
@@ -30,13 +30,11 @@ class KvEventBatch:
 
 
 class SubscriberGone(Exception):
-    """Put on a subscriber's queue when it fell too far behind; its stream ends with this reason."""
+    """Queued for a subscriber too far behind; its stream ends."""
 
 
 class KvEventPublisher:
-    """After each step `collect` turns a replica's records into one numbered batch, kept in a
-    bounded history and queued for every subscriber.
-    """
+    """A replica's records as numbered batches, in a bounded history, queued to subscribers."""
 
     def __init__(self, history: int = 4096, max_pending: int = 4096) -> None:
         self._history: deque[KvEventBatch] = deque(maxlen=history)
@@ -80,9 +78,7 @@ class KvEventPublisher:
                 queue.put_nowait(batch)
 
     def subscribe(self, start_sequence_number: int = 0) -> asyncio.Queue:
-        """A queue of batches: those after start_sequence_number still in the history (0: only new
-        ones), then every new one.
-        """
+        """Batches after start_sequence_number still held (0: only new ones), then every new one."""
         queue: asyncio.Queue = asyncio.Queue()
         if start_sequence_number:
             for batch in self._history:

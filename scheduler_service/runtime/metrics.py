@@ -37,9 +37,8 @@ DEFAULT_METRICS_PORT = 9090
 
 
 class Metrics:
-    """Every series an inference dashboard graphs, per replica where it is a replica's: sequences,
-    KV usage, prefix hits, preemptions, tokens and latency histograms
-    (deploy/grafana/pagedserve.json).
+    """Every series the dashboard graphs (deploy/grafana/pagedserve.json), per replica where it is
+    one's.
     """
 
     def __init__(self) -> None:
@@ -148,8 +147,7 @@ class Metrics:
         self.embedding_tokens = Counter(
             "pagedserve_embedding_tokens", "Prompt tokens of finished embeddings", registry=r
         )
-        # LoRA: each adapter's finished requests and tokens, and how many adapters the last step ran
-        # (of --max-loras)
+        # LoRA: each adapter's requests and tokens, and adapters in the last step
         self.lora_requests = Counter(
             "pagedserve_lora_requests", "Finished requests by LoRA adapter", ["adapter"], registry=r
         )

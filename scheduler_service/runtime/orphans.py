@@ -54,11 +54,11 @@ class Orphans:
 
 
 class Failover:
-    "The engine's side of a lost replica (a base of Engine): its requests moved or kept waiting."
+    """The engine's side of a lost replica: its requests moved or kept waiting."""
 
     async def group_lost(self, replica: int, reason: str) -> None:
-        """A ready group's rank went silent or exited outside a step: before start its group is
-        dropped, after it the replica goes down (on_lost).
+        """A rank went silent outside a step: its group dropped before start, its replica down
+        after.
         """
         if self.limits is None:
             await self.client.drop_group(replica, reason)
@@ -66,9 +66,8 @@ class Failover:
             await self.on_lost(self.replicas[replica], reason)
 
     async def on_lost(self, replica: StepLoop, message: str) -> None:
-        """A rank of the replica is gone: the replica goes down and its live requests resume
-        elsewhere, recomputed; sampling keyed by (seed, token index) draws the same tokens, so a
-        client sees only a pause.
+        """The replica goes down and its requests resume elsewhere; seeded sampling draws the same
+        tokens.
         """
         if not replica.is_serving:
             return
@@ -88,9 +87,7 @@ class Failover:
         )
 
     def _resume_orphans(self) -> None:
-        """Give requests whose replica was lost to serving replicas (oldest at the head of the
-        queues).
-        """
+        """Give a lost replica's requests to serving replicas, oldest first."""
         if not self._orphans or not self.is_serving:
             return
         # adopt() queues at the head: the oldest goes last

@@ -49,14 +49,13 @@ class StepSink(Protocol):
     async def on_lost(self, loop: StepLoop, message: str) -> None: ...
 
 
-# Routing load: a waiting sequence counts as this many running ones (it is a whole prefill away from
-# its first token, and its being there means the replica is full).
+# Routing load: a waiting sequence counts as this many running ones (its replica is full).
 WAITING_WEIGHT = 4
 
 
 class StepLoop:
-    """Each turn: schedule, plan, send (with overlap, the next is sent before this result is
-    awaited); then apply each result in order and report it. A failed step fails only its requests.
+    """Schedule, plan, send (with overlap, the next before this result), apply, report; a failed
+    step fails only its requests.
     """
 
     def __init__(
@@ -127,9 +126,7 @@ class StepLoop:
         self.wake()
 
     def adopt(self, request: Request, samples: list[SampleOutput]) -> None:
-        """A live request from a replica whose workers were lost: recomputed here, its samples going
-        on.
-        """
+        """A lost replica's live request, recomputed here."""
         self._sched.adopt(request)
         self._samples.update((o.seq.seq_id, o) for o in samples if not o.seq.is_finished)
         self.wake()
@@ -193,8 +190,7 @@ class StepLoop:
         )
 
     async def detach(self, reason: str) -> None:
-        """Stop serving: end the step loop, drop the group (survivors are told to exit), forget the
-        scheduler."""
+        """End the loop, drop the group, forget the scheduler."""
         self.down_reason = reason
         self._sched = None
         self._samples = {}
@@ -225,9 +221,7 @@ class StepLoop:
             await self.sink.on_lost(self, f"replica {self.index} loop error: {e!r}")
 
     async def _steps(self) -> None:
-        """Schedule, plan and send steps, at most two in flight, so the scheduler's time hides
-        behind the workers'.
-        """
+        """At most two steps in flight, so the scheduler's time hides behind the workers'."""
         sched = self._sched
         depth = 2 if self.config.overlap else 1
         inflight: deque[Flight] = deque()
@@ -309,8 +303,7 @@ class StepLoop:
             await self.sink.on_lost(self, str(e))
             return False
         except (WorkerError, CodecError) as e:
-            # Its requests fail; a step planned behind it that needs its tokens is refused by the
-            # worker, and fails its own requests in turn.
+            # Its requests fail, and so do those of a step behind it that needs its tokens.
             log.error("step_failed", replica=self.index, step_id=out.step_id, error=str(e))
             sched.kv.step_failed(out.step_id, out.state_saves)
             self.sink.on_step_failed(self, out, str(e))
@@ -335,9 +328,7 @@ class StepLoop:
         return True
 
     async def _send_masks(self, flight: Flight) -> None:
-        """Compute and send the masks of a step sent with mask_follows, once the step before it is
-        applied.
-        """
+        """Masks of a mask_follows step, once the step before is applied."""
         masks = flight.out.read.deferred_masks
         if masks is None or flight.masks_sent:
             return
@@ -349,9 +340,7 @@ class StepLoop:
         await self.client.send_mask(self.index, mask)
 
     async def _no_progress(self, sched: Scheduler) -> None:
-        """Nothing runs and the queue's head can never be admitted: it gets an error rather than a
-        retry forever.
-        """
+        """The queue's head can never be admitted: it gets an error, not endless retries."""
         free = sched.pool_stats().num_available_blocks
         log.error(
             "no_progress",

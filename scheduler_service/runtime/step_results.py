@@ -39,7 +39,7 @@ class StepProfile:
     draft: float = 0.0  # making drafts (part of schedule)
 
     def add(self, flight: Flight, result, t_wait: float, t3: float, t4: float) -> None:
-        """One applied step: t_wait when the loop began to wait, t3 the result in, t4 applied."""
+        """One applied step: t_wait when waiting began, t3 the result in, t4 applied."""
         out = flight.out
         self.steps += 1
         self.tokens += out.num_tokens
@@ -73,8 +73,8 @@ def prompt_block_hashes(
 
 
 def read_logprobs(out: SchedulerOutput, result) -> dict[int, TokenLogprob] | None:
-    """The result's sampled logprobs by sequence id; prompt logprobs are stored in their requests at
-    once. Raises CodecError when the arrays do not match the plan.
+    """Sampled logprobs by sequence id; prompt logprobs go to their requests; CodecError on
+    mismatch.
     """
     by_seq = None
     read = out.read
@@ -115,9 +115,7 @@ def read_logprobs(out: SchedulerOutput, result) -> dict[int, TokenLogprob] | Non
 
 @dataclass
 class StepReport:
-    """One applied step for the sink: the step, what its result did, each sample's delta in order,
-    token gaps and the plan's round trip.
-    """
+    """One applied step for the sink: result, deltas, token gaps, round trip."""
 
     out: SchedulerOutput
     update: StepUpdate
@@ -136,8 +134,7 @@ class Flight:
     t2: float  # sent
     limit: float  # seconds the workers have for it once they start it
     task: asyncio.Task | None = field(default=None, repr=False)
-    # Set once its plan is on the socket; its structured-output masks, when they follow the plan, go
-    # after.
+    # Set once the plan is on the socket; masks that follow go after.
     sent: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     masks_sent: bool = False
 
@@ -148,9 +145,7 @@ def apply_text(
     update: StepUpdate,
     logprobs: dict[int, TokenLogprob] | None,
 ) -> tuple[list[tuple[Request, Delta]], list[float]]:
-    """Each new token through its sample's text, where a stop string ends it; -> deltas and token
-    gaps.
-    """
+    """Each new token through its sample's text, where a stop string ends it -> deltas, gaps."""
     now = time.monotonic()
     deltas, gaps, ended = [], [], []
     tokens = update.tokens

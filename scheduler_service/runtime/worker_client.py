@@ -63,9 +63,7 @@ class WorkerClient(Handshakes):
         step_timeout: float = 60.0,
         step_timeout_per_token: float = 0.05,
     ) -> None:
-        """A step of T tokens must finish within step_timeout + T x step_timeout_per_token, whatever
-        the heartbeats say.
-        """
+        """A step of T tokens must finish within step_timeout + T x step_timeout_per_token."""
         self.endpoint, self.tp_size, self.heartbeat_timeout = endpoint, tp_size, heartbeat_timeout
         self.step_timeout, self.step_timeout_per_token = step_timeout, step_timeout_per_token
         self.expected = dict(expected or {})
@@ -169,18 +167,14 @@ class WorkerClient(Handshakes):
         return sum(len(g.workers) for g in self.groups if g.is_ready)
 
     async def lost(self, replica: int, reason: str) -> None:
-        """A rank of a ready group is gone: the engine takes
-        the replica down (it calls drop_group).
-        """
+        """A ready group's rank is gone: the engine takes the replica down."""
         if self.events is not None:
             await self.events.group_lost(replica, reason)
         else:
             await self.drop_group(replica, reason)
 
     def find_lost(self) -> list[tuple[int, str]]:
-        """Ready groups with a rank silent past the heartbeat timeout, with the reason (checked when
-        idle too).
-        """
+        """Ready groups with a rank silent past the heartbeat timeout, and why."""
         lost = []
         for group in self.groups:
             try:
@@ -195,9 +189,7 @@ class WorkerClient(Handshakes):
         self._by_heartbeat.pop(info.heartbeat_identity, None)
 
     async def drop_group(self, replica: int, reason: str) -> None:
-        """Forget a lost group; live ranks are told to stop and local ones killed, so none writes a
-        reused pool.
-        """
+        """Forget a lost group; survivors stop, locals die, so none writes a reused pool."""
         group = self.groups[replica]
         for w in list(group.workers.values()):
             self._forget(w)
@@ -225,9 +217,7 @@ class WorkerClient(Handshakes):
         queued_behind: float = 0.0,
         sent: asyncio.Event | None = None,
     ) -> wire_pb2.StepResult:
-        """Send a plan to every rank and await all answers (WorkerError / WorkerLost); `sent` is set
-        once it is out, so a StepMask follows it.
-        """
+        """Send a plan to every rank and await all answers; `sent` lets a StepMask follow."""
         group = self.groups[replica]
         if not group.is_ready:
             raise WorkerLost(f"replica {replica} has no workers connected")
@@ -274,9 +264,7 @@ class WorkerClient(Handshakes):
         return merged_result(results)
 
     async def send_mask(self, replica: int, mask: wire_pb2.StepMask) -> None:
-        """A mask_follows plan's masks to every rank, after the plan (`sent`); an unreachable rank
-        fails its step.
-        """
+        """A plan's masks to every rank after it; an unreachable rank fails its step."""
         group = self.groups[replica]
         frame = wire_pb2.WireMessage(version=WIRE_VERSION, mask=mask).SerializeToString()
         for w in list(group.workers.values()):

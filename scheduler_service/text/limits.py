@@ -34,11 +34,9 @@ class Limits:
         )
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # every layer slides over kv_window keys: a sequence holds at most its window and a step's
-        # tokens
+        # all layers slide: a sequence holds at most its window and a step's tokens
         self.kv_window, self.step_tokens = kv_window, step_tokens
-        # A text prompt longer than this cannot fit the context whatever it says: refused before
-        # tokenizing.
+        # A text longer than this cannot fit the context: refused before tokenizing.
         self.max_prompt_bytes = max_context * max_token_bytes if max_token_bytes else None
 
     def sample_blocks(self, tokens: int, penalized: bool) -> int:

@@ -31,9 +31,7 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class Delta:
-    """One stream message: a sample's new tokens and text; finish_reason on its last, usage on the
-    request's last.
-    """
+    """One stream message: new tokens and text; finish_reason and usage on the last."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
@@ -42,8 +40,7 @@ class Delta:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # on the request's first delta, when it asked
-    # On a STOP sample's last delta: the stop string (str) or stop token id (int) that ended it;
-    # None for an end-of-sequence token.
+    # the stop string or id that ended a STOP sample; None for end-of-sequence
     stop_reason: str | int | None = None
     embedding: np.ndarray | None = None  # an embedding request's one delta: its vector (float32)
 
@@ -69,9 +66,7 @@ class SampleOutput:
     def add_token(
         self, token: int, logprob: TokenLogprob | None = None
     ) -> tuple[Delta, FinishReason | None]:
-        """Take one token (and its logprob); return the delta and why the sample ends with it, if it
-        does.
-        """
+        """One token in -> (delta, why the sample ends here or None)."""
         piece = self._detok.add(token)
         self.text += piece
         self._seen += 1
@@ -114,9 +109,7 @@ class SampleOutput:
 
 
 class DeltaQueue:
-    """A request's stream: a deque and at most one waiting future, since at a thousand streams
-    asyncio.Queue's bookkeeping cost as much as the rest of a token's output path.
-    """
+    """A deque and one future: at a thousand streams asyncio.Queue cost as much as the rest."""
 
     __slots__ = ("_items", "_waiter")
 

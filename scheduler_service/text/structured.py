@@ -21,9 +21,7 @@ class GrammarError(ValueError):
 
 
 class GrammarEngine:
-    """Compiles constraints and computes token masks for one tokenizer, a step's masks in one
-    parallel llguidance call; under overlap they follow the plan (`mask_follows`).
-    """
+    """Compiles constraints and fills a step's masks in one parallel llguidance call."""
 
     def __init__(
         self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]
@@ -60,9 +58,8 @@ class GrammarEngine:
             if not isinstance(schema, dict | bool):
                 raise GrammarError("json_schema must be a JSON object (or true/false)")
             try:
-                # JSON as json.dumps writes it (", " and ": ", no other whitespace) unless the
-                # schema's own x-guidance says otherwise: free whitespace lets a model spend its
-                # tokens on blank space
+                # JSON without free whitespace unless the schema says otherwise: models waste tokens
+                # on blanks
                 compiled = llguidance.LLMatcher.grammar_from_json_schema(
                     json.dumps(schema), defaults={"whitespace_flexible": False}
                 )

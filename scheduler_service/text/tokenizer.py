@@ -62,9 +62,7 @@ class Tokenizer:
 
     @property
     def max_token_bytes(self) -> int:
-        """UTF-8 bytes the longest token can stand for: a prompt can be refused as too long
-        untokenized.
-        """
+        """Bytes of the longest token, so a prompt can be refused as too long untokenized."""
         if self._max_token_bytes is None:
             self._max_token_bytes = max(
                 (len(t.encode()) for t in self.hf.get_vocab(with_added_tokens=True)), default=1
@@ -73,9 +71,7 @@ class Tokenizer:
 
     @property
     def token_bytes(self) -> list[bytes] | None:
-        """The UTF-8 bytes each token stands for (special: b"") for byte-level BPE; None for other
-        decoders.
-        """
+        """Each token's UTF-8 bytes for byte-level BPE (special: b""); None otherwise."""
         if self._token_bytes is False:
             self._token_bytes = self._byte_table()
         return self._token_bytes
@@ -88,9 +84,7 @@ class Tokenizer:
         return self._token_bytes_special
 
     def warm(self) -> None:
-        """Build the byte tables ahead of the first request; the server runs it while its workers
-        load.
-        """
+        """Build the byte tables while the workers load."""
         self.token_bytes  # noqa: B018 - the property builds and keeps the table
         self.token_bytes_with_special  # noqa: B018
 
@@ -182,9 +176,7 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
     def encode_prompt(self, prompt: str, raw: bool) -> list[int]:
-        """A user's text prompt → token ids: through the chat
-        template unless raw (or no template).
-        """
+        """Text to ids, through the chat template unless raw."""
         if raw or self._template is None:
             return self.encode(prompt, add_special_tokens=True)
         text = self.apply_chat_template([{"role": "user", "content": prompt}])
@@ -192,9 +184,7 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Token ids to text deltas without re-decoding: byte-level BPE through a byte table and an
-    incremental UTF-8 decoder (0.3 us a token); other tokenizers through tokenizers' DecodeStream.
-    """
+    """Text deltas without re-decoding: a byte table for byte-level BPE, else DecodeStream."""
 
     CONTEXT_TOKENS = 5
 
@@ -260,9 +250,7 @@ def _raise_template_error(message: str) -> None:
 
 
 class TokenTable:
-    """A token's text and UTF-8 bytes as logprobs show them (a token that is part of a character
-    shows the replacement character; its bytes say which part).
-    """
+    """A token's text and bytes as logprobs show them (a partial character shows U+FFFD)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer

@@ -34,9 +34,7 @@ class AttentionBackend:
     def forward(
         self, q, k_cache, v_cache, meta, scale: float, window: int = 0, softcap: float = 0.0
     ) -> torch.Tensor:
-        """window > 0: each query sees its last `window` keys; softcap > 0: Gemma 2's score
-        soft-capping.
-        """
+        """window > 0: a query sees its last `window` keys; softcap > 0: Gemma 2's soft-capping."""
         raise NotImplementedError
 
 
@@ -47,8 +45,7 @@ class PrefillRows:
     slots: torch.Tensor  # int64 [seq_len]
     # bool [q_len, seq_len]: query i sees key j < seq_len - q_len + i + 1; None
     mask: torch.Tensor | None
-    # when the chunk is the whole sequence (q_len == seq_len): then plain causal, which the fused
-    # kernel runs without materializing or applying a mask and skips the blocks above the diagonal
+    # when the chunk is the whole sequence: plain causal, which the fused kernel runs unmasked
 
 
 @dataclass
@@ -67,9 +64,7 @@ class DecodeBucket:
 
 
 def window_prefill_mask(p: PrefillRows, window: int) -> torch.Tensor | None:
-    """A prefill's mask in a sliding-window layer (None: plain causal is exact, no key is out of
-    reach).
-    """
+    """A sliding layer's prefill mask; None where plain causal is exact."""
     n, q_len = p.slots.numel(), p.end - p.start
     if window <= 0 or n <= window:
         return p.mask
@@ -92,7 +87,7 @@ def prefill_rows(
     q_lens: torch.Tensor,
     block_size: int,
 ) -> list[PrefillRows]:
-    """The slots and causal mask of every sequence with more than one query token this step."""
+    """Slots and causal masks of every multi-token row."""
     return [
         prefill_row(
             block_tables[i : i + 1], lens[i : i + 1], int(qsl[i]), int(q_lens[i]), block_size
@@ -104,9 +99,7 @@ def prefill_rows(
 def prefill_row(
     table: torch.Tensor, seq_len: torch.Tensor, start: int, q_len: int, block_size: int
 ) -> PrefillRows:
-    """One sequence's: table [1, max_blocks], seq_len [1] (keys), its query tokens start .. start +
-    q_len - 1.
-    """
+    """One row: table [1, max_blocks], seq_len [1], queries start .. start + q_len - 1."""
     n = int(seq_len[0])
     slots = reference.kv_slots(table, seq_len, block_size, n)[0]
     mask = None
@@ -116,15 +109,12 @@ def prefill_row(
     return PrefillRows(start, start + q_len, slots, mask)
 
 
-# Decode rows are sorted by length and cut into buckets of similar length, so that a short sequence
-# is not padded to the longest one of the step: gathering keys is memory-bound on a CPU.
+# Decode rows bucketed by length so short ones are not padded to the longest.
 DECODE_BUCKET_ROWS = 16
 
 
 class TorchAttention(AttentionBackend):
-    """Gathers each sequence's keys once per layer and runs torch's SDPA: decodes batched, prompts
-    one by one.
-    """
+    """Each row's keys gathered for torch's SDPA: decodes batched, prompts one by one."""
 
     name = "torch"
 
@@ -177,8 +167,7 @@ class TorchAttention(AttentionBackend):
             shape = (*b.slots.shape, n_kv_heads, head_dim)
             # index_select copies whole rows: ~2x faster than indexing
             flat_slots = b.slots.flatten()
-            # [rows, n_kv, width, hd], in the queries' dtype (a bf16 pool beside fp32 compute widens
-            # here)
+            # [rows, n_kv, width, hd] in the queries' dtype
             keys = k_flat.index_select(0, flat_slots).view(shape).transpose(1, 2).to(q.dtype)
             values = v_flat.index_select(0, flat_slots).view(shape).transpose(1, 2).to(q.dtype)
             qd = q[b.tokens].unsqueeze(2)  # [rows, n_heads, 1, head_dim]

@@ -31,9 +31,7 @@ class CpuAttentionMeta:
     _torch_prefills: list[PrefillRows] | None = None
 
     def torch_prefills(self) -> list[PrefillRows]:
-        """The torch path's prefill metadata, built only where the native kernel does not cover the
-        shape.
-        """
+        """The torch path's prefill metadata, built only where the native kernel cannot serve."""
         if self._torch_prefills is None:
             self._torch_prefills = [
                 prefill_row(
@@ -49,13 +47,10 @@ class CpuAttentionMeta:
 
 
 class CpuAttention(TorchAttention):
-    """Decodes attend in place through the block tables (kernels/cpu/paged_decode.c, each key read
-    once per GQA group); prompts as `torch` does.
-    """
+    """Decodes in place through block tables, each key read once per GQA group; prompts as torch."""
 
     name = "cpu"
-    # prompt chunks over a bf16 pool in bf16 dot products (set by the worker for a model served in
-    # bf16)
+    # prompts over a bf16 pool in bf16 dot products
     prefill_bf16_dots = False
 
     def __init__(self) -> None:
@@ -283,9 +278,7 @@ def default_backend_name(device: torch.device) -> str:
 def make_backend(
     name: str | None, device: torch.device, shape: tuple | None = None, bf16_prefill: bool = False
 ) -> AttentionBackend:
-    """The device's default backend unless `name` says; `cpu` falls back to `torch` where it cannot
-    serve `shape`. bf16_prefill: bf16 dot products for prompts over a bf16 pool.
-    """
+    """The device's default unless named; `cpu` falls back to `torch` for shapes it cannot serve."""
     chosen = name or default_backend_name(device)
     if chosen not in BACKENDS:
         raise ValueError(f"unknown attention backend {chosen!r}; choose from {sorted(BACKENDS)}")

@@ -48,14 +48,11 @@ class ModelConfig:
     rope_layers: tuple[bool, ...] = ()
     # per layer: its sliding window (0: full attention); empty = no layer slides
     layer_windows: tuple[int, ...] = ()
-    # values of each head that RoPE rotates (the first ones; head_dim but under a
-    # partial_rotary_factor)
+    # values of each head that RoPE rotates (partial_rotary_factor)
     rotary_dim: int = 0
-    # Gemma 3: its sliding layers' RoPE (rope_theta and scaling of their own); None: every layer
-    # shares one
+    # Gemma 3's sliding layers' own RoPE; None: one for all
     local_rope: dict | None = None
-    # a GGUF's rope_freqs (llama.cpp's Llama 3.x files carry their rope scaling so): each inverse
-    # frequency is divided by its factor, as llama.cpp rotates; empty = none
+    # a GGUF's rope_freqs: each inverse frequency divided by its factor, as llama.cpp does
     rope_freq_factors: tuple[float, ...] = ()
     hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_tanh (GeGLU)
     attn_scale: float = 0.0  # softmax scale of the scores; 0: head_dim ** -0.5
@@ -66,9 +63,8 @@ class ModelConfig:
     norm_offset: float = 0.0
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: off
     attn_softcap: float = 0.0  # Gemma 2: attention scores = cap * tanh(scores / cap); 0: off
-    # mixture of experts: per layer whether its MLP is one (empty: a dense model), the experts, how
-    # many a token is routed to, each expert's intermediate size, and whether the chosen experts'
-    # weights are renormalized to sum to 1
+    # mixture of experts per layer (empty: dense), experts, top-k, intermediate size,
+    # renormalization
     moe_layers: tuple[bool, ...] = ()
     num_experts: int = 0
     experts_per_token: int = 0
@@ -76,16 +72,14 @@ class ModelConfig:
     norm_topk_prob: bool = False
     # beside the experts, a shared one (intermediate_size wide) scaled by a per-token sigmoid gate
     shared_expert: bool = False
-    # hybrids (Qwen3.5): per layer whether it is Gated DeltaNet (empty: none is), its heads and
-    # dims, the causal conv's width; attention layers gate their output by a second q projection
+    # hybrids: which layers are Gated DeltaNet (empty: none), their heads, dims and conv width
     linear_layers: tuple[bool, ...] = ()
     linear_k_heads: int = 0
     linear_v_heads: int = 0
     linear_k_dim: int = 0
     linear_v_dim: int = 0
     linear_conv_kernel: int = 0
-    # value heads in llama.cpp's order (a qwen35 GGUF): head j reads key head j % k_heads, not
-    # j // (v_heads / k_heads)
+    # value heads in llama.cpp's order: head j reads key head j % k_heads
     linear_tiled_values: bool = False
     attn_output_gate: bool = False
 
@@ -114,9 +108,7 @@ class ModelConfig:
         return not self.rope_layers or self.rope_layers[layer]
 
     def local_rope_config(self) -> ModelConfig | None:
-        """This config with the sliding layers' RoPE as its own (Gemma 3), for their rotary tables;
-        None when every layer shares one.
-        """
+        """The sliding layers' own RoPE config (Gemma 3); None when all share one."""
         if self.local_rope is None:
             return None
         from dataclasses import replace
@@ -129,16 +121,12 @@ class ModelConfig:
         )
 
     def window(self, layer: int) -> int:
-        """The layer's sliding window: a token sees its last `window`
-        keys; 0 = every earlier key.
-        """
+        """The layer's sliding window; 0 = every earlier key."""
         return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def max_window(self) -> int:
-        """The widest window when every layer slides (keys older than it are never read again); 0
-        when any layer attends over the whole context.
-        """
+        """The widest window if every layer slides, else 0."""
         return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
 
     def __post_init__(self) -> None:
@@ -343,9 +331,7 @@ def hybrid_fields(cfg: dict, num_layers: int) -> dict:
 
 
 def parameter_count(config) -> int:
-    """The parameters a model's config implies (embeddings, attention, the MLP or its experts, the
-    head): what loading it takes, before anything is allocated.
-    """
+    """Parameters the config implies: what loading takes, before allocating anything."""
     h, hd = config.hidden_size, config.head_dim
     attn = h * config.num_heads * hd * 2 + h * config.num_kv_heads * hd * 2
     dense_mlp = 3 * h * config.intermediate_size

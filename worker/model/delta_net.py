@@ -21,9 +21,8 @@ from worker.model.config import ModelConfig
 
 @dataclass
 class StateStep:
-    """A step's rows in the state pool: each row's slot, its tokens' offsets (host ints), the
-    snapshots taken inside rows (row -> [(offset, slot)], by offset) and those taken at a row's
-    end, copied once the layer has run ((row's slot, slot): a decode's at a block boundary).
+    """A step's rows in the state pool: slots, token offsets, snapshots inside rows and at their
+    ends.
     """
 
     slots: torch.Tensor  # int64 [rows]
@@ -37,10 +36,7 @@ class StateStep:
 
 
 def begin_state_step(states, p, device) -> StateStep | None:
-    """A hybrid plan's rows in the state pool (`states`, a StatePool): snapshots resumed from are
-    copied in, then the slots of rows that start at position 0 are zeroed; None for a model
-    without one.
-    """
+    """Copy in resumed snapshots, zero the slots of rows starting at 0; None if stateless."""
     if states is None or p.state_slots is None:
         return None
     if p.state_copies is not None and p.state_copies.size:
@@ -81,15 +77,14 @@ class GatedDeltaNet(nn.Module):
 
     @property
     def in_rows(self) -> int:
-        """Rows of the fused input projection: q, k, v (the conv's channels), z, b and a."""
+        """Fused input projection rows: q, k, v, z, b, a."""
         return self.conv_dim + self.v_size + 2 * self.v_heads
 
     def forward(
         self, proj: torch.Tensor, step: StateStep, conv_states, states, ops=None
     ) -> torch.Tensor:
-        """proj [tokens, in_rows] -> [tokens, v_size], the gated norm applied; each row's slot of
-        conv_states [slots, K-1, conv_dim] and states [slots, Hv, Dk, Dv] moves past its tokens.
-        ops: the layer's elementwise ops; native ones run a decode in the library's single passes.
+        """proj [tokens, in_rows] -> [tokens, v_size], gated-normed; each row's slot advances past
+        its tokens.
         """
         out = self._run(proj, step, conv_states, states, ops)
         if step.after is not None:
@@ -135,9 +130,7 @@ class GatedDeltaNet(nn.Module):
         return (self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.tiled, self.eps)
 
     def _advance(self, x, g, beta, span, slot: int, conv_states, states, native=None):
-        """Tokens span = (s, e) of one row through the conv and the delta rule from its slot's
-        state (native: the library's chunked kernel, in place in the slot).
-        """
+        """One row through the conv and delta rule from its slot's state."""
         s, e = span
         y, conv_states[slot] = causal_conv(x[s:e], conv_states[slot], self.conv)
         if native is not None and e - s > 1:

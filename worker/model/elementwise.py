@@ -17,9 +17,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, n_heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim / 2]: rotate-half
-    # over the first rotary_dim values of each head (all of them but with a partial_rotary_factor),
-    # the rest as they are
+    # x [tokens, heads, head_dim]; cos, sin [tokens, 1, rotary_dim / 2]: rotate-half over the first
+    # rotary_dim values
     half = cos.shape[-1]
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
@@ -36,9 +35,7 @@ class TorchOps:
         eps: float,
         bf16_out: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (residual + delta, its RMSNorm). delta may be bf16 (a bf16 GEMM's output); bf16_out
-        rounds the norm for the next bf16 GEMM.
-        """
+        """-> (residual + delta, its RMSNorm); bf16_out rounds for the next bf16 GEMM."""
         if delta is not None:
             residual = residual + delta.to(residual.dtype)
         out = rms_norm(residual, weight, eps)
@@ -56,9 +53,7 @@ class TorchOps:
         k_weight: torch.Tensor,
         eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Qwen3's RMSNorm of each query and key head: q [tokens, heads, hd], k [tokens, kv_heads,
-        hd].
-        """
+        """Qwen3's per-head RMSNorm of q and k."""
         return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
 
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
@@ -66,9 +61,7 @@ class TorchOps:
         return rotary.lookup(positions, dtype)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [tokens, heads, hd], k [tokens, kv_heads, hd] (views of one
-        fused row) -> rotated q, k.
-        """
+        """Rotate q and k (views of one fused row)."""
         return apply_rotary(q, *state), apply_rotary(k, *state)
 
 
@@ -82,7 +75,7 @@ class NativeOps(TorchOps):
     def covers(x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.dtype == torch.float32
 
-    # the norms take a bf16 GEMM's output and give the next one bf16 rows (add_rms_norm_mixed)
+    # the norms take and give bf16 rows around bf16 GEMMs
     mixed_bf16 = True
 
     def add_rms_norm(self, residual, delta, weight, eps, bf16_out=False):
@@ -119,9 +112,7 @@ class NativeOps(TorchOps):
         return out
 
     def head_norms(self, q, k, q_weight, k_weight, eps):
-        """In place on the fused QKV row (one pass a head; rope then finds q and k still adjacent
-        there).
-        """
+        """In place on the fused QKV row."""
         views = all(
             t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
             for t in (q, k)
@@ -183,9 +174,7 @@ class TritonOps(NativeOps):
 
 
 def default_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
-    """Triton kernels on CUDA, native kernels for fp32 on a CPU where they build
-    (kernels/cpu_native.py), torch otherwise.
-    """
+    """Triton on CUDA, native kernels for fp32 on a CPU where they build, torch otherwise."""
     if device.type == "cuda":
         try:
             return TritonOps()
@@ -202,9 +191,7 @@ def default_ops(device: torch.device, dtype: torch.dtype) -> TorchOps:
 
 
 class RopeSets(tuple):
-    """A step's rotary tables for the global layers and for the sliding ones, where they differ
-    (Gemma 3).
-    """
+    """A step's rotary tables for global and sliding layers, where they differ (Gemma 3)."""
 
 
 class Rotary:

@@ -22,7 +22,7 @@ GEMMA_TYPES = ("gemma2", "gemma3_text")
 MOE_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text")
 # and those whose experts sit beside one shared expert, gated per token
 SHARED_EXPERT_TYPES = ("qwen3_5_moe_text",)
-# activations of the gated MLP: SiLU (SwiGLU) everywhere, GELU-tanh (GeGLU) where the family uses it
+# the gated MLP's activation: SiLU, or GELU-tanh where the family uses it
 GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # dynamic (NTK) only changes the frequencies past max_position_embeddings, which is never served
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -56,9 +56,7 @@ class UnsupportedModel(ValueError):
 
 def check_supported(cfg: dict) -> None:
     # one function: one check a config field, read as a list
-    """Refuse, naming field and value, every config field that would change the math and is not
-    implemented, rather than serve wrong text.
-    """
+    """Refuse, naming it, every config field that would change the math and is not implemented."""
     model_type = cfg.get("model_type", "llama")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(
@@ -178,9 +176,7 @@ def num_experts(cfg: dict) -> int:
 
 
 def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
-    """Layers whose MLP is a mixture of experts, as transformers builds
-    them; () for a dense model.
-    """
+    """Layers whose MLP is a mixture of experts; () for a dense model."""
     if cfg.get("model_type") not in MOE_TYPES or not num_experts(cfg):
         return ()
     if cfg.get("model_type") == "mixtral":
@@ -191,9 +187,7 @@ def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
 
 
 def rope_sets(cfg: dict) -> list[dict]:
-    """The RoPE parameters of each kind of layer: one set for most families; Gemma 3 global layers
-    first, then sliding.
-    """
+    """RoPE parameters per layer kind: one set, or Gemma 3's global then sliding."""
     params = cfg.get("rope_parameters") or {}
     if cfg.get("model_type") != "gemma3_text":
         rope = dict(params or cfg.get("rope_scaling") or {})
@@ -212,9 +206,7 @@ def rope_sets(cfg: dict) -> list[dict]:
 
 
 def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
-    """Each layer's sliding window as transformers builds the model (0 = full attention; () when
-    none slides).
-    """
+    """Each layer's window (0 = full); () when none slides."""
     window = cfg.get("sliding_window")
     if not window:
         return ()

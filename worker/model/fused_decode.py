@@ -91,9 +91,7 @@ LORA_ORDER = ("qkv", "o_proj", "gate_up", "down")  # decode_step.c's order of a 
 
 
 def _native_lora(weights, num_layers: int):
-    """An adapter's projections as the fused step reads them, or False where they are not plain fp32
-    rows.
-    """
+    """An adapter's projections as the fused step reads them, or False if not plain fp32."""
     if weights.native is None:
         projs = (PsLoraProj * (num_layers * 4))()
         ok = len(weights.layers) == num_layers
@@ -192,9 +190,8 @@ def mirrors_match(kernels) -> bool:
 
 
 class FusedDecode:
-    """The model handed to the library once, so a decode step is one call with barriers between
-    stages (per-layer overhead was a third of a one-sequence step); wide steps use torch's sgemm
-    inside it.
+    """The model handed to the library once, so a decode step is one call (per-layer overhead was a
+    third of a one-stream step).
     """
 
     def __init__(self, kernels, model, max_rows: int) -> None:
@@ -205,9 +202,7 @@ class FusedDecode:
         self.kernels = kernels
         self.model = model
         self.max_rows = max_rows
-        # past max_rows, where every matrix has a plain fp32 copy and the process has a BLAS sgemm,
-        # the step multiplies on that copy (each thread its share of the output rows) and serves any
-        # number of rows
+        # past max_rows, with fp32 copies and a BLAS sgemm, the step multiplies there for any rows
         dense = all(
             _matrix(layer, name)[0].dense for layer in model.layers for name in layer.matmul_names
         )
@@ -266,9 +261,7 @@ class FusedDecode:
         return True
 
     def _describe(self, pool) -> None:
-        """The model, its weights and this pool's caches as the native step reads them (once per
-        pool).
-        """
+        """Model, weights and caches as the native step reads them (once per pool)."""
         m, c = self.model, self.model.config
         keep, layers = [], (PsLayer * c.num_layers)()
         for i, layer in enumerate(m.layers):
@@ -343,9 +336,7 @@ class FusedDecode:
 
 
 class NativeHead:
-    """The LM head of a decode step on the native rows kernel, the matrix read once for up to eight
-    rows.
-    """
+    """The LM head on the native rows kernel: the matrix read once for up to eight rows."""
 
     def __init__(self, kernels, weight: torch.Tensor, max_rows: int) -> None:
         self.kernels = kernels

@@ -42,15 +42,12 @@ class KVPool:
         heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
         self.bytes_per_block = bytes_per_block(config, block_size, dtype, heads)
         shape = (num_blocks, block_size, heads, config.head_dim)
-        # Never zeroed: attention masks by sequence length, so stale bytes are never read. A
-        # hybrid's linear layers hold none: their state is in `states`.
+        # Never zeroed: attention masks by length. A hybrid's linear layers keep `states` instead.
         kv = [not config.is_linear(i) for i in range(config.num_layers)]
         self.k = [torch.empty(shape if x else 0, dtype=dtype, device=device) for x in kv]
         self.v = [torch.empty(shape if x else 0, dtype=dtype, device=device) for x in kv]
         self.states: StatePool | None = None  # a hybrid's recurrent-state slots (use_states)
-        # The token record: the id of the token whose K/V each slot holds (plus one scratch slot at
-        # the end for writes that go nowhere). Penalties read a sequence's context tokens through
-        # its block table.
+        # The token record: each slot's token id (plus a scratch slot), read by penalties.
         self._token_slots = torch.full(
             (num_blocks * block_size + 1,), -1, dtype=torch.int32, device=device
         )
@@ -74,7 +71,7 @@ class KVPool:
 
     @torch.no_grad()
     def record_tokens(self, slot_mapping: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Write each new token's id where its K/V goes (slot -1: nowhere), without a host sync."""
+        """Write each token's id where its K/V goes (slot -1: nowhere), without a host sync."""
         scratch = torch.full_like(slot_mapping, self._token_slots.numel() - 1)
         self._token_slots[torch.where(slot_mapping >= 0, slot_mapping, scratch)] = token_ids.to(
             torch.int32
@@ -83,9 +80,7 @@ class KVPool:
     def context_tokens(
         self, block_tables: torch.Tensor, seq_lens: torch.Tensor, pad: int
     ) -> torch.Tensor:
-        """int64 [rows, max len]: each row's context tokens read through its table, `pad` past its
-        length.
-        """
+        """int64 [rows, max len]: each row's context read through its table, padded."""
         width = int(seq_lens.max()) if seq_lens.numel() else 0
         pos = torch.arange(width, device=block_tables.device)
         blocks = pos // self.block_size

@@ -34,9 +34,7 @@ class TierError(ValueError):
 def layout_key(
     fingerprint: str, weights: str, pool: KVPool, rank: int, tp: int, replica: int
 ) -> bytes:
-    """What a block's bytes depend on besides its tokens (model, pool dtype, block size, this rank's
-    heads): files of another layout are never read.
-    """
+    """What a block's bytes depend on besides its tokens: other layouts' files are never read."""
     text = "|".join(
         map(
             str,
@@ -58,9 +56,7 @@ def layout_key(
 
 
 def weights_identity(model: str, load_format: str, seed: int) -> str:
-    """The model's weight files as they are on disk (name, size, modification time), or the dummy
-    seed.
-    """
+    """The weight files' names, sizes and times, or the dummy seed."""
     if load_format == "dummy":
         return f"dummy:{seed}"
     path = Path(model)
@@ -77,10 +73,7 @@ def weights_identity(model: str, load_format: str, seed: int) -> str:
 
 
 class RowBytes:
-    """Entries of some tensors (their first dimension) as rows of bytes: entry i of each in turn.
-    A pool block: every layer's K, then every layer's V, then its token record; a state slot: every
-    linear layer's conv state, then its delta-rule state.
-    """
+    """Entries of some tensors as rows of bytes (a block: every layer's K, V, token record)."""
 
     def __init__(self, parts: list[torch.Tensor]) -> None:
         self.parts = parts
@@ -114,7 +107,7 @@ def snapshot_bytes(states: StatePool) -> RowBytes:
 
 
 class HostTier:
-    """Slots of block bytes in host memory, each with the hash and checksum of what it holds."""
+    """Host-memory slots of block bytes, each with its hash and checksum."""
 
     def __init__(self, slots: int, size: int, pin: bool) -> None:
         self.data = torch.empty((slots, size), dtype=torch.uint8, pin_memory=pin).numpy()
@@ -133,9 +126,7 @@ class HostTier:
 
 
 class DiskTier:
-    """One file a block under folder/<layout key>/, written atomically on a thread (a copy taken
-    first).
-    """
+    """One file a block under folder/<layout key>/, written atomically on a thread."""
 
     def __init__(
         self, folder: str, key: bytes, size: int, capacity: int, suffix: str = ".kv"
@@ -246,9 +237,7 @@ class DiskTier:
 
 
 class TierLane:
-    """One kind of entry's tiers on this rank (pool blocks, or a hybrid's state snapshots): how its
-    entries become bytes, a host tier, a disk tier.
-    """
+    """One kind of entry's tiers on this rank: its bytes, a host tier, a disk tier."""
 
     def __init__(self, rows: RowBytes, host_slots: int, disk: DiskTier | None, what: str) -> None:
         self.rows, self.disk, self.what = rows, disk, what
@@ -260,7 +249,7 @@ class TierLane:
         return len(self.host.hashes) if self.host is not None else 0
 
     def check(self, ops: TierOps, count: int) -> None:
-        """Raises TierError where the work names an entry, tier or slot this rank does not have."""
+        """TierError where the work names what this rank lacks."""
         for rows in (ops.stores, ops.loads):
             if len(rows) and ((rows[:, 0] < 0).any() or (rows[:, 0] >= count).any()):
                 raise TierError(f"a KV-tier row names a {self.what} outside the pool")
@@ -304,9 +293,7 @@ class TierLane:
 
 
 class KvTierStore:
-    """This rank's tiers and the plan's work on them: pool blocks, and where the model keeps state,
-    its snapshots.
-    """
+    """This rank's tiers and the plan's work on them: blocks, and a hybrid's snapshots."""
 
     def __init__(
         self,
@@ -351,7 +338,7 @@ class KvTierStore:
                 handshake.disk_tier_snapshot_hashes = b"".join(states.disk.held())
 
     def check(self, ops: TierOps, num_blocks: int) -> None:
-        """Raises TierError where the work names a block, slot or tier this rank does not have."""
+        """TierError where the work names what this rank lacks."""
         self.blocks.check(ops, num_blocks)
         if ops.states is not None:
             if self.states is None:
@@ -359,9 +346,7 @@ class KvTierStore:
             self.states.check(ops.states, self.pool.states.num_slots)
 
     def run(self, ops: TierOps) -> tuple[np.ndarray, float]:
-        """Blocks, then snapshots: stores, loads, drops; -> (indices of the loads that failed, the
-        snapshots' numbered on after the blocks', seconds).
-        """
+        """Blocks then snapshots: stores, loads, drops -> (failed loads, seconds)."""
         t0 = time.perf_counter()
         failed = self.blocks.run(ops)
         if ops.states is not None:
@@ -370,9 +355,7 @@ class KvTierStore:
 
 
 def check_tiers(store: KvTierStore | None, ops: TierOps, num_blocks: int) -> None:
-    """Raises TierError where a plan's tier work cannot run on this rank (it has no tiers, or not
-    these).
-    """
+    """TierError where a plan's tier work cannot run on this rank."""
     if store is None:
         raise TierError(
             "the plan moves KV-tier blocks; this worker has no tiers (--kv-offload-size, "

@@ -74,8 +74,7 @@ class DecoderLayer(nn.Module):
         # Gemma's norms of the attention and MLP outputs, before each residual add
         self.attn_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
         self.mlp_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
-        # the MLP: dense (gate and up stacked), or a mixture of experts, beside which a shared
-        # expert is the dense MLP scaled by a per-token sigmoid gate
+        # dense MLP, or experts beside an optional sigmoid-gated shared expert
         self.moe = MoE(c, shard) if c.is_moe(layer_idx) else None
         dense = self.moe is None or c.shared_expert
         inter = shard.intermediate_size
@@ -114,9 +113,7 @@ class DecoderLayer(nn.Module):
         attn: AttentionBackend,
         ops: TorchOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add x to the residual (fused with the norm), then attention and MLP; -> (MLP output,
-        residual).
-        """
+        """Residual add fused with the norm, attention, MLP -> (MLP output, residual)."""
         c = self.config
         num_tokens = x.shape[0]
         mm, w, lora, i = self.mm, self.w, step.lora, self.layer_idx

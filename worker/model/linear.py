@@ -28,9 +28,7 @@ class DenseMatmul:
 
 
 class OneDNNMatmul:
-    """oneDNN with each weight reordered once into its blocked layout: fp32, often 2-3x a plain
-    matmul.
-    """
+    """oneDNN with each weight reordered once: often 2-3x a plain fp32 matmul."""
 
     name = "onednn"
 
@@ -53,18 +51,14 @@ class OneDNNMatmul:
 
 
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512_BF16 or AMX-BF16), where torch's bf16
-    GEMM (oneDNN) is faster than fp32's; elsewhere it is emulated, slower.
-    """
+    """Whether this CPU multiplies bf16 in hardware; elsewhere emulated, slower than fp32."""
     cpu = getattr(torch, "cpu", None)
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(cpu, c, lambda: False)()) for c in checks)
 
 
 class OneDNNBf16Matmul:
-    """A quantized file's bf16 copy for prompt steps in oneDNN's layout (`--quantized-prefill
-    bf16`): half the bytes of fp32, several times its rate on AMX.
-    """
+    """A quantized file's bf16 copy for prompts (`--quantized-prefill bf16`): half fp32's bytes."""
 
     name = "onednn-bf16"
 
@@ -145,8 +139,8 @@ class MKLPacked:
 
 
 class MKLMatmul:
-    """Each weight packed once by MKL (`cblas_sgemm_pack`), multiplied by `cblas_sgemm_compute`:
-    5-8% faster than oneDNN on prefill chunks; resident memory grows by one copy.
+    """Weights packed once by MKL: 5-8% faster than oneDNN on prefill chunks, one more copy
+    resident.
     """
 
     name = "mkl"
@@ -194,9 +188,7 @@ LIBRARIES = {"dense": DenseMatmul, "onednn": OneDNNMatmul, "mkl": MKLMatmul}
 
 
 def head_library(lib, device: torch.device, dtype: torch.dtype):
-    """The LM head's library: oneDNN where it runs, whose blocked layout reads a wide cold matrix
-    fastest.
-    """
+    """oneDNN where it runs: its blocked layout reads a wide cold matrix fastest."""
     return (
         OneDNNMatmul()
         if lib.name in ("dense", "mkl") and OneDNNMatmul.available(device, dtype)
@@ -211,9 +203,7 @@ def measure(
     dtype: torch.dtype,
     reps: int = 5,
 ) -> dict[str, float]:
-    """Seconds each library takes per shape and row count, interleaved; raises on a wrong packed
-    result.
-    """
+    """Seconds each library takes per shape and row count, interleaved; raises on a wrong result."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g).to(device, dtype) * k**-0.5 for n, k in shapes]
     inputs = {
@@ -269,9 +259,7 @@ PROBE_FLOP = 30e9
 
 
 def choose(name: str, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype):
-    """The library to use: `name` if it is not "auto", else the fastest on these shapes by
-    measurement.
-    """
+    """`name` unless "auto", else the fastest measured on these shapes."""
     if name != "auto":
         if name not in LIBRARIES:
             raise ValueError(
@@ -289,8 +277,7 @@ def choose(name: str, shapes: list[tuple[int, int]], device: torch.device, dtype
         return LIBRARIES[name]()
     if not (OneDNNMatmul.available(device, dtype) or MKLMatmul.available(device, dtype)):
         return DenseMatmul()
-    # decode rows and a prefill chunk's (the default token budget; fewer where that is a long
-    # measurement)
+    # decode rows and a prefill chunk's
     prefill_rows = 2048 if 2 * 2048 * sum(n * k for n, k in shapes) <= PROBE_FLOP else 512
     try:
         seconds = measure(shapes, (64, prefill_rows), device, dtype)

@@ -62,8 +62,8 @@ class LlamaModel(nn.Module):
         self.native_head = None
 
     def use_matmul(self, lib, drop_dense: bool = True) -> None:
-        """Run projections and LM head through `lib` with weights prepared once; the loaded copies
-        are freed unless kept.
+        """Projections and head through `lib`, weights prepared once; the loaded copies freed unless
+        kept.
         """
         drop = drop_dense and lib.name != "dense"
         for layer in self.layers:
@@ -92,8 +92,8 @@ class LlamaModel(nn.Module):
     def use_quantized(
         self, weights: dict[tuple, object], lib, keep_dense: bool = True
     ) -> dict[str, int]:
-        """Serve projections and LM head from the GGUF's own blocks; types the kernels lack stay
-        dense. keep_dense also keeps a dense copy for prefill. Returns matrices by type.
+        """Projections and head on the GGUF's own blocks; unsupported types stay dense -> matrices
+        by type.
         """
         from worker.model.quant_weights import QuantEmbedding, QuantLinear
 
@@ -174,8 +174,7 @@ class LlamaModel(nn.Module):
         return self.comm.all_reduce(x.masked_fill(outside[:, None], 0.0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden_size] -> fp32 logits [rows, vocab_size]; only rows that sample are passed.
-        Every rank of a group calls it with the same rows and gets the same logits."""
+        """[rows, hidden] -> fp32 [rows, vocab] for the sampling rows; every rank gets the same."""
         if self.mm is None:
             self.use_matmul(DenseMatmul())
         if self.native_head is not None and self.native_head.covers(hidden):

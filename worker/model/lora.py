@@ -13,8 +13,7 @@ import torch
 
 log = structlog.get_logger("worker.model.lora")
 
-# the layer's fused projections and, for each, its parts in output order (an adapter may change any
-# of them)
+# the layer's fused projections, each with its parts in output order
 PROJECTIONS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o_proj": ("o_proj",),
@@ -25,9 +24,7 @@ PROJECTIONS = {
 
 @dataclass
 class Projection:
-    """One adapter's update of one fused projection on this rank: its parts' A stacked, each part's
-    B apart.
-    """
+    """One adapter's update of one fused projection on this rank: A stacked, each part's B apart."""
 
     a: torch.Tensor
     bs: tuple[torch.Tensor, ...]
@@ -42,9 +39,7 @@ class Projection:
         return max(p[3] for p in self.parts)
 
     def dense_b(self) -> torch.Tensor:
-        """One B over the columns the parts cover (zeros elsewhere), so one matmul expands every
-        part.
-        """
+        """One B over every part's columns, so one matmul expands them all."""
         b = torch.zeros(
             self.hi - self.lo, self.a.shape[0], dtype=self.a.dtype, device=self.a.device
         )
@@ -73,9 +68,8 @@ class LoraWeights:
 
 
 class StepLora:
-    """A step's rows grouped by adapter once; every projection adds shrink then expand per group in
-    place. Groups of similar size are batched (two matmuls whatever their number); on a GPU, two
-    Triton launches (kernels/triton_lora.py).
+    """A step's rows grouped by adapter; each projection adds shrink then expand per group (two
+    Triton launches on a GPU).
     """
 
     def __init__(
@@ -87,13 +81,11 @@ class StepLora:
         index: torch.Tensor | None = None,
     ) -> None:
         self.groups = groups
-        # the step's adapters and each token's one in them (-1: the base), as the fused decode step
-        # reads them
+        # the step's adapters and each token's index (-1: base), for the fused step
         self.adapters = adapters if adapters is not None else [w for w, _ in groups]
         self.index = index
         self.native = None  # the fused decode step's PsLora of them, where it runs the step
-        # on a GPU, every projection's update is two Triton launches over all the step's tokens
-        # (kernels/triton_lora.py), each token reading its adapter's stacked weights
+        # on a GPU: two Triton launches per projection over all tokens
         self.gpu = index is not None and index.is_cuda
         self.gpu_index = index.to(torch.int32) if self.gpu else None
         # (gather index [G, most], pad mask [G, most, 1], scatter index [G * most])
@@ -127,9 +119,7 @@ class StepLora:
         return cls(groups, (gather, mask, gather.flatten()), stacks, adapters, token_index)
 
     def _stacked(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-        """Every group's A and B of the projection stacked, where
-        all change it alike (else None).
-        """
+        """Every group's A and B stacked where all change the projection alike, else None."""
         key = (layer, name)
         if key not in self.stacks:
             ps = [w.layers[layer].get(name) for w, _ in self.groups]
@@ -152,8 +142,8 @@ class StepLora:
         return self.stacks[key]
 
     def _gpu_stack(self, layer: int, name: str):
-        """The step's adapters' A [G, R, in] and B [G, S, R] stacked for the Triton kernels; None
-        where none changes this projection.
+        """A [G, R, in] and B [G, S, R] for the Triton kernels; None if none changes this
+        projection.
         """
         key = ("gpu", layer, name)
         if key not in self.stacks:
@@ -209,8 +199,8 @@ class StepLora:
 
 
 class LoraCache:
-    """The adapters this worker holds, by content hash, at most `slots` (reserved from the pool's
-    budget); the least recently used one not in this step makes room.
+    """Adapters held by content hash, at most `slots`; the least recently used outside the step
+    goes.
     """
 
     def __init__(
@@ -223,9 +213,7 @@ class LoraCache:
         self.stacks: dict = {}
 
     def preload(self, loras: list[tuple[str, str]]) -> None:
-        """Read adapters ahead of the plans that will name them, into free slots only (none is given
-        back).
-        """
+        """Read adapters ahead of the plans naming them, into free slots only."""
         for identity, path in loras:
             if identity in self.held or len(self.held) >= self.slots:
                 continue
@@ -239,8 +227,8 @@ class LoraCache:
     def step(
         self, loras: list[tuple[str, str]], seq_index, q_lens, device: torch.device
     ) -> StepLora | None:
-        """The step's adapters read or found, and its rows grouped by them; ValueError for a plan
-        that names more adapters than this worker holds, or one that cannot be read.
+        """The step's adapters found or read, rows grouped; ValueError if they cannot be held or
+        read.
         """
         if len(loras) > self.slots:
             raise ValueError(

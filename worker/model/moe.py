@@ -13,8 +13,8 @@ from worker.model.parallel import Shard
 
 
 class MoE(nn.Module):
-    """transformers' routing: softmax in fp32, top-k, renormalized where the config says. Under
-    tensor parallelism each rank holds a slice of every expert, so routing needs no exchange.
+    """transformers' routing (fp32 softmax, top-k); under TP each rank holds a slice of every
+    expert.
     """
 
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
@@ -42,9 +42,7 @@ class MoE(nn.Module):
         return weights.to(h.dtype), ids
 
     def forward(self, h: torch.Tensor, ops) -> torch.Tensor:
-        """h [T, hidden] (the post-attention norm's output) -> this rank's share of the MLP output
-        [T, hidden].
-        """
+        """h [T, hidden] -> this rank's share of the MLP output."""
         weights, ids = self.route(h)
         if self.backend is None:
             self.backend = default_backend(h.device)
@@ -74,9 +72,7 @@ def grouped_experts(
     down: torch.Tensor,
     silu_mul,
 ) -> torch.Tensor:
-    """One matmul pair per chosen expert over its tokens, each
-    token's share added in expert order.
-    """
+    """One matmul pair per chosen expert, shares added in expert order."""
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices

@@ -21,10 +21,7 @@ class ParallelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Shard:
-    """The slices of the model one rank holds (half-open ranges). QKV and gate/up column-parallel,
-    o_proj and down row-parallel, embedding and LM head vocabulary-parallel; fewer KV heads than
-    ranks are replicated, as vLLM does.
-    """
+    """One rank's slices (half-open) of each projection, as vLLM splits them."""
 
     rank: int
     size: int
@@ -36,7 +33,7 @@ class Shard:
     vocab_shard_size: int  # ceil(vocab / size): every rank's shard is padded to this many rows
     # each expert's intermediate slice (mixture of experts)
     expert_intermediate: tuple[int, int] = (0, 0)
-    # a hybrid's Gated DeltaNet key and value heads (each key head's value heads with it)
+    # a hybrid's Gated DeltaNet key and value heads
     linear_k_heads: tuple[int, int] = (0, 0)
     linear_v_heads: tuple[int, int] = (0, 0)
 
@@ -125,9 +122,7 @@ def make_shard(
 
 
 class Collectives:
-    """The group's all-reduce and all-gather; with one rank they are identities and
-    torch.distributed is never touched.
-    """
+    """All-reduce and all-gather; identities with one rank."""
 
     def __init__(self, size: int = 1) -> None:
         self.size = size
@@ -154,9 +149,8 @@ def init_group(
     timeout_s: float,
     rendezvous_file: str | None = None,
 ) -> Collectives:
-    """Join the tensor-parallel group (gloo on CPU, NCCL on CUDA). With rendezvous_file, rank 0
-    listens on a free port and writes it there, so no port is picked beforehand for another process
-    to take.
+    """Join the TP group (gloo or NCCL); rank 0 writes its free port to rendezvous_file, so none is
+    taken beforehand.
     """
     if size == 1:
         return Collectives(1)
@@ -178,9 +172,7 @@ def init_group(
 
 
 def _store_through_file(rendezvous: str, rank: int, size: int, path: Path, timeout: timedelta):
-    """Rank 0 writes a TCPStore's address to `path` atomically; the others read and connect,
-    retrying past a stale file.
-    """
+    """Rank 0 writes the TCPStore address atomically; others read and connect, past a stale file."""
     import torch.distributed as dist
 
     host = urlparse(rendezvous).hostname or "127.0.0.1"

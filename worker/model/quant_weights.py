@@ -8,14 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Q4_0 / Q4_1, Q8_0, Q4_K, Q5_K and Q6_K repacked at load for the integer kernel
-# (kernels/cpu/packed_blocks.h: 16 rows interleaved, each block's 16 scales together; the K-quants
-# keep their 256-value super-blocks and their size): the same values, read with 16-bit integer
-# activations. Not GGUF types; their rows are interleaved, so a packed weight is never sliced.
-# ggml's type id, values per block and bytes per block of each type the kernels serve (the K-quants
-# pack 256 values a block: Q4_K and Q5_K with a 6-bit scale and min per 32, Q6_K with an int8 scale
-# per 16). Q5_0 / Q5_1 are what a Q4_K_M / Q5_K_M file holds where a row is not a multiple of 256
-# values wide.
+# ggml's type id, values a block and bytes a block of each type the kernels serve. Packed types (16
+# rows interleaved, kernels/cpu/packed_blocks.h) are repacked at load and never sliced. Q5_0 / Q5_1
+# are what K_M files hold where a row is not a multiple of 256 wide.
 QUANT_TYPES = {
     "Q4_0": (2, 32, 18),
     "Q4_1": (3, 32, 20),
@@ -51,9 +46,7 @@ PACKED_FROM = {
 
 @dataclass
 class QuantWeight:
-    """worker/weights/gguf_blocks.py reads them from a file; a rank of a tensor-parallel group takes
-    its rows, or its columns in whole 32-value blocks.
-    """
+    """A matrix as its GGUF blocks; a TP rank takes rows, or columns in whole 32-value blocks."""
 
     data: torch.Tensor  # uint8 [out_dim, in_dim / 32 * block_bytes], contiguous
     qtype: str
@@ -115,9 +108,7 @@ class QuantWeight:
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight | QuantStack:
-        """Weights stacked by rows (q, k, v): one weight where they share a type, else a QuantStack
-        of runs.
-        """
+        """Stacked by rows: one weight where types agree, else a QuantStack."""
         if len({p.in_dim for p in parts}) != 1:
             raise ValueError(f"cannot stack weights of input sizes {[p.in_dim for p in parts]}")
         runs: list[list[QuantWeight]] = []

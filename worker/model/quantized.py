@@ -24,10 +24,7 @@ INT8_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 class QuantizedMatmul:
-    """Up to `max_kernel_rows` rows go through the native kernel (kernels/cpu/quant_matmul.c:
-    4.5-8.5 bits read a weight); more rows dequantize into scratch and run dense. The switch is
-    measured at start.
-    """
+    """Few rows through the native kernel on the blocks; more dequantize tiles and run dense."""
 
     name = "quantized"
 
@@ -40,10 +37,7 @@ class QuantizedMatmul:
         packing: bool = False,
         pack_q8: bool | None = None,
     ) -> None:
-        """int8_activations: rows rounded to int8 per 32 values, integer products (llama.cpp's
-        scheme). Otherwise fp32 activations, exact up to summation order. packing: `pack` repacks
-        for the integer kernel (Q8_0 only with VNNI, or pack_q8).
-        """
+        """int8_activations: llama.cpp's int8 products; else fp32, exact to summation order."""
         from worker.model.linear import DenseMatmul
 
         self.kernels = kernels
@@ -65,7 +59,7 @@ class QuantizedMatmul:
         )
 
     def pack(self, w: QuantWeight | QuantStack) -> QuantWeight | QuantStack:
-        """w in the packed layout where packing is on and applies; anything else as it is."""
+        """w repacked where packing applies, else as it is."""
         if not self.packing:
             return w
         if isinstance(w, QuantStack):
@@ -93,16 +87,13 @@ class QuantizedMatmul:
         if isinstance(w, QuantStack):
             return torch.cat([self.kernel(x, p) for p in w.segments], dim=1)
         y = torch.empty(x.shape[0], w.out_dim)
-        # int8 activations meet the packed layouts where packing is on (what the fused step
-        # multiplies in 8 bits, so both decode paths give the same floats), else the 32-value
-        # integer types as the file holds them (llama.cpp's Q8 blocks); the rest take fp32 ones
+        # int8 activations on packed layouts (as the fused step, so both decode paths agree), or the
+        # file's 32-value types; the rest fp32
         int8 = self.int8_activations and w.qtype in (PACKED_TYPES if self.packing else INT8_TYPES)
         self.kernels.quant_matmul(x, w.data, w.type_id, w.out_dim, y, int8)
         return y
 
-    # x may come in bf16 and, with bf16_out, a product through the bf16 GEMM goes out in bf16 (the
-    # MLP's gate/up for its SiLU·mul: the same values without a round trip through fp32 on either
-    # side)
+    # bf16 in, and with bf16_out bf16 out: no fp32 round trip around the MLP's gate/up
     keeps_bf16 = True
 
     def __call__(
@@ -138,9 +129,7 @@ class QuantizedMatmul:
         )
 
     def hold_gemm(self, linears: list[QuantLinear]) -> int:
-        """Beside each BF16 weight, a oneDNN blocked copy for the bf16 GEMM (x1.6-1.9 at 16-64
-        rows). -> the weights given one.
-        """
+        """A oneDNN blocked copy beside each BF16 weight (x1.6-1.9 at 16-64 rows)."""
         if not (self.bf16_gemm and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
             return 0
         held = 0
@@ -154,9 +143,7 @@ class QuantizedMatmul:
         return self.bf16_gemm and isinstance(w, QuantWeight) and w.qtype == "BF16"
 
     def bf16_rows(self, rows: int, w) -> bool:
-        """Whether a step of `rows` rows multiplies w through the bf16 GEMM (its input may come in
-        bf16, its output go out in bf16).
-        """
+        """Whether `rows` rows multiply w through the bf16 GEMM."""
         if rows <= self.max_kernel_rows or not isinstance(
             w, (QuantWeight, QuantStack, QuantLinear)
         ):
@@ -167,9 +154,7 @@ class QuantizedMatmul:
         )
 
     def _bf16_weight(self, q, dense) -> torch.Tensor | None:
-        """The bf16 weight a wide step multiplies: a BF16 file's rows (blocked copy if held) or a
-        quantized file's bf16 copy.
-        """
+        """The bf16 weight a wide step multiplies."""
         if dense is not None:
             return dense if self.copies is not None and dense.dtype == torch.bfloat16 else None
         if not self._bf16_gemm_only(q):
@@ -181,9 +166,7 @@ class QuantizedMatmul:
     def tiled(
         self, x: torch.Tensor, w: QuantWeight | QuantStack, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x @ w.T with no dense copy of w: tiles of rows dequantized into scratch (bf16 where the
-        CPU has bf16 GEMMs) and multiplied there.
-        """
+        """x @ w.T with no dense copy: tiles dequantized into scratch."""
         y = torch.empty(x.shape[0], w.out_dim)
         step = max(16, self.SCRATCH_VALUES // w.in_dim // 16 * 16)
         if self._scratch.numel() < step * w.in_dim:
@@ -213,9 +196,7 @@ def every_linear(model) -> list[QuantLinear]:
 
 
 def model_linears(model) -> list[tuple[QuantLinear, int]]:
-    """The quantized projections of a model's first layer, each counted once per layer, and its LM
-    head once: what one forward multiplies, for choose_threshold.
-    """
+    """What one forward multiplies: the first layer's projections once per layer, and the head."""
     layer = [w for w in model.layers[0].w.values() if isinstance(w, QuantLinear)]
     head = [model.head] if isinstance(model.head, QuantLinear) else []
     return [(w, len(model.layers)) for w in layer] + [(w, 1) for w in head]
@@ -228,10 +209,7 @@ def choose_threshold(
     reps: int = 3,
     rounds: int = 3,
 ) -> int:
-    """Time the kernel against the dense path on the model's own weights and set on lib the most
-    rows for which it wins; a losing count is timed again, so one slow moment cannot decide for
-    good.
-    """
+    """Set the most rows for which the kernel beats dense on these weights; losses are retimed."""
     from worker.model.linear import best_time
 
     def measure(rows: int, floor: float | None) -> tuple[float, float]:
@@ -266,8 +244,7 @@ def choose_threshold(
         if kernel > dense:
             break
         chosen = rows
-    # the kernel won at every count: it runs every step (the dense path's rate does not improve past
-    # them)
+    # the kernel won at every count
     else:
         chosen = 1 << 30
     lib.max_kernel_rows = max(chosen, 1)

@@ -1,6 +1,5 @@
-"""The recurrent-state pool beside the paged KV: per slot, each Gated DeltaNet layer's last conv
-inputs and its delta-rule state (fp32). The scheduler gives each running sequence a slot, and keeps
-snapshots of prompts' states in the others; the worker holds the bytes.
+"""The recurrent-state pool beside the paged KV: per slot, each Gated DeltaNet layer's conv inputs
+and fp32 delta-rule state. The scheduler assigns slots; the worker holds the bytes.
 """
 
 from __future__ import annotations

@@ -33,9 +33,7 @@ class PoolPlan:
 
 
 def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
-    """Phase 3: the pool's blocks (on CUDA what is left after measuring), most sequences a step, and
-    graphs.
-    """
+    """Phase 3: pool blocks (on CUDA, what is left after measuring), sequences a step, graphs."""
     import torch
 
     from worker.model.kv_pool import bytes_per_block
@@ -50,8 +48,8 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
 
     config, attn = loaded.config, loaded.attn
     per_block = bytes_per_block(config, cfg.block_size, loaded.kv_dtype, loaded.heads)
-    # graphs capture the step as the triton backend runs it (its per-step metadata is built without
-    # a host sync); the torch backend reads lengths back on the host, which a capture cannot hold
+    # graphs capture the triton backend's step; torch's reads lengths on the host, which capture
+    # cannot hold
     use_graphs = (
         device.type == "cuda"
         and not cfg.enforce_eager
@@ -74,8 +72,7 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     )
     # a long tier where longer
     graph_context = sorted({min(model_len, cfg.graph_max_context), model_len})
-    # the most rows a step may hold before the pool is sized: what the sampler and the graphs are
-    # measured at
+    # the most rows a step may hold, which the sampler and graphs are measured at
     rows_bound = min(cfg.max_num_seqs or GPU_MAX_NUM_SEQS[1], cfg.max_num_batched_tokens)
     # LoRA and a hybrid's state slots: from the pool's budget
     lora = lora_reserve(cfg, loaded.config, loaded.model.shard, loaded.dtype)
@@ -177,10 +174,8 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
 def hybrid_slots(
     cfg: WorkerConfig, config, dtype, device, gpu_rows: int, tp: int, budget: int | None
 ) -> tuple[int, int, int]:
-    """A hybrid's running sequences (--max-num-seqs, else 32 on a CPU and the GPU row bound, as
-    many as keep the state within half the pool's `budget` where known), its state slots (those
-    and --state-snapshots, by default as many) and their bytes each on this rank; zeros for a
-    model without recurrent state.
+    """A hybrid's running sequences, state slots and bytes a slot, within half the pool budget;
+    zeros without recurrent state.
     """
     from worker.model.state_pool import bytes_per_slot
 
@@ -199,9 +194,7 @@ def hybrid_slots(
 
 
 def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | None = None):
-    """Phase 4: the pool allocated, the runner warmed (kernels compiled, libraries warmed before the
-    first request, not during it), decode graphs captured. -> (runner, seconds the warm-up took).
-    """
+    """Phase 4: pool allocated, runner warmed, graphs captured -> (runner, warm-up seconds)."""
     from worker.model.kv_pool import KVPool
     from worker.serve.memory_plan import available_bytes, resident_bytes
     from worker.serve.sizing import lora_cache
@@ -246,8 +239,7 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
             resident_bytes=rss,
             available_bytes=available_bytes(),
         )
-        # the weights only: a pool advised too faults its pages in 2 MiB at a time, compacting
-        # memory as prompts arrive (a served 16-stream run lost a quarter of its rate)
+        # weights only: an advised pool faults in 2 MiB at a time (a 16-stream run lost a quarter)
         t0 = time.perf_counter()
         advised = huge_pages(weight_tensors(loaded.model), collapse=True)
         log.info("huge_pages", weights_bytes=advised, seconds=round(time.perf_counter() - t0, 2))
@@ -271,8 +263,7 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
             )
             runner.graphs.capture_all()
         except Exception as e:  # noqa: BLE001 - the budget or the model is wrong: say so and stop
-            # fatal: the pool was sized with the graphs' memory set aside, so serving without them
-            # would hide a wrong budget
+            # fatal: the pool's budget set the graphs' memory aside
             if is_device_fatal(e):
                 raise
             raise Refused(
@@ -286,9 +277,7 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
 
 
 def handshake_for(cfg: WorkerConfig, loaded: Loaded, plan: PoolPlan, device, tp: int):
-    """Phase 5: what this rank tells the scheduler it is (the scheduler checks it against the
-    group's).
-    """
+    """Phase 5: what this rank tells the scheduler it is."""
     from protos import wire_pb2
 
     config = loaded.config

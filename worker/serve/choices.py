@@ -12,9 +12,7 @@ CPU_KV_CACHE_MEMORY = "2GiB"  # the whole pool's on a CPU: its tensor-parallel r
 
 
 def cpu_default_kv_bytes(tp: int) -> int:
-    """One rank's share of the CPU's default pool: every rank holds its heads' share of each block,
-    so the pool holds as many tokens at any --tp.
-    """
+    """One rank's share of the default pool, so it holds as many tokens at any --tp."""
     from protos.base.argtypes import parse_bytes
 
     return parse_bytes(CPU_KV_CACHE_MEMORY) // max(tp, 1)
@@ -23,9 +21,7 @@ def cpu_default_kv_bytes(tp: int) -> int:
 log = structlog.get_logger("worker.serve.main")
 
 
-# decode rows the native rows kernel multiplies on dense fp32 weights (each weight row read once per
-# 8 rows); the fused step takes more on the same weights through the process's BLAS sgemm where it
-# finds one
+# decode rows the native rows kernel takes on fp32 weights; the fused step takes more via sgemm
 FUSED_DENSE_ROWS = 8
 
 
@@ -43,9 +39,7 @@ KV_CACHE_DTYPES = {"auto": None, **DTYPES}
 
 
 def rank_device(device: str | None, local_rank: int, cuda_count: int) -> str:
-    """Each local rank's device: cuda:N gives ranks N + local_rank (wrapping); None picks cuda where
-    present, else cpu.
-    """
+    """cuda:N gives ranks N + local_rank; None picks cuda where present, else cpu."""
     if device is None:
         device = "cuda" if cuda_count else "cpu"
     kind, _, index = device.partition(":")
@@ -62,9 +56,7 @@ def rank_device(device: str | None, local_rank: int, cuda_count: int) -> str:
 
 
 def kv_cache_dtype(choice: str, compute, weights, device):
-    """The KV pool's dtype for --kv-cache-dtype (auto: bf16 for a bf16 model, else the compute
-    dtype); ValueError for one wider than compute or that attention cannot read.
-    """
+    """--kv-cache-dtype resolved (auto: bf16 for bf16, else compute); ValueError if unusable."""
     import torch
 
     if choice == "auto":
@@ -98,9 +90,7 @@ def kv_budget_bytes(cfg: WorkerConfig, config, dtype, heads: int) -> int:
 def refuse_what_cannot_fit(
     cfg: WorkerConfig, config, dtype, kv_dtype, tp: int, source=None
 ) -> str | None:
-    """Before loading: this worker's weights and KV pool against the memory available, or the
-    message to refuse with.
-    """
+    """Before loading: weights and pool against memory available, or the refusal."""
     import torch
 
     from worker.model.config import parameter_count
@@ -128,9 +118,7 @@ def refuse_what_cannot_fit(
 
 
 def quantized_source(cfg: WorkerConfig, config, device, dtype):
-    """The GGUF whose blocks this worker serves (a *.gguf, or a folder prepared from one), on a CPU
-    with the native kernels unless --dequantize; else None.
-    """
+    """The GGUF whose blocks this CPU worker serves, unless --dequantize; else None."""
     from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
 
     path = find_gguf(cfg.model)
@@ -152,8 +140,8 @@ def quantized_source(cfg: WorkerConfig, config, device, dtype):
 
 
 def half_weights(cfg: WorkerConfig, config, dtype):
-    """--dtype bfloat16/float16 on a CPU: matrices held as half-width rows for the native kernels,
-    the rest in fp32; None without native kernels or a checkpoint (then torch runs in that dtype).
+    """--dtype bf16/fp16 on a CPU: matrices as half-width rows for the native kernels; None
+    otherwise.
     """
     import torch
 
@@ -173,18 +161,14 @@ def half_weights(cfg: WorkerConfig, config, dtype):
 
 
 def quantized_library(cfg: WorkerConfig):
-    """The matmul library over a GGUF's blocks or half-width rows, made before loading so each
-    weight is packed as read. ValueError: conflicting flags.
-    """
+    """The matmul library over blocks or half rows, made before loading so weights pack as read."""
     from kernels import cpu_native
     from worker.model.quantized import QuantizedMatmul
 
     kernels = cpu_native.load()
     packed = kernels is not None and kernels.packed_fast
     activations = cfg.quantized_activations
-    # auto: 16-bit where a small model keeps a dense copy for prefill (int8 changed the default
-    # model's answers, docs/BENCHMARKS.md); startup.attach_matmuls turns 8-bit on where no copy is
-    # held
+    # auto: 16-bit where a dense prefill copy is kept (int8 changed the default model's answers)
     if activations == "auto":
         activations = "int16" if packed else "fp32"
     return QuantizedMatmul(
@@ -196,9 +180,7 @@ def quantized_library(cfg: WorkerConfig):
 
 
 def int8_without_copy(cfg, lib, types: set[str]) -> bool:
-    """With no dense copy for prefill, auto turns on 8-bit activations (1.4x the 16-bit kernel,
-    llama.cpp's precision); whether it did.
-    """
+    """With no dense prefill copy, auto turns on int8 activations (1.4x, llama.cpp's precision)."""
     from worker.model.quant_weights import PACKED_TYPES
 
     if (
@@ -218,9 +200,7 @@ def int8_without_copy(cfg, lib, types: set[str]) -> bool:
 
 
 def prefill_path(cfg: WorkerConfig, model, config, source, lib, kv_dtype, int8_packed: bool) -> str:
-    """--quantized-prefill resolved and logged: "dense", "bf16", "dequantize", or "auto" without
-    blocks. ValueError: bf16 where it cannot run.
-    """
+    """--quantized-prefill resolved and logged; ValueError for bf16 where it cannot run."""
     from worker.model.linear import OneDNNBf16Matmul
     from worker.serve.memory_plan import available_bytes, choose_quantized_prefill, dense_copy_bytes
 
@@ -276,14 +256,12 @@ def activations_of(lib) -> str:
 
 
 def block_types(model) -> set[str]:
-    """The types of the file's matrices as loaded (packed ones by their packed names), before the
-    model takes them over (model.use_quantized).
-    """
+    """The file's matrix types as loaded (packed ones by packed names)."""
     return {s.qtype for w in model.file_blocks.values() for s in w.segments}
 
 
 def weights_of(lib, types: set[str], prefill: str = "") -> str:
-    """How the matrices are held and multiplied, in the ready line's words ("" for plain rows)."""
+    """How the matrices are held, in the ready line's words."""
     if lib is None or types <= {"BF16", "F16", "F32"}:
         return ""
     words = {
@@ -308,9 +286,7 @@ def use_native_head(model) -> None:
 
 
 def use_fused_decode(model, tp: int, activations: str) -> None:
-    """Decode-only steps as one native call where the model allows
-    it, the reason logged where not.
-    """
+    """Decode steps as one native call where the model allows, else the reason logged."""
     from kernels import cpu_native
     from worker.model.fused_decode import FusedDecode
     from worker.model.quantized import QuantizedMatmul
@@ -341,9 +317,7 @@ def use_fused_decode(model, tp: int, activations: str) -> None:
 
 
 def hold_gemm_copy(cfg: WorkerConfig, model, config, kv_dtype, lib) -> None:
-    """bf16 weights where the CPU multiplies bf16 (AMX): a blocked copy for wide steps, where memory
-    holds it.
-    """
+    """A blocked bf16 copy for wide steps where the CPU has AMX and memory holds it."""
     from worker.model.quantized import every_linear
     from worker.serve.memory_plan import available_bytes, choose_gemm_copy
 

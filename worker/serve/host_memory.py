@@ -1,6 +1,5 @@
-"""The host allocator a worker runs on: tcmalloc where present, else glibc tuned to keep freed
-blocks, so a CPU forward's buffers are not faulted in again every step; weights moved onto 2 MiB
-pages.
+"""The worker's host allocator: tcmalloc where present, else glibc tuned to keep freed blocks, so a
+forward's buffers are not faulted in every step; weights on 2 MiB pages.
 
 python -m worker.serve.host_memory [MODE] # prints the allocator this process ends up with
 """
@@ -65,9 +64,7 @@ def loaded_allocator() -> str:
 
 
 def tune_glibc() -> bool:
-    """Keep freed large blocks in glibc's heap for reuse; False where
-    the C library has no mallopt.
-    """
+    """Keep freed large blocks in glibc's heap; False without mallopt."""
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
@@ -88,9 +85,7 @@ def resolve_mode(mode: str | None) -> str:
 
 
 def wants_tcmalloc(mode: str, device: str | None) -> bool:
-    """auto: a CPU worker (an explicit cpu device, or no GPU on the host) on a system that has
-    tcmalloc.
-    """
+    """auto: a CPU worker on a system that has tcmalloc."""
     if mode == "tcmalloc":
         return True
     if mode != "auto":
@@ -101,10 +96,7 @@ def wants_tcmalloc(mode: str, device: str | None) -> bool:
 
 
 def ensure_allocator(mode: str, device: str | None, module: str, argv: list[str]) -> str:
-    """Called first in main: re-execute with tcmalloc preloaded where wanted and found (never
-    returns), else tune glibc against fresh mmaps (28% of a prefill chunk in page faults). Returns
-    what runs.
-    """
+    """Re-exec with tcmalloc where wanted (never returns), else tune glibc -> what runs."""
     current = loaded_allocator()
     if current != "glibc":
         return current
@@ -126,9 +118,7 @@ def ensure_allocator(mode: str, device: str | None, module: str, argv: list[str]
 
 
 def release_free_memory() -> bool:
-    """Give back what the allocator holds free after loading (0.3-0.7 GiB at 8B), before the pool
-    and warm-up. Whether it could.
-    """
+    """Give back the allocator's free memory after loading (0.3-0.7 GiB at 8B)."""
     try:
         libc = ctypes.CDLL(None)
     except OSError:
@@ -162,10 +152,7 @@ HUGE_PAGE = 2 << 20
 
 
 def huge_pages(tensors, collapse: bool) -> int:
-    """Back these tensors with 2 MiB pages (MADV_HUGEPAGE; with `collapse`, MADV_COLLAPSE for pages
-    already written): 4 KiB pages cost a decode step 5-15% in TLB walks. Best effort. -> bytes
-    advised.
-    """
+    """Advise 2 MiB pages (4 KiB pages cost a decode 5-15% in TLB walks) -> bytes advised."""
     import torch
 
     libc = ctypes.CDLL(None, use_errno=True)

@@ -1,6 +1,5 @@
-"""The KV tier flags made into this rank's tier store, or a start-up refusal that says why. A
-hybrid's tiers give half of each budget to its state snapshots: a prefix is resumed only where both
-its blocks and the state after them are kept.
+"""KV tier flags made into this rank's tier store, or a refusal saying why. A hybrid gives half of
+each tier to its state snapshots.
 """
 
 from __future__ import annotations
@@ -34,9 +33,7 @@ def too_small(flag: str, value: str, blocks: int, snapshots: int, sizes: tuple[i
 
 
 def tier_store(cfg: WorkerConfig, loaded, pool):
-    """The KV tiers' bytes under the pool (--kv-offload-size, --kv-offload-dir), or a refusal that
-    says why they cannot be.
-    """
+    """The tiers under the pool (--kv-offload-size, --kv-offload-dir), or why they cannot be."""
     from protos.base.argtypes import parse_bytes
     from worker.model.kv_tiers import (
         DiskTier,

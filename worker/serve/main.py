@@ -321,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     if env.supervised():
-        # Ctrl-C reaches the terminal's whole process group: under a supervisor the worker leaves it
-        # to the supervisor, which lets the scheduler drain on this worker first and then stops it
-        # with SIGTERM
+        # Ctrl-C reaches the whole group: under a supervisor, leave it to drain and then SIGTERM us
         import signal
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -9,9 +9,8 @@ from pathlib import Path
 
 GiB = 1 << 30
 MARGIN = 2 * GiB  # activations, scratch, the allocator's slack, the scheduler beside the worker
-# The most a dense copy for prefill may hold under --quantized-prefill auto: a server holds its
-# file, its KV pool and about 1 GiB beside them (as llama.cpp does), so a full-precision copy is for
-# small models only (the default 135M model's is 0.5 GiB; a 1B model's would be 5 GiB, an 8B's 30)
+# The most a dense prefill copy may hold under auto: a server holds its file, its pool and about 1
+# GiB (as llama.cpp does), so the copy is for small models only.
 DENSE_COPY_LIMIT = GiB
 
 
@@ -27,9 +26,7 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 
 def resident_bytes() -> tuple[int, int]:
-    """(resident now, peak resident so far) of this process, as the kernel counts them (VmRSS,
-    VmHWM).
-    """
+    """(VmRSS, VmHWM) of this process."""
     fields = {}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -53,9 +50,7 @@ def weight_bytes(num_params: int, element_size: int) -> int:
 
 
 def check_fits(what: str, need: int, available: int | None, fix: str) -> str | None:
-    """None where `need` bytes fit in what the machine has available, else the message to refuse
-    with.
-    """
+    """None if `need` bytes fit in available memory, else the refusal."""
     if available is None or need <= available:
         return None
     return (
@@ -67,9 +62,7 @@ def check_fits(what: str, need: int, available: int | None, fix: str) -> str | N
 def choose_quantized_prefill(
     choice: str, dense_copy: int, kv: int, available: int | None, bf16: bool = False
 ) -> tuple[str, str]:
-    """'dense', 'bf16' or 'dequantize' for --quantized-prefill auto, and why: a dense copy (bf16
-    with AMX) only where it, the pool and a margin fit; else prefill dequantizes tiles.
-    """
+    """--quantized-prefill auto: a dense copy only where it, the pool and a margin fit, and why."""
     if choice != "auto":
         return choice, "asked for"
     if bf16:
@@ -96,9 +89,7 @@ def choose_quantized_prefill(
 
 
 def choose_gemm_copy(copy: int, kv: int, available: int | None) -> tuple[bool, str]:
-    """Whether bf16 weights get a blocked GEMM copy, and why: where it,
-    the pool and the margin fit.
-    """
+    """Whether bf16 weights get a GEMM copy (where it fits), and why."""
     if available is None:
         return False, "the system does not report its available memory"
     if copy + kv + MARGIN <= available:
@@ -116,7 +107,5 @@ def choose_gemm_copy(copy: int, kv: int, available: int | None) -> tuple[bool, s
 
 
 def dense_copy_bytes(weights: dict) -> int:
-    """What prefill's dense fp32 copy of the matrices served on a file's blocks (model.file_blocks:
-    the embeddings' rows are looked up, never multiplied) would hold.
-    """
+    """What prefill's dense fp32 copy of the file's matrices would hold."""
     return sum(4 * w.out_dim * w.in_dim for key, w in weights.items() if key != ("embed",))

@@ -12,10 +12,8 @@ from worker.model.attention import AttentionBackend
 from worker.model.kv_pool import KVPool
 from worker.model.llama import LlamaModel, StepInputs
 
-# --max-num-seqs when it is left to the workers: on a CPU a step of more sequences runs no faster
-# per token; on a GPU a decode step is bound by reading the weights until the batch is in the
-# hundreds, so it is sized from what the KV pool holds: room for every sequence to reach
-# TOKENS_PER_SEQ tokens, within the bounds.
+# --max-num-seqs left to the workers: on a CPU more sequences run no faster a token; on a GPU it is
+# sized so every sequence can reach TOKENS_PER_SEQ tokens in the pool, within the bounds.
 CPU_MAX_NUM_SEQS = 64
 GPU_MAX_NUM_SEQS = (64, 512)
 TOKENS_PER_SEQ = 1024
@@ -24,9 +22,7 @@ TOKENS_PER_SEQ = 1024
 def default_max_num_seqs(
     device_type: str, num_blocks: int, block_size: int, max_num_batched_tokens: int
 ) -> int:
-    """The step's sequence limit a worker proposes when --max-num-seqs is not given (never above the
-    token budget: each decode takes one token of it).
-    """
+    """The sequence limit proposed without --max-num-seqs, never above the token budget."""
     if device_type != "cuda":
         chosen = CPU_MAX_NUM_SEQS
     else:
@@ -38,8 +34,7 @@ def default_max_num_seqs(
 def blocks_for_gpu_budget(
     total: int, utilization: float, non_kv_peak: int, other_processes: int, per_block: int
 ) -> int:
-    """Blocks that fit in utilization x total once this process's peak without the pool (weights,
-    activations) and other processes' memory are set aside."""
+    """Blocks in utilization x total, less this process's peak and others' memory."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"gpu memory utilization must lie in (0, 1], got {utilization}")
     budget = int(total * utilization) - non_kv_peak - other_processes
@@ -56,9 +51,7 @@ def profile_gpu_peak(
     max_num_batched_tokens: int,
     max_sample_rows: int,
 ) -> int:
-    """Peak bytes besides the KV pool, measured: a forward at the largest step, its prompt logprobs
-    and the sampler at max_sample_rows rows. Weights included.
-    """
+    """Measured peak bytes besides the pool, weights included."""
     from worker.step.controls import top_logprobs
     from worker.step.sampler import SamplingBatch, sample_async
 
@@ -128,18 +121,14 @@ def measure_graph_bytes(
 
 
 def gpu_blocks(device: torch.device, utilization: float, non_kv_bytes: int, per_block: int) -> int:
-    """Blocks that fit once non_kv_bytes (the measured peak without the pool, plus the graphs) and
-    other processes' memory are set aside.
-    """
+    """Blocks that fit after the measured peak, graphs and other processes."""
     free, total = torch.cuda.mem_get_info(device)
     other = max(0, (total - free) - torch.cuda.memory_reserved(device))
     return blocks_for_gpu_budget(total, utilization, non_kv_bytes, other, per_block)
 
 
 def lora_reserve(cfg, config, shard, dtype: torch.dtype) -> int:
-    """Bytes the LoRA slots take on this rank (twice: a step's adapters are also kept stacked), set
-    aside from the KV budget so LoRA never runs a worker out of memory.
-    """
+    """LoRA slots' bytes (twice: stacked too), set aside so LoRA never runs out of memory."""
     from worker.weights.lora import lora_bytes
 
     if not cfg.max_cpu_loras:

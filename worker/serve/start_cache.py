@@ -32,9 +32,7 @@ def cpu_identity() -> str:
 
 
 def weight_files(model: str) -> list[Path]:
-    """The files a model's weights are read from: its folder's GGUF and safetensors files, and the
-    GGUF a prepared folder names.
-    """
+    """The model's GGUF and safetensors files, and the GGUF a prepared folder names."""
     path = Path(model)
     if path.is_file():
         return [path]
@@ -89,9 +87,7 @@ class StartCache:
 
 
 def start_cache(cfg, device, dtype, tp: int, prefill: str, activations: str) -> StartCache:
-    """The choices an earlier start of this worker's model measured on this machine, for its shard
-    and the paths its flags chose.
-    """
+    """Choices an earlier start measured here for this model, shard and flags."""
     import torch
 
     from kernels.cpu_native import load as native

@@ -66,9 +66,7 @@ def check_flags(cfg: WorkerConfig, tp: int) -> None:
 
 
 def start_device(cfg: WorkerConfig):
-    """Phase 1: this rank's device and the dtype it computes in (bf16 on CUDA, fp32 on a CPU, or
-    --dtype).
-    """
+    """Phase 1: device and compute dtype (bf16 on CUDA, fp32 on a CPU, or --dtype)."""
     import torch
 
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -144,8 +142,8 @@ def read_config(cfg: WorkerConfig, tp: int):
 
 
 def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
-    """Phase 2: config, weight source, what cannot fit refused, the model loaded (joining TP), its
-    matmuls and attention.
+    """Phase 2: config, weights, what cannot fit refused, model loaded with its matmuls and
+    attention.
     """
     import torch
 
@@ -238,8 +236,8 @@ def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
 def attach_matmuls(
     cfg: WorkerConfig, model, config, source, lib, device, dtype, kv_dtype, tp: int, load_s: float
 ) -> str:
-    """The model's matmul libraries (dense by timing, quantized with prefill's path), the fused step
-    and native head on a CPU. Returns prefill's path. ValueError: conflicting flags.
+    """Matmul libraries, fused step and native head -> prefill's path; ValueError on conflicting
+    flags.
     """
     import torch
 
@@ -256,8 +254,7 @@ def attach_matmuls(
         and bool(block_types(model) & PACKED_TYPES.keys())
     )
     prefill = prefill_path(cfg, model, config, source, lib, kv_dtype, int8_packed)
-    # dequantized tiles meet F.linear: no library to measure (that would allocate the fp32 copy
-    # avoided)
+    # dequantized tiles meet F.linear: nothing to measure without the fp32 copy avoided
     no_dense_copy = source is not None and prefill == "dequantize"
     int8_packed = int8_packed or (no_dense_copy and int8_without_copy(cfg, lib, block_types(model)))
     cache = start_cache(cfg, device, dtype, tp, prefill, activations_of(lib) if lib else "")
@@ -286,9 +283,8 @@ def attach_matmuls(
         )
         hold_gemm_copy(cfg, model, config, kv_dtype, lib)  # bf16 weights where the CPU has AMX
         if int8_packed and no_dense_copy:
-            # every step on the packed kernel: faster than dequantizing tiles at any row count (1B
-            # and 8B measured), and one arithmetic for every batch, so an answer does not depend on
-            # its company
+            # every step on the packed kernel: faster at any row count, and an answer never depends
+            # on its company
             lib.max_kernel_rows = 1 << 30
         elif (rows := cache.get(f"max_kernel_rows/{dense.name}")) is not None:
             # measured at an earlier start: the same machine, build and model

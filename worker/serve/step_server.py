@@ -26,9 +26,7 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 class StopServing(Exception):
-    """Shutdown (or a lost scheduler) while a step waited for its masks: the worker exits with
-    `code`.
-    """
+    """Shutdown while a step waited for its masks: exit with `code`."""
 
     def __init__(self, reason: str, code: int) -> None:
         super().__init__(reason)
@@ -36,10 +34,7 @@ class StopServing(Exception):
 
 
 class WorkerServer:
-    """Plans and results on one DEALER, heartbeats on a second with its own thread, so a long
-    forward never looks dead. A restarted worker is a new peer (a nonce in its identity); a failed
-    TP rank exits with its group.
-    """
+    """Plans on one DEALER, heartbeats on another thread's, so a long forward never looks dead."""
 
     def __init__(
         self,
@@ -63,25 +58,21 @@ class WorkerServer:
         self._ctx = zmq.Context()
         # worker/step/runner.py InFlight: the step launched and not yet answered
         self._inflight = None
-        # Asked to stop (SIGTERM where no supervisor orders the stop, as under Kubernetes): the
-        # worker goes on serving its scheduler, which is draining, until told to shut down or the
-        # scheduler is gone, at most stop_timeout seconds.
+        # SIGTERM without a supervisor's order (as under Kubernetes): serve the draining scheduler
+        # until told to stop or it is gone, at most stop_timeout seconds.
         self.stop_requested_at: float | None = None
         self.stop_timeout = 60.0
 
     def _socket(
         self, identity: str, monitor_events: int = 0
     ) -> tuple[zmq.Socket, zmq.Socket | None]:
-        """A DEALER to the scheduler, its monitor attached before the connect so no early event is
-        missed.
-        """
+        """A DEALER with its monitor attached before connecting, so no event is missed."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SNDTIMEO, 1000)
-        # ZMTP heartbeats, handled by libzmq's I/O threads on both sides: a dead or frozen peer is
-        # dropped.
+        # ZMTP heartbeats in libzmq's I/O threads: a dead or frozen peer is dropped.
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         if self._curve is not None:
@@ -99,10 +90,7 @@ class WorkerServer:
         sock.send(wire_pb2.WireMessage(version=WIRE_VERSION, **body).SerializeToString())
 
     def _heartbeats(self) -> None:
-        """Beat every heartbeat_interval; the scheduler is gone only when libzmq's own ZMTP
-        heartbeats drop the connection for longer than scheduler_timeout, never because it is slow
-        to echo.
-        """
+        """Beat every interval; the scheduler is gone only when ZMTP heartbeats drop it."""
         events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
         sock, monitor = self._socket(f"hb.{self.nonce}", events)
         down_since: float | None = time.monotonic()  # not connected yet
@@ -141,9 +129,8 @@ class WorkerServer:
             sock.close()
 
     def serve(self) -> int:
-        """Run until shutdown or the scheduler is lost; returns an exit code. On a GPU a plan that
-        arrives during a step is launched before that step is read back, so the device never waits
-        for the host.
+        """Run until shutdown or the scheduler is lost -> exit code. On a GPU the next plan launches
+        first.
         """
         sock, _ = self._socket(f"w.{self.nonce}")
         self._send(sock, handshake=self.handshake)
@@ -192,9 +179,7 @@ class WorkerServer:
             log.info("stop_requested", timeout_s=timeout, waiting_for="the scheduler's shutdown")
 
     def _next_frame_before_done(self, sock: zmq.Socket) -> bytes | None:
-        """The next message if one arrives while the step in flight is still running, else None
-        (done).
-        """
+        """The next message if it arrives while the step runs, else None."""
         clock = self._inflight.clock
         while not self._stop.is_set():
             if clock.done():
@@ -223,8 +208,8 @@ class WorkerServer:
             step_id=step_id, error=f"step failed: {e!r}", tp_rank=self.tp_rank
         )
         self._send(sock, result=result)
-        # A CUDA error poisons the context for good, and a failed rank leaves its group out of step:
-        # either way this process reports and exits, and its supervisor starts a fresh one.
+        # A CUDA error poisons the context, a failed rank unsyncs its group: report, exit, be
+        # restarted.
         if is_device_fatal(e) or self.handshake.tp_size > 1:
             log.error(
                 "worker_exiting",
@@ -234,9 +219,7 @@ class WorkerServer:
         return None
 
     def _await_mask(self, sock: zmq.Socket, step_id: int):
-        """Read until the StepMask of `step_id`; anything else here is
-        a shutdown or a broken peer.
-        """
+        """Read until step_id's StepMask; anything else is shutdown or a broken peer."""
         while True:
             if self._stop.is_set():
                 raise StopServing("the scheduler is gone", 1)
@@ -254,9 +237,7 @@ class WorkerServer:
             raise RuntimeError(f"step {step_id} waited for its masks and got a {kind} message")
 
     def _launch(self, sock: zmq.Socket, plan) -> int | None:
-        """Launch a plan, then answer the step in flight before it; a plan whose masks follow
-        answers first, since its masks come from that step's tokens.
-        """
+        """Launch a plan, then answer the step before it (first, where its masks follow from it)."""
         previous, self._inflight = self._inflight, None
 
         def answer_previous() -> int | None:

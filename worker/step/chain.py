@@ -24,7 +24,7 @@ class TokenChain:
         self.last_step_id, self.tokens, self.sampled_rows = step_id, tokens, do_sample.copy()
 
     def fail(self, step_id: int) -> None:
-        """A step's tokens are bad: later steps that read them report it instead of their own."""
+        """A step's tokens are bad: steps reading them report that instead."""
         self.failed.append(step_id)
         del self.failed[:-8]
         if self.last_step_id == step_id:
@@ -35,7 +35,7 @@ class TokenChain:
 
     @property
     def last_sampled(self) -> np.ndarray | None:
-        """The last launched step's tokens on the host (-1 where a row did not sample); waits."""
+        """The last step's tokens on the host (-1: no sample); waits."""
         return None if self.tokens is None else self.tokens.cpu().numpy().astype(np.int32)
 
     def state(self) -> tuple:
@@ -45,9 +45,7 @@ class TokenChain:
         self.last_step_id, self.tokens, self.sampled_rows = state
 
     def pending_rows(self, p: PlanArrays) -> bool:
-        """Whether the plan takes tokens from the previous step, checked on the host against that
-        step's sampled rows; their places hold 0 until the device fills them.
-        """
+        """Whether the plan reads the previous step's tokens, checked against its sampled rows."""
         if p.prev_rows is None or not (p.prev_rows >= 0).any():
             return False
         if (
@@ -72,9 +70,7 @@ class TokenChain:
         return torch.where(prev >= 0, self.tokens[prev.clamp(min=0)].clamp(min=0), token_ids)
 
     def host_buffer(self, n: int) -> torch.Tensor:
-        """Pinned host memory for a step's tokens; two in turn (the
-        step in flight keeps its own).
-        """
+        """Pinned host memory for a step's tokens, two in turn."""
         self._flip ^= 1
         buf = self._buffers[self._flip]
         if buf is None or buf.numel() < n:

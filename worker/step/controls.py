@@ -19,7 +19,7 @@ log = structlog.get_logger("worker.step.controls")
 
 @dataclass
 class StepControls:
-    """The controls of a step's sampled rows, on the device (None where no row uses one)."""
+    """A step's sampling controls on the device (None where unused)."""
 
     bias_rows: torch.Tensor | None = None  # int64 [N]: index into the sampled rows
     bias_ids: torch.Tensor | None = None  # int64 [N]
@@ -47,9 +47,7 @@ def gather_controls(
     table_rows: np.ndarray | None = None,
     offsets: np.ndarray | None = None,
 ) -> StepControls:
-    """The controls of a validated plan's sampled `rows`. In a drafting step a row repeats once a
-    drafted position (`offsets` says which) and table_rows maps plan rows to the step's tables.
-    """
+    """Controls of the sampled rows; a drafting row repeats once per drafted position."""
     c = StepControls()
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -100,7 +98,7 @@ def gather_controls(
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 [M, words] -> bool [M, vocab]: bit v % 32 of word v // 32 set = token v allowed."""
+    """int32 [M, words] -> bool [M, vocab]: bit v % 32 of word v // 32 allows token v."""
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     bits = (bitmask[:, :, None] >> shifts) & 1
     allowed = bits.reshape(bitmask.shape[0], -1).bool()
@@ -110,14 +108,11 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def apply_controls(logits: torch.Tensor, c: StepControls, pool) -> torch.Tensor:
-    """fp32 [rows, vocab] -> controlled logits (a new tensor): biases (with -inf on end tokens
-    before min_tokens), the grammar mask, then repetition (transformers') and frequency/presence
-    (OpenAI's) penalties. A row with no finite logit keeps its raw logits.
-    """
+    """Biases, grammar mask, then penalties -> new logits; an all -inf row keeps its own."""
     if c.is_empty:
         return logits
     rows, vocab = logits.shape
-    # the logits with one scratch element after them: gathers and scatters of padding land there
+    # one scratch element after the logits catches padding's gathers and scatters
     flat = torch.empty(rows * vocab + 1, dtype=logits.dtype, device=logits.device)
     out = flat[:-1].view(rows, vocab)
     out.copy_(logits)
@@ -154,9 +149,7 @@ def apply_controls(logits: torch.Tensor, c: StepControls, pool) -> torch.Tensor:
 
 
 def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, ks: np.ndarray) -> Logprobs:
-    """Each row's chosen log-probability and its K most likely tokens, from the raw logits (fp32
-    log_softmax, as vLLM returns them), flattened in row order.
-    """
+    """Chosen and top-K logprobs from raw fp32 logits, as vLLM returns them, in row order."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     picked = (
         logp.gather(1, chosen.view(-1, 1).to(logp.device)).view(-1).cpu().numpy().astype(np.float32)

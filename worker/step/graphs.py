@@ -44,17 +44,12 @@ BUCKETS = (
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
-    """Batch sizes captured for a step limit of max_rows sequences (--max-num-seqs): the standard
-    sizes below it and max_rows itself, each once.
-    """
+    """Batch sizes captured up to max_rows, each once."""
     return sorted({b for b in BUCKETS if b < max_rows} | {max_rows})
 
 
 class DecodeGraphs:
-    """A step fitted to a graph: arrays copied into static buffers, the batch padded to the smallest
-    bucket (padding writes nothing) and tables to the smallest context tier that holds it; prompt
-    chunks run eagerly.
-    """
+    """Decode steps replayed as CUDA graphs, padded to the smallest bucket and context tier."""
 
     def __init__(
         self,
@@ -83,8 +78,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(top, self.width, **i32)
         self.seq_lens = torch.ones(top, **i32)
         self.qsl = torch.arange(top + 1, **i32)
-        # One logits buffer for every bucket (a graph writes its rows' logits into its head):
-        # captured outputs kept per bucket would each hold [bucket, vocab] fp32 for the worker's
+        # One logits buffer for every bucket: per-bucket outputs would each hold [bucket, vocab] for
         # life.
         self.logits = torch.empty(top, model.config.vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}  # (context tier, rows)
@@ -106,9 +100,7 @@ class DecodeGraphs:
 
     # --- capture ----------------------------------------------------------------------------------
     def _forward(self, rows: int, context: int) -> torch.Tensor:
-        """The decode step over the first `rows` static rows, sequences up to `context` keys ->
-        logits.
-        """
+        """Decode over the first `rows` static rows -> logits."""
         width = -(-context // self.pool.block_size)
         meta = self.attn.prepare(
             self.tables[:rows, :width],
@@ -126,9 +118,8 @@ class DecodeGraphs:
         return logits
 
     def capture_all(self) -> float:
-        """Capture every (tier, bucket), largest first (they share one memory pool), on one side
-        stream. Returns seconds taken. Raises whatever capture raises (out of memory, most likely):
-        the caller decides.
+        """Capture every (tier, bucket), largest first, on a side stream -> seconds; raises as
+        capture does.
         """
         t0 = time.perf_counter()
         self._pad(0)
@@ -177,9 +168,7 @@ class DecodeGraphs:
         seq_lens: torch.Tensor,
         longest: int,
     ) -> torch.Tensor:
-        """A covered decode step (its arrays on the device; `longest`, its longest sequence, from
-        the plan on the host) -> logits [rows, vocab] of every row.
-        """
+        """A covered decode step -> logits [rows, vocab]."""
         rows = token_ids.shape[0]
         bucket, context = self.bucket(rows), self.tier(longest)
         self.token_ids[:rows].copy_(token_ids)

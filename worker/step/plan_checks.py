@@ -16,10 +16,7 @@ class PlanError(ValueError):
 def validate_plan(
     p: PlanArrays, num_blocks: int, block_size: int, vocab: int, max_pos: int, kv_window: int = 0
 ) -> None:
-    """Raise PlanError unless every array fits the pool, the vocabulary and the context. num_blocks
-    is the count the scheduler acknowledged, so every rank of a group accepts or rejects a plan
-    alike.
-    """
+    """PlanError unless every array fits pool, vocabulary and context, alike on every rank."""
     s, t = p.num_seqs, p.num_tokens
     # a step that only moves blocks to or from the KV tiers
     if s == 0 and t == 0 and p.kv is not None:
@@ -157,9 +154,7 @@ def validate_controls(p: PlanArrays, q_lens: np.ndarray, vocab: int) -> None:
 
 
 def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
-    """A drafting row samples, ends with its draft after one undrafted token, keys its draws within
-    the draft, has a mask a constrained position, and asks for no logprobs.
-    """
+    """A drafting row's shape, draws, masks and logprobs checked."""
     nd = p.num_draft
     if (nd < 0).any():
         raise PlanError("num_draft must be >= 0")
@@ -198,9 +193,7 @@ def validate_drafts(p: PlanArrays, q_lens: np.ndarray) -> None:
 
 
 def validate_states(p: PlanArrays, num_slots: int) -> None:
-    """A hybrid's plan gives every row its own slot of the state pool; another model's gives none.
-    A row that drafts cannot be rolled back in a recurrent state, so none may.
-    """
+    """A hybrid's rows each have their own state slot; others have none."""
     slots = p.state_slots
     if not num_slots:
         if slots is not None:
@@ -218,9 +211,8 @@ def validate_states(p: PlanArrays, num_slots: int) -> None:
 
 
 def validate_snapshots(p: PlanArrays, num_slots: int) -> None:
-    """Copies go from a slot no row resumes in (copies run before fresh slots are zeroed) to one a
-    row resumes in; a snapshot is taken inside its row into a slot no row runs in; each slot is
-    written once.
+    """Copies go from non-resuming slots into resuming ones; snapshots land in idle slots, once
+    each.
     """
     copies = np.zeros(0, np.int32) if p.state_copies is None else p.state_copies
     saves = np.zeros(0, np.int32) if p.state_saves is None else p.state_saves

@@ -53,27 +53,19 @@ class ModelRunner:
         self.chain = TokenChain(device)
 
     def preload_loras(self, loras: list[tuple[str, str]]) -> None:
-        """Read the adapters the scheduler serves now; one that fails is retried when a plan names
-        it.
-        """
+        """Read the served adapters now; a failure is retried when a plan names it."""
         if self.adapters is not None and loras:
             self.adapters.preload(loras)
 
     @torch.inference_mode()
     def execute(self, plan: wire_pb2.StepPlan, await_mask=None) -> wire_pb2.StepResult:
-        """Run one step to its result (launch, then land). await_mask(step_id) -> int32 [masks,
-        words]: for a plan sent with mask_follows, blocks until the scheduler sends that step's
-        masks.
-        """
+        """Launch and land one step; await_mask(step_id) gives a mask_follows plan its masks."""
         launched = self.launch(plan, await_mask)
         return launched if isinstance(launched, wire_pb2.StepResult) else self.land(launched)
 
     @torch.inference_mode()
     def launch(self, plan: wire_pb2.StepPlan, await_mask=None) -> InFlight | wire_pb2.StepResult:
-        """Queue a step's whole work on the device (forward, logits, controls, sampling, tokens to
-        pinned host) without waiting; the previous step's tokens are read on the device, so step N+1
-        launches before N is read back.
-        """
+        """Queue a step's whole work without waiting; N+1 reads N's tokens on the device."""
         t0 = time.perf_counter()
         accepted = self._accept(plan, await_mask)
         if isinstance(accepted, wire_pb2.StepResult):
@@ -155,9 +147,7 @@ class ModelRunner:
         )
 
     def _accept(self, plan: wire_pb2.StepPlan, await_mask) -> tuple | wire_pb2.StepResult:
-        """The plan decoded and validated, whether it reads the previous step's tokens, and its LoRA
-        rows; or the result that rejects it.
-        """
+        """The plan decoded and validated, or the result rejecting it."""
         try:
             p = decode_plan(plan)
             pending = self.chain.pending_rows(p)
@@ -192,9 +182,7 @@ class ModelRunner:
         return p, pending, lora
 
     def _stage(self, p: PlanArrays, pending: bool, lora: StepLora | None = None) -> Staged:
-        """Every host array of the step in one transfer, the previous step's tokens read where they
-        are, block copies queued. Drafting rows run as one decode row a token.
-        """
+        """Host arrays moved in one transfer, copies queued; a draft runs a row a token."""
         rows = np.flatnonzero(p.do_sample)
         tables, seq_lens_h, qsl_h = p.block_tables, p.seq_lens, p.query_start_loc
         ends = p.query_start_loc[1:].astype(np.int64) - 1
@@ -311,8 +299,7 @@ class ModelRunner:
             accept_drafts(sampled, s.drafts, tokens, accepted)
         else:
             tokens[torch.from_numpy(rows).to(self.device, non_blocking=True)] = sampled
-        # by logits row: a drafting row asks none (plan_checks), so each row asking has its one
-        # logits row
+        # by logits row: a drafting row asks none, so each asking row has one
         ks = p.logprobs[owner] if p.logprobs is not None else np.zeros(0, dtype=np.int32)
         at = np.flatnonzero(ks >= 0)
         if not at.size:
@@ -321,8 +308,8 @@ class ModelRunner:
         return top_logprobs(raw[index], sampled[index].clamp(min=0), ks[at].astype(np.int64))
 
     def land(self, f: InFlight) -> wire_pb2.StepResult:
-        """Wait for a launched step's tokens and answer with its result. A step that read its input
-        tokens from one that failed reports that instead of its own (garbage) tokens.
+        """Wait for a launched step's tokens -> its result (or the failure of the step it read
+        from).
         """
         t = time.perf_counter()
         f.clock.wait()
@@ -359,9 +346,7 @@ class ModelRunner:
         )
 
     def _prompt_logprobs(self, p: PlanArrays, all_logits, hidden):
-        """Log-probabilities of the prompt tokens after each row's first `count` new tokens (the
-        plan's targets), from the logits at those positions.
-        """
+        """Logprobs of prompt tokens after each row's first `count`, from the logits there."""
         counts = p.prompt_logprob_counts.astype(np.int64)
         at = np.flatnonzero(counts > 0)
         if at.size == 0:

@@ -36,12 +36,12 @@ MIN_TEMPERATURE = 1e-5
 
 
 class NonFiniteLogits(ValueError):
-    """A row of logits has no finite value to choose from (a broken model or weights)."""
+    """A row of logits with no finite value (broken weights)."""
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """fp32 logits [rows, vocab] -> int64 tokens. NaN never wins, +inf always does; NonFiniteLogits
-    for a row with no finite logit (this syncs; the runner uses sample_async).
+    """fp32 logits -> int64 tokens; NaN never wins, +inf always does. Syncs: the runner uses
+    sample_async.
     """
     tokens = sample_async(logits, batch)
     check_sampled(tokens.cpu())
@@ -56,14 +56,10 @@ def check_sampled(tokens) -> None:
 
 
 def sample_async(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """sample() without a host sync: paths chosen from the host's parameters, a row with no finite
-    logit returned as -1.
-    """
+    """sample() without a host sync; a row with no finite logit gives -1."""
     temperature = batch.temperature.cpu()
     if logits.device.type == "cpu" and not bool((temperature >= MIN_TEMPERATURE).any()):
-        # every row greedy, on the host: one pass over the vocabulary (the native kernel's, ~10 us
-        # at 50k tokens) instead of the general path's four; same tokens, NaN never chosen, -1 for
-        # an empty row
+        # all greedy: one native pass over the vocabulary on the host instead of four; same tokens
         native = _native()
         if native is not None and logits.dtype == torch.float32:
             return native.argmax_rows(logits)
@@ -122,9 +118,7 @@ def _native():
 
 
 def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The smallest probability each row keeps under top-p: a Triton kernel on CUDA (one launch),
-    the same bisection in torch elsewhere.
-    """
+    """Each row's smallest kept probability under top-p: Triton on CUDA, torch elsewhere."""
     if probs.is_cuda:
         try:
             from kernels.triton_sampling import top_p_floor
@@ -148,9 +142,7 @@ def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise [rows, vocab] from a counter-based generator: element (r, v) depends on keys[r]
-    and v alone (splitmix64), so any device and any replay draw the same.
-    """
+    """Exp(1) noise where (r, v) depends on keys[r] and v alone, so devices and replays agree."""
     v = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device)
     z = keys[:, None] + v[None, :] * _GOLDEN
     z = (z ^ _shr(z, 30)) * _MIX1
@@ -159,9 +151,8 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     return -torch.log(uniform_from_bits(_shr(z, 64 - UNIFORM_BITS)))
 
 
-# Bits of a uniform draw. (k + 0.5) / 2^23 for k < 2^23 is exact in float32 and lies in (0, 1)
-# strictly; with 24 bits the top value rounds to 1.0, whose -log is 0, and a token of probability 0
-# (filtered by top-k, top-p, min-p or a mask) would then win the race as 0 / 0 = NaN.
+# 24 bits would round the top draw to 1.0, whose -log is 0, and let a filtered token (probability 0)
+# win the race as 0 / 0 = NaN; (k + 0.5) / 2^23 lies strictly in (0, 1).
 UNIFORM_BITS = 23
 
 

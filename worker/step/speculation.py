@@ -28,10 +28,7 @@ class Drafts:
 def accept_drafts(
     sampled: torch.Tensor, d: Drafts, tokens: torch.Tensor, accepted: torch.Tensor
 ) -> None:
-    """A draft stands while it equals the token sampled at the position before it (the same seed and
-    index as without drafts, so answers equal speculation off); the row's token follows the last
-    accepted draft.
-    """
+    """A draft stands while it equals the token sampled before it (same seeds: same answers)."""
     k = d.tokens.shape[1]
     at = (d.first[:, None] + torch.arange(k, device=sampled.device)[None, :]).clamp(
         max=sampled.shape[0] - 1
@@ -43,10 +40,7 @@ def accept_drafts(
 
 
 def expand_drafts(p: PlanArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each drafting row cut into one decode row per token: (owner plan row, seq_lens,
-    query_start_loc). All K/V is written before any is read, so the step stays a decode step
-    (graphs, fused step).
-    """
+    """Each drafting row as one decode row per token, so the step stays a decode step."""
     q_lens = np.diff(p.query_start_loc.astype(np.int64))
     split = p.num_draft > 0
     per_row = np.where(split, q_lens, 1)

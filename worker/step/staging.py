@@ -15,9 +15,7 @@ from worker.step.speculation import Drafts
 
 
 def pool_hidden(hidden: torch.Tensor, p: PlanArrays) -> torch.Tensor | None:
-    """The pooling rows' final hidden states (last token, sum or first), fp32 [rows, hidden]; None
-    if none.
-    """
+    """The pooling rows' final hidden states, fp32 [rows, hidden]; None if none."""
     rows = np.flatnonzero(p.pooling > 0)
     if rows.size == 0:
         return None
@@ -44,10 +42,7 @@ _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float3
 
 
 class Staging:
-    """A step's host arrays on the device: on CUDA packed into one of two pinned buffers used in
-    turn (an event guards reuse) and moved in one copy; on a CPU used as they are. `pack` forces
-    packing (tests).
-    """
+    """A step's host arrays moved to the device in one copy from two pinned buffers used in turn."""
 
     ALIGN = 16  # every view starts 16-byte aligned, whatever the arrays before it
 
@@ -88,9 +83,7 @@ class Staging:
 
 
 def is_device_fatal(error: BaseException) -> bool:
-    """A CUDA error (illegal address, device-side assert, ...) leaves the context unusable: every
-    later call fails too. torch raises torch.AcceleratorError (2.8+) or a RuntimeError naming CUDA.
-    """
+    """A CUDA error that leaves the context unusable (every later call fails too)."""
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):
         return True
@@ -99,9 +92,7 @@ def is_device_fatal(error: BaseException) -> bool:
 
 
 class StepClock:
-    """A step's forward and sampling times: on CUDA from events on the stream (`wait` blocks on
-    "end" only, not on the step queued after it); on a CPU the host clock.
-    """
+    """Forward and sampling times: CUDA events on the stream, or the host clock on a CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.events: dict[str, torch.cuda.Event] | None = {} if device.type == "cuda" else None
@@ -149,14 +140,11 @@ class Staged:
 
 @dataclass
 class InFlight:
-    """A launched step: its tokens are being copied to `host_tokens`; `clock` knows when that is
-    done.
-    """
+    """A launched step whose tokens are being copied to `host_tokens`."""
 
     step_id: int
     do_sample: np.ndarray  # bool [S]
-    # int64 [S] (then [S] drafted tokens accepted, when the step drafts), pinned on CUDA; -1 where a
-    # row does not sample
+    # int64 [S] (then [S] accepted drafts when drafting), pinned on CUDA; -1: no sample
     host_tokens: torch.Tensor
     clock: StepClock
     logprobs: object

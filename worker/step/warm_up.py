@@ -16,10 +16,7 @@ log = structlog.get_logger("worker.step.runner")
 
 
 def warm_up(runner: ModelRunner) -> float:
-    """Run three small steps (prompts only, mixed, decodes only; greedy and sampled) before serving,
-    so kernels compile and allocators warm now. Writes only the pool's first blocks. Returns seconds
-    taken.
-    """
+    """Three small steps before serving so kernels compile and allocators warm -> seconds."""
     bs = runner.pool.block_size
     per_seq = -(-5 // bs)  # blocks for 5 positions
     states = runner.pool.states  # a hybrid's rows each take a slot (reset, as they start at 0)
@@ -30,8 +27,7 @@ def warm_up(runner: ModelRunner) -> float:
     steps = [[(0, 0, 3), (1, 0, 2)], [(0, 3, 1), (1, 2, 2)], [(0, 4, 1), (1, 4, 1)]]
     kept = runner.chain.state()
     t0 = time.perf_counter()
-    # a model whose logits are not finite (a broken checkpoint) fails here as it would on every
-    # step:
+    # non-finite logits (a broken checkpoint) fail here as on every step:
     try:
         # the steps report it to the scheduler; the warm-up only says so in the log
         for rows in steps:

@@ -15,9 +15,7 @@ Range = tuple[int, int] | None
 
 
 class TensorSource:
-    """Hugging Face-named tensors; `get` returns rows [a, b) and/or columns
-    [c, d) of one of them.
-    """
+    """Hugging Face-named tensors; `get` slices rows and/or columns."""
 
     def names(self) -> set[str]:
         raise NotImplementedError
@@ -71,10 +69,7 @@ class SafetensorsSource(TensorSource):
 
 
 class BareDecoderSource(TensorSource):
-    """A decoder saved without its language-model wrapper (a `Qwen3Model` / `LlamaModel` checkpoint,
-    as embedding models ship: `layers.0...`, `embed_tokens.weight`, `norm.weight`, no head) under
-    the names the model reads, `model.` before each.
-    """
+    """A decoder saved without its head (as embedding models ship), renamed as the model reads."""
 
     PREFIX = "model."
 
@@ -100,10 +95,7 @@ class BareDecoderSource(TensorSource):
 
 
 class LanguageModelSource(TensorSource):
-    """A multimodal checkpoint served as text (Qwen3.5's `...ForConditionalGeneration`): its
-    language model's tensors under the names a text model has; the vision tower and the
-    multi-token-prediction head are not read.
-    """
+    """A multimodal checkpoint's language model as text; vision and MTP tensors are not read."""
 
     INNER, SKIPPED = "model.language_model.", ("model.visual.", "mtp.")
 
@@ -158,9 +150,7 @@ DEFAULT_LAYER_NAMES = LayerNames()
 
 
 class CheckpointReader:
-    """One rank's reads of a checkpoint: each tensor as the model's dtype, remembered, so that at
-    the end every parameter is covered and every tensor used.
-    """
+    """One rank's reads, remembered so every parameter is covered and every tensor used."""
 
     def __init__(self, source: TensorSource, dtype: torch.dtype, norm_offset: float) -> None:
         self.source, self.dtype, self.norm_offset = source, dtype, norm_offset

@@ -22,10 +22,7 @@ from worker.weights.checkpoint import (
 def read_quantized(
     model: LlamaModel, source, embeddings: bool = False, pack=None
 ) -> dict[tuple, object]:
-    """This rank's slices of each matrix the GGUF's blocks serve, stacked as the fused parameters
-    are; unserved types load dense. embeddings adds the token table under ("embed",); pack is
-    applied as read.
-    """
+    """This rank's slices of each block-served matrix, stacked as fused; other types load dense."""
     from worker.model.quant_weights import QuantWeight
 
     c, sh = model.config, model.shard
@@ -34,9 +31,7 @@ def read_quantized(
     kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
 
     def quant(parts, cols=None, rows_to=None, packed=True):
-        """rows_to: rows padded with zero blocks to that many (the last vocabulary shard is short,
-        as the dense one is padded).
-        """
+        """rows_to: zero blocks padding the short last vocabulary shard."""
         if any(source.qtype(name) is None for name, _ in parts):
             return None
         try:
@@ -64,8 +59,7 @@ def read_quantized(
                 gates = [(a + "q_proj.weight", ((2 * h + 1) * hd, (2 * h + 2) * hd)) for h in heads]
             plan["qkv"] = quant(query + kv + gates)
             plan["o_proj"] = quant([(a + "o_proj.weight", None)], cols=q_rows)
-        # a mixture of experts stays as loaded (worker/model/moe.py reads the experts); its shared
-        # expert is packed as a dense MLP
+        # experts stay as loaded (moe.py reads them); a shared expert packs as a dense MLP
         if layer.moe is not None:
             m += "shared_expert."
         if layer.gate_up is not None:
@@ -96,8 +90,7 @@ def read_quantized(
 
 @torch.no_grad()
 def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
-    """Copy this rank's slices of Hugging Face-named tensors into the fused parameters; every
-    parameter must be covered and every checkpoint tensor used. The family's names: LAYER_NAMES."""
+    """Copy this rank's slices into the fused parameters; all covered, all used (LAYER_NAMES)."""
     c = model.config
     ck = CheckpointReader(source, model.embed.dtype, c.norm_offset)
     names = LAYER_NAMES.get(c.model_type, DEFAULT_LAYER_NAMES)
@@ -139,8 +132,7 @@ def _load_norms(
 def _load_attention(
     model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
 ) -> None:
-    """This rank's query heads and KV heads of q, k and v (weights and biases), q/k norms, and the
-    matching columns of o_proj."""
+    """This rank's q, k, v heads (weights, biases), q/k norms, and o_proj's columns."""
     c, sh, hd = model.config, model.shard, model.config.head_dim
     a = p + "self_attn."
     q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
@@ -181,9 +173,9 @@ def _load_attention(
 
 
 def _load_delta_net(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, a: str) -> None:
-    """A Gated DeltaNet layer, this rank's heads: its four input projections fused (q, k, v, z, b,
-    a), the conv's channels of q, k and v, the decay and gate parameters, the gated norm's plain
-    weight and out_proj's columns."""
+    """A Gated DeltaNet layer's heads on this rank: fused input projection, conv, decay, norm,
+    output.
+    """
     c, sh, net = model.config, model.shard, layer.linear
     dk, dv, key_dim = c.linear_k_dim, c.linear_v_dim, c.linear_k_heads * c.linear_k_dim
     (k0, k1), (v0, v1) = sh.linear_k_heads, sh.linear_v_heads
@@ -207,8 +199,7 @@ def _load_delta_net(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer
 def _load_mlp(
     model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
 ) -> None:
-    """This rank's intermediate rows of gate and up (fused), and columns of down (of the shared
-    expert beside a mixture of experts)."""
+    """This rank's gate/up rows (fused) and down columns."""
     m, inter, fused = p + "mlp.", model.shard.intermediate, p + names.gate_up
     if layer.moe is not None:
         m = p + "mlp.shared_expert."
@@ -233,8 +224,7 @@ def _load_mlp(
 def _load_experts(
     model: LlamaModel, ck: CheckpointReader, moe: MoE, m: str, names: LayerNames
 ) -> None:
-    """The router whole, this rank's slice of every expert (one tensor each, or all experts' gate
-    and up in one [experts, 2 x I, hidden] tensor and their down in another)."""
+    """The router whole, this rank's slice of every expert (one tensor each or all in one)."""
     inter = model.shard.expert_intermediate
     gate, up, down = names.expert
     moe.router.copy_(ck.take(m + "gate.weight"))
@@ -253,8 +243,7 @@ def _load_experts(
 
 
 def _delta_net_blocks(c, sh, quant, a: str) -> dict:
-    """A Gated DeltaNet layer's projections from blocks, this rank's heads: q, k, v, z, b and a
-    stacked as in_proj (runs of one type each), and out_proj's columns."""
+    """A Gated DeltaNet layer's projections from blocks, this rank's heads."""
     dk, dv, key_dim = c.linear_k_dim, c.linear_v_dim, c.linear_k_heads * c.linear_k_dim
     (k0, k1), (v0, v1) = sh.linear_k_heads, sh.linear_v_heads
     qkv = a + "in_proj_qkv.weight"

@@ -31,9 +31,7 @@ OFFSET_NORMS = (
 
 
 def rope_rows(n_heads: int, head_dim: int) -> torch.Tensor:
-    """For Hugging Face row h*hd + half*hd/2 + i, the GGUF row h*hd + 2*i + half (llama.cpp's
-    permute).
-    """
+    """Hugging Face row h*hd + half*hd/2 + i is GGUF row h*hd + 2*i + half (llama.cpp's permute)."""
     h = torch.arange(n_heads).view(-1, 1, 1)
     half = torch.arange(2).view(1, -1, 1)
     i = torch.arange(head_dim // 2).view(1, 1, -1)
@@ -41,9 +39,7 @@ def rope_rows(n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 class GGUFFile(GGUFHeader):
-    """A GGUF's header and tensor bytes, read on demand with plain reads: a memory map's pages would
-    count twice in resident memory.
-    """
+    """A GGUF read with plain reads: a memory map's pages would count twice in resident memory."""
 
     def type_name(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
@@ -53,9 +49,7 @@ class GGUFFile(GGUFHeader):
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor's bytes as stored, uint8 [rows, bytes a row], read into memory this process
-        owns.
-        """
+        """The tensor's stored bytes, uint8 [rows, bytes a row]."""
         t = self.tensors[name]
         out = torch.empty(int(t.n_bytes), dtype=torch.uint8)
         view, done = memoryview(out.numpy()), 0
@@ -69,9 +63,7 @@ class GGUFFile(GGUFHeader):
         return out.view(rows, -1)
 
     def dequantize(self, name: str) -> torch.Tensor:
-        """The tensor as fp32 in torch's shape: the native kernels where they serve its type, else
-        gguf's own.
-        """
+        """fp32 in torch's shape, by the native kernels where they serve the type."""
         from gguf import GGMLQuantizationType, quants
 
         shape, qtype = self.shape(name), self.type_name(name)
@@ -95,9 +87,7 @@ class GGUFFile(GGUFHeader):
 
 
 class GGUFTensorSource(TensorSource):
-    """A GGUF file as a checkpoint: tensors served dense are dequantized one at a time as loaded
-    (q/k rows put back in Hugging Face order); those served as blocks are read by gguf_blocks.py.
-    """
+    """A GGUF as a checkpoint: dense tensors dequantized one at a time, q/k rows in HF order."""
 
     def __init__(self, path: str | Path, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
         self.file = GGUFFile(path)
@@ -145,9 +135,7 @@ class GGUFTensorSource(TensorSource):
 
 
 def _hybrid_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
-    """A qwen35 file's tensor as the Hugging Face checkpoint holds it: norms without the one added,
-    A_log from -exp(A_log), the shared expert's gate as a one-row matrix.
-    """
+    """A qwen35 tensor as the HF checkpoint holds it (norms less one, A_log, gate as a row)."""
     if name.endswith(OFFSET_NORMS):
         return t - 1.0
     if name.endswith("linear_attn.A_log"):

@@ -15,9 +15,7 @@ from worker.weights.gguf import GGUFFile
 
 
 class CastSource:
-    """A checkpoint's matrices as bf16 rows (`--dtype bfloat16` on a CPU), read by the GGUF kernels;
-    the rest in fp32.
-    """
+    """A checkpoint's matrices as bf16 rows for the native kernels; the rest fp32."""
 
     MATRICES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
 
@@ -45,9 +43,7 @@ class CastSource:
         return QuantWeight(t.view(torch.uint8), self.qtype_name, t.shape[1])
 
     def held_bytes(self, tied: bool) -> int:
-        """The parameters at 2 bytes a value (the table twice where
-        tied: looked up, and the head).
-        """
+        """Two bytes a value, a tied table twice."""
         from worker.model.config import parameter_count
 
         c = self.config
@@ -118,9 +114,7 @@ class GGUFQuantSource:
         self._q_rows, self._kv_rows = n_heads * head_dim, n_kv_heads * head_dim
 
     def held_bytes(self, tied: bool) -> int:
-        """What serving this file holds: served blocks (packed up to 6% larger), other tensors in
-        fp32, a tied table twice.
-        """
+        """Served blocks (packed: up to 6% more), other tensors fp32, a tied table twice."""
         held = 0
         for t in self._tensors.values():
             quantized = t.tensor_type.name in QUANT_TYPES
@@ -136,9 +130,7 @@ class GGUFQuantSource:
         return held
 
     def _locate(self, hf_name: str) -> tuple[str, int, int | None]:
-        """-> (the file's tensor holding the matrix, its first row there, its rows there or None:
-        all).
-        """
+        """(the file's tensor holding the matrix, first row, rows or None: all)."""
         name = self.gguf_name(hf_name)
         prefix, kind = name.rsplit(".", 2)[0], name.split(".")[-2]
         qkv = f"{prefix}.attn_qkv.weight"
@@ -176,9 +168,7 @@ class GGUFQuantSource:
         raise KeyError(f"{hf_name} has no quantized matrix in {self.path.name}")
 
     def qtype(self, hf_name: str) -> str | None:
-        """The quantization of a matrix, or None when the kernels do not serve its type (F32, Q3_K,
-        ...).
-        """
+        """A matrix's quantization, or None where the kernels do not serve it."""
         try:
             name = self._locate(hf_name)[0]
         except KeyError:  # a matrix this reader does not map (a hybrid's linear layers): dense

@@ -37,9 +37,7 @@ STRING, ARRAY = 8, 9
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One entry of the tensor table; shape innermost first, as ggml lists it; data_offset from the
-    file's start.
-    """
+    """A tensor-table entry; shape innermost first, as ggml lists it."""
 
     name: str
     tensor_type: GGMLQuantizationType
@@ -112,7 +110,7 @@ class _Cursor:
 
 
 def read_header(path: str | Path) -> tuple[dict[str, object], dict[str, TensorInfo]]:
-    """(metadata, tensors by name) of a GGUF; ValueError where it is not one or is cut short."""
+    """(metadata, tensors by name); ValueError if not a GGUF or cut short."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != MAGIC:
             raise ValueError(f"{Path(path).name} is not a GGUF file (no GGUF magic)")
@@ -179,8 +177,7 @@ def find_embedded_gguf(package: str = DEFAULT_GGUF_PACKAGE, name: str = DEFAULT_
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "qwen35", "qwen35moe")
 # Qwen3.5's hybrids, whose config this module reads too (transformers reads none of theirs)
 HYBRID_ARCHS = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
-# the architectures served at all: those read natively, and those transformers' GGUF reader turns
-# into a family the workers serve (through a prepared fp32 copy)
+# the architectures served: read natively, or through transformers' reader and an fp32 copy
 SERVED_ARCHS = (*NATIVE_ARCHS, "mistral", "qwen3moe", "gemma2", "gemma3")
 # llama.cpp's converter interleaves q/k rotary halves for these
 PERMUTED_ARCHS = ("llama", "mistral")
@@ -234,9 +231,7 @@ GLOBAL_TENSORS = {
 
 
 def hf_names(file: GGUFHeader) -> dict[str, str] | None:
-    """{Hugging Face name: the file's tensor} for every tensor of a file this module can read, or
-    None where the architecture or a tensor is one it does not map.
-    """
+    """{HF name: file tensor} for a file this module maps, else None."""
     if file.arch not in NATIVE_ARCHS:
         return None
     names: dict[str, str] = {}
@@ -315,7 +310,5 @@ def hybrid_config(file: GGUFHeader) -> dict:
 
 
 def reads_natively(path: str | Path) -> bool:
-    """Whether a GGUF's weights load from the file itself (no dequantized copy of it prepared
-    first).
-    """
+    """Whether weights load from the file itself, with no dequantized copy prepared."""
     return hf_names(GGUFHeader(path)) is not None

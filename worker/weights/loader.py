@@ -27,9 +27,7 @@ log = structlog.get_logger("worker.weights")
 
 
 def load_config(source: str, load_format: str) -> ModelConfig:
-    """A model's config: a GGUF's own (through transformers), or a folder's; the GGUF's rope_freqs
-    added where the file (or the one the folder was prepared from) carries them.
-    """
+    """A GGUF's or a folder's config, with the GGUF's rope_freqs where it carries them."""
     from worker.weights.gguf_blocks import find_gguf
 
     path = Path(source)
@@ -48,9 +46,7 @@ def load_config(source: str, load_format: str) -> ModelConfig:
             and any(path.glob("*.safetensors"))
             and "lm_head.weight" not in SafetensorsSource(path).names()
         ):
-            # an embedding model saved without a head (sentence-transformers' folder): the token
-            # table stands in the head's place, never read (such a model only embeds; the scheduler
-            # refuses generation for it)
+            # a head-less embedding model: the token table stands in the head's place, never read
             config = dataclasses.replace(config, tie_word_embeddings=True)
     return with_rope_freqs(config, gguf) if gguf is not None else config
 
@@ -84,9 +80,7 @@ def read_gguf(path: Path, config: ModelConfig) -> TensorSource:
 
 
 def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
-    """A folder's weights: its safetensors files (a bare decoder's under the names of one with its
-    head), or where it holds none, the GGUF it was prepared from.
-    """
+    """A folder's safetensors, or the GGUF it was prepared from."""
     from worker.weights.gguf_blocks import find_gguf
 
     gguf = None if any(path.glob("*.safetensors")) else find_gguf(path)
@@ -145,10 +139,7 @@ def load_model(
     quantized=None,
     pack=None,
 ) -> tuple[LlamaModel, ModelConfig]:
-    """load_format: auto, safetensors, gguf or dummy; tp_size > 1 loads rank tp_rank's shard.
-    quantized: a block source read first, its parameters never allocated; pack applied as read, so
-    two layouts are never held at once.
-    """
+    """load_format auto/safetensors/gguf/dummy; this rank's shard; block sources packed as read."""
     config = load_config(source, load_format)
     shard = make_shard(
         config.num_heads,
@@ -161,9 +152,7 @@ def load_model(
         (config.linear_k_heads, config.linear_v_heads),
     )
     weights = getattr(quantized, "checkpoint", None) or tensor_source(source, load_format, config)
-    # The parameters are allocated where they will run, in their dtype, and filled there: no fp32
-    # copy of the model on the host first (32 GB and minutes for an 8B model). Every parameter is
-    # written below.
+    # Parameters are allocated and filled where they run, in their dtype: no host fp32 copy first.
     with torch.device("meta"):
         model = LlamaModel(config, shard, comm).to(dtype)
     model.file_blocks = (

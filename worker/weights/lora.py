@@ -24,9 +24,7 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 def _part_rows(config: ModelConfig, shard: Shard) -> dict[str, tuple[int, int, int]]:
-    """Each output part's (rows of the full model's part this rank holds: lo, hi; its offset in the
-    rank's fused output).
-    """
+    """Each output part's (lo, hi) rows this rank holds and their offset in its fused output."""
     hd = config.head_dim
     q = (shard.q_heads[0] * hd, shard.q_heads[1] * hd)
     kv = (shard.kv_heads[0] * hd, shard.kv_heads[1] * hd)
@@ -44,9 +42,7 @@ def _part_rows(config: ModelConfig, shard: Shard) -> dict[str, tuple[int, int, i
 
 
 def _input_cols(config: ModelConfig, shard: Shard, part: str) -> slice:
-    """The columns of A this rank multiplies: its input slice
-    for the row-parallel o_proj and down.
-    """
+    """A's columns this rank multiplies (row-parallel o_proj and down)."""
     if part == "o_proj":
         return slice(shard.q_heads[0] * config.head_dim, shard.q_heads[1] * config.head_dim)
     if part == "down_proj":
@@ -63,9 +59,7 @@ def read_lora(
     device: torch.device,
     max_rank: int,
 ) -> LoraWeights:
-    """The adapter in `folder` for this rank; ValueError where its files no longer match `identity`,
-    or it cannot be served as the scheduler checked it.
-    """
+    """The adapter for this rank; ValueError if its files changed or it cannot be served."""
 
     # one function: a PEFT folder read in order: its config checked, then each tensor
     from safetensors.torch import load_file
@@ -133,9 +127,7 @@ def read_lora(
 
 
 def lora_bytes(config: ModelConfig, shard: Shard, rank: int, itemsize: int) -> int:
-    """Memory one adapter of `rank` on all seven projections of every layer takes on this rank: what
-    each of --max-cpu-loras sets aside from the KV pool's budget.
-    """
+    """One adapter's bytes on this rank: what each --max-cpu-loras slot sets aside."""
     rows = _part_rows(config, shard)
     per_layer = 0
     # A: each part's rank x its input; B: the parts' outputs x their ranks

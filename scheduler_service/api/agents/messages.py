@@ -34,9 +34,7 @@ def error_body(status: int, message: str) -> dict:
 
 
 class Block(Strict):
-    """A content block: text, tool_use, tool_result, thinking (sent back: dropped), image or
-    document (refused: these models read text).
-    """
+    """A content block; images and documents are refused, thinking sent back is dropped."""
 
     type: str
     text: str | None = None
@@ -214,9 +212,7 @@ def _tools(body: MessagesRequest | CountTokensRequest) -> tuple[list[dict] | Non
 
 
 def chat_body(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
-    """The chat request this Messages request is: its own checks
-    first, named with its own fields.
-    """
+    """The chat request this Messages request is, checked under its own field names."""
     fields: dict[str, Any] = {"messages": conversation(body.system, body.messages)}
     if not body.messages:
         raise InvalidRequest("messages: at least one message is required")
@@ -300,10 +296,7 @@ def sse(kind: str, payload: dict) -> bytes:
 
 
 class MessageStream:
-    """A streamed message's events: message_start, then each block's start, deltas and stop
-    (thinking, text, then each tool_use), message_delta with the stop reason and usage,
-    message_stop.
-    """
+    """A streamed message's events, in the order Anthropic sends them."""
 
     def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
         self.id, self.model, self.prompt_tokens = message_id, model, prompt_tokens

@@ -141,10 +141,7 @@ def history(messages: list[dict], turn: Turn) -> list[dict]:
 
 
 class ResponseStream:
-    """A streamed response's events in the order OpenAI sends them: the reasoning item, the message
-    item and its output_text part, then each function call, then response.completed (or
-    .incomplete).
-    """
+    """A streamed response's events, in the order OpenAI sends them."""
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape = shape

@@ -165,9 +165,7 @@ def conversation(body: ResponsesRequest, earlier: list[dict]) -> list[dict]:
 
 
 def chat_body(body: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
-    """The chat request this Responses request is: its checks first, named with the Responses API's
-    fields.
-    """
+    """The chat request this Responses request is, checked under its own field names."""
     if body.background:
         raise InvalidRequest("background is not served: responses run while the request is open")
     if body.max_output_tokens is not None and body.max_output_tokens < 1:

@@ -24,9 +24,7 @@ JSON = "application/json"
 
 
 class AgentRoutes:
-    """/v1/responses (with a bounded store for previous_response_id) and /v1/messages, over an
-    OpenAIServer's engine, model names and key.
-    """
+    """/v1/responses (with a bounded store for previous_response_id) and /v1/messages."""
 
     def __init__(self, server) -> None:
         self.server = server
@@ -42,8 +40,7 @@ class AgentRoutes:
         ]
 
     async def _prepare(self, chat, rid: str, model: str):
-        """The chat request validated, templated and tokenized as chat's are: (prepared, tool mode,
-        whether the prompt opened a <think> block)."""
+        """Validated, templated and tokenized as chat is: (prepared, tool mode, opened <think>)."""
         msg, mode = to_engine.chat_request(chat, self.server.defaults, self.server.parse_auto_tools)
         msg.request_id, msg.lora = rid, self.server.lora_of(model)
         prepared = await prepare_request(self.engine, msg)
@@ -52,9 +49,7 @@ class AgentRoutes:
     def _event_stream(
         self, prepared, mode, opened, shape, usage, on_turn=None, headers=None
     ) -> Response:
-        """The answer as server-sent events in `shape`'s words, then the turn's end with its usage;
-        on_turn(turn) once whole. A failure midway is the last event.
-        """
+        """Server-sent events in `shape`'s words; a failure midway is the last event."""
 
         async def events() -> AsyncIterator[bytes]:
             for event in shape.opening():

@@ -46,9 +46,7 @@ def call_arguments(call: dict) -> dict:
 
 
 class TurnStream:
-    """A streamed answer cut into reasoning and content that can go out now; text that may be a tool
-    call is held until the end.
-    """
+    """Streamed text cut into reasoning and content; a possible tool call is held to the end."""
 
     def __init__(self, mode: ToolMode, thinks: bool, opened: bool) -> None:
         self.mode, self.thinks, self.opened = mode, thinks, opened
