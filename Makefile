@@ -29,7 +29,7 @@ PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wir
 # `make` alone lists the targets.
 .DEFAULT_GOAL := help
 
-.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-lora bench-kv-tiers bench-tails bench-moe bench-start gpu-compile-report plot-kv clean
+.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-lora bench-kv-tiers bench-tails peer-ik bench-moe bench-start gpu-compile-report plot-kv clean
 
 help:  ## list the targets, one line each
 	@awk -F ':.*## ' -v port='$(PORT)' -v http='$(HTTP_PORT)' -v rundir='$(RUN_DIR)' \
@@ -157,8 +157,9 @@ bench-gateway: setup  ## SMG's HTTP in front vs gRPC straight, same server
 bench-quantized: setup  ## GGUF K-quant blocks vs fp32
 	$(PY) -m deploy.bench.quantized --model $(MODEL_DIR) $(ARGS)
 
-# pagedserve against llama.cpp's llama-server on the same Q4_1 GGUF (built once from the llama-cpp-python sdist).
-bench-cpu-peers: setup  ## against llama.cpp and vLLM's CPU build
+# pagedserve against llama.cpp's llama-server on the same Q4_1 GGUF (built once from the llama-cpp-python sdist),
+# and ik_llama.cpp's where `make peer-ik` built it.
+bench-cpu-peers: setup  ## against llama.cpp (and ik_llama.cpp where built)
 	$(PY) -m deploy.bench.cpu_peers --model $(MODEL_DIR) $(ARGS)
 
 # One stream's decode step split into its parts (the fused step's stages, LM head, sampling, the worker's
@@ -174,6 +175,12 @@ bench-kv-tiers: setup  ## multi-turn chats over a pool a quarter of their size: 
 
 bench-tails: setup  ## decoding streams beside long prompts: their longest gaps and the prompts' TTFT, against llama.cpp
 	$(PY) -m deploy.bench.tails --model $(MODEL_DIR) $(ARGS)
+
+# ik_llama.cpp, the second CPU peer: cloned from IK_SOURCE (a git URL or checkout) and built with
+# -DGGML_NATIVE=ON under ~/.cache/pagedserve-peers/ik_llama.cpp; bench-cpu-peers, -cpu-scale and -tails then run it.
+IK_SOURCE ?= https://github.com/ikawrakow/ik_llama.cpp
+peer-ik: setup  ## build ik_llama.cpp for the peer benchmarks (IK_SOURCE=git URL or checkout)
+	$(PY) -m deploy.bench.llama_build --ik $(IK_SOURCE)
 
 bench-budget: setup  ## one stream's per-token budget on a CPU
 	$(PY) -m deploy.bench.budget --model $(or $(MODEL),$(MODEL_DIR)) $(ARGS)

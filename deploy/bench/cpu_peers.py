@@ -2,7 +2,8 @@
 
 llama.cpp is built from the `llama-cpp-python` source distribution on PyPI (it vendors llama.cpp):
 the sdist is fetched with pip once, `llama-server` built with cmake for this machine, both cached
-under ~/.cache/pagedserve-peers. Both servers serve the default model's own Q4_1 GGUF on both cores
+under ~/.cache/pagedserve-peers. ik_llama.cpp runs beside it, with -rtr, where `make peer-ik` has
+built it (--no-ik: not). All servers serve the default model's own Q4_1 GGUF on both cores
 (with --precision fp32: llama.cpp an F32 copy of it, pagedserve the same values with --dequantize):
   - one stream: the workload's first prompt (64 tokens) in the first round, its second in the next,
     and so on, 128 greedy tokens, ignore_eos (the same prompt again would have pagedserve's
@@ -38,7 +39,7 @@ import time
 from pathlib import Path
 
 from deploy.bench.harness import DEFAULT_WORKLOAD, drive, http_pass, load_workload
-from deploy.bench.llama_build import build_llama_server, f32_gguf
+from deploy.bench.llama_build import Peer, f32_gguf, peers
 from deploy.prepare_model import find_embedded_gguf
 from deploy.processes import free_port, stop_group
 from tests.support.server import ServerProcess
@@ -63,7 +64,7 @@ def peak_rss(pid: int) -> int:
 class LlamaServer:
     def __init__(
         self,
-        binary: Path,
+        peer: Peer,
         gguf: Path,
         slots: int,
         context_per_slot: int,
@@ -75,7 +76,7 @@ class LlamaServer:
         self.log = open(log, "w")
         self.proc = subprocess.Popen(
             [
-                str(binary),
+                str(peer.binary),
                 "-m",
                 str(gguf),
                 "--host",
@@ -91,7 +92,7 @@ class LlamaServer:
                 "-tb",
                 str(threads),
                 "--cont-batching",
-                "--no-webui",
+                *peer.flags,
                 *extra,
             ],
             stdout=self.log,
@@ -106,7 +107,7 @@ class LlamaServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+                raise RuntimeError(f"{self.log.name}: exited with {self.proc.returncode}")
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
                     if r.status == 200:
@@ -134,18 +135,19 @@ def _body(prompt: list[int], max_tokens: int) -> dict:
 
 
 class LlamaTarget:
-    """llama-server on the GGUF, driven over /v1/completions with token-id prompts."""
+    """A llama-server on the GGUF, driven over /v1/completions with token-id prompts."""
 
-    def __init__(self, args) -> None:
+    def __init__(self, args, peer: Peer) -> None:
         folder = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-"))
-        self.name = f"llama.cpp llama-server ({args.gguf_label} GGUF)"
+        self.peer = peer.name
+        self.name = f"{peer.name} llama-server ({args.gguf_label} GGUF)"
         self.server = LlamaServer(
-            build_llama_server(),
+            peer,
             args.gguf,
             args.slots,
             max(384, args.prompt_tokens + 64),
             args.threads,
-            folder / "llama-server.log",
+            folder / f"{peer.name}.log",
         ).wait()
         asyncio.run(http_pass(self.server.base_url, [_body([1, 2, 3], 4)], "/v1/completions"))
 
@@ -293,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also pagedserve started with these serve flags, same run (repeatable), e.g. "
         "'int8 activations=--quantized-activations int8'",
     )
+    p.add_argument("--no-ik", action="store_true", help="leave ik_llama.cpp out where it is built")
     args = p.parse_args(argv)
     args.gguf = args.gguf or find_embedded_gguf()
     ours = []
@@ -319,14 +322,21 @@ def main(argv: list[str] | None = None) -> int:
             targets.append(
                 PagedserveTarget(args, f"pagedserve, {name.strip()}", *ours, *shlex.split(flags))
             )
-        targets.append(LlamaTarget(args))
+        for peer in peers(ik=not args.no_ik):  # each appended once up: stopped whatever follows
+            targets.append(LlamaTarget(args, peer))
         res = measure(targets, prompts, args)
     finally:
         for t in targets:
             t.stop()
+    report(targets, res, args)
+    return 0
+
+
+def report(targets, res, args) -> None:
+    """Each server's medians, then each pagedserve's ratio to each peer, round by round."""
     med = statistics.median
-    peer = targets[-1].name
     pp = bool(args.prompt_tokens)
+    keys = ["one", *args.streams, *(["prefill"] if pp else [])]
     head = "".join(f" {f'{n} streams':>11} {'TTFT':>7}" for n in args.streams)
     head += f" {f'prompt {args.prompt_tokens}':>11}" if pp else ""
     print(f"{'':38} {'1 stream decode':>16}{head} {'peak RSS':>9}")
@@ -338,39 +348,39 @@ def main(argv: list[str] | None = None) -> int:
         )
         cols += f" {med(r['prefill']):7.1f} t/s" if pp else ""
         print(f"{t.name:38} {med(r['one']):10.1f} tok/s{cols} {r['rss'] / 2**30:6.2f} GiB")
-    for t in targets[:-1]:
-        r, q = res[t.name], res[peer]
-        ratio = med(a / b for a, b in zip(r["one"], q["one"], strict=True))
-        pairs = {n: list(zip(r[n], q[n], strict=True)) for n in args.streams}
-        cols = "".join(
-            f" {med(a[0] / b[0] for a, b in pairs[n]):11.2f}"
-            f" {med(a[1] / b[1] for a, b in pairs[n]):7.2f}"
-            for n in args.streams
-        )
-        cols += (
-            f" {med(a / b for a, b in zip(r['prefill'], q['prefill'], strict=True)):11.2f}"
-            if pp
-            else ""
-        )
-        print(f"{t.name[:24] + ' / llama.cpp':38} {ratio:16.2f}{cols} {r['rss'] / q['rss']:9.2f}")
-    for t in targets[:-1]:  # the spread behind each median ratio: its rounds' lowest and highest
-        r, q = res[t.name], res[peer]
-        keys = ["one", *args.streams, *(["prefill"] if pp else [])]
+    ours = [t for t in targets if not isinstance(t, LlamaTarget)]
+    theirs = [t for t in targets if isinstance(t, LlamaTarget)]
 
-        def per_round(k, r=r, q=q):
-            return [
-                (a[0] / b[0]) if isinstance(a, tuple) else a / b
-                for a, b in zip(r[k], q[k], strict=True)
-            ]
+    def per_round(k, r, q):
+        return [
+            (a[0] / b[0]) if isinstance(a, tuple) else a / b
+            for a, b in zip(r[k], q[k], strict=True)
+        ]
 
-        print(
-            f"{t.name[:24]} / llama.cpp, each round's ratio: "
-            + "; ".join(
-                f"{'1 stream' if k == 'one' else k if k == 'prefill' else f'{k} streams'} "
-                + ", ".join(f"{x:.2f}" for x in per_round(k))
-                for k in keys
+    for peer in theirs:
+        q = res[peer.name]
+        for t in ours:
+            r = res[t.name]
+            cols = "".join(
+                f" {med(per_round(n, r, q)):11.2f}"
+                f" {med(a[1] / b[1] for a, b in zip(r[n], q[n], strict=True)):7.2f}"
+                for n in args.streams
             )
-        )
+            cols += f" {med(per_round('prefill', r, q)):11.2f}" if pp else ""
+            label = f"{t.name[:22]} / {peer.peer}"
+            print(
+                f"{label:38} {med(per_round('one', r, q)):16.2f}{cols} {r['rss'] / q['rss']:9.2f}"
+            )
+    for peer in theirs:  # the spread behind each median ratio: its rounds' ratios
+        for t in ours:
+            print(
+                f"{t.name[:24]} / {peer.peer}, each round's ratio: "
+                + "; ".join(
+                    f"{'1 stream' if k == 'one' else k if k == 'prefill' else f'{k} streams'} "
+                    + ", ".join(f"{x:.2f}" for x in per_round(k, res[t.name], res[peer.name]))
+                    for k in keys
+                )
+            )
     print(
         "one stream, every round (tok/s): "
         + "; ".join(
@@ -378,7 +388,6 @@ def main(argv: list[str] | None = None) -> int:
             for t in targets
         )
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ made by the tools that make them. Each is made once and cached under
 ~/.cache/pagedserve-peers/scale/.
 
 For each vocabulary: the per-token budget of one stream (deploy/bench/budget.py), then pagedserve
-and `llama-server` serve the same GGUF in alternating rounds (deploy/bench/cpu_peers.py): one stream
-of 128 greedy tokens (ignore_eos), and the workload's first N prompts at once.
+and `llama-server` (and ik_llama.cpp's, with -rtr, where `make peer-ik` built it) serve the same
+GGUF in alternating rounds (deploy/bench/cpu_peers.py): one stream of 128 greedy tokens
+(ignore_eos), and the workload's first N prompts at once.
 
     python -m deploy.bench.cpu_scale --shape 1b --quant Q4_K_M --streams 16
 """

@@ -261,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         from deploy.bench.cpu_peers import LlamaServer
-        from deploy.bench.llama_build import build_llama_server
+        from deploy.bench.llama_build import llama_cpp
 
         context = context_tokens(args) + 64
         llama = LlamaServer(
-            build_llama_server(), gguf, args.clients, context, 2, log_dir / "llama-server.log"
+            llama_cpp(), gguf, args.clients, context, 2, log_dir / "llama-server.log"
         ).wait()
         try:
             results["llama.cpp"] = Conversations(args, seed=1).run(

@@ -1,19 +1,55 @@
-"""llama.cpp for the benchmarks: built once from the `llama-cpp-python` sdist on PyPI (it vendors
-llama.cpp) for this CPU, cached under $PAGEDSERVE_PEERS, and GGUF copies at other precisions."""
+"""The llama.cpp peers, built for this CPU and cached under $PAGEDSERVE_PEERS: llama.cpp from the
+`llama-cpp-python` sdist on PyPI (it vendors llama.cpp), built on first use; ik_llama.cpp from a git
+source, built by `make peer-ik` and run beside it where built. And GGUF copies at other precisions.
+
+    python -m deploy.bench.llama_build --ik https://github.com/ikawrakow/ik_llama.cpp
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 
 
 CACHE = Path(os.environ.get("PAGEDSERVE_PEERS", Path.home() / ".cache" / "pagedserve-peers"))
+IK = CACHE / "ik_llama.cpp"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A llama-server build and the flags it is served with beyond the common ones."""
+
+    name: str
+    binary: Path
+    flags: tuple[str, ...]
+
+
+def llama_cpp() -> Peer:
+    return Peer("llama.cpp", build_llama_server(), ("--no-webui",))
+
+
+def ik_llama_cpp() -> Peer | None:
+    """ik_llama.cpp where `make peer-ik` built it; -rtr is its row-interleaved repacking."""
+    binary = IK / "build" / "bin" / "llama-server"
+    return Peer("ik_llama.cpp", binary, ("--webui", "none", "-rtr")) if binary.is_file() else None
+
+
+def peers(ik: bool = True) -> list[Peer]:
+    """llama.cpp, then ik_llama.cpp where built (said on stderr where not)."""
+    found = [llama_cpp()]
+    if ik and (peer := ik_llama_cpp()) is not None:
+        found.append(peer)
+    elif ik:
+        print("ik_llama.cpp is not built (make peer-ik): left out", file=sys.stderr)
+    return found
 
 
 def build_llama_server() -> Path:
@@ -34,26 +70,39 @@ def build_llama_tool(name: str) -> Path:
         target = CACHE / "llama.cpp"
     else:
         target = _fetch_llama_cpp()
-    build = target / "build"
+    return _cmake(target, name, _isa_flags())
+
+
+def build_ik(source: str) -> Path:
+    """ik_llama.cpp's llama-server from a git URL or checkout, -DGGML_NATIVE=ON (its own AMX and
+    AVX-512 paths are its to choose), cached: a second call rebuilds from the same clone."""
+    if not (IK / "CMakeLists.txt").is_file():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["git", "clone", "--depth", "1", source, str(IK)], check=True)
+    return _cmake(IK, "llama-server", ["-DGGML_NATIVE=ON"])
+
+
+def _cmake(source: Path, target: str, flags: list[str]) -> Path:
+    build = source / "build"
     subprocess.run(
         [
             "cmake",
             "-S",
-            str(target),
+            str(source),
             "-B",
             str(build),
             "-DCMAKE_BUILD_TYPE=Release",
             "-DLLAMA_CURL=OFF",
             "-DLLAMA_BUILD_TESTS=OFF",
-            *_isa_flags(),
+            *flags,
         ],
         check=True,
     )
     subprocess.run(
-        ["cmake", "--build", str(build), "--target", name, "-j", str(os.cpu_count() or 2)],
+        ["cmake", "--build", str(build), "--target", target, "-j", str(os.cpu_count() or 2)],
         check=True,
     )
-    return binary
+    return build / "bin" / target
 
 
 def _isa_flags() -> list[str]:
@@ -157,3 +206,25 @@ def requantized_gguf(source: Path, qtype: str) -> Path:
     writer.close()
     tmp.rename(target)
     return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--ik", metavar="SOURCE", help="build ik_llama.cpp from this git URL or checkout"
+    )
+    args = p.parse_args(argv)
+    if not args.ik:
+        print(build_llama_server())
+        return 0
+    if subprocess.run(["git", "ls-remote", args.ik], capture_output=True).returncode:
+        print(f"pagedserve: cannot read a git repository at {args.ik}", file=sys.stderr)
+        return 2
+    print(build_ik(args.ik))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -150,11 +150,11 @@ class LlamaCpp:
 
     def __init__(self, gguf: Path, lora: Path | None) -> None:
         from deploy.bench.cpu_peers import LlamaServer
-        from deploy.bench.llama_build import build_llama_server
+        from deploy.bench.llama_build import llama_cpp
 
         log = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-")) / "llama-server.log"
         extra = ["--lora", str(lora)] if lora is not None else []
-        self.server = LlamaServer(build_llama_server(), gguf, 1, 4096, 2, log, *extra).wait()
+        self.server = LlamaServer(llama_cpp(), gguf, 1, 4096, 2, log, *extra).wait()
 
     def one(self, prompt: list[int], max_tokens: int) -> float:
         from deploy.bench.cpu_peers import LlamaTarget

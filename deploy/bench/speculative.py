@@ -31,7 +31,7 @@ from pathlib import Path
 
 from deploy.bench.cpu_peers import LlamaServer
 from deploy.bench.harness import DEFAULT_WORKLOAD, drive, http_pass, load_workload
-from deploy.bench.llama_build import build_llama_server
+from deploy.bench.llama_build import llama_cpp
 from deploy.prepare_model import find_embedded_gguf
 from tests.support.server import ServerProcess
 
@@ -89,7 +89,7 @@ class Llama:
         extra = [] if spec == "none" else ["--spec-type", spec]
         folder = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-"))
         self.server = LlamaServer(
-            build_llama_server(), gguf, 1, 4096, threads, folder / "llama-server.log", *extra
+            llama_cpp(), gguf, 1, 4096, threads, folder / "llama-server.log", *extra
         ).wait()
 
     def one(self, prompt: list[int], max_tokens: int) -> tuple[int, float]:

@@ -1,4 +1,5 @@
-"""Decoding streams beside long prompts, against llama.cpp on the same GGUF: `make bench-tails`.
+"""Decoding streams beside long prompts, against the llama.cpp peers on the same GGUF: `make
+bench-tails`.
 
 --streams streams (4) decode --decode-tokens greedy tokens (400) from short prompts; once every one
 of them is decoding, --prompts prompts (4) of --prompt-tokens token ids (2,500) arrive at once, 8
@@ -6,7 +7,8 @@ tokens each. Measured while any long prompt still waits for its first token: eac
 between tokens (p50, p99, the longest), and the long prompts' TTFT (mean, the longest). Each server
 on its own in turn, --rounds rounds (new token ids each round: no prefix cache holds them):
 pagedserve once per --gaps value (its --max-decode-gap-ms; 0: chunks fill the step's budget), and
-llama.cpp's llama-server with a slot a request and continuous batching (--no-llama-cpp: none).
+llama.cpp's llama-server with a slot a request and continuous batching, and ik_llama.cpp's (-rtr)
+where `make peer-ik` built it (--no-llama-cpp: no peer; --no-ik: not ik_llama.cpp).
 
     python -m deploy.bench.tails --model .models/smollm2-135m-instruct --gaps 0,500
 """
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 from deploy.bench.cpu_peers import LlamaServer
-from deploy.bench.llama_build import build_llama_server
+from deploy.bench.llama_build import Peer, peers
 from deploy.prepare_model import find_embedded_gguf
 from tests.support.server import ServerProcess
 
@@ -148,15 +150,15 @@ def measure_pagedserve(args, gap: int, log_dir: Path, name: str) -> dict:
         server.stop()
 
 
-def measure_llama(args, log_dir: Path, name: str) -> dict:
+def measure_llama(args, log_dir: Path, peer: Peer, name: str) -> dict:
     slots = args.streams + args.prompts
     llama = LlamaServer(
-        build_llama_server(),
+        peer,
         args.gguf,
         slots,
         context_len(args),
         args.threads,
-        log_dir / "llama.log",
+        log_dir / f"{peer.name}.log",
     ).wait()
     try:
         ask = llama_stream(llama.base_url)
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=2500)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--gaps", default="0,500", help="pagedserve's --max-decode-gap-ms values")
-    p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--no-llama-cpp", action="store_true", help="no peer")
+    p.add_argument("--no-ik", action="store_true", help="not ik_llama.cpp, where it is built")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = p.parse_args(argv)
     args.gguf = args.gguf or find_embedded_gguf()
@@ -193,16 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     for gap in [int(g) for g in args.gaps.split(",")]:
         name = f"pagedserve gap {gap} ms"
         results[name] = measure_pagedserve(args, gap, log_dir, name)
-    if not args.no_llama_cpp:
-        name = "llama.cpp llama-server"
-        peer = results[name] = measure_llama(args, log_dir, name)
-        for ours, r in results.items():
-            if ours != name:
-                print(
-                    f"{ours} / llama.cpp: p99 gap x{r['p99'] / peer['p99']:.2f}, longest "
-                    f"x{r['max'] / peer['max']:.2f}, long prompts' TTFT "
-                    f"x{r['ttft'] / peer['ttft']:.2f}"
-                )
+    ours = dict(results)
+    for peer in [] if args.no_llama_cpp else peers(ik=not args.no_ik):
+        name = f"{peer.name} llama-server"
+        theirs = results[name] = measure_llama(args, log_dir, peer, name)
+        for label, r in ours.items():
+            print(
+                f"{label} / {peer.name}: p99 gap x{r['p99'] / theirs['p99']:.2f}, longest "
+                f"x{r['max'] / theirs['max']:.2f}, long prompts' TTFT "
+                f"x{r['ttft'] / theirs['ttft']:.2f}"
+            )
     return 0
 
 
