@@ -176,10 +176,10 @@ bench-kv-tiers: setup  ## multi-turn chats over a pool a quarter of their size: 
 bench-tails: setup  ## decoding streams beside long prompts: their longest gaps and the prompts' TTFT, against llama.cpp
 	$(PY) -m deploy.bench.tails --model $(MODEL_DIR) $(ARGS)
 
-# ik_llama.cpp, the second CPU peer: cloned from IK_SOURCE (a git URL or checkout) and built with
+# ik_llama.cpp, the second CPU peer: from IK_SOURCE (a git URL or a source folder) and built with
 # -DGGML_NATIVE=ON under ~/.cache/pagedserve-peers/ik_llama.cpp; bench-cpu-peers, -cpu-scale and -tails then run it.
 IK_SOURCE ?= https://github.com/ikawrakow/ik_llama.cpp
-peer-ik: setup  ## build ik_llama.cpp for the peer benchmarks (IK_SOURCE=git URL or checkout)
+peer-ik: setup  ## build ik_llama.cpp for the peer benchmarks (IK_SOURCE=git URL or source folder)
 	$(PY) -m deploy.bench.llama_build --ik $(IK_SOURCE)
 
 bench-budget: setup  ## one stream's per-token budget on a CPU

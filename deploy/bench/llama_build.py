@@ -1,6 +1,7 @@
 """The llama.cpp peers, built for this CPU and cached under $PAGEDSERVE_PEERS: llama.cpp from the
 `llama-cpp-python` sdist on PyPI (it vendors llama.cpp), built on first use; ik_llama.cpp from a git
-source, built by `make peer-ik` and run beside it where built. And GGUF copies at other precisions.
+URL or source folder, built by `make peer-ik` and run beside it where built. And GGUF copies at
+other precisions.
 
     python -m deploy.bench.llama_build --ik https://github.com/ikawrakow/ik_llama.cpp
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -74,11 +76,15 @@ def build_llama_tool(name: str) -> Path:
 
 
 def build_ik(source: str) -> Path:
-    """ik_llama.cpp's llama-server from a git URL or checkout, -DGGML_NATIVE=ON (its own AMX and
-    AVX-512 paths are its to choose), cached: a second call rebuilds from the same clone."""
+    """ik_llama.cpp's llama-server from a git URL or a source folder, -DGGML_NATIVE=ON (its own
+    AVX-512 and AMX paths are its to choose), cached: a second call rebuilds from the same copy.
+    """
     if not (IK / "CMakeLists.txt").is_file():
         CACHE.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["git", "clone", "--depth", "1", source, str(IK)], check=True)
+        if (Path(source) / "CMakeLists.txt").is_file():
+            shutil.copytree(source, IK, symlinks=True, ignore=shutil.ignore_patterns("build"))
+        else:
+            subprocess.run(["git", "clone", "--depth", "1", source, str(IK)], check=True)
     return _cmake(IK, "llama-server", ["-DGGML_NATIVE=ON"])
 
 
@@ -213,14 +219,18 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--ik", metavar="SOURCE", help="build ik_llama.cpp from this git URL or checkout"
+        "--ik", metavar="SOURCE", help="build ik_llama.cpp from this git URL or source folder"
     )
     args = p.parse_args(argv)
     if not args.ik:
         print(build_llama_server())
         return 0
-    if subprocess.run(["git", "ls-remote", args.ik], capture_output=True).returncode:
-        print(f"pagedserve: cannot read a git repository at {args.ik}", file=sys.stderr)
+    folder = (Path(args.ik) / "CMakeLists.txt").is_file()
+    if not folder and subprocess.run(["git", "ls-remote", args.ik], capture_output=True).returncode:
+        print(
+            f"pagedserve: {args.ik} is neither a git repository nor a source folder",
+            file=sys.stderr,
+        )
         return 2
     print(build_ik(args.ik))
     return 0

@@ -30,5 +30,5 @@ def test_ik_llama_cpp_runs_beside_llama_cpp_only_where_built(cache, capsys):
 def test_building_ik_from_a_source_that_is_not_a_repository_is_one_line_and_exit_2(cache, capsys):
     assert llama_build.main(["--ik", str(cache / "nowhere")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "cannot read a git repository" in err
+    assert err.count("\n") == 1 and "neither a git repository nor a source folder" in err
     assert not Path(cache / "ik_llama.cpp").exists()
