@@ -87,9 +87,10 @@ class NativeAttention:
         window: int = 0,
         softcap: float = 0.0,
         bf16_dots: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Causal attention of prompt chunks over paged keys: row i's queries are the last q_lens[i]
-        of seq_lens[i]. bf16_dots: bf16 products, fp32 sums.
+        of seq_lens[i]. bf16_dots: bf16 products, fp32 sums; sinks: fp32 [n_heads] (gpt-oss).
         """
         n = starts.numel()
         if n == 0:
@@ -145,6 +146,7 @@ class NativeAttention:
             float(softcap),
             int(kv == torch.bfloat16),
             int(bool(bf16_dots)),
+            _sinks(sinks, q.shape[1]),
         )
 
     def supports_prefill(self, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -186,10 +188,9 @@ class NativeAttention:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> None:
-        """Attention of one query per sequence over its paged keys (window and softcap as
-        paged_prefill).
-        """
+        """One query a sequence over its paged keys; window, softcap, sinks as paged_prefill."""
         n = rows.numel()
         if n == 0:
             return
@@ -235,6 +236,7 @@ class NativeAttention:
             float(scale),
             int(window),
             float(softcap),
+            _sinks(sinks, q.shape[1]),
             int(kv == torch.bfloat16),
         )
 
@@ -387,3 +389,12 @@ def _kv_dtype(k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> torch.
             f"and {v_cache.dtype}"
         )
     return k_cache.dtype
+
+
+def _sinks(sinks: torch.Tensor | None, n_heads: int) -> int:
+    """The sinks' address for the kernels (0: none), checked: fp32, contiguous, one a head."""
+    if sinks is not None and not (
+        sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.numel() == n_heads
+    ):
+        raise ValueError(f"sinks must be {n_heads} contiguous fp32 values, one a query head")
+    return 0 if sinks is None else sinks.data_ptr()

@@ -53,9 +53,10 @@ def paged_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [n_heads]: one more logit a head, which adds no value
 ) -> torch.Tensor:
-    """Causal attention of new queries over paged keys, with window and softcap -> [tokens, heads,
-    head_dim].
+    """Causal attention of new queries over paged keys, with window, softcap and sinks ->
+    [tokens, heads, head_dim].
     """
     num_tokens, n_heads, head_dim = q.shape
     num_blocks, block_size, n_kv_heads, _ = k_cache.shape
@@ -83,7 +84,12 @@ def paged_attention(
         visible = key_pos < seq_len - q_len + query_pos + 1  # [q_len, seq_len]
         if window > 0:
             visible &= key_pos > seq_len - q_len + query_pos - window
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(n_heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
 

@@ -96,6 +96,7 @@ def paged_attention(
     mixed: MixedStep | None = None,
     window: int = 0,  # > 0: a sliding-window layer (each query sees its last `window` keys)
     softcap: float = 0.0,  # > 0: scores soft-capped, softcap * tanh(s / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [n_heads]: one more logit a head (gpt-oss)
 ) -> torch.Tensor:
     """As kernels.reference.paged_attention: decodes split-KV, prompts the varlen prefill kernel."""
     # one function: the dispatch of a step's rows, decode and prompt, read top to bottom
@@ -119,6 +120,7 @@ def paged_attention(
             workspace,
             window,
             softcap,
+            sinks,
         )
         return out
     if (
@@ -145,6 +147,7 @@ def paged_attention(
             workspace,
             window,
             softcap,
+            sinks,
         )
         out[mixed.decode_rows] = dec_out
         if mixed.prefill_lens.numel():
@@ -161,6 +164,7 @@ def paged_attention(
                 out,
                 window,
                 softcap,
+                sinks,
             )
         return out
     _prefill(
@@ -176,6 +180,7 @@ def paged_attention(
         out,
         window,
         softcap,
+        sinks,
     )
     return out
 
@@ -218,6 +223,7 @@ def _decode(
     workspace: dict | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     num_seqs, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = k_cache.shape
@@ -270,12 +276,14 @@ def _decode(
         mid_lse,
         out,
         seq_lens,
+        out if sinks is None else sinks,
         *mid_o.stride(),
         *mid_lse.stride(),
         *out.stride(),
         head_dim,
         split_len,
         window,
+        HAS_SINKS=sinks is not None,
         **reduce_config(head_dim, _on_gpu(q.device)),
     )
 
@@ -293,6 +301,7 @@ def _prefill(
     out,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     _, n_heads, head_dim = q.shape
     _, block_size, n_kv_heads, _ = k_cache.shape
@@ -312,6 +321,7 @@ def _prefill(
         seq_lens,
         q_starts,
         q_ends,
+        out if sinks is None else sinks,
         scale,
         float(softcap),
         *q.stride(),
@@ -325,5 +335,6 @@ def _prefill(
         PRECISION=_precision(q.dtype),
         SOFTCAP=softcap > 0,
         SLIDING=window > 0,
+        HAS_SINKS=sinks is not None,
         **cfg,
     )

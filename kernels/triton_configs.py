@@ -167,6 +167,7 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
                             seq_lens_ptr="*i32",
                             q_starts_ptr="*i32",
                             q_ends_ptr="*i32",
+                            sinks_ptr=ptr,
                         ),
                     ),
                     constexprs=dict(
@@ -176,6 +177,7 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
                         EVEN_D=head_dim == cfg["BLOCK_D"],
                         POOL_I32=True,
                         SLIDING=False,
+                        HAS_SINKS=False,
                         **unit(prefill_kernel),
                         **cfg,
                     ),
@@ -191,9 +193,15 @@ def launch_cases(head_dims, block_sizes, dtype: str = "bf16") -> list[dict]:
                 fn=decode_reduce_kernel,
                 signature=types(
                     decode_reduce_kernel,
-                    dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr=ptr, seq_lens_ptr="*i32"),
+                    dict(
+                        mid_o_ptr="*fp32",
+                        mid_lse_ptr="*fp32",
+                        out_ptr=ptr,
+                        seq_lens_ptr="*i32",
+                        sinks_ptr=ptr,
+                    ),
                 ),
-                constexprs={**cfg, **unit(decode_reduce_kernel)},
+                constexprs={**cfg, "HAS_SINKS": False, **unit(decode_reduce_kernel)},
                 aligned=("mid_o_ptr", "mid_lse_ptr", "out_ptr"),
                 **options,
             )

@@ -12,8 +12,14 @@ import triton.language as tl
 METADATA_POINTERS = {
     "write_kv_kernel": ["slot_ptr"],
     "decode_split_kernel": ["block_tables_ptr", "seq_lens_ptr"],
-    "decode_reduce_kernel": ["seq_lens_ptr"],
-    "prefill_kernel": ["block_tables_ptr", "seq_lens_ptr", "q_starts_ptr", "q_ends_ptr"],
+    "decode_reduce_kernel": ["seq_lens_ptr", "sinks_ptr"],
+    "prefill_kernel": [
+        "block_tables_ptr",
+        "seq_lens_ptr",
+        "q_starts_ptr",
+        "q_ends_ptr",
+        "sinks_ptr",
+    ],
 }
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E)
@@ -246,6 +252,7 @@ def decode_reduce_kernel(
     mid_lse_ptr,
     out_ptr,
     seq_lens_ptr,
+    sinks_ptr,
     stride_mos,
     stride_moh,
     stride_mop,
@@ -261,6 +268,7 @@ def decode_reduce_kernel(
     window,
     BLOCK_D: tl.constexpr,
     SPLIT_TILE: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -298,6 +306,8 @@ def decode_reduce_kernel(
         acc = acc * alpha + tl.sum(o * w[:, None], axis=0)
         denom = denom * alpha + tl.sum(w, axis=0)
         m = m_new
+    if HAS_SINKS:  # gpt-oss: one more logit a head, its probability dropped
+        denom += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m)
     tl.store(
         out_ptr + seq * stride_ot + head * stride_oh + d * stride_od,
         (acc / denom).to(out_ptr.dtype.element_ty),

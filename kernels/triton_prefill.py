@@ -113,6 +113,7 @@ def prefill_kernel(
     seq_lens_ptr,
     q_starts_ptr,
     q_ends_ptr,
+    sinks_ptr,
     scale,
     softcap,
     stride_qt,
@@ -139,6 +140,7 @@ def prefill_kernel(
     EVEN_D: tl.constexpr = False,
     POOL_I32: tl.constexpr = False,
     SLIDING: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     # one function: a Triton kernel, one program's work
     seq = tl.program_id(0).to(tl.int64)
@@ -249,6 +251,8 @@ def prefill_kernel(
                 POOL_I32,
                 SLIDING,
             )
+        if HAS_SINKS:  # gpt-oss: one more logit a row (base 2 here), its probability dropped
+            denom += tl.exp2(tl.load(sinks_ptr + head).to(tl.float32) * LOG2E - m)
         # rows past q_len in a window see no key (denom 0): not stored, not divided
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(

@@ -332,7 +332,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                     const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
                     pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
                                            block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
-                                           (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
+                                           (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, NULL, m->kv_bf16);
                 }
             } else {
 #pragma omp for schedule(dynamic, 1)
@@ -345,7 +345,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                         const int32_t first = ly->window > 0 && last > ly->window ? last - ly->window : 0;
                         pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
                                                block_tables + r * table_stride, first, last, kh, kh + 1, (int)nh,
-                                               (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
+                                               (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, NULL, m->kv_bf16);
                     } else if (ly->window <= 0 || last <= ly->window) { /* every row sees every key */
                         pagedserve_decode_run(qkv + r * qkv_w, qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz, qsz,
                                               (int32_t)n, block_tables + r * table_stride, seq_lens[r], kh, (int)nh,

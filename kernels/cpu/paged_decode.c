@@ -348,7 +348,7 @@ int pagedserve_decode_limits(int32_t* out) {
 void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
                             int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
-                            int kv_bf16) {
+                            const float* sinks, int kv_bf16) {
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim; /* between consecutive keys of a block */
     const int64_t block_stride = (int64_t)block_size * token_stride;
@@ -423,6 +423,7 @@ void pagedserve_decode_item(const float* q_row, const void* k_cache, const void*
     }
     float* op = out_row + head0 * head_dim;
     for (int h = 0; h < item_heads; h++) {
+        if (sinks) l[h] += expf(sinks[head0 + h] - m[h]); /* a sink's share of the softmax, no value */
         const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
 #pragma omp simd
         for (int d = 0; d < head_dim; d++) op[h * head_dim + d] = acc[h * head_dim + d] * inv;
@@ -551,6 +552,7 @@ void pagedserve_paged_decode(
     int32_t n, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale,
     int32_t window,              /* > 0: each token sees only its last `window` keys (itself included) */
     float softcap,               /* > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2) */
+    const float* sinks,          /* [n_heads] or NULL: one more logit per head in each softmax (gpt-oss) */
     int32_t kv_bf16)             /* the pool holds bf16 */
 {
     /* A work item is a sequence and as many of its KV heads as the item's state holds (all of them for most
@@ -569,7 +571,7 @@ void pagedserve_paged_decode(
             const int32_t first = window > 0 && seq_lens[i] > window ? seq_lens[i] - window : 0;
             pagedserve_decode_item(q + row, k_cache, v_cache, out + row, block_tables + (int64_t)i * table_stride,
                                    first, seq_lens[i], kh0, kh1, n_heads, n_kv_heads, head_dim, block_size, scale,
-                                   softcap, kv_bf16);
+                                   softcap, sinks, kv_bf16);
         }
     }
 }

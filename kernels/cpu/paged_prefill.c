@@ -100,13 +100,15 @@ static inline void transpose16(const float* const rows[KT], int col, float (*out
 #endif
 
 /* An item's rows out: each (head g, position r) accumulator over its softmax sum, at token start + r. */
-static void write_rows(float* out, const float* acc, const float* l, int64_t start, int rows, int group, int kh,
-                       int n_heads, int head_dim) {
+static void write_rows(float* out, const float* acc, const float* l, const float* m, const float* sinks,
+                       int64_t start, int rows, int group, int kh, int n_heads, int head_dim) {
     for (int g = 0; g < group; g++) {
         const int h = kh * group + g;
         for (int r = 0; r < rows; r++) {
             const int row = g * rows + r;
-            const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+            /* a sink (gpt-oss): one more logit in the row's softmax, its probability dropped */
+            const float sum = sinks ? l[row] + expf(sinks[h] - m[row]) : l[row];
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             float* dst = out + ((start + r) * n_heads + h) * (int64_t)head_dim;
 #pragma omp simd
             for (int d = 0; d < head_dim; d++) dst[d] = acc[row * head_dim + d] * inv;
@@ -256,7 +258,8 @@ static inline __m512 tile_softmax512(const float* s, int from, int n, float* m, 
 static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
                          float* out, int64_t start, int q_len, int seq_len, const int32_t* table, int p0, int p1,
                          int kh, int n_heads, int group, int head_dim, int block_size, int64_t block_stride,
-                         int64_t token_stride, float scale, int window, float softcap, int kv_bf16) {
+                         int64_t token_stride, float scale, int window, float softcap, const float* sinks,
+                         int kv_bf16) {
     const int rows = p1 - p0;
     const int total = rows * group;                /* query rows of the item: (head g, position r) -> g * rows + r */
     float acc[MAX_STATE];                          /* [total][head_dim] */
@@ -419,7 +422,7 @@ static void prefill_item(const float* q, int64_t q_row_stride, const void* k_cac
             }
         }
     }
-    write_rows(out, acc, l, start + p0, rows, group, kh, n_heads, head_dim);
+    write_rows(out, acc, l, m, sinks, start + p0, rows, group, kh, n_heads, head_dim);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -431,7 +434,7 @@ static void prefill_item_bf16(const float* q, int64_t q_row_stride, const uint16
                               const uint16_t* v_cache, float* out, int64_t start, int q_len, int seq_len,
                               const int32_t* table, int p0, int p1, int kh, int n_heads, int group, int head_dim,
                               int block_size, int64_t block_stride, int64_t token_stride, float scale, int window,
-                              float softcap) {
+                              float softcap, const float* sinks) {
     const int rows = p1 - p0, total = rows * group, hp = head_dim / 2;
     float acc[MAX_STATE];                    /* [total][head_dim] */
     uint32_t qp[MAX_STATE / 2];              /* [total][head_dim / 2]: the scaled query as bf16 pairs */
@@ -540,7 +543,7 @@ static void prefill_item_bf16(const float* q, int64_t q_row_stride, const uint16
             }
         }
     }
-    write_rows(out, acc, l, start + p0, rows, group, kh, n_heads, head_dim);
+    write_rows(out, acc, l, m, sinks, start + p0, rows, group, kh, n_heads, head_dim);
 }
 #endif
 
@@ -572,7 +575,7 @@ void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k
     for (int p0 = 0; p0 < q_len; p0 += qt) {
         const int p1 = p0 + qt < q_len ? p0 + qt : q_len;
         prefill_item(q, q_row_stride, k_cache, v_cache, out, start, q_len, seq_len, table, p0, p1, kh, n_heads,
-                     group, head_dim, block_size, block_stride, token_stride, scale, window, softcap, kv_bf16);
+                     group, head_dim, block_size, block_stride, token_stride, scale, window, softcap, NULL, kv_bf16);
     }
 }
 
@@ -591,8 +594,9 @@ void pagedserve_paged_prefill(
     int32_t window,              /* > 0: each query sees only its last `window` keys (itself included) */
     float softcap,               /* > 0: each scaled score s is softcap * tanh(s / softcap) (Gemma 2) */
     int32_t kv_bf16,             /* the pool holds bf16 */
-    int32_t bf16_dots)           /* with a bf16 pool: queries and weights rounded to bf16, bf16 dot products
+    int32_t bf16_dots,           /* with a bf16 pool: queries and weights rounded to bf16, bf16 dot products
                                     (where pagedserve_prefill_bf16_dots() says this build has them) */
+    const float* sinks)          /* [n_heads] or NULL: one more logit per head in each softmax (gpt-oss) */
 {
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim;
@@ -623,7 +627,7 @@ void pagedserve_paged_prefill(
                 prefill_item_tiles(q, q_row_stride, (const uint16_t*)k_cache, (const uint16_t*)v_cache, out,
                                    starts[i], q_lens[i], seq_lens[i], block_tables + (int64_t)i * table_stride, p0,
                                    p1, kh, n_heads, group, head_dim, block_size, block_stride, token_stride, scale,
-                                   window, softcap);
+                                   window, softcap, sinks);
                 continue;
             }
 #endif
@@ -631,13 +635,14 @@ void pagedserve_paged_prefill(
             if (bf16_dots && kv_bf16 && head_dim % 32 == 0) {
                 prefill_item_bf16(q, q_row_stride, (const uint16_t*)k_cache, (const uint16_t*)v_cache, out, starts[i],
                                   q_lens[i], seq_lens[i], block_tables + (int64_t)i * table_stride, p0, p1, kh, n_heads,
-                                  group, head_dim, block_size, block_stride, token_stride, scale, window, softcap);
+                                  group, head_dim, block_size, block_stride, token_stride, scale, window, softcap,
+                                  sinks);
                 continue;
             }
 #endif
             prefill_item(q, q_row_stride, k_cache, v_cache, out, starts[i], q_lens[i], seq_lens[i],
                          block_tables + (int64_t)i * table_stride, p0, p1, kh, n_heads, group, head_dim, block_size,
-                         block_stride, token_stride, scale, window, softcap, kv_bf16);
+                         block_stride, token_stride, scale, window, softcap, sinks, kv_bf16);
         }
     }
     free(items);

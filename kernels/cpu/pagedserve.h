@@ -33,12 +33,13 @@ void pagedserve_paged_decode(const float* q, const void* k_cache, const void* v_
                              const int64_t* rows, const int32_t* block_tables, int64_t table_stride,
                              const int32_t* seq_lens, int32_t n, int32_t n_heads, int32_t n_kv_heads,
                              int32_t head_dim, int32_t block_size, float scale, int32_t window, float softcap,
-                             int32_t kv_bf16);
+                             const float* sinks, int32_t kv_bf16);
 void pagedserve_paged_prefill(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
                               float* out, const int64_t* starts, const int32_t* q_lens, const int32_t* seq_lens,
                               const int32_t* block_tables, int64_t table_stride, int32_t n, int32_t n_heads,
                               int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale,
-                              int32_t window, float softcap, int32_t kv_bf16, int32_t bf16_dots);
+                              int32_t window, float softcap, int32_t kv_bf16, int32_t bf16_dots,
+                              const float* sinks);
 
 /* --- the elementwise tail (elementwise.c) ---------------------------------------------------------- */
 void pagedserve_add_rms_norm(float* residual, const float* delta, const float* weight, float* out, int64_t rows,
@@ -157,7 +158,7 @@ int pagedserve_decode_profile(int32_t on, int64_t* out);
 void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
                             int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
-                            int kv_bf16);
+                            const float* sinks, int kv_bf16);
 int pagedserve_decode_run_rows(int32_t n_heads, int32_t n_kv_heads);
 void pagedserve_decode_run(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
                            float* out, int64_t out_row_stride, int32_t n, const int32_t* table, int32_t len0,

@@ -82,7 +82,7 @@ static void prefill_item_tiles(const float* q, int64_t q_row_stride, const uint1
                                const uint16_t* v_cache, float* out, int64_t start, int q_len, int seq_len,
                                const int32_t* table, int p0, int p1, int kh, int n_heads, int group, int head_dim,
                                int block_size, int64_t block_stride, int64_t token_stride, float scale, int window,
-                               float softcap) {
+                               float softcap, const float* sinks) {
     const int rows = p1 - p0, total = rows * group, hp = head_dim / 2, blocks = (total + 15) / 16;
     float acc[MAX_STATE];                                 /* [total][head_dim] */
     uint32_t qp[MAX_STATE / 2 + 16 * MAX_HEAD_DIM / 2]; /* [blocks * 16][hp]: scaled queries, bf16 pairs */
@@ -165,6 +165,6 @@ static void prefill_item_tiles(const float* q, int64_t q_row_stride, const uint1
         }
     }
     _tile_release();
-    write_rows(out, acc, l, start + p0, rows, group, kh, n_heads, head_dim);
+    write_rows(out, acc, l, m, sinks, start + p0, rows, group, kh, n_heads, head_dim);
 }
 #endif

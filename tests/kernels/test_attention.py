@@ -213,9 +213,9 @@ def test_cpu_backend_prefill_falls_back_to_torch_for_queries_it_cannot_read_in_p
     )
 
 
-def _brute_force(c, window: int, softcap: float = 0.0) -> torch.Tensor:
-    """Each query's softmax over exactly the keys it may see (scores soft-capped where softcap > 0),
-    in float64, one query at a time.
+def _brute_force(c, window: int, softcap: float = 0.0, sinks=None) -> torch.Tensor:
+    """Each query's softmax over exactly the keys it may see (scores soft-capped where softcap > 0,
+    a sink logit beside them where given), in float64, one query at a time.
     """
     n_heads = c.q.shape[1]
     block_size, n_kv = c.k_cache.shape[1], c.k_cache.shape[2]
@@ -235,7 +235,9 @@ def _brute_force(c, window: int, softcap: float = 0.0) -> torch.Tensor:
                 scores = k[:, kh] @ c.q[qsl[i] + r, h].double() * c.scale
                 if softcap > 0:
                     scores = softcap * torch.tanh(scores / softcap)
-                w = torch.softmax(scores, dim=0)
+                if sinks is not None:
+                    scores = torch.cat([scores, sinks[h : h + 1].double()])
+                w = torch.softmax(scores, dim=0)[: len(keys)]
                 out[qsl[i] + r, h] = w @ v[:, kh]
     return out.to(c.q.dtype)
 
@@ -303,6 +305,55 @@ def test_soft_capped_scores_equal_brute_force(backend_name, window):
     )
     out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window, cap)
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_sinks_take_their_share_of_every_softmax(backend_name, window):
+    """gpt-oss's sinks: one learned logit a query head beside the scores, whose probability is
+    dropped, over decodes and prompt chunks (one over a cached prefix), with and without a window;
+    sinks large and small enough that they change the answer.
+    """
+    block_size = 4
+    q_lens = [1, 19, 1, 9, 33]
+    seq_lens = [1, 19, 23, 30, 33]
+    c = make_case(q_lens, seq_lens, 8, 2, 16, block_size, seed=13)
+    sinks = torch.tensor([-3.0, 0.0, 1.0, 2.5, -0.5, 4.0, 0.3, -8.0])
+    want = _brute_force(c, window, sinks=sinks)
+    assert not torch.allclose(_brute_force(c, window), want, atol=1e-3)  # the sinks mattered
+    torch.testing.assert_close(
+        paged_attention(*c.args, window=window, sinks=sinks), want, atol=1e-5, rtol=1e-5
+    )
+    backend = make_backend(backend_name, torch.device("cpu"))
+    meta = backend.prepare(
+        c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens)
+    )
+    out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window, 0.0, sinks)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bf16_dots", [False, True])
+def test_native_prefill_applies_sinks_on_a_bf16_pool(bf16_dots):
+    """The bf16 pool's prompt paths (vectors, bf16 dots, AMX tiles where present) end each row's
+    softmax with the sink as the fp32 path does.
+    """
+    from kernels import cpu_native
+
+    native = cpu_native.load()
+    if native is None:
+        pytest.skip("the native CPU kernels are not built here")
+    c = make_case([33, 9], [33, 30], 8, 2, 64, 16, seed=14)
+    sinks = torch.linspace(-2.0, 3.0, 8)
+    k16, v16 = c.k_cache.bfloat16(), c.v_cache.bfloat16()
+    starts = c.query_start_loc[:-1].to(torch.int64)
+    q_lens = (c.query_start_loc[1:] - c.query_start_loc[:-1]).to(torch.int32)
+    out = torch.zeros_like(c.q)
+    native.paged_prefill(
+        c.q, k16, v16, out, starts, q_lens, c.seq_lens, c.block_tables, c.scale,
+        bf16_dots=bf16_dots, sinks=sinks,
+    )  # fmt: skip
+    want = paged_attention(c.q, k16.float(), v16.float(), *c.args[3:], sinks=sinks)
+    torch.testing.assert_close(out, want, atol=3e-2 if bf16_dots else 1e-5, rtol=1e-2)
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])

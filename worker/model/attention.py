@@ -32,9 +32,19 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(
-        self, q, k_cache, v_cache, meta, scale: float, window: int = 0, softcap: float = 0.0
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+        sinks=None,
     ) -> torch.Tensor:
-        """window > 0: a query sees its last `window` keys; softcap > 0: Gemma 2's soft-capping."""
+        """window > 0: a query sees its last `window` keys; softcap > 0: Gemma 2's soft-capping;
+        sinks [n_heads]: gpt-oss's extra logit per head in each softmax, which adds no value.
+        """
         raise NotImplementedError
 
 
@@ -157,6 +167,7 @@ class TorchAttention(AttentionBackend):
         scale,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ):
         num_blocks, block_size, n_kv_heads, head_dim = k_cache.shape
@@ -171,7 +182,7 @@ class TorchAttention(AttentionBackend):
             keys = k_flat.index_select(0, flat_slots).view(shape).transpose(1, 2).to(q.dtype)
             values = v_flat.index_select(0, flat_slots).view(shape).transpose(1, 2).to(q.dtype)
             qd = q[b.tokens].unsqueeze(2)  # [rows, n_heads, 1, head_dim]
-            o = _sdpa(qd, keys, values, b.window_mask(window), scale, softcap)
+            o = _sdpa(qd, keys, values, b.window_mask(window), scale, softcap, sinks)
             out[b.tokens] = o.squeeze(2)
         for p in meta.prefills:
             # [1, n_kv, seq_len, hd]
@@ -179,23 +190,29 @@ class TorchAttention(AttentionBackend):
             values = v_flat.index_select(0, p.slots).transpose(0, 1).unsqueeze(0).to(q.dtype)
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, n_heads, q_len, head_dim]
             mask = window_prefill_mask(p, window)
-            if softcap > 0 and mask is None:  # the explicit path needs the causal mask written out
+            if (softcap > 0 or sinks is not None) and mask is None:  # the explicit path's mask
                 n = p.slots.numel()
                 mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            o = _sdpa(qp, keys, values, mask, scale, softcap)
+            o = _sdpa(qp, keys, values, mask, scale, softcap, sinks)
             out[p.start : p.end] = o[0].transpose(0, 1)
         return out
 
 
-def _sdpa(q, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
-    """SDPA over grouped heads; mask None = causal; soft-capped scores take the explicit path."""
-    if softcap <= 0:
+def _sdpa(q, keys, values, mask, scale: float, softcap: float, sinks=None) -> torch.Tensor:
+    """SDPA over grouped heads; mask None = causal; soft caps and sinks take the explicit path."""
+    if softcap <= 0 and sinks is None:
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # one more logit a row, its probability dropped
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, values.float()).to(q.dtype)

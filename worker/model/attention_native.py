@@ -118,8 +118,11 @@ class CpuAttention(TorchAttention):
         scale,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ):
         num_tokens, n_heads, head_dim = q.shape
+        if sinks is not None:  # the kernels read fp32 sinks, one a query head
+            sinks = sinks.float().contiguous()
         out = torch.empty(num_tokens, n_heads, head_dim, dtype=q.dtype, device=q.device)
         if meta.decode_rows.numel():
             q = q.contiguous()  # the decode kernel reads whole rows of a contiguous q
@@ -134,6 +137,7 @@ class CpuAttention(TorchAttention):
                 scale,
                 window,
                 softcap,
+                sinks,
             )
         if meta.prefill_starts.numel():
             # a view of the fused QKV row reads in place
@@ -155,6 +159,7 @@ class CpuAttention(TorchAttention):
                     window,
                     softcap,
                     self.prefill_bf16_dots,
+                    sinks,
                 )
             else:
                 TorchAttention.forward(
@@ -166,6 +171,7 @@ class CpuAttention(TorchAttention):
                     scale,
                     window,
                     softcap,
+                    sinks,
                     out=out,
                 )
         return out
@@ -233,6 +239,7 @@ class TritonAttention(AttentionBackend):
         scale,
         window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ):
         return self._kernels.paged_attention(
             q,
@@ -248,6 +255,7 @@ class TritonAttention(AttentionBackend):
             workspace=meta.workspace,
             window=window,
             softcap=softcap,
+            sinks=sinks,
         )
 
 

@@ -15,6 +15,7 @@ from worker.model.families import (
     GEMMA_TYPES,
     HYBRID_TYPES,
     SHARED_EXPERT_TYPES,
+    SINK_TYPES,
     UnsupportedModel,
     check_supported,
     language_config,
@@ -82,6 +83,13 @@ class ModelConfig:
     # value heads in llama.cpp's order: head j reads key head j % k_heads
     linear_tiled_values: bool = False
     attn_output_gate: bool = False
+    # gpt-oss: a learned sink logit per head in every softmax, o_proj and expert biases, and
+    # SwiGLU clamped at swiglu_limit with sigmoid(alpha * gate) (0: plain SiLU)
+    attn_sinks: bool = False
+    o_proj_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.linear_layers) and self.linear_layers[layer]
@@ -180,7 +188,7 @@ class ModelConfig:
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", *SINK_TYPES))),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_TYPES),
             model_type=model_type,
             rope_layers=rope_layers(cfg, num_layers),
@@ -203,12 +211,20 @@ class ModelConfig:
             # experts' weights
             moe_intermediate_size=int(
                 cfg.get("intermediate_size")
-                if model_type == "mixtral"
+                if model_type in ("mixtral", *SINK_TYPES)
                 else cfg.get("moe_intermediate_size") or 0
             ),
-            norm_topk_prob=model_type in ("mixtral", "qwen3_5_moe_text")
+            # gpt-oss's softmax over the chosen logits is the renormalized top-k of all
+            norm_topk_prob=model_type in ("mixtral", "qwen3_5_moe_text", *SINK_TYPES)
             or bool(cfg.get("norm_topk_prob", False)),
             shared_expert=bool(cfg.get("shared_expert_intermediate_size")),
+            attn_sinks=model_type in SINK_TYPES,
+            o_proj_bias=model_type in SINK_TYPES and bool(cfg.get("attention_bias", True)),
+            expert_bias=model_type in SINK_TYPES,
+            swiglu_limit=float(cfg.get("swiglu_limit") or 0.0) if model_type in SINK_TYPES else 0.0,
+            swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702)
+            if model_type in SINK_TYPES
+            else 1.0,
             **hybrid_fields(cfg, num_layers),
         )
 

@@ -15,11 +15,14 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "gpt_oss",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # the mixture-of-experts families (router top-k over SwiGLU experts)
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text")
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "gpt_oss")
+# gpt-oss: attention sinks, biases on every projection and the router, a clamped SwiGLU
+SINK_TYPES = ("gpt_oss",)
 # and those whose experts sit beside one shared expert, gated per token
 SHARED_EXPERT_TYPES = ("qwen3_5_moe_text",)
 # the gated MLP's activation: SiLU, or GELU-tanh where the family uses it
@@ -80,8 +83,8 @@ def check_supported(cfg: dict) -> None:
         raise UnsupportedModel(
             "mlp_bias", cfg["mlp_bias"], "MLP projections with biases are not implemented"
         )
-    # Qwen2's q/k/v biases are; an o_proj bias is not
-    if cfg.get("attention_bias") and model_type != "qwen2":
+    # Qwen2's q/k/v biases are, gpt-oss's o_proj bias too; others' o_proj bias is not
+    if cfg.get("attention_bias") and model_type not in ("qwen2", *SINK_TYPES):
         raise UnsupportedModel(
             "attention_bias",
             cfg["attention_bias"],
@@ -215,7 +218,7 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
     if model_type in ("mistral", "mixtral", "phi3"):  # their attention slides on every layer
         return (window,) * num_layers
     # layer_types; by default Gemma 3 slides five layers of six, Gemma 2 every other
-    if model_type in GEMMA_TYPES:
+    if model_type in (*GEMMA_TYPES, *SINK_TYPES):  # gpt-oss slides every other layer, as Gemma 2
         pattern = int(cfg.get("sliding_window_pattern", 6)) if model_type == "gemma3_text" else 2
         types = cfg.get("layer_types") or [
             "sliding_attention" if (i + 1) % pattern else "full_attention"

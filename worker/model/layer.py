@@ -59,6 +59,7 @@ class DecoderLayer(nn.Module):
         )
         self.linear = GatedDeltaNet(c, *linear_heads) if c.is_linear(layer_idx) else None
         self.qkv = self.qkv_bias = self.q_norm = self.k_norm = self.o_proj = None
+        self.o_bias = self.sinks = None
         if self.linear is not None:
             self.in_proj = nn.Parameter(torch.empty(self.linear.in_rows, c.hidden_size))
             self.out_proj = nn.Parameter(torch.empty(c.hidden_size, self.linear.v_size))
@@ -70,6 +71,9 @@ class DecoderLayer(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
             self.k_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
             self.o_proj = nn.Parameter(torch.empty(c.hidden_size, self.q_size))
+            # gpt-oss: o_proj bias (added once, after the sum over ranks), this rank's sinks
+            self.o_bias = nn.Parameter(torch.zeros(c.hidden_size)) if c.o_proj_bias else None
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if c.attn_sinks else None
         self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))  # before the MLP
         # Gemma's norms of the attention and MLP outputs, before each residual add
         self.attn_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
@@ -211,6 +215,7 @@ class DecoderLayer(nn.Module):
             c.attn_scale,
             c.window(self.layer_idx),
             c.attn_softcap,
+            self.sinks,
         )
         o = o.reshape(num_tokens, self.q_size)
         if c.attn_output_gate:  # Qwen3.5: each query value's own gate
@@ -221,7 +226,7 @@ class DecoderLayer(nn.Module):
             else mm(o, w["o_proj"])
         )
         a = self.comm.all_reduce(a if lora is None else lora.apply(i, "o_proj", o, a))
-        return a
+        return a if self.o_bias is None else a + self.o_bias.to(a.dtype)
 
     def _bf16_between(self, mm, ops, lora, rows: int):
         """name -> whether that projection's input and output stay bf16 this step."""
