@@ -156,15 +156,21 @@ def fused_moe(
     topk_ids: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    silu_mul,
+    act,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H] routed to k of E experts -> [T, H], sorted on the device (graph-safe)."""
+    """x [T, H] routed to k of E experts -> [T, H], sorted on the device (graph-safe); biases
+    (gpt-oss) added per pair by its expert.
+    """
     x = x.contiguous()
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
     sorted_pairs, block_expert = align(topk_ids, gate_up.shape[0])
     gu = grouped_matmul(x, gate_up, sorted_pairs, block_expert, top_k, pairs, a_by_pair=False)
-    act = silu_mul(gu)
+    if gate_up_bias is not None:
+        gu += gate_up_bias[topk_ids.reshape(-1)]
+    act = act(gu)
     y = grouped_matmul(
         act,
         down,
@@ -175,6 +181,8 @@ def fused_moe(
         a_by_pair=True,
         weights=topk_weights.reshape(-1).contiguous(),
     )
+    if down_bias is not None:  # the kernel weighted the product: the bias takes the weight too
+        y += down_bias[topk_ids.reshape(-1)] * topk_weights.reshape(-1, 1)
     return y.view(tokens, top_k, -1).sum(1)
 
 

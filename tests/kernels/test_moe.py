@@ -5,13 +5,15 @@ tensor-parallel split, and the layout `align` hands the kernel.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from worker.model.config import ModelConfig
 from worker.model.elementwise import TorchOps
-from worker.model.moe import MoE, grouped_experts
+from worker.model.moe import MoE, clamped_swiglu, grouped_experts
 from worker.model.parallel import make_shard
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -212,3 +214,46 @@ def test_a_whole_model_through_the_triton_experts_equals_the_grouped_loop(tmp_pa
         logits[backend] = run_step(model, config, pool, seqs)[0]
     assert torch.isfinite(logits["torch"]).all()
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+def naive_gpt_oss(h, weights, ids, gate_up, down, gu_bias, d_bias, limit=7.0, alpha=1.702):
+    """gpt-oss's experts as transformers writes them: biases, gate clamped from above, up within
+    the limit, (up + 1) * gate * sigmoid(alpha * gate).
+    """
+    out = torch.zeros_like(h, dtype=torch.float32)
+    inter = gate_up.shape[1] // 2
+    for t in range(h.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = F.linear(h[t].float(), gate_up[e].float(), gu_bias[e].float())
+            gate, up = gu[:inter].clamp(max=limit), gu[inter:].clamp(-limit, limit)
+            act = (up + 1) * gate * torch.sigmoid(alpha * gate)
+            out[t] += weights[t, j].float() * F.linear(act, down[e].float(), d_bias[e].float())
+    return out
+
+
+@pytest.mark.parametrize("path", ["grouped", pytest.param("triton", marks=pytest.mark.kernels)])
+def test_gpt_oss_experts_with_biases_and_the_clamped_swiglu(path):
+    """Biases on both projections and activations large enough that the clamp bites, through the
+    grouped loop and the Triton grouped matmuls alike.
+    """
+    tokens, experts, top_k, hidden, inter = 23, 8, 2, 48, 40
+    dtype = DTYPES[0] if path == "triton" else torch.float32
+    device = DEVICE if path == "triton" else "cpu"
+    h, w, ids, gate_up, down = (
+        x.to(device) for x in case(tokens, experts, top_k, hidden, inter, dtype, seed=4)
+    )
+    h = h * 6.0  # gates and ups of several units: some past the limit of 7
+    g = torch.Generator().manual_seed(5)
+    gu_bias = torch.randn(experts, 2 * inter, generator=g).to(device, dtype)
+    d_bias = torch.randn(experts, hidden, generator=g).to(device, dtype)
+    act = partial(clamped_swiglu, 7.0, 1.702)
+    pre = F.linear(h.float(), gate_up[ids[:, 0]].float()[0])
+    assert (pre.abs() > 7).any()  # the clamp is exercised
+    want = naive_gpt_oss(h, w, ids, gate_up, down, gu_bias, d_bias)
+    if path == "grouped":
+        got = grouped_experts(h, w, ids, gate_up, down, act, gu_bias, d_bias)
+    else:
+        triton_moe = pytest.importorskip("kernels.triton_moe", reason="triton is not installed")
+        got = triton_moe.fused_moe(h, w, ids, gate_up, down, act, gu_bias, d_bias)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])

@@ -103,6 +103,20 @@ FAMILIES = {
         (0, 0, 0),
         ("--num-blocks", "36", "--max-model-len", "128"),
     ),
+    # gpt-oss: attention sinks, sliding and full layers alternating past a 16-token window, biases
+    # on q/k/v/o, the router and the experts, 8 experts (2 a token) through its clamped SwiGLU,
+    # YaRN x32 (its own defaults)
+    "gpt_oss": (
+        dict(
+            sliding_window=16,
+            num_hidden_layers=4,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+        ),
+        (16, 0, 16, 0),
+        ("--num-blocks", "48", "--max-model-len", "128"),
+    ),
 }
 
 

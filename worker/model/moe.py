@@ -4,6 +4,8 @@ expert's weights are read once a step, the others never (kernels/triton_moe.py o
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,12 +32,21 @@ class MoE(nn.Module):
         # gate rows, then up rows
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
+        # gpt-oss: biases on the router and on every expert's projections (down's on one rank only,
+        # since the ranks' shares are summed), and its clamped SwiGLU
+        bias = config.expert_bias
+        self.router_bias = nn.Parameter(torch.zeros(experts)) if bias else None
+        self.gate_up_bias = nn.Parameter(torch.zeros(experts, 2 * inter)) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(experts, hidden)) if bias else None
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         # "triton" or "torch", chosen at the first forward (where the weights are)
         self.backend: str | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden] -> (weights [T, k] in h's dtype, expert ids [T, k] int64)."""
-        probs = torch.softmax(F.linear(h, self.router), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(
+            F.linear(h, self.router, self.router_bias), dim=-1, dtype=torch.float32
+        )
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -46,11 +57,20 @@ class MoE(nn.Module):
         weights, ids = self.route(h)
         if self.backend is None:
             self.backend = default_backend(h.device)
+        act = ops.silu_mul if not self.limit else partial(clamped_swiglu, self.limit, self.alpha)
+        biases = (self.gate_up_bias, self.down_bias)
         if self.backend == "triton":
             from kernels.triton_moe import fused_moe
 
-            return fused_moe(h, weights, ids, self.gate_up, self.down, ops.silu_mul)
-        return grouped_experts(h, weights, ids, self.gate_up, self.down, ops.silu_mul)
+            return fused_moe(h, weights, ids, self.gate_up, self.down, act, *biases)
+        return grouped_experts(h, weights, ids, self.gate_up, self.down, act, *biases)
+
+
+def clamped_swiglu(limit: float, alpha: float, gate_up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss: (up + 1) * gate * sigmoid(alpha * gate), gate at most `limit`, up within it."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
 
 
 def default_backend(device: torch.device) -> str:
@@ -70,7 +90,9 @@ def grouped_experts(
     ids: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    silu_mul,
+    act,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One matmul pair per chosen expert, shares added in expert order."""
     tokens, top_k = ids.shape
@@ -85,8 +107,10 @@ def grouped_experts(
         if not count:
             continue
         rows = token_of[start : start + count]
-        act = silu_mul(F.linear(h[rows], gate_up[expert]).contiguous())
-        y = F.linear(act, down[expert]) * weight_of[start : start + count, None]
+        gu_bias = None if gate_up_bias is None else gate_up_bias[expert]
+        a = act(F.linear(h[rows], gate_up[expert], gu_bias).contiguous())
+        d_bias = None if down_bias is None else down_bias[expert]
+        y = F.linear(a, down[expert], d_bias) * weight_of[start : start + count, None]
         out.index_add_(0, rows, y)
         start += count
     return out

@@ -170,6 +170,10 @@ def _load_attention(
         layer.k_norm.copy_(ck.norm(a + "k_norm.weight"))
     if not ck.served(layer.o_proj, a + "o_proj.weight"):
         layer.o_proj.copy_(ck.take(a + "o_proj.weight", cols=q_rows))
+    if layer.o_bias is not None:  # added after the sum over ranks: whole on each
+        layer.o_bias.copy_(ck.take(a + "o_proj.bias"))
+    if layer.sinks is not None:
+        layer.sinks.copy_(ck.take(a + "sinks", sh.q_heads))
 
 
 def _load_delta_net(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, a: str) -> None:
@@ -227,6 +231,9 @@ def _load_experts(
     """The router whole, this rank's slice of every expert (one tensor each or all in one)."""
     inter = model.shard.expert_intermediate
     gate, up, down = names.expert
+    if moe.router_bias is not None:
+        _load_gpt_oss_experts(model, ck, moe, m)
+        return
     moe.router.copy_(ck.take(m + "gate.weight"))
     if m + "experts.gate_up_proj" in ck:
         size, (i0, i1) = model.config.moe_intermediate_size, inter
@@ -240,6 +247,23 @@ def _load_experts(
             torch.cat([ck.take(f"{x}{gate}.weight", inter), ck.take(f"{x}{up}.weight", inter)])
         )
         moe.down[e].copy_(ck.take(f"{x}{down}.weight", cols=inter))
+
+
+def _load_gpt_oss_experts(model: LlamaModel, ck: CheckpointReader, moe: MoE, m: str) -> None:
+    """gpt-oss's router and experts with their biases: gate_up [E, hidden, 2I] with gate and up in
+    alternate columns, down [E, I, hidden]; down's bias on rank 0 only (the ranks' shares are
+    summed).
+    """
+    i0, i1 = model.shard.expert_intermediate
+    moe.router.copy_(ck.take(m + "router.weight"))
+    moe.router_bias.copy_(ck.take(m + "router.bias"))
+    both, bias = ck.take(m + "experts.gate_up_proj"), ck.take(m + "experts.gate_up_proj_bias")
+    gate, up = both[:, :, 0::2][:, :, i0:i1], both[:, :, 1::2][:, :, i0:i1]
+    moe.gate_up.copy_(torch.cat([gate, up], dim=2).transpose(1, 2))
+    moe.gate_up_bias.copy_(torch.cat([bias[:, 0::2][:, i0:i1], bias[:, 1::2][:, i0:i1]], dim=1))
+    moe.down.copy_(ck.take(m + "experts.down_proj")[:, i0:i1].transpose(1, 2))
+    down_bias = ck.take(m + "experts.down_proj_bias")
+    moe.down_bias.copy_(down_bias if model.shard.rank == 0 else torch.zeros_like(down_bias))
 
 
 def _delta_net_blocks(c, sh, quant, a: str) -> dict:
