@@ -17,7 +17,10 @@
 #define QK 32
 #define ROWS 8
 
-enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+enum {
+    F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+    MXFP4 = 39
+};
 
 /* GGUF's blocks, laid out as ggml declares them. The fp16 scales are two bytes each, so every struct has
    alignment 1 and a block may start at any byte of a row; the static asserts pin each layout to the file's.
@@ -31,9 +34,21 @@ typedef struct { uint8_t d[2]; int8_t qs[QK]; } BlockQ8_0;                 /* w 
 typedef struct { uint8_t d[2], dmin[2], scales[12], qs[128]; } BlockQ4_K;  /* 6-bit scales and mins, packed */
 typedef struct { uint8_t d[2], dmin[2], scales[12], qh[32], qs[128]; } BlockQ5_K;
 typedef struct { uint8_t ql[128], qh[64]; int8_t scales[16]; uint8_t d[2]; } BlockQ6_K;
+typedef struct { uint8_t e, qs[QK / 2]; } BlockMXFP4; /* w = 2^(e - 128) MXFP4_VALUES[nibble]: OCP MX, doubled */
 _Static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "ggml's block_q4_0, block_q4_1");
 _Static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "ggml's block_q5_0, block_q5_1");
-_Static_assert(sizeof(BlockQ8_0) == 34, "ggml's block_q8_0");
+_Static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockMXFP4) == 17, "ggml's block_q8_0, block_mxfp4");
+
+/* E2M1's sixteen values, doubled (ggml's kvalues_mxfp4): the scale below halves them back. */
+static const float MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* An E8M0 scale, halved (ggml's ggml_e8m0_to_fp32_half): 2^(e - 128), subnormal below e = 2. */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 _Static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "ggml's K-quants");
 _Static_assert(offsetof(BlockQ5_K, qs) == 48 && offsetof(BlockQ6_K, scales) == 192 && offsetof(BlockQ6_K, d) == 208,
                "ggml's K-quant fields");
@@ -49,6 +64,7 @@ static inline int block_bytes(int type) {
         case Q4_K: return sizeof(BlockQ4_K);
         case Q5_K: return sizeof(BlockQ5_K);
         case Q6_K: return sizeof(BlockQ6_K);
+        case MXFP4: return sizeof(BlockMXFP4);
         case F32: return QK * sizeof(float);
         case F16: return QK * sizeof(uint16_t);
         case BF16: return QK * sizeof(uint16_t);
@@ -95,7 +111,16 @@ static inline void dequant_block(int type, const uint8_t *b, float *out) {
         }
         return;
     }
-    const float d = half_at(b); /* every 32-value type's scale comes first */
+    if (type == MXFP4) { /* value j is qs[j]'s low nibble, value j + 16 its high one, as Q4_0 */
+        const float d = e8m0_half(((const BlockMXFP4 *)b)->e);
+        const uint8_t *q = ((const BlockMXFP4 *)b)->qs;
+        for (int j = 0; j < QK / 2; j++) {
+            out[j] = d * MXFP4_VALUES[q[j] & 0x0f];
+            out[j + QK / 2] = d * MXFP4_VALUES[q[j] >> 4];
+        }
+        return;
+    }
+    const float d = half_at(b); /* every other 32-value type's scale comes first */
     if (type == Q8_0) {
         const int8_t *q = ((const BlockQ8_0 *)b)->qs;
         for (int j = 0; j < QK; j++) out[j] = d * (float)q[j];
@@ -213,6 +238,14 @@ static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m
     if (type == F16) {
         *lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b));
         *hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + 32)));
+        return;
+    }
+    if (type == MXFP4) { /* the block's 16 values as one vector, each nibble an index (as Q4_0 below) */
+        const __m512 table = _mm512_mul_ps(_mm512_set1_ps(e8m0_half(((const BlockMXFP4 *)b)->e)),
+                                           _mm512_loadu_ps(MXFP4_VALUES));
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const BlockMXFP4 *)b)->qs));
+        *lo = _mm512_permutexvar_ps(q, table);
+        *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
         return;
     }
     const __m512 d = _mm512_set1_ps(half_at(b)); /* unused by Q4_1: the compiler drops it */
@@ -395,6 +428,7 @@ static void rows_dot(int type, const uint8_t *wrow, int64_t nblocks, const float
         case Q4_K: ROWS_DOT_CASES(Q4_K)
         case Q5_K: ROWS_DOT_CASES(Q5_K)
         case Q6_K: ROWS_DOT_CASES(Q6_K)
+        case MXFP4: ROWS_DOT_CASES(MXFP4)
         case F16: ROWS_DOT_CASES(F16)
         case BF16: ROWS_DOT_CASES(BF16)
         default: ROWS_DOT_CASES(F32)

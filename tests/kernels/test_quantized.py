@@ -20,8 +20,8 @@ gguf = pytest.importorskip("gguf")
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = Path(os.environ.get("PAGEDSERVE_MODEL_DIR", ROOT / ".models" / "smollm2-135m-instruct"))
 # the served types gguf can quantize to (the K types: random_k_blocks); Q5_0 / Q5_1: a Q4_K_M file's
-# rows that are not a multiple of 256 values wide
-GGUF_QUANTIZES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+# rows that are not a multiple of 256 values wide; MXFP4: gpt-oss's experts
+GGUF_QUANTIZES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"]
 # what --quantized-activations int8 multiplies in integers
 INT8_QUANTIZES = [
     "Q4_0",

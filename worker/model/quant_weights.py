@@ -20,6 +20,7 @@ QUANT_TYPES = {
     "Q4_K": (12, 256, 144),
     "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210),
+    "MXFP4": (39, 32, 17),  # gpt-oss's experts: E2M1 values, an E8M0 scale per 32
     "F16": (1, 32, 64),
     "BF16": (30, 32, 64),
 }
