@@ -320,8 +320,8 @@ def test_a_qwen35_gguf_is_read_on_its_own_blocks_and_equals_transformers(
     try:
         # every projection on its blocks: each layer's four (the gated attention's query and gate
         # rows taken head by head), and the LM head (the MoE's: its shared expert's gate/up, whose
-        # down is F32, 48 columns wide)
-        blocks = 13 if "moe" in family else 17
+        # down is F32, 48 columns wide, and each of its 4 experts' gate/up and down in 4 layers)
+        blocks = 13 + 4 * 2 * 4 if "moe" in family else 17
         assert f'"matrices": {{"Q8_0": {blocks}' in server.log_path.read_text()
         rng = random.Random(13)
         prompts = [[rng.randrange(3, 384) for _ in range(40)] for _ in range(2)]

@@ -337,3 +337,105 @@ def make_tiny_embedder(
         )
     )
     return folder
+
+
+# model.layers.N.<hugging face> -> blk.N.<gguf>, as llama.cpp's converter names them
+GPT_OSS_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "self_attn.sinks": "attn_sinks.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
+}
+
+
+def make_tiny_gpt_oss_gguf(folder: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random gpt-oss shipped as llama.cpp ships one after `llama-quantize ... MXFP4_MOE`: a
+    `gpt-oss` GGUF whose experts are MXFP4 blocks, gate and up apart (the converter splits the
+    checkpoint's alternate columns), their biases beside them, attention Q8_0, the rest F32; the
+    folder holds the Hugging Face checkpoint rewritten with the file's dequantized values (what
+    transformers must agree with) and names the file (pagedserve_model.json). Returns the folder.
+    """
+    import json
+
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter, quants
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tiny_llama(folder, seed=seed, family="gpt_oss", **overrides)
+    cfg = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    path = folder / "tiny.MXFP4_MOE.gguf"
+    writer = GGUFWriter(str(path), "gpt-oss")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_key_length(cfg["head_dim"])
+    writer.add_value_length(cfg["head_dim"])
+    writer.add_rope_freq_base(float(cfg["rope_parameters"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_expert_count(cfg["num_local_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_sliding_window(cfg["sliding_window"])
+    writer.add_vocab_size(cfg["vocab_size"])
+
+    def blocks(w: np.ndarray, kind) -> tuple[np.ndarray, np.ndarray]:
+        q = quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)
+        return q, quants.dequantize(q, kind).reshape(w.shape)
+
+    dequantized = {}
+    for name, t in state.items():
+        w = t.float().numpy()
+        parts = name.split(".")
+        rest = ".".join(parts[3:])
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", w)
+        elif name == "lm_head.weight":
+            writer.add_tensor("output.weight", w)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", w)
+        elif rest in GPT_OSS_GGUF:
+            writer.add_tensor(f"blk.{parts[2]}.{GPT_OSS_GGUF[rest]}", w)
+        elif rest.startswith("self_attn.") and rest.endswith("_proj.weight"):
+            kind = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output"}[parts[4][0]]
+            q, w = blocks(w, T.Q8_0)
+            writer.add_tensor(f"blk.{parts[2]}.{kind}.weight", q, raw_dtype=T.Q8_0)
+        elif rest == "mlp.experts.gate_up_proj":  # [E, hidden, 2I]: gate and up alternate
+            layout = w.transpose(0, 2, 1)  # [E, 2I, hidden]
+            for part, rows in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))):
+                q, d = blocks(layout[:, rows], T.MXFP4)
+                writer.add_tensor(f"blk.{parts[2]}.ffn_{part}_exps.weight", q, raw_dtype=T.MXFP4)
+                layout[:, rows] = d
+            w = layout.transpose(0, 2, 1)
+        elif rest == "mlp.experts.down_proj":  # [E, I, hidden]
+            q, d = blocks(w.transpose(0, 2, 1), T.MXFP4)
+            writer.add_tensor(f"blk.{parts[2]}.ffn_down_exps.weight", q, raw_dtype=T.MXFP4)
+            w = d.transpose(0, 2, 1)
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            writer.add_tensor(
+                f"blk.{parts[2]}.ffn_gate_exps.bias", np.ascontiguousarray(w[:, 0::2])
+            )
+            writer.add_tensor(f"blk.{parts[2]}.ffn_up_exps.bias", np.ascontiguousarray(w[:, 1::2]))
+        elif rest == "mlp.experts.down_proj_bias":
+            writer.add_tensor(f"blk.{parts[2]}.ffn_down_exps.bias", w)
+        else:
+            raise KeyError(f"no gpt-oss GGUF name for {name}")
+        dequantized[name] = torch.from_numpy(np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(dequantized, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "pagedserve_model.json").write_text(
+        json.dumps({"model_name": "tiny-gpt-oss-MXFP4", "gguf": str(path)})
+    )
+    return folder

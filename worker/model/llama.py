@@ -85,9 +85,14 @@ class LlamaModel(nn.Module):
     def release(self, weights: dict[tuple, object]) -> None:
         """Give up the parameters `weights` serve, so a quantized model is never held in fp32."""
         for key in weights:
-            param = self._parameter_of(key)
-            if param is not None:
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            params = (
+                (self.layers[key[0]].moe.gate_up, self.layers[key[0]].moe.down)
+                if key[1:] == ("experts",)
+                else (self._parameter_of(key),)
+            )
+            for param in params:
+                if param is not None:
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def use_quantized(
         self, weights: dict[tuple, object], lib, keep_dense: bool = True
@@ -117,6 +122,11 @@ class LlamaModel(nn.Module):
                 layer.w[name], quantized = linear((i, name), param)
                 if quantized or lib.dense.name != "dense":  # nothing reads the loaded copy any more
                     param.data = torch.empty(0, dtype=param.dtype)
+            experts = weights.pop((i, "experts"), None)
+            if experts is not None:  # no dense copy: experts are most of an MoE's bytes
+                for q in experts.gate_up + experts.down:
+                    counts[q.file_qtype] = counts.get(q.file_qtype, 0) + 1
+                layer.moe.use_blocks(experts, lib)
             layer.mm = lib
         embed = weights.pop(("embed",), None)
         if embed is not None:

@@ -41,6 +41,14 @@ class MoE(nn.Module):
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         # "triton" or "torch", chosen at the first forward (where the weights are)
         self.backend: str | None = None
+        # the experts on their GGUF blocks, multiplied by `mm`, in place of gate_up/down
+        self.blocks = self.mm = None
+
+    def use_blocks(self, blocks, mm) -> None:
+        """Serve the experts on their blocks (a QuantizedMatmul's kernels), never dense."""
+        self.blocks, self.mm = blocks, mm
+        self.gate_up.data = torch.empty(0, dtype=self.gate_up.dtype)
+        self.down.data = torch.empty(0, dtype=self.down.dtype)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden] -> (weights [T, k] in h's dtype, expert ids [T, k] int64)."""
@@ -59,6 +67,9 @@ class MoE(nn.Module):
             self.backend = default_backend(h.device)
         act = ops.silu_mul if not self.limit else partial(clamped_swiglu, self.limit, self.alpha)
         biases = (self.gate_up_bias, self.down_bias)
+        if self.blocks is not None:
+            b = self.blocks
+            return grouped_experts(h, weights, ids, b.gate_up, b.down, act, *biases, self.mm)
         if self.backend == "triton":
             from kernels.triton_moe import fused_moe
 
@@ -93,12 +104,16 @@ def grouped_experts(
     act,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    mm=None,
 ) -> torch.Tensor:
-    """One matmul pair per chosen expert, shares added in expert order."""
+    """One matmul pair per chosen expert, shares added in expert order; `mm`: the experts are
+    lists of blocks that library multiplies (F.linear's arguments otherwise).
+    """
+    linear = F.linear if mm is None else mm
     tokens, top_k = ids.shape
     flat = ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
     token_of = order // top_k
     weight_of = weights.reshape(-1)[order]
     out = torch.zeros_like(h)
@@ -108,9 +123,9 @@ def grouped_experts(
             continue
         rows = token_of[start : start + count]
         gu_bias = None if gate_up_bias is None else gate_up_bias[expert]
-        a = act(F.linear(h[rows], gate_up[expert], gu_bias).contiguous())
+        a = act(linear(h[rows], gate_up[expert], gu_bias).contiguous())
         d_bias = None if down_bias is None else down_bias[expert]
-        y = F.linear(a, down[expert], d_bias) * weight_of[start : start + count, None]
+        y = linear(a, down[expert], d_bias) * weight_of[start : start + count, None]
         out.index_add_(0, rows, y)
         start += count
     return out

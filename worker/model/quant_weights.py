@@ -177,6 +177,18 @@ class QuantEmbedding:
 
 
 @dataclass
+class ExpertBlocks:
+    """A layer's experts on their GGUF blocks: each expert's gate and up stacked, and its down."""
+
+    gate_up: list
+    down: list
+
+    @property
+    def segments(self) -> list[QuantWeight]:
+        return [p for w in self.gate_up + self.down for p in getattr(w, "segments", [w])]
+
+
+@dataclass
 class QuantLinear:
     """One projection's blocks, with a dense copy where prefill runs on one."""
 

@@ -108,4 +108,9 @@ def choose_gemm_copy(copy: int, kv: int, available: int | None) -> tuple[bool, s
 
 def dense_copy_bytes(weights: dict) -> int:
     """What prefill's dense fp32 copy of the file's matrices would hold."""
-    return sum(4 * w.out_dim * w.in_dim for key, w in weights.items() if key != ("embed",))
+    # experts never get one: they are most of an MoE's bytes, and each reads few rows a step
+    return sum(
+        4 * w.out_dim * w.in_dim
+        for key, w in weights.items()
+        if key != ("embed",) and key[1:] != ("experts",)
+    )

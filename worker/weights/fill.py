@@ -59,8 +59,11 @@ def read_quantized(
                 gates = [(a + "q_proj.weight", ((2 * h + 1) * hd, (2 * h + 2) * hd)) for h in heads]
             plan["qkv"] = quant(query + kv + gates)
             plan["o_proj"] = quant([(a + "o_proj.weight", None)], cols=q_rows)
-        # experts stay as loaded (moe.py reads them); a shared expert packs as a dense MLP
+        # experts on their blocks where the file's types are served; a shared expert as a dense MLP
         if layer.moe is not None:
+            experts = _expert_blocks(c, sh, quant, m)
+            if experts is not None:
+                found[(i, "experts")] = experts
             m += "shared_expert."
         if layer.gate_up is not None:
             plan["gate_up"] = quant(
@@ -235,6 +238,11 @@ def _load_experts(
         _load_gpt_oss_experts(model, ck, moe, m)
         return
     moe.router.copy_(ck.take(m + "gate.weight"))
+    experts = range(model.config.num_experts)
+    if ck.served(
+        moe.gate_up, *(f"{m}experts.{e}.{p}.weight" for e in experts for p in names.expert)
+    ):
+        return  # on the file's blocks
     if m + "experts.gate_up_proj" in ck:
         size, (i0, i1) = model.config.moe_intermediate_size, inter
         both = ck.take(m + "experts.gate_up_proj")
@@ -250,20 +258,60 @@ def _load_experts(
 
 
 def _load_gpt_oss_experts(model: LlamaModel, ck: CheckpointReader, moe: MoE, m: str) -> None:
-    """gpt-oss's router and experts with their biases: gate_up [E, hidden, 2I] with gate and up in
-    alternate columns, down [E, I, hidden]; down's bias on rank 0 only (the ranks' shares are
-    summed).
+    """gpt-oss's router and experts with their biases: from its checkpoint (gate_up [E, hidden,
+    2I], gate and up in alternate columns; down [E, I, hidden]) or its GGUF (gate, up and down
+    apart, by expert); down's bias on rank 0 only (the ranks' shares are summed).
     """
     i0, i1 = model.shard.expert_intermediate
+    experts = range(model.config.num_experts)
     moe.router.copy_(ck.take(m + "router.weight"))
     moe.router_bias.copy_(ck.take(m + "router.bias"))
-    both, bias = ck.take(m + "experts.gate_up_proj"), ck.take(m + "experts.gate_up_proj_bias")
-    gate, up = both[:, :, 0::2][:, :, i0:i1], both[:, :, 1::2][:, :, i0:i1]
-    moe.gate_up.copy_(torch.cat([gate, up], dim=2).transpose(1, 2))
-    moe.gate_up_bias.copy_(torch.cat([bias[:, 0::2][:, i0:i1], bias[:, 1::2][:, i0:i1]], dim=1))
-    moe.down.copy_(ck.take(m + "experts.down_proj")[:, i0:i1].transpose(1, 2))
+    if m + "experts.gate_up_proj" in ck:
+        bias = ck.take(m + "experts.gate_up_proj_bias")
+        gate_bias, up_bias = bias[:, 0::2], bias[:, 1::2]
+        if not ck.served(moe.gate_up, m + "experts.gate_up_proj", m + "experts.down_proj"):
+            both = ck.take(m + "experts.gate_up_proj")
+            gate, up = both[:, :, 0::2][:, :, i0:i1], both[:, :, 1::2][:, :, i0:i1]
+            moe.gate_up.copy_(torch.cat([gate, up], dim=2).transpose(1, 2))
+            moe.down.copy_(ck.take(m + "experts.down_proj")[:, i0:i1].transpose(1, 2))
+    else:
+        gate_bias = ck.take(m + "experts.gate_proj_bias")
+        up_bias = ck.take(m + "experts.up_proj_bias")
+        names = [f"{m}experts.{e}.{p}.weight" for e in experts for p in PROJ]
+        if not ck.served(moe.gate_up, *names):
+            for e in experts:
+                x = f"{m}experts.{e}."
+                moe.gate_up[e].copy_(
+                    torch.cat(
+                        [
+                            ck.take(x + "gate_proj.weight", (i0, i1)),
+                            ck.take(x + "up_proj.weight", (i0, i1)),
+                        ]
+                    )
+                )
+                moe.down[e].copy_(ck.take(x + "down_proj.weight", cols=(i0, i1)))
+    moe.gate_up_bias.copy_(torch.cat([gate_bias[:, i0:i1], up_bias[:, i0:i1]], dim=1))
     down_bias = ck.take(m + "experts.down_proj_bias")
     moe.down_bias.copy_(down_bias if model.shard.rank == 0 else torch.zeros_like(down_bias))
+
+
+PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def _expert_blocks(c, sh, quant, m: str):
+    """Every expert's gate/up (this rank's rows) and down (its columns) as blocks, or None where a
+    type is not served (the experts load dense then).
+    """
+    from worker.model.quant_weights import ExpertBlocks
+
+    inter, gate_up, down = sh.expert_intermediate, [], []
+    for e in range(c.num_experts):
+        x = f"{m}experts.{e}."
+        gate_up.append(quant([(x + "gate_proj.weight", inter), (x + "up_proj.weight", inter)]))
+        down.append(quant([(x + "down_proj.weight", None)], cols=inter))
+        if gate_up[-1] is None or down[-1] is None:
+            return None
+    return ExpertBlocks(gate_up, down)
 
 
 def _delta_net_blocks(c, sh, quant, a: str) -> dict:

@@ -48,18 +48,28 @@ class GGUFFile(GGUFHeader):
         """Rows first, as torch holds it (ggml lists dimensions innermost first)."""
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
 
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor's stored bytes, uint8 [rows, bytes a row]."""
+    def read(self, name: str, first: int = 0, count: int | None = None) -> torch.Tensor:
+        """The tensor's stored bytes, uint8 [rows, bytes a row]; with `count`, rows first .. first +
+        count of its innermost rows (a stacked expert's) and no others.
+        """
         t = self.tensors[name]
-        out = torch.empty(int(t.n_bytes), dtype=torch.uint8)
+        shape = self.shape(name)
+        rows = shape[0] if len(shape) > 1 else 1
+        if count is not None:
+            rows = count
+            inner = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            row_bytes = int(t.n_bytes) // inner
+            start, size = first * row_bytes, count * row_bytes
+        else:
+            start, size = 0, int(t.n_bytes)
+        out = torch.empty(size, dtype=torch.uint8)
         view, done = memoryview(out.numpy()), 0
         with open(self.path, "rb", buffering=0) as f:
             while done < len(view):
-                n = os.preadv(f.fileno(), [view[done:]], int(t.data_offset) + done)
+                n = os.preadv(f.fileno(), [view[done:]], int(t.data_offset) + start + done)
                 if n <= 0:
                     raise OSError(f"{self.path.name} ends inside tensor {name}")
                 done += n
-        rows = self.shape(name)[0] if len(t.shape) > 1 else 1
         return out.view(rows, -1)
 
     def dequantize(self, name: str) -> torch.Tensor:
@@ -101,7 +111,7 @@ class GGUFTensorSource(TensorSource):
         # stacked experts ([experts, rows, cols]) by expert: {hf name: (file's name, expert)}
         self._experts: dict[str, tuple[str, int]] = {}
         for hf, gguf in list(names.items()):
-            if ".mlp.experts." in hf and not hf.endswith(".weight"):
+            if ".mlp.experts." in hf and not hf.endswith((".weight", "_bias")):
                 del names[hf]
                 prefix, proj = hf.rsplit(".experts.", 1)
                 for e in range(self.file.shape(gguf)[0]):

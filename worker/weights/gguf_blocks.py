@@ -131,6 +131,14 @@ class GGUFQuantSource:
 
     def _locate(self, hf_name: str) -> tuple[str, int, int | None]:
         """(the file's tensor holding the matrix, first row, rows or None: all)."""
+        parts = hf_name.split(".")
+        if parts[3:5] == ["mlp", "experts"] and len(parts) == 8:  # one expert of a stacked tensor
+            proj = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps"}.get(parts[6])
+            name = f"blk.{parts[2]}.{proj or 'ffn_down_exps'}.weight"
+            if name not in self._tensors:
+                raise KeyError(f"{hf_name} has no quantized matrix in {self.path.name}")
+            rows = int(self._tensors[name].shape[1])  # ggml: [in, rows, experts]
+            return name, int(parts[5]) * rows, rows
         name = self.gguf_name(hf_name)
         prefix, kind = name.rsplit(".", 2)[0], name.split(".")[-2]
         qkv = f"{prefix}.attn_qkv.weight"
@@ -189,15 +197,18 @@ class GGUFQuantSource:
                 f"{name} is {qtype}; the quantized kernels serve {', '.join(QUANT_TYPES)}"
             )
         in_dim = int(t.shape[0])  # ggml lists dimensions innermost first
-        # read into this process's memory, not mapped
-        w = QuantWeight(self.file.read(name), qtype, in_dim)
         kind = name.split(".")[-2]
-        if self._permute and kind in self._perm:
-            w = w.rows(self._perm[kind])
         if count is not None:  # this matrix's rows of a stacked tensor
             rows = (first + (rows or (0, count))[0], first + (rows or (0, count))[1])
-        if rows is not None:
-            w = w.rows(slice(*rows))
+        if rows is not None and not (self._permute and kind in self._perm):
+            # only these rows are read (an expert of a stacked tensor, a rank's share), not mapped
+            w = QuantWeight(self.file.read(name, rows[0], rows[1] - rows[0]), qtype, in_dim)
+        else:
+            w = QuantWeight(self.file.read(name), qtype, in_dim)
+            if self._permute and kind in self._perm:
+                w = w.rows(self._perm[kind])
+            if rows is not None:
+                w = w.rows(slice(*rows))
         if cols is not None:
             w = w.cols(*cols)
         return w

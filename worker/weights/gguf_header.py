@@ -174,7 +174,7 @@ def find_embedded_gguf(package: str = DEFAULT_GGUF_PACKAGE, name: str = DEFAULT_
 
 
 # llama.cpp's architectures whose every tensor this module maps ("llama" also names Mistral's files)
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "qwen35", "qwen35moe")
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "qwen35", "qwen35moe", "gpt-oss")
 # Qwen3.5's hybrids, whose config this module reads too (transformers reads none of theirs)
 HYBRID_ARCHS = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 # the architectures served: read natively, or through transformers' reader and an fp32 copy
@@ -223,6 +223,21 @@ HYBRID_TENSORS = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# a gpt-oss file's own: sinks, biases, the router and its experts (gate and up apart, as its
+# converter splits them; stacked [experts, rows, cols] with their biases [experts, rows])
+GPT_OSS_TENSORS = {
+    "attn_sinks.weight": "self_attn.sinks",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_exps.bias": "mlp.experts.gate_proj_bias",
+    "ffn_up_exps.bias": "mlp.experts.up_proj_bias",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -237,6 +252,7 @@ def hf_names(file: GGUFHeader) -> dict[str, str] | None:
     names: dict[str, str] = {}
     fused_gate_up = file.arch == "phi3"  # Phi-3's ffn_up holds gate then up
     table = {**LAYER_TENSORS, **HYBRID_TENSORS} if file.arch in HYBRID_ARCHS else LAYER_TENSORS
+    table = {**LAYER_TENSORS, **GPT_OSS_TENSORS} if file.arch == "gpt-oss" else table
     layers = hybrid_layers(file.fields) if file.arch in HYBRID_ARCHS else None
     for name in file.tensors:
         if name in IGNORED:

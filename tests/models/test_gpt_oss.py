@@ -1,0 +1,66 @@
+"""gpt-oss from its GGUF as llama.cpp ships it after `llama-quantize ... MXFP4_MOE`: the experts
+served on their MXFP4 blocks (never dense), sinks, biases and the clamped SwiGLU read from the
+file's own tensors, greedy-equal to transformers on the file's values.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.server import greedy_request
+from tests.support.serving import assert_all_blocks_back, submit_all
+from tests.support.tiny import hf_greedy, make_tiny_gpt_oss_gguf
+
+pytestmark = pytest.mark.slow
+
+# 2 sliding + 2 full layers past a 16-token window, 8 experts (2 a token)
+SHAPE = dict(
+    sliding_window=16,
+    num_hidden_layers=4,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    intermediate_size=32,
+)
+
+
+@pytest.fixture(scope="module")
+def gguf_folder(tmp_path_factory):
+    return make_tiny_gpt_oss_gguf(tmp_path_factory.mktemp("gpt-oss-gguf"), seed=3, **SHAPE)
+
+
+def test_an_mxfp4_gguf_is_served_on_its_blocks_as_transformers_answers(gguf_folder, server_factory):
+    server = server_factory(
+        gguf_folder,
+        "--block-size",
+        "4",
+        "--num-blocks",
+        "96",
+        "--max-num-batched-tokens",
+        "16",
+        "--max-model-len",
+        "128",
+        "--metrics-port",
+        "-1",
+    )
+    try:
+        log = server.log_path.read_text()
+        line = next(x for x in log.splitlines() if '"quantized_weights"' in x)
+        matrices = json.loads(line)["matrices"]
+        # every expert's gate/up and down on MXFP4 blocks; attention on Q8_0
+        assert matrices.get("MXFP4") == 2 * 8 * 4 and matrices.get("Q8_0") == 2 * 4
+        items = [
+            (f"oss-{i}", [3 + (13 * i + 7 * j) % 380 for j in range(18 + 9 * i)], 48, 0.0)
+            for i in range(3)
+        ]
+        results = submit_all(server, items, stream=True)
+        for rid, prompt, max_tokens, _ in items:
+            assert results[rid][0] == hf_greedy(gguf_folder, prompt, max_tokens), rid
+        n = greedy_request(items[0][1], 48, "oss-n")
+        n.sampling.n = 2
+        resp = server.stub.Generate(n, timeout=120)
+        assert [list(c.token_ids) for c in resp.choices] == [results["oss-0"][0]] * 2
+        assert_all_blocks_back(server)
+    finally:
+        server.stop()
