@@ -64,3 +64,33 @@ def test_an_mxfp4_gguf_is_served_on_its_blocks_as_transformers_answers(gguf_fold
         assert_all_blocks_back(server)
     finally:
         server.stop()
+
+
+def test_an_mxfp4_checkpoint_is_served_as_it_ships(tmp_path, server_factory):
+    """openai/gpt-oss-20b's layout: experts as `*_blocks` and `*_scales`, quantization_config
+    mxfp4. On a CPU they are served as MXFP4 blocks; with --dequantize (as on a GPU) widened to
+    fp32; both greedy-equal to transformers on the dequantized values.
+    """
+    from tests.support.tiny import make_tiny_gpt_oss_mxfp4
+
+    served, reference = make_tiny_gpt_oss_mxfp4(tmp_path, seed=5, **SHAPE)
+    items = [
+        (f"mx-{i}", [5 + (11 * i + 3 * j) % 370 for j in range(20 + 7 * i)], 48, 0.0)
+        for i in range(2)
+    ]
+    want = {rid: hf_greedy(reference, prompt, n) for rid, prompt, n, _ in items}
+    flags = ("--block-size", "4", "--num-blocks", "96", "--max-model-len", "128")
+    for extra in ((), ("--dequantize",)):
+        server = server_factory(served, *flags, "--metrics-port", "-1", *extra)
+        try:
+            log = server.log_path.read_text()
+            if not extra:
+                line = next(x for x in log.splitlines() if '"quantized_weights"' in x)
+                assert json.loads(line)["matrices"]["MXFP4"] == 2 * 8 * 4
+            else:
+                assert '"quantized_weights"' not in log
+            results = submit_all(server, items, stream=True)
+            assert {rid: r[0] for rid, r in results.items()} == want, extra
+            assert_all_blocks_back(server)
+        finally:
+            server.stop()

@@ -439,3 +439,53 @@ def make_tiny_gpt_oss_gguf(folder: Path, seed: int = 0, **overrides) -> Path:
         json.dumps({"model_name": "tiny-gpt-oss-MXFP4", "gguf": str(path)})
     )
     return folder
+
+
+def make_tiny_gpt_oss_mxfp4(folder: Path, seed: int = 0, **overrides) -> tuple[Path, Path]:
+    """A tiny random gpt-oss checkpoint as openai/gpt-oss-20b ships: its experts as MXFP4
+    `*_blocks` [E, rows, cols / 32, 16] (value 2j in byte j's low nibble, 2j + 1 in its high) and
+    E8M0 `*_scales`, quantization_config naming mxfp4; and beside it the same model with those
+    experts dequantized (what transformers must agree with). Returns (served, reference).
+    """
+    import json
+    import shutil
+
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+    from safetensors.torch import load_file, save_file
+
+    reference = make_tiny_llama(folder / "reference", seed=seed, family="gpt_oss", **overrides)
+    state = load_file(str(reference / "model.safetensors"))
+    served_state = {}
+
+    def mxfp4(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """[..., cols] -> (HF blocks, scales, the dequantized values)."""
+        q = quants.quantize(np.ascontiguousarray(rows, dtype=np.float32), T.MXFP4)
+        values = quants.dequantize(q, T.MXFP4).reshape(rows.shape)
+        q = q.reshape(*rows.shape[:-1], rows.shape[-1] // 32, 17)
+        scales, qs = q[..., 0], q[..., 1:]
+        v = np.concatenate([qs & 15, qs >> 4], axis=-1)  # ggml: value j low, j + 16 high
+        hf = v[..., 0::2] | (v[..., 1::2] << 4)
+        return torch.from_numpy(hf.copy()), torch.from_numpy(scales.copy()), values
+
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, hidden, 2I] -> rows [E, 2I, hidden]
+            blocks, scales, values = mxfp4(t.float().numpy().transpose(0, 2, 1))
+            state[name] = torch.from_numpy(values.transpose(0, 2, 1).copy())
+        elif name.endswith("mlp.experts.down_proj"):  # [E, I, hidden] -> rows [E, hidden, I]
+            blocks, scales, values = mxfp4(t.float().numpy().transpose(0, 2, 1))
+            state[name] = torch.from_numpy(values.transpose(0, 2, 1).copy())
+        else:
+            served_state[name] = t
+            continue
+        served_state[name + "_blocks"], served_state[name + "_scales"] = blocks, scales
+    save_file(state, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    served = folder / "served"
+    shutil.copytree(reference, served)
+    save_file(served_state, str(served / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((served / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    (served / "config.json").write_text(json.dumps(cfg))
+    return served, reference

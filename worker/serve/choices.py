@@ -122,7 +122,8 @@ def quantized_source(cfg: WorkerConfig, config, device, dtype):
     from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
 
     path = find_gguf(cfg.model)
-    if path is None or cfg.dequantize or cfg.load_format == "dummy":
+    mxfp4 = path is None and mxfp4_folder(cfg.model)
+    if (path is None and not mxfp4) or cfg.dequantize or cfg.load_format == "dummy":
         return None
     from kernels import cpu_native
 
@@ -134,9 +135,25 @@ def quantized_source(cfg: WorkerConfig, config, device, dtype):
         else ""
     )
     if why:
-        log.info("quantized_weights_off", gguf=str(path), reason=why)
+        log.info("quantized_weights_off", gguf=str(path or cfg.model), reason=why)
         return None
+    if mxfp4:
+        from worker.weights.loader import tensor_source
+        from worker.weights.mxfp4 import MXFP4Source
+
+        return MXFP4Source(tensor_source(cfg.model, cfg.load_format, config), config)
     return GGUFQuantSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
+
+
+def mxfp4_folder(model: str) -> bool:
+    """A Hugging Face folder whose experts ship as MXFP4 blocks (gpt-oss's checkpoints)."""
+    import json
+    from pathlib import Path
+
+    from worker.weights.mxfp4 import is_mxfp4
+
+    path = Path(model) / "config.json"
+    return path.is_file() and is_mxfp4(json.loads(path.read_text()))
 
 
 def half_weights(cfg: WorkerConfig, config, dtype):

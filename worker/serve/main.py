@@ -137,8 +137,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dequantize",
         action="store_true",
-        help="serve a quantized GGUF (or a folder prepared from one) dequantized to --dtype "
-        "instead of on its own blocks",
+        help="serve a quantized GGUF (or a folder prepared from one, or gpt-oss's MXFP4 "
+        "checkpoint) dequantized to --dtype instead of on its own blocks",
     )
     g.add_argument(
         "--quantized-prefill",

@@ -67,6 +67,9 @@ class SafetensorsSource(TensorSource):
             return self._file_of[name].get_tensor(name)
         return self._file_of[name].get_slice(name)[range_index(rows, cols)]
 
+    def shape(self, name: str) -> list[int]:
+        return self._file_of[name].get_slice(name).get_shape()
+
 
 class BareDecoderSource(TensorSource):
     """A decoder saved without its head (as embedding models ship), renamed as the model reads."""
@@ -164,6 +167,13 @@ class CheckpointReader:
             raise KeyError(f"weight {name} is missing from the checkpoint")
         self.loaded.add(name)
         return self.source.get(name, rows, cols).to(self.dtype)
+
+    def take_raw(self, name: str) -> torch.Tensor:
+        """A tensor as stored (MXFP4's uint8 blocks and scales), not cast."""
+        if name not in self.source:
+            raise KeyError(f"weight {name} is missing from the checkpoint")
+        self.loaded.add(name)
+        return self.source.get(name)
 
     def norm(self, name: str) -> torch.Tensor:
         """An RMSNorm weight as the model multiplies by it (Gemma's scales by 1 + weight)."""

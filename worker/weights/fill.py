@@ -266,7 +266,11 @@ def _load_gpt_oss_experts(model: LlamaModel, ck: CheckpointReader, moe: MoE, m: 
     experts = range(model.config.num_experts)
     moe.router.copy_(ck.take(m + "router.weight"))
     moe.router_bias.copy_(ck.take(m + "router.bias"))
-    if m + "experts.gate_up_proj" in ck:
+    if m + "experts.gate_up_proj_blocks" in ck:  # MXFP4 as it ships: served as blocks, or widened
+        bias = ck.take(m + "experts.gate_up_proj_bias")
+        gate_bias, up_bias = bias[:, 0::2], bias[:, 1::2]
+        _mxfp4_experts(ck, moe, m, (i0, i1))
+    elif m + "experts.gate_up_proj" in ck:
         bias = ck.take(m + "experts.gate_up_proj_bias")
         gate_bias, up_bias = bias[:, 0::2], bias[:, 1::2]
         if not ck.served(moe.gate_up, m + "experts.gate_up_proj", m + "experts.down_proj"):
@@ -296,6 +300,22 @@ def _load_gpt_oss_experts(model: LlamaModel, ck: CheckpointReader, moe: MoE, m: 
 
 
 PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def _mxfp4_experts(ck: CheckpointReader, moe: MoE, m: str, inter: tuple[int, int]) -> None:
+    """The checkpoint's MXFP4 experts: used as blocks where served, else dequantized (gate_up's
+    rows [E, 2I, hidden] alternate gate and up; down's [E, hidden, I])."""
+    from worker.weights.mxfp4 import dequantize
+
+    names = [
+        m + f"experts.{p}_{k}" for p in ("gate_up_proj", "down_proj") for k in ("blocks", "scales")
+    ]
+    if ck.served(moe.gate_up, *names):
+        return
+    i0, i1 = inter
+    both = dequantize(ck.take_raw(names[0]), ck.take_raw(names[1]))
+    moe.gate_up.copy_(torch.cat([both[:, 0::2][:, i0:i1], both[:, 1::2][:, i0:i1]], dim=1))
+    moe.down.copy_(dequantize(ck.take_raw(names[2]), ck.take_raw(names[3]))[:, :, i0:i1])
 
 
 def _expert_blocks(c, sh, quant, m: str):
