@@ -26,9 +26,6 @@ def read_quantized(
     from worker.model.quant_weights import QuantWeight
 
     c, sh = model.config, model.shard
-    hd = c.head_dim
-    q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
-    kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
 
     def quant(parts, cols=None, rows_to=None, packed=True):
         """rows_to: zero blocks padding the short last vocabulary shard."""
@@ -50,15 +47,7 @@ def read_quantized(
         if layer.linear is not None:
             plan.update(_delta_net_blocks(c, sh, quant, f"model.layers.{i}.linear_attn."))
         else:
-            kv = [(a + "k_proj.weight", kv_rows), (a + "v_proj.weight", kv_rows)]
-            query = [(a + "q_proj.weight", q_rows)]
-            gates = []
-            if c.attn_output_gate:  # q_proj holds each head's query, then its gate: gates go last
-                heads = range(sh.q_heads[0], sh.q_heads[1])
-                query = [(a + "q_proj.weight", (2 * h * hd, (2 * h + 1) * hd)) for h in heads]
-                gates = [(a + "q_proj.weight", ((2 * h + 1) * hd, (2 * h + 2) * hd)) for h in heads]
-            plan["qkv"] = quant(query + kv + gates)
-            plan["o_proj"] = quant([(a + "o_proj.weight", None)], cols=q_rows)
+            plan.update(_attention_blocks(c, sh, quant, a))
         # experts on their blocks where the file's types are served; a shared expert as a dense MLP
         if layer.moe is not None:
             experts = _expert_blocks(c, sh, quant, m)
@@ -316,6 +305,24 @@ def _mxfp4_experts(ck: CheckpointReader, moe: MoE, m: str, inter: tuple[int, int
     both = dequantize(ck.take_raw(names[0]), ck.take_raw(names[1]))
     moe.gate_up.copy_(torch.cat([both[:, 0::2][:, i0:i1], both[:, 1::2][:, i0:i1]], dim=1))
     moe.down.copy_(dequantize(ck.take_raw(names[2]), ck.take_raw(names[3]))[:, :, i0:i1])
+
+
+def _attention_blocks(c, sh, quant, a: str) -> dict:
+    """This rank's q, k, v heads stacked as qkv (a gated query's gates last), o_proj's columns."""
+    hd = c.head_dim
+    q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
+    kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
+    kv = [(a + "k_proj.weight", kv_rows), (a + "v_proj.weight", kv_rows)]
+    query = [(a + "q_proj.weight", q_rows)]
+    gates = []
+    if c.attn_output_gate:  # q_proj holds each head's query, then its gate: gates go last
+        heads = range(sh.q_heads[0], sh.q_heads[1])
+        query = [(a + "q_proj.weight", (2 * h * hd, (2 * h + 1) * hd)) for h in heads]
+        gates = [(a + "q_proj.weight", ((2 * h + 1) * hd, (2 * h + 2) * hd)) for h in heads]
+    return {
+        "qkv": quant(query + kv + gates),
+        "o_proj": quant([(a + "o_proj.weight", None)], cols=q_rows),
+    }
 
 
 def _expert_blocks(c, sh, quant, m: str):
