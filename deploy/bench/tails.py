@@ -64,7 +64,11 @@ def llama_stream(base_url: str):
         with httpx.stream("POST", base_url + "/completion", json=body, timeout=3600) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data:"):
-                    times += [time.perf_counter()] * len(json.loads(line[5:]).get("tokens") or ())
+                    chunk = json.loads(line[5:])
+                    # llama.cpp's server lists each chunk's tokens; ik_llama.cpp's sends a chunk a
+                    # token without the list
+                    n = len(chunk.get("tokens") or ()) or int(bool(chunk.get("content")))
+                    times += [time.perf_counter()] * n
 
     return ask
 
