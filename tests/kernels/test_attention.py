@@ -242,6 +242,18 @@ def _brute_force(c, window: int, softcap: float = 0.0, sinks=None) -> torch.Tens
     return out.to(c.q.dtype)
 
 
+def assert_backend_gives(backend_name, c, want, window, softcap=0.0, sinks=None) -> None:
+    """The backend over the case's step (decodes and chunks together) equals `want`."""
+    backend = make_backend(backend_name, torch.device("cpu"))
+    q_lens = (c.query_start_loc[1:] - c.query_start_loc[:-1]).tolist()
+    meta = backend.prepare(
+        c.block_tables, c.seq_lens, c.query_start_loc, c.k_cache.shape[1],
+        int(c.seq_lens.max()), max(q_lens),
+    )  # fmt: skip
+    out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window, softcap, sinks)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+
+
 def _poison_out_of_window(c, window: int) -> None:
     """NaN into every key and value no query of its sequence may see: a kernel that read one would
     say so.
@@ -299,12 +311,7 @@ def test_soft_capped_scores_equal_brute_force(backend_name, window):
     torch.testing.assert_close(
         paged_attention(*c.args, window=window, softcap=cap), want, atol=1e-5, rtol=1e-5
     )
-    backend = make_backend(backend_name, torch.device("cpu"))
-    meta = backend.prepare(
-        c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens)
-    )
-    out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window, cap)
-    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    assert_backend_gives(backend_name, c, want, window, cap)
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu", "triton"])
@@ -324,12 +331,7 @@ def test_attention_sinks_take_their_share_of_every_softmax(backend_name, window)
     torch.testing.assert_close(
         paged_attention(*c.args, window=window, sinks=sinks), want, atol=1e-5, rtol=1e-5
     )
-    backend = make_backend(backend_name, torch.device("cpu"))
-    meta = backend.prepare(
-        c.block_tables, c.seq_lens, c.query_start_loc, block_size, max(seq_lens), max(q_lens)
-    )
-    out = backend.forward(c.q, c.k_cache, c.v_cache, meta, c.scale, window, 0.0, sinks)
-    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+    assert_backend_gives(backend_name, c, want, window, 0.0, sinks)
 
 
 @pytest.mark.parametrize("bf16_dots", [False, True])

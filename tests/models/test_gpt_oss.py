@@ -25,25 +25,26 @@ SHAPE = dict(
 )
 
 
+# blocks of 4 in a pool of 384 tokens, as the family tests serve them
+FLAGS = (
+    "--block-size",
+    "4",
+    "--num-blocks",
+    "96",
+    "--max-model-len",
+    "128",
+    "--metrics-port",
+    "-1",
+)
+
+
 @pytest.fixture(scope="module")
 def gguf_folder(tmp_path_factory):
     return make_tiny_gpt_oss_gguf(tmp_path_factory.mktemp("gpt-oss-gguf"), seed=3, **SHAPE)
 
 
 def test_an_mxfp4_gguf_is_served_on_its_blocks_as_transformers_answers(gguf_folder, server_factory):
-    server = server_factory(
-        gguf_folder,
-        "--block-size",
-        "4",
-        "--num-blocks",
-        "96",
-        "--max-num-batched-tokens",
-        "16",
-        "--max-model-len",
-        "128",
-        "--metrics-port",
-        "-1",
-    )
+    server = server_factory(gguf_folder, *FLAGS, "--max-num-batched-tokens", "16")
     try:
         log = server.log_path.read_text()
         line = next(x for x in log.splitlines() if '"quantized_weights"' in x)
@@ -79,9 +80,8 @@ def test_an_mxfp4_checkpoint_is_served_as_it_ships(tmp_path, server_factory):
         for i in range(2)
     ]
     want = {rid: hf_greedy(reference, prompt, n) for rid, prompt, n, _ in items}
-    flags = ("--block-size", "4", "--num-blocks", "96", "--max-model-len", "128")
     for extra in ((), ("--dequantize",)):
-        server = server_factory(served, *flags, "--metrics-port", "-1", *extra)
+        server = server_factory(served, *FLAGS, *extra)
         try:
             log = server.log_path.read_text()
             if not extra:
