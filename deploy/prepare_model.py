@@ -21,12 +21,7 @@ from pathlib import Path
 
 from protos.base import ConfigError, env
 from protos.base.argtypes import Parser
-from worker.weights.gguf_header import (
-    HYBRID_ARCHS,
-    GGUFHeader,
-    find_embedded_gguf,
-    hybrid_config,
-)
+from worker.weights.gguf_header import HEADER_CONFIGS, GGUFHeader, find_embedded_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -52,13 +47,16 @@ def prepare(gguf_path: Path, out: Path, model_name: str, dense: bool = True) -> 
     """The folder for gguf_path; dense: the weights dequantized into
     fp32 safetensors beside it too.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     header = GGUFHeader(gguf_path)
-    if header.arch in HYBRID_ARCHS:  # transformers reads no qwen35 config: its header is read here
-        (out / "config.json").write_text(json.dumps(hybrid_config(header), indent=2))
+    # where transformers cannot read the config, the tokenizer is read without it
+    reader = PreTrainedTokenizerFast if header.arch in HEADER_CONFIGS else AutoTokenizer
+    tokenizer = reader.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if header.arch in HEADER_CONFIGS:
+        config = HEADER_CONFIGS[header.arch](header)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
     else:
         _write_config(gguf_path, out, dense)
     tokenizer.save_pretrained(str(out))

@@ -94,3 +94,27 @@ def test_an_mxfp4_checkpoint_is_served_as_it_ships(tmp_path, server_factory):
             assert_all_blocks_back(server)
         finally:
             server.stop()
+
+
+def test_a_gpt_oss_files_header_gives_the_models_config(gguf_folder):
+    """transformers' GGUF reader fails on gpt-oss's rope-scaling keys; the header is read here, as
+    llama.cpp's converter writes it, into the config the checkpoint has (YaRN truncated as llama.cpp
+    rotates).
+    """
+    from worker.model.config import ModelConfig
+    from worker.weights.gguf_header import GGUFHeader, gpt_oss_config
+
+    header = GGUFHeader(gguf_folder / "tiny.MXFP4_MOE.gguf")
+    got = ModelConfig.from_dict(gpt_oss_config(header))
+    want = ModelConfig.from_folder(gguf_folder)
+    assert got.layer_windows == want.layer_windows == (16, 0, 16, 0)
+    assert (got.num_experts, got.experts_per_token, got.moe_intermediate_size) == (8, 2, 32)
+    assert (got.head_dim, got.attn_sinks, got.swiglu_limit, got.swiglu_alpha) == (
+        16,
+        True,
+        7.0,
+        1.702,
+    )
+    assert got.rope_scaling["rope_type"] == "yarn" and got.rope_scaling["factor"] == 32.0
+    assert got.rope_attention_factor() == want.rope_attention_factor()
+    assert got.tie_word_embeddings is False

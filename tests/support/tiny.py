@@ -362,6 +362,7 @@ def make_tiny_gpt_oss_gguf(folder: Path, seed: int = 0, **overrides) -> Path:
     """
     import json
 
+    import gguf
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType as T
@@ -387,6 +388,13 @@ def make_tiny_gpt_oss_gguf(folder: Path, seed: int = 0, **overrides) -> Path:
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
     writer.add_sliding_window(cfg["sliding_window"])
     writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+    rope = cfg["rope_parameters"]  # as llama.cpp's converter writes YaRN
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
 
     def blocks(w: np.ndarray, kind) -> tuple[np.ndarray, np.ndarray]:
         q = quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)

@@ -325,6 +325,52 @@ def hybrid_config(file: GGUFHeader) -> dict:
     return cfg
 
 
+def gpt_oss_config(file: GGUFHeader) -> dict:
+    """The Hugging Face config.json of a gpt-oss file, from its header (transformers' GGUF reader
+    fails on its rope-scaling keys). YaRN as llama.cpp rotates, every other layer sliding from the
+    first, its SwiGLU's limit and alpha as llama.cpp fixes them.
+    """
+    f, a = file.fields, file.arch
+    layers = int(f[f"{a}.block_count"])
+    rope = {"rope_type": "default", "rope_theta": float(f.get(f"{a}.rope.freq_base", 10000.0))}
+    if f.get(f"{a}.rope.scaling.type") == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=float(f[f"{a}.rope.scaling.factor"]),
+            beta_fast=float(f.get(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(f.get(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+            original_max_position_embeddings=int(f[f"{a}.rope.scaling.original_context_length"]),
+        )
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": int(file.tensors["token_embd.weight"].shape[1]),
+        "hidden_size": int(f[f"{a}.embedding_length"]),
+        "num_hidden_layers": layers,
+        "num_attention_heads": int(f[f"{a}.attention.head_count"]),
+        "num_key_value_heads": int(f[f"{a}.attention.head_count_kv"]),
+        "head_dim": int(f[f"{a}.attention.key_length"]),
+        "intermediate_size": int(f[f"{a}.expert_feed_forward_length"]),
+        "num_local_experts": int(f[f"{a}.expert_count"]),
+        "num_experts_per_tok": int(f[f"{a}.expert_used_count"]),
+        "rms_norm_eps": float(f[f"{a}.attention.layer_norm_rms_epsilon"]),
+        "max_position_embeddings": int(f[f"{a}.context_length"]),
+        "sliding_window": int(f[f"{a}.attention.sliding_window"]),
+        "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ],
+        "rope_parameters": rope,
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "swiglu_alpha": 1.702,
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+    }
+
+
+# transformers reads none of these files' configs: this module does, from their headers
+HEADER_CONFIGS = {"qwen35": hybrid_config, "qwen35moe": hybrid_config, "gpt-oss": gpt_oss_config}
+
+
 def reads_natively(path: str | Path) -> bool:
     """Whether weights load from the file itself, with no dequantized copy prepared."""
     return hf_names(GGUFHeader(path)) is not None
