@@ -133,11 +133,16 @@ def _prepared_folder(path: Path) -> str:
 
     from worker.weights.gguf_header import SERVED_ARCHS, GGUFHeader
 
-    arch = GGUFHeader(path).arch
+    header = GGUFHeader(path)
+    arch = header.arch
     if arch not in SERVED_ARCHS:
         raise ConfigError(
             f"{path.name} is a GGUF of architecture {arch!r}, which pagedserve does not serve "
             f"(it serves {', '.join(SERVED_ARCHS)})"
+        )
+    if "tokenizer.ggml.model" not in header.fields:
+        raise ConfigError(
+            f"{path.name} holds no tokenizer (tokenizer.ggml.model): nothing to serve"
         )
     stat = path.resolve().stat()
     key = hashlib.sha256(

@@ -43,7 +43,7 @@ _Static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockMXFP4) == 17, "ggml's bloc
 static const float MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* An E8M0 scale, halved (ggml's ggml_e8m0_to_fp32_half): 2^(e - 128), subnormal below e = 2. */
-static inline float e8m0_half(uint8_t e) {
+static inline float e8m0_scale(uint8_t e) {
     const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
     float f;
     memcpy(&f, &bits, 4);
@@ -112,7 +112,7 @@ static inline void dequant_block(int type, const uint8_t *b, float *out) {
         return;
     }
     if (type == MXFP4) { /* value j is qs[j]'s low nibble, value j + 16 its high one, as Q4_0 */
-        const float d = e8m0_half(((const BlockMXFP4 *)b)->e);
+        const float d = e8m0_scale(((const BlockMXFP4 *)b)->e);
         const uint8_t *q = ((const BlockMXFP4 *)b)->qs;
         for (int j = 0; j < QK / 2; j++) {
             out[j] = d * MXFP4_VALUES[q[j] & 0x0f];
@@ -241,7 +241,7 @@ static inline void dequant_block_512(int type, const uint8_t *b, __m512 *lo, __m
         return;
     }
     if (type == MXFP4) { /* the block's 16 values as one vector, each nibble an index (as Q4_0 below) */
-        const __m512 table = _mm512_mul_ps(_mm512_set1_ps(e8m0_half(((const BlockMXFP4 *)b)->e)),
+        const __m512 table = _mm512_mul_ps(_mm512_set1_ps(e8m0_scale(((const BlockMXFP4 *)b)->e)),
                                            _mm512_loadu_ps(MXFP4_VALUES));
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const BlockMXFP4 *)b)->qs));
         *lo = _mm512_permutexvar_ps(q, table);

@@ -85,7 +85,8 @@ def bad_models(tmp):
     (tmp / "plain.txt").write_text("hello")
     truncated = tmp / "truncated.gguf"
     truncated.write_bytes(find_embedded_gguf().read_bytes()[:1_000_000])
-    write_gguf(tmp / "gpt-oss-20b.gguf", "gpt-oss")
+    write_gguf(tmp / "olmo-2.gguf", "olmo2")
+    write_gguf(tmp / "gpt-oss-20b.gguf", "gpt-oss")  # served, but this one has no tokenizer
     (tmp / "bad-config").mkdir()
     (tmp / "bad-config" / "config.json").write_text("{not json")
     (tmp / "bad-config" / "tokenizer.json").write_text("{}")
@@ -95,10 +96,8 @@ def bad_models(tmp):
         (tmp / "plain.txt", "is a file but not a .gguf one"),
         (tmp / "missing.gguf", "no such GGUF file"),
         (truncated, "the GGUF file is truncated or corrupt"),
-        (
-            tmp / "gpt-oss-20b.gguf",
-            "a GGUF of architecture 'gpt-oss', which pagedserve does not serve",
-        ),
+        (tmp / "olmo-2.gguf", "a GGUF of architecture 'olmo2', which pagedserve does not serve"),
+        (tmp / "gpt-oss-20b.gguf", "holds no tokenizer (tokenizer.ggml.model)"),
         (tmp / "bad-config", "config.json cannot be read"),
     ]
 

@@ -75,9 +75,10 @@ def test_the_binding_reads_each_signature_from_the_header():
     protos = cpu_native.prototypes((cpu_build.SOURCE_DIR / "pagedserve.h").read_text())
     assert set(protos) == _defined_entry_points()
     restype, args = protos["pagedserve_paged_decode"]
-    assert restype is None and len(args) == 17
+    assert restype is None and len(args) == 18
     assert args[:8] == [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p]
     assert args[13] is ctypes.c_float and args[-1] is ctypes.c_int32
+    assert args[16] is ctypes.c_void_p  # the sinks (gpt-oss), NULL for every other model
     assert protos["pagedserve_decode_step_scratch"][0] is ctypes.c_int64
     assert protos["pagedserve_native_isa"] == (ctypes.c_int, [])
 
