@@ -140,9 +140,10 @@ def _prepared_folder(path: Path) -> str:
             f"{path.name} is a GGUF of architecture {arch!r}, which pagedserve does not serve "
             f"(it serves {', '.join(SERVED_ARCHS)})"
         )
-    if "tokenizer.ggml.model" not in header.fields:
+    beside = (path.parent / "tokenizer.json").is_file()  # a tokenizer folder around the file
+    if "tokenizer.ggml.model" not in header.fields and not beside:
         raise ConfigError(
-            f"{path.name} holds no tokenizer (tokenizer.ggml.model): nothing to serve"
+            f"{path.name} holds no tokenizer (tokenizer.ggml.model), and none is beside it"
         )
     stat = path.resolve().stat()
     key = hashlib.sha256(
