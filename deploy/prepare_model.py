@@ -56,6 +56,7 @@ def prepare(gguf_path: Path, out: Path, model_name: str, dense: bool = True) -> 
     tokenizer = reader.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if header.arch in HEADER_CONFIGS:
         config = HEADER_CONFIGS[header.arch](header)
+        config["eos_token_id"] = _end_tokens(header, tokenizer)
         (out / "config.json").write_text(json.dumps(config, indent=2))
     else:
         _write_config(gguf_path, out, dense)
@@ -76,6 +77,23 @@ def prepare(gguf_path: Path, out: Path, model_name: str, dense: bool = True) -> 
         )
     )
     return out
+
+
+def _end_tokens(header, tokenizer) -> list[int]:
+    """What ends an answer: the header's end-of-sequence, -turn and -message tokens (else the
+    tokenizer's), and harmony's <|return|> and <|call|> where the vocabulary has them.
+    """
+    keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    ids = [
+        int(header.fields[f"tokenizer.ggml.{k}"])
+        for k in keys
+        if f"tokenizer.ggml.{k}" in header.fields
+    ]
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[t] for t in ("<|return|>", "<|call|>") if t in vocab]
+    return list(dict.fromkeys(ids))
 
 
 def _write_config(gguf_path: Path, out: Path, dense: bool) -> None:

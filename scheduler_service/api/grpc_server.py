@@ -19,11 +19,7 @@ from scheduler_service.api.lora import (
     loaded,
     unload_adapter,
 )
-from scheduler_service.api.reasoning import (
-    ReasoningSplit,
-    prompt_opens_thinking,
-    template_thinks,
-)
+from scheduler_service.api.reasoning import AnswerSplit, Formats
 from scheduler_service.api.rpc import (
     CLIENT_ERRORS,
     ApiKeyInterceptor,
@@ -32,6 +28,7 @@ from scheduler_service.api.rpc import (
     reject,
     tolerant,
 )
+from scheduler_service.api.tool_calls import new_call_id
 from scheduler_service.api.validation import InvalidRequest
 from scheduler_service.core.adapters import AdapterError
 from scheduler_service.core.sequence import FinishReason
@@ -82,24 +79,27 @@ def _logprobs(items, text: TokenTable) -> list[generation_pb2.TokenLogprob]:
     ]
 
 
+def _tool_calls(calls: list[tuple[str, str]]) -> list[generation_pb2.ToolCall]:
+    return [
+        generation_pb2.ToolCall(id=new_call_id(), type="function", name=name, arguments=arguments)
+        for name, arguments in calls
+    ]
+
+
 class GenerationServicer:
     def __init__(self, engine: Engine, expose_request_ids: bool = False) -> None:
         self.engine = engine
         self.expose_request_ids = expose_request_ids
         self.token_text = TokenTable(engine.tokenizer)
-        self.thinks = template_thinks(engine.tokenizer.chat_template)
+        self.formats = Formats(engine.tokenizer)
 
     async def _request(self, msg: generation_pb2.GenerateRequest):
-        return await prepare_request(self.engine, msg)
-
-    def _reasoning(self, msg, request) -> ReasoningSplit | None:
-        """A chat request on a template that thinks: its <think> block goes to reasoning_text."""
-        if not (self.thinks and msg.messages):
-            return None
-        tail = self.engine.tokenizer.decode(
-            request.prompt_token_ids[-8:], skip_special_tokens=False
-        )
-        return ReasoningSplit(prompt_opens_thinking(tail))
+        """The request, and its answers' split (reasoning, harmony's calls) where it is a chat's."""
+        if isinstance(msg, generation_pb2.GenerateRequest):
+            self.formats.keep_markers(msg)
+        request = await prepare_request(self.engine, msg)
+        fmt = self.formats.of(msg, request)
+        return request, AnswerSplit(fmt) if fmt.reasons else None
 
     def handlers(self) -> grpc.GenericRpcHandler:
         pb = generation_pb2
@@ -157,8 +157,7 @@ class GenerationServicer:
 
     async def Generate(self, msg, context):
         try:
-            request = await self._request(msg)
-            split = self._reasoning(msg, request)
+            request, split = await self._request(msg)
             choices = {}
             usage = None
             prompt_logprobs = []
@@ -169,9 +168,10 @@ class GenerationServicer:
                     c.text += delta.text
                 else:
                     last = delta.finish_reason is not None
-                    reasoning, content = split.add(delta.index, delta.text, last)
+                    reasoning, content, calls = split.add(delta.index, delta.text, last)
                     c.reasoning_text += reasoning
                     c.text += content
+                    c.tool_calls.extend(_tool_calls(calls))
                 if delta.logprobs:
                     c.logprobs.extend(_logprobs(delta.logprobs, self.token_text))
                 if delta.prompt_logprobs:
@@ -193,8 +193,7 @@ class GenerationServicer:
 
     async def GenerateStream(self, msg, context):
         try:
-            request = await self._request(msg)
-            split = self._reasoning(msg, request)
+            request, split = await self._request(msg)
             async for delta in self.engine.generate(request):
                 out = generation_pb2.GenerateStreamResponse(
                     request_id=request.request_id,
@@ -204,7 +203,8 @@ class GenerationServicer:
                 )
                 if split is not None:
                     last = delta.finish_reason is not None
-                    out.reasoning_text, out.text = split.add(delta.index, delta.text, last)
+                    out.reasoning_text, out.text, calls = split.add(delta.index, delta.text, last)
+                    out.tool_calls.extend(_tool_calls(calls))
                 if delta.logprobs:
                     out.logprobs.extend(_logprobs(delta.logprobs, self.token_text))
                 if delta.prompt_logprobs:

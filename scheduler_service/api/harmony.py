@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
-MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
+ENDS = (END, RETURN, CALL, "<|endoftext|>")  # a message's end (the last, the tokenizer's own)
+MARKERS = (START, MESSAGE, CHANNEL, CONSTRAIN, *ENDS)
 SPLIT = re.compile("(" + "|".join(re.escape(m) for m in MARKERS) + ")")
 LONGEST = max(map(len, MARKERS))
 
@@ -75,7 +76,7 @@ class HarmonyStream:
                 continue
             if self._in_body:
                 msg = self.messages[-1]
-                if piece in (END, RETURN, CALL):
+                if piece in ENDS:
                     msg.done, self._in_body = True, False
                 elif piece == START:  # a body cut short by the next message's header
                     msg.done, self._in_body, self._header = True, False, []
@@ -87,7 +88,7 @@ class HarmonyStream:
                 self._header, self._in_body = [], True
             elif piece == START:
                 self._header = []
-            elif piece not in (END, RETURN, CALL):
+            elif piece not in ENDS:
                 self._header.append(piece)
         return out
 

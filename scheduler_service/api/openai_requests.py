@@ -128,7 +128,7 @@ def _structured(body: SamplingFields, s: generation_pb2.SamplingParams) -> None:
         s.regex = choice_regex(value)
 
 
-def _has_constraint(s: generation_pb2.SamplingParams) -> bool:
+def constrained(s: generation_pb2.SamplingParams) -> bool:
     return bool(s.json_schema or s.regex or s.grammar)
 
 
@@ -202,7 +202,7 @@ def _response_format(body: ChatCompletionRequest, s: generation_pb2.SamplingPara
     rf = body.response_format
     if rf is None or rf.type == "text":
         return
-    if _has_constraint(s):
+    if constrained(s):
         raise InvalidRequest("set response_format or a structured-output constraint, not both")
     if rf.type == "json_object":
         s.json_schema = '{"type": "object"}'
@@ -229,7 +229,7 @@ def _tools(
         choice = "auto"
     if choice in ("none", "auto"):
         return ToolMode(choice, parse_auto=choice == "auto" and template_parses_calls)
-    if _has_constraint(msg.sampling):
+    if constrained(msg.sampling):
         raise InvalidRequest(
             "tool_choice required or a named function decides the output's shape: it cannot "
             "be combined with response_format or a structured-output constraint"

@@ -7,7 +7,7 @@ import time
 
 from scheduler_service.api import tool_calls
 from scheduler_service.api.openai_requests import ToolMode
-from scheduler_service.api.reasoning import split_reasoning, streamed_regions
+from scheduler_service.api.reasoning import PLAIN, AnswerFormat, Reader
 from scheduler_service.core.sequence import FinishReason
 from scheduler_service.text.output import Delta, TokenLogprob
 from scheduler_service.text.tokenizer import TokenTable
@@ -96,13 +96,22 @@ class Sample:
 
 
 def chat_message(
-    sample: Sample, mode: ToolMode, thinks: bool = False, opened: bool = False
+    sample: Sample, mode: ToolMode, fmt: AnswerFormat = PLAIN
 ) -> tuple[dict, str | None]:
-    """The message and finish reason: <think> into reasoning_content, tool calls parsed by mode."""
-    reasoning, text = split_reasoning(sample.text, thinks, opened)
-    message, finish = _answer(sample, text, mode)
-    if thinks:
-        message["reasoning_content"] = reasoning
+    """The message and finish reason: reasoning into reasoning_content, tool calls parsed by mode
+    (a harmony answer's from its commentary channel).
+    """
+    split = fmt.split(sample.text)
+    if split.calls is None:
+        message, finish = _answer(sample, split.content, mode)
+    else:
+        calls = [tool_calls.call(name, arguments) for name, arguments in split.calls]
+        message = {"role": "assistant", "content": split.content or (None if calls else "")}
+        finish = FINISH[sample.finish_reason]
+        if calls:
+            message["tool_calls"], finish = calls, "tool_calls"
+    if fmt.reasons:
+        message["reasoning_content"] = split.reasoning
     return message, finish
 
 
@@ -136,13 +145,12 @@ def chat_completion(
     mode: ToolMode,
     usage: dict,
     token_text: TokenText | None,
-    thinking: tuple[bool, bool] = (False, False),
+    fmt: AnswerFormat = PLAIN,
 ) -> dict:
-    """thinking: (whether the template thinks, whether the prompt opened the block)."""
     choices = []
     for index in sorted(samples):
         s = samples[index]
-        message, finish = chat_message(s, mode, *thinking)
+        message, finish = chat_message(s, mode, fmt)
         logprobs = token_text.chat_logprobs(s.logprobs) if token_text is not None else None
         choices.append(
             {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
@@ -167,7 +175,7 @@ class ChatStream:
         mode: ToolMode,
         token_text: TokenText | None,
         usage_each_chunk: bool,
-        thinking: tuple[bool, bool] = (False, False),
+        fmt: AnswerFormat = PLAIN,
     ) -> None:
         self.head = {
             "id": request_id,
@@ -178,8 +186,9 @@ class ChatStream:
         self.mode = mode
         self.token_text = token_text
         self.usage_each_chunk = usage_each_chunk
-        self.thinking = thinking
+        self.format = fmt
         self.samples: dict[int, Sample] = {}
+        self.readers: dict[int, Reader] = {}
         # characters of each sample's content, and of its reasoning, already sent
         self.sent: dict[int, int] = {}
         self.sent_reasoning: dict[int, int] = {}
@@ -205,7 +214,7 @@ class ChatStream:
         )
         if d.finish_reason is not None:
             return self._last(d.index, s, logprobs, usage)
-        reasoning, rest = streamed_regions(s.text, *self.thinking)
+        reasoning, rest = self.readers.setdefault(d.index, self.format.reader()).add(d.text)
         delta = {}
         if reasoning := self._unsent(self.sent_reasoning, d.index, reasoning):
             delta["reasoning_content"] = reasoning
@@ -225,7 +234,7 @@ class ChatStream:
         return text[start:]
 
     def _streamable(self, index: int, text: str | None) -> str:
-        """Content past any <think> block that can go out now; None while unknown."""
+        """Content past any reasoning that can go out now (text None: not yet known)."""
         if text is None or self.mode.kind in ("required", "named"):
             return ""
         end = len(text)
@@ -235,16 +244,15 @@ class ChatStream:
         return self._unsent(self.sent, index, text[:end])
 
     def _last(self, index: int, s: Sample, logprobs: dict | None, usage: dict | None) -> bytes:
-        message, finish = chat_message(s, self.mode, *self.thinking)
+        message, finish = chat_message(s, self.mode, self.format)
         delta: dict = {}
         reasoning = self._unsent(self.sent_reasoning, index, message.get("reasoning_content") or "")
         if reasoning:
             delta["reasoning_content"] = reasoning
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-            rest = message["content"] or ""
-            sent = self.sent.get(index, 0)
-            if self.mode.parse_auto and len(rest) > sent:
+            rest = message["content"] or ""  # beside calls: auto's or harmony's content
+            if len(rest) > (sent := self.sent.get(index, 0)):
                 delta["content"] = rest[sent:]
         elif message["content"] is not None:
             delta["content"] = message["content"][self.sent.get(index, 0) :]

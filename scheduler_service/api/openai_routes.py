@@ -28,7 +28,7 @@ from scheduler_service.api.openai_schema import (
     EmbeddingRequest,
 )
 from scheduler_service.api.openai_service import ServiceRoutes
-from scheduler_service.api.reasoning import prompt_opens_thinking, template_thinks
+from scheduler_service.api.reasoning import AnswerFormat, Formats
 from scheduler_service.api.rpc import bearer_matches, prepare_request
 from scheduler_service.api.streams import merged, unless_disconnected
 from scheduler_service.api.tool_calls import template_writes_tool_calls
@@ -54,7 +54,7 @@ class OpenAIServer(ServiceRoutes):
         self.api_key = api_key
         self.defaults = engine.spec.sampling_defaults
         self.parse_auto_tools = template_writes_tool_calls(engine.tokenizer.chat_template)
-        self.thinks = template_thinks(engine.tokenizer.chat_template)
+        self.formats = Formats(engine.tokenizer)
         self.token_text = out.TokenText(engine.tokenizer)
         self.agents = AgentRoutes(self)
         routes = self.agents.routes + [
@@ -137,16 +137,13 @@ class OpenAIServer(ServiceRoutes):
         async def handler(rid: str):
             body = await read_body(request, ChatCompletionRequest)
             model = self.resolve_model(body.model)
-            msg, mode = to_engine.chat_request(body, self.defaults, self.parse_auto_tools)
-            msg.request_id, msg.lora = rid, self.lora_of(model)
-            prepared = await prepare_request(self.engine, msg)
+            prepared, mode, fmt = await self.prepare_chat(body, rid, model)
             token_text = self.token_text if body.logprobs else None
-            thinking = self.thinking(prepared)
             if body.stream:
-                return self._chat_stream(body, model, prepared, mode, token_text, thinking)
+                return self._chat_stream(body, model, prepared, mode, token_text, fmt)
             samples, usage = await unless_disconnected(request, self.collect([prepared]))
             answer = out.chat_completion(
-                prepared.request_id, model, samples, mode, usage, token_text, thinking
+                prepared.request_id, model, samples, mode, usage, token_text, fmt
             )
             if body.prompt_logprobs is not None:
                 table, prompt = self.token_text, samples[0].prompt_logprobs
@@ -155,12 +152,15 @@ class OpenAIServer(ServiceRoutes):
 
         return await self.guarded(request, handler, "chatcmpl")
 
-    def thinking(self, prepared) -> tuple[bool, bool]:
-        """Whether the template thinks in <think> blocks, and whether this prompt opened one."""
-        tail = self.engine.tokenizer.decode(
-            prepared.prompt_token_ids[-8:], skip_special_tokens=False
-        )
-        return self.thinks, self.thinks and prompt_opens_thinking(tail)
+    async def prepare_chat(self, body, rid: str, model: str) -> tuple:
+        """A chat body made a request, validated, templated and tokenized: (prepared, tool mode,
+        the answer's format).
+        """
+        msg, mode = to_engine.chat_request(body, self.defaults, self.parse_auto_tools)
+        msg.request_id, msg.lora = rid, self.lora_of(model)
+        self.formats.keep_markers(msg)
+        prepared = await prepare_request(self.engine, msg)
+        return prepared, mode, self.formats.of(msg, prepared)
 
     async def collect(self, requests: list) -> tuple[dict[int, out.Sample], dict]:
         """Every request's samples (request i * n + sample) and the summed usage."""
@@ -184,14 +184,18 @@ class OpenAIServer(ServiceRoutes):
         return samples, out.usage_body(prompt, completion, cached)
 
     def _chat_stream(
-        self, body: ChatCompletionRequest, model: str, prepared, mode, token_text, thinking
+        self,
+        body: ChatCompletionRequest,
+        model: str,
+        prepared,
+        mode,
+        token_text,
+        fmt: AnswerFormat,
     ) -> Response:
         options = body.stream_options
         include_usage = bool(options and (options.include_usage or options.continuous_usage_stats))
         continuous = bool(options and options.continuous_usage_stats)
-        stream = out.ChatStream(
-            prepared.request_id, model, mode, token_text, include_usage, thinking
-        )
+        stream = out.ChatStream(prepared.request_id, model, mode, token_text, include_usage, fmt)
         prompt_len = prepared.prompt_len
 
         async def chunks() -> AsyncIterator[bytes]:

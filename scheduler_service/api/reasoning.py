@@ -1,9 +1,14 @@
-"""Reasoning models' <think> blocks (Qwen3 and Qwen3.5, SmolLM3, DeepSeek-R1): whether a chat
-template thinks, whether a prompt opened the block for the model, and an answer cut into its
-reasoning and the rest, whole or while it streams.
+"""How a chat answer reads: reasoning models' <think> blocks (Qwen3 and Qwen3.5, SmolLM3,
+DeepSeek-R1; a prompt may open the block) or gpt-oss's harmony channels, cut into reasoning,
+content and (harmony's) tool calls, whole or while it streams.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_service.api.harmony import CHANNEL, HarmonyStream, parse_answer
+from scheduler_service.api.openai_requests import constrained
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -55,21 +60,118 @@ def partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-class ReasoningSplit:
-    """Streamed text cut into reasoning and content as each becomes certain."""
+def template_speaks_harmony(chat_template: str | None) -> bool:
+    """gpt-oss's templates write each message's channel: answers come back in harmony."""
+    return bool(chat_template) and CHANNEL in chat_template
 
-    def __init__(self, opened: bool) -> None:
-        self.opened = opened
-        self.text: dict[int, str] = {}
+
+@dataclass
+class Split:
+    """A whole answer read: reasoning (None where it did not reason), content, and a harmony
+    answer's tool calls as (name, arguments) (None where the format leaves calls in content).
+    """
+
+    reasoning: str | None
+    content: str
+    calls: list[tuple[str, str]] | None = None
+
+
+class AnswerFormat:
+    """How one chat request's answer reads: plain, <think> blocks (opened: by the prompt), or
+    harmony's channels.
+    """
+
+    def __init__(self, thinks: bool = False, opened: bool = False, harmony: bool = False) -> None:
+        self.thinks, self.opened, self.harmony = thinks, opened, harmony
+
+    @property
+    def reasons(self) -> bool:
+        """Whether answers say a reasoning_content (None where one did not reason)."""
+        return self.thinks or self.harmony
+
+    def split(self, text: str) -> Split:
+        if self.harmony:
+            answer = parse_answer(text)
+            return Split(answer.reasoning, answer.content, answer.tool_calls)
+        return Split(*split_reasoning(text, self.thinks, self.opened))
+
+    def reader(self) -> Reader:
+        return Reader(self)
+
+
+PLAIN = AnswerFormat()
+
+
+class Reader:
+    """One sample's answer as it streams: its (reasoning, content) so far, each cut back to what is
+    certain; content None while it is not yet known where the answer starts.
+    """
+
+    def __init__(self, fmt: AnswerFormat) -> None:
+        self.fmt = fmt
+        self.text = ""
+        self.harmony = HarmonyStream() if fmt.harmony else None
+        self.reasoning = self.content = ""
+
+    def add(self, piece: str) -> tuple[str, str | None]:
+        self.text += piece
+        if self.harmony is None:
+            return streamed_regions(self.text, self.fmt.thinks, self.fmt.opened)
+        for message, new in self.harmony.feed(piece):
+            if message.kind == "reasoning":
+                self.reasoning += new
+            elif message.kind == "content":
+                self.content += new
+        return self.reasoning, self.content
+
+
+class Formats:
+    """A served chat template's way of answering, and each chat request's AnswerFormat from it."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.thinks = template_thinks(tokenizer.chat_template)
+        self.harmony = template_speaks_harmony(tokenizer.chat_template)
+
+    def _speaks_harmony(self, msg) -> bool:
+        """Harmony's chat requests but those a grammar constrains (their output is read plain)."""
+        return self.harmony and bool(msg.messages) and not constrained(msg.sampling)
+
+    def keep_markers(self, msg) -> None:
+        """Before the request is made: harmony's markers are special tokens its text must keep."""
+        if self._speaks_harmony(msg):
+            msg.sampling.skip_special_tokens = False
+
+    def of(self, msg, prepared) -> AnswerFormat:
+        """The format of msg's answer (prepared: msg made a request, whose prompt may open
+        <think>).
+        """
+        if self._speaks_harmony(msg):
+            return AnswerFormat(harmony=True)
+        if not (self.thinks and msg.messages):
+            return PLAIN
+        tail = self.tokenizer.decode(prepared.prompt_token_ids[-8:], skip_special_tokens=False)
+        return AnswerFormat(True, prompt_opens_thinking(tail))
+
+
+class AnswerSplit:
+    """Each sample's streamed text as new reasoning and new content once each is certain; a
+    sample's last piece brings the rest and a harmony answer's calls.
+    """
+
+    def __init__(self, fmt: AnswerFormat) -> None:
+        self.fmt = fmt
+        self.readers: dict[int, Reader] = {}
         self.sent: dict[int, tuple[int, int]] = {}
 
-    def add(self, index: int, piece: str, last: bool) -> tuple[str, str]:
-        text = self.text[index] = self.text.get(index, "") + piece
+    def add(self, index: int, piece: str, last: bool) -> tuple[str, str, list[tuple[str, str]]]:
+        reader = self.readers.setdefault(index, self.fmt.reader())
+        reasoning, content = reader.add(piece)
+        calls: list[tuple[str, str]] = []
         if last:
-            reasoning, rest = split_reasoning(text, True, self.opened)
-        else:
-            reasoning, rest = streamed_regions(text, True, self.opened)
-        reasoning, rest = reasoning or "", rest or ""
+            whole = self.fmt.split(reader.text)
+            reasoning, content, calls = whole.reasoning, whole.content, whole.calls or []
+        reasoning, content = reasoning or "", content or ""
         sent_r, sent_c = self.sent.get(index, (0, 0))
-        self.sent[index] = (max(sent_r, len(reasoning)), max(sent_c, len(rest)))
-        return reasoning[sent_r:], rest[sent_c:]
+        self.sent[index] = (max(sent_r, len(reasoning)), max(sent_c, len(content)))
+        return reasoning[sent_r:], content[sent_c:], calls

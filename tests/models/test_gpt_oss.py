@@ -118,3 +118,23 @@ def test_a_gpt_oss_files_header_gives_the_models_config(gguf_folder):
     assert got.rope_scaling["rope_type"] == "yarn" and got.rope_scaling["factor"] == 32.0
     assert got.rope_attention_factor() == want.rope_attention_factor()
     assert got.tie_word_embeddings is False
+
+
+def test_a_gpt_oss_file_ends_its_answers_on_return_and_call(gguf_folder, tmp_path):
+    """Prepared from its GGUF with a harmony tokenizer beside it: the config's end tokens are the
+    tokenizer's end of sequence and harmony's <|return|> and <|call|> (a tool call ends the turn),
+    as llama.cpp ends on them; without them an answer would run on to max_tokens.
+    """
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from deploy.prepare_model import prepare
+    from tests.support.scripted import make_harmony_tokenizer
+
+    folder = make_harmony_tokenizer(tmp_path / "file", vocab_size=384)
+    shutil.copy(gguf_folder / "tiny.MXFP4_MOE.gguf", folder)
+    out = prepare(folder / "tiny.MXFP4_MOE.gguf", tmp_path / "prepared", "tiny", dense=False)
+    vocab = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    want = [vocab.token_to_id("<|return|>"), vocab.token_to_id("<|call|>")]
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == want

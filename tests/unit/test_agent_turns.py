@@ -11,7 +11,7 @@ from scheduler_service.api.agents.turns import ResponseStore, TurnStream, parse_
 from scheduler_service.api.openai_requests import ToolMode, chat_request
 from scheduler_service.api.openai_responses import Sample, chat_message
 from scheduler_service.api.openai_schema import ChatCompletionRequest
-from scheduler_service.api.reasoning import split_reasoning, template_thinks
+from scheduler_service.api.reasoning import AnswerFormat, split_reasoning, template_thinks
 from scheduler_service.core.sequence import FinishReason
 from scheduler_service.text.output import Delta
 
@@ -60,7 +60,7 @@ def test_only_a_template_that_closes_think_blocks_thinks():
     ],
 )
 def test_streamed_pieces_add_up_to_the_whole_turn(pieces):
-    stream = TurnStream(ToolMode(), thinks=True, opened=False)
+    stream = TurnStream(ToolMode(), AnswerFormat(thinks=True))
     reasoning = content = ""
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
@@ -71,11 +71,11 @@ def test_streamed_pieces_add_up_to_the_whole_turn(pieces):
         assert "<think" not in content and "</th" not in reasoning
     turn, r, c = stream.close()
     assert (reasoning + r, content + c) == (turn.reasoning or "", turn.content or "")
-    assert turn == parse_turn(sample("".join(pieces)), ToolMode(), True, False)
+    assert turn == parse_turn(sample("".join(pieces)), ToolMode(), AnswerFormat(thinks=True))
 
 
 def test_auto_tool_calls_are_held_back_and_parsed_at_the_end():
-    stream = TurnStream(ToolMode("auto", parse_auto=True), thinks=False, opened=False)
+    stream = TurnStream(ToolMode("auto", parse_auto=True), AnswerFormat())
     said = []
     for piece in ["Let me check. <tool", '_call>{"name": "f", "arguments": {"x": 1}}</tool_call>']:
         said.append(stream.add(Delta(index=0, text=piece))[1])
@@ -146,8 +146,8 @@ def test_a_chat_completion_says_its_reasoning_apart_whole_and_streamed(pieces, o
             p.replace("<think>", "").replace("<th", "").replace("ink>plan", "plan") for p in pieces
         ]
     mode = ToolMode(kind="auto", parse_auto=True)
-    message, finish = chat_message(sample("".join(pieces)), mode, True, opened)
-    stream = ChatStream("chatcmpl-1", "m", mode, None, False, (True, opened))
+    message, finish = chat_message(sample("".join(pieces)), mode, AnswerFormat(True, opened))
+    stream = ChatStream("chatcmpl-1", "m", mode, None, False, AnswerFormat(True, opened))
     got = {"reasoning_content": "", "content": "", "tool_calls": None}
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
@@ -167,5 +167,5 @@ def test_a_chat_completion_says_its_reasoning_apart_whole_and_streamed(pieces, o
         assert finish == "tool_calls" and got["tool_calls"][0]["function"]["name"] == "f"
         assert message["reasoning_content"] == "a, then b"
     # a template that does not think: the whole text is content, with no reasoning field
-    plain, _ = chat_message(sample("".join(pieces)), ToolMode(), False, False)
+    plain, _ = chat_message(sample("".join(pieces)), ToolMode())
     assert "reasoning_content" not in plain and plain["content"] == "".join(pieces)

@@ -10,14 +10,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from scheduler_service.api import openai_requests as to_engine
 from scheduler_service.api.agents import messages as anthropic
 from scheduler_service.api.agents import response_events as answers
 from scheduler_service.api.agents import responses as openai
 from scheduler_service.api.agents.turns import ResponseStore, TurnStream, parse_turn
 from scheduler_service.api.openai_errors import ApiError, api_error, log_refusal, read_body
 from scheduler_service.api.openai_responses import dumps
-from scheduler_service.api.rpc import prepare_request
 from scheduler_service.api.streams import unless_disconnected
 
 JSON = "application/json"
@@ -29,7 +27,6 @@ class AgentRoutes:
     def __init__(self, server) -> None:
         self.server = server
         self.engine = server.engine
-        self.thinks = server.thinks
         self.store = ResponseStore()
         self.routes = [
             Route("/v1/responses", self.create_response, methods=["POST"]),
@@ -39,22 +36,15 @@ class AgentRoutes:
             Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
         ]
 
-    async def _prepare(self, chat, rid: str, model: str):
-        """Validated, templated and tokenized as chat is: (prepared, tool mode, opened <think>)."""
-        msg, mode = to_engine.chat_request(chat, self.server.defaults, self.server.parse_auto_tools)
-        msg.request_id, msg.lora = rid, self.server.lora_of(model)
-        prepared = await prepare_request(self.engine, msg)
-        return prepared, mode, self.server.thinking(prepared)[1]
-
     def _event_stream(
-        self, prepared, mode, opened, shape, usage, on_turn=None, headers=None
+        self, prepared, mode, fmt, shape, usage, on_turn=None, headers=None
     ) -> Response:
         """Server-sent events in `shape`'s words; a failure midway is the last event."""
 
         async def events() -> AsyncIterator[bytes]:
             for event in shape.opening():
                 yield event
-            stream = TurnStream(mode, self.thinks, opened)
+            stream = TurnStream(mode, fmt)
             totals = (prepared.prompt_len, 0, 0)
             try:
                 async for delta in self.engine.generate(prepared):
@@ -92,14 +82,13 @@ class AgentRoutes:
                     )
                 earlier = stored[0]
             messages = openai.conversation(body, earlier)
-            prepared, mode, opened = await self._prepare(
-                openai.chat_body(body, messages), rid, model
-            )
+            chat = openai.chat_body(body, messages)
+            prepared, mode, fmt = await self.server.prepare_chat(chat, rid, model)
             shape = answers.ResponseShape(rid, model, body)
             if body.stream:
-                return self._response_stream(body, prepared, mode, opened, shape, messages)
+                return self._response_stream(body, prepared, mode, fmt, shape, messages)
             samples, usage = await unless_disconnected(request, self.server.collect([prepared]))
-            turn = parse_turn(samples[0], mode, self.thinks, opened)
+            turn = parse_turn(samples[0], mode, fmt)
             logprobs = (
                 self._logprobs(samples[0]) if prepared.sampling.logprobs is not None else None
             )
@@ -122,7 +111,7 @@ class AgentRoutes:
         table = self.server.token_text
         return table.chat_logprobs(sample.logprobs)["content"]
 
-    def _response_stream(self, body, prepared, mode, opened, shape, messages) -> Response:
+    def _response_stream(self, body, prepared, mode, fmt, shape, messages) -> Response:
         stream = answers.ResponseStream(shape)
 
         def keep(turn) -> None:
@@ -130,7 +119,7 @@ class AgentRoutes:
                 self.store.put(shape.id, answers.history(messages, turn), stream.final)
 
         return self._event_stream(
-            prepared, mode, opened, stream, answers.usage, keep, {"x-request-id": shape.id}
+            prepared, mode, fmt, stream, answers.usage, keep, {"x-request-id": shape.id}
         )
 
     async def get_response(self, request: Request) -> Response:
@@ -174,12 +163,13 @@ class AgentRoutes:
         async def handler(rid: str):
             body = await read_body(request, anthropic.MessagesRequest)
             model = self.server.resolve_model(body.model)
-            prepared, mode, opened = await self._prepare(anthropic.chat_body(body), rid, model)
+            chat = anthropic.chat_body(body)
+            prepared, mode, fmt = await self.server.prepare_chat(chat, rid, model)
             message_id = anthropic.new_id()
             if body.stream:
-                return self._message_stream(prepared, mode, opened, message_id, model)
+                return self._message_stream(prepared, mode, fmt, message_id, model)
             samples, usage = await unless_disconnected(request, self.server.collect([prepared]))
-            turn = parse_turn(samples[0], mode, self.thinks, opened)
+            turn = parse_turn(samples[0], mode, fmt)
             counts = anthropic.usage(
                 usage["prompt_tokens"],
                 usage["completion_tokens"],
@@ -190,12 +180,12 @@ class AgentRoutes:
 
         return await self.server.guarded(request, handler, "msg", render=self._anthropic_error)
 
-    def _message_stream(self, prepared, mode, opened, message_id: str, model: str) -> Response:
+    def _message_stream(self, prepared, mode, fmt, message_id: str, model: str) -> Response:
         stream = anthropic.MessageStream(message_id, model, prepared.prompt_len)
         return self._event_stream(
             prepared,
             mode,
-            opened,
+            fmt,
             stream,
             anthropic.usage,
             headers={"request-id": prepared.request_id},
@@ -209,7 +199,7 @@ class AgentRoutes:
         async def handler(rid: str):
             body = await read_body(request, anthropic.CountTokensRequest)
             model = self.server.resolve_model(body.model)
-            prepared, _, _ = await self._prepare(anthropic.chat_body(body), rid, model)
+            prepared, _, _ = await self.server.prepare_chat(anthropic.chat_body(body), rid, model)
             return Response(dumps({"input_tokens": prepared.prompt_len}), media_type=JSON)
 
         return await self.server.guarded(request, handler, "count", render=self._anthropic_error)

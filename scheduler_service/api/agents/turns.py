@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from scheduler_service.api import openai_responses as out
 from scheduler_service.api import tool_calls
 from scheduler_service.api.openai_requests import ToolMode
-from scheduler_service.api.reasoning import split_reasoning, streamed_regions
+from scheduler_service.api.reasoning import PLAIN, AnswerFormat
 
 
 @dataclass
@@ -25,15 +25,11 @@ class Turn:
     stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
-def parse_turn(
-    sample: out.Sample, mode: ToolMode, thinks: bool = False, opened: bool = False
-) -> Turn:
-    reasoning, rest = split_reasoning(sample.text, thinks, opened)
-    answer = out.Sample()
-    answer.text, answer.finish_reason = rest, sample.finish_reason
-    message, finish = out.chat_message(answer, mode)
+def parse_turn(sample: out.Sample, mode: ToolMode, fmt: AnswerFormat = PLAIN) -> Turn:
+    message, finish = out.chat_message(sample, mode, fmt)
     stop = sample.stop_reason if isinstance(sample.stop_reason, str) else None
-    return Turn(message["content"], message.get("tool_calls") or [], reasoning, finish, stop)
+    calls = message.get("tool_calls") or []
+    return Turn(message["content"], calls, message.get("reasoning_content"), finish, stop)
 
 
 def call_arguments(call: dict) -> dict:
@@ -48,8 +44,9 @@ def call_arguments(call: dict) -> dict:
 class TurnStream:
     """Streamed text cut into reasoning and content; a possible tool call is held to the end."""
 
-    def __init__(self, mode: ToolMode, thinks: bool, opened: bool) -> None:
-        self.mode, self.thinks, self.opened = mode, thinks, opened
+    def __init__(self, mode: ToolMode, fmt: AnswerFormat) -> None:
+        self.mode, self.format = mode, fmt
+        self.reader = fmt.reader()
         self.sample = out.Sample()
         self.sent_reasoning = 0
         self.sent_content = 0
@@ -57,12 +54,12 @@ class TurnStream:
     def add(self, delta) -> tuple[str, str]:
         """(new reasoning, new content) that delta's text lets go out."""
         self.sample.add(delta)
-        reasoning, content = self._regions(self.sample.text)
-        return self._take(reasoning, content)
+        reasoning, rest = self.reader.add(delta.text)
+        return self._take(reasoning, "" if rest is None else self._content(rest))
 
     def close(self) -> tuple[Turn, str, str]:
         """The whole turn, and the reasoning and content not yet sent."""
-        turn = parse_turn(self.sample, self.mode, self.thinks, self.opened)
+        turn = parse_turn(self.sample, self.mode, self.format)
         reasoning = (turn.reasoning or "")[self.sent_reasoning :]
         content = (
             (turn.content or "")[self.sent_content :] if self.mode.kind in ("none", "auto") else ""
@@ -70,11 +67,6 @@ class TurnStream:
         self.sent_reasoning += len(reasoning)
         self.sent_content += len(content)
         return turn, reasoning, content
-
-    def _regions(self, text: str) -> tuple[str, str]:
-        """The reasoning and content of text so far, each cut back to what is certain."""
-        reasoning, rest = streamed_regions(text, self.thinks, self.opened)
-        return reasoning, "" if rest is None else self._content(rest)
 
     def _content(self, text: str) -> str:
         if self.mode.kind in ("required", "named"):
