@@ -92,12 +92,11 @@ class NativeKernels(NativeAttention):
             lib.pagedserve_silu_mul_bf16,
             lib.pagedserve_widen_bf16,
         )
-        self._add_rms_norm_mixed, self._argmax_rows = (
-            lib.pagedserve_add_rms_norm_mixed,
-            lib.pagedserve_argmax_rows,
-        )
+        self._add_rms_norm_mixed = lib.pagedserve_add_rms_norm_mixed
+        self._argmax_rows = lib.pagedserve_argmax_rows
         self._quant_matmul = lib.pagedserve_quant_matmul
         self._quant_matmul_q8act = lib.pagedserve_quant_matmul_q8act
+        self._moe_experts = lib.pagedserve_moe_experts
         self._quant_dequant, self._pack = lib.pagedserve_quant_dequant, lib.pagedserve_pack
         self._decode_step = lib.pagedserve_decode_step
         self._decode_step_scratch = lib.pagedserve_decode_step_scratch
@@ -228,6 +227,47 @@ class NativeKernels(NativeAttention):
                 f"quant_matmul does not serve ggml type {type_id} with {in_dim} inputs"
             )
 
+    def moe_experts(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        biases: tuple[torch.Tensor | None, torch.Tensor | None],
+        inter: int,
+        act: tuple[float, float],
+        bits8: bool,
+        out: torch.Tensor,
+    ) -> None:
+        """out = each row's chosen experts' weighted sum. experts: block addresses (gate_up, down)
+        and their two types; act: the clamped SwiGLU's (limit, alpha), limit 0: SiLU-mul."""
+        gate_up, down, types = experts
+        tokens, hidden = x.shape
+        kinds = (x.dtype, ids.dtype, weights.dtype) == (torch.float32, torch.int64, torch.float32)
+        if not (
+            kinds and ids.shape == weights.shape and len(ids) == tokens and out.shape == x.shape
+        ):
+            raise ValueError("moe_experts needs fp32 x, int64 ids and fp32 weights [tokens, k]")
+        rc = self._moe_experts(
+            x.data_ptr(),
+            tokens,
+            ids.shape[1],
+            ids.data_ptr(),
+            weights.data_ptr(),
+            gate_up.data_ptr(),
+            down.data_ptr(),
+            types.data_ptr(),
+            *(None if b is None else b.data_ptr() for b in biases),
+            gate_up.numel(),
+            hidden,
+            inter,
+            *act,
+            int(bits8),
+            out.data_ptr(),
+        )
+        if rc:
+            raise (MemoryError if rc == -2 else ValueError)(f"moe_experts failed ({rc})")
+
     def quant_dequant(
         self, w: torch.Tensor, type_id: int, out_dim: int, in_dim: int, out: torch.Tensor
     ) -> None:
@@ -245,9 +285,9 @@ class NativeKernels(NativeAttention):
             )
 
     # packed_blocks.h's type ids: 16 rows interleaved, multiplied with 16-bit integer activations
-    PACKED_Q4, PACKED_Q8, PACKED_Q4K, PACKED_Q6K, PACKED_Q5K = 100, 101, 102, 103, 104
+    PACKED_Q4, PACKED_Q8, PACKED_Q4K, PACKED_Q6K, PACKED_Q5K, PACKED_MX4 = range(100, 106)
     # ggml type -> (packed type, bytes a row per block, values a block): Q4_0, Q4_1, Q8_0, Q4_K,
-    # Q5_K, Q6_K
+    # Q5_K, Q6_K, MXFP4
     _PACKABLE = {
         2: (PACKED_Q4, 20, 32),
         3: (PACKED_Q4, 20, 32),
@@ -255,6 +295,7 @@ class NativeKernels(NativeAttention):
         12: (PACKED_Q4K, 152, 256),
         13: (PACKED_Q5K, 184, 256),
         14: (PACKED_Q6K, 212, 256),
+        39: (PACKED_MX4, 17, 32),
     }
 
     def pack(
@@ -269,8 +310,8 @@ class NativeKernels(NativeAttention):
         out = torch.empty(out_dim, in_dim // values * bb, dtype=torch.uint8)
         if not packed or self._pack(w.data_ptr(), out_dim, in_dim, type_id, out.data_ptr()):
             raise ValueError(
-                "pack packs Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K matrices of whole 16-row "
-                f"groups, not type {type_id} {out_dim}x{in_dim}"
+                "pack packs Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K and MXFP4 (scales 2^-24..2^12) "
+                f"matrices of whole 16-row groups, not type {type_id} {out_dim}x{in_dim}"
             )
         return out, packed
 

@@ -18,7 +18,9 @@ built it (--no-ik: not). All servers serve the default model's own Q4_1 GGUF on 
   - peak resident memory of each server's processes (VmHWM, the scheduler and workers summed for
     pagedserve).
 All servers are up at once and measured in rounds, each round taking every server in turn, so a slow
-spell of a noisy machine falls on all of them alike: medians over rounds, ratios per round.
+spell of a noisy machine falls on all of them alike: medians over rounds, ratios per round. With
+--alone (a model only one server at a time holds: gpt-oss-20b on 24 GiB) each server is started,
+measured and stopped in turn, --passes times over.
 Prompts go to both as the same token ids (pagedserve.v1 over gRPC; llama.cpp's /v1/completions takes
 token-id prompts). Prints output tokens/s and mean TTFT, and each ratio pagedserve / llama.cpp.
 
@@ -32,16 +34,14 @@ import asyncio
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from deploy.bench.harness import DEFAULT_WORKLOAD, drive, http_pass, load_workload
-from deploy.bench.llama_build import Peer, f32_gguf, peers
+from deploy.bench.llama_build import LlamaServer, Peer, f32_gguf, peers
 from deploy.prepare_model import find_embedded_gguf
-from deploy.processes import free_port, stop_group
 from tests.support.server import ServerProcess
 
 
@@ -59,67 +59,6 @@ def peak_rss(pid: int) -> int:
         except (OSError, StopIteration):
             continue
     return total
-
-
-class LlamaServer:
-    def __init__(
-        self,
-        peer: Peer,
-        gguf: Path,
-        slots: int,
-        context_per_slot: int,
-        threads: int,
-        log: Path,
-        *extra: str,
-    ):
-        self.port = free_port()
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(
-            [
-                str(peer.binary),
-                "-m",
-                str(gguf),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "-np",
-                str(slots),
-                "-c",
-                str(slots * context_per_slot),
-                "-t",
-                str(threads),
-                "-tb",
-                str(threads),
-                "--cont-batching",
-                *peer.flags,
-                *extra,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.base_url = f"http://127.0.0.1:{self.port}"
-
-    def wait(self, timeout: float = 300) -> LlamaServer:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.log.name}: exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError("llama-server did not become healthy")
-
-    def stop(self) -> None:
-        stop_group(self.proc, 20)
-        self.log.close()
 
 
 def _body(prompt: list[int], max_tokens: int) -> dict:
@@ -240,6 +179,35 @@ def measure(targets, prompts, args) -> dict:
     return res
 
 
+def run_targets(makers, prompts, args) -> tuple[list, dict]:
+    """Every server measured: all up at once, or (--alone) each up alone in turn, pass by pass."""
+    targets: list = []
+    if not args.alone:
+        try:
+            for make in makers:  # each appended once up: stopped whatever follows
+                targets.append(make())
+            return targets, measure(targets, prompts, args)
+        finally:
+            for t in targets:
+                t.stop()
+    res: dict = {}
+    for turn in range(args.passes):
+        for make in makers:
+            t = make()
+            try:
+                got = measure([t], prompts, args)[t.name]
+            finally:
+                t.stop()
+            if turn == 0:
+                targets.append(t)
+                res[t.name] = got
+                continue
+            for key, values in got.items():
+                mine = res[t.name]
+                mine[key] = max(mine[key], values) if key == "rss" else mine[key] + values
+    return targets, res
+
+
 def main(argv: list[str] | None = None) -> int:
     # one function: the benchmark's script, read top to bottom
     p = argparse.ArgumentParser(
@@ -296,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         "'int8 activations=--quantized-activations int8'",
     )
     p.add_argument("--no-ik", action="store_true", help="leave ik_llama.cpp out where it is built")
+    p.add_argument(
+        "--alone",
+        action="store_true",
+        help="one server up at a time: each started, measured and stopped in turn",
+    )
+    p.add_argument("--passes", type=int, default=2, help="with --alone: turns over the servers")
     args = p.parse_args(argv)
     args.gguf = args.gguf or find_embedded_gguf()
     ours = []
@@ -305,29 +279,23 @@ def main(argv: list[str] | None = None) -> int:
         args.gguf, args.gguf_label, ours = f32_gguf(args.gguf), "F32", ["--dequantize"]
     args.streams = [int(n) for n in args.streams.split(",") if n]
     prompts = load_workload(args.workload)
-    targets = []
-    try:
-        first = "pagedserve (fp32, --dequantize)" if ours else "pagedserve (the GGUF's blocks)"
-        if args.serve_flags:
-            first = f"{first[:-1]}, {args.serve_flags})"
-        targets.append(PagedserveTarget(args, first, *ours, *shlex.split(args.serve_flags)))
-        if args.with_layers:
-            targets.append(
-                PagedserveTarget(
-                    args, "pagedserve, --cpu-decode layers", *ours, "--cpu-decode", "layers"
-                )
+    first = "pagedserve (fp32, --dequantize)" if ours else "pagedserve (the GGUF's blocks)"
+    if args.serve_flags:
+        first = f"{first[:-1]}, {args.serve_flags})"
+    makers = [lambda: PagedserveTarget(args, first, *ours, *shlex.split(args.serve_flags))]
+    if args.with_layers:
+        layers = "pagedserve, --cpu-decode layers"
+        makers.append(lambda: PagedserveTarget(args, layers, *ours, "--cpu-decode", "layers"))
+    for v in args.variant:
+        name, _, flags = v.partition("=")
+        makers.append(
+            lambda n=name, f=flags: PagedserveTarget(
+                args, f"pagedserve, {n.strip()}", *ours, *shlex.split(f)
             )
-        for v in args.variant:
-            name, _, flags = v.partition("=")
-            targets.append(
-                PagedserveTarget(args, f"pagedserve, {name.strip()}", *ours, *shlex.split(flags))
-            )
-        for peer in peers(ik=not args.no_ik):  # each appended once up: stopped whatever follows
-            targets.append(LlamaTarget(args, peer))
-        res = measure(targets, prompts, args)
-    finally:
-        for t in targets:
-            t.stop()
+        )
+    for peer in peers(ik=not args.no_ik):
+        makers.append(lambda peer=peer: LlamaTarget(args, peer))
+    targets, res = run_targets(makers, prompts, args)
     report(targets, res, args)
     return 0
 

@@ -1,7 +1,9 @@
 """The sizes people serve on a CPU, made here: `make bench-cpu-scale`.
 
 Random-weight models at Llama-3.2-1B and Llama-3.1-8B shapes (and Qwen3.5-4B's and -0.8B's,
-hybrids: three Gated DeltaNet layers to one gated attention layer), written as a Hugging Face
+hybrids: three Gated DeltaNet layers to one gated attention layer; and gpt-oss-20b's, its experts
+MXFP4 as openai ships them, converted with the rest Q8_0: `--quant MXFP4_MOE`, served one server
+at a time with `--alone`), written as a Hugging Face
 folder (bf16 safetensors, the default model's tokenizer; the vocabulary its own 49,152 or padded
 to Llama-3's 128,256 as llama.cpp's converter pads it: the LM head a smaller or larger share of a
 token's bytes), converted to GGUF by the llama.cpp built from the `llama-cpp-python` sdist
@@ -79,6 +81,23 @@ for _shape in HYBRIDS.values():
         tie_word_embeddings=True,
     )
 SHAPES.update(HYBRIDS)
+# gpt-oss-20b (`gpt_oss`) as its config.json gives it; its experts MXFP4 as it ships them
+GPT_OSS = {
+    "gpt-oss-20b": dict(
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        max_position_embeddings=131072,  # YaRN x32 over 4,096: transformers' default
+        tie_word_embeddings=False,
+    )
+}
+SHAPES.update(GPT_OSS)
 VOCABS = (49152, 128256)  # SmolLM2's own, Llama-3's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -94,6 +113,8 @@ def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if shape in HYBRIDS:
         return hybrid_folder(out, HYBRIDS[shape], tokenizer_from, vocab)
+    if shape in GPT_OSS:
+        return gpt_oss_folder(out, GPT_OSS[shape], tokenizer_from, vocab)
     s = SHAPES[shape]
     config = dict(
         architectures=["LlamaForCausalLM"],
@@ -206,12 +227,70 @@ def hybrid_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> P
     return out
 
 
+def gpt_oss_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Path:
+    """A random gpt-oss as openai ships it: bf16 but the experts, which are MXFP4 `*_blocks`
+    (uniform nibbles) and `*_scales` (2^-8: weights within +-0.023), names and shapes from
+    transformers' own model; a shard a layer.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    config = GptOssConfig(vocab_size=vocab, **shape)
+    config.architectures = ["GptOssForCausalLM"]
+    config.torch_dtype = "bfloat16"
+    config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    config.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, out / name)
+    with torch.device("meta"):
+        shapes = {
+            k: tuple(v.shape)
+            for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()
+        }
+    g = torch.Generator().manual_seed(0)
+
+    def tensors(name: str, dims: tuple) -> dict:
+        if name.endswith(("gate_up_proj", "down_proj")):  # [E, in, out] -> rows [E, out, in / 32]
+            experts, cols, rows = dims
+            blocks = (experts, rows, cols // 32, 16)
+            return {
+                name + "_blocks": torch.randint(0, 256, blocks, dtype=torch.uint8, generator=g),
+                name + "_scales": torch.full(blocks[:3], 119, dtype=torch.uint8),
+            }
+        if name.endswith("norm.weight"):
+            return {name: torch.ones(dims, dtype=torch.bfloat16)}
+        return {name: (torch.randn(*dims, generator=g) * 0.02).to(torch.bfloat16)}
+
+    index: dict[str, str] = {}
+    shards: dict[str, list[str]] = {}
+    for name in shapes:
+        layer = name.split(".")[2] if name.startswith("model.layers.") else "embed"
+        shards.setdefault(layer, []).append(name)
+    for layer, names in shards.items():  # a shard made, written and let go at a time
+        file = f"{layer}.safetensors" if layer == "embed" else f"layer{int(layer):03d}.safetensors"
+        shard = {k: v for n in names for k, v in tensors(n, shapes[n]).items()}
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+        index.update({n: file for n in shard})
+        del shard
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": index})
+    )
+    (out / "done").write_text("")
+    return out
+
+
 def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
     """The model as a `quant` GGUF by llama.cpp's converter and llama-quantize; made once."""
     target = CACHE / "scale" / f"llama-{shape}-v{vocab}-random.{quant}.gguf"
     if target.is_file():
         return target
     bf16 = CACHE / "scale" / f"llama-{shape}-v{vocab}-random.BF16.gguf"
+    if shape in GPT_OSS:  # the converter keeps the experts' MXFP4, the rest Q8_0: MXFP4_MOE
+        if quant != "MXFP4_MOE":
+            raise SystemExit(f"{shape} is made as MXFP4_MOE only, not {quant}")
+        bf16 = target
     if not bf16.is_file():
         folder = hf_folder(shape, tokenizer_from, vocab)
         source = CACHE / "llama.cpp"
@@ -224,7 +303,7 @@ def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
                 str(source / "convert_hf_to_gguf.py"),
                 str(folder),
                 "--outtype",
-                "bf16",
+                "q8_0" if shape in GPT_OSS else "bf16",
                 "--outfile",
                 str(bf16.with_suffix(".part")),
                 *(["--no-mtp"] if shape in HYBRIDS else []),
@@ -233,7 +312,7 @@ def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
             env=env,
         )
         bf16.with_suffix(".part").rename(bf16)
-    if quant == "BF16":
+    if quant == "BF16" or shape in GPT_OSS:
         return bf16
     subprocess.run(
         [

@@ -80,9 +80,14 @@ async def http_pass(
                         if not line.startswith("data:") or line.strip() == "data: [DONE]":
                             continue
                         chunk = json.loads(line[5:])
+                        # a token's chunk: text, or none (a token with no text of its own:
+                        # llama-server sends a chunk a token)
                         if ttft is None and (
                             chunk.get("output_ids")
-                            or any(c.get("text") for c in chunk.get("choices") or ())
+                            or any(
+                                c.get("text") or c.get("finish_reason") is None
+                                for c in chunk.get("choices") or ()
+                            )
                         ):
                             ttft = time.perf_counter() - (sent if concurrency else t0)
                         if "meta_info" in chunk and chunk["meta_info"].get("finish_reason"):

@@ -260,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 else model
             )
         )
-        from deploy.bench.cpu_peers import LlamaServer
-        from deploy.bench.llama_build import llama_cpp
+        from deploy.bench.llama_build import LlamaServer, llama_cpp
 
         context = context_tokens(args) + 64
         llama = LlamaServer(

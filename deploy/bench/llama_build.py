@@ -15,8 +15,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from deploy.processes import free_port, stop_group
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 
@@ -238,3 +241,64 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class LlamaServer:
+    def __init__(
+        self,
+        peer: Peer,
+        gguf: Path,
+        slots: int,
+        context_per_slot: int,
+        threads: int,
+        log: Path,
+        *extra: str,
+    ):
+        self.port = free_port()
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(
+            [
+                str(peer.binary),
+                "-m",
+                str(gguf),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "-np",
+                str(slots),
+                "-c",
+                str(slots * context_per_slot),
+                "-t",
+                str(threads),
+                "-tb",
+                str(threads),
+                "--cont-batching",
+                *peer.flags,
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def wait(self, timeout: float = 300) -> LlamaServer:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.log.name}: exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("llama-server did not become healthy")
+
+    def stop(self) -> None:
+        stop_group(self.proc, 20)
+        self.log.close()

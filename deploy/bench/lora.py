@@ -149,8 +149,7 @@ class LlamaCpp:
     """llama-server on the same GGUF, one slot, without or with one adapter (`--lora`)."""
 
     def __init__(self, gguf: Path, lora: Path | None) -> None:
-        from deploy.bench.cpu_peers import LlamaServer
-        from deploy.bench.llama_build import llama_cpp
+        from deploy.bench.llama_build import LlamaServer, llama_cpp
 
         log = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-")) / "llama-server.log"
         extra = ["--lora", str(lora)] if lora is not None else []

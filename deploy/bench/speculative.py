@@ -29,9 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.bench.cpu_peers import LlamaServer
 from deploy.bench.harness import DEFAULT_WORKLOAD, drive, http_pass, load_workload
-from deploy.bench.llama_build import llama_cpp
+from deploy.bench.llama_build import LlamaServer, llama_cpp
 from deploy.prepare_model import find_embedded_gguf
 from tests.support.server import ServerProcess
 

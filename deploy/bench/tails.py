@@ -25,8 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from deploy.bench.cpu_peers import LlamaServer
-from deploy.bench.llama_build import Peer, peers
+from deploy.bench.llama_build import LlamaServer, Peer, peers
 from deploy.prepare_model import find_embedded_gguf
 from tests.support.server import ServerProcess
 

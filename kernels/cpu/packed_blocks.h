@@ -34,7 +34,12 @@
        p, byte 4 r + t holds, two bits each from bit 0: the high bits of values 8p + t, 16 + 8p + t, 8p + 4 + t,
        20 + 8p + t); 16 x i8 scale of values 0-15, 16 x i8 of 16-31     w = (d sc) (u - 32), u = 0..63
    All multiply as PACKED_Q4 does (unsigned weights, 16-bit activations); Q4_K's and Q5_K's offset meets the sub-block's
-   activation sum, Q6_K's -32 (d sc) the sums of its two 16-value halves, each with its own scale. */
+   activation sum, Q6_K's -32 (d sc) the sums of its two 16-value halves, each with its own scale.
+     PACKED_MX4 (from MXFP4: gpt-oss's experts), 272 bytes (the file's 17 a row):
+       4 x 64 bytes of nibbles as PACKED_Q4's, each an index into E2M1's values, 16 x u8 E8M0 exponent e
+                                               w = d (u - 12), d = 2^(e - 128), u = MX4_UNSIGNED[nibble]
+     a byte shuffle turns each nibble into u = its doubled value + 12 (0..24) before the dot products, which then
+     run as PACKED_Q4's with m = -12 d; d is e shifted into a float's exponent. */
 #ifndef PAGEDSERVE_PACKED_BLOCKS_H
 #define PAGEDSERVE_PACKED_BLOCKS_H
 #include <math.h>
@@ -49,6 +54,7 @@
 #define PACKED_Q4K 102
 #define PACKED_Q6K 103
 #define PACKED_Q5K 104
+#define PACKED_MX4 105
 #define PACK_ROWS 16
 #define QK_K 256
 
@@ -62,7 +68,9 @@ typedef struct { float d[PACK_ROWS]; } PackedQ6KHead;
 typedef struct { PackedNibbles nib; uint8_t sc[PACK_ROWS], m[PACK_ROWS]; } PackedQ4KSub;
 typedef struct { PackedNibbles nib; uint8_t qh[64], sc[PACK_ROWS], m[PACK_ROWS]; } PackedQ5KSub;
 typedef struct { PackedNibbles nib; uint8_t qh[2][64]; int8_t sc[2][PACK_ROWS]; } PackedQ6KSub;
+typedef struct { PackedNibbles nib; uint8_t e[PACK_ROWS]; } PackedMX4Block;
 _Static_assert(sizeof(PackedQ4Block) == 320 && sizeof(PackedQ8Block) == 544, "PACKED_Q4, PACKED_Q8");
+_Static_assert(sizeof(PackedMX4Block) == 272, "PACKED_MX4");
 _Static_assert(sizeof(PackedKHead) + 8 * sizeof(PackedQ4KSub) == 2432, "PACKED_Q4K");
 _Static_assert(sizeof(PackedKHead) + 8 * sizeof(PackedQ5KSub) == 2944, "PACKED_Q5K");
 _Static_assert(sizeof(PackedQ6KHead) + 8 * sizeof(PackedQ6KSub) == 3392, "PACKED_Q6K");
@@ -73,6 +81,7 @@ _Static_assert(offsetof(PackedKHead, d) == offsetof(PackedQ6KHead, d), "every K 
 static inline int pack_block_bytes(int ptype) {
     switch (ptype) {
         case PACKED_Q4: return sizeof(PackedQ4Block);
+        case PACKED_MX4: return sizeof(PackedMX4Block);
         case PACKED_Q8: return sizeof(PackedQ8Block);
         case PACKED_Q4K: return (sizeof(PackedKHead) + 8 * sizeof(PackedQ4KSub)) / 8;
         case PACKED_Q6K: return (sizeof(PackedQ6KHead) + 8 * sizeof(PackedQ6KSub)) / 8;
@@ -81,6 +90,23 @@ static inline int pack_block_bytes(int ptype) {
     }
 }
 static inline int packed_is_k(int ptype) { return ptype == PACKED_Q4K || ptype == PACKED_Q5K || ptype == PACKED_Q6K; }
+/* the 4-bit layouts that start with PackedNibbles and carry an offset per row and block */
+static inline int packed_is_q4(int ptype) { return ptype == PACKED_Q4 || ptype == PACKED_MX4; }
+
+/* MXFP4's nibble -> its doubled E2M1 value + 12, unsigned (the packed kernels' byte shuffle table) */
+static const int8_t MX4_UNSIGNED[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+/* Whether the kernels' 2^(e - 128) (e's bits as a float's exponent, halved) is e8m0_scale for every block of
+   an MXFP4 matrix: not for e = 255 (NaN), nor e = 0 (2^-128 there, 0 here) unless its values are all 0. */
+static inline int mx4_packable(const uint8_t *w, int64_t nblocks_total) {
+    for (int64_t i = 0; i < nblocks_total; i++) {
+        const BlockMXFP4 *b = (const BlockMXFP4 *)(w + i * sizeof(BlockMXFP4));
+        if (b->e == 255) return 0;
+        for (int j = 0; b->e == 0 && j < QK / 2; j++)
+            if (b->qs[j] & 0x77) return 0;
+    }
+    return 1;
+}
 
 /* A packed K super-block's sub-block sb (head: the super-block's first byte). */
 static inline const uint8_t *packed_k_sub_at(int ptype, const uint8_t *head, int sb) {
@@ -165,6 +191,21 @@ static inline __m256i avx2_bytes(const __m256i q[4], int is_unsigned) {
 }
 #endif
 
+/* A PACKED_MX4 block's 16 (or 8) scales 2^(e - 128): each e placed in a float's exponent field, then halved
+   (exact for e >= 1; e = 0 gives 0, which mx4_packable allows only where the values are 0). */
+#if defined(__AVX512F__)
+static inline __m512 mx4_scales_512(const uint8_t *e) {
+    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)e)), 23);
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0.5f));
+}
+#endif
+#if defined(__AVX2__)
+static inline __m256 mx4_scales_256(const uint8_t *e) {
+    const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e)), 23);
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.5f));
+}
+#endif
+
 /* Block i of the whole activation matrix (rows are contiguous, in_dim a multiple of 32). A NaN or an
    infinity rounds to 0 (an infinite amax gives scale infinity and integers 0), and the block's sum carries it
    into every output through the offset term, NaN where the fp32 product would be NaN or infinite.
@@ -244,15 +285,22 @@ static inline void x_words(PackedX x, int64_t at, int32_t *l0, int32_t *l1, int3
 }
 
 
-/* Rows [16 g0, 16 (g0 + n)) of a Q4_0 / Q4_1 / Q8_0 matrix -> n packed groups. */
+/* Rows [16 g0, 16 (g0 + n)) of a Q4_0 / Q4_1 / Q8_0 / MXFP4 matrix -> n packed groups. */
 static inline void pack_groups(const uint8_t *w, int type, int64_t nblocks, int64_t g0, int64_t n, uint8_t *out) {
-    const int bb = block_bytes(type), ptype = type == Q8_0 ? PACKED_Q8 : PACKED_Q4, pb = pack_block_bytes(ptype);
+    const int bb = block_bytes(type);
+    const int pb = pack_block_bytes(type == Q8_0 ? PACKED_Q8 : type == MXFP4 ? PACKED_MX4 : PACKED_Q4);
     for (int64_t g = g0; g < g0 + n; g++)
         for (int64_t b = 0; b < nblocks; b++) {
             uint8_t *dst = out + (g * nblocks + b) * pb;
             for (int r = 0; r < PACK_ROWS; r++) {
                 const uint8_t *src = w + ((g * PACK_ROWS + r) * nblocks + b) * bb;
-                const uint16_t d = read_u16(src); /* every 32-value type's scale comes first */
+                if (type == MXFP4) { /* the exponent as it is, the nibbles as Q4_0's */
+                    PackedMX4Block *pm = (PackedMX4Block *)dst;
+                    pm->e[r] = ((const BlockMXFP4 *)src)->e;
+                    for (int k = 0; k < 4; k++) memcpy(pm->nib.q[k] + 4 * r, ((const BlockMXFP4 *)src)->qs + 4 * k, 4);
+                    continue;
+                }
+                const uint16_t d = read_u16(src); /* every other 32-value type's scale comes first */
                 if (type == Q8_0) { /* part k (of 8): byte 4 r + t is row r's value 4k + t */
                     PackedQ8Block *p8 = (PackedQ8Block *)dst;
                     p8->d[r] = d;
@@ -292,6 +340,7 @@ static inline float packed_value(int ptype, const uint8_t *blk, int r, int j) {
     const int lo = j < 16, jj = lo ? j : j - 16;
     const uint8_t byte = p4->nib.q[jj / 4][4 * r + jj % 4];
     const int q = lo ? byte & 15 : byte >> 4;
+    if (ptype == PACKED_MX4) return e8m0_scale(((const PackedMX4Block *)blk)->e[r]) * (float)(MX4_UNSIGNED[q] - 12);
     return half_to_float(p4->d[r]) * (float)q + half_to_float(p4->m[r]);
 }
 
@@ -328,7 +377,12 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
         } else {
             for (int k = 0; k < 4; k++) {
                 const __m512i raw = _mm512_loadu_si512((const void *)p4->nib.q[k]);
-                const __m512i wl = _mm512_and_si512(raw, nib), wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+                __m512i wl = _mm512_and_si512(raw, nib), wh = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+                if (ptype == PACKED_MX4) {
+                    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX4_UNSIGNED));
+                    wl = _mm512_shuffle_epi8(lut, wl);
+                    wh = _mm512_shuffle_epi8(lut, wh);
+                }
                 for (int r = 0; r < nr; r++) {
                     const int64_t at = r * in_dim + b * QK + 4 * k;
                     int32_t l0, l1, h0, h1;
@@ -342,7 +396,9 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                 }
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ptype == PACKED_Q8 ? p8->d : p4->d)));
+        const __m512 d = ptype == PACKED_MX4
+                             ? mx4_scales_512(((const PackedMX4Block *)p)->e)
+                             : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ptype == PACKED_Q8 ? p8->d : p4->d)));
         for (int r = 0; r < nr; r++) {
             const int64_t xb = r * (in_dim / QK) + b;
             if (ptype == PACKED_Q8) ihi[r] = _mm512_sub_epi32(ihi[r], _mm512_set1_epi32(128 * x.hsum[xb]));
@@ -351,13 +407,15 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
             if (ptype == PACKED_Q4)
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p4->m)),
                                          _mm512_set1_ps(x.sum[xb]), acc[r]);
+            if (ptype == PACKED_MX4) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-12.0f * x.sum[xb]), acc[r]);
         }
     }
     for (int r = 0; r < nr; r++) _mm512_storeu_ps(out + r * 16, acc[r]);
 #else
 #if defined(PACKED_AVX2)
-    if (ptype == PACKED_Q4) { /* a row at a time, both halves of the 16 rows (8 lanes each) in one pass */
+    if (packed_is_q4(ptype)) { /* a row at a time, both halves of the 16 rows (8 lanes each) in one pass */
         const __m256i nib = _mm256_set1_epi8(0x0f);
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX4_UNSIGNED));
         for (int r = 0; r < nr; r++) {
             __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t b = 0; b < nblocks; b++) {
@@ -372,7 +430,11 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                     x_words(x, at, &l0, &l1, &h0, &h1);
                     for (int hf = 0; hf < 2; hf++) {
                         const __m256i raw = _mm256_loadu_si256((const __m256i *)(p4->nib.q[k] + 32 * hf));
-                        const __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                        __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                        if (ptype == PACKED_MX4) {
+                            wl = _mm256_shuffle_epi8(lut, wl);
+                            wh = _mm256_shuffle_epi8(lut, wh);
+                        }
                         if (!x8)
                             ilo[hf] = avx2_dot(avx2_dot(ilo[hf], _mm256_set1_epi32(l0), wl), _mm256_set1_epi32(l1), wh);
                         ihi[hf] = avx2_dot(avx2_dot(ihi[hf], wl, _mm256_set1_epi32(h0)), wh, _mm256_set1_epi32(h1));
@@ -380,8 +442,10 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                 }
                 const int64_t xb = r * (in_dim / QK) + b;
                 for (int hf = 0; hf < 2; hf++) {
-                    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->d + 8 * hf)));
-                    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->m + 8 * hf)));
+                    const __m256 d = ptype == PACKED_MX4 ? mx4_scales_256(((const PackedMX4Block *)p4)->e + 8 * hf)
+                                                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->d + 8 * hf)));
+                    const __m256 m = ptype == PACKED_MX4 ? _mm256_mul_ps(d, _mm256_set1_ps(-12.0f))
+                                                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->m + 8 * hf)));
                     const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ihi[hf], 8), ilo[hf]));
                     acc[hf] = _mm256_fmadd_ps(_mm256_mul_ps(dot, _mm256_set1_ps(x.d[xb])), d, acc[hf]);
                     acc[hf] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[xb]), acc[hf]);
@@ -414,14 +478,17 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                         const int jj = j < 16 ? j : j - 16;
                         const uint8_t byte = p4->nib.q[jj / 4][4 * i + jj % 4];
                         q = j < 16 ? byte & 15 : byte >> 4;
+                        if (ptype == PACKED_MX4) q = MX4_UNSIGNED[q];
                     }
                     ilo[i] += q * x.lo[at + j];
                     ihi[i] += q * x.hi[at + j];
                 }
             for (int i = 0; i < PACK_ROWS; i++) {
                 const float dot = (float)(ihi[i] * 256 + ilo[i]);
-                acc[r][i] = fmaf(dot * x.d[xb], half_to_float(dw[i]), acc[r][i]);
+                const float di = ptype == PACKED_MX4 ? e8m0_scale(((const PackedMX4Block *)p4)->e[i]) : half_to_float(dw[i]);
+                acc[r][i] = fmaf(dot * x.d[xb], di, acc[r][i]);
                 if (ptype == PACKED_Q4) acc[r][i] = fmaf(half_to_float(p4->m[i]), x.sum[xb], acc[r][i]);
+                if (ptype == PACKED_MX4) acc[r][i] = fmaf(-12.0f * di, x.sum[xb], acc[r][i]);
             }
         }
     }
@@ -812,6 +879,7 @@ static inline void packed_group_dot(int ptype, const uint8_t *grp, int64_t nbloc
     }
         switch (ptype) {
             case PACKED_Q8: PACKED_ROWS_CASES(packed_group_dot_n, PACKED_Q8) break;
+            case PACKED_MX4: PACKED_ROWS_CASES(packed_group_dot_n, PACKED_MX4) break;
             case PACKED_Q4K: PACKED_ROWS_CASES(packed_k_group_dot_n, PACKED_Q4K) break;
             case PACKED_Q5K: PACKED_ROWS_CASES(packed_k_group_dot_n, PACKED_Q5K) break;
             case PACKED_Q6K: PACKED_ROWS_CASES(packed_k_group_dot_n, PACKED_Q6K) break;

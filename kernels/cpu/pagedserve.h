@@ -63,6 +63,11 @@ int pagedserve_quant_matmul(const float* x, int64_t rows, int64_t in_dim, const 
                             int32_t type, float* y);
 int pagedserve_quant_matmul_q8act(const float* x, int64_t rows, int64_t in_dim, const uint8_t* w,
                                   int64_t out_dim, int32_t type, float* y);
+/* A mixture-of-experts MLP's chosen experts for `tokens` rows of x, all in one parallel region (quant_matmul.c). */
+int pagedserve_moe_experts(const float* x, int64_t tokens, int32_t top_k, const int64_t* ids, const float* weights,
+                           const int64_t* gate_up, const int64_t* down, const int32_t* types, const float* gate_up_bias,
+                           const float* down_bias, int64_t experts, int64_t hidden, int64_t inter, float limit,
+                           float alpha, int32_t bits8, float* out);
 int pagedserve_quant_dequant(const uint8_t* w, int64_t out_dim, int64_t in_dim, int32_t type, float* out);
 
 /* --- the fused decode step (decode_step.c); worker/model/fused_decode.py mirrors these structs --------- */

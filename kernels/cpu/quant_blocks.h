@@ -347,6 +347,53 @@ static inline void dequant_sub_512(int type, const uint8_t *wrow, int64_t sb, __
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_AVX2 1
+/* Sub-block sb of a weight row -> four vectors of 8 floats (values 0-7, ..., 24-31), the same values as
+   dequant_sub: Q8_0, MXFP4 (a magnitude table of 8 and the nibble's sign bit) and the plain and half-width
+   rows in registers, the rest through dequant_sub. AVX2 machines multiply 4-6 bit types packed
+   (packed_blocks.h); Q8_0 (its packed kernel would saturate AVX2's byte products) and what does not pack
+   come here. */
+static inline void dequant_sub_256(int type, const uint8_t *wrow, int64_t sb, __m256 v[4]) {
+    if (type == Q8_0) {
+        const BlockQ8_0 *b = (const BlockQ8_0 *)(wrow + sb * sizeof(BlockQ8_0));
+        const __m256 d = _mm256_set1_ps(half_at(b->d));
+        for (int k = 0; k < 4; k++)
+            v[k] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + 8 * k)))));
+    } else if (type == MXFP4) { /* value j: qs[j]'s low nibble, j + 16 its high one; bit 3 the sign */
+        const BlockMXFP4 *b = (const BlockMXFP4 *)(wrow + sb * sizeof(BlockMXFP4));
+        const __m256 table = _mm256_mul_ps(_mm256_set1_ps(e8m0_scale(b->e)), _mm256_loadu_ps(MXFP4_VALUES));
+        const __m128i q = _mm_loadu_si128((const __m128i *)b->qs), f = _mm_set1_epi8(0x0f);
+        const __m128i half[2] = {_mm_and_si128(q, f), _mm_and_si128(_mm_srli_epi16(q, 4), f)};
+        for (int k = 0; k < 4; k++) {
+            const __m256i n = _mm256_cvtepu8_epi32(k & 1 ? _mm_srli_si128(half[k >> 1], 8) : half[k >> 1]);
+            const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(n, 3), 31));
+            v[k] = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, n), sign);
+        }
+    } else if (type == F32) {
+        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps((const float *)wrow + sb * QK + 8 * k);
+    } else if (type == BF16) {
+        const uint8_t *b = wrow + sb * 64;
+        for (int k = 0; k < 4; k++)
+            v[k] = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * k))), 16));
+    } else if (type == F16) {
+        const uint8_t *b = wrow + sb * 64;
+        for (int k = 0; k < 4; k++) v[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * k)));
+    } else {
+        float w[QK];
+        dequant_sub(type, wrow, sb, w);
+        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(w + 8 * k);
+    }
+}
+
+static inline float hsum_256(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+#endif
+
 /* How far ahead of the block being read a weight row is asked for (bytes). A decode step's matmuls stream
    every weight once, and the hardware prefetcher alone left the dot products waiting on memory: asking for
    the lines a few KB ahead made the one-row LM head (Q8_0) ~20% and the Q4_1 layers ~7% faster with cold
@@ -380,6 +427,22 @@ static inline __attribute__((always_inline)) void rows_dot_n(int type, const uin
         }
     }
     for (int r = 0; r < nr; r++) acc_out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
+#elif defined(QUANT_AVX2)
+    __m256 acc0[ROWS], acc1[ROWS]; /* two chains a row: consecutive FMAs do not wait on each other */
+    for (int r = 0; r < nr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        __m256 w[4];
+        prefetch_sub(type, wrow, blk);
+        dequant_sub_256(type, wrow, blk, w);
+        for (int r = 0; r < nr; r++) {
+            const float *xr = x + r * in_dim + blk * QK;
+            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], acc1[r]);
+            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], acc1[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) acc_out[r] = hsum_256(_mm256_add_ps(acc0[r], acc1[r]));
 #else
     float acc[ROWS][QK];
     float w[QK];

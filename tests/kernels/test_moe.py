@@ -257,3 +257,78 @@ def test_gpt_oss_experts_with_biases_and_the_clamped_swiglu(path):
         triton_moe = pytest.importorskip("kernels.triton_moe", reason="triton is not installed")
         got = triton_moe.fused_moe(h, w, ids, gate_up, down, act, gu_bias, d_bias)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+def quantized_experts(g, experts, rows, cols, qtype):
+    """Random experts as GGUF blocks (QuantWeight each) and their dequantized values."""
+    import gguf
+    import numpy as np
+
+    from tests.support.quant import random_k_blocks
+    from worker.model.quant_weights import QuantWeight
+
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    blocks, values = [], []
+    for e in range(experts):
+        if qtype.endswith("_K"):  # gguf reads the K types but cannot write them
+            w, v = random_k_blocks(np.random.default_rng(e), rows, cols, qtype)
+            blocks.append(w)
+            values.append(v)
+            continue
+        w = (torch.randn(rows, cols, generator=g) / cols**0.5).numpy()
+        q = gguf.quants.quantize(w, kind)
+        blocks.append(QuantWeight(torch.from_numpy(np.ascontiguousarray(q)), qtype, cols))
+        values.append(torch.from_numpy(gguf.quants.dequantize(q, kind).reshape(rows, cols)))
+    return blocks, torch.stack(values)
+
+
+@pytest.mark.parametrize("qtype", ["MXFP4", "Q4_K", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("activations", ["int16", "int8", "fp32"])
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "gpt-oss"])
+@pytest.mark.parametrize("tokens", [1, 5, 19])
+def test_one_native_call_equals_the_grouped_loop_on_the_same_blocks(
+    native, qtype, activations, gpt_oss, tokens
+):
+    """The experts on their blocks in one native call (pagedserve_moe_experts) give what the grouped
+    loop gives through the same library, expert by expert: packed with 16- or 8-bit activations, or
+    unpacked with fp32 ones; SiLU-mul, or gpt-oss's biases and clamped SwiGLU; experts no token
+    chose skipped; and what both give is the dequantized experts' answer.
+    """
+    from types import SimpleNamespace
+
+    from worker.model.moe import NativeExperts
+    from worker.model.quant_weights import ExpertBlocks
+    from worker.model.quantized import QuantizedMatmul
+
+    experts, top_k, hidden, inter = 6, 2, 256, 256
+    g = torch.Generator().manual_seed(tokens)
+    lib = QuantizedMatmul(
+        native,
+        dense=None,
+        max_kernel_rows=64,
+        int8_activations=activations == "int8",
+        packing=activations != "fp32",
+        pack_q8=True,
+    )
+    gate_up, gu_values = quantized_experts(g, experts, 2 * inter, hidden, qtype)
+    down, d_values = quantized_experts(g, experts, hidden, inter, qtype)
+    blocks = ExpertBlocks([lib.pack(w) for w in gate_up], [lib.pack(w) for w in down])
+    assert NativeExperts.serves(blocks, lib)
+    h = torch.randn(tokens, hidden, generator=g) * (6.0 if gpt_oss else 1.0)
+    scores = torch.rand(tokens, experts, generator=g)
+    scores[:, 3] = -1.0  # an expert no token chooses
+    weights, ids = torch.topk(torch.softmax(scores, -1), top_k, dim=-1)
+    biases = (
+        (torch.randn(experts, 2 * inter, generator=g), torch.randn(experts, hidden, generator=g))
+        if gpt_oss
+        else (None, None)
+    )
+    moe = SimpleNamespace(
+        gate_up_bias=biases[0], down_bias=biases[1], limit=7.0 if gpt_oss else None, alpha=1.702
+    )
+    act = partial(clamped_swiglu, 7.0, 1.702) if gpt_oss else TorchOps().silu_mul
+    got = NativeExperts(moe, blocks, lib)(h, weights, ids)
+    loop = grouped_experts(h, weights, ids, blocks.gate_up, blocks.down, act, *biases, lib)
+    torch.testing.assert_close(got, loop, atol=2e-4, rtol=2e-4)
+    dense = grouped_experts(h, weights, ids, gu_values, d_values, act, *biases)
+    assert (got - dense).norm() / dense.norm() < (5e-2 if activations == "int8" else 2e-3)

@@ -498,13 +498,17 @@ def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(
 def int16_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
     """The packed kernel's arithmetic in float64: each block's scaled values (d q) times x rounded
     per 32-value block to 16-bit integers (scale amax/32767), plus the block's offset (Q4_1's m,
-    Q4_0's -8 d, Q8_0's 0) times x's own sum.
+    Q4_0's -8 d, MXFP4's -12 d, Q8_0's 0) times x's own sum.
     """
     blocks = w.data.numpy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
-    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if w.qtype == "MXFP4":  # E8M0, halved: values are the doubled E2M1 ones
+        d = np.ldexp(1.0, blocks[:, :, 0].astype(np.int64) - 128)
+    else:
+        d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     m = {
         "Q4_1": lambda: blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64),
         "Q4_0": lambda: -8 * d,
+        "MXFP4": lambda: -12 * d,
         "Q8_0": lambda: np.zeros_like(d),
     }[w.qtype]()
     m = torch.from_numpy(m)  # [out, blocks]
@@ -540,7 +544,7 @@ def test_q8_0_is_packed_only_where_its_integer_kernel_is_fast(native):
     assert lib.pack(q4).qtype == "Q4_x16"
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "MXFP4"])
 def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
     """Packing (16 rows interleaved) keeps every value: dequantizing the packed weight gives gguf's
     values exactly. A weight it does not apply to is left as it is, and a packed one cannot be
@@ -552,8 +556,8 @@ def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
     lib = packing_lib(native)
     packed = lib.pack(w)
     assert packed.qtype == PACKED_FROM[qtype] and packed.shape == w.shape
-    # Q4_0 gains its offset: 18 -> 20 bytes
-    assert packed.nbytes == 48 * 10 * (34 if qtype == "Q8_0" else 20)
+    # Q4_0 gains its offset: 18 -> 20 bytes; MXFP4 keeps its 17
+    assert packed.nbytes == 48 * 10 * {"Q8_0": 34, "MXFP4": 17}.get(qtype, 20)
     assert torch.equal(lib.dequantize(packed), lib.dequantize(w))
     torch.testing.assert_close(lib.dequantize(packed), reference, rtol=1e-6, atol=1e-7)
     ragged, _ = quantized(np.random.default_rng(5), 40, 320, qtype)  # not whole 16-row groups
@@ -574,7 +578,26 @@ def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
         native.pack(ragged.data, ragged.type_id, 40, 320)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_an_mxfp4_scale_the_packed_kernel_cannot_read_leaves_the_weight_as_it_ships(native):
+    """PACKED_MX4 reads a scale 2^(e - 128) from e's bits: e = 255 (E8M0's NaN) and e = 0 over
+    values that are not 0 (2^-128 there) leave the weight in the file's layout, multiplied by the
+    fp32 kernel; a block of zeros at e = 0 packs.
+    """
+    zeros, _ = quantized(np.random.default_rng(8), 32, 64, "MXFP4")
+    zeros.data.view(32, 2, 17)[3, 0] = 0  # a block of zeros, as gguf quantizes one
+    lib = packing_lib(native, max_kernel_rows=64)
+    if not native.packed_fast:
+        pytest.skip("neither VNNI nor AVX2 here: the worker packs nothing")
+    assert lib.pack(zeros).qtype == "MXFP4_x16"
+    w, _ = quantized(np.random.default_rng(8), 32, 64, "MXFP4")
+    w.data.view(32, 2, 17)[5, 1, 0] = 255
+    assert lib.pack(w) is w
+    x = torch.from_numpy(np.random.default_rng(9).standard_normal((3, 64)).astype(np.float32))
+    want = x @ lib.dequantize(w).T  # NaN where the NaN scale meets it
+    torch.testing.assert_close(lib(x, w), want, rtol=1e-5, atol=1e-3, equal_nan=True)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "MXFP4"])
 # every pass of four activation rows, and the tails
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13])
 @pytest.mark.parametrize("in_dim", [576, 160])

@@ -124,6 +124,8 @@ class LlamaModel(nn.Module):
                     param.data = torch.empty(0, dtype=param.dtype)
             experts = weights.pop((i, "experts"), None)
             if experts is not None:  # no dense copy: experts are most of an MoE's bytes
+                experts.gate_up = [lib.pack(q) for q in experts.gate_up]  # one at a time
+                experts.down = [lib.pack(q) for q in experts.down]
                 for q in experts.gate_up + experts.down:
                     counts[q.file_qtype] = counts.get(q.file_qtype, 0) + 1
                 layer.moe.use_blocks(experts, lib)

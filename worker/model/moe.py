@@ -41,12 +41,14 @@ class MoE(nn.Module):
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         # "triton" or "torch", chosen at the first forward (where the weights are)
         self.backend: str | None = None
-        # the experts on their GGUF blocks, multiplied by `mm`, in place of gate_up/down
-        self.blocks = self.mm = None
+        # the experts on their GGUF blocks, multiplied by `mm` (or in one native call), in place of
+        # gate_up/down
+        self.blocks = self.mm = self.native = None
 
     def use_blocks(self, blocks, mm) -> None:
         """Serve the experts on their blocks (a QuantizedMatmul's kernels), never dense."""
         self.blocks, self.mm = blocks, mm
+        self.native = NativeExperts(self, blocks, mm) if NativeExperts.serves(blocks, mm) else None
         self.gate_up.data = torch.empty(0, dtype=self.gate_up.dtype)
         self.down.data = torch.empty(0, dtype=self.down.dtype)
 
@@ -67,6 +69,8 @@ class MoE(nn.Module):
             self.backend = default_backend(h.device)
         act = ops.silu_mul if not self.limit else partial(clamped_swiglu, self.limit, self.alpha)
         biases = (self.gate_up_bias, self.down_bias)
+        if self.native is not None and h.shape[0] <= self.mm.max_kernel_rows:
+            return self.native(h, weights, ids)
         if self.blocks is not None:
             b = self.blocks
             return grouped_experts(h, weights, ids, b.gate_up, b.down, act, *biases, self.mm)
@@ -75,6 +79,59 @@ class MoE(nn.Module):
 
             return fused_moe(h, weights, ids, self.gate_up, self.down, act, *biases)
         return grouped_experts(h, weights, ids, self.gate_up, self.down, act, *biases)
+
+
+class NativeExperts:
+    """The experts on their blocks in one native call a layer (kernels/cpu/quant_matmul.c
+    pagedserve_moe_experts): grouped_experts' arithmetic over `mm`'s kernels, in one parallel
+    region instead of four calls and a dozen torch ops an expert.
+    """
+
+    def __init__(self, moe: MoE, blocks, mm) -> None:
+        self.moe, self.blocks, self.mm = moe, blocks, mm  # blocks: the addresses' owners
+        self.experts = (
+            torch.tensor([w.data.data_ptr() for w in blocks.gate_up], dtype=torch.int64),
+            torch.tensor([w.data.data_ptr() for w in blocks.down], dtype=torch.int64),
+            torch.tensor([blocks.gate_up[0].type_id, blocks.down[0].type_id], dtype=torch.int32),
+        )
+        self.inter = blocks.down[0].in_dim
+        self.biases = None  # fp32 copies, made at the first forward (after loading)
+
+    @staticmethod
+    def serves(blocks, mm) -> bool:
+        """Whether the call computes what mm would: one block type each, the kernels' arithmetic
+        (packed, or fp32 dot products; not the unpacked int8 kernel).
+        """
+        from worker.model.quant_weights import QuantWeight
+        from worker.model.quantized import INT8_TYPES
+
+        weights = blocks.gate_up + blocks.down
+        if not hasattr(getattr(mm, "kernels", None), "moe_experts") or not all(
+            isinstance(w, QuantWeight) for w in weights
+        ):
+            return False
+        kinds = {w.qtype for w in blocks.gate_up}, {w.qtype for w in blocks.down}
+        if len(kinds[0]) != 1 or len(kinds[1]) != 1:
+            return False
+        q8act = mm.int8_activations and not mm.packing  # the unpacked int8 kernel: mm's own
+        return not (q8act and (kinds[0] | kinds[1]) & set(INT8_TYPES))
+
+    def __call__(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        m = self.moe
+        if self.biases is None:
+            self.biases = tuple(
+                None if b is None else b.detach().float().contiguous()
+                for b in (m.gate_up_bias, m.down_bias)
+            )
+        x = h if h.dtype == torch.float32 and h.is_contiguous() else h.float().contiguous()
+        out = torch.empty_like(x)
+        act = (float(m.limit or 0.0), float(m.alpha or 0.0))
+        w = weights.float().contiguous()
+        kernels, bits8 = self.mm.kernels, self.mm.int8_activations
+        kernels.moe_experts(
+            x, ids.contiguous(), w, self.experts, self.biases, self.inter, act, bits8, out
+        )
+        return out.to(h.dtype)
 
 
 def clamped_swiglu(limit: float, alpha: float, gate_up: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ PACKED_TYPES = {
     "Q4_K_x16": (102, 256, 152),
     "Q6_K_x16": (103, 256, 212),
     "Q5_K_x16": (104, 256, 184),
+    "MXFP4_x16": (105, 32, 17),  # the nibbles as Q4_x16's, each looked up (E2M1) before its dot
 }
 
 
@@ -42,6 +43,7 @@ PACKED_FROM = {
     "Q4_K": "Q4_K_x16",
     "Q5_K": "Q5_K_x16",
     "Q6_K": "Q6_K_x16",
+    "MXFP4": "MXFP4_x16",
 }
 
 

@@ -68,7 +68,12 @@ class QuantizedMatmul:
             return w
         if w.qtype == "Q8_0" and not self.pack_q8:
             return w  # AVX2 multiplies packed 4-6 bit weights in integers, not packed 8-bit ones
-        data, _ = self.kernels.pack(w.data, w.type_id, w.out_dim, w.in_dim)
+        try:
+            data, _ = self.kernels.pack(w.data, w.type_id, w.out_dim, w.in_dim)
+        except ValueError:
+            if w.qtype != "MXFP4":
+                raise
+            return w  # a scale past fp16's range: as the file ships it
         return QuantWeight(data, PACKED_FROM[w.qtype], w.in_dim, origin=w.qtype)
 
     def dequantize(

@@ -32,10 +32,17 @@ def load_config(source: str, load_format: str) -> ModelConfig:
 
     path = Path(source)
     if load_format == "gguf" or path.suffix == ".gguf":
-        from transformers import AutoConfig
+        from worker.weights.gguf_header import HEADER_CONFIGS, GGUFHeader
 
-        cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        config, gguf = ModelConfig.from_dict(cfg.to_dict()), path
+        header = GGUFHeader(path)
+        if header.arch in HEADER_CONFIGS:  # transformers cannot read these files' configs
+            config = ModelConfig.from_dict(HEADER_CONFIGS[header.arch](header))
+        else:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            config = ModelConfig.from_dict(cfg.to_dict())
+        gguf = path
     else:
         config = ModelConfig.from_folder(path)
         gguf = None if load_format == "dummy" else find_gguf(path)
