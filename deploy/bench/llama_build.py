@@ -280,6 +280,7 @@ class LlamaServer:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            cwd=Path(log).parent,  # ik_llama.cpp writes a llama.log where it runs
         )
         self.base_url = f"http://127.0.0.1:{self.port}"
 
