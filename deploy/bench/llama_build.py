@@ -260,7 +260,7 @@ class LlamaServer:
             [
                 str(peer.binary),
                 "-m",
-                str(gguf),
+                str(Path(gguf).resolve()),
                 "--host",
                 "127.0.0.1",
                 "--port",
