@@ -152,7 +152,7 @@ class LlamaCpp:
         from deploy.bench.llama_build import LlamaServer, llama_cpp
 
         log = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-")) / "llama-server.log"
-        extra = ["--lora", str(lora)] if lora is not None else []
+        extra = ["--lora", str(Path(lora).resolve())] if lora is not None else []
         self.server = LlamaServer(llama_cpp(), gguf, 1, 4096, 2, log, *extra).wait()
 
     def one(self, prompt: list[int], max_tokens: int) -> float:
