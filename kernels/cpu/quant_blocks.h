@@ -386,12 +386,6 @@ static inline void dequant_sub_256(int type, const uint8_t *wrow, int64_t sb, __
         for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(w + 8 * k);
     }
 }
-
-static inline float hsum_256(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
-}
 #endif
 
 /* How far ahead of the block being read a weight row is asked for (bytes). A decode step's matmuls stream
@@ -428,21 +422,27 @@ static inline __attribute__((always_inline)) void rows_dot_n(int type, const uin
     }
     for (int r = 0; r < nr; r++) acc_out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
 #elif defined(QUANT_AVX2)
-    __m256 acc0[ROWS], acc1[ROWS]; /* two chains a row: consecutive FMAs do not wait on each other */
-    for (int r = 0; r < nr; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    /* the portable loop's arithmetic (below) exactly: 32 sums a row, one per value of a block, each a
+       product rounded then added, summed in order at the end; only the dequantizing is in registers */
+    __m256 acc[ROWS][4];
+    for (int r = 0; r < nr; r++)
+        for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblocks; blk++) {
         __m256 w[4];
         prefetch_sub(type, wrow, blk);
         dequant_sub_256(type, wrow, blk, w);
         for (int r = 0; r < nr; r++) {
             const float *xr = x + r * in_dim + blk * QK;
-            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], acc1[r]);
-            acc0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], acc1[r]);
+            for (int k = 0; k < 4; k++)
+                acc[r][k] = _mm256_add_ps(acc[r][k], _mm256_mul_ps(_mm256_loadu_ps(xr + 8 * k), w[k]));
         }
     }
-    for (int r = 0; r < nr; r++) acc_out[r] = hsum_256(_mm256_add_ps(acc0[r], acc1[r]));
+    for (int r = 0; r < nr; r++) {
+        float sums[QK], s = 0.0f;
+        for (int k = 0; k < 4; k++) _mm256_storeu_ps(sums + 8 * k, acc[r][k]);
+        for (int j = 0; j < QK; j++) s += sums[j];
+        acc_out[r] = s;
+    }
 #else
     float acc[ROWS][QK];
     float w[QK];
