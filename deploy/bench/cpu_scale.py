@@ -177,26 +177,34 @@ def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
     return out
 
 
-def hybrid_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Path:
-    """A random Qwen3.5 shape named and shaped by transformers' own model, norms and decays as it
-    starts them.
+def saved_shapes(config, out: Path, tokenizer_from: Path) -> dict[str, tuple]:
+    """config (bf16) and the tokenizer saved into out; every tensor's name and shape in
+    transformers' own model of it.
     """
     import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+    from transformers import AutoModelForCausalLM
 
-    config = Qwen3_5TextConfig(vocab_size=vocab, rms_norm_eps=1e-6, **shape)
-    config.architectures = ["Qwen3_5ForCausalLM"]
     config.torch_dtype = "bfloat16"
     config.save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).is_file():
             shutil.copy(tokenizer_from / name, out / name)
     with torch.device("meta"):
-        shapes = {
-            k: tuple(v.shape)
-            for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()
-        }
+        model = AutoModelForCausalLM.from_config(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def hybrid_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Path:
+    """A random Qwen3.5 shape named and shaped by transformers' own model, norms and decays as it
+    starts them.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(vocab_size=vocab, rms_norm_eps=1e-6, **shape)
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    shapes = saved_shapes(config, out, tokenizer_from)
     shapes.pop("lm_head.weight")  # tied to the embedding
     g = torch.Generator().manual_seed(0)
 
@@ -234,21 +242,12 @@ def gpt_oss_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> 
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, GptOssConfig
+    from transformers import GptOssConfig
 
     config = GptOssConfig(vocab_size=vocab, **shape)
     config.architectures = ["GptOssForCausalLM"]
-    config.torch_dtype = "bfloat16"
     config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
-    config.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_from / name).is_file():
-            shutil.copy(tokenizer_from / name, out / name)
-    with torch.device("meta"):
-        shapes = {
-            k: tuple(v.shape)
-            for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()
-        }
+    shapes = saved_shapes(config, out, tokenizer_from)
     g = torch.Generator().manual_seed(0)
 
     def tensors(name: str, dims: tuple) -> dict:
