@@ -75,12 +75,40 @@ int pagedserve_pack(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t t
     return 0;
 }
 
+/* y[r, o] = x[r] . row o of w, rows [o0, o1) (whole groups of 16 where packed) for n rows; x as px where
+   packed. Called by every thread inside an `omp for` over output chunks (packed_matmul's, the experts'). */
+static void block_rows(int32_t type, const uint8_t *w, const float *x, PackedX px, int64_t n, int64_t in_dim,
+                        int64_t out_dim, int64_t o0, int64_t o1, float *y) {
+    const int64_t nb = in_dim / QK;
+    if (packed_type(type)) {
+        const int64_t gb = nb * pack_block_bytes(type);
+        for (int64_t g = o0 / PACK_ROWS; g < o1 / PACK_ROWS; g++)
+            for (int64_t r0 = 0; r0 < n; r0 += PACK_XROWS) {
+                const int64_t nr = n - r0 < PACK_XROWS ? n - r0 : PACK_XROWS;
+                float part[PACK_XROWS * PACK_ROWS];
+                packed_group_dot(type, w + g * gb, nb, packed_x_rows(px, r0, in_dim), in_dim, nr, part);
+                for (int64_t r = 0; r < nr; r++)
+                    memcpy(y + (r0 + r) * out_dim + g * PACK_ROWS, part + r * PACK_ROWS, sizeof(float) * PACK_ROWS);
+            }
+        return;
+    }
+    const int64_t rb = row_bytes(type, in_dim);
+    for (int64_t o = o0; o < o1; o++) {
+        float acc[ROWS];
+        for (int64_t r0 = 0; r0 < n; r0 += ROWS) {
+            const int nr = (int)(n - r0 < ROWS ? n - r0 : ROWS);
+            rows_dot(type, w + o * rb, nb, x + r0 * in_dim, in_dim, nr, acc);
+            for (int r = 0; r < nr; r++) y[(r0 + r) * out_dim + o] = acc[r];
+        }
+    }
+}
+
 /* y = x @ W^T on packed weights: the activations rounded to 16-bit integers per 32-value block (8-bit with
    bits8), then each thread takes whole groups of 16 output rows. -2: no memory for the rounded activations. */
 static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                          int32_t ptype, float *y, int bits8) {
     if (out_dim % PACK_ROWS || in_dim % QK || (packed_is_k(ptype) && in_dim % QK_K)) return -1;
-    const int64_t nb = in_dim / QK, groups = out_dim / PACK_ROWS, gb = nb * pack_block_bytes(ptype);
+    const int64_t nb = in_dim / QK, groups = out_dim / PACK_ROWS;
     void *mem = aligned_alloc(64, (size_t)((packed_x_bytes(rows, in_dim) + 63) / 64 * 64));
     if (!mem) return -2;
     PackedX px = packed_x_at(mem, rows, in_dim);
@@ -90,15 +118,7 @@ static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uin
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < rows * nb; i++) packed_x_block(x, px, i);
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            for (int64_t r0 = 0; r0 < rows; r0 += PACK_XROWS) {
-                const int64_t nr = rows - r0 < PACK_XROWS ? rows - r0 : PACK_XROWS;
-                float out[PACK_XROWS * PACK_ROWS];
-                packed_group_dot(ptype, w + g * gb, nb, packed_x_rows(px, r0, in_dim), in_dim, nr, out);
-                for (int64_t r = 0; r < nr; r++)
-                    memcpy(y + (r0 + r) * out_dim + g * PACK_ROWS, out + r * PACK_ROWS, sizeof(float) * PACK_ROWS);
-            }
-        }
+        for (int64_t g = 0; g < groups; g++) block_rows(ptype, w, x, px, rows, in_dim, out_dim, g * PACK_ROWS, (g + 1) * PACK_ROWS, y);
     }
     free(mem);
     return 0;
@@ -294,34 +314,6 @@ static void expert_act(const float *gu, float *a, int64_t inter, float limit, fl
     }
 }
 
-/* y[r, o] = x[r] . row o of w, rows [o0, o1) (whole groups of 16 where packed) for n rows; x as px where
-   packed. Called by every thread inside an `omp for` over output chunks. */
-static void expert_rows(int32_t type, const uint8_t *w, const float *x, PackedX px, int64_t n, int64_t in_dim,
-                        int64_t out_dim, int64_t o0, int64_t o1, float *y) {
-    const int64_t nb = in_dim / QK;
-    if (packed_type(type)) {
-        const int64_t gb = nb * pack_block_bytes(type);
-        for (int64_t g = o0 / PACK_ROWS; g < o1 / PACK_ROWS; g++)
-            for (int64_t r0 = 0; r0 < n; r0 += PACK_XROWS) {
-                const int64_t nr = n - r0 < PACK_XROWS ? n - r0 : PACK_XROWS;
-                float part[PACK_XROWS * PACK_ROWS];
-                packed_group_dot(type, w + g * gb, nb, packed_x_rows(px, r0, in_dim), in_dim, nr, part);
-                for (int64_t r = 0; r < nr; r++)
-                    memcpy(y + (r0 + r) * out_dim + g * PACK_ROWS, part + r * PACK_ROWS, sizeof(float) * PACK_ROWS);
-            }
-        return;
-    }
-    const int64_t rb = row_bytes(type, in_dim);
-    for (int64_t o = o0; o < o1; o++) {
-        float acc[ROWS];
-        for (int64_t r0 = 0; r0 < n; r0 += ROWS) {
-            const int nr = (int)(n - r0 < ROWS ? n - r0 : ROWS);
-            rows_dot(type, w + o * rb, nb, x + r0 * in_dim, in_dim, nr, acc);
-            for (int r = 0; r < nr; r++) y[(r0 + r) * out_dim + o] = acc[r];
-        }
-    }
-}
-
 static int expert_type_ok(int32_t type, int64_t in_dim, int64_t out_dim) {
     if (packed_type(type)) return out_dim % PACK_ROWS == 0 && in_dim % (packed_is_k(type) ? QK_K : QK) == 0;
     return block_bytes(type) > 0 && in_dim % block_values(type) == 0;
@@ -376,7 +368,7 @@ int pagedserve_moe_experts(const float *x, int64_t tokens, int32_t top_k, const 
         }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < span; c += 32) /* 32 output rows a chunk: whole groups of 16 */
-            expert_rows(gt, wg, xe, px, n, hidden, span, c, c + 32 < span ? c + 32 : span, ge);
+            block_rows(gt, wg, xe, px, n, hidden, span, c, c + 32 < span ? c + 32 : span, ge);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; r++) {
             float *gu = ge + r * span;
@@ -393,7 +385,7 @@ int pagedserve_moe_experts(const float *x, int64_t tokens, int32_t top_k, const 
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < hidden; c += 32) {
             const int64_t c1 = c + 32 < hidden ? c + 32 : hidden;
-            expert_rows(dt, wd, xe, pa, n, inter, hidden, c, c1, ge);
+            block_rows(dt, wd, xe, pa, n, inter, hidden, c, c1, ge);
             for (int64_t r = 0; r < n; r++) {
                 const float w = weights[rows[r]];
                 float *o = out + rows[r] / top_k * hidden;
