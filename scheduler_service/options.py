@@ -175,8 +175,10 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="speculative decoding: draft tokens from each sequence's own n-grams (and earlier "
         "requests') and verify them in one step, the same answers in fewer steps. auto: "
-        "only in steps of at most --speculative-max-rows decodes and no prompt to compute; "
-        "ngram: in every step; off",
+        "only in steps of at most --speculative-max-rows decodes and no prompt to compute, and "
+        "only as far as the tokens likely to stand repay a drafted row's cost measured from the "
+        "steps (a MoE's drafted tokens read other experts: there only long, reliable matches "
+        "draft); ngram: every match, in every step; off",
     )
     p.add_argument(
         "--num-speculative-tokens",

@@ -1,5 +1,6 @@
 """Drafts for speculative decoding, made where the tokens are: prompt lookup over a sequence's own
-tokens, n-grams shared across requests, a length the suffix match predicts (docs/ARCHITECTURE.md).
+tokens, n-grams shared across requests, a length the suffix match predicts, cut to what a drafted
+row's measured cost repays (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -140,14 +141,104 @@ class DraftLength:
             self.short_rate = self.decay * self.short_rate + (1 - self.decay) * (accepted > 0)
 
 
+# How often a drafted token stands after an n-token match before any is seen (the last entry for
+# longer ones): the edit workload's first drafted tokens (docs/BENCHMARKS.md, "How long a draft").
+PRIOR_STANDS = (0.0, 0.3, 0.45, 0.8, 0.85, 0.9, 0.95)
+PRIOR_WEIGHT = 4.0  # drafted tokens' worth of evidence the prior counts for
+KEEP = 0.97  # weight an acceptance seen one draft ago keeps; a skipped match's fades by SKIP_FADE
+SKIP_FADE = 0.99
+ROWS_KEEP = 0.98  # weight a step's seconds keep a decode-only step later
+MIN_SPREAD = 0.05  # the rows' variance below which the line's slope is not refit
+
+
+class DraftCost:
+    """Whether a drafted token pays (`--speculative auto`): a decode-only step's seconds as a line
+    in its rows (a drafted token is a row), and per match length how often a drafted token stands.
+
+    Drafting d tokens in a step of N rows taking t seconds buys N + p + p^2 + ... + p^d tokens for
+    t + slope * d seconds: drafted only as far as that beats N tokens in t. Where rows are nearly
+    free (a dense model's memory-bound step) a match drafts its full length; where each costs most
+    of a step (a MoE's drafted tokens read other experts) only long, reliable matches draft.
+    Until steps of two row counts are seen, rows are taken as free.
+    """
+
+    def __init__(self) -> None:
+        self._rows = [0.0] * 5  # forgetting sums: weight, x, y, x*x, x*y (x: rows, y: seconds)
+        self.slope: float | None = None  # seconds a row adds (None: not seen yet)
+        n = len(PRIOR_STANDS)
+        self._stood = [PRIOR_WEIGHT * p for p in PRIOR_STANDS]
+        self._tried = [PRIOR_WEIGHT] * n
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode-only step of `rows` rows (drafted tokens included) took `seconds`."""
+        sums = self._rows = [ROWS_KEEP * v for v in self._rows]
+        for k, v in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            sums[k] += v
+        w, x, y, xx, xy = sums
+        var = xx / w - (x / w) ** 2
+        if var > MIN_SPREAD:
+            self.slope = max(0.0, (xy / w - x * y / w / w) / var)
+
+    def seconds(self, rows: int) -> float:
+        w, x, y, _, _ = self._rows
+        if w <= 0:
+            return 0.0
+        return max(y / w + (self.slope or 0.0) * (rows - x / w), 1e-9)
+
+    def stands(self, n: int) -> float:
+        """How often a token drafted after an n-token match stands, each after the one before."""
+        i = min(n, len(PRIOR_STANDS) - 1)
+        return self._stood[i] / self._tried[i]
+
+    def record(self, n: int, drafted: int, accepted: int) -> None:
+        """`accepted` of `drafted` tokens stood after an n-token match (the first rejected ends
+        it).
+        """
+        i = min(n, len(PRIOR_STANDS) - 1)
+        if not drafted or not i:
+            return
+        self._stood[i] = KEEP * self._stood[i] + accepted
+        self._tried[i] = KEEP * self._tried[i] + accepted + (accepted < drafted)
+
+    def skipped(self, n: int) -> None:
+        """A match drafted nothing: its evidence fades toward the prior, so it is tried again."""
+        i = min(n, len(PRIOR_STANDS) - 1)
+        if i:
+            prior = PRIOR_WEIGHT * PRIOR_STANDS[i]
+            self._stood[i] = prior + SKIP_FADE * (self._stood[i] - prior)
+            self._tried[i] = PRIOR_WEIGHT + SKIP_FADE * (self._tried[i] - PRIOR_WEIGHT)
+
+    def worth(self, n: int, k: int, rows: int) -> int:
+        """Of k tokens an n-token match could draft in a step of `rows` rows, how many pay."""
+        if not self.slope or k <= 0:
+            return max(k, 0)
+        p, base = self.stands(n), self.seconds(rows)
+        best, best_rate = 0, rows / base
+        gain, term = 0.0, 1.0
+        for d in range(1, k + 1):
+            term *= p
+            gain += term
+            rate = (rows + gain) / (base + self.slope * d)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        return best
+
+
 class SequenceDrafter:
     """One sequence's n-gram index, length policy, and whether its next step drafts."""
 
-    def __init__(self, tokens: list[int], max_k: int, shared: SharedNgrams | None) -> None:
+    def __init__(
+        self,
+        tokens: list[int],
+        max_k: int,
+        shared: SharedNgrams | None,
+        cost: DraftCost | None = None,
+    ) -> None:
         self.index = NgramIndex(1, MAX_MATCH)
         self.index.extend(tokens)
         self.length = DraftLength(max_k)
         self.shared = shared
+        self.cost = cost  # None: every match drafts its length (`--speculative ngram`)
         self.expects = False
         self.matched = 0  # the suffix match the last proposal drafted from
 
@@ -163,12 +254,19 @@ class SequenceDrafter:
                 return m - SHARED_DISCOUNT, shared
         return n, draft
 
-    def propose(self, room: int) -> list[int]:
-        """This step's draft, at most `room` tokens."""
+    def length_for(self, n: int, rows: int) -> int:
+        """Tokens to draft after an n-token match in a step of `rows` rows."""
+        k = self.length.for_match(n)
+        return k if self.cost is None else self.cost.worth(n, k, rows)
+
+    def propose(self, room: int, rows: int = 1) -> list[int]:
+        """This step's draft, at most `room` tokens, in a step of `rows` rows before it."""
         n, draft = self.match(self.length.max_k)
-        k = min(self.length.for_match(n), room)
+        k = min(self.length_for(n, rows), room, len(draft))
         if k <= 0:
             self.length.skipped(n)
+            if self.cost is not None and draft:
+                self.cost.skipped(n)
             self.matched = 0
             return []
         self.matched = n
@@ -176,14 +274,18 @@ class SequenceDrafter:
 
     def record(self, drafted: int, accepted: int) -> None:
         self.length.record(self.matched, drafted, accepted)
+        if self.cost is not None:
+            self.cost.record(self.matched, drafted, accepted)
 
     def look_ahead(self) -> None:
-        """Whether the next step would draft."""
+        """Whether the next step would draft (were it alone)."""
         n, draft = self.match(1)
-        self.expects = bool(draft) and self.length.for_match(n) > 0
+        self.expects = bool(draft) and self.length_for(n, 1) > 0
 
 
-def propose_draft(seq, drafter: SequenceDrafter, budget: int, max_model_len: int) -> list[int]:
+def propose_draft(
+    seq, drafter: SequenceDrafter, budget: int, max_model_len: int, rows: int = 1
+) -> list[int]:
     """The draft within budget, max_tokens and context; none before min_tokens; grammar-allowed
     only.
     """
@@ -197,7 +299,7 @@ def propose_draft(seq, drafter: SequenceDrafter, budget: int, max_model_len: int
     )
     if room <= 0:
         return []
-    draft = drafter.propose(room)
+    draft = drafter.propose(room, rows)
     # only what the grammar allows (its masks follow the draft)
     if draft and seq.matcher is not None:
         draft = (

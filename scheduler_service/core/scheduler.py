@@ -9,7 +9,7 @@ import time
 
 from protos.codec import PlanArrays
 from scheduler_service.core.batch import ScheduledSeq, SchedulerOutput
-from scheduler_service.core.drafting import SequenceDrafter, propose_draft
+from scheduler_service.core.drafting import DraftCost, SequenceDrafter, propose_draft
 from scheduler_service.core.kv_manager import BlockCopy
 from scheduler_service.core.pacing import EmbedPacer, PromptPacer
 from scheduler_service.core.queues import Queues
@@ -24,6 +24,8 @@ class Scheduler(Queues):
         self.pacer = EmbedPacer(self.config.embed_slowdown, self.config.max_num_batched_tokens)
         gap = self.config.max_decode_gap if self.config.enable_chunked_prefill else 0.0
         self.prompt_pacer = PromptPacer(gap)
+        # auto drafts only as far as a drafted row's measured cost repays
+        self.draft_cost = DraftCost() if self.config.speculative == "auto" else None
 
     # --- one step --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -78,7 +80,8 @@ class Scheduler(Queues):
             draft = []
             if drafter is not None and not seq.pending.count:
                 t = time.perf_counter()
-                draft = propose_draft(seq, drafter, budget, self.max_model_len)
+                rows = len(decodes) + sum(len(s.draft) for s in out.scheduled)
+                draft = propose_draft(seq, drafter, budget, self.max_model_len, rows)
                 out.draft_seconds += time.perf_counter() - t
             # fast path: into the sequence's own last block
             if not draft and kv.writes_in_place(seq, pos):
@@ -204,7 +207,10 @@ class Scheduler(Queues):
             if not seq.request.sampling.may_draft:
                 return None
             seq.drafter = SequenceDrafter(
-                seq.token_ids, self.config.num_speculative_tokens, self.shared_ngrams
+                seq.token_ids,
+                self.config.num_speculative_tokens,
+                self.shared_ngrams,
+                self.draft_cost,
             )
             seq.drafter.look_ahead()
         return seq.drafter
@@ -229,8 +235,13 @@ class Scheduler(Queues):
         return plan
 
     def observe(self, out: SchedulerOutput, seconds: float, tier_seconds: float) -> None:
-        """A step's worker time: it paces embeddings, and weighs a tier load against computing."""
+        """A step's worker time: it paces embeddings and prompts, prices a drafted row, and weighs
+        a tier load against computing.
+        """
         other_prefill = out.num_prefill_tokens - out.num_embed_tokens
+        decoding = all(s.num_new_tokens == 1 + len(s.draft) for s in out.scheduled)
+        if self.draft_cost is not None and out.scheduled and decoding and not out.loads:
+            self.draft_cost.observe(out.num_tokens, seconds)
         self.pacer.observe(out.num_decodes, out.num_embed_tokens, other_prefill, seconds)
         if self.prompt_pacer.gap:
             rows = [

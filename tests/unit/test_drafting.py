@@ -4,6 +4,7 @@ from hypothesis import strategies as st
 
 from scheduler_service.core.drafting import (
     SHARED_DISCOUNT,
+    DraftCost,
     DraftLength,
     NgramIndex,
     SequenceDrafter,
@@ -138,3 +139,61 @@ def test_auto_drafts_in_small_steps_only_never_beside_a_prompt_to_compute(mode):
     drain(sched, worker)
     for req in (again, long):
         assert req.seqs[0].output_token_ids == expected(req, req.seqs[0])
+
+
+def test_a_drafted_row_is_drafted_only_where_what_stands_repays_its_measured_cost():
+    cost = DraftCost()
+    assert cost.worth(1, 3, rows=1) == 3  # no step of two row counts seen yet: rows are free
+    dense = DraftCost()  # a memory-bound dense step: a row adds 12%
+    for rows, t in [(1, 0.100), (2, 0.112), (3, 0.124)] * 5:
+        dense.observe(rows, t)
+    assert dense.worth(1, 1, rows=1) == 1 and dense.worth(6, 10, rows=1) == 10
+    moe = DraftCost()  # a MoE's drafted token reads other experts: a row adds ~60%
+    for rows, t in [(1, 0.13), (2, 0.20), (3, 0.29), (4, 0.37)] * 5:
+        moe.observe(rows, t)
+    assert moe.worth(1, 1, rows=1) == 0  # a one-token match's guess does not repay a row
+    assert 1 <= moe.worth(6, 10, rows=1) < 10  # a long match: a few tokens
+    for _ in range(30):  # a copy under way: every drafted token stands
+        moe.record(6, 10, 10)
+    assert moe.worth(6, 10, rows=1) == 10
+    for _ in range(30):  # three-token matches keep failing
+        moe.record(3, 2, 0)
+    assert moe.worth(3, 3, rows=1) == 0
+    skipped = 0
+    while moe.worth(3, 3, rows=1) == 0:  # what they stood is forgotten: they are tried again
+        moe.skipped(3)
+        skipped += 1
+        assert skipped < 1000
+    assert skipped > 10
+
+
+@pytest.mark.parametrize("row_cost", [0.001, 0.08])
+def test_auto_prices_a_drafted_row_from_the_steps_and_drafts_guesses_only_where_rows_are_cheap(
+    row_cost,
+):
+    """A step takes 0.13 s and `row_cost` more a row. A random answer's short matches are guesses;
+    an answer asked again is a copy: where rows cost ~60% of a step (a MoE's drafted tokens read
+    other experts) auto stops guessing and still drafts the copy; the answers are the same.
+    """
+    from scheduler_service.core.sequence import Request, SamplingOptions
+    from tests.support.simulated import expected, make, step
+
+    sched, worker = make(400, budget=64, speculative="auto")
+
+    def run(req: Request) -> int:
+        drafted = worker.num_drafted
+        sched.add_request(req)
+        while sched.has_work:
+            out = step(sched, worker)
+            sched.observe(out, 0.13 + row_cost * (out.num_tokens - 1), 0.0)
+        assert req.seqs[0].output_token_ids == expected(req, req.seqs[0])
+        return worker.num_drafted - drafted
+
+    prompt = [(7 * i) % 1000 for i in range(300)]  # short matches everywhere
+    guesses = run(Request("first", prompt, SamplingOptions(max_tokens=80)))
+    copied = run(Request("again", prompt, SamplingOptions(max_tokens=80)))
+    assert copied >= 40  # the earlier answer, drafted in long runs either way
+    if row_cost > 0.01:
+        assert guesses <= 3  # priced after the first draft or two, and no longer worth a row
+    else:
+        assert guesses >= 5
