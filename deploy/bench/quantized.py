@@ -178,7 +178,7 @@ def kernel_bandwidth(
 
 
 def kernel_ab(
-    against: str, types=("Q4_K", "Q5_K", "Q6_K", "Q4_1"), rows: int = 1, passes: int = 40
+    against: str, types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "MXFP4"), rows: int = 1, passes: int = 40
 ) -> None:
     """This tree's kernels against another build's, one process, alternating passes."""
     import ctypes
@@ -198,7 +198,9 @@ def kernel_ab(
         _, values, bb = QUANT_TYPES[qtype]
         blocks = rng.integers(0, 256, (24, 8192, 2048 // values, bb), dtype=np.uint8)
         scale = np.array([0.01], dtype=np.float16).view(np.uint8)  # finite fp16 scales
-        for at in (208,) if qtype == "Q6_K" else (0, 2):
+        if qtype == "MXFP4":  # an E8M0 exponent byte: 2^-7
+            blocks[..., 0] = 120
+        for at in () if qtype == "MXFP4" else (208,) if qtype == "Q6_K" else (0, 2):
             blocks[..., at : at + 2] = scale
         for bits in (16, 8):
             libs = [

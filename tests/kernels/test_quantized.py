@@ -735,6 +735,28 @@ def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bit
     ).max() < 1e-5  # fp32 summation apart
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "MXFP4"])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_packed_4_bit_weights_at_their_largest_products_stay_exact(native, qtype, bits):
+    """Every nibble at its largest unsigned value (15; MXFP4's +6, 24 in the kernel) against
+    activations at full scale of either sign: the kernels' 16-bit partial sums (eight products a
+    lane before widening, with 8-bit activations) stay within their width, four rows and a tail.
+    """
+    w, _ = quantized(np.random.default_rng(12), 32, 512, qtype)
+    blocks = w.data.numpy().reshape(32, 16, -1)
+    blocks[..., -16:] = 0x77 if qtype == "MXFP4" else 0xFF  # each block ends in its 16 nibble bytes
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    reference = torch.from_numpy(
+        gguf.quants.dequantize(blocks.reshape(32, -1), kind).reshape(32, 512).copy()
+    )
+    signs = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0])[:, None].repeat(1, 512)
+    signs[:, 256:] *= -1
+    x = signs * 3.0
+    lib = packing_lib(native, max_kernel_rows=64, int8_activations=bits == 8)
+    got, want = lib(x, lib.pack(w)), x @ reference.T
+    assert ((got - want).abs() / want.abs().amax(1, keepdim=True)).max() < 1e-5
+
+
 def test_packed_weights_carry_nan_and_infinity_through(native):
     """A NaN or an infinity among the activations makes that row's outputs NaN, as the fp32 product
     would (never a silently finite answer); other rows are unaffected.
