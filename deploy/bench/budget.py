@@ -134,6 +134,30 @@ def budget(runner, context: int, steps: int) -> dict:
     return {"parts": per, "step": step, "median_step": statistics.median(times)}
 
 
+def row_costs(runner, context: int, rows: list[int], steps: int) -> dict[int, float]:
+    """Median seconds of a decode step of n rows (n sequences at `context` keys, a token each: what
+    a verifying step of 1 + n - 1 drafted tokens reads), for each n, two alternating passes' best.
+    """
+    vocab = min(runner.model.config.vocab_size, 40000)
+    best: dict[int, float] = {}
+    for _ in range(2):
+        for n in rows:
+            plan, used = step_plan(
+                [(1, context)] * n, block=runner.pool.block_size, step_id=2 + n, vocab=vocab
+            )
+            if used > runner.pool.num_blocks:
+                raise SystemExit(f"{n} rows at --context {context} need {used} blocks")
+            for _ in range(3):
+                runner.execute(plan)
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                runner.execute(plan)
+                times.append(time.perf_counter() - t)
+            best[n] = min(best.get(n, float("inf")), statistics.median(times))
+    return best
+
+
 def kv_bytes(runner, context: int) -> int:
     """Bytes of keys and values one sequence of `context` keys reads a token, every layer."""
     model = runner.model
@@ -205,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--flags", default="", help="worker flags, as `pagedserve serve` would pass them"
     )
+    p.add_argument(
+        "--rows",
+        default="",
+        help="instead: a decode step's time by its rows (e.g. 1,2,3,4,6,8,11), as a ratio to one "
+        "row: what a drafted token costs (speculative decoding's `auto` learns the same line)",
+    )
     args = p.parse_args(argv)
     import shlex
 
@@ -227,6 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.model}: {torch.get_num_threads()} threads, context {args.context}, weights "
         f"{model.mm.name}, fused step {'on' if model.fused is not None else 'off'}"
     )
+    if args.rows:
+        costs = row_costs(runner, args.context, [int(n) for n in args.rows.split(",")], args.steps)
+        one = costs[min(costs)]
+        print(f"{'rows':>5} {'ms/step':>8} {'x 1 row':>8}")
+        for n, t in costs.items():
+            print(f"{n:>5} {t * 1e3:8.1f} {t / one:8.2f}")
+        return 0
     res = budget(runner, args.context, args.steps)
     del runner, model
     gc.collect()

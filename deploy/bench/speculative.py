@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for t in servers:
                 t.stop()
-    many = many_streams(args, modes) if args.streams else {}
+    many = many_streams(args, modes) if args.streams and args.stream_rounds > 0 else {}
     report(rates, drafts, kinds, many, args)
     return 0
 
