@@ -331,6 +331,31 @@ static inline __m256i avx2_dot(__m256i acc, __m256i a_u8, __m256i b_s8) {
 /* Against 8-bit activations (|x| <= 127) a maddubs pair sum stays within 2 u 127: Q4's u <= 15 lets all four
    parts' 8 maddubs add in 16 bits (30,480) before one madd widens them, MXFP4's u <= 24 two parts' (24,384). */
 #define AVX2_SUMS16(ptype) ((ptype) == PACKED_MX4 ? 2 : 4)
+/* Part k of half hf (8 of the 16 rows) of a PACKED_Q4 / PACKED_MX4 group-block as unsigned bytes: the low
+   nibbles' values and the high nibbles', MXFP4's through its shuffle. */
+static inline __attribute__((always_inline)) void avx2_q4_part(const int ptype, const PackedQ4Block *p4, int k, int hf,
+                                                               __m256i *wl, __m256i *wh) {
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p4->nib.q[k] + 32 * hf));
+    *wl = _mm256_and_si256(raw, nib);
+    *wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+    if (ptype == PACKED_MX4) {
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX4_UNSIGNED));
+        *wl = _mm256_shuffle_epi8(lut, *wl);
+        *wh = _mm256_shuffle_epi8(lut, *wh);
+    }
+}
+/* Half hf's scales and offsets (w = d u + m; MXFP4: m = -12 d). */
+static inline __attribute__((always_inline)) void avx2_q4_scales(const int ptype, const PackedQ4Block *p4, int hf,
+                                                                 __m256 *d, __m256 *m) {
+    if (ptype == PACKED_MX4) {
+        *d = mx4_scales_256(((const PackedMX4Block *)p4)->e + 8 * hf);
+        *m = _mm256_mul_ps(*d, _mm256_set1_ps(-12.0f));
+    } else {
+        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->d + 8 * hf)));
+        *m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->m + 8 * hf)));
+    }
+}
 #endif
 
 /* One packed value: row r's value j of a group-block, as a float (Q4: d q + m; Q8: d q). */
@@ -417,8 +442,6 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
 #else
 #if defined(PACKED_AVX2)
     if (packed_is_q4(ptype) && !x8) { /* a row at a time, both halves of the 16 rows (8 lanes each) in one pass */
-        const __m256i nib = _mm256_set1_epi8(0x0f);
-        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX4_UNSIGNED));
         for (int r = 0; r < nr; r++) {
             __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int64_t b = 0; b < nblocks; b++) {
@@ -432,22 +455,16 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                     int32_t l0, l1, h0, h1;
                     x_words(x, at, &l0, &l1, &h0, &h1);
                     for (int hf = 0; hf < 2; hf++) {
-                        const __m256i raw = _mm256_loadu_si256((const __m256i *)(p4->nib.q[k] + 32 * hf));
-                        __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-                        if (ptype == PACKED_MX4) {
-                            wl = _mm256_shuffle_epi8(lut, wl);
-                            wh = _mm256_shuffle_epi8(lut, wh);
-                        }
+                        __m256i wl, wh;
+                        avx2_q4_part(ptype, p4, k, hf, &wl, &wh);
                         ilo[hf] = avx2_dot(avx2_dot(ilo[hf], _mm256_set1_epi32(l0), wl), _mm256_set1_epi32(l1), wh);
                         ihi[hf] = avx2_dot(avx2_dot(ihi[hf], wl, _mm256_set1_epi32(h0)), wh, _mm256_set1_epi32(h1));
                     }
                 }
                 const int64_t xb = r * (in_dim / QK) + b;
                 for (int hf = 0; hf < 2; hf++) {
-                    const __m256 d = ptype == PACKED_MX4 ? mx4_scales_256(((const PackedMX4Block *)p4)->e + 8 * hf)
-                                                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->d + 8 * hf)));
-                    const __m256 m = ptype == PACKED_MX4 ? _mm256_mul_ps(d, _mm256_set1_ps(-12.0f))
-                                                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->m + 8 * hf)));
+                    __m256 d, m;
+                    avx2_q4_scales(ptype, p4, hf, &d, &m);
                     const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(ihi[hf], 8), ilo[hf]));
                     acc[hf] = _mm256_fmadd_ps(_mm256_mul_ps(dot, _mm256_set1_ps(x.d[xb])), d, acc[hf]);
                     acc[hf] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[xb]), acc[hf]);
@@ -461,8 +478,7 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
     if (packed_is_q4(ptype)) { /* 8-bit activations: each weight vector decoded once for all nr rows, and the
                                   maddubs pairs summed in 16 bits before one madd widens them (AVX2_SUMS16) */
         const int sums16 = AVX2_SUMS16(ptype);
-        const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-        const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX4_UNSIGNED));
+        const __m256i ones = _mm256_set1_epi16(1);
         __m256 acc[PACK_XROWS][2];
         for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nblocks; b++) {
@@ -472,12 +488,8 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                 __m256i dot[PACK_XROWS], s16[PACK_XROWS];
                 for (int r = 0; r < nr; r++) dot[r] = s16[r] = _mm256_setzero_si256();
                 for (int k = 0; k < 4; k++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(p4->nib.q[k] + 32 * hf));
-                    __m256i wl = _mm256_and_si256(raw, nib), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-                    if (ptype == PACKED_MX4) {
-                        wl = _mm256_shuffle_epi8(lut, wl);
-                        wh = _mm256_shuffle_epi8(lut, wh);
-                    }
+                    __m256i wl, wh;
+                    avx2_q4_part(ptype, p4, k, hf, &wl, &wh);
                     for (int r = 0; r < nr; r++) {
                         int32_t l0, l1, h0, h1;
                         x_words(x, r * in_dim + b * QK + 4 * k, &l0, &l1, &h0, &h1);
@@ -487,10 +499,8 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                         if (k % sums16 == sums16 - 1) dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(s16[r], ones));
                     }
                 }
-                const __m256 d = ptype == PACKED_MX4 ? mx4_scales_256(((const PackedMX4Block *)p4)->e + 8 * hf)
-                                                     : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->d + 8 * hf)));
-                const __m256 m = ptype == PACKED_MX4 ? _mm256_mul_ps(d, _mm256_set1_ps(-12.0f))
-                                                     : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->m + 8 * hf)));
+                __m256 d, m;
+                avx2_q4_scales(ptype, p4, hf, &d, &m);
                 for (int r = 0; r < nr; r++) { /* the 16-bit path's arithmetic with its low part 0 */
                     const int64_t xb = r * (in_dim / QK) + b;
                     const __m256 f = _mm256_cvtepi32_ps(_mm256_slli_epi32(dot[r], 8));
