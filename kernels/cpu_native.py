@@ -104,8 +104,9 @@ class NativeKernels(NativeAttention):
         # the packed kernel's integer dots need VNNI (or AVX2 for 4-6 bits); elsewhere nothing is
         # packed
         self.packed_fast = bool(lib.pagedserve_packed_fast())
-        # AVX2 packs the 4-6 bit types only
-        self.packed_q8_fast = bool(lib.pagedserve_packed_q8_fast())
+        # Q8_0 packs with VNNI, and on AVX2 for 8-bit activations only
+        q8 = lib.pagedserve_packed_q8_fast
+        self.packed_q8_fast, self.packed_q8_x8_fast = q8(0) == 1, q8(1) == 1
         # 512: AVX-512 intrinsics; 256: AVX2 (the portable loops)
         self.isa = lib.pagedserve_native_isa()
         sizes = (ctypes.c_int64 * 6)()

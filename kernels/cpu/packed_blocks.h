@@ -324,7 +324,8 @@ static inline void pack_groups(const uint8_t *w, int type, int64_t nblocks, int6
 /* AVX2 has no byte dot product into 32 bits: maddubs multiplies unsigned by signed bytes and adds pairs into
    16 bits (saturating: every product here stays below it: 2 x 255 x 63 for Q6_K's 6-bit values against the
    activations' low bytes), madd widens the pairs into 32-bit sums. Q8's signed 8-bit weights against the
-   low bytes could saturate, so PACKED_Q8 keeps the portable loop there (pagedserve_packed_q8_fast). */
+   low bytes could saturate, so PACKED_Q8 keeps the portable loop for 16-bit activations; against 8-bit ones
+   |w| meets x with w's sign (pagedserve_packed_q8_fast). */
 static inline __m256i avx2_dot(__m256i acc, __m256i a_u8, __m256i b_s8) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a_u8, b_s8), _mm256_set1_epi16(1)));
 }
@@ -506,6 +507,39 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                     const __m256 f = _mm256_cvtepi32_ps(_mm256_slli_epi32(dot[r], 8));
                     acc[r][hf] = _mm256_fmadd_ps(_mm256_mul_ps(f, _mm256_set1_ps(x.d[xb])), d, acc[r][hf]);
                     acc[r][hf] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[xb]), acc[r][hf]);
+                }
+            }
+        }
+        for (int r = 0; r < nr; r++) {
+            _mm256_storeu_ps(out + r * 16, acc[r][0]);
+            _mm256_storeu_ps(out + r * 16 + 8, acc[r][1]);
+        }
+        return;
+    }
+    if (ptype == PACKED_Q8 && x8) { /* signed weights: |w| against x carrying w's sign, so maddubs' pair sums
+                                       stay within 2 x 128 x 127 (the high-byte offset of the 16-bit path would not) */
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256 acc[PACK_XROWS][2];
+        for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nblocks; b++) {
+            const PackedQ8Block *p8 = (const PackedQ8Block *)(grp + b * pb);
+            for (int c = 0; c < pb; c += 64) __builtin_prefetch((const uint8_t *)p8 + 4096 + c, 0, 3);
+            for (int hf = 0; hf < 2; hf++) {
+                __m256i dot[PACK_XROWS];
+                for (int r = 0; r < nr; r++) dot[r] = _mm256_setzero_si256();
+                for (int k = 0; k < 8; k++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(p8->q[k] + 32 * hf)), aw = _mm256_abs_epi8(w);
+                    for (int r = 0; r < nr; r++) {
+                        int32_t h;
+                        memcpy(&h, x.hi + r * in_dim + b * QK + 4 * k, 4);
+                        const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(h), w);
+                        dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+                    }
+                }
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p8->d + 8 * hf)));
+                for (int r = 0; r < nr; r++) {
+                    const __m256 f = _mm256_cvtepi32_ps(_mm256_slli_epi32(dot[r], 8));
+                    acc[r][hf] = _mm256_fmadd_ps(_mm256_mul_ps(f, _mm256_set1_ps(x.d[r * (in_dim / QK) + b])), d, acc[r][hf]);
                 }
             }
         }

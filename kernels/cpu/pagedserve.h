@@ -9,7 +9,7 @@
 /* --- what this build has --------------------------------------------------------------------------- */
 int pagedserve_native_isa(void);
 int pagedserve_packed_fast(void);
-int pagedserve_packed_q8_fast(void);
+int pagedserve_packed_q8_fast(int bits8);
 int pagedserve_prefill_bf16_dots(void);
 int pagedserve_prefill_tiles(int32_t use);
 int pagedserve_decode_limits(int32_t* out);

@@ -43,11 +43,15 @@ int pagedserve_packed_fast(void) {
 #endif
 }
 
-/* 1 where PACKED_Q8 has its integer dot products too (AVX-512 VNNI only: see avx2_dot). */
-int pagedserve_packed_q8_fast(void) {
+/* 1 where PACKED_Q8 has its integer dot products too: AVX-512 VNNI; AVX2 against 8-bit activations only
+   (bits8; see avx2_dot). */
+int pagedserve_packed_q8_fast(int bits8) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return 1;
+#elif defined(PACKED_AVX2)
+    return bits8 != 0;
 #else
+    (void)bits8;
     return 0;
 #endif
 }

@@ -532,8 +532,9 @@ def packing_lib(native, **kw) -> QuantizedMatmul:
 
 
 def test_q8_0_is_packed_only_where_its_integer_kernel_is_fast(native):
-    """On AVX2 the packed 4-6 bit layouts have byte dot products (maddubs) and Q8_0's would saturate
-    them, so the worker leaves Q8_0 as the file ships it there; with VNNI everything packs.
+    """On AVX2 the packed 4-6 bit layouts have byte dot products (maddubs) and Q8_0's against 16-bit
+    activations would saturate them, so the worker leaves Q8_0 as the file ships it there; against
+    8-bit activations (|w| with x carrying w's sign) and with VNNI everything packs.
     """
     w, _ = quantized(np.random.default_rng(3), 32, 64, "Q8_0")
     q4, _ = quantized(np.random.default_rng(3), 32, 64, "Q4_1")
@@ -542,6 +543,8 @@ def test_q8_0_is_packed_only_where_its_integer_kernel_is_fast(native):
         pytest.skip("neither VNNI nor AVX2 here: the worker packs nothing")
     assert (lib.pack(w) is w) == (not native.packed_q8_fast)
     assert lib.pack(q4).qtype == "Q4_x16"
+    lib.int8_activations = True  # as the worker turns it on once it knows there is no dense copy
+    assert lib.pack(w).qtype == "Q8_0_x16" and native.packed_q8_x8_fast
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "MXFP4"])

@@ -43,7 +43,7 @@ class QuantizedMatmul:
         self.kernels = kernels
         self.int8_activations = int8_activations
         self.packing = packing
-        self.pack_q8 = getattr(kernels, "packed_q8_fast", True) if pack_q8 is None else pack_q8
+        self.pack_q8 = pack_q8  # None: where Q8_0's packed integer kernel is fast (q8_packs)
         self.dense = dense or DenseMatmul()
         # the library of the blocks' copies for prompt steps, where not `dense` (bf16)
         self.copies = None
@@ -66,8 +66,8 @@ class QuantizedMatmul:
             return QuantStack([self.pack(p) for p in w.segments])
         if w.qtype not in PACKED_FROM or w.out_dim % 16:
             return w
-        if w.qtype == "Q8_0" and not self.pack_q8:
-            return w  # AVX2 multiplies packed 4-6 bit weights in integers, not packed 8-bit ones
+        if w.qtype == "Q8_0" and not self.q8_packs():
+            return w  # AVX2's packed 8-bit weights meet 8-bit activations only
         try:
             data, _ = self.kernels.pack(w.data, w.type_id, w.out_dim, w.in_dim)
         except ValueError:
@@ -75,6 +75,13 @@ class QuantizedMatmul:
                 raise
             return w  # a scale past fp16's range: as the file ships it
         return QuantWeight(data, PACKED_FROM[w.qtype], w.in_dim, origin=w.qtype)
+
+    def q8_packs(self) -> bool:
+        """Whether Q8_0 packs: as told, else where its kernel is fast for these activations."""
+        if self.pack_q8 is not None:
+            return self.pack_q8
+        fast = "packed_q8_x8_fast" if self.int8_activations else "packed_q8_fast"
+        return getattr(self.kernels, fast, True)
 
     def dequantize(
         self, w: QuantWeight | QuantStack, out: torch.Tensor | None = None
