@@ -178,7 +178,11 @@ def kernel_bandwidth(
 
 
 def kernel_ab(
-    against: str, types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "MXFP4"), rows: int = 1, passes: int = 40
+    against: str,
+    types=("Q4_K", "Q5_K", "Q6_K", "Q4_1", "MXFP4"),
+    rows: int = 1,
+    passes: int = 40,
+    bits=(16, 8),
 ) -> None:
     """This tree's kernels against another build's, one process, alternating passes."""
     import ctypes
@@ -202,7 +206,7 @@ def kernel_ab(
             blocks[..., 0] = 120
         for at in () if qtype == "MXFP4" else (208,) if qtype == "Q6_K" else (0, 2):
             blocks[..., at : at + 2] = scale
-        for bits in (16, 8):
+        for nbits in bits:
             libs = [
                 QuantizedMatmul(
                     k,
@@ -210,7 +214,7 @@ def kernel_ab(
                     max_kernel_rows=1 << 20,
                     packing=True,
                     pack_q8=True,
-                    int8_activations=bits == 8,
+                    int8_activations=nbits == 8,
                 )
                 for k in builds
             ]
@@ -231,7 +235,7 @@ def kernel_ab(
             a, b = (statistics.median(t[2:]) for t in times)
             same = "the same" if diff == 0 else f"apart by {diff:.1e} of the largest"
             print(
-                f"{qtype:5} {bits:2}-bit  {nbytes / a / 1e9:6.1f} / {nbytes / b / 1e9:6.1f} GB/s"
+                f"{qtype:5} {nbits:2}-bit  {nbytes / a / 1e9:6.1f} / {nbytes / b / 1e9:6.1f} GB/s"
                 f"  x{b / a:.2f}  outputs {same}"
             )
 
@@ -246,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         help="only the quantized kernels' own speed, per type (GB/s)",
     )
     p.add_argument("--rows", type=int, default=1, help="with --kernels: activation rows")
+    p.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q4_1,MXFP4", help="with --against")
+    p.add_argument("--bits", default="16,8", help="with --against: activation widths")
+    p.add_argument("--passes", type=int, default=40, help="with --against")
     p.add_argument(
         "--against",
         metavar="LIB",
@@ -266,7 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.kernels and args.against:
-        kernel_ab(args.against, rows=args.rows)
+        kernel_ab(
+            args.against,
+            types=tuple(args.types.split(",")),
+            rows=args.rows,
+            passes=args.passes,
+            bits=tuple(int(b) for b in args.bits.split(",")),
+        )
         return 0
     if args.kernels:
         kernel_bandwidth(rows=args.rows)

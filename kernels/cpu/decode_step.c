@@ -144,10 +144,10 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
                     o += PACK_ROWS - off - 1;
                     continue;
                 }
-                float out[ROWS * PACK_ROWS];
+                float out[PACK_TILE * PACK_ROWS];
                 const uint8_t* grp = g->w + (o - first) / PACK_ROWS * nblocks * pack_block_bytes(g->type);
-                for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
-                    const int64_t nr = rows - r0 < ROWS ? rows - r0 : ROWS;
+                for (int64_t r0 = 0; r0 < rows; r0 += PACK_TILE) {
+                    const int64_t nr = rows - r0 < PACK_TILE ? rows - r0 : PACK_TILE;
                     packed_group_dot(g->type, grp, nblocks, packed_x_rows(px, r0, w->in_dim), w->in_dim, nr, out);
                     for (int64_t r = 0; r < nr; r++)
                         for (int i = 0; i < PACK_ROWS; i++) y[(r0 + r) * out_dim + o + i] = out[r * PACK_ROWS + i];

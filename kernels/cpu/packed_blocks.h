@@ -125,6 +125,10 @@ static inline const uint8_t *packed_k_mins(int ptype, const uint8_t *sub) {
     return ptype == PACKED_Q5K ? ((const PackedQ5KSub *)sub)->m : ((const PackedQ4KSub *)sub)->m;
 }
 #define PACK_XROWS 4         /* activation rows per pass over a group's weights (accumulators in registers) */
+#define PACK_TILE 32         /* the most rows a caller hands packed_group_dot at once */
+#ifndef PACK_TILE_MIN
+#define PACK_TILE_MIN 8      /* from these rows on, AVX2's 8-bit K-quant kernel takes them as one tile */
+#endif
 
 /* Activations of a matmul as the packed kernel reads them: per row and 32-value block, the 16-bit integers
    split into their low (unsigned) and high (signed) bytes, the scale, and the block's fp32 sum. */
@@ -824,6 +828,75 @@ static inline __attribute__((always_inline)) void avx2_k_rows8(const int ptype, 
         _mm256_storeu_ps(out + r * 16 + 8, acc[r][1]);
     }
 }
+
+/* 8-bit activations, many rows (a prompt's, or many streams'): per sub-block and half, the eight weight
+   vectors decoded once for every row of the tile, where avx2_k_rows8 decodes them again each four rows; and
+   each row's scaling from the half's scales made once. A row's products summed in 16 bits over as many
+   weight vectors as fit (Q4_K all eight: 8 x 2 x 127 x 15 < 2^15; Q5_K four; Q6_K two, its halves apart),
+   then widened: the same integers, and the same float operations in the same order, as avx2_k_rows8, so the
+   same floats. out: the tile's accumulators, out[r * 16 + i], in L1 between sub-blocks. */
+static inline __attribute__((always_inline)) void avx2_k_tile8(const int ptype, const uint8_t *grp, int64_t nblocks,
+                                                                PackedX x, int64_t in_dim, const int64_t nr, float *out) {
+    const int64_t supb = 8 * pack_block_bytes(ptype), xb0 = in_dim / QK;
+    const int subb = packed_k_sub_bytes(ptype);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < nr * PACK_ROWS; i++) out[i] = 0.0f;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *head = grp + b / 8 * supb, *sub = packed_k_sub_at(ptype, head, (int)(b % 8));
+        for (int c = 0; c < subb; c += 64) __builtin_prefetch(sub + 4096 + c, 0, 3);
+        for (int hf = 0; hf < 2; hf++) {
+            __m256i w[8];
+            for (int k = 0; k < 4; k++) avx2_k_weights(ptype, sub, k, hf, &w[2 * k], &w[2 * k + 1]);
+            const __m256 d = _mm256_loadu_ps(((const PackedKHead *)head)->d + 8 * hf);
+            __m256 s0, s1;
+            if (ptype != PACKED_Q6K) { /* s0 the scale, s1 the offset, as avx2_k_scaled makes them */
+                const __m256 dmin = _mm256_loadu_ps(((const PackedKHead *)head)->dmin + 8 * hf);
+                s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)(packed_k_scales(ptype, sub) + 8 * hf)))));
+                s1 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                             _mm_loadl_epi64((const __m128i *)(packed_k_mins(ptype, sub) + 8 * hf)))));
+            } else {
+                const PackedQ6KSub *s6 = (const PackedQ6KSub *)sub;
+                s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s6->sc[0] + 8 * hf)))));
+                s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s6->sc[1] + 8 * hf)))));
+            }
+            for (int64_t r = 0; r < nr; r++) {
+                const int8_t *xr = x.hi + r * in_dim + b * QK;
+                const int64_t xb = r * xb0 + b;
+                __m256i p[8];
+                for (int k = 0; k < 4; k++) {
+                    int32_t h0, h1;
+                    memcpy(&h0, xr + 4 * k, 4);
+                    memcpy(&h1, xr + 16 + 4 * k, 4);
+                    p[2 * k] = _mm256_maddubs_epi16(w[2 * k], _mm256_set1_epi32(h0));
+                    p[2 * k + 1] = _mm256_maddubs_epi16(w[2 * k + 1], _mm256_set1_epi32(h1));
+                }
+                const __m256 dx = _mm256_set1_ps(x.d[xb]);
+                float *o = out + r * PACK_ROWS + 8 * hf;
+                __m256 acc = _mm256_loadu_ps(o);
+                if (ptype == PACKED_Q6K) { /* the first 16 values (even p) and the last 16 (odd) apart */
+                    const __m256i ha = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[2]), ones),
+                                                        _mm256_madd_epi16(_mm256_add_epi16(p[4], p[6]), ones));
+                    const __m256i hb = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[1], p[3]), ones),
+                                                        _mm256_madd_epi16(_mm256_add_epi16(p[5], p[7]), ones));
+                    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_slli_epi32(ha, 8)), dx), s0, acc);
+                    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_slli_epi32(hb, 8)), dx), s1, acc);
+                    acc = _mm256_fnmadd_ps(s0, _mm256_set1_ps(32.0f * x.sumh[xb]), acc);
+                    acc = _mm256_fnmadd_ps(s1, _mm256_set1_ps(32.0f * (x.sum[xb] - x.sumh[xb])), acc);
+                } else {
+                    const __m256i q0 = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+                    const __m256i q1 = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+                    const __m256i hs = ptype == PACKED_Q4K
+                                           ? _mm256_madd_epi16(_mm256_add_epi16(q0, q1), ones)
+                                           : _mm256_add_epi32(_mm256_madd_epi16(q0, ones), _mm256_madd_epi16(q1, ones));
+                    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_slli_epi32(hs, 8)), dx), s0, acc);
+                    acc = _mm256_fnmadd_ps(s1, _mm256_set1_ps(x.sum[xb]), acc);
+                }
+                _mm256_storeu_ps(o, acc);
+            }
+        }
+    }
+}
 #endif
 
 /* out[r * 16 + i] = row i of a packed K group . activation row r (nr <= PACK_XROWS), as packed_group_dot_n:
@@ -950,9 +1023,21 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
 }
 
 /* out[r * 16 + i] for any number of activation rows, PACK_XROWS at a time (the group's weights stay in L1
-   between passes), specialized on the layout and the row count. */
+   between passes), specialized on the layout and the row count; on AVX2 with 8-bit activations, a K-quant's
+   PACK_TILE_MIN rows or more as one tile. Callers pass up to PACK_TILE rows at once. */
 static inline void packed_group_dot(int ptype, const uint8_t *grp, int64_t nblocks, PackedX x, int64_t in_dim,
                                     int64_t rows, float *out) {
+#if defined(PACKED_AVX2)
+    if (x.bits8 && packed_is_k(ptype) && rows >= PACK_TILE_MIN) {
+        if (ptype == PACKED_Q4K)
+            avx2_k_tile8(PACKED_Q4K, grp, nblocks, x, in_dim, rows, out);
+        else if (ptype == PACKED_Q5K)
+            avx2_k_tile8(PACKED_Q5K, grp, nblocks, x, in_dim, rows, out);
+        else
+            avx2_k_tile8(PACKED_Q6K, grp, nblocks, x, in_dim, rows, out);
+        return;
+    }
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += PACK_XROWS) {
         const PackedX xr = packed_x_rows(x, r0, in_dim);
         float *o = out + r0 * PACK_ROWS;

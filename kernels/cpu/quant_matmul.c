@@ -87,9 +87,9 @@ static void block_rows(int32_t type, const uint8_t *w, const float *x, PackedX p
     if (packed_type(type)) {
         const int64_t gb = nb * pack_block_bytes(type);
         for (int64_t g = o0 / PACK_ROWS; g < o1 / PACK_ROWS; g++)
-            for (int64_t r0 = 0; r0 < n; r0 += PACK_XROWS) {
-                const int64_t nr = n - r0 < PACK_XROWS ? n - r0 : PACK_XROWS;
-                float part[PACK_XROWS * PACK_ROWS];
+            for (int64_t r0 = 0; r0 < n; r0 += PACK_TILE) {
+                const int64_t nr = n - r0 < PACK_TILE ? n - r0 : PACK_TILE;
+                float part[PACK_TILE * PACK_ROWS];
                 packed_group_dot(type, w + g * gb, nb, packed_x_rows(px, r0, in_dim), in_dim, nr, part);
                 for (int64_t r = 0; r < nr; r++)
                     memcpy(y + (r0 + r) * out_dim + g * PACK_ROWS, part + r * PACK_ROWS, sizeof(float) * PACK_ROWS);

@@ -714,11 +714,12 @@ def test_packed_k_quants_multiply_rounded_activations(native, qtype, rows, in_di
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("bits", [16, 8])
-def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bits):
+@pytest.mark.parametrize("rows", [5, 40])
+def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bits, rows):
     """Every weight at its type's largest integer (15, 31, 63) against activations at full scale of
     either sign (each block rounds to +-127 with 8 bits): the kernel's integer sums stay within
     their width (a sum that wrapped would be off by 2^16 of a block's scale), four rows at once and
-    a tail.
+    a tail, and a prompt's many rows (a tile of 32 and one of 8, where AVX2 sums more in 16 bits).
     """
     w, reference = random_k_blocks(np.random.default_rng(11), 32, 512, qtype)
     blocks = w.data.numpy().reshape(32, 2, -1)
@@ -728,7 +729,7 @@ def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bit
     reference = torch.from_numpy(
         gguf.quants.dequantize(blocks.reshape(32, -1), kind).reshape(32, 512).copy()
     )
-    signs = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0])[:, None].repeat(1, 512)
+    signs = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0] * (rows // 5))[:, None].repeat(1, 512)
     signs[:, 256:] *= -1  # a sign change between super-blocks
     x = signs * 3.0
     lib = packing_lib(native, max_kernel_rows=64, int8_activations=bits == 8)
@@ -736,6 +737,26 @@ def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bit
     assert (
         (got - want).abs() / want.abs().amax(1, keepdim=True)
     ).max() < 1e-5  # fp32 summation apart
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0", "MXFP4"])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_rows_answer_does_not_depend_on_the_rows_beside_it(native, qtype, bits):
+    """A row multiplied alone, among a few (a decode step's), or among a prompt's many (several
+    tiles of the many-row kernels) gets the same floats, bit for bit: a stream's answer never
+    depends on who shares its step.
+    """
+    rng = np.random.default_rng(13)
+    make = random_k_blocks if qtype.endswith("_K") else quantized
+    w, _ = make(rng, 48, 768, qtype)
+    x = torch.from_numpy(rng.standard_normal((70, 768)).astype(np.float32))
+    lib = packing_lib(native, max_kernel_rows=1 << 20, int8_activations=bits == 8)
+    packed = lib.pack(w)
+    whole = lib(x, packed)
+    for r in (0, 3, 31, 32, 69):
+        assert torch.equal(lib(x[r : r + 1], packed), whole[r : r + 1])
+    assert torch.equal(lib(x[:6], packed), whole[:6])
+    assert torch.equal(lib(x[40:57], packed), whole[40:57])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "MXFP4"])
