@@ -42,8 +42,34 @@ static inline void silu_mul_span(const float* gate, const float* up, float* out,
         _mm512_mask_storeu_ps(out + i, k, _mm512_mul_ps(_mm512_mul_ps(g, r), _mm512_maskz_loadu_ps(k, up + i)));
     }
 #else
+#if defined(__AVX2__) && defined(__FMA__)
+    /* eight lanes at a time, the quotient exact, a tail through the same lanes (so a value does not depend on
+       where a thread's span began); the -std=c11 build never vectorized vec_exp's loop: a prompt's SiLU had
+       cost 3.5% of its step */
+    for (int64_t i = begin; i < end; i += 8) {
+        const int n = end - i < 8 ? (int)(end - i) : 8;
+        float g8[8] = {0}, u8[8] = {0}, o8[8];
+        const float *gp = gate + i, *up8 = up + i;
+        if (n < 8) {
+            for (int j = 0; j < n; j++) g8[j] = gate[i + j], u8[j] = up[i + j];
+            gp = g8;
+            up8 = u8;
+        }
+        const __m256 g = _mm256_loadu_ps(gp);
+        const __m256 e = exp256_nonpositive(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g),
+                                                          _mm256_set1_ps(88.0f)));
+        const __m256 y = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(e, _mm256_set1_ps(1.0f))), _mm256_loadu_ps(up8));
+        if (n == 8) {
+            _mm256_storeu_ps(out + i, y);
+        } else {
+            _mm256_storeu_ps(o8, y);
+            for (int j = 0; j < n; j++) out[i + j] = o8[j];
+        }
+    }
+#else
 #pragma omp simd
     for (int64_t i = begin; i < end; i++) out[i] = gate[i] / (1.0f + vec_exp(-gate[i])) * up[i];
+#endif
 #endif
 }
 
