@@ -23,7 +23,7 @@ from scheduler_service.core.plan import PlanBuilder
 from scheduler_service.core.pooling import take_pooled
 from scheduler_service.core.results import ends_with, row_tokens, stop_at
 from scheduler_service.core.sequence import FinishReason, PlanRow, Request, Sequence, SequenceStatus
-from scheduler_service.core.stats import PoolStats
+from scheduler_service.core.stats import PoolGauges, PoolStats
 
 
 class Queues:
@@ -292,6 +292,17 @@ class Queues:
             self.num_preemptions,
             self.kv.tiers.stats() if self.kv.tiers is not None else None,
             *((st.num_slots, st.num_held, st.num_snapshots) if (st := self.kv.states) else ()),
+        )
+
+    def gauges(self) -> PoolGauges:
+        """The books /metrics shows, as they stand now (lengths and counters only)."""
+        a, states = self.kv.allocator, self.kv.states
+        return PoolGauges(
+            len(self.running),
+            len(self.waiting),
+            a.num_available_blocks,
+            a.num_blocks,
+            states.num_held if states is not None else 0,
         )
 
     def request_blocks(self, request: Request) -> int:

@@ -65,3 +65,16 @@ class PoolStats:
     num_state_slots: int = 0  # a hybrid's recurrent-state slots, those held now, its snapshots
     num_used_state_slots: int = 0
     num_state_snapshots: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGauges:
+    """The pool's figures /metrics shows, read without walking a queue (a scrape reads them from the
+    metrics server's thread while the scheduler runs).
+    """
+
+    num_running: int
+    num_waiting: int
+    num_available_blocks: int
+    num_blocks: int
+    num_used_state_slots: int

@@ -80,6 +80,8 @@ class Engine(Failover):
         self.limits: Limits | None = None
         self.streams: dict[str, RequestStream] = {}
         self.metrics = Metrics()
+        for loop in self.replicas:
+            self.metrics.watch(loop.index, loop.gauges)
         self.kv_events = KvEventPublisher()
         self.started_at = time.time()
         self._starting_reason = "workers not connected yet"
@@ -307,7 +309,7 @@ class Engine(Failover):
             stream = self.streams.get(request.request_id)
             if stream is not None and stream.request is request:
                 self._emit(stream, delta)
-        self.metrics.on_step(replica.index, report, replica.num_blocks)
+        self.metrics.on_step(replica.index, report)
         self.kv_events.collect(replica.index, report.update.kv_events)
 
     def on_step_failed(self, replica: StepLoop, out: SchedulerOutput, message: str) -> None:

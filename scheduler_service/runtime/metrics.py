@@ -4,10 +4,14 @@ otherwise, 0 off).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from scheduler_service.core.sequence import Request
-from scheduler_service.core.stats import TierStats
+from scheduler_service.core.stats import PoolGauges, TierStats
+
+DOWN = PoolGauges(0, 0, 0, 0, 0)  # a replica that is down: no pool
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
 
@@ -217,9 +221,30 @@ class Metrics:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
 
-    def on_step(self, replica: int, report, total_blocks: int) -> None:
-        """One step's report (runtime/step_results.py StepReport) of a replica whose pool has
-        total_blocks.
+    def watch(self, replica: int, books: Callable[[], PoolGauges | None]) -> None:
+        """The pool's gauges read from `books` (a replica's StepLoop.gauges) at each scrape, so they
+        tell the truth idle as busy (set at steps, they kept the last step's figures once idle); a
+        replica that is down shows an empty pool.
+        """
+        label = str(replica)
+
+        def read(field: str) -> Callable[[], float]:
+            return lambda: float(getattr(books() or DOWN, field))
+
+        def usage() -> float:
+            b = books() or DOWN
+            return (b.num_blocks - b.num_available_blocks) / b.num_blocks if b.num_blocks else 0.0
+
+        self.running.labels(label).set_function(read("num_running"))
+        self.waiting.labels(label).set_function(read("num_waiting"))
+        self.blocks_free.labels(label).set_function(read("num_available_blocks"))
+        self.blocks_total.labels(label).set_function(read("num_blocks"))
+        self.state_slots.labels(label).set_function(read("num_used_state_slots"))
+        self.kv_usage.labels(label).set_function(usage)
+
+    def on_step(self, replica: int, report) -> None:
+        """One step's report (runtime/step_results.py StepReport): its counters and histograms (the
+        pool's gauges are read at each scrape: `watch`).
         """
         label, u, out = str(replica), report.update, report.out
         self.step.labels(label).observe(report.seconds)
@@ -227,17 +252,10 @@ class Metrics:
         self.prefill_tokens.labels(label).inc(out.num_prefill_tokens)
         if out.preempted:
             self.preemptions.labels(label).inc(len(out.preempted))
-        self.running.labels(label).set(u.num_running)
-        self.waiting.labels(label).set(u.num_waiting)
-        self.blocks_free.labels(label).set(u.num_free_blocks)
-        self.blocks_total.labels(label).set(total_blocks)
-        self.state_slots.labels(label).set(u.num_used_state_slots)
         if u.num_draft_rows:
             self.draft_rows.labels(label).inc(u.num_draft_rows)
             self.draft_tokens.labels(label).inc(u.num_drafted)
             self.accepted_tokens.labels(label).inc(u.num_accepted)
-        used = total_blocks - u.num_free_blocks
-        self.kv_usage.labels(label).set(used / total_blocks if total_blocks else 0.0)
         adapters = {
             item.seq.request.lora.id for item in out.scheduled if item.seq.request.lora is not None
         }

@@ -18,7 +18,7 @@ from scheduler_service.core.batch import SchedulerOutput
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import Request
-from scheduler_service.core.stats import PoolStats
+from scheduler_service.core.stats import PoolGauges, PoolStats
 from scheduler_service.runtime.step_results import (
     Flight,
     StepProfile,
@@ -365,6 +365,11 @@ class StepLoop:
     def pool_stats(self) -> PoolStats | None:
         """The scheduler's books now; None while the replica is down."""
         return self._sched.pool_stats() if self._sched else None
+
+    def gauges(self) -> PoolGauges | None:
+        """The books /metrics shows, now; None while the replica is down."""
+        sched = self._sched
+        return sched.gauges() if sched is not None else None
 
     def request_rows(self) -> list[dict]:
         """Each live request's blocks, bytes and computed tokens (GetCacheStats' rows)."""

@@ -303,20 +303,26 @@ def test_duplicate_live_request_id_is_refused(server):
     assert_all_blocks_back(server)
 
 
+def scrape_metrics(server) -> dict[str, float]:
+    """/metrics as {series: value}."""
+    import urllib.request
+
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
 def test_prometheus_metrics_count_requests_and_tokens(server):
     """The series a dashboard graphs, per replica where they are a replica's (deploy/grafana draws
     them).
     """
-    import urllib.request
 
     def scrape():
-        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        return {
-            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line and not line.startswith("#")
-        }
+        return scrape_metrics(server)
 
     before = scrape()
     # more than two blocks: its second run finds them in the prefix cache
@@ -343,6 +349,52 @@ def test_prometheus_metrics_count_requests_and_tokens(server):
         assert grew(series) >= 2, series
     # 4 gaps a request
     assert grew('pagedserve_inter_token_latency_seconds_count{replica="0"}') == 8
+
+
+def test_metrics_pool_gauges_say_what_cache_stats_says_busy_and_idle(server):
+    """/metrics' pool gauges (running, waiting, free and total blocks, usage) agree with
+    GetCacheStats while a request decodes, after an Abort, and on the idle server (they had kept
+    the last step's figures once nothing ran: sequences running, blocks held, on an idle pool).
+    """
+    first = threading.Event()
+    box = {}
+
+    def consume():
+        box["result"] = run_stream_with_signal(
+            server.stub, greedy_request([7, 7, 7], 400, "gauged"), first
+        )
+
+    def agree() -> dict[str, float]:
+        m, row = scrape_metrics(server), server.stats().replicas[0]
+        got = {
+            k: m[f'pagedserve_{k}{{replica="0"}}']
+            for k in ("num_running", "num_waiting", "kv_blocks_free", "kv_blocks_total")
+        }
+        assert got == {
+            "num_running": row.num_running,
+            "num_waiting": row.num_waiting,
+            "kv_blocks_free": row.num_free_blocks + row.num_cached_blocks,
+            "kv_blocks_total": row.num_blocks,
+        }
+        assert m['pagedserve_kv_usage_ratio{replica="0"}'] == pytest.approx(row.utilization)
+        return got
+
+    t = threading.Thread(target=consume)
+    pids = server.worker_pids()
+    t.start()
+    assert first.wait(30)
+    with server.held_still(3.0, pids):  # no step runs between the two reads
+        busy = agree()
+        assert busy["num_running"] == 1 and busy["kv_blocks_free"] < busy["kv_blocks_total"]
+        assert server.stub.Abort(generation_pb2.AbortRequest(request_id="gauged"), timeout=10)
+        assert agree()["num_running"] == 0
+    t.join(30)
+    assert_all_blocks_back(server)
+    idle = agree()
+    assert idle["num_running"] == 0 and idle["kv_blocks_free"] == idle["kv_blocks_total"]
+    server.stub.Generate(greedy_request([3, 1, 4, 1, 5], 6), timeout=30)  # one that finishes
+    assert_all_blocks_back(server)
+    assert agree()["num_running"] == 0
 
 
 def test_n_samples_each_get_their_own_choice_and_stream_index(server):
