@@ -5,7 +5,6 @@ naming the field.
 from __future__ import annotations
 
 import functools
-import json
 import re
 
 import pydantic
@@ -13,6 +12,7 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
+from scheduler_service.api import json_gate
 from scheduler_service.api import openai_responses as out
 from scheduler_service.api.lora import AdapterExists, AdapterNotFound
 from scheduler_service.api.streams import ClientGone
@@ -129,9 +129,9 @@ async def read_body(request: Request, model: type[pydantic.BaseModel]):
     if len(raw) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
     try:
-        data = json.loads(raw)
-    except ValueError as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        data = json_gate.parse(raw)
+    except json_gate.BadJson as e:
+        raise ApiError(400, str(e), param=e.param) from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:

@@ -325,6 +325,66 @@ def test_malformed_json_a_missing_key_and_unknown_routes(server):
     assert "pagedserve_num_running" in httpx.get(f"{root}/metrics").text
 
 
+POST_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/tokenize",
+    "/detokenize",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+)
+
+
+def test_hostile_bytes_get_a_400_naming_what_is_wrong_on_every_route(server):
+    """Bodies that are JSON but no request (a lone surrogate in a string, NaN, a number past a
+    float, nesting 10,000 deep) and bytes that are not UTF-8 get a 400 that says so, on every POST
+    route, at the one gate where bodies are parsed; none reaches a handler (they had answered 500
+    with a traceback: a surrogate cannot be encoded, a deep body overflowed the parser's stack).
+    """
+    root = server.http_url.removesuffix("/v1")
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    surrogate = b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    cases = [
+        (surrogate, "lone surrogate", "messages[0].content"),
+        (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "NaN is not a JSON number", None),
+        (b'{"model": "tiny", "prompt": "x", "temperature": 1e999}', "past a float", None),
+        (b"[" * 10_000 + b"]" * 10_000, "nests 10000 levels deep", None),
+        (b'{"model": "tiny", "prompt": "\xff\xfe"}', "not valid JSON", None),
+    ]
+    for route in POST_ROUTES:
+        for body, says, param in cases:
+            r = httpx.post(f"{root}{route}", content=body, headers=auth, timeout=30)
+            assert r.status_code == 400, (route, body[:60], r.text)
+            error = r.json()["error"]
+            assert says in error["message"], (route, error)
+            if param is not None and "messages" not in route:  # Anthropic's shape has no param
+                assert error["param"] == param, (route, error)
+    # a schema 100 deep is still taken: the limit (128) is past what real requests nest
+    deep = {"type": "object"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    r = httpx.post(
+        f"{server.http_url}/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "d", "schema": deep},
+            },
+        },
+        headers=auth,
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    no_leak(server)
+
+
 def test_a_client_that_disconnects_aborts_its_request(server):
     body = {
         "messages": [{"role": "user", "content": "go on"}],
