@@ -18,6 +18,14 @@ from scheduler_service.text.structured import choice_regex
 log = structlog.get_logger("scheduler.engine_protocol")
 
 
+def put(target, name: str, value) -> None:
+    """target.name = value, or InvalidRequest where our field cannot hold what theirs did."""
+    try:
+        setattr(target, name, value)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequest(f"sampling_params.{name} {value} is out of range: {e}") from None
+
+
 def to_generation_request(msg: vllm_engine_pb2.GenerateRequest) -> generation_pb2.GenerateRequest:
     # one function: a field-by-field translation
     """The engine protocol's request as pagedserve.v1's, or InvalidRequest naming the field."""
@@ -52,7 +60,9 @@ def to_generation_request(msg: vllm_engine_pb2.GenerateRequest) -> generation_pb
     s.temperature = p.temperature if p.HasField("temperature") else 1.0
     if p.top_p:
         s.top_p = p.top_p
-    s.top_k = p.top_k
+    # a number their field holds and ours cannot (top_k is their uint32, our int32) is the
+    # client's: a 400 naming it, not the protobuf's ValueError
+    put(s, "top_k", p.top_k)
     s.min_p, s.presence_penalty, s.frequency_penalty = (
         p.min_p,
         p.presence_penalty,
@@ -61,8 +71,8 @@ def to_generation_request(msg: vllm_engine_pb2.GenerateRequest) -> generation_pb
     if p.repetition_penalty:
         s.repetition_penalty = p.repetition_penalty
     if p.HasField("max_tokens"):
-        s.max_tokens = p.max_tokens
-    s.min_tokens = p.min_tokens
+        put(s, "max_tokens", p.max_tokens)
+    put(s, "min_tokens", p.min_tokens)
     s.stop.extend(p.stop)
     s.stop_token_ids.extend(p.stop_token_ids)
     s.skip_special_tokens = p.skip_special_tokens

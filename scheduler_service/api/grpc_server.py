@@ -23,6 +23,7 @@ from scheduler_service.api.reasoning import AnswerSplit, Formats
 from scheduler_service.api.rpc import (
     CLIENT_ERRORS,
     ApiKeyInterceptor,
+    BytesGate,
     Malformed,
     prepare_request,
     reject,
@@ -348,7 +349,8 @@ def build_server(
     """Requests parsed tolerantly and prepared off the event loop; `api_key`, `tls` and `model_dir`
     as named.
     """
-    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    # the key first: a call without it is UNAUTHENTICATED whatever its bytes
+    interceptors = [*([ApiKeyInterceptor(api_key)] if api_key else []), BytesGate()]
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[

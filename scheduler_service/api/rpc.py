@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import uuid
 
 import grpc
@@ -82,6 +83,73 @@ async def reject(context: grpc.aio.ServicerContext, error: Exception, request_id
     code = status_for(error)
     log.info("request_rejected", request_id=request_id, code=code.name, error=str(error))
     await context.abort(code, str(error))
+
+
+class BytesGate(grpc.aio.ServerInterceptor):
+    """Every RPC's request bytes parsed without raising, health and reflection included: bytes that
+    are no message end INVALID_ARGUMENT (they had ended UNKNOWN with a traceback in the log).
+    """
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _gated(handler, details.method)
+
+
+async def _checked(requests, context):
+    """A request stream whose malformed messages end the call."""
+    async for r in requests:
+        if isinstance(r, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, r.error)
+        yield r
+
+
+def _gated(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """`handler` with a deserializer that returns Malformed, answered INVALID_ARGUMENT."""
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:  # noqa: BLE001 - DecodeError, invalid UTF-8 in a string field, ...
+            return Malformed(f"the request to {method} is not a valid message: {e}")
+
+    async def first(request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        if handler.request_streaming:
+            return _checked(request, context)
+        return request
+
+    async def unary(request, context):
+        behaviour = handler.unary_unary or handler.stream_unary
+        result = behaviour(await first(request, context), context)
+        return await result if inspect.isawaitable(result) else result
+
+    async def streaming(request, context):
+        behaviour = handler.unary_stream or handler.stream_stream
+        result = behaviour(await first(request, context), context)
+        if hasattr(result, "__aiter__"):
+            async for item in result:
+                yield item
+        elif inspect.isawaitable(result):  # writes through context.write
+            await result
+        else:
+            for item in result:
+                yield item
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    return kinds[(handler.request_streaming, handler.response_streaming)](
+        streaming if handler.response_streaming else unary,
+        request_deserializer=deserialize,
+        response_serializer=handler.response_serializer,
+    )
 
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes (load balancers, kubelets) carry no key

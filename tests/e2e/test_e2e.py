@@ -316,6 +316,39 @@ def scrape_metrics(server) -> dict[str, float]:
     }
 
 
+def test_bytes_that_are_no_message_get_invalid_argument_on_every_service(server):
+    """Corrupt bytes sent to every service the port serves (health's Check, Watch and List,
+    reflection, Generation) end INVALID_ARGUMENT naming the method, never UNKNOWN or INTERNAL,
+    and the server goes on serving.
+    """
+    corrupt = b"\x0a\xff\x01"  # field 1, 255 bytes long, three bytes sent
+    for method, streaming in (
+        ("/grpc.health.v1.Health/Check", False),
+        ("/grpc.health.v1.Health/List", False),
+        ("/grpc.health.v1.Health/Watch", True),
+        ("/pagedserve.v1.Generation/Generate", False),
+        ("/pagedserve.v1.Generation/GenerateStream", True),
+        ("/pagedserve.v1.Generation/GetCacheStats", False),
+    ):
+        call = (server.channel.unary_stream if streaming else server.channel.unary_unary)(method)
+        with pytest.raises(grpc.RpcError) as e:
+            answer = call(corrupt, timeout=10)
+            if streaming:
+                list(answer)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.details())
+        assert "not a valid" in e.value.details(), method
+    reflect = server.channel.stream_stream(
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+    )
+    with pytest.raises(grpc.RpcError) as e:
+        list(reflect(iter([corrupt]), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (
+        len(server.stub.Generate(greedy_request([5, 6, 7], 3), timeout=30).choices[0].token_ids)
+        == 3
+    )
+
+
 def test_prometheus_metrics_count_requests_and_tokens(server):
     """The series a dashboard graphs, per replica where they are a replica's (deploy/grafana draws
     them).

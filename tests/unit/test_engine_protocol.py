@@ -101,6 +101,8 @@ def test_json_object_and_choice_become_constraints_the_matcher_reads():
         (lambda: request(logprobs=-1), "logprobs must lie in \\[0, 20\\]"),
         (lambda: request(prompt_logprobs=21), "prompt_logprobs must lie in \\[0, 20\\]"),
         (lambda: request(seed=-4), "seed must be >= 0"),
+        # their uint32 past our int32: the client's number, not the server's ValueError
+        (lambda: request(top_k=2**31), "sampling_params.top_k 2147483648 is out of range"),
         (lambda: request(logit_bias={-3: 1.0}), "negative token id -3"),
         (lambda: request(choice=vpb.ChoiceConstraint()), "choice has no choices"),
         (
