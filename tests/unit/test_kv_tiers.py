@@ -217,14 +217,14 @@ def test_prometheus_counts_the_tiers_by_difference_and_from_zero_after_a_replace
         return m.registry.get_sample_value(name, {"replica": "0", **labels})
 
     t.blocks.loaded[TIER_HOST], t.blocks.stored[TIER_DISK] = 3, 5
-    m.on_step(0, report(), 16)
+    m.on_step(0, report())
     t.blocks.loaded[TIER_HOST], t.load_failures = 7, 2
-    m.on_step(0, report(), 16)
+    m.on_step(0, report())
     assert value("pagedserve_kv_tier_loaded_blocks_total", tier="host") == 7
     assert value("pagedserve_kv_tier_stored_blocks_total", tier="disk") == 5
     assert value("pagedserve_kv_tier_load_failures_total") == 2
     assert value("pagedserve_kv_tier_capacity_blocks", tier="disk") == 20
     t = tiers(host=8, disk=20)  # a new group: its counts start again
     t.blocks.loaded[TIER_HOST] = 1
-    m.on_step(0, report(), 16)
+    m.on_step(0, report())
     assert value("pagedserve_kv_tier_loaded_blocks_total", tier="host") == 8
