@@ -445,14 +445,18 @@ def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
         stderr=subprocess.DEVNULL,
         text=True,
     )
+    pids = server.worker_pids()
     try:
         long.stdin.write("tell me everything\n")
         long.stdin.flush()
         deadline = time.monotonic() + 30
         while server.stats().num_running == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
-        long.send_signal(2)  # Ctrl-C
-        long.stdin.close()
+        # the workers held still, so the answer cannot end before the Ctrl-C lands (on a loaded
+        # machine it had: no "[stopped]" after a whole answer)
+        with server.held_still(2.0, pids):
+            long.send_signal(2)  # Ctrl-C
+            long.stdin.close()
         out = long.stdout.read()
         assert long.wait(timeout=30) == 0 and "[stopped]" in out
         deadline = time.monotonic() + 10
