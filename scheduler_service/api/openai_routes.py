@@ -14,7 +14,6 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 from scheduler_service.api import openai_requests as to_engine
 from scheduler_service.api import openai_responses as out
@@ -25,9 +24,14 @@ from scheduler_service.api.openai_errors import ApiError, api_error, error_respo
 from scheduler_service.api.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoraRequest,
+    TokenizeRequest,
+    UnloadLoraRequest,
 )
 from scheduler_service.api.openai_service import ServiceRoutes
+from scheduler_service.api.openapi import Operation as Op
 from scheduler_service.api.reasoning import AnswerFormat, Formats
 from scheduler_service.api.rpc import bearer_matches, prepare_request
 from scheduler_service.api.streams import merged, unless_disconnected
@@ -57,19 +61,49 @@ class OpenAIServer(ServiceRoutes):
         self.formats = Formats(engine.tokenizer)
         self.token_text = out.TokenText(engine.tokenizer)
         self.agents = AgentRoutes(self)
-        routes = self.agents.routes + [
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/tokenize", self.tokenize, methods=["POST"]),
-            Route("/detokenize", self.detokenize, methods=["POST"]),
-            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
-            Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
-            Route("/v1/unload_lora_adapter", self.unload_lora, methods=["POST"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
+        self.operations = self.agents.operations + [
+            Op(
+                "/v1/chat/completions",
+                "POST",
+                self.chat,
+                "a chat turn",
+                ChatCompletionRequest,
+                "stream",
+            ),
+            Op(
+                "/v1/completions",
+                "POST",
+                self.completions,
+                "a completion",
+                CompletionRequest,
+                "stream",
+            ),
+            Op("/v1/embeddings", "POST", self.embeddings, "embeddings", EmbeddingRequest),
+            Op("/v1/models", "GET", self.models, "the served models and adapters"),
+            Op("/tokenize", "POST", self.tokenize, "a prompt's token ids", TokenizeRequest),
+            Op("/detokenize", "POST", self.detokenize, "token ids as text", DetokenizeRequest),
+            Op("/v1/models/{model:path}", "GET", self.model, "one model's card"),
+            Op(
+                "/v1/load_lora_adapter",
+                "POST",
+                self.load_lora,
+                "load a LoRA adapter",
+                LoadLoraRequest,
+                "text",
+            ),
+            Op(
+                "/v1/unload_lora_adapter",
+                "POST",
+                self.unload_lora,
+                "unload a LoRA adapter",
+                UnloadLoraRequest,
+                "text",
+            ),
+            Op("/health", "GET", self.health, "200 while serving"),
+            Op("/metrics", "GET", self.metrics, "Prometheus metrics", answers="metrics"),
+            Op("/openapi.json", "GET", self.openapi, "this document"),
         ]
+        routes = [op.route() for op in self.operations]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
 
     # --- plumbing ---------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ detokenize, LoRA load and unload, health and metrics."""
 
 from __future__ import annotations
 
+from importlib import metadata
+
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
@@ -18,12 +20,15 @@ from scheduler_service.api.openai_schema import (
     TokenizeRequest,
     UnloadLoraRequest,
 )
+from scheduler_service.api.openapi import document
 from scheduler_service.api.rpc import prepare_request
 from scheduler_service.api.validation import InvalidRequest
 
 
 class ServiceRoutes:
     """Routes that read the engine's state and tokenizer, and manage its adapters."""
+
+    _openapi: bytes | None = None
 
     # --- routes -----------------------------------------------------------------------------------
     async def tokenize(self, request: Request) -> Response:
@@ -83,6 +88,17 @@ class ServiceRoutes:
         reason = "draining" if e.is_draining else (e.unavailable_reason or "not ready")
         # a probe, not a request: not logged
         return error_response(ApiError(503, reason, "service_unavailable"), logged=False)
+
+    async def openapi(self, request: Request) -> Response:
+        """The OpenAPI 3.1 document of every route, built once from the models they check with."""
+        if self._openapi is None:
+            try:
+                version = metadata.version("pagedserve")
+            except metadata.PackageNotFoundError:  # run from a source tree
+                version = "0"
+            spec = document(self.operations, "pagedserve", version, self.api_key is not None)
+            self._openapi = out.dumps(spec)
+        return Response(self._openapi, media_type="application/json")
 
     async def metrics(self, request: Request) -> Response:
         return Response(

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 from scheduler_service.api.agents import messages as anthropic
 from scheduler_service.api.agents import response_events as answers
@@ -16,6 +15,7 @@ from scheduler_service.api.agents import responses as openai
 from scheduler_service.api.agents.turns import ResponseStore, TurnStream, parse_turn
 from scheduler_service.api.openai_errors import ApiError, api_error, log_refusal, read_body
 from scheduler_service.api.openai_responses import dumps
+from scheduler_service.api.openapi import Operation as Op
 from scheduler_service.api.streams import unless_disconnected
 
 JSON = "application/json"
@@ -28,12 +28,37 @@ class AgentRoutes:
         self.server = server
         self.engine = server.engine
         self.store = ResponseStore()
-        self.routes = [
-            Route("/v1/responses", self.create_response, methods=["POST"]),
-            Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
-            Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
-            Route("/v1/messages", self.create_message, methods=["POST"]),
-            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+        self.operations = [
+            Op(
+                "/v1/responses",
+                "POST",
+                self.create_response,
+                "a response (OpenAI's Responses API)",
+                openai.ResponsesRequest,
+                "stream",
+            ),
+            Op("/v1/responses/{response_id}", "GET", self.get_response, "a stored response"),
+            Op(
+                "/v1/responses/{response_id}",
+                "DELETE",
+                self.delete_response,
+                "forget a stored response",
+            ),
+            Op(
+                "/v1/messages",
+                "POST",
+                self.create_message,
+                "a message (Anthropic's Messages API)",
+                anthropic.MessagesRequest,
+                "stream",
+            ),
+            Op(
+                "/v1/messages/count_tokens",
+                "POST",
+                self.count_tokens,
+                "a message's prompt tokens",
+                anthropic.CountTokensRequest,
+            ),
         ]
 
     def _event_stream(
