@@ -9,10 +9,9 @@ import re
 
 import pydantic
 import structlog
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from scheduler_service.api import json_gate
 from scheduler_service.api import openai_responses as out
 from scheduler_service.api.lora import AdapterExists, AdapterNotFound
 from scheduler_service.api.streams import ClientGone
@@ -20,6 +19,7 @@ from scheduler_service.api.validation import InvalidRequest
 from scheduler_service.core.adapters import AdapterError
 from scheduler_service.core.batch import DuplicateRequestId
 from scheduler_service.runtime.errors import EngineUnavailable, QueueFull, Unschedulable
+from scheduler_service.text import json_gate
 
 log = structlog.get_logger("scheduler.http")
 
@@ -125,7 +125,10 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 
 async def read_body(request: Request, model: type[pydantic.BaseModel]):
     """The request's JSON body as `model`, or ApiError saying what is wrong with it."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # gone before its body was whole: nothing to answer, nothing ran
+        raise ClientGone("the client disconnected before its request body was complete") from None
     if len(raw) > MAX_BODY_BYTES:
         raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
     try:

@@ -4,7 +4,6 @@ is wrong.
 
 from __future__ import annotations
 
-import json
 import math
 import secrets
 import uuid
@@ -14,6 +13,7 @@ from google.protobuf import json_format
 from protos import generation_pb2
 from scheduler_service.core.adapters import AdapterRegistry
 from scheduler_service.core.sequence import Request, SamplingOptions
+from scheduler_service.text import json_gate
 from scheduler_service.text.limits import Limits
 from scheduler_service.text.structured import Constraint, GrammarError
 from scheduler_service.text.tokenizer import Tokenizer
@@ -162,11 +162,11 @@ def _chat_prompt(
                 if not c.name:
                     raise InvalidRequest(f"messages[{i}].tool_calls[{j}].name is empty")
                 try:
-                    arguments = json.loads(c.arguments or "{}")
-                except ValueError as e:
-                    raise InvalidRequest(
-                        f"messages[{i}].tool_calls[{j}].arguments is not JSON: {e}"
-                    ) from e
+                    arguments = json_gate.parse(
+                        c.arguments or "{}", f"messages[{i}].tool_calls[{j}].arguments"
+                    )
+                except json_gate.BadJson as e:
+                    raise InvalidRequest(str(e)) from None
                 calls.append(
                     {
                         "id": c.id,

@@ -1,9 +1,8 @@
-"""Where a request body's bytes become JSON: every HTTP route's body passes `parse` before a
-handler or a request model sees it. It refuses, naming the field where there is one: nesting
-deeper than MAX_DEPTH (measured on the bytes, before the parser recurses), NaN and Infinity (not
-JSON numbers) and numbers past a float's range, bytes that are not UTF-8, and strings that are not
-Unicode scalar values (a lone surrogate such as "\\ud800" is valid JSON but no text: it cannot be
-encoded, tokenized or written back).
+"""Where a client's JSON is read: every HTTP body, and every JSON text inside a gRPC field (a
+json_schema, a tool call's arguments), passes `parse`. It refuses, naming the field where there is
+one: nesting deeper than MAX_DEPTH (measured on the bytes, before the parser recurses), NaN and
+Infinity and numbers past a float's range, bytes that are not UTF-8, and strings that are not
+Unicode scalar values (a lone surrogate such as "\\ud800" cannot be encoded or tokenized).
 """
 
 from __future__ import annotations
@@ -14,7 +13,10 @@ import re
 
 import numpy as np
 
-MAX_DEPTH = 128  # arrays and objects inside one another
+# arrays and objects inside one another: what a google.protobuf.Struct carries in a gRPC message
+# (protobuf parses 100 message levels, three for each JSON object in a Struct), so a tool's schema
+# taken over HTTP can always be passed on as gRPC's is
+MAX_DEPTH = 32
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
@@ -50,19 +52,21 @@ def _float(text: str) -> float:
     return value
 
 
-def parse(raw: bytes):
-    """raw as JSON, or BadJson saying what is wrong with it."""
+def parse(raw: bytes | str, what: str = "the request body"):
+    """raw as JSON, or BadJson saying what is wrong with `what`."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
     if (deep := depth(raw)) > MAX_DEPTH:
-        raise BadJson(f"the request body nests {deep} levels deep; at most {MAX_DEPTH} are taken")
+        raise BadJson(f"{what} nests {deep} levels deep; at most {MAX_DEPTH} are taken")
     try:
         data = json.loads(raw, parse_constant=_constant, parse_float=_float)
     except BadJson:
         raise
     except ValueError as e:  # bytes that are not UTF-8, bad syntax, an integer of 4,300+ digits
-        raise BadJson(f"the request body is not valid JSON: {e}") from None
+        raise BadJson(f"{what} is not valid JSON: {e}") from None
     if (where := _lone_surrogate(data)) is not None:
         raise BadJson(
-            f"{where or 'the request body'}: a string holds a lone surrogate (U+D800-U+DFFF), "
+            f"{where or what}: a string holds a lone surrogate (U+D800-U+DFFF), "
             "which is not Unicode text",
             where or None,
         )

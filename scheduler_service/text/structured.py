@@ -15,6 +15,8 @@ from llguidance.numpy import (
     fill_next_token_bitmask_par_with_draft_tokens,
 )
 
+from scheduler_service.text import json_gate
+
 
 class GrammarError(ValueError):
     """A schema, regex or grammar llguidance refused; the message is its own."""
@@ -52,9 +54,9 @@ class GrammarEngine:
         """
         if json_schema:
             try:
-                schema = json.loads(json_schema)
-            except json.JSONDecodeError as e:
-                raise GrammarError(f"json_schema is not valid JSON: {e}") from e
+                schema = json_gate.parse(json_schema, "json_schema")
+            except json_gate.BadJson as e:
+                raise GrammarError(str(e)) from None
             if not isinstance(schema, dict | bool):
                 raise GrammarError("json_schema must be a JSON object (or true/false)")
             try:

@@ -363,21 +363,16 @@ def test_hostile_bytes_get_a_400_naming_what_is_wrong_on_every_route(server):
             assert says in error["message"], (route, error)
             if param is not None and "messages" not in route:  # Anthropic's shape has no param
                 assert error["param"] == param, (route, error)
-    # a schema 100 deep is still taken: the limit (128) is past what real requests nest
-    deep = {"type": "object"}
-    for _ in range(40):
-        deep = {"type": "object", "properties": {"a": deep}}
+    # a tool's schema as deep as the gate takes (32 levels, body included) is served: its Struct
+    # is one protobuf can parse (one 60 deep had answered 500 with protobuf's DecodeError)
+    deep: dict = {"type": "string"}
+    for _ in range(27):
+        deep = {"not": deep}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     r = httpx.post(
         f"{server.http_url}/chat/completions",
-        json={
-            "model": "tiny",
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 2,
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "d", "schema": deep},
-            },
-        },
+        json={**chat, "tools": [tool]},
         headers=auth,
         timeout=60,
     )

@@ -129,7 +129,7 @@ def test_a_user_prompt_equals_the_same_single_message(tok, limits):
                     )
                 ]
             ),
-            "arguments is not JSON",
+            "arguments is not valid JSON",
         ),
         (
             lambda: pb.GenerateRequest(

@@ -1,10 +1,10 @@
-"""The gate every HTTP body passes (scheduler_service/api/json_gate.py)."""
+"""The gate every HTTP body passes (scheduler_service.text.json_gate.py)."""
 
 import json
 
 import pytest
 
-from scheduler_service.api.json_gate import MAX_DEPTH, BadJson, depth, parse
+from scheduler_service.text.json_gate import MAX_DEPTH, BadJson, depth, parse
 
 
 def test_depth_counts_brackets_outside_strings_only():
@@ -41,7 +41,11 @@ def test_what_real_requests_hold_parses_as_json_does():
         (b'{"top_p": 1e400}', "past a float's range", None),
         (b'{"n": ' + b"9" * 5000 + b"}", "not valid JSON", None),
         (b'{"prompt": "\xff"}', "not valid JSON", None),
-        (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), "nests 129 levels deep", None),
+        (
+            b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1),
+            f"nests {MAX_DEPTH + 1} levels deep",
+            None,
+        ),
         (b'{"a": ' * 100_000, "nests 100000 levels deep", None),  # refused before parsing
     ],
 )
@@ -50,3 +54,35 @@ def test_what_no_handler_could_take_is_refused_naming_it(raw, says, param):
         parse(raw)
     assert says in str(e.value)
     assert e.value.param == param
+
+
+def test_a_tool_schema_at_the_limit_passes_on_as_a_grpc_message():
+    """The limit is what a protobuf Struct carries: an HTTP tool whose schema nests as deep as the
+    gate takes becomes a GenerateRequest that protobuf serializes and parses back.
+    """
+    from protos import generation_pb2
+    from scheduler_service.api import openai_requests
+    from scheduler_service.api.openai_schema import ChatCompletionRequest
+
+    schema: object = {"type": "string"}
+    body = {}
+    for _ in range(MAX_DEPTH):
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+        }
+        if depth(json.dumps(body).encode()) == MAX_DEPTH:
+            break
+        schema = {"not": schema}
+    assert depth(json.dumps(body).encode()) == MAX_DEPTH
+    request = ChatCompletionRequest.model_validate(parse(json.dumps(body).encode()))
+    msg, _ = openai_requests.chat_request(request, {}, False)
+    again = generation_pb2.GenerateRequest.FromString(msg.SerializeToString())
+    assert again.tools[0]["function"]["name"] == "f"
+
+
+def test_json_inside_a_grpc_field_is_named():
+    with pytest.raises(BadJson, match="json_schema is not valid JSON"):
+        parse('{"type": ', "json_schema")
+    with pytest.raises(BadJson, match="json_schema nests 40 levels deep"):
+        parse("[" * 40 + "]" * 40, "json_schema")
