@@ -1,12 +1,17 @@
-"""uvicorn serving the OpenAI routes in the scheduler's event loop, on a socket bound at start."""
+"""uvicorn serving the OpenAI routes in the scheduler's event loop, on a socket bound at start; a
+request its HTTP parser cannot read is refused in OpenAI's JSON error shape, not plain text.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
+import sys
 
 import uvicorn
+
+from scheduler_service.api.openai_responses import dumps, error_body
 
 
 class _Uvicorn(uvicorn.Server):
@@ -18,6 +23,33 @@ class _Uvicorn(uvicorn.Server):
 
     def install_signal_handlers(self) -> None:  # older uvicorn
         pass
+
+
+class _JsonRefusal:
+    """Mixed into uvicorn's HTTP protocol: its 400 for bytes that are no HTTP request (two
+    Content-Lengths, a negative one, a control character in a header) said as JSON, naming what the
+    parser found (the parser's error is being handled when this is called).
+    """
+
+    def send_400_response(self, msg: str) -> None:
+        found = sys.exc_info()[1]
+        why = str(found).strip() if found is not None and str(found).strip() else msg
+        body = dumps(error_body(f"the HTTP request is malformed: {why}", "invalid_request_error"))
+        head = (
+            "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode("ascii") + body)
+        self.transport.close()
+
+
+def _protocol() -> type:
+    """uvicorn's HTTP protocol (httptools where installed, else h11) refusing in JSON."""
+    if _has_httptools():
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    return type(f"JsonRefusing{base.__name__}", (_JsonRefusal, base), {})
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -48,7 +80,7 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=2,
-            http="httptools" if _has_httptools() else "h11",
+            http=_protocol(),
             **ssl,
         )
         self.server = _Uvicorn(config)
