@@ -29,7 +29,7 @@ PROTO_OUT   := protos/generation_pb2.py protos/generation_pb2_grpc.py protos/wir
 # `make` alone lists the targets.
 .DEFAULT_GOAL := help
 
-.PHONY: help setup proto run gateway deploy deploy-stop loadtest bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-lora bench-kv-tiers bench-tails peer-ik bench-moe bench-start gpu-compile-report plot-kv clean
+.PHONY: help setup proto run gateway deploy deploy-stop loadtest fuzz soak bench-parallel test test-unit test-kernels test-sanitize test-e2e lint bench bench-kernels bench-memory bench-scheduler bench-overlap bench-controls bench-step bench-serve-gpu bench-gateway bench-quantized bench-cpu-peers bench-spec bench-embeddings bench-cpu-scale bench-budget bench-accuracy bench-lora bench-kv-tiers bench-tails peer-ik bench-moe bench-start gpu-compile-report plot-kv clean
 
 help:  ## list the targets, one line each
 	@awk -F ':.*## ' -v port='$(PORT)' -v http='$(HTTP_PORT)' -v rundir='$(RUN_DIR)' \
@@ -111,6 +111,20 @@ SANITIZE_ENV = PAGEDSERVE_NATIVE_SANITIZE=1 PAGEDSERVE_CACHE=$(CURDIR)/.stamps/s
 test-sanitize: setup  ## native kernel tests under AddressSanitizer + UndefinedBehaviorSanitizer
 	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/kernels -m "not slow" \
 		-k "not triton and not cuda and not portable" $(PYTEST_ARGS)
+
+# The surface fuzzed (tests/faults/test_fuzz.py: schemathesis over /openapi.json, every gRPC method by random
+# bytes and hypothesis-built messages) with 300 examples an operation instead of the suite's 12.
+FUZZ_EXAMPLES ?= 300
+fuzz: setup  ## every HTTP route and gRPC method fuzzed at length (FUZZ_EXAMPLES an operation)
+	$(PY) -m pytest -q -p no:cacheprovider tests/faults/test_fuzz.py --fuzz-examples $(FUZZ_EXAMPLES) $(PYTEST_ARGS)
+
+# A server of its own under mixed streaming load over gRPC, the engine protocol and HTTP, a worker SIGKILLed
+# every KILL_EVERY minutes: every request's fate, leaked blocks, resident memory over time and its slope.
+MINUTES    ?= 30
+KILL_EVERY ?= 5
+soak: setup  ## MINUTES of mixed load with a worker killed every KILL_EVERY minutes: fates, leaks, RSS slope
+	$(PY) -m deploy.loadtest.soak --model $(MODEL_DIR) --minutes $(MINUTES) --kill-every $(KILL_EVERY) \
+		--output run/soak/soak.json $(ARGS)
 
 test-e2e: setup  ## end-to-end tests only (real processes)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -15,6 +15,20 @@ from tests.support.tiny import make_tiny_llama
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=12,
+        help="examples per operation and RPC in tests/faults/test_fuzz.py (make fuzz: 300)",
+    )
+
+
+@pytest.fixture(scope="session")
+def fuzz_examples(request) -> int:
+    return request.config.getoption("--fuzz-examples")
+
+
 def pytest_collection_modifyitems(config, items):
     """Model-level tests run the triton backend on host tensors, which only the interpreter can do:
     where a GPU is present (no interpreter) they are skipped — tests/kernels/test_kernels.py and the
