@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -32,8 +33,9 @@ MIB = 1024 * 1024
 SHARED = (
     "You are a careful assistant who answers in plain words. Paged attention keeps keys and values "
     "in fixed-size blocks, so memory is allocated as sequences grow and freed when they end. "
-) * 6
+)
 KINDS = ("grpc", "engine", "chat", "completion")
+GREEDY_TOKENS = 24
 
 
 def tree(pid: int) -> dict[int, str]:
@@ -73,6 +75,19 @@ def sample(root: int) -> dict[str, float]:
     }
 
 
+def planned_mib(log: Path) -> float:
+    """What the workers said at start they would hold (weights, KV pool, buffers): the KV pool's
+    pages become resident only as blocks are first written, so RSS rises to this in the first
+    minutes without being a leak."""
+    latest: dict[str, float] = {}  # each worker's latest start
+    for line in Path(log).read_text(errors="replace").splitlines():
+        if '"host_memory"' in line and "planned_bytes" in line:
+            with contextlib.suppress(ValueError, KeyError):
+                event = json.loads(line)
+                latest[event.get("process", "")] = event["planned_bytes"] / MIB
+    return sum(latest.values())
+
+
 def slope(points: list[tuple[float, float]]) -> float:
     """Least-squares MiB per minute of (seconds, MiB) points."""
     if len(points) < 3:
@@ -103,16 +118,19 @@ class Soak:
         """What request i asks: a kind, a prompt (a shared prefix, a short or long tail), n."""
         r = self.rng
         long = r.random() < 0.25
+        words = ("blocks", "tokens", "pages", "memory", "steps")
         tail = " ".join(
-            r.choice(("blocks", "tokens", "pages", "memory", "steps"))
-            for _ in range(r.randint(400, 700) if long else r.randint(5, 40))
+            r.choice(words) for _ in range(r.randint(400, 700) if long else r.randint(5, 40))
         )
         greedy = r.random() < 0.2  # a fixed prompt whose greedy answer must repeat
+        prompt = self.shared + (f"Question {i % 4}: what is a block?" if greedy else tail)
+        while len(self.tokenizer.encode(prompt)) > self.max_prompt:  # a small model's context
+            prompt = prompt[: len(prompt) * 3 // 4]
         return {
             "kind": KINDS[i % len(KINDS)],
-            "prompt": SHARED + (f"Question {i % 4}: what is a block?" if greedy else tail),
+            "prompt": prompt,
             "greedy": i % 4 if greedy else None,
-            "max_tokens": 24 if greedy else r.randint(8, 64),
+            "max_tokens": GREEDY_TOKENS if greedy else r.randint(8, 64),
             "n": 2 if (not greedy and r.random() < 0.2) else 1,
             "cancel_after": r.randint(1, 6) if (not greedy and r.random() < 0.2) else None,
         }
@@ -237,6 +255,13 @@ class Soak:
         from scheduler_service.text.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer(str(self.server.model_dir))
+        info = generation_pb2_grpc.GenerationStub(self.server.channel).GetModelInfo(
+            generation_pb2.GetModelInfoRequest(), timeout=30
+        )
+        self.max_prompt = info.max_context - 100  # room for a chat template and the answer
+        # the shared prefix: a third of the context at most
+        reps = max(1, min(6, info.max_context // 3 // len(self.tokenizer.encode(SHARED))))
+        self.shared = SHARED * reps
         self.aio = grpc.aio.insecure_channel(self.server.address)
         self.base = self.server.http_url.removesuffix("/v1")
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.args.timeout, connect=30.0))
@@ -279,6 +304,7 @@ class Soak:
             if warm <= s["t"] <= loaded and not any(0 <= s["t"] - k <= settle for k in self.kills)
         ]
         at_warm = next((s for s in self.samples if s["t"] >= warm), self.samples[-1])
+        at_5 = next((s for s in self.samples if s["t"] >= 300), self.samples[-1])
         idle = self.samples[-1]
         outcomes = Counter((f["kind"], f["outcome"], f.get("status", "")) for f in self.fates)
         return {
@@ -292,6 +318,9 @@ class Soak:
             "running_after": stats.num_running + stats.num_waiting,
             "rss_mib": {
                 "at_warmup": round(at_warm["total"]),
+                "at_minute_5": round(at_5["total"]),
+                "end_vs_minute_5": round(idle["total"] / at_5["total"], 3),
+                "worker_planned": round(planned_mib(self.server.log_path)),
                 "idle": round(idle["total"]),
                 "idle_vs_warmup": round(idle["total"] / at_warm["total"], 3),
                 "peak": round(max(s["total"] for s in self.samples)),
