@@ -296,16 +296,6 @@ class Soak:
             )
 
     def summary(self, loaded: float, stats) -> dict:
-        warm = self.args.warmup * 60
-        settle = 90  # a restarted worker loads its weights again: not counted as creep
-        steady = [
-            s
-            for s in self.samples
-            if warm <= s["t"] <= loaded and not any(0 <= s["t"] - k <= settle for k in self.kills)
-        ]
-        at_warm = next((s for s in self.samples if s["t"] >= warm), self.samples[-1])
-        at_5 = next((s for s in self.samples if s["t"] >= 300), self.samples[-1])
-        idle = self.samples[-1]
         outcomes = Counter((f["kind"], f["outcome"], f.get("status", "")) for f in self.fates)
         return {
             "minutes": self.args.minutes,
@@ -316,21 +306,42 @@ class Soak:
             "greedy_mismatches": self.mismatches,
             "leaked_blocks": stats.num_blocks - stats.num_free_blocks - stats.num_cached_blocks,
             "running_after": stats.num_running + stats.num_waiting,
-            "rss_mib": {
-                "at_warmup": round(at_warm["total"]),
-                "at_minute_5": round(at_5["total"]),
-                "end_vs_minute_5": round(idle["total"] / at_5["total"], 3),
-                "worker_planned": round(planned_mib(self.server.log_path)),
-                "idle": round(idle["total"]),
-                "idle_vs_warmup": round(idle["total"] / at_warm["total"], 3),
-                "peak": round(max(s["total"] for s in self.samples)),
-            },
-            "slope_mib_per_min": {
-                role: round(slope([(s["t"], s[role]) for s in steady]), 2)
-                for role in ("total", "scheduler", "worker")
-            },
+            **memory_figures(self.samples, self.kills, self.args.warmup * 60, loaded),
+            "worker_planned_mib": round(planned_mib(self.server.log_path)),
             "samples": self.samples,
         }
+
+
+def memory_figures(samples: list[dict], kills: list[float], warm: float, loaded: float) -> dict:
+    """RSS at warm-up, minute 5, the end of the load and idle; the slope after warm-up. A killed
+    worker starts again from its weights and writes its pool afresh, so with kills the slope is
+    taken over the figures just before each kill (the level the server had grown to each time)."""
+
+    def at(t: float) -> dict:  # the last sample taken by t
+        return ([s for s in samples if s["t"] <= t] or samples[:1])[-1]
+
+    if kills:
+        points = [at(t - 1) for t in [*kills, loaded] if t >= warm]
+        points = [p for p in points if p["worker"] > 0]  # a sample may fall between the two
+    else:
+        points = [s for s in samples if warm <= s["t"] <= loaded]
+    idle, warmed, minute_5 = samples[-1], at(warm), at(300)
+    return {
+        "rss_mib": {
+            "at_warmup": round(warmed["total"]),
+            "at_minute_5": round(minute_5["total"]),
+            "end_of_load": round(at(loaded)["total"]),
+            "idle": round(idle["total"]),
+            "idle_vs_warmup": round(idle["total"] / warmed["total"], 3),
+            "idle_vs_minute_5": round(idle["total"] / minute_5["total"], 3),
+            "peak": round(max(s["total"] for s in samples)),
+            "before_each_kill": [round(at(k - 1)["total"]) for k in kills],
+        },
+        "slope_mib_per_min": {
+            role: round(slope([(p["t"], p[role]) for p in points]), 2)
+            for role in ("total", "scheduler", "worker")
+        },
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:

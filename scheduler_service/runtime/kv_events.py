@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -55,7 +56,9 @@ class KvEventPublisher:
                         "stored",
                         event_hash(r[1]),
                         None if r[2] is None else event_hash(r[2]),
-                        r[3],
+                        # packed: the history holds 4,096 batches, a long prompt's dozens of
+                        # blocks each, and a list of ints costs four times the bytes
+                        array("I", r[3]),
                         *r[4:],
                     )
                 )

@@ -5,6 +5,7 @@ processes).
 import asyncio
 import json
 import re
+from array import array
 
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
@@ -161,7 +162,10 @@ def test_subscribers_get_numbered_batches_resume_from_history_and_a_slow_one_is_
             pub.collect(0, records)
             assert records == []  # handed over, list emptied
         first = await live.get()
-        assert (first.sequence_number, first.events) == (1, [("stored", event_hash(h), None, [0])])
+        assert (first.sequence_number, first.events) == (
+            1,
+            [("stored", event_hash(h), None, array("I", [0]))],
+        )
         assert (await live.get()).events == [("removed", event_hash(h))]
         gone = await live.get()  # it fell max_pending behind: told so, then nothing more
         assert isinstance(gone, SubscriberGone) and pub.num_subscribers == 0
