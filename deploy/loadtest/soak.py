@@ -75,6 +75,17 @@ def sample(root: int) -> dict[str, float]:
     }
 
 
+def sampling(q: dict) -> dict:
+    """A request's sampling fields, the same through every door: greedy to length, or sampled."""
+    greedy = q["greedy"] is not None
+    return {
+        "max_tokens": q["max_tokens"],
+        "temperature": 0.0 if greedy else 0.8,
+        "n": q["n"],
+        "ignore_eos": greedy,
+    }
+
+
 def planned_mib(log: Path) -> float:
     """What the workers said at start they would hold (weights, KV pool, buffers): the KV pool's
     pages become resident only as blocks are first written, so RSS rises to this in the first
@@ -137,14 +148,9 @@ class Soak:
 
     async def grpc_stream(self, q: dict):
         stub = generation_pb2_grpc.GenerationStub(self.aio)
-        sampling = generation_pb2.SamplingParams(
-            max_tokens=q["max_tokens"],
-            temperature=0.0 if q["greedy"] is not None else 0.8,
-            n=q["n"],
-            ignore_eos=q["greedy"] is not None,
-        )
+        params = generation_pb2.SamplingParams(**sampling(q))
         call = stub.GenerateStream(
-            generation_pb2.GenerateRequest(prompt=q["prompt"], sampling=sampling, raw_prompt=True),
+            generation_pb2.GenerateRequest(prompt=q["prompt"], sampling=params, raw_prompt=True),
             timeout=self.args.timeout,
         )
         try:
@@ -155,12 +161,7 @@ class Soak:
 
     async def engine_stream(self, q: dict):
         stub = vllm_engine_pb2_grpc.VllmEngineStub(self.aio)
-        sp = vllm_engine_pb2.SamplingParams(
-            max_tokens=q["max_tokens"],
-            temperature=0.0 if q["greedy"] is not None else 0.8,
-            n=q["n"],
-            ignore_eos=q["greedy"] is not None,
-        )
+        sp = vllm_engine_pb2.SamplingParams(**sampling(q))
         req = vllm_engine_pb2.GenerateRequest(
             request_id=f"soak-{self.rng.getrandbits(64):x}",
             tokenized=vllm_engine_pb2.TokenizedInput(
@@ -178,14 +179,7 @@ class Soak:
             call.cancel()
 
     async def http_stream(self, q: dict):
-        greedy = q["greedy"] is not None
-        body = {
-            "max_tokens": q["max_tokens"],
-            "temperature": 0.0 if greedy else 0.8,
-            "n": q["n"],
-            "stream": True,
-            "ignore_eos": greedy,
-        }
+        body = {**sampling(q), "stream": True}
         if q["kind"] == "chat":
             path, body["messages"] = (
                 "/v1/chat/completions",
