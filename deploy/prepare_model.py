@@ -132,6 +132,9 @@ def model_folder(model: str) -> str:
     """
     path = Path(model)
     if path.suffix != ".gguf":
+        refusal = folder_refusal(path)
+        if refusal:
+            raise ConfigError(f"{model}: {refusal}")
         return model
     if not path.is_file():
         raise ConfigError(f"no model at {model}: no such GGUF file")
@@ -146,18 +149,43 @@ def model_folder(model: str) -> str:
         ) from None
 
 
+def folder_refusal(folder: Path) -> str | None:
+    """What a model folder's architecture lacks to be served (read before anything else: its
+    weights' names or its head say nothing true about an architecture not served); None where it
+    is served, or where config.json is not there to say (the folder's checks say so later).
+    """
+    from worker.model.families import architecture_refusal
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return architecture_refusal(cfg) if isinstance(cfg, dict) else None
+
+
+def gguf_refusal(path: Path, header: GGUFHeader) -> str | None:
+    """Why a GGUF's architecture is not served, naming what it lacks; None where it is."""
+    from worker.model.families import NOT_SERVED
+    from worker.weights.gguf_header import GGUF_FAMILIES, SERVED_ARCHS
+
+    arch = header.arch
+    if arch in SERVED_ARCHS:
+        return None
+    family = GGUF_FAMILIES.get(arch, "")
+    lacks = f": it needs {NOT_SERVED[family]}" if family in NOT_SERVED else ""
+    return (
+        f"{path.name} is a GGUF of architecture {arch!r}, which is not served{lacks} "
+        f"(served: {', '.join(SERVED_ARCHS)})"
+    )
+
+
 def _prepared_folder(path: Path) -> str:
     import hashlib
 
-    from worker.weights.gguf_header import SERVED_ARCHS, GGUFHeader
-
     header = GGUFHeader(path)
-    arch = header.arch
-    if arch not in SERVED_ARCHS:
-        raise ConfigError(
-            f"{path.name} is a GGUF of architecture {arch!r}, which pagedserve does not serve "
-            f"(it serves {', '.join(SERVED_ARCHS)})"
-        )
+    refusal = gguf_refusal(path, header)
+    if refusal:
+        raise ConfigError(refusal)
     beside = (path.parent / "tokenizer.json").is_file()  # a tokenizer folder around the file
     if "tokenizer.ggml.model" not in header.fields and not beside:
         raise ConfigError(
@@ -230,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     gguf = args.gguf or find_embedded_gguf()
+    try:
+        refusal = gguf_refusal(gguf, GGUFHeader(gguf))
+    except (ValueError, OSError, KeyError, IndexError, TypeError, struct.error) as e:
+        refusal = f"{gguf}: the GGUF file is truncated or corrupt ({type(e).__name__}: {e})"
+    if refusal:
+        print(f"pagedserve prepare-model: error: {refusal}", file=sys.stderr)
+        return 2
     dense = args.dense or needs_dense_copy(gguf)
     if is_prepared(args.out, dense) and not args.force:
         print(f"model already prepared in {args.out}")

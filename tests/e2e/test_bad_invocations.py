@@ -90,16 +90,56 @@ def bad_models(tmp):
     (tmp / "bad-config").mkdir()
     (tmp / "bad-config" / "config.json").write_text("{not json")
     (tmp / "bad-config" / "tokenizer.json").write_text("{}")
+    deepseek_v4_folder(tmp / "deepseek-v4")
     return [
         (tmp / "nowhere", "no model at"),
         (tmp / "not-a-model", "has no config.json"),
         (tmp / "plain.txt", "is a file but not a .gguf one"),
         (tmp / "missing.gguf", "no such GGUF file"),
         (truncated, "the GGUF file is truncated or corrupt"),
-        (tmp / "olmo-2.gguf", "a GGUF of architecture 'olmo2', which pagedserve does not serve"),
+        (tmp / "olmo-2.gguf", "a GGUF of architecture 'olmo2', which is not served (served: "),
+        (tmp / "deepseek-v4", "deepseek_v4 is not served: it needs hyper-connections"),
         (tmp / "gpt-oss-20b.gguf", "holds no tokenizer (tokenizer.ggml.model)"),
         (tmp / "bad-config", "config.json cannot be read"),
     ]
+
+
+def deepseek_v4_folder(folder):
+    """A DeepSeek-V4 folder as it ships: its head saved as `head.weight`, which says nothing of
+    whether it generates; the refusal must name the architecture's missing pieces.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    config = {"model_type": "deepseek_v4", "hidden_size": 8, "vocab_size": 16, "hc_mult": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer.json").write_text("{}")
+    weights = {"head.weight": torch.zeros(16, 8), "model.embed_tokens.weight": torch.zeros(16, 8)}
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+def test_prepare_model_says_an_architecture_is_not_served_not_that_the_file_is_corrupt(
+    tmp_path, capsys
+):
+    from deploy.prepare_model import main as prepare_main
+
+    write_gguf(tmp_path / "olmo-3.gguf", "olmo2")
+    write_gguf(tmp_path / "nemotron-h.gguf", "nemotron_h")
+    truncated = tmp_path / "truncated.gguf"
+    write_gguf(truncated, "llama")
+    truncated.write_bytes(truncated.read_bytes()[:40])
+    for path, message in (
+        ("olmo-3.gguf", "a GGUF of architecture 'olmo2', which is not served (served: llama"),
+        ("nemotron-h.gguf", "'nemotron_h', which is not served: it needs Mamba2 (SSD) mixers"),
+        ("truncated.gguf", "the GGUF file is truncated or corrupt"),
+    ):
+        code = prepare_main(["--gguf", str(tmp_path / path), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and message in err[0], (path, code, err)
+        assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture

@@ -53,6 +53,11 @@ REFUSED = [
         "'chunked_attention'",
     ),
     ("model_type", dict(model_type="olmoe"), "'olmoe'"),
+    (
+        "model_type",
+        dict(model_type="deepseek_v32"),
+        "'deepseek_v32': deepseek_v32 is not served: it needs multi-head latent attention (MLA",
+    ),
     ("attn_logit_softcapping", dict(model_type="gemma3_text", attn_logit_softcapping=50.0), "50.0"),
     ("attention_bias", dict(model_type="qwen3", attention_bias=True), "True"),
     (

@@ -35,6 +35,52 @@ PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text", "qwen3_5_moe_text")
 HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
+# families transformers reads that are not served, by the piece each lacks here
+_MLA = "multi-head latent attention (MLA: keys and values cached as one low-rank latent)"
+_MAMBA = "Mamba selective state-space layers"
+NOT_SERVED = {
+    "deepseek_v2": _MLA,
+    "deepseek_v3": _MLA,
+    "kimi_k2": _MLA,
+    "longcat_flash": f"{_MLA} and zero-computation experts",
+    "deepseek_v32": f"{_MLA} and a sparse top-k indexer (each query attends to the keys it picks)",
+    "deepseek_v4": "hyper-connections (residual streams mixed by learned weights), compressed "
+    "attention with a sparse top-k indexer, and hash-routed experts",
+    "qwen4_exp": "a sparse top-k attention indexer, gated residuals, n-gram and per-layer "
+    "embeddings",
+    "glm5_next": "hyper-connections and a sparse top-k indexer beside linear attention",
+    "kimi_linear": f"Kimi Delta Attention beside {_MLA}",
+    "mamba": _MAMBA,
+    "mamba2": _MAMBA,
+    "falcon_mamba": _MAMBA,
+    "jamba": _MAMBA,
+    "bamba": _MAMBA,
+    "zamba": _MAMBA,
+    "zamba2": _MAMBA,
+    "nemotron_h": "Mamba2 (SSD) mixers",
+    "granitemoehybrid": "Mamba2 (SSD) mixers",
+    "falcon_h1": "Mamba2 (SSD) mixers beside attention in every layer",
+    "olmo_hybrid": "Gated DeltaNet with negative eigenvalues and separate q/k/v short convs",
+    "lfm2": "gated short-conv blocks",
+    "lfm2_moe": "gated short-conv blocks",
+    "lfm3": "gated short-conv blocks",
+    "gemma4_text": "per-layer token embeddings and KV shared across layers",
+    "gemma4": "per-layer token embeddings and KV shared across layers",
+}
+
+
+def architecture_refusal(cfg: dict) -> str | None:
+    """What a config.json's architecture lacks to be served, in one line; None where it is served.
+    Read before anything else, so a refusal names the architecture, not a symptom of it."""
+    model_type = language_config(cfg).get("model_type", "llama")
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return None
+    if model_type in NOT_SERVED:
+        lacks = NOT_SERVED[model_type]
+        return f"{model_type} is not served: it needs {lacks}, which pagedserve does not implement"
+    return f"{model_type} is not served (served: {', '.join(SUPPORTED_MODEL_TYPES)})"
+
+
 # multimodal folders served as text: their language model's config, under its own model_type
 TEXT_OF_MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
@@ -61,10 +107,9 @@ def check_supported(cfg: dict) -> None:
     # one function: one check a config field, read as a list
     """Refuse, naming it, every config field that would change the math and is not implemented."""
     model_type = cfg.get("model_type", "llama")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(
-            "model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    refusal = architecture_refusal(cfg)
+    if refusal:
+        raise UnsupportedModel("model_type", model_type, refusal)
     act_field = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
     act = cfg.get(act_field, "silu")
     if act not in GATED_ACTIVATIONS or (

@@ -179,6 +179,21 @@ NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "qwen35", "qwen35moe", "gpt-o
 HYBRID_ARCHS = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 # the architectures served: read natively, or through transformers' reader and an fp32 copy
 SERVED_ARCHS = (*NATIVE_ARCHS, "mistral", "qwen3moe", "gemma2", "gemma3")
+# architectures llama.cpp writes that are not served: the transformers family each is (its
+# refusal names what that family lacks: worker/model/families.py NOT_SERVED)
+GGUF_FAMILIES = {
+    "deepseek2": "deepseek_v3",
+    "mamba": "mamba",
+    "mamba2": "mamba2",
+    "jamba": "jamba",
+    "nemotron_h": "nemotron_h",
+    "nemotron_h_moe": "nemotron_h",
+    "granitehybrid": "granitemoehybrid",
+    "falcon-h1": "falcon_h1",
+    "lfm2": "lfm2",
+    "lfm2moe": "lfm2_moe",
+    "kimi-linear": "kimi_linear",
+}
 # llama.cpp's converter interleaves q/k rotary halves for these
 PERMUTED_ARCHS = ("llama", "mistral")
 # llama.cpp's rope scaling factors (Llama 3.x): not a weight; read into the config
