@@ -15,24 +15,26 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "qwen3_next",
     "gpt_oss",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # the mixture-of-experts families (router top-k over SwiGLU experts)
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "gpt_oss")
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next", "gpt_oss")
 # gpt-oss: attention sinks, biases on every projection and the router, a clamped SwiGLU
 SINK_TYPES = ("gpt_oss",)
 # and those whose experts sit beside one shared expert, gated per token
-SHARED_EXPERT_TYPES = ("qwen3_5_moe_text",)
+SHARED_EXPERT_TYPES = ("qwen3_5_moe_text", "qwen3_next")
 # the gated MLP's activation: SiLU, or GELU-tanh where the family uses it
 GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # dynamic (NTK) only changes the frequencies past max_position_embeddings, which is never served
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # families whose transformers attention rotates only the first partial_rotary_factor of each head
-PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text", "qwen3_5_moe_text")
+PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # hybrids: Gated DeltaNet layers (a recurrent state per sequence) between gated attention layers
-HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+# (Qwen3-Next's projections fused per key head: worker/weights/checkpoint.py)
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 # families transformers reads that are not served, by the piece each lacks here
@@ -197,6 +199,15 @@ def check_supported(cfg: dict) -> None:
                 raise UnsupportedModel(
                     name, cfg[name], f"shared experts are implemented for {SHARED_EXPERT_TYPES}"
                 )
+        layers = int(cfg.get("num_hidden_layers") or 0)
+        shared = cfg.get("shared_expert_intermediate_size")
+        dense = not all(moe_layers(cfg, layers)) and experts
+        if model_type in SHARED_EXPERT_TYPES and dense and shared != cfg.get("intermediate_size"):
+            raise UnsupportedModel(
+                "mlp_only_layers",
+                cfg.get("mlp_only_layers"),
+                "dense layers beside shared experts of another width are not implemented",
+            )
     method = (cfg.get("quantization_config") or {}).get("quant_method")
     if method == "mxfp4" and model_type in SINK_TYPES:
         pass  # gpt-oss's experts as they ship: worker/weights/mxfp4.py

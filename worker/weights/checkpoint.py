@@ -131,6 +131,55 @@ class LanguageModelSource(TensorSource):
         return self.inner.get(inner, rows, cols)
 
 
+class GroupedDeltaNetSource(TensorSource):
+    """Qwen3-Next's Gated DeltaNet projections as Qwen3.5 names them: its `in_proj_qkvz` holds,
+    for each key head in turn, that head's q and k rows, then its value heads' v rows, then their
+    z rows; `in_proj_ba` each key head's value heads' b, then their a. Split here into `in_proj_qkv`
+    (all q, all k, all v), `in_proj_z`, `in_proj_b`, `in_proj_a` (value heads in grouped order).
+    """
+
+    FUSED = {"in_proj_qkvz.weight": ("qkv", "z"), "in_proj_ba.weight": ("b", "a")}
+
+    def __init__(self, inner: TensorSource, k_heads: int, v_heads: int, dk: int, dv: int) -> None:
+        self.inner, self.k_heads, self.dk, self.dv = inner, k_heads, dk, dv
+        self.ratio = v_heads // k_heads
+        self.split = {}  # our name -> (the fused tensor's name, which part)
+        for name in inner.names():
+            for fused, parts in self.FUSED.items():
+                if name.endswith(fused):
+                    stem = name[: -len(fused)]
+                    self.split.update({f"{stem}in_proj_{x}.weight": (name, x) for x in parts})
+
+    @classmethod
+    def wrap(cls, source: TensorSource, config) -> TensorSource:
+        if config.model_type != "qwen3_next":
+            return source
+        c = config
+        return cls(source, c.linear_k_heads, c.linear_v_heads, c.linear_k_dim, c.linear_v_dim)
+
+    def names(self) -> set[str]:
+        fused = {name for name, _ in self.split.values()}
+        return (self.inner.names() - fused) | set(self.split)
+
+    def get(self, name, rows=None, cols=None):
+        if name not in self.split:
+            return self.inner.get(name, rows, cols)
+        fused, part = self.split[name]
+        w = self.inner.get(fused)
+        dk, dv, r = self.dk, self.dv, self.ratio
+        if part in ("b", "a"):
+            w = w.reshape(self.k_heads, 2 * r, -1)
+            t = w[:, :r] if part == "b" else w[:, r:]
+        else:
+            w = w.reshape(self.k_heads, 2 * dk + 2 * r * dv, -1)
+            if part == "z":
+                t = w[:, 2 * dk + r * dv :]
+            else:
+                q, k, v = w[:, :dk], w[:, dk : 2 * dk], w[:, 2 * dk : 2 * dk + r * dv]
+                t = torch.cat([x.reshape(-1, w.shape[-1]) for x in (q, k, v)])
+        return t.reshape(-1, w.shape[-1])[range_index(rows, cols)]
+
+
 @dataclass(frozen=True)
 class LayerNames:
     """Where a family's checkpoint keeps a decoder layer's tensors, under `model.layers.{i}.`."""

@@ -17,6 +17,7 @@ from worker.model.parallel import Collectives, make_shard
 from worker.weights.checkpoint import (
     BareDecoderSource,
     DictSource,
+    GroupedDeltaNetSource,
     LanguageModelSource,
     SafetensorsSource,
     TensorSource,
@@ -96,7 +97,7 @@ def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
     source = LanguageModelSource.wrap(BareDecoderSource.wrap(SafetensorsSource(path)))
     if isinstance(source, LanguageModelSource) and source.skipped:
         log.info("text_only", skipped_tensors=source.skipped, why="the vision tower and MTP head")
-    return source
+    return GroupedDeltaNetSource.wrap(source, config)
 
 
 def tensor_source(source: str, load_format: str, config: ModelConfig) -> TensorSource | None:
