@@ -14,6 +14,7 @@ from worker.model.families import (
     GATED_ACTIVATIONS,
     GEMMA_TYPES,
     HYBRID_TYPES,
+    POST_NORM_TYPES,
     SHARED_EXPERT_TYPES,
     SINK_TYPES,
     UnsupportedModel,
@@ -44,6 +45,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    # OLMo 3: q and k normed over the whole projection (all heads together), not head by head
+    qk_norm_whole: bool = False
     model_type: str = "llama"
     # per layer: whether it applies RoPE (SmolLM3's NoPE layers do not); empty = every layer
     rope_layers: tuple[bool, ...] = ()
@@ -60,6 +63,8 @@ class ModelConfig:
     embed_scale: float = 1.0  # Gemma multiplies its input embeddings by sqrt(hidden_size)
     # Gemma: RMSNorm on the attention and MLP outputs before each residual add
     sandwich_norms: bool = False
+    # OLMo 3: only those two; nothing normed before attention or the MLP
+    post_norms_only: bool = False
     # Gemma's RMSNorm scales by (1 + weight): added to every norm weight at load
     norm_offset: float = 0.0
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: off
@@ -189,7 +194,9 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", *SINK_TYPES))),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_TYPES),
+            qk_norm=model_type
+            in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_TYPES, *POST_NORM_TYPES),
+            qk_norm_whole=model_type in POST_NORM_TYPES,
             model_type=model_type,
             rope_layers=rope_layers(cfg, num_layers),
             layer_windows=layer_windows(cfg, num_layers),
@@ -198,7 +205,8 @@ class ModelConfig:
             hidden_act=GATED_ACTIVATIONS[act],
             attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else 0.0,
             embed_scale=float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
-            sandwich_norms=gemma,
+            sandwich_norms=gemma or model_type in POST_NORM_TYPES,
+            post_norms_only=model_type in POST_NORM_TYPES,
             norm_offset=1.0 if gemma or model_type in HYBRID_TYPES else 0.0,
             final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0)

@@ -17,6 +17,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_moe_text",
     "qwen3_next",
     "gpt_oss",
+    "olmo3",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -81,6 +82,10 @@ def architecture_refusal(cfg: dict) -> str | None:
         lacks = NOT_SERVED[model_type]
         return f"{model_type} is not served: it needs {lacks}, which pagedserve does not implement"
     return f"{model_type} is not served (served: {', '.join(SUPPORTED_MODEL_TYPES)})"
+
+
+# OLMo 3: q/k RMSNorm over the whole projection (not per head), norms after attention and MLP only
+POST_NORM_TYPES = ("olmo3",)
 
 
 # multimodal folders served as text: their language model's config, under its own model_type
@@ -251,11 +256,12 @@ def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
 def rope_sets(cfg: dict) -> list[dict]:
     """RoPE parameters per layer kind: one set, or Gemma 3's global then sliding."""
     params = cfg.get("rope_parameters") or {}
-    if cfg.get("model_type") != "gemma3_text":
+    per_type = "full_attention" in params or "sliding_attention" in params
+    if cfg.get("model_type") != "gemma3_text" and not per_type:
         rope = dict(params or cfg.get("rope_scaling") or {})
         rope.setdefault("rope_theta", cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
         return [rope]
-    if "full_attention" in params or "sliding_attention" in params:
+    if per_type:  # one set a layer type (Gemma 3, OLMo 3)
         full = dict(params.get("full_attention") or {})
         local = dict(params.get("sliding_attention") or {})
     else:
@@ -277,7 +283,8 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
     if model_type in ("mistral", "mixtral", "phi3"):  # their attention slides on every layer
         return (window,) * num_layers
     # layer_types; by default Gemma 3 slides five layers of six, Gemma 2 every other
-    if model_type in (*GEMMA_TYPES, *SINK_TYPES):  # gpt-oss slides every other layer, as Gemma 2
+    if model_type in (*GEMMA_TYPES, *SINK_TYPES, *POST_NORM_TYPES):
+        # gpt-oss slides every other layer, as Gemma 2; OLMo 3 where layer_types says
         pattern = int(cfg.get("sliding_window_pattern", 6)) if model_type == "gemma3_text" else 2
         types = cfg.get("layer_types") or [
             "sliding_attention" if (i + 1) % pattern else "full_attention"

@@ -232,7 +232,7 @@ class FusedDecode:
             or c.embed_scale != 1.0
             or c.attn_scale != c.head_dim**-0.5
         ):
-            return "Gemma's norms, GeGLU, two RoPE tables and scales (the layer path runs them)"
+            return "norms on the blocks' outputs, GeGLU, two RoPE tables, scales (the layer path)"
         for layer in model.layers:
             for name in layer.matmul_names:
                 if _matrix(layer, name) is None:

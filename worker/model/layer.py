@@ -68,8 +68,10 @@ class DecoderLayer(nn.Module):
             qkv_rows = self.q_size * (2 if c.attn_output_gate else 1) + 2 * self.kv_size
             self.qkv = nn.Parameter(torch.empty(qkv_rows, c.hidden_size))
             self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows)) if c.attention_bias else None
-            self.q_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
-            self.k_norm = nn.Parameter(torch.ones(c.head_dim)) if c.qk_norm else None
+            # per head, or (OLMo 3) over this rank's share of the whole projection
+            q_dim, k_dim = (self.q_size, self.kv_size) if c.qk_norm_whole else (c.head_dim,) * 2
+            self.q_norm = nn.Parameter(torch.ones(q_dim)) if c.qk_norm else None
+            self.k_norm = nn.Parameter(torch.ones(k_dim)) if c.qk_norm else None
             self.o_proj = nn.Parameter(torch.empty(c.hidden_size, self.q_size))
             # gpt-oss: o_proj bias (added once, after the sum over ranks), this rank's sinks
             self.o_bias = nn.Parameter(torch.zeros(c.hidden_size)) if c.o_proj_bias else None
@@ -122,7 +124,9 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         mm, w, lora, i = self.mm, self.w, step.lora, self.layer_idx
         into_bf16 = self._bf16_between(mm, ops, lora, num_tokens)
-        if residual is None:
+        if c.post_norms_only:  # OLMo 3: the residual stream goes in as it is
+            residual = h = x if residual is None else residual + x
+        elif residual is None:
             residual, h = ops.add_rms_norm(
                 x, None, self.input_norm, c.rms_norm_eps, into_bf16(self.matmul_names[0])
             )
@@ -138,13 +142,16 @@ class DecoderLayer(nn.Module):
             a = self._attend(h, step, pool, rope, attn, ops, into_bf16)
         if self.attn_out_norm is not None:
             a = rms_norm(a, self.attn_out_norm, c.rms_norm_eps)
-        residual, h = ops.add_rms_norm(
-            residual,
-            a,
-            self.post_attn_norm,
-            c.rms_norm_eps,
-            self.moe is None and into_bf16("gate_up"),
-        )
+        if c.post_norms_only:
+            residual = h = residual + a
+        else:
+            residual, h = ops.add_rms_norm(
+                residual,
+                a,
+                self.post_attn_norm,
+                c.rms_norm_eps,
+                self.moe is None and into_bf16("gate_up"),
+            )
         if self.moe is None:
             out = self.comm.all_reduce(self._mlp(h, step, ops, into_bf16("down")))
         elif self.shared_gate is None:
@@ -190,7 +197,10 @@ class DecoderLayer(nn.Module):
         v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].view(
             num_tokens, self.num_kv_heads, c.head_dim
         )
-        if self.q_norm is not None:
+        if c.qk_norm_whole:
+            q = self._whole_norm(q, self.q_norm, c.num_heads * c.head_dim)
+            k = self._whole_norm(k, self.k_norm, c.num_kv_heads * c.head_dim)
+        elif self.q_norm is not None:
             q, k = ops.head_norms(q, k, self.q_norm, self.k_norm, c.rms_norm_eps)
         if c.uses_rope(self.layer_idx):  # SmolLM3's NoPE layers attend without positions
             # rope: the step's tables, or (global, local) where sliding layers have their own (Gemma
@@ -227,6 +237,15 @@ class DecoderLayer(nn.Module):
         )
         a = self.comm.all_reduce(a if lora is None else lora.apply(i, "o_proj", o, a))
         return a if self.o_bias is None else a + self.o_bias.to(a.dtype)
+
+    def _whole_norm(self, x: torch.Tensor, weight: torch.Tensor, width: int) -> torch.Tensor:
+        """RMSNorm of each token's whole projection (width values over all ranks) on [tokens,
+        heads, head_dim]: this rank's sum of squares, summed over ranks.
+        """
+        f = x.float()
+        squares = self.comm.all_reduce(f.pow(2).sum((1, 2), keepdim=True))
+        scale = torch.rsqrt(squares / width + self.config.rms_norm_eps)
+        return (f * scale * weight.float().view(x.shape[1:])).to(x.dtype)
 
     def _bf16_between(self, mm, ops, lora, rows: int):
         """name -> whether that projection's input and output stay bf16 this step."""

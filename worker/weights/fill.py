@@ -111,6 +111,10 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
 def _load_norms(
     model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
 ) -> None:
+    if model.config.post_norms_only:  # OLMo 3: on the attention and MLP outputs only
+        layer.attn_out_norm.copy_(ck.norm(p + "post_attention_layernorm.weight"))
+        layer.mlp_out_norm.copy_(ck.norm(p + "post_feedforward_layernorm.weight"))
+        return
     layer.input_norm.copy_(ck.norm(p + "input_layernorm.weight"))
     if model.config.sandwich_norms:  # Gemma's post-attention norm is on the attention output
         attn_out, mlp_in, mlp_out = (f"{p}{n}.weight" for n in names.sandwich)
@@ -157,7 +161,10 @@ def _load_attention(
                 ck.take(f"{a}v_proj.{kind}", kv_rows),
             ]
         target.copy_(torch.cat(parts))
-    if layer.q_norm is not None:
+    if layer.q_norm is not None and c.qk_norm_whole:  # this rank's heads' share
+        layer.q_norm.copy_(ck.take(a + "q_norm.weight", q_rows) + c.norm_offset)
+        layer.k_norm.copy_(ck.take(a + "k_norm.weight", kv_rows) + c.norm_offset)
+    elif layer.q_norm is not None:
         layer.q_norm.copy_(ck.norm(a + "q_norm.weight"))
         layer.k_norm.copy_(ck.norm(a + "k_norm.weight"))
     if not ck.served(layer.o_proj, a + "o_proj.weight"):
