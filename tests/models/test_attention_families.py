@@ -5,8 +5,6 @@ tokens past three prompts given as token ids, on one rank and split over two.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from tests.support.serving import assert_all_blocks_back, submit_all
