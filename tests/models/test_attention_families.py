@@ -24,6 +24,15 @@ FAMILIES = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
+    # whole-projection q/k norm, partial RoPE, every MLP experts chosen by sigmoid score plus a
+    # correction bias
+    "minimax_m2": dict(
+        num_hidden_layers=3,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        rotary_dim=8,
+    ),
 }
 PROMPTS = [[3 + (11 * i) % 370 for i in range(n)] for n in (5, 23, 61)]
 
@@ -31,7 +40,27 @@ PROMPTS = [[3 + (11 * i) % 370 for i in range(n)] for n in (5, 23, 61)]
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def folder(request, tmp_path_factory):
     name = request.param
-    return make_tiny_llama(tmp_path_factory.mktemp(name), seed=7, family=name, **FAMILIES[name])
+    folder = make_tiny_llama(tmp_path_factory.mktemp(name), seed=7, family=name, **FAMILIES[name])
+    randomize_buffers(folder, "e_score_correction_bias")
+    return folder
+
+
+def randomize_buffers(folder, suffix: str) -> None:
+    """Give buffers a checkpoint saves as zeros (a router's correction bias) values that change
+    which experts are chosen, so that reading them is tested.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    found = [name for name in state if name.endswith(suffix)]
+    if not found:
+        return
+    gen = torch.Generator().manual_seed(11)
+    for name in found:
+        state[name] = torch.rand(state[name].shape, generator=gen) * 0.5
+    save_file(state, str(path), metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -13,8 +13,11 @@ from pathlib import Path
 from worker.model.families import (
     GATED_ACTIVATIONS,
     GEMMA_TYPES,
+    ALL_MOE_TYPES,
     HYBRID_TYPES,
     POST_NORM_TYPES,
+    SIGMOID_ROUTER_TYPES,
+    WHOLE_QK_NORM_TYPES,
     SHARED_EXPERT_TYPES,
     SINK_TYPES,
     UnsupportedModel,
@@ -76,6 +79,8 @@ class ModelConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # MiniMax-M2: chosen by sigmoid score + a per-expert correction bias, weighted by the score
+    sigmoid_router: bool = False
     # beside the experts, a shared one (intermediate_size wide) scaled by a per-token sigmoid gate
     shared_expert: bool = False
     # hybrids: which layers are Gated DeltaNet (empty: none), their heads, dims and conv width
@@ -169,8 +174,10 @@ class ModelConfig:
         ropes = rope_sets(cfg)
         rope = ropes[0]
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
+        # MiniMax-M2's released configs give rotary_dim instead
+        legacy = int(cfg.get("rotary_dim") or 0) / head_dim if model_type == "minimax_m2" else 0
         partial = float(
-            rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
+            rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or legacy or 1.0
         )
         theta = rope["rope_theta"]
         gemma = model_type in GEMMA_TYPES
@@ -195,8 +202,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", *SINK_TYPES))),
             qk_norm=model_type
-            in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_TYPES, *POST_NORM_TYPES),
-            qk_norm_whole=model_type in POST_NORM_TYPES,
+            in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_TYPES, *WHOLE_QK_NORM_TYPES),
+            qk_norm_whole=model_type in WHOLE_QK_NORM_TYPES,
             model_type=model_type,
             rope_layers=rope_layers(cfg, num_layers),
             layer_windows=layer_windows(cfg, num_layers),
@@ -219,12 +226,13 @@ class ModelConfig:
             # experts' weights
             moe_intermediate_size=int(
                 cfg.get("intermediate_size")
-                if model_type in ("mixtral", *SINK_TYPES)
+                if model_type in (*ALL_MOE_TYPES, *SINK_TYPES)
                 else cfg.get("moe_intermediate_size") or 0
             ),
             # gpt-oss's softmax over the chosen logits is the renormalized top-k of all
-            norm_topk_prob=model_type in ("mixtral", "qwen3_5_moe_text", *SINK_TYPES)
+            norm_topk_prob=model_type in (*ALL_MOE_TYPES, "qwen3_5_moe_text", *SINK_TYPES)
             or bool(cfg.get("norm_topk_prob", False)),
+            sigmoid_router=model_type in SIGMOID_ROUTER_TYPES,
             shared_expert=bool(cfg.get("shared_expert_intermediate_size")),
             attn_sinks=model_type in SINK_TYPES,
             o_proj_bias=model_type in SINK_TYPES and bool(cfg.get("attention_bias", True)),

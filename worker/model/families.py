@@ -18,11 +18,12 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_next",
     "gpt_oss",
     "olmo3",
+    "minimax_m2",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # the mixture-of-experts families (router top-k over SwiGLU experts)
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next", "gpt_oss")
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "minimax_m2")
 # gpt-oss: attention sinks, biases on every projection and the router, a clamped SwiGLU
 SINK_TYPES = ("gpt_oss",)
 # and those whose experts sit beside one shared expert, gated per token
@@ -32,7 +33,7 @@ GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu
 # dynamic (NTK) only changes the frequencies past max_position_embeddings, which is never served
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 # families whose transformers attention rotates only the first partial_rotary_factor of each head
-PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "minimax_m2")
 # hybrids: Gated DeltaNet layers (a recurrent state per sequence) between gated attention layers
 # (Qwen3-Next's projections fused per key head: worker/weights/checkpoint.py)
 HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
@@ -84,8 +85,14 @@ def architecture_refusal(cfg: dict) -> str | None:
     return f"{model_type} is not served (served: {', '.join(SUPPORTED_MODEL_TYPES)})"
 
 
-# OLMo 3: q/k RMSNorm over the whole projection (not per head), norms after attention and MLP only
+# OLMo 3: norms after attention and MLP only
 POST_NORM_TYPES = ("olmo3",)
+# q/k RMSNorm over the whole projection, not head by head
+WHOLE_QK_NORM_TYPES = ("olmo3", "minimax_m2")
+# MiniMax-M2: experts chosen by sigmoid scores plus a correction bias, weighted by the scores
+SIGMOID_ROUTER_TYPES = ("minimax_m2",)
+# every MLP a mixture of intermediate_size-wide experts, the chosen weights renormalized
+ALL_MOE_TYPES = ("mixtral", "minimax_m2")
 
 
 # multimodal folders served as text: their language model's config, under its own model_type
@@ -246,7 +253,7 @@ def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
     """Layers whose MLP is a mixture of experts; () for a dense model."""
     if cfg.get("model_type") not in MOE_TYPES or not num_experts(cfg):
         return ()
-    if cfg.get("model_type") == "mixtral":
+    if cfg.get("model_type") in ALL_MOE_TYPES:
         return (True,) * num_layers
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = set(cfg.get("mlp_only_layers") or ())

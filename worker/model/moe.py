@@ -36,6 +36,9 @@ class MoE(nn.Module):
         # since the ranks' shares are summed), and its clamped SwiGLU
         bias = config.expert_bias
         self.router_bias = nn.Parameter(torch.zeros(experts)) if bias else None
+        # MiniMax-M2: added to the sigmoid scores to choose, not to weigh
+        sigmoid = config.sigmoid_router
+        self.correction = nn.Parameter(torch.zeros(experts)) if sigmoid else None
         self.gate_up_bias = nn.Parameter(torch.zeros(experts, 2 * inter)) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(experts, hidden)) if bias else None
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
@@ -54,10 +57,14 @@ class MoE(nn.Module):
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden] -> (weights [T, k] in h's dtype, expert ids [T, k] int64)."""
-        probs = torch.softmax(
-            F.linear(h, self.router, self.router_bias), dim=-1, dtype=torch.float32
-        )
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        logits = F.linear(h, self.router, self.router_bias)
+        if self.correction is not None:
+            probs = torch.sigmoid(logits.float())
+            ids = torch.topk(probs + self.correction.float(), self.top_k, dim=-1)[1]
+            weights = probs.gather(1, ids)
+        else:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(h.dtype), ids

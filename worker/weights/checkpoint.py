@@ -198,6 +198,7 @@ class LayerNames:
 
 
 LAYER_NAMES = {"mixtral": LayerNames(moe="block_sparse_moe.", expert=("w1", "w3", "w2"))}
+LAYER_NAMES["minimax_m2"] = LAYER_NAMES["mixtral"]
 DEFAULT_LAYER_NAMES = LayerNames()
 
 

@@ -234,6 +234,8 @@ def _load_experts(
         _load_gpt_oss_experts(model, ck, moe, m)
         return
     moe.router.copy_(ck.take(m + "gate.weight"))
+    if moe.correction is not None:
+        moe.correction.copy_(ck.take(m + "e_score_correction_bias"))
     experts = range(model.config.num_experts)
     if ck.served(
         moe.gate_up, *(f"{m}experts.{e}.{p}.weight" for e in experts for p in names.expert)
