@@ -11,15 +11,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from worker.model.families import (
+    ALL_MOE_TYPES,
     GATED_ACTIVATIONS,
     GEMMA_TYPES,
-    ALL_MOE_TYPES,
     HYBRID_TYPES,
     POST_NORM_TYPES,
-    SIGMOID_ROUTER_TYPES,
-    WHOLE_QK_NORM_TYPES,
     SHARED_EXPERT_TYPES,
+    SIGMOID_ROUTER_TYPES,
     SINK_TYPES,
+    WHOLE_QK_NORM_TYPES,
     UnsupportedModel,
     check_supported,
     language_config,
