@@ -10,24 +10,25 @@ import torch.nn.functional as F
 
 
 def causal_conv(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, silu: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, C] after `state` [K-1, C], conv [C, K] and SiLU -> (out [T, C], state)."""
+    """x [T, C] after `state` [K-1, C], conv [C, K] and SiLU (or none) -> (out [T, C], state)."""
     width, tokens = weight.shape[1], x.shape[0]
     xs = torch.cat([state.to(x.dtype), x])  # [T + K - 1, C]
     taps = weight.t().contiguous()  # [K, C]: each tap's weights contiguous, accumulated in place
     out = xs[:tokens] * taps[0]
     for j in range(1, width):
         out.addcmul_(xs[j : j + tokens], taps[j])
-    return F.silu(out, inplace=True), xs[xs.shape[0] - (width - 1) :]
+    return F.silu(out, inplace=True) if silu else out, xs[xs.shape[0] - (width - 1) :]
 
 
 def causal_conv_step(
-    x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, states: torch.Tensor, weight: torch.Tensor, silu: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C], states [R, K-1, C] -> (out [R, C], new states)."""
     xs = torch.cat([states.to(x.dtype), x[:, None, :]], dim=1)  # [R, K, C]
-    return F.silu((xs * weight.t()[None]).sum(1)), xs[:, 1:]
+    out = (xs * weight.t()[None]).sum(1)
+    return F.silu(out) if silu else out, xs[:, 1:]
 
 
 def _l2(x: torch.Tensor) -> torch.Tensor:

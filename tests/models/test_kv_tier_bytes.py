@@ -186,7 +186,7 @@ def test_a_hybrids_state_snapshot_round_trips_beside_the_blocks_and_fails_number
     pool = KVPool(cfg, 8, 4, torch.bfloat16, torch.device("cpu"))
     pool.states = StatePool(cfg, 4, torch.bfloat16, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
-    parts = [*pool.k, *pool.v, *pool.states.conv.values(), *pool.states.recurrent.values()]
+    parts = [*pool.k, *pool.v, *pool.states.tensors()]
     for t in parts:
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     key = layout_key("fp", "w", pool, 0, 1, 0)

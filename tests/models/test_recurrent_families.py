@@ -36,6 +36,26 @@ FAMILIES = {
         shared_expert_intermediate_size=48,
         **LINEAR,
     ),
+    # gated short-conv blocks (a conv state only) beside sliding and full attention: proportional
+    # partial RoPE on the full layers, per-head q/k norm and output gate, norms before and after
+    "lfm3": dict(
+        num_hidden_layers=5,
+        layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"],
+        sliding_window=8,
+        conv_L_cache=3,
+        # low bases: the still half of the full layers' frequencies would turn fast
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "proportional",
+                "rope_theta": 100.0,
+                "partial_rotary_factor": 0.5,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+        },
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 
@@ -96,10 +116,11 @@ def test_a_returning_conversation_resumes_from_a_snapshot(family):
     assert_all_blocks_back(server)
 
 
-def test_qwen3_next_split_over_two_ranks_equals_transformers(tmp_path, server_factory):
-    """Each rank takes its key heads' rows out of the fused per-key-head projections (and half of
-    every expert and of the shared one)."""
-    folder = make_tiny_llama(tmp_path, seed=4, family="qwen3_next", **FAMILIES["qwen3_next"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_split_over_two_ranks_equals_transformers(tmp_path, server_factory, name):
+    """Each rank takes its heads' or channels' rows (out of Qwen3-Next's per-key-head fused
+    projections too), half of every expert, and its share of every state."""
+    folder = make_tiny_llama(tmp_path, seed=4, family=name, **FAMILIES[name])
     server = server_factory(
         folder,
         *("--tensor-parallel-size", "2", "--block-size", "4", "--max-num-batched-tokens", "16"),

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from worker.model import rope
 from worker.model.families import (
     ALL_MOE_TYPES,
     GATED_ACTIVATIONS,
@@ -17,6 +17,7 @@ from worker.model.families import (
     HYBRID_TYPES,
     POST_NORM_TYPES,
     SHARED_EXPERT_TYPES,
+    SHORT_CONV_TYPES,
     SIGMOID_ROUTER_TYPES,
     SINK_TYPES,
     WHOLE_QK_NORM_TYPES,
@@ -93,6 +94,11 @@ class ModelConfig:
     # value heads in llama.cpp's order: head j reads key head j % k_heads
     linear_tiled_values: bool = False
     attn_output_gate: bool = False
+    # LFM: gated short-conv blocks (a conv state per sequence, no K/V) and their kernel width;
+    # one sigmoid gate a head on the attention output
+    conv_layers: tuple[bool, ...] = ()
+    short_conv_kernel: int = 0
+    attn_head_gate: bool = False
     # gpt-oss: a learned sink logit per head in every softmax, o_proj and expert biases, and
     # SwiGLU clamped at swiglu_limit with sigmoid(alpha * gate) (0: plain SiLU)
     attn_sinks: bool = False
@@ -104,15 +110,22 @@ class ModelConfig:
     def is_linear(self, layer: int) -> bool:
         return bool(self.linear_layers) and self.linear_layers[layer]
 
+    def is_conv(self, layer: int) -> bool:
+        return bool(self.conv_layers) and self.conv_layers[layer]
+
+    def has_state(self, layer: int) -> bool:
+        """The layer keeps per-sequence state in the state pool instead of paged K/V."""
+        return self.is_linear(layer) or self.is_conv(layer)
+
     @property
     def keeps_state(self) -> bool:
         """Some layer keeps a recurrent state per sequence beside (or instead of) paged KV."""
-        return any(self.linear_layers)
+        return any(self.linear_layers) or any(self.conv_layers)
 
     @property
     def num_kv_layers(self) -> int:
         """Layers that write paged K/V."""
-        return self.num_layers - sum(self.linear_layers)
+        return sum(not self.has_state(i) for i in range(self.num_layers))
 
     @property
     def conv_dim(self) -> int:
@@ -179,6 +192,8 @@ class ModelConfig:
         partial = float(
             rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or legacy or 1.0
         )
+        if (rope.get("rope_type") or rope.get("type")) == "proportional":
+            partial = 1.0  # every value rotates; the frequencies past the fraction are zero
         theta = rope["rope_theta"]
         gemma = model_type in GEMMA_TYPES
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
@@ -195,14 +210,17 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-5))),
             rope_theta=float(theta),
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(
+                cfg.get("tie_word_embeddings", model_type in SHORT_CONV_TYPES)
+            ),
             attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", *SINK_TYPES))),
             qk_norm=model_type
-            in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_TYPES, *WHOLE_QK_NORM_TYPES),
+            in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_TYPES, *WHOLE_QK_NORM_TYPES)
+            or model_type in SHORT_CONV_TYPES,
             qk_norm_whole=model_type in WHOLE_QK_NORM_TYPES,
             model_type=model_type,
             rope_layers=rope_layers(cfg, num_layers),
@@ -212,7 +230,9 @@ class ModelConfig:
             hidden_act=GATED_ACTIVATIONS[act],
             attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else 0.0,
             embed_scale=float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
-            sandwich_norms=gemma or model_type in POST_NORM_TYPES,
+            sandwich_norms=gemma
+            or model_type in POST_NORM_TYPES
+            or (model_type in SHORT_CONV_TYPES and cfg.get("use_sandwich_norm", True)),
             post_norms_only=model_type in POST_NORM_TYPES,
             norm_offset=1.0 if gemma or model_type in HYBRID_TYPES else 0.0,
             final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
@@ -242,6 +262,7 @@ class ModelConfig:
             if model_type in SINK_TYPES
             else 1.0,
             **hybrid_fields(cfg, num_layers),
+            **short_conv_fields(cfg, num_layers),
         )
 
     @classmethod
@@ -254,96 +275,13 @@ class ModelConfig:
 
     def rope_attention_factor(self) -> float:
         """What YaRN multiplies cos and sin by (1 for the other RoPE types)."""
-        return self._yarn()[1] if self._rope_kind() == "yarn" else 1.0
-
-    def _rope_kind(self) -> str:
-        return self.rope_scaling.get("rope_type") or self.rope_scaling.get("type") or "default"
-
-    def _yarn(self) -> tuple[list[float], float]:
-        """YaRN's inverse frequencies and attention factor, computed as transformers does (float32
-        ramps).
-        """
-        import torch
-
-        r, dim, base = self.rope_scaling, self.rotary_dim, self.rope_theta
-        original = float(r.get("original_max_position_embeddings") or self.max_position_embeddings)
-        factor = r.get("factor")
-        factor = float(factor) if factor is not None else self.max_position_embeddings / original
-
-        def get_mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        attention = r.get("attention_factor")
-        if attention is None:
-            mscale, mscale_all = r.get("mscale"), r.get("mscale_all_dim")
-            attention = (
-                get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
-                if mscale and mscale_all
-                else get_mscale(factor)
-            )
-        beta_fast, beta_slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
-
-        def correction_dim(rotations: float) -> float:
-            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-        if r.get("truncate", True):
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001
-        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        extrapolation = 1 - ramp
-        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-        return inv.tolist(), float(attention)
+        return rope.attention_factor(self)
 
     def rope_inv_freq(self) -> list[float]:
-        """Rotary inverse frequencies with the config's scaling and
-        the GGUF's rope_freqs factors.
+        """Rotary inverse frequencies with the config's scaling and the GGUF's rope_freqs
+        factors.
         """
-        inv = self._scaled_inv_freq()
-        if not self.rope_freq_factors:
-            return inv
-        if len(self.rope_freq_factors) != len(inv):
-            raise UnsupportedModel(
-                "rope_freqs",
-                len(self.rope_freq_factors),
-                f"the GGUF's rope_freqs holds {len(self.rope_freq_factors)} factors where "
-                f"the rotary embedding has {len(inv)} frequencies",
-            )
-        return [f / factor for f, factor in zip(inv, self.rope_freq_factors, strict=True)]
-
-    def _scaled_inv_freq(self) -> list[float]:
-        dim = self.rotary_dim
-        inv = [1.0 / (self.rope_theta ** (i / dim)) for i in range(0, dim, 2)]
-        kind = self._rope_kind()
-        # dynamic: transformers' base grows only past max_position_embeddings
-        if kind in ("default", "dynamic"):
-            return inv
-        if kind == "yarn":
-            return self._yarn()[0]
-        if kind == "linear":
-            factor = float(self.rope_scaling["factor"])
-            return [f / factor for f in inv]
-        if kind == "llama3":
-            factor = float(self.rope_scaling["factor"])
-            low = float(self.rope_scaling.get("low_freq_factor", 1.0))
-            high = float(self.rope_scaling.get("high_freq_factor", 4.0))
-            old_ctx = float(self.rope_scaling.get("original_max_position_embeddings", 8192))
-            low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-            out = []
-            for f in inv:
-                wavelen = 2 * math.pi / f
-                if wavelen < high_wavelen:
-                    out.append(f)
-                elif wavelen > low_wavelen:
-                    out.append(f / factor)
-                else:
-                    smooth = (old_ctx / wavelen - low) / (high - low)
-                    out.append((1 - smooth) * f / factor + smooth * f)
-            return out
-        raise ValueError(f"rope scaling {kind!r} is not supported")
+        return rope.inv_freq(self)
 
 
 def hybrid_fields(cfg: dict, num_layers: int) -> dict:
@@ -359,6 +297,22 @@ def hybrid_fields(cfg: dict, num_layers: int) -> dict:
         linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
         linear_tiled_values=cfg.get("linear_value_head_order", "grouped") == "tiled",
         attn_output_gate=True,
+    )
+
+
+def short_conv_fields(cfg: dict, num_layers: int) -> dict:
+    """An LFM's ModelConfig fields: its conv layers, their width, its per-head output gate."""
+    if cfg.get("model_type") not in SHORT_CONV_TYPES:
+        return {}
+    types = cfg.get("layer_types") or []
+    if len(types) < num_layers:
+        raise UnsupportedModel(
+            "layer_types", types, f"needs one entry for each of the {num_layers} layers"
+        )
+    return dict(
+        conv_layers=tuple(t == "conv" for t in types[:num_layers]),
+        short_conv_kernel=int(cfg.get("conv_L_cache", 3)),
+        attn_head_gate=bool(cfg.get("use_attention_gate", True)),
     )
 
 

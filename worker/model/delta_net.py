@@ -87,9 +87,7 @@ class GatedDeltaNet(nn.Module):
         its tokens.
         """
         out = self._run(proj, step, conv_states, states, ops)
-        if step.after is not None:
-            src, dst = step.after
-            conv_states[dst], states[dst] = conv_states[src], states[src]
+        copy_after(step, (conv_states, states))
         return out
 
     def _run(self, proj, step: StateStep, conv_states, states, ops) -> torch.Tensor:
@@ -109,19 +107,11 @@ class GatedDeltaNet(nn.Module):
             out, states[slots] = gated_delta_rule_step(*self._qkv(x), g, beta, states[slots])
         else:
             out = x.new_empty(x.shape[0], self.v_heads, self.v_dim, dtype=torch.float32)
-            loc = step.query_start_loc
-            for row, slot in enumerate(step.slots.tolist()):
-                s, e = loc[row], loc[row + 1]
-                # a snapshot splits the row where it is taken
-                for offset, dst in (*step.saves.get(row, ()), (e - s, -1)):
-                    if s < loc[row] + offset:
-                        end = loc[row] + offset
-                        out[s:end] = self._advance(
-                            x, g, beta, (s, end), slot, conv_states, states, native
-                        )
-                        s = end
-                    if dst >= 0:
-                        conv_states[dst], states[dst] = conv_states[slot], states[slot]
+
+            def advance(s: int, e: int, slot: int) -> torch.Tensor:
+                return self._advance(x, g, beta, (s, e), slot, conv_states, states, native)
+
+            walk_rows(step, (conv_states, states), advance, out)
         return self._gated_norm(out, z)
 
     @property
@@ -159,6 +149,32 @@ class GatedDeltaNet(nn.Module):
         normed = (self.norm * normed.to(z.dtype)).float()
         gate = F.silu(z.float().reshape(normed.shape))
         return (normed * gate).to(z.dtype).reshape(out.shape[0], self.v_size)
+
+
+def walk_rows(step: StateStep, tensors, advance, out: torch.Tensor) -> None:
+    """Each row of a step from its slot's state: advance(start, end, slot) computes out[start:end]
+    (and moves the slot's state past those tokens); a snapshot taken inside a row splits it there,
+    every tensor of the slot copied to the snapshot's.
+    """
+    loc = step.query_start_loc
+    for row, slot in enumerate(step.slots.tolist()):
+        s, e = loc[row], loc[row + 1]
+        for offset, dst in (*step.saves.get(row, ()), (e - s, -1)):
+            if s < loc[row] + offset:
+                end = loc[row] + offset
+                out[s:end] = advance(s, end, slot)
+                s = end
+            if dst >= 0:
+                for t in tensors:
+                    t[dst] = t[slot]
+
+
+def copy_after(step: StateStep, tensors) -> None:
+    """The snapshots taken where rows end: each slot's state copied whole."""
+    if step.after is not None:
+        src, dst = step.after
+        for t in tensors:
+            t[dst] = t[src]
 
 
 def _chunk(q, k, v, g, beta, state):

@@ -19,6 +19,7 @@ SUPPORTED_MODEL_TYPES = (
     "gpt_oss",
     "olmo3",
     "minimax_m2",
+    "lfm3",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -31,7 +32,9 @@ SHARED_EXPERT_TYPES = ("qwen3_5_moe_text", "qwen3_next")
 # the gated MLP's activation: SiLU, or GELU-tanh where the family uses it
 GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # dynamic (NTK) only changes the frequencies past max_position_embeddings, which is never served
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+# proportional (LFM3, Gemma 4): the first partial_rotary_factor of each head's frequencies, the
+# rest still
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "proportional")
 # families whose transformers attention rotates only the first partial_rotary_factor of each head
 PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "minimax_m2")
 # hybrids: Gated DeltaNet layers (a recurrent state per sequence) between gated attention layers
@@ -67,7 +70,6 @@ NOT_SERVED = {
     "olmo_hybrid": "Gated DeltaNet with negative eigenvalues and separate q/k/v short convs",
     "lfm2": "gated short-conv blocks",
     "lfm2_moe": "gated short-conv blocks",
-    "lfm3": "gated short-conv blocks",
     "gemma4_text": "per-layer token embeddings and KV shared across layers",
     "gemma4": "per-layer token embeddings and KV shared across layers",
 }
@@ -91,6 +93,8 @@ POST_NORM_TYPES = ("olmo3",)
 WHOLE_QK_NORM_TYPES = ("olmo3", "minimax_m2")
 # MiniMax-M2: experts chosen by sigmoid scores plus a correction bias, weighted by the scores
 SIGMOID_ROUTER_TYPES = ("minimax_m2",)
+# LFM: gated short-conv blocks beside (sliding and full) attention
+SHORT_CONV_TYPES = ("lfm3",)
 # every MLP a mixture of intermediate_size-wide experts, the chosen weights renormalized
 ALL_MOE_TYPES = ("mixtral", "minimax_m2")
 
@@ -156,8 +160,9 @@ def check_supported(cfg: dict) -> None:
                 "rope_scaling.rope_type", kind, f"implemented: {', '.join(ROPE_TYPES)}"
             )
     rope = rope_sets(cfg)[0]
+    proportional = (rope.get("rope_type") or rope.get("type")) == "proportional"
     for name, value in (
-        ("partial_rotary_factor", rope.get("partial_rotary_factor")),
+        ("partial_rotary_factor", None if proportional else rope.get("partial_rotary_factor")),
         ("partial_rotary_factor", cfg.get("partial_rotary_factor")),
     ):
         if value is not None and float(value) != 1.0 and model_type not in PARTIAL_ROTARY_TYPES:
@@ -232,6 +237,9 @@ def check_supported(cfg: dict) -> None:
         )
     kinds = ("full_attention", "sliding_attention")
     kinds += ("linear_attention",) if model_type in HYBRID_TYPES else ()
+    kinds += ("conv",) if model_type in SHORT_CONV_TYPES else ()
+    if model_type in SHORT_CONV_TYPES and cfg.get("conv_bias"):
+        raise UnsupportedModel("conv_bias", True, "short convs with biases are not implemented")
     for layer_type in set(cfg.get("layer_types") or ()):
         if layer_type not in kinds:
             raise UnsupportedModel("layer_types", layer_type, f"{model_type} has {kinds} layers")
@@ -290,7 +298,7 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
     if model_type in ("mistral", "mixtral", "phi3"):  # their attention slides on every layer
         return (window,) * num_layers
     # layer_types; by default Gemma 3 slides five layers of six, Gemma 2 every other
-    if model_type in (*GEMMA_TYPES, *SINK_TYPES, *POST_NORM_TYPES):
+    if model_type in (*GEMMA_TYPES, *SINK_TYPES, *POST_NORM_TYPES, *SHORT_CONV_TYPES):
         # gpt-oss slides every other layer, as Gemma 2; OLMo 3 where layer_types says
         pattern = int(cfg.get("sliding_window_pattern", 6)) if model_type == "gemma3_text" else 2
         types = cfg.get("layer_types") or [

@@ -42,8 +42,8 @@ class KVPool:
         heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
         self.bytes_per_block = bytes_per_block(config, block_size, dtype, heads)
         shape = (num_blocks, block_size, heads, config.head_dim)
-        # Never zeroed: attention masks by length. A hybrid's linear layers keep `states` instead.
-        kv = [not config.is_linear(i) for i in range(config.num_layers)]
+        # Never zeroed: attention masks by length. A hybrid's stateful layers keep `states` instead.
+        kv = [not config.has_state(i) for i in range(config.num_layers)]
         self.k = [torch.empty(shape if x else 0, dtype=dtype, device=device) for x in kv]
         self.v = [torch.empty(shape if x else 0, dtype=dtype, device=device) for x in kv]
         self.states: StatePool | None = None  # a hybrid's recurrent-state slots (use_states)

@@ -103,7 +103,7 @@ def block_bytes(pool: KVPool) -> RowBytes:
 
 
 def snapshot_bytes(states: StatePool) -> RowBytes:
-    return RowBytes([*states.conv.values(), *states.recurrent.values()])
+    return RowBytes(states.tensors())
 
 
 class HostTier:

@@ -19,6 +19,7 @@ from worker.model.linear import DenseMatmul
 from worker.model.lora import StepLora
 from worker.model.moe import MoE
 from worker.model.parallel import Collectives, Shard
+from worker.model.short_conv import ShortConv
 
 
 @dataclass
@@ -58,14 +59,20 @@ class DecoderLayer(nn.Module):
             shard.linear_v_heads[1] - shard.linear_v_heads[0],
         )
         self.linear = GatedDeltaNet(c, *linear_heads) if c.is_linear(layer_idx) else None
+        # an LFM's short-conv block: this rank's share of the channels
+        channels = c.hidden_size // shard.size
+        self.short_conv = ShortConv(channels, c.short_conv_kernel) if c.is_conv(layer_idx) else None
         self.qkv = self.qkv_bias = self.q_norm = self.k_norm = self.o_proj = None
         self.o_bias = self.sinks = None
-        if self.linear is not None:
-            self.in_proj = nn.Parameter(torch.empty(self.linear.in_rows, c.hidden_size))
-            self.out_proj = nn.Parameter(torch.empty(c.hidden_size, self.linear.v_size))
+        mixer = self.linear or self.short_conv
+        if mixer is not None:
+            width = self.linear.v_size if self.linear is not None else channels
+            self.in_proj = nn.Parameter(torch.empty(mixer.in_rows, c.hidden_size))
+            self.out_proj = nn.Parameter(torch.empty(c.hidden_size, width))
         else:
-            # q, k, v, then (gated attention) one gate a query value
+            # q, k, v, then (gated attention) one gate a query value, or (LFM) one a head
             qkv_rows = self.q_size * (2 if c.attn_output_gate else 1) + 2 * self.kv_size
+            qkv_rows += self.num_heads if c.attn_head_gate else 0
             self.qkv = nn.Parameter(torch.empty(qkv_rows, c.hidden_size))
             self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows)) if c.attention_bias else None
             # per head, or (OLMo 3) over this rank's share of the whole projection
@@ -89,7 +96,7 @@ class DecoderLayer(nn.Module):
         self.shared_gate = (
             nn.Parameter(torch.empty(1, c.hidden_size)) if self.moe and c.shared_expert else None
         )
-        names = self.LINEAR_WEIGHTS if self.linear is not None else self.MATMUL_WEIGHTS
+        names = self.LINEAR_WEIGHTS if mixer is not None else self.MATMUL_WEIGHTS
         self.matmul_names = names if dense else names[:2]
         # kept when released
         self.shapes = {name: tuple(getattr(self, name).shape) for name in self.matmul_names}
@@ -137,6 +144,10 @@ class DecoderLayer(nn.Module):
         if self.linear is not None:
             conv, state = pool.states.layer(i)
             core = self.linear(mm(h, w["in_proj"]), step.state, conv, state, ops)
+            a = self.comm.all_reduce(mm(core, w["out_proj"]))
+        elif self.short_conv is not None:
+            (conv,) = pool.states.layer(i)
+            core = self.short_conv(mm(h, w["in_proj"]), step.state, conv)
             a = self.comm.all_reduce(mm(core, w["out_proj"]))
         else:
             a = self._attend(h, step, pool, rope, attn, ops, into_bf16)
@@ -230,6 +241,9 @@ class DecoderLayer(nn.Module):
         o = o.reshape(num_tokens, self.q_size)
         if c.attn_output_gate:  # Qwen3.5: each query value's own gate
             o = o * torch.sigmoid(qkv[:, self.q_size + 2 * self.kv_size :])
+        elif c.attn_head_gate:  # LFM: one gate a head
+            gate = torch.sigmoid(qkv[:, self.q_size + 2 * self.kv_size :])
+            o = (o.view(num_tokens, self.num_heads, -1) * gate[..., None]).view(num_tokens, -1)
         a = (
             mm(o, w["o_proj"], bf16_out=True)
             if into_bf16("o_proj") and self.attn_out_norm is None

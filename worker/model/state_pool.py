@@ -1,5 +1,6 @@
-"""The recurrent-state pool beside the paged KV: per slot, each Gated DeltaNet layer's conv inputs
-and fp32 delta-rule state. The scheduler assigns slots; the worker holds the bytes.
+"""The recurrent-state pool beside the paged KV: per slot, each stateful layer's tensors, whatever
+its kind (a Gated DeltaNet's conv inputs and fp32 delta-rule state; a short-conv block's conv
+inputs). The scheduler assigns slots; the worker holds the bytes.
 """
 
 from __future__ import annotations
@@ -8,15 +9,34 @@ import torch
 
 from worker.model.config import ModelConfig
 
+Spec = tuple[tuple[int, ...], torch.dtype]  # one tensor's shape for one slot, and its dtype
 
-def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, v_heads: int | None = None) -> int:
-    """One sequence's state over all linear layers; v_heads: the value heads this rank holds."""
-    heads = config.linear_v_heads if v_heads is None else v_heads
-    share = heads / config.linear_v_heads if config.linear_v_heads else 0
-    conv = int(config.conv_dim * share) * (config.linear_conv_kernel - 1)
-    element = torch.empty((), dtype=dtype).element_size()
-    recurrent = heads * config.linear_k_dim * config.linear_v_dim * 4
-    return sum(config.linear_layers) * (conv * element + recurrent)
+
+def state_specs(config: ModelConfig, dtype: torch.dtype, size: int = 1) -> dict[int, list[Spec]]:
+    """Each stateful layer's tensors for one slot, on one of `size` tensor-parallel ranks (each
+    holds its heads' or channels' share).
+    """
+    c, specs = config, {}
+    for i in range(c.num_layers):
+        if c.is_linear(i):
+            heads = c.linear_v_heads // size
+            specs[i] = [
+                ((c.linear_conv_kernel - 1, c.conv_dim // size), dtype),
+                ((heads, c.linear_k_dim, c.linear_v_dim), torch.float32),
+            ]
+        elif c.is_conv(i):
+            specs[i] = [((c.short_conv_kernel - 1, c.hidden_size // size), dtype)]
+    return specs
+
+
+def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, size: int = 1) -> int:
+    """One sequence's state over all stateful layers on one rank."""
+    element = {d: torch.empty((), dtype=d).element_size() for d in (dtype, torch.float32)}
+    return sum(
+        element[d] * int(torch.Size(shape).numel())
+        for layer in state_specs(config, dtype, size).values()
+        for shape, d in layer
+    )
 
 
 class StatePool:
@@ -26,35 +46,32 @@ class StatePool:
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device,
-        v_heads: int | None = None,
-        conv_dim: int | None = None,
+        size: int = 1,
     ) -> None:
-        """v_heads, conv_dim: this rank's share (a tensor-parallel rank holds its heads' slice)."""
-        heads = config.linear_v_heads if v_heads is None else v_heads
-        channels = config.conv_dim if conv_dim is None else conv_dim
+        """size: the tensor-parallel ranks sharing each layer's heads and channels."""
         self.num_slots = num_slots
-        self.bytes_per_slot = bytes_per_slot(config, dtype, heads)
-        linear = [i for i in range(config.num_layers) if config.is_linear(i)]
-        conv = (num_slots, config.linear_conv_kernel - 1, channels)
-        state = (num_slots, heads, config.linear_k_dim, config.linear_v_dim)
-        self.conv = {i: torch.zeros(conv, dtype=dtype, device=device) for i in linear}
-        self.recurrent = {i: torch.zeros(state, dtype=torch.float32, device=device) for i in linear}
+        self.bytes_per_slot = bytes_per_slot(config, dtype, size)
+        self.layers = {
+            i: tuple(torch.zeros((num_slots, *shape), dtype=d, device=device) for shape, d in spec)
+            for i, spec in state_specs(config, dtype, size).items()
+        }
 
-    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.conv[idx], self.recurrent[idx]
+    def layer(self, idx: int) -> tuple[torch.Tensor, ...]:
+        return self.layers[idx]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.layers.values() for t in layer]
 
     @torch.no_grad()
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's state of slots src into slots dst (a snapshot taken or resumed from)."""
         if src.numel():
-            for conv, state in zip(self.conv.values(), self.recurrent.values(), strict=True):
-                conv[dst] = conv[src]
-                state[dst] = state[src]
+            for t in self.tensors():
+                t[dst] = t[src]
 
     @torch.no_grad()
     def reset(self, slots: torch.Tensor) -> None:
         """Zero the slots of sequences that start at position 0."""
         if slots.numel():
-            for conv, state in zip(self.conv.values(), self.recurrent.values(), strict=True):
-                conv[slots] = 0
-                state[slots] = 0
+            for t in self.tensors():
+                t[slots] = 0

@@ -181,7 +181,7 @@ def hybrid_slots(
 
     if not config.keeps_state:
         return 0, 0, 0
-    per_slot = bytes_per_slot(config, dtype, config.linear_v_heads // tp)
+    per_slot = bytes_per_slot(config, dtype, tp)
     live = cfg.max_num_seqs or (32 if device.type == "cpu" else gpu_rows)
     if not cfg.max_num_seqs and budget:
         fit = budget // 2 // per_slot - (cfg.state_snapshots or 0)
@@ -214,17 +214,13 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
     if plan.state_slots:
         from worker.model.state_pool import StatePool
 
-        sh = loaded.model.shard
-        v_heads = sh.linear_v_heads[1] - sh.linear_v_heads[0]
-        conv_dim = loaded.config.conv_dim * v_heads // loaded.config.linear_v_heads
-        pool.states = StatePool(
-            loaded.config, plan.state_slots, loaded.dtype, device, v_heads, conv_dim
-        )
+        size = loaded.model.shard.size
+        pool.states = StatePool(loaded.config, plan.state_slots, loaded.dtype, device, size)
         log.info(
             "state_pool",
             slots=plan.state_slots,
             bytes_per_slot=plan.bytes_per_state_slot,
-            linear_layers=sum(loaded.config.linear_layers),
+            stateful_layers=len(pool.states.layers),
         )
     # what this worker will hold: the model as loaded, and the pool (paged in as used)
     if device.type == "cpu":

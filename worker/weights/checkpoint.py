@@ -185,6 +185,11 @@ class LayerNames:
     """Where a family's checkpoint keeps a decoder layer's tensors, under `model.layers.{i}.`."""
 
     moe: str = "mlp."  # the mixture-of-experts block: its router `gate.weight`, `experts.{e}.`
+    mlp: str = "mlp."  # the dense MLP: its gate, up, down
+    dense: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    input_norm: str = "input_layernorm"
+    post_attention: str = "post_attention_layernorm"  # before the MLP (without sandwich norms)
+    final_norm: str = "model.norm.weight"
     # an expert's gate, up, down
     expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     qkv: str = "self_attn.qkv_proj"  # q, k and v as one tensor (Phi-3), where the checkpoint has it
@@ -199,6 +204,14 @@ class LayerNames:
 
 LAYER_NAMES = {"mixtral": LayerNames(moe="block_sparse_moe.", expert=("w1", "w3", "w2"))}
 LAYER_NAMES["minimax_m2"] = LAYER_NAMES["mixtral"]
+LAYER_NAMES["lfm3"] = LayerNames(
+    mlp="feed_forward.",
+    dense=("w1", "w3", "w2"),
+    input_norm="operator_norm",
+    post_attention="ffn_norm",
+    sandwich=("post_operator_norm", "ffn_norm", "post_ffn_norm"),
+    final_norm="model.embedding_norm.weight",
+)
 DEFAULT_LAYER_NAMES = LayerNames()
 
 

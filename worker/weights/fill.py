@@ -89,7 +89,7 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
     vocab = (model.shard.vocab, model.shard.vocab_shard_size)
     if not ck.served(model.embed, "model.embed_tokens.weight"):
         model.embed.copy_(ck.vocab_rows("model.embed_tokens.weight", *vocab))
-    model.norm.copy_(ck.norm("model.norm.weight"))
+    model.norm.copy_(ck.norm(names.final_norm))
     if model.lm_head is not None and not ck.served(model.lm_head, "lm_head.weight"):
         model.lm_head.copy_(ck.vocab_rows("lm_head.weight", *vocab))
     for i, layer in enumerate(model.layers):
@@ -97,6 +97,8 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
         _load_norms(model, ck, layer, p, names)
         if layer.linear is not None:
             _load_delta_net(model, ck, layer, p + "linear_attn.")
+        elif layer.short_conv is not None:
+            _load_short_conv(model, ck, layer, p + "conv.")
         else:
             _load_attention(model, ck, layer, p, names)
         if layer.moe is not None:
@@ -115,14 +117,14 @@ def _load_norms(
         layer.attn_out_norm.copy_(ck.norm(p + "post_attention_layernorm.weight"))
         layer.mlp_out_norm.copy_(ck.norm(p + "post_feedforward_layernorm.weight"))
         return
-    layer.input_norm.copy_(ck.norm(p + "input_layernorm.weight"))
+    layer.input_norm.copy_(ck.norm(f"{p}{names.input_norm}.weight"))
     if model.config.sandwich_norms:  # Gemma's post-attention norm is on the attention output
         attn_out, mlp_in, mlp_out = (f"{p}{n}.weight" for n in names.sandwich)
         layer.attn_out_norm.copy_(ck.norm(attn_out))
         layer.post_attn_norm.copy_(ck.norm(mlp_in))
         layer.mlp_out_norm.copy_(ck.norm(mlp_out))
     else:
-        layer.post_attn_norm.copy_(ck.norm(p + "post_attention_layernorm.weight"))
+        layer.post_attn_norm.copy_(ck.norm(f"{p}{names.post_attention}.weight"))
 
 
 def _load_attention(
@@ -160,6 +162,9 @@ def _load_attention(
                 ck.take(f"{a}k_proj.{kind}", kv_rows),
                 ck.take(f"{a}v_proj.{kind}", kv_rows),
             ]
+            if c.attn_head_gate:  # LFM: one gate a head (its g_proj, saved as gate_proj), after v
+                gate = f"{a}gate_proj.{kind}"
+                parts.append(ck.take(gate if gate in ck else f"{a}g_proj.{kind}", sh.q_heads))
         target.copy_(torch.cat(parts))
     if layer.q_norm is not None and c.qk_norm_whole:  # this rank's heads' share
         layer.q_norm.copy_(ck.take(a + "q_norm.weight", q_rows) + c.norm_offset)
@@ -199,15 +204,30 @@ def _load_delta_net(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer
     net.norm.copy_(ck.take(a + "norm.weight"))
 
 
+def _load_short_conv(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, a: str) -> None:
+    """An LFM short-conv block's channels on this rank: B, C and x rows of in_proj, the conv,
+    out_proj's columns.
+    """
+    h, size = model.config.hidden_size, model.shard.size
+    c0, c1 = model.shard.rank * h // size, (model.shard.rank + 1) * h // size
+    rows = [(part * h + c0, part * h + c1) for part in range(3)]
+    layer.in_proj.copy_(torch.cat([ck.take(a + "in_proj.weight", r) for r in rows]))
+    layer.out_proj.copy_(ck.take(a + "out_proj.weight", cols=(c0, c1)))
+    conv = layer.short_conv.conv
+    conv.copy_(ck.take(a + "conv.weight", (c0, c1)).reshape(conv.shape))
+
+
 def _load_mlp(
     model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
 ) -> None:
     """This rank's gate/up rows (fused) and down columns."""
-    m, inter, fused = p + "mlp.", model.shard.intermediate, p + names.gate_up
+    m, inter, fused = p + names.mlp, model.shard.intermediate, p + names.gate_up
+    gate, up, down = (f"{x}.weight" for x in names.dense)
     if layer.moe is not None:
         m = p + "mlp.shared_expert."
         fused = m + "gate_up_proj.weight"
-    if ck.served(layer.gate_up, m + "gate_proj.weight", m + "up_proj.weight", fused):
+        gate, up, down = (f"{x}.weight" for x in DEFAULT_LAYER_NAMES.dense)
+    if ck.served(layer.gate_up, m + gate, m + up, fused):
         pass
     elif fused in ck:  # gate then up in one tensor
         size = model.config.intermediate_size
@@ -215,13 +235,9 @@ def _load_mlp(
             torch.cat([ck.take(fused, inter), ck.take(fused, (size + inter[0], size + inter[1]))])
         )
     else:
-        layer.gate_up.copy_(
-            torch.cat(
-                [ck.take(m + "gate_proj.weight", inter), ck.take(m + "up_proj.weight", inter)]
-            )
-        )
-    if not ck.served(layer.down, m + "down_proj.weight"):
-        layer.down.copy_(ck.take(m + "down_proj.weight", cols=inter))
+        layer.gate_up.copy_(torch.cat([ck.take(m + gate, inter), ck.take(m + up, inter)]))
+    if not ck.served(layer.down, m + down):
+        layer.down.copy_(ck.take(m + down, cols=inter))
 
 
 def _load_experts(

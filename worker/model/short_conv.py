@@ -1,0 +1,45 @@
+"""An LFM gated short-conv block: in_proj gives B, C and x; B * x runs through a causal depthwise
+conv whose last inputs are the sequence's slot of the state pool; C gates what comes out, then
+out_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.delta_rule import causal_conv, causal_conv_step
+from worker.model.delta_net import StateStep, copy_after, walk_rows
+
+
+class ShortConv(nn.Module):
+    def __init__(self, channels: int, kernel: int) -> None:
+        """channels: this rank's share of the hidden size."""
+        super().__init__()
+        self.channels = channels
+        self.conv = nn.Parameter(torch.empty(channels, kernel))
+
+    @property
+    def in_rows(self) -> int:
+        """in_proj's rows: B, C, x."""
+        return 3 * self.channels
+
+    def forward(self, proj: torch.Tensor, step: StateStep, conv_states) -> torch.Tensor:
+        """proj [tokens, 3 * channels] -> [tokens, channels]; each row's slot advances past its
+        tokens.
+        """
+        b, c, x = proj.split(self.channels, dim=-1)
+        bx = b * x
+        if step.decode_only:
+            slots = step.slots
+            y, conv_states[slots] = causal_conv_step(bx, conv_states[slots], self.conv, False)
+        else:
+            y = torch.empty_like(bx)
+
+            def advance(s: int, e: int, slot: int) -> torch.Tensor:
+                out, conv_states[slot] = causal_conv(bx[s:e], conv_states[slot], self.conv, False)
+                return out
+
+            walk_rows(step, (conv_states,), advance, y)
+        copy_after(step, (conv_states,))
+        return c * y
