@@ -15,6 +15,8 @@ from worker.model.families import (
     GATED_ACTIVATIONS,
     GEMMA_TYPES,
     HYBRID_TYPES,
+    MAMBA_TYPES,
+    MULTIPLIER_TYPES,
     POST_NORM_TYPES,
     SHARED_EXPERT_TYPES,
     SHORT_CONV_TYPES,
@@ -99,6 +101,20 @@ class ModelConfig:
     conv_layers: tuple[bool, ...] = ()
     short_conv_kernel: int = 0
     attn_head_gate: bool = False
+    # Mamba2 mixers (Granite 4): which layers, heads, head size, B/C groups, state size, conv
+    # width, the step size's floor
+    mamba_layers: tuple[bool, ...] = ()
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_d_state: int = 0
+    mamba_conv_kernel: int = 0
+    mamba_dt_min: float = 0.0
+    # Granite: each block's output scaled before the residual add; logits multiplied
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
+    # a shared expert scaled by a per-token sigmoid gate (Qwen), or added as it is (Granite)
+    shared_expert_gated: bool = True
     # gpt-oss: a learned sink logit per head in every softmax, o_proj and expert biases, and
     # SwiGLU clamped at swiglu_limit with sigmoid(alpha * gate) (0: plain SiLU)
     attn_sinks: bool = False
@@ -113,14 +129,17 @@ class ModelConfig:
     def is_conv(self, layer: int) -> bool:
         return bool(self.conv_layers) and self.conv_layers[layer]
 
+    def is_mamba(self, layer: int) -> bool:
+        return bool(self.mamba_layers) and self.mamba_layers[layer]
+
     def has_state(self, layer: int) -> bool:
         """The layer keeps per-sequence state in the state pool instead of paged K/V."""
-        return self.is_linear(layer) or self.is_conv(layer)
+        return self.is_linear(layer) or self.is_conv(layer) or self.is_mamba(layer)
 
     @property
     def keeps_state(self) -> bool:
         """Some layer keeps a recurrent state per sequence beside (or instead of) paged KV."""
-        return any(self.linear_layers) or any(self.conv_layers)
+        return any(self.has_state(i) for i in range(self.num_layers))
 
     @property
     def num_kv_layers(self) -> int:
@@ -202,7 +221,7 @@ class ModelConfig:
             hidden_size=int(cfg["hidden_size"]),
             # (a model whose every MLP is experts: its shared expert's)
             intermediate_size=int(
-                cfg.get("shared_expert_intermediate_size")
+                cfg.get("shared_expert_intermediate_size") or cfg.get("shared_intermediate_size")
                 if model_type in SHARED_EXPERT_TYPES
                 else cfg["intermediate_size"]
             ),
@@ -228,8 +247,12 @@ class ModelConfig:
             rotary_dim=int(head_dim * partial),
             local_rope=ropes[1] if len(ropes) > 1 else None,
             hidden_act=GATED_ACTIVATIONS[act],
-            attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else 0.0,
-            embed_scale=float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
+            attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
+            if gemma
+            else float(cfg.get("attention_multiplier") or 0.0),
+            embed_scale=float(cfg["hidden_size"]) ** 0.5
+            if gemma
+            else float(cfg.get("embedding_multiplier") or 1.0),
             sandwich_norms=gemma
             or model_type in POST_NORM_TYPES
             or (model_type in SHORT_CONV_TYPES and cfg.get("use_sandwich_norm", True)),
@@ -253,7 +276,10 @@ class ModelConfig:
             norm_topk_prob=model_type in (*ALL_MOE_TYPES, "qwen3_5_moe_text", *SINK_TYPES)
             or bool(cfg.get("norm_topk_prob", False)),
             sigmoid_router=model_type in SIGMOID_ROUTER_TYPES,
-            shared_expert=bool(cfg.get("shared_expert_intermediate_size")),
+            shared_expert=bool(
+                cfg.get("shared_expert_intermediate_size") or cfg.get("shared_intermediate_size")
+            ),
+            shared_expert_gated=model_type not in MULTIPLIER_TYPES,
             attn_sinks=model_type in SINK_TYPES,
             o_proj_bias=model_type in SINK_TYPES and bool(cfg.get("attention_bias", True)),
             expert_bias=model_type in SINK_TYPES,
@@ -263,6 +289,7 @@ class ModelConfig:
             else 1.0,
             **hybrid_fields(cfg, num_layers),
             **short_conv_fields(cfg, num_layers),
+            **mamba_fields(cfg, num_layers),
         )
 
     @classmethod
@@ -313,6 +340,28 @@ def short_conv_fields(cfg: dict, num_layers: int) -> dict:
         conv_layers=tuple(t == "conv" for t in types[:num_layers]),
         short_conv_kernel=int(cfg.get("conv_L_cache", 3)),
         attn_head_gate=bool(cfg.get("use_attention_gate", True)),
+    )
+
+
+def mamba_fields(cfg: dict, num_layers: int) -> dict:
+    """Granite 4's Mamba2 layers and their shapes, its multipliers; {} for other families."""
+    if cfg.get("model_type") not in MAMBA_TYPES:
+        return {}
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * num_layers
+    heads, head_dim = int(cfg["mamba_n_heads"]), cfg.get("mamba_d_head")
+    if head_dim in (None, "auto"):
+        head_dim = int(cfg["hidden_size"]) * int(cfg.get("mamba_expand", 2)) // heads
+    limit = cfg.get("time_step_limit") or (0.0, None)
+    return dict(
+        mamba_layers=tuple(t in ("mamba", "linear_attention") for t in types[:num_layers]),
+        mamba_heads=heads,
+        mamba_head_dim=int(head_dim),
+        mamba_groups=int(cfg.get("mamba_n_groups", 1)),
+        mamba_d_state=int(cfg["mamba_d_state"]),
+        mamba_conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+        mamba_dt_min=float(limit[0] or 0.0),
+        residual_scale=float(cfg.get("residual_multiplier") or 1.0),
+        logit_scale=1.0 / float(cfg.get("logits_scaling") or 1.0),
     )
 
 

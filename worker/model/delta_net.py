@@ -76,6 +76,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Parameter(torch.ones(self.v_dim))  # the gated norm's plain weight
 
     @property
+    def out_width(self) -> int:
+        return self.v_size
+
+    @property
     def in_rows(self) -> int:
         """Fused input projection rows: q, k, v, z, b, a."""
         return self.conv_dim + self.v_size + 2 * self.v_heads

@@ -20,15 +20,24 @@ SUPPORTED_MODEL_TYPES = (
     "olmo3",
     "minimax_m2",
     "lfm3",
+    "granitemoehybrid",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # the mixture-of-experts families (router top-k over SwiGLU experts)
-MOE_TYPES = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next", "gpt_oss", "minimax_m2")
+MOE_TYPES = (
+    "qwen3_moe",
+    "mixtral",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "gpt_oss",
+    "minimax_m2",
+    "granitemoehybrid",
+)
 # gpt-oss: attention sinks, biases on every projection and the router, a clamped SwiGLU
 SINK_TYPES = ("gpt_oss",)
 # and those whose experts sit beside one shared expert, gated per token
-SHARED_EXPERT_TYPES = ("qwen3_5_moe_text", "qwen3_next")
+SHARED_EXPERT_TYPES = ("qwen3_5_moe_text", "qwen3_next", "granitemoehybrid")
 # the gated MLP's activation: SiLU, or GELU-tanh where the family uses it
 GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # dynamic (NTK) only changes the frequencies past max_position_embeddings, which is never served
@@ -65,7 +74,6 @@ NOT_SERVED = {
     "zamba": _MAMBA,
     "zamba2": _MAMBA,
     "nemotron_h": "Mamba2 (SSD) mixers",
-    "granitemoehybrid": "Mamba2 (SSD) mixers",
     "falcon_h1": "Mamba2 (SSD) mixers beside attention in every layer",
     "olmo_hybrid": "Gated DeltaNet with negative eigenvalues and separate q/k/v short convs",
     "lfm2": "gated short-conv blocks",
@@ -96,7 +104,11 @@ SIGMOID_ROUTER_TYPES = ("minimax_m2",)
 # LFM: gated short-conv blocks beside (sliding and full) attention
 SHORT_CONV_TYPES = ("lfm3",)
 # every MLP a mixture of intermediate_size-wide experts, the chosen weights renormalized
-ALL_MOE_TYPES = ("mixtral", "minimax_m2")
+ALL_MOE_TYPES = ("mixtral", "minimax_m2", "granitemoehybrid")
+# Mamba2 mixers (a conv and an SSD state per sequence) beside attention layers
+MAMBA_TYPES = ("granitemoehybrid",)
+# Granite: embeddings, residual branches, attention scores and logits scaled by the config
+MULTIPLIER_TYPES = ("granitemoehybrid",)
 
 
 # multimodal folders served as text: their language model's config, under its own model_type
@@ -194,7 +206,7 @@ def check_supported(cfg: dict) -> None:
         "residual_multiplier",
         "attention_multiplier",
     ):
-        if cfg.get(name) not in (None, 1, 1.0):
+        if cfg.get(name) not in (None, 1, 1.0) and model_type not in MULTIPLIER_TYPES:
             raise UnsupportedModel(
                 name, cfg[name], "scaled embeddings, residuals or logits are not implemented"
             )
@@ -238,6 +250,11 @@ def check_supported(cfg: dict) -> None:
     kinds = ("full_attention", "sliding_attention")
     kinds += ("linear_attention",) if model_type in HYBRID_TYPES else ()
     kinds += ("conv",) if model_type in SHORT_CONV_TYPES else ()
+    kinds += ("mamba", "linear_attention", "attention") if model_type in MAMBA_TYPES else ()
+    if model_type in MAMBA_TYPES and cfg.get("mamba_proj_bias"):
+        raise UnsupportedModel(
+            "mamba_proj_bias", True, "Mamba2 projections with biases are not implemented"
+        )
     if model_type in SHORT_CONV_TYPES and cfg.get("conv_bias"):
         raise UnsupportedModel("conv_bias", True, "short convs with biases are not implemented")
     for layer_type in set(cfg.get("layer_types") or ()):
@@ -343,7 +360,11 @@ def linear_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
 
 
 def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
-    """Layers that apply RoPE: all but SmolLM3's NoPE layers."""
+    """Layers that apply RoPE: all but SmolLM3's NoPE layers, and none in Granite 4 unless its
+    position_embedding_type says rope.
+    """
+    if cfg.get("model_type") in MAMBA_TYPES:
+        return (cfg.get("position_embedding_type") == "rope",) * num_layers
     if cfg.get("model_type") != "smollm3":
         return (True,) * num_layers
     flags = cfg.get("no_rope_layers")

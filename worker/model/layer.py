@@ -17,6 +17,7 @@ from worker.model.elementwise import RopeSets, TorchOps, rms_norm
 from worker.model.kv_pool import KVPool
 from worker.model.linear import DenseMatmul
 from worker.model.lora import StepLora
+from worker.model.mamba2 import Mamba2
 from worker.model.moe import MoE
 from worker.model.parallel import Collectives, Shard
 from worker.model.short_conv import ShortConv
@@ -62,27 +63,15 @@ class DecoderLayer(nn.Module):
         # an LFM's short-conv block: this rank's share of the channels
         channels = c.hidden_size // shard.size
         self.short_conv = ShortConv(channels, c.short_conv_kernel) if c.is_conv(layer_idx) else None
+        self.mamba = Mamba2(c) if c.is_mamba(layer_idx) else None
         self.qkv = self.qkv_bias = self.q_norm = self.k_norm = self.o_proj = None
         self.o_bias = self.sinks = None
-        mixer = self.linear or self.short_conv
+        mixer = self.linear or self.short_conv or self.mamba
         if mixer is not None:
-            width = self.linear.v_size if self.linear is not None else channels
             self.in_proj = nn.Parameter(torch.empty(mixer.in_rows, c.hidden_size))
-            self.out_proj = nn.Parameter(torch.empty(c.hidden_size, width))
+            self.out_proj = nn.Parameter(torch.empty(c.hidden_size, mixer.out_width))
         else:
-            # q, k, v, then (gated attention) one gate a query value, or (LFM) one a head
-            qkv_rows = self.q_size * (2 if c.attn_output_gate else 1) + 2 * self.kv_size
-            qkv_rows += self.num_heads if c.attn_head_gate else 0
-            self.qkv = nn.Parameter(torch.empty(qkv_rows, c.hidden_size))
-            self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows)) if c.attention_bias else None
-            # per head, or (OLMo 3) over this rank's share of the whole projection
-            q_dim, k_dim = (self.q_size, self.kv_size) if c.qk_norm_whole else (c.head_dim,) * 2
-            self.q_norm = nn.Parameter(torch.ones(q_dim)) if c.qk_norm else None
-            self.k_norm = nn.Parameter(torch.ones(k_dim)) if c.qk_norm else None
-            self.o_proj = nn.Parameter(torch.empty(c.hidden_size, self.q_size))
-            # gpt-oss: o_proj bias (added once, after the sum over ranks), this rank's sinks
-            self.o_bias = nn.Parameter(torch.zeros(c.hidden_size)) if c.o_proj_bias else None
-            self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if c.attn_sinks else None
+            self._attention_parameters(c)
         self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))  # before the MLP
         # Gemma's norms of the attention and MLP outputs, before each residual add
         self.attn_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
@@ -93,9 +82,8 @@ class DecoderLayer(nn.Module):
         inter = shard.intermediate_size
         self.gate_up = nn.Parameter(torch.empty(2 * inter, c.hidden_size)) if dense else None
         self.down = nn.Parameter(torch.empty(c.hidden_size, inter)) if dense else None
-        self.shared_gate = (
-            nn.Parameter(torch.empty(1, c.hidden_size)) if self.moe and c.shared_expert else None
-        )
+        gated = self.moe is not None and c.shared_expert and c.shared_expert_gated
+        self.shared_gate = nn.Parameter(torch.empty(1, c.hidden_size)) if gated else None
         names = self.LINEAR_WEIGHTS if mixer is not None else self.MATMUL_WEIGHTS
         self.matmul_names = names if dense else names[:2]
         # kept when released
@@ -104,6 +92,21 @@ class DecoderLayer(nn.Module):
         # the matmul library and the weights in its layout (LlamaModel.use_matmul)
         self.mm = DenseMatmul()
         self.w: dict[str, torch.Tensor] = {}
+
+    def _attention_parameters(self, c: ModelConfig) -> None:
+        # q, k, v, then (gated attention) one gate a query value, or (LFM) one a head
+        qkv_rows = self.q_size * (2 if c.attn_output_gate else 1) + 2 * self.kv_size
+        qkv_rows += self.num_heads if c.attn_head_gate else 0
+        self.qkv = nn.Parameter(torch.empty(qkv_rows, c.hidden_size))
+        self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows)) if c.attention_bias else None
+        # per head, or (OLMo 3) over this rank's share of the whole projection
+        q_dim, k_dim = (self.q_size, self.kv_size) if c.qk_norm_whole else (c.head_dim,) * 2
+        self.q_norm = nn.Parameter(torch.ones(q_dim)) if c.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(k_dim)) if c.qk_norm else None
+        self.o_proj = nn.Parameter(torch.empty(c.hidden_size, self.q_size))
+        # gpt-oss: o_proj bias (added once, after the sum over ranks), this rank's sinks
+        self.o_bias = nn.Parameter(torch.zeros(c.hidden_size)) if c.o_proj_bias else None
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if c.attn_sinks else None
 
     MATMUL_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
     LINEAR_WEIGHTS = ("in_proj", "out_proj", "gate_up", "down")
@@ -145,14 +148,16 @@ class DecoderLayer(nn.Module):
             conv, state = pool.states.layer(i)
             core = self.linear(mm(h, w["in_proj"]), step.state, conv, state, ops)
             a = self.comm.all_reduce(mm(core, w["out_proj"]))
-        elif self.short_conv is not None:
-            (conv,) = pool.states.layer(i)
-            core = self.short_conv(mm(h, w["in_proj"]), step.state, conv)
+        elif self.short_conv is not None or self.mamba is not None:
+            mixer = self.short_conv or self.mamba
+            core = mixer(mm(h, w["in_proj"]), step.state, *pool.states.layer(i))
             a = self.comm.all_reduce(mm(core, w["out_proj"]))
         else:
             a = self._attend(h, step, pool, rope, attn, ops, into_bf16)
         if self.attn_out_norm is not None:
             a = rms_norm(a, self.attn_out_norm, c.rms_norm_eps)
+        if c.residual_scale != 1.0:  # Granite
+            a = a * c.residual_scale
         if c.post_norms_only:
             residual = h = residual + a
         else:
@@ -165,15 +170,17 @@ class DecoderLayer(nn.Module):
             )
         if self.moe is None:
             out = self.comm.all_reduce(self._mlp(h, step, ops, into_bf16("down")))
-        elif self.shared_gate is None:
+        elif self.gate_up is None:
             out = self.comm.all_reduce(self.moe(h, ops))
+        elif self.shared_gate is None:  # Granite: the shared MLP added as it is
+            out = self.comm.all_reduce(self.moe(h, ops) + self._mlp(h, step, ops, False))
         else:
             shared = self._mlp(h, step, ops, False).float()
             scale = torch.sigmoid(F.linear(h, self.shared_gate).float())
             out = self.comm.all_reduce(self.moe(h, ops) + (scale * shared).to(h.dtype))
         if self.mlp_out_norm is not None:
             out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)
-        return out, residual
+        return (out * c.residual_scale if c.residual_scale != 1.0 else out), residual
 
     def _mlp(self, h, step: StepInputs, ops, bf16_down: bool) -> torch.Tensor:
         """The gated MLP (this rank's share, before the sum over ranks)."""

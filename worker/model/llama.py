@@ -196,6 +196,8 @@ class LlamaModel(nn.Module):
             logits = (self.head_mm or self.mm)(hidden, self.head).float()
         if self.shard.size > 1:
             logits = self.comm.all_gather_last(logits)[:, : self.config.vocab_size]
+        if self.config.logit_scale != 1.0:  # Granite divides by its logits_scaling
+            logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -20,6 +20,10 @@ class ShortConv(nn.Module):
         self.conv = nn.Parameter(torch.empty(channels, kernel))
 
     @property
+    def out_width(self) -> int:
+        return self.channels
+
+    @property
     def in_rows(self) -> int:
         """in_proj's rows: B, C, x."""
         return 3 * self.channels

@@ -26,6 +26,12 @@ def state_specs(config: ModelConfig, dtype: torch.dtype, size: int = 1) -> dict[
             ]
         elif c.is_conv(i):
             specs[i] = [((c.short_conv_kernel - 1, c.hidden_size // size), dtype)]
+        elif c.is_mamba(i):
+            inner = c.mamba_heads * c.mamba_head_dim
+            specs[i] = [
+                ((c.mamba_conv_kernel - 1, inner + 2 * c.mamba_groups * c.mamba_d_state), dtype),
+                ((c.mamba_heads, c.mamba_head_dim, c.mamba_d_state), torch.float32),
+            ]
     return specs
 
 

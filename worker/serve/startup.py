@@ -114,6 +114,10 @@ def read_config(cfg: WorkerConfig, tp: int):
             config.moe_intermediate_size,
             (config.linear_k_heads, config.linear_v_heads),
         )
+        if any(config.mamba_layers) and tp > 1:
+            raise ParallelConfigError(
+                "Mamba2 mixers are served whole on one rank: serve this model with --tp 1"
+            )
         if config.linear_tiled_values and tp > 1:
             raise ParallelConfigError(
                 "a qwen35 GGUF keeps each key head's value heads apart (llama.cpp's tiled order), "

@@ -185,6 +185,10 @@ class LayerNames:
     """Where a family's checkpoint keeps a decoder layer's tensors, under `model.layers.{i}.`."""
 
     moe: str = "mlp."  # the mixture-of-experts block: its router `gate.weight`, `experts.{e}.`
+    router: str = "gate.weight"
+    fused_experts: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")  # [E, 2I, H]
+    # the shared expert beside them: its gate and up in one tensor, its down
+    shared: tuple[str, str, str] = ("mlp.shared_expert.", "gate_up_proj.weight", "down_proj.weight")
     mlp: str = "mlp."  # the dense MLP: its gate, up, down
     dense: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     input_norm: str = "input_layernorm"
@@ -204,6 +208,15 @@ class LayerNames:
 
 LAYER_NAMES = {"mixtral": LayerNames(moe="block_sparse_moe.", expert=("w1", "w3", "w2"))}
 LAYER_NAMES["minimax_m2"] = LAYER_NAMES["mixtral"]
+LAYER_NAMES["granitemoehybrid"] = LayerNames(
+    moe="block_sparse_moe.",
+    router="router.layer.weight",
+    fused_experts=("input_linear.weight", "output_linear.weight"),
+    shared=("shared_mlp.", "input_linear.weight", "output_linear.weight"),
+    mlp="shared_mlp.",
+    gate_up="shared_mlp.input_linear.weight",
+    dense=("", "", "output_linear"),
+)
 LAYER_NAMES["lfm3"] = LayerNames(
     mlp="feed_forward.",
     dense=("w1", "w3", "w2"),

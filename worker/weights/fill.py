@@ -99,6 +99,8 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
             _load_delta_net(model, ck, layer, p + "linear_attn.")
         elif layer.short_conv is not None:
             _load_short_conv(model, ck, layer, p + "conv.")
+        elif layer.mamba is not None:
+            _load_mamba(ck, layer, p + "mamba.")
         else:
             _load_attention(model, ck, layer, p, names)
         if layer.moe is not None:
@@ -217,6 +219,20 @@ def _load_short_conv(model: LlamaModel, ck: CheckpointReader, layer: DecoderLaye
     conv.copy_(ck.take(a + "conv.weight", (c0, c1)).reshape(conv.shape))
 
 
+def _load_mamba(ck: CheckpointReader, layer: DecoderLayer, a: str) -> None:
+    """A Mamba2 mixer whole (one rank): projections, conv (and its bias), decays, skip, norm."""
+    mixer = layer.mamba
+    layer.in_proj.copy_(ck.take(a + "in_proj.weight"))
+    layer.out_proj.copy_(ck.take(a + "out_proj.weight"))
+    mixer.conv.copy_(ck.take(a + "conv1d.weight").reshape(mixer.conv.shape))
+    if a + "conv1d.bias" in ck:
+        mixer.conv_bias.copy_(ck.take(a + "conv1d.bias"))
+    mixer.dt_bias.copy_(ck.take(a + "dt_bias"))
+    mixer.a_log.copy_(ck.take(a + "A_log"))
+    mixer.d.copy_(ck.take(a + "D"))
+    mixer.norm.copy_(ck.take(a + "norm.weight"))
+
+
 def _load_mlp(
     model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
 ) -> None:
@@ -224,9 +240,9 @@ def _load_mlp(
     m, inter, fused = p + names.mlp, model.shard.intermediate, p + names.gate_up
     gate, up, down = (f"{x}.weight" for x in names.dense)
     if layer.moe is not None:
-        m = p + "mlp.shared_expert."
-        fused = m + "gate_up_proj.weight"
-        gate, up, down = (f"{x}.weight" for x in DEFAULT_LAYER_NAMES.dense)
+        m, fused, down = names.shared
+        m, fused = p + m, p + m + fused
+        gate, up = (f"{x}.weight" for x in DEFAULT_LAYER_NAMES.dense[:2])
     if ck.served(layer.gate_up, m + gate, m + up, fused):
         pass
     elif fused in ck:  # gate then up in one tensor
@@ -249,7 +265,7 @@ def _load_experts(
     if moe.router_bias is not None:
         _load_gpt_oss_experts(model, ck, moe, m)
         return
-    moe.router.copy_(ck.take(m + "gate.weight"))
+    moe.router.copy_(ck.take(m + names.router))
     if moe.correction is not None:
         moe.correction.copy_(ck.take(m + "e_score_correction_bias"))
     experts = range(model.config.num_experts)
@@ -257,11 +273,12 @@ def _load_experts(
         moe.gate_up, *(f"{m}experts.{e}.{p}.weight" for e in experts for p in names.expert)
     ):
         return  # on the file's blocks
-    if m + "experts.gate_up_proj" in ck:
+    fused_gate_up, fused_down = (m + x for x in names.fused_experts)
+    if fused_gate_up in ck:
         size, (i0, i1) = model.config.moe_intermediate_size, inter
-        both = ck.take(m + "experts.gate_up_proj")
+        both = ck.take(fused_gate_up)
         moe.gate_up.copy_(torch.cat([both[:, i0:i1], both[:, size + i0 : size + i1]], dim=1))
-        moe.down.copy_(ck.take(m + "experts.down_proj")[:, :, i0:i1])
+        moe.down.copy_(ck.take(fused_down)[:, :, i0:i1])
         return
     for e in range(model.config.num_experts):
         x = f"{m}experts.{e}."
