@@ -179,3 +179,28 @@ def test_the_native_chunked_prompt_equals_the_definition(length, tiled):
     got = native.delta_rule_chunked(y, decay, beta, slot, (kh, vh, 16, 8, tiled, 1e-6))
     torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
     torch.testing.assert_close(slot, want_state, atol=3e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens,chunk", [(1, 64), (37, 8), (64, 64), (130, 64)])
+def test_mamba2_scan_in_chunks_equals_one_token_at_a_time(tokens, chunk):
+    """The chunked SSD (prompts) and the step form (decodes) carry the same state: a prompt's
+    output and final state equal its tokens fed one by one from the same initial state."""
+    from kernels.delta_rule import ssd_chunked, ssd_step
+
+    gen = torch.Generator().manual_seed(tokens)
+    heads, head_dim, groups, d_state = 4, 8, 2, 6
+    x = torch.randn(tokens, heads, head_dim, generator=gen)
+    dt = torch.rand(tokens, heads, generator=gen) * 0.5
+    a = -torch.rand(heads, generator=gen) * 2
+    b = torch.randn(tokens, groups, d_state, generator=gen)
+    c = torch.randn(tokens, groups, d_state, generator=gen)
+    state = torch.randn(heads, head_dim, d_state, generator=gen)
+    step_state, outs = state[None].clone(), []
+    for t in range(tokens):
+        out, step_state = ssd_step(
+            x[t : t + 1], dt[t : t + 1], a, b[t : t + 1], c[t : t + 1], step_state
+        )
+        outs.append(out)
+    y, final = ssd_chunked(x, dt, a, b, c, state, chunk=chunk)
+    torch.testing.assert_close(y, torch.cat(outs), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final, step_state[0], atol=1e-4, rtol=1e-4)
