@@ -133,7 +133,7 @@ def test_prepare_model_says_an_architecture_is_not_served_not_that_the_file_is_c
     truncated.write_bytes(truncated.read_bytes()[:40])
     for path, message in (
         ("olmo-3.gguf", "a GGUF of architecture 'olmo2', which is not served (served: llama"),
-        ("nemotron-h.gguf", "'nemotron_h', which is not served: it needs Mamba2 (SSD) mixers"),
+        ("nemotron-h.gguf", "'nemotron_h', which is not served: it needs one mixer a layer"),
         ("truncated.gguf", "the GGUF file is truncated or corrupt"),
     ):
         code = prepare_main(["--gguf", str(tmp_path / path), "--out", str(tmp_path / "out")])

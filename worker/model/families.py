@@ -73,11 +73,12 @@ NOT_SERVED = {
     "bamba": _MAMBA,
     "zamba": _MAMBA,
     "zamba2": _MAMBA,
-    "nemotron_h": "Mamba2 (SSD) mixers",
-    "falcon_h1": "Mamba2 (SSD) mixers beside attention in every layer",
+    "nemotron_h": "one mixer a layer (Mamba2, attention, a relu² MLP or experts alone) and "
+    "group-limited sigmoid routing",
+    "falcon_h1": "Mamba2 beside attention in every layer, with its µP multipliers",
     "olmo_hybrid": "Gated DeltaNet with negative eigenvalues and separate q/k/v short convs",
-    "lfm2": "gated short-conv blocks",
-    "lfm2_moe": "gated short-conv blocks",
+    "lfm2": "LFM2's feed-forward sizing (block_auto_adjust_ff_dim) and tensor names",
+    "lfm2_moe": "LFM2's feed-forward sizing (block_auto_adjust_ff_dim) and tensor names",
     "gemma4_text": "per-layer token embeddings and KV shared across layers",
     "gemma4": "per-layer token embeddings and KV shared across layers",
 }
