@@ -159,8 +159,8 @@ def _served_model(args, cpu):
     from worker.model.linear import choose as choose_matmul
     from worker.model.quantized import QuantizedMatmul, choose_threshold, model_linears
     from worker.serve.choices import use_fused_decode
-    from worker.weights.fill import read_quantized
     from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
+    from worker.weights.gguf_plan import read_quantized
     from worker.weights.loader import load_model
 
     model, config = load_model(args.model, "auto", torch.float32, cpu)

@@ -93,8 +93,8 @@ def _model(tmp_path, kind: str, packing: bool = False, int8: bool = False):
     model, config = load_model(str(folder), "auto", torch.float32, torch.device("cpu"))
     if kind.startswith("gguf-"):
         from worker.model.quantized import QuantizedMatmul
-        from worker.weights.fill import read_quantized
         from worker.weights.gguf_blocks import GGUFQuantSource, find_gguf
+        from worker.weights.gguf_plan import read_quantized
 
         source = GGUFQuantSource(
             find_gguf(folder), config.num_heads, config.num_kv_heads, config.head_dim

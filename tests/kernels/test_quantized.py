@@ -13,8 +13,8 @@ import torch
 from tests.support.quant import assert_projections_match, random_k_blocks
 from worker.model.quant_weights import QUANT_TYPES, QuantWeight
 from worker.model.quantized import QuantizedMatmul
-from worker.weights.fill import read_quantized
 from worker.weights.gguf_blocks import GGUFQuantSource
+from worker.weights.gguf_plan import read_quantized
 
 gguf = pytest.importorskip("gguf")
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.serving import assert_all_blocks_back, submit_all
-from tests.support.tiny import hf_greedy, make_tiny_llama
+from tests.support.tiny import hf_greedy, make_tiny_llama, randomize_buffers
 
 pytestmark = pytest.mark.slow
 
@@ -43,24 +43,6 @@ def folder(request, tmp_path_factory):
     folder = make_tiny_llama(tmp_path_factory.mktemp(name), seed=7, family=name, **FAMILIES[name])
     randomize_buffers(folder, "e_score_correction_bias")
     return folder
-
-
-def randomize_buffers(folder, suffix: str) -> None:
-    """Give buffers a checkpoint saves as zeros (a router's correction bias) values that change
-    which experts are chosen, so that reading them is tested.
-    """
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    path = folder / "model.safetensors"
-    state = load_file(str(path))
-    found = [name for name in state if name.endswith(suffix)]
-    if not found:
-        return
-    gen = torch.Generator().manual_seed(11)
-    for name in found:
-        state[name] = torch.rand(state[name].shape, generator=gen) * 0.5
-    save_file(state, str(path), metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

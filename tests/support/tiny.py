@@ -74,6 +74,24 @@ def make_tiny_llama(folder: Path, seed: int = 0, family: str = "llama", **overri
     return folder
 
 
+def randomize_buffers(folder, suffix: str) -> None:
+    """Give buffers a checkpoint saves as zeros (a router's correction bias) values that change
+    which experts are chosen, so that reading them is tested.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    found = [name for name in state if name.endswith(suffix)]
+    if not found:
+        return
+    gen = torch.Generator().manual_seed(11)
+    for name in found:
+        state[name] = torch.rand(state[name].shape, generator=gen) * 0.5
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
 def hf_greedy(
     folder: Path, prompt: list[int], max_tokens: int, repetition_penalty: float = 1.0
 ) -> list[int]:
@@ -103,6 +121,21 @@ def hf_greedy(
                 torch.tensor([[token]]), past_key_values=res.past_key_values, use_cache=True
             )
     return out
+
+
+def hf_recompute_greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy without its cache: every token from a forward over the whole sequence.
+    The reference where its cached decode disagrees with itself (Nemotron-H floors Mamba2's step
+    sizes in a prompt but not in a cached decode step).
+    """
+    import torch
+
+    model = load_hf_cached(str(folder))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
 
 
 _MODELS: dict = {}

@@ -12,10 +12,10 @@ from pathlib import Path
 from worker.model import rope
 from worker.model.families import (
     ALL_MOE_TYPES,
+    BLOCK_TYPES,
     GATED_ACTIVATIONS,
     GEMMA_TYPES,
     HYBRID_TYPES,
-    MAMBA_TYPES,
     MULTIPLIER_TYPES,
     POST_NORM_TYPES,
     SHARED_EXPERT_TYPES,
@@ -23,15 +23,19 @@ from worker.model.families import (
     SIGMOID_ROUTER_TYPES,
     SINK_TYPES,
     WHOLE_QK_NORM_TYPES,
-    UnsupportedModel,
     check_supported,
     language_config,
-    layer_windows,
-    linear_layers,
     moe_layers,
     num_experts,
-    rope_layers,
     rope_sets,
+)
+from worker.model.layer_kinds import (
+    dense_width,
+    hybrid_fields,
+    layer_windows,
+    mamba_fields,
+    rope_layers,
+    short_conv_fields,
 )
 
 
@@ -115,6 +119,15 @@ class ModelConfig:
     logit_scale: float = 1.0
     # a shared expert scaled by a per-token sigmoid gate (Qwen), or added as it is (Granite)
     shared_expert_gated: bool = True
+    # Nemotron-H: layers that are an MLP (or experts) alone, and those that are a mixer alone;
+    # MLPs of up, relu², down (not gated); experts chosen within the best groups, their weights
+    # scaled
+    ffn_only_layers: tuple[bool, ...] = ()
+    mixer_only_layers: tuple[bool, ...] = ()
+    gated_mlp: bool = True
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scale: float = 1.0
     # gpt-oss: a learned sink logit per head in every softmax, o_proj and expert biases, and
     # SwiGLU clamped at swiglu_limit with sigmoid(alpha * gate) (0: plain SiLU)
     attn_sinks: bool = False
@@ -132,6 +145,16 @@ class ModelConfig:
     def is_mamba(self, layer: int) -> bool:
         return bool(self.mamba_layers) and self.mamba_layers[layer]
 
+    def ffn_only(self, layer: int) -> bool:
+        return bool(self.ffn_only_layers) and self.ffn_only_layers[layer]
+
+    def mixer_only(self, layer: int) -> bool:
+        return bool(self.mixer_only_layers) and self.mixer_only_layers[layer]
+
+    def has_kv(self, layer: int) -> bool:
+        """The layer attends over paged K/V."""
+        return not self.has_state(layer) and not self.ffn_only(layer)
+
     def has_state(self, layer: int) -> bool:
         """The layer keeps per-sequence state in the state pool instead of paged K/V."""
         return self.is_linear(layer) or self.is_conv(layer) or self.is_mamba(layer)
@@ -144,7 +167,7 @@ class ModelConfig:
     @property
     def num_kv_layers(self) -> int:
         """Layers that write paged K/V."""
-        return sum(not self.has_state(i) for i in range(self.num_layers))
+        return sum(self.has_kv(i) for i in range(self.num_layers))
 
     @property
     def conv_dim(self) -> int:
@@ -220,16 +243,14 @@ class ModelConfig:
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
             # (a model whose every MLP is experts: its shared expert's)
-            intermediate_size=int(
-                cfg.get("shared_expert_intermediate_size") or cfg.get("shared_intermediate_size")
-                if model_type in SHARED_EXPERT_TYPES
-                else cfg["intermediate_size"]
-            ),
+            intermediate_size=dense_width(cfg, num_layers),
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("norm_eps", 1e-5))),
+            rms_norm_eps=float(
+                cfg.get("rms_norm_eps", cfg.get("norm_eps", cfg.get("layer_norm_epsilon", 1e-5)))
+            ),
             rope_theta=float(theta),
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -246,7 +267,7 @@ class ModelConfig:
             layer_windows=layer_windows(cfg, num_layers),
             rotary_dim=int(head_dim * partial),
             local_rope=ropes[1] if len(ropes) > 1 else None,
-            hidden_act=GATED_ACTIVATIONS[act],
+            hidden_act="relu2" if model_type in BLOCK_TYPES else GATED_ACTIVATIONS[act],
             attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
             if gemma
             else float(cfg.get("attention_multiplier") or 0.0),
@@ -276,10 +297,8 @@ class ModelConfig:
             norm_topk_prob=model_type in (*ALL_MOE_TYPES, "qwen3_5_moe_text", *SINK_TYPES)
             or bool(cfg.get("norm_topk_prob", False)),
             sigmoid_router=model_type in SIGMOID_ROUTER_TYPES,
-            shared_expert=bool(
-                cfg.get("shared_expert_intermediate_size") or cfg.get("shared_intermediate_size")
-            ),
-            shared_expert_gated=model_type not in MULTIPLIER_TYPES,
+            shared_expert=model_type in SHARED_EXPERT_TYPES and dense_width(cfg, num_layers) > 0,
+            shared_expert_gated=model_type not in (*MULTIPLIER_TYPES, *BLOCK_TYPES),
             attn_sinks=model_type in SINK_TYPES,
             o_proj_bias=model_type in SINK_TYPES and bool(cfg.get("attention_bias", True)),
             expert_bias=model_type in SINK_TYPES,
@@ -309,60 +328,6 @@ class ModelConfig:
         factors.
         """
         return rope.inv_freq(self)
-
-
-def hybrid_fields(cfg: dict, num_layers: int) -> dict:
-    """A hybrid's ModelConfig fields (Qwen3.5's names); {} for other families."""
-    if cfg.get("model_type") not in HYBRID_TYPES:
-        return {}
-    return dict(
-        linear_layers=linear_layers(cfg, num_layers),
-        linear_k_heads=int(cfg["linear_num_key_heads"]),
-        linear_v_heads=int(cfg["linear_num_value_heads"]),
-        linear_k_dim=int(cfg["linear_key_head_dim"]),
-        linear_v_dim=int(cfg["linear_value_head_dim"]),
-        linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        linear_tiled_values=cfg.get("linear_value_head_order", "grouped") == "tiled",
-        attn_output_gate=True,
-    )
-
-
-def short_conv_fields(cfg: dict, num_layers: int) -> dict:
-    """An LFM's ModelConfig fields: its conv layers, their width, its per-head output gate."""
-    if cfg.get("model_type") not in SHORT_CONV_TYPES:
-        return {}
-    types = cfg.get("layer_types") or []
-    if len(types) < num_layers:
-        raise UnsupportedModel(
-            "layer_types", types, f"needs one entry for each of the {num_layers} layers"
-        )
-    return dict(
-        conv_layers=tuple(t == "conv" for t in types[:num_layers]),
-        short_conv_kernel=int(cfg.get("conv_L_cache", 3)),
-        attn_head_gate=bool(cfg.get("use_attention_gate", True)),
-    )
-
-
-def mamba_fields(cfg: dict, num_layers: int) -> dict:
-    """Granite 4's Mamba2 layers and their shapes, its multipliers; {} for other families."""
-    if cfg.get("model_type") not in MAMBA_TYPES:
-        return {}
-    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * num_layers
-    heads, head_dim = int(cfg["mamba_n_heads"]), cfg.get("mamba_d_head")
-    if head_dim in (None, "auto"):
-        head_dim = int(cfg["hidden_size"]) * int(cfg.get("mamba_expand", 2)) // heads
-    limit = cfg.get("time_step_limit") or (0.0, None)
-    return dict(
-        mamba_layers=tuple(t in ("mamba", "linear_attention") for t in types[:num_layers]),
-        mamba_heads=heads,
-        mamba_head_dim=int(head_dim),
-        mamba_groups=int(cfg.get("mamba_n_groups", 1)),
-        mamba_d_state=int(cfg["mamba_d_state"]),
-        mamba_conv_kernel=int(cfg.get("mamba_d_conv", 4)),
-        mamba_dt_min=float(limit[0] or 0.0),
-        residual_scale=float(cfg.get("residual_multiplier") or 1.0),
-        logit_scale=1.0 / float(cfg.get("logits_scaling") or 1.0),
-    )
 
 
 def parameter_count(config) -> int:

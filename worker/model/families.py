@@ -21,6 +21,7 @@ SUPPORTED_MODEL_TYPES = (
     "minimax_m2",
     "lfm3",
     "granitemoehybrid",
+    "nemotron_h",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -33,11 +34,12 @@ MOE_TYPES = (
     "gpt_oss",
     "minimax_m2",
     "granitemoehybrid",
+    "nemotron_h",
 )
 # gpt-oss: attention sinks, biases on every projection and the router, a clamped SwiGLU
 SINK_TYPES = ("gpt_oss",)
 # and those whose experts sit beside one shared expert, gated per token
-SHARED_EXPERT_TYPES = ("qwen3_5_moe_text", "qwen3_next", "granitemoehybrid")
+SHARED_EXPERT_TYPES = ("qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "nemotron_h")
 # the gated MLP's activation: SiLU, or GELU-tanh where the family uses it
 GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # dynamic (NTK) only changes the frequencies past max_position_embeddings, which is never served
@@ -73,8 +75,6 @@ NOT_SERVED = {
     "bamba": _MAMBA,
     "zamba": _MAMBA,
     "zamba2": _MAMBA,
-    "nemotron_h": "one mixer a layer (Mamba2, attention, a relu² MLP or experts alone) and "
-    "group-limited sigmoid routing",
     "falcon_h1": "Mamba2 beside attention in every layer, with its µP multipliers",
     "olmo_hybrid": "Gated DeltaNet with negative eigenvalues and separate q/k/v short convs",
     "lfm2": "LFM2's feed-forward sizing (block_auto_adjust_ff_dim) and tensor names",
@@ -101,13 +101,18 @@ POST_NORM_TYPES = ("olmo3",)
 # q/k RMSNorm over the whole projection, not head by head
 WHOLE_QK_NORM_TYPES = ("olmo3", "minimax_m2")
 # MiniMax-M2: experts chosen by sigmoid scores plus a correction bias, weighted by the scores
-SIGMOID_ROUTER_TYPES = ("minimax_m2",)
+SIGMOID_ROUTER_TYPES = ("minimax_m2", "nemotron_h")
 # LFM: gated short-conv blocks beside (sliding and full) attention
 SHORT_CONV_TYPES = ("lfm3",)
 # every MLP a mixture of intermediate_size-wide experts, the chosen weights renormalized
 ALL_MOE_TYPES = ("mixtral", "minimax_m2", "granitemoehybrid")
 # Mamba2 mixers (a conv and an SSD state per sequence) beside attention layers
-MAMBA_TYPES = ("granitemoehybrid",)
+MAMBA_TYPES = ("granitemoehybrid", "nemotron_h")
+# Nemotron-H: one block a layer (Mamba2, attention, a relu² MLP or experts alone), its kinds
+# named in layers_block_type or, in released configs, hybrid_override_pattern's letters
+BLOCK_TYPES = ("nemotron_h",)
+PATTERN_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+BLOCK_KINDS = {"linear_attention": "mamba", "full_attention": "attention"}
 # Granite: embeddings, residual branches, attention scores and logits scaled by the config
 MULTIPLIER_TYPES = ("granitemoehybrid",)
 
@@ -119,6 +124,10 @@ TEXT_OF_MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_tex
 def language_config(cfg: dict) -> dict:
     """The config a multimodal folder's language model has (its text_config), else cfg itself."""
     kind = TEXT_OF_MULTIMODAL.get(cfg.get("model_type"))
+    if cfg.get("model_type") in BLOCK_TYPES and "num_hidden_layers" not in cfg:
+        # Nemotron-H's count is its list of blocks' (or pattern's) length
+        blocks = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern") or ()
+        return {**cfg, "num_hidden_layers": len(blocks)}
     if kind is None or not isinstance(cfg.get("text_config"), dict):
         return cfg
     text = {**cfg["text_config"], "model_type": kind}
@@ -143,7 +152,25 @@ def check_supported(cfg: dict) -> None:
         raise UnsupportedModel("model_type", model_type, refusal)
     act_field = "hidden_activation" if "hidden_activation" in cfg else "hidden_act"
     act = cfg.get(act_field, "silu")
-    if act not in GATED_ACTIVATIONS or (
+    if model_type in BLOCK_TYPES:  # its MLPs and experts: up, relu², down
+        act_field, act = "mlp_hidden_act", cfg.get("mlp_hidden_act", "relu2")
+        if act != "relu2":
+            raise UnsupportedModel(act_field, act, "Nemotron-H's MLPs are implemented with relu²")
+        kinds = set(block_kinds(cfg, int(cfg.get("num_hidden_layers") or 0)))
+        shared = cfg.get("moe_shared_expert_intermediate_size")
+        if {"mlp", "moe"} <= kinds and shared != cfg.get("intermediate_size"):
+            raise UnsupportedModel(
+                "moe_shared_expert_intermediate_size",
+                shared,
+                "MLP layers beside a shared expert of another width are not implemented",
+            )
+        if cfg.get("moe_latent_size"):
+            raise UnsupportedModel(
+                "moe_latent_size",
+                cfg["moe_latent_size"],
+                "latent expert projections are not implemented",
+            )
+    elif act not in GATED_ACTIVATIONS or (
         GATED_ACTIVATIONS[act] == "gelu_tanh" and model_type not in GEMMA_TYPES
     ):
         raise UnsupportedModel(
@@ -232,7 +259,8 @@ def check_supported(cfg: dict) -> None:
         layers = int(cfg.get("num_hidden_layers") or 0)
         shared = cfg.get("shared_expert_intermediate_size")
         dense = not all(moe_layers(cfg, layers)) and experts
-        if model_type in SHARED_EXPERT_TYPES and dense and shared != cfg.get("intermediate_size"):
+        qwen = model_type in SHARED_EXPERT_TYPES and model_type not in BLOCK_TYPES
+        if qwen and dense and shared != cfg.get("intermediate_size"):
             raise UnsupportedModel(
                 "mlp_only_layers",
                 cfg.get("mlp_only_layers"),
@@ -252,6 +280,7 @@ def check_supported(cfg: dict) -> None:
     kinds += ("linear_attention",) if model_type in HYBRID_TYPES else ()
     kinds += ("conv",) if model_type in SHORT_CONV_TYPES else ()
     kinds += ("mamba", "linear_attention", "attention") if model_type in MAMBA_TYPES else ()
+    kinds += ("mlp", "moe") if model_type in BLOCK_TYPES else ()
     if model_type in MAMBA_TYPES and cfg.get("mamba_proj_bias"):
         raise UnsupportedModel(
             "mamba_proj_bias", True, "Mamba2 projections with biases are not implemented"
@@ -272,7 +301,26 @@ def check_supported(cfg: dict) -> None:
 
 
 def num_experts(cfg: dict) -> int:
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    keys = ("num_experts", "num_local_experts", "n_routed_experts")
+    return int(next((cfg[k] for k in keys if cfg.get(k)), 0))
+
+
+def block_kinds(cfg: dict, num_layers: int) -> tuple[str, ...]:
+    """Nemotron-H's layer kinds (mamba, attention, mlp, moe); () for other families."""
+    if cfg.get("model_type") not in BLOCK_TYPES:
+        return ()
+    pattern = cfg.get("hybrid_override_pattern")
+    kinds = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if kinds is None and isinstance(pattern, str):
+        kinds = [PATTERN_KINDS.get(ch, ch) for ch in pattern]
+    kinds = [BLOCK_KINDS.get(k, k) for k in kinds or ()]
+    if len(kinds) < num_layers or set(kinds) - {"mamba", "attention", "mlp", "moe"}:
+        raise UnsupportedModel(
+            "layers_block_type",
+            kinds,
+            f"needs one of mamba, attention, mlp, moe a layer, {num_layers}",
+        )
+    return tuple(kinds[:num_layers])
 
 
 def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
@@ -281,6 +329,8 @@ def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
         return ()
     if cfg.get("model_type") in ALL_MOE_TYPES:
         return (True,) * num_layers
+    if cfg.get("model_type") in BLOCK_TYPES:
+        return tuple(kind == "moe" for kind in block_kinds(cfg, num_layers))
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = set(cfg.get("mlp_only_layers") or ())
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
@@ -304,76 +354,3 @@ def rope_sets(cfg: dict) -> list[dict]:
     full.setdefault("rope_theta", 1_000_000.0)
     local.setdefault("rope_theta", 10_000.0)
     return [full, local]
-
-
-def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
-    """Each layer's window (0 = full); () when none slides."""
-    window = cfg.get("sliding_window")
-    if not window:
-        return ()
-    window = int(window)
-    model_type = cfg.get("model_type", "llama")
-    if model_type in ("mistral", "mixtral", "phi3"):  # their attention slides on every layer
-        return (window,) * num_layers
-    # layer_types; by default Gemma 3 slides five layers of six, Gemma 2 every other
-    if model_type in (*GEMMA_TYPES, *SINK_TYPES, *POST_NORM_TYPES, *SHORT_CONV_TYPES):
-        # gpt-oss slides every other layer, as Gemma 2; OLMo 3 where layer_types says
-        pattern = int(cfg.get("sliding_window_pattern", 6)) if model_type == "gemma3_text" else 2
-        types = cfg.get("layer_types") or [
-            "sliding_attention" if (i + 1) % pattern else "full_attention"
-            for i in range(num_layers)
-        ]
-        sliding = [t == "sliding_attention" for t in types[:num_layers]]
-        return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
-    if model_type not in ("qwen2", "qwen3", "qwen3_moe", "smollm3") or not cfg.get(
-        "use_sliding_window"
-    ):
-        # Llama's attention has no window, the others' only with use_sliding_window: as transformers
-        return ()
-    types = cfg.get("layer_types")
-    if types:
-        if len(types) < num_layers:
-            raise UnsupportedModel(
-                "layer_types", types, f"needs one entry for each of the {num_layers} layers"
-            )
-        sliding = [t == "sliding_attention" for t in types[:num_layers]]
-    elif model_type == "smollm3":  # its NoPE layers slide
-        sliding = [not uses for uses in rope_layers(cfg, num_layers)]
-    else:
-        first = int(cfg.get("max_window_layers", 28))
-        sliding = [i >= first for i in range(num_layers)]
-    return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
-
-
-def linear_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
-    """Layers that are Gated DeltaNet (linear attention) in a hybrid; () when none is."""
-    if cfg.get("model_type") not in HYBRID_TYPES:
-        return ()
-    types = cfg.get("layer_types") or [
-        "full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0 else "linear"
-        for i in range(num_layers)
-    ]
-    if len(types) < num_layers:
-        raise UnsupportedModel(
-            "layer_types", types, f"needs one entry for each of the {num_layers} layers"
-        )
-    return tuple(t.startswith("linear") for t in types[:num_layers])
-
-
-def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
-    """Layers that apply RoPE: all but SmolLM3's NoPE layers, and none in Granite 4 unless its
-    position_embedding_type says rope.
-    """
-    if cfg.get("model_type") in MAMBA_TYPES:
-        return (cfg.get("position_embedding_type") == "rope",) * num_layers
-    if cfg.get("model_type") != "smollm3":
-        return (True,) * num_layers
-    flags = cfg.get("no_rope_layers")
-    if not flags:
-        interval = int(cfg.get("no_rope_layer_interval", 4))
-        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
-    if len(flags) < num_layers:
-        raise UnsupportedModel(
-            "no_rope_layers", flags, f"needs one entry for each of the {num_layers} layers"
-        )
-    return tuple(bool(f) for f in flags[:num_layers])

@@ -43,7 +43,7 @@ class KVPool:
         self.bytes_per_block = bytes_per_block(config, block_size, dtype, heads)
         shape = (num_blocks, block_size, heads, config.head_dim)
         # Never zeroed: attention masks by length. A hybrid's stateful layers keep `states` instead.
-        kv = [not config.has_state(i) for i in range(config.num_layers)]
+        kv = [config.has_kv(i) for i in range(config.num_layers)]
         self.k = [torch.empty(shape if x else 0, dtype=dtype, device=device) for x in kv]
         self.v = [torch.empty(shape if x else 0, dtype=dtype, device=device) for x in kv]
         self.states: StatePool | None = None  # a hybrid's recurrent-state slots (use_states)

@@ -18,7 +18,7 @@ from worker.model.kv_pool import KVPool
 from worker.model.linear import DenseMatmul
 from worker.model.lora import StepLora
 from worker.model.mamba2 import Mamba2
-from worker.model.moe import MoE
+from worker.model.moe import MoE, relu_squared
 from worker.model.parallel import Collectives, Shard
 from worker.model.short_conv import ShortConv
 
@@ -67,7 +67,9 @@ class DecoderLayer(nn.Module):
         self.qkv = self.qkv_bias = self.q_norm = self.k_norm = self.o_proj = None
         self.o_bias = self.sinks = None
         mixer = self.linear or self.short_conv or self.mamba
-        if mixer is not None:
+        if c.ffn_only(layer_idx):  # Nemotron-H: an MLP or experts alone
+            pass
+        elif mixer is not None:
             self.in_proj = nn.Parameter(torch.empty(mixer.in_rows, c.hidden_size))
             self.out_proj = nn.Parameter(torch.empty(c.hidden_size, mixer.out_width))
         else:
@@ -78,14 +80,18 @@ class DecoderLayer(nn.Module):
         self.mlp_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
         # dense MLP, or experts beside an optional sigmoid-gated shared expert
         self.moe = MoE(c, shard) if c.is_moe(layer_idx) else None
-        dense = self.moe is None or c.shared_expert
+        dense = not c.mixer_only(layer_idx) and (self.moe is None or c.shared_expert)
         inter = shard.intermediate_size
-        self.gate_up = nn.Parameter(torch.empty(2 * inter, c.hidden_size)) if dense else None
+        rows = (2 if c.gated_mlp else 1) * inter  # gate and up, or up alone
+        self.gate_up = nn.Parameter(torch.empty(rows, c.hidden_size)) if dense else None
         self.down = nn.Parameter(torch.empty(c.hidden_size, inter)) if dense else None
         gated = self.moe is not None and c.shared_expert and c.shared_expert_gated
         self.shared_gate = nn.Parameter(torch.empty(1, c.hidden_size)) if gated else None
         names = self.LINEAR_WEIGHTS if mixer is not None else self.MATMUL_WEIGHTS
-        self.matmul_names = names if dense else names[:2]
+        if c.ffn_only(layer_idx):  # its MLP's, or none beside experts alone
+            self.matmul_names = names[2:] if dense else ()
+        else:
+            self.matmul_names = names if dense else names[:2]
         # kept when released
         self.shapes = {name: tuple(getattr(self, name).shape) for name in self.matmul_names}
         self.config = c
@@ -129,21 +135,49 @@ class DecoderLayer(nn.Module):
         attn: AttentionBackend,
         ops: TorchOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual add fused with the norm, attention, MLP -> (MLP output, residual)."""
+        """Residual add fused with the norm, attention (or a stateful mixer), MLP -> (MLP output,
+        residual). A Nemotron-H layer is one of the two halves alone.
+        """
         c = self.config
-        num_tokens = x.shape[0]
-        mm, w, lora, i = self.mm, self.w, step.lora, self.layer_idx
-        into_bf16 = self._bf16_between(mm, ops, lora, num_tokens)
+        into_bf16 = self._bf16_between(self.mm, ops, step.lora, x.shape[0])
+        if not c.ffn_only(self.layer_idx):
+            residual, x = self._mix(x, residual, step, pool, rope, attn, ops, into_bf16)
+            if c.mixer_only(self.layer_idx):
+                return x, residual
+        bf16 = self.moe is None and into_bf16("gate_up")
+        if c.post_norms_only:
+            residual = h = residual + x
+        else:
+            residual, h = self._add_norm(residual, x, self.post_attn_norm, ops, bf16)
+        if self.moe is None:
+            out = self.comm.all_reduce(self._mlp(h, step, ops, into_bf16("down")))
+        elif self.gate_up is None:
+            out = self.comm.all_reduce(self.moe(h, ops))
+        elif self.shared_gate is None:  # Granite, Nemotron-H: the shared MLP added as it is
+            out = self.comm.all_reduce(self.moe(h, ops) + self._mlp(h, step, ops, False))
+        else:
+            shared = self._mlp(h, step, ops, False).float()
+            scale = torch.sigmoid(F.linear(h, self.shared_gate).float())
+            out = self.comm.all_reduce(self.moe(h, ops) + (scale * shared).to(h.dtype))
+        if self.mlp_out_norm is not None:
+            out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)
+        return (out * c.residual_scale if c.residual_scale != 1.0 else out), residual
+
+    def _add_norm(self, residual, x, weight, ops, bf16: bool):
+        """(residual + x, its RMSNorm); the first layer's residual is x itself."""
+        eps = self.config.rms_norm_eps
+        if residual is None:
+            return ops.add_rms_norm(x, None, weight, eps, bf16)
+        return ops.add_rms_norm(residual, x, weight, eps, bf16)
+
+    def _mix(self, x, residual, step: StepInputs, pool: KVPool, rope, attn, ops, into_bf16):
+        """The first half: norm, attention or the stateful mixer -> (residual, its output)."""
+        c, mm, w, i = self.config, self.mm, self.w, self.layer_idx
         if c.post_norms_only:  # OLMo 3: the residual stream goes in as it is
             residual = h = x if residual is None else residual + x
-        elif residual is None:
-            residual, h = ops.add_rms_norm(
-                x, None, self.input_norm, c.rms_norm_eps, into_bf16(self.matmul_names[0])
-            )
         else:
-            residual, h = ops.add_rms_norm(
-                residual, x, self.input_norm, c.rms_norm_eps, into_bf16(self.matmul_names[0])
-            )
+            bf16 = into_bf16(self.matmul_names[0])
+            residual, h = self._add_norm(residual, x, self.input_norm, ops, bf16)
         if self.linear is not None:
             conv, state = pool.states.layer(i)
             core = self.linear(mm(h, w["in_proj"]), step.state, conv, state, ops)
@@ -156,31 +190,7 @@ class DecoderLayer(nn.Module):
             a = self._attend(h, step, pool, rope, attn, ops, into_bf16)
         if self.attn_out_norm is not None:
             a = rms_norm(a, self.attn_out_norm, c.rms_norm_eps)
-        if c.residual_scale != 1.0:  # Granite
-            a = a * c.residual_scale
-        if c.post_norms_only:
-            residual = h = residual + a
-        else:
-            residual, h = ops.add_rms_norm(
-                residual,
-                a,
-                self.post_attn_norm,
-                c.rms_norm_eps,
-                self.moe is None and into_bf16("gate_up"),
-            )
-        if self.moe is None:
-            out = self.comm.all_reduce(self._mlp(h, step, ops, into_bf16("down")))
-        elif self.gate_up is None:
-            out = self.comm.all_reduce(self.moe(h, ops))
-        elif self.shared_gate is None:  # Granite: the shared MLP added as it is
-            out = self.comm.all_reduce(self.moe(h, ops) + self._mlp(h, step, ops, False))
-        else:
-            shared = self._mlp(h, step, ops, False).float()
-            scale = torch.sigmoid(F.linear(h, self.shared_gate).float())
-            out = self.comm.all_reduce(self.moe(h, ops) + (scale * shared).to(h.dtype))
-        if self.mlp_out_norm is not None:
-            out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)
-        return (out * c.residual_scale if c.residual_scale != 1.0 else out), residual
+        return residual, (a * c.residual_scale if c.residual_scale != 1.0 else a)
 
     def _mlp(self, h, step: StepInputs, ops, bf16_down: bool) -> torch.Tensor:
         """The gated MLP (this rank's share, before the sum over ranks)."""
@@ -193,7 +203,10 @@ class DecoderLayer(nn.Module):
         )
         if lora is not None:
             gate_up = lora.apply(i, "gate_up", h, gate_up)
-        act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
+        if c.hidden_act == "relu2":  # Nemotron-H: up, relu², down
+            act = relu_squared(gate_up)
+        else:
+            act = ops.silu_mul(gate_up) if c.hidden_act == "silu" else gelu_tanh_mul(gate_up)
         out = (
             mm(act, w["down"], bf16_out=True)
             if bf16_down and self.mlp_out_norm is None

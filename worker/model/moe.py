@@ -29,8 +29,10 @@ class MoE(nn.Module):
         self.top_k = config.experts_per_token
         self.normalize = config.norm_topk_prob
         self.router = nn.Parameter(torch.empty(experts, hidden))
-        # gate rows, then up rows
-        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        # gate rows, then up rows (Nemotron-H's: up rows only, relu² between)
+        self.gated = config.gated_mlp
+        rows = 2 * inter if self.gated else inter
+        self.gate_up = nn.Parameter(torch.empty(experts, rows, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
         # gpt-oss: biases on the router and on every expert's projections (down's on one rank only,
         # since the ranks' shares are summed), and its clamped SwiGLU
@@ -39,6 +41,10 @@ class MoE(nn.Module):
         # MiniMax-M2: added to the sigmoid scores to choose, not to weigh
         sigmoid = config.sigmoid_router
         self.correction = nn.Parameter(torch.zeros(experts)) if sigmoid else None
+        # Nemotron-H: chosen within the groups of experts whose two best scores sum highest, the
+        # weights scaled
+        self.groups, self.topk_groups = config.router_groups, config.router_topk_groups
+        self.scale = config.routed_scale
         self.gate_up_bias = nn.Parameter(torch.zeros(experts, 2 * inter)) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(experts, hidden)) if bias else None
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
@@ -51,7 +57,8 @@ class MoE(nn.Module):
     def use_blocks(self, blocks, mm) -> None:
         """Serve the experts on their blocks (a QuantizedMatmul's kernels), never dense."""
         self.blocks, self.mm = blocks, mm
-        self.native = NativeExperts(self, blocks, mm) if NativeExperts.serves(blocks, mm) else None
+        serves = self.gated and NativeExperts.serves(blocks, mm)
+        self.native = NativeExperts(self, blocks, mm) if serves else None
         self.gate_up.data = torch.empty(0, dtype=self.gate_up.dtype)
         self.down.data = torch.empty(0, dtype=self.down.dtype)
 
@@ -60,14 +67,25 @@ class MoE(nn.Module):
         logits = F.linear(h, self.router, self.router_bias)
         if self.correction is not None:
             probs = torch.sigmoid(logits.float())
-            ids = torch.topk(probs + self.correction.float(), self.top_k, dim=-1)[1]
+            ids = torch.topk(self._within_groups(probs + self.correction.float()), self.top_k)[1]
             weights = probs.gather(1, ids)
         else:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scale != 1.0:
+            weights = weights * self.scale
         return weights.to(h.dtype), ids
+
+    def _within_groups(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores outside the best topk_groups groups masked to -inf (every one with one group)."""
+        if self.groups <= 1:
+            return scores
+        grouped = scores.view(scores.shape[0], self.groups, -1)
+        best = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), self.topk_groups, dim=-1)[1]
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores)
 
     def forward(self, h: torch.Tensor, ops) -> torch.Tensor:
         """h [T, hidden] -> this rank's share of the MLP output."""
@@ -75,6 +93,7 @@ class MoE(nn.Module):
         if self.backend is None:
             self.backend = default_backend(h.device)
         act = ops.silu_mul if not self.limit else partial(clamped_swiglu, self.limit, self.alpha)
+        act = act if self.gated else relu_squared
         biases = (self.gate_up_bias, self.down_bias)
         if self.native is not None and h.shape[0] <= self.mm.max_kernel_rows:
             return self.native(h, weights, ids)
@@ -157,6 +176,11 @@ def default_backend(device: torch.device) -> str:
         except ImportError:
             return "torch"
     return "torch"
+
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """Nemotron-H's activation, between an MLP's up and down (no gate)."""
+    return torch.relu(x).square()
 
 
 def grouped_experts(

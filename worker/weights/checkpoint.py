@@ -180,6 +180,52 @@ class GroupedDeltaNetSource(TensorSource):
         return t.reshape(-1, w.shape[-1])[range_index(rows, cols)]
 
 
+class BackboneSource(TensorSource):
+    """Nemotron-H's tensors (`backbone.layers.{i}.mixer.*`, one block a layer) under the names the
+    other families use: the block's norm before its mixer (`input_layernorm`) or its MLP
+    (`post_attention_layernorm`), the mixer as `mamba.`, `self_attn.` or `mlp.`, the experts'
+    shared MLP as `mlp.shared_expert.`.
+    """
+
+    PLACES = {"mamba": "mamba.", "attention": "self_attn.", "mlp": "mlp.", "moe": "mlp."}
+
+    def __init__(self, inner: TensorSource, kinds: tuple[str, ...]) -> None:
+        self.inner, self.kinds = inner, kinds
+        self.ours = {self._rename(name): name for name in inner.names()}
+
+    @classmethod
+    def wrap(cls, source: TensorSource, kinds: tuple[str, ...]) -> TensorSource:
+        return cls(source, kinds) if kinds else source
+
+    def _rename(self, name: str) -> str:
+        for prefix in ("backbone.", "model."):
+            if name.startswith(prefix):
+                rest = name[len(prefix) :]
+                break
+        else:
+            return name
+        if rest == "embeddings.weight":
+            return "model.embed_tokens.weight"
+        if rest == "norm_f.weight":
+            return "model.norm.weight"
+        parts = rest.split(".", 3)
+        if parts[0] != "layers" or len(parts) < 4:
+            return "model." + rest
+        layer, kind, where, tail = int(parts[1]), self.kinds[int(parts[1])], parts[2], parts[3]
+        head = f"model.layers.{layer}."
+        if where == "norm":
+            ffn = kind in ("mlp", "moe")
+            return head + ("post_attention_layernorm." if ffn else "input_layernorm.") + tail
+        tail = tail.replace("shared_experts.", "shared_expert.").replace("gate.e_score", "e_score")
+        return head + self.PLACES[kind] + tail
+
+    def names(self) -> set[str]:
+        return set(self.ours)
+
+    def get(self, name, rows=None, cols=None):
+        return self.inner.get(self.ours[name], rows, cols)
+
+
 @dataclass(frozen=True)
 class LayerNames:
     """Where a family's checkpoint keeps a decoder layer's tensors, under `model.layers.{i}.`."""

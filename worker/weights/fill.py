@@ -1,6 +1,5 @@
 """A checkpoint's tensors into a LlamaModel's fused parameters: this rank's slices of the Hugging
-Face-named tensors (copy_checkpoint), or the GGUF blocks that will serve its matrices
-(read_quantized).
+Face-named tensors, for every family's names and layouts (the blocks a GGUF serves: gguf_plan.py).
 """
 
 from __future__ import annotations
@@ -17,67 +16,6 @@ from worker.weights.checkpoint import (
     LayerNames,
     TensorSource,
 )
-
-
-def read_quantized(
-    model: LlamaModel, source, embeddings: bool = False, pack=None
-) -> dict[tuple, object]:
-    """This rank's slices of each block-served matrix, stacked as fused; other types load dense."""
-    from worker.model.quant_weights import QuantWeight
-
-    c, sh = model.config, model.shard
-
-    def quant(parts, cols=None, rows_to=None, packed=True):
-        """rows_to: zero blocks padding the short last vocabulary shard."""
-        if any(source.qtype(name) is None for name, _ in parts):
-            return None
-        try:
-            q = QuantWeight.cat([source.get(name, rows, cols) for name, rows in parts])
-        except ValueError:
-            return None
-        if rows_to is not None and q.out_dim < rows_to:
-            pad = torch.zeros(rows_to - q.out_dim, q.data.shape[1], dtype=torch.uint8)
-            q = QuantWeight(torch.cat([q.data, pad]), q.qtype, q.in_dim)
-        return pack(q) if pack is not None and packed else q
-
-    found: dict[tuple, object] = {}
-    for i, layer in enumerate(model.layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        plan = {}
-        if layer.linear is not None:
-            plan.update(_delta_net_blocks(c, sh, quant, f"model.layers.{i}.linear_attn."))
-        else:
-            plan.update(_attention_blocks(c, sh, quant, a))
-        # experts on their blocks where the file's types are served; a shared expert as a dense MLP
-        if layer.moe is not None:
-            experts = _expert_blocks(c, sh, quant, m)
-            if experts is not None:
-                found[(i, "experts")] = experts
-            m += "shared_expert."
-        if layer.gate_up is not None:
-            plan["gate_up"] = quant(
-                [(m + "gate_proj.weight", sh.intermediate), (m + "up_proj.weight", sh.intermediate)]
-            )
-            plan["down"] = quant([(m + "down_proj.weight", None)], cols=sh.intermediate)
-        found.update(
-            {
-                (i, name): q
-                for name, q in plan.items()
-                if q is not None and tuple(q.shape) == layer.shapes[name]
-            }
-        )
-    head = quant([("lm_head.weight", sh.vocab)], rows_to=sh.vocab_shard_size)
-    if head is not None and tuple(head.shape) == model.head_shape:
-        found[("head",)] = head
-    tied_dense = model.lm_head is None and ("head",) not in found  # the dense head reads the table
-    table = (
-        quant([("model.embed_tokens.weight", sh.vocab)], rows_to=sh.vocab_shard_size, packed=False)
-        if embeddings and not tied_dense
-        else None
-    )
-    if table is not None:
-        found[("embed",)] = table
-    return found
 
 
 @torch.no_grad()
@@ -101,6 +39,8 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
             _load_short_conv(model, ck, layer, p + "conv.")
         elif layer.mamba is not None:
             _load_mamba(ck, layer, p + "mamba.")
+        elif c.ffn_only(i):  # Nemotron-H: an MLP or experts alone
+            pass
         else:
             _load_attention(model, ck, layer, p, names)
         if layer.moe is not None:
@@ -118,6 +58,12 @@ def _load_norms(
     if model.config.post_norms_only:  # OLMo 3: on the attention and MLP outputs only
         layer.attn_out_norm.copy_(ck.norm(p + "post_attention_layernorm.weight"))
         layer.mlp_out_norm.copy_(ck.norm(p + "post_feedforward_layernorm.weight"))
+        return
+    c, i = model.config, layer.layer_idx
+    if c.ffn_only(i) or c.mixer_only(i):  # Nemotron-H: one norm, before its one block
+        target = layer.post_attn_norm if c.ffn_only(i) else layer.input_norm
+        name = names.post_attention if c.ffn_only(i) else names.input_norm
+        target.copy_(ck.norm(f"{p}{name}.weight"))
         return
     layer.input_norm.copy_(ck.norm(f"{p}{names.input_norm}.weight"))
     if model.config.sandwich_norms:  # Gemma's post-attention norm is on the attention output
@@ -245,6 +191,8 @@ def _load_mlp(
         gate, up = (f"{x}.weight" for x in DEFAULT_LAYER_NAMES.dense[:2])
     if ck.served(layer.gate_up, m + gate, m + up, fused):
         pass
+    elif not model.config.gated_mlp:  # Nemotron-H: up alone
+        layer.gate_up.copy_(ck.take(m + up, inter))
     elif fused in ck:  # gate then up in one tensor
         size = model.config.intermediate_size
         layer.gate_up.copy_(
@@ -282,9 +230,12 @@ def _load_experts(
         return
     for e in range(model.config.num_experts):
         x = f"{m}experts.{e}."
-        moe.gate_up[e].copy_(
-            torch.cat([ck.take(f"{x}{gate}.weight", inter), ck.take(f"{x}{up}.weight", inter)])
-        )
+        if not moe.gated:  # Nemotron-H: up alone
+            moe.gate_up[e].copy_(ck.take(f"{x}{up}.weight", inter))
+        else:
+            moe.gate_up[e].copy_(
+                torch.cat([ck.take(f"{x}{gate}.weight", inter), ck.take(f"{x}{up}.weight", inter)])
+            )
         moe.down[e].copy_(ck.take(f"{x}{down}.weight", cols=inter))
 
 
@@ -347,52 +298,3 @@ def _mxfp4_experts(ck: CheckpointReader, moe: MoE, m: str, inter: tuple[int, int
     both = dequantize(ck.take_raw(names[0]), ck.take_raw(names[1]))
     moe.gate_up.copy_(torch.cat([both[:, 0::2][:, i0:i1], both[:, 1::2][:, i0:i1]], dim=1))
     moe.down.copy_(dequantize(ck.take_raw(names[2]), ck.take_raw(names[3]))[:, :, i0:i1])
-
-
-def _attention_blocks(c, sh, quant, a: str) -> dict:
-    """This rank's q, k, v heads stacked as qkv (a gated query's gates last), o_proj's columns."""
-    hd = c.head_dim
-    q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
-    kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
-    kv = [(a + "k_proj.weight", kv_rows), (a + "v_proj.weight", kv_rows)]
-    query = [(a + "q_proj.weight", q_rows)]
-    gates = []
-    if c.attn_output_gate:  # q_proj holds each head's query, then its gate: gates go last
-        heads = range(sh.q_heads[0], sh.q_heads[1])
-        query = [(a + "q_proj.weight", (2 * h * hd, (2 * h + 1) * hd)) for h in heads]
-        gates = [(a + "q_proj.weight", ((2 * h + 1) * hd, (2 * h + 2) * hd)) for h in heads]
-    return {
-        "qkv": quant(query + kv + gates),
-        "o_proj": quant([(a + "o_proj.weight", None)], cols=q_rows),
-    }
-
-
-def _expert_blocks(c, sh, quant, m: str):
-    """Every expert's gate/up (this rank's rows) and down (its columns) as blocks, or None where a
-    type is not served (the experts load dense then).
-    """
-    from worker.model.quant_weights import ExpertBlocks
-
-    inter, gate_up, down = sh.expert_intermediate, [], []
-    for e in range(c.num_experts):
-        x = f"{m}experts.{e}."
-        gate_up.append(quant([(x + "gate_proj.weight", inter), (x + "up_proj.weight", inter)]))
-        down.append(quant([(x + "down_proj.weight", None)], cols=inter))
-        if gate_up[-1] is None or down[-1] is None:
-            return None
-    return ExpertBlocks(gate_up, down)
-
-
-def _delta_net_blocks(c, sh, quant, a: str) -> dict:
-    """A Gated DeltaNet layer's projections from blocks, this rank's heads."""
-    dk, dv, key_dim = c.linear_k_dim, c.linear_v_dim, c.linear_k_heads * c.linear_k_dim
-    (k0, k1), (v0, v1) = sh.linear_k_heads, sh.linear_v_heads
-    qkv = a + "in_proj_qkv.weight"
-    channels = [(k0 * dk, k1 * dk), (key_dim + k0 * dk, key_dim + k1 * dk)]
-    channels.append((2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv))
-    parts = [(qkv, rows) for rows in channels] + [(a + "in_proj_z.weight", (v0 * dv, v1 * dv))]
-    parts += [(a + f"in_proj_{x}.weight", (v0, v1)) for x in ("b", "a")]
-    return {
-        "in_proj": quant(parts),
-        "out_proj": quant([(a + "out_proj.weight", None)], cols=(v0 * dv, v1 * dv)),
-    }

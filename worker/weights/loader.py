@@ -15,6 +15,7 @@ from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 from worker.model.parallel import Collectives, make_shard
 from worker.weights.checkpoint import (
+    BackboneSource,
     BareDecoderSource,
     DictSource,
     GroupedDeltaNetSource,
@@ -22,7 +23,8 @@ from worker.weights.checkpoint import (
     SafetensorsSource,
     TensorSource,
 )
-from worker.weights.fill import copy_checkpoint, read_quantized
+from worker.weights.fill import copy_checkpoint
+from worker.weights.gguf_plan import read_quantized
 
 log = structlog.get_logger("worker.weights")
 
@@ -87,6 +89,18 @@ def read_gguf(path: Path, config: ModelConfig) -> TensorSource:
     return DictSource(dict(model.state_dict()))
 
 
+def block_kinds_of(config: ModelConfig) -> tuple[str, ...]:
+    """Nemotron-H's layer kinds as its config gave them; () for the other families."""
+    if not config.ffn_only_layers:
+        return ()
+    return tuple(
+        ("moe" if config.is_moe(i) else "mlp")
+        if config.ffn_only(i)
+        else ("mamba" if config.is_mamba(i) else "attention")
+        for i in range(config.num_layers)
+    )
+
+
 def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
     """A folder's safetensors, or the GGUF it was prepared from."""
     from worker.weights.gguf_blocks import find_gguf
@@ -97,7 +111,8 @@ def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
     source = LanguageModelSource.wrap(BareDecoderSource.wrap(SafetensorsSource(path)))
     if isinstance(source, LanguageModelSource) and source.skipped:
         log.info("text_only", skipped_tensors=source.skipped, why="the vision tower and MTP head")
-    return GroupedDeltaNetSource.wrap(source, config)
+    kinds = block_kinds_of(config)
+    return BackboneSource.wrap(GroupedDeltaNetSource.wrap(source, config), kinds)
 
 
 def tensor_source(source: str, load_format: str, config: ModelConfig) -> TensorSource | None:
