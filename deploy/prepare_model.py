@@ -165,7 +165,7 @@ def folder_refusal(folder: Path) -> str | None:
 
 def gguf_refusal(path: Path, header: GGUFHeader) -> str | None:
     """Why a GGUF's architecture is not served, naming what it lacks; None where it is."""
-    from worker.model.families import NOT_SERVED
+    from worker.model.families import NOT_SERVED, SUPPORTED_MODEL_TYPES
     from worker.weights.gguf_header import GGUF_FAMILIES, SERVED_ARCHS
 
     arch = header.arch
@@ -173,6 +173,8 @@ def gguf_refusal(path: Path, header: GGUFHeader) -> str | None:
         return None
     family = GGUF_FAMILIES.get(arch, "")
     lacks = f": it needs {NOT_SERVED[family]}" if family in NOT_SERVED else ""
+    if family in SUPPORTED_MODEL_TYPES:
+        lacks = f" from a GGUF (its Hugging Face folder, {family}, is)"
     return (
         f"{path.name} is a GGUF of architecture {arch!r}, which is not served{lacks} "
         f"(served: {', '.join(SERVED_ARCHS)})"

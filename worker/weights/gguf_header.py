@@ -183,12 +183,15 @@ SERVED_ARCHS = (*NATIVE_ARCHS, "mistral", "qwen3moe", "gemma2", "gemma3")
 # refusal names what that family lacks: worker/model/families.py NOT_SERVED)
 GGUF_FAMILIES = {
     "deepseek2": "deepseek_v3",
+    "qwen3next": "qwen3_next",
+    "minimax-m2": "minimax_m2",
     "mamba": "mamba",
     "mamba2": "mamba2",
     "jamba": "jamba",
     "nemotron_h": "nemotron_h",
     "nemotron_h_moe": "nemotron_h",
     "granitehybrid": "granitemoehybrid",
+    "lfm3": "lfm3",
     "falcon-h1": "falcon_h1",
     "lfm2": "lfm2",
     "lfm2moe": "lfm2_moe",
