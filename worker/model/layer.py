@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
         # an LFM's short-conv block: this rank's share of the channels
         channels = c.hidden_size // shard.size
         self.short_conv = ShortConv(channels, c.short_conv_kernel) if c.is_conv(layer_idx) else None
-        self.mamba = Mamba2(c) if c.is_mamba(layer_idx) else None
+        self.mamba = Mamba2(c, shard.size) if c.is_mamba(layer_idx) else None
         self.qkv = self.qkv_bias = self.q_norm = self.k_norm = self.o_proj = None
         self.o_bias = self.sinks = None
         mixer = self.linear or self.short_conv or self.mamba

@@ -15,11 +15,12 @@ from worker.model.delta_net import StateStep, copy_after, walk_rows
 
 
 class Mamba2(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, size: int = 1) -> None:
+        """size: the tensor-parallel ranks sharing its heads and groups (this rank holds 1/size)."""
         super().__init__()
         c = config
-        self.heads, self.head_dim = c.mamba_heads, c.mamba_head_dim
-        self.groups, self.d_state = c.mamba_groups, c.mamba_d_state
+        self.heads, self.head_dim = c.mamba_heads // size, c.mamba_head_dim
+        self.groups, self.d_state = c.mamba_groups // size, c.mamba_d_state
         self.inner = self.heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.d_state
         self.dt_min = c.mamba_dt_min

@@ -27,10 +27,11 @@ def state_specs(config: ModelConfig, dtype: torch.dtype, size: int = 1) -> dict[
         elif c.is_conv(i):
             specs[i] = [((c.short_conv_kernel - 1, c.hidden_size // size), dtype)]
         elif c.is_mamba(i):
-            inner = c.mamba_heads * c.mamba_head_dim
+            heads, groups = c.mamba_heads // size, c.mamba_groups // size
+            conv = heads * c.mamba_head_dim + 2 * groups * c.mamba_d_state
             specs[i] = [
-                ((c.mamba_conv_kernel - 1, inner + 2 * c.mamba_groups * c.mamba_d_state), dtype),
-                ((c.mamba_heads, c.mamba_head_dim, c.mamba_d_state), torch.float32),
+                ((c.mamba_conv_kernel - 1, conv), dtype),
+                ((heads, c.mamba_head_dim, c.mamba_d_state), torch.float32),
             ]
     return specs
 

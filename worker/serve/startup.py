@@ -114,9 +114,10 @@ def read_config(cfg: WorkerConfig, tp: int):
             config.moe_intermediate_size,
             (config.linear_k_heads, config.linear_v_heads),
         )
-        if any(config.mamba_layers) and tp > 1:
+        if any(config.mamba_layers) and (config.mamba_heads % tp or config.mamba_groups % tp):
             raise ParallelConfigError(
-                "Mamba2 mixers are served whole on one rank: serve this model with --tp 1"
+                f"its Mamba2 mixers' {config.mamba_heads} heads in {config.mamba_groups} groups "
+                f"cannot be split over {tp} ranks: serve it with a --tp that divides both"
             )
         if config.linear_tiled_values and tp > 1:
             raise ParallelConfigError(

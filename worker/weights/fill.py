@@ -38,7 +38,7 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
         elif layer.short_conv is not None:
             _load_short_conv(model, ck, layer, p + "conv.")
         elif layer.mamba is not None:
-            _load_mamba(ck, layer, p + "mamba.")
+            _load_mamba(model, ck, layer, p + "mamba.")
         elif c.ffn_only(i):  # Nemotron-H: an MLP or experts alone
             pass
         else:
@@ -165,18 +165,34 @@ def _load_short_conv(model: LlamaModel, ck: CheckpointReader, layer: DecoderLaye
     conv.copy_(ck.take(a + "conv.weight", (c0, c1)).reshape(conv.shape))
 
 
-def _load_mamba(ck: CheckpointReader, layer: DecoderLayer, a: str) -> None:
-    """A Mamba2 mixer whole (one rank): projections, conv (and its bias), decays, skip, norm."""
-    mixer = layer.mamba
-    layer.in_proj.copy_(ck.take(a + "in_proj.weight"))
-    layer.out_proj.copy_(ck.take(a + "out_proj.weight"))
-    mixer.conv.copy_(ck.take(a + "conv1d.weight").reshape(mixer.conv.shape))
+def _load_mamba(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, a: str) -> None:
+    """A Mamba2 mixer's heads and groups on this rank: in_proj's z, x, B, C and dt rows, the
+    conv's x, B and C channels (and bias), decays, skip, norm, out_proj's columns.
+    """
+    c, mixer, rank = model.config, layer.mamba, model.shard.rank
+    p, n, heads, groups = c.mamba_head_dim, c.mamba_d_state, mixer.heads, mixer.groups
+    inner, width = c.mamba_heads * p, c.mamba_groups * n
+    values = (rank * heads * p, (rank + 1) * heads * p)
+    states = (rank * groups * n, (rank + 1) * groups * n)
+    conv = [
+        values,
+        *((inner + off + s0, inner + off + s1) for off in (0, width) for s0, s1 in [states]),
+    ]
+    rows = [values, *((inner + r0, inner + r1) for r0, r1 in conv)]
+    rows.append(
+        (inner + inner + 2 * width + rank * heads, inner + inner + 2 * width + (rank + 1) * heads)
+    )
+    layer.in_proj.copy_(torch.cat([ck.take(a + "in_proj.weight", r) for r in rows]))
+    layer.out_proj.copy_(ck.take(a + "out_proj.weight", cols=values))
+    weight = torch.cat([ck.take(a + "conv1d.weight", r) for r in conv])
+    mixer.conv.copy_(weight.reshape(mixer.conv.shape))
     if a + "conv1d.bias" in ck:
-        mixer.conv_bias.copy_(ck.take(a + "conv1d.bias"))
-    mixer.dt_bias.copy_(ck.take(a + "dt_bias"))
-    mixer.a_log.copy_(ck.take(a + "A_log"))
-    mixer.d.copy_(ck.take(a + "D"))
-    mixer.norm.copy_(ck.take(a + "norm.weight"))
+        mixer.conv_bias.copy_(torch.cat([ck.take(a + "conv1d.bias", r) for r in conv]))
+    heads_of = (rank * heads, (rank + 1) * heads)
+    mixer.dt_bias.copy_(ck.take(a + "dt_bias", heads_of))
+    mixer.a_log.copy_(ck.take(a + "A_log", heads_of))
+    mixer.d.copy_(ck.take(a + "D", heads_of))
+    mixer.norm.copy_(ck.take(a + "norm.weight", values))
 
 
 def _load_mlp(
