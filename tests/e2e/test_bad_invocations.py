@@ -128,14 +128,14 @@ def test_prepare_model_says_an_architecture_is_not_served_not_that_the_file_is_c
 
     write_gguf(tmp_path / "olmo-3.gguf", "olmo2")
     write_gguf(tmp_path / "nemotron-h.gguf", "nemotron_h")
-    write_gguf(tmp_path / "falcon-h1.gguf", "falcon-h1")
+    write_gguf(tmp_path / "deepseek-v3.gguf", "deepseek2")
     truncated = tmp_path / "truncated.gguf"
     write_gguf(truncated, "llama")
     truncated.write_bytes(truncated.read_bytes()[:40])
     for path, message in (
         ("olmo-3.gguf", "a GGUF of architecture 'olmo2', which is not served (served: llama"),
         ("nemotron-h.gguf", "'nemotron_h', which is not served from a GGUF (its Hugging Face"),
-        ("falcon-h1.gguf", "'falcon-h1', which is not served: it needs Mamba2 beside attention"),
+        ("deepseek-v3.gguf", "'deepseek2', which is not served: it needs multi-head latent"),
         ("truncated.gguf", "the GGUF file is truncated or corrupt"),
     ):
         code = prepare_main(["--gguf", str(tmp_path / path), "--out", str(tmp_path / "out")])

@@ -105,6 +105,27 @@ FAMILIES = {
         topk_group=1,
         routed_scaling_factor=2.5,
     ),
+    # Mamba2 and attention side by side in every layer, their outputs summed; its gated norm
+    # (norm, then gate) and µP multipliers on every projection, the embeddings and the logits
+    "falcon_h1": dict(
+        num_hidden_layers=3,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_ssm=128,
+        mamba_n_groups=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_rms_norm=True,
+        embedding_multiplier=1.5,
+        lm_head_multiplier=0.7,
+        attention_in_multiplier=0.8,
+        attention_out_multiplier=1.2,
+        key_multiplier=0.9,
+        ssm_in_multiplier=1.1,
+        ssm_out_multiplier=0.6,
+        ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.3],
+        mlp_multipliers=[1.1, 0.9],
+    ),
 }
 # transformers floors Nemotron-H's Mamba2 step sizes in prompts but not in cached decode steps, so
 # its cached greedy disagrees with its own recompute; served, they are floored in both, and the

@@ -117,6 +117,11 @@ class ModelConfig:
     # Granite: each block's output scaled before the residual add; logits multiplied
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    # Falcon-H1: Mamba2 beside attention in every layer; Mamba2's output norm: gate then norm by
+    # groups, norm then gate, or the gate alone; multipliers folded into weights as they are read
+    parallel_mamba: bool = False
+    mamba_norm: str = "gated"
+    weight_scales: dict = field(default_factory=dict)
     # a shared expert scaled by a per-token sigmoid gate (Qwen), or added as it is (Granite)
     shared_expert_gated: bool = True
     # Nemotron-H: layers that are an MLP (or experts) alone, and those that are a mixer alone;
@@ -153,7 +158,8 @@ class ModelConfig:
 
     def has_kv(self, layer: int) -> bool:
         """The layer attends over paged K/V."""
-        return not self.has_state(layer) and not self.ffn_only(layer)
+        stateless = not self.has_state(layer) or self.parallel_mamba
+        return stateless and not self.ffn_only(layer)
 
     def has_state(self, layer: int) -> bool:
         """The layer keeps per-sequence state in the state pool instead of paged K/V."""

@@ -22,6 +22,7 @@ SUPPORTED_MODEL_TYPES = (
     "lfm3",
     "granitemoehybrid",
     "nemotron_h",
+    "falcon_h1",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -75,7 +76,6 @@ NOT_SERVED = {
     "bamba": _MAMBA,
     "zamba": _MAMBA,
     "zamba2": _MAMBA,
-    "falcon_h1": "Mamba2 beside attention in every layer, with its µP multipliers",
     "olmo_hybrid": "Gated DeltaNet with negative eigenvalues and separate q/k/v short convs",
     "lfm2": "LFM2's feed-forward sizing (block_auto_adjust_ff_dim) and tensor names",
     "lfm2_moe": "LFM2's feed-forward sizing (block_auto_adjust_ff_dim) and tensor names",
@@ -107,14 +107,16 @@ SHORT_CONV_TYPES = ("lfm3",)
 # every MLP a mixture of intermediate_size-wide experts, the chosen weights renormalized
 ALL_MOE_TYPES = ("mixtral", "minimax_m2", "granitemoehybrid")
 # Mamba2 mixers (a conv and an SSD state per sequence) beside attention layers
-MAMBA_TYPES = ("granitemoehybrid", "nemotron_h")
+MAMBA_TYPES = ("granitemoehybrid", "nemotron_h", "falcon_h1")
+# Falcon-H1: Mamba2 and attention side by side in every layer, their outputs summed
+PARALLEL_MAMBA_TYPES = ("falcon_h1",)
 # Nemotron-H: one block a layer (Mamba2, attention, a relu² MLP or experts alone), its kinds
 # named in layers_block_type or, in released configs, hybrid_override_pattern's letters
 BLOCK_TYPES = ("nemotron_h",)
 PATTERN_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 BLOCK_KINDS = {"linear_attention": "mamba", "full_attention": "attention"}
 # Granite: embeddings, residual branches, attention scores and logits scaled by the config
-MULTIPLIER_TYPES = ("granitemoehybrid",)
+MULTIPLIER_TYPES = ("granitemoehybrid", "falcon_h1")
 
 
 # multimodal folders served as text: their language model's config, under its own model_type
@@ -281,10 +283,9 @@ def check_supported(cfg: dict) -> None:
     kinds += ("conv",) if model_type in SHORT_CONV_TYPES else ()
     kinds += ("mamba", "linear_attention", "attention") if model_type in MAMBA_TYPES else ()
     kinds += ("mlp", "moe") if model_type in BLOCK_TYPES else ()
-    if model_type in MAMBA_TYPES and cfg.get("mamba_proj_bias"):
-        raise UnsupportedModel(
-            "mamba_proj_bias", True, "Mamba2 projections with biases are not implemented"
-        )
+    for name in ("mamba_proj_bias", "projectors_bias"):
+        if model_type in MAMBA_TYPES and cfg.get(name):
+            raise UnsupportedModel(name, True, "Mamba2 projections with biases are not implemented")
     if model_type in SHORT_CONV_TYPES and cfg.get("conv_bias"):
         raise UnsupportedModel("conv_bias", True, "short convs with biases are not implemented")
     for layer_type in set(cfg.get("layer_types") or ()):

@@ -72,6 +72,8 @@ class DecoderLayer(nn.Module):
         elif mixer is not None:
             self.in_proj = nn.Parameter(torch.empty(mixer.in_rows, c.hidden_size))
             self.out_proj = nn.Parameter(torch.empty(c.hidden_size, mixer.out_width))
+            if c.parallel_mamba:  # Falcon-H1: attention beside it
+                self._attention_parameters(c)
         else:
             self._attention_parameters(c)
         self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))  # before the MLP
@@ -88,6 +90,7 @@ class DecoderLayer(nn.Module):
         gated = self.moe is not None and c.shared_expert and c.shared_expert_gated
         self.shared_gate = nn.Parameter(torch.empty(1, c.hidden_size)) if gated else None
         names = self.LINEAR_WEIGHTS if mixer is not None else self.MATMUL_WEIGHTS
+        names = self.PARALLEL_WEIGHTS if c.parallel_mamba else names
         if c.ffn_only(layer_idx):  # its MLP's, or none beside experts alone
             self.matmul_names = names[2:] if dense else ()
         else:
@@ -116,6 +119,7 @@ class DecoderLayer(nn.Module):
 
     MATMUL_WEIGHTS = ("qkv", "o_proj", "gate_up", "down")
     LINEAR_WEIGHTS = ("in_proj", "out_proj", "gate_up", "down")
+    PARALLEL_WEIGHTS = ("qkv", "o_proj", "in_proj", "out_proj", "gate_up", "down")
 
     def use_matmul(self, lib, drop_dense: bool) -> None:
         self.mm = lib
@@ -186,6 +190,8 @@ class DecoderLayer(nn.Module):
             mixer = self.short_conv or self.mamba
             core = mixer(mm(h, w["in_proj"]), step.state, *pool.states.layer(i))
             a = self.comm.all_reduce(mm(core, w["out_proj"]))
+            if c.parallel_mamba:  # Falcon-H1: the two summed
+                a = a + self._attend(h, step, pool, rope, attn, ops, into_bf16)
         else:
             a = self._attend(h, step, pool, rope, attn, ops, into_bf16)
         if self.attn_out_norm is not None:

@@ -10,6 +10,7 @@ from worker.model.families import (
     GEMMA_TYPES,
     HYBRID_TYPES,
     MAMBA_TYPES,
+    PARALLEL_MAMBA_TYPES,
     POST_NORM_TYPES,
     SHARED_EXPERT_TYPES,
     SHORT_CONV_TYPES,
@@ -77,8 +78,10 @@ def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
     """Layers that apply RoPE: all but SmolLM3's NoPE layers, and none in Granite 4 unless its
     position_embedding_type says rope.
     """
-    if cfg.get("model_type") in MAMBA_TYPES:
+    if cfg.get("model_type") == "granitemoehybrid":
         return (cfg.get("position_embedding_type") == "rope",) * num_layers
+    if cfg.get("model_type") == "nemotron_h":
+        return (False,) * num_layers
     if cfg.get("model_type") != "smollm3":
         return (True,) * num_layers
     flags = cfg.get("no_rope_layers")
@@ -162,7 +165,9 @@ def mamba_fields(cfg: dict, num_layers: int) -> dict:
             router_topk_groups=int(cfg.get("topk_group") or 1),
             routed_scale=float(cfg.get("routed_scaling_factor") or 1.0),
         )
+    parallel = cfg.get("model_type") in PARALLEL_MAMBA_TYPES
     types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * num_layers
+    types = ["mamba"] * num_layers if parallel else types
     heads, head_dim = int(cfg["mamba_n_heads"]), cfg.get("mamba_d_head")
     if head_dim in (None, "auto"):
         head_dim = int(cfg["hidden_size"]) * int(cfg.get("mamba_expand", 2)) // heads
@@ -176,5 +181,39 @@ def mamba_fields(cfg: dict, num_layers: int) -> dict:
         mamba_conv_kernel=int(cfg.get("mamba_d_conv", 4)),
         mamba_dt_min=float(limit[0] or 0.0),
         residual_scale=float(cfg.get("residual_multiplier") or 1.0),
-        logit_scale=1.0 / float(cfg.get("logits_scaling") or 1.0),
+        logit_scale=float(cfg.get("lm_head_multiplier") or 1.0)
+        / float(cfg.get("logits_scaling") or 1.0),
+        parallel_mamba=parallel,
+        mamba_norm=mamba_norm_kind(cfg, parallel),
+        weight_scales=falcon_scales(cfg, heads * int(head_dim), heads) if parallel else {},
     )
+
+
+def mamba_norm_kind(cfg: dict, parallel: bool) -> str:
+    """Granite's and Nemotron-H's Mamba2 gate then norm by groups; Falcon-H1's, as its config
+    says: the gate alone, or norm then gate."""
+    if not parallel:
+        return "gated"
+    if not cfg.get("mamba_rms_norm"):
+        return "none"
+    return "before_gate" if cfg.get("mamba_norm_before_gate", True) else "gated"
+
+
+def falcon_scales(cfg: dict, inner: int, heads: int) -> dict:
+    """Falcon-H1's µP multipliers folded into the weights they scale: tensor name's end -> one
+    scale, or (rows, scale) sections down its rows (in_proj's z, x, B, C, dt).
+    """
+    attn_in, ssm_in = float(cfg.get("attention_in_multiplier", 1)), float(cfg["ssm_in_multiplier"])
+    gate, down = (float(m) for m in cfg.get("mlp_multipliers") or (1.0, 1.0))
+    states = int(cfg.get("mamba_n_groups", 1)) * int(cfg["mamba_d_state"])
+    z, x, b, c, dt = (float(m) * ssm_in for m in cfg.get("ssm_multipliers") or [1.0] * 5)
+    return {
+        "mamba.in_proj.weight": ((inner, z), (inner, x), (states, b), (states, c), (heads, dt)),
+        "mamba.out_proj.weight": float(cfg.get("ssm_out_multiplier", 1)),
+        "self_attn.q_proj.weight": attn_in,
+        "self_attn.k_proj.weight": attn_in * float(cfg.get("key_multiplier", 1)),
+        "self_attn.v_proj.weight": attn_in,
+        "self_attn.o_proj.weight": float(cfg.get("attention_out_multiplier", 1)),
+        "feed_forward.gate_proj.weight": gate,
+        "feed_forward.down_proj.weight": down,
+    }

@@ -24,6 +24,7 @@ class Mamba2(nn.Module):
         self.inner = self.heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.groups * self.d_state
         self.dt_min = c.mamba_dt_min
+        self.norm_kind = c.mamba_norm
         self.eps = c.rms_norm_eps
         self.conv = nn.Parameter(torch.empty(self.conv_dim, c.mamba_conv_kernel))
         self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim))
@@ -82,8 +83,13 @@ class Mamba2(nn.Module):
         return y.reshape(rows, self.inner), state
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """y times SiLU of z, RMS-normed in groups, times the norm's weight."""
-        rows = y.shape[0]
-        g = (y * F.silu(z.float())).view(rows, self.groups, -1)
+        """y times SiLU of z, RMS-normed in groups, times the norm's weight (Granite, Nemotron-H);
+        or normed first, then gated; or only gated (Falcon-H1, as its config says).
+        """
+        rows, gate = y.shape[0], F.silu(z.float())
+        if self.norm_kind == "none":
+            return (y * gate).to(z.dtype)
+        g = (y if self.norm_kind == "before_gate" else y * gate).view(rows, self.groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.norm * g.view(rows, self.inner).to(z.dtype)
+        out = self.norm * g.view(rows, self.inner).to(z.dtype)
+        return (out.float() * gate).to(z.dtype) if self.norm_kind == "before_gate" else out

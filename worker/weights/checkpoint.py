@@ -180,6 +180,32 @@ class GroupedDeltaNetSource(TensorSource):
         return t.reshape(-1, w.shape[-1])[range_index(rows, cols)]
 
 
+class ScaledSource(TensorSource):
+    """Multipliers folded into the weights they scale, as they are read (Falcon-H1's µP): a name's
+    end -> one scale, or (rows, scale) sections down its rows.
+    """
+
+    def __init__(self, inner: TensorSource, scales: dict) -> None:
+        self.inner, self.scales = inner, scales
+
+    @classmethod
+    def wrap(cls, source: TensorSource, scales: dict) -> TensorSource:
+        return cls(source, scales) if scales else source
+
+    def names(self) -> set[str]:
+        return self.inner.names()
+
+    def get(self, name, rows=None, cols=None):
+        t = self.inner.get(name, rows, cols)
+        scale = next((s for end, s in self.scales.items() if name.endswith(end)), None)
+        if scale is None:
+            return t
+        if isinstance(scale, (int, float)):
+            return t * scale
+        column = torch.cat([torch.full((n,), float(s)) for n, s in scale])
+        return t * column[slice(*rows) if rows else slice(None)][:, None].to(t.dtype)
+
+
 class BackboneSource(TensorSource):
     """Nemotron-H's tensors (`backbone.layers.{i}.mixer.*`, one block a layer) under the names the
     other families use: the block's norm before its mixer (`input_layernorm`) or its MLP
@@ -262,6 +288,11 @@ LAYER_NAMES["granitemoehybrid"] = LayerNames(
     mlp="shared_mlp.",
     gate_up="shared_mlp.input_linear.weight",
     dense=("", "", "output_linear"),
+)
+LAYER_NAMES["falcon_h1"] = LayerNames(
+    mlp="feed_forward.",
+    post_attention="pre_ff_layernorm",
+    final_norm="model.final_layernorm.weight",
 )
 LAYER_NAMES["lfm3"] = LayerNames(
     mlp="feed_forward.",

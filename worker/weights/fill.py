@@ -39,6 +39,8 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
             _load_short_conv(model, ck, layer, p + "conv.")
         elif layer.mamba is not None:
             _load_mamba(model, ck, layer, p + "mamba.")
+            if c.parallel_mamba:  # Falcon-H1: attention beside it
+                _load_attention(model, ck, layer, p, names)
         elif c.ffn_only(i):  # Nemotron-H: an MLP or experts alone
             pass
         else:

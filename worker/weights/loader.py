@@ -21,6 +21,7 @@ from worker.weights.checkpoint import (
     GroupedDeltaNetSource,
     LanguageModelSource,
     SafetensorsSource,
+    ScaledSource,
     TensorSource,
 )
 from worker.weights.fill import copy_checkpoint
@@ -112,7 +113,8 @@ def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
     if isinstance(source, LanguageModelSource) and source.skipped:
         log.info("text_only", skipped_tensors=source.skipped, why="the vision tower and MTP head")
     kinds = block_kinds_of(config)
-    return BackboneSource.wrap(GroupedDeltaNetSource.wrap(source, config), kinds)
+    source = BackboneSource.wrap(GroupedDeltaNetSource.wrap(source, config), kinds)
+    return ScaledSource.wrap(source, config.weight_scales)
 
 
 def tensor_source(source: str, load_format: str, config: ModelConfig) -> TensorSource | None:
