@@ -126,6 +126,17 @@ FAMILIES = {
         ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.3],
         mlp_multipliers=[1.1, 0.9],
     ),
+    # Gated DeltaNet (beta to 2: negative eigenvalues; q, k and v convs apart, an output gate of
+    # its own) 3 : 1 OLMo 3 attention (whole-projection q/k norm, norms after its blocks).
+    # transformers saves its convs split in three equal parts: key and value widths kept equal
+    "olmo_hybrid": dict(
+        num_hidden_layers=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        pad_token_id=0,
+    ),
 }
 # transformers floors Nemotron-H's Mamba2 step sizes in prompts but not in cached decode steps, so
 # its cached greedy disagrees with its own recompute; served, they are floored in both, and the

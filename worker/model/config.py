@@ -75,6 +75,8 @@ class ModelConfig:
     sandwich_norms: bool = False
     # OLMo 3: only those two; nothing normed before attention or the MLP
     post_norms_only: bool = False
+    # OLMo-Hybrid: only its attention layers so (its Gated DeltaNet layers norm before)
+    post_norm_layers: tuple[bool, ...] = ()
     # Gemma's RMSNorm scales by (1 + weight): added to every norm weight at load
     norm_offset: float = 0.0
     final_logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap); 0: off
@@ -99,6 +101,9 @@ class ModelConfig:
     linear_conv_kernel: int = 0
     # value heads in llama.cpp's order: head j reads key head j % k_heads
     linear_tiled_values: bool = False
+    # OLMo-Hybrid: beta times 2 (the delta rule's eigenvalues may go negative); its gated norm's eps
+    linear_beta_scale: float = 1.0
+    linear_norm_eps: float = 0.0
     attn_output_gate: bool = False
     # LFM: gated short-conv blocks (a conv state per sequence, no K/V) and their kernel width;
     # one sigmoid gate a head on the attention output
@@ -149,6 +154,10 @@ class ModelConfig:
 
     def is_mamba(self, layer: int) -> bool:
         return bool(self.mamba_layers) and self.mamba_layers[layer]
+
+    def post_norms(self, layer: int) -> bool:
+        """Nothing normed before attention or the MLP; their outputs normed (OLMo 3)."""
+        return self.post_norm_layers[layer] if self.post_norm_layers else self.post_norms_only
 
     def ffn_only(self, layer: int) -> bool:
         return bool(self.ffn_only_layers) and self.ffn_only_layers[layer]
@@ -281,7 +290,7 @@ class ModelConfig:
             if gemma
             else float(cfg.get("embedding_multiplier") or 1.0),
             sandwich_norms=gemma
-            or model_type in POST_NORM_TYPES
+            or model_type in (*POST_NORM_TYPES, "olmo_hybrid")
             or (model_type in SHORT_CONV_TYPES and cfg.get("use_sandwich_norm", True)),
             post_norms_only=model_type in POST_NORM_TYPES,
             norm_offset=1.0 if gemma or model_type in HYBRID_TYPES else 0.0,

@@ -69,7 +69,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * k_heads * c.linear_k_dim + v_heads * c.linear_v_dim
         self.v_size = self.v_heads * self.v_dim
         self.tiled = c.linear_tiled_values
-        self.eps = c.rms_norm_eps
+        self.eps = c.linear_norm_eps or c.rms_norm_eps
+        self.beta_scale = c.linear_beta_scale
         self.conv = nn.Parameter(torch.empty(self.conv_dim, c.linear_conv_kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.a_log = nn.Parameter(torch.zeros(self.v_heads))
@@ -97,6 +98,8 @@ class GatedDeltaNet(nn.Module):
     def _run(self, proj, step: StateStep, conv_states, states, ops) -> torch.Tensor:
         x, z, b, a = proj.split([self.conv_dim, self.v_size, self.v_heads, self.v_heads], -1)
         beta = torch.sigmoid(b.float())
+        if self.beta_scale != 1.0:  # OLMo-Hybrid: eigenvalues down to -1
+            beta = beta * self.beta_scale
         g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         kernels = getattr(ops, "k", None)
         native = kernels if hasattr(kernels, "delta_net_decode") else None

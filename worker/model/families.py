@@ -23,6 +23,7 @@ SUPPORTED_MODEL_TYPES = (
     "granitemoehybrid",
     "nemotron_h",
     "falcon_h1",
+    "olmo_hybrid",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -52,6 +53,8 @@ PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"
 # hybrids: Gated DeltaNet layers (a recurrent state per sequence) between gated attention layers
 # (Qwen3-Next's projections fused per key head: worker/weights/checkpoint.py)
 HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# and every family with Gated DeltaNet layers: OLMo-Hybrid's beside OLMo 3's attention
+DELTA_NET_TYPES = (*HYBRID_TYPES, "olmo_hybrid")
 
 
 # families transformers reads that are not served, by the piece each lacks here
@@ -76,7 +79,6 @@ NOT_SERVED = {
     "bamba": _MAMBA,
     "zamba": _MAMBA,
     "zamba2": _MAMBA,
-    "olmo_hybrid": "Gated DeltaNet with negative eigenvalues and separate q/k/v short convs",
     "lfm2": "LFM2's feed-forward sizing (block_auto_adjust_ff_dim) and tensor names",
     "lfm2_moe": "LFM2's feed-forward sizing (block_auto_adjust_ff_dim) and tensor names",
     "gemma4_text": "per-layer token embeddings and KV shared across layers",
@@ -99,7 +101,7 @@ def architecture_refusal(cfg: dict) -> str | None:
 # OLMo 3: norms after attention and MLP only
 POST_NORM_TYPES = ("olmo3",)
 # q/k RMSNorm over the whole projection, not head by head
-WHOLE_QK_NORM_TYPES = ("olmo3", "minimax_m2")
+WHOLE_QK_NORM_TYPES = ("olmo3", "minimax_m2", "olmo_hybrid")
 # MiniMax-M2: experts chosen by sigmoid scores plus a correction bias, weighted by the scores
 SIGMOID_ROUTER_TYPES = ("minimax_m2", "nemotron_h")
 # LFM: gated short-conv blocks beside (sliding and full) attention
@@ -279,7 +281,7 @@ def check_supported(cfg: dict) -> None:
             "quantized checkpoints are not loaded as they ship; dequantize to bf16/fp16 first",
         )
     kinds = ("full_attention", "sliding_attention")
-    kinds += ("linear_attention",) if model_type in HYBRID_TYPES else ()
+    kinds += ("linear_attention",) if model_type in DELTA_NET_TYPES else ()
     kinds += ("conv",) if model_type in SHORT_CONV_TYPES else ()
     kinds += ("mamba", "linear_attention", "attention") if model_type in MAMBA_TYPES else ()
     kinds += ("mlp", "moe") if model_type in BLOCK_TYPES else ()
@@ -291,7 +293,7 @@ def check_supported(cfg: dict) -> None:
     for layer_type in set(cfg.get("layer_types") or ()):
         if layer_type not in kinds:
             raise UnsupportedModel("layer_types", layer_type, f"{model_type} has {kinds} layers")
-    if model_type in HYBRID_TYPES and int(cfg.get("linear_num_value_heads") or 0) % int(
+    if model_type in DELTA_NET_TYPES and int(cfg.get("linear_num_value_heads") or 0) % int(
         cfg.get("linear_num_key_heads") or 1
     ):
         raise UnsupportedModel(

@@ -78,17 +78,10 @@ class DecoderLayer(nn.Module):
             self._attention_parameters(c)
         self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))  # before the MLP
         # Gemma's norms of the attention and MLP outputs, before each residual add
-        self.attn_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
-        self.mlp_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if c.sandwich_norms else None
-        # dense MLP, or experts beside an optional sigmoid-gated shared expert
-        self.moe = MoE(c, shard) if c.is_moe(layer_idx) else None
-        dense = not c.mixer_only(layer_idx) and (self.moe is None or c.shared_expert)
-        inter = shard.intermediate_size
-        rows = (2 if c.gated_mlp else 1) * inter  # gate and up, or up alone
-        self.gate_up = nn.Parameter(torch.empty(rows, c.hidden_size)) if dense else None
-        self.down = nn.Parameter(torch.empty(c.hidden_size, inter)) if dense else None
-        gated = self.moe is not None and c.shared_expert and c.shared_expert_gated
-        self.shared_gate = nn.Parameter(torch.empty(1, c.hidden_size)) if gated else None
+        outputs_normed = c.sandwich_norms and (not c.post_norm_layers or c.post_norms(layer_idx))
+        self.attn_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if outputs_normed else None
+        self.mlp_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if outputs_normed else None
+        dense = self._ffn_parameters(c, shard, layer_idx)
         names = self.LINEAR_WEIGHTS if mixer is not None else self.MATMUL_WEIGHTS
         names = self.PARALLEL_WEIGHTS if c.parallel_mamba else names
         if c.ffn_only(layer_idx):  # its MLP's, or none beside experts alone
@@ -101,6 +94,20 @@ class DecoderLayer(nn.Module):
         # the matmul library and the weights in its layout (LlamaModel.use_matmul)
         self.mm = DenseMatmul()
         self.w: dict[str, torch.Tensor] = {}
+
+    def _ffn_parameters(self, c: ModelConfig, shard: Shard, layer_idx: int) -> bool:
+        """A dense MLP, or experts beside an optional (sigmoid-gated) shared expert; -> whether a
+        dense MLP is there.
+        """
+        self.moe = MoE(c, shard) if c.is_moe(layer_idx) else None
+        dense = not c.mixer_only(layer_idx) and (self.moe is None or c.shared_expert)
+        inter = shard.intermediate_size
+        rows = (2 if c.gated_mlp else 1) * inter  # gate and up, or up alone
+        self.gate_up = nn.Parameter(torch.empty(rows, c.hidden_size)) if dense else None
+        self.down = nn.Parameter(torch.empty(c.hidden_size, inter)) if dense else None
+        gated = self.moe is not None and c.shared_expert and c.shared_expert_gated
+        self.shared_gate = nn.Parameter(torch.empty(1, c.hidden_size)) if gated else None
+        return dense
 
     def _attention_parameters(self, c: ModelConfig) -> None:
         # q, k, v, then (gated attention) one gate a query value, or (LFM) one a head
@@ -149,7 +156,7 @@ class DecoderLayer(nn.Module):
             if c.mixer_only(self.layer_idx):
                 return x, residual
         bf16 = self.moe is None and into_bf16("gate_up")
-        if c.post_norms_only:
+        if c.post_norms(self.layer_idx):
             residual = h = residual + x
         else:
             residual, h = self._add_norm(residual, x, self.post_attn_norm, ops, bf16)
@@ -177,7 +184,7 @@ class DecoderLayer(nn.Module):
     def _mix(self, x, residual, step: StepInputs, pool: KVPool, rope, attn, ops, into_bf16):
         """The first half: norm, attention or the stateful mixer -> (residual, its output)."""
         c, mm, w, i = self.config, self.mm, self.w, self.layer_idx
-        if c.post_norms_only:  # OLMo 3: the residual stream goes in as it is
+        if c.post_norms(i):  # OLMo 3: the residual stream goes in as it is
             residual = h = x if residual is None else residual + x
         else:
             bf16 = into_bf16(self.matmul_names[0])

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from worker.model.families import (
     BLOCK_TYPES,
+    DELTA_NET_TYPES,
     GEMMA_TYPES,
-    HYBRID_TYPES,
     MAMBA_TYPES,
     PARALLEL_MAMBA_TYPES,
     POST_NORM_TYPES,
@@ -61,7 +61,7 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
 
 def linear_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
     """Layers that are Gated DeltaNet (linear attention) in a hybrid; () when none is."""
-    if cfg.get("model_type") not in HYBRID_TYPES:
+    if cfg.get("model_type") not in DELTA_NET_TYPES:
         return ()
     types = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % int(cfg.get("full_attention_interval", 4)) == 0 else "linear"
@@ -82,6 +82,8 @@ def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
         return (cfg.get("position_embedding_type") == "rope",) * num_layers
     if cfg.get("model_type") == "nemotron_h":
         return (False,) * num_layers
+    if cfg.get("model_type") == "olmo_hybrid":  # NoPE where it gives no rope_parameters
+        return (cfg.get("rope_parameters") is not None,) * num_layers
     if cfg.get("model_type") != "smollm3":
         return (True,) * num_layers
     flags = cfg.get("no_rope_layers")
@@ -96,10 +98,21 @@ def rope_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
 
 
 def hybrid_fields(cfg: dict, num_layers: int) -> dict:
-    """A hybrid's ModelConfig fields (Qwen3.5's names); {} for other families."""
-    if cfg.get("model_type") not in HYBRID_TYPES:
+    """A hybrid's ModelConfig fields (Qwen3.5's names); {} for other families. OLMo-Hybrid: no
+    output gate on its attention, which norms after its blocks (its Gated DeltaNet layers before),
+    a delta rule whose beta reaches 2 (negative eigenvalues), a gated norm of eps 1e-5.
+    """
+    if cfg.get("model_type") not in DELTA_NET_TYPES:
         return {}
+    olmo = cfg.get("model_type") == "olmo_hybrid"
+    linear = linear_layers(cfg, num_layers)
+    extra = dict(
+        post_norm_layers=tuple(not x for x in linear),
+        linear_beta_scale=2.0 if cfg.get("linear_allow_neg_eigval") else 1.0,
+        linear_norm_eps=1e-5,
+    )
     return dict(
+        **(extra if olmo else {}),
         linear_layers=linear_layers(cfg, num_layers),
         linear_k_heads=int(cfg["linear_num_key_heads"]),
         linear_v_heads=int(cfg["linear_num_value_heads"]),
@@ -107,7 +120,7 @@ def hybrid_fields(cfg: dict, num_layers: int) -> dict:
         linear_v_dim=int(cfg["linear_value_head_dim"]),
         linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
         linear_tiled_values=cfg.get("linear_value_head_order", "grouped") == "tiled",
-        attn_output_gate=True,
+        attn_output_gate=not olmo,
     )
 
 

@@ -57,7 +57,7 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
 def _load_norms(
     model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
 ) -> None:
-    if model.config.post_norms_only:  # OLMo 3: on the attention and MLP outputs only
+    if model.config.post_norms(layer.layer_idx):  # OLMo 3: on attention's and MLP's outputs only
         layer.attn_out_norm.copy_(ck.norm(p + "post_attention_layernorm.weight"))
         layer.mlp_out_norm.copy_(ck.norm(p + "post_feedforward_layernorm.weight"))
         return
@@ -68,7 +68,7 @@ def _load_norms(
         target.copy_(ck.norm(f"{p}{name}.weight"))
         return
     layer.input_norm.copy_(ck.norm(f"{p}{names.input_norm}.weight"))
-    if model.config.sandwich_norms:  # Gemma's post-attention norm is on the attention output
+    if layer.attn_out_norm is not None:  # Gemma's post-attention norm is on the attention output
         attn_out, mlp_in, mlp_out = (f"{p}{n}.weight" for n in names.sandwich)
         layer.attn_out_norm.copy_(ck.norm(attn_out))
         layer.post_attn_norm.copy_(ck.norm(mlp_in))

@@ -15,17 +15,20 @@ from worker.model.config import ModelConfig
 from worker.model.llama import LlamaModel
 from worker.model.parallel import Collectives, make_shard
 from worker.weights.checkpoint import (
-    BackboneSource,
     BareDecoderSource,
     DictSource,
-    GroupedDeltaNetSource,
     LanguageModelSource,
     SafetensorsSource,
-    ScaledSource,
     TensorSource,
 )
 from worker.weights.fill import copy_checkpoint
 from worker.weights.gguf_plan import read_quantized
+from worker.weights.layouts import (
+    BackboneSource,
+    GroupedDeltaNetSource,
+    ScaledSource,
+    SplitDeltaNetSource,
+)
 
 log = structlog.get_logger("worker.weights")
 
@@ -113,7 +116,8 @@ def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
     if isinstance(source, LanguageModelSource) and source.skipped:
         log.info("text_only", skipped_tensors=source.skipped, why="the vision tower and MTP head")
     kinds = block_kinds_of(config)
-    source = BackboneSource.wrap(GroupedDeltaNetSource.wrap(source, config), kinds)
+    source = SplitDeltaNetSource.wrap(GroupedDeltaNetSource.wrap(source, config), config)
+    source = BackboneSource.wrap(source, kinds)
     return ScaledSource.wrap(source, config.weight_scales)
 
 
