@@ -30,10 +30,18 @@ def _jit_functions():
         triton_lora,
         triton_moe,
         triton_sampling,
+        triton_ssd,
     )
 
     out = {}
-    for module in (triton_attention, triton_elementwise, triton_sampling, triton_moe, triton_lora):
+    for module in (
+        triton_attention,
+        triton_elementwise,
+        triton_sampling,
+        triton_moe,
+        triton_lora,
+        triton_ssd,
+    ):
         for name in dir(module):
             obj = getattr(module, name)
             if hasattr(obj, "device_caches") and hasattr(obj, "arg_names"):
@@ -162,6 +170,7 @@ def offline_report(
     from kernels import triton_lora as tlora
     from kernels import triton_moe as tmoe
     from kernels import triton_sampling as tsamp
+    from kernels import triton_ssd as tssd
 
     rows = []
     for case in (
@@ -170,6 +179,7 @@ def offline_report(
         + tsamp.launch_cases()
         + tmoe.launch_cases(dtype)
         + tlora.launch_cases(dtype)
+        + tssd.launch_cases()
     ):
         usage = compile_offline(
             case["fn"],

@@ -11,11 +11,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _conv_step_kernel(
-    x_ptr, x_stride, states_ptr, slots_ptr, w_ptr, out_ptr, C, K: tl.constexpr, BLOCK: tl.constexpr
+def conv_step_kernel(
+    x_ptr,
+    x_stride,
+    states_ptr,
+    slots_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    C,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """One row's block of channels: SiLU of the conv over the slot's inputs; the slot moves on by
-    one.
+    """One row's block of channels: SiLU of the conv over the slot's inputs (plus the bias, where
+    it has one: Mamba2's); the slot moves on by one.
     """
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -30,6 +40,8 @@ def _conv_step_kernel(
         if t > 0:
             tl.store(st + (t - 1) * C + c, prev.to(states_ptr.dtype.element_ty), mask=mask)
     tl.store(st + (K - 2) * C + c, x.to(states_ptr.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + r * C + c, acc / (1.0 + tl.exp(-acc)), mask=mask)
 
 
@@ -95,6 +107,28 @@ def _gated_norm_kernel(
     tl.store(out_ptr + (r * heads + h) * dim + j, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def conv_step(x, conv_states, slots, conv, bias=None) -> torch.Tensor:
+    """x [rows, channels] -> SiLU(conv + bias) [rows, channels] fp32; each row's slot of
+    conv_states [slots, K-1, channels] moves on by one."""
+    rows, channels = x.shape
+    y = torch.empty(rows, channels, dtype=torch.float32, device=x.device)
+    block = 256
+    conv_step_kernel[(rows, triton.cdiv(channels, block))](
+        x,
+        x.stride(0),
+        conv_states,
+        slots,
+        conv,
+        conv if bias is None else bias,
+        y,
+        channels,
+        conv.shape[1],
+        block,
+        bias is not None,
+    )
+    return y
+
+
 def delta_net_decode(x, z, g, beta, conv_states, states, slots, conv, norm, layer):
     """As kernels/cpu_attention.py's; None where the layout is unsupported (fp32 state, unit
     strides).
@@ -114,11 +148,7 @@ def delta_net_decode(x, z, g, beta, conv_states, states, slots, conv, norm, laye
         return None
     slots = slots.to(torch.int64).contiguous()
     g, beta = g.float().contiguous(), beta.float().contiguous()
-    y = torch.empty(rows, channels, dtype=torch.float32, device=x.device)
-    block = 256
-    _conv_step_kernel[(rows, triton.cdiv(channels, block))](
-        x, x.stride(0), conv_states, slots, conv, y, channels, conv.shape[1], block
-    )
+    y = conv_step(x, conv_states, slots, conv)
     o = torch.empty(rows, v_heads, dv, dtype=torch.float32, device=x.device)
     bk, bv = triton.next_power_of_2(dk), min(32, triton.next_power_of_2(dv))
     _delta_step_kernel[(rows, v_heads, triton.cdiv(dv, bv))](

@@ -81,6 +81,13 @@ class TritonElementwise:
         return delta_net_decode(*args)
 
     @staticmethod
+    def mamba_decode(*args):
+        """Mamba2's decode (kernels/triton_ssd.py)."""
+        from kernels.triton_ssd import mamba_decode
+
+        return mamba_decode(*args)
+
+    @staticmethod
     def add_rms_norm(
         residual: torch.Tensor,
         delta: torch.Tensor | None,

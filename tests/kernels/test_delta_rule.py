@@ -204,3 +204,85 @@ def test_mamba2_scan_in_chunks_equals_one_token_at_a_time(tokens, chunk):
     y, final = ssd_chunked(x, dt, a, b, c, state, chunk=chunk)
     torch.testing.assert_close(y, torch.cat(outs), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(final, step_state[0], atol=1e-4, rtol=1e-4)
+
+
+def test_the_triton_mamba2_decode_equals_the_definition_in_place_in_each_rows_slot():
+    """Conv step (with its bias) and the state-space step in two launches: each row's output and
+    the states in its slot as the torch pieces give them, other slots untouched; a layout it does
+    not take (a float64 state) left to torch with nothing changed."""
+    from kernels.delta_rule import ssd_step
+
+    kernels, device = decode_kernels("triton")
+    heads, head_dim, groups, d_state, kernel, rows = 4, 8, 2, 6, 4, 3
+    g = torch.Generator().manual_seed(7)
+    inner = heads * head_dim
+    channels = inner + 2 * groups * d_state
+    xbc = torch.randn(rows, channels, generator=g)
+    dt = torch.rand(rows, heads, generator=g) * 0.5
+    a, d = -torch.rand(heads, generator=g) * 2, torch.randn(heads, generator=g)
+    conv_w = torch.randn(channels, kernel, generator=g) * 0.3
+    bias = torch.randn(channels, generator=g) * 0.1
+    conv_states = torch.randn(6, kernel - 1, channels, generator=g)
+    states = torch.randn(6, heads, head_dim, d_state, generator=g) * 0.1
+    slots = torch.tensor([4, 0, 2])
+    y, conv_new = causal_conv_step(xbc, conv_states[slots], conv_w, True, bias)
+    x, b, c = y.split([inner, groups * d_state, groups * d_state], -1)
+    x = x.reshape(rows, heads, head_dim)
+    shape = (rows, groups, d_state)
+    want, state_new = ssd_step(x, dt, a, b.reshape(shape), c.reshape(shape), states[slots])
+    want = (want + d[:, None] * x).reshape(rows, inner)
+    before = conv_states.clone(), states.clone()
+    layer = (heads, head_dim, groups, d_state)
+    args = [t.to(device) for t in (xbc, dt, a, d, conv_states, states, slots, conv_w, bias)]
+    got = kernels.mamba_decode(*args, layer)
+    conv_states, states = args[4], args[5]
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(conv_states[slots].cpu(), conv_new)
+    torch.testing.assert_close(states[slots].cpu(), state_new, atol=2e-6, rtol=1e-5)
+    others = [1, 3, 5]
+    assert torch.equal(conv_states[others].cpu(), before[0][others])
+    assert torch.equal(states[others].cpu(), before[1][others])
+    wide = states.double()
+    args[5] = wide
+    assert kernels.mamba_decode(*args, layer) is None
+    assert torch.equal(wide.float(), states)
+
+
+def test_a_mamba2_mixer_decodes_through_the_triton_ops_as_through_torch():
+    """The mixer hands its decode rows to the Triton kernels where the ops have them (CUDA;
+    interpreted here): the output and every slot's states as its torch path leaves them."""
+    from worker.model.config import ModelConfig
+    from worker.model.delta_net import StateStep
+    from worker.model.elementwise import TritonOps
+    from worker.model.mamba2 import Mamba2
+
+    config = ModelConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=16,
+        mamba_layers=(True,),
+        mamba_heads=4,
+        mamba_head_dim=8,
+        mamba_groups=2,
+        mamba_d_state=6,
+        mamba_conv_kernel=4,
+    )
+    g = torch.Generator().manual_seed(3)
+    mixer = Mamba2(config)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    proj = torch.randn(3, mixer.in_rows, generator=g)
+    slots = torch.tensor([2, 0, 3])
+    step = StateStep(slots, [0, 1, 2, 3])
+    pools = [(torch.randn(4, 3, mixer.conv_dim, generator=g), torch.randn(4, 4, 8, 6, generator=g))]
+    pools.append(tuple(t.clone() for t in pools[0]))
+    want = mixer(proj, step, *pools[0])
+    got = mixer(proj, step, *pools[1], ops=TritonOps())
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    for ours, theirs in zip(pools[1], pools[0], strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)

@@ -195,7 +195,7 @@ class DecoderLayer(nn.Module):
             a = self.comm.all_reduce(mm(core, w["out_proj"]))
         elif self.short_conv is not None or self.mamba is not None:
             mixer = self.short_conv or self.mamba
-            core = mixer(mm(h, w["in_proj"]), step.state, *pool.states.layer(i))
+            core = mixer(mm(h, w["in_proj"]), step.state, *pool.states.layer(i), ops=ops)
             a = self.comm.all_reduce(mm(core, w["out_proj"]))
             if c.parallel_mamba:  # Falcon-H1: the two summed
                 a = a + self._attend(h, step, pool, rope, attn, ops, into_bf16)

@@ -42,15 +42,20 @@ class Mamba2(nn.Module):
         """in_proj's rows: z, then x, B, C, then dt."""
         return self.inner + self.conv_dim + self.heads
 
-    def forward(self, proj: torch.Tensor, step: StateStep, conv_states, ssm_states):
+    def forward(self, proj: torch.Tensor, step: StateStep, conv_states, ssm_states, ops=None):
         """proj [tokens, in_rows] -> [tokens, inner], gated-normed; each row's slot advances."""
         z, xbc, dt = proj.split([self.inner, self.conv_dim, self.heads], dim=-1)
         # step sizes floored where the model was trained with a floor (transformers floors them in
         # prompts only: here decodes too, so that a recomputed sequence computes what it decoded)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)
         a = -torch.exp(self.a_log.float())
-        bias = self.conv_bias
-        if step.decode_only:
+        bias, kernels, y = self.conv_bias, getattr(ops, "k", None), None
+        if step.decode_only and hasattr(kernels, "mamba_decode"):  # Triton on CUDA
+            pools = (conv_states, ssm_states, step.slots, self.conv, bias, self.shape)
+            y = kernels.mamba_decode(xbc, dt, a, self.d, *pools)
+        if y is not None:
+            pass
+        elif step.decode_only:
             slots = step.slots
             xbc, conv_states[slots] = causal_conv_step(
                 xbc, conv_states[slots], self.conv, True, bias
@@ -69,6 +74,11 @@ class Mamba2(nn.Module):
             walk_rows(step, (conv_states, ssm_states), advance, y)
         copy_after(step, (conv_states, ssm_states))
         return self._gated_norm(y, z)
+
+    @property
+    def shape(self) -> tuple:
+        """What the decode kernels need to know of this mixer."""
+        return (self.heads, self.head_dim, self.groups, self.d_state)
 
     def _scan(self, scan, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, state):
         """x, B and C out of the conv's output through `scan` (chunked or one step), plus the D

@@ -28,7 +28,7 @@ class ShortConv(nn.Module):
         """in_proj's rows: B, C, x."""
         return 3 * self.channels
 
-    def forward(self, proj: torch.Tensor, step: StateStep, conv_states) -> torch.Tensor:
+    def forward(self, proj: torch.Tensor, step: StateStep, conv_states, ops=None) -> torch.Tensor:
         """proj [tokens, 3 * channels] -> [tokens, channels]; each row's slot advances past its
         tokens.
         """
