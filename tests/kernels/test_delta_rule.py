@@ -107,6 +107,17 @@ def decode_kernels(backend: str):
     return native, "cpu"
 
 
+def assert_decoded_in_place(got, want, pools, new, slots, before) -> None:
+    """A decode kernel's output as the definition's; its rows' conv and recurrent states in their
+    slots as the definition leaves them, the other slots (1, 3, 5) untouched."""
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(pools[0][slots].cpu(), new[0])
+    torch.testing.assert_close(pools[1][slots].cpu(), new[1], atol=2e-6, rtol=1e-5)
+    others = [1, 3, 5]
+    for pool, old in zip(pools, before, strict=True):
+        assert torch.equal(pool[others].cpu(), old[others])
+
+
 @pytest.mark.parametrize("backend", ["native", "triton"])
 @pytest.mark.parametrize("tiled", [False, True])
 def test_the_decode_kernels_equal_the_definition_in_place_in_each_rows_slot(backend, tiled):
@@ -144,12 +155,7 @@ def test_the_decode_kernels_equal_the_definition_in_place_in_each_rows_slot(back
     got = kernels.delta_net_decode(
         x, z, decay, beta, conv_states, states, slots, conv_w, norm_w, shape
     )
-    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(conv_states[slots].cpu(), conv_new)
-    torch.testing.assert_close(states[slots].cpu(), state_new, atol=2e-6, rtol=1e-5)
-    others = [1, 3, 5]
-    assert torch.equal(conv_states[others].cpu(), before[0][others])
-    assert torch.equal(states[others].cpu(), before[1][others])
+    assert_decoded_in_place(got, want, (conv_states, states), (conv_new, state_new), slots, before)
     # a layout it does not take (a float64 state) is left to torch, with nothing changed
     wide = states.double()
     assert (
@@ -236,12 +242,7 @@ def test_the_triton_mamba2_decode_equals_the_definition_in_place_in_each_rows_sl
     args = [t.to(device) for t in (xbc, dt, a, d, conv_states, states, slots, conv_w, bias)]
     got = kernels.mamba_decode(*args, layer)
     conv_states, states = args[4], args[5]
-    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(conv_states[slots].cpu(), conv_new)
-    torch.testing.assert_close(states[slots].cpu(), state_new, atol=2e-6, rtol=1e-5)
-    others = [1, 3, 5]
-    assert torch.equal(conv_states[others].cpu(), before[0][others])
-    assert torch.equal(states[others].cpu(), before[1][others])
+    assert_decoded_in_place(got, want, (conv_states, states), (conv_new, state_new), slots, before)
     wide = states.double()
     args[5] = wide
     assert kernels.mamba_decode(*args, layer) is None
