@@ -224,7 +224,7 @@ class FusedDecode:
         if c.moe_layers:
             return "mixture-of-experts layers (the layer path routes their tokens)"
         if c.keeps_state or c.attn_output_gate:
-            return "a hybrid's Gated DeltaNet layers and gated attention (the layer path runs them)"
+            return "stateful layers (DeltaNet, short conv, Mamba2), gated attention (layer path)"
         if (
             c.sandwich_norms
             or c.hidden_act != "silu"
