@@ -162,7 +162,10 @@ def compile_offline(
 
 
 def offline_report(
-    head_dims=(64, 128, 256), block_sizes=(16, 32, 256), capability: int = 90, dtype: str = "bf16"
+    head_dims=(64, 128, 256, 512),
+    block_sizes=(16, 32, 256),
+    capability: int = 90,
+    dtype: str = "bf16",
 ) -> list[dict]:
     """Every attention and elementwise kernel at the configurations its launcher picks on a GPU."""
     from kernels import triton_configs as ta
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--capability", type=int, default=90, help="CUDA compute capability (90: H100/H200)"
     )
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256, 512])
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 256])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")

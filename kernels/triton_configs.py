@@ -24,7 +24,7 @@ def pow2(n: int, at_least: int = 1) -> int:
 
 
 # Launch configurations. The key tile is capped whatever the page size (it is gathered key by key):
-# 256-key tiles spilled. Warps grow with head_dim so nothing spills at d64/128/256 (`make gpu-
+# 256-key tiles spilled. Warps grow with head_dim so nothing spills at d64 to d512 (`make gpu-
 # compile-report`). In the interpreter a tile is two pages, so tests cover tiles spanning pages.
 # OVERRIDES is for --sweep only.
 OVERRIDES: dict[str, dict] = {}
@@ -59,8 +59,11 @@ def prefill_config(head_dim: int, block_size: int, on_gpu: bool) -> dict:
     if block_d <= 128:
         cfg = dict(BLOCK_M=64, TILE=64, num_warps=4, num_stages=2)
     # [64, 256] queries against 32-key tiles on 8 warps; 4 warps or 64-key tiles spill at d256
-    else:
+    elif block_d <= 256:
         cfg = dict(BLOCK_M=64, TILE=32, num_warps=8, num_stages=2)
+    # Gemma 4's full layers (d512): 64 queries a program spill 320 bytes, 32 none
+    else:
+        cfg = dict(BLOCK_M=32, TILE=32, num_warps=8, num_stages=2)
     return {**cfg, "BLOCK_D": block_d, **OVERRIDES.get("prefill", {})}
 
 

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - t0
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     attn = make_backend(None, device)
-    per_block = bytes_per_block(config, args.block_size, dtype, config.num_kv_heads)
+    per_block = bytes_per_block(config, args.block_size, dtype)
     max_batch, max_ctx = max(args.batch), max(args.context)
     width = -(-(max_ctx + 1) // args.block_size)
     if device.type == "cuda":

@@ -38,6 +38,8 @@ class BaseShapes:
     kv_size: int
     intermediate: int
     moe: bool = False
+    # a base no adapter is served on, and why (Gemma 4: its layers' shapes differ by kind)
+    refusal: str = ""
 
     @classmethod
     def from_config(cls, config: dict) -> BaseShapes:
@@ -52,6 +54,10 @@ class BaseShapes:
             text.get("num_key_value_heads", heads) * head_dim,
             text.get("intermediate_size", 0),
             moe,
+            "Gemma 4 (its full and sliding layers' heads differ in size, and its last layers "
+            "project no K/V)"
+            if text.get("model_type") == "gemma4_text" or config.get("model_type") == "gemma4"
+            else "",
         )
 
     def shape(self, module: str) -> tuple[int, int]:
@@ -151,6 +157,8 @@ def read_adapter(
         raise AdapterError(f"{what}: r must be a positive integer, not {rank!r}")
     if max_rank is not None and rank > max_rank:
         raise AdapterError(f"{what}: rank {rank} is above --max-lora-rank {max_rank}")
+    if base.refusal:
+        raise AdapterError(f"{what}: LoRA on {base.refusal} is not served")
     targets: dict[str, dict] = {}
     for key, meta in safetensors_header(folder / WEIGHTS_FILE).items():
         m = _KEY.match(key)

@@ -33,7 +33,29 @@ FAMILIES = {
         intermediate_size=32,
         rotary_dim=8,
     ),
+    # a head size per layer type (full layers' wider, their values their keys' projection, one KV
+    # head), proportional RoPE on full layers, v-norm, per-layer token embeddings, the last two
+    # layers reading earlier layers' K/V with twice-wide MLPs, experts beside every dense MLP,
+    # soft-capped logits; its learned scalars given values (saved as ones) so reading them counts
+    "gemma4_text": dict(
+        num_hidden_layers=6,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        sliding_window=8,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=384,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=16,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=30.0,
+    ),
 }
+RANDOMIZED = ("e_score_correction_bias", "layer_scalar", "per_expert_scale", "router.scale")
 PROMPTS = [[3 + (11 * i) % 370 for i in range(n)] for n in (5, 23, 61)]
 
 
@@ -41,7 +63,8 @@ PROMPTS = [[3 + (11 * i) % 370 for i in range(n)] for n in (5, 23, 61)]
 def folder(request, tmp_path_factory):
     name = request.param
     folder = make_tiny_llama(tmp_path_factory.mktemp(name), seed=7, family=name, **FAMILIES[name])
-    randomize_buffers(folder, "e_score_correction_bias")
+    for suffix in RANDOMIZED:
+        randomize_buffers(folder, suffix)
     return folder
 
 
@@ -57,6 +80,48 @@ def test_three_prompts_equal_transformers(folder, server_factory, ranks):
         results = submit_all(server, items, stream=True)
         for rid, prompt, n, _ in items:
             assert results[rid][0] == hf_greedy(folder, prompt, n), rid
+        assert_all_blocks_back(server)
+    finally:
+        server.stop()
+
+
+def test_a_gemma4_multimodal_folder_is_served_as_text(tmp_path, server_factory):
+    """Gemma 4 as it ships (`Gemma4ForConditionalGeneration`: the language model under
+    `model.language_model.`, a vision tower and its embedder beside it): the same tokens as the
+    model itself gives, the tower unread (one log line); the two layers that read earlier layers'
+    K/V hold none, and the worker says what that saves (2 of 6 layers' K/V: a third).
+    """
+    import json
+
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from tests.support.tiny import TINY, make_tokenizer
+
+    text = dict(TINY, rms_norm_eps=1e-5, tie_word_embeddings=True, **FAMILIES["gemma4_text"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    torch.manual_seed(5)
+    model = Gemma4ForConditionalGeneration(
+        Gemma4Config(text_config=text, vision_config=dict(vision, num_key_value_heads=2))
+    ).eval()
+    model.save_pretrained(str(tmp_path))
+    make_tokenizer(tmp_path, TINY["vocab_size"])
+    prompt = PROMPTS[2]
+    want, ids = [], list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            want.append(token)
+            ids.append(token)
+    server = server_factory(tmp_path, "--max-model-len", "128", "--metrics-port", "-1")
+    try:
+        results = submit_all(server, [("mm", prompt, 12, 0.0)], stream=False)
+        assert results["mm"][0] == want
+        events = [json.loads(x) for x in server.log_path.read_text().splitlines() if x[:1] == "{"]
+        by_name = {e.get("event"): e for e in events}
+        assert by_name["text_only"]["skipped_tensors"] > 0
+        shared = by_name["kv_shared_layers"]
+        assert (shared["reading_earlier"], shared["saved_fraction"]) == (2, 0.333)
         assert_all_blocks_back(server)
     finally:
         server.stop()

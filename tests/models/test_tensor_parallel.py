@@ -84,7 +84,7 @@ def _run(folder, tp_rank, tp_size, comm=None):
         tp_size=tp_size,
         comm=comm,
     )
-    pool = KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu"), model.shard.num_kv_heads)
+    pool = KVPool(config, 16, BLOCK, torch.float32, torch.device("cpu"), model.shard.size)
     return [run_step(model, config, pool, seqs)[0] for seqs in _steps(config.vocab_size)]
 
 

@@ -116,6 +116,19 @@ def test_what_cannot_be_served_as_meant_is_refused_by_name(tmp_path, make, needl
     assert needle in str(e.value)
 
 
+def test_an_adapter_on_gemma4_is_refused_naming_why(tmp_path):
+    """Gemma 4's layers differ in head size and its last project no K/V: no adapter fits all."""
+    cfg = {"model_type": "gemma4", "text_config": {"model_type": "gemma4_text", **TEXT_SHAPES}}
+    reg = AdapterRegistry(BaseShapes.from_config(cfg), base_names=("g",), max_rank=16)
+    with pytest.raises(AdapterError, match="LoRA on Gemma 4 .* is not served"):
+        reg.load("g4", str(write_adapter(tmp_path / "a")))
+
+
+TEXT_SHAPES = dict(
+    hidden_size=8, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2, head_dim=4
+)
+
+
 def test_missing_files_a_name_in_use_and_bad_flags_are_refused(tmp_path):
     reg = registry()
     with pytest.raises(AdapterError, match="no adapter_config.json"):

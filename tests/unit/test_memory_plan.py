@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from worker.model.config import parameter_count
+from worker.model.layer_kinds import parameter_count
 from worker.serve.memory_plan import (
     DENSE_COPY_LIMIT,
     MARGIN,

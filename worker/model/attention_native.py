@@ -284,9 +284,15 @@ def default_backend_name(device: torch.device) -> str:
 
 
 def make_backend(
-    name: str | None, device: torch.device, shape: tuple | None = None, bf16_prefill: bool = False
+    name: str | None,
+    device: torch.device,
+    shape: tuple | list[tuple] | None = None,
+    bf16_prefill: bool = False,
 ) -> AttentionBackend:
-    """The device's default unless named; `cpu` falls back to `torch` for shapes it cannot serve."""
+    """The device's default unless named; `cpu` falls back to `torch` for shapes it cannot serve
+    (shape: (heads, KV heads, head size, block, dtype, KV dtype), or one such a layer kind).
+    """
+    shapes = [shape] if isinstance(shape, tuple) else list(shape or ())
     chosen = name or default_backend_name(device)
     if chosen not in BACKENDS:
         raise ValueError(f"unknown attention backend {chosen!r}; choose from {sorted(BACKENDS)}")
@@ -299,13 +305,15 @@ def make_backend(
             if name:
                 raise
             return TorchAttention()
-        if shape is not None and not backend.supports(*shape):
+        missed = [s for s in shapes if not backend.supports(*s)]
+        if missed:
             if name:
                 raise ValueError(
-                    f"the cpu attention backend does not cover heads/head_dim/block/dtype {shape}"
+                    "the cpu attention backend does not cover heads/head_dim/block/dtype "
+                    f"{missed[0]}"
                 )
             return TorchAttention()
-        kv_dtype = shape[5] if shape is not None and len(shape) > 5 else None
+        kv_dtype = shapes[0][5] if shapes and len(shapes[0]) > 5 else None
         backend.prefill_bf16_dots = bool(
             bf16_prefill and kv_dtype == torch.bfloat16 and backend.native.prefill_bf16_dots
         )

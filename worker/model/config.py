@@ -14,6 +14,7 @@ from worker.model.families import (
     ALL_MOE_TYPES,
     BLOCK_TYPES,
     GATED_ACTIVATIONS,
+    GEMMA4_TYPES,
     GEMMA_TYPES,
     HYBRID_TYPES,
     MULTIPLIER_TYPES,
@@ -31,6 +32,7 @@ from worker.model.families import (
 )
 from worker.model.layer_kinds import (
     dense_width,
+    gemma4_fields,
     hybrid_fields,
     layer_windows,
     mamba_fields,
@@ -145,6 +147,17 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
+    # Gemma 4 (docs/models.md): full layers' head size and KV heads, values from the keys'
+    # projection, normed; each layer's K/V source, MLP width; per-layer token embeddings; experts
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    values_from_keys: bool = False
+    v_norm: bool = False
+    kv_sources: tuple[int, ...] = ()
+    layer_widths: tuple[int, ...] = ()
+    per_layer_input_size: int = 0
+    per_layer_vocab: int = 0
+    moe_beside_mlp: bool = False
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.linear_layers) and self.linear_layers[layer]
@@ -170,6 +183,33 @@ class ModelConfig:
         stateless = not self.has_state(layer) or self.parallel_mamba
         return stateless and not self.ffn_only(layer)
 
+    def kv_source(self, layer: int) -> int:
+        """The layer whose cached K/V this one reads: itself, or (Gemma 4) an earlier one."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def writes_kv(self, layer: int) -> bool:
+        return self.has_kv(layer) and self.kv_source(layer) == layer
+
+    def global_layer(self, layer: int) -> bool:  # a full layer with its own head size (Gemma 4)
+        return bool(self.global_head_dim) and not self.window(layer)
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.global_head_dim if self.global_layer(layer) else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        wider = self.global_layer(layer) and self.global_kv_heads
+        return self.global_kv_heads if wider else self.num_kv_heads
+
+    def kv_shape(self, layer: int, tp: int = 1) -> tuple[int, int] | None:
+        """(KV heads on a rank of tp, head size) of the K/V the layer writes; None: none."""
+        if not self.writes_kv(layer):
+            return None
+        heads = self.kv_heads_of(layer)
+        return (heads // tp if heads >= tp else 1), self.head_dim_of(layer)
+
+    def mlp_width(self, layer: int) -> int:
+        return self.layer_widths[layer] if self.layer_widths else self.intermediate_size
+
     def has_state(self, layer: int) -> bool:
         """The layer keeps per-sequence state in the state pool instead of paged K/V."""
         return self.is_linear(layer) or self.is_conv(layer) or self.is_mamba(layer)
@@ -182,7 +222,7 @@ class ModelConfig:
     @property
     def num_kv_layers(self) -> int:
         """Layers that write paged K/V."""
-        return sum(self.has_kv(i) for i in range(self.num_layers))
+        return sum(self.writes_kv(i) for i in range(self.num_layers))
 
     @property
     def conv_dim(self) -> int:
@@ -205,6 +245,8 @@ class ModelConfig:
             self,
             rope_theta=float(self.local_rope["rope_theta"]),
             local_rope=None,
+            rotary_dim=self.head_dim if self.global_head_dim else self.rotary_dim,
+            global_head_dim=0,
             rope_scaling={k: v for k, v in self.local_rope.items() if k != "rope_theta"},
         )
 
@@ -222,7 +264,9 @@ class ModelConfig:
             object.__setattr__(self, "rotary_dim", self.head_dim)
         if not self.attn_scale:
             object.__setattr__(self, "attn_scale", self.head_dim**-0.5)
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= max(
+            self.head_dim, self.global_head_dim
+        ):
             raise ValueError(
                 f"a rotary dimension of {self.rotary_dim} does not fit heads of {self.head_dim}"
             )
@@ -253,6 +297,8 @@ class ModelConfig:
             partial = 1.0  # every value rotates; the frequencies past the fraction are zero
         theta = rope["rope_theta"]
         gemma = model_type in GEMMA_TYPES
+        gemma4 = model_type in GEMMA4_TYPES
+        g4 = gemma4_fields(cfg, num_layers)
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         return cls(
             vocab_size=int(cfg["vocab_size"]),
@@ -270,37 +316,42 @@ class ModelConfig:
             rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"},
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(
-                cfg.get("tie_word_embeddings", model_type in SHORT_CONV_TYPES)
+                cfg.get("tie_word_embeddings", model_type in (*SHORT_CONV_TYPES, *GEMMA4_TYPES))
             ),
             attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", *SINK_TYPES))),
             qk_norm=model_type
             in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_TYPES, *WHOLE_QK_NORM_TYPES)
-            or model_type in SHORT_CONV_TYPES,
+            or model_type in (*SHORT_CONV_TYPES, *GEMMA4_TYPES),
             qk_norm_whole=model_type in WHOLE_QK_NORM_TYPES,
             model_type=model_type,
             rope_layers=rope_layers(cfg, num_layers),
             layer_windows=layer_windows(cfg, num_layers),
-            rotary_dim=int(head_dim * partial),
+            rotary_dim=g4.get("global_head_dim") or int(head_dim * partial),
             local_rope=ropes[1] if len(ropes) > 1 else None,
             hidden_act="relu2" if model_type in BLOCK_TYPES else GATED_ACTIVATIONS[act],
             attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5
             if gemma
+            else 1.0
+            if gemma4  # its q/k norms scale the scores
             else float(cfg.get("attention_multiplier") or 0.0),
             embed_scale=float(cfg["hidden_size"]) ** 0.5
-            if gemma
+            if gemma or gemma4
             else float(cfg.get("embedding_multiplier") or 1.0),
             sandwich_norms=gemma
+            or gemma4
             or model_type in (*POST_NORM_TYPES, "olmo_hybrid")
             or (model_type in SHORT_CONV_TYPES and cfg.get("use_sandwich_norm", True)),
             post_norms_only=model_type in POST_NORM_TYPES,
             norm_offset=1.0 if gemma or model_type in HYBRID_TYPES else 0.0,
-            final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+            final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0)
+            if gemma or gemma4
+            else 0.0,
             attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0)
             if model_type == "gemma2"
             else 0.0,
             moe_layers=moe_layers(cfg, num_layers),
             num_experts=num_experts(cfg),
-            experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+            experts_per_token=int(cfg.get("num_experts_per_tok") or cfg.get("top_k_experts") or 0),
             # Mixtral's experts are intermediate_size wide, and it always renormalizes the chosen
             # experts' weights
             moe_intermediate_size=int(
@@ -309,7 +360,8 @@ class ModelConfig:
                 else cfg.get("moe_intermediate_size") or 0
             ),
             # gpt-oss's softmax over the chosen logits is the renormalized top-k of all
-            norm_topk_prob=model_type in (*ALL_MOE_TYPES, "qwen3_5_moe_text", *SINK_TYPES)
+            norm_topk_prob=model_type
+            in (*ALL_MOE_TYPES, "qwen3_5_moe_text", *SINK_TYPES, *GEMMA4_TYPES)
             or bool(cfg.get("norm_topk_prob", False)),
             sigmoid_router=model_type in SIGMOID_ROUTER_TYPES,
             shared_expert=model_type in SHARED_EXPERT_TYPES and dense_width(cfg, num_layers) > 0,
@@ -321,6 +373,9 @@ class ModelConfig:
             swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702)
             if model_type in SINK_TYPES
             else 1.0,
+            v_norm=gemma4,
+            moe_beside_mlp=gemma4 and bool(moe_layers(cfg, num_layers)),
+            **g4,
             **hybrid_fields(cfg, num_layers),
             **short_conv_fields(cfg, num_layers),
             **mamba_fields(cfg, num_layers),
@@ -343,26 +398,3 @@ class ModelConfig:
         factors.
         """
         return rope.inv_freq(self)
-
-
-def parameter_count(config) -> int:
-    """Parameters the config implies: what loading takes, before allocating anything."""
-    h, hd = config.hidden_size, config.head_dim
-    attn = h * config.num_heads * hd * 2 + h * config.num_kv_heads * hd * 2
-    dense_mlp = 3 * h * config.intermediate_size
-    moe = config.num_experts * 3 * h * config.moe_intermediate_size + h * config.num_experts
-    v_size = config.linear_v_heads * config.linear_v_dim
-    # in_proj_qkv, z, a and b, the conv, out_proj
-    linear = h * (config.conv_dim + v_size + 2 * config.linear_v_heads) + h * v_size
-    linear += config.conv_dim * config.linear_conv_kernel
-    gate = h * config.num_heads * hd if config.attn_output_gate else 0
-    layers = sum(
-        (linear if config.is_linear(i) else attn + gate)
-        + (
-            moe + (dense_mlp + h if config.shared_expert else 0)
-            if (config.moe_layers and config.moe_layers[i])
-            else dense_mlp
-        )
-        for i in range(config.num_layers)
-    )
-    return config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + layers

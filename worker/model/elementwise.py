@@ -16,6 +16,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): gelu(gate, tanh approximation) * up, over [rows, 2 * I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [tokens, heads, head_dim]; cos, sin [tokens, 1, rotary_dim / 2]: rotate-half over the first
     # rotary_dim values
@@ -63,6 +69,10 @@ class TorchOps:
     def rope(self, q: torch.Tensor, k: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k (views of one fused row)."""
         return apply_rotary(q, *state), apply_rotary(k, *state)
+
+    def rotate(self, x: torch.Tensor, state) -> torch.Tensor:
+        """Rotate one [tokens, heads, head_dim] tensor (queries over another layer's keys)."""
+        return apply_rotary(x, *state)
 
 
 class NativeOps(TorchOps):
@@ -154,10 +164,14 @@ class NativeOps(TorchOps):
             rows = q.as_strided((tokens, (heads + kv_heads) * head_dim), (q.stride(0), 1))
             self.k.rope(rows, heads + kv_heads, head_dim, rotary.cos, rotary.sin, positions)
             return q, k
-        q, k = q.contiguous(), k.contiguous()
-        self.k.rope(q.view(tokens, -1), heads, head_dim, rotary.cos, rotary.sin, positions)
-        self.k.rope(k.view(tokens, -1), kv_heads, head_dim, rotary.cos, rotary.sin, positions)
-        return q, k
+        return self.rotate(q, state), self.rotate(k, state)
+
+    def rotate(self, x, state):
+        rotary, positions = state
+        x = x.contiguous()
+        tokens, heads, head_dim = x.shape
+        self.k.rope(x.view(tokens, -1), heads, head_dim, rotary.cos, rotary.sin, positions)
+        return x
 
 
 class TritonOps(NativeOps):

@@ -24,6 +24,7 @@ SUPPORTED_MODEL_TYPES = (
     "nemotron_h",
     "falcon_h1",
     "olmo_hybrid",
+    "gemma4_text",
 )
 # (1 + w) norms around attention and MLP, GeGLU, scaled embeddings
 GEMMA_TYPES = ("gemma2", "gemma3_text")
@@ -48,6 +49,9 @@ GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu
 # proportional (LFM3, Gemma 4): the first partial_rotary_factor of each head's frequencies, the
 # rest still
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "proportional")
+# Gemma 4: a head size per layer type, KV shared across the last layers, per-layer token
+# embeddings, experts beside the dense MLP, plain-weight norms
+GEMMA4_TYPES = ("gemma4_text",)
 # families whose transformers attention rotates only the first partial_rotary_factor of each head
 PARTIAL_ROTARY_TYPES = ("phi3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "minimax_m2")
 # hybrids: Gated DeltaNet layers (a recurrent state per sequence) between gated attention layers
@@ -81,8 +85,6 @@ NOT_SERVED = {
     "zamba2": _MAMBA,
     "lfm2": "LFM2's feed-forward sizing (block_auto_adjust_ff_dim) and tensor names",
     "lfm2_moe": "LFM2's feed-forward sizing (block_auto_adjust_ff_dim) and tensor names",
-    "gemma4_text": "per-layer token embeddings and KV shared across layers",
-    "gemma4": "per-layer token embeddings and KV shared across layers",
 }
 
 
@@ -122,7 +124,11 @@ MULTIPLIER_TYPES = ("granitemoehybrid", "falcon_h1")
 
 
 # multimodal folders served as text: their language model's config, under its own model_type
-TEXT_OF_MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+TEXT_OF_MULTIMODAL = {
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "gemma4": "gemma4_text",
+}
 
 
 def language_config(cfg: dict) -> dict:
@@ -175,12 +181,12 @@ def check_supported(cfg: dict) -> None:
                 "latent expert projections are not implemented",
             )
     elif act not in GATED_ACTIVATIONS or (
-        GATED_ACTIVATIONS[act] == "gelu_tanh" and model_type not in GEMMA_TYPES
+        GATED_ACTIVATIONS[act] == "gelu_tanh" and model_type not in (*GEMMA_TYPES, *GEMMA4_TYPES)
     ):
         raise UnsupportedModel(
             act_field,
             act,
-            "the gated MLP is implemented with SiLU, and with GELU-tanh for Gemma 2 and 3",
+            "the gated MLP is implemented with SiLU, and with GELU-tanh for Gemma 2, 3 and 4",
         )
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedModel(
@@ -220,7 +226,7 @@ def check_supported(cfg: dict) -> None:
     for name in ("attn_logit_softcapping", "final_logit_softcapping", "logit_softcapping"):
         allowed = {
             "attn_logit_softcapping": ("gemma2",),
-            "final_logit_softcapping": GEMMA_TYPES,
+            "final_logit_softcapping": (*GEMMA_TYPES, *GEMMA4_TYPES),
         }.get(name, ())
         if cfg.get(name) is not None and model_type not in allowed:
             raise UnsupportedModel(
@@ -243,7 +249,7 @@ def check_supported(cfg: dict) -> None:
                 name, cfg[name], "scaled embeddings, residuals or logits are not implemented"
             )
     for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if cfg.get(name) and model_type not in MOE_TYPES:
+        if cfg.get(name) and model_type not in (*MOE_TYPES, *GEMMA4_TYPES):
             raise UnsupportedModel(
                 name,
                 cfg[name],
@@ -328,6 +334,8 @@ def block_kinds(cfg: dict, num_layers: int) -> tuple[str, ...]:
 
 def moe_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
     """Layers whose MLP is a mixture of experts; () for a dense model."""
+    if cfg.get("model_type") in GEMMA4_TYPES:  # beside every layer's dense MLP, or none
+        return (True,) * num_layers if cfg.get("enable_moe_block") and num_experts(cfg) else ()
     if cfg.get("model_type") not in MOE_TYPES or not num_experts(cfg):
         return ()
     if cfg.get("model_type") in ALL_MOE_TYPES:

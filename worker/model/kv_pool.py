@@ -10,15 +10,11 @@ from worker.model.config import ModelConfig
 from worker.model.state_pool import StatePool
 
 
-def bytes_per_block(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
-) -> int:
-    """Bytes of one block over all layers; num_kv_heads: the heads
-    this rank holds (default: all).
-    """
-    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes of one block over all layers on one rank of a tensor-parallel group of tp."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_kv_layers * heads * config.head_dim * block_size * element
+    shapes = [config.kv_shape(i, tp) for i in range(config.num_layers)]
+    return sum(2 * heads * dim * block_size * element for heads, dim in filter(None, shapes))
 
 
 class KVPool:
@@ -29,9 +25,9 @@ class KVPool:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        num_kv_heads: int | None = None,
+        tp: int = 1,
     ) -> None:
-        """num_kv_heads: the KV heads this rank holds (a tensor-parallel rank holds its slice)."""
+        """tp: the tensor-parallel group's size (a rank holds its slice of each layer's heads)."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         if block_size < 1 or block_size & (block_size - 1):
@@ -39,13 +35,14 @@ class KVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
-        self.bytes_per_block = bytes_per_block(config, block_size, dtype, heads)
-        shape = (num_blocks, block_size, heads, config.head_dim)
-        # Never zeroed: attention masks by length. A hybrid's stateful layers keep `states` instead.
-        kv = [config.has_kv(i) for i in range(config.num_layers)]
-        self.k = [torch.empty(shape if x else 0, dtype=dtype, device=device) for x in kv]
-        self.v = [torch.empty(shape if x else 0, dtype=dtype, device=device) for x in kv]
+        self.bytes_per_block = bytes_per_block(config, block_size, dtype, tp)
+        # Never zeroed: attention masks by length. Each layer's own heads and head size (Gemma 4's
+        # differ by layer type); a stateful layer keeps `states` instead, and a layer that reads
+        # another's K/V (Gemma 4) holds none.
+        shapes = [config.kv_shape(i, tp) for i in range(config.num_layers)]
+        self.k = [self._empty(num_blocks, block_size, s, dtype, device) for s in shapes]
+        self.v = [self._empty(num_blocks, block_size, s, dtype, device) for s in shapes]
+        self.sources = [config.kv_source(i) for i in range(config.num_layers)]
         self.states: StatePool | None = None  # a hybrid's recurrent-state slots (use_states)
         # The token record: each slot's token id (plus a scratch slot), read by penalties.
         self._token_slots = torch.full(
@@ -53,8 +50,15 @@ class KVPool:
         )
         self.tokens = self._token_slots[:-1].view(num_blocks, block_size)
 
+    @staticmethod
+    def _empty(blocks, block_size, shape, dtype, device) -> torch.Tensor:
+        size = (blocks, block_size, *shape) if shape else 0
+        return torch.empty(size, dtype=dtype, device=device)
+
     def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[idx], self.v[idx]
+        """The K/V layer idx attends over: its own, or those of the layer it reads."""
+        src = self.sources[idx]
+        return self.k[src], self.v[src]
 
     @torch.no_grad()
     def copy_blocks(self, copies: torch.Tensor) -> None:

@@ -13,7 +13,9 @@ from torch import nn
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig
 from worker.model.delta_net import GatedDeltaNet, StateStep
-from worker.model.elementwise import RopeSets, TorchOps, rms_norm
+from worker.model.elementwise import RopeSets, TorchOps, gelu_tanh_mul, rms_norm
+from worker.model.families import GEMMA4_TYPES
+from worker.model.gemma4 import ExpertsBeside, LayerOutput
 from worker.model.kv_pool import KVPool
 from worker.model.linear import DenseMatmul
 from worker.model.lora import StepLora
@@ -33,12 +35,8 @@ class StepInputs:
     lora: StepLora | None = None
     # a hybrid's rows in the recurrent-state pool (model/delta_net.py)
     state: StateStep | None = None
-
-
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """GeGLU (Gemma): gelu(gate, tanh approximation) * up, over [rows, 2 * I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    # Gemma 4: each token's input to every layer, [tokens, layers, width] (model/gemma4.py)
+    per_layer: torch.Tensor | None = None
 
 
 class DecoderLayer(nn.Module):
@@ -50,9 +48,13 @@ class DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.comm = comm
         self.num_heads = shard.num_q_heads  # this rank's heads
-        self.num_kv_heads = shard.num_kv_heads
-        self.q_size = self.num_heads * c.head_dim
-        self.kv_size = self.num_kv_heads * c.head_dim
+        # this rank's KV heads and the head size (Gemma 4's full layers' differ); a layer that
+        # reads another's K/V (Gemma 4) projects none, one whose values are its keys no values
+        self.head_dim = c.head_dim_of(layer_idx)
+        self.num_kv_heads = (c.kv_shape(layer_idx, shard.size) or (0,))[0]
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.values_from_keys = c.values_from_keys and c.global_layer(layer_idx)
         self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
         # a hybrid's linear layer: Gated DeltaNet between in_proj and out_proj, no paged K/V
         linear_heads = (
@@ -81,7 +83,8 @@ class DecoderLayer(nn.Module):
         outputs_normed = c.sandwich_norms and (not c.post_norm_layers or c.post_norms(layer_idx))
         self.attn_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if outputs_normed else None
         self.mlp_out_norm = nn.Parameter(torch.ones(c.hidden_size)) if outputs_normed else None
-        dense = self._ffn_parameters(c, shard, layer_idx)
+        dense = self._ffn_parameters(c, shard, comm, layer_idx)
+        self.output = LayerOutput(c) if c.model_type in GEMMA4_TYPES else None
         names = self.LINEAR_WEIGHTS if mixer is not None else self.MATMUL_WEIGHTS
         names = self.PARALLEL_WEIGHTS if c.parallel_mamba else names
         if c.ffn_only(layer_idx):  # its MLP's, or none beside experts alone
@@ -95,13 +98,16 @@ class DecoderLayer(nn.Module):
         self.mm = DenseMatmul()
         self.w: dict[str, torch.Tensor] = {}
 
-    def _ffn_parameters(self, c: ModelConfig, shard: Shard, layer_idx: int) -> bool:
-        """A dense MLP, or experts beside an optional (sigmoid-gated) shared expert; -> whether a
-        dense MLP is there.
+    def _ffn_parameters(self, c: ModelConfig, shard: Shard, comm, layer_idx: int) -> bool:
+        """A dense MLP, or experts beside an optional (sigmoid-gated) shared expert or (Gemma 4)
+        beside the MLP; -> whether a dense MLP is there.
         """
-        self.moe = MoE(c, shard) if c.is_moe(layer_idx) else None
+        beside = c.moe_beside_mlp and c.is_moe(layer_idx)
+        self.beside = ExpertsBeside(c, shard, comm) if beside else None
+        self.moe = MoE(c, shard) if c.is_moe(layer_idx) and not beside else None
         dense = not c.mixer_only(layer_idx) and (self.moe is None or c.shared_expert)
-        inter = shard.intermediate_size
+        # this rank's share (Gemma 4's layers that read another's K/V may be twice as wide)
+        inter = shard.intermediate_size * c.mlp_width(layer_idx) // c.intermediate_size
         rows = (2 if c.gated_mlp else 1) * inter  # gate and up, or up alone
         self.gate_up = nn.Parameter(torch.empty(rows, c.hidden_size)) if dense else None
         self.down = nn.Parameter(torch.empty(c.hidden_size, inter)) if dense else None
@@ -111,14 +117,15 @@ class DecoderLayer(nn.Module):
 
     def _attention_parameters(self, c: ModelConfig) -> None:
         # q, k, v, then (gated attention) one gate a query value, or (LFM) one a head
-        qkv_rows = self.q_size * (2 if c.attn_output_gate else 1) + 2 * self.kv_size
+        values = 0 if self.values_from_keys else self.kv_size
+        qkv_rows = self.q_size * (2 if c.attn_output_gate else 1) + self.kv_size + values
         qkv_rows += self.num_heads if c.attn_head_gate else 0
         self.qkv = nn.Parameter(torch.empty(qkv_rows, c.hidden_size))
         self.qkv_bias = nn.Parameter(torch.zeros(qkv_rows)) if c.attention_bias else None
         # per head, or (OLMo 3) over this rank's share of the whole projection
-        q_dim, k_dim = (self.q_size, self.kv_size) if c.qk_norm_whole else (c.head_dim,) * 2
+        q_dim, k_dim = (self.q_size, self.kv_size) if c.qk_norm_whole else (self.head_dim,) * 2
         self.q_norm = nn.Parameter(torch.ones(q_dim)) if c.qk_norm else None
-        self.k_norm = nn.Parameter(torch.ones(k_dim)) if c.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(k_dim)) if c.qk_norm and self.kv_size else None
         self.o_proj = nn.Parameter(torch.empty(c.hidden_size, self.q_size))
         # gpt-oss: o_proj bias (added once, after the sum over ranks), this rank's sinks
         self.o_bias = nn.Parameter(torch.zeros(c.hidden_size)) if c.o_proj_bias else None
@@ -162,6 +169,7 @@ class DecoderLayer(nn.Module):
             residual, h = self._add_norm(residual, x, self.post_attn_norm, ops, bf16)
         if self.moe is None:
             out = self.comm.all_reduce(self._mlp(h, step, ops, into_bf16("down")))
+            out = out if self.beside is None else self.beside(out, residual, ops)
         elif self.gate_up is None:
             out = self.comm.all_reduce(self.moe(h, ops))
         elif self.shared_gate is None:  # Granite, Nemotron-H: the shared MLP added as it is
@@ -172,6 +180,9 @@ class DecoderLayer(nn.Module):
             out = self.comm.all_reduce(self.moe(h, ops) + (scale * shared).to(h.dtype))
         if self.mlp_out_norm is not None:
             out = rms_norm(out, self.mlp_out_norm, c.rms_norm_eps)
+        if self.output is not None:  # Gemma 4: the stream itself goes on (None: no residual)
+            per_layer = None if step.per_layer is None else step.per_layer[:, self.layer_idx]
+            return self.output(residual + out, per_layer), None
         return (out * c.residual_scale if c.residual_scale != 1.0 else out), residual
 
     def _add_norm(self, residual, x, weight, ops, bf16: bool):
@@ -230,17 +241,18 @@ class DecoderLayer(nn.Module):
     def _attend(self, h, step: StepInputs, pool: KVPool, rope, attn, ops, into_bf16):
         """Attention over the paged K/V, through o_proj (summed over ranks)."""
         c, mm, w, lora, i = self.config, self.mm, self.w, step.lora, self.layer_idx
-        num_tokens = h.shape[0]
+        num_tokens, hd = h.shape[0], self.head_dim
         qkv = mm(h, w["qkv"], self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         if lora is not None:
             qkv = lora.apply(i, "qkv", h, qkv)
-        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, c.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
-            num_tokens, self.num_kv_heads, c.head_dim
-        )
-        v = qkv[:, self.q_size + self.kv_size : self.q_size + 2 * self.kv_size].view(
-            num_tokens, self.num_kv_heads, c.head_dim
-        )
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, hd)
+        if not self.kv_size:  # Gemma 4: K/V another layer wrote
+            return self._attend_shared(q, qkv, step, pool, rope, attn, ops, into_bf16)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, hd)
+        v_at = self.q_size + (0 if self.values_from_keys else self.kv_size)
+        v = qkv[:, v_at : v_at + self.kv_size].view(num_tokens, self.num_kv_heads, hd)
+        if c.v_norm:  # before k is normed in place (Gemma 4's full layers' values are its keys)
+            v = rms_norm(v, torch.ones((), dtype=v.dtype, device=v.device), c.rms_norm_eps)
         if c.qk_norm_whole:
             q = self._whole_norm(q, self.q_norm, c.num_heads * c.head_dim)
             k = self._whole_norm(k, self.k_norm, c.num_kv_heads * c.head_dim)
@@ -260,6 +272,19 @@ class DecoderLayer(nn.Module):
             )
         k_cache, v_cache = pool.layer(self.layer_idx)
         attn.write_kv(k, v, k_cache, v_cache, step.slot_mapping)
+        return self._attend_out(q, qkv, step, k_cache, v_cache, attn, into_bf16)
+
+    def _attend_shared(self, q, qkv, step, pool, rope, attn, ops, into_bf16):
+        """Gemma 4's last layers: their queries over K/V an earlier layer of their kind wrote."""
+        c, i = self.config, self.layer_idx
+        q = rms_norm(q, self.q_norm, c.rms_norm_eps)
+        q = ops.rotate(q, rope[1] if c.window(i) else rope[0])
+        return self._attend_out(q, qkv, step, *pool.layer(i), attn, into_bf16)
+
+    def _attend_out(self, q, qkv, step, k_cache, v_cache, attn, into_bf16):
+        """Attention over the layer's paged K/V, gated where the family gates, through o_proj."""
+        c, mm, w, lora, i = self.config, self.mm, self.w, step.lora, self.layer_idx
+        num_tokens = q.shape[0]
         # [num_tokens, n_heads, hd]
         o = attn.forward(
             q,

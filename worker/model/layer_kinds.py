@@ -8,6 +8,7 @@ from __future__ import annotations
 from worker.model.families import (
     BLOCK_TYPES,
     DELTA_NET_TYPES,
+    GEMMA4_TYPES,
     GEMMA_TYPES,
     MAMBA_TYPES,
     PARALLEL_MAMBA_TYPES,
@@ -30,14 +31,17 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
     if model_type in ("mistral", "mixtral", "phi3"):  # their attention slides on every layer
         return (window,) * num_layers
     # layer_types; by default Gemma 3 slides five layers of six, Gemma 2 every other
-    if model_type in (*GEMMA_TYPES, *SINK_TYPES, *POST_NORM_TYPES, *SHORT_CONV_TYPES):
+    if model_type in (
+        *GEMMA_TYPES,
+        *GEMMA4_TYPES,
+        *SINK_TYPES,
+        *POST_NORM_TYPES,
+        *SHORT_CONV_TYPES,
+    ):
         # gpt-oss slides every other layer, as Gemma 2; OLMo 3 where layer_types says
-        pattern = int(cfg.get("sliding_window_pattern", 6)) if model_type == "gemma3_text" else 2
-        types = cfg.get("layer_types") or [
-            "sliding_attention" if (i + 1) % pattern else "full_attention"
-            for i in range(num_layers)
-        ]
-        sliding = [t == "sliding_attention" for t in types[:num_layers]]
+        sixth = model_type in ("gemma3_text", *GEMMA4_TYPES)
+        pattern = int(cfg.get("sliding_window_pattern", 6)) if sixth else 2
+        sliding = [t == "sliding_attention" for t in layer_types(cfg, num_layers, pattern)]
         return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
     if model_type not in ("qwen2", "qwen3", "qwen3_moe", "smollm3") or not cfg.get(
         "use_sliding_window"
@@ -57,6 +61,64 @@ def layer_windows(cfg: dict, num_layers: int) -> tuple[int, ...]:
         first = int(cfg.get("max_window_layers", 28))
         sliding = [i >= first for i in range(num_layers)]
     return tuple(window if s else 0 for s in sliding) if any(sliding) else ()
+
+
+def layer_types(cfg: dict, num_layers: int, pattern: int) -> list[str]:
+    """The config's layer_types, or every pattern-th layer full; Gemma 4's last is always full."""
+    types = list(cfg.get("layer_types") or [])[:num_layers] or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+    ]
+    if cfg.get("model_type") in GEMMA4_TYPES:
+        types[-1] = "full_attention"
+    return types
+
+
+def gemma4_fields(cfg: dict, num_layers: int) -> dict:
+    """Gemma 4's full layers' head size and KV heads, the layers that read another's K/V, MLP
+    widths, per-layer token embeddings and experts beside the MLP, as transformers reads them.
+    """
+    if cfg.get("model_type") not in GEMMA4_TYPES:
+        return {}
+    types = layer_types(cfg, num_layers, int(cfg.get("sliding_window_pattern", 6)))
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    overrides = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    if not overrides:  # as transformers builds it from these two
+        override = {"head_dim": int(cfg.get("global_head_dim") or 512)}
+        if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads"):
+            override["num_key_value_heads"] = int(cfg["num_global_key_value_heads"])
+        overrides = dict.fromkeys(full, override)
+    if sorted(overrides) != full or any(overrides[i] != overrides[full[0]] for i in full):
+        raise UnsupportedModel(
+            "per_layer_config", cfg.get("per_layer_config"), "one override for every full layer"
+        )
+    override = overrides[full[0]]
+    if set(override) - {"head_dim", "num_key_value_heads"}:
+        raise UnsupportedModel("per_layer_config", override, "overrides head_dim and KV heads only")
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    first = num_layers - shared
+    if shared and (first < 1 or set(types[first:]) - set(types[:first])):
+        raise UnsupportedModel(
+            "num_kv_shared_layers", shared, "needs an earlier layer of each type to read K/V from"
+        )
+    # a sharing layer reads the last earlier layer of its type that keeps its own
+    sources = [
+        i if i < first else max(j for j in range(first) if types[j] == types[i])
+        for i in range(num_layers)
+    ]
+    inter = int(cfg["intermediate_size"])
+    wide = 2 if cfg.get("use_double_wide_mlp") else 1
+    per_layer = int(cfg.get("hidden_size_per_layer_input") or 0)
+    return dict(
+        global_head_dim=int(override.get("head_dim") or 0),
+        global_kv_heads=int(override.get("num_key_value_heads") or 0),
+        values_from_keys=bool(cfg.get("attention_k_eq_v")),
+        kv_sources=tuple(sources) if shared else (),
+        layer_widths=tuple(inter * (wide if i >= first else 1) for i in range(num_layers))
+        if shared and wide > 1
+        else (),
+        per_layer_input_size=per_layer,
+        per_layer_vocab=int(cfg.get("vocab_size_per_layer_input") or 0) if per_layer else 0,
+    )
 
 
 def linear_layers(cfg: dict, num_layers: int) -> tuple[bool, ...]:
@@ -230,3 +292,34 @@ def falcon_scales(cfg: dict, inner: int, heads: int) -> dict:
         "feed_forward.gate_proj.weight": gate,
         "feed_forward.down_proj.weight": down,
     }
+
+
+def parameter_count(config) -> int:
+    """Parameters the config implies: what loading takes, before allocating anything."""
+    h = config.hidden_size
+
+    def attn(i: int) -> int:
+        hd, kv = config.head_dim_of(i), config.kv_heads_of(i) if config.writes_kv(i) else 0
+        return h * hd * (2 * config.num_heads + 2 * kv)
+
+    moe = config.num_experts * 3 * h * config.moe_intermediate_size + h * config.num_experts
+    v_size = config.linear_v_heads * config.linear_v_dim
+    # in_proj_qkv, z, a and b, the conv, out_proj
+    linear = h * (config.conv_dim + v_size + 2 * config.linear_v_heads) + h * v_size
+    linear += config.conv_dim * config.linear_conv_kernel
+    gate = h * config.num_heads * config.head_dim if config.attn_output_gate else 0
+    beside = config.shared_expert or config.moe_beside_mlp
+    layers = sum(
+        (linear if config.is_linear(i) else attn(i) + gate)
+        + (
+            moe + (3 * h * config.mlp_width(i) + h if beside else 0)
+            if (config.moe_layers and config.moe_layers[i])
+            else 3 * h * config.mlp_width(i)
+        )
+        for i in range(config.num_layers)
+    )
+    # per-layer token embeddings: their table, the projection into them, each layer's gate and
+    # projection out
+    p = config.per_layer_input_size * config.num_layers
+    layers += p * (config.per_layer_vocab + 3 * h)
+    return config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + layers

@@ -11,6 +11,7 @@ from torch import nn
 from worker.model.attention import AttentionBackend
 from worker.model.config import ModelConfig
 from worker.model.elementwise import RopeSets, Rotary, TorchOps, default_ops
+from worker.model.gemma4 import PerLayerInputs
 from worker.model.kv_pool import KVPool
 from worker.model.layer import DecoderLayer, StepInputs
 from worker.model.linear import DenseMatmul, head_library
@@ -40,6 +41,8 @@ class LlamaModel(nn.Module):
             DecoderLayer(c, i, self.shard, self.comm) for i in range(c.num_layers)
         )
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
+        # Gemma 4: each token's input to every layer (model/gemma4.py)
+        self.per_layer = PerLayerInputs(c) if c.per_layer_input_size else None
         self.lm_head = (
             None if c.tie_word_embeddings else nn.Parameter(torch.empty(rows, c.hidden_size))
         )
@@ -163,12 +166,16 @@ class LlamaModel(nn.Module):
         x = self._embed(step.token_ids)
         if self.fused is not None and self.fused.covers(step, x.shape[0]):
             return self.fused.forward(x, step, pool)
+        if self.per_layer is not None:
+            step.per_layer = self.per_layer(step.token_ids, x)
         rope = ops.rope_tables(self.rotary, step.positions, x.dtype)
         if self.local_rotary is not None:
             rope = RopeSets((rope, ops.rope_tables(self.local_rotary, step.positions, x.dtype)))
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, step, pool, rope, attn, ops)
+        if residual is None:  # the last layer handed on the stream itself (Gemma 4)
+            residual, x = x, None
         return ops.add_rms_norm(residual, x, self.norm, self.config.rms_norm_eps)[1]
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -209,7 +216,7 @@ class LlamaModel(nn.Module):
             # on the parameters' own device: nothing is drawn on the host and copied over
             if g is None:
                 g = torch.Generator(device=param.device).manual_seed(seed * 1009 + self.shard.rank)
-            if "norm" in name:
+            if "norm" in name or name.endswith(("scalar", "scale")):
                 param.data.fill_(1.0)
             elif "bias" in name:
                 param.data.zero_()

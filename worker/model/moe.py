@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.config import ModelConfig
+from worker.model.elementwise import gelu_tanh_mul
 from worker.model.parallel import Shard
 
 
@@ -48,6 +49,7 @@ class MoE(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.zeros(experts, 2 * inter)) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(experts, hidden)) if bias else None
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
+        self.geglu = config.hidden_act == "gelu_tanh"  # Gemma 4's experts
         # "triton" or "torch", chosen at the first forward (where the weights are)
         self.backend: str | None = None
         # the experts on their GGUF blocks, multiplied by `mm` (or in one native call), in place of
@@ -57,7 +59,7 @@ class MoE(nn.Module):
     def use_blocks(self, blocks, mm) -> None:
         """Serve the experts on their blocks (a QuantizedMatmul's kernels), never dense."""
         self.blocks, self.mm = blocks, mm
-        serves = self.gated and NativeExperts.serves(blocks, mm)
+        serves = self.gated and not self.geglu and NativeExperts.serves(blocks, mm)
         self.native = NativeExperts(self, blocks, mm) if serves else None
         self.gate_up.data = torch.empty(0, dtype=self.gate_up.dtype)
         self.down.data = torch.empty(0, dtype=self.down.dtype)
@@ -87,12 +89,15 @@ class MoE(nn.Module):
         keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(scores)
 
-    def forward(self, h: torch.Tensor, ops) -> torch.Tensor:
-        """h [T, hidden] -> this rank's share of the MLP output."""
-        weights, ids = self.route(h)
+    def forward(self, h: torch.Tensor, ops, routed=None) -> torch.Tensor:
+        """h [T, hidden] -> this rank's share of the MLP output; routed: (weights, ids) chosen
+        elsewhere (Gemma 4 routes from the residual stream), else routed from h.
+        """
+        weights, ids = routed or self.route(h)
         if self.backend is None:
             self.backend = default_backend(h.device)
         act = ops.silu_mul if not self.limit else partial(clamped_swiglu, self.limit, self.alpha)
+        act = gelu_tanh_mul if self.geglu else act
         act = act if self.gated else relu_squared
         biases = (self.gate_up_bias, self.down_bias)
         if self.native is not None and h.shape[0] <= self.mm.max_kernel_rows:

@@ -86,12 +86,7 @@ def make_shard(
             f"{intermediate_size}"
         )
     q = num_heads // size
-    if num_kv_heads >= size:
-        kv = num_kv_heads // size
-        kv_range = (rank * kv, (rank + 1) * kv)
-    else:  # replicate: ranks r*k .. r*k+k-1 (k = size / n_kv) all hold KV head r
-        head = rank // (size // num_kv_heads)
-        kv_range = (head, head + 1)
+    kv_range = kv_head_range(num_kv_heads, rank, size)
     if expert_intermediate_size % size:
         raise ParallelConfigError(
             f"tensor-parallel size {size} cannot split the experts' intermediate size "
@@ -119,6 +114,17 @@ def make_shard(
         linear_k_heads=(rank * lk, (rank + 1) * lk),
         linear_v_heads=(rank * lv, (rank + 1) * lv),
     )
+
+
+def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """The KV heads a rank holds: its slice, or where there are fewer heads than ranks, one
+    replicated (ranks r*k .. r*k+k-1, k = size / num_kv_heads, all hold head r).
+    """
+    if num_kv_heads >= size:
+        kv = num_kv_heads // size
+        return rank * kv, (rank + 1) * kv
+    head = rank // (size // num_kv_heads)
+    return head, head + 1
 
 
 class Collectives:

@@ -47,7 +47,7 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
     )
 
     config, attn = loaded.config, loaded.attn
-    per_block = bytes_per_block(config, cfg.block_size, loaded.kv_dtype, loaded.heads)
+    per_block = bytes_per_block(config, cfg.block_size, loaded.kv_dtype, loaded.model.shard.size)
     # graphs capture the triton backend's step; torch's reads lengths on the host, which capture
     # cannot hold
     use_graphs = (
@@ -209,7 +209,12 @@ def build_runner(loaded: Loaded, plan: PoolPlan, device, cfg: WorkerConfig | Non
     # weights (and their copies), libraries: everything but the pool
     model_resident, _ = resident_bytes()
     pool = KVPool(
-        loaded.config, plan.num_blocks, plan.block_size, loaded.kv_dtype, device, loaded.heads
+        loaded.config,
+        plan.num_blocks,
+        plan.block_size,
+        loaded.kv_dtype,
+        device,
+        loaded.model.shard.size,
     )
     if plan.state_slots:
         from worker.model.state_pool import StatePool

@@ -75,7 +75,7 @@ def kv_cache_dtype(choice: str, compute, weights, device):
     return chosen
 
 
-def kv_budget_bytes(cfg: WorkerConfig, config, dtype, heads: int) -> int:
+def kv_budget_bytes(cfg: WorkerConfig, config, dtype) -> int:
     """The KV pool a CPU worker will take: --num-blocks,
     --kv-cache-memory, or the default budget.
     """
@@ -83,7 +83,7 @@ def kv_budget_bytes(cfg: WorkerConfig, config, dtype, heads: int) -> int:
     from worker.model.kv_pool import bytes_per_block
 
     if cfg.num_blocks:
-        return cfg.num_blocks * bytes_per_block(config, cfg.block_size, dtype, heads)
+        return cfg.num_blocks * bytes_per_block(config, cfg.block_size, dtype, cfg.tp)
     return parse_bytes(cfg.kv_cache_memory) if cfg.kv_cache_memory else cpu_default_kv_bytes(cfg.tp)
 
 
@@ -93,11 +93,10 @@ def refuse_what_cannot_fit(
     """Before loading: weights and pool against memory available, or the refusal."""
     import torch
 
-    from worker.model.config import parameter_count
+    from worker.model.layer_kinds import parameter_count
     from worker.serve.memory_plan import available_bytes, check_fits
 
-    heads = max(1, config.num_kv_heads // tp)
-    kv = kv_budget_bytes(cfg, config, kv_dtype, heads)
+    kv = kv_budget_bytes(cfg, config, kv_dtype)
     if source is not None:
         weights = source.held_bytes(config.tie_word_embeddings) // tp
         what = f"this model ({source.description}, {weights / 1e9:.2f} GB a rank) with its KV pool"
@@ -249,7 +248,7 @@ def prefill_path(cfg: WorkerConfig, model, config, source, lib, kv_dtype, int8_p
         prefill, why = choose_quantized_prefill(
             prefill,
             dense_copy_bytes(model.file_blocks),
-            kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads),
+            kv_budget_bytes(cfg, config, kv_dtype),
             available_bytes(),
             bf16=cfg.matmul == "auto" and OneDNNBf16Matmul.tiles(),
         )
@@ -342,8 +341,6 @@ def hold_gemm_copy(cfg: WorkerConfig, model, config, kv_dtype, lib) -> None:
     copy = lib.gemm_copy_bytes(linears)
     if not (copy and lib.bf16_gemm):
         return
-    hold, why = choose_gemm_copy(
-        copy, kv_budget_bytes(cfg, config, kv_dtype, model.shard.num_kv_heads), available_bytes()
-    )
+    hold, why = choose_gemm_copy(copy, kv_budget_bytes(cfg, config, kv_dtype), available_bytes())
     held = lib.hold_gemm(linears) if hold else 0
     log.info("bf16_gemm_layout", blocked_copies=held, bytes=copy if held else 0, why=why)

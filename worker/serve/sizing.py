@@ -61,8 +61,7 @@ def profile_gpu_peak(
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    heads = model.shard.num_kv_heads
-    pool = KVPool(config, temp_blocks, block_size, kv_dtype, device, heads)
+    pool = KVPool(config, temp_blocks, block_size, kv_dtype, device, model.shard.size)
     tables = torch.arange(temp_blocks, dtype=torch.int32, device=device)[None, :]
     lens = torch.tensor([num_tokens], dtype=torch.int32, device=device)
     qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
@@ -110,7 +109,7 @@ def measure_graph_bytes(
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
-    pool = KVPool(model.config, 1, block_size, kv_dtype, device, model.shard.num_kv_heads)
+    pool = KVPool(model.config, 1, block_size, kv_dtype, device, model.shard.size)
     graphs = DecodeGraphs(model, pool, attn, device, max_rows=max_rows, max_context=max_context)
     graphs.capture_all()
     used = torch.cuda.memory_reserved(device) - before - pool.bytes_per_block

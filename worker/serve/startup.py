@@ -119,6 +119,13 @@ def read_config(cfg: WorkerConfig, tp: int):
                 f"its Mamba2 mixers' {config.mamba_heads} heads in {config.mamba_groups} groups "
                 f"cannot be split over {tp} ranks: serve it with a --tp that divides both"
             )
+        if config.global_kv_heads:  # Gemma 4's full layers split their own KV heads
+            n = config.global_kv_heads
+            if (n >= tp and n % tp) or (n < tp and tp % n):
+                raise ParallelConfigError(
+                    f"tensor-parallel size {tp} cannot split or replicate evenly the "
+                    f"{n} KV heads of the model's full-attention layers"
+                )
         if config.linear_tiled_values and tp > 1:
             raise ParallelConfigError(
                 "a qwen35 GGUF keeps each key head's value heads apart (llama.cpp's tiled order), "
@@ -143,7 +150,29 @@ def read_config(cfg: WorkerConfig, tp: int):
             sliding=sum(1 for w in config.layer_windows if w),
             layers=config.num_layers,
         )
+    if config.kv_sources:
+        log_kv_sharing(config, tp)
     return config
+
+
+def log_kv_sharing(config, tp: int) -> None:
+    """Gemma 4's last layers read earlier layers' K/V and hold none: what the pool saves."""
+    from dataclasses import replace
+
+    import torch
+
+    from worker.model.kv_pool import bytes_per_block
+
+    held = bytes_per_block(config, 1, torch.bfloat16, tp)
+    unshared = bytes_per_block(replace(config, kv_sources=()), 1, torch.bfloat16, tp)
+    log.info(
+        "kv_shared_layers",
+        reading_earlier=sum(s != i for i, s in enumerate(config.kv_sources)),
+        layers=config.num_layers,
+        bf16_bytes_per_token=held,
+        saved_per_token=unshared - held,
+        saved_fraction=round(1 - held / unshared, 3),
+    )
 
 
 def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
@@ -210,10 +239,12 @@ def load(cfg: WorkerConfig, device, dtype, tp: int) -> Loaded:
                 "holds twice the tokens and prompt attention runs on tiles",
             )
         heads = model.shard.num_kv_heads
+        # one shape a layer kind (Gemma 4's full layers have their own head size and KV heads)
+        kinds = {config.kv_shape(i, tp) for i in range(config.num_layers)} - {None}
         attn = make_backend(
             cfg.attention_backend,
             device,
-            (model.shard.num_q_heads, heads, config.head_dim, cfg.block_size, dtype, kv_dtype),
+            [(model.shard.num_q_heads, h, d, cfg.block_size, dtype, kv_dtype) for h, d in kinds],
             getattr(model, "bf16_prefill", False),
         )
         if getattr(attn, "prefill_bf16_dots", False):

@@ -100,7 +100,10 @@ class BareDecoderSource(TensorSource):
 class LanguageModelSource(TensorSource):
     """A multimodal checkpoint's language model as text; vision and MTP tensors are not read."""
 
-    INNER, SKIPPED = "model.language_model.", ("model.visual.", "mtp.")
+    INNER = "model.language_model."
+    # Qwen3.5's vision tower and MTP head; Gemma 4's vision and audio towers and their embedders
+    SKIPPED = ("model.visual.", "mtp.", "model.vision_tower.", "model.audio_tower.")
+    SKIPPED += ("model.embed_vision.", "model.embed_audio.")
 
     def __init__(self, inner: TensorSource) -> None:
         self.inner = inner

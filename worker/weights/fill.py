@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from worker.model.families import GEMMA4_TYPES
 from worker.model.layer import DecoderLayer
 from worker.model.llama import LlamaModel
 from worker.model.moe import MoE
+from worker.model.parallel import kv_head_range
 from worker.weights.checkpoint import (
     DEFAULT_LAYER_NAMES,
     LAYER_NAMES,
@@ -51,6 +53,8 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
             layer.shared_gate.copy_(ck.take(p + "mlp.shared_expert_gate.weight"))
         if layer.gate_up is not None:
             _load_mlp(model, ck, layer, p, names)
+    if c.model_type in GEMMA4_TYPES:
+        _load_gemma4(model, ck)
     ck.check_all_used(c.tie_word_embeddings)
 
 
@@ -81,10 +85,14 @@ def _load_attention(
     model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
 ) -> None:
     """This rank's q, k, v heads (weights, biases), q/k norms, and o_proj's columns."""
-    c, sh, hd = model.config, model.shard, model.config.head_dim
+    c, sh, hd = model.config, model.shard, layer.head_dim
     a = p + "self_attn."
     q_rows = (sh.q_heads[0] * hd, sh.q_heads[1] * hd)
-    kv_rows = (sh.kv_heads[0] * hd, sh.kv_heads[1] * hd)
+    kv_heads = kv_head_range(c.kv_heads_of(layer.layer_idx), sh.rank, sh.size)
+    kv_rows = (kv_heads[0] * hd, kv_heads[1] * hd)
+    if not layer.kv_size or layer.values_from_keys:  # Gemma 4: K/V read, or values the keys
+        _load_gemma4_attention(ck, layer, a, q_rows, kv_rows)
+        return
     for kind in ("weight", "bias"):
         target = layer.qkv if kind == "weight" else layer.qkv_bias
         fused = f"{p}{names.qkv}.{kind}"
@@ -128,6 +136,57 @@ def _load_attention(
         layer.o_bias.copy_(ck.take(a + "o_proj.bias"))
     if layer.sinks is not None:
         layer.sinks.copy_(ck.take(a + "sinks", sh.q_heads))
+
+
+def _load_gemma4_attention(ck: CheckpointReader, layer: DecoderLayer, a: str, q_rows, kv_rows):
+    """q (and k) rows, norms and o_proj of a Gemma 4 layer that reads another's K/V or whose
+    values are its keys; a reading layer's own k/v tensors, where a checkpoint keeps them, unread.
+    """
+    if layer.kv_size:
+        rows = [ck.take(a + "q_proj.weight", q_rows), ck.take(a + "k_proj.weight", kv_rows)]
+        layer.k_norm.copy_(ck.norm(a + "k_norm.weight"))
+    else:
+        rows = [ck.take(a + "q_proj.weight", q_rows)]
+        unread = (f"{a}{x}.weight" for x in ("k_proj", "v_proj", "k_norm", "v_norm"))
+        ck.loaded.update(name for name in unread if name in ck)
+    if not ck.served(layer.qkv, a + "q_proj.weight", a + "k_proj.weight"):
+        layer.qkv.copy_(torch.cat(rows))
+    layer.q_norm.copy_(ck.norm(a + "q_norm.weight"))
+    if not ck.served(layer.o_proj, a + "o_proj.weight"):
+        layer.o_proj.copy_(ck.take(a + "o_proj.weight", cols=q_rows))
+
+
+def _load_gemma4(model: LlamaModel, ck: CheckpointReader) -> None:
+    """Per-layer token embeddings, each layer's per-layer gate and scalar, the experts beside the
+    MLP with their router and norms.
+    """
+    c, pli = model.config, model.per_layer
+    if pli is not None:
+        pli.table.copy_(ck.take("model.embed_tokens_per_layer.weight"))
+        pli.projection.copy_(ck.take("model.per_layer_model_projection.weight"))
+        pli.norm.copy_(ck.norm("model.per_layer_projection_norm.weight"))
+    for i, layer in enumerate(model.layers):
+        p, out = f"model.layers.{i}.", layer.output
+        out.scalar.copy_(ck.take(p + "layer_scalar"))
+        if out.gate is not None:
+            out.gate.copy_(ck.take(p + "per_layer_input_gate.weight"))
+            out.projection.copy_(ck.take(p + "per_layer_projection.weight"))
+            out.norm.copy_(ck.norm(p + "post_per_layer_input_norm.weight"))
+        beside = layer.beside
+        if beside is None:
+            continue
+        _load_experts(model, ck, beside.moe, p, GEMMA4_EXPERTS)
+        beside.router_norm.copy_(ck.take(p + "router.scale") * c.hidden_size**-0.5)
+        beside.expert_scale.copy_(ck.take(p + "router.per_expert_scale"))
+        for param, name in (
+            (beside.mlp_out_norm, "post_feedforward_layernorm_1"),
+            (beside.in_norm, "pre_feedforward_layernorm_2"),
+            (beside.out_norm, "post_feedforward_layernorm_2"),
+        ):
+            param.copy_(ck.norm(f"{p}{name}.weight"))
+
+
+GEMMA4_EXPERTS = LayerNames(moe="", router="router.proj.weight")
 
 
 def _load_delta_net(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, a: str) -> None:
@@ -200,8 +259,10 @@ def _load_mamba(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, a:
 def _load_mlp(
     model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, p: str, names: LayerNames
 ) -> None:
-    """This rank's gate/up rows (fused) and down columns."""
-    m, inter, fused = p + names.mlp, model.shard.intermediate, p + names.gate_up
+    """This rank's gate/up rows (fused) and down columns (of the layer's own width)."""
+    c, (lo, hi) = model.config, model.shard.intermediate
+    wide = c.mlp_width(layer.layer_idx) // c.intermediate_size  # Gemma 4's doubled layers: 2
+    m, inter, fused = p + names.mlp, (lo * wide, hi * wide), p + names.gate_up
     gate, up, down = (f"{x}.weight" for x in names.dense)
     if layer.moe is not None:
         m, fused, down = names.shared
@@ -212,7 +273,7 @@ def _load_mlp(
     elif not model.config.gated_mlp:  # Nemotron-H: up alone
         layer.gate_up.copy_(ck.take(m + up, inter))
     elif fused in ck:  # gate then up in one tensor
-        size = model.config.intermediate_size
+        size = c.mlp_width(layer.layer_idx)
         layer.gate_up.copy_(
             torch.cat([ck.take(fused, inter), ck.take(fused, (size + inter[0], size + inter[1]))])
         )

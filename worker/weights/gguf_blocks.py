@@ -44,7 +44,7 @@ class CastSource:
 
     def held_bytes(self, tied: bool) -> int:
         """Two bytes a value, a tied table twice."""
-        from worker.model.config import parameter_count
+        from worker.model.layer_kinds import parameter_count
 
         c = self.config
         return 2 * (parameter_count(c) + (c.vocab_size * c.hidden_size if tied else 0))

@@ -114,7 +114,7 @@ def checkpoint(path: Path, config: ModelConfig) -> TensorSource:
         return read_gguf(gguf, config)
     source = LanguageModelSource.wrap(BareDecoderSource.wrap(SafetensorsSource(path)))
     if isinstance(source, LanguageModelSource) and source.skipped:
-        log.info("text_only", skipped_tensors=source.skipped, why="the vision tower and MTP head")
+        log.info("text_only", skipped_tensors=source.skipped, why="vision, audio, MTP")
     kinds = block_kinds_of(config)
     source = SplitDeltaNetSource.wrap(GroupedDeltaNetSource.wrap(source, config), config)
     source = BackboneSource.wrap(source, kinds)
