@@ -171,23 +171,82 @@ def _fetch_llama_cpp() -> Path:
     return target
 
 
-def f32_gguf(source: Path) -> Path:
-    """The GGUF dequantized to F32, exactly the values `--dequantize` serves; cached."""
-    return requantized_gguf(source, "F32")
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
 
-def requantized_gguf(source: Path, qtype: str) -> Path:
-    """A cached copy at another precision, requantized as llama.cpp does."""
+def converter() -> Path:
+    """The folder holding llama.cpp's convert_hf_to_gguf.py (with its conversion/ and gguf-py/)
+    from the pinned sdist: the peers' source where fetched, else those parts alone, cached.
+    """
+    for root in (CACHE / "llama.cpp", CACHE / "llama.cpp-convert"):
+        if (root / "convert_hf_to_gguf.py").is_file():
+            return root
+    CACHE.mkdir(parents=True, exist_ok=True)
+    target = CACHE / "llama.cpp-convert"
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:"]
+            + [LLAMA_CPP_PYTHON, "-d", tmp],
+            check=True,
+        )
+        with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
+            inside = [
+                m
+                for m in tar.getmembers()
+                if "/vendor/llama.cpp/" in m.name
+                and m.name.split("/vendor/llama.cpp/", 1)[1].startswith(CONVERTER_PARTS)
+            ]
+            tar.extractall(tmp, members=inside, filter="data")
+        source = next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
+        source.rename(target)
+    return target
+
+
+# the converter with any BPE pre-tokenizer taken as GPT-2's (it refuses a tokenizer it cannot
+# name by hash, as a made-up test model's): the weights are what is compared
+_RUN_CONVERTER = """
+import runpy, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+if sys.argv[2] == "any":
+    import conversion.base as base
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py", *sys.argv[3:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert(
+    folder: Path, out: Path, outtype: str, *flags: str, any_tokenizer: bool = False
+) -> Path:
+    """A Hugging Face folder as llama.cpp's converter writes it (outtype f32, bf16, q8_0, ...)."""
+    args = [str(folder), "--outfile", str(out), "--outtype", outtype, *flags]
+    subprocess.run(
+        [sys.executable, "-c", _RUN_CONVERTER, str(converter()), "any" if any_tokenizer else "-"]
+        + args,
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+def f32_gguf(source: Path, target: Path | None = None) -> Path:
+    """The GGUF dequantized to F32, exactly the values `--dequantize` serves; cached (or written
+    to target)."""
+    return requantized_gguf(source, "F32", target)
+
+
+def requantized_gguf(source: Path, qtype: str, target: Path | None = None) -> Path:
+    """A cached copy at another precision, requantized as llama.cpp does (or written to target)."""
     import gguf
     import numpy as np
 
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     file_type = {"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
     # named after the file it came from, its type included
-    target = CACHE / f"{source.stem}.{qtype}.gguf"
+    target = target or CACHE / f"{source.stem}.{qtype}.gguf"
     if target.is_file():
         return target
-    CACHE.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
     tmp = target.with_suffix(".part")

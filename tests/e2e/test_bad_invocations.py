@@ -85,7 +85,7 @@ def bad_models(tmp):
     (tmp / "plain.txt").write_text("hello")
     truncated = tmp / "truncated.gguf"
     truncated.write_bytes(find_embedded_gguf().read_bytes()[:1_000_000])
-    write_gguf(tmp / "olmo-2.gguf", "olmo2")
+    write_gguf(tmp / "starcoder-2.gguf", "starcoder2")
     write_gguf(tmp / "gpt-oss-20b.gguf", "gpt-oss")  # served, but this one has no tokenizer
     (tmp / "bad-config").mkdir()
     (tmp / "bad-config" / "config.json").write_text("{not json")
@@ -97,7 +97,10 @@ def bad_models(tmp):
         (tmp / "plain.txt", "is a file but not a .gguf one"),
         (tmp / "missing.gguf", "no such GGUF file"),
         (truncated, "the GGUF file is truncated or corrupt"),
-        (tmp / "olmo-2.gguf", "a GGUF of architecture 'olmo2', which is not served (served: "),
+        (
+            tmp / "starcoder-2.gguf",
+            "a GGUF of architecture 'starcoder2', which is not served (served: ",
+        ),
         (tmp / "deepseek-v4", "deepseek_v4 is not served: it needs hyper-connections"),
         (tmp / "gpt-oss-20b.gguf", "holds no tokenizer (tokenizer.ggml.model)"),
         (tmp / "bad-config", "config.json cannot be read"),
@@ -126,15 +129,15 @@ def test_prepare_model_says_an_architecture_is_not_served_not_that_the_file_is_c
 ):
     from deploy.prepare_model import main as prepare_main
 
-    write_gguf(tmp_path / "olmo-3.gguf", "olmo2")
-    write_gguf(tmp_path / "nemotron-h.gguf", "nemotron_h")
+    write_gguf(tmp_path / "starcoder-2.gguf", "starcoder2")
+    write_gguf(tmp_path / "lfm3.gguf", "lfm3")
     write_gguf(tmp_path / "deepseek-v3.gguf", "deepseek2")
     truncated = tmp_path / "truncated.gguf"
     write_gguf(truncated, "llama")
     truncated.write_bytes(truncated.read_bytes()[:40])
     for path, message in (
-        ("olmo-3.gguf", "a GGUF of architecture 'olmo2', which is not served (served: llama"),
-        ("nemotron-h.gguf", "'nemotron_h', which is not served from a GGUF (its Hugging Face"),
+        ("starcoder-2.gguf", "architecture 'starcoder2', which is not served (served: llama"),
+        ("lfm3.gguf", "'lfm3', which is not served from a GGUF (its Hugging Face"),
         ("deepseek-v3.gguf", "'deepseek2', which is not served: it needs multi-head latent"),
         ("truncated.gguf", "the GGUF file is truncated or corrupt"),
     ):

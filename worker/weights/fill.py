@@ -25,7 +25,10 @@ def copy_checkpoint(model: LlamaModel, source: TensorSource) -> None:
     """Copy this rank's slices into the fused parameters; all covered, all used (LAYER_NAMES)."""
     c = model.config
     ck = CheckpointReader(source, model.embed.dtype, c.norm_offset)
-    names = LAYER_NAMES.get(c.model_type, DEFAULT_LAYER_NAMES)
+    # a source may name its tensors its own way (the late-2026 families' GGUFs: the default names)
+    names = getattr(source, "layer_names", None) or LAYER_NAMES.get(
+        c.model_type, DEFAULT_LAYER_NAMES
+    )
     vocab = (model.shard.vocab, model.shard.vocab_shard_size)
     if not ck.served(model.embed, "model.embed_tokens.weight"):
         model.embed.copy_(ck.vocab_rows("model.embed_tokens.weight", *vocab))
@@ -231,20 +234,13 @@ def _load_mamba(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, a:
     conv's x, B and C channels (and bias), decays, skip, norm, out_proj's columns.
     """
     c, mixer, rank = model.config, layer.mamba, model.shard.rank
-    p, n, heads, groups = c.mamba_head_dim, c.mamba_d_state, mixer.heads, mixer.groups
-    inner, width = c.mamba_heads * p, c.mamba_groups * n
+    p, heads = c.mamba_head_dim, mixer.heads
     values = (rank * heads * p, (rank + 1) * heads * p)
-    states = (rank * groups * n, (rank + 1) * groups * n)
-    conv = [
-        values,
-        *((inner + off + s0, inner + off + s1) for off in (0, width) for s0, s1 in [states]),
-    ]
-    rows = [values, *((inner + r0, inner + r1) for r0, r1 in conv)]
-    rows.append(
-        (inner + inner + 2 * width + rank * heads, inner + inner + 2 * width + (rank + 1) * heads)
-    )
-    layer.in_proj.copy_(torch.cat([ck.take(a + "in_proj.weight", r) for r in rows]))
-    layer.out_proj.copy_(ck.take(a + "out_proj.weight", cols=values))
+    rows, conv = mamba_rows(c, rank, heads, mixer.groups)
+    if not ck.served(layer.in_proj, a + "in_proj.weight"):  # or on the file's blocks
+        layer.in_proj.copy_(torch.cat([ck.take(a + "in_proj.weight", r) for r in rows]))
+    if not ck.served(layer.out_proj, a + "out_proj.weight"):
+        layer.out_proj.copy_(ck.take(a + "out_proj.weight", cols=values))
     weight = torch.cat([ck.take(a + "conv1d.weight", r) for r in conv])
     mixer.conv.copy_(weight.reshape(mixer.conv.shape))
     if a + "conv1d.bias" in ck:
@@ -254,6 +250,20 @@ def _load_mamba(model: LlamaModel, ck: CheckpointReader, layer: DecoderLayer, a:
     mixer.a_log.copy_(ck.take(a + "A_log", heads_of))
     mixer.d.copy_(ck.take(a + "D", heads_of))
     mixer.norm.copy_(ck.take(a + "norm.weight", values))
+
+
+def mamba_rows(c, rank: int, heads: int, groups: int) -> tuple[list, list]:
+    """A rank's rows of a Mamba2 in_proj (z, x, B, C, dt: its heads and groups) and channels of
+    its conv (x, B, C)."""
+    p, n = c.mamba_head_dim, c.mamba_d_state
+    inner, width = c.mamba_heads * p, c.mamba_groups * n
+    values = (rank * heads * p, (rank + 1) * heads * p)
+    s0, s1 = rank * groups * n, (rank + 1) * groups * n
+    conv = [values, *((inner + off + s0, inner + off + s1) for off in (0, width))]
+    rows = [values, *((inner + r0, inner + r1) for r0, r1 in conv)]
+    dt = inner + inner + 2 * width
+    rows.append((dt + rank * heads, dt + (rank + 1) * heads))
+    return rows, conv
 
 
 def _load_mlp(

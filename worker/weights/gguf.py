@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from worker.model.quant_weights import QUANT_TYPES
-from worker.weights.checkpoint import Range, TensorSource, range_index
+from worker.weights.checkpoint import DEFAULT_LAYER_NAMES, Range, TensorSource, range_index
+from worker.weights.gguf_families import ARCHS as FAMILY_ARCHS
+from worker.weights.gguf_families import undo
 from worker.weights.gguf_header import (
     HYBRID_ARCHS,
     NATIVE_ARCHS,
@@ -118,6 +120,9 @@ class GGUFTensorSource(TensorSource):
                     self._experts[f"{prefix}.experts.{e}.{proj}.weight"] = (gguf, e)
         self._stack: tuple[str, torch.Tensor] | None = None  # the last stack read, for its experts
         self.hybrid = self.file.arch in HYBRID_ARCHS
+        # the late-2026 families' files: read by the names every family's checkpoint is
+        self.family = self.file.arch in FAMILY_ARCHS
+        self.layer_names = DEFAULT_LAYER_NAMES if self.family else None
         self._perm = {}
         if self.file.arch in PERMUTED_ARCHS:
             self._perm = {
@@ -138,6 +143,8 @@ class GGUFTensorSource(TensorSource):
         t = self.file.dequantize(self._names[name])
         if self.hybrid:
             t = _hybrid_tensor(name, t)
+        elif self.family:
+            t = undo(name, t)
         perm = next((p for suffix, p in self._perm.items() if name.endswith(suffix)), None)
         if perm is not None:
             t = t[perm]

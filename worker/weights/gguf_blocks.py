@@ -91,7 +91,11 @@ class GGUFQuantSource:
         "linear_attn.in_proj_z": "attn_gate",
         "linear_attn.in_proj_b": "ssm_beta",
         "linear_attn.in_proj_a": "ssm_alpha",
+        "linear_attn.in_proj_ba": "ssm_ba",  # Qwen3-Next's, by key head
         "linear_attn.out_proj": "ssm_out",
+        # Mamba2's (Granite 4, Nemotron-H, Falcon-H1)
+        "mamba.in_proj": "ssm_in",
+        "mamba.out_proj": "ssm_out",
         "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
         "mlp.shared_expert.up_proj": "ffn_up_shexp",
         "mlp.shared_expert.down_proj": "ffn_down_shexp",
@@ -154,8 +158,9 @@ class GGUFQuantSource:
                 q if kind == "attn_q" else kv,
             )
         up = f"{prefix}.ffn_up.weight"
-        if (
-            kind in ("ffn_gate", "ffn_up")
+        if (  # Phi-3's ffn_up holds gate then up (Nemotron-H's up alone is up)
+            self.arch == "phi3"
+            and kind in ("ffn_gate", "ffn_up")
             and f"{prefix}.ffn_gate.weight" not in self._tensors
             and up in self._tensors
         ):

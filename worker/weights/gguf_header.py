@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from worker.weights.gguf_families import ARCHS as FAMILY_ARCHS
+from worker.weights.gguf_families import config as family_config
+from worker.weights.gguf_families import gpt_oss_config, layer_name
+
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
 
@@ -173,26 +177,24 @@ def find_embedded_gguf(package: str = DEFAULT_GGUF_PACKAGE, name: str = DEFAULT_
     raise FileNotFoundError(f"{name} not found in package {package!r}")
 
 
+# Qwen3.5's and Qwen3-Next's hybrids, whose config this module reads too (transformers cannot)
+HYBRID_ARCHS = {
+    "qwen35": "qwen3_5_text",
+    "qwen35moe": "qwen3_5_moe_text",
+    "qwen3next": "qwen3_next",
+}
 # llama.cpp's architectures whose every tensor this module maps ("llama" also names Mistral's files)
-NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "qwen35", "qwen35moe", "gpt-oss")
-# Qwen3.5's hybrids, whose config this module reads too (transformers reads none of theirs)
-HYBRID_ARCHS = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
+NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gpt-oss", *HYBRID_ARCHS, *FAMILY_ARCHS)
 # the architectures served: read natively, or through transformers' reader and an fp32 copy
 SERVED_ARCHS = (*NATIVE_ARCHS, "mistral", "qwen3moe", "gemma2", "gemma3")
 # architectures llama.cpp writes that are not served: the transformers family each is (its
 # refusal names what that family lacks: worker/model/families.py NOT_SERVED)
 GGUF_FAMILIES = {
     "deepseek2": "deepseek_v3",
-    "qwen3next": "qwen3_next",
-    "minimax-m2": "minimax_m2",
     "mamba": "mamba",
     "mamba2": "mamba2",
     "jamba": "jamba",
-    "nemotron_h": "nemotron_h",
-    "nemotron_h_moe": "nemotron_h",
-    "granitehybrid": "granitemoehybrid",
     "lfm3": "lfm3",
-    "falcon-h1": "falcon_h1",
     "lfm2": "lfm2",
     "lfm2moe": "lfm2_moe",
     "kimi-linear": "kimi_linear",
@@ -231,6 +233,7 @@ HYBRID_TENSORS = {
     "ssm_a": "linear_attn.A_log",  # as -exp(A_log)
     "ssm_dt.bias": "linear_attn.dt_bias",
     "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",  # Qwen3-Next's b and a, by key head
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_exps.weight": "mlp.experts.gate_proj",  # [experts, I, hidden]: one expert each
@@ -282,6 +285,12 @@ def hf_names(file: GGUFHeader) -> dict[str, str] | None:
         rest = ".".join(parts[2:])
         if layers is not None and parts[0] == "blk" and int(parts[1]) >= layers:
             continue  # a multi-token-prediction layer past the model's: not served
+        if parts[0] == "blk" and len(parts) > 2 and file.arch in FAMILY_ARCHS:
+            hf = layer_name(file, int(parts[1]), rest)  # worker/weights/gguf_families.py
+            if hf is None:
+                return None
+            names[f"model.layers.{parts[1]}.{hf}"] = name
+            continue
         if parts[0] != "blk" or len(parts) < 3 or rest not in table:
             return None
         hf = table[rest]
@@ -307,8 +316,9 @@ def hybrid_config(file: GGUFHeader) -> dict:
     if not isinstance(recurrent, list):  # (a long array is skipped by the reader)
         every = int(f.get(f"{a}.full_attention_interval", 4))
         recurrent = [(i + 1) % every != 0 for i in range(layers)]
+    names = {"qwen35": "Qwen3_5", "qwen35moe": "Qwen3_5Moe", "qwen3next": "Qwen3Next"}
     cfg = {
-        "architectures": ["Qwen3_5ForCausalLM" if a == "qwen35" else "Qwen3_5MoeForCausalLM"],
+        "architectures": [f"{names[a]}ForCausalLM"],
         "model_type": HYBRID_ARCHS[a],
         "vocab_size": int(file.tensors["token_embd.weight"].shape[1]),
         "hidden_size": int(f[f"{a}.embedding_length"]),
@@ -330,11 +340,13 @@ def hybrid_config(file: GGUFHeader) -> dict:
         "linear_num_key_heads": int(f[f"{a}.ssm.group_count"]),
         "linear_num_value_heads": heads_v,
         "linear_value_head_dim": int(f[f"{a}.ssm.inner_size"]) // heads_v,
-        "linear_value_head_order": "tiled",
+        # llama.cpp tiles Qwen3.5's value heads, not Qwen3-Next's
+        "linear_value_head_order": "grouped" if a == "qwen3next" else "tiled",
         "tie_word_embeddings": "output.weight" not in file.tensors,
     }
-    if a == "qwen35moe":
+    if a != "qwen35":  # llama.cpp renormalizes the chosen experts' weights
         cfg.update(
+            norm_topk_prob=True,
             num_experts=int(f[f"{a}.expert_count"]),
             num_experts_per_tok=int(f[f"{a}.expert_used_count"]),
             moe_intermediate_size=int(f[f"{a}.expert_feed_forward_length"]),
@@ -343,50 +355,9 @@ def hybrid_config(file: GGUFHeader) -> dict:
     return cfg
 
 
-def gpt_oss_config(file: GGUFHeader) -> dict:
-    """The Hugging Face config.json of a gpt-oss file, from its header (transformers' GGUF reader
-    fails on its rope-scaling keys). YaRN as llama.cpp rotates, every other layer sliding from the
-    first, its SwiGLU's limit and alpha as llama.cpp fixes them.
-    """
-    f, a = file.fields, file.arch
-    layers = int(f[f"{a}.block_count"])
-    rope = {"rope_type": "default", "rope_theta": float(f.get(f"{a}.rope.freq_base", 10000.0))}
-    if f.get(f"{a}.rope.scaling.type") == "yarn":
-        rope.update(
-            rope_type="yarn",
-            factor=float(f[f"{a}.rope.scaling.factor"]),
-            beta_fast=float(f.get(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
-            beta_slow=float(f.get(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
-            original_max_position_embeddings=int(f[f"{a}.rope.scaling.original_context_length"]),
-        )
-    return {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "vocab_size": int(file.tensors["token_embd.weight"].shape[1]),
-        "hidden_size": int(f[f"{a}.embedding_length"]),
-        "num_hidden_layers": layers,
-        "num_attention_heads": int(f[f"{a}.attention.head_count"]),
-        "num_key_value_heads": int(f[f"{a}.attention.head_count_kv"]),
-        "head_dim": int(f[f"{a}.attention.key_length"]),
-        "intermediate_size": int(f[f"{a}.expert_feed_forward_length"]),
-        "num_local_experts": int(f[f"{a}.expert_count"]),
-        "num_experts_per_tok": int(f[f"{a}.expert_used_count"]),
-        "rms_norm_eps": float(f[f"{a}.attention.layer_norm_rms_epsilon"]),
-        "max_position_embeddings": int(f[f"{a}.context_length"]),
-        "sliding_window": int(f[f"{a}.attention.sliding_window"]),
-        "layer_types": [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
-        ],
-        "rope_parameters": rope,
-        "attention_bias": True,
-        "swiglu_limit": 7.0,
-        "swiglu_alpha": 1.702,
-        "tie_word_embeddings": "output.weight" not in file.tensors,
-    }
-
-
 # transformers reads none of these files' configs: this module does, from their headers
-HEADER_CONFIGS = {"qwen35": hybrid_config, "qwen35moe": hybrid_config, "gpt-oss": gpt_oss_config}
+HEADER_CONFIGS = {"gpt-oss": gpt_oss_config, **dict.fromkeys(HYBRID_ARCHS, hybrid_config)}
+HEADER_CONFIGS.update(dict.fromkeys(FAMILY_ARCHS, family_config))
 
 
 def reads_natively(path: str | Path) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from worker.model.llama import LlamaModel
+from worker.weights.fill import mamba_rows
 
 
 def read_quantized(
@@ -37,18 +38,23 @@ def read_quantized(
         plan = {}
         if layer.linear is not None:
             plan.update(_delta_net_blocks(c, sh, quant, f"model.layers.{i}.linear_attn."))
-        else:
+        elif layer.qkv is not None:
             plan.update(_attention_blocks(c, sh, quant, a))
+        if layer.mamba is not None:  # its in_proj's rows of this rank's heads and groups
+            rows, _ = mamba_rows(c, sh.rank, layer.mamba.heads, layer.mamba.groups)
+            x = f"model.layers.{i}.mamba."
+            plan["in_proj"] = quant([(x + "in_proj.weight", r) for r in rows])
+            values = rows[0]
+            plan["out_proj"] = quant([(x + "out_proj.weight", None)], cols=values)
         # experts on their blocks where the file's types are served; a shared expert as a dense MLP
         if layer.moe is not None:
             experts = _expert_blocks(c, sh, quant, m)
             if experts is not None:
                 found[(i, "experts")] = experts
             m += "shared_expert."
-        if layer.gate_up is not None:
-            plan["gate_up"] = quant(
-                [(m + "gate_proj.weight", sh.intermediate), (m + "up_proj.weight", sh.intermediate)]
-            )
+        if layer.gate_up is not None:  # gate and up, or (Nemotron-H) up alone
+            gate = [(m + "gate_proj.weight", sh.intermediate)] if c.gated_mlp else []
+            plan["gate_up"] = quant([*gate, (m + "up_proj.weight", sh.intermediate)])
             plan["down"] = quant([(m + "down_proj.weight", None)], cols=sh.intermediate)
         found.update(
             {
@@ -98,7 +104,8 @@ def _expert_blocks(c, sh, quant, m: str):
     inter, gate_up, down = sh.expert_intermediate, [], []
     for e in range(c.num_experts):
         x = f"{m}experts.{e}."
-        gate_up.append(quant([(x + "gate_proj.weight", inter), (x + "up_proj.weight", inter)]))
+        gate = [(x + "gate_proj.weight", inter)] if c.gated_mlp else []  # Nemotron-H: up alone
+        gate_up.append(quant([*gate, (x + "up_proj.weight", inter)]))
         down.append(quant([(x + "down_proj.weight", None)], cols=inter))
         if gate_up[-1] is None or down[-1] is None:
             return None
@@ -113,7 +120,13 @@ def _delta_net_blocks(c, sh, quant, a: str) -> dict:
     channels = [(k0 * dk, k1 * dk), (key_dim + k0 * dk, key_dim + k1 * dk)]
     channels.append((2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv))
     parts = [(qkv, rows) for rows in channels] + [(a + "in_proj_z.weight", (v0 * dv, v1 * dv))]
-    parts += [(a + f"in_proj_{x}.weight", (v0, v1)) for x in ("b", "a")]
+    if c.model_type == "qwen3_next":  # b and a in one tensor: each key head's b rows, its a rows
+        r = c.linear_v_heads // c.linear_k_heads
+        ba = a + "in_proj_ba.weight"
+        parts += [(ba, (h * 2 * r, h * 2 * r + r)) for h in range(k0, k1)]
+        parts += [(ba, (h * 2 * r + r, (h + 1) * 2 * r)) for h in range(k0, k1)]
+    else:
+        parts += [(a + f"in_proj_{x}.weight", (v0, v1)) for x in ("b", "a")]
     return {
         "in_proj": quant(parts),
         "out_proj": quant([(a + "out_proj.weight", None)], cols=(v0 * dv, v1 * dv)),

@@ -84,7 +84,8 @@ def read_gguf(path: Path, config: ModelConfig) -> TensorSource:
     from worker.weights.gguf_header import reads_natively
 
     if reads_natively(path):
-        return GGUFTensorSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
+        source = GGUFTensorSource(path, config.num_heads, config.num_kv_heads, config.head_dim)
+        return GroupedDeltaNetSource.wrap(source, config)  # Qwen3-Next's b and a, by key head
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
