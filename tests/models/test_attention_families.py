@@ -7,54 +7,13 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.families import ATTENTION
 from tests.support.serving import assert_all_blocks_back, submit_all
 from tests.support.tiny import hf_greedy, make_tiny_llama, randomize_buffers
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = {
-    # q/k RMSNorm over the whole projection, norms after attention and MLP only, 3 sliding : 1 full
-    # with a RoPE set each
-    "olmo3": dict(
-        num_hidden_layers=4,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        sliding_window=8,
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-    ),
-    # whole-projection q/k norm, partial RoPE, every MLP experts chosen by sigmoid score plus a
-    # correction bias
-    "minimax_m2": dict(
-        num_hidden_layers=3,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        intermediate_size=32,
-        rotary_dim=8,
-    ),
-    # a head size per layer type (full layers' wider, their values their keys' projection, one KV
-    # head), proportional RoPE on full layers, v-norm, per-layer token embeddings, the last two
-    # layers reading earlier layers' K/V with twice-wide MLPs, experts beside every dense MLP,
-    # soft-capped logits; its learned scalars given values (saved as ones) so reading them counts
-    "gemma4_text": dict(
-        num_hidden_layers=6,
-        layer_types=["sliding_attention", "full_attention"] * 3,
-        sliding_window=8,
-        global_head_dim=32,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
-        num_kv_shared_layers=2,
-        hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=384,
-        enable_moe_block=True,
-        num_experts=4,
-        top_k_experts=2,
-        moe_intermediate_size=16,
-        use_double_wide_mlp=True,
-        final_logit_softcapping=30.0,
-    ),
-}
+FAMILIES = ATTENTION
 RANDOMIZED = ("e_score_correction_bias", "layer_scalar", "per_expert_scale", "router.scale")
 PROMPTS = [[3 + (11 * i) % 370 for i in range(n)] for n in (5, 23, 61)]
 

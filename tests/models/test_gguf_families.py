@@ -13,8 +13,7 @@ import json
 
 import pytest
 
-from tests.models.test_attention_families import FAMILIES as ATTENTION
-from tests.models.test_recurrent_families import FAMILIES as RECURRENT
+from tests.support.families import ATTENTION, RECURRENT
 from tests.support.serving import assert_all_blocks_back, submit_all
 from tests.support.tiny import hf_greedy, make_tiny_llama
 

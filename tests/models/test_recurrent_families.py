@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from tests.support.families import RECURRENT
 from tests.support.server import greedy_request
 from tests.support.serving import assert_all_blocks_back, submit_all
 from tests.support.tiny import (
@@ -22,122 +23,7 @@ from tests.support.tiny import (
 
 pytestmark = pytest.mark.slow
 
-LINEAR = dict(
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-)
-FAMILIES = {
-    # Gated DeltaNet 3 : 1 gated attention, its projections fused per key head; MoE beside a
-    # sigmoid-gated shared expert; partial RoPE 0.25
-    "qwen3_next": dict(
-        num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        **LINEAR,
-    ),
-    # gated short-conv blocks (a conv state only) beside sliding and full attention: proportional
-    # partial RoPE on the full layers, per-head q/k norm and output gate, norms before and after
-    "lfm3": dict(
-        num_hidden_layers=5,
-        layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"],
-        sliding_window=8,
-        conv_L_cache=3,
-        # low bases: the still half of the full layers' frequencies would turn fast
-        rope_parameters={
-            "full_attention": {
-                "rope_type": "proportional",
-                "rope_theta": 100.0,
-                "partial_rotary_factor": 0.5,
-            },
-            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
-        },
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-    # Mamba2 mixers (conv and SSD state) and NoPE attention, every layer's MLP experts beside an
-    # ungated shared MLP; embeddings, residual branches, attention scores and logits scaled
-    "granitemoehybrid": dict(
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "attention", "linear_attention", "linear_attention"],
-        mamba_n_heads=8,
-        mamba_d_head=16,
-        mamba_d_state=16,
-        mamba_n_groups=2,
-        mamba_d_conv=4,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        intermediate_size=32,
-        shared_intermediate_size=48,
-        embedding_multiplier=2.0,
-        residual_multiplier=0.5,
-        attention_multiplier=0.2,
-        logits_scaling=2.0,
-    ),
-    # one block a layer: Mamba2, NoPE attention, a relu² MLP, or relu² experts chosen by sigmoid
-    # score plus a correction bias within the best group, scaled, beside a shared relu² MLP
-    "nemotron_h": dict(
-        layers_block_type=[
-            "linear_attention",
-            "moe",
-            "full_attention",
-            "mlp",
-            "linear_attention",
-            "moe",
-        ],
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        n_groups=2,
-        ssm_state_size=16,
-        conv_kernel=4,
-        intermediate_size=48,
-        moe_shared_expert_intermediate_size=48,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-    ),
-    # Mamba2 and attention side by side in every layer, their outputs summed; its gated norm
-    # (norm, then gate) and µP multipliers on every projection, the embeddings and the logits
-    "falcon_h1": dict(
-        num_hidden_layers=3,
-        mamba_n_heads=8,
-        mamba_d_head=16,
-        mamba_d_ssm=128,
-        mamba_n_groups=2,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_rms_norm=True,
-        embedding_multiplier=1.5,
-        lm_head_multiplier=0.7,
-        attention_in_multiplier=0.8,
-        attention_out_multiplier=1.2,
-        key_multiplier=0.9,
-        ssm_in_multiplier=1.1,
-        ssm_out_multiplier=0.6,
-        ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.3],
-        mlp_multipliers=[1.1, 0.9],
-    ),
-    # Gated DeltaNet (beta to 2: negative eigenvalues; q, k and v convs apart, an output gate of
-    # its own) 3 : 1 OLMo 3 attention (whole-projection q/k norm, norms after its blocks).
-    # transformers saves its convs split in three equal parts: key and value widths kept equal
-    "olmo_hybrid": dict(
-        num_hidden_layers=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        pad_token_id=0,
-    ),
-}
+FAMILIES = RECURRENT
 # transformers floors Nemotron-H's Mamba2 step sizes in prompts but not in cached decode steps, so
 # its cached greedy disagrees with its own recompute; served, they are floored in both, and the
 # reference is the recompute
