@@ -1,9 +1,9 @@
 """The sizes people serve on a CPU, made here: `make bench-cpu-scale`.
 
 Random-weight models at Llama-3.2-1B and Llama-3.1-8B shapes (and Qwen3.5-4B's and -0.8B's,
-hybrids: three Gated DeltaNet layers to one gated attention layer; and gpt-oss-20b's, its experts
-MXFP4 as openai ships them, converted with the rest Q8_0: `--quant MXFP4_MOE`, served one server
-at a time with `--alone`), written as a Hugging Face
+hybrids: three Gated DeltaNet layers to one gated attention layer; Granite-4.0-H-1B's, Mamba2
+between four attention layers; gpt-oss-20b's, its experts MXFP4 as openai ships them, the rest
+Q8_0: `--quant MXFP4_MOE`, one server at a time with `--alone`), written as a Hugging Face
 folder (bf16 safetensors, the default model's tokenizer; the vocabulary its own 49,152 or padded
 to Llama-3's 128,256 as llama.cpp's converter pads it: the LM head a smaller or larger share of a
 token's bytes), converted to GGUF by the llama.cpp built from the `llama-cpp-python` sdist
@@ -70,7 +70,7 @@ HYBRIDS = {
         linear_num_value_heads=16,
     ),
 }
-for _shape in HYBRIDS.values():
+for _shape in HYBRIDS.values():  # the Qwen3.5 ones (Granite's is added below)
     _shape.update(
         head_dim=256,
         linear_num_key_heads=16,
@@ -80,6 +80,29 @@ for _shape in HYBRIDS.values():
         full_attention_interval=4,
         tie_word_embeddings=True,
     )
+# Granite 4's hybrid at granite-4.0-h-1b's dims (attention every tenth layer, NoPE; dense MLP)
+HYBRIDS["granite4-h-1b"] = dict(
+    model_type="granitemoehybrid",
+    hidden_size=1536,
+    num_hidden_layers=40,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    layer_types=["attention" if i % 10 == 9 else "mamba" for i in range(40)],
+    mamba_n_heads=48,
+    mamba_d_head=64,
+    mamba_d_state=128,
+    mamba_n_groups=1,
+    mamba_d_conv=4,
+    intermediate_size=4096,
+    shared_intermediate_size=4096,
+    num_local_experts=0,
+    num_experts_per_tok=0,
+    embedding_multiplier=12.0,
+    residual_multiplier=0.22,
+    attention_multiplier=0.0078125,
+    logits_scaling=6.0,
+    tie_word_embeddings=True,
+)
 SHAPES.update(HYBRIDS)
 # gpt-oss-20b (`gpt_oss`) as its config.json gives it; its experts MXFP4 as it ships them
 GPT_OSS = {
@@ -195,24 +218,29 @@ def saved_shapes(config, out: Path, tokenizer_from: Path) -> dict[str, tuple]:
 
 
 def hybrid_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Path:
-    """A random Qwen3.5 shape named and shaped by transformers' own model, norms and decays as it
-    starts them.
+    """A random Qwen3.5 (or Granite 4) shape named and shaped by transformers' own model, norms
+    and decays as it starts them.
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import Qwen3_5TextConfig
+    from transformers import AutoConfig
 
-    config = Qwen3_5TextConfig(vocab_size=vocab, rms_norm_eps=1e-6, **shape)
-    config.architectures = ["Qwen3_5ForCausalLM"]
+    shape = dict(shape)
+    kind = shape.pop("model_type", "qwen3_5_text")
+    config = AutoConfig.for_model(kind, vocab_size=vocab, rms_norm_eps=1e-6, **shape)
+    config.architectures = [type(config).__name__[:-6].removesuffix("Text") + "ForCausalLM"]
     shapes = saved_shapes(config, out, tokenizer_from)
-    shapes.pop("lm_head.weight")  # tied to the embedding
+    shapes.pop("lm_head.weight", None)  # tied to the embedding
     g = torch.Generator().manual_seed(0)
+    ones = ("linear_attn.norm.weight", "dt_bias", "mamba.D", "mamba.norm.weight")
+    # Qwen3.5's norms scale by 1 + w; Granite's by w
+    norm = 0.0 if kind.startswith("qwen3_5") else 1.0
 
     def value(name: str, shape: tuple) -> torch.Tensor:
-        if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+        if name.endswith(ones):
             return torch.ones(shape, dtype=torch.bfloat16)
         if name.endswith("norm.weight"):
-            return torch.zeros(shape, dtype=torch.bfloat16)
+            return torch.full(shape, norm, dtype=torch.bfloat16)
         if name.endswith("A_log"):
             return torch.empty(shape).uniform_(1, 16, generator=g).log().to(torch.bfloat16)
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
@@ -305,7 +333,7 @@ def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
                 "q8_0" if shape in GPT_OSS else "bf16",
                 "--outfile",
                 str(bf16.with_suffix(".part")),
-                *(["--no-mtp"] if shape in HYBRIDS else []),
+                *(["--no-mtp"] if shape.startswith("qwen35") else []),
             ],
             check=True,
             env=env,
