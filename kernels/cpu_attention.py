@@ -1,6 +1,5 @@
 """The native CPU library's per-head work: head norms, RoPE, KV writes and paged attention
-(kernels/cpu/paged_*.c), and Gated DeltaNet's decode over the state pool (delta_rule.c): the part of
-NativeKernels around the pools."""
+(kernels/cpu/paged_*.c): the part of NativeKernels around the KV pool."""
 
 from __future__ import annotations
 
@@ -16,11 +15,6 @@ class NativeAttention:
         self._decode, self._prefill = lib.pagedserve_paged_decode, lib.pagedserve_paged_prefill
         self._write_kv, self._prefill_tiles = lib.pagedserve_write_kv, lib.pagedserve_prefill_tiles
         self._head_rms_norm, self._rope = lib.pagedserve_head_rms_norm, lib.pagedserve_rope
-        self._conv_step, self._delta_step = lib.pagedserve_conv_step, lib.pagedserve_delta_rule_step
-        self._gated_norm, self._delta_chunked = (
-            lib.pagedserve_gated_norm,
-            lib.pagedserve_delta_rule_chunked,
-        )
         limits = (ctypes.c_int32 * 3)()
         lib.pagedserve_decode_limits(limits)
         self.max_group, self.max_head_dim, self.max_block = limits[0], limits[1], limits[2]
@@ -269,114 +263,6 @@ class NativeAttention:
             positions.data_ptr(),
             cos.shape[1],
         )
-
-    def delta_net_decode(self, x, z, g, beta, conv_states, states, slots, conv, norm, layer):
-        # one function: each tensor's layout is checked where the library reads it
-        """One token a row through Gated DeltaNet (conv, delta rule, gated norm), states moved in
-        their slots -> [rows, v_heads * dv], or None for an unsupported layout.
-
-        x [rows, conv_dim], z [rows, v_heads * dv], g, beta fp32 [rows, v_heads], conv_states
-        [slots, K-1, conv_dim], states fp32 [slots, v_heads, dk, dv], conv [conv_dim, K], norm [dv].
-        """
-        k_heads, v_heads, dk, dv, tiled, eps = layer
-        rows, channels = x.shape
-        f32 = torch.float32
-        ok = (
-            all(t.dtype == f32 and t.device.type == "cpu" for t in (x, z, conv_states, states))
-            and x.stride(1) == 1
-            and z.stride(1) == 1
-            and conv_states.is_contiguous()
-            and states.is_contiguous()
-            and conv.dtype == norm.dtype == f32
-            and conv.is_contiguous()
-            and norm.is_contiguous()
-            and channels == conv.shape[0] == conv_states.shape[2]
-            and tuple(states.shape[1:]) == (v_heads, dk, dv)
-            and dv <= 512
-            and v_heads % k_heads == 0
-        )
-        if not ok:
-            return None
-        slots = slots.to(torch.int64).contiguous()
-        g, beta = g.to(f32).contiguous(), beta.to(f32).contiguous()
-        y = torch.empty(rows, channels, dtype=f32)
-        self._conv_step(
-            x.data_ptr(),
-            x.stride(0),
-            conv_states.data_ptr(),
-            slots.data_ptr(),
-            conv.data_ptr(),
-            y.data_ptr(),
-            rows,
-            channels,
-            conv.shape[1],
-        )
-        o = torch.empty(rows, v_heads, dv, dtype=f32)
-        if self._delta_step(
-            y.data_ptr(),
-            y.stride(0),
-            g.data_ptr(),
-            beta.data_ptr(),
-            states.data_ptr(),
-            slots.data_ptr(),
-            o.data_ptr(),
-            rows,
-            k_heads,
-            v_heads,
-            dk,
-            dv,
-            int(tiled),
-        ):
-            raise ValueError(f"delta_rule_step does not serve {v_heads} x {dv} value heads")
-        out = torch.empty(rows, v_heads * dv, dtype=f32)
-        self._gated_norm(
-            o.data_ptr(),
-            z.data_ptr(),
-            z.stride(0),
-            norm.data_ptr(),
-            out.data_ptr(),
-            rows,
-            v_heads,
-            dv,
-            float(eps),
-        )
-        return out
-
-    def delta_rule_chunked(self, y, g, beta, state, layer, chunk: int = 64):
-        """One sequence through the delta rule in WY chunks: y fp32 [tokens, conv_dim], g, beta
-        [tokens, v_heads], state fp32 [v_heads, dk, dv] in place -> fp32 [tokens, v_heads, dv], or
-        None.
-        """
-        k_heads, v_heads, dk, dv, tiled, _ = layer
-        f32 = torch.float32
-        if not (
-            y.dtype == state.dtype == f32
-            and y.device.type == "cpu"
-            and y.stride(1) == 1
-            and state.is_contiguous()
-            and tuple(state.shape) == (v_heads, dk, dv)
-            and v_heads % k_heads == 0
-        ):
-            return None
-        g, beta = g.to(f32).contiguous(), beta.to(f32).contiguous()
-        out = torch.empty(y.shape[0], v_heads, dv, dtype=f32)
-        if self._delta_chunked(
-            y.data_ptr(),
-            y.stride(0),
-            g.data_ptr(),
-            beta.data_ptr(),
-            state.data_ptr(),
-            out.data_ptr(),
-            y.shape[0],
-            k_heads,
-            v_heads,
-            dk,
-            dv,
-            int(tiled),
-            chunk,
-        ):
-            return None
-        return out
 
 
 KV_DTYPES = (torch.float32, torch.bfloat16)  # what the attention kernels read a pool in (kv_rows.h)

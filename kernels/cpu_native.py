@@ -16,6 +16,7 @@ import torch
 
 from kernels.cpu_attention import NativeAttention
 from kernels.cpu_build import SOURCE_DIR, build
+from kernels.cpu_recurrent import NativeRecurrent
 from protos.base import env
 
 log = structlog.get_logger("kernels.cpu_native")
@@ -67,18 +68,15 @@ def prototypes(header: str) -> dict[str, tuple[object, list]]:
 
 def blas_sgemm() -> int | None:
     """torch's BLAS `sgemm_` address for the fused step; None if absent."""
-    lib = (
-        Path(torch.__file__).parent
-        / "lib"
-        / ("libtorch_cpu" + (".dylib" if platform.system() == "Darwin" else ".so"))
-    )
+    suffix = ".dylib" if platform.system() == "Darwin" else ".so"
+    lib = Path(torch.__file__).parent / "lib" / ("libtorch_cpu" + suffix)
     try:
         return ctypes.cast(ctypes.CDLL(str(lib)).sgemm_, ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
 
 
-class NativeKernels(NativeAttention):
+class NativeKernels(NativeAttention, NativeRecurrent):
     """The loaded library: fused decode, quantized matmuls, elementwise ops, paged attention."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
@@ -87,6 +85,7 @@ class NativeKernels(NativeAttention):
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
         self._bind_attention(lib)
+        self._bind_recurrent(lib)
         self._add_rms_norm, self._silu_mul = lib.pagedserve_add_rms_norm, lib.pagedserve_silu_mul
         self._silu_mul_bf16, self._widen_bf16 = (
             lib.pagedserve_silu_mul_bf16,

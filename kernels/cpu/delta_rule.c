@@ -25,8 +25,10 @@
 static inline float silu(float x) { return x / (1.0f + vec_exp(-x)); }
 
 void pagedserve_conv_step(const float* x, int64_t x_stride, float* conv_states, const int64_t* slots,
-                          const float* weight, float* out, int64_t rows, int32_t channels, int32_t kernel) {
-    /* conv_states [slots, K-1, C]; weight [C, K] (tap K-1 meets the new input); out [rows, C] */
+                          const float* weight, const float* bias, float* out, int64_t rows, int32_t channels,
+                          int32_t kernel) {
+    /* conv_states [slots, K-1, C]; weight [C, K] (tap K-1 meets the new input); bias [C] or NULL
+       (Mamba2's conv has one); out [rows, C] */
     const int64_t per_slot = (int64_t)(kernel - 1) * channels;
 #pragma omp parallel for schedule(static) if (rows * channels > 16384)
     for (int64_t r = 0; r < rows; r++) {
@@ -35,7 +37,7 @@ void pagedserve_conv_step(const float* x, int64_t x_stride, float* conv_states, 
         float* o = out + r * channels;
         for (int32_t c = 0; c < channels; c++) {
             const float* w = weight + (int64_t)c * kernel;
-            float acc = w[kernel - 1] * xr[c];
+            float acc = w[kernel - 1] * xr[c] + (bias ? bias[c] : 0.0f);
             for (int32_t j = 0; j < kernel - 1; j++) acc += w[j] * st[(int64_t)j * channels + c];
             o[c] = silu(acc);
         }
@@ -275,4 +277,34 @@ void pagedserve_gated_norm(const float* o, const float* z, int64_t z_stride, con
             float* dst = out + (r * heads + h) * (int64_t)dim;
             for (int32_t j = 0; j < dim; j++) dst[j] = weight[j] * (x[j] * inv) * silu(gate[j]);
         }
+}
+
+/* Mamba2's state-space step, one token a row: for each head h (of group g = h / (heads / groups)),
+   state = state * exp(dt * a[h]) + dt * x (outer) B, then y = state . C + d[h] * x. xbc [rows, x_stride]:
+   x [heads * head_dim], B, C [groups * d_state] each (after the conv); dt [rows, heads] after softplus;
+   states [slots, heads, head_dim, d_state] fp32, advanced in place; out [rows, heads * head_dim]. */
+void pagedserve_ssd_step(const float* xbc, int64_t x_stride, const float* dt, const float* a, const float* d,
+                         float* states, const int64_t* slots, float* out, int64_t rows, int32_t heads,
+                         int32_t groups, int32_t head_dim, int32_t d_state) {
+    const int64_t inner = (int64_t)heads * head_dim, width = (int64_t)groups * d_state;
+    const int64_t per_head = (int64_t)head_dim * d_state;
+    const int32_t per_group = heads / groups;
+#pragma omp parallel for collapse(2) schedule(static) if (rows * heads * per_head > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int32_t h = 0; h < heads; h++) {
+            const float* row = xbc + r * x_stride;
+            const float* x = row + (int64_t)h * head_dim;
+            const float* b = row + inner + (int64_t)(h / per_group) * d_state;
+            const float* c = b + width;
+            const float step = dt[r * heads + h], decay = vec_exp(step * a[h]);
+            float* s = states + slots[r] * heads * per_head + (int64_t)h * per_head;
+            float* y = out + r * inner + (int64_t)h * head_dim;
+            for (int32_t p = 0; p < head_dim; p++) {
+                float* sp = s + (int64_t)p * d_state;
+                for (int32_t n = 0; n < d_state; n++) sp[n] *= decay;
+                axpy(sp, step * x[p], b, d_state);
+                y[p] = dot(sp, c, d_state) + d[h] * x[p];
+            }
+        }
+    }
 }

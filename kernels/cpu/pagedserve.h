@@ -18,7 +18,11 @@ int pagedserve_struct_sizes(int64_t* out);
 
 /* --- Gated DeltaNet's decode (delta_rule.c) --------------------------------------------------------- */
 void pagedserve_conv_step(const float* x, int64_t x_stride, float* conv_states, const int64_t* slots,
-                          const float* weight, float* out, int64_t rows, int32_t channels, int32_t kernel);
+                          const float* weight, const float* bias, float* out, int64_t rows, int32_t channels,
+                          int32_t kernel);
+void pagedserve_ssd_step(const float* xbc, int64_t x_stride, const float* dt, const float* a, const float* d,
+                         float* states, const int64_t* slots, float* out, int64_t rows, int32_t heads,
+                         int32_t groups, int32_t head_dim, int32_t d_state);
 int pagedserve_delta_rule_step(const float* x, int64_t x_stride, const float* g, const float* beta,
                                float* states, const int64_t* slots, float* out, int64_t rows, int32_t k_heads,
                                int32_t v_heads, int32_t dk, int32_t dv, int32_t tiled);

@@ -212,13 +212,15 @@ def test_mamba2_scan_in_chunks_equals_one_token_at_a_time(tokens, chunk):
     torch.testing.assert_close(final, step_state[0], atol=1e-4, rtol=1e-4)
 
 
-def test_the_triton_mamba2_decode_equals_the_definition_in_place_in_each_rows_slot():
-    """Conv step (with its bias) and the state-space step in two launches: each row's output and
-    the states in its slot as the torch pieces give them, other slots untouched; a layout it does
-    not take (a float64 state) left to torch with nothing changed."""
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_the_mamba2_decode_equals_the_definition_in_place_in_each_rows_slot(backend):
+    """Conv step (with its bias) and the state-space step in two calls (the native library's, or
+    two Triton launches): each row's output and the states in its slot as the torch pieces give
+    them, other slots untouched; a layout it does not take (a float64 state) left to torch with
+    nothing changed."""
     from kernels.delta_rule import ssd_step
 
-    kernels, device = decode_kernels("triton")
+    kernels, device = decode_kernels(backend)
     heads, head_dim, groups, d_state, kernel, rows = 4, 8, 2, 6, 4, 3
     g = torch.Generator().manual_seed(7)
     inner = heads * head_dim
@@ -249,13 +251,17 @@ def test_the_triton_mamba2_decode_equals_the_definition_in_place_in_each_rows_sl
     assert torch.equal(wide.float(), states)
 
 
-def test_a_mamba2_mixer_decodes_through_the_triton_ops_as_through_torch():
-    """The mixer hands its decode rows to the Triton kernels where the ops have them (CUDA;
-    interpreted here): the output and every slot's states as its torch path leaves them."""
+@pytest.mark.parametrize("backend", ["native", "triton"])
+def test_a_mamba2_mixer_decodes_through_the_fast_ops_as_through_torch(backend):
+    """The mixer hands its decode rows to the native library's or the Triton kernels (CUDA;
+    interpreted here) where the ops have them: the output and every slot's states as its torch
+    path leaves them."""
     from worker.model.config import ModelConfig
     from worker.model.delta_net import StateStep
-    from worker.model.elementwise import TritonOps
+    from worker.model.elementwise import NativeOps, TritonOps
     from worker.model.mamba2 import Mamba2
+
+    ops = TritonOps() if backend == "triton" else NativeOps(decode_kernels(backend)[0])
 
     config = ModelConfig(
         vocab_size=16,
@@ -283,7 +289,7 @@ def test_a_mamba2_mixer_decodes_through_the_triton_ops_as_through_torch():
     pools = [(torch.randn(4, 3, mixer.conv_dim, generator=g), torch.randn(4, 4, 8, 6, generator=g))]
     pools.append(tuple(t.clone() for t in pools[0]))
     want = mixer(proj, step, *pools[0])
-    got = mixer(proj, step, *pools[1], ops=TritonOps())
+    got = mixer(proj, step, *pools[1], ops=ops)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     for ours, theirs in zip(pools[1], pools[0], strict=True):
         torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
