@@ -8,8 +8,7 @@ folder (bf16 safetensors, the default model's tokenizer; the vocabulary its own 
 to Llama-3's 128,256 as llama.cpp's converter pads it: the LM head a smaller or larger share of a
 token's bytes), converted to GGUF by the llama.cpp built from the `llama-cpp-python` sdist
 (`convert_hf_to_gguf.py`, then `llama-quantize` to Q4_K_M or Q8_0): the files a user downloads,
-made by the tools that make them. Each is made once and cached under
-~/.cache/pagedserve-peers/scale/.
+made by the tools that make them, once, cached under ~/.cache/pagedserve-peers/scale/.
 
 For each vocabulary: the per-token budget of one stream (deploy/bench/budget.py), then pagedserve
 and `llama-server` (and ik_llama.cpp's, with -rtr, where `make peer-ik` built it) serve the same
@@ -153,9 +152,8 @@ def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
         **s,
     )
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        if (tokenizer_from / name).is_file():
-            shutil.copy(tokenizer_from / name, out / name)
+    for name in (n for n in TOKENIZER_FILES if (tokenizer_from / n).is_file()):
+        shutil.copy(tokenizer_from / name, out / name)
     g = torch.Generator().manual_seed(0)
     h, i, hd = s["hidden_size"], s["intermediate_size"], s["head_dim"]
     q, kv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
@@ -209,9 +207,8 @@ def saved_shapes(config, out: Path, tokenizer_from: Path) -> dict[str, tuple]:
 
     config.torch_dtype = "bfloat16"
     config.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_from / name).is_file():
-            shutil.copy(tokenizer_from / name, out / name)
+    for name in (n for n in TOKENIZER_FILES if (tokenizer_from / n).is_file()):
+        shutil.copy(tokenizer_from / name, out / name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -230,6 +227,9 @@ def hybrid_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> P
     config = AutoConfig.for_model(kind, vocab_size=vocab, rms_norm_eps=1e-6, **shape)
     config.architectures = [type(config).__name__[:-6].removesuffix("Text") + "ForCausalLM"]
     shapes = saved_shapes(config, out, tokenizer_from)
+    if "layer_types" in shape:  # as Granite 4's released configs name them (llama.cpp reads these)
+        saved = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**saved, "layer_types": shape["layer_types"]}))
     shapes.pop("lm_head.weight", None)  # tied to the embedding
     g = torch.Generator().manual_seed(0)
     ones = ("linear_attn.norm.weight", "dt_bias", "mamba.D", "mamba.norm.weight")
