@@ -55,7 +55,7 @@ def test_a_gemma4_multimodal_folder_is_served_as_text(tmp_path, server_factory):
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    from tests.support.tiny import TINY, make_tokenizer
+    from tests.support.tiny import TINY, make_tokenizer, recompute_greedy
 
     text = dict(TINY, rms_norm_eps=1e-5, tie_word_embeddings=True, **FAMILIES["gemma4_text"])
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
@@ -66,12 +66,7 @@ def test_a_gemma4_multimodal_folder_is_served_as_text(tmp_path, server_factory):
     model.save_pretrained(str(tmp_path))
     make_tokenizer(tmp_path, TINY["vocab_size"])
     prompt = PROMPTS[2]
-    want, ids = [], list(prompt)
-    with torch.no_grad():
-        for _ in range(12):
-            token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
-            want.append(token)
-            ids.append(token)
+    want = recompute_greedy(model, prompt, 12)
     server = server_factory(tmp_path, "--max-model-len", "128", "--metrics-port", "-1")
     try:
         results = submit_all(server, [("mm", prompt, 12, 0.0)], stream=False)

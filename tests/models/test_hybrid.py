@@ -210,7 +210,7 @@ def test_a_multimodal_folder_is_served_as_text(tmp_path, server_factory):
     from transformers import Qwen3_5ForConditionalGeneration
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
 
-    from tests.support.tiny import TINY, make_tokenizer
+    from tests.support.tiny import TINY, make_tokenizer, recompute_greedy
 
     text = dict(TINY, rms_norm_eps=1e-5, tie_word_embeddings=False, **QWEN3_5)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
@@ -221,12 +221,7 @@ def test_a_multimodal_folder_is_served_as_text(tmp_path, server_factory):
     model.save_pretrained(str(tmp_path))
     make_tokenizer(tmp_path, TINY["vocab_size"])
     prompt = [9 + (13 * i) % 350 for i in range(40)]
-    want, ids = [], list(prompt)
-    with torch.no_grad():
-        for _ in range(12):
-            token = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
-            want.append(token)
-            ids.append(token)
+    want = recompute_greedy(model, prompt, 12)
     server = server_factory(tmp_path, "--max-model-len", "128", "--metrics-port", "-1")
     try:
         resp = server.stub.Generate(greedy_request(prompt, 12, "hy-vl"), timeout=120)

@@ -92,6 +92,20 @@ def randomize_buffers(folder, suffix: str) -> None:
     save_file(state, str(path), metadata={"format": "pt"})
 
 
+def recompute_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """A transformers model's greedy tokens, each from a forward over the whole sequence so far (no
+    cache): the reference for a model loaded in the test itself (a multimodal one served as text).
+    """
+    import torch
+
+    out, ids = [], list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            out.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(out[-1])
+    return out
+
+
 def hf_greedy(
     folder: Path, prompt: list[int], max_tokens: int, repetition_penalty: float = 1.0
 ) -> list[int]:
@@ -128,14 +142,7 @@ def hf_recompute_greedy(folder: Path, prompt: list[int], max_tokens: int) -> lis
     The reference where its cached decode disagrees with itself (Nemotron-H floors Mamba2's step
     sizes in a prompt but not in a cached decode step).
     """
-    import torch
-
-    model = load_hf_cached(str(folder))
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+    return recompute_greedy(load_hf_cached(str(folder)), prompt, max_tokens)
 
 
 _MODELS: dict = {}
