@@ -193,7 +193,7 @@ def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch
     source = GGUFQuantSource(gguf, config.num_heads, config.num_kv_heads, config.head_dim)
     held = source.held_bytes(config.tie_word_embeddings)
     assert gguf.stat().st_size * 0.9 < held < gguf.stat().st_size * 1.1
-    args = Namespace(num_blocks=4, block_size=16, kv_cache_memory=None, tp=1)
+    args = Namespace(num_blocks=4, block_size=16, kv_cache_memory=None, tensor_parallel_size=1)
     kv = worker_main.kv_budget_bytes(args, config, torch.float32)
     monkeypatch.setattr("worker.serve.memory_plan.available_bytes", lambda: held + kv + 1)
     assert (

@@ -83,7 +83,9 @@ def kv_budget_bytes(cfg: WorkerConfig, config, dtype) -> int:
     from worker.model.kv_pool import bytes_per_block
 
     if cfg.num_blocks:
-        return cfg.num_blocks * bytes_per_block(config, cfg.block_size, dtype, cfg.tp)
+        return cfg.num_blocks * bytes_per_block(
+            config, cfg.block_size, dtype, cfg.tensor_parallel_size
+        )
     return parse_bytes(cfg.kv_cache_memory) if cfg.kv_cache_memory else cpu_default_kv_bytes(cfg.tp)
 
 
