@@ -298,8 +298,8 @@ class FusedDecode:
             c.rotary_dim // 2,
             c.rms_norm_eps,
             c.head_dim**-0.5,
-            _ptr(rotary.cos),
-            _ptr(rotary.sin),
+            _ptr(rotary and rotary.cos),  # None where no layer rotates
+            _ptr(rotary and rotary.sin),
             _ptr(m.norm),
             layers,
             self.sgemm,

@@ -154,7 +154,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, step: StepInputs, pool: KVPool, attn: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, [num_tokens, hidden_size]."""
-        if self.rotary is None:
+        # NoPE throughout (Granite 4, Nemotron-H): no tables, which a 2^20-token context would
+        # make half a GiB
+        rotates = any(self.config.uses_rope(i) for i in range(self.config.num_layers))
+        if self.rotary is None and rotates:
             self.rotary = Rotary(self.config, self.embed.device)
             local = self.config.local_rope_config()
             self.local_rotary = Rotary(local, self.embed.device) if local is not None else None
@@ -168,7 +171,7 @@ class LlamaModel(nn.Module):
             return self.fused.forward(x, step, pool)
         if self.per_layer is not None:
             step.per_layer = self.per_layer(step.token_ids, x)
-        rope = ops.rope_tables(self.rotary, step.positions, x.dtype)
+        rope = ops.rope_tables(self.rotary, step.positions, x.dtype) if rotates else None
         if self.local_rotary is not None:
             rope = RopeSets((rope, ops.rope_tables(self.local_rotary, step.positions, x.dtype)))
         residual = None
