@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.bench.llama_build import CACHE, build_llama_tool
+from deploy.bench.llama_build import CACHE, build_llama_tool, convert
 
 SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B, as their config.json give them
     "1b": dict(
@@ -320,23 +320,11 @@ def gguf_file(shape: str, quant: str, tokenizer_from: Path, vocab: int) -> Path:
         bf16 = target
     if not bf16.is_file():
         folder = hf_folder(shape, tokenizer_from, vocab)
-        source = CACHE / "llama.cpp"
-        if not (source / "convert_hf_to_gguf.py").is_file():
-            build_llama_tool("llama-quantize")  # fetches the source too
-        env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
-        subprocess.run(
-            [
-                sys.executable,
-                str(source / "convert_hf_to_gguf.py"),
-                str(folder),
-                "--outtype",
-                "q8_0" if shape in GPT_OSS else "bf16",
-                "--outfile",
-                str(bf16.with_suffix(".part")),
-                *(["--no-mtp"] if shape.startswith("qwen35") else []),
-            ],
-            check=True,
-            env=env,
+        convert(
+            folder,
+            bf16.with_suffix(".part"),
+            "q8_0" if shape in GPT_OSS else "bf16",
+            *(["--no-mtp"] if shape.startswith("qwen35") else []),
         )
         bf16.with_suffix(".part").rename(bf16)
     if quant == "BF16" or shape in GPT_OSS:

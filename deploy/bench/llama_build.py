@@ -207,8 +207,14 @@ def converter() -> Path:
 _RUN_CONVERTER = """
 import runpy, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+import conversion.base as base
+spm = base.TextModel._create_vocab_sentencepiece
+def no_spm(self):  # as the converter does with sentencepiece installed: no file, the next vocab
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError("no tokenizer.model")
+    return spm(self)
+base.TextModel._create_vocab_sentencepiece = no_spm
 if sys.argv[2] == "any":
-    import conversion.base as base
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py", *sys.argv[3:]]
 runpy.run_path(sys.argv[0], run_name="__main__")

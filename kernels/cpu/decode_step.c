@@ -126,7 +126,10 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
         stage_done(PS_ROUNDING, prof_t);
     }
     const int64_t extra = lora_shrink_items(la); /* the adapters' shrink first, beside the chunks */
-#pragma omp for schedule(dynamic, 1)
+    /* guided: each thread streams one contiguous share first, then shrinking runs (a vCPU the host takes away
+       does not hold the other); single chunks handed out in turn broke each thread's stream every 36 KB, and
+       one stream's matrices ran at 74-91% of a plain read against 98-101% so (docs/BENCHMARKS.md) */
+#pragma omp for schedule(guided)
     for (int64_t c = -extra; c < chunks; c++) {
         if (c < 0) {
             lora_shrink_item(la, x, w->in_dim, c + extra);
