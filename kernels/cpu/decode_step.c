@@ -241,8 +241,6 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     px.bits8 = m->x8;
     /* attention work items: a sequence with all its KV heads (each key and value row read whole, in one pass)
        where there are sequences enough to keep every thread busy, else one KV head of a sequence */
-    const int64_t att_heads = rows >= 4 * omp_get_max_threads() ? pagedserve_decode_heads_per_item((int)nh, (int)nkv, (int)hd) : 1;
-    const int64_t att_split = (nkv + att_heads - 1) / att_heads;
     /* Runs of rows that are one sequence's consecutive tokens (a drafting sequence's: the same table, each row
        one key longer): their keys are read once for the run (pagedserve_prefill_rows), not once a row. Rows
        with equal tables over the keys they read and consecutive lengths attend alike however they came. */
@@ -283,6 +281,18 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             }
         }
     }
+
+    /* few sequences, none part of a run: each one's keys cut into ranges, as pagedserve_paged_decode does */
+    int32_t shortest = rows ? seq_lens[0] : 0;
+    for (int64_t r = 1; r < rows; r++) shortest = seq_lens[r] < shortest ? seq_lens[r] : shortest;
+    int att_splits = runs == rows ? pagedserve_decode_splits((int32_t)rows, shortest, m->block_size) : 1;
+    const int64_t row_state = att_splits * nh * (hd + 2); /* a row's ranges' states: accumulators, maxima, sums */
+    float* att_state = att_splits > 1 ? malloc(sizeof(float) * (size_t)(rows * row_state)) : 0;
+    if (att_state == 0) att_splits = 1;
+    const int64_t att_heads = att_splits > 1 || rows >= 4 * omp_get_max_threads()
+                                  ? pagedserve_decode_heads_per_item((int)nh, (int)nkv, (int)hd)
+                                  : 1;
+    const int64_t att_split = (nkv + att_heads - 1) / att_heads;
 
     double prof_t = prof_on ? omp_get_wtime() : 0.0; /* the profile's clock (thread 0's) */
 #pragma omp parallel
@@ -326,7 +336,30 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 }
             }
             stage_done(PS_HEADS, &prof_t);
-            if (runs == rows) {
+            if (att_splits > 1) {
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t it = 0; it < rows * att_splits * att_split; it++) { /* a range of a row's keys */
+                    const int64_t r = it / (att_splits * att_split), j = it / att_split % att_splits;
+                    const int kh0 = (int)(it % att_split * att_heads);
+                    const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
+                    const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
+                    int32_t from, to;
+                    pagedserve_decode_range(first, seq_lens[r], m->block_size, att_splits, (int32_t)j, &from, &to);
+                    float* acc = att_state + r * row_state + (j * nh + kh0 * (nh / nkv)) * hd;
+                    float* mx = att_state + r * row_state + att_splits * nh * hd + j * nh + kh0 * (nh / nkv);
+                    pagedserve_decode_part(qkv + r * qkv_w, ly->k_cache, ly->v_cache, block_tables + r * table_stride,
+                                           from, to, kh0, kh1, (int)nh, (int)nkv, (int)hd, m->block_size, m->scale,
+                                           0.0f, m->kv_bf16, acc, mx, mx + att_splits * nh);
+                }
+#pragma omp for schedule(static)
+                for (int64_t it = 0; it < rows * nh; it++) { /* the ranges merged, a query head at a time */
+                    const int64_t r = it / nh, hh = it % nh;
+                    const float* st = att_state + r * row_state;
+                    const float* mx = st + att_splits * nh * hd + hh;
+                    pagedserve_decode_merge(st + hh * hd, mx, mx + att_splits * nh, att_splits, nh * hd, nh, (int)hd,
+                                            NULL, attn + r * qsz + hh * hd);
+                }
+            } else if (runs == rows) {
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t it = 0; it < rows * att_split; it++) { /* a sequence's KV heads and their query heads */
                     const int64_t r = it / att_split;
@@ -397,6 +430,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     }
     if (prof_on) prof_steps++;
     free(run_start);
+    free(att_state);
     lora_runs_free(&lr);
     return 0;
 }

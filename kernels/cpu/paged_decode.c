@@ -16,6 +16,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "pagedserve.h"
 #include "kv_rows.h"
@@ -31,6 +32,7 @@
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
 #define LANES 16
+#define MAX_SPLITS 8 /* key ranges of one sequence (pagedserve_decode_splits) */
 #define MAX_STATE 8192 /* floats of query (and of accumulator) state per work item: >= MAX_GROUP * MAX_HEAD_DIM */
 
 /* Dot product over head_dim in LANES independent partial sums (one vector register), summed once. */
@@ -360,19 +362,17 @@ int pagedserve_decode_limits(int32_t* out) {
     return 3;
 }
 
-/* One work item: the query heads of KV heads [kh0, kh1) of one query token (q_row: its n_heads * head_dim
- * values), over keys [first, len) of the sequence through its block table (first > 0: a sliding window);
- * written to the same heads of out_row. The fused decode step (decode_step.c) calls it for its own items. */
-void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
-                            const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
-                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
-                            const float* sinks, int kv_bf16) {
+/* The state of one work item: the query heads of KV heads [kh0, kh1) of one query token (q_row: its n_heads *
+ * head_dim values) over keys [first, len) of the sequence through its block table: per query head its
+ * unnormalized accumulator (acc, head_dim values a head), running max m and sum l. */
+void pagedserve_decode_part(const float* q_row, const void* k_cache, const void* v_cache, const int32_t* table,
+                            int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads, int32_t n_kv_heads,
+                            int32_t head_dim, int32_t block_size, float scale, float softcap, int kv_bf16, float* acc,
+                            float* m, float* l) {
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim; /* between consecutive keys of a block */
     const int64_t block_stride = (int64_t)block_size * token_stride;
     float qs[MAX_STATE];
-    float acc[MAX_STATE];
-    float m[MAX_STATE / 16], l[MAX_STATE / 16]; /* per query head; head_dim >= 16 */
     const int item_heads = (kh1 - kh0) * group; /* query heads of the item, consecutive in q */
     const int64_t head0 = (int64_t)kh0 * group;
     const float* qp = q_row + head0 * head_dim;
@@ -439,6 +439,20 @@ void pagedserve_decode_item(const float* q_row, const void* k_cache, const void*
                            next_count, softcap);
         }
     }
+}
+
+/* One work item (as pagedserve_decode_part), normalized and written to the same heads of out_row (first > 0:
+ * a sliding window). The fused decode step (decode_step.c) calls it for its own items. */
+void pagedserve_decode_item(const float* q_row, const void* k_cache, const void* v_cache, float* out_row,
+                            const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
+                            int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
+                            const float* sinks, int kv_bf16) {
+    float acc[MAX_STATE];
+    float m[MAX_STATE / 16], l[MAX_STATE / 16]; /* per query head; head_dim >= 16 */
+    pagedserve_decode_part(q_row, k_cache, v_cache, table, first, len, kh0, kh1, n_heads, n_kv_heads, head_dim,
+                           block_size, scale, softcap, kv_bf16, acc, m, l);
+    const int item_heads = (kh1 - kh0) * (n_heads / n_kv_heads);
+    const int64_t head0 = (int64_t)kh0 * (n_heads / n_kv_heads);
     float* op = out_row + head0 * head_dim;
     for (int h = 0; h < item_heads; h++) {
         if (sinks) l[h] += expf(sinks[head0 + h] - m[h]); /* a sink's share of the softmax, no value */
@@ -552,6 +566,53 @@ void pagedserve_decode_run(const float* q, int64_t q_row_stride, const void* k_c
     }
 }
 
+/* Key ranges each of n decoding sequences' attention is cut into (shortest: the fewest keys among them). With
+ * few sequences for the threads (one stream), a KV head an item read each head's rows across every block, 2 KB
+ * apart at 1B's shape, at a third of a plain read; cut into block-aligned ranges of at least two blocks, each an
+ * item with every KV head, a thread reads whole blocks, and the ranges' states are merged after
+ * (pagedserve_decode_merge). 1: each sequence whole. */
+int pagedserve_decode_splits(int32_t n, int32_t shortest, int32_t block_size) {
+    const int threads = omp_get_max_threads();
+    if (n >= 4 * threads || threads < 2) return 1;
+    int splits = (4 * threads + n - 1) / n;
+    const int most = shortest / block_size / 2;
+    if (splits > most) splits = most;
+    if (splits > MAX_SPLITS) splits = MAX_SPLITS;
+    return splits < 2 ? 1 : splits;
+}
+
+/* Keys [*from, *to) of range j of `splits` over a sequence's keys [first, len), cut at block boundaries (empty
+ * where a window leaves a range no block). */
+void pagedserve_decode_range(int32_t first, int32_t len, int32_t block_size, int32_t splits, int32_t j,
+                             int32_t* from, int32_t* to) {
+    const int32_t b0 = first / block_size, blocks = (len + block_size - 1) / block_size - b0;
+    const int32_t s0 = (b0 + (int32_t)((int64_t)blocks * j / splits)) * block_size;
+    const int32_t s1 = (b0 + (int32_t)((int64_t)blocks * (j + 1) / splits)) * block_size;
+    *from = s0 > first ? s0 : first;
+    *to = s1 < len ? s1 : len;
+    if (*to <= *from) *from = *to = s0; /* empty, at a block's start: no block is visited */
+}
+
+/* One query head's states over `splits` key ranges (range j's accumulator at acc + j * stride, its max and sum
+ * at m[j * mstride], l[j * mstride]) as one softmax, written to out (head_dim values); sink: the head's sink
+ * logit or NULL. */
+void pagedserve_decode_merge(const float* acc, const float* m, const float* l, int splits, int64_t stride,
+                             int64_t mstride, int head_dim, const float* sink, float* out) {
+    float top = sink ? *sink : -INFINITY;
+    for (int j = 0; j < splits; j++) top = m[j * mstride] > top ? m[j * mstride] : top;
+    float sum = sink ? expf(*sink - top) : 0.0f, w[MAX_SPLITS];
+    for (int j = 0; j < splits; j++) {
+        w[j] = m[j * mstride] == -INFINITY ? 0.0f : expf(m[j * mstride] - top); /* an empty range weighs 0 */
+        sum += l[j * mstride] * w[j];
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int d = 0; d < head_dim; d++) {
+        float o = 0.0f;
+        for (int j = 0; j < splits; j++) o += w[j] * acc[j * stride + d];
+        out[d] = o * inv;
+    }
+}
+
 /* KV heads per work item: as many as an item's state holds (all of them for most models). */
 int pagedserve_decode_heads_per_item(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim) {
     int heads_per_item = MAX_STATE / ((n_heads / n_kv_heads) * head_dim);
@@ -575,21 +636,58 @@ void pagedserve_paged_decode(
 {
     /* A work item is a sequence and as many of its KV heads as the item's state holds (all of them for most
      * models): it walks the sequence's blocks once, reading each block's rows of those heads in one pass.
-     * With few sequences for the threads (one stream), a KV head an item, so every thread has work. */
+     * With few sequences for the threads (one stream), each sequence's keys cut into ranges
+     * (pagedserve_decode_splits), or, where they are too short to cut, a KV head an item. */
     const int few = n < 4 * omp_get_max_threads();
-    const int heads_per_item = few ? 1 : pagedserve_decode_heads_per_item(n_heads, n_kv_heads, head_dim);
+    int32_t shortest = n ? seq_lens[0] : 0;
+    for (int i = 1; i < n; i++) shortest = seq_lens[i] < shortest ? seq_lens[i] : shortest;
+    int splits = pagedserve_decode_splits(n, shortest, block_size);
+    const int64_t row_state = (int64_t)splits * n_heads * (head_dim + 2); /* a sequence's ranges' states */
+    float* state = splits > 1 ? malloc(sizeof(float) * (size_t)(n * row_state)) : 0;
+    if (state == 0) splits = 1; /* no memory for the states: each sequence whole */
+    const int heads_per_item = few && splits == 1 ? 1 : pagedserve_decode_heads_per_item(n_heads, n_kv_heads, head_dim);
     const int chunks = (n_kv_heads + heads_per_item - 1) / heads_per_item;
+    const int group = n_heads / n_kv_heads;
 
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int i = 0; i < n; i++) {
-        for (int chunk = 0; chunk < chunks; chunk++) {
-            const int kh0 = chunk * heads_per_item;
-            const int kh1 = kh0 + heads_per_item < n_kv_heads ? kh0 + heads_per_item : n_kv_heads;
-            const int64_t row = rows[i] * n_heads * head_dim;
-            const int32_t first = window > 0 && seq_lens[i] > window ? seq_lens[i] - window : 0;
-            pagedserve_decode_item(q + row, k_cache, v_cache, out + row, block_tables + (int64_t)i * table_stride,
-                                   first, seq_lens[i], kh0, kh1, n_heads, n_kv_heads, head_dim, block_size, scale,
-                                   softcap, sinks, kv_bf16);
+#pragma omp parallel
+    {
+#pragma omp for collapse(3) schedule(dynamic, 1)
+        for (int i = 0; i < n; i++) {
+            for (int j = 0; j < splits; j++) {
+                for (int chunk = 0; chunk < chunks; chunk++) {
+                    const int kh0 = chunk * heads_per_item;
+                    const int kh1 = kh0 + heads_per_item < n_kv_heads ? kh0 + heads_per_item : n_kv_heads;
+                    const int64_t row = rows[i] * n_heads * head_dim;
+                    const int32_t first = window > 0 && seq_lens[i] > window ? seq_lens[i] - window : 0;
+                    const int32_t* table = block_tables + (int64_t)i * table_stride;
+                    if (splits == 1) {
+                        pagedserve_decode_item(q + row, k_cache, v_cache, out + row, table, first, seq_lens[i], kh0,
+                                               kh1, n_heads, n_kv_heads, head_dim, block_size, scale, softcap, sinks,
+                                               kv_bf16);
+                        continue;
+                    }
+                    int32_t from, to;
+                    pagedserve_decode_range(first, seq_lens[i], block_size, splits, j, &from, &to);
+                    float* st = state + i * row_state + (int64_t)j * n_heads * head_dim;
+                    float* ml = state + i * row_state + (int64_t)splits * n_heads * head_dim + (int64_t)j * n_heads;
+                    const int64_t h0 = (int64_t)kh0 * group;
+                    pagedserve_decode_part(q + row, k_cache, v_cache, table, from, to, kh0, kh1, n_heads, n_kv_heads,
+                                           head_dim, block_size, scale, softcap, kv_bf16, st + h0 * head_dim, ml + h0,
+                                           ml + (int64_t)splits * n_heads + h0);
+                }
+            }
+        }
+        if (splits > 1) {
+#pragma omp for schedule(static)
+            for (int64_t it = 0; it < (int64_t)n * n_heads; it++) {
+                const int64_t i = it / n_heads, h = it % n_heads;
+                const float* st = state + i * row_state;
+                const float* ml = st + (int64_t)splits * n_heads * head_dim;
+                pagedserve_decode_merge(st + h * head_dim, ml + h, ml + (int64_t)splits * n_heads + h, splits,
+                                        (int64_t)n_heads * head_dim, n_heads, head_dim, sinks ? sinks + h : 0,
+                                        out + (rows[i] * n_heads + h) * head_dim);
+            }
         }
     }
+    free(state);
 }

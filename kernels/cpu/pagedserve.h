@@ -168,6 +168,15 @@ void pagedserve_decode_item(const float* q_row, const void* k_cache, const void*
                             const int32_t* table, int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads,
                             int32_t n_kv_heads, int32_t head_dim, int32_t block_size, float scale, float softcap,
                             const float* sinks, int kv_bf16);
+void pagedserve_decode_part(const float* q_row, const void* k_cache, const void* v_cache, const int32_t* table,
+                            int32_t first, int32_t len, int kh0, int kh1, int32_t n_heads, int32_t n_kv_heads,
+                            int32_t head_dim, int32_t block_size, float scale, float softcap, int kv_bf16, float* acc,
+                            float* m, float* l);
+int pagedserve_decode_splits(int32_t n, int32_t shortest, int32_t block_size);
+void pagedserve_decode_range(int32_t first, int32_t len, int32_t block_size, int32_t splits, int32_t j,
+                             int32_t* from, int32_t* to);
+void pagedserve_decode_merge(const float* acc, const float* m, const float* l, int splits, int64_t stride,
+                             int64_t mstride, int head_dim, const float* sink, float* out);
 int pagedserve_decode_run_rows(int32_t n_heads, int32_t n_kv_heads);
 void pagedserve_decode_run(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
                            float* out, int64_t out_row_stride, int32_t n, const int32_t* table, int32_t len0,

@@ -105,6 +105,42 @@ def test_native_decode_kernel_on_long_ragged_batches(n_heads, n_kv_heads, head_d
     torch.testing.assert_close(out, paged_attention(*c.args), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seq_lens", [[150], [2100, 70], [64, 64, 65]])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap-sinks", "bf16", "48 heads of 256"])
+def test_few_long_sequences_attend_in_key_ranges_merged_as_one_softmax(seq_lens, variant):
+    """With fewer sequences than work for the threads, each one's keys are cut into block-aligned
+    ranges (all KV heads an item) whose softmax states are merged: the same answer as the reference,
+    whole or through a window that leaves some ranges empty, with a soft cap and sinks, over a bf16
+    pool, and with more heads than one item holds; and the same answer as one sequence at a time.
+    """
+    from kernels import cpu_native
+
+    native = cpu_native.load()
+    n_heads, n_kv_heads, head_dim = (48, 12, 256) if variant == "48 heads of 256" else (32, 8, 64)
+    c = make_case([1] * len(seq_lens), seq_lens, n_heads, n_kv_heads, head_dim, 16, seed=6)
+    k, v = c.k_cache, c.v_cache
+    if variant == "bf16":
+        k, v = k.bfloat16(), v.bfloat16()
+    extra = {
+        "window": dict(window=40),
+        "softcap-sinks": dict(softcap=2.0, sinks=torch.linspace(-1.0, 2.0, n_heads)),
+    }.get(variant, {})
+    rows = torch.arange(len(seq_lens))
+
+    def decode(which):
+        out = torch.full_like(c.q, float("nan"))
+        native.paged_decode(
+            c.q, k, v, out, rows[which], c.block_tables[which], c.seq_lens[which], c.scale, **extra
+        )  # fmt: skip
+        return out
+
+    got = decode(slice(None))
+    want = paged_attention(c.q, k.float(), v.float(), *c.args[3:], **extra)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    for i in range(len(seq_lens)):  # alone, a sequence's keys are cut into more ranges
+        torch.testing.assert_close(decode(slice(i, i + 1))[i], got[i], atol=2e-6, rtol=1e-5)
+
+
 def test_native_decode_kernel_writes_only_its_rows_and_rejects_wrong_inputs():
     from kernels import cpu_native
 

@@ -150,10 +150,13 @@ def _run(model, config, seqs, fused: bool, kv_dtype=torch.float32):
     return hidden, pool
 
 
-# 20 rows: past the row kernels, the dense copy through sgemm
+# one and two long sequences: their keys cut into ranges; 20 rows: past the row kernels, the dense
+# copy through sgemm
 DECODES = [
     [(1, 9)],
     [(1, 40)],
+    [(1, 100)],
+    [(1, 130), (1, 70)],
     [(1, 17), (1, 70), (1, 33)],
     [(1, n) for n in range(5, 85, 10)],
     [(1, n) for n in range(5, 205, 10)],
