@@ -3,7 +3,8 @@
  *
  * Pool layout as kernels/reference.py: k_cache, v_cache are [num_blocks, block_size, n_kv_heads, head_dim]
  * fp32 or bf16 (kv_rows.h: sixteen keys at a time widened into L1), contiguous. A work item is a sequence
- * with all its KV heads (or as many as an item's state holds),
+ * with all its KV heads (or as many as an item's state holds) — with few sequences, a block-aligned range of
+ * one's keys, the ranges' softmax states merged after (pagedserve_decode_splits) —
  * spread over the OpenMP threads of the process (the same libgomp runtime torch uses, so the two share one
  * thread pool): it walks the sequence's blocks once, each block's rows read in one pass, and asks for the
  * next block before computing the current one, since blocks lie anywhere in the pool. Per block and GQA
