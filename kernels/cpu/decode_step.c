@@ -76,7 +76,7 @@ int pagedserve_struct_sizes(int64_t* out) {
 int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
     const int64_t h = m->hidden, q = (int64_t)m->n_heads * m->head_dim, kv = (int64_t)m->n_kv_heads * m->head_dim;
     return rows * (3 * h + (q + 2 * kv) + q + 3 * (int64_t)m->intermediate)
-           + (packed_x_bytes(rows, max_in(m)) + 128) / (int64_t)sizeof(float);
+           + (packed_x_bytes(rows, packed_x_pitch(max_in(m))) + 128) / (int64_t)sizeof(float);
 }
 
 /* y = x @ W^T on the dense copy through sgemm, the output rows in as many equal chunks (of whole 16s) as
@@ -122,7 +122,7 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
     }
     if (has_packed(w)) {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows * nblocks; i++) packed_x_block(x, px, i);
+        for (int64_t i = 0; i < rows * nblocks; i++) packed_x_block(x, px, i, nblocks);
         stage_done(PS_ROUNDING, prof_t);
     }
     const int64_t extra = lora_shrink_items(la); /* the adapters' shrink first, beside the chunks */
@@ -151,7 +151,8 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
                 const uint8_t* grp = g->w + (o - first) / PACK_ROWS * nblocks * pack_block_bytes(g->type);
                 for (int64_t r0 = 0; r0 < rows; r0 += PACK_TILE) {
                     const int64_t nr = rows - r0 < PACK_TILE ? rows - r0 : PACK_TILE;
-                    packed_group_dot(g->type, grp, nblocks, packed_x_rows(px, r0, w->in_dim), w->in_dim, nr, out);
+                    const int64_t pitch = packed_x_pitch(w->in_dim);
+                    packed_group_dot(g->type, grp, nblocks, packed_x_rows(px, r0, pitch), pitch, nr, out);
                     for (int64_t r = 0; r < nr; r++)
                         for (int i = 0; i < PACK_ROWS; i++) y[(r0 + r) * out_dim + o + i] = out[r * PACK_ROWS + i];
                 }
@@ -237,7 +238,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     const int64_t act_chunks = (I + 255) / 256;
     float* packed = act + rows * I;
     packed = (float*)(((uintptr_t)packed + 63) & ~(uintptr_t)63);
-    PackedX px = packed_x_at(packed, rows, max_in(m));
+    PackedX px = packed_x_at(packed, rows, packed_x_pitch(max_in(m)));
     px.bits8 = m->x8;
     /* attention work items: a sequence with all its KV heads (each key and value row read whole, in one pass)
        where there are sequences enough to keep every thread busy, else one KV head of a sequence */

@@ -143,6 +143,12 @@ typedef struct {
                       a weight vector instead of two (llama.cpp's precision, twice the integer throughput) */
 } PackedX;
 
+/* Blocks of padding after each row of PackedX: rows are in_dim + 64 bytes apart (packed_x_pitch), so the 32
+   rows of a tile at a power-of-two in_dim do not all fall into the same few L1 sets and evict each other
+   between a sub-block's two halves. Every kernel is handed the pitch as its activations' row length. */
+#define PACK_X_PAD 2
+static inline int64_t packed_x_pitch(int64_t in_dim) { return in_dim + PACK_X_PAD * QK; }
+
 /* Bytes of PackedX storage for rows x in_dim (lo, hi, then the per-block values, 64-byte aligned parts). */
 static inline int64_t packed_x_bytes(int64_t rows, int64_t in_dim) {
     const int64_t b = (rows * in_dim + 63) / 64 * 64;
@@ -218,8 +224,9 @@ static inline __m256 mx4_scales_256(const uint8_t *e) {
    are then the rounded values' own, so a weight's offset (Q4_K's min, Q6_K's -32) meets the same activations
    as its integers and the product is the dequantized weight times the rounded activations: against the exact
    sums, the 8-bit rounding error would meet the unsigned integers (0..63) instead of the centred values. */
-static inline void packed_x_block(const float *x, PackedX p, int64_t i) {
-    const float *xb = x + i * QK;
+static inline void packed_x_block(const float *x, PackedX p, int64_t src, int64_t nb) {
+    const float *xb = x + src * QK;
+    const int64_t i = src / nb * (nb + PACK_X_PAD) + src % nb; /* where block src of its row lands */
     const float top = p.bits8 ? 127.0f : 32767.0f;
     float amax = 0.0f, s = 0.0f, sh = 0.0f;
 #if defined(__AVX2__)

@@ -85,12 +85,12 @@ static void block_rows(int32_t type, const uint8_t *w, const float *x, PackedX p
                         int64_t out_dim, int64_t o0, int64_t o1, float *y) {
     const int64_t nb = in_dim / QK;
     if (packed_type(type)) {
-        const int64_t gb = nb * pack_block_bytes(type);
+        const int64_t gb = nb * pack_block_bytes(type), pitch = packed_x_pitch(in_dim);
         for (int64_t g = o0 / PACK_ROWS; g < o1 / PACK_ROWS; g++)
             for (int64_t r0 = 0; r0 < n; r0 += PACK_TILE) {
                 const int64_t nr = n - r0 < PACK_TILE ? n - r0 : PACK_TILE;
                 float part[PACK_TILE * PACK_ROWS];
-                packed_group_dot(type, w + g * gb, nb, packed_x_rows(px, r0, in_dim), in_dim, nr, part);
+                packed_group_dot(type, w + g * gb, nb, packed_x_rows(px, r0, pitch), pitch, nr, part);
                 for (int64_t r = 0; r < nr; r++)
                     memcpy(y + (r0 + r) * out_dim + g * PACK_ROWS, part + r * PACK_ROWS, sizeof(float) * PACK_ROWS);
             }
@@ -113,14 +113,14 @@ static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uin
                          int32_t ptype, float *y, int bits8) {
     if (out_dim % PACK_ROWS || in_dim % QK || (packed_is_k(ptype) && in_dim % QK_K)) return -1;
     const int64_t nb = in_dim / QK, groups = out_dim / PACK_ROWS;
-    void *mem = aligned_alloc(64, (size_t)((packed_x_bytes(rows, in_dim) + 63) / 64 * 64));
+    void *mem = aligned_alloc(64, (size_t)((packed_x_bytes(rows, packed_x_pitch(in_dim)) + 63) / 64 * 64));
     if (!mem) return -2;
-    PackedX px = packed_x_at(mem, rows, in_dim);
+    PackedX px = packed_x_at(mem, rows, packed_x_pitch(in_dim));
     px.bits8 = bits8;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows * nb; i++) packed_x_block(x, px, i);
+        for (int64_t i = 0; i < rows * nb; i++) packed_x_block(x, px, i, nb);
         /* runs of groups, guided: each thread starts on a contiguous share (the weights stream as with a static
            split), and the rest goes out in shrinking runs, so a vCPU the host takes away for a while (these VMs'
            noise) does not hold the other at the end; a Q4_K matmul with one core shared: x1.20 */
@@ -346,7 +346,7 @@ int pagedserve_moe_experts(const float *x, int64_t tokens, int32_t top_k, const 
     int64_t *start = calloc((size_t)(experts + 1), sizeof(int64_t)), *row_of = malloc(sizeof(int64_t) * (size_t)pairs);
     const int64_t widest = hidden > span ? hidden : span;
     float *xe = malloc(sizeof(float) * (size_t)(tokens * widest)), *ge = malloc(sizeof(float) * (size_t)(tokens * widest));
-    void *pmem = aligned_alloc(64, (size_t)((packed_x_bytes(tokens, widest) + 63) / 64 * 64));
+    void *pmem = aligned_alloc(64, (size_t)((packed_x_bytes(tokens, packed_x_pitch(widest)) + 63) / 64 * 64));
     if (!start || !row_of || !xe || !ge || !pmem) {
         free(start); free(row_of); free(xe); free(ge); free(pmem);
         return -2;
@@ -369,13 +369,13 @@ int pagedserve_moe_experts(const float *x, int64_t tokens, int32_t top_k, const 
         if (!n) continue; /* every thread skips alike */
         const int64_t *rows = row_of + start[e];
         const uint8_t *wg = (const uint8_t *)(uintptr_t)gate_up[e], *wd = (const uint8_t *)(uintptr_t)down[e];
-        PackedX px = packed_x_at(pmem, n, hidden);
+        PackedX px = packed_x_at(pmem, n, packed_x_pitch(hidden));
         px.bits8 = bits8;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; r++) memcpy(xe + r * hidden, x + rows[r] / top_k * hidden, sizeof(float) * (size_t)hidden);
         if (packed_type(gt)) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < n * (hidden / QK); i++) packed_x_block(xe, px, i);
+            for (int64_t i = 0; i < n * (hidden / QK); i++) packed_x_block(xe, px, i, hidden / QK);
         }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < span; c += 32) /* 32 output rows a chunk: whole groups of 16 */
@@ -387,11 +387,11 @@ int pagedserve_moe_experts(const float *x, int64_t tokens, int32_t top_k, const 
                 for (int64_t i = 0; i < span; i++) gu[i] += gate_up_bias[e * span + i];
             expert_act(gu, xe + r * inter, inter, limit, alpha); /* the activations replace the rows */
         }
-        PackedX pa = packed_x_at(pmem, n, inter);
+        PackedX pa = packed_x_at(pmem, n, packed_x_pitch(inter));
         pa.bits8 = bits8;
         if (packed_type(dt)) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < n * (inter / QK); i++) packed_x_block(xe, pa, i);
+            for (int64_t i = 0; i < n * (inter / QK); i++) packed_x_block(xe, pa, i, inter / QK);
         }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < hidden; c += 32) {
