@@ -234,9 +234,10 @@ def kernel_ab(
             nbytes = sum(m.nbytes for m in mats)
             a, b = (statistics.median(t[2:]) for t in times)
             same = "the same" if diff == 0 else f"apart by {diff:.1e} of the largest"
+            macs = len(mats) * 8192 * 2048 * rows / 1e9  # multiply-adds a pass
             print(
                 f"{qtype:5} {nbits:2}-bit  {nbytes / a / 1e9:6.1f} / {nbytes / b / 1e9:6.1f} GB/s"
-                f"  x{b / a:.2f}  outputs {same}"
+                f"  {macs / a:6.1f} / {macs / b:6.1f} GMAC/s  x{b / a:.2f}  outputs {same}"
             )
 
 
@@ -252,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=1, help="with --kernels: activation rows")
     p.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q4_1,MXFP4", help="with --against")
     p.add_argument("--bits", default="16,8", help="with --against: activation widths")
-    p.add_argument("--passes", type=int, default=40, help="with --against")
+    p.add_argument(
+        "--passes", type=int, default=40, help="with --against (the first two warm up, uncounted)"
+    )
     p.add_argument(
         "--against",
         metavar="LIB",
@@ -272,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         "--with-int8", action="store_true", help="a third server with --quantized-activations int8"
     )
     args = p.parse_args(argv)
+    if args.passes < 3:
+        p.error("--passes: at least 3 (the first two passes warm up and are not counted)")
     if args.kernels and args.against:
         kernel_ab(
             args.against,

@@ -127,7 +127,7 @@ static inline const uint8_t *packed_k_mins(int ptype, const uint8_t *sub) {
 #define PACK_XROWS 4         /* activation rows per pass over a group's weights (accumulators in registers) */
 #define PACK_TILE 32         /* the most rows a caller hands packed_group_dot at once */
 #ifndef PACK_TILE_MIN
-#define PACK_TILE_MIN 8      /* from these rows on, AVX2's 8-bit K-quant kernel takes them as one tile */
+#define PACK_TILE_MIN 3      /* from these rows on, AVX2's 8-bit K-quant kernel takes them as one tile */
 #endif
 
 /* Activations of a matmul as the packed kernel reads them: per row and 32-value block, the 16-bit integers
@@ -757,6 +757,55 @@ static inline __attribute__((always_inline)) __m256 avx2_k_scaled(const int ptyp
     return _mm256_fnmadd_ps(s1, _mm256_set1_ps(32.0f * (x.sum[xb] - x.sumh[xb])), acc);
 }
 
+/* A sub-block half's scales for 8-bit activations: sc[0] / sc[1] its integer scales as 16-bit pairs (Q4_K,
+   Q5_K: one for all 32 values; Q6_K: the first and the last 16 values'), folded into the widening of the 16-bit
+   sums, so a row's products arrive as one int32 (exact as a float below 2^24: Q4_K and Q5_K always, Q6_K
+   but for extreme blocks, rounded then alike everywhere); d the rows' super-block scales;
+   off[0] / off[1] the float offsets (Q4_K, Q5_K: dmin m, off[1] unused; Q6_K: 32 d sc of each half). d is
+   256 times the rows' scales: x.d is a 256th of the activations' rounding step (packed_x_block), exactly. */
+typedef struct {
+    __m256i sc[2];
+    __m256 d, off[2];
+} Avx2KScales;
+
+static inline __attribute__((always_inline)) Avx2KScales avx2_k_scales8(const int ptype, const uint8_t *head,
+                                                                         const uint8_t *sub, int hf) {
+    Avx2KScales s;
+    s.d = _mm256_loadu_ps(((const PackedKHead *)head)->d + 8 * hf);
+    if (ptype != PACKED_Q6K) {
+        const __m256 dmin = _mm256_loadu_ps(((const PackedKHead *)head)->dmin + 8 * hf);
+        const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(packed_k_scales(ptype, sub) + 8 * hf)));
+        s.sc[0] = s.sc[1] = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+        s.off[0] = s.off[1] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                                      (const __m128i *)(packed_k_mins(ptype, sub) + 8 * hf)))));
+        s.d = _mm256_mul_ps(s.d, _mm256_set1_ps(256.0f));
+        return s;
+    }
+    const PackedQ6KSub *s6 = (const PackedQ6KSub *)sub;
+    for (int h = 0; h < 2; h++) {
+        const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s6->sc[h] + 8 * hf)));
+        s.sc[h] = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(sc, 16));
+        s.off[h] = _mm256_mul_ps(_mm256_mul_ps(s.d, _mm256_set1_ps(32.0f)), _mm256_cvtepi32_ps(sc));
+    }
+    s.d = _mm256_mul_ps(s.d, _mm256_set1_ps(256.0f)); /* x.d is a 256th of the rounding step: exact */
+    return s;
+}
+
+/* acc + one activation row's sub-block half with 8-bit activations, from dot: its products times the integer
+   scales (Avx2KScales.sc), summed. The offsets first, so the products' long chain ends in one fma; every 8-bit
+   AVX2 K-quant kernel scales through here, so a row's floats do not depend on how many rows share its step. */
+static inline __attribute__((always_inline)) __m256 avx2_k_scaled8(const int ptype, const Avx2KScales *s,
+                                                                    __m256i dot, PackedX x, int64_t xb, __m256 acc) {
+    const __m256 dd = _mm256_mul_ps(s->d, _mm256_set1_ps(x.d[xb]));
+    if (ptype != PACKED_Q6K) {
+        acc = _mm256_fnmadd_ps(s->off[0], _mm256_set1_ps(x.sum[xb]), acc);
+    } else {
+        acc = _mm256_fnmadd_ps(s->off[0], _mm256_set1_ps(x.sumh[xb]), acc);
+        acc = _mm256_fnmadd_ps(s->off[1], _mm256_set1_ps(x.sum[xb] - x.sumh[xb]), acc);
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dd, acc);
+}
+
 /* 16-bit activations, one row: both halves of the 16 rows in one pass over the group (it streams from
    memory once; the next sub-blocks asked for ahead when `ahead`), the low and high bytes' sums each widened */
 static inline __attribute__((always_inline)) void avx2_k_row16(const int ptype, const uint8_t *grp, int64_t nblocks,
@@ -796,15 +845,16 @@ static inline __attribute__((always_inline)) void avx2_k_rows8(const int ptype, 
                                                                 PackedX x, int64_t in_dim, const int nr, float *out) {
     const int64_t supb = 8 * pack_block_bytes(ptype), xb0 = in_dim / QK;
     const int subb = packed_k_sub_bytes(ptype);
-    const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+    const __m256i zero = _mm256_setzero_si256();
     __m256 acc[PACK_XROWS][2];
     for (int r = 0; r < nr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *head = grp + b / 8 * supb, *sub = packed_k_sub_at(ptype, head, (int)(b % 8));
         for (int c = 0; c < subb; c += 64) __builtin_prefetch(sub + 4096 + c, 0, 3);
         for (int hf = 0; hf < 2; hf++) {
-            __m256i ha[PACK_XROWS], hb[PACK_XROWS], ta[PACK_XROWS], tb[PACK_XROWS];
-            for (int r = 0; r < nr; r++) ha[r] = hb[r] = ta[r] = tb[r] = zero;
+            const Avx2KScales sc = avx2_k_scales8(ptype, head, sub, hf);
+            __m256i h[PACK_XROWS], ta[PACK_XROWS], tb[PACK_XROWS];
+            for (int r = 0; r < nr; r++) h[r] = ta[r] = tb[r] = zero;
             for (int k = 0; k < 4; k++) {
                 __m256i wl, wh;
                 avx2_k_weights(ptype, sub, k, hf, &wl, &wh);
@@ -820,14 +870,13 @@ static inline __attribute__((always_inline)) void avx2_k_rows8(const int ptype, 
                         ta[r] = _mm256_add_epi16(ta[r], _mm256_add_epi16(pa, pb));
                     }
                     if (k & 1) {
-                        ha[r] = _mm256_add_epi32(ha[r], _mm256_madd_epi16(ta[r], ones));
-                        hb[r] = _mm256_add_epi32(hb[r], _mm256_madd_epi16(tb[r], ones));
+                        h[r] = _mm256_add_epi32(h[r], _mm256_madd_epi16(ta[r], sc.sc[0]));
+                        if (ptype == PACKED_Q6K) h[r] = _mm256_add_epi32(h[r], _mm256_madd_epi16(tb[r], sc.sc[1]));
                         ta[r] = tb[r] = zero;
                     }
                 }
             }
-            for (int r = 0; r < nr; r++)
-                acc[r][hf] = avx2_k_scaled(ptype, head, sub, hf, x, r * xb0 + b, zero, ha[r], zero, hb[r], acc[r][hf]);
+            for (int r = 0; r < nr; r++) acc[r][hf] = avx2_k_scaled8(ptype, &sc, h[r], x, r * xb0 + b, acc[r][hf]);
         }
     }
     for (int r = 0; r < nr; r++) {
@@ -840,13 +889,12 @@ static inline __attribute__((always_inline)) void avx2_k_rows8(const int ptype, 
    vectors decoded once for every row of the tile, where avx2_k_rows8 decodes them again each four rows; and
    each row's scaling from the half's scales made once. A row's products summed in 16 bits over as many
    weight vectors as fit (Q4_K all eight: 8 x 2 x 127 x 15 < 2^15; Q5_K four; Q6_K two, its halves apart),
-   then widened: the same integers, and the same float operations in the same order, as avx2_k_rows8, so the
-   same floats. out: the tile's accumulators, out[r * 16 + i], in L1 between sub-blocks. */
+   then widened: the same integers as avx2_k_rows8, scaled by the same avx2_k_scaled8, so the same floats. out: the tile's accumulators, out[r * 16 + i], in L1 between sub-blocks. */
 static inline __attribute__((always_inline)) void avx2_k_tile8(const int ptype, const uint8_t *grp, int64_t nblocks,
                                                                 PackedX x, int64_t in_dim, const int64_t nr, float *out) {
     const int64_t supb = 8 * pack_block_bytes(ptype), xb0 = in_dim / QK;
     const int subb = packed_k_sub_bytes(ptype);
-    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i dots[PACK_TILE];
     for (int64_t i = 0; i < nr * PACK_ROWS; i++) out[i] = 0.0f;
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *head = grp + b / 8 * supb, *sub = packed_k_sub_at(ptype, head, (int)(b % 8));
@@ -854,22 +902,9 @@ static inline __attribute__((always_inline)) void avx2_k_tile8(const int ptype, 
         for (int hf = 0; hf < 2; hf++) {
             __m256i w[8];
             for (int k = 0; k < 4; k++) avx2_k_weights(ptype, sub, k, hf, &w[2 * k], &w[2 * k + 1]);
-            const __m256 d = _mm256_loadu_ps(((const PackedKHead *)head)->d + 8 * hf);
-            __m256 s0, s1;
-            if (ptype != PACKED_Q6K) { /* s0 the scale, s1 the offset, as avx2_k_scaled makes them */
-                const __m256 dmin = _mm256_loadu_ps(((const PackedKHead *)head)->dmin + 8 * hf);
-                s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                          _mm_loadl_epi64((const __m128i *)(packed_k_scales(ptype, sub) + 8 * hf)))));
-                s1 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                             _mm_loadl_epi64((const __m128i *)(packed_k_mins(ptype, sub) + 8 * hf)))));
-            } else {
-                const PackedQ6KSub *s6 = (const PackedQ6KSub *)sub;
-                s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s6->sc[0] + 8 * hf)))));
-                s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s6->sc[1] + 8 * hf)))));
-            }
+            const Avx2KScales sc = avx2_k_scales8(ptype, head, sub, hf);
             for (int64_t r = 0; r < nr; r++) {
                 const int8_t *xr = x.hi + r * in_dim + b * QK;
-                const int64_t xb = r * xb0 + b;
                 __m256i p[8];
                 for (int k = 0; k < 4; k++) {
                     int32_t h0, h1;
@@ -878,28 +913,25 @@ static inline __attribute__((always_inline)) void avx2_k_tile8(const int ptype, 
                     p[2 * k] = _mm256_maddubs_epi16(w[2 * k], _mm256_set1_epi32(h0));
                     p[2 * k + 1] = _mm256_maddubs_epi16(w[2 * k + 1], _mm256_set1_epi32(h1));
                 }
-                const __m256 dx = _mm256_set1_ps(x.d[xb]);
-                float *o = out + r * PACK_ROWS + 8 * hf;
-                __m256 acc = _mm256_loadu_ps(o);
+                __m256i dot;
                 if (ptype == PACKED_Q6K) { /* the first 16 values (even p) and the last 16 (odd) apart */
-                    const __m256i ha = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[2]), ones),
-                                                        _mm256_madd_epi16(_mm256_add_epi16(p[4], p[6]), ones));
-                    const __m256i hb = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[1], p[3]), ones),
-                                                        _mm256_madd_epi16(_mm256_add_epi16(p[5], p[7]), ones));
-                    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_slli_epi32(ha, 8)), dx), s0, acc);
-                    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_slli_epi32(hb, 8)), dx), s1, acc);
-                    acc = _mm256_fnmadd_ps(s0, _mm256_set1_ps(32.0f * x.sumh[xb]), acc);
-                    acc = _mm256_fnmadd_ps(s1, _mm256_set1_ps(32.0f * (x.sum[xb] - x.sumh[xb])), acc);
+                    __m256i a0 = _mm256_add_epi16(p[0], p[2]), a1 = _mm256_add_epi16(p[4], p[6]);
+                    __m256i b0 = _mm256_add_epi16(p[1], p[3]), b1 = _mm256_add_epi16(p[5], p[7]);
+                    dot = _mm256_add_epi32(
+                        _mm256_add_epi32(_mm256_madd_epi16(a0, sc.sc[0]), _mm256_madd_epi16(a1, sc.sc[0])),
+                        _mm256_add_epi32(_mm256_madd_epi16(b0, sc.sc[1]), _mm256_madd_epi16(b1, sc.sc[1])));
                 } else {
-                    const __m256i q0 = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
-                    const __m256i q1 = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
-                    const __m256i hs = ptype == PACKED_Q4K
-                                           ? _mm256_madd_epi16(_mm256_add_epi16(q0, q1), ones)
-                                           : _mm256_add_epi32(_mm256_madd_epi16(q0, ones), _mm256_madd_epi16(q1, ones));
-                    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_slli_epi32(hs, 8)), dx), s0, acc);
-                    acc = _mm256_fnmadd_ps(s1, _mm256_set1_ps(x.sum[xb]), acc);
+                    __m256i q0 = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+                    __m256i q1 = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+                    __asm__("" : "+x"(q0), "+x"(q1)); /* kept a tree: a chain of eight adds would lengthen each row's latency */
+                    dot = ptype == PACKED_Q4K ? _mm256_madd_epi16(_mm256_add_epi16(q0, q1), sc.sc[0])
+                                              : _mm256_add_epi32(_mm256_madd_epi16(q0, sc.sc[0]), _mm256_madd_epi16(q1, sc.sc[0]));
                 }
-                _mm256_storeu_ps(o, acc);
+                _mm256_store_si256(dots + r, dot);
+            }
+            for (int64_t r = 0; r < nr; r++) {
+                float *o = out + r * PACK_ROWS + 8 * hf;
+                _mm256_storeu_ps(o, avx2_k_scaled8(ptype, &sc, _mm256_load_si256(dots + r), x, r * xb0 + b, _mm256_loadu_ps(o)));
             }
         }
     }

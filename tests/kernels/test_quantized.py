@@ -714,12 +714,13 @@ def test_packed_k_quants_multiply_rounded_activations(native, qtype, rows, in_di
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("bits", [16, 8])
-@pytest.mark.parametrize("rows", [5, 40])
+@pytest.mark.parametrize("rows", [2, 5, 40])
 def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bits, rows):
     """Every weight at its type's largest integer (15, 31, 63) against activations at full scale of
     either sign (each block rounds to +-127 with 8 bits): the kernel's integer sums stay within
-    their width (a sum that wrapped would be off by 2^16 of a block's scale), four rows at once and
-    a tail, and a prompt's many rows (a tile of 32 and one of 8, where AVX2 sums more in 16 bits).
+    their width (a sum that wrapped would be off by 2^16 of a block's scale), and the integer
+    scales folded into them stay exact, for two rows (AVX2's few-row kernel), five (its smallest
+    tile), and a prompt's many rows (a tile of 32 and one of 8, where AVX2 sums more in 16 bits).
     """
     w, reference = random_k_blocks(np.random.default_rng(11), 32, 512, qtype)
     blocks = w.data.numpy().reshape(32, 2, -1)
@@ -729,7 +730,7 @@ def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bit
     reference = torch.from_numpy(
         gguf.quants.dequantize(blocks.reshape(32, -1), kind).reshape(32, 512).copy()
     )
-    signs = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0] * (rows // 5))[:, None].repeat(1, 512)
+    signs = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0] * 8)[:rows, None].repeat(1, 512)
     signs[:, 256:] *= -1  # a sign change between super-blocks
     x = signs * 3.0
     lib = packing_lib(native, max_kernel_rows=64, int8_activations=bits == 8)
