@@ -1,5 +1,6 @@
 """A process supervisor that knows worker groups: a unit (a TP group, the scheduler) starts, stops
-and restarts as a whole with doubling backoff; exit EXIT_CONFIG (2) is not restarted.
+and restarts as a whole with doubling backoff; exit EXIT_CONFIG (2) is not restarted, EXIT_LOAD (4,
+a model that failed to load) only a few times in a row.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import structlog
 
-from protos.base import EXIT_CONFIG
+from protos.base import EXIT_CONFIG, EXIT_LOAD
 
 log = structlog.get_logger("supervisor")
 
@@ -31,6 +32,7 @@ class Unit:
     programs: list[Program]
     procs: list[subprocess.Popen] = field(default_factory=list)
     restarts: int = 0
+    load_failures: int = 0  # exits with EXIT_LOAD since the unit last loaded its model
     backoff: float = 0.0
     next_start: float = 0.0
     started_at: float = 0.0
@@ -67,6 +69,7 @@ class Supervisor:
         max_backoff: float = 30.0,
         stable_after: float = 60.0,
         stop_timeout: float = 15.0,
+        max_load_failures: int = 3,
     ) -> None:
         self.units = units
         # SUPERVISED: a child leaves Ctrl-C to its supervisor, which stops units in order, and stops
@@ -76,6 +79,7 @@ class Supervisor:
         self.min_backoff, self.max_backoff = min_backoff, max_backoff
         self.stable_after = stable_after
         self.stop_timeout = stop_timeout
+        self.max_load_failures = max_load_failures
         self._logs: list = []
 
     def start(self, unit: Unit) -> None:
@@ -122,9 +126,16 @@ class Supervisor:
                 prog.name: c for prog, c in zip(unit.programs, codes, strict=True) if c is not None
             }
             self._stop_unit(unit)
+            codes_said = ", ".join(f"{n} exited with {c}" for n, c in exited.items())
             if EXIT_CONFIG in exited.values():
+                raise FatalExit(f"{unit.name}: {codes_said}")
+            # a model that fails to load fails the same way next time, but a full disk or a moment
+            # without memory may pass: a few tries, then the service stops rather than loop forever
+            unit.load_failures = unit.load_failures + 1 if EXIT_LOAD in exited.values() else 0
+            if unit.load_failures >= self.max_load_failures:
                 raise FatalExit(
-                    f"{unit.name}: {', '.join(f'{n} exited with {c}' for n, c in exited.items())}"
+                    f"{unit.name}: the model failed to load {unit.load_failures} times in a row"
+                    f" ({codes_said})"
                 )
             ran = now - unit.started_at
             unit.backoff = (

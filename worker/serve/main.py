@@ -12,7 +12,7 @@ import sys
 
 import structlog
 
-from protos.base import EXIT_CONFIG, env
+from protos.base import EXIT_CONFIG, EXIT_LOAD, env
 from protos.base.argtypes import COUNT, POSITIVE, SECONDS, Parser, float_range, memory_size
 from protos.base.logs import LOG_FORMATS, configure_logging
 from worker.serve.assembly import build_runner, handshake_for, size_pool
@@ -346,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         message = e.message or f"{e.event.replace('_', ' ')} ({details})"
         print(f"pagedserve-worker: {message}", file=sys.stderr)
         return EXIT_CONFIG
+    except Exception as e:  # a fault no check foresaw: one line, its traceback at --log-level debug
+        log.error("model_load_failed", model=cfg.model, error=f"{type(e).__name__}: {e}")
+        log.debug("model_load_failed_at", exc_info=True)
+        said = f"pagedserve-worker: {cfg.model} could not be loaded: {type(e).__name__}: {e}"
+        print(said, file=sys.stderr)
+        return EXIT_LOAD
     from worker.serve.step_server import WorkerServer
 
     handshake = handshake_for(cfg, loaded, plan, device, tp)
