@@ -126,9 +126,9 @@ static inline const uint8_t *packed_k_mins(int ptype, const uint8_t *sub) {
 }
 #define PACK_XROWS 4         /* activation rows per pass over a group's weights (accumulators in registers) */
 #define PACK_TILE 32         /* the most rows a caller hands packed_group_dot at once */
-#ifndef PACK_TILE_MIN
-#define PACK_TILE_MIN 3      /* from these rows on, AVX2's 8-bit K-quant kernel takes them as one tile */
-#endif
+/* From these rows on, AVX2's 8-bit K-quant kernel takes them as one tile (Q5_K's high bits make its tile
+   slower than the four-row kernel at 4 rows). */
+static inline int64_t pack_tile_min(int ptype) { return ptype == PACKED_Q5K ? 5 : 3; }
 
 /* Activations of a matmul as the packed kernel reads them: per row and 32-value block, the 16-bit integers
    split into their low (unsigned) and high (signed) bytes, the scale, and the block's fp32 sum. */
@@ -1063,11 +1063,11 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
 
 /* out[r * 16 + i] for any number of activation rows, PACK_XROWS at a time (the group's weights stay in L1
    between passes), specialized on the layout and the row count; on AVX2 with 8-bit activations, a K-quant's
-   PACK_TILE_MIN rows or more as one tile. Callers pass up to PACK_TILE rows at once. */
+   pack_tile_min rows or more as one tile. Callers pass up to PACK_TILE rows at once. */
 static inline void packed_group_dot(int ptype, const uint8_t *grp, int64_t nblocks, PackedX x, int64_t in_dim,
                                     int64_t rows, float *out) {
 #if defined(PACKED_AVX2)
-    if (x.bits8 && packed_is_k(ptype) && rows >= PACK_TILE_MIN) {
+    if (x.bits8 && packed_is_k(ptype) && rows >= pack_tile_min(ptype)) {
         if (ptype == PACKED_Q4K)
             avx2_k_tile8(PACKED_Q4K, grp, nblocks, x, in_dim, rows, out);
         else if (ptype == PACKED_Q5K)

@@ -714,13 +714,14 @@ def test_packed_k_quants_multiply_rounded_activations(native, qtype, rows, in_di
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("bits", [16, 8])
-@pytest.mark.parametrize("rows", [2, 5, 40])
+@pytest.mark.parametrize("rows", [2, 4, 5, 40])
 def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bits, rows):
     """Every weight at its type's largest integer (15, 31, 63) against activations at full scale of
     either sign (each block rounds to +-127 with 8 bits): the kernel's integer sums stay within
     their width (a sum that wrapped would be off by 2^16 of a block's scale), and the integer
-    scales folded into them stay exact, for two rows (AVX2's few-row kernel), five (its smallest
-    tile), and a prompt's many rows (a tile of 32 and one of 8, where AVX2 sums more in 16 bits).
+    scales folded into them stay exact, for two, four and five rows (AVX2's few-row kernel below
+    three rows, five for Q5_K, a tile from there), and a prompt's many rows (a tile of 32 and one
+    of 8, where AVX2 sums more in 16 bits).
     """
     w, reference = random_k_blocks(np.random.default_rng(11), 32, 512, qtype)
     blocks = w.data.numpy().reshape(32, 2, -1)
@@ -756,8 +757,8 @@ def test_a_rows_answer_does_not_depend_on_the_rows_beside_it(native, qtype, bits
     whole = lib(x, packed)
     for r in (0, 3, 31, 32, 69):
         assert torch.equal(lib(x[r : r + 1], packed), whole[r : r + 1])
-    assert torch.equal(lib(x[:6], packed), whole[:6])
-    assert torch.equal(lib(x[40:57], packed), whole[40:57])
+    for r0, r1 in ((10, 12), (10, 13), (10, 14), (0, 6), (40, 57)):  # few-row kernels, tiles
+        assert torch.equal(lib(x[r0:r1], packed), whole[r0:r1])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "MXFP4"])
