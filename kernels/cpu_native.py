@@ -32,18 +32,8 @@ _C_TYPES = {
 
 
 # the fused decode step's stages as pagedserve_decode_profile counts them (kernels/cpu/pagedserve.h)
-DECODE_STAGES = (
-    "norms",
-    "rounding",
-    "qkv",
-    "heads",
-    "attention",
-    "o_proj",
-    "gate_up",
-    "silu",
-    "down",
-    "lora",
-)
+_STAGES = "norms rounding qkv heads attention o_proj gate_up silu down lora mamba"
+DECODE_STAGES = tuple(_STAGES.split())
 
 
 def prototypes(header: str) -> dict[str, tuple[object, list]]:
@@ -130,14 +120,17 @@ class NativeKernels(NativeAttention, NativeRecurrent):
         seq_lens: torch.Tensor,
         scratch: torch.Tensor,
         lora=None,
+        state_slots: torch.Tensor | None = None,
     ) -> None:
         """Every layer for `rows` decoding tokens in one call: x fp32 [rows, hidden] -> final-
-        normed.
+        normed; state_slots: int64 [rows], each row's slot in the state pool (Mamba2 layers).
         """
+        states = slots if state_slots is None else state_slots  # checked alike, passed if given
         for t, dt in (
             (x, torch.float32),
             (positions, torch.int64),
             (slots, torch.int64),
+            (states, torch.int64),
             (block_tables, torch.int32),
             (seq_lens, torch.int32),
             (scratch, torch.float32),
@@ -148,13 +141,12 @@ class NativeKernels(NativeAttention, NativeRecurrent):
                 )
         if not (
             x.is_contiguous()
-            and positions.is_contiguous()
-            and slots.is_contiguous()
-            and seq_lens.is_contiguous()
+            and all(t.is_contiguous() for t in (positions, slots, states, seq_lens))
             and block_tables.stride(1) == 1
             and x.shape[0] == rows
             and positions.numel()
             == slots.numel()
+            == states.numel()
             == seq_lens.numel()
             == block_tables.shape[0]
             == rows
@@ -173,6 +165,7 @@ class NativeKernels(NativeAttention, NativeRecurrent):
             block_tables.stride(0),
             seq_lens.data_ptr(),
             None if lora is None else ctypes.addressof(lora),
+            None if state_slots is None else state_slots.data_ptr(),
             scratch.data_ptr(),
         ):
             raise ValueError("decode_step does not serve this model's shapes")

@@ -1,6 +1,7 @@
 """The native CPU library's recurrent layers over the state pool (kernels/cpu/delta_rule.c): Gated
-DeltaNet's decode (conv step, delta rule, gated norm) and its prompt chunks, and Mamba2's decode
-(conv step with its bias, the state-space step): the part of NativeKernels around the state pool.
+DeltaNet's decode (conv step, delta rule, gated norm) and its prompt chunks, and Mamba2's decode in
+one call from in_proj's output to the gated norm (PsMamba, which the fused step reads too): the
+part of NativeKernels around the state pool.
 """
 
 from __future__ import annotations
@@ -8,6 +9,25 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
+_P, _I32, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
+MAMBA_NORMS = {"none": 0, "gated": 1, "before_gate": 2}  # PsMamba.norm_kind
+
+
+class PsMamba(ctypes.Structure):
+    """kernels/cpu/pagedserve.h's PsMamba: a Mamba2 mixer's parameters and its layer of the state
+    pool (worker/model/mamba2.py Mamba2.native builds one).
+    """
+
+    _fields_ = [
+        *((name, _P) for name in ("conv", "conv_bias", "dt_bias", "a", "d", "norm")),
+        ("conv_states", _P),
+        ("ssm_states", _P),
+        *((name, _I32) for name in ("heads", "head_dim", "groups", "d_state", "kernel")),
+        ("norm_kind", _I32),
+        ("dt_min", _F),
+        ("eps", _F),
+    ]
 
 
 class NativeRecurrent:
@@ -19,7 +39,7 @@ class NativeRecurrent:
             lib.pagedserve_gated_norm,
             lib.pagedserve_delta_rule_chunked,
         )
-        self._ssd_step = lib.pagedserve_ssd_step
+        self._mamba_decode = lib.pagedserve_mamba_decode
 
     def delta_net_decode(self, x, z, g, beta, conv_states, states, slots, conv, norm, layer):
         # one function: each tensor's layout is checked where the library reads it
@@ -130,62 +150,25 @@ class NativeRecurrent:
             return None
         return out
 
-    def mamba_decode(self, xbc, dt, a, d, conv_states, ssm_states, slots, conv, conv_bias, layer):
-        # one function: each tensor's layout is checked where the library reads it
-        """One token a row through Mamba2's conv (with its bias) and state-space step, conv and
-        state slots advanced in place -> y fp32 [rows, heads * head_dim], the D skip added (the
-        gated norm is the mixer's); None for a layout it does not take (as kernels/triton_ssd.py).
-
-        xbc [rows, conv channels] (x, B, C before the conv), dt fp32 [rows, heads] (after
-        softplus), a, d [heads], conv_states [slots, K-1, channels], ssm_states fp32 [slots,
-        heads, head_dim, d_state], conv [channels, K], conv_bias [channels].
+    def mamba_step(self, desc: PsMamba, proj: torch.Tensor, slots: torch.Tensor):
+        """One token a row through a Mamba2 mixer: proj fp32 [rows, in_proj rows] (z, x B C, raw
+        step sizes) -> fp32 [rows, heads * head_dim], gated-normed, each row's conv and SSD state
+        advanced in its slot of desc's pool layer; None for a layout it does not take.
         """
-        heads, head_dim, groups, d_state = layer
-        rows, channels = xbc.shape
-        f32 = torch.float32
+        inner = desc.heads * desc.head_dim
+        conv_dim = inner + 2 * desc.groups * desc.d_state
         if not (
-            all(t.dtype == f32 and t.device.type == "cpu" for t in (xbc, conv_states, ssm_states))
-            and xbc.stride(1) == 1
-            and conv_states.is_contiguous()
-            and ssm_states.is_contiguous()
-            and conv.dtype == conv_bias.dtype == f32
-            and conv.is_contiguous()
-            and conv_bias.is_contiguous()
-            and channels == conv.shape[0] == conv_states.shape[2]
-            and channels == heads * head_dim + 2 * groups * d_state
-            and tuple(ssm_states.shape[1:]) == (heads, head_dim, d_state)
-            and heads % groups == 0
+            proj.dtype == torch.float32
+            and proj.device.type == "cpu"
+            and proj.stride(1) == 1
+            and proj.shape[1] == inner + conv_dim + desc.heads
         ):
             return None
+        rows = proj.shape[0]
         slots = slots.to(torch.int64).contiguous()
-        y = torch.empty(rows, channels, dtype=f32)
-        self._conv_step(
-            xbc.data_ptr(),
-            xbc.stride(0),
-            conv_states.data_ptr(),
-            slots.data_ptr(),
-            conv.data_ptr(),
-            conv_bias.data_ptr(),
-            y.data_ptr(),
-            rows,
-            channels,
-            conv.shape[1],
-        )
-        dt, a, d = (t.to(f32).contiguous() for t in (dt, a, d))
-        out = torch.empty(rows, heads * head_dim, dtype=f32)
-        self._ssd_step(
-            y.data_ptr(),
-            channels,
-            dt.data_ptr(),
-            a.data_ptr(),
-            d.data_ptr(),
-            ssm_states.data_ptr(),
-            slots.data_ptr(),
-            out.data_ptr(),
-            rows,
-            heads,
-            groups,
-            head_dim,
-            d_state,
-        )
+        out = torch.empty(rows, inner)
+        scratch = torch.empty(rows, conv_dim + inner)
+        args = (proj.data_ptr(), proj.stride(0), slots.data_ptr(), rows, out.data_ptr())
+        if self._mamba_decode(ctypes.addressof(desc), *args, scratch.data_ptr()):
+            return None
         return out

@@ -68,8 +68,8 @@ def matrix_bytes(model) -> dict[str, int]:
 
     total = dict.fromkeys(MATRICES, 0)
     for layer in model.layers:
-        for name, n in one_layer(layer).items():
-            total[name] += n
+        for name, n in one_layer(layer).items():  # a Mamba2 layer's in the step's stages of them
+            total[{"in_proj": "qkv", "out_proj": "o_proj"}.get(name, name)] += n
     return total
 
 
@@ -120,6 +120,7 @@ def budget(runner, context: int, steps: int) -> dict:
         block=runner.pool.block_size,
         step_id=2,
         vocab=min(model.config.vocab_size, 40000),
+        hybrid=model.config.keeps_state,
     )
     for t in runner.pool.k + runner.pool.v:
         t.normal_()

@@ -101,8 +101,16 @@ async def http_pass(
     return {"wall_s": wall, "ttfts": [r[0] for r in results], "tokens": sum(r[1] for r in results)}
 
 
-def step_plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1, vocab: int = 40000):
-    """A StepPlan for each (new_tokens, seq_len), blocks in order -> (plan, blocks used)."""
+def step_plan(
+    seqs: list[tuple[int, int]],
+    block: int = 16,
+    step_id: int = 1,
+    vocab: int = 40000,
+    hybrid: bool = False,
+):
+    """A StepPlan for each (new_tokens, seq_len), blocks in order -> (plan, blocks used); with
+    hybrid, sequence i in state slot i.
+    """
     import numpy as np
 
     from protos.codec import PlanArrays, encode_plan
@@ -138,6 +146,7 @@ def step_plan(seqs: list[tuple[int, int]], block: int = 16, step_id: int = 1, vo
             top_k=np.zeros(k, "<i4"),
             seed=np.zeros(k, "<u8"),
             block_copies=np.empty((0, 2), "<i4"),
+            state_slots=np.arange(k, dtype="<i4") if hybrid else None,
         )
     )
     return plan, start

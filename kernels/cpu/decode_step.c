@@ -55,9 +55,25 @@ int pagedserve_decode_profile(int32_t on, int64_t* out) {
     return PS_DECODE_STAGES;
 }
 
-static int64_t max_in(const PsModel* m) {
+/* The widest of each buffer between stages over the model's layers: a Mamba2 layer's in_proj output, its
+   mixer's output and conv output beside attention's qkv and attention's output. */
+typedef struct {
+    int64_t proj, mix, conv, max_in;
+} StepWidths;
+
+static StepWidths step_widths(const PsModel* m) {
     const int64_t h = m->hidden, q = (int64_t)m->n_heads * m->head_dim, i = m->intermediate;
-    return h > q ? (h > i ? h : i) : (q > i ? q : i);
+    StepWidths w = {q + 2 * (int64_t)m->n_kv_heads * m->head_dim, q, 0, h > q ? (h > i ? h : i) : (q > i ? q : i)};
+    for (int li = 0; li < m->num_layers; li++) {
+        const PsMamba* mb = m->layers[li].mamba;
+        if (!mb) continue;
+        const int64_t inner = (int64_t)mb->heads * mb->head_dim, conv = inner + 2 * (int64_t)mb->groups * mb->d_state;
+        w.proj = w.proj > inner + conv + mb->heads ? w.proj : inner + conv + mb->heads;
+        w.mix = w.mix > inner ? w.mix : inner;
+        w.conv = w.conv > conv ? w.conv : conv;
+        w.max_in = w.max_in > inner ? w.max_in : inner;
+    }
+    return w;
 }
 
 /* the sizes of the structs the binding builds (pagedserve.h), for it to check its mirrors against */
@@ -74,9 +90,9 @@ int pagedserve_struct_sizes(int64_t* out) {
 /* floats of scratch a step of `rows` tokens needs: the activations between stages, and a matmul's input
    rounded for packed weights (64-byte aligned) */
 int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
-    const int64_t h = m->hidden, q = (int64_t)m->n_heads * m->head_dim, kv = (int64_t)m->n_kv_heads * m->head_dim;
-    return rows * (3 * h + (q + 2 * kv) + q + 3 * (int64_t)m->intermediate)
-           + (packed_x_bytes(rows, packed_x_pitch(max_in(m))) + 128) / (int64_t)sizeof(float);
+    const StepWidths w = step_widths(m);
+    return rows * (3 * (int64_t)m->hidden + w.proj + 2 * w.mix + w.conv + 3 * (int64_t)m->intermediate)
+           + (packed_x_bytes(rows, packed_x_pitch(w.max_in)) + 128) / (int64_t)sizeof(float);
 }
 
 /* y = x @ W^T on the dense copy through sgemm, the output rows in as many equal chunks (of whole 16s) as
@@ -202,12 +218,46 @@ static void head_prologue(float* v, const float* bias, const float* norm, const 
     if (c) rope_head(v, c, s, rotary_half);
 }
 
+/* A block's output times the model's residual scale (Granite), as the layer path's `out * scale` before its add. */
+static inline void scale_row(float* v, int64_t n, float scale) {
+    if (scale == 1.0f) return;
+    for (int64_t i = 0; i < n; i++) v[i] *= scale;
+}
+
+/* A Mamba2 layer's mixer between in_proj (proj, [rows, in_proj rows]) and out_proj (mixed), as
+   pagedserve_mamba_decode: the conv in chunks of channels, the heads' state-space steps, the groups' gated
+   norms, each stage split over the threads (called inside the step's parallel region). */
+static void mamba_stages(const PsMamba* mb, const float* proj, int64_t rows, const int64_t* state_slots,
+                         float* conv_out, float* y, float* mixed, double* prof_t) {
+    const int64_t inner = (int64_t)mb->heads * mb->head_dim, conv_dim = inner + 2 * (int64_t)mb->groups * mb->d_state;
+    const int64_t stride = inner + conv_dim + mb->heads, chunks = (conv_dim + PS_MAMBA_CONV_CHUNK - 1) / PS_MAMBA_CONV_CHUNK;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows * chunks; it++) {
+        const int64_t r = it / chunks, c0 = it % chunks * PS_MAMBA_CONV_CHUNK;
+        const int64_t c1 = c0 + PS_MAMBA_CONV_CHUNK < conv_dim ? c0 + PS_MAMBA_CONV_CHUNK : conv_dim;
+        pagedserve_mamba_conv(mb, proj + r * stride + inner, conv_out + r * conv_dim, state_slots[r], (int32_t)c0,
+                              (int32_t)c1);
+    }
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows * mb->heads; it++) {
+        const int64_t r = it / mb->heads;
+        pagedserve_mamba_head(mb, conv_out + r * conv_dim, proj + r * stride + inner + conv_dim, y + r * inner,
+                              state_slots[r], (int32_t)(it % mb->heads));
+    }
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows * mb->groups; it++) {
+        const int64_t r = it / mb->groups;
+        pagedserve_mamba_norm(mb, y + r * inner, proj + r * stride, mixed + r * inner, (int32_t)(it % mb->groups));
+    }
+    stage_done(PS_MAMBA, prof_t);
+}
+
 /* x: [rows, hidden], the tokens' embeddings in, the final-norm hidden states out. positions, slots: int64
  * [rows]; block_tables: int32 [rows, table_stride]; seq_lens: int32 [rows] (this token included). scratch:
  * pagedserve_decode_step_scratch floats. Returns 0, or -1 for a shape the step does not serve. */
 int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64_t* positions, const int64_t* slots,
                            const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
-                           const PsLora* lora, float* scratch) {
+                           const PsLora* lora, const int64_t* state_slots, float* scratch) {
     const int64_t H = m->hidden, I = m->intermediate, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads;
     const int64_t qsz = nh * hd, kvsz = nkv * hd, qkv_w = qsz + 2 * kvsz;
     if (rows < 1 || H % QK || I % QK || qsz % QK || hd % 2 || nkv < 1 || nh % nkv || m->rotary_half < 1
@@ -215,11 +265,19 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
         return -1;
     for (int i = 0; i < m->num_layers; i++) {
         const PsLayer* ly = &m->layers[i];
+        const PsMamba* mb = ly->mamba;
         const PsMatrix* mats[4] = {&ly->qkv, &ly->o_proj, &ly->gate_up, &ly->down};
-        const int64_t shapes[4][2] = {{qkv_w, H}, {H, qsz}, {2 * I, H}, {H, I}};
+        int64_t shapes[4][2] = {{qkv_w, H}, {H, qsz}, {2 * I, H}, {H, I}};
+        if (mb) { /* in_proj and out_proj where attention's qkv and o_proj are; no adapters on them */
+            if (pagedserve_mamba_checks(mb) || !state_slots || lora) return -1;
+            const int64_t inner = (int64_t)mb->heads * mb->head_dim;
+            shapes[0][0] = 2 * inner + 2 * (int64_t)mb->groups * mb->d_state + mb->heads;
+            shapes[1][1] = inner;
+        }
         for (int j = 0; j < 4; j++)
             if (!matrix_served(mats[j], shapes[j][0], shapes[j][1])) return -1;
     }
+    const StepWidths widths = step_widths(m);
     LoraRuns lr;
     const int64_t out_dims[4] = {qkv_w, H, 2 * I, H};
     if (lora_runs(lora, m->num_layers, out_dims, rows, &lr)) {
@@ -229,16 +287,18 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     float* residual = scratch;
     float* h = residual + rows * H;
     float* delta = h + rows * H;
-    float* qkv = delta + rows * H;
-    float* attn = qkv + rows * qkv_w;
-    float* gu = attn + rows * qsz;
+    float* qkv = delta + rows * H; /* attention's q, k, v, or a Mamba2 layer's in_proj output */
+    float* attn = qkv + rows * widths.proj; /* attention's output, or the Mamba2 state-space step's */
+    float* mixed = attn + rows * widths.mix; /* a Mamba2 layer's gated norm (out_proj's input) */
+    float* conv_out = mixed + rows * widths.mix;
+    float* gu = conv_out + rows * widths.conv;
     float* act = gu + rows * 2 * I;
     const int64_t heads = nh + nkv;
     const int64_t half = m->rotary_half;
     const int64_t act_chunks = (I + 255) / 256;
     float* packed = act + rows * I;
     packed = (float*)(((uintptr_t)packed + 63) & ~(uintptr_t)63);
-    PackedX px = packed_x_at(packed, rows, packed_x_pitch(max_in(m)));
+    PackedX px = packed_x_at(packed, rows, packed_x_pitch(widths.max_in));
     px.bits8 = m->x8;
     /* attention work items: a sequence with all its KV heads (each key and value row read whole, in one pass)
        where there are sequences enough to keep every thread busy, else one KV head of a sequence */
@@ -306,8 +366,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             LoraAt la = {lora, &lr, m->num_layers, li, 0}; /* the LoRA stage's place (NULL: no adapter) */
             const LoraAt* lq = lr.n ? &la : 0;
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++)
+            for (int64_t r = 0; r < rows; r++) {
+                if (li) scale_row(delta + r * H, H, m->residual_scale);
                 add_rms_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
+            }
             stage_done(PS_NORMS, &prof_t);
             la.which = 0;
             matmul_part(m, &ly->qkv, h, rows, qkv, px, PS_QKV, &prof_t, lq);
@@ -315,95 +377,101 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 lora_expand(lq, qkv, qkv_w);
                 stage_done(PS_LORA, &prof_t);
             }
-#pragma omp for schedule(static)
-            for (int64_t it = 0; it < rows * heads; it++) { /* q heads, then k heads (each with its v head) */
-                const int64_t r = it / heads, hh = it % heads;
-                float* row = qkv + r * qkv_w;
-                const int is_k = hh >= nh;
-                const float* c = ly->rope ? m->cos + positions[r] * half : 0;
-                const float* s = ly->rope ? m->sin + positions[r] * half : 0;
-                head_prologue(row + hh * hd, ly->qkv_bias ? ly->qkv_bias + hh * hd : 0, is_k ? ly->k_norm : ly->q_norm,
-                              c, s, (int)hd, (int)half, m->eps);
-                if (is_k) {
-                    const int64_t kvh = hh - nh;
-                    float* v = row + qsz + kvsz + kvh * hd;
-                    head_prologue(v, ly->qkv_bias ? ly->qkv_bias + qsz + kvsz + kvh * hd : 0, 0, 0, 0, (int)hd, 0,
-                                  m->eps);
-                    if (slots[r] >= 0) {
-                        const int64_t at = slots[r] * kvsz + kvh * hd;
-                        kv_store(ly->k_cache, at, m->kv_bf16, row + hh * hd, (int)hd);
-                        kv_store(ly->v_cache, at, m->kv_bf16, v, (int)hd);
-                    }
-                }
-            }
-            stage_done(PS_HEADS, &prof_t);
-            if (att_splits > 1) {
-#pragma omp for schedule(dynamic, 1)
-                for (int64_t it = 0; it < rows * att_splits * att_split; it++) { /* a range of a row's keys */
-                    const int64_t r = it / (att_splits * att_split), j = it / att_split % att_splits;
-                    const int kh0 = (int)(it % att_split * att_heads);
-                    const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
-                    const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
-                    int32_t from, to;
-                    pagedserve_decode_range(first, seq_lens[r], m->block_size, att_splits, (int32_t)j, &from, &to);
-                    float* acc = att_state + r * row_state + (j * nh + kh0 * (nh / nkv)) * hd;
-                    float* mx = att_state + r * row_state + att_splits * nh * hd + j * nh + kh0 * (nh / nkv);
-                    pagedserve_decode_part(qkv + r * qkv_w, ly->k_cache, ly->v_cache, block_tables + r * table_stride,
-                                           from, to, kh0, kh1, (int)nh, (int)nkv, (int)hd, m->block_size, m->scale,
-                                           0.0f, m->kv_bf16, acc, mx, mx + att_splits * nh);
-                }
-#pragma omp for schedule(static)
-                for (int64_t it = 0; it < rows * nh; it++) { /* the ranges merged, a query head at a time */
-                    const int64_t r = it / nh, hh = it % nh;
-                    const float* st = att_state + r * row_state;
-                    const float* mx = st + att_splits * nh * hd + hh;
-                    pagedserve_decode_merge(st + hh * hd, mx, mx + att_splits * nh, att_splits, nh * hd, nh, (int)hd,
-                                            NULL, attn + r * qsz + hh * hd);
-                }
-            } else if (runs == rows) {
-#pragma omp for schedule(dynamic, 1)
-                for (int64_t it = 0; it < rows * att_split; it++) { /* a sequence's KV heads and their query heads */
-                    const int64_t r = it / att_split;
-                    const int kh0 = (int)(it % att_split * att_heads);
-                    const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
-                    const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
-                    pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
-                                           block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
-                                           (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, NULL, m->kv_bf16);
-                }
+if (ly->mamba) {
+                mamba_stages(ly->mamba, qkv, rows, state_slots, conv_out, attn, mixed, &prof_t);
             } else {
-#pragma omp for schedule(dynamic, 1)
-                for (int64_t it = 0; it < parts * nkv; it++) { /* a part of a sequence's run of rows, one KV head */
-                    const int64_t u = it / nkv;
-                    const int kh = (int)(it % nkv);
-                    const int64_t r = part_start[u], n = part_len[u];
-                    const int32_t last = seq_lens[r + n - 1];
-                    if (n == 1) {
-                        const int32_t first = ly->window > 0 && last > ly->window ? last - ly->window : 0;
-                        pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
-                                               block_tables + r * table_stride, first, last, kh, kh + 1, (int)nh,
-                                               (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, NULL, m->kv_bf16);
-                    } else if (ly->window <= 0 || last <= ly->window) { /* every row sees every key */
-                        pagedserve_decode_run(qkv + r * qkv_w, qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz, qsz,
-                                              (int32_t)n, block_tables + r * table_stride, seq_lens[r], kh, (int)nh,
-                                              (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
-                    } else {
-                        pagedserve_prefill_rows(qkv, qkv_w, ly->k_cache, ly->v_cache, attn, r, (int32_t)n, last,
-                                                block_tables + r * table_stride, kh, (int)nh, (int)nkv, (int)hd,
-                                                m->block_size, m->scale, ly->window, 0.0f, m->kv_bf16);
+    #pragma omp for schedule(static)
+                for (int64_t it = 0; it < rows * heads; it++) { /* q heads, then k heads (each with its v head) */
+                    const int64_t r = it / heads, hh = it % heads;
+                    float* row = qkv + r * qkv_w;
+                    const int is_k = hh >= nh;
+                    const float* c = ly->rope ? m->cos + positions[r] * half : 0;
+                    const float* s = ly->rope ? m->sin + positions[r] * half : 0;
+                    head_prologue(row + hh * hd, ly->qkv_bias ? ly->qkv_bias + hh * hd : 0, is_k ? ly->k_norm : ly->q_norm,
+                                  c, s, (int)hd, (int)half, m->eps);
+                    if (is_k) {
+                        const int64_t kvh = hh - nh;
+                        float* v = row + qsz + kvsz + kvh * hd;
+                        head_prologue(v, ly->qkv_bias ? ly->qkv_bias + qsz + kvsz + kvh * hd : 0, 0, 0, 0, (int)hd, 0,
+                                      m->eps);
+                        if (slots[r] >= 0) {
+                            const int64_t at = slots[r] * kvsz + kvh * hd;
+                            kv_store(ly->k_cache, at, m->kv_bf16, row + hh * hd, (int)hd);
+                            kv_store(ly->v_cache, at, m->kv_bf16, v, (int)hd);
+                        }
                     }
                 }
+                stage_done(PS_HEADS, &prof_t);
+                if (att_splits > 1) {
+    #pragma omp for schedule(dynamic, 1)
+                    for (int64_t it = 0; it < rows * att_splits * att_split; it++) { /* a range of a row's keys */
+                        const int64_t r = it / (att_splits * att_split), j = it / att_split % att_splits;
+                        const int kh0 = (int)(it % att_split * att_heads);
+                        const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
+                        const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
+                        int32_t from, to;
+                        pagedserve_decode_range(first, seq_lens[r], m->block_size, att_splits, (int32_t)j, &from, &to);
+                        float* acc = att_state + r * row_state + (j * nh + kh0 * (nh / nkv)) * hd;
+                        float* mx = att_state + r * row_state + att_splits * nh * hd + j * nh + kh0 * (nh / nkv);
+                        pagedserve_decode_part(qkv + r * qkv_w, ly->k_cache, ly->v_cache, block_tables + r * table_stride,
+                                               from, to, kh0, kh1, (int)nh, (int)nkv, (int)hd, m->block_size, m->scale,
+                                               0.0f, m->kv_bf16, acc, mx, mx + att_splits * nh);
+                    }
+    #pragma omp for schedule(static)
+                    for (int64_t it = 0; it < rows * nh; it++) { /* the ranges merged, a query head at a time */
+                        const int64_t r = it / nh, hh = it % nh;
+                        const float* st = att_state + r * row_state;
+                        const float* mx = st + att_splits * nh * hd + hh;
+                        pagedserve_decode_merge(st + hh * hd, mx, mx + att_splits * nh, att_splits, nh * hd, nh, (int)hd,
+                                                NULL, attn + r * qsz + hh * hd);
+                    }
+                } else if (runs == rows) {
+    #pragma omp for schedule(dynamic, 1)
+                    for (int64_t it = 0; it < rows * att_split; it++) { /* a sequence's KV heads and their query heads */
+                        const int64_t r = it / att_split;
+                        const int kh0 = (int)(it % att_split * att_heads);
+                        const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
+                        const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
+                        pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
+                                               block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
+                                               (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, NULL, m->kv_bf16);
+                    }
+                } else {
+    #pragma omp for schedule(dynamic, 1)
+                    for (int64_t it = 0; it < parts * nkv; it++) { /* a part of a sequence's run of rows, one KV head */
+                        const int64_t u = it / nkv;
+                        const int kh = (int)(it % nkv);
+                        const int64_t r = part_start[u], n = part_len[u];
+                        const int32_t last = seq_lens[r + n - 1];
+                        if (n == 1) {
+                            const int32_t first = ly->window > 0 && last > ly->window ? last - ly->window : 0;
+                            pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
+                                                   block_tables + r * table_stride, first, last, kh, kh + 1, (int)nh,
+                                                   (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, NULL, m->kv_bf16);
+                        } else if (ly->window <= 0 || last <= ly->window) { /* every row sees every key */
+                            pagedserve_decode_run(qkv + r * qkv_w, qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz, qsz,
+                                                  (int32_t)n, block_tables + r * table_stride, seq_lens[r], kh, (int)nh,
+                                                  (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
+                        } else {
+                            pagedserve_prefill_rows(qkv, qkv_w, ly->k_cache, ly->v_cache, attn, r, (int32_t)n, last,
+                                                    block_tables + r * table_stride, kh, (int)nh, (int)nkv, (int)hd,
+                                                    m->block_size, m->scale, ly->window, 0.0f, m->kv_bf16);
+                        }
+                    }
+                }
+                stage_done(PS_ATTENTION, &prof_t);
             }
-            stage_done(PS_ATTENTION, &prof_t);
             la.which = 1;
-            matmul_part(m, &ly->o_proj, attn, rows, delta, px, PS_O_PROJ, &prof_t, lq);
+            matmul_part(m, &ly->o_proj, ly->mamba ? mixed : attn, rows, delta, px, PS_O_PROJ, &prof_t, lq);
             if (lq) {
                 lora_expand(lq, delta, H);
                 stage_done(PS_LORA, &prof_t);
             }
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++)
+            for (int64_t r = 0; r < rows; r++) {
+                scale_row(delta + r * H, H, m->residual_scale);
                 add_rms_norm_row(residual + r * H, delta + r * H, ly->post_norm, h + r * H, H, m->eps);
+            }
             stage_done(PS_NORMS, &prof_t);
             la.which = 2;
             matmul_part(m, &ly->gate_up, h, rows, gu, px, PS_GATE_UP, &prof_t, lq);
@@ -425,8 +493,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             }
         }
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++)
+        for (int64_t r = 0; r < rows; r++) {
+            scale_row(delta + r * H, H, m->residual_scale);
             add_rms_norm_row(residual + r * H, delta + r * H, m->final_norm, x + r * H, H, m->eps);
+        }
         stage_done(PS_NORMS, &prof_t);
     }
     if (prof_on) prof_steps++;

@@ -1,4 +1,4 @@
-/* Gated DeltaNet's decode in single passes over fp32 (kernels/delta_rule.py is the definition):
+/* Gated DeltaNet's and Mamba2's decode in single passes over fp32 (kernels/delta_rule.py is the definition):
  *   conv_step:       one input per row through the depthwise causal conv and SiLU; the row's last K-1
  *                    inputs in its state slot move on by one, in place
  *   delta_rule_step: one token per row and value head: q, k L2-normalized (q by 1/sqrt(dk) too), the
@@ -9,6 +9,9 @@
  *                    chunk_gated_delta_rule): a chunk's updates folded into two forward substitutions,
  *                    then the chunk applied to the state in three small matrix products, a head a thread
  *   gated_norm:      each head's output RMS-normed by a plain weight, times SiLU of its gate z
+ *   mamba_decode:    Mamba2 from in_proj's output to its gated norm (conv with bias, softplus step sizes,
+ *                    the state-space step with the D skip, the norm by groups), as three item kinds the
+ *                    fused decode step (decode_step.c) runs too
  * Rows and heads split over OpenMP threads; the inner loops run over dv, contiguous, and vectorize. */
 #include <math.h>
 #include <stdint.h>
@@ -279,32 +282,109 @@ void pagedserve_gated_norm(const float* o, const float* z, int64_t z_stride, con
         }
 }
 
-/* Mamba2's state-space step, one token a row: for each head h (of group g = h / (heads / groups)),
-   state = state * exp(dt * a[h]) + dt * x (outer) B, then y = state . C + d[h] * x. xbc [rows, x_stride]:
-   x [heads * head_dim], B, C [groups * d_state] each (after the conv); dt [rows, heads] after softplus;
-   states [slots, heads, head_dim, d_state] fp32, advanced in place; out [rows, heads * head_dim]. */
-void pagedserve_ssd_step(const float* xbc, int64_t x_stride, const float* dt, const float* a, const float* d,
-                         float* states, const int64_t* slots, float* out, int64_t rows, int32_t heads,
-                         int32_t groups, int32_t head_dim, int32_t d_state) {
-    const int64_t inner = (int64_t)heads * head_dim, width = (int64_t)groups * d_state;
-    const int64_t per_head = (int64_t)head_dim * d_state;
-    const int32_t per_group = heads / groups;
-#pragma omp parallel for collapse(2) schedule(static) if (rows * heads * per_head > 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int32_t h = 0; h < heads; h++) {
-            const float* row = xbc + r * x_stride;
-            const float* x = row + (int64_t)h * head_dim;
-            const float* b = row + inner + (int64_t)(h / per_group) * d_state;
-            const float* c = b + width;
-            const float step = dt[r * heads + h], decay = vec_exp(step * a[h]);
-            float* s = states + slots[r] * heads * per_head + (int64_t)h * per_head;
-            float* y = out + r * inner + (int64_t)h * head_dim;
-            for (int32_t p = 0; p < head_dim; p++) {
-                float* sp = s + (int64_t)p * d_state;
-                for (int32_t n = 0; n < d_state; n++) sp[n] *= decay;
-                axpy(sp, step * x[p], b, d_state);
-                y[p] = dot(sp, c, d_state) + d[h] * x[p];
-            }
+/* --- Mamba2's decode as three item kinds (pagedserve.h), for the layer path's one call and the fused step --- */
+
+static inline int64_t mamba_inner(const PsMamba* mb) { return (int64_t)mb->heads * mb->head_dim; }
+static inline int64_t mamba_conv_dim(const PsMamba* mb) {
+    return mamba_inner(mb) + 2 * (int64_t)mb->groups * mb->d_state;
+}
+
+/* 0 where the fields describe a mixer these stages serve, else -1 */
+int pagedserve_mamba_checks(const PsMamba* mb) {
+    if (!mb || !mb->conv || !mb->dt_bias || !mb->a || !mb->d || !mb->conv_states || !mb->ssm_states)
+        return -1;
+    if (mb->heads < 1 || mb->head_dim < 1 || mb->groups < 1 || mb->heads % mb->groups || mb->d_state < 1
+        || mb->kernel < 2 || mb->norm_kind < 0 || mb->norm_kind > 2 || (mb->norm_kind && !mb->norm)
+        || mamba_inner(mb) % mb->groups)
+        return -1;
+    return 0;
+}
+
+/* As pagedserve_conv_step for channels [c0, c1) of one row, the bias always added (Mamba2's conv has one,
+   zero where absent); the row's state moves on channel by channel. */
+void pagedserve_mamba_conv(const PsMamba* mb, const float* xbc, float* conv_out, int64_t slot, int32_t c0, int32_t c1) {
+    const int32_t K = mb->kernel;
+    const int64_t channels = mamba_conv_dim(mb);
+    float* st = mb->conv_states + slot * (int64_t)(K - 1) * channels;
+    for (int32_t c = c0; c < c1; c++) {
+        const float* w = mb->conv + (int64_t)c * K;
+        float acc = w[K - 1] * xbc[c] + (mb->conv_bias ? mb->conv_bias[c] : 0.0f);
+        for (int32_t j = 0; j < K - 1; j++) acc += w[j] * st[(int64_t)j * channels + c];
+        conv_out[c] = silu(acc);
+        for (int32_t j = 0; j + 1 < K - 1; j++) st[(int64_t)j * channels + c] = st[(int64_t)(j + 1) * channels + c];
+        st[(int64_t)(K - 2) * channels + c] = xbc[c];
+    }
+}
+
+/* Head h: its step size softplus(raw + bias) (torch's: the value itself past 20), floored at dt_min; the state
+   decayed by e^(dt a), dt x (outer) B added, y = state . C + D x. */
+void pagedserve_mamba_head(const PsMamba* mb, const float* conv_out, const float* dt_raw, float* y, int64_t slot,
+                           int32_t h) {
+    const int32_t hd = mb->head_dim, n = mb->d_state;
+    const int64_t inner = mamba_inner(mb), per_head = (int64_t)hd * n;
+    const float raw = dt_raw[h] + mb->dt_bias[h];
+    float step = raw > 20.0f ? raw : log1pf(expf(raw));
+    step = step < mb->dt_min ? mb->dt_min : step;
+    const float decay = vec_exp(step * mb->a[h]);
+    const float* x = conv_out + (int64_t)h * hd;
+    const float* b = conv_out + inner + (int64_t)(h / (mb->heads / mb->groups)) * n;
+    const float* c = b + (int64_t)mb->groups * n;
+    float* s = mb->ssm_states + slot * mb->heads * per_head + (int64_t)h * per_head;
+    float* out = y + (int64_t)h * hd;
+    for (int32_t p = 0; p < hd; p++) {
+        float* sp = s + (int64_t)p * n;
+        for (int32_t i = 0; i < n; i++) sp[i] *= decay;
+        axpy(sp, step * x[p], b, n);
+        out[p] = dot(sp, c, n) + mb->d[h] * x[p];
+    }
+}
+
+/* Group g of a row: y times SiLU(z), RMS-normed over the group and times the norm's weight (norm_kind 1);
+   normed first, then gated (2); or the gate alone (0). */
+void pagedserve_mamba_norm(const PsMamba* mb, const float* y, const float* z, float* out, int32_t g) {
+    const int64_t width = mamba_inner(mb) / mb->groups, at = g * width;
+    float sum = 0.0f;
+    for (int64_t j = at; j < at + width; j++) {
+        const float v = mb->norm_kind == 2 ? y[j] : y[j] * silu(z[j]);
+        out[j] = v;
+        sum += v * v;
+    }
+    if (mb->norm_kind == 0) return;
+    const float inv = 1.0f / sqrtf(sum / (float)width + mb->eps);
+    for (int64_t j = at; j < at + width; j++) {
+        const float v = mb->norm[j] * (out[j] * inv);
+        out[j] = mb->norm_kind == 2 ? v * silu(z[j]) : v;
+    }
+}
+
+int pagedserve_mamba_decode(const PsMamba* mb, const float* proj, int64_t proj_stride, const int64_t* slots,
+                            int64_t rows, float* out, float* scratch) {
+    if (pagedserve_mamba_checks(mb) || rows < 0) return -1;
+    const int64_t inner = mamba_inner(mb), conv_dim = mamba_conv_dim(mb);
+    if (proj_stride < inner + conv_dim + mb->heads) return -1;
+    const int64_t chunks = (conv_dim + PS_MAMBA_CONV_CHUNK - 1) / PS_MAMBA_CONV_CHUNK;
+    float* conv_out = scratch;
+    float* y = scratch + rows * conv_dim;
+#pragma omp parallel if (rows * inner * mb->d_state > 65536)
+    {
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < rows * chunks; it++) {
+            const int64_t r = it / chunks, c0 = it % chunks * PS_MAMBA_CONV_CHUNK;
+            const int64_t c1 = c0 + PS_MAMBA_CONV_CHUNK < conv_dim ? c0 + PS_MAMBA_CONV_CHUNK : conv_dim;
+            pagedserve_mamba_conv(mb, proj + r * proj_stride + inner, conv_out + r * conv_dim, slots[r], (int32_t)c0,
+                                  (int32_t)c1);
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < rows * mb->heads; it++) {
+            const int64_t r = it / mb->heads;
+            pagedserve_mamba_head(mb, conv_out + r * conv_dim, proj + r * proj_stride + inner + conv_dim, y + r * inner,
+                                  slots[r], (int32_t)(it % mb->heads));
+        }
+#pragma omp for schedule(static)
+        for (int64_t it = 0; it < rows * mb->groups; it++) {
+            const int64_t r = it / mb->groups;
+            pagedserve_mamba_norm(mb, y + r * inner, proj + r * proj_stride, out + r * inner, (int32_t)(it % mb->groups));
         }
     }
+    return 0;
 }

@@ -20,9 +20,6 @@ int pagedserve_struct_sizes(int64_t* out);
 void pagedserve_conv_step(const float* x, int64_t x_stride, float* conv_states, const int64_t* slots,
                           const float* weight, const float* bias, float* out, int64_t rows, int32_t channels,
                           int32_t kernel);
-void pagedserve_ssd_step(const float* xbc, int64_t x_stride, const float* dt, const float* a, const float* d,
-                         float* states, const int64_t* slots, float* out, int64_t rows, int32_t heads,
-                         int32_t groups, int32_t head_dim, int32_t d_state);
 int pagedserve_delta_rule_step(const float* x, int64_t x_stride, const float* g, const float* beta,
                                float* states, const int64_t* slots, float* out, int64_t rows, int32_t k_heads,
                                int32_t v_heads, int32_t dk, int32_t dv, int32_t tiled);
@@ -94,6 +91,20 @@ typedef struct {
     const float* dense; /* the same matrix as plain fp32 rows [out_dim, in_dim], or NULL */
 } PsMatrix;
 
+/* A Mamba2 mixer (worker/model/mamba2.py): in_proj gives each token z [inner], x B C [conv_dim] and a raw step
+   size a head [heads]; x B C through the causal conv and SiLU, the state-space step, then the gated norm. In the
+   fused step in_proj is the layer's qkv matrix and out_proj its o_proj. */
+typedef struct {
+    const float *conv, *conv_bias; /* [conv_dim, kernel] (tap kernel-1 meets the new input), [conv_dim] */
+    const float *dt_bias, *a, *d;  /* [heads]: a = -exp(A_log) */
+    const float* norm;             /* [inner]: the gated norm's weight (unread with norm_kind 0) */
+    float *conv_states, *ssm_states; /* the state pool's layer: [slots, kernel-1, conv_dim], [slots, heads, head_dim,
+                                        d_state], advanced in place */
+    int32_t heads, head_dim, groups, d_state, kernel;
+    int32_t norm_kind; /* 0: y times SiLU(z) alone; 1: that, RMS-normed by groups (Granite); 2: normed, then gated */
+    float dt_min, eps;
+} PsMamba;
+
 typedef struct {
     PsMatrix qkv, o_proj, gate_up, down;
     const float *input_norm, *post_norm;
@@ -102,6 +113,7 @@ typedef struct {
     void *k_cache, *v_cache;      /* [num_blocks, block_size, n_kv_heads, head_dim], fp32 or bf16 (kv_bf16) */
     int32_t rope;                 /* 0: a layer without positions (SmolLM3's NoPE layers) */
     int32_t window;               /* > 0: a sliding-window layer, each token sees its last `window` keys */
+    const PsMamba* mamba;         /* a Mamba2 layer (qkv is its in_proj, o_proj its out_proj), or NULL */
 } PsLayer;
 
 typedef struct {
@@ -119,13 +131,15 @@ typedef struct {
     int32_t gemm_rows;
     int32_t kv_bf16; /* the KV pool holds bf16 (kv_rows.h) */
     int32_t x8;      /* packed weights meet 8-bit activations (packed_blocks.h bits8), else 16-bit */
+    float residual_scale; /* each block's output scaled before its residual add (Granite), else 1 */
 } PsModel;
 
 /* worker/model/fused_decode.py builds these with ctypes; the library reports their sizes
    (pagedserve_struct_sizes) and the binding refuses a mismatch. On LP64 they are: */
 _Static_assert(sizeof(PsSegment) == 24, "PsSegment: pointer, int64 rows, int32 type and pad");
 _Static_assert(sizeof(PsMatrix) == 3 * 24 + 24, "PsMatrix: segments, out_dim, in_dim, dense");
-_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 7 * sizeof(void*) + 8, "PsLayer's fields");
+_Static_assert(sizeof(PsMamba) == 8 * sizeof(void*) + 32, "PsMamba's fields");
+_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 8 * sizeof(void*) + 8, "PsLayer's fields");
 _Static_assert(sizeof(PsModel) == 96, "PsModel's fields");
 
 /* One LoRA adapter's update of one fused projection (worker/model/lora.py Projection): for each part q,
@@ -149,15 +163,23 @@ _Static_assert(sizeof(PsLoraProj) == (1 + PS_MAX_SEGMENTS) * sizeof(void*) + 16 
 _Static_assert(sizeof(PsLora) == 2 * sizeof(void*) + 8, "PsLora's fields");
 
 int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows);
-/* lora: the step's adapters, or NULL where no row has one */
+/* lora: the step's adapters, or NULL where no row has one; state_slots: int64 [rows], each row's slot in the
+   state pool (read where a layer is Mamba2), or NULL */
 int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64_t* positions,
                            const int64_t* slots, const int32_t* block_tables, int64_t table_stride,
-                           const int32_t* seq_lens, const PsLora* lora, float* scratch);
+                           const int32_t* seq_lens, const PsLora* lora, const int64_t* state_slots, float* scratch);
+
+/* Mamba2's decode, one token a row: proj [rows, proj_stride] (in_proj's output: z, x B C, raw dt) -> out
+   [rows, inner], gated-normed; each row's conv and SSD state advanced in its slot. scratch: rows x (conv_dim +
+   inner) floats. The layer path's one call; the fused step runs the same three stages. -1: a shape it does
+   not take. */
+int pagedserve_mamba_decode(const PsMamba* mb, const float* proj, int64_t proj_stride, const int64_t* slots,
+                            int64_t rows, float* out, float* scratch);
 
 /* The fused step's stages as its profile counts them (kernels/cpu_native.py DECODE_STAGES names them in this
    order): each stage's work and the barrier closing it; the region's start counts in NORMS. */
 enum { PS_NORMS, PS_ROUNDING, PS_QKV, PS_HEADS, PS_ATTENTION, PS_O_PROJ, PS_GATE_UP, PS_SILU, PS_DOWN,
-       PS_LORA, PS_DECODE_STAGES };
+       PS_LORA, PS_MAMBA, PS_DECODE_STAGES };
 /* on: 1 times every fused step's stages from now, 0 stops. out (or null): int64 [PS_DECODE_STAGES + 1]
    receives the nanoseconds each stage took since the last call, then the steps counted; the counts then
    restart. Returns PS_DECODE_STAGES. */
@@ -183,6 +205,15 @@ void pagedserve_decode_run(const float* q, int64_t q_row_stride, const void* k_c
                            int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
                            float scale, float softcap, int32_t kv_bf16);
 int pagedserve_decode_heads_per_item(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim);
+/* Mamba2's three decode stages, an item each (delta_rule.c): channels [c0, c1) of a row's conv (x B C raw ->
+   conv_out, the row's conv state in slot `slot` moved on); head h's step size and state-space step (conv_out and
+   the row's raw step sizes -> y [inner], the D skip added); group g's gated norm (y, the row's z -> out). */
+void pagedserve_mamba_conv(const PsMamba* mb, const float* xbc, float* conv_out, int64_t slot, int32_t c0, int32_t c1);
+void pagedserve_mamba_head(const PsMamba* mb, const float* conv_out, const float* dt_raw, float* y, int64_t slot,
+                           int32_t h);
+void pagedserve_mamba_norm(const PsMamba* mb, const float* y, const float* z, float* out, int32_t g);
+int pagedserve_mamba_checks(const PsMamba* mb);
+#define PS_MAMBA_CONV_CHUNK 256 /* conv channels an item */
 void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
                              float* out, int64_t start, int32_t q_len, int32_t seq_len, const int32_t* table,
                              int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,

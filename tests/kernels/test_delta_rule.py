@@ -212,12 +212,12 @@ def test_mamba2_scan_in_chunks_equals_one_token_at_a_time(tokens, chunk):
     torch.testing.assert_close(final, step_state[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["native", "triton"])
+@pytest.mark.parametrize("backend", ["triton"])
 def test_the_mamba2_decode_equals_the_definition_in_place_in_each_rows_slot(backend):
-    """Conv step (with its bias) and the state-space step in two calls (the native library's, or
-    two Triton launches): each row's output and the states in its slot as the torch pieces give
-    them, other slots untouched; a layout it does not take (a float64 state) left to torch with
-    nothing changed."""
+    """Conv step (with its bias) and the state-space step in two Triton launches: each row's
+    output and the states in its slot as the torch pieces give them, other slots untouched; a
+    layout it does not take (a float64 state) left to torch with nothing changed. (The native
+    library takes the whole mixer in one call: the next test.)"""
     from kernels.delta_rule import ssd_step
 
     kernels, device = decode_kernels(backend)
@@ -252,10 +252,11 @@ def test_the_mamba2_decode_equals_the_definition_in_place_in_each_rows_slot(back
 
 
 @pytest.mark.parametrize("backend", ["native", "triton"])
-def test_a_mamba2_mixer_decodes_through_the_fast_ops_as_through_torch(backend):
-    """The mixer hands its decode rows to the native library's or the Triton kernels (CUDA;
-    interpreted here) where the ops have them: the output and every slot's states as its torch
-    path leaves them."""
+@pytest.mark.parametrize("norm", ["gated", "before_gate", "none"])
+def test_a_mamba2_mixer_decodes_through_the_fast_ops_as_through_torch(backend, norm):
+    """The mixer hands its decode rows to the native library (one call from in_proj's output to
+    the gated norm, each of its norm kinds) or the Triton kernels (CUDA; interpreted here) where
+    the ops have them: the output and every slot's states as its torch path leaves them."""
     from worker.model.config import ModelConfig
     from worker.model.delta_net import StateStep
     from worker.model.elementwise import NativeOps, TritonOps
@@ -277,6 +278,8 @@ def test_a_mamba2_mixer_decodes_through_the_fast_ops_as_through_torch(backend):
         mamba_groups=2,
         mamba_d_state=6,
         mamba_conv_kernel=4,
+        mamba_norm=norm,
+        mamba_dt_min=0.3,  # some heads' step sizes floored
     )
     g = torch.Generator().manual_seed(3)
     mixer = Mamba2(config)

@@ -1,6 +1,7 @@
 """The fused CPU decode step (model/fused_decode.py, kernels/cpu/decode_step.c) against the layer
 path it stands in for: the same hidden states and the same K/V written, for every layer variant the
-model code serves (Llama, Qwen2's QKV bias, Qwen3's q/k norm, SmolLM3's layers without RoPE), for
+model code serves (Llama, Qwen2's QKV bias, Qwen3's q/k norm, SmolLM3's layers without RoPE,
+Granite 4's multipliers and Mamba2 layers, their states in the state pool), for
 dense fp32 and GGUF blocks, at one and several sequences whose contexts cross blocks; steps it does
 not cover take the layer path; and a server decodes the same greedy tokens with it as with
 --cpu-decode layers.
@@ -65,6 +66,25 @@ def _hf_model(kind: str):
         return transformers.Phi3ForCausalLM(
             transformers.Phi3Config(sliding_window=24, partial_rotary_factor=0.5, **COMMON)
         )
+    # Granite 4's multipliers: embeddings, each block's output, attention scores (logits after)
+    scales = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2)
+    # Granite 4's hybrid: Mamba2 mixers (8 heads of 16 in 2 groups, a 16-wide state) beside a NoPE
+    # attention layer, a dense MLP in every layer
+    if kind == "granite4-hybrid":
+        config = transformers.GraniteMoeHybridConfig(
+            **scales,
+            **dict(COMMON, num_hidden_layers=4),
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            num_local_experts=0,
+            shared_intermediate_size=96,
+            position_embedding_type="nope",
+        )
+        return transformers.GraniteMoeHybridForCausalLM(config)
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
         return transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(
@@ -140,6 +160,15 @@ def _run(model, config, seqs, fused: bool, kv_dtype=torch.float32):
             int(np.diff(p.query_start_loc).max()),
         ),
     )
+    if config.keeps_state:  # a hybrid: random states, each sequence in its own slot, out of order
+        from worker.model.delta_net import StateStep
+        from worker.model.state_pool import StatePool
+
+        pool.states = StatePool(config, len(seqs) + 2, torch.float32, torch.device("cpu"))
+        for t in pool.states.tensors():
+            t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+        slots = torch.randperm(len(seqs) + 2, generator=g)[: len(seqs)]
+        step.state = StateStep(slots, list(range(len(seqs) + 1)))
     saved = model.fused
     model.fused = saved if fused else None
     try:
@@ -164,7 +193,11 @@ DECODES = [
 
 
 @pytest.mark.parametrize(
-    "kind", ["llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"]
+    "kind",
+    [
+        *("llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"),
+        "granite4-hybrid",
+    ],
 )
 def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
     model, config = _model(tmp_path, kind)
@@ -181,6 +214,9 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
             # this step's K/V written at its slots (sums in another order than the sgemm's: ~1e-5
             # apart)
             torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)
+        if config.keeps_state:  # every slot's conv and SSD state as the layer path leaves it
+            for a, b in zip(got_pool.states.tensors(), want_pool.states.tensors(), strict=True):
+                torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
@@ -621,7 +657,7 @@ def test_the_steps_own_profile_times_every_stage_and_changes_nothing(tmp_path):
     assert torch.equal(got, want)
     assert prof["steps"] == 2
     assert set(prof) == set(cpu_native.DECODE_STAGES) | {"steps"}
-    assert all(prof[s] > 0 for s in cpu_native.DECODE_STAGES if s != "lora"), prof
+    assert all(prof[s] > 0 for s in cpu_native.DECODE_STAGES if s not in ("lora", "mamba")), prof
     # no adapter in these steps: the stage never ran (tests/models/test_lora.py)
     assert prof["lora"] == 0
     _run(model, config, seqs, fused=True)
@@ -641,7 +677,7 @@ def test_the_per_token_budget_accounts_for_the_whole_step(tmp_path, capsys):
     assert runner.model.fused is not None
     res = budget.budget(runner, context=40, steps=3)
     parts = res["parts"]
-    unused = ("rounding", "lora")  # no packed weights, no adapters
+    unused = ("rounding", "lora", "mamba")  # no packed weights, no adapters, no Mamba2
     assert all(parts[f"stage {s}"] > 0 for s in cpu_native.DECODE_STAGES if s not in unused), parts
     assert parts["lm_head"] > 0 and parts["sampling"] > 0
     assert sum(parts.values()) == pytest.approx(res["step"], rel=0.02)

@@ -9,6 +9,8 @@ import ctypes
 import structlog
 import torch
 
+from worker.model.delta_net import copy_after
+
 log = structlog.get_logger("worker.model.fused_decode")
 
 _P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -45,6 +47,7 @@ class PsLayer(ctypes.Structure):
         ("v_cache", _P),
         ("rope", _I32),
         ("window", _I32),
+        ("mamba", _P),  # a PsMamba (kernels/cpu_recurrent.py) where the layer is Mamba2
     ]
 
 
@@ -68,6 +71,7 @@ class PsModel(ctypes.Structure):
         ("gemm_rows", _I32),
         ("kv_bf16", _I32),
         ("x8", _I32),
+        ("residual_scale", _F),
     ]
 
 
@@ -209,6 +213,7 @@ class FusedDecode:
         self.sgemm = kernels.sgemm if dense else None
         self._pool = None
         self._scratch = torch.empty(0)
+        self.stateful = [i for i, layer in enumerate(model.layers) if layer.mamba is not None]
 
     @staticmethod
     def unsupported(model, tp_size: int) -> str | None:
@@ -223,16 +228,17 @@ class FusedDecode:
             return "dimensions not multiples of 32"
         if c.moe_layers:
             return "mixture-of-experts layers (the layer path routes their tokens)"
-        if c.keeps_state or c.attn_output_gate:
-            return "stateful layers (DeltaNet, short conv, Mamba2), gated attention (layer path)"
+        stateful = [i for i in range(c.num_layers) if c.has_state(i)]
+        if c.attn_output_gate or not all(c.is_mamba(i) for i in stateful):
+            return "Gated DeltaNet or short-conv layers, gated attention (the layer path)"
+        if stateful and (c.parallel_mamba or c.ffn_only_layers or c.mixer_only_layers):
+            return "Mamba2 beside attention, or layers of one half alone (the layer path)"
         if (
             c.sandwich_norms
-            or c.hidden_act != "silu"
             or c.local_rope is not None
-            or c.embed_scale != 1.0
-            or c.attn_scale != c.head_dim**-0.5
+            or not (c.hidden_act == "silu" and c.gated_mlp)
         ):
-            return "norms on the blocks' outputs, GeGLU, two RoPE tables, scales (the layer path)"
+            return "norms on the blocks' outputs, GeGLU, two RoPE tables (the layer path)"
         for layer in model.layers:
             for name in layer.matmul_names:
                 if _matrix(layer, name) is None:
@@ -254,6 +260,8 @@ class FusedDecode:
             and meta.prefill_starts.numel() == 0
         ):
             return False
+        if self.stateful and (step.state is None or not step.state.decode_only or step.lora):
+            return False  # Mamba2 layers: one token a sequence, no adapters
         # the step's adapters described for the native step (None: it cannot)
         if step.lora is not None:
             step.lora.native = _step_lora(step.lora, self.model.config.num_layers)
@@ -271,9 +279,13 @@ class FusedDecode:
                 mats[name] = desc
                 keep.extend(tensors)
             k_cache, v_cache = pool.layer(i)
+            mamba = None if layer.mamba is None else layer.mamba.native(*pool.states.layer(i))
+            if layer.mamba is not None and mamba is None:
+                raise ValueError(f"layer {i}'s Mamba2 state is not fp32 on a CPU")
+            mixer = ("qkv", "o_proj") if mamba is None else ("in_proj", "out_proj")
             layers[i] = PsLayer(
-                mats["qkv"],
-                mats["o_proj"],
+                mats[mixer[0]],
+                mats[mixer[1]],
                 mats["gate_up"],
                 mats["down"],
                 _ptr(layer.input_norm),
@@ -285,7 +297,9 @@ class FusedDecode:
                 _ptr(v_cache),
                 int(c.uses_rope(i)),
                 c.window(i),
+                None if mamba is None else ctypes.addressof(mamba),
             )
+            keep.append(mamba)
         rotary = m.rotary
         self._desc = PsModel(
             c.num_layers,
@@ -297,7 +311,7 @@ class FusedDecode:
             pool.block_size,
             c.rotary_dim // 2,
             c.rms_norm_eps,
-            c.head_dim**-0.5,
+            c.attn_scale,
             _ptr(rotary and rotary.cos),  # None where no layer rotates
             _ptr(rotary and rotary.sin),
             _ptr(m.norm),
@@ -306,6 +320,7 @@ class FusedDecode:
             self.max_rows,
             int(pool.dtype == torch.bfloat16),
             int(getattr(m.mm, "int8_activations", False)),
+            c.residual_scale,
         )
         self._keep = (keep, layers, rotary)
         self._pool = pool
@@ -331,7 +346,10 @@ class FusedDecode:
             meta.decode_lens,
             self._scratch,
             None if step.lora is None else step.lora.native[0],
+            step.state.slots.to(torch.int64).contiguous() if self.stateful else None,
         )
+        for i in self.stateful:  # snapshots where rows end (speculation, prefix states)
+            copy_after(step.state, pool.states.layer(i))
         return x
 
 

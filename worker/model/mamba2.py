@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_recurrent import MAMBA_NORMS, PsMamba
 from kernels.delta_rule import causal_conv, causal_conv_step, ssd_chunked, ssd_step
 from worker.model.config import ModelConfig
 from worker.model.delta_net import StateStep, copy_after, walk_rows
@@ -32,6 +33,8 @@ class Mamba2(nn.Module):
         self.a_log = nn.Parameter(torch.zeros(self.heads))
         self.d = nn.Parameter(torch.ones(self.heads))
         self.norm = nn.Parameter(torch.ones(self.inner))
+        # (its pool layer's data pointer, the PsMamba, the tensors it points at)
+        self._native: tuple | None = None
 
     @property
     def out_width(self) -> int:
@@ -44,12 +47,18 @@ class Mamba2(nn.Module):
 
     def forward(self, proj: torch.Tensor, step: StateStep, conv_states, ssm_states, ops=None):
         """proj [tokens, in_rows] -> [tokens, inner], gated-normed; each row's slot advances."""
+        kernels = getattr(ops, "k", None)
+        if step.decode_only and hasattr(kernels, "mamba_step"):  # the native library: one call
+            y = kernels.mamba_step(self.native(conv_states, ssm_states), proj, step.slots)
+            if y is not None:
+                copy_after(step, (conv_states, ssm_states))
+                return y.to(proj.dtype)
         z, xbc, dt = proj.split([self.inner, self.conv_dim, self.heads], dim=-1)
         # step sizes floored where the model was trained with a floor (transformers floors them in
         # prompts only: here decodes too, so that a recomputed sequence computes what it decoded)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)
         a = -torch.exp(self.a_log.float())
-        bias, kernels, y = self.conv_bias, getattr(ops, "k", None), None
+        bias, y = self.conv_bias, None
         if step.decode_only and hasattr(kernels, "mamba_decode"):  # Triton on CUDA
             pools = (conv_states, ssm_states, step.slots, self.conv, bias, self.shape)
             y = kernels.mamba_decode(xbc, dt, a, self.d, *pools)
@@ -74,6 +83,28 @@ class Mamba2(nn.Module):
             walk_rows(step, (conv_states, ssm_states), advance, y)
         copy_after(step, (conv_states, ssm_states))
         return self._gated_norm(y, z)
+
+    def native(self, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> PsMamba | None:
+        """This mixer over its layer of the state pool as the native library reads it (fp32 on a
+        CPU), or None; made once a pool.
+        """
+        if self._native is not None and self._native[0] == conv_states.data_ptr():
+            return self._native[1]
+        f32 = torch.float32
+        params = [self.conv, self.conv_bias, self.dt_bias, self.d, self.norm]
+        if not all(
+            t.dtype == f32 and t.device.type == "cpu" and t.is_contiguous()
+            for t in (*params, conv_states, ssm_states)
+        ):
+            return None
+        a = -torch.exp(self.a_log.detach().float())
+        keep = [p.detach() for p in params] + [a, conv_states, ssm_states]
+        ptrs = [t.data_ptr() for t in (*keep[:3], a, keep[3], keep[4], conv_states, ssm_states)]
+        dims = (self.heads, self.head_dim, self.groups, self.d_state, self.conv.shape[1])
+        kind = MAMBA_NORMS[self.norm_kind]
+        desc = PsMamba(*ptrs, *dims, kind, self.dt_min, self.eps)
+        self._native = (conv_states.data_ptr(), desc, keep)
+        return desc
 
     @property
     def shape(self) -> tuple:
