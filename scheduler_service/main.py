@@ -92,11 +92,13 @@ async def serve(
             pass
     error = await wait_for_workers(engine, args.worker_timeout, stop)
     if error is not None:
-        log.error("workers_failed", error=error)
+        log.error("workers_failed", error=str(error))
         await server.stop(0)
         if isinstance(http, HttpServer):
             await http.stop()
         await client.close()
+        if isinstance(error, ConfigError):  # a worker refused these flags: one line, exit 2
+            raise error
         return 1
     await health.set(True)
     tune_gc()
@@ -192,7 +194,9 @@ def bind_workers(args: argparse.Namespace, config: SchedulerConfig) -> tuple[Wor
     return client, endpoint
 
 
-async def wait_for_workers(engine: Engine, timeout: float, stop: asyncio.Event) -> str | None:
+async def wait_for_workers(
+    engine: Engine, timeout: float, stop: asyncio.Event
+) -> str | Exception | None:
     """The engine started (every group shook hands), or why not: None on success."""
     loop = asyncio.get_running_loop()
     starting = loop.create_task(engine.start(timeout))
@@ -203,9 +207,7 @@ async def wait_for_workers(engine: Engine, timeout: float, stop: asyncio.Event) 
     if not starting.done():
         starting.cancel()
         return "stopped before the workers joined"
-    if starting.exception() is not None:
-        return str(starting.exception())
-    return None
+    return starting.exception()
 
 
 def ready_line(

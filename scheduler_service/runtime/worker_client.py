@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from protos import WIRE_VERSION, wire_pb2
+from protos.base import ConfigError
 from protos.curve import server_keys
 from scheduler_service.runtime.groups import (
     InsecureEndpoint,
@@ -128,8 +129,8 @@ class WorkerClient(Handshakes):
         """Wait until every replica's group is accepted; a refused handshake fails the start."""
         deadline = time.monotonic() + timeout
         while not all(g.is_ready for g in self.groups):
-            if self._refusals:
-                raise RuntimeError(f"worker refused: {self._refusals[0]}")
+            if self._refusals:  # a worker this configuration cannot serve with: exit 2, one line
+                raise ConfigError(f"worker refused: {self._refusals[0]}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 ready = sum(len(g.workers) for g in self.groups if g.is_ready)

@@ -280,7 +280,8 @@ def test_a_pool_too_small_for_one_full_context_request_is_refused(tmp_path, tiny
         server.start(timeout=120)
     server.stop()
     assert "cannot hold one request of the full 512-token context" in str(err.value)
-    assert server.proc.returncode == 1
+    assert server.proc.returncode == 2  # a configuration that cannot work: one line, exit 2
+    assert "error: worker refused: replica 0 rank 0: the KV pool" in str(err.value)
 
 
 @pytest.mark.parametrize("drain,finishes", [(60, True), (6, False)])
