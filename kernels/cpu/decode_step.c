@@ -224,31 +224,12 @@ static inline void scale_row(float* v, int64_t n, float scale) {
     for (int64_t i = 0; i < n; i++) v[i] *= scale;
 }
 
-/* A Mamba2 layer's mixer between in_proj (proj, [rows, in_proj rows]) and out_proj (mixed), as
-   pagedserve_mamba_decode: the conv in chunks of channels, the heads' state-space steps, the groups' gated
-   norms, each stage split over the threads (called inside the step's parallel region). */
+/* A Mamba2 layer's mixer between in_proj (proj, [rows, in_proj rows]) and out_proj (mixed), as the layer path's
+   pagedserve_mamba_decode, its stages split over the step's threads. */
 static void mamba_stages(const PsMamba* mb, const float* proj, int64_t rows, const int64_t* state_slots,
                          float* conv_out, float* y, float* mixed, double* prof_t) {
     const int64_t inner = (int64_t)mb->heads * mb->head_dim, conv_dim = inner + 2 * (int64_t)mb->groups * mb->d_state;
-    const int64_t stride = inner + conv_dim + mb->heads, chunks = (conv_dim + PS_MAMBA_CONV_CHUNK - 1) / PS_MAMBA_CONV_CHUNK;
-#pragma omp for schedule(static)
-    for (int64_t it = 0; it < rows * chunks; it++) {
-        const int64_t r = it / chunks, c0 = it % chunks * PS_MAMBA_CONV_CHUNK;
-        const int64_t c1 = c0 + PS_MAMBA_CONV_CHUNK < conv_dim ? c0 + PS_MAMBA_CONV_CHUNK : conv_dim;
-        pagedserve_mamba_conv(mb, proj + r * stride + inner, conv_out + r * conv_dim, state_slots[r], (int32_t)c0,
-                              (int32_t)c1);
-    }
-#pragma omp for schedule(static)
-    for (int64_t it = 0; it < rows * mb->heads; it++) {
-        const int64_t r = it / mb->heads;
-        pagedserve_mamba_head(mb, conv_out + r * conv_dim, proj + r * stride + inner + conv_dim, y + r * inner,
-                              state_slots[r], (int32_t)(it % mb->heads));
-    }
-#pragma omp for schedule(static)
-    for (int64_t it = 0; it < rows * mb->groups; it++) {
-        const int64_t r = it / mb->groups;
-        pagedserve_mamba_norm(mb, y + r * inner, proj + r * stride, mixed + r * inner, (int32_t)(it % mb->groups));
-    }
+    pagedserve_mamba_stages(mb, proj, inner + conv_dim + mb->heads, state_slots, rows, conv_out, y, mixed);
     stage_done(PS_MAMBA, prof_t);
 }
 

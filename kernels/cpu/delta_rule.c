@@ -282,7 +282,7 @@ void pagedserve_gated_norm(const float* o, const float* z, int64_t z_stride, con
         }
 }
 
-/* --- Mamba2's decode as three item kinds (pagedserve.h), for the layer path's one call and the fused step --- */
+/* --- Mamba2's decode as three item kinds, for the layer path's one call and the fused step ----------------- */
 
 static inline int64_t mamba_inner(const PsMamba* mb) { return (int64_t)mb->heads * mb->head_dim; }
 static inline int64_t mamba_conv_dim(const PsMamba* mb) {
@@ -302,7 +302,7 @@ int pagedserve_mamba_checks(const PsMamba* mb) {
 
 /* As pagedserve_conv_step for channels [c0, c1) of one row, the bias always added (Mamba2's conv has one,
    zero where absent); the row's state moves on channel by channel. */
-void pagedserve_mamba_conv(const PsMamba* mb, const float* xbc, float* conv_out, int64_t slot, int32_t c0, int32_t c1) {
+static void mamba_conv(const PsMamba* mb, const float* xbc, float* conv_out, int64_t slot, int32_t c0, int32_t c1) {
     const int32_t K = mb->kernel;
     const int64_t channels = mamba_conv_dim(mb);
     float* st = mb->conv_states + slot * (int64_t)(K - 1) * channels;
@@ -318,8 +318,8 @@ void pagedserve_mamba_conv(const PsMamba* mb, const float* xbc, float* conv_out,
 
 /* Head h: its step size softplus(raw + bias) (torch's: the value itself past 20), floored at dt_min; the state
    decayed by e^(dt a), dt x (outer) B added, y = state . C + D x. */
-void pagedserve_mamba_head(const PsMamba* mb, const float* conv_out, const float* dt_raw, float* y, int64_t slot,
-                           int32_t h) {
+static void mamba_head(const PsMamba* mb, const float* conv_out, const float* dt_raw, float* y, int64_t slot,
+                       int32_t h) {
     const int32_t hd = mb->head_dim, n = mb->d_state;
     const int64_t inner = mamba_inner(mb), per_head = (int64_t)hd * n;
     const float raw = dt_raw[h] + mb->dt_bias[h];
@@ -341,7 +341,7 @@ void pagedserve_mamba_head(const PsMamba* mb, const float* conv_out, const float
 
 /* Group g of a row: y times SiLU(z), RMS-normed over the group and times the norm's weight (norm_kind 1);
    normed first, then gated (2); or the gate alone (0). */
-void pagedserve_mamba_norm(const PsMamba* mb, const float* y, const float* z, float* out, int32_t g) {
+static void mamba_norm(const PsMamba* mb, const float* y, const float* z, float* out, int32_t g) {
     const int64_t width = mamba_inner(mb) / mb->groups, at = g * width;
     float sum = 0.0f;
     for (int64_t j = at; j < at + width; j++) {
@@ -357,34 +357,38 @@ void pagedserve_mamba_norm(const PsMamba* mb, const float* y, const float* z, fl
     }
 }
 
+/* The three stages for `rows` rows, each an `omp for` over its items: called inside a parallel region (the
+   fused step's, or pagedserve_mamba_decode's). proj rows proj_stride apart; conv_out [rows, conv_dim], y and out
+   [rows, inner]. */
+void pagedserve_mamba_stages(const PsMamba* mb, const float* proj, int64_t proj_stride, const int64_t* slots,
+                             int64_t rows, float* conv_out, float* y, float* out) {
+    const int64_t inner = mamba_inner(mb), conv_dim = mamba_conv_dim(mb);
+    const int64_t chunks = (conv_dim + PS_MAMBA_CONV_CHUNK - 1) / PS_MAMBA_CONV_CHUNK;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows * chunks; it++) {
+        const int64_t r = it / chunks, c0 = it % chunks * PS_MAMBA_CONV_CHUNK;
+        const int64_t c1 = c0 + PS_MAMBA_CONV_CHUNK < conv_dim ? c0 + PS_MAMBA_CONV_CHUNK : conv_dim;
+        mamba_conv(mb, proj + r * proj_stride + inner, conv_out + r * conv_dim, slots[r], (int32_t)c0, (int32_t)c1);
+    }
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows * mb->heads; it++) {
+        const int64_t r = it / mb->heads;
+        mamba_head(mb, conv_out + r * conv_dim, proj + r * proj_stride + inner + conv_dim, y + r * inner, slots[r],
+                   (int32_t)(it % mb->heads));
+    }
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows * mb->groups; it++) {
+        const int64_t r = it / mb->groups;
+        mamba_norm(mb, y + r * inner, proj + r * proj_stride, out + r * inner, (int32_t)(it % mb->groups));
+    }
+}
+
 int pagedserve_mamba_decode(const PsMamba* mb, const float* proj, int64_t proj_stride, const int64_t* slots,
                             int64_t rows, float* out, float* scratch) {
     if (pagedserve_mamba_checks(mb) || rows < 0) return -1;
     const int64_t inner = mamba_inner(mb), conv_dim = mamba_conv_dim(mb);
     if (proj_stride < inner + conv_dim + mb->heads) return -1;
-    const int64_t chunks = (conv_dim + PS_MAMBA_CONV_CHUNK - 1) / PS_MAMBA_CONV_CHUNK;
-    float* conv_out = scratch;
-    float* y = scratch + rows * conv_dim;
 #pragma omp parallel if (rows * inner * mb->d_state > 65536)
-    {
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < rows * chunks; it++) {
-            const int64_t r = it / chunks, c0 = it % chunks * PS_MAMBA_CONV_CHUNK;
-            const int64_t c1 = c0 + PS_MAMBA_CONV_CHUNK < conv_dim ? c0 + PS_MAMBA_CONV_CHUNK : conv_dim;
-            pagedserve_mamba_conv(mb, proj + r * proj_stride + inner, conv_out + r * conv_dim, slots[r], (int32_t)c0,
-                                  (int32_t)c1);
-        }
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < rows * mb->heads; it++) {
-            const int64_t r = it / mb->heads;
-            pagedserve_mamba_head(mb, conv_out + r * conv_dim, proj + r * proj_stride + inner + conv_dim, y + r * inner,
-                                  slots[r], (int32_t)(it % mb->heads));
-        }
-#pragma omp for schedule(static)
-        for (int64_t it = 0; it < rows * mb->groups; it++) {
-            const int64_t r = it / mb->groups;
-            pagedserve_mamba_norm(mb, y + r * inner, proj + r * proj_stride, out + r * inner, (int32_t)(it % mb->groups));
-        }
-    }
+    pagedserve_mamba_stages(mb, proj, proj_stride, slots, rows, scratch, scratch + rows * conv_dim, out);
     return 0;
 }

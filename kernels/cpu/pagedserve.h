@@ -205,13 +205,11 @@ void pagedserve_decode_run(const float* q, int64_t q_row_stride, const void* k_c
                            int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
                            float scale, float softcap, int32_t kv_bf16);
 int pagedserve_decode_heads_per_item(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim);
-/* Mamba2's three decode stages, an item each (delta_rule.c): channels [c0, c1) of a row's conv (x B C raw ->
-   conv_out, the row's conv state in slot `slot` moved on); head h's step size and state-space step (conv_out and
-   the row's raw step sizes -> y [inner], the D skip added); group g's gated norm (y, the row's z -> out). */
-void pagedserve_mamba_conv(const PsMamba* mb, const float* xbc, float* conv_out, int64_t slot, int32_t c0, int32_t c1);
-void pagedserve_mamba_head(const PsMamba* mb, const float* conv_out, const float* dt_raw, float* y, int64_t slot,
-                           int32_t h);
-void pagedserve_mamba_norm(const PsMamba* mb, const float* y, const float* z, float* out, int32_t g);
+/* Mamba2's decode for `rows` rows inside a parallel region (delta_rule.c): three `omp for` stages, channels of a
+   row's conv (its conv state moved on), each head's step size and state-space step (the D skip added), each
+   group's gated norm; proj, slots as pagedserve_mamba_decode's, conv_out [rows, conv_dim], y, out [rows, inner]. */
+void pagedserve_mamba_stages(const PsMamba* mb, const float* proj, int64_t proj_stride, const int64_t* slots,
+                             int64_t rows, float* conv_out, float* y, float* out);
 int pagedserve_mamba_checks(const PsMamba* mb);
 #define PS_MAMBA_CONV_CHUNK 256 /* conv channels an item */
 void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,

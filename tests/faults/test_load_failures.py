@@ -14,31 +14,14 @@ from protos.base import EXIT_LOAD
 
 
 def test_an_unforeseen_load_fault_is_one_line_and_exit_load(monkeypatch, capsys, tiny_model_dir):
-    import structlog
-
     import worker.serve.main as worker_main
+    from tests.support.server import worker_main_code
 
     def broken_loader(*args, **kwargs):
         raise KeyError("blk.7.attn_q.weight")
 
     monkeypatch.setattr(worker_main, "load", broken_loader)
-    try:
-        code = worker_main.main(
-            [
-                "--model",
-                str(tiny_model_dir),
-                "--scheduler",
-                "tcp://127.0.0.1:1",
-                "--device",
-                "cpu",
-                "--malloc",
-                "glibc",
-                "--log-format",
-                "json",
-            ]
-        )
-    finally:
-        structlog.reset_defaults()  # main() pointed the logs at this test's captured stderr
+    code = worker_main_code(tiny_model_dir, "--device", "cpu")
     assert code == EXIT_LOAD
     err = capsys.readouterr().err
     assert "could not be loaded: KeyError: 'blk.7.attn_q.weight'" in err

@@ -80,31 +80,11 @@ def test_a_field_that_would_change_the_math_is_refused_by_name(name, overrides, 
 
 @pytest.mark.parametrize("name,overrides,shown", [REFUSED[0], REFUSED[3], REFUSED[10]])
 def test_the_worker_exits_2_at_start_naming_the_field(tmp_path, capsys, name, overrides, shown):
-    import structlog
-
-    import worker.serve.main as worker_main
     from protos.base import EXIT_CONFIG
+    from tests.support.server import worker_main_code
 
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **overrides}))
-    try:
-        code = worker_main.main(
-            [
-                "--model",
-                str(tmp_path),
-                "--scheduler",
-                "tcp://127.0.0.1:1",
-                "--device",
-                "cpu",
-                "--load-format",
-                "dummy",
-                "--malloc",
-                "glibc",
-                "--log-format",
-                "json",
-            ]
-        )
-    finally:
-        structlog.reset_defaults()  # main() pointed the logs at this test's captured stderr
+    code = worker_main_code(tmp_path, "--device", "cpu", "--load-format", "dummy")
     assert code == EXIT_CONFIG
     assert f"{name}={shown}" in capsys.readouterr().err
 

@@ -73,3 +73,18 @@ def greedy_request(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True
         ),
     )
+
+
+def worker_main_code(model, *flags: str) -> int:
+    """`pagedserve-worker --model model flags...` run in this process against no scheduler (a
+    start-up that ends before it would connect): its exit code; its lines on the captured stderr.
+    """
+    import structlog
+
+    import worker.serve.main as worker_main
+
+    argv = ["--model", str(model), "--scheduler", "tcp://127.0.0.1:1", "--malloc", "glibc"]
+    try:
+        return worker_main.main([*argv, "--log-format", "json", *flags])
+    finally:
+        structlog.reset_defaults()  # main() pointed the logs at the test's captured stderr

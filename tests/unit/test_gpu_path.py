@@ -70,30 +70,14 @@ def test_a_cpu_only_torch_on_a_host_with_an_nvidia_gpu_refuses_to_start(
     """Serving on the CPU by accident, hundreds of times slower, with no word: refused with what to
     do.
     """
-    import worker.serve.main as worker_main
     import worker.serve.startup
     from protos.base import EXIT_CONFIG
+    from tests.support.server import worker_main_code
 
     if torch.cuda.is_available():
         pytest.skip("torch sees the GPU here")
-    import structlog
-
     monkeypatch.setattr(worker.serve.startup, "nvidia_gpu_present", lambda: True)
-    try:
-        code = worker_main.main(
-            [
-                "--model",
-                str(tiny_model_dir),
-                "--scheduler",
-                "tcp://127.0.0.1:1",
-                "--malloc",
-                "glibc",
-                "--log-format",
-                "json",
-            ]
-        )
-    finally:
-        structlog.reset_defaults()  # main() pointed the logs at this test's captured stderr
+    code = worker_main_code(tiny_model_dir)
     assert code == EXIT_CONFIG
     err = capsys.readouterr().err
     assert "NVIDIA GPU" in err and "CPU-only build" in err and "--device cpu" in err
