@@ -30,6 +30,19 @@ class PsMamba(ctypes.Structure):
     ]
 
 
+class PsDelta(ctypes.Structure):
+    """kernels/cpu/pagedserve.h's PsDelta: a Gated DeltaNet layer's parameters and its layer of
+    the state pool (worker/model/delta_net.py GatedDeltaNet.native builds one).
+    """
+
+    _fields_ = [
+        *((name, _P) for name in ("conv", "dt_bias", "a_neg", "norm", "conv_states", "states")),
+        *((name, _I32) for name in ("k_heads", "v_heads", "dk", "dv", "kernel", "tiled")),
+        ("eps", _F),
+        ("beta_scale", _F),
+    ]
+
+
 class NativeRecurrent:
     """Recurrent-layer calls of the loaded library, bound by `_bind_recurrent`."""
 
@@ -39,7 +52,10 @@ class NativeRecurrent:
             lib.pagedserve_gated_norm,
             lib.pagedserve_delta_rule_chunked,
         )
-        self._mamba_decode = lib.pagedserve_mamba_decode
+        self._mamba_decode, self._delta_decode = (
+            lib.pagedserve_mamba_decode,
+            lib.pagedserve_delta_decode,
+        )
 
     def delta_net_decode(self, x, z, g, beta, conv_states, states, slots, conv, norm, layer):
         # one function: each tensor's layout is checked where the library reads it
@@ -157,18 +173,32 @@ class NativeRecurrent:
         """
         inner = desc.heads * desc.head_dim
         conv_dim = inner + 2 * desc.groups * desc.d_state
+        width = (inner + conv_dim + desc.heads, inner, conv_dim + inner)
+        return self._mixer_step(self._mamba_decode, desc, proj, slots, *width)
+
+    def delta_step(self, desc: PsDelta, proj: torch.Tensor, slots: torch.Tensor):
+        """One token a row through a Gated DeltaNet layer: proj fp32 [rows, in_proj rows] (q k v,
+        z, b, a) -> fp32 [rows, v_heads * dv], gated-normed, states advanced in their slots; None
+        for a layout it does not take.
+        """
+        v_size = desc.v_heads * desc.dv
+        conv_dim = 2 * desc.k_heads * desc.dk + v_size
+        width = (conv_dim + v_size + 2 * desc.v_heads, v_size, conv_dim + v_size)
+        return self._mixer_step(self._delta_decode, desc, proj, slots, *width)
+
+    @staticmethod
+    def _mixer_step(fn, desc, proj, slots, in_rows: int, out_width: int, scratch_width: int):
         if not (
             proj.dtype == torch.float32
             and proj.device.type == "cpu"
             and proj.stride(1) == 1
-            and proj.shape[1] == inner + conv_dim + desc.heads
+            and proj.shape[1] == in_rows
         ):
             return None
         rows = proj.shape[0]
         slots = slots.to(torch.int64).contiguous()
-        out = torch.empty(rows, inner)
-        scratch = torch.empty(rows, conv_dim + inner)
+        out, scratch = torch.empty(rows, out_width), torch.empty(rows, scratch_width)
         args = (proj.data_ptr(), proj.stride(0), slots.data_ptr(), rows, out.data_ptr())
-        if self._mamba_decode(ctypes.addressof(desc), *args, scratch.data_ptr()):
+        if fn(ctypes.addressof(desc), *args, scratch.data_ptr()):
             return None
         return out

@@ -65,13 +65,25 @@ static StepWidths step_widths(const PsModel* m) {
     const int64_t h = m->hidden, q = (int64_t)m->n_heads * m->head_dim, i = m->intermediate;
     StepWidths w = {q + 2 * (int64_t)m->n_kv_heads * m->head_dim, q, 0, h > q ? (h > i ? h : i) : (q > i ? q : i)};
     for (int li = 0; li < m->num_layers; li++) {
-        const PsMamba* mb = m->layers[li].mamba;
-        if (!mb) continue;
-        const int64_t inner = (int64_t)mb->heads * mb->head_dim, conv = inner + 2 * (int64_t)mb->groups * mb->d_state;
-        w.proj = w.proj > inner + conv + mb->heads ? w.proj : inner + conv + mb->heads;
-        w.mix = w.mix > inner ? w.mix : inner;
+        const PsLayer* ly = &m->layers[li];
+        const PsMamba* mb = ly->mamba;
+        const PsDelta* dl = ly->delta;
+        int64_t proj = w.proj, mix = 0, conv = 0;
+        if (mb) {
+            mix = (int64_t)mb->heads * mb->head_dim;
+            conv = mix + 2 * (int64_t)mb->groups * mb->d_state;
+            proj = mix + conv + mb->heads;
+        } else if (dl) {
+            mix = (int64_t)dl->v_heads * dl->dv;
+            conv = 2 * (int64_t)dl->k_heads * dl->dk + mix;
+            proj = conv + mix + 2 * (int64_t)dl->v_heads;
+        } else if (ly->attn_gate) {
+            proj = q + 2 * (int64_t)m->n_kv_heads * m->head_dim + q;
+        }
+        w.proj = w.proj > proj ? w.proj : proj;
+        w.mix = w.mix > mix ? w.mix : mix;
         w.conv = w.conv > conv ? w.conv : conv;
-        w.max_in = w.max_in > inner ? w.max_in : inner;
+        w.max_in = w.max_in > mix ? w.max_in : mix;
     }
     return w;
 }
@@ -254,6 +266,15 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             const int64_t inner = (int64_t)mb->heads * mb->head_dim;
             shapes[0][0] = 2 * inner + 2 * (int64_t)mb->groups * mb->d_state + mb->heads;
             shapes[1][1] = inner;
+        } else if (ly->delta) {
+            const PsDelta* dl = ly->delta;
+            if (pagedserve_delta_checks(dl) || !state_slots || lora) return -1;
+            const int64_t v_size = (int64_t)dl->v_heads * dl->dv;
+            shapes[0][0] = 2 * (int64_t)dl->k_heads * dl->dk + 2 * v_size + 2 * (int64_t)dl->v_heads;
+            shapes[1][1] = v_size;
+        } else if (ly->attn_gate) { /* q, k, v, then a gate a query value */
+            if (lora) return -1;
+            shapes[0][0] += qsz;
         }
         for (int j = 0; j < 4; j++)
             if (!matrix_served(mats[j], shapes[j][0], shapes[j][1])) return -1;
@@ -358,13 +379,20 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 lora_expand(lq, qkv, qkv_w);
                 stage_done(PS_LORA, &prof_t);
             }
-if (ly->mamba) {
+            const int64_t lw = qkv_w + (ly->attn_gate ? qsz : 0); /* this layer's qkv row */
+            if (ly->mamba) {
                 mamba_stages(ly->mamba, qkv, rows, state_slots, conv_out, attn, mixed, &prof_t);
+            } else if (ly->delta) {
+                const PsDelta* dl = ly->delta;
+                const int64_t v_size = (int64_t)dl->v_heads * dl->dv;
+                const int64_t stride = 2 * (int64_t)dl->k_heads * dl->dk + 2 * v_size + 2 * (int64_t)dl->v_heads;
+                pagedserve_delta_stages(dl, qkv, stride, state_slots, rows, conv_out, attn, mixed);
+                stage_done(PS_MAMBA, &prof_t);
             } else {
-    #pragma omp for schedule(static)
+#pragma omp for schedule(static)
                 for (int64_t it = 0; it < rows * heads; it++) { /* q heads, then k heads (each with its v head) */
                     const int64_t r = it / heads, hh = it % heads;
-                    float* row = qkv + r * qkv_w;
+                    float* row = qkv + r * lw;
                     const int is_k = hh >= nh;
                     const float* c = ly->rope ? m->cos + positions[r] * half : 0;
                     const float* s = ly->rope ? m->sin + positions[r] * half : 0;
@@ -384,7 +412,7 @@ if (ly->mamba) {
                 }
                 stage_done(PS_HEADS, &prof_t);
                 if (att_splits > 1) {
-    #pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
                     for (int64_t it = 0; it < rows * att_splits * att_split; it++) { /* a range of a row's keys */
                         const int64_t r = it / (att_splits * att_split), j = it / att_split % att_splits;
                         const int kh0 = (int)(it % att_split * att_heads);
@@ -394,11 +422,11 @@ if (ly->mamba) {
                         pagedserve_decode_range(first, seq_lens[r], m->block_size, att_splits, (int32_t)j, &from, &to);
                         float* acc = att_state + r * row_state + (j * nh + kh0 * (nh / nkv)) * hd;
                         float* mx = att_state + r * row_state + att_splits * nh * hd + j * nh + kh0 * (nh / nkv);
-                        pagedserve_decode_part(qkv + r * qkv_w, ly->k_cache, ly->v_cache, block_tables + r * table_stride,
+                        pagedserve_decode_part(qkv + r * lw, ly->k_cache, ly->v_cache, block_tables + r * table_stride,
                                                from, to, kh0, kh1, (int)nh, (int)nkv, (int)hd, m->block_size, m->scale,
                                                0.0f, m->kv_bf16, acc, mx, mx + att_splits * nh);
                     }
-    #pragma omp for schedule(static)
+#pragma omp for schedule(static)
                     for (int64_t it = 0; it < rows * nh; it++) { /* the ranges merged, a query head at a time */
                         const int64_t r = it / nh, hh = it % nh;
                         const float* st = att_state + r * row_state;
@@ -407,18 +435,18 @@ if (ly->mamba) {
                                                 NULL, attn + r * qsz + hh * hd);
                     }
                 } else if (runs == rows) {
-    #pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
                     for (int64_t it = 0; it < rows * att_split; it++) { /* a sequence's KV heads and their query heads */
                         const int64_t r = it / att_split;
                         const int kh0 = (int)(it % att_split * att_heads);
                         const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
                         const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
-                        pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
+                        pagedserve_decode_item(qkv + r * lw, ly->k_cache, ly->v_cache, attn + r * qsz,
                                                block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
                                                (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, NULL, m->kv_bf16);
                     }
                 } else {
-    #pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
                     for (int64_t it = 0; it < parts * nkv; it++) { /* a part of a sequence's run of rows, one KV head */
                         const int64_t u = it / nkv;
                         const int kh = (int)(it % nkv);
@@ -426,24 +454,33 @@ if (ly->mamba) {
                         const int32_t last = seq_lens[r + n - 1];
                         if (n == 1) {
                             const int32_t first = ly->window > 0 && last > ly->window ? last - ly->window : 0;
-                            pagedserve_decode_item(qkv + r * qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz,
+                            pagedserve_decode_item(qkv + r * lw, ly->k_cache, ly->v_cache, attn + r * qsz,
                                                    block_tables + r * table_stride, first, last, kh, kh + 1, (int)nh,
                                                    (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, NULL, m->kv_bf16);
                         } else if (ly->window <= 0 || last <= ly->window) { /* every row sees every key */
-                            pagedserve_decode_run(qkv + r * qkv_w, qkv_w, ly->k_cache, ly->v_cache, attn + r * qsz, qsz,
+                            pagedserve_decode_run(qkv + r * lw, lw, ly->k_cache, ly->v_cache, attn + r * qsz, qsz,
                                                   (int32_t)n, block_tables + r * table_stride, seq_lens[r], kh, (int)nh,
                                                   (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
                         } else {
-                            pagedserve_prefill_rows(qkv, qkv_w, ly->k_cache, ly->v_cache, attn, r, (int32_t)n, last,
+                            pagedserve_prefill_rows(qkv, lw, ly->k_cache, ly->v_cache, attn, r, (int32_t)n, last,
                                                     block_tables + r * table_stride, kh, (int)nh, (int)nkv, (int)hd,
                                                     m->block_size, m->scale, ly->window, 0.0f, m->kv_bf16);
                         }
                     }
                 }
+                if (ly->attn_gate) { /* each query value times the sigmoid of its gate */
+#pragma omp for schedule(static)
+                    for (int64_t it = 0; it < rows * nh; it++) {
+                        const int64_t r = it / nh, at = it % nh * hd;
+                        const float* gt = qkv + r * lw + qsz + 2 * kvsz + at;
+                        float* o = attn + r * qsz + at;
+                        for (int64_t d = 0; d < hd; d++) o[d] *= 1.0f / (1.0f + expf(-gt[d]));
+                    }
+                }
                 stage_done(PS_ATTENTION, &prof_t);
             }
             la.which = 1;
-            matmul_part(m, &ly->o_proj, ly->mamba ? mixed : attn, rows, delta, px, PS_O_PROJ, &prof_t, lq);
+            matmul_part(m, &ly->o_proj, ly->mamba || ly->delta ? mixed : attn, rows, delta, px, PS_O_PROJ, &prof_t, lq);
             if (lq) {
                 lora_expand(lq, delta, H);
                 stage_done(PS_LORA, &prof_t);

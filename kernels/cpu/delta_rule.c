@@ -26,29 +26,32 @@
 #define MAX_DV 512
 
 static inline float silu(float x) { return x / (1.0f + vec_exp(-x)); }
+/* torch's softplus: log(1 + e^x), the value itself past 20 */
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* Channels [c0, c1) of one row through the depthwise causal conv and SiLU: st the row's state [K-1, channels]
+   (moved on by one, channel by channel), weight [channels, K] (tap K-1 meets the new input), bias or NULL. */
+static void conv_item(const float* weight, const float* bias, float* st, int64_t channels, int32_t kernel,
+                      const float* xr, float* o, int32_t c0, int32_t c1) {
+    for (int32_t c = c0; c < c1; c++) {
+        const float* w = weight + (int64_t)c * kernel;
+        float acc = w[kernel - 1] * xr[c] + (bias ? bias[c] : 0.0f);
+        for (int32_t j = 0; j < kernel - 1; j++) acc += w[j] * st[(int64_t)j * channels + c];
+        o[c] = silu(acc);
+        for (int32_t j = 0; j + 1 < kernel - 1; j++) st[(int64_t)j * channels + c] = st[(int64_t)(j + 1) * channels + c];
+        st[(int64_t)(kernel - 2) * channels + c] = xr[c];
+    }
+}
 
 void pagedserve_conv_step(const float* x, int64_t x_stride, float* conv_states, const int64_t* slots,
                           const float* weight, const float* bias, float* out, int64_t rows, int32_t channels,
                           int32_t kernel) {
-    /* conv_states [slots, K-1, C]; weight [C, K] (tap K-1 meets the new input); bias [C] or NULL
-       (Mamba2's conv has one); out [rows, C] */
+    /* conv_states [slots, K-1, C]; weight [C, K]; bias [C] or NULL (Mamba2's conv has one); out [rows, C] */
     const int64_t per_slot = (int64_t)(kernel - 1) * channels;
 #pragma omp parallel for schedule(static) if (rows * channels > 16384)
-    for (int64_t r = 0; r < rows; r++) {
-        float* st = conv_states + slots[r] * per_slot;
-        const float* xr = x + r * x_stride;
-        float* o = out + r * channels;
-        for (int32_t c = 0; c < channels; c++) {
-            const float* w = weight + (int64_t)c * kernel;
-            float acc = w[kernel - 1] * xr[c] + (bias ? bias[c] : 0.0f);
-            for (int32_t j = 0; j < kernel - 1; j++) acc += w[j] * st[(int64_t)j * channels + c];
-            o[c] = silu(acc);
-        }
-        for (int32_t j = 0; j + 1 < kernel - 1; j++)
-            for (int32_t c = 0; c < channels; c++)
-                st[(int64_t)j * channels + c] = st[(int64_t)(j + 1) * channels + c];
-        for (int32_t c = 0; c < channels; c++) st[(int64_t)(kernel - 2) * channels + c] = xr[c];
-    }
+    for (int64_t r = 0; r < rows; r++)
+        conv_item(weight, bias, conv_states + slots[r] * per_slot, channels, kernel, x + r * x_stride,
+                  out + r * channels, 0, channels);
 }
 
 /* a . b and y += a x over n floats: AVX2 FMAs eight lanes at a time where the build has them (the library is
@@ -78,51 +81,55 @@ static inline void axpy(float* y, float a, const float* x, int32_t n) {
 
 static inline float inv_norm(const float* x, int32_t n) { return 1.0f / sqrtf(dot(x, x, n) + 1e-6f); }
 
+/* One value head h of one row: x the conv's output row (q: k_heads x dk, then k, then v: v_heads x dv); S the
+   head's state [dk, dv] in its slot; o [dv]. Value head h reads key head h % k_heads where tiled (llama.cpp's
+   order), else h / (v_heads / k_heads). */
+static void delta_head(const float* x, float g, float b, float* S, float* dst, int32_t h, int32_t k_heads,
+                       int32_t v_heads, int32_t dk, int32_t dv, int32_t tiled) {
+    const int32_t kh = tiled ? h % k_heads : h / (v_heads / k_heads);
+    const float* q = x + (int64_t)kh * dk;
+    const float* k = q + (int64_t)k_heads * dk;
+    const float* v = x + 2 * (int64_t)k_heads * dk + (int64_t)h * dv;
+    const float qs = inv_norm(q, dk) * (1.0f / sqrtf((float)dk)), ks = inv_norm(k, dk);
+    const float decay = vec_exp(g);
+    float kv[MAX_DV], delta[MAX_DV], o[MAX_DV];
+    for (int32_t j = 0; j < dv; j++) kv[j] = 0.0f;
+    for (int32_t i = 0; i < dk; i++) {
+        const float ki = k[i] * ks;
+        const float* s = S + (int64_t)i * dv;
+#pragma omp simd
+        for (int32_t j = 0; j < dv; j++) kv[j] += s[j] * ki;
+    }
+#pragma omp simd
+    for (int32_t j = 0; j < dv; j++) {
+        delta[j] = (v[j] - decay * kv[j]) * b;
+        o[j] = 0.0f;
+    }
+    for (int32_t i = 0; i < dk; i++) {
+        const float ki = k[i] * ks, qi = q[i] * qs;
+        float* s = S + (int64_t)i * dv;
+#pragma omp simd
+        for (int32_t j = 0; j < dv; j++) {
+            const float nv = s[j] * decay + ki * delta[j];
+            s[j] = nv;
+            o[j] += nv * qi;
+        }
+    }
+    for (int32_t j = 0; j < dv; j++) dst[j] = o[j];
+}
+
 int pagedserve_delta_rule_step(const float* x, int64_t x_stride, const float* g, const float* beta,
                                float* states, const int64_t* slots, float* out, int64_t rows, int32_t k_heads,
                                int32_t v_heads, int32_t dk, int32_t dv, int32_t tiled) {
-    /* x: the conv's output rows (q: k_heads x dk, then k, then v: v_heads x dv); g, beta [rows, v_heads];
-       states fp32 [slots, v_heads, dk, dv]; out fp32 [rows, v_heads, dv]. Value head h reads key head
-       h % k_heads where tiled (llama.cpp's order), else h / (v_heads / k_heads). -1: dv too large. */
+    /* x: the conv's output rows; g, beta [rows, v_heads]; states fp32 [slots, v_heads, dk, dv]; out fp32 [rows,
+       v_heads, dv]. -1: dv too large. */
     if (dv > MAX_DV || v_heads % k_heads) return -1;
-    const int32_t group = v_heads / k_heads;
-    const float q_scale = 1.0f / sqrtf((float)dk);
 #pragma omp parallel for collapse(2) schedule(static) if (rows * v_heads * dk * dv > 32768)
     for (int64_t r = 0; r < rows; r++)
-        for (int32_t h = 0; h < v_heads; h++) {
-            const int32_t kh = tiled ? h % k_heads : h / group;
-            const float* q = x + r * x_stride + (int64_t)kh * dk;
-            const float* k = q + (int64_t)k_heads * dk;
-            const float* v = x + r * x_stride + 2 * (int64_t)k_heads * dk + (int64_t)h * dv;
-            const float qs = inv_norm(q, dk) * q_scale, ks = inv_norm(k, dk);
-            const float decay = vec_exp(g[r * v_heads + h]), b = beta[r * v_heads + h];
-            float* S = states + (slots[r] * v_heads + h) * (int64_t)dk * dv;
-            float kv[MAX_DV], delta[MAX_DV], o[MAX_DV];
-            for (int32_t j = 0; j < dv; j++) kv[j] = 0.0f;
-            for (int32_t i = 0; i < dk; i++) {
-                const float ki = k[i] * ks;
-                const float* s = S + (int64_t)i * dv;
-#pragma omp simd
-                for (int32_t j = 0; j < dv; j++) kv[j] += s[j] * ki;
-            }
-#pragma omp simd
-            for (int32_t j = 0; j < dv; j++) {
-                delta[j] = (v[j] - decay * kv[j]) * b;
-                o[j] = 0.0f;
-            }
-            for (int32_t i = 0; i < dk; i++) {
-                const float ki = k[i] * ks, qi = q[i] * qs;
-                float* s = S + (int64_t)i * dv;
-#pragma omp simd
-                for (int32_t j = 0; j < dv; j++) {
-                    const float nv = s[j] * decay + ki * delta[j];
-                    s[j] = nv;
-                    o[j] += nv * qi;
-                }
-            }
-            float* dst = out + (r * v_heads + h) * (int64_t)dv;
-            for (int32_t j = 0; j < dv; j++) dst[j] = o[j];
-        }
+        for (int32_t h = 0; h < v_heads; h++)
+            delta_head(x + r * x_stride, g[r * v_heads + h], beta[r * v_heads + h],
+                       states + (slots[r] * v_heads + h) * (int64_t)dk * dv, out + (r * v_heads + h) * (int64_t)dv,
+                       h, k_heads, v_heads, dk, dv, tiled);
     return 0;
 }
 
@@ -265,21 +272,23 @@ int pagedserve_delta_rule_chunked(const float* x, int64_t x_stride, const float*
     return failed ? -1 : 0;
 }
 
+/* One head's output x [dim] RMS-normed by the plain weight, times SiLU of its gate. */
+static void gated_norm_head(const float* x, const float* gate, const float* weight, float* dst, int32_t dim, float eps) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int32_t j = 0; j < dim; j++) sum += x[j] * x[j];
+    const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+    for (int32_t j = 0; j < dim; j++) dst[j] = weight[j] * (x[j] * inv) * silu(gate[j]);
+}
+
 void pagedserve_gated_norm(const float* o, const float* z, int64_t z_stride, const float* weight, float* out,
                            int64_t rows, int32_t heads, int32_t dim, float eps) {
     /* o [rows, heads, dim]; z: each row's gates at z + r * z_stride, [heads, dim]; out [rows, heads * dim] */
 #pragma omp parallel for collapse(2) schedule(static) if (rows * heads * dim > 32768)
     for (int64_t r = 0; r < rows; r++)
-        for (int32_t h = 0; h < heads; h++) {
-            const float* x = o + (r * heads + h) * (int64_t)dim;
-            const float* gate = z + r * z_stride + (int64_t)h * dim;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int32_t j = 0; j < dim; j++) sum += x[j] * x[j];
-            const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
-            float* dst = out + (r * heads + h) * (int64_t)dim;
-            for (int32_t j = 0; j < dim; j++) dst[j] = weight[j] * (x[j] * inv) * silu(gate[j]);
-        }
+        for (int32_t h = 0; h < heads; h++)
+            gated_norm_head(o + (r * heads + h) * (int64_t)dim, z + r * z_stride + (int64_t)h * dim, weight,
+                            out + (r * heads + h) * (int64_t)dim, dim, eps);
 }
 
 /* --- Mamba2's decode as three item kinds, for the layer path's one call and the fused step ----------------- */
@@ -300,30 +309,19 @@ int pagedserve_mamba_checks(const PsMamba* mb) {
     return 0;
 }
 
-/* As pagedserve_conv_step for channels [c0, c1) of one row, the bias always added (Mamba2's conv has one,
-   zero where absent); the row's state moves on channel by channel. */
 static void mamba_conv(const PsMamba* mb, const float* xbc, float* conv_out, int64_t slot, int32_t c0, int32_t c1) {
-    const int32_t K = mb->kernel;
     const int64_t channels = mamba_conv_dim(mb);
-    float* st = mb->conv_states + slot * (int64_t)(K - 1) * channels;
-    for (int32_t c = c0; c < c1; c++) {
-        const float* w = mb->conv + (int64_t)c * K;
-        float acc = w[K - 1] * xbc[c] + (mb->conv_bias ? mb->conv_bias[c] : 0.0f);
-        for (int32_t j = 0; j < K - 1; j++) acc += w[j] * st[(int64_t)j * channels + c];
-        conv_out[c] = silu(acc);
-        for (int32_t j = 0; j + 1 < K - 1; j++) st[(int64_t)j * channels + c] = st[(int64_t)(j + 1) * channels + c];
-        st[(int64_t)(K - 2) * channels + c] = xbc[c];
-    }
+    conv_item(mb->conv, mb->conv_bias, mb->conv_states + slot * (int64_t)(mb->kernel - 1) * channels, channels,
+              mb->kernel, xbc, conv_out, c0, c1);
 }
 
-/* Head h: its step size softplus(raw + bias) (torch's: the value itself past 20), floored at dt_min; the state
+/* Head h: its step size softplus(raw + bias), floored at dt_min; the state
    decayed by e^(dt a), dt x (outer) B added, y = state . C + D x. */
 static void mamba_head(const PsMamba* mb, const float* conv_out, const float* dt_raw, float* y, int64_t slot,
                        int32_t h) {
     const int32_t hd = mb->head_dim, n = mb->d_state;
     const int64_t inner = mamba_inner(mb), per_head = (int64_t)hd * n;
-    const float raw = dt_raw[h] + mb->dt_bias[h];
-    float step = raw > 20.0f ? raw : log1pf(expf(raw));
+    float step = softplus(dt_raw[h] + mb->dt_bias[h]);
     step = step < mb->dt_min ? mb->dt_min : step;
     const float decay = vec_exp(step * mb->a[h]);
     const float* x = conv_out + (int64_t)h * hd;
@@ -390,5 +388,58 @@ int pagedserve_mamba_decode(const PsMamba* mb, const float* proj, int64_t proj_s
     if (proj_stride < inner + conv_dim + mb->heads) return -1;
 #pragma omp parallel if (rows * inner * mb->d_state > 65536)
     pagedserve_mamba_stages(mb, proj, proj_stride, slots, rows, scratch, scratch + rows * conv_dim, out);
+    return 0;
+}
+
+/* --- Gated DeltaNet's decode as three item kinds, for the layer path's one call and the fused step -------- */
+
+static inline int64_t delta_conv_dim(const PsDelta* dl) {
+    return 2 * (int64_t)dl->k_heads * dl->dk + (int64_t)dl->v_heads * dl->dv;
+}
+
+int pagedserve_delta_checks(const PsDelta* dl) {
+    if (!dl || !dl->conv || !dl->dt_bias || !dl->a_neg || !dl->norm || !dl->conv_states || !dl->states) return -1;
+    if (dl->k_heads < 1 || dl->v_heads % dl->k_heads || dl->dk < 1 || dl->dv < 1 || dl->dv > MAX_DV
+        || dl->kernel < 2)
+        return -1;
+    return 0;
+}
+
+void pagedserve_delta_stages(const PsDelta* dl, const float* proj, int64_t proj_stride, const int64_t* slots,
+                             int64_t rows, float* conv_out, float* o, float* out) {
+    const int64_t conv_dim = delta_conv_dim(dl), v_size = (int64_t)dl->v_heads * dl->dv, K = dl->kernel;
+    const int64_t chunks = (conv_dim + PS_MAMBA_CONV_CHUNK - 1) / PS_MAMBA_CONV_CHUNK;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows * chunks; it++) {
+        const int64_t r = it / chunks, c0 = it % chunks * PS_MAMBA_CONV_CHUNK;
+        const int64_t c1 = c0 + PS_MAMBA_CONV_CHUNK < conv_dim ? c0 + PS_MAMBA_CONV_CHUNK : conv_dim;
+        conv_item(dl->conv, NULL, dl->conv_states + slots[r] * (K - 1) * conv_dim, conv_dim, (int32_t)K,
+                  proj + r * proj_stride, conv_out + r * conv_dim, (int32_t)c0, (int32_t)c1);
+    }
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows * dl->v_heads; it++) { /* b then a after x and z: beta and the decay */
+        const int64_t r = it / dl->v_heads;
+        const int32_t h = (int32_t)(it % dl->v_heads);
+        const float* ba = proj + r * proj_stride + conv_dim + v_size;
+        const float beta = 1.0f / (1.0f + expf(-ba[h])) * dl->beta_scale;
+        const float g = dl->a_neg[h] * softplus(ba[dl->v_heads + h] + dl->dt_bias[h]);
+        delta_head(conv_out + r * conv_dim, g, beta, dl->states + (slots[r] * dl->v_heads + h) * (int64_t)dl->dk * dl->dv,
+                   o + r * v_size + (int64_t)h * dl->dv, h, dl->k_heads, dl->v_heads, dl->dk, dl->dv, dl->tiled);
+    }
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows * dl->v_heads; it++) {
+        const int64_t r = it / dl->v_heads, at = it % dl->v_heads * dl->dv;
+        gated_norm_head(o + r * v_size + at, proj + r * proj_stride + conv_dim + at, dl->norm, out + r * v_size + at,
+                        dl->dv, dl->eps);
+    }
+}
+
+int pagedserve_delta_decode(const PsDelta* dl, const float* proj, int64_t proj_stride, const int64_t* slots,
+                            int64_t rows, float* out, float* scratch) {
+    if (pagedserve_delta_checks(dl) || rows < 0) return -1;
+    const int64_t conv_dim = delta_conv_dim(dl), v_size = (int64_t)dl->v_heads * dl->dv;
+    if (proj_stride < conv_dim + v_size + 2 * dl->v_heads) return -1;
+#pragma omp parallel if (rows * v_size * dl->dk > 32768)
+    pagedserve_delta_stages(dl, proj, proj_stride, slots, rows, scratch, scratch + rows * conv_dim, out);
     return 0;
 }

@@ -105,6 +105,17 @@ typedef struct {
     float dt_min, eps;
 } PsMamba;
 
+/* A Gated DeltaNet layer (worker/model/delta_net.py): in_proj gives each token x = q k v [conv_dim], the output
+   gate z [v_heads * dv], b and a [v_heads] each; x through the causal conv (no bias) and SiLU, each value head's
+   decay g = a_neg softplus(a + dt_bias) and beta = sigmoid(b) beta_scale, the delta rule, the gated norm. */
+typedef struct {
+    const float *conv, *dt_bias, *a_neg, *norm; /* [conv_dim, kernel]; [v_heads] each (a_neg = -exp(A_log)); [dv] */
+    float *conv_states, *states;                /* the state pool's layer: [slots, kernel-1, conv_dim], [slots,
+                                                   v_heads, dk, dv] fp32, advanced in place */
+    int32_t k_heads, v_heads, dk, dv, kernel, tiled; /* tiled: value head h reads key head h % k_heads */
+    float eps, beta_scale;
+} PsDelta;
+
 typedef struct {
     PsMatrix qkv, o_proj, gate_up, down;
     const float *input_norm, *post_norm;
@@ -114,6 +125,9 @@ typedef struct {
     int32_t rope;                 /* 0: a layer without positions (SmolLM3's NoPE layers) */
     int32_t window;               /* > 0: a sliding-window layer, each token sees its last `window` keys */
     const PsMamba* mamba;         /* a Mamba2 layer (qkv is its in_proj, o_proj its out_proj), or NULL */
+    const PsDelta* delta;         /* a Gated DeltaNet layer (the same places), or NULL */
+    int32_t attn_gate;            /* qkv ends in a gate a query value: attention's output times its sigmoid */
+    int32_t pad;
 } PsLayer;
 
 typedef struct {
@@ -139,7 +153,8 @@ typedef struct {
 _Static_assert(sizeof(PsSegment) == 24, "PsSegment: pointer, int64 rows, int32 type and pad");
 _Static_assert(sizeof(PsMatrix) == 3 * 24 + 24, "PsMatrix: segments, out_dim, in_dim, dense");
 _Static_assert(sizeof(PsMamba) == 8 * sizeof(void*) + 32, "PsMamba's fields");
-_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 8 * sizeof(void*) + 8, "PsLayer's fields");
+_Static_assert(sizeof(PsDelta) == 6 * sizeof(void*) + 32, "PsDelta's fields");
+_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 9 * sizeof(void*) + 16, "PsLayer's fields");
 _Static_assert(sizeof(PsModel) == 96, "PsModel's fields");
 
 /* One LoRA adapter's update of one fused projection (worker/model/lora.py Projection): for each part q,
@@ -174,6 +189,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
    inner) floats. The layer path's one call; the fused step runs the same three stages. -1: a shape it does
    not take. */
 int pagedserve_mamba_decode(const PsMamba* mb, const float* proj, int64_t proj_stride, const int64_t* slots,
+                            int64_t rows, float* out, float* scratch);
+/* Gated DeltaNet's decode, one token a row, as pagedserve_mamba_decode: proj (x, z, b, a) -> out [rows, v_heads *
+   dv], gated-normed. scratch: rows x (conv_dim + v_heads * dv) floats. */
+int pagedserve_delta_decode(const PsDelta* dl, const float* proj, int64_t proj_stride, const int64_t* slots,
                             int64_t rows, float* out, float* scratch);
 
 /* The fused step's stages as its profile counts them (kernels/cpu_native.py DECODE_STAGES names them in this
@@ -211,6 +230,10 @@ int pagedserve_decode_heads_per_item(int32_t n_heads, int32_t n_kv_heads, int32_
 void pagedserve_mamba_stages(const PsMamba* mb, const float* proj, int64_t proj_stride, const int64_t* slots,
                              int64_t rows, float* conv_out, float* y, float* out);
 int pagedserve_mamba_checks(const PsMamba* mb);
+/* Gated DeltaNet's the same way: the conv, each value head's decay, beta and delta rule, its gated norm. */
+void pagedserve_delta_stages(const PsDelta* dl, const float* proj, int64_t proj_stride, const int64_t* slots,
+                             int64_t rows, float* conv_out, float* o, float* out);
+int pagedserve_delta_checks(const PsDelta* dl);
 #define PS_MAMBA_CONV_CHUNK 256 /* conv channels an item */
 void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
                              float* out, int64_t start, int32_t q_len, int32_t seq_len, const int32_t* table,

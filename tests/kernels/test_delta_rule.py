@@ -296,3 +296,48 @@ def test_a_mamba2_mixer_decodes_through_the_fast_ops_as_through_torch(backend, n
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     for ours, theirs in zip(pools[1], pools[0], strict=True):
         torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+def test_a_gated_delta_net_layer_decodes_in_one_native_call_as_through_torch(tiled, beta_scale):
+    """The layer hands its decode rows to the native library in one call (decay, beta, conv, delta
+    rule, gated norm; OLMo-Hybrid's beta scale; llama.cpp's tiled value heads): the output and
+    every slot's states as its torch path leaves them."""
+    from worker.model.config import ModelConfig
+    from worker.model.delta_net import GatedDeltaNet, StateStep
+    from worker.model.elementwise import NativeOps
+
+    config = ModelConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=16,
+        linear_layers=(True,),
+        linear_k_heads=2,
+        linear_v_heads=4,
+        linear_k_dim=16,
+        linear_v_dim=8,
+        linear_conv_kernel=4,
+        linear_tiled_values=tiled,
+        linear_beta_scale=beta_scale,
+    )
+    g = torch.Generator().manual_seed(5)
+    layer = GatedDeltaNet(config, 2, 4)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    proj = torch.randn(3, layer.in_rows, generator=g)
+    step = StateStep(torch.tensor([2, 0, 3]), [0, 1, 2, 3])
+    pools = [
+        (torch.randn(4, 3, layer.conv_dim, generator=g), torch.randn(4, 4, 16, 8, generator=g))
+    ]
+    pools.append(tuple(t.clone() for t in pools[0]))
+    want = layer(proj, step, *pools[0])
+    got = layer(proj, step, *pools[1], ops=NativeOps(decode_kernels("native")[0]))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    for ours, theirs in zip(pools[1], pools[0], strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)

@@ -1,7 +1,8 @@
 """The fused CPU decode step (model/fused_decode.py, kernels/cpu/decode_step.c) against the layer
 path it stands in for: the same hidden states and the same K/V written, for every layer variant the
 model code serves (Llama, Qwen2's QKV bias, Qwen3's q/k norm, SmolLM3's layers without RoPE,
-Granite 4's multipliers and Mamba2 layers, their states in the state pool), for
+Granite 4's multipliers and Mamba2 layers, Qwen3.5's Gated DeltaNet layers and gated attention,
+their states in the state pool), for
 dense fp32 and GGUF blocks, at one and several sequences whose contexts cross blocks; steps it does
 not cover take the layer path; and a server decodes the same greedy tokens with it as with
 --cpu-decode layers.
@@ -85,6 +86,20 @@ def _hf_model(kind: str):
             position_embedding_type="nope",
         )
         return transformers.GraniteMoeHybridForCausalLM(config)
+    # Qwen3.5: Gated DeltaNet layers (2 key heads, 4 value heads of 16) beside a gated attention
+    # layer with q/k norms and partial RoPE
+    if kind == "qwen3_5-hybrid":
+        config = transformers.AutoConfig.for_model(
+            "qwen3_5_text",
+            **dict(COMMON, num_hidden_layers=4),
+            layer_types=["linear_attention", "full_attention"] + ["linear_attention"] * 2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+        )
+        return transformers.AutoModelForCausalLM.from_config(config)
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
         return transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(
@@ -196,7 +211,7 @@ DECODES = [
     "kind",
     [
         *("llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"),
-        "granite4-hybrid",
+        *("granite4-hybrid", "qwen3_5-hybrid"),
     ],
 )
 def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):

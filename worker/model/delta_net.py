@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_recurrent import PsDelta
 from kernels.delta_rule import (
     causal_conv,
     causal_conv_step,
@@ -75,6 +76,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.a_log = nn.Parameter(torch.zeros(self.v_heads))
         self.norm = nn.Parameter(torch.ones(self.v_dim))  # the gated norm's plain weight
+        self._native: tuple | None = None  # (its pool layer's data pointer, PsDelta, its tensors)
 
     @property
     def out_width(self) -> int:
@@ -96,12 +98,16 @@ class GatedDeltaNet(nn.Module):
         return out
 
     def _run(self, proj, step: StateStep, conv_states, states, ops) -> torch.Tensor:
+        kernels = getattr(ops, "k", None)
+        if step.decode_only and hasattr(kernels, "delta_step"):  # the native library: one call
+            out = kernels.delta_step(self.native(conv_states, states), proj, step.slots)
+            if out is not None:
+                return out.to(proj.dtype)
         x, z, b, a = proj.split([self.conv_dim, self.v_size, self.v_heads, self.v_heads], -1)
         beta = torch.sigmoid(b.float())
         if self.beta_scale != 1.0:  # OLMo-Hybrid: eigenvalues down to -1
             beta = beta * self.beta_scale
         g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        kernels = getattr(ops, "k", None)
         native = kernels if hasattr(kernels, "delta_net_decode") else None
         if step.decode_only and native is not None:
             pools = (conv_states, states, step.slots)
@@ -120,6 +126,26 @@ class GatedDeltaNet(nn.Module):
 
             walk_rows(step, (conv_states, states), advance, out)
         return self._gated_norm(out, z)
+
+    def native(self, conv_states: torch.Tensor, states: torch.Tensor) -> PsDelta | None:
+        """This layer over its layer of the state pool as the native library reads it (fp32 on a
+        CPU), or None; made once a pool.
+        """
+        if self._native is not None and self._native[0] == conv_states.data_ptr():
+            return self._native[1]
+        params = [self.conv, self.dt_bias, self.norm]
+        if not all(
+            t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+            for t in (*params, conv_states, states)
+        ):
+            return None
+        a_neg = -self.a_log.detach().float().exp()
+        keep = [p.detach() for p in params] + [a_neg, conv_states, states]
+        ptrs = [t.data_ptr() for t in (keep[0], keep[1], a_neg, keep[2], conv_states, states)]
+        dims = (self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.conv.shape[1])
+        desc = PsDelta(*ptrs, *dims, int(self.tiled), self.eps, self.beta_scale)
+        self._native = (conv_states.data_ptr(), desc, keep)
+        return desc
 
     @property
     def shape(self) -> tuple:

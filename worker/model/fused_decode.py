@@ -48,6 +48,9 @@ class PsLayer(ctypes.Structure):
         ("rope", _I32),
         ("window", _I32),
         ("mamba", _P),  # a PsMamba (kernels/cpu_recurrent.py) where the layer is Mamba2
+        ("delta", _P),  # a PsDelta where it is Gated DeltaNet
+        ("attn_gate", _I32),  # Qwen3.5's gate a query value after q, k, v
+        ("pad", _I32),
     ]
 
 
@@ -213,7 +216,9 @@ class FusedDecode:
         self.sgemm = kernels.sgemm if dense else None
         self._pool = None
         self._scratch = torch.empty(0)
-        self.stateful = [i for i, layer in enumerate(model.layers) if layer.mamba is not None]
+        self.stateful = [
+            i for i, layer in enumerate(model.layers) if layer.mamba or layer.linear is not None
+        ]
 
     @staticmethod
     def unsupported(model, tp_size: int) -> str | None:
@@ -229,8 +234,8 @@ class FusedDecode:
         if c.moe_layers:
             return "mixture-of-experts layers (the layer path routes their tokens)"
         stateful = [i for i in range(c.num_layers) if c.has_state(i)]
-        if c.attn_output_gate or not all(c.is_mamba(i) for i in stateful):
-            return "Gated DeltaNet or short-conv layers, gated attention (the layer path)"
+        if c.attn_head_gate or any(c.is_conv(i) for i in stateful):
+            return "short-conv layers, a gate a head (the layer path)"
         if stateful and (c.parallel_mamba or c.ffn_only_layers or c.mixer_only_layers):
             return "Mamba2 beside attention, or layers of one half alone (the layer path)"
         if (
@@ -279,10 +284,12 @@ class FusedDecode:
                 mats[name] = desc
                 keep.extend(tensors)
             k_cache, v_cache = pool.layer(i)
-            mamba = None if layer.mamba is None else layer.mamba.native(*pool.states.layer(i))
-            if layer.mamba is not None and mamba is None:
-                raise ValueError(f"layer {i}'s Mamba2 state is not fp32 on a CPU")
-            mixer = ("qkv", "o_proj") if mamba is None else ("in_proj", "out_proj")
+            # a stateful mixer as the library reads it over its layer of the state pool
+            mixer_of = layer.mamba or layer.linear
+            state = None if mixer_of is None else mixer_of.native(*pool.states.layer(i))
+            if mixer_of is not None and state is None:
+                raise ValueError(f"layer {i}'s state is not fp32 on a CPU")
+            mixer = ("qkv", "o_proj") if state is None else ("in_proj", "out_proj")
             layers[i] = PsLayer(
                 mats[mixer[0]],
                 mats[mixer[1]],
@@ -297,9 +304,11 @@ class FusedDecode:
                 _ptr(v_cache),
                 int(c.uses_rope(i)),
                 c.window(i),
-                None if mamba is None else ctypes.addressof(mamba),
+                ctypes.addressof(state) if layer.mamba is not None else None,
+                ctypes.addressof(state) if layer.linear is not None else None,
+                int(c.attn_output_gate and state is None),
             )
-            keep.append(mamba)
+            keep.append(state)
         rotary = m.rotary
         self._desc = PsModel(
             c.num_layers,
