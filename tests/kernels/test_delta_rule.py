@@ -251,27 +251,45 @@ def test_the_mamba2_decode_equals_the_definition_in_place_in_each_rows_slot(back
     assert torch.equal(wide.float(), states)
 
 
+def mixer_config(**fields):
+    """A one-layer ModelConfig around a stateful mixer of the given fields."""
+    from worker.model.config import ModelConfig
+
+    common = dict(vocab_size=16, hidden_size=32, intermediate_size=32, num_layers=1)
+    return ModelConfig(**common, num_heads=2, num_kv_heads=2, head_dim=16, **fields)
+
+
+def assert_decodes_as_torch(mixer, pool_shapes, ops, seed: int) -> None:
+    """Three decode rows in slots 2, 0, 3 of a 4-slot pool through the mixer twice, on its torch
+    path and through ops: the same output, and every slot's states as the torch path leaves them."""
+    from worker.model.delta_net import StateStep
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    proj = torch.randn(3, mixer.in_rows, generator=g)
+    step = StateStep(torch.tensor([2, 0, 3]), [0, 1, 2, 3])
+    pools = [tuple(torch.randn(4, *shape, generator=g) for shape in pool_shapes)]
+    pools.append(tuple(t.clone() for t in pools[0]))
+    want = mixer(proj, step, *pools[0])
+    got = mixer(proj, step, *pools[1], ops=ops)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    for ours, theirs in zip(pools[1], pools[0], strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["native", "triton"])
 @pytest.mark.parametrize("norm", ["gated", "before_gate", "none"])
 def test_a_mamba2_mixer_decodes_through_the_fast_ops_as_through_torch(backend, norm):
     """The mixer hands its decode rows to the native library (one call from in_proj's output to
     the gated norm, each of its norm kinds) or the Triton kernels (CUDA; interpreted here) where
     the ops have them: the output and every slot's states as its torch path leaves them."""
-    from worker.model.config import ModelConfig
-    from worker.model.delta_net import StateStep
     from worker.model.elementwise import NativeOps, TritonOps
     from worker.model.mamba2 import Mamba2
 
     ops = TritonOps() if backend == "triton" else NativeOps(decode_kernels(backend)[0])
-
-    config = ModelConfig(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=16,
+    config = mixer_config(
         mamba_layers=(True,),
         mamba_heads=4,
         mamba_head_dim=8,
@@ -281,21 +299,8 @@ def test_a_mamba2_mixer_decodes_through_the_fast_ops_as_through_torch(backend, n
         mamba_norm=norm,
         mamba_dt_min=0.3,  # some heads' step sizes floored
     )
-    g = torch.Generator().manual_seed(3)
     mixer = Mamba2(config)
-    with torch.no_grad():
-        for param in mixer.parameters():
-            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
-    proj = torch.randn(3, mixer.in_rows, generator=g)
-    slots = torch.tensor([2, 0, 3])
-    step = StateStep(slots, [0, 1, 2, 3])
-    pools = [(torch.randn(4, 3, mixer.conv_dim, generator=g), torch.randn(4, 4, 8, 6, generator=g))]
-    pools.append(tuple(t.clone() for t in pools[0]))
-    want = mixer(proj, step, *pools[0])
-    got = mixer(proj, step, *pools[1], ops=ops)
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    for ours, theirs in zip(pools[1], pools[0], strict=True):
-        torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
+    assert_decodes_as_torch(mixer, [(3, mixer.conv_dim), (4, 8, 6)], ops, seed=3)
 
 
 @pytest.mark.parametrize("tiled", [False, True])
@@ -304,18 +309,10 @@ def test_a_gated_delta_net_layer_decodes_in_one_native_call_as_through_torch(til
     """The layer hands its decode rows to the native library in one call (decay, beta, conv, delta
     rule, gated norm; OLMo-Hybrid's beta scale; llama.cpp's tiled value heads): the output and
     every slot's states as its torch path leaves them."""
-    from worker.model.config import ModelConfig
-    from worker.model.delta_net import GatedDeltaNet, StateStep
+    from worker.model.delta_net import GatedDeltaNet
     from worker.model.elementwise import NativeOps
 
-    config = ModelConfig(
-        vocab_size=16,
-        hidden_size=32,
-        intermediate_size=32,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=16,
+    config = mixer_config(
         linear_layers=(True,),
         linear_k_heads=2,
         linear_v_heads=4,
@@ -325,19 +322,6 @@ def test_a_gated_delta_net_layer_decodes_in_one_native_call_as_through_torch(til
         linear_tiled_values=tiled,
         linear_beta_scale=beta_scale,
     )
-    g = torch.Generator().manual_seed(5)
     layer = GatedDeltaNet(config, 2, 4)
-    with torch.no_grad():
-        for param in layer.parameters():
-            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
-    proj = torch.randn(3, layer.in_rows, generator=g)
-    step = StateStep(torch.tensor([2, 0, 3]), [0, 1, 2, 3])
-    pools = [
-        (torch.randn(4, 3, layer.conv_dim, generator=g), torch.randn(4, 4, 16, 8, generator=g))
-    ]
-    pools.append(tuple(t.clone() for t in pools[0]))
-    want = layer(proj, step, *pools[0])
-    got = layer(proj, step, *pools[1], ops=NativeOps(decode_kernels("native")[0]))
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    for ours, theirs in zip(pools[1], pools[0], strict=True):
-        torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=1e-5)
+    ops = NativeOps(decode_kernels("native")[0])
+    assert_decodes_as_torch(layer, [(3, layer.conv_dim), (4, 16, 8)], ops, seed=5)
