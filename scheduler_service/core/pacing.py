@@ -5,6 +5,8 @@ stream's next token comes within `--max-decode-gap-ms`. Steps without decodes ar
 
 from __future__ import annotations
 
+from collections import deque
+
 REFRESH = 16  # steps carrying embeddings between two base measurements
 DOWN, UP = 0.7, 1.15
 AIM = 0.8
@@ -56,7 +58,9 @@ class EmbedPacer:
         self.tokens = min(float(self.max_tokens), max(1.0, self.tokens * factor))
 
 
-GAP_AIM = 0.8  # of the gap: what the estimate and the step's own overheads miss lands under it
+HEADROOM = 0.9  # of the gap a step's planned seconds may fill, times the misses' margin
+MISSES = 64  # paced steps whose measured/planned seconds set the margin
+MARGIN = 1.125  # the margin before 8 misses are known: the plan at 80% of the gap
 PROBE = 32  # prompt tokens of the first step beside decodes, before a token's cost is known
 FLOOR = 16  # prompt tokens (at position 0) any step beside decodes may carry
 FORGET = 0.7  # weight a cost measured a step ago keeps
@@ -66,8 +70,9 @@ class PromptPacer:
     """Prompt tokens a decoding step may carry so the decode gap holds.
 
     The gap less a decode-only step's seconds, spent at a prompt token's cost: a line in its
-    position (a deep token attends to more keys). 0 gap: not paced. A step calls `begin`, then `fit`
-    and `spend` per chunk.
+    position (a deep token attends to more keys). The plan is shrunk by the margin the estimate
+    has recently missed by (a busy machine's steps run long). 0 gap: not paced. A step calls
+    `begin`, then `fit` and `spend` per chunk.
     """
 
     def __init__(self, gap: float) -> None:
@@ -79,6 +84,13 @@ class PromptPacer:
         self._sums = [0.0] * 5  # forgetting sums: weight, x, y, x*x, x*y (x: kilo-position)
         self._left: float | None = None  # this step's seconds left (None: not paced)
         self._probe = 0  # ... or its probe tokens left, before any cost is known
+        self._misses: deque[float] = deque(maxlen=MISSES)  # paced steps' measured / planned
+
+    def margin(self) -> float:
+        """What a paced step's plan is divided by: its recent misses' second largest (~p97)."""
+        if len(self._misses) < 8:
+            return MARGIN
+        return min(2.0, max(1.0, sorted(self._misses)[-2]))
 
     def per_token(self) -> tuple[float, float, float] | None:
         """(mean seconds a token, the mean's kilo-position, seconds more per 1,000 positions); None
@@ -108,7 +120,8 @@ class PromptPacer:
         elif self.per_token() is None:
             self._probe = PROBE
         else:
-            self._left = max(self.gap * GAP_AIM - (self.base or 0.0), self.cost(0, FLOOR))
+            aim = self.gap * HEADROOM / self.margin()
+            self._left = max(aim - (self.base or 0.0), self.cost(0, FLOOR))
 
     def fit(self, start: int, wanted: int) -> int:
         """Of `wanted` prompt tokens from position start, how many the step has room for."""
@@ -138,6 +151,9 @@ class PromptPacer:
             self.base, self.since_base = ewma(self.base, seconds), 0
             return
         self.since_base += 1
+        if self.per_token() is not None and self.base is not None:
+            start = positions // prompt_tokens - prompt_tokens // 2  # one chunk centred likewise
+            self._misses.append(seconds / (self.base + self.cost(start, prompt_tokens)))
         x = positions / prompt_tokens / 1000
         y = max(seconds - (self.base or 0.0), 0.0) / prompt_tokens
         self._sums = [FORGET * v for v in self._sums]
