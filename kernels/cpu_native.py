@@ -100,7 +100,7 @@ class NativeKernels(NativeAttention, NativeRecurrent):
         self.isa = lib.pagedserve_native_isa()
         sizes = (ctypes.c_int64 * 6)()
         lib.pagedserve_struct_sizes(sizes)
-        # PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora (model/fused_decode.py)
+        # PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora (kernels/cpu_step.py)
         self.struct_sizes = tuple(sizes)
         self.sgemm = blas_sgemm()
 

@@ -230,10 +230,12 @@ static void head_prologue(float* v, const float* bias, const float* norm, const 
     if (c) rope_head(v, c, s, rotary_half);
 }
 
-/* A block's output times the model's residual scale (Granite), as the layer path's `out * scale` before its add. */
-static inline void scale_row(float* v, int64_t n, float scale) {
-    if (scale == 1.0f) return;
-    for (int64_t i = 0; i < n; i++) v[i] *= scale;
+/* A block's output as the layer path adds it to the residual: RMS-normed where the layer norms it (Gemma's
+   sandwich), then times the model's residual scale (Granite). */
+static inline void block_out(float* v, int64_t n, const float* norm, const PsModel* m) {
+    if (norm) add_rms_norm_row(v, 0, norm, v, n, m->eps); /* in place: each value read before written */
+    if (m->residual_scale == 1.0f) return;
+    for (int64_t i = 0; i < n; i++) v[i] *= m->residual_scale;
 }
 
 /* A Mamba2 layer's mixer between in_proj (proj, [rows, in_proj rows]) and out_proj (mixed), as the layer path's
@@ -369,7 +371,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             const LoraAt* lq = lr.n ? &la : 0;
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
-                if (li) scale_row(delta + r * H, H, m->residual_scale);
+                if (li) block_out(delta + r * H, H, m->layers[li - 1].mlp_out_norm, m);
                 add_rms_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
             }
             stage_done(PS_NORMS, &prof_t);
@@ -394,8 +396,8 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                     const int64_t r = it / heads, hh = it % heads;
                     float* row = qkv + r * lw;
                     const int is_k = hh >= nh;
-                    const float* c = ly->rope ? m->cos + positions[r] * half : 0;
-                    const float* s = ly->rope ? m->sin + positions[r] * half : 0;
+                    const float* c = ly->rope ? (ly->cos ? ly->cos : m->cos) + positions[r] * half : 0;
+                    const float* s = ly->rope ? (ly->sin ? ly->sin : m->sin) + positions[r] * half : 0;
                     head_prologue(row + hh * hd, ly->qkv_bias ? ly->qkv_bias + hh * hd : 0, is_k ? ly->k_norm : ly->q_norm,
                                   c, s, (int)hd, (int)half, m->eps);
                     if (is_k) {
@@ -424,7 +426,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                         float* mx = att_state + r * row_state + att_splits * nh * hd + j * nh + kh0 * (nh / nkv);
                         pagedserve_decode_part(qkv + r * lw, ly->k_cache, ly->v_cache, block_tables + r * table_stride,
                                                from, to, kh0, kh1, (int)nh, (int)nkv, (int)hd, m->block_size, m->scale,
-                                               0.0f, m->kv_bf16, acc, mx, mx + att_splits * nh);
+                                               m->softcap, m->kv_bf16, acc, mx, mx + att_splits * nh);
                     }
 #pragma omp for schedule(static)
                     for (int64_t it = 0; it < rows * nh; it++) { /* the ranges merged, a query head at a time */
@@ -443,7 +445,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                         const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
                         pagedserve_decode_item(qkv + r * lw, ly->k_cache, ly->v_cache, attn + r * qsz,
                                                block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
-                                               (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, NULL, m->kv_bf16);
+                                               (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, NULL, m->kv_bf16);
                     }
                 } else {
 #pragma omp for schedule(dynamic, 1)
@@ -456,15 +458,15 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                             const int32_t first = ly->window > 0 && last > ly->window ? last - ly->window : 0;
                             pagedserve_decode_item(qkv + r * lw, ly->k_cache, ly->v_cache, attn + r * qsz,
                                                    block_tables + r * table_stride, first, last, kh, kh + 1, (int)nh,
-                                                   (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, NULL, m->kv_bf16);
+                                                   (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, NULL, m->kv_bf16);
                         } else if (ly->window <= 0 || last <= ly->window) { /* every row sees every key */
                             pagedserve_decode_run(qkv + r * lw, lw, ly->k_cache, ly->v_cache, attn + r * qsz, qsz,
                                                   (int32_t)n, block_tables + r * table_stride, seq_lens[r], kh, (int)nh,
-                                                  (int)nkv, (int)hd, m->block_size, m->scale, 0.0f, m->kv_bf16);
+                                                  (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, m->kv_bf16);
                         } else {
                             pagedserve_prefill_rows(qkv, lw, ly->k_cache, ly->v_cache, attn, r, (int32_t)n, last,
                                                     block_tables + r * table_stride, kh, (int)nh, (int)nkv, (int)hd,
-                                                    m->block_size, m->scale, ly->window, 0.0f, m->kv_bf16);
+                                                    m->block_size, m->scale, ly->window, m->softcap, m->kv_bf16);
                         }
                     }
                 }
@@ -487,7 +489,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) {
-                scale_row(delta + r * H, H, m->residual_scale);
+                block_out(delta + r * H, H, ly->attn_out_norm, m);
                 add_rms_norm_row(residual + r * H, delta + r * H, ly->post_norm, h + r * H, H, m->eps);
             }
             stage_done(PS_NORMS, &prof_t);
@@ -500,7 +502,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < rows * act_chunks; it++) {
                 const int64_t r = it / act_chunks, i0 = it % act_chunks * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
-                silu_mul_span(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, i0, i1);
+                act_mul_span(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, i0, i1, m->gelu);
             }
             stage_done(PS_SILU, &prof_t);
             la.which = 3;
@@ -512,7 +514,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            scale_row(delta + r * H, H, m->residual_scale);
+            block_out(delta + r * H, H, m->layers[m->num_layers - 1].mlp_out_norm, m);
             add_rms_norm_row(residual + r * H, delta + r * H, m->final_norm, x + r * H, H, m->eps);
         }
         stage_done(PS_NORMS, &prof_t);

@@ -128,6 +128,9 @@ typedef struct {
     const PsDelta* delta;         /* a Gated DeltaNet layer (the same places), or NULL */
     int32_t attn_gate;            /* qkv ends in a gate a query value: attention's output times its sigmoid */
     int32_t pad;
+    /* Gemma's norms of attention's and the MLP's outputs before each residual add, or NULL */
+    const float *attn_out_norm, *mlp_out_norm;
+    const float *cos, *sin; /* the layer's own RoPE tables (Gemma 3's sliding layers), or NULL: the model's */
 } PsLayer;
 
 typedef struct {
@@ -146,6 +149,8 @@ typedef struct {
     int32_t kv_bf16; /* the KV pool holds bf16 (kv_rows.h) */
     int32_t x8;      /* packed weights meet 8-bit activations (packed_blocks.h bits8), else 16-bit */
     float residual_scale; /* each block's output scaled before its residual add (Granite), else 1 */
+    int32_t gelu;         /* the gated MLP's activation: 0 SiLU, 1 GELU-tanh (Gemma's GeGLU) */
+    float softcap;        /* attention scores = softcap tanh(scores / softcap) (Gemma 2); 0: off */
 } PsModel;
 
 /* worker/model/fused_decode.py builds these with ctypes; the library reports their sizes
@@ -154,8 +159,8 @@ _Static_assert(sizeof(PsSegment) == 24, "PsSegment: pointer, int64 rows, int32 t
 _Static_assert(sizeof(PsMatrix) == 3 * 24 + 24, "PsMatrix: segments, out_dim, in_dim, dense");
 _Static_assert(sizeof(PsMamba) == 8 * sizeof(void*) + 32, "PsMamba's fields");
 _Static_assert(sizeof(PsDelta) == 6 * sizeof(void*) + 32, "PsDelta's fields");
-_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 9 * sizeof(void*) + 16, "PsLayer's fields");
-_Static_assert(sizeof(PsModel) == 96, "PsModel's fields");
+_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 13 * sizeof(void*) + 16, "PsLayer's fields");
+_Static_assert(sizeof(PsModel) == 104, "PsModel's fields");
 
 /* One LoRA adapter's update of one fused projection (worker/model/lora.py Projection): for each part q,
    y[:, o_lo:o_hi] += (x @ A[a_lo:a_hi]^T) @ B_q^T, where A stacks every changed part's rows and B_q is the

@@ -26,15 +26,24 @@ static inline void add_rms_norm_row(float* x, const float* delta, const float* w
     for (int64_t i = 0; i < dim; i++) out[i] = weight[i] * (x[i] * inv);
 }
 
-/* out[i] = silu(gate[i]) * up[i] for i in [begin, end). */
-static inline void silu_mul_span(const float* gate, const float* up, float* out, int64_t begin, int64_t end) {
+/* GELU-tanh's sigmoid argument: gelu(g) = 0.5 g (1 + tanh(u)) = g sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3). */
+#define GELU_C1 1.5957691216057308f  /* 2 sqrt(2/pi) */
+#define GELU_C3 0.0713548162726009f  /* 2 sqrt(2/pi) 0.044715 */
+
+/* out[i] = act(gate[i]) * up[i] for i in [begin, end): act SiLU, g sigmoid(g), or with gelu GELU-tanh,
+   g sigmoid(2u) (Gemma's GeGLU), the same lanes either way. */
+static inline void act_mul_span(const float* gate, const float* up, float* out, int64_t begin, int64_t end,
+                                int gelu) {
 #if defined(__AVX512F__)
     /* 1 / (1 + e^-g) as a 14-bit reciprocal and one Newton step (within an ulp of the quotient): a vector
        division takes as long as the rest of the row; every lane alike, the last through a mask */
     for (int64_t i = begin; i < end; i += 16) {
         const __mmask16 k = end - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (end - i)) - 1u);
         const __m512 g = _mm512_maskz_loadu_ps(k, gate + i);
-        const __m512 e = exp512_nonpositive(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g),
+        const __m512 t = gelu ? _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), _mm512_set1_ps(GELU_C3),
+                                                                  _mm512_set1_ps(GELU_C1)))
+                              : g;
+        const __m512 e = exp512_nonpositive(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), t),
                                                           _mm512_set1_ps(88.0f)));
         const __m512 d = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
         __m512 r = _mm512_rcp14_ps(d);
@@ -56,7 +65,10 @@ static inline void silu_mul_span(const float* gate, const float* up, float* out,
             up8 = u8;
         }
         const __m256 g = _mm256_loadu_ps(gp);
-        const __m256 e = exp256_nonpositive(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g),
+        const __m256 t = gelu ? _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(GELU_C3),
+                                                                  _mm256_set1_ps(GELU_C1)))
+                              : g;
+        const __m256 e = exp256_nonpositive(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), t),
                                                           _mm256_set1_ps(88.0f)));
         const __m256 y = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(e, _mm256_set1_ps(1.0f))), _mm256_loadu_ps(up8));
         if (n == 8) {
@@ -68,9 +80,16 @@ static inline void silu_mul_span(const float* gate, const float* up, float* out,
     }
 #else
 #pragma omp simd
-    for (int64_t i = begin; i < end; i++) out[i] = gate[i] / (1.0f + vec_exp(-gate[i])) * up[i];
+    for (int64_t i = begin; i < end; i++) {
+        const float g = gate[i], t = gelu ? g * (GELU_C1 + GELU_C3 * g * g) : g;
+        out[i] = g / (1.0f + vec_exp(-t)) * up[i];
+    }
 #endif
 #endif
+}
+
+static inline void silu_mul_span(const float* gate, const float* up, float* out, int64_t begin, int64_t end) {
+    act_mul_span(gate, up, out, begin, end, 0);
 }
 
 /* Rotate-half RoPE in place on one head: x1 = x[:half], x2 = x[half:]; c, s: the position's cos, sin. */

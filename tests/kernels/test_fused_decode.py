@@ -2,7 +2,8 @@
 path it stands in for: the same hidden states and the same K/V written, for every layer variant the
 model code serves (Llama, Qwen2's QKV bias, Qwen3's q/k norm, SmolLM3's layers without RoPE,
 Granite 4's multipliers and Mamba2 layers, Qwen3.5's Gated DeltaNet layers and gated attention,
-their states in the state pool), for
+their states in the state pool, Gemma 2 and 3's sandwich norms, GeGLU, soft-capped scores and
+second RoPE table), for
 dense fp32 and GGUF blocks, at one and several sequences whose contexts cross blocks; steps it does
 not cover take the layer path; and a server decodes the same greedy tokens with it as with
 --cpu-decode layers.
@@ -100,6 +101,24 @@ def _hf_model(kind: str):
             linear_conv_kernel_dim=4,
         )
         return transformers.AutoModelForCausalLM.from_config(config)
+    # Gemma 3: norms on both blocks' outputs, GeGLU, q/k norms, sliding layers (12 keys) with RoPE
+    # of their own, the global ones scaled; Gemma 2: its attention scores soft-capped
+    gemma = dict(
+        COMMON, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=12
+    )
+    if kind == "gemma3":
+        ropes = {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+        config = transformers.Gemma3TextConfig(
+            **gemma, sliding_window_pattern=2, rope_parameters=ropes
+        )
+        return transformers.Gemma3ForCausalLM(config)
+    if kind == "gemma2":
+        return transformers.Gemma2ForCausalLM(
+            transformers.Gemma2Config(**gemma, attn_logit_softcapping=5.0)
+        )
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
         return transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(
@@ -211,7 +230,7 @@ DECODES = [
     "kind",
     [
         *("llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"),
-        *("granite4-hybrid", "qwen3_5-hybrid"),
+        *("granite4-hybrid", "qwen3_5-hybrid", "gemma2", "gemma3"),
     ],
 )
 def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
@@ -220,6 +239,8 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
         "mistral": (20, 20, 20),
         "qwen2-sliding": (0, 13, 13),
         "phi3": (24, 24, 24),
+        "gemma2": (12, 0, 12, 0),
+        "gemma3": (12, 0, 12, 0),
     }.get(kind, ())
     for seqs in DECODES:
         want, want_pool = _run(model, config, seqs, fused=False)

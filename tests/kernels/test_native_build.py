@@ -84,7 +84,7 @@ def test_the_binding_reads_each_signature_from_the_header():
 
 
 def test_the_fused_steps_structs_match_the_librarys(native):
-    from worker.model.fused_decode import mirrors_match
+    from kernels.cpu_step import mirrors_match
 
     # model, layers, and the LoRA pair
     assert len(native.struct_sizes) == 6 and mirrors_match(native)

@@ -9,91 +9,23 @@ import ctypes
 import structlog
 import torch
 
+from kernels.cpu_step import (
+    MAX_SEGMENTS,
+    PsLayer,
+    PsLora,
+    PsLoraProj,
+    PsMatrix,
+    PsModel,
+    PsSegment,
+    mirrors_match,
+)
 from worker.model.delta_net import copy_after
+from worker.model.families import GEMMA4_TYPES
 
 log = structlog.get_logger("worker.model.fused_decode")
+_P, _I32 = ctypes.c_void_p, ctypes.c_int32
 
-_P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-
-
-class PsSegment(ctypes.Structure):
-    _fields_ = [("w", _P), ("rows", _I64), ("type", _I32), ("pad", _I32)]
-
-
-MAX_SEGMENTS = 3  # decode_step.c: a projection's row ranges of different types (a stack of q, k, v)
-
-
-class PsMatrix(ctypes.Structure):
-    _fields_ = [
-        ("seg", PsSegment * MAX_SEGMENTS),
-        ("out_dim", _I64),
-        ("in_dim", _I64),
-        ("dense", _P),
-    ]
-
-
-class PsLayer(ctypes.Structure):
-    _fields_ = [
-        ("qkv", PsMatrix),
-        ("o_proj", PsMatrix),
-        ("gate_up", PsMatrix),
-        ("down", PsMatrix),
-        ("input_norm", _P),
-        ("post_norm", _P),
-        ("qkv_bias", _P),
-        ("q_norm", _P),
-        ("k_norm", _P),
-        ("k_cache", _P),
-        ("v_cache", _P),
-        ("rope", _I32),
-        ("window", _I32),
-        ("mamba", _P),  # a PsMamba (kernels/cpu_recurrent.py) where the layer is Mamba2
-        ("delta", _P),  # a PsDelta where it is Gated DeltaNet
-        ("attn_gate", _I32),  # Qwen3.5's gate a query value after q, k, v
-        ("pad", _I32),
-    ]
-
-
-class PsModel(ctypes.Structure):
-    _fields_ = [
-        ("num_layers", _I32),
-        ("hidden", _I32),
-        ("n_heads", _I32),
-        ("n_kv_heads", _I32),
-        ("head_dim", _I32),
-        ("intermediate", _I32),
-        ("block_size", _I32),
-        ("rotary_half", _I32),
-        ("eps", _F),
-        ("scale", _F),
-        ("cos", _P),
-        ("sin", _P),
-        ("final_norm", _P),
-        ("layers", ctypes.POINTER(PsLayer)),
-        ("sgemm", _P),
-        ("gemm_rows", _I32),
-        ("kv_bf16", _I32),
-        ("x8", _I32),
-        ("residual_scale", _F),
-    ]
-
-
-class PsLoraProj(ctypes.Structure):
-    _fields_ = [
-        ("a", _P),
-        ("b", _P * MAX_SEGMENTS),
-        ("a_rows", _I32),
-        ("out_lo", _I32),
-        ("out_hi", _I32),
-        ("n_parts", _I32),
-        ("part", (_I32 * 4) * MAX_SEGMENTS),
-    ]
-
-
-class PsLora(ctypes.Structure):
-    _fields_ = [("proj", _P), ("row_adapter", _P), ("n_adapters", _I32), ("pad", _I32)]
-
-
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # PsModel.gelu
 LORA_ORDER = ("qkv", "o_proj", "gate_up", "down")  # decode_step.c's order of a layer's projections
 
 
@@ -186,16 +118,6 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def mirrors_match(kernels) -> bool:
-    """Whether the ctypes structs here have the sizes the library's own (kernels/cpu/pagedserve.h)
-    have.
-    """
-    return (
-        tuple(ctypes.sizeof(t) for t in (PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora))
-        == kernels.struct_sizes
-    )
-
-
 class FusedDecode:
     """The model handed to the library once, so a decode step is one call (per-layer overhead was a
     third of a one-stream step).
@@ -238,12 +160,12 @@ class FusedDecode:
             return "short-conv layers, a gate a head (the layer path)"
         if stateful and (c.parallel_mamba or c.ffn_only_layers or c.mixer_only_layers):
             return "Mamba2 beside attention, or layers of one half alone (the layer path)"
-        if (
-            c.sandwich_norms
-            or c.local_rope is not None
-            or not (c.hidden_act == "silu" and c.gated_mlp)
-        ):
-            return "norms on the blocks' outputs, GeGLU, two RoPE tables (the layer path)"
+        if c.model_type in GEMMA4_TYPES:
+            return "Gemma 4's per-layer inputs and shared K/V (the layer path)"
+        if any(c.post_norms(i) for i in range(c.num_layers)) or c.qk_norm_whole or c.v_norm:
+            return "outputs normed without input norms, whole-projection q/k norms (the layer path)"
+        if c.hidden_act not in ACTIVATIONS or not c.gated_mlp:
+            return f"a {c.hidden_act} MLP (the fused step gates by SiLU or GELU-tanh)"
         for layer in model.layers:
             for name in layer.matmul_names:
                 if _matrix(layer, name) is None:
@@ -277,6 +199,7 @@ class FusedDecode:
         """Model, weights and caches as the native step reads them (once per pool)."""
         m, c = self.model, self.model.config
         keep, layers = [], (PsLayer * c.num_layers)()
+        local = m.local_rotary  # Gemma 3's sliding layers' own tables
         for i, layer in enumerate(m.layers):
             mats = {}
             for name in layer.matmul_names:
@@ -307,6 +230,10 @@ class FusedDecode:
                 ctypes.addressof(state) if layer.mamba is not None else None,
                 ctypes.addressof(state) if layer.linear is not None else None,
                 int(c.attn_output_gate and state is None),
+                0,
+                _ptr(layer.attn_out_norm),
+                _ptr(layer.mlp_out_norm),
+                *((local.cos.data_ptr(), local.sin.data_ptr()) if c.window(i) and local else ()),
             )
             keep.append(state)
         rotary = m.rotary
@@ -330,8 +257,10 @@ class FusedDecode:
             int(pool.dtype == torch.bfloat16),
             int(getattr(m.mm, "int8_activations", False)),
             c.residual_scale,
+            ACTIVATIONS[c.hidden_act],
+            c.attn_softcap,
         )
-        self._keep = (keep, layers, rotary)
+        self._keep = (keep, layers, rotary, local)
         self._pool = pool
 
     def forward(self, x: torch.Tensor, step, pool) -> torch.Tensor:
