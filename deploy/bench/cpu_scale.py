@@ -1,12 +1,12 @@
 """The sizes people serve on a CPU, made here: `make bench-cpu-scale`.
 
-Random-weight models at Llama-3.2-1B and Llama-3.1-8B shapes (and Qwen3.5-4B's and -0.8B's,
-hybrids: three Gated DeltaNet layers to one gated attention layer; Granite-4.0-H-1B's, Mamba2
-between four attention layers; gpt-oss-20b's, its experts MXFP4 as openai ships them, the rest
-Q8_0: `--quant MXFP4_MOE`, one server at a time with `--alone`), written as a Hugging Face
-folder (bf16 safetensors, the default model's tokenizer; the vocabulary its own 49,152 or padded
-to Llama-3's 128,256 as llama.cpp's converter pads it: the LM head a smaller or larger share of a
-token's bytes), converted to GGUF by the llama.cpp built from the `llama-cpp-python` sdist
+Random-weight models at Llama-3.2-1B and Llama-3.1-8B shapes (and Qwen3.5-4B's and -0.8B's, hybrids:
+three Gated DeltaNet layers to one gated attention layer; Granite-4.0-H-1B's, Mamba2 between four
+attention layers; Gemma-3-1B's, `--vocab 262144`; gpt-oss-20b's, its experts MXFP4 as openai ships
+them, the rest Q8_0: `--quant MXFP4_MOE`, one server at a time with `--alone`), written as a Hugging
+Face folder (bf16 safetensors, the default model's tokenizer; the vocabulary its own 49,152 or
+padded to Llama-3's 128,256 as llama.cpp's converter pads it: the LM head a smaller or larger share
+of a token's bytes), converted to GGUF by the llama.cpp built from the `llama-cpp-python` sdist
 (`convert_hf_to_gguf.py`, then `llama-quantize` to Q4_K_M or Q8_0): the files a user downloads,
 made by the tools that make them, once, cached under ~/.cache/pagedserve-peers/scale/.
 
@@ -29,98 +29,8 @@ import sys
 from pathlib import Path
 
 from deploy.bench.llama_build import CACHE, build_llama_tool, convert
+from deploy.bench.scale_shapes import GPT_OSS, NAMED, SHAPES, VOCABS
 
-SHAPES = {  # Llama-3.2-1B and Llama-3.1-8B, as their config.json give them
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        tie_word_embeddings=True,
-    ),
-    "8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-    ),
-}
-# Qwen3.5-4B and -0.8B (`qwen3_5_text`), as their config.json give them
-HYBRIDS = {
-    "qwen35-4b": dict(
-        hidden_size=2560,
-        intermediate_size=9216,
-        num_hidden_layers=32,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        linear_num_value_heads=32,
-    ),
-    "qwen35-0.8b": dict(
-        hidden_size=1024,
-        intermediate_size=3584,
-        num_hidden_layers=24,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        linear_num_value_heads=16,
-    ),
-}
-for _shape in HYBRIDS.values():  # the Qwen3.5 ones (Granite's is added below)
-    _shape.update(
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=4,
-        tie_word_embeddings=True,
-    )
-# Granite 4's hybrid at granite-4.0-h-1b's dims (attention every tenth layer, NoPE; dense MLP)
-HYBRIDS["granite4-h-1b"] = dict(
-    model_type="granitemoehybrid",
-    hidden_size=1536,
-    num_hidden_layers=40,
-    num_attention_heads=12,
-    num_key_value_heads=4,
-    layer_types=["attention" if i % 10 == 9 else "mamba" for i in range(40)],
-    mamba_n_heads=48,
-    mamba_d_head=64,
-    mamba_d_state=128,
-    mamba_n_groups=1,
-    mamba_d_conv=4,
-    intermediate_size=4096,
-    shared_intermediate_size=4096,
-    num_local_experts=0,
-    num_experts_per_tok=0,
-    embedding_multiplier=12.0,
-    residual_multiplier=0.22,
-    attention_multiplier=0.0078125,
-    logits_scaling=6.0,
-    tie_word_embeddings=True,
-)
-SHAPES.update(HYBRIDS)
-# gpt-oss-20b (`gpt_oss`) as its config.json gives it; its experts MXFP4 as it ships them
-GPT_OSS = {
-    "gpt-oss-20b": dict(
-        hidden_size=2880,
-        intermediate_size=2880,
-        num_hidden_layers=24,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=64,
-        num_local_experts=32,
-        num_experts_per_tok=4,
-        sliding_window=128,
-        max_position_embeddings=131072,  # YaRN x32 over 4,096: transformers' default
-        tie_word_embeddings=False,
-    )
-}
-SHAPES.update(GPT_OSS)
-VOCABS = (49152, 128256)  # SmolLM2's own, Llama-3's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -133,8 +43,8 @@ def hf_folder(shape: str, tokenizer_from: Path, vocab: int) -> Path:
     if (out / "done").is_file():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    if shape in HYBRIDS:
-        return hybrid_folder(out, HYBRIDS[shape], tokenizer_from, vocab)
+    if shape in NAMED:
+        return named_folder(out, NAMED[shape], tokenizer_from, vocab)
     if shape in GPT_OSS:
         return gpt_oss_folder(out, GPT_OSS[shape], tokenizer_from, vocab)
     s = SHAPES[shape]
@@ -214,9 +124,17 @@ def saved_shapes(config, out: Path, tokenizer_from: Path) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def hybrid_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Path:
-    """A random Qwen3.5 (or Granite 4) shape named and shaped by transformers' own model, norms
-    and decays as it starts them.
+def pad_tokenizer(path: Path, vocab: int) -> None:
+    """The tokenizer's vocabulary padded to `vocab` entries with tokens no text makes."""
+    saved = json.loads(path.read_text())
+    table = saved["model"]["vocab"]
+    table.update({f"<unused{i}>": i for i in range(len(table), vocab)})
+    path.write_text(json.dumps(saved))
+
+
+def named_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Path:
+    """A random Qwen3.5, Granite 4 or Gemma 3 shape named and shaped by transformers' own model,
+    norms and decays as it starts them.
     """
     import torch
     from safetensors.torch import save_file
@@ -227,14 +145,16 @@ def hybrid_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> P
     config = AutoConfig.for_model(kind, vocab_size=vocab, rms_norm_eps=1e-6, **shape)
     config.architectures = [type(config).__name__[:-6].removesuffix("Text") + "ForCausalLM"]
     shapes = saved_shapes(config, out, tokenizer_from)
+    if kind.startswith("gemma"):  # its converter cuts the embedding to the tokenizer's vocabulary
+        pad_tokenizer(out / "tokenizer.json", vocab)
     if "layer_types" in shape:  # as Granite 4's released configs name them (llama.cpp reads these)
         saved = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**saved, "layer_types": shape["layer_types"]}))
     shapes.pop("lm_head.weight", None)  # tied to the embedding
     g = torch.Generator().manual_seed(0)
     ones = ("linear_attn.norm.weight", "dt_bias", "mamba.D", "mamba.norm.weight")
-    # Qwen3.5's norms scale by 1 + w; Granite's by w
-    norm = 0.0 if kind.startswith("qwen3_5") else 1.0
+    # Qwen3.5's and Gemma's norms scale by 1 + w; Granite's by w
+    norm = 0.0 if kind.startswith(("qwen3_5", "gemma")) else 1.0
 
     def value(name: str, shape: tuple) -> torch.Tensor:
         if name.endswith(ones):
