@@ -278,12 +278,14 @@ class NativeKernels(NativeAttention, NativeRecurrent):
             )
 
     # packed_blocks.h's type ids: 16 rows interleaved, multiplied with 16-bit integer activations
-    PACKED_Q4, PACKED_Q8, PACKED_Q4K, PACKED_Q6K, PACKED_Q5K, PACKED_MX4 = range(100, 106)
-    # ggml type -> (packed type, bytes a row per block, values a block): Q4_0, Q4_1, Q8_0, Q4_K,
-    # Q5_K, Q6_K, MXFP4
+    PACKED_Q4, PACKED_Q8, PACKED_Q4K, PACKED_Q6K, PACKED_Q5K, PACKED_MX4, PACKED_Q5 = range(100, 107)
+    # ggml type -> (packed type, bytes a row per block, values a block): Q4_0, Q4_1, Q5_0, Q5_1,
+    # Q8_0, Q4_K, Q5_K, Q6_K, MXFP4
     _PACKABLE = {
         2: (PACKED_Q4, 20, 32),
         3: (PACKED_Q4, 20, 32),
+        6: (PACKED_Q5, 24, 32),
+        7: (PACKED_Q5, 24, 32),
         8: (PACKED_Q8, 34, 32),
         12: (PACKED_Q4K, 152, 256),
         13: (PACKED_Q5K, 184, 256),

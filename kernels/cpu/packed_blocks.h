@@ -16,6 +16,9 @@
        4 x 64 bytes of nibbles: in part k, byte 4 r + t holds row r's value 4k + t (low half) and 16 + 4k + t
                                (high half), r = 0..15, t = 0..3
        16 x fp16 d, then 16 x fp16 m            w = d q + m  (Q4_0 packs as m = -8 d, exact in fp16)
+     PACKED_Q5 (from Q5_0 / Q5_1: what K_M files hold where a row is not a multiple of 256 wide), 384 bytes:
+       nibbles as PACKED_Q4's, 64 bytes of their fifth bits as PACKED_Q5K's, 16 x fp16 d, 16 x fp16 m
+                                                w = d u + m, u = 0..31  (Q5_0 packs as m = -16 d)
      PACKED_Q8 (from Q8_0), 544 bytes:
        8 x 64 bytes of int8: in part k, byte 4 r + t holds row r's value 4k + t
        16 x fp16 d                              w = d q
@@ -55,6 +58,7 @@
 #define PACKED_Q6K 103
 #define PACKED_Q5K 104
 #define PACKED_MX4 105
+#define PACKED_Q5 106
 #define PACK_ROWS 16
 #define QK_K 256
 
@@ -62,6 +66,7 @@
    byte 4 r + t), so a pointer to any of them is one to its PackedNibbles. */
 typedef struct { uint8_t q[4][64]; } PackedNibbles;
 typedef struct { PackedNibbles nib; uint16_t d[PACK_ROWS], m[PACK_ROWS]; } PackedQ4Block; /* fp16 d, m */
+typedef struct { PackedNibbles nib; uint8_t qh[64]; uint16_t d[PACK_ROWS], m[PACK_ROWS]; } PackedQ5Block;
 typedef struct { int8_t q[8][64]; uint16_t d[PACK_ROWS]; } PackedQ8Block;
 typedef struct { float d[PACK_ROWS], dmin[PACK_ROWS]; } PackedKHead;   /* a Q4_K / Q5_K super-block's */
 typedef struct { float d[PACK_ROWS]; } PackedQ6KHead;
@@ -70,7 +75,7 @@ typedef struct { PackedNibbles nib; uint8_t qh[64], sc[PACK_ROWS], m[PACK_ROWS];
 typedef struct { PackedNibbles nib; uint8_t qh[2][64]; int8_t sc[2][PACK_ROWS]; } PackedQ6KSub;
 typedef struct { PackedNibbles nib; uint8_t e[PACK_ROWS]; } PackedMX4Block;
 _Static_assert(sizeof(PackedQ4Block) == 320 && sizeof(PackedQ8Block) == 544, "PACKED_Q4, PACKED_Q8");
-_Static_assert(sizeof(PackedMX4Block) == 272, "PACKED_MX4");
+_Static_assert(sizeof(PackedMX4Block) == 272 && sizeof(PackedQ5Block) == 384, "PACKED_MX4, PACKED_Q5");
 _Static_assert(sizeof(PackedKHead) + 8 * sizeof(PackedQ4KSub) == 2432, "PACKED_Q4K");
 _Static_assert(sizeof(PackedKHead) + 8 * sizeof(PackedQ5KSub) == 2944, "PACKED_Q5K");
 _Static_assert(sizeof(PackedQ6KHead) + 8 * sizeof(PackedQ6KSub) == 3392, "PACKED_Q6K");
@@ -81,6 +86,7 @@ _Static_assert(offsetof(PackedKHead, d) == offsetof(PackedQ6KHead, d), "every K 
 static inline int pack_block_bytes(int ptype) {
     switch (ptype) {
         case PACKED_Q4: return sizeof(PackedQ4Block);
+        case PACKED_Q5: return sizeof(PackedQ5Block);
         case PACKED_MX4: return sizeof(PackedMX4Block);
         case PACKED_Q8: return sizeof(PackedQ8Block);
         case PACKED_Q4K: return (sizeof(PackedKHead) + 8 * sizeof(PackedQ4KSub)) / 8;
@@ -90,8 +96,21 @@ static inline int pack_block_bytes(int ptype) {
     }
 }
 static inline int packed_is_k(int ptype) { return ptype == PACKED_Q4K || ptype == PACKED_Q5K || ptype == PACKED_Q6K; }
-/* the 4-bit layouts that start with PackedNibbles and carry an offset per row and block */
-static inline int packed_is_q4(int ptype) { return ptype == PACKED_Q4 || ptype == PACKED_MX4; }
+/* the 32-value layouts that start with PackedNibbles and carry an offset per row and block (Q5's a fifth bit) */
+static inline int packed_is_q4(int ptype) { return ptype == PACKED_Q4 || ptype == PACKED_MX4 || ptype == PACKED_Q5; }
+/* PACKED_Q4's and PACKED_Q5's fp16 scales and offsets, wherever each keeps them */
+static inline const uint16_t *packed_q4_d(int ptype, const void *blk) {
+    return ptype == PACKED_Q5 ? ((const PackedQ5Block *)blk)->d : ((const PackedQ4Block *)blk)->d;
+}
+static inline const uint16_t *packed_q4_m(int ptype, const void *blk) {
+    return ptype == PACKED_Q5 ? ((const PackedQ5Block *)blk)->m : ((const PackedQ4Block *)blk)->m;
+}
+/* A 32-value block's fifth bit of row value j (0..31) in a PACKED_Q5 / PACKED_Q5K qh: byte 4 r + t holds bit 2k
+   for value 4k + t and bit 2k + 1 for 16 + 4k + t. */
+static inline int packed_fifth(const uint8_t *qh, int r, int j) {
+    const int hi = j >> 4, k = (j & 15) >> 2, t = j & 3;
+    return (qh[4 * r + t] >> (2 * k + hi)) & 1;
+}
 
 /* MXFP4's nibble -> its doubled E2M1 value + 12, unsigned (the packed kernels' byte shuffle table) */
 static const int8_t MX4_UNSIGNED[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
@@ -296,10 +315,12 @@ static inline void x_words(PackedX x, int64_t at, int32_t *l0, int32_t *l1, int3
 }
 
 
-/* Rows [16 g0, 16 (g0 + n)) of a Q4_0 / Q4_1 / Q8_0 / MXFP4 matrix -> n packed groups. */
+/* Rows [16 g0, 16 (g0 + n)) of a Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / MXFP4 matrix -> n packed groups. */
 static inline void pack_groups(const uint8_t *w, int type, int64_t nblocks, int64_t g0, int64_t n, uint8_t *out) {
     const int bb = block_bytes(type);
-    const int pb = pack_block_bytes(type == Q8_0 ? PACKED_Q8 : type == MXFP4 ? PACKED_MX4 : PACKED_Q4);
+    const int q5 = type == Q5_0 || type == Q5_1;
+    const int pb =
+        pack_block_bytes(type == Q8_0 ? PACKED_Q8 : type == MXFP4 ? PACKED_MX4 : q5 ? PACKED_Q5 : PACKED_Q4);
     for (int64_t g = g0; g < g0 + n; g++)
         for (int64_t b = 0; b < nblocks; b++) {
             uint8_t *dst = out + (g * nblocks + b) * pb;
@@ -316,6 +337,22 @@ static inline void pack_groups(const uint8_t *w, int type, int64_t nblocks, int6
                     PackedQ8Block *p8 = (PackedQ8Block *)dst;
                     p8->d[r] = d;
                     for (int k = 0; k < 8; k++) memcpy(p8->q[k] + 4 * r, ((const BlockQ8_0 *)src)->qs + 4 * k, 4);
+                    continue;
+                }
+                if (q5) { /* w = d (u - 16) = d u + m with m = -16 d (pagedserve_pack refuses a d it overflows) */
+                    PackedQ5Block *p5 = (PackedQ5Block *)dst;
+                    uint32_t qh;
+                    memcpy(&qh, q5_fifth_bits(type, src), 4);
+                    p5->d[r] = d;
+                    p5->m[r] = type == Q5_1 ? read_u16(((const BlockQ5_1 *)src)->m)
+                                            : float_to_half(-16.0f * half_to_float(d));
+                    for (int k = 0; k < 4; k++) memcpy(p5->nib.q[k] + 4 * r, q5_nibbles(type, src) + 4 * k, 4);
+                    for (int t = 0; t < 4; t++) {
+                        uint8_t bits = 0;
+                        for (int k = 0; k < 4; k++)
+                            bits |= (uint8_t)((((qh >> (4 * k + t)) & 1) << (2 * k)) | (((qh >> (16 + 4 * k + t)) & 1) << (2 * k + 1)));
+                        p5->qh[4 * r + t] = bits;
+                    }
                     continue;
                 }
                 PackedQ4Block *p4 = (PackedQ4Block *)dst;
@@ -341,10 +378,19 @@ static inline __m256i avx2_dot(__m256i acc, __m256i a_u8, __m256i b_s8) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a_u8, b_s8), _mm256_set1_epi16(1)));
 }
 /* Against 8-bit activations (|x| <= 127) a maddubs pair sum stays within 2 u 127: Q4's u <= 15 lets all four
-   parts' 8 maddubs add in 16 bits (30,480) before one madd widens them, MXFP4's u <= 24 two parts' (24,384). */
-#define AVX2_SUMS16(ptype) ((ptype) == PACKED_MX4 ? 2 : 4)
-/* Part k of half hf (8 of the 16 rows) of a PACKED_Q4 / PACKED_MX4 group-block as unsigned bytes: the low
-   nibbles' values and the high nibbles', MXFP4's through its shuffle. */
+   parts' 8 maddubs add in 16 bits (30,480) before one madd widens them, MXFP4's u <= 24 and Q5's u <= 31 two
+   parts' (24,384; 31,496). */
+#define AVX2_SUMS16(ptype) ((ptype) == PACKED_MX4 || (ptype) == PACKED_Q5 ? 2 : 4)
+/* Part k's fifth bits (PACKED_Q5's, PACKED_Q5K's qh) of half hf set into its low and high values' bytes. */
+static inline __attribute__((always_inline)) void avx2_fifth_bits(const uint8_t *qh, int k, int hf, __m256i *wl,
+                                                                   __m256i *wh) {
+    const __m256i one = _mm256_set1_epi8(1);
+    const __m256i h = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qh + 32 * hf)), 2 * k);
+    *wl = _mm256_or_si256(*wl, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+    *wh = _mm256_or_si256(*wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+}
+/* Part k of half hf (8 of the 16 rows) of a PACKED_Q4 / PACKED_MX4 / PACKED_Q5 group-block as unsigned bytes:
+   the low nibbles' values and the high nibbles', MXFP4's through its shuffle, Q5's with their fifth bits. */
 static inline __attribute__((always_inline)) void avx2_q4_part(const int ptype, const PackedQ4Block *p4, int k, int hf,
                                                                __m256i *wl, __m256i *wh) {
     const __m256i nib = _mm256_set1_epi8(0x0f);
@@ -355,6 +401,8 @@ static inline __attribute__((always_inline)) void avx2_q4_part(const int ptype, 
         const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX4_UNSIGNED));
         *wl = _mm256_shuffle_epi8(lut, *wl);
         *wh = _mm256_shuffle_epi8(lut, *wh);
+    } else if (ptype == PACKED_Q5) {
+        avx2_fifth_bits(((const PackedQ5Block *)p4)->qh, k, hf, wl, wh);
     }
 }
 /* Half hf's scales and offsets (w = d u + m; MXFP4: m = -12 d). */
@@ -364,8 +412,8 @@ static inline __attribute__((always_inline)) void avx2_q4_scales(const int ptype
         *d = mx4_scales_256(((const PackedMX4Block *)p4)->e + 8 * hf);
         *m = _mm256_mul_ps(*d, _mm256_set1_ps(-12.0f));
     } else {
-        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->d + 8 * hf)));
-        *m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p4->m + 8 * hf)));
+        *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(packed_q4_d(ptype, p4) + 8 * hf)));
+        *m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(packed_q4_m(ptype, p4) + 8 * hf)));
     }
 }
 #endif
@@ -379,9 +427,10 @@ static inline float packed_value(int ptype, const uint8_t *blk, int r, int j) {
     const PackedQ4Block *p4 = (const PackedQ4Block *)blk;
     const int lo = j < 16, jj = lo ? j : j - 16;
     const uint8_t byte = p4->nib.q[jj / 4][4 * r + jj % 4];
-    const int q = lo ? byte & 15 : byte >> 4;
+    int q = lo ? byte & 15 : byte >> 4;
     if (ptype == PACKED_MX4) return e8m0_scale(((const PackedMX4Block *)blk)->e[r]) * (float)(MX4_UNSIGNED[q] - 12);
-    return half_to_float(p4->d[r]) * (float)q + half_to_float(p4->m[r]);
+    if (ptype == PACKED_Q5) q |= packed_fifth(((const PackedQ5Block *)blk)->qh, r, j) << 4;
+    return half_to_float(packed_q4_d(ptype, blk)[r]) * (float)q + half_to_float(packed_q4_m(ptype, blk)[r]);
 }
 
 /* out[r * 16 + i] = row i of the group . activation row r, for nr <= PACK_XROWS rows of x.
@@ -422,6 +471,11 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                     const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX4_UNSIGNED));
                     wl = _mm512_shuffle_epi8(lut, wl);
                     wh = _mm512_shuffle_epi8(lut, wh);
+                } else if (ptype == PACKED_Q5) {
+                    const __m512i one = _mm512_set1_epi8(1);
+                    const __m512i h = _mm512_srli_epi16(_mm512_loadu_si512((const void *)((const PackedQ5Block *)p)->qh), 2 * k);
+                    wl = _mm512_or_si512(wl, _mm512_slli_epi16(_mm512_and_si512(h, one), 4));
+                    wh = _mm512_or_si512(wh, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 1), one), 4));
                 }
                 for (int r = 0; r < nr; r++) {
                     const int64_t at = r * in_dim + b * QK + 4 * k;
@@ -438,14 +492,15 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
         }
         const __m512 d = ptype == PACKED_MX4
                              ? mx4_scales_512(((const PackedMX4Block *)p)->e)
-                             : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ptype == PACKED_Q8 ? p8->d : p4->d)));
+                             : _mm512_cvtph_ps(_mm256_loadu_si256(
+                                   (const __m256i *)(ptype == PACKED_Q8 ? p8->d : packed_q4_d(ptype, p4))));
         for (int r = 0; r < nr; r++) {
             const int64_t xb = r * (in_dim / QK) + b;
             if (ptype == PACKED_Q8) ihi[r] = _mm512_sub_epi32(ihi[r], _mm512_set1_epi32(128 * x.hsum[xb]));
             const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ihi[r], 8), ilo[r]));
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x.d[xb])), d, acc[r]);
-            if (ptype == PACKED_Q4)
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p4->m)),
+            if (ptype == PACKED_Q4 || ptype == PACKED_Q5)
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)packed_q4_m(ptype, p4))),
                                          _mm512_set1_ps(x.sum[xb]), acc[r]);
             if (ptype == PACKED_MX4) acc[r] = _mm512_fmadd_ps(d, _mm512_set1_ps(-12.0f * x.sum[xb]), acc[r]);
         }
@@ -569,7 +624,7 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
     for (int64_t b = 0; b < nblocks; b++) {
         const PackedQ4Block *p4 = (const PackedQ4Block *)(grp + b * pb);
         const PackedQ8Block *p8 = (const PackedQ8Block *)(grp + b * pb);
-        const uint16_t *dw = ptype == PACKED_Q8 ? p8->d : p4->d;
+        const uint16_t *dw = ptype == PACKED_Q8 ? p8->d : packed_q4_d(ptype, p4);
         for (int r = 0; r < nr; r++) {
             const int64_t at = r * in_dim + b * QK, xb = r * (in_dim / QK) + b;
             int32_t ilo[PACK_ROWS] = {0}, ihi[PACK_ROWS] = {0};
@@ -583,6 +638,7 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                         const uint8_t byte = p4->nib.q[jj / 4][4 * i + jj % 4];
                         q = j < 16 ? byte & 15 : byte >> 4;
                         if (ptype == PACKED_MX4) q = MX4_UNSIGNED[q];
+                        if (ptype == PACKED_Q5) q |= packed_fifth(((const PackedQ5Block *)p4)->qh, i, j) << 4;
                     }
                     ilo[i] += q * x.lo[at + j];
                     ihi[i] += q * x.hi[at + j];
@@ -591,7 +647,8 @@ static inline __attribute__((always_inline)) void packed_group_dot_n(const int p
                 const float dot = (float)(ihi[i] * 256 + ilo[i]);
                 const float di = ptype == PACKED_MX4 ? e8m0_scale(((const PackedMX4Block *)p4)->e[i]) : half_to_float(dw[i]);
                 acc[r][i] = fmaf(dot * x.d[xb], di, acc[r][i]);
-                if (ptype == PACKED_Q4) acc[r][i] = fmaf(half_to_float(p4->m[i]), x.sum[xb], acc[r][i]);
+                if (ptype == PACKED_Q4 || ptype == PACKED_Q5)
+                    acc[r][i] = fmaf(half_to_float(packed_q4_m(ptype, p4)[i]), x.sum[xb], acc[r][i]);
                 if (ptype == PACKED_MX4) acc[r][i] = fmaf(-12.0f * di, x.sum[xb], acc[r][i]);
             }
         }
@@ -693,7 +750,7 @@ static inline int packed_k_u(int ptype, const uint8_t *sub, int r, int j) {
     const uint8_t byte = ((const PackedNibbles *)sub)->q[k][4 * r + t];
     int u = hi ? byte >> 4 : byte & 15;
     if (ptype == PACKED_Q6K) u |= ((((const PackedQ6KSub *)sub)->qh[k >> 1][4 * r + t] >> (4 * (k & 1) + 2 * hi)) & 3) << 4;
-    if (ptype == PACKED_Q5K) u |= ((((const PackedQ5KSub *)sub)->qh[4 * r + t] >> (2 * k + hi)) & 1) << 4;
+    if (ptype == PACKED_Q5K) u |= packed_fifth(((const PackedQ5KSub *)sub)->qh, r, j) << 4;
     return u;
 }
 
@@ -711,7 +768,7 @@ static inline float packed_k_value(int ptype, const uint8_t *grp, int64_t b, int
    unsigned bytes: its first 16 values' in *wl, its last 16 values' in *wh. */
 static inline __attribute__((always_inline)) void avx2_k_weights(const int ptype, const uint8_t *sub, int k, int hf,
                                                                   __m256i *wl, __m256i *wh) {
-    const __m256i nib = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i nib = _mm256_set1_epi8(0x0f), three = _mm256_set1_epi8(3);
     const __m256i raw = _mm256_loadu_si256((const __m256i *)(((const PackedNibbles *)sub)->q[k] + 32 * hf));
     *wl = _mm256_and_si256(raw, nib);
     *wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
@@ -721,9 +778,7 @@ static inline __attribute__((always_inline)) void avx2_k_weights(const int ptype
         *wl = _mm256_or_si256(*wl, _mm256_slli_epi16(_mm256_and_si256(h, three), 4));
         *wh = _mm256_or_si256(*wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), three), 4));
     } else if (ptype == PACKED_Q5K) {
-        const __m256i h = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(((const PackedQ5KSub *)sub)->qh + 32 * hf)), 2 * k);
-        *wl = _mm256_or_si256(*wl, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
-        *wh = _mm256_or_si256(*wh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+        avx2_fifth_bits(((const PackedQ5KSub *)sub)->qh, k, hf, wl, wh);
     }
 }
 
@@ -1097,6 +1152,7 @@ static inline void packed_group_dot(int ptype, const uint8_t *grp, int64_t nbloc
         switch (ptype) {
             case PACKED_Q8: PACKED_ROWS_CASES(packed_group_dot_n, PACKED_Q8) break;
             case PACKED_MX4: PACKED_ROWS_CASES(packed_group_dot_n, PACKED_MX4) break;
+            case PACKED_Q5: PACKED_ROWS_CASES(packed_group_dot_n, PACKED_Q5) break;
             case PACKED_Q4K: PACKED_ROWS_CASES(packed_k_group_dot_n, PACKED_Q4K) break;
             case PACKED_Q5K: PACKED_ROWS_CASES(packed_k_group_dot_n, PACKED_Q5K) break;
             case PACKED_Q6K: PACKED_ROWS_CASES(packed_k_group_dot_n, PACKED_Q6K) break;

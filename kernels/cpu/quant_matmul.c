@@ -58,16 +58,24 @@ int pagedserve_packed_q8_fast(int bits8) {
 
 static int packed_type(int32_t type) { return pack_block_bytes(type) > 0; }
 
-/* A Q4_0 / Q4_1 / Q8_0 / MXFP4 / K-quant matrix [out_dim, in_dim] -> its packed layout (packed_blocks.h:
-   PACKED_Q4 for the Q4 types, PACKED_Q8, PACKED_MX4, PACKED_Q4K ...), out_dim / 16 groups of its blocks.
-   Returns 0, or -1 (another type, out_dim not a multiple of 16, in_dim not of the block, an MXFP4 scale that
-   fp16 cannot hold). */
+/* Whether every Q5_0 block's -16 d (PACKED_Q5's offset) is finite in fp16. */
+static int q5_0_packable(const uint8_t *w, int64_t nblocks_total) {
+    for (int64_t i = 0; i < nblocks_total; i++)
+        if (fabsf(half_at(((const BlockQ5_0 *)(w + i * sizeof(BlockQ5_0)))->d)) * 16.0f > 65504.0f) return 0;
+    return 1;
+}
+
+/* A Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / MXFP4 / K-quant matrix [out_dim, in_dim] -> its packed layout
+   (packed_blocks.h: PACKED_Q4 for the Q4 types, PACKED_Q5 for the Q5 ones, PACKED_Q8, PACKED_MX4, PACKED_Q4K
+   ...), out_dim / 16 groups of its blocks. Returns 0, or -1 (another type, out_dim not a multiple of 16,
+   in_dim not of the block, a scale or offset that fp16 cannot hold). */
 int pagedserve_pack(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t type, uint8_t *out) {
     const int k = is_k_quant(type);
-    if ((type != Q4_0 && type != Q4_1 && type != Q8_0 && type != MXFP4 && !k) || out_dim % PACK_ROWS
-        || out_dim <= 0 || in_dim % block_values(type) || in_dim <= 0)
+    const int q32 = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || type == MXFP4;
+    if ((!q32 && !k) || out_dim % PACK_ROWS || out_dim <= 0 || in_dim % block_values(type) || in_dim <= 0)
         return -1;
     if (type == MXFP4 && !mx4_packable(w, out_dim * (in_dim / QK))) return -1;
+    if (type == Q5_0 && !q5_0_packable(w, out_dim * (in_dim / QK))) return -1;
     const int64_t groups = out_dim / PACK_ROWS;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {

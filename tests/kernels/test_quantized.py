@@ -497,8 +497,8 @@ def test_a_familys_gguf_is_served_on_its_blocks_as_transformers_answers(
 
 def int16_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) -> torch.Tensor:
     """The packed kernel's arithmetic in float64: each block's scaled values (d q) times x rounded
-    per 32-value block to 16-bit integers (scale amax/32767), plus the block's offset (Q4_1's m,
-    Q4_0's -8 d, MXFP4's -12 d, Q8_0's 0) times x's own sum.
+    per 32-value block to 16-bit integers (scale amax/32767), plus the block's offset (Q4_1's and
+    Q5_1's m, Q4_0's -8 d, Q5_0's -16 d, MXFP4's -12 d, Q8_0's 0) times x's own sum.
     """
     blocks = w.data.numpy().reshape(w.out_dim, -1, QUANT_TYPES[w.qtype][2])
     if w.qtype == "MXFP4":  # E8M0, halved: values are the doubled E2M1 ones
@@ -507,7 +507,9 @@ def int16_reference(x: torch.Tensor, w: QuantWeight, reference: torch.Tensor) ->
         d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     m = {
         "Q4_1": lambda: blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64),
+        "Q5_1": lambda: blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64),
         "Q4_0": lambda: -8 * d,
+        "Q5_0": lambda: -16 * d,
         "MXFP4": lambda: -12 * d,
         "Q8_0": lambda: np.zeros_like(d),
     }[w.qtype]()
@@ -547,7 +549,7 @@ def test_q8_0_is_packed_only_where_its_integer_kernel_is_fast(native):
     assert lib.pack(w).qtype == "Q8_0_x16" and native.packed_q8_x8_fast
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "MXFP4"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"])
 def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
     """Packing (16 rows interleaved) keeps every value: dequantizing the packed weight gives gguf's
     values exactly. A weight it does not apply to is left as it is, and a packed one cannot be
@@ -559,8 +561,9 @@ def test_packed_weights_hold_the_same_values_and_stay_whole(native, qtype):
     lib = packing_lib(native)
     packed = lib.pack(w)
     assert packed.qtype == PACKED_FROM[qtype] and packed.shape == w.shape
-    # Q4_0 gains its offset: 18 -> 20 bytes; MXFP4 keeps its 17
-    assert packed.nbytes == 48 * 10 * {"Q8_0": 34, "MXFP4": 17}.get(qtype, 20)
+    # Q4_0 gains its offset: 18 -> 20 bytes, Q5_0 22 -> 24; MXFP4 keeps its 17
+    row_block = {"Q8_0": 34, "MXFP4": 17, "Q5_0": 24, "Q5_1": 24}.get(qtype, 20)
+    assert packed.nbytes == 48 * 10 * row_block
     assert torch.equal(lib.dequantize(packed), lib.dequantize(w))
     torch.testing.assert_close(lib.dequantize(packed), reference, rtol=1e-6, atol=1e-7)
     ragged, _ = quantized(np.random.default_rng(5), 40, 320, qtype)  # not whole 16-row groups
@@ -600,7 +603,7 @@ def test_an_mxfp4_scale_the_packed_kernel_cannot_read_leaves_the_weight_as_it_sh
     torch.testing.assert_close(lib(x, w), want, rtol=1e-5, atol=1e-3, equal_nan=True)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "MXFP4"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"])
 # every pass of four activation rows, and the tails
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 13])
 @pytest.mark.parametrize("in_dim", [576, 160])
@@ -761,16 +764,18 @@ def test_a_rows_answer_does_not_depend_on_the_rows_beside_it(native, qtype, bits
         assert torch.equal(lib(x[r0:r1], packed), whole[r0:r1])
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "MXFP4"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"])
 @pytest.mark.parametrize("bits", [16, 8])
 def test_packed_4_bit_weights_at_their_largest_products_stay_exact(native, qtype, bits):
-    """Every nibble at its largest unsigned value (15; MXFP4's +6, 24 in the kernel) against
+    """Every value at its largest unsigned one (15; Q5's 31; MXFP4's +6, 24 in the kernel) against
     activations at full scale of either sign: the kernels' 16-bit partial sums (eight products a
     lane before widening, with 8-bit activations) stay within their width, four rows and a tail.
     """
     w, _ = quantized(np.random.default_rng(12), 32, 512, qtype)
     blocks = w.data.numpy().reshape(32, 16, -1)
     blocks[..., -16:] = 0x77 if qtype == "MXFP4" else 0xFF  # each block ends in its 16 nibble bytes
+    if qtype.startswith("Q5"):
+        blocks[..., -20:-16] = 0xFF  # and a Q5 block's fifth bits before them
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     reference = torch.from_numpy(
         gguf.quants.dequantize(blocks.reshape(32, -1), kind).reshape(32, 512).copy()

@@ -33,12 +33,15 @@ PACKED_TYPES = {
     "Q6_K_x16": (103, 256, 212),
     "Q5_K_x16": (104, 256, 184),
     "MXFP4_x16": (105, 32, 17),  # the nibbles as Q4_x16's, each looked up (E2M1) before its dot
+    "Q5_x16": (106, 32, 24),  # Q4_x16's with a fifth bit a value
 }
 
 
 PACKED_FROM = {
     "Q4_0": "Q4_x16",
     "Q4_1": "Q4_x16",
+    "Q5_0": "Q5_x16",
+    "Q5_1": "Q5_x16",
     "Q8_0": "Q8_0_x16",
     "Q4_K": "Q4_K_x16",
     "Q5_K": "Q5_K_x16",

@@ -71,9 +71,9 @@ class QuantizedMatmul:
         try:
             data, _ = self.kernels.pack(w.data, w.type_id, w.out_dim, w.in_dim)
         except ValueError:
-            if w.qtype != "MXFP4":
+            if w.qtype not in ("MXFP4", "Q5_0"):
                 raise
-            return w  # a scale past fp16's range: as the file ships it
+            return w  # a scale (or Q5_0's -16 d) past fp16's range: as the file ships it
         return QuantWeight(data, PACKED_FROM[w.qtype], w.in_dim, origin=w.qtype)
 
     def q8_packs(self) -> bool:
