@@ -278,7 +278,8 @@ class NativeKernels(NativeAttention, NativeRecurrent):
             )
 
     # packed_blocks.h's type ids: 16 rows interleaved, multiplied with 16-bit integer activations
-    PACKED_Q4, PACKED_Q8, PACKED_Q4K, PACKED_Q6K, PACKED_Q5K, PACKED_MX4, PACKED_Q5 = range(100, 107)
+    PACKED_Q4, PACKED_Q8, PACKED_Q4K, PACKED_Q6K, PACKED_Q5K, PACKED_MX4 = range(100, 106)
+    PACKED_Q5 = 106
     # ggml type -> (packed type, bytes a row per block, values a block): Q4_0, Q4_1, Q5_0, Q5_1,
     # Q8_0, Q4_K, Q5_K, Q6_K, MXFP4
     _PACKABLE = {
