@@ -216,6 +216,12 @@ def no_spm(self):  # as the converter does with sentencepiece installed: no file
 base.TextModel._create_vocab_sentencepiece = no_spm
 if sys.argv[2] == "any":
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    only_spm = base.TextModel._set_vocab_sentencepiece
+    def spm_or_bpe(self, *a, **k):  # Gemma 2's asks for sentencepiece alone: a BPE one as GPT-2's
+        if (self.dir_model / "tokenizer.model").is_file():
+            return only_spm(self, *a, **k)
+        return self._set_vocab_gpt2()
+    base.TextModel._set_vocab_sentencepiece = spm_or_bpe
 sys.argv = [sys.argv[1] + "/convert_hf_to_gguf.py", *sys.argv[3:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

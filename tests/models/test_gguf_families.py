@@ -1,10 +1,11 @@
-"""The late-2026 families as GGUFs that llama.cpp's own converter writes (convert_hf_to_gguf.py of
-the pinned llama-cpp-python sdist, fetched once; deploy/bench/llama_build.py) from the tiny folders
-the family tests serve: the config read from the header, every tensor by name, the converter's
-changes undone (A as -exp(A_log), +1 norms, squeezed convs, norms by group, Falcon-H1's µP
-multipliers folded into its weights, Qwen3-Next's b and a by key head). At F32 the file is equal to
-transformers on the folder token for token; at Q8_0 it is served on its own blocks, equal to the
-same reader on the file's values dequantized.
+"""The late-2026 families and Gemma 2 and 3 as GGUFs that llama.cpp's own converter writes
+(convert_hf_to_gguf.py of the pinned llama-cpp-python sdist, fetched once;
+deploy/bench/llama_build.py) from the tiny folders the family tests serve: the config read from the
+header, every tensor by name, the converter's changes undone (A as -exp(A_log), +1 norms (Gemma's
+and others'), squeezed convs, norms by group, Falcon-H1's µP multipliers folded into its weights,
+Qwen3-Next's b and a by key head). At F32 the file is equal to transformers on the folder token for
+token; at Q8_0 it is served on its own blocks, equal to the same reader on the file's values
+dequantized.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 # widths kept multiples of 32 so that the converter writes every matrix as Q8_0 blocks
 WIDE = dict(shared_expert_intermediate_size=64)
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=12, tie_word_embeddings=True)
 FAMILIES = {
     "qwen3_next": dict(RECURRENT["qwen3_next"], **WIDE),
     "granitemoehybrid": dict(RECURRENT["granitemoehybrid"], shared_intermediate_size=64),
@@ -31,6 +33,11 @@ FAMILIES = {
     "falcon_h1": dict(RECURRENT["falcon_h1"], mamba_norm_before_gate=False),
     "olmo3": ATTENTION["olmo3"],
     "minimax_m2": ATTENTION["minimax_m2"],
+    # llama.cpp's score scale for these sizes is head_dim's; Gemma 3's 6th layer is global, its
+    # sliding layers' RoPE its own; Gemma 2's scores and logits soft-capped; both tied, as released
+    # (the converter drops a head)
+    "gemma3_text": dict(**GEMMA, num_hidden_layers=7),
+    "gemma2": dict(**GEMMA),
 }
 ARCHS = {
     "qwen3_next": "qwen3next",
@@ -39,6 +46,8 @@ ARCHS = {
     "falcon_h1": "falcon-h1",
     "olmo3": "olmo2",
     "minimax_m2": "minimax-m2",
+    "gemma3_text": "gemma3",
+    "gemma2": "gemma2",
 }
 PROMPTS = [[3 + (11 * i) % 370 for i in range(n)] for n in (5, 23, 61)]
 

@@ -150,31 +150,20 @@ def test_a_gguf_is_prepared_without_weights_unless_its_architecture_needs_them(
     tmp_path, monkeypatch
 ):
     """Preparing a llama GGUF writes config and tokenizer only (fast, no memory to speak of); a
-    Gemma 2 GGUF, whose tensors the workers do not map (llama.cpp stores its norms offset), still
-    needs its fp32 copy.
+    Qwen3-MoE GGUF, whose tensors the workers do not map, still needs its fp32 copy.
     """
     from deploy.prepare_model import model_folder, needs_dense_copy
 
     monkeypatch.setenv("PAGEDSERVE_MODELS", str(tmp_path / "cache"))
     llama = next(make_tiny_gguf(tmp_path / "llama", "Q8_0", seed=1).glob("*.gguf"))
-    gemma = next(
-        make_tiny_gguf(
-            tmp_path / "gemma",
-            "Q8_0",
-            seed=1,
-            family="gemma2",
-            head_dim=16,
-            query_pre_attn_scalar=24,
-            pad_token_id=0,
-        ).glob("*.gguf")
-    )
+    moe = next(make_tiny_gguf(tmp_path / "moe", "Q8_0", seed=1, family="qwen3_moe").glob("*.gguf"))
     out = model_folder(str(llama))
     names = {
         p.name for p in (tmp_path / "cache").glob("*/*") if p.parent.name == out.split("/")[-1]
     }
     assert {"config.json", "tokenizer.json", "pagedserve_model.json"} <= names
     assert not any(n.endswith(".safetensors") for n in names)
-    assert needs_dense_copy(gemma) and not needs_dense_copy(llama)
+    assert needs_dense_copy(moe) and not needs_dense_copy(llama)
 
 
 def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch):

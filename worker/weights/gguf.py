@@ -144,7 +144,7 @@ class GGUFTensorSource(TensorSource):
         if self.hybrid:
             t = _hybrid_tensor(name, t)
         elif self.family:
-            t = undo(name, t)
+            t = undo(name, t, self.file.arch)
         perm = next((p for suffix, p in self._perm.items() if name.endswith(suffix)), None)
         if perm is not None:
             t = t[perm]

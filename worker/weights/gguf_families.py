@@ -1,7 +1,8 @@
-"""GGUFs of the late-2026 families as llama.cpp's convert_hf_to_gguf.py writes them (`olmo2` for
-OLMo 2 and 3, `minimax-m2`, `granitehybrid`, `nemotron_h` / `nemotron_h_moe`, `falcon-h1`): each
-one's config.json from its header, and its tensors under the names every family's checkpoint is
-read by (worker/weights/checkpoint.py DEFAULT_LAYER_NAMES), the converter's changes undone.
+"""GGUFs of these families as llama.cpp's convert_hf_to_gguf.py writes them (`gemma2`, `gemma3`,
+`olmo2` for OLMo 2 and 3, `minimax-m2`, `granitehybrid`, `nemotron_h` / `nemotron_h_moe`,
+`falcon-h1`): each one's config.json from its header, and its tensors under the names every
+family's checkpoint is read by (worker/weights/checkpoint.py DEFAULT_LAYER_NAMES), the converter's
+changes undone.
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ ARCHS = {
     "nemotron_h": "nemotron_h",
     "nemotron_h_moe": "nemotron_h",
     "falcon-h1": "falcon_h1",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+}
+GEMMA_ARCHS = ("gemma2", "gemma3")
+# Gemma's four norms a layer (the converter stores each as 1 + w, q/k norms and the final one too)
+GEMMA_NORMS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 ATTENTION = {
     "attn_q.weight": "self_attn.q_proj.weight",
@@ -62,6 +73,8 @@ TABLE = {**ATTENTION, **MLP, **EXPERTS, **MAMBA, **NORMS}
 
 def layer_name(file, layer: int, suffix: str) -> str | None:
     """The Hugging Face name (under model.layers.N.) of a layer's tensor; None: not mapped."""
+    if file.arch in GEMMA_ARCHS and suffix in GEMMA_NORMS:
+        return GEMMA_NORMS[suffix]
     hf = TABLE.get(suffix)
     # Nemotron-H's one norm a layer is before its MLP where the layer is an MLP alone
     if suffix == "attn_norm.weight" and ARCHS[file.arch] == "nemotron_h" and _ffn_only(file, layer):
@@ -71,10 +84,12 @@ def layer_name(file, layer: int, suffix: str) -> str | None:
     return hf
 
 
-def undo(name: str, t):
+def undo(name: str, t, arch: str):
     """A tensor as the family's checkpoint holds it, from the converter's form."""
     import torch
 
+    if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+        return t - 1.0
     if name.endswith("mamba.A_log"):
         return torch.log(-t.reshape(-1))
     if name.endswith(("mamba.D", "mamba.norm.weight")):
@@ -175,6 +190,8 @@ def config(file) -> dict:
         cfg.update(_granite(file))
     elif family == "nemotron_h":
         cfg.update(_nemotron(file))
+    elif a in GEMMA_ARCHS:
+        cfg.update(_gemma(file, cfg))
     else:
         cfg.update(_falcon(file))
     return cfg
@@ -205,6 +222,40 @@ def _granite(file) -> dict:
         )
     else:  # a dense model's MLP is its shared one
         out["shared_intermediate_size"] = _rows(file, "blk.0.ffn_up.weight")
+    return out
+
+
+def _gemma(file, cfg: dict) -> dict:
+    """Gemma 2 and 3 as llama.cpp runs them: every 2nd (6th) layer global unless the header lists
+    the sliding ones, the sliding layers' own RoPE base (Gemma 3), the score scale by size (the
+    27B's hidden / heads, else head_dim), the soft caps.
+    """
+    f, a, layers = file.fields, file.arch, cfg["num_hidden_layers"]
+    gemma2 = a == "gemma2"
+    window = int(f.get(f"{a}.attention.sliding_window", 4096 if gemma2 else 0))
+    pattern = f.get(f"{a}.attention.sliding_window_pattern", 2 if gemma2 else 6)
+    sliding = (
+        [bool(p) for p in pattern]
+        if isinstance(pattern, list)
+        else [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    )
+    largest = layers == (46 if gemma2 else 62)  # the 27B models
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if largest else cfg["head_dim"]
+    out = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": scalar,
+        "sliding_window": window or None,
+        "layer_types": ["sliding_attention" if s and window else "full_attention" for s in sliding],
+        "final_logit_softcapping": _f32(f.get(f"{a}.final_logit_softcapping", 0.0)) or None,
+    }
+    if gemma2:
+        out["attn_logit_softcapping"] = _f32(f.get(f"{a}.attn_logit_softcapping", 0.0)) or None
+        return out
+    full = dict(cfg["rope_parameters"])
+    if f.get(f"{a}.rope.scaling.type") == "linear":
+        full.update(rope_type="linear", factor=_f32(f[f"{a}.rope.scaling.factor"]))
+    local = {"rope_type": "default", "rope_theta": float(f.get(f"{a}.rope.freq_base_swa", 1e4))}
+    out["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
     return out
 
 

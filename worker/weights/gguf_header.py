@@ -186,7 +186,7 @@ HYBRID_ARCHS = {
 # llama.cpp's architectures whose every tensor this module maps ("llama" also names Mistral's files)
 NATIVE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gpt-oss", *HYBRID_ARCHS, *FAMILY_ARCHS)
 # the architectures served: read natively, or through transformers' reader and an fp32 copy
-SERVED_ARCHS = (*NATIVE_ARCHS, "mistral", "qwen3moe", "gemma2", "gemma3")
+SERVED_ARCHS = (*NATIVE_ARCHS, "mistral", "qwen3moe")
 # architectures llama.cpp writes that are not served: the transformers family each is (its
 # refusal names what that family lacks: worker/model/families.py NOT_SERVED)
 GGUF_FAMILIES = {
