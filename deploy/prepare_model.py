@@ -15,6 +15,7 @@ safetensors.
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import sys
 from pathlib import Path
@@ -200,6 +201,8 @@ def _prepared_folder(path: Path) -> str:
     cache = env.models_dir()
     out = cache / f"{path.stem}-{key}"
     dense = needs_dense_copy(path)
+    if not dense and (out / "model.safetensors").is_file():
+        shutil.rmtree(out)  # prepared with an fp32 copy before this reader mapped the file
     if not is_prepared(out, dense):
         refusal = preparation_refusal(path, cache) if dense else None
         if refusal:

@@ -5,6 +5,7 @@ time, and the folder a GGUF is prepared into holding no weights.
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,6 +165,10 @@ def test_a_gguf_is_prepared_without_weights_unless_its_architecture_needs_them(
     assert {"config.json", "tokenizer.json", "pagedserve_model.json"} <= names
     assert not any(n.endswith(".safetensors") for n in names)
     assert needs_dense_copy(moe) and not needs_dense_copy(llama)
+    # a folder prepared with an fp32 copy (by a reader that did not map the file) is made again
+    (Path(out) / "model.safetensors").write_bytes(b"stale")
+    assert model_folder(str(llama)) == out and not (Path(out) / "model.safetensors").exists()
+    assert (Path(out) / "config.json").is_file()
 
 
 def test_serving_a_gguf_counts_its_blocks_not_an_fp32_copy(tmp_path, monkeypatch):
