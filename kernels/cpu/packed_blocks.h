@@ -145,9 +145,11 @@ static inline const uint8_t *packed_k_mins(int ptype, const uint8_t *sub) {
 }
 #define PACK_XROWS 4         /* activation rows per pass over a group's weights (accumulators in registers) */
 #define PACK_TILE 32         /* the most rows a caller hands packed_group_dot at once */
-/* From these rows on, AVX2's 8-bit K-quant kernel takes them as one tile (Q5_K's high bits make its tile
-   slower than the four-row kernel at 4 rows). */
-static inline int64_t pack_tile_min(int ptype) { return ptype == PACKED_Q5K ? 5 : 3; }
+/* From these rows on, AVX2's 8-bit kernels take them as one tile (Q5_K's and Q5's high bits and MXFP4's
+   shuffle make their tiles slower than the four-row kernel at 3-4 rows: docs/BENCHMARKS.md). */
+static inline int64_t pack_tile_min(int ptype) {
+    return ptype == PACKED_Q5K || ptype == PACKED_Q5 || ptype == PACKED_MX4 ? 5 : 3;
+}
 
 /* Activations of a matmul as the packed kernel reads them: per row and 32-value block, the 16-bit integers
    split into their low (unsigned) and high (signed) bytes, the scale, and the block's fp32 sum. */
@@ -1116,12 +1118,70 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
 #endif
 }
 
+#if defined(PACKED_AVX2)
+/* A PACKED_Q4 / PACKED_Q5 / PACKED_MX4 tile of nr activation rows against 8-bit activations: each block-half's
+   weights decoded once for every row (the four-row kernel decodes them again each four rows), every row's
+   integer sums first, then their floats, the same ones as the four-row kernel's in the same order. */
+static inline __attribute__((always_inline)) void avx2_q4_tile8(const int ptype, const uint8_t *grp, int64_t nblocks,
+                                                                 PackedX x, int64_t in_dim, const int64_t nr, float *out) {
+    const int pb = pack_block_bytes(ptype);
+    const int64_t xb0 = in_dim / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i dots[PACK_TILE];
+    for (int64_t i = 0; i < nr * PACK_ROWS; i++) out[i] = 0.0f;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const PackedQ4Block *p4 = (const PackedQ4Block *)(grp + b * pb);
+        for (int c = 0; c < pb; c += 64) __builtin_prefetch((const uint8_t *)p4 + 4096 + c, 0, 3);
+        for (int hf = 0; hf < 2; hf++) {
+            __m256i w[8];
+            for (int k = 0; k < 4; k++) avx2_q4_part(ptype, p4, k, hf, &w[2 * k], &w[2 * k + 1]);
+            for (int64_t r = 0; r < nr; r++) {
+                const int8_t *xr = x.hi + r * in_dim + b * QK;
+                __m256i p[8];
+                for (int k = 0; k < 4; k++) {
+                    int32_t h0, h1;
+                    memcpy(&h0, xr + 4 * k, 4);
+                    memcpy(&h1, xr + 16 + 4 * k, 4);
+                    p[2 * k] = _mm256_maddubs_epi16(w[2 * k], _mm256_set1_epi32(h0));
+                    p[2 * k + 1] = _mm256_maddubs_epi16(w[2 * k + 1], _mm256_set1_epi32(h1));
+                }
+                __m256i q0 = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+                __m256i q1 = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
+                __asm__("" : "+x"(q0), "+x"(q1)); /* a tree, as the K tile's */
+                /* AVX2_SUMS16: Q4's eight products a lane fit 16 bits, Q5's and MXFP4's four */
+                _mm256_store_si256(dots + r, AVX2_SUMS16(ptype) == 4
+                                                 ? _mm256_madd_epi16(_mm256_add_epi16(q0, q1), ones)
+                                                 : _mm256_add_epi32(_mm256_madd_epi16(q0, ones), _mm256_madd_epi16(q1, ones)));
+            }
+            __m256 d, m;
+            avx2_q4_scales(ptype, p4, hf, &d, &m);
+            for (int64_t r = 0; r < nr; r++) { /* the four-row kernel's floats */
+                const int64_t xb = r * xb0 + b;
+                float *o = out + r * PACK_ROWS + 8 * hf;
+                const __m256 f = _mm256_cvtepi32_ps(_mm256_slli_epi32(_mm256_load_si256(dots + r), 8));
+                __m256 acc = _mm256_fmadd_ps(_mm256_mul_ps(f, _mm256_set1_ps(x.d[xb])), d, _mm256_loadu_ps(o));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[xb]), acc));
+            }
+        }
+    }
+}
+#endif
+
 /* out[r * 16 + i] for any number of activation rows, PACK_XROWS at a time (the group's weights stay in L1
    between passes), specialized on the layout and the row count; on AVX2 with 8-bit activations, a K-quant's
    pack_tile_min rows or more as one tile. Callers pass up to PACK_TILE rows at once. */
 static inline void packed_group_dot(int ptype, const uint8_t *grp, int64_t nblocks, PackedX x, int64_t in_dim,
                                     int64_t rows, float *out) {
 #if defined(PACKED_AVX2)
+    if (x.bits8 && packed_is_q4(ptype) && rows >= pack_tile_min(ptype)) {
+        if (ptype == PACKED_Q4)
+            avx2_q4_tile8(PACKED_Q4, grp, nblocks, x, in_dim, rows, out);
+        else if (ptype == PACKED_Q5)
+            avx2_q4_tile8(PACKED_Q5, grp, nblocks, x, in_dim, rows, out);
+        else
+            avx2_q4_tile8(PACKED_MX4, grp, nblocks, x, in_dim, rows, out);
+        return;
+    }
     if (x.bits8 && packed_is_k(ptype) && rows >= pack_tile_min(ptype)) {
         if (ptype == PACKED_Q4K)
             avx2_k_tile8(PACKED_Q4K, grp, nblocks, x, in_dim, rows, out);

@@ -744,7 +744,7 @@ def test_packed_k_quants_at_their_largest_products_stay_exact(native, qtype, bit
     ).max() < 1e-5  # fp32 summation apart
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q8_0", "MXFP4"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q8_0", "MXFP4"])
 @pytest.mark.parametrize("bits", [16, 8])
 def test_a_rows_answer_does_not_depend_on_the_rows_beside_it(native, qtype, bits):
     """A row multiplied alone, among a few (a decode step's), or among a prompt's many (several
