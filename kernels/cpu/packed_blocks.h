@@ -942,6 +942,18 @@ static inline __attribute__((always_inline)) void avx2_k_rows8(const int ptype, 
     }
 }
 
+/* A tile row's 8-bit activations of one block (xr) against a block-half's weights w[2k] (values 4k..4k+3)
+   and w[2k + 1] (16 + 4k..): the eight maddubs products, pairs summed in 16 bits. */
+static inline __attribute__((always_inline)) void avx2_tile_products(const __m256i w[8], const int8_t *xr,
+                                                                      __m256i p[8]) {
+    for (int k = 0; k < 4; k++) {
+        int32_t h0, h1;
+        memcpy(&h0, xr + 4 * k, 4);
+        memcpy(&h1, xr + 16 + 4 * k, 4);
+        p[2 * k] = _mm256_maddubs_epi16(w[2 * k], _mm256_set1_epi32(h0));
+        p[2 * k + 1] = _mm256_maddubs_epi16(w[2 * k + 1], _mm256_set1_epi32(h1));
+    }
+}
 /* 8-bit activations, many rows (a prompt's, or many streams'): per sub-block and half, the eight weight
    vectors decoded once for every row of the tile, where avx2_k_rows8 decodes them again each four rows; and
    each row's scaling from the half's scales made once. A row's products summed in 16 bits over as many
@@ -961,15 +973,8 @@ static inline __attribute__((always_inline)) void avx2_k_tile8(const int ptype, 
             for (int k = 0; k < 4; k++) avx2_k_weights(ptype, sub, k, hf, &w[2 * k], &w[2 * k + 1]);
             const Avx2KScales sc = avx2_k_scales8(ptype, head, sub, hf);
             for (int64_t r = 0; r < nr; r++) {
-                const int8_t *xr = x.hi + r * in_dim + b * QK;
                 __m256i p[8];
-                for (int k = 0; k < 4; k++) {
-                    int32_t h0, h1;
-                    memcpy(&h0, xr + 4 * k, 4);
-                    memcpy(&h1, xr + 16 + 4 * k, 4);
-                    p[2 * k] = _mm256_maddubs_epi16(w[2 * k], _mm256_set1_epi32(h0));
-                    p[2 * k + 1] = _mm256_maddubs_epi16(w[2 * k + 1], _mm256_set1_epi32(h1));
-                }
+                avx2_tile_products(w, x.hi + r * in_dim + b * QK, p);
                 __m256i dot;
                 if (ptype == PACKED_Q6K) { /* the first 16 values (even p) and the last 16 (odd) apart */
                     __m256i a0 = _mm256_add_epi16(p[0], p[2]), a1 = _mm256_add_epi16(p[4], p[6]);
@@ -1136,15 +1141,8 @@ static inline __attribute__((always_inline)) void avx2_q4_tile8(const int ptype,
             __m256i w[8];
             for (int k = 0; k < 4; k++) avx2_q4_part(ptype, p4, k, hf, &w[2 * k], &w[2 * k + 1]);
             for (int64_t r = 0; r < nr; r++) {
-                const int8_t *xr = x.hi + r * in_dim + b * QK;
                 __m256i p[8];
-                for (int k = 0; k < 4; k++) {
-                    int32_t h0, h1;
-                    memcpy(&h0, xr + 4 * k, 4);
-                    memcpy(&h1, xr + 16 + 4 * k, 4);
-                    p[2 * k] = _mm256_maddubs_epi16(w[2 * k], _mm256_set1_epi32(h0));
-                    p[2 * k + 1] = _mm256_maddubs_epi16(w[2 * k + 1], _mm256_set1_epi32(h1));
-                }
+                avx2_tile_products(w, x.hi + r * in_dim + b * QK, p);
                 __m256i q0 = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
                 __m256i q1 = _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7]));
                 __asm__("" : "+x"(q0), "+x"(q1)); /* a tree, as the K tile's */

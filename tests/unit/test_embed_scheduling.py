@@ -223,6 +223,18 @@ def test_long_prompts_beside_a_stream_come_in_chunks_that_keep_its_gap(gap):
     assert max(o.num_prefill_tokens for o in outs if not o.num_decodes) == 512
 
 
+def paced_scheduler() -> Scheduler:
+    """A scheduler pacing prompts beside decodes to a 200 ms gap, 512 tokens a step."""
+    config = SchedulerConfig(
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        max_decode_gap=0.2,
+        speculative="off",
+    )
+    return Scheduler(config, num_blocks=1024, max_model_len=4096)
+
+
 def test_on_a_noisy_machine_the_plan_shrinks_by_the_misses_and_the_gap_holds():
     """Each step runs 0.8-1.4x its cost (a busy host): the pacer learns how far its plans miss and
     plans under the gap by that margin, so beside a stream nearly every step keeps the 200 ms gap
@@ -235,14 +247,7 @@ def test_on_a_noisy_machine_the_plan_shrinks_by_the_misses_and_the_gap_holds():
             times[out.step_id] = step_seconds(out) * rng.uniform(0.8, 1.4)
         return times[out.step_id]
 
-    config = SchedulerConfig(
-        block_size=4,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        max_decode_gap=0.2,
-        speculative="off",
-    )
-    sched = Scheduler(config, num_blocks=1024, max_model_len=4096)
+    sched = paced_scheduler()
     stream = Request("s", [5, 6, 7], SamplingOptions(max_tokens=400))
     prompts = [
         Request(f"p{i}", list(range(10 + i, 1510 + i)), SamplingOptions(max_tokens=2))
@@ -266,14 +271,7 @@ def test_chunks_deeper_into_a_prompt_shrink_as_its_tokens_cost_more():
         keys = sum(s.num_new_tokens * (s.start + s.num_new_tokens / 2) for s in rows)
         return 0.05 + 0.001 * out.num_prefill_tokens + 2e-6 * keys
 
-    config = SchedulerConfig(
-        block_size=4,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        max_decode_gap=0.2,
-        speculative="off",
-    )
-    sched = Scheduler(config, num_blocks=1024, max_model_len=4096)
+    sched = paced_scheduler()
     stream = Request("s", [5, 6, 7], SamplingOptions(max_tokens=300))
     long = Request("long", list(range(10, 2010)), SamplingOptions(max_tokens=2))
     outs = run_overlapped(
