@@ -31,6 +31,7 @@ FAMILIES = {
     ),
     # llama.cpp gates Mamba2's output, then norms it by groups: a file says nothing else
     "falcon_h1": dict(RECURRENT["falcon_h1"], mamba_norm_before_gate=False),
+    "lfm2": RECURRENT["lfm2"],
     "olmo3": ATTENTION["olmo3"],
     "minimax_m2": ATTENTION["minimax_m2"],
     # llama.cpp's score scale for these sizes is head_dim's; Gemma 3's 6th layer is global, its
@@ -44,6 +45,7 @@ ARCHS = {
     "granitemoehybrid": "granitehybrid",
     "nemotron_h": "nemotron_h_moe",
     "falcon_h1": "falcon-h1",
+    "lfm2": "lfm2",
     "olmo3": "olmo2",
     "minimax_m2": "minimax-m2",
     "gemma3_text": "gemma3",

@@ -410,3 +410,39 @@ def test_a_plan_may_leave_out_blocks_behind_every_window_and_no_others():
     with pytest.raises(PlanError, match="no block for part of its sequence"):
         validate_plan(p, *args, kv_window=20)
     assert np.all(p.block_tables[1, 1:4] >= 0)
+
+
+@pytest.mark.parametrize("multiplier", [1.0, 1.3])
+def test_a_released_lfm2_config_is_read_as_transformers_sizes_it(multiplier):
+    """LFM2-1.2B's config.json as released (attention layers by full_attn_idxs, block_ff_dim,
+    tie_embedding, a top-level rope_theta): its conv and attention layers, tied head, and the MLP's
+    width as transformers' own model sizes it.
+    """
+    from transformers import Lfm2Config
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    released = dict(
+        model_type="lfm2",
+        vocab_size=65536,
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        block_ff_dim=12288,
+        block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=multiplier,
+        block_multiple_of=256,
+        full_attn_idxs=[2, 5, 8, 10, 12, 14],
+        conv_L_cache=3,
+        norm_eps=1e-5,
+        rope_theta=1000000.0,
+        tie_embedding=True,
+        max_position_embeddings=128000,
+    )
+    config = ModelConfig.from_dict(released)
+    expected = Lfm2MLP(Lfm2Config(**{**released, "hidden_size": 64})).w1.out_features
+    assert config.intermediate_size == expected
+    assert [i for i in range(16) if not config.is_conv(i)] == [2, 5, 8, 10, 12, 14]
+    assert config.tie_word_embeddings and config.short_conv_kernel == 3
+    assert not config.attn_head_gate and not config.sandwich_norms and config.qk_norm
+    assert config.rope_theta == 1000000.0 and config.rms_norm_eps == 1e-5

@@ -45,6 +45,19 @@ RECURRENT = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # LFM2: the short convs beside full attention alone, one RoPE, no gate, no norms after the
+    # blocks; its MLP sized by block_auto_adjust_ff_dim (2/3 of 96, rounded up to 32: 64)
+    "lfm2": dict(
+        num_hidden_layers=5,
+        layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+        conv_L_cache=3,
+        intermediate_size=96,
+        block_multiple_of=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Mamba2 mixers (conv and SSD state) and NoPE attention, every layer's MLP experts beside an
     # ungated shared MLP; embeddings, residual branches, attention scores and logits scaled
     "granitemoehybrid": dict(

@@ -20,6 +20,7 @@ SUPPORTED_MODEL_TYPES = (
     "olmo3",
     "minimax_m2",
     "lfm3",
+    "lfm2",
     "granitemoehybrid",
     "nemotron_h",
     "falcon_h1",
@@ -83,8 +84,7 @@ NOT_SERVED = {
     "bamba": _MAMBA,
     "zamba": _MAMBA,
     "zamba2": _MAMBA,
-    "lfm2": "LFM2's feed-forward sizing (block_auto_adjust_ff_dim) and tensor names",
-    "lfm2_moe": "LFM2's feed-forward sizing (block_auto_adjust_ff_dim) and tensor names",
+    "lfm2_moe": "LFM2-MoE's experts (a sigmoid router with a bias, dense leading layers)",
 }
 
 
@@ -106,8 +106,8 @@ POST_NORM_TYPES = ("olmo3",)
 WHOLE_QK_NORM_TYPES = ("olmo3", "minimax_m2", "olmo_hybrid")
 # MiniMax-M2: experts chosen by sigmoid scores plus a correction bias, weighted by the scores
 SIGMOID_ROUTER_TYPES = ("minimax_m2", "nemotron_h")
-# LFM: gated short-conv blocks beside (sliding and full) attention
-SHORT_CONV_TYPES = ("lfm3",)
+# LFM: gated short-conv blocks beside (sliding and full) attention; LFM2's read as LFM3's fields
+SHORT_CONV_TYPES = ("lfm3", "lfm2")
 # every MLP a mixture of intermediate_size-wide experts, the chosen weights renormalized
 ALL_MOE_TYPES = ("mixtral", "minimax_m2", "granitemoehybrid")
 # Mamba2 mixers (a conv and an SSD state per sequence) beside attention layers
@@ -134,6 +134,8 @@ TEXT_OF_MULTIMODAL = {
 def language_config(cfg: dict) -> dict:
     """The config a multimodal folder's language model has (its text_config), else cfg itself."""
     kind = TEXT_OF_MULTIMODAL.get(cfg.get("model_type"))
+    if cfg.get("model_type") == "lfm2":
+        return lfm2_config(cfg)
     if cfg.get("model_type") in BLOCK_TYPES and "num_hidden_layers" not in cfg:
         # Nemotron-H's count is its list of blocks' (or pattern's) length
         blocks = cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern") or ()
@@ -143,6 +145,35 @@ def language_config(cfg: dict) -> dict:
     text = {**cfg["text_config"], "model_type": kind}
     text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
     return text
+
+
+def lfm2_config(cfg: dict) -> dict:
+    """LFM2's config in LFM3's fields: its attention layers from full_attn_idxs where layer_types is
+    absent, no head gate, no norms after the blocks, one RoPE, and the MLP's width as its
+    block_auto_adjust_ff_dim sizes it (2/3 of block_ff_dim, times the multiplier, rounded up to
+    block_multiple_of), as transformers and llama.cpp size it.
+    """
+    layers = int(cfg.get("num_hidden_layers") or 0)
+    types = cfg.get("layer_types")
+    if not types:
+        full = cfg.get("full_attn_idxs")
+        full = range(layers) if full is None else full
+        types = ["full_attention" if i in full else "conv" for i in range(layers)]
+    width = int(cfg.get("block_ff_dim") or cfg.get("intermediate_size") or 0)
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        if cfg.get("block_ffn_dim_multiplier") is not None:
+            width = int(float(cfg["block_ffn_dim_multiplier"]) * width)
+            multiple = int(cfg.get("block_multiple_of") or 256)
+            width = multiple * ((width + multiple - 1) // multiple)
+    return {
+        **cfg,
+        "layer_types": list(types),
+        "intermediate_size": width,
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True)),
+        "use_attention_gate": False,
+        "use_sandwich_norm": False,
+    }
 
 
 class UnsupportedModel(ValueError):

@@ -152,6 +152,8 @@ class LayerNames:
     expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     qkv: str = "self_attn.qkv_proj"  # q, k and v as one tensor (Phi-3), where the checkpoint has it
     gate_up: str = "mlp.gate_up_proj.weight"  # gate then up as one tensor (Phi-3), where present
+    # attention's output projection and its per-head q and k norms, under self_attn.
+    attention: tuple[str, str, str] = ("o_proj", "q_norm", "k_norm")
     # Gemma's four norms a layer: on the attention output, before and after the MLP
     sandwich: tuple[str, str, str] = (
         "post_attention_layernorm",
@@ -183,6 +185,15 @@ LAYER_NAMES["lfm3"] = LayerNames(
     post_attention="ffn_norm",
     sandwich=("post_operator_norm", "ffn_norm", "post_ffn_norm"),
     final_norm="model.embedding_norm.weight",
+)
+# LFM2: LFM3's names but attention's, and no norms after the blocks
+LAYER_NAMES["lfm2"] = LayerNames(
+    mlp="feed_forward.",
+    dense=("w1", "w3", "w2"),
+    input_norm="operator_norm",
+    post_attention="ffn_norm",
+    final_norm="model.embedding_norm.weight",
+    attention=("out_proj", "q_layernorm", "k_layernorm"),
 )
 DEFAULT_LAYER_NAMES = LayerNames()
 

@@ -130,11 +130,12 @@ def _load_attention(
     if layer.q_norm is not None and c.qk_norm_whole:  # this rank's heads' share
         layer.q_norm.copy_(ck.take(a + "q_norm.weight", q_rows) + c.norm_offset)
         layer.k_norm.copy_(ck.take(a + "k_norm.weight", kv_rows) + c.norm_offset)
-    elif layer.q_norm is not None:
-        layer.q_norm.copy_(ck.norm(a + "q_norm.weight"))
-        layer.k_norm.copy_(ck.norm(a + "k_norm.weight"))
-    if not ck.served(layer.o_proj, a + "o_proj.weight"):
-        layer.o_proj.copy_(ck.take(a + "o_proj.weight", cols=q_rows))
+    out, q_norm, k_norm = (f"{a}{n}" for n in names.attention)
+    if layer.q_norm is not None and not c.qk_norm_whole:
+        layer.q_norm.copy_(ck.norm(q_norm + ".weight"))
+        layer.k_norm.copy_(ck.norm(k_norm + ".weight"))
+    if not ck.served(layer.o_proj, out + ".weight"):
+        layer.o_proj.copy_(ck.take(out + ".weight", cols=q_rows))
     if layer.o_bias is not None:  # added after the sum over ranks: whole on each
         layer.o_bias.copy_(ck.take(a + "o_proj.bias"))
     if layer.sinks is not None:
@@ -223,8 +224,10 @@ def _load_short_conv(model: LlamaModel, ck: CheckpointReader, layer: DecoderLaye
     h, size = model.config.hidden_size, model.shard.size
     c0, c1 = model.shard.rank * h // size, (model.shard.rank + 1) * h // size
     rows = [(part * h + c0, part * h + c1) for part in range(3)]
-    layer.in_proj.copy_(torch.cat([ck.take(a + "in_proj.weight", r) for r in rows]))
-    layer.out_proj.copy_(ck.take(a + "out_proj.weight", cols=(c0, c1)))
+    if not ck.served(layer.in_proj, a + "in_proj.weight"):  # or on the file's blocks
+        layer.in_proj.copy_(torch.cat([ck.take(a + "in_proj.weight", r) for r in rows]))
+    if not ck.served(layer.out_proj, a + "out_proj.weight"):
+        layer.out_proj.copy_(ck.take(a + "out_proj.weight", cols=(c0, c1)))
     conv = layer.short_conv.conv
     conv.copy_(ck.take(a + "conv.weight", (c0, c1)).reshape(conv.shape))
 

@@ -1,6 +1,6 @@
 """GGUFs of these families as llama.cpp's convert_hf_to_gguf.py writes them (`gemma2`, `gemma3`,
 `olmo2` for OLMo 2 and 3, `minimax-m2`, `granitehybrid`, `nemotron_h` / `nemotron_h_moe`,
-`falcon-h1`): each one's config.json from its header, and its tensors under the names every
+`falcon-h1`, `lfm2`): each one's config.json from its header, and its tensors under the names every
 family's checkpoint is read by (worker/weights/checkpoint.py DEFAULT_LAYER_NAMES), the converter's
 changes undone.
 """
@@ -17,6 +17,7 @@ ARCHS = {
     "falcon-h1": "falcon_h1",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    "lfm2": "lfm2",
 }
 GEMMA_ARCHS = ("gemma2", "gemma3")
 # Gemma's four norms a layer (the converter stores each as 1 + w, q/k norms and the final one too)
@@ -68,7 +69,9 @@ NORMS = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-TABLE = {**ATTENTION, **MLP, **EXPERTS, **MAMBA, **NORMS}
+# LFM2's gated short convs (the conv squeezed to [channels, kernel])
+SHORT_CONV = {f"shortconv.{n}.weight": f"conv.{n}.weight" for n in ("in_proj", "conv", "out_proj")}
+TABLE = {**ATTENTION, **MLP, **EXPERTS, **MAMBA, **NORMS, **SHORT_CONV}
 
 
 def layer_name(file, layer: int, suffix: str) -> str | None:
@@ -98,7 +101,7 @@ def undo(name: str, t, arch: str):
 
 
 def _kinds(file) -> list[str]:
-    """Each block's kind, by the tensors it holds: mamba, attention, moe or mlp."""
+    """Each block's kind, by the tensors it holds: mamba, conv, attention, moe or mlp."""
     known = getattr(file, "block_kinds", None)
     if known is not None:
         return known
@@ -112,6 +115,8 @@ def _kinds(file) -> list[str]:
         held = held_by.get(str(i), set())
         if "ssm_in.weight" in held:
             out.append("mamba")
+        elif "shortconv.in_proj.weight" in held:
+            out.append("conv")
         elif "attn_q.weight" in held:
             out.append("attention")
         else:
@@ -192,6 +197,12 @@ def config(file) -> dict:
         cfg.update(_nemotron(file))
     elif a in GEMMA_ARCHS:
         cfg.update(_gemma(file, cfg))
+    elif family == "lfm2":
+        cfg.update(
+            layer_types=["conv" if k == "conv" else "full_attention" for k in _kinds(file)],
+            conv_L_cache=int(f[f"{a}.shortconv.l_cache"]),
+            block_auto_adjust_ff_dim=False,  # the header's width is the MLP's
+        )
     else:
         cfg.update(_falcon(file))
     return cfg

@@ -195,7 +195,6 @@ GGUF_FAMILIES = {
     "mamba2": "mamba2",
     "jamba": "jamba",
     "lfm3": "lfm3",
-    "lfm2": "lfm2",
     "lfm2moe": "lfm2_moe",
     "kimi-linear": "kimi_linear",
 }
@@ -262,6 +261,7 @@ GPT_OSS_TENSORS = {
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
+    "token_embd_norm.weight": "model.norm.weight",  # LFM2's, after the last layer
     "output.weight": "lm_head.weight",
 }
 
