@@ -43,6 +43,14 @@ class PsDelta(ctypes.Structure):
     ]
 
 
+class PsConv(ctypes.Structure):
+    """kernels/cpu/pagedserve.h's PsConv: an LFM short conv's weight and its layer of the state pool
+    (worker/model/short_conv.py ShortConv.native builds one).
+    """
+
+    _fields_ = [("conv", _P), ("conv_states", _P), ("channels", _I32), ("kernel", _I32)]
+
+
 class NativeRecurrent:
     """Recurrent-layer calls of the loaded library, bound by `_bind_recurrent`."""
 

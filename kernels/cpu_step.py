@@ -43,12 +43,13 @@ class PsLayer(ctypes.Structure):
         ("window", _I32),
         ("mamba", _P),  # a PsMamba (kernels/cpu_recurrent.py) where the layer is Mamba2
         ("delta", _P),  # a PsDelta where it is Gated DeltaNet
-        ("attn_gate", _I32),  # Qwen3.5's gate a query value after q, k, v
+        ("attn_gate", _I32),  # gates after q, k, v: 1 a query value's (Qwen3.5), 2 a head's (LFM3)
         ("pad", _I32),
         ("attn_out_norm", _P),  # Gemma's norms of the two blocks' outputs
         ("mlp_out_norm", _P),
         ("cos", _P),  # the layer's own RoPE tables (Gemma 3's sliding layers), or NULL
         ("sin", _P),
+        ("conv", _P),  # a PsConv (kernels/cpu_recurrent.py) where the layer is an LFM short conv
     ]
 
 

@@ -95,6 +95,22 @@ NAMED["gemma3-1b"] = dict(
     },
     tie_word_embeddings=True,
 )
+# LFM2-1.2B (`lfm2`): ten gated short-conv layers (3 taps) and six attention layers, block_ff_dim
+# 12,288 sized to an 8,192-wide MLP, a 65,536-token vocabulary
+NAMED["lfm2-1.2b"] = dict(
+    model_type="lfm2",
+    hidden_size=2048,
+    intermediate_size=12288,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+    conv_L_cache=3,
+    norm_eps=1e-5,
+    max_position_embeddings=128000,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=True,
+)
 SHAPES.update(NAMED)
 # gpt-oss-20b (`gpt_oss`) as its config.json gives it; its experts MXFP4 as it ships them
 GPT_OSS = {

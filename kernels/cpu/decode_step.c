@@ -14,6 +14,8 @@
  * first, a stage of its own) — or, past gemm_rows tokens, a BLAS sgemm on the matrix's plain fp32 copy, called
  * by each thread on its share of the output rows — the norms, RoPE and SiLU are elementwise.c's formulas,
  * attention is the same kernel. Rows of a LoRA adapter get its update after each projection (lora_rows.h).
+ * A hybrid's stateful layer (Mamba2, Gated DeltaNet, an LFM short conv) runs its mixer in attention's place,
+ * in_proj and out_proj where qkv and o_proj are, its state advanced in the sequence's slot of the state pool.
  * No tensor parallelism here (a rank would all-reduce between stages): the worker runs it at TP=1.
  */
 #include <math.h>
@@ -77,8 +79,11 @@ static StepWidths step_widths(const PsModel* m) {
             mix = (int64_t)dl->v_heads * dl->dv;
             conv = 2 * (int64_t)dl->k_heads * dl->dk + mix;
             proj = conv + mix + 2 * (int64_t)dl->v_heads;
+        } else if (ly->conv) {
+            mix = ly->conv->channels;
+            proj = 3 * mix;
         } else if (ly->attn_gate) {
-            proj = q + 2 * (int64_t)m->n_kv_heads * m->head_dim + q;
+            proj = q + 2 * (int64_t)m->n_kv_heads * m->head_dim + (ly->attn_gate == 2 ? m->n_heads : q);
         }
         w.proj = w.proj > proj ? w.proj : proj;
         w.mix = w.mix > mix ? w.mix : mix;
@@ -247,6 +252,32 @@ static void mamba_stages(const PsMamba* mb, const float* proj, int64_t rows, con
     stage_done(PS_MAMBA, prof_t);
 }
 
+/* A short-conv layer's mixer between in_proj (proj, [rows, 3 channels]: B, C, x) and out_proj (out): B x
+   through the depthwise causal conv, each row's state moved on by one in its slot, times C; chunks of channels
+   over the threads. */
+static void short_conv_stage(const PsConv* sc, const float* proj, int64_t rows, const int64_t* slots, float* out,
+                             double* prof_t) {
+    const int64_t ch = sc->channels, K = sc->kernel, chunks = (ch + PS_MAMBA_CONV_CHUNK - 1) / PS_MAMBA_CONV_CHUNK;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < rows * chunks; it++) {
+        const int64_t r = it / chunks, c0 = it % chunks * PS_MAMBA_CONV_CHUNK;
+        const int64_t c1 = c0 + PS_MAMBA_CONV_CHUNK < ch ? c0 + PS_MAMBA_CONV_CHUNK : ch;
+        const float *b = proj + r * 3 * ch, *c = b + ch, *x = c + ch;
+        float* st = sc->conv_states + slots[r] * (K - 1) * ch;
+        for (int64_t i = c0; i < c1; i++) {
+            const float* w = sc->conv + i * K;
+            const float bx = b[i] * x[i];
+            float acc = 0.0f;
+            for (int64_t j = 0; j < K - 1; j++) acc += w[j] * st[j * ch + i];
+            acc += w[K - 1] * bx;
+            for (int64_t j = 0; j + 1 < K - 1; j++) st[j * ch + i] = st[(j + 1) * ch + i];
+            st[(K - 2) * ch + i] = bx;
+            out[r * ch + i] = c[i] * acc;
+        }
+    }
+    stage_done(PS_MAMBA, prof_t);
+}
+
 /* x: [rows, hidden], the tokens' embeddings in, the final-norm hidden states out. positions, slots: int64
  * [rows]; block_tables: int32 [rows, table_stride]; seq_lens: int32 [rows] (this token included). scratch:
  * pagedserve_decode_step_scratch floats. Returns 0, or -1 for a shape the step does not serve. */
@@ -274,9 +305,15 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             const int64_t v_size = (int64_t)dl->v_heads * dl->dv;
             shapes[0][0] = 2 * (int64_t)dl->k_heads * dl->dk + 2 * v_size + 2 * (int64_t)dl->v_heads;
             shapes[1][1] = v_size;
-        } else if (ly->attn_gate) { /* q, k, v, then a gate a query value */
-            if (lora) return -1;
-            shapes[0][0] += qsz;
+        } else if (ly->conv) {
+            const PsConv* sc = ly->conv;
+            if (!sc->conv || !sc->conv_states || sc->kernel < 2 || sc->channels != H || !state_slots || lora)
+                return -1;
+            shapes[0][0] = 3 * H;
+            shapes[1][1] = H;
+        } else if (ly->attn_gate) { /* q, k, v, then a gate a query value or a query head */
+            if (lora || ly->attn_gate > 2) return -1;
+            shapes[0][0] += ly->attn_gate == 2 ? nh : qsz;
         }
         for (int j = 0; j < 4; j++)
             if (!matrix_served(mats[j], shapes[j][0], shapes[j][1])) return -1;
@@ -381,8 +418,10 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 lora_expand(lq, qkv, qkv_w);
                 stage_done(PS_LORA, &prof_t);
             }
-            const int64_t lw = qkv_w + (ly->attn_gate ? qsz : 0); /* this layer's qkv row */
-            if (ly->mamba) {
+            const int64_t lw = qkv_w + (ly->attn_gate == 2 ? nh : ly->attn_gate ? qsz : 0); /* a qkv row */
+            if (ly->conv) {
+                short_conv_stage(ly->conv, qkv, rows, state_slots, mixed, &prof_t);
+            } else if (ly->mamba) {
                 mamba_stages(ly->mamba, qkv, rows, state_slots, conv_out, attn, mixed, &prof_t);
             } else if (ly->delta) {
                 const PsDelta* dl = ly->delta;
@@ -470,19 +509,21 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                         }
                     }
                 }
-                if (ly->attn_gate) { /* each query value times the sigmoid of its gate */
+                if (ly->attn_gate) { /* each query value (or head) times the sigmoid of its gate */
 #pragma omp for schedule(static)
                     for (int64_t it = 0; it < rows * nh; it++) {
                         const int64_t r = it / nh, at = it % nh * hd;
-                        const float* gt = qkv + r * lw + qsz + 2 * kvsz + at;
+                        const float* gt = qkv + r * lw + qsz + 2 * kvsz + (ly->attn_gate == 2 ? it % nh : at);
+                        const int64_t step = ly->attn_gate == 2 ? 0 : 1;
                         float* o = attn + r * qsz + at;
-                        for (int64_t d = 0; d < hd; d++) o[d] *= 1.0f / (1.0f + expf(-gt[d]));
+                        for (int64_t d = 0; d < hd; d++) o[d] *= 1.0f / (1.0f + expf(-gt[d * step]));
                     }
                 }
                 stage_done(PS_ATTENTION, &prof_t);
             }
             la.which = 1;
-            matmul_part(m, &ly->o_proj, ly->mamba || ly->delta ? mixed : attn, rows, delta, px, PS_O_PROJ, &prof_t, lq);
+            matmul_part(m, &ly->o_proj, ly->mamba || ly->delta || ly->conv ? mixed : attn, rows, delta, px, PS_O_PROJ,
+                        &prof_t, lq);
             if (lq) {
                 lora_expand(lq, delta, H);
                 stage_done(PS_LORA, &prof_t);

@@ -116,6 +116,15 @@ typedef struct {
     float eps, beta_scale;
 } PsDelta;
 
+/* An LFM gated short-conv block (worker/model/short_conv.py): in_proj gives each token B, C and x [channels
+   each]; B x through the depthwise causal conv (no bias, no activation), times C. In the fused step in_proj is the
+   layer's qkv matrix and out_proj its o_proj. */
+typedef struct {
+    const float* conv;  /* [channels, kernel] (tap kernel-1 meets the new input) */
+    float* conv_states; /* the state pool's layer: [slots, kernel-1, channels], advanced in place */
+    int32_t channels, kernel;
+} PsConv;
+
 typedef struct {
     PsMatrix qkv, o_proj, gate_up, down;
     const float *input_norm, *post_norm;
@@ -126,11 +135,13 @@ typedef struct {
     int32_t window;               /* > 0: a sliding-window layer, each token sees its last `window` keys */
     const PsMamba* mamba;         /* a Mamba2 layer (qkv is its in_proj, o_proj its out_proj), or NULL */
     const PsDelta* delta;         /* a Gated DeltaNet layer (the same places), or NULL */
-    int32_t attn_gate;            /* qkv ends in a gate a query value: attention's output times its sigmoid */
+    int32_t attn_gate; /* qkv ends in gates, attention's output times their sigmoid: 1 one a query value, 2 one a
+                          query head (LFM3's) */
     int32_t pad;
     /* Gemma's norms of attention's and the MLP's outputs before each residual add, or NULL */
     const float *attn_out_norm, *mlp_out_norm;
     const float *cos, *sin; /* the layer's own RoPE tables (Gemma 3's sliding layers), or NULL: the model's */
+    const PsConv* conv;     /* a short-conv layer (qkv its in_proj, o_proj its out_proj), or NULL */
 } PsLayer;
 
 typedef struct {
@@ -159,7 +170,8 @@ _Static_assert(sizeof(PsSegment) == 24, "PsSegment: pointer, int64 rows, int32 t
 _Static_assert(sizeof(PsMatrix) == 3 * 24 + 24, "PsMatrix: segments, out_dim, in_dim, dense");
 _Static_assert(sizeof(PsMamba) == 8 * sizeof(void*) + 32, "PsMamba's fields");
 _Static_assert(sizeof(PsDelta) == 6 * sizeof(void*) + 32, "PsDelta's fields");
-_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 13 * sizeof(void*) + 16, "PsLayer's fields");
+_Static_assert(sizeof(PsConv) == 2 * sizeof(void*) + 8, "PsConv's fields");
+_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 14 * sizeof(void*) + 16, "PsLayer's fields");
 _Static_assert(sizeof(PsModel) == 104, "PsModel's fields");
 
 /* One LoRA adapter's update of one fused projection (worker/model/lora.py Projection): for each part q,

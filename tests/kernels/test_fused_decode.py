@@ -119,6 +119,17 @@ def _hf_model(kind: str):
         return transformers.Gemma2ForCausalLM(
             transformers.Gemma2Config(**gemma, attn_logit_softcapping=5.0)
         )
+    # LFM2: gated short convs (B x through a 3-tap causal conv, times C) beside attention with q/k
+    # norms; LFM3: sandwich norms, a sliding layer, proportional partial RoPE, a gate a head
+    if kind in ("lfm2", "lfm3"):
+        from tests.support.families import RECURRENT
+
+        shape = dict(RECURRENT[kind], num_hidden_layers=4)
+        shape["layer_types"] = shape["layer_types"][:4]
+        if kind == "lfm3":
+            shape.update(sliding_window=12)
+        config = transformers.AutoConfig.for_model(kind, **{**COMMON, **shape})
+        return transformers.AutoModelForCausalLM.from_config(config)
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
         return transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(
@@ -230,7 +241,7 @@ DECODES = [
     "kind",
     [
         *("llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"),
-        *("granite4-hybrid", "qwen3_5-hybrid", "gemma2", "gemma3"),
+        *("granite4-hybrid", "qwen3_5-hybrid", "gemma2", "gemma3", "lfm2", "lfm3"),
     ],
 )
 def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
@@ -241,6 +252,7 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
         "phi3": (24, 24, 24),
         "gemma2": (12, 0, 12, 0),
         "gemma3": (12, 0, 12, 0),
+        "lfm3": (0, 12, 0, 0),
     }.get(kind, ())
     for seqs in DECODES:
         want, want_pool = _run(model, config, seqs, fused=False)

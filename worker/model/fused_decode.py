@@ -68,6 +68,14 @@ def _step_lora(lora, num_layers: int) -> tuple[PsLora, tuple] | None:
     return PsLora(ctypes.addressof(projs), rows.data_ptr(), len(natives), 0), (projs, rows)
 
 
+def _mixer(layer):
+    """A layer's stateful mixer (Mamba2, Gated DeltaNet, a short conv), or None."""
+    for mixer in (layer.mamba, layer.linear, layer.short_conv):
+        if mixer is not None:
+            return mixer
+    return None
+
+
 def _plain(w) -> bool:
     return (
         isinstance(w, torch.Tensor)
@@ -138,9 +146,7 @@ class FusedDecode:
         self.sgemm = kernels.sgemm if dense else None
         self._pool = None
         self._scratch = torch.empty(0)
-        self.stateful = [
-            i for i, layer in enumerate(model.layers) if layer.mamba or layer.linear is not None
-        ]
+        self.stateful = [i for i, layer in enumerate(model.layers) if _mixer(layer) is not None]
 
     @staticmethod
     def unsupported(model, tp_size: int) -> str | None:
@@ -156,8 +162,6 @@ class FusedDecode:
         if c.moe_layers:
             return "mixture-of-experts layers (the layer path routes their tokens)"
         stateful = [i for i in range(c.num_layers) if c.has_state(i)]
-        if c.attn_head_gate or any(c.is_conv(i) for i in stateful):
-            return "short-conv layers, a gate a head (the layer path)"
         if stateful and (c.parallel_mamba or c.ffn_only_layers or c.mixer_only_layers):
             return "Mamba2 beside attention, or layers of one half alone (the layer path)"
         if c.model_type in GEMMA4_TYPES:
@@ -208,7 +212,7 @@ class FusedDecode:
                 keep.extend(tensors)
             k_cache, v_cache = pool.layer(i)
             # a stateful mixer as the library reads it over its layer of the state pool
-            mixer_of = layer.mamba or layer.linear
+            mixer_of = _mixer(layer)
             state = None if mixer_of is None else mixer_of.native(*pool.states.layer(i))
             if mixer_of is not None and state is None:
                 raise ValueError(f"layer {i}'s state is not fp32 on a CPU")
@@ -229,11 +233,12 @@ class FusedDecode:
                 c.window(i),
                 ctypes.addressof(state) if layer.mamba is not None else None,
                 ctypes.addressof(state) if layer.linear is not None else None,
-                int(c.attn_output_gate and state is None),
+                0 if state is not None else 1 if c.attn_output_gate else 2 * c.attn_head_gate,
                 0,
                 _ptr(layer.attn_out_norm),
                 _ptr(layer.mlp_out_norm),
-                *((local.cos.data_ptr(), local.sin.data_ptr()) if c.window(i) and local else ()),
+                *((_ptr(local.cos), _ptr(local.sin)) if c.window(i) and local else (None, None)),
+                ctypes.addressof(state) if layer.short_conv is not None else None,
             )
             keep.append(state)
         rotary = m.rotary

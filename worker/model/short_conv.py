@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.cpu_recurrent import PsConv
 from kernels.delta_rule import causal_conv, causal_conv_step
 from worker.model.delta_net import StateStep, copy_after, walk_rows
 
@@ -18,6 +19,7 @@ class ShortConv(nn.Module):
         super().__init__()
         self.channels = channels
         self.conv = nn.Parameter(torch.empty(channels, kernel))
+        self._native = None
 
     @property
     def out_width(self) -> int:
@@ -27,6 +29,22 @@ class ShortConv(nn.Module):
     def in_rows(self) -> int:
         """in_proj's rows: B, C, x."""
         return 3 * self.channels
+
+    def native(self, conv_states: torch.Tensor) -> PsConv | None:
+        """This block over its layer of the state pool as the fused step reads it (fp32 on a CPU),
+        or None; made once a pool.
+        """
+        if self._native is not None and self._native[0] == conv_states.data_ptr():
+            return self._native[1]
+        conv = self.conv.detach()
+        if not all(
+            t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+            for t in (conv, conv_states)
+        ):
+            return None
+        desc = PsConv(conv.data_ptr(), conv_states.data_ptr(), self.channels, conv.shape[1])
+        self._native = (conv_states.data_ptr(), desc, (conv, conv_states))
+        return desc
 
     def forward(self, proj: torch.Tensor, step: StateStep, conv_states, ops=None) -> torch.Tensor:
         """proj [tokens, 3 * channels] -> [tokens, channels]; each row's slot advances past its

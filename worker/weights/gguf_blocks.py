@@ -96,6 +96,9 @@ class GGUFQuantSource:
         # Mamba2's (Granite 4, Nemotron-H, Falcon-H1)
         "mamba.in_proj": "ssm_in",
         "mamba.out_proj": "ssm_out",
+        # LFM2's short convs
+        "conv.in_proj": "shortconv.in_proj",
+        "conv.out_proj": "shortconv.out_proj",
         "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
         "mlp.shared_expert.up_proj": "ffn_up_shexp",
         "mlp.shared_expert.down_proj": "ffn_down_shexp",

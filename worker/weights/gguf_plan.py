@@ -40,12 +40,7 @@ def read_quantized(
             plan.update(_delta_net_blocks(c, sh, quant, f"model.layers.{i}.linear_attn."))
         elif layer.qkv is not None:
             plan.update(_attention_blocks(c, sh, quant, a))
-        if layer.mamba is not None:  # its in_proj's rows of this rank's heads and groups
-            rows, _ = mamba_rows(c, sh.rank, layer.mamba.heads, layer.mamba.groups)
-            x = f"model.layers.{i}.mamba."
-            plan["in_proj"] = quant([(x + "in_proj.weight", r) for r in rows])
-            values = rows[0]
-            plan["out_proj"] = quant([(x + "out_proj.weight", None)], cols=values)
+        plan.update(_mixer_blocks(c, sh, quant, layer, f"model.layers.{i}."))
         # experts on their blocks where the file's types are served; a shared expert as a dense MLP
         if layer.moe is not None:
             experts = _expert_blocks(c, sh, quant, m)
@@ -110,6 +105,26 @@ def _expert_blocks(c, sh, quant, m: str):
         if gate_up[-1] is None or down[-1] is None:
             return None
     return ExpertBlocks(gate_up, down)
+
+
+def _mixer_blocks(c, sh, quant, layer, p: str) -> dict:
+    """A Mamba2 mixer's or a short conv's in_proj and out_proj on this rank, as quant reads them."""
+    if layer.mamba is not None:  # its in_proj's rows of this rank's heads and groups
+        rows, _ = mamba_rows(c, sh.rank, layer.mamba.heads, layer.mamba.groups)
+        x = p + "mamba."
+        return {
+            "in_proj": quant([(x + "in_proj.weight", r) for r in rows]),
+            "out_proj": quant([(x + "out_proj.weight", None)], cols=rows[0]),
+        }
+    if layer.short_conv is not None:  # B, C and x rows of this rank's channels
+        h, x = c.hidden_size, p + "conv."
+        ch = (sh.rank * h // sh.size, (sh.rank + 1) * h // sh.size)
+        parts = [(x + "in_proj.weight", (k * h + ch[0], k * h + ch[1])) for k in range(3)]
+        return {
+            "in_proj": quant(parts),
+            "out_proj": quant([(x + "out_proj.weight", None)], cols=ch),
+        }
+    return {}
 
 
 def _delta_net_blocks(c, sh, quant, a: str) -> dict:
