@@ -278,6 +278,52 @@ static void short_conv_stage(const PsConv* sc, const float* proj, int64_t rows, 
     stage_done(PS_MAMBA, prof_t);
 }
 
+/* Whether the step serves every layer's shape: its matrices (of the halves it has), its mixer's state. */
+static int layers_served(const PsModel* m, const PsLora* lora, const int64_t* state_slots) {
+    const int64_t H = m->hidden, I = m->intermediate, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads;
+    const int64_t qsz = nh * hd, kvsz = nkv * hd, qkv_w = qsz + 2 * kvsz;
+    if (lora && m->gelu == 2) return 0; /* an ungated MLP's up: no adapter's gate_up */
+    for (int i = 0; i < m->num_layers; i++) {
+        const PsLayer* ly = &m->layers[i];
+        const PsMamba* mb = ly->mamba;
+        const PsMatrix* mats[4] = {&ly->qkv, &ly->o_proj, &ly->gate_up, &ly->down};
+        int64_t shapes[4][2] = {{qkv_w, H}, {H, qsz}, {(m->gelu == 2 ? 1 : 2) * I, H}, {H, I}};
+        const int mixer = ly->qkv.out_dim > 0, mlp = ly->gate_up.out_dim > 0; /* Nemotron-H: one alone */
+        if (!(mixer || mlp) || (lora && !(mixer && mlp)) || (!mixer && (mb || ly->delta || ly->conv)))
+            return 0;
+        if (mb) { /* in_proj and out_proj where attention's qkv and o_proj are; no adapters on them */
+            if (pagedserve_mamba_checks(mb) || !state_slots || lora) return 0;
+            const int64_t inner = (int64_t)mb->heads * mb->head_dim;
+            shapes[0][0] = 2 * inner + 2 * (int64_t)mb->groups * mb->d_state + mb->heads;
+            shapes[1][1] = inner;
+        } else if (ly->delta) {
+            const PsDelta* dl = ly->delta;
+            if (pagedserve_delta_checks(dl) || !state_slots || lora) return 0;
+            const int64_t v_size = (int64_t)dl->v_heads * dl->dv;
+            shapes[0][0] = 2 * (int64_t)dl->k_heads * dl->dk + 2 * v_size + 2 * (int64_t)dl->v_heads;
+            shapes[1][1] = v_size;
+        } else if (ly->conv) {
+            const PsConv* sc = ly->conv;
+            if (!sc->conv || !sc->conv_states || sc->kernel < 2 || sc->channels != H || !state_slots || lora)
+                return 0;
+            shapes[0][0] = 3 * H;
+            shapes[1][1] = H;
+        } else if (ly->attn_gate) { /* q, k, v, then a gate a query value or a query head */
+            if (lora || ly->attn_gate > 2) return 0;
+            shapes[0][0] += ly->attn_gate == 2 ? nh : qsz;
+        }
+        for (int j = mixer ? 0 : 2; j < (mlp ? 4 : 2); j++)
+            if (!matrix_served(mats[j], shapes[j][0], shapes[j][1])) return 0;
+    }
+    return 1;
+}
+
+/* The output norm of a layer's last half, pending until the next layer (or the final norm) adds it. */
+static inline const float* pending_norm(const PsModel* m, int li) {
+    const PsLayer* ly = &m->layers[li];
+    return ly->gate_up.out_dim > 0 ? ly->mlp_out_norm : ly->attn_out_norm;
+}
+
 /* x: [rows, hidden], the tokens' embeddings in, the final-norm hidden states out. positions, slots: int64
  * [rows]; block_tables: int32 [rows, table_stride]; seq_lens: int32 [rows] (this token included). scratch:
  * pagedserve_decode_step_scratch floats. Returns 0, or -1 for a shape the step does not serve. */
@@ -289,35 +335,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     if (rows < 1 || H % QK || I % QK || qsz % QK || hd % 2 || nkv < 1 || nh % nkv || m->rotary_half < 1
         || 2 * m->rotary_half > hd)
         return -1;
-    for (int i = 0; i < m->num_layers; i++) {
-        const PsLayer* ly = &m->layers[i];
-        const PsMamba* mb = ly->mamba;
-        const PsMatrix* mats[4] = {&ly->qkv, &ly->o_proj, &ly->gate_up, &ly->down};
-        int64_t shapes[4][2] = {{qkv_w, H}, {H, qsz}, {2 * I, H}, {H, I}};
-        if (mb) { /* in_proj and out_proj where attention's qkv and o_proj are; no adapters on them */
-            if (pagedserve_mamba_checks(mb) || !state_slots || lora) return -1;
-            const int64_t inner = (int64_t)mb->heads * mb->head_dim;
-            shapes[0][0] = 2 * inner + 2 * (int64_t)mb->groups * mb->d_state + mb->heads;
-            shapes[1][1] = inner;
-        } else if (ly->delta) {
-            const PsDelta* dl = ly->delta;
-            if (pagedserve_delta_checks(dl) || !state_slots || lora) return -1;
-            const int64_t v_size = (int64_t)dl->v_heads * dl->dv;
-            shapes[0][0] = 2 * (int64_t)dl->k_heads * dl->dk + 2 * v_size + 2 * (int64_t)dl->v_heads;
-            shapes[1][1] = v_size;
-        } else if (ly->conv) {
-            const PsConv* sc = ly->conv;
-            if (!sc->conv || !sc->conv_states || sc->kernel < 2 || sc->channels != H || !state_slots || lora)
-                return -1;
-            shapes[0][0] = 3 * H;
-            shapes[1][1] = H;
-        } else if (ly->attn_gate) { /* q, k, v, then a gate a query value or a query head */
-            if (lora || ly->attn_gate > 2) return -1;
-            shapes[0][0] += ly->attn_gate == 2 ? nh : qsz;
-        }
-        for (int j = 0; j < 4; j++)
-            if (!matrix_served(mats[j], shapes[j][0], shapes[j][1])) return -1;
-    }
+    if (!layers_served(m, lora, state_slots)) return -1;
     const StepWidths widths = step_widths(m);
     LoraRuns lr;
     const int64_t out_dims[4] = {qkv_w, H, 2 * I, H};
@@ -406,132 +424,137 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             const PsLayer* ly = &m->layers[li];
             LoraAt la = {lora, &lr, m->num_layers, li, 0}; /* the LoRA stage's place (NULL: no adapter) */
             const LoraAt* lq = lr.n ? &la : 0;
+            const int has_mixer = ly->qkv.out_dim > 0, has_mlp = ly->gate_up.out_dim > 0;
+            if (has_mixer) {
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++) {
-                if (li) block_out(delta + r * H, H, m->layers[li - 1].mlp_out_norm, m);
-                add_rms_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
-            }
-            stage_done(PS_NORMS, &prof_t);
-            la.which = 0;
-            matmul_part(m, &ly->qkv, h, rows, qkv, px, PS_QKV, &prof_t, lq);
-            if (lq) {
-                lora_expand(lq, qkv, qkv_w);
-                stage_done(PS_LORA, &prof_t);
-            }
-            const int64_t lw = qkv_w + (ly->attn_gate == 2 ? nh : ly->attn_gate ? qsz : 0); /* a qkv row */
-            if (ly->conv) {
-                short_conv_stage(ly->conv, qkv, rows, state_slots, mixed, &prof_t);
-            } else if (ly->mamba) {
-                mamba_stages(ly->mamba, qkv, rows, state_slots, conv_out, attn, mixed, &prof_t);
-            } else if (ly->delta) {
-                const PsDelta* dl = ly->delta;
-                const int64_t v_size = (int64_t)dl->v_heads * dl->dv;
-                const int64_t stride = 2 * (int64_t)dl->k_heads * dl->dk + 2 * v_size + 2 * (int64_t)dl->v_heads;
-                pagedserve_delta_stages(dl, qkv, stride, state_slots, rows, conv_out, attn, mixed);
-                stage_done(PS_MAMBA, &prof_t);
-            } else {
-#pragma omp for schedule(static)
-                for (int64_t it = 0; it < rows * heads; it++) { /* q heads, then k heads (each with its v head) */
-                    const int64_t r = it / heads, hh = it % heads;
-                    float* row = qkv + r * lw;
-                    const int is_k = hh >= nh;
-                    const float* c = ly->rope ? (ly->cos ? ly->cos : m->cos) + positions[r] * half : 0;
-                    const float* s = ly->rope ? (ly->sin ? ly->sin : m->sin) + positions[r] * half : 0;
-                    head_prologue(row + hh * hd, ly->qkv_bias ? ly->qkv_bias + hh * hd : 0, is_k ? ly->k_norm : ly->q_norm,
-                                  c, s, (int)hd, (int)half, m->eps);
-                    if (is_k) {
-                        const int64_t kvh = hh - nh;
-                        float* v = row + qsz + kvsz + kvh * hd;
-                        head_prologue(v, ly->qkv_bias ? ly->qkv_bias + qsz + kvsz + kvh * hd : 0, 0, 0, 0, (int)hd, 0,
-                                      m->eps);
-                        if (slots[r] >= 0) {
-                            const int64_t at = slots[r] * kvsz + kvh * hd;
-                            kv_store(ly->k_cache, at, m->kv_bf16, row + hh * hd, (int)hd);
-                            kv_store(ly->v_cache, at, m->kv_bf16, v, (int)hd);
-                        }
-                    }
+                for (int64_t r = 0; r < rows; r++) {
+                    if (li) block_out(delta + r * H, H, pending_norm(m, li - 1), m);
+                    add_rms_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
                 }
-                stage_done(PS_HEADS, &prof_t);
-                if (att_splits > 1) {
-#pragma omp for schedule(dynamic, 1)
-                    for (int64_t it = 0; it < rows * att_splits * att_split; it++) { /* a range of a row's keys */
-                        const int64_t r = it / (att_splits * att_split), j = it / att_split % att_splits;
-                        const int kh0 = (int)(it % att_split * att_heads);
-                        const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
-                        const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
-                        int32_t from, to;
-                        pagedserve_decode_range(first, seq_lens[r], m->block_size, att_splits, (int32_t)j, &from, &to);
-                        float* acc = att_state + r * row_state + (j * nh + kh0 * (nh / nkv)) * hd;
-                        float* mx = att_state + r * row_state + att_splits * nh * hd + j * nh + kh0 * (nh / nkv);
-                        pagedserve_decode_part(qkv + r * lw, ly->k_cache, ly->v_cache, block_tables + r * table_stride,
-                                               from, to, kh0, kh1, (int)nh, (int)nkv, (int)hd, m->block_size, m->scale,
-                                               m->softcap, m->kv_bf16, acc, mx, mx + att_splits * nh);
-                    }
-#pragma omp for schedule(static)
-                    for (int64_t it = 0; it < rows * nh; it++) { /* the ranges merged, a query head at a time */
-                        const int64_t r = it / nh, hh = it % nh;
-                        const float* st = att_state + r * row_state;
-                        const float* mx = st + att_splits * nh * hd + hh;
-                        pagedserve_decode_merge(st + hh * hd, mx, mx + att_splits * nh, att_splits, nh * hd, nh, (int)hd,
-                                                NULL, attn + r * qsz + hh * hd);
-                    }
-                } else if (runs == rows) {
-#pragma omp for schedule(dynamic, 1)
-                    for (int64_t it = 0; it < rows * att_split; it++) { /* a sequence's KV heads and their query heads */
-                        const int64_t r = it / att_split;
-                        const int kh0 = (int)(it % att_split * att_heads);
-                        const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
-                        const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
-                        pagedserve_decode_item(qkv + r * lw, ly->k_cache, ly->v_cache, attn + r * qsz,
-                                               block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
-                                               (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, NULL, m->kv_bf16);
-                    }
+                stage_done(PS_NORMS, &prof_t);
+                la.which = 0;
+                matmul_part(m, &ly->qkv, h, rows, qkv, px, PS_QKV, &prof_t, lq);
+                if (lq) {
+                    lora_expand(lq, qkv, qkv_w);
+                    stage_done(PS_LORA, &prof_t);
+                }
+                const int64_t lw = qkv_w + (ly->attn_gate == 2 ? nh : ly->attn_gate ? qsz : 0); /* a qkv row */
+                if (ly->conv) {
+                    short_conv_stage(ly->conv, qkv, rows, state_slots, mixed, &prof_t);
+                } else if (ly->mamba) {
+                    mamba_stages(ly->mamba, qkv, rows, state_slots, conv_out, attn, mixed, &prof_t);
+                } else if (ly->delta) {
+                    const PsDelta* dl = ly->delta;
+                    const int64_t v_size = (int64_t)dl->v_heads * dl->dv;
+                    const int64_t stride = 2 * (int64_t)dl->k_heads * dl->dk + 2 * v_size + 2 * (int64_t)dl->v_heads;
+                    pagedserve_delta_stages(dl, qkv, stride, state_slots, rows, conv_out, attn, mixed);
+                    stage_done(PS_MAMBA, &prof_t);
                 } else {
-#pragma omp for schedule(dynamic, 1)
-                    for (int64_t it = 0; it < parts * nkv; it++) { /* a part of a sequence's run of rows, one KV head */
-                        const int64_t u = it / nkv;
-                        const int kh = (int)(it % nkv);
-                        const int64_t r = part_start[u], n = part_len[u];
-                        const int32_t last = seq_lens[r + n - 1];
-                        if (n == 1) {
-                            const int32_t first = ly->window > 0 && last > ly->window ? last - ly->window : 0;
-                            pagedserve_decode_item(qkv + r * lw, ly->k_cache, ly->v_cache, attn + r * qsz,
-                                                   block_tables + r * table_stride, first, last, kh, kh + 1, (int)nh,
-                                                   (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, NULL, m->kv_bf16);
-                        } else if (ly->window <= 0 || last <= ly->window) { /* every row sees every key */
-                            pagedserve_decode_run(qkv + r * lw, lw, ly->k_cache, ly->v_cache, attn + r * qsz, qsz,
-                                                  (int32_t)n, block_tables + r * table_stride, seq_lens[r], kh, (int)nh,
-                                                  (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, m->kv_bf16);
-                        } else {
-                            pagedserve_prefill_rows(qkv, lw, ly->k_cache, ly->v_cache, attn, r, (int32_t)n, last,
-                                                    block_tables + r * table_stride, kh, (int)nh, (int)nkv, (int)hd,
-                                                    m->block_size, m->scale, ly->window, m->softcap, m->kv_bf16);
+#pragma omp for schedule(static)
+                    for (int64_t it = 0; it < rows * heads; it++) { /* q heads, then k heads (each with its v head) */
+                        const int64_t r = it / heads, hh = it % heads;
+                        float* row = qkv + r * lw;
+                        const int is_k = hh >= nh;
+                        const float* c = ly->rope ? (ly->cos ? ly->cos : m->cos) + positions[r] * half : 0;
+                        const float* s = ly->rope ? (ly->sin ? ly->sin : m->sin) + positions[r] * half : 0;
+                        head_prologue(row + hh * hd, ly->qkv_bias ? ly->qkv_bias + hh * hd : 0, is_k ? ly->k_norm : ly->q_norm,
+                                      c, s, (int)hd, (int)half, m->eps);
+                        if (is_k) {
+                            const int64_t kvh = hh - nh;
+                            float* v = row + qsz + kvsz + kvh * hd;
+                            head_prologue(v, ly->qkv_bias ? ly->qkv_bias + qsz + kvsz + kvh * hd : 0, 0, 0, 0, (int)hd, 0,
+                                          m->eps);
+                            if (slots[r] >= 0) {
+                                const int64_t at = slots[r] * kvsz + kvh * hd;
+                                kv_store(ly->k_cache, at, m->kv_bf16, row + hh * hd, (int)hd);
+                                kv_store(ly->v_cache, at, m->kv_bf16, v, (int)hd);
+                            }
                         }
                     }
-                }
-                if (ly->attn_gate) { /* each query value (or head) times the sigmoid of its gate */
+                    stage_done(PS_HEADS, &prof_t);
+                    if (att_splits > 1) {
+#pragma omp for schedule(dynamic, 1)
+                        for (int64_t it = 0; it < rows * att_splits * att_split; it++) { /* a range of a row's keys */
+                            const int64_t r = it / (att_splits * att_split), j = it / att_split % att_splits;
+                            const int kh0 = (int)(it % att_split * att_heads);
+                            const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
+                            const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
+                            int32_t from, to;
+                            pagedserve_decode_range(first, seq_lens[r], m->block_size, att_splits, (int32_t)j, &from, &to);
+                            float* acc = att_state + r * row_state + (j * nh + kh0 * (nh / nkv)) * hd;
+                            float* mx = att_state + r * row_state + att_splits * nh * hd + j * nh + kh0 * (nh / nkv);
+                            pagedserve_decode_part(qkv + r * lw, ly->k_cache, ly->v_cache, block_tables + r * table_stride,
+                                                   from, to, kh0, kh1, (int)nh, (int)nkv, (int)hd, m->block_size, m->scale,
+                                                   m->softcap, m->kv_bf16, acc, mx, mx + att_splits * nh);
+                        }
 #pragma omp for schedule(static)
-                    for (int64_t it = 0; it < rows * nh; it++) {
-                        const int64_t r = it / nh, at = it % nh * hd;
-                        const float* gt = qkv + r * lw + qsz + 2 * kvsz + (ly->attn_gate == 2 ? it % nh : at);
-                        const int64_t step = ly->attn_gate == 2 ? 0 : 1;
-                        float* o = attn + r * qsz + at;
-                        for (int64_t d = 0; d < hd; d++) o[d] *= 1.0f / (1.0f + expf(-gt[d * step]));
+                        for (int64_t it = 0; it < rows * nh; it++) { /* the ranges merged, a query head at a time */
+                            const int64_t r = it / nh, hh = it % nh;
+                            const float* st = att_state + r * row_state;
+                            const float* mx = st + att_splits * nh * hd + hh;
+                            pagedserve_decode_merge(st + hh * hd, mx, mx + att_splits * nh, att_splits, nh * hd, nh, (int)hd,
+                                                    NULL, attn + r * qsz + hh * hd);
+                        }
+                    } else if (runs == rows) {
+#pragma omp for schedule(dynamic, 1)
+                        for (int64_t it = 0; it < rows * att_split; it++) { /* a sequence's KV heads and their query heads */
+                            const int64_t r = it / att_split;
+                            const int kh0 = (int)(it % att_split * att_heads);
+                            const int kh1 = kh0 + att_heads < nkv ? kh0 + att_heads : (int)nkv;
+                            const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
+                            pagedserve_decode_item(qkv + r * lw, ly->k_cache, ly->v_cache, attn + r * qsz,
+                                                   block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
+                                                   (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, NULL, m->kv_bf16);
+                        }
+                    } else {
+#pragma omp for schedule(dynamic, 1)
+                        for (int64_t it = 0; it < parts * nkv; it++) { /* a part of a sequence's run of rows, one KV head */
+                            const int64_t u = it / nkv;
+                            const int kh = (int)(it % nkv);
+                            const int64_t r = part_start[u], n = part_len[u];
+                            const int32_t last = seq_lens[r + n - 1];
+                            if (n == 1) {
+                                const int32_t first = ly->window > 0 && last > ly->window ? last - ly->window : 0;
+                                pagedserve_decode_item(qkv + r * lw, ly->k_cache, ly->v_cache, attn + r * qsz,
+                                                       block_tables + r * table_stride, first, last, kh, kh + 1, (int)nh,
+                                                       (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, NULL, m->kv_bf16);
+                            } else if (ly->window <= 0 || last <= ly->window) { /* every row sees every key */
+                                pagedserve_decode_run(qkv + r * lw, lw, ly->k_cache, ly->v_cache, attn + r * qsz, qsz,
+                                                      (int32_t)n, block_tables + r * table_stride, seq_lens[r], kh, (int)nh,
+                                                      (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, m->kv_bf16);
+                            } else {
+                                pagedserve_prefill_rows(qkv, lw, ly->k_cache, ly->v_cache, attn, r, (int32_t)n, last,
+                                                        block_tables + r * table_stride, kh, (int)nh, (int)nkv, (int)hd,
+                                                        m->block_size, m->scale, ly->window, m->softcap, m->kv_bf16);
+                            }
+                        }
                     }
-                }
-                stage_done(PS_ATTENTION, &prof_t);
-            }
-            la.which = 1;
-            matmul_part(m, &ly->o_proj, ly->mamba || ly->delta || ly->conv ? mixed : attn, rows, delta, px, PS_O_PROJ,
-                        &prof_t, lq);
-            if (lq) {
-                lora_expand(lq, delta, H);
-                stage_done(PS_LORA, &prof_t);
-            }
+                    if (ly->attn_gate) { /* each query value (or head) times the sigmoid of its gate */
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < rows; r++) {
-                block_out(delta + r * H, H, ly->attn_out_norm, m);
-                add_rms_norm_row(residual + r * H, delta + r * H, ly->post_norm, h + r * H, H, m->eps);
+                        for (int64_t it = 0; it < rows * nh; it++) {
+                            const int64_t r = it / nh, at = it % nh * hd;
+                            const float* gt = qkv + r * lw + qsz + 2 * kvsz + (ly->attn_gate == 2 ? it % nh : at);
+                            const int64_t step = ly->attn_gate == 2 ? 0 : 1;
+                            float* o = attn + r * qsz + at;
+                            for (int64_t d = 0; d < hd; d++) o[d] *= 1.0f / (1.0f + expf(-gt[d * step]));
+                        }
+                    }
+                    stage_done(PS_ATTENTION, &prof_t);
+                }
+                la.which = 1;
+                const float* mix_out = ly->mamba || ly->delta || ly->conv ? mixed : attn;
+                matmul_part(m, &ly->o_proj, mix_out, rows, delta, px, PS_O_PROJ, &prof_t, lq);
+                if (lq) {
+                    lora_expand(lq, delta, H);
+                    stage_done(PS_LORA, &prof_t);
+                }
+            }
+            if (!has_mlp) continue; /* its output pending for the next layer's add */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; r++) { /* the residual add (of the mixer's, or the last layer's output) */
+                const int pending = has_mixer || li;
+                if (pending) block_out(delta + r * H, H, has_mixer ? ly->attn_out_norm : pending_norm(m, li - 1), m);
+                add_rms_norm_row(residual + r * H, pending ? delta + r * H : 0, ly->post_norm, h + r * H, H, m->eps);
             }
             stage_done(PS_NORMS, &prof_t);
             la.which = 2;
@@ -540,10 +563,17 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 lora_expand(lq, gu, 2 * I);
                 stage_done(PS_LORA, &prof_t);
             }
+            const int64_t gw = m->gelu == 2 ? I : 2 * I; /* a row of gate_up's output: gate and up, or up */
 #pragma omp for schedule(static)
             for (int64_t it = 0; it < rows * act_chunks; it++) {
                 const int64_t r = it / act_chunks, i0 = it % act_chunks * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
-                act_mul_span(gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, i0, i1, m->gelu);
+                if (m->gelu == 2) /* Nemotron-H's relu² of up alone */
+                    for (int64_t i = i0; i < i1; i++) {
+                        const float u = gu[r * gw + i] > 0.0f ? gu[r * gw + i] : 0.0f;
+                        act[r * I + i] = u * u;
+                    }
+                else
+                    act_mul_span(gu + r * gw, gu + r * gw + I, act + r * I, i0, i1, m->gelu);
             }
             stage_done(PS_SILU, &prof_t);
             la.which = 3;
@@ -555,7 +585,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            block_out(delta + r * H, H, m->layers[m->num_layers - 1].mlp_out_norm, m);
+            block_out(delta + r * H, H, pending_norm(m, m->num_layers - 1), m);
             add_rms_norm_row(residual + r * H, delta + r * H, m->final_norm, x + r * H, H, m->eps);
         }
         stage_done(PS_NORMS, &prof_t);

@@ -130,6 +130,24 @@ def _hf_model(kind: str):
             shape.update(sliding_window=12)
         config = transformers.AutoConfig.for_model(kind, **{**COMMON, **shape})
         return transformers.AutoModelForCausalLM.from_config(config)
+    # Nemotron-H: one block a layer (an MLP first, two mixers in a row, a mixer last): Mamba2,
+    # NoPE attention, relu² MLPs of up alone
+    if kind == "nemotron_h":
+        from tests.support.families import RECURRENT
+
+        mamba = {
+            k: v
+            for k, v in RECURRENT[kind].items()
+            if k.startswith(("mamba", "n_g", "ssm", "conv"))
+        }
+        blocks = ["mlp", "linear_attention", "full_attention", "mlp", "linear_attention"]
+        config = transformers.AutoConfig.for_model(
+            kind,
+            **{**COMMON, "intermediate_size": 64, "num_hidden_layers": 5},
+            **mamba,
+            layers_block_type=blocks,
+        )
+        return transformers.AutoModelForCausalLM.from_config(config)
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
         return transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(
@@ -241,7 +259,7 @@ DECODES = [
     "kind",
     [
         *("llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"),
-        *("granite4-hybrid", "qwen3_5-hybrid", "gemma2", "gemma3", "lfm2", "lfm3"),
+        *("granite4-hybrid", "qwen3_5-hybrid", "gemma2", "gemma3", "lfm2", "lfm3", "nemotron_h"),
     ],
 )
 def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):

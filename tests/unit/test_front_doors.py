@@ -109,6 +109,46 @@ def test_the_cpu_pool_holds_as_many_tokens_at_any_tp():
     assert cpu_default_kv_bytes(1) == 2 * 2**30 and cpu_default_kv_bytes(3) == 2 * 2**30 // 3
 
 
+@pytest.mark.parametrize("available_gib,grown", [(24, True), (4, False)])
+def test_a_128k_model_s_default_cpu_pool_holds_its_full_context_where_memory_allows(
+    monkeypatch, available_gib, grown
+):
+    """LFM2-1.2B's shape (six attention layers of 8 KV heads, 128,000 tokens: 3.1 GB of fp32 K/V)
+    is not refused at the default pool on a machine that holds its context beside the weights;
+    where memory does not, the pool stays 2 GiB (and the scheduler says how to start it).
+    """
+    import torch
+
+    from worker.model.config import ModelConfig
+    from worker.serve import choices, memory_plan
+    from worker.serve.config import WorkerConfig
+
+    shape = dict(
+        model_type="lfm2",
+        vocab_size=65536,
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=12288,
+        full_attn_idxs=[2, 5, 8, 10, 12, 14],
+        max_position_embeddings=128000,
+    )
+    config = ModelConfig.from_dict(shape)
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda: available_gib * 2**30)
+    monkeypatch.setattr(choices, "_DEFAULT_POOL", {})
+    cfg = WorkerConfig(model=f"lfm2-{available_gib}", scheduler="tcp://127.0.0.1:1")
+    one = choices.one_request_bytes(cfg, config, torch.float32)
+    assert one == 128000 // cfg.block_size * cfg.block_size * 6 * 2 * 8 * 64 * 4
+    budget = choices.kv_budget_bytes(cfg, config, torch.float32, weights=2**30)
+    assert budget == (one + 2**30 if grown else 2 * 2**30)
+    # what the start chose is what every later phase reads, whatever memory shows by then
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda: 2**30)
+    assert choices.kv_budget_bytes(cfg, config, torch.float32) == budget
+    capped = WorkerConfig(model="c", scheduler="tcp://127.0.0.1:1", max_model_len=8192)
+    assert choices.kv_budget_bytes(capped, config, torch.float32) == 2 * 2**30
+
+
 class Failed(grpc.RpcError):
     def __init__(self, code, details):
         self._code, self._details = code, details

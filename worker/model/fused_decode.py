@@ -25,7 +25,8 @@ from worker.model.families import GEMMA4_TYPES
 log = structlog.get_logger("worker.model.fused_decode")
 _P, _I32 = ctypes.c_void_p, ctypes.c_int32
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # PsModel.gelu
+# PsModel.gelu: the MLP's activation (relu²: Nemotron-H's ungated up alone)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "relu2": 2}
 LORA_ORDER = ("qkv", "o_proj", "gate_up", "down")  # decode_step.c's order of a layer's projections
 
 
@@ -159,17 +160,18 @@ class FusedDecode:
         q_size = c.num_heads * c.head_dim
         if c.hidden_size % 32 or c.intermediate_size % 32 or q_size % 32 or c.head_dim % 2:
             return "dimensions not multiples of 32"
-        if c.moe_layers:
+        if any(c.moe_layers):
             return "mixture-of-experts layers (the layer path routes their tokens)"
-        stateful = [i for i in range(c.num_layers) if c.has_state(i)]
-        if stateful and (c.parallel_mamba or c.ffn_only_layers or c.mixer_only_layers):
-            return "Mamba2 beside attention, or layers of one half alone (the layer path)"
+        if c.parallel_mamba:
+            return "Mamba2 beside attention in one layer (the layer path)"
+        if len(set(c.layer_widths)) > 1:
+            return "MLPs of different widths (the layer path)"
         if c.model_type in GEMMA4_TYPES:
             return "Gemma 4's per-layer inputs and shared K/V (the layer path)"
         if any(c.post_norms(i) for i in range(c.num_layers)) or c.qk_norm_whole or c.v_norm:
             return "outputs normed without input norms, whole-projection q/k norms (the layer path)"
-        if c.hidden_act not in ACTIVATIONS or not c.gated_mlp:
-            return f"a {c.hidden_act} MLP (the fused step gates by SiLU or GELU-tanh)"
+        if c.hidden_act not in ACTIVATIONS or c.gated_mlp != (c.hidden_act != "relu2"):
+            return f"a {c.hidden_act} MLP (the fused step gates by SiLU or GELU-tanh, or relu²s up)"
         for layer in model.layers:
             for name in layer.matmul_names:
                 if _matrix(layer, name) is None:
@@ -217,11 +219,9 @@ class FusedDecode:
             if mixer_of is not None and state is None:
                 raise ValueError(f"layer {i}'s state is not fp32 on a CPU")
             mixer = ("qkv", "o_proj") if state is None else ("in_proj", "out_proj")
+            # a half the layer lacks (Nemotron-H's MLP or mixer alone) as no rows
             layers[i] = PsLayer(
-                mats[mixer[0]],
-                mats[mixer[1]],
-                mats["gate_up"],
-                mats["down"],
+                *(mats.get(name, PsMatrix()) for name in (*mixer, "gate_up", "down")),
                 _ptr(layer.input_norm),
                 _ptr(layer.post_attn_norm),
                 _ptr(layer.qkv_bias),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import structlog
 
 from protos.base.argtypes import parse_bytes
-from worker.serve.choices import cpu_default_kv_bytes
+from worker.serve.choices import kv_budget_bytes
 from worker.serve.config import Refused, WorkerConfig
 from worker.serve.kv_offload import fingerprint, tier_store
 from worker.serve.startup import Loaded
@@ -81,7 +81,7 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
         if cfg.num_blocks
         else parse_bytes(cfg.kv_cache_memory)
         if cfg.kv_cache_memory
-        else cpu_default_kv_bytes(tp)
+        else kv_budget_bytes(cfg, config, loaded.kv_dtype)
         if device.type == "cpu"
         else None
     )
@@ -129,7 +129,7 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
                 utilization=cfg.gpu_memory_utilization,
             )
         else:
-            num_blocks = (cpu_default_kv_bytes(tp) - lora) // per_block
+            num_blocks = (kv_budget_bytes(cfg, config, loaded.kv_dtype) - lora) // per_block
     except torch.cuda.OutOfMemoryError as e:
         raise Refused(
             "profile_out_of_memory",

@@ -11,11 +11,39 @@ from worker.serve.config import WorkerConfig
 CPU_KV_CACHE_MEMORY = "2GiB"  # the whole pool's on a CPU: its tensor-parallel ranks share it
 
 
-def cpu_default_kv_bytes(tp: int) -> int:
-    """One rank's share of the default pool, so it holds as many tokens at any --tp."""
+# the default CPU pool, chosen once a process (before the weights load, where their bytes are
+# known) and read by every later phase
+_DEFAULT_POOL: dict[tuple, int] = {}
+
+
+def cpu_default_kv_bytes(tp: int, one_request: int = 0, room: int | None = None) -> int:
+    """One rank's share of the default pool: 2 GiB over the ranks, so it holds as many tokens at
+    any --tp; where one request of the full context needs more than half of that (a 128k-token
+    model), that request and half the default beside it, if `room` (memory left for the pool)
+    holds them.
+    """
     from protos.base.argtypes import parse_bytes
 
-    return parse_bytes(CPU_KV_CACHE_MEMORY) // max(tp, 1)
+    base = parse_bytes(CPU_KV_CACHE_MEMORY) // max(tp, 1)
+    if one_request <= base // 2:
+        return base
+    grown = one_request + base // 2
+    return grown if room is not None and grown <= room else base
+
+
+def one_request_bytes(cfg: WorkerConfig, config, kv_dtype) -> int:
+    """One rank's pool bytes for one request of the context the scheduler checks the pool
+    against: --max-model-len, else the model's; a window and a step's tokens where every layer
+    slides.
+    """
+    from worker.model.kv_pool import bytes_per_block
+
+    length = config.max_position_embeddings
+    tokens = min(length, cfg.max_model_len or length)
+    if config.max_window:
+        tokens = min(tokens, config.max_window + cfg.max_num_batched_tokens + 2 * cfg.block_size)
+    per_block = bytes_per_block(config, cfg.block_size, kv_dtype, cfg.tensor_parallel_size)
+    return -(-tokens // cfg.block_size) * per_block
 
 
 log = structlog.get_logger("worker.serve.main")
@@ -75,18 +103,35 @@ def kv_cache_dtype(choice: str, compute, weights, device):
     return chosen
 
 
-def kv_budget_bytes(cfg: WorkerConfig, config, dtype) -> int:
-    """The KV pool a CPU worker will take: --num-blocks,
-    --kv-cache-memory, or the default budget.
+def kv_budget_bytes(cfg: WorkerConfig, config, dtype, weights: int = 0) -> int:
+    """The KV pool a CPU worker will take: --num-blocks, --kv-cache-memory, or the default budget
+    (cpu_default_kv_bytes; weights: the bytes its first reader knows will load beside it).
     """
     from protos.base.argtypes import parse_bytes
     from worker.model.kv_pool import bytes_per_block
+    from worker.serve.memory_plan import MARGIN, available_bytes
 
     if cfg.num_blocks:
         return cfg.num_blocks * bytes_per_block(
             config, cfg.block_size, dtype, cfg.tensor_parallel_size
         )
-    return parse_bytes(cfg.kv_cache_memory) if cfg.kv_cache_memory else cpu_default_kv_bytes(cfg.tp)
+    if cfg.kv_cache_memory:
+        return parse_bytes(cfg.kv_cache_memory)
+    one = one_request_bytes(cfg, config, dtype)
+    key = (cfg.model, cfg.tp, one)
+    if key not in _DEFAULT_POOL:
+        available = available_bytes()
+        room = None if available is None else available - weights - MARGIN
+        chosen = _DEFAULT_POOL[key] = cpu_default_kv_bytes(cfg.tp, one, room)
+        if chosen > cpu_default_kv_bytes(cfg.tp):
+            log.info("kv_pool_grown", bytes=chosen, one_full_context=one, why=GROWN)
+    return _DEFAULT_POOL[key]
+
+
+GROWN = (
+    "the default pool holds one request of the model's full context and half the default "
+    "beside it, as memory allows (--kv-cache-memory or --max-model-len choose otherwise)"
+)
 
 
 def refuse_what_cannot_fit(
@@ -98,7 +143,6 @@ def refuse_what_cannot_fit(
     from worker.model.layer_kinds import parameter_count
     from worker.serve.memory_plan import available_bytes, check_fits
 
-    kv = kv_budget_bytes(cfg, config, kv_dtype)
     if source is not None:
         weights = source.held_bytes(config.tie_word_embeddings) // tp
         what = f"this model ({source.description}, {weights / 1e9:.2f} GB a rank) with its KV pool"
@@ -109,6 +153,7 @@ def refuse_what_cannot_fit(
             f"this model ({params / 1e9:.2f}B parameters a rank, loaded as {dtype}) with its "
             "KV pool"
         )
+    kv = kv_budget_bytes(cfg, config, kv_dtype, weights)
     return check_fits(
         what,
         weights + kv,
