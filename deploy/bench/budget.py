@@ -181,10 +181,11 @@ def row_costs(runner, context: int, rows: list[int], steps: int) -> dict[int, fl
 
 
 def kv_bytes(runner, context: int) -> int:
-    """Bytes of keys and values one sequence of `context` keys reads a token, every layer."""
-    model = runner.model
-    per_key = model.shard.num_kv_heads * model.config.head_dim * runner.pool.k[0].element_size()
-    return 2 * context * per_key * model.config.num_layers
+    """Bytes of keys and values one sequence of `context` keys reads a token, over the layers
+    that hold them (a hybrid's attention layers alone).
+    """
+    pool = runner.pool
+    return context * pool.bytes_per_block // pool.block_size
 
 
 def served_token_s(

@@ -132,9 +132,30 @@ def pad_tokenizer(path: Path, vocab: int) -> None:
     path.write_text(json.dumps(saved))
 
 
+def as_released(path: Path, shape: dict) -> None:
+    """The saved config.json as the released ones write it: Granite 4's layer_types; a dense
+    Nemotron-H's pattern string, without the MoE keys transformers' class adds (the converter
+    takes them for experts).
+    """
+    saved = json.loads(path.read_text())
+    if "layer_types" in shape:
+        saved["layer_types"] = shape["layer_types"]
+    if "hybrid_override_pattern" in shape:
+        routing = ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob")
+        saved = {
+            k: v
+            for k, v in saved.items()
+            if "expert" not in k and "moe" not in k and k not in routing and "mtp" not in k
+        }
+        saved.pop("layers_block_type", None)
+        pattern = shape["hybrid_override_pattern"]
+        saved.update(hybrid_override_pattern=pattern, num_hidden_layers=len(pattern))
+    path.write_text(json.dumps(saved))
+
+
 def named_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Path:
-    """A random Qwen3.5, Granite 4 or Gemma 3 shape named and shaped by transformers' own model,
-    norms and decays as it starts them.
+    """A random Qwen3.5, Granite 4, Gemma 3, LFM2 or Nemotron-H shape named and shaped by
+    transformers' own model, norms and decays as it starts them.
     """
     import torch
     from safetensors.torch import save_file
@@ -147,10 +168,9 @@ def named_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Pa
     shapes = saved_shapes(config, out, tokenizer_from)
     if kind.startswith("gemma"):  # its converter cuts the embedding to the tokenizer's vocabulary
         pad_tokenizer(out / "tokenizer.json", vocab)
-    if "layer_types" in shape:  # as Granite 4's released configs name them (llama.cpp reads these)
-        saved = json.loads((out / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps({**saved, "layer_types": shape["layer_types"]}))
-    shapes.pop("lm_head.weight", None)  # tied to the embedding
+    as_released(out / "config.json", shape)
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)  # tied to the embedding
     g = torch.Generator().manual_seed(0)
     ones = ("linear_attn.norm.weight", "dt_bias", "mamba.D", "mamba.norm.weight")
     # Qwen3.5's and Gemma's norms scale by 1 + w; Granite's by w
@@ -168,7 +188,11 @@ def named_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Pa
     index = {}
     shards: dict[str, list[str]] = {}
     for name in shapes:
-        layer = name.split(".")[2] if name.startswith("model.layers.") else "embed"
+        layer = (
+            name.split(".")[2]
+            if name.startswith(("model.layers.", "backbone.layers."))
+            else "embed"
+        )
         shards.setdefault(layer, []).append(name)
     for layer, names in shards.items():
         file = f"{layer}.safetensors" if layer == "embed" else f"layer{int(layer):03d}.safetensors"
@@ -213,7 +237,11 @@ def gpt_oss_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> 
     index: dict[str, str] = {}
     shards: dict[str, list[str]] = {}
     for name in shapes:
-        layer = name.split(".")[2] if name.startswith("model.layers.") else "embed"
+        layer = (
+            name.split(".")[2]
+            if name.startswith(("model.layers.", "backbone.layers."))
+            else "embed"
+        )
         shards.setdefault(layer, []).append(name)
     for layer, names in shards.items():  # a shard made, written and let go at a time
         file = f"{layer}.safetensors" if layer == "embed" else f"layer{int(layer):03d}.safetensors"

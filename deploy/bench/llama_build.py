@@ -214,6 +214,16 @@ def no_spm(self):  # as the converter does with sentencepiece installed: no file
         raise FileNotFoundError("no tokenizer.model")
     return spm(self)
 base.TextModel._create_vocab_sentencepiece = no_spm
+load = base.ModelBase.load_hparams
+# a dense Nemotron-H's config.json as written: transformers' class adds MoE defaults, which the
+# converter takes for experts
+def as_written(dir_model, is_mistral_format=False):
+    path = dir_model / "config.json"
+    if not is_mistral_format and path.is_file() and "hybrid_override_pattern" in path.read_text():
+        import json
+        return json.loads(path.read_text())
+    return load(dir_model, is_mistral_format)
+base.ModelBase.load_hparams = staticmethod(as_written)
 if sys.argv[2] == "any":
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
     only_spm = base.TextModel._set_vocab_sentencepiece

@@ -111,6 +111,24 @@ NAMED["lfm2-1.2b"] = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     tie_word_embeddings=True,
 )
+# Nemotron-H-4B (`nemotron_h`): 52 blocks, each Mamba2 (112 heads of 64, 8 groups, a 128-wide
+# state), an ungated relu² MLP, or (four) attention; its pattern as the released config writes it
+NAMED["nemotron-h-4b"] = dict(
+    model_type="nemotron_h",
+    hidden_size=3072,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    mamba_num_heads=112,
+    mamba_head_dim=64,
+    ssm_state_size=128,
+    n_groups=8,
+    conv_kernel=4,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+)
 SHAPES.update(NAMED)
 # gpt-oss-20b (`gpt_oss`) as its config.json gives it; its experts MXFP4 as it ships them
 GPT_OSS = {

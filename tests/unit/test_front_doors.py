@@ -202,3 +202,37 @@ def test_a_keyed_fleet_behind_the_gateway_is_refused_in_one_line(
         structlog.configure(**config)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("pagedserve deploy: error: --api-key with --gateway")
+
+
+def test_a_header_context_the_default_pool_cannot_hold_is_served_shorter_on_a_cpu():
+    """A Nemotron-H GGUF says 1,048,576 tokens (llama.cpp's converter writes 2^20 for Mamba2
+    hybrids): at every default the worker serves what its pool holds, said in the log; a context
+    or a pool the user chose is kept, and the scheduler refuses what cannot be met.
+    """
+    import torch
+
+    from worker.model.config import ModelConfig
+    from worker.serve.assembly import served_context
+    from worker.serve.config import WorkerConfig
+
+    config = ModelConfig.from_dict(
+        dict(
+            model_type="llama",
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=2**20,
+        )
+    )
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    cfg = WorkerConfig(model="m", scheduler="tcp://127.0.0.1:1")
+    with capture_logs() as logs:
+        assert served_context(cfg, config, cpu, 4096) == 4096 * cfg.block_size
+    assert logs[0]["event"] == "context_capped" and logs[0]["model_context"] == 2**20
+    assert served_context(cfg, config, cpu, 2**17) == 2**20  # the pool holds it all
+    assert served_context(cfg, config, cuda, 4096) == 2**20
+    for chosen in (dict(max_model_len=2**20), dict(kv_cache_memory="1GiB"), dict(num_blocks=9)):
+        explicit = WorkerConfig(model="m", scheduler="tcp://127.0.0.1:1", **chosen)
+        assert served_context(explicit, config, cpu, 4096) == 2**20

@@ -30,6 +30,7 @@ class PoolPlan:
     # a hybrid's recurrent-state slots (one per running sequence) and their bytes each; 0 for others
     state_slots: int = 0
     bytes_per_state_slot: int = 0
+    max_context: int = 0  # the longest request this rank serves (0: the model's)
 
 
 def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
@@ -168,7 +169,29 @@ def size_pool(cfg: WorkerConfig, loaded: Loaded, device, tp: int) -> PoolPlan:
         graph_context,
         state_slots,
         per_slot,
+        served_context(cfg, config, device, num_blocks),
     )
+
+
+def served_context(cfg: WorkerConfig, config, device, num_blocks: int) -> int:
+    """The model's context, or, on a CPU at every default (no --max-model-len, --kv-cache-memory
+    or --num-blocks) where the default pool cannot grow to it, what the pool holds: served
+    shorter, said in the log, rather than refused (a file's header may give a context no one
+    trained: llama.cpp writes 2^20 for Mamba2 hybrids).
+    """
+    length = config.max_position_embeddings
+    held = num_blocks * cfg.block_size
+    explicit = cfg.max_model_len or cfg.kv_cache_memory or cfg.num_blocks
+    if device.type != "cpu" or explicit or config.max_window or held >= length:
+        return length
+    log.info(
+        "context_capped",
+        max_context=held,
+        model_context=length,
+        why="the default pool holds no more beside the weights; --max-model-len or "
+        "--kv-cache-memory choose otherwise",
+    )
+    return held
 
 
 def hybrid_slots(
@@ -294,7 +317,7 @@ def handshake_for(cfg: WorkerConfig, loaded: Loaded, plan: PoolPlan, device, tp:
         kv_window=config.max_window,
         model_fingerprint=fingerprint(cfg, loaded),
         vocab_size=config.vocab_size,
-        max_context=config.max_position_embeddings,
+        max_context=plan.max_context or config.max_position_embeddings,
         bytes_per_block=plan.bytes_per_block,
         state_slots=plan.state_slots,
         bytes_per_state_slot=plan.bytes_per_state_slot,
