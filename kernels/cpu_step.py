@@ -50,6 +50,7 @@ class PsLayer(ctypes.Structure):
         ("cos", _P),  # the layer's own RoPE tables (Gemma 3's sliding layers), or NULL
         ("sin", _P),
         ("conv", _P),  # a PsConv (kernels/cpu_recurrent.py) where the layer is an LFM short conv
+        ("beside", _P),  # a PsLayer of Falcon-H1's Mamba2 beside attention, or NULL
     ]
 
 

@@ -66,8 +66,9 @@ typedef struct {
 static StepWidths step_widths(const PsModel* m) {
     const int64_t h = m->hidden, q = (int64_t)m->n_heads * m->head_dim, i = m->intermediate;
     StepWidths w = {q + 2 * (int64_t)m->n_kv_heads * m->head_dim, q, 0, h > q ? (h > i ? h : i) : (q > i ? q : i)};
-    for (int li = 0; li < m->num_layers; li++) {
-        const PsLayer* ly = &m->layers[li];
+    for (int li = 0; li < 2 * m->num_layers; li++) { /* each layer, then each one's mixer beside */
+        const PsLayer* ly = li < m->num_layers ? &m->layers[li] : m->layers[li - m->num_layers].beside;
+        if (!ly) continue;
         const PsMamba* mb = ly->mamba;
         const PsDelta* dl = ly->delta;
         int64_t proj = w.proj, mix = 0, conv = 0;
@@ -108,7 +109,7 @@ int pagedserve_struct_sizes(int64_t* out) {
    rounded for packed weights (64-byte aligned) */
 int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
     const StepWidths w = step_widths(m);
-    return rows * (3 * (int64_t)m->hidden + w.proj + 2 * w.mix + w.conv + 3 * (int64_t)m->intermediate)
+    return rows * (4 * (int64_t)m->hidden + w.proj + 2 * w.mix + w.conv + 3 * (int64_t)m->intermediate)
            + (packed_x_bytes(rows, packed_x_pitch(w.max_in)) + 128) / (int64_t)sizeof(float);
 }
 
@@ -278,6 +279,18 @@ static void short_conv_stage(const PsConv* sc, const float* proj, int64_t rows, 
     stage_done(PS_MAMBA, prof_t);
 }
 
+/* Falcon-H1's Mamba2 beside an attention layer: the mixer alone, its in_proj and out_proj served. */
+static int beside_served(const PsModel* m, const PsLayer* ly, const PsLora* lora, const int64_t* state_slots) {
+    const PsLayer* bs = ly->beside;
+    const PsMamba* mb = bs->mamba;
+    if (!mb || bs->beside || bs->gate_up.out_dim || ly->mamba || ly->delta || ly->conv || lora || !state_slots
+        || pagedserve_mamba_checks(mb))
+        return 0;
+    const int64_t inner = (int64_t)mb->heads * mb->head_dim;
+    return matrix_served(&bs->qkv, 2 * inner + 2 * (int64_t)mb->groups * mb->d_state + mb->heads, m->hidden)
+           && matrix_served(&bs->o_proj, m->hidden, inner);
+}
+
 /* Whether the step serves every layer's shape: its matrices (of the halves it has), its mixer's state. */
 static int layers_served(const PsModel* m, const PsLora* lora, const int64_t* state_slots) {
     const int64_t H = m->hidden, I = m->intermediate, hd = m->head_dim, nh = m->n_heads, nkv = m->n_kv_heads;
@@ -314,6 +327,7 @@ static int layers_served(const PsModel* m, const PsLora* lora, const int64_t* st
         }
         for (int j = mixer ? 0 : 2; j < (mlp ? 4 : 2); j++)
             if (!matrix_served(mats[j], shapes[j][0], shapes[j][1])) return 0;
+        if (ly->beside && !beside_served(m, ly, lora, state_slots)) return 0;
     }
     return 1;
 }
@@ -346,7 +360,8 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     float* residual = scratch;
     float* h = residual + rows * H;
     float* delta = h + rows * H;
-    float* qkv = delta + rows * H; /* attention's q, k, v, or a Mamba2 layer's in_proj output */
+    float* beside = delta + rows * H; /* Falcon-H1's Mamba2 output, to add to attention's */
+    float* qkv = beside + rows * H; /* attention's q, k, v, or a Mamba2 layer's in_proj output */
     float* attn = qkv + rows * widths.proj; /* attention's output, or the Mamba2 state-space step's */
     float* mixed = attn + rows * widths.mix; /* a Mamba2 layer's gated norm (out_proj's input) */
     float* conv_out = mixed + rows * widths.mix;
@@ -547,6 +562,15 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 if (lq) {
                     lora_expand(lq, delta, H);
                     stage_done(PS_LORA, &prof_t);
+                }
+                if (ly->beside) { /* Falcon-H1: Mamba2 on the same input, the two outputs summed */
+                    const PsLayer* bs = ly->beside;
+                    matmul_part(m, &bs->qkv, h, rows, qkv, px, PS_QKV, &prof_t, 0);
+                    mamba_stages(bs->mamba, qkv, rows, state_slots, conv_out, attn, mixed, &prof_t);
+                    matmul_part(m, &bs->o_proj, mixed, rows, beside, px, PS_O_PROJ, &prof_t, 0);
+#pragma omp for schedule(static)
+                    for (int64_t i = 0; i < rows * H; i++) delta[i] += beside[i];
+                    stage_done(PS_MAMBA, &prof_t);
                 }
             }
             if (!has_mlp) continue; /* its output pending for the next layer's add */

@@ -125,7 +125,7 @@ typedef struct {
     int32_t channels, kernel;
 } PsConv;
 
-typedef struct {
+typedef struct PsLayer {
     PsMatrix qkv, o_proj, gate_up, down;
     const float *input_norm, *post_norm;
     const float* qkv_bias;        /* [q + 2 kv] or NULL */
@@ -142,6 +142,9 @@ typedef struct {
     const float *attn_out_norm, *mlp_out_norm;
     const float *cos, *sin; /* the layer's own RoPE tables (Gemma 3's sliding layers), or NULL: the model's */
     const PsConv* conv;     /* a short-conv layer (qkv its in_proj, o_proj its out_proj), or NULL */
+    /* Falcon-H1's Mamba2 beside attention: a layer of the mixer alone (its in_proj and out_proj, its
+       PsMamba) on the same normed input, its output added to attention's; or NULL */
+    const struct PsLayer* beside;
 } PsLayer;
 
 typedef struct {
@@ -171,7 +174,7 @@ _Static_assert(sizeof(PsMatrix) == 3 * 24 + 24, "PsMatrix: segments, out_dim, in
 _Static_assert(sizeof(PsMamba) == 8 * sizeof(void*) + 32, "PsMamba's fields");
 _Static_assert(sizeof(PsDelta) == 6 * sizeof(void*) + 32, "PsDelta's fields");
 _Static_assert(sizeof(PsConv) == 2 * sizeof(void*) + 8, "PsConv's fields");
-_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 14 * sizeof(void*) + 16, "PsLayer's fields");
+_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 15 * sizeof(void*) + 16, "PsLayer's fields");
 _Static_assert(sizeof(PsModel) == 104, "PsModel's fields");
 
 /* One LoRA adapter's update of one fused projection (worker/model/lora.py Projection): for each part q,

@@ -148,6 +148,12 @@ def _hf_model(kind: str):
             layers_block_type=blocks,
         )
         return transformers.AutoModelForCausalLM.from_config(config)
+    # Falcon-H1: Mamba2 beside attention in every layer, their outputs summed; µP multipliers
+    if kind == "falcon_h1":
+        from tests.support.families import RECURRENT
+
+        config = transformers.AutoConfig.for_model(kind, **{**COMMON, **RECURRENT[kind]})
+        return transformers.AutoModelForCausalLM.from_config(config)
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
         return transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(
@@ -259,7 +265,8 @@ DECODES = [
     "kind",
     [
         *("llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"),
-        *("granite4-hybrid", "qwen3_5-hybrid", "gemma2", "gemma3", "lfm2", "lfm3", "nemotron_h"),
+        *("granite4-hybrid", "qwen3_5-hybrid", "gemma2", "gemma3", "lfm2", "lfm3"),
+        *("nemotron_h", "falcon_h1"),
     ],
 )
 def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):

@@ -162,8 +162,6 @@ class FusedDecode:
             return "dimensions not multiples of 32"
         if any(c.moe_layers):
             return "mixture-of-experts layers (the layer path routes their tokens)"
-        if c.parallel_mamba:
-            return "Mamba2 beside attention in one layer (the layer path)"
         if len(set(c.layer_widths)) > 1:
             return "MLPs of different widths (the layer path)"
         if c.model_type in GEMMA4_TYPES:
@@ -207,40 +205,7 @@ class FusedDecode:
         keep, layers = [], (PsLayer * c.num_layers)()
         local = m.local_rotary  # Gemma 3's sliding layers' own tables
         for i, layer in enumerate(m.layers):
-            mats = {}
-            for name in layer.matmul_names:
-                desc, tensors = _matrix(layer, name)
-                mats[name] = desc
-                keep.extend(tensors)
-            k_cache, v_cache = pool.layer(i)
-            # a stateful mixer as the library reads it over its layer of the state pool
-            mixer_of = _mixer(layer)
-            state = None if mixer_of is None else mixer_of.native(*pool.states.layer(i))
-            if mixer_of is not None and state is None:
-                raise ValueError(f"layer {i}'s state is not fp32 on a CPU")
-            mixer = ("qkv", "o_proj") if state is None else ("in_proj", "out_proj")
-            # a half the layer lacks (Nemotron-H's MLP or mixer alone) as no rows
-            layers[i] = PsLayer(
-                *(mats.get(name, PsMatrix()) for name in (*mixer, "gate_up", "down")),
-                _ptr(layer.input_norm),
-                _ptr(layer.post_attn_norm),
-                _ptr(layer.qkv_bias),
-                _ptr(layer.q_norm),
-                _ptr(layer.k_norm),
-                _ptr(k_cache),
-                _ptr(v_cache),
-                int(c.uses_rope(i)),
-                c.window(i),
-                ctypes.addressof(state) if layer.mamba is not None else None,
-                ctypes.addressof(state) if layer.linear is not None else None,
-                0 if state is not None else 1 if c.attn_output_gate else 2 * c.attn_head_gate,
-                0,
-                _ptr(layer.attn_out_norm),
-                _ptr(layer.mlp_out_norm),
-                *((_ptr(local.cos), _ptr(local.sin)) if c.window(i) and local else (None, None)),
-                ctypes.addressof(state) if layer.short_conv is not None else None,
-            )
-            keep.append(state)
+            layers[i] = self._layer(i, layer, pool, local, keep)
         rotary = m.rotary
         self._desc = PsModel(
             c.num_layers,
@@ -267,6 +232,51 @@ class FusedDecode:
         )
         self._keep = (keep, layers, rotary, local)
         self._pool = pool
+
+    def _layer(self, i: int, layer, pool, local, keep: list) -> PsLayer:
+        """Layer i as the native step reads it; keep: what its pointers point into."""
+        c = self.model.config
+        mats = {}
+        for name in layer.matmul_names:
+            desc, tensors = _matrix(layer, name)
+            mats[name] = desc
+            keep.extend(tensors)
+        k_cache, v_cache = pool.layer(i)
+        # a stateful mixer as the library reads it over its layer of the state pool
+        mixer_of = _mixer(layer)
+        state = None if mixer_of is None else mixer_of.native(*pool.states.layer(i))
+        if mixer_of is not None and state is None:
+            raise ValueError(f"layer {i}'s state is not fp32 on a CPU")
+        keep.append(state)
+        beside = None
+        if c.parallel_mamba:  # Falcon-H1: attention here, its Mamba2 a layer of its own beside
+            beside = PsLayer(qkv=mats["in_proj"], o_proj=mats["out_proj"])
+            beside.mamba = ctypes.addressof(state)
+            keep.append(beside)
+        mixer = ("qkv", "o_proj") if state is None or beside else ("in_proj", "out_proj")
+        alone = state is not None and beside is None  # the stateful mixer in attention's place
+        # a half the layer lacks (Nemotron-H's MLP or mixer alone) as no rows
+        return PsLayer(
+            *(mats.get(name, PsMatrix()) for name in (*mixer, "gate_up", "down")),
+            _ptr(layer.input_norm),
+            _ptr(layer.post_attn_norm),
+            _ptr(layer.qkv_bias),
+            _ptr(layer.q_norm),
+            _ptr(layer.k_norm),
+            _ptr(k_cache),
+            _ptr(v_cache),
+            int(c.uses_rope(i)),
+            c.window(i),
+            ctypes.addressof(state) if alone and layer.mamba is not None else None,
+            ctypes.addressof(state) if layer.linear is not None else None,
+            0 if alone else 1 if c.attn_output_gate else 2 * c.attn_head_gate,
+            0,
+            _ptr(layer.attn_out_norm),
+            _ptr(layer.mlp_out_norm),
+            *((_ptr(local.cos), _ptr(local.sin)) if c.window(i) and local else (None, None)),
+            ctypes.addressof(state) if layer.short_conv is not None else None,
+            None if beside is None else ctypes.addressof(beside),
+        )
 
     def forward(self, x: torch.Tensor, step, pool) -> torch.Tensor:
         """x: the step's embeddings [rows, hidden] (overwritten) -> the final-norm hidden states."""
