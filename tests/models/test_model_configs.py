@@ -421,24 +421,9 @@ def test_a_released_lfm2_config_is_read_as_transformers_sizes_it(multiplier):
     from transformers import Lfm2Config
     from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
 
-    released = dict(
-        model_type="lfm2",
-        vocab_size=65536,
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        block_ff_dim=12288,
-        block_auto_adjust_ff_dim=True,
-        block_ffn_dim_multiplier=multiplier,
-        block_multiple_of=256,
-        full_attn_idxs=[2, 5, 8, 10, 12, 14],
-        conv_L_cache=3,
-        norm_eps=1e-5,
-        rope_theta=1000000.0,
-        tie_embedding=True,
-        max_position_embeddings=128000,
-    )
+    from tests.support.families import LFM2_1B
+
+    released = dict(LFM2_1B, block_ffn_dim_multiplier=multiplier)
     config = ModelConfig.from_dict(released)
     expected = Lfm2MLP(Lfm2Config(**{**released, "hidden_size": 64})).w1.out_features
     assert config.intermediate_size == expected

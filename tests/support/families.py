@@ -180,3 +180,24 @@ ATTENTION = {
         final_logit_softcapping=30.0,
     ),
 }
+
+# LFM2-1.2B's config.json as released: attention layers by full_attn_idxs, block_ff_dim sized by
+# block_auto_adjust_ff_dim, tie_embedding, a top-level rope_theta, 128,000 tokens of context
+LFM2_1B = dict(
+    model_type="lfm2",
+    vocab_size=65536,
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    block_ff_dim=12288,
+    block_auto_adjust_ff_dim=True,
+    block_ffn_dim_multiplier=1.0,
+    block_multiple_of=256,
+    full_attn_idxs=[2, 5, 8, 10, 12, 14],
+    conv_L_cache=3,
+    norm_eps=1e-5,
+    rope_theta=1000000.0,
+    tie_embedding=True,
+    max_position_embeddings=128000,
+)

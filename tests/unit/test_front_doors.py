@@ -119,21 +119,12 @@ def test_a_128k_model_s_default_cpu_pool_holds_its_full_context_where_memory_all
     """
     import torch
 
+    from tests.support.families import LFM2_1B
     from worker.model.config import ModelConfig
     from worker.serve import choices, memory_plan
     from worker.serve.config import WorkerConfig
 
-    shape = dict(
-        model_type="lfm2",
-        vocab_size=65536,
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=12288,
-        full_attn_idxs=[2, 5, 8, 10, 12, 14],
-        max_position_embeddings=128000,
-    )
+    shape = LFM2_1B
     config = ModelConfig.from_dict(shape)
     monkeypatch.setattr(memory_plan, "available_bytes", lambda: available_gib * 2**30)
     monkeypatch.setattr(choices, "_DEFAULT_POOL", {})
