@@ -284,12 +284,15 @@ def test_a_pool_too_small_for_one_full_context_request_is_refused(tmp_path, tiny
     assert "error: worker refused: replica 0 rank 0: the KV pool" in str(err.value)
 
 
-@pytest.mark.parametrize("drain,finishes", [(60, True), (6, False)])
+@pytest.mark.parametrize("drain,finishes", [(60, True), (15, False)])
 def test_sigterm_drains_running_requests_then_every_process_exits(
     server_factory, tiny_model_dir, drain, finishes
 ):
+    # the workers are held longer than the default heartbeat deadline: only the drain may end it
     server = server_factory(
-        tiny_model_dir, "--block-size", "4", "--num-blocks", "128", "--drain-timeout", str(drain)
+        tiny_model_dir,
+        *("--block-size", "4", "--num-blocks", "128", "--drain-timeout", str(drain)),
+        *("--heartbeat-timeout", "60"),
     )
     workers = children_of(server.proc.pid)
     reference = list(
@@ -299,10 +302,10 @@ def test_sigterm_drains_running_requests_then_every_process_exits(
     assert streams.started.wait(30)
     # The workers are held still while the server is told to stop, so the stream is still running
     # when the drain begins however fast the machine (the answer asked before drafts most of it);
-    # held for far less than the heartbeat deadline, and where the stream cannot finish, through the
-    # drain: the drain, not a lost worker, ends it. The drain that cannot finish still lasts long
-    # enough (6 s, under the 10 s heartbeat deadline) for the refusal below to reach a port that is
-    # still open on a loaded machine (3 s was not always).
+    # where the stream cannot finish, through the drain: the drain, not a lost worker, ends it
+    # (the heartbeat deadline is set past it). The drain that cannot finish still lasts long enough
+    # (15 s) for the refusal below to reach a port that is still open on a loaded machine (6 s
+    # was not always: a health check there can itself take seconds).
     held = list(workers)
     for pid in held:
         os.kill(int(pid), signal.SIGSTOP)

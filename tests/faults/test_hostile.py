@@ -3,6 +3,8 @@ absurd temperatures and long stop strings get clear errors (or sane behaviour) w
 is served.
 """
 
+import os
+import signal
 import threading
 import time
 
@@ -12,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import generation_pb2
 from tests.support.server import ServerProcess, greedy_request
+from tests.support.serving import children_of
 
 pytestmark = pytest.mark.slow
 
@@ -120,12 +123,22 @@ def test_request_ids_are_not_exposed_and_logged_truncated(plain):
     t = threading.Thread(target=consume)
     t.start()
     assert first.wait(30)
-    rows = plain.stats().requests
-    assert len(rows) == 1 and rows[0].request_id == "" and rows[0].num_blocks > 0
-    assert plain.stub.Abort(
-        generation_pb2.AbortRequest(request_id=rid), timeout=10
-    ).aborted  # the owner can
+    # the workers held still, so the request is still running when it is aborted, however fast
+    # the stream and however slow this process (it once finished first on a loaded machine)
+    held = children_of(plain.proc.pid)
+    for pid in held:
+        os.kill(int(pid), signal.SIGSTOP)
+    try:
+        rows = plain.stats().requests
+        assert len(rows) == 1 and rows[0].request_id == "" and rows[0].num_blocks > 0
+        assert plain.stub.Abort(
+            generation_pb2.AbortRequest(request_id=rid), timeout=10
+        ).aborted  # the owner can
+    finally:
+        for pid in held:
+            os.kill(int(pid), signal.SIGCONT)
     t.join(30)
+    assert not t.is_alive()
     log = plain.log_path.read_text()
     assert rid[:64] in log and rid not in log
 
