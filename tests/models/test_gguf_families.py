@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.families import ATTENTION, RECURRENT
 from tests.support.serving import assert_all_blocks_back, submit_all
-from tests.support.tiny import hf_greedy, make_tiny_llama
+from tests.support.tiny import hf_greedy, make_tiny_llama, randomize_buffers
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +32,8 @@ FAMILIES = {
     # llama.cpp gates Mamba2's output, then norms it by groups: a file says nothing else
     "falcon_h1": dict(RECURRENT["falcon_h1"], mamba_norm_before_gate=False),
     "lfm2": RECURRENT["lfm2"],
+    # tied, and the experts' weights unscaled: the converter writes no other (as released)
+    "lfm2_moe": dict(RECURRENT["lfm2_moe"], tie_word_embeddings=True, routed_scaling_factor=1.0),
     "olmo3": ATTENTION["olmo3"],
     "minimax_m2": ATTENTION["minimax_m2"],
     # llama.cpp's score scale for these sizes is head_dim's; Gemma 3's 6th layer is global, its
@@ -46,6 +48,7 @@ ARCHS = {
     "nemotron_h": "nemotron_h_moe",
     "falcon_h1": "falcon-h1",
     "lfm2": "lfm2",
+    "lfm2_moe": "lfm2moe",
     "olmo3": "olmo2",
     "minimax_m2": "minimax-m2",
     "gemma3_text": "gemma3",
@@ -62,6 +65,7 @@ def files(request, tmp_path_factory):
     name = request.param
     root = tmp_path_factory.mktemp(name)
     folder = make_tiny_llama(root / "hf", seed=7, family=name, **FAMILIES[name])
+    randomize_buffers(folder, ("e_score_correction_bias", "expert_bias"))  # written as exp_probs_b
     tokenizer = folder / "tokenizer_config.json"  # Qwen's own class adds a token past the vocab
     tokenizer.write_text(
         json.dumps(

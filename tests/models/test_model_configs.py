@@ -431,3 +431,29 @@ def test_a_released_lfm2_config_is_read_as_transformers_sizes_it(multiplier):
     assert config.tie_word_embeddings and config.short_conv_kernel == 3
     assert not config.attn_head_gate and not config.sandwich_norms and config.qk_norm
     assert config.rope_theta == 1000000.0 and config.rms_norm_eps == 1e-5
+
+
+def test_a_released_lfm2_moe_config_is_read_as_transformers_builds_it():
+    """LFM2-8B-A1B's config.json: each layer's MLP dense or experts as transformers' own model
+    builds it (on the meta device: no weights), their widths, and the router's rules.
+    """
+    import torch
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    from tests.support.families import LFM2_8B_A1B
+
+    config = ModelConfig.from_dict(LFM2_8B_A1B)
+    with torch.device("meta"):
+        hf = Lfm2MoeForCausalLM(Lfm2MoeConfig(**LFM2_8B_A1B))
+    for i, layer in enumerate(hf.model.layers):
+        experts = getattr(layer.feed_forward, "experts", None)
+        assert config.is_moe(i) == (experts is not None), i
+        assert config.is_conv(i) == hasattr(layer, "conv"), i
+        if experts is None:
+            assert layer.feed_forward.w1.out_features == config.intermediate_size == 7168
+        else:
+            assert experts.down_proj.shape == (config.num_experts, 2048, 1792)
+    assert config.experts_per_token == 4 and config.moe_intermediate_size == 1792
+    assert config.sigmoid_router and config.router_correction and config.norm_topk_prob
+    assert config.router_norm_eps == 1e-6 and config.routed_scale == 1.0
+    assert config.tie_word_embeddings and not config.attn_head_gate and not config.sandwich_norms

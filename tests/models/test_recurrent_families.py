@@ -24,6 +24,8 @@ from tests.support.tiny import (
 pytestmark = pytest.mark.slow
 
 FAMILIES = RECURRENT
+# the routers' biases to choose experts by (saved as zeros): given values, so reading them counts
+CHOICE_BIASES = ("e_score_correction_bias", "expert_bias")
 # transformers floors Nemotron-H's Mamba2 step sizes in prompts but not in cached decode steps, so
 # its cached greedy disagrees with its own recompute; served, they are floored in both, and the
 # reference is the recompute
@@ -38,7 +40,7 @@ def reference(name: str):
 def family(request, tmp_path_factory, server_factory):
     name = request.param
     folder = make_tiny_llama(tmp_path_factory.mktemp(name), seed=3, family=name, **FAMILIES[name])
-    randomize_buffers(folder, "e_score_correction_bias")
+    randomize_buffers(folder, CHOICE_BIASES)
     # blocks of 4, 16 tokens a step, 6 sequences, 48 blocks: 12 requests of 40 + 32 tokens
     # cannot all run at once
     server = server_factory(
@@ -98,7 +100,7 @@ def test_split_over_two_ranks_equals_transformers(tmp_path, server_factory, name
     projections too; a Mamba2 mixer's heads with their B/C groups), half of every expert, and its
     share of every state."""
     folder = make_tiny_llama(tmp_path, seed=4, family=name, **FAMILIES[name])
-    randomize_buffers(folder, "e_score_correction_bias")
+    randomize_buffers(folder, CHOICE_BIASES)
     server = server_factory(
         folder,
         *("--tensor-parallel-size", "2", "--block-size", "4", "--max-num-batched-tokens", "16"),

@@ -58,6 +58,23 @@ RECURRENT = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    # LFM2-MoE: LFM2's blocks, a dense first layer, then experts chosen by sigmoid score plus a
+    # bias, renormalized (an epsilon in the sum) and scaled
+    "lfm2_moe": dict(
+        num_hidden_layers=5,
+        layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+        conv_L_cache=3,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_dense_layers=1,
+        routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     # Mamba2 mixers (conv and SSD state) and NoPE attention, every layer's MLP experts beside an
     # ungated shared MLP; embeddings, residual branches, attention scores and logits scaled
     "granitemoehybrid": dict(
@@ -195,6 +212,31 @@ LFM2_1B = dict(
     block_ffn_dim_multiplier=1.0,
     block_multiple_of=256,
     full_attn_idxs=[2, 5, 8, 10, 12, 14],
+    conv_L_cache=3,
+    norm_eps=1e-5,
+    rope_theta=1000000.0,
+    tie_embedding=True,
+    max_position_embeddings=128000,
+)
+
+# LFM2-8B-A1B's config.json as released: two dense leading layers 7168 wide, then 32 experts 1792
+# wide, four a token, chosen by sigmoid score plus a bias; six attention layers of 24
+LFM2_8B_A1B = dict(
+    model_type="lfm2_moe",
+    vocab_size=65536,
+    hidden_size=2048,
+    intermediate_size=7168,
+    moe_intermediate_size=1792,
+    num_hidden_layers=24,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_dense_layers=2,
+    num_experts=32,
+    num_experts_per_tok=4,
+    use_expert_bias=True,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.0,
+    layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)],
     conv_L_cache=3,
     norm_eps=1e-5,
     rope_theta=1000000.0,

@@ -74,7 +74,7 @@ def make_tiny_llama(folder: Path, seed: int = 0, family: str = "llama", **overri
     return folder
 
 
-def randomize_buffers(folder, suffix: str) -> None:
+def randomize_buffers(folder, suffix: str | tuple[str, ...]) -> None:
     """Give buffers a checkpoint saves as zeros (a router's correction bias) values that change
     which experts are chosen, so that reading them is tested.
     """

@@ -1,6 +1,4 @@
-"""Model shape and hyper-parameters of a Llama-family model, read
-from a Hugging Face config.json.
-"""
+"""Model shape and hyper-parameters of a Llama-family model, read from its config.json."""
 
 from __future__ import annotations
 
@@ -132,14 +130,16 @@ class ModelConfig:
     # a shared expert scaled by a per-token sigmoid gate (Qwen), or added as it is (Granite)
     shared_expert_gated: bool = True
     # Nemotron-H: layers that are an MLP (or experts) alone, and those that are a mixer alone;
-    # MLPs of up, relu², down (not gated); experts chosen within the best groups, their weights
-    # scaled
+    # MLPs of up, relu², down (not gated); experts chosen within the best groups, weights scaled
     ffn_only_layers: tuple[bool, ...] = ()
     mixer_only_layers: tuple[bool, ...] = ()
     gated_mlp: bool = True
     router_groups: int = 1
     router_topk_groups: int = 1
     routed_scale: float = 1.0
+    # LFM2-MoE: its sigmoid router may have no correction bias; its renormalization's epsilon
+    router_correction: bool = True
+    router_norm_eps: float = 1e-20
     # gpt-oss: a learned sink logit per head in every softmax, o_proj and expert biases, and
     # SwiGLU clamped at swiglu_limit with sigmoid(alpha * gate) (0: plain SiLU)
     attn_sinks: bool = False

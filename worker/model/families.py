@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from worker.model.lfm import lfm2_config
+
 SUPPORTED_MODEL_TYPES = (
     "llama",
     "mistral",
@@ -21,6 +23,7 @@ SUPPORTED_MODEL_TYPES = (
     "minimax_m2",
     "lfm3",
     "lfm2",
+    "lfm2_moe",
     "granitemoehybrid",
     "nemotron_h",
     "falcon_h1",
@@ -39,6 +42,7 @@ MOE_TYPES = (
     "minimax_m2",
     "granitemoehybrid",
     "nemotron_h",
+    "lfm2_moe",
 )
 # gpt-oss: attention sinks, biases on every projection and the router, a clamped SwiGLU
 SINK_TYPES = ("gpt_oss",)
@@ -84,7 +88,6 @@ NOT_SERVED = {
     "bamba": _MAMBA,
     "zamba": _MAMBA,
     "zamba2": _MAMBA,
-    "lfm2_moe": "LFM2-MoE's experts (a sigmoid router with a bias, dense leading layers)",
 }
 
 
@@ -104,10 +107,11 @@ def architecture_refusal(cfg: dict) -> str | None:
 POST_NORM_TYPES = ("olmo3",)
 # q/k RMSNorm over the whole projection, not head by head
 WHOLE_QK_NORM_TYPES = ("olmo3", "minimax_m2", "olmo_hybrid")
-# MiniMax-M2: experts chosen by sigmoid scores plus a correction bias, weighted by the scores
-SIGMOID_ROUTER_TYPES = ("minimax_m2", "nemotron_h")
+# MiniMax-M2 (Nemotron-H, LFM2-MoE): experts chosen by sigmoid scores plus a correction bias,
+# weighted by the scores
+SIGMOID_ROUTER_TYPES = ("minimax_m2", "nemotron_h", "lfm2_moe")
 # LFM: gated short-conv blocks beside (sliding and full) attention; LFM2's read as LFM3's fields
-SHORT_CONV_TYPES = ("lfm3", "lfm2")
+SHORT_CONV_TYPES = ("lfm3", "lfm2", "lfm2_moe")
 # every MLP a mixture of intermediate_size-wide experts, the chosen weights renormalized
 ALL_MOE_TYPES = ("mixtral", "minimax_m2", "granitemoehybrid")
 # Mamba2 mixers (a conv and an SSD state per sequence) beside attention layers
@@ -134,7 +138,7 @@ TEXT_OF_MULTIMODAL = {
 def language_config(cfg: dict) -> dict:
     """The config a multimodal folder's language model has (its text_config), else cfg itself."""
     kind = TEXT_OF_MULTIMODAL.get(cfg.get("model_type"))
-    if cfg.get("model_type") == "lfm2":
+    if cfg.get("model_type") in ("lfm2", "lfm2_moe"):
         return lfm2_config(cfg)
     if cfg.get("model_type") in BLOCK_TYPES and "num_hidden_layers" not in cfg:
         # Nemotron-H's count is its list of blocks' (or pattern's) length
@@ -145,35 +149,6 @@ def language_config(cfg: dict) -> dict:
     text = {**cfg["text_config"], "model_type": kind}
     text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
     return text
-
-
-def lfm2_config(cfg: dict) -> dict:
-    """LFM2's config in LFM3's fields: its attention layers from full_attn_idxs where layer_types is
-    absent, no head gate, no norms after the blocks, one RoPE, and the MLP's width as its
-    block_auto_adjust_ff_dim sizes it (2/3 of block_ff_dim, times the multiplier, rounded up to
-    block_multiple_of), as transformers and llama.cpp size it.
-    """
-    layers = int(cfg.get("num_hidden_layers") or 0)
-    types = cfg.get("layer_types")
-    if not types:
-        full = cfg.get("full_attn_idxs")
-        full = range(layers) if full is None else full
-        types = ["full_attention" if i in full else "conv" for i in range(layers)]
-    width = int(cfg.get("block_ff_dim") or cfg.get("intermediate_size") or 0)
-    if cfg.get("block_auto_adjust_ff_dim", True):
-        width = int(2 * width / 3)
-        if cfg.get("block_ffn_dim_multiplier") is not None:
-            width = int(float(cfg["block_ffn_dim_multiplier"]) * width)
-            multiple = int(cfg.get("block_multiple_of") or 256)
-            width = multiple * ((width + multiple - 1) // multiple)
-    return {
-        **cfg,
-        "layer_types": list(types),
-        "intermediate_size": width,
-        "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True)),
-        "use_attention_gate": False,
-        "use_sandwich_norm": False,
-    }
 
 
 class UnsupportedModel(ValueError):

@@ -195,10 +195,18 @@ def short_conv_fields(cfg: dict, num_layers: int) -> dict:
         raise UnsupportedModel(
             "layer_types", types, f"needs one entry for each of the {num_layers} layers"
         )
+    routing = {}
+    if cfg.get("model_type") == "lfm2_moe":  # transformers adds 1e-6 to the chosen weights' sum
+        routing = dict(
+            routed_scale=float(cfg.get("routed_scaling_factor") or 1.0),
+            router_correction=bool(cfg.get("use_expert_bias", True)),
+            router_norm_eps=1e-6,
+        )
     return dict(
         conv_layers=tuple(t == "conv" for t in types[:num_layers]),
         short_conv_kernel=int(cfg.get("conv_L_cache", 3)),
         attn_head_gate=bool(cfg.get("use_attention_gate", True)),
+        **routing,
     )
 
 

@@ -40,8 +40,10 @@ class MoE(nn.Module):
         bias = config.expert_bias
         self.router_bias = nn.Parameter(torch.zeros(experts)) if bias else None
         # MiniMax-M2: added to the sigmoid scores to choose, not to weigh
-        sigmoid = config.sigmoid_router
-        self.correction = nn.Parameter(torch.zeros(experts)) if sigmoid else None
+        self.sigmoid = config.sigmoid_router
+        correction = self.sigmoid and config.router_correction
+        self.correction = nn.Parameter(torch.zeros(experts)) if correction else None
+        self.norm_eps = config.router_norm_eps
         # Nemotron-H: chosen within the groups of experts whose two best scores sum highest, the
         # weights scaled
         self.groups, self.topk_groups = config.router_groups, config.router_topk_groups
@@ -67,15 +69,16 @@ class MoE(nn.Module):
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, hidden] -> (weights [T, k] in h's dtype, expert ids [T, k] int64)."""
         logits = F.linear(h, self.router, self.router_bias)
-        if self.correction is not None:
+        if self.sigmoid:
             probs = torch.sigmoid(logits.float())
-            ids = torch.topk(self._within_groups(probs + self.correction.float()), self.top_k)[1]
+            scores = probs if self.correction is None else probs + self.correction.float()
+            ids = torch.topk(self._within_groups(scores), self.top_k)[1]
             weights = probs.gather(1, ids)
         else:
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
         if self.scale != 1.0:
             weights = weights * self.scale
         return weights.to(h.dtype), ids

@@ -5,7 +5,7 @@ lazily from safetensors.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -140,6 +140,7 @@ class LayerNames:
 
     moe: str = "mlp."  # the mixture-of-experts block: its router `gate.weight`, `experts.{e}.`
     router: str = "gate.weight"
+    correction: str = "e_score_correction_bias"  # a sigmoid router's bias, to choose by
     fused_experts: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")  # [E, 2I, H]
     # the shared expert beside them: its gate and up in one tensor, its down
     shared: tuple[str, str, str] = ("mlp.shared_expert.", "gate_up_proj.weight", "down_proj.weight")
@@ -194,6 +195,10 @@ LAYER_NAMES["lfm2"] = LayerNames(
     post_attention="ffn_norm",
     final_norm="model.embedding_norm.weight",
     attention=("out_proj", "q_layernorm", "k_layernorm"),
+)
+# LFM2-MoE: its experts under feed_forward. too, a correction bias of its own name
+LAYER_NAMES["lfm2_moe"] = replace(
+    LAYER_NAMES["lfm2"], moe="feed_forward.", expert=("w1", "w3", "w2"), correction="expert_bias"
 )
 DEFAULT_LAYER_NAMES = LayerNames()
 

@@ -307,7 +307,7 @@ def _load_experts(
         return
     moe.router.copy_(ck.take(m + names.router))
     if moe.correction is not None:
-        moe.correction.copy_(ck.take(m + "e_score_correction_bias"))
+        moe.correction.copy_(ck.take(m + names.correction))
     experts = range(model.config.num_experts)
     if ck.served(
         moe.gate_up, *(f"{m}experts.{e}.{p}.weight" for e in experts for p in names.expert)

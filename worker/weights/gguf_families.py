@@ -1,8 +1,6 @@
-"""GGUFs of these families as llama.cpp's convert_hf_to_gguf.py writes them (`gemma2`, `gemma3`,
-`olmo2` for OLMo 2 and 3, `minimax-m2`, `granitehybrid`, `nemotron_h` / `nemotron_h_moe`,
-`falcon-h1`, `lfm2`): each one's config.json from its header, and its tensors under the names every
-family's checkpoint is read by (worker/weights/checkpoint.py DEFAULT_LAYER_NAMES), the converter's
-changes undone.
+"""GGUFs of these families as llama.cpp's convert_hf_to_gguf.py writes them (ARCHS): each one's
+config.json from its header, and its tensors under the names every family's checkpoint is read by
+(worker/weights/checkpoint.py DEFAULT_LAYER_NAMES), the converter's changes undone.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ ARCHS = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "lfm2": "lfm2",
+    "lfm2moe": "lfm2_moe",
 }
 GEMMA_ARCHS = ("gemma2", "gemma3")
 # Gemma's four norms a layer (the converter stores each as 1 + w, q/k norms and the final one too)
@@ -197,15 +196,35 @@ def config(file) -> dict:
         cfg.update(_nemotron(file))
     elif a in GEMMA_ARCHS:
         cfg.update(_gemma(file, cfg))
-    elif family == "lfm2":
-        cfg.update(
-            layer_types=["conv" if k == "conv" else "full_attention" for k in _kinds(file)],
-            conv_L_cache=int(f[f"{a}.shortconv.l_cache"]),
-            block_auto_adjust_ff_dim=False,  # the header's width is the MLP's
-        )
+    elif family in ("lfm2", "lfm2_moe"):
+        cfg.update(_lfm2(file))
     else:
         cfg.update(_falcon(file))
     return cfg
+
+
+def _lfm2(file) -> dict:
+    """LFM2's, and LFM2-MoE's experts after its dense leading layers (llama.cpp renormalizes their
+    weights and requires the bias they are chosen by).
+    """
+    f, a = file.fields, file.arch
+    kinds = _kinds(file)
+    out = {
+        "layer_types": ["conv" if k == "conv" else "full_attention" for k in kinds],
+        "conv_L_cache": int(f[f"{a}.shortconv.l_cache"]),
+        "block_auto_adjust_ff_dim": False,  # the header's width is the MLP's
+    }
+    if ARCHS[a] == "lfm2_moe":
+        out.update(
+            num_experts=int(f[f"{a}.expert_count"]),
+            num_experts_per_tok=int(f[f"{a}.expert_used_count"]),
+            moe_intermediate_size=int(f[f"{a}.expert_feed_forward_length"]),
+            num_dense_layers=int(f.get(f"{a}.leading_dense_block_count", 0)),
+            routed_scaling_factor=_f32(f.get(f"{a}.expert_weights_scale", 0.0)) or 1.0,
+            norm_topk_prob=True,
+            use_expert_bias=True,
+        )
+    return out
 
 
 def _granite(file) -> dict:
@@ -332,14 +351,9 @@ def _falcon(file) -> dict:
 
 
 # Falcon-H1's multipliers, all folded into the file's weights
-FALCON_SCALARS = (
-    "embedding_multiplier",
-    "lm_head_multiplier",
-    "attention_in_multiplier",
-    "attention_out_multiplier",
-    "key_multiplier",
-    "ssm_in_multiplier",
-    "ssm_out_multiplier",
+FALCON_SCALARS = tuple(
+    f"{n}_multiplier"
+    for n in "embedding lm_head attention_in attention_out key ssm_in ssm_out".split()
 )
 
 

@@ -195,7 +195,6 @@ GGUF_FAMILIES = {
     "mamba2": "mamba2",
     "jamba": "jamba",
     "lfm3": "lfm3",
-    "lfm2moe": "lfm2_moe",
     "kimi-linear": "kimi_linear",
 }
 # llama.cpp's converter interleaves q/k rotary halves for these
