@@ -32,7 +32,7 @@ _C_TYPES = {
 
 
 # the fused decode step's stages as pagedserve_decode_profile counts them (kernels/cpu/pagedserve.h)
-_STAGES = "norms rounding qkv heads attention o_proj gate_up silu down lora mamba"
+_STAGES = "norms rounding qkv heads attention o_proj gate_up silu down lora mamba experts"
 DECODE_STAGES = tuple(_STAGES.split())
 
 
@@ -98,9 +98,9 @@ class NativeKernels(NativeAttention, NativeRecurrent):
         self.packed_q8_fast, self.packed_q8_x8_fast = q8(0) == 1, q8(1) == 1
         # 512: AVX-512 intrinsics; 256: AVX2 (the portable loops)
         self.isa = lib.pagedserve_native_isa()
-        sizes = (ctypes.c_int64 * 6)()
+        sizes = (ctypes.c_int64 * 7)()
         lib.pagedserve_struct_sizes(sizes)
-        # PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora (kernels/cpu_step.py)
+        # PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora, PsExperts (kernels/cpu_step.py)
         self.struct_sizes = tuple(sizes)
         self.sgemm = blas_sgemm()
 

@@ -1,6 +1,6 @@
 """The fused CPU decode step's structs as ctypes mirrors of kernels/cpu/pagedserve.h's (PsSegment,
-PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora): worker/model/fused_decode.py fills them, and the
-library's own sizes are checked against these before a step runs.
+PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora, PsExperts): worker/model/fused_decode.py fills
+them, and the library's own sizes are checked against these before a step runs.
 """
 
 from __future__ import annotations
@@ -51,6 +51,36 @@ class PsLayer(ctypes.Structure):
         ("sin", _P),
         ("conv", _P),  # a PsConv (kernels/cpu_recurrent.py) where the layer is an LFM short conv
         ("beside", _P),  # a PsLayer of Falcon-H1's Mamba2 beside attention, or NULL
+        (
+            "experts",
+            _P,
+        ),  # a PsExperts where the MLP is a mixture of experts (gate_up: its shared one)
+        ("shared_gate", _P),  # [hidden]: the shared expert's output times sigmoid(shared_gate . x)
+    ]
+
+
+class PsExperts(ctypes.Structure):
+    """A mixture-of-experts MLP: router, each expert's blocks' addresses, the routing's rules."""
+
+    _fields_ = [
+        ("router", _P),
+        ("correction", _P),
+        ("gate_up", _P),
+        ("down", _P),
+        ("gate_up_bias", _P),
+        ("down_bias", _P),
+        ("gate_up_type", _I32),
+        ("down_type", _I32),
+        ("experts", _I32),
+        ("top_k", _I32),
+        ("inter", _I32),
+        ("sigmoid", _I32),
+        ("normalize", _I32),
+        ("pad", _I32),
+        ("norm_eps", _F),
+        ("scale", _F),
+        ("limit", _F),
+        ("alpha", _F),
     ]
 
 
@@ -101,6 +131,9 @@ def mirrors_match(kernels) -> bool:
     have.
     """
     return (
-        tuple(ctypes.sizeof(t) for t in (PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora))
+        tuple(
+            ctypes.sizeof(t)
+            for t in (PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora, PsExperts)
+        )
         == kernels.struct_sizes
     )

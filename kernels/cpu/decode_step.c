@@ -94,6 +94,20 @@ static StepWidths step_widths(const PsModel* m) {
     return w;
 }
 
+/* Bytes a step of `rows` tokens needs for its widest mixture of experts: each row's scores, chosen ids and
+   weights, the experts' output beside a shared expert's, the stages' work (each part 64-byte aligned). */
+static int64_t moe_bytes(const PsModel* m, int64_t rows) {
+    int64_t most = 0;
+    for (int li = 0; li < m->num_layers; li++) {
+        const PsExperts* ex = m->layers[li].experts;
+        if (!ex) continue;
+        const int64_t b = (rows * ex->experts * 4 + 63) / 64 * 64 + (rows * ex->top_k * 12 + 63) / 64 * 64
+                          + rows * m->hidden * 4 + pagedserve_moe_work_bytes(ex, m->hidden, rows);
+        most = b > most ? b : most;
+    }
+    return most;
+}
+
 /* the sizes of the structs the binding builds (pagedserve.h), for it to check its mirrors against */
 int pagedserve_struct_sizes(int64_t* out) {
     out[0] = sizeof(PsSegment);
@@ -102,7 +116,8 @@ int pagedserve_struct_sizes(int64_t* out) {
     out[3] = sizeof(PsModel);
     out[4] = sizeof(PsLoraProj);
     out[5] = sizeof(PsLora);
-    return 6;
+    out[6] = sizeof(PsExperts);
+    return 7;
 }
 
 /* floats of scratch a step of `rows` tokens needs: the activations between stages, and a matmul's input
@@ -110,7 +125,8 @@ int pagedserve_struct_sizes(int64_t* out) {
 int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
     const StepWidths w = step_widths(m);
     return rows * (4 * (int64_t)m->hidden + w.proj + 2 * w.mix + w.conv + 3 * (int64_t)m->intermediate)
-           + (packed_x_bytes(rows, packed_x_pitch(w.max_in)) + 128) / (int64_t)sizeof(float);
+           + (packed_x_bytes(rows, packed_x_pitch(w.max_in)) + 128) / (int64_t)sizeof(float)
+           + (moe_bytes(m, rows) + 64) / (int64_t)sizeof(float);
 }
 
 /* y = x @ W^T on the dense copy through sgemm, the output rows in as many equal chunks (of whole 16s) as
@@ -302,8 +318,11 @@ static int layers_served(const PsModel* m, const PsLora* lora, const int64_t* st
         const PsMatrix* mats[4] = {&ly->qkv, &ly->o_proj, &ly->gate_up, &ly->down};
         int64_t shapes[4][2] = {{qkv_w, H}, {H, qsz}, {(m->gelu == 2 ? 1 : 2) * I, H}, {H, I}};
         const int mixer = ly->qkv.out_dim > 0, mlp = ly->gate_up.out_dim > 0; /* Nemotron-H: one alone */
-        if (!(mixer || mlp) || (lora && !(mixer && mlp)) || (!mixer && (mb || ly->delta || ly->conv)))
+        if (!(mixer || mlp || ly->experts) || (lora && !(mixer && mlp)) || (!mixer && (mb || ly->delta || ly->conv)))
             return 0;
+        /* experts (and their shared expert, if any): gated ones, no adapters */
+        if (ly->experts && (lora || m->gelu || pagedserve_moe_checks(ly->experts, H))) return 0;
+        if (ly->shared_gate && !(ly->experts && mlp)) return 0;
         if (mb) { /* in_proj and out_proj where attention's qkv and o_proj are; no adapters on them */
             if (pagedserve_mamba_checks(mb) || !state_slots || lora) return 0;
             const int64_t inner = (int64_t)mb->heads * mb->head_dim;
@@ -335,7 +354,35 @@ static int layers_served(const PsModel* m, const PsLora* lora, const int64_t* st
 /* The output norm of a layer's last half, pending until the next layer (or the final norm) adds it. */
 static inline const float* pending_norm(const PsModel* m, int li) {
     const PsLayer* ly = &m->layers[li];
-    return ly->gate_up.out_dim > 0 ? ly->mlp_out_norm : ly->attn_out_norm;
+    return ly->gate_up.out_dim > 0 || ly->experts ? ly->mlp_out_norm : ly->attn_out_norm;
+}
+
+/* A mixture-of-experts MLP on h (the normed rows): each row's experts chosen, their output into out; where the
+   layer has a shared expert, its output (shared, already computed) is added to the experts', times the sigmoid of
+   shared_gate . h where the layer gates it, as the layer path adds them. mem: moe_bytes. */
+static void experts_stage(const PsModel* m, const PsLayer* ly, const float* h, int64_t rows, char* mem,
+                          const float* shared, float* out, double* prof_t) {
+    const PsExperts* ex = ly->experts;
+    const int64_t H = m->hidden, E = ex->experts, K = ex->top_k;
+    float* scores = (float*)mem;
+    int64_t* ids = (int64_t*)(mem + (rows * E * 4 + 63) / 64 * 64);
+    float* weights = (float*)(ids + rows * K);
+    float* own = (float*)((char*)ids + (rows * K * 12 + 63) / 64 * 64); /* beside a shared expert */
+    pagedserve_moe_route(ex, H, h, rows, ids, weights, scores);
+    pagedserve_moe_stages(ex, H, h, rows, ids, weights, m->x8, shared ? own : out, (char*)own + rows * H * 4);
+    stage_done(PS_EXPERTS, prof_t);
+    if (!shared) return;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float g = 1.0f;
+        if (ly->shared_gate) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < H; i++) acc += ly->shared_gate[i] * h[r * H + i];
+            g = 1.0f / (1.0f + expf(-acc));
+        }
+        for (int64_t i = 0; i < H; i++) out[r * H + i] = own[r * H + i] + (ly->shared_gate ? g * shared[r * H + i] : shared[r * H + i]);
+    }
+    stage_done(PS_EXPERTS, prof_t);
 }
 
 /* x: [rows, hidden], the tokens' embeddings in, the final-norm hidden states out. positions, slots: int64
@@ -374,6 +421,9 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     packed = (float*)(((uintptr_t)packed + 63) & ~(uintptr_t)63);
     PackedX px = packed_x_at(packed, rows, packed_x_pitch(widths.max_in));
     px.bits8 = m->x8;
+    /* the mixtures of experts' scores, choices, output and work (moe_bytes) */
+    char* moe_mem = (char*)(((uintptr_t)packed + (uintptr_t)packed_x_bytes(rows, packed_x_pitch(widths.max_in)) + 63)
+                            & ~(uintptr_t)63);
     /* attention work items: a sequence with all its KV heads (each key and value row read whole, in one pass)
        where there are sequences enough to keep every thread busy, else one KV head of a sequence */
     /* Runs of rows that are one sequence's consecutive tokens (a drafting sequence's: the same table, each row
@@ -573,7 +623,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                     stage_done(PS_MAMBA, &prof_t);
                 }
             }
-            if (!has_mlp) continue; /* its output pending for the next layer's add */
+            if (!has_mlp && !ly->experts) continue; /* its output pending for the next layer's add */
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++) { /* the residual add (of the mixer's, or the last layer's output) */
                 const int pending = has_mixer || li;
@@ -581,31 +631,34 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 add_rms_norm_row(residual + r * H, pending ? delta + r * H : 0, ly->post_norm, h + r * H, H, m->eps);
             }
             stage_done(PS_NORMS, &prof_t);
-            la.which = 2;
-            matmul_part(m, &ly->gate_up, h, rows, gu, px, PS_GATE_UP, &prof_t, lq);
-            if (lq) {
-                lora_expand(lq, gu, 2 * I);
-                stage_done(PS_LORA, &prof_t);
-            }
-            const int64_t gw = m->gelu == 2 ? I : 2 * I; /* a row of gate_up's output: gate and up, or up */
+            if (has_mlp) { /* a dense MLP, or the experts' shared one */
+                la.which = 2;
+                matmul_part(m, &ly->gate_up, h, rows, gu, px, PS_GATE_UP, &prof_t, lq);
+                if (lq) {
+                    lora_expand(lq, gu, 2 * I);
+                    stage_done(PS_LORA, &prof_t);
+                }
+                const int64_t gw = m->gelu == 2 ? I : 2 * I; /* a row of gate_up's output: gate and up, or up */
 #pragma omp for schedule(static)
-            for (int64_t it = 0; it < rows * act_chunks; it++) {
-                const int64_t r = it / act_chunks, i0 = it % act_chunks * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
-                if (m->gelu == 2) /* Nemotron-H's relu² of up alone */
-                    for (int64_t i = i0; i < i1; i++) {
-                        const float u = gu[r * gw + i] > 0.0f ? gu[r * gw + i] : 0.0f;
-                        act[r * I + i] = u * u;
-                    }
-                else
-                    act_mul_span(gu + r * gw, gu + r * gw + I, act + r * I, i0, i1, m->gelu);
+                for (int64_t it = 0; it < rows * act_chunks; it++) {
+                    const int64_t r = it / act_chunks, i0 = it % act_chunks * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
+                    if (m->gelu == 2) /* Nemotron-H's relu² of up alone */
+                        for (int64_t i = i0; i < i1; i++) {
+                            const float u = gu[r * gw + i] > 0.0f ? gu[r * gw + i] : 0.0f;
+                            act[r * I + i] = u * u;
+                        }
+                    else
+                        act_mul_span(gu + r * gw, gu + r * gw + I, act + r * I, i0, i1, m->gelu);
+                }
+                stage_done(PS_SILU, &prof_t);
+                la.which = 3;
+                matmul_part(m, &ly->down, act, rows, delta, px, PS_DOWN, &prof_t, lq);
+                if (lq) {
+                    lora_expand(lq, delta, H);
+                    stage_done(PS_LORA, &prof_t);
+                }
             }
-            stage_done(PS_SILU, &prof_t);
-            la.which = 3;
-            matmul_part(m, &ly->down, act, rows, delta, px, PS_DOWN, &prof_t, lq);
-            if (lq) {
-                lora_expand(lq, delta, H);
-                stage_done(PS_LORA, &prof_t);
-            }
+            if (ly->experts) experts_stage(m, ly, h, rows, moe_mem, has_mlp ? delta : 0, delta, &prof_t);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {

@@ -95,6 +95,7 @@ static inline int pack_block_bytes(int ptype) {
         default: return 0;
     }
 }
+static inline int packed_type(int32_t type) { return pack_block_bytes(type) > 0; }
 static inline int packed_is_k(int ptype) { return ptype == PACKED_Q4K || ptype == PACKED_Q5K || ptype == PACKED_Q6K; }
 /* the 32-value layouts that start with PackedNibbles and carry an offset per row and block (Q5's a fifth bit) */
 static inline int packed_is_q4(int ptype) { return ptype == PACKED_Q4 || ptype == PACKED_MX4 || ptype == PACKED_Q5; }
@@ -198,6 +199,11 @@ static inline PackedX packed_x_rows(PackedX x, int64_t r0, int64_t in_dim) {
     x.sumh += r0 * (in_dim / QK);
     return x;
 }
+
+/* y[r, o] = x[r] . row o of w for rows o in [o0, o1) of n rows of x (px where w is packed), inside an `omp for`
+   (quant_matmul.c; the experts' stages call it too). */
+void block_rows(int32_t type, const uint8_t *w, const float *x, PackedX px, int64_t n, int64_t in_dim,
+                int64_t out_dim, int64_t o0, int64_t o1, float *y);
 
 #if defined(__AVX2__)
 static inline float avx2_hsum(__m256 v) {

@@ -64,7 +64,7 @@ int pagedserve_quant_matmul(const float* x, int64_t rows, int64_t in_dim, const 
                             int32_t type, float* y);
 int pagedserve_quant_matmul_q8act(const float* x, int64_t rows, int64_t in_dim, const uint8_t* w,
                                   int64_t out_dim, int32_t type, float* y);
-/* A mixture-of-experts MLP's chosen experts for `tokens` rows of x, all in one parallel region (quant_matmul.c). */
+/* A mixture-of-experts MLP's chosen experts for `tokens` rows of x, all in one parallel region (moe_experts.c). */
 int pagedserve_moe_experts(const float* x, int64_t tokens, int32_t top_k, const int64_t* ids, const float* weights,
                            const int64_t* gate_up, const int64_t* down, const int32_t* types, const float* gate_up_bias,
                            const float* down_bias, int64_t experts, int64_t hidden, int64_t inter, float limit,
@@ -125,6 +125,23 @@ typedef struct {
     int32_t channels, kernel;
 } PsConv;
 
+/* A mixture-of-experts MLP (worker/model/moe.py) as moe_experts.c routes and runs it: the router's logits
+   (fp32 [experts, hidden]), softmax or sigmoid scores, the top_k by score (plus the correction, where there is
+   one), their scores as weights, renormalized (sum + norm_eps) and scaled; each chosen expert's gate_up and down
+   on its blocks. */
+typedef struct {
+    const float* router;          /* [experts, hidden] fp32 */
+    const float* correction;      /* [experts]: added to sigmoid scores to choose by, or NULL */
+    const int64_t *gate_up, *down; /* [experts]: the address of each expert's blocks (gate rows, then up) */
+    const float *gate_up_bias, *down_bias; /* [experts, 2 inter], [experts, hidden] (gpt-oss), or NULL */
+    int32_t gate_up_type, down_type, experts, top_k, inter;
+    int32_t sigmoid;   /* 0: a softmax over every expert; 1: each expert's sigmoid */
+    int32_t normalize; /* the chosen weights divided by their sum (+ norm_eps) */
+    int32_t pad;
+    float norm_eps, scale; /* scale: every chosen weight times it */
+    float limit, alpha;    /* limit 0: SiLU-mul; else gpt-oss's clamped SwiGLU */
+} PsExperts;
+
 typedef struct PsLayer {
     PsMatrix qkv, o_proj, gate_up, down;
     const float *input_norm, *post_norm;
@@ -145,6 +162,10 @@ typedef struct PsLayer {
     /* Falcon-H1's Mamba2 beside attention: a layer of the mixer alone (its in_proj and out_proj, its
        PsMamba) on the same normed input, its output added to attention's; or NULL */
     const struct PsLayer* beside;
+    /* a mixture-of-experts MLP, or NULL; gate_up and down then hold its shared expert (or no rows), whose output
+       is added, times sigmoid(shared_gate . x) where shared_gate is not NULL (Qwen's) */
+    const PsExperts* experts;
+    const float* shared_gate;
 } PsLayer;
 
 typedef struct {
@@ -174,7 +195,8 @@ _Static_assert(sizeof(PsMatrix) == 3 * 24 + 24, "PsMatrix: segments, out_dim, in
 _Static_assert(sizeof(PsMamba) == 8 * sizeof(void*) + 32, "PsMamba's fields");
 _Static_assert(sizeof(PsDelta) == 6 * sizeof(void*) + 32, "PsDelta's fields");
 _Static_assert(sizeof(PsConv) == 2 * sizeof(void*) + 8, "PsConv's fields");
-_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 15 * sizeof(void*) + 16, "PsLayer's fields");
+_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 17 * sizeof(void*) + 16, "PsLayer's fields");
+_Static_assert(sizeof(PsExperts) == 6 * sizeof(void*) + 48, "PsExperts' fields");
 _Static_assert(sizeof(PsModel) == 104, "PsModel's fields");
 
 /* One LoRA adapter's update of one fused projection (worker/model/lora.py Projection): for each part q,
@@ -218,7 +240,7 @@ int pagedserve_delta_decode(const PsDelta* dl, const float* proj, int64_t proj_s
 /* The fused step's stages as its profile counts them (kernels/cpu_native.py DECODE_STAGES names them in this
    order): each stage's work and the barrier closing it; the region's start counts in NORMS. */
 enum { PS_NORMS, PS_ROUNDING, PS_QKV, PS_HEADS, PS_ATTENTION, PS_O_PROJ, PS_GATE_UP, PS_SILU, PS_DOWN,
-       PS_LORA, PS_MAMBA, PS_DECODE_STAGES };
+       PS_LORA, PS_MAMBA, PS_EXPERTS, PS_DECODE_STAGES };
 /* on: 1 times every fused step's stages from now, 0 stops. out (or null): int64 [PS_DECODE_STAGES + 1]
    receives the nanoseconds each stage took since the last call, then the steps counted; the counts then
    restart. Returns PS_DECODE_STAGES. */
@@ -255,6 +277,17 @@ void pagedserve_delta_stages(const PsDelta* dl, const float* proj, int64_t proj_
                              int64_t rows, float* conv_out, float* o, float* out);
 int pagedserve_delta_checks(const PsDelta* dl);
 #define PS_MAMBA_CONV_CHUNK 256 /* conv channels an item */
+/* A mixture of experts inside a parallel region (moe_experts.c). route: each of `tokens` rows of x its top_k
+   experts (ids) and weights, one `omp for` over the rows; scores: tokens x experts floats. stages: those experts'
+   gate_up, activation and down for every row, out [tokens, hidden] overwritten, in a fixed eight `omp for` /
+   `single` stages whatever the experts chosen; work: pagedserve_moe_work_bytes, 64-byte aligned. checks: 0 where
+   the types and shapes are served. */
+int pagedserve_moe_checks(const PsExperts* ex, int64_t hidden);
+int64_t pagedserve_moe_work_bytes(const PsExperts* ex, int64_t hidden, int64_t tokens);
+void pagedserve_moe_route(const PsExperts* ex, int64_t hidden, const float* x, int64_t tokens, int64_t* ids,
+                          float* weights, float* scores);
+void pagedserve_moe_stages(const PsExperts* ex, int64_t hidden, const float* x, int64_t tokens, const int64_t* ids,
+                           const float* weights, int32_t bits8, float* out, void* work);
 void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
                              float* out, int64_t start, int32_t q_len, int32_t seq_len, const int32_t* table,
                              int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,

@@ -56,7 +56,7 @@ int pagedserve_packed_q8_fast(int bits8) {
 #endif
 }
 
-static int packed_type(int32_t type) { return pack_block_bytes(type) > 0; }
+
 
 /* Whether every Q5_0 block's -16 d (PACKED_Q5's offset) is finite in fp16. */
 static int q5_0_packable(const uint8_t *w, int64_t nblocks_total) {
@@ -89,7 +89,7 @@ int pagedserve_pack(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t t
 
 /* y[r, o] = x[r] . row o of w, rows [o0, o1) (whole groups of 16 where packed) for n rows; x as px where
    packed. Called by every thread inside an `omp for` over output chunks (packed_matmul's, the experts'). */
-static void block_rows(int32_t type, const uint8_t *w, const float *x, PackedX px, int64_t n, int64_t in_dim,
+void block_rows(int32_t type, const uint8_t *w, const float *x, PackedX px, int64_t n, int64_t in_dim,
                         int64_t out_dim, int64_t o0, int64_t o1, float *y) {
     const int64_t nb = in_dim / QK;
     if (packed_type(type)) {
@@ -310,109 +310,5 @@ int pagedserve_quant_matmul_q8act(const float *x, int64_t rows, int64_t in_dim, 
             y[r * out_dim + o] = row_dot_q8(type, w + o * rb, nb, xq.q + r * in_dim, xq.d + r * nb,
                                             xq.sum + r * nb);
     free(xq.q); free(xq.d); free(xq.sum);
-    return 0;
-}
-
-/* --- a mixture of experts' chosen experts (worker/model/moe.py): per expert, in expert order, its tokens'
-   rows gathered, gate_up, the activation, down, and each row's share (weight times (down + bias)) added to
-   its token's output, as the layer path's grouped_experts adds them; every stage an `omp for` of the one
-   parallel region (the layer path makes four calls and a dozen torch ops of each expert). Weights are each
-   expert's blocks (packed: 16-bit or, with bits8, 8-bit activations; else the fp32 dot products), gate rows
-   then up rows; limit 0 is SiLU-mul, else gpt-oss's clamped SwiGLU. */
-
-static void expert_act(const float *gu, float *a, int64_t inter, float limit, float alpha) {
-    const float *g = gu, *u = gu + inter;
-    if (limit == 0.0f) {
-        silu_mul_span(g, u, a, 0, inter);
-        return;
-    }
-#pragma omp simd
-    for (int64_t i = 0; i < inter; i++) { /* (up + 1) gate sigmoid(alpha gate), gate <= limit, |up| <= limit */
-        const float gi = fminf(g[i], limit), ui = fminf(fmaxf(u[i], -limit), limit);
-        a[i] = (ui + 1.0f) * (gi / (1.0f + vec_exp(-alpha * gi)));
-    }
-}
-
-static int expert_type_ok(int32_t type, int64_t in_dim, int64_t out_dim) {
-    if (packed_type(type)) return out_dim % PACK_ROWS == 0 && in_dim % (packed_is_k(type) ? QK_K : QK) == 0;
-    return block_bytes(type) > 0 && in_dim % block_values(type) == 0;
-}
-
-/* x [tokens, hidden]; ids, weights [tokens, top_k]; gate_up[e], down[e]: the addresses of expert e's blocks
-   (types[0], types[1] their types, alike for every expert); biases [experts, 2 inter] and [experts, hidden] or
-   NULL. out [tokens, hidden] is overwritten. Returns 0, -1 (a type or shape not served), -2 (no memory). */
-int pagedserve_moe_experts(const float *x, int64_t tokens, int32_t top_k, const int64_t *ids, const float *weights,
-                           const int64_t *gate_up, const int64_t *down, const int32_t *types, const float *gate_up_bias,
-                           const float *down_bias, int64_t experts, int64_t hidden, int64_t inter, float limit,
-                           float alpha, int32_t bits8, float *out) {
-    const int32_t gt = types[0], dt = types[1];
-    const int64_t pairs = tokens * top_k, span = 2 * inter;
-    if (!expert_type_ok(gt, hidden, span) || !expert_type_ok(dt, inter, hidden) || hidden % QK || inter % QK)
-        return -1;
-    for (int64_t i = 0; i < pairs; i++)
-        if (ids[i] < 0 || ids[i] >= experts) return -1;
-    int64_t *start = calloc((size_t)(experts + 1), sizeof(int64_t)), *row_of = malloc(sizeof(int64_t) * (size_t)pairs);
-    const int64_t widest = hidden > span ? hidden : span;
-    float *xe = malloc(sizeof(float) * (size_t)(tokens * widest)), *ge = malloc(sizeof(float) * (size_t)(tokens * widest));
-    void *pmem = aligned_alloc(64, (size_t)((packed_x_bytes(tokens, packed_x_pitch(widest)) + 63) / 64 * 64));
-    if (!start || !row_of || !xe || !ge || !pmem) {
-        free(start); free(row_of); free(xe); free(ge); free(pmem);
-        return -2;
-    }
-    for (int64_t i = 0; i < pairs; i++) start[ids[i] + 1]++; /* a counting sort, stable: torch.sort's order */
-    for (int64_t e = 0; e < experts; e++) start[e + 1] += start[e];
-    {
-        int64_t *next = calloc((size_t)experts, sizeof(int64_t));
-        if (!next) {
-            free(start); free(row_of); free(xe); free(ge); free(pmem);
-            return -2;
-        }
-        for (int64_t i = 0; i < pairs; i++) row_of[start[ids[i]] + next[ids[i]]++] = i;
-        free(next);
-    }
-    memset(out, 0, sizeof(float) * (size_t)(tokens * hidden));
-#pragma omp parallel
-    for (int64_t e = 0; e < experts; e++) {
-        const int64_t n = start[e + 1] - start[e];
-        if (!n) continue; /* every thread skips alike */
-        const int64_t *rows = row_of + start[e];
-        const uint8_t *wg = (const uint8_t *)(uintptr_t)gate_up[e], *wd = (const uint8_t *)(uintptr_t)down[e];
-        PackedX px = packed_x_at(pmem, n, packed_x_pitch(hidden));
-        px.bits8 = bits8;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) memcpy(xe + r * hidden, x + rows[r] / top_k * hidden, sizeof(float) * (size_t)hidden);
-        if (packed_type(gt)) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < n * (hidden / QK); i++) packed_x_block(xe, px, i, hidden / QK);
-        }
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < span; c += 32) /* 32 output rows a chunk: whole groups of 16 */
-            block_rows(gt, wg, xe, px, n, hidden, span, c, c + 32 < span ? c + 32 : span, ge);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) {
-            float *gu = ge + r * span;
-            if (gate_up_bias)
-                for (int64_t i = 0; i < span; i++) gu[i] += gate_up_bias[e * span + i];
-            expert_act(gu, xe + r * inter, inter, limit, alpha); /* the activations replace the rows */
-        }
-        PackedX pa = packed_x_at(pmem, n, packed_x_pitch(inter));
-        pa.bits8 = bits8;
-        if (packed_type(dt)) {
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < n * (inter / QK); i++) packed_x_block(xe, pa, i, inter / QK);
-        }
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < hidden; c += 32) {
-            const int64_t c1 = c + 32 < hidden ? c + 32 : hidden;
-            block_rows(dt, wd, xe, pa, n, inter, hidden, c, c1, ge);
-            for (int64_t r = 0; r < n; r++) {
-                const float w = weights[rows[r]];
-                float *o = out + rows[r] / top_k * hidden;
-                for (int64_t i = c; i < c1; i++)
-                    o[i] += (ge[r * hidden + i] + (down_bias ? down_bias[e * hidden + i] : 0.0f)) * w;
-            }
-        }
-    }
-    free(start); free(row_of); free(xe); free(ge); free(pmem);
     return 0;
 }

@@ -154,6 +154,54 @@ def _hf_model(kind: str):
 
         config = transformers.AutoConfig.for_model(kind, **{**COMMON, **RECURRENT[kind]})
         return transformers.AutoModelForCausalLM.from_config(config)
+    # mixtures of experts, routed in the step: Qwen3-MoE's softmax over 8 (a dense layer first);
+    # LFM2-MoE's sigmoid plus a bias, scaled, after a dense layer; Granite 4's experts beside an
+    # ungated shared MLP between Mamba2 layers; Qwen3.5-MoE's beside a sigmoid-gated shared expert
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            head_dim=16, **COMMON, **experts, mlp_only_layers=[0], norm_topk_prob=True
+        )
+        return transformers.Qwen3MoeForCausalLM(config)
+    if kind == "lfm2_moe":
+        from tests.support.families import RECURRENT
+
+        shape = dict(RECURRENT[kind], num_hidden_layers=4, num_experts=8)
+        shape["layer_types"] = shape["layer_types"][:4]
+        config = transformers.AutoConfig.for_model(kind, **{**COMMON, **shape})
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        for layer in model.model.layers[1:]:  # saved as zeros: values that change the choice
+            layer.feed_forward.expert_bias.copy_(torch.rand(8) * 0.5)
+        return model
+    if kind == "granite4-moe":
+        config = transformers.GraniteMoeHybridConfig(
+            **scales,
+            **dict(COMMON, num_hidden_layers=3, intermediate_size=32),
+            layer_types=["mamba", "attention", "mamba"],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            shared_intermediate_size=64,
+        )
+        return transformers.GraniteMoeHybridForCausalLM(config)
+    if kind == "qwen3_5_moe-hybrid":
+        config = transformers.AutoConfig.for_model(
+            "qwen3_5_moe_text",
+            **dict(COMMON, num_hidden_layers=2),
+            **experts,
+            shared_expert_intermediate_size=64,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+        )
+        return transformers.AutoModelForCausalLM.from_config(config)
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
         return transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(
@@ -267,6 +315,7 @@ DECODES = [
         *("llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"),
         *("granite4-hybrid", "qwen3_5-hybrid", "gemma2", "gemma3", "lfm2", "lfm3"),
         *("nemotron_h", "falcon_h1"),
+        *("qwen3_moe", "lfm2_moe", "granite4-moe", "qwen3_5_moe-hybrid"),
     ],
 )
 def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
@@ -663,6 +712,50 @@ def test_the_fused_step_on_k_quant_blocks_is_the_layer_path_and_the_dequantized_
             torch.testing.assert_close(got, dense, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["file-layout", "packed"])
+def test_the_fused_step_routes_rows_to_experts_on_their_blocks_as_the_layer_path(tmp_path, packing):
+    """A Qwen3-MoE 256 wide, every projection random Q4_K blocks, its experts' down Q6_K (packed for
+    the integer kernel, or as the file lays them out): the fused step routes each row as the layer
+    path does and runs the chosen experts through the same kernel (moe_experts.c), whatever rows
+    share an expert; only the router's sums differ in order.
+    """
+    import transformers
+
+    from tests.support.quant import quantized_experts, random_k_blocks
+    from worker.model.quant_weights import ExpertBlocks, QuantLinear
+    from worker.model.quantized import QuantizedMatmul
+    from worker.serve.choices import use_fused_decode
+
+    shape = dict(COMMON, hidden_size=256, head_dim=64, num_hidden_layers=2, initializer_range=0.02)
+    config = transformers.Qwen3MoeConfig(
+        **shape, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256
+    )
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(str(tmp_path / "moe"))
+    model, config = load_model(str(tmp_path / "moe"), "auto", torch.float32, torch.device("cpu"))
+    model.use_matmul(DenseMatmul())
+    lib = QuantizedMatmul(cpu_native.load(), DenseMatmul(), max_kernel_rows=16, packing=packing)
+    g, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    for layer in model.layers:
+        layer.w = {
+            n: QuantLinear(lib.pack(random_k_blocks(rng, *layer.shapes[n], "Q4_K")[0]), None)
+            for n in ("qkv", "o_proj")
+        }
+        layer.mm = lib
+        gate_up, _ = quantized_experts(g, 8, 512, 256, "Q4_K")
+        down, _ = quantized_experts(g, 8, 256, 256, "Q6_K")
+        layer.moe.use_blocks(
+            ExpertBlocks([lib.pack(w) for w in gate_up], [lib.pack(w) for w in down]), lib
+        )
+        assert layer.moe.native is not None
+    model.mm = lib
+    use_fused_decode(model, 1, "int16" if packing else "fp32")
+    assert model.fused is not None
+    for seqs in DECODES:
+        want, _ = _run(model, config, seqs, fused=False)
+        got, _ = _run(model, config, seqs, fused=True)
+        assert (got - want).norm() / want.norm() < 1e-5
+
+
 def test_the_fused_step_on_packed_blocks_stays_with_the_fp32_activations(tmp_path):
     """Rounding each matmul's input to 16 bits moves a whole model's hidden states by about 1e-4 of
     their size (int8 activations move them by about 1e-2): the packed step, fused and layer by
@@ -730,7 +823,9 @@ def test_the_steps_own_profile_times_every_stage_and_changes_nothing(tmp_path):
     assert torch.equal(got, want)
     assert prof["steps"] == 2
     assert set(prof) == set(cpu_native.DECODE_STAGES) | {"steps"}
-    assert all(prof[s] > 0 for s in cpu_native.DECODE_STAGES if s not in ("lora", "mamba")), prof
+    assert all(
+        prof[s] > 0 for s in cpu_native.DECODE_STAGES if s not in ("lora", "mamba", "experts")
+    ), prof
     # no adapter in these steps: the stage never ran (tests/models/test_lora.py)
     assert prof["lora"] == 0
     _run(model, config, seqs, fused=True)
@@ -750,7 +845,7 @@ def test_the_per_token_budget_accounts_for_the_whole_step(tmp_path, capsys):
     assert runner.model.fused is not None
     res = budget.budget(runner, context=40, steps=3)
     parts = res["parts"]
-    unused = ("rounding", "lora", "mamba")  # no packed weights, no adapters, no Mamba2
+    unused = ("rounding", "lora", "mamba", "experts")  # no packed weights, adapters, Mamba2, MoE
     assert all(parts[f"stage {s}"] > 0 for s in cpu_native.DECODE_STAGES if s not in unused), parts
     assert parts["lm_head"] > 0 and parts["sampling"] > 0
     assert sum(parts.values()) == pytest.approx(res["step"], rel=0.02)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.quant import quantized_experts
 from worker.model.config import ModelConfig
 from worker.model.elementwise import TorchOps
 from worker.model.moe import MoE, clamped_swiglu, grouped_experts
@@ -257,29 +258,6 @@ def test_gpt_oss_experts_with_biases_and_the_clamped_swiglu(path):
         triton_moe = pytest.importorskip("kernels.triton_moe", reason="triton is not installed")
         got = triton_moe.fused_moe(h, w, ids, gate_up, down, act, gu_bias, d_bias)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
-
-
-def quantized_experts(g, experts, rows, cols, qtype):
-    """Random experts as GGUF blocks (QuantWeight each) and their dequantized values."""
-    import gguf
-    import numpy as np
-
-    from tests.support.quant import random_k_blocks
-    from worker.model.quant_weights import QuantWeight
-
-    kind = getattr(gguf.GGMLQuantizationType, qtype)
-    blocks, values = [], []
-    for e in range(experts):
-        if qtype.endswith("_K"):  # gguf reads the K types but cannot write them
-            w, v = random_k_blocks(np.random.default_rng(e), rows, cols, qtype)
-            blocks.append(w)
-            values.append(v)
-            continue
-        w = (torch.randn(rows, cols, generator=g) / cols**0.5).numpy()
-        q = gguf.quants.quantize(w, kind)
-        blocks.append(QuantWeight(torch.from_numpy(np.ascontiguousarray(q)), qtype, cols))
-        values.append(torch.from_numpy(gguf.quants.dequantize(q, kind).reshape(rows, cols)))
-    return blocks, torch.stack(values)
 
 
 @pytest.mark.parametrize("qtype", ["MXFP4", "Q4_K", "Q4_0", "Q8_0"])

@@ -47,3 +47,20 @@ def assert_projections_match(model, dense) -> None:
             torch.testing.assert_close(
                 layer.mm(inp, layer.w[name]), inp @ w.T, atol=2e-4, rtol=1e-3
             )
+
+
+def quantized_experts(g, experts, rows, cols, qtype):
+    """Random experts as GGUF blocks (QuantWeight each) and their dequantized values."""
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    blocks, values = [], []
+    for e in range(experts):
+        if qtype.endswith("_K"):  # gguf reads the K types but cannot write them
+            w, v = random_k_blocks(np.random.default_rng(e), rows, cols, qtype)
+            blocks.append(w)
+            values.append(v)
+            continue
+        w = (torch.randn(rows, cols, generator=g) / cols**0.5).numpy()
+        q = gguf.quants.quantize(w, kind)
+        blocks.append(QuantWeight(torch.from_numpy(np.ascontiguousarray(q)), qtype, cols))
+        values.append(torch.from_numpy(gguf.quants.dequantize(q, kind).reshape(rows, cols)))
+    return blocks, torch.stack(values)
