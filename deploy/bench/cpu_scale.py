@@ -153,6 +153,24 @@ def as_released(path: Path, shape: dict) -> None:
     path.write_text(json.dumps(saved))
 
 
+def released_experts(shapes: dict[str, tuple]) -> dict[str, tuple]:
+    """LFM2-MoE's experts as its checkpoints ship them (w1, w3, w2 an expert, which llama.cpp's
+    converter merges), from transformers' fused tensors.
+    """
+    out = {}
+    for name, dims in shapes.items():
+        base, _, kind = name.rpartition(".")
+        if not base.endswith("feed_forward.experts") or kind not in ("gate_up_proj", "down_proj"):
+            out[name] = dims
+            continue
+        experts, rows, cols = dims
+        parts = {"w1": rows // 2, "w3": rows // 2} if kind == "gate_up_proj" else {"w2": rows}
+        out.update(
+            {f"{base}.{e}.{w}.weight": (n, cols) for e in range(experts) for w, n in parts.items()}
+        )
+    return out
+
+
 def named_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Path:
     """A random Qwen3.5, Granite 4, Gemma 3, LFM2 or Nemotron-H shape named and shaped by
     transformers' own model, norms and decays as it starts them.
@@ -166,6 +184,8 @@ def named_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Pa
     config = AutoConfig.for_model(kind, vocab_size=vocab, rms_norm_eps=1e-6, **shape)
     config.architectures = [type(config).__name__[:-6].removesuffix("Text") + "ForCausalLM"]
     shapes = saved_shapes(config, out, tokenizer_from)
+    if kind == "lfm2_moe":
+        shapes = released_experts(shapes)
     if kind.startswith("gemma"):  # its converter cuts the embedding to the tokenizer's vocabulary
         pad_tokenizer(out / "tokenizer.json", vocab)
     as_released(out / "config.json", shape)

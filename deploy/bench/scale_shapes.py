@@ -129,6 +129,26 @@ NAMED["nemotron-h-4b"] = dict(
     max_position_embeddings=8192,
     tie_word_embeddings=False,
 )
+# LFM2-8B-A1B (`lfm2_moe`): LFM2's 18 short-conv and 6 attention layers, two dense MLPs 7,168 wide,
+# then 32 experts 1,792 wide, four a token, chosen by sigmoid score plus a bias
+NAMED["lfm2-8b-a1b"] = dict(
+    model_type="lfm2_moe",
+    hidden_size=2048,
+    intermediate_size=7168,
+    moe_intermediate_size=1792,
+    num_hidden_layers=24,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_dense_layers=2,
+    num_experts=32,
+    num_experts_per_tok=4,
+    layer_types=["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)],
+    conv_L_cache=3,
+    norm_eps=1e-5,
+    max_position_embeddings=128000,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    tie_word_embeddings=True,
+)
 SHAPES.update(NAMED)
 # gpt-oss-20b (`gpt_oss`) as its config.json gives it; its experts MXFP4 as it ships them
 GPT_OSS = {

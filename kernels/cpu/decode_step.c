@@ -16,6 +16,8 @@
  * attention is the same kernel. Rows of a LoRA adapter get its update after each projection (lora_rows.h).
  * A hybrid's stateful layer (Mamba2, Gated DeltaNet, an LFM short conv) runs its mixer in attention's place,
  * in_proj and out_proj where qkv and o_proj are, its state advanced in the sequence's slot of the state pool.
+ * A mixture-of-experts MLP is routed in the step and its chosen experts run in moe_experts.c's stages (the layer
+ * path's own), beside the layer's shared expert where it has one.
  * No tensor parallelism here (a rank would all-reduce between stages): the worker runs it at TP=1.
  */
 #include <math.h>
@@ -377,6 +379,7 @@ static void experts_stage(const PsModel* m, const PsLayer* ly, const float* h, i
         float g = 1.0f;
         if (ly->shared_gate) {
             float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
             for (int64_t i = 0; i < H; i++) acc += ly->shared_gate[i] * h[r * H + i];
             g = 1.0f / (1.0f + expf(-acc));
         }

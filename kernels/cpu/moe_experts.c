@@ -83,18 +83,19 @@ int64_t pagedserve_moe_work_bytes(const PsExperts *ex, int64_t hidden, int64_t t
     return bytes;
 }
 
-/* one row's routing: scores [experts] are the row's scratch */
-static void route_row(const PsExperts *ex, int64_t hidden, const float *x, int64_t *ids, float *weights,
-                      float *scores) {
+/* a row of the router against x, in vector lanes (the layer path's F.linear sums in another order too) */
+static float router_dot(const float *w, const float *x, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) acc += w[i] * x[i];
+    return acc;
+}
+
+/* one row's choice from its logits (scores [experts], turned into the scores in place) */
+static void choose_row(const PsExperts *ex, int64_t *ids, float *weights, float *scores) {
     const int64_t E = ex->experts, K = ex->top_k;
     float top = -INFINITY;
-    for (int64_t e = 0; e < E; e++) {
-        const float *w = ex->router + e * hidden;
-        float acc = 0.0f;
-        for (int64_t i = 0; i < hidden; i++) acc += w[i] * x[i];
-        scores[e] = acc;
-        top = acc > top ? acc : top;
-    }
+    for (int64_t e = 0; e < E; e++) top = scores[e] > top ? scores[e] : top;
     if (ex->sigmoid) {
         for (int64_t e = 0; e < E; e++) scores[e] = 1.0f / (1.0f + expf(-scores[e]));
     } else {
@@ -124,9 +125,12 @@ static void route_row(const PsExperts *ex, int64_t hidden, const float *x, int64
 
 void pagedserve_moe_route(const PsExperts *ex, int64_t hidden, const float *x, int64_t tokens, int64_t *ids,
                           float *weights, float *scores) {
+    const int64_t E = ex->experts, K = ex->top_k;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; t++)
-        route_row(ex, hidden, x + t * hidden, ids + t * ex->top_k, weights + t * ex->top_k, scores + t * ex->experts);
+    for (int64_t it = 0; it < tokens * E; it++) /* every (row, expert) logit: a row's are few for one thread */
+        scores[it] = router_dot(ex->router + it % E * hidden, x + it / E * hidden, hidden);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; t++) choose_row(ex, ids + t * K, weights + t * K, scores + t * E);
 }
 
 void pagedserve_moe_stages(const PsExperts *ex, int64_t hidden, const float *x, int64_t tokens, const int64_t *ids,
