@@ -228,12 +228,13 @@ class NativeKernels(NativeAttention, NativeRecurrent):
         experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         biases: tuple[torch.Tensor | None, torch.Tensor | None],
         inter: int,
-        act: tuple[float, float],
+        act: tuple[float, float, bool],
         bits8: bool,
         out: torch.Tensor,
     ) -> None:
         """out = each row's chosen experts' weighted sum. experts: block addresses (gate_up, down)
-        and their two types; act: the clamped SwiGLU's (limit, alpha), limit 0: SiLU-mul."""
+        and their two types; act: the clamped SwiGLU's (limit, alpha), limit 0: SiLU-mul, and
+        whether the experts are up alone, relu² (Nemotron-H's)."""
         gate_up, down, types = experts
         tokens, hidden = x.shape
         kinds = (x.dtype, ids.dtype, weights.dtype) == (torch.float32, torch.int64, torch.float32)
@@ -254,7 +255,8 @@ class NativeKernels(NativeAttention, NativeRecurrent):
             gate_up.numel(),
             hidden,
             inter,
-            *act,
+            *act[:2],
+            int(act[2]),
             int(bits8),
             out.data_ptr(),
         )

@@ -70,6 +70,24 @@ def matrix_bytes(model) -> dict[str, int]:
     for layer in model.layers:
         for name, n in one_layer(layer).items():  # a Mamba2 layer's in the step's stages of them
             total[{"in_proj": "qkv", "out_proj": "o_proj"}.get(name, name)] += n
+    experts = experts_bytes(model)
+    return total | ({"experts": experts} if experts else {})
+
+
+def experts_bytes(model) -> int:
+    """Bytes a token reads of the mixtures of experts: each layer's top-k experts' share."""
+    total = 0
+    for layer in model.layers:
+        moe = getattr(layer, "moe", None)
+        if moe is None:
+            continue
+        experts = moe.blocks.gate_up + moe.blocks.down if moe.blocks is not None else None
+        whole = (
+            sum(weight_bytes(w) for w in experts)
+            if experts
+            else weight_bytes(moe.gate_up) + weight_bytes(moe.down)
+        )
+        total += whole // moe.router.shape[0] * moe.top_k
     return total
 
 
@@ -88,15 +106,8 @@ def layer_bytes(model) -> dict[str, int]:
     """Without the fused step: bytes a token reads of the layers' own matrices, and of a MoE's
     experts the top-k's share (each token reads its chosen experts).
     """
-    total = {"layer matrices": 0, "experts, top-k": 0}
-    for layer in model.layers:
-        total["layer matrices"] += sum(weight_bytes(w) for w in layer.w.values())
-        moe = getattr(layer, "moe", None)
-        if moe is not None and moe.blocks is not None:
-            experts = moe.blocks.gate_up + moe.blocks.down
-            per = sum(weight_bytes(w) for w in experts) // len(moe.blocks.gate_up)
-            total["experts, top-k"] += per * moe.top_k
-    return total
+    own = sum(weight_bytes(w) for layer in model.layers for w in layer.w.values())
+    return {"layer matrices": own, "experts": experts_bytes(model)}
 
 
 def head_bytes(model) -> int:

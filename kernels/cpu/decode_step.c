@@ -322,8 +322,9 @@ static int layers_served(const PsModel* m, const PsLora* lora, const int64_t* st
         const int mixer = ly->qkv.out_dim > 0, mlp = ly->gate_up.out_dim > 0; /* Nemotron-H: one alone */
         if (!(mixer || mlp || ly->experts) || (lora && !(mixer && mlp)) || (!mixer && (mb || ly->delta || ly->conv)))
             return 0;
-        /* experts (and their shared expert, if any): gated ones, no adapters */
-        if (ly->experts && (lora || m->gelu || pagedserve_moe_checks(ly->experts, H))) return 0;
+        /* experts (and their shared expert, if any): SiLU-gated, or relu² beside relu² MLPs; no adapters */
+        if (ly->experts && (lora || m->gelu != 2 * ly->experts->relu2 || pagedserve_moe_checks(ly->experts, H)))
+            return 0;
         if (ly->shared_gate && !(ly->experts && mlp)) return 0;
         if (mb) { /* in_proj and out_proj where attention's qkv and o_proj are; no adapters on them */
             if (pagedserve_mamba_checks(mb) || !state_slots || lora) return 0;

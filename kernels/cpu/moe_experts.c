@@ -7,7 +7,7 @@
  *
  * The experts (pagedserve_moe_stages): the (row, expert) pairs sorted by expert, stably, as torch.sort orders them;
  * each pair's row gathered; every chosen expert's gate_up for its rows, as one `omp for` over (expert, 32 output
- * rows) items; the activation (SiLU-mul, or gpt-oss's clamped SwiGLU); down the same way into each pair's own
+ * rows) items; the activation (SiLU-mul, gpt-oss's clamped SwiGLU, or Nemotron-H's relu² of up alone); down the same way into each pair's own
  * row; and each token's rows summed, weight times (down + bias), in expert order from zero, as grouped_experts
  * adds them. Eight stages whatever the experts chosen: one `omp for` a stage an expert would cost 16 streams of
  * a 32-expert model ~100 barriers a layer. Weights are each expert's blocks (packed: 16-bit, or with bits8 8-bit
@@ -22,8 +22,15 @@
 #include "quant_blocks.h"
 #include "rows.h"
 
-static void expert_act(const float *gu, float *a, int64_t inter, float limit, float alpha) {
+static void expert_act(const float *gu, float *a, int64_t inter, float limit, float alpha, int relu2) {
     const float *g = gu, *u = gu + inter;
+    if (relu2) { /* gu is up alone */
+        for (int64_t i = 0; i < inter; i++) {
+            const float r = gu[i] > 0.0f ? gu[i] : 0.0f;
+            a[i] = r * r;
+        }
+        return;
+    }
     if (limit == 0.0f) {
         silu_mul_span(g, u, a, 0, inter);
         return;
@@ -42,10 +49,14 @@ static int expert_type_ok(int32_t type, int64_t in_dim, int64_t out_dim) {
 
 int pagedserve_moe_checks(const PsExperts *ex, int64_t hidden) {
     const int64_t inter = ex->inter;
-    if (ex->experts < 1 || ex->top_k < 1 || ex->top_k > ex->experts || ex->top_k > 64 || inter < 1 || hidden % QK || inter % QK)
+    if (ex->experts < 1 || ex->top_k < 1 || ex->top_k > ex->experts || ex->top_k > 64 || ex->groups > 64 || inter < 1 || hidden % QK || inter % QK)
         return -1;
     if (!ex->gate_up || !ex->down || (ex->sigmoid == 0 && ex->correction)) return -1;
-    return expert_type_ok(ex->gate_up_type, hidden, 2 * inter) && expert_type_ok(ex->down_type, inter, hidden) ? 0 : -1;
+    if (ex->groups < 1 || ex->experts % ex->groups || ex->topk_groups < 1 || ex->topk_groups > ex->groups
+        || (ex->groups > 1 && ex->experts / ex->groups < 2))
+        return -1;
+    const int64_t span = (ex->relu2 ? 1 : 2) * inter;
+    return expert_type_ok(ex->gate_up_type, hidden, span) && expert_type_ok(ex->down_type, inter, hidden) ? 0 : -1;
 }
 
 /* The work's parts for `pairs` (row, expert) pairs: int64 start [experts + 1], row_of, pos_of [pairs], used
@@ -63,7 +74,7 @@ static MoeWork moe_work(const PsExperts *ex, int64_t hidden, int64_t tokens, voi
     const int64_t pairs = tokens * ex->top_k, E = ex->experts, inter = ex->inter;
     const int64_t widest = hidden > inter ? hidden : inter;
     const int64_t sizes[8] = {8 * (E + 1), 8 * pairs, 8 * pairs, 8 * (E + 1), 4 * pairs * widest,
-                              4 * pairs * 2 * inter, 4 * pairs * hidden,
+                              4 * pairs * (ex->relu2 ? 1 : 2) * inter, 4 * pairs * hidden,
                               packed_x_bytes(pairs, packed_x_pitch(widest))};
     char *p = mem;
     void *at[8];
@@ -103,12 +114,34 @@ static void choose_row(const PsExperts *ex, int64_t *ids, float *weights, float 
         for (int64_t e = 0; e < E; e++) sum += scores[e] = expf(scores[e] - top);
         for (int64_t e = 0; e < E; e++) scores[e] /= sum;
     }
+    /* grouped: a group's worth its two best scores (to choose by); only the best topk_groups groups' experts */
+    const int64_t G = ex->groups, per = E / G;
+    uint64_t open = ~(uint64_t)0; /* groups still open, a bit each (G <= 64) */
+    if (G > 1) {
+        float worth[64];
+        for (int64_t g = 0; g < G; g++) {
+            float a = -INFINITY, b = -INFINITY;
+            for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                const float by = scores[e] + (ex->correction ? ex->correction[e] : 0.0f);
+                if (by > a) b = a, a = by;
+                else if (by > b) b = by;
+            }
+            worth[g] = a + b;
+        }
+        open = 0;
+        for (int64_t n = 0; n < ex->topk_groups; n++) {
+            int64_t best = -1;
+            for (int64_t g = 0; g < G; g++)
+                if (!(open >> g & 1) && (best < 0 || worth[g] > worth[best])) best = g;
+            open |= (uint64_t)1 << best;
+        }
+    }
     float total = 0.0f;
     for (int64_t k = 0; k < K; k++) { /* the best not yet taken, the lowest index first among equals */
         int64_t best = -1;
         float best_by = -INFINITY;
         for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
+            int taken = !(open >> (e / per) & 1);
             for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
             const float by = scores[e] + (ex->correction ? ex->correction[e] : 0.0f);
             if (!taken && (best < 0 || by > best_by)) best = e, best_by = by;
@@ -135,7 +168,8 @@ void pagedserve_moe_route(const PsExperts *ex, int64_t hidden, const float *x, i
 
 void pagedserve_moe_stages(const PsExperts *ex, int64_t hidden, const float *x, int64_t tokens, const int64_t *ids,
                            const float *weights, int32_t bits8, float *out, void *work) {
-    const int64_t K = ex->top_k, E = ex->experts, inter = ex->inter, span = 2 * inter, pairs = tokens * K;
+    const int64_t K = ex->top_k, E = ex->experts, inter = ex->inter, span = (ex->relu2 ? 1 : 2) * inter;
+    const int64_t pairs = tokens * K;
     const int32_t gt = ex->gate_up_type, dt = ex->down_type;
     const MoeWork w = moe_work(ex, hidden, tokens, work, 0);
 #pragma omp single
@@ -179,7 +213,7 @@ void pagedserve_moe_stages(const PsExperts *ex, int64_t hidden, const float *x, 
             const float *b = ex->gate_up_bias + ids[w.row_of[p]] * span;
             for (int64_t i = 0; i < span; i++) gu[i] += b[i];
         }
-        expert_act(gu, w.xe + p * inter, inter, ex->limit, ex->alpha); /* the activations replace the rows */
+        expert_act(gu, w.xe + p * inter, inter, ex->limit, ex->alpha, ex->relu2); /* the activations replace the rows */
     }
     PackedX pa = packed_x_at(w.packed, pairs, packed_x_pitch(inter));
     pa.bits8 = bits8;
@@ -219,13 +253,13 @@ void pagedserve_moe_stages(const PsExperts *ex, int64_t hidden, const float *x, 
 
 /* x [tokens, hidden]; ids, weights [tokens, top_k]; gate_up[e], down[e]: the addresses of expert e's blocks
    (types[0], types[1] their types, alike for every expert); biases [experts, 2 inter] and [experts, hidden] or
-   NULL. out [tokens, hidden] is overwritten. Returns 0, -1 (a type or shape not served), -2 (no memory). */
+   NULL; relu2: up rows alone, relu². out [tokens, hidden] is overwritten. Returns 0, -1 (a type or shape not served), -2 (no memory). */
 int pagedserve_moe_experts(const float *x, int64_t tokens, int32_t top_k, const int64_t *ids, const float *weights,
                            const int64_t *gate_up, const int64_t *down, const int32_t *types, const float *gate_up_bias,
                            const float *down_bias, int64_t experts, int64_t hidden, int64_t inter, float limit,
-                           float alpha, int32_t bits8, float *out) {
+                           float alpha, int32_t relu2, int32_t bits8, float *out) {
     const PsExperts ex = {0, 0, gate_up, down, gate_up_bias, down_bias, types[0], types[1], (int32_t)experts,
-                          top_k, (int32_t)inter, 0, 0, 0, 0.0f, 1.0f, limit, alpha};
+                          top_k, (int32_t)inter, 0, 0, relu2, 1, 1, 0, 0.0f, 1.0f, limit, alpha};
     if (pagedserve_moe_checks(&ex, hidden)) return -1;
     for (int64_t i = 0; i < tokens * top_k; i++)
         if (ids[i] < 0 || ids[i] >= experts) return -1;

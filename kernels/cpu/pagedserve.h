@@ -68,7 +68,7 @@ int pagedserve_quant_matmul_q8act(const float* x, int64_t rows, int64_t in_dim, 
 int pagedserve_moe_experts(const float* x, int64_t tokens, int32_t top_k, const int64_t* ids, const float* weights,
                            const int64_t* gate_up, const int64_t* down, const int32_t* types, const float* gate_up_bias,
                            const float* down_bias, int64_t experts, int64_t hidden, int64_t inter, float limit,
-                           float alpha, int32_t bits8, float* out);
+                           float alpha, int32_t relu2, int32_t bits8, float* out);
 int pagedserve_quant_dequant(const uint8_t* w, int64_t out_dim, int64_t in_dim, int32_t type, float* out);
 
 /* --- the fused decode step (decode_step.c); worker/model/fused_decode.py mirrors these structs --------- */
@@ -127,8 +127,8 @@ typedef struct {
 
 /* A mixture-of-experts MLP (worker/model/moe.py) as moe_experts.c routes and runs it: the router's logits
    (fp32 [experts, hidden]), softmax or sigmoid scores, the top_k by score (plus the correction, where there is
-   one), their scores as weights, renormalized (sum + norm_eps) and scaled; each chosen expert's gate_up and down
-   on its blocks. */
+   one) within the best topk_groups of `groups` groups, their scores as weights, renormalized (sum + norm_eps) and
+   scaled; each chosen expert's gate_up (or up alone) and down on its blocks. */
 typedef struct {
     const float* router;          /* [experts, hidden] fp32 */
     const float* correction;      /* [experts]: added to sigmoid scores to choose by, or NULL */
@@ -137,6 +137,9 @@ typedef struct {
     int32_t gate_up_type, down_type, experts, top_k, inter;
     int32_t sigmoid;   /* 0: a softmax over every expert; 1: each expert's sigmoid */
     int32_t normalize; /* the chosen weights divided by their sum (+ norm_eps) */
+    int32_t relu2;     /* 1: up rows alone, relu² (Nemotron-H's ungated experts), else gate and up rows */
+    int32_t groups, topk_groups; /* the experts in `groups` equal groups, chosen within the topk_groups whose two
+                                    best scores sum highest (1, 1: every expert) */
     int32_t pad;
     float norm_eps, scale; /* scale: every chosen weight times it */
     float limit, alpha;    /* limit 0: SiLU-mul; else gpt-oss's clamped SwiGLU */
@@ -196,7 +199,7 @@ _Static_assert(sizeof(PsMamba) == 8 * sizeof(void*) + 32, "PsMamba's fields");
 _Static_assert(sizeof(PsDelta) == 6 * sizeof(void*) + 32, "PsDelta's fields");
 _Static_assert(sizeof(PsConv) == 2 * sizeof(void*) + 8, "PsConv's fields");
 _Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 17 * sizeof(void*) + 16, "PsLayer's fields");
-_Static_assert(sizeof(PsExperts) == 6 * sizeof(void*) + 48, "PsExperts' fields");
+_Static_assert(sizeof(PsExperts) == 6 * sizeof(void*) + 64, "PsExperts' fields");
 _Static_assert(sizeof(PsModel) == 104, "PsModel's fields");
 
 /* One LoRA adapter's update of one fused projection (worker/model/lora.py Projection): for each part q,

@@ -202,6 +202,19 @@ def _hf_model(kind: str):
             linear_conv_kernel_dim=4,
         )
         return transformers.AutoModelForCausalLM.from_config(config)
+    # Nemotron-H's experts: relu² of up alone, chosen by sigmoid plus a bias within the best of two
+    # groups, scaled, beside a shared relu² MLP; a relu² MLP layer and a Mamba2 one beside them
+    if kind == "nemotron_h-moe":
+        from tests.support.families import RECURRENT
+
+        shape = dict(RECURRENT["nemotron_h"], intermediate_size=64)
+        shape["moe_shared_expert_intermediate_size"] = 64
+        shape["layers_block_type"] = ["moe", "linear_attention", "full_attention", "mlp", "moe"]
+        config = transformers.AutoConfig.for_model("nemotron_h", **{**COMMON, **shape})
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        for i in (0, 4):  # saved as zeros: values that change the choice
+            model.model.layers[i].mixer.gate.e_score_correction_bias.copy_(torch.rand(8) * 0.5)
+        return model
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
         return transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(
@@ -315,7 +328,7 @@ DECODES = [
         *("llama", "qwen2", "qwen3", "smollm3", "mistral", "qwen2-sliding", "phi3"),
         *("granite4-hybrid", "qwen3_5-hybrid", "gemma2", "gemma3", "lfm2", "lfm3"),
         *("nemotron_h", "falcon_h1"),
-        *("qwen3_moe", "lfm2_moe", "granite4-moe", "qwen3_5_moe-hybrid"),
+        *("qwen3_moe", "lfm2_moe", "granite4-moe", "qwen3_5_moe-hybrid", "nemotron_h-moe"),
     ],
 )
 def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):

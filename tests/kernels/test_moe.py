@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from tests.support.quant import quantized_experts
 from worker.model.config import ModelConfig
 from worker.model.elementwise import TorchOps
-from worker.model.moe import MoE, clamped_swiglu, grouped_experts
+from worker.model.moe import MoE, clamped_swiglu, grouped_experts, relu_squared
 from worker.model.parallel import make_shard
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -262,15 +262,16 @@ def test_gpt_oss_experts_with_biases_and_the_clamped_swiglu(path):
 
 @pytest.mark.parametrize("qtype", ["MXFP4", "Q4_K", "Q4_0", "Q8_0"])
 @pytest.mark.parametrize("activations", ["int16", "int8", "fp32"])
-@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["silu", "gpt-oss", "relu2"])
 @pytest.mark.parametrize("tokens", [1, 5, 19])
 def test_one_native_call_equals_the_grouped_loop_on_the_same_blocks(
-    native, qtype, activations, gpt_oss, tokens
+    native, qtype, activations, kind, tokens
 ):
     """The experts on their blocks in one native call (pagedserve_moe_experts) give what the grouped
     loop gives through the same library, expert by expert: packed with 16- or 8-bit activations, or
-    unpacked with fp32 ones; SiLU-mul, or gpt-oss's biases and clamped SwiGLU; experts no token
-    chose skipped; and what both give is the dequantized experts' answer.
+    unpacked with fp32 ones; SiLU-mul, gpt-oss's biases and clamped SwiGLU, or Nemotron-H's relu² of
+    up alone; experts no token chose skipped; and what both give is the dequantized experts'
+    answer.
     """
     from types import SimpleNamespace
 
@@ -288,7 +289,8 @@ def test_one_native_call_equals_the_grouped_loop_on_the_same_blocks(
         packing=activations != "fp32",
         pack_q8=True,
     )
-    gate_up, gu_values = quantized_experts(g, experts, 2 * inter, hidden, qtype)
+    gpt_oss, relu2 = kind == "gpt-oss", kind == "relu2"
+    gate_up, gu_values = quantized_experts(g, experts, (1 if relu2 else 2) * inter, hidden, qtype)
     down, d_values = quantized_experts(g, experts, hidden, inter, qtype)
     blocks = ExpertBlocks([lib.pack(w) for w in gate_up], [lib.pack(w) for w in down])
     assert NativeExperts.serves(blocks, lib)
@@ -302,9 +304,14 @@ def test_one_native_call_equals_the_grouped_loop_on_the_same_blocks(
         else (None, None)
     )
     moe = SimpleNamespace(
-        gate_up_bias=biases[0], down_bias=biases[1], limit=7.0 if gpt_oss else None, alpha=1.702
+        gate_up_bias=biases[0],
+        down_bias=biases[1],
+        limit=7.0 if gpt_oss else None,
+        alpha=1.702,
+        gated=not relu2,
     )
     act = partial(clamped_swiglu, 7.0, 1.702) if gpt_oss else TorchOps().silu_mul
+    act = relu_squared if relu2 else act
     got = NativeExperts(moe, blocks, lib)(h, weights, ids)
     loop = grouped_experts(h, weights, ids, blocks.gate_up, blocks.down, act, *biases, lib)
     torch.testing.assert_close(got, loop, atol=2e-4, rtol=2e-4)

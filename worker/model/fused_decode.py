@@ -130,8 +130,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _experts_refusal(moe) -> str | None:
     """Why the fused step cannot run these experts (None: it can)."""
-    if moe.router_bias is not None or moe.limit or moe.geglu or not moe.gated or moe.groups > 1:
-        return "experts with biases, a clamped or GELU or ungated activation, or grouped routing"
+    if moe.router_bias is not None or moe.limit or moe.geglu or moe.groups > 64:
+        return "experts with biases, a clamped or GELU activation, or past 64 groups"
     if moe.blocks is not None and moe.native is None:
         return "experts on blocks the native experts kernel does not read"
     if moe.blocks is None and not all(
@@ -165,6 +165,9 @@ def _experts(moe, keep: list) -> PsExperts:
         inter=inter,
         sigmoid=int(moe.sigmoid),
         normalize=int(moe.normalize),
+        relu2=int(not moe.gated),
+        groups=moe.groups,
+        topk_groups=moe.topk_groups,
         norm_eps=moe.norm_eps,
         scale=moe.scale,
     )

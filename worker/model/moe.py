@@ -61,7 +61,7 @@ class MoE(nn.Module):
     def use_blocks(self, blocks, mm) -> None:
         """Serve the experts on their blocks (a QuantizedMatmul's kernels), never dense."""
         self.blocks, self.mm = blocks, mm
-        serves = self.gated and not self.geglu and NativeExperts.serves(blocks, mm)
+        serves = not self.geglu and NativeExperts.serves(blocks, mm)
         self.native = NativeExperts(self, blocks, mm) if serves else None
         self.gate_up.data = torch.empty(0, dtype=self.gate_up.dtype)
         self.down.data = torch.empty(0, dtype=self.down.dtype)
@@ -159,7 +159,7 @@ class NativeExperts:
             )
         x = h if h.dtype == torch.float32 and h.is_contiguous() else h.float().contiguous()
         out = torch.empty_like(x)
-        act = (float(m.limit or 0.0), float(m.alpha or 0.0))
+        act = (float(m.limit or 0.0), float(m.alpha or 0.0), not m.gated)
         w = weights.float().contiguous()
         kernels, bits8 = self.mm.kernels, self.mm.int8_activations
         kernels.moe_experts(
