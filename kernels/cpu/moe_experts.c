@@ -66,6 +66,7 @@ typedef struct {
     int64_t *start, *row_of, *pos_of, *used;
     float *xe, *ge, *ye;
     void *packed;
+    int64_t experts; /* used[experts]: how many were chosen */
 } MoeWork;
 
 static int64_t align64(int64_t n) { return (n + 63) / 64 * 64; }
@@ -84,7 +85,7 @@ static MoeWork moe_work(const PsExperts *ex, int64_t hidden, int64_t tokens, voi
         total += align64(sizes[i]);
     }
     if (bytes) *bytes = total;
-    MoeWork w = {at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7]};
+    MoeWork w = {at[0], at[1], at[2], at[3], at[4], at[5], at[6], at[7], E};
     return w;
 }
 
@@ -166,6 +167,20 @@ void pagedserve_moe_route(const PsExperts *ex, int64_t hidden, const float *x, i
     for (int64_t t = 0; t < tokens; t++) choose_row(ex, ids + t * K, weights + t * K, scores + t * E);
 }
 
+/* Every chosen expert's matrix (mats[e]: its blocks' address) for the rows sorted to it: in's rows (px where
+   packed) -> out's, one `omp for` over (expert, 32 output rows: whole groups of 16) items. */
+static void expert_rows(const MoeWork *w, int32_t type, const int64_t *mats, const float *in, PackedX px,
+                        int64_t in_dim, int64_t out_dim, float *out) {
+    const int64_t chunks = (out_dim + 31) / 32, n_used = w->used[w->experts];
+#pragma omp for schedule(guided)
+    for (int64_t it = 0; it < n_used * chunks; it++) {
+        const int64_t e = w->used[it / chunks], c0 = it % chunks * 32, c1 = c0 + 32 < out_dim ? c0 + 32 : out_dim;
+        const int64_t s = w->start[e], n = w->start[e + 1] - s;
+        block_rows(type, (const uint8_t *)(uintptr_t)mats[e], in + s * in_dim,
+                   packed_x_rows(px, s, packed_x_pitch(in_dim)), n, in_dim, out_dim, c0, c1, out + s * out_dim);
+    }
+}
+
 void pagedserve_moe_stages(const PsExperts *ex, int64_t hidden, const float *x, int64_t tokens, const int64_t *ids,
                            const float *weights, int32_t bits8, float *out, void *work) {
     const int64_t K = ex->top_k, E = ex->experts, inter = ex->inter, span = (ex->relu2 ? 1 : 2) * inter;
@@ -188,7 +203,6 @@ void pagedserve_moe_stages(const PsExperts *ex, int64_t hidden, const float *x, 
             if (w.start[e + 1] > w.start[e]) w.used[n_used++] = e;
         w.used[E] = n_used;
     }
-    const int64_t n_used = w.used[E];
     PackedX ph = packed_x_at(w.packed, pairs, packed_x_pitch(hidden));
     ph.bits8 = bits8;
 #pragma omp for schedule(static)
@@ -198,14 +212,7 @@ void pagedserve_moe_stages(const PsExperts *ex, int64_t hidden, const float *x, 
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < pairs * (hidden / QK); i++) packed_x_block(w.xe, ph, i, hidden / QK);
     }
-    const int64_t gc = (span + 31) / 32, dc = (hidden + 31) / 32; /* 32 output rows an item: whole groups of 16 */
-#pragma omp for schedule(guided)
-    for (int64_t it = 0; it < n_used * gc; it++) {
-        const int64_t e = w.used[it / gc], c0 = it % gc * 32, c1 = c0 + 32 < span ? c0 + 32 : span;
-        const int64_t s = w.start[e], n = w.start[e + 1] - s;
-        block_rows(gt, (const uint8_t *)(uintptr_t)ex->gate_up[e], w.xe + s * hidden,
-                   packed_x_rows(ph, s, packed_x_pitch(hidden)), n, hidden, span, c0, c1, w.ge + s * span);
-    }
+    expert_rows(&w, gt, ex->gate_up, w.xe, ph, hidden, span, w.ge);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < pairs; p++) {
         float *gu = w.ge + p * span;
@@ -221,13 +228,7 @@ void pagedserve_moe_stages(const PsExperts *ex, int64_t hidden, const float *x, 
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < pairs * (inter / QK); i++) packed_x_block(w.xe, pa, i, inter / QK);
     }
-#pragma omp for schedule(guided)
-    for (int64_t it = 0; it < n_used * dc; it++) {
-        const int64_t e = w.used[it / dc], c0 = it % dc * 32, c1 = c0 + 32 < hidden ? c0 + 32 : hidden;
-        const int64_t s = w.start[e], n = w.start[e + 1] - s;
-        block_rows(dt, (const uint8_t *)(uintptr_t)ex->down[e], w.xe + s * inter,
-                   packed_x_rows(pa, s, packed_x_pitch(inter)), n, inter, hidden, c0, c1, w.ye + s * hidden);
-    }
+    expert_rows(&w, dt, ex->down, w.xe, pa, inter, hidden, w.ye);
     const int64_t oc = (hidden + 255) / 256;
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < tokens * oc; it++) { /* a token's pairs in expert order, summed from zero */
