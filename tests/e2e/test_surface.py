@@ -447,14 +447,15 @@ def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
     )
     pids = server.worker_pids()
     try:
-        long.stdin.write("tell me everything\n")
-        long.stdin.flush()
-        deadline = time.monotonic() + 30
-        while server.stats().num_running == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        # the workers held still, so the answer cannot end before the Ctrl-C lands (on a loaded
-        # machine it had: no "[stopped]" after a whole answer)
-        with server.held_still(2.0, pids):
+        # the workers held still from before the question, so the answer cannot end before the
+        # Ctrl-C lands (held from after it was seen running, a whole answer once came first)
+        with server.held_still(5.0, pids):
+            long.stdin.write("tell me everything\n")
+            long.stdin.flush()
+            deadline = time.monotonic() + 4
+            while server.stats().num_running == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert server.stats().num_running == 1
             long.send_signal(2)  # Ctrl-C
             long.stdin.close()
         out = long.stdout.read()

@@ -86,8 +86,8 @@ def test_the_binding_reads_each_signature_from_the_header():
 def test_the_fused_steps_structs_match_the_librarys(native):
     from kernels.cpu_step import mirrors_match
 
-    # model, layers, and the LoRA pair
-    assert len(native.struct_sizes) == 6 and mirrors_match(native)
+    # model, layers, the LoRA pair and the experts
+    assert len(native.struct_sizes) == 7 and mirrors_match(native)
 
 
 def test_half_width_conversions_are_defined_once():
