@@ -225,8 +225,14 @@ def chat_turn(
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    import signal
+
     from protos import generation_pb2
 
+    # Ctrl-C stops an answer however the chat was started: a SIGINT its parent ignored or blocked
+    # (a script's background job, a process that masks it) is taken back
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     stub = stub_for(args.server, args.tls_ca, args.api_key)
     sampling = sampling_from_args(args)
     system = [generation_pb2.ChatMessage(role="system", content=args.system)] if args.system else []

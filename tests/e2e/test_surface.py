@@ -7,6 +7,7 @@ import os
 import pty
 import re
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -426,25 +427,23 @@ def test_chat_keeps_the_conversation_resets_and_ctrl_c_stops_an_answer(server):
     finally:
         if proc.poll() is None:
             proc.kill()
-    long = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deploy.cli",
-            "chat",
-            "--server",
-            server.address,
-            "--greedy",
-            "--max-tokens",
-            "450",
-            "--ignore-eos",
-        ],
-        cwd=ROOT,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    # started with SIGINT blocked, as a parent may leave it (a CI run's test process once did: the
+    # Ctrl-C never reached the chat): the chat takes it back
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        long = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "deploy.cli", "chat", "--server", server.address),
+                *("--greedy", "--max-tokens", "450", "--ignore-eos"),
+            ],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     pids = server.worker_pids()
     try:
         # the workers held still from before the question, so the answer cannot end before the
