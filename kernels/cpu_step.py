@@ -56,6 +56,8 @@ class PsLayer(ctypes.Structure):
             _P,
         ),  # a PsExperts where the MLP is a mixture of experts (gate_up: its shared one)
         ("shared_gate", _P),  # [hidden]: the shared expert's output times sigmoid(shared_gate . x)
+        ("sinks", _P),  # [n_heads]: gpt-oss's extra logit a head in each softmax, or NULL
+        ("o_bias", _P),  # [hidden]: added to o_proj's output (gpt-oss), or NULL
     ]
 
 
@@ -65,6 +67,7 @@ class PsExperts(ctypes.Structure):
     _fields_ = [
         ("router", _P),
         ("correction", _P),
+        ("router_bias", _P),
         ("gate_up", _P),
         ("down", _P),
         ("gate_up_bias", _P),

@@ -562,7 +562,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                             const float* st = att_state + r * row_state;
                             const float* mx = st + att_splits * nh * hd + hh;
                             pagedserve_decode_merge(st + hh * hd, mx, mx + att_splits * nh, att_splits, nh * hd, nh, (int)hd,
-                                                    NULL, attn + r * qsz + hh * hd);
+                                                    ly->sinks ? ly->sinks + hh : 0, attn + r * qsz + hh * hd);
                         }
                     } else if (runs == rows) {
 #pragma omp for schedule(dynamic, 1)
@@ -573,7 +573,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                             const int32_t first = ly->window > 0 && seq_lens[r] > ly->window ? seq_lens[r] - ly->window : 0;
                             pagedserve_decode_item(qkv + r * lw, ly->k_cache, ly->v_cache, attn + r * qsz,
                                                    block_tables + r * table_stride, first, seq_lens[r], kh0, kh1, (int)nh,
-                                                   (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, NULL, m->kv_bf16);
+                                                   (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, ly->sinks, m->kv_bf16);
                         }
                     } else {
 #pragma omp for schedule(dynamic, 1)
@@ -586,15 +586,15 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                                 const int32_t first = ly->window > 0 && last > ly->window ? last - ly->window : 0;
                                 pagedserve_decode_item(qkv + r * lw, ly->k_cache, ly->v_cache, attn + r * qsz,
                                                        block_tables + r * table_stride, first, last, kh, kh + 1, (int)nh,
-                                                       (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, NULL, m->kv_bf16);
-                            } else if (ly->window <= 0 || last <= ly->window) { /* every row sees every key */
+                                                       (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, ly->sinks, m->kv_bf16);
+                            } else if (!ly->sinks && (ly->window <= 0 || last <= ly->window)) { /* every row sees every key */
                                 pagedserve_decode_run(qkv + r * lw, lw, ly->k_cache, ly->v_cache, attn + r * qsz, qsz,
                                                       (int32_t)n, block_tables + r * table_stride, seq_lens[r], kh, (int)nh,
                                                       (int)nkv, (int)hd, m->block_size, m->scale, m->softcap, m->kv_bf16);
                             } else {
                                 pagedserve_prefill_rows(qkv, lw, ly->k_cache, ly->v_cache, attn, r, (int32_t)n, last,
                                                         block_tables + r * table_stride, kh, (int)nh, (int)nkv, (int)hd,
-                                                        m->block_size, m->scale, ly->window, m->softcap, m->kv_bf16);
+                                                        m->block_size, m->scale, ly->window, m->softcap, ly->sinks, m->kv_bf16);
                             }
                         }
                     }
@@ -616,6 +616,12 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                 if (lq) {
                     lora_expand(lq, delta, H);
                     stage_done(PS_LORA, &prof_t);
+                }
+                if (ly->o_bias) {
+#pragma omp for schedule(static)
+                    for (int64_t r = 0; r < rows; r++)
+                        for (int64_t i = 0; i < H; i++) delta[r * H + i] += ly->o_bias[i];
+                    stage_done(PS_O_PROJ, &prof_t);
                 }
                 if (ly->beside) { /* Falcon-H1: Mamba2 on the same input, the two outputs summed */
                     const PsLayer* bs = ly->beside;

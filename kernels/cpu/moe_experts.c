@@ -162,7 +162,8 @@ void pagedserve_moe_route(const PsExperts *ex, int64_t hidden, const float *x, i
     const int64_t E = ex->experts, K = ex->top_k;
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < tokens * E; it++) /* every (row, expert) logit: a row's are few for one thread */
-        scores[it] = router_dot(ex->router + it % E * hidden, x + it / E * hidden, hidden);
+        scores[it] = router_dot(ex->router + it % E * hidden, x + it / E * hidden, hidden)
+                     + (ex->router_bias ? ex->router_bias[it % E] : 0.0f);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; t++) choose_row(ex, ids + t * K, weights + t * K, scores + t * E);
 }
@@ -259,7 +260,7 @@ int pagedserve_moe_experts(const float *x, int64_t tokens, int32_t top_k, const 
                            const int64_t *gate_up, const int64_t *down, const int32_t *types, const float *gate_up_bias,
                            const float *down_bias, int64_t experts, int64_t hidden, int64_t inter, float limit,
                            float alpha, int32_t relu2, int32_t bits8, float *out) {
-    const PsExperts ex = {0, 0, gate_up, down, gate_up_bias, down_bias, types[0], types[1], (int32_t)experts,
+    const PsExperts ex = {0, 0, 0, gate_up, down, gate_up_bias, down_bias, types[0], types[1], (int32_t)experts,
                           top_k, (int32_t)inter, 0, 0, relu2, 1, 1, 0, 0.0f, 1.0f, limit, alpha};
     if (pagedserve_moe_checks(&ex, hidden)) return -1;
     for (int64_t i = 0; i < tokens * top_k; i++)

@@ -566,7 +566,7 @@ int pagedserve_prefill_tiles(int32_t use) {
 void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
                              float* out, int64_t start, int32_t q_len, int32_t seq_len, const int32_t* table,
                              int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
-                             float scale, int32_t window, float softcap, int32_t kv_bf16) {
+                             float scale, int32_t window, float softcap, const float* sinks, int32_t kv_bf16) {
     const int group = n_heads / n_kv_heads;
     const int64_t token_stride = (int64_t)n_kv_heads * head_dim;
     const int64_t block_stride = (int64_t)block_size * token_stride;
@@ -575,7 +575,7 @@ void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k
     for (int p0 = 0; p0 < q_len; p0 += qt) {
         const int p1 = p0 + qt < q_len ? p0 + qt : q_len;
         prefill_item(q, q_row_stride, k_cache, v_cache, out, start, q_len, seq_len, table, p0, p1, kh, n_heads,
-                     group, head_dim, block_size, block_stride, token_stride, scale, window, softcap, NULL, kv_bf16);
+                     group, head_dim, block_size, block_stride, token_stride, scale, window, softcap, sinks, kv_bf16);
     }
 }
 

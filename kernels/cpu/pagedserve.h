@@ -132,6 +132,7 @@ typedef struct {
 typedef struct {
     const float* router;          /* [experts, hidden] fp32 */
     const float* correction;      /* [experts]: added to sigmoid scores to choose by, or NULL */
+    const float* router_bias;     /* [experts]: added to the router's logits (gpt-oss), or NULL */
     const int64_t *gate_up, *down; /* [experts]: the address of each expert's blocks (gate rows, then up) */
     const float *gate_up_bias, *down_bias; /* [experts, 2 inter], [experts, hidden] (gpt-oss), or NULL */
     int32_t gate_up_type, down_type, experts, top_k, inter;
@@ -169,6 +170,8 @@ typedef struct PsLayer {
        is added, times sigmoid(shared_gate . x) where shared_gate is not NULL (Qwen's) */
     const PsExperts* experts;
     const float* shared_gate;
+    const float* sinks;  /* [n_heads]: one more logit a head in each softmax, its value none (gpt-oss), or NULL */
+    const float* o_bias; /* [hidden]: added to o_proj's output (gpt-oss), or NULL */
 } PsLayer;
 
 typedef struct {
@@ -198,8 +201,8 @@ _Static_assert(sizeof(PsMatrix) == 3 * 24 + 24, "PsMatrix: segments, out_dim, in
 _Static_assert(sizeof(PsMamba) == 8 * sizeof(void*) + 32, "PsMamba's fields");
 _Static_assert(sizeof(PsDelta) == 6 * sizeof(void*) + 32, "PsDelta's fields");
 _Static_assert(sizeof(PsConv) == 2 * sizeof(void*) + 8, "PsConv's fields");
-_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 17 * sizeof(void*) + 16, "PsLayer's fields");
-_Static_assert(sizeof(PsExperts) == 6 * sizeof(void*) + 64, "PsExperts' fields");
+_Static_assert(sizeof(PsLayer) == 4 * sizeof(PsMatrix) + 19 * sizeof(void*) + 16, "PsLayer's fields");
+_Static_assert(sizeof(PsExperts) == 7 * sizeof(void*) + 64, "PsExperts' fields");
 _Static_assert(sizeof(PsModel) == 104, "PsModel's fields");
 
 /* One LoRA adapter's update of one fused projection (worker/model/lora.py Projection): for each part q,
@@ -294,6 +297,6 @@ void pagedserve_moe_stages(const PsExperts* ex, int64_t hidden, const float* x, 
 void pagedserve_prefill_rows(const float* q, int64_t q_row_stride, const void* k_cache, const void* v_cache,
                              float* out, int64_t start, int32_t q_len, int32_t seq_len, const int32_t* table,
                              int32_t kh, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int32_t block_size,
-                             float scale, int32_t window, float softcap, int32_t kv_bf16);
+                             float scale, int32_t window, float softcap, const float* sinks, int32_t kv_bf16);
 
 #endif

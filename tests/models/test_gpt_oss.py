@@ -58,10 +58,12 @@ def test_an_mxfp4_gguf_is_served_on_its_blocks_as_transformers_answers(gguf_fold
         results = submit_all(server, items, stream=True)
         for rid, prompt, max_tokens, _ in items:
             assert results[rid][0] == hf_greedy(gguf_folder, prompt, max_tokens), rid
-        n = greedy_request(items[0][1], 48, "oss-n")
+        # two choices decoded side by side: the same tokens as alone, up to the 43rd, a near tie
+        # (transformers' two best logits 0.002 apart) that 8-bit activations may take either way
+        n = greedy_request(items[0][1], 42, "oss-n")
         n.sampling.n = 2
         resp = server.stub.Generate(n, timeout=120)
-        assert [list(c.token_ids) for c in resp.choices] == [results["oss-0"][0]] * 2
+        assert [list(c.token_ids) for c in resp.choices] == [results["oss-0"][0][:42]] * 2
         assert_all_blocks_back(server)
     finally:
         server.stop()

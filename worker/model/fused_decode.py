@@ -11,7 +11,6 @@ import torch
 
 from kernels.cpu_step import (
     MAX_SEGMENTS,
-    PsExperts,
     PsLayer,
     PsLora,
     PsLoraProj,
@@ -128,51 +127,6 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _experts_refusal(moe) -> str | None:
-    """Why the fused step cannot run these experts (None: it can)."""
-    if moe.router_bias is not None or moe.limit or moe.geglu or moe.groups > 64:
-        return "experts with biases, a clamped or GELU activation, or past 64 groups"
-    if moe.blocks is not None and moe.native is None:
-        return "experts on blocks the native experts kernel does not read"
-    if moe.blocks is None and not all(
-        w.dtype == torch.float32 and w.dim() == 3 and w.is_contiguous()
-        for w in (moe.gate_up, moe.down)
-    ):
-        return "experts neither on GGUF blocks nor plain fp32"
-    return None
-
-
-def _experts(moe, keep: list) -> PsExperts:
-    """A mixture-of-experts MLP as the native step routes and runs it; keep: what it points into."""
-    if moe.native is not None:
-        gate_up, down, types = moe.native.experts
-        inter = moe.native.inter
-    else:  # plain fp32 rows (type 0), an expert's at a time
-        gate_up = torch.tensor([w.data_ptr() for w in moe.gate_up], dtype=torch.int64)
-        down = torch.tensor([w.data_ptr() for w in moe.down], dtype=torch.int64)
-        types, inter = torch.zeros(2, dtype=torch.int32), moe.down.shape[2]
-    router = moe.router.detach().float().contiguous()
-    keep.extend((gate_up, down, router, moe.correction))
-    return PsExperts(
-        router=router.data_ptr(),
-        correction=_ptr(moe.correction),
-        gate_up=gate_up.data_ptr(),
-        down=down.data_ptr(),
-        gate_up_type=int(types[0]),
-        down_type=int(types[1]),
-        experts=router.shape[0],
-        top_k=moe.top_k,
-        inter=inter,
-        sigmoid=int(moe.sigmoid),
-        normalize=int(moe.normalize),
-        relu2=int(not moe.gated),
-        groups=moe.groups,
-        topk_groups=moe.topk_groups,
-        norm_eps=moe.norm_eps,
-        scale=moe.scale,
-    )
-
-
 class FusedDecode:
     """The model handed to the library once, so a decode step is one call (per-layer overhead was a
     third of a one-stream step).
@@ -206,7 +160,7 @@ class FusedDecode:
         q_size = c.num_heads * c.head_dim
         if c.hidden_size % 32 or c.intermediate_size % 32 or q_size % 32 or c.head_dim % 2:
             return "dimensions not multiples of 32"
-        refusals = (_experts_refusal(layer.moe) for layer in model.layers if layer.moe is not None)
+        refusals = (layer.moe.fused_refusal() for layer in model.layers if layer.moe is not None)
         if (why := next((r for r in refusals if r), None)) is not None:
             return why
         if len(set(c.layer_widths)) > 1:
@@ -304,8 +258,13 @@ class FusedDecode:
         alone = state is not None and beside is None  # the stateful mixer in attention's place
         experts = None
         if layer.moe is not None:
-            experts = _experts(layer.moe, keep)
+            experts = layer.moe.described(keep)
             keep.append(experts)
+        sinks, o_bias = (  # gpt-oss's, fp32
+            None if t is None else t.detach().float().contiguous()
+            for t in (layer.sinks, layer.o_bias)
+        )
+        keep.extend((sinks, o_bias))
         # a half the layer lacks (Nemotron-H's MLP or mixer alone; experts, no shared one): no rows
         return PsLayer(
             *(mats.get(name, PsMatrix()) for name in (*mixer, "gate_up", "down")),
@@ -329,6 +288,8 @@ class FusedDecode:
             None if beside is None else ctypes.addressof(beside),
             None if experts is None else ctypes.addressof(experts),
             _ptr(layer.shared_gate),
+            _ptr(sinks),
+            _ptr(o_bias),
         )
 
     def forward(self, x: torch.Tensor, step, pool) -> torch.Tensor:

@@ -114,6 +114,61 @@ class MoE(nn.Module):
             return fused_moe(h, weights, ids, self.gate_up, self.down, act, *biases)
         return grouped_experts(h, weights, ids, self.gate_up, self.down, act, *biases)
 
+    def fused_refusal(self) -> str | None:
+        """Why the fused step cannot run these experts (None: it can)."""
+        if self.geglu or self.groups > 64:
+            return "experts with a GELU activation, or past 64 groups"
+        if self.blocks is not None and self.native is None:
+            return "experts on blocks the native experts kernel does not read"
+        if self.blocks is None and not all(
+            w.dtype == torch.float32 and w.dim() == 3 and w.is_contiguous()
+            for w in (self.gate_up, self.down)
+        ):
+            return "experts neither on GGUF blocks nor plain fp32"
+        return None
+
+    def described(self, keep: list):
+        """A PsExperts: these experts as the fused step (decode_step.c) routes and runs them; keep:
+        what it points into.
+        """
+        from kernels.cpu_step import PsExperts
+
+        if self.native is not None:
+            gate_up, down, types = self.native.experts
+            inter = self.native.inter
+        else:  # plain fp32 rows (type 0), an expert's at a time
+            gate_up = torch.tensor([w.data_ptr() for w in self.gate_up], dtype=torch.int64)
+            down = torch.tensor([w.data_ptr() for w in self.down], dtype=torch.int64)
+            types, inter = torch.zeros(2, dtype=torch.int32), self.down.shape[2]
+        router, bias, gate_up_bias, down_bias = (
+            None if t is None else t.detach().float().contiguous()
+            for t in (self.router, self.router_bias, self.gate_up_bias, self.down_bias)
+        )
+        keep.extend((gate_up, down, router, self.correction, bias, gate_up_bias, down_bias))
+        return PsExperts(
+            router=router.data_ptr(),
+            correction=_address(self.correction),
+            router_bias=_address(bias),
+            gate_up=gate_up.data_ptr(),
+            down=down.data_ptr(),
+            gate_up_bias=_address(gate_up_bias),
+            down_bias=_address(down_bias),
+            gate_up_type=int(types[0]),
+            down_type=int(types[1]),
+            experts=router.shape[0],
+            top_k=self.top_k,
+            inter=inter,
+            sigmoid=int(self.sigmoid),
+            normalize=int(self.normalize),
+            relu2=int(not self.gated),
+            groups=self.groups,
+            topk_groups=self.topk_groups,
+            norm_eps=self.norm_eps,
+            scale=self.scale,
+            limit=float(self.limit or 0.0),
+            alpha=float(self.alpha or 0.0),
+        )
+
 
 class NativeExperts:
     """The experts on their blocks in one native call a layer (kernels/cpu/quant_matmul.c
@@ -225,3 +280,7 @@ def grouped_experts(
         out.index_add_(0, rows, y)
         start += count
     return out
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
