@@ -17,7 +17,8 @@
  * A hybrid's stateful layer (Mamba2, Gated DeltaNet, an LFM short conv) runs its mixer in attention's place,
  * in_proj and out_proj where qkv and o_proj are, its state advanced in the sequence's slot of the state pool.
  * A mixture-of-experts MLP is routed in the step and its chosen experts run in moe_experts.c's stages (the layer
- * path's own), beside the layer's shared expert where it has one.
+ * path's own), beside the layer's shared expert where it has one. gpt-oss's sinks join every softmax (a drafting
+ * run's rows then attend through pagedserve_prefill_rows, which reads them) and its o_proj bias is added.
  * No tensor parallelism here (a rank would all-reduce between stages): the worker runs it at TP=1.
  */
 #include <math.h>
