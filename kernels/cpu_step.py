@@ -44,7 +44,7 @@ class PsLayer(ctypes.Structure):
         ("mamba", _P),  # a PsMamba (kernels/cpu_recurrent.py) where the layer is Mamba2
         ("delta", _P),  # a PsDelta where it is Gated DeltaNet
         ("attn_gate", _I32),  # gates after q, k, v: 1 a query value's (Qwen3.5), 2 a head's (LFM3)
-        ("pad", _I32),
+        ("qk_whole", _I32),  # q/k norms over each token's whole projection (OLMo 3, MiniMax-M2)
         ("attn_out_norm", _P),  # Gemma's norms of the two blocks' outputs
         ("mlp_out_norm", _P),
         ("cos", _P),  # the layer's own RoPE tables (Gemma 3's sliding layers), or NULL

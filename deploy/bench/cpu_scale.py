@@ -172,7 +172,7 @@ def released_experts(shapes: dict[str, tuple]) -> dict[str, tuple]:
 
 
 def named_folder(out: Path, shape: dict, tokenizer_from: Path, vocab: int) -> Path:
-    """A random Qwen3.5, Granite 4, Gemma 3, LFM2 or Nemotron-H shape named and shaped by
+    """A random Qwen3.5, Granite 4, Gemma 3, LFM2, Nemotron-H or OLMo 3 shape named and shaped by
     transformers' own model, norms and decays as it starts them.
     """
     import torch

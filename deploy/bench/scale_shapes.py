@@ -149,6 +149,21 @@ NAMED["lfm2-8b-a1b"] = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     tie_word_embeddings=True,
 )
+# OLMo-3-7B (`olmo3`): 32 layers, full multi-head attention (32 KV heads), q/k normed over the
+# whole projection, norms after each block only, three 4,096-key sliding layers to one full
+NAMED["olmo3-7b"] = dict(
+    model_type="olmo3",
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    sliding_window=4096,
+    layer_types=["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(32)],
+    max_position_embeddings=65536,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    tie_word_embeddings=False,
+)
 SHAPES.update(NAMED)
 # gpt-oss-20b (`gpt_oss`) as its config.json gives it; its experts MXFP4 as it ships them
 GPT_OSS = {

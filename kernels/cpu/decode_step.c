@@ -18,7 +18,9 @@
  * in_proj and out_proj where qkv and o_proj are, its state advanced in the sequence's slot of the state pool.
  * A mixture-of-experts MLP is routed in the step and its chosen experts run in moe_experts.c's stages (the layer
  * path's own), beside the layer's shared expert where it has one. gpt-oss's sinks join every softmax (a drafting
- * run's rows then attend through pagedserve_prefill_rows, which reads them) and its o_proj bias is added.
+ * run's rows then attend through pagedserve_prefill_rows, which reads them) and its o_proj bias is added. OLMo 3's
+ * and MiniMax-M2's q and k are normed over each token's whole projection before the heads' RoPE, and OLMo 3's
+ * blocks take the residual stream unnormed (no input norm), their outputs normed before the add.
  * No tensor parallelism here (a rank would all-reduce between stages): the worker runs it at TP=1.
  */
 #include <math.h>
@@ -253,6 +255,15 @@ static void head_prologue(float* v, const float* bias, const float* norm, const 
         for (int d = 0; d < head_dim; d++) v[d] += bias[d];
     if (norm) add_rms_norm_row(v, 0, norm, v, head_dim, eps); /* in place: each value read before written */
     if (c) rope_head(v, c, s, rotary_half);
+}
+
+/* add_rms_norm_row, or with no norm (OLMo 3's layers) the sum itself as out */
+static inline void add_norm_row(float* x, const float* delta, const float* weight, float* out, int64_t dim, float eps) {
+    if (weight) {
+        add_rms_norm_row(x, delta, weight, out, dim, eps);
+        return;
+    }
+    for (int64_t i = 0; i < dim; i++) out[i] = x[i] += delta ? delta[i] : 0.0f;
 }
 
 /* A block's output as the layer path adds it to the residual: RMS-normed where the layer norms it (Gemma's
@@ -499,7 +510,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
 #pragma omp for schedule(static)
                 for (int64_t r = 0; r < rows; r++) {
                     if (li) block_out(delta + r * H, H, pending_norm(m, li - 1), m);
-                    add_rms_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
+                    add_norm_row(residual + r * H, li ? delta + r * H : 0, ly->input_norm, h + r * H, H, m->eps);
                 }
                 stage_done(PS_NORMS, &prof_t);
                 la.which = 0;
@@ -520,6 +531,17 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                     pagedserve_delta_stages(dl, qkv, stride, state_slots, rows, conv_out, attn, mixed);
                     stage_done(PS_MAMBA, &prof_t);
                 } else {
+                    const int whole = ly->qk_whole; /* q's and k's bias and norm over the whole projection first */
+                    if (whole) {
+#pragma omp for schedule(static)
+                        for (int64_t it = 0; it < rows * 2; it++) { /* a row's q, or its k */
+                            const int64_t at = it % 2 ? qsz : 0, n = it % 2 ? kvsz : qsz;
+                            float* v = qkv + it / 2 * lw + at;
+                            if (ly->qkv_bias)
+                                for (int64_t i = 0; i < n; i++) v[i] += ly->qkv_bias[at + i];
+                            add_rms_norm_row(v, 0, it % 2 ? ly->k_norm : ly->q_norm, v, n, m->eps);
+                        }
+                    }
 #pragma omp for schedule(static)
                     for (int64_t it = 0; it < rows * heads; it++) { /* q heads, then k heads (each with its v head) */
                         const int64_t r = it / heads, hh = it % heads;
@@ -527,8 +549,8 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
                         const int is_k = hh >= nh;
                         const float* c = ly->rope ? (ly->cos ? ly->cos : m->cos) + positions[r] * half : 0;
                         const float* s = ly->rope ? (ly->sin ? ly->sin : m->sin) + positions[r] * half : 0;
-                        head_prologue(row + hh * hd, ly->qkv_bias ? ly->qkv_bias + hh * hd : 0, is_k ? ly->k_norm : ly->q_norm,
-                                      c, s, (int)hd, (int)half, m->eps);
+                        head_prologue(row + hh * hd, ly->qkv_bias && !whole ? ly->qkv_bias + hh * hd : 0,
+                                      whole ? 0 : is_k ? ly->k_norm : ly->q_norm, c, s, (int)hd, (int)half, m->eps);
                         if (is_k) {
                             const int64_t kvh = hh - nh;
                             float* v = row + qsz + kvsz + kvh * hd;
@@ -639,7 +661,7 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
             for (int64_t r = 0; r < rows; r++) { /* the residual add (of the mixer's, or the last layer's output) */
                 const int pending = has_mixer || li;
                 if (pending) block_out(delta + r * H, H, has_mixer ? ly->attn_out_norm : pending_norm(m, li - 1), m);
-                add_rms_norm_row(residual + r * H, pending ? delta + r * H : 0, ly->post_norm, h + r * H, H, m->eps);
+                add_norm_row(residual + r * H, pending ? delta + r * H : 0, ly->post_norm, h + r * H, H, m->eps);
             }
             stage_done(PS_NORMS, &prof_t);
             if (has_mlp) { /* a dense MLP, or the experts' shared one */

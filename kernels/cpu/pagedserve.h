@@ -148,7 +148,7 @@ typedef struct {
 
 typedef struct PsLayer {
     PsMatrix qkv, o_proj, gate_up, down;
-    const float *input_norm, *post_norm;
+    const float *input_norm, *post_norm; /* NULL: the residual stream goes in unnormed (OLMo 3) */
     const float* qkv_bias;        /* [q + 2 kv] or NULL */
     const float *q_norm, *k_norm; /* [head_dim] each, or NULL (Qwen3's per-head RMSNorm) */
     void *k_cache, *v_cache;      /* [num_blocks, block_size, n_kv_heads, head_dim], fp32 or bf16 (kv_bf16) */
@@ -158,7 +158,7 @@ typedef struct PsLayer {
     const PsDelta* delta;         /* a Gated DeltaNet layer (the same places), or NULL */
     int32_t attn_gate; /* qkv ends in gates, attention's output times their sigmoid: 1 one a query value, 2 one a
                           query head (LFM3's) */
-    int32_t pad;
+    int32_t qk_whole;  /* 1: q_norm [q] and k_norm [kv] norm each token's whole projection (OLMo 3, MiniMax-M2) */
     /* Gemma's norms of attention's and the MLP's outputs before each residual add, or NULL */
     const float *attn_out_norm, *mlp_out_norm;
     const float *cos, *sin; /* the layer's own RoPE tables (Gemma 3's sliding layers), or NULL: the model's */

@@ -230,6 +230,19 @@ def _hf_model(kind: str):
             for layer in model.model.layers:
                 layer.self_attn.sinks.copy_(torch.rand(4) * 3)
         return model
+    # OLMo 3: q/k normed over the whole projection, the residual stream into each block unnormed,
+    # the blocks' outputs normed, 3 sliding : 1 full; MiniMax-M2: the same q/k norms, partial RoPE,
+    # experts by sigmoid plus a correction; OLMo-hybrid: OLMo 3's attention beside Gated DeltaNet
+    if kind in ("olmo3", "minimax_m2", "olmo_hybrid"):
+        from tests.support.families import ATTENTION, RECURRENT
+
+        shape = {**ATTENTION, **RECURRENT}[kind]
+        config = transformers.AutoConfig.for_model(kind, **{**COMMON, **shape})
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        if kind == "minimax_m2":  # saved as zeros: values that change the choice
+            for layer in model.model.layers:
+                layer.mlp.e_score_correction_bias.copy_(torch.rand(8) * 0.5)
+        return model
     if kind == "qwen2-sliding":  # layer 0 full, layers 1-2 sliding
         return transformers.Qwen2ForCausalLM(
             transformers.Qwen2Config(
@@ -344,7 +357,7 @@ DECODES = [
         *("granite4-hybrid", "qwen3_5-hybrid", "gemma2", "gemma3", "lfm2", "lfm3"),
         *("nemotron_h", "falcon_h1"),
         *("qwen3_moe", "lfm2_moe", "granite4-moe", "qwen3_5_moe-hybrid", "nemotron_h-moe"),
-        "gpt_oss",
+        *("gpt_oss", "olmo3", "minimax_m2", "olmo_hybrid"),
     ],
 )
 def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
@@ -357,6 +370,7 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
         "gemma3": (12, 0, 12, 0),
         "lfm3": (0, 12, 0, 0),
         "gpt_oss": (12, 0, 12, 0),
+        "olmo3": (8, 8, 8, 0),
     }.get(kind, ())
     for seqs in DECODES:
         want, want_pool = _run(model, config, seqs, fused=False)
@@ -377,6 +391,7 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
     ("kind", "kv_dtype"),
     [
         *((k, d) for k in ("llama", "qwen3", "mistral") for d in (torch.float32, torch.bfloat16)),
+        ("olmo3", torch.float32),
         ("gpt_oss", torch.float32),
     ],
 )

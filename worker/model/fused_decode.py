@@ -167,8 +167,6 @@ class FusedDecode:
             return "MLPs of different widths (the layer path)"
         if c.model_type in GEMMA4_TYPES:
             return "Gemma 4's per-layer inputs and shared K/V (the layer path)"
-        if any(c.post_norms(i) for i in range(c.num_layers)) or c.qk_norm_whole or c.v_norm:
-            return "outputs normed without input norms, whole-projection q/k norms (the layer path)"
         if c.hidden_act not in ACTIVATIONS or c.gated_mlp != (c.hidden_act != "relu2"):
             return f"a {c.hidden_act} MLP (the fused step gates by SiLU or GELU-tanh, or relu²s up)"
         for layer in model.layers:
@@ -265,11 +263,11 @@ class FusedDecode:
             for t in (layer.sinks, layer.o_bias)
         )
         keep.extend((sinks, o_bias))
+        post_only = c.post_norms(i)  # OLMo 3: the residual stream goes in unnormed
         # a half the layer lacks (Nemotron-H's MLP or mixer alone; experts, no shared one): no rows
         return PsLayer(
             *(mats.get(name, PsMatrix()) for name in (*mixer, "gate_up", "down")),
-            _ptr(layer.input_norm),
-            _ptr(layer.post_attn_norm),
+            *(None, None) if post_only else (_ptr(layer.input_norm), _ptr(layer.post_attn_norm)),
             _ptr(layer.qkv_bias),
             _ptr(layer.q_norm),
             _ptr(layer.k_norm),
@@ -280,7 +278,7 @@ class FusedDecode:
             ctypes.addressof(state) if alone and layer.mamba is not None else None,
             ctypes.addressof(state) if layer.linear is not None else None,
             0 if alone else 1 if c.attn_output_gate else 2 * c.attn_head_gate,
-            0,
+            int(c.qk_norm_whole),
             _ptr(layer.attn_out_norm),
             _ptr(layer.mlp_out_norm),
             *((_ptr(local.cos), _ptr(local.sin)) if c.window(i) and local else (None, None)),
