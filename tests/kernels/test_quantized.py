@@ -683,8 +683,18 @@ def test_packed_k_quants_hold_gguf_values_at_the_files_size(native, qtype):
     assert torch.equal(lib.dequantize(stack), torch.cat([reference, v_ref]))
     with pytest.raises(ValueError, match="interleaved"):
         packed.cols(0, 256)
-    ragged, _ = random_k_blocks(np.random.default_rng(10), 40, 768, qtype)
+    ragged, ragged_ref = random_k_blocks(np.random.default_rng(10), 40, 768, qtype)
     assert lib.pack(ragged) is ragged  # not whole 16-row groups: served as the file ships it
+    # a head of a vocabulary past whole 16s (OLMo's 100,278): its 32 rows packed, the last 8 as
+    # shipped, copied apart (the file's matrix let go); the same values
+    head = lib.pack(ragged, tail=True)
+    assert [(p.qtype, p.out_dim) for p in head.segments] == [(PACKED_FROM[qtype], 32), (qtype, 8)]
+    assert head.segments[1].data.untyped_storage().nbytes() == 8 * ragged.data.shape[1]
+    assert torch.equal(lib.dequantize(head), ragged_ref)
+    x = torch.randn(3, 768)
+    y = lib(x, head)  # each part's product in its place: the packed kernel's, the file's
+    assert torch.equal(y[:, :32], lib(x, lib.pack(ragged.rows(slice(0, 32)))))
+    assert torch.equal(y[:, 32:], lib(x, ragged)[:, 32:])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])

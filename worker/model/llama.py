@@ -116,7 +116,7 @@ class LlamaModel(nn.Module):
             counts[q.file_qtype] = counts.get(q.file_qtype, 0) + 1
             # prefill's copy is the blocks' own values, whatever the loaded parameter held
             dense = (lib.copies or lib.dense).prepare(lib.dequantize(q)) if keep_dense else None
-            return QuantLinear(lib.pack(q), dense), True
+            return QuantLinear(lib.pack(q, tail=True), dense), True
 
         for i, layer in enumerate(self.layers):
             layer.w = {}

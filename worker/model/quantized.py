@@ -58,12 +58,21 @@ class QuantizedMatmul:
             else self.dense.prepare(weight)
         )
 
-    def pack(self, w: QuantWeight | QuantStack) -> QuantWeight | QuantStack:
-        """w repacked where packing applies, else as it is."""
+    def pack(self, w: QuantWeight | QuantStack, tail: bool = False) -> QuantWeight | QuantStack:
+        """w repacked where packing applies, else as it is. tail: rows past the last whole 16 (a
+        vocabulary of 100,278: OLMo's head) kept apart as they are, the rest packed; else such a
+        matrix stays unpacked whole (experts: their kernel reads one type).
+        """
         if not self.packing:
             return w
         if isinstance(w, QuantStack):
-            return QuantStack([self.pack(p) for p in w.segments])
+            segments = [s for p in w.segments for s in self.pack(p, tail).segments]
+            return QuantStack(segments) if len(segments) > 1 else segments[0]
+        whole = w.out_dim // 16 * 16
+        if tail and w.qtype in PACKED_FROM and 0 < whole < w.out_dim:
+            # the tail a copy, not a view: the file's whole matrix is let go
+            rest = QuantWeight(w.data[whole:].clone(), w.qtype, w.in_dim)
+            return QuantStack([*self.pack(w.rows(slice(0, whole))).segments, rest])
         if w.qtype not in PACKED_FROM or w.out_dim % 16:
             return w
         if w.qtype == "Q8_0" and not self.q8_packs():
