@@ -73,6 +73,10 @@ def _body(prompt: list[int], max_tokens: int) -> dict:
     }
 
 
+class CannotRead(RuntimeError):
+    """A peer that does not read this file's architecture: left out of the run, which goes on."""
+
+
 class LlamaTarget:
     """A llama-server on the GGUF, driven over /v1/completions with token-id prompts."""
 
@@ -80,14 +84,19 @@ class LlamaTarget:
         folder = Path(tempfile.mkdtemp(prefix="pagedserve-peer-llama-"))
         self.peer = peer.name
         self.name = f"{peer.name} llama-server ({args.gguf_label} GGUF)"
-        self.server = LlamaServer(
-            peer,
-            args.gguf,
-            args.slots,
-            max(384, args.prompt_tokens + 64),
-            args.threads,
-            folder / f"{peer.name}.log",
-        ).wait()
+        log = folder / f"{peer.name}.log"
+        server = LlamaServer(
+            peer, args.gguf, args.slots, max(384, args.prompt_tokens + 64), args.threads, log
+        )
+        try:
+            self.server = server.wait()
+        except (RuntimeError, TimeoutError):
+            server.stop()  # whatever is left of it
+            text = log.read_text(errors="replace")
+            if "unknown model architecture" in text:
+                arch = text.split("unknown model architecture:")[1].split("\n")[0].strip()
+                raise CannotRead(f"{peer.name} does not read {arch}: left out") from None
+            raise
         asyncio.run(http_pass(self.server.base_url, [_body([1, 2, 3], 4)], "/v1/completions"))
 
     def one(self, prompt: list[int], max_tokens: int) -> float:
@@ -185,15 +194,23 @@ def run_targets(makers, prompts, args) -> tuple[list, dict]:
     if not args.alone:
         try:
             for make in makers:  # each appended once up: stopped whatever follows
-                targets.append(make())
+                try:
+                    targets.append(make())
+                except CannotRead as e:
+                    print(e, flush=True)
             return targets, measure(targets, prompts, args)
         finally:
             for t in targets:
                 t.stop()
     res: dict = {}
     for turn in range(args.passes):
-        for make in makers:
-            t = make()
+        for make in list(makers):
+            try:
+                t = make()
+            except CannotRead as e:
+                print(e, flush=True)
+                makers.remove(make)
+                continue
             try:
                 got = measure([t], prompts, args)[t.name]
             finally:
