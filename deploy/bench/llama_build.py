@@ -87,7 +87,10 @@ def build_ik(source: str) -> Path:
         if (Path(source) / "CMakeLists.txt").is_file():
             shutil.copytree(source, IK, symlinks=True, ignore=shutil.ignore_patterns("build"))
         else:
-            subprocess.run(["git", "clone", "--depth", "1", source, str(IK)], check=True)
+            clone = subprocess.run(["git", "clone", "--depth", "1", source, str(IK)])
+            if clone.returncode:  # a failed checkout (blobs missing) is not kept for the next try
+                shutil.rmtree(IK, ignore_errors=True)
+                raise subprocess.CalledProcessError(clone.returncode, clone.args)
     return _cmake(IK, "llama-server", ["-DGGML_NATIVE=ON"])
 
 
@@ -316,7 +319,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    print(build_ik(args.ik))
+    try:
+        print(build_ik(args.ik))
+    except subprocess.CalledProcessError as e:  # a clone whose checkout failed, a failed build
+        command = " ".join(map(str, e.cmd[:3]))
+        print(f"pagedserve: {command} ... failed (exit {e.returncode})", file=sys.stderr)
+        return 2
     return 0
 
 

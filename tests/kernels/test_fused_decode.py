@@ -378,8 +378,9 @@ def test_the_fused_step_equals_the_layer_path_on_fp32_weights(tmp_path, kind):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         for a, b in zip(got_pool.k + got_pool.v, want_pool.k + want_pool.v, strict=True):
             # this step's K/V written at its slots (sums in another order than the sgemm's: ~1e-5
-            # apart)
-            torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)
+            # of the keys' scale apart; gpt-oss's reach 10: AVX-512's order left one 4.7e-5 off)
+            scale = float(b.abs().amax()) if b.numel() else 0.0  # a recurrent layer holds no K/V
+            torch.testing.assert_close(a, b, atol=1e-5 * max(3.0, scale), rtol=1e-4)
         if config.keeps_state:  # every slot's conv and SSD state as the layer path leaves it
             for a, b in zip(got_pool.states.tensors(), want_pool.states.tensors(), strict=True):
                 torch.testing.assert_close(a, b, atol=3e-5, rtol=1e-4)

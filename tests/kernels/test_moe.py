@@ -314,6 +314,9 @@ def test_one_native_call_equals_the_grouped_loop_on_the_same_blocks(
     act = relu_squared if relu2 else act
     got = NativeExperts(moe, blocks, lib)(h, weights, ids)
     loop = grouped_experts(h, weights, ids, blocks.gate_up, blocks.down, act, *biases, lib)
-    torch.testing.assert_close(got, loop, atol=2e-4, rtol=2e-4)
+    # 8-bit activations: the native SiLU (AVX-512: reciprocal and Newton step) may sit an ulp from
+    # torch's, and a value on a rounding edge then moves one int8 step (19 tokens, Q4_0: 8.5e-4)
+    tol = 2e-3 if activations == "int8" else 2e-4
+    torch.testing.assert_close(got, loop, atol=tol, rtol=tol)
     dense = grouped_experts(h, weights, ids, gu_values, d_values, act, *biases)
     assert (got - dense).norm() / dense.norm() < (5e-2 if activations == "int8" else 2e-3)
