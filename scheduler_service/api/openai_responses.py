@@ -21,8 +21,13 @@ FINISH = {
 }
 
 
+# breaks JSON leaves raw, where splitlines (httpx's aiter_lines) would cut an SSE event in two
+_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def dumps(body: dict) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    """One line of JSON for a body or an SSE event: UTF-8, every line break escaped."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).translate(_BREAKS).encode()
 
 
 def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
