@@ -28,6 +28,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "amx_bf16.h"
 #include "pagedserve.h"
 #include "packed_blocks.h"
 #include "quant_blocks.h"
@@ -131,7 +132,7 @@ int64_t pagedserve_decode_step_scratch(const PsModel* m, int64_t rows) {
     const StepWidths w = step_widths(m);
     return rows * (4 * (int64_t)m->hidden + w.proj + 2 * w.mix + w.conv + 3 * (int64_t)m->intermediate)
            + (packed_x_bytes(rows, packed_x_pitch(w.max_in)) + 128) / (int64_t)sizeof(float)
-           + (moe_bytes(m, rows) + 64) / (int64_t)sizeof(float);
+           + (moe_bytes(m, rows) + 64) / (int64_t)sizeof(float) + (amx_x_bytes(rows, w.max_in) + 64) / (int64_t)sizeof(float);
 }
 
 /* y = x @ W^T on the dense copy through sgemm, the output rows in as many equal chunks (of whole 16s) as
@@ -164,6 +165,14 @@ static int has_packed(const PsMatrix* w) {
     return 0;
 }
 
+/* Whether a matrix has BF16 segments this step multiplies on AMX tiles (px.tiles: the scratch for x as tiles). */
+static int has_amx(const PsMatrix* w, PackedX px) {
+    if (!px.tiles || !amx_shape(w->in_dim)) return 0;
+    for (int s = 0; s < PS_MAX_SEGMENTS; s++)
+        if (w->seg[s].rows >= AMX_ROWS && w->seg[s].type == BF16) return 1;
+    return 0;
+}
+
 /* y[r, :] = x[r, :] @ W^T for this thread's share of W's rows (called by every thread of the region). A
    matrix with packed segments first rounds x into px, split over the threads (one more barrier). */
 static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int64_t rows, float* y, PackedX px,
@@ -180,6 +189,16 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
         for (int64_t i = 0; i < rows * nblocks; i++) packed_x_block(x, px, i, nblocks);
         stage_done(PS_ROUNDING, prof_t);
     }
+    const int amx = has_amx(w, px);
+#ifdef AMX_BF16
+    if (amx) {
+        const int64_t tiles = (rows + AMX_ROWS - 1) / AMX_ROWS * (w->in_dim / AMX_K);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) amx_x_tile(x, rows, w->in_dim, px.tiles, t);
+        stage_done(PS_ROUNDING, prof_t);
+        amx_begin();
+    }
+#endif
     const int64_t extra = lora_shrink_items(la); /* the adapters' shrink first, beside the chunks */
     /* guided: each thread streams one contiguous share first, then shrinking runs (a vCPU the host takes away
        does not hold the other); single chunks handed out in turn broke each thread's stream every 36 KB, and
@@ -214,6 +233,17 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
                 o += PACK_ROWS - 1;
                 continue;
             }
+#ifdef AMX_BF16
+            /* a BF16 segment's whole groups of 16 on tiles, each by the chunk holding its first row */
+            const int64_t whole = g->rows / AMX_ROWS * AMX_ROWS;
+            if (amx && g->type == BF16 && o - first < whole) {
+                const int64_t off = (o - first) % AMX_ROWS;
+                if (!off)
+                    amx_group((const uint16_t*)g->w + (o - first) * w->in_dim, w->in_dim, px.tiles, rows, y, out_dim, o);
+                o += AMX_ROWS - off - 1;
+                continue;
+            }
+#endif
             const uint8_t* wrow = g->w + (o - first) * row_bytes(g->type, w->in_dim);
             float acc[ROWS];
             for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
@@ -223,6 +253,10 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
             }
         }
     }
+#ifdef AMX_BF16
+    if (amx) amx_end();
+#endif
+    (void)amx;
     stage_done(stage, prof_t);
 }
 
@@ -437,6 +471,12 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     packed = (float*)(((uintptr_t)packed + 63) & ~(uintptr_t)63);
     PackedX px = packed_x_at(packed, rows, packed_x_pitch(widths.max_in));
     px.bits8 = m->x8;
+    /* x as AMX tiles for BF16 matrices (amx_bf16.h), past the experts' memory */
+    px.tiles = amx_bf16_ready()
+                   ? (uint16_t*)(((uintptr_t)packed + (uintptr_t)packed_x_bytes(rows, packed_x_pitch(widths.max_in))
+                                  + 63 + (uintptr_t)moe_bytes(m, rows) + 63)
+                                 & ~(uintptr_t)63)
+                   : 0;
     /* the mixtures of experts' scores, choices, output and work (moe_bytes) */
     char* moe_mem = (char*)(((uintptr_t)packed + (uintptr_t)packed_x_bytes(rows, packed_x_pitch(widths.max_in)) + 63)
                             & ~(uintptr_t)63);

@@ -163,6 +163,7 @@ typedef struct {
     float *sumh;   /* [rows][in_dim / 32] the fp32 sum of the block's first 16 values (Q6_K's halves) */
     int bits8;     /* 8-bit activations (amax / 127) held as the high bytes, low bytes 0: one byte dot product
                       a weight vector instead of two (llama.cpp's precision, twice the integer throughput) */
+    uint16_t *tiles; /* the same x as AMX bf16 tiles for BF16 matrices (amx_bf16.h), where the step has them */
 } PackedX;
 
 /* Blocks of padding after each row of PackedX: rows are in_dim + 64 bytes apart (packed_x_pitch), so the 32
@@ -187,6 +188,7 @@ static inline PackedX packed_x_at(void *mem, int64_t rows, int64_t in_dim) {
     p.hsum = (int32_t *)(p.sum + f);
     p.sumh = (float *)(p.hsum + f);
     p.bits8 = 0;
+    p.tiles = 0;
     return p;
 }
 

@@ -14,7 +14,12 @@
    pagedserve_quant_dequant writes the fp32 matrix (prefill hands it to oneDNN / BLAS). */
 #include <math.h>
 #include <stdlib.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
+#include "amx_bf16.h"
 #include "pagedserve.h"
 #include "packed_blocks.h"
 #include "quant_blocks.h"
@@ -143,11 +148,70 @@ static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uin
     return 0;
 }
 
+/* Linux hands a process the AMX tile state only once asked (ARCH_REQ_XCOMP_PERM for XTILEDATA); asked once, the
+   answer kept. pagedserve_amx_allow(0) turns the tiles off (the row kernel's fp32 activations instead). */
+static int amx_state = -1, amx_allowed = 1;
+
+int amx_bf16_ready(void) {
+#if defined(AMX_BF16) && defined(__linux__)
+    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_state && amx_allowed;
+#else
+    return 0;
+#endif
+}
+
+/* 1: BF16 rows on AMX tiles where the CPU has them (the default); 0: the row kernel. Returns the state now. */
+int pagedserve_amx_allow(int32_t on) {
+    if (on >= 0) amx_allowed = on != 0;
+    return amx_bf16_ready();
+}
+
+/* y = x @ W^T for BF16 rows on AMX tiles: the activations as tiles (amx_x_tile), then whole groups of 16 output
+   rows split over the threads as runs (guided, as packed_matmul's); the rows past the last 16 on the row
+   kernel. -2: no memory for the tiles. */
+static int amx_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim, float *y) {
+#ifdef AMX_BF16
+    const int64_t tiles = (rows + AMX_ROWS - 1) / AMX_ROWS * (in_dim / AMX_K), groups = out_dim / AMX_ROWS;
+    uint16_t *xp = aligned_alloc(64, (size_t)amx_x_bytes(rows, in_dim));
+    if (!xp) return -2;
+    const int64_t per = groups >= 64 ? groups / 64 : 1, runs = (groups + per - 1) / per;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) amx_x_tile(x, rows, in_dim, xp, t);
+        amx_begin();
+#pragma omp for schedule(guided) nowait
+        for (int64_t c = 0; c < runs; c++) {
+            const int64_t g1 = (c + 1) * per < groups ? (c + 1) * per : groups;
+            for (int64_t g = c * per; g < g1; g++)
+                amx_group((const uint16_t *)w + g * AMX_ROWS * in_dim, in_dim, xp, rows, y, out_dim, g * AMX_ROWS);
+        }
+        amx_end();
+#pragma omp for schedule(static)
+        for (int64_t o = groups * AMX_ROWS; o < out_dim; o++) {
+            float acc[ROWS];
+            for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {
+                const int nr = (int)(rows - r0 < ROWS ? rows - r0 : ROWS);
+                rows_dot(BF16, w + o * in_dim * 2, in_dim / QK, x + r0 * in_dim, in_dim, nr, acc);
+                for (int r = 0; r < nr; r++) y[(r0 + r) * out_dim + o] = acc[r];
+            }
+        }
+    }
+    free(xp);
+    return 0;
+#else
+    (void)x, (void)rows, (void)in_dim, (void)w, (void)out_dim, (void)y;
+    return -1;
+#endif
+}
+
 /* Returns 0, or -1 when the type or shape is not served (in_dim must be a multiple of 32). */
 int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                             int32_t type, float *y) {
     if (packed_type(type)) return packed_matmul(x, rows, in_dim, w, out_dim, type, y, 0);
     if (!block_bytes(type) || in_dim % block_values(type)) return -1;
+    if (type == BF16 && amx_shape(in_dim) && amx_bf16_ready()) return amx_matmul(x, rows, in_dim, w, out_dim, y);
     const int64_t nblocks = in_dim / QK, rb = row_bytes(type, in_dim);
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < out_dim; o++) {

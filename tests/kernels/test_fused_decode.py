@@ -471,12 +471,13 @@ def test_on_a_bf16_kv_pool_the_fused_step_writes_the_same_bits_and_attends_as_th
         assert not torch.equal(got, fp32)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "BF16"])
 @pytest.mark.parametrize("mode", ["file-layout", "packed", "packed-int8"])
 def test_the_fused_step_on_gguf_blocks_is_the_layer_path_bit_for_bit(tmp_path, qtype, mode):
     """Same dot products in the same order: the same floats, not merely close ones — on the file's
     blocks, and on blocks packed for the integer kernel (the same 16-bit, or 8-bit, rounding of each
-    matmul's input; Q5_0 and Q5_1 stay in the file's layout, fp32 activations).
+    matmul's input; Q5_0, Q5_1 and BF16 stay in the file's layout, BF16 on AMX tiles where the CPU
+    has them).
     """
     from worker.model.quant_weights import PACKED_FROM, PACKED_TYPES
 

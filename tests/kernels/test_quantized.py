@@ -66,7 +66,9 @@ def test_the_kernel_computes_x_times_the_dequantized_weight(native, qtype, rows)
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 40])
 def test_half_rows_compute_x_times_the_widened_weight(native, qtype, rows):
     """bf16 / fp16 rows (a bf16 checkpoint's matrices, an F16/BF16 GGUF's) through the row kernels:
-    exactly the widened weight times fp32 activations, at every row count; dequantized exactly.
+    the widened weight times the activations, at every row count; dequantized exactly. On AMX
+    tiles (BF16 where the CPU has them) each activation is two bf16 halves, 16 significant bits:
+    every product within 2^-16 of its own size; elsewhere fp32 to summation order.
     """
     dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
     gen = torch.Generator().manual_seed(rows)
@@ -74,8 +76,40 @@ def test_half_rows_compute_x_times_the_widened_weight(native, qtype, rows):
     w = QuantWeight(half.view(torch.uint8), qtype, 576)
     x = torch.randn(rows, 576, generator=gen)
     lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
-    torch.testing.assert_close(lib(x, w), x @ half.float().T, rtol=1e-4, atol=1e-4)
+    want = x.double() @ half.double().T
+    bound = (x.double().abs() @ half.double().abs().T) * 2**-16 + 1e-4
+    assert ((lib(x, w).double() - want).abs() <= bound).all()
+    if qtype == "F16" or not native.amx_bf16:
+        torch.testing.assert_close(lib(x, w), x @ half.float().T, rtol=1e-4, atol=1e-4)
+    else:  # the tiles carry 16 bits of each activation: rounded to 8 they would miss the bound
+        rounded = x.bfloat16().double() @ half.double().T
+        assert ((rounded - want).abs() > bound).any()
     assert torch.equal(lib.dequantize(w), half.float())
+
+
+def test_bf16_rows_on_amx_tiles_answer_alike_alone_and_in_company(native):
+    """On AMX tiles (a CPU with them) a row's products are the same floats whether it is multiplied
+    alone or among 70 others, past the first 64 and in the rows past the last whole 16 outputs;
+    with the tiles refused, the row kernel's to 16 bits of each activation.
+    """
+    if not native.amx_bf16:
+        pytest.skip("no AMX tiles on this CPU: BF16 rows take the row kernel")
+    gen = torch.Generator().manual_seed(5)
+    half = torch.randn(168, 256, generator=gen).bfloat16()
+    w = QuantWeight(half.view(torch.uint8), "BF16", 256)
+    x = torch.randn(71, 256, generator=gen) * 4
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=1 << 30)
+    together = lib(x, w)
+    for r in (0, 15, 16, 63, 64, 70):
+        assert torch.equal(lib(x[r : r + 1], w), together[r : r + 1]), r
+    native._amx_allow(0)
+    try:
+        rows = lib(x, w)
+    finally:
+        native._amx_allow(1)
+    bound = (x.double().abs() @ half.double().abs().T) * 2**-16
+    assert ((rows.double() - together.double()).abs() <= bound + 1e-5).all()
+    assert not torch.equal(rows, together)
 
 
 def test_block_boundaries_are_kept_and_mixed_types_stack(native):
