@@ -110,8 +110,14 @@ class PromptPacer:
         mean, at, slope = self.per_token() or (0.0, 0.0, 0.0)
         return n * (mean + slope * max(0.0, (start + n / 2) / 1000 - at))
 
-    def begin(self, decodes: bool) -> None:
-        """A step is planned: paced where it decodes."""
+    def begin(self, decodes: int, prompts: int = 0) -> None:
+        """A step is planned: paced where it decodes (`decodes` streams, `prompts` requests that
+        wait for a first token).
+
+        The prompts' seconds are at least a decode-only step's for each prompt per stream: where
+        more wait for a first token than stream (a burst), they take that share of the step and
+        the gap gives way; a prompt's TTFT stays within (1 + streams / prompts)x of unpaced.
+        """
         self._left = self._probe = None
         if not self.gap or not decodes:
             return
@@ -120,8 +126,8 @@ class PromptPacer:
         elif self.per_token() is None:
             self._probe = PROBE
         else:
-            aim = self.gap * HEADROOM / self.margin()
-            self._left = max(aim - (self.base or 0.0), self.cost(0, FLOOR))
+            aim, base = self.gap * HEADROOM / self.margin(), self.base or 0.0
+            self._left = max(aim - base, base * prompts / decodes, self.cost(0, FLOOR))
 
     def fit(self, start: int, wanted: int) -> int:
         """Of `wanted` prompt tokens from position start, how many the step has room for."""

@@ -109,7 +109,7 @@ class Scheduler(Queues):
         )
         # generation prompts beside decodes: as many tokens as keep the streams within the gap
         pacer = self.prompt_pacer
-        pacer.begin(bool(out.num_decodes))
+        pacer.begin(out.num_decodes, len(prefills) + len(self.waiting))
         for seq in prefills:
             if budget == 0:
                 break
