@@ -264,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         "--flags", default="", help="worker flags, as `pagedserve serve` would pass them"
     )
     p.add_argument(
+        "--no-tiles",
+        action="store_true",
+        help="BF16 rows on the row kernel and oneDNN, not AMX tiles (the comparison on an AMX host)",
+    )
+    p.add_argument(
         "--rows",
         default="",
         help="instead: a decode step's time by its rows (e.g. 1,2,3,4,6,8,11), as a ratio to one "
@@ -282,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     ensure_allocator(
         resolve_mode(None), "cpu", "deploy.bench.budget", sys.argv[1:] if argv is None else argv
     )
+    if args.no_tiles:
+        from kernels.cpu_native import load
+
+        load()._amx_allow(0)
     bw = read_bandwidth()
     served = None
     if args.served and not args.rows:  # first: a model that fills memory fits once, not twice
@@ -294,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     head, kv = head_bytes(model), kv_bytes(runner, args.context)
     print(
         f"{args.model}: {torch.get_num_threads()} threads, context {args.context}, weights "
-        f"{model.mm.name}, fused step {'on' if model.fused is not None else 'off'}"
+        f"{model.mm.name}, fused step {'on' if model.fused is not None else 'off'}, row kernels "
+        f"to {getattr(model.mm, 'max_kernel_rows', '-')} rows"
     )
     if args.rows:
         costs = row_costs(runner, args.context, [int(n) for n in args.rows.split(",")], args.steps)

@@ -18,9 +18,11 @@
    Each thread loads the tile configuration before its tiles (amx_begin) and releases them after. */
 #ifndef PAGEDSERVE_AMX_BF16_H
 #define PAGEDSERVE_AMX_BF16_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "convert.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 #define AMX_BF16 1
 #include <immintrin.h>
@@ -42,14 +44,6 @@ static inline int64_t amx_x_bytes(int64_t rows, int64_t in_dim) {
    take the row kernel). */
 static inline int amx_shape(int64_t in_dim) { return in_dim % AMX_K == 0 && in_dim > 0; }
 
-static inline uint16_t amx_round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7f800000u) == 0x7f800000u) return (uint16_t)((u >> 16) | ((u & 0xffff) ? 0x40 : 0)); /* inf, NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* Tile t = (block of 16 rows, span of 32 values) of x [rows, in_dim] fp32 into xp: its hi tile, then its lo
    tile, rows past `rows` zero. Called over t = 0 .. ceil(rows / 16) * in_dim / 32 - 1, in any order. */
 static inline void amx_x_tile(const float *x, int64_t rows, int64_t in_dim, uint16_t *xp, int64_t t) {
@@ -64,12 +58,10 @@ static inline void amx_x_tile(const float *x, int64_t rows, int64_t in_dim, uint
                 continue;
             }
             const float v = x[r * in_dim + kc * AMX_K + k];
-            const uint16_t h = amx_round_bf16(v);
-            uint32_t hb = (uint32_t)h << 16;
-            float hv;
-            memcpy(&hv, &hb, 4);
+            const uint16_t h = float_to_bf16_nobranch(v);
+            const float hv = bf16_to_float(h);
             hi[at] = h;
-            lo[at] = amx_round_bf16(v - hv);
+            lo[at] = isfinite(hv) ? float_to_bf16_nobranch(v - hv) : 0; /* an inf's (or NaN's) rest: none */
         }
     }
 }

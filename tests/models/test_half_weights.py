@@ -1,6 +1,7 @@
 """`--dtype bfloat16` (or float16) on a CPU: the checkpoint's matrices held as bf16 rows (half
-fp32's bytes) and read by the native row kernels with fp32 activations, many rows through the CPU's
-bf16 GEMM where it has one; norms, activations and the KV cache in fp32.
+fp32's bytes) and read by the native row kernels with fp32 activations (16 bits of each on AMX
+tiles), many rows through the CPU's bf16 GEMM where it has one; norms, activations and the KV cache
+in fp32.
 """
 
 import pytest
