@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--no-tiles",
         action="store_true",
-        help="BF16 rows on the row kernel and oneDNN, not AMX tiles (the comparison on an AMX host)",
+        help="BF16 rows on the row kernel and oneDNN, not AMX tiles (a comparison on AMX hosts)",
     )
     p.add_argument(
         "--rows",
