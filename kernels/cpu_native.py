@@ -98,9 +98,9 @@ class NativeKernels(NativeAttention, NativeRecurrent):
         self.packed_q8_fast, self.packed_q8_x8_fast = q8(0) == 1, q8(1) == 1
         # 512: AVX-512 intrinsics; 256: AVX2 (the portable loops)
         self.isa = lib.pagedserve_native_isa()
-        self._amx_allow = lib.pagedserve_amx_allow
-        # BF16 rows on AMX tiles (kernels/cpu/amx_bf16.h): built for and granted on this CPU
-        self.amx_bf16 = self._amx_allow(-1) == 1
+        # BF16 rows on AMX tiles (amx_bf16.h): amx_tiles(1 | 0) on or off, (-1) whether on now
+        self.amx_tiles = lib.pagedserve_amx_allow
+        self.amx_bf16 = self.amx_tiles(-1) == 1  # built for and granted on this CPU
         sizes = (ctypes.c_int64 * 7)()
         lib.pagedserve_struct_sizes(sizes)
         # PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora, PsExperts (kernels/cpu_step.py)

@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_tiles:
         from kernels.cpu_native import load
 
-        load()._amx_allow(0)
+        load().amx_tiles(0)
     bw = read_bandwidth()
     served = None
     if args.served and not args.rows:  # first: a model that fills memory fits once, not twice

@@ -102,11 +102,11 @@ def test_bf16_rows_on_amx_tiles_answer_alike_alone_and_in_company(native):
     together = lib(x, w)
     for r in (0, 15, 16, 63, 64, 70):
         assert torch.equal(lib(x[r : r + 1], w), together[r : r + 1]), r
-    native._amx_allow(0)
+    native.amx_tiles(0)
     try:
         rows = lib(x, w)
     finally:
-        native._amx_allow(1)
+        native.amx_tiles(1)
     bound = (x.double().abs() @ half.double().abs().T) * 2**-16
     assert ((rows.double() - together.double()).abs() <= bound + 1e-5).all()
     assert not torch.equal(rows, together)

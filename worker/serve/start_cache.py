@@ -98,7 +98,7 @@ def start_cache(cfg, device, dtype, tp: int, prefill: str, activations: str) -> 
         "torch": torch.__version__,
         "native": str(lib.path) if lib else "",
         # BF16 rows on AMX tiles, or turned off (a bench's comparison): their thresholds differ
-        "tiles": bool(lib and lib._amx_allow(-1)),
+        "tiles": bool(lib and lib.amx_tiles(-1)),
         "threads": torch.get_num_threads(),
         "tp": tp,
         "rank": cfg.rank,
