@@ -14,8 +14,9 @@
    oneDNN's bf16 GEMM rounds them to 8. The weights are exact (bf16). Each product is exact in fp32 and the
    tiles' sums follow a fixed order, the same for every row: an answer never depends on its company.
 
-   The OS hands a process AMX state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM): amx_bf16_ready asks once.
-   Each thread loads the tile configuration before its tiles (amx_begin) and releases them after. */
+   The OS hands a process AMX state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM): amx_permitted asks once,
+   for these rows and prefill attention's tiles (prefill_tiles.h). Each thread loads the tile configuration
+   before its tiles (amx_begin: eight of 16 rows x 64 bytes) and releases them after. */
 #ifndef PAGEDSERVE_AMX_BF16_H
 #define PAGEDSERVE_AMX_BF16_H
 #include <math.h>
@@ -32,7 +33,9 @@
 #define AMX_K 32      /* values of a row a tile spans */
 #define AMX_MBLOCKS 4 /* activation tiles a weight tile meets at once */
 
-/* 1 where this process may use AMX bf16 tiles (quant_matmul.c asks the OS once), else 0. */
+/* 1 where the OS grants this process AMX tile state (quant_matmul.c asks once), else 0. */
+int amx_permitted(void);
+/* 1 where BF16 rows go on tiles: granted and not turned off (pagedserve_amx_allow), else 0. */
 int amx_bf16_ready(void);
 
 /* Bytes of the activations as tiles: ceil(rows / 16) blocks x in_dim / 32 tiles x (hi, lo) x 1 KB. */

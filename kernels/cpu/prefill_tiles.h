@@ -11,43 +11,20 @@
  * tile, added into the row's fp32 accumulator after its rescale. Rows past the item's (a partial block)
  * are zero queries whose results are dropped.
  *
- * Linux hands a process the tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, once); where it
- * refuses, or pagedserve_prefill_tiles(0) says so, the vector item runs. Included by paged_prefill.c after
- * its helpers (kv_at, transpose16, init_rows, row_span, rescale, write_rows, ZERO_ROW). */
+ * Where the OS refuses the tile state (amx_permitted), or pagedserve_prefill_tiles(0) says so, the vector item
+ * runs. Included by paged_prefill.c after its helpers (kv_at, transpose16, init_rows, row_span, rescale,
+ * write_rows, ZERO_ROW). */
 #if defined(PREFILL_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PREFILL_TILES 1
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_bf16.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define TK 32 /* keys per tile: one A tile's row of softmax weights */
 
-static int tiles_permitted = -1; /* -1: not asked yet; 0: refused; 1: granted */
 static int tiles_wanted = 1;
 
-static int tiles_ready(void) {
-    if (tiles_permitted < 0)
-        tiles_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return tiles_wanted && tiles_permitted;
-}
+static int tiles_ready(void) { return tiles_wanted && amx_permitted(); }
 
-/* Eight tiles of 16 rows x 64 bytes: 0, 1 scores; 2 queries; 3, 4 keys; 5 weights; 6 a product; 7 values. */
-static inline void tiles_configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+/* The tiles (amx_begin's eight): 0, 1 scores; 2 queries; 3, 4 keys; 5 weights; 6 a product; 7 values. */
 
 /* A row's 32 scores over keys [from, n) (from < n): the running softmax updated, its weights in bf16 at pw. */
 static inline float tile_softmax32(const float* s, int from, int n, float* m, float* l, uint16_t* pw) {
@@ -108,7 +85,7 @@ static void prefill_item_tiles(const float* q, int64_t q_row_stride, const uint1
         }
     }
     init_rows(rows, group, p0, offset, window, head_dim, acc, m, l, limit, lowest);
-    tiles_configure();
+    amx_begin();
     const int last_key = offset + p1 - 1, first_key = lowest[0];
     for (int j0 = first_key - first_key % TK; j0 <= last_key; j0 += TK) {
         const int nk = last_key + 1 - j0 < TK ? last_key + 1 - j0 : TK;
@@ -164,7 +141,7 @@ static void prefill_item_tiles(const float* q, int64_t q_row_stride, const uint1
             }
         }
     }
-    _tile_release();
+    amx_end();
     write_rows(out, acc, l, m, sinks, start + p0, rows, group, kh, n_heads, head_dim);
 }
 #endif

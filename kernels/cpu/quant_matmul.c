@@ -149,13 +149,21 @@ static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uin
 }
 
 /* Linux hands a process the AMX tile state only once asked (ARCH_REQ_XCOMP_PERM for XTILEDATA); asked once, the
-   answer kept. pagedserve_amx_allow(0) turns the tiles off (the row kernel's fp32 activations instead). */
+   answer kept. pagedserve_amx_allow(0) turns the BF16 rows' tiles off (the row kernel's fp32 activations). */
 static int amx_state = -1, amx_allowed = 1;
 
-int amx_bf16_ready(void) {
-#if defined(AMX_BF16) && defined(__linux__)
+int amx_permitted(void) {
+#if defined(__AMX_TILE__) && defined(__linux__)
     if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return amx_state && amx_allowed;
+    return amx_state;
+#else
+    return 0;
+#endif
+}
+
+int amx_bf16_ready(void) {
+#ifdef AMX_BF16
+    return amx_allowed && amx_permitted();
 #else
     return 0;
 #endif
