@@ -223,16 +223,16 @@ def test_long_prompts_beside_a_stream_come_in_chunks_that_keep_its_gap(gap):
     assert max(o.num_prefill_tokens for o in outs if not o.num_decodes) == 512
 
 
-def paced_scheduler() -> Scheduler:
-    """A scheduler pacing prompts beside decodes to a 200 ms gap, 512 tokens a step."""
+def paced_scheduler(gap: float = 0.2, seqs: int = 8, blocks: int = 1024) -> Scheduler:
+    """A scheduler pacing prompts beside decodes to a 200 ms gap (or `gap`), 512 tokens a step."""
     config = SchedulerConfig(
         block_size=4,
-        max_num_seqs=8,
+        max_num_seqs=seqs,
         max_num_batched_tokens=512,
-        max_decode_gap=0.2,
+        max_decode_gap=gap,
         speculative="off",
     )
-    return Scheduler(config, num_blocks=1024, max_model_len=4096)
+    return Scheduler(config, num_blocks=blocks, max_model_len=4096)
 
 
 def test_on_a_noisy_machine_the_plan_shrinks_by_the_misses_and_the_gap_holds():
@@ -296,14 +296,7 @@ def test_in_a_burst_the_prompts_waiting_take_their_share_and_the_streams_keep_th
         return 0.3 + 0.002 * out.num_prefill_tokens
 
     def burst_ttft(gap):
-        config = SchedulerConfig(
-            block_size=4,
-            max_num_seqs=64,
-            max_num_batched_tokens=512,
-            max_decode_gap=gap,
-            speculative="off",
-        )
-        sched = Scheduler(config, num_blocks=4096, max_model_len=2048)
+        sched = paced_scheduler(gap, seqs=64, blocks=4096)
         stream = Request("s", [5, 6, 7], SamplingOptions(max_tokens=300))
         burst = [
             Request(f"b{i}", list(range(10 + i, 210 + i)), SamplingOptions(max_tokens=40))
