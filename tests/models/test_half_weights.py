@@ -38,7 +38,7 @@ def rounded(folder, to):
 def test_bf16_weights_give_the_rounded_models_logits(native, tmp_path, tied):
     """Every projection, the head and the token table as bf16 rows (none of them allocated in fp32):
     the logits are the fp32 model's on bf16-rounded matrices — to fp32 rounding through the row
-    kernels, to bf16 activation rounding through the bf16 GEMM.
+    kernels, to bf16 activation rounding through the bf16 GEMM and AMX tiles.
     """
     folder = make_tiny_llama(tmp_path / "m", seed=3, tie_word_embeddings=tied)
     config = load_config(str(folder), "auto")
@@ -55,15 +55,20 @@ def test_bf16_weights_give_the_rounded_models_logits(native, tmp_path, tied):
     assert model.use_quantized(model.file_blocks, lib, keep_dense=False) == {
         "BF16": 4 * config.num_layers + 1
     }
-    lib.max_kernel_rows = 1 << 30  # the row kernels: fp32 activations
-    got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, CPU), seqs)[0]
+    lib.max_kernel_rows = 1 << 30  # the row kernels: fp32 activations (AMX tiles refused)
+    native.amx_tiles(0)
+    try:
+        got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, CPU), seqs)[0]
+    finally:
+        native.amx_tiles(1)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    lib.max_kernel_rows = (
-        0  # prefill's path: the bf16 GEMM (activations rounded to bf16) or a dense tile
-    )
-    got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, CPU), seqs)[0]
-    torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.05)
-    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    # bf16 activations: prefill's path (the bf16 GEMM or a dense tile), and the row kernels on
+    # AMX tiles where the CPU has them
+    for rows in (0, 1 << 30):
+        lib.max_kernel_rows = rows
+        got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, CPU), seqs)[0]
+        torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.05)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
 
 
 def test_a_bf16_gemm_keeps_its_gate_up_in_bf16_through_the_silu_mul_with_the_same_values(native):
@@ -100,8 +105,9 @@ def test_a_bf16_gemm_keeps_its_gate_up_in_bf16_through_the_silu_mul_with_the_sam
 def test_a_checkpoint_served_in_bf16_answers_as_its_rounded_weights(
     server_factory, native, tmp_path_factory
 ):
-    """`--dtype bfloat16` on a CPU: the worker holds bf16 matrices and computes in fp32, so every
-    greedy answer equals transformers' on the bf16-rounded weights (prefill on the fp32 copy of
+    """`--dtype bfloat16` on a CPU: the worker holds bf16 matrices and computes in fp32 (AMX tiles
+    round the matrices' activations to bf16), so every greedy answer equals transformers' on the
+    bf16-rounded weights (prefill on the fp32 copy of
     those values, asked for; the KV pool kept fp32 here: by default it is bf16 too).
     """
     from protos import generation_pb2 as pb
