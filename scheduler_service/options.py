@@ -213,8 +213,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
         default=500,
         help="while prompts are computed beside decoding streams, each stream's next token comes "
         "within about this many milliseconds: prompt chunks are sized from the measured cost of a "
-        "token, the rest in later steps; where more requests wait for a first token than stream, "
-        "the prompts take a larger share (0: chunks fill --max-num-batched-tokens)",
+        "token, the rest in later steps; the prompts get at least a decode-only step's time, more "
+        "where more requests wait for a first token than stream, so the gap gives way where a "
+        "decode-only step takes over half of it (0: chunks fill --max-num-batched-tokens)",
     )
     p.add_argument(
         "--lora-modules",

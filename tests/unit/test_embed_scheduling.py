@@ -284,16 +284,18 @@ def test_chunks_deeper_into_a_prompt_shrink_as_its_tokens_cost_more():
     assert chunks[-2].num_prefill_tokens < chunks[3].num_prefill_tokens * 0.6
 
 
-def test_in_a_burst_the_prompts_waiting_take_their_share_and_the_streams_keep_theirs():
-    """Steps cost 300 ms to decode and 2 ms a prompt token, beside a 500 ms gap: one stream, then
-    24 requests at once. While more wait for a first token than stream, each step gives the
-    prompts at least a decode step's seconds per prompt per stream, so the burst's TTFT stays
-    within 1.5x of unpaced (the gap alone held it to ~50-token sips: over 2x); once the streams
-    outnumber what waits, the gap is theirs again.
+@pytest.mark.parametrize("decode", [0.1, 0.3])
+def test_in_a_burst_the_prompts_waiting_take_their_share_and_the_streams_keep_theirs(decode):
+    """Steps cost `decode` seconds to decode and 2 ms a prompt token, beside a 500 ms gap: one
+    stream, then 24 requests at once. Each step gives the prompts at least a decode step's seconds,
+    and that for each prompt per stream while more wait than stream, so the burst's TTFT stays
+    within 1.5x of unpaced (the gap alone held it to ~50-token sips: over 2x). Once the streams
+    outnumber what waits, the gap is theirs where a decode step takes under half of it (100 ms);
+    a 300 ms one gives the prompts as much again, short of the whole budget's 1.3 s.
     """
 
     def slow(out):
-        return 0.3 + 0.002 * out.num_prefill_tokens
+        return decode + 0.002 * out.num_prefill_tokens
 
     def burst_ttft(gap):
         sched = paced_scheduler(gap, seqs=64, blocks=4096)
@@ -317,7 +319,11 @@ def test_in_a_burst_the_prompts_waiting_take_their_share_and_the_streams_keep_th
     unpaced, _ = burst_ttft(0.0)
     paced, outs = burst_ttft(0.5)
     assert paced <= 1.5 * unpaced, (paced, unpaced)
-    # the streams outnumber what waits by the end: the steps beside them keep the gap
+    # the streams outnumber what waits by the end
     beside = [o for o in outs if o.num_decodes and o.num_prefill_tokens]
     late = [o for o in beside if o.num_decodes > 16]
-    assert late and max(slow(o) for o in late) <= 0.5
+    longest = max(slow(o) for o in late)
+    if decode < 0.25:
+        assert longest <= 0.5
+    else:
+        assert 0.5 < longest <= 2 * decode + 0.01
