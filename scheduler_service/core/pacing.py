@@ -11,11 +11,33 @@ REFRESH = 16  # steps carrying embeddings between two base measurements
 DOWN, UP = 0.7, 1.15
 AIM = 0.8
 EWMA = 0.3
+FORGET = 0.7  # weight a point measured a step ago keeps (PromptPacer's lines)
 
 
 def ewma(old: float | None, new: float) -> float:
     """A decode-only step's seconds, moved toward the newest."""
     return new if old is None else (1 - EWMA) * old + EWMA * new
+
+
+class Line:
+    """y against x fitted over recent points, each older one weighing FORGET as much again."""
+
+    def __init__(self) -> None:
+        self._sums = [0.0] * 5  # weight, x, y, x*x, x*y
+
+    def add(self, x: float, y: float) -> None:
+        self._sums = [FORGET * v for v in self._sums]
+        for k, v in enumerate((1.0, x, y, x * x, x * y)):
+            self._sums[k] += v
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """(mean y, mean x, slope, never below 0); None before a point."""
+        w, x, y, xx, xy = self._sums
+        if w <= 0:
+            return None
+        var = xx / w - (x / w) ** 2
+        slope = max(0.0, (xy / w - x * y / w / w) / var) if var > 1e-6 else 0.0
+        return y / w, x / w, slope
 
 
 class EmbedPacer:
@@ -63,7 +85,6 @@ MISSES = 64  # paced steps whose measured/planned seconds set the margin
 MARGIN = 1.125  # the margin before 8 misses are known: the plan at 80% of the gap
 PROBE = 32  # prompt tokens of the first step beside decodes, before a token's cost is known
 FLOOR = 16  # prompt tokens (at position 0) any step beside decodes may carry
-FORGET = 0.7  # weight a cost measured a step ago keeps
 
 
 class PromptPacer:
@@ -79,9 +100,9 @@ class PromptPacer:
         if gap < 0:
             raise ValueError(f"the decode gap must be at least 0 seconds, got {gap}")
         self.gap = gap
-        self.base: float | None = None  # seconds of a step that only decodes
+        self._base = Line()  # a decode-only step's seconds against its rows
         self.since_base = 0
-        self._sums = [0.0] * 5  # forgetting sums: weight, x, y, x*x, x*y (x: kilo-position)
+        self._token = Line()  # a prompt token's seconds against its kilo-position
         self._left: float | None = None  # this step's seconds left (None: not paced)
         self._probe = 0  # ... or its probe tokens left, before any cost is known
         self._misses: deque[float] = deque(maxlen=MISSES)  # paced steps' measured / planned
@@ -96,12 +117,18 @@ class PromptPacer:
         """(mean seconds a token, the mean's kilo-position, seconds more per 1,000 positions); None
         if unknown.
         """
-        w, x, y, xx, xy = self._sums
-        if w <= 0:
+        fit = self._token.fit()
+        return None if fit is None else (max(fit[0], 1e-7), fit[1], fit[2])
+
+    def base(self, decodes: int) -> float | None:
+        """Seconds of a step that only decodes `decodes` rows (a line in them: more streams, more
+        arithmetic); None before one is measured.
+        """
+        fit = self._base.fit()
+        if fit is None:
             return None
-        var = xx / w - (x / w) ** 2
-        slope = max(0.0, (xy / w - x * y / w / w) / var) if var > 1e-6 else 0.0
-        return max(y / w, 1e-7), x / w, slope
+        mean, at, slope = fit
+        return max(mean + slope * (decodes - at), 0.25 * mean)
 
     def cost(self, start: int, n: int) -> float:
         """Seconds of n tokens from `start`, never below the mean: no cost extrapolated to position
@@ -124,12 +151,13 @@ class PromptPacer:
         self._left = self._probe = None
         if not self.gap or not decodes:
             return
-        if self.base is not None and self.since_base >= REFRESH:
+        base = self.base(decodes)
+        if base is not None and self.since_base >= REFRESH:
             self._left = -1.0  # a decode-only step measures the base again
         elif self.per_token() is None:
             self._probe = PROBE
         else:
-            aim, base = self.gap * HEADROOM / self.margin(), self.base or 0.0
+            aim, base = self.gap * HEADROOM / self.margin(), base or 0.0
             share = base * max(1.0, prompts / decodes)
             self._left = max(aim - base, share, self.cost(0, FLOOR))
 
@@ -158,14 +186,13 @@ class PromptPacer:
         if not decodes or not self.gap:
             return
         if not prompt_tokens:
-            self.base, self.since_base = ewma(self.base, seconds), 0
+            self._base.add(decodes, seconds)
+            self.since_base = 0
             return
         self.since_base += 1
-        if self.per_token() is not None and self.base is not None:
+        base = self.base(decodes)
+        if self.per_token() is not None and base is not None:
             start = positions // prompt_tokens - prompt_tokens // 2  # one chunk centred likewise
-            self._misses.append(seconds / (self.base + self.cost(start, prompt_tokens)))
-        x = positions / prompt_tokens / 1000
-        y = max(seconds - (self.base or 0.0), 0.0) / prompt_tokens
-        self._sums = [FORGET * v for v in self._sums]
-        for k, v in enumerate((1.0, x, y, x * x, x * y)):
-            self._sums[k] += v
+            self._misses.append(seconds / (base + self.cost(start, prompt_tokens)))
+        y = max(seconds - (base or 0.0), 0.0) / prompt_tokens
+        self._token.add(positions / prompt_tokens / 1000, y)

@@ -12,6 +12,7 @@ import pytest
 
 from protos.codec import POOL_FIRST, POOL_LAST, POOL_SUM, encode_plan
 from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.pacing import PromptPacer
 from scheduler_service.core.pooling import PoolingSpec
 from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.core.sequence import EmbedOptions, FinishReason, Request, SamplingOptions
@@ -327,3 +328,17 @@ def test_in_a_burst_the_prompts_waiting_take_their_share_and_the_streams_keep_th
         assert longest <= 0.5
     else:
         assert 0.5 < longest <= 2 * decode + 0.01
+
+
+def test_a_decode_steps_seconds_are_learned_against_its_rows_and_the_prompts_share_follows():
+    """Decode-only steps cost 50 ms and 4 ms a stream: measured at 8-48 streams, the pacer prices
+    one of 64 as a line in its rows (306 ms), not as the recent steps' mean, so prompts beside 64
+    streams get at least that time (the recent steps' mean gave them half of it).
+    """
+    pacer = PromptPacer(0.5)
+    for d in (8, 16, 32, 48):
+        pacer.observe(d, 0, 0, 0.05 + 0.004 * d)
+    assert pacer.base(64) == pytest.approx(0.306, rel=0.02)
+    pacer.observe(48, 100, 100 * 50, 0.05 + 0.004 * 48 + 0.002 * 100)  # a token: 2 ms
+    pacer.begin(64, 64)
+    assert pacer.fit(0, 4096) * 0.002 >= 0.306 * 0.97
