@@ -56,6 +56,15 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+/* Eight bf16 or fp16 values at p (any alignment) -> eight fp32 lanes, exactly. */
+static inline __m256 bf16x8_to_ps(const void* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+static inline __m256 halfx8_to_ps(const void* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#endif
+
 /* An fp16 stored as two bytes at any alignment (a GGUF block's scale) -> fp32. */
 static inline float half_at(const uint8_t* h) {
     uint16_t v;

@@ -244,6 +244,14 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
                 continue;
             }
 #endif
+#if WIDE_ROWS
+            if (widened_type(g->type)) { /* half-width rows, several a pass, to the segment's or chunk's end */
+                const int64_t end = first + g->rows < o1 ? first + g->rows : o1;
+                o = widened_span(g->type, g->w + (o - first) * row_bytes(g->type, w->in_dim), w->in_dim, x, rows, o,
+                                 end, y, out_dim) - 1;
+                continue;
+            }
+#endif
             const uint8_t* wrow = g->w + (o - first) * row_bytes(g->type, w->in_dim);
             float acc[ROWS];
             for (int64_t r0 = 0; r0 < rows; r0 += ROWS) {

@@ -350,8 +350,8 @@ static inline void dequant_sub_512(int type, const uint8_t *wrow, int64_t sb, __
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QUANT_AVX2 1
 /* Sub-block sb of a weight row -> four vectors of 8 floats (values 0-7, ..., 24-31), the same values as
-   dequant_sub: Q8_0, MXFP4 (a magnitude table of 8 and the nibble's sign bit) and the plain and half-width
-   rows in registers, the rest through dequant_sub. AVX2 machines multiply 4-6 bit types packed
+   dequant_sub: Q8_0, MXFP4 (a magnitude table of 8 and the nibble's sign bit) and plain fp32 rows in
+   registers, the rest through dequant_sub (half-width rows have their own kernel: widened_rows.h). AVX2 machines multiply 4-6 bit types packed
    (packed_blocks.h); Q8_0 (its packed kernel would saturate AVX2's byte products) and what does not pack
    come here. */
 static inline void dequant_sub_256(int type, const uint8_t *wrow, int64_t sb, __m256 v[4]) {
@@ -372,15 +372,7 @@ static inline void dequant_sub_256(int type, const uint8_t *wrow, int64_t sb, __
         }
     } else if (type == F32) {
         for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps((const float *)wrow + sb * QK + 8 * k);
-    } else if (type == BF16) {
-        const uint8_t *b = wrow + sb * 64;
-        for (int k = 0; k < 4; k++)
-            v[k] = _mm256_castsi256_ps(
-                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * k))), 16));
-    } else if (type == F16) {
-        const uint8_t *b = wrow + sb * 64;
-        for (int k = 0; k < 4; k++) v[k] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 16 * k)));
-    } else {
+    } else { /* BF16 and F16 rows never come here: widened_rows.h */
         float w[QK];
         dequant_sub(type, wrow, sb, w);
         for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(w + 8 * k);
@@ -400,6 +392,8 @@ static inline __attribute__((always_inline)) void prefetch_sub(int type, const u
     __builtin_prefetch(p, 0, 3);
     if (type == F32) __builtin_prefetch(p + 64, 0, 3); /* 128 bytes a sub-block */
 }
+
+#include "widened_rows.h"
 
 /* y[r, o] for rows r0 .. r0 + nr - 1 (nr <= ROWS) of one output row o (nblocks: its 32-value sub-blocks). Inlined with nr a constant (see
    rows_dot), so the accumulators live in registers: two per row (a block's low and high halves), so
@@ -482,6 +476,12 @@ static inline __attribute__((always_inline)) void rows_dot_n(int type, const uin
    so neither is tested inside the loop over blocks. */
 static void rows_dot(int type, const uint8_t *wrow, int64_t nblocks, const float *x, int64_t in_dim, int nr,
                      float *acc_out) {
+#if WIDE_ROWS
+    if (widened_type(type)) { /* the same answers as the matmuls' passes over several weight rows */
+        widened_rows(type, wrow, 0, nblocks * QK, x, in_dim, nr, 1, acc_out, 1);
+        return;
+    }
+#endif
     switch (type) {
         case Q4_0: ROWS_DOT_CASES(Q4_0)
         case Q4_1: ROWS_DOT_CASES(Q4_1)

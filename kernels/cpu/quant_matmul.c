@@ -220,6 +220,17 @@ int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const 
     if (packed_type(type)) return packed_matmul(x, rows, in_dim, w, out_dim, type, y, 0);
     if (!block_bytes(type) || in_dim % block_values(type)) return -1;
     if (type == BF16 && amx_shape(in_dim) && amx_bf16_ready()) return amx_matmul(x, rows, in_dim, w, out_dim, y);
+#if WIDE_ROWS
+    if (widened_type(type)) { /* whole passes of several weight rows (widened_rows.h) */
+        const int64_t step = widened_cols(rows, out_dim), groups = (out_dim + step - 1) / step;
+#pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t o0 = g * step, o1 = o0 + step < out_dim ? o0 + step : out_dim;
+            widened_span(type, w + o0 * row_bytes(type, in_dim), in_dim, x, rows, o0, o1, y, out_dim);
+        }
+        return 0;
+    }
+#endif
     const int64_t nblocks = in_dim / QK, rb = row_bytes(type, in_dim);
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < out_dim; o++) {

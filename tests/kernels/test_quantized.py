@@ -114,6 +114,34 @@ def test_bf16_rows_on_amx_tiles_answer_alike_alone_and_in_company(native):
     assert not torch.equal(rows, together)
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "F16"])
+def test_half_rows_answer_alike_alone_in_company_and_wherever_an_output_falls(native, qtype):
+    """With the row kernels (the tiles refused where a CPU has them) a row's answers are the same
+    floats alone or among 12 others, and an output's the same whether its weight row is multiplied
+    beside its neighbours or first of a slice: a stream's tokens do not hang on what else is in
+    the step, nor on where the fused step's chunks cut a matrix.
+    """
+    dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
+    gen = torch.Generator().manual_seed(7)
+    half = torch.randn(67, 320, generator=gen).to(dtype)
+    w = QuantWeight(half.view(torch.uint8), qtype, 320)
+    x = torch.randn(13, 320, generator=gen) * 4
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=1 << 30)
+    native.amx_tiles(0)
+    try:
+        together = lib(x, w)
+        for r in (0, 5, 6, 12):
+            assert torch.equal(lib(x[r : r + 1], w), together[r : r + 1]), r
+            assert torch.equal(lib(x[r : r + 2], w)[:1], together[r : r + 1]), r
+        for first in (1, 3, 66):
+            shifted = QuantWeight(half[first:].contiguous().view(torch.uint8), qtype, 320)
+            assert torch.equal(lib(x, shifted), together[:, first:]), first
+            assert torch.equal(lib(x[:1], shifted), together[:1, first:]), first
+    finally:
+        native.amx_tiles(1)
+    torch.testing.assert_close(together, x @ half.float().T, rtol=1e-4, atol=1e-4)
+
+
 def test_block_boundaries_are_kept_and_mixed_types_stack(native):
     w, reference = quantized(np.random.default_rng(1), 8, 128, "Q4_1")
     torch.testing.assert_close(
