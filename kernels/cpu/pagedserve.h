@@ -73,6 +73,9 @@ int pagedserve_moe_experts(const float* x, int64_t tokens, int32_t top_k, const 
    they are used now (quant_matmul.c). */
 int pagedserve_amx_allow(int32_t on);
 int pagedserve_quant_dequant(const uint8_t* w, int64_t out_dim, int64_t in_dim, int32_t type, float* out);
+/* Many rows against BF16/F16 weights on AVX2: panels widened once, six rows an outer product (widened_gemm.c). */
+int pagedserve_widened_gemm(const float* x, int64_t rows, int64_t in_dim, const uint8_t* w, int64_t out_dim,
+                            int32_t type, float* y);
 
 /* --- the fused decode step (decode_step.c); worker/model/fused_decode.py mirrors these structs --------- */
 #define PS_MAX_SEGMENTS 3

@@ -221,6 +221,8 @@ int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const 
     if (!block_bytes(type) || in_dim % block_values(type)) return -1;
     if (type == BF16 && amx_shape(in_dim) && amx_bf16_ready()) return amx_matmul(x, rows, in_dim, w, out_dim, y);
 #if WIDE_ROWS
+    if (widened_type(type) && rows >= WIDE_GEMM_ROWS) /* a prompt's rows: widened panels (widened_gemm.c) */
+        return pagedserve_widened_gemm(x, rows, in_dim, w, out_dim, type, y);
     if (widened_type(type)) { /* whole passes of several weight rows (widened_rows.h) */
         const int64_t step = widened_cols(rows, out_dim), groups = (out_dim + step - 1) / step;
 #pragma omp parallel for schedule(static)

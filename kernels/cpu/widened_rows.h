@@ -3,8 +3,8 @@
    accumulators a row, and at eight rows its 32 outgrew AVX2's 16 registers: every add went through memory, and
    each weight row read the eight rows' activations again from L2. Here each (row, output) pair has one
    accumulator, 8 lanes fed by FMAs in the order of the inputs and summed the same way at the end, so an answer
-   is the same float whichever pass computed it: a row alone or among 63 others, an output alone or beside its
-   neighbour (the fused step's chunks split pairs where they fall). Six rows against two weight rows keep 12
+   is the same float whichever pass computed it: a row alone or among 30 others (from WIDE_GEMM_ROWS rows
+   widened_gemm.c's panels take the matmul), an output alone or beside its neighbour (the fused step's chunks split pairs where they fall). Six rows against two weight rows keep 12
    accumulators and two widened weights in registers, the activations read once a pass; one row takes four
    weight rows at a time (four streams from memory). */
 #ifndef PAGEDSERVE_WIDENED_ROWS_H
@@ -16,6 +16,9 @@
 #define WIDE_R 6 /* activation rows a pass */
 #define WIDE_C 2 /* weight rows a pass at two rows or more */
 #define WIDE_C1 4 /* weight rows a pass at one row */
+#ifndef WIDE_GEMM_ROWS
+#define WIDE_GEMM_ROWS 32 /* from this many rows widened_gemm.c's panels win (x1.05 at 32, x1.4 at 128) */
+#endif
 
 static inline int widened_type(int type) { return type == BF16 || type == F16; }
 

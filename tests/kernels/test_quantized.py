@@ -142,6 +142,28 @@ def test_half_rows_answer_alike_alone_in_company_and_wherever_an_output_falls(na
     torch.testing.assert_close(together, x @ half.float().T, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "F16"])
+def test_a_prompts_rows_on_half_weights_match_fp32_and_do_not_hang_on_each_other(native, qtype):
+    """A prompt step's many rows (AVX2's widened panels where that is the CPU's widest vector)
+    give the fp32 product on shapes that fill no panel or chunk exactly, and a row's answers are
+    the same floats whichever other rows share the step.
+    """
+    dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
+    gen = torch.Generator().manual_seed(11)
+    half = torch.randn(83, 608, generator=gen).to(dtype)  # 64 + 19 outputs, 2 x 256 + 96 inputs
+    w = QuantWeight(half.view(torch.uint8), qtype, 608)
+    x = torch.randn(47, 608, generator=gen) * 4  # passes of six rows end at 5, 3 and 2 below
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=1 << 30)
+    native.amx_tiles(0)
+    try:
+        together = lib(x, w)
+        assert torch.equal(lib(x[:33], w), together[:33])
+        assert torch.equal(lib(x[9:], w), together[9:])
+    finally:
+        native.amx_tiles(1)
+    torch.testing.assert_close(together, x @ half.float().T, rtol=1e-4, atol=1e-4)
+
+
 def test_block_boundaries_are_kept_and_mixed_types_stack(native):
     w, reference = quantized(np.random.default_rng(1), 8, 128, "Q4_1")
     torch.testing.assert_close(
