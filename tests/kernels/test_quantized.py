@@ -152,7 +152,7 @@ def test_a_prompts_rows_on_half_weights_match_fp32_and_do_not_hang_on_each_other
     gen = torch.Generator().manual_seed(11)
     half = torch.randn(83, 608, generator=gen).to(dtype)  # 64 + 19 outputs, 2 x 256 + 96 inputs
     w = QuantWeight(half.view(torch.uint8), qtype, 608)
-    # blocks of 48 rows and passes of six: 48 + 48 + 5 rows here, 33 and 48 + 44 below (passes of 3, 2)
+    # blocks of 48 rows, passes of six: 48 + 48 + 5 rows here, 33 and 48 + 44 below (3, 2)
     x = torch.randn(101, 608, generator=gen) * 4
     lib = QuantizedMatmul(native, dense=None, max_kernel_rows=1 << 30)
     native.amx_tiles(0)
