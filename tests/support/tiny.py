@@ -107,12 +107,16 @@ def recompute_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def hf_greedy(
-    folder: Path, prompt: list[int], max_tokens: int, repetition_penalty: float = 1.0
+    folder: Path,
+    prompt: list[int],
+    max_tokens: int,
+    repetition_penalty: float = 1.0,
+    margins: list[float] | None = None,
 ) -> list[int]:
     """transformers' own solo greedy decode (its KV cache, one request alone), eos ignored: the
     reference every batched output must equal token for token. repetition_penalty as transformers'
     logits processor applies it: every token seen so far (prompt and output) divided by it where
-    positive, else times it.
+    positive, else times it. margins, when given, gets each choice's lead over the runner-up.
     """
     import torch
 
@@ -131,6 +135,9 @@ def hf_greedy(
                 )
             token = int(logits.argmax())
             out.append(token)
+            if margins is not None:
+                top = torch.topk(logits, 2).values
+                margins.append(float(top[0] - top[1]))
             res = model(
                 torch.tensor([[token]]), past_key_values=res.past_key_values, use_cache=True
             )
