@@ -114,6 +114,16 @@ def test_bf16_rows_on_amx_tiles_answer_alike_alone_and_in_company(native):
     assert not torch.equal(rows, together)
 
 
+def _half_weight_case(native, qtype: str, *, seed: int, outs: int, ins: int, rows: int):
+    """A random BF16/F16 weight of outs x ins, its QuantWeight, rows activations and the kernels."""
+    dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
+    gen = torch.Generator().manual_seed(seed)
+    half = torch.randn(outs, ins, generator=gen).to(dtype)
+    w = QuantWeight(half.view(torch.uint8), qtype, ins)
+    x = torch.randn(rows, ins, generator=gen) * 4
+    return half, w, x, QuantizedMatmul(native, dense=None, max_kernel_rows=1 << 30)
+
+
 @pytest.mark.parametrize("qtype", ["BF16", "F16"])
 def test_half_rows_answer_alike_alone_in_company_and_wherever_an_output_falls(native, qtype):
     """With the row kernels (the tiles refused where a CPU has them) a row's answers are the same
@@ -121,12 +131,7 @@ def test_half_rows_answer_alike_alone_in_company_and_wherever_an_output_falls(na
     beside its neighbours or first of a slice: a stream's tokens do not hang on what else is in
     the step, nor on where the fused step's chunks cut a matrix.
     """
-    dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
-    gen = torch.Generator().manual_seed(7)
-    half = torch.randn(67, 320, generator=gen).to(dtype)
-    w = QuantWeight(half.view(torch.uint8), qtype, 320)
-    x = torch.randn(13, 320, generator=gen) * 4
-    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=1 << 30)
+    half, w, x, lib = _half_weight_case(native, qtype, seed=7, outs=67, ins=320, rows=13)
     native.amx_tiles(0)
     try:
         together = lib(x, w)
@@ -148,13 +153,9 @@ def test_a_prompts_rows_on_half_weights_match_fp32_and_do_not_hang_on_each_other
     give the fp32 product on shapes that fill no panel or chunk exactly, and a row's answers are
     the same floats whichever other rows share the step.
     """
-    dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
-    gen = torch.Generator().manual_seed(11)
-    half = torch.randn(83, 608, generator=gen).to(dtype)  # 64 + 19 outputs, 2 x 256 + 96 inputs
-    w = QuantWeight(half.view(torch.uint8), qtype, 608)
-    # blocks of 48 rows, passes of six: 48 + 48 + 5 rows here, 33 and 48 + 44 below (3, 2)
-    x = torch.randn(101, 608, generator=gen) * 4
-    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=1 << 30)
+    # 64 + 19 outputs, 2 x 256 + 96 inputs; blocks of 48 rows, passes of six: 48 + 48 + 5 rows
+    # here, 33 and 48 + 44 below (3, 2)
+    half, w, x, lib = _half_weight_case(native, qtype, seed=11, outs=83, ins=608, rows=101)
     native.amx_tiles(0)
     try:
         together = lib(x, w)
