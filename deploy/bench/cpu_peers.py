@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(targets, res, args) -> None:
     """Each server's medians, then each pagedserve's ratio to each peer, round by round."""
     med = statistics.median
-    pp = bool(args.prompt_tokens)
+    pp = bool(args.prompt_tokens and args.prefill_rounds)  # --prefill-rounds 0: none measured
     keys = ["one", *args.streams, *(["prefill"] if pp else [])]
     head = "".join(f" {f'{n} streams':>11} {'TTFT':>7}" for n in args.streams)
     head += f" {f'prompt {args.prompt_tokens}':>11}" if pp else ""

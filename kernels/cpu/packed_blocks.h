@@ -1077,10 +1077,10 @@ static inline __attribute__((always_inline)) void packed_k_group_dot_n(const int
                     const __m512 dx = _mm512_set1_ps(x.d[xb]);
                     const __m512 da = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(ha[r], 8), la[r]));
                     const __m512 db = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hb[r], 8), lb[r]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(da, dx), s0, acc[r]);
-                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(db, dx), s1, acc[r]);
-                    acc[r] = _mm512_fnmadd_ps(s0, _mm512_set1_ps(32.0f * x.sumh[xb]), acc[r]);
-                    acc[r] = _mm512_fnmadd_ps(s1, _mm512_set1_ps(32.0f * (x.sum[xb] - x.sumh[xb])), acc[r]);
+                    /* one FMA a sub-block on the accumulator's chain: the rest folds first */
+                    const __m512 t0 = _mm512_fmsub_ps(da, dx, _mm512_set1_ps(32.0f * x.sumh[xb]));
+                    const __m512 t1 = _mm512_fmsub_ps(db, dx, _mm512_set1_ps(32.0f * (x.sum[xb] - x.sumh[xb])));
+                    acc[r] = _mm512_fmadd_ps(t0, s0, _mm512_fmadd_ps(t1, s1, acc[r]));
                 }
             }
         }
