@@ -248,12 +248,16 @@ int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const 
 }
 
 /* The fp32 matrix [out_dim, in_dim]. */
+/* Below this many values (a decode step's embedding rows) one thread dequantizes: a region for a few
+   microseconds of work waits on the whole team, and a teammate the host has preempted holds it for a
+   time slice. */
+#define DEQUANT_PARALLEL (1 << 16)
 int pagedserve_quant_dequant(const uint8_t *w, int64_t out_dim, int64_t in_dim, int32_t type, float *out) {
     if (packed_type(type)) {
         if (out_dim % PACK_ROWS || in_dim % QK) return -1;
         if (packed_is_k(type) && in_dim % QK_K) return -1;
         const int64_t nb = in_dim / QK, pb = pack_block_bytes(type);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (out_dim * in_dim >= DEQUANT_PARALLEL)
         for (int64_t g = 0; g < out_dim / PACK_ROWS; g++)
             for (int64_t b = 0; b < nb; b++)
                 for (int r = 0; r < PACK_ROWS; r++)
@@ -265,7 +269,7 @@ int pagedserve_quant_dequant(const uint8_t *w, int64_t out_dim, int64_t in_dim, 
     }
     if (!block_bytes(type) || in_dim % block_values(type)) return -1;
     const int64_t nblocks = in_dim / QK, rb = row_bytes(type, in_dim);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (out_dim * in_dim >= DEQUANT_PARALLEL)
     for (int64_t o = 0; o < out_dim; o++)
         for (int64_t blk = 0; blk < nblocks; blk++) dequant_sub(type, w + o * rb, blk, out + o * in_dim + blk * QK);
     return 0;

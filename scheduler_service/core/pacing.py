@@ -82,9 +82,11 @@ class EmbedPacer:
 
 HEADROOM = 0.9  # of the gap a step's planned seconds may fill, times the misses' margin
 MISSES = 64  # paced steps whose measured/planned seconds set the margin
-MARGIN = 1.125  # the margin before 8 misses are known: the plan at 80% of the gap
+MARGIN = 1.35  # the margin before 8 misses are known: the plan at 67% of the gap (a fresh
+# server's first chunks, their cost extrapolated from few points, missed by up to 1.33x)
 PROBE = 32  # prompt tokens of the first step beside decodes, before a token's cost is known
 FLOOR = 16  # prompt tokens (at position 0) any step beside decodes may carry
+REACH = 4  # a chunk beside decodes ends at most this many times deeper than any token measured
 
 
 class PromptPacer:
@@ -106,6 +108,7 @@ class PromptPacer:
         self._left: float | None = None  # this step's seconds left (None: not paced)
         self._probe = 0  # ... or its probe tokens left, before any cost is known
         self._misses: deque[float] = deque(maxlen=MISSES)  # paced steps' measured / planned
+        self._deepest = 0  # the deepest prompt position a measured step held
 
     def margin(self) -> float:
         """What a paced step's plan is divided by: its recent misses' largest (~p98 of 64)."""
@@ -162,11 +165,15 @@ class PromptPacer:
             self._left = max(aim - base, share, self.cost(0, FLOOR))
 
     def fit(self, start: int, wanted: int) -> int:
-        """Of `wanted` prompt tokens from position start, how many the step has room for."""
+        """Of `wanted` prompt tokens from position start, how many the step has room for: no
+        deeper than REACH x the deepest measured, as a token's cost is only known where measured
+        (the probe's tokens near position 0 know nothing of what attending 2,000 keys costs).
+        """
         if self._probe is not None:
             return min(wanted, self._probe)
         if self._left is None:
             return wanted
+        wanted = min(wanted, max(REACH * self._deepest - start, FLOOR))
         lo, hi = 0, wanted  # the most tokens whose cost fits: cost grows with n
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -179,12 +186,15 @@ class PromptPacer:
         elif self._left is not None:
             self._left -= self.cost(start, n)
 
-    def observe(self, decodes: int, prompt_tokens: int, positions: int, seconds: float) -> None:
+    def observe(
+        self, decodes: int, prompt_tokens: int, positions: int, seconds: float, deepest: int
+    ) -> None:
         """Learn from a step: decode rows, prompt tokens, their summed positions, the workers'
-        seconds.
+        seconds, and the deepest prompt position it held.
         """
         if not decodes or not self.gap:
             return
+        self._deepest = max(self._deepest, deepest)
         if not prompt_tokens:
             self._base.add(decodes, seconds)
             self.since_base = 0

@@ -249,7 +249,8 @@ class Scheduler(Queues):
             ]
             tokens = sum(s.num_new_tokens for s in rows)
             at = sum(s.num_new_tokens * (2 * s.start + s.num_new_tokens) // 2 for s in rows)
-            self.prompt_pacer.observe(out.num_decodes, tokens, at, seconds)
+            deepest = max((s.start + s.num_new_tokens for s in rows), default=0)
+            self.prompt_pacer.observe(out.num_decodes, tokens, at, seconds, deepest)
         if self.kv.tiers is not None:
             self.kv.tiers.observe(out.read.kv_ops, tier_seconds, out.num_prefill_tokens, seconds)
 

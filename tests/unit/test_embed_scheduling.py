@@ -285,6 +285,40 @@ def test_chunks_deeper_into_a_prompt_shrink_as_its_tokens_cost_more():
     assert chunks[-2].num_prefill_tokens < chunks[3].num_prefill_tokens * 0.6
 
 
+def test_a_fresh_servers_first_long_prompt_keeps_the_gap_while_its_cost_is_learned():
+    """A small model: steps cost 30 ms, 0.2 ms a prompt token and 0.2 us a token for each key it
+    attends to, beside a 500 ms gap. The probe's 32 tokens near position 0 say nothing of the
+    attention: planned from them alone, the next chunks (two, planned before the probe lands) ran
+    2,000 tokens deep at 0.8 s each. Each chunk reaches at most REACH times deeper than any token
+    measured, so a fresh server's first prompts keep the gap too, and the prompt still finishes.
+    """
+
+    def attending(out):
+        rows = [s for s in out.scheduled if s.num_new_tokens > 1]
+        keys = sum(s.num_new_tokens * (s.start + s.num_new_tokens / 2) for s in rows)
+        return 0.03 + 2e-4 * out.num_prefill_tokens + 2e-7 * keys
+
+    config = SchedulerConfig(
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=4096,
+        max_decode_gap=0.5,
+        speculative="off",
+    )
+    sched = Scheduler(config, num_blocks=1024, max_model_len=8192)
+    streams = [Request(f"s{i}", [5 + i, 6, 7], SamplingOptions(max_tokens=200)) for i in range(4)]
+    prompts = [
+        Request(f"p{i}", list(range(10 + i, 2510 + i)), SamplingOptions(max_tokens=2))
+        for i in range(4)
+    ]
+    outs = run_overlapped(
+        sched, SimulatedWorker(1024, 16), {0: streams, 4: prompts}, seconds=attending
+    )
+    assert all(p.seqs[0].num_output_tokens == 2 for p in prompts)
+    beside = [attending(o) for o in outs if o.num_decodes and o.num_prefill_tokens]
+    assert max(beside) <= 0.5
+
+
 @pytest.mark.parametrize("decode", [0.1, 0.3])
 def test_in_a_burst_the_prompts_waiting_take_their_share_and_the_streams_keep_theirs(decode):
     """Steps cost `decode` seconds to decode and 2 ms a prompt token, beside a 500 ms gap: one
@@ -337,8 +371,8 @@ def test_a_decode_steps_seconds_are_learned_against_its_rows_and_the_prompts_sha
     """
     pacer = PromptPacer(0.5)
     for d in (8, 16, 32, 48):
-        pacer.observe(d, 0, 0, 0.05 + 0.004 * d)
+        pacer.observe(d, 0, 0, 0.05 + 0.004 * d, 0)
     assert pacer.base(64) == pytest.approx(0.306, rel=0.02)
-    pacer.observe(48, 100, 100 * 50, 0.05 + 0.004 * 48 + 0.002 * 100)  # a token: 2 ms
+    pacer.observe(48, 100, 100 * 50, 0.05 + 0.004 * 48 + 0.002 * 100, 100)  # a token: 2 ms
     pacer.begin(64, 64)
     assert pacer.fit(0, 4096) * 0.002 >= 0.306 * 0.97
