@@ -98,9 +98,9 @@ class NativeKernels(NativeAttention, NativeRecurrent):
         self.packed_q8_fast, self.packed_q8_x8_fast = q8(0) == 1, q8(1) == 1
         # 512: AVX-512 intrinsics; 256: AVX2 (the portable loops)
         self.isa = lib.pagedserve_native_isa()
-        # BF16 rows on AMX tiles (amx_bf16.h): amx_tiles(1 | 0) on or off, (-1) whether on now
-        self.amx_tiles = lib.pagedserve_amx_allow
-        self.amx_bf16 = self.amx_tiles(-1) == 1  # built for and granted on this CPU
+        # BF16 rows at bf16 activations, bf16_rounded(1 | 0 | -1: asks): 2 AMX tiles, 1 AVX512_BF16
+        self.bf16_rounded = lib.pagedserve_bf16_rounded
+        self.amx_bf16, self.bf16_dots = self.bf16_rounded(-1) == 2, self.bf16_rounded(-1) == 1
         sizes = (ctypes.c_int64 * 7)()
         lib.pagedserve_struct_sizes(sizes)
         # PsSegment, PsMatrix, PsLayer, PsModel, PsLoraProj, PsLora, PsExperts (kernels/cpu_step.py)

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--no-tiles",
         action="store_true",
-        help="BF16 rows on the row kernel and oneDNN, not AMX tiles (a comparison on AMX hosts)",
+        help="BF16 rows on the row kernel and oneDNN, not AMX tiles or AVX512_BF16 dot products",
     )
     p.add_argument(
         "--rows",
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_tiles:
         from kernels.cpu_native import load
 
-        load().amx_tiles(0)
+        load().bf16_rounded(0)
     bw = read_bandwidth()
     served = None
     if args.served and not args.rows:  # first: a model that fills memory fits once, not twice

@@ -33,7 +33,7 @@
 
 /* 1 where the OS grants this process AMX tile state (quant_matmul.c asks once), else 0. */
 int amx_permitted(void);
-/* 1 where BF16 rows go on tiles: granted and not turned off (pagedserve_amx_allow), else 0. */
+/* 1 where BF16 rows go on tiles: granted and not turned off (pagedserve_bf16_rounded), else 0. */
 int amx_bf16_ready(void);
 
 /* Bytes of the activations as tiles: ceil(rows / 16) blocks x in_dim / 32 tiles x 1 KB. */

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 
 #include "amx_bf16.h"
+#include "bf16_dots.h"
 #include "pagedserve.h"
 #include "packed_blocks.h"
 #include "quant_blocks.h"
@@ -165,11 +166,12 @@ static int has_packed(const PsMatrix* w) {
     return 0;
 }
 
-/* Whether a matrix has BF16 segments this step multiplies on AMX tiles (px.tiles: the scratch for x as tiles). */
-static int has_amx(const PsMatrix* w, PackedX px) {
+/* Whether a matrix has BF16 segments this step multiplies at bf16-rounded activations: on AMX tiles (segments of
+   at least 16 rows) or AVX512_BF16 dot products; px.tiles is the scratch for x rounded. */
+static int has_bf16_rounded(const PsMatrix* w, PackedX px, int64_t min_rows) {
     if (!px.tiles || !amx_shape(w->in_dim)) return 0;
     for (int s = 0; s < PS_MAX_SEGMENTS; s++)
-        if (w->seg[s].rows >= AMX_ROWS && w->seg[s].type == BF16) return 1;
+        if (w->seg[s].rows >= min_rows && w->seg[s].type == BF16) return 1;
     return 0;
 }
 
@@ -189,7 +191,15 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
         for (int64_t i = 0; i < rows * nblocks; i++) packed_x_block(x, px, i, nblocks);
         stage_done(PS_ROUNDING, prof_t);
     }
-    const int amx = has_amx(w, px);
+    const int amx = amx_bf16_ready() && has_bf16_rounded(w, px, AMX_ROWS);
+#if BF16_DOTS
+    const int dots = bf16_dots_ready() && has_bf16_rounded(w, px, 1);
+    if (dots) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) dots_x_row(x, rows, w->in_dim, px.tiles, r);
+        stage_done(PS_ROUNDING, prof_t);
+    }
+#endif
 #ifdef AMX_BF16
     if (amx) {
         const int64_t tiles = (rows + AMX_ROWS - 1) / AMX_ROWS * (w->in_dim / AMX_K);
@@ -241,6 +251,14 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
                 if (!off)
                     amx_group((const uint16_t*)g->w + (o - first) * w->in_dim, w->in_dim, px.tiles, rows, y, out_dim, o);
                 o += AMX_ROWS - off - 1;
+                continue;
+            }
+#endif
+#if BF16_DOTS
+            if (dots && g->type == BF16) { /* to the segment's or chunk's end */
+                const int64_t end = first + g->rows < o1 ? first + g->rows : o1;
+                o = dots_span((const uint16_t*)g->w + (o - first) * w->in_dim, w->in_dim, px.tiles, rows, o, end, y,
+                                  out_dim, first + g->rows) - 1;
                 continue;
             }
 #endif
@@ -479,8 +497,8 @@ int pagedserve_decode_step(const PsModel* m, int64_t rows, float* x, const int64
     packed = (float*)(((uintptr_t)packed + 63) & ~(uintptr_t)63);
     PackedX px = packed_x_at(packed, rows, packed_x_pitch(widths.max_in));
     px.bits8 = m->x8;
-    /* x as AMX tiles for BF16 matrices (amx_bf16.h), past the experts' memory */
-    px.tiles = amx_bf16_ready()
+    /* x as AMX tiles (amx_bf16.h) or rounded rows (bf16_dots.h) for BF16 matrices, past the experts' memory */
+    px.tiles = amx_bf16_ready() || bf16_dots_ready()
                    ? (uint16_t*)(((uintptr_t)packed + (uintptr_t)packed_x_bytes(rows, packed_x_pitch(widths.max_in))
                                   + 63 + (uintptr_t)moe_bytes(m, rows) + 63)
                                  & ~(uintptr_t)63)

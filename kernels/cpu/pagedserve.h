@@ -69,9 +69,9 @@ int pagedserve_moe_experts(const float* x, int64_t tokens, int32_t top_k, const 
                            const int64_t* gate_up, const int64_t* down, const int32_t* types, const float* gate_up_bias,
                            const float* down_bias, int64_t experts, int64_t hidden, int64_t inter, float limit,
                            float alpha, int32_t relu2, int32_t bits8, float* out);
-/* 1 (the default): BF16 rows on AMX tiles where the CPU has them; 0: the row kernels; -1 asks. Returns whether
-   they are used now (quant_matmul.c). */
-int pagedserve_amx_allow(int32_t on);
+/* 1 (the default): BF16 rows at bf16-rounded activations where the CPU multiplies them so (AMX tiles, AVX512_BF16
+   dot products); 0: the row kernel's fp32 activations; -1 asks. Returns 2 (tiles), 1 (dot products) or 0. */
+int pagedserve_bf16_rounded(int32_t on);
 int pagedserve_quant_dequant(const uint8_t* w, int64_t out_dim, int64_t in_dim, int32_t type, float* out);
 /* Many rows against BF16/F16 weights on AVX2: panels widened once, six rows an outer product (widened_gemm.c). */
 int pagedserve_widened_gemm(const float* x, int64_t rows, int64_t in_dim, const uint8_t* w, int64_t out_dim,

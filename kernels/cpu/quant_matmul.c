@@ -20,6 +20,7 @@
 #endif
 
 #include "amx_bf16.h"
+#include "bf16_dots.h"
 #include "pagedserve.h"
 #include "packed_blocks.h"
 #include "quant_blocks.h"
@@ -149,8 +150,9 @@ static int packed_matmul(const float *x, int64_t rows, int64_t in_dim, const uin
 }
 
 /* Linux hands a process the AMX tile state only once asked (ARCH_REQ_XCOMP_PERM for XTILEDATA); asked once, the
-   answer kept. pagedserve_amx_allow(0) turns the BF16 rows' tiles off (the row kernel's fp32 activations). */
-static int amx_state = -1, amx_allowed = 1;
+   answer kept. pagedserve_bf16_rounded(0) turns the BF16 rows' tiles and dot products off (the row kernel's fp32
+   activations). */
+static int amx_state = -1, rounded_allowed = 1;
 
 int amx_permitted(void) {
 #if defined(__AMX_TILE__) && defined(__linux__)
@@ -163,16 +165,43 @@ int amx_permitted(void) {
 
 int amx_bf16_ready(void) {
 #ifdef AMX_BF16
-    return amx_allowed && amx_permitted();
+    return rounded_allowed && amx_permitted();
 #else
     return 0;
 #endif
 }
 
-/* 1: BF16 rows on AMX tiles where the CPU has them (the default); 0: the row kernel. Returns the state now. */
-int pagedserve_amx_allow(int32_t on) {
-    if (on >= 0) amx_allowed = on != 0;
-    return amx_bf16_ready();
+int bf16_dots_ready(void) { return BF16_DOTS && rounded_allowed; }
+
+/* 1: BF16 rows at bf16-rounded activations where the CPU multiplies them (the default); 0: the row kernel's fp32
+   activations; -1 asks. Returns 2 (AMX tiles), 1 (AVX512_BF16 dot products) or 0 (the row kernel). */
+int pagedserve_bf16_rounded(int32_t on) {
+    if (on >= 0) rounded_allowed = on != 0;
+    return amx_bf16_ready() ? 2 : bf16_dots_ready();
+}
+
+/* y = x @ W^T for BF16 rows on AVX512_BF16 dot products (bf16_dots.h): the activations rounded once, then runs of
+   32 output rows over the threads (guided). -2: no memory for the rounded rows. */
+static int dots_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim, float *y) {
+#if BF16_DOTS
+    uint16_t *xb = aligned_alloc(64, (size_t)(rows * in_dim * 2));
+    if (!xb) return -2;
+    const int64_t runs = (out_dim + 31) / 32;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) dots_x_row(x, rows, in_dim, xb, r);
+#pragma omp for schedule(guided)
+        for (int64_t c = 0; c < runs; c++)
+            dots_span((const uint16_t *)w + c * 32 * in_dim, in_dim, xb, rows, c * 32,
+                          c * 32 + 32 < out_dim ? c * 32 + 32 : out_dim, y, out_dim, out_dim);
+    }
+    free(xb);
+    return 0;
+#else
+    (void)x, (void)rows, (void)in_dim, (void)w, (void)out_dim, (void)y;
+    return -1;
+#endif
 }
 
 /* y = x @ W^T for BF16 rows on AMX tiles: the activations as tiles (amx_x_tile), then whole groups of 16 output
@@ -220,6 +249,7 @@ int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const 
     if (packed_type(type)) return packed_matmul(x, rows, in_dim, w, out_dim, type, y, 0);
     if (!block_bytes(type) || in_dim % block_values(type)) return -1;
     if (type == BF16 && amx_shape(in_dim) && amx_bf16_ready()) return amx_matmul(x, rows, in_dim, w, out_dim, y);
+    if (type == BF16 && bf16_dots_ready()) return dots_matmul(x, rows, in_dim, w, out_dim, y);
 #if WIDE_ROWS
     if (widened_type(type) && rows >= WIDE_GEMM_ROWS) /* a prompt's rows: widened panels (widened_gemm.c) */
         return pagedserve_widened_gemm(x, rows, in_dim, w, out_dim, type, y);

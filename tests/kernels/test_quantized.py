@@ -67,9 +67,10 @@ def test_the_kernel_computes_x_times_the_dequantized_weight(native, qtype, rows)
 def test_half_rows_compute_x_times_the_widened_weight(native, qtype, rows):
     """bf16 / fp16 rows (a bf16 checkpoint's matrices, an F16/BF16 GGUF's) through the row kernels:
     the widened weight times the activations, at every row count; dequantized exactly. On AMX
-    tiles (BF16 where the CPU has them: whole groups of 16 outputs) each activation is rounded to
-    bf16, as a bf16 GEMM does: the products of the rounded activations to fp32 summation order;
-    the outputs past the last whole 16, and every output elsewhere, fp32 activations.
+    tiles (BF16 where the CPU has them: whole groups of 16 outputs) and AVX512_BF16 dot products
+    (every output) each activation is rounded to bf16, as a bf16 GEMM does: the products of the
+    rounded activations to fp32 summation order; the outputs past the tiles' last whole 16, and
+    every output elsewhere, fp32 activations.
     """
     dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
     gen = torch.Generator().manual_seed(rows)
@@ -79,8 +80,12 @@ def test_half_rows_compute_x_times_the_widened_weight(native, qtype, rows):
     lib = QuantizedMatmul(native, dense=None, max_kernel_rows=64)
     got = lib(x, w)
     exact = x @ half.float().T
-    if qtype == "F16" or not native.amx_bf16:
+    if qtype == "F16" or not (native.amx_bf16 or native.bf16_dots):
         torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
+    elif native.bf16_dots:
+        rounded = x.bfloat16().float() @ half.float().T
+        torch.testing.assert_close(got, rounded, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(got, exact, rtol=1e-4, atol=1e-4)
     else:
         rounded = x.bfloat16().float() @ half.float().T
         torch.testing.assert_close(got[:, :64], rounded[:, :64], rtol=1e-4, atol=1e-4)
@@ -89,26 +94,34 @@ def test_half_rows_compute_x_times_the_widened_weight(native, qtype, rows):
     assert torch.equal(lib.dequantize(w), half.float())
 
 
-def test_bf16_rows_on_amx_tiles_answer_alike_alone_and_in_company(native):
-    """On AMX tiles (a CPU with them) a row's products are the same floats whether it is multiplied
-    alone or among 70 others, past the first 64 and in the rows past the last whole 16 outputs;
-    with the tiles refused, the row kernel's fp32 activations: within bf16's rounding of them.
+@pytest.mark.parametrize("ins", [256, 2112])
+def test_bf16_rounded_rows_answer_alike_alone_and_in_company(native, ins):
+    """At bf16-rounded activations (AMX tiles, AVX512_BF16 dot products: where the CPU has them) a
+    row's products are the same floats whether it is multiplied alone or among 70 others, past the
+    first 64, in the rows past the last whole 16 outputs, past 2,048 inputs (the dot products'
+    spans) and wherever a slice of the matrix starts; with them refused, the row kernel's fp32
+    activations: within bf16's rounding of them.
     """
-    if not native.amx_bf16:
-        pytest.skip("no AMX tiles on this CPU: BF16 rows take the row kernel")
+    if not (native.amx_bf16 or native.bf16_dots):
+        pytest.skip("no AMX tiles or AVX512_BF16 on this CPU: BF16 rows take the row kernel")
     gen = torch.Generator().manual_seed(5)
-    half = torch.randn(168, 256, generator=gen).bfloat16()
-    w = QuantWeight(half.view(torch.uint8), "BF16", 256)
-    x = torch.randn(71, 256, generator=gen) * 4
+    half = torch.randn(168, ins, generator=gen).bfloat16()
+    w = QuantWeight(half.view(torch.uint8), "BF16", ins)
+    x = torch.randn(71, ins, generator=gen) * 4
     lib = QuantizedMatmul(native, dense=None, max_kernel_rows=1 << 30)
     together = lib(x, w)
     for r in (0, 15, 16, 63, 64, 70):
         assert torch.equal(lib(x[r : r + 1], w), together[r : r + 1]), r
-    native.amx_tiles(0)
+    if native.bf16_dots:
+        for first in (1, 5, 163):
+            shifted = QuantWeight(half[first:].contiguous().view(torch.uint8), "BF16", ins)
+            assert torch.equal(lib(x, shifted), together[:, first:]), first
+            assert torch.equal(lib(x[7:8], shifted), together[7:8, first:]), first
+    native.bf16_rounded(0)
     try:
         rows = lib(x, w)
     finally:
-        native.amx_tiles(1)
+        native.bf16_rounded(1)
     bound = (x.double().abs() @ half.double().abs().T) * 2**-8
     assert ((rows.double() - together.double()).abs() <= bound + 1e-5).all()
     assert not torch.equal(rows, together)
@@ -132,7 +145,7 @@ def test_half_rows_answer_alike_alone_in_company_and_wherever_an_output_falls(na
     the step, nor on where the fused step's chunks cut a matrix.
     """
     half, w, x, lib = _half_weight_case(native, qtype, seed=7, outs=67, ins=320, rows=13)
-    native.amx_tiles(0)
+    native.bf16_rounded(0)
     try:
         together = lib(x, w)
         for r in (0, 5, 6, 12):
@@ -143,7 +156,7 @@ def test_half_rows_answer_alike_alone_in_company_and_wherever_an_output_falls(na
             assert torch.equal(lib(x, shifted), together[:, first:]), first
             assert torch.equal(lib(x[:1], shifted), together[:1, first:]), first
     finally:
-        native.amx_tiles(1)
+        native.bf16_rounded(1)
     torch.testing.assert_close(together, x @ half.float().T, rtol=1e-4, atol=1e-4)
 
 
@@ -156,13 +169,13 @@ def test_a_prompts_rows_on_half_weights_match_fp32_and_do_not_hang_on_each_other
     # 64 + 19 outputs, 2 x 256 + 96 inputs; blocks of 48 rows, passes of six: 48 + 48 + 5 rows
     # here, 33 and 48 + 44 below (3, 2)
     half, w, x, lib = _half_weight_case(native, qtype, seed=11, outs=83, ins=608, rows=101)
-    native.amx_tiles(0)
+    native.bf16_rounded(0)
     try:
         together = lib(x, w)
         assert torch.equal(lib(x[:33], w), together[:33])
         assert torch.equal(lib(x[9:], w), together[9:])
     finally:
-        native.amx_tiles(1)
+        native.bf16_rounded(1)
     torch.testing.assert_close(together, x @ half.float().T, rtol=1e-4, atol=1e-4)
 
 

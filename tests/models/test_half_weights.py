@@ -56,11 +56,11 @@ def test_bf16_weights_give_the_rounded_models_logits(native, tmp_path, tied):
         "BF16": 4 * config.num_layers + 1
     }
     lib.max_kernel_rows = 1 << 30  # the row kernels: fp32 activations (AMX tiles refused)
-    native.amx_tiles(0)
+    native.bf16_rounded(0)
     try:
         got = run_step(model, config, KVPool(config, 16, BLOCK, torch.float32, CPU), seqs)[0]
     finally:
-        native.amx_tiles(1)
+        native.bf16_rounded(1)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     # bf16 activations: prefill's path (the bf16 GEMM or a dense tile), and the row kernels on
     # AMX tiles where the CPU has them

@@ -97,8 +97,9 @@ def start_cache(cfg, device, dtype, tp: int, prefill: str, activations: str) -> 
         "cpu": cpu_identity(),
         "torch": torch.__version__,
         "native": str(lib.path) if lib else "",
-        # BF16 rows on AMX tiles, or turned off (a bench's comparison): their thresholds differ
-        "tiles": bool(lib and lib.amx_tiles(-1)),
+        # BF16 rows on AMX tiles (2), dot products (1) or neither (0, a bench's comparison): their
+        # thresholds differ
+        "tiles": lib.bf16_rounded(-1) if lib else 0,
         "threads": torch.get_num_threads(),
         "tp": tp,
         "rank": cfg.rank,
