@@ -199,6 +199,51 @@ def kv_bytes(runner, context: int) -> int:
     return context * pool.bytes_per_block // pool.block_size
 
 
+def matmul_costs(model, rows: list[int]) -> None:
+    """The model's matrices once at each row count (ms), every way a quantized library can multiply
+    them: its row kernels, the same at fp32 activations (BF16 rows' tiles and dot products
+    refused), the GEMM on the copy it holds (oneDNN's blocked layout) and on the weights as held.
+    """
+    import torch
+
+    from kernels.cpu_native import load
+    from worker.model.linear import best_time
+    from worker.model.quantized import model_linears
+
+    lib, native, linears = model.mm, load(), model_linears(model)
+
+    def ms(fn, n: int) -> float:
+        total = 0.0
+        for w, uses in linears:
+            x = torch.randn(n, w.q.in_dim)
+            total += uses * best_time(lambda w=w, x=x: fn(x, w), 3)
+        return 1e3 * total
+
+    def gemm(x, w):
+        saved, lib.max_kernel_rows = lib.max_kernel_rows, 0
+        try:
+            return lib(x, w)
+        finally:
+            lib.max_kernel_rows = saved
+
+    def held(x, w):
+        copy, w.q.gemm = getattr(w.q, "gemm", None), None
+        try:
+            return gemm(x, w)
+        finally:
+            w.q.gemm = copy
+
+    print(f"{'rows':>5} {'kernels':>9} {'fp32 act':>9} {'GEMM copy':>10} {'GEMM held':>10}  (ms)")
+    for n in rows:
+        kernel = ms(lambda x, w: lib.kernel(x, w.q), n)
+        native.bf16_rounded(0)
+        try:
+            fp32 = ms(lambda x, w: lib.kernel(x, w.q), n)
+        finally:
+            native.bf16_rounded(1)
+        print(f"{n:>5} {kernel:9.1f} {fp32:9.1f} {ms(gemm, n):10.1f} {ms(held, n):10.1f}")
+
+
 def served_token_s(
     model: str, flags: list[str], context: int, max_tokens: int, repeats: int
 ) -> list[float]:
@@ -269,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
         help="BF16 rows on the row kernel and oneDNN, not AMX tiles or AVX512_BF16 dot products",
     )
     p.add_argument(
+        "--matmuls",
+        action="store_true",
+        help="with --rows: the model's matrices alone, by each path a quantized library has",
+    )
+    p.add_argument(
         "--rows",
         default="",
         help="instead: a decode step's time by its rows (e.g. 1,2,3,4,6,8,11), as a ratio to one "
@@ -306,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{model.mm.name}, fused step {'on' if model.fused is not None else 'off'}, row kernels "
         f"to {getattr(model.mm, 'max_kernel_rows', '-')} rows"
     )
+    if args.rows and args.matmuls:
+        matmul_costs(model, [int(n) for n in args.rows.split(",")])
+        return 0
     if args.rows:
         costs = row_costs(runner, args.context, [int(n) for n in args.rows.split(",")], args.steps)
         one = costs[min(costs)]
