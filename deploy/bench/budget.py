@@ -244,6 +244,19 @@ def matmul_costs(model, rows: list[int]) -> None:
         print(f"{n:>5} {kernel:9.1f} {fp32:9.1f} {ms(gemm, n):10.1f} {ms(held, n):10.1f}")
 
 
+def print_rows(runner, args) -> None:
+    """--rows: a decode step's time by its rows, or with --matmuls the matrices alone."""
+    rows = [int(n) for n in args.rows.split(",")]
+    if args.matmuls:
+        matmul_costs(runner.model, rows)
+        return
+    costs = row_costs(runner, args.context, rows, args.steps)
+    one = costs[min(costs)]
+    print(f"{'rows':>5} {'ms/step':>8} {'x 1 row':>8}")
+    for n, t in costs.items():
+        print(f"{n:>5} {t * 1e3:8.1f} {t / one:8.2f}")
+
+
 def served_token_s(
     model: str, flags: list[str], context: int, max_tokens: int, repeats: int
 ) -> list[float]:
@@ -356,15 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{model.mm.name}, fused step {'on' if model.fused is not None else 'off'}, row kernels "
         f"to {getattr(model.mm, 'max_kernel_rows', '-')} rows"
     )
-    if args.rows and args.matmuls:
-        matmul_costs(model, [int(n) for n in args.rows.split(",")])
-        return 0
     if args.rows:
-        costs = row_costs(runner, args.context, [int(n) for n in args.rows.split(",")], args.steps)
-        one = costs[min(costs)]
-        print(f"{'rows':>5} {'ms/step':>8} {'x 1 row':>8}")
-        for n, t in costs.items():
-            print(f"{n:>5} {t * 1e3:8.1f} {t / one:8.2f}")
+        print_rows(runner, args)
         return 0
     res = budget(runner, args.context, args.steps)
     if served is not None:
