@@ -380,7 +380,9 @@ def use_fused_decode(model, tp: int, activations: str) -> None:
 
 
 def hold_gemm_copy(cfg: WorkerConfig, model, config, kv_dtype, lib) -> None:
-    """A blocked bf16 copy for wide steps where the CPU has AMX and memory holds it."""
+    """A blocked bf16 copy for wide steps where the CPU multiplies bf16 (AVX512_BF16, AMX) and
+    memory holds it.
+    """
     from worker.model.quantized import every_linear
     from worker.serve.memory_plan import available_bytes, choose_gemm_copy
 

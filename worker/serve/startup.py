@@ -317,7 +317,7 @@ def attach_matmuls(
         counts = model.use_quantized(
             model.file_blocks, lib, keep_dense=prefill in ("dense", "bf16")
         )
-        hold_gemm_copy(cfg, model, config, kv_dtype, lib)  # bf16 weights where the CPU has AMX
+        hold_gemm_copy(cfg, model, config, kv_dtype, lib)  # bf16 weights where the CPU has bf16
         if int8_packed and no_dense_copy:
             # every step on the packed kernel: faster at any row count, and an answer never depends
             # on its company
