@@ -258,7 +258,7 @@ static void matmul_part(const PsModel* m, const PsMatrix* w, const float* x, int
             if (dots && g->type == BF16) { /* to the segment's or chunk's end */
                 const int64_t end = first + g->rows < o1 ? first + g->rows : o1;
                 o = dots_span((const uint16_t*)g->w + (o - first) * w->in_dim, w->in_dim, px.tiles, rows, o, end, y,
-                                  out_dim, first + g->rows) - 1;
+                              out_dim, first + g->rows) - 1;
                 continue;
             }
 #endif

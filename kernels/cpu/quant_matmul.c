@@ -194,7 +194,7 @@ static int dots_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8
 #pragma omp for schedule(guided)
         for (int64_t c = 0; c < runs; c++)
             dots_span((const uint16_t *)w + c * 32 * in_dim, in_dim, xb, rows, c * 32,
-                          c * 32 + 32 < out_dim ? c * 32 + 32 : out_dim, y, out_dim, out_dim);
+                      c * 32 + 32 < out_dim ? c * 32 + 32 : out_dim, y, out_dim, out_dim);
     }
     free(xb);
     return 0;
