@@ -114,6 +114,7 @@ static void dots_pass(const uint16_t *w, int64_t in_dim, const uint16_t *xb, int
 static int64_t dots_span(const uint16_t *w, int64_t in_dim, const uint16_t *xb, int64_t rows, int64_t o0, int64_t o1,
                          float *y, int64_t out_dim, int64_t o_end) {
     const int want = rows == 1 ? DOT_C1 : DOT_C;
+    if (rows <= 0 || o1 <= o0) return o1;
     const int64_t passes = (rows + DOT_R - 1) / DOT_R, groups = (o1 - o0 + want - 1) / want;
     const int64_t next = o1 + (o1 - o0) < o_end ? o1 + (o1 - o0) : o_end;
     DotAhead ahead = {(const char *)(w + (o1 - o0) * in_dim), (const char *)(w + (next - o0) * in_dim),

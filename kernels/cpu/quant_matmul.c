@@ -246,6 +246,7 @@ static int amx_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_
 /* Returns 0, or -1 when the type or shape is not served (in_dim must be a multiple of 32). */
 int pagedserve_quant_matmul(const float *x, int64_t rows, int64_t in_dim, const uint8_t *w, int64_t out_dim,
                             int32_t type, float *y) {
+    if (rows <= 0 || out_dim <= 0) return 0; /* nothing to multiply (a step without logits rows) */
     if (packed_type(type)) return packed_matmul(x, rows, in_dim, w, out_dim, type, y, 0);
     if (!block_bytes(type) || in_dim % block_values(type)) return -1;
     if (type == BF16 && amx_shape(in_dim) && amx_bf16_ready()) return amx_matmul(x, rows, in_dim, w, out_dim, y);

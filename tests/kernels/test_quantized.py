@@ -127,6 +127,21 @@ def test_bf16_rounded_rows_answer_alike_alone_and_in_company(native, ins):
     assert not torch.equal(rows, together)
 
 
+@pytest.mark.parametrize("qtype", ["BF16", "F16", "Q4_K"])
+def test_no_rows_multiply_to_an_empty_answer(native, qtype):
+    """A matmul of no activation rows (a step that asks no logits) answers an empty [0, out] on
+    every path, the BF16 rows' tiles and dot products included, where it once divided by zero.
+    """
+    rng = np.random.default_rng(2)
+    if qtype == "Q4_K":
+        w, _ = random_k_blocks(rng, 32, 256, qtype)
+    else:
+        dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
+        w = QuantWeight(torch.randn(32, 256).to(dtype).view(torch.uint8), qtype, 256)
+    lib = QuantizedMatmul(native, dense=None, max_kernel_rows=1 << 30)
+    assert lib(torch.zeros(0, 256), w).shape == (0, 32)
+
+
 def _half_weight_case(native, qtype: str, *, seed: int, outs: int, ins: int, rows: int):
     """A random BF16/F16 weight of outs x ins, its QuantWeight, rows activations and the kernels."""
     dtype = torch.bfloat16 if qtype == "BF16" else torch.float16
