@@ -113,23 +113,23 @@ def test_stop_strings_are_capped_in_length(plain):
 
 def test_request_ids_are_not_exposed_and_logged_truncated(plain):
     rid = "secret-" + "z" * 240
-    first = threading.Event()
-
-    def consume():
-        for msg in plain.stub.GenerateStream(greedy_request([1, 2, 3], 200, rid), timeout=60):
-            if msg.token_ids:
-                first.set()
-
-    t = threading.Thread(target=consume)
-    t.start()
-    assert first.wait(30)
-    # the workers held still, so the request is still running when it is aborted, however fast
-    # the stream and however slow this process (it once finished first on a loaded machine)
+    # the workers are held still before the request arrives, so it is scheduled and still running
+    # when it is aborted, however fast the stream (a looping greedy answer drafts 4+ tokens a step:
+    # 200 tokens once ended before the test could stop the workers) and however slow this process
     held = children_of(plain.proc.pid)
     for pid in held:
         os.kill(int(pid), signal.SIGSTOP)
     try:
-        rows = plain.stats().requests
+        t = threading.Thread(
+            target=lambda: list(
+                plain.stub.GenerateStream(greedy_request([1, 2, 3], 200, rid), timeout=60)
+            )
+        )
+        t.start()
+        deadline, rows = time.monotonic() + 5, []
+        while time.monotonic() < deadline and not (rows and rows[0].num_blocks > 0):
+            time.sleep(0.02)
+            rows = plain.stats().requests
         assert len(rows) == 1 and rows[0].request_id == "" and rows[0].num_blocks > 0
         assert plain.stub.Abort(
             generation_pb2.AbortRequest(request_id=rid), timeout=10
