@@ -199,7 +199,6 @@ def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
         "--max-queue-len",
         "1",
     )
-    running = threading.Event()
     calls = []
 
     def consume(rid):
@@ -207,25 +206,24 @@ def test_full_queue_is_resource_exhausted(server_factory, tiny_model_dir):
         calls.append(call)
         try:
             for _ in call:
-                running.set()
+                pass
         except grpc.RpcError:
             pass
 
-    threads = [threading.Thread(target=consume, args=("long",))]
-    threads[0].start()
-    assert running.wait(30)
-    # The worker is held still, so the running request cannot finish (however fast the machine) and
-    # the second one must wait; the hold is shorter than the heartbeat deadline, and is released
-    # whatever happens.
+    # The worker is held still before the first request arrives, so it is scheduled and cannot
+    # finish (however fast the machine or its drafts) and the second one must wait; the hold is
+    # shorter than the heartbeat deadline, and is released whatever happens.
     (worker,) = children_of(server.proc.pid)
     os.kill(int(worker), signal.SIGSTOP)
+    threads = []
     try:
-        threads.append(threading.Thread(target=consume, args=("queued",)))
-        threads[1].start()
-        deadline = time.monotonic() + 5
-        while server.stats().num_waiting < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        for rid, stat in (("long", "num_running"), ("queued", "num_waiting")):
+            threads.append(threading.Thread(target=consume, args=(rid,)))
+            threads[-1].start()
+            deadline = time.monotonic() + 5
+            while getattr(server.stats(), stat) < 1:
+                assert time.monotonic() < deadline, f"{rid} never counted in {stat}"
+                time.sleep(0.02)
         with pytest.raises(grpc.RpcError) as err:
             server.stub.Generate(greedy_request([1, 2], 2), timeout=5)
     finally:
