@@ -492,6 +492,25 @@ def test_the_fused_step_on_gguf_blocks_is_the_layer_path_bit_for_bit(tmp_path, q
         assert all(torch.equal(a, b) for a, b in zip(got_pool.k, want_pool.k, strict=True))
 
 
+def test_threads_the_host_holds_up_change_no_float_of_the_step(tmp_path):
+    """Seven threads on this machine's cores: the host takes them away mid-stage and the others take
+    the rest of its chunks, every stage of every layer: step after step, the hidden states and the
+    K/V written are the layer path's, bit for bit.
+    """
+    model, config = _model(tmp_path, "gguf-Q4_0", packing=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(7)  # (attention's key ranges follow the thread count: the same here)
+        want = [_run(model, config, seqs, fused=False) for seqs in DECODES]
+        for _ in range(4):
+            for seqs, (hidden, pool) in zip(DECODES, want, strict=True):
+                got, got_pool = _run(model, config, seqs, fused=True)
+                assert torch.equal(got, hidden)
+                assert all(torch.equal(a, b) for a, b in zip(got_pool.k, pool.k, strict=True))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_steps_it_does_not_cover_take_the_layer_path(tmp_path, monkeypatch):
     model, config = _model(tmp_path, "llama")
     calls = []

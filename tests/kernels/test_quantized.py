@@ -1000,3 +1000,34 @@ def test_the_kernel_row_threshold_survives_one_slow_moment(monkeypatch):
     assert lib.max_kernel_rows == 2
     with pytest.raises(StopIteration):
         next(script)  # rows 4 was timed three times, and lost each time
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q4_1", "BF16"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_threads_the_host_holds_up_leave_no_output_unwritten_or_changed(native, qtype, rows):
+    """Seven threads on this machine's cores: the host takes them away mid-matrix and the others
+    take the rest of the chunks. Call after call every output is written (the answer starts as
+    NaN), and with one thread's floats: a chunk is done once, by whoever.
+    """
+    rng = np.random.default_rng(29)
+    make = random_k_blocks if qtype.endswith("_K") else quantized
+    w, _ = make(rng, 4096, 256, qtype)
+    lib = packing_lib(native, max_kernel_rows=64)
+    packed = lib.pack(w)
+    x = torch.from_numpy(rng.standard_normal((rows, 256)).astype(np.float32))
+    threads = torch.get_num_threads()
+
+    def answer():
+        y = torch.full((rows, packed.out_dim), float("nan"))
+        native.quant_matmul(x, packed.data, packed.type_id, packed.out_dim, y)
+        return y
+
+    try:
+        torch.set_num_threads(1)
+        want = answer()
+        torch.set_num_threads(7)
+        for _ in range(30):
+            assert torch.equal(answer(), want)
+    finally:
+        torch.set_num_threads(threads)
+    assert not want.isnan().any()
